@@ -1,0 +1,41 @@
+"""Helpers shared by the click commands: error handling and integer-list options."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+
+import click
+
+from stores.errors import PeagleError
+
+__all__ = ["handle_errors", "parse_int_list", "echo_json"]
+
+
+def handle_errors(fn):
+    """Turn a PeagleError into ``Error: ...`` on stderr and exit code 2 (no traceback)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except PeagleError as e:
+            click.echo(f"Error: {e}", err=True)
+            sys.exit(2)
+
+    return wrapper
+
+
+def parse_int_list(ctx, param, value: str | None) -> list[int] | None:
+    """click callback: ``"2,18,33"`` -> ``[2, 18, 33]``."""
+    if value is None or value == "":
+        return None
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+
+
+def echo_json(obj) -> None:
+    click.echo(json.dumps(obj, indent=2, default=str))

@@ -1,0 +1,23 @@
+"""``peagle-data``: tokenize, pack, extract, inspect, verify."""
+
+from __future__ import annotations
+
+import click
+
+from cli.data_extract import extract, inspect_cmd, verify
+from cli.data_prepare import pack, tokenize
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Prepare P-EAGLE training data: conversations -> tokens -> packed blocks -> feature store."""
+
+
+main.add_command(tokenize)
+main.add_command(pack)
+main.add_command(extract)
+main.add_command(inspect_cmd, name="inspect")
+main.add_command(verify)
+
+if __name__ == "__main__":
+    main()

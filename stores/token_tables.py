@@ -1,0 +1,313 @@
+"""Arrow token tables (DESIGN.md §6): schemas, a bounded-memory writer, readers, manifests.
+
+A table is a directory of Parquet (zstd) part files ``part-00000.parquet`` ... plus
+``manifest.json`` written last (a table without a manifest is unfinished), and optionally
+``rejects.jsonl`` and ``token_freq.npy``. Token columns are ``large_list`` so no table hits the
+2^31 element limit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from stores.errors import OutputExistsError, StoreFormatError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "TOKENIZED_SCHEMA",
+    "PACKED_SCHEMA",
+    "MANIFEST",
+    "REJECTS",
+    "TOKEN_FREQ",
+    "TableWriter",
+    "RejectsWriter",
+    "TokenTable",
+    "prepare_output_dir",
+    "write_manifest",
+    "read_manifest",
+    "manifest_sha256",
+    "library_versions",
+    "write_token_freq",
+    "read_token_freq",
+]
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+REJECTS = "rejects.jsonl"
+TOKEN_FREQ = "token_freq.npy"
+
+TOKENIZED_SCHEMA = pa.schema([
+    ("conversation_id", pa.string()),
+    ("source", pa.string()),
+    ("input_ids", pa.large_list(pa.int32())),
+    ("loss_mask", pa.large_list(pa.uint8())),
+    ("system_len", pa.int32()),
+    ("n_tokens", pa.int32()),
+    ("n_loss_tokens", pa.int32()),
+])
+
+PACKED_SCHEMA = pa.schema([
+    ("block_id", pa.int64()),
+    ("input_ids", pa.large_list(pa.int32())),
+    ("loss_mask", pa.large_list(pa.uint8())),
+    ("position_ids", pa.large_list(pa.int32())),
+    ("cu_seqlens", pa.list_(pa.int32())),
+    ("segment_ids", pa.list_(pa.string())),
+    ("n_tokens", pa.int32()),
+])
+
+SCHEMAS = {"tokenized": TOKENIZED_SCHEMA, "packed": PACKED_SCHEMA}
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the libraries whose behaviour shapes the outputs (for manifests)."""
+    out = {"python": sys.version.split()[0]}
+    for mod in ("torch", "transformers", "tokenizers", "pyarrow", "zarr", "numpy"):
+        m = sys.modules.get(mod)
+        if m is None:
+            try:
+                m = __import__(mod)
+            except ImportError:
+                continue
+        out[mod] = getattr(m, "__version__", "?")
+    return out
+
+
+def prepare_output_dir(path: str | os.PathLike, force: bool) -> Path:
+    """Create an empty output directory; refuse an existing non-empty one unless ``force``.
+
+    Raises:
+        OutputExistsError: ``path`` exists, is not empty, and ``force`` is false.
+    """
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        if not force:
+            raise OutputExistsError(str(path))
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_manifest(directory: str | os.PathLike, manifest: dict[str, Any]) -> Path:
+    """Write ``manifest.json`` atomically (last, after every part file)."""
+    directory = Path(directory)
+    body = {"format_version": FORMAT_VERSION, "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "library_versions": library_versions(), **manifest}
+    tmp = directory / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(body, indent=2, sort_keys=False, default=str) + "\n")
+    os.replace(tmp, directory / MANIFEST)
+    return directory / MANIFEST
+
+
+def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
+    """Read a table's manifest.
+
+    Raises:
+        StoreFormatError: missing (the writer did not finish), unreadable, or of an unknown version.
+    """
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise StoreFormatError(
+            f"{directory}: no {MANIFEST}; not a peagle table, or the command that wrote it did not finish"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise StoreFormatError(f"{path}: invalid JSON ({e})") from e
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise StoreFormatError(
+            f"{path}: format_version {manifest.get('format_version')!r}, this peagle reads {FORMAT_VERSION}"
+        )
+    return manifest
+
+
+def manifest_sha256(directory: str | os.PathLike) -> str:
+    """sha256 of a table's manifest bytes: the identity a feature store records as ``source``."""
+    return hashlib.sha256((Path(directory) / MANIFEST).read_bytes()).hexdigest()
+
+
+class TableWriter:
+    """Write rows of one schema to Parquet part files in bounded batches.
+
+    Memory is bounded by ``batch_rows`` rows; each full batch becomes one row group, and a part
+    file is rolled over every ``rows_per_file`` rows.
+
+    Args:
+        directory: the table directory (already prepared).
+        kind: ``"tokenized"`` or ``"packed"``.
+    """
+
+    def __init__(self, directory: str | os.PathLike, kind: str, batch_rows: int = 1024,
+                 rows_per_file: int = 65536):
+        if kind not in SCHEMAS:
+            raise ValueError(f"unknown table kind {kind!r}")
+        self.directory, self.kind, self.schema = Path(directory), kind, SCHEMAS[kind]
+        self.batch_rows, self.rows_per_file = batch_rows, rows_per_file
+        self._buffer: dict[str, list] = {name: [] for name in self.schema.names}
+        self._writer: pq.ParquetWriter | None = None
+        self._rows_in_file = 0
+        self._part = 0
+        self.n_rows = 0
+
+    def write(self, row: dict[str, Any]) -> None:
+        """Append one row (a dict with every column; lists or 1-D numpy arrays for list columns)."""
+        for name in self.schema.names:
+            value = row[name]
+            self._buffer[name].append(value.tolist() if isinstance(value, np.ndarray) else value)
+        self.n_rows += 1
+        if len(self._buffer[self.schema.names[0]]) >= self.batch_rows:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._buffer[self.schema.names[0]]:
+            return
+        batch = pa.record_batch([pa.array(self._buffer[n], type=self.schema.field(n).type)
+                                 for n in self.schema.names], schema=self.schema)
+        if self._writer is None:
+            self._writer = pq.ParquetWriter(self.directory / f"part-{self._part:05d}.parquet",
+                                            self.schema, compression="zstd")
+        self._writer.write_batch(batch)
+        self._rows_in_file += batch.num_rows
+        self._buffer = {name: [] for name in self.schema.names}
+        if self._rows_in_file >= self.rows_per_file:
+            self._writer.close()
+            self._writer, self._rows_in_file = None, 0
+            self._part += 1
+
+    def close(self) -> None:
+        """Flush and close; writes an empty part file when no row was written."""
+        self._flush()
+        if self._writer is None and self.n_rows == 0:
+            pq.write_table(self.schema.empty_table(), self.directory / "part-00000.parquet")
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> "TableWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class RejectsWriter:
+    """Append-only ``rejects.jsonl``: one line ``{"source", "reason", ...}`` per unused input row."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.path = Path(directory) / REJECTS
+        self._f = self.path.open("w", encoding="utf-8")
+        self.count = 0
+        self.by_reason: dict[str, int] = {}
+
+    def write(self, source: str, reason: str, **extra: Any) -> None:
+        self._f.write(json.dumps({"source": source, "reason": reason, **extra}, ensure_ascii=False) + "\n")
+        self.count += 1
+        key = reason.split(":")[0]
+        self.by_reason[key] = self.by_reason.get(key, 0) + 1
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> "RejectsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def write_token_freq(directory: str | os.PathLike, token_freq: np.ndarray) -> None:
+    """Write ``token_freq.npy``: int64 ``[vocab_size]`` counts of loss-masked tokens."""
+    np.save(Path(directory) / TOKEN_FREQ, np.asarray(token_freq, dtype=np.int64))
+
+
+def read_token_freq(directory: str | os.PathLike) -> np.ndarray | None:
+    """Read ``token_freq.npy`` (int64 ``[vocab_size]``) or None when absent."""
+    path = Path(directory) / TOKEN_FREQ
+    return np.load(path) if path.is_file() else None
+
+
+@dataclass
+class TokenTable:
+    """A finished token table on disk (tokenized or packed), read lazily.
+
+    Attributes:
+        directory: the table directory.
+        kind: ``"tokenized"`` or ``"packed"``.
+        manifest: the parsed ``manifest.json``.
+    """
+
+    directory: Path
+    kind: str
+    manifest: dict[str, Any]
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike) -> "TokenTable":
+        """Open a table directory.
+
+        Raises:
+            StoreFormatError: no manifest, unknown version or kind, or columns not of the schema.
+        """
+        directory = Path(directory)
+        manifest = read_manifest(directory)
+        kind = manifest.get("kind")
+        if kind not in SCHEMAS:
+            raise StoreFormatError(f"{directory}: manifest kind {kind!r} is not one of {sorted(SCHEMAS)}")
+        table = cls(directory, kind, manifest)
+        names = set(table._dataset().schema.names)
+        missing = set(SCHEMAS[kind].names) - names
+        if missing:
+            raise StoreFormatError(f"{directory}: {kind} table lacks columns {sorted(missing)}")
+        return table
+
+    def _files(self) -> list[Path]:
+        return sorted(self.directory.glob("part-*.parquet"))
+
+    def _dataset(self) -> pq.ParquetDataset:
+        return pq.ParquetDataset([str(f) for f in self._files()])
+
+    @property
+    def num_rows(self) -> int:
+        return sum(pq.ParquetFile(f).metadata.num_rows for f in self._files())
+
+    def iter_batches(self, columns: list[str] | None = None, batch_rows: int = 256) -> Iterator[pa.RecordBatch]:
+        """Record batches in row order, at most ``batch_rows`` rows each (bounded memory)."""
+        for f in self._files():
+            yield from pq.ParquetFile(f).iter_batches(batch_size=batch_rows, columns=columns)
+
+    def iter_rows(self, columns: list[str] | None = None) -> Iterator[dict[str, Any]]:
+        """Rows as dicts; list columns come back as numpy arrays."""
+        for batch in self.iter_batches(columns):
+            cols = {name: batch.column(name) for name in batch.schema.names}
+            for i in range(batch.num_rows):
+                yield {name: _value(col, i) for name, col in cols.items()}
+
+    def read_all(self, columns: list[str] | None = None) -> pa.Table:
+        """The whole table in memory (for small tables and tests)."""
+        return pa.concat_tables([pq.read_table(f, columns=columns) for f in self._files()])
+
+    @property
+    def rejects_path(self) -> Path:
+        return self.directory / REJECTS
+
+    def token_freq(self) -> np.ndarray | None:
+        return read_token_freq(self.directory)
+
+
+def _value(column: pa.Array, i: int):
+    if pa.types.is_large_list(column.type) or pa.types.is_list(column.type):
+        if pa.types.is_string(column.type.value_type):
+            return column[i].as_py()
+        return column[i].values.to_numpy(zero_copy_only=False)
+    return column[i].as_py()
