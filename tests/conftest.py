@@ -1,0 +1,69 @@
+"""Shared fixtures: the real SmolLM2 tokenizer, a tiny random Llama verifier, shared data paths.
+
+The tokenizer is converted once from the embedded GGUF into ``$PEAGLE_HOME`` (about 10 s); the
+tiny verifier (4 layers, hidden 64) is built in code with that tokenizer's vocabulary.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+def shared_file(name: str) -> Path:
+    """Path of a file in ../shared/data, or skip the test with the reason."""
+    path = SHARED_DATA / name
+    if not path.is_file():
+        pytest.skip(f"{path} is absent (tests that read ../shared/data skip without it)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir() -> Path:
+    """Directory of the real SmolLM2-135M-Instruct tokenizer (converted once into the cache)."""
+    from stores.model_cache import resolve_model
+
+    return resolve_model("smollm2-135m", need_weights=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_verifier_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    """A random 4-layer Llama (hidden 64, the SmolLM2 vocab) saved with the SmolLM2 tokenizer."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny_verifier")
+    cfg = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(out)
+    for f in Path(smollm2_tokenizer_dir).iterdir():
+        if f.is_file() and not f.name.startswith(".") and f.suffix != ".safetensors" \
+                and f.name not in ("config.json", "generation_config.json"):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_verifier(tiny_verifier_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_verifier_dir).eval()
