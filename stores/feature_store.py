@@ -1,0 +1,459 @@
+"""The zarr v3 feature store (DESIGN.md §7): create, write a block, read a block, verify.
+
+Legend: N blocks, C ``block_size`` (tokens), T a block's ``n_tokens`` (≤ C), L aux layers,
+H hidden size, S segments in a block.
+
+One block is one chunk row of every per-token array, so two writers never touch one chunk. A
+block's ``done`` flag is written only after its data. Hidden states are stored as the uint16 bit
+patterns of bf16 (zarr has no bfloat16), with no compressor but a crc32c checksum codec, so each
+chunk file of a local store is ``raw little-endian bytes + 4 checksum bytes`` and is read by
+memory-mapping; any other store (compressed, remote) is read through the zarr API. Both paths
+return identical tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+from zarr.codecs import BytesCodec, Crc32cCodec
+
+from stores.errors import OutputExistsError, StoreFormatError, StoreMismatchError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "STORAGE_DTYPES",
+    "BlockFeatures",
+    "FeatureStore",
+    "bf16_to_uint16",
+    "uint16_to_bf16",
+    "verify_store",
+]
+
+FORMAT_VERSION = 1
+STORAGE_DTYPES = ("bf16",)
+_CHECKSUM_BYTES = 4  # crc32c codec appends 4 bytes to each chunk
+
+# name -> (dtype, per-block trailing shape builder)
+_TOKEN_ARRAYS = ("input_ids", "loss_mask", "position_ids")
+
+
+def bf16_to_uint16(t: torch.Tensor) -> np.ndarray:
+    """bf16 tensor -> numpy uint16 bit patterns (bit-exact; never through float16)."""
+    if t.dtype != torch.bfloat16:
+        raise TypeError(f"expected a bfloat16 tensor, got {t.dtype}")
+    return t.detach().contiguous().cpu().view(torch.uint16).numpy()
+
+
+def uint16_to_bf16(a: np.ndarray) -> torch.Tensor:
+    """numpy uint16 bit patterns -> bf16 tensor (copies, so the result owns its memory)."""
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.uint16).copy()).view(torch.bfloat16)
+
+
+@dataclass
+class BlockFeatures:
+    """One block read back from the store (T = the block's ``n_tokens``).
+
+    Attributes:
+        input_ids: ``[T] int64``.
+        loss_mask: ``[T] int64`` (0/1).
+        position_ids: ``[T] int64``, restarting at 0 in every segment.
+        cu_seqlens: ``[S+1] int64``, ``[0, len_0, ..., T]``.
+        aux_hidden: ``[T, L, H] bfloat16``, verifier hidden states at the store's layers.
+        final_hidden: ``[T, H] bfloat16``, the verifier's post-norm final hidden state.
+    """
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    aux_hidden: torch.Tensor
+    final_hidden: torch.Tensor
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+class FeatureStore:
+    """A peagle feature store: one zarr v3 group with the arrays and attributes of DESIGN §7.
+
+    Open an existing store with :meth:`open`, make a new one with :meth:`create`.
+    """
+
+    def __init__(self, group: zarr.Group, path: str):
+        self.group = group
+        self.path = path
+        attrs = dict(group.attrs).get("peagle")
+        if not isinstance(attrs, dict):
+            raise StoreFormatError(f"{path}: not a peagle feature store (no 'peagle' attributes)")
+        if attrs.get("format_version") != FORMAT_VERSION:
+            raise StoreFormatError(
+                f"{path}: feature store format_version {attrs.get('format_version')!r}, "
+                f"this peagle reads {FORMAT_VERSION}"
+            )
+        self.attrs: dict[str, Any] = attrs
+        self._local_root = Path(path) if _is_local(path) else None
+        self._mmap_ok = self._local_root is not None and _uncompressed(group["aux_hidden"])
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def n_blocks(self) -> int:
+        return int(self.attrs["n_blocks"])
+
+    @property
+    def block_size(self) -> int:
+        return int(self.attrs["block_size"])
+
+    @property
+    def layers(self) -> list[int]:
+        return list(self.attrs["layers"])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.attrs["verifier"]["hidden_size"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.attrs["verifier"]["vocab_size"])
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.attrs["n_tokens"])
+
+    def bytes_per_token(self) -> int:
+        """Stored bytes per token slot (hidden states + token arrays), excluding checksums."""
+        L, H = len(self.layers), self.hidden_size
+        return 2 * (L * H + H) + 4 + 1 + 4
+
+    # ---------------------------------------------------------------- create / open
+    @classmethod
+    def open(cls, path: str | os.PathLike, mode: str = "r") -> "FeatureStore":
+        """Open a store (``mode`` ``"r"`` or ``"r+"``).
+
+        Raises:
+            StoreFormatError: missing, not a zarr group, not a peagle store, or unknown version.
+        """
+        path = str(path)
+        if _is_local(path) and not (Path(path) / "zarr.json").is_file():
+            raise StoreFormatError(f"{path}: no feature store here (no zarr.json)")
+        try:
+            group = zarr.open_group(path, mode=mode)
+        except Exception as e:  # zarr raises several types for a bad path
+            raise StoreFormatError(f"{path}: cannot open as a zarr v3 group ({e})") from e
+        return cls(group, path)
+
+    @classmethod
+    def create(
+        cls,
+        path: str | os.PathLike,
+        *,
+        n_blocks: int,
+        block_size: int,
+        max_segments: int,
+        layers: list[int],
+        hidden_size: int,
+        vocab_size: int,
+        verifier: dict[str, Any],
+        tokenizer: dict[str, Any] | None = None,
+        source: str = "",
+        storage_dtype: str = "bf16",
+        n_tokens: int = 0,
+        extra: dict[str, Any] | None = None,
+        force: bool = False,
+    ) -> "FeatureStore":
+        """Create an empty store; every block starts not done.
+
+        Args:
+            n_blocks: N; block_size: C tokens; max_segments: S_max (cu_seqlens width - 1).
+            layers: aux layer indices (HF ``output_hidden_states``); hidden_size: H; vocab_size: V.
+            verifier: ``name_or_path``, ``revision``, ``architecture``, ``num_hidden_layers``,
+                ``hidden_size``, ``vocab_size``, ``dtype``.
+            source: sha256 of the packed table's manifest.
+
+        Raises:
+            OutputExistsError: ``path`` exists and ``force`` is false.
+            ValueError: an unsupported ``storage_dtype``.
+        """
+        if storage_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"--storage-dtype {storage_dtype!r}: expected one of {STORAGE_DTYPES}")
+        path = str(path)
+        if _is_local(path) and Path(path).exists():
+            if not force:
+                raise OutputExistsError(path, "pass --resume to continue it or --force to overwrite it")
+            shutil.rmtree(path)
+        group = zarr.open_group(path, mode="w")
+        C, L, H = block_size, len(layers), hidden_size
+        raw = dict(serializer=BytesCodec(endian="little"), compressors=[Crc32cCodec()],
+                   fill_value=0, config={"write_empty_chunks": True})
+        group.create_array("input_ids", shape=(n_blocks, C), chunks=(1, C), dtype="int32", **raw)
+        group.create_array("loss_mask", shape=(n_blocks, C), chunks=(1, C), dtype="uint8", **raw)
+        group.create_array("position_ids", shape=(n_blocks, C), chunks=(1, C), dtype="int32", **raw)
+        group.create_array("n_tokens", shape=(n_blocks,), chunks=(max(n_blocks, 1),), dtype="int32", **raw)
+        group.create_array("cu_seqlens", shape=(n_blocks, max_segments + 1), chunks=(1, max_segments + 1),
+                           dtype="int32", **raw)
+        group.create_array("aux_hidden", shape=(n_blocks, C, L, H), chunks=(1, C, L, H), dtype="uint16", **raw)
+        group.create_array("final_hidden", shape=(n_blocks, C, H), chunks=(1, C, H), dtype="uint16", **raw)
+        group.create_array("done", shape=(n_blocks,), chunks=(1,), dtype="uint8", **raw)
+        group.create_array("token_freq", shape=(vocab_size,), chunks=(max(vocab_size, 1),), dtype="int64", **raw)
+        attrs = {
+            "format_version": FORMAT_VERSION,
+            "verifier": dict(verifier, hidden_size=H, vocab_size=vocab_size),
+            "layers": list(layers),
+            "layer_convention": "hf_hidden_states",
+            "final": "post_norm",
+            "storage_dtype": storage_dtype,
+            "block_size": C,
+            "max_segments": max_segments,
+            "n_blocks": n_blocks,
+            "n_tokens": n_tokens,
+            "tokenizer": tokenizer or {},
+            "source": source,
+            "created_by": _created_by(),
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **(extra or {}),
+        }
+        group.attrs["peagle"] = attrs
+        return cls(group, path)
+
+    def update_attrs(self, **values: Any) -> None:
+        """Merge values into the ``peagle`` attributes."""
+        self.attrs = {**self.attrs, **values}
+        self.group.attrs["peagle"] = self.attrs
+
+    # ---------------------------------------------------------------- writes
+    def write_tokens(self, i: int, input_ids, loss_mask, position_ids, cu_seqlens) -> None:
+        """Write block ``i``'s token arrays (``[T]`` each; ``cu_seqlens [S+1]``), padded to C."""
+        T = len(input_ids)
+        C = self.block_size
+        if T > C:
+            raise ValueError(f"block {i}: {T} tokens > block_size {C}")
+        for name, values, dtype in (("input_ids", input_ids, np.int32), ("loss_mask", loss_mask, np.uint8),
+                                    ("position_ids", position_ids, np.int32)):
+            row = np.zeros(C, dtype=dtype)
+            row[:T] = np.asarray(values, dtype=dtype)
+            self.group[name][i] = row
+        cu = np.asarray(cu_seqlens, dtype=np.int32)
+        width = int(self.attrs["max_segments"]) + 1
+        if len(cu) > width:
+            raise ValueError(f"block {i}: {len(cu) - 1} segments > max_segments {width - 1}")
+        self.group["cu_seqlens"][i] = np.concatenate([cu, np.full(width - len(cu), cu[-1], np.int32)])
+
+    def write_all_n_tokens(self, n_tokens: np.ndarray) -> None:
+        """Write the ``n_tokens [N] int32`` array in one go (it is a single chunk)."""
+        self.group["n_tokens"][:] = np.asarray(n_tokens, dtype=np.int32)
+
+    def write_features(self, i: int, aux_hidden: torch.Tensor, final_hidden: torch.Tensor) -> None:
+        """Write block ``i``'s hidden states.
+
+        Args:
+            aux_hidden: ``[T, L, H] bfloat16``; final_hidden: ``[T, H] bfloat16``.
+        """
+        T = aux_hidden.shape[0]
+        C, L, H = self.block_size, len(self.layers), self.hidden_size
+        if tuple(aux_hidden.shape[1:]) != (L, H) or tuple(final_hidden.shape) != (T, H):
+            raise ValueError(f"block {i}: got aux {tuple(aux_hidden.shape)}, final {tuple(final_hidden.shape)}; "
+                             f"expected [T, {L}, {H}] and [T, {H}]")
+        aux = np.zeros((C, L, H), dtype=np.uint16)
+        aux[:T] = bf16_to_uint16(aux_hidden)
+        fin = np.zeros((C, H), dtype=np.uint16)
+        fin[:T] = bf16_to_uint16(final_hidden)
+        self.group["aux_hidden"][i] = aux
+        self.group["final_hidden"][i] = fin
+
+    def mark_done(self, i: int) -> None:
+        """Set block ``i``'s done flag; call only after its data is written."""
+        self.group["done"][i] = 1
+
+    def set_token_freq(self, token_freq: np.ndarray) -> None:
+        """Write ``token_freq [V] int64``."""
+        self.group["token_freq"][:] = np.asarray(token_freq, dtype=np.int64)
+
+    # ---------------------------------------------------------------- reads
+    def done_mask(self) -> np.ndarray:
+        """``[N] bool``: which blocks are done."""
+        return self.group["done"][:].astype(bool)
+
+    def missing_blocks(self) -> list[int]:
+        """Ids of blocks whose done flag is 0."""
+        return np.flatnonzero(~self.done_mask()).tolist()
+
+    def is_complete(self) -> bool:
+        return bool(self.done_mask().all())
+
+    def token_freq(self) -> np.ndarray:
+        """``[V] int64`` counts of loss-masked tokens."""
+        return self.group["token_freq"][:]
+
+    def n_tokens_per_block(self) -> np.ndarray:
+        """``[N] int32``."""
+        return self.group["n_tokens"][:]
+
+    def read_tokens(self, i: int) -> dict[str, np.ndarray]:
+        """Block ``i``'s token arrays as numpy (unpadded): input_ids, loss_mask, position_ids, cu_seqlens."""
+        T = int(self.group["n_tokens"][i])
+        cu = self.group["cu_seqlens"][i]
+        cu = cu[: int(np.argmax(cu == cu[-1])) + 1]  # drop the padding repeats
+        return {
+            "input_ids": self.group["input_ids"][i][:T],
+            "loss_mask": self.group["loss_mask"][i][:T],
+            "position_ids": self.group["position_ids"][i][:T],
+            "cu_seqlens": cu,
+        }
+
+    def read_block(self, i: int, via: str = "auto") -> BlockFeatures:
+        """Read block ``i``.
+
+        Args:
+            via: ``"mmap"`` (local uncompressed stores), ``"zarr"`` (the zarr API), or ``"auto"``.
+
+        Returns:
+            :class:`BlockFeatures` with ``aux_hidden [T, L, H]`` and ``final_hidden [T, H]`` in bf16.
+        """
+        if not 0 <= i < self.n_blocks:
+            raise IndexError(f"block {i} out of range [0, {self.n_blocks})")
+        tok = self.read_tokens(i)
+        T = len(tok["input_ids"])
+        use_mmap = self._mmap_ok if via == "auto" else via == "mmap"
+        if use_mmap:
+            if not self._mmap_ok:
+                raise StoreFormatError(f"{self.path}: memory-mapped reads need a local uncompressed store")
+            aux = self._mmap_chunk("aux_hidden", i, (self.block_size, len(self.layers), self.hidden_size))[:T]
+            fin = self._mmap_chunk("final_hidden", i, (self.block_size, self.hidden_size))[:T]
+        else:
+            aux = self.group["aux_hidden"][i, :T]
+            fin = self.group["final_hidden"][i, :T]
+        as64 = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64))  # noqa: E731
+        return BlockFeatures(
+            input_ids=as64(tok["input_ids"]),
+            loss_mask=as64(tok["loss_mask"]),
+            position_ids=as64(tok["position_ids"]),
+            cu_seqlens=as64(tok["cu_seqlens"]),
+            aux_hidden=uint16_to_bf16(aux),
+            final_hidden=uint16_to_bf16(fin),
+        )
+
+    def _mmap_chunk(self, name: str, i: int, shape: tuple[int, ...]) -> np.ndarray:
+        key = "/".join(["c", str(i)] + ["0"] * (len(shape)))
+        path = self._local_root / name / key
+        n_bytes = int(np.prod(shape)) * 2
+        if not path.is_file():
+            return np.zeros(shape, dtype=np.uint16)
+        if path.stat().st_size != n_bytes + _CHECKSUM_BYTES:
+            raise StoreFormatError(f"{path}: {path.stat().st_size} bytes, expected {n_bytes + _CHECKSUM_BYTES} "
+                                   "(truncated or foreign chunk; run `peagle-data verify`)")
+        return np.memmap(path, dtype="<u2", mode="r", shape=shape)
+
+    def summary(self) -> dict[str, Any]:
+        """Facts for ``peagle-data inspect``."""
+        done = self.done_mask()
+        return {
+            "path": self.path,
+            "format_version": self.attrs["format_version"],
+            "verifier": self.attrs["verifier"].get("name_or_path"),
+            "layers": self.layers,
+            "hidden_size": self.hidden_size,
+            "storage_dtype": self.attrs["storage_dtype"],
+            "block_size": self.block_size,
+            "n_blocks": self.n_blocks,
+            "n_tokens": self.n_tokens,
+            "blocks_done": int(done.sum()),
+            "percent_done": round(100.0 * float(done.mean()), 2) if len(done) else 100.0,
+            "bytes_per_token": self.bytes_per_token(),
+            "stored_bytes": self.n_blocks * self.block_size * self.bytes_per_token(),
+        }
+
+
+def verify_store(path: str | os.PathLike, expected_tokens=None) -> dict[str, Any]:
+    """Check a store: format, shapes and dtypes, done flags, checksums, NaN/Inf, token ids.
+
+    Args:
+        expected_tokens: optional callable ``i -> (input_ids [T] array)`` from the packed table.
+
+    Returns:
+        ``{"ok": bool, "n_blocks", "blocks_done", "not_done": [...], "bad_blocks": {id: reason}}``.
+
+    Raises:
+        StoreFormatError: the store cannot be opened at all.
+    """
+    store = FeatureStore.open(path)
+    g = store.group
+    N, C, L, H = store.n_blocks, store.block_size, len(store.layers), store.hidden_size
+    problems: dict[int, str] = {}
+    expect = {"input_ids": ((N, C), "int32"), "loss_mask": ((N, C), "uint8"),
+              "position_ids": ((N, C), "int32"), "aux_hidden": ((N, C, L, H), "uint16"),
+              "final_hidden": ((N, C, H), "uint16"), "done": ((N,), "uint8")}
+    for name, (shape, dtype) in expect.items():
+        if name not in g:
+            raise StoreFormatError(f"{path}: array {name!r} is missing")
+        arr = g[name]
+        if tuple(arr.shape) != shape or str(arr.dtype) != dtype:
+            raise StoreFormatError(f"{path}: {name} is {arr.shape} {arr.dtype}, expected {shape} {dtype}")
+    done = store.done_mask()
+    for i in np.flatnonzero(done).tolist():
+        try:
+            block = store.read_block(i, via="zarr")
+        except Exception as e:  # checksum mismatch, truncated chunk
+            problems[i] = f"unreadable chunk ({type(e).__name__}: {e})"
+            continue
+        if store._mmap_ok:
+            try:
+                store.read_block(i, via="mmap")
+            except StoreFormatError as e:
+                problems[i] = str(e)
+                continue
+        if not torch.isfinite(block.aux_hidden.float()).all() or not torch.isfinite(block.final_hidden.float()).all():
+            problems[i] = "NaN or Inf in hidden states"
+        elif expected_tokens is not None:
+            exp = np.asarray(expected_tokens(i))
+            if len(exp) != block.n_tokens or not np.array_equal(exp, block.input_ids.numpy()):
+                problems[i] = "input_ids differ from the packed table"
+    return {
+        "ok": bool(done.all()) and not problems,
+        "n_blocks": N,
+        "blocks_done": int(done.sum()),
+        "not_done": np.flatnonzero(~done).tolist(),
+        "bad_blocks": problems,
+    }
+
+
+def check_compatible(store: FeatureStore, *, verifier: dict[str, Any], layers: list[int], source: str) -> None:
+    """Raise :class:`StoreMismatchError` when resuming ``store`` with another verifier, layers or table."""
+    have = store.attrs
+    if list(have["layers"]) != list(layers):
+        raise StoreMismatchError(f"{store.path}: store has layers {have['layers']}, asked for {layers}")
+    for key in ("name_or_path", "fingerprint"):
+        if have["verifier"].get(key) != verifier.get(key):
+            raise StoreMismatchError(
+                f"{store.path}: store was made with verifier {have['verifier'].get(key)!r} ({key}), "
+                f"asked for {verifier.get(key)!r}"
+            )
+    if have.get("source") != source:
+        raise StoreMismatchError(f"{store.path}: store was made from another packed table "
+                                 f"(manifest sha256 {have.get('source')!r}, now {source!r})")
+
+
+def _is_local(path: str) -> bool:
+    return "://" not in path or path.startswith("file://")
+
+
+def _uncompressed(array: zarr.Array) -> bool:
+    codecs = array.metadata.to_dict().get("codecs", [])
+    names = [c["name"] if isinstance(c, dict) else getattr(c, "name", "") for c in codecs]
+    return names in (["bytes"], ["bytes", "crc32c"])
+
+
+def _created_by() -> str:
+    try:
+        from importlib.metadata import version
+
+        return f"peagle {version('peagle')}"
+    except Exception:
+        return "peagle"
