@@ -1,0 +1,78 @@
+"""``peagle-data extract``, ``inspect`` and ``verify``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from cli.common import echo_json, handle_errors, parse_int_list
+
+__all__ = ["extract", "inspect_cmd", "verify"]
+
+
+@click.command()
+@click.argument("packed_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--verifier", required=True, help="MODEL: smollm2-135m, a local directory or a hub id.")
+@click.option("--output", required=True, type=click.Path(), help="Feature store path (zarr v3).")
+@click.option("--layers", callback=parse_int_list, default=None,
+              help="Aux layers as HF hidden_states indices, e.g. 2,18,33 (default: 2, L//2, L-3).")
+@click.option("--resume", is_flag=True, help="Continue an existing store (redo blocks not done).")
+@click.option("--force", is_flag=True, help="Overwrite an existing store; skip the free-disk check.")
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("--max-blocks", type=int, default=None, help="Stop after this many blocks (resumable).")
+@handle_errors
+def extract(packed_dir, verifier, output, layers, resume, force, device, max_blocks):
+    """Run the verifier over PACKED_DIR and write hidden states into a feature store."""
+    from peagle_data.extract import ExtractConfig, run_extract
+
+    try:
+        cfg = ExtractConfig(packed=packed_dir, verifier=verifier, output=output, layers=layers,
+                            resume=resume, force=force, device=device, max_blocks=max_blocks)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    summary = run_extract(cfg, log=lambda m: click.echo(m, err=True))
+    echo_json(summary)
+
+
+@click.command()
+@click.argument("path", type=click.Path(exists=True))
+@handle_errors
+def inspect_cmd(path):
+    """Describe a token table or a feature store."""
+    from stores.feature_store import FeatureStore
+    from stores.token_tables import TokenTable
+
+    p = Path(path)
+    if (p / "zarr.json").is_file():
+        info = FeatureStore.open(p).summary()
+    else:
+        table = TokenTable.open(p)
+        info = {"path": str(p), "kind": table.kind, "rows": table.num_rows,
+                **{k: v for k, v in table.manifest.items() if k not in ("library_versions",)}}
+    width = max(len(k) for k in info)
+    for key, value in info.items():
+        click.echo(f"{key:<{width}}  {value}")
+
+
+@click.command()
+@click.argument("store", type=click.Path(exists=True))
+@click.option("--packed", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Also check token ids against this packed table.")
+@handle_errors
+def verify(store, packed):
+    """Check a feature store: shapes, dtypes, done flags, checksums, NaN/Inf, token ids."""
+    from stores.feature_store import verify_store
+    from stores.token_tables import TokenTable
+
+    expected = None
+    if packed is not None:
+        rows = list(TokenTable.open(packed).iter_rows(["input_ids"]))
+        expected = lambda i: rows[i]["input_ids"]  # noqa: E731
+    report = verify_store(store, expected_tokens=expected)
+    echo_json(report)
+    if not report["ok"]:
+        bad = sorted(set(report["not_done"]) | set(int(k) for k in report["bad_blocks"]))
+        click.echo(f"Error: store {store} failed verification; blocks at fault: {bad}", err=True)
+        sys.exit(1)

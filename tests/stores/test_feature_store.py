@@ -1,0 +1,72 @@
+"""Feature store round trips: bf16 bits, mmap == zarr API, done flags, verify."""
+
+import numpy as np
+import pytest
+import torch
+
+from stores.errors import OutputExistsError, StoreFormatError
+from stores.feature_store import FeatureStore, verify_store
+
+
+def _make(tmp_path, n_blocks=3, C=8, L=2, H=4):
+    return FeatureStore.create(tmp_path / "s.zarr", n_blocks=n_blocks, block_size=C, max_segments=3,
+                               layers=list(range(L)), hidden_size=H, vocab_size=16,
+                               verifier={"name_or_path": "tiny"})
+
+
+def _special_bf16(T, L, H):
+    x = (torch.arange(T * L * H, dtype=torch.float32).reshape(T, L, H) - 7).to(torch.bfloat16)
+    x[0, 0, 0] = 70000.0  # above float16's 65504
+    x[0, 0, 1] = -0.0
+    x[0, 0, 2] = float("inf")
+    x[0, 0, 3] = -1e-40  # subnormal in bf16
+    return x
+
+
+def test_bf16_round_trip_is_bit_exact_on_both_paths(tmp_path):
+    store = _make(tmp_path)
+    aux, fin = _special_bf16(5, 2, 4), _special_bf16(5, 1, 4)[:, 0]
+    store.write_tokens(1, [5, 6, 7, 8, 9], [0, 1, 1, 0, 1], [0, 1, 2, 0, 1], [0, 3, 5])
+    store.write_all_n_tokens(np.array([0, 5, 0]))
+    store.write_features(1, aux, fin)
+    store.mark_done(1)
+    reopened = FeatureStore.open(tmp_path / "s.zarr")
+    for via in ("mmap", "zarr"):
+        b = reopened.read_block(1, via=via)
+        assert torch.equal(b.aux_hidden.view(torch.int16), aux.view(torch.int16))
+        assert torch.equal(b.final_hidden.view(torch.int16), fin.view(torch.int16))
+        assert b.input_ids.tolist() == [5, 6, 7, 8, 9]
+        assert b.loss_mask.tolist() == [0, 1, 1, 0, 1]
+        assert b.position_ids.tolist() == [0, 1, 2, 0, 1]
+        assert b.cu_seqlens.tolist() == [0, 3, 5]
+    assert reopened.missing_blocks() == [0, 2]
+
+
+def test_create_refuses_existing_store_without_force(tmp_path):
+    _make(tmp_path)
+    with pytest.raises(OutputExistsError):
+        _make(tmp_path)
+
+
+def test_open_refuses_a_non_store(tmp_path):
+    with pytest.raises(StoreFormatError):
+        FeatureStore.open(tmp_path)
+
+
+def test_verify_detects_corrupt_and_truncated_chunks(tmp_path):
+    store = _make(tmp_path)
+    store.write_all_n_tokens(np.array([4, 4, 4]))
+    for i in range(3):
+        store.write_tokens(i, [1, 2, 3, 4], [0, 1, 1, 1], [0, 1, 2, 3], [0, 4])
+        store.write_features(i, torch.ones(4, 2, 4, dtype=torch.bfloat16), torch.ones(4, 4, dtype=torch.bfloat16))
+        store.mark_done(i)
+    assert verify_store(tmp_path / "s.zarr")["ok"]
+    chunk = tmp_path / "s.zarr" / "aux_hidden" / "c" / "1" / "0" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[3] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    trunc = tmp_path / "s.zarr" / "final_hidden" / "c" / "2" / "0" / "0"
+    trunc.write_bytes(trunc.read_bytes()[:-10])
+    report = verify_store(tmp_path / "s.zarr")
+    assert not report["ok"]
+    assert sorted(report["bad_blocks"]) == [1, 2]
