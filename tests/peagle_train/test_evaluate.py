@@ -1,0 +1,235 @@
+"""Offline metrics on a hand-built case with known answers; prompt reading; the online report."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from peagle_train.evaluate import (
+    EvalConfig,
+    Prompt,
+    evaluate_offline,
+    evaluate_prompts,
+    format_report,
+    read_prompts,
+    render_turn,
+)
+from peagle_train.model import DrafterConfig
+from stores.errors import InputError
+
+# ------------------------------------------------------------------ offline, hand-built
+# One segment is the worked example of DESIGN.md §4: [SYS, USR, HDR, A1, A2, EOT], m = [0,0,0,1,1,1].
+SEGMENT = [10, 11, 12, 13, 14, 15]
+MASK = [0, 0, 0, 1, 1, 1]
+V, D, H = 16, 8, 16  # draft vocab = verifier ids 8..15 (d2t = 8)
+
+
+def worked_block(n_segments: int = 2) -> SimpleNamespace:
+    """``n_segments`` copies of the worked example; the verifier argmax at p is x_{p+1}."""
+    T = 6 * n_segments
+    final = torch.zeros(T, H)
+    for s in range(n_segments):
+        for p in range(5):
+            final[6 * s + p, SEGMENT[p + 1]] = 1.0
+    final[2, 3] = 2.0  # verifier id 3 wins over the full vocab but is not in the draft vocab
+    return SimpleNamespace(
+        input_ids=torch.tensor(SEGMENT * n_segments), loss_mask=torch.tensor(MASK * n_segments),
+        position_ids=torch.arange(6).repeat(n_segments), cu_seqlens=torch.arange(0, T + 1, 6),
+        aux_hidden=torch.zeros(T, 1, H, dtype=torch.bfloat16), final_hidden=final.bfloat16(),
+    )
+
+
+class RuleDrafter(nn.Module):
+    """Drafts the true next token of the worked example, except at depth ``wrong_depth``.
+
+    It reads the rope position p of each element (element at p predicts ``x_{p+1}``) and its depth
+    d, which is the number of mask elements its attention row allows (its own chain, §8).
+    """
+
+    def __init__(self, wrong_depth: int | None = None, num_depths: int = 3):
+        super().__init__()
+        self.config = DrafterConfig(hidden_size=H, intermediate_size=1, num_attention_heads=1,
+                                    num_key_value_heads=1, head_dim=2, vocab_size=V, draft_vocab_size=D,
+                                    aux_layer_ids=[1], num_depths=num_depths)
+        self.register_buffer("d2t", torch.full((D,), 8))
+        self.dummy = nn.Parameter(torch.zeros(1))
+        self.wrong_depth = wrong_depth
+
+    @property
+    def draft_ids(self):
+        return torch.arange(D) + self.d2t
+
+    def forward(self, input_ids, aux_hidden, is_mask, position_ids, attn_mask):
+        depth = (attn_mask & is_mask[None, :]).sum(1)  # [E]
+        return torch.stack([position_ids, depth], dim=-1)  # [E, 2]
+
+    def logits(self, hidden):
+        out = torch.zeros(hidden.shape[0], D)
+        for i, (p, d) in enumerate(hidden.tolist()):
+            tok = SEGMENT[p + 1] - 8
+            out[i, 0 if d == self.wrong_depth else tok] = 1.0
+        return out
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 256])
+def test_offline_all_correct(chunk):
+    report = evaluate_offline(RuleDrafter(), [worked_block()], torch.eye(V, H), chunk_anchors=chunk)
+    # Counted anchors a = 1, 2, 3 per segment accept 3, 2, 1 drafts (chains end at the segment end).
+    assert report["positions_scored"] == 6
+    assert report["mean_accepted"] == pytest.approx(2.0)
+    assert report["simulated_acceptance_length"] == pytest.approx(3.0)
+    assert report["per_depth_weight"] == [6, 6, 4]
+    assert report["per_depth_accuracy"] == [1.0, 1.0, 1.0]
+    assert report["per_position_acceptance"] == [1.0, 1.0, 1.0]
+
+
+def test_offline_wrong_at_depth_one():
+    report = evaluate_offline(RuleDrafter(wrong_depth=1), [worked_block(), worked_block(1)], torch.eye(V, H),
+                              chunk_anchors=2)
+    assert report["positions_scored"] == 9
+    assert report["simulated_acceptance_length"] == pytest.approx(2.0)
+    assert report["per_depth_accuracy"] == [1.0, 0.0, 1.0]
+    assert report["per_depth_correct"] == [9, 0, 6]
+    # depth 1 was reached by anchors 1 and 2 of each segment, never accepted; depth 2 never reached.
+    assert report["per_position_acceptance"] == [1.0, 0.0, None]
+
+
+def test_offline_real_drafter_chunking_invariant():
+    from tests.peagle_train.test_speculative import tiny_drafter
+
+    verifier = SimpleNamespace(config=SimpleNamespace(hidden_size=64, vocab_size=49152))
+    drafter = tiny_drafter(verifier, num_depths=4)
+    torch.manual_seed(1)
+    T = 40
+    block = SimpleNamespace(
+        input_ids=torch.randint(0, 49152, (T,)), loss_mask=(torch.arange(T) % 5 != 0).long(),
+        position_ids=torch.cat([torch.arange(25), torch.arange(15)]), cu_seqlens=torch.tensor([0, 25, 40]),
+        aux_hidden=torch.randn(T, 3, 64).bfloat16(), final_hidden=torch.randn(T, 64).bfloat16(),
+    )
+    lm_head = drafter.lm_head.weight.detach()  # the drafter agrees with "the verifier" at random
+    a = evaluate_offline(drafter, [block], lm_head, chunk_anchors=3)
+    b = evaluate_offline(drafter, [block], lm_head, chunk_anchors=1000)
+    assert a == b
+    assert a["positions_scored"] == sum(int(block.loss_mask[i + 2]) for s, n in ((0, 25), (25, 15))
+                                        for i in range(s, s + n - 2))
+    assert 1.0 <= a["simulated_acceptance_length"] <= 5.0
+
+
+# ------------------------------------------------------------------ prompts
+def write_lines(path, rows) -> str:
+    path.write_text("\n".join(json.dumps(r) if not isinstance(r, str) else r for r in rows) + "\n")
+    return str(path)
+
+
+def test_read_prompts_mt_bench_and_openai(tmp_path):
+    f = write_lines(tmp_path / "p.jsonl", [
+        {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Now shorter."]},
+        "",
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                      {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"},
+                      {"role": "assistant", "content": "4"}]},
+    ])
+    p = read_prompts(f)
+    assert p[0] == Prompt("81", ["Write a poem.", "Now shorter."], [])
+    assert p[1].prompt_id == "3" and p[1].user_turns == ["2+2?"]
+    assert [m["content"] for m in p[1].prefix] == ["Be brief.", "Hi", "Hello!"]
+    assert len(read_prompts(f, limit=1)) == 1
+
+
+@pytest.mark.parametrize("line,match", [
+    ("{not json", "row 1: invalid JSON"),
+    ({"turns": []}, "field 'turns'"),
+    ({"messages": [{"role": "assistant", "content": "x"}]}, "no user message"),
+    ({"prompt": "x"}, "'turns' or an OpenAI line"),
+])
+def test_read_prompts_errors(tmp_path, line, match):
+    f = write_lines(tmp_path / "bad.jsonl", [line])
+    with pytest.raises(InputError, match=match):
+        read_prompts(f)
+
+
+def test_render_second_turn_feeds_the_answer_back(smollm2_tokenizer):
+    prompt = Prompt("1", ["What is 2+2?", "And 3+3?"])
+    ids = render_turn(smollm2_tokenizer, prompt, 1, ["It is 4."])
+    text = smollm2_tokenizer.decode(ids)
+    assert text.index("What is 2+2?") < text.index("It is 4.") < text.index("And 3+3?")
+    assert text.rstrip().endswith("<|im_start|>assistant")
+    assert ids[:len(render_turn(smollm2_tokenizer, prompt, 0, []))] != []
+
+
+def test_real_mt_bench_file_reads():
+    from tests.conftest import shared_file
+
+    prompts = read_prompts(shared_file("mt_bench_question.jsonl"))
+    assert len(prompts) == 80 and all(len(p.user_turns) == 2 for p in prompts)
+
+
+# ------------------------------------------------------------------ online report
+def test_online_report(tiny_verifier, smollm2_tokenizer, tmp_path):
+    from tests.peagle_train.test_speculative import tiny_drafter
+
+    prompts = [Prompt("a", ["Hello there", "Tell me more"]), Prompt("b", ["Name a color."])]
+    report = evaluate_prompts(tiny_verifier, tiny_drafter(tiny_verifier), smollm2_tokenizer, prompts,
+                              EvalConfig(max_new_tokens=9, num_draft_tokens=3))
+    assert report["identical_to_greedy"] is True and report["mismatches"] == []
+    assert report["num_prompts"] == 2 and report["num_turns"] == 3
+    assert 1.0 <= report["acceptance_length"] <= 4.0
+    assert len(report["per_position_acceptance"]) == 3
+    assert report["drafted"] == sum(p["drafted"] for p in report["per_prompt"])
+    assert report["tokens_per_second"] > 0 and report["baseline_tokens_per_second"] > 0
+    assert "acceptance length" in format_report(report)
+
+
+# ------------------------------------------------------------------ end to end through the CLI
+def make_store(path, verifier, verifier_dir, segments: list[list[int]]):
+    """A one-block feature store of ``segments`` with the verifier's real features (layers 1, 2, 3)."""
+    from stores.feature_store import FeatureStore
+
+    aux, final = [], []
+    with torch.no_grad():
+        for seg in segments:
+            out = verifier.model(input_ids=torch.tensor([seg]), output_hidden_states=True)
+            aux.append(torch.stack([out.hidden_states[layer][0] for layer in (1, 2, 3)], dim=1))  # [n, L, H]
+            final.append(out.last_hidden_state[0])  # [n, H] post-norm
+    T = sum(map(len, segments))
+    store = FeatureStore.create(path, n_blocks=1, block_size=T, max_segments=len(segments), layers=[1, 2, 3],
+                                hidden_size=64, vocab_size=49152,
+                                verifier={"name_or_path": str(verifier_dir), "architecture": "LlamaForCausalLM"})
+    cu = [0]
+    for seg in segments:
+        cu.append(cu[-1] + len(seg))
+    store.write_tokens(0, sum(segments, []), [0, 0] + [1] * (T - 2),
+                       [p for seg in segments for p in range(len(seg))], cu)
+    store.write_features(0, torch.cat(aux).bfloat16(), torch.cat(final).bfloat16())
+    store.write_all_n_tokens([T])
+    store.mark_done(0)
+    return path
+
+
+def test_cli_offline_and_online(tiny_verifier, tiny_verifier_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from cli.eval import main
+    from peagle_train.checkpoint import save_drafter
+    from tests.peagle_train.test_speculative import tiny_drafter
+
+    drafter = tiny_drafter(tiny_verifier)
+    drafter.config.verifier_name_or_path = str(tiny_verifier_dir)
+    save_drafter(drafter, tmp_path / "drafter")
+    store = make_store(str(tmp_path / "store"), tiny_verifier, tiny_verifier_dir,
+                       [[1, 5, 9, 200, 300, 400, 7, 8, 9, 10], [1, 42, 43, 44, 45, 46]])
+    prompts = write_lines(tmp_path / "p.jsonl", [{"question_id": 7, "turns": ["Hi", "Again"]}])
+    result = CliRunner().invoke(main, ["--drafter", str(tmp_path / "drafter"), "--store", store,
+                                       "--prompts", prompts, "--max-new-tokens", "6",
+                                       "--output", str(tmp_path / "eval.json")])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["identical_to_greedy"] is True and report["num_prompts"] == 1
+    assert report["offline"]["positions_scored"] == 8 + 4  # anchors a with m_{a+2} = 1: rows 2..15 are loss 1
+    assert report["offline"]["blocks"] == [0] and report["offline"]["split"] == "all"
+    assert json.loads((tmp_path / "eval.json").read_text()) == report
+    assert (tmp_path / "eval.png").stat().st_size > 0
