@@ -1,0 +1,225 @@
+"""Drafter checkpoints in the ``speculators`` / vLLM P-EAGLE format, and training state (DESIGN.md §8).
+
+A checkpoint directory holds
+- ``config.json``: ``architectures ["PEagleSpeculator"]``, ``speculators_model_type "peagle"``,
+  ``transformer_layer_config`` (a Llama config dict), ``draft_vocab_size``,
+  ``eagle_aux_hidden_state_layer_ids``, ``mask_token_id``, ``speculators_config`` (greedy proposal
+  with ``speculative_tokens = K`` and the verifier), plus ``peagle`` (the full
+  :class:`DrafterConfig`, for an exact round trip);
+- ``model.safetensors``: the drafter's state dict under the ``speculators`` 0.9 P-EAGLE names
+  (``embed_tokens.weight [V, H]``, ``fc.weight [H, L*H]``, ``mask_hidden [1, 1, L*H]``,
+  ``layers.N.*``, ``norm.weight [H]``, ``lm_head.weight [D, H]``, ``d2t [D] int64``, ``t2d [V] bool``);
+- ``training_state.pt`` (training checkpoints only; written last, so its presence marks the
+  checkpoint complete): optimizer, scheduler, RNG, data position, step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from peagle_train.model import DrafterConfig, PEagleDrafter
+from stores.errors import StoreFormatError
+
+__all__ = [
+    "CONFIG_FILE",
+    "WEIGHTS_FILE",
+    "STATE_FILE",
+    "drafter_config_json",
+    "save_drafter",
+    "load_drafter",
+    "save_training_state",
+    "load_training_state",
+    "save_checkpoint",
+    "latest_checkpoint",
+]
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+STATE_FILE = "training_state.pt"
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _llama_layer_config(cfg: DrafterConfig) -> dict[str, Any]:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, hidden_act=cfg.hidden_act,
+        rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        tie_word_embeddings=False, architectures=["LlamaForCausalLM"],
+    ).to_dict()
+
+
+def drafter_config_json(cfg: DrafterConfig, extra_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The §8 ``config.json`` of a drafter with config ``cfg`` (``extra_config`` merged on top)."""
+    out: dict[str, Any] = {
+        "architectures": ["PEagleSpeculator"],
+        "speculators_model_type": "peagle",
+        "transformer_layer_config": _llama_layer_config(cfg),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        "mask_token_id": cfg.mask_token_id,
+        "norm_before_residual": False,
+        "embed_requires_grad": True,
+        "num_depths": cfg.num_depths,
+        "speculators_config": {
+            "algorithm": "peagle",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.num_depths}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": cfg.verifier_name_or_path,
+                         "architectures": list(cfg.verifier_architectures)},
+        },
+        "peagle": {"drafter_config": cfg.to_dict()},
+    }
+    out.update(extra_config or {})
+    return out
+
+
+def _atomic_write_dir(directory: Path, write) -> None:
+    """Write into a sibling temp dir, then swap it in place of ``directory``."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.parent / f".{directory.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    write(tmp)
+    if directory.exists():
+        old = directory.parent / f".{directory.name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(directory, old)
+        os.replace(tmp, directory)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, directory)
+
+
+def _write_drafter(model: PEagleDrafter, directory: Path, extra_config: dict[str, Any] | None) -> None:
+    (directory / CONFIG_FILE).write_text(json.dumps(drafter_config_json(model.config, extra_config), indent=2))
+    tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+
+
+def save_drafter(model: PEagleDrafter, directory: str | os.PathLike,
+                 extra_config: dict[str, Any] | None = None) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` of ``model`` into ``directory`` (atomically).
+
+    Args:
+        model: the drafter (unwrapped from any DDP/accelerate wrapper).
+        directory: created or replaced.
+        extra_config: keys merged into ``config.json`` (e.g. training hyper-parameters).
+
+    Returns:
+        ``directory`` as a Path.
+    """
+    directory = Path(directory)
+    _atomic_write_dir(directory, lambda tmp: _write_drafter(model, tmp, extra_config))
+    return directory
+
+
+def _config_from_json(cfg: dict[str, Any]) -> DrafterConfig:
+    saved = cfg.get("peagle", {}).get("drafter_config")
+    if saved is not None:
+        return DrafterConfig(**saved)
+    layer = cfg["transformer_layer_config"]  # a checkpoint written by another tool
+    rope = layer.get("rope_parameters") or {}
+    spec = cfg.get("speculators_config", {})
+    verifier = spec.get("verifier", {})
+    methods = spec.get("proposal_methods") or [{}]
+    return DrafterConfig(
+        hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
+        num_attention_heads=layer["num_attention_heads"],
+        num_key_value_heads=layer.get("num_key_value_heads") or layer["num_attention_heads"],
+        head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+        vocab_size=layer["vocab_size"], draft_vocab_size=cfg["draft_vocab_size"],
+        aux_layer_ids=list(cfg["eagle_aux_hidden_state_layer_ids"]),
+        num_hidden_layers=layer.get("num_hidden_layers", 1), rms_norm_eps=layer.get("rms_norm_eps", 1e-5),
+        rope_theta=rope.get("rope_theta", layer.get("rope_theta", 10000.0)),
+        max_position_embeddings=layer.get("max_position_embeddings", 8192),
+        mask_token_id=cfg.get("mask_token_id") or 0,
+        num_depths=methods[0].get("speculative_tokens", 8),
+        verifier_name_or_path=verifier.get("name_or_path", ""),
+        verifier_architectures=verifier.get("architectures") or ["LlamaForCausalLM"],
+    )
+
+
+def load_drafter(directory: str | os.PathLike, device: str | torch.device = "cpu") -> PEagleDrafter:
+    """Load a drafter written by :func:`save_drafter` (bit-exact round trip).
+
+    Raises:
+        StoreFormatError: ``config.json`` or ``model.safetensors`` is missing, not a P-EAGLE
+            checkpoint, or its tensors do not match the config.
+    """
+    directory = Path(directory)
+    cfg_path, w_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    if not cfg_path.is_file() or not w_path.is_file():
+        raise StoreFormatError(f"{directory} is not a drafter checkpoint: expected {CONFIG_FILE} and "
+                               f"{WEIGHTS_FILE}")
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("speculators_model_type") != "peagle":
+        raise StoreFormatError(f"{cfg_path}: speculators_model_type is "
+                               f"{cfg.get('speculators_model_type')!r}, expected 'peagle'")
+    model = PEagleDrafter(_config_from_json(cfg))
+    tensors = load_file(str(w_path))
+    try:
+        model.load_state_dict(tensors, strict=True)
+    except RuntimeError as e:
+        raise StoreFormatError(f"{w_path} does not match {cfg_path}: {e}") from e
+    model.lm_head.weight.requires_grad_(False)
+    return model.to(device)
+
+
+def save_training_state(directory: str | os.PathLike, state: dict[str, Any]) -> None:
+    """Write ``training_state.pt`` (a dict: optimizer, scheduler, rng, data, step, ...) atomically."""
+    path = Path(directory) / STATE_FILE
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_training_state(directory: str | os.PathLike) -> dict[str, Any]:
+    """Read ``training_state.pt`` of a checkpoint directory.
+
+    Raises:
+        StoreFormatError: the file is missing (the checkpoint is incomplete).
+    """
+    path = Path(directory) / STATE_FILE
+    if not path.is_file():
+        raise StoreFormatError(f"{path} is missing: {directory} is not a complete training checkpoint")
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def save_checkpoint(model: PEagleDrafter, directory: str | os.PathLike, state: dict[str, Any],
+                    extra_config: dict[str, Any] | None = None) -> Path:
+    """Drafter files plus training state, in one atomic directory swap; state written last."""
+    directory = Path(directory)
+
+    def write(tmp: Path) -> None:
+        _write_drafter(model, tmp, extra_config)
+        save_training_state(tmp, state)
+
+    _atomic_write_dir(directory, write)
+    return directory
+
+
+def latest_checkpoint(output: str | os.PathLike) -> Path | None:
+    """The complete ``checkpoint-N`` under ``output`` with the largest N, or None."""
+    best: tuple[int, Path] | None = None
+    root = Path(output)
+    if not root.is_dir():
+        return None
+    for p in root.iterdir():
+        m = _CHECKPOINT_RE.match(p.name)
+        if m and (p / STATE_FILE).is_file() and (best is None or int(m.group(1)) > best[0]):
+            best = (int(m.group(1)), p)
+    return best[1] if best else None

@@ -1,0 +1,253 @@
+"""COD sampling: which drafter elements ``(anchor, depth)`` one packed row trains (DESIGN.md §4, §8).
+
+Legend: T tokens in a block, S segments, E drafter elements, K ``num_depths``.
+
+An element ``(a, d)`` (``a`` a row index, ``0 <= d < K``) stands for position ``a + 1 + d``: it takes
+the input token ``x_{a+1}`` (depth 0) or the mask token (depth > 0), predicts ``x_{a+d+2}`` with the
+soft target ``softmax(z_{a+d+1})`` and has weight ``m_{a+d+2}``. It exists iff ``a + d + 2`` is
+inside the segment of ``a``. COD (conditional-on-distribution) sampling keeps every depth-0 element
+and geometrically thins the deeper ones along nested chains (P-EAGLE, arXiv:2602.01469; the
+``generate_cod_sample_indices`` of the ``speculators`` P-EAGLE trainer).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "CodElements",
+    "ElementInputs",
+    "sample_cod_elements",
+    "all_elements",
+    "element_inputs",
+    "segment_ids",
+    "n_draw_formula",
+]
+
+
+@dataclass(frozen=True)
+class CodElements:
+    """Drafter elements of one row, sorted by (depth, anchor).
+
+    Attributes:
+        anchor: ``[E] int64`` row index ``a`` of the element's anchor token.
+        depth: ``[E] int64`` depth ``d``.
+        segment: ``[E] int64`` index of the segment holding ``a`` (into ``cu_seqlens``).
+        weight: ``[E] float32`` loss weight ``m_{a+d+2}`` (0 or 1).
+    """
+
+    anchor: torch.Tensor
+    depth: torch.Tensor
+    segment: torch.Tensor
+    weight: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.anchor.numel())
+
+    def to(self, device: torch.device | str) -> "CodElements":
+        """The same elements on ``device``."""
+        return CodElements(*(t.to(device) for t in (self.anchor, self.depth, self.segment, self.weight)))
+
+    def count_per_depth(self, num_depths: int) -> list[int]:
+        """Number of elements at each depth ``0..num_depths-1``."""
+        return torch.bincount(self.depth, minlength=num_depths).tolist()
+
+
+@dataclass(frozen=True)
+class ElementInputs:
+    """What the drafter and the loss read for each element (all ``[E] int64`` except ``is_mask``).
+
+    Attributes:
+        input_ids: token id ``x_{a+1}`` (replaced by the mask token where ``is_mask``).
+        feature_index: row index ``a`` of the aux feature ``g_a`` (used at depth 0 only).
+        target_index: row index ``a+d+1`` of the verifier final hidden state whose logits are the
+            soft target.
+        label_index: row index ``a+d+2`` of the predicted token.
+        position_ids: rope position ``position_ids[a] + 1 + d``.
+        is_mask: ``[E] bool``, ``depth > 0``.
+    """
+
+    input_ids: torch.Tensor
+    feature_index: torch.Tensor
+    target_index: torch.Tensor
+    label_index: torch.Tensor
+    position_ids: torch.Tensor
+    is_mask: torch.Tensor
+
+
+def segment_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Segment index of every token: ``cu_seqlens [S+1] int`` -> ``[T] int64``.
+
+    Raises:
+        ValueError: ``cu_seqlens`` does not start at 0 or is not non-decreasing.
+    """
+    cu = cu_seqlens.to(torch.int64)
+    if cu.numel() < 1 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu.tolist()[:16]}")
+    lengths = cu[1:] - cu[:-1]  # [S]
+    return torch.repeat_interleave(torch.arange(lengths.numel(), dtype=torch.int64), lengths)  # [T]
+
+
+def _row_tables(cu_seqlens: torch.Tensor, loss_mask: torch.Tensor):
+    cu = cu_seqlens.to(torch.int64).cpu()
+    m = loss_mask.to(torch.int64).cpu()
+    seg = segment_ids(cu)  # [T]
+    if seg.numel() != m.numel():
+        raise ValueError(f"cu_seqlens ends at {int(cu[-1])} but loss_mask has {m.numel()} tokens")
+    end = cu[1:][seg]  # [T] exclusive end of each token's segment
+    return cu, m, seg, end
+
+
+def _exists_and_weight(a: torch.Tensor, d: int, m: torch.Tensor, end: torch.Tensor):
+    """For anchors ``a [N]`` at depth ``d``: (exists [N] bool, weight [N] int64)."""
+    tgt = a + d + 2  # [N] index of the predicted token
+    exists = tgt < end[a]  # [N]
+    weight = m[tgt.clamp(max=max(m.numel() - 1, 0))] * exists  # [N]
+    return exists, weight
+
+
+def _emit(parts: list[tuple[torch.Tensor, int]], seg: torch.Tensor, m: torch.Tensor) -> CodElements:
+    anchors = [a for a, _ in parts]
+    depths = [torch.full_like(a, d) for a, d in parts]
+    anchor = torch.cat(anchors) if anchors else torch.zeros(0, dtype=torch.int64)  # [E]
+    depth = torch.cat(depths) if depths else torch.zeros(0, dtype=torch.int64)  # [E]
+    weight = m[(anchor + depth + 2).clamp(max=max(m.numel() - 1, 0))].to(torch.float32) if anchor.numel() \
+        else torch.zeros(0)  # [E]
+    return CodElements(anchor=anchor, depth=depth, segment=seg[anchor], weight=weight)
+
+
+def _check_depths(num_depths: int) -> None:
+    if num_depths < 1:
+        raise ValueError(f"num_depths must be >= 1 (--num-depths), got {num_depths}")
+
+
+def all_elements(cu_seqlens: torch.Tensor, loss_mask: torch.Tensor, num_depths: int) -> CodElements:
+    """Every element that exists in the row, weighted or not, without sampling (for evaluation).
+
+    Args:
+        cu_seqlens: ``[S+1] int`` segment starts, ending at T.
+        loss_mask: ``[T] int`` 0/1.
+        num_depths: K >= 1.
+
+    Returns:
+        :class:`CodElements` sorted by (depth, anchor); a chain ``(a, 0..d)`` is present whenever
+        ``(a, d)`` is.
+
+    Raises:
+        ValueError: bad ``cu_seqlens`` or ``num_depths < 1``.
+    """
+    _check_depths(num_depths)
+    _, m, seg, end = _row_tables(cu_seqlens, loss_mask)
+    pos = torch.arange(m.numel(), dtype=torch.int64)  # [T]
+    parts = [(pos[pos + d + 2 < end], d) for d in range(num_depths)]
+    return _emit(parts, seg, m)
+
+
+def _draw_per_segment(pool: torch.Tensor, pool_seg: torch.Tensor, n_draw: torch.Tensor,
+                      generator: torch.Generator) -> torch.Tensor:
+    """Uniformly draw ``n_draw[s]`` anchors from the part of ``pool [N]`` in segment s; sorted."""
+    keys = torch.rand(pool.numel(), generator=generator)  # [N]
+    order = torch.argsort(keys, stable=True)
+    order = order[torch.argsort(pool_seg[order], stable=True)]  # by segment, random within
+    seg_sorted = pool_seg[order]  # [N]
+    counts = torch.bincount(seg_sorted, minlength=n_draw.numel())  # [S]
+    starts = torch.cumsum(counts, 0) - counts  # [S]
+    rank = torch.arange(pool.numel(), dtype=torch.int64) - starts[seg_sorted]  # [N]
+    chosen = pool[order[rank < n_draw[seg_sorted]]]
+    return torch.sort(chosen).values
+
+
+def sample_cod_elements(cu_seqlens: torch.Tensor, loss_mask: torch.Tensor, num_depths: int,
+                        down_sample_ratio: float, down_sample_ratio_min: float,
+                        max_anchors: int | None, generator: torch.Generator) -> CodElements:
+    """COD-sample the drafter elements of one packed row (DESIGN.md §8, steps 1-4).
+
+    1. Depth 0: every existing ``(a, 0)``, weighted or not (the attention context).
+    2. Seeds: anchors whose ``(a, 1)`` exists and has weight 1; with ``max_anchors`` set and more
+       seeds than that in the row, a uniform random subset of ``max_anchors`` of them.
+    3. Per segment, for d = 1..K-1: draw ``n_d = floor((n_seeds - d) * max(r**d, r_min))`` anchors
+       (at most the pool) uniformly from the pool and emit ``(a, d)``; the next pool is the drawn
+       anchors whose ``(a, d+1)`` exists with weight 1, so chains are nested. ``n_seeds`` counts
+       the segment's seeds after the ``max_anchors`` cap.
+    4. Depth > 0 elements all have weight 1; the result is sorted by (depth, anchor).
+
+    From P-EAGLE (arXiv:2602.01469) and the ``speculators`` P-EAGLE trainer; vectorised over
+    positions (the only Python loop is over depths). Runs on CPU.
+
+    Args:
+        cu_seqlens: ``[S+1] int`` segment starts, ending at T.
+        loss_mask: ``[T] int`` 0/1.
+        num_depths: K >= 1.
+        down_sample_ratio: r in (0, 1].
+        down_sample_ratio_min: r_min in (0, 1], the floor of the keep ratio.
+        max_anchors: cap on the row's seeds, >= 1, or None.
+        generator: a CPU ``torch.Generator``; the only source of randomness.
+
+    Returns:
+        :class:`CodElements`.
+
+    Raises:
+        ValueError: bad ``cu_seqlens``, ``num_depths < 1``, a ratio outside (0, 1] or
+            ``max_anchors < 1``.
+    """
+    _check_depths(num_depths)
+    for name, r in (("down_sample_ratio", down_sample_ratio), ("down_sample_ratio_min", down_sample_ratio_min)):
+        if not 0.0 < r <= 1.0:
+            raise ValueError(f"{name} must be in (0, 1] (--{name.replace('_', '-')}), got {r}")
+    if max_anchors is not None and max_anchors < 1:
+        raise ValueError(f"max_anchors must be >= 1 when set (--max-anchors), got {max_anchors}")
+    cu, m, seg, end = _row_tables(cu_seqlens, loss_mask)
+    S = cu.numel() - 1
+    pos = torch.arange(m.numel(), dtype=torch.int64)  # [T]
+    parts = [(pos[pos + 2 < end], 0)]
+    exists1, w1 = _exists_and_weight(pos, 1, m, end)
+    seeds = pos[exists1 & (w1 == 1)]  # [N0]
+    if max_anchors is not None and seeds.numel() > max_anchors:
+        keep = torch.randperm(seeds.numel(), generator=generator)[:max_anchors]
+        seeds = torch.sort(seeds[keep]).values
+    n_seeds = torch.bincount(seg[seeds], minlength=S)  # [S]
+    pool = seeds
+    for d in range(1, num_depths):
+        if pool.numel() == 0:
+            break
+        keep_ratio = max(down_sample_ratio ** d, down_sample_ratio_min)
+        n_d = torch.floor((n_seeds - d).clamp(min=0).to(torch.float64) * keep_ratio).to(torch.int64)  # [S]
+        drawn = _draw_per_segment(pool, seg[pool], n_d, generator)
+        if drawn.numel() == 0:
+            break
+        parts.append((drawn, d))
+        exists, w = _exists_and_weight(drawn, d + 1, m, end)
+        pool = drawn[exists & (w == 1)]
+    return _emit(parts, seg, m)
+
+
+def n_draw_formula(n_seeds: int, depth: int, down_sample_ratio: float, down_sample_ratio_min: float) -> int:
+    """``floor((n_seeds - d) * max(r**d, r_min))`` clamped at 0 (before the pool limit)."""
+    return max(0, math.floor(max(n_seeds - depth, 0) * max(down_sample_ratio ** depth, down_sample_ratio_min)))
+
+
+def element_inputs(elements: CodElements, input_ids: torch.Tensor, position_ids: torch.Tensor) -> ElementInputs:
+    """Gather the drafter inputs and loss indices of ``elements`` (DESIGN.md §4).
+
+    Args:
+        elements: from :func:`sample_cod_elements` or :func:`all_elements`.
+        input_ids: ``[T] int64`` the row's tokens.
+        position_ids: ``[T] int64`` the row's positions (restart at 0 in every segment).
+
+    Returns:
+        :class:`ElementInputs` on ``input_ids.device``.
+    """
+    dev = input_ids.device
+    a = elements.anchor.to(dev)  # [E]
+    d = elements.depth.to(dev)  # [E]
+    return ElementInputs(
+        input_ids=input_ids[a + 1],  # [E] x_{a+1}
+        feature_index=a,  # [E] g_a
+        target_index=a + d + 1,  # [E] z_{a+d+1}
+        label_index=a + d + 2,  # [E] x_{a+d+2}
+        position_ids=position_ids.to(dev)[a] + 1 + d,  # [E]
+        is_mask=d > 0,  # [E]
+    )

@@ -1,0 +1,586 @@
+"""The P-EAGLE training loop (DESIGN.md §8): store in, drafter checkpoint out.
+
+Legend: T tokens in a block, E drafter elements, L aux layers, H hidden size, V verifier vocab,
+D draft vocab, K ``num_depths``.
+
+One optimizer step reads ``grad_accum`` packed blocks (one per micro-step). For each block: COD
+sampling (:mod:`peagle_train.cod`) with a generator seeded from ``(seed, block position)``, the §8
+attention mask (:mod:`peagle_train.attention`), one drafter forward, and the chunked weighted KL to
+the verifier's stored final hidden states (:mod:`peagle_train.loss`). The verifier is loaded only
+for its ``embed_tokens`` and ``lm_head`` weights; it is never run.
+
+Output directory layout:
+- ``train_config.json``: the :class:`TrainConfig` (checked again on ``--resume``);
+- ``metrics.jsonl``: one line per step (step, loss, acc per depth, tokens/s, lr, ...) and one per
+  validation (``"split": "val"``);
+- ``checkpoint-N/``: drafter (``config.json``, ``model.safetensors``) plus ``training_state.pt``;
+- ``final/``: the drafter at the last step, the directory to serve or evaluate;
+- ``training.png``: loss and per-depth accuracy against steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from peagle_train.attention import build_attention_mask
+from peagle_train.checkpoint import (
+    latest_checkpoint, load_training_state, save_checkpoint, save_drafter,
+)
+from peagle_train.cod import CodElements, element_inputs, sample_cod_elements
+from peagle_train.data import Block, BlockLoader, _seed_of, check_store_ready, split_blocks, to_block
+from peagle_train.loss import LossOutput, kl_loss_and_accuracy
+from peagle_train.model import DrafterConfig, PEagleDrafter
+from stores.errors import InputError, OutputExistsError, StoreMismatchError
+
+__all__ = [
+    "TrainConfig",
+    "VerifierHeads",
+    "run_train",
+    "load_verifier_heads",
+    "build_draft_vocab",
+    "build_drafter_config",
+    "block_loss",
+    "cod_generator",
+    "CosineWithWarmup",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything ``peagle-train`` needs; runtime handles (store, model) are built by :func:`run_train`."""
+
+    store: str
+    """Path of the feature store (``--store``)."""
+    output: str
+    """Output directory (``--output``)."""
+    verifier: str | None = None
+    """Verifier MODEL for embeddings and lm_head (``--verifier``); default: the store's verifier."""
+    max_steps: int | None = None
+    """Optimizer steps (``--max-steps``); None: one pass over the training blocks."""
+    num_depths: int = 8
+    """K, parallel draft depths (``--num-depths``)."""
+    down_sample_ratio: float = 0.7
+    """COD keep ratio r per depth, in (0, 1] (``--down-sample-ratio``)."""
+    down_sample_ratio_min: float = 0.2
+    """Floor of the COD keep ratio, in (0, 1] (``--down-sample-ratio-min``)."""
+    max_anchors: int | None = None
+    """Cap on COD seeds per block (``--max-anchors``); None: no cap."""
+    lr: float = 3e-4
+    """Peak AdamW learning rate (``--lr``)."""
+    warmup_steps: int | None = None
+    """Linear warm-up steps (``--warmup-steps``); None: 5% of max_steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (``--weight-decay``)."""
+    grad_clip: float = 1.0
+    """Max gradient norm (``--grad-clip``); must be > 0."""
+    grad_accum: int = 1
+    """Blocks per optimizer step and rank (``--grad-accum``)."""
+    seed: int = 0
+    """Seed of the split, the shuffles, COD sampling and the drafter init (``--seed``)."""
+    draft_vocab_size: int | None = None
+    """D, the most frequent loss-masked tokens (``--draft-vocab-size``); None: the verifier's vocab."""
+    num_layers: int = 1
+    """Drafter decoder layers (``--num-layers``)."""
+    save_every: int | None = None
+    """Steps between checkpoints (``--save-every``); None: only at the end."""
+    val_fraction: float = 0.05
+    """Fraction of blocks held out for validation, in [0, 1) (``--val-fraction``)."""
+    val_max_blocks: int = 16
+    """Validation reads at most this many held-out blocks (``--val-max-blocks``)."""
+    allow_incomplete: bool = False
+    """Train on the done blocks of an unfinished store (``--allow-incomplete``)."""
+    loss_chunk_size: int = 2048
+    """Elements per logits chunk in the loss (``--loss-chunk-size``)."""
+    resume: bool = False
+    """Continue from the latest ``checkpoint-N`` in output (``--resume``)."""
+    force: bool = False
+    """Delete an existing output directory first (``--force``)."""
+    log_every: int = 1
+    """Steps between metrics.jsonl lines (``--log-every``)."""
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, option: str, rule: str, value: Any) -> None:
+            if not ok:
+                raise ValueError(f"{option} must be {rule}, got {value!r}")
+
+        need(self.num_depths >= 1, "--num-depths", ">= 1", self.num_depths)
+        need(0.0 < self.down_sample_ratio <= 1.0, "--down-sample-ratio", "in (0, 1]", self.down_sample_ratio)
+        need(0.0 < self.down_sample_ratio_min <= 1.0, "--down-sample-ratio-min", "in (0, 1]",
+             self.down_sample_ratio_min)
+        need(self.max_anchors is None or self.max_anchors >= 1, "--max-anchors", ">= 1 when set", self.max_anchors)
+        need(self.max_steps is None or self.max_steps >= 1, "--max-steps", ">= 1 when set", self.max_steps)
+        need(self.lr > 0, "--lr", "> 0", self.lr)
+        need(self.warmup_steps is None or self.warmup_steps >= 0, "--warmup-steps", ">= 0", self.warmup_steps)
+        need(self.weight_decay >= 0, "--weight-decay", ">= 0", self.weight_decay)
+        need(self.grad_clip > 0, "--grad-clip", "> 0", self.grad_clip)
+        need(self.grad_accum >= 1, "--grad-accum", ">= 1", self.grad_accum)
+        need(self.draft_vocab_size is None or self.draft_vocab_size >= 1, "--draft-vocab-size", ">= 1 when set",
+             self.draft_vocab_size)
+        need(self.num_layers >= 1, "--num-layers", ">= 1", self.num_layers)
+        need(self.save_every is None or self.save_every >= 1, "--save-every", ">= 1 when set", self.save_every)
+        need(0.0 <= self.val_fraction < 1.0, "--val-fraction", "in [0, 1)", self.val_fraction)
+        need(self.val_max_blocks >= 0, "--val-max-blocks", ">= 0", self.val_max_blocks)
+        need(self.loss_chunk_size >= 1, "--loss-chunk-size", ">= 1", self.loss_chunk_size)
+        need(self.log_every >= 1, "--log-every", ">= 1", self.log_every)
+        need(not (self.resume and self.force), "--resume/--force", "used one at a time", "both")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+#: fields that must equal the saved ones for ``--resume`` to reproduce an uninterrupted run
+_RESUME_FIELDS = ("store", "max_steps", "num_depths", "down_sample_ratio", "down_sample_ratio_min",
+                  "max_anchors", "lr", "warmup_steps", "weight_decay", "grad_accum", "seed",
+                  "draft_vocab_size", "num_layers", "val_fraction")
+
+
+@dataclass
+class VerifierHeads:
+    """What training takes from the verifier.
+
+    Attributes:
+        name_or_path: the MODEL argument.
+        config: the verifier's transformers config.
+        embed: ``[V, H] float32`` input embeddings.
+        lm_head: ``[V, H] float32`` output projection (its final norm is already in the stored
+            ``final_hidden``).
+        mask_token_id: token fed at depth > 0.
+    """
+
+    name_or_path: str
+    config: Any
+    embed: torch.Tensor
+    lm_head: torch.Tensor
+    mask_token_id: int
+
+
+def _choose_mask_token_id(model_dir: Path, config) -> int:
+    """The tokenizer's unk id, else its pad id, else the config's pad / eos id, else 0.
+
+    A token the verifier rarely emits keeps the (trainable) embedding of depth > 0 inputs apart
+    from real content; SmolLM2's unk is ``<|endoftext|>`` (0).
+    """
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        for tid in (tok.unk_token_id, tok.pad_token_id):
+            if tid is not None:
+                return int(tid)
+    except Exception:  # no tokenizer files next to the weights
+        pass
+    for tid in (getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)):
+        if isinstance(tid, list):
+            tid = tid[0] if tid else None
+        if tid is not None:
+            return int(tid)
+    return 0
+
+
+def load_verifier_heads(name: str, store) -> VerifierHeads:
+    """Load the verifier's embeddings and lm_head and check them against the store.
+
+    Raises:
+        StoreMismatchError: the verifier's hidden size or vocab size differs from the store's.
+        ModelNotFoundError / MissingDependencyError: from :func:`stores.model_cache.resolve_model`.
+    """
+    from stores.model_cache import load_verifier, resolve_model
+
+    model = load_verifier(name, dtype=torch.float32, device="cpu")
+    cfg = model.config
+    H, V = int(cfg.hidden_size), int(cfg.vocab_size)
+    if H != store.hidden_size or V != store.vocab_size:
+        raise StoreMismatchError(
+            f"verifier {name!r} has hidden_size {H} and vocab_size {V}, but the store {store.path} was "
+            f"extracted with hidden_size {store.hidden_size} and vocab_size {store.vocab_size} "
+            f"(verifier {store.attrs['verifier'].get('name_or_path')!r}); pass --verifier with that model")
+    embed = model.get_input_embeddings().weight.detach().float().clone()  # [V, H]
+    lm_head = model.get_output_embeddings().weight.detach().float().clone()  # [V, H]
+    mask_id = _choose_mask_token_id(resolve_model(name, need_weights=False), cfg)
+    del model
+    return VerifierHeads(name_or_path=str(name), config=cfg, embed=embed, lm_head=lm_head, mask_token_id=mask_id)
+
+
+def build_draft_vocab(token_freq: np.ndarray, draft_vocab_size: int | None) -> torch.Tensor | None:
+    """The draft vocab as ``d2t [D] int64`` offsets (``target_id = draft_id + d2t[draft_id]``).
+
+    With ``draft_vocab_size`` N: the N most frequent tokens of ``token_freq [V] int64`` (ties broken
+    by the smaller id), sorted by id, as in EAGLE-3's frequency-based draft vocabulary
+    (arXiv:2503.01840). None: the verifier's vocab (returns None).
+
+    Raises:
+        InputError: N larger than V.
+    """
+    if draft_vocab_size is None:
+        return None
+    freq = np.asarray(token_freq, dtype=np.int64)
+    V = freq.size
+    if draft_vocab_size > V:
+        raise InputError(f"--draft-vocab-size {draft_vocab_size} exceeds the verifier vocab size {V}")
+    order = np.lexsort((np.arange(V), -freq))  # by count desc, then id asc
+    ids = np.sort(order[:draft_vocab_size])
+    return torch.from_numpy(ids - np.arange(draft_vocab_size)).to(torch.int64)  # [D]
+
+
+def build_drafter_config(heads: VerifierHeads, store, cfg: TrainConfig, draft_vocab_size: int) -> DrafterConfig:
+    """A :class:`DrafterConfig` mirroring the verifier's Llama config."""
+    vc = heads.config
+    H = int(vc.hidden_size)
+    nh = int(vc.num_attention_heads)
+    rope = getattr(vc, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    theta = theta or getattr(vc, "rope_theta", None) or 10000.0
+    return DrafterConfig(
+        hidden_size=H, intermediate_size=int(vc.intermediate_size), num_attention_heads=nh,
+        num_key_value_heads=int(getattr(vc, "num_key_value_heads", None) or nh),
+        head_dim=int(getattr(vc, "head_dim", None) or H // nh), vocab_size=int(vc.vocab_size),
+        draft_vocab_size=draft_vocab_size, aux_layer_ids=list(store.layers), num_hidden_layers=cfg.num_layers,
+        rms_norm_eps=float(getattr(vc, "rms_norm_eps", 1e-5)), rope_theta=float(theta),
+        max_position_embeddings=int(getattr(vc, "max_position_embeddings", 8192)),
+        mask_token_id=heads.mask_token_id, num_depths=cfg.num_depths,
+        hidden_act=str(getattr(vc, "hidden_act", "silu")),
+        verifier_name_or_path=heads.name_or_path,
+        verifier_architectures=list(getattr(vc, "architectures", None) or ["LlamaForCausalLM"]),
+    )
+
+
+class CosineWithWarmup:
+    """LR multiplier: linear warm-up to 1 over ``warmup`` steps, then cosine to 0 at ``total``."""
+
+    def __init__(self, warmup: int, total: int):
+        self.warmup, self.total = warmup, total
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / (self.warmup + 1)
+        progress = (step - self.warmup) / max(1, self.total - self.warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def cod_generator(seed: int, flat_position: int) -> torch.Generator:
+    """The CPU generator of COD sampling for the block at ``flat_position`` of the run's sequence."""
+    return torch.Generator().manual_seed(_seed_of(seed, 1, flat_position))
+
+
+def block_loss(model, draft_head: torch.Tensor, verifier_head: torch.Tensor, block: Block,
+               elements: CodElements, num_depths: int, chunk_size: int) -> LossOutput:
+    """Drafter forward over ``elements`` of ``block`` and the weighted KL to the verifier.
+
+    Args:
+        model: the (possibly wrapped) :class:`PEagleDrafter`.
+        draft_head: ``[D, H]`` the drafter's lm_head weight.
+        verifier_head: ``[D, H]`` the verifier's lm_head rows of the draft vocab.
+        block: tensors on the model's device.
+        elements: from COD sampling, on the model's device.
+    """
+    inp = element_inputs(elements, block.input_ids, block.position_ids)
+    dtype = draft_head.dtype
+    aux = block.aux_hidden[inp.feature_index].to(dtype)  # [E, L*H]
+    mask = build_attention_mask(elements)  # [E, E] bool
+    hidden = model(inp.input_ids, aux, inp.is_mask, inp.position_ids, mask)  # [E, H]
+    target = block.final_hidden[inp.target_index]  # [E, H] bf16
+    return kl_loss_and_accuracy(hidden, draft_head, target, verifier_head, elements.weight, elements.depth,
+                                num_depths, chunk_size)
+
+
+def _block_to(block: Block, device) -> Block:
+    return dataclasses.replace(block, **{f: getattr(block, f).to(device) for f in
+                                         ("input_ids", "loss_mask", "position_ids", "cu_seqlens",
+                                          "aux_hidden", "final_hidden")})
+
+
+def _sample(block: Block, cfg: TrainConfig, gen: torch.Generator) -> CodElements:
+    return sample_cod_elements(block.cu_seqlens.cpu(), block.loss_mask.cpu(), cfg.num_depths,
+                               cfg.down_sample_ratio, cfg.down_sample_ratio_min, cfg.max_anchors, gen)
+
+
+def _prepare_output(cfg: TrainConfig) -> Path | None:
+    """Create or check the output directory; return the checkpoint to resume from, if any."""
+    out = Path(cfg.output)
+    if cfg.resume:
+        ckpt = latest_checkpoint(out)
+        saved = out / "train_config.json"
+        if ckpt is not None and saved.is_file():
+            old = json.loads(saved.read_text())
+            diff = {k: (old.get(k), getattr(cfg, k)) for k in _RESUME_FIELDS if old.get(k) != getattr(cfg, k)}
+            if diff:
+                raise InputError(f"--resume with settings that differ from the saved run in {out} "
+                                 f"(saved, given): {diff}; rerun with the saved settings or a new --output")
+        out.mkdir(parents=True, exist_ok=True)
+        return ckpt
+    if out.exists() and any(out.iterdir()):
+        if not cfg.force:
+            raise OutputExistsError(str(out), "pass --resume to continue it or --force to overwrite it")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return None
+
+
+def _reduce(accelerator, out: LossOutput) -> dict[str, torch.Tensor]:
+    vals = {"loss_sum": out.loss_sum.detach().float().reshape(1), "weight_sum": out.weight_sum.float().reshape(1),
+            "correct": out.correct.detach(), "counts": out.counts.detach()}
+    if accelerator.num_processes > 1:
+        vals = {k: accelerator.reduce(v, reduction="sum") for k, v in vals.items()}
+    return vals
+
+
+def _summarise(sums: dict[str, torch.Tensor]) -> tuple[float, list[float | None]]:
+    w = float(sums["weight_sum"].sum())
+    loss = float(sums["loss_sum"].sum()) / w if w > 0 else 0.0
+    acc = [(c / n) if n > 0 else None for c, n in zip(sums["correct"].tolist(), sums["counts"].tolist())]
+    return loss, acc
+
+
+def _add(acc: dict | None, new: dict) -> dict:
+    return new if acc is None else {k: acc[k] + new[k] for k in acc}
+
+
+@torch.no_grad()
+def evaluate(model, draft_head, verifier_head, store, val_ids: np.ndarray, cfg: TrainConfig, device) -> dict:
+    """Loss and per-depth accuracy on held-out blocks, COD-sampled with fixed per-block seeds."""
+    sums = None
+    for bid in val_ids[: cfg.val_max_blocks]:
+        block = _block_to(to_block(int(bid), store.read_block(int(bid))), device)
+        el = _sample(block, cfg, torch.Generator().manual_seed(_seed_of(cfg.seed, 2, int(bid)))).to(device)
+        out = block_loss(model, draft_head, verifier_head, block, el, cfg.num_depths, cfg.loss_chunk_size)
+        sums = _add(sums, {"loss_sum": out.loss_sum.float().reshape(1), "weight_sum": out.weight_sum.reshape(1),
+                           "correct": out.correct, "counts": out.counts})
+    if sums is None:
+        return {}
+    loss, acc = _summarise(sums)
+    return {"val_loss": loss, "val_acc": acc}
+
+
+def plot_metrics(metrics_path: Path, png_path: Path) -> Path | None:
+    """Write a PNG of training loss and per-depth accuracy against steps (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    train = [r for r in rows if r.get("split") == "train"]
+    if not train:
+        return None
+    steps = [r["step"] for r in train]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot(steps, [r["loss"] for r in train], label="train")
+    val = [r for r in rows if r.get("split") == "val"]
+    if val:
+        ax1.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="val")
+    ax1.set(xlabel="step", ylabel="KL loss", title="loss")
+    ax1.legend()
+    for d in range(len(train[0]["acc"])):
+        ys = [r["acc"][d] if r["acc"][d] is not None else float("nan") for r in train]
+        ax2.plot(steps, ys, label=f"depth {d}")
+    ax2.set(xlabel="step", ylabel="weighted argmax agreement", title="per-depth accuracy", ylim=(0, 1))
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return png_path
+
+
+def _write_metrics(path: Path, rows: list[dict]) -> None:
+    with path.open("a") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    if path.is_file():
+        keep = [line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= last_step]
+        path.write_text("".join(line + "\n" for line in keep))
+
+
+def run_train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train a P-EAGLE drafter on a feature store and save it (DESIGN.md §8).
+
+    Returns:
+        A summary: ``steps``, ``final_loss``, ``per_depth_accuracy`` (mean over the last steps),
+        ``val_loss``, ``val_per_depth_accuracy``, ``checkpoint`` (the ``final/`` directory),
+        ``metrics``, ``plot``, ``tokens_per_second``, ``data_wait_fraction``, ``resumed_from``.
+
+    Raises:
+        StoreFormatError: missing or unfinished store (without ``allow_incomplete``).
+        StoreMismatchError: the verifier does not match the store.
+        OutputExistsError: output exists without ``resume`` or ``force``.
+        InputError: ``--resume`` with settings that differ from the saved run, or a draft vocab
+            larger than the verifier's.
+    """
+    from accelerate import Accelerator
+    from stores.feature_store import FeatureStore
+    from tqdm.auto import tqdm
+
+    store = FeatureStore.open(cfg.store)
+    usable = check_store_ready(store, cfg.allow_incomplete)
+    train_ids, val_ids = split_blocks(usable, cfg.seed, cfg.val_fraction)
+    verifier_name = cfg.verifier or store.attrs["verifier"]["name_or_path"]
+    heads = load_verifier_heads(verifier_name, store)
+    d2t = build_draft_vocab(store.token_freq(), cfg.draft_vocab_size)
+    D = int(d2t.numel()) if d2t is not None else store.vocab_size
+
+    accelerator = Accelerator(mixed_precision="bf16" if torch.cuda.is_available() else "no")
+    main = accelerator.is_main_process
+    resume_from = _prepare_output(cfg) if main else None
+    accelerator.wait_for_everyone()
+    if not main and cfg.resume:
+        resume_from = latest_checkpoint(cfg.output)
+    out = Path(cfg.output)
+    metrics_path = out / "metrics.jsonl"
+    if main:
+        (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+
+    torch.manual_seed(cfg.seed)  # drafter init only; every later draw uses its own generator
+    model = PEagleDrafter(build_drafter_config(heads, store, cfg, D))
+    model.init_from_verifier(heads.embed, heads.lm_head, d2t)
+    verifier_head = heads.lm_head[model.draft_ids].to(accelerator.device)  # [D, H]
+    del heads
+
+    world = accelerator.num_processes
+    per_epoch = max(1, len(train_ids) // (cfg.grad_accum * world))
+    max_steps = cfg.max_steps if cfg.max_steps is not None else per_epoch
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max_steps // 20
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, CosineWithWarmup(warmup, max_steps))
+
+    step, position = 0, 0
+    if resume_from is not None:
+        state = load_training_state(resume_from)
+        from peagle_train.checkpoint import load_drafter
+
+        model.load_state_dict(load_drafter(resume_from).state_dict())
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"]["torch"])
+        step, position = int(state["step"]), int(state["data"]["position"])
+        if main:
+            _truncate_metrics(metrics_path, step)
+    elif main and metrics_path.exists():
+        metrics_path.unlink()
+
+    model, optimizer = accelerator.prepare(model, optimizer)
+    unwrapped = accelerator.unwrap_model(model)
+    loader = BlockLoader(store, train_ids, cfg.seed, position=position, rank=accelerator.process_index,
+                         world_size=world)
+    batches = iter(loader)
+
+    def save(name: str) -> Path:
+        state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                 "rng": {"torch": torch.get_rng_state()}, "data": loader.state_dict(), "step": step,
+                 "train_config": cfg.to_dict()}
+        return save_checkpoint(unwrapped, out / name, state, training_info())
+
+    def training_info() -> dict[str, Any]:
+        """Recorded in config.json so evaluation can find the held-out split."""
+        return {"peagle_training": {"step": step, "store": cfg.store, "seed": cfg.seed,
+                                    "val_fraction": cfg.val_fraction, "num_depths": cfg.num_depths,
+                                    "max_anchors": cfg.max_anchors, "down_sample_ratio": cfg.down_sample_ratio,
+                                    "down_sample_ratio_min": cfg.down_sample_ratio_min,
+                                    "val_blocks": [int(i) for i in val_ids]}}
+
+    bar = tqdm(total=max_steps, initial=step, disable=not main, desc="peagle-train", dynamic_ncols=True)
+    history: list[dict] = []
+    t_start, tokens_total, wait0 = time.perf_counter(), 0, loader.wait_s
+    model.train()
+    try:
+        while step < max_steps:
+            t0 = time.perf_counter()
+            sums, n_tokens, n_elements = None, 0, 0
+            for micro in range(cfg.grad_accum):
+                flat = loader.position * world + accelerator.process_index
+                block = _block_to(next(batches), accelerator.device)
+                elements = _sample(block, cfg, cod_generator(cfg.seed, flat)).to(accelerator.device)
+                sync = micro == cfg.grad_accum - 1
+                with nullcontext() if sync or world == 1 else accelerator.no_sync(model):
+                    with accelerator.autocast():
+                        res = block_loss(model, unwrapped.lm_head.weight, verifier_head, block, elements,
+                                         cfg.num_depths, cfg.loss_chunk_size)
+                    accelerator.backward(res.loss / cfg.grad_accum)
+                sums = _add(sums, _reduce(accelerator, res))
+                n_tokens += block.n_tokens * world
+                n_elements += len(elements)
+            accelerator.clip_grad_norm_(params, cfg.grad_clip)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            dt = time.perf_counter() - t0
+            tokens_total += n_tokens
+            loss, acc = _summarise(sums)
+            row = {"split": "train", "step": step, "loss": loss, "acc": acc, "tokens_per_s": n_tokens / dt,
+                   "lr": lr, "n_elements": n_elements, "weight": float(sums["weight_sum"].sum()), "step_s": dt}
+            history.append(row)
+            if main:
+                if step % cfg.log_every == 0 or step == max_steps:
+                    _write_metrics(metrics_path, [row])
+                shown = " ".join(f"{a:.2f}" if a is not None else "-" for a in acc[:4])
+                bar.set_postfix_str(f"loss {loss:.3f} acc {shown} tok/s {n_tokens / dt:.0f} lr {lr:.2e}")
+                bar.update(1)
+            if cfg.save_every and step % cfg.save_every == 0 and step < max_steps:
+                accelerator.wait_for_everyone()
+                if main:
+                    save(f"checkpoint-{step}")
+                    if len(val_ids):
+                        model.eval()
+                        _write_metrics(metrics_path, [{"split": "val", "step": step, **evaluate(
+                            unwrapped, unwrapped.lm_head.weight, verifier_head, store, val_ids, cfg,
+                            accelerator.device)}])
+                        model.train()
+    finally:
+        bar.close()
+        loader.close()
+
+    accelerator.wait_for_everyone()
+    summary: dict[str, Any] = {"steps": step, "resumed_from": str(resume_from) if resume_from else None}
+    if main:
+        save(f"checkpoint-{step}")
+        final = save_drafter(unwrapped, out / "final", training_info())
+        model.eval()
+        val = evaluate(unwrapped, unwrapped.lm_head.weight, verifier_head, store, val_ids, cfg,
+                       accelerator.device) if len(val_ids) else {}
+        if val:
+            _write_metrics(metrics_path, [{"split": "val", "step": step, **val}])
+        plot = plot_metrics(metrics_path, out / "training.png") if metrics_path.is_file() else None
+        tail = history[-max(1, min(10, len(history))):] if history else []
+        elapsed = time.perf_counter() - t_start
+        summary.update({
+            "final_loss": history[-1]["loss"] if history else None,
+            "per_depth_accuracy": _mean_acc(tail),
+            "val_loss": val.get("val_loss"),
+            "val_per_depth_accuracy": val.get("val_acc"),
+            "checkpoint": str(final),
+            "output": str(out),
+            "metrics": str(metrics_path),
+            "plot": str(plot) if plot else None,
+            "tokens_per_second": tokens_total / elapsed if elapsed > 0 else None,
+            "data_wait_fraction": (loader.wait_s - wait0) / elapsed if elapsed > 0 else None,
+            "train_blocks": int(len(train_ids)),
+            "val_blocks": int(len(val_ids)),
+            "draft_vocab_size": D,
+        })
+    return summary
+
+
+def _mean_acc(rows: list[dict]) -> list[float | None]:
+    if not rows:
+        return []
+    out = []
+    for d in range(len(rows[0]["acc"])):
+        vals = [r["acc"][d] for r in rows if r["acc"][d] is not None]
+        out.append(sum(vals) / len(vals) if vals else None)
+    return out

@@ -1,0 +1,89 @@
+"""Drafter checkpoints: exact round trip; config.json keys and tensor names/shapes per DESIGN.md §8."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from peagle_train.checkpoint import (
+    latest_checkpoint, load_drafter, load_training_state, save_checkpoint, save_drafter,
+)
+from peagle_train.model import DrafterConfig, PEagleDrafter
+from stores.errors import StoreFormatError
+
+H, L, V, D = 32, 3, 100, 40
+
+
+def _model(num_layers=2):
+    cfg = DrafterConfig(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, vocab_size=V, draft_vocab_size=D, aux_layer_ids=[1, 3, 5],
+                        num_hidden_layers=num_layers, rope_theta=5000.0, mask_token_id=7, num_depths=5,
+                        verifier_name_or_path="tiny-verifier")
+    torch.manual_seed(0)
+    m = PEagleDrafter(cfg)
+    d2t = torch.tensor([2 * i for i in range(D)]) - torch.arange(D)  # draft id i -> verifier id 2i
+    m.init_from_verifier(torch.randn(V, H), torch.randn(V, H), d2t)
+    return m
+
+
+def test_round_trip_is_exact(tmp_path):
+    m = _model()
+    save_drafter(m, tmp_path / "ck")
+    back = load_drafter(tmp_path / "ck")
+    assert back.config == m.config
+    sd, sd2 = m.state_dict(), back.state_dict()
+    assert sd.keys() == sd2.keys()
+    for k in sd:
+        assert sd[k].dtype == sd2[k].dtype and torch.equal(sd[k], sd2[k]), k
+    assert torch.equal(back.draft_ids, torch.arange(D) * 2)
+
+
+def test_config_json_and_tensor_names(tmp_path):
+    m = _model()
+    save_drafter(m, tmp_path / "ck")
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    assert cfg["architectures"] == ["PEagleSpeculator"]
+    assert cfg["speculators_model_type"] == "peagle"
+    assert cfg["draft_vocab_size"] == D
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+    assert cfg["mask_token_id"] == 7
+    tl = cfg["transformer_layer_config"]
+    assert tl["model_type"] == "llama" and tl["hidden_size"] == H and tl["num_hidden_layers"] == 2
+    assert tl["vocab_size"] == V and tl["head_dim"] == 8 and tl["rope_parameters"]["rope_theta"] == 5000.0
+    sc = cfg["speculators_config"]
+    assert sc["algorithm"] == "peagle" and sc["default_proposal_method"] == "greedy"
+    assert sc["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 5}]
+    assert sc["verifier"] == {"name_or_path": "tiny-verifier", "architectures": ["LlamaForCausalLM"]}
+    with safe_open(str(tmp_path / "ck" / "model.safetensors"), "pt") as f:
+        shapes = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+    expect = {
+        "embed_tokens.weight": ((V, H), "F32"), "fc.weight": ((H, L * H), "F32"),
+        "mask_hidden": ((1, 1, L * H), "F32"),
+        "layers.0.self_attn.q_proj.weight": ((4 * 8, 2 * H), "F32"),
+        "layers.0.self_attn.k_proj.weight": ((2 * 8, 2 * H), "F32"),
+        "layers.0.self_attn.v_proj.weight": ((2 * 8, 2 * H), "F32"),
+        "layers.0.self_attn.o_proj.weight": ((H, 4 * 8), "F32"),
+        "layers.0.hidden_norm.weight": ((H,), "F32"), "layers.0.input_layernorm.weight": ((H,), "F32"),
+        "layers.0.post_attention_layernorm.weight": ((H,), "F32"),
+        "layers.0.mlp.gate_proj.weight": ((64, H), "F32"), "layers.0.mlp.down_proj.weight": ((H, 64), "F32"),
+        "layers.1.self_attn.q_proj.weight": ((4 * 8, H), "F32"),
+        "norm.weight": ((H,), "F32"), "lm_head.weight": ((D, H), "F32"),
+        "d2t": ((D,), "I64"), "t2d": ((V,), "BOOL"),
+    }
+    for k, v in expect.items():
+        assert shapes[k] == v, k
+    assert "layers.1.hidden_norm.weight" not in shapes
+
+
+def test_training_state_and_latest_checkpoint(tmp_path):
+    m = _model(1)
+    for step in (2, 10, 4):
+        save_checkpoint(m, tmp_path / f"checkpoint-{step}", {"step": step, "data": {"position": step}})
+    (tmp_path / "checkpoint-99").mkdir()  # incomplete: no training_state.pt
+    assert latest_checkpoint(tmp_path).name == "checkpoint-10"
+    assert load_training_state(tmp_path / "checkpoint-10")["data"]["position"] == 10
+    with pytest.raises(StoreFormatError):
+        load_training_state(tmp_path / "checkpoint-99")
+    with pytest.raises(StoreFormatError):
+        load_drafter(tmp_path / "checkpoint-99")

@@ -1,0 +1,119 @@
+"""COD sampling (DESIGN.md §8) against brute-force enumeration on small rows."""
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from peagle_train.cod import all_elements, n_draw_formula, sample_cod_elements
+
+
+def _row(lengths, mask):
+    cu = torch.tensor([0, *itertools.accumulate(lengths)])
+    return cu, torch.tensor(mask)
+
+
+def _brute(cu, m, K):
+    """{(a, d): weight} of every existing element, by direct enumeration."""
+    out = {}
+    for s in range(len(cu) - 1):
+        lo, hi = int(cu[s]), int(cu[s + 1])
+        for a in range(lo, hi):
+            for d in range(K):
+                if a + d + 2 <= hi - 1:
+                    out[(a, d)] = float(m[a + d + 2])
+    return out
+
+
+rows = st.lists(st.integers(1, 12), min_size=1, max_size=4).flatmap(
+    lambda lens: st.tuples(st.just(lens), st.lists(st.integers(0, 1), min_size=sum(lens), max_size=sum(lens))))
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows, st.integers(1, 6), st.sampled_from([0.3, 0.7, 1.0]), st.sampled_from([0.1, 0.2, 1.0]),
+       st.sampled_from([None, 1, 3, 100]), st.integers(0, 1000))
+def test_sample_matches_the_rules(row, K, r, r_min, max_anchors, seed):
+    lens, mask = row
+    cu, m = _row(lens, mask)
+    brute = _brute(cu, m, K)
+    el = sample_cod_elements(cu, m, K, r, r_min, max_anchors, torch.Generator().manual_seed(seed))
+    pairs = list(zip(el.anchor.tolist(), el.depth.tolist()))
+    assert pairs == sorted(pairs, key=lambda ad: (ad[1], ad[0]))
+    assert len(set(pairs)) == len(pairs)
+    for (a, d), w, s in zip(pairs, el.weight.tolist(), el.segment.tolist()):
+        assert (a, d) in brute and brute[(a, d)] == w  # exists, right weight
+        assert int(cu[s]) <= a < int(cu[s + 1])  # its segment, no crossing
+        if d > 0:
+            assert w == 1.0 and (a, d - 1) in pairs  # chains nested
+    assert sorted(a for a, d in pairs if d == 0) == sorted(a for a, d in brute if d == 0)  # depth 0 full
+    # seeds and the per-segment count formula
+    seeds_all = [a for (a, d), w in brute.items() if d == 1 and w == 1.0]
+    depth1 = [a for a, d in pairs if d == 1]
+    if max_anchors is not None:
+        assert len(depth1) <= max_anchors
+    seeds = seeds_all if max_anchors is None or len(seeds_all) <= max_anchors else None
+    for s in range(len(lens)):
+        lo, hi = int(cu[s]), int(cu[s + 1])
+        pool = [a for a in (seeds if seeds is not None else depth1) if lo <= a < hi]
+        n_seeds = len(pool) if seeds is not None else None
+        for d in range(1, K):
+            got = [a for a, dd in pairs if dd == d and lo <= a < hi]
+            if n_seeds is not None:
+                assert len(got) == min(n_draw_formula(n_seeds, d, r, r_min), len(pool))
+            assert set(got) <= set(pool)
+            pool = [a for a in got if brute.get((a, d + 1)) == 1.0]
+
+
+def test_counts_on_a_long_fully_supervised_segment():
+    cu, m = _row([50], [1] * 50)
+    el = sample_cod_elements(cu, m, 8, 0.7, 0.2, None, torch.Generator().manual_seed(0))
+    n_seeds = 47  # anchors 0..46 have (a, 1)
+    expected = [48] + [n_draw_formula(n_seeds, d, 0.7, 0.2) for d in range(1, 8)]
+    assert el.count_per_depth(8) == expected
+
+
+def test_max_anchors_caps_seeds_and_keeps_depth0_full():
+    cu, m = _row([40, 40], [1] * 80)
+    el = sample_cod_elements(cu, m, 4, 1.0, 1.0, 5, torch.Generator().manual_seed(1))
+    counts = el.count_per_depth(4)
+    assert counts[0] == 76 and counts[1] <= 5
+
+
+def test_same_seed_same_sample_and_different_seed_differs():
+    cu, m = _row([30, 20, 25], [1, 0, 1] * 25)
+    a = sample_cod_elements(cu, m, 6, 0.7, 0.2, None, torch.Generator().manual_seed(7))
+    b = sample_cod_elements(cu, m, 6, 0.7, 0.2, None, torch.Generator().manual_seed(7))
+    c = sample_cod_elements(cu, m, 6, 0.7, 0.2, None, torch.Generator().manual_seed(8))
+    assert torch.equal(a.anchor, b.anchor) and torch.equal(a.depth, b.depth)
+    assert not (torch.equal(a.anchor, c.anchor) and torch.equal(a.depth, c.depth))
+
+
+def test_all_zero_mask_gives_depth0_only():
+    cu, m = _row([10, 7], [0] * 17)
+    el = sample_cod_elements(cu, m, 8, 0.7, 0.2, None, torch.Generator().manual_seed(0))
+    assert el.count_per_depth(8) == [8 + 5, 0, 0, 0, 0, 0, 0, 0]
+    assert float(el.weight.sum()) == 0.0
+
+
+def test_all_elements_is_the_brute_force_set():
+    cu, m = _row([9, 1, 2, 6], [0, 1, 1, 0, 1, 1, 1, 0, 1, 1, 0, 1, 1, 1, 0, 1, 1, 1])
+    el = all_elements(cu, m, 5)
+    got = {(a, d): w for a, d, w in zip(el.anchor.tolist(), el.depth.tolist(), el.weight.tolist())}
+    assert got == _brute(cu, m, 5)
+
+
+@pytest.mark.parametrize("kwargs, option", [
+    (dict(num_depths=0), "--num-depths"),
+    (dict(down_sample_ratio=0.0), "--down-sample-ratio"),
+    (dict(down_sample_ratio=1.5), "--down-sample-ratio"),
+    (dict(down_sample_ratio_min=0.0), "--down-sample-ratio-min"),
+    (dict(max_anchors=0), "--max-anchors"),
+])
+def test_bad_parameters_raise(kwargs, option):
+    args = dict(num_depths=4, down_sample_ratio=0.7, down_sample_ratio_min=0.2, max_anchors=None)
+    args.update(kwargs)
+    cu, m = _row([5], [1] * 5)
+    with pytest.raises(ValueError, match=option):
+        sample_cod_elements(cu, m, generator=torch.Generator(), **args)

@@ -1,0 +1,65 @@
+"""Chunked weighted KL equals the unchunked one, in value and gradients; Σw = 0 gives 0."""
+
+import torch
+import torch.nn.functional as F
+
+from peagle_train.loss import kl_loss_and_accuracy
+
+E, H, D, K = 37, 16, 50, 4
+
+
+def _inputs(seed=0, zero_weight=False):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(E, H, generator=g, requires_grad=True)
+    head = torch.randn(D, H, generator=g, requires_grad=True)
+    target = torch.randn(E, H, generator=g).to(torch.bfloat16)
+    vhead = torch.randn(D, H, generator=g)
+    w = torch.zeros(E) if zero_weight else (torch.rand(E, generator=g) < 0.7).float()
+    depth = torch.randint(0, K, (E,), generator=g)
+    return hidden, head, target, vhead, w, depth
+
+
+def _naive(hidden, head, target, vhead, w):
+    p = F.softmax(target.float() @ vhead.T, -1)
+    logq = F.log_softmax(hidden @ head.T, -1)
+    kl = (p * (p.log() - logq)).sum(-1)
+    return (kl * w).sum() / w.sum()
+
+
+def test_chunked_equals_unchunked_value_and_grads():
+    results = []
+    for chunk in (None, 5, 16, 1000):
+        hidden, head, target, vhead, w, depth = _inputs()
+        out = kl_loss_and_accuracy(hidden, head, target, vhead, w, depth, K, chunk_size=chunk)
+        out.loss.backward()
+        results.append((out.loss.detach(), hidden.grad.clone(), head.grad.clone(), out.correct, out.counts))
+    for r in results[1:]:
+        for x, y in zip(results[0], r):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    hidden, head, target, vhead, w, depth = _inputs()
+    torch.testing.assert_close(results[0][0], _naive(hidden, head, target, vhead, w).detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_accuracy_is_weighted_argmax_agreement_per_depth():
+    hidden, head, target, vhead, w, depth = _inputs(1)
+    out = kl_loss_and_accuracy(hidden, head, target, vhead, w, depth, K, chunk_size=7)
+    agree = ((hidden @ head.T).argmax(-1) == (target.float() @ vhead.T).argmax(-1)).float()
+    for d in range(K):
+        sel = depth == d
+        assert torch.isclose(out.correct[d], (agree * w)[sel].sum())
+        assert torch.isclose(out.counts[d], w[sel].sum())
+
+
+def test_zero_weight_gives_zero_loss_and_finite_grads():
+    hidden, head, target, vhead, w, depth = _inputs(2, zero_weight=True)
+    out = kl_loss_and_accuracy(hidden, head, target, vhead, w, depth, K, chunk_size=8)
+    out.loss.backward()
+    assert float(out.loss.detach()) == 0.0
+    assert torch.isfinite(hidden.grad).all() and torch.isfinite(head.grad).all()
+
+
+def test_kl_is_zero_when_drafter_matches_verifier():
+    hidden, head, target, vhead, w, depth = _inputs(3)
+    out = kl_loss_and_accuracy(target.float(), vhead, target, vhead, w, depth, K, chunk_size=10)
+    assert abs(float(out.loss.detach())) < 1e-5
+    assert torch.equal(out.correct, out.counts)

@@ -1,0 +1,164 @@
+"""The training loop on a tiny synthetic store and a tiny random verifier (vocab 256, hidden 64)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from peagle_train.checkpoint import load_drafter
+from peagle_train.data import epoch_order, split_blocks
+from peagle_train.train import TrainConfig, build_draft_vocab, run_train
+from stores.errors import StoreFormatError, StoreMismatchError
+
+H, V, LAYERS, C = 64, 256, [1, 2], 48
+
+
+def _verifier(path, hidden=H, vocab=V):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=3,
+                      rope_theta=10000.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def verifier_dir(tmp_path_factory):
+    return _verifier(tmp_path_factory.mktemp("verifier"))
+
+
+def _store(path, verifier_dir, n_blocks=1, done=None, seed=0):
+    """A store of random blocks; block b is arithmetic in b so every block differs."""
+    from stores.feature_store import FeatureStore
+
+    store = FeatureStore.create(
+        path, n_blocks=n_blocks, block_size=C, max_segments=3, layers=LAYERS, hidden_size=H, vocab_size=V,
+        verifier={"name_or_path": str(verifier_dir), "architecture": "LlamaForCausalLM", "num_hidden_layers": 3,
+                  "hidden_size": H, "vocab_size": V, "dtype": "bfloat16"},
+        tokenizer={"name_or_path": str(verifier_dir)}, source="sha")
+    g = torch.Generator().manual_seed(seed)
+    lens = [[20, 28], [48], [10, 30, 8]]
+    n_tokens = []
+    for b in range(n_blocks):
+        seg = lens[b % 3]
+        T = sum(seg)
+        ids = torch.randint(0, V, (T,), generator=g)
+        mask = torch.cat([torch.cat([torch.zeros(3), torch.ones(n - 3)]) for n in seg]).long()
+        pos = torch.cat([torch.arange(n) for n in seg])
+        cu = np.cumsum([0, *seg])
+        store.write_tokens(b, ids.numpy(), mask.numpy(), pos.numpy(), cu)
+        store.write_features(b, torch.randn(T, len(LAYERS), H, generator=g).to(torch.bfloat16),
+                             (3 * torch.randn(T, H, generator=g)).to(torch.bfloat16))
+        n_tokens.append(T)
+        if done is None or b in done:
+            store.mark_done(b)
+    store.write_all_n_tokens(np.array(n_tokens))
+    store.set_token_freq(np.arange(V)[::-1].copy())
+    return str(path)
+
+
+def _cfg(store, out, **kw):
+    base = dict(store=store, output=str(out), num_depths=4, lr=3e-3, warmup_steps=0, val_fraction=0.0,
+                max_steps=8, loss_chunk_size=64)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _rows(out, split="train"):
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["split"] == split]
+
+
+def test_loss_decreases_on_a_repeated_block(tmp_path, verifier_dir):
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=1)
+    summary = run_train(_cfg(store, tmp_path / "out", max_steps=12, draft_vocab_size=100))
+    rows = _rows(tmp_path / "out")
+    losses = [r["loss"] for r in rows]
+    assert len(rows) == 12 and all(np.isfinite(losses))
+    assert np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3])
+    assert len(rows[0]["acc"]) == 4
+    assert summary["final_loss"] == losses[-1] and summary["draft_vocab_size"] == 100
+    drafter = load_drafter(summary["checkpoint"])
+    assert drafter.config.draft_vocab_size == 100 and drafter.config.mask_token_id == 3
+    assert (tmp_path / "out" / "training.png").stat().st_size > 0
+    assert (tmp_path / "out" / "checkpoint-12" / "training_state.pt").is_file()
+
+
+def test_resume_continues_exactly(tmp_path, verifier_dir):
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=5)
+    full = tmp_path / "full"
+    run_train(_cfg(store, full, max_steps=6, save_every=3, val_fraction=0.2))
+    part = tmp_path / "part"
+    import shutil
+
+    shutil.copytree(full, part)
+    shutil.rmtree(part / "checkpoint-6")
+    shutil.rmtree(part / "final")
+    summary = run_train(_cfg(store, part, max_steps=6, save_every=3, val_fraction=0.2, resume=True))
+    assert summary["resumed_from"].endswith("checkpoint-3")
+    a, b = _rows(full), _rows(part)
+    assert [r["step"] for r in b] == list(range(1, 7))
+    for x, y in zip(a, b):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-6, abs=1e-7)
+        assert x["n_elements"] == y["n_elements"]
+    sa, sb = load_drafter(full / "final").state_dict(), load_drafter(part / "final").state_dict()
+    for k in sa:
+        torch.testing.assert_close(sa[k], sb[k])
+
+
+def test_split_and_shuffle_are_pure_functions_of_the_seed():
+    ids = np.arange(10)
+    tr, va = split_blocks(ids, 3, 0.2)
+    assert len(va) == 2 and sorted([*tr, *va]) == list(range(10))
+    assert np.array_equal(split_blocks(ids, 3, 0.2)[1], va)
+    assert len(split_blocks(np.arange(2), 0, 0.01)[1]) == 1
+    assert np.array_equal(epoch_order(tr, 0, 1), epoch_order(tr, 0, 1))
+    assert not np.array_equal(epoch_order(tr, 0, 1), epoch_order(tr, 0, 2))
+
+
+def test_draft_vocab_takes_most_frequent_ties_by_id():
+    freq = np.array([5, 9, 0, 9, 1, 5])
+    d2t = build_draft_vocab(freq, 3)
+    assert (torch.arange(3) + d2t).tolist() == [0, 1, 3]  # 1 and 3 (9), then 0 over 5 (tie by id)
+    assert build_draft_vocab(freq, None) is None
+
+
+@pytest.mark.parametrize("kw, option", [
+    (dict(num_depths=0), "--num-depths"), (dict(down_sample_ratio=0.0), "--down-sample-ratio"),
+    (dict(down_sample_ratio_min=1.5), "--down-sample-ratio-min"), (dict(max_anchors=0), "--max-anchors"),
+    (dict(max_steps=0), "--max-steps"), (dict(val_fraction=1.0), "--val-fraction"),
+])
+def test_bad_config_names_the_option(kw, option):
+    with pytest.raises(ValueError, match=option):
+        TrainConfig(store="s", output="o", **kw)
+
+
+def test_bad_stores_fail_before_training(tmp_path, verifier_dir):
+    with pytest.raises(StoreFormatError):
+        run_train(_cfg(str(tmp_path / "missing.zarr"), tmp_path / "o1"))
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=3, done={0, 2})
+    with pytest.raises(StoreFormatError, match="--allow-incomplete"):
+        run_train(_cfg(store, tmp_path / "o2"))
+    other = _verifier(tmp_path / "other", vocab=300)
+    with pytest.raises(StoreMismatchError, match="vocab_size"):
+        run_train(_cfg(store, tmp_path / "o3", verifier=str(other), allow_incomplete=True))
+    assert not (tmp_path / "o3").exists()
+
+
+def test_cli_trains_and_refuses_existing_output(tmp_path, verifier_dir):
+    from cli.train import main
+
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
+    args = ["--store", store, "--output", str(tmp_path / "out"), "--max-steps", "2", "--num-depths", "3",
+            "--seed", "1"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.output[res.output.index("{"):])
+    assert summary["steps"] == 2 and len(summary["per_depth_accuracy"]) == 3
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 2 and "--resume" in res.output
+    res = CliRunner().invoke(main, [*args, "--max-anchors", "0"])
+    assert res.exit_code == 2 and "--max-anchors" in res.output
