@@ -1,0 +1,96 @@
+"""``peagle-data tokenize`` and ``peagle-data pack``: options -> one config -> one library call."""
+
+from __future__ import annotations
+
+import click
+
+from cli.common import handle_errors
+
+__all__ = ["tokenize", "pack"]
+
+_FORMAT = click.Choice(["auto", "openai", "sharegpt"])
+
+
+def _common_options(fn):
+    """Options shared by tokenize and pack (applied in reverse so --help lists them in order)."""
+    options = [
+        click.argument("inputs", metavar="INPUT...", nargs=-1, required=True),
+        click.option("--tokenizer", "tokenizer_name", metavar="MODEL", required=True,
+                     help="smollm2-135m, a local model directory or a Hugging Face id."),
+        click.option("--output", metavar="DIR", required=True, type=click.Path(file_okay=False),
+                     help="Output table directory (must not exist unless --force)."),
+        click.option("--chat-template", metavar="FILE", type=click.Path(dir_okay=False),
+                     help="Jinja chat template file replacing the tokenizer's own."),
+        click.option("--limit", metavar="N", type=click.IntRange(min=1),
+                     help="Read at most N input rows (usable or not)."),
+        click.option("--format", "fmt", type=_FORMAT, default="auto", show_default=True,
+                     help="Conversation format of the input rows (auto detects per row)."),
+        click.option("--strict", is_flag=True, help="Stop at the first bad row instead of rejecting it."),
+        click.option("--force", is_flag=True, help="Overwrite an existing output."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _tokenize_config(chat_template, limit, fmt, strict):
+    from peagle_data.prepare import TokenizeConfig
+
+    try:
+        return TokenizeConfig(format=fmt, limit=limit, strict=strict, chat_template=chat_template)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def _echo_summary(summary: dict) -> None:
+    c = summary["counts"]
+    click.echo(f"read {c['read']}  used {c['used']}  rejected {c['rejected']}"
+               + (f" {c['rejected_by_reason']}" if c.get("rejected_by_reason") else ""))
+    line = f"tokens {c['tokens']}  loss tokens {c['loss_tokens']}"
+    if "n_blocks" in c:
+        line += (f"  windows {c['windows']} (dropped {c['windows_dropped']})  blocks {c['n_blocks']}"
+                 f" x {c['block_size']}  packing efficiency {c['packing_efficiency']:.4f}")
+    click.echo(line)
+    click.echo(f"output: {summary['output']}")
+
+
+@click.command()
+@_common_options
+@handle_errors
+def tokenize(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, force):
+    """Tokenize conversations with the chat template; write input_ids and assistant loss masks.
+
+    INPUT: .jsonl, .json or .parquet files (globs allowed), or 'sharegpt'.
+    """
+    from peagle_data.prepare import run_tokenize
+
+    cfg = _tokenize_config(chat_template, limit, fmt, strict)
+    _echo_summary(run_tokenize(list(inputs), tokenizer_name, output, cfg, force=force))
+
+
+@click.command()
+@_common_options
+@click.option("--max-seq-len", metavar="N", type=int, default=2048, show_default=True,
+              help="Most tokens in a window; longer conversations become overlapping windows.")
+@click.option("--block-size", metavar="N", type=int, default=None,
+              help="Most tokens in a packed block (>= --max-seq-len)  [default: --max-seq-len]")
+@click.option("--overlap", metavar="F", type=float, default=0.5, show_default=True,
+              help="Fraction of a window's body shared with the next window, in [0, 1).")
+@click.option("--overlap-loss", type=click.Choice(["skip", "keep"]), default="skip", show_default=True,
+              help="skip: supervise every token once; keep: supervise the overlap twice.")
+@handle_errors
+def pack(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, force, max_seq_len,
+         block_size, overlap, overlap_loss):
+    """Cut conversations into windows and pack them into blocks with cu_seqlens.
+
+    INPUT: conversation files / 'sharegpt' (tokenized first, in memory), or a tokenize output.
+    """
+    from peagle_data.prepare import PackConfig, run_pack
+
+    tok_cfg = _tokenize_config(chat_template, limit, fmt, strict)
+    try:
+        cfg = PackConfig(max_seq_len=max_seq_len, block_size=block_size, overlap=overlap,
+                         overlap_loss=overlap_loss, tokenize=tok_cfg)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    _echo_summary(run_pack(list(inputs), tokenizer_name, output, cfg, force=force))

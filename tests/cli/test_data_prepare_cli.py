@@ -1,0 +1,107 @@
+"""``peagle-data tokenize`` / ``pack`` through click's CliRunner on a tiny JSONL file."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from cli.data_prepare import pack, tokenize
+from stores.token_tables import TokenTable
+
+
+@pytest.fixture()
+def tok_name(monkeypatch, smollm2_tokenizer):
+    """``--tokenizer`` value; loading it returns the session's SmolLM2 tokenizer (no reload)."""
+    import stores.model_cache
+
+    monkeypatch.setattr(stores.model_cache, "load_tokenizer", lambda name: smollm2_tokenizer)
+    return "smollm2-135m"
+
+
+@pytest.fixture()
+def convs(tmp_path):
+    rows = [
+        {"id": "c0", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]},
+        {"conversations": [{"from": "human", "value": "Count."},
+                           {"from": "gpt", "value": " ".join(str(i) for i in range(60))}]},
+        {"messages": [{"role": "user", "content": "nobody answers"}]},
+        {"id": "c3", "system": "Be brief.", "conversations": [
+            {"from": "human", "value": "a"}, {"from": "gpt", "value": "b"},
+            {"from": "human", "value": "c"}, {"from": "gpt", "value": "d"}]},
+    ]
+    path = tmp_path / "convs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "{broken\n")
+    return path
+
+
+def invoke(cmd, args):
+    result = CliRunner().invoke(cmd, [str(a) for a in args])
+    return result
+
+
+def test_help_lists_the_options():
+    tok_help = invoke(tokenize, ["--help"]).output
+    for opt in ("--tokenizer", "--output", "--chat-template", "--limit", "--format", "--strict", "--force"):
+        assert opt in tok_help
+    pack_help = invoke(pack, ["--help"]).output
+    for opt in ("--max-seq-len", "--block-size", "--overlap", "--overlap-loss", "--chat-template", "--limit"):
+        assert opt in pack_help
+
+
+def test_tokenize_writes_table_and_refuses_overwrite(tmp_path, convs, tok_name):
+    out = tmp_path / "tok"
+    result = invoke(tokenize, [convs, "--tokenizer", tok_name, "--output", out])
+    assert result.exit_code == 0, result.output
+    assert "read 5  used 3  rejected 2" in result.output and str(out) in result.output
+    for name in ("manifest.json", "rejects.jsonl", "token_freq.npy", "part-00000.parquet"):
+        assert (out / name).is_file()
+    table = TokenTable.open(out)
+    counts = table.manifest["counts"]
+    assert counts["used"] + counts["rejected"] == counts["read"] == 5
+    assert table.manifest["kind"] == "tokenized" and table.num_rows == 3
+    rows = list(table.iter_rows())
+    assert [r["conversation_id"] for r in rows] == ["c0", "convs:1", "c3"]
+    assert sum(r["n_loss_tokens"] for r in rows) == counts["loss_tokens"] == table.token_freq().sum()
+    rejects = [json.loads(line) for line in table.rejects_path.read_text().splitlines()]
+    assert [r["source"] for r in rejects] == [f"{convs}:2", f"{convs}:4"]
+    assert rejects[0]["reason"] == "no assistant turn" and rejects[1]["reason"].startswith("invalid JSON")
+
+    again = invoke(tokenize, [convs, "--tokenizer", tok_name, "--output", out])
+    assert again.exit_code == 2 and "already exists" in again.output
+    forced = invoke(tokenize, [convs, "--tokenizer", tok_name, "--output", out, "--force"])
+    assert forced.exit_code == 0, forced.output
+
+
+def test_strict_exits_2_naming_file_and_row(tmp_path, convs, tok_name):
+    result = invoke(tokenize, [convs, "--tokenizer", tok_name, "--output", tmp_path / "s", "--strict"])
+    assert result.exit_code == 2
+    assert f"file {convs}, row 2" in result.output and "no assistant turn" in result.output
+
+
+def test_pack_raw_and_from_tokenized_agree(tmp_path, convs, tok_name):
+    args = ["--tokenizer", tok_name, "--max-seq-len", 64, "--block-size", 96]
+    raw = invoke(pack, [convs, *args, "--output", tmp_path / "p1"])
+    assert raw.exit_code == 0, raw.output
+    assert "packing efficiency" in raw.output
+    assert invoke(tokenize, [convs, "--tokenizer", tok_name, "--output", tmp_path / "tok"]).exit_code == 0
+    from_tok = invoke(pack, [tmp_path / "tok", *args, "--output", tmp_path / "p2"])
+    assert from_tok.exit_code == 0, from_tok.output
+
+    t1, t2 = TokenTable.open(tmp_path / "p1"), TokenTable.open(tmp_path / "p2")
+    c = t1.manifest["counts"]
+    assert c["used"] + c["rejected"] == c["read"] == 5
+    assert c["windows"] > 3  # the long conversation was cut
+    assert c["packing_efficiency"] == pytest.approx(c["tokens"] / (c["n_blocks"] * 96))
+    assert t1.read_all().to_pylist() == t2.read_all().to_pylist()  # deterministic, same blocks
+    segments = []
+    for row in t1.iter_rows():
+        cu = row["cu_seqlens"]
+        assert cu[0] == 0 and cu[-1] == row["n_tokens"] <= 96
+        for a, b in zip(cu[:-1], cu[1:]):
+            assert b - a <= 64 and row["position_ids"][a:b].tolist() == list(range(b - a))
+        segments += row["segment_ids"]
+    assert len(segments) == len(set(segments)) == c["windows"]
+    assert np.array_equal(t1.token_freq(), t2.token_freq()) and t1.token_freq().sum() == c["loss_tokens"]

@@ -1,0 +1,166 @@
+"""Conversation readers: formats, normalisation, rejects with file:row reasons, strict errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from peagle_data.readers import Conversation, Reject, read_conversations
+from stores.errors import InputError
+
+SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+
+OPENAI_ROW = {"id": "o1", "messages": [{"role": "user", "content": "Hi"},
+                                       {"role": "assistant", "content": "Hello"}]}
+SHAREGPT_ROW = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    with path.open("wb") as f:
+        for row in rows:
+            f.write(row if isinstance(row, bytes) else (json.dumps(row) + "\n").encode())
+    return path
+
+
+def read_all(*inputs, **kw):
+    return list(read_conversations([str(i) for i in inputs], **kw))
+
+
+def test_jsonl_auto_detects_both_formats(tmp_path):
+    path = write_jsonl(tmp_path / "mix.jsonl", [OPENAI_ROW, SHAREGPT_ROW])
+    a, b = read_all(path)
+    assert isinstance(a, Conversation) and isinstance(b, Conversation)
+    assert a.conversation_id == "o1" and a.source == f"{path}:0"
+    assert b.conversation_id == "mix:1" and b.source == f"{path}:1"
+    expected = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    assert a.messages == expected and b.messages == expected
+
+
+def test_json_array_and_parquet(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps([SHAREGPT_ROW, OPENAI_ROW]))
+    pq.write_table(pa.Table.from_pylist([OPENAI_ROW]), tmp_path / "b.parquet")
+    items = read_all(tmp_path / "a.json", tmp_path / "b.parquet")
+    assert [type(i) for i in items] == [Conversation] * 3
+    assert [i.source for i in items] == [f"{tmp_path / 'a.json'}:0", f"{tmp_path / 'a.json'}:1",
+                                         f"{tmp_path / 'b.parquet'}:0"]
+    assert items[2].messages[1] == {"role": "assistant", "content": "Hello"}
+
+
+def test_glob_and_limit(tmp_path):
+    for name in ("x1.jsonl", "x2.jsonl"):
+        write_jsonl(tmp_path / name, [SHAREGPT_ROW, SHAREGPT_ROW])
+    items = read_all(tmp_path / "x*.jsonl")
+    assert [i.conversation_id for i in items] == ["x1:0", "x1:1", "x2:0", "x2:1"]
+    assert len(read_all(tmp_path / "x*.jsonl", limit=3)) == 3
+
+
+def test_sharegpt_roles_system_and_tools(tmp_path):
+    row = {
+        "system": "Be nice.",
+        "tools": json.dumps([{"name": "f", "parameters": {}}]),
+        "conversations": [
+            {"from": "human", "value": "Call f."},
+            {"from": "function_call", "value": '{"name": "f"}'},
+            {"from": "observation", "value": "42"},
+            {"from": "gpt", "value": "It is 42."},
+        ],
+    }
+    (c,) = read_all(write_jsonl(tmp_path / "t.jsonl", [row]))
+    assert [m["role"] for m in c.messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert c.messages[0]["content"] == "Be nice."
+    assert c.messages[2]["content"] == '<tool_call>\n{"name": "f"}\n</tool_call>'
+    assert c.tools == [{"name": "f", "parameters": {}}]
+
+
+def test_openai_content_parts_and_tool_calls(tmp_path):
+    row = {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function",
+                                                               "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "1"},
+        {"role": "assistant", "content": [{"type": "reasoning", "text": "think"}, {"type": "text", "value": "ok"}]},
+    ]}
+    (c,) = read_all(write_jsonl(tmp_path / "p.jsonl", [row]))
+    assert c.messages[0]["content"] == "ab"
+    assert c.messages[1]["content"] == "" and c.messages[1]["tool_calls"][0]["function"]["name"] == "f"
+    assert c.messages[3] == {"role": "assistant", "content": "ok", "reasoning_content": "think"}
+
+
+def test_leading_assistant_dropped_and_user_turns_merged(tmp_path):
+    row = {"conversations": [{"from": "gpt", "value": "Welcome"}, {"from": "human", "value": "a"},
+                             {"from": "human", "value": "b"}, {"from": "gpt", "value": "c"}]}
+    (c,) = read_all(write_jsonl(tmp_path / "d.jsonl", [row]))
+    assert c.messages == [{"role": "user", "content": "a\n\nb"}, {"role": "assistant", "content": "c"}]
+    assert c.dropped_leading_assistant == 1 and c.merged_user_turns == 1
+
+
+def test_bad_rows_are_rejects_with_reasons(tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", [
+        OPENAI_ROW,                                                                # 0 ok
+        b"{not json\n",                                                            # 1
+        b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}\n',              # 2
+        {"conversations": []},                                                     # 3
+        {"conversations": [{"from": "bot", "value": "x"}]},                        # 4
+        {"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]},   # 5
+        {"messages": [{"role": "user", "content": "only a question"}]},            # 6
+        {"text": "no conversation here"},                                          # 7
+        {"conversations": [{"from": "gpt", "value": "only a reply"}]},             # 8
+    ])
+    items = read_all(path)
+    assert isinstance(items[0], Conversation)
+    rejects = {int(r.source.rsplit(":", 1)[1]): r for r in items if isinstance(r, Reject)}
+    assert sorted(rejects) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert all(r.source.startswith(f"{path}:") for r in rejects.values())
+    assert rejects[1].reason.startswith("invalid JSON")
+    assert rejects[2].reason.startswith("invalid UTF-8")
+    assert rejects[3].reason == "empty conversation"
+    assert rejects[4].reason.startswith("unknown role") and rejects[4].field == "conversations[0].from"
+    assert rejects[5].reason.startswith("turn with no content") and rejects[5].field == "messages[0].content"
+    assert rejects[6].reason == "no assistant turn"
+    assert rejects[7].reason.startswith("unknown format")
+    assert rejects[8].reason == "no assistant turn"
+
+
+def test_strict_names_file_row_and_field(tmp_path):
+    path = write_jsonl(tmp_path / "s.jsonl", [OPENAI_ROW, {"conversations": [{"from": "bot", "value": "x"}]}])
+    with pytest.raises(InputError) as info:
+        read_all(path, strict=True)
+    err = info.value
+    assert (err.file, err.row, err.field) == (str(path), 1, "conversations[0].from")
+    assert str(path) in str(err) and "row 1" in str(err) and "unknown role" in str(err)
+
+
+def test_forced_format_mismatch_is_a_reject(tmp_path):
+    (r,) = read_all(write_jsonl(tmp_path / "f.jsonl", [SHAREGPT_ROW]), fmt="openai")
+    assert isinstance(r, Reject) and r.reason.startswith("missing field")
+
+
+def test_truncated_json_array_keeps_complete_records(tmp_path):
+    text = json.dumps([SHAREGPT_ROW, SHAREGPT_ROW, SHAREGPT_ROW])
+    (tmp_path / "cut.json").write_text(text[: len(text) - 30])
+    items = read_all(tmp_path / "cut.json")
+    assert [type(i) for i in items] == [Conversation, Conversation, Reject]
+    assert items[2].reason.startswith("truncated JSON") and items[2].source.endswith(":2")
+
+
+def test_missing_input_is_an_input_error(tmp_path):
+    with pytest.raises(InputError, match="not a file"):
+        read_all(tmp_path / "nope.jsonl")
+    with pytest.raises(InputError, match="matches no file"):
+        read_all(tmp_path / "nope*.jsonl")
+
+
+def test_glaive_tool_calling_set():
+    path = SHARED_DATA / "glaive_toolcall_en_demo.json"
+    if not path.is_file():
+        pytest.skip(f"{path} is absent (tests that read ../shared/data skip without it)")
+    items = read_all(path)
+    assert len(items) == 300 and all(isinstance(i, Conversation) for i in items)
+    roles = {m["role"] for c in items for m in c.messages}
+    assert roles == {"user", "assistant", "tool"}
+    assert sum(bool(c.tools) for c in items) == 191  # the others have tools "[]"
+    assert sum(any(m["content"].startswith("<tool_call>") for m in c.messages) for c in items) == 153
