@@ -2,29 +2,45 @@
 
 Legend: T tokens in a block, L aux layers, H hidden size, S segments.
 
-Attention stays inside each segment: the verifier gets a 4-D block-diagonal causal mask built
-from ``cu_seqlens`` (a caller's all-ones mask is never used), and position ids restart in every
-segment, so a segment's hidden states equal those of the segment run alone. Only the base model
-runs (no lm_head): full-vocabulary logits are never computed.
+- Attention stays inside each segment: the verifier gets a 4-D block-diagonal causal mask built
+  from ``cu_seqlens`` (combined with, never replaced by, a caller's padding mask), and position
+  ids restart in every segment, so a segment's hidden states equal those of the segment run alone.
+- Only the decoder stack runs (no lm_head): full-vocabulary logits are never computed, and
+  forward hooks keep only the chosen layers instead of all ``output_hidden_states``.
+- Layer ``l`` follows Hugging Face ``output_hidden_states[l]``: 0 is the embedding output, ``l`` in
+  1..L-1 the output of decoder layer ``l-1``, and ``L`` the final (post-norm) hidden state.
+- Writes run on a background thread behind a bounded queue, so the next forward overlaps the
+  store write; a block's ``done`` flag is written after its data.
+- Under ``accelerate launch`` the not-done blocks are split round-robin between ranks; rank 0
+  creates the store and every rank writes only its own blocks (one block = one chunk row).
 """
 
 from __future__ import annotations
 
+import queue
 import shutil
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from stores.errors import InputError, OutputExistsError, StoreFormatError
-from stores.feature_store import FeatureStore, check_compatible
+from stores.feature_store import STORAGE_DTYPES, FeatureStore, bytes_per_token, check_compatible
 from stores.model_cache import load_verifier, model_fingerprint, resolve_model
 from stores.token_tables import TokenTable, manifest_sha256
 
-__all__ = ["ExtractConfig", "default_layers", "segment_attention_mask", "verifier_features", "run_extract"]
+__all__ = [
+    "ExtractConfig",
+    "default_layers",
+    "segment_attention_mask",
+    "verifier_features",
+    "run_extract",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +55,8 @@ class ExtractConfig:
     """Feature store path (a zarr v3 group)."""
     layers: list[int] | None = None
     """Aux layers as HF ``output_hidden_states`` indices; default EAGLE-3's ``[2, L//2, L-3]``."""
+    storage_dtype: str = "bf16"
+    """``bf16`` (bit-exact) or ``fp8`` (float8_e4m3fn with a per-token, per-layer scale)."""
     resume: bool = False
     """Continue an existing store: redo the blocks whose done flag is 0."""
     force: bool = False
@@ -47,16 +65,22 @@ class ExtractConfig:
     """``cpu`` or ``cuda``; default cuda when available."""
     max_blocks: int | None = None
     """Stop after this many blocks in this run (the store stays resumable); None = all."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Extra attributes recorded in the store."""
+    writer_queue: int = 2
+    """Blocks that may wait for the writer thread (bounds host memory)."""
 
     def __post_init__(self) -> None:
         if self.resume and self.force:
             raise ValueError("--resume and --force contradict each other: choose one")
         if self.layers is not None and len(self.layers) == 0:
             raise ValueError("--layers: give at least one layer index")
+        if self.layers is not None and len(set(self.layers)) != len(self.layers):
+            raise ValueError(f"--layers: repeated index in {self.layers}")
         if self.max_blocks is not None and self.max_blocks < 1:
             raise ValueError("--max-blocks must be ≥ 1")
+        if self.storage_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"--storage-dtype: expected one of {STORAGE_DTYPES}, got {self.storage_dtype!r}")
+        if self.writer_queue < 1:
+            raise ValueError("writer_queue must be ≥ 1")
 
 
 def default_layers(num_hidden_layers: int) -> list[int]:
@@ -65,41 +89,70 @@ def default_layers(num_hidden_layers: int) -> list[int]:
     return sorted({min(2, L), L // 2, max(L - 3, 0)})
 
 
-def segment_attention_mask(cu_seqlens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def segment_attention_mask(cu_seqlens: torch.Tensor, dtype: torch.dtype,
+                           padding_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Additive block-diagonal causal mask from ``cu_seqlens [S+1]`` -> ``[1, 1, T, T]`` of ``dtype``.
 
-    0 where query q may attend key k (same segment, k ≤ q), the dtype's minimum elsewhere.
+    0 where query q may attend key k (same segment, k ≤ q, and key not padding), the dtype's
+    minimum elsewhere. ``padding_mask [T]`` (1 = real token), when given, can only remove keys.
     """
     T = int(cu_seqlens[-1])
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # [S]
-    seg = torch.repeat_interleave(torch.arange(len(lengths)), lengths)  # [T]
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), lengths.cpu())  # [T]
     idx = torch.arange(T)
     allowed = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])  # [T, T]
+    if padding_mask is not None:
+        allowed &= padding_mask.reshape(1, T).bool().cpu() | torch.eye(T, dtype=torch.bool)
     mask = torch.zeros(T, T, dtype=dtype)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
 
 
+@contextmanager
+def _capture_layers(base_model: torch.nn.Module, layers: list[int]) -> Iterator[dict[int, torch.Tensor]]:
+    """Forward hooks that keep ``output_hidden_states[l]`` for ``l < L`` (``L`` comes from the output)."""
+    captured: dict[int, torch.Tensor] = {}
+    decoder = base_model.layers
+    hooks = []
+    for l in layers:
+        if l == 0:
+            hooks.append(base_model.embed_tokens.register_forward_hook(
+                lambda m, i, o: captured.__setitem__(0, o)))
+        elif l < len(decoder):
+            hooks.append(decoder[l - 1].register_forward_hook(
+                lambda m, i, o, l=l: captured.__setitem__(l, o[0] if isinstance(o, tuple) else o)))
+    try:
+        yield captured
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 @torch.no_grad()
 def verifier_features(base_model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                      cu_seqlens: torch.Tensor, layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block through the verifier's base model (no lm_head).
+                      cu_seqlens: torch.Tensor, layers: list[int],
+                      attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block through the verifier's decoder stack (no lm_head).
 
     Args:
-        base_model: the decoder stack (e.g. ``LlamaForCausalLM.model``).
-        input_ids: ``[T] int64``; position_ids: ``[T] int64`` (restart per segment);
-        cu_seqlens: ``[S+1] int64``; layers: HF ``output_hidden_states`` indices.
+        base_model: the decoder stack (e.g. ``LlamaForCausalLM.model``) with ``embed_tokens``, ``layers``.
+        input_ids: ``[T] int64``; position_ids: ``[T] int64`` (restart per segment, any start);
+        cu_seqlens: ``[S+1] int64``; layers: HF ``output_hidden_states`` indices in ``0..L``;
+        attention_mask: optional ``[T]`` padding mask (1 = token); it never widens attention
+            beyond a segment.
 
     Returns:
         ``aux_hidden [T, L, H] bf16`` and ``final_hidden [T, H] bf16`` (post final norm).
     """
-    device = next(base_model.parameters()).device
-    dtype = next(base_model.parameters()).dtype
-    mask = segment_attention_mask(cu_seqlens.cpu(), dtype).to(device)
-    out = base_model(input_ids=input_ids[None].to(device), position_ids=position_ids[None].to(device),
-                     attention_mask=mask, output_hidden_states=True, use_cache=False)
-    aux = torch.stack([out.hidden_states[l][0] for l in layers], dim=1)  # [T, L, H]
+    param = next(base_model.parameters())
+    mask = segment_attention_mask(cu_seqlens, param.dtype, attention_mask).to(param.device)
+    n_layers = len(base_model.layers)
+    with _capture_layers(base_model, layers) as captured:
+        out = base_model(input_ids=input_ids[None].to(param.device),
+                         position_ids=position_ids[None].to(param.device),
+                         attention_mask=mask, use_cache=False)
     final = out.last_hidden_state[0]  # [T, H]
+    aux = torch.stack([final if l == n_layers else captured[l][0] for l in layers], dim=1)  # [T, L, H]
     return aux.to(torch.bfloat16).cpu(), final.to(torch.bfloat16).cpu()
 
 
@@ -119,10 +172,6 @@ def _verifier_desc(name: str, directory: Path, config, dtype: torch.dtype) -> di
     }
 
 
-def _read_packed(table: TokenTable) -> list[dict[str, np.ndarray]]:
-    return list(table.iter_rows(["input_ids", "loss_mask", "position_ids", "cu_seqlens", "n_tokens"]))
-
-
 def _check_disk(path: Path, needed_bytes: int, force: bool) -> None:
     probe = path if path.exists() else path.parent
     while not probe.exists():
@@ -134,33 +183,125 @@ def _check_disk(path: Path, needed_bytes: int, force: bool) -> None:
                        f"{free / 2**30:.2f} GiB are free; free disk or pass --force")
 
 
+class _BlockWriter:
+    """A background thread that writes blocks and then their done flags, behind a bounded queue."""
+
+    def __init__(self, store: FeatureStore, maxsize: int):
+        self.store = store
+        self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="peagle-store-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            if self.error is not None:
+                continue
+            i, aux, final = item
+            try:
+                self.store.write_features(i, aux, final)
+                self.store.mark_done(i)
+            except BaseException as e:  # reported on the main thread
+                self.error = e
+
+    def put(self, i: int, aux: torch.Tensor, final: torch.Tensor) -> None:
+        self._raise()
+        self.queue.put((i, aux, final))
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+def _open_packed(path: str) -> TokenTable:
+    try:
+        table = TokenTable.open(path)
+    except StoreFormatError as e:
+        raise InputError(str(e), file=path) from e
+    if table.kind != "packed":
+        raise InputError(f"expected a packed table (peagle-data pack), got a {table.kind} table", file=path)
+    return table
+
+
+def _create_store(cfg: ExtractConfig, rows, table: TokenTable, desc: dict, layers: list[int],
+                  log: Callable[[str], None]) -> FeatureStore:
+    block_size = int(table.manifest.get("parameters", {}).get("block_size") or 0)
+    block_size = max([block_size] + [int(r["n_tokens"]) for r in rows])
+    max_segments = max((len(r["cu_seqlens"]) - 1 for r in rows), default=1)
+    H, V = desc["hidden_size"], desc["vocab_size"]
+    per_token = bytes_per_token(len(layers), H, cfg.storage_dtype)
+    projected = len(rows) * block_size * per_token
+    log(f"projected store size: {projected / 2**20:.1f} MiB for {len(rows)} blocks of {block_size} "
+        f"token slots ({per_token} bytes per token, {cfg.storage_dtype})")
+    out = Path(cfg.output)
+    if out.exists() and not cfg.force:
+        raise OutputExistsError(str(out), "pass --resume to continue it or --force to overwrite it")
+    _check_disk(out, projected, cfg.force)
+    store = FeatureStore.create(
+        out, n_blocks=len(rows), block_size=block_size, max_segments=max_segments, layers=layers,
+        hidden_size=H, vocab_size=V, verifier=desc, tokenizer=table.manifest.get("tokenizer", {}),
+        source=manifest_sha256(cfg.packed), storage_dtype=cfg.storage_dtype,
+        n_tokens=int(sum(int(r["n_tokens"]) for r in rows)), force=cfg.force,
+    )
+    freq = np.zeros(V, dtype=np.int64)
+    for i, r in enumerate(rows):
+        store.write_tokens(i, r["input_ids"], r["loss_mask"], r["position_ids"], r["cu_seqlens"])
+        ids = np.asarray(r["input_ids"], dtype=np.int64)[np.asarray(r["loss_mask"]) == 1]
+        freq += np.bincount(ids, minlength=V)[:V]
+    store.write_all_n_tokens(np.array([int(r["n_tokens"]) for r in rows], dtype=np.int32))
+    store.set_token_freq(freq)
+    store.update_attrs(tokens_written=True)  # last: a store without it is recreated on --resume
+    return store
+
+
+def _open_or_create(cfg: ExtractConfig, rows, table, desc, layers, log) -> FeatureStore:
+    out = Path(cfg.output)
+    if cfg.resume and out.exists():
+        try:
+            store = FeatureStore.open(out, mode="r+")
+        except StoreFormatError:
+            store = None  # killed before the attributes were written: start over
+        if store is not None and store.attrs.get("tokens_written"):
+            check_compatible(store, verifier=desc, layers=layers, source=manifest_sha256(cfg.packed))
+            if store.storage_dtype != cfg.storage_dtype:
+                raise InputError(f"the store holds {store.storage_dtype}, asked for {cfg.storage_dtype}",
+                                 field="--storage-dtype")
+            return store
+        log(f"{out}: creation was interrupted; creating it again")
+        shutil.rmtree(out)
+    return _create_store(cfg, rows, table, desc, layers, log)
+
+
 def run_extract(cfg: ExtractConfig, progress: bool = True,
                 log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the verifier over every not-done block of a packed table and write the store.
 
+    Under ``accelerate launch --num_processes N`` each rank takes every N-th not-done block.
+
     Returns:
-        A summary: store path, blocks done in this run, total blocks, tokens, layers, bytes.
+        A summary: store path, blocks done in this run (this rank), blocks done in all, layers, bytes.
 
     Raises:
         InputError: the packed path is not a packed table, or a layer index is out of range.
         OutputExistsError: the store exists without ``resume``/``force``, or the disk is short.
         StoreMismatchError: resuming with another verifier, other layers or another packed table.
     """
-    try:
-        table = TokenTable.open(cfg.packed)
-    except StoreFormatError as e:
-        raise InputError(str(e), file=cfg.packed) from e
-    if table.kind != "packed":
-        raise InputError(f"expected a packed table (peagle-data pack), got a {table.kind} table", file=cfg.packed)
-    rows = _read_packed(table)
-    params = table.manifest.get("parameters", table.manifest.get("config", {}))
-    block_size = int(params.get("block_size") or max((int(r["n_tokens"]) for r in rows), default=1))
-    block_size = max(block_size, max((int(r["n_tokens"]) for r in rows), default=1))
-    max_segments = max((len(r["cu_seqlens"]) - 1 for r in rows), default=1)
-    source = manifest_sha256(cfg.packed)
+    from accelerate import PartialState
 
+    state = PartialState(cpu=cfg.device == "cpu")
+    table = _open_packed(cfg.packed)
+    rows = list(table.iter_rows(["input_ids", "loss_mask", "position_ids", "cu_seqlens", "n_tokens"]))
     directory = resolve_model(cfg.verifier)
-    verifier = load_verifier(cfg.verifier, device=cfg.device)
+    device = cfg.device or (str(state.device) if state.device.type == "cuda" else "cpu")
+    verifier = load_verifier(cfg.verifier, device=device)
     config = verifier.config
     L = config.num_hidden_layers
     layers = list(cfg.layers) if cfg.layers is not None else default_layers(L)
@@ -169,56 +310,45 @@ def run_extract(cfg: ExtractConfig, progress: bool = True,
         raise InputError(f"layers {bad} out of range: the verifier has {L} layers, valid indices are 0..{L}",
                          field="--layers")
     desc = _verifier_desc(cfg.verifier, directory, config, next(verifier.parameters()).dtype)
-    out = Path(cfg.output)
-    n_tokens_total = int(sum(int(r["n_tokens"]) for r in rows))
 
-    if cfg.resume and out.exists():
-        store = FeatureStore.open(out, mode="r+")
-        check_compatible(store, verifier=desc, layers=layers, source=source)
-    else:
-        bytes_per_token = 2 * (len(layers) + 1) * config.hidden_size + 9
-        projected = len(rows) * block_size * bytes_per_token
-        log(f"projected store size: {projected / 2**20:.1f} MiB for {len(rows)} blocks "
-            f"({bytes_per_token} bytes per token slot, block_size {block_size})")
-        if out.exists() and not cfg.force:
-            raise OutputExistsError(str(out), "pass --resume to continue it or --force to overwrite it")
-        _check_disk(out, projected, cfg.force)
-        store = FeatureStore.create(
-            out, n_blocks=len(rows), block_size=block_size, max_segments=max_segments, layers=layers,
-            hidden_size=config.hidden_size, vocab_size=config.vocab_size, verifier=desc,
-            tokenizer=table.manifest.get("tokenizer", {}), source=source, n_tokens=n_tokens_total,
-            extra=dict(cfg.extra), force=cfg.force,
-        )
-        freq = np.zeros(config.vocab_size, dtype=np.int64)
-        for i, r in enumerate(rows):
-            store.write_tokens(i, r["input_ids"], r["loss_mask"], r["position_ids"], r["cu_seqlens"])
-            ids = np.asarray(r["input_ids"], dtype=np.int64)[np.asarray(r["loss_mask"]) == 1]
-            freq += np.bincount(ids, minlength=config.vocab_size)[: config.vocab_size]
-        store.write_all_n_tokens(np.array([int(r["n_tokens"]) for r in rows], dtype=np.int32))
-        store.set_token_freq(freq)
-
+    if state.is_main_process:
+        store = _open_or_create(cfg, rows, table, desc, layers, log)
+    state.wait_for_everyone()
+    if not state.is_main_process:
+        store = FeatureStore.open(cfg.output, mode="r+")
     todo = store.missing_blocks()
+    state.wait_for_everyone()  # every rank reads the same list before any rank writes
+    todo = todo[state.process_index::state.num_processes]
     if cfg.max_blocks is not None:
         todo = todo[: cfg.max_blocks]
+
     base = _base_model(verifier)
-    tokens_done = 0
-    bar = tqdm(todo, desc="extract", unit="block", disable=not progress)
-    for i in bar:
-        r = rows[i]
-        aux, final = verifier_features(
-            base, torch.as_tensor(r["input_ids"], dtype=torch.long), torch.as_tensor(r["position_ids"], dtype=torch.long),
-            torch.as_tensor(r["cu_seqlens"], dtype=torch.long), layers)
-        store.write_features(i, aux, final)
-        store.mark_done(i)
-        tokens_done += int(r["n_tokens"])
-        bar.set_postfix(tokens=tokens_done)
+    writer = _BlockWriter(store, cfg.writer_queue)
+    tokens = 0
+    bar = tqdm(todo, desc=f"extract[{state.process_index}]" if state.num_processes > 1 else "extract",
+               unit="block", disable=not progress)
+    try:
+        for i in bar:
+            r = rows[i]  # numpy arrays from Arrow are read-only: copy into tensors
+            aux, final = verifier_features(
+                base, torch.tensor(r["input_ids"], dtype=torch.long),
+                torch.tensor(r["position_ids"], dtype=torch.long),
+                torch.tensor(r["cu_seqlens"], dtype=torch.long), layers)
+            writer.put(i, aux, final)
+            tokens += int(r["n_tokens"])
+            bar.set_postfix(tokens=tokens)
+    finally:
+        writer.close()
+    state.wait_for_everyone()
     return {
-        "store": str(out),
+        "store": str(cfg.output),
         "blocks_done_this_run": len(todo),
+        "tokens_this_run": tokens,
         "blocks_done": int(store.done_mask().sum()),
         "n_blocks": store.n_blocks,
         "n_tokens": store.n_tokens,
         "layers": layers,
+        "storage_dtype": store.storage_dtype,
         "complete": store.is_complete(),
         "stored_bytes": store.summary()["stored_bytes"],
     }

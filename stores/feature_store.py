@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,11 +33,16 @@ __all__ = [
     "FeatureStore",
     "bf16_to_uint16",
     "uint16_to_bf16",
+    "quantize_fp8",
+    "dequantize_fp8",
+    "check_compatible",
+    "bytes_per_token",
     "verify_store",
 ]
 
 FORMAT_VERSION = 1
-STORAGE_DTYPES = ("bf16",)
+STORAGE_DTYPES = ("bf16", "fp8")
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _CHECKSUM_BYTES = 4  # crc32c codec appends 4 bytes to each chunk
 
 # name -> (dtype, per-block trailing shape builder)
@@ -55,6 +59,30 @@ def bf16_to_uint16(t: torch.Tensor) -> np.ndarray:
 def uint16_to_bf16(a: np.ndarray) -> torch.Tensor:
     """numpy uint16 bit patterns -> bf16 tensor (copies, so the result owns its memory)."""
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.uint16).copy()).view(torch.bfloat16)
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Per-vector float8_e4m3fn quantisation over the last dim.
+
+    Args:
+        x: ``[..., H]`` any float dtype.
+
+    Returns:
+        ``(codes [..., H] uint8`` (float8_e4m3fn bit patterns), ``scale [...] float32)`` with
+        ``x ≈ codes.float() * scale``; an all-zero vector gets scale 1.
+    """
+    xf = x.detach().float().cpu()
+    amax = xf.abs().amax(dim=-1)  # [...]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    codes = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes.view(torch.uint8).numpy(), scale.numpy()
+
+
+def dequantize_fp8(codes: np.ndarray, scale: np.ndarray) -> torch.Tensor:
+    """Inverse of :func:`quantize_fp8`: ``[..., H] uint8`` and ``[...] float32`` -> ``[..., H] bf16``."""
+    q = torch.from_numpy(np.ascontiguousarray(codes, dtype=np.uint8).copy()).view(torch.float8_e4m3fn)
+    s = torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).copy())
+    return (q.float() * s[..., None]).to(torch.bfloat16)
 
 
 @dataclass
@@ -128,10 +156,13 @@ class FeatureStore:
     def n_tokens(self) -> int:
         return int(self.attrs["n_tokens"])
 
+    @property
+    def storage_dtype(self) -> str:
+        return str(self.attrs["storage_dtype"])
+
     def bytes_per_token(self) -> int:
         """Stored bytes per token slot (hidden states + token arrays), excluding checksums."""
-        L, H = len(self.layers), self.hidden_size
-        return 2 * (L * H + H) + 4 + 1 + 4
+        return bytes_per_token(len(self.layers), self.hidden_size, self.storage_dtype)
 
     # ---------------------------------------------------------------- create / open
     @classmethod
@@ -199,8 +230,8 @@ class FeatureStore:
         group.create_array("n_tokens", shape=(n_blocks,), chunks=(max(n_blocks, 1),), dtype="int32", **raw)
         group.create_array("cu_seqlens", shape=(n_blocks, max_segments + 1), chunks=(1, max_segments + 1),
                            dtype="int32", **raw)
-        group.create_array("aux_hidden", shape=(n_blocks, C, L, H), chunks=(1, C, L, H), dtype="uint16", **raw)
-        group.create_array("final_hidden", shape=(n_blocks, C, H), chunks=(1, C, H), dtype="uint16", **raw)
+        for name, shape, dtype in _hidden_arrays(C, L, H, storage_dtype):
+            group.create_array(name, shape=(n_blocks, *shape), chunks=(1, *shape), dtype=dtype, **raw)
         group.create_array("done", shape=(n_blocks,), chunks=(1,), dtype="uint8", **raw)
         group.create_array("token_freq", shape=(vocab_size,), chunks=(max(vocab_size, 1),), dtype="int64", **raw)
         attrs = {
@@ -217,7 +248,6 @@ class FeatureStore:
             "tokenizer": tokenizer or {},
             "source": source,
             "created_by": _created_by(),
-            "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             **(extra or {}),
         }
         group.attrs["peagle"] = attrs
@@ -261,12 +291,16 @@ class FeatureStore:
         if tuple(aux_hidden.shape[1:]) != (L, H) or tuple(final_hidden.shape) != (T, H):
             raise ValueError(f"block {i}: got aux {tuple(aux_hidden.shape)}, final {tuple(final_hidden.shape)}; "
                              f"expected [T, {L}, {H}] and [T, {H}]")
-        aux = np.zeros((C, L, H), dtype=np.uint16)
-        aux[:T] = bf16_to_uint16(aux_hidden)
-        fin = np.zeros((C, H), dtype=np.uint16)
-        fin[:T] = bf16_to_uint16(final_hidden)
-        self.group["aux_hidden"][i] = aux
-        self.group["final_hidden"][i] = fin
+        if self.storage_dtype == "bf16":
+            encoded = {"aux_hidden": bf16_to_uint16(aux_hidden), "final_hidden": bf16_to_uint16(final_hidden)}
+        else:
+            encoded = {}
+            encoded["aux_hidden"], encoded["aux_scale"] = quantize_fp8(aux_hidden)
+            encoded["final_hidden"], encoded["final_scale"] = quantize_fp8(final_hidden)
+        for name, shape, dtype in _hidden_arrays(C, L, H, self.storage_dtype):
+            row = np.zeros(shape, dtype=dtype)
+            row[:T] = encoded[name]
+            self.group[name][i] = row
 
     def mark_done(self, i: int) -> None:
         """Set block ``i``'s done flag; call only after its data is written."""
@@ -322,34 +356,37 @@ class FeatureStore:
         tok = self.read_tokens(i)
         T = len(tok["input_ids"])
         use_mmap = self._mmap_ok if via == "auto" else via == "mmap"
-        if use_mmap:
-            if not self._mmap_ok:
-                raise StoreFormatError(f"{self.path}: memory-mapped reads need a local uncompressed store")
-            aux = self._mmap_chunk("aux_hidden", i, (self.block_size, len(self.layers), self.hidden_size))[:T]
-            fin = self._mmap_chunk("final_hidden", i, (self.block_size, self.hidden_size))[:T]
+        if use_mmap and not self._mmap_ok:
+            raise StoreFormatError(f"{self.path}: memory-mapped reads need a local uncompressed store")
+        raw = {}
+        for name, shape, dtype in _hidden_arrays(self.block_size, len(self.layers), self.hidden_size,
+                                                 self.storage_dtype):
+            raw[name] = self._mmap_chunk(name, i, shape, dtype)[:T] if use_mmap else self.group[name][i, :T]
+        if self.storage_dtype == "bf16":
+            aux, fin = uint16_to_bf16(raw["aux_hidden"]), uint16_to_bf16(raw["final_hidden"])
         else:
-            aux = self.group["aux_hidden"][i, :T]
-            fin = self.group["final_hidden"][i, :T]
+            aux = dequantize_fp8(raw["aux_hidden"], raw["aux_scale"])
+            fin = dequantize_fp8(raw["final_hidden"], raw["final_scale"])
         as64 = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64))  # noqa: E731
         return BlockFeatures(
             input_ids=as64(tok["input_ids"]),
             loss_mask=as64(tok["loss_mask"]),
             position_ids=as64(tok["position_ids"]),
             cu_seqlens=as64(tok["cu_seqlens"]),
-            aux_hidden=uint16_to_bf16(aux),
-            final_hidden=uint16_to_bf16(fin),
+            aux_hidden=aux,
+            final_hidden=fin,
         )
 
-    def _mmap_chunk(self, name: str, i: int, shape: tuple[int, ...]) -> np.ndarray:
+    def _mmap_chunk(self, name: str, i: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         key = "/".join(["c", str(i)] + ["0"] * (len(shape)))
         path = self._local_root / name / key
-        n_bytes = int(np.prod(shape)) * 2
+        n_bytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
         if not path.is_file():
-            return np.zeros(shape, dtype=np.uint16)
+            return np.zeros(shape, dtype=dtype)
         if path.stat().st_size != n_bytes + _CHECKSUM_BYTES:
             raise StoreFormatError(f"{path}: {path.stat().st_size} bytes, expected {n_bytes + _CHECKSUM_BYTES} "
                                    "(truncated or foreign chunk; run `peagle-data verify`)")
-        return np.memmap(path, dtype="<u2", mode="r", shape=shape)
+        return np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r", shape=shape)
 
     def summary(self) -> dict[str, Any]:
         """Facts for ``peagle-data inspect``."""
@@ -388,8 +425,9 @@ def verify_store(path: str | os.PathLike, expected_tokens=None) -> dict[str, Any
     N, C, L, H = store.n_blocks, store.block_size, len(store.layers), store.hidden_size
     problems: dict[int, str] = {}
     expect = {"input_ids": ((N, C), "int32"), "loss_mask": ((N, C), "uint8"),
-              "position_ids": ((N, C), "int32"), "aux_hidden": ((N, C, L, H), "uint16"),
-              "final_hidden": ((N, C, H), "uint16"), "done": ((N,), "uint8")}
+              "position_ids": ((N, C), "int32"), "done": ((N,), "uint8")}
+    for name, shape, dtype in _hidden_arrays(C, L, H, store.storage_dtype):
+        expect[name] = ((N, *shape), dtype)
     for name, (shape, dtype) in expect.items():
         if name not in g:
             raise StoreFormatError(f"{path}: array {name!r} is missing")
@@ -438,6 +476,22 @@ def check_compatible(store: FeatureStore, *, verifier: dict[str, Any], layers: l
     if have.get("source") != source:
         raise StoreMismatchError(f"{store.path}: store was made from another packed table "
                                  f"(manifest sha256 {have.get('source')!r}, now {source!r})")
+
+
+def _hidden_arrays(C: int, L: int, H: int, storage_dtype: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, per-block shape, dtype) of the hidden-state arrays for a storage dtype."""
+    if storage_dtype == "bf16":
+        return [("aux_hidden", (C, L, H), "uint16"), ("final_hidden", (C, H), "uint16")]
+    return [("aux_hidden", (C, L, H), "uint8"), ("aux_scale", (C, L), "float32"),
+            ("final_hidden", (C, H), "uint8"), ("final_scale", (C,), "float32")]
+
+
+def bytes_per_token(n_layers: int, hidden_size: int, storage_dtype: str) -> int:
+    """Stored bytes per token slot: hidden states (+ fp8 scales) + input_ids, loss_mask, position_ids."""
+    C = 1
+    hidden = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
+                 for _, shape, dtype in _hidden_arrays(C, n_layers, hidden_size, storage_dtype))
+    return hidden + 4 + 1 + 4
 
 
 def _is_local(path: str) -> bool:

@@ -70,3 +70,29 @@ def test_verify_detects_corrupt_and_truncated_chunks(tmp_path):
     report = verify_store(tmp_path / "s.zarr")
     assert not report["ok"]
     assert sorted(report["bad_blocks"]) == [1, 2]
+
+
+def test_fp8_store_halves_bytes_and_bounds_error(tmp_path):
+    kw = dict(n_blocks=1, block_size=16, max_segments=1, layers=[0, 1, 2], hidden_size=64, vocab_size=16,
+              verifier={"name_or_path": "tiny"})
+    bf16 = FeatureStore.create(tmp_path / "b.zarr", **kw)
+    fp8 = FeatureStore.create(tmp_path / "f.zarr", storage_dtype="fp8", **kw)
+    hidden_b = bf16.bytes_per_token() - 9
+    hidden_f = fp8.bytes_per_token() - 9
+    assert hidden_f == 4 * 64 + 4 * 4  # 4 vectors of 64 one-byte codes + 4 float32 scales
+    assert hidden_b == 4 * 64 * 2
+    torch.manual_seed(0)
+    aux = (torch.randn(16, 3, 64) * torch.logspace(-2, 2, 16)[:, None, None]).to(torch.bfloat16)
+    fin = torch.randn(16, 64).to(torch.bfloat16)
+    fp8.write_tokens(0, list(range(16)), [1] * 16, list(range(16)), [0, 16])
+    fp8.write_all_n_tokens(np.array([16]))
+    fp8.write_features(0, aux, fin)
+    fp8.mark_done(0)
+    for via in ("mmap", "zarr"):
+        b = FeatureStore.open(tmp_path / "f.zarr").read_block(0, via=via)
+        assert b.aux_hidden.dtype == torch.bfloat16 and b.aux_hidden.shape == (16, 3, 64)
+        rel = (b.aux_hidden.float() - aux.float()).norm(dim=-1) / aux.float().norm(dim=-1)
+        assert rel.max() < 0.05  # e4m3 keeps 3 mantissa bits: ~2-3% relative error per vector
+        rel_f = (b.final_hidden.float() - fin.float()).norm(dim=-1) / fin.float().norm(dim=-1)
+        assert rel_f.max() < 0.05
+    assert verify_store(tmp_path / "f.zarr")["ok"]

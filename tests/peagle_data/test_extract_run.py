@@ -1,0 +1,133 @@
+"""run_extract on a packed table: store contents, resume after SIGKILL, mismatch errors, 2 ranks."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from peagle_data.extract import ExtractConfig, run_extract
+from stores.errors import OutputExistsError, StoreMismatchError
+from stores.feature_store import FeatureStore, verify_store
+from stores.token_tables import TableWriter, prepare_output_dir, write_manifest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_packed(directory: Path, n_blocks: int, block_size: int, seed: int = 0) -> Path:
+    """A packed table of random blocks (2-3 segments each) written through stores.token_tables."""
+    rng = np.random.default_rng(seed)
+    prepare_output_dir(directory, force=True)
+    with TableWriter(directory, "packed") as w:
+        for b in range(n_blocks):
+            lengths = rng.integers(4, block_size // 3, size=rng.integers(2, 4))
+            ids = rng.integers(3, 49152, size=int(lengths.sum()), dtype=np.int32)
+            mask = (rng.random(int(lengths.sum())) < 0.6).astype(np.uint8)
+            pos = np.concatenate([np.arange(n) for n in lengths]).astype(np.int32)
+            cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+            w.write({"block_id": b, "input_ids": ids, "loss_mask": mask, "position_ids": pos,
+                     "cu_seqlens": cu, "segment_ids": [f"c{b}#{k}" for k in range(len(lengths))],
+                     "n_tokens": int(lengths.sum())})
+    write_manifest(directory, {"kind": "packed", "inputs": [f"random-seed-{seed}"],
+                               "parameters": {"block_size": block_size},
+                               "tokenizer": {"name_or_path": "smollm2-135m"}})
+    return directory
+
+
+def _chunk_bytes(store: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(store)): p.read_bytes() for p in sorted(store.rglob("*")) if p.is_file()}
+
+
+def test_store_matches_packed_table_and_verifies(tmp_path, tiny_verifier_dir, tiny_verifier):
+    packed = write_packed(tmp_path / "packed", n_blocks=3, block_size=48)
+    summary = run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir),
+                                        output=str(tmp_path / "f.zarr"), layers=[1, 2, 3]), progress=False)
+    assert summary["complete"] and summary["blocks_done_this_run"] == 3
+    store = FeatureStore.open(tmp_path / "f.zarr")
+    assert store.layers == [1, 2, 3] and store.attrs["layer_convention"] == "hf_hidden_states"
+    assert store.attrs["verifier"]["num_hidden_layers"] == 4
+    b = store.read_block(1)
+    with torch.no_grad():  # first segment alone through the verifier
+        lo, hi = int(b.cu_seqlens[0]), int(b.cu_seqlens[1])
+        out = tiny_verifier(b.input_ids[lo:hi][None], output_hidden_states=True)
+    torch.testing.assert_close(b.aux_hidden[lo:hi, 0].float(), out.hidden_states[1][0].to(torch.bfloat16).float(),
+                               atol=2e-2, rtol=2e-2)
+    freq = store.token_freq()
+    assert freq.sum() == sum(int(store.read_block(i).loss_mask.sum()) for i in range(3))
+    assert verify_store(tmp_path / "f.zarr")["ok"]
+    with pytest.raises(OutputExistsError):
+        run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir),
+                                  output=str(tmp_path / "f.zarr")), progress=False)
+
+
+def test_resume_refuses_other_layers_or_table(tmp_path, tiny_verifier_dir):
+    packed = write_packed(tmp_path / "packed", n_blocks=2, block_size=32)
+    out = str(tmp_path / "f.zarr")
+    run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), output=out, layers=[1, 2],
+                              max_blocks=1), progress=False)
+    with pytest.raises(StoreMismatchError, match="layers"):
+        run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), output=out, layers=[1, 3],
+                                  resume=True), progress=False)
+    other = write_packed(tmp_path / "other", n_blocks=2, block_size=32, seed=1)
+    with pytest.raises(StoreMismatchError, match="packed table"):
+        run_extract(ExtractConfig(packed=str(other), verifier=str(tiny_verifier_dir), output=out, layers=[1, 2],
+                                  resume=True), progress=False)
+    s = run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), output=out, layers=[1, 2],
+                                  resume=True), progress=False)
+    assert s["blocks_done_this_run"] == 1 and s["complete"]  # the done block is not recomputed
+
+
+def _extract_cmd(packed, verifier, out, *extra):
+    return [sys.executable, "-m", "cli.data_extract", str(packed), "--verifier", str(verifier),
+            "--output", str(out), "--layers", "1,2,3", "--device", "cpu", *extra]
+
+
+def test_sigkill_then_resume_is_byte_identical(tmp_path, tiny_verifier_dir):
+    packed = write_packed(tmp_path / "packed", n_blocks=40, block_size=256)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    ref = tmp_path / "ref.zarr"
+    run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), output=str(ref),
+                              layers=[1, 2, 3], device="cpu"), progress=False)
+    out = tmp_path / "out.zarr"
+    rng = random.Random(0)
+    kills = 0
+    for attempt in range(3):
+        args = _extract_cmd(packed, tiny_verifier_dir, out, *(["--resume"] if out.exists() else []))
+        proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 60
+        while time.time() < deadline and not (out / "done").exists() and proc.poll() is None:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 1.0))
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            kills += 1
+        proc.wait()
+    assert kills >= 2
+    done_before = int(FeatureStore.open(out).done_mask().sum()) if (out / "zarr.json").exists() else 0
+    res = subprocess.run(_extract_cmd(packed, tiny_verifier_dir, out, "--resume"), check=True, env=env,
+                         capture_output=True, text=True)
+    assert f'"blocks_done_this_run": {40 - done_before}' in res.stdout
+    assert _chunk_bytes(out) == _chunk_bytes(ref)
+    assert verify_store(out)["ok"]
+
+
+def test_two_cpu_ranks_equal_one_process(tmp_path, tiny_verifier_dir):
+    packed = write_packed(tmp_path / "packed", n_blocks=6, block_size=64)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    one = tmp_path / "one.zarr"
+    subprocess.run(_extract_cmd(packed, tiny_verifier_dir, one), check=True, env=env, capture_output=True)
+    two = tmp_path / "two.zarr"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m",
+              *_extract_cmd(packed, tiny_verifier_dir, two)[2:]]
+    res = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _chunk_bytes(two) == _chunk_bytes(one)
