@@ -221,7 +221,7 @@ class _OnlineTotals:
             "num_draft_tokens": self.K,
             "drafted": self.drafted,
             "accepted": self.accepted,
-            "verifier_steps": self.steps,
+            "num_drafts": self.steps,  # verifier steps that checked >= 1 draft (vLLM's num_drafts)
             "generated_tokens": self.spec_tokens,
             "tokens_per_second": ratio(self.spec_tokens, self.spec_time_s),
             "baseline_tokens_per_second": ratio(self.base_tokens, self.base_time_s),

@@ -15,6 +15,15 @@ from peagle_train.speculative import (
 )
 from stores.errors import InputError
 
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from threads, and multi-threaded small GEMMs stall on a busy 2-core box."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 PROMPTS = [
     [1, 504, 3458, 282, 260, 1115, 30],
     [1, 9519, 17, 2],
@@ -149,3 +158,16 @@ def test_drafter_mismatch_is_a_clear_error(tiny_verifier):
         check_compatible(tiny_verifier, drafter)
     with pytest.raises(InputError, match="at least 1"):
         speculative_generate(tiny_verifier, tiny_drafter(tiny_verifier), PROMPTS[0], 5, num_draft_tokens=0)
+
+
+def test_inference_mask_is_the_p_eagle_rule():
+    """Depth-0 elements (0..t, 0) then the chain (t, 1..K-1): the §8 rule is exactly a causal mask."""
+    from peagle_train.attention import attention_mask_reference
+    from peagle_train.cod import CodElements
+
+    t, K = 6, 4
+    anchor = torch.cat([torch.arange(t + 1), torch.full((K - 1,), t)])
+    depth = torch.cat([torch.zeros(t + 1, dtype=torch.long), torch.arange(1, K)])
+    elements = CodElements(anchor, depth, torch.zeros_like(anchor), torch.ones(anchor.numel()))
+    E = t + K
+    assert torch.equal(attention_mask_reference(elements), torch.ones(E, E, dtype=torch.bool).tril())
