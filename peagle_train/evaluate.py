@@ -43,6 +43,7 @@ __all__ = [
     "evaluate_prompts",
     "run_online_eval",
     "evaluate_offline",
+    "segment_predictions",
     "run_offline_eval",
     "select_eval_blocks",
     "format_report",
@@ -352,37 +353,44 @@ def _argmax_chunked(x: torch.Tensor, head: torch.Tensor, rows: int = 1024) -> to
 
 
 @torch.no_grad()
-def _segment_correct(drafter, block, start: int, n: int, K: int, target: torch.Tensor,
-                     chunk_anchors: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Score every chain of one segment ``[start, start+n)``.
+def segment_predictions(drafter, block, start: int, n: int, num_depths: int, chunk_anchors: int = 256) -> torch.Tensor:
+    """The drafter's argmax for every element ``(a, d)`` of one segment ``[start, start+n)``, all chains.
+
+    Anchors are processed ``chunk_anchors`` at a time: one pass holds the depth-0 elements up to the
+    chunk's last anchor (the context its chains may attend) and the chunk's chains, with the §8 mask.
+
+    Args:
+        drafter: a ``PEagleDrafter``.
+        block: ``input_ids, position_ids [T] int64``, ``aux_hidden [T, L, H]`` or ``[T, L*H]``.
+        start, n: the segment's first row and length.
+        num_depths: K.
+        chunk_anchors: anchors per drafter pass.
 
     Returns:
-        ``correct [A, K] bool`` (drafter argmax == verifier argmax; False where the element does not
-        exist) and ``exists [A, K] bool``, for the ``A = n - 2`` anchors of the segment.
+        ``[A, K] int64`` draft-vocab ids for the ``A = max(n - 2, 0)`` anchors; -1 where the element
+        does not exist (``a + d + 2 > n - 1``).
     """
+    K = num_depths
     A = max(n - 2, 0)
-    correct = torch.zeros(A, K, dtype=torch.bool)
-    d_idx = torch.arange(K)
-    exists = (torch.arange(A)[:, None] + d_idx[None, :] + 2) <= n - 1  # [A, K]
+    pred = torch.full((A, K), -1, dtype=torch.long)
+    exists = (torch.arange(A)[:, None] + torch.arange(K)[None, :] + 2) <= n - 1  # [A, K]
     device = drafter.d2t.device
     dtype = next(drafter.parameters()).dtype
     aux = block.aux_hidden.reshape(block.aux_hidden.shape[0], -1)  # [T, L*H]
     for c0 in range(0, A, chunk_anchors):
         c1 = min(c0 + chunk_anchors, A)
-        # depth 0 up to c1 (the context the chains can see), depths >= 1 for anchors c0..c1-1.
         parts = [torch.arange(c1)] + [torch.arange(c0, c1)[exists[c0:c1, d]] for d in range(1, K)]
-        anchor = torch.cat(parts) + start  # [E] row indices
+        anchor = torch.cat(parts) + start  # [E] row indices, sorted by (depth, anchor)
         depth = torch.cat([torch.full((p.numel(),), d) for d, p in enumerate(parts)])  # [E]
         elements = CodElements(anchor, depth, torch.zeros_like(anchor), torch.ones(anchor.numel()))
         inputs = element_inputs(elements, block.input_ids, block.position_ids)
         mask = build_attention_mask(elements)  # [E, E]
         hidden = drafter(inputs.input_ids.to(device), aux[inputs.feature_index].to(device, dtype),
                          inputs.is_mask.to(device), inputs.position_ids.to(device), mask.to(device))  # [E, H]
-        keep = (depth > 0) | (anchor - start >= c0)  # elements scored in this chunk
-        pred = torch.cat([drafter.logits(h).argmax(-1).cpu() for h in hidden[keep].split(1024)])  # [E']
-        tgt = target[inputs.target_index[keep] - start]  # [E'] verifier argmax (draft ids)
-        correct[anchor[keep] - start, depth[keep]] = pred == tgt
-    return correct, exists
+        keep = (depth > 0) | (anchor - start >= c0)  # depth-0 elements before c0 were scored already
+        ids = torch.cat([drafter.logits(h).argmax(-1).cpu() for h in hidden[keep].split(1024)])  # [E']
+        pred[anchor[keep] - start, depth[keep]] = ids
+    return pred
 
 
 @dataclass
@@ -460,11 +468,12 @@ def evaluate_offline(drafter, blocks: Iterable, lm_head_weight: torch.Tensor, nu
             if n < 3:
                 continue
             target = _argmax_chunked(block.final_hidden[start:end], head)  # [n] draft ids
-            correct, exists = _segment_correct(drafter, block, start, n, K, target, chunk_anchors)
-            A = n - 2
-            label = torch.arange(A)[:, None] + torch.arange(K)[None, :] + 2  # [A, K] local index
-            weight = torch.zeros(A, K, dtype=torch.bool)
-            weight[exists] = m[start + label[exists]] == 1
+            pred = segment_predictions(drafter, block, start, n, K, chunk_anchors)  # [A, K]
+            exists = pred >= 0
+            label = torch.arange(n - 2)[:, None] + torch.arange(K)[None, :] + 2  # [A, K] local x index
+            label = torch.where(exists, label, torch.zeros_like(label))
+            correct = exists & (pred == target[label - 1])  # target of (a, d) is z_{a+d+1}
+            weight = exists & (m[start + label] == 1)  # [A, K] w = m_{a+d+2}
             totals.add(correct, weight)
         if progress is not None:
             progress(1)
@@ -475,9 +484,10 @@ def select_eval_blocks(store, drafter_config: dict[str, Any] | None = None,
                        max_blocks: int | None = None) -> tuple[list[int], str]:
     """The blocks offline evaluation scores: the training run's validation split when known.
 
-    The split is ``peagle_train.data.split_blocks(done blocks, seed, val_fraction)`` with ``seed``
-    and ``val_fraction`` found anywhere in the checkpoint's ``config.json`` (training options); without
-    them (or with an empty validation split) every done block is scored.
+    The split is the ``val_blocks`` list that ``peagle-train`` records in the checkpoint's
+    ``config.json`` (``peagle_training``); failing that ``peagle_train.data.split_blocks(done blocks,
+    seed, val_fraction)`` with the recorded ``seed`` and ``val_fraction``; without either (or with an
+    empty validation split) every done block is scored.
 
     Returns:
         (block ids, ``"validation"`` or ``"all"``).
@@ -489,9 +499,11 @@ def select_eval_blocks(store, drafter_config: dict[str, Any] | None = None,
     done = np.flatnonzero(store.done_mask()).astype(np.int64)
     if done.size == 0:
         raise StoreMismatchError(f"{store.path}: no block is done; run `peagle-data extract` first")
-    found = _find_keys(drafter_config or {}, ("seed", "val_fraction"))
+    found = _find_keys(drafter_config or {}, ("seed", "val_fraction", "val_blocks"))
     ids, split = done, "all"
-    if "seed" in found and found.get("val_fraction"):
+    if found.get("val_blocks"):  # recorded by peagle-train (config.json "peagle_training")
+        ids, split = np.intersect1d(done, np.asarray(found["val_blocks"], dtype=np.int64)), "validation"
+    elif "seed" in found and found.get("val_fraction"):
         _, val = split_blocks(done, int(found["seed"]), float(found["val_fraction"]))
         if val.size:
             ids, split = val, "validation"

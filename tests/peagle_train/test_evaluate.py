@@ -242,3 +242,53 @@ def test_cli_offline_and_online(tiny_verifier, tiny_verifier_dir, tmp_path):
     assert report["offline"]["blocks"] == [0] and report["offline"]["split"] == "all"
     assert json.loads((tmp_path / "eval.json").read_text()) == report
     assert (tmp_path / "eval.png").stat().st_size > 0
+
+
+def test_select_eval_blocks_uses_the_recorded_split():
+    import numpy as np
+
+    from peagle_train.data import split_blocks
+    from peagle_train.evaluate import select_eval_blocks
+
+    store = SimpleNamespace(path="s", done_mask=lambda: np.array([1, 1, 0, 1, 1, 1, 1, 1, 1, 1], dtype=bool))
+    assert select_eval_blocks(store, {"peagle_training": {"val_blocks": [2, 3, 7]}}) == ([3, 7], "validation")
+    _, val = split_blocks(np.array([0, 1, 3, 4, 5, 6, 7, 8, 9]), 5, 0.3)
+    cfg = {"peagle_training": {"seed": 5, "val_fraction": 0.3}}
+    assert select_eval_blocks(store, cfg) == (val.tolist(), "validation")
+    assert select_eval_blocks(store, {}, max_blocks=2) == ([0, 1], "all")
+
+
+def test_offline_chains_are_the_online_drafts(tiny_verifier):
+    """§4 both ways: offline element (a, d) is exactly what online decoding drafts at t = a."""
+    from peagle_train.evaluate import segment_predictions
+    from peagle_train.speculative import draft_tokens
+    from tests.peagle_train.test_speculative import tiny_drafter
+
+    drafter = tiny_drafter(tiny_verifier, draft_vocab_size=512, num_depths=3)
+    x = torch.tensor([1, 504, 3458, 282, 260, 1115, 30, 77, 78, 79, 80, 81])
+    with torch.no_grad():
+        hs = tiny_verifier.model(input_ids=x[None], output_hidden_states=True).hidden_states
+    g = torch.cat([hs[layer][0] for layer in (1, 2, 3)], dim=-1)  # [n, 3*64]
+    block = SimpleNamespace(input_ids=x, position_ids=torch.arange(len(x)), aux_hidden=g)
+    pred = segment_predictions(drafter, block, 0, len(x), 3, chunk_anchors=4)  # [n-2, 3]
+    for t in range(len(x) - 2):
+        online = draft_tokens(drafter, x[:t + 2], g[:t + 1], 3)  # verifier ids
+        k = min(3, len(x) - 2 - t)  # depths that exist offline
+        assert torch.equal(drafter.draft_ids[pred[t, :k]], online[:k]), t
+        assert bool((pred[t, k:] == -1).all())
+
+
+def test_cli_fails_on_a_mismatch_naming_the_prompt(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    import peagle_train.evaluate as ev
+    from cli.eval import main
+
+    fake = {"acceptance_length": 1.0, "acceptance_rate": 0.0, "per_position_acceptance": [0.0], "num_prompts": 2,
+            "num_turns": 2, "num_draft_tokens": 1, "accepted": 0, "drafted": 3, "tokens_per_second": 1.0,
+            "baseline_tokens_per_second": 1.0, "speedup": 1.0, "identical_to_greedy": False, "mismatches": ["81", "x"]}
+    monkeypatch.setattr(ev, "run_online_eval", lambda *a, **k: dict(fake))
+    result = CliRunner().invoke(main, ["--drafter", "d", "--prompts", "p.jsonl"])
+    assert result.exit_code == 1
+    assert json.loads(result.stdout)["mismatches"] == ["81", "x"]
+    assert "prompts 81, x" in result.stderr
