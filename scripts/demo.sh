@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The main job on the embedded defaults, end to end on a CPU:
+#   ShareGPT conversations -> pack -> extract (SmolLM2-135M) -> train a drafter -> evaluate.
+# Sizes are chosen so that the whole run, set-up included, fits in about 15 minutes on 2 CPU cores
+# (SmolLM2 forwards ~700 tokens/s there). Override them with the environment variables below.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+. .venv/bin/activate
+
+OUT=${DEMO_DIR:-demo}
+CONVERSATIONS=${DEMO_CONVERSATIONS:-100}
+MAX_SEQ_LEN=${DEMO_MAX_SEQ_LEN:-512}
+STEPS=${DEMO_STEPS:-300}
+DRAFT_VOCAB=${DEMO_DRAFT_VOCAB:-4096}
+NUM_DEPTHS=${DEMO_NUM_DEPTHS:-4}
+PROMPTS=${DEMO_PROMPTS:-examples/prompts.jsonl}
+MAX_NEW_TOKENS=${DEMO_MAX_NEW_TOKENS:-64}
+mkdir -p "$OUT"
+t0=$(date +%s)
+
+echo "== 1/4 pack $CONVERSATIONS ShareGPT conversations (windows of $MAX_SEQ_LEN tokens)"
+peagle-data pack sharegpt --tokenizer smollm2-135m --output "$OUT/packed" \
+  --limit "$CONVERSATIONS" --max-seq-len "$MAX_SEQ_LEN" --force
+
+echo "== 2/4 extract hidden states with SmolLM2-135M-Instruct"
+peagle-data extract "$OUT/packed" --verifier smollm2-135m --output "$OUT/features.zarr" --force
+peagle-data verify "$OUT/features.zarr" > "$OUT/verify.json"
+
+echo "== 3/4 train the P-EAGLE drafter ($STEPS steps, K=$NUM_DEPTHS, draft vocab $DRAFT_VOCAB)"
+peagle-train --store "$OUT/features.zarr" --output "$OUT/drafter" --max-steps "$STEPS" \
+  --num-depths "$NUM_DEPTHS" --draft-vocab-size "$DRAFT_VOCAB" --force
+
+echo "== 4/4 evaluate offline (held-out blocks) and online (speculative decoding on $PROMPTS)"
+peagle-eval --drafter "$OUT/drafter/final" --verifier smollm2-135m --store "$OUT/features.zarr" \
+  --prompts "$PROMPTS" --max-new-tokens "$MAX_NEW_TOKENS" --output "$OUT/eval.json" > /dev/null
+
+python - "$OUT" "$t0" <<'PY'
+import json, sys, time
+out, t0 = sys.argv[1], int(sys.argv[2])
+r = json.load(open(f"{out}/eval.json"))
+print()
+print(f"acceptance length (online, greedy): {r['acceptance_length']:.3f}")
+print(f"acceptance rate: {r['acceptance_rate']:.3f}   identical to greedy: {r['identical_to_greedy']}")
+print(f"tokens/s: {r['tokens_per_second']:.1f} speculative vs {r['baseline_tokens_per_second']:.1f} plain")
+if "offline" in r:
+    print(f"acceptance length (offline, held-out blocks): {r['offline']['acceptance_length']:.3f}")
+print("artifacts:")
+for name, path in [("packed dataset", "packed"), ("feature store", "features.zarr"),
+                   ("drafter checkpoint", "drafter/final"), ("training metrics", "drafter/metrics.jsonl"),
+                   ("evaluation report", "eval.json")]:
+    print(f"  {name:<20} {out}/{path}")
+print(f"wall time of the pipeline: {time.time() - t0:.0f} s")
+PY
