@@ -324,8 +324,10 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
     name = verifier_name or drafter.config.verifier_name_or_path
     if not name:
         raise InputError("the drafter's config names no verifier; pass one", field="--verifier")
-    verifier = load_verifier(name)
-    drafter = drafter.to(next(verifier.parameters()).device)
+    # float32 everywhere: a K+1-token verify pass and one-token decoding then agree to ~1e-6, so
+    # near-ties cannot flip an argmax the way they do in bf16.
+    verifier = load_verifier(name, dtype=torch.float32)
+    drafter = drafter.to(next(verifier.parameters()).device, torch.float32)
     tokenizer = load_tokenizer(name)
     bar = progress_factory(sum(len(p.user_turns) for p in prompts)) if progress_factory else None
     try:
