@@ -48,7 +48,7 @@ def _echo_summary(summary: dict) -> None:
                + (f" {c['rejected_by_reason']}" if c.get("rejected_by_reason") else ""))
     line = f"tokens {c['tokens']}  loss tokens {c['loss_tokens']}"
     if "n_blocks" in c:
-        line += (f"  windows {c['windows']} (dropped {c['windows_dropped']})  blocks {c['n_blocks']}"
+        line += (f"  windows {c['windows']} (dropped {c['windows_dropped']}, capped {c.get('windows_capped', 0)})  blocks {c['n_blocks']}"
                  f" x {c['block_size']}  packing efficiency {c['packing_efficiency']:.4f}")
     click.echo(line)
     click.echo(f"output: {summary['output']}")
@@ -78,9 +78,11 @@ def tokenize(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, 
               help="Fraction of a window's body shared with the next window, in [0, 1).")
 @click.option("--overlap-loss", type=click.Choice(["skip", "keep"]), default="skip", show_default=True,
               help="skip: supervise every token once; keep: supervise the overlap twice.")
+@click.option("--max-windows", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Keep at most the first N windows of each conversation (default: all); the rest are counted.")
 @handle_errors
 def pack(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, force, max_seq_len,
-         block_size, overlap, overlap_loss):
+         block_size, overlap, overlap_loss, max_windows):
     """Cut conversations into windows and pack them into blocks with cu_seqlens.
 
     INPUT: conversation files / 'sharegpt' (tokenized first, in memory), or a tokenize output.
@@ -90,7 +92,7 @@ def pack(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, forc
     tok_cfg = _tokenize_config(chat_template, limit, fmt, strict)
     try:
         cfg = PackConfig(max_seq_len=max_seq_len, block_size=block_size, overlap=overlap,
-                         overlap_loss=overlap_loss, tokenize=tok_cfg)
+                         overlap_loss=overlap_loss, max_windows=max_windows, tokenize=tok_cfg)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     _echo_summary(run_pack(list(inputs), tokenizer_name, output, cfg, force=force))

@@ -74,6 +74,9 @@ class PackConfig:
     """Fraction of a window's body shared with the next window of a long conversation, in [0, 1) (--overlap)."""
     overlap_loss: str = "skip"
     """skip: a token supervised by an earlier window gets loss 0; keep: train the overlap twice (--overlap-loss)."""
+    max_windows: int | None = None
+    """Keep at most this many windows per conversation, the first ones; the rest are counted as
+    ``windows_capped`` (--max-windows; None keeps all). Bounds the share of very long conversations."""
     tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
     """How raw conversations are read and tokenized (ignored for a tokenize output)."""
 
@@ -84,6 +87,8 @@ class PackConfig:
             raise ValueError(f"--block-size ({self.block_size}) must be >= --max-seq-len ({self.max_seq_len})")
         if not 0.0 <= self.overlap < 1.0:
             raise ValueError(f"--overlap must be in [0, 1), got {self.overlap}")
+        if self.max_windows is not None and self.max_windows < 1:
+            raise ValueError(f"--max-windows must be >= 1, got {self.max_windows}")
         if self.overlap_loss not in OVERLAP_LOSS:
             raise ValueError(f"--overlap-loss must be one of {', '.join(OVERLAP_LOSS)}, got {self.overlap_loss!r}")
 
@@ -347,7 +352,7 @@ def _collect_windows(rows: Iterator[dict[str, Any]], cfg: PackConfig, rejects: R
                      counts: dict[str, Any]) -> list[tuple[str, np.ndarray, np.ndarray]]:
     """Windows of every row as ``(segment_id, input_ids, loss_mask)``; rows with none are rejected."""
     segments: list[tuple[str, np.ndarray, np.ndarray]] = []
-    counts.update(windows=0, windows_dropped=0)
+    counts.update(windows=0, windows_dropped=0, windows_capped=0)
     for row in rows:
         ids, mask, system_len = row["input_ids"], row["loss_mask"], int(row["system_len"])
         try:
@@ -360,6 +365,9 @@ def _collect_windows(rows: Iterator[dict[str, Any]], cfg: PackConfig, rejects: R
             _reject(rejects, counts, row["source"], str(e), conversation_id=row["conversation_id"])
             continue
         _bump(counts, "windows_dropped", n_candidates - len(windows))
+        if cfg.max_windows is not None and len(windows) > cfg.max_windows:
+            _bump(counts, "windows_capped", len(windows) - cfg.max_windows)
+            windows = windows[: cfg.max_windows]
         if not windows:
             _reject(rejects, counts, row["source"], "no supervised tokens: no assistant token in any window",
                     conversation_id=row["conversation_id"])
