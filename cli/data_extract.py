@@ -20,18 +20,25 @@ __all__ = ["extract", "inspect_cmd", "verify"]
               help="Aux layers as HF hidden_states indices, e.g. 2,18,33 (default: 2, L//2, L-3).")
 @click.option("--storage-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True,
               help="bf16 (bit-exact) or fp8 (float8_e4m3fn with per-token, per-layer scales; half the bytes).")
+@click.option("--compressor", type=click.Choice(["none", "zstd"]), default="none", show_default=True,
+              help="Chunk compressor; none keeps chunks memory-mappable (activations barely compress).")
+@click.option("--attn-implementation", type=click.Choice(["auto", "sdpa", "eager", "flash_attention_2"]),
+              default="auto", show_default=True,
+              help="auto: FlashAttention varlen on CUDA when installed, else SDPA with a block-diagonal mask.")
 @click.option("--resume", is_flag=True, help="Continue an existing store (redo blocks not done).")
 @click.option("--force", is_flag=True, help="Overwrite an existing store; skip the free-disk check.")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
 @click.option("--max-blocks", type=int, default=None, help="Stop after this many blocks (resumable).")
 @handle_errors
-def extract(packed_dir, verifier, output, layers, storage_dtype, resume, force, device, max_blocks):
+def extract(packed_dir, verifier, output, layers, storage_dtype, compressor, attn_implementation, resume, force, device, max_blocks):
     """Run the verifier over PACKED_DIR and write hidden states into a feature store."""
     from peagle_data.extract import ExtractConfig, run_extract
 
     try:
         cfg = ExtractConfig(packed=packed_dir, verifier=verifier, output=output, layers=layers,
-                            storage_dtype=storage_dtype, resume=resume, force=force, device=device, max_blocks=max_blocks)
+                            storage_dtype=storage_dtype,
+                            compressor=None if compressor == "none" else compressor,
+                            attn_implementation=attn_implementation, resume=resume, force=force, device=device, max_blocks=max_blocks)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     summary = run_extract(cfg, log=lambda m: click.echo(m, err=True))

@@ -17,6 +17,7 @@ Legend: T tokens in a block, L aux layers, H hidden size, S segments.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import shutil
 import threading
@@ -57,6 +58,8 @@ class ExtractConfig:
     """Aux layers as HF ``output_hidden_states`` indices; default EAGLE-3's ``[2, L//2, L-3]``."""
     storage_dtype: str = "bf16"
     """``bf16`` (bit-exact) or ``fp8`` (float8_e4m3fn with a per-token, per-layer scale)."""
+    compressor: str | None = None
+    """None (raw chunks, memory-mapped reads) or ``zstd`` (smaller, read through zarr)."""
     resume: bool = False
     """Continue an existing store: redo the blocks whose done flag is 0."""
     force: bool = False
@@ -67,6 +70,9 @@ class ExtractConfig:
     """Stop after this many blocks in this run (the store stays resumable); None = all."""
     writer_queue: int = 2
     """Blocks that may wait for the writer thread (bounds host memory)."""
+    attn_implementation: str = "auto"
+    """``auto`` (FlashAttention varlen on CUDA when installed, else SDPA with a block mask),
+    ``sdpa``, ``eager`` or ``flash_attention_2``."""
 
     def __post_init__(self) -> None:
         if self.resume and self.force:
@@ -79,6 +85,8 @@ class ExtractConfig:
             raise ValueError("--max-blocks must be ≥ 1")
         if self.storage_dtype not in STORAGE_DTYPES:
             raise ValueError(f"--storage-dtype: expected one of {STORAGE_DTYPES}, got {self.storage_dtype!r}")
+        if self.attn_implementation not in ("auto", "sdpa", "eager", "flash_attention_2"):
+            raise ValueError(f"--attn-implementation: unknown {self.attn_implementation!r}")
         if self.writer_queue < 1:
             raise ValueError("writer_queue must be ≥ 1")
 
@@ -131,7 +139,8 @@ def _capture_layers(base_model: torch.nn.Module, layers: list[int]) -> Iterator[
 @torch.no_grad()
 def verifier_features(base_model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
                       cu_seqlens: torch.Tensor, layers: list[int],
-                      attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      attention_mask: torch.Tensor | None = None,
+                      to_host: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """One block through the verifier's decoder stack (no lm_head).
 
     Args:
@@ -139,21 +148,32 @@ def verifier_features(base_model: torch.nn.Module, input_ids: torch.Tensor, posi
         input_ids: ``[T] int64``; position_ids: ``[T] int64`` (restart per segment, any start);
         cu_seqlens: ``[S+1] int64``; layers: HF ``output_hidden_states`` indices in ``0..L``;
         attention_mask: optional ``[T]`` padding mask (1 = token); it never widens attention
-            beyond a segment.
+            beyond a segment (ignored on the FlashAttention varlen path, which has no padding).
+        to_host: return CPU tensors (else tensors on the verifier's device).
+
+    With ``flash_attention_2`` the segments go to FlashAttention's varlen kernel as
+    ``cu_seq_lens``; otherwise a ``[1, 1, T, T]`` block-diagonal mask goes to SDPA/eager.
 
     Returns:
         ``aux_hidden [T, L, H] bf16`` and ``final_hidden [T, H] bf16`` (post final norm).
     """
     param = next(base_model.parameters())
-    mask = segment_attention_mask(cu_seqlens, param.dtype, attention_mask).to(param.device)
     n_layers = len(base_model.layers)
+    if getattr(base_model.config, "_attn_implementation", None) == "flash_attention_2":
+        # FlashAttention varlen: segments given by cu_seqlens, no T x T mask at all
+        cu = cu_seqlens.to(param.device, torch.int32)
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        attn = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    else:
+        attn = dict(attention_mask=segment_attention_mask(cu_seqlens, param.dtype, attention_mask).to(param.device))
     with _capture_layers(base_model, layers) as captured:
         out = base_model(input_ids=input_ids[None].to(param.device),
-                         position_ids=position_ids[None].to(param.device),
-                         attention_mask=mask, use_cache=False)
+                         position_ids=position_ids[None].to(param.device), use_cache=False, **attn)
     final = out.last_hidden_state[0]  # [T, H]
     aux = torch.stack([final if l == n_layers else captured[l][0] for l in layers], dim=1)  # [T, L, H]
-    return aux.to(torch.bfloat16).cpu(), final.to(torch.bfloat16).cpu()
+    if to_host:
+        return aux.to(torch.bfloat16).cpu(), final.to(torch.bfloat16).cpu()
+    return aux.to(torch.bfloat16), final.to(torch.bfloat16)
 
 
 def _base_model(verifier: torch.nn.Module) -> torch.nn.Module:
@@ -200,16 +220,28 @@ class _BlockWriter:
                 return
             if self.error is not None:
                 continue
-            i, aux, final = item
+            i, aux, final, copied = item
             try:
+                if copied is not None:
+                    copied.synchronize()  # the device-to-host copy into pinned memory is done
                 self.store.write_features(i, aux, final)
                 self.store.mark_done(i)
             except BaseException as e:  # reported on the main thread
                 self.error = e
 
     def put(self, i: int, aux: torch.Tensor, final: torch.Tensor) -> None:
+        """Queue block ``i``; CUDA tensors are copied asynchronously into pinned host memory."""
         self._raise()
-        self.queue.put((i, aux, final))
+        copied = None
+        if aux.device.type == "cuda":
+            aux_h = torch.empty(aux.shape, dtype=aux.dtype, pin_memory=True)
+            final_h = torch.empty(final.shape, dtype=final.dtype, pin_memory=True)
+            aux_h.copy_(aux, non_blocking=True)
+            final_h.copy_(final, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            aux, final = aux_h, final_h
+        self.queue.put((i, aux, final, copied))
 
     def close(self) -> None:
         self.queue.put(None)
@@ -242,11 +274,12 @@ def _create_store(cfg: ExtractConfig, rows, table: TokenTable, desc: dict, layer
     log(f"projected store size: {projected / 2**20:.1f} MiB for {len(rows)} blocks of {block_size} "
         f"token slots ({per_token} bytes per token, {cfg.storage_dtype})")
     out = Path(cfg.output)
-    if out.exists() and not cfg.force:
-        raise OutputExistsError(str(out), "pass --resume to continue it or --force to overwrite it")
-    _check_disk(out, projected, cfg.force)
+    if _local(cfg.output):
+        if out.exists() and not cfg.force:
+            raise OutputExistsError(str(out), "pass --resume to continue it or --force to overwrite it")
+        _check_disk(out, projected, cfg.force)
     store = FeatureStore.create(
-        out, n_blocks=len(rows), block_size=block_size, max_segments=max_segments, layers=layers,
+        cfg.output, compressor=cfg.compressor, n_blocks=len(rows), block_size=block_size, max_segments=max_segments, layers=layers,
         hidden_size=H, vocab_size=V, verifier=desc, tokenizer=table.manifest.get("tokenizer", {}),
         source=manifest_sha256(cfg.packed), storage_dtype=cfg.storage_dtype,
         n_tokens=int(sum(int(r["n_tokens"]) for r in rows)), force=cfg.force,
@@ -262,11 +295,21 @@ def _create_store(cfg: ExtractConfig, rows, table: TokenTable, desc: dict, layer
     return store
 
 
+def _has_flash_attn() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def _local(path: str) -> bool:
+    return "://" not in str(path)
+
+
 def _open_or_create(cfg: ExtractConfig, rows, table, desc, layers, log) -> FeatureStore:
     out = Path(cfg.output)
-    if cfg.resume and out.exists():
+    if cfg.resume and (out.exists() or not _local(cfg.output)):
         try:
-            store = FeatureStore.open(out, mode="r+")
+            store = FeatureStore.open(cfg.output, mode="r+")
         except StoreFormatError:
             store = None  # killed before the attributes were written: start over
         if store is not None and store.attrs.get("tokens_written"):
@@ -275,8 +318,11 @@ def _open_or_create(cfg: ExtractConfig, rows, table, desc, layers, log) -> Featu
                 raise InputError(f"the store holds {store.storage_dtype}, asked for {cfg.storage_dtype}",
                                  field="--storage-dtype")
             return store
-        log(f"{out}: creation was interrupted; creating it again")
-        shutil.rmtree(out)
+        if store is not None or _local(cfg.output):
+            log(f"{cfg.output}: creation was interrupted; creating it again")
+            cfg = dataclasses.replace(cfg, force=True, resume=False)
+            if _local(cfg.output):
+                shutil.rmtree(out)
     return _create_store(cfg, rows, table, desc, layers, log)
 
 
@@ -301,7 +347,10 @@ def run_extract(cfg: ExtractConfig, progress: bool = True,
     rows = list(table.iter_rows(["input_ids", "loss_mask", "position_ids", "cu_seqlens", "n_tokens"]))
     directory = resolve_model(cfg.verifier)
     device = cfg.device or (str(state.device) if state.device.type == "cuda" else "cpu")
-    verifier = load_verifier(cfg.verifier, device=device)
+    attn_impl = cfg.attn_implementation
+    if attn_impl == "auto":
+        attn_impl = "flash_attention_2" if device.startswith("cuda") and _has_flash_attn() else "sdpa"
+    verifier = load_verifier(cfg.verifier, device=device, attn_implementation=attn_impl)
     config = verifier.config
     L = config.num_hidden_layers
     layers = list(cfg.layers) if cfg.layers is not None else default_layers(L)
@@ -333,7 +382,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True,
             aux, final = verifier_features(
                 base, torch.tensor(r["input_ids"], dtype=torch.long),
                 torch.tensor(r["position_ids"], dtype=torch.long),
-                torch.tensor(r["cu_seqlens"], dtype=torch.long), layers)
+                torch.tensor(r["cu_seqlens"], dtype=torch.long), layers, to_host=False)
             writer.put(i, aux, final)
             tokens += int(r["n_tokens"])
             bar.set_postfix(tokens=tokens)

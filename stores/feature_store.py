@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 import zarr
-from zarr.codecs import BytesCodec, Crc32cCodec
+import zarr.errors
+from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
 
 from stores.errors import OutputExistsError, StoreFormatError, StoreMismatchError
 
@@ -173,6 +174,8 @@ class FeatureStore:
             StoreFormatError: missing, not a zarr group, not a peagle store, or unknown version.
         """
         path = str(path)
+        if path.startswith("file://"):
+            path = path[len("file://"):]
         if _is_local(path) and not (Path(path) / "zarr.json").is_file():
             raise StoreFormatError(f"{path}: no feature store here (no zarr.json)")
         try:
@@ -196,6 +199,7 @@ class FeatureStore:
         tokenizer: dict[str, Any] | None = None,
         source: str = "",
         storage_dtype: str = "bf16",
+        compressor: str | None = None,
         n_tokens: int = 0,
         extra: dict[str, Any] | None = None,
         force: bool = False,
@@ -208,21 +212,29 @@ class FeatureStore:
             verifier: ``name_or_path``, ``revision``, ``architecture``, ``num_hidden_layers``,
                 ``hidden_size``, ``vocab_size``, ``dtype``.
             source: sha256 of the packed table's manifest.
+            compressor: None (raw chunks, memory-mappable) or ``"zstd"`` (read through zarr).
+            path: a local directory, or any fsspec URL zarr accepts (``memory://``, ``s3://``...).
 
         Raises:
             OutputExistsError: ``path`` exists and ``force`` is false.
-            ValueError: an unsupported ``storage_dtype``.
+            ValueError: an unsupported ``storage_dtype`` or ``compressor``.
         """
         if storage_dtype not in STORAGE_DTYPES:
             raise ValueError(f"--storage-dtype {storage_dtype!r}: expected one of {STORAGE_DTYPES}")
+        if compressor not in (None, "zstd"):
+            raise ValueError(f"--compressor {compressor!r}: expected zstd or none")
         path = str(path)
         if _is_local(path) and Path(path).exists():
             if not force:
                 raise OutputExistsError(path, "pass --resume to continue it or --force to overwrite it")
             shutil.rmtree(path)
-        group = zarr.open_group(path, mode="w")
+        try:
+            group = zarr.open_group(path, mode="w" if force or _is_local(path) else "w-")
+        except (FileExistsError, zarr.errors.ContainsGroupError, zarr.errors.ContainsArrayError) as e:
+            raise OutputExistsError(path, "pass --resume to continue it or --force to overwrite it") from e
         C, L, H = block_size, len(layers), hidden_size
-        raw = dict(serializer=BytesCodec(endian="little"), compressors=[Crc32cCodec()],
+        codecs = ([ZstdCodec(level=3)] if compressor == "zstd" else []) + [Crc32cCodec()]
+        raw = dict(serializer=BytesCodec(endian="little"), compressors=codecs,
                    fill_value=0, config={"write_empty_chunks": True})
         group.create_array("input_ids", shape=(n_blocks, C), chunks=(1, C), dtype="int32", **raw)
         group.create_array("loss_mask", shape=(n_blocks, C), chunks=(1, C), dtype="uint8", **raw)
@@ -241,6 +253,7 @@ class FeatureStore:
             "layer_convention": "hf_hidden_states",
             "final": "post_norm",
             "storage_dtype": storage_dtype,
+            "compressor": compressor,
             "block_size": C,
             "max_segments": max_segments,
             "n_blocks": n_blocks,
@@ -495,7 +508,7 @@ def bytes_per_token(n_layers: int, hidden_size: int, storage_dtype: str) -> int:
 
 
 def _is_local(path: str) -> bool:
-    return "://" not in path or path.startswith("file://")
+    return "://" not in path
 
 
 def _uncompressed(array: zarr.Array) -> bool:

@@ -141,19 +141,23 @@ def load_tokenizer(name: str | os.PathLike):
     return AutoTokenizer.from_pretrained(resolve_model(name, need_weights=False))
 
 
-def load_verifier(name: str | os.PathLike, dtype=None, device: str | None = None):
+def load_verifier(name: str | os.PathLike, dtype=None, device: str | None = None,
+                  attn_implementation: str | None = None):
     """Load MODEL as a causal LM in eval mode.
 
     Args:
         dtype: a ``torch.dtype``; default float32 on CPU, bfloat16 on CUDA.
         device: default ``cuda`` when available, else ``cpu``.
+        attn_implementation: transformers' attention backend (``sdpa``, ``eager``,
+            ``flash_attention_2``); default transformers' own choice.
     """
     import torch
     from transformers import AutoModelForCausalLM
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype)
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype, **kwargs)
     return model.to(device).eval()
 
 

@@ -96,3 +96,62 @@ def test_fp8_store_halves_bytes_and_bounds_error(tmp_path):
         rel_f = (b.final_hidden.float() - fin.float()).norm(dim=-1) / fin.float().norm(dim=-1)
         assert rel_f.max() < 0.05
     assert verify_store(tmp_path / "f.zarr")["ok"]
+
+
+class StoreContract:
+    """What every store backend must do; subclasses say how to make one."""
+
+    def make(self, tmp_path, **kw) -> FeatureStore:
+        raise NotImplementedError
+
+    def test_round_trip_and_flags(self, tmp_path):
+        self.round_trip(tmp_path)
+
+    def round_trip(self, tmp_path) -> FeatureStore:
+        store = self.make(tmp_path, n_blocks=2, block_size=6, max_segments=2, layers=[0, 1], hidden_size=4,
+                          vocab_size=16, verifier={"name_or_path": "tiny"})
+        aux = _special_bf16(5, 2, 4)
+        fin = _special_bf16(5, 1, 4)[:, 0]
+        store.write_tokens(0, [1, 2, 3, 4, 5], [0, 0, 1, 1, 1], [0, 1, 2, 0, 1], [0, 3, 5])
+        store.write_all_n_tokens(np.array([5, 0]))
+        store.write_features(0, aux, fin)
+        store.mark_done(0)
+        again = FeatureStore.open(store.path)
+        assert again.missing_blocks() == [1]
+        b = again.read_block(0)
+        assert torch.equal(b.aux_hidden.view(torch.int16), aux.view(torch.int16))
+        assert torch.equal(b.final_hidden.view(torch.int16), fin.view(torch.int16))
+        assert b.cu_seqlens.tolist() == [0, 3, 5] and b.position_ids.tolist() == [0, 1, 2, 0, 1]
+        ref = again.read_block(0, via="zarr")  # the zarr API path is the reference for every backend
+        assert torch.equal(b.aux_hidden.view(torch.int16), ref.aux_hidden.view(torch.int16))
+        return again
+
+
+class TestLocalMemoryMapped(StoreContract):
+    def make(self, tmp_path, **kw):
+        return FeatureStore.create(tmp_path / "s.zarr", **kw)
+
+    def test_uses_mmap(self, tmp_path):
+        assert self.round_trip(tmp_path)._mmap_ok
+
+
+class TestLocalCompressed(StoreContract):
+    def make(self, tmp_path, **kw):
+        return FeatureStore.create(tmp_path / "s.zarr", compressor="zstd", **kw)
+
+    def test_reads_through_zarr(self, tmp_path):
+        store = self.round_trip(tmp_path)
+        assert not store._mmap_ok
+        with pytest.raises(StoreFormatError):
+            store.read_block(0, via="mmap")
+
+
+class TestFsspecUrl(StoreContract):
+    def make(self, tmp_path, **kw):
+        return FeatureStore.create(f"memory://peagle-test/{tmp_path.name}", **kw)
+
+    def test_refuses_existing_url_without_force(self, tmp_path):
+        self.round_trip(tmp_path)
+        with pytest.raises(OutputExistsError):
+            self.make(tmp_path, n_blocks=1, block_size=2, max_segments=1, layers=[0], hidden_size=4,
+                      vocab_size=16, verifier={"name_or_path": "tiny"})
