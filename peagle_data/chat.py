@@ -4,19 +4,26 @@ Method, for one conversation of T tokens:
 
 1. Render the whole conversation once as text (``apply_chat_template(..., tokenize=False)``).
 2. For every assistant turn i, render ``messages[:i]`` with the generation prompt (``P_i``) and
-   ``messages[:i+1]`` (``Q_i``). Both must be string prefixes of the full render, else the
-   template rewrites history (it renders earlier turns differently once later turns exist) and
-   the row is rejected with "template rewrites history": a mask is never guessed.
-   The assistant's span is the characters ``[len(P_i), len(Q_i))``: what the verifier generates
-   after the generation prompt, as rendered (content, reasoning, tool-call text), and whatever
-   the template appends to close the turn.
-3. Tokenize the full text once with offsets. A token is supervised (mask 1) when it starts inside
-   the span and no later than the span's end-of-turn token, the last special/added token in the
-   span (``<|im_end|>`` in ChatML). What follows the end-of-turn token inside the span (ChatML's
-   trailing ``"\\n"``) is template glue the verifier never generates: mask 0. A span with no
-   special token is supervised whole.
-4. The token ids must equal ``apply_chat_template(messages, tokenize=True)``; a mismatch rejects
-   the row.
+   ``messages[:i+1]`` (``Q_i``) (jinja renders only: cheap next to tokenization). Both must be
+   string prefixes of the full render. The assistant's span is the characters
+   ``[len(P_i), len(Q_i))``: what the verifier generates after the generation prompt, as rendered
+   (content, reasoning, tool-call text), and whatever the template appends to close the turn.
+   When a check fails the template rewrites history (it renders earlier turns differently once
+   later ones exist, like Qwen3 dropping earlier reasoning). A mask is never guessed:
+   :func:`tokenize_conversation` rejects the row ("template rewrites history"), and
+   :func:`tokenize_turns` / :func:`render_rows` make one row per assistant turn i from
+   ``messages[:i+1]`` (the context the verifier saw when it generated that turn), each supervising
+   only its last turn, or reject it if even that fails.
+3. Tokenize the rendered texts in one batched call with offsets. A token is supervised (mask 1)
+   when it starts inside the span and no later than the span's end-of-turn token, the last
+   special/added token in the span (``<|im_end|>`` in ChatML). What follows the end-of-turn token
+   inside the span (ChatML's trailing ``"\\n"``) is template glue the verifier never generates:
+   mask 0. A span with no special token is supervised whole. An empty think block
+   (``<think></think>`` with only whitespace) that opens the span of a turn without
+   ``reasoning_content`` was injected by the template, not generated: mask 0.
+4. ``apply_chat_template(messages, tokenize=True)`` tokenizes the same render with
+   ``add_special_tokens=False``, so the ids are identical by construction (tests check it on five
+   template families); they are not tokenized twice at run time.
 
 ``system_len`` is the number of leading tokens that form the system prefix (BOS, the system turn,
 or the default system text a template injects): the common prefix of two renders of the
@@ -27,6 +34,7 @@ user-turn header (what a second user turn adds before its content).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -34,11 +42,12 @@ import numpy as np
 
 from stores.errors import InputError
 
-__all__ = ["ChatTemplateError", "TokenizedConversation", "tokenize_conversation", "system_prefix_text",
+__all__ = ["ChatTemplateError", "TokenizedConversation", "RenderedRow", "render_rows", "tokenize_rendered",
+           "tokenize_conversation", "tokenize_turns", "system_prefix_text",
            "chat_template_sha256",
            "effective_chat_template"]
 
-_SENTINELS = ("Q7Xz sentinel alpha", "K3Jw sentinel beta")
+_SENTINELS = ("Q7Xz sentinel alpha", "K3Jw sentinel beta", "Z9qv sentinel gamma")
 
 
 class ChatTemplateError(InputError):
@@ -107,16 +116,18 @@ def _common_prefix_len(a: str, b: str) -> int:
 
 
 def _special_ids(tokenizer) -> frozenset[int]:
+    # Cached on the tokenizer, keyed by its size: adding tokens (or a deep copy that does) refreshes it.
+    size = len(tokenizer)
     cached = getattr(tokenizer, "_peagle_special_ids", None)
-    if cached is None:
+    if cached is None or cached[0] != size:
         ids = set(getattr(tokenizer, "all_special_ids", []) or [])
         ids.update(getattr(tokenizer, "added_tokens_decoder", {}).keys())
-        cached = frozenset(ids)
+        cached = (size, frozenset(ids))
         try:
             tokenizer._peagle_special_ids = cached
         except AttributeError:
             pass
-    return cached
+    return cached[1]
 
 
 def system_prefix_text(tokenizer, system_messages: Sequence[dict[str, Any]], tools=None,
@@ -131,16 +142,24 @@ def system_prefix_text(tokenizer, system_messages: Sequence[dict[str, Any]], too
     r1 = _render(tokenizer, system_messages + [{"role": "user", "content": _SENTINELS[0]}], tools, chat_template)
     r2 = _render(tokenizer, system_messages + [{"role": "user", "content": _SENTINELS[1]}], tools, chat_template)
     prefix = r1[:_common_prefix_len(r1, r2)]
-    # The user-turn header: what a second user turn adds before its content.
-    base_msgs = system_messages + [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+    # The user-turn header: what a second user turn adds between the end of the assistant turn
+    # before it and its content. The assistant turn's end is located by its (sentinel) content and
+    # the glue the template closes it with, so templates that render a final assistant turn
+    # differently (Qwen3's injected think block) still give the header.
+    base_msgs = system_messages + [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINELS[2]}]
     try:
         base = _render(tokenizer, base_msgs, tools, chat_template)
         h1 = _render(tokenizer, base_msgs + [{"role": "user", "content": _SENTINELS[0]}], tools, chat_template)
         h2 = _render(tokenizer, base_msgs + [{"role": "user", "content": _SENTINELS[1]}], tools, chat_template)
     except ChatTemplateError:
         return prefix
-    if h1.startswith(base):
-        header = h1[len(base):_common_prefix_len(h1, h2)]
+    if _SENTINELS[2] not in base:
+        return prefix
+    closing = _SENTINELS[2] + base[base.rindex(_SENTINELS[2]) + len(_SENTINELS[2]):]
+    before_content = h1[:_common_prefix_len(h1, h2)]
+    at = before_content.rfind(closing)
+    if at >= 0:
+        header = before_content[at + len(closing):]
         if header and prefix.endswith(header):
             prefix = prefix[: len(prefix) - len(header)]
     return prefix
@@ -165,6 +184,134 @@ def _cached_system_prefix(tokenizer, system_messages, tools, chat_template) -> s
     return cache[key]
 
 
+@dataclass(frozen=True)
+class RenderedRow:
+    """One row to tokenize: the rendered text and the character spans to supervise.
+
+    Attributes:
+        text: the chat template's render of the row's messages.
+        spans: ``[(start, end)]`` characters of every supervised assistant turn, in order.
+        prefix_chars: characters of ``text`` that form the system prefix.
+        turn: index of the supervised assistant message for a per-turn row, else None.
+        empty_think: ``[(start, end)]`` characters of template-injected empty think blocks (loss 0).
+    """
+
+    text: str
+    spans: tuple[tuple[int, int], ...]
+    prefix_chars: int
+    turn: int | None = None
+    empty_think: tuple[tuple[int, int], ...] = ()
+
+
+_EMPTY_THINK = re.compile(r"<think>\s*</think>\s*")
+
+
+def _assistant_span(tokenizer, messages, i, text, tools, chat_template) -> tuple[int, int] | None:
+    """Characters of assistant turn ``i`` in ``text`` by the prefix method, or None when the renders
+    of ``messages[:i]`` (with the generation prompt) and ``messages[:i+1]`` are not prefixes of it."""
+    before = _render(tokenizer, messages[:i], tools, chat_template, add_generation_prompt=True)
+    through = _render(tokenizer, messages[: i + 1], tools, chat_template)
+    if text.startswith(before) and text.startswith(through) and len(through) >= len(before):
+        return len(before), len(through)
+    return None
+
+
+def _empty_think(messages, indices, text, spans) -> tuple[tuple[int, int], ...]:
+    """Empty ``<think></think>`` blocks a template injected at the start of a turn without reasoning."""
+    out = []
+    for i, (a, b) in zip(indices, spans):
+        if messages[i].get("reasoning_content"):
+            continue
+        m = _EMPTY_THINK.match(text, a, b)
+        if m and "<think>" not in str(messages[i].get("content") or "")[:16]:
+            out.append((a, m.end()))
+    return tuple(out)
+
+
+def _prefix_chars(tokenizer, messages, text, tools, chat_template) -> int:
+    system_msgs = []
+    for m in messages:
+        if m.get("role") != "system":
+            break
+        system_msgs.append(m)
+    prefix = _cached_system_prefix(tokenizer, system_msgs, tools, chat_template)
+    return _common_prefix_len(prefix, text[: len(prefix)])
+
+
+def render_rows(tokenizer, messages: Sequence[dict[str, Any]], tools: list | None = None,
+                chat_template: str | None = None, per_turn_fallback: bool = True) -> list[RenderedRow]:
+    """Render one conversation and locate its assistant spans (no tokenization).
+
+    The whole conversation is one row when every assistant turn's prefix renders are prefixes of
+    the full render. Otherwise the template rewrites history (for example it drops earlier turns'
+    reasoning): with ``per_turn_fallback`` the conversation becomes one row per assistant turn
+    ``i``, rendered from ``messages[:i+1]`` (its own context, as the verifier saw it) and
+    supervising only that last turn; each such row must pass the prefix check itself.
+
+    Raises:
+        ChatTemplateError: "template error", or "template rewrites history" when no exact mask exists.
+    """
+    messages = list(messages)
+    text = _render(tokenizer, messages, tools, chat_template)
+    indices = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    spans = []
+    for i in indices:
+        span = _assistant_span(tokenizer, messages, i, text, tools, chat_template)
+        if span is None:
+            break
+        spans.append(span)
+    else:
+        return [RenderedRow(text, tuple(spans), _prefix_chars(tokenizer, messages, text, tools, chat_template),
+                            None, _empty_think(messages, indices, text, spans))]
+    first_bad = indices[len(spans)]
+    if not per_turn_fallback:
+        raise ChatTemplateError(
+            f"template rewrites history: the render up to assistant turn {first_bad} is not a prefix of "
+            "the whole conversation's render")
+    rows = []
+    for i in indices:
+        sub = messages[: i + 1]
+        sub_text = _render(tokenizer, sub, tools, chat_template)
+        span = _assistant_span(tokenizer, sub, i, sub_text, tools, chat_template)
+        if span is None:
+            raise ChatTemplateError(
+                f"template rewrites history: even rendered alone, the context of assistant turn {i} is "
+                "not a prefix of its own render")
+        rows.append(RenderedRow(sub_text, (span,), _prefix_chars(tokenizer, sub, sub_text, tools, chat_template),
+                                i, _empty_think(sub, [i], sub_text, [span])))
+    return rows
+
+
+def tokenize_rendered(tokenizer, rows: Sequence[RenderedRow]) -> list[TokenizedConversation]:
+    """Tokenize rendered rows in one batched call and build their loss masks.
+
+    The ids equal ``apply_chat_template(messages, tokenize=True)``: that call tokenizes the same
+    render with ``add_special_tokens=False``, as here (the tests check it on every template family).
+
+    Raises:
+        InputError: the tokenizer is not a fast tokenizer (offsets are needed).
+    """
+    if not rows:
+        return []
+    if not getattr(tokenizer, "is_fast", False):
+        raise InputError("loss masks need a fast tokenizer (offset mapping); this one is not")
+    enc = tokenizer([r.text for r in rows], add_special_tokens=False, return_offsets_mapping=True)
+    special = _special_ids(tokenizer)
+    out = []
+    for row, row_ids, row_offsets in zip(rows, enc["input_ids"], enc["offset_mapping"]):
+        ids = np.asarray(row_ids, dtype=np.int32)
+        offsets = np.asarray(row_offsets, dtype=np.int64).reshape(-1, 2)  # [T, 2] chars
+        loss_mask = _mask_from_spans(ids, offsets[:, 0], list(row.spans), special)
+        if row.empty_think:
+            loss_mask[_mask_from_spans(ids, offsets[:, 0], list(row.empty_think), frozenset()) == 1] = 0
+        system_len = int(np.searchsorted(offsets[:, 1], row.prefix_chars, side="right"))
+        supervised = np.flatnonzero(loss_mask)
+        if supervised.size:
+            system_len = min(system_len, int(supervised[0]))
+        out.append(TokenizedConversation(input_ids=ids, loss_mask=loss_mask, system_len=system_len))
+    return out
+
+
 def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]], tools: list | None = None,
                           chat_template: str | None = None) -> TokenizedConversation:
     """Tokenize one conversation with its chat template and find its loss mask and system prefix.
@@ -180,56 +327,20 @@ def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]], tools: 
         ``system_len``).
 
     Raises:
-        ChatTemplateError: the template fails on the messages ("template error"), rewrites earlier
-            turns once later ones exist ("template rewrites history"), or its token ids differ from
-            a plain tokenization of the rendered text ("token mismatch").
+        ChatTemplateError: the template fails on the messages ("template error") or rewrites earlier
+            turns once later ones exist ("template rewrites history"; see :func:`tokenize_turns`).
         InputError: the tokenizer has no chat template or is not a fast tokenizer.
     """
-    messages = list(messages)
-    full = _render(tokenizer, messages, tools, chat_template)
-    spans: list[tuple[int, int]] = []
-    for i, msg in enumerate(messages):
-        if msg.get("role") != "assistant":
-            continue
-        before = _render(tokenizer, messages[:i], tools, chat_template, add_generation_prompt=True)
-        through = _render(tokenizer, messages[: i + 1], tools, chat_template)
-        if not (full.startswith(before) and full.startswith(through) and len(through) >= len(before)):
-            raise ChatTemplateError(
-                f"template rewrites history: the render up to assistant turn {i} is not a prefix of "
-                "the whole conversation's render")
-        spans.append((len(before), len(through)))
+    rows = render_rows(tokenizer, messages, tools, chat_template, per_turn_fallback=False)
+    return tokenize_rendered(tokenizer, rows)[0]
 
-    if not getattr(tokenizer, "is_fast", False):
-        raise InputError("loss masks need a fast tokenizer (offset mapping); this one is not")
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids = np.asarray(enc["input_ids"], dtype=np.int32)
-    offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)  # [T, 2] chars
 
-    kwargs: dict[str, Any] = {"tokenize": True, "return_dict": False}
-    if tools is not None:
-        kwargs["tools"] = tools
-    if chat_template is not None:
-        kwargs["chat_template"] = chat_template
-    reference = tokenizer.apply_chat_template(messages, **kwargs)
-    if len(reference) != len(ids) or not np.array_equal(np.asarray(reference, dtype=np.int32), ids):
-        raise ChatTemplateError(
-            f"token mismatch: tokenizing the rendered text gives {len(ids)} tokens, "
-            f"apply_chat_template gives {len(reference)}")
-
-    loss_mask = _mask_from_spans(ids, offsets[:, 0], spans, _special_ids(tokenizer))
-
-    system_msgs = []
-    for m in messages:
-        if m.get("role") != "system":
-            break
-        system_msgs.append(m)
-    prefix = _cached_system_prefix(tokenizer, system_msgs, tools, chat_template)
-    prefix_chars = _common_prefix_len(prefix, full[: len(prefix)])
-    system_len = int(np.searchsorted(offsets[:, 1], prefix_chars, side="right"))
-    supervised = np.flatnonzero(loss_mask)
-    if supervised.size:
-        system_len = min(system_len, int(supervised[0]))
-    return TokenizedConversation(input_ids=ids, loss_mask=loss_mask, system_len=system_len)
+def tokenize_turns(tokenizer, messages: Sequence[dict[str, Any]], tools: list | None = None,
+                   chat_template: str | None = None) -> list[tuple[int | None, TokenizedConversation]]:
+    """Like :func:`tokenize_conversation`, but a template that rewrites history gives one row per
+    assistant turn, ``(turn index, row)``; a conversation tokenized whole is ``[(None, row)]``."""
+    rows = render_rows(tokenizer, messages, tools, chat_template, per_turn_fallback=True)
+    return [(r.turn, t) for r, t in zip(rows, tokenize_rendered(tokenizer, rows))]
 
 
 def _mask_from_spans(ids: np.ndarray, starts: np.ndarray, spans: list[tuple[int, int]],

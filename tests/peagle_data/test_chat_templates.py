@@ -1,0 +1,325 @@
+"""Loss masks on five template families and tool calls, on copies of the real SmolLM2 tokenizer.
+
+Each family is a Jinja template written here (no ``{% generation %}`` tags), with its control
+tokens added as special tokens to a copy of the tokenizer, as the real models ship them. For every
+assistant turn, the decoded supervised tokens are exactly the rendered content (reasoning and
+tool-call text included) and the end-of-turn token; ids always equal ``apply_chat_template``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from peagle_data.chat import ChatTemplateError, render_rows, tokenize_conversation, tokenize_turns
+
+# --------------------------------------------------------------------------------------------
+# Templates
+
+LLAMA3 = (
+    "{{ '<|begin_of_text|>' }}"
+    "{% for m in messages %}{{ '<|start_header_id|>' + m.role + '<|end_header_id|>\n\n' + m.content | trim"
+    " + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+GEMMA = (
+    "{{ '<bos>' }}"
+    "{% if messages[0].role == 'system' %}{% set first_user_prefix = messages[0].content + '\n\n' %}"
+    "{% set loop_messages = messages[1:] %}"
+    "{% else %}{% set first_user_prefix = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for m in loop_messages %}"
+    "{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% set role = 'model' if m.role == 'assistant' else m.role %}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ m.content | trim }}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+# Mistral v0.3 style: the system prompt goes into the LAST user turn, so earlier renders change.
+MISTRAL = (
+    "{{ '<s>' }}"
+    "{% if messages[0].role == 'system' %}{% set system_message = messages[0].content %}"
+    "{% set loop_messages = messages[1:] %}{% else %}{% set loop_messages = messages %}{% endif %}"
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for m in loop_messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in loop_messages %}"
+    "{% if m.role == 'user' %}"
+    "{% if loop.index0 == ns.last_user and system_message is defined %}"
+    "{{ '[INST] ' + system_message + '\n\n' + m.content + '[/INST]' }}"
+    "{% else %}{{ '[INST] ' + m.content + '[/INST]' }}{% endif %}"
+    "{% elif m.role == 'assistant' %}{{ ' ' + m.content + '</s>' }}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported') }}{% endif %}"
+    "{% endfor %}"
+)
+
+# Qwen3 style: tools in the system turn, <think> blocks kept only for turns after the last user
+# query (earlier reasoning is dropped from the history), the last turn always gets a think block
+# (an empty one when there is no reasoning), tool calls as <tool_call> JSON, tool results in a
+# user turn.
+QWEN3 = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\n<tools>' }}{%- for tool in tools %}{{- '\\n' + tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- set ns = namespace(last_query_index=messages|length - 1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query_index = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}{{- '<|im_start|>user\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'assistant' %}"
+    "{%- set content = m.content or '' %}{%- set reasoning = m.reasoning_content or '' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning) %}"
+    "{{- '<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' }}{%- endif %}"
+    "{{- content }}"
+    "{%- if m.tool_calls %}{%- for tc in m.tool_calls %}"
+    "{%- if (loop.first and content) or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + tc.function.name + '\", \"arguments\": ' }}"
+    "{{- tc.function.arguments if tc.function.arguments is string else tc.function.arguments | tojson }}"
+    "{{- '}\\n</tool_call>' }}{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# A reasoning model whose generation prompt opens the think block: the rendered turn holds the
+# reasoning and </think> but the verifier never generates the opening <think>.
+OPEN_THINK = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' %}<think>\n{{ m.reasoning_content or '' }}\n</think>\n\n{% endif %}"
+    "{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+
+
+def _with_tokens(tok, special=(), added=()):
+    out = copy.deepcopy(tok)
+    if special:
+        out.add_special_tokens({"additional_special_tokens": list(special)})
+    if added:
+        out.add_tokens(list(added))
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama3_tok(smollm2_tokenizer):
+    return _with_tokens(smollm2_tokenizer, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                                            "<|eot_id|>"])
+
+
+@pytest.fixture(scope="module")
+def gemma_tok(smollm2_tokenizer):
+    return _with_tokens(smollm2_tokenizer, ["<bos>", "<start_of_turn>", "<end_of_turn>"])
+
+
+@pytest.fixture(scope="module")
+def mistral_tok(smollm2_tokenizer):
+    return _with_tokens(smollm2_tokenizer, ["<s>", "</s>", "[INST]", "[/INST]"])
+
+
+@pytest.fixture(scope="module")
+def qwen3_tok(smollm2_tokenizer):
+    return _with_tokens(smollm2_tokenizer, added=["<think>", "</think>", "<tool_call>", "</tool_call>",
+                                                  "<tool_response>", "</tool_response>"])
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+
+
+def runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    padded = np.concatenate([[0], mask.astype(np.int8), [0]])
+    edges = np.flatnonzero(np.diff(padded))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+
+
+def masked_texts(tok, out) -> list[str]:
+    return [tok.decode(out.input_ids[a:b]) for a, b in runs(out.loss_mask)]
+
+
+def check(tok, messages, template, expected_spans, expected_prefix=None, tools=None):
+    """Tokenize, compare ids with apply_chat_template, and the supervised spans with the expected."""
+    out = tokenize_conversation(tok, messages, tools=tools, chat_template=template)
+    kw = {"tools": tools} if tools is not None else {}
+    reference = tok.apply_chat_template(messages, tokenize=True, return_dict=False, chat_template=template, **kw)
+    assert out.input_ids.tolist() == list(reference)
+    assert masked_texts(tok, out) == expected_spans
+    if expected_prefix is not None:
+        assert tok.decode(out.input_ids[: out.system_len]) == expected_prefix
+    assert not out.loss_mask[: out.system_len].any()
+    return out
+
+
+TWO_TURNS = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "2+2 is 4."},
+    {"role": "user", "content": "And 3+3?"},
+    {"role": "assistant", "content": "It is 6."},
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Families
+
+
+def test_chatml_smollm2_default_system(smollm2_tokenizer):
+    check(smollm2_tokenizer, TWO_TURNS[1:], None, ["2+2 is 4.<|im_end|>", "It is 6.<|im_end|>"],
+          "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n")
+
+
+def test_llama3_headers(llama3_tok):
+    out = check(llama3_tok, TWO_TURNS, LLAMA3, ["2+2 is 4.<|eot_id|>", "It is 6.<|eot_id|>"],
+                "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>")
+    # Headers and user turns stay at 0.
+    assert "<|start_header_id|>assistant" in llama3_tok.decode(out.input_ids[out.loss_mask == 0])
+
+
+def test_llama3_reply_ending_in_blank_lines_is_trimmed_as_rendered(llama3_tok):
+    messages = [{"role": "user", "content": "List?"}, {"role": "assistant", "content": "- a\n- b\n\n"}]
+    check(llama3_tok, messages, LLAMA3, ["- a\n- b<|eot_id|>"], "<|begin_of_text|>")
+
+
+def test_gemma_system_inside_first_user_turn(gemma_tok):
+    out = check(gemma_tok, TWO_TURNS, GEMMA, ["2+2 is 4.<end_of_turn>", "It is 6.<end_of_turn>"],
+                "<bos><start_of_turn>user\nBe brief.\n\n")
+    # The user's own text is not part of the prefix, and the trailing "\n" glue is not supervised.
+    assert gemma_tok.decode(out.input_ids[out.system_len:]).startswith("What is 2+2?")
+    check(gemma_tok, TWO_TURNS[1:], GEMMA, ["2+2 is 4.<end_of_turn>", "It is 6.<end_of_turn>"], "<bos>")
+
+
+def test_gemma_roles_must_alternate_is_a_template_error(gemma_tok):
+    with pytest.raises(ChatTemplateError, match="template error"):
+        tokenize_conversation(gemma_tok, [{"role": "assistant", "content": "x"}], chat_template=GEMMA)
+
+
+def test_mistral_inst_without_system(mistral_tok):
+    check(mistral_tok, TWO_TURNS[1:], MISTRAL, [" 2+2 is 4.</s>", " It is 6.</s>"], "<s>")
+
+
+def test_mistral_system_in_last_user_turn_gives_one_row_per_turn(mistral_tok):
+    # The system prompt moves to the last user turn, so the first turn's context is rendered
+    # differently in the full conversation: whole-conversation masks would be a guess.
+    with pytest.raises(ChatTemplateError, match="template rewrites history"):
+        tokenize_conversation(mistral_tok, TWO_TURNS, chat_template=MISTRAL)
+    rows = tokenize_turns(mistral_tok, TWO_TURNS, chat_template=MISTRAL)
+    assert [turn for turn, _ in rows] == [2, 4]
+    for (turn, out), expected in zip(rows, [" 2+2 is 4.</s>", " It is 6.</s>"]):
+        reference = mistral_tok.apply_chat_template(TWO_TURNS[: turn + 1], tokenize=True, return_dict=False,
+                                                    chat_template=MISTRAL)
+        assert out.input_ids.tolist() == list(reference)
+        assert masked_texts(mistral_tok, out) == [expected]  # only the row's last turn
+    assert "[INST] Be brief.\n\nWhat is 2+2?[/INST]" in mistral_tok.decode(rows[0][1].input_ids)
+    assert "[INST] Be brief.\n\nAnd 3+3?[/INST]" in mistral_tok.decode(rows[1][1].input_ids)
+
+
+QWEN_REASONING = [
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "4.", "reasoning_content": "Two and two."},
+    {"role": "user", "content": "And 3+3?"},
+    {"role": "assistant", "content": "6.", "reasoning_content": "Three and three."},
+]
+
+
+def test_qwen3_drops_earlier_reasoning_so_rows_are_per_turn(qwen3_tok):
+    full = qwen3_tok.apply_chat_template(QWEN_REASONING, tokenize=False, chat_template=QWEN3)
+    assert "Two and two." not in full  # the template rewrites the first turn once a query follows
+    with pytest.raises(ChatTemplateError, match="template rewrites history"):
+        tokenize_conversation(qwen3_tok, QWEN_REASONING, chat_template=QWEN3)
+    rows = tokenize_turns(qwen3_tok, QWEN_REASONING, chat_template=QWEN3)
+    assert [t for t, _ in rows] == [1, 3]
+    assert masked_texts(qwen3_tok, rows[0][1]) == ["<think>\nTwo and two.\n</think>\n\n4.<|im_end|>"]
+    assert masked_texts(qwen3_tok, rows[1][1]) == ["<think>\nThree and three.\n</think>\n\n6.<|im_end|>"]
+    # The second row's context is the history as the verifier saw it: first reasoning dropped.
+    second = qwen3_tok.decode(rows[1][1].input_ids)
+    assert "Two and two." not in second and "<|im_start|>assistant\n4.<|im_end|>" in second
+    for turn, out in rows:
+        reference = qwen3_tok.apply_chat_template(QWEN_REASONING[: turn + 1], tokenize=True,
+                                                  return_dict=False, chat_template=QWEN3)
+        assert out.input_ids.tolist() == list(reference)
+
+
+def test_qwen3_single_turn_with_reasoning_is_one_row(qwen3_tok):
+    messages = QWEN_REASONING[:2]
+    check(qwen3_tok, messages, QWEN3, ["<think>\nTwo and two.\n</think>\n\n4.<|im_end|>"], "")
+    assert render_rows(qwen3_tok, messages, chat_template=QWEN3)[0].turn is None
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers",
+                                           "parameters": {"type": "object", "properties": {
+                                               "a": {"type": "number"}, "b": {"type": "number"}}}}}]
+
+TOOL_CONVERSATION = [
+    {"role": "system", "content": "Use tools."},
+    {"role": "user", "content": "Add 1 and 2."},
+    {"role": "assistant", "content": "", "reasoning_content": "I should call add.",
+     "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]},
+    {"role": "tool", "content": '{"result": 3}'},
+    {"role": "assistant", "content": "The sum is 3."},
+]
+
+
+def test_qwen3_tool_call_tool_result_and_injected_empty_think(qwen3_tok):
+    # Turn 2: content null (normalised to "") with tool_calls and real reasoning: all supervised.
+    # Turn 4: no reasoning; the template injects an empty think block: loss 0 (not generated).
+    out = check(qwen3_tok, TOOL_CONVERSATION, QWEN3, [
+        '<think>\nI should call add.\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}'
+        "\n</tool_call><|im_end|>",
+        "The sum is 3.<|im_end|>",
+    ], tools=TOOLS)
+    text = qwen3_tok.decode(out.input_ids)
+    assert "<think>\n\n</think>\n\nThe sum is 3." in text  # injected, then left unsupervised
+    unmasked = qwen3_tok.decode(out.input_ids[out.loss_mask == 0])
+    assert '{"result": 3}' in unmasked and "<tool_response>" in unmasked and '"name": "add"' in unmasked
+    prefix = qwen3_tok.decode(out.input_ids[: out.system_len])
+    assert prefix.startswith("<|im_start|>system\nUse tools.\n\n# Tools") and prefix.endswith("</tools><|im_end|>\n")
+
+
+def test_reasoning_without_its_opening_think_tag(smollm2_tokenizer):
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet back."}]
+    # The generation prompt ends with "<think>\n": the opening tag is context, not generated.
+    check(smollm2_tokenizer, messages, OPEN_THINK, ["Greet back.\n</think>\n\nHello!<|im_end|>"], "")
+
+
+def test_assistant_reply_is_the_very_first_rendered_content(gemma_tok):
+    template = "{% for m in messages %}{{ m.content }}<end_of_turn>{% endfor %}"
+    out = check(gemma_tok, [{"role": "assistant", "content": "Hello!"}], template, ["Hello!<end_of_turn>"])
+    assert out.loss_mask[0] == 1 and out.system_len == 0
+
+
+@pytest.mark.parametrize("reply", ["Done.\n\n", "Done. ", "Done.\n", "a\n\n\n"])
+def test_reply_ending_in_whitespace_chatml(smollm2_tokenizer, reply):
+    messages = [{"role": "user", "content": "Go"}, {"role": "assistant", "content": reply}]
+    check(smollm2_tokenizer, messages, None, [reply + "<|im_end|>"])
+
+
+def test_sharegpt_tool_call_rows_on_chatml_from_glaive(smollm2_tokenizer):
+    from peagle_data.readers import Conversation, read_conversations
+    from tests.conftest import shared_file
+
+    items = [c for c in read_conversations([shared_file("glaive_toolcall_en_demo.json")], limit=40)
+             if isinstance(c, Conversation)]
+    n_calls = 0
+    for conv in items:
+        out = check_mask_is_assistant_content(smollm2_tokenizer, conv)
+        n_calls += out
+    assert n_calls > 5
+
+
+def check_mask_is_assistant_content(tok, conv) -> int:
+    """Each supervised run decodes to one assistant turn's content + <|im_end|>; returns #tool-call turns."""
+    out = tokenize_conversation(tok, conv.messages, tools=conv.tools)
+    assistants = [m["content"] for m in conv.messages if m["role"] == "assistant"]
+    assert masked_texts(tok, out) == [c + "<|im_end|>" for c in assistants]
+    return sum(c.startswith("<tool_call>") for c in assistants)
