@@ -18,7 +18,8 @@ Normalisation rules (documented decisions):
   support still render it), ``observation``/``tool`` -> tool; a top-level ``system`` string
   becomes a leading system message, a top-level ``tools`` (JSON string or list) is passed on;
 - OpenAI ``content`` may be a string, ``null`` (an assistant turn with ``tool_calls``) or a list of
-  parts: ``text`` parts are joined, ``reasoning`` parts become ``reasoning_content``;
+  parts: ``text`` parts are joined, ``reasoning`` parts become ``reasoning_content``,
+  ``tool_call`` parts become ``tool_calls`` entries;
 - leading assistant turns (before any user turn) are dropped and counted, the rest is kept;
 - two (or more) user turns in a row are merged into one, joined by ``"\\n\\n"``, and counted;
 - an empty-string assistant turn is kept (it supervises only its end-of-turn token) and counted.
@@ -278,14 +279,35 @@ def _check_text(value: Any, where: str) -> str:
     return value
 
 
-def _openai_content(msg: dict[str, Any], where: str) -> tuple[str | None, str | None]:
-    """(text, reasoning) of an OpenAI message's ``content`` (string, null or list of parts)."""
+def _tool_call_part(part: dict[str, Any], where: str) -> dict[str, Any]:
+    """A ``{"type": "tool_call"}`` content part as an OpenAI ``tool_calls`` entry.
+
+    Accepted shapes: ``{"function": {"name", "arguments"}}``, ``{"name", "arguments"}``, or the
+    call as JSON text under ``text``/``value``.
+    """
+    call: Any = part.get("function") or ({"name": part["name"], "arguments": part.get("arguments", {})}
+                                         if "name" in part else part.get("text", part.get("value")))
+    if isinstance(call, str):
+        try:
+            call = json.loads(call)
+        except json.JSONDecodeError as e:
+            raise _BadRow(f"invalid tool call: {where} is not JSON ({e.msg})", where) from None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        raise _BadRow(f"invalid tool call: {where} has no function name", where)
+    entry = {"type": "function", "function": {"name": call["name"], "arguments": call.get("arguments", {})}}
+    if part.get("id") is not None:
+        entry["id"] = part["id"]
+    return entry
+
+
+def _openai_content(msg: dict[str, Any], where: str) -> tuple[str | None, str | None, list]:
+    """(text, reasoning, tool calls) of an OpenAI message's ``content`` (string, null or list of parts)."""
     content = msg.get("content")
     if content is None or isinstance(content, str):
-        return (None if content is None else _check_text(content, f"{where}.content")), None
+        return (None if content is None else _check_text(content, f"{where}.content")), None, []
     if not isinstance(content, list):
         raise _BadRow(f"content not text: {where}.content is a {type(content).__name__}", f"{where}.content")
-    texts, reasoning = [], []
+    texts, reasoning, calls = [], [], []
     for j, part in enumerate(content):
         pw = f"{where}.content[{j}]"
         if isinstance(part, str):
@@ -299,9 +321,11 @@ def _openai_content(msg: dict[str, Any], where: str) -> tuple[str | None, str | 
             texts.append(_check_text(value, pw))
         elif kind in ("reasoning", "thinking"):
             reasoning.append(_check_text(value, pw))
+        elif kind in ("tool_call", "function_call"):
+            calls.append(_tool_call_part(part, pw))
         else:
             raise _BadRow(f"unsupported content part: {pw} has type {kind!r}", pw)
-    return "".join(texts), ("".join(reasoning) if reasoning else None)
+    return "".join(texts), ("".join(reasoning) if reasoning else None), calls
 
 
 def _normalize_openai(messages: Any) -> list[dict[str, Any]]:
@@ -316,9 +340,9 @@ def _normalize_openai(messages: Any) -> list[dict[str, Any]]:
         if role not in _OPENAI_ROLES:
             raise _BadRow(f"unknown role: {role!r} in {where}.role", f"{where}.role")
         role = _OPENAI_ROLES[role]
-        text, reasoning = _openai_content(msg, where)
+        text, reasoning, part_calls = _openai_content(msg, where)
         reasoning = reasoning or msg.get("reasoning_content")
-        tool_calls = msg.get("tool_calls") if role == "assistant" else None
+        tool_calls = (list(msg.get("tool_calls") or []) + part_calls) if role == "assistant" else None
         if text is None and not tool_calls:
             raise _BadRow(f"turn with no content: {where}.content is missing", f"{where}.content")
         new: dict[str, Any] = {"role": role, "content": text if text is not None else ""}

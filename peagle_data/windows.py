@@ -5,9 +5,13 @@ Pure functions over arrays. Legend: ``T`` tokens in the conversation, ``W`` = ``
 
 - ``T <= W``: one window, the whole conversation.
 - ``T > W``: the body (tokens after P) is cut into pieces of B tokens starting every
-  ``ceil(B * (1 - overlap))`` tokens (rounded up, so a token
-  is in at most ``ceil(1 / (1 - overlap))`` windows: twice at 0.5), the last piece ending at the body's end; each window
-  is ``P + piece`` with P's loss set to 0 after the first window.
+  ``ceil(B * (1 - overlap))`` tokens (rounded up), and the LAST piece is aligned to end at the
+  body's end: it starts at ``len(body) - B`` instead of after the previous piece, so every window
+  of a long conversation is exactly W tokens long and packs into a block of W without a gap
+  (packing efficiency). Its overlap with the previous piece grows by up to a stride: with
+  ``skip`` those already-supervised tokens get loss 0 (each token still supervised once), with
+  ``keep`` they are supervised once more, so at overlap 0.5 a body token is in at most 3 windows
+  (2 everywhere but the tail). Each window is ``P + piece`` with P's loss set to 0 after the first.
 - ``overlap_loss="skip"``: a body token an earlier window already covered gets loss 0, so every
   supervised token is trained exactly once; ``"keep"``: it keeps its loss (trained again).
 - A window with no supervised token is dropped (the caller counts
@@ -88,7 +92,9 @@ def window_starts(n_tokens: int, system_len: int, max_seq_len: int, overlap: flo
     body_len = n_tokens - system_len
     stride = max(1, math.ceil(body_per_window * (1.0 - overlap) - 1e-9))
     n = math.ceil(max(body_len - body_per_window, 0) / stride) + 1
-    return [k * stride for k in range(n)]
+    # Regular starts k * stride for all pieces but the last; the last ends at the body's end
+    # ((n - 2) * stride < body_len - B <= (n - 1) * stride, so starts stay strictly increasing).
+    return [k * stride for k in range(n - 1)] + [body_len - body_per_window]
 
 
 def count_windows(n_tokens: int, system_len: int, max_seq_len: int, overlap: float = 0.5) -> int:
