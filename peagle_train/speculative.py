@@ -1,26 +1,31 @@
-"""Online greedy speculative decoding with a P-EAGLE drafter and a transformers verifier.
+"""Online speculative decoding with a P-EAGLE drafter and a transformers verifier.
 
-Algorithm: speculative decoding (Leviathan et al., 2023, "Fast Inference from Transformers via
-Speculative Decoding", arXiv:2211.17192) in its greedy form, with the drafter of P-EAGLE
-(arXiv:2602.01469), which drafts all K tokens in one parallel pass.
+Algorithm: speculative decoding (Leviathan et al., 2023, arXiv:2211.17192; Chen et al., 2023,
+arXiv:2302.01318), greedy or with rejection sampling, with the drafter of P-EAGLE (arXiv:2602.01469),
+which drafts all K tokens in one parallel pass.
 
-Legend: T tokens read by the verifier so far, K drafted tokens per step, H verifier hidden size,
-L aux layers, V verifier vocab, D draft vocab, E drafter elements.
+Legend: t index of the last token the verifier has read, K drafted tokens per step, H verifier hidden
+size, L aux layers, V verifier vocab, D draft vocab, E drafter elements in one pass, N cached drafter
+elements, nkv / hd drafter key-value heads / head dim.
 
 One step, in the alignment of DESIGN.md §4: the verifier has read ``x_0..x_t`` (they are in its KV
-cache, and their aux features ``g_0..g_t`` are kept) and has emitted ``x_{t+1}``.
-1. One drafter pass over the depth-0 elements ``(a, 0)`` for ``a = 0..t`` (token ``x_{a+1}``,
-   feature ``g_a``) and the chain ``(t, 1..K-1)`` (mask token, ``mask_hidden``). Sorted this way the
-   attention rule of §8 is exactly a causal mask. Element ``(t, d)`` drafts ``x_{t+d+2}``.
-2. One verifier pass over ``[x_{t+1}, draft_1..draft_K]`` with the KV cache; its argmax at input i
-   is the verifier's own choice for the token after it.
-3. Accept the longest prefix of drafts equal to the verifier's argmax (n tokens), append the
-   verifier's argmax after it (the bonus token), crop the cache to the accepted tokens, keep their
-   aux features. The step emits n + 1 tokens.
+cache) and has emitted ``x_{t+1}``.
+1. One drafter pass over the depth-0 elements ``(a, 0)`` not yet cached (token ``x_{a+1}``, feature
+   ``g_a``) and the chain ``(t, 1..K-1)`` (mask token, ``mask_hidden``). Sorted (depth-0 by anchor,
+   then the chain) the attention rule of §8 is exactly a causal mask, so the keys and values of the
+   depth-0 elements never change once computed: :class:`DrafterSession` caches them (every layer)
+   and each step runs only the ``n + 1`` new depth-0 elements and the ``K - 1`` chain elements.
+   Element ``(t, d)`` drafts ``x_{t+d+2}``.
+2. One verifier pass over ``[x_{t+1}, draft_1..draft_K]`` with the KV cache; its logits at input i
+   are the verifier's distribution for the token after it.
+3. :func:`accept_drafts`: greedy (temperature 0) keeps the longest prefix of drafts equal to the
+   verifier's argmax plus the verifier's argmax after it (the bonus token); with temperature T > 0
+   draft i is kept with probability ``min(1, p_i(x)/q_i(x))`` and the first rejected one is replaced
+   by a sample of ``norm(max(0, p_i - q_i))``, which keeps the verifier's distribution exactly. The
+   verifier cache is cut back to the accepted tokens and their aux features feed the drafter.
 
-Under greedy decoding the emitted tokens are exactly the verifier's own greedy tokens: every token
-emitted is the verifier's argmax given the tokens before it. The drafter is recomputed over the
-whole context every step (it is one layer; no drafter KV cache).
+Under greedy decoding every token emitted is the verifier's argmax given the tokens before it, so
+the output is the verifier's own greedy output token for token.
 """
 
 from __future__ import annotations
@@ -31,15 +36,19 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from stores.errors import InputError
 
 __all__ = [
     "GenerationResult",
+    "DrafterSession",
+    "accept_drafts",
     "check_compatible",
-    "greedy_generate",
-    "speculative_generate",
     "draft_tokens",
+    "greedy_generate",
+    "plain_generate",
+    "speculative_generate",
 ]
 
 
@@ -48,7 +57,7 @@ class GenerationResult:
     """What one generation produced and how.
 
     ``tokens`` are the new tokens only (the prompt excluded), EOS included when it was emitted.
-    For plain greedy decoding the per-step lists are empty and ``drafted`` is 0.
+    For plain decoding the per-step lists are empty and ``drafted`` is 0.
     """
 
     tokens: list[int]
@@ -98,7 +107,8 @@ def check_compatible(verifier, drafter) -> None:
         problems.append(f"vocab size {dcfg.vocab_size} != verifier's {vcfg.vocab_size}")
     bad = [layer for layer in dcfg.aux_layer_ids if not 0 <= layer <= n_layers]
     if bad:
-        problems.append(f"aux layers {bad} outside the verifier's hidden states 0..{n_layers}")
+        problems.append(f"aux layers {bad} outside the verifier's hidden states 0..{n_layers} "
+                        f"(it has {n_layers} decoder layers)")
     if problems:
         raise InputError(
             "the drafter does not match the verifier (" + "; ".join(problems) + "); pass the "
@@ -112,38 +122,218 @@ def _aux_features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int
     return torch.cat([hidden_states[layer][0] for layer in layer_ids], dim=-1)
 
 
+# ------------------------------------------------------------------------------------------ drafter
+class DrafterSession:
+    """Incremental drafting for one sequence: the drafter's keys/values of depth-0 elements are cached.
+
+    Feed it the depth-0 elements as they become known and ask for K drafts in the same pass::
+
+        session.draft(new_tokens, new_aux, k)   # -> [k, D] draft logits of elements (t, 0..k-1)
+
+    ``new_tokens [n]`` are ``x_{a+1}`` and ``new_aux [n, L*H]`` are ``g_a`` of the next n anchors
+    (first call: the whole prompt). Drafters that are not a ``PEagleDrafter`` (anything with the same
+    ``forward``/``logits`` interface but no ``layers``) are run over the whole context each step.
+    """
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+        self.cached = hasattr(drafter, "layers")
+        self.n_ctx = 0  # depth-0 elements seen (anchors 0..n_ctx-1)
+        self.keys: list[torch.Tensor] = []  # per layer [nkv, N, hd]
+        self.values: list[torch.Tensor] = []
+        self.tokens: list[torch.Tensor] = []  # recompute path: all x_{a+1} and g_a so far
+        self.aux: list[torch.Tensor] = []
+        p = next(drafter.parameters())
+        self.device, self.dtype = p.device, p.dtype
+
+    @torch.no_grad()
+    def draft(self, new_tokens: torch.Tensor, new_aux: torch.Tensor, k: int) -> torch.Tensor:
+        """Add ``n ≥ 1`` depth-0 elements and draft ``k ≥ 1`` tokens: ``[k, D]`` draft-vocab logits."""
+        n = new_tokens.numel()
+        assert n >= 1 and k >= 1 and new_aux.shape[0] == n, (n, k, tuple(new_aux.shape))
+        E = n + k - 1
+        input_ids = torch.zeros(E, dtype=torch.long, device=self.device)
+        input_ids[:n] = new_tokens.to(self.device)
+        g = torch.zeros(E, new_aux.shape[1], dtype=self.dtype, device=self.device)
+        g[:n] = new_aux.to(self.device, self.dtype)
+        is_mask = torch.arange(E, device=self.device) >= n
+        # depth 0: element (a, 0) is at position a + 1; the chain (t, d) at t + 1 + d.
+        position_ids = torch.arange(self.n_ctx + 1, self.n_ctx + E + 1, device=self.device)
+        if self.cached:
+            hidden = self._forward_cached(input_ids, g, is_mask, position_ids, n)  # [E, H]
+        else:
+            hidden = self._forward_full(input_ids, g, n)
+        self.n_ctx += n
+        return self.drafter.logits(hidden[n - 1:])  # [k, D]: elements (t, 0..k-1)
+
+    def _forward_full(self, input_ids: torch.Tensor, g: torch.Tensor, n: int) -> torch.Tensor:
+        self.tokens.append(input_ids[:n])
+        self.aux.append(g[:n])
+        ids = torch.cat(self.tokens + [input_ids[n:]])  # [N + E - n]
+        feats = torch.cat(self.aux + [g[n:]])
+        E = ids.numel()
+        is_mask = torch.arange(E, device=self.device) >= self.n_ctx + n
+        pos = torch.arange(1, E + 1, device=self.device)
+        mask = torch.ones(E, E, dtype=torch.bool, device=self.device).tril()  # §8 rule for this order
+        return self.drafter(ids, feats, is_mask, pos, mask)[self.n_ctx:]
+
+    def _forward_cached(self, input_ids, g, is_mask, position_ids, n: int) -> torch.Tensor:
+        """``PEagleDrafter.forward`` over the new elements, attending to the cached depth-0 keys."""
+        d = self.drafter
+        cfg = d.config
+        E, N = input_ids.numel(), self.n_ctx
+        ids = torch.where(is_mask, torch.full_like(input_ids, cfg.mask_token_id), input_ids)
+        embeds = d.embed_tokens(ids)  # [E, H]
+        g = torch.where(is_mask[:, None], d.mask_hidden.view(1, -1).to(g.dtype), g)
+        hidden = d.fc(g.to(d.fc.weight.dtype))  # [E, H]
+        cos, sin = _rotary(position_ids, cfg, hidden.dtype)
+        mask = torch.ones(E, N + E, dtype=torch.bool, device=self.device)
+        mask[:, N:] = torch.ones(E, E, dtype=torch.bool, device=self.device).tril()  # [E, N+E]
+        for i, layer in enumerate(d.layers):
+            residual = hidden
+            if layer.first:
+                x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)  # [E, 2H]
+            else:
+                x = layer.input_layernorm(hidden)
+            attn = layer.self_attn
+            q = attn.q_proj(x).view(E, attn.nh, attn.hd).transpose(0, 1)  # [nh, E, hd]
+            k = attn.k_proj(x).view(E, attn.nkv, attn.hd).transpose(0, 1)  # [nkv, E, hd]
+            v = attn.v_proj(x).view(E, attn.nkv, attn.hd).transpose(0, 1)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            if i == len(self.keys):
+                self.keys.append(k[:, :0])
+                self.values.append(v[:, :0])
+            k = torch.cat([self.keys[i], k], dim=1)  # [nkv, N+E, hd]
+            v = torch.cat([self.values[i], v], dim=1)
+            self.keys[i], self.values[i] = k[:, :N + n], v[:, :N + n]  # keep depth-0 elements only
+            rep = attn.nh // attn.nkv
+            out = F.scaled_dot_product_attention(q[None], k.repeat_interleave(rep, 0)[None],
+                                                 v.repeat_interleave(rep, 0)[None], attn_mask=mask)[0]
+            hidden = residual + attn.o_proj(out.transpose(0, 1).reshape(E, attn.nh * attn.hd))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return d.norm(hidden)
+
+
+def _rotary(position_ids, cfg, dtype):
+    from peagle_train.model import rotary_cos_sin
+
+    return rotary_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
 @torch.no_grad()
 def draft_tokens(drafter, tokens: torch.Tensor, aux: torch.Tensor, num_draft_tokens: int) -> torch.Tensor:
-    """One drafter pass: draft ``x_{t+2}..x_{t+K+1}`` from ``x_1..x_{t+1}`` and ``g_0..g_t``.
+    """One drafter pass without a cache: draft ``x_{t+2}..x_{t+K+1}`` from ``x_1..x_{t+1}``, ``g_0..g_t``.
 
     Args:
-        drafter: a ``PEagleDrafter``; ``num_draft_tokens`` may exceed its trained depth
-            (extra depths are simply untrained).
-        tokens: ``[t+2] int64``, the sequence ``x_0..x_{t+1}`` (prompt and generated tokens).
+        drafter: a ``PEagleDrafter``; ``num_draft_tokens`` may exceed its trained depth.
+        tokens: ``[t+2] int64``, the sequence ``x_0..x_{t+1}``.
         aux: ``[t+1, L*H]`` float, the verifier's aux features ``g_0..g_t``.
         num_draft_tokens: K ≥ 1.
 
     Returns:
-        ``[K] int64`` verifier token ids (draft ids mapped through ``drafter.draft_ids``).
+        ``[K] int64`` verifier token ids (the argmax draft ids mapped through ``drafter.draft_ids``).
     """
-    K = num_draft_tokens
-    n_ctx = aux.shape[0]  # t + 1 depth-0 elements
-    device = drafter.d2t.device
-    E = n_ctx + K - 1
-    input_ids = torch.zeros(E, dtype=torch.long, device=device)
-    input_ids[:n_ctx] = tokens[1:n_ctx + 1].to(device)  # x_{a+1}
-    g = torch.zeros(E, aux.shape[1], dtype=aux.dtype, device=device)
-    g[:n_ctx] = aux.to(device)
-    is_mask = torch.arange(E, device=device) >= n_ctx
-    # depth 0: position a + 1; chain (t, d): t + 1 + d, i.e. element index + 1 in both cases.
-    position_ids = torch.arange(1, E + 1, device=device)
-    attn_mask = torch.ones(E, E, dtype=torch.bool, device=device).tril()  # §8 rule for this order
-    dtype = next(drafter.parameters()).dtype
-    hidden = drafter(input_ids, g.to(dtype), is_mask, position_ids, attn_mask)  # [E, H]
-    logits = drafter.logits(hidden[n_ctx - 1:])  # [K, D]: elements (t, 0..K-1)
+    n_ctx = aux.shape[0]
+    logits = DrafterSession(drafter).draft(tokens[1:n_ctx + 1], aux, num_draft_tokens)  # [K, D]
     return drafter.draft_ids[logits.argmax(-1)]
 
 
+# ------------------------------------------------------------------------------------------ sampling
+def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One id from ``probs [V]`` (need not sum to 1)."""
+    return int(torch.multinomial(probs.float().cpu(), 1, generator=generator))
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    """The next token from verifier ``logits [V]``: argmax at temperature 0, else a sample."""
+    if temperature == 0:
+        return int(logits.argmax())
+    return _sample(torch.softmax(logits.float() / temperature, -1), generator)
+
+
+def _propose(draft_logits: torch.Tensor, draft_ids: torch.Tensor, vocab_size: int, temperature: float,
+             generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Drafts ``[k]`` (verifier ids) from ``draft_logits [k, D]``, and their distributions ``q [k, V]``.
+
+    Temperature 0: the argmax, ``q`` None. Otherwise one sample per depth from
+    ``softmax(logits / T)`` over the draft vocab, placed on the verifier vocab (0 outside it).
+    """
+    ids = draft_ids.cpu()
+    if temperature == 0:
+        return ids[draft_logits.argmax(-1).cpu()], None
+    q_draft = torch.softmax(draft_logits.float().cpu() / temperature, -1)  # [k, D]
+    picks = torch.multinomial(q_draft, 1, generator=generator)[:, 0]  # [k] draft ids
+    q = torch.zeros(q_draft.shape[0], vocab_size)
+    q[:, ids] = q_draft  # [k, V]
+    return ids[picks], q
+
+
+def accept_drafts(drafts: torch.Tensor, target_logits, temperature: float = 0.0,
+                  draft_probs: torch.Tensor | None = None,
+                  generator: torch.Generator | None = None) -> tuple[int, torch.Tensor]:
+    """Verify ``k`` drafts against the verifier: how many are kept, and the tokens the step emits.
+
+    Rows of ``target_logits`` are read in order and only up to the first rejection, so a lazy
+    :class:`_LogitRows` computes the V-wide lm_head for just the rows that matter.
+
+    Args:
+        drafts: ``[k] int64`` verifier ids.
+        target_logits: ``[k+1, V]`` (a tensor, or anything whose ``[i]`` gives row i): the
+            verifier's logits after ``x_{t+1}`` and after each draft.
+        temperature: 0 for greedy verification; T > 0 for rejection sampling of ``softmax(z / T)``.
+        draft_probs: ``[k, V]`` the distributions the drafts were sampled from (T > 0 only).
+        generator: the randomness (T > 0 only).
+
+    Returns:
+        ``(n, emitted [n+1])``: the first n drafts, then the bonus token (greedy: the verifier's
+        argmax; sampling: a sample of the residual ``norm(max(0, p_n - q_n))`` after a rejection, or
+        of ``p_k`` when all k were kept).
+    """
+    k = drafts.numel()
+    assert temperature == 0 or (draft_probs is not None and draft_probs.shape[0] == k)
+    for i in range(k):
+        x = int(drafts[i])
+        if temperature == 0:
+            best = int(target_logits[i].argmax())
+            if best == x:
+                continue
+            return i, torch.cat([drafts[:i], torch.tensor([best])])
+        p = torch.softmax(target_logits[i].float().cpu() / temperature, -1)  # [V]
+        if float(torch.rand((), generator=generator)) * float(draft_probs[i, x]) < float(p[x]):
+            continue  # kept with probability min(1, p/q)
+        residual = (p - draft_probs[i]).clamp_min(0)  # [V]
+        if float(residual.sum()) <= 0:  # p == q up to rounding: any sample of p is right
+            residual = p
+        return i, torch.cat([drafts[:i], torch.tensor([_sample(residual, generator)])])
+    return k, torch.cat([drafts, torch.tensor([_pick(target_logits[k], temperature, generator)])])
+
+
+class _LogitRows:
+    """Verifier logits computed one row at a time on demand: ``rows[i] -> [V]`` float32 on CPU.
+
+    On a CPU the lm_head (V x H) dominates a short verifier pass and costs about the same per row
+    batched or not, so rows after the first rejected draft are never computed.
+    """
+
+    def __init__(self, lm_head, last_hidden: torch.Tensor):
+        self.lm_head, self.hidden, self.rows = lm_head, last_hidden, {}  # hidden [n, H]
+
+    def __len__(self) -> int:
+        return self.hidden.shape[0]
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i not in self.rows:
+            self.rows[i] = self.lm_head(self.hidden[i:i + 1])[0].float().cpu()
+        return self.rows[i]
+
+
+# ------------------------------------------------------------------------------------------ verifier
 def _new_cache(verifier):
     from transformers import DynamicCache
 
@@ -166,12 +356,38 @@ def _crop_cache(cache, keep_tokens: int) -> None:
         cache.crop(-remove)
 
 
-def _verifier_pass(verifier, ids: torch.Tensor, cache, want_hidden: bool):
-    """Feed ``ids [n]`` after the cached tokens; returns (argmax ``[n]``, hidden_states or None)."""
+def _verifier_pass(verifier, ids: torch.Tensor, cache, want_hidden: bool, last_only: bool = False):
+    """Feed ``ids [n]`` after the cached tokens.
+
+    Returns:
+        (logits ``[n, V]`` float on CPU, or ``[1, V]`` with ``last_only``; hidden_states or None).
+    """
     device = next(verifier.parameters()).device
-    out = verifier(input_ids=ids.to(device)[None], use_cache=True, output_hidden_states=want_hidden,
-                   **{_cache_kwarg(verifier): cache})
-    return out.logits[0].argmax(-1).cpu(), (out.hidden_states if want_hidden else None)
+    kwargs = {_cache_kwarg(verifier): cache}
+    if last_only and "logits_to_keep" in inspect.signature(verifier.forward).parameters:
+        kwargs["logits_to_keep"] = 1  # a prefill needs one row of the V-wide lm_head, not P
+    out = verifier(input_ids=ids.to(device)[None], use_cache=True, output_hidden_states=want_hidden, **kwargs)
+    logits = out.logits[0, -1:] if last_only else out.logits[0]
+    return logits.float().cpu(), (out.hidden_states if want_hidden else None)
+
+
+def _verifier_body_pass(verifier, ids: torch.Tensor, cache):
+    """Feed ``ids [n]`` through the verifier without its lm_head.
+
+    Returns:
+        (:class:`_LogitRows` over the ``n`` positions, hidden_states); falls back to the full
+        forward for models whose logits are more than ``lm_head(last hidden state)``.
+    """
+    lm_head = verifier.get_output_embeddings()
+    body = getattr(verifier, "base_model", None)
+    if lm_head is None or body is None or body is verifier \
+            or getattr(verifier.config, "final_logit_softcapping", None):
+        logits, hs = _verifier_pass(verifier, ids, cache, want_hidden=True)
+        return logits, hs
+    device = next(verifier.parameters()).device
+    out = body(input_ids=ids.to(device)[None], use_cache=True, output_hidden_states=True,
+               **{_cache_kwarg(body): cache})
+    return _LogitRows(lm_head, out.last_hidden_state[0]), out.hidden_states
 
 
 def _prompt_tensor(prompt_ids) -> torch.Tensor:
@@ -181,38 +397,53 @@ def _prompt_tensor(prompt_ids) -> torch.Tensor:
     return ids
 
 
+def _check_temperature(temperature: float) -> float:
+    if not temperature >= 0:
+        raise InputError(f"the temperature must be >= 0, got {temperature}", field="--temperature")
+    return float(temperature)
+
+
 @torch.no_grad()
-def greedy_generate(verifier, prompt_ids, max_new_tokens: int,
-                    eos_token_id: int | Iterable[int] | None = None) -> GenerationResult:
-    """Plain greedy decoding with a KV cache, one verifier pass per token (the baseline).
+def plain_generate(verifier, prompt_ids, max_new_tokens: int, eos_token_id: int | Iterable[int] | None = None,
+                   temperature: float = 0.0, generator: torch.Generator | None = None) -> GenerationResult:
+    """Plain decoding with a KV cache, one verifier pass per token (the baseline).
 
     Args:
         verifier: a transformers causal LM (batch 1).
         prompt_ids: ``[P]`` int token ids.
         max_new_tokens: most tokens generated; generation also stops after an EOS token.
         eos_token_id: one id, several, or None.
+        temperature: 0 = greedy; T > 0 samples ``softmax(z / T)`` with ``generator``.
 
     Returns:
         :class:`GenerationResult` with ``tokens`` only.
     """
+    temperature = _check_temperature(temperature)
     ids = _prompt_tensor(prompt_ids)
     eos = _eos_set(eos_token_id)
     start = time.perf_counter()
     tokens: list[int] = []
     if max_new_tokens > 0:
         cache = _new_cache(verifier)
-        nxt, _ = _verifier_pass(verifier, ids, cache, want_hidden=False)
-        tokens.append(int(nxt[-1]))
+        logits, _ = _verifier_pass(verifier, ids, cache, want_hidden=False, last_only=True)
+        tokens.append(_pick(logits[-1], temperature, generator))
         while len(tokens) < max_new_tokens and tokens[-1] not in eos:
-            nxt, _ = _verifier_pass(verifier, torch.tensor([tokens[-1]]), cache, want_hidden=False)
-            tokens.append(int(nxt[-1]))
+            logits, _ = _verifier_pass(verifier, torch.tensor([tokens[-1]]), cache, want_hidden=False)
+            tokens.append(_pick(logits[-1], temperature, generator))
     return GenerationResult(tokens=tokens, wall_time_s=time.perf_counter() - start)
+
+
+def greedy_generate(verifier, prompt_ids, max_new_tokens: int,
+                    eos_token_id: int | Iterable[int] | None = None) -> GenerationResult:
+    """Plain greedy decoding: :func:`plain_generate` at temperature 0."""
+    return plain_generate(verifier, prompt_ids, max_new_tokens, eos_token_id)
 
 
 @torch.no_grad()
 def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num_draft_tokens: int | None = None,
-                         eos_token_id: int | Iterable[int] | None = None) -> GenerationResult:
-    """Greedy speculative decoding: the drafter drafts K tokens, the verifier checks them in one pass.
+                         eos_token_id: int | Iterable[int] | None = None, temperature: float = 0.0,
+                         generator: torch.Generator | None = None) -> GenerationResult:
+    """Speculative decoding: the drafter drafts K tokens, the verifier checks them in one pass.
 
     Near the end a step drafts only ``min(K, max_new_tokens - generated - 1)`` tokens, so no token
     beyond ``max_new_tokens`` is ever computed or emitted; tokens after an EOS are dropped.
@@ -224,40 +455,51 @@ def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num
         max_new_tokens: most tokens generated.
         num_draft_tokens: K ≥ 1 drafts per step; default the drafter's ``num_depths``.
         eos_token_id: one id, several, or None.
+        temperature: 0 = greedy (output identical to :func:`greedy_generate`); T > 0 = speculative
+            sampling, distributed exactly as :func:`plain_generate` at T.
+        generator: the randomness at T > 0.
 
     Returns:
         :class:`GenerationResult` with the tokens and per-step drafted/accepted counts.
 
     Raises:
-        InputError: empty prompt, K < 1, or a drafter that does not match the verifier.
+        InputError: empty prompt, K < 1, T < 0, or a drafter that does not match the verifier.
     """
     K = drafter.config.num_depths if num_draft_tokens is None else int(num_draft_tokens)
     if K < 1:
         raise InputError(f"the number of draft tokens must be at least 1, got {K}", field="--num-draft-tokens")
+    temperature = _check_temperature(temperature)
     check_compatible(verifier, drafter)
     ids = _prompt_tensor(prompt_ids)
     eos = _eos_set(eos_token_id)
     layers = drafter.config.aux_layer_ids
+    vocab = verifier.config.vocab_size
     result = GenerationResult(tokens=[])
     start = time.perf_counter()
     if max_new_tokens <= 0:
         return result
     cache = _new_cache(verifier)
-    nxt, hs = _verifier_pass(verifier, ids, cache, want_hidden=True)
-    aux = _aux_features(hs, layers).float().cpu()  # [t+1, L*H]: g_0..g_t
-    seq = torch.cat([ids, nxt[-1:]])  # [t+2]: x_0..x_{t+1}
-    result.tokens.append(int(nxt[-1]))
+    session = DrafterSession(drafter)
+    logits, hs = _verifier_pass(verifier, ids, cache, want_hidden=True, last_only=True)
+    result.tokens.append(_pick(logits[-1], temperature, generator))
+    read = ids.numel()  # tokens in the verifier cache: x_0..x_t
+    # depth-0 elements not yet given to the drafter: tokens x_{a+1} and features g_a
+    new_tokens = torch.cat([ids[1:], torch.tensor(result.tokens)])  # [t+1]: x_1..x_{t+1}
+    new_aux = _aux_features(hs, layers)  # [t+1, L*H]: g_0..g_t
     while len(result.tokens) < max_new_tokens and result.tokens[-1] not in eos:
         k = min(K, max_new_tokens - len(result.tokens) - 1)
-        drafts = draft_tokens(drafter, seq, aux, k).cpu() if k > 0 else seq[:0]  # [k]
-        verify_in = torch.cat([seq[-1:], drafts])  # [k+1]: x_{t+1}, drafts
-        target, hs = _verifier_pass(verifier, verify_in, cache, want_hidden=True)  # [k+1]
-        n = int((drafts == target[:k]).long().cumprod(0).sum()) if k > 0 else 0
-        emitted = torch.cat([drafts[:n], target[n:n + 1]])  # [n+1]: accepted drafts, bonus
+        drafts, q = torch.zeros(0, dtype=torch.long), None
+        if k > 0:
+            draft_logits = session.draft(new_tokens, new_aux, k)  # [k, D]
+            drafts, q = _propose(draft_logits, drafter.draft_ids, vocab, temperature, generator)
+        verify_in = torch.cat([torch.tensor(result.tokens[-1:]), drafts])  # [k+1]: x_{t+1}, drafts
+        logits, hs = _verifier_body_pass(verifier, verify_in, cache)  # [k+1, V] rows, lazily
+        n, emitted = accept_drafts(drafts, logits, temperature, q, generator)  # [n+1]
         # x_{t+1} and the n accepted drafts are now read; the rest of the pass is discarded.
-        _crop_cache(cache, seq.numel() + n)
-        aux = torch.cat([aux, _aux_features(hs, layers)[:n + 1].float().cpu()])
-        seq = torch.cat([seq, emitted])
+        read += n + 1
+        _crop_cache(cache, read)
+        if k > 0:
+            new_tokens, new_aux = emitted, _aux_features(hs, layers)[:n + 1]  # anchors t+1..t+n+1
         result.accepted_per_step.append(n)
         result.drafted_per_step.append(k)
         for tok in emitted.tolist():
