@@ -26,6 +26,11 @@ def _common_options(fn):
         click.option("--format", "fmt", type=_FORMAT, default="auto", show_default=True,
                      help="Conversation format of the input rows (auto detects per row)."),
         click.option("--strict", is_flag=True, help="Stop at the first bad row instead of rejecting it."),
+        click.option("--num-workers", metavar="N", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Processes that render and tokenize (same output for any N)."),
+        click.option("--on-history-rewrite", type=click.Choice(["split", "reject"]), default="split",
+                     show_default=True,
+                     help="A template that rewrites earlier turns: one row per assistant turn, or reject."),
         click.option("--force", is_flag=True, help="Overwrite an existing output."),
     ]
     for option in reversed(options):
@@ -33,11 +38,12 @@ def _common_options(fn):
     return fn
 
 
-def _tokenize_config(chat_template, limit, fmt, strict):
+def _tokenize_config(chat_template, limit, fmt, strict, num_workers, on_history_rewrite):
     from peagle_data.prepare import TokenizeConfig
 
     try:
-        return TokenizeConfig(format=fmt, limit=limit, strict=strict, chat_template=chat_template)
+        return TokenizeConfig(format=fmt, limit=limit, strict=strict, chat_template=chat_template,
+                              num_workers=num_workers, on_history_rewrite=on_history_rewrite)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
 
@@ -57,14 +63,15 @@ def _echo_summary(summary: dict) -> None:
 @click.command()
 @_common_options
 @handle_errors
-def tokenize(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, force):
+def tokenize(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, num_workers, on_history_rewrite,
+             force):
     """Tokenize conversations with the chat template; write input_ids and assistant loss masks.
 
     INPUT: .jsonl, .json or .parquet files (globs allowed), or 'sharegpt'.
     """
     from peagle_data.prepare import run_tokenize
 
-    cfg = _tokenize_config(chat_template, limit, fmt, strict)
+    cfg = _tokenize_config(chat_template, limit, fmt, strict, num_workers, on_history_rewrite)
     _echo_summary(run_tokenize(list(inputs), tokenizer_name, output, cfg, force=force))
 
 
@@ -81,15 +88,15 @@ def tokenize(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, 
 @click.option("--max-windows", type=click.IntRange(min=1), default=None, metavar="N",
               help="Keep at most the first N windows of each conversation (default: all); the rest are counted.")
 @handle_errors
-def pack(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, force, max_seq_len,
-         block_size, overlap, overlap_loss, max_windows):
+def pack(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, num_workers, on_history_rewrite,
+         force, max_seq_len, block_size, overlap, overlap_loss, max_windows):
     """Cut conversations into windows and pack them into blocks with cu_seqlens.
 
     INPUT: conversation files / 'sharegpt' (tokenized first, in memory), or a tokenize output.
     """
     from peagle_data.prepare import PackConfig, run_pack
 
-    tok_cfg = _tokenize_config(chat_template, limit, fmt, strict)
+    tok_cfg = _tokenize_config(chat_template, limit, fmt, strict, num_workers, on_history_rewrite)
     try:
         cfg = PackConfig(max_seq_len=max_seq_len, block_size=block_size, overlap=overlap,
                          overlap_loss=overlap_loss, max_windows=max_windows, tokenize=tok_cfg)

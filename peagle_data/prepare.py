@@ -1,9 +1,17 @@
 """``peagle-data tokenize`` and ``pack``: the I/O around readers, chat masks, windows and packing.
 
-Rows are streamed: conversations are read, tokenized and written one at a time (the writer holds
-at most one batch). ``pack`` keeps every window in memory until it has packed them (best-fit
-decreasing needs all lengths first): about 5 bytes per token plus ~200 bytes per window, so a few
-hundred MB for the whole ShareGPT set; a disk-backed second pass is the way past that limit.
+Rows are streamed in chunks of ``CHUNK_CONVERSATIONS`` conversations: the main process reads and
+normalises them, a chunk is rendered and tokenized in one batched tokenizer call (in
+``--num-workers`` processes when more than one, results taken in input order, so the output is
+identical to one worker), and rows are written in bounded batches.
+
+A template that rewrites history (see :mod:`peagle_data.chat`) turns a conversation into one
+row per assistant turn, ids ``conversation_id@turn``; with ``--on-history-rewrite reject`` the
+conversation is rejected instead. Counts are per input conversation.
+
+``pack`` holds only window lengths, offsets and ids in memory: window tokens are spilled to a
+temporary file in the output directory (5 bytes per token) and read back block by block after
+best-fit decreasing has placed them, so peak memory does not grow with the token count.
 
 Counts in every manifest satisfy ``used + rejected == read``; each rejected row is one line in
 ``rejects.jsonl``.
@@ -12,8 +20,11 @@ Counts in every manifest satisfy ``used + rejected == read``; each rejected row 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import multiprocessing
 import os
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -21,7 +32,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from peagle_data.chat import ChatTemplateError, chat_template_sha256, tokenize_conversation
+from peagle_data.chat import ChatTemplateError, chat_template_sha256, render_rows, tokenize_rendered
 from peagle_data.packing import make_packed_row, pack_blocks, packing_efficiency
 from peagle_data.readers import FORMATS, Conversation, Reject, read_conversations, resolve_inputs
 from peagle_data.windows import OVERLAP_LOSS, SystemPrefixTooLongError, count_windows, make_windows
@@ -37,7 +48,13 @@ from stores.token_tables import (
     write_token_freq,
 )
 
-__all__ = ["TokenizeConfig", "PackConfig", "run_tokenize", "run_pack", "iter_tokenized"]
+__all__ = ["TokenizeConfig", "PackConfig", "run_tokenize", "run_pack", "iter_tokenized", "CHUNK_CONVERSATIONS",
+           "HISTORY_REWRITE"]
+
+CHUNK_CONVERSATIONS = 64
+"""Conversations rendered and tokenized together (one batched tokenizer call, one worker task)."""
+
+HISTORY_REWRITE = ("split", "reject")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,8 +69,18 @@ class TokenizeConfig:
     """Stop with an error at the first bad row instead of writing it to rejects.jsonl (--strict)."""
     chat_template: str | None = None
     """Path of a Jinja chat template file replacing the tokenizer's own (--chat-template)."""
+    num_workers: int = 1
+    """Processes that render and tokenize; the output is the same for any number (--num-workers)."""
+    on_history_rewrite: str = "split"
+    """split: one row per assistant turn when the template rewrites history; reject: reject the
+    conversation (--on-history-rewrite)."""
 
     def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ValueError(f"--num-workers must be >= 1 processes, got {self.num_workers}")
+        if self.on_history_rewrite not in HISTORY_REWRITE:
+            raise ValueError(f"--on-history-rewrite must be one of {', '.join(HISTORY_REWRITE)}, "
+                             f"got {self.on_history_rewrite!r}")
         if self.format not in FORMATS:
             raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}")
         if self.limit is not None and self.limit < 1:
@@ -135,54 +162,107 @@ def _reject(rejects: RejectsWriter, counts: dict[str, Any], source: str, reason:
 
 
 def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: TokenizeConfig,
-                   rejects: RejectsWriter, counts: dict[str, int]) -> Iterator[dict[str, Any]]:
-    """Read, normalise and tokenize conversations one at a time.
+                   rejects: RejectsWriter, counts: dict[str, int]) -> Iterator[list[dict[str, Any]]]:
+    """Read, normalise and tokenize conversations, in input order.
 
     Rejected rows are written to ``rejects`` and counted; ``counts`` gains ``read``, ``rejected``,
-    ``dropped_leading_assistant_turns``, ``merged_user_turns``, ``empty_assistant_turns``.
+    ``dropped_leading_assistant_turns``, ``merged_user_turns``, ``empty_assistant_turns``,
+    ``history_rewrite_conversations``, ``history_rewrite_rows``.
 
     Yields:
-        ``{"conversation_id", "source", "input_ids" int32 [T], "loss_mask" uint8 [T],
-        "system_len", "n_tokens", "n_loss_tokens"}`` (a tokenized-table row).
+        For every usable conversation, its tokenized-table rows (one, or one per assistant turn
+        when the template rewrites history): ``{"conversation_id", "source", "input_ids" int32 [T],
+        "loss_mask" uint8 [T], "system_len", "n_tokens", "n_loss_tokens"}``.
 
     Raises:
         InputError: with ``cfg.strict``, the first bad row (file, row and field where known).
     """
     template = _read_template(cfg.chat_template)
+    split = cfg.on_history_rewrite == "split"
     bar = tqdm(total=cfg.limit, desc="tokenize", unit="conv", file=sys.stderr, disable=None)
+    items = read_conversations(inputs, fmt=cfg.format, strict=cfg.strict, limit=cfg.limit)
+    chunks = iter(lambda: list(itertools.islice(items, CHUNK_CONVERSATIONS)), [])
+    pool = None
     try:
-        for item in read_conversations(inputs, fmt=cfg.format, strict=cfg.strict, limit=cfg.limit):
-            _bump(counts, "read")
-            bar.update(1)
-            if isinstance(item, Reject):
-                _reject(rejects, counts, item.source, item.reason, conversation_id=item.conversation_id,
-                        field=item.field)
-                continue
-            row = _tokenize_one(item, tokenizer, template, cfg.strict, rejects, counts)
-            if row is not None:
-                yield row
+        if cfg.num_workers > 1:
+            ctx = multiprocessing.get_context("fork")
+            pool = ctx.Pool(cfg.num_workers, initializer=_init_worker, initargs=(tokenizer, template, split))
+            results = pool.imap(_worker_chunk, chunks)
+        else:
+            results = (_tokenize_chunk(tokenizer, chunk, template, split) for chunk in chunks)
+        for outcomes in results:
+            for item, outcome in outcomes:
+                _bump(counts, "read")
+                bar.update(1)
+                if isinstance(item, Reject):
+                    _reject(rejects, counts, item.source, item.reason, conversation_id=item.conversation_id,
+                            field=item.field)
+                    continue
+                if isinstance(outcome, str):
+                    if cfg.strict:
+                        file, row = _split_source(item.source)
+                        raise InputError(outcome, file=file, row=row, field="messages")
+                    _reject(rejects, counts, item.source, outcome, conversation_id=item.conversation_id)
+                    continue
+                yield _rows_of(item, outcome, counts)
     finally:
         bar.close()
+        if pool is not None:
+            pool.terminate()
 
 
-def _tokenize_one(conv: Conversation, tokenizer, template, strict, rejects, counts) -> dict | None:
-    try:
-        tok = tokenize_conversation(tokenizer, conv.messages, tools=conv.tools, chat_template=template)
-    except ChatTemplateError as e:
-        if strict:
-            file, row = _split_source(conv.source)
-            raise InputError(str(e), file=file, row=row, field="messages") from None
-        _reject(rejects, counts, conv.source, str(e), conversation_id=conv.conversation_id)
-        return None
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer, template, split) -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _WORKER.update(tokenizer=tokenizer, template=template, split=split)
+
+
+def _worker_chunk(chunk):
+    return _tokenize_chunk(_WORKER["tokenizer"], chunk, _WORKER["template"], _WORKER["split"])
+
+
+def _tokenize_chunk(tokenizer, chunk: list[Conversation | Reject], template, split: bool) -> list[tuple]:
+    """``[(item, outcome)]``: outcome is ``[(turn, TokenizedConversation)]``, a reject reason, or None
+    for a reader reject. Rows of the whole chunk are tokenized in one batched call."""
+    rendered: list[tuple[int, list]] = []
+    outcomes: list[Any] = []
+    for item in chunk:
+        if isinstance(item, Reject):
+            outcomes.append(None)
+            continue
+        try:
+            rows = render_rows(tokenizer, item.messages, item.tools, template, per_turn_fallback=split)
+        except ChatTemplateError as e:
+            outcomes.append(str(e))
+            continue
+        rendered.append((len(outcomes), rows))
+        outcomes.append([])
+    flat = [r for _, rows in rendered for r in rows]
+    tokenized = iter(tokenize_rendered(tokenizer, flat))
+    for at, rows in rendered:
+        outcomes[at] = [(r.turn, next(tokenized)) for r in rows]
+    return list(zip(chunk, outcomes))
+
+
+def _rows_of(conv: Conversation, outcome: list[tuple], counts: dict[str, Any]) -> list[dict[str, Any]]:
     _bump(counts, "dropped_leading_assistant_turns", conv.dropped_leading_assistant)
     _bump(counts, "conversations_with_dropped_leading_assistant", conv.dropped_leading_assistant > 0)
     _bump(counts, "merged_user_turns", conv.merged_user_turns)
     _bump(counts, "empty_assistant_turns", conv.empty_assistant_turns)
-    n_loss = int(tok.loss_mask.sum())
-    _bump(counts, "conversations_without_loss_tokens", n_loss == 0)
-    return {"conversation_id": conv.conversation_id, "source": conv.source, "input_ids": tok.input_ids,
-            "loss_mask": tok.loss_mask, "system_len": tok.system_len,
-            "n_tokens": int(tok.input_ids.shape[0]), "n_loss_tokens": n_loss}
+    per_turn = outcome[0][0] is not None
+    _bump(counts, "history_rewrite_conversations", per_turn)
+    _bump(counts, "history_rewrite_rows", len(outcome) if per_turn else 0)
+    rows = []
+    for turn, tok in outcome:
+        n_loss = int(tok.loss_mask.sum())
+        rows.append({"conversation_id": conv.conversation_id if turn is None else f"{conv.conversation_id}@{turn}",
+                     "source": conv.source, "input_ids": tok.input_ids, "loss_mask": tok.loss_mask,
+                     "system_len": tok.system_len, "n_tokens": int(tok.input_ids.shape[0]),
+                     "n_loss_tokens": n_loss})
+    _bump(counts, "conversations_without_loss_tokens", sum(r["n_loss_tokens"] for r in rows) == 0)
+    return rows
 
 
 def _check_output_not_input(output, inputs) -> None:
@@ -228,19 +308,20 @@ def run_tokenize(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.P
     tokenizer = _load_tokenizer(tokenizer_name, tokenizer)
     template = _read_template(cfg.chat_template)
     counts = _base_counts()
-    token_freq = np.zeros(len(tokenizer), dtype=np.int64)
+    token_freq = _TokenFreq(len(tokenizer))
     n_tokens = n_loss = 0
     with TableWriter(out, "tokenized") as writer, RejectsWriter(out) as rejects:
-        for row in iter_tokenized(inputs, tokenizer, cfg, rejects, counts):
-            writer.write(row)
+        for group in iter_tokenized(inputs, tokenizer, cfg, rejects, counts):
             _bump(counts, "used")
-            n_tokens += row["n_tokens"]
-            n_loss += row["n_loss_tokens"]
-            token_freq += np.bincount(row["input_ids"][row["loss_mask"] == 1], minlength=len(tokenizer))
+            for row in group:
+                writer.write(row)
+                n_tokens += row["n_tokens"]
+                n_loss += row["n_loss_tokens"]
+                token_freq.add(row["input_ids"][row["loss_mask"] == 1])
         by_reason = dict(rejects.by_reason)
     counts.update(tokens=n_tokens, loss_tokens=n_loss, rejected_by_reason=by_reason)
     assert counts["used"] + counts["rejected"] == counts["read"], counts
-    write_token_freq(out, token_freq)
+    write_token_freq(out, token_freq.counts())
     write_manifest(out, {
         "kind": "tokenized",
         "inputs": [str(i) for i in inputs],
@@ -260,11 +341,12 @@ def _is_table(path: str | os.PathLike) -> bool:
     return Path(path).is_dir() and (Path(path) / MANIFEST).is_file()
 
 
-def _iter_table_rows(tables: list[TokenTable], counts: dict[str, Any]) -> Iterator[dict[str, Any]]:
+def _iter_table_rows(tables: list[TokenTable], counts: dict[str, Any]) -> Iterator[list[dict[str, Any]]]:
+    """Rows of tokenize outputs grouped by conversation (per-turn rows share their ``source``)."""
     for table in tables:
-        for row in table.iter_rows():
+        for _, group in itertools.groupby(table.iter_rows(), key=lambda r: r["source"]):
             _bump(counts, "read")
-            yield row
+            yield list(group)
 
 
 def _open_tables(inputs, tokenizer, template) -> list[TokenTable]:
@@ -328,11 +410,12 @@ def run_pack(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.PathL
     with RejectsWriter(out) as rejects:
         rows = (_iter_table_rows(tables, counts) if upstream is not None
                 else iter_tokenized(inputs, tokenizer, cfg.tokenize, rejects, counts))
-        segments = _collect_windows(rows, cfg, rejects, counts)
-        by_reason = dict(rejects.by_reason)
-    counts["rejected_by_reason"] = by_reason
-    assert counts["used"] + counts["rejected"] == counts["read"], counts
-    token_freq = _write_blocks(out, segments, cfg.block_size_tokens, len(tokenizer), counts)
+        with _WindowSpill(out) as spill:
+            _collect_windows(rows, cfg, rejects, counts, spill)
+            by_reason = dict(rejects.by_reason)
+            counts["rejected_by_reason"] = by_reason
+            assert counts["used"] + counts["rejected"] == counts["read"], counts
+            token_freq = _write_blocks(out, spill, cfg.block_size_tokens, len(tokenizer), counts)
     write_token_freq(out, token_freq)
     manifest = {
         "kind": "packed",
@@ -348,52 +431,132 @@ def run_pack(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.PathL
     return {"output": str(out), "counts": dict(counts)}
 
 
-def _collect_windows(rows: Iterator[dict[str, Any]], cfg: PackConfig, rejects: RejectsWriter,
-                     counts: dict[str, Any]) -> list[tuple[str, np.ndarray, np.ndarray]]:
-    """Windows of every row as ``(segment_id, input_ids, loss_mask)``; rows with none are rejected."""
-    segments: list[tuple[str, np.ndarray, np.ndarray]] = []
-    counts.update(windows=0, windows_dropped=0, windows_capped=0)
-    for row in rows:
+class _TokenFreq:
+    """Counts of loss-masked token ids, binned in batches (one ``bincount`` per ~1M tokens)."""
+
+    def __init__(self, vocab_size: int, batch_tokens: int = 1 << 20):
+        self.total = np.zeros(vocab_size, dtype=np.int64)
+        self._pending: list[np.ndarray] = []
+        self._n = 0
+        self._batch = batch_tokens
+
+    def add(self, ids: np.ndarray) -> None:
+        self._pending.append(ids)
+        self._n += len(ids)
+        if self._n >= self._batch:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._pending:
+            self.total += np.bincount(np.concatenate(self._pending), minlength=len(self.total))[: len(self.total)]
+        self._pending, self._n = [], 0
+
+    def counts(self) -> np.ndarray:
+        """int64 ``[vocab_size]``."""
+        self._flush()
+        return self.total
+
+
+class _WindowSpill:
+    """Window tokens on disk (ids int32 then mask uint8 per window); ids, lengths and offsets in memory.
+
+    The file lives in the output directory and is removed on close.
+    """
+
+    def __init__(self, directory: Path):
+        fd, self.path = tempfile.mkstemp(prefix=".windows-", suffix=".spill", dir=directory)
+        self._f = os.fdopen(fd, "w+b")
+        self.segment_ids: list[str] = []
+        self.lengths: list[int] = []
+        self.offsets: list[int] = []
+        self._end = 0
+        self._dirty = False
+
+    def append(self, segment_id: str, input_ids: np.ndarray, loss_mask: np.ndarray) -> None:
+        data = np.asarray(input_ids, dtype=np.int32).tobytes() + np.asarray(loss_mask, dtype=np.uint8).tobytes()
+        self._f.write(data)
+        self._dirty = True
+        self.segment_ids.append(segment_id)
+        self.lengths.append(len(input_ids))
+        self.offsets.append(self._end)
+        self._end += len(data)
+
+    def read(self, i: int) -> tuple[str, np.ndarray, np.ndarray]:
+        """``(segment_id, input_ids int32 [n], loss_mask uint8 [n])`` of window ``i``."""
+        if self._dirty:
+            self._f.flush()
+            self._dirty = False
+        n = self.lengths[i]
+        data = os.pread(self._f.fileno(), 5 * n, self.offsets[i])
+        return (self.segment_ids[i], np.frombuffer(data, dtype=np.int32, count=n),
+                np.frombuffer(data, dtype=np.uint8, offset=4 * n, count=n))
+
+    def __enter__(self) -> "_WindowSpill":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()
+        os.unlink(self.path)
+
+
+def _group_windows(group: list[dict[str, Any]], cfg: PackConfig) -> tuple[list[tuple], int, int]:
+    """Windows ``(segment_id, ids, mask)`` of one conversation's rows, candidates dropped, candidates."""
+    segments, dropped, candidates = [], 0, 0
+    for row in group:
         ids, mask, system_len = row["input_ids"], row["loss_mask"], int(row["system_len"])
+        n_candidates = count_windows(len(ids), system_len, cfg.max_seq_len, cfg.overlap)
+        windows = make_windows(ids, mask, system_len, cfg.max_seq_len, cfg.overlap, cfg.overlap_loss)
+        dropped += n_candidates - len(windows)
+        candidates += n_candidates
+        segments += [(f"{row['conversation_id']}#{w.index}", w.input_ids, w.loss_mask) for w in windows]
+    return segments, dropped, candidates
+
+
+def _collect_windows(groups: Iterator[list[dict[str, Any]]], cfg: PackConfig, rejects: RejectsWriter,
+                     counts: dict[str, Any], spill: _WindowSpill) -> None:
+    """Cut every conversation's rows into windows, spilled to ``spill``; conversations with none are rejected."""
+    counts.update(windows=0, windows_dropped=0, windows_capped=0)
+    for group in groups:
+        source, cid = group[0]["source"], group[0]["conversation_id"]
         try:
-            n_candidates = count_windows(len(ids), system_len, cfg.max_seq_len, cfg.overlap)
-            windows = make_windows(ids, mask, system_len, cfg.max_seq_len, cfg.overlap, cfg.overlap_loss)
+            segments, dropped, candidates = _group_windows(group, cfg)
         except SystemPrefixTooLongError as e:
             if cfg.tokenize.strict:
-                file, r = _split_source(row["source"])
+                file, r = _split_source(source)
                 raise InputError(str(e), file=file, row=r, field="system") from None
-            _reject(rejects, counts, row["source"], str(e), conversation_id=row["conversation_id"])
+            _reject(rejects, counts, source, str(e), conversation_id=cid)
             continue
-        _bump(counts, "windows_dropped", n_candidates - len(windows))
-        if cfg.max_windows is not None and len(windows) > cfg.max_windows:
-            _bump(counts, "windows_capped", len(windows) - cfg.max_windows)
-            windows = windows[: cfg.max_windows]
-        if not windows:
-            _reject(rejects, counts, row["source"], "no supervised tokens: no assistant token in any window",
-                    conversation_id=row["conversation_id"])
+        _bump(counts, "windows_dropped", dropped)
+        if cfg.max_windows is not None and len(segments) > cfg.max_windows:
+            _bump(counts, "windows_capped", len(segments) - cfg.max_windows)
+            segments = segments[: cfg.max_windows]
+        if not segments:
+            _reject(rejects, counts, source, "no supervised tokens: no assistant token in any window",
+                    conversation_id=cid)
             continue
         _bump(counts, "used")
-        _bump(counts, "windows", len(windows))
-        _bump(counts, "conversations_split", n_candidates > 1)
-        for w in windows:
-            segments.append((f"{row['conversation_id']}#{w.index}", w.input_ids, w.loss_mask))
-    return segments
+        _bump(counts, "windows", len(segments))
+        _bump(counts, "conversations_split", candidates > len(group))
+        for segment in segments:
+            spill.append(*segment)
 
 
-def _write_blocks(out: Path, segments, block_size: int, vocab_size: int, counts: dict[str, Any]) -> np.ndarray:
-    """Pack the segments, write the packed table; returns token_freq int64 [vocab_size]."""
-    blocks = pack_blocks([len(s[1]) for s in segments], block_size)
-    token_freq = np.zeros(vocab_size, dtype=np.int64)
+def _write_blocks(out: Path, spill: _WindowSpill, block_size: int, vocab_size: int,
+                  counts: dict[str, Any]) -> np.ndarray:
+    """Pack the spilled windows, write the packed table; returns token_freq int64 [vocab_size]."""
+    blocks = pack_blocks(spill.lengths, block_size)
+    token_freq = _TokenFreq(vocab_size)
     n_tokens = n_loss = 0
     with TableWriter(out, "packed") as writer:
         for block_id, members in enumerate(tqdm(blocks, desc="pack", unit="block", file=sys.stderr,
                                                 disable=None)):
-            row = make_packed_row(block_id, [segments[i] for i in members])
+            row = make_packed_row(block_id, [spill.read(i) for i in members])
             writer.write(row)
             ids, mask = row["input_ids"], row["loss_mask"]
             n_tokens += row["n_tokens"]
             n_loss += int(mask.sum())
-            token_freq += np.bincount(ids[mask == 1], minlength=vocab_size)
+            token_freq.add(ids[mask == 1])
+    efficiency = packing_efficiency(n_tokens, len(blocks), block_size)
     counts.update(tokens=n_tokens, loss_tokens=n_loss, n_blocks=len(blocks), block_size=block_size,
-                  packing_efficiency=round(packing_efficiency(n_tokens, len(blocks), block_size), 6))
-    return token_freq
+                  packing_efficiency=round(efficiency, 6))
+    return token_freq.counts()

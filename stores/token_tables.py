@@ -164,8 +164,7 @@ class TableWriter:
     def write(self, row: dict[str, Any]) -> None:
         """Append one row (a dict with every column; lists or 1-D numpy arrays for list columns)."""
         for name in self.schema.names:
-            value = row[name]
-            self._buffer[name].append(value.tolist() if isinstance(value, np.ndarray) else value)
+            self._buffer[name].append(row[name])
         self.n_rows += 1
         if len(self._buffer[self.schema.names[0]]) >= self.batch_rows:
             self._flush()
@@ -173,7 +172,7 @@ class TableWriter:
     def _flush(self) -> None:
         if not self._buffer[self.schema.names[0]]:
             return
-        batch = pa.record_batch([pa.array(self._buffer[n], type=self.schema.field(n).type)
+        batch = pa.record_batch([_column(self._buffer[n], self.schema.field(n).type)
                                  for n in self.schema.names], schema=self.schema)
         if self._writer is None:
             self._writer = pq.ParquetWriter(self.directory / f"part-{self._part:05d}.parquet",
@@ -200,6 +199,19 @@ class TableWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _column(values: list, type_: pa.DataType) -> pa.Array:
+    """One column of a batch; numeric list columns of numpy rows are built from one concatenation."""
+    is_list = pa.types.is_large_list(type_) or pa.types.is_list(type_)
+    if not is_list or pa.types.is_string(type_.value_type) or \
+            not all(isinstance(v, np.ndarray) for v in values):
+        return pa.array([v.tolist() if isinstance(v, np.ndarray) else v for v in values], type=type_)
+    offsets = np.zeros(len(values) + 1, dtype=np.int64 if pa.types.is_large_list(type_) else np.int32)
+    np.cumsum([len(v) for v in values], out=offsets[1:])
+    flat = (np.concatenate(values) if values else np.zeros(0)).astype(type_.value_type.to_pandas_dtype(), copy=False)
+    array_cls = pa.LargeListArray if pa.types.is_large_list(type_) else pa.ListArray
+    return array_cls.from_arrays(pa.array(offsets), pa.array(flat, type=type_.value_type))
 
 
 class RejectsWriter:
