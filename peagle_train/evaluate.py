@@ -5,8 +5,15 @@ D draft vocab, K drafted tokens per step (``num_depths``), E drafter elements, A
 
 Offline (:func:`evaluate_offline`, :func:`run_offline_eval`): on held-out blocks, every chain
 ``(a, 0..K-1)`` without sampling (alignment of §4). Element ``(a, d)`` is *correct* when the
-drafter's argmax over the draft vocab equals the verifier's (``argmax f_{a+d+1} @ lm_head_draft^T``).
-- per-depth accuracy: weighted agreement at depth d, weight ``m_{a+d+2}``;
+drafter's argmax, mapped to a verifier id, equals the verifier's argmax over its full vocab
+(``argmax lm_head(f_{a+d+1})``): exactly the test online greedy verification applies, so a token
+outside the draft vocab is never drafted correctly. (Training's per-depth accuracy compares argmaxes
+within the draft vocab and is therefore higher when the draft vocab is reduced.)
+- per-depth accuracy: weighted agreement at depth d, weight ``m_{a+d+2}``. Within one segment the
+  depth-d elements predict the tokens ``x_{d+2}..x_{n-1}``, so the depth-d weight is
+  ``sum(m[d+2:])``: equal at every depth whenever the first K+1 tokens of each segment carry no
+  loss (a system or user turn first: the usual case). Equal *correct* counts at depths >= 1 then
+  mean the drafter drafts the same tokens at every depth > 0 (e.g. one frequent token);
 - a chain is accepted up to the first depth that is wrong, does not exist (segment end) or has
   weight 0 (a token the verifier does not generate as the assistant); anchors count when their
   depth-0 element has weight 1 (``positions_scored``);
@@ -343,11 +350,6 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
 
 
 # ------------------------------------------------------------------------------------------ offline
-def _draft_head(lm_head_weight: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
-    """The verifier's lm_head rows of the draft vocab: ``[V, H] -> [D, H]`` float32."""
-    return lm_head_weight.detach()[draft_ids.to(lm_head_weight.device)].float()
-
-
 def _argmax_chunked(x: torch.Tensor, head: torch.Tensor, rows: int = 1024) -> torch.Tensor:
     """``argmax(x @ head^T)`` row by row in chunks: ``[N, H], [D, H] -> [N] int64``."""
     out = [(x[i:i + rows].float().to(head.device) @ head.T).argmax(-1).cpu() for i in range(0, x.shape[0], rows)]
@@ -448,7 +450,7 @@ def evaluate_offline(drafter, blocks: Iterable, lm_head_weight: torch.Tensor, nu
         blocks: objects with ``input_ids, loss_mask, position_ids [T] int64``, ``cu_seqlens [S+1]``,
             ``aux_hidden [T, L, H]`` or ``[T, L*H]`` (bf16/float) and ``final_hidden [T, H]``
             (e.g. ``FeatureStore.read_block`` results).
-        lm_head_weight: ``[V, H]`` the verifier's lm_head; its draft-vocab rows give the targets.
+        lm_head_weight: ``[V, H]`` the verifier's lm_head; the argmax over all V rows is the target.
         num_depths: K chain length scored; default the drafter's ``num_depths``.
         chunk_anchors: anchors per drafter pass; memory is ``O((T + chunk * K)^2)`` for the mask.
         progress: called with 1 after each block.
@@ -459,7 +461,8 @@ def evaluate_offline(drafter, blocks: Iterable, lm_head_weight: torch.Tensor, nu
         ``simulated_acceptance_length``, ``mean_accepted``, ``positions_scored``, ``num_depths``.
     """
     K = num_depths or drafter.config.num_depths
-    head = _draft_head(lm_head_weight, drafter.draft_ids)  # [D, H]
+    head = lm_head_weight.detach().float()  # [V, H]
+    draft_ids = drafter.draft_ids.cpu()  # [D] verifier id of each draft id
     totals = _OfflineTotals(K)
     drafter.eval()
     for block in blocks:
@@ -469,13 +472,19 @@ def evaluate_offline(drafter, blocks: Iterable, lm_head_weight: torch.Tensor, nu
             n = end - start
             if n < 3:
                 continue
-            target = _argmax_chunked(block.final_hidden[start:end], head)  # [n] draft ids
-            pred = segment_predictions(drafter, block, start, n, K, chunk_anchors)  # [A, K]
+            seg_m = m[start:end]  # [n]
+            # The verifier's full-vocab argmax z_r for the rows whose next token carries weight: the
+            # only targets that are ever scored (an element's target row is label - 1).
+            rows = torch.nonzero(seg_m[1:] == 1).flatten()  # [R] local rows r with m_{r+1} = 1
+            target = torch.full((n,), -1, dtype=torch.long)
+            target[rows] = _argmax_chunked(block.final_hidden[start + rows], head)  # verifier ids
+            pred = segment_predictions(drafter, block, start, n, K, chunk_anchors)  # [A, K] draft ids
             exists = pred >= 0
+            drafted = torch.where(exists, draft_ids[pred.clamp_min(0)], torch.full_like(pred, -1))  # [A, K]
             label = torch.arange(n - 2)[:, None] + torch.arange(K)[None, :] + 2  # [A, K] local x index
             label = torch.where(exists, label, torch.zeros_like(label))
-            correct = exists & (pred == target[label - 1])  # target of (a, d) is z_{a+d+1}
-            weight = exists & (m[start + label] == 1)  # [A, K] w = m_{a+d+2}
+            weight = exists & (seg_m[label] == 1)  # [A, K] w = m_{a+d+2}
+            correct = weight & (drafted == target[label - 1])  # target of (a, d) is argmax z_{a+d+1}
             totals.add(correct, weight)
         if progress is not None:
             progress(1)

@@ -34,39 +34,53 @@ def _one_thread():
 # One segment is the worked example of DESIGN.md §4: [SYS, USR, HDR, A1, A2, EOT], m = [0,0,0,1,1,1].
 SEGMENT = [10, 11, 12, 13, 14, 15]
 MASK = [0, 0, 0, 1, 1, 1]
-V, D, H = 16, 8, 16  # draft vocab = verifier ids 8..15 (d2t = 8)
+V, D, H = 16, 8, 16  # draft vocab = verifier ids 8..15 (d2t = 8); ids 0..7 are outside it
 
 
-def worked_block(n_segments: int = 2) -> SimpleNamespace:
-    """``n_segments`` copies of the worked example; the verifier argmax at p is x_{p+1}."""
-    T = 6 * n_segments
+def make_block(segments: list[list[int]], masks: list[list[int]], outside: tuple[int, ...] = ()) -> SimpleNamespace:
+    """A block of ``segments``; the verifier argmax at row p is x_{p+1}, except at the rows in ``outside``,
+    where it is verifier id 3, which the draft vocab does not hold."""
+    T = sum(map(len, segments))
     final = torch.zeros(T, H)
-    for s in range(n_segments):
-        for p in range(5):
-            final[6 * s + p, SEGMENT[p + 1]] = 1.0
-    final[2, 3] = 2.0  # verifier id 3 wins over the full vocab but is not in the draft vocab
+    row = 0
+    for seg in segments:
+        for p in range(len(seg) - 1):
+            final[row + p, seg[p + 1]] = 1.0
+        row += len(seg)
+    for r in outside:
+        final[r, 3] = 2.0
     return SimpleNamespace(
-        input_ids=torch.tensor(SEGMENT * n_segments), loss_mask=torch.tensor(MASK * n_segments),
-        position_ids=torch.arange(6).repeat(n_segments), cu_seqlens=torch.arange(0, T + 1, 6),
+        input_ids=torch.tensor(sum(segments, [])), loss_mask=torch.tensor(sum(masks, [])),
+        position_ids=torch.cat([torch.arange(len(s)) for s in segments]),
+        cu_seqlens=torch.tensor([0] + [sum(map(len, segments[:i + 1])) for i in range(len(segments))]),
         aux_hidden=torch.zeros(T, 1, H, dtype=torch.bfloat16), final_hidden=final.bfloat16(),
     )
 
 
+def worked_block(n_segments: int = 2) -> SimpleNamespace:
+    """``n_segments`` copies of the worked example."""
+    return make_block([SEGMENT] * n_segments, [MASK] * n_segments)
+
+
 class RuleDrafter(nn.Module):
-    """Drafts the true next token of the worked example, except at depth ``wrong_depth``.
+    """Drafts the true next token of ``segment``, except at depth ``wrong_depth``, at the elements
+    ``(a, d)`` in ``wrong``, and (when ``deep_token`` is set) at every depth > 0, where it drafts
+    ``deep_token`` (a verifier id) whatever the context.
 
     It reads the rope position p of each element (element at p predicts ``x_{p+1}``) and its depth
-    d, which is the number of mask elements its attention row allows (its own chain, §8).
+    d, which is the number of mask elements its attention row allows (its own chain, §8); the anchor
+    is ``p - 1 - d``.
     """
 
-    def __init__(self, wrong_depth: int | None = None, num_depths: int = 3):
+    def __init__(self, wrong_depth: int | None = None, num_depths: int = 3, segment: list[int] = SEGMENT,
+                 wrong: tuple[tuple[int, int], ...] = (), deep_token: int | None = None):
         super().__init__()
         self.config = DrafterConfig(hidden_size=H, intermediate_size=1, num_attention_heads=1,
                                     num_key_value_heads=1, head_dim=2, vocab_size=V, draft_vocab_size=D,
                                     aux_layer_ids=[1], num_depths=num_depths)
         self.register_buffer("d2t", torch.full((D,), 8))
         self.dummy = nn.Parameter(torch.zeros(1))
-        self.wrong_depth = wrong_depth
+        self.wrong_depth, self.segment, self.wrong, self.deep_token = wrong_depth, segment, set(wrong), deep_token
 
     @property
     def draft_ids(self):
@@ -79,8 +93,12 @@ class RuleDrafter(nn.Module):
     def logits(self, hidden):
         out = torch.zeros(hidden.shape[0], D)
         for i, (p, d) in enumerate(hidden.tolist()):
-            tok = SEGMENT[p + 1] - 8
-            out[i, 0 if d == self.wrong_depth else tok] = 1.0
+            tok = self.segment[p + 1] - 8
+            if d > 0 and self.deep_token is not None:
+                tok = self.deep_token - 8
+            if d == self.wrong_depth or (p - 1 - d, d) in self.wrong:
+                tok = 0  # verifier id 8 = x_0, never a next token
+            out[i, tok] = 1.0
         return out
 
 
@@ -105,6 +123,53 @@ def test_offline_wrong_at_depth_one():
     assert report["per_depth_correct"] == [9, 0, 6]
     # depth 1 was reached by anchors 1 and 2 of each segment, never accepted; depth 2 never reached.
     assert report["per_position_acceptance"] == [1.0, 0.0, None]
+
+
+# x_i = 8 + i; the loss mask differs at the first tokens, so each depth has its own weight:
+# depth d predicts x_{d+2}..x_7 and weighs sum(m[d+2:]): m[2:] = 5, m[3:] = 4, m[4:] = 3.
+SEG8 = list(range(8, 16))
+MASK8 = [0, 0, 1, 1, 0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("case", ["all_correct", "wrong_at_3_1", "verifier_outside_draft_vocab"])
+def test_offline_weights_differ_per_depth(case):
+    """Hand-computed chains: a chain stops at the first wrong, missing or weight-0 element.
+
+    Counted anchors (m_{a+2} = 1) are 0, 1, 3, 4, 5. With every draft right they accept
+    a=0: d0, d1 (d2 predicts x_4, weight 0) -> 2; a=1: d0 (d1 weight 0) -> 1; a=3: 3;
+    a=4: d0, d1 (no d2) -> 2; a=5: d0 -> 1.
+    """
+    drafter = RuleDrafter(segment=SEG8, wrong=((3, 1),) if case == "wrong_at_3_1" else ())
+    outside = (6,) if case == "verifier_outside_draft_vocab" else ()  # the verifier's pick for x_7 is id 3
+    report = evaluate_offline(drafter, [make_block([SEG8], [MASK8], outside)], torch.eye(V, H), chunk_anchors=2)
+    assert report["per_depth_weight"] == [5, 4, 3]
+    assert report["positions_scored"] == 5
+    accepted, correct, cond = {
+        "all_correct": ([2, 1, 3, 2, 1], [5, 4, 3], [1.0, 1.0, 1.0]),
+        # a=3 now stops after d0. Depth 1 is reached by a = 0, 3, 4 (a=1's (1,1) has weight 0).
+        "wrong_at_3_1": ([2, 1, 1, 2, 1], [5, 3, 3], [1.0, 2 / 3, None]),
+        # (5,0), (4,1), (3,2) predict x_7: a=3 -> 2, a=4 -> 1, a=5 -> 0.
+        "verifier_outside_draft_vocab": ([2, 1, 2, 1, 0], [4, 3, 2], [4 / 5, 2 / 3, 0 / 1]),
+    }[case]
+    assert report["per_depth_correct"] == correct
+    assert report["mean_accepted"] == pytest.approx(sum(accepted) / 5)
+    assert report["simulated_acceptance_length"] == pytest.approx(1 + sum(accepted) / 5)
+    assert report["per_position_acceptance"] == pytest.approx(cond)
+
+
+def test_offline_equal_counts_mean_a_collapsed_drafter():
+    """Why a real run can show per_depth_weight [w, w, w, w] and equal correct counts at depths >= 1.
+
+    A segment whose first tokens carry no loss (system and user turns first) gives every depth the
+    same weight; a drafter that drafts one token at every depth > 0 is right exactly where the
+    verifier's choice is that token, at every depth alike.
+    """
+    seg = [8, 9, 10, 11, 12, 13, 14, 13, 15, 13, 9, 10]
+    mask = [0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1]
+    drafter = RuleDrafter(segment=seg, deep_token=13)
+    report = evaluate_offline(drafter, [make_block([seg], [mask])], torch.eye(V, H))
+    assert report["per_depth_weight"] == [7, 7, 7]  # x_5..x_11 at every depth
+    assert report["per_depth_correct"] == [7, 3, 3]  # x_5, x_7, x_9 are 13
 
 
 def test_offline_real_drafter_chunking_invariant():
