@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["pack_blocks", "make_packed_row", "packing_efficiency"]
+__all__ = ["pack_blocks", "pack_blocks_flexible", "make_packed_row", "packing_efficiency"]
 
 
 def pack_blocks(lengths: Sequence[int], block_size: int) -> list[list[int]]:
@@ -51,6 +51,56 @@ def pack_blocks(lengths: Sequence[int], block_size: int) -> list[list[int]]:
         if room - n > 0:
             bisect.insort(free, (room - n, b))
     return blocks
+
+
+def pack_blocks_flexible(lengths: Sequence[int], min_lengths: Sequence[int],
+                         block_size: int) -> tuple[list[list[int]], list[int]]:
+    """Best-fit decreasing, then items that may shrink fill the largest gaps exactly.
+
+    Items with ``min_lengths[i] == lengths[i]`` are packed by :func:`pack_blocks`. The others (the
+    aligned last windows of long conversations, which may drop leading context tokens) are placed
+    longest minimum first (ties: lower index), each into the open block with the most room when
+    that room is at least its minimum, shrunk to ``min(length, room)`` so the block is full; else
+    into a new block at full length. Deterministic for given inputs.
+
+    Args:
+        lengths: tokens per item, each ``1 <= length <= block_size``.
+        min_lengths: the fewest tokens each item may be cut to, ``1 <= min <= length``.
+        block_size: C, the most tokens in a block.
+
+    Returns:
+        ``(blocks, used_lengths)``: blocks as in :func:`pack_blocks` (flexible items appended to
+        their block's list), and the length each item is packed at.
+
+    Raises:
+        ValueError: as :func:`pack_blocks`, or a minimum outside ``[1, length]``.
+    """
+    if len(min_lengths) != len(lengths):
+        raise ValueError(f"{len(lengths)} lengths but {len(min_lengths)} min_lengths")
+    for i, (n, m) in enumerate(zip(lengths, min_lengths)):
+        if not 1 <= m <= n:
+            raise ValueError(f"item {i}: min_length {m} outside [1, length={n}]")
+    fixed = [i for i in range(len(lengths)) if min_lengths[i] == lengths[i]]
+    flexible = sorted((i for i in range(len(lengths)) if min_lengths[i] < lengths[i]),
+                      key=lambda i: (-min_lengths[i], i))
+    blocks = [[fixed[j] for j in b] for b in pack_blocks([lengths[i] for i in fixed], block_size)]
+    used = [int(n) for n in lengths]
+    # Rooms as a sorted list of (-room, block index): the first entry is the most room, lowest index.
+    rooms = sorted((-(block_size - sum(lengths[i] for i in b)), k) for k, b in enumerate(blocks))
+    rooms = [r for r in rooms if r[0] < 0]
+    for i in flexible:
+        if rooms and -rooms[0][0] >= min_lengths[i]:
+            neg_room, b = rooms.pop(0)
+            used[i] = min(int(lengths[i]), -neg_room)
+        else:
+            b = len(blocks)
+            blocks.append([])
+            neg_room = -block_size
+        blocks[b].append(i)
+        left = -neg_room - used[i]
+        if left > 0:
+            bisect.insort(rooms, (-left, b))
+    return blocks, used
 
 
 def make_packed_row(block_id: int, segments: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> dict[str, Any]:

@@ -13,6 +13,13 @@ conversation is rejected instead. Counts are per input conversation.
 temporary file in the output directory (5 bytes per token) and read back block by block after
 best-fit decreasing has placed them, so peak memory does not grow with the token count.
 
+Packing (DESIGN.md §5 best-fit decreasing, :func:`peagle_data.packing.pack_blocks_flexible`):
+windows of long conversations are all W tokens (the last one is aligned to the body's end, see
+:mod:`peagle_data.windows`); with ``skip``, that last window may also be cut back (dropping
+leading loss-0 context tokens, never below the unaligned layout's start) to fill the largest gap
+a shorter conversation left in a block. Every supervised token is still trained exactly once;
+``windows_trimmed`` counts the windows packed shorter.
+
 Counts in every manifest satisfy ``used + rejected == read``; each rejected row is one line in
 ``rejects.jsonl``.
 """
@@ -33,9 +40,9 @@ import numpy as np
 from tqdm import tqdm
 
 from peagle_data.chat import ChatTemplateError, chat_template_sha256, render_rows, tokenize_rendered
-from peagle_data.packing import make_packed_row, pack_blocks, packing_efficiency
+from peagle_data.packing import make_packed_row, pack_blocks_flexible, packing_efficiency
 from peagle_data.readers import FORMATS, Conversation, Reject, read_conversations, resolve_inputs
-from peagle_data.windows import OVERLAP_LOSS, SystemPrefixTooLongError, count_windows, make_windows
+from peagle_data.windows import OVERLAP_LOSS, SystemPrefixTooLongError, Window, count_windows, make_windows
 from stores.errors import InputError, StoreMismatchError
 from stores.token_tables import (
     MANIFEST,
@@ -468,28 +475,39 @@ class _WindowSpill:
         self._f = os.fdopen(fd, "w+b")
         self.segment_ids: list[str] = []
         self.lengths: list[int] = []
+        self.min_lengths: list[int] = []
+        self.prefix_lens: list[int] = []
         self.offsets: list[int] = []
         self._end = 0
         self._dirty = False
 
-    def append(self, segment_id: str, input_ids: np.ndarray, loss_mask: np.ndarray) -> None:
-        data = np.asarray(input_ids, dtype=np.int32).tobytes() + np.asarray(loss_mask, dtype=np.uint8).tobytes()
+    def append(self, segment_id: str, window: Window) -> None:
+        data = window.input_ids.astype(np.int32).tobytes() + window.loss_mask.astype(np.uint8).tobytes()
         self._f.write(data)
         self._dirty = True
         self.segment_ids.append(segment_id)
-        self.lengths.append(len(input_ids))
+        self.lengths.append(window.n_tokens)
+        self.min_lengths.append(window.n_tokens - window.trimmable)
+        self.prefix_lens.append(window.prefix_len)
         self.offsets.append(self._end)
         self._end += len(data)
 
-    def read(self, i: int) -> tuple[str, np.ndarray, np.ndarray]:
-        """``(segment_id, input_ids int32 [n], loss_mask uint8 [n])`` of window ``i``."""
+    def read(self, i: int, n_tokens: int | None = None) -> tuple[str, np.ndarray, np.ndarray]:
+        """``(segment_id, input_ids int32 [n], loss_mask uint8 [n])`` of window ``i``, cut to
+        ``n_tokens`` (prefix kept, leading body tokens dropped; at least its minimum length)."""
         if self._dirty:
             self._f.flush()
             self._dirty = False
         n = self.lengths[i]
         data = os.pread(self._f.fileno(), 5 * n, self.offsets[i])
-        return (self.segment_ids[i], np.frombuffer(data, dtype=np.int32, count=n),
-                np.frombuffer(data, dtype=np.uint8, offset=4 * n, count=n))
+        ids = np.frombuffer(data, dtype=np.int32, count=n)
+        mask = np.frombuffer(data, dtype=np.uint8, offset=4 * n, count=n)
+        cut = 0 if n_tokens is None else n - n_tokens
+        if cut:
+            assert 0 < cut <= n - self.min_lengths[i], (i, n_tokens)
+            keep = np.r_[0:self.prefix_lens[i], self.prefix_lens[i] + cut:n]
+            ids, mask = ids[keep], mask[keep]
+        return self.segment_ids[i], ids, mask
 
     def __enter__(self) -> "_WindowSpill":
         return self
@@ -500,7 +518,7 @@ class _WindowSpill:
 
 
 def _group_windows(group: list[dict[str, Any]], cfg: PackConfig) -> tuple[list[tuple], int, int]:
-    """Windows ``(segment_id, ids, mask)`` of one conversation's rows, candidates dropped, candidates."""
+    """Windows ``(segment_id, Window)`` of one conversation's rows, candidates dropped, candidates."""
     segments, dropped, candidates = [], 0, 0
     for row in group:
         ids, mask, system_len = row["input_ids"], row["loss_mask"], int(row["system_len"])
@@ -508,7 +526,7 @@ def _group_windows(group: list[dict[str, Any]], cfg: PackConfig) -> tuple[list[t
         windows = make_windows(ids, mask, system_len, cfg.max_seq_len, cfg.overlap, cfg.overlap_loss)
         dropped += n_candidates - len(windows)
         candidates += n_candidates
-        segments += [(f"{row['conversation_id']}#{w.index}", w.input_ids, w.loss_mask) for w in windows]
+        segments += [(f"{row['conversation_id']}#{w.index}", w) for w in windows]
     return segments, dropped, candidates
 
 
@@ -544,13 +562,13 @@ def _collect_windows(groups: Iterator[list[dict[str, Any]]], cfg: PackConfig, re
 def _write_blocks(out: Path, spill: _WindowSpill, block_size: int, vocab_size: int,
                   counts: dict[str, Any]) -> np.ndarray:
     """Pack the spilled windows, write the packed table; returns token_freq int64 [vocab_size]."""
-    blocks = pack_blocks(spill.lengths, block_size)
+    blocks, used_lengths = pack_blocks_flexible(spill.lengths, spill.min_lengths, block_size)
     token_freq = _TokenFreq(vocab_size)
     n_tokens = n_loss = 0
     with TableWriter(out, "packed") as writer:
         for block_id, members in enumerate(tqdm(blocks, desc="pack", unit="block", file=sys.stderr,
                                                 disable=None)):
-            row = make_packed_row(block_id, [spill.read(i) for i in members])
+            row = make_packed_row(block_id, [spill.read(i, used_lengths[i]) for i in members])
             writer.write(row)
             ids, mask = row["input_ids"], row["loss_mask"]
             n_tokens += row["n_tokens"]
@@ -558,5 +576,6 @@ def _write_blocks(out: Path, spill: _WindowSpill, block_size: int, vocab_size: i
             token_freq.add(ids[mask == 1])
     efficiency = packing_efficiency(n_tokens, len(blocks), block_size)
     counts.update(tokens=n_tokens, loss_tokens=n_loss, n_blocks=len(blocks), block_size=block_size,
-                  packing_efficiency=round(efficiency, 6))
+                  packing_efficiency=round(efficiency, 6),
+                  windows_trimmed=sum(u < n for u, n in zip(used_lengths, spill.lengths)))
     return token_freq.counts()

@@ -12,6 +12,9 @@ Pure functions over arrays. Legend: ``T`` tokens in the conversation, ``W`` = ``
   ``skip`` those already-supervised tokens get loss 0 (each token still supervised once), with
   ``keep`` they are supervised once more, so at overlap 0.5 a body token is in at most 3 windows
   (2 everywhere but the tail). Each window is ``P + piece`` with P's loss set to 0 after the first.
+  With ``skip`` that last window is ``trimmable``: the packer may drop up to ``Window.trimmable``
+  leading body tokens (loss-0 context an earlier window supervised), keeping at least
+  ``MIN_TAIL_CONTEXT_TOKENS`` of context, to fill a block exactly.
 - ``overlap_loss="skip"``: a body token an earlier window already covered gets loss 0, so every
   supervised token is trained exactly once; ``"keep"``: it keeps its loss (trained again).
 - A window with no supervised token is dropped (the caller counts
@@ -29,10 +32,14 @@ import numpy as np
 
 from stores.errors import InputError
 
-__all__ = ["OVERLAP_LOSS", "Window", "SystemPrefixTooLongError", "window_starts", "count_windows",
+__all__ = ["OVERLAP_LOSS", "MIN_TAIL_CONTEXT_TOKENS", "Window", "SystemPrefixTooLongError", "window_starts", "count_windows",
            "make_windows"]
 
 OVERLAP_LOSS = ("skip", "keep")
+
+MIN_TAIL_CONTEXT_TOKENS = 256
+"""The packer may cut the aligned last window of a long conversation (``skip``) down to this many
+body tokens of already-supervised context before its first newly supervised token."""
 
 
 class SystemPrefixTooLongError(InputError):
@@ -57,6 +64,12 @@ class Window:
     position_ids: np.ndarray
     index: int
     body_start: int
+    trimmable: int = 0
+    """Body tokens at the front of the piece that may be cut (the aligned last window of a long
+    conversation with ``skip``: already supervised by an earlier window, all at loss 0). The packer
+    may shorten the window by up to this many tokens to fill a block exactly."""
+    prefix_len: int = 0
+    """Tokens of the system prefix P at the window's start (kept when the window is trimmed)."""
 
     @property
     def n_tokens(self) -> int:
@@ -90,11 +103,15 @@ def window_starts(n_tokens: int, system_len: int, max_seq_len: int, overlap: flo
             f"system prefix too long: {system_len} tokens leave no room for a body in a window of "
             f"{max_seq_len} tokens; raise --max-seq-len or shorten the system prompt")
     body_len = n_tokens - system_len
-    stride = max(1, math.ceil(body_per_window * (1.0 - overlap) - 1e-9))
+    stride = _stride(body_per_window, overlap)
     n = math.ceil(max(body_len - body_per_window, 0) / stride) + 1
     # Regular starts k * stride for all pieces but the last; the last ends at the body's end
     # ((n - 2) * stride < body_len - B <= (n - 1) * stride, so starts stay strictly increasing).
     return [k * stride for k in range(n - 1)] + [body_len - body_per_window]
+
+
+def _stride(body_per_window: int, overlap: float) -> int:
+    return max(1, math.ceil(body_per_window * (1.0 - overlap) - 1e-9))
 
 
 def count_windows(n_tokens: int, system_len: int, max_seq_len: int, overlap: float = 0.5) -> int:
@@ -144,11 +161,18 @@ def make_windows(input_ids: np.ndarray, loss_mask: np.ndarray, system_len: int, 
         piece_mask = body_mask[s:e].copy()
         if overlap_loss == "skip" and covered > s:
             piece_mask[: covered - s] = 0
+        covered_before = covered
         covered = max(covered, e)
         prefix_mask = mask[:system_len] if k == 0 else np.zeros(system_len, dtype=np.uint8)
         w_mask = np.concatenate([prefix_mask, piece_mask])
         if not w_mask.any():
             continue
         w_ids = np.concatenate([prefix_ids, body_ids[s:e]])
-        windows.append(Window(w_ids, w_mask, np.arange(w_ids.shape[0], dtype=np.int32), k, s))
+        trimmable = 0
+        if k == len(starts) - 1 and k > 0 and overlap_loss == "skip":
+            # Everything before covered_before was in window k-1 (loss 0 here): context only. Keep
+            # at least MIN_TAIL_CONTEXT_TOKENS of it before the first newly supervised token.
+            trimmable = max(0, covered_before - MIN_TAIL_CONTEXT_TOKENS - s)
+        windows.append(Window(w_ids, w_mask, np.arange(w_ids.shape[0], dtype=np.int32), k, s,
+                              trimmable, system_len))
     return windows
