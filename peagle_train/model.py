@@ -112,18 +112,22 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_mask: torch.Tensor) -> torch.Tensor:
+                attn_mask: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [E, in]`` -> ``[E, H]``, or ``[R, H]`` for the query ``rows [R]`` only (keys: all E)."""
         E = x.shape[0]
-        q = self.q_proj(x).view(E, self.nh, self.hd).transpose(0, 1)  # [nh, E, hd]
+        xq, cq, sq, mq = (x, cos, sin, attn_mask) if rows is None else \
+            (x[rows], cos[rows], sin[rows], attn_mask[rows])
+        R = xq.shape[0]
+        q = self.q_proj(xq).view(R, self.nh, self.hd).transpose(0, 1)  # [nh, R, hd]
         k = self.k_proj(x).view(E, self.nkv, self.hd).transpose(0, 1)  # [nkv, E, hd]
         v = self.v_proj(x).view(E, self.nkv, self.hd).transpose(0, 1)  # [nkv, E, hd]
-        q = q * cos + _rotate_half(q) * sin
+        q = q * cq + _rotate_half(q) * sq
         k = k * cos + _rotate_half(k) * sin
         rep = self.nh // self.nkv
         k = k.repeat_interleave(rep, dim=0)  # [nh, E, hd]
         v = v.repeat_interleave(rep, dim=0)
-        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=attn_mask)[0]
-        return self.o_proj(out.transpose(0, 1).reshape(E, self.nh * self.hd))  # [E, H]
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mq)[0]  # [nh, R, hd]
+        return self.o_proj(out.transpose(0, 1).reshape(R, self.nh * self.hd))  # [R, H]
 
 
 class MLP(nn.Module):
@@ -152,13 +156,15 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_mask: torch.Tensor, embeds: torch.Tensor | None = None) -> torch.Tensor:
-        residual = hidden
+                attn_mask: torch.Tensor, embeds: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``[E, H]`` -> ``[E, H]``, or ``[R, H]`` for ``rows [R]`` only (the others serve as keys)."""
+        residual = hidden if rows is None else hidden[rows]
         if self.first:
             x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [E, 2H]
         else:
             x = self.input_layernorm(hidden)
-        hidden = residual + self.self_attn(x, cos, sin, attn_mask)
+        hidden = residual + self.self_attn(x, cos, sin, attn_mask, rows)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -201,29 +207,51 @@ class PEagleDrafter(nn.Module):
         return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, is_mask: torch.Tensor,
-                position_ids: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+                position_ids: torch.Tensor, attn_mask: torch.Tensor,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Run the drafter over E elements of one row.
 
         Args:
             input_ids: ``[E] int64``; the token ``x_{a+1}`` at depth 0 (ignored where ``is_mask``).
-            aux_hidden: ``[E, L*H]`` float/bf16; ``g_a`` at depth 0 (ignored where ``is_mask``).
+            aux_hidden: ``[E, L*H]`` float/bf16; ``g_a`` at depth 0 (ignored where ``is_mask``); or
+                ``[E0, L*H]``, the rows of the E0 < E depth-0 elements only, in order.
             is_mask: ``[E] bool``; True for depth > 0 elements.
             position_ids: ``[E] int64``; rope position of each element (``pos[a] + 1 + d``).
             attn_mask: ``[E, E] bool``, True where query row may attend key column
                 (see ``peagle_train.attention``); every row must allow at least itself.
+            output_rows: ``[R] int64`` or None; the elements whose output is wanted (training asks
+                for the weighted ones). The last layer then runs its queries, MLP and norm on
+                these rows only; every element still serves as a key.
 
         Returns:
-            ``[E, H]`` final-normed hidden states; :meth:`logits` maps them to ``[E, D]``.
+            ``[E, H]`` (``[R, H]`` with ``output_rows``) final-normed hidden states; :meth:`logits`
+            maps them to draft-vocab logits.
         """
         cfg = self.config
         ids = torch.where(is_mask, torch.full_like(input_ids, cfg.mask_token_id), input_ids)
         embeds = self.embed_tokens(ids)  # [E, H]
-        g = torch.where(is_mask[:, None], self.mask_hidden.view(1, -1).to(aux_hidden.dtype), aux_hidden)
-        hidden = self.fc(g.to(self.fc.weight.dtype))  # [E, H]
+        hidden = self._fc_inputs(aux_hidden, is_mask)  # [E, H]
         cos, sin = rotary_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, hidden.dtype)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, attn_mask, embeds if i == 0 else None)
+            hidden = layer(hidden, cos, sin, attn_mask, embeds if i == 0 else None,
+                           output_rows if i == last else None)
         return self.norm(hidden)
+
+    def _fc_inputs(self, aux_hidden: torch.Tensor, is_mask: torch.Tensor) -> torch.Tensor:
+        """``fc(g_a)`` at depth 0 and ``fc(mask_hidden)`` elsewhere: ``[E, L*H] -> [E, H]``.
+
+        ``fc`` has no bias, so it runs on the depth-0 rows and on ``mask_hidden`` once instead of on
+        all E rows (most elements are at depth > 0 when K is large).
+        """
+        dtype = self.fc.weight.dtype
+        real = torch.nonzero(~is_mask).squeeze(1)  # [E0]
+        masked = self.fc(self.mask_hidden.view(1, -1).to(dtype))  # [1, H]
+        out = masked.expand(is_mask.shape[0], -1)  # [E, H]
+        if real.numel() == 0:
+            return out.contiguous()
+        g = aux_hidden if aux_hidden.shape[0] == real.numel() != is_mask.shape[0] else aux_hidden[real]  # [E0, L*H]
+        return out.index_copy(0, real, self.fc(g.to(dtype)))  # [E, H]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[E, H] -> [E, D]`` draft-vocab logits (materialise in chunks for large E)."""

@@ -41,6 +41,7 @@ from peagle_train.cod import CodElements, element_inputs, sample_cod_elements
 from peagle_train.data import Block, BlockLoader, _seed_of, check_store_ready, split_blocks, to_block
 from peagle_train.loss import LossOutput, kl_loss_and_accuracy
 from peagle_train.model import DrafterConfig, PEagleDrafter
+from peagle_train.optim import LazyRowAdamW, clip_grad_norm
 from stores.errors import InputError, OutputExistsError, StoreMismatchError
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "block_loss",
     "cod_generator",
     "CosineWithWarmup",
+    "build_optimizer",
 ]
 
 
@@ -108,6 +110,8 @@ class TrainConfig:
     """Delete an existing output directory first (``--force``)."""
     log_every: int = 1
     """Steps between metrics.jsonl lines (``--log-every``)."""
+    lazy_embedding: bool = True
+    """Update only the embedding rows a step touched (``--lazy-embedding/--dense-embedding``)."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, option: str, rule: str, value: Any) -> None:
@@ -142,7 +146,7 @@ class TrainConfig:
 #: fields that must equal the saved ones for ``--resume`` to reproduce an uninterrupted run
 _RESUME_FIELDS = ("store", "max_steps", "num_depths", "down_sample_ratio", "down_sample_ratio_min",
                   "max_anchors", "lr", "warmup_steps", "weight_decay", "grad_accum", "seed",
-                  "draft_vocab_size", "num_layers", "val_fraction")
+                  "draft_vocab_size", "num_layers", "val_fraction", "lazy_embedding")
 
 
 @dataclass
@@ -255,6 +259,17 @@ def build_drafter_config(heads: VerifierHeads, store, cfg: TrainConfig, draft_vo
     )
 
 
+def build_optimizer(model: PEagleDrafter, cfg: TrainConfig) -> LazyRowAdamW:
+    """AdamW over the trainable parameters; ``embed_tokens`` updated lazily by rows unless
+    ``cfg.lazy_embedding`` is false (see :mod:`peagle_train.optim`)."""
+    embed = model.embed_tokens.weight
+    rest = [p for p in model.parameters() if p.requires_grad and p is not embed]
+    groups = [{"params": rest}]
+    if embed.requires_grad:
+        groups.append({"params": [embed], "lazy_rows": cfg.lazy_embedding})
+    return LazyRowAdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
 class CosineWithWarmup:
     """LR multiplier: linear warm-up to 1 over ``warmup`` steps, then cosine to 0 at ``total``."""
 
@@ -286,12 +301,12 @@ def block_loss(model, draft_head: torch.Tensor, verifier_head: torch.Tensor, blo
     """
     inp = element_inputs(elements, block.input_ids, block.position_ids)
     dtype = draft_head.dtype
-    aux = block.aux_hidden[inp.feature_index].to(dtype)  # [E, L*H]
+    aux = block.aux_hidden[inp.feature_index[~inp.is_mask]].to(dtype)  # [E0, L*H] depth-0 rows only
     mask = build_attention_mask(elements)  # [E, E] bool
-    hidden = model(inp.input_ids, aux, inp.is_mask, inp.position_ids, mask)  # [E, H]
-    target = block.final_hidden[inp.target_index]  # [E, H] bf16
-    return kl_loss_and_accuracy(hidden, draft_head, target, verifier_head, elements.weight, elements.depth,
-                                num_depths, chunk_size)
+    rows = torch.nonzero(elements.weight != 0).squeeze(1)  # [E'] elements the loss reads
+    hidden = model(inp.input_ids, aux, inp.is_mask, inp.position_ids, mask, output_rows=rows)  # [E', H]
+    return kl_loss_and_accuracy(hidden, draft_head, block.final_hidden, verifier_head, elements.weight[rows],
+                                elements.depth[rows], num_depths, chunk_size, target_index=inp.target_index[rows])
 
 
 def _block_to(block: Block, device) -> Block:
@@ -454,7 +469,9 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
     max_steps = cfg.max_steps if cfg.max_steps is not None else per_epoch
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max_steps // 20
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # a sparse embedding gradient never exists densely; DDP all-reduce needs it dense (NCCL)
+    model.embed_tokens.sparse = cfg.lazy_embedding and world == 1
+    optimizer = build_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, CosineWithWarmup(warmup, max_steps))
 
     step, position = 0, 0
@@ -513,7 +530,7 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
                 sums = _add(sums, _reduce(accelerator, res))
                 n_tokens += block.n_tokens * world
                 n_elements += len(elements)
-            accelerator.clip_grad_norm_(params, cfg.grad_clip)
+            grad_norm = float(clip_grad_norm(params, cfg.grad_clip))
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
@@ -523,7 +540,8 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
             tokens_total += n_tokens
             loss, acc = _summarise(sums)
             row = {"split": "train", "step": step, "loss": loss, "acc": acc, "tokens_per_s": n_tokens / dt,
-                   "lr": lr, "n_elements": n_elements, "weight": float(sums["weight_sum"].sum()), "step_s": dt}
+                   "lr": lr, "n_elements": n_elements, "weight": float(sums["weight_sum"].sum()), "step_s": dt,
+                   "grad_norm": grad_norm}
             history.append(row)
             if main:
                 if step % cfg.log_every == 0 or step == max_steps:

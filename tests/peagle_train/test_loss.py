@@ -63,3 +63,30 @@ def test_kl_is_zero_when_drafter_matches_verifier():
     out = kl_loss_and_accuracy(target.float(), vhead, target, vhead, w, depth, K, chunk_size=10)
     assert abs(float(out.loss.detach())) < 1e-5
     assert torch.equal(out.correct, out.counts)
+
+
+def test_target_index_rows_equal_gathered_targets_value_and_grads():
+    """Targets given as block rows + index (computed once per distinct row) equal per-element targets."""
+    hidden, head, target, vhead, w, depth = _inputs(4)
+    rows = torch.randint(0, 9, (E,), generator=torch.Generator().manual_seed(5))  # many repeats
+    block = torch.randn(9, H, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    a = kl_loss_and_accuracy(hidden, head, block[rows], vhead, w, depth, K, chunk_size=None)
+    a.loss.backward()
+    ga = (hidden.grad.clone(), head.grad.clone())
+    hidden.grad, head.grad = None, None
+    b = kl_loss_and_accuracy(hidden, head, block, vhead, w, depth, K, chunk_size=6, target_index=rows)
+    b.loss.backward()
+    torch.testing.assert_close(a.loss, b.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ga[0], hidden.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ga[1], head.grad, rtol=1e-5, atol=1e-6)
+    assert torch.equal(a.correct, b.correct) and torch.equal(a.counts, b.counts)
+
+
+def test_analytic_gradient_equals_autograd_of_the_naive_loss():
+    hidden, head, target, vhead, w, depth = _inputs(7)
+    _naive(hidden, head, target, vhead, w).backward()
+    expect = (hidden.grad.clone(), head.grad.clone())
+    hidden.grad, head.grad = None, None
+    kl_loss_and_accuracy(hidden, head, target, vhead, w, depth, K, chunk_size=5).loss.backward()
+    torch.testing.assert_close(hidden.grad, expect[0], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(head.grad, expect[1], rtol=1e-4, atol=1e-6)
