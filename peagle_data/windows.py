@@ -14,7 +14,7 @@ Pure functions over arrays. Legend: ``T`` tokens in the conversation, ``W`` = ``
   (2 everywhere but the tail). Each window is ``P + piece`` with P's loss set to 0 after the first.
   With ``skip`` that last window is ``trimmable``: the packer may drop up to ``Window.trimmable``
   leading body tokens (loss-0 context an earlier window supervised), keeping at least
-  ``MIN_TAIL_CONTEXT_TOKENS`` of context, to fill a block exactly.
+  ``MIN_TAIL_CONTEXT_FRACTION * B`` tokens of context, to fill a block exactly.
 - ``overlap_loss="skip"``: a body token an earlier window already covered gets loss 0, so every
   supervised token is trained exactly once; ``"keep"``: it keeps its loss (trained again).
 - A window with no supervised token is dropped (the caller counts
@@ -32,14 +32,15 @@ import numpy as np
 
 from stores.errors import InputError
 
-__all__ = ["OVERLAP_LOSS", "MIN_TAIL_CONTEXT_TOKENS", "Window", "SystemPrefixTooLongError", "window_starts", "count_windows",
+__all__ = ["OVERLAP_LOSS", "MIN_TAIL_CONTEXT_FRACTION", "Window", "SystemPrefixTooLongError", "window_starts", "count_windows",
            "make_windows"]
 
 OVERLAP_LOSS = ("skip", "keep")
 
-MIN_TAIL_CONTEXT_TOKENS = 256
-"""The packer may cut the aligned last window of a long conversation (``skip``) down to this many
-body tokens of already-supervised context before its first newly supervised token."""
+MIN_TAIL_CONTEXT_FRACTION = 0.125
+"""The packer may cut the aligned last window of a long conversation (``skip``) down to this
+fraction of a window's body (B) of already-supervised context before its first newly supervised
+token (253 tokens at W = 2048 with SmolLM2's 21-token default system prefix)."""
 
 
 class SystemPrefixTooLongError(InputError):
@@ -171,8 +172,9 @@ def make_windows(input_ids: np.ndarray, loss_mask: np.ndarray, system_len: int, 
         trimmable = 0
         if k == len(starts) - 1 and k > 0 and overlap_loss == "skip":
             # Everything before covered_before was in window k-1 (loss 0 here): context only. Keep
-            # at least MIN_TAIL_CONTEXT_TOKENS of it before the first newly supervised token.
-            trimmable = max(0, covered_before - MIN_TAIL_CONTEXT_TOKENS - s)
+            # at least MIN_TAIL_CONTEXT_FRACTION * B of it before the first newly supervised token.
+            min_context = int(MIN_TAIL_CONTEXT_FRACTION * body_per_window)
+            trimmable = max(0, covered_before - min_context - s)
         windows.append(Window(w_ids, w_mask, np.arange(w_ids.shape[0], dtype=np.int32), k, s,
                               trimmable, system_len))
     return windows

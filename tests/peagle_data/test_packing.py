@@ -82,3 +82,29 @@ def test_make_packed_row_rejects_bad_segments():
 def test_packing_efficiency():
     assert packing_efficiency(15, 2, 8) == 15 / 16
     assert packing_efficiency(0, 0, 8) == 0.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 64), st.integers(0, 63)), max_size=120), st.integers(64, 160))
+def test_flexible_packing_properties(items, block_size):
+    from peagle_data.packing import pack_blocks_flexible
+
+    lengths = [n for n, _ in items]
+    mins = [max(1, n - cut) for n, cut in items]
+    blocks, used = pack_blocks_flexible(lengths, mins, block_size)
+    assert (blocks, used) == pack_blocks_flexible(list(lengths), list(mins), block_size)  # deterministic
+    assert sorted(i for b in blocks for i in b) == list(range(len(lengths)))
+    assert all(m <= u <= n for u, m, n in zip(used, mins, lengths))
+    assert all(sum(used[i] for i in b) <= block_size for b in blocks)
+    # Fixed-length items are packed exactly as plain best-fit decreasing packs them.
+    if all(m == n for m, n in zip(mins, lengths)):
+        assert blocks == pack_blocks(lengths, block_size) and used == lengths
+
+
+def test_flexible_item_fills_the_largest_gap():
+    from peagle_data.packing import pack_blocks_flexible
+
+    # 6 and 5 fill two blocks of 8 (rooms 2 and 3); the flexible item (8, may shrink to 3)
+    # takes the largest room and is cut to fill it.
+    assert pack_blocks_flexible([6, 5, 8], [6, 5, 3], 8) == ([[0], [1, 2]], [6, 5, 3])
+    assert pack_blocks_flexible([6, 8], [6, 4], 8) == ([[0], [1]], [6, 8])  # too big for room 2: new block

@@ -106,7 +106,7 @@ def _coverage(n_tokens, system_len, max_seq_len, overlap):
     return cover
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(conversations(), st.sampled_from(["skip", "keep"]))
 def test_window_properties(conv, overlap_loss):
     ids, mask, system_len, max_seq_len, overlap = conv
@@ -143,3 +143,19 @@ def _runs(mask):
     padded = np.concatenate([[0], mask.astype(np.int8), [0]])
     edges = np.flatnonzero(np.diff(padded))
     return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+
+
+@settings(max_examples=200, deadline=None)
+@given(conversations())
+def test_trimmable_tail_drops_only_loss_zero_context(conv):
+    ids, mask, system_len, max_seq_len, overlap = conv
+    ws = make_windows(ids, mask, system_len, max_seq_len, overlap, "skip")
+    for w in ws[:-1]:
+        assert w.trimmable == 0
+    last = ws[-1]
+    assert last.prefix_len == (system_len if len(ids) > max_seq_len else 0)
+    if last.trimmable:
+        body = last.loss_mask[system_len:]
+        assert not body[: last.trimmable].any()  # only already-supervised context is cut
+        assert len(body) - last.trimmable >= 1 and body[last.trimmable:].any()
+    assert all(w.trimmable == 0 for w in make_windows(ids, mask, system_len, max_seq_len, overlap, "keep"))

@@ -1,0 +1,143 @@
+"""run_tokenize / run_pack end to end: bad rows, per-turn rows, workers, packing round trips."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from peagle_data.prepare import PackConfig, TokenizeConfig, run_pack, run_tokenize
+from stores.errors import InputError
+from stores.token_tables import TokenTable
+from tests.peagle_data.test_chat_templates import QWEN3
+
+OK = {"id": "ok", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
+
+BAD_ROWS = [
+    OK,                                                                                     # 0 used
+    {"conversations": []},                                                                  # 1 empty
+    {"conversations": [{"from": "gpt", "value": "Welcome"}, {"from": "human", "value": "a"},
+                       {"from": "gpt", "value": "b"}]},                                     # 2 used, 1 dropped
+    {"conversations": [{"from": "robot", "value": "x"}, {"from": "gpt", "value": "y"}]},   # 3 unknown role
+    {"conversations": [{"from": "human", "value": "a"}, {"from": "human", "value": "b"},
+                       {"from": "gpt", "value": "c"}]},                                     # 4 used, merged
+    {"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]},                # 5 no content
+    b"{not json\n",                                                                         # 6 invalid JSON
+    b'{"messages": [{"role": "user", "content": "\xff"}]}\n',                               # 7 invalid UTF-8
+    {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]},  # 8 used, empty
+    {"messages": [{"role": "user", "content": "nobody answers"}]},                         # 9 no assistant
+]
+
+
+def write_rows(path, rows):
+    with path.open("wb") as f:
+        for row in rows:
+            f.write(row if isinstance(row, bytes) else (json.dumps(row) + "\n").encode())
+    return path
+
+
+def rejects_of(directory):
+    return [json.loads(line) for line in (directory / "rejects.jsonl").read_text().splitlines()]
+
+
+def test_bad_rows_nothing_lost(tmp_path, smollm2_tokenizer):
+    src = write_rows(tmp_path / "bad.jsonl", BAD_ROWS)
+    summary = run_tokenize([src], "smollm2-135m", tmp_path / "tok", TokenizeConfig(), tokenizer=smollm2_tokenizer)
+    c = summary["counts"]
+    assert (c["read"], c["used"], c["rejected"]) == (10, 4, 6)
+    assert c["dropped_leading_assistant_turns"] == 1 and c["merged_user_turns"] == 1
+    assert c["empty_assistant_turns"] == 1
+    rejects = rejects_of(tmp_path / "tok")
+    assert [r["source"] for r in rejects] == [f"{src}:{i}" for i in (1, 3, 5, 6, 7, 9)]
+    assert [r["reason"].split(":")[0] for r in rejects] == [
+        "empty conversation", "unknown role", "turn with no content", "invalid JSON", "invalid UTF-8",
+        "no assistant turn"]
+    rows = {r["conversation_id"]: r for r in TokenTable.open(tmp_path / "tok").iter_rows()}
+    assert smollm2_tokenizer.decode(rows["bad:8"]["input_ids"][rows["bad:8"]["loss_mask"] == 1]) == "<|im_end|>"
+    assert all(r["n_loss_tokens"] >= 1 for r in rows.values())  # no row without a supervised token
+
+    packed = run_pack([tmp_path / "tok"], "smollm2-135m", tmp_path / "pack", PackConfig(max_seq_len=64),
+                      tokenizer=smollm2_tokenizer)["counts"]
+    assert packed["used"] + packed["rejected"] == packed["read"] == 4
+    assert packed["loss_tokens"] == c["loss_tokens"]
+
+
+def test_strict_stops_at_the_first_bad_row(tmp_path, smollm2_tokenizer):
+    src = write_rows(tmp_path / "bad.jsonl", BAD_ROWS)
+    with pytest.raises(InputError) as info:
+        run_tokenize([src], "smollm2-135m", tmp_path / "tok", TokenizeConfig(strict=True),
+                     tokenizer=smollm2_tokenizer)
+    assert (info.value.file, info.value.row) == (str(src), 1)
+
+
+def test_history_rewrite_split_and_reject(tmp_path, smollm2_tokenizer):
+    template = tmp_path / "qwen3.jinja"
+    template.write_text(QWEN3)
+    conv = {"id": "q", "messages": [
+        {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4.", "reasoning_content": "Add."},
+        {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6.", "reasoning_content": "Add."}]}
+    src = write_rows(tmp_path / "q.jsonl", [conv, OK])
+    split = run_tokenize([src], "smollm2-135m", tmp_path / "split", TokenizeConfig(chat_template=str(template)),
+                         tokenizer=smollm2_tokenizer)["counts"]
+    assert (split["read"], split["used"], split["history_rewrite_conversations"], split["history_rewrite_rows"]) \
+        == (2, 2, 1, 2)
+    table = TokenTable.open(tmp_path / "split")
+    assert [r["conversation_id"] for r in table.iter_rows(["conversation_id"])] == ["q@1", "q@3", "ok"]
+    packed = run_pack([tmp_path / "split"], "smollm2-135m", tmp_path / "p", PackConfig(
+        max_seq_len=256, tokenize=TokenizeConfig(chat_template=str(template))), tokenizer=smollm2_tokenizer)
+    assert (packed["counts"]["read"], packed["counts"]["used"], packed["counts"]["windows"]) == (2, 2, 3)
+
+    reject = run_tokenize([src], "smollm2-135m", tmp_path / "rej", TokenizeConfig(
+        chat_template=str(template), on_history_rewrite="reject"), tokenizer=smollm2_tokenizer)["counts"]
+    assert (reject["used"], reject["rejected"]) == (1, 1)
+    assert rejects_of(tmp_path / "rej")[0]["reason"].startswith("template rewrites history")
+
+
+def _long_conversations(n: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
+    rows = []
+    for i in range(n):
+        turns = []
+        for _ in range(int(rng.integers(1, 4))):
+            turns.append({"role": "user", "content": " ".join(rng.choice(words, int(rng.integers(3, 30))))})
+            turns.append({"role": "assistant", "content": " ".join(rng.choice(words, int(rng.integers(5, 200))))})
+        rows.append({"id": f"c{i}", "messages": turns})
+    return rows
+
+
+def test_workers_give_identical_output(tmp_path, smollm2_tokenizer):
+    src = write_rows(tmp_path / "c.jsonl", _long_conversations(150) + [b"{bad\n"])
+    for workers in (1, 2):
+        run_tokenize([src], "smollm2-135m", tmp_path / f"t{workers}", TokenizeConfig(num_workers=workers),
+                     tokenizer=smollm2_tokenizer)
+    t1, t2 = TokenTable.open(tmp_path / "t1"), TokenTable.open(tmp_path / "t2")
+    assert t1.read_all().equals(t2.read_all())
+    assert t1.manifest["counts"] == t2.manifest["counts"]
+    assert (tmp_path / "t1" / "rejects.jsonl").read_text() == (tmp_path / "t2" / "rejects.jsonl").read_text()
+
+
+def test_pack_round_trip_every_supervised_token_once(tmp_path, smollm2_tokenizer):
+    src = write_rows(tmp_path / "c.jsonl", _long_conversations(60))
+    run_tokenize([src], "smollm2-135m", tmp_path / "tok", TokenizeConfig(), tokenizer=smollm2_tokenizer)
+    tok = TokenTable.open(tmp_path / "tok")
+    run_pack([tmp_path / "tok"], "smollm2-135m", tmp_path / "p", PackConfig(max_seq_len=128),
+             tokenizer=smollm2_tokenizer)
+    packed = TokenTable.open(tmp_path / "p")
+    c = packed.manifest["counts"]
+    assert c["conversations_split"] > 10 and c["windows_trimmed"] > 0
+    # skip: every supervised token trained once, so the loss-token multiset is the tokenized one.
+    assert c["loss_tokens"] == tok.manifest["counts"]["loss_tokens"]
+    assert np.array_equal(packed.token_freq(), tok.token_freq())
+    assert c["packing_efficiency"] == pytest.approx(c["tokens"] / (c["n_blocks"] * 128), abs=1e-6)
+    table = packed.read_all()
+    for name in ("input_ids", "loss_mask", "position_ids"):
+        assert pa.types.is_large_list(table.schema.field(name).type)
+    for row in packed.iter_rows():
+        cu = row["cu_seqlens"]
+        assert cu[0] == 0 and cu[-1] == row["n_tokens"] == len(row["input_ids"]) == len(row["loss_mask"]) <= 128
+        for a, b in zip(cu[:-1], cu[1:]):
+            assert row["position_ids"][a:b].tolist() == list(range(b - a))
+            assert row["loss_mask"][a:b].any()
