@@ -27,11 +27,16 @@ def _progress(desc: str):
 @click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Tokens generated per prompt turn.")
 @click.option("--num-prompts", type=int, default=None, help="Use the first N prompts (default: all).")
 @click.option("--num-draft-tokens", type=int, default=None, help="K drafts per verifier step (default: the drafter's).")
+@click.option("--temperature", type=float, default=0.0, show_default=True,
+              help="0: greedy, checked token for token against plain greedy decoding; T > 0: speculative "
+                   "sampling (rejection sampling keeps the verifier's distribution).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed (with --temperature > 0).")
 @click.option("--max-blocks", type=int, default=None, help="Offline: score at most N validation blocks.")
 @click.option("--output", default=None, type=click.Path(), help="Also write the JSON report here (and a PNG beside it).")
 @handle_errors
 def main(drafter: str, verifier: str | None, prompts: str | None, store: str | None, max_new_tokens: int,
-         num_prompts: int | None, num_draft_tokens: int | None, max_blocks: int | None, output: str | None) -> None:
+         num_prompts: int | None, num_draft_tokens: int | None, temperature: float, seed: int,
+         max_blocks: int | None, output: str | None) -> None:
     """Evaluate a drafter: offline on STORE, online (speculative decoding) on PROMPTS; prints one JSON object.
 
     Exits non-zero when speculative decoding does not reproduce the verifier's greedy output.
@@ -48,7 +53,7 @@ def main(drafter: str, verifier: str | None, prompts: str | None, store: str | N
         raise click.UsageError("give --prompts (online), --store (offline), or both")
     try:
         EvalConfig(max_new_tokens=max_new_tokens, num_prompts=num_prompts, num_draft_tokens=num_draft_tokens,
-                   max_blocks=max_blocks)
+                   max_blocks=max_blocks, temperature=temperature, seed=seed)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
     report: dict = {}
@@ -57,7 +62,8 @@ def main(drafter: str, verifier: str | None, prompts: str | None, store: str | N
                                    num_depths=num_draft_tokens, progress_factory=_progress("offline blocks"))
     if prompts is not None:
         report = run_online_eval(drafter, verifier, prompts, max_new_tokens=max_new_tokens, num_prompts=num_prompts,
-                                 num_draft_tokens=num_draft_tokens, progress_factory=_progress("prompt turns"))
+                                 num_draft_tokens=num_draft_tokens, progress_factory=_progress("prompt turns"),
+                                 temperature=temperature, seed=seed)
     if store is not None:
         report = {**report, "offline": offline} if prompts is not None else offline
     if output is not None:
@@ -67,7 +73,7 @@ def main(drafter: str, verifier: str | None, prompts: str | None, store: str | N
         write_acceptance_plot(report if prompts is not None else {"offline": report}, path.with_suffix(".png"))
     click.echo(format_report(report), err=True)
     echo_json(report)
-    if prompts is not None and not report["identical_to_greedy"]:
+    if prompts is not None and report["identical_to_greedy"] is False:
         click.echo(f"Error: speculative decoding differs from greedy decoding on prompts "
                    f"{', '.join(report['mismatches'])}", err=True)
         sys.exit(1)

@@ -39,7 +39,13 @@ import torch
 
 from peagle_train.attention import build_attention_mask
 from peagle_train.cod import CodElements, element_inputs
-from peagle_train.speculative import GenerationResult, check_compatible, greedy_generate, speculative_generate
+from peagle_train.speculative import (
+    GenerationResult,
+    check_compatible,
+    greedy_generate,
+    plain_generate,
+    speculative_generate,
+)
 from stores.errors import InputError, StoreMismatchError
 
 __all__ = [
@@ -74,6 +80,10 @@ class EvalConfig:
     """Offline: anchors whose chains run through the drafter at once (bounds memory)."""
     warmup: bool = True
     """Online: one short untimed generation first, so one-time costs do not count in tokens/s."""
+    temperature: float = 0.0
+    """Online: 0 = greedy (checked token for token); T > 0 = sampling at T, with rejection sampling (--temperature)."""
+    seed: int = 0
+    """Online, T > 0: prompt turn i samples with generators seeded ``(seed, i)`` (--seed)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -86,6 +96,8 @@ class EvalConfig:
             raise ValueError(f"max_blocks must be >= 1, got {self.max_blocks}")
         if self.chunk_anchors < 1:
             raise ValueError(f"chunk_anchors must be >= 1, got {self.chunk_anchors}")
+        if not self.temperature >= 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
 
 
 # ------------------------------------------------------------------------------------------ prompts
@@ -186,6 +198,11 @@ def _eos_ids(tokenizer, verifier) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------- online
+def _turn_generator(seed: int, turn_index: int) -> torch.Generator:
+    """The sampling randomness of one prompt turn: a function of ``(seed, turn_index)`` only."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + turn_index)
+
+
 @dataclass
 class _OnlineTotals:
     K: int
@@ -267,27 +284,32 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
     per_prompt: list[dict[str, Any]] = []
     mismatches: list[str] = []
     start = time.perf_counter()
+    T = config.temperature
     for prompt in prompts:
         answers: list[str] = []
         for turn in range(len(prompt.user_turns)):
             ids = render_turn(tokenizer, prompt, turn, answers)
-            base = greedy_generate(verifier, ids, config.max_new_tokens, eos)
-            spec = speculative_generate(verifier, drafter, ids, config.max_new_tokens, K, eos)
+            gens = [_turn_generator(config.seed, len(per_prompt)) if T > 0 else None for _ in range(2)]
+            base = plain_generate(verifier, ids, config.max_new_tokens, eos, T, gens[0])
+            spec = speculative_generate(verifier, drafter, ids, config.max_new_tokens, K, eos, T, gens[1])
             totals.add(base, spec)
-            same = spec.tokens == base.tokens
-            if not same and prompt.prompt_id not in mismatches:
+            same = spec.tokens == base.tokens if T == 0 else None  # samples differ by design at T > 0
+            if same is False and prompt.prompt_id not in mismatches:
                 mismatches.append(prompt.prompt_id)
             per_prompt.append({
                 "prompt_id": prompt.prompt_id, "turn": turn, "prompt_tokens": len(ids),
-                "new_tokens": len(base.tokens), "verifier_steps": spec.verifier_steps,
-                "accepted": spec.accepted, "drafted": spec.drafted, "identical_to_greedy": same,
+                "new_tokens": len(base.tokens), "spec_new_tokens": len(spec.tokens),
+                "verifier_steps": spec.verifier_steps, "accepted": spec.accepted, "drafted": spec.drafted,
+                "identical_to_greedy": same,
             })
             answers.append(tokenizer.decode([t for t in base.tokens if t not in eos], skip_special_tokens=True))
             if progress is not None:
                 progress(1)
     return {
         **totals.report(),
-        "identical_to_greedy": not mismatches,
+        "identical_to_greedy": not mismatches if T == 0 else None,
+        "temperature": T,
+        "seed": config.seed if T > 0 else None,
         "mismatches": mismatches,
         "wall_time_s": time.perf_counter() - start,
         "num_prompts": len(prompts),
@@ -300,7 +322,8 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
 def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_file: str | Path,
                     max_new_tokens: int = 128, num_prompts: int | None = None,
                     num_draft_tokens: int | None = None, output: str | Path | None = None,
-                    progress_factory: Callable[[int], Any] | None = None) -> dict[str, Any]:
+                    progress_factory: Callable[[int], Any] | None = None, temperature: float = 0.0,
+                    seed: int = 0) -> dict[str, Any]:
     """Online evaluation of a drafter checkpoint on a prompts file (DESIGN.md §9).
 
     Args:
@@ -308,13 +331,13 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
         verifier_name: MODEL (``smollm2-135m``, a directory, a hub id); None = the verifier named in
             the drafter's config.
         prompts_file: MT-Bench or OpenAI-messages JSONL (see :func:`read_prompts`).
-        max_new_tokens, num_prompts, num_draft_tokens: see :class:`EvalConfig`.
+        max_new_tokens, num_prompts, num_draft_tokens, temperature, seed: see :class:`EvalConfig`.
         output: also write the JSON report there.
         progress_factory: ``total -> bar`` with ``update(n)`` and ``close()`` (e.g. ``tqdm``).
 
     Returns:
         A dict with ``acceptance_length``, ``acceptance_rate``, ``per_position_acceptance`` (K
-        fractions), ``drafted``, ``accepted``, ``identical_to_greedy``, ``mismatches`` (prompt ids),
+        fractions), ``drafted``, ``accepted``, ``identical_to_greedy`` (None at T > 0), ``mismatches`` (prompt ids),
         ``tokens_per_second``, ``baseline_tokens_per_second``, ``speedup``, ``wall_time_s``,
         ``num_prompts``, ``per_prompt`` and the run's inputs.
 
@@ -325,7 +348,8 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
     from peagle_train.checkpoint import load_drafter
     from stores.model_cache import load_tokenizer, load_verifier
 
-    config = EvalConfig(max_new_tokens=max_new_tokens, num_prompts=num_prompts, num_draft_tokens=num_draft_tokens)
+    config = EvalConfig(max_new_tokens=max_new_tokens, num_prompts=num_prompts, num_draft_tokens=num_draft_tokens,
+                        temperature=temperature, seed=seed)
     prompts = read_prompts(prompts_file, config.num_prompts)
     drafter = load_drafter(drafter_dir).eval()
     name = verifier_name or drafter.config.verifier_name_or_path
@@ -620,7 +644,9 @@ def format_report(report: dict[str, Any]) -> str:
             f"({report['accepted']}/{report['drafted']})",
             f"  tokens/s           {_fmt(report['tokens_per_second'])} speculative, "
             f"{_fmt(report['baseline_tokens_per_second'])} greedy (speedup {_fmt(report['speedup'])})",
-            f"  identical to greedy {report['identical_to_greedy']}",
+            f"  identical to greedy {report['identical_to_greedy']}"
+            + (f"  (temperature {report['temperature']}: sampled, not compared)" if report.get("temperature") else ""),
+            f"  wall time          {_fmt(report.get('wall_time_s'))} s, {report['generated_tokens']} tokens generated",
             "  position  " + " ".join(f"{i:>6d}" for i in range(len(report["per_position_acceptance"]))),
             "  accepted  " + " ".join(f"{_fmt(x):>6s}" for x in report["per_position_acceptance"]),
         ]

@@ -296,7 +296,7 @@ def accept_drafts(drafts: torch.Tensor, target_logits, temperature: float = 0.0,
         of ``p_k`` when all k were kept).
     """
     k = drafts.numel()
-    assert temperature == 0 or (draft_probs is not None and draft_probs.shape[0] == k)
+    assert temperature == 0 or k == 0 or (draft_probs is not None and draft_probs.shape[0] == k)
     for i in range(k):
         x = int(drafts[i])
         if temperature == 0:
