@@ -33,6 +33,7 @@ user-turn header (what a second user turn adds before its content).
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from dataclasses import dataclass
@@ -206,9 +207,51 @@ class RenderedRow:
 _EMPTY_THINK = re.compile(r"<think>\s*</think>\s*")
 
 
-def _assistant_span(tokenizer, messages, i, text, tools, chat_template) -> tuple[int, int] | None:
+class _PrefixRenderer:
+    """Renders prefixes ``messages[:n]`` of one conversation with the compiled template directly.
+
+    ``apply_chat_template`` converts the whole message list on every call; here the conversion
+    (transformers' own helpers) is done once per conversation and each prefix is one jinja render,
+    with the same inputs ``apply_chat_template`` passes. Only used to locate spans: the full text
+    always comes from ``apply_chat_template``, and a failed prefix check is re-checked with it.
+    Any problem (another transformers version, callable tools) falls back to ``_render``.
+    """
+
+    def __init__(self, tokenizer, messages, tools, chat_template):
+        self._fallback = (tokenizer, messages, tools, chat_template)
+        self._compiled = None
+        try:
+            from transformers.utils.chat_template_utils import (
+                _alias_reasoning_fields, _compile_jinja_template, _plain_template_data)
+
+            if tools is not None and not all(isinstance(t, dict) for t in tools):
+                return
+            self._compiled = _compile_jinja_template(tokenizer.get_chat_template(chat_template, tools))
+            self._chat = _alias_reasoning_fields(_plain_template_data(list(messages)))
+            self._tools = _plain_template_data(tools)
+            self._kwargs = _plain_template_data(dict(tokenizer.special_tokens_map))
+        except Exception:  # noqa: BLE001 - any private-API mismatch means: use the public path
+            self._compiled = None
+
+    def render(self, n: int, add_generation_prompt: bool) -> str:
+        if self._compiled is not None and n > 0:
+            try:
+                return self._compiled.render(messages=self._chat[:n], tools=self._tools, documents=None,
+                                             add_generation_prompt=add_generation_prompt, **self._kwargs)
+            except Exception:  # noqa: BLE001 - template errors are reported by the public path
+                pass
+        tokenizer, messages, tools, chat_template = self._fallback
+        return _render(tokenizer, messages[:n], tools, chat_template, add_generation_prompt)
+
+
+def _assistant_span(tokenizer, messages, i, text, tools, chat_template,
+                    renderer: _PrefixRenderer | None = None) -> tuple[int, int] | None:
     """Characters of assistant turn ``i`` in ``text`` by the prefix method, or None when the renders
     of ``messages[:i]`` (with the generation prompt) and ``messages[:i+1]`` are not prefixes of it."""
+    if renderer is not None:
+        before, through = renderer.render(i, True), renderer.render(i + 1, False)
+        if text.startswith(before) and text.startswith(through) and len(through) >= len(before):
+            return len(before), len(through)
     before = _render(tokenizer, messages[:i], tools, chat_template, add_generation_prompt=True)
     through = _render(tokenizer, messages[: i + 1], tools, chat_template)
     if text.startswith(before) and text.startswith(through) and len(through) >= len(before):
@@ -255,8 +298,9 @@ def render_rows(tokenizer, messages: Sequence[dict[str, Any]], tools: list | Non
     text = _render(tokenizer, messages, tools, chat_template)
     indices = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
     spans = []
+    renderer = _PrefixRenderer(tokenizer, messages, tools, chat_template)
     for i in indices:
-        span = _assistant_span(tokenizer, messages, i, text, tools, chat_template)
+        span = _assistant_span(tokenizer, messages, i, text, tools, chat_template, renderer)
         if span is None:
             break
         spans.append(span)
@@ -299,8 +343,9 @@ def tokenize_rendered(tokenizer, rows: Sequence[RenderedRow]) -> list[TokenizedC
     special = _special_ids(tokenizer)
     out = []
     for row, row_ids, row_offsets in zip(rows, enc["input_ids"], enc["offset_mapping"]):
-        ids = np.asarray(row_ids, dtype=np.int32)
-        offsets = np.asarray(row_offsets, dtype=np.int64).reshape(-1, 2)  # [T, 2] chars
+        ids = np.fromiter(row_ids, dtype=np.int32, count=len(row_ids))
+        offsets = np.fromiter(itertools.chain.from_iterable(row_offsets), dtype=np.int64,
+                              count=2 * len(row_offsets)).reshape(-1, 2)  # [T, 2] chars
         loss_mask = _mask_from_spans(ids, offsets[:, 0], list(row.spans), special)
         if row.empty_think:
             loss_mask[_mask_from_spans(ids, offsets[:, 0], list(row.empty_think), frozenset()) == 1] = 0
