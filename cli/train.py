@@ -40,7 +40,9 @@ def main(**options) -> None:
         cfg = TrainConfig(**options)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
-    echo_json(run_train(cfg))
+    summary = run_train(cfg)
+    if summary.get("rank", 0) == 0:  # one summary per run, not one per data-parallel rank
+        echo_json(summary)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ for its ``embed_tokens`` and ``lm_head`` weights; it is never run.
 
 Output directory layout:
 - ``train_config.json``: the :class:`TrainConfig` (checked again on ``--resume``);
-- ``metrics.jsonl``: one line per step (step, loss, acc per depth, tokens/s, lr, ...) and one per
-  validation (``"split": "val"``);
+- ``metrics.jsonl``: one line per step (step, loss, acc per depth, tokens/s, lr, the block ids read,
+  grad norm, ...) and one per validation (``"split": "val"``);
 - ``checkpoint-N/``: drafter (``config.json``, ``model.safetensors``) plus ``training_state.pt``;
 - ``final/``: the drafter at the last step, the directory to serve or evaluate;
 - ``training.png``: loss and per-depth accuracy against steps.
@@ -350,6 +350,12 @@ def _reduce(accelerator, out: LossOutput) -> dict[str, torch.Tensor]:
     return vals
 
 
+def _gather_ids(accelerator, ids: list[int]) -> list[int]:
+    """Block ids read this step by every rank, rank-major (``[world * grad_accum]``)."""
+    t = torch.tensor(ids, dtype=torch.int64, device=accelerator.device)
+    return (accelerator.gather(t) if accelerator.num_processes > 1 else t).tolist()
+
+
 def _summarise(sums: dict[str, torch.Tensor]) -> tuple[float, list[float | None]]:
     w = float(sums["weight_sum"].sum())
     loss = float(sums["loss_sum"].sum()) / w if w > 0 else 0.0
@@ -447,7 +453,9 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
     d2t = build_draft_vocab(store.token_freq(), cfg.draft_vocab_size)
     D = int(d2t.numel()) if d2t is not None else store.vocab_size
 
-    accelerator = Accelerator(mixed_precision="bf16" if torch.cuda.is_available() else "no")
+    # cpu=True without CUDA: a multi-process launch then runs data-parallel on gloo (MULTI_CPU)
+    accelerator = Accelerator(mixed_precision="bf16" if torch.cuda.is_available() else "no",
+                              cpu=not torch.cuda.is_available())
     main = accelerator.is_main_process
     resume_from = _prepare_output(cfg) if main else None
     accelerator.wait_for_everyone()
@@ -516,7 +524,7 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
     try:
         while step < max_steps:
             t0 = time.perf_counter()
-            sums, n_tokens, n_elements = None, 0, 0
+            sums, n_tokens, n_elements, seen = None, 0, 0, []
             for micro in range(cfg.grad_accum):
                 flat = loader.position * world + accelerator.process_index
                 block = _block_to(next(batches), accelerator.device)
@@ -529,6 +537,7 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
                     accelerator.backward(res.loss / cfg.grad_accum)
                 sums = _add(sums, _reduce(accelerator, res))
                 n_tokens += block.n_tokens * world
+                seen.append(block.block_id)
                 n_elements += len(elements)
             grad_norm = float(clip_grad_norm(params, cfg.grad_clip))
             lr = scheduler.get_last_lr()[0]
@@ -540,7 +549,7 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
             tokens_total += n_tokens
             loss, acc = _summarise(sums)
             row = {"split": "train", "step": step, "loss": loss, "acc": acc, "tokens_per_s": n_tokens / dt,
-                   "lr": lr, "n_elements": n_elements, "weight": float(sums["weight_sum"].sum()), "step_s": dt,
+                   "lr": lr, "n_elements": n_elements, "blocks": _gather_ids(accelerator, seen), "weight": float(sums["weight_sum"].sum()), "step_s": dt,
                    "grad_norm": grad_norm}
             history.append(row)
             if main:
@@ -564,7 +573,8 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
         loader.close()
 
     accelerator.wait_for_everyone()
-    summary: dict[str, Any] = {"steps": step, "resumed_from": str(resume_from) if resume_from else None}
+    summary: dict[str, Any] = {"steps": step, "resumed_from": str(resume_from) if resume_from else None,
+                               "rank": accelerator.process_index}
     if main:
         save(f"checkpoint-{step}")
         final = save_drafter(unwrapped, out / "final", training_info())

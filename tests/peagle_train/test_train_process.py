@@ -1,0 +1,188 @@
+"""``peagle-train`` as a process: SIGKILL in epoch 2 then ``--resume``; two data-parallel CPU ranks;
+bad input refused before any training. Tiny store (blocks of 48 tokens, hidden 64, vocab 256)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from peagle_train.train import TrainConfig, run_train
+
+REPO = Path(__file__).resolve().parents[2]
+H, V, LAYERS, C = 64, 256, [1, 2], 48
+
+
+def _verifier(path, hidden=H, vocab=V):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=3,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def verifier_dir(tmp_path_factory):
+    return _verifier(tmp_path_factory.mktemp("verifier"))
+
+
+def _store(path, verifier_dir, n_blocks, done=None):
+    """Block b: random tokens and features from seed b; segments of 20 + 28 tokens, 3 unsupervised each."""
+    from stores.feature_store import FeatureStore
+
+    store = FeatureStore.create(
+        path, n_blocks=n_blocks, block_size=C, max_segments=2, layers=LAYERS, hidden_size=H, vocab_size=V,
+        verifier={"name_or_path": str(verifier_dir), "architecture": "LlamaForCausalLM", "num_hidden_layers": 3,
+                  "hidden_size": H, "vocab_size": V, "dtype": "bfloat16"},
+        tokenizer={"name_or_path": str(verifier_dir)}, source="sha")
+    mask = np.array([0, 0, 0] + [1] * 17 + [0, 0, 0] + [1] * 25, dtype=np.uint8)
+    pos = np.concatenate([np.arange(20), np.arange(28)])
+    for b in range(n_blocks):
+        g = torch.Generator().manual_seed(b)
+        store.write_tokens(b, torch.randint(0, V, (C,), generator=g).numpy(), mask, pos, np.array([0, 20, 48]))
+        store.write_features(b, torch.randn(C, len(LAYERS), H, generator=g).to(torch.bfloat16),
+                             (3 * torch.randn(C, H, generator=g)).to(torch.bfloat16))
+        if done is None or b in done:
+            store.mark_done(b)
+    store.write_all_n_tokens(np.full(n_blocks, C))
+    store.set_token_freq(np.arange(V)[::-1].copy())
+    return str(path)
+
+
+def _rows(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by SIGKILL
+            pass
+    return [r for r in rows if r.get("split") == "train"]
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+N_BLOCKS, EPOCH, STEPS, KILL_AT = 6, 6, 15, 10  # val_fraction 0: epoch 2 is steps 7..12
+OPTS = dict(num_depths=3, lr=3e-3, warmup_steps=2, val_fraction=0.0, max_steps=STEPS, save_every=3,
+            loss_chunk_size=32, seed=7)
+
+# `python -m cli.train ARGS`, except that the process SIGKILLs itself right after writing the metrics
+# line of step KILL_AT (a deterministic point in epoch 2, between checkpoint-9 and checkpoint-12)
+KILLED_CLI = f"""
+import os, signal, sys
+import peagle_train.train as t
+write = t._write_metrics
+def write_then_die(path, rows):
+    write(path, rows)
+    if any(r.get("step") == {KILL_AT} for r in rows):
+        os.kill(os.getpid(), signal.SIGKILL)
+t._write_metrics = write_then_die
+from cli.train import main
+sys.argv[0] = "peagle-train"
+main()
+"""
+
+
+def _args(store, out, **extra) -> list[str]:
+    opts = {**OPTS, **extra}
+    args = ["--store", store, "--output", str(out)]
+    for k, v in opts.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    return args
+
+
+def test_sigkill_in_epoch_2_then_resume_equals_an_uninterrupted_run(tmp_path, verifier_dir):
+    store = _store(tmp_path / "s.zarr", verifier_dir, N_BLOCKS)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run_train(TrainConfig(store=store, output=str(tmp_path / "full"), **OPTS))
+    finally:
+        torch.set_num_threads(threads)
+    full = _rows(tmp_path / "full")
+
+    out = tmp_path / "killed"
+    res = subprocess.run([sys.executable, "-c", KILLED_CLI, *_args(store, out)], cwd=REPO, env=_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == -signal.SIGKILL, res.stderr[-2000:]
+    assert _rows(out)[-1]["step"] == KILL_AT and not (out / "final").exists()
+    assert (out / "checkpoint-9").is_dir() and not (out / "checkpoint-12").exists()
+
+    res = subprocess.run([sys.executable, "-m", "cli.train", *_args(store, out), "--resume"], cwd=REPO,
+                         env=_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    summary = json.loads(res.stdout[res.stdout.index("{"):])
+    assert summary["resumed_from"].endswith("checkpoint-9") and summary["steps"] == STEPS
+    again = _rows(out)
+    assert [r["step"] for r in again] == list(range(1, STEPS + 1))
+    assert [r["blocks"] for r in again] == [r["blocks"] for r in full]  # the same blocks in the same order
+    assert sorted(b for r in full[:EPOCH] for b in r["blocks"]) == list(range(N_BLOCKS))  # each once per epoch
+    assert [r["blocks"] for r in full[:EPOCH]] != [r["blocks"] for r in full[EPOCH:2 * EPOCH]]  # reshuffled
+    assert [r["n_elements"] for r in again] == [r["n_elements"] for r in full]  # the same COD samples
+    np.testing.assert_allclose([r["loss"] for r in again], [r["loss"] for r in full], rtol=1e-5, atol=1e-7)
+
+
+def test_two_data_parallel_cpu_ranks(tmp_path, verifier_dir):
+    store = _store(tmp_path / "s.zarr", verifier_dir, 8)
+    out = tmp_path / "ddp"
+    # `--cpu` would make accelerate start a single process; `--multi_gpu` starts two through torchrun,
+    # and run_train's Accelerator(cpu=True) puts them on gloo when there is no CUDA
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+           "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "cli.train",
+           *_args(store, out, max_steps=4, save_every=2)]
+    res = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(res.stdout[res.stdout.index("{"):])
+    assert summary["steps"] == 4 and summary["train_blocks"] == 8
+    rows = _rows(out)
+    assert [len(r["blocks"]) for r in rows] == [2, 2, 2, 2]  # one block per rank per step
+    assert sorted(b for r in rows for b in r["blocks"]) == list(range(8))  # the ranks split the epoch
+    assert all(np.isfinite(r["loss"]) for r in rows)
+    from peagle_train.checkpoint import load_drafter
+
+    assert load_drafter(out / "final").config.num_depths == 3
+
+
+@pytest.mark.parametrize("option, value", [
+    ("--max-steps", "0"), ("--num-depths", "0"), ("--max-anchors", "0"), ("--down-sample-ratio", "0"),
+    ("--down-sample-ratio-min", "1.5"), ("--draft-vocab-size", "0"), ("--save-every", "0"),
+    ("--grad-accum", "0"), ("--loss-chunk-size", "0"), ("--num-layers", "0"), ("--grad-clip", "0"),
+])
+def test_zero_or_out_of_range_options_are_refused_not_defaulted(tmp_path, option, value):
+    from cli.train import main
+
+    res = CliRunner().invoke(main, ["--store", str(tmp_path / "none.zarr"), "--output", str(tmp_path / "o"),
+                                    option, value])
+    assert res.exit_code == 2 and option in res.output, res.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_stores_and_verifiers_fail_before_training(tmp_path, verifier_dir):
+    from cli.train import main
+
+    def run(store, out, *extra):
+        res = CliRunner().invoke(main, ["--store", store, "--output", str(tmp_path / out), *extra])
+        assert res.exit_code == 2, res.output
+        assert not (tmp_path / out).exists() or not (tmp_path / out / "metrics.jsonl").exists()
+        return res.output
+
+    assert "no feature store" in run(str(tmp_path / "missing.zarr"), "o1")
+    store = _store(tmp_path / "s.zarr", verifier_dir, 3, done={0, 2})
+    assert "--allow-incomplete" in run(store, "o2")
+    narrow = _verifier(tmp_path / "narrow", hidden=32)
+    assert "hidden_size 32" in run(store, "o3", "--allow-incomplete", "--verifier", str(narrow))
+    wide = _verifier(tmp_path / "wide", vocab=300)
+    assert "vocab_size 300" in run(store, "o4", "--allow-incomplete", "--verifier", str(wide))
