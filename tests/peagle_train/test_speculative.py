@@ -352,3 +352,16 @@ def test_speculative_sampling_keeps_the_verifier_distribution():
 def test_negative_temperature_is_a_clear_error(tiny_verifier):
     with pytest.raises(InputError, match="temperature"):
         speculative_generate(tiny_verifier, tiny_drafter(tiny_verifier), PROMPTS[0], 3, temperature=-1.0)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("hidden_size", 32, "hidden size 32 != verifier's 64"),
+    ("vocab_size", 1000, "vocab size 1000 != verifier's 49152"),
+    ("aux_layer_ids", [1, 2, 5], r"aux layers \[5\] outside the verifier's hidden states 0..4"),
+])
+def test_each_mismatch_is_named(tiny_verifier, field, value, match):
+    drafter = tiny_drafter(tiny_verifier)
+    setattr(drafter.config, field, value)
+    with pytest.raises(InputError, match=match) as err:
+        check_compatible(tiny_verifier, drafter)
+    assert "--verifier" in str(err.value)
