@@ -164,3 +164,25 @@ def test_glaive_tool_calling_set():
     assert roles == {"user", "assistant", "tool"}
     assert sum(bool(c.tools) for c in items) == 191  # the others have tools "[]"
     assert sum(any(m["content"].startswith("<tool_call>") for m in c.messages) for c in items) == 153
+
+
+def test_tool_call_content_parts_become_tool_calls(tmp_path):
+    row = {"tools": [{"type": "function", "function": {"name": "f"}}], "messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": [
+            {"type": "reasoning", "value": "call f"},
+            {"type": "tool_call", "name": "f", "arguments": {"x": 1}},
+            {"type": "tool_call", "text": '{"name": "g", "arguments": {}}'}]},
+        {"role": "tool", "content": [{"type": "text", "text": "1"}]},
+        {"role": "assistant", "content": "done"},
+    ]}
+    (c,) = read_all(write_jsonl(tmp_path / "tc.jsonl", [row]))
+    assert c.tools == row["tools"]
+    assert c.messages[1] == {"role": "assistant", "content": "", "reasoning_content": "call f", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": {"x": 1}}},
+        {"type": "function", "function": {"name": "g", "arguments": {}}}]}
+    assert c.messages[2] == {"role": "tool", "content": "1"}
+    bad = {"messages": [{"role": "user", "content": "go"},
+                        {"role": "assistant", "content": [{"type": "tool_call", "text": "not json"}]}]}
+    (r,) = read_all(write_jsonl(tmp_path / "bad.jsonl", [bad]))
+    assert isinstance(r, Reject) and r.reason.startswith("invalid tool call")
