@@ -271,12 +271,12 @@ def _create_store(cfg: ExtractConfig, rows, table: TokenTable, desc: dict, layer
     H, V = desc["hidden_size"], desc["vocab_size"]
     per_token = bytes_per_token(len(layers), H, cfg.storage_dtype)
     projected = len(rows) * block_size * per_token
+    out = Path(cfg.output)
+    if _local(cfg.output) and out.exists() and not cfg.force:
+        raise OutputExistsError(str(out), "pass --resume to continue it or --force to overwrite it")
     log(f"projected store size: {projected / 2**20:.1f} MiB for {len(rows)} blocks of {block_size} "
         f"token slots ({per_token} bytes per token, {cfg.storage_dtype})")
-    out = Path(cfg.output)
     if _local(cfg.output):
-        if out.exists() and not cfg.force:
-            raise OutputExistsError(str(out), "pass --resume to continue it or --force to overwrite it")
         _check_disk(out, projected, cfg.force)
     store = FeatureStore.create(
         cfg.output, compressor=cfg.compressor, n_blocks=len(rows), block_size=block_size, max_segments=max_segments, layers=layers,
