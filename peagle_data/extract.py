@@ -344,6 +344,8 @@ def run_extract(cfg: ExtractConfig, progress: bool = True,
 
     state = PartialState(cpu=cfg.device == "cpu")
     table = _open_packed(cfg.packed)
+    if _local(cfg.output) and Path(cfg.output).exists() and not (cfg.resume or cfg.force):
+        raise OutputExistsError(cfg.output, "pass --resume to continue it or --force to overwrite it")
     rows = list(table.iter_rows(["input_ids", "loss_mask", "position_ids", "cu_seqlens", "n_tokens"]))
     directory = resolve_model(cfg.verifier)
     device = cfg.device or (str(state.device) if state.device.type == "cuda" else "cpu")
