@@ -135,6 +135,7 @@ def test_sigkill_in_epoch_2_then_resume_equals_an_uninterrupted_run(tmp_path, ve
     np.testing.assert_allclose([r["loss"] for r in again], [r["loss"] for r in full], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow  # two ranks each import transformers and torch.distributed: ~45 s on the shared 2-core CI box
 def test_two_data_parallel_cpu_ranks(tmp_path, verifier_dir):
     store = _store(tmp_path / "s.zarr", verifier_dir, 8)
     out = tmp_path / "ddp"

@@ -1,0 +1,186 @@
+"""Peak memory and step time of one P-EAGLE training step on CPU, per block length.
+
+A 1-layer drafter at the real SmolLM2-135M sizes (H 576, 9 heads / 3 KV heads of 64, MLP 1536,
+3 aux layers, vocab 49152, draft vocab 49152 unless ``--draft-vocab``), one synthetic packed block
+of T tokens (segments of 2048 tokens, 70% supervised, K = 8), the full step of ``peagle-train``
+(COD sampling, mask, forward, chunked or unchunked KL, backward, clipping, LazyRowAdamW). Each
+configuration runs in a fresh subprocess, so its peak resident memory (``ru_maxrss``) is its own;
+``base`` is the resident memory after building the model and optimizer state, before the steps.
+Configurations whose estimated time exceeds ``--max-step-s`` or whose estimated unchunked logits
+exceed ``--max-gb`` are skipped and listed as such; a subprocess is also capped by RLIMIT_AS.
+
+Usage (from the repository root, inside .venv):
+    python bench/bench_train_memory.py --tokens 1024,2048,4096,8192,16384 --steps 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+H, NH, NKV, HD, FFN, L, V = 576, 9, 3, 64, 1536, 3, 49152
+SEGMENT = 2048
+SUPERVISED = 0.7
+K = 8
+GFLOPS = 25.0  # measured single-process matmul rate on the shared 2-core box, for the skip estimate
+
+
+def estimate_elements(T: int, max_anchors: int | None, K: int = K, r: float = 0.7, r_min: float = 0.2) -> int:
+    """Depth-0 elements plus the COD draws (§8) for a 70%-supervised block."""
+    seeds = SUPERVISED * T
+    if max_anchors is not None:
+        seeds = min(seeds, max_anchors)
+    return int(T + sum(seeds * max(r ** d, r_min) for d in range(1, K)))
+
+
+def estimate(T: int, max_anchors: int | None, D: int) -> tuple[float, float]:
+    """(seconds, GB of one [E, D] float32 logits buffer) for one step, rough."""
+    E = estimate_elements(T, max_anchors)
+    layer = 2 * E * (2 * H * (NH + 2 * NKV) * HD + NH * HD * H + 3 * H * FFN) * 3
+    attn = 2 * 2 * NH * E * E * HD * 3
+    loss = 2 * E * H * D * 3
+    return (layer + attn + loss) / (GFLOPS * 1e9), E * D * 4 / 1e9
+
+
+def make_block(T: int, seed: int = 0):
+    """A synthetic packed block: segments of SEGMENT tokens, 70% supervised, random features."""
+    import torch
+
+    from peagle_train.data import Block
+
+    g = torch.Generator().manual_seed(seed)
+    lens = [min(SEGMENT, T - s) for s in range(0, T, SEGMENT)]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    return Block(block_id=0, input_ids=torch.randint(0, V, (T,), generator=g),
+                 loss_mask=(torch.rand(T, generator=g) < SUPERVISED).long(),
+                 position_ids=torch.cat([torch.arange(n) for n in lens]), cu_seqlens=cu,
+                 aux_hidden=torch.randn(T, L * H, generator=g).to(torch.bfloat16),
+                 final_hidden=(3 * torch.randn(T, H, generator=g)).to(torch.bfloat16))
+
+
+def make_drafter(D: int, num_depths: int = K):
+    """(model, verifier_head [D, H], optimizer, params) at SmolLM2 sizes."""
+    import torch
+
+    from peagle_train.model import DrafterConfig, PEagleDrafter
+    from peagle_train.optim import LazyRowAdamW
+
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=H, intermediate_size=FFN, num_attention_heads=NH, num_key_value_heads=NKV,
+                        head_dim=HD, vocab_size=V, draft_vocab_size=D, aux_layer_ids=[2, 15, 27],
+                        num_depths=num_depths)
+    model = PEagleDrafter(cfg)
+    d2t = torch.zeros(D, dtype=torch.long) if D < V else None
+    model.init_from_verifier(0.02 * torch.randn(V, H), 0.02 * torch.randn(V, H), d2t)
+    model.embed_tokens.sparse = True
+    embed = model.embed_tokens.weight
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = LazyRowAdamW([{"params": [p for p in params if p is not embed]}, {"params": [embed], "lazy_rows": True}],
+                       lr=1e-4)
+    vhead = 0.05 * torch.randn(D, H)
+    return model, vhead, opt, params
+
+
+def train_step(model, vhead, opt, params, block, max_anchors, chunk, seed: int, num_depths: int = K) -> dict:
+    """One full training step; returns its timings in seconds and element counts."""
+    import torch
+
+    from peagle_train.attention import build_attention_mask
+    from peagle_train.cod import sample_cod_elements
+    from peagle_train.optim import clip_grad_norm
+    from peagle_train.train import block_loss
+
+    t0 = time.perf_counter()
+    el = sample_cod_elements(block.cu_seqlens, block.loss_mask, num_depths, 0.7, 0.2, max_anchors,
+                             torch.Generator().manual_seed(seed))
+    t1 = time.perf_counter()
+    build_attention_mask(el)  # timed apart; block_loss builds it again
+    t2 = time.perf_counter()
+    res = block_loss(model, model.lm_head.weight, vhead, block, el, num_depths, chunk)
+    res.loss.backward()
+    clip_grad_norm(params, 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    t3 = time.perf_counter()
+    return {"cod_s": t1 - t0, "mask_s": t2 - t1, "step_s": (t1 - t0) + (t3 - t2), "elements": len(el),
+            "loss": float(res.loss.detach())}
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def run_one(T: int, max_anchors: int | None, chunk: int | None, D: int, steps: int) -> dict:
+    import torch
+
+    model, vhead, opt, params = make_drafter(D)
+    block = make_block(T)
+    base = rss_mb()
+    runs = [train_step(model, vhead, opt, params, block, max_anchors, chunk, seed=i) for i in range(steps)]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"T": T, "max_anchors": max_anchors, "chunk": chunk, "D": D, "threads": torch.get_num_threads(),
+            "elements": runs[-1]["elements"], "step_s": min(r["step_s"] for r in runs),
+            "cod_s": runs[-1]["cod_s"], "mask_s": runs[-1]["mask_s"], "base_mb": base, "peak_mb": peak}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", default="1024,2048,4096,8192,16384")
+    ap.add_argument("--draft-vocab", type=int, default=V)
+    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--anchors", default="none,1024", help="max_anchors values to try (none: unset)")
+    ap.add_argument("--chunks", default="2048,none", help="loss chunk sizes to try (none: unchunked)")
+    ap.add_argument("--max-step-s", type=float, default=120.0)
+    ap.add_argument("--max-gb", type=float, default=12.0)
+    ap.add_argument("--one", nargs=3, metavar=("T", "MAX_ANCHORS", "CHUNK"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        T, a, c = (None if v == "none" else int(v) for v in args.one)
+        limit = int(args.max_gb * 1.25 * 2 ** 30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        try:
+            print(json.dumps(run_one(T, a, c, args.draft_vocab, args.steps)))
+        except (MemoryError, RuntimeError) as e:
+            print(json.dumps({"T": T, "max_anchors": a, "chunk": c, "skipped": f"out of memory: {str(e)[:80]}"}))
+        return
+    rows = []
+    for T in (int(t) for t in args.tokens.split(",")):
+        for a in (None if v == "none" else int(v) for v in args.anchors.split(",")):
+            for c in (None if v == "none" else int(v) for v in args.chunks.split(",")):
+                secs, logits_gb = estimate(T, a, args.draft_vocab)
+                row = {"T": T, "max_anchors": a, "chunk": c, "est_step_s": round(secs, 1)}
+                if secs > args.max_step_s:
+                    row["skipped"] = f"estimated {secs:.0f} s per step > {args.max_step_s:.0f} s"
+                elif c is None and 4 * logits_gb > args.max_gb:
+                    row["skipped"] = f"unchunked logits alone ~{4 * logits_gb:.1f} GB > {args.max_gb:.0f} GB"
+                else:
+                    cmd = [sys.executable, __file__, "--one", str(T), str(a).lower(), str(c).lower(),
+                           "--draft-vocab", str(args.draft_vocab), "--steps", str(args.steps),
+                           "--max-gb", str(args.max_gb)]
+                    out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1])
+                    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+                    row.update(json.loads(lines[-1]) if lines else {"skipped": out.stderr[-200:]})
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print("\n| T | max_anchors | loss | elements | step s | peak RSS MB | RSS before step MB |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        loss = f"chunked {r['chunk']}" if r["chunk"] else "unchunked"
+        if "skipped" in r:
+            print(f"| {r['T']} | {r['max_anchors']} | {loss} | | skipped: {r['skipped']} | | |")
+        else:
+            print(f"| {r['T']} | {r['max_anchors']} | {loss} | {r['elements']} | {r['step_s']:.2f} | "
+                  f"{r['peak_mb']:.0f} | {r['base_mb']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
