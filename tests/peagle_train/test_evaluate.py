@@ -357,3 +357,18 @@ def test_cli_fails_on_a_mismatch_naming_the_prompt(monkeypatch, tmp_path):
     assert result.exit_code == 1
     assert json.loads(result.stdout)["mismatches"] == ["81", "x"]
     assert "prompts 81, x" in result.stderr
+
+
+def test_online_report_with_temperature(tiny_verifier, smollm2_tokenizer):
+    from tests.peagle_train.test_speculative import tiny_drafter
+
+    prompts = [Prompt("a", ["Hello there"])]
+    cfg = EvalConfig(max_new_tokens=6, num_draft_tokens=2, temperature=0.7, seed=3, warmup=False)
+    report = evaluate_prompts(tiny_verifier, tiny_drafter(tiny_verifier), smollm2_tokenizer, prompts, cfg)
+    again = evaluate_prompts(tiny_verifier, tiny_drafter(tiny_verifier), smollm2_tokenizer, prompts, cfg)
+    assert report["identical_to_greedy"] is None and report["mismatches"] == []  # samples are not compared
+    assert report["temperature"] == 0.7 and report["seed"] == 3
+    assert report["per_prompt"] == again["per_prompt"]  # seeded
+    assert "plain sampling" in format_report(report)
+    with pytest.raises(ValueError, match="--temperature"):
+        EvalConfig(temperature=-0.5)
