@@ -22,7 +22,8 @@ within the draft vocab and is therefore higher when the draft vocab is reduced.)
 
 Online (:func:`evaluate_prompts`, :func:`run_online_eval`): per prompt turn, plain greedy decoding and
 greedy speculative decoding (:mod:`peagle_train.speculative`) with the same verifier, compared token
-for token. Acceptance length, rate and per-position acceptance are counted as vLLM reports them:
+for token; with ``temperature > 0`` plain sampling and speculative sampling (rejection sampling, seeded
+per prompt turn), which are not compared token for token. Acceptance length, rate and per-position acceptance are counted as vLLM reports them:
 ``AL = 1 + accepted / steps`` over verifier steps that checked at least one draft.
 """
 
