@@ -92,7 +92,7 @@ def pack(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, num_
          force, max_seq_len, block_size, overlap, overlap_loss, max_windows):
     """Cut conversations into windows and pack them into blocks with cu_seqlens.
 
-    INPUT: conversation files / 'sharegpt' (tokenized first, in memory), or a tokenize output.
+    INPUT: conversation files / 'sharegpt' (tokenized on the fly), or a tokenize output.
     """
     from peagle_data.prepare import PackConfig, run_pack
 
