@@ -29,12 +29,15 @@ def handle_errors(fn):
 
 def parse_int_list(ctx, param, value: str | None) -> list[int] | None:
     """click callback: ``"2,18,33"`` -> ``[2, 18, 33]``."""
-    if value is None or value == "":
+    if value is None:
         return None
+    parts = [v.strip() for v in value.split(",")]
     try:
-        return [int(v) for v in value.split(",") if v.strip()]
+        if not parts or any(p == "" for p in parts):
+            raise ValueError
+        return [int(v) for v in parts]
     except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+        raise click.BadParameter(f"expected comma-separated integers such as 2,18,33, got {value!r}") from None
 
 
 def echo_json(obj) -> None:

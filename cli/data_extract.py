@@ -75,9 +75,20 @@ def verify(store, packed):
     from stores.feature_store import verify_store
     from stores.token_tables import TokenTable
 
+    from stores.errors import StoreMismatchError
+    from stores.feature_store import FeatureStore
+    from stores.token_tables import manifest_sha256
+
     expected = None
     if packed is not None:
-        rows = list(TokenTable.open(packed).iter_rows(["input_ids"]))
+        table = TokenTable.open(packed)
+        if table.kind != "packed":
+            raise StoreMismatchError(f"--packed {packed}: expected a packed table, got a {table.kind} table")
+        source = FeatureStore.open(store).attrs.get("source")
+        if source != manifest_sha256(packed):
+            raise StoreMismatchError(f"--packed {packed}: the store was made from another packed table "
+                                     f"(manifest sha256 {source}, this table {manifest_sha256(packed)})")
+        rows = list(table.iter_rows(["input_ids"]))
         expected = lambda i: rows[i]["input_ids"]  # noqa: E731
     report = verify_store(store, expected_tokens=expected)
     echo_json(report)

@@ -295,6 +295,21 @@ def _create_store(cfg: ExtractConfig, rows, table: TokenTable, desc: dict, layer
     return store
 
 
+def _check_device(device: str | None) -> None:
+    """Raise InputError for a device this torch cannot use (before anything heavy runs)."""
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise InputError(f"unknown device {device!r}; use cpu or cuda", field="--device") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError("CUDA is not available (this torch is a CPU build or no GPU is visible); "
+                         "use --device cpu", field="--device")
+    if dev.type not in ("cpu", "cuda"):
+        raise InputError(f"device {device!r} is not supported; use cpu or cuda", field="--device")
+
+
 def _has_flash_attn() -> bool:
     import importlib.util
 
@@ -342,6 +357,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True,
     """
     from accelerate import PartialState
 
+    _check_device(cfg.device)
     state = PartialState(cpu=cfg.device == "cpu")
     table = _open_packed(cfg.packed)
     if _local(cfg.output) and Path(cfg.output).exists() and not (cfg.resume or cfg.force):

@@ -366,6 +366,8 @@ class FeatureStore:
         """
         if not 0 <= i < self.n_blocks:
             raise IndexError(f"block {i} out of range [0, {self.n_blocks})")
+        if self._local_root is not None:
+            self._check_chunks_exist(i)
         tok = self.read_tokens(i)
         T = len(tok["input_ids"])
         use_mmap = self._mmap_ok if via == "auto" else via == "mmap"
@@ -390,12 +392,31 @@ class FeatureStore:
             final_hidden=fin,
         )
 
+    def chunk_path(self, name: str, i: int) -> Path | None:
+        """Local path of block ``i``'s chunk of array ``name`` (None for a remote store)."""
+        if self._local_root is None:
+            return None
+        ndim = len(self.group[name].shape)
+        return self._local_root / name / "/".join(["c", str(i)] + ["0"] * (ndim - 1))
+
+    def _check_chunks_exist(self, i: int) -> None:
+        """Every chunk of a done block is written (``write_empty_chunks``); a missing one is damage."""
+        if not self.group["done"][i]:
+            return
+        names = [*_TOKEN_ARRAYS, "cu_seqlens"] + [n for n, _, _ in _hidden_arrays(
+            self.block_size, len(self.layers), self.hidden_size, self.storage_dtype)]
+        missing = [n for n in names if not self.chunk_path(n, i).is_file()]
+        if missing:
+            raise StoreFormatError(f"{self.path}: block {i} is marked done but its chunk files of "
+                                   f"{missing} are missing (run `peagle-data verify`, then "
+                                   "`peagle-data extract --resume` after clearing its done flag)")
+
     def _mmap_chunk(self, name: str, i: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         key = "/".join(["c", str(i)] + ["0"] * (len(shape)))
         path = self._local_root / name / key
         n_bytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
         if not path.is_file():
-            return np.zeros(shape, dtype=dtype)
+            raise StoreFormatError(f"{path}: chunk file is missing (run `peagle-data verify`)")
         if path.stat().st_size != n_bytes + _CHECKSUM_BYTES:
             raise StoreFormatError(f"{path}: {path.stat().st_size} bytes, expected {n_bytes + _CHECKSUM_BYTES} "
                                    "(truncated or foreign chunk; run `peagle-data verify`)")

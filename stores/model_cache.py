@@ -161,18 +161,33 @@ def load_verifier(name: str | os.PathLike, dtype=None, device: str | None = None
     return model.to(device).eval()
 
 
-def model_fingerprint(directory: Path) -> str:
-    """A short content hash of a model directory's config and weight file sizes (not the bytes)."""
+def model_fingerprint(directory: Path, sample_bytes: int = 1 << 20) -> str:
+    """A short content hash of a model directory (the verifier identity a store records).
+
+    Hashes the config, tokenizer and template files whole, and of each weight file its size plus
+    its first and last ``sample_bytes`` (the safetensors header and tensors at both ends), so two
+    models of one shape with different weights differ, without reading gigabytes.
+    """
     import hashlib
 
     h = hashlib.sha256()
     for f in sorted(Path(directory).glob("*")):
-        if f.suffix in (".json", ".safetensors", ".bin", ".jinja") and f.is_file():
+        if f.name.startswith(".") or not f.is_file():
+            continue
+        if f.suffix in (".json", ".jinja"):
+            if f.name in ("generation_config.json",):
+                continue
             h.update(f.name.encode())
-            if f.suffix == ".json" or f.suffix == ".jinja":
-                h.update(f.read_bytes())
-            else:
-                h.update(str(f.stat().st_size).encode())
+            h.update(f.read_bytes())
+        elif f.suffix in (".safetensors", ".bin", ".pt"):
+            size = f.stat().st_size
+            h.update(f.name.encode())
+            h.update(str(size).encode())
+            with open(f, "rb") as fh:
+                h.update(fh.read(sample_bytes))
+                if size > 2 * sample_bytes:
+                    fh.seek(size - sample_bytes)
+                    h.update(fh.read(sample_bytes))
     return h.hexdigest()[:16]
 
 

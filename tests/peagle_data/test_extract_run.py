@@ -131,3 +131,37 @@ def test_two_cpu_ranks_equal_one_process(tmp_path, tiny_verifier_dir):
     res = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert _chunk_bytes(two) == _chunk_bytes(one)
+
+
+def test_bad_device_and_wrong_verify_table_are_clear_errors(tmp_path, tiny_verifier_dir):
+    from click.testing import CliRunner
+
+    from cli.data_extract import extract, verify
+    from stores.errors import InputError
+
+    packed = write_packed(tmp_path / "packed", n_blocks=2, block_size=32)
+    with pytest.raises(InputError, match="--device"):
+        run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir),
+                                  output=str(tmp_path / "x.zarr"), device="tpu"), progress=False)
+    res = CliRunner().invoke(extract, [str(packed), "--verifier", str(tiny_verifier_dir), "--output",
+                                       str(tmp_path / "y.zarr"), "--layers", ""])
+    assert res.exit_code == 2 and "comma-separated integers" in res.output
+    run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), output=str(tmp_path / "f.zarr"),
+                              layers=[1]), progress=False)
+    other = write_packed(tmp_path / "other", n_blocks=2, block_size=32, seed=3)
+    res = CliRunner().invoke(verify, [str(tmp_path / "f.zarr"), "--packed", str(other)])
+    assert res.exit_code == 2 and "another packed table" in res.output
+
+
+def test_model_fingerprint_tells_same_shape_models_apart(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from stores.model_cache import model_fingerprint
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)
+    for name, seed in (("a", 0), ("b", 1)):
+        torch.manual_seed(seed)
+        LlamaForCausalLM(cfg).save_pretrained(tmp_path / name)
+    assert model_fingerprint(tmp_path / "a") != model_fingerprint(tmp_path / "b")
+    assert model_fingerprint(tmp_path / "a") == model_fingerprint(tmp_path / "a")

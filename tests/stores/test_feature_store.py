@@ -155,3 +155,21 @@ class TestFsspecUrl(StoreContract):
         with pytest.raises(OutputExistsError):
             self.make(tmp_path, n_blocks=1, block_size=2, max_segments=1, layers=[0], hidden_size=4,
                       vocab_size=16, verifier={"name_or_path": "tiny"})
+
+
+def test_missing_chunk_of_a_done_block_is_damage_not_zeros(tmp_path):
+    store = _make(tmp_path)
+    store.write_all_n_tokens(np.array([4, 4, 4]))
+    for i in range(3):
+        store.write_tokens(i, [1, 2, 3, 4], [0, 1, 1, 1], [0, 1, 2, 3], [0, 4])
+        store.write_features(i, torch.ones(4, 2, 4, dtype=torch.bfloat16), torch.ones(4, 4, dtype=torch.bfloat16))
+        store.mark_done(i)
+    import shutil
+    shutil.rmtree(tmp_path / "s.zarr" / "aux_hidden" / "c" / "1")
+    (tmp_path / "s.zarr" / "input_ids" / "c" / "2" / "0").unlink()
+    reopened = FeatureStore.open(tmp_path / "s.zarr")
+    for via in ("mmap", "zarr"):
+        with pytest.raises(StoreFormatError, match="missing"):
+            reopened.read_block(1, via=via)
+    report = verify_store(tmp_path / "s.zarr")
+    assert not report["ok"] and sorted(report["bad_blocks"]) == [1, 2]
