@@ -6,12 +6,23 @@ tiny verifier (4 layers, hidden 64) is built in code with that tokenizer's vocab
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` run in CI (.ci/run sets PEAGLE_SLOW_TESTS=1) and are skipped otherwise."""
+    if os.environ.get("PEAGLE_SLOW_TESTS") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: set PEAGLE_SLOW_TESTS=1 (CI does) to run it")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
 
 
 def shared_file(name: str) -> Path:

@@ -90,6 +90,7 @@ def _extract_cmd(packed, verifier, out, *extra):
             "--output", str(out), "--layers", "1,2,3", "--device", "cpu", *extra]
 
 
+@pytest.mark.slow  # several subprocesses, each importing torch and transformers
 def test_sigkill_then_resume_is_byte_identical(tmp_path, tiny_verifier_dir):
     packed = write_packed(tmp_path / "packed", n_blocks=40, block_size=256)
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -119,6 +120,7 @@ def test_sigkill_then_resume_is_byte_identical(tmp_path, tiny_verifier_dir):
     assert verify_store(out)["ok"]
 
 
+@pytest.mark.slow  # accelerate launch with two gloo ranks
 def test_two_cpu_ranks_equal_one_process(tmp_path, tiny_verifier_dir):
     packed = write_packed(tmp_path / "packed", n_blocks=6, block_size=64)
     env = dict(os.environ, PYTHONPATH=str(REPO))
