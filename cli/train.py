@@ -27,6 +27,8 @@ from cli.common import echo_json, handle_errors
 @click.option("--save-every", type=int, default=None, help="Steps between checkpoints (default: only at the end).")
 @click.option("--val-fraction", type=float, default=0.05, show_default=True, help="Blocks held out for validation.")
 @click.option("--loss-chunk-size", type=int, default=2048, show_default=True, help="Elements per logits chunk.")
+@click.option("--lazy-embedding/--dense-embedding", default=True, show_default=True,
+              help="AdamW on the embedding rows a step touched (fast) or on the whole table.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of split, shuffles, COD and init.")
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --output.")
 @click.option("--allow-incomplete", is_flag=True, help="Train on the done blocks of an unfinished store.")
