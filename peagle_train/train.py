@@ -196,11 +196,19 @@ def load_verifier_heads(name: str, store) -> VerifierHeads:
     """Load the verifier's embeddings and lm_head and check them against the store.
 
     Raises:
-        StoreMismatchError: the verifier's hidden size or vocab size differs from the store's.
+        StoreMismatchError: the verifier's content fingerprint, hidden size or vocab size differs
+            from the store's.
         ModelNotFoundError / MissingDependencyError: from :func:`stores.model_cache.resolve_model`.
     """
-    from stores.model_cache import load_verifier, resolve_model
+    from stores.model_cache import load_verifier, model_fingerprint, resolve_model
 
+    recorded = store.attrs.get("verifier", {}).get("fingerprint")
+    if recorded is not None and recorded != model_fingerprint(resolve_model(name)):
+        raise StoreMismatchError(
+            f"verifier {name!r} is not the model the store {store.path} was extracted with (content "
+            f"fingerprint {model_fingerprint(resolve_model(name))} vs the store's {recorded}, verifier "
+            f"{store.attrs['verifier'].get('name_or_path')!r}): its targets would come from another model; "
+            "pass --verifier with the extraction's model")
     model = load_verifier(name, dtype=torch.float32, device="cpu")
     cfg = model.config
     H, V = int(cfg.hidden_size), int(cfg.vocab_size)

@@ -162,3 +162,20 @@ def test_cli_trains_and_refuses_existing_output(tmp_path, verifier_dir):
     assert res.exit_code == 2 and "--resume" in res.output
     res = CliRunner().invoke(main, [*args, "--max-anchors", "0"])
     assert res.exit_code == 2 and "--max-anchors" in res.output
+
+
+def test_same_shape_but_other_verifier_is_refused(tmp_path, verifier_dir):
+    from stores.feature_store import FeatureStore
+    from stores.model_cache import model_fingerprint
+
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
+    fs = FeatureStore.open(store, mode="r+")
+    fs.update_attrs(verifier={**fs.attrs["verifier"], "fingerprint": model_fingerprint(verifier_dir)})
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig.from_pretrained(verifier_dir)
+    torch.manual_seed(123)  # same shape, other weights
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "twin")
+    with pytest.raises(StoreMismatchError, match="fingerprint"):
+        run_train(_cfg(store, tmp_path / "o", verifier=str(tmp_path / "twin")))
+    run_train(_cfg(store, tmp_path / "o2", verifier=str(verifier_dir)))  # the right one trains
