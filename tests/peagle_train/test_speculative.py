@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from torch import nn
@@ -332,7 +330,6 @@ def test_speculative_sampling_end_to_end_is_seeded_and_mixes():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("PEAGLE_SLOW_TESTS"), reason="slow (about a minute); set PEAGLE_SLOW_TESTS=1")
 def test_speculative_sampling_keeps_the_verifier_distribution():
     """End to end on a tiny Llama: the first three tokens of speculative sampling (K = 2, so x2 and
     x3 come from drafts, rejections and bonus tokens) follow plain sampling's exact joint
