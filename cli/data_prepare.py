@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from cli.common import handle_errors
@@ -22,7 +24,8 @@ def _common_options(fn):
         click.option("--chat-template", metavar="FILE", type=click.Path(dir_okay=False),
                      help="Jinja chat template file replacing the tokenizer's own."),
         click.option("--limit", metavar="N", type=click.IntRange(min=1),
-                     help="Read at most N input rows (usable or not)."),
+                     help="Read at most N input rows (usable or not); for pack of a tokenize output, "
+                          "its first N conversations."),
         click.option("--format", "fmt", type=_FORMAT, default="auto", show_default=True,
                      help="Conversation format of the input rows (auto detects per row)."),
         click.option("--strict", is_flag=True, help="Stop at the first bad row instead of rejecting it."),
@@ -60,6 +63,21 @@ def _echo_summary(summary: dict) -> None:
     click.echo(f"output: {summary['output']}")
 
 
+def _exit_if_useless(summary: dict) -> None:
+    """A run that produced no usable data still wrote its manifest and rejects; say so loudly on
+    stderr and exit 1, so scripts do not go on with an empty table."""
+    c = summary["counts"]
+    if c["used"] > 0 and c.get("loss_tokens", 1) > 0 and c.get("n_blocks", 1) > 0:
+        return
+    what = (f"0 of {c['read']} input rows used" if c["used"] == 0
+            else "no supervised token" if c.get("loss_tokens", 1) == 0 else "0 packed blocks")
+    reasons = f" (rejected: {c['rejected_by_reason']})" if c.get("rejected_by_reason") else ""
+    click.echo(f"WARNING: the output holds no training data: {what}{reasons}. See "
+               f"{summary['output']}/rejects.jsonl; check the input files, --format, --max-seq-len "
+               "and --chat-template.", err=True)
+    sys.exit(1)
+
+
 @click.command()
 @_common_options
 @handle_errors
@@ -67,12 +85,15 @@ def tokenize(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, 
              force):
     """Tokenize conversations with the chat template; write input_ids and assistant loss masks.
 
-    INPUT: .jsonl, .json or .parquet files (globs allowed), or 'sharegpt'.
+    INPUT: .jsonl, .json or .parquet files (globs allowed), or 'sharegpt'. Rejected rows go to
+    rejects.jsonl as FILE:N (N counts lines/rows from 1). Exits 1 with a warning when no row is used.
     """
     from peagle_data.prepare import run_tokenize
 
     cfg = _tokenize_config(chat_template, limit, fmt, strict, num_workers, on_history_rewrite)
-    _echo_summary(run_tokenize(list(inputs), tokenizer_name, output, cfg, force=force))
+    summary = run_tokenize(list(inputs), tokenizer_name, output, cfg, force=force)
+    _echo_summary(summary)
+    _exit_if_useless(summary)
 
 
 @click.command()
@@ -93,6 +114,7 @@ def pack(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, num_
     """Cut conversations into windows and pack them into blocks with cu_seqlens.
 
     INPUT: conversation files / 'sharegpt' (tokenized on the fly), or a tokenize output.
+    Exits 1 with a warning when no row is used or no block is written.
     """
     from peagle_data.prepare import PackConfig, run_pack
 
@@ -102,4 +124,6 @@ def pack(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, num_
                          overlap_loss=overlap_loss, max_windows=max_windows, tokenize=tok_cfg)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    _echo_summary(run_pack(list(inputs), tokenizer_name, output, cfg, force=force))
+    summary = run_pack(list(inputs), tokenizer_name, output, cfg, force=force)
+    _echo_summary(summary)
+    _exit_if_useless(summary)

@@ -20,7 +20,9 @@ Method, for one conversation of T tokens:
    inside the span (ChatML's trailing ``"\\n"``) is template glue the verifier never generates:
    mask 0. A span with no special token is supervised whole. An empty think block
    (``<think></think>`` with only whitespace) that opens the span of a turn without
-   ``reasoning_content`` was injected by the template, not generated: mask 0.
+   ``reasoning_content`` was injected by the template, not generated: mask 0. An assistant turn
+   with empty content (no text, reasoning or tool calls) supervises nothing, not even its
+   end-of-turn token: all its tokens have mask 0 (it stays in the context).
 4. ``apply_chat_template(messages, tokenize=True)`` tokenizes the same render with
    ``add_special_tokens=False``, so the ids are identical by construction (tests check it on five
    template families); they are not tokenized twice at run time.
@@ -41,6 +43,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from peagle_data.readers import is_empty_assistant as _is_empty_assistant
 from stores.errors import InputError
 
 __all__ = ["ChatTemplateError", "TokenizedConversation", "RenderedRow", "render_rows", "tokenize_rendered",
@@ -305,8 +308,11 @@ def render_rows(tokenizer, messages: Sequence[dict[str, Any]], tools: list | Non
             break
         spans.append(span)
     else:
-        return [RenderedRow(text, tuple(spans), _prefix_chars(tokenizer, messages, text, tools, chat_template),
-                            None, _empty_think(messages, indices, text, spans))]
+        kept = [(i, span) for i, span in zip(indices, spans) if not _is_empty_assistant(messages[i])]
+        kept_indices, kept_spans = [i for i, _ in kept], [span for _, span in kept]
+        return [RenderedRow(text, tuple(kept_spans),
+                            _prefix_chars(tokenizer, messages, text, tools, chat_template),
+                            None, _empty_think(messages, kept_indices, text, kept_spans))]
     first_bad = indices[len(spans)]
     if not per_turn_fallback:
         raise ChatTemplateError(
@@ -314,6 +320,8 @@ def render_rows(tokenizer, messages: Sequence[dict[str, Any]], tools: list | Non
             "the whole conversation's render")
     rows = []
     for i in indices:
+        if _is_empty_assistant(messages[i]):  # supervises nothing: no row of its own
+            continue
         sub = messages[: i + 1]
         sub_text = _render(tokenizer, sub, tools, chat_template)
         span = _assistant_span(tokenizer, sub, i, sub_text, tools, chat_template)
@@ -323,7 +331,10 @@ def render_rows(tokenizer, messages: Sequence[dict[str, Any]], tools: list | Non
                 "not a prefix of its own render")
         rows.append(RenderedRow(sub_text, (span,), _prefix_chars(tokenizer, sub, sub_text, tools, chat_template),
                                 i, _empty_think(sub, [i], sub_text, [span])))
+    if not rows:
+        raise ChatTemplateError("no supervised tokens: every assistant turn is empty")
     return rows
+
 
 
 def tokenize_rendered(tokenizer, rows: Sequence[RenderedRow]) -> list[TokenizedConversation]:

@@ -21,7 +21,14 @@ a shorter conversation left in a block. Every supervised token is still trained 
 ``windows_trimmed`` counts the windows packed shorter.
 
 Counts in every manifest satisfy ``used + rejected == read``; each rejected row is one line in
-``rejects.jsonl``.
+``rejects.jsonl``. A conversation that yields no supervised token is rejected ("no supervised
+tokens"), so every written row has ``n_loss_tokens >= 1``. Ids repeated across or within inputs
+are renamed ``id~k`` and counted (``duplicate_ids_renamed``).
+
+Outputs are written into a hidden sibling directory and renamed into place at the end
+(:func:`stores.token_tables.staged_output_dir`): a run that fails (``--strict``, a bad file)
+leaves no partial output. A run that uses no row still writes its manifest and rejects; the CLI
+then warns and exits 1.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from tqdm import tqdm
 
 from peagle_data.chat import ChatTemplateError, chat_template_sha256, render_rows, tokenize_rendered
 from peagle_data.packing import make_packed_row, pack_blocks_flexible, packing_efficiency
-from peagle_data.readers import FORMATS, Conversation, Reject, read_conversations, resolve_inputs
+from peagle_data.readers import FORMATS, Conversation, Reject, UniqueIds, read_conversations, resolve_inputs
 from peagle_data.windows import OVERLAP_LOSS, SystemPrefixTooLongError, Window, count_windows, make_windows
 from stores.errors import InputError, StoreMismatchError
 from stores.token_tables import (
@@ -50,7 +57,7 @@ from stores.token_tables import (
     TableWriter,
     TokenTable,
     manifest_sha256,
-    prepare_output_dir,
+    staged_output_dir,
     write_manifest,
     write_token_freq,
 )
@@ -71,7 +78,8 @@ class TokenizeConfig:
     format: str = "auto"
     """Conversation format of the input rows: auto (detected per row), openai or sharegpt (--format)."""
     limit: int | None = None
-    """Read at most this many input rows, usable or not; None reads all (--limit, rows)."""
+    """Read at most this many input rows, usable or not; None reads all (--limit, rows). For
+    ``pack`` of a tokenize output: the first N conversations of the table(s)."""
     strict: bool = False
     """Stop with an error at the first bad row instead of writing it to rejects.jsonl (--strict)."""
     chat_template: str | None = None
@@ -112,7 +120,8 @@ class PackConfig:
     """Keep at most this many windows per conversation, the first ones; the rest are counted as
     ``windows_capped`` (--max-windows; None keeps all). Bounds the share of very long conversations."""
     tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
-    """How raw conversations are read and tokenized (ignored for a tokenize output)."""
+    """How raw conversations are read and tokenized (for a tokenize output only ``limit``,
+    ``strict`` and ``chat_template``, which must match the table's, apply)."""
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 2:
@@ -145,7 +154,31 @@ def _load_tokenizer(tokenizer_name, tokenizer):
 
 
 def _read_template(path: str | None) -> str | None:
-    return None if path is None else Path(path).read_text(encoding="utf-8")
+    """The text of a --chat-template file, checked to compile as Jinja.
+
+    Raises:
+        InputError: the file cannot be read or is not a valid Jinja template (names the file).
+    """
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"--chat-template {path}: cannot read the file ({e})") from None
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template as compile_template
+    except ImportError:  # another transformers version: plain jinja with the same extension
+        import jinja2
+
+        def compile_template(t):
+            return jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).from_string(t)
+    try:
+        compile_template(text)
+    except Exception as e:  # noqa: BLE001 - jinja2.TemplateSyntaxError and friends
+        line = getattr(e, "lineno", None)
+        raise InputError(f"--chat-template {path} is not a valid Jinja template"
+                         f"{f' (line {line})' if line else ''}: {type(e).__name__}: {e}") from None
+    return text
 
 
 def _tokenizer_record(tokenizer_name, tokenizer, template_path: str | None, template: str | None) -> dict:
@@ -201,10 +234,13 @@ def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: Tokenize
             for item, outcome in outcomes:
                 _bump(counts, "read")
                 bar.update(1)
+                _bump(counts, "duplicate_ids_renamed", item.duplicate_id_renamed)
                 if isinstance(item, Reject):
                     _reject(rejects, counts, item.source, item.reason, conversation_id=item.conversation_id,
                             field=item.field)
                     continue
+                if not isinstance(outcome, str) and not any(tok.loss_mask.any() for _, tok in outcome):
+                    outcome = "no supervised tokens: the template renders no assistant token"
                 if isinstance(outcome, str):
                     if cfg.strict:
                         file, row = _split_source(item.source)
@@ -268,7 +304,6 @@ def _rows_of(conv: Conversation, outcome: list[tuple], counts: dict[str, Any]) -
                      "source": conv.source, "input_ids": tok.input_ids, "loss_mask": tok.loss_mask,
                      "system_len": tok.system_len, "n_tokens": int(tok.input_ids.shape[0]),
                      "n_loss_tokens": n_loss})
-    _bump(counts, "conversations_without_loss_tokens", sum(r["n_loss_tokens"] for r in rows) == 0)
     return rows
 
 
@@ -311,33 +346,33 @@ def run_tokenize(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.P
     """
     files = resolve_inputs(inputs)  # fail on bad arguments before touching the output
     _check_output_not_input(output, files)
-    out = prepare_output_dir(output, force)
-    tokenizer = _load_tokenizer(tokenizer_name, tokenizer)
     template = _read_template(cfg.chat_template)
-    counts = _base_counts()
-    token_freq = _TokenFreq(len(tokenizer))
-    n_tokens = n_loss = 0
-    with TableWriter(out, "tokenized") as writer, RejectsWriter(out) as rejects:
-        for group in iter_tokenized(inputs, tokenizer, cfg, rejects, counts):
-            _bump(counts, "used")
-            for row in group:
-                writer.write(row)
-                n_tokens += row["n_tokens"]
-                n_loss += row["n_loss_tokens"]
-                token_freq.add(row["input_ids"][row["loss_mask"] == 1])
-        by_reason = dict(rejects.by_reason)
-    counts.update(tokens=n_tokens, loss_tokens=n_loss, rejected_by_reason=by_reason)
-    assert counts["used"] + counts["rejected"] == counts["read"], counts
-    write_token_freq(out, token_freq.counts())
-    write_manifest(out, {
-        "kind": "tokenized",
-        "inputs": [str(i) for i in inputs],
-        "files": [str(f) for f in files],
-        "parameters": dataclasses.asdict(cfg),
-        "tokenizer": _tokenizer_record(tokenizer_name, tokenizer, cfg.chat_template, template),
-        "counts": dict(counts),
-    })
-    return {"output": str(out), "counts": dict(counts)}
+    with staged_output_dir(output, force) as out:
+        tokenizer = _load_tokenizer(tokenizer_name, tokenizer)
+        counts = _base_counts()
+        token_freq = _TokenFreq(len(tokenizer))
+        n_tokens = n_loss = 0
+        with TableWriter(out, "tokenized") as writer, RejectsWriter(out) as rejects:
+            for group in iter_tokenized(inputs, tokenizer, cfg, rejects, counts):
+                _bump(counts, "used")
+                for row in group:
+                    writer.write(row)
+                    n_tokens += row["n_tokens"]
+                    n_loss += row["n_loss_tokens"]
+                    token_freq.add(row["input_ids"][row["loss_mask"] == 1])
+            by_reason = dict(rejects.by_reason)
+        counts.update(tokens=n_tokens, loss_tokens=n_loss, rejected_by_reason=by_reason)
+        assert counts["used"] + counts["rejected"] == counts["read"], counts
+        write_token_freq(out, token_freq.counts())
+        write_manifest(out, {
+            "kind": "tokenized",
+            "inputs": [str(i) for i in inputs],
+            "files": [str(f) for f in files],
+            "parameters": dataclasses.asdict(cfg),
+            "tokenizer": _tokenizer_record(tokenizer_name, tokenizer, cfg.chat_template, template),
+            "counts": dict(counts),
+        })
+    return {"output": str(output), "counts": dict(counts)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -348,12 +383,26 @@ def _is_table(path: str | os.PathLike) -> bool:
     return Path(path).is_dir() and (Path(path) / MANIFEST).is_file()
 
 
-def _iter_table_rows(tables: list[TokenTable], counts: dict[str, Any]) -> Iterator[list[dict[str, Any]]]:
-    """Rows of tokenize outputs grouped by conversation (per-turn rows share their ``source``)."""
+def _iter_table_rows(tables: list[TokenTable], counts: dict[str, Any],
+                     limit: int | None = None) -> Iterator[list[dict[str, Any]]]:
+    """Rows of tokenize outputs grouped by conversation (per-turn rows share their ``source``);
+    the first ``limit`` conversations when given. An id already seen (the same table twice,
+    tables of the same file) is renamed ``id~k`` and counted in ``duplicate_ids_renamed``."""
+    ids = UniqueIds()
+    n = 0
     for table in tables:
         for _, group in itertools.groupby(table.iter_rows(), key=lambda r: r["source"]):
+            if limit is not None and n >= limit:
+                return
+            n += 1
             _bump(counts, "read")
-            yield list(group)
+            group = list(group)
+            renamed = False
+            for row in group:
+                row["conversation_id"], was = ids.unique(row["conversation_id"])
+                renamed |= was
+            _bump(counts, "duplicate_ids_renamed", renamed)
+            yield group
 
 
 def _open_tables(inputs, tokenizer, template) -> list[TokenTable]:
@@ -402,9 +451,8 @@ def run_pack(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.PathL
     if not all(table_inputs):
         resolve_inputs(inputs)  # fail on bad arguments before touching the output
     _check_output_not_input(output, inputs)
-    out = prepare_output_dir(output, force)
-    tokenizer = _load_tokenizer(tokenizer_name, tokenizer)
     template = _read_template(cfg.tokenize.chat_template)
+    tokenizer = _load_tokenizer(tokenizer_name, tokenizer)
     counts = _base_counts()
     if all(table_inputs):
         tables = _open_tables(inputs, tokenizer, template)
@@ -414,28 +462,29 @@ def run_pack(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.PathL
     else:
         files = [str(f) for f in resolve_inputs(inputs)]
         upstream = None
-    with RejectsWriter(out) as rejects:
-        rows = (_iter_table_rows(tables, counts) if upstream is not None
-                else iter_tokenized(inputs, tokenizer, cfg.tokenize, rejects, counts))
-        with _WindowSpill(out) as spill:
-            _collect_windows(rows, cfg, rejects, counts, spill)
-            by_reason = dict(rejects.by_reason)
-            counts["rejected_by_reason"] = by_reason
-            assert counts["used"] + counts["rejected"] == counts["read"], counts
-            token_freq = _write_blocks(out, spill, cfg.block_size_tokens, len(tokenizer), counts)
-    write_token_freq(out, token_freq)
-    manifest = {
-        "kind": "packed",
-        "inputs": [str(i) for i in inputs],
-        "files": files,
-        "parameters": {**dataclasses.asdict(cfg), "block_size": cfg.block_size_tokens},
-        "tokenizer": _tokenizer_record(tokenizer_name, tokenizer, cfg.tokenize.chat_template, template),
-        "counts": dict(counts),
-    }
-    if upstream is not None:
-        manifest["upstream"] = upstream
-    write_manifest(out, manifest)
-    return {"output": str(out), "counts": dict(counts)}
+    with staged_output_dir(output, force) as out:
+        with RejectsWriter(out) as rejects:
+            rows = (_iter_table_rows(tables, counts, cfg.tokenize.limit) if upstream is not None
+                    else iter_tokenized(inputs, tokenizer, cfg.tokenize, rejects, counts))
+            with _WindowSpill(out) as spill:
+                _collect_windows(rows, cfg, rejects, counts, spill)
+                by_reason = dict(rejects.by_reason)
+                counts["rejected_by_reason"] = by_reason
+                assert counts["used"] + counts["rejected"] == counts["read"], counts
+                token_freq = _write_blocks(out, spill, cfg.block_size_tokens, len(tokenizer), counts)
+        write_token_freq(out, token_freq)
+        manifest = {
+            "kind": "packed",
+            "inputs": [str(i) for i in inputs],
+            "files": files,
+            "parameters": {**dataclasses.asdict(cfg), "block_size": cfg.block_size_tokens},
+            "tokenizer": _tokenizer_record(tokenizer_name, tokenizer, cfg.tokenize.chat_template, template),
+            "counts": dict(counts),
+        }
+        if upstream is not None:
+            manifest["upstream"] = upstream
+        write_manifest(out, manifest)
+    return {"output": str(output), "counts": dict(counts)}
 
 
 class _TokenFreq:

@@ -6,8 +6,18 @@ reason). Nothing is dropped silently: a row that cannot be used is a ``Reject``,
 ``strict=True`` the first bad row raises :class:`stores.errors.InputError` naming file, row and
 field instead.
 
-Rows are numbered from 0 in every format: the record index of a ``.json`` array or ``.parquet``
-file, the line index of a ``.jsonl`` file (blank lines are skipped but keep their index).
+Rows are numbered from 1 in every format, like ``peagle-eval`` and text editors: ``file:N`` is
+the N-th line of a ``.jsonl`` file (blank lines are skipped but keep their number), the N-th
+element of a ``.json`` array, the N-th row of a ``.parquet`` file.
+
+A file that cannot be read at all (a ``.parquet`` that is not Parquet, a ``.json`` that is not a
+JSON array or object, an unreadable file) is an :class:`stores.errors.InputError` naming it, not
+a row reject.
+
+Conversation ids are unique within one run: a row's own ``id``, else ``<file>:<N>`` where
+``<file>`` is the path (without extension) relative to the common parent directory of all
+inputs. An id seen before (the same file given twice, a repeated explicit ``id``) gets the suffix
+``~2``, ``~3``, ... and is counted (``duplicate_ids_renamed`` in the manifest).
 
 Normalisation rules (documented decisions):
 - the format is detected per row (``messages`` -> OpenAI, ``conversations`` -> ShareGPT) unless
@@ -22,7 +32,11 @@ Normalisation rules (documented decisions):
   ``tool_call`` parts become ``tool_calls`` entries;
 - leading assistant turns (before any user turn) are dropped and counted, the rest is kept;
 - two (or more) user turns in a row are merged into one, joined by ``"\\n\\n"``, and counted;
-- an empty-string assistant turn is kept (it supervises only its end-of-turn token) and counted.
+- an assistant turn with empty content (no text, reasoning or tool calls) yields no supervised
+  token at all, not even its end-of-turn token; it is kept as context and counted; a
+  conversation whose assistant turns are all empty is rejected ("no supervised tokens");
+- a conversation whose only assistant turns were leading ones is rejected ("only a leading
+  assistant turn (dropped)").
 """
 
 from __future__ import annotations
@@ -46,6 +60,7 @@ __all__ = [
     "iter_records",
     "normalize_record",
     "read_conversations",
+    "is_empty_assistant",
 ]
 
 FORMATS = ("auto", "openai", "sharegpt")
@@ -67,13 +82,15 @@ class Conversation:
     """One usable input row, normalised to OpenAI messages.
 
     Attributes:
-        conversation_id: the row's ``id`` if it has one, else ``file-stem:row``.
-        source: ``file:row``.
+        conversation_id: the row's ``id`` if it has one, else ``file:N`` (the path relative to the
+            inputs' common parent, without extension); unique in a run (``~k`` suffix on repeats).
+        source: ``file:N`` (N counts from 1).
         messages: ``[{"role", "content", ...}]`` with roles system/user/assistant/tool.
         tools: tool definitions to pass to the chat template, or None.
         dropped_leading_assistant: assistant turns dropped from the start of the conversation.
         merged_user_turns: user turns merged into the preceding user turn.
-        empty_assistant_turns: assistant turns with empty content (no supervised content tokens).
+        empty_assistant_turns: assistant turns with empty content (no supervised tokens).
+        duplicate_id_renamed: 1 when ``conversation_id`` got a ``~k`` suffix, else 0.
     """
 
     conversation_id: str
@@ -83,6 +100,7 @@ class Conversation:
     dropped_leading_assistant: int = 0
     merged_user_turns: int = 0
     empty_assistant_turns: int = 0
+    duplicate_id_renamed: int = 0
 
 
 @dataclass
@@ -96,6 +114,7 @@ class Reject:
     reason: str
     conversation_id: str | None = None
     field: str | None = None
+    duplicate_id_renamed: int = 0
 
 
 class _BadRow(Exception):
@@ -142,6 +161,13 @@ def resolve_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
             files.extend(Path(m) for m in matches)
             continue
         path = Path(text).expanduser()
+        if path.is_dir():
+            if not (path / "manifest.json").is_file():
+                raise InputError(f"input {text!r} is a directory without manifest.json: an unfinished peagle "
+                                 "output (no manifest.json), or not a peagle output; re-run the command that "
+                                 "writes it, or pass conversation files (.jsonl, .json, .parquet)")
+            raise InputError(f"input {text!r} is a peagle output directory, not a conversation file; "
+                             "only `peagle-data pack` reads tokenize outputs")
         if not path.is_file():
             raise InputError(f"input {text!r} is not a file (expected .jsonl, .json, .parquet or 'sharegpt')")
         files.append(path)
@@ -158,25 +184,30 @@ def resolve_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
 def iter_records(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any] | _BadRow]]:
     """Yield ``(row, record)`` for every row of one file, or ``(row, error)`` for a bad row.
 
+    ``row`` counts from 1 (the line of a ``.jsonl``, the element of a ``.json`` array, the row of a
+    ``.parquet``).
+
+    Raises:
+        InputError: the file cannot be read as its extension says (names the file).
+
     ``.json`` files are streamed object by object, so a huge array needs no more memory than one
     record, and a file truncated mid-record (like the ShareGPT V3 file) yields its complete
     records followed by one error row for the truncated tail.
     """
     path = Path(path)
     suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        yield from _iter_jsonl(path)
-    elif suffix == ".json":
-        yield from _iter_json_array(path)
-    elif suffix == ".parquet":
-        yield from _iter_parquet(path)
-    else:
+    readers = {".jsonl": _iter_jsonl, ".json": _iter_json_array, ".parquet": _iter_parquet}
+    if suffix not in readers:
         raise InputError(f"unsupported extension {suffix!r}", file=str(path))
+    try:
+        yield from readers[suffix](path)
+    except OSError as e:
+        raise InputError(f"cannot read the file: {e.strerror or e}", file=str(path)) from None
 
 
 def _iter_jsonl(path: Path):
     with path.open("rb") as f:
-        for row, raw in enumerate(f):
+        for row, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
             try:
@@ -220,15 +251,16 @@ def _iter_json_array(path: Path):
             rest = buf[pos:] + f.read()
             try:
                 record = json.loads(rest)
-                yield 0, record
             except json.JSONDecodeError as e:
-                yield 0, _BadRow(f"invalid JSON: {e.msg} at char {e.pos}")
+                yield 1, _BadRow(f"invalid JSON: {e.msg} at char {e.pos}")
+                return
+            yield 1, record
             return
         if buf[pos] != "[":
-            yield 0, _BadRow(f"invalid JSON: a .json input must be an array of objects, found {buf[pos]!r}")
-            return
+            raise InputError(f"not a readable JSON file: a .json input must be an array of objects "
+                             f"(or one object), found {buf[pos]!r} at its start", file=str(path))
         pos += 1
-        row = 0
+        row = 1
         while True:
             skip(" \t\r\n,")
             if pos >= len(buf) or buf[pos] == "]":
@@ -256,13 +288,20 @@ def _iter_json_array(path: Path):
 
 
 def _iter_parquet(path: Path):
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    row = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=256):
-        for record in batch.to_pylist():
-            yield row, record
-            row += 1
+    row = 1
+    try:
+        batches = pq.ParquetFile(path).iter_batches(batch_size=256)
+        for batch in batches:
+            records = batch.to_pylist()
+            for record in records:
+                yield row, record
+                row += 1
+    except (pa.ArrowException, OSError) as e:
+        where = "" if row == 1 else f" after row {row - 1}"
+        raise InputError(f"not a readable Parquet file{where} ({type(e).__name__}: {e})", file=str(path)) from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -344,7 +383,8 @@ def _normalize_openai(messages: Any) -> list[dict[str, Any]]:
         reasoning = reasoning or msg.get("reasoning_content")
         tool_calls = (list(msg.get("tool_calls") or []) + part_calls) if role == "assistant" else None
         if text is None and not tool_calls:
-            raise _BadRow(f"turn with no content: {where}.content is missing", f"{where}.content")
+            state = "is null" if "content" in msg else "is missing"
+            raise _BadRow(f"turn with no content: {where}.content {state}", f"{where}.content")
         new: dict[str, Any] = {"role": role, "content": text if text is not None else ""}
         if reasoning:
             new["reasoning_content"] = _check_text(reasoning, f"{where}.reasoning_content")
@@ -373,7 +413,8 @@ def _normalize_sharegpt(turns: Any, system: Any) -> list[dict[str, Any]]:
             raise _BadRow(f"unknown role: {speaker!r} in {where}.from", f"{where}.from")
         value = turn.get("value", turn.get("content"))
         if value is None:
-            raise _BadRow(f"turn with no content: {where}.value is missing", f"{where}.value")
+            state = "is null" if ("value" in turn or "content" in turn) else "is missing"
+            raise _BadRow(f"turn with no content: {where}.value {state}", f"{where}.value")
         value = _check_text(value, f"{where}.value")
         if role == "function_call":
             out.append({"role": "assistant", "content": f"<tool_call>\n{value}\n</tool_call>"})
@@ -398,7 +439,7 @@ def _parse_tools(tools: Any) -> list[Any] | None:
 
 
 def _tidy(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """Drop leading assistant turns, merge consecutive user turns, check there is an assistant."""
+    """Drop leading assistant turns, merge consecutive user turns, check there is a non-empty assistant."""
     counts = {"dropped_leading_assistant": 0, "merged_user_turns": 0, "empty_assistant_turns": 0}
     if not messages:
         raise _BadRow("empty conversation")
@@ -415,12 +456,21 @@ def _tidy(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[st
                 counts["merged_user_turns"] += 1
                 continue
             seen_user = True
-        if role == "assistant" and msg["content"] == "" and not msg.get("tool_calls"):
+        if role == "assistant" and is_empty_assistant(msg):
             counts["empty_assistant_turns"] += 1
         out.append(msg)
-    if not any(m["role"] == "assistant" for m in out):
-        raise _BadRow("no assistant turn")
+    assistants = [m for m in out if m["role"] == "assistant"]
+    if not assistants:
+        raise _BadRow("only a leading assistant turn (dropped)" if counts["dropped_leading_assistant"]
+                      else "no assistant turn")
+    if all(is_empty_assistant(m) for m in assistants):
+        raise _BadRow("no supervised tokens: every assistant turn is empty")
     return out, counts
+
+
+def is_empty_assistant(msg: dict[str, Any]) -> bool:
+    """An assistant message with no text, reasoning or tool calls: it supervises no token."""
+    return (msg.get("content") or "") == "" and not msg.get("reasoning_content") and not msg.get("tool_calls")
 
 
 def normalize_record(record: dict[str, Any], fmt: str = "auto") -> tuple[list[dict[str, Any]], list | None, dict[str, int]]:
@@ -483,23 +533,64 @@ def read_conversations(inputs: Sequence[str | os.PathLike], fmt: str = "auto", s
     if fmt not in FORMATS:
         raise InputError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
     n = 0
-    for path in resolve_inputs(inputs):
+    files = resolve_inputs(inputs)
+    names = _id_stems(files)
+    ids = UniqueIds()
+    for path, name in zip(files, names):
         for row, record in iter_records(path):
             if limit is not None and n >= limit:
                 return
             n += 1
             source = f"{path}:{row}"
-            cid = f"{path.stem}:{row}"
+            cid = f"{name}:{row}"
+            if isinstance(record, dict) and record.get("id") is not None:
+                cid = str(record["id"])
+            cid, renamed = ids.unique(cid)
             try:
                 if isinstance(record, _BadRow):
                     raise record
-                if record.get("id") is not None:
-                    cid = str(record["id"])
                 messages, tools, counts = normalize_record(record, fmt)
             except _BadRow as bad:
                 if strict:
                     raise InputError(bad.reason, file=str(path), row=row, field=bad.field) from None
-                yield Reject(source=source, reason=bad.reason, conversation_id=cid, field=bad.field)
+                yield Reject(source=source, reason=bad.reason, conversation_id=cid, field=bad.field,
+                             duplicate_id_renamed=int(renamed))
                 continue
             yield Conversation(conversation_id=cid, source=source, messages=messages, tools=tools,
-                               **counts)
+                               duplicate_id_renamed=int(renamed), **counts)
+
+
+def _id_stems(files: Sequence[Path]) -> list[str]:
+    """Per file, the default-id prefix: its path relative to the files' common parent, no extension."""
+    parents = [os.path.abspath(f.parent) for f in files]
+    try:
+        common = os.path.commonpath(parents) if parents else ""
+    except ValueError:  # different drives
+        common = ""
+    out = []
+    for f in files:
+        stem = str(Path(os.path.abspath(f)).with_suffix(""))
+        out.append(Path(os.path.relpath(stem, common)).as_posix() if common else Path(stem).as_posix())
+    return out
+
+
+class UniqueIds:
+    """Make ids unique in one run: the k-th repeat of an id gets the suffix ``~k`` (k >= 2)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, int] = {}
+
+    def unique(self, cid: str) -> tuple[str, bool]:
+        """``(unique id, whether it was renamed)``."""
+        if cid not in self._seen:
+            self._seen[cid] = 1
+            return cid, False
+        k = self._seen[cid]
+        while True:
+            k += 1
+            new = f"{cid}~{k}"
+            if new not in self._seen:
+                break
+        self._seen[cid] = k
+        self._seen[new] = 1
+        return new, True

@@ -2,17 +2,21 @@
 
 A table is a directory of Parquet (zstd) part files ``part-00000.parquet`` ... plus
 ``manifest.json`` written last (a table without a manifest is unfinished), and optionally
-``rejects.jsonl`` and ``token_freq.npy``. Token columns are ``large_list`` so no table hits the
+``rejects.jsonl`` and ``token_freq.npy``. Commands write a table with :func:`staged_output_dir`:
+into a hidden sibling directory renamed into place only when the command finishes, so a failed
+run leaves no half-written output behind. Token columns are ``large_list`` so no table hits the
 2^31 element limit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +39,7 @@ __all__ = [
     "RejectsWriter",
     "TokenTable",
     "prepare_output_dir",
+    "staged_output_dir",
     "write_manifest",
     "read_manifest",
     "manifest_sha256",
@@ -98,6 +103,38 @@ def prepare_output_dir(path: str | os.PathLike, force: bool) -> Path:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@contextlib.contextmanager
+def staged_output_dir(path: str | os.PathLike, force: bool) -> Iterator[Path]:
+    """Build an output directory atomically: yield an empty hidden sibling directory
+    (``.NAME.partial-XXXX``), rename it to ``path`` when the block finishes, remove it when the
+    block raises (``path`` is then left as it was).
+
+    Raises:
+        OutputExistsError: ``path`` exists, is not an empty directory, and ``force`` is false
+            (checked before the block runs).
+    """
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())) and not force:
+        raise OutputExistsError(str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if path.exists() or path.is_symlink():
+        old = path.parent / f".{path.name}.old-{os.getpid()}-{time.monotonic_ns()}"
+        os.rename(path, old)
+    os.rename(tmp, path)
+    if old is not None:
+        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
 
 
 def write_manifest(directory: str | os.PathLike, manifest: dict[str, Any]) -> Path:

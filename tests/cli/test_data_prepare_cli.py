@@ -65,10 +65,10 @@ def test_tokenize_writes_table_and_refuses_overwrite(tmp_path, convs, tok_name):
     assert counts["used"] + counts["rejected"] == counts["read"] == 5
     assert table.manifest["kind"] == "tokenized" and table.num_rows == 3
     rows = list(table.iter_rows())
-    assert [r["conversation_id"] for r in rows] == ["c0", "convs:1", "c3"]
+    assert [r["conversation_id"] for r in rows] == ["c0", "convs:2", "c3"]  # convs.jsonl line 2
     assert sum(r["n_loss_tokens"] for r in rows) == counts["loss_tokens"] == table.token_freq().sum()
     rejects = [json.loads(line) for line in table.rejects_path.read_text().splitlines()]
-    assert [r["source"] for r in rejects] == [f"{convs}:2", f"{convs}:4"]
+    assert [r["source"] for r in rejects] == [f"{convs}:3", f"{convs}:5"]  # 1-based lines
     assert rejects[0]["reason"] == "no assistant turn" and rejects[1]["reason"].startswith("invalid JSON")
 
     again = invoke(tokenize, [convs, "--tokenizer", tok_name, "--output", out])
@@ -80,7 +80,10 @@ def test_tokenize_writes_table_and_refuses_overwrite(tmp_path, convs, tok_name):
 def test_strict_exits_2_naming_file_and_row(tmp_path, convs, tok_name):
     result = invoke(tokenize, [convs, "--tokenizer", tok_name, "--output", tmp_path / "s", "--strict"])
     assert result.exit_code == 2
-    assert f"file {convs}, row 2" in result.output and "no assistant turn" in result.output
+    assert f"file {convs}, row 3" in result.output and "no assistant turn" in result.output
+    # a failed run leaves nothing behind: the rerun needs no --force, and works
+    assert not (tmp_path / "s").exists()
+    assert invoke(tokenize, [convs, "--tokenizer", tok_name, "--output", tmp_path / "s"]).exit_code == 0
 
 
 def test_pack_raw_and_from_tokenized_agree(tmp_path, convs, tok_name):
@@ -120,3 +123,71 @@ def test_sharegpt_2000_packing_efficiency(tmp_path, tok_name):
     assert result.exit_code == 0, result.output
     counts = TokenTable.open(tmp_path / "p").manifest["counts"]
     assert counts["packing_efficiency"] >= 0.99 and "packing efficiency" in result.output
+
+
+def test_not_parquet_is_an_input_error_exit_2(tmp_path, tok_name):
+    fake = tmp_path / "fake.parquet"
+    fake.write_text("this is a text file\n")
+    result = invoke(tokenize, [fake, "--tokenizer", tok_name, "--output", tmp_path / "o"])
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
+    assert f"file {fake}: not a readable Parquet file" in result.output
+    assert not (tmp_path / "o").exists()
+    bad_json = tmp_path / "fake.json"
+    bad_json.write_text("this is a text file\n")
+    result = invoke(pack, [bad_json, "--tokenizer", tok_name, "--output", tmp_path / "o"])
+    assert result.exit_code == 2 and f"file {bad_json}: not a readable JSON file" in result.output
+
+
+def test_unfinished_output_as_pack_input(tmp_path, tok_name):
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "part-00000.parquet").write_bytes(b"")
+    (half / "rejects.jsonl").write_text("")
+    result = invoke(pack, [half, "--tokenizer", tok_name, "--output", tmp_path / "p"])
+    assert result.exit_code == 2 and "an unfinished peagle output (no manifest.json)" in result.output
+
+
+def test_pack_limit_on_a_tokenize_output(tmp_path, convs, tok_name):
+    assert invoke(tokenize, [convs, "--tokenizer", tok_name, "--output", tmp_path / "tok"]).exit_code == 0
+    result = invoke(pack, [tmp_path / "tok", "--tokenizer", tok_name, "--limit", 1, "--output", tmp_path / "p"])
+    assert result.exit_code == 0, result.output
+    assert "read 1  used 1" in result.output
+    assert TokenTable.open(tmp_path / "p").manifest["counts"]["read"] == 1
+
+
+def _assert_useless(result, out):
+    assert result.exit_code == 1, result.output
+    assert "WARNING: the output holds no training data" in result.stderr
+    assert (out / "manifest.json").is_file() and (out / "rejects.jsonl").is_file()
+
+
+def test_nothing_used_warns_and_exits_1(tmp_path, convs, tok_name):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    out = tmp_path / "e"
+    result = invoke(tokenize, [empty, "--tokenizer", tok_name, "--output", out])
+    _assert_useless(result, out)
+    assert "0 of 0 input rows used" in result.stderr
+
+    openai = tmp_path / "openai.jsonl"
+    openai.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                               {"role": "assistant", "content": "Yo"}]}) + "\n")
+    result = invoke(pack, [openai, "--tokenizer", tok_name, "--format", "sharegpt", "--output", tmp_path / "f"])
+    _assert_useless(result, tmp_path / "f")
+    assert "0 of 1 input rows used" in result.stderr and "missing field" in result.stderr
+
+    result = invoke(pack, [convs, "--tokenizer", tok_name, "--max-seq-len", 5, "--output", tmp_path / "short"])
+    _assert_useless(result, tmp_path / "short")
+    counts = TokenTable.open(tmp_path / "short").manifest["counts"]
+    assert counts["used"] == 0 and counts["rejected"] == counts["read"] == 5 and counts["n_blocks"] == 0
+
+
+def test_broken_chat_template_exits_2_naming_the_file(tmp_path, convs, tok_name):
+    template = tmp_path / "broken.jinja"
+    template.write_text("{% if messages %}{{ messages[0].content }")
+    result = invoke(tokenize, [convs, "--tokenizer", tok_name, "--chat-template", template,
+                               "--output", tmp_path / "o"])
+    assert result.exit_code == 2
+    assert f"--chat-template {template} is not a valid Jinja template" in result.output
+    assert "template error" not in result.output and not (tmp_path / "o").exists()

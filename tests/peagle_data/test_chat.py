@@ -100,10 +100,16 @@ def test_assistant_first_under_smollm2_is_rejected_not_guessed(smollm2_tokenizer
         tokenize_conversation(smollm2_tokenizer, [{"role": "assistant", "content": "Hello!"}])
 
 
-def test_empty_assistant_content_supervises_only_end_of_turn(smollm2_tokenizer):
+def test_empty_assistant_content_supervises_nothing(smollm2_tokenizer):
+    # An empty assistant turn yields no supervised token, not even its end-of-turn token (issue 3).
     tok = smollm2_tokenizer
     out = tokenize_conversation(tok, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}])
-    assert masked_texts(tok, out) == ["<|im_end|>"]
+    assert masked_texts(tok, out) == [] and out.loss_mask.sum() == 0
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""},
+                {"role": "user", "content": "Again?"}, {"role": "assistant", "content": "Yes."}]
+    out = tokenize_conversation(tok, messages)
+    assert masked_texts(tok, out) == ["Yes.<|im_end|>"]
+    assert out.input_ids.tolist() == reference_ids(tok, messages)
 
 
 def test_tool_call_and_tool_result(smollm2_tokenizer):

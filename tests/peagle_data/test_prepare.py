@@ -15,19 +15,23 @@ from tests.peagle_data.test_chat_templates import QWEN3
 
 OK = {"id": "ok", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
 
-BAD_ROWS = [
-    OK,                                                                                     # 0 used
-    {"conversations": []},                                                                  # 1 empty
+BAD_ROWS = [  # comments: the 1-based line number in bad.jsonl
+    OK,                                                                                     # 1 used
+    {"conversations": []},                                                                  # 2 empty
     {"conversations": [{"from": "gpt", "value": "Welcome"}, {"from": "human", "value": "a"},
-                       {"from": "gpt", "value": "b"}]},                                     # 2 used, 1 dropped
-    {"conversations": [{"from": "robot", "value": "x"}, {"from": "gpt", "value": "y"}]},   # 3 unknown role
+                       {"from": "gpt", "value": "b"}]},                                     # 3 used, 1 dropped
+    {"conversations": [{"from": "robot", "value": "x"}, {"from": "gpt", "value": "y"}]},   # 4 unknown role
     {"conversations": [{"from": "human", "value": "a"}, {"from": "human", "value": "b"},
-                       {"from": "gpt", "value": "c"}]},                                     # 4 used, merged
-    {"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]},                # 5 no content
-    b"{not json\n",                                                                         # 6 invalid JSON
-    b'{"messages": [{"role": "user", "content": "\xff"}]}\n',                               # 7 invalid UTF-8
-    {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]},  # 8 used, empty
-    {"messages": [{"role": "user", "content": "nobody answers"}]},                         # 9 no assistant
+                       {"from": "gpt", "value": "c"}]},                                     # 5 used, merged
+    {"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]},                # 6 no content
+    b"{not json\n",                                                                         # 7 invalid JSON
+    b'{"messages": [{"role": "user", "content": "\xff"}]}\n',                               # 8 invalid UTF-8
+    {"id": "e", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""},
+                             {"role": "user", "content": "r"}, {"role": "assistant", "content": "s"}]},  # 9 used
+    {"messages": [{"role": "user", "content": "nobody answers"}]},                         # 10 no assistant
+    {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]},  # 11 only empty
+    {"conversations": [{"from": "gpt", "value": "Welcome"}, {"from": "human", "value": "a"}]},  # 12 leading
+    {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "x"}]},  # 13 null
 ]
 
 
@@ -46,22 +50,31 @@ def test_bad_rows_nothing_lost(tmp_path, smollm2_tokenizer):
     src = write_rows(tmp_path / "bad.jsonl", BAD_ROWS)
     summary = run_tokenize([src], "smollm2-135m", tmp_path / "tok", TokenizeConfig(), tokenizer=smollm2_tokenizer)
     c = summary["counts"]
-    assert (c["read"], c["used"], c["rejected"]) == (10, 4, 6)
+    assert (c["read"], c["used"], c["rejected"]) == (13, 4, 9)
     assert c["dropped_leading_assistant_turns"] == 1 and c["merged_user_turns"] == 1
     assert c["empty_assistant_turns"] == 1
     rejects = rejects_of(tmp_path / "tok")
-    assert [r["source"] for r in rejects] == [f"{src}:{i}" for i in (1, 3, 5, 6, 7, 9)]
-    assert [r["reason"].split(":")[0] for r in rejects] == [
-        "empty conversation", "unknown role", "turn with no content", "invalid JSON", "invalid UTF-8",
-        "no assistant turn"]
+    # sources are file:LINE, counted from 1 like peagle-eval and editors
+    assert [r["source"] for r in rejects] == [f"{src}:{i}" for i in (2, 4, 6, 7, 8, 10, 11, 12, 13)]
+    assert [r["reason"] for r in rejects][5:] == [
+        "no assistant turn", "no supervised tokens: every assistant turn is empty",
+        "only a leading assistant turn (dropped)", "turn with no content: messages[0].content is null"]
+    assert [r["reason"].split(":")[0] for r in rejects][:5] == [
+        "empty conversation", "unknown role", "turn with no content", "invalid JSON", "invalid UTF-8"]
+    assert rejects[2]["reason"] == "turn with no content: messages[0].content is missing"
     rows = {r["conversation_id"]: r for r in TokenTable.open(tmp_path / "tok").iter_rows()}
-    assert smollm2_tokenizer.decode(rows["bad:8"]["input_ids"][rows["bad:8"]["loss_mask"] == 1]) == "<|im_end|>"
+    # the empty assistant turn supervises nothing, not even its <|im_end|>; the later one does
+    assert smollm2_tokenizer.decode(rows["e"]["input_ids"][rows["e"]["loss_mask"] == 1]) == "s<|im_end|>"
     assert all(r["n_loss_tokens"] >= 1 for r in rows.values())  # no row without a supervised token
 
     packed = run_pack([tmp_path / "tok"], "smollm2-135m", tmp_path / "pack", PackConfig(max_seq_len=64),
                       tokenizer=smollm2_tokenizer)["counts"]
     assert packed["used"] + packed["rejected"] == packed["read"] == 4
     assert packed["loss_tokens"] == c["loss_tokens"]
+    table = TokenTable.open(tmp_path / "pack")
+    for row in table.iter_rows():  # every segment has a supervised token: no 0/0 loss downstream
+        cu = row["cu_seqlens"]
+        assert all(row["loss_mask"][a:b].sum() > 0 for a, b in zip(cu[:-1], cu[1:]))
 
 
 def test_strict_stops_at_the_first_bad_row(tmp_path, smollm2_tokenizer):
@@ -69,7 +82,81 @@ def test_strict_stops_at_the_first_bad_row(tmp_path, smollm2_tokenizer):
     with pytest.raises(InputError) as info:
         run_tokenize([src], "smollm2-135m", tmp_path / "tok", TokenizeConfig(strict=True),
                      tokenizer=smollm2_tokenizer)
-    assert (info.value.file, info.value.row) == (str(src), 1)
+    assert (info.value.file, info.value.row) == (str(src), 2)  # line 2 of the file
+    assert not (tmp_path / "tok").exists()  # no half-written output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]  # nor a staging directory
+
+
+def test_failed_run_keeps_the_old_output_and_a_rerun_works(tmp_path, smollm2_tokenizer):
+    src = write_rows(tmp_path / "bad.jsonl", BAD_ROWS)
+    out = tmp_path / "tok"
+    run_tokenize([src], "smollm2-135m", out, TokenizeConfig(), tokenizer=smollm2_tokenizer)
+    before = (out / "manifest.json").read_text()
+    with pytest.raises(InputError):  # a forced run that fails leaves the finished output as it was
+        run_tokenize([src], "smollm2-135m", out, TokenizeConfig(strict=True), force=True,
+                     tokenizer=smollm2_tokenizer)
+    assert (out / "manifest.json").read_text() == before
+    with pytest.raises(InputError):
+        run_pack([src], "smollm2-135m", tmp_path / "p", PackConfig(tokenize=TokenizeConfig(strict=True)),
+                 tokenizer=smollm2_tokenizer)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "tok"]
+    run_pack([src], "smollm2-135m", tmp_path / "p", PackConfig(), tokenizer=smollm2_tokenizer)  # no --force
+    assert TokenTable.open(tmp_path / "p").manifest["counts"]["used"] == 4
+
+
+def test_bad_chat_template_fails_once_up_front(tmp_path, smollm2_tokenizer):
+    src = write_rows(tmp_path / "ok.jsonl", [OK] * 30)
+    template = tmp_path / "broken.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }")
+    with pytest.raises(InputError, match="not a valid Jinja template") as info:
+        run_tokenize([src], "smollm2-135m", tmp_path / "tok", TokenizeConfig(chat_template=str(template)),
+                     tokenizer=smollm2_tokenizer)
+    assert str(template) in str(info.value) and not (tmp_path / "tok").exists()
+    with pytest.raises(InputError, match="not a valid Jinja template"):
+        run_pack([src], "smollm2-135m", tmp_path / "p", PackConfig(
+            tokenize=TokenizeConfig(chat_template=str(template))), tokenizer=smollm2_tokenizer)
+
+
+def test_pack_limit_applies_to_a_tokenize_output(tmp_path, smollm2_tokenizer):
+    src = write_rows(tmp_path / "c.jsonl", _long_conversations(6))
+    run_tokenize([src], "smollm2-135m", tmp_path / "tok", TokenizeConfig(), tokenizer=smollm2_tokenizer)
+    c = run_pack([tmp_path / "tok"], "smollm2-135m", tmp_path / "p", PackConfig(
+        max_seq_len=4096, tokenize=TokenizeConfig(limit=2)), tokenizer=smollm2_tokenizer)["counts"]
+    assert (c["read"], c["used"], c["windows"]) == (2, 2, 2)
+    segments = [s for r in TokenTable.open(tmp_path / "p").iter_rows() for s in r["segment_ids"]]
+    assert sorted(segments) == ["c0#0", "c1#0"]
+
+
+def test_duplicate_ids_are_renamed_and_counted(tmp_path, smollm2_tokenizer):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    row = {"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]}
+    a = write_rows(tmp_path / "a" / "good.jsonl", [row, OK])
+    b = write_rows(tmp_path / "b" / "good.jsonl", [row, OK])
+    c = run_tokenize([a, b, a], "smollm2-135m", tmp_path / "tok", TokenizeConfig(),
+                     tokenizer=smollm2_tokenizer)["counts"]
+    ids = [r["conversation_id"] for r in TokenTable.open(tmp_path / "tok").iter_rows(["conversation_id"])]
+    assert ids == ["a/good:1", "ok", "b/good:1", "ok~2", "a/good:1~2", "ok~3"]
+    assert c["duplicate_ids_renamed"] == 3
+    # the same tokenize output twice: pack keeps segment ids unique too
+    p = run_pack([tmp_path / "tok", tmp_path / "tok"], "smollm2-135m", tmp_path / "p", PackConfig(max_seq_len=256),
+                 tokenizer=smollm2_tokenizer)["counts"]
+    segments = [s for r in TokenTable.open(tmp_path / "p").iter_rows() for s in r["segment_ids"]]
+    assert len(segments) == len(set(segments)) == 12 and p["duplicate_ids_renamed"] == 6
+
+
+def test_nothing_used_still_writes_manifest_without_dividing_by_zero(tmp_path, smollm2_tokenizer):
+    empty_turn = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]}
+    src = write_rows(tmp_path / "e.jsonl", [empty_turn, empty_turn])
+    c = run_tokenize([src], "smollm2-135m", tmp_path / "tok", TokenizeConfig(), tokenizer=smollm2_tokenizer)["counts"]
+    assert (c["read"], c["used"], c["loss_tokens"]) == (2, 0, 0)
+    p = run_pack([tmp_path / "tok"], "smollm2-135m", tmp_path / "p", PackConfig(max_seq_len=64),
+                 tokenizer=smollm2_tokenizer)["counts"]
+    assert (p["read"], p["n_blocks"], p["packing_efficiency"]) == (0, 0, 0.0)
+    p = run_pack([src], "smollm2-135m", tmp_path / "p2", PackConfig(max_seq_len=64),
+                 tokenizer=smollm2_tokenizer)["counts"]
+    assert (p["read"], p["rejected"], p["n_blocks"], p["packing_efficiency"]) == (2, 2, 0, 0.0)
+    assert TokenTable.open(tmp_path / "p2").num_rows == 0
 
 
 def test_history_rewrite_split_and_reject(tmp_path, smollm2_tokenizer):

@@ -1,4 +1,4 @@
-"""Conversation readers: formats, normalisation, rejects with file:row reasons, strict errors."""
+"""Conversation readers: formats, normalisation, rejects with file:N reasons (N from 1), strict errors."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def test_jsonl_auto_detects_both_formats(tmp_path):
     path = write_jsonl(tmp_path / "mix.jsonl", [OPENAI_ROW, SHAREGPT_ROW])
     a, b = read_all(path)
     assert isinstance(a, Conversation) and isinstance(b, Conversation)
-    assert a.conversation_id == "o1" and a.source == f"{path}:0"
-    assert b.conversation_id == "mix:1" and b.source == f"{path}:1"
+    assert a.conversation_id == "o1" and a.source == f"{path}:1"  # line 1
+    assert b.conversation_id == "mix:2" and b.source == f"{path}:2"
     expected = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     assert a.messages == expected and b.messages == expected
 
@@ -45,8 +45,10 @@ def test_json_array_and_parquet(tmp_path):
     pq.write_table(pa.Table.from_pylist([OPENAI_ROW]), tmp_path / "b.parquet")
     items = read_all(tmp_path / "a.json", tmp_path / "b.parquet")
     assert [type(i) for i in items] == [Conversation] * 3
-    assert [i.source for i in items] == [f"{tmp_path / 'a.json'}:0", f"{tmp_path / 'a.json'}:1",
-                                         f"{tmp_path / 'b.parquet'}:0"]
+    assert [i.source for i in items] == [f"{tmp_path / 'a.json'}:1", f"{tmp_path / 'a.json'}:2",
+                                         f"{tmp_path / 'b.parquet'}:1"]
+    assert [i.conversation_id for i in items] == ["a:1", "o1", "o1~2"]  # the repeated id is renamed
+    assert [i.duplicate_id_renamed for i in items] == [0, 0, 1]
     assert items[2].messages[1] == {"role": "assistant", "content": "Hello"}
 
 
@@ -54,7 +56,7 @@ def test_glob_and_limit(tmp_path):
     for name in ("x1.jsonl", "x2.jsonl"):
         write_jsonl(tmp_path / name, [SHAREGPT_ROW, SHAREGPT_ROW])
     items = read_all(tmp_path / "x*.jsonl")
-    assert [i.conversation_id for i in items] == ["x1:0", "x1:1", "x2:0", "x2:1"]
+    assert [i.conversation_id for i in items] == ["x1:1", "x1:2", "x2:1", "x2:2"]
     assert len(read_all(tmp_path / "x*.jsonl", limit=3)) == 3
 
 
@@ -100,29 +102,30 @@ def test_leading_assistant_dropped_and_user_turns_merged(tmp_path):
 
 def test_bad_rows_are_rejects_with_reasons(tmp_path):
     path = write_jsonl(tmp_path / "bad.jsonl", [
-        OPENAI_ROW,                                                                # 0 ok
-        b"{not json\n",                                                            # 1
-        b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}\n',              # 2
-        {"conversations": []},                                                     # 3
-        {"conversations": [{"from": "bot", "value": "x"}]},                        # 4
-        {"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]},   # 5
-        {"messages": [{"role": "user", "content": "only a question"}]},            # 6
-        {"text": "no conversation here"},                                          # 7
-        {"conversations": [{"from": "gpt", "value": "only a reply"}]},             # 8
+        OPENAI_ROW,                                                                # line 1 ok
+        b"{not json\n",                                                            # 2
+        b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}\n',              # 3
+        {"conversations": []},                                                     # 4
+        {"conversations": [{"from": "bot", "value": "x"}]},                        # 5
+        {"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]},   # 6
+        {"messages": [{"role": "user", "content": "only a question"}]},            # 7
+        {"text": "no conversation here"},                                          # 8
+        {"conversations": [{"from": "gpt", "value": "only a reply"}]},             # 9
     ])
     items = read_all(path)
     assert isinstance(items[0], Conversation)
-    rejects = {int(r.source.rsplit(":", 1)[1]): r for r in items if isinstance(r, Reject)}
+    rejects = {int(r.source.rsplit(":", 1)[1]) - 1: r for r in items if isinstance(r, Reject)}  # by index
     assert sorted(rejects) == [1, 2, 3, 4, 5, 6, 7, 8]
     assert all(r.source.startswith(f"{path}:") for r in rejects.values())
     assert rejects[1].reason.startswith("invalid JSON")
     assert rejects[2].reason.startswith("invalid UTF-8")
     assert rejects[3].reason == "empty conversation"
     assert rejects[4].reason.startswith("unknown role") and rejects[4].field == "conversations[0].from"
-    assert rejects[5].reason.startswith("turn with no content") and rejects[5].field == "messages[0].content"
+    assert rejects[5].reason == "turn with no content: messages[0].content is missing"
+    assert rejects[5].field == "messages[0].content"
     assert rejects[6].reason == "no assistant turn"
     assert rejects[7].reason.startswith("unknown format")
-    assert rejects[8].reason == "no assistant turn"
+    assert rejects[8].reason == "only a leading assistant turn (dropped)"
 
 
 def test_strict_names_file_row_and_field(tmp_path):
@@ -130,8 +133,8 @@ def test_strict_names_file_row_and_field(tmp_path):
     with pytest.raises(InputError) as info:
         read_all(path, strict=True)
     err = info.value
-    assert (err.file, err.row, err.field) == (str(path), 1, "conversations[0].from")
-    assert str(path) in str(err) and "row 1" in str(err) and "unknown role" in str(err)
+    assert (err.file, err.row, err.field) == (str(path), 2, "conversations[0].from")  # line 2
+    assert str(path) in str(err) and "row 2" in str(err) and "unknown role" in str(err)
 
 
 def test_forced_format_mismatch_is_a_reject(tmp_path):
@@ -144,7 +147,7 @@ def test_truncated_json_array_keeps_complete_records(tmp_path):
     (tmp_path / "cut.json").write_text(text[: len(text) - 30])
     items = read_all(tmp_path / "cut.json")
     assert [type(i) for i in items] == [Conversation, Conversation, Reject]
-    assert items[2].reason.startswith("truncated JSON") and items[2].source.endswith(":2")
+    assert items[2].reason.startswith("truncated JSON") and items[2].source.endswith(":3")
 
 
 def test_missing_input_is_an_input_error(tmp_path):
@@ -186,3 +189,51 @@ def test_tool_call_content_parts_become_tool_calls(tmp_path):
                         {"role": "assistant", "content": [{"type": "tool_call", "text": "not json"}]}]}
     (r,) = read_all(write_jsonl(tmp_path / "bad.jsonl", [bad]))
     assert isinstance(r, Reject) and r.reason.startswith("invalid tool call")
+
+
+def test_not_parquet_or_not_json_is_an_input_error_naming_the_file(tmp_path):
+    fake = tmp_path / "fake.parquet"
+    fake.write_text("just some text, not Parquet\n")
+    with pytest.raises(InputError, match="not a readable Parquet file") as info:
+        read_all(fake)
+    assert info.value.file == str(fake) and str(fake) in str(info.value)
+    text = tmp_path / "fake.json"
+    text.write_text("hello, this is not JSON\n")
+    with pytest.raises(InputError, match="not a readable JSON file") as info:
+        read_all(text)
+    assert info.value.file == str(text)
+
+
+def test_unfinished_output_directory_as_input(tmp_path):
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "part-00000.parquet").write_bytes(b"")
+    with pytest.raises(InputError, match=r"an unfinished peagle output \(no manifest.json\)"):
+        read_all(tmp_path / "half")
+
+
+def test_null_content_and_empty_or_leading_assistant_turns(tmp_path):
+    rows = [
+        {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "x"}]},
+        {"conversations": [{"from": "human", "value": None}, {"from": "gpt", "value": "x"}]},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""},
+                      {"role": "user", "content": "again"}, {"role": "assistant", "content": "ok"}]},
+        {"conversations": [{"from": "gpt", "value": "Welcome"}, {"from": "human", "value": "hi"}]},
+    ]
+    a, b, c, d, e = read_all(write_jsonl(tmp_path / "n.jsonl", rows))
+    assert a.reason == "turn with no content: messages[0].content is null"
+    assert b.reason == "turn with no content: conversations[0].value is null"
+    assert isinstance(c, Reject) and c.reason.startswith("no supervised tokens")
+    assert isinstance(d, Conversation) and d.empty_assistant_turns == 1
+    assert e.reason == "only a leading assistant turn (dropped)"
+
+
+def test_ids_are_unique_across_files_and_repeats(tmp_path):
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        write_jsonl(tmp_path / folder / "good.jsonl", [SHAREGPT_ROW, {**SHAREGPT_ROW, "id": "same"}])
+    items = read_all(tmp_path / "a" / "good.jsonl", tmp_path / "b" / "good.jsonl", tmp_path / "a" / "good.jsonl")
+    ids = [i.conversation_id for i in items]
+    assert ids == ["a/good:1", "same", "b/good:1", "same~2", "a/good:1~2", "same~3"]
+    assert len(set(ids)) == len(ids)
+    assert sum(i.duplicate_id_renamed for i in items) == 3
