@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from cli.common import echo_json, handle_errors
+from stores.errors import OutputExistsError
 
 
 def _progress(desc: str):
@@ -33,10 +34,11 @@ def _progress(desc: str):
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed (with --temperature > 0).")
 @click.option("--max-blocks", type=int, default=None, help="Offline: score at most N validation blocks.")
 @click.option("--output", default=None, type=click.Path(), help="Also write the JSON report here (and a PNG beside it).")
+@click.option("--force", is_flag=True, help="Overwrite an existing --output (and its PNG).")
 @handle_errors
 def main(drafter: str, verifier: str | None, prompts: str | None, store: str | None, max_new_tokens: int,
          num_prompts: int | None, num_draft_tokens: int | None, temperature: float, seed: int,
-         max_blocks: int | None, output: str | None) -> None:
+         max_blocks: int | None, output: str | None, force: bool) -> None:
     """Evaluate a drafter: offline on STORE, online (speculative decoding) on PROMPTS; prints one JSON object.
 
     Exits non-zero when speculative decoding does not reproduce the verifier's greedy output.
@@ -51,6 +53,10 @@ def main(drafter: str, verifier: str | None, prompts: str | None, store: str | N
 
     if prompts is None and store is None:
         raise click.UsageError("give --prompts (online), --store (offline), or both")
+    if output is not None and not force:
+        for existing in (Path(output), Path(output).with_suffix(".png")):
+            if existing.exists():
+                raise OutputExistsError(str(existing))
     try:
         EvalConfig(max_new_tokens=max_new_tokens, num_prompts=num_prompts, num_draft_tokens=num_draft_tokens,
                    max_blocks=max_blocks, temperature=temperature, seed=seed)

@@ -38,7 +38,7 @@ peagle-train --store "$OUT/features.zarr" --output "$OUT/drafter" --max-steps "$
 echo "== 4/4 evaluate offline (held-out blocks) and online (speculative decoding, $NUM_PROMPTS prompts of $PROMPTS)"
 peagle-eval --drafter "$OUT/drafter/final" --verifier smollm2-135m --store "$OUT/features.zarr" \
   --prompts "$PROMPTS" --num-prompts "$NUM_PROMPTS" --max-new-tokens "$MAX_NEW_TOKENS" \
-  --output "$OUT/eval.json" > /dev/null
+  --output "$OUT/eval.json" --force > /dev/null
 
 python - "$OUT" "$t0" <<'PY'
 import json, sys, time

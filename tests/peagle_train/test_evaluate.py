@@ -307,6 +307,10 @@ def test_cli_offline_and_online(tiny_verifier, tiny_verifier_dir, tmp_path):
     assert report["offline"]["blocks"] == [0] and report["offline"]["split"] == "all"
     assert json.loads((tmp_path / "eval.json").read_text()) == report
     assert (tmp_path / "eval.png").stat().st_size > 0
+    again = CliRunner().invoke(main, ["--drafter", str(tmp_path / "drafter"), "--store", store,
+                                      "--output", str(tmp_path / "eval.json")])
+    assert again.exit_code == 2 and "already exists" in again.output  # never overwritten without --force
+    assert json.loads((tmp_path / "eval.json").read_text()) == report
 
 
 def test_select_eval_blocks_uses_the_recorded_split():
