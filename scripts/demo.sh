@@ -41,15 +41,15 @@ peagle-eval --drafter "$OUT/drafter/final" --verifier smollm2-135m --store "$OUT
   --output "$OUT/eval.json" --force > /dev/null
 
 python - "$OUT" "$t0" <<'PY'
-import json, sys, time
-out, t0 = sys.argv[1], int(sys.argv[2])
+import json, os, sys, time
+out, t0 = os.path.abspath(sys.argv[1]), int(sys.argv[2])
 r = json.load(open(f"{out}/eval.json"))
 print()
 print(f"acceptance length (online, greedy): {r['acceptance_length']:.3f}")
 print(f"acceptance rate: {r['acceptance_rate']:.3f}   identical to greedy: {r['identical_to_greedy']}")
 print(f"tokens/s: {r['tokens_per_second']:.1f} speculative vs {r['baseline_tokens_per_second']:.1f} plain")
 if "offline" in r:
-    print(f"acceptance length (offline, held-out blocks): {r['offline']['acceptance_length']:.3f}")
+    print(f"acceptance length (offline, simulated on held-out blocks): {r['offline']['simulated_acceptance_length']:.3f}")
 print("artifacts:")
 for name, path in [("packed dataset", "packed"), ("feature store", "features.zarr"),
                    ("drafter checkpoint", "drafter/final"), ("training metrics", "drafter/metrics.jsonl"),

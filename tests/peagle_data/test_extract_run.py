@@ -167,3 +167,43 @@ def test_model_fingerprint_tells_same_shape_models_apart(tmp_path):
         LlamaForCausalLM(cfg).save_pretrained(tmp_path / name)
     assert model_fingerprint(tmp_path / "a") != model_fingerprint(tmp_path / "b")
     assert model_fingerprint(tmp_path / "a") == model_fingerprint(tmp_path / "a")
+
+
+def test_refuses_when_disk_is_short_unless_forced(tmp_path, tiny_verifier_dir, monkeypatch):
+    import collections
+    import shutil
+
+    packed = write_packed(tmp_path / "packed", n_blocks=2, block_size=32)
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 100, 100))
+    with pytest.raises(OutputExistsError, match="free"):
+        run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir),
+                                  output=str(tmp_path / "f.zarr"), layers=[1]), progress=False)
+    assert not (tmp_path / "f.zarr").exists()
+    s = run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir),
+                                  output=str(tmp_path / "f.zarr"), layers=[1], force=True), progress=False)
+    assert s["complete"]
+
+
+@pytest.mark.slow  # converts the real SmolLM2-135M once (~45 s) into the cache
+def test_real_smollm2_segments_equal_segments_alone():
+    from stores.model_cache import load_verifier
+
+    verifier = load_verifier("smollm2-135m", device="cpu")
+    torch.manual_seed(0)
+    lengths = [9, 14, 6]
+    segs = [torch.randint(10, 49152, (n,)) for n in lengths]
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    from peagle_data.extract import verifier_features
+
+    aux, final = verifier_features(verifier.model, torch.cat(segs), torch.cat([torch.arange(n) for n in lengths]),
+                                   cu, [2, 15, 27, 30])
+    for k, seg in enumerate(segs):
+        with torch.no_grad():
+            out = verifier(seg[None], output_hidden_states=True)
+        lo, hi = int(cu[k]), int(cu[k + 1])
+        for j, layer in enumerate([2, 15, 27, 30]):
+            want = out.hidden_states[layer][0].to(torch.bfloat16).float()
+            torch.testing.assert_close(aux[lo:hi, j].float(), want, atol=0.05 * float(want.abs().max()), rtol=0.02)
+        logits = verifier.lm_head(final[lo:hi].float())
+        assert torch.equal(logits.argmax(-1), out.logits[0].argmax(-1))
