@@ -46,8 +46,10 @@ STORAGE_DTYPES = ("bf16", "fp8")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _CHECKSUM_BYTES = 4  # crc32c codec appends 4 bytes to each chunk
 
-# name -> (dtype, per-block trailing shape builder)
 _TOKEN_ARRAYS = ("input_ids", "loss_mask", "position_ids")
+#: dimensions of every per-block array (chunk keys are ``c/i/0/...``)
+_NDIM = {"input_ids": 2, "loss_mask": 2, "position_ids": 2, "cu_seqlens": 2, "done": 1, "aux_hidden": 4,
+         "final_hidden": 3, "aux_scale": 3, "final_scale": 2}
 
 
 def bf16_to_uint16(t: torch.Tensor) -> np.ndarray:
@@ -131,6 +133,7 @@ class FeatureStore:
         self.attrs: dict[str, Any] = attrs
         self._local_root = Path(path) if _is_local(path) else None
         self._mmap_ok = self._local_root is not None and _uncompressed(group["aux_hidden"])
+        self._n_tokens_cache: np.ndarray | None = None
 
     # ---------------------------------------------------------------- properties
     @property
@@ -343,17 +346,31 @@ class FeatureStore:
         """``[N] int32``."""
         return self.group["n_tokens"][:]
 
-    def read_tokens(self, i: int) -> dict[str, np.ndarray]:
-        """Block ``i``'s token arrays as numpy (unpadded): input_ids, loss_mask, position_ids, cu_seqlens."""
-        T = int(self.group["n_tokens"][i])
-        cu = self.group["cu_seqlens"][i]
+    def _n_tokens_of(self, i: int) -> int:
+        # n_tokens is one small chunk written before any block: read it once per open store
+        if self._n_tokens_cache is None:
+            self._n_tokens_cache = self.group["n_tokens"][:]
+        return int(self._n_tokens_cache[i])
+
+    def read_tokens(self, i: int, via: str = "auto") -> dict[str, np.ndarray]:
+        """Block ``i``'s token arrays as numpy (unpadded): input_ids, loss_mask, position_ids, cu_seqlens.
+
+        ``via`` as in :meth:`read_block`: local uncompressed stores memory-map the chunk files.
+        """
+        T = self._n_tokens_of(i)
+        use_mmap = self._mmap_ok if via == "auto" else via == "mmap"
+        if use_mmap:
+            C, width = self.block_size, int(self.attrs["max_segments"]) + 1
+            get = lambda name, shape, dtype: self._mmap_chunk(name, i, shape, dtype)  # noqa: E731
+            cu = np.array(get("cu_seqlens", (width,), "int32"))
+            ids, mask, pos = (get("input_ids", (C,), "int32"), get("loss_mask", (C,), "uint8"),
+                              get("position_ids", (C,), "int32"))
+        else:
+            cu = self.group["cu_seqlens"][i]
+            ids, mask, pos = (self.group[n][i] for n in ("input_ids", "loss_mask", "position_ids"))
         cu = cu[: int(np.argmax(cu == cu[-1])) + 1]  # drop the padding repeats
-        return {
-            "input_ids": self.group["input_ids"][i][:T],
-            "loss_mask": self.group["loss_mask"][i][:T],
-            "position_ids": self.group["position_ids"][i][:T],
-            "cu_seqlens": cu,
-        }
+        return {"input_ids": np.array(ids[:T]), "loss_mask": np.array(mask[:T]),
+                "position_ids": np.array(pos[:T]), "cu_seqlens": cu}
 
     def read_block(self, i: int, via: str = "auto") -> BlockFeatures:
         """Read block ``i``.
@@ -366,13 +383,13 @@ class FeatureStore:
         """
         if not 0 <= i < self.n_blocks:
             raise IndexError(f"block {i} out of range [0, {self.n_blocks})")
-        if self._local_root is not None:
-            self._check_chunks_exist(i)
-        tok = self.read_tokens(i)
-        T = len(tok["input_ids"])
         use_mmap = self._mmap_ok if via == "auto" else via == "mmap"
         if use_mmap and not self._mmap_ok:
             raise StoreFormatError(f"{self.path}: memory-mapped reads need a local uncompressed store")
+        if self._local_root is not None:
+            self._check_chunks_exist(i)
+        tok = self.read_tokens(i, via="mmap" if use_mmap else "zarr")
+        T = len(tok["input_ids"])
         raw = {}
         for name, shape, dtype in _hidden_arrays(self.block_size, len(self.layers), self.hidden_size,
                                                  self.storage_dtype):
@@ -396,12 +413,16 @@ class FeatureStore:
         """Local path of block ``i``'s chunk of array ``name`` (None for a remote store)."""
         if self._local_root is None:
             return None
-        ndim = len(self.group[name].shape)
+        ndim = _NDIM.get(name) or len(self.group[name].shape)
         return self._local_root / name / "/".join(["c", str(i)] + ["0"] * (ndim - 1))
 
     def _check_chunks_exist(self, i: int) -> None:
         """Every chunk of a done block is written (``write_empty_chunks``); a missing one is damage."""
-        if not self.group["done"][i]:
+        if self._mmap_ok:
+            done = self.chunk_path("done", i)  # raw chunk: the flag's byte + the crc32c
+            if not done.is_file() or done.read_bytes()[:1] != b"\x01":
+                return
+        elif not self.group["done"][i]:
             return
         names = [*_TOKEN_ARRAYS, "cu_seqlens"] + [n for n, _, _ in _hidden_arrays(
             self.block_size, len(self.layers), self.hidden_size, self.storage_dtype)]
