@@ -53,13 +53,18 @@ def test_open_refuses_a_non_store(tmp_path):
         FeatureStore.open(tmp_path)
 
 
-def test_verify_detects_corrupt_and_truncated_chunks(tmp_path):
+def _three_done_blocks(tmp_path) -> FeatureStore:
     store = _make(tmp_path)
     store.write_all_n_tokens(np.array([4, 4, 4]))
     for i in range(3):
         store.write_tokens(i, [1, 2, 3, 4], [0, 1, 1, 1], [0, 1, 2, 3], [0, 4])
         store.write_features(i, torch.ones(4, 2, 4, dtype=torch.bfloat16), torch.ones(4, 4, dtype=torch.bfloat16))
         store.mark_done(i)
+    return store
+
+
+def test_verify_detects_corrupt_and_truncated_chunks(tmp_path):
+    _three_done_blocks(tmp_path)
     assert verify_store(tmp_path / "s.zarr")["ok"]
     chunk = tmp_path / "s.zarr" / "aux_hidden" / "c" / "1" / "0" / "0" / "0"
     data = bytearray(chunk.read_bytes())
@@ -158,12 +163,7 @@ class TestFsspecUrl(StoreContract):
 
 
 def test_missing_chunk_of_a_done_block_is_damage_not_zeros(tmp_path):
-    store = _make(tmp_path)
-    store.write_all_n_tokens(np.array([4, 4, 4]))
-    for i in range(3):
-        store.write_tokens(i, [1, 2, 3, 4], [0, 1, 1, 1], [0, 1, 2, 3], [0, 4])
-        store.write_features(i, torch.ones(4, 2, 4, dtype=torch.bfloat16), torch.ones(4, 4, dtype=torch.bfloat16))
-        store.mark_done(i)
+    _three_done_blocks(tmp_path)
     import shutil
     shutil.rmtree(tmp_path / "s.zarr" / "aux_hidden" / "c" / "1")
     (tmp_path / "s.zarr" / "input_ids" / "c" / "2" / "0").unlink()
