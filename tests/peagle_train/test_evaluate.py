@@ -22,13 +22,6 @@ from peagle_train.model import DrafterConfig
 from stores.errors import InputError
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads, and multi-threaded small GEMMs stall on a busy 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 # ------------------------------------------------------------------ offline, hand-built
 # One segment is the worked example of DESIGN.md §4: [SYS, USR, HDR, A1, A2, EOT], m = [0,0,0,1,1,1].

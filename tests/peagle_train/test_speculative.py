@@ -16,13 +16,6 @@ from peagle_train.speculative import (
 from stores.errors import InputError
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads, and multi-threaded small GEMMs stall on a busy 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 PROMPTS = [
     [1, 504, 3458, 282, 260, 1115, 30],

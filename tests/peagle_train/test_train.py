@@ -15,20 +15,9 @@ from stores.errors import StoreFormatError, StoreMismatchError
 H, V, LAYERS, C = 64, 256, [1, 2], 48
 
 
-def _verifier(path, hidden=H, vocab=V):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=3,
-                      rope_theta=10000.0, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
-def verifier_dir(tmp_path_factory):
-    return _verifier(tmp_path_factory.mktemp("verifier"))
+def verifier_dir(tmp_path_factory, make_tiny_llama):
+    return make_tiny_llama(tmp_path_factory.mktemp("verifier"), hidden=H, vocab=V)
 
 
 def _store(path, verifier_dir, n_blocks=1, done=None, seed=0):
@@ -136,13 +125,13 @@ def test_bad_config_names_the_option(kw, option):
         TrainConfig(store="s", output="o", **kw)
 
 
-def test_bad_stores_fail_before_training(tmp_path, verifier_dir):
+def test_bad_stores_fail_before_training(tmp_path, verifier_dir, make_tiny_llama):
     with pytest.raises(StoreFormatError):
         run_train(_cfg(str(tmp_path / "missing.zarr"), tmp_path / "o1"))
     store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=3, done={0, 2})
     with pytest.raises(StoreFormatError, match="--allow-incomplete"):
         run_train(_cfg(store, tmp_path / "o2"))
-    other = _verifier(tmp_path / "other", vocab=300)
+    other = make_tiny_llama(tmp_path / "other", vocab=300)
     with pytest.raises(StoreMismatchError, match="vocab_size"):
         run_train(_cfg(store, tmp_path / "o3", verifier=str(other), allow_incomplete=True))
     assert not (tmp_path / "o3").exists()

@@ -19,20 +19,9 @@ REPO = Path(__file__).resolve().parents[2]
 H, V, LAYERS, C = 64, 256, [1, 2], 48
 
 
-def _verifier(path, hidden=H, vocab=V):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=3,
-                      tie_word_embeddings=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
-def verifier_dir(tmp_path_factory):
-    return _verifier(tmp_path_factory.mktemp("verifier"))
+def verifier_dir(tmp_path_factory, make_tiny_llama):
+    return make_tiny_llama(tmp_path_factory.mktemp("verifier"), hidden=H, vocab=V)
 
 
 def _store(path, verifier_dir, n_blocks, done=None):
@@ -171,7 +160,7 @@ def test_zero_or_out_of_range_options_are_refused_not_defaulted(tmp_path, option
     assert not (tmp_path / "o").exists()
 
 
-def test_bad_stores_and_verifiers_fail_before_training(tmp_path, verifier_dir):
+def test_bad_stores_and_verifiers_fail_before_training(tmp_path, verifier_dir, make_tiny_llama):
     from cli.train import main
 
     def run(store, out, *extra):
@@ -183,7 +172,7 @@ def test_bad_stores_and_verifiers_fail_before_training(tmp_path, verifier_dir):
     assert "no feature store" in run(str(tmp_path / "missing.zarr"), "o1")
     store = _store(tmp_path / "s.zarr", verifier_dir, 3, done={0, 2})
     assert "--allow-incomplete" in run(store, "o2")
-    narrow = _verifier(tmp_path / "narrow", hidden=32)
+    narrow = make_tiny_llama(tmp_path / "narrow", hidden=32)
     assert "hidden_size 32" in run(store, "o3", "--allow-incomplete", "--verifier", str(narrow))
-    wide = _verifier(tmp_path / "wide", vocab=300)
+    wide = make_tiny_llama(tmp_path / "wide", vocab=300)
     assert "vocab_size 300" in run(store, "o4", "--allow-incomplete", "--verifier", str(wide))
