@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import click
+from click.core import ParameterSource
 
 from cli.common import handle_errors
 
@@ -49,6 +50,17 @@ def _tokenize_config(chat_template, limit, fmt, strict, num_workers, on_history_
                               num_workers=num_workers, on_history_rewrite=on_history_rewrite)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+
+
+_TOKENIZE_FIELDS = {"chat_template": "chat_template", "limit": "limit", "fmt": "format", "strict": "strict",
+                    "num_workers": "num_workers", "on_history_rewrite": "on_history_rewrite"}
+"""click parameter name -> TokenizeConfig field."""
+
+
+def _explicit_tokenize_fields(ctx: click.Context) -> set[str]:
+    """TokenizeConfig fields whose option the user set (command line or environment), not defaults."""
+    return {field for param, field in _TOKENIZE_FIELDS.items()
+            if ctx.get_parameter_source(param) not in (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)}
 
 
 def _echo_summary(summary: dict) -> None:
@@ -113,7 +125,8 @@ def pack(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, num_
          force, max_seq_len, block_size, overlap, overlap_loss, max_windows):
     """Cut conversations into windows and pack them into blocks with cu_seqlens.
 
-    INPUT: conversation files / 'sharegpt' (tokenized on the fly), or a tokenize output.
+    INPUT: conversation files / 'sharegpt' (tokenized on the fly), or a tokenize output (then
+    --format, --num-workers and --on-history-rewrite do not apply; a warning names them if given).
     Exits 1 with a warning when no row is used or no block is written.
     """
     from peagle_data.prepare import PackConfig, run_pack
@@ -124,6 +137,7 @@ def pack(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, num_
                          overlap_loss=overlap_loss, max_windows=max_windows, tokenize=tok_cfg)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    summary = run_pack(list(inputs), tokenizer_name, output, cfg, force=force)
+    summary = run_pack(list(inputs), tokenizer_name, output, cfg, force=force,
+                       explicit=_explicit_tokenize_fields(click.get_current_context()))
     _echo_summary(summary)
     _exit_if_useless(summary)

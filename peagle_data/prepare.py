@@ -27,8 +27,12 @@ are renamed ``id~k`` and counted (``duplicate_ids_renamed``).
 
 Outputs are written into a hidden sibling directory and renamed into place at the end
 (:func:`stores.token_tables.staged_output_dir`): a run that fails (``--strict``, a bad file)
-leaves no partial output. A run that uses no row still writes its manifest and rejects; the CLI
+leaves no partial output, and the staging directory of a killed run is removed by the next run
+writing the same output. A run that uses no row still writes its manifest and rejects; the CLI
 then warns and exits 1.
+
+``pack`` of a tokenize output ignores the tokenize-only options (:data:`TOKENIZE_ONLY`); it says
+so in one line on stderr when the caller set one of them to a non-default value.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Collection, Iterator, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -63,12 +67,16 @@ from stores.token_tables import (
 )
 
 __all__ = ["TokenizeConfig", "PackConfig", "run_tokenize", "run_pack", "iter_tokenized", "CHUNK_CONVERSATIONS",
-           "HISTORY_REWRITE"]
+           "HISTORY_REWRITE", "TOKENIZE_ONLY", "ignored_tokenize_options"]
 
 CHUNK_CONVERSATIONS = 64
 """Conversations rendered and tokenized together (one batched tokenizer call, one worker task)."""
 
 HISTORY_REWRITE = ("split", "reject")
+
+TOKENIZE_ONLY = {"format": "--format", "num_workers": "--num-workers", "on_history_rewrite": "--on-history-rewrite"}
+"""``TokenizeConfig`` fields (and their options) that only shape tokenizing raw conversations: ``pack``
+of a tokenize output ignores them (``limit``, ``strict`` and ``chat_template`` still apply)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -379,6 +387,20 @@ def run_tokenize(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.P
 # pack
 
 
+def ignored_tokenize_options(cfg: TokenizeConfig, explicit: Collection[str] | None = None) -> list[str]:
+    """The tokenize-only options that ``pack`` of a tokenize output ignores, as ``--option value``.
+
+    Args:
+        cfg: the tokenizing options given to pack.
+        explicit: names of the ``cfg`` fields the caller set explicitly (the CLI: options given on
+            the command line); None counts every field. Only those that also differ from their
+            default are named.
+    """
+    default = TokenizeConfig()
+    return [f"{option} {getattr(cfg, name)}" for name, option in TOKENIZE_ONLY.items()
+            if (explicit is None or name in explicit) and getattr(cfg, name) != getattr(default, name)]
+
+
 def _is_table(path: str | os.PathLike) -> bool:
     return Path(path).is_dir() and (Path(path) / MANIFEST).is_file()
 
@@ -423,7 +445,7 @@ def _open_tables(inputs, tokenizer, template) -> list[TokenTable]:
 
 def run_pack(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.PathLike,
              output: str | os.PathLike, cfg: PackConfig, force: bool = False,
-             tokenizer=None) -> dict[str, Any]:
+             tokenizer=None, explicit: Collection[str] | None = None) -> dict[str, Any]:
     """``peagle-data pack``: conversations or a tokenize output -> windows -> packed blocks (§5, §6).
 
     Args:
@@ -433,6 +455,9 @@ def run_pack(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.PathL
         cfg: window, packing and (for raw inputs) tokenizing options.
         force: replace an existing output.
         tokenizer: an already loaded tokenizer to use instead of loading ``tokenizer_name``.
+        explicit: names of the ``cfg.tokenize`` fields the caller set explicitly; with tokenize
+            outputs as inputs, those of :data:`TOKENIZE_ONLY` set to a non-default value are named
+            in one warning line on stderr (they are ignored). None counts every field.
 
     Returns:
         A summary: ``output``, ``counts`` (read/used/rejected, windows, windows_dropped, tokens,
@@ -448,6 +473,10 @@ def run_pack(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.PathL
     table_inputs = [_is_table(i) for i in inputs]
     if any(table_inputs) and not all(table_inputs):
         raise InputError("pack INPUTs must be all conversation files or all tokenize outputs, not a mix")
+    ignored = ignored_tokenize_options(cfg.tokenize, explicit) if all(table_inputs) else []
+    if ignored:
+        print(f"WARNING: ignoring {', '.join(ignored)}: the INPUT is a tokenize output, already tokenized "
+              "(these options only apply to raw conversations)", file=sys.stderr)
     if not all(table_inputs):
         resolve_inputs(inputs)  # fail on bad arguments before touching the output
     _check_output_not_input(output, inputs)

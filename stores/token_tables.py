@@ -4,7 +4,9 @@ A table is a directory of Parquet (zstd) part files ``part-00000.parquet`` ... p
 ``manifest.json`` written last (a table without a manifest is unfinished), and optionally
 ``rejects.jsonl`` and ``token_freq.npy``. Commands write a table with :func:`staged_output_dir`:
 into a hidden sibling directory renamed into place only when the command finishes, so a failed
-run leaves no half-written output behind. Token columns are ``large_list`` so no table hits the
+run leaves no half-written output behind. The hidden directory's name records the host and pid
+that own it, so the directory of a killed run (SIGKILL) is removed by the next run writing the same
+output (:func:`remove_stale_partials`). Token columns are ``large_list`` so no table hits the
 2^31 element limit.
 """
 
@@ -14,7 +16,9 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -40,6 +44,7 @@ __all__ = [
     "TokenTable",
     "prepare_output_dir",
     "staged_output_dir",
+    "remove_stale_partials",
     "write_manifest",
     "read_manifest",
     "manifest_sha256",
@@ -105,11 +110,75 @@ def prepare_output_dir(path: str | os.PathLike, force: bool) -> Path:
     return path
 
 
+_STAGING_KINDS = ("partial", "old")
+
+
+def _host_tag() -> str:
+    """This host's name as it appears in staging directory names (no path separators)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "localhost"
+
+
+def _staging_prefix(path: Path, kind: str) -> str:
+    return f".{path.name}.{kind}-"
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (also when it belongs to another user)."""
+    if pid <= 0:
+        return True  # never a real owner: keep the directory
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists, owned by another user
+        return True
+    return True
+
+
+def remove_stale_partials(path: str | os.PathLike) -> list[Path]:
+    """Remove the staging directories of ``path`` left by runs that were killed.
+
+    :func:`staged_output_dir` names its hidden directories ``.NAME.partial-HOST-PID-XXXX`` (and,
+    while replacing an output, ``.NAME.old-HOST-PID-NS``). One is stale when HOST is this host and
+    no process PID exists any more; only those are removed. Directories of a live process, of
+    another host (a shared file system), or without an owner in their name (older peagle versions)
+    are left alone.
+
+    Returns:
+        The removed directories.
+    """
+    path = Path(path)
+    parent = path.parent
+    if not parent.is_dir():
+        return []
+    host = _host_tag()
+    removed = []
+    for kind in _STAGING_KINDS:
+        prefix = _staging_prefix(path, kind)
+        for entry in parent.iterdir():
+            if not entry.name.startswith(prefix):
+                continue
+            owner = entry.name[len(prefix):].rsplit("-", 2)
+            if len(owner) != 3 or owner[0] != host or not owner[1].isdigit() or _pid_alive(int(owner[1])):
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:  # an output file or link being replaced by a killed --force run
+                with contextlib.suppress(OSError):
+                    entry.unlink()
+            if not entry.exists() and not entry.is_symlink():
+                removed.append(entry)
+    return removed
+
+
 @contextlib.contextmanager
 def staged_output_dir(path: str | os.PathLike, force: bool) -> Iterator[Path]:
     """Build an output directory atomically: yield an empty hidden sibling directory
-    (``.NAME.partial-XXXX``), rename it to ``path`` when the block finishes, remove it when the
-    block raises (``path`` is then left as it was).
+    (``.NAME.partial-HOST-PID-XXXX``), rename it to ``path`` when the block finishes, remove it
+    when the block raises (``path`` is then left as it was).
+
+    Staging directories of ``path`` left by killed runs on this host are removed first
+    (:func:`remove_stale_partials`), with one line on stderr naming them.
 
     Raises:
         OutputExistsError: ``path`` exists, is not an empty directory, and ``force`` is false
@@ -119,7 +188,12 @@ def staged_output_dir(path: str | os.PathLike, force: bool) -> Iterator[Path]:
     if path.exists() and (not path.is_dir() or any(path.iterdir())) and not force:
         raise OutputExistsError(str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    removed = remove_stale_partials(path)
+    if removed:
+        print(f"removed {len(removed)} stale partial output{'s' if len(removed) > 1 else ''} of killed runs "
+              f"(their process is gone): {', '.join(str(p) for p in removed)}", file=sys.stderr)
+    owner = f"{_host_tag()}-{os.getpid()}"
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(path, 'partial')}{owner}-", dir=path.parent))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)
@@ -130,7 +204,7 @@ def staged_output_dir(path: str | os.PathLike, force: bool) -> Iterator[Path]:
         raise
     old = None
     if path.exists() or path.is_symlink():
-        old = path.parent / f".{path.name}.old-{os.getpid()}-{time.monotonic_ns()}"
+        old = path.parent / f"{_staging_prefix(path, 'old')}{owner}-{time.monotonic_ns()}"
         os.rename(path, old)
     os.rename(tmp, path)
     if old is not None:

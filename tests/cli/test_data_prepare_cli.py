@@ -191,3 +191,26 @@ def test_broken_chat_template_exits_2_naming_the_file(tmp_path, convs, tok_name)
     assert result.exit_code == 2
     assert f"--chat-template {template} is not a valid Jinja template" in result.output
     assert "template error" not in result.output and not (tmp_path / "o").exists()
+
+
+def test_pack_of_a_tokenize_output_warns_about_ignored_tokenize_options(tmp_path, convs, tok_name):
+    assert invoke(tokenize, [convs, "--tokenizer", tok_name, "--output", tmp_path / "tok"]).exit_code == 0
+    args = [tmp_path / "tok", "--tokenizer", tok_name, "--max-seq-len", 64]
+    result = invoke(pack, [*args, "--output", tmp_path / "p1", "--format", "sharegpt", "--num-workers", 3,
+                           "--on-history-rewrite", "split", "--limit", 2])
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.stderr.splitlines() if "WARNING" in line]
+    # --on-history-rewrite split is its default and --limit applies: neither is named
+    assert warnings == ["WARNING: ignoring --format sharegpt, --num-workers 3: the INPUT is a tokenize output, "
+                        "already tokenized (these options only apply to raw conversations)"]
+    assert "WARNING" not in result.stdout and "read 2  used 2" in result.stdout
+    for extra in ([], ["--format", "auto", "--num-workers", 1]):  # nothing set, or set to the defaults
+        result = invoke(pack, [*args, "--output", tmp_path / f"p{len(extra)}x", *extra])
+        assert result.exit_code == 0 and "WARNING" not in result.stderr, result.output
+    # a value the user did not give (here a context default_map) is not named either
+    result = CliRunner().invoke(pack, [str(a) for a in [*args, "--output", tmp_path / "pdm"]],
+                                default_map={"num_workers": 3})
+    assert result.exit_code == 0 and "WARNING" not in result.stderr, result.output
+    raw = invoke(pack, [convs, "--tokenizer", tok_name, "--max-seq-len", 64, "--output", tmp_path / "raw",
+                        "--on-history-rewrite", "reject"])  # raw conversations: the option applies
+    assert raw.exit_code == 0 and "WARNING" not in raw.stderr, raw.output

@@ -1,8 +1,14 @@
-"""run_tokenize / run_pack end to end: bad rows, per-turn rows, workers, packing round trips."""
+"""run_tokenize / run_pack end to end: bad rows, per-turn rows, workers, packing round trips, stale
+partials of killed runs, ignored tokenize options."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -10,8 +16,11 @@ import pytest
 
 from peagle_data.prepare import PackConfig, TokenizeConfig, run_pack, run_tokenize
 from stores.errors import InputError
-from stores.token_tables import TokenTable
+from stores.token_tables import TokenTable, _host_tag
 from tests.peagle_data.test_chat_templates import QWEN3
+from tests.stores.test_token_tables import dead_pid, make_staging
+
+REPO = Path(__file__).resolve().parents[2]
 
 OK = {"id": "ok", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
 
@@ -228,3 +237,71 @@ def test_pack_round_trip_every_supervised_token_once(tmp_path, smollm2_tokenizer
         for a, b in zip(cu[:-1], cu[1:]):
             assert row["position_ids"][a:b].tolist() == list(range(b - a))
             assert row["loss_mask"][a:b].any()
+
+
+@pytest.mark.parametrize("command", ["tokenize", "pack"])
+def test_a_rerun_removes_stale_partials_of_dead_runs_only(tmp_path, smollm2_tokenizer, capsys, command):
+    src = write_rows(tmp_path / "ok.jsonl", [OK] * 3)
+    host = _host_tag()
+    stale = make_staging(tmp_path, "out", "partial", f"{host}-{dead_pid()}")
+    live = make_staging(tmp_path, "out", "partial", f"{host}-{os.getpid()}")
+    if command == "tokenize":
+        run_tokenize([src], "smollm2-135m", tmp_path / "out", TokenizeConfig(), tokenizer=smollm2_tokenizer)
+    else:
+        run_pack([src], "smollm2-135m", tmp_path / "out", PackConfig(max_seq_len=64), tokenizer=smollm2_tokenizer)
+    assert not stale.exists() and live.is_dir()
+    assert TokenTable.open(tmp_path / "out").manifest["counts"]["used"] == 3
+    lines = [line for line in capsys.readouterr().err.splitlines() if "stale partial" in line]
+    assert lines == [f"removed 1 stale partial output of killed runs (their process is gone): {stale}"]
+
+
+# `peagle-data ARGS`, except that the process SIGKILLs itself inside its staging directory (when it
+# would load the tokenizer), leaving that directory behind as a killed run does
+KILLED_DATA_CLI = """
+import os, signal, sys
+import peagle_data.prepare as p
+def die(*args):
+    os.kill(os.getpid(), signal.SIGKILL)
+p._load_tokenizer = die
+from cli.data import main
+sys.argv[0] = "peagle-data"
+main()
+"""
+
+
+def test_sigkilled_tokenize_leaves_a_partial_the_next_run_removes(tmp_path, smollm2_tokenizer, capsys):
+    src = write_rows(tmp_path / "ok.jsonl", [OK] * 3)
+    out = tmp_path / "tok"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-c", KILLED_DATA_CLI, "tokenize", str(src), "--tokenizer", "smollm2-135m",
+                          "--output", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == -signal.SIGKILL, res.stderr[-2000:]
+    left = [p for p in tmp_path.iterdir() if p.name.startswith(".tok.partial-")]
+    assert len(left) == 1 and not out.exists()
+    live = make_staging(tmp_path, "tok", "partial", f"{_host_tag()}-{os.getpid()}")
+    run_tokenize([src], "smollm2-135m", out, TokenizeConfig(), tokenizer=smollm2_tokenizer)
+    assert not left[0].exists() and live.is_dir()
+    assert str(left[0]) in capsys.readouterr().err
+    assert TokenTable.open(out).manifest["counts"]["used"] == 3
+
+
+def test_pack_of_a_tokenize_output_warns_about_ignored_tokenize_options(tmp_path, smollm2_tokenizer, capsys):
+    src = write_rows(tmp_path / "ok.jsonl", [OK] * 3)
+    run_tokenize([src], "smollm2-135m", tmp_path / "tok", TokenizeConfig(), tokenizer=smollm2_tokenizer)
+    tok_cfg = TokenizeConfig(format="sharegpt", num_workers=2, on_history_rewrite="reject", limit=2)
+    capsys.readouterr()
+    run_pack([tmp_path / "tok"], "smollm2-135m", tmp_path / "p", PackConfig(max_seq_len=64, tokenize=tok_cfg),
+             tokenizer=smollm2_tokenizer)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "WARNING" in line]
+    assert warnings == ["WARNING: ignoring --format sharegpt, --num-workers 2, --on-history-rewrite reject: the "
+                        "INPUT is a tokenize output, already tokenized (these options only apply to raw "
+                        "conversations)"]
+    # only the options the caller set explicitly are named; raw conversations use them all: no warning
+    run_pack([tmp_path / "tok"], "smollm2-135m", tmp_path / "p2", PackConfig(max_seq_len=64, tokenize=tok_cfg),
+             tokenizer=smollm2_tokenizer, explicit={"num_workers", "limit"})
+    assert [line for line in capsys.readouterr().err.splitlines() if "WARNING" in line] == [
+        "WARNING: ignoring --num-workers 2: the INPUT is a tokenize output, already tokenized (these options "
+        "only apply to raw conversations)"]
+    run_pack([src], "smollm2-135m", tmp_path / "p3", PackConfig(max_seq_len=64, tokenize=TokenizeConfig(
+        format="openai")), tokenizer=smollm2_tokenizer)
+    assert "WARNING" not in capsys.readouterr().err

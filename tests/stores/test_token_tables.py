@@ -1,0 +1,86 @@
+"""staged_output_dir: owner-named staging directories, and the cleanup of those of killed runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stores.errors import OutputExistsError
+from stores.token_tables import _host_tag, remove_stale_partials, staged_output_dir
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited and been reaped (so no process has it now)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def make_staging(parent: Path, output: str, kind: str, owner: str, suffix: str = "abc_12") -> Path:
+    """A staging directory ``.OUTPUT.KIND-OWNER-SUFFIX`` with a file in it, as a killed run leaves it."""
+    d = parent / f".{output}.{kind}-{owner}-{suffix}"
+    d.mkdir()
+    (d / "part-00000.parquet").write_bytes(b"half written")
+    return d
+
+
+def test_staging_directory_is_named_after_its_owner(tmp_path):
+    out = tmp_path / "out"
+    with staged_output_dir(out, force=False) as tmp:
+        assert tmp.parent == tmp_path
+        assert tmp.name.startswith(f".out.partial-{_host_tag()}-{os.getpid()}-")
+        (tmp / "x").write_text("1")
+    assert (out / "x").read_text() == "1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_stale_staging_of_dead_pids_removed_live_and_foreign_kept(tmp_path, capsys):
+    host, dead = _host_tag(), dead_pid()
+    stale = [make_staging(tmp_path, "out", "partial", f"{host}-{dead}"),
+             make_staging(tmp_path, "out", "old", f"{host}-{dead}", suffix="123456789")]
+    kept = [
+        make_staging(tmp_path, "out", "partial", f"{host}-{os.getpid()}"),  # live: this process
+        make_staging(tmp_path, "out", "partial", f"{host}-1"),  # live: pid 1
+        make_staging(tmp_path, "out", "partial", f"other-host.example-{dead}"),  # another host: unknown
+        make_staging(tmp_path, "out", "partial", "k3j", suffix="x9q1"),  # no owner: an older peagle's name
+        make_staging(tmp_path, "other", "partial", f"{host}-{dead}"),  # another output
+    ]
+    with staged_output_dir(tmp_path / "out", force=False) as tmp:
+        (tmp / "x").write_text("1")
+    assert not any(p.exists() for p in stale)
+    assert all(p.is_dir() for p in kept)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("removed 2 stale partial outputs of killed runs")
+    assert all(str(p) in err[0] for p in stale)
+    assert (tmp_path / "out" / "x").read_text() == "1"
+
+    assert remove_stale_partials(tmp_path / "out") == []  # nothing left to remove; no line then
+    with staged_output_dir(tmp_path / "out", force=True):
+        pass
+    assert capsys.readouterr().err == ""
+
+
+def test_hostname_with_dashes_and_odd_characters(tmp_path, monkeypatch):
+    import socket
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-7/gpu 3")
+    host, dead = _host_tag(), dead_pid()
+    assert host == "node-7_gpu_3"
+    stale = make_staging(tmp_path, "out", "partial", f"{host}-{dead}", suffix="42")
+    live = make_staging(tmp_path, "out", "partial", f"{host}-{os.getpid()}", suffix="42")
+    assert remove_stale_partials(tmp_path / "out") == [stale]
+    assert live.is_dir()
+
+
+def test_refused_output_touches_nothing(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "f").write_text("x")
+    stale = make_staging(tmp_path, "out", "partial", f"{_host_tag()}-{dead_pid()}")
+    with pytest.raises(OutputExistsError):
+        with staged_output_dir(tmp_path / "out", force=False):
+            pass
+    assert stale.is_dir()
