@@ -30,6 +30,10 @@ from cli.common import echo_json, handle_errors
 @click.option("--lazy-embedding/--dense-embedding", default=True, show_default=True,
               help="AdamW on the embedding rows a step touched (fast) or on the whole table.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of split, shuffles, COD and init.")
+@click.option("--attention-backend", type=click.Choice(["auto", "sdpa", "flex"]), default="auto",
+              show_default=True,
+              help="Drafter attention: flex (flex_attention block masks, CUDA only), sdpa (dense mask), "
+                   "auto (flex on CUDA, sdpa otherwise).")
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --output.")
 @click.option("--allow-incomplete", is_flag=True, help="Train on the done blocks of an unfinished store.")
 @click.option("--force", is_flag=True, help="Delete an existing --output first.")

@@ -10,19 +10,51 @@ at rope position ``position_ids[a] + 1 + d``. The first decoder layer attends ov
 ``[input_layernorm(embed) ‖ hidden_norm(fc(g))]`` (2H wide) with ``fc(g)`` as the residual, as in
 EAGLE-3 (Li et al., 2025, arXiv:2503.01840) and P-EAGLE; later layers are plain Llama layers.
 Tensor names follow the ``speculators`` 0.9 P-EAGLE model so vLLM loads the checkpoint.
+
+Attention takes the §8 rule in one of two forms (``peagle_train.attention``): a dense ``[E, E] bool``
+mask, run with ``scaled_dot_product_attention``, or a :class:`FlexElementMask`, run with
+``flex_attention`` (compiled once per process on CUDA; eager, forward only, elsewhere). Both give
+the same numbers up to float rounding.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-__all__ = ["DrafterConfig", "PEagleDrafter", "RMSNorm", "rotary_cos_sin"]
+from peagle_train.attention import FlexElementMask
+
+__all__ = ["DrafterConfig", "PEagleDrafter", "RMSNorm", "rotary_cos_sin", "AttentionMask"]
+
+AttentionMask = Union[torch.Tensor, FlexElementMask]
+"""The §8 rule as the drafter takes it: ``[E, E] bool`` (SDPA) or a :class:`FlexElementMask`."""
+
+_compiled_flex_attention = None  # torch.compile(flex_attention), made on the first CUDA call
+
+
+def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+    """``flex_attention`` of ``q [1, nh, R, hd]`` over ``k, v [1, nkv, E, hd]`` -> ``[1, nh, R, hd]``.
+
+    On CUDA through one ``torch.compile(flex_attention)`` per process (the fused kernel, with
+    backward); elsewhere eagerly, which torch implements for the forward only (on CPU it refuses
+    inputs that require grad: "FlexAttention does not support backward on CPU").
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if q.device.type != "cuda":
+        with warnings.catch_warnings():  # the eager path is intended here (tests, CPU inference)
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    global _compiled_flex_attention
+    if _compiled_flex_attention is None:
+        _compiled_flex_attention = torch.compile(flex_attention)
+    return _compiled_flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
 
 
 @dataclass(kw_only=True)
@@ -112,21 +144,31 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_mask: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """``x [E, in]`` -> ``[E, H]``, or ``[R, H]`` for the query ``rows [R]`` only (keys: all E)."""
+                attn_mask: AttentionMask, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [E, in]`` -> ``[E, H]``, or ``[R, H]`` for the query ``rows [R]`` only (keys: all E).
+
+        ``attn_mask``: ``[E, E] bool`` (SDPA; its rows ``rows`` are taken) or a
+        :class:`FlexElementMask` (flex_attention with its ``[E, E]`` or ``[R, E]`` BlockMask).
+        """
         E = x.shape[0]
-        xq, cq, sq, mq = (x, cos, sin, attn_mask) if rows is None else \
-            (x[rows], cos[rows], sin[rows], attn_mask[rows])
+        xq, cq, sq = (x, cos, sin) if rows is None else (x[rows], cos[rows], sin[rows])
         R = xq.shape[0]
         q = self.q_proj(xq).view(R, self.nh, self.hd).transpose(0, 1)  # [nh, R, hd]
         k = self.k_proj(x).view(E, self.nkv, self.hd).transpose(0, 1)  # [nkv, E, hd]
         v = self.v_proj(x).view(E, self.nkv, self.hd).transpose(0, 1)  # [nkv, E, hd]
         q = q * cq + _rotate_half(q) * sq
         k = k * cos + _rotate_half(k) * sin
-        rep = self.nh // self.nkv
-        k = k.repeat_interleave(rep, dim=0)  # [nh, E, hd]
-        v = v.repeat_interleave(rep, dim=0)
-        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mq)[0]  # [nh, R, hd]
+        if isinstance(attn_mask, FlexElementMask):
+            if R == 0:  # no query: nothing to attend (flex_attention wants a non-empty query)
+                out = torch.zeros_like(q)
+            else:  # GQA inside the kernel: k, v stay [nkv, E, hd]
+                out = _flex_attention(q[None], k[None], v[None], attn_mask.block_mask(rows))[0]  # [nh, R, hd]
+        else:
+            mq = attn_mask if rows is None else attn_mask[rows]  # [R, E]
+            rep = self.nh // self.nkv
+            k = k.repeat_interleave(rep, dim=0)  # [nh, E, hd]
+            v = v.repeat_interleave(rep, dim=0)
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mq)[0]  # [nh, R, hd]
         return self.o_proj(out.transpose(0, 1).reshape(R, self.nh * self.hd))  # [R, H]
 
 
@@ -156,7 +198,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_mask: torch.Tensor, embeds: torch.Tensor | None = None,
+                attn_mask: AttentionMask, embeds: torch.Tensor | None = None,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
         """``[E, H]`` -> ``[E, H]``, or ``[R, H]`` for ``rows [R]`` only (the others serve as keys)."""
         residual = hidden if rows is None else hidden[rows]
@@ -207,7 +249,7 @@ class PEagleDrafter(nn.Module):
         return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, is_mask: torch.Tensor,
-                position_ids: torch.Tensor, attn_mask: torch.Tensor,
+                position_ids: torch.Tensor, attn_mask: torch.Tensor | FlexElementMask,
                 output_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Run the drafter over E elements of one row.
 
@@ -217,8 +259,10 @@ class PEagleDrafter(nn.Module):
                 ``[E0, L*H]``, the rows of the E0 < E depth-0 elements only, in order.
             is_mask: ``[E] bool``; True for depth > 0 elements.
             position_ids: ``[E] int64``; rope position of each element (``pos[a] + 1 + d``).
-            attn_mask: ``[E, E] bool``, True where query row may attend key column
-                (see ``peagle_train.attention``); every row must allow at least itself.
+            attn_mask: ``[E, E] bool``, True where query row may attend key column (SDPA), or a
+                :class:`~peagle_train.attention.FlexElementMask` of the same elements
+                (flex_attention; the backward needs CUDA); see ``peagle_train.attention``. Every
+                row must allow at least itself.
             output_rows: ``[R] int64`` or None; the elements whose output is wanted (training asks
                 for the weighted ones). The last layer then runs its queries, MLP and norm on
                 these rows only; every element still serves as a key.

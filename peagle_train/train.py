@@ -5,7 +5,8 @@ D draft vocab, K ``num_depths``.
 
 One optimizer step reads ``grad_accum`` packed blocks (one per micro-step). For each block: COD
 sampling (:mod:`peagle_train.cod`) with a generator seeded from ``(seed, block position)``, the §8
-attention mask (:mod:`peagle_train.attention`), one drafter forward, and the chunked weighted KL to
+attention mask (:mod:`peagle_train.attention`; a dense mask for SDPA or flex_attention BlockMasks, see
+``attention_backend``), one drafter forward, and the chunked weighted KL to
 the verifier's stored final hidden states (:mod:`peagle_train.loss`). The verifier is loaded only
 for its ``embed_tokens`` and ``lm_head`` weights; it is never run.
 
@@ -33,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from peagle_train.attention import build_attention_mask
+from peagle_train.attention import FlexElementMask, build_attention_mask
 from peagle_train.checkpoint import (
     latest_checkpoint, load_training_state, save_checkpoint, save_drafter,
 )
@@ -55,6 +56,8 @@ __all__ = [
     "cod_generator",
     "CosineWithWarmup",
     "build_optimizer",
+    "ATTENTION_BACKENDS",
+    "resolve_attention_backend",
 ]
 
 
@@ -112,6 +115,10 @@ class TrainConfig:
     """Steps between metrics.jsonl lines (``--log-every``)."""
     lazy_embedding: bool = True
     """Update only the embedding rows a step touched (``--lazy-embedding/--dense-embedding``)."""
+    attention_backend: str = "auto"
+    """Drafter attention (``--attention-backend``): ``sdpa`` (dense mask), ``flex`` (flex_attention
+    BlockMasks, CUDA only) or ``auto`` (flex on CUDA, sdpa otherwise); see
+    :func:`resolve_attention_backend`."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, option: str, rule: str, value: Any) -> None:
@@ -138,6 +145,8 @@ class TrainConfig:
         need(self.loss_chunk_size >= 1, "--loss-chunk-size", ">= 1", self.loss_chunk_size)
         need(self.log_every >= 1, "--log-every", ">= 1", self.log_every)
         need(not (self.resume and self.force), "--resume/--force", "used one at a time", "both")
+        need(self.attention_backend in ATTENTION_BACKENDS, "--attention-backend",
+             f"one of {', '.join(ATTENTION_BACKENDS)}", self.attention_backend)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -296,8 +305,40 @@ def cod_generator(seed: int, flat_position: int) -> torch.Generator:
     return torch.Generator().manual_seed(_seed_of(seed, 1, flat_position))
 
 
+#: values of ``--attention-backend``
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
+
+
+def resolve_attention_backend(backend: str, cuda_available: bool | None = None) -> str:
+    """The attention the drafter runs: ``"sdpa"`` or ``"flex"``.
+
+    ``auto`` is ``flex`` where CUDA is available (the compiled flex_attention kernel skips the
+    masked tiles) and ``sdpa`` otherwise; ``sdpa`` and ``flex`` are taken as given.
+
+    Args:
+        backend: one of :data:`ATTENTION_BACKENDS`.
+        cuda_available: None asks ``torch.cuda.is_available()``.
+
+    Raises:
+        InputError: ``flex`` without CUDA (torch's flex_attention has no backward on CPU), or an
+            unknown name; ``field`` is ``--attention-backend``.
+    """
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    if backend not in ATTENTION_BACKENDS:
+        raise InputError(f"expected one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}",
+                         field="--attention-backend")
+    if backend == "auto":
+        return "flex" if cuda else "sdpa"
+    if backend == "flex" and not cuda:
+        raise InputError("flex needs CUDA: torch's flex_attention has no backward on CPU (it runs the "
+                         "forward only), so it cannot train here; use --attention-backend sdpa or auto",
+                         field="--attention-backend")
+    return backend
+
+
 def block_loss(model, draft_head: torch.Tensor, verifier_head: torch.Tensor, block: Block,
-               elements: CodElements, num_depths: int, chunk_size: int) -> LossOutput:
+               elements: CodElements, num_depths: int, chunk_size: int,
+               attention_backend: str = "sdpa") -> LossOutput:
     """Drafter forward over ``elements`` of ``block`` and the weighted KL to the verifier.
 
     Args:
@@ -306,11 +347,19 @@ def block_loss(model, draft_head: torch.Tensor, verifier_head: torch.Tensor, blo
         verifier_head: ``[D, H]`` the verifier's lm_head rows of the draft vocab.
         block: tensors on the model's device.
         elements: from COD sampling, on the model's device.
+        attention_backend: ``"sdpa"`` (dense ``[E, E]`` mask) or ``"flex"`` (a
+            :class:`~peagle_train.attention.FlexElementMask`; backward on CUDA only); see
+            :func:`resolve_attention_backend`.
     """
     inp = element_inputs(elements, block.input_ids, block.position_ids)
     dtype = draft_head.dtype
     aux = block.aux_hidden[inp.feature_index[~inp.is_mask]].to(dtype)  # [E0, L*H] depth-0 rows only
-    mask = build_attention_mask(elements)  # [E, E] bool
+    if attention_backend == "flex":
+        mask = FlexElementMask(elements)  # BlockMasks [E, E] and [E', E], built in the forward
+    elif attention_backend == "sdpa":
+        mask = build_attention_mask(elements)  # [E, E] bool
+    else:
+        raise ValueError(f"attention_backend must be 'sdpa' or 'flex', got {attention_backend!r}")
     rows = torch.nonzero(elements.weight != 0).squeeze(1)  # [E'] elements the loss reads
     hidden = model(inp.input_ids, aux, inp.is_mask, inp.position_ids, mask, output_rows=rows)  # [E', H]
     return kl_loss_and_accuracy(hidden, draft_head, block.final_hidden, verifier_head, elements.weight[rows],
@@ -382,7 +431,8 @@ def evaluate(model, draft_head, verifier_head, store, val_ids: np.ndarray, cfg: 
     for bid in val_ids[: cfg.val_max_blocks]:
         block = _block_to(to_block(int(bid), store.read_block(int(bid))), device)
         el = _sample(block, cfg, torch.Generator().manual_seed(_seed_of(cfg.seed, 2, int(bid)))).to(device)
-        out = block_loss(model, draft_head, verifier_head, block, el, cfg.num_depths, cfg.loss_chunk_size)
+        out = block_loss(model, draft_head, verifier_head, block, el, cfg.num_depths, cfg.loss_chunk_size,
+                         resolve_attention_backend(cfg.attention_backend))
         sums = _add(sums, {"loss_sum": out.loss_sum.float().reshape(1), "weight_sum": out.weight_sum.reshape(1),
                            "correct": out.correct, "counts": out.counts})
     if sums is None:
@@ -447,12 +497,13 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
         StoreMismatchError: the verifier does not match the store.
         OutputExistsError: output exists without ``resume`` or ``force``.
         InputError: ``--resume`` with settings that differ from the saved run, or a draft vocab
-            larger than the verifier's.
+            larger than the verifier's, or ``attention_backend="flex"`` without CUDA.
     """
     from accelerate import Accelerator
     from stores.feature_store import FeatureStore
     from tqdm.auto import tqdm
 
+    attention = resolve_attention_backend(cfg.attention_backend)  # InputError before any work
     store = FeatureStore.open(cfg.store)
     usable = check_store_ready(store, cfg.allow_incomplete)
     train_ids, val_ids = split_blocks(usable, cfg.seed, cfg.val_fraction)
@@ -541,7 +592,7 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
                 with nullcontext() if sync or world == 1 else accelerator.no_sync(model):
                     with accelerator.autocast():
                         res = block_loss(model, unwrapped.lm_head.weight, verifier_head, block, elements,
-                                         cfg.num_depths, cfg.loss_chunk_size)
+                                         cfg.num_depths, cfg.loss_chunk_size, attention)
                     accelerator.backward(res.loss / cfg.grad_accum)
                 sums = _add(sums, _reduce(accelerator, res))
                 n_tokens += block.n_tokens * world
