@@ -34,6 +34,9 @@ from cli.common import echo_json, handle_errors
               show_default=True,
               help="Drafter attention: flex (flex_attention block masks, CUDA only), sdpa (dense mask), "
                    "auto (flex on CUDA, sdpa otherwise).")
+@click.option("--report-to", default=None,
+              help="Also log the metrics.jsonl rows to accelerate trackers: tensorboard, wandb (comma-separated) "
+                   "or all installed; files under OUTPUT/trackers. wandb runs offline with WANDB_MODE=offline.")
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in --output.")
 @click.option("--allow-incomplete", is_flag=True, help="Train on the done blocks of an unfinished store.")
 @click.option("--force", is_flag=True, help="Delete an existing --output first.")

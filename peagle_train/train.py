@@ -16,12 +16,16 @@ Output directory layout:
   grad norm, ...) and one per validation (``"split": "val"``);
 - ``checkpoint-N/``: drafter (``config.json``, ``model.safetensors``) plus ``training_state.pt``;
 - ``final/``: the drafter at the last step, the directory to serve or evaluate;
-- ``training.png``: loss and per-depth accuracy against steps.
+- ``training.png``: loss and per-depth accuracy against steps;
+- ``trackers/``: only with ``report_to`` (``--report-to``): the accelerate trackers' files (TensorBoard
+  event files under ``trackers/peagle/``, wandb runs under ``trackers/wandb/``), fed the same rows as
+  ``metrics.jsonl`` (see :func:`tracker_values`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import shutil
@@ -43,7 +47,7 @@ from peagle_train.data import Block, BlockLoader, _seed_of, check_store_ready, s
 from peagle_train.loss import LossOutput, kl_loss_and_accuracy
 from peagle_train.model import DrafterConfig, PEagleDrafter
 from peagle_train.optim import LazyRowAdamW, clip_grad_norm
-from stores.errors import InputError, OutputExistsError, StoreMismatchError
+from stores.errors import InputError, MissingDependencyError, OutputExistsError, StoreMismatchError
 
 __all__ = [
     "TrainConfig",
@@ -58,7 +62,91 @@ __all__ = [
     "build_optimizer",
     "ATTENTION_BACKENDS",
     "resolve_attention_backend",
+    "TRACKERS",
+    "parse_report_to",
+    "resolve_trackers",
+    "tracker_values",
 ]
+
+#: accelerate trackers ``--report-to`` accepts: name -> (module that must import, pip requirement)
+TRACKERS: dict[str, tuple[str, str]] = {
+    "tensorboard": ("tensorboard", "tensorboard>=2.14"),
+    "wandb": ("wandb", "wandb"),
+}
+#: project name given to ``Accelerator.init_trackers`` (TensorBoard subdirectory, wandb project)
+TRACKER_PROJECT = "peagle"
+
+
+def parse_report_to(report_to: str | None) -> list[str]:
+    """The tracker names of ``--report-to`` (comma-separated, ``all`` for every installed one).
+
+    Returns the names in the given order without duplicates (``["all"]`` stays as is); ``[]`` for None.
+
+    Raises:
+        InputError: an empty list or a name that is neither a key of :data:`TRACKERS` nor ``all``.
+    """
+    if report_to is None:
+        return []
+    names = list(dict.fromkeys(n.strip().lower() for n in report_to.split(",")))
+    choices = ", ".join([*TRACKERS, "all"])
+    if not names or any(not n for n in names):
+        raise InputError(f"expected comma-separated tracker names ({choices}), got {report_to!r}",
+                         field="--report-to")
+    unknown = [n for n in names if n not in TRACKERS and n != "all"]
+    if unknown:
+        raise InputError(f"unknown tracker {', '.join(map(repr, unknown))}; choose from {choices} "
+                         "(comma-separated)", field="--report-to")
+    return ["all"] if "all" in names else names
+
+
+def resolve_trackers(report_to: str | None) -> list[str]:
+    """The tracker names to pass to ``Accelerator(log_with=...)``, each checked to be installed.
+
+    ``all`` means every tracker of :data:`TRACKERS` whose package is installed (at least one).
+
+    Raises:
+        InputError: see :func:`parse_report_to`.
+        MissingDependencyError: a named tracker (or, for ``all``, every tracker) is not installed;
+            the message names the pip package.
+    """
+    names = parse_report_to(report_to)
+    if not names:
+        return []
+    installed = [n for n in TRACKERS if importlib.util.find_spec(TRACKERS[n][0]) is not None]
+    if names == ["all"]:
+        if not installed:
+            raise MissingDependencyError(
+                "--report-to all found no tracker installed; install one: "
+                + " or ".join(f"pip install '{req}'" for _, req in TRACKERS.values()))
+        return installed
+    missing = [n for n in names if n not in installed]
+    if missing:
+        raise MissingDependencyError(
+            f"--report-to {','.join(missing)} needs "
+            + ", ".join(f"the {TRACKERS[n][0]!r} package" for n in missing)
+            + ": pip install " + " ".join(f"'{TRACKERS[n][1]}'" for n in missing)
+            + (" (or pip install -e '.[trackers]')" if missing == ["tensorboard"] else ""))
+    return names
+
+
+def tracker_values(row: dict) -> dict[str, float]:
+    """A ``metrics.jsonl`` row as tracker scalars: ``"<split>/<key>"``, lists as ``<key>_d<i>``.
+
+    A validation key loses its ``val_`` prefix (``val_loss`` -> ``val/loss``, ``val_acc`` ->
+    ``val/acc_d0``...); ``split``, ``step`` and ``blocks`` (ids, not a metric) are left out, and so
+    is a None (a depth without elements this step).
+    """
+    split = row.get("split", "train")
+    out: dict[str, float] = {}
+    for key, value in row.items():
+        if key in ("split", "step", "blocks"):
+            continue
+        name = f"{split}/{key.removeprefix(split + '_')}"
+        items = [(f"_d{i}", x) for i, x in enumerate(value)] if isinstance(value, list) else [("", value)]
+        for suffix, v in items:
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[name + suffix] = v
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,6 +207,9 @@ class TrainConfig:
     """Drafter attention (``--attention-backend``): ``sdpa`` (dense mask), ``flex`` (flex_attention
     BlockMasks, CUDA only) or ``auto`` (flex on CUDA, sdpa otherwise); see
     :func:`resolve_attention_backend`."""
+    report_to: str | None = None
+    """Accelerate trackers fed the metrics.jsonl rows, comma-separated: tensorboard, wandb, all
+    (``--report-to``); None: none (no tracker package imported)."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, option: str, rule: str, value: Any) -> None:
@@ -147,6 +238,7 @@ class TrainConfig:
         need(not (self.resume and self.force), "--resume/--force", "used one at a time", "both")
         need(self.attention_backend in ATTENTION_BACKENDS, "--attention-backend",
              f"one of {', '.join(ATTENTION_BACKENDS)}", self.attention_backend)
+        parse_report_to(self.report_to)  # InputError (a ValueError) naming --report-to
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -498,11 +590,13 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
         OutputExistsError: output exists without ``resume`` or ``force``.
         InputError: ``--resume`` with settings that differ from the saved run, or a draft vocab
             larger than the verifier's, or ``attention_backend="flex"`` without CUDA.
+        MissingDependencyError: a ``report_to`` tracker whose package is not installed.
     """
     from accelerate import Accelerator
     from stores.feature_store import FeatureStore
     from tqdm.auto import tqdm
 
+    trackers = resolve_trackers(cfg.report_to)  # before anything is read or written
     attention = resolve_attention_backend(cfg.attention_backend)  # InputError before any work
     store = FeatureStore.open(cfg.store)
     usable = check_store_ready(store, cfg.allow_incomplete)
@@ -513,8 +607,12 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
     D = int(d2t.numel()) if d2t is not None else store.vocab_size
 
     # cpu=True without CUDA: a multi-process launch then runs data-parallel on gloo (MULTI_CPU)
+    tracking = {"log_with": trackers, "project_dir": str(Path(cfg.output) / "trackers")} if trackers else {}
     accelerator = Accelerator(mixed_precision="bf16" if torch.cuda.is_available() else "no",
-                              cpu=not torch.cuda.is_available())
+                              cpu=not torch.cuda.is_available(), **tracking)
+    if trackers and sorted(map(str, accelerator.log_with)) != sorted(trackers):
+        raise MissingDependencyError(f"accelerate {accelerator.log_with} could not load every tracker of "
+                                     f"--report-to {','.join(trackers)}; check that their packages import")
     main = accelerator.is_main_process
     resume_from = _prepare_output(cfg) if main else None
     accelerator.wait_for_everyone()
@@ -576,6 +674,23 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
                                     "down_sample_ratio_min": cfg.down_sample_ratio_min,
                                     "val_blocks": [int(i) for i in val_ids]}}
 
+    if trackers and main:
+        hparams = {k: v for k, v in cfg.to_dict().items() if isinstance(v, (bool, int, float, str))}
+        hparams.update(max_steps=max_steps, warmup_steps=warmup, draft_vocab_size=D, verifier=verifier_name,
+                       world_size=world, train_blocks=int(len(train_ids)), val_blocks=int(len(val_ids)))
+        (out / "trackers").mkdir(exist_ok=True)  # wandb falls back to a temp dir when its dir is missing
+        # purge_step: TensorBoard hides the events a killed run wrote after the checkpoint resumed from
+        accelerator.init_trackers(TRACKER_PROJECT, config=hparams, init_kwargs={
+            "tensorboard": {"purge_step": step + 1} if resume_from is not None else {},
+            "wandb": {"name": out.name, "dir": str(out / "trackers")}})
+
+    def record(row: dict) -> None:
+        """Append ``row`` to metrics.jsonl and send it to the trackers (main process only)."""
+        _write_metrics(metrics_path, [row])
+        values = tracker_values(row) if trackers else {}
+        if values:
+            accelerator.log(values, step=row["step"])
+
     bar = tqdm(total=max_steps, initial=step, disable=not main, desc="peagle-train", dynamic_ncols=True)
     history: list[dict] = []
     t_start, tokens_total, wait0 = time.perf_counter(), 0, loader.wait_s
@@ -613,7 +728,7 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
             history.append(row)
             if main:
                 if step % cfg.log_every == 0 or step == max_steps:
-                    _write_metrics(metrics_path, [row])
+                    record(row)
                 shown = " ".join(f"{a:.2f}" if a is not None else "-" for a in acc[:4])
                 bar.set_postfix_str(f"loss {loss:.3f} acc {shown} tok/s {n_tokens / dt:.0f} lr {lr:.2e}")
                 bar.update(1)
@@ -623,10 +738,13 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
                     save(f"checkpoint-{step}")
                     if len(val_ids):
                         model.eval()
-                        _write_metrics(metrics_path, [{"split": "val", "step": step, **evaluate(
+                        record({"split": "val", "step": step, **evaluate(
                             unwrapped, unwrapped.lm_head.weight, verifier_head, store, val_ids, cfg,
-                            accelerator.device)}])
+                            accelerator.device)})
                         model.train()
+    except BaseException:
+        _finish_trackers(accelerator, trackers)
+        raise
     finally:
         bar.close()
         loader.close()
@@ -635,32 +753,48 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
     summary: dict[str, Any] = {"steps": step, "resumed_from": str(resume_from) if resume_from else None,
                                "rank": accelerator.process_index}
     if main:
-        save(f"checkpoint-{step}")
-        final = save_drafter(unwrapped, out / "final", training_info())
-        model.eval()
-        val = evaluate(unwrapped, unwrapped.lm_head.weight, verifier_head, store, val_ids, cfg,
-                       accelerator.device) if len(val_ids) else {}
-        if val:
-            _write_metrics(metrics_path, [{"split": "val", "step": step, **val}])
-        plot = plot_metrics(metrics_path, out / "training.png") if metrics_path.is_file() else None
-        tail = history[-max(1, min(10, len(history))):] if history else []
-        elapsed = time.perf_counter() - t_start
-        summary.update({
-            "final_loss": history[-1]["loss"] if history else None,
-            "per_depth_accuracy": _mean_acc(tail),
-            "val_loss": val.get("val_loss"),
-            "val_per_depth_accuracy": val.get("val_acc"),
-            "checkpoint": str(final),
-            "output": str(out),
-            "metrics": str(metrics_path),
-            "plot": str(plot) if plot else None,
-            "tokens_per_second": tokens_total / elapsed if elapsed > 0 else None,
-            "data_wait_fraction": (loader.wait_s - wait0) / elapsed if elapsed > 0 else None,
-            "train_blocks": int(len(train_ids)),
-            "val_blocks": int(len(val_ids)),
-            "draft_vocab_size": D,
-        })
+        try:
+            save(f"checkpoint-{step}")
+            final = save_drafter(unwrapped, out / "final", training_info())
+            model.eval()
+            val = evaluate(unwrapped, unwrapped.lm_head.weight, verifier_head, store, val_ids, cfg,
+                           accelerator.device) if len(val_ids) else {}
+            if val:
+                record({"split": "val", "step": step, **val})
+            plot = plot_metrics(metrics_path, out / "training.png") if metrics_path.is_file() else None
+            tail = history[-max(1, min(10, len(history))):] if history else []
+            elapsed = time.perf_counter() - t_start
+            summary.update({
+                "final_loss": history[-1]["loss"] if history else None,
+                "per_depth_accuracy": _mean_acc(tail),
+                "val_loss": val.get("val_loss"),
+                "val_per_depth_accuracy": val.get("val_acc"),
+                "checkpoint": str(final),
+                "output": str(out),
+                "metrics": str(metrics_path),
+                "plot": str(plot) if plot else None,
+                "tokens_per_second": tokens_total / elapsed if elapsed > 0 else None,
+                "data_wait_fraction": (loader.wait_s - wait0) / elapsed if elapsed > 0 else None,
+                "train_blocks": int(len(train_ids)),
+                "val_blocks": int(len(val_ids)),
+                "draft_vocab_size": D,
+            })
+        except BaseException:
+            _finish_trackers(accelerator, trackers)
+            raise
+    if trackers:
+        accelerator.end_training()
     return summary
+
+
+def _finish_trackers(accelerator, trackers: list[str]) -> None:
+    """Error path: flush and close the trackers (``end_training`` would also tear down the process
+    group, which the other ranks of a failing run may still be blocked in)."""
+    for tracker in accelerator.trackers if trackers else []:
+        try:
+            tracker.finish()
+        except Exception:  # the original error matters more
+            pass
 
 
 def _mean_acc(rows: list[dict]) -> list[float | None]:

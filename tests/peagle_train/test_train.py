@@ -74,6 +74,7 @@ def test_loss_decreases_on_a_repeated_block(tmp_path, verifier_dir):
     assert drafter.config.draft_vocab_size == 100 and drafter.config.mask_token_id == 3
     assert (tmp_path / "out" / "training.png").stat().st_size > 0
     assert (tmp_path / "out" / "checkpoint-12" / "training_state.pt").is_file()
+    assert not (tmp_path / "out" / "trackers").exists()  # no --report-to: no tracker
 
 
 def test_resume_continues_exactly(tmp_path, verifier_dir):
@@ -168,3 +169,145 @@ def test_same_shape_but_other_verifier_is_refused(tmp_path, verifier_dir):
     with pytest.raises(StoreMismatchError, match="fingerprint"):
         run_train(_cfg(store, tmp_path / "o", verifier=str(tmp_path / "twin")))
     run_train(_cfg(store, tmp_path / "o2", verifier=str(verifier_dir)))  # the right one trains
+
+
+# --- --report-to: accelerate trackers fed the metrics.jsonl rows ---------------------------------------
+
+
+def _hide_modules(monkeypatch, *names):
+    """Make ``importlib.util.find_spec`` report ``names`` as not installed (what resolve_trackers asks)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name in names else real(name, *a, **k))
+
+
+def _scalars(logdir):
+    """``{tag: [(step, value), ...]}`` of the TensorBoard event files directly in ``logdir``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tracker_values_flatten_a_metrics_row():
+    from peagle_train.train import tracker_values
+
+    train = {"split": "train", "step": 3, "loss": 1.5, "acc": [0.5, None, 0.25], "lr": 1e-3, "blocks": [4, 2]}
+    assert tracker_values(train) == {"train/loss": 1.5, "train/acc_d0": 0.5, "train/acc_d2": 0.25, "train/lr": 1e-3}
+    val = {"split": "val", "step": 3, "val_loss": 2.0, "val_acc": [0.75]}
+    assert tracker_values(val) == {"val/loss": 2.0, "val/acc_d0": 0.75}
+
+
+def test_report_to_tensorboard_logs_the_metrics_jsonl_values(tmp_path, verifier_dir):
+    pytest.importorskip("tensorboard", reason="the test extra installs tensorboard: pip install -e '.[test]'")
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=5)
+    out = tmp_path / "out"
+    run_train(_cfg(store, out, max_steps=4, save_every=2, val_fraction=0.2, report_to="tensorboard"))
+    train, val = _rows(out), _rows(out, "val")
+    assert [r["step"] for r in train] == [1, 2, 3, 4] and [r["step"] for r in val] == [2, 4]
+
+    logged = _scalars(out / "trackers" / "peagle")
+    f32 = lambda x: float(np.float32(x))  # noqa: E731  TensorBoard stores scalars as float32
+    assert logged["train/loss"] == [(r["step"], f32(r["loss"])) for r in train]
+    assert logged["train/lr"] == [(r["step"], f32(r["lr"])) for r in train]
+    assert logged["train/tokens_per_s"] == [(r["step"], f32(r["tokens_per_s"])) for r in train]
+    assert logged["train/grad_norm"] == [(r["step"], f32(r["grad_norm"])) for r in train]
+    for d in range(4):
+        assert logged[f"train/acc_d{d}"] == [(r["step"], f32(r["acc"][d])) for r in train
+                                              if r["acc"][d] is not None]
+        assert logged[f"val/acc_d{d}"] == [(r["step"], f32(r["val_acc"][d])) for r in val
+                                            if r["val_acc"][d] is not None]
+    assert logged["val/loss"] == [(r["step"], f32(r["val_loss"])) for r in val]
+    assert not any("blocks" in tag or tag.endswith("/step") for tag in logged)
+    hparams = list((out / "trackers" / "peagle").glob("*/hparams.yml"))
+    assert len(hparams) == 1 and "report_to: tensorboard" in hparams[0].read_text()
+    assert "max_steps: 4" in hparams[0].read_text()
+
+
+def test_report_to_tensorboard_after_resume_holds_each_step_once(tmp_path, verifier_dir):
+    pytest.importorskip("tensorboard", reason="the test extra installs tensorboard: pip install -e '.[test]'")
+    import shutil
+
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=4)
+    full, part = tmp_path / "full", tmp_path / "part"
+    run_train(_cfg(store, full, max_steps=4, save_every=2, report_to="tensorboard"))
+    shutil.copytree(full, part)  # as if killed after step 4 was logged but before its checkpoint
+    shutil.rmtree(part / "checkpoint-4")
+    shutil.rmtree(part / "final")
+    run_train(_cfg(store, part, max_steps=4, save_every=2, report_to="tensorboard", resume=True))
+    rows = _rows(part)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    # the resumed writer's purge_step hides the killed run's steps 3-4; each step is there once
+    assert _scalars(part / "trackers" / "peagle")["train/loss"] == [
+        (r["step"], float(np.float32(r["loss"]))) for r in rows]
+
+
+@pytest.mark.parametrize("value, message", [
+    ("tensorbored", "unknown tracker 'tensorbored'"), ("tensorboard,,wandb", "comma-separated"),
+    ("", "comma-separated"),
+])
+def test_report_to_unknown_tracker_is_an_input_error(value, message):
+    from stores.errors import InputError
+
+    with pytest.raises(InputError, match=message) as e:
+        TrainConfig(store="s", output="o", report_to=value)
+    assert e.value.field == "--report-to" and "tensorboard, wandb, all" in str(e.value)
+
+
+def test_report_to_missing_package_fails_before_training(tmp_path, verifier_dir, monkeypatch):
+    from peagle_train.train import resolve_trackers
+    from stores.errors import MissingDependencyError
+
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
+    _hide_modules(monkeypatch, "tensorboard")
+    with pytest.raises(MissingDependencyError,
+                       match=r"needs the 'tensorboard' package: pip install 'tensorboard>=2.14'"):
+        run_train(_cfg(store, tmp_path / "o", report_to="tensorboard"))
+    assert not (tmp_path / "o").exists()
+    _hide_modules(monkeypatch, "tensorboard", "wandb")
+    with pytest.raises(MissingDependencyError, match=r"pip install 'tensorboard>=2.14' or pip install 'wandb'"):
+        resolve_trackers("all")
+    with pytest.raises(MissingDependencyError,
+                       match=r"--report-to wandb needs the 'wandb' package: pip install 'wandb'"):
+        resolve_trackers("wandb")
+
+
+def test_report_to_all_means_the_installed_trackers(monkeypatch):
+    from peagle_train.train import resolve_trackers
+
+    _hide_modules(monkeypatch, "wandb")
+    assert resolve_trackers("all") == resolve_trackers("tensorboard, all") == ["tensorboard"]
+    assert resolve_trackers(None) == []
+
+
+def test_cli_report_to(tmp_path, verifier_dir, monkeypatch):
+    pytest.importorskip("tensorboard", reason="the test extra installs tensorboard: pip install -e '.[test]'")
+    from cli.train import main
+
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
+    args = ["--store", store, "--max-steps", "2", "--num-depths", "2", "--val-fraction", "0"]
+    res = CliRunner().invoke(main, [*args, "--output", str(tmp_path / "out"), "--report-to", "tensorboard"])
+    assert res.exit_code == 0, res.output
+    losses = [(r["step"], float(np.float32(r["loss"]))) for r in _rows(tmp_path / "out")]
+    assert _scalars(tmp_path / "out" / "trackers" / "peagle")["train/loss"] == losses and len(losses) == 2
+
+    res = CliRunner().invoke(main, [*args, "--output", str(tmp_path / "o2"), "--report-to", "mlflowx"])
+    assert res.exit_code == 2 and "--report-to" in res.output and "mlflowx" in res.output, res.output
+    _hide_modules(monkeypatch, "tensorboard")
+    res = CliRunner().invoke(main, [*args, "--output", str(tmp_path / "o3"), "--report-to", "tensorboard"])
+    assert res.exit_code == 2 and "pip install 'tensorboard>=2.14'" in res.output, res.output
+    assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
+
+
+def test_report_to_wandb_offline(tmp_path, verifier_dir, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb is not installed (no extra pulls it in; pip install wandb)")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
+    run_train(_cfg(store, tmp_path / "out", max_steps=2, report_to="wandb"))
+    assert len(_rows(tmp_path / "out")) == 2
+    runs = list((tmp_path / "out" / "trackers" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and runs[0].stat().st_size > 0
