@@ -6,8 +6,14 @@
 2. Reading every block back from the store (memory-mapped chunk files -> bf16 tensors) against a
    plain sequential read of the same chunk files' bytes, both from the page cache.
 
+On CUDA (``--device cuda``) a second baseline is the forward with the features left on the GPU
+(no device-to-host copy, one synchronize at the end): the GPU's busy time. ``extract`` close to it
+means the pinned asynchronous copies and the writer thread leave the GPU no idle time; the plain
+baseline (``to_host``: a blocking copy after every block) shows what a naive loop would cost.
+
 Usage (from the repository root, inside .venv):
     python bench/bench_extract.py --packed demo/packed --verifier smollm2-135m --blocks 24
+    python bench/bench_extract.py --packed demo/packed --blocks 64 --device cuda
 """
 
 from __future__ import annotations
@@ -42,15 +48,19 @@ def subset_table(packed: Path, n_blocks: int, out: Path) -> Path:
     return out
 
 
-def bare_forward_s(verifier, packed: Path, layers: list[int]) -> tuple[float, int]:
+def bare_forward_s(verifier, packed: Path, layers: list[int], to_host: bool = True) -> tuple[float, int]:
+    """Seconds and tokens of the verifier forward over every block (no store); ``to_host=False``
+    leaves the features on the device and synchronizes once at the end."""
     base = _base_model(verifier)
     tokens = 0
     t0 = time.perf_counter()
     for row in TokenTable.open(packed).iter_rows(["input_ids", "position_ids", "cu_seqlens", "n_tokens"]):
         verifier_features(base, torch.tensor(row["input_ids"], dtype=torch.long),
                           torch.tensor(row["position_ids"], dtype=torch.long),
-                          torch.tensor(row["cu_seqlens"], dtype=torch.long), layers)
+                          torch.tensor(row["cu_seqlens"], dtype=torch.long), layers, to_host=to_host)
         tokens += int(row["n_tokens"])
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return time.perf_counter() - t0, tokens
 
 
@@ -86,32 +96,49 @@ def main() -> None:
     ap.add_argument("--verifier", default="smollm2-135m")
     ap.add_argument("--blocks", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=2, help="alternate bare/extract this many times; best kept")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--attn-implementation", default="auto",
+                    help="extract's --attn-implementation (auto: flash_attention_2 on CUDA when installed)")
     args = ap.parse_args()
+    cuda = args.device == "cuda"
 
     work = Path(tempfile.mkdtemp(prefix="peagle-bench-"))
     try:
         packed = subset_table(args.packed, args.blocks, work / "packed")
         t0 = time.perf_counter()
-        verifier = load_verifier(args.verifier, device="cpu")
+        impl = args.attn_implementation
+        if impl == "auto":
+            from peagle_data.extract import _has_flash_attn
+            impl = "flash_attention_2" if cuda and _has_flash_attn() else "sdpa"
+        verifier = load_verifier(args.verifier, device=args.device, attn_implementation=impl)
+        if cuda:
+            torch.cuda.synchronize()
         load_s = time.perf_counter() - t0
         layers = default_layers(verifier.config.num_hidden_layers)
         bare_forward_s(verifier, subset_table(args.packed, 1, work / "warm"), layers)  # warm-up
-        bare, extract = [], []
+        bare, on_device, extract = [], [], []
         for r in range(args.repeats):
             s, tokens = bare_forward_s(verifier, packed, layers)
             bare.append(s)
+            if cuda:
+                on_device.append(bare_forward_s(verifier, packed, layers, to_host=False)[0])
             t0 = time.perf_counter()
             run_extract(ExtractConfig(packed=str(packed), verifier=args.verifier, output=str(work / "f.zarr"),
-                                      device="cpu", force=True), progress=False, log=lambda m: None)
+                                      device=args.device, attn_implementation=impl, force=True),
+                        progress=False, log=lambda m: None)
             extract.append(time.perf_counter() - t0 - load_s)
         result = {
+            "device": args.device, "attn_implementation": impl,
             "blocks": args.blocks, "tokens": tokens, "layers": layers, "torch_threads": torch.get_num_threads(),
             "verifier_load_s": round(load_s, 2),
             "bare_forward_s": round(min(bare), 2), "extract_s": round(min(extract), 2),
             "extract_vs_bare": round(min(extract) / min(bare), 3),
             "bare_tokens_per_s": round(tokens / min(bare), 1),
-            "read": read_throughput(work / "f.zarr"),
         }
+        if cuda:
+            result.update({"forward_on_device_s": round(min(on_device), 2),
+                           "extract_vs_on_device": round(min(extract) / min(on_device), 3)})
+        result["read"] = read_throughput(work / "f.zarr")
         print(json.dumps(result, indent=2))
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -209,6 +209,7 @@ class _BlockWriter:
     def __init__(self, store: FeatureStore, maxsize: int):
         self.store = store
         self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
+        self.copy_stream = None  # a CUDA side stream for device-to-host copies, made on first use
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="peagle-store-writer", daemon=True)
         self.thread.start()
@@ -220,28 +221,42 @@ class _BlockWriter:
                 return
             if self.error is not None:
                 continue
-            i, aux, final, copied = item
+            i, aux, final, copied, device_refs = item
+            item = None
             try:
                 if copied is not None:
                     copied.synchronize()  # the device-to-host copy into pinned memory is done
+                device_refs = None  # the device tensors may now return to the allocator
                 self.store.write_features(i, aux, final)
                 self.store.mark_done(i)
             except BaseException as e:  # reported on the main thread
                 self.error = e
 
     def put(self, i: int, aux: torch.Tensor, final: torch.Tensor) -> None:
-        """Queue block ``i``; CUDA tensors are copied asynchronously into pinned host memory."""
+        """Queue block ``i`` (``aux [T, L, H]``, ``final [T, H]``, bf16, CPU or CUDA).
+
+        CUDA tensors are copied into pinned host memory on a side stream that waits only for the
+        forward that made them, so the copy runs while the compute stream starts the next block's
+        forward; the writer thread waits on the copy's event, and the device tensors are kept alive
+        (queue item) until then, so the caching allocator cannot hand their memory out early.
+        Blocks (back-pressure) when ``maxsize`` blocks are already queued.
+        """
         self._raise()
-        copied = None
+        copied, device_refs = None, None
         if aux.device.type == "cuda":
+            if self.copy_stream is None:
+                self.copy_stream = torch.cuda.Stream(device=aux.device)
+            self.copy_stream.wait_stream(torch.cuda.current_stream(aux.device))
             aux_h = torch.empty(aux.shape, dtype=aux.dtype, pin_memory=True)
             final_h = torch.empty(final.shape, dtype=final.dtype, pin_memory=True)
-            aux_h.copy_(aux, non_blocking=True)
-            final_h.copy_(final, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
+            with torch.cuda.stream(self.copy_stream):
+                aux_h.copy_(aux, non_blocking=True)
+                final_h.copy_(final, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(self.copy_stream)
+            device_refs = (aux, final)
             aux, final = aux_h, final_h
-        self.queue.put((i, aux, final, copied))
+        self.queue.put((i, aux, final, copied, device_refs))
 
     def close(self) -> None:
         self.queue.put(None)

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The checks of issues 4 and 5 that need a CUDA device, in one short run (about 5 minutes on one
+# GPU with the SmolLM2 cache warm; the first run converts SmolLM2 from its GGUF, about 1 minute).
+#   1. every test marked `cuda` (extraction with SDPA block masks and FlashAttention varlen against
+#      segments run alone and against the CPU store; exact side-stream copies; flex_attention vs
+#      SDPA loss and gradients in training);
+#   2. bench/bench_extract.py on CUDA: whole extract vs the forward alone with features left on the
+#      GPU (the GPU's busy time), so extract_vs_on_device ~ 1.0 means the writer leaves it no idle time.
+# Results go to ${OUT:-gpu_check}/ (pytest log and the benchmark's JSON).
+# Run it with a Python that has a CUDA build of torch and peagle's dependencies (not the CPU .venv
+# that scripts/setup_env.sh makes): e.g. `pip install -e ".[test]"` into the GPU machine's Python,
+# or PYTHONPATH pointing at them. PYTHON picks the interpreter (default python3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_check}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+$PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
+PEAGLE_SLOW_TESTS=1 $PY -m pytest -m cuda -v tests 2>&1 | tee "$OUT/pytest_cuda.log"
+if [ ! -d "${PACKED:-demo/packed}" ]; then
+  $PY -m cli.data pack sharegpt --tokenizer smollm2-135m --output demo/packed --limit 400 --max-seq-len 2048 --force
+fi
+$PY bench/bench_extract.py --packed "${PACKED:-demo/packed}" --blocks 64 --repeats 3 --device cuda \
+  | tee "$OUT/bench_extract_cuda.json"
