@@ -24,3 +24,41 @@ def test_output_rows_and_depth0_aux_equal_full_forward():
                  output_rows=rows)
     assert 0 < rows.numel() < len(el)
     torch.testing.assert_close(part, full[rows], rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_dense_attention_equals_one_call_values_and_grads(monkeypatch):
+    """Above the mask budget the queries run in checkpointed chunks: same outputs and gradients."""
+    import torch.nn.functional as F
+
+    from peagle_train import model as model_mod
+
+    torch.manual_seed(0)
+    E, nh, hd = 70, 2, 8
+    mask = torch.rand(E, E) < 0.4
+    mask |= torch.eye(E, dtype=torch.bool)
+    rows = torch.tensor([3, 5, 6, 20, 21, 40, 41, 42, 69])
+    calls = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(model_mod.F, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(k["attn_mask"].shape) or real(*a, **k))
+    for r in (None, rows):
+        q0 = torch.randn(nh, E if r is None else len(rows), hd, requires_grad=True)
+        k0, v0 = torch.randn(nh, E, hd, requires_grad=True), torch.randn(nh, E, hd, requires_grad=True)
+        want = real(q0[None], k0[None], v0[None], attn_mask=mask if r is None else mask[r])[0]
+        g_want = torch.autograd.grad(want.square().sum(), (q0, k0, v0))
+        calls.clear()
+        got = model_mod.sdpa_dense(q0, k0, v0, mask, r, budget_bytes=4 * E * 4)  # 4 query rows a chunk
+        g_got = torch.autograd.grad(got.square().sum(), (q0, k0, v0))
+        n = q0.shape[1]
+        assert sorted(s[0] for s in calls) == sorted([min(4, n - i) for i in range(0, n, 4)] * 2)  # forward + recompute
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for a, b in zip(g_got, g_want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    calls.clear()
+    with torch.no_grad():  # no gradient wanted: chunks without checkpoint, one call each
+        model_mod.sdpa_dense(torch.randn(nh, E, hd), torch.randn(nh, E, hd), torch.randn(nh, E, hd), mask,
+                             budget_bytes=4 * E * 4)
+    assert len(calls) == (E + 3) // 4
+    calls.clear()  # under the budget: one call
+    model_mod.sdpa_dense(torch.randn(nh, E, hd), torch.randn(nh, E, hd), torch.randn(nh, E, hd), mask)
+    assert [s for s in calls] == [(E, E)]
