@@ -45,6 +45,7 @@ __all__ = [
     "prepare_output_dir",
     "staged_output_dir",
     "remove_stale_partials",
+    "restore_replaced_output",
     "write_manifest",
     "read_manifest",
     "manifest_sha256",
@@ -140,7 +141,8 @@ def remove_stale_partials(path: str | os.PathLike) -> list[Path]:
 
     :func:`staged_output_dir` names its hidden directories ``.NAME.partial-HOST-PID-XXXX`` (and,
     while replacing an output, ``.NAME.old-HOST-PID-NS``). One is stale when HOST is this host and
-    no process PID exists any more; only those are removed. Directories of a live process, of
+    no process PID exists any more; only those are removed, except an ``old`` one while ``path`` is
+    missing (see :func:`restore_replaced_output`). Directories of a live process, of
     another host (a shared file system), or without an owner in their name (older peagle versions)
     are left alone.
 
@@ -161,6 +163,8 @@ def remove_stale_partials(path: str | os.PathLike) -> list[Path]:
             owner = entry.name[len(prefix):].rsplit("-", 2)
             if len(owner) != 3 or owner[0] != host or not owner[1].isdigit() or _pid_alive(int(owner[1])):
                 continue
+            if kind == "old" and not (path.exists() or path.is_symlink()):
+                continue  # the only copy of the previous output: restore_replaced_output's job
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry, ignore_errors=True)
             else:  # an output file or link being replaced by a killed --force run
@@ -171,20 +175,53 @@ def remove_stale_partials(path: str | os.PathLike) -> list[Path]:
     return removed
 
 
+def restore_replaced_output(path: str | os.PathLike) -> Path | None:
+    """Put back the previous output of ``path`` when a ``--force`` run died between its two renames.
+
+    :func:`staged_output_dir` replaces an output by renaming it to ``.NAME.old-HOST-PID-NS`` and then
+    renaming the new one in; a run killed between the two leaves ``path`` missing and the previous
+    output only under the hidden name. When ``path`` is missing and such a directory of a dead process
+    of this host exists, it is renamed back to ``path`` (one line on stderr).
+
+    Returns:
+        The restored hidden directory's old path, or None.
+    """
+    path = Path(path)
+    if path.exists() or path.is_symlink() or not path.parent.is_dir():
+        return None
+    prefix, host = _staging_prefix(path, "old"), _host_tag()
+    for entry in sorted(path.parent.iterdir(), key=lambda e: e.name, reverse=True):
+        if not entry.name.startswith(prefix):
+            continue
+        owner = entry.name[len(prefix):].rsplit("-", 2)
+        if len(owner) != 3 or owner[0] != host or not owner[1].isdigit() or _pid_alive(int(owner[1])):
+            continue
+        try:
+            os.rename(entry, path)
+        except OSError:
+            continue
+        print(f"restored {path} from {entry.name}, left by a --force run killed while replacing it",
+              file=sys.stderr)
+        return entry
+    return None
+
+
 @contextlib.contextmanager
 def staged_output_dir(path: str | os.PathLike, force: bool) -> Iterator[Path]:
     """Build an output directory atomically: yield an empty hidden sibling directory
     (``.NAME.partial-HOST-PID-XXXX``), rename it to ``path`` when the block finishes, remove it
     when the block raises (``path`` is then left as it was).
 
-    Staging directories of ``path`` left by killed runs on this host are removed first
-    (:func:`remove_stale_partials`), with one line on stderr naming them.
+    A previous output that a killed ``--force`` run left under its hidden name is restored first
+    (:func:`restore_replaced_output`); staging directories of ``path`` left by killed runs on this
+    host are then removed (:func:`remove_stale_partials`), with one line on stderr naming them.
 
     Raises:
         OutputExistsError: ``path`` exists, is not an empty directory, and ``force`` is false
             (checked before the block runs).
     """
     path = Path(path)
+    restore_replaced_output(path)
     if path.exists() and (not path.is_dir() or any(path.iterdir())) and not force:
         raise OutputExistsError(str(path))
     path.parent.mkdir(parents=True, exist_ok=True)

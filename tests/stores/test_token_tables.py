@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from stores.errors import OutputExistsError
-from stores.token_tables import _host_tag, remove_stale_partials, staged_output_dir
+from stores.token_tables import _host_tag, remove_stale_partials, restore_replaced_output, staged_output_dir
 
 
 def dead_pid() -> int:
@@ -49,6 +49,7 @@ def test_stale_staging_of_dead_pids_removed_live_and_foreign_kept(tmp_path, caps
         make_staging(tmp_path, "out", "partial", "k3j", suffix="x9q1"),  # no owner: an older peagle's name
         make_staging(tmp_path, "other", "partial", f"{host}-{dead}"),  # another output
     ]
+    (tmp_path / "out").mkdir()  # an empty output: the stale .old is then a leftover, not the only copy
     with staged_output_dir(tmp_path / "out", force=False) as tmp:
         (tmp / "x").write_text("1")
     assert not any(p.exists() for p in stale)
@@ -84,3 +85,21 @@ def test_refused_output_touches_nothing(tmp_path):
         with staged_output_dir(tmp_path / "out", force=False):
             pass
     assert stale.is_dir()
+
+
+def test_output_replaced_by_a_killed_force_run_is_restored_not_removed(tmp_path, capsys):
+    """Killed between 'rename the output aside' and 'rename the new one in': the previous output
+    comes back under its name; a plain rerun then refuses to overwrite it, a --force rerun replaces it."""
+    host, dead = _host_tag(), dead_pid()
+    old = make_staging(tmp_path, "out", "old", f"{host}-{dead}", suffix="99")
+    partial = make_staging(tmp_path, "out", "partial", f"{host}-{dead}")
+    live_old = make_staging(tmp_path, "other", "old", f"{host}-{os.getpid()}", suffix="99")
+    with pytest.raises(OutputExistsError):
+        with staged_output_dir(tmp_path / "out", force=False):
+            pass
+    assert (tmp_path / "out" / "part-00000.parquet").read_bytes() == b"half written" and not old.exists()
+    assert "restored" in capsys.readouterr().err
+    assert restore_replaced_output(tmp_path / "other") is None and live_old.is_dir()  # live owner: untouched
+    with staged_output_dir(tmp_path / "out", force=True) as tmp:
+        (tmp / "new").write_text("1")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["new"] and not partial.exists()
