@@ -473,10 +473,6 @@ def run_pack(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.PathL
     table_inputs = [_is_table(i) for i in inputs]
     if any(table_inputs) and not all(table_inputs):
         raise InputError("pack INPUTs must be all conversation files or all tokenize outputs, not a mix")
-    ignored = ignored_tokenize_options(cfg.tokenize, explicit) if all(table_inputs) else []
-    if ignored:
-        print(f"WARNING: ignoring {', '.join(ignored)}: the INPUT is a tokenize output, already tokenized "
-              "(these options only apply to raw conversations)", file=sys.stderr)
     if not all(table_inputs):
         resolve_inputs(inputs)  # fail on bad arguments before touching the output
     _check_output_not_input(output, inputs)
@@ -484,7 +480,11 @@ def run_pack(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.PathL
     tokenizer = _load_tokenizer(tokenizer_name, tokenizer)
     counts = _base_counts()
     if all(table_inputs):
-        tables = _open_tables(inputs, tokenizer, template)
+        tables = _open_tables(inputs, tokenizer, template)  # refuses packed tables and mismatches first
+        ignored = ignored_tokenize_options(cfg.tokenize, explicit)
+        if ignored:
+            print(f"WARNING: ignoring {', '.join(ignored)}: the INPUT is a tokenize output, already tokenized "
+                  "(these options only apply to raw conversations)", file=sys.stderr)
         files = [str(t.directory) for t in tables]
         upstream = {str(t.directory): {"manifest_sha256": manifest_sha256(t.directory),
                                        "counts": t.manifest.get("counts")} for t in tables}

@@ -136,65 +136,44 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_partials(path: str | os.PathLike) -> list[Path]:
-    """Remove the staging directories of ``path`` left by runs that were killed.
-
-    :func:`staged_output_dir` names its hidden directories ``.NAME.partial-HOST-PID-XXXX`` (and,
-    while replacing an output, ``.NAME.old-HOST-PID-NS``). One is stale when HOST is this host and
-    no process PID exists any more; only those are removed, except an ``old`` one while ``path`` is
-    missing (see :func:`restore_replaced_output`). Directories of a live process, of
-    another host (a shared file system), or without an owner in their name (older peagle versions)
-    are left alone.
-
-    Returns:
-        The removed directories.
-    """
-    path = Path(path)
-    parent = path.parent
-    if not parent.is_dir():
+def _dead_staging(path: Path, kind: str) -> list[tuple[Path, str]]:
+    """``(entry, "HOST-PID")`` for each ``.NAME.KIND-HOST-PID-*`` of ``path`` whose process is gone
+    (HOST this host, PID not alive), newest name first; an unreadable parent gives ``[]``."""
+    prefix, host = _staging_prefix(path, kind), _host_tag()
+    try:
+        entries = sorted(path.parent.iterdir(), key=lambda e: e.name, reverse=True)
+    except OSError:  # e.g. a parent we may write but not list
         return []
-    host = _host_tag()
-    removed = []
-    for kind in _STAGING_KINDS:
-        prefix = _staging_prefix(path, kind)
-        for entry in parent.iterdir():
-            if not entry.name.startswith(prefix):
-                continue
-            owner = entry.name[len(prefix):].rsplit("-", 2)
-            if len(owner) != 3 or owner[0] != host or not owner[1].isdigit() or _pid_alive(int(owner[1])):
-                continue
-            if kind == "old" and not (path.exists() or path.is_symlink()):
-                continue  # the only copy of the previous output: restore_replaced_output's job
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:  # an output file or link being replaced by a killed --force run
-                with contextlib.suppress(OSError):
-                    entry.unlink()
-            if not entry.exists() and not entry.is_symlink():
-                removed.append(entry)
-    return removed
+    dead = []
+    for entry in entries:
+        if not entry.name.startswith(prefix):
+            continue
+        owner = entry.name[len(prefix):].rsplit("-", 2)
+        if len(owner) != 3 or owner[0] != host or not owner[1].isdigit() or _pid_alive(int(owner[1])):
+            continue
+        dead.append((entry, f"{owner[0]}-{owner[1]}"))
+    return dead
 
 
 def restore_replaced_output(path: str | os.PathLike) -> Path | None:
     """Put back the previous output of ``path`` when a ``--force`` run died between its two renames.
 
-    :func:`staged_output_dir` replaces an output by renaming it to ``.NAME.old-HOST-PID-NS`` and then
-    renaming the new one in; a run killed between the two leaves ``path`` missing and the previous
-    output only under the hidden name. When ``path`` is missing and such a directory of a dead process
-    of this host exists, it is renamed back to ``path`` (one line on stderr).
+    :func:`staged_output_dir` replaces an output by renaming it to ``.NAME.old-HOST-PID-NS``, then
+    renaming its finished staging directory ``.NAME.partial-HOST-PID-*`` to ``path``, then deleting
+    the old copy. Only a run killed between the two renames leaves ``path`` missing with both hidden
+    directories of one dead PID present: the old copy is then whole and is renamed back to ``path``
+    (one line on stderr). An old copy without its partial was being deleted: it is left to
+    :func:`remove_stale_partials`.
 
     Returns:
-        The restored hidden directory's old path, or None.
+        The restored hidden directory's former path, or None.
     """
     path = Path(path)
     if path.exists() or path.is_symlink() or not path.parent.is_dir():
         return None
-    prefix, host = _staging_prefix(path, "old"), _host_tag()
-    for entry in sorted(path.parent.iterdir(), key=lambda e: e.name, reverse=True):
-        if not entry.name.startswith(prefix):
-            continue
-        owner = entry.name[len(prefix):].rsplit("-", 2)
-        if len(owner) != 3 or owner[0] != host or not owner[1].isdigit() or _pid_alive(int(owner[1])):
+    partial_owners = {owner for _, owner in _dead_staging(path, "partial")}
+    for entry, owner in _dead_staging(path, "old"):
+        if owner not in partial_owners:
             continue
         try:
             os.rename(entry, path)
@@ -204,6 +183,36 @@ def restore_replaced_output(path: str | os.PathLike) -> Path | None:
               file=sys.stderr)
         return entry
     return None
+
+
+def remove_stale_partials(path: str | os.PathLike) -> list[Path]:
+    """Remove the staging directories of ``path`` left by runs that were killed.
+
+    :func:`staged_output_dir` names its hidden directories ``.NAME.partial-HOST-PID-XXXX`` (and,
+    while replacing an output, ``.NAME.old-HOST-PID-NS``). One is stale when HOST is this host and
+    no process PID exists any more; only those are removed (call :func:`restore_replaced_output`
+    first, so an old copy that is the only one is put back rather than removed). Directories of a
+    live process, of another host (a shared file system), or without an owner in their name (older
+    peagle versions) are left alone. PIDs are those of this PID namespace: runs in containers that
+    share a hostname and a volume but not a PID namespace must not write one output at a time.
+
+    Returns:
+        The removed directories.
+    """
+    path = Path(path)
+    if not path.parent.is_dir():
+        return []
+    removed = []
+    for kind in _STAGING_KINDS:
+        for entry, _ in _dead_staging(path, kind):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:  # an output file or link being replaced by a killed --force run
+                with contextlib.suppress(OSError):
+                    entry.unlink()
+            if not entry.exists() and not entry.is_symlink():
+                removed.append(entry)
+    return removed
 
 
 @contextlib.contextmanager
@@ -243,7 +252,13 @@ def staged_output_dir(path: str | os.PathLike, force: bool) -> Iterator[Path]:
     if path.exists() or path.is_symlink():
         old = path.parent / f"{_staging_prefix(path, 'old')}{owner}-{time.monotonic_ns()}"
         os.rename(path, old)
-    os.rename(tmp, path)
+    try:
+        os.rename(tmp, path)
+    except OSError:
+        if old is not None:  # put the previous output back; the new one stays in its staging dir
+            with contextlib.suppress(OSError):
+                os.rename(old, path)
+        raise
     if old is not None:
         shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
 

@@ -103,3 +103,16 @@ def test_output_replaced_by_a_killed_force_run_is_restored_not_removed(tmp_path,
     with staged_output_dir(tmp_path / "out", force=True) as tmp:
         (tmp / "new").write_text("1")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["new"] and not partial.exists()
+
+
+def test_half_deleted_old_copy_without_its_partial_is_removed_not_restored(tmp_path, capsys):
+    """A --force run killed while deleting the replaced output leaves only .old (its partial is
+    already the output, since deleted by the user): that copy is garbage, never brought back."""
+    host, dead = _host_tag(), dead_pid()
+    old = make_staging(tmp_path, "out", "old", f"{host}-{dead}", suffix="7")
+    other_partial = make_staging(tmp_path, "out", "partial", f"{host}-{dead_pid()}")  # another dead run
+    assert restore_replaced_output(tmp_path / "out") is None
+    with staged_output_dir(tmp_path / "out", force=False) as tmp:
+        (tmp / "new").write_text("1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and not old.exists() and not other_partial.exists()
+    assert "restored" not in capsys.readouterr().err
