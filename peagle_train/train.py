@@ -80,7 +80,7 @@ TRACKER_PROJECT = "peagle"
 def parse_report_to(report_to: str | None) -> list[str]:
     """The tracker names of ``--report-to`` (comma-separated, ``all`` for every installed one).
 
-    Returns the names in the given order without duplicates (``["all"]`` stays as is); ``[]`` for None.
+    Returns the names in the given order without duplicates (``all`` among them as given); ``[]`` for None.
 
     Raises:
         InputError: an empty list or a name that is neither a key of :data:`TRACKERS` nor ``all``.
@@ -96,7 +96,7 @@ def parse_report_to(report_to: str | None) -> list[str]:
     if unknown:
         raise InputError(f"unknown tracker {', '.join(map(repr, unknown))}; choose from {choices} "
                          "(comma-separated)", field="--report-to")
-    return ["all"] if "all" in names else names
+    return names
 
 
 def resolve_trackers(report_to: str | None) -> list[str]:
@@ -119,14 +119,14 @@ def resolve_trackers(report_to: str | None) -> list[str]:
                 "--report-to all found no tracker installed; install one: "
                 + " or ".join(f"pip install '{req}'" for _, req in TRACKERS.values()))
         return installed
-    missing = [n for n in names if n not in installed]
+    missing = [n for n in names if n != "all" and n not in installed]  # named explicitly: must be there
     if missing:
         raise MissingDependencyError(
             f"--report-to {','.join(missing)} needs "
             + ", ".join(f"the {TRACKERS[n][0]!r} package" for n in missing)
             + ": pip install " + " ".join(f"'{TRACKERS[n][1]}'" for n in missing)
             + (" (or pip install -e '.[trackers]')" if missing == ["tensorboard"] else ""))
-    return names
+    return installed if "all" in names else names
 
 
 def tracker_values(row: dict) -> dict[str, float]:
@@ -247,7 +247,7 @@ class TrainConfig:
 #: fields that must equal the saved ones for ``--resume`` to reproduce an uninterrupted run
 _RESUME_FIELDS = ("store", "max_steps", "num_depths", "down_sample_ratio", "down_sample_ratio_min",
                   "max_anchors", "lr", "warmup_steps", "weight_decay", "grad_accum", "seed",
-                  "draft_vocab_size", "num_layers", "val_fraction", "lazy_embedding")
+                  "draft_vocab_size", "num_layers", "val_fraction", "lazy_embedding", "grad_clip")
 
 
 @dataclass
@@ -681,7 +681,8 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
         (out / "trackers").mkdir(exist_ok=True)  # wandb falls back to a temp dir when its dir is missing
         # purge_step: TensorBoard hides the events a killed run wrote after the checkpoint resumed from
         accelerator.init_trackers(TRACKER_PROJECT, config=hparams, init_kwargs={
-            "tensorboard": {"purge_step": step + 1} if resume_from is not None else {},
+            # (with --resume and no checkpoint yet, all of them: the run starts again at step 1)
+            "tensorboard": {"purge_step": step + 1} if cfg.resume else {},
             "wandb": {"name": out.name, "dir": str(out / "trackers")}})
 
     def record(row: dict) -> None:
@@ -759,13 +760,13 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
             model.eval()
             val = evaluate(unwrapped, unwrapped.lm_head.weight, verifier_head, store, val_ids, cfg,
                            accelerator.device) if len(val_ids) else {}
-            if val:
-                record({"split": "val", "step": step, **val})
+            if val and not (resume_from is not None and _has_row(metrics_path, "val", step)):
+                record({"split": "val", "step": step, **val})  # once, also when a finished run is resumed
             plot = plot_metrics(metrics_path, out / "training.png") if metrics_path.is_file() else None
             tail = history[-max(1, min(10, len(history))):] if history else []
             elapsed = time.perf_counter() - t_start
             summary.update({
-                "final_loss": history[-1]["loss"] if history else None,
+                "final_loss": (history[-1] if history else _last_row(metrics_path, "train") or {}).get("loss"),
                 "per_depth_accuracy": _mean_acc(tail),
                 "val_loss": val.get("val_loss"),
                 "val_per_depth_accuracy": val.get("val_acc"),
@@ -785,6 +786,22 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
     if trackers:
         accelerator.end_training()
     return summary
+
+
+def _last_row(metrics_path: Path, split: str) -> dict | None:
+    """The last ``metrics.jsonl`` row of ``split`` (None when there is none)."""
+    if not metrics_path.is_file():
+        return None
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    return next((r for r in reversed(rows) if r.get("split") == split), None)
+
+
+def _has_row(metrics_path: Path, split: str, step: int) -> bool:
+    """Whether ``metrics.jsonl`` already holds a row of ``split`` at ``step``."""
+    if not metrics_path.is_file():
+        return False
+    return any((r := json.loads(line)).get("split") == split and r.get("step") == step
+               for line in metrics_path.read_text().splitlines() if line.strip())
 
 
 def _finish_trackers(accelerator, trackers: list[str]) -> None:

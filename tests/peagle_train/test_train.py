@@ -233,16 +233,31 @@ def test_report_to_tensorboard_after_resume_holds_each_step_once(tmp_path, verif
 
     store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=4)
     full, part = tmp_path / "full", tmp_path / "part"
-    run_train(_cfg(store, full, max_steps=4, save_every=2, report_to="tensorboard"))
+    kw = dict(max_steps=4, save_every=2, report_to="tensorboard", val_fraction=0.25)
+    run_train(_cfg(store, full, **kw))
     shutil.copytree(full, part)  # as if killed after step 4 was logged but before its checkpoint
     shutil.rmtree(part / "checkpoint-4")
     shutil.rmtree(part / "final")
-    run_train(_cfg(store, part, max_steps=4, save_every=2, report_to="tensorboard", resume=True))
+    run_train(_cfg(store, part, **kw, resume=True))
     rows = _rows(part)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     # the resumed writer's purge_step hides the killed run's steps 3-4; each step is there once
     assert _scalars(part / "trackers" / "peagle")["train/loss"] == [
         (r["step"], float(np.float32(r["loss"]))) for r in rows]
+
+    # killed before its first checkpoint: --resume starts again at step 1, and hides all old events
+    early = tmp_path / "early"
+    shutil.copytree(full, early)
+    for d in [*early.glob("checkpoint-*"), early / "final"]:
+        shutil.rmtree(d)
+    run_train(_cfg(store, early, **kw, resume=True))
+    assert [s for s, _ in _scalars(early / "trackers" / "peagle")["train/loss"]] == [1, 2, 3, 4]
+
+    # resuming a finished run redoes nothing: one validation row at the last step, the summary's loss
+    again = run_train(_cfg(store, full, **kw, resume=True))
+    assert again["steps"] == 4 and again["final_loss"] == _rows(full)[-1]["loss"]
+    assert [r["step"] for r in _rows(full, "val")] == [2, 4]
+    assert [s for s, _ in _scalars(full / "trackers" / "peagle")["val/loss"]] == [2, 4]
 
 
 @pytest.mark.parametrize("value, message", [
@@ -281,6 +296,10 @@ def test_report_to_all_means_the_installed_trackers(monkeypatch):
     _hide_modules(monkeypatch, "wandb")
     assert resolve_trackers("all") == resolve_trackers("tensorboard, all") == ["tensorboard"]
     assert resolve_trackers(None) == []
+    from stores.errors import MissingDependencyError
+
+    with pytest.raises(MissingDependencyError, match="--report-to wandb needs"):  # named: not absorbed by all
+        resolve_trackers("all,wandb")
 
 
 def test_cli_report_to(tmp_path, verifier_dir, monkeypatch):
