@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from stores.errors import OutputExistsError, StoreFormatError
+from stores.errors import InputError, OutputExistsError, StoreFormatError
 
 __all__ = [
     "FORMAT_VERSION",
@@ -228,8 +228,13 @@ def staged_output_dir(path: str | os.PathLike, force: bool) -> Iterator[Path]:
     Raises:
         OutputExistsError: ``path`` exists, is not an empty directory, and ``force`` is false
             (checked before the block runs).
+        InputError: ``path`` is the current directory or one of its parents.
     """
-    path = Path(path)
+    path = Path(os.path.abspath(path))  # "out/" names its directory; links are not followed
+    cwd = Path.cwd()
+    if path == cwd or path in cwd.parents:
+        raise InputError(f"{path} is the current directory or contains it; the output is replaced by a "
+                         "renamed directory, so name a new directory (e.g. ./out)", field="--output")
     restore_replaced_output(path)
     if path.exists() and (not path.is_dir() or any(path.iterdir())) and not force:
         raise OutputExistsError(str(path))

@@ -116,3 +116,20 @@ def test_half_deleted_old_copy_without_its_partial_is_removed_not_restored(tmp_p
         (tmp / "new").write_text("1")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and not old.exists() and not other_partial.exists()
     assert "restored" not in capsys.readouterr().err
+
+
+def test_output_dot_is_refused_and_trailing_slash_names_the_directory(tmp_path, monkeypatch):
+    from stores.errors import InputError
+
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    for bad in (".", "./", str(tmp_path)):  # the current directory, or one holding it
+        with pytest.raises(InputError, match="current directory") as e:
+            with staged_output_dir(bad, force=True):
+                pass
+        assert e.value.field == "--output"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here"] and not any((tmp_path / "here").iterdir())
+    with staged_output_dir("sub/", force=False) as tmp:
+        assert tmp.parent == tmp_path / "here" and tmp.name.startswith(".sub.partial-")
+        (tmp / "x").write_text("1")
+    assert (tmp_path / "here" / "sub" / "x").read_text() == "1"
