@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pytest
 
 from peagle_data.chat import ChatTemplateError, render_rows, tokenize_conversation, tokenize_turns
+from tests.peagle_data.test_chat import masked_texts, runs
 
 # --------------------------------------------------------------------------------------------
 # Templates
@@ -135,16 +135,6 @@ def qwen3_tok(smollm2_tokenizer):
 
 # --------------------------------------------------------------------------------------------
 # Helpers
-
-
-def runs(mask: np.ndarray) -> list[tuple[int, int]]:
-    padded = np.concatenate([[0], mask.astype(np.int8), [0]])
-    edges = np.flatnonzero(np.diff(padded))
-    return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
-
-
-def masked_texts(tok, out) -> list[str]:
-    return [tok.decode(out.input_ids[a:b]) for a, b in runs(out.loss_mask)]
 
 
 def check(tok, messages, template, expected_spans, expected_prefix=None, tools=None):
