@@ -540,7 +540,7 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    rows = _read_metrics(metrics_path)
     train = [r for r in rows if r.get("split") == "train"]
     if not train:
         return None
@@ -569,11 +569,17 @@ def _write_metrics(path: Path, rows: list[dict]) -> None:
             f.write(json.dumps(r) + "\n")
 
 
+def _read_metrics(path: Path) -> list[dict]:
+    """The rows of ``metrics.jsonl`` (``[]`` when it does not exist)."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def _truncate_metrics(path: Path, last_step: int) -> None:
     if path.is_file():
-        keep = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= last_step]
-        path.write_text("".join(line + "\n" for line in keep))
+        path.write_text("".join(json.dumps(r) + "\n" for r in _read_metrics(path)
+                                if r.get("step", 0) <= last_step))
 
 
 def run_train(cfg: TrainConfig) -> dict[str, Any]:
@@ -790,18 +796,12 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
 
 def _last_row(metrics_path: Path, split: str) -> dict | None:
     """The last ``metrics.jsonl`` row of ``split`` (None when there is none)."""
-    if not metrics_path.is_file():
-        return None
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    return next((r for r in reversed(rows) if r.get("split") == split), None)
+    return next((r for r in reversed(_read_metrics(metrics_path)) if r.get("split") == split), None)
 
 
 def _has_row(metrics_path: Path, split: str, step: int) -> bool:
     """Whether ``metrics.jsonl`` already holds a row of ``split`` at ``step``."""
-    if not metrics_path.is_file():
-        return False
-    return any((r := json.loads(line)).get("split") == split and r.get("step") == step
-               for line in metrics_path.read_text().splitlines() if line.strip())
+    return any(r.get("split") == split and r.get("step") == step for r in _read_metrics(metrics_path))
 
 
 def _finish_trackers(accelerator, trackers: list[str]) -> None:
