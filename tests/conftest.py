@@ -13,6 +13,20 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
+"""Where developers of peagle keep the test data files: ``../shared/data`` beside the repository."""
+
+TEST_DATA_ENV = "PEAGLE_TEST_DATA"
+"""Environment variable naming a directory that holds the files of :data:`TEST_DATA_FILES`."""
+
+TEST_DATA_FILES = {
+    "mt_bench_question.jsonl": (
+        "the MT-Bench questions (80 two-turn prompts)",
+        "https://raw.githubusercontent.com/lm-sys/FastChat/main/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+    "glaive_toolcall_en_demo.json": (
+        "the Glaive tool-calling sample (300 ShareGPT-style conversations)",
+        "https://raw.githubusercontent.com/hiyouga/LLaMA-Factory/main/data/glaive_toolcall_en_demo.json"),
+}
+"""Public data files some tests read but the repository does not ship: name -> (what it is, where to get it)."""
 
 
 def pytest_collection_modifyitems(config, items):
@@ -25,11 +39,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def shared_data_dir() -> Path:
+    """The directory of test data files: ``$PEAGLE_TEST_DATA``, default ``../shared/data``."""
+    value = os.environ.get(TEST_DATA_ENV)
+    return Path(value).expanduser() if value else SHARED_DATA
+
+
 def shared_file(name: str) -> Path:
-    """Path of a file in ../shared/data, or skip the test with the reason."""
-    path = SHARED_DATA / name
+    """Path of the test data file ``name`` (one of :data:`TEST_DATA_FILES`), or skip the test.
+
+    The skip reason says which file is missing, what it is, where to download it and how to point
+    the tests at it, so a user of the repository (who has no ``../shared/data``) can run the test.
+    """
+    path = shared_data_dir() / name
     if not path.is_file():
-        pytest.skip(f"{path} is absent (tests that read ../shared/data skip without it)")
+        what, url = TEST_DATA_FILES.get(name, ("a test data file", None))
+        source = f"download it from {url} " if url else ""
+        where = (f"{TEST_DATA_ENV}={os.environ[TEST_DATA_ENV]}" if os.environ.get(TEST_DATA_ENV)
+                 else f"{TEST_DATA_ENV} is unset, so the default {SHARED_DATA}")
+        pytest.skip(f"needs {what}, file {name}, not found ({where}): {source}into a directory and set "
+                    f"{TEST_DATA_ENV} to that directory")
     return path
 
 

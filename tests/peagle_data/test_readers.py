@@ -12,8 +12,6 @@ import pytest
 from peagle_data.readers import Conversation, Reject, read_conversations
 from stores.errors import InputError
 
-SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
-
 OPENAI_ROW = {"id": "o1", "messages": [{"role": "user", "content": "Hi"},
                                        {"role": "assistant", "content": "Hello"}]}
 SHAREGPT_ROW = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}
@@ -158,10 +156,9 @@ def test_missing_input_is_an_input_error(tmp_path):
 
 
 def test_glaive_tool_calling_set():
-    path = SHARED_DATA / "glaive_toolcall_en_demo.json"
-    if not path.is_file():
-        pytest.skip(f"{path} is absent (tests that read ../shared/data skip without it)")
-    items = read_all(path)
+    from tests.conftest import shared_file
+
+    items = read_all(shared_file("glaive_toolcall_en_demo.json"))
     assert len(items) == 300 and all(isinstance(i, Conversation) for i in items)
     roles = {m["role"] for c in items for m in c.messages}
     assert roles == {"user", "assistant", "tool"}
