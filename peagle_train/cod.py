@@ -146,35 +146,70 @@ def all_elements(cu_seqlens: torch.Tensor, loss_mask: torch.Tensor, num_depths: 
     return _emit(parts, seg, m)
 
 
-def _draw_per_segment(pool: torch.Tensor, pool_seg: torch.Tensor, n_draw: torch.Tensor,
-                      generator: torch.Generator) -> torch.Tensor:
-    """Uniformly draw ``n_draw[s]`` anchors from the part of ``pool [N]`` in segment s; sorted."""
-    keys = torch.rand(pool.numel(), generator=generator)  # [N]
-    order = torch.argsort(keys, stable=True)
-    order = order[torch.argsort(pool_seg[order], stable=True)]  # by segment, random within
-    seg_sorted = pool_seg[order]  # [N]
-    counts = torch.bincount(seg_sorted, minlength=n_draw.numel())  # [S]
-    starts = torch.cumsum(counts, 0) - counts  # [S]
-    rank = torch.arange(pool.numel(), dtype=torch.int64) - starts[seg_sorted]  # [N]
-    chosen = pool[order[rank < n_draw[seg_sorted]]]
-    return torch.sort(chosen).values
+def _offsets_and_keys(cu: torch.Tensor, m: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token t of the row: (``offset [T] int64``, its index inside its segment;
+    ``key [T + pad] int64``, the offset where ``m_t = 1`` and -1 elsewhere and in the tail).
+
+    Element ``(a, d)`` has target ``t = a + d + 2``; it exists iff ``offset[t] >= d + 2`` (t lies in
+    the anchor's segment) and exists with weight 1 iff ``key[t] >= d + 2``.
+    """
+    T = m.numel()
+    lengths = cu[1:] - cu[:-1]  # [S]
+    offset = torch.arange(T, dtype=torch.int64) - torch.repeat_interleave(cu[:-1], lengths)  # [T]
+    key = torch.full((T + pad,), -1, dtype=torch.int64)
+    key[:T] = torch.where(m, offset, -1)
+    return offset, key
+
+
+def _checked_row(cu_seqlens: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``cu [S+1] int64``, ``m [T] bool``) on CPU; ValueError if they do not describe one row."""
+    cu = cu_seqlens.to(device="cpu", dtype=torch.int64)
+    m = loss_mask.to(device="cpu", dtype=torch.bool)
+    if cu.numel() < 1 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu.tolist()[:16]}")
+    if int(cu[-1]) != m.numel():
+        raise ValueError(f"cu_seqlens ends at {int(cu[-1])} but loss_mask has {m.numel()} tokens")
+    return cu, m
+
+
+def _emit_sampled(parts: list[torch.Tensor], cu: torch.Tensor, m: torch.Tensor) -> CodElements:
+    """CodElements from ``parts[d]``, the sorted anchors of depth d (depth > 0 all weighted)."""
+    anchor = torch.cat(parts)  # [E]
+    counts = torch.tensor([p.numel() for p in parts])
+    depth = torch.repeat_interleave(torch.arange(len(parts), dtype=torch.int64), counts)  # [E]
+    segment = torch.searchsorted(cu[1:], anchor, right=True)  # [E]
+    weight = torch.ones(anchor.numel(), dtype=torch.float32)
+    weight[:parts[0].numel()] = m[parts[0] + 2].to(torch.float32)  # depth 0: m_{a+2}
+    return CodElements(anchor=anchor, depth=depth, segment=segment, weight=weight)
+
+
+def _draw(pool: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
+    """A uniform random subset of ``n`` anchors of the sorted ``pool [N]`` (all of it if ``n >= N``),
+    in pool order (so sorted)."""
+    if n >= pool.numel():
+        return pool
+    keep = torch.zeros(pool.numel(), dtype=torch.bool)
+    keep[torch.randperm(pool.numel(), generator=generator)[:n]] = True
+    return pool[keep]
 
 
 def sample_cod_elements(cu_seqlens: torch.Tensor, loss_mask: torch.Tensor, num_depths: int,
                         down_sample_ratio: float, down_sample_ratio_min: float,
                         max_anchors: int | None, generator: torch.Generator) -> CodElements:
-    """COD-sample the drafter elements of one packed row (DESIGN.md §8, steps 1-4).
+    """COD-sample the drafter elements of one packed row (docs/design.md §8, steps 1-4).
 
     1. Depth 0: every existing ``(a, 0)``, weighted or not (the attention context).
     2. Seeds: anchors whose ``(a, 1)`` exists and has weight 1; with ``max_anchors`` set and more
        seeds than that in the row, a uniform random subset of ``max_anchors`` of them.
-    3. Per segment, for d = 1..K-1: draw ``n_d = floor((n_seeds - d) * max(r**d, r_min))`` anchors
-       (at most the pool) uniformly from the pool and emit ``(a, d)``; the next pool is the drawn
-       anchors whose ``(a, d+1)`` exists with weight 1, so chains are nested. ``n_seeds`` counts
-       the segment's seeds after the ``max_anchors`` cap.
+    3. For d = 1..K-1: draw ``n_d = floor((n_seeds - d) * max(r**d, r_min))`` anchors (at most the
+       pool) uniformly from the row's pool and emit ``(a, d)``; the next pool is the drawn anchors
+       whose ``(a, d+1)`` exists and has weight 1, so chains are nested and never cross a segment.
+       ``n_seeds`` counts the row's seeds after the ``max_anchors`` cap: the counts are row-level,
+       so the number of elements per depth does not depend on how many segments the row packs.
     4. Depth > 0 elements all have weight 1; the result is sorted by (depth, anchor).
 
-    From P-EAGLE (arXiv:2602.01469) and the ``speculators`` P-EAGLE trainer; vectorised over
+    From P-EAGLE (arXiv:2602.01469) and the ``generate_cod_sample_indices`` of the ``speculators``
+    P-EAGLE trainer (same row-level counts, same draws by random permutation); vectorised over
     positions (the only Python loop is over depths). Runs on CPU.
 
     Args:
@@ -199,29 +234,21 @@ def sample_cod_elements(cu_seqlens: torch.Tensor, loss_mask: torch.Tensor, num_d
             raise ValueError(f"{name} must be in (0, 1] (--{name.replace('_', '-')}), got {r}")
     if max_anchors is not None and max_anchors < 1:
         raise ValueError(f"max_anchors must be >= 1 when set (--max-anchors), got {max_anchors}")
-    cu, m, seg, end = _row_tables(cu_seqlens, loss_mask)
-    S = cu.numel() - 1
-    pos = torch.arange(m.numel(), dtype=torch.int64)  # [T]
-    parts = [(pos[pos + 2 < end], 0)]
-    exists1, w1 = _exists_and_weight(pos, 1, m, end)
-    seeds = pos[exists1 & (w1 == 1)]  # [N0]
+    cu, m = _checked_row(cu_seqlens, loss_mask)
+    offset, key = _offsets_and_keys(cu, m, num_depths + 2)  # [T], [T + K + 2]
+    anchors0 = torch.nonzero(offset[2:] >= 2).squeeze(1)  # [E0] (a, 0) exists: target a + 2 in segment
+    seeds = anchors0[key[anchors0 + 3] >= 3]  # [N0] (a, 1) exists with weight 1
     if max_anchors is not None and seeds.numel() > max_anchors:
-        keep = torch.randperm(seeds.numel(), generator=generator)[:max_anchors]
-        seeds = torch.sort(seeds[keep]).values
-    n_seeds = torch.bincount(seg[seeds], minlength=S)  # [S]
-    pool = seeds
+        seeds = _draw(seeds, max_anchors, generator)
+    n_seeds = seeds.numel()
+    parts, pool = [anchors0], seeds
     for d in range(1, num_depths):
-        if pool.numel() == 0:
-            break
-        keep_ratio = max(down_sample_ratio ** d, down_sample_ratio_min)
-        n_d = torch.floor((n_seeds - d).clamp(min=0).to(torch.float64) * keep_ratio).to(torch.int64)  # [S]
-        drawn = _draw_per_segment(pool, seg[pool], n_d, generator)
+        drawn = _draw(pool, n_draw_formula(n_seeds, d, down_sample_ratio, down_sample_ratio_min), generator)
         if drawn.numel() == 0:
             break
-        parts.append((drawn, d))
-        exists, w = _exists_and_weight(drawn, d + 1, m, end)
-        pool = drawn[exists & (w == 1)]
-    return _emit(parts, seg, m)
+        parts.append(drawn)
+        pool = drawn[key[drawn + d + 3] >= d + 3]
+    return _emit_sampled(parts, cu, m)
 
 
 def n_draw_formula(n_seeds: int, depth: int, down_sample_ratio: float, down_sample_ratio_min: float) -> int:

@@ -48,30 +48,35 @@ def test_sample_matches_the_rules(row, K, r, r_min, max_anchors, seed):
         if d > 0:
             assert w == 1.0 and (a, d - 1) in pairs  # chains nested
     assert sorted(a for a, d in pairs if d == 0) == sorted(a for a, d in brute if d == 0)  # depth 0 full
-    # seeds and the per-segment count formula
+    # row-level counts: n_d from the row's seed count (after the cap), at most the pool
     seeds_all = [a for (a, d), w in brute.items() if d == 1 and w == 1.0]
-    depth1 = [a for a, d in pairs if d == 1]
-    if max_anchors is not None:
-        assert len(depth1) <= max_anchors
-    seeds = seeds_all if max_anchors is None or len(seeds_all) <= max_anchors else None
-    for s in range(len(lens)):
-        lo, hi = int(cu[s]), int(cu[s + 1])
-        pool = [a for a in (seeds if seeds is not None else depth1) if lo <= a < hi]
-        n_seeds = len(pool) if seeds is not None else None
-        for d in range(1, K):
-            got = [a for a, dd in pairs if dd == d and lo <= a < hi]
-            if n_seeds is not None:
-                assert len(got) == min(n_draw_formula(n_seeds, d, r, r_min), len(pool))
-            assert set(got) <= set(pool)
-            pool = [a for a in got if brute.get((a, d + 1)) == 1.0]
+    n_seeds = len(seeds_all) if max_anchors is None else min(len(seeds_all), max_anchors)
+    pool = seeds_all
+    for d in range(1, K):
+        got = [a for a, dd in pairs if dd == d]
+        assert set(got) <= set(pool)
+        pool_size = n_seeds if d == 1 else len(pool)  # the capped seeds are the depth-1 pool
+        assert len(got) == min(n_draw_formula(n_seeds, d, r, r_min), pool_size)
+        pool = [a for a in got if brute.get((a, d + 1)) == 1.0]
+
+
+@pytest.mark.parametrize("lengths", [[1024], [256] * 4, [64] * 16, [100, 300, 24, 600]])
+def test_counts_per_depth_do_not_depend_on_packing(lengths):
+    """A row of 1024 supervised tokens capped at 200 seeds: the same counts however it is split
+    (r_min 0.1 keeps every pool larger than its draw, so the formula alone sets the counts)."""
+    cu, m = _row(lengths, [1] * 1024)
+    counts = [sample_cod_elements(cu, m, 8, 0.7, 0.1, 200, torch.Generator().manual_seed(s)).count_per_depth(8)
+              for s in range(3)]
+    expected = [1024 - 2 * len(lengths)] + [n_draw_formula(200, d, 0.7, 0.1) for d in range(1, 8)]
+    assert counts == [expected] * 3
 
 
 def test_counts_on_a_long_fully_supervised_segment():
     cu, m = _row([50], [1] * 50)
-    el = sample_cod_elements(cu, m, 8, 0.7, 0.2, None, torch.Generator().manual_seed(0))
+    el = sample_cod_elements(cu, m, 5, 0.7, 0.2, None, torch.Generator().manual_seed(0))
     n_seeds = 47  # anchors 0..46 have (a, 1)
-    expected = [48] + [n_draw_formula(n_seeds, d, 0.7, 0.2) for d in range(1, 8)]
-    assert el.count_per_depth(8) == expected
+    assert el.count_per_depth(5) == [48, 32, 22, 15, 10]  # floor((47 - d) * 0.7**d), no pool smaller
+    assert el.count_per_depth(5) == [48] + [n_draw_formula(n_seeds, d, 0.7, 0.2) for d in range(1, 5)]
 
 
 def test_max_anchors_caps_seeds_and_keeps_depth0_full():
