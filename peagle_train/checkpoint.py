@@ -8,7 +8,9 @@ A checkpoint directory holds
   :class:`DrafterConfig`, for an exact round trip);
 - ``model.safetensors``: the drafter's state dict under the ``speculators`` 0.9 P-EAGLE names
   (``embed_tokens.weight [V, H]``, ``fc.weight [H, L*H]``, ``mask_hidden [1, 1, L*H]``,
-  ``layers.N.*``, ``norm.weight [H]``, ``lm_head.weight [D, H]``, ``d2t [D] int64``, ``t2d [V] bool``);
+  ``layers.N.*``, ``norm.weight [H]``, ``lm_head.weight [D, H]``; only with a reduced draft vocab
+  (D < V) also ``d2t [D] int64`` and ``t2d [V] bool``, as speculators' ``PEagleDraftModel``);
+  written with the umask's permissions (0644 under umask 022);
 - ``training_state.pt`` (training checkpoints only; written last, so its presence marks the
   checkpoint complete): optimizer, scheduler, RNG, data position, step.
 """
@@ -27,6 +29,8 @@ from safetensors.torch import load_file, save_file
 
 from peagle_train.model import DrafterConfig, PEagleDrafter
 from stores.errors import StoreFormatError
+from stores.files import follow_umask
+from stores.model_cache import hub_id
 
 __all__ = [
     "CONFIG_FILE",
@@ -77,7 +81,9 @@ def drafter_config_json(cfg: DrafterConfig, extra_config: dict[str, Any] | None 
             "algorithm": "peagle",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.num_depths}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": cfg.verifier_name_or_path,
+            # what vLLM / speculators load: a hub id for an embedded alias (which only peagle resolves);
+            # the alias stays in peagle.drafter_config.verifier_name_or_path
+            "verifier": {"name_or_path": hub_id(cfg.verifier_name_or_path),
                          "architectures": list(cfg.verifier_architectures)},
         },
         "peagle": {"drafter_config": cfg.to_dict()},
@@ -108,6 +114,7 @@ def _write_drafter(model: PEagleDrafter, directory: Path, extra_config: dict[str
     (directory / CONFIG_FILE).write_text(json.dumps(drafter_config_json(model.config, extra_config), indent=2))
     tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    follow_umask(directory / WEIGHTS_FILE)  # safetensors creates it 0600
 
 
 def save_drafter(model: PEagleDrafter, directory: str | os.PathLike,
@@ -153,6 +160,22 @@ def _config_from_json(cfg: dict[str, Any]) -> DrafterConfig:
     )
 
 
+def _drop_identity_vocab_maps(tensors: dict[str, torch.Tensor], cfg: DrafterConfig, path: Path) -> dict:
+    """Accept a full-vocab checkpoint written before d2t/t2d were left out when D == V: drop them
+    if they are the identity maps (``d2t`` all 0, ``t2d`` all True).
+
+    Raises:
+        StoreFormatError: a full-vocab checkpoint whose ``d2t``/``t2d`` are not identities.
+    """
+    if cfg.draft_vocab_size != cfg.vocab_size or not ({"d2t", "t2d"} & tensors.keys()):
+        return tensors
+    d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
+    if (d2t is not None and bool(d2t.any())) or (t2d is not None and not bool(t2d.all())):
+        raise StoreFormatError(f"{path}: draft_vocab_size equals the vocab size ({cfg.vocab_size}) but d2t/t2d "
+                               "are not the identity maps")
+    return {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
+
+
 def load_drafter(directory: str | os.PathLike, device: str | torch.device = "cpu") -> PEagleDrafter:
     """Load a drafter written by :func:`save_drafter` (bit-exact round trip).
 
@@ -170,7 +193,7 @@ def load_drafter(directory: str | os.PathLike, device: str | torch.device = "cpu
         raise StoreFormatError(f"{cfg_path}: speculators_model_type is "
                                f"{cfg.get('speculators_model_type')!r}, expected 'peagle'")
     model = PEagleDrafter(_config_from_json(cfg))
-    tensors = load_file(str(w_path))
+    tensors = _drop_identity_vocab_maps(load_file(str(w_path)), model.config, w_path)
     try:
         model.load_state_dict(tensors, strict=True)
     except RuntimeError as e:

@@ -262,7 +262,8 @@ class PEagleDrafter(nn.Module):
 
     Parameters (names as saved in ``model.safetensors``): ``embed_tokens [V, H]``,
     ``fc [H, L*H]``, ``mask_hidden [1, 1, L*H]``, ``layers.N.*``, ``norm [H]``, ``lm_head [D, H]``,
-    buffers ``d2t [D] int64`` (``target_id = draft_id + d2t[draft_id]``) and ``t2d [V] bool``.
+    buffers ``d2t [D] int64`` (``target_id = draft_id + d2t[draft_id]``) and ``t2d [V] bool``, in the
+    state dict only when ``draft_vocab_size < vocab_size`` (with the full vocab both are identities).
     """
 
     def __init__(self, cfg: DrafterConfig):
@@ -275,10 +276,12 @@ class PEagleDrafter(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg, first=(i == 0)) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool)
-                             if cfg.draft_vocab_size == cfg.vocab_size
-                             else torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        # saved (persistent) only for a reduced draft vocab, as speculators 0.9's DraftVocabMixin,
+        # which has no d2t/t2d at all when D == V; kept here as identity maps either way
+        reduced = cfg.draft_vocab_size != cfg.vocab_size
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long), persistent=reduced)
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool) if reduced
+                             else torch.ones(cfg.vocab_size, dtype=torch.bool), persistent=reduced)
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:

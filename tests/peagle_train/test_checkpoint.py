@@ -87,3 +87,66 @@ def test_training_state_and_latest_checkpoint(tmp_path):
         load_training_state(tmp_path / "checkpoint-99")
     with pytest.raises(StoreFormatError):
         load_drafter(tmp_path / "checkpoint-99")
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640), (0o002, 0o664)])
+def test_weights_and_state_follow_the_umask(tmp_path, umask, mode):
+    import os
+    import stat
+
+    old = os.umask(umask)
+    try:
+        save_drafter(_model(1), tmp_path / "final")
+        save_checkpoint(_model(1), tmp_path / "checkpoint-1", {"step": 1})
+    finally:
+        os.umask(old)
+    for f in ("final/model.safetensors", "final/config.json", "checkpoint-1/model.safetensors",
+              "checkpoint-1/config.json", "checkpoint-1/training_state.pt"):
+        assert stat.S_IMODE((tmp_path / f).stat().st_mode) == mode, f  # safetensors alone makes 0600
+
+
+def test_speculators_verifier_is_the_hub_id_of_an_embedded_alias(tmp_path):
+    m = _model(1)
+    m.config.verifier_name_or_path = "smollm2-135m"
+    save_drafter(m, tmp_path / "ck")
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    # what vLLM resolves ...
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    # ... while peagle keeps the local alias, which it loads without the hub
+    assert cfg["peagle"]["drafter_config"]["verifier_name_or_path"] == "smollm2-135m"
+    assert load_drafter(tmp_path / "ck").config.verifier_name_or_path == "smollm2-135m"
+    m.config.verifier_name_or_path = "/models/My-Verifier"  # a directory or hub id is written as given
+    save_drafter(m, tmp_path / "ck2")
+    cfg = json.loads((tmp_path / "ck2" / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "/models/My-Verifier"
+
+
+def _full_vocab_model():
+    cfg = DrafterConfig(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, vocab_size=V, draft_vocab_size=V, aux_layer_ids=[1, 3, 5],
+                        num_hidden_layers=1, mask_token_id=7, num_depths=5, verifier_name_or_path="v")
+    torch.manual_seed(0)
+    m = PEagleDrafter(cfg)
+    m.init_from_verifier(torch.randn(V, H), torch.randn(V, H), None)
+    return m
+
+
+def test_full_vocab_round_trip_and_a_checkpoint_that_still_has_identity_maps(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    m = _full_vocab_model()
+    save_drafter(m, tmp_path / "ck")
+    saved = load_file(str(tmp_path / "ck" / "model.safetensors"))
+    assert "d2t" not in saved and "t2d" not in saved
+    back = load_drafter(tmp_path / "ck")
+    assert torch.equal(back.draft_ids, torch.arange(V)) and bool(back.t2d.all())
+    assert torch.equal(back.lm_head.weight, m.lm_head.weight)
+    # written before d2t/t2d were left out: identity maps are dropped on load ...
+    save_file({**saved, "d2t": torch.zeros(V, dtype=torch.long), "t2d": torch.ones(V, dtype=torch.bool)},
+              str(tmp_path / "ck" / "model.safetensors"))
+    assert torch.equal(load_drafter(tmp_path / "ck").embed_tokens.weight, m.embed_tokens.weight)
+    # ... anything else is refused
+    save_file({**saved, "d2t": torch.ones(V, dtype=torch.long), "t2d": torch.ones(V, dtype=torch.bool)},
+              str(tmp_path / "ck" / "model.safetensors"))
+    with pytest.raises(StoreFormatError, match="not the identity maps"):
+        load_drafter(tmp_path / "ck")

@@ -12,6 +12,7 @@ The field names, types and defaults below are copied from speculators 0.9.0:
 
 import json
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -90,3 +91,36 @@ def test_tensor_names_are_the_speculators_module_names(tmp_path):
              "input_layernorm.weight", "post_attention_layernorm.weight"}
     for i in (0, 1):
         assert {f"layers.{i}.{s}" for s in llama} <= names
+
+
+# speculators 0.9.0 PEagleDraftModel(PEagleSpeculatorConfig(**our config.json)).state_dict() for the
+# drafter of _reference_case (hidden 32, 4 heads of 8, 2 kv heads, MLP 64, 3 aux layers, V 100, layer 0
+# of 1), less its _keys_to_ignore_on_save (verifier_lm_head.weight, verifier_norm.weight); printed
+# by scripts/check_speculators_compat.py's PEagleDraftModel in a venv with speculators 0.9.0
+REFERENCE_LAYER0 = {
+    "mask_hidden": ((1, 1, 96), "F32"), "embed_tokens.weight": ((100, 32), "F32"), "fc.weight": ((32, 96), "F32"),
+    "layers.0.self_attn.q_proj.weight": ((32, 64), "F32"), "layers.0.self_attn.k_proj.weight": ((16, 64), "F32"),
+    "layers.0.self_attn.v_proj.weight": ((16, 64), "F32"), "layers.0.self_attn.o_proj.weight": ((32, 32), "F32"),
+    "layers.0.mlp.gate_proj.weight": ((64, 32), "F32"), "layers.0.mlp.up_proj.weight": ((64, 32), "F32"),
+    "layers.0.mlp.down_proj.weight": ((32, 64), "F32"), "layers.0.input_layernorm.weight": ((32,), "F32"),
+    "layers.0.post_attention_layernorm.weight": ((32,), "F32"), "layers.0.hidden_norm.weight": ((32,), "F32"),
+    "norm.weight": ((32,), "F32"),
+}
+REFERENCE_KEYS = {
+    40: {**REFERENCE_LAYER0, "lm_head.weight": ((40, 32), "F32"), "d2t": ((40,), "I64"), "t2d": ((100,), "BOOL")},
+    100: {**REFERENCE_LAYER0, "lm_head.weight": ((100, 32), "F32")},  # full vocab: no d2t / t2d buffers
+}
+
+
+@pytest.mark.parametrize("draft_vocab_size", [40, 100])
+def test_state_dict_keys_equal_the_reference_for_reduced_and_full_vocab(tmp_path, draft_vocab_size):
+    cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, vocab_size=100, draft_vocab_size=draft_vocab_size, aux_layer_ids=[1, 3, 5],
+                        num_hidden_layers=1, mask_token_id=7, num_depths=5, verifier_name_or_path="v")
+    model = PEagleDrafter(cfg)
+    model.init_from_verifier(torch.randn(100, 32), torch.randn(100, 32),
+                             torch.arange(40) if draft_vocab_size == 40 else None)
+    save_drafter(model, tmp_path / "ck")
+    with safe_open(str(tmp_path / "ck" / "model.safetensors"), "pt") as f:
+        saved = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+    assert saved == REFERENCE_KEYS[draft_vocab_size]  # a strict load: nothing missing, nothing unexpected

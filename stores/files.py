@@ -1,0 +1,34 @@
+"""File-system helpers shared by the writers: permissions that follow the process umask."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["current_umask", "follow_umask"]
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it (``Umask:`` of ``/proc/self/status`` on Linux).
+
+    Elsewhere it falls back to ``os.umask`` set-and-restore, which is racy only against threads
+    creating files in the same instant.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: str | os.PathLike, mode: int = 0o666) -> None:
+    """Set ``path``'s permissions to ``mode & ~umask``, what ``open()`` would have given it.
+
+    For files written by libraries that create them private (safetensors' ``save_file`` and
+    transformers' ``save_pretrained`` write ``0600``); e.g. ``0644`` under the usual umask ``022``.
+    """
+    os.chmod(path, mode & ~current_umask())
