@@ -1,4 +1,4 @@
-"""``peagle-data``: tokenize, pack, extract, inspect, verify."""
+"""``peagle-data``: tokenize, pack, extract, inspect, verify, stats."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import click
 
 from cli.data_extract import extract, inspect_cmd, verify
 from cli.data_prepare import pack, tokenize
+from cli.data_stats import stats
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -18,6 +19,7 @@ main.add_command(pack)
 main.add_command(extract)
 main.add_command(inspect_cmd, name="inspect")
 main.add_command(verify)
+main.add_command(stats)
 
 if __name__ == "__main__":
     main()

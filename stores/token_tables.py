@@ -24,13 +24,16 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from stores.errors import InputError, OutputExistsError, StoreFormatError
+
+if TYPE_CHECKING:
+    import polars as pl
 
 __all__ = [
     "FORMAT_VERSION",
@@ -472,6 +475,13 @@ class TokenTable:
             cols = {name: batch.column(name) for name in batch.schema.names}
             for i in range(batch.num_rows):
                 yield {name: _value(col, i) for name, col in cols.items()}
+
+    def scan(self) -> "pl.LazyFrame":
+        """A polars lazy scan over every part file (nothing is read until it is collected; collect
+        with ``engine="streaming"`` to keep memory bounded by a row group, not the table)."""
+        import polars as pl
+
+        return pl.scan_parquet([str(f) for f in self._files()])
 
     def read_all(self, columns: list[str] | None = None) -> pa.Table:
         """The whole table in memory (for small tables and tests)."""

@@ -1,0 +1,408 @@
+"""``peagle-data stats``: what a tokenize output, a pack output or a feature store holds.
+
+Token tables are read through polars lazy scans collected with the streaming engine, and every
+statistic is an aggregate over a bounded key (a length, a fraction bin, a window index, a source),
+so peak memory does not grow with the number of rows; percentiles are exact, taken from the
+length -> count tables. A feature store is read block by block (token arrays only, never hidden
+states) into histograms bounded by its block size.
+
+What each kind reports (``rows`` are conversations for a tokenize output, blocks otherwise):
+
+- totals: rows, tokens, supervised (loss) tokens, supervised fraction;
+- length percentiles: tokens per conversation (tokenize output) or per window (pack output, store);
+- supervised fraction per conversation (tokenize output) or per block (pack output, store);
+- windows per conversation: from the window indices of the segment ids (``conversation#k``) of a
+  pack output, or, for a tokenize output, the windows ``pack --max-seq-len W`` would cut
+  (:func:`peagle_data.windows.count_windows`) when ``max_seq_len`` is given;
+- per-source breakdown: the ``dataset`` column of a table (mixture sources) when present, else the
+  file part of each row's ``source`` (``file:N``);
+- packing efficiency: tokens / (blocks x block_size) of a pack output or store.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from peagle_data.windows import SystemPrefixTooLongError, count_windows
+from stores.errors import InputError
+
+__all__ = ["PERCENTILES", "collect_stats", "format_stats", "plot_stats", "percentiles_from_counts"]
+
+PERCENTILES = (1, 5, 10, 25, 50, 75, 90, 95, 99)
+FRACTION_BINS = 50
+"""Supervised-fraction histograms have this many equal bins over [0, 1]."""
+
+
+def percentiles_from_counts(values: np.ndarray, counts: np.ndarray,
+                            ps: tuple[int, ...] = PERCENTILES) -> dict[str, Any]:
+    """Exact nearest-rank percentiles, min, max and mean of a distribution given as value -> count.
+
+    Args:
+        values: distinct values ``[K]`` (any order); counts: how often each occurs ``[K]``.
+
+    Returns:
+        ``{"p1": ..., "p50": ..., "min", "max", "mean"}`` (the p-th percentile is the smallest
+        value with at least ``ceil(p/100 * N)`` of the N observations at or below it); all None
+        when N is 0.
+    """
+    values, counts = np.asarray(values), np.asarray(counts, dtype=np.int64)
+    n = int(counts.sum())
+    if n == 0:
+        return {**{f"p{p}": None for p in ps}, "min": None, "max": None, "mean": None}
+    order = np.argsort(values, kind="stable")
+    values, counts = values[order], counts[order]
+    cum = np.cumsum(counts)
+    out = {f"p{p}": _num(values[int(np.searchsorted(cum, max(1, math.ceil(p / 100 * n))))]) for p in ps}
+    out.update(min=_num(values[counts > 0][0]), max=_num(values[counts > 0][-1]),
+               mean=round(float((values.astype(np.float64) * counts).sum() / n), 3))
+    return out
+
+
+def _num(x) -> int | float:
+    return int(x) if float(x).is_integer() else float(x)
+
+
+def _fraction_histogram(bins: np.ndarray, counts: np.ndarray) -> list[int]:
+    """``[FRACTION_BINS]`` counts from (bin index, count) pairs; a fraction of exactly 1 goes to the last bin."""
+    hist = np.zeros(FRACTION_BINS, dtype=np.int64)
+    np.add.at(hist, np.minimum(np.asarray(bins, dtype=np.int64), FRACTION_BINS - 1), np.asarray(counts))
+    return hist.tolist()
+
+
+def _length_block(values, counts) -> dict[str, Any]:
+    values, counts = np.asarray(values, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+    order = np.argsort(values)
+    return {"percentiles": percentiles_from_counts(values, counts),
+            "values": values[order].tolist(), "counts": counts[order].tolist()}
+
+
+def collect_stats(path: str | os.PathLike, max_seq_len: int | None = None,
+                  overlap: float = 0.5) -> dict[str, Any]:
+    """Statistics of a tokenize output, a pack output or a feature store (see the module doc).
+
+    Args:
+        path: a token table directory (``manifest.json``) or a feature store (``zarr.json``).
+        max_seq_len: for a tokenize output, count the windows ``pack --max-seq-len`` would cut
+            (with ``overlap``); ignored for the other kinds, which hold their windows.
+        overlap: the ``pack --overlap`` those windows use.
+
+    Returns:
+        A JSON-able dict: ``path``, ``kind``, ``totals``, ``lengths`` (``percentiles``, ``values``,
+        ``counts``), ``supervised_fraction`` (``of``, ``histogram`` over FRACTION_BINS bins),
+        ``windows_per_conversation`` (or None), ``sources`` (or None), ``packing`` (or None),
+        ``manifest_counts``.
+
+    Raises:
+        InputError: ``path`` is neither a token table nor a feature store.
+        StoreFormatError: the table or store cannot be read.
+    """
+    p = Path(path)
+    if (p / "zarr.json").is_file():
+        return _store_stats(p)
+    if not (p / "manifest.json").is_file():
+        raise InputError(f"{path}: not a token table (no manifest.json) nor a feature store (no zarr.json)")
+    from stores.token_tables import TokenTable
+
+    table = TokenTable.open(p)
+    stats = _tokenized_stats(table, max_seq_len, overlap) if table.kind == "tokenized" else _packed_stats(table)
+    return {"path": str(path), "kind": table.kind, **stats,
+            "manifest_counts": {k: v for k, v in table.manifest.get("counts", {}).items()
+                                if k in ("read", "used", "rejected", "duplicates", "rejected_by_reason")}}
+
+
+def _source_key(lf):
+    """The per-source key of a tokenize output: its ``dataset`` column, else the file of ``source``."""
+    import polars as pl
+
+    if "dataset" in lf.collect_schema().names():
+        return pl.col("dataset")
+    return pl.col("source").str.replace(r":\d+$", "")
+
+
+def _tokenized_stats(table, max_seq_len: int | None, overlap: float) -> dict[str, Any]:
+    import polars as pl
+
+    lf = table.scan()
+    frac_bin = (pl.col("n_loss_tokens") * FRACTION_BINS // pl.col("n_tokens")).alias("bin")
+    queries = [
+        lf.group_by("n_tokens").agg(pl.len().alias("rows"), pl.col("n_loss_tokens").sum().alias("loss")),
+        lf.select(frac_bin).group_by("bin").len(),
+        lf.group_by(_source_key(lf).alias("src")).agg(
+            pl.len().alias("rows"), pl.col("n_tokens").sum().alias("tokens"),
+            pl.col("n_loss_tokens").sum().alias("loss")),
+    ]
+    if max_seq_len is not None:
+        queries.append(lf.group_by("n_tokens", "system_len").len())
+    frames = pl.collect_all(queries, engine="streaming")
+    lengths, fracs, sources = frames[0], frames[1], frames[2]
+    tokens = int((lengths["n_tokens"].cast(pl.Int64) * lengths["rows"]).sum())
+    loss = int(lengths["loss"].sum())
+    windows = _tokenized_windows(frames[3], max_seq_len, overlap) if max_seq_len is not None else None
+    return {
+        "totals": {"rows": int(lengths["rows"].sum()), "tokens": tokens, "loss_tokens": loss,
+                   "supervised_fraction": round(loss / tokens, 6) if tokens else 0.0},
+        "lengths": {"of": "conversation", **_length_block(lengths["n_tokens"], lengths["rows"])},
+        "supervised_fraction": {"of": "conversation", "histogram": _fraction_histogram(fracs["bin"], fracs["len"])},
+        "windows_per_conversation": windows,
+        "sources": _sources(sources, tokens, loss),
+        "packing": None,
+    }
+
+
+def _tokenized_windows(frame, max_seq_len: int, overlap: float) -> dict[str, Any]:
+    """Windows per conversation that ``pack --max-seq-len`` would cut (candidates, before dropping
+    windows without a supervised token); conversations whose system prompt leaves no room are counted apart."""
+    hist: dict[int, int] = {}
+    too_long = 0
+    for n, system_len, count in frame.iter_rows():
+        try:
+            k = count_windows(int(n), int(system_len), max_seq_len, overlap)
+        except SystemPrefixTooLongError:
+            too_long += int(count)
+            continue
+        hist[k] = hist.get(k, 0) + int(count)
+    return _windows_block(hist, note=f"windows pack --max-seq-len {max_seq_len} --overlap {overlap} would cut",
+                          system_prefix_too_long=too_long)
+
+
+def _windows_block(hist: dict[int, int], **extra) -> dict[str, Any]:
+    ks = np.array(sorted(hist), dtype=np.int64)
+    cs = np.array([hist[k] for k in sorted(hist)], dtype=np.int64)
+    return {"histogram": {int(k): int(c) for k, c in zip(ks, cs)},
+            "percentiles": percentiles_from_counts(ks, cs, (50, 90, 99)), **extra}
+
+
+def _sources(frame, tokens: int, loss: int) -> list[dict[str, Any]]:
+    rows = sorted(frame.iter_rows(named=True), key=lambda r: (-r["tokens"], str(r["src"])))
+    return [{"source": r["src"], "rows": int(r["rows"]), "tokens": int(r["tokens"]),
+             "loss_tokens": int(r["loss"]),
+             "token_share": round(r["tokens"] / tokens, 6) if tokens else 0.0,
+             "loss_share": round(r["loss"] / loss, 6) if loss else 0.0} for r in rows]
+
+
+def _packed_stats(table) -> dict[str, Any]:
+    import polars as pl
+
+    lf = table.scan()
+    block_size = int(table.manifest.get("parameters", {}).get("block_size") or 0)
+    blocks = lf.select(pl.col("n_tokens"), pl.col("loss_mask").list.sum().cast(pl.Int64).alias("loss"))
+    seg = lf.select(pl.col("cu_seqlens").list.diff(null_behavior="drop").alias("n")).explode("n")
+    idx = lf.select(pl.col("segment_ids").explode().str.extract(r"#(\d+)$", 1).cast(pl.Int64).alias("k"))
+    queries = [
+        blocks.select(pl.len().alias("blocks"), pl.col("n_tokens").cast(pl.Int64).sum().alias("tokens"),
+                      pl.col("loss").sum().alias("loss")),
+        blocks.select((pl.col("loss") * FRACTION_BINS // pl.col("n_tokens")).alias("bin")).group_by("bin").len(),
+        seg.group_by("n").len(),
+        idx.group_by("k").len(),
+    ]
+    if "segment_datasets" in lf.collect_schema().names():
+        queries.append(_packed_sources_query(lf))
+    frames = pl.collect_all(queries, engine="streaming")
+    totals, fracs, lengths, ks = frames[:4]
+    n_blocks, tokens, loss = (int(totals[c][0] or 0) for c in ("blocks", "tokens", "loss"))
+    return {
+        "totals": {"rows": n_blocks, "tokens": tokens, "loss_tokens": loss,
+                   "supervised_fraction": round(loss / tokens, 6) if tokens else 0.0},
+        "lengths": {"of": "window", **_length_block(lengths["n"], lengths["len"])},
+        "supervised_fraction": {"of": "block", "histogram": _fraction_histogram(fracs["bin"], fracs["len"])},
+        "windows_per_conversation": _windows_from_indices(ks),
+        "sources": _sources(frames[4], tokens, loss) if len(frames) > 4 else None,
+        "packing": _packing(n_blocks, tokens, block_size),
+    }
+
+
+def _packed_sources_query(lf):
+    """Per mixture source of a pack output: windows, tokens and supervised tokens."""
+    import polars as pl
+
+    per_segment = lf.select(
+        pl.col("segment_datasets").alias("src"),
+        pl.col("cu_seqlens").list.diff(null_behavior="drop").alias("tokens"),
+        pl.col("segment_loss_tokens").alias("loss"),
+    ).explode("src", "tokens", "loss")
+    return per_segment.group_by("src").agg(pl.len().alias("rows"), pl.col("tokens").cast(pl.Int64).sum(),
+                                           pl.col("loss").cast(pl.Int64).sum())
+
+
+def _windows_from_indices(ks) -> dict[str, Any] | None:
+    """Windows per conversation from how many segments carry each window index k: a conversation
+    has at least k+1 windows exactly when its window k is in the table."""
+    at_least = {int(k) + 1: int(c) for k, c in ks.iter_rows() if k is not None}
+    if not at_least:
+        return None
+    top = max(at_least)
+    hist = {k: at_least.get(k, 0) - at_least.get(k + 1, 0) for k in range(1, top + 1)}
+    return _windows_block({k: c for k, c in hist.items() if c}, conversations=at_least.get(1, 0))
+
+
+def _packing(n_blocks: int, tokens: int, block_size: int) -> dict[str, Any]:
+    from peagle_data.packing import packing_efficiency
+
+    return {"blocks": n_blocks, "block_size": block_size,
+            "efficiency": round(packing_efficiency(tokens, n_blocks, block_size), 6) if block_size else None}
+
+
+def _store_stats(path: Path) -> dict[str, Any]:
+    """A feature store, block by block: token arrays only (bounded histograms, flat memory)."""
+    from stores.feature_store import FeatureStore
+
+    store = FeatureStore.open(path)
+    C = store.block_size
+    seg_hist = np.zeros(C + 1, dtype=np.int64)
+    frac_hist = np.zeros(FRACTION_BINS, dtype=np.int64)
+    segs_per_block: dict[int, int] = {}
+    tokens = loss = 0
+    for i in range(store.n_blocks):
+        tok = store.read_tokens(i)
+        n, m = len(tok["input_ids"]), int(tok["loss_mask"].sum())
+        tokens += n
+        loss += m
+        if n:
+            frac_hist[min(m * FRACTION_BINS // n, FRACTION_BINS - 1)] += 1
+        seg_hist += np.bincount(np.diff(tok["cu_seqlens"]), minlength=C + 1)[: C + 1]
+        s = len(tok["cu_seqlens"]) - 1
+        segs_per_block[s] = segs_per_block.get(s, 0) + 1
+    seg_hist[0] = 0
+    nz = np.flatnonzero(seg_hist)
+    done = store.done_mask()
+    return {
+        "path": str(path), "kind": "store",
+        "totals": {"rows": store.n_blocks, "tokens": tokens, "loss_tokens": loss,
+                   "supervised_fraction": round(loss / tokens, 6) if tokens else 0.0,
+                   "blocks_done": int(done.sum())},
+        "lengths": {"of": "window", **_length_block(nz, seg_hist[nz])},
+        "supervised_fraction": {"of": "block", "histogram": frac_hist.tolist()},
+        "windows_per_conversation": None,
+        "segments_per_block": {int(k): v for k, v in sorted(segs_per_block.items())},
+        "sources": None,
+        "packing": _packing(store.n_blocks, tokens, C),
+        "manifest_counts": {},
+        "verifier": store.attrs.get("verifier", {}).get("name_or_path"), "layers": store.layers,
+    }
+
+
+def format_stats(stats: dict[str, Any]) -> str:
+    """The statistics as a few lines of text."""
+    t = stats["totals"]
+    row_name = "conversations" if stats["kind"] == "tokenized" else "blocks"
+    lines = [f"{stats['path']}  ({stats['kind']})",
+             f"{row_name} {t['rows']:,}  tokens {t['tokens']:,}  supervised tokens {t['loss_tokens']:,}  "
+             f"supervised fraction {t['supervised_fraction']:.4f}"]
+    mc = stats.get("manifest_counts") or {}
+    if mc:
+        lines.append("input rows: " + "  ".join(f"{k} {v}" for k, v in mc.items() if not isinstance(v, dict))
+                     + (f"  {mc['rejected_by_reason']}" if mc.get("rejected_by_reason") else ""))
+    pc = stats["lengths"]["percentiles"]
+    lines.append(f"tokens per {stats['lengths']['of']}: " + "  ".join(
+        f"{k} {pc[k]}" for k in ("min", "p10", "p25", "p50", "p75", "p90", "p99", "max", "mean")))
+    w = stats.get("windows_per_conversation")
+    if w:
+        wp = w["percentiles"]
+        lines.append(f"windows per conversation: mean {wp['mean']}  p50 {wp['p50']}  p90 {wp['p90']}  "
+                     f"p99 {wp['p99']}  max {wp['max']}")
+    if stats.get("packing"):
+        pk = stats["packing"]
+        lines.append(f"packing: {pk['blocks']:,} blocks x {pk['block_size']}  efficiency {pk['efficiency']}")
+    for s in stats.get("sources") or []:
+        lines.append(f"  source {s['source']}: {s['rows']:,} rows  {s['tokens']:,} tokens ({s['token_share']:.1%})  "
+                     f"{s['loss_tokens']:,} supervised ({s['loss_share']:.1%})")
+    return "\n".join(lines)
+
+
+def plot_stats(stats: dict[str, Any], png: str | os.PathLike) -> Path:
+    """Write a 2x2 PNG: length histogram with p50/p90/p99, supervised fraction histogram, windows
+    per conversation (segments per block for a store), per-source shares of tokens and supervised tokens.
+
+    Returns:
+        The PNG path.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), dpi=80)
+    _plot_lengths(axes[0][0], stats)
+    _plot_fractions(axes[0][1], stats)
+    _plot_windows(axes[1][0], stats)
+    _plot_sources(axes[1][1], stats)
+    t = stats["totals"]
+    fig.suptitle(f"{Path(stats['path']).name} ({stats['kind']}): {t['rows']:,} "
+                 f"{'conversations' if stats['kind'] == 'tokenized' else 'blocks'}, {t['tokens']:,} tokens, "
+                 f"{t['supervised_fraction']:.1%} supervised", fontsize=11)
+    fig.tight_layout()
+    png = Path(png)
+    fig.savefig(png)
+    plt.close(fig)
+    return png
+
+
+def _plot_lengths(ax, stats) -> None:
+    lengths = stats["lengths"]
+    values, counts = np.asarray(lengths["values"]), np.asarray(lengths["counts"])
+    title = "length"
+    if len(values):
+        cap = max(int(lengths["percentiles"]["p99"] * 1.25), 1)
+        shown = values <= cap
+        ax.hist(values[shown], bins=60, weights=counts[shown], color="#4477aa")
+        if not shown.all():
+            title += f" ({int(counts[~shown].sum()):,} above {cap:,} not shown; max {int(values.max()):,})"
+        for name, style in (("p50", "-"), ("p90", "--"), ("p99", ":")):
+            v = lengths["percentiles"][name]
+            ax.axvline(v, color="#cc3311", linestyle=style, label=f"{name} {v}")
+        ax.legend(fontsize=8)
+    ax.set_xlabel(f"tokens per {lengths['of']}")
+    ax.set_ylabel(f"{lengths['of']}s")
+    ax.set_title(title, fontsize=10)
+
+
+def _plot_fractions(ax, stats) -> None:
+    sf = stats["supervised_fraction"]
+    edges = np.linspace(0, 1, FRACTION_BINS + 1)
+    ax.bar(edges[:-1], sf["histogram"], width=1 / FRACTION_BINS, align="edge", color="#228833")
+    ax.set_xlabel(f"supervised fraction per {sf['of']}")
+    ax.set_ylabel(f"{sf['of']}s")
+    ax.set_title(f"supervision (overall {stats['totals']['supervised_fraction']:.3f})", fontsize=10)
+
+
+def _plot_windows(ax, stats) -> None:
+    w = stats.get("windows_per_conversation")
+    hist, label = (w["histogram"], "windows per conversation") if w else (stats.get("segments_per_block"),
+                                                                        "windows per block")
+    title = "windows"
+    if hist:
+        ks = np.array([int(k) for k in hist])
+        cs = np.array([hist[k] for k in hist])
+        shown = ks <= 16
+        ax.bar(ks[shown], cs[shown], color="#aa3377")
+        ax.set_yscale("log")
+        if not shown.all():
+            title += f" ({int(cs[~shown].sum()):,} above 16 not shown; max {int(ks.max())})"
+    else:
+        ax.text(0.5, 0.5, "not known (give --max-seq-len)", ha="center", va="center", transform=ax.transAxes)
+    if stats.get("packing"):
+        label += f"  (packing efficiency {stats['packing']['efficiency']})"
+    ax.set_xlabel(label)
+    ax.set_title(title, fontsize=10)
+
+
+def _plot_sources(ax, stats) -> None:
+    sources = stats.get("sources")
+    if not sources:
+        ax.text(0.5, 0.5, "one source / not recorded", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title("sources", fontsize=10)
+        return
+    names = [Path(str(s["source"])).name[:24] for s in sources[:12]]
+    y = np.arange(len(names))
+    ax.barh(y - 0.2, [s["token_share"] for s in sources[:12]], height=0.4, label="tokens", color="#4477aa")
+    ax.barh(y + 0.2, [s["loss_share"] for s in sources[:12]], height=0.4, label="supervised", color="#228833")
+    ax.set_yticks(y, names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("share")
+    ax.legend(fontsize=8)
+    ax.set_title("sources", fontsize=10)
