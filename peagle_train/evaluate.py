@@ -14,9 +14,11 @@ within the draft vocab and is therefore higher when the draft vocab is reduced.)
   ``sum(m[d+2:])``: equal at every depth whenever the first K+1 tokens of each segment carry no
   loss (a system or user turn first: the usual case). Equal *correct* counts at depths >= 1 then
   mean the drafter drafts the same tokens at every depth > 0 (e.g. one frequent token);
-- a chain is accepted up to the first depth that is wrong, does not exist (segment end) or has
-  weight 0 (a token the verifier does not generate as the assistant); anchors count when their
-  depth-0 element has weight 1 (``positions_scored``);
+- a chain is accepted up to the first depth that is wrong, does not exist (segment end), has
+  weight 0 (a token the verifier does not generate as the assistant) or whose target is an EOS
+  token (generation ends there whatever is drafted, so, as online, that depth is not scored);
+  anchors count when their depth-0 element has weight 1 and a target that is not an EOS
+  (``positions_scored``);
 - per-position conditional acceptance: P(depth i accepted | depths < i accepted, (a, i) exists);
 - simulated acceptance length: ``1 + mean accepted`` (bonus token counted).
 
@@ -223,7 +225,7 @@ class _OnlineTotals:
 
     def add(self, base: GenerationResult, spec: GenerationResult) -> None:
         for n, k in zip(spec.accepted_per_step, spec.drafted_per_step):
-            if k == 0:  # a plain verifier step at the max_new_tokens limit
+            if k == 0:  # no draft scored: max_new_tokens left no room, or the first draft's place was an EOS
                 continue
             self.steps += 1
             self.accepted += n
@@ -436,15 +438,23 @@ class _OfflineTotals:
         for name in ("depth_correct", "depth_weight", "reached", "accepted_at"):
             setattr(self, name, torch.zeros(self.K, dtype=torch.long))
 
-    def add(self, correct: torch.Tensor, valid: torch.Tensor) -> None:
-        """``correct, valid [A, K] bool``; valid = element exists and has weight 1."""
+    def add(self, correct: torch.Tensor, valid: torch.Tensor, ends: torch.Tensor | None = None) -> None:
+        """``correct, valid, ends [A, K] bool``; valid = element exists and has weight 1; ends = its
+        target is an EOS token.
+
+        An EOS target ends the output whether it is drafted or not, so (as online, see
+        ``speculative._record_step``) it and the depths after it are not scored in chains: a chain
+        counts the depths accepted before it, and an anchor whose depth-0 target is an EOS is not
+        counted. Per-depth accuracy still scores every valid element.
+        """
         self.depth_correct += (correct & valid).sum(0)
         self.depth_weight += valid.sum(0)
-        counted = valid[:, 0]
-        ok = (correct & valid)[counted].long()  # [A', K]
+        scored = valid if ends is None else valid & ~ends  # [A, K]
+        counted = scored[:, 0]
+        ok = (correct & scored)[counted].long()  # [A', K]
         n_acc = ok.cumprod(1).sum(1)  # [A'] accepted depths per chain
         i = torch.arange(self.K)
-        self.reached += ((n_acc[:, None] >= i[None, :]) & valid[counted]).sum(0)
+        self.reached += ((n_acc[:, None] >= i[None, :]) & scored[counted]).sum(0)
         self.accepted_at += (n_acc[:, None] > i[None, :]).sum(0)
         self.accepted += int(n_acc.sum())
         self.anchors += int(counted.sum())
@@ -467,7 +477,8 @@ class _OfflineTotals:
 
 
 def evaluate_offline(drafter, blocks: Iterable, lm_head_weight: torch.Tensor, num_depths: int | None = None,
-                     chunk_anchors: int = 256, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+                     chunk_anchors: int = 256, progress: Callable[[int], None] | None = None,
+                     eos_token_ids: Iterable[int] = ()) -> dict[str, Any]:
     """Offline acceptance of ``drafter`` on stored blocks (see the module docstring for definitions).
 
     Args:
@@ -479,6 +490,8 @@ def evaluate_offline(drafter, blocks: Iterable, lm_head_weight: torch.Tensor, nu
         num_depths: K chain length scored; default the drafter's ``num_depths``.
         chunk_anchors: anchors per drafter pass; memory is ``O((T + chunk * K)^2)`` for the mask.
         progress: called with 1 after each block.
+        eos_token_ids: ids that end generation; a chain stops before an element whose target is one
+            of them, as online decoding does (see :meth:`_OfflineTotals.add`).
 
     Returns:
         ``per_depth_accuracy`` (K, None where no weight), ``per_depth_correct``,
@@ -489,6 +502,7 @@ def evaluate_offline(drafter, blocks: Iterable, lm_head_weight: torch.Tensor, nu
     head = lm_head_weight.detach().float()  # [V, H]
     draft_ids = drafter.draft_ids.cpu()  # [D] verifier id of each draft id
     totals = _OfflineTotals(K)
+    eos = torch.tensor(sorted({int(e) for e in eos_token_ids}), dtype=torch.long)
     drafter.eval()
     for block in blocks:
         cu = block.cu_seqlens.tolist()
@@ -510,7 +524,8 @@ def evaluate_offline(drafter, blocks: Iterable, lm_head_weight: torch.Tensor, nu
             label = torch.where(exists, label, torch.zeros_like(label))
             weight = exists & (seg_m[label] == 1)  # [A, K] w = m_{a+d+2}
             correct = weight & (drafted == target[label - 1])  # target of (a, d) is argmax z_{a+d+1}
-            totals.add(correct, weight)
+            ends = exists & torch.isin(block.input_ids[start + label], eos)  # [A, K] target is an EOS
+            totals.add(correct, weight, ends)
         if progress is not None:
             progress(1)
     return totals.report()
@@ -595,7 +610,7 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
     """
     from peagle_train.checkpoint import load_drafter
     from stores.feature_store import FeatureStore
-    from stores.model_cache import load_verifier
+    from stores.model_cache import load_tokenizer, load_verifier
 
     EvalConfig(max_blocks=max_blocks, chunk_anchors=chunk_anchors, num_draft_tokens=num_depths)
     drafter = load_drafter(drafter_dir).eval()
@@ -609,11 +624,14 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
     name = verifier_name or fs.attrs.get("verifier", {}).get("name_or_path")
     if not name:
         raise StoreMismatchError(f"{store}: the store names no verifier; pass verifier_name")
-    lm_head = load_verifier(name, device="cpu").lm_head.weight.detach()  # [V, H]
+    verifier = load_verifier(name, device="cpu")
+    lm_head = verifier.lm_head.weight.detach()  # [V, H]
+    eos = _eos_ids(load_tokenizer(name), verifier)
     bar = progress_factory(len(ids)) if progress_factory else None
     try:
         report = evaluate_offline(drafter, (fs.read_block(i) for i in ids), lm_head, num_depths,
-                                  chunk_anchors, progress=bar.update if bar is not None else None)
+                                  chunk_anchors, progress=bar.update if bar is not None else None,
+                                  eos_token_ids=eos)
     finally:
         if bar is not None:
             bar.close()

@@ -63,9 +63,12 @@ class GenerationResult:
     tokens: list[int]
     """Generated verifier token ids, at most ``max_new_tokens``."""
     accepted_per_step: list[int] = field(default_factory=list)
-    """Drafts accepted in each verifier step (0..K); each step emitted ``accepted + 1`` tokens."""
+    """Drafts accepted and emitted in each verifier step (0..K); each step emitted ``accepted + 1``
+    tokens, so ``1 + sum(accepted + 1) == len(tokens)``. A step that ends at an EOS counts only the
+    drafts before the EOS (the EOS takes the verifier token's place; later drafts are discarded)."""
     drafted_per_step: list[int] = field(default_factory=list)
-    """Drafts checked in each verifier step (K, or fewer near ``max_new_tokens``)."""
+    """Drafts scored in each verifier step: K, or fewer near ``max_new_tokens``, or, in a step that
+    ends at an EOS, the drafts before the EOS (the EOS position and later ones are not scored)."""
     wall_time_s: float = 0.0
     """Seconds from the prefill to the last token."""
 
@@ -439,6 +442,23 @@ def greedy_generate(verifier, prompt_ids, max_new_tokens: int,
     return plain_generate(verifier, prompt_ids, max_new_tokens, eos_token_id)
 
 
+def _record_step(result: GenerationResult, emitted: list[int], k: int, eos: set[int]) -> None:
+    """Append one step's ``emitted`` tokens (cut after the first EOS) and its counters to ``result``.
+
+    Counting convention (docs/design.md §9): a step emits ``accepted + 1`` tokens; its last emitted
+    token plays the verifier token's role. When that token is an EOS, the EOS ends the output
+    whether it was drafted or not, so the position holding it and every position after it are not
+    scored: ``accepted = drafted = drafts before the EOS``. Without an EOS ``accepted`` is the
+    number of drafts kept and ``drafted`` is ``k``. So ``1 + Σ(accepted + 1) == len(tokens)``.
+    """
+    cut = next((i for i, tok in enumerate(emitted) if tok in eos), None)
+    if cut is not None:
+        emitted = emitted[:cut + 1]
+    result.tokens.extend(emitted)
+    result.accepted_per_step.append(len(emitted) - 1)
+    result.drafted_per_step.append(k if cut is None else min(k, cut))
+
+
 @torch.no_grad()
 def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num_draft_tokens: int | None = None,
                          eos_token_id: int | Iterable[int] | None = None, temperature: float = 0.0,
@@ -500,11 +520,6 @@ def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num
         _crop_cache(cache, read)
         if k > 0:
             new_tokens, new_aux = emitted, _aux_features(hs, layers)[:n + 1]  # anchors t+1..t+n+1
-        result.accepted_per_step.append(n)
-        result.drafted_per_step.append(k)
-        for tok in emitted.tolist():
-            result.tokens.append(tok)
-            if tok in eos:
-                break
+        _record_step(result, emitted.tolist(), k, eos)
     result.wall_time_s = time.perf_counter() - start
     return result

@@ -369,3 +369,22 @@ def test_online_report_with_temperature(tiny_verifier, smollm2_tokenizer):
     assert "plain sampling" in format_report(report)
     with pytest.raises(ValueError, match="--temperature"):
         EvalConfig(temperature=-0.5)
+
+
+@pytest.mark.parametrize("eos,scored,mean,pos", [
+    # EOT (15) is x_5: anchor 1 accepts d0, d1 and stops before d2 (target EOT); anchor 2 accepts
+    # d0 and stops before d1; anchor 3's depth-0 target is EOT, so it is not counted.
+    ((15,), 4, 1.5, [1.0, 1.0, None]),
+    # 14 and 15 both end generation: anchor 1 accepts d0 only; anchors 2, 3 are not counted.
+    ((14, 15), 2, 1.0, [1.0, None, None]),
+    ((), 6, 2.0, [1.0, 1.0, 1.0]),
+])
+def test_offline_chains_stop_before_an_eos_target(eos, scored, mean, pos):
+    """Online, an EOS ends the output whether drafted or not; offline chains count the same way."""
+    report = evaluate_offline(RuleDrafter(), [worked_block()], torch.eye(V, H), eos_token_ids=eos)
+    assert report["positions_scored"] == scored
+    assert report["mean_accepted"] == pytest.approx(mean)
+    assert report["simulated_acceptance_length"] == pytest.approx(1 + mean)
+    assert report["per_position_acceptance"] == pos
+    assert report["per_depth_accuracy"] == [1.0, 1.0, 1.0]  # accuracy still scores every element
+    assert report["per_depth_weight"] == [6, 6, 4]

@@ -355,3 +355,114 @@ def test_each_mismatch_is_named(tiny_verifier, field, value, match):
     with pytest.raises(InputError, match=match) as err:
         check_compatible(tiny_verifier, drafter)
     assert "--verifier" in str(err.value)
+
+
+
+@pytest.fixture(scope="module")
+def counter_verifier():
+    """A 4-layer Llama over 64 ids whose greedy next token is the last one + 1 (mod 64): outputs of
+    distinct tokens, so an EOS id can be put at any position. Embeddings are one-hot, the layers add
+    nothing (zero output projections) and the lm_head is the shift plus noise 0.1, so sampling at
+    temperature 2 is far from deterministic."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    V = 64
+    cfg = LlamaConfig(vocab_size=V, hidden_size=V, intermediate_size=16, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(torch.eye(V))
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.lm_head.weight.copy_(torch.eye(V).roll(1, 0) + 0.1 * torch.randn(V, V))
+    assert greedy_generate(model, [1, 5, 9], 30).tokens == list(range(10, 40))
+    return model
+
+
+def _steps_until(n_tokens: int, K: int) -> list[int]:
+    """Accepted drafts per step of an all-accepting run that emits ``n_tokens`` after the prefill token."""
+    out = []
+    while n_tokens > 0:
+        e = min(K + 1, n_tokens)
+        out.append(e - 1)
+        n_tokens -= e
+    return out
+
+
+def _check_identity(spec, K: int) -> None:
+    assert len(spec.tokens) == 1 + sum(a + 1 for a in spec.accepted_per_step)
+    assert all(0 <= a <= d <= K for a, d in zip(spec.accepted_per_step, spec.drafted_per_step))
+
+
+@pytest.mark.parametrize("K", [3, 4])
+def test_eos_at_every_position_counts_only_emitted_drafts(counter_verifier, K):
+    """An oracle drafts the right tokens; the EOS is put at every position of the first three blocks
+    (each draft position and the bonus). Tokens after the EOS are dropped and not counted: a step
+    ending at an EOS at draft position i counts i accepted and i drafted, and emits i + 1 tokens."""
+    prompt = [1, 5, 9]
+    free = list(range(10, 40))
+    oracle = OracleDrafter(counter_verifier, prompt + free, num_depths=K)
+    for j in range(3 * (K + 1) + 1):
+        for eos in ([free[j]], [63, free[j], 62]):  # one id, or several
+            spec = speculative_generate(counter_verifier, oracle, prompt, max_new_tokens=30, eos_token_id=eos)
+            assert spec.tokens == free[:j + 1]
+            _check_identity(spec, K)
+            assert spec.accepted_per_step == _steps_until(j, K)
+            assert spec.drafted_per_step == spec.accepted_per_step  # all kept; none scored after the EOS
+    # Without an EOS the same run drafts K per step and keeps them all.
+    spec = speculative_generate(counter_verifier, oracle, prompt, max_new_tokens=1 + 3 * (K + 1))
+    assert spec.accepted_per_step == spec.drafted_per_step == [K] * 3
+
+
+def test_eos_wrong_draft_then_verifier_eos(counter_verifier):
+    """A rejected draft followed by the verifier's EOS: the EOS position is not scored either."""
+    prompt, K = [1, 5, 9], 4
+    free = list(range(10, 40))
+    oracle = OracleDrafter(counter_verifier, prompt + free, num_depths=K, wrong_from=2)
+    spec = speculative_generate(counter_verifier, oracle, prompt, max_new_tokens=30, eos_token_id=12)
+    # prefill 10; step 1 drafts 11, 12 (right), 14, 15 (wrong): emits 11, 12 = EOS (a kept draft).
+    assert spec.tokens == [10, 11, 12]
+    assert spec.accepted_per_step == [1] and spec.drafted_per_step == [1]
+    # with EOS 13 the step keeps 11, 12, rejects 14 and the verifier emits 13 = EOS: the rejected
+    # position holds the EOS, so it is not scored (as when the EOS is drafted right).
+    spec = speculative_generate(counter_verifier, oracle, prompt, max_new_tokens=30, eos_token_id=13)
+    assert spec.tokens == [10, 11, 12, 13]
+    assert spec.accepted_per_step == [2] and spec.drafted_per_step == [2]
+    spec = speculative_generate(counter_verifier, oracle, prompt, max_new_tokens=30, eos_token_id=14)
+    assert spec.tokens == [10, 11, 12, 13, 14]  # step 1 ends at 13 (no EOS): 2 of 4 kept; step 2 drafts 14
+    assert spec.accepted_per_step == [2, 0] and spec.drafted_per_step == [4, 0]
+
+
+def test_max_new_tokens_cap_counts(counter_verifier):
+    """Every cap: the output is cut at the cap and the counts add up to it, with or without an EOS after it."""
+    prompt, K = [1, 5, 9], 4
+    free = list(range(10, 40))
+    oracle = OracleDrafter(counter_verifier, prompt + free, num_depths=K)
+    for cap in range(1, 16):
+        for eos in (None, [free[cap - 1]], [free[cap]]):
+            spec = speculative_generate(counter_verifier, oracle, prompt, max_new_tokens=cap, eos_token_id=eos)
+            assert spec.tokens == free[:cap]
+            _check_identity(spec, K)
+            assert spec.accepted_per_step == _steps_until(cap - 1, K)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 2.0])
+def test_random_drafter_counts_add_up_with_eos(counter_verifier, temperature):
+    """A random drafter (rejections at any depth), greedy and sampled; each output token in turn is an EOS."""
+    drafter = tiny_drafter(counter_verifier, num_depths=3)
+    prompt = [1, 5, 9]
+
+    def run(eos):
+        return speculative_generate(counter_verifier, drafter, prompt, max_new_tokens=20, eos_token_id=eos,
+                                    temperature=temperature, generator=torch.Generator().manual_seed(1))
+
+    free = run(None).tokens
+    assert len(free) == 20
+    for j in range(len(free)):
+        spec = run([free[j], 63])
+        stop = min(i for i, t in enumerate(free) if t in (free[j], 63))
+        assert spec.tokens == free[:stop + 1]
+        _check_identity(spec, 3)
