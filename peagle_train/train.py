@@ -7,12 +7,14 @@ One optimizer step reads ``grad_accum`` packed blocks (one per micro-step). For 
 sampling (:mod:`peagle_train.cod`) with a generator seeded from ``(seed, block position)``, the §8
 attention mask (:mod:`peagle_train.attention`; a dense mask for SDPA or flex_attention BlockMasks, see
 ``attention_backend``), one drafter forward, and the chunked weighted KL to
-the verifier's stored final hidden states (:mod:`peagle_train.loss`). The verifier is loaded only
-for its ``embed_tokens`` and ``lm_head`` weights; it is never run.
+the verifier's stored final hidden states (:mod:`peagle_train.loss`). The step optimises the pooled
+objective ``Σ w·KL / Σ w`` over all its blocks and data-parallel ranks (:func:`accumulate_step`),
+the loss ``metrics.jsonl`` records. The verifier is loaded only for its ``embed_tokens`` and
+``lm_head`` weights; it is never run.
 
 Output directory layout:
 - ``train_config.json``: the :class:`TrainConfig` (checked again on ``--resume``);
-- ``metrics.jsonl``: one line per step (step, loss, acc per depth, tokens/s, lr, the block ids read,
+- ``metrics.jsonl``: one line per step (step, loss (the pooled objective), acc per depth, tokens/s, lr, the block ids read,
   grad norm, ...) and one per validation (``"split": "val"``);
 - ``checkpoint-N/``: drafter (``config.json``, ``model.safetensors``) plus ``training_state.pt``;
 - ``final/``: the drafter at the last step, the directory to serve or evaluate;
@@ -57,6 +59,8 @@ __all__ = [
     "build_draft_vocab",
     "build_drafter_config",
     "block_loss",
+    "block_hidden",
+    "accumulate_step",
     "cod_generator",
     "CosineWithWarmup",
     "build_optimizer",
@@ -178,7 +182,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Max gradient norm (``--grad-clip``); must be > 0."""
     grad_accum: int = 1
-    """Blocks per optimizer step and rank (``--grad-accum``)."""
+    """Blocks per optimizer step and rank (``--grad-accum``); the step's loss pools their elements."""
     seed: int = 0
     """Seed of the split, the shuffles, COD sampling and the drafter init (``--seed``)."""
     draft_vocab_size: int | None = None
@@ -443,8 +447,21 @@ def block_loss(model, draft_head: torch.Tensor, verifier_head: torch.Tensor, blo
             :class:`~peagle_train.attention.FlexElementMask`; backward on CUDA only); see
             :func:`resolve_attention_backend`.
     """
+    hidden, rows, target_index = block_hidden(model, draft_head.dtype, block, elements, attention_backend)
+    return kl_loss_and_accuracy(hidden, draft_head, block.final_hidden, verifier_head, elements.weight[rows],
+                                elements.depth[rows], num_depths, chunk_size, target_index=target_index)
+
+
+def block_hidden(model, dtype: torch.dtype, block: Block, elements: CodElements,
+                 attention_backend: str = "sdpa") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The drafter forward of :func:`block_loss`, for the elements the loss reads.
+
+    Returns:
+        ``hidden [E', H]`` (the drafter's output at the elements of non-zero weight), ``rows [E']
+        int64`` (their element indices) and ``target_index [E'] int64`` (the row of
+        ``block.final_hidden`` each one is scored against, ``a + d + 1``).
+    """
     inp = element_inputs(elements, block.input_ids, block.position_ids)
-    dtype = draft_head.dtype
     aux = block.aux_hidden[inp.feature_index[~inp.is_mask]].to(dtype)  # [E0, L*H] depth-0 rows only
     if attention_backend == "flex":
         mask = FlexElementMask(elements)  # BlockMasks [E, E] and [E', E], built in the forward
@@ -454,8 +471,43 @@ def block_loss(model, draft_head: torch.Tensor, verifier_head: torch.Tensor, blo
         raise ValueError(f"attention_backend must be 'sdpa' or 'flex', got {attention_backend!r}")
     rows = torch.nonzero(elements.weight != 0).squeeze(1)  # [E'] elements the loss reads
     hidden = model(inp.input_ids, aux, inp.is_mask, inp.position_ids, mask, output_rows=rows)  # [E', H]
-    return kl_loss_and_accuracy(hidden, draft_head, block.final_hidden, verifier_head, elements.weight[rows],
-                                elements.depth[rows], num_depths, chunk_size, target_index=inp.target_index[rows])
+    return hidden, rows, inp.target_index[rows]
+
+
+def accumulate_step(accelerator, model, params: list[torch.nn.Parameter], micro_batches,
+                    n_micro: int, loss_fn) -> dict[str, torch.Tensor]:
+    """Accumulate one optimizer step's gradient: that of the pooled objective over every micro-batch
+    and data-parallel rank, ``Σ w·KL / Σ w`` (sums over all the step's elements on all ranks).
+
+    Each micro-batch backpropagates its unnormalised ``Σ w·KL`` (under ``no_sync`` but the last);
+    the accumulated, all-reduced gradient is then scaled by ``world / W`` with ``W`` the step's
+    global weight sum (DDP averages over the ``world`` ranks). A block with 4 weighted elements thus
+    counts 4/(4+293) of a step shared with a 293-element block, not 1/2 as a mean of block means.
+
+    Args:
+        accelerator: the run's ``Accelerator``; model: the prepared (possibly DDP-wrapped) drafter;
+        params: its trainable parameters (their ``.grad`` is scaled in place; sparse allowed).
+        micro_batches: ``n_micro`` items, each passed to ``loss_fn``.
+        loss_fn: ``item -> LossOutput`` (the forward, e.g. :func:`block_loss` under autocast).
+
+    Returns:
+        ``loss_sum [1]``, ``weight_sum [1]``, ``correct [K]``, ``counts [K]`` summed over the step's
+        micro-batches and ranks (``loss_sum / weight_sum`` is the objective just optimised).
+    """
+    sums = None
+    for i, item in enumerate(micro_batches):
+        last = i == n_micro - 1
+        with nullcontext() if last or accelerator.num_processes == 1 else accelerator.no_sync(model):
+            res = loss_fn(item)
+            accelerator.backward(res.loss_sum)
+        sums = _add(sums, _reduce(accelerator, res))
+    total = float(sums["weight_sum"].sum())
+    scale = accelerator.num_processes / total if total > 0 else 0.0  # no weight: the gradient is 0 anyway
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return sums
 
 
 def _block_to(block: Block, device) -> Block:
@@ -705,21 +757,25 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
     try:
         while step < max_steps:
             t0 = time.perf_counter()
-            sums, n_tokens, n_elements, seen = None, 0, 0, []
-            for micro in range(cfg.grad_accum):
-                flat = loader.position * world + accelerator.process_index
-                block = _block_to(next(batches), accelerator.device)
-                elements = _sample(block, cfg, cod_generator(cfg.seed, flat)).to(accelerator.device)
-                sync = micro == cfg.grad_accum - 1
-                with nullcontext() if sync or world == 1 else accelerator.no_sync(model):
-                    with accelerator.autocast():
-                        res = block_loss(model, unwrapped.lm_head.weight, verifier_head, block, elements,
-                                         cfg.num_depths, cfg.loss_chunk_size, attention)
-                    accelerator.backward(res.loss / cfg.grad_accum)
-                sums = _add(sums, _reduce(accelerator, res))
-                n_tokens += block.n_tokens * world
-                seen.append(block.block_id)
-                n_elements += len(elements)
+            seen, sizes = [], []
+
+            def micro_batches():
+                for _ in range(cfg.grad_accum):
+                    flat = loader.position * world + accelerator.process_index
+                    block = _block_to(next(batches), accelerator.device)
+                    elements = _sample(block, cfg, cod_generator(cfg.seed, flat)).to(accelerator.device)
+                    seen.append(block.block_id)
+                    sizes.append((block.n_tokens, len(elements)))
+                    yield block, elements
+
+            def loss_fn(item):
+                with accelerator.autocast():
+                    return block_loss(model, unwrapped.lm_head.weight, verifier_head, *item, cfg.num_depths,
+                                      cfg.loss_chunk_size, attention)
+
+            sums = accumulate_step(accelerator, model, params, micro_batches(), cfg.grad_accum, loss_fn)
+            n_tokens = sum(t for t, _ in sizes) * world
+            n_elements = sum(e for _, e in sizes)
             grad_norm = float(clip_grad_norm(params, cfg.grad_clip))
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
