@@ -35,6 +35,13 @@ def _common_options(fn):
         click.option("--on-history-rewrite", type=click.Choice(["split", "reject"]), default="split",
                      show_default=True,
                      help="A template that rewrites earlier turns: one row per assistant turn, or reject."),
+        click.option("--dedup/--no-dedup", default=True, show_default=True,
+                     help="Reject exact duplicates (same normalised messages) after the first, across all inputs; "
+                          "listed in rejects.jsonl with the row they duplicate."),
+        click.option("--max-tokens", metavar="N", type=click.IntRange(min=1), default=None,
+                     help="Reject conversations of more than N tokens (counted as 'too long')."),
+        click.option("--min-loss-tokens", metavar="N", type=click.IntRange(min=1), default=None,
+                     help="Reject conversations with fewer than N supervised tokens."),
         click.option("--force", is_flag=True, help="Overwrite an existing output."),
     ]
     for option in reversed(options):
@@ -42,12 +49,13 @@ def _common_options(fn):
     return fn
 
 
-def _tokenize_config(chat_template, limit, fmt, strict, num_workers, on_history_rewrite):
+def _tokenize_config(chat_template, limit, fmt, strict, num_workers, on_history_rewrite, **filters):
+    """``filters``: dedup, max_tokens, min_loss_tokens (TokenizeConfig fields of the same names)."""
     from peagle_data.prepare import TokenizeConfig
 
     try:
         return TokenizeConfig(format=fmt, limit=limit, strict=strict, chat_template=chat_template,
-                              num_workers=num_workers, on_history_rewrite=on_history_rewrite)
+                              num_workers=num_workers, on_history_rewrite=on_history_rewrite, **filters)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
 
@@ -66,7 +74,8 @@ def _explicit_tokenize_fields(ctx: click.Context) -> set[str]:
 def _echo_summary(summary: dict) -> None:
     c = summary["counts"]
     click.echo(f"read {c['read']}  used {c['used']}  rejected {c['rejected']}"
-               + (f" {c['rejected_by_reason']}" if c.get("rejected_by_reason") else ""))
+               + (f" {c['rejected_by_reason']}" if c.get("rejected_by_reason") else "")
+               + (f"  (duplicates {c['duplicates']})" if c.get("duplicates") else ""))
     line = f"tokens {c['tokens']}  loss tokens {c['loss_tokens']}"
     if "n_blocks" in c:
         line += (f"  windows {c['windows']} (dropped {c['windows_dropped']}, capped {c.get('windows_capped', 0)})  blocks {c['n_blocks']}"
@@ -94,7 +103,7 @@ def _exit_if_useless(summary: dict) -> None:
 @_common_options
 @handle_errors
 def tokenize(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, num_workers, on_history_rewrite,
-             force):
+             dedup, max_tokens, min_loss_tokens, force):
     """Tokenize conversations with the chat template; write input_ids and assistant loss masks.
 
     INPUT: .jsonl, .json or .parquet files (globs allowed), or 'sharegpt'. Rejected rows go to
@@ -102,7 +111,8 @@ def tokenize(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, 
     """
     from peagle_data.prepare import run_tokenize
 
-    cfg = _tokenize_config(chat_template, limit, fmt, strict, num_workers, on_history_rewrite)
+    cfg = _tokenize_config(chat_template, limit, fmt, strict, num_workers, on_history_rewrite, dedup=dedup,
+                           max_tokens=max_tokens, min_loss_tokens=min_loss_tokens)
     summary = run_tokenize(list(inputs), tokenizer_name, output, cfg, force=force)
     _echo_summary(summary)
     _exit_if_useless(summary)
@@ -122,7 +132,7 @@ def tokenize(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, 
               help="Keep at most the first N windows of each conversation (default: all); the rest are counted.")
 @handle_errors
 def pack(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, num_workers, on_history_rewrite,
-         force, max_seq_len, block_size, overlap, overlap_loss, max_windows):
+         dedup, max_tokens, min_loss_tokens, force, max_seq_len, block_size, overlap, overlap_loss, max_windows):
     """Cut conversations into windows and pack them into blocks with cu_seqlens.
 
     INPUT: conversation files / 'sharegpt' (tokenized on the fly), or a tokenize output (then
@@ -131,7 +141,8 @@ def pack(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, num_
     """
     from peagle_data.prepare import PackConfig, run_pack
 
-    tok_cfg = _tokenize_config(chat_template, limit, fmt, strict, num_workers, on_history_rewrite)
+    tok_cfg = _tokenize_config(chat_template, limit, fmt, strict, num_workers, on_history_rewrite, dedup=dedup,
+                               max_tokens=max_tokens, min_loss_tokens=min_loss_tokens)
     try:
         cfg = PackConfig(max_seq_len=max_seq_len, block_size=block_size, overlap=overlap,
                          overlap_loss=overlap_loss, max_windows=max_windows, tokenize=tok_cfg)

@@ -50,6 +50,7 @@ from typing import Any, Collection, Iterator, Sequence
 import numpy as np
 from tqdm import tqdm
 
+from peagle_data.dedup import Deduplicator, dedup_items, duplicate_reject, filter_reason, rows_key
 from peagle_data.chat import ChatTemplateError, chat_template_sha256, render_rows, tokenize_rendered
 from peagle_data.packing import make_packed_row, pack_blocks_flexible, packing_efficiency
 from peagle_data.readers import FORMATS, Conversation, Reject, UniqueIds, read_conversations, resolve_inputs
@@ -97,8 +98,18 @@ class TokenizeConfig:
     on_history_rewrite: str = "split"
     """split: one row per assistant turn when the template rewrites history; reject: reject the
     conversation (--on-history-rewrite)."""
+    dedup: bool = True
+    """Reject exact duplicates (same normalised messages; for tokenize outputs, same tokens and
+    mask) after their first occurrence across all inputs (--dedup/--no-dedup; :mod:`peagle_data.dedup`)."""
+    max_tokens: int | None = None
+    """Reject conversations of more tokens than this (--max-tokens, tokens; None: no limit)."""
+    min_loss_tokens: int | None = None
+    """Reject conversations with fewer supervised tokens than this (--min-loss-tokens; None: no limit)."""
 
     def __post_init__(self) -> None:
+        for name, option in (("max_tokens", "--max-tokens"), ("min_loss_tokens", "--min-loss-tokens")):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{option} must be >= 1 tokens, got {getattr(self, name)}")
         if self.num_workers < 1:
             raise ValueError(f"--num-workers must be >= 1 processes, got {self.num_workers}")
         if self.on_history_rewrite not in HISTORY_REWRITE:
@@ -228,7 +239,8 @@ def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: Tokenize
     template = _read_template(cfg.chat_template)
     split = cfg.on_history_rewrite == "split"
     bar = tqdm(total=cfg.limit, desc="tokenize", unit="conv", file=sys.stderr, disable=None)
-    items = read_conversations(inputs, fmt=cfg.format, strict=cfg.strict, limit=cfg.limit)
+    items = dedup_items(read_conversations(inputs, fmt=cfg.format, strict=cfg.strict, limit=cfg.limit),
+                        Deduplicator() if cfg.dedup else None)
     chunks = iter(lambda: list(itertools.islice(items, CHUNK_CONVERSATIONS)), [])
     pool = None
     try:
@@ -244,11 +256,19 @@ def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: Tokenize
                 bar.update(1)
                 _bump(counts, "duplicate_ids_renamed", item.duplicate_id_renamed)
                 if isinstance(item, Reject):
+                    duplicate_of = getattr(item, "duplicate_of", None)
+                    _bump(counts, "duplicates", duplicate_of is not None)
                     _reject(rejects, counts, item.source, item.reason, conversation_id=item.conversation_id,
-                            field=item.field)
+                            field=item.field, duplicate_of=duplicate_of)
                     continue
                 if not isinstance(outcome, str) and not any(tok.loss_mask.any() for _, tok in outcome):
                     outcome = "no supervised tokens: the template renders no assistant token"
+                filtered = None if isinstance(outcome, str) else filter_reason(
+                    sum(len(t.input_ids) for _, t in outcome), sum(int(t.loss_mask.sum()) for _, t in outcome),
+                    cfg.max_tokens, cfg.min_loss_tokens)
+                if filtered is not None:  # a filter, not a bad row: rejected also with --strict
+                    _reject(rejects, counts, item.source, filtered, conversation_id=item.conversation_id)
+                    continue
                 if isinstance(outcome, str):
                     if cfg.strict:
                         file, row = _split_source(item.source)
@@ -427,6 +447,29 @@ def _iter_table_rows(tables: list[TokenTable], counts: dict[str, Any],
             yield group
 
 
+def _filter_table_groups(groups: Iterator[list[dict[str, Any]]], cfg: TokenizeConfig, rejects: RejectsWriter,
+                         counts: dict[str, Any]) -> Iterator[list[dict[str, Any]]]:
+    """Tokenize-output conversations with exact duplicates (same token ids and loss masks, with
+    ``cfg.dedup``) and those outside ``--max-tokens``/``--min-loss-tokens`` rejected and counted."""
+    dedup = Deduplicator() if cfg.dedup else None
+    for group in groups:
+        source, cid = group[0]["source"], group[0]["conversation_id"]
+        if dedup is not None:
+            first = dedup.first_of(rows_key(group), source)
+            if first is not None:
+                d = duplicate_reject(cid, source, first)
+                _bump(counts, "duplicates")
+                _reject(rejects, counts, source, d.reason.replace("same messages", "same tokens"),
+                        conversation_id=cid, duplicate_of=first)
+                continue
+        filtered = filter_reason(sum(len(r["input_ids"]) for r in group),
+                                 sum(int(np.sum(r["loss_mask"])) for r in group), cfg.max_tokens, cfg.min_loss_tokens)
+        if filtered is not None:
+            _reject(rejects, counts, source, filtered, conversation_id=cid)
+            continue
+        yield group
+
+
 def _open_tables(inputs, tokenizer, template) -> list[TokenTable]:
     tables = []
     want = chat_template_sha256(tokenizer, template)
@@ -493,7 +536,8 @@ def run_pack(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.PathL
         upstream = None
     with staged_output_dir(output, force) as out:
         with RejectsWriter(out) as rejects:
-            rows = (_iter_table_rows(tables, counts, cfg.tokenize.limit) if upstream is not None
+            rows = (_filter_table_groups(_iter_table_rows(tables, counts, cfg.tokenize.limit), cfg.tokenize,
+                                         rejects, counts) if upstream is not None
                     else iter_tokenized(inputs, tokenizer, cfg.tokenize, rejects, counts))
             with _WindowSpill(out) as spill:
                 _collect_windows(rows, cfg, rejects, counts, spill)

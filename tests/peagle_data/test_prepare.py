@@ -44,6 +44,11 @@ BAD_ROWS = [  # comments: the 1-based line number in bad.jsonl
 ]
 
 
+def distinct_ok_rows(n):
+    """``n`` usable rows of different content (equal rows would be rejected as duplicates)."""
+    return [dict(OK, messages=[{"role": "user", "content": f"Hi {i}"}, OK["messages"][1]]) for i in range(n)]
+
+
 def write_rows(path, rows):
     with path.open("wb") as f:
         for row in rows:
@@ -142,14 +147,14 @@ def test_duplicate_ids_are_renamed_and_counted(tmp_path, smollm2_tokenizer):
     row = {"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]}
     a = write_rows(tmp_path / "a" / "good.jsonl", [row, OK])
     b = write_rows(tmp_path / "b" / "good.jsonl", [row, OK])
-    c = run_tokenize([a, b, a], "smollm2-135m", tmp_path / "tok", TokenizeConfig(),
+    c = run_tokenize([a, b, a], "smollm2-135m", tmp_path / "tok", TokenizeConfig(dedup=False),
                      tokenizer=smollm2_tokenizer)["counts"]
     ids = [r["conversation_id"] for r in TokenTable.open(tmp_path / "tok").iter_rows(["conversation_id"])]
     assert ids == ["a/good:1", "ok", "b/good:1", "ok~2", "a/good:1~2", "ok~3"]
     assert c["duplicate_ids_renamed"] == 3
     # the same tokenize output twice: pack keeps segment ids unique too
-    p = run_pack([tmp_path / "tok", tmp_path / "tok"], "smollm2-135m", tmp_path / "p", PackConfig(max_seq_len=256),
-                 tokenizer=smollm2_tokenizer)["counts"]
+    p = run_pack([tmp_path / "tok", tmp_path / "tok"], "smollm2-135m", tmp_path / "p",
+                 PackConfig(max_seq_len=256, tokenize=TokenizeConfig(dedup=False)), tokenizer=smollm2_tokenizer)["counts"]
     segments = [s for r in TokenTable.open(tmp_path / "p").iter_rows() for s in r["segment_ids"]]
     assert len(segments) == len(set(segments)) == 12 and p["duplicate_ids_renamed"] == 6
 
@@ -241,7 +246,7 @@ def test_pack_round_trip_every_supervised_token_once(tmp_path, smollm2_tokenizer
 
 @pytest.mark.parametrize("command", ["tokenize", "pack"])
 def test_a_rerun_removes_stale_partials_of_dead_runs_only(tmp_path, smollm2_tokenizer, capsys, command):
-    src = write_rows(tmp_path / "ok.jsonl", [OK] * 3)
+    src = write_rows(tmp_path / "ok.jsonl", distinct_ok_rows(3))
     host = _host_tag()
     stale = make_staging(tmp_path, "out", "partial", f"{host}-{dead_pid()}")
     live = make_staging(tmp_path, "out", "partial", f"{host}-{os.getpid()}")
@@ -270,7 +275,7 @@ main()
 
 
 def test_sigkilled_tokenize_leaves_a_partial_the_next_run_removes(tmp_path, smollm2_tokenizer, capsys):
-    src = write_rows(tmp_path / "ok.jsonl", [OK] * 3)
+    src = write_rows(tmp_path / "ok.jsonl", distinct_ok_rows(3))
     out = tmp_path / "tok"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     res = subprocess.run([sys.executable, "-c", KILLED_DATA_CLI, "tokenize", str(src), "--tokenizer", "smollm2-135m",
@@ -286,7 +291,7 @@ def test_sigkilled_tokenize_leaves_a_partial_the_next_run_removes(tmp_path, smol
 
 
 def test_pack_of_a_tokenize_output_warns_about_ignored_tokenize_options(tmp_path, smollm2_tokenizer, capsys):
-    src = write_rows(tmp_path / "ok.jsonl", [OK] * 3)
+    src = write_rows(tmp_path / "ok.jsonl", distinct_ok_rows(3))
     run_tokenize([src], "smollm2-135m", tmp_path / "tok", TokenizeConfig(), tokenizer=smollm2_tokenizer)
     tok_cfg = TokenizeConfig(format="sharegpt", num_workers=2, on_history_rewrite="reject", limit=2)
     capsys.readouterr()

@@ -1,0 +1,93 @@
+"""Exact deduplication across sources and the --max-tokens / --min-loss-tokens filters."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from cli.data import main
+from peagle_data.dedup import Deduplicator, conversation_key, filter_reason
+from peagle_data.prepare import PackConfig, TokenizeConfig, run_pack, run_tokenize
+from peagle_data.readers import Conversation
+from stores.token_tables import TokenTable
+
+
+def _conv(user, answer, cid="x"):
+    return {"id": cid, "messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _rejects(table):
+    return [json.loads(line) for line in (table / "rejects.jsonl").read_text().splitlines()]
+
+
+def test_key_is_of_normalised_messages_not_ids():
+    a = Conversation("a", "f:1", [{"role": "user", "content": "hi"}])
+    b = Conversation("b", "g:9", [{"role": "user", "content": "hi"}])
+    c = Conversation("c", "g:9", [{"role": "user", "content": "hi "}])
+    assert conversation_key(a) == conversation_key(b) != conversation_key(c)
+    d = Deduplicator()
+    assert d.first_of(b"k", "f:1") is None and d.first_of(b"k", "g:2") == "f:1" and len(d) == 1
+
+
+def test_duplicates_across_sources_and_formats_are_dropped_and_listed(tmp_path, smollm2_tokenizer):
+    a = _write(tmp_path / "a.jsonl", [_conv("hello", "hi there", "a1"), _conv("what is 2+2", "4", "a2")])
+    sharegpt_copy = {"id": "b2", "conversations": [{"from": "human", "value": "what is 2+2"},
+                                                   {"from": "gpt", "value": "4"}]}
+    b = _write(tmp_path / "b.jsonl", [_conv("hello", "hi there", "b1"), sharegpt_copy, _conv("new", "row", "b3"),
+                                      _conv("hello", "hi there", "b4")])
+    c = run_tokenize([a, b], "smollm2-135m", tmp_path / "tok", TokenizeConfig(), tokenizer=smollm2_tokenizer)["counts"]
+    assert (c["read"], c["used"], c["rejected"], c["duplicates"]) == (6, 3, 3, 3)
+    assert c["rejected_by_reason"] == {"duplicate": 3}
+    rejects = _rejects(tmp_path / "tok")
+    assert [(r["source"], r["duplicate_of"], r["conversation_id"]) for r in rejects] == [
+        (f"{b}:1", f"{a}:1", "b1"), (f"{b}:2", f"{a}:2", "b2"), (f"{b}:4", f"{a}:1", "b4")]
+    assert rejects[0]["reason"] == f"duplicate: same messages as {a}:1"
+    ids = [r["conversation_id"] for r in TokenTable.open(tmp_path / "tok").iter_rows(["conversation_id"])]
+    assert ids == ["a1", "a2", "b3"]
+    # --no-dedup keeps them all
+    c = run_tokenize([a, b], "smollm2-135m", tmp_path / "all", TokenizeConfig(dedup=False),
+                     tokenizer=smollm2_tokenizer)["counts"]
+    assert (c["used"], c["rejected"], c.get("duplicates", 0)) == (6, 0, 0)
+    # pack of two tokenize outputs holding the same conversations: duplicates by tokens
+    p = run_pack([tmp_path / "tok", tmp_path / "all"], "smollm2-135m", tmp_path / "p", PackConfig(max_seq_len=64),
+                 tokenizer=smollm2_tokenizer)["counts"]
+    assert (p["read"], p["used"], p["duplicates"]) == (9, 3, 6)
+    firsts = {r["duplicate_of"] for r in _rejects(tmp_path / "p")}
+    assert firsts == {f"{a}:1", f"{a}:2", f"{b}:3"}
+
+
+def test_length_filters_reject_with_counts(tmp_path, smollm2_tokenizer):
+    long_answer = " ".join(["word"] * 200)
+    src = _write(tmp_path / "f.jsonl", [_conv("q1", "ok"), _conv("q2", long_answer), _conv("q3", "fine thanks")])
+    full = run_tokenize([src], "smollm2-135m", tmp_path / "full", TokenizeConfig(), tokenizer=smollm2_tokenizer)
+    rows = list(TokenTable.open(tmp_path / "full").iter_rows(["n_tokens", "n_loss_tokens"]))
+    n = [r["n_tokens"] for r in rows]
+    m = [r["n_loss_tokens"] for r in rows]
+    assert full["counts"]["used"] == 3 and n[1] > 200 > max(n[0], n[2]) and m[0] < m[2]
+    cfg = TokenizeConfig(max_tokens=n[1] - 1, min_loss_tokens=m[0] + 1)
+    c = run_tokenize([src], "smollm2-135m", tmp_path / "f", cfg, tokenizer=smollm2_tokenizer)["counts"]
+    assert (c["used"], c["rejected"]) == (1, 2)
+    assert c["rejected_by_reason"] == {"too long": 1, "too few supervised tokens": 1}
+    reasons = {r["source"]: r["reason"] for r in _rejects(tmp_path / "f")}
+    assert reasons == {f"{src}:2": f"too long: {n[1]} tokens > --max-tokens {n[1] - 1}",
+                       f"{src}:1": f"too few supervised tokens: {m[0]} < --min-loss-tokens {m[0] + 1}"}
+    # the same filters on a tokenize output given to pack, from the command line
+    r = CliRunner().invoke(main, ["pack", str(tmp_path / "full"), "--tokenizer", "smollm2-135m", "--output",
+                                  str(tmp_path / "p"), "--max-seq-len", "512", "--max-tokens", str(n[1] - 1),
+                                  "--min-loss-tokens", str(m[0] + 1)])
+    assert r.exit_code == 0, r.output
+    counts = TokenTable.open(tmp_path / "p").manifest["counts"]
+    assert counts["used"] == 1 and counts["rejected_by_reason"] == {"too long": 1, "too few supervised tokens": 1}
+    assert TokenTable.open(tmp_path / "p").manifest["parameters"]["tokenize"]["max_tokens"] == n[1] - 1
+
+
+def test_filter_reason_bounds():
+    assert filter_reason(10, 3, 10, 3) is None
+    assert filter_reason(11, 3, 10, None).startswith("too long: 11 tokens")
+    assert filter_reason(5, 2, None, 3).startswith("too few supervised tokens: 2 < ")
