@@ -25,7 +25,9 @@ __all__ = ["extract", "inspect_cmd", "verify"]
 @click.option("--attn-implementation", type=click.Choice(["auto", "sdpa", "eager", "flash_attention_2"]),
               default="auto", show_default=True,
               help="auto: FlashAttention varlen on CUDA when installed, else SDPA with a block-diagonal mask.")
-@click.option("--resume", is_flag=True, help="Continue an existing store (redo blocks not done).")
+@click.option("--resume", is_flag=True,
+              help="Continue an existing store: check every done block (reads it once) and extract the "
+                   "blocks not done and the damaged ones.")
 @click.option("--force", is_flag=True, help="Overwrite an existing store; skip the free-disk check.")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
 @click.option("--max-blocks", type=int, default=None, help="Stop after this many blocks (resumable).")
@@ -69,9 +71,11 @@ def inspect_cmd(path):
 @click.argument("store", type=click.Path(exists=True))
 @click.option("--packed", type=click.Path(exists=True, file_okay=False), default=None,
               help="Also check token ids against this packed table.")
+@click.option("--repair", is_flag=True,
+              help="Clear the done flag of every bad block, so that `extract --resume` extracts them again.")
 @handle_errors
-def verify(store, packed):
-    """Check a feature store: shapes, dtypes, done flags, checksums, NaN/Inf, token ids."""
+def verify(store, packed, repair):
+    """Check a feature store: shapes, dtypes, done flags, chunk files, checksums, NaN/Inf, token ids."""
     from stores.feature_store import verify_store
     from stores.token_tables import TokenTable
 
@@ -90,11 +94,16 @@ def verify(store, packed):
                                      f"(manifest sha256 {source}, this table {manifest_sha256(packed)})")
         rows = list(table.iter_rows(["input_ids"]))
         expected = lambda i: rows[i]["input_ids"]  # noqa: E731
-    report = verify_store(store, expected_tokens=expected)
+    report = verify_store(store, expected_tokens=expected, repair=repair)
     echo_json(report)
     if not report["ok"]:
         bad = sorted(set(report["not_done"]) | set(int(k) for k in report["bad_blocks"]))
-        click.echo(f"Error: store {store} failed verification; blocks at fault: {bad}", err=True)
+        damaged = "; ".join(report["damaged_arrays"].values())
+        click.echo(f"Error: store {store} failed verification; blocks at fault: {bad}"
+                   + (f"; {damaged}" if damaged else "")
+                   + ("; their done flags are cleared" if report["repaired"] else "")
+                   + ". `peagle-data extract PACKED --resume` (same --verifier and --layers) extracts "
+                     "them again", err=True)
         sys.exit(1)
 
 

@@ -31,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from stores.errors import InputError, OutputExistsError, StoreFormatError
-from stores.feature_store import STORAGE_DTYPES, FeatureStore, bytes_per_token, check_compatible
+from stores.feature_store import STORAGE_DTYPES, FeatureStore, bytes_per_token, check_block, check_compatible
 from stores.model_cache import load_verifier, model_fingerprint, resolve_model
 from stores.token_tables import TokenTable, manifest_sha256
 
@@ -61,7 +61,7 @@ class ExtractConfig:
     compressor: str | None = None
     """None (raw chunks, memory-mapped reads) or ``zstd`` (smaller, read through zarr)."""
     resume: bool = False
-    """Continue an existing store: redo the blocks whose done flag is 0."""
+    """Continue an existing store: check every done block, then extract the not-done and damaged ones."""
     force: bool = False
     """Overwrite an existing store; also skip the free-disk check."""
     device: str | None = None
@@ -211,6 +211,7 @@ class _BlockWriter:
         self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
         self.copy_stream = None  # a CUDA side stream for device-to-host copies, made on first use
         self.error: BaseException | None = None
+        self.nonfinite: list[int] = []  # blocks left not done: NaN/Inf hidden states
         self.thread = threading.Thread(target=self._run, name="peagle-store-writer", daemon=True)
         self.thread.start()
 
@@ -228,7 +229,10 @@ class _BlockWriter:
                     copied.synchronize()  # the device-to-host copy into pinned memory is done
                 device_refs = None  # the device tensors may now return to the allocator
                 self.store.write_features(i, aux, final)
-                self.store.mark_done(i)
+                if torch.isfinite(aux).all() and torch.isfinite(final).all():
+                    self.store.mark_done(i)
+                else:  # verify would reject it: never mark it done
+                    self.nonfinite.append(i)
             except BaseException as e:  # reported on the main thread
                 self.error = e
 
@@ -299,15 +303,61 @@ def _create_store(cfg: ExtractConfig, rows, table: TokenTable, desc: dict, layer
         source=manifest_sha256(cfg.packed), storage_dtype=cfg.storage_dtype,
         n_tokens=int(sum(int(r["n_tokens"]) for r in rows)), force=cfg.force,
     )
-    freq = np.zeros(V, dtype=np.int64)
     for i, r in enumerate(rows):
         store.write_tokens(i, r["input_ids"], r["loss_mask"], r["position_ids"], r["cu_seqlens"])
-        ids = np.asarray(r["input_ids"], dtype=np.int64)[np.asarray(r["loss_mask"]) == 1]
-        freq += np.bincount(ids, minlength=V)[:V]
-    store.write_all_n_tokens(np.array([int(r["n_tokens"]) for r in rows], dtype=np.int32))
-    store.set_token_freq(freq)
+    _write_shared(store, rows)
     store.update_attrs(tokens_written=True)  # last: a store without it is recreated on --resume
     return store
+
+
+def _write_shared(store: FeatureStore, rows) -> None:
+    """Write the whole-store arrays ``n_tokens [N]`` and ``token_freq [V]`` from the packed rows."""
+    freq = np.zeros(store.vocab_size, dtype=np.int64)
+    for r in rows:
+        ids = np.asarray(r["input_ids"], dtype=np.int64)[np.asarray(r["loss_mask"]) == 1]
+        freq += np.bincount(ids, minlength=store.vocab_size)[:store.vocab_size]
+    store.write_all_n_tokens(np.array([int(r["n_tokens"]) for r in rows], dtype=np.int32))
+    store.set_token_freq(freq)
+
+
+def _repair_shared(store: FeatureStore, rows, log: Callable[[str], None]) -> dict[str, str]:
+    """On --resume (main process): rewrite ``n_tokens``/``token_freq`` from the packed rows if damaged."""
+    damaged = store.shared_damage()
+    if damaged:
+        for reason in damaged.values():
+            log(f"{store.path}: {reason}; rewriting it from the packed table")
+        _write_shared(store, rows)
+    return damaged
+
+
+def _repair_blocks(store: FeatureStore, rows, rank: int, world: int, log: Callable[[str], None]) -> dict[int, str]:
+    """On --resume: check this rank's share of the blocks and make every damaged one not done.
+
+    A done block is damaged when :func:`stores.feature_store.check_block` finds a chunk missing,
+    truncated, empty, unreadable or failing its checksum, non-finite hidden states, or ``input_ids``
+    other than the packed row's (this reads every done block of the share once). A damaged done
+    flag chunk counts as not done. Damaged blocks get their flag cleared, and every not-done block
+    of the share gets its token arrays rewritten from the packed row, so the extraction that
+    follows makes the store byte-identical to an undamaged one.
+
+    Returns:
+        ``{block: reason}`` of the damaged blocks found by this rank.
+    """
+    done, damaged = store.read_done_flags()
+    mine = range(rank, store.n_blocks, world)
+    for i in (i for i in mine if done[i]):
+        reason = check_block(store, i, rows[i]["input_ids"])
+        if reason is not None:
+            damaged[i] = reason
+    damaged = {i: reason for i, reason in damaged.items() if i % world == rank}
+    for i, reason in sorted(damaged.items()):
+        log(f"{store.path}: {reason}; extracting block {i} again")
+        store.clear_done(i)
+        done[i] = False
+    for i in (i for i in mine if not done[i]):
+        r = rows[i]
+        store.write_tokens(i, r["input_ids"], r["loss_mask"], r["position_ids"], r["cu_seqlens"])
+    return damaged
 
 
 def _check_device(device: str | None) -> None:
@@ -360,7 +410,10 @@ def run_extract(cfg: ExtractConfig, progress: bool = True,
                 log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the verifier over every not-done block of a packed table and write the store.
 
-    Under ``accelerate launch --num_processes N`` each rank takes every N-th not-done block.
+    Under ``accelerate launch --num_processes N`` each rank takes every N-th not-done block. With
+    ``resume`` every done block is checked first (:func:`_repair_blocks`) and damaged ones are
+    extracted again, so ``complete`` is true only for a store that ``verify_store`` accepts. A block
+    whose hidden states are not finite is left not done and listed in ``nonfinite_blocks``.
 
     Returns:
         A summary: store path, blocks done in this run (this rank), blocks done in all, layers, bytes.
@@ -395,9 +448,13 @@ def run_extract(cfg: ExtractConfig, progress: bool = True,
 
     if state.is_main_process:
         store = _open_or_create(cfg, rows, table, desc, layers, log)
+        if cfg.resume:
+            _repair_shared(store, rows, log)
     state.wait_for_everyone()
     if not state.is_main_process:
         store = FeatureStore.open(cfg.output, mode="r+")
+    repaired = _repair_blocks(store, rows, state.process_index, state.num_processes, log) if cfg.resume else {}
+    state.wait_for_everyone()
     todo = store.missing_blocks()
     state.wait_for_everyone()  # every rank reads the same list before any rank writes
     todo = todo[state.process_index::state.num_processes]
@@ -421,6 +478,9 @@ def run_extract(cfg: ExtractConfig, progress: bool = True,
             bar.set_postfix(tokens=tokens)
     finally:
         writer.close()
+    if writer.nonfinite:
+        log(f"{cfg.output}: blocks {sorted(writer.nonfinite)} have NaN or Inf hidden states (verifier overflow?); "
+            "they are left not done")
     state.wait_for_everyone()
     return {
         "store": str(cfg.output),
@@ -431,6 +491,8 @@ def run_extract(cfg: ExtractConfig, progress: bool = True,
         "n_tokens": store.n_tokens,
         "layers": layers,
         "storage_dtype": store.storage_dtype,
+        "repaired_blocks": {int(i): reason for i, reason in sorted(repaired.items())},
+        "nonfinite_blocks": sorted(writer.nonfinite),
         "complete": store.is_complete(),
         "stored_bytes": store.summary()["stored_bytes"],
     }

@@ -39,6 +39,7 @@ __all__ = [
     "check_compatible",
     "bytes_per_token",
     "verify_store",
+    "check_block",
 ]
 
 FORMAT_VERSION = 1
@@ -322,6 +323,21 @@ class FeatureStore:
         """Set block ``i``'s done flag; call only after its data is written."""
         self.group["done"][i] = 1
 
+    def clear_done(self, i: int) -> None:
+        """Clear block ``i``'s done flag (rewriting its flag chunk, damaged or not): it is extracted again.
+
+        In a local store, block ``i``'s chunks are removed first (a damaged chunk may be a directory
+        or a file that cannot be replaced); the block's data must then be written again.
+        """
+        if self._local_root is not None:
+            for name in [*self.block_arrays(), "done"]:
+                path = self.chunk_path(name, i)
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                elif path.exists() or path.is_symlink():
+                    path.unlink()
+        self.group["done"][i] = 0
+
     def set_token_freq(self, token_freq: np.ndarray) -> None:
         """Write ``token_freq [V] int64``."""
         self.group["token_freq"][:] = np.asarray(token_freq, dtype=np.int64)
@@ -409,6 +425,69 @@ class FeatureStore:
             final_hidden=fin,
         )
 
+    # ---------------------------------------------------------------- damage
+    def block_arrays(self) -> list[str]:
+        """Names of the arrays holding one chunk per block (the ``done`` flag excluded)."""
+        return [*_TOKEN_ARRAYS, "cu_seqlens"] + [n for n, _, _ in _hidden_arrays(
+            self.block_size, len(self.layers), self.hidden_size, self.storage_dtype)]
+
+    def chunk_damage(self, name: str, i: int) -> str | None:
+        """Why chunk ``i`` of array ``name`` cannot be trusted, or None when it reads back intact.
+
+        Checks that a local chunk file exists and (uncompressed stores) has exactly its data bytes
+        plus the 4 checksum bytes, then reads it through zarr, which verifies the crc32c checksum:
+        a missing, truncated, empty, unreadable or altered chunk is named with its path.
+        """
+        arr = self.group[name]
+        path = self.chunk_path(name, i)
+        where = f"{name} chunk {path}" if path is not None else f"{name} chunk {i}"
+        if path is not None:
+            if not path.is_file():
+                return f"{where} is {'not a regular file' if path.exists() else 'missing'}"
+            if self._mmap_ok:
+                want = int(np.prod(arr.chunks)) * arr.dtype.itemsize + _CHECKSUM_BYTES
+                size = path.stat().st_size
+                if size != want:
+                    return f"{where} is {size} bytes, expected {want} ({'empty' if size == 0 else 'truncated or foreign'})"
+        try:
+            arr[i]
+        except Exception as e:  # checksum mismatch, undecodable bytes, permission denied
+            return f"{where} is unreadable ({type(e).__name__}: {e})"
+        return None
+
+    def block_damage(self, i: int) -> str | None:
+        """The first damaged chunk of block ``i``'s data (see :meth:`chunk_damage`), or None."""
+        for name in self.block_arrays():
+            reason = self.chunk_damage(name, i)
+            if reason is not None:
+                return f"block {i}: {reason}"
+        return None
+
+    def shared_damage(self) -> dict[str, str]:
+        """``{array: reason}`` for the whole-store arrays ``n_tokens`` and ``token_freq`` (one chunk each;
+        ``token_freq`` only once extraction has written it, attribute ``tokens_written``)."""
+        names = ["n_tokens"] + (["token_freq"] if self.attrs.get("tokens_written") else [])  # both set by extract
+        found = {name: self.chunk_damage(name, 0) for name in names}
+        self._n_tokens_cache = None
+        return {name: reason for name, reason in found.items() if reason is not None}
+
+    def read_done_flags(self) -> tuple[np.ndarray, dict[int, str]]:
+        """``([N] bool done flags, {block: reason})``: a block whose flag chunk is damaged reads as
+        not done and is listed with the reason (``done_mask`` would raise)."""
+        try:
+            return self.done_mask(), {}
+        except Exception:  # one flag chunk is damaged: read them one by one
+            pass
+        done = np.zeros(self.n_blocks, dtype=bool)
+        bad: dict[int, str] = {}
+        for i in range(self.n_blocks):
+            reason = self.chunk_damage("done", i)
+            if reason is not None:
+                bad[i] = f"block {i}: its done flag's {reason}"
+            else:
+                done[i] = bool(self.group["done"][i])
+        return done, bad
+
     def chunk_path(self, name: str, i: int) -> Path | None:
         """Local path of block ``i``'s chunk of array ``name`` (None for a remote store)."""
         if self._local_root is None:
@@ -429,8 +508,8 @@ class FeatureStore:
         missing = [n for n in names if not self.chunk_path(n, i).is_file()]
         if missing:
             raise StoreFormatError(f"{self.path}: block {i} is marked done but its chunk files of "
-                                   f"{missing} are missing (run `peagle-data verify`, then "
-                                   "`peagle-data extract --resume` after clearing its done flag)")
+                                   f"{missing} are missing (`peagle-data extract --resume` re-extracts "
+                                   "damaged blocks; `peagle-data verify` lists them)")
 
     def _mmap_chunk(self, name: str, i: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         key = "/".join(["c", str(i)] + ["0"] * (len(shape)))
@@ -463,22 +542,75 @@ class FeatureStore:
         }
 
 
-def verify_store(path: str | os.PathLike, expected_tokens=None) -> dict[str, Any]:
-    """Check a store: format, shapes and dtypes, done flags, checksums, NaN/Inf, token ids.
+def check_block(store: FeatureStore, i: int, expected_ids=None) -> str | None:
+    """Why done block ``i`` cannot be trusted (the first problem found), or None.
+
+    Every chunk of the block must be present, of the right size and pass its checksum
+    (:meth:`FeatureStore.block_damage`); the hidden states must be finite; and, when
+    ``expected_ids [T]`` is given (the packed table's row), ``input_ids`` must equal it.
+    """
+    reason = store.block_damage(i)
+    if reason is not None:
+        return reason
+    try:
+        block = store.read_block(i)
+    except Exception as e:  # e.g. a damaged n_tokens chunk
+        return f"block {i}: cannot be read ({type(e).__name__}: {e})"
+    if not torch.isfinite(block.aux_hidden.float()).all() or not torch.isfinite(block.final_hidden.float()).all():
+        return f"block {i}: NaN or Inf in hidden states"
+    if expected_ids is not None:
+        exp = np.asarray(expected_ids)
+        if len(exp) != block.n_tokens or not np.array_equal(exp, block.input_ids.numpy()):
+            return f"block {i}: input_ids differ from the packed table"
+    return None
+
+
+def verify_store(path: str | os.PathLike, expected_tokens=None, repair: bool = False) -> dict[str, Any]:
+    """Check a store: format, shapes and dtypes, done flags, chunk files, checksums, NaN/Inf, token ids.
 
     Args:
         expected_tokens: optional callable ``i -> (input_ids [T] array)`` from the packed table.
+        repair: clear the done flag of every bad block (and rewrite damaged flag chunks), so that
+            ``peagle-data extract --resume`` extracts exactly those blocks again.
 
     Returns:
-        ``{"ok": bool, "n_blocks", "blocks_done", "not_done": [...], "bad_blocks": {id: reason}}``.
+        ``{"ok": bool, "n_blocks", "blocks_done", "not_done": [...], "bad_blocks": {id: reason},
+        "damaged_arrays": {name: reason}, "repaired": [ids]}`` (``n_tokens``/``token_freq`` damage
+        is repaired by ``extract --resume``, which rewrites them from the packed table).
 
     Raises:
-        StoreFormatError: the store cannot be opened at all.
+        StoreFormatError: the store cannot be opened at all, or an array is missing or misshapen.
     """
-    store = FeatureStore.open(path)
+    store = FeatureStore.open(path, mode="r+" if repair else "r")
+    _check_arrays(store, path)
+    shared = store.shared_damage()
+    done, problems = store.read_done_flags()
+    for i in np.flatnonzero(done).tolist():
+        if "n_tokens" in shared:  # block lengths unknown: only the chunks themselves can be checked
+            reason = store.block_damage(i)
+        else:
+            reason = check_block(store, i, None if expected_tokens is None else expected_tokens(i))
+        if reason is not None:
+            problems[i] = reason
+    repaired = sorted(problems) if repair else []
+    for i in repaired:
+        store.clear_done(i)
+        done[i] = False
+    return {
+        "ok": bool(done.all()) and not problems and not shared,
+        "n_blocks": store.n_blocks,
+        "blocks_done": int(done.sum()),
+        "not_done": np.flatnonzero(~done).tolist(),
+        "bad_blocks": problems,
+        "damaged_arrays": shared,
+        "repaired": repaired,
+    }
+
+
+def _check_arrays(store: FeatureStore, path) -> None:
+    """Every array is present with the shape and dtype the attributes imply (StoreFormatError otherwise)."""
     g = store.group
     N, C, L, H = store.n_blocks, store.block_size, len(store.layers), store.hidden_size
-    problems: dict[int, str] = {}
     expect = {"input_ids": ((N, C), "int32"), "loss_mask": ((N, C), "uint8"),
               "position_ids": ((N, C), "int32"), "done": ((N,), "uint8")}
     for name, shape, dtype in _hidden_arrays(C, L, H, store.storage_dtype):
@@ -489,32 +621,6 @@ def verify_store(path: str | os.PathLike, expected_tokens=None) -> dict[str, Any
         arr = g[name]
         if tuple(arr.shape) != shape or str(arr.dtype) != dtype:
             raise StoreFormatError(f"{path}: {name} is {arr.shape} {arr.dtype}, expected {shape} {dtype}")
-    done = store.done_mask()
-    for i in np.flatnonzero(done).tolist():
-        try:
-            block = store.read_block(i, via="zarr")
-        except Exception as e:  # checksum mismatch, truncated chunk
-            problems[i] = f"unreadable chunk ({type(e).__name__}: {e})"
-            continue
-        if store._mmap_ok:
-            try:
-                store.read_block(i, via="mmap")
-            except StoreFormatError as e:
-                problems[i] = str(e)
-                continue
-        if not torch.isfinite(block.aux_hidden.float()).all() or not torch.isfinite(block.final_hidden.float()).all():
-            problems[i] = "NaN or Inf in hidden states"
-        elif expected_tokens is not None:
-            exp = np.asarray(expected_tokens(i))
-            if len(exp) != block.n_tokens or not np.array_equal(exp, block.input_ids.numpy()):
-                problems[i] = "input_ids differ from the packed table"
-    return {
-        "ok": bool(done.all()) and not problems,
-        "n_blocks": N,
-        "blocks_done": int(done.sum()),
-        "not_done": np.flatnonzero(~done).tolist(),
-        "bad_blocks": problems,
-    }
 
 
 def check_compatible(store: FeatureStore, *, verifier: dict[str, Any], layers: list[int], source: str) -> None:
