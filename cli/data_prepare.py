@@ -42,6 +42,10 @@ def _common_options(fn):
                      help="Reject conversations of more than N tokens (counted as 'too long')."),
         click.option("--min-loss-tokens", metavar="N", type=click.IntRange(min=1), default=None,
                      help="Reject conversations with fewer than N supervised tokens."),
+        click.option("--on-dropped-content", type=click.Choice(["reject", "keep"]), default="reject",
+                     show_default=True,
+                     help="Message content the chat template does not render (tool calls, reasoning, tools, "
+                          "images): reject the conversation, or keep it without that content (counted)."),
         click.option("--force", is_flag=True, help="Overwrite an existing output."),
     ]
     for option in reversed(options):
@@ -50,7 +54,8 @@ def _common_options(fn):
 
 
 def _tokenize_config(chat_template, limit, fmt, strict, num_workers, on_history_rewrite, **filters):
-    """``filters``: dedup, max_tokens, min_loss_tokens (TokenizeConfig fields of the same names)."""
+    """``filters``: on_dropped_content, dedup, max_tokens, min_loss_tokens (TokenizeConfig fields of
+    the same names)."""
     from peagle_data.prepare import TokenizeConfig
 
     try:
@@ -61,7 +66,8 @@ def _tokenize_config(chat_template, limit, fmt, strict, num_workers, on_history_
 
 
 _TOKENIZE_FIELDS = {"chat_template": "chat_template", "limit": "limit", "fmt": "format", "strict": "strict",
-                    "num_workers": "num_workers", "on_history_rewrite": "on_history_rewrite"}
+                    "num_workers": "num_workers", "on_history_rewrite": "on_history_rewrite",
+                    "on_dropped_content": "on_dropped_content"}
 """click parameter name -> TokenizeConfig field."""
 
 
@@ -103,7 +109,7 @@ def _exit_if_useless(summary: dict) -> None:
 @_common_options
 @handle_errors
 def tokenize(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, num_workers, on_history_rewrite,
-             dedup, max_tokens, min_loss_tokens, force):
+             on_dropped_content, dedup, max_tokens, min_loss_tokens, force):
     """Tokenize conversations with the chat template; write input_ids and assistant loss masks.
 
     INPUT: .jsonl, .json or .parquet files (globs allowed), or 'sharegpt'. Rejected rows go to
@@ -111,7 +117,8 @@ def tokenize(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, 
     """
     from peagle_data.prepare import run_tokenize
 
-    cfg = _tokenize_config(chat_template, limit, fmt, strict, num_workers, on_history_rewrite, dedup=dedup,
+    cfg = _tokenize_config(chat_template, limit, fmt, strict, num_workers, on_history_rewrite,
+                           on_dropped_content=on_dropped_content, dedup=dedup,
                            max_tokens=max_tokens, min_loss_tokens=min_loss_tokens)
     summary = run_tokenize(list(inputs), tokenizer_name, output, cfg, force=force)
     _echo_summary(summary)
@@ -132,16 +139,19 @@ def tokenize(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, 
               help="Keep at most the first N windows of each conversation (default: all); the rest are counted.")
 @handle_errors
 def pack(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, num_workers, on_history_rewrite,
-         dedup, max_tokens, min_loss_tokens, force, max_seq_len, block_size, overlap, overlap_loss, max_windows):
+         on_dropped_content, dedup, max_tokens, min_loss_tokens, force, max_seq_len, block_size, overlap,
+         overlap_loss, max_windows):
     """Cut conversations into windows and pack them into blocks with cu_seqlens.
 
     INPUT: conversation files / 'sharegpt' (tokenized on the fly), or a tokenize output (then
-    --format, --num-workers and --on-history-rewrite do not apply; a warning names them if given).
+    --format, --num-workers, --on-history-rewrite and --on-dropped-content do not apply; a warning
+    names them if given).
     Exits 1 with a warning when no row is used or no block is written.
     """
     from peagle_data.prepare import PackConfig, run_pack
 
-    tok_cfg = _tokenize_config(chat_template, limit, fmt, strict, num_workers, on_history_rewrite, dedup=dedup,
+    tok_cfg = _tokenize_config(chat_template, limit, fmt, strict, num_workers, on_history_rewrite,
+                               on_dropped_content=on_dropped_content, dedup=dedup,
                                max_tokens=max_tokens, min_loss_tokens=min_loss_tokens)
     try:
         cfg = PackConfig(max_seq_len=max_seq_len, block_size=block_size, overlap=overlap,

@@ -27,6 +27,18 @@ Method, for one conversation of T tokens:
    ``add_special_tokens=False``, so the ids are identical by construction (tests check it on five
    template families); they are not tokenized twice at run time.
 
+Two more checks keep a mask from being silently wrong:
+
+- a template whose generation prompt adds text the rendered assistant turn does not start with
+  (R1-Distill: the prompt ends with ``<think>\n``, rendered turns keep only the text after
+  ``</think>``) has no exact span: the row is rejected as "generation prompt mismatch", naming the
+  injected text and the fix (``--chat-template`` with a training template that keeps the reasoning);
+- every message's content must appear in the render (:func:`dropped_content`): tool calls, tool
+  results, reasoning, a system message, the ``tools`` list. A template that drops one (SmolLM2's
+  ChatML renders a tool-call turn as a bare ``<|im_end|>``) rejects the row ("template drops
+  tool_calls: ..."), or, with ``on_dropped="keep"``, keeps it with the dropped parts listed; an
+  assistant turn of which nothing is rendered then supervises nothing.
+
 ``system_len`` is the number of leading tokens that form the system prefix (BOS, the system turn,
 or the default system text a template injects): the common prefix of two renders of the
 conversation's system messages plus a first user turn with different sentinel contents, minus the
@@ -47,6 +59,7 @@ from peagle_data.readers import is_empty_assistant as _is_empty_assistant
 from stores.errors import InputError
 
 __all__ = ["ChatTemplateError", "TokenizedConversation", "RenderedRow", "render_rows", "tokenize_rendered",
+           "dropped_content", "DROPPED",
            "tokenize_conversation", "tokenize_turns", "system_prefix_text",
            "chat_template_sha256",
            "effective_chat_template"]
@@ -198,6 +211,8 @@ class RenderedRow:
         prefix_chars: characters of ``text`` that form the system prefix.
         turn: index of the supervised assistant message for a per-turn row, else None.
         empty_think: ``[(start, end)]`` characters of template-injected empty think blocks (loss 0).
+        dropped: message content the template does not render, kept by ``on_dropped="keep"``:
+            ``"tools"`` or ``"<part> of message <i>"`` (part: content, reasoning_content, tool_calls).
     """
 
     text: str
@@ -205,6 +220,7 @@ class RenderedRow:
     prefix_chars: int
     turn: int | None = None
     empty_think: tuple[tuple[int, int], ...] = ()
+    dropped: tuple[str, ...] = ()
 
 
 _EMPTY_THINK = re.compile(r"<think>\s*</think>\s*")
@@ -284,8 +300,13 @@ def _prefix_chars(tokenizer, messages, text, tools, chat_template) -> int:
     return _common_prefix_len(prefix, text[: len(prefix)])
 
 
+DROPPED = ("reject", "keep")
+"""What :func:`render_rows` does with message content the template does not render."""
+
+
 def render_rows(tokenizer, messages: Sequence[dict[str, Any]], tools: list | None = None,
-                chat_template: str | None = None, per_turn_fallback: bool = True) -> list[RenderedRow]:
+                chat_template: str | None = None, per_turn_fallback: bool = True,
+                on_dropped: str = "reject") -> list[RenderedRow]:
     """Render one conversation and locate its assistant spans (no tokenization).
 
     The whole conversation is one row when every assistant turn's prefix renders are prefixes of
@@ -294,9 +315,17 @@ def render_rows(tokenizer, messages: Sequence[dict[str, Any]], tools: list | Non
     ``i``, rendered from ``messages[:i+1]`` (its own context, as the verifier saw it) and
     supervising only that last turn; each such row must pass the prefix check itself.
 
+    Every row is then checked for content the template drops (:func:`dropped_content`): with
+    ``on_dropped="reject"`` the first one raises; with ``"keep"`` the row is kept, the dropped
+    parts are listed in ``RenderedRow.dropped``, and an assistant turn of which nothing is
+    rendered supervises nothing (its span is only template glue).
+
     Raises:
-        ChatTemplateError: "template error", or "template rewrites history" when no exact mask exists.
+        ChatTemplateError: "template error"; "template rewrites history" or "generation prompt
+            mismatch" when no exact mask exists; "template drops <part>" (``on_dropped="reject"``).
     """
+    if on_dropped not in DROPPED:
+        raise ValueError(f"on_dropped must be one of {DROPPED}, got {on_dropped!r}")
     messages = list(messages)
     text = _render(tokenizer, messages, tools, chat_template)
     indices = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
@@ -308,16 +337,13 @@ def render_rows(tokenizer, messages: Sequence[dict[str, Any]], tools: list | Non
             break
         spans.append(span)
     else:
-        kept = [(i, span) for i, span in zip(indices, spans) if not _is_empty_assistant(messages[i])]
-        kept_indices, kept_spans = [i for i, _ in kept], [span for _, span in kept]
-        return [RenderedRow(text, tuple(kept_spans),
-                            _prefix_chars(tokenizer, messages, text, tools, chat_template),
-                            None, _empty_think(messages, kept_indices, text, kept_spans))]
+        return [_checked_row(tokenizer, messages, tools, chat_template, text, dict(zip(indices, spans)),
+                             None, on_dropped)]
     first_bad = indices[len(spans)]
     if not per_turn_fallback:
-        raise ChatTemplateError(
-            f"template rewrites history: the render up to assistant turn {first_bad} is not a prefix of "
-            "the whole conversation's render")
+        raise ChatTemplateError(_no_prefix_reason(tokenizer, messages, first_bad, text, tools, chat_template,
+                                                  "the render up to assistant turn {i} is not a prefix of the "
+                                                  "whole conversation's render"))
     rows = []
     for i in indices:
         if _is_empty_assistant(messages[i]):  # supervises nothing: no row of its own
@@ -326,15 +352,161 @@ def render_rows(tokenizer, messages: Sequence[dict[str, Any]], tools: list | Non
         sub_text = _render(tokenizer, sub, tools, chat_template)
         span = _assistant_span(tokenizer, sub, i, sub_text, tools, chat_template)
         if span is None:
-            raise ChatTemplateError(
-                f"template rewrites history: even rendered alone, the context of assistant turn {i} is "
-                "not a prefix of its own render")
-        rows.append(RenderedRow(sub_text, (span,), _prefix_chars(tokenizer, sub, sub_text, tools, chat_template),
-                                i, _empty_think(sub, [i], sub_text, [span])))
+            raise ChatTemplateError(_no_prefix_reason(
+                tokenizer, sub, i, sub_text, tools, chat_template,
+                "even rendered alone, the context of assistant turn {i} is not a prefix of its own render"))
+        row = _checked_row(tokenizer, sub, tools, chat_template, sub_text, {i: span}, i, on_dropped)
+        if row.spans:
+            rows.append(row)
     if not rows:
         raise ChatTemplateError("no supervised tokens: every assistant turn is empty")
     return rows
 
+
+def _checked_row(tokenizer, messages, tools, chat_template, text: str, spans: dict[int, tuple[int, int]],
+                 turn: int | None, on_dropped: str) -> RenderedRow:
+    """The row of ``messages`` rendered as ``text`` supervising ``spans`` (assistant index -> span),
+    after the dropped-content check; raises ChatTemplateError on a drop with ``on_dropped="reject"``."""
+    dropped = dropped_content(tokenizer, messages, text, spans, tools, chat_template)
+    if dropped and on_dropped == "reject":
+        i, part, lost_all = dropped[0]
+        raise ChatTemplateError(_dropped_reason(messages, i, part, len(dropped)))
+    silent = {i for i, _, lost_all in dropped if lost_all}
+    kept = [(i, span) for i, span in spans.items()
+            if not _is_empty_assistant(messages[i]) and i not in silent]
+    kept_indices, kept_spans = [i for i, _ in kept], [span for _, span in kept]
+    if not kept_spans and turn is None and dropped:
+        raise ChatTemplateError("no supervised tokens: the template renders no content of any assistant turn")
+    return RenderedRow(text, tuple(kept_spans), _prefix_chars(tokenizer, messages, text, tools, chat_template),
+                       turn, _empty_think(messages, kept_indices, text, kept_spans),
+                       tuple(("tools" if i is None else f"{part} of message {i}") for i, part, _ in dropped))
+
+
+_ADVICE = {
+    "tools": "the template ignores the tools list",
+    "tool_calls": "the template has no tool-call support",
+    "reasoning_content": "the template does not render reasoning",
+}
+
+
+def _dropped_reason(messages, i: int | None, part: str, n: int) -> str:
+    what = "the tools passed with the conversation" if i is None else f"the {part} of message {i} ({messages[i]['role']})"
+    why = _ADVICE.get(part, "the template does not render it")
+    more = f" (and {n - 1} more dropped part{'s' if n > 2 else ''})" if n > 1 else ""
+    return (f"template drops {part}: {what} {'do' if i is None else 'does'} not appear in the render ({why}){more}; "
+            "pass --chat-template FILE with a template that renders it, or --on-dropped-content keep to keep "
+            "the row without it (counted in the manifest)")
+
+
+def _thought_in(content: Any) -> str:
+    """The reasoning written inline in an assistant's content (``<think>...</think>``), stripped."""
+    if not isinstance(content, str) or "</think>" not in content:
+        return ""
+    return content.split("</think>")[0].split("<think>")[-1].strip()
+
+
+def _no_prefix_reason(tokenizer, messages, i: int, text: str, tools, chat_template, detail: str) -> str:
+    """Why assistant turn ``i`` has no exact span in ``text``: the generation prompt adds text the
+    rendered turn does not start with (R1-Distill style templates), else history is rewritten."""
+    default = "template rewrites history: " + detail.format(i=i)
+    if i == 0:
+        return default
+    try:
+        history = _render(tokenizer, messages[:i], tools, chat_template)
+        prompt = _render(tokenizer, messages[:i], tools, chat_template, add_generation_prompt=True)
+    except ChatTemplateError:
+        return default
+    if not (text.startswith(history) and prompt.startswith(history)) or text.startswith(prompt):
+        return default
+    added, turn = prompt[len(history):], text[len(history):]
+    thought = (messages[i].get("reasoning_content") or "").strip() or _thought_in(messages[i].get("content"))
+    stripped = (f", and it drops the reasoning of assistant turn {i} (rendered turns keep only the text after "
+                "</think>, as R1-Distill templates do)") if thought and thought not in turn else ""
+    return (f"generation prompt mismatch: the template's generation prompt adds {added!r} after the history, "
+            f"but assistant turn {i} renders as {turn[:len(added) + 24]!r}...{stripped}; no exact mask exists. "
+            "Pass --chat-template FILE with a training template that keeps the reasoning: each assistant turn "
+            "rendered as the generation prompt followed by its reasoning and answer")
+
+
+def _alternatives(value: Any) -> tuple[str, ...]:
+    """Ways a scalar may appear in a render: as is, JSON-escaped, or as Python prints it."""
+    if isinstance(value, str):
+        return (value, json.dumps(value)[1:-1], json.dumps(value, ensure_ascii=False)[1:-1])
+    return (json.dumps(value), str(value))
+
+
+def _leaves(value: Any) -> list[tuple[str, ...]]:
+    """The keys and non-empty scalars of a JSON value, each as its alternatives."""
+    if isinstance(value, dict):
+        return [a for k, v in value.items() for a in [_alternatives(str(k))] + _leaves(v)]
+    if isinstance(value, list):
+        return [a for v in value for a in _leaves(v)]
+    return [] if value == "" else [_alternatives(value)]
+
+
+def _message_parts(msg: dict[str, Any], supervised: bool) -> list[tuple[str, list[tuple[str, ...]]]]:
+    """``[(part, needles)]`` of one message: a part is rendered when each needle (a tuple of
+    alternative strings) appears. Reasoning is checked on supervised assistant turns only."""
+    parts = []
+    content = (msg.get("content") or "") if isinstance(msg.get("content") or "", str) else ""
+    thought = _thought_in(content)
+    answer = content.rsplit("</think>", 1)[-1].strip()
+    needles = [(answer,)] if answer else []
+    if thought and supervised:
+        needles.append((thought,))
+    if needles:
+        parts.append(("content", needles))
+    if msg.get("role") != "assistant":
+        return parts
+    reasoning = (msg.get("reasoning_content") or "").strip()
+    if reasoning and supervised:
+        parts.append(("reasoning_content", [(reasoning,)]))
+    calls = []
+    for call in msg.get("tool_calls") or []:
+        fn = call.get("function") if isinstance(call.get("function"), dict) else call
+        if isinstance(fn.get("name"), str):
+            calls.append((fn["name"],))
+        args = fn.get("arguments")
+        calls += [(args.strip(), json.dumps(args)[1:-1])] if isinstance(args, str) and args.strip() else \
+            _leaves(args) if isinstance(args, (dict, list)) else []
+    if calls:
+        parts.append(("tool_calls", calls))
+    return parts
+
+
+def dropped_content(tokenizer, messages: Sequence[dict[str, Any]], text: str, spans: dict[int, tuple[int, int]],
+                    tools: list | None = None, chat_template: str | None = None,
+                    ) -> list[tuple[int | None, str, bool]]:
+    """Message content that the chat template does not render.
+
+    A message's part (``content``, ``reasoning_content``, ``tool_calls``) is rendered when its text
+    appears in the render: for a supervised assistant turn (``i in spans``) inside its own span,
+    for any other message anywhere in ``text`` (templates move a system message into a user
+    turn). Text is compared stripped (templates trim); a tool call needs its name and every key
+    and scalar of its arguments (as is, JSON-escaped or printed by Python). The reasoning of an
+    assistant turn that is only context (earlier turns of a per-turn row) is not checked: templates
+    drop earlier reasoning by design. ``tools`` are dropped when the render without them is the same.
+
+    Args:
+        messages, tools, chat_template: what was rendered.
+        text: the render of ``messages``.
+        spans: assistant message index -> ``(start, end)`` characters of its supervised span.
+
+    Returns:
+        ``[(message index or None for tools, part, lost_all)]``; ``lost_all`` is True for a
+        supervised assistant turn none of whose parts appear (its span is template glue only).
+    """
+    out: list[tuple[int | None, str, bool]] = []
+    if tools and _render(tokenizer, messages, None, chat_template) == text:
+        out.append((None, "tools", False))
+    for i, msg in enumerate(messages):
+        region = text[spans[i][0]:spans[i][1]] if i in spans else text
+        parts = _message_parts(msg, i in spans)
+        missing = [part for part, needles in parts
+                   if not all(any(alt in region for alt in needle) for needle in needles)]
+        lost_all = i in spans and bool(parts) and len(missing) == len(parts)
+        out += [(i, part, lost_all) for part in missing]
+    return out
 
 
 def tokenize_rendered(tokenizer, rows: Sequence[RenderedRow]) -> list[TokenizedConversation]:
@@ -369,7 +541,7 @@ def tokenize_rendered(tokenizer, rows: Sequence[RenderedRow]) -> list[TokenizedC
 
 
 def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]], tools: list | None = None,
-                          chat_template: str | None = None) -> TokenizedConversation:
+                          chat_template: str | None = None, on_dropped: str = "reject") -> TokenizedConversation:
     """Tokenize one conversation with its chat template and find its loss mask and system prefix.
 
     Args:
@@ -377,6 +549,8 @@ def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]], tools: 
         messages: OpenAI messages (``role`` in system/user/assistant/tool), at least one assistant.
         tools: tool definitions passed to the template, or None.
         chat_template: template text overriding ``tokenizer.chat_template``, or None.
+        on_dropped: ``reject`` or ``keep`` message content the template does not render (see
+            :func:`render_rows`).
 
     Returns:
         A :class:`TokenizedConversation` (``input_ids`` int32 ``[T]``, ``loss_mask`` uint8 ``[T]``,
@@ -384,18 +558,21 @@ def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]], tools: 
 
     Raises:
         ChatTemplateError: the template fails on the messages ("template error") or rewrites earlier
-            turns once later ones exist ("template rewrites history"; see :func:`tokenize_turns`).
+            turns once later ones exist ("template rewrites history"; see :func:`tokenize_turns`), its
+            generation prompt adds text the rendered turn lacks ("generation prompt mismatch"), or it
+            drops message content ("template drops <part>", with ``on_dropped="reject"``).
         InputError: the tokenizer has no chat template or is not a fast tokenizer.
     """
-    rows = render_rows(tokenizer, messages, tools, chat_template, per_turn_fallback=False)
+    rows = render_rows(tokenizer, messages, tools, chat_template, per_turn_fallback=False, on_dropped=on_dropped)
     return tokenize_rendered(tokenizer, rows)[0]
 
 
 def tokenize_turns(tokenizer, messages: Sequence[dict[str, Any]], tools: list | None = None,
-                   chat_template: str | None = None) -> list[tuple[int | None, TokenizedConversation]]:
+                   chat_template: str | None = None,
+                   on_dropped: str = "reject") -> list[tuple[int | None, TokenizedConversation]]:
     """Like :func:`tokenize_conversation`, but a template that rewrites history gives one row per
     assistant turn, ``(turn index, row)``; a conversation tokenized whole is ``[(None, row)]``."""
-    rows = render_rows(tokenizer, messages, tools, chat_template, per_turn_fallback=True)
+    rows = render_rows(tokenizer, messages, tools, chat_template, per_turn_fallback=True, on_dropped=on_dropped)
     return [(r.turn, t) for r, t in zip(rows, tokenize_rendered(tokenizer, rows))]
 
 

@@ -9,6 +9,12 @@ A template that rewrites history (see :mod:`peagle_data.chat`) turns a conversat
 row per assistant turn, ids ``conversation_id@turn``; with ``--on-history-rewrite reject`` the
 conversation is rejected instead. Counts are per input conversation.
 
+Message content that the chat template does not render (tool calls, tool results, reasoning, a
+system message, the tools list, content parts of unsupported types) rejects the conversation
+("template drops tool_calls: ..."); with ``--on-dropped-content keep`` it is kept without that
+content and counted (``conversations_with_dropped_content``, ``dropped_<part>``), and an assistant
+turn of which nothing is rendered supervises nothing.
+
 ``pack`` holds only window lengths, offsets and ids in memory: window tokens are spilled to a
 temporary file in the output directory (5 bytes per token) and read back block by block after
 best-fit decreasing has placed them, so peak memory does not grow with the token count.
@@ -74,8 +80,10 @@ CHUNK_CONVERSATIONS = 64
 """Conversations rendered and tokenized together (one batched tokenizer call, one worker task)."""
 
 HISTORY_REWRITE = ("split", "reject")
+DROPPED_CONTENT = ("reject", "keep")
 
-TOKENIZE_ONLY = {"format": "--format", "num_workers": "--num-workers", "on_history_rewrite": "--on-history-rewrite"}
+TOKENIZE_ONLY = {"format": "--format", "num_workers": "--num-workers", "on_history_rewrite": "--on-history-rewrite",
+                 "on_dropped_content": "--on-dropped-content"}
 """``TokenizeConfig`` fields (and their options) that only shape tokenizing raw conversations: ``pack``
 of a tokenize output ignores them (``limit``, ``strict`` and ``chat_template`` still apply)."""
 
@@ -105,6 +113,10 @@ class TokenizeConfig:
     """Reject conversations of more tokens than this (--max-tokens, tokens; None: no limit)."""
     min_loss_tokens: int | None = None
     """Reject conversations with fewer supervised tokens than this (--min-loss-tokens; None: no limit)."""
+    on_dropped_content: str = "reject"
+    """reject: reject a conversation with content the chat template does not render (tool calls,
+    tool results, reasoning, a system message, tools, content parts of unsupported types); keep:
+    keep it without that content, counted in the manifest (--on-dropped-content)."""
 
     def __post_init__(self) -> None:
         for name, option in (("max_tokens", "--max-tokens"), ("min_loss_tokens", "--min-loss-tokens")):
@@ -115,6 +127,9 @@ class TokenizeConfig:
         if self.on_history_rewrite not in HISTORY_REWRITE:
             raise ValueError(f"--on-history-rewrite must be one of {', '.join(HISTORY_REWRITE)}, "
                              f"got {self.on_history_rewrite!r}")
+        if self.on_dropped_content not in DROPPED_CONTENT:
+            raise ValueError(f"--on-dropped-content must be one of {', '.join(DROPPED_CONTENT)}, "
+                             f"got {self.on_dropped_content!r}")
         if self.format not in FORMATS:
             raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}")
         if self.limit is not None and self.limit < 1:
@@ -226,7 +241,11 @@ def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: Tokenize
 
     Rejected rows are written to ``rejects`` and counted; ``counts`` gains ``read``, ``rejected``,
     ``dropped_leading_assistant_turns``, ``merged_user_turns``, ``empty_assistant_turns``,
-    ``history_rewrite_conversations``, ``history_rewrite_rows``.
+    ``history_rewrite_conversations``, ``history_rewrite_rows``, the per-row reader counts
+    (``null_keys_dropped_rows``, ``tool_arguments_decoded``, ``tool_arguments_not_json``,
+    ``tool_schemas_decoded``, ``dropped_content_parts``) and, with ``on_dropped_content="keep"``,
+    ``conversations_with_dropped_content`` and ``dropped_<part>`` (messages whose part the template
+    does not render; ``dropped_tools`` counts conversations).
 
     Yields:
         For every usable conversation, its tokenized-table rows (one, or one per assistant turn
@@ -239,17 +258,21 @@ def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: Tokenize
     template = _read_template(cfg.chat_template)
     split = cfg.on_history_rewrite == "split"
     bar = tqdm(total=cfg.limit, desc="tokenize", unit="conv", file=sys.stderr, disable=None)
-    items = dedup_items(read_conversations(inputs, fmt=cfg.format, strict=cfg.strict, limit=cfg.limit),
+    keep = cfg.on_dropped_content == "keep"
+    items = dedup_items(read_conversations(inputs, fmt=cfg.format, strict=cfg.strict, limit=cfg.limit,
+                                           keep_dropped=keep),
                         Deduplicator() if cfg.dedup else None)
     chunks = iter(lambda: list(itertools.islice(items, CHUNK_CONVERSATIONS)), [])
     pool = None
     try:
         if cfg.num_workers > 1:
             ctx = multiprocessing.get_context("fork")
-            pool = ctx.Pool(cfg.num_workers, initializer=_init_worker, initargs=(tokenizer, template, split))
+            pool = ctx.Pool(cfg.num_workers, initializer=_init_worker,
+                            initargs=(tokenizer, template, split, cfg.on_dropped_content))
             results = pool.imap(_worker_chunk, chunks)
         else:
-            results = (_tokenize_chunk(tokenizer, chunk, template, split) for chunk in chunks)
+            results = (_tokenize_chunk(tokenizer, chunk, template, split, cfg.on_dropped_content)
+                       for chunk in chunks)
         for outcomes in results:
             for item, outcome in outcomes:
                 _bump(counts, "read")
@@ -261,10 +284,10 @@ def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: Tokenize
                     _reject(rejects, counts, item.source, item.reason, conversation_id=item.conversation_id,
                             field=item.field, duplicate_of=duplicate_of)
                     continue
-                if not isinstance(outcome, str) and not any(tok.loss_mask.any() for _, tok in outcome):
+                if not isinstance(outcome, str) and not any(tok.loss_mask.any() for _, tok, _ in outcome):
                     outcome = "no supervised tokens: the template renders no assistant token"
                 filtered = None if isinstance(outcome, str) else filter_reason(
-                    sum(len(t.input_ids) for _, t in outcome), sum(int(t.loss_mask.sum()) for _, t in outcome),
+                    sum(len(t.input_ids) for _, t, _ in outcome), sum(int(t.loss_mask.sum()) for _, t, _ in outcome),
                     cfg.max_tokens, cfg.min_loss_tokens)
                 if filtered is not None:  # a filter, not a bad row: rejected also with --strict
                     _reject(rejects, counts, item.source, filtered, conversation_id=item.conversation_id)
@@ -285,18 +308,20 @@ def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: Tokenize
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer, template, split) -> None:
+def _init_worker(tokenizer, template, split, on_dropped) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    _WORKER.update(tokenizer=tokenizer, template=template, split=split)
+    _WORKER.update(tokenizer=tokenizer, template=template, split=split, on_dropped=on_dropped)
 
 
 def _worker_chunk(chunk):
-    return _tokenize_chunk(_WORKER["tokenizer"], chunk, _WORKER["template"], _WORKER["split"])
+    return _tokenize_chunk(_WORKER["tokenizer"], chunk, _WORKER["template"], _WORKER["split"],
+                           _WORKER["on_dropped"])
 
 
-def _tokenize_chunk(tokenizer, chunk: list[Conversation | Reject], template, split: bool) -> list[tuple]:
-    """``[(item, outcome)]``: outcome is ``[(turn, TokenizedConversation)]``, a reject reason, or None
-    for a reader reject. Rows of the whole chunk are tokenized in one batched call."""
+def _tokenize_chunk(tokenizer, chunk: list[Conversation | Reject], template, split: bool,
+                    on_dropped: str = "reject") -> list[tuple]:
+    """``[(item, outcome)]``: outcome is ``[(turn, TokenizedConversation, dropped parts)]``, a reject
+    reason, or None for a reader reject. Rows of the whole chunk are tokenized in one batched call."""
     rendered: list[tuple[int, list]] = []
     outcomes: list[Any] = []
     for item in chunk:
@@ -304,7 +329,8 @@ def _tokenize_chunk(tokenizer, chunk: list[Conversation | Reject], template, spl
             outcomes.append(None)
             continue
         try:
-            rows = render_rows(tokenizer, item.messages, item.tools, template, per_turn_fallback=split)
+            rows = render_rows(tokenizer, item.messages, item.tools, template, per_turn_fallback=split,
+                               on_dropped=on_dropped)
         except ChatTemplateError as e:
             outcomes.append(str(e))
             continue
@@ -313,7 +339,7 @@ def _tokenize_chunk(tokenizer, chunk: list[Conversation | Reject], template, spl
     flat = [r for _, rows in rendered for r in rows]
     tokenized = iter(tokenize_rendered(tokenizer, flat))
     for at, rows in rendered:
-        outcomes[at] = [(r.turn, next(tokenized)) for r in rows]
+        outcomes[at] = [(r.turn, next(tokenized), r.dropped) for r in rows]
     return list(zip(chunk, outcomes))
 
 
@@ -322,11 +348,17 @@ def _rows_of(conv: Conversation, outcome: list[tuple], counts: dict[str, Any]) -
     _bump(counts, "conversations_with_dropped_leading_assistant", conv.dropped_leading_assistant > 0)
     _bump(counts, "merged_user_turns", conv.merged_user_turns)
     _bump(counts, "empty_assistant_turns", conv.empty_assistant_turns)
+    for key, n in conv.counts.items():
+        _bump(counts, key, n)
+    dropped = {part for _, _, parts in outcome for part in parts}  # per-turn rows repeat context parts
+    _bump(counts, "conversations_with_dropped_content", bool(dropped) or bool(conv.counts.get("dropped_content_parts")))
+    for part in dropped:
+        _bump(counts, f"dropped_{part.split(' of ')[0]}")
     per_turn = outcome[0][0] is not None
     _bump(counts, "history_rewrite_conversations", per_turn)
     _bump(counts, "history_rewrite_rows", len(outcome) if per_turn else 0)
     rows = []
-    for turn, tok in outcome:
+    for turn, tok, _ in outcome:
         n_loss = int(tok.loss_mask.sum())
         rows.append({"conversation_id": conv.conversation_id if turn is None else f"{conv.conversation_id}@{turn}",
                      "source": conv.source, "input_ids": tok.input_ids, "loss_mask": tok.loss_mask,
@@ -344,7 +376,8 @@ def _check_output_not_input(output, inputs) -> None:
 
 
 def _base_counts() -> dict[str, Any]:
-    return {"read": 0, "used": 0, "rejected": 0}
+    return {"read": 0, "used": 0, "rejected": 0, "null_keys_dropped_rows": 0, "tool_arguments_decoded": 0,
+            "tool_arguments_not_json": 0, "tool_schemas_decoded": 0, "conversations_with_dropped_content": 0}
 
 
 # --------------------------------------------------------------------------------------------

@@ -30,6 +30,18 @@ Normalisation rules (documented decisions):
 - OpenAI ``content`` may be a string, ``null`` (an assistant turn with ``tool_calls``) or a list of
   parts: ``text`` parts are joined, ``reasoning`` parts become ``reasoning_content``,
   ``tool_call`` parts become ``tool_calls`` entries;
+- tool-call ``arguments`` (and a tool's ``parameters``, or a whole ``tools`` entry) given as a
+  string that parses as a JSON object (the OpenAI wire form) are decoded into that object, so
+  both forms render and mask identically; a string that is not a JSON object stays as is and is
+  counted (``tool_arguments_not_json``); an assistant's legacy ``function_call`` becomes a
+  ``tool_calls`` entry; a null field counts as absent wherever two keys are alternatives
+  (``text``/``value``, ``from``/``role``);
+- Parquet rows: Arrow's schema unification gives every struct the keys of all rows, null where a
+  row had none, and Arrow cannot tell absent from null; so every null key inside ``tools``,
+  ``tool_calls``, ``function_call`` and content-part lists is dropped (rows touched are counted,
+  ``null_keys_dropped_rows``). JSON/JSONL rows keep an explicit null;
+- a content part of an unsupported type (image, audio, file) rejects the row, or with
+  ``keep_dropped`` is left out and counted (``dropped_content_parts``);
 - leading assistant turns (before any user turn) are dropped and counted, the rest is kept;
 - two (or more) user turns in a row are merged into one, joined by ``"\\n\\n"``, and counted;
 - an assistant turn with empty content (no text, reasoning or tool calls) yields no supervised
@@ -45,7 +57,7 @@ import glob
 import importlib.resources
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -60,7 +72,9 @@ __all__ = [
     "iter_records",
     "normalize_record",
     "read_conversations",
+    "drop_arrow_nulls",
     "is_empty_assistant",
+    "ROW_COUNTS",
 ]
 
 FORMATS = ("auto", "openai", "sharegpt")
@@ -91,6 +105,10 @@ class Conversation:
         merged_user_turns: user turns merged into the preceding user turn.
         empty_assistant_turns: assistant turns with empty content (no supervised tokens).
         duplicate_id_renamed: 1 when ``conversation_id`` got a ``~k`` suffix, else 0.
+        counts: other non-zero per-row counts, summed into the manifest: ``tool_arguments_decoded``
+            and ``tool_arguments_not_json`` (JSON-string tool-call arguments decoded / kept as
+            text), ``tool_schemas_decoded``, ``dropped_content_parts`` (with ``keep_dropped``),
+            ``null_keys_dropped_rows`` (1 for a Parquet row whose null keys were dropped).
     """
 
     conversation_id: str
@@ -101,6 +119,7 @@ class Conversation:
     merged_user_turns: int = 0
     empty_assistant_turns: int = 0
     duplicate_id_renamed: int = 0
+    counts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -168,8 +187,11 @@ def resolve_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
                                  "writes it, or pass conversation files (.jsonl, .json, .parquet)")
             raise InputError(f"input {text!r} is a peagle output directory, not a conversation file; "
                              "only `peagle-data pack` reads tokenize outputs")
+        if not path.exists():
+            raise InputError(f"input {text!r} does not exist (expected a .jsonl, .json or .parquet file, a glob "
+                             "or 'sharegpt')")
         if not path.is_file():
-            raise InputError(f"input {text!r} is not a file (expected .jsonl, .json, .parquet or 'sharegpt')")
+            raise InputError(f"input {text!r} is not a regular file (expected .jsonl, .json, .parquet or 'sharegpt')")
         files.append(path)
     for f in files:
         if f.suffix.lower() not in (".jsonl", ".json", ".parquet"):
@@ -208,6 +230,8 @@ def iter_records(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any] 
 def _iter_jsonl(path: Path):
     with path.open("rb") as f:
         for row, raw in enumerate(f, start=1):
+            if row == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
+                raw = raw[3:]
             if not raw.strip():
                 continue
             try:
@@ -217,8 +241,8 @@ def _iter_jsonl(path: Path):
                 continue
             try:
                 record = json.loads(text)
-            except json.JSONDecodeError as e:
-                yield row, _BadRow(f"invalid JSON: {e.msg} at column {e.colno}")
+            except json.JSONDecodeError as e:  # the line is the row; the column counts characters from 1
+                yield row, _BadRow(f"invalid JSON: {e.msg} at line {row} column {e.colno}")
                 continue
             yield row, record if isinstance(record, dict) else _BadRow(
                 f"not a JSON object: a {type(record).__name__}")
@@ -227,11 +251,38 @@ def _iter_jsonl(path: Path):
 _CHUNK_CHARS = 1 << 20
 
 
+class _TextPosition:
+    """Line and column (both from 1) in a file of a position in a buffer whose start moves on."""
+
+    def __init__(self) -> None:
+        self.line, self.column = 1, 1  # of the buffer's first character
+
+    def advance(self, dropped: str) -> None:
+        """Move the buffer start past ``dropped`` (text removed from the buffer's front)."""
+        n = dropped.count("\n")
+        if n:
+            self.line += n
+            self.column = len(dropped) - dropped.rindex("\n")
+        else:
+            self.column += len(dropped)
+
+    def at(self, buf: str, pos: int) -> str:
+        """``line L column C`` of ``buf[pos]``."""
+        n = buf.count("\n", 0, pos)
+        column = pos - buf.rindex("\n", 0, pos) if n else self.column + pos
+        return f"line {self.line + n} column {column}"
+
+
 def _iter_json_array(path: Path):
-    """Stream a JSON array with raw_decode over a growing buffer; tolerate a truncated tail."""
+    """Stream a JSON array with raw_decode over a growing buffer; tolerate a truncated tail.
+
+    An invalid record is reported with its line and column in the file; a record cut off by the
+    end of the file is "truncated JSON". Either way the rest of the file is not read.
+    """
     decoder = json.JSONDecoder()
+    where = _TextPosition()
     # surrogateescape keeps invalid UTF-8 bytes as lone surrogates; the row is rejected later.
-    with path.open("r", encoding="utf-8", errors="surrogateescape") as f:
+    with path.open("r", encoding="utf-8-sig", errors="surrogateescape") as f:
         buf, pos, eof = f.read(_CHUNK_CHARS), 0, False
 
         def skip(chars: str) -> None:
@@ -241,6 +292,7 @@ def _iter_json_array(path: Path):
                     pos += 1
                 if pos < len(buf) or eof:
                     return
+                where.advance(buf)
                 buf, pos = f.read(_CHUNK_CHARS), 0
                 eof = not buf
 
@@ -248,11 +300,11 @@ def _iter_json_array(path: Path):
         if pos >= len(buf):
             return
         if buf[pos] == "{":  # a single object, not an array: one row
-            rest = buf[pos:] + f.read()
+            rest = buf + f.read()
             try:
-                record = json.loads(rest)
+                record = json.loads(rest[pos:])
             except json.JSONDecodeError as e:
-                yield 1, _BadRow(f"invalid JSON: {e.msg} at char {e.pos}")
+                yield 1, _BadRow(f"invalid JSON: {e.msg} at {where.at(rest, pos + e.pos)}")
                 return
             yield 1, record
             return
@@ -274,16 +326,19 @@ def _iter_json_array(path: Path):
                     needs_more = e.msg.startswith("Unterminated") or e.pos >= len(buf) - 32
                     more = f.read(max(_CHUNK_CHARS, len(buf) - pos)) if needs_more else ""
                     if not more:
-                        reason = ("truncated JSON: the file ends mid-record" if needs_more
-                                  else f"invalid JSON: {e.msg}")
+                        truncated = e.msg.startswith("Unterminated") or not buf[e.pos:].strip()
+                        reason = ("truncated JSON: the file ends mid-record" if truncated
+                                  else f"invalid JSON: {e.msg} at {where.at(buf, e.pos)}")
                         yield row, _BadRow(f"{reason}; the rest of the file is not read")
                         return
+                    where.advance(buf[:pos])
                     buf, pos = buf[pos:] + more, 0
             pos = end
             yield row, record if isinstance(record, dict) else _BadRow(
                 f"not a JSON object: a {type(record).__name__}")
             row += 1
             if pos > _CHUNK_CHARS:  # drop consumed text so the buffer stays bounded
+                where.advance(buf[:pos])
                 buf, pos = buf[pos:], 0
 
 
@@ -318,14 +373,55 @@ def _check_text(value: Any, where: str) -> str:
     return value
 
 
+def _first(d: dict[str, Any], *keys: str) -> Any:
+    """The value of the first of ``keys`` that ``d`` holds and that is not None: a null field
+    counts as absent (a Parquet row has every key of every row, null where the row had none)."""
+    for key in keys:
+        value = d.get(key)
+        if value is not None:
+            return value
+    return None
+
+
+def _json_object(text: str) -> dict[str, Any] | None:
+    """``text`` parsed as JSON when it is a JSON object, else None."""
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _decode_arguments(entry: dict[str, Any], stats: dict[str, int]) -> dict[str, Any]:
+    """A tool call whose ``arguments`` is a string holding a JSON object, with the object instead.
+
+    The OpenAI wire form gives arguments as JSON text; templates render a string and a mapping
+    differently (``tojson`` of a string is a quoted, escaped string), so both forms are made one.
+    A string that is not a JSON object stays as is and is counted (``tool_arguments_not_json``).
+    """
+    fn = entry.get("function")
+    holder = fn if isinstance(fn, dict) else entry
+    args = holder.get("arguments")
+    if not isinstance(args, str):
+        return entry
+    decoded = _json_object(args)
+    if decoded is None:
+        stats["tool_arguments_not_json"] += 1
+        return entry
+    stats["tool_arguments_decoded"] += 1
+    if isinstance(fn, dict):
+        return {**entry, "function": {**fn, "arguments": decoded}}
+    return {**entry, "arguments": decoded}
+
+
 def _tool_call_part(part: dict[str, Any], where: str) -> dict[str, Any]:
     """A ``{"type": "tool_call"}`` content part as an OpenAI ``tool_calls`` entry.
 
     Accepted shapes: ``{"function": {"name", "arguments"}}``, ``{"name", "arguments"}``, or the
     call as JSON text under ``text``/``value``.
     """
-    call: Any = part.get("function") or ({"name": part["name"], "arguments": part.get("arguments", {})}
-                                         if "name" in part else part.get("text", part.get("value")))
+    call: Any = part.get("function") or ({"name": part["name"], "arguments": _first(part, "arguments") or {}}
+                                         if part.get("name") is not None else _first(part, "text", "value"))
     if isinstance(call, str):
         try:
             call = json.loads(call)
@@ -333,14 +429,19 @@ def _tool_call_part(part: dict[str, Any], where: str) -> dict[str, Any]:
             raise _BadRow(f"invalid tool call: {where} is not JSON ({e.msg})", where) from None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         raise _BadRow(f"invalid tool call: {where} has no function name", where)
-    entry = {"type": "function", "function": {"name": call["name"], "arguments": call.get("arguments", {})}}
+    entry = {"type": "function", "function": {"name": call["name"], "arguments": _first(call, "arguments") or {}}}
     if part.get("id") is not None:
         entry["id"] = part["id"]
     return entry
 
 
-def _openai_content(msg: dict[str, Any], where: str) -> tuple[str | None, str | None, list]:
-    """(text, reasoning, tool calls) of an OpenAI message's ``content`` (string, null or list of parts)."""
+def _openai_content(msg: dict[str, Any], where: str,
+                    stats: dict[str, int]) -> tuple[str | None, str | None, list]:
+    """(text, reasoning, tool calls) of an OpenAI message's ``content`` (string, null or list of parts).
+
+    A part of an unsupported type (image, audio, file) rejects the row, or, when ``stats`` has the
+    key ``dropped_content_parts`` (``keep_dropped``), is left out and counted there.
+    """
     content = msg.get("content")
     if content is None or isinstance(content, str):
         return (None if content is None else _check_text(content, f"{where}.content")), None, []
@@ -354,20 +455,45 @@ def _openai_content(msg: dict[str, Any], where: str) -> tuple[str | None, str | 
             continue
         if not isinstance(part, dict):
             raise _BadRow(f"content not text: {pw} is a {type(part).__name__}", pw)
-        kind = part.get("type", "text")
-        value = part.get("text", part.get("value"))
+        kind = _first(part, "type") or "text"
+        value = _first(part, "text", "value")
         if kind == "text":
             texts.append(_check_text(value, pw))
         elif kind in ("reasoning", "thinking"):
             reasoning.append(_check_text(value, pw))
         elif kind in ("tool_call", "function_call"):
             calls.append(_tool_call_part(part, pw))
+        elif "dropped_content_parts" in stats:
+            stats["dropped_content_parts"] += 1
         else:
-            raise _BadRow(f"unsupported content part: {pw} has type {kind!r}", pw)
+            raise _BadRow(f"unsupported content part: {pw} has type {kind!r} (the chat template renders "
+                          "text only; --on-dropped-content keep leaves such parts out and counts them)", pw)
     return "".join(texts), ("".join(reasoning) if reasoning else None), calls
 
 
-def _normalize_openai(messages: Any) -> list[dict[str, Any]]:
+def _message_tool_calls(msg: dict[str, Any], where: str, part_calls: list,
+                        stats: dict[str, int]) -> list[dict[str, Any]]:
+    """An assistant message's tool calls: ``tool_calls``, the legacy ``function_call`` and
+    ``tool_call`` content parts, with JSON-string arguments decoded (:func:`_decode_arguments`)."""
+    calls = msg.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise _BadRow(f"invalid tool call: {where}.tool_calls is a {type(calls).__name__}", f"{where}.tool_calls")
+    legacy = msg.get("function_call")
+    if legacy is not None:
+        if not isinstance(legacy, dict) or not isinstance(legacy.get("name"), str):
+            raise _BadRow(f"invalid tool call: {where}.function_call has no function name", f"{where}.function_call")
+        calls = calls + [{"type": "function", "function": {"name": legacy["name"],
+                                                          "arguments": _first(legacy, "arguments") or {}}}]
+    out = []
+    for k, call in enumerate(calls + part_calls):
+        if not isinstance(call, dict):
+            raise _BadRow(f"invalid tool call: {where}.tool_calls[{k}] is a {type(call).__name__}",
+                          f"{where}.tool_calls[{k}]")
+        out.append(_decode_arguments(call, stats))
+    return out
+
+
+def _normalize_openai(messages: Any, stats: dict[str, int]) -> list[dict[str, Any]]:
     if not isinstance(messages, list):
         raise _BadRow(f"not a list: 'messages' is a {type(messages).__name__}", "messages")
     out = []
@@ -379,9 +505,11 @@ def _normalize_openai(messages: Any) -> list[dict[str, Any]]:
         if role not in _OPENAI_ROLES:
             raise _BadRow(f"unknown role: {role!r} in {where}.role", f"{where}.role")
         role = _OPENAI_ROLES[role]
-        text, reasoning, part_calls = _openai_content(msg, where)
+        text, reasoning, part_calls = _openai_content(msg, where, stats)
         reasoning = reasoning or msg.get("reasoning_content")
-        tool_calls = (list(msg.get("tool_calls") or []) + part_calls) if role == "assistant" else None
+        tool_calls = _message_tool_calls(msg, where, part_calls, stats) if role == "assistant" else None
+        if role != "assistant" and (msg.get("tool_calls") or part_calls):
+            raise _BadRow(f"tool calls in a {role} turn: {where} (only assistant turns make tool calls)", where)
         if text is None and not tool_calls:
             state = "is null" if "content" in msg else "is missing"
             raise _BadRow(f"turn with no content: {where}.content {state}", f"{where}.content")
@@ -407,11 +535,11 @@ def _normalize_sharegpt(turns: Any, system: Any) -> list[dict[str, Any]]:
         where = f"conversations[{i}]"
         if not isinstance(turn, dict):
             raise _BadRow(f"turn not an object: {where} is a {type(turn).__name__}", where)
-        speaker = turn.get("from", turn.get("role"))
+        speaker = _first(turn, "from", "role")
         role = _SHAREGPT_ROLES.get(speaker.lower() if isinstance(speaker, str) else speaker)
         if role is None:
             raise _BadRow(f"unknown role: {speaker!r} in {where}.from", f"{where}.from")
-        value = turn.get("value", turn.get("content"))
+        value = _first(turn, "value", "content")
         if value is None:
             state = "is null" if ("value" in turn or "content" in turn) else "is missing"
             raise _BadRow(f"turn with no content: {where}.value {state}", f"{where}.value")
@@ -423,7 +551,10 @@ def _normalize_sharegpt(turns: Any, system: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _parse_tools(tools: Any) -> list[Any] | None:
+def _parse_tools(tools: Any, stats: dict[str, int]) -> list[Any] | None:
+    """The row's tool list. A list entry, or a function's ``parameters``, given as JSON text is
+    decoded when it holds a JSON object (``tool_schemas_decoded``), like tool-call arguments; an
+    entry that is not a JSON object rejects the row."""
     if tools is None or tools == "" or tools == []:
         return None
     if isinstance(tools, str):
@@ -435,7 +566,24 @@ def _parse_tools(tools: Any) -> list[Any] | None:
         tools = [tools]
     if not isinstance(tools, list):
         raise _BadRow(f"invalid tools: a {type(tools).__name__}, expected a list", "tools")
-    return tools or None
+    out = []
+    for k, tool in enumerate(tools):
+        if isinstance(tool, str):
+            tool = _json_object(tool)
+            if tool is None:
+                raise _BadRow(f"invalid tools: tools[{k}] is text that is not a JSON object", f"tools[{k}]")
+            stats["tool_schemas_decoded"] += 1
+        if not isinstance(tool, dict):
+            raise _BadRow(f"invalid tools: tools[{k}] is a {type(tool).__name__}, expected an object", f"tools[{k}]")
+        fn = tool.get("function")
+        holder = fn if isinstance(fn, dict) else tool
+        params = holder.get("parameters")
+        if isinstance(params, str) and _json_object(params) is not None:
+            holder = {**holder, "parameters": _json_object(params)}
+            tool = {**tool, "function": holder} if isinstance(fn, dict) else holder
+            stats["tool_schemas_decoded"] += 1
+        out.append(tool)
+    return out or None
 
 
 def _tidy(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, int]]:
@@ -473,19 +621,28 @@ def is_empty_assistant(msg: dict[str, Any]) -> bool:
     return (msg.get("content") or "") == "" and not msg.get("reasoning_content") and not msg.get("tool_calls")
 
 
-def normalize_record(record: dict[str, Any], fmt: str = "auto") -> tuple[list[dict[str, Any]], list | None, dict[str, int]]:
+ROW_COUNTS = ("tool_arguments_decoded", "tool_arguments_not_json", "tool_schemas_decoded", "dropped_content_parts")
+"""Per-row counts of :attr:`Conversation.counts` (summed into the manifest)."""
+
+
+def normalize_record(record: dict[str, Any], fmt: str = "auto", keep_dropped: bool = False,
+                     ) -> tuple[list[dict[str, Any]], list | None, dict[str, int]]:
     """Normalise one input record to ``(messages, tools, counts)``.
 
     Args:
         record: one row (OpenAI ``{"messages"}`` or ShareGPT ``{"conversations"}``).
         fmt: ``auto`` (detect from the keys), ``openai`` or ``sharegpt``.
+        keep_dropped: leave content parts of unsupported types (images, audio) out and count them
+            (``dropped_content_parts``) instead of rejecting the row.
 
     Returns:
-        OpenAI messages, the tool list (or None), and the counts of ``_tidy``.
+        OpenAI messages, the tool list (or None), and counts: those of ``_tidy`` under
+        ``"tidy"`` and the :data:`ROW_COUNTS` under ``"row"``.
 
     Raises:
         _BadRow (internal): the row cannot be used; ``read_conversations`` turns it into a Reject.
     """
+    stats = {k: 0 for k in ROW_COUNTS if keep_dropped or k != "dropped_content_parts"}
     if fmt == "auto":
         if "messages" in record and record["messages"] is not None:
             fmt = "openai"
@@ -498,24 +655,77 @@ def normalize_record(record: dict[str, Any], fmt: str = "auto") -> tuple[list[di
             raise _BadRow("missing field: --format openai needs 'messages'", "messages")
         msgs = record["messages"]
         # Some datasets store ShareGPT turns under "messages".
-        if isinstance(msgs, list) and msgs and isinstance(msgs[0], dict) and "from" in msgs[0] \
-                and "role" not in msgs[0]:
+        if isinstance(msgs, list) and msgs and isinstance(msgs[0], dict) and msgs[0].get("from") is not None \
+                and msgs[0].get("role") is None:
             messages = _normalize_sharegpt(msgs, record.get("system"))
         else:
-            messages = _normalize_openai(msgs)
+            messages = _normalize_openai(msgs, stats)
     elif fmt == "sharegpt":
         if "conversations" not in record:
             raise _BadRow("missing field: --format sharegpt needs 'conversations'", "conversations")
         messages = _normalize_sharegpt(record["conversations"], record.get("system"))
     else:
         raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")
-    tools = _parse_tools(record.get("tools"))
+    tools = _parse_tools(record.get("tools"), stats)
     messages, counts = _tidy(messages)
-    return messages, tools, counts
+    return messages, tools, {"tidy": counts, "row": {k: v for k, v in stats.items() if v}}
+
+
+def _drop_nulls(value: Any) -> tuple[Any, int]:
+    """``(value, n)``: ``value`` without the mapping keys whose value is None, at any depth, and the
+    number of keys dropped. List items are kept (a null item has a place)."""
+    if isinstance(value, dict):
+        out, n = {}, 0
+        for key, item in value.items():
+            if item is None:
+                n += 1
+                continue
+            out[key], m = _drop_nulls(item)
+            n += m
+        return out, n
+    if isinstance(value, list):
+        pairs = [_drop_nulls(item) for item in value]
+        return [item for item, _ in pairs], sum(m for _, m in pairs)
+    return value, 0
+
+
+def drop_arrow_nulls(record: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """A Parquet (Arrow) row without the null keys that Arrow's schema unification invents.
+
+    Arrow gives a struct column the union of the fields of all rows, so a key that one row lacks
+    reads back as null (row 1's tool ``{"city"}`` becomes ``{"city": ..., "ticker": null}`` when
+    row 2's tool takes ``ticker``). Arrow cannot tell an absent key from a null one, so every null
+    key is dropped below the message level: in ``tools`` (schemas), in each message's
+    ``tool_calls`` (arguments), legacy ``function_call`` and content-part lists. Message-level and
+    row-level null fields already mean "absent" to the normaliser. JSON and JSONL rows are not
+    passed here: they keep an explicit null.
+
+    Returns:
+        ``(record, n)``: a new record and the number of null keys dropped.
+    """
+    record = dict(record)
+    tools, n = _drop_nulls(record.get("tools"))
+    if tools is not None:
+        record["tools"] = tools
+    for key in ("messages", "conversations"):
+        turns = record.get(key)
+        if not isinstance(turns, list):
+            continue
+        new_turns = []
+        for turn in turns:
+            if isinstance(turn, dict):
+                turn = dict(turn)
+                for name in ("content", "tool_calls", "function_call"):
+                    if isinstance(turn.get(name), (list, dict)):
+                        turn[name], m = _drop_nulls(turn[name])
+                        n += m
+            new_turns.append(turn)
+        record[key] = new_turns
+    return record, n
 
 
 def read_conversations(inputs: Sequence[str | os.PathLike], fmt: str = "auto", strict: bool = False,
-                       limit: int | None = None) -> Iterator[Conversation | Reject]:
+                       limit: int | None = None, keep_dropped: bool = False) -> Iterator[Conversation | Reject]:
     """Stream normalised conversations (and rejects) from INPUT arguments, in input order.
 
     Args:
@@ -523,9 +733,13 @@ def read_conversations(inputs: Sequence[str | os.PathLike], fmt: str = "auto", s
         fmt: ``auto``, ``openai`` or ``sharegpt``.
         strict: raise on the first bad row instead of yielding a Reject.
         limit: stop after this many input rows (usable or not); None reads everything.
+        keep_dropped: leave content parts of unsupported types out (counted) instead of
+            rejecting the row (``--on-dropped-content keep``).
 
     Yields:
-        One :class:`Conversation` or :class:`Reject` per input row.
+        One :class:`Conversation` or :class:`Reject` per input row. A Parquet row's null keys
+        below the message level are dropped first (:func:`drop_arrow_nulls`; a row with any is
+        counted in ``Conversation.counts["null_keys_dropped_rows"]``).
 
     Raises:
         InputError: bad arguments; with ``strict``, the first bad row (names file, row and field).
@@ -549,15 +763,19 @@ def read_conversations(inputs: Sequence[str | os.PathLike], fmt: str = "auto", s
             try:
                 if isinstance(record, _BadRow):
                     raise record
-                messages, tools, counts = normalize_record(record, fmt)
+                nulls = 0
+                if path.suffix.lower() == ".parquet":
+                    record, nulls = drop_arrow_nulls(record)
+                messages, tools, counts = normalize_record(record, fmt, keep_dropped)
             except _BadRow as bad:
                 if strict:
                     raise InputError(bad.reason, file=str(path), row=row, field=bad.field) from None
                 yield Reject(source=source, reason=bad.reason, conversation_id=cid, field=bad.field,
                              duplicate_id_renamed=int(renamed))
                 continue
+            row_counts = {**counts["row"], **({"null_keys_dropped_rows": 1} if nulls else {})}
             yield Conversation(conversation_id=cid, source=source, messages=messages, tools=tools,
-                               duplicate_id_renamed=int(renamed), **counts)
+                               duplicate_id_renamed=int(renamed), counts=row_counts, **counts["tidy"])
 
 
 def _id_stems(files: Sequence[Path]) -> list[str]:

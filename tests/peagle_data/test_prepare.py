@@ -310,3 +310,46 @@ def test_pack_of_a_tokenize_output_warns_about_ignored_tokenize_options(tmp_path
     run_pack([src], "smollm2-135m", tmp_path / "p3", PackConfig(max_seq_len=64, tokenize=TokenizeConfig(
         format="openai")), tokenizer=smollm2_tokenizer)
     assert "WARNING" not in capsys.readouterr().err
+
+
+def test_dropped_content_rejects_or_is_kept_and_counted(tmp_path, smollm2_tokenizer):
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    rows = [OK,
+            {"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None,
+                                                                   "tool_calls": [call]},
+                          {"role": "tool", "content": "3 C"}, {"role": "assistant", "content": "3 degrees."}]},
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}},
+                                                       {"type": "text", "text": "What is it?"}]},
+                          {"role": "assistant", "content": "A cat."}]}]
+    src = write_rows(tmp_path / "drops.jsonl", rows)
+    summary = run_tokenize([src], "smollm2-135m", tmp_path / "rej", TokenizeConfig(), tokenizer=smollm2_tokenizer)
+    assert (summary["counts"]["used"], summary["counts"]["rejected"]) == (1, 2)
+    reasons = [r["reason"] for r in rejects_of(tmp_path / "rej")]
+    assert reasons[0].startswith("template drops tool_calls: the tool_calls of message 1 (assistant)")
+    assert reasons[1].startswith("unsupported content part: messages[0].content[0] has type 'image_url'")
+    assert summary["counts"]["rejected_by_reason"] == {"template drops tool_calls": 1, "unsupported content part": 1}
+    assert summary["counts"]["tool_arguments_decoded"] == 0  # counted for used rows only
+    kept = run_tokenize([src], "smollm2-135m", tmp_path / "keep", TokenizeConfig(on_dropped_content="keep"),
+                        tokenizer=smollm2_tokenizer)["counts"]
+    assert (kept["used"], kept["rejected"]) == (3, 0)
+    assert kept["conversations_with_dropped_content"] == 2 and kept["dropped_tool_calls"] == 1
+    assert kept["dropped_content_parts"] == 1 and kept["tool_arguments_decoded"] == 1
+    table = {r["conversation_id"]: r for r in TokenTable.open(tmp_path / "keep").iter_rows()}
+    call_row = table["drops:2"]
+    ids, mask = call_row["input_ids"], call_row["loss_mask"]
+    assert [smollm2_tokenizer.decode(ids[mask == 1])] == ["3 degrees.<|im_end|>"]  # no bare <|im_end|>
+
+
+def test_parquet_null_keys_are_counted_in_the_manifest(tmp_path, smollm2_tokenizer):
+    rows = [{"id": f"r{k}", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                                         {"role": "assistant", "content": [{"type": "text", "text": "Yo"}]}]}
+            for k in range(3)]
+    rows[1]["messages"][1]["content"][0] = {"type": "text", "value": "Yo"}  # the other rows gain value: null
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "n.parquet")
+    counts = run_tokenize([tmp_path / "n.parquet"], "smollm2-135m", tmp_path / "tok", TokenizeConfig(),
+                          tokenizer=smollm2_tokenizer)["counts"]
+    assert counts["used"] == 3 and counts["null_keys_dropped_rows"] == 3
+    manifest = json.loads((tmp_path / "tok" / "manifest.json").read_text())
+    assert manifest["counts"]["null_keys_dropped_rows"] == 3

@@ -149,8 +149,11 @@ def test_truncated_json_array_keeps_complete_records(tmp_path):
 
 
 def test_missing_input_is_an_input_error(tmp_path):
-    with pytest.raises(InputError, match="not a file"):
+    with pytest.raises(InputError, match=r"input '.*nope.jsonl' does not exist \(expected a .jsonl"):
         read_all(tmp_path / "nope.jsonl")
+    (tmp_path / "fifo.jsonl").symlink_to("/dev/null")
+    with pytest.raises(InputError, match="is not a regular file"):
+        read_all(tmp_path / "fifo.jsonl")
     with pytest.raises(InputError, match="matches no file"):
         read_all(tmp_path / "nope*.jsonl")
 
@@ -234,3 +237,126 @@ def test_ids_are_unique_across_files_and_repeats(tmp_path):
     assert ids == ["a/good:1", "same", "b/good:1", "same~2", "a/good:1~2", "same~3"]
     assert len(set(ids)) == len(ids)
     assert sum(i.duplicate_id_renamed for i in items) == 3
+
+
+# --------------------------------------------------------------------------------------------
+# Invalid JSON: the reject names the line and column in the file (issue 16)
+
+
+def test_invalid_json_names_line_and_column_of_the_file(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [OPENAI_ROW, b'{"messages": [{"role": "user",, "content": "x"}]}\n'])
+    (_, bad) = read_all(tmp_path / "a.jsonl")
+    assert bad.reason == "invalid JSON: Expecting property name enclosed in double quotes at line 2 column 31"
+    pretty = ('[\n  {"messages": [\n    {"role": "user", "content": "Hi"},\n    {"role": "assistant", '
+              '"content": "Yo"}\n  ]},\n  {"messages": [\n    {"role": "user",, "content": "x"}\n  ]}\n]\n')
+    (tmp_path / "b.json").write_text(pretty)
+    good, bad = read_all(tmp_path / "b.json")
+    assert isinstance(good, Conversation)
+    assert bad.source.endswith("b.json:2")  # the array element
+    assert bad.reason == ("invalid JSON: Expecting property name enclosed in double quotes at line 7 column 21; "
+                          "the rest of the file is not read")
+    assert pretty.splitlines()[6][20] == ","  # line 7, column 21 (both from 1)
+    (tmp_path / "c.json").write_text('{\n "messages": [\n  {"role": "user",, "content": "x"}\n ]\n}\n')
+    (bad,) = read_all(tmp_path / "c.json")
+    assert bad.reason == "invalid JSON: Expecting property name enclosed in double quotes at line 3 column 19"
+
+
+def test_invalid_json_position_after_the_buffer_moved_on(tmp_path, monkeypatch):
+    import peagle_data.readers as readers
+
+    monkeypatch.setattr(readers, "_CHUNK_CHARS", 64)  # force the streaming buffer to drop text
+    rows = [json.dumps(SHAREGPT_ROW)] * 5 + ['{"conversations": [}']
+    (tmp_path / "d.json").write_text("[\n" + ",\n".join(rows) + "\n]\n")
+    items = read_all(tmp_path / "d.json")
+    assert [type(i) for i in items] == [Conversation] * 5 + [Reject]
+    assert items[5].reason == "invalid JSON: Expecting value at line 7 column 20; the rest of the file is not read"
+
+
+# --------------------------------------------------------------------------------------------
+# Parquet null keys from schema unification; JSON-string tool arguments (issue 11)
+
+
+def _tool_row(param: str, value: str) -> dict:
+    tool = {"type": "function", "function": {"name": f"get_{param}", "parameters": {
+        "type": "object", "properties": {param: {"type": "string"}}, "required": [param]}}}
+    return {"tools": [tool], "messages": [
+        {"role": "user", "content": "Look it up."},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": f"get_{param}", "arguments": {param: value}}}]},
+        {"role": "tool", "content": "ok", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "Done."}]}
+
+
+def test_parquet_schema_unification_nulls_are_dropped(tmp_path):
+    rows = [_tool_row("city", "Lyon"), _tool_row("ticker", "ACME")]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "t.parquet")
+    raw = pq.read_table(tmp_path / "t.parquet").to_pylist()[0]  # what Arrow gives back
+    assert raw["messages"][1]["tool_calls"][0]["function"]["arguments"] == {"city": "Lyon", "ticker": None}
+    assert raw["tools"][0]["function"]["parameters"]["properties"]["ticker"] is None
+    a, b = read_all(tmp_path / "t.parquet")
+    assert a.tools == rows[0]["tools"] and b.tools == rows[1]["tools"]
+    assert a.messages[1]["tool_calls"] == rows[0]["messages"][1]["tool_calls"]
+    assert b.messages[1]["tool_calls"][0]["function"]["arguments"] == {"ticker": "ACME"}
+    assert a.messages[0] == {"role": "user", "content": "Look it up."}
+    assert a.counts == {"null_keys_dropped_rows": 1} and b.counts == {"null_keys_dropped_rows": 1}
+    # The same rows as JSONL keep what they say, an explicit null included.
+    explicit = _tool_row("city", "Lyon")
+    explicit["messages"][1]["tool_calls"][0]["function"]["arguments"]["unit"] = None
+    (c,) = read_all(write_jsonl(tmp_path / "t.jsonl", [explicit]))
+    assert c.messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Lyon", "unit": None}
+    assert c.counts == {}
+
+
+def test_parquet_nulls_in_content_parts_and_turn_keys(tmp_path):
+    rows = [  # parts with "text" in one row and "value" in another; ShareGPT turns with from/role
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]},
+                      {"role": "assistant", "content": [{"type": "reasoning", "value": "r"},
+                                                        {"type": "text", "value": "b"}],
+                       "reasoning_content": None}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "c"}]},
+                      {"role": "assistant", "content": [{"type": "text", "text": "d"}],
+                       "reasoning_content": "think"}]},
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet")
+    a, b = read_all(tmp_path / "p.parquet")
+    assert a.messages == [{"role": "user", "content": "a"},
+                          {"role": "assistant", "content": "b", "reasoning_content": "r"}]
+    assert b.messages == [{"role": "user", "content": "c"},
+                          {"role": "assistant", "content": "d", "reasoning_content": "think"}]
+    sharegpt = [{"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "y"}]},
+                {"conversations": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}]
+    pq.write_table(pa.Table.from_pylist(sharegpt), tmp_path / "s.parquet")
+    expected = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    assert [c.messages for c in read_all(tmp_path / "s.parquet")] == [expected, expected]
+
+
+def test_json_string_tool_arguments_are_decoded(tmp_path):
+    as_mapping = _tool_row("city", "Oslo")
+    as_string = json.loads(json.dumps(as_mapping))
+    as_string["messages"][1]["tool_calls"][0]["function"]["arguments"] = '{"city":"Oslo"}'
+    as_string["tools"] = [json.dumps(as_mapping["tools"][0])]  # a tools entry as JSON text
+    broken = json.loads(json.dumps(as_mapping))
+    broken["messages"][1]["tool_calls"][0]["function"]["arguments"] = '{"city": "Oslo"'
+    legacy = {"messages": [{"role": "user", "content": "go"},
+                           {"role": "assistant", "content": None,
+                            "function_call": {"name": "get_city", "arguments": '{"city": "Oslo"}'}}]}
+    a, b, c, d = read_all(write_jsonl(tmp_path / "s.jsonl", [as_mapping, as_string, broken, legacy]))
+    assert b.messages == a.messages and b.tools == a.tools
+    assert a.counts == {} and b.counts == {"tool_arguments_decoded": 1, "tool_schemas_decoded": 1}
+    assert c.messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"'
+    assert c.counts == {"tool_arguments_not_json": 1}
+    assert d.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_city", "arguments": {"city": "Oslo"}}}]}
+
+
+def test_unsupported_content_parts_reject_or_are_counted(tmp_path):
+    row = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}},
+                                                      {"type": "text", "text": "What is this?"}]},
+                        {"role": "assistant", "content": "A cat."}]}
+    path = write_jsonl(tmp_path / "img.jsonl", [row])
+    (r,) = read_all(path)
+    assert isinstance(r, Reject) and r.reason.startswith("unsupported content part: messages[0].content[0] has "
+                                                         "type 'image_url'")
+    (c,) = read_all(path, keep_dropped=True)
+    assert c.messages[0] == {"role": "user", "content": "What is this?"}
+    assert c.counts == {"dropped_content_parts": 1}
