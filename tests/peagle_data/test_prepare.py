@@ -341,7 +341,7 @@ def test_dropped_content_rejects_or_is_kept_and_counted(tmp_path, smollm2_tokeni
 
 
 def test_parquet_null_keys_are_counted_in_the_manifest(tmp_path, smollm2_tokenizer):
-    rows = [{"id": f"r{k}", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+    rows = [{"id": f"r{k}", "messages": [{"role": "user", "content": [{"type": "text", "text": f"Hi {k}"}]},
                                          {"role": "assistant", "content": [{"type": "text", "text": "Yo"}]}]}
             for k in range(3)]
     rows[1]["messages"][1]["content"][0] = {"type": "text", "value": "Yo"}  # the other rows gain value: null
