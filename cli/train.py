@@ -25,7 +25,16 @@ from cli.common import echo_json, handle_errors
 @click.option("--grad-clip", type=float, default=1.0, show_default=True, help="Max gradient norm.")
 @click.option("--grad-accum", type=int, default=1, show_default=True, help="Blocks per optimizer step and rank.")
 @click.option("--save-every", type=int, default=None, help="Steps between checkpoints (default: only at the end).")
+@click.option("--save-total-limit", type=int, default=None,
+              help="Keep only the newest N checkpoint-N/ directories (each a full copy of the drafter weights "
+                   "plus optimizer state); final/ is never removed (default: keep all).")
 @click.option("--val-fraction", type=float, default=0.05, show_default=True, help="Blocks held out for validation.")
+@click.option("--val-max-blocks", type=int, default=16, show_default=True,
+              help="Validation scores at most this many held-out blocks.")
+@click.option("--log-every", type=int, default=1, show_default=True, help="Steps between metrics.jsonl lines.")
+@click.option("--mask-token-id", type=int, default=None,
+              help="Token fed at depth > 0; must never occur as a supervised token in the store (default: an "
+                   "unused special or reserved token, see the README).")
 @click.option("--loss-chunk-size", type=int, default=2048, show_default=True, help="Elements per logits chunk.")
 @click.option("--lazy-embedding/--dense-embedding", default=True, show_default=True,
               help="AdamW on the embedding rows a step touched (fast) or on the whole table.")

@@ -43,6 +43,7 @@ __all__ = [
     "load_training_state",
     "save_checkpoint",
     "latest_checkpoint",
+    "prune_checkpoints",
 ]
 
 CONFIG_FILE = "config.json"
@@ -246,3 +247,23 @@ def latest_checkpoint(output: str | os.PathLike) -> Path | None:
         if m and (p / STATE_FILE).is_file() and (best is None or int(m.group(1)) > best[0]):
             best = (int(m.group(1)), p)
     return best[1] if best else None
+
+
+def prune_checkpoints(output: str | os.PathLike, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` newest complete ``checkpoint-N`` under ``output`` (never ``final/``).
+
+    Only complete checkpoints (with ``training_state.pt``) count and are deleted, so the latest one,
+    which ``--resume`` reads, always stays. Returns the deleted directories, oldest first.
+
+    Raises:
+        ValueError: ``keep < 1``.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    root = Path(output)
+    done = sorted((int(m.group(1)), p) for p in root.iterdir()
+                  if (m := _CHECKPOINT_RE.match(p.name)) and (p / STATE_FILE).is_file())
+    old = [p for _, p in done[:-keep]]
+    for p in old:
+        shutil.rmtree(p)
+    return old

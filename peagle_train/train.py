@@ -16,7 +16,9 @@ Output directory layout:
 - ``train_config.json``: the :class:`TrainConfig` (checked again on ``--resume``);
 - ``metrics.jsonl``: one line per step (step, loss (the pooled objective), acc per depth, tokens/s, lr, the block ids read,
   grad norm, ...) and one per validation (``"split": "val"``);
-- ``checkpoint-N/``: drafter (``config.json``, ``model.safetensors``) plus ``training_state.pt``;
+- ``checkpoint-N/``: drafter (``config.json``, ``model.safetensors``) plus ``training_state.pt``
+  (the AdamW moments of the trainable weights): a full copy per checkpoint, all kept unless
+  ``save_total_limit`` (``--save-total-limit``) keeps only the newest N;
 - ``final/``: the drafter at the last step, the directory to serve or evaluate;
 - ``training.png``: loss and per-depth accuracy against steps;
 - ``trackers/``: only with ``report_to`` (``--report-to``): the accelerate trackers' files (TensorBoard
@@ -31,6 +33,7 @@ import importlib.util
 import json
 import math
 import shutil
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -42,11 +45,12 @@ import torch
 
 from peagle_train.attention import FlexElementMask, build_attention_mask
 from peagle_train.checkpoint import (
-    latest_checkpoint, load_training_state, save_checkpoint, save_drafter,
+    latest_checkpoint, load_training_state, prune_checkpoints, save_checkpoint, save_drafter,
 )
 from peagle_train.cod import CodElements, element_inputs, sample_cod_elements
 from peagle_train.data import Block, BlockLoader, _seed_of, check_store_ready, split_blocks, to_block
 from peagle_train.loss import LossOutput, kl_loss_and_accuracy
+from peagle_train.mask_token import resolve_mask_token
 from peagle_train.model import DrafterConfig, PEagleDrafter
 from peagle_train.optim import LazyRowAdamW, clip_grad_norm
 from stores.errors import InputError, MissingDependencyError, OutputExistsError, StoreMismatchError
@@ -59,6 +63,7 @@ __all__ = [
     "build_draft_vocab",
     "build_drafter_config",
     "block_loss",
+    "val_split_warning",
     "block_hidden",
     "accumulate_step",
     "cod_generator",
@@ -191,6 +196,9 @@ class TrainConfig:
     """Drafter decoder layers (``--num-layers``)."""
     save_every: int | None = None
     """Steps between checkpoints (``--save-every``); None: only at the end."""
+    save_total_limit: int | None = None
+    """Keep only the newest N ``checkpoint-N/`` directories (``--save-total-limit``), each a full copy
+    of the drafter weights plus the optimizer state; ``final/`` is never removed. None: keep all."""
     val_fraction: float = 0.05
     """Fraction of blocks held out for validation, in [0, 1) (``--val-fraction``)."""
     val_max_blocks: int = 16
@@ -211,6 +219,9 @@ class TrainConfig:
     """Drafter attention (``--attention-backend``): ``sdpa`` (dense mask), ``flex`` (flex_attention
     BlockMasks, CUDA only) or ``auto`` (flex on CUDA, sdpa otherwise); see
     :func:`resolve_attention_backend`."""
+    mask_token_id: int | None = None
+    """Token fed at depth > 0 (``--mask-token-id``); None: chosen by
+    :func:`peagle_train.mask_token.choose_mask_token` (never a token supervised in the data)."""
     report_to: str | None = None
     """Accelerate trackers fed the metrics.jsonl rows, comma-separated: tensorboard, wandb, all
     (``--report-to``); None: none (no tracker package imported)."""
@@ -235,10 +246,14 @@ class TrainConfig:
              self.draft_vocab_size)
         need(self.num_layers >= 1, "--num-layers", ">= 1", self.num_layers)
         need(self.save_every is None or self.save_every >= 1, "--save-every", ">= 1 when set", self.save_every)
+        need(self.save_total_limit is None or self.save_total_limit >= 1, "--save-total-limit", ">= 1 when set",
+             self.save_total_limit)
         need(0.0 <= self.val_fraction < 1.0, "--val-fraction", "in [0, 1)", self.val_fraction)
         need(self.val_max_blocks >= 0, "--val-max-blocks", ">= 0", self.val_max_blocks)
         need(self.loss_chunk_size >= 1, "--loss-chunk-size", ">= 1", self.loss_chunk_size)
         need(self.log_every >= 1, "--log-every", ">= 1", self.log_every)
+        need(self.mask_token_id is None or self.mask_token_id >= 0, "--mask-token-id", ">= 0 when set",
+             self.mask_token_id)
         need(not (self.resume and self.force), "--resume/--force", "used one at a time", "both")
         need(self.attention_backend in ATTENTION_BACKENDS, "--attention-backend",
              f"one of {', '.join(ATTENTION_BACKENDS)}", self.attention_backend)
@@ -251,7 +266,7 @@ class TrainConfig:
 #: fields that must equal the saved ones for ``--resume`` to reproduce an uninterrupted run
 _RESUME_FIELDS = ("store", "max_steps", "num_depths", "down_sample_ratio", "down_sample_ratio_min",
                   "max_anchors", "lr", "warmup_steps", "weight_decay", "grad_accum", "seed",
-                  "draft_vocab_size", "num_layers", "val_fraction", "lazy_embedding", "grad_clip")
+                  "draft_vocab_size", "num_layers", "val_fraction", "lazy_embedding", "grad_clip", "mask_token_id")
 
 
 @dataclass
@@ -274,31 +289,11 @@ class VerifierHeads:
     mask_token_id: int
 
 
-def _choose_mask_token_id(model_dir: Path, config) -> int:
-    """The tokenizer's unk id, else its pad id, else the config's pad / eos id, else 0.
-
-    A token the verifier rarely emits keeps the (trainable) embedding of depth > 0 inputs apart
-    from real content; SmolLM2's unk is ``<|endoftext|>`` (0).
-    """
-    try:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        for tid in (tok.unk_token_id, tok.pad_token_id):
-            if tid is not None:
-                return int(tid)
-    except Exception:  # no tokenizer files next to the weights
-        pass
-    for tid in (getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)):
-        if isinstance(tid, list):
-            tid = tid[0] if tid else None
-        if tid is not None:
-            return int(tid)
-    return 0
-
-
-def load_verifier_heads(name: str, store) -> VerifierHeads:
+def load_verifier_heads(name: str, store, mask_token_id: int) -> VerifierHeads:
     """Load the verifier's embeddings and lm_head and check them against the store.
+
+    ``mask_token_id`` is recorded as is (chosen before the weights load, see
+    :func:`peagle_train.mask_token.resolve_mask_token`).
 
     Raises:
         StoreMismatchError: the verifier's content fingerprint, hidden size or vocab size differs
@@ -324,9 +319,9 @@ def load_verifier_heads(name: str, store) -> VerifierHeads:
             f"(verifier {store.attrs['verifier'].get('name_or_path')!r}); pass --verifier with that model")
     embed = model.get_input_embeddings().weight.detach().float().clone()  # [V, H]
     lm_head = model.get_output_embeddings().weight.detach().float().clone()  # [V, H]
-    mask_id = _choose_mask_token_id(resolve_model(name, need_weights=False), cfg)
     del model
-    return VerifierHeads(name_or_path=str(name), config=cfg, embed=embed, lm_head=lm_head, mask_token_id=mask_id)
+    return VerifierHeads(name_or_path=str(name), config=cfg, embed=embed, lm_head=lm_head,
+                         mask_token_id=int(mask_token_id))
 
 
 def build_draft_vocab(token_freq: np.ndarray, draft_vocab_size: int | None) -> torch.Tensor | None:
@@ -521,6 +516,19 @@ def _sample(block: Block, cfg: TrainConfig, gen: torch.Generator) -> CodElements
                                cfg.down_sample_ratio, cfg.down_sample_ratio_min, cfg.max_anchors, gen)
 
 
+def val_split_warning(n_blocks: int, n_val: int, val_fraction: float) -> str | None:
+    """A warning when the validation split holds out more than twice ``val_fraction`` of the blocks.
+
+    :func:`peagle_train.data.split_blocks` holds out at least one block of a store with two or more
+    (1 of 2 blocks is 50% for ``--val-fraction 0.05``); that is kept, and said. None otherwise.
+    """
+    if n_val == 0 or n_val <= 2 * val_fraction * n_blocks:
+        return None
+    return (f"holding out {n_val} of {n_blocks} blocks ({100 * n_val / n_blocks:.0f}%) for validation, more than "
+            f"--val-fraction {val_fraction:g} asks, because at least one block is held out; train on "
+            f"{n_blocks - n_val}, or pass --val-fraction 0 to train on all {n_blocks} (no validation)")
+
+
 def _prepare_output(cfg: TrainConfig) -> Path | None:
     """Create or check the output directory; return the checkpoint to resume from, if any."""
     out = Path(cfg.output)
@@ -660,7 +668,8 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
     usable = check_store_ready(store, cfg.allow_incomplete)
     train_ids, val_ids = split_blocks(usable, cfg.seed, cfg.val_fraction)
     verifier_name = cfg.verifier or store.attrs["verifier"]["name_or_path"]
-    heads = load_verifier_heads(verifier_name, store)
+    mask = resolve_mask_token(verifier_name, store, cfg.mask_token_id)  # InputError before the weights load
+    heads = load_verifier_heads(verifier_name, store, mask.id)
     d2t = build_draft_vocab(store.token_freq(), cfg.draft_vocab_size)
     D = int(d2t.numel()) if d2t is not None else store.vocab_size
 
@@ -672,6 +681,9 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
         raise MissingDependencyError(f"accelerate {accelerator.log_with} could not load every tracker of "
                                      f"--report-to {','.join(trackers)}; check that their packages import")
     main = accelerator.is_main_process
+    note = val_split_warning(len(usable), len(val_ids), cfg.val_fraction)
+    if note and main:
+        print(f"warning: {note}", file=sys.stderr)
     resume_from = _prepare_output(cfg) if main else None
     accelerator.wait_for_everyone()
     if not main and cfg.resume:
@@ -722,7 +734,10 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
         state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                  "rng": {"torch": torch.get_rng_state()}, "data": loader.state_dict(), "step": step,
                  "train_config": cfg.to_dict()}
-        return save_checkpoint(unwrapped, out / name, state, training_info())
+        path = save_checkpoint(unwrapped, out / name, state, training_info())
+        if cfg.save_total_limit is not None:
+            prune_checkpoints(out, cfg.save_total_limit)
+        return path
 
     def training_info() -> dict[str, Any]:
         """Recorded in config.json so evaluation can find the held-out split."""
@@ -730,7 +745,7 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
                                     "val_fraction": cfg.val_fraction, "num_depths": cfg.num_depths,
                                     "max_anchors": cfg.max_anchors, "down_sample_ratio": cfg.down_sample_ratio,
                                     "down_sample_ratio_min": cfg.down_sample_ratio_min,
-                                    "val_blocks": [int(i) for i in val_ids]}}
+                                    "val_blocks": [int(i) for i in val_ids], "mask_token": mask.to_dict()}}
 
     if trackers and main:
         hparams = {k: v for k, v in cfg.to_dict().items() if isinstance(v, (bool, int, float, str))}
@@ -841,6 +856,7 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
                 "train_blocks": int(len(train_ids)),
                 "val_blocks": int(len(val_ids)),
                 "draft_vocab_size": D,
+                "mask_token": mask.to_dict(),
             })
         except BaseException:
             _finish_trackers(accelerator, trackers)

@@ -46,7 +46,9 @@ def _store(path, verifier_dir, n_blocks=1, done=None, seed=0):
         if done is None or b in done:
             store.mark_done(b)
     store.write_all_n_tokens(np.array(n_tokens))
-    store.set_token_freq(np.arange(V)[::-1].copy())
+    freq = np.arange(V)[::-1].copy()
+    freq[3] = 0  # the tiny verifier's pad token (it has no tokenizer): never supervised, the mask token
+    store.set_token_freq(freq)
     return str(path)
 
 
@@ -330,3 +332,64 @@ def test_report_to_wandb_offline(tmp_path, verifier_dir, monkeypatch):
     assert len(_rows(tmp_path / "out")) == 2
     runs = list((tmp_path / "out" / "trackers" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 0
+
+
+def test_mask_token_is_recorded_and_a_supervised_override_is_refused_before_the_weights(tmp_path, verifier_dir,
+                                                                                        monkeypatch):
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=1)
+    run_train(_cfg(store, tmp_path / "out", max_steps=1, mask_token_id=255))  # freq[255] == 0
+    cfg = json.loads((tmp_path / "out" / "final" / "config.json").read_text())
+    assert cfg["mask_token_id"] == 255
+    assert cfg["peagle_training"]["mask_token"] == {"id": 255, "token": None, "source": "--mask-token-id"}
+    assert load_drafter(tmp_path / "out" / "final").config.mask_token_id == 255
+
+    import stores.model_cache
+
+    def no_weights(*a, **k):
+        raise AssertionError("the verifier weights were loaded before the mask token was checked")
+
+    monkeypatch.setattr(stores.model_cache, "load_verifier", no_weights)
+    from stores.errors import InputError
+
+    with pytest.raises(InputError, match=r"--mask-token-id.*token 5 \(None\) occurs 250 times as a supervised"):
+        run_train(_cfg(store, tmp_path / "out2", max_steps=1, mask_token_id=5))  # freq[5] == 250
+
+
+def test_save_total_limit_keeps_the_newest_checkpoints_and_final_and_resumes(tmp_path, verifier_dir):
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=3)
+    out = tmp_path / "out"
+    run_train(_cfg(store, out, max_steps=7, save_every=2, save_total_limit=2))
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["checkpoint-6", "checkpoint-7", "final"]
+    full = _rows(out)
+    import shutil
+
+    shutil.rmtree(out / "checkpoint-7")
+    shutil.rmtree(out / "final")
+    summary = run_train(_cfg(store, out, max_steps=7, save_every=2, save_total_limit=2, resume=True))
+    assert summary["resumed_from"].endswith("checkpoint-6")
+    assert [r["loss"] for r in _rows(out)] == pytest.approx([r["loss"] for r in full], rel=1e-6)
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["checkpoint-6", "checkpoint-7", "final"]
+
+
+@pytest.mark.parametrize("n_blocks, n_val, fraction, warned", [
+    (2, 1, 0.05, "holding out 1 of 2 blocks (50%) for validation, more than --val-fraction 0.05 asks"),
+    (9, 1, 0.05, "holding out 1 of 9 blocks (11%)"),
+    (10, 1, 0.05, None),  # 10% == twice 5%: as asked, within rounding
+    (20, 1, 0.05, None),
+    (2, 0, 0.0, None),
+])
+def test_val_split_warning(n_blocks, n_val, fraction, warned):
+    from peagle_train.train import val_split_warning
+
+    assert split_blocks(np.arange(n_blocks), 0, fraction)[1].size == n_val
+    note = val_split_warning(n_blocks, n_val, fraction)
+    assert note is None if warned is None else note.startswith(warned)
+
+
+def test_two_block_store_says_it_holds_one_out(tmp_path, verifier_dir, capsys):
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
+    summary = run_train(_cfg(store, tmp_path / "out", max_steps=1, val_fraction=0.05))
+    assert summary["train_blocks"] == 1 and summary["val_blocks"] == 1
+    assert ("warning: holding out 1 of 2 blocks (50%) for validation, more than --val-fraction 0.05 asks, because "
+            "at least one block is held out; train on 1, or pass --val-fraction 0 to train on all 2 (no validation)"
+            ) in capsys.readouterr().err

@@ -43,7 +43,9 @@ def _store(path, verifier_dir, n_blocks, done=None):
         if done is None or b in done:
             store.mark_done(b)
     store.write_all_n_tokens(np.full(n_blocks, C))
-    store.set_token_freq(np.arange(V)[::-1].copy())
+    freq = np.arange(V)[::-1].copy()
+    freq[3] = 0  # the tiny verifier's pad token (it has no tokenizer): never supervised, the mask token
+    store.set_token_freq(freq)
     return str(path)
 
 
