@@ -20,7 +20,8 @@ def _progress(desc: str):
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--drafter", required=True, type=click.Path(), help="Drafter checkpoint directory.")
+@click.option("--drafter", required=True, type=click.Path(),
+              help="Drafter checkpoint directory, or a peagle-train output (its final/, else its newest checkpoint-N/).")
 @click.option("--verifier", default=None, help="Verifier MODEL (default: the verifier named in the drafter config).")
 @click.option("--prompts", default=None, type=click.Path(),
               help="Prompts JSONL (MT-Bench `turns` or OpenAI `messages` lines): run online evaluation.")
@@ -53,6 +54,12 @@ def main(drafter: str, verifier: str | None, prompts: str | None, store: str | N
 
     if prompts is None and store is None:
         raise click.UsageError("give --prompts (online), --store (offline), or both")
+    from peagle_train.checkpoint import find_drafter
+
+    found, note = find_drafter(drafter)  # a training output directory means its final/ checkpoint
+    if note:
+        click.echo(note, err=True)
+    drafter = str(found)
     if output is not None and not force:
         for existing in (Path(output), Path(output).with_suffix(".png")):
             if existing.exists():

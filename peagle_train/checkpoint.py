@@ -44,6 +44,7 @@ __all__ = [
     "save_checkpoint",
     "latest_checkpoint",
     "prune_checkpoints",
+    "find_drafter",
 ]
 
 CONFIG_FILE = "config.json"
@@ -267,3 +268,31 @@ def prune_checkpoints(output: str | os.PathLike, keep: int) -> list[Path]:
     for p in old:
         shutil.rmtree(p)
     return old
+
+
+def _is_drafter(directory: Path) -> bool:
+    return (directory / CONFIG_FILE).is_file() and (directory / WEIGHTS_FILE).is_file()
+
+
+def find_drafter(path: str | os.PathLike) -> tuple[Path, str | None]:
+    """The drafter checkpoint a user means by ``path``: ``path`` itself when it is one, else, for a
+    ``peagle-train`` output directory, its ``final/``, else its newest complete ``checkpoint-N``.
+
+    Returns:
+        (the checkpoint directory, None when it is ``path`` itself, else a sentence saying which
+        checkpoint of the training output was taken and why).
+
+    Raises:
+        StoreFormatError: ``path`` is neither a drafter checkpoint nor a training output holding one.
+    """
+    path = Path(path)
+    if _is_drafter(path):
+        return path, None
+    if _is_drafter(path / "final"):
+        return path / "final", f"{path} is a training output: using its final checkpoint {path / 'final'}"
+    latest = latest_checkpoint(path)
+    if latest is not None and _is_drafter(latest):
+        return latest, (f"{path} is a training output without final/ (an unfinished run): using its newest "
+                        f"checkpoint {latest}")
+    raise StoreFormatError(f"{path} is not a drafter checkpoint ({CONFIG_FILE} and {WEIGHTS_FILE}) nor a "
+                           "peagle-train output holding final/ or a checkpoint-N/")

@@ -350,6 +350,10 @@ def test_cli_fails_on_a_mismatch_naming_the_prompt(monkeypatch, tmp_path):
             "num_turns": 2, "num_draft_tokens": 1, "accepted": 0, "drafted": 3, "tokens_per_second": 1.0,
             "baseline_tokens_per_second": 1.0, "speedup": 1.0, "identical_to_greedy": False, "mismatches": ["81", "x"]}
     monkeypatch.setattr(ev, "run_online_eval", lambda *a, **k: dict(fake))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").mkdir()
+    for name in ("config.json", "model.safetensors"):  # looks like a checkpoint; never loaded here
+        (tmp_path / "d" / name).write_text("{}")
     result = CliRunner().invoke(main, ["--drafter", "d", "--prompts", "p.jsonl"])
     assert result.exit_code == 1
     assert json.loads(result.stdout)["mismatches"] == ["81", "x"]
@@ -388,3 +392,36 @@ def test_offline_chains_stop_before_an_eos_target(eos, scored, mean, pos):
     assert report["per_position_acceptance"] == pos
     assert report["per_depth_accuracy"] == [1.0, 1.0, 1.0]  # accuracy still scores every element
     assert report["per_depth_weight"] == [6, 6, 4]
+
+
+def test_cli_drafter_given_a_training_output_uses_final_else_the_newest_checkpoint(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    import peagle_train.evaluate as ev
+    from cli.eval import main
+
+    used = []
+    monkeypatch.setattr(ev, "run_offline_eval", lambda drafter, *a, **k: used.append(drafter) or {"blocks": []})
+    monkeypatch.setattr(ev, "format_report", lambda report: "")
+    out = tmp_path / "run"
+    for sub in ("checkpoint-2", "checkpoint-10", "final"):
+        (out / sub).mkdir(parents=True)
+        for name in ("config.json", "model.safetensors"):
+            (out / sub / name).write_text("{}")
+    for sub in ("checkpoint-2", "checkpoint-10"):
+        (out / sub / "training_state.pt").write_text("")
+
+    result = CliRunner().invoke(main, ["--drafter", str(out), "--store", "s.zarr"])
+    assert result.exit_code == 0, result.output
+    assert used == [str(out / "final")]
+    assert f"{out} is a training output: using its final checkpoint {out / 'final'}" in result.stderr
+    import shutil
+
+    shutil.rmtree(out / "final")  # an unfinished run: its newest complete checkpoint
+    result = CliRunner().invoke(main, ["--drafter", str(out), "--store", "s.zarr"])
+    assert result.exit_code == 0 and used[-1] == str(out / "checkpoint-10")
+    assert f"using its newest checkpoint {out / 'checkpoint-10'}" in result.stderr
+    result = CliRunner().invoke(main, ["--drafter", str(out / "final"), "--store", "s.zarr"])
+    assert result.exit_code == 2 and "is not a drafter checkpoint" in result.stderr
+    result = CliRunner().invoke(main, ["--drafter", str(out / "checkpoint-2"), "--store", "s.zarr"])
+    assert result.exit_code == 0 and used[-1] == str(out / "checkpoint-2") and "using" not in result.stderr

@@ -1,0 +1,68 @@
+"""Config fields and click options agree, both ways, for every command; every ``--option`` the code
+tells a user about (docstrings, error messages) is an option of some peagle command."""
+
+import dataclasses
+import inspect
+import re
+from pathlib import Path
+
+import click
+import pytest
+
+from cli.data import main as data_main
+from cli.eval import main as eval_main
+from cli.train import main as train_main
+from peagle_data.extract import ExtractConfig
+from peagle_data.prepare import PackConfig, TokenizeConfig
+from peagle_train.evaluate import EvalConfig
+from peagle_train.train import TrainConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+# command -> (config classes, click parameter -> field where the names differ,
+#             parameters that are no config field, fields that are no option (and why))
+COMMANDS = {
+    "train": (train_main, [TrainConfig], {}, set(), set()),
+    "eval": (eval_main, [EvalConfig], {},
+             {"drafter", "verifier", "prompts", "store", "output", "force"},  # run_*_eval arguments
+             {"chunk_anchors", "warmup"}),  # memory bound and timing warm-up: library knobs, never named as options
+    "extract": (data_main.commands["extract"], [ExtractConfig], {"packed_dir": "packed"}, set(),
+                {"writer_queue"}),  # host-memory bound of the writer thread, never named as an option
+    "tokenize": (data_main.commands["tokenize"], [TokenizeConfig], {"fmt": "format"},
+                 {"inputs", "tokenizer_name", "output", "force"}, set()),
+    "pack": (data_main.commands["pack"], [PackConfig, TokenizeConfig], {"fmt": "format"},
+             {"inputs", "tokenizer_name", "output", "force"}, {"tokenize"}),  # the nested TokenizeConfig
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_config_fields_are_the_options(name):
+    command, configs, renamed, not_fields, not_options = COMMANDS[name]
+    params = {renamed.get(p.name, p.name) for p in command.params} - not_fields
+    fields = {f.name for c in configs for f in dataclasses.fields(c)} - not_options
+    assert sorted(fields - params) == [], f"{name}: config fields without an option"
+    assert sorted(params - fields) == [], f"{name}: options without a config field"
+    for cls in configs:  # every option a config's docstrings or messages name is one of this command
+        options = {o for p in command.params if isinstance(p, click.Option) for o in p.opts + p.secondary_opts}
+        named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*[a-z0-9]", inspect.getsource(cls)))
+        assert sorted(named - options) == [], f"{cls.__name__} names options that {name} does not have"
+
+
+def _all_options() -> set[str]:
+    commands = [*data_main.commands.values(), train_main, eval_main]
+    return {o for c in commands for p in c.params if isinstance(p, click.Option) for o in p.opts + p.secondary_opts}
+
+
+#: flags of other tools that messages quote (pip, click, accelerate) and a placeholder in a docstring
+FOREIGN = {"--no-deps", "--force-reinstall", "--help", "--num_processes", "--option"}
+
+
+def test_every_option_the_code_names_exists():
+    pattern = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9]")
+    options = _all_options() | FOREIGN
+    unknown = {}
+    for package in ("peagle_data", "peagle_train", "stores", "cli"):
+        for path in sorted((REPO / package).glob("*.py")):
+            for name in set(pattern.findall(path.read_text())) - options:
+                unknown.setdefault(name, []).append(path.name)
+    assert unknown == {}
