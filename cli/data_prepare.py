@@ -46,6 +46,11 @@ def _common_options(fn):
                      show_default=True,
                      help="Message content the chat template does not render (tool calls, reasoning, tools, "
                           "images): reject the conversation, or keep it without that content (counted)."),
+        click.option("--num-shards", metavar="N", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Split the run into N shards by conversation content; see --shard-index."),
+        click.option("--shard-index", metavar="I", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="The shard this run writes, 0..N-1; the union of all N outputs is the unsharded run "
+                          "(`peagle-data merge` joins them)."),
         click.option("--force", is_flag=True, help="Overwrite an existing output."),
     ]
     for option in reversed(options):
@@ -109,17 +114,19 @@ def _exit_if_useless(summary: dict) -> None:
 @_common_options
 @handle_errors
 def tokenize(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, num_workers, on_history_rewrite,
-             on_dropped_content, dedup, max_tokens, min_loss_tokens, force):
+             on_dropped_content, dedup, max_tokens, min_loss_tokens, num_shards, shard_index, force):
     """Tokenize conversations with the chat template; write input_ids and assistant loss masks.
 
-    INPUT: .jsonl, .json or .parquet files (globs allowed), or 'sharegpt'. Rejected rows go to
+    INPUT: .jsonl, .json or .parquet files (globs allowed), 'sharegpt', or one mixture file
+    (.yaml/.toml: sources with weights or row limits, see the README). Rejected rows go to
     rejects.jsonl as FILE:N (N counts lines/rows from 1). Exits 1 with a warning when no row is used.
     """
     from peagle_data.prepare import run_tokenize
 
     cfg = _tokenize_config(chat_template, limit, fmt, strict, num_workers, on_history_rewrite,
                            on_dropped_content=on_dropped_content, dedup=dedup,
-                           max_tokens=max_tokens, min_loss_tokens=min_loss_tokens)
+                           max_tokens=max_tokens, min_loss_tokens=min_loss_tokens, num_shards=num_shards,
+                           shard_index=shard_index)
     summary = run_tokenize(list(inputs), tokenizer_name, output, cfg, force=force)
     _echo_summary(summary)
     _exit_if_useless(summary)
@@ -139,11 +146,11 @@ def tokenize(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, 
               help="Keep at most the first N windows of each conversation (default: all); the rest are counted.")
 @handle_errors
 def pack(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, num_workers, on_history_rewrite,
-         on_dropped_content, dedup, max_tokens, min_loss_tokens, force, max_seq_len, block_size, overlap,
-         overlap_loss, max_windows):
+         on_dropped_content, dedup, max_tokens, min_loss_tokens, num_shards, shard_index, force, max_seq_len,
+         block_size, overlap, overlap_loss, max_windows):
     """Cut conversations into windows and pack them into blocks with cu_seqlens.
 
-    INPUT: conversation files / 'sharegpt' (tokenized on the fly), or a tokenize output (then
+    INPUT: conversation files / 'sharegpt' / one mixture file (tokenized on the fly), or a tokenize output (then
     --format, --num-workers, --on-history-rewrite and --on-dropped-content do not apply; a warning
     names them if given).
     Exits 1 with a warning when no row is used or no block is written.
@@ -152,7 +159,8 @@ def pack(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, num_
 
     tok_cfg = _tokenize_config(chat_template, limit, fmt, strict, num_workers, on_history_rewrite,
                                on_dropped_content=on_dropped_content, dedup=dedup,
-                               max_tokens=max_tokens, min_loss_tokens=min_loss_tokens)
+                               max_tokens=max_tokens, min_loss_tokens=min_loss_tokens, num_shards=num_shards,
+                               shard_index=shard_index)
     try:
         cfg = PackConfig(max_seq_len=max_seq_len, block_size=block_size, overlap=overlap,
                          overlap_loss=overlap_loss, max_windows=max_windows, tokenize=tok_cfg)

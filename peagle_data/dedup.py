@@ -37,6 +37,8 @@ class Duplicate(Reject):
     """A row dropped as an exact duplicate; ``duplicate_of`` is the kept row's ``file:N``."""
 
     duplicate_of: str | None = None
+    key: bytes | None = None
+    """The content digest it shares with the kept row (shards place both alike)."""
 
 
 def conversation_key(conv: Conversation) -> bytes:
@@ -74,10 +76,11 @@ class Deduplicator:
         return len(self._first)
 
 
-def duplicate_reject(conv_id: str | None, source: str, first: str, renamed: int = 0) -> Duplicate:
-    """The :class:`Duplicate` reject of ``source``, whose content equals that of ``first``."""
+def duplicate_reject(conv_id: str | None, source: str, first: str, renamed: int = 0,
+                     key: bytes | None = None) -> Duplicate:
+    """The :class:`Duplicate` reject of ``source``, whose content (digest ``key``) equals that of ``first``."""
     return Duplicate(source=source, reason=f"{DUPLICATE}: same messages as {first}", conversation_id=conv_id,
-                     duplicate_id_renamed=renamed, duplicate_of=first)
+                     duplicate_id_renamed=renamed, duplicate_of=first, key=key)
 
 
 def dedup_items(items: Iterable[Conversation | Reject], dedup: Deduplicator | None
@@ -88,9 +91,10 @@ def dedup_items(items: Iterable[Conversation | Reject], dedup: Deduplicator | No
     """
     for item in items:
         if dedup is not None and isinstance(item, Conversation):
-            first = dedup.first_of(conversation_key(item), item.source)
+            key = conversation_key(item)
+            first = dedup.first_of(key, item.source)
             if first is not None:
-                item = duplicate_reject(item.conversation_id, item.source, first, item.duplicate_id_renamed)
+                item = duplicate_reject(item.conversation_id, item.source, first, item.duplicate_id_renamed, key)
         yield item
 
 

@@ -47,6 +47,7 @@ import dataclasses
 import itertools
 import multiprocessing
 import os
+import re
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -57,6 +58,8 @@ import numpy as np
 from tqdm import tqdm
 
 from peagle_data.dedup import Deduplicator, dedup_items, duplicate_reject, filter_reason, rows_key
+from peagle_data.shards import check_shard, shard_filter, shard_of_key
+from peagle_data.sources import input_files, iter_source_groups, mixture_of, source_rejected
 from peagle_data.chat import ChatTemplateError, chat_template_sha256, render_rows, tokenize_rendered
 from peagle_data.packing import make_packed_row, pack_blocks_flexible, packing_efficiency
 from peagle_data.readers import FORMATS, Conversation, Reject, UniqueIds, read_conversations, resolve_inputs
@@ -117,8 +120,13 @@ class TokenizeConfig:
     """reject: reject a conversation with content the chat template does not render (tool calls,
     tool results, reasoning, a system message, tools, content parts of unsupported types); keep:
     keep it without that content, counted in the manifest (--on-dropped-content)."""
+    num_shards: int = 1
+    """Split the run into this many shards by conversation content (--num-shards; :mod:`peagle_data.shards`)."""
+    shard_index: int = 0
+    """The shard this run writes, in [0, num_shards) (--shard-index)."""
 
     def __post_init__(self) -> None:
+        check_shard(self.num_shards, self.shard_index)
         for name, option in (("max_tokens", "--max-tokens"), ("min_loss_tokens", "--min-loss-tokens")):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{option} must be >= 1 tokens, got {getattr(self, name)}")
@@ -236,8 +244,13 @@ def _reject(rejects: RejectsWriter, counts: dict[str, Any], source: str, reason:
 
 
 def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: TokenizeConfig,
-                   rejects: RejectsWriter, counts: dict[str, int]) -> Iterator[list[dict[str, Any]]]:
+                   rejects: RejectsWriter, counts: dict[str, int], *, dedup: Deduplicator | None = None,
+                   select=None) -> Iterator[list[dict[str, Any]]]:
     """Read, normalise and tokenize conversations, in input order.
+
+    ``dedup`` is shared across calls (the sources of a mixture); None makes a new one when
+    ``cfg.dedup``. ``select`` maps the deduplicated reader items to those to tokenize (weights,
+    shards: :mod:`peagle_data.sources`); None keeps all.
 
     Rejected rows are written to ``rejects`` and counted; ``counts`` gains ``read``, ``rejected``,
     ``dropped_leading_assistant_turns``, ``merged_user_turns``, ``empty_assistant_turns``,
@@ -259,9 +272,12 @@ def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: Tokenize
     split = cfg.on_history_rewrite == "split"
     bar = tqdm(total=cfg.limit, desc="tokenize", unit="conv", file=sys.stderr, disable=None)
     keep = cfg.on_dropped_content == "keep"
+    if dedup is None and cfg.dedup:
+        dedup = Deduplicator()
     items = dedup_items(read_conversations(inputs, fmt=cfg.format, strict=cfg.strict, limit=cfg.limit,
-                                           keep_dropped=keep),
-                        Deduplicator() if cfg.dedup else None)
+                                           keep_dropped=keep), dedup)
+    if select is not None:
+        items = select(items)
     chunks = iter(lambda: list(itertools.islice(items, CHUNK_CONVERSATIONS)), [])
     pool = None
     try:
@@ -375,6 +391,15 @@ def _check_output_not_input(output, inputs) -> None:
             raise InputError(f"--output {output} would overwrite the input {i}; choose another directory")
 
 
+def _shard(cfg: TokenizeConfig):
+    """The reader-item filter of ``cfg``'s shard, or None for an unsharded run."""
+    return shard_filter(cfg.num_shards, cfg.shard_index) if cfg.num_shards > 1 else None
+
+
+def _shard_record(cfg: TokenizeConfig) -> dict[str, Any]:
+    return {"shard": {"num_shards": cfg.num_shards, "shard_index": cfg.shard_index}} if cfg.num_shards > 1 else {}
+
+
 def _base_counts() -> dict[str, Any]:
     return {"read": 0, "used": 0, "rejected": 0, "null_keys_dropped_rows": 0, "tool_arguments_decoded": 0,
             "tool_arguments_not_json": 0, "tool_schemas_decoded": 0, "conversations_with_dropped_content": 0}
@@ -405,7 +430,8 @@ def run_tokenize(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.P
         InputError: bad inputs; with ``cfg.strict`` the first bad row.
         ModelNotFoundError, MissingDependencyError: the tokenizer cannot be loaded.
     """
-    files = resolve_inputs(inputs)  # fail on bad arguments before touching the output
+    mixture = mixture_of(inputs)
+    files = input_files(inputs, mixture)  # fail on bad arguments before touching the output
     _check_output_not_input(output, files)
     template = _read_template(cfg.chat_template)
     with staged_output_dir(output, force) as out:
@@ -414,7 +440,8 @@ def run_tokenize(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.P
         token_freq = _TokenFreq(len(tokenizer))
         n_tokens = n_loss = 0
         with TableWriter(out, "tokenized") as writer, RejectsWriter(out) as rejects:
-            for group in iter_tokenized(inputs, tokenizer, cfg, rejects, counts):
+            for group in iter_source_groups(iter_tokenized, inputs, mixture, tokenizer, cfg, rejects, counts,
+                                            _shard(cfg)):
                 _bump(counts, "used")
                 for row in group:
                     writer.write(row)
@@ -432,6 +459,8 @@ def run_tokenize(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.P
             "parameters": dataclasses.asdict(cfg),
             "tokenizer": _tokenizer_record(tokenizer_name, tokenizer, cfg.chat_template, template),
             "counts": dict(counts),
+            **({"mixture": mixture.record()} if mixture is not None else {}),
+            **_shard_record(cfg),
         })
     return {"output": str(output), "counts": dict(counts)}
 
@@ -487,8 +516,14 @@ def _filter_table_groups(groups: Iterator[list[dict[str, Any]]], cfg: TokenizeCo
     dedup = Deduplicator() if cfg.dedup else None
     for group in groups:
         source, cid = group[0]["source"], group[0]["conversation_id"]
-        if dedup is not None:
-            first = dedup.first_of(rows_key(group), source)
+        key = rows_key(group)
+        if cfg.num_shards > 1 and shard_of_key(key, cfg.num_shards) != cfg.shard_index:
+            counts["read"] -= 1  # read again by the shard that keeps it
+            _bump(counts, "other_shards")
+            continue
+        if dedup is not None:  # a weight's copies (source file:N*k) are not duplicates of their row
+            copy = re.search(r":\d+\*(\d+)$", source)
+            first = dedup.first_of(key + copy.group(1).encode() if copy else key, source)
             if first is not None:
                 d = duplicate_reject(cid, source, first)
                 _bump(counts, "duplicates")
@@ -549,8 +584,9 @@ def run_pack(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.PathL
     table_inputs = [_is_table(i) for i in inputs]
     if any(table_inputs) and not all(table_inputs):
         raise InputError("pack INPUTs must be all conversation files or all tokenize outputs, not a mix")
+    mixture = None if all(table_inputs) else mixture_of(inputs)
     if not all(table_inputs):
-        resolve_inputs(inputs)  # fail on bad arguments before touching the output
+        input_files(inputs, mixture)  # fail on bad arguments before touching the output
     _check_output_not_input(output, inputs)
     template = _read_template(cfg.tokenize.chat_template)
     tokenizer = _load_tokenizer(tokenizer_name, tokenizer)
@@ -565,13 +601,14 @@ def run_pack(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.PathL
         upstream = {str(t.directory): {"manifest_sha256": manifest_sha256(t.directory),
                                        "counts": t.manifest.get("counts")} for t in tables}
     else:
-        files = [str(f) for f in resolve_inputs(inputs)]
+        files = input_files(inputs, mixture)
         upstream = None
     with staged_output_dir(output, force) as out:
         with RejectsWriter(out) as rejects:
             rows = (_filter_table_groups(_iter_table_rows(tables, counts, cfg.tokenize.limit), cfg.tokenize,
                                          rejects, counts) if upstream is not None
-                    else iter_tokenized(inputs, tokenizer, cfg.tokenize, rejects, counts))
+                    else iter_source_groups(iter_tokenized, inputs, mixture, tokenizer, cfg.tokenize, rejects, counts,
+                                            _shard(cfg.tokenize)))
             with _WindowSpill(out) as spill:
                 _collect_windows(rows, cfg, rejects, counts, spill)
                 by_reason = dict(rejects.by_reason)
@@ -589,6 +626,9 @@ def run_pack(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.PathL
         }
         if upstream is not None:
             manifest["upstream"] = upstream
+        if mixture is not None:
+            manifest["mixture"] = mixture.record()
+        manifest.update(_shard_record(cfg.tokenize))
         write_manifest(out, manifest)
     return {"output": str(output), "counts": dict(counts)}
 
@@ -633,6 +673,8 @@ class _WindowSpill:
         self.min_lengths: list[int] = []
         self.prefix_lens: list[int] = []
         self.offsets: list[int] = []
+        self.datasets: list[str | None] = []
+        """Each window's mixture source (None outside mixtures)."""
         self._end = 0
         self._dirty = False
 
@@ -698,6 +740,7 @@ def _collect_windows(groups: Iterator[list[dict[str, Any]]], cfg: PackConfig, re
                 file, r = _split_source(source)
                 raise InputError(str(e), file=file, row=r, field="system") from None
             _reject(rejects, counts, source, str(e), conversation_id=cid)
+            source_rejected(counts, group)
             continue
         _bump(counts, "windows_dropped", dropped)
         if cfg.max_windows is not None and len(segments) > cfg.max_windows:
@@ -706,12 +749,14 @@ def _collect_windows(groups: Iterator[list[dict[str, Any]]], cfg: PackConfig, re
         if not segments:
             _reject(rejects, counts, source, "no supervised tokens: no assistant token in any window",
                     conversation_id=cid)
+            source_rejected(counts, group)
             continue
         _bump(counts, "used")
         _bump(counts, "windows", len(segments))
         _bump(counts, "conversations_split", candidates > len(group))
         for segment in segments:
             spill.append(*segment)
+            spill.datasets.append(group[0].get("dataset"))
 
 
 def _write_blocks(out: Path, spill: _WindowSpill, block_size: int, vocab_size: int,
@@ -720,10 +765,15 @@ def _write_blocks(out: Path, spill: _WindowSpill, block_size: int, vocab_size: i
     blocks, used_lengths = pack_blocks_flexible(spill.lengths, spill.min_lengths, block_size)
     token_freq = _TokenFreq(vocab_size)
     n_tokens = n_loss = 0
+    mixed = any(d is not None for d in spill.datasets)
     with TableWriter(out, "packed") as writer:
         for block_id, members in enumerate(tqdm(blocks, desc="pack", unit="block", file=sys.stderr,
                                                 disable=None)):
-            row = make_packed_row(block_id, [spill.read(i, used_lengths[i]) for i in members])
+            segments = [spill.read(i, used_lengths[i]) for i in members]
+            row = make_packed_row(block_id, segments)
+            if mixed:  # per-window sources and supervised tokens (peagle-data stats per source)
+                row["segment_datasets"] = [spill.datasets[i] for i in members]
+                row["segment_loss_tokens"] = [int(m.sum()) for _, _, m in segments]
             writer.write(row)
             ids, mask = row["input_ids"], row["loss_mask"]
             n_tokens += row["n_tokens"]

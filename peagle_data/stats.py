@@ -119,9 +119,10 @@ def _source_key(lf):
     """The per-source key of a tokenize output: its ``dataset`` column, else the file of ``source``."""
     import polars as pl
 
+    file = pl.col("source").str.replace(r":\d+(\*\d+)?$", "")
     if "dataset" in lf.collect_schema().names():
-        return pl.col("dataset")
-    return pl.col("source").str.replace(r":\d+$", "")
+        return pl.coalesce(pl.col("dataset"), file)
+    return file
 
 
 def _tokenized_stats(table, max_seq_len: int | None, overlap: float) -> dict[str, Any]:
@@ -211,7 +212,7 @@ def _packed_stats(table) -> dict[str, Any]:
         "lengths": {"of": "window", **_length_block(lengths["n"], lengths["len"])},
         "supervised_fraction": {"of": "block", "histogram": _fraction_histogram(fracs["bin"], fracs["len"])},
         "windows_per_conversation": _windows_from_indices(ks),
-        "sources": _sources(frames[4], tokens, loss) if len(frames) > 4 else None,
+        "sources": _sources(frames[4], tokens, loss) if len(frames) > 4 and len(frames[4]) else None,
         "packing": _packing(n_blocks, tokens, block_size),
     }
 
@@ -220,11 +221,11 @@ def _packed_sources_query(lf):
     """Per mixture source of a pack output: windows, tokens and supervised tokens."""
     import polars as pl
 
-    per_segment = lf.select(
+    per_segment = lf.filter(pl.col("segment_datasets").is_not_null()).select(
         pl.col("segment_datasets").alias("src"),
         pl.col("cu_seqlens").list.diff(null_behavior="drop").alias("tokens"),
         pl.col("segment_loss_tokens").alias("loss"),
-    ).explode("src", "tokens", "loss")
+    ).explode("src", "tokens", "loss").filter(pl.col("src").is_not_null())
     return per_segment.group_by("src").agg(pl.len().alias("rows"), pl.col("tokens").cast(pl.Int64).sum(),
                                            pl.col("loss").cast(pl.Int64).sum())
 

@@ -70,6 +70,7 @@ TOKENIZED_SCHEMA = pa.schema([
     ("system_len", pa.int32()),
     ("n_tokens", pa.int32()),
     ("n_loss_tokens", pa.int32()),
+    ("dataset", pa.string()),
 ])
 
 PACKED_SCHEMA = pa.schema([
@@ -80,9 +81,16 @@ PACKED_SCHEMA = pa.schema([
     ("cu_seqlens", pa.list_(pa.int32())),
     ("segment_ids", pa.list_(pa.string())),
     ("n_tokens", pa.int32()),
+    ("segment_datasets", pa.list_(pa.string())),
+    ("segment_loss_tokens", pa.list_(pa.int32())),
 ])
 
 SCHEMAS = {"tokenized": TOKENIZED_SCHEMA, "packed": PACKED_SCHEMA}
+
+OPTIONAL_COLUMNS = frozenset({"dataset", "segment_datasets", "segment_loss_tokens"})
+"""Columns a row may leave out (written as nulls) and a table may lack (tables of older runs):
+the mixture source of a tokenized row (``dataset``), and of each window of a packed row with its
+supervised tokens (``segment_datasets``, ``segment_loss_tokens``); null outside mixtures."""
 
 
 def library_versions() -> dict[str, str]:
@@ -335,7 +343,7 @@ class TableWriter:
     def write(self, row: dict[str, Any]) -> None:
         """Append one row (a dict with every column; lists or 1-D numpy arrays for list columns)."""
         for name in self.schema.names:
-            self._buffer[name].append(row[name])
+            self._buffer[name].append(row.get(name) if name in OPTIONAL_COLUMNS else row[name])
         self.n_rows += 1
         if len(self._buffer[self.schema.names[0]]) >= self.batch_rows:
             self._flush()
@@ -449,7 +457,7 @@ class TokenTable:
             raise StoreFormatError(f"{directory}: manifest kind {kind!r} is not one of {sorted(SCHEMAS)}")
         table = cls(directory, kind, manifest)
         names = set(table._dataset().schema.names)
-        missing = set(SCHEMAS[kind].names) - names
+        missing = set(SCHEMAS[kind].names) - names - OPTIONAL_COLUMNS
         if missing:
             raise StoreFormatError(f"{directory}: {kind} table lacks columns {sorted(missing)}")
         return table
@@ -496,6 +504,8 @@ class TokenTable:
 
 
 def _value(column: pa.Array, i: int):
+    if not column[i].is_valid:
+        return None
     if pa.types.is_large_list(column.type) or pa.types.is_list(column.type):
         if pa.types.is_string(column.type.value_type):
             return column[i].as_py()

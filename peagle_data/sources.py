@@ -1,0 +1,110 @@
+"""The conversation stream of ``tokenize``/``pack``: plain INPUTs or a mixture file, optionally one shard.
+
+Order of the steps, per source: read (a source's ``limit`` counts rows read) -> deduplicate
+(across all sources) -> sample by weight (:mod:`peagle_data.mixtures`) -> keep this shard's
+items (:mod:`peagle_data.shards`) -> render and tokenize. Every step before the shard filter runs
+the same in every shard, so shards draw the same rows and duplicates as the unsharded run.
+
+Per-source counts (``counts["sources"][name]``): ``read`` (rows read from the source's files),
+``duplicates``, ``sampled_out`` (conversations a weight below 1 drew 0 times), ``copies`` (extra
+copies a weight above 1 drew), ``other_shards`` (items left to other shards), ``rejected`` (every
+reject: reader, duplicate, template, filter, and in ``pack`` the window stage) and ``used``, with
+``read - sampled_out + copies - other_shards == used + rejected``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Iterator, Sequence
+
+from peagle_data.dedup import Deduplicator
+from peagle_data.mixtures import Mixture, is_mixture_file, load_mixture, sample_items
+from peagle_data.readers import resolve_inputs
+from stores.errors import InputError
+
+__all__ = ["mixture_of", "input_files", "iter_source_groups", "source_rejected"]
+
+def mixture_of(inputs: Sequence[str | os.PathLike]) -> Mixture | None:
+    """The mixture when INPUT is one mixture file; None for plain inputs.
+
+    Raises:
+        InputError: a mixture file among other INPUTs, or an invalid mixture file.
+    """
+    flags = [is_mixture_file(i) for i in inputs]
+    if not any(flags):
+        return None
+    if len(inputs) != 1:
+        raise InputError("a mixture file must be the only INPUT (list every source in it)")
+    return load_mixture(inputs[0])
+
+
+def input_files(inputs: Sequence[str | os.PathLike], mixture: Mixture | None) -> list[str]:
+    """The conversation files a run reads (checks every source's paths before any output is touched)."""
+    if mixture is None:
+        return [str(f) for f in resolve_inputs(inputs)]
+    return [str(f) for s in mixture.sources for f in resolve_inputs(list(s.inputs))]
+
+
+def iter_source_groups(iter_tokenized: Callable[..., Iterator[list[dict[str, Any]]]], inputs, mixture, tokenizer,
+                       cfg, rejects, counts: dict[str, Any],
+                       shard: Callable | None = None) -> Iterator[list[dict[str, Any]]]:
+    """Tokenized conversation groups of plain INPUTs or of every mixture source in order.
+
+    Args:
+        iter_tokenized: :func:`peagle_data.prepare.iter_tokenized` (passed in: that module imports this one).
+        mixture: from :func:`mixture_of`; None for plain inputs.
+        cfg: the run's TokenizeConfig; a source's ``limit``, ``chat_template`` and ``format`` replace its own.
+        shard: a filter of reader items keeping this shard's (:func:`peagle_data.shards.shard_filter`), or None.
+
+    Yields:
+        Row groups as :func:`iter_tokenized`; mixture rows carry ``dataset`` (the source's name).
+    """
+    if mixture is None:
+        yield from iter_tokenized(inputs, tokenizer, cfg, rejects, counts, select=_select(None, shard, counts))
+        return
+    if cfg.limit is not None:
+        raise InputError("--limit does not apply to a mixture file; give each source a 'limit'")
+    dedup = Deduplicator() if cfg.dedup else None
+    per_source = counts.setdefault("sources", {})
+    for src in mixture.sources:
+        src_cfg = dataclasses.replace(cfg, limit=src.limit, chat_template=src.chat_template or cfg.chat_template,
+                                      format=src.format or cfg.format)
+        c: dict[str, Any] = {"read": 0, "rejected": 0}
+        sample = lambda items, src=src, c=c: sample_items(items, mixture.seed, src.name, src.weight, c)  # noqa: E731
+        used = 0
+        for group in iter_tokenized(list(src.inputs), tokenizer, src_cfg, rejects, c, dedup=dedup,
+                                    select=_select(sample, shard, c)):
+            used += 1
+            for row in group:
+                row["dataset"] = src.name
+            yield group
+        for key, value in c.items():  # every counter of the source's run adds to the run's
+            if isinstance(value, int) and key != "used":
+                counts[key] = counts.get(key, 0) + value
+        per_source[src.name] = {"read": c["read"] + c.get("sampled_out", 0) - c.get("copies", 0)
+                                + c.get("other_shards", 0),
+                                "used": used, "rejected": c["rejected"], "duplicates": c.get("duplicates", 0),
+                                "sampled_out": c.get("sampled_out", 0), "copies": c.get("copies", 0),
+                                "other_shards": c.get("other_shards", 0)}
+
+
+def _select(sample, shard, counts):
+    if sample is None and shard is None:
+        return None
+
+    def select(items):
+        if sample is not None:
+            items = sample(items)
+        if shard is not None:
+            items = shard(items, counts)
+        return items
+    return select
+
+
+def source_rejected(counts: dict[str, Any], group: list[dict[str, Any]]) -> None:
+    """A conversation of a mixture source rejected after tokenization (``pack``'s window stage)."""
+    name = group[0].get("dataset")
+    if name is not None and name in counts.get("sources", {}):
+        counts["sources"][name]["used"] -= 1
+        counts["sources"][name]["rejected"] += 1
