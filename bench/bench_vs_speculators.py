@@ -5,6 +5,12 @@ Paths (``--paths``, comma-separated):
   synthetic rows (segments of 2048 tokens, 70% supervised, K = 8, r = 0.7, r_min = 0.2), with
   ``max_anchors`` unset and 1024; the calls alternate, the ratio is of the medians. Also the
   elements per depth of both (row-level counts: equal where the pool is not the limit).
+- ``store``: whole-block reads of a local bf16 store at SmolLM2 sizes (3 aux layers, H 576), full
+  blocks of ``--store-blocks`` tokens, page cache warm: ``FeatureStore.read_blocks`` (the ``file``
+  path, 4 blocks per request) and the zarr-API path against a plain read of the same chunk files'
+  bytes into tensors of the same sizes (``open`` + ``readinto`` per file, paths prepared
+  beforehand); whole passes over the store alternate, the least disturbed of ``--store-rounds``
+  passes of each counts; the ratio is of throughputs (above 1: peagle faster).
 
 Speculators is the released 0.9.0 wheel installed with ``--no-deps`` (``bench/speculators_ref.py``).
 Run with one torch thread; a ratio below 1 means peagle is faster.
@@ -64,17 +70,99 @@ def bench_cod(tokens: list[int], repeats: int) -> None:
                   f"**{t['peagle'] / t['spec']:.2f}** | {ours[1:]} | {theirs[1:]} |", flush=True)
 
 
+def _make_store(path: Path, C: int, n_blocks: int):
+    import numpy as np
+
+    from stores.feature_store import FeatureStore
+
+    store = FeatureStore.create(path, n_blocks=n_blocks, block_size=C, max_segments=4, layers=[2, 15, 27],
+                                hidden_size=576, vocab_size=49152, verifier={"name_or_path": "bench"}, force=True)
+    g = torch.Generator().manual_seed(0)
+    store.write_all_n_tokens(np.full(n_blocks, C))
+    for i in range(n_blocks):
+        store.write_tokens(i, torch.randint(0, 49152, (C,), generator=g).tolist(), [1] * C,
+                           list(range(C)), [0, C])
+        store.write_features(i, torch.randn(C, 3, 576, generator=g).to(torch.bfloat16),
+                             torch.randn(C, 576, generator=g).to(torch.bfloat16))
+        store.mark_done(i)
+    return FeatureStore.open(path)
+
+
+def _plain_reader(store, i: int):
+    """A plain read of block i's chunk files (the payload bytes) into fresh tensors of the same sizes."""
+    import numpy as np
+
+    C, T = store.block_size, store.block_size
+    files = [(store.chunk_path(n, i), T * k) for n, k in (("input_ids", 4), ("loss_mask", 1),
+                                                           ("position_ids", 4))]
+    files += [(store.chunk_path("cu_seqlens", i), 4 * (int(store.attrs["max_segments"]) + 1)),
+              (store.chunk_path("aux_hidden", i), T * 3 * 576 * 2), (store.chunk_path("final_hidden", i), T * 576 * 2)]
+    files = [(str(p), n) for p, n in files]
+
+    def read():
+        out = []
+        for path, n in files:
+            a = np.empty(n, dtype=np.uint8)  # allocated as the store reader allocates its tensors
+            with open(path, "rb", buffering=0) as f:
+                f.readinto(a)
+            out.append(torch.from_numpy(a))
+        return out
+    return read
+
+
+def bench_store(block_sizes: list[int], mib: int, rounds: int) -> None:
+    import tempfile
+
+    print("\n## Store reads: FeatureStore.read_blocks vs a plain read of the same bytes\n")
+    print("| block tokens | blocks | MiB | plain MiB/s | file path MiB/s | file / plain | zarr API MiB/s | zarr / plain |")
+    print("|---|---|---|---|---|---|---|---|")
+    for C in block_sizes:
+        n = max(4, mib * 2 ** 20 // (C * (3 * 576 * 2 + 576 * 2 + 9)))
+        with tempfile.TemporaryDirectory(prefix="peagle-bench-store-") as tmp:
+            store = _make_store(Path(tmp) / "s.zarr", C, n)
+            plain = [_plain_reader(store, i) for i in range(n)]
+            batches = [list(range(i, min(i + 4, n))) for i in range(0, n, 4)]  # 4 blocks per request
+            passes = {"plain": lambda: [[plain[j]() for j in ids] for ids in batches],
+                      "file": lambda: [store.read_blocks(ids, via="file") for ids in batches]}
+            zarr_pass = {"zarr": lambda: [store.read_blocks(ids, via="zarr") for ids in batches]}
+            for f in passes.values():  # warm the page cache and the allocator
+                f()
+            best = {k: min(v) for k, v in _rounds(passes, rounds).items()}  # least disturbed pass
+            best["zarr"] = min(_rounds(zarr_pass, max(1, rounds // 3))["zarr"])  # after: its frees change the heap
+            mb = n * C * (3 * 576 * 2 + 576 * 2 + 9) / 2 ** 20
+            rate = {k: mb / v for k, v in best.items()}
+            print(f"| {C} | {n} | {mb:.0f} | {rate['plain']:.0f} | {rate['file']:.0f} | "
+                  f"**{rate['file'] / rate['plain']:.2f}** | {rate['zarr']:.0f} | {rate['zarr'] / rate['plain']:.2f} |",
+                  flush=True)
+
+
+def _rounds(fns: dict, rounds: int) -> dict:
+    """Seconds of each callable in each of ``rounds`` rounds (callables alternate within a round)."""
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--paths", default="cod")
     ap.add_argument("--tokens", default="2048,8192,32768")
     ap.add_argument("--repeats", type=int, default=31)
+    ap.add_argument("--store-blocks", default="512,1024,2048", help="block sizes (tokens) for --paths store")
+    ap.add_argument("--store-mib", type=int, default=96, help="MiB of blocks per store size")
+    ap.add_argument("--store-rounds", type=int, default=40, help="passes over the store per reader (best kept)")
     args = ap.parse_args()
     paths = args.paths.split(",")
     tokens = [int(t) for t in args.tokens.split(",")]
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, speculators {speculators_ref.VERSION}")
     if "cod" in paths:
         bench_cod(tokens, args.repeats)
+    if "store" in paths:
+        bench_store([int(c) for c in args.store_blocks.split(",")], args.store_mib, args.store_rounds)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,11 @@ import torch
 
 from stores.errors import StoreFormatError
 
-__all__ = ["Block", "split_blocks", "epoch_order", "check_store_ready", "BlockLoader", "to_block"]
+__all__ = ["Block", "split_blocks", "epoch_order", "check_store_ready", "BlockLoader", "to_block",
+           "READ_REQUEST_BYTES"]
+
+READ_REQUEST_BYTES = 16 * 2 ** 20
+"""Bytes of stored blocks the loader asks the store for at once (small blocks are read several at a time)."""
 
 
 @dataclass
@@ -116,7 +120,7 @@ def check_store_ready(store, allow_incomplete: bool) -> np.ndarray:
 
 
 class BlockLoader:
-    """Endless iterator of training blocks with one-block-ahead prefetch on a thread.
+    """Endless iterator of training blocks, read several per request on a prefetch thread.
 
     Args:
         store: an open ``FeatureStore``.
@@ -124,15 +128,25 @@ class BlockLoader:
         seed: the run's seed.
         position: global steps already taken (0 for a fresh run).
         rank, world_size: this process among the data-parallel ranks.
-        prefetch: read the next block while the current step runs.
+        prefetch: read the next request's blocks while the current steps run.
+        blocks_per_read: blocks per store request; None: as many as fit in
+            :data:`READ_REQUEST_BYTES` (at least 1, at most 8).
+        pin_memory: read hidden states into page-locked memory (for asynchronous copies to CUDA).
     """
 
     def __init__(self, store, train_ids: np.ndarray, seed: int, position: int = 0, rank: int = 0,
-                 world_size: int = 1, prefetch: bool = True):
+                 world_size: int = 1, prefetch: bool = True, blocks_per_read: int | None = None,
+                 pin_memory: bool = False):
         if len(train_ids) == 0:
             raise StoreFormatError(f"{store.path}: no training blocks left after the validation split")
         self.store, self.train_ids, self.seed = store, np.asarray(train_ids, dtype=np.int64), seed
         self.position, self.rank, self.world_size = position, rank, world_size
+        if blocks_per_read is None:
+            block_bytes = max(1, store.block_size * store.bytes_per_token())
+            blocks_per_read = max(1, min(8, READ_REQUEST_BYTES // block_bytes))
+        if blocks_per_read < 1:
+            raise ValueError(f"blocks_per_read must be >= 1, got {blocks_per_read}")
+        self.blocks_per_read, self.pin_memory = int(blocks_per_read), pin_memory
         self._pool = ThreadPoolExecutor(max_workers=1) if prefetch else None
         self._orders: dict[int, np.ndarray] = {}
         self.wait_s = 0.0
@@ -147,21 +161,25 @@ class BlockLoader:
             self._orders = {epoch: epoch_order(self.train_ids, self.seed, epoch)}
         return epoch, int(self._orders[epoch][flat % n])
 
-    def _read(self, position: int) -> Block:
-        _, bid = self.block_id_at(position)
-        return to_block(bid, self.store.read_block(bid))
+    def _read(self, position: int) -> list[Block]:
+        """The blocks of positions ``position .. position + blocks_per_read - 1``, one store request."""
+        ids = [self.block_id_at(p)[1] for p in range(position, position + self.blocks_per_read)]
+        return [to_block(bid, f) for bid, f in zip(ids, self.store.read_blocks(ids, pin_memory=self.pin_memory))]
 
     def __iter__(self) -> Iterator[Block]:
         import time
 
-        pending = self._pool.submit(self._read, self.position) if self._pool else None
+        start = self.position
+        pending = self._pool.submit(self._read, start) if self._pool else None
         while True:
             t0 = time.perf_counter()
-            block = pending.result() if pending else self._read(self.position)
+            blocks = pending.result() if pending else self._read(start)
             self.wait_s += time.perf_counter() - t0
-            self.position += 1
-            pending = self._pool.submit(self._read, self.position) if self._pool else None
-            yield block
+            start += self.blocks_per_read
+            pending = self._pool.submit(self._read, start) if self._pool else None
+            for block in blocks:
+                self.position += 1
+                yield block
 
     def state_dict(self) -> dict[str, int]:
         """``{"position": steps taken, "seed": seed}``; enough to resume exactly."""

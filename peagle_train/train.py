@@ -727,7 +727,7 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
     model, optimizer = accelerator.prepare(model, optimizer)
     unwrapped = accelerator.unwrap_model(model)
     loader = BlockLoader(store, train_ids, cfg.seed, position=position, rank=accelerator.process_index,
-                         world_size=world)
+                         world_size=world, pin_memory=accelerator.device.type == "cuda")
     batches = iter(loader)
 
     def save(name: str) -> Path:

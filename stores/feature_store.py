@@ -6,13 +6,15 @@ H hidden size, S segments in a block.
 One block is one chunk row of every per-token array, so two writers never touch one chunk. A
 block's ``done`` flag is written only after its data. Hidden states are stored as the uint16 bit
 patterns of bf16 (zarr has no bfloat16), with no compressor but a crc32c checksum codec, so each
-chunk file of a local store is ``raw little-endian bytes + 4 checksum bytes`` and is read by
-memory-mapping; any other store (compressed, remote) is read through the zarr API. Both paths
-return identical tensors.
+chunk file of a local store is ``raw little-endian bytes + 4 checksum bytes`` and is read straight
+into the result tensors with ``preadv`` (the ``file`` path: each array's chunk directory is opened
+once per store, a chunk costs openat + fstat + preadv + close); any other store (compressed,
+remote) is read through the zarr API. Both paths return identical tensors.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -133,8 +135,11 @@ class FeatureStore:
             )
         self.attrs: dict[str, Any] = attrs
         self._local_root = Path(path) if _is_local(path) else None
+        # raw chunk files readable directly (the ``file`` read path; the name predates it)
         self._mmap_ok = self._local_root is not None and _uncompressed(group["aux_hidden"])
         self._n_tokens_cache: np.ndarray | None = None
+        self._dir_fds: dict[str, int] = {}  # array name -> fd of its chunk directory ``name/c``
+        self._hidden_layout: list[tuple[str, tuple[int, ...], str, int]] | None = None  # + chunk bytes
 
     # ---------------------------------------------------------------- properties
     @property
@@ -276,6 +281,13 @@ class FeatureStore:
         self.group.attrs["peagle"] = self.attrs
 
     # ---------------------------------------------------------------- writes
+    def _writable(self, name: str) -> zarr.Array:
+        """Array ``name`` configured to write every chunk, all-fill-value ones included: zarr keeps
+        ``write_empty_chunks`` per array object, not in the store, so ``group[name]`` would skip an
+        all-zero chunk (a loss_mask of zeros, a one-token block's position_ids) and a done block
+        would read as damaged."""
+        return self.group[name].with_config({"write_empty_chunks": True})
+
     def write_tokens(self, i: int, input_ids, loss_mask, position_ids, cu_seqlens) -> None:
         """Write block ``i``'s token arrays (``[T]`` each; ``cu_seqlens [S+1]``), padded to C."""
         T = len(input_ids)
@@ -286,16 +298,16 @@ class FeatureStore:
                                     ("position_ids", position_ids, np.int32)):
             row = np.zeros(C, dtype=dtype)
             row[:T] = np.asarray(values, dtype=dtype)
-            self.group[name][i] = row
+            self._writable(name)[i] = row
         cu = np.asarray(cu_seqlens, dtype=np.int32)
         width = int(self.attrs["max_segments"]) + 1
         if len(cu) > width:
             raise ValueError(f"block {i}: {len(cu) - 1} segments > max_segments {width - 1}")
-        self.group["cu_seqlens"][i] = np.concatenate([cu, np.full(width - len(cu), cu[-1], np.int32)])
+        self._writable("cu_seqlens")[i] = np.concatenate([cu, np.full(width - len(cu), cu[-1], np.int32)])
 
     def write_all_n_tokens(self, n_tokens: np.ndarray) -> None:
         """Write the ``n_tokens [N] int32`` array in one go (it is a single chunk)."""
-        self.group["n_tokens"][:] = np.asarray(n_tokens, dtype=np.int32)
+        self._writable("n_tokens")[:] = np.asarray(n_tokens, dtype=np.int32)
 
     def write_features(self, i: int, aux_hidden: torch.Tensor, final_hidden: torch.Tensor) -> None:
         """Write block ``i``'s hidden states.
@@ -317,11 +329,11 @@ class FeatureStore:
         for name, shape, dtype in _hidden_arrays(C, L, H, self.storage_dtype):
             row = np.zeros(shape, dtype=dtype)
             row[:T] = encoded[name]
-            self.group[name][i] = row
+            self._writable(name)[i] = row
 
     def mark_done(self, i: int) -> None:
         """Set block ``i``'s done flag; call only after its data is written."""
-        self.group["done"][i] = 1
+        self._writable("done")[i] = 1
 
     def clear_done(self, i: int) -> None:
         """Clear block ``i``'s done flag (rewriting its flag chunk, damaged or not): it is extracted again.
@@ -340,7 +352,7 @@ class FeatureStore:
 
     def set_token_freq(self, token_freq: np.ndarray) -> None:
         """Write ``token_freq [V] int64``."""
-        self.group["token_freq"][:] = np.asarray(token_freq, dtype=np.int64)
+        self._writable("token_freq")[:] = np.asarray(token_freq, dtype=np.int64)
 
     # ---------------------------------------------------------------- reads
     def done_mask(self) -> np.ndarray:
@@ -368,62 +380,147 @@ class FeatureStore:
             self._n_tokens_cache = self.group["n_tokens"][:]
         return int(self._n_tokens_cache[i])
 
+    def _use_file(self, via: str) -> bool:
+        if via not in ("auto", "file", "mmap", "zarr"):
+            raise ValueError(f"via must be 'auto', 'file' or 'zarr', got {via!r}")
+        use_file = self._mmap_ok if via == "auto" else via in ("file", "mmap")
+        if use_file and not self._mmap_ok:
+            raise StoreFormatError(f"{self.path}: direct chunk-file reads need a local uncompressed store")
+        return use_file
+
     def read_tokens(self, i: int, via: str = "auto") -> dict[str, np.ndarray]:
         """Block ``i``'s token arrays as numpy (unpadded): input_ids, loss_mask, position_ids, cu_seqlens.
 
-        ``via`` as in :meth:`read_block`: local uncompressed stores memory-map the chunk files.
+        ``via`` as in :meth:`read_block`.
         """
+        if self._use_file(via):
+            return self._read_tokens_file(i)
         T = self._n_tokens_of(i)
-        use_mmap = self._mmap_ok if via == "auto" else via == "mmap"
-        if use_mmap:
-            C, width = self.block_size, int(self.attrs["max_segments"]) + 1
-            get = lambda name, shape, dtype: self._mmap_chunk(name, i, shape, dtype)  # noqa: E731
-            cu = np.array(get("cu_seqlens", (width,), "int32"))
-            ids, mask, pos = (get("input_ids", (C,), "int32"), get("loss_mask", (C,), "uint8"),
-                              get("position_ids", (C,), "int32"))
-        else:
-            cu = self.group["cu_seqlens"][i]
-            ids, mask, pos = (self.group[n][i] for n in ("input_ids", "loss_mask", "position_ids"))
+        cu = self.group["cu_seqlens"][i]
+        ids, mask, pos = (self.group[n][i] for n in ("input_ids", "loss_mask", "position_ids"))
         cu = cu[: int(np.argmax(cu == cu[-1])) + 1]  # drop the padding repeats
         return {"input_ids": np.array(ids[:T]), "loss_mask": np.array(mask[:T]),
                 "position_ids": np.array(pos[:T]), "cu_seqlens": cu}
 
-    def read_block(self, i: int, via: str = "auto") -> BlockFeatures:
+    def read_block(self, i: int, via: str = "auto", pin_memory: bool = False) -> BlockFeatures:
         """Read block ``i``.
 
         Args:
-            via: ``"mmap"`` (local uncompressed stores), ``"zarr"`` (the zarr API), or ``"auto"``.
+            via: ``"file"`` (local uncompressed stores: each chunk file read straight into its
+                tensor; ``"mmap"`` is its earlier name), ``"zarr"`` (the zarr API), or ``"auto"``.
+            pin_memory: allocate the hidden-state tensors in page-locked memory (for asynchronous
+                copies to a CUDA device; ``file`` path of bf16 stores with CUDA present, else ignored).
 
         Returns:
             :class:`BlockFeatures` with ``aux_hidden [T, L, H]`` and ``final_hidden [T, H]`` in bf16.
+
+        Raises:
+            IndexError: ``i`` out of range.
+            StoreFormatError: a chunk file is missing, of the wrong size, or short.
         """
         if not 0 <= i < self.n_blocks:
             raise IndexError(f"block {i} out of range [0, {self.n_blocks})")
-        use_mmap = self._mmap_ok if via == "auto" else via == "mmap"
-        if use_mmap and not self._mmap_ok:
-            raise StoreFormatError(f"{self.path}: memory-mapped reads need a local uncompressed store")
+        if self._use_file(via):
+            return self._read_block_file(i, pin_memory)
         if self._local_root is not None:
             self._check_chunks_exist(i)
-        tok = self.read_tokens(i, via="mmap" if use_mmap else "zarr")
+        tok = self.read_tokens(i, via="zarr")
         T = len(tok["input_ids"])
-        raw = {}
-        for name, shape, dtype in _hidden_arrays(self.block_size, len(self.layers), self.hidden_size,
-                                                 self.storage_dtype):
-            raw[name] = self._mmap_chunk(name, i, shape, dtype)[:T] if use_mmap else self.group[name][i, :T]
+        raw = {name: self.group[name][i, :T] for name, _, _ in _hidden_arrays(
+            self.block_size, len(self.layers), self.hidden_size, self.storage_dtype)}
         if self.storage_dtype == "bf16":
             aux, fin = uint16_to_bf16(raw["aux_hidden"]), uint16_to_bf16(raw["final_hidden"])
         else:
             aux = dequantize_fp8(raw["aux_hidden"], raw["aux_scale"])
             fin = dequantize_fp8(raw["final_hidden"], raw["final_scale"])
         as64 = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64))  # noqa: E731
-        return BlockFeatures(
-            input_ids=as64(tok["input_ids"]),
-            loss_mask=as64(tok["loss_mask"]),
-            position_ids=as64(tok["position_ids"]),
-            cu_seqlens=as64(tok["cu_seqlens"]),
-            aux_hidden=aux,
-            final_hidden=fin,
-        )
+        return BlockFeatures(input_ids=as64(tok["input_ids"]), loss_mask=as64(tok["loss_mask"]),
+                             position_ids=as64(tok["position_ids"]), cu_seqlens=as64(tok["cu_seqlens"]),
+                             aux_hidden=aux, final_hidden=fin)
+
+    def read_blocks(self, ids, via: str = "auto", pin_memory: bool = False) -> list[BlockFeatures]:
+        """:meth:`read_block` of each id in ``ids`` (one request for several blocks), in order."""
+        return [self.read_block(int(i), via=via, pin_memory=pin_memory) for i in ids]
+
+    def _read_tokens_file(self, i: int) -> dict[str, np.ndarray]:
+        """Token arrays of block ``i`` from the chunk files: ``[T] int64`` each, ``cu_seqlens [S+1]``."""
+        T, C, width = self._n_tokens_of(i), self.block_size, int(self.attrs["max_segments"]) + 1
+        out = {}
+        for name, dtype, n, full in (("input_ids", np.int32, T, C), ("loss_mask", np.uint8, T, C),
+                                     ("position_ids", np.int32, T, C), ("cu_seqlens", np.int32, width, width)):
+            a = np.empty(n, dtype=dtype)  # numpy, not torch: a torch op costs several times more here
+            self._pread_chunk(name, i, 1, a, full * a.itemsize)
+            out[name] = a.astype(np.int64)
+        cu = out["cu_seqlens"]
+        out["cu_seqlens"] = cu[: int(np.argmax(cu == cu[-1])) + 1]  # drop the padding repeats
+        return out
+
+    def _read_block_file(self, i: int, pin_memory: bool) -> BlockFeatures:
+        """Block ``i`` read from its raw chunk files into freshly allocated tensors (first T rows)."""
+        tok = self._read_tokens_file(i)
+        pin_memory = pin_memory and torch.cuda.is_available()
+        T = len(tok["input_ids"])
+        if self._hidden_layout is None:
+            self._hidden_layout = [(n, shape, dtype, math.prod(shape) * np.dtype(dtype).itemsize) for n, shape, dtype
+                                   in _hidden_arrays(self.block_size, len(self.layers), self.hidden_size,
+                                                     self.storage_dtype)]
+        raw = {}
+        for name, shape, dtype, chunk_bytes in self._hidden_layout:
+            if pin_memory and dtype == "uint16":
+                a = torch.empty((T, *shape[1:]), dtype=torch.uint16, pin_memory=True).numpy()
+            else:
+                a = np.empty((T, *shape[1:]), dtype=dtype)
+            self._pread_chunk(name, i, len(shape), a, chunk_bytes)
+            raw[name] = a
+        if self.storage_dtype == "bf16":  # the bf16 bit patterns, viewed in place
+            aux, fin = (torch.from_numpy(raw[n]).view(torch.bfloat16) for n in ("aux_hidden", "final_hidden"))
+        else:
+            aux = dequantize_fp8(raw["aux_hidden"], raw["aux_scale"])
+            fin = dequantize_fp8(raw["final_hidden"], raw["final_scale"])
+        return BlockFeatures(aux_hidden=aux, final_hidden=fin, **{k: torch.from_numpy(v) for k, v in tok.items()})
+
+    def _dir_fd(self, name: str) -> int:
+        fd = self._dir_fds.get(name)
+        if fd is None:
+            fd = os.open(self._local_root / name / "c", os.O_RDONLY | os.O_DIRECTORY)  # FileNotFoundError
+            self._dir_fds[name] = fd
+        return fd
+
+    def _pread_chunk(self, name: str, i: int, ndim: int, out: np.ndarray, chunk_bytes: int) -> None:
+        """Fill ``out`` (C-contiguous) from the start of block ``i``'s chunk file of ``name``, an
+        array whose blocks have ``ndim`` dimensions.
+
+        Raises:
+            StoreFormatError: the file is missing (a done block's missing chunk is damage), is not
+                ``chunk_bytes`` + the checksum long, or reads short.
+        """
+        key = "/".join([str(i)] + ["0"] * ndim)  # chunk (i, 0, ...) of an array of ndim + 1 dims
+        try:
+            fd = os.open(key, os.O_RDONLY, dir_fd=self._dir_fd(name))
+        except FileNotFoundError:
+            self._check_chunks_exist(i)
+            raise StoreFormatError(f"{self.chunk_path(name, i)}: chunk file is missing "
+                                   "(run `peagle-data verify`)") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size != chunk_bytes + _CHECKSUM_BYTES:
+                raise StoreFormatError(f"{self.chunk_path(name, i)}: {size} bytes, expected "
+                                       f"{chunk_bytes + _CHECKSUM_BYTES} (truncated or foreign chunk; "
+                                       "run `peagle-data verify`)")
+            if out.nbytes and os.preadv(fd, [out], 0) != out.nbytes:
+                raise StoreFormatError(f"{self.chunk_path(name, i)}: short read (file changed while read)")
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Close the chunk-directory descriptors the ``file`` read path keeps (reopened on demand)."""
+        fds, self._dir_fds = self._dir_fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __del__(self):
+        if getattr(self, "_dir_fds", None):
+            self.close()
 
     # ---------------------------------------------------------------- damage
     def block_arrays(self) -> list[str]:
@@ -510,17 +607,6 @@ class FeatureStore:
             raise StoreFormatError(f"{self.path}: block {i} is marked done but its chunk files of "
                                    f"{missing} are missing (`peagle-data extract --resume` re-extracts "
                                    "damaged blocks; `peagle-data verify` lists them)")
-
-    def _mmap_chunk(self, name: str, i: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-        key = "/".join(["c", str(i)] + ["0"] * (len(shape)))
-        path = self._local_root / name / key
-        n_bytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        if not path.is_file():
-            raise StoreFormatError(f"{path}: chunk file is missing (run `peagle-data verify`)")
-        if path.stat().st_size != n_bytes + _CHECKSUM_BYTES:
-            raise StoreFormatError(f"{path}: {path.stat().st_size} bytes, expected {n_bytes + _CHECKSUM_BYTES} "
-                                   "(truncated or foreign chunk; run `peagle-data verify`)")
-        return np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r", shape=shape)
 
     def summary(self) -> dict[str, Any]:
         """Facts for ``peagle-data inspect``."""

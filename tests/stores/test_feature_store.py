@@ -173,3 +173,48 @@ def test_missing_chunk_of_a_done_block_is_damage_not_zeros(tmp_path):
             reopened.read_block(1, via=via)
     report = verify_store(tmp_path / "s.zarr")
     assert not report["ok"] and sorted(report["bad_blocks"]) == [1, 2]
+
+
+@pytest.mark.parametrize("storage_dtype", ["bf16", "fp8"])
+def test_file_path_equals_zarr_path_on_partial_and_full_blocks(tmp_path, storage_dtype):
+    """The direct chunk-file reader returns exactly the zarr API's tensors, block by block and in
+    ``read_blocks`` order, for blocks shorter than block_size, full ones and several segments."""
+    C, L, H = 8, 2, 4
+    store = FeatureStore.create(tmp_path / "s.zarr", n_blocks=4, block_size=C, max_segments=3,
+                                layers=list(range(L)), hidden_size=H, vocab_size=64,
+                                verifier={"name_or_path": "tiny"}, storage_dtype=storage_dtype)
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 8, 1, 7]
+    cus = [[0, 3, 5], [0, 8], [0, 1], [0, 2, 4, 7]]
+    store.write_all_n_tokens(np.array(lengths))
+    for i, (T, cu) in enumerate(zip(lengths, cus)):
+        store.write_tokens(i, torch.randint(0, 64, (T,), generator=g).tolist(),
+                           torch.randint(0, 2, (T,), generator=g).tolist(), list(range(T)), cu)
+        store.write_features(i, torch.randn(T, L, H, generator=g).to(torch.bfloat16),
+                             torch.randn(T, H, generator=g).to(torch.bfloat16))
+        store.mark_done(i)
+    reopened = FeatureStore.open(tmp_path / "s.zarr")
+    got = reopened.read_blocks([3, 0, 2, 1], via="file")
+    for i, b in zip([3, 0, 2, 1], got):
+        ref = reopened.read_block(i, via="zarr")
+        assert b.cu_seqlens.tolist() == cus[i] and b.n_tokens == lengths[i]
+        for f in ("input_ids", "loss_mask", "position_ids", "cu_seqlens"):
+            assert getattr(b, f).dtype == torch.int64 and torch.equal(getattr(b, f), getattr(ref, f)), f
+        for f in ("aux_hidden", "final_hidden"):
+            assert getattr(b, f).dtype == torch.bfloat16
+            assert torch.equal(getattr(b, f).view(torch.int16), getattr(ref, f).view(torch.int16)), f
+        assert {k: v.tolist() for k, v in reopened.read_tokens(i, via="file").items()} == \
+            {k: v.tolist() for k, v in reopened.read_tokens(i, via="zarr").items()}
+    reopened.close()
+
+
+def test_file_path_rejects_a_truncated_chunk_with_its_path(tmp_path):
+    _three_done_blocks(tmp_path)
+    chunk = tmp_path / "s.zarr" / "final_hidden" / "c" / "2" / "0" / "0"
+    chunk.write_bytes(chunk.read_bytes()[:-6])
+    store = FeatureStore.open(tmp_path / "s.zarr")
+    store.read_block(1, via="file")  # the others still read
+    with pytest.raises(StoreFormatError, match=r"final_hidden/c/2/0/0: \d+ bytes, expected"):
+        store.read_block(2, via="file")
+    with pytest.raises(ValueError, match="via"):
+        store.read_block(1, via="mmapp")
