@@ -1,4 +1,4 @@
-"""``peagle-data``: tokenize, pack, extract, inspect, verify, stats."""
+"""``peagle-data``: tokenize, pack, extract, inspect, verify, stats, show."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import click
 
 from cli.data_extract import extract, inspect_cmd, verify
 from cli.data_prepare import pack, tokenize
+from cli.data_show import show
 from cli.data_stats import stats
 
 
@@ -20,6 +21,7 @@ main.add_command(extract)
 main.add_command(inspect_cmd, name="inspect")
 main.add_command(verify)
 main.add_command(stats)
+main.add_command(show)
 
 if __name__ == "__main__":
     main()

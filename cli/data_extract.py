@@ -51,7 +51,7 @@ def extract(packed_dir, verifier, output, layers, storage_dtype, compressor, att
 @click.argument("path", type=click.Path(exists=True))
 @handle_errors
 def inspect_cmd(path):
-    """Describe a token table or a feature store."""
+    """Describe a token table or a feature store, as JSON."""
     from stores.feature_store import FeatureStore
     from stores.token_tables import TokenTable
 
@@ -62,9 +62,7 @@ def inspect_cmd(path):
         table = TokenTable.open(p)
         info = {"path": str(p), "kind": table.kind, "rows": table.num_rows,
                 **{k: v for k, v in table.manifest.items() if k not in ("library_versions",)}}
-    width = max(len(k) for k in info)
-    for key, value in info.items():
-        click.echo(f"{key:<{width}}  {value}")
+    echo_json(info)  # JSON, like verify: scripts parse it
 
 
 @click.command()

@@ -83,16 +83,28 @@ def _explicit_tokenize_fields(ctx: click.Context) -> set[str]:
 
 
 def _echo_summary(summary: dict) -> None:
-    c = summary["counts"]
+    """Print the run's counts, each explained, and where the rejected rows are listed."""
+    c, out = summary["counts"], summary["output"]
     click.echo(f"read {c['read']}  used {c['used']}  rejected {c['rejected']}"
-               + (f" {c['rejected_by_reason']}" if c.get("rejected_by_reason") else "")
                + (f"  (duplicates {c['duplicates']})" if c.get("duplicates") else ""))
-    line = f"tokens {c['tokens']}  loss tokens {c['loss_tokens']}"
+    if c.get("rejected"):
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(c.get("rejected_by_reason", {}).items(),
+                                                           key=lambda kv: (-kv[1], kv[0])))
+        click.echo(f"  rejected by reason: {reasons}; each rejected row is a line of {out}/rejects.jsonl "
+                   "(its FILE:N source and the reason)")
+    if c.get("conversations_with_dropped_content"):
+        parts = ", ".join(f"{k[len('dropped_'):]} {v}" for k, v in sorted(c.items())
+                          if k.startswith("dropped_") and k != "dropped_leading_assistant_turns" and v)
+        click.echo(f"  kept without content the chat template drops (--on-dropped-content keep): "
+                   f"{c['conversations_with_dropped_content']} conversations ({parts})")
+    click.echo(f"tokens {c['tokens']}  loss tokens {c['loss_tokens']}")
     if "n_blocks" in c:
-        line += (f"  windows {c['windows']} (dropped {c['windows_dropped']}, capped {c.get('windows_capped', 0)})  blocks {c['n_blocks']}"
-                 f" x {c['block_size']}  packing efficiency {c['packing_efficiency']:.4f}")
-    click.echo(line)
-    click.echo(f"output: {summary['output']}")
+        click.echo(f"windows {c['windows']}  (dropped {c['windows_dropped']}: windows with no supervised token left, "
+                   f"e.g. the overlap of a long conversation with --overlap-loss skip; capped "
+                   f"{c.get('windows_capped', 0)}: windows after the first --max-windows of a conversation)")
+        click.echo(f"blocks {c['n_blocks']} x {c['block_size']} tokens  packing efficiency "
+                   f"{c['packing_efficiency']:.4f}")
+    click.echo(f"output: {out}")
 
 
 def _exit_if_useless(summary: dict) -> None:

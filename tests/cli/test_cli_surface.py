@@ -18,6 +18,7 @@ REQUIRED = {
     ("data", "extract"): {"--verifier", "--output", "--layers", "--resume", "--force", "--storage-dtype"},
     ("data", "inspect"): set(),
     ("data", "verify"): {"--packed"},
+    ("data", "show"): {"--row", "--block", "--id", "--tokenizer", "--color", "--html", "--force"},
     ("train", None): {"--store", "--output", "--verifier", "--max-steps", "--num-depths", "--max-anchors", "--seed",
                       "--down-sample-ratio", "--down-sample-ratio-min", "--draft-vocab-size", "--resume",
                       "--allow-incomplete", "--force"},
@@ -39,5 +40,5 @@ def test_help_lists_the_options(group, sub):
 
 def test_data_group_lists_every_stage():
     out = CliRunner().invoke(data_main, ["--help"]).output
-    for command in ("tokenize", "pack", "extract", "inspect", "verify"):
+    for command in ("tokenize", "pack", "extract", "inspect", "verify", "show"):
         assert command in out

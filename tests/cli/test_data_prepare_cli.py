@@ -214,3 +214,48 @@ def test_pack_of_a_tokenize_output_warns_about_ignored_tokenize_options(tmp_path
     raw = invoke(pack, [convs, "--tokenizer", tok_name, "--max-seq-len", 64, "--output", tmp_path / "raw",
                         "--on-history-rewrite", "reject"])  # raw conversations: the option applies
     assert raw.exit_code == 0 and "WARNING" not in raw.stderr, raw.output
+
+
+def test_the_summary_explains_its_counts_and_points_to_rejects(tmp_path, convs, tok_name):
+    out = tmp_path / "p"
+    result = invoke(pack, [convs, "--tokenizer", tok_name, "--output", out, "--max-seq-len", 40, "--overlap", 0.5,
+                           "--max-windows", 2])
+    assert result.exit_code == 0, result.output
+    c = TokenTable.open(out).manifest["counts"]
+    assert c["windows_capped"] >= 1  # the 60-number conversation has more than 2 windows
+    lines = result.stdout.splitlines()
+    assert lines[0] == "read 5  used 3  rejected 2"
+    assert lines[1] == (f"  rejected by reason: invalid JSON 1, no assistant turn 1; each rejected row is a line of "
+                        f"{out}/rejects.jsonl (its FILE:N source and the reason)")
+    assert lines[3] == (f"windows {c['windows']}  (dropped {c['windows_dropped']}: windows with no supervised token "
+                        "left, e.g. the overlap of a long conversation with --overlap-loss skip; capped "
+                        f"{c['windows_capped']}: windows after the first --max-windows of a conversation)")
+    assert lines[4].startswith(f"blocks {c['n_blocks']} x 40 tokens  packing efficiency ")
+
+
+def test_dropped_content_kept_is_summarised(tmp_path, tok_name):
+    row = {"messages": [{"role": "user", "content": "Weather?"},
+                        {"role": "assistant", "content": None, "tool_calls": [
+                            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+                        {"role": "tool", "content": "3 C"}, {"role": "assistant", "content": "3 degrees."}]}
+    path = tmp_path / "calls.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    rejected = invoke(tokenize, [path, "--tokenizer", tok_name, "--output", tmp_path / "r"])
+    assert rejected.exit_code == 1 and "template drops tool_calls 1" in rejected.stdout
+    kept = invoke(tokenize, [path, "--tokenizer", tok_name, "--output", tmp_path / "k", "--on-dropped-content", "keep"])
+    assert kept.exit_code == 0, kept.output
+    assert ("  kept without content the chat template drops (--on-dropped-content keep): 1 conversations "
+            "(tool_calls 1)") in kept.stdout
+
+
+def test_inspect_prints_json(tmp_path, convs, tok_name):
+    from cli.data import main
+
+    out = tmp_path / "tok"
+    assert invoke(tokenize, [convs, "--tokenizer", tok_name, "--output", out]).exit_code == 0
+    result = invoke(main, ["inspect", out])
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.stdout)
+    assert (info["kind"], info["rows"], info["path"]) == ("tokenized", 3, str(out))
+    assert info["counts"]["read"] == 5 and info["counts"]["rejected_by_reason"] == {"invalid JSON": 1,
+                                                                                    "no assistant turn": 1}

@@ -1,0 +1,202 @@
+"""``peagle-data show``: one tokenized row or packed block, with its loss mask made visible.
+
+The tokens are decoded in runs of equal (segment, mask): a supervised run (loss 1) is
+highlighted, as colour on a terminal, as ``[[...]]`` in plain text, or as ``<mark>`` in an HTML
+page. Segment boundaries (the windows packed into a block; the system prefix of a tokenized row)
+are marked on their own line, and every supervised span is listed with its token range and its
+decoded text, so a mask can be checked by reading it.
+
+Rows and blocks are numbered from 0 in table order (the ``block_id`` of a packed table).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+
+from stores.errors import InputError
+from stores.token_tables import TokenTable
+
+__all__ = ["Segment", "ShownItem", "select_items", "supervised_spans", "render_text", "render_html",
+           "OPEN", "CLOSE"]
+
+OPEN, CLOSE = "[[", "]]"
+"""Markers around a supervised run in the plain-text form."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A marked stretch of an item: ``[start, end)`` tokens and its label (a window's id)."""
+
+    start: int
+    end: int
+    label: str
+
+
+@dataclass(frozen=True)
+class ShownItem:
+    """One row or block to show.
+
+    Attributes:
+        title: ``row N: <conversation_id>`` or ``block N``.
+        input_ids: int32 ``[T]``.
+        loss_mask: uint8 ``[T]``.
+        segments: the windows of a block, or for a row its system prefix and its body.
+    """
+
+    title: str
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    segments: tuple[Segment, ...]
+
+
+def _row_item(index: int, row: dict[str, Any]) -> ShownItem:
+    n, system_len = len(row["input_ids"]), int(row["system_len"])
+    segments = ((Segment(0, system_len, "system prefix (loss 0)"),) if system_len else ()) + (
+        Segment(system_len, n, "conversation"),)
+    return ShownItem(f"row {index}: {row['conversation_id']} ({row['source']})", row["input_ids"],
+                     row["loss_mask"], segments)
+
+
+def _block_item(row: dict[str, Any]) -> ShownItem:
+    cu = [int(c) for c in row["cu_seqlens"]]
+    segments = tuple(Segment(a, b, label) for a, b, label in zip(cu[:-1], cu[1:], row["segment_ids"]))
+    return ShownItem(f"block {row['block_id']}", row["input_ids"], row["loss_mask"], segments)
+
+
+def select_items(table: TokenTable, row: int | None = None, item_id: str | None = None) -> list[ShownItem]:
+    """The rows (tokenized table) or blocks (packed table) to show.
+
+    Args:
+        table: an open token table.
+        row: the row or block number (from 0, table order); None with ``item_id`` None means 0.
+        item_id: a conversation id (a tokenized row's ``conversation_id``, or its per-turn rows
+            ``ID@turn``), or for a packed table a window id ``ID#k`` or a conversation id: every
+            block holding one of its windows.
+
+    Raises:
+        InputError: the row is out of range, or no row holds the id.
+    """
+    if item_id is None:
+        row = 0 if row is None else row
+        for index, values in enumerate(table.iter_rows()):
+            if index == row:
+                return [_row_item(index, values) if table.kind == "tokenized" else _block_item(values)]
+        what = "rows" if table.kind == "tokenized" else "blocks"
+        raise InputError(f"{table.directory}: {what[:-1]} {row} is out of range: the table has {table.num_rows} "
+                         f"{what} (0..{table.num_rows - 1})")
+    items = list(_items_with_id(table, item_id))
+    if not items:
+        raise InputError(f"{table.directory}: no {'row' if table.kind == 'tokenized' else 'block'} holds id "
+                         f"{item_id!r}")
+    return items
+
+
+def _is_turn_of(row_id: str, conversation_id: str) -> bool:
+    """``row_id`` is ``conversation_id`` or one of its per-turn rows ``conversation_id@turn``."""
+    rest = row_id[len(conversation_id) + 1:]
+    return row_id == conversation_id or (row_id.startswith(conversation_id + "@") and rest.isdigit())
+
+
+def _items_with_id(table: TokenTable, item_id: str) -> Iterator[ShownItem]:
+    for index, values in enumerate(table.iter_rows()):
+        if table.kind == "tokenized":
+            if _is_turn_of(values["conversation_id"], item_id):
+                yield _row_item(index, values)
+        elif any(s == item_id or _is_turn_of(s.rsplit("#", 1)[0], item_id) for s in values["segment_ids"]):
+            yield _block_item(values)
+
+
+def supervised_spans(loss_mask: np.ndarray) -> list[tuple[int, int]]:
+    """``[start, end)`` token ranges of the runs of loss 1 in ``loss_mask`` (uint8 ``[T]``)."""
+    padded = np.concatenate([[0], (np.asarray(loss_mask) != 0).astype(np.int8), [0]])
+    edges = np.flatnonzero(np.diff(padded))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+
+
+def _runs(item: ShownItem) -> Iterator[tuple[Segment, int, int, bool]]:
+    """``(segment, start, end, supervised)`` runs of equal mask inside each segment."""
+    mask = np.asarray(item.loss_mask) != 0
+    for seg in item.segments:
+        start = seg.start
+        while start < seg.end:
+            end = start + 1
+            while end < seg.end and mask[end] == mask[start]:
+                end += 1
+            yield seg, start, end, bool(mask[start])
+            start = end
+
+
+def _spans_listing(item: ShownItem, tokenizer) -> list[tuple[str, str]]:
+    """``(where, decoded text)`` of every supervised span, split at segment boundaries."""
+    out = []
+    for seg, a, b, supervised in _runs(item):
+        if supervised:
+            out.append((f"tokens {a}-{b - 1} ({b - a}) in {seg.label}", tokenizer.decode(item.input_ids[a:b])))
+    return out
+
+
+def _summary(item: ShownItem) -> str:
+    n, n_loss = len(item.input_ids), int((np.asarray(item.loss_mask) != 0).sum())
+    return f"{item.title}: {n} tokens, {n_loss} supervised, {len(item.segments)} segment(s)"
+
+
+def render_text(item: ShownItem, tokenizer, color: bool = False) -> str:
+    """The item as text: supervised runs in colour (``color``) or between ``[[`` and ``]]``, a
+    ``--- segment ... ---`` line before each segment, then the list of supervised spans."""
+    import click
+
+    lines = [_summary(item), f"legend: {'green' if color else OPEN + 'supervised' + CLOSE} = loss 1, "
+                             "plain = loss 0 (context)", ""]
+    body: list[str] = []
+    current = None
+    for seg, a, b, supervised in _runs(item):
+        if seg is not current:
+            current = seg
+            body.append(f"\n--- segment {seg.label}: tokens {seg.start}-{seg.end - 1} ---\n")
+        text = tokenizer.decode(item.input_ids[a:b])
+        if supervised:
+            text = click.style(text, fg="black", bg="green") if color else f"{OPEN}{text}{CLOSE}"
+        body.append(text)
+    lines.append("".join(body).lstrip("\n"))
+    spans = _spans_listing(item, tokenizer)
+    lines += ["", f"supervised spans ({len(spans)}):"]
+    lines += [f"  {k}. {where}: {json.dumps(text, ensure_ascii=False)}" for k, (where, text) in enumerate(spans, 1)]
+    return "\n".join(lines)
+
+
+_PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><title>peagle-data show: {title}</title>
+<style>
+body {{ font-family: sans-serif; margin: 2em; }}
+pre {{ white-space: pre-wrap; font-family: monospace; background: #f6f6f6; padding: 1em; }}
+mark {{ background: #9be39b; }}
+.seg {{ display: block; color: #555; border-top: 2px solid #888; margin-top: .5em; font-style: italic; }}
+</style></head><body>
+{body}
+</body></html>
+"""
+
+
+def render_html(items: list[ShownItem], tokenizer) -> str:
+    """A self-contained HTML page: each item with ``<mark>`` on supervised runs, a rule at each
+    segment boundary, and the list of supervised spans."""
+    parts = []
+    for item in items:
+        pre, current = [], None
+        for seg, a, b, supervised in _runs(item):
+            if seg is not current:
+                current = seg
+                pre.append(f'<span class="seg">segment {html.escape(seg.label)}: tokens {seg.start}-{seg.end - 1}'
+                           "</span>")
+            text = html.escape(tokenizer.decode(item.input_ids[a:b]))
+            pre.append(f"<mark>{text}</mark>" if supervised else text)
+        spans = "".join(f"<li>{html.escape(where)}: <code>{html.escape(text)}</code></li>"
+                        for where, text in _spans_listing(item, tokenizer))
+        parts.append(f"<h2>{html.escape(_summary(item))}</h2><p><mark>highlighted</mark> = supervised (loss 1)</p>"
+                     f"<pre>{''.join(pre)}</pre><h3>supervised spans</h3><ol>{spans}</ol>")
+    return _PAGE.format(title=html.escape(items[0].title if items else ""), body="\n".join(parts))
