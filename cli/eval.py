@@ -46,6 +46,7 @@ def main(drafter: str, verifier: str | None, prompts: str | None, store: str | N
     """
     from peagle_train.evaluate import (
         EvalConfig,
+        check_before_weights,
         format_report,
         run_offline_eval,
         run_online_eval,
@@ -69,6 +70,7 @@ def main(drafter: str, verifier: str | None, prompts: str | None, store: str | N
                    max_blocks=max_blocks, temperature=temperature, seed=seed)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
+    check_before_weights(drafter, verifier, prompts, store, num_prompts)  # every check that needs no weights
     report: dict = {}
     if store is not None:
         offline = run_offline_eval(drafter, store, max_blocks=max_blocks, verifier_name=verifier,

@@ -62,6 +62,8 @@ __all__ = [
     "segment_predictions",
     "run_offline_eval",
     "select_eval_blocks",
+    "check_before_weights",
+    "check_verifier_config",
     "format_report",
     "write_acceptance_plot",
 ]
@@ -198,6 +200,48 @@ def _eos_ids(tokenizer, verifier) -> list[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(int(v) for v in value)
     return sorted(ids)
+
+
+# ------------------------------------------------------------------------------------------- checks
+def check_verifier_config(name: str, drafter) -> None:
+    """:func:`~peagle_train.speculative.check_compatible` on MODEL ``name``'s config alone, before its
+    weights load.
+
+    Raises:
+        InputError: the drafter does not fit the verifier. ModelNotFoundError: unknown MODEL.
+    """
+    from types import SimpleNamespace
+
+    from stores.model_config import load_model_config, text_config
+
+    check_compatible(SimpleNamespace(config=text_config(load_model_config(name))), drafter)
+
+
+def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = None,
+                         prompts_file: str | Path | None = None, store: str | Path | None = None,
+                         num_prompts: int | None = None) -> None:
+    """Every check of a ``peagle-eval`` run that needs no verifier weights (docs/design.md §2): the
+    prompts file, the drafter checkpoint, the store against the drafter, and each verifier's config
+    (online: ``verifier_name`` or the drafter's; offline: ``verifier_name`` or the store's).
+
+    Raises:
+        InputError, StoreFormatError, StoreMismatchError, ModelNotFoundError: as the run would, later.
+    """
+    from peagle_train.checkpoint import load_drafter
+    from stores.feature_store import FeatureStore
+
+    if prompts_file is not None:
+        read_prompts(prompts_file, num_prompts)
+    drafter = load_drafter(drafter_dir)
+    names = []
+    if prompts_file is not None:
+        names.append(verifier_name or drafter.config.verifier_name_or_path)
+    if store is not None:
+        fs = FeatureStore.open(store)
+        _check_store_fits(fs, drafter)
+        names.append(verifier_name or fs.attrs.get("verifier", {}).get("name_or_path"))
+    for name in dict.fromkeys(n for n in names if n):
+        check_verifier_config(name, drafter)
 
 
 # ------------------------------------------------------------------------------------------- online
@@ -358,6 +402,7 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
     name = verifier_name or drafter.config.verifier_name_or_path
     if not name:
         raise InputError("the drafter's config names no verifier; pass one", field="--verifier")
+    check_verifier_config(name, drafter)  # before the weights load
     # float32 everywhere: a K+1-token verify pass and one-token decoding then agree to ~1e-6, so
     # near-ties cannot flip an argmax the way they do in bf16.
     verifier = load_verifier(name, dtype=torch.float32)
@@ -624,6 +669,7 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
     name = verifier_name or fs.attrs.get("verifier", {}).get("name_or_path")
     if not name:
         raise StoreMismatchError(f"{store}: the store names no verifier; pass verifier_name")
+    check_verifier_config(name, drafter)  # before the weights load
     verifier = load_verifier(name, device="cpu")
     lm_head = verifier.lm_head.weight.detach()  # [V, H]
     eos = _eos_ids(load_tokenizer(name), verifier)

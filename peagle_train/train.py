@@ -642,6 +642,32 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
                                 if r.get("step", 0) <= last_step))
 
 
+def check_before_weights(cfg: TrainConfig, store, verifier_name: str) -> None:
+    """Every check that needs only the options, the store, the file system and the verifier's config,
+    run before the verifier's weights load (docs/design.md §2).
+
+    Raises:
+        OutputExistsError: ``--output`` holds files and neither ``--resume`` nor ``--force`` is given.
+        InputError: ``--draft-vocab-size`` exceeds the store's vocab.
+        StoreMismatchError: the verifier's config has another hidden or vocab size than the store.
+    """
+    from stores.model_config import load_model_config, text_config
+
+    out = Path(cfg.output)
+    if not (cfg.resume or cfg.force) and out.exists() and any(out.iterdir()):
+        raise OutputExistsError(str(out), "pass --resume to continue it or --force to overwrite it")
+    if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > store.vocab_size:
+        raise InputError(f"--draft-vocab-size {cfg.draft_vocab_size} exceeds the verifier vocab size "
+                         f"{store.vocab_size} (store {store.path})", field="--draft-vocab-size")
+    vc = text_config(load_model_config(verifier_name))
+    H, V = int(vc.hidden_size), int(vc.vocab_size)
+    if H != store.hidden_size or V != store.vocab_size:
+        raise StoreMismatchError(
+            f"verifier {verifier_name!r} has hidden_size {H} and vocab_size {V}, but the store {store.path} was "
+            f"extracted with hidden_size {store.hidden_size} and vocab_size {store.vocab_size} "
+            f"(verifier {store.attrs['verifier'].get('name_or_path')!r}); pass --verifier with that model")
+
+
 def run_train(cfg: TrainConfig) -> dict[str, Any]:
     """Train a P-EAGLE drafter on a feature store and save it (DESIGN.md §8).
 
@@ -668,6 +694,7 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
     usable = check_store_ready(store, cfg.allow_incomplete)
     train_ids, val_ids = split_blocks(usable, cfg.seed, cfg.val_fraction)
     verifier_name = cfg.verifier or store.attrs["verifier"]["name_or_path"]
+    check_before_weights(cfg, store, verifier_name)
     mask = resolve_mask_token(verifier_name, store, cfg.mask_token_id)  # InputError before the weights load
     heads = load_verifier_heads(verifier_name, store, mask.id)
     d2t = build_draft_vocab(store.token_freq(), cfg.draft_vocab_size)

@@ -354,6 +354,7 @@ def test_cli_fails_on_a_mismatch_naming_the_prompt(monkeypatch, tmp_path):
     (tmp_path / "d").mkdir()
     for name in ("config.json", "model.safetensors"):  # looks like a checkpoint; never loaded here
         (tmp_path / "d" / name).write_text("{}")
+    monkeypatch.setattr(ev, "check_before_weights", lambda *a, **k: None)
     result = CliRunner().invoke(main, ["--drafter", "d", "--prompts", "p.jsonl"])
     assert result.exit_code == 1
     assert json.loads(result.stdout)["mismatches"] == ["81", "x"]

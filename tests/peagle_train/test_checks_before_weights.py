@@ -1,0 +1,99 @@
+"""Options that need only a config, a store or the file system are checked before any weights load.
+
+Every test makes loading model weights fail (``PreTrainedModel.from_pretrained`` raises), then checks
+that each command reports the option's own error: the error comes first, without the weights.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from .test_train import LAYERS, _store
+
+
+class WeightsLoaded(AssertionError):
+    pass
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Loading any transformers model's weights raises :class:`WeightsLoaded`."""
+    import transformers
+
+    def fail(cls, *a, **k):
+        raise WeightsLoaded(f"{cls.__name__}.from_pretrained was called before the option checks")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(fail))
+
+
+@pytest.fixture(scope="module")
+def verifier_dir(tmp_path_factory, make_tiny_llama):
+    return make_tiny_llama(tmp_path_factory.mktemp("verifier"), hidden=64, vocab=256)
+
+
+def _train(args):
+    from cli.train import main
+
+    return CliRunner().invoke(main, args)
+
+
+def test_train_checks_come_before_the_weights(tmp_path, verifier_dir, make_tiny_llama, no_weights):
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "something").write_text("x")
+    base = ["--store", store, "--output", str(out), "--max-steps", "1", "--num-depths", "2"]
+    res = _train(base)
+    assert res.exit_code == 2 and "already exists" in res.output and "--resume" in res.output, res.output
+    res = _train([*base, "--force", "--draft-vocab-size", "1000"])
+    assert res.exit_code == 2 and "--draft-vocab-size 1000 exceeds" in res.output and "256" in res.output, res.output
+    other = make_tiny_llama(tmp_path / "other", hidden=32)
+    res = _train([*base, "--force", "--verifier", str(other)])
+    assert res.exit_code == 2 and "hidden_size 32" in res.output, res.output
+    assert (out / "something").exists()  # --force deletes nothing before the checks pass
+
+
+def test_train_loads_the_weights_once_the_checks_pass(tmp_path, verifier_dir, no_weights):
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
+    res = _train(["--store", store, "--output", str(tmp_path / "out"), "--max-steps", "1", "--num-depths", "2"])
+    assert isinstance(res.exception, WeightsLoaded)  # the fixture works: a valid run reaches the weights
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory, verifier_dir):
+    """A random drafter checkpoint for ``verifier_dir`` (hidden 64, vocab 256, layers 1, 2)."""
+    from peagle_train.checkpoint import save_drafter
+    from peagle_train.model import DrafterConfig, PEagleDrafter
+
+    cfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, vocab_size=256, draft_vocab_size=256, aux_layer_ids=LAYERS, num_depths=2,
+                        verifier_name_or_path=str(verifier_dir))
+    torch.manual_seed(0)
+    return save_drafter(PEagleDrafter(cfg), tmp_path_factory.mktemp("drafter") / "d")
+
+
+def _eval(args):
+    from cli.eval import main
+
+    return CliRunner().invoke(main, args)
+
+
+def test_eval_checks_come_before_the_weights(tmp_path, verifier_dir, drafter_dir, make_tiny_llama, no_weights):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"turns": ["hi"]}) + "\n")
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
+    other = make_tiny_llama(tmp_path / "other", hidden=32)
+    res = _eval(["--drafter", str(drafter_dir), "--prompts", str(prompts), "--verifier", str(other)])
+    assert res.exit_code == 2 and "hidden size 64 != verifier's 32" in res.output, res.output
+    # offline runs first: a bad prompts file is still reported before the offline run loads weights
+    res = _eval(["--drafter", str(drafter_dir), "--store", store, "--prompts", str(tmp_path / "none.jsonl")])
+    assert res.exit_code == 2 and "none.jsonl" in res.output, res.output
+    res = _eval(["--drafter", str(drafter_dir), "--store", store, "--prompts", str(prompts),
+                 "--verifier", str(other)])
+    assert res.exit_code == 2 and "does not match the verifier" in res.output, res.output
+    res = _eval(["--drafter", str(drafter_dir), "--prompts", str(prompts)])
+    assert isinstance(res.exception, WeightsLoaded)  # valid options reach the weights
