@@ -410,13 +410,15 @@ def run_extract(cfg: ExtractConfig, progress: bool = True,
                 log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the verifier over every not-done block of a packed table and write the store.
 
-    Under ``accelerate launch --num_processes N`` each rank takes every N-th not-done block. With
+    Under a launch of N processes (``accelerate launch --multi_gpu --num_processes N``; on CPU too,
+    where ``--cpu`` alone would start a single process) each rank takes every N-th not-done block. With
     ``resume`` every done block is checked first (:func:`_repair_blocks`) and damaged ones are
     extracted again, so ``complete`` is true only for a store that ``verify_store`` accepts. A block
     whose hidden states are not finite is left not done and listed in ``nonfinite_blocks``.
 
     Returns:
-        A summary: store path, blocks done in this run (this rank), blocks done in all, layers, bytes.
+        A summary: store path, this process's ``rank`` among ``world_size``, blocks done in this run
+        (this rank), blocks done in all, layers, bytes.
 
     Raises:
         InputError: the packed path is not a packed table, or a layer index is out of range.
@@ -484,6 +486,8 @@ def run_extract(cfg: ExtractConfig, progress: bool = True,
     state.wait_for_everyone()
     return {
         "store": str(cfg.output),
+        "rank": state.process_index,
+        "world_size": state.num_processes,
         "blocks_done_this_run": len(todo),
         "tokens_this_run": tokens,
         "blocks_done": int(store.done_mask().sum()),

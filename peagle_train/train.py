@@ -674,7 +674,8 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
     Returns:
         A summary: ``steps``, ``final_loss``, ``per_depth_accuracy`` (mean over the last steps),
         ``val_loss``, ``val_per_depth_accuracy``, ``checkpoint`` (the ``final/`` directory),
-        ``metrics``, ``plot``, ``tokens_per_second``, ``data_wait_fraction``, ``resumed_from``.
+        ``metrics``, ``plot``, ``tokens_per_second``, ``data_wait_fraction``, ``resumed_from``, ``rank``,
+        ``world_size`` (data-parallel processes), ``mask_token``.
 
     Raises:
         StoreFormatError: missing or unfinished store (without ``allow_incomplete``).
@@ -856,7 +857,7 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
 
     accelerator.wait_for_everyone()
     summary: dict[str, Any] = {"steps": step, "resumed_from": str(resume_from) if resume_from else None,
-                               "rank": accelerator.process_index}
+                               "rank": accelerator.process_index, "world_size": world}
     if main:
         try:
             save(f"checkpoint-{step}")

@@ -54,7 +54,7 @@ def _all_options() -> set[str]:
 
 
 #: flags of other tools that messages quote (pip, click, accelerate) and a placeholder in a docstring
-FOREIGN = {"--no-deps", "--force-reinstall", "--help", "--num_processes", "--option"}
+FOREIGN = {"--no-deps", "--force-reinstall", "--help", "--num_processes", "--multi_gpu", "--option"}
 
 
 def test_every_option_the_code_names_exists():

@@ -120,18 +120,28 @@ def test_sigkill_then_resume_is_byte_identical(tmp_path, tiny_verifier_dir):
     assert verify_store(out)["ok"]
 
 
-@pytest.mark.slow  # accelerate launch with two gloo ranks
+@pytest.mark.slow  # two gloo ranks, each importing torch and transformers
 def test_two_cpu_ranks_equal_one_process(tmp_path, tiny_verifier_dir):
+    import json
+
     packed = write_packed(tmp_path / "packed", n_blocks=6, block_size=64)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     one = tmp_path / "one.zarr"
     subprocess.run(_extract_cmd(packed, tiny_verifier_dir, one), check=True, env=env, capture_output=True)
     two = tmp_path / "two.zarr"
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m",
+    # `accelerate launch --cpu --num_processes 2` would start ONE process; torchrun (what accelerate's
+    # --multi_gpu runs) starts two, and PartialState(cpu=True) joins them on gloo; each rank's stdout
+    # goes to its own file under logs/
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+              "--redirects", "1", "--log-dir", str(tmp_path / "logs"), "-m",
               *_extract_cmd(packed, tiny_verifier_dir, two)[2:]]
     res = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
+    logs = sorted((tmp_path / "logs").rglob("stdout.log"))
+    summaries = sorted((json.loads(p.read_text()[p.read_text().index("{"):]) for p in logs), key=lambda s: s["rank"])
+    assert [(s["rank"], s["world_size"]) for s in summaries] == [(0, 2), (1, 2)]
+    assert [s["blocks_done_this_run"] for s in summaries] == [3, 3]  # round-robin: 0, 2, 4 and 1, 3, 5
+    assert all(s["complete"] for s in summaries)
     assert _chunk_bytes(two) == _chunk_bytes(one)
 
 
