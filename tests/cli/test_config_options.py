@@ -53,8 +53,8 @@ def _all_options() -> set[str]:
     return {o for c in commands for p in c.params if isinstance(p, click.Option) for o in p.opts + p.secondary_opts}
 
 
-#: flags of other tools that messages quote (pip, click, accelerate) and a placeholder in a docstring
-FOREIGN = {"--no-deps", "--force-reinstall", "--help", "--num_processes", "--multi_gpu", "--option"}
+#: flags of other tools that messages quote (pip, click, accelerate launch) and a placeholder in a docstring
+FOREIGN = {"--no-deps", "--force-reinstall", "--help", "--num_processes", "--multi_gpu", "--cpu", "--option"}
 
 
 def test_every_option_the_code_names_exists():
