@@ -477,7 +477,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True,
                 torch.tensor(r["cu_seqlens"], dtype=torch.long), layers, to_host=False)
             writer.put(i, aux, final)
             tokens += int(r["n_tokens"])
-            bar.set_postfix(tokens=tokens)
+            bar.set_postfix(tokens=f"{tokens:,}")  # a string: tqdm prints numbers as 2e+4
     finally:
         writer.close()
     if writer.nonfinite:
