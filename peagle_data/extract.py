@@ -406,6 +406,38 @@ def _open_or_create(cfg: ExtractConfig, rows, table, desc, layers, log) -> Featu
     return _create_store(cfg, rows, table, desc, layers, log)
 
 
+def _check_before_weights(cfg: ExtractConfig) -> Path:
+    """The checks that need only the verifier's config and files and the store (docs/design.md §2),
+    before the weights load; returns the verifier's directory (:func:`resolve_model`).
+
+    Raises:
+        InputError: a ``--layers`` index outside ``0..num_hidden_layers`` (read from the config, before
+            the weights are even fetched), or ``--resume`` with another ``--storage-dtype``.
+        StoreMismatchError: ``--resume`` with other layers, another verifier or another packed table.
+    """
+    from stores.model_config import load_model_config, text_config
+
+    L = int(text_config(load_model_config(cfg.verifier)).num_hidden_layers)
+    bad = [layer for layer in (cfg.layers or []) if not 0 <= layer <= L]
+    if bad:
+        raise InputError(f"layers {bad} out of range: the verifier has {L} layers, valid indices are 0..{L}",
+                         field="--layers")
+    directory = resolve_model(cfg.verifier)
+    if cfg.resume and _local(cfg.output) and (Path(cfg.output) / "zarr.json").is_file():
+        try:
+            store = FeatureStore.open(cfg.output)
+        except StoreFormatError:
+            return directory  # interrupted creation: the store is made again
+        if store.attrs.get("tokens_written"):
+            layers = list(cfg.layers) if cfg.layers is not None else default_layers(L)
+            check_compatible(store, verifier={"name_or_path": cfg.verifier, "fingerprint": model_fingerprint(directory)},
+                             layers=layers, source=manifest_sha256(cfg.packed))
+            if store.storage_dtype != cfg.storage_dtype:
+                raise InputError(f"the store holds {store.storage_dtype}, asked for {cfg.storage_dtype}",
+                                 field="--storage-dtype")
+    return directory
+
+
 def run_extract(cfg: ExtractConfig, progress: bool = True,
                 log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the verifier over every not-done block of a packed table and write the store.
@@ -433,7 +465,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True,
     if _local(cfg.output) and Path(cfg.output).exists() and not (cfg.resume or cfg.force):
         raise OutputExistsError(cfg.output, "pass --resume to continue it or --force to overwrite it")
     rows = list(table.iter_rows(["input_ids", "loss_mask", "position_ids", "cu_seqlens", "n_tokens"]))
-    directory = resolve_model(cfg.verifier)
+    directory = _check_before_weights(cfg)
     device = cfg.device or (str(state.device) if state.device.type == "cuda" else "cpu")
     attn_impl = cfg.attn_implementation
     if attn_impl == "auto":

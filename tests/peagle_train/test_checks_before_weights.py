@@ -97,3 +97,32 @@ def test_eval_checks_come_before_the_weights(tmp_path, verifier_dir, drafter_dir
     assert res.exit_code == 2 and "does not match the verifier" in res.output, res.output
     res = _eval(["--drafter", str(drafter_dir), "--prompts", str(prompts)])
     assert isinstance(res.exception, WeightsLoaded)  # valid options reach the weights
+
+
+def test_extract_checks_come_before_the_weights(tmp_path, tiny_verifier_dir, monkeypatch):
+    """--layers past the config's layer count, and --resume with other layers, storage dtype or table."""
+    import transformers
+
+    from cli.data_extract import extract
+    from tests.peagle_data.test_extract_run import write_packed
+
+    packed = write_packed(tmp_path / "packed", n_blocks=2, block_size=32)
+    out = tmp_path / "f.zarr"
+    base = [str(packed), "--verifier", str(tiny_verifier_dir), "--output", str(out), "--device", "cpu"]
+    assert CliRunner().invoke(extract, [*base, "--layers", "1,2", "--max-blocks", "1"]).exit_code == 0
+
+    def fail(cls, *a, **k):
+        raise WeightsLoaded(f"{cls.__name__}.from_pretrained was called before the option checks")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(fail))
+    res = CliRunner().invoke(extract, [*base.copy()[:4], str(tmp_path / "new.zarr"), "--layers", "1,5"])
+    assert res.exit_code == 2 and "layers [5] out of range: the verifier has 4 layers" in res.output, res.output
+    res = CliRunner().invoke(extract, [*base, "--layers", "1,3", "--resume"])
+    assert res.exit_code == 2 and "layers [1, 2], asked for [1, 3]" in res.output, res.output
+    res = CliRunner().invoke(extract, [*base, "--layers", "1,2", "--resume", "--storage-dtype", "fp8"])
+    assert res.exit_code == 2 and "holds bf16, asked for fp8" in res.output, res.output
+    other = write_packed(tmp_path / "other", n_blocks=2, block_size=32, seed=1)
+    res = CliRunner().invoke(extract, [str(other), *base[1:], "--layers", "1,2", "--resume"])
+    assert res.exit_code == 2 and "another packed table" in res.output, res.output
+    res = CliRunner().invoke(extract, [*base, "--layers", "1,2", "--resume"])
+    assert isinstance(res.exception, WeightsLoaded)  # valid options reach the weights
