@@ -672,7 +672,8 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
     """Train a P-EAGLE drafter on a feature store and save it (DESIGN.md §8).
 
     Returns:
-        A summary: ``steps``, ``final_loss``, ``per_depth_accuracy`` (mean over the last steps),
+        A summary: ``steps``, ``final_loss``, ``per_depth_accuracy`` (pooled over the last 10 steps:
+        Σ weighted correct / Σ weight per depth, [] when this run took no step),
         ``val_loss``, ``val_per_depth_accuracy``, ``checkpoint`` (the ``final/`` directory),
         ``metrics``, ``plot``, ``tokens_per_second``, ``data_wait_fraction``, ``resumed_from``, ``rank``,
         ``world_size`` (data-parallel processes), ``mask_token``.
@@ -795,6 +796,7 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
 
     bar = tqdm(total=max_steps, initial=step, disable=not main, desc="peagle-train", dynamic_ncols=True)
     history: list[dict] = []
+    recent: list[dict[str, torch.Tensor]] = []  # the last 10 steps' sums, for the summary's pooled accuracy
     t_start, tokens_total, wait0 = time.perf_counter(), 0, loader.wait_s
     model.train()
     try:
@@ -832,6 +834,7 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
                    "lr": lr, "n_elements": n_elements, "blocks": _gather_ids(accelerator, seen), "weight": float(sums["weight_sum"].sum()), "step_s": dt,
                    "grad_norm": grad_norm}
             history.append(row)
+            recent = [*recent[-9:], {k: sums[k].detach().cpu() for k in ("correct", "counts")}]
             if main:
                 if step % cfg.log_every == 0 or step == max_steps:
                     record(row)
@@ -868,11 +871,10 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
             if val and not (resume_from is not None and _has_row(metrics_path, "val", step)):
                 record({"split": "val", "step": step, **val})  # once, also when a finished run is resumed
             plot = plot_metrics(metrics_path, out / "training.png") if metrics_path.is_file() else None
-            tail = history[-max(1, min(10, len(history))):] if history else []
             elapsed = time.perf_counter() - t_start
             summary.update({
                 "final_loss": (history[-1] if history else _last_row(metrics_path, "train") or {}).get("loss"),
-                "per_depth_accuracy": _mean_acc(tail),
+                "per_depth_accuracy": _pooled_acc(recent),
                 "val_loss": val.get("val_loss"),
                 "val_per_depth_accuracy": val.get("val_acc"),
                 "checkpoint": str(final),
@@ -914,11 +916,11 @@ def _finish_trackers(accelerator, trackers: list[str]) -> None:
             pass
 
 
-def _mean_acc(rows: list[dict]) -> list[float | None]:
-    if not rows:
+def _pooled_acc(sums: list[dict[str, torch.Tensor]]) -> list[float | None]:
+    """Per-depth accuracy pooled over steps: ``Σ correct / Σ counts`` (weighted by elements, not
+    one vote per step); None for a depth without weight, ``[]`` for no step."""
+    if not sums:
         return []
-    out = []
-    for d in range(len(rows[0]["acc"])):
-        vals = [r["acc"][d] for r in rows if r["acc"][d] is not None]
-        out.append(sum(vals) / len(vals) if vals else None)
-    return out
+    correct = torch.stack([s["correct"] for s in sums]).sum(0)
+    counts = torch.stack([s["counts"] for s in sums]).sum(0)
+    return [(float(c) / float(n)) if n > 0 else None for c, n in zip(correct, counts)]

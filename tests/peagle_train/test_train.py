@@ -393,3 +393,12 @@ def test_two_block_store_says_it_holds_one_out(tmp_path, verifier_dir, capsys):
     assert ("warning: holding out 1 of 2 blocks (50%) for validation, more than --val-fraction 0.05 asks, because "
             "at least one block is held out; train on 1, or pass --val-fraction 0 to train on all 2 (no validation)"
             ) in capsys.readouterr().err
+
+
+def test_summary_accuracy_pools_elements_over_steps():
+    from peagle_train.train import _pooled_acc
+
+    steps = [{"correct": torch.tensor([9.0, 0.0, 0.0]), "counts": torch.tensor([10.0, 0.0, 0.0])},
+             {"correct": torch.tensor([0.0, 1.0, 0.0]), "counts": torch.tensor([1.0, 2.0, 0.0])}]
+    assert _pooled_acc(steps) == [9 / 11, 0.5, None]  # a mean of step means would say 0.45 at depth 0
+    assert _pooled_acc([]) == []
