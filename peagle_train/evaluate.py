@@ -302,6 +302,28 @@ class _OnlineTotals:
         }
 
 
+def _decode(tokenizer, tokens: Sequence[int], eos: Iterable[int]) -> str:
+    """The text of generated ``tokens`` without EOS ids and special tokens."""
+    eos = set(eos)
+    return tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True)
+
+
+def _turn_record(tokenizer, prompt: Prompt, turn: int, prompt_tokens: int, base: GenerationResult,
+                 spec: GenerationResult, same: bool | None) -> dict[str, Any]:
+    """One ``per_prompt`` entry: counts, the user turn, the speculative output (``text``) and the
+    plain decoding's (``reference_text``: greedy at T = 0, a plain sample at T > 0), decoded with
+    special tokens kept so an EOS or a template token in the output stays visible."""
+    return {
+        "prompt_id": prompt.prompt_id, "turn": turn, "prompt_tokens": prompt_tokens,
+        "new_tokens": len(base.tokens), "spec_new_tokens": len(spec.tokens),
+        "verifier_steps": spec.verifier_steps, "accepted": spec.accepted, "drafted": spec.drafted,
+        "identical_to_greedy": same,
+        "user": prompt.user_turns[turn],
+        "text": tokenizer.decode(spec.tokens, skip_special_tokens=False),
+        "reference_text": tokenizer.decode(base.tokens, skip_special_tokens=False),
+    }
+
+
 def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], config: EvalConfig,
                      progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Greedy baseline and speculative decoding on every turn of ``prompts``; compare and measure.
@@ -343,13 +365,8 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
             same = spec.tokens == base.tokens if T == 0 else None  # samples differ by design at T > 0
             if same is False and prompt.prompt_id not in mismatches:
                 mismatches.append(prompt.prompt_id)
-            per_prompt.append({
-                "prompt_id": prompt.prompt_id, "turn": turn, "prompt_tokens": len(ids),
-                "new_tokens": len(base.tokens), "spec_new_tokens": len(spec.tokens),
-                "verifier_steps": spec.verifier_steps, "accepted": spec.accepted, "drafted": spec.drafted,
-                "identical_to_greedy": same,
-            })
-            answers.append(tokenizer.decode([t for t in base.tokens if t not in eos], skip_special_tokens=True))
+            per_prompt.append(_turn_record(tokenizer, prompt, turn, len(ids), base, spec, same))
+            answers.append(_decode(tokenizer, base.tokens, eos))
             if progress is not None:
                 progress(1)
     return {
@@ -386,7 +403,8 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
         A dict with ``acceptance_length``, ``acceptance_rate``, ``per_position_acceptance`` (K
         fractions), ``drafted``, ``accepted``, ``identical_to_greedy`` (None at T > 0), ``mismatches`` (prompt ids),
         ``tokens_per_second``, ``baseline_tokens_per_second``, ``speedup``, ``wall_time_s``,
-        ``num_prompts``, ``per_prompt`` and the run's inputs.
+        ``num_prompts``, ``per_prompt`` (per turn: counts, ``user``, the speculative ``text`` and the
+        plain decoding's ``reference_text``) and the run's inputs.
 
     Raises:
         InputError: bad prompts file or options, or a drafter that does not match the verifier.

@@ -249,6 +249,19 @@ def test_online_report(tiny_verifier, smollm2_tokenizer, tmp_path):
     assert report["drafted"] == sum(p["drafted"] for p in report["per_prompt"])
     assert report["tokens_per_second"] > 0 and report["baseline_tokens_per_second"] > 0
     assert "acceptance length" in format_report(report)
+    # the generated text and its greedy reference are in the report, turn by turn
+    from peagle_train.speculative import greedy_generate
+
+    eos = smollm2_tokenizer.eos_token_id
+    first = greedy_generate(tiny_verifier, render_turn(smollm2_tokenizer, prompts[0], 0, []), 9, eos).tokens
+    row = report["per_prompt"][0]
+    assert row["user"] == "Hello there"
+    assert row["reference_text"] == smollm2_tokenizer.decode(first) == row["text"] and row["text"]
+    second = render_turn(smollm2_tokenizer, prompts[0], 1, [smollm2_tokenizer.decode(
+        [t for t in first if t != eos], skip_special_tokens=True)])
+    assert report["per_prompt"][1]["reference_text"] == smollm2_tokenizer.decode(
+        greedy_generate(tiny_verifier, second, 9, eos).tokens)
+    assert [r["user"] for r in report["per_prompt"]] == ["Hello there", "Tell me more", "Name a color."]
 
 
 # ------------------------------------------------------------------ end to end through the CLI
