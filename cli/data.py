@@ -7,6 +7,7 @@ import click
 from cli.data_extract import extract, inspect_cmd, verify
 from cli.data_prepare import pack, tokenize
 from cli.data_show import show
+from cli.data_merge import merge
 from cli.data_stats import stats
 
 
@@ -22,6 +23,7 @@ main.add_command(inspect_cmd, name="inspect")
 main.add_command(verify)
 main.add_command(stats)
 main.add_command(show)
+main.add_command(merge)
 
 if __name__ == "__main__":
     main()

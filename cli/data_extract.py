@@ -31,8 +31,13 @@ __all__ = ["extract", "inspect_cmd", "verify"]
 @click.option("--force", is_flag=True, help="Overwrite an existing store; skip the free-disk check.")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
 @click.option("--max-blocks", type=int, default=None, help="Stop after this many blocks (resumable).")
+@click.option("--num-shards", metavar="N", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Split the packed blocks into N shard stores (block I, I+N, ... go to shard I).")
+@click.option("--shard-index", metavar="I", type=click.IntRange(min=0), default=0, show_default=True,
+              help="The shard this run writes, 0..N-1; `peagle-data merge` joins the N stores.")
 @handle_errors
-def extract(packed_dir, verifier, output, layers, storage_dtype, compressor, attn_implementation, resume, force, device, max_blocks):
+def extract(packed_dir, verifier, output, layers, storage_dtype, compressor, attn_implementation, resume, force, device,
+            max_blocks, num_shards, shard_index):
     """Run the verifier over PACKED_DIR and write hidden states into a feature store."""
     from peagle_data.extract import ExtractConfig, run_extract
 
@@ -40,7 +45,8 @@ def extract(packed_dir, verifier, output, layers, storage_dtype, compressor, att
         cfg = ExtractConfig(packed=packed_dir, verifier=verifier, output=output, layers=layers,
                             storage_dtype=storage_dtype,
                             compressor=None if compressor == "none" else compressor,
-                            attn_implementation=attn_implementation, resume=resume, force=force, device=device, max_blocks=max_blocks)
+                            attn_implementation=attn_implementation, resume=resume, force=force, device=device, max_blocks=max_blocks,
+                            num_shards=num_shards, shard_index=shard_index)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     summary = run_extract(cfg, log=lambda m: click.echo(m, err=True))
@@ -73,8 +79,16 @@ def inspect_cmd(path):
               help="Clear the done flag of every bad block, so that `extract --resume` extracts them again.")
 @handle_errors
 def verify(store, packed, repair):
-    """Check a feature store: shapes, dtypes, done flags, chunk files, checksums, NaN/Inf, token ids."""
+    """Check a feature store: shapes, dtypes, done flags, chunk files, checksums, NaN/Inf, token ids.
+
+    STORE may also be a token table: its totals and unique row sources / window ids, and for a
+    table made by `peagle-data merge` the union of its shards.
+    """
     from stores.feature_store import verify_store
+
+    if (Path(store) / "manifest.json").is_file():
+        _verify_table(store)
+        return
     from stores.token_tables import TokenTable
 
     from stores.errors import StoreMismatchError
@@ -91,6 +105,8 @@ def verify(store, packed, repair):
             raise StoreMismatchError(f"--packed {packed}: the store was made from another packed table "
                                      f"(manifest sha256 {source}, this table {manifest_sha256(packed)})")
         rows = list(table.iter_rows(["input_ids"]))
+        shard = FeatureStore.open(store).attrs.get("shard") or {}
+        rows = rows[shard.get("shard_index", 0)::shard.get("num_shards", 1)]  # a shard store's blocks
         expected = lambda i: rows[i]["input_ids"]  # noqa: E731
     report = verify_store(store, expected_tokens=expected, repair=repair)
     echo_json(report)
@@ -102,6 +118,16 @@ def verify(store, packed, repair):
                    + ("; their done flags are cleared" if report["repaired"] else "")
                    + ". `peagle-data extract PACKED --resume` (same --verifier and --layers) extracts "
                      "them again", err=True)
+        sys.exit(1)
+
+
+def _verify_table(path) -> None:
+    from stores.merge import verify_table
+
+    report = verify_table(path)
+    echo_json(report)
+    if not report["ok"]:
+        click.echo(f"Error: table {path} failed verification: {'; '.join(report['problems'])}", err=True)
         sys.exit(1)
 
 

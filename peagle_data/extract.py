@@ -73,6 +73,11 @@ class ExtractConfig:
     attn_implementation: str = "auto"
     """``auto`` (FlashAttention varlen on CUDA when installed, else SDPA with a block mask),
     ``sdpa``, ``eager`` or ``flash_attention_2``."""
+    num_shards: int = 1
+    """Split the packed table's blocks into this many shard stores (--num-shards)."""
+    shard_index: int = 0
+    """This run's shard: packed blocks ``shard_index, shard_index + num_shards, ...`` become the
+    store's blocks ``0, 1, ...`` (--shard-index); ``peagle-data merge`` joins the shard stores."""
 
     def __post_init__(self) -> None:
         if self.resume and self.force:
@@ -89,6 +94,9 @@ class ExtractConfig:
             raise ValueError(f"--attn-implementation: unknown {self.attn_implementation!r}")
         if self.writer_queue < 1:
             raise ValueError("writer_queue must be ≥ 1")
+        if self.num_shards < 1 or not 0 <= self.shard_index < self.num_shards:
+            raise ValueError(f"--shard-index must be in [0, {self.num_shards - 1}] and --num-shards >= 1, "
+                             f"got {self.shard_index} of {self.num_shards}")
 
 
 def default_layers(num_hidden_layers: int) -> list[int]:
@@ -301,13 +309,22 @@ def _create_store(cfg: ExtractConfig, rows, table: TokenTable, desc: dict, layer
         cfg.output, compressor=cfg.compressor, n_blocks=len(rows), block_size=block_size, max_segments=max_segments, layers=layers,
         hidden_size=H, vocab_size=V, verifier=desc, tokenizer=table.manifest.get("tokenizer", {}),
         source=manifest_sha256(cfg.packed), storage_dtype=cfg.storage_dtype,
-        n_tokens=int(sum(int(r["n_tokens"]) for r in rows)), force=cfg.force,
+        n_tokens=int(sum(int(r["n_tokens"]) for r in rows)), force=cfg.force, extra=_shard_attrs(cfg, table),
     )
     for i, r in enumerate(rows):
         store.write_tokens(i, r["input_ids"], r["loss_mask"], r["position_ids"], r["cu_seqlens"])
     _write_shared(store, rows)
     store.update_attrs(tokens_written=True)  # last: a store without it is recreated on --resume
     return store
+
+
+def _shard_attrs(cfg: ExtractConfig, table: TokenTable) -> dict[str, Any]:
+    """Store attributes naming a shard store's part of the packed table (none for a whole store)."""
+    if cfg.num_shards == 1:
+        return {}
+    return {"shard": {"num_shards": cfg.num_shards, "shard_index": cfg.shard_index,
+                      "packed_blocks": table.num_rows,
+                      "blocks": "packed block shard_index + k * num_shards is store block k"}}
 
 
 def _write_shared(store: FeatureStore, rows) -> None:
@@ -394,6 +411,10 @@ def _open_or_create(cfg: ExtractConfig, rows, table, desc, layers, log) -> Featu
             store = None  # killed before the attributes were written: start over
         if store is not None and store.attrs.get("tokens_written"):
             check_compatible(store, verifier=desc, layers=layers, source=manifest_sha256(cfg.packed))
+            have = (store.attrs.get("shard") or {})
+            if (have.get("num_shards", 1), have.get("shard_index", 0)) != (cfg.num_shards, cfg.shard_index):
+                raise InputError(f"the store is shard {have.get('shard_index', 0)} of {have.get('num_shards', 1)}, "
+                                 f"asked for shard {cfg.shard_index} of {cfg.num_shards}", field="--shard-index")
             if store.storage_dtype != cfg.storage_dtype:
                 raise InputError(f"the store holds {store.storage_dtype}, asked for {cfg.storage_dtype}",
                                  field="--storage-dtype")
@@ -465,6 +486,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True,
     if _local(cfg.output) and Path(cfg.output).exists() and not (cfg.resume or cfg.force):
         raise OutputExistsError(cfg.output, "pass --resume to continue it or --force to overwrite it")
     rows = list(table.iter_rows(["input_ids", "loss_mask", "position_ids", "cu_seqlens", "n_tokens"]))
+    rows = rows[cfg.shard_index::cfg.num_shards]  # this shard's blocks (all of them unsharded)
     directory = _check_before_weights(cfg)
     device = cfg.device or (str(state.device) if state.device.type == "cuda" else "cpu")
     attn_impl = cfg.attn_implementation

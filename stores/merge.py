@@ -1,0 +1,294 @@
+"""Joining the outputs of a sharded run (``peagle-data merge``) and checking the union (``verify``).
+
+Token tables: the N shard tables of one run (``manifest["shard"]`` 0..N-1 of N, equal inputs,
+parameters and tokenizer) become one table whose manifest lists the parts it holds
+(``merged_from``: each shard's directory, index, manifest sha256 and rows). Tokenized part files
+are hard-linked (copied across file systems) in shard order; packed part files are rewritten
+batch by batch with ``block_id`` renumbered 0..B-1. ``rejects.jsonl`` is concatenated,
+``token_freq.npy`` summed, counts summed (``packing_efficiency`` recomputed).
+
+Feature stores: the N shard stores of ``extract --num-shards N`` (same packed table, verifier,
+layers and storage) become one store in which packed block ``s + k*N`` (store block k of shard
+s) is block ``s + k*N`` again, so the merged store equals the unsharded one array for array.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from stores.errors import InputError, StoreMismatchError
+from stores.token_tables import (
+    REJECTS,
+    TokenTable,
+    manifest_sha256,
+    read_token_freq,
+    staged_output_dir,
+    write_manifest,
+    write_token_freq,
+)
+
+__all__ = ["merge_tables", "verify_table", "merge_stores"]
+
+_SAME = ("kind", "inputs", "tokenizer", "mixture")
+"""Manifest entries every shard of one run shares."""
+
+
+def _shard_of(table: TokenTable) -> tuple[int, int]:
+    shard = table.manifest.get("shard")
+    if not shard:
+        raise InputError(f"{table.directory} is not a shard (its manifest has no 'shard'; made without "
+                         "--num-shards)")
+    return int(shard["num_shards"]), int(shard["shard_index"])
+
+
+def _check_shard_set(indices: list[int], n: int, what: list[str]) -> None:
+    """Raise unless ``indices`` are 0..n-1, each once (names the missing and repeated shards)."""
+    missing = sorted(set(range(n)) - set(indices))
+    repeated = sorted({i for i in indices if indices.count(i) > 1})
+    if missing or repeated or len(indices) != n:
+        raise InputError(f"the shards do not make up one run of {n} shards: "
+                         + (f"missing shard index {missing}" if missing else "")
+                         + ("; " if missing and repeated else "")
+                         + (f"shard index {repeated} given twice" if repeated else "")
+                         + f" (inputs: {', '.join(what)})")
+
+
+def _parameters_without_shard(m: dict[str, Any]) -> dict[str, Any]:
+    p = json.loads(json.dumps(m.get("parameters", {}), default=str))
+    tok = p.get("tokenize", p)
+    tok.pop("num_shards", None)
+    tok.pop("shard_index", None)
+    return p
+
+
+def _open_shards(paths: list[str]) -> list[TokenTable]:
+    tables = [TokenTable.open(p) for p in paths]
+    shards = [_shard_of(t) for t in tables]
+    n = shards[0][0]
+    if any(s[0] != n for s in shards):
+        raise StoreMismatchError(f"the shards come from runs of different --num-shards: {[s[0] for s in shards]}")
+    _check_shard_set([s[1] for s in shards], n, [str(p) for p in paths])
+    first = tables[0].manifest
+    for t in tables[1:]:
+        for key in _SAME:
+            if t.manifest.get(key) != first.get(key):
+                raise StoreMismatchError(f"{t.directory}: its {key!r} differs from {tables[0].directory}'s; "
+                                         "shards of one run share inputs, tokenizer and mixture")
+        if _parameters_without_shard(t.manifest) != _parameters_without_shard(first):
+            raise StoreMismatchError(f"{t.directory}: made with other parameters than {tables[0].directory}")
+    return sorted(tables, key=lambda t: _shard_of(t)[1])
+
+
+def _sum_counts(counts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Counts of shards added: numbers summed, dicts merged recursively (efficiency recomputed by the caller)."""
+    out: dict[str, Any] = {}
+    for c in counts:
+        for k, v in c.items():
+            if isinstance(v, bool) or k in ("block_size", "packing_efficiency"):
+                out[k] = v
+            elif isinstance(v, (int, float)):
+                out[k] = out.get(k, 0) + v
+            elif isinstance(v, dict):
+                out[k] = _sum_counts([out.get(k, {}), v])
+    return out
+
+
+def merge_tables(paths: list[str | os.PathLike], output: str | os.PathLike, force: bool = False) -> dict[str, Any]:
+    """Join the shard tables of one sharded ``tokenize`` or ``pack`` run into one table.
+
+    Returns:
+        The merged manifest.
+
+    Raises:
+        InputError: a path is not a shard, or the shards are not exactly 0..N-1 of one N.
+        StoreMismatchError: shards of different runs (inputs, parameters, tokenizer, mixture).
+        OutputExistsError: ``output`` exists and ``force`` is false.
+    """
+    tables = _open_shards([str(p) for p in paths])
+    kind = tables[0].kind
+    with staged_output_dir(output, force) as out:
+        merged_from, k, block = [], 0, 0
+        for t in tables:
+            files = t._files()
+            for f in files:
+                dest = out / f"part-{k:05d}.parquet"
+                k += 1
+                if kind == "packed":
+                    block = _rewrite_block_ids(f, dest, block)
+                else:
+                    _link_or_copy(f, dest)
+            merged_from.append({"path": str(t.directory), "shard_index": _shard_of(t)[1],
+                                "manifest_sha256": manifest_sha256(t.directory), "rows": t.num_rows,
+                                "parts": len(files)})
+        with (out / REJECTS).open("wb") as dst:
+            for t in tables:
+                if t.rejects_path.is_file():
+                    with t.rejects_path.open("rb") as src:
+                        shutil.copyfileobj(src, dst)
+        freqs = [t.token_freq() for t in tables]
+        if all(f is not None for f in freqs):
+            write_token_freq(out, np.sum(freqs, axis=0))
+        counts = _sum_counts([t.manifest.get("counts", {}) for t in tables])
+        if kind == "packed" and counts.get("n_blocks"):
+            counts["packing_efficiency"] = round(counts["tokens"] / (counts["n_blocks"] * counts["block_size"]), 6)
+        first = tables[0].manifest
+        manifest = {key: first[key] for key in ("kind", "inputs", "files", "tokenizer", "mixture") if key in first}
+        manifest.update(parameters=_parameters_without_shard(first), counts=counts,
+                        merged_from=merged_from, num_shards=len(tables))
+        write_manifest(out, manifest)
+    return manifest
+
+
+def _link_or_copy(src: Path, dest: Path) -> None:
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copy2(src, dest)
+
+
+def _rewrite_block_ids(src: Path, dest: Path, first_block: int) -> int:
+    """Copy a packed part file with ``block_id`` renumbered from ``first_block``; returns the next id."""
+    f = pq.ParquetFile(src)
+    writer = pq.ParquetWriter(dest, f.schema_arrow, compression="zstd")
+    try:
+        for batch in f.iter_batches(batch_size=1024):
+            ids = pa.array(np.arange(first_block, first_block + batch.num_rows, dtype=np.int64))
+            batch = batch.set_column(batch.schema.get_field_index("block_id"), "block_id", ids)
+            writer.write_batch(batch)
+            first_block += batch.num_rows
+    finally:
+        writer.close()
+    return first_block
+
+
+def verify_table(path: str | os.PathLike) -> dict[str, Any]:
+    """Check a token table, and for a merged one the union of its shards.
+
+    Checks: the manifest's totals equal the rows' (tokens, supervised tokens, rows/blocks); every
+    row's ``source`` (tokenized) or window id (packed) occurs once; for a merged table, the parts
+    per shard hold the rows its manifest records, and each shard directory that still exists has
+    the manifest recorded (sha256).
+
+    Returns:
+        ``{"ok": bool, "kind", "rows", "problems": [str, ...]}``.
+    """
+    import polars as pl
+
+    table = TokenTable.open(path)
+    m, problems = table.manifest, []
+    lf = table.scan()
+    if table.kind == "tokenized":
+        agg = lf.select(pl.len().alias("rows"), pl.col("n_tokens").cast(pl.Int64).sum().alias("tokens"),
+                        pl.col("n_loss_tokens").cast(pl.Int64).sum().alias("loss"),
+                        pl.col("source").n_unique().alias("unique"))
+    else:
+        agg = lf.select(pl.len().alias("rows"), pl.col("n_tokens").cast(pl.Int64).sum().alias("tokens"),
+                        pl.col("loss_mask").list.sum().cast(pl.Int64).sum().alias("loss"),
+                        pl.col("segment_ids").list.len().sum().alias("windows"),
+                        pl.col("segment_ids").explode().n_unique().alias("unique"))
+    got = agg.collect(engine="streaming").row(0, named=True)
+    counts = m.get("counts", {})
+    for key, name in (("tokens", "tokens"), ("loss", "loss_tokens")):
+        if name in counts and int(got[key] or 0) != int(counts[name]):
+            problems.append(f"{name}: the rows hold {got[key]}, the manifest says {counts[name]}")
+    if table.kind == "packed" and "n_blocks" in counts and got["rows"] != counts["n_blocks"]:
+        problems.append(f"n_blocks: {got['rows']} rows, the manifest says {counts['n_blocks']}")
+    n_ids = got["rows"] if table.kind == "tokenized" else got["windows"]
+    if got["rows"] and got["unique"] != n_ids:
+        what = "row sources" if table.kind == "tokenized" else "window ids"
+        problems.append(f"{n_ids - got['unique']} repeated {what}: a shard given twice or overlapping runs")
+    problems += _check_parts(table)
+    return {"ok": not problems, "kind": table.kind, "rows": got["rows"], "problems": problems}
+
+
+def _check_parts(table: TokenTable) -> list[str]:
+    problems = []
+    files = table._files()
+    k = 0
+    for part in table.manifest.get("merged_from", []):
+        rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files[k:k + part["parts"]])
+        k += part["parts"]
+        if rows != part["rows"]:
+            problems.append(f"shard {part['shard_index']}: {rows} rows in its parts, {part['rows']} recorded")
+        shard_dir = Path(part["path"])
+        if (shard_dir / "manifest.json").is_file() and manifest_sha256(shard_dir) != part["manifest_sha256"]:
+            problems.append(f"shard {part['shard_index']}: {shard_dir} has changed since the merge (manifest sha256)")
+    if table.manifest.get("merged_from") and k != len(files):
+        problems.append(f"{len(files)} part files, the shards recorded {k}")
+    return problems
+
+
+def merge_stores(paths: list[str | os.PathLike], output: str | os.PathLike, force: bool = False) -> dict[str, Any]:
+    """Join the shard stores of ``extract --num-shards N`` into one store equal to the unsharded one.
+
+    Raises:
+        InputError: a store is not a shard, not complete, or the shards are not 0..N-1 of one N.
+        StoreMismatchError: shards of other packed tables, verifiers, layers or storage.
+        OutputExistsError: ``output`` exists and ``force`` is false.
+    """
+    from stores.feature_store import FeatureStore
+
+    stores = [FeatureStore.open(p) for p in paths]
+    shards = []
+    for s in stores:
+        sh = s.attrs.get("shard")
+        if not sh:
+            raise InputError(f"{s.path} is not a shard store (made without extract --num-shards)")
+        if not s.is_complete():
+            raise InputError(f"{s.path}: {len(s.missing_blocks())} blocks not done; finish it with "
+                             "`peagle-data extract --resume` first")
+        shards.append((int(sh["num_shards"]), int(sh["shard_index"])))
+    n = shards[0][0]
+    if any(x[0] != n for x in shards):
+        raise StoreMismatchError(f"the stores come from runs of different --num-shards: {[x[0] for x in shards]}")
+    _check_shard_set([x[1] for x in shards], n, [str(p) for p in paths])
+    stores = [s for _, s in sorted(zip([x[1] for x in shards], stores), key=lambda t: t[0])]
+    first = stores[0]
+    for s in stores[1:]:
+        for key in ("source", "layers", "storage_dtype", "compressor", "block_size"):
+            if s.attrs.get(key) != first.attrs.get(key):
+                raise StoreMismatchError(f"{s.path}: {key} {s.attrs.get(key)!r} differs from {first.path}'s "
+                                         f"{first.attrs.get(key)!r}")
+        if s.attrs["verifier"] != first.attrs["verifier"]:
+            raise StoreMismatchError(f"{s.path}: made with another verifier than {first.path}")
+    return _write_merged_store(stores, output, force)
+
+
+def _write_merged_store(stores, output, force: bool) -> dict[str, Any]:
+    from stores.feature_store import FeatureStore
+
+    first, n = stores[0], len(stores)
+    total = sum(s.n_blocks for s in stores)
+    attrs = dict(first.attrs)
+    out = FeatureStore.create(
+        output, n_blocks=total, block_size=first.block_size,
+        max_segments=max(int(s.attrs["max_segments"]) for s in stores), layers=first.layers,
+        hidden_size=first.hidden_size, vocab_size=first.vocab_size, verifier=attrs["verifier"],
+        tokenizer=attrs.get("tokenizer"), source=attrs.get("source", ""), storage_dtype=first.storage_dtype,
+        compressor=attrs.get("compressor"), n_tokens=sum(s.n_tokens for s in stores), force=force,
+        extra={"merged_from": [{"path": str(s.path), "shard_index": i} for i, s in enumerate(stores)]})
+    n_tokens = np.zeros(total, dtype=np.int32)
+    hidden = [name for name in ("aux_hidden", "final_hidden", "aux_scale", "final_scale") if name in first.group]
+    for s_index, s in enumerate(stores):
+        per_block = s.n_tokens_per_block()
+        for k in range(s.n_blocks):
+            g = s_index + k * n
+            tok = s.read_tokens(k)
+            out.write_tokens(g, tok["input_ids"], tok["loss_mask"], tok["position_ids"], tok["cu_seqlens"])
+            for name in hidden:
+                out.group[name][g] = s.group[name][k]
+            n_tokens[g] = per_block[k]
+    out.write_all_n_tokens(n_tokens)
+    out.set_token_freq(np.sum([s.token_freq() for s in stores], axis=0))
+    for g in range(total):
+        out.mark_done(g)
+    out.update_attrs(tokens_written=True)
+    return out.summary()

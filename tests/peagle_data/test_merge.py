@@ -1,0 +1,118 @@
+"""peagle-data merge + verify: shard tables and shard stores joined into the unsharded run."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from cli.data import main
+from peagle_data.extract import ExtractConfig, run_extract
+from peagle_data.prepare import PackConfig, TokenizeConfig, run_pack, run_tokenize
+from stores.errors import InputError, StoreMismatchError
+from stores.feature_store import FeatureStore, verify_store
+from stores.merge import merge_stores, merge_tables, verify_table
+from stores.token_tables import TokenTable
+
+from tests.peagle_data.test_extract_run import write_packed
+from tests.peagle_data.test_shards import _inputs, _tok_rows, _windows
+
+
+def _shards(tmp_path, tok, inputs, kind, n=3):
+    outs = []
+    for i in range(n):
+        out = tmp_path / f"{kind}{i}"
+        t = TokenizeConfig(num_shards=n, shard_index=i)
+        if kind == "tok":
+            run_tokenize(inputs, "smollm2-135m", out, t, tokenizer=tok)
+        else:
+            run_pack(inputs, "smollm2-135m", out, PackConfig(max_seq_len=128, tokenize=t), tokenizer=tok)
+        outs.append(out)
+    return outs
+
+
+def test_merged_tokenize_and_pack_shards_equal_the_unsharded_run(tmp_path, smollm2_tokenizer):
+    inputs = _inputs(tmp_path)
+    full_tok = run_tokenize(inputs, "smollm2-135m", tmp_path / "full_tok", TokenizeConfig(), tokenizer=smollm2_tokenizer)
+    shards = _shards(tmp_path, smollm2_tokenizer, inputs, "tok")
+    manifest = merge_tables(shards[::-1], tmp_path / "merged_tok")  # any order
+    assert _tok_rows(tmp_path / "merged_tok") == _tok_rows(tmp_path / "full_tok")
+    for key in ("read", "used", "rejected", "duplicates", "tokens", "loss_tokens"):
+        assert manifest["counts"][key] == full_tok["counts"][key], key
+    assert [p["shard_index"] for p in manifest["merged_from"]] == [0, 1, 2]
+    assert np.array_equal(TokenTable.open(tmp_path / "merged_tok").token_freq(),
+                          TokenTable.open(tmp_path / "full_tok").token_freq())
+    rejects = lambda p: sorted((p / "rejects.jsonl").read_text().splitlines())  # noqa: E731
+    assert rejects(tmp_path / "merged_tok") == rejects(tmp_path / "full_tok")
+    assert verify_table(tmp_path / "merged_tok") == {"ok": True, "kind": "tokenized",
+                                                     "rows": full_tok["counts"]["used"], "problems": []}
+
+    full = run_pack(inputs, "smollm2-135m", tmp_path / "full_p", PackConfig(max_seq_len=128), tokenizer=smollm2_tokenizer)
+    r = CliRunner().invoke(main, ["merge", *map(str, _shards(tmp_path, smollm2_tokenizer, inputs, "p")),
+                                  "--output", str(tmp_path / "merged_p")])
+    assert r.exit_code == 0, r.output
+    merged = TokenTable.open(tmp_path / "merged_p")
+    assert _windows(tmp_path / "merged_p") == _windows(tmp_path / "full_p")
+    assert merged.read_all(["block_id"]).column(0).to_pylist() == list(range(merged.num_rows))
+    assert merged.manifest["counts"]["loss_tokens"] == full["counts"]["loss_tokens"]
+    r = CliRunner().invoke(main, ["verify", str(tmp_path / "merged_p")])
+    assert r.exit_code == 0 and json.loads(r.output)["ok"], r.output
+
+
+def test_merge_refuses_incomplete_or_foreign_shards_and_verify_finds_overlaps(tmp_path, smollm2_tokenizer):
+    inputs = _inputs(tmp_path)
+    shards = _shards(tmp_path, smollm2_tokenizer, inputs, "tok")
+    with pytest.raises(InputError, match=r"missing shard index \[1\]"):
+        merge_tables([shards[0], shards[2]], tmp_path / "m")
+    with pytest.raises(InputError, match=r"shard index \[0\] given twice"):
+        merge_tables([shards[0], shards[0], shards[2]], tmp_path / "m")
+    run_tokenize(inputs, "smollm2-135m", tmp_path / "other", TokenizeConfig(num_shards=3, shard_index=1, max_tokens=500),
+                 tokenizer=smollm2_tokenizer)
+    with pytest.raises(StoreMismatchError, match="other parameters"):
+        merge_tables([shards[0], tmp_path / "other", shards[2]], tmp_path / "m")
+    run_tokenize(inputs, "smollm2-135m", tmp_path / "whole", TokenizeConfig(), tokenizer=smollm2_tokenizer)
+    with pytest.raises(InputError, match="is not a shard"):
+        merge_tables([tmp_path / "whole"], tmp_path / "m")
+    assert not (tmp_path / "m").exists()
+    # a merged table whose part files were tampered with: one part linked twice
+    merge_tables(shards, tmp_path / "m")
+    parts = sorted((tmp_path / "m").glob("part-*.parquet"))
+    parts[1].unlink()
+    parts[1].hardlink_to(parts[0])
+    report = verify_table(tmp_path / "m")
+    assert not report["ok"] and any("repeated row sources" in p for p in report["problems"])
+    assert any(p.startswith("shard 1:") for p in report["problems"])
+    r = CliRunner().invoke(main, ["verify", str(tmp_path / "m")])
+    assert r.exit_code == 1 and "failed verification" in r.output
+
+
+def test_extract_shards_merge_into_the_unsharded_store(tmp_path, tiny_verifier_dir):
+    packed = write_packed(tmp_path / "packed", n_blocks=5, block_size=48)
+    cfg = dict(packed=str(packed), verifier=str(tiny_verifier_dir), layers=[1, 3], device="cpu")
+    run_extract(ExtractConfig(**cfg, output=str(tmp_path / "full.zarr")), progress=False)
+    parts = []
+    for i in range(2):
+        out = tmp_path / f"s{i}.zarr"
+        s = run_extract(ExtractConfig(**cfg, output=str(out), num_shards=2, shard_index=i), progress=False)
+        assert s["complete"] and s["n_blocks"] == (3, 2)[i]
+        parts.append(out)
+        r = CliRunner().invoke(main, ["verify", str(out), "--packed", str(packed)])  # a shard checks its blocks
+        assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["merge", str(parts[1]), str(parts[0]), "--output", str(tmp_path / "m.zarr")])
+    assert r.exit_code == 0, r.output
+    full, merged = FeatureStore.open(tmp_path / "full.zarr"), FeatureStore.open(tmp_path / "m.zarr")
+    assert merged.n_blocks == 5 and merged.n_tokens == full.n_tokens
+    for name in ("input_ids", "loss_mask", "position_ids", "cu_seqlens", "aux_hidden", "final_hidden", "n_tokens",
+                 "token_freq", "done"):
+        assert np.array_equal(merged.group[name][:], full.group[name][:]), name
+    assert verify_store(tmp_path / "m.zarr")["ok"]
+    r = CliRunner().invoke(main, ["verify", str(tmp_path / "m.zarr"), "--packed", str(packed)])
+    assert r.exit_code == 0, r.output
+    with pytest.raises(InputError, match=r"missing shard index \[1\]"):
+        merge_stores([parts[0]], tmp_path / "x.zarr")
+    FeatureStore.open(parts[1], mode="r+").clear_done(0)
+    with pytest.raises(InputError, match="1 blocks not done"):
+        merge_stores(parts, tmp_path / "y.zarr")
