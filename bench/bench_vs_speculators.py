@@ -5,6 +5,11 @@ Paths (``--paths``, comma-separated):
   synthetic rows (segments of 2048 tokens, 70% supervised, K = 8, r = 0.7, r_min = 0.2), with
   ``max_anchors`` unset and 1024; the calls alternate, the ratio is of the medians. Also the
   elements per depth of both (row-level counts: equal where the pool is not the limit).
+- ``blockmask``: ``block_mask_from_elements`` (the flex backend's BlockMask, from the element
+  structure) against ``create_block_mask`` on speculators' ``create_peagle_mask_mod`` for the same
+  elements (anchors, depths, segment of every token): time (median of ``--mask-repeats``) and peak
+  resident memory above the resident memory before the call (the kernel's high-water mark, reset
+  through ``/proc/self/clear_refs``); both BlockMasks are checked identical.
 - ``store``: whole-block reads of a local bf16 store at SmolLM2 sizes (3 aux layers, H 576), full
   blocks of ``--store-blocks`` tokens, page cache warm: ``FeatureStore.read_blocks`` (the ``file``
   path, 4 blocks per request) and the zarr-API path against a plain read of the same chunk files'
@@ -68,6 +73,45 @@ def bench_cod(tokens: list[int], repeats: int) -> None:
             theirs = torch.bincount(spec_cod(T, lm, K, R, R_MIN, True, a)[1], minlength=K).tolist()
             print(f"| {T} | {a} | {t['peagle'] * 1e3:.3f} | {t['spec'] * 1e3:.3f} | "
                   f"**{t['peagle'] / t['spec']:.2f}** | {ours[1:]} | {theirs[1:]} |", flush=True)
+
+
+def _peak_above_start_mib(fn) -> float:
+    """Peak resident memory (MiB) of ``fn()`` above the resident memory when it starts."""
+    def status(key):
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith(key)) / 1024
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current VmRSS
+    start = status("VmRSS:")
+    fn()
+    return status("VmHWM:") - start
+
+
+def bench_blockmask(tokens: list[int], repeats: int) -> None:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from peagle_train.attention import block_mask_from_elements
+    from peagle_train.cod import segment_ids
+
+    spec_mod = speculators_ref.create_peagle_mask_mod()
+    print("\n## flex BlockMask: block_mask_from_elements vs create_block_mask(speculators' mask_mod)\n")
+    print("| T | max_anchors | elements | peagle ms | create_block_mask ms | time ratio | peagle peak MiB | "
+          "create_block_mask peak MiB | memory ratio | identical |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for T in tokens:
+        block = make_block(T)
+        for a in (None, 1024):
+            el = sample_cod_elements(block.cu_seqlens, block.loss_mask, K, R, R_MIN, a, torch.Generator().manual_seed(0))
+            E = len(el)
+            mod = spec_mod(el.anchor, el.depth, segment_ids(block.cu_seqlens))
+            ours = lambda: block_mask_from_elements(el)  # noqa: E731
+            theirs = lambda: create_block_mask(mod, None, None, E, E, device="cpu")  # noqa: E731
+            same = all(torch.equal(x, y) for x, y in zip(ours().as_tuple()[2:10], theirs().as_tuple()[2:10]))
+            mem = {"ours": _peak_above_start_mib(ours), "theirs": _peak_above_start_mib(theirs)}
+            t = alternate({"ours": ours, "theirs": theirs}, repeats)
+            print(f"| {T} | {a} | {E} | {t['ours'] * 1e3:.1f} | {t['theirs'] * 1e3:.0f} | "
+                  f"**{t['ours'] / t['theirs']:.4f}** | {mem['ours']:.1f} | {mem['theirs']:.0f} | "
+                  f"**{max(mem['ours'], 0.1) / mem['theirs']:.4f}** | {same} |", flush=True)
 
 
 def _make_store(path: Path, C: int, n_blocks: int):
@@ -152,6 +196,8 @@ def main() -> None:
     ap.add_argument("--paths", default="cod")
     ap.add_argument("--tokens", default="2048,8192,32768")
     ap.add_argument("--repeats", type=int, default=31)
+    ap.add_argument("--mask-tokens", default="2048,8192", help="T values for --paths blockmask")
+    ap.add_argument("--mask-repeats", type=int, default=3)
     ap.add_argument("--store-blocks", default="512,1024,2048", help="block sizes (tokens) for --paths store")
     ap.add_argument("--store-mib", type=int, default=96, help="MiB of blocks per store size")
     ap.add_argument("--store-rounds", type=int, default=40, help="passes over the store per reader (best kept)")
@@ -161,6 +207,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, speculators {speculators_ref.VERSION}")
     if "cod" in paths:
         bench_cod(tokens, args.repeats)
+    if "blockmask" in paths:
+        bench_blockmask([int(t) for t in args.mask_tokens.split(",")], args.mask_repeats)
     if "store" in paths:
         bench_store([int(c) for c in args.store_blocks.split(",")], args.store_mib, args.store_rounds)
 

@@ -26,7 +26,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from peagle_train.cod import CodElements
 
 __all__ = ["build_attention_mask", "attention_mask_reference", "make_mask_mod", "FlexElementMask",
-           "MaskMod", "DEFAULT_BLOCK_SIZE"]
+           "MaskMod", "DEFAULT_BLOCK_SIZE", "block_mask_from_elements", "tile_counts"]
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``mask_mod(b, h, q_idx, kv_idx) -> bool`` as ``flex_attention`` takes it."""
@@ -102,16 +102,140 @@ def make_mask_mod(elements: CodElements) -> MaskMod:
     return mask_mod
 
 
+def _depth0_ranges(elements: CodElements, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[lo, hi)`` columns of the depth-0 keys query elements ``q [Q]`` see (their segment's first
+    depth-0 element up to their own anchor's); ``([Q], [Q]) int64``."""
+    anchor, depth, segment = elements.anchor, elements.depth, elements.segment
+    n0 = int((depth == 0).sum())
+    lo = torch.searchsorted(segment[:n0], segment[q], right=False)  # [Q]
+    hi = torch.searchsorted(anchor[:n0], anchor[q], right=True)  # [Q]
+    return lo, hi
+
+
+def _chain_pairs(elements: CodElements, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query position in ``q``, key column) of every chain pair ``(a_q, d)``, ``1 <= d <= d_q``:
+    ``sum(d_q)`` pairs, found by binary search among each depth's sorted anchors."""
+    anchor, depth = elements.anchor, elements.depth
+    dev = anchor.device
+    if q.numel() == 0 or int(depth.max()) == 0:
+        return torch.zeros(0, dtype=torch.int64, device=dev), torch.zeros(0, dtype=torch.int64, device=dev)
+    max_depth = int(depth.max())
+    starts = torch.searchsorted(depth, torch.arange(max_depth + 2, device=dev))  # [K+1]
+    aq, dq = anchor[q], depth[q]  # [Q]
+    pos = torch.arange(q.numel(), device=dev)
+    rows, cols = [], []
+    for d in range(1, max_depth + 1):
+        ad = anchor[starts[d]:starts[d + 1]]  # [E_d] sorted
+        sel = pos[dq >= d]
+        if ad.numel() == 0 or sel.numel() == 0:
+            continue
+        j = torch.searchsorted(ad, aq[sel]).clamp(max=ad.numel() - 1)
+        hit = ad[j] == aq[sel]  # always true for complete chains
+        rows.append(sel[hit])
+        cols.append(starts[d] + j[hit])
+    if not rows:
+        return torch.zeros(0, dtype=torch.int64, device=dev), torch.zeros(0, dtype=torch.int64, device=dev)
+    return torch.cat(rows), torch.cat(cols)
+
+
+def tile_counts(elements: CodElements, rows: torch.Tensor | None = None,
+                block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+    """Allowed (query, key) pairs of the §8 rule in every ``block_size``-square tile, from structure.
+
+    The depth-0 range of each query adds its overlap with each key tile through a difference array
+    over tiles (the range is contiguous), and the chain keys add one pair each (``bincount``), so the
+    cost is O(Q·K + Qb·Kb) time and memory with nothing ``[Q, E]``.
+
+    Args:
+        elements: sorted by (depth, anchor) with complete chains (as COD sampling returns them).
+        rows: ``[R] int64`` query elements (None: all E).
+        block_size: tile side B.
+
+    Returns:
+        ``[Qb, Kb] int64`` with ``Qb = ceil(Q / B)``, ``Kb = ceil(E / B)``.
+    """
+    dev = elements.anchor.device
+    E = len(elements)
+    q = torch.arange(E, device=dev) if rows is None else rows.to(dev)
+    B = int(block_size)
+    Qb, Kb = -(-q.numel() // B), -(-E // B)
+    counts = torch.zeros(Qb * Kb, dtype=torch.int64, device=dev)
+    if q.numel() == 0 or E == 0:
+        return counts.view(Qb, Kb)
+    lo, hi = _depth0_ranges(elements, q)  # [Q]
+    qb = torch.arange(q.numel(), device=dev) // B  # [Q] query tile
+    bl, bh = lo // B, (hi - 1) // B  # [Q] first and last key tile the range touches
+    one = bl == bh
+    # the range's first tile, its last tile (when different) and every tile between them
+    counts.index_add_(0, qb * Kb + bl, torch.where(one, hi - lo, (bl + 1) * B - lo))
+    counts.index_add_(0, (qb * Kb + bh)[~one], (hi - bh * B)[~one])
+    diff = torch.zeros(Qb * (Kb + 1), dtype=torch.int64, device=dev)  # +B on tiles bl+1 .. bh-1
+    mid = bh > bl + 1
+    diff.index_add_(0, (qb * (Kb + 1) + bl + 1)[mid], torch.full_like(bl[mid], B))
+    diff.index_add_(0, (qb * (Kb + 1) + bh)[mid], torch.full_like(bl[mid], -B))
+    counts += diff.view(Qb, Kb + 1).cumsum(1)[:, :Kb].reshape(-1)
+    r, c = _chain_pairs(elements, q)
+    counts += torch.bincount((r // B) * Kb + c // B, minlength=Qb * Kb)
+    return counts.view(Qb, Kb)
+
+
+def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[Qb, Kb] bool`` -> (``[1, 1, Qb] int32`` count, ``[1, 1, Qb, Kb] int32`` listed tiles first,
+    each part ascending): the layout ``create_block_mask`` gives (a stable descending argsort)."""
+    t = tiles.to(torch.int32)
+    idx = torch.argsort(t, dim=-1, descending=True, stable=True)
+    return t.sum(-1).to(torch.int32)[None, None], idx.to(torch.int32)[None, None]
+
+
+def block_mask_from_elements(elements: CodElements, rows: torch.Tensor | None = None,
+                             block_size: int = DEFAULT_BLOCK_SIZE,
+                             mask_mod: MaskMod | None = None) -> BlockMask:
+    """The §8 rule's ``flex_attention`` BlockMask built from the element structure.
+
+    Identical (every index tensor) to ``create_block_mask(mask_mod, None, None, Q, E,
+    BLOCK_SIZE=block_size)`` for the rule's mask_mod, without evaluating it on the ``[Q, E]`` grid: a
+    tile is full when :func:`tile_counts` finds ``B * B`` allowed pairs in it, partial when it finds
+    fewer but some (tiles past the edge hold padding, so they are never full, as in torch).
+
+    Args:
+        elements: sorted by (depth, anchor) with complete chains.
+        rows: ``[R] int64`` query elements; None: all E (shape ``[1, 1, E, E]``, else ``[1, 1, R, E]``).
+        block_size: tile side, queries and keys.
+        mask_mod: the mask_mod stored in the BlockMask (the kernel applies it inside partial tiles);
+            default :func:`make_mask_mod` (restricted to ``rows``).
+
+    Returns:
+        ``torch.nn.attention.flex_attention.BlockMask`` on the elements' device.
+    """
+    B = int(block_size)
+    counts = tile_counts(elements, rows, B)  # [Qb, Kb]
+    full = counts == B * B
+    partial = (counts > 0) & ~full
+    if mask_mod is None:
+        mask_mod = make_mask_mod(elements)
+        if rows is not None:
+            base, idx = mask_mod, rows.to(elements.anchor.device)
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return base(b, h, idx[q_idx], kv_idx)
+    Q = len(elements) if rows is None else int(rows.numel())
+    kv_num, kv_idx = _ordered(partial)
+    full_num, full_idx = _ordered(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(B, B), mask_mod=mask_mod,
+                                    seq_lengths=(Q, len(elements)))
+
+
 class FlexElementMask:
     """The §8 rule for ``flex_attention``: BlockMasks over E elements of one row, made on demand.
 
     ``PEagleDrafter.forward`` takes this in place of the dense ``[E, E]`` mask. Every decoder layer
     asks for :meth:`block_mask` (``[E, E]``); the last layer, which runs queries for ``output_rows``
     R only, asks for ``block_mask(rows)`` (``[R, E]``: query i is element ``rows[i]``, keys are all E
-    elements). Each is built once with ``create_block_mask`` on the elements' device and cached for
-    the object's life (one forward/backward of one row). ``create_block_mask`` evaluates the
-    mask_mod on the ``[Q, E]`` index grid, so building it costs about what the dense mask does; the
-    attention itself then skips the ``BLOCK_SIZE``-square tiles with no allowed pair.
+    elements). Each is built once on the elements' device and cached for the object's life (one
+    forward/backward of one row): with the rule's own mask_mod by :func:`block_mask_from_elements`
+    from the element structure (no ``[Q, E]`` grid); with another mask_mod (tests) by
+    ``create_block_mask``, which evaluates it on the grid. The attention then skips the
+    ``BLOCK_SIZE``-square tiles with no allowed pair.
 
     Attributes:
         elements: the ``CodElements`` (``[E]`` tensors) sorted by (depth, anchor).
@@ -120,11 +244,12 @@ class FlexElementMask:
         block_size: BlockMask tile, queries and keys.
     """
 
-    __slots__ = ("elements", "mask_mod", "block_size", "_full", "_rows")
+    __slots__ = ("elements", "mask_mod", "block_size", "_full", "_rows", "_structural")
 
     def __init__(self, elements: CodElements, mask_mod: MaskMod | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE):
         self.elements = elements
+        self._structural = mask_mod is None
         self.mask_mod: MaskMod = mask_mod if mask_mod is not None else make_mask_mod(elements)
         self.block_size = int(block_size)
         self._full: BlockMask | None = None
@@ -143,11 +268,17 @@ class FlexElementMask:
         E = len(self)
         if rows is None:
             if self._full is None:
-                self._full = create_block_mask(self.mask_mod, None, None, E, E, device=self.device,
-                                               BLOCK_SIZE=self.block_size)
+                self._full = (block_mask_from_elements(self.elements, None, self.block_size, self.mask_mod)
+                              if self._structural else
+                              create_block_mask(self.mask_mod, None, None, E, E, device=self.device,
+                                                BLOCK_SIZE=self.block_size))
             return self._full
         if self._rows is not None and self._rows[0] is rows:
             return self._rows[1]
+        if self._structural:
+            bm = block_mask_from_elements(self.elements, rows.to(self.device), self.block_size)
+            self._rows = (rows, bm)
+            return bm
         base, idx = self.mask_mod, rows.to(self.device)
 
         def rows_mask_mod(b, h, q_idx, kv_idx):

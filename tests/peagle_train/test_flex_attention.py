@@ -17,8 +17,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from peagle_train.attention import FlexElementMask, build_attention_mask, make_mask_mod
-from peagle_train.cod import CodElements, element_inputs, sample_cod_elements
+from torch.nn.attention.flex_attention import create_block_mask
+
+from peagle_train.attention import FlexElementMask, block_mask_from_elements, build_attention_mask, make_mask_mod
+from peagle_train.cod import CodElements, all_elements, element_inputs, sample_cod_elements
 from peagle_train.data import Block
 from peagle_train.model import DrafterConfig, PEagleDrafter
 from peagle_train.train import TrainConfig, _block_to, block_loss, resolve_attention_backend, run_train
@@ -110,6 +112,47 @@ def test_block_masks_equal_the_dense_rule(seed):
         assert not (partial & full).any()
         assert 0 < int(full.sum()) and int((partial | full).sum()) < any_t.numel()  # sparse, not trivial
     assert fm.block_mask() is fm.block_mask() and fm.block_mask(rows) is fm.block_mask(rows)  # cached
+
+
+def _assert_same_block_mask(got, want):
+    """Every index tensor and size of two BlockMasks equal (the mask_mods are compared by the caller)."""
+    assert got.seq_lengths == want.seq_lengths and got.BLOCK_SIZE == want.BLOCK_SIZE
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("bs", [4, 16, 128])
+def test_block_mask_from_structure_is_create_block_mask(seed, bs):
+    """Built from anchors, depths and segments, the BlockMask is identical to create_block_mask's on
+    the rule's mask_mod, for all queries and for the loss rows, sampled or complete elements, with and
+    without max_anchors, ragged edge tiles and tiles straddling the depth-0 / depth-1 boundary."""
+    g = torch.Generator().manual_seed(seed)
+    seg_lens = torch.randint(1, 70, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+    block = _block(tuple(seg_lens), seed=seed)
+    if seed == 5:
+        el = all_elements(block.cu_seqlens, block.loss_mask, 4)
+    else:
+        el = sample_cod_elements(block.cu_seqlens, block.loss_mask, 6, 0.8, 0.2, [None, 7][seed % 2],
+                                 torch.Generator().manual_seed(seed))
+    rule = make_mask_mod(el)
+    rows = torch.nonzero(el.weight != 0).squeeze(1)
+    for r in (None, rows, rows[:0]):
+        Q = len(el) if r is None else int(r.numel())
+        ref_mod = rule if r is None else (lambda b, h, q, k, r=r: rule(b, h, r[q], k))
+        want = create_block_mask(ref_mod, None, None, Q, len(el), device="cpu", BLOCK_SIZE=bs)
+        got = block_mask_from_elements(el, r, bs)
+        _assert_same_block_mask(got, want)
+        assert torch.equal(got.to_dense(), want.to_dense())
+        q = torch.arange(Q)[:, None]
+        k = torch.arange(len(el))[None, :]
+        zero = torch.zeros((), dtype=torch.long)
+        assert torch.equal(got.mask_mod(zero, zero, q, k), want.mask_mod(zero, zero, q, k))
+    fm = FlexElementMask(el, block_size=bs)
+    _assert_same_block_mask(fm.block_mask(), block_mask_from_elements(el, None, bs))
+    _assert_same_block_mask(fm.block_mask(rows), block_mask_from_elements(el, rows, bs))
 
 
 def test_flex_forward_equals_sdpa_full_and_output_rows():
