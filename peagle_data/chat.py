@@ -451,16 +451,16 @@ def _message_parts(msg: dict[str, Any], supervised: bool) -> list[tuple[str, lis
     content = (msg.get("content") or "") if isinstance(msg.get("content") or "", str) else ""
     thought = _thought_in(content)
     answer = content.rsplit("</think>", 1)[-1].strip()
-    needles = [(answer,)] if answer else []
+    needles = [_alternatives(answer)] if answer else []  # escaped: templates that apply tojson to content
     if thought and supervised:
-        needles.append((thought,))
+        needles.append(_alternatives(thought))
     if needles:
         parts.append(("content", needles))
     if msg.get("role") != "assistant":
         return parts
     reasoning = (msg.get("reasoning_content") or "").strip()
     if reasoning and supervised:
-        parts.append(("reasoning_content", [(reasoning,)]))
+        parts.append(("reasoning_content", [_alternatives(reasoning)]))
     calls = []
     for call in msg.get("tool_calls") or []:
         fn = call.get("function") if isinstance(call.get("function"), dict) else call

@@ -143,7 +143,8 @@ class TokenizeConfig:
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"--limit must be >= 1 rows, got {self.limit}")
         if self.chat_template is not None and not Path(self.chat_template).is_file():
-            raise ValueError(f"--chat-template {self.chat_template!r} is not a file")
+            state = "is not a regular file" if Path(self.chat_template).exists() else "does not exist"
+            raise ValueError(f"--chat-template {self.chat_template!r} {state}")
 
 
 @dataclass(frozen=True, kw_only=True)

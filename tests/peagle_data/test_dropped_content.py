@@ -79,6 +79,14 @@ def test_llama3_drops_tool_calls_but_renders_the_tool_result(llama3_tok):
     out = tokenize_conversation(llama3_tok, TOOL_CALL_TURNS, chat_template=LLAMA3, on_dropped="keep")
     assert masked_texts(llama3_tok, out) == ["It is 3 degrees.<|eot_id|>"]
     assert '{"temp": 3}' in llama3_tok.decode(out.input_ids)  # the tool turn is context, rendered
+    no_tools = LLAMA3.replace("{% for m in messages %}", "{% for m in messages if m.role != 'tool' %}")
+    plain_calls = [TOOL_CALL_TURNS[0], {"role": "assistant", "content": "Calling get_weather(city=Oslo)."}] + \
+        TOOL_CALL_TURNS[2:]
+    with pytest.raises(ChatTemplateError, match=r"^template drops content: the content of message 2 \(tool\) does "
+                                                r"not appear in the render \(the template does not render it\)"):
+        tokenize_conversation(llama3_tok, plain_calls, chat_template=no_tools)
+    out = tokenize_conversation(llama3_tok, plain_calls, chat_template=no_tools, on_dropped="keep")
+    assert masked_texts(llama3_tok, out) == ["Calling get_weather(city=Oslo).<|eot_id|>", "It is 3 degrees.<|eot_id|>"]
 
 
 def test_gemma_drops_reasoning_and_a_partial_tool_call_turn_keeps_its_text(gemma_tok):
@@ -116,6 +124,16 @@ def test_mistral_per_turn_rows_check_each_row(mistral_tok):
         tokenize_turns(mistral_tok, turns, chat_template=MISTRAL)
     rows = tokenize_turns(mistral_tok, turns, chat_template=MISTRAL, on_dropped="keep")
     assert [(t, masked_texts(mistral_tok, o)) for t, o in rows] == [(2, [" Hello.</s>"]), (4, [" Bye.</s>"])]
+
+
+def test_tool_results_rendered_with_tojson_are_found(llama3_tok):
+    # Llama 3.1 renders a tool message's content with tojson (a string is iterable in Jinja).
+    template = LLAMA3.replace("m.content | trim", "(m.content | tojson if m.role == 'tool' else m.content | trim)")
+    turns = [TOOL_CALL_TURNS[0], {"role": "assistant", "content": "Calling."},
+             {"role": "tool", "content": 'Line 1\n{"temp": 3}'}, TOOL_CALL_TURNS[3]]
+    out = tokenize_conversation(llama3_tok, turns, chat_template=template)
+    assert '"Line 1\\n{\\"temp\\": 3}"' in llama3_tok.decode(out.input_ids)
+    assert masked_texts(llama3_tok, out) == ["Calling.<|eot_id|>", "It is 3 degrees.<|eot_id|>"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -129,6 +129,10 @@ def test_bad_chat_template_fails_once_up_front(tmp_path, smollm2_tokenizer):
     with pytest.raises(InputError, match="not a valid Jinja template"):
         run_pack([src], "smollm2-135m", tmp_path / "p", PackConfig(
             tokenize=TokenizeConfig(chat_template=str(template))), tokenizer=smollm2_tokenizer)
+    with pytest.raises(ValueError, match=r"^--chat-template '.*nope.jinja' does not exist$"):
+        TokenizeConfig(chat_template=str(tmp_path / "nope.jinja"))
+    with pytest.raises(ValueError, match=r"^--chat-template '.*' is not a regular file$"):
+        TokenizeConfig(chat_template=str(tmp_path))
 
 
 def test_pack_limit_applies_to_a_tokenize_output(tmp_path, smollm2_tokenizer):
