@@ -223,3 +223,34 @@ def test_r1_generation_prompt_mismatch_names_the_cause_and_the_fix(r1_tok):
 def test_an_empty_history_is_still_a_history_rewrite(smollm2_tokenizer):
     with pytest.raises(ChatTemplateError, match="^template rewrites history"):
         tokenize_conversation(smollm2_tokenizer, [{"role": "assistant", "content": "Hello!"}])
+
+
+# --------------------------------------------------------------------------------------------
+# Parquet rows tokenize like the same rows in JSONL: no invented null argument or tool parameter
+
+
+def test_parquet_tool_rows_tokenize_like_jsonl(tmp_path, qwen3_tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def row(param, value):
+        return {"tools": [{"type": "function", "function": {"name": f"get_{param}", "parameters": {
+                    "type": "object", "properties": {param: {"type": "string"}}}}}],
+                "messages": [{"role": "user", "content": "Look it up."},
+                             {"role": "assistant", "content": None, "tool_calls": [
+                                 {"type": "function", "function": {"name": f"get_{param}",
+                                                                   "arguments": {param: value}}}]}]}
+
+    rows = [row("city", "Lyon"), row("ticker", "ACME")]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "t.parquet")
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokenized = [[tokenize_conversation(qwen3_tok, c.messages, c.tools, QWEN3) for c in read_conversations([p])]
+                 for p in (tmp_path / "t.parquet", tmp_path / "t.jsonl")]
+    for from_parquet, from_jsonl in zip(*tokenized):
+        assert from_parquet.input_ids.tolist() == from_jsonl.input_ids.tolist()
+        assert from_parquet.loss_mask.tolist() == from_jsonl.loss_mask.tolist()
+    lyon = tokenized[0][0]
+    assert masked_texts(qwen3_tok, lyon) == [
+        '<tool_call>\n{"name": "get_city", "arguments": {"city": "Lyon"}}\n</tool_call><|im_end|>']
+    system = qwen3_tok.decode(lyon.input_ids[: lyon.system_len])
+    assert '"properties": {"city": {"type": "string"}}' in system and "ticker" not in system
