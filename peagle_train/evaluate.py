@@ -66,6 +66,7 @@ __all__ = [
     "check_verifier_config",
     "format_report",
     "write_acceptance_plot",
+    "wilson_interval",
 ]
 
 
@@ -290,6 +291,8 @@ class _OnlineTotals:
             "acceptance_length": 1.0 + (self.accepted / self.steps if self.steps else 0.0),
             "acceptance_rate": ratio(self.accepted, self.drafted),
             "per_position_acceptance": [ratio(a, r) for a, r in zip(self.accepted_at, self.reached)],
+            "per_position_accepted": list(self.accepted_at),
+            "per_position_reached": list(self.reached),
             "num_draft_tokens": self.K,
             "drafted": self.drafted,
             "accepted": self.accepted,
@@ -532,6 +535,8 @@ class _OfflineTotals:
             "per_depth_correct": self.depth_correct.tolist(),
             "per_depth_weight": self.depth_weight.tolist(),
             "per_position_acceptance": ratios(self.accepted_at, self.reached),
+            "per_position_accepted": self.accepted_at.tolist(),
+            "per_position_reached": self.reached.tolist(),
             "simulated_acceptance_length": 1.0 + mean_acc,
             "mean_accepted": mean_acc,
             "positions_scored": self.anchors,
@@ -749,29 +754,91 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float] | None:
+    """Wilson score interval of a binomial proportion (Wilson, 1927; 95% for z = 1.96).
+
+    Unlike ``p ± z·sqrt(p(1-p)/n)`` it stays inside [0, 1] and is honest for small ``trials`` and
+    for ``p`` near 0 or 1 (0 of 10 gives [0, 0.278], not [0, 0]). None when ``trials`` is 0.
+    """
+    if trials <= 0:
+        return None
+    n, p = trials, successes / trials
+    denom = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / denom
+    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / denom
+    return max(0.0, center - half), min(1.0, center + half)
+
+
+def _plot_series(report: dict[str, Any]) -> list[tuple[str, list[int], list[int]]]:
+    """``(label, successes [K], trials [K])`` per series: online and offline conditional acceptance,
+    offline per-depth accuracy."""
+    series = []
+    if "acceptance_length" in report and "per_position_reached" in report:
+        series.append(("online: P(accept | earlier accepted)", report["per_position_accepted"],
+                       report["per_position_reached"]))
+    off = report.get("offline")
+    if off and "per_position_reached" in off:
+        series.append(("offline: P(accept | earlier accepted)", off["per_position_accepted"],
+                       off["per_position_reached"]))
+        series.append(("offline: per-depth accuracy", off["per_depth_correct"], off["per_depth_weight"]))
+    return series
+
+
+def _plot_title(report: dict[str, Any]) -> str:
+    lines = []
+    if "acceptance_length" in report:
+        lines.append(f"online: acceptance length {report['acceptance_length']:.3f} (K={report['num_draft_tokens']}, "
+                     f"{report['num_turns']} turns, {report['num_drafts']} verifier steps with drafts)")
+    off = report.get("offline")
+    if off:
+        lines.append(f"offline: simulated acceptance length {off['simulated_acceptance_length']:.3f} "
+                     f"({off['positions_scored']} positions, {len(off.get('blocks', []))} blocks)")
+    return "\n".join(lines)
+
+
 def write_acceptance_plot(report: dict[str, Any], path: str | Path) -> Path:
-    """PNG bar chart of per-position acceptance (online, and offline when present)."""
+    """PNG of acceptance per draft position with 95% Wilson intervals and the count under each bar.
+
+    Bars: online conditional acceptance (``report``'s own keys) and offline conditional acceptance
+    (``report["offline"]``); points: offline per-depth accuracy. The title gives the acceptance
+    lengths. An offline-only run passes ``{"offline": offline_report}``.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    series = []
-    if "per_position_acceptance" in report and "acceptance_length" in report:
-        series.append(("online", report["per_position_acceptance"]))
-    if "offline" in report:
-        series.append(("offline (conditional)", report["offline"]["per_position_acceptance"]))
-    width = 0.8 / max(len(series), 1)
-    for j, (label, values) in enumerate(series):
-        xs = [i + j * width for i in range(len(values))]
-        ax.bar(xs, [v or 0.0 for v in values], width=width, label=label)
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("acceptance")
-    ax.set_ylim(0, 1)
-    ax.legend()
+    series = _plot_series(report)
+    K = max((len(t) for _, _, t in series), default=0)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * K + 2), 4.2))
+    bars = [s for s in series if "accuracy" not in s[0]]
+    width = 0.64 / max(len(bars), 1)  # the bars of a position span [-0.32, 0.32]; accuracy points at +0.42
+    for j, (label, succ, trials) in enumerate(series):
+        is_bar = "accuracy" not in label
+        offset = (j - (len(bars) - 1) / 2) * width if is_bar else 0.42
+        xs = [i + offset for i in range(len(trials))]
+        p = [a / n if n else float("nan") for a, n in zip(succ, trials)]
+        ci = [wilson_interval(a, n) for a, n in zip(succ, trials)]
+        err = [[v - c[0] if c else 0 for v, c in zip(p, ci)], [c[1] - v if c else 0 for v, c in zip(p, ci)]]
+        if is_bar:
+            ax.bar(xs, [0 if n == 0 else v for v, n in zip(p, trials)], width=width * 0.95, label=label,
+                   yerr=err, capsize=3, color=f"C{j}", ecolor="0.3")
+            for x, n, c in zip(xs, trials, ci):
+                ax.annotate(f"n={n}", (x, c[1] if c else 0.0), xytext=(0, 3), textcoords="offset points",
+                            ha="center", fontsize=7, color="0.25")
+        else:
+            ax.errorbar(xs, p, yerr=err, fmt="kD", ms=4, capsize=3, label=label)
+    ax.set_xticks(range(K))
+    ax.set_xlim(-0.6, max(K, 1) - 0.4)
+    ax.set_ylim(0, 1.08)
+    ax.set_xlabel("draft position (0 = first drafted token)")
+    ax.set_ylabel("fraction (whiskers: 95% Wilson interval)")
+    ax.set_title(_plot_title(report) or "no acceptance data", fontsize=9)
     fig.tight_layout()
+    if series:  # below the axes, so it never hides a bar
+        fig.subplots_adjust(bottom=0.24)
+        fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=7, frameon=False)
     path = Path(path)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -615,8 +615,15 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> Path | None:
     for d in range(len(train[0]["acc"])):
         ys = [r["acc"][d] if r["acc"][d] is not None else float("nan") for r in train]
         ax2.plot(steps, ys, label=f"depth {d}")
-    ax2.set(xlabel="step", ylabel="weighted argmax agreement", title="per-depth accuracy", ylim=(0, 1))
+    top = max([a for r in train for a in r["acc"] if a is not None] or [0.0])
+    # the axis follows the data (small accuracies early in training stay readable), never past 1
+    ax2.set(xlabel="step", ylabel="weighted argmax agreement", title="per-depth accuracy",
+            ylim=(0, min(1.0, max(0.02, 1.15 * top))))
     ax2.legend(fontsize=7)
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in (ax1, ax2):  # steps are integers: no 0.5 ticks on a short run
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
     plt.close(fig)

@@ -53,7 +53,8 @@ if "offline" in r:
 print("artifacts:")
 for name, path in [("packed dataset", "packed"), ("feature store", "features.zarr"),
                    ("drafter checkpoint", "drafter/final"), ("training metrics", "drafter/metrics.jsonl"),
-                   ("training plot", "drafter/training.png"), ("evaluation report", "eval.json")]:
+                   ("training plot", "drafter/training.png"), ("evaluation report", "eval.json"),
+                   ("evaluation plot", "eval.png")]:
     print(f"  {name:<20} {out}/{path}")
 print(f"wall time of the pipeline: {time.time() - t0:.0f} s")
 PY

@@ -440,3 +440,70 @@ def test_cli_drafter_given_a_training_output_uses_final_else_the_newest_checkpoi
     assert result.exit_code == 2 and "is not a drafter checkpoint" in result.stderr
     result = CliRunner().invoke(main, ["--drafter", str(out / "checkpoint-2"), "--store", "s.zarr"])
     assert result.exit_code == 0 and used[-1] == str(out / "checkpoint-2") and "using" not in result.stderr
+
+
+# ------------------------------------------------------------------ plots
+def test_wilson_interval_known_values():
+    from peagle_train.evaluate import wilson_interval
+
+    lo, hi = wilson_interval(0, 10)
+    assert lo == 0.0 and hi == pytest.approx(0.2775, abs=1e-4)
+    lo, hi = wilson_interval(5, 10)
+    assert (lo, hi) == (pytest.approx(0.2366, abs=1e-4), pytest.approx(0.7634, abs=1e-4))
+    lo, hi = wilson_interval(1, 1)
+    assert lo == pytest.approx(0.2065, abs=1e-4) and hi == 1.0
+    assert wilson_interval(0, 0) is None
+
+
+def _captured_figures(monkeypatch):
+    """Keep the figures that plotting code closes, to inspect them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figs = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figs.append(fig))
+    return figs
+
+
+ONLINE = {"acceptance_length": 1.14, "num_draft_tokens": 3, "num_turns": 4, "num_drafts": 50,
+          "per_position_accepted": [7, 2, 0], "per_position_reached": [50, 7, 2],
+          "per_position_acceptance": [0.14, 2 / 7, 0.0]}
+OFFLINE = {"simulated_acceptance_length": 1.31, "positions_scored": 2200, "blocks": [1, 2],
+           "per_position_accepted": [600, 90, 20], "per_position_reached": [2200, 600, 90],
+           "per_depth_correct": [600, 300, 200], "per_depth_weight": [2200, 2180, 2160], "num_depths": 3}
+
+
+@pytest.mark.parametrize("report", [ONLINE, {**ONLINE, "offline": OFFLINE}, {"offline": OFFLINE}],
+                         ids=["online", "both", "offline-only"])
+def test_acceptance_plot_has_integer_positions_title_and_counts(tmp_path, monkeypatch, report):
+    from peagle_train.evaluate import write_acceptance_plot
+
+    figs = _captured_figures(monkeypatch)
+    path = write_acceptance_plot(report, tmp_path / "eval.png")
+    assert path.stat().st_size > 0
+    ax = figs[0].axes[0]
+    assert list(ax.get_xticks()) == [0, 1, 2]
+    title = ax.get_title()
+    texts = {t.get_text() for t in ax.texts}
+    if "acceptance_length" in report:
+        assert "online: acceptance length 1.140 (K=3, 4 turns, 50 verifier steps" in title
+        assert {"n=50", "n=7", "n=2"} <= texts
+    if "offline" in report:
+        assert "offline: simulated acceptance length 1.310 (2200 positions, 2 blocks)" in title
+        assert {"n=2200", "n=600", "n=90"} <= texts
+    from matplotlib.container import BarContainer
+
+    labels = [t.get_text() for t in figs[0].legends[0].get_texts()]
+    assert labels == [name for key, name in (
+        ("acceptance_length", "online: P(accept | earlier accepted)"),
+        ("offline", "offline: P(accept | earlier accepted)"), ("offline", "offline: per-depth accuracy"))
+        if key in report]
+    assert sum(isinstance(c, BarContainer) for c in ax.containers) == ("acceptance_length" in report) + ("offline" in report)
+
+
+def test_reports_carry_the_counts_behind_each_rate():
+    report = evaluate_offline(RuleDrafter(wrong_depth=1), [worked_block(), worked_block(1)], torch.eye(V, H))
+    assert report["per_position_reached"] == [9, 6, 0] and report["per_position_accepted"] == [9, 0, 0]
+    assert report["per_position_acceptance"] == [1.0, 0.0, None]

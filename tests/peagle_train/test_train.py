@@ -402,3 +402,23 @@ def test_summary_accuracy_pools_elements_over_steps():
              {"correct": torch.tensor([0.0, 1.0, 0.0]), "counts": torch.tensor([1.0, 2.0, 0.0])}]
     assert _pooled_acc(steps) == [9 / 11, 0.5, None]  # a mean of step means would say 0.45 at depth 0
     assert _pooled_acc([]) == []
+
+
+def test_training_plot_integer_steps_and_readable_small_accuracy(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from peagle_train.train import plot_metrics
+
+    figs = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figs.append(fig))
+    rows = [{"split": "train", "step": s, "loss": 3 - 0.2 * s, "acc": [0.01 * s, 0.004 * s, None]} for s in (1, 2, 3)]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plot_metrics(tmp_path / "m.jsonl", tmp_path / "t.png")
+    loss_ax, acc_ax = figs[0].axes
+    for ax in (loss_ax, acc_ax):
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks)
+    assert acc_ax.get_ylim() == (0.0, pytest.approx(0.0345))  # 1.15 x the largest accuracy, not 0..1
