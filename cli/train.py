@@ -8,7 +8,9 @@ from cli.common import echo_json, handle_errors
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--store", required=True, type=click.Path(), help="Feature store written by `peagle-data extract`.")
+@click.option("--store", required=True, multiple=True, type=click.Path(),
+              help="Feature store written by `peagle-data extract`; repeat it (or give a file listing one store "
+                   "per line) to train on several stores of one verifier and layer set.")
 @click.option("--output", required=True, type=click.Path(), help="Output directory (checkpoints, metrics, plot).")
 @click.option("--verifier", default=None, help="Verifier MODEL (default: the store's verifier).")
 @click.option("--max-steps", type=int, default=None, help="Optimizer steps (default: one pass over the blocks).")
@@ -52,8 +54,10 @@ from cli.common import echo_json, handle_errors
 @handle_errors
 def main(**options) -> None:
     """Train a P-EAGLE drafter on STORE and write checkpoints to OUTPUT; prints a JSON summary."""
+    from peagle_train.multistore import expand_store_args
     from peagle_train.train import TrainConfig, run_train
 
+    options["store"] = expand_store_args(options["store"])
     try:
         cfg = TrainConfig(**options)
     except ValueError as e:

@@ -48,7 +48,7 @@ from peagle_train.checkpoint import (
     latest_checkpoint, load_training_state, prune_checkpoints, save_checkpoint, save_drafter,
 )
 from peagle_train.cod import CodElements, element_inputs, sample_cod_elements
-from peagle_train.data import Block, BlockLoader, _seed_of, check_store_ready, split_blocks, to_block
+from peagle_train.data import Block, BlockLoader, _seed_of, to_block
 from peagle_train.loss import LossOutput, kl_loss_and_accuracy
 from peagle_train.mask_token import resolve_mask_token
 from peagle_train.model import DrafterConfig, PEagleDrafter
@@ -162,8 +162,9 @@ def tracker_values(row: dict) -> dict[str, float]:
 class TrainConfig:
     """Everything ``peagle-train`` needs; runtime handles (store, model) are built by :func:`run_train`."""
 
-    store: str
-    """Path of the feature store (``--store``)."""
+    store: str | list[str]
+    """Path of the feature store (``--store``), or the paths of several stores of one verifier and
+    layer set, trained on as one (``--store A --store B`` or a store list file; :mod:`peagle_train.multistore`)."""
     output: str
     """Output directory (``--output``)."""
     verifier: str | None = None
@@ -694,14 +695,14 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
         MissingDependencyError: a ``report_to`` tracker whose package is not installed.
     """
     from accelerate import Accelerator
-    from stores.feature_store import FeatureStore
+    from peagle_train.multistore import open_stores, split_per_store, usable_blocks
     from tqdm.auto import tqdm
 
     trackers = resolve_trackers(cfg.report_to)  # before anything is read or written
     attention = resolve_attention_backend(cfg.attention_backend)  # InputError before any work
-    store = FeatureStore.open(cfg.store)
-    usable = check_store_ready(store, cfg.allow_incomplete)
-    train_ids, val_ids = split_blocks(usable, cfg.seed, cfg.val_fraction)
+    store = open_stores(cfg.store)  # several stores: one StoreSet, a validation split per store
+    usable = usable_blocks(store, cfg.allow_incomplete)
+    train_ids, val_ids = split_per_store(store, usable, cfg.seed, cfg.val_fraction)
     verifier_name = cfg.verifier or store.attrs["verifier"]["name_or_path"]
     check_before_weights(cfg, store, verifier_name)
     mask = resolve_mask_token(verifier_name, store, cfg.mask_token_id)  # InputError before the weights load
