@@ -138,6 +138,7 @@ class FeatureStore:
         # raw chunk files readable directly (the ``file`` read path; the name predates it)
         self._mmap_ok = self._local_root is not None and _uncompressed(group["aux_hidden"])
         self._n_tokens_cache: np.ndarray | None = None
+        self._array_cache: dict[str, zarr.Array] = {}
         self._dir_fds: dict[str, int] = {}  # array name -> fd of its chunk directory ``name/c``
         self._hidden_layout: list[tuple[str, tuple[int, ...], str, int]] | None = None  # + chunk bytes
 
@@ -535,7 +536,9 @@ class FeatureStore:
         plus the 4 checksum bytes, then reads it through zarr, which verifies the crc32c checksum:
         a missing, truncated, empty, unreadable or altered chunk is named with its path.
         """
-        arr = self.group[name]
+        if name not in self._array_cache:  # opening an array reads its metadata: once per store
+            self._array_cache[name] = self.group[name]
+        arr = self._array_cache[name]
         path = self.chunk_path(name, i)
         where = f"{name} chunk {path}" if path is not None else f"{name} chunk {i}"
         if path is not None:
@@ -546,6 +549,7 @@ class FeatureStore:
                 size = path.stat().st_size
                 if size != want:
                     return f"{where} is {size} bytes, expected {want} ({'empty' if size == 0 else 'truncated or foreign'})"
+                return _raw_chunk_damage(path, where)  # the crc32c of the raw bytes, ~5x faster than zarr
         try:
             arr[i]
         except Exception as e:  # checksum mismatch, undecodable bytes, permission denied
@@ -628,6 +632,26 @@ class FeatureStore:
         }
 
 
+def _raw_chunk_damage(path: Path, where: str) -> str | None:
+    """Check a raw chunk file's trailing crc32c (little-endian, as zarr's codec writes it) against its data."""
+    import google_crc32c  # zarr's own crc32c dependency
+
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        return f"{where} is unreadable ({type(e).__name__}: {e})"
+    body = np.frombuffer(data, dtype=np.uint8, count=len(data) - _CHECKSUM_BYTES)
+    if google_crc32c.extend(0, body) != int.from_bytes(data[-_CHECKSUM_BYTES:], "little"):
+        return f"{where} is unreadable (its checksum does not match its data)"
+    return None
+
+
+def _nonfinite(x: torch.Tensor) -> bool:
+    """Whether a bf16 tensor holds a NaN or Inf: exponent bits all ones (no float copy)."""
+    bits = x.contiguous().view(torch.int16).numpy()  # numpy: ~8x faster than the same torch ops on CPU
+    return bool(((bits & 0x7F80) == 0x7F80).any())
+
+
 def check_block(store: FeatureStore, i: int, expected_ids=None) -> str | None:
     """Why done block ``i`` cannot be trusted (the first problem found), or None.
 
@@ -642,7 +666,7 @@ def check_block(store: FeatureStore, i: int, expected_ids=None) -> str | None:
         block = store.read_block(i)
     except Exception as e:  # e.g. a damaged n_tokens chunk
         return f"block {i}: cannot be read ({type(e).__name__}: {e})"
-    if not torch.isfinite(block.aux_hidden.float()).all() or not torch.isfinite(block.final_hidden.float()).all():
+    if _nonfinite(block.aux_hidden) or _nonfinite(block.final_hidden):
         return f"block {i}: NaN or Inf in hidden states"
     if expected_ids is not None:
         exp = np.asarray(expected_ids)

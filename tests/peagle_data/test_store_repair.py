@@ -127,3 +127,26 @@ def test_verify_repair_then_resume_and_partial_resume_is_not_complete(tmp_path, 
     summary = run_extract(_cfg(packed, tiny_verifier_dir, out), progress=False)
     assert summary["blocks_done_this_run"] == 1 and summary["complete"] and summary["repaired_blocks"] == {}
     assert _chunk_bytes(out) == _chunk_bytes(ref)
+
+
+@pytest.mark.parametrize("storage_dtype,compressor", [("bf16", "zstd"), ("fp8", None)])
+def test_repair_of_compressed_and_fp8_stores(tmp_path, tiny_verifier_dir, storage_dtype, compressor):
+    """A compressed store has no fixed chunk size: damage shows as a failed checksum or decode; fp8 has scale arrays."""
+    import dataclasses
+
+    packed = write_packed(tmp_path / "packed", n_blocks=3, block_size=40, seed=2)
+    ref, out = tmp_path / "ref.zarr", tmp_path / "s.zarr"
+    cfg = dataclasses.replace(_cfg(packed, tiny_verifier_dir, ref, resume=False), storage_dtype=storage_dtype,
+                              compressor=compressor)
+    run_extract(cfg, progress=False)
+    shutil.copytree(ref, out)
+    damaged = "aux_hidden/c/1/0/0/0" if storage_dtype == "bf16" else "final_scale/c/1/0"
+    (out / damaged).write_bytes((out / damaged).read_bytes()[:-5])
+    (out / "position_ids/c/0/0").unlink()
+    report = verify_store(out)
+    assert sorted(report["bad_blocks"]) == [0, 1]
+    assert damaged.split("/")[0] in report["bad_blocks"][1] and "position_ids" in report["bad_blocks"][0]
+    summary = run_extract(dataclasses.replace(cfg, output=str(out), resume=True), progress=False)
+    assert sorted(summary["repaired_blocks"]) == [0, 1] and summary["blocks_done_this_run"] == 2
+    assert summary["complete"] and verify_store(out)["ok"]
+    assert _chunk_bytes(out) == _chunk_bytes(ref)
