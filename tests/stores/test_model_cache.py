@@ -1,0 +1,44 @@
+"""The embedded model's conversion writes weights readable as the umask allows (not 0600)."""
+
+import os
+import stat
+
+import pytest
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_converted_weights_follow_the_umask(tmp_path, monkeypatch, umask, mode):
+    import torch
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import stores.model_cache as mc
+
+    monkeypatch.setenv("PEAGLE_HOME", str(tmp_path / "home"))
+    target = tmp_path / "home" / "models" / "smollm2-135m"
+    target.mkdir(parents=True)
+    (target / mc._TOKENIZER_DONE).touch()  # the tokenizer half is done: only the weights are written
+    monkeypatch.setattr(mc, "_gguf_path", lambda name: tmp_path / "fake.gguf")
+
+    def tiny(*args, **kwargs):  # stands in for the dequantized GGUF
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", tiny)
+    old = os.umask(umask)
+    try:
+        assert mc.resolve_model("smollm2-135m") == target
+    finally:
+        os.umask(old)
+    weights = list(target.glob("*.safetensors"))
+    assert [w.name for w in weights] == ["model.safetensors"]
+    assert stat.S_IMODE(weights[0].stat().st_mode) == mode  # save_pretrained alone gives 0600
+    assert stat.S_IMODE((target / "config.json").stat().st_mode) == mode
+
+
+def test_hub_id_of_the_embedded_alias():
+    from stores.model_cache import hub_id
+
+    assert hub_id("smollm2-135m") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert hub_id("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B" and hub_id("/models/x") == "/models/x"
