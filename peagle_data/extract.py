@@ -2,9 +2,14 @@
 
 Legend: T tokens in a block, L aux layers, H hidden size, S segments.
 
-- Attention stays inside each segment: the verifier gets a 4-D block-diagonal causal mask built
-  from ``cu_seqlens`` (combined with, never replaced by, a caller's padding mask), and position
-  ids restart in every segment, so a segment's hidden states equal those of the segment run alone.
+- Attention stays inside each segment, with every layer's own attention rule (full, sliding window,
+  chunked, sinks, soft-capping): position ids restart in every segment and the model builds its
+  per-layer-type masks from them (transformers' packed sequences), or FlashAttention's varlen kernel
+  gets ``cu_seqlens``; so a segment's hidden states equal those of the segment run alone.
+- Models with recurrent, state-space or linear-attention layers (state would flow across segments)
+  are refused before their weights load (:func:`check_packable`).
+- A multimodal wrapper runs its language model: layers, layer convention and final norm are the
+  language model's (recorded in the store's ``verifier`` attributes).
 - Only the decoder stack runs (no lm_head): full-vocabulary logits are never computed, and
   forward hooks keep only the chosen layers instead of all ``output_hidden_states``.
 - Layer ``l`` follows Hugging Face ``output_hidden_states[l]``: 0 is the embedding output, ``l`` in
@@ -38,7 +43,11 @@ from stores.token_tables import TokenTable, manifest_sha256
 __all__ = [
     "ExtractConfig",
     "default_layers",
-    "segment_attention_mask",
+    "language_model",
+    "packs_like_transformers",
+    "segments_alone",
+    "segment_masks",
+    "check_packable",
     "verifier_features",
     "run_extract",
 ]
@@ -71,8 +80,8 @@ class ExtractConfig:
     writer_queue: int = 2
     """Blocks that may wait for the writer thread (bounds host memory)."""
     attn_implementation: str = "auto"
-    """``auto`` (FlashAttention varlen on CUDA when installed, else SDPA with a block mask),
-    ``sdpa``, ``eager`` or ``flash_attention_2``."""
+    """``auto`` (FlashAttention varlen on CUDA when installed and supported, else transformers'
+    choice: SDPA, or eager for models without SDPA), ``sdpa``, ``eager`` or ``flash_attention_2``."""
     num_shards: int = 1
     """Split the packed table's blocks into this many shard stores (--num-shards)."""
     shard_index: int = 0
@@ -105,37 +114,44 @@ def default_layers(num_hidden_layers: int) -> list[int]:
     return sorted({min(2, L), L // 2, max(L - 3, 0)})
 
 
-def segment_attention_mask(cu_seqlens: torch.Tensor, dtype: torch.dtype,
-                           padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Additive block-diagonal causal mask from ``cu_seqlens [S+1]`` -> ``[1, 1, T, T]`` of ``dtype``.
+def language_model(verifier: torch.nn.Module) -> torch.nn.Module:
+    """The text decoder stack of ``verifier`` (``embed_tokens``, ``layers``, ``norm``).
 
-    0 where query q may attend key k (same segment, k ≤ q, and key not padding), the dtype's
-    minimum elsewhere. ``padding_mask [T]`` (1 = real token), when given, can only remove keys.
+    For a causal LM its ``.model``; for a multimodal wrapper (``Gemma3ForConditionalGeneration``,
+    ``Mistral3ForConditionalGeneration``, ...) its language model, which text-only data runs through.
     """
-    T = int(cu_seqlens[-1])
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # [S]
-    seg = torch.repeat_interleave(torch.arange(len(lengths)), lengths.cpu())  # [T]
-    idx = torch.arange(T)
-    allowed = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])  # [T, T]
-    if padding_mask is not None:
-        allowed &= padding_mask.reshape(1, T).bool().cpu() | torch.eye(T, dtype=torch.bool)
-    mask = torch.zeros(T, T, dtype=dtype)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
+    getter = getattr(verifier, "get_decoder", None)
+    decoder = getter() if callable(getter) else None
+    if decoder is None or not hasattr(decoder, "layers"):
+        decoder = getattr(verifier, verifier.base_model_prefix, verifier)
+    if not hasattr(decoder, "layers"):
+        raise InputError(f"{type(verifier).__name__}: no decoder stack with .layers found; peagle extracts "
+                         "from transformers decoder models", field="--verifier")
+    return decoder
+
+
+_base_model = language_model  # the name bench/ and older callers use
 
 
 @contextmanager
-def _capture_layers(base_model: torch.nn.Module, layers: list[int]) -> Iterator[dict[int, torch.Tensor]]:
-    """Forward hooks that keep ``output_hidden_states[l]`` for ``l < L`` (``L`` comes from the output)."""
+def _capture_layers(decoder: torch.nn.Module, layers: list[int]) -> Iterator[dict[int, torch.Tensor]]:
+    """Hooks that keep ``output_hidden_states[l]`` for ``l < L`` (``L`` comes from the output).
+
+    Layer 0 is the input of the first decoder layer (the embeddings after any model-specific
+    scaling, e.g. Gemma's ``sqrt(H)``), ``l ≥ 1`` the output of decoder layer ``l - 1``.
+    """
     captured: dict[int, torch.Tensor] = {}
-    decoder = base_model.layers
+    blocks = decoder.layers
     hooks = []
+
+    def first_input(module, args, kwargs):
+        captured[0] = args[0] if args else kwargs["hidden_states"]
+
     for l in layers:
         if l == 0:
-            hooks.append(base_model.embed_tokens.register_forward_hook(
-                lambda m, i, o: captured.__setitem__(0, o)))
-        elif l < len(decoder):
-            hooks.append(decoder[l - 1].register_forward_hook(
+            hooks.append(blocks[0].register_forward_pre_hook(first_input, with_kwargs=True))
+        elif l < len(blocks):
+            hooks.append(blocks[l - 1].register_forward_hook(
                 lambda m, i, o, l=l: captured.__setitem__(l, o[0] if isinstance(o, tuple) else o)))
     try:
         yield captured
@@ -144,58 +160,202 @@ def _capture_layers(base_model: torch.nn.Module, layers: list[int]) -> Iterator[
             h.remove()
 
 
+def packs_like_transformers(position_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
+    """Whether transformers' packed-sequence detection finds exactly the segments of ``cu_seqlens``.
+
+    transformers (``masking_utils.find_packed_sequence_indices``) starts a new sequence wherever the
+    position id does not grow by 1; the block's segments must be those: positions ``+1`` inside every
+    segment, a jump at every boundary (``pack`` writes ``0..n-1`` per segment, which always holds).
+    """
+    pos = position_ids.reshape(-1).cpu()
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).cpu()
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), lengths)  # [T]
+    diff = torch.diff(pos, prepend=pos[:1] - 1)
+    return torch.equal((diff != 1).cumsum(0), seg)
+
+
+#: layer types extraction packs exactly (transformers ``config.layer_types`` names)
+PACKABLE_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+#: model types with recurrent, state-space or linear-attention layers: their state would flow from
+#: one packed segment into the next, so peagle refuses them (docs/design.md §5)
+RECURRENT_MODEL_TYPES = {
+    "mamba": "mamba", "mamba2": "mamba2", "falcon_mamba": "mamba", "falcon_h1": "mamba (hybrid)",
+    "jamba": "mamba (hybrid)", "bamba": "mamba2 (hybrid)", "zamba": "mamba (hybrid)",
+    "zamba2": "mamba2 (hybrid)", "nemotron_h": "mamba2 (hybrid)", "granitemoehybrid": "mamba2 (hybrid)",
+    "rwkv": "rwkv recurrence", "recurrent_gemma": "recurrent (RG-LRU)", "xlstm": "xLSTM recurrence",
+    "qwen3_next": "linear_attention (gated DeltaNet)", "lfm2": "short convolution", "lfm2_moe": "short convolution",
+    "minimax": "linear_attention (lightning)", "plamo2": "mamba (hybrid)",
+}
+
+
+def check_packable(config) -> None:
+    """Refuse verifiers whose layers carry state across tokens other than attention.
+
+    Reads only the config (call it before the weights load). ``config`` may be a multimodal
+    wrapper's; its text config is checked.
+
+    Raises:
+        InputError: naming the model type and layer type (a recurrent, state-space, linear-attention
+            or convolution layer, or a ``layer_types`` entry that is not full, sliding or chunked attention).
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for c in {id(config): config, id(text): text}.values():
+        kind = RECURRENT_MODEL_TYPES.get(getattr(c, "model_type", ""))
+        kinds = [t for t in (getattr(c, "layer_types", None) or []) if t not in PACKABLE_LAYER_TYPES]
+        kinds += [t for t in (getattr(c, "layers_block_type", None) or []) if t not in ("attention",)]
+        if kind or kinds:
+            raise InputError(
+                f"verifier model type {c.model_type!r} has {kind or sorted(set(kinds))[0]!r} layers, whose state "
+                "would flow from one packed segment into the next: peagle cannot extract exact features for "
+                "it (supported: models whose layers are all full, sliding-window or chunked attention)",
+                field="--verifier")
+
+
+def _layer_types(decoder) -> list[str]:
+    """The attention type of each decoder layer, as the model itself chooses its masks.
+
+    ``config.layer_types`` when the config has it; otherwise every layer is sliding when the config
+    sets ``sliding_window`` (Mistral, Phi-3, Qwen3-MoE build one sliding mask for all layers), else full.
+    """
+    cfg, n = decoder.config, len(decoder.layers)
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        types = ["sliding_attention" if getattr(cfg, "sliding_window", None) else "full_attention"] * n
+    if len(types) < n:
+        raise InputError(f"config.layer_types has {len(types)} entries for {n} decoder layers", field="--verifier")
+    for i, t in enumerate(types[:n]):
+        attn = getattr(decoder.layers[i], "self_attn", None)
+        window = getattr(attn, "sliding_window", "absent")
+        expect = getattr(cfg, "sliding_window", None) if t == "sliding_attention" else None
+        if window != "absent" and window != expect:
+            raise InputError(f"decoder layer {i} is {t!r} by the config but its attention has sliding_window "
+                             f"{window}: peagle cannot tell which mask it uses", field="--verifier")
+    return list(types[:n])
+
+
+def segment_masks(decoder, position_ids: torch.Tensor, types: set[str]) -> dict[str, Any]:
+    """The model's own attention mask of each layer type for one packed block.
+
+    transformers' mask functions (``create_causal_mask``, ``create_sliding_window_causal_mask``,
+    ``create_chunked_causal_mask``) with the block's ``position_ids [T]``, from which they take the
+    packed segments (block-diagonal ∧ causal ∧ window/chunk, in the model's attention backend's form:
+    bool for SDPA, additive float for eager). Check :func:`packs_like_transformers` first.
+    """
+    from transformers import masking_utils as mu
+
+    param = next(decoder.parameters())
+    pos = position_ids.reshape(1, -1).to(param.device)
+    dummy = torch.empty(1, pos.shape[1], 0, dtype=param.dtype, device=param.device)  # shape, dtype, device only
+    makers = {"full_attention": mu.create_causal_mask, "sliding_attention": mu.create_sliding_window_causal_mask,
+              "chunked_attention": mu.create_chunked_causal_mask}
+    return {t: makers[t](config=decoder.config, inputs_embeds=dummy, attention_mask=None, cache=None,
+                         position_ids=pos) for t in types}
+
+
+@contextmanager
+def _layer_masks(decoder, masks: dict[str, Any], types: list[str]) -> Iterator[None]:
+    """Give decoder layer ``i`` the mask of its type ``types[i]`` whatever mask the model built."""
+    def hook(i):
+        def set_mask(module, args, kwargs):
+            if "attention_mask" not in kwargs:
+                raise InputError(f"{type(module).__name__} does not take attention_mask as a keyword: peagle cannot "
+                                 "give each layer its packed-segment mask", field="--verifier")
+            kwargs["attention_mask"] = masks[types[i]]
+            return args, kwargs
+        return set_mask
+
+    hooks = [layer.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(decoder.layers)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 @torch.no_grad()
 def verifier_features(base_model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
                       cu_seqlens: torch.Tensor, layers: list[int],
-                      attention_mask: torch.Tensor | None = None,
                       to_host: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block through the verifier's decoder stack (no lm_head).
+    """One block through the verifier's decoder stack (no lm_head), each segment as if run alone.
 
     Args:
-        base_model: the decoder stack (e.g. ``LlamaForCausalLM.model``) with ``embed_tokens``, ``layers``.
+        base_model: the text decoder stack (:func:`language_model`) with ``layers``.
         input_ids: ``[T] int64``; position_ids: ``[T] int64`` (restart per segment, any start);
         cu_seqlens: ``[S+1] int64``; layers: HF ``output_hidden_states`` indices in ``0..L``;
-        attention_mask: optional ``[T]`` padding mask (1 = token); it never widens attention
-            beyond a segment (ignored on the FlashAttention varlen path, which has no padding).
         to_host: return CPU tensors (else tensors on the verifier's device).
 
-    With ``flash_attention_2`` the segments go to FlashAttention's varlen kernel as
-    ``cu_seq_lens``; otherwise a ``[1, 1, T, T]`` block-diagonal mask goes to SDPA/eager.
+    Every layer keeps its own attention rule (docs/design.md §5). With ``flash_attention_2`` the
+    segments go to FlashAttention's varlen kernel as ``cu_seq_lens`` (each layer passes its own
+    window and soft-cap). With SDPA/eager each layer gets the model's own mask of its layer type
+    built for the packed segments (:func:`segment_masks`: block-diagonal ∧ causal ∧ window). When the
+    positions would not tell the segments apart (:func:`packs_like_transformers`), each segment runs
+    alone (:func:`segments_alone`).
 
     Returns:
         ``aux_hidden [T, L, H] bf16`` and ``final_hidden [T, H] bf16`` (post final norm).
     """
     param = next(base_model.parameters())
-    n_layers = len(base_model.layers)
     if getattr(base_model.config, "_attn_implementation", None) == "flash_attention_2":
-        # FlashAttention varlen: segments given by cu_seqlens, no T x T mask at all
         cu = cu_seqlens.to(param.device, torch.int32)
         longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         attn = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+        aux, final = _run(base_model, input_ids, position_ids, layers, attn)
+    elif len(cu_seqlens) <= 2:  # one segment: the model's own forward
+        aux, final = _run(base_model, input_ids, position_ids, layers, {})
+    elif packs_like_transformers(position_ids, cu_seqlens):
+        types = _layer_types(base_model)
+        masks = segment_masks(base_model, position_ids, set(types))
+        with _layer_masks(base_model, masks, types):  # a 4-D mask also spares the model building its own
+            aux, final = _run(base_model, input_ids, position_ids, layers,
+                              {"attention_mask": masks[types[0]]})
     else:
-        attn = dict(attention_mask=segment_attention_mask(cu_seqlens, param.dtype, attention_mask).to(param.device))
-    with _capture_layers(base_model, layers) as captured:
-        out = base_model(input_ids=input_ids[None].to(param.device),
-                         position_ids=position_ids[None].to(param.device), use_cache=False, **attn)
+        aux, final = segments_alone(base_model, input_ids, position_ids, cu_seqlens, layers)
+    if to_host:
+        return aux.cpu(), final.cpu()
+    return aux, final
+
+
+def _run(decoder, input_ids, position_ids, layers, attn: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder forward without a cache: ``aux [T, L, H] bf16``, ``final [T, H] bf16`` on its device."""
+    device = next(decoder.parameters()).device
+    n_layers = len(decoder.layers)
+    with _capture_layers(decoder, layers) as captured:
+        out = decoder(input_ids=input_ids[None].to(device), position_ids=position_ids[None].to(device),
+                      use_cache=False, **attn)
     final = out.last_hidden_state[0]  # [T, H]
     aux = torch.stack([final if l == n_layers else captured[l][0] for l in layers], dim=1)  # [T, L, H]
-    if to_host:
-        return aux.to(torch.bfloat16).cpu(), final.to(torch.bfloat16).cpu()
     return aux.to(torch.bfloat16), final.to(torch.bfloat16)
 
 
-def _base_model(verifier: torch.nn.Module) -> torch.nn.Module:
-    return getattr(verifier, verifier.base_model_prefix, verifier)
+@torch.no_grad()
+def segments_alone(decoder: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                   cu_seqlens: torch.Tensor, layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every segment through ``decoder`` on its own (the reference packing must equal; slower).
+
+    Same arguments and results as :func:`verifier_features` (tensors on the verifier's device).
+    """
+    outs = [_run(decoder, input_ids[lo:hi], position_ids[lo:hi], layers, {})
+            for lo, hi in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()) if hi > lo]
+    return torch.cat([a for a, _ in outs]), torch.cat([f for _, f in outs])
 
 
-def _verifier_desc(name: str, directory: Path, config, dtype: torch.dtype) -> dict[str, Any]:
+def _verifier_desc(name: str, directory: Path, verifier, dtype: torch.dtype) -> dict[str, Any]:
+    """What the store records about the verifier: the language model's shape and layer convention."""
+    config = verifier.config
+    text = config.get_text_config()
+    decoder = language_model(verifier)
     return {
         "name_or_path": name,
         "fingerprint": model_fingerprint(directory),
-        "architecture": (config.architectures or [type(config).__name__])[0],
-        "num_hidden_layers": config.num_hidden_layers,
-        "hidden_size": config.hidden_size,
-        "vocab_size": config.vocab_size,
+        "architecture": (config.architectures or [type(verifier).__name__])[0],
+        "language_model": type(decoder).__name__,
+        "num_hidden_layers": len(decoder.layers),
+        "hidden_size": text.hidden_size,
+        "vocab_size": text.vocab_size,
+        "layer_types": _layer_types(decoder),
+        "final_norm": type(getattr(decoder, "norm", None)).__name__,
+        "attn_implementation": getattr(text, "_attn_implementation", None),
         "dtype": str(dtype).replace("torch.", ""),
     }
 
@@ -398,6 +558,32 @@ def _has_flash_attn() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
+def _load_for_extract(cfg: ExtractConfig, device: str, log: Callable[[str], None]):
+    """The verifier with the attention backend of ``cfg.attn_implementation``.
+
+    ``auto``: FlashAttention varlen on CUDA when installed and the model supports it, else
+    transformers' choice (SDPA when the model supports it, else eager: Gemma-2, gpt-oss).
+
+    Raises:
+        InputError: an explicit backend the model does not support (names the alternatives).
+    """
+    impl = cfg.attn_implementation
+    if impl == "auto":
+        if device.startswith("cuda") and _has_flash_attn():
+            try:
+                return load_verifier(cfg.verifier, device=device, attn_implementation="flash_attention_2")
+            except (ValueError, ImportError) as e:
+                log(f"flash_attention_2 is not available for this verifier ({e}); using transformers' default")
+        return load_verifier(cfg.verifier, device=device)
+    try:
+        return load_verifier(cfg.verifier, device=device, attn_implementation=impl)
+    except ValueError as e:
+        if "support" not in str(e):
+            raise
+        raise InputError(f"the verifier cannot run with {impl}: {e}; pass --attn-implementation auto "
+                         "(the model's own choice) or eager", field="--attn-implementation") from e
+
+
 def _local(path: str) -> bool:
     return "://" not in str(path)
 
@@ -433,12 +619,15 @@ def _check_before_weights(cfg: ExtractConfig) -> Path:
 
     Raises:
         InputError: a ``--layers`` index outside ``0..num_hidden_layers`` (read from the config, before
-            the weights are even fetched), or ``--resume`` with another ``--storage-dtype``.
+            the weights are even fetched), ``--resume`` with another ``--storage-dtype``, or a
+            verifier with recurrent / linear-attention layers (:func:`check_packable`).
         StoreMismatchError: ``--resume`` with other layers, another verifier or another packed table.
     """
     from stores.model_config import load_model_config, text_config
 
-    L = int(text_config(load_model_config(cfg.verifier)).num_hidden_layers)
+    config = load_model_config(cfg.verifier)
+    check_packable(config)
+    L = int(text_config(config).num_hidden_layers)
     bad = [layer for layer in (cfg.layers or []) if not 0 <= layer <= L]
     if bad:
         raise InputError(f"layers {bad} out of range: the verifier has {L} layers, valid indices are 0..{L}",
@@ -489,18 +678,14 @@ def run_extract(cfg: ExtractConfig, progress: bool = True,
     rows = rows[cfg.shard_index::cfg.num_shards]  # this shard's blocks (all of them unsharded)
     directory = _check_before_weights(cfg)
     device = cfg.device or (str(state.device) if state.device.type == "cuda" else "cpu")
-    attn_impl = cfg.attn_implementation
-    if attn_impl == "auto":
-        attn_impl = "flash_attention_2" if device.startswith("cuda") and _has_flash_attn() else "sdpa"
-    verifier = load_verifier(cfg.verifier, device=device, attn_implementation=attn_impl)
-    config = verifier.config
-    L = config.num_hidden_layers
+    verifier = _load_for_extract(cfg, device, log)
+    L = len(language_model(verifier).layers)
     layers = list(cfg.layers) if cfg.layers is not None else default_layers(L)
     bad = [l for l in layers if not 0 <= l <= L]
     if bad:
         raise InputError(f"layers {bad} out of range: the verifier has {L} layers, valid indices are 0..{L}",
                          field="--layers")
-    desc = _verifier_desc(cfg.verifier, directory, config, next(verifier.parameters()).dtype)
+    desc = _verifier_desc(cfg.verifier, directory, verifier, next(verifier.parameters()).dtype)
 
     if state.is_main_process:
         store = _open_or_create(cfg, rows, table, desc, layers, log)
@@ -517,7 +702,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True,
     if cfg.max_blocks is not None:
         todo = todo[: cfg.max_blocks]
 
-    base = _base_model(verifier)
+    base = language_model(verifier)
     writer = _BlockWriter(store, cfg.writer_queue)
     tokens = 0
     bar = tqdm(todo, desc=f"extract[{state.process_index}]" if state.num_processes > 1 else "extract",

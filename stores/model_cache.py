@@ -159,23 +159,46 @@ def load_tokenizer(name: str | os.PathLike):
     return AutoTokenizer.from_pretrained(resolve_model(name, need_weights=False))
 
 
+def _auto_class(config):
+    """``AutoModelForCausalLM`` when it knows ``config``'s type, else ``AutoModelForImageTextToText``
+    (multimodal wrappers such as Qwen2.5-VL or Mistral-3, whose language model runs on text).
+
+    Raises:
+        ModelNotFoundError: neither knows the config type.
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
+        if type(config) in auto._model_mapping:
+            return auto
+    raise ModelNotFoundError(f"{type(config).__name__} ({config.model_type}) is neither a causal LM nor an "
+                             "image-text-to-text model transformers knows; peagle needs a decoder verifier")
+
+
 def load_verifier(name: str | os.PathLike, dtype=None, device: str | None = None,
                   attn_implementation: str | None = None):
-    """Load MODEL as a causal LM in eval mode.
+    """Load MODEL as a causal LM (or a multimodal wrapper with a language model) in eval mode.
 
     Args:
         dtype: a ``torch.dtype``; default float32 on CPU, bfloat16 on CUDA.
         device: default ``cuda`` when available, else ``cpu``.
         attn_implementation: transformers' attention backend (``sdpa``, ``eager``,
-            ``flash_attention_2``); default transformers' own choice.
+            ``flash_attention_2``); default transformers' own choice (SDPA when the model
+            supports it, else eager).
+
+    Raises:
+        ValueError: from transformers, for a backend the model does not support.
     """
     import torch
-    from transformers import AutoModelForCausalLM
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype, **kwargs)
+    from transformers import AutoConfig
+
+    directory = resolve_model(name)
+    auto = _auto_class(AutoConfig.from_pretrained(directory))
+    model = auto.from_pretrained(directory, dtype=dtype, **kwargs)
     return model.to(device).eval()
 
 

@@ -2,7 +2,15 @@
 
 import torch
 
-from peagle_data.extract import default_layers, segment_attention_mask, verifier_features
+import sys
+from pathlib import Path
+
+import pytest
+
+from peagle_data.extract import default_layers, packs_like_transformers, segment_masks, verifier_features
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from families import WINDOW, build_family  # noqa: E402
 
 
 def test_default_layers_follow_eagle3():
@@ -10,19 +18,33 @@ def test_default_layers_follow_eagle3():
     assert default_layers(30) == [2, 15, 27]
 
 
-def test_segment_mask_is_block_diagonal_causal():
-    m = segment_attention_mask(torch.tensor([0, 2, 5]), torch.float32)[0, 0] == 0
-    expected = torch.tensor([
-        [1, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0],
-        [0, 0, 1, 0, 0],
-        [0, 0, 1, 1, 0],
-        [0, 0, 1, 1, 1],
-    ], dtype=torch.bool)
-    assert torch.equal(m, expected)
-    # an all-ones padding mask from a caller never widens attention across segments
-    ones = segment_attention_mask(torch.tensor([0, 2, 5]), torch.float32, torch.ones(5))[0, 0] == 0
-    assert torch.equal(ones, expected)
+def _expected_mask(lengths, window=None):
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    idx = torch.arange(len(seg))
+    allowed = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
+    if window is not None:
+        allowed &= idx[:, None] - idx[None, :] < window
+    return allowed
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_segment_masks_are_block_diagonal_causal_and_windowed(impl):
+    model = build_family("gemma3_text", attn_implementation=impl)  # sliding and full layers
+    lengths = [6, 2, 7]
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    masks = segment_masks(model.model, pos, {"full_attention", "sliding_attention"})
+    for kind, window in (("full_attention", None), ("sliding_attention", WINDOW)):
+        m = masks[kind][0, 0]
+        allowed = m if m.dtype == torch.bool else m == 0  # SDPA: bool; eager: additive float
+        assert torch.equal(allowed, _expected_mask(lengths, window)), kind
+
+
+def test_packed_segments_are_told_apart_by_positions():
+    cu = torch.tensor([0, 3, 5])
+    assert packs_like_transformers(torch.tensor([0, 1, 2, 0, 1]), cu)
+    assert packs_like_transformers(torch.tensor([4, 5, 6, 9, 10]), cu)
+    assert not packs_like_transformers(torch.tensor([0, 1, 2, 3, 4]), cu)  # would read as one sequence
+    assert not packs_like_transformers(torch.tensor([0, 1, 5, 0, 1]), cu)  # would read as three
 
 
 def _alone(model, seg, pos, layers):

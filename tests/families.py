@@ -1,0 +1,117 @@
+"""The verifier family matrix: tiny random models of every family peagle supports, built in code.
+
+Each entry builds a transformers config (hidden 64, 2-4 layers, head dim 16) whose sliding windows
+(``WINDOW`` = 4 tokens) are shorter than the test segments, so a packed segment that leaked
+attention past its window, or across segments, would differ from the segment run alone.
+
+- ``llama31``: Llama-3.1 with ``llama3`` RoPE scaling (factor 8, theta 500000);
+- ``qwen3``, ``qwen3_moe`` (4 experts, top 2), ``phi3``: full attention (Phi-3 with a window too);
+- ``mistral`` (every layer sliding), ``qwen2`` (sliding from layer 1 on), ``gemma2`` (alternating
+  sliding/full, attention and final logit soft-capping), ``gemma3_text`` (sliding, full, sliding;
+  a RoPE per layer type), ``gpt_oss`` (alternating sliding/full, attention sinks, MoE, YaRN RoPE);
+- ``gemma3_mm``: a multimodal wrapper (``Gemma3ForConditionalGeneration`` with a 1-layer SigLIP
+  tower) around the ``gemma3_text`` language model.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+WINDOW = 4
+"""Sliding window (tokens) of every sliding layer in the matrix."""
+
+FAMILIES = ["llama31", "qwen3", "qwen3_moe", "mistral", "qwen2", "gemma2", "gemma3_text", "gpt_oss", "phi3",
+            "gemma3_mm"]
+"""Every family of the matrix, in the order the tests run them."""
+
+SLIDING = {"mistral", "qwen2", "gemma2", "gemma3_text", "gpt_oss", "phi3", "gemma3_mm"}
+"""Families with sliding-window layers."""
+
+
+def _shape(vocab_size: int) -> dict:
+    return dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, pad_token_id=0,
+                bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+
+
+def _gemma3_text(vocab_size: int):
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(**_shape(vocab_size), num_hidden_layers=3, sliding_window=WINDOW,
+                            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                            query_pre_attn_scalar=16, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                "rope_theta": 1_000_000.0},
+                                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+
+
+def family_config(name: str, vocab_size: int = 512):
+    """The transformers config of family ``name`` with ``vocab_size`` tokens (ids 0, 1, 2: pad, bos, eos)."""
+    import transformers as tf
+
+    s = _shape(vocab_size)
+    if name == "llama31":
+        return tf.LlamaConfig(**{**s, "max_position_embeddings": 131072}, num_hidden_layers=2, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    if name == "qwen3":
+        return tf.Qwen3Config(**s, num_hidden_layers=2)
+    if name == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**s, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=32, decoder_sparse_step=1)
+    if name == "mistral":
+        return tf.MistralConfig(**s, num_hidden_layers=2, sliding_window=WINDOW)
+    if name == "qwen2":
+        return tf.Qwen2Config(**s, num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW,
+                              max_window_layers=1)
+    if name == "gemma2":
+        return tf.Gemma2Config(**s, num_hidden_layers=2, sliding_window=WINDOW, query_pre_attn_scalar=16,
+                               attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+    if name == "gemma3_text":
+        return _gemma3_text(vocab_size)
+    if name == "gpt_oss":
+        s = {**s, "intermediate_size": 64}
+        return tf.GptOssConfig(**s, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+                               sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])
+    if name == "phi3":
+        return tf.Phi3Config(**s, num_hidden_layers=2, sliding_window=WINDOW)
+    if name == "gemma3_mm":
+        vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, image_size=28, patch_size=14)
+        return tf.Gemma3Config(text_config=_gemma3_text(vocab_size), vision_config=vision, mm_tokens_per_image=4,
+                               image_token_id=vocab_size - 1, boi_token_id=vocab_size - 2,
+                               eoi_token_id=vocab_size - 3, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    raise KeyError(f"unknown family {name!r}; known: {FAMILIES}")
+
+
+def build_family(name: str, vocab_size: int = 512, seed: int = 0, attn_implementation: str | None = None):
+    """A random float32 model of family ``name`` in eval mode (``AutoModelForCausalLM`` or, for the
+    multimodal wrapper, ``AutoModelForImageTextToText``), with weights drawn from ``seed``."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    cfg = family_config(name, vocab_size)
+    torch.manual_seed(seed)
+    auto = AutoModelForImageTextToText if name == "gemma3_mm" else AutoModelForCausalLM
+    model = auto.from_config(cfg, dtype=torch.float32,
+                             **({"attn_implementation": attn_implementation} if attn_implementation else {}))
+    with torch.no_grad():  # random weights large enough that layers and windows matter
+        for n, p in model.named_parameters():
+            if p.ndim >= 2 and "norm" not in n:
+                p.normal_(0.0, 0.08)
+    return model.eval()
+
+
+def save_family(name: str, path: Path, tokenizer_dir: Path | None = None, vocab_size: int = 512) -> Path:
+    """Save a random model of family ``name`` to ``path`` (with the tokenizer files of ``tokenizer_dir``,
+    whose vocabulary must then be ``vocab_size``); returns ``path``."""
+    path = Path(path)
+    build_family(name, vocab_size).save_pretrained(path)
+    if tokenizer_dir is not None:
+        for f in Path(tokenizer_dir).iterdir():
+            if f.is_file() and not f.name.startswith(".") and f.suffix != ".safetensors" \
+                    and f.name not in ("config.json", "generation_config.json"):
+                shutil.copy(f, path / f.name)
+    return path

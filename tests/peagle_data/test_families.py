@@ -1,0 +1,180 @@
+"""The family matrix on extraction: packed segments equal each segment run alone, in every family.
+
+Every stored layer (0 = embeddings as the first decoder layer sees them, 1..L-1, and L = after the
+final norm) of every segment of a packed block must equal the model's own ``output_hidden_states``
+of that segment run alone, with windows (4 tokens) shorter than the segments, attention sinks and
+soft-capping; a block-diagonal mask without the window would fail (checked as a control).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from peagle_data.extract import (ExtractConfig, check_packable, language_model, run_extract, segments_alone,
+                                 verifier_features)
+from stores.errors import InputError
+from stores.feature_store import FeatureStore
+from stores.token_tables import TableWriter, prepare_output_dir, write_manifest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from families import FAMILIES, SLIDING, build_family, family_config, save_family  # noqa: E402
+
+LENGTHS = [9, 3, 12]  # two segments longer than the window, one shorter
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _block(seed: int = 1, vocab: int = 512):
+    g = torch.Generator().manual_seed(seed)
+    segs = [torch.randint(3, vocab - 3, (n,), generator=g) for n in LENGTHS]
+    cu = torch.tensor([0] + LENGTHS).cumsum(0)
+    return segs, torch.cat(segs), torch.cat([torch.arange(n) for n in LENGTHS]), cu
+
+
+def worst_relative_difference(model, layers: list[int]) -> float:
+    """Largest per-token ``|stored - alone| / |alone|`` over segments, layers and tokens (alone in fp32)."""
+    segs, ids, pos, cu = _block()
+    aux, final = verifier_features(language_model(model), ids, pos, cu, layers)
+    worst = 0.0
+    for k, seg in enumerate(segs):
+        with torch.no_grad():
+            alone = model(input_ids=seg[None], output_hidden_states=True).hidden_states
+        lo, hi = int(cu[k]), int(cu[k + 1])
+        for j, layer in enumerate(layers):
+            ref = alone[layer][0].float()
+            rel = (aux[lo:hi, j].float() - ref).norm(dim=-1) / ref.norm(dim=-1)
+            worst = max(worst, float(rel.max()))
+        assert torch.equal(final[lo:hi], aux[lo:hi, layers.index(len(alone) - 1)])
+    return worst
+
+
+@pytest.mark.parametrize("impl", [None, "eager"], ids=["default", "eager"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_features_equal_segments_alone(family, impl):
+    model = build_family(family, attn_implementation=impl)
+    L = len(language_model(model).layers)
+    worst = worst_relative_difference(model, list(range(L + 1)))
+    assert worst < 8e-3, f"{family}: worst relative difference {worst:.4f} (bf16 rounding is ≤ 4e-3)"
+
+
+@pytest.mark.parametrize("family", sorted(SLIDING))
+def test_window_matters_in_the_matrix(family):
+    """Control: a block-diagonal causal mask without the window gives other features at the last layer."""
+    model = build_family(family)
+    decoder = language_model(model)
+    segs, ids, pos, cu = _block()
+    T = ids.numel()
+    seg = torch.repeat_interleave(torch.arange(len(LENGTHS)), torch.tensor(LENGTHS))
+    allowed = (seg[:, None] == seg[None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
+    mask = torch.zeros(T, T).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+    hooks = [layer.register_forward_pre_hook(lambda m, a, kw: (a, {**kw, "attention_mask": mask}), with_kwargs=True)
+             for layer in decoder.layers]
+    try:
+        with torch.no_grad():
+            no_window = decoder(input_ids=ids[None], position_ids=pos[None]).last_hidden_state[0]
+    finally:
+        for h in hooks:
+            h.remove()
+    _, final = verifier_features(decoder, ids, pos, cu, [len(decoder.layers)])
+    lo, hi = 0, LENGTHS[0]
+    rel = (no_window[lo:hi] - final[lo:hi].float()).norm(dim=-1) / final[lo:hi].float().norm(dim=-1)
+    assert float(rel[:4].max()) < 8e-3  # inside the window both agree
+    assert float(rel[4:].max()) > 0.05  # past it only the windowed features are the model's
+
+
+def test_positions_without_segment_jumps_run_segments_alone():
+    model = build_family("mistral")
+    decoder = language_model(model)
+    segs, ids, _, cu = _block()
+    pos = torch.arange(ids.numel())  # contiguous positions: transformers would read one sequence
+    aux, final = verifier_features(decoder, ids, pos, cu, [1, 2])
+    ref_aux, ref_final = segments_alone(decoder, ids, pos, cu, [1, 2])
+    assert torch.equal(aux, ref_aux) and torch.equal(final, ref_final)
+
+
+def _write_packed(directory: Path, n_blocks: int, vocab: int) -> Path:
+    prepare_output_dir(directory, force=True)
+    with TableWriter(directory, "packed") as w:
+        for b in range(n_blocks):
+            segs, ids, pos, cu = _block(seed=b, vocab=vocab)
+            w.write({"block_id": b, "input_ids": ids.numpy().astype(np.int32),
+                     "loss_mask": np.ones(ids.numel(), np.uint8), "position_ids": pos.numpy().astype(np.int32),
+                     "cu_seqlens": cu.numpy().astype(np.int32), "segment_ids": [f"c{b}#{k}" for k in range(len(segs))],
+                     "n_tokens": ids.numel()})
+    write_manifest(directory, {"kind": "packed", "inputs": ["random"], "parameters": {"block_size": 32},
+                               "tokenizer": {"name_or_path": "none"}})
+    return directory
+
+
+@pytest.mark.parametrize("family", ["gemma3_mm", "gpt_oss"])
+def test_run_extract_records_the_language_model(tmp_path, family):
+    """A multimodal wrapper extracts from its language model; gpt-oss (no SDPA) falls back to eager."""
+    verifier = save_family(family, tmp_path / "verifier")
+    packed = _write_packed(tmp_path / "packed", 2, 512)
+    run_extract(ExtractConfig(packed=str(packed), verifier=str(verifier), output=str(tmp_path / "f.zarr"),
+                              layers=[0, 1, 2], device="cpu"), progress=False, log=lambda m: None)
+    store = FeatureStore.open(tmp_path / "f.zarr")
+    desc = store.attrs["verifier"]
+    text = family_config(family).get_text_config()
+    assert desc["num_hidden_layers"] == text.num_hidden_layers and desc["hidden_size"] == 64
+    assert desc["layer_types"] == text.layer_types and desc["final_norm"].endswith("RMSNorm")
+    assert desc["language_model"] == {"gemma3_mm": "Gemma3TextModel", "gpt_oss": "GptOssModel"}[family]
+    assert desc["attn_implementation"] == {"gemma3_mm": "sdpa", "gpt_oss": "eager"}[family]
+    model = build_family(family)
+    b = store.read_block(1)
+    segs, ids, pos, cu = _block(seed=1)
+    want, _ = verifier_features(language_model(model), ids, pos, cu, [0, 1, 2])
+    assert torch.equal(b.aux_hidden[: ids.numel()], want)
+
+
+def test_explicit_sdpa_on_a_model_without_it_is_a_clear_error(tmp_path):
+    verifier = save_family("gpt_oss", tmp_path / "verifier")
+    packed = _write_packed(tmp_path / "packed", 1, 512)
+    with pytest.raises(InputError, match="--attn-implementation.*eager"):
+        run_extract(ExtractConfig(packed=str(packed), verifier=str(verifier), output=str(tmp_path / "f.zarr"),
+                                  device="cpu", attn_implementation="sdpa"), progress=False, log=lambda m: None)
+
+
+def _recurrent_configs():
+    import transformers as tf
+
+    return {
+        "qwen3_next": (tf.Qwen3NextConfig(num_hidden_layers=4), "linear_attention"),
+        "jamba": (tf.JambaConfig(num_hidden_layers=4), "mamba"),
+        "falcon_h1": (tf.FalconH1Config(num_hidden_layers=2), "mamba"),
+        "mamba": (tf.MambaConfig(num_hidden_layers=2), "mamba"),
+    }
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "jamba", "falcon_h1", "mamba"])
+def test_recurrent_layers_are_refused_naming_the_layer_type(name):
+    config, kind = _recurrent_configs()[name]
+    with pytest.raises(InputError, match=kind):
+        check_packable(config)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_of_the_matrix_is_packable(family):
+    check_packable(family_config(family))  # raises for none of them
+
+
+def test_refused_before_any_weights_load(tmp_path):
+    verifier = tmp_path / "next"
+    verifier.mkdir()
+    (verifier / "config.json").write_text(json.dumps(_recurrent_configs()["qwen3_next"][0].to_dict()))
+    packed = _write_packed(tmp_path / "packed", 1, 512)
+    with pytest.raises(InputError, match="linear_attention"):  # no weights in the directory at all
+        run_extract(ExtractConfig(packed=str(packed), verifier=str(verifier), output=str(tmp_path / "f.zarr"),
+                                  device="cpu"), progress=False, log=lambda m: None)
