@@ -22,7 +22,8 @@ cache) and has emitted ``x_{t+1}``.
    verifier's argmax plus the verifier's argmax after it (the bonus token); with temperature T > 0
    draft i is kept with probability ``min(1, p_i(x)/q_i(x))`` and the first rejected one is replaced
    by a sample of ``norm(max(0, p_i - q_i))``, which keeps the verifier's distribution exactly. The
-   verifier cache is cut back to the accepted tokens and their aux features feed the drafter.
+   verifier cache (full keys/values also for sliding-window layers, masked by the window) is cut
+   back to the accepted tokens and their aux features feed the drafter.
 
 Under greedy decoding every token emitted is the verifier's argmax given the tokens before it, so
 the output is the verifier's own greedy output token for token.
@@ -100,7 +101,7 @@ def check_compatible(verifier, drafter) -> None:
     Raises:
         InputError: hidden size, vocabulary or aux layer ids do not fit the verifier.
     """
-    vcfg = verifier.config
+    vcfg = verifier.config.get_text_config()  # a multimodal wrapper's language model
     dcfg = drafter.config
     n_layers = vcfg.num_hidden_layers
     problems = []
@@ -338,12 +339,41 @@ class _LogitRows:
 
 # ------------------------------------------------------------------------------------------ verifier
 def _new_cache(verifier):
+    """The verifier's own KV cache (sliding-window layers keep only their window): plain decoding."""
     from transformers import DynamicCache
 
     try:
         return DynamicCache(config=verifier.config)
     except TypeError:  # older transformers
         return DynamicCache()
+
+
+def _rollback_cache(verifier):
+    """A KV cache that :func:`_crop_cache` can cut back exactly, for speculative decoding.
+
+    The verifier's own cache with every sliding-window (or chunked) layer replaced by a full layer:
+    those layers then keep all keys and values, and the model still masks them by its window (its
+    masks are built from positions over the full key length), so the outputs equal the model's own
+    and a rejected draft's keys can be dropped (a sliding layer that has shifted its window cannot
+    give back the keys it evicted).
+
+    Raises:
+        InputError: a cache layer holding recurrent state (linear attention, state-space, convolution),
+            which cannot be cut back to an earlier token.
+    """
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    cache = _new_cache(verifier)
+    layers = getattr(cache, "layers", None) or []
+    for i, layer in enumerate(layers):
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            layers[i] = DynamicLayer()
+        elif type(layer) is not DynamicLayer and "Dummy" not in type(layer).__name__:
+            raise InputError(f"the verifier's cache layer {i} is a {type(layer).__name__}: its state cannot be cut "
+                             "back after a rejected draft, so speculative decoding would not be exact; peagle "
+                             "supports verifiers whose layers are full, sliding-window or chunked attention",
+                             field="--verifier")
+    return cache
 
 
 def _cache_kwarg(verifier) -> str:
@@ -384,7 +414,7 @@ def _verifier_body_pass(verifier, ids: torch.Tensor, cache):
     lm_head = verifier.get_output_embeddings()
     body = getattr(verifier, "base_model", None)
     if lm_head is None or body is None or body is verifier \
-            or getattr(verifier.config, "final_logit_softcapping", None):
+            or getattr(verifier.config.get_text_config(), "final_logit_softcapping", None):
         logits, hs = _verifier_pass(verifier, ids, cache, want_hidden=True)
         return logits, hs
     device = next(verifier.parameters()).device
@@ -493,12 +523,12 @@ def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num
     ids = _prompt_tensor(prompt_ids)
     eos = _eos_set(eos_token_id)
     layers = drafter.config.aux_layer_ids
-    vocab = verifier.config.vocab_size
+    vocab = verifier.config.get_text_config().vocab_size
     result = GenerationResult(tokens=[])
     start = time.perf_counter()
     if max_new_tokens <= 0:
         return result
-    cache = _new_cache(verifier)
+    cache = _rollback_cache(verifier)
     session = DrafterSession(drafter)
     logits, hs = _verifier_pass(verifier, ids, cache, want_hidden=True, last_only=True)
     result.tokens.append(_pick(logits[-1], temperature, generator))
