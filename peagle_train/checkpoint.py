@@ -37,6 +37,7 @@ __all__ = [
     "WEIGHTS_FILE",
     "STATE_FILE",
     "drafter_config_json",
+    "rope_from_layer_config",
     "save_drafter",
     "load_drafter",
     "save_training_state",
@@ -54,16 +55,49 @@ _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
 def _llama_layer_config(cfg: DrafterConfig) -> dict[str, Any]:
+    """The drafter layer as a Llama config dict, with the verifier's RoPE in both layouts.
+
+    transformers ≥ 5 (and speculators 0.9 on it) read ``rope_parameters`` (``rope_type``,
+    ``rope_theta``, scaling keys); transformers 4 and readers written for it (vLLM's config
+    loading on v4) read top-level ``rope_theta`` and ``rope_scaling`` (None for default RoPE).
+    """
     from transformers import LlamaConfig
 
-    return LlamaConfig(
+    rope = dict(cfg.rope_parameters)
+    out = LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, hidden_act=cfg.hidden_act,
         rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        tie_word_embeddings=False, architectures=["LlamaForCausalLM"],
+        rope_parameters=dict(rope), tie_word_embeddings=False, architectures=["LlamaForCausalLM"],
     ).to_dict()
+    out["rope_parameters"] = rope
+    out["rope_theta"] = float(rope["rope_theta"])
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    out["rope_scaling"] = None if rope["rope_type"] == "default" else scaling
+    return out
+
+
+def rope_from_layer_config(layer: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE of a ``transformer_layer_config`` dict as flat ``rope_parameters``.
+
+    Reads ``rope_parameters`` (transformers 5; a per-layer-type dict is collapsed to its
+    ``sliding_attention`` entry, else ``full_attention``, as speculators 0.9 does), else the v4
+    keys ``rope_scaling`` (``rope_type`` or legacy ``type``) and ``rope_theta``.
+    """
+    rope = layer.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" not in rope and "rope_type" not in rope:
+        rope = rope.get("sliding_attention") or rope.get("full_attention")
+    if not isinstance(rope, dict):
+        rope = dict(layer.get("rope_scaling") or {})
+        if "type" in rope and "rope_type" not in rope:
+            rope["rope_type"] = rope.pop("type")
+        rope.setdefault("rope_theta", layer.get("rope_theta", 10000.0))
+    rope = dict(rope)
+    rope.pop("type", None)
+    rope.setdefault("rope_type", "default")
+    rope.setdefault("rope_theta", layer.get("rope_theta", 10000.0))
+    return rope
 
 
 def drafter_config_json(cfg: DrafterConfig, extra_config: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -136,12 +170,30 @@ def save_drafter(model: PEagleDrafter, directory: str | os.PathLike,
     return directory
 
 
-def _config_from_json(cfg: dict[str, Any]) -> DrafterConfig:
+def _config_from_json(cfg: dict[str, Any], path: Path) -> DrafterConfig:
+    """The :class:`DrafterConfig` of a ``config.json``; its RoPE is the ``transformer_layer_config``'s.
+
+    Raises:
+        StoreFormatError: a RoPE the drafter cannot compute, or a ``peagle`` block whose RoPE
+            disagrees with the ``transformer_layer_config`` (which vLLM reads).
+    """
+    layer = cfg["transformer_layer_config"]
+    rope = rope_from_layer_config(layer)
     saved = cfg.get("peagle", {}).get("drafter_config")
-    if saved is not None:
-        return DrafterConfig(**saved)
-    layer = cfg["transformer_layer_config"]  # a checkpoint written by another tool
-    rope = layer.get("rope_parameters") or {}
+    try:
+        if saved is not None:
+            out = DrafterConfig(**saved)
+            if out.rope_parameters != DrafterConfig(**{**saved, "rope_parameters": rope}).rope_parameters:
+                raise StoreFormatError(f"{path}: transformer_layer_config has RoPE {rope} but the peagle block "
+                                       f"has {out.rope_parameters}; the checkpoint was edited by hand?")
+            return out
+        return _foreign_config(cfg, layer, rope)
+    except ValueError as e:  # DrafterConfig refuses the RoPE
+        raise StoreFormatError(f"{path}: {e}") from e
+
+
+def _foreign_config(cfg: dict[str, Any], layer: dict[str, Any], rope: dict[str, Any]) -> DrafterConfig:
+    """A config written by another tool (speculators): everything from its Llama layer config."""
     spec = cfg.get("speculators_config", {})
     verifier = spec.get("verifier", {})
     methods = spec.get("proposal_methods") or [{}]
@@ -153,7 +205,7 @@ def _config_from_json(cfg: dict[str, Any]) -> DrafterConfig:
         vocab_size=layer["vocab_size"], draft_vocab_size=cfg["draft_vocab_size"],
         aux_layer_ids=list(cfg["eagle_aux_hidden_state_layer_ids"]),
         num_hidden_layers=layer.get("num_hidden_layers", 1), rms_norm_eps=layer.get("rms_norm_eps", 1e-5),
-        rope_theta=rope.get("rope_theta", layer.get("rope_theta", 10000.0)),
+        rope_theta=float(rope["rope_theta"]), rope_parameters=rope,
         max_position_embeddings=layer.get("max_position_embeddings", 8192),
         mask_token_id=cfg.get("mask_token_id") or 0,
         num_depths=methods[0].get("speculative_tokens", 8),
@@ -194,7 +246,7 @@ def load_drafter(directory: str | os.PathLike, device: str | torch.device = "cpu
     if cfg.get("speculators_model_type") != "peagle":
         raise StoreFormatError(f"{cfg_path}: speculators_model_type is "
                                f"{cfg.get('speculators_model_type')!r}, expected 'peagle'")
-    model = PEagleDrafter(_config_from_json(cfg))
+    model = PEagleDrafter(_config_from_json(cfg, cfg_path))
     tensors = _drop_identity_vocab_maps(load_file(str(w_path)), model.config, w_path)
     try:
         model.load_state_dict(tensors, strict=True)

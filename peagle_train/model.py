@@ -32,7 +32,8 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from peagle_train.attention import FlexElementMask
 
-__all__ = ["DrafterConfig", "PEagleDrafter", "RMSNorm", "rotary_cos_sin", "AttentionMask", "sdpa_dense",
+__all__ = ["DrafterConfig", "PEagleDrafter", "RMSNorm", "rotary_cos_sin", "rope_cos_sin", "rope_frequencies",
+           "ROPE_TYPES", "AttentionMask", "sdpa_dense",
            "SDPA_MASK_BUDGET_BYTES"]
 
 AttentionMask = Union[torch.Tensor, FlexElementMask]
@@ -84,7 +85,12 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-5
     """RMSNorm epsilon."""
     rope_theta: float = 10000.0
-    """RoPE base."""
+    """RoPE base (equals ``rope_parameters["rope_theta"]``)."""
+    rope_parameters: dict[str, Any] | None = None
+    """The verifier's RoPE in transformers' ``rope_parameters`` form (``rope_type``, ``rope_theta`` and
+    the type's scaling keys, e.g. llama3's ``factor``, ``low_freq_factor``, ``high_freq_factor``,
+    ``original_max_position_embeddings``); None means ``default`` with ``rope_theta``. Types:
+    :data:`ROPE_TYPES`; others are refused."""
     max_position_embeddings: int = 8192
     """Longest position the drafter is meant for."""
     mask_token_id: int = 0
@@ -92,11 +98,23 @@ class DrafterConfig:
     num_depths: int = 8
     """K, drafted tokens per verifier step."""
     hidden_act: str = "silu"
-    """MLP activation (Llama: silu)."""
+    """MLP activation, a transformers ``ACT2FN`` name (Llama: silu; the verifier's, as speculators does)."""
     verifier_name_or_path: str = ""
     """The verifier this drafter was trained for."""
     verifier_architectures: list[str] = field(default_factory=lambda: ["LlamaForCausalLM"])
     """The verifier's architectures (config.json)."""
+
+    def __post_init__(self) -> None:
+        rope = dict(self.rope_parameters or {"rope_type": "default", "rope_theta": self.rope_theta})
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+        rope.setdefault("rope_theta", self.rope_theta)
+        if rope["rope_type"] not in ROPE_TYPES:
+            raise ValueError(f"RoPE type {rope['rope_type']!r} is not supported by the drafter (its frequencies "
+                             f"depend on the sequence length or need other positions); supported: {ROPE_TYPES}")
+        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError(f"partial_rotary_factor {rope['partial_rotary_factor']} is not supported by the drafter")
+        self.rope_parameters = rope
+        self.rope_theta = float(rope["rope_theta"])
 
     @property
     def num_aux_layers(self) -> int:
@@ -121,14 +139,60 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+"""RoPE types whose frequencies are fixed (transformers' ``rope_type``); ``dynamic`` and ``longrope``
+change with the sequence length and are refused."""
+
+
 def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float,
                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Llama RoPE tables for ``position_ids [E]`` -> cos, sin ``[E, head_dim]``."""
+    """Llama ``default`` RoPE tables for ``position_ids [E]`` -> cos, sin ``[E, head_dim]``."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device,
                                              dtype=torch.float32) / head_dim))
     freqs = position_ids.float()[:, None] * inv_freq[None, :]  # [E, hd/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [E, hd]
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+_ROPE_CACHE: dict[str, tuple[torch.Tensor, float]] = {}
+
+
+def rope_frequencies(cfg: DrafterConfig) -> tuple[torch.Tensor, float]:
+    """``inv_freq [head_dim/2] float32`` and the cos/sin scale of ``cfg.rope_parameters``.
+
+    Computed by transformers' own RoPE functions (``modeling_rope_utils.ROPE_INIT_FUNCTIONS``) for a
+    Llama config of the drafter's head dim, so the drafter rotates exactly as a transformers Llama
+    (and vLLM's Llama drafter) with these parameters; cached per parameter set.
+    """
+    import json
+
+    key = json.dumps([cfg.head_dim, cfg.max_position_embeddings, cfg.rope_parameters], sort_keys=True)
+    if key not in _ROPE_CACHE:
+        rope = cfg.rope_parameters
+        if rope["rope_type"] == "default":
+            hd = cfg.head_dim
+            inv = 1.0 / (rope["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+            _ROPE_CACHE[key] = (inv, 1.0)
+        else:
+            from transformers import LlamaConfig
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            lc = LlamaConfig(hidden_size=cfg.head_dim * cfg.num_attention_heads, head_dim=cfg.head_dim,
+                             num_attention_heads=cfg.num_attention_heads,
+                             max_position_embeddings=cfg.max_position_embeddings, rope_parameters=dict(rope))
+            inv, scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](lc, torch.device("cpu"))
+            _ROPE_CACHE[key] = (inv.float(), float(scale))
+    return _ROPE_CACHE[key]
+
+
+def rope_cos_sin(position_ids: torch.Tensor, cfg: DrafterConfig,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's RoPE tables for ``position_ids [E]`` -> cos, sin ``[E, head_dim]`` of ``dtype``
+    (the verifier's RoPE type, scaling and theta: :func:`rope_frequencies`)."""
+    inv_freq, scale = rope_frequencies(cfg)
+    freqs = position_ids.float()[:, None] * inv_freq.to(position_ids.device)[None, :]  # [E, hd/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [E, hd]
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -225,9 +289,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = F.silu if cfg.hidden_act == "silu" else _activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _activation(name: str):
+    """transformers' activation ``name`` (what a Llama layer with ``hidden_act = name`` computes)."""
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
 
 
 class DecoderLayer(nn.Module):
@@ -325,7 +397,7 @@ class PEagleDrafter(nn.Module):
         ids = torch.where(is_mask, torch.full_like(input_ids, cfg.mask_token_id), input_ids)
         embeds = self.embed_tokens(ids)  # [E, H]
         hidden = self._fc_inputs(aux_hidden, is_mask)  # [E, H]
-        cos, sin = rotary_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, hidden.dtype)
+        cos, sin = rope_cos_sin(position_ids, cfg, hidden.dtype)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, attn_mask, embeds if i == 0 else None,

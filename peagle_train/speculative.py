@@ -220,9 +220,9 @@ class DrafterSession:
 
 
 def _rotary(position_ids, cfg, dtype):
-    from peagle_train.model import rotary_cos_sin
+    from peagle_train.model import rope_cos_sin
 
-    return rotary_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, dtype)
+    return rope_cos_sin(position_ids, cfg, dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

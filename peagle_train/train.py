@@ -45,7 +45,8 @@ import torch
 
 from peagle_train.attention import FlexElementMask, build_attention_mask
 from peagle_train.checkpoint import (
-    latest_checkpoint, load_training_state, prune_checkpoints, save_checkpoint, save_drafter,
+    latest_checkpoint, load_training_state, prune_checkpoints, rope_from_layer_config, save_checkpoint,
+    save_drafter,
 )
 from peagle_train.cod import CodElements, element_inputs, sample_cod_elements
 from peagle_train.data import Block, BlockLoader, _seed_of, to_block
@@ -311,7 +312,7 @@ def load_verifier_heads(name: str, store, mask_token_id: int) -> VerifierHeads:
             f"{store.attrs['verifier'].get('name_or_path')!r}): its targets would come from another model; "
             "pass --verifier with the extraction's model")
     model = load_verifier(name, dtype=torch.float32, device="cpu")
-    cfg = model.config
+    cfg = model.config.get_text_config()  # a multimodal wrapper's language model
     H, V = int(cfg.hidden_size), int(cfg.vocab_size)
     if H != store.hidden_size or V != store.vocab_size:
         raise StoreMismatchError(
@@ -346,25 +347,37 @@ def build_draft_vocab(token_freq: np.ndarray, draft_vocab_size: int | None) -> t
     return torch.from_numpy(ids - np.arange(draft_vocab_size)).to(torch.int64)  # [D]
 
 
+def verifier_rope(text_config) -> dict[str, Any]:
+    """The verifier's RoPE as the drafter takes it: flat ``rope_parameters`` (a per-layer-type RoPE,
+    e.g. Gemma-3's, collapses to its sliding layers' entry, and ``partial_rotary_factor`` is dropped
+    since the drafter rotates whole heads: both as speculators 0.9 builds a drafter)."""
+    rope = rope_from_layer_config(text_config.to_dict())
+    rope.pop("partial_rotary_factor", None)
+    return rope
+
+
 def build_drafter_config(heads: VerifierHeads, store, cfg: TrainConfig, draft_vocab_size: int) -> DrafterConfig:
-    """A :class:`DrafterConfig` mirroring the verifier's Llama config."""
-    vc = heads.config
+    """A :class:`DrafterConfig` mirroring the verifier's config, its RoPE included (type, scaling, theta).
+
+    Raises:
+        ValueError: a verifier RoPE the drafter cannot compute (``dynamic``, ``longrope``).
+    """
+    vc = heads.config.get_text_config()
     H = int(vc.hidden_size)
     nh = int(vc.num_attention_heads)
-    rope = getattr(vc, "rope_parameters", None) or {}
-    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
-    theta = theta or getattr(vc, "rope_theta", None) or 10000.0
+    rope = verifier_rope(vc)
+    theta = float(rope["rope_theta"])
     return DrafterConfig(
         hidden_size=H, intermediate_size=int(vc.intermediate_size), num_attention_heads=nh,
         num_key_value_heads=int(getattr(vc, "num_key_value_heads", None) or nh),
         head_dim=int(getattr(vc, "head_dim", None) or H // nh), vocab_size=int(vc.vocab_size),
         draft_vocab_size=draft_vocab_size, aux_layer_ids=list(store.layers), num_hidden_layers=cfg.num_layers,
-        rms_norm_eps=float(getattr(vc, "rms_norm_eps", 1e-5)), rope_theta=float(theta),
+        rms_norm_eps=float(getattr(vc, "rms_norm_eps", 1e-5)), rope_theta=theta, rope_parameters=rope,
         max_position_embeddings=int(getattr(vc, "max_position_embeddings", 8192)),
         mask_token_id=heads.mask_token_id, num_depths=cfg.num_depths,
-        hidden_act=str(getattr(vc, "hidden_act", "silu")),
+        hidden_act=str(getattr(vc, "hidden_act", None) or getattr(vc, "hidden_activation", None) or "silu"),
         verifier_name_or_path=heads.name_or_path,
-        verifier_architectures=list(getattr(vc, "architectures", None) or ["LlamaForCausalLM"]),
+        verifier_architectures=list(getattr(heads.config, "architectures", None) or ["LlamaForCausalLM"]),
     )
 
 
