@@ -770,11 +770,12 @@ def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float
 
 
 def _plot_series(report: dict[str, Any]) -> list[tuple[str, list[int], list[int]]]:
-    """``(label, successes [K], trials [K])`` per series: online and offline conditional acceptance,
-    offline per-depth accuracy."""
+    """``(label, successes [K], trials [K])`` per series: online per-position acceptance (the share of
+    verifier steps with drafts whose draft i was kept, as vLLM counts it), offline conditional
+    acceptance, offline per-depth accuracy."""
     series = []
     if "acceptance_length" in report and "per_position_reached" in report:
-        series.append(("online: P(accept | earlier accepted)", report["per_position_accepted"],
+        series.append(("online: share of verifier steps accepting draft i (vLLM)", report["per_position_accepted"],
                        report["per_position_reached"]))
     off = report.get("offline")
     if off and "per_position_reached" in off:
@@ -799,7 +800,7 @@ def _plot_title(report: dict[str, Any]) -> str:
 def write_acceptance_plot(report: dict[str, Any], path: str | Path) -> Path:
     """PNG of acceptance per draft position with 95% Wilson intervals and the count under each bar.
 
-    Bars: online conditional acceptance (``report``'s own keys) and offline conditional acceptance
+    Bars: online per-position acceptance (``report``'s own keys) and offline conditional acceptance
     (``report["offline"]``); points: offline per-depth accuracy. The title gives the acceptance
     lengths. An offline-only run passes ``{"offline": offline_report}``.
     """

@@ -497,7 +497,7 @@ def test_acceptance_plot_has_integer_positions_title_and_counts(tmp_path, monkey
 
     labels = [t.get_text() for t in figs[0].legends[0].get_texts()]
     assert labels == [name for key, name in (
-        ("acceptance_length", "online: P(accept | earlier accepted)"),
+        ("acceptance_length", "online: share of verifier steps accepting draft i (vLLM)"),
         ("offline", "offline: P(accept | earlier accepted)"), ("offline", "offline: per-depth accuracy"))
         if key in report]
     assert sum(isinstance(c, BarContainer) for c in ax.containers) == ("acceptance_length" in report) + ("offline" in report)
