@@ -1,8 +1,10 @@
 """``peagle-data stats`` memory and time: a table, the same table 10x, and an import-only baseline.
 
 For each token table given (a tokenize output, a pack output), the benchmark builds a synthetic
-table ten times its size (its part files hard-linked, or copied across file systems, ten times
-under new part names, with its manifest) and runs the statistics (text + PNG) in fresh child
+table ten times its size: a tokenize output's part files hard-linked (or copied across file
+systems) ten times under new part names; a pack output's part files rewritten ten times with the
+copy number prefixed to every segment id (``r3/conv#0``), so the 10x table has ten times the
+conversations for the windows-per-conversation group-by, not the same ones ten times and runs the statistics (text + PNG) in fresh child
 processes on both. Each child prints its own peak RSS (``ru_maxrss``) and wall time; the baseline
 is a child that only imports the same modules. Flat memory means ``rss(10x) - baseline`` close to
 ``rss(1x) - baseline``, not ten times it.
@@ -43,17 +45,36 @@ def replicate(table: Path, out: Path, times: int) -> Path:
         shutil.rmtree(out)
     out.mkdir(parents=True)
     parts = sorted(table.glob("part-*.parquet"))
+    packed = json.loads((table / "manifest.json").read_text())["kind"] == "packed"
     k = 0
-    for _ in range(times):
+    for copy in range(times):
         for p in parts:
             dest = out / f"part-{k:05d}.parquet"
-            try:
-                os.link(p, dest)
-            except OSError:
-                shutil.copy(p, dest)
+            if packed:
+                _rewrite_ids(p, dest, f"r{copy}/")
+            else:
+                try:
+                    os.link(p, dest)
+                except OSError:
+                    shutil.copy(p, dest)
             k += 1
     shutil.copy(table / "manifest.json", out / "manifest.json")
     return out
+
+
+def _rewrite_ids(src: Path, dest: Path, prefix: str) -> None:
+    """Copy a packed part file with ``prefix`` in front of every segment id."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    f = pq.ParquetFile(src)
+    with pq.ParquetWriter(dest, f.schema_arrow, compression="zstd") as w:
+        for batch in f.iter_batches(batch_size=1024):
+            col = batch.column("segment_ids")
+            values = pc.binary_join_element_wise(pa.scalar(prefix), col.values, "")
+            ids = pa.ListArray.from_arrays(col.offsets, values, type=col.type)
+            w.write_batch(batch.set_column(batch.schema.get_field_index("segment_ids"), "segment_ids", ids))
 
 
 def child(path: str, png: str, max_seq_len: str) -> dict:

@@ -97,6 +97,12 @@ def _echo_summary(summary: dict) -> None:
                           if k.startswith("dropped_") and k != "dropped_leading_assistant_turns" and v)
         click.echo(f"  kept without content the chat template drops (--on-dropped-content keep): "
                    f"{c['conversations_with_dropped_content']} conversations ({parts})")
+    for name, sc in (c.get("sources") or {}).items():  # a mixture: one line per source
+        click.echo(f"  source {name}: read {sc['read']}  used {sc['used']}  rejected {sc['rejected']}  duplicates "
+                   f"{sc['duplicates']}  sampled out {sc['sampled_out']}  copies {sc['copies']}"
+                   + (f"  in other shards {sc['other_shards']}" if sc.get("other_shards") else ""))
+    if c.get("other_shards"):
+        click.echo(f"  {c['other_shards']} input items belong to other shards (--num-shards)")
     click.echo(f"tokens {c['tokens']}  loss tokens {c['loss_tokens']}")
     if "n_blocks" in c:
         click.echo(f"windows {c['windows']}  (dropped {c['windows_dropped']}: windows with no supervised token left, "

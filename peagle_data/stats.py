@@ -11,8 +11,9 @@ What each kind reports (``rows`` are conversations for a tokenize output, blocks
 - totals: rows, tokens, supervised (loss) tokens, supervised fraction;
 - length percentiles: tokens per conversation (tokenize output) or per window (pack output, store);
 - supervised fraction per conversation (tokenize output) or per block (pack output, store);
-- windows per conversation: from the window indices of the segment ids (``conversation#k``) of a
-  pack output, or, for a tokenize output, the windows ``pack --max-seq-len W`` would cut
+- windows per conversation: from the segment ids (``conversation#k``) of a pack output (one
+  group-by key per conversation: the only statistic whose memory grows with the data, by one id
+  per conversation), or, for a tokenize output, the windows ``pack --max-seq-len W`` would cut
   (:func:`peagle_data.windows.count_windows`) when ``max_seq_len`` is given;
 - per-source breakdown: the ``dataset`` column of a table (mixture sources) when present, else the
   file part of each row's ``source`` (``file:N``);
@@ -193,25 +194,25 @@ def _packed_stats(table) -> dict[str, Any]:
     block_size = int(table.manifest.get("parameters", {}).get("block_size") or 0)
     blocks = lf.select(pl.col("n_tokens"), pl.col("loss_mask").list.sum().cast(pl.Int64).alias("loss"))
     seg = lf.select(pl.col("cu_seqlens").list.diff(null_behavior="drop").alias("n")).explode("n")
-    idx = lf.select(pl.col("segment_ids").explode().str.extract(r"#(\d+)$", 1).cast(pl.Int64).alias("k"))
+    conv = lf.select(pl.col("segment_ids").explode().str.replace(r"#\d+$", "").alias("conversation"))
     queries = [
         blocks.select(pl.len().alias("blocks"), pl.col("n_tokens").cast(pl.Int64).sum().alias("tokens"),
                       pl.col("loss").sum().alias("loss")),
         blocks.select((pl.col("loss") * FRACTION_BINS // pl.col("n_tokens")).alias("bin")).group_by("bin").len(),
         seg.group_by("n").len(),
-        idx.group_by("k").len(),
+        conv.group_by("conversation").len().group_by("len").agg(pl.len().alias("conversations")),
     ]
     if "segment_datasets" in lf.collect_schema().names():
         queries.append(_packed_sources_query(lf))
     frames = pl.collect_all(queries, engine="streaming")
-    totals, fracs, lengths, ks = frames[:4]
+    totals, fracs, lengths, per_conv = frames[:4]
     n_blocks, tokens, loss = (int(totals[c][0] or 0) for c in ("blocks", "tokens", "loss"))
     return {
         "totals": {"rows": n_blocks, "tokens": tokens, "loss_tokens": loss,
                    "supervised_fraction": round(loss / tokens, 6) if tokens else 0.0},
         "lengths": {"of": "window", **_length_block(lengths["n"], lengths["len"])},
         "supervised_fraction": {"of": "block", "histogram": _fraction_histogram(fracs["bin"], fracs["len"])},
-        "windows_per_conversation": _windows_from_indices(ks),
+        "windows_per_conversation": _windows_per_conversation(per_conv),
         "sources": _sources(frames[4], tokens, loss) if len(frames) > 4 and len(frames[4]) else None,
         "packing": _packing(n_blocks, tokens, block_size),
     }
@@ -230,15 +231,14 @@ def _packed_sources_query(lf):
                                            pl.col("loss").cast(pl.Int64).sum())
 
 
-def _windows_from_indices(ks) -> dict[str, Any] | None:
-    """Windows per conversation from how many segments carry each window index k: a conversation
-    has at least k+1 windows exactly when its window k is in the table."""
-    at_least = {int(k) + 1: int(c) for k, c in ks.iter_rows() if k is not None}
-    if not at_least:
+def _windows_per_conversation(frame) -> dict[str, Any] | None:
+    """Windows per conversation of a pack output from ``(windows, conversations)`` pairs (the
+    windows of one conversation share the segment id prefix before ``#k``; windows dropped for
+    having no supervised token are not counted, so indices may have gaps)."""
+    hist = {int(k): int(c) for k, c in frame.iter_rows()}
+    if not hist:
         return None
-    top = max(at_least)
-    hist = {k: at_least.get(k, 0) - at_least.get(k + 1, 0) for k in range(1, top + 1)}
-    return _windows_block({k: c for k, c in hist.items() if c}, conversations=at_least.get(1, 0))
+    return _windows_block(hist, conversations=sum(hist.values()))
 
 
 def _packing(n_blocks: int, tokens: int, block_size: int) -> dict[str, Any]:
@@ -309,8 +309,9 @@ def format_stats(stats: dict[str, Any]) -> str:
     if stats.get("packing"):
         pk = stats["packing"]
         lines.append(f"packing: {pk['blocks']:,} blocks x {pk['block_size']}  efficiency {pk['efficiency']}")
+    unit = "conversations" if stats["kind"] == "tokenized" else "windows"
     for s in stats.get("sources") or []:
-        lines.append(f"  source {s['source']}: {s['rows']:,} rows  {s['tokens']:,} tokens ({s['token_share']:.1%})  "
+        lines.append(f"  source {s['source']}: {s['rows']:,} {unit}  {s['tokens']:,} tokens ({s['token_share']:.1%})  "
                      f"{s['loss_tokens']:,} supervised ({s['loss_share']:.1%})")
     return "\n".join(lines)
 

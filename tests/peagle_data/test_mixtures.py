@@ -138,3 +138,19 @@ def test_mixture_must_be_the_only_input_and_takes_no_limit(tmp_path, smollm2_tok
     with pytest.raises(InputError, match="give each source a 'limit'"):
         run_tokenize([mix], "smollm2-135m", tmp_path / "o", TokenizeConfig(limit=5), tokenizer=smollm2_tokenizer)
     assert not (tmp_path / "o").exists()
+
+
+def test_cli_pack_of_a_mixture_prints_each_source(tmp_path):
+    from click.testing import CliRunner
+
+    from cli.data import main
+
+    mix = _three_sources(tmp_path)
+    r = CliRunner().invoke(main, ["pack", str(mix), "--tokenizer", "smollm2-135m", "--output", str(tmp_path / "p"),
+                                  "--max-seq-len", "64", "--num-shards", "2", "--shard-index", "1"])
+    assert r.exit_code == 0, r.output
+    counts = TokenTable.open(tmp_path / "p").manifest["counts"]
+    tools = counts["sources"]["tools"]
+    assert (f"  source tools: read 32  used {tools['used']}  rejected {tools['rejected']}  duplicates "
+            f"{tools['duplicates']}  sampled out 0  copies 0  in other shards {tools['other_shards']}") in r.output
+    assert 0 < tools["other_shards"] < 32 and f"{counts['other_shards']} input items belong to other shards" in r.output

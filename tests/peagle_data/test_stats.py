@@ -65,19 +65,20 @@ def test_tokenized_stats_totals_sources_and_windows(tmp_path):
 def test_packed_stats_windows_from_segment_ids_and_efficiency(tmp_path):
     out = tmp_path / "packed"
     out.mkdir()
-    segs = [[("x#0", 6, 2), ("y#0", 2, 1)], [("x#1", 6, 6)], [("x#2", 4, 0), ("y#1", 3, 3)], [("z#0", 5, 5)]]
+    segs = [[("x#0", 6, 2), ("y#0", 2, 1)], [("x#1", 6, 6)], [("x#2", 4, 0), ("y#1", 3, 3)], [("z#0", 5, 5)],
+            [("w#0", 4, 4), ("w#2", 4, 4)]]  # w's window 1 was dropped (no supervised token)
     with TableWriter(out, "packed", batch_rows=1) as w:
         for b, block in enumerate(segs):
             w.write(make_packed_row(b, [(sid, np.ones(n, np.int32), np.r_[np.zeros(n - m), np.ones(m)].astype(np.uint8))
                                         for sid, n, m in block]))
     write_manifest(out, {"kind": "packed", "parameters": {"block_size": 8}, "counts": {}})
     s = collect_stats(out)
-    assert s["totals"]["rows"] == 4 and s["totals"]["tokens"] == 26 and s["totals"]["loss_tokens"] == 17
-    assert s["packing"] == {"blocks": 4, "block_size": 8, "efficiency": round(26 / 32, 6)}
-    assert dict(zip(s["lengths"]["values"], s["lengths"]["counts"])) == {2: 1, 3: 1, 4: 1, 5: 1, 6: 2}
-    # x has 3 windows, y 2, z 1
-    assert s["windows_per_conversation"]["histogram"] == {1: 1, 2: 1, 3: 1}
-    assert s["windows_per_conversation"]["conversations"] == 3
+    assert s["totals"]["rows"] == 5 and s["totals"]["tokens"] == 34 and s["totals"]["loss_tokens"] == 25
+    assert s["packing"] == {"blocks": 5, "block_size": 8, "efficiency": round(34 / 40, 6)}
+    assert dict(zip(s["lengths"]["values"], s["lengths"]["counts"])) == {2: 1, 3: 1, 4: 3, 5: 1, 6: 2}
+    # x has 3 windows, y 2, w 2 (indices 0 and 2), z 1
+    assert s["windows_per_conversation"]["histogram"] == {1: 1, 2: 2, 3: 1}
+    assert s["windows_per_conversation"]["conversations"] == 4
     assert s["supervised_fraction"]["histogram"][int(3 * 50 // 8)] == 1  # block 0: 3 of 8
 
 
