@@ -116,3 +116,23 @@ def test_training_on_two_stores_resumes_exactly(tmp_path, verifier_dir):
         torch.testing.assert_close(sa[k], sb[k])
     with pytest.raises(InputError, match="differ from the saved run"):  # other stores: not the same run
         run_train(_cfg([b, a], part, max_steps=8, save_every=4, val_fraction=0.25, draft_vocab_size=64, resume=True))
+
+
+def test_cli_takes_repeated_stores_and_a_store_list(tmp_path, verifier_dir):
+    import json
+
+    from click.testing import CliRunner
+
+    from cli.train import main
+
+    a, b = _two(tmp_path, verifier_dir)
+    (tmp_path / "stores.txt").write_text("a.zarr\nb.zarr\n")
+    common = ["--max-steps", "2", "--num-depths", "2", "--val-fraction", "0", "--loss-chunk-size", "64"]
+    r = CliRunner().invoke(main, ["--store", a, "--store", b, "--output", str(tmp_path / "o1"), *common])
+    assert r.exit_code == 0, r.output
+    r2 = CliRunner().invoke(main, ["--store", str(tmp_path / "stores.txt"), "--output", str(tmp_path / "o2"), *common])
+    assert r2.exit_code == 0, r2.output
+    saved = [json.loads((tmp_path / o / "train_config.json").read_text())["store"] for o in ("o1", "o2")]
+    assert saved[0] == [a, b] and saved[1] == [str(tmp_path / "a.zarr"), str(tmp_path / "b.zarr")]
+    summary = lambda res: json.loads(res.output[res.output.index("{\n"):])  # noqa: E731 - after the warnings
+    assert summary(r)["final_loss"] == summary(r2)["final_loss"] and summary(r)["steps"] == 2
