@@ -766,7 +766,8 @@ def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float
     denom = 1 + z * z / n
     center = (p + z * z / (2 * n)) / denom
     half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / denom
-    return max(0.0, center - half), min(1.0, center + half)
+    # rounding can put a bound a few ulps past p when p is 0 or 1: the interval always holds p
+    return max(0.0, min(p, center - half)), min(1.0, max(p, center + half))
 
 
 def _plot_series(report: dict[str, Any]) -> list[tuple[str, list[int], list[int]]]:

@@ -453,6 +453,13 @@ def test_wilson_interval_known_values():
     lo, hi = wilson_interval(1, 1)
     assert lo == pytest.approx(0.2065, abs=1e-4) and hi == 1.0
     assert wilson_interval(0, 0) is None
+    # the interval holds p exactly even where rounding put a bound past it (0 of 11, 6 of 6 ...), so
+    # the plot's error bars p - lo and hi - p are never negative
+    for n in range(1, 200):
+        for a in range(n + 1):
+            lo, hi = wilson_interval(a, n)
+            assert 0.0 <= lo <= a / n <= hi <= 1.0, (a, n)
+    assert wilson_interval(0, 11)[0] == 0.0 and wilson_interval(6, 6)[1] == 1.0
 
 
 def _captured_figures(monkeypatch):
