@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import multiprocessing
 import os
 import re
@@ -59,7 +60,7 @@ from tqdm import tqdm
 
 from peagle_data.dedup import Deduplicator, dedup_items, duplicate_reject, filter_reason, rows_key
 from peagle_data.shards import check_shard, shard_filter, shard_of_key
-from peagle_data.sources import input_files, iter_source_groups, mixture_of, source_rejected
+from peagle_data.sources import input_files, iter_source_groups, mixture_of, source_bump, source_rejected
 from peagle_data.chat import ChatTemplateError, chat_template_sha256, render_rows, tokenize_rendered
 from peagle_data.packing import make_packed_row, pack_blocks_flexible, packing_efficiency
 from peagle_data.readers import FORMATS, Conversation, Reject, UniqueIds, read_conversations, resolve_inputs
@@ -518,9 +519,11 @@ def _filter_table_groups(groups: Iterator[list[dict[str, Any]]], cfg: TokenizeCo
     for group in groups:
         source, cid = group[0]["source"], group[0]["conversation_id"]
         key = rows_key(group)
+        source_bump(counts, group, read=1)
         if cfg.num_shards > 1 and shard_of_key(key, cfg.num_shards) != cfg.shard_index:
             counts["read"] -= 1  # read again by the shard that keeps it
             _bump(counts, "other_shards")
+            source_bump(counts, group, other_shards=1)
             continue
         if dedup is not None:  # a weight's copies (source file:N*k) are not duplicates of their row
             copy = re.search(r":\d+\*(\d+)$", source)
@@ -530,12 +533,15 @@ def _filter_table_groups(groups: Iterator[list[dict[str, Any]]], cfg: TokenizeCo
                 _bump(counts, "duplicates")
                 _reject(rejects, counts, source, d.reason.replace("same messages", "same tokens"),
                         conversation_id=cid, duplicate_of=first)
+                source_bump(counts, group, rejected=1, duplicates=1)
                 continue
         filtered = filter_reason(sum(len(r["input_ids"]) for r in group),
                                  sum(int(np.sum(r["loss_mask"])) for r in group), cfg.max_tokens, cfg.min_loss_tokens)
         if filtered is not None:
             _reject(rejects, counts, source, filtered, conversation_id=cid)
+            source_bump(counts, group, rejected=1)
             continue
+        source_bump(counts, group, used=1)
         yield group
 
 
@@ -629,6 +635,9 @@ def run_pack(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.PathL
             manifest["upstream"] = upstream
         if mixture is not None:
             manifest["mixture"] = mixture.record()
+        elif upstream is not None and len({json.dumps(t.manifest.get("mixture"), sort_keys=True) for t in tables}) == 1 \
+                and tables[0].manifest.get("mixture"):
+            manifest["mixture"] = tables[0].manifest["mixture"]  # the tokenize output's mixture
         manifest.update(_shard_record(cfg.tokenize))
         write_manifest(out, manifest)
     return {"output": str(output), "counts": dict(counts)}

@@ -23,7 +23,7 @@ from peagle_data.mixtures import Mixture, is_mixture_file, load_mixture, sample_
 from peagle_data.readers import resolve_inputs
 from stores.errors import InputError
 
-__all__ = ["mixture_of", "input_files", "iter_source_groups", "source_rejected"]
+__all__ = ["mixture_of", "input_files", "iter_source_groups", "source_rejected", "source_bump"]
 
 def mixture_of(inputs: Sequence[str | os.PathLike]) -> Mixture | None:
     """The mixture when INPUT is one mixture file; None for plain inputs.
@@ -108,3 +108,15 @@ def source_rejected(counts: dict[str, Any], group: list[dict[str, Any]]) -> None
     if name is not None and name in counts.get("sources", {}):
         counts["sources"][name]["used"] -= 1
         counts["sources"][name]["rejected"] += 1
+
+
+def source_bump(counts: dict[str, Any], group: list[dict[str, Any]], **increments: int) -> None:
+    """Add to the per-source counts of a tokenize output's conversation (``pack`` of a mixture's
+    tokenize output: its rows carry ``dataset``); nothing for rows without a source."""
+    name = group[0].get("dataset")
+    if name is None:
+        return
+    c = counts.setdefault("sources", {}).setdefault(
+        name, {"read": 0, "used": 0, "rejected": 0, "duplicates": 0, "other_shards": 0})
+    for key, n in increments.items():
+        c[key] = c.get(key, 0) + n

@@ -128,6 +128,10 @@ def test_pack_of_a_mixture_records_each_window_source(tmp_path, smollm2_tokenize
     run_pack([tmp_path / "t"], "smollm2-135m", tmp_path / "p2", PackConfig(max_seq_len=64), tokenizer=smollm2_tokenizer)
     cols = ["input_ids", "loss_mask", "segment_ids", "segment_datasets"]
     assert TokenTable.open(tmp_path / "p2").read_all(cols).equals(table.read_all(cols))
+    p2 = TokenTable.open(tmp_path / "p2").manifest
+    assert p2["mixture"] == table.manifest["mixture"]
+    for name, c in p2["counts"]["sources"].items():  # per source: the tokenize output's conversations
+        assert c["used"] == p["counts"]["sources"][name]["used"] and c["read"] == c["used"] + c["rejected"]
 
 
 def test_mixture_must_be_the_only_input_and_takes_no_limit(tmp_path, smollm2_tokenizer):
