@@ -54,11 +54,11 @@ def shared_file(name: str) -> Path:
     path = shared_data_dir() / name
     if not path.is_file():
         what, url = TEST_DATA_FILES.get(name, ("a test data file", None))
-        source = f"download it from {url} " if url else ""
+        source = f"download {url} " if url else "put it "
         where = (f"{TEST_DATA_ENV}={os.environ[TEST_DATA_ENV]}" if os.environ.get(TEST_DATA_ENV)
                  else f"{TEST_DATA_ENV} is unset, so the default {SHARED_DATA}")
-        pytest.skip(f"needs {what}, file {name}, not found ({where}): {source}into a directory and set "
-                    f"{TEST_DATA_ENV} to that directory")
+        pytest.skip(f"needs {what}, file {name}, not found ({where}): {source}as {name} into a "
+                    f"directory and set {TEST_DATA_ENV} to that directory")
     return path
 
 

@@ -16,9 +16,9 @@ def test_missing_file_skip_names_the_file_its_source_and_the_variable(tmp_path, 
     reason = str(info.value)
     assert reason.startswith("needs the MT-Bench questions (80 two-turn prompts), file mt_bench_question.jsonl")
     assert f"{TEST_DATA_ENV}={tmp_path}" in reason
-    assert "https://raw.githubusercontent.com/lm-sys/FastChat/main/fastchat/llm_judge/data/mt_bench/question.jsonl" \
-        in reason
-    assert reason.endswith(f"set {TEST_DATA_ENV} to that directory")
+    url = "https://raw.githubusercontent.com/lm-sys/FastChat/main/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    assert reason.endswith(f": download {url} as mt_bench_question.jsonl into a directory and set "
+                           f"{TEST_DATA_ENV} to that directory")
 
 
 def test_unset_variable_falls_back_to_the_developers_directory(monkeypatch):
