@@ -1,4 +1,4 @@
-"""``peagle-data``: tokenize, pack, extract, inspect, verify, stats, show."""
+"""``peagle-data``: regenerate, tokenize, pack, extract, inspect, verify, stats, show, merge."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from cli.data_extract import extract, inspect_cmd, verify
 from cli.data_prepare import pack, tokenize
 from cli.data_show import show
 from cli.data_merge import merge
+from cli.data_regenerate import regenerate
 from cli.data_stats import stats
 
 
@@ -24,6 +25,7 @@ main.add_command(verify)
 main.add_command(stats)
 main.add_command(show)
 main.add_command(merge)
+main.add_command(regenerate)
 
 if __name__ == "__main__":
     main()

@@ -16,6 +16,8 @@ REQUIRED = {
     ("data", "pack"): {"--tokenizer", "--output", "--max-seq-len", "--block-size", "--overlap", "--overlap-loss",
                        "--chat-template", "--limit", "--max-windows", "--force"},
     ("data", "extract"): {"--verifier", "--output", "--layers", "--resume", "--force", "--storage-dtype"},
+    ("data", "regenerate"): {"--output", "--verifier", "--server", "--served-model", "--max-new-tokens", "--temperature",
+                             "--concurrency", "--turns", "--limit", "--resume", "--force"},
     ("data", "inspect"): set(),
     ("data", "verify"): {"--packed"},
     ("data", "show"): {"--row", "--block", "--id", "--tokenizer", "--color", "--html", "--force"},
@@ -40,5 +42,5 @@ def test_help_lists_the_options(group, sub):
 
 def test_data_group_lists_every_stage():
     out = CliRunner().invoke(data_main, ["--help"]).output
-    for command in ("tokenize", "pack", "extract", "inspect", "verify", "show"):
+    for command in ("regenerate", "tokenize", "pack", "extract", "inspect", "verify", "show"):
         assert command in out

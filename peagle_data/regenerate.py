@@ -1,0 +1,329 @@
+"""``peagle-data regenerate``: the verifier rewrites the assistant turns of a conversation set.
+
+Training a drafter on what the verifier itself says, not on another model's answers, is what lifts
+acceptance (EAGLE-3; SpecForge's ``regenerate_train_data.py``; speculators' response
+regeneration); it runs before ``tokenize``/``pack`` in the pipeline of docs/design.md §1.
+
+Per conversation (read and normalised by :mod:`peagle_data.readers`, so every input format of
+``tokenize`` works):
+
+- system, user and tool messages and the tools list are kept as they are;
+- ``--turns all`` (default): every assistant turn is replaced, in order, by the verifier's answer
+  to the *regenerated* history before it; ``--turns last``: only the last assistant turn is,
+  given the original history;
+- an assistant turn that calls tools is kept as it is (with the tool results after it): the
+  verifier's own call could not be given a result; the turns after it are regenerated. When the
+  verifier answers a regenerated turn with a tool call, that answer is kept and the conversation
+  ends there (later turns answered something the verifier did not say; counted as
+  ``ended_at_verifier_tool_call``);
+- the verifier's reasoning is kept as ``reasoning_content`` (see
+  :mod:`peagle_data.verifier_backends`); messages after the last regenerated turn are kept.
+
+A row that cannot be regenerated is a line of ``OUT.rejects.jsonl`` with its reason: the reader's
+reason, ``prompt too long``, ``server error`` (after the retries), ``empty answer`` (no text,
+reasoning or tool call), or ``nothing to regenerate`` (every assistant turn in scope calls tools).
+
+Rows are processed in chunks; a chunk's rows are written in input order when it is done, so the
+output does not depend on the back end's batching or concurrency. ``--resume`` skips the rows
+already on disk (a prefix of the input, see :mod:`stores.conversation_files`) and continues; with
+greedy decoding the result equals an uninterrupted run. Sampling (``--temperature`` > 0) is seeded
+but not reproducible across batch shapes, so a resumed sampled run is a valid run, not the same one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+from tqdm import tqdm
+
+from peagle_data.readers import FORMATS, Conversation, Reject, read_conversations, resolve_inputs
+from peagle_data.verifier_backends import Answer, Request
+from stores.conversation_files import ConversationWriter, check_output, read_regenerate_manifest
+from stores.errors import InputError
+
+__all__ = ["RegenerateConfig", "TURNS", "Regeneration", "run_regenerate"]
+
+TURNS = ("all", "last")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegenerateConfig:
+    """Settings of one ``regenerate`` run (recorded in the manifest; ``--resume`` requires the same).
+
+    Attributes:
+        max_new_tokens: most tokens per answer.
+        temperature: 0 greedy, else sampling.
+        turns: ``all`` or ``last`` (see the module docstring).
+        limit: read at most this many input rows.
+        format: input format (``auto``, ``openai``, ``sharegpt``).
+        chunk_rows: rows generated together before they are written (a local wave holds one
+            request per unfinished row of the chunk).
+        seed: torch seed for sampling.
+    """
+
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    turns: str = "all"
+    limit: int | None = None
+    format: str = "auto"
+    chunk_rows: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.turns not in TURNS:
+            raise ValueError(f"turns must be one of {TURNS}, got {self.turns!r}")
+        if self.format not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS}, got {self.format!r}")
+        if self.max_new_tokens < 1 or self.chunk_rows < 1:
+            raise ValueError("max_new_tokens and chunk_rows must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+
+class Regeneration:
+    """The state of one conversation being regenerated: which request comes next, and the result.
+
+    Args:
+        conv: the normalised conversation.
+        turns: ``all`` or ``last``.
+
+    Use: while :meth:`next_request` returns a request, answer it and pass the answer to
+    :meth:`feed`; then :attr:`reject` is None and :meth:`row` is the output row, or
+    :attr:`reject` is the reason.
+    """
+
+    def __init__(self, conv: Conversation, turns: str):
+        self.conv = conv
+        msgs = conv.messages
+        assistants = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        scope = assistants if turns == "all" else assistants[-1:]
+        self.todo = [i for i in scope if not msgs[i].get("tool_calls")]
+        self.out: list[dict[str, Any]] = []
+        self.pos = 0
+        self.reject: str | None = None
+        self.ended_at_tool_call = False
+        self.answers: list[Answer] = []
+        if not self.todo:
+            self.reject = ("nothing to regenerate: every assistant turn calls tools" if turns == "all"
+                           else "nothing to regenerate: the last assistant turn calls tools")
+
+    def next_request(self) -> Request | None:
+        """The next turn to generate, or None when the conversation is finished (or rejected)."""
+        if self.reject is not None or self.ended_at_tool_call or not self.todo:
+            return None
+        turn = self.todo[0]
+        self.out.extend(self.conv.messages[self.pos:turn])
+        self.pos = turn
+        return Request(messages=list(self.out), tools=self.conv.tools)
+
+    def feed(self, answer: Answer) -> None:
+        """Take the answer to the request :meth:`next_request` returned."""
+        turn = self.todo.pop(0)
+        self.answers.append(answer)
+        if answer.error is not None:
+            self.reject = answer.error
+            return
+        if not answer.content and not answer.reasoning and not answer.tool_calls:
+            self.reject = f"empty answer: assistant turn {turn} (message {turn + 1})"
+            return
+        msg: dict[str, Any] = {"role": "assistant", "content": answer.content}
+        if answer.reasoning:
+            msg["reasoning_content"] = answer.reasoning
+        if answer.tool_calls:
+            msg["tool_calls"] = answer.tool_calls
+            self.ended_at_tool_call = True
+        self.out.append(msg)
+        self.pos = turn + 1
+
+    def row(self) -> dict[str, Any]:
+        """The output row ``{"id", "messages", "tools"?}`` of a finished, not rejected conversation."""
+        assert self.reject is None and self.next_request() is None
+        messages = self.out if self.ended_at_tool_call else self.out + self.conv.messages[self.pos:]
+        return {"id": self.conv.conversation_id, "messages": messages,
+                **({"tools": self.conv.tools} if self.conv.tools is not None else {})}
+
+
+def _run_local(jobs: list[Regeneration], backend) -> None:
+    """Drive a chunk through the local back end in waves: one request per unfinished conversation."""
+    while True:
+        pending = [(job, req) for job in jobs if (req := job.next_request()) is not None]
+        if not pending:
+            return
+        for (job, _), answer in zip(pending, backend.generate([req for _, req in pending])):
+            job.feed(answer)
+
+
+def _run_one(job: Regeneration, backend) -> None:
+    while (req := job.next_request()) is not None:
+        job.feed(backend.answer(req))
+
+
+def _run_server(jobs: list[Regeneration], backend, pool: ThreadPoolExecutor) -> None:
+    """Drive a chunk through the server back end: each conversation in a thread, turns in order."""
+    for f in [pool.submit(_run_one, job, backend) for job in jobs]:
+        f.result()
+
+
+def _chunks(items: Iterator, size: int) -> Iterator[list]:
+    chunk = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _settings(inputs, files, cfg: RegenerateConfig, backend) -> dict[str, Any]:
+    """The manifest fields a resumed run must share with the run it continues."""
+    gen = {k: v for k, v in asdict(cfg).items() if k != "chunk_rows"}
+    return {"inputs": [str(i) for i in inputs], "files": [str(f) for f in files], "generation": gen,
+            "model": backend.record}
+
+
+def _check_resume(manifest: dict[str, Any] | None, settings: dict[str, Any], output) -> None:
+    """Raise when the output to continue was written with other settings (names the first field)."""
+    if manifest is None:
+        return
+    for key in ("inputs", "files", "generation", "model"):
+        old, new = manifest.get(key), settings[key]
+        if key == "model" and isinstance(old, dict):  # the device may change between runs
+            old, new = ({k: v for k, v in d.items() if k not in ("device", "concurrency", "servers")}
+                        for d in (old, new))
+        if old != new:
+            raise InputError(f"--resume: {output} was written with other settings: {key} was {old!r}, "
+                             f"now {new!r}; rerun with the same settings, or with --force to start over")
+
+
+def _base_counts() -> dict[str, Any]:
+    return {"read": 0, "written": 0, "rejected": 0, "rejected_by_reason": {}, "turns_regenerated": 0,
+            "turns_truncated": 0, "turns_with_reasoning": 0, "ended_at_verifier_tool_call": 0,
+            "prompt_tokens": 0, "completion_tokens": 0}
+
+
+def _record(job: Regeneration | Reject, writer: ConversationWriter, counts: dict[str, Any]) -> None:
+    """Write one finished item (row or reject) and add it to the counts."""
+    counts["read"] += 1
+    reason = job.reason if isinstance(job, Reject) else job.reject
+    if isinstance(job, Regeneration):
+        for a in job.answers:
+            counts["prompt_tokens"] += a.prompt_tokens
+            counts["completion_tokens"] += a.completion_tokens
+            if a.error is None:
+                counts["turns_regenerated"] += 1
+                counts["turns_truncated"] += a.finish_reason == "length"
+                counts["turns_with_reasoning"] += bool(a.reasoning)
+    if reason is not None:
+        src, cid = (job.source, job.conversation_id) if isinstance(job, Reject) else (job.conv.source,
+                                                                                      job.conv.conversation_id)
+        writer.write_reject(src, reason, cid)
+        counts["rejected"] += 1
+        key = reason.split(":")[0]
+        counts["rejected_by_reason"][key] = counts["rejected_by_reason"].get(key, 0) + 1
+        return
+    counts["ended_at_verifier_tool_call"] += job.ended_at_tool_call
+    writer.write_row(job.row())
+    counts["written"] += 1
+
+
+def _skip_done(items: Iterator[Conversation | Reject], done: list[str], output) -> Iterator[Conversation | Reject]:
+    """The input items after the ``len(done)`` already written; their ids must be ``done``'s.
+
+    Raises:
+        InputError: the first ``len(done)`` input rows are not the rows written (checked before any
+            new row is yielded).
+    """
+    it = iter(items)
+    seen = [item.conversation_id for item in itertools.islice(it, len(done))]
+    if sorted(map(str, seen)) != sorted(map(str, done)):
+        raise InputError(f"--resume: the rows in {output} are not the first {len(done)} input rows; "
+                         "the inputs changed since; rerun with --force")
+    yield from it
+
+
+def _generate_chunk(chunk: list[Conversation | Reject], cfg: RegenerateConfig, backend, pool) -> list:
+    """Regenerate the conversations of one chunk; readers' rejects pass through."""
+    jobs = [item if isinstance(item, Reject) else Regeneration(item, cfg.turns) for item in chunk]
+    live = [j for j in jobs if isinstance(j, Regeneration)]
+    if pool is None:
+        _run_local(live, backend)
+    else:
+        _run_server(live, backend, pool)
+    return jobs
+
+
+def run_regenerate(inputs: Sequence[str | os.PathLike], output: str | os.PathLike, make_backend: Callable[[], Any],
+                   cfg: RegenerateConfig, force: bool = False, resume: bool = False) -> dict[str, Any]:
+    """``peagle-data regenerate``: write ``output`` (OpenAI-messages JSONL) with the verifier's answers.
+
+    Args:
+        inputs: conversation files, globs or ``sharegpt`` (as ``tokenize`` reads them).
+        output: ``OUT.jsonl``; ``OUT.manifest.json`` and ``OUT.rejects.jsonl`` are written beside it.
+        make_backend: returns a :class:`~peagle_data.verifier_backends.LocalBackend` (``generate``)
+            or :class:`~peagle_data.verifier_backends.ServerBackend` (``answer``); called after the
+            inputs and the output are checked, so a bad argument fails before weights load.
+        cfg: generation settings.
+        force: overwrite an existing output. resume: continue an unfinished one (same settings).
+
+    Returns:
+        ``{"output", "counts", "resumed_rows"}``.
+
+    Raises:
+        OutputExistsError: the output exists and neither ``force`` nor ``resume`` is set.
+        InputError: bad inputs; ``resume`` of an output written with other settings or inputs.
+    """
+    files = resolve_inputs(inputs)
+    check_output(output, force, resume)
+    backend = make_backend()
+    settings = _settings(inputs, files, cfg, backend)
+    manifest = read_regenerate_manifest(output) if resume and not force else None
+    _check_resume(manifest, settings, output)
+    writer = ConversationWriter(output, force=force, resume=resume)
+    if manifest is not None and manifest.get("complete") and writer.paths["rows"].exists():
+        return {"output": str(output), "counts": manifest["counts"], "resumed_rows": manifest["counts"]["read"]}
+    ckpt = (manifest or {}).get("checkpoint", {"rows": 0, "rejects": 0})
+    done = writer.resume_at(ckpt["rows"], ckpt["rejects"]) if manifest is not None else []
+    counts = (manifest or {}).get("counts") or _base_counts()
+    if manifest is None:
+        writer.resume_at(0, 0)  # --resume of nothing: start from empty files
+    _regenerate_into(writer, inputs, cfg, backend, settings, counts, done, output)
+    return {"output": str(output), "counts": counts, "resumed_rows": len(done)}
+
+
+def _regenerate_into(writer: ConversationWriter, inputs, cfg: RegenerateConfig, backend, settings, counts,
+                     done: list[str], output) -> None:
+    """The chunk loop: generate, write in input order, checkpoint the manifest; rename at the end."""
+    import torch
+
+    torch.manual_seed(cfg.seed)
+    items = read_conversations(inputs, fmt=cfg.format, limit=cfg.limit)
+    pool = ThreadPoolExecutor(backend.workers) if hasattr(backend, "answer") else None
+    start, tokens0 = time.monotonic(), counts["completion_tokens"]
+    writer.open()
+
+    def checkpoint(complete: bool) -> None:
+        writer.write_manifest({**settings, "counts": counts, "complete": complete,
+                               "checkpoint": {"rows": counts["written"], "rejects": counts["rejected"]}})
+
+    checkpoint(False)
+    try:
+        with tqdm(total=cfg.limit, initial=len(done), unit="row", desc="regenerate") as bar:
+            for chunk in _chunks(_skip_done(items, done, output), cfg.chunk_rows):
+                for job in _generate_chunk(chunk, cfg, backend, pool):
+                    _record(job, writer, counts)
+                checkpoint(False)
+                bar.update(len(chunk))
+                rate = (counts["completion_tokens"] - tokens0) / max(time.monotonic() - start, 1e-9)
+                bar.set_postfix(tok_s=f"{rate:,.1f}", rejected=counts["rejected"])
+        writer.finish()
+        checkpoint(True)
+    finally:
+        writer.close()
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,289 @@
+"""Who answers for ``peagle-data regenerate``: the verifier in this process, or OpenAI-compatible servers.
+
+Both back ends take chat requests (OpenAI messages and tools, the history up to an assistant turn)
+and return :class:`Answer` objects with the same fields, so the output does not depend on which
+one ran (for greedy decoding the texts are equal; ``tests/peagle_data/test_regenerate.py``
+checks the local back end against ``transformers serve``):
+
+- :class:`LocalBackend` renders each request with the verifier's chat template
+  (``add_generation_prompt``), sorts a wave of requests by prompt length, and generates in
+  left-padded batches with transformers' ``generate`` (KV cache), on CPU or GPU. The answer text is
+  the ``skip_special_tokens`` decode up to the first end-of-sequence token, as servers return it.
+- :class:`ServerBackend` posts ``/v1/chat/completions`` with the ``openai`` client (its retries
+  with exponential backoff on connection errors, 408/409/429 and 5xx), at most ``concurrency``
+  requests in flight per server, any free server taking the next request.
+
+Reasoning: a server's ``reasoning_content`` (vLLM, SGLang and ``transformers serve`` parse it) is
+kept; otherwise a think block in the text (``<think>...</think>``, or a text that ends one whose
+opening tag was in the prompt) is split off into ``reasoning_content``.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from stores.errors import InputError, MissingDependencyError
+
+__all__ = ["Request", "Answer", "LocalBackend", "ServerBackend", "split_reasoning", "server_base_url"]
+
+
+@dataclass
+class Request:
+    """One assistant turn to generate: the conversation so far (OpenAI messages) and the tools."""
+
+    messages: list[dict[str, Any]]
+    tools: list[Any] | None = None
+
+
+@dataclass
+class Answer:
+    """The verifier's answer to a :class:`Request`, or why there is none.
+
+    Attributes:
+        content: the answer text without its reasoning.
+        reasoning: the reasoning (think block) or None.
+        tool_calls: OpenAI ``tool_calls`` entries (``arguments`` a JSON string) or None.
+        finish_reason: ``stop``, ``length`` or ``tool_calls``.
+        prompt_tokens, completion_tokens: token counts of the request and the answer.
+        error: None, or a reject reason (``prompt too long: ...``, ``server error: ...``).
+    """
+
+    content: str = ""
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    finish_reason: str = "stop"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+_THINK = re.compile(r"^\s*(?:<think>)?(.*?)</think>\s*(.*)$", re.DOTALL)
+
+
+def split_reasoning(text: str) -> tuple[str, str | None]:
+    """``(content, reasoning)`` of a decoded answer: a leading ``<think>...</think>`` block (or text
+    up to ``</think>`` when the prompt opened the block) becomes the reasoning, stripped; the rest is
+    the content with leading whitespace removed. A text without ``</think>`` is all content, except
+    one that opens ``<think>`` and never closes it (cut by the token limit): all reasoning."""
+    m = _THINK.match(text)
+    if m:
+        return m.group(2), m.group(1).strip()
+    if text.lstrip().startswith("<think>"):
+        return "", text.lstrip()[len("<think>"):].strip()
+    return text, None
+
+
+def server_base_url(url: str) -> str:
+    """``http://host:port`` or ``http://host:port/v1`` -> the ``.../v1`` base URL of the OpenAI API."""
+    url = url.rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise InputError(f"--server {url!r}: expected an http:// or https:// address")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def _wire_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as the OpenAI API wants them: tool-call ``arguments`` as JSON strings."""
+    out = []
+    for msg in messages:
+        if msg.get("tool_calls"):
+            calls = []
+            for call in msg["tool_calls"]:
+                fn = dict(call.get("function") or {})
+                if not isinstance(fn.get("arguments"), str):
+                    fn["arguments"] = json.dumps(fn.get("arguments", {}), ensure_ascii=False)
+                calls.append({**call, "type": call.get("type", "function"), "function": fn})
+            msg = {**msg, "tool_calls": calls}
+        out.append(msg)
+    return out
+
+
+class LocalBackend:
+    """Batched greedy or sampled generation with the verifier in this process.
+
+    Args:
+        verifier: MODEL (``smollm2-135m``, a directory or a hub id).
+        max_new_tokens: most tokens per answer.
+        temperature: 0 for greedy decoding, else sampling at this temperature.
+        batch_size: requests per ``generate`` call (a wave is sorted by prompt length first).
+        device: ``cpu``, ``cuda``...; default ``cuda`` when available.
+
+    Raises:
+        ModelNotFoundError, MissingDependencyError: the verifier cannot be loaded.
+    """
+
+    def __init__(self, verifier: str, max_new_tokens: int, temperature: float, batch_size: int = 16,
+                 device: str | None = None):
+        from stores.model_cache import load_tokenizer, load_verifier, model_fingerprint, resolve_model
+
+        self.tokenizer = load_tokenizer(verifier)
+        self.model = load_verifier(verifier, device=device)
+        self.max_new_tokens, self.temperature, self.batch_size = max_new_tokens, temperature, batch_size
+        self.record = {"backend": "local", "verifier": str(verifier),
+                       "verifier_fingerprint": model_fingerprint(resolve_model(verifier)),
+                       "device": str(self.model.device), "dtype": str(self.model.dtype).replace("torch.", "")}
+        cfg = self.model.config.get_text_config()
+        self.max_positions = getattr(cfg, "max_position_embeddings", None)
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+
+    def prompt_ids(self, request: Request) -> list[int]:
+        """The token ids of a request rendered with the chat template and the generation prompt."""
+        enc = self.tokenizer.apply_chat_template(request.messages, tools=request.tools, add_generation_prompt=True,
+                                                 tokenize=True, return_dict=True)
+        return list(enc["input_ids"])
+
+    def generate(self, requests: list[Request]) -> list[Answer]:
+        """Answers to ``requests`` in their order (batched by prompt length)."""
+        prompts = [self.prompt_ids(r) for r in requests]
+        answers: list[Answer | None] = [None] * len(requests)
+        todo = []
+        for i, ids in enumerate(prompts):
+            if self.max_positions is not None and len(ids) + self.max_new_tokens > self.max_positions:
+                answers[i] = Answer(error=f"prompt too long: {len(ids)} prompt tokens + --max-new-tokens "
+                                          f"{self.max_new_tokens} exceed the verifier's {self.max_positions} positions",
+                                    prompt_tokens=len(ids))
+            else:
+                todo.append(i)
+        todo.sort(key=lambda i: (len(prompts[i]), i))
+        for start in range(0, len(todo), self.batch_size):
+            batch = todo[start:start + self.batch_size]
+            for i, answer in zip(batch, self._generate_batch([prompts[i] for i in batch])):
+                answers[i] = answer
+        return answers
+
+    def _generation_config(self, pad: int):
+        """The verifier's own generation config with this run's token limit and temperature (what
+        ``transformers serve`` does with a request's ``max_tokens`` and ``temperature``)."""
+        import copy
+
+        gc = copy.deepcopy(self.model.generation_config)
+        gc.max_new_tokens, gc.pad_token_id = self.max_new_tokens, pad
+        gc.max_length = None
+        if self.temperature > 0:
+            gc.do_sample, gc.temperature = True, self.temperature
+        else:
+            gc.do_sample = False
+        return gc
+
+    def _generate_batch(self, prompts: list[list[int]]) -> list[Answer]:
+        """One left-padded ``generate`` call; each row cut at its first end-of-sequence token."""
+        import torch
+
+        width = max(len(p) for p in prompts)
+        pad = self.tokenizer.pad_token_id
+        pad = pad if pad is not None else min(self.eos_ids)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        with torch.no_grad():
+            out = self.model.generate(input_ids=ids.to(self.model.device), attention_mask=mask.to(self.model.device),
+                                      generation_config=self._generation_config(pad))
+        answers = []
+        for row, p in enumerate(prompts):
+            gen = out[row, width:].tolist()
+            stop = next((k for k, t in enumerate(gen) if t in self.eos_ids), None)
+            kept = gen if stop is None else gen[:stop + 1]
+            text = self.tokenizer.decode(kept, skip_special_tokens=True)
+            content, reasoning = split_reasoning(text)
+            answers.append(Answer(content=content, reasoning=reasoning,
+                                  finish_reason="length" if stop is None else "stop",
+                                  prompt_tokens=len(p), completion_tokens=len(kept)))
+        return answers
+
+
+class ServerBackend:
+    """Chat completions from one or more OpenAI-compatible servers (vLLM, SGLang, ``transformers serve``).
+
+    Args:
+        urls: server addresses (``http://host:port`` or ``.../v1``).
+        model: the served model name sent with each request; None asks the first server's
+            ``/v1/models`` and takes its only model.
+        max_new_tokens, temperature: as :class:`LocalBackend` (sent as ``max_tokens``, ``temperature``).
+        concurrency: requests in flight per server.
+        retries: retries of one request (exponential backoff) before it becomes ``server error``.
+        timeout: seconds one request may take.
+
+    Raises:
+        MissingDependencyError: the ``openai`` package is missing.
+        InputError: no model name given and the server does not serve exactly one.
+    """
+
+    def __init__(self, urls: list[str], model: str | None, max_new_tokens: int, temperature: float,
+                 concurrency: int = 8, retries: int = 5, timeout: float = 600.0):
+        try:
+            import openai
+        except ImportError as e:  # pragma: no cover - a dependency of peagle
+            raise MissingDependencyError("the server back end needs `pip install openai`") from e
+        self.bases = [server_base_url(u) for u in urls]
+        self.clients = {b: openai.OpenAI(base_url=b, api_key="EMPTY", max_retries=retries, timeout=timeout)
+                        for b in self.bases}
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.slots: queue.Queue[str] = queue.Queue()
+        for _ in range(concurrency):
+            for b in self.bases:
+                self.slots.put(b)
+        self.workers = concurrency * len(self.bases)
+        self.model = model or self._only_model()
+        self.record = {"backend": "server", "servers": self.bases, "model": self.model,
+                       "concurrency": concurrency, "retries": retries}
+
+    def _only_model(self) -> str:
+        import openai
+
+        try:
+            names = [m.id for m in self.clients[self.bases[0]].models.list()]
+        except openai.OpenAIError as e:
+            raise InputError(f"--server {self.bases[0]}: cannot list its models ({e}); pass --served-model") from None
+        if len(names) != 1:
+            raise InputError(f"--server {self.bases[0]} serves {len(names)} models ({', '.join(names)}); "
+                             "name one with --served-model")
+        return names[0]
+
+    def answer(self, request: Request) -> Answer:
+        """The answer of whichever server is free first (blocks while all are busy).
+
+        Errors become ``Answer.error``: ``prompt too long: <server message>`` for a 400 that speaks of
+        the context length, ``server error: ...`` for anything else once the retries are spent.
+        """
+        import openai
+
+        base = self.slots.get()
+        try:
+            kwargs = {"tools": request.tools} if request.tools else {}
+            resp = self.clients[base].chat.completions.create(
+                model=self.model, messages=_wire_messages(request.messages), max_tokens=self.max_new_tokens,
+                temperature=self.temperature, **kwargs)
+        except openai.BadRequestError as e:
+            text = str(e)
+            key = "prompt too long" if re.search(r"context|too long|maximum", text, re.I) else "server error"
+            return Answer(error=f"{key}: {base}: {text}")
+        except openai.OpenAIError as e:
+            return Answer(error=f"server error: {base}: {type(e).__name__}: {e}")
+        finally:
+            self.slots.put(base)
+        return _answer_of(resp)
+
+
+def _answer_of(resp) -> Answer:
+    """An :class:`Answer` from an ``openai`` ChatCompletion."""
+    choice = resp.choices[0]
+    msg = choice.message
+    extra = msg.model_extra or {}
+    reasoning = extra.get("reasoning_content") or extra.get("reasoning")
+    content = msg.content or ""
+    if reasoning is None:
+        content, reasoning = split_reasoning(content)
+    calls = [{"type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+             for c in (msg.tool_calls or [])] or None
+    usage = resp.usage
+    return Answer(content=content, reasoning=reasoning, tool_calls=calls, finish_reason=choice.finish_reason or "stop",
+                  prompt_tokens=getattr(usage, "prompt_tokens", 0) or 0,
+                  completion_tokens=getattr(usage, "completion_tokens", 0) or 0)

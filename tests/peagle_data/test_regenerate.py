@@ -1,0 +1,335 @@
+"""``peagle-data regenerate``: the turn logic, the local back end on a tiny random verifier, resume,
+rejects, and the server back end against a real ``transformers serve`` started on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from cli.data import main as data_main
+from peagle_data.readers import Conversation
+from peagle_data.regenerate import RegenerateConfig, Regeneration, run_regenerate
+from peagle_data.verifier_backends import Answer, LocalBackend, ServerBackend, split_reasoning
+from stores.errors import InputError, OutputExistsError
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+ROWS = [
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+                  {"role": "assistant", "content": "old 1"}, {"role": "user", "content": "And then?"},
+                  {"role": "assistant", "content": "old 2"}]},
+    {"conversations": [{"from": "human", "value": "What is 2+2?"}, {"from": "gpt", "value": "4"}]},
+    {"messages": [{"role": "user", "content": "only a question"}]},
+    {"id": "tool1", "tools": TOOLS,
+     "messages": [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                  {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "It is sunny."}]},
+    {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Red."}]},
+]
+
+
+def write_rows(path: Path, rows=ROWS) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# --------------------------------------------------------------------------------------------
+# turn logic (a scripted answerer: the logic under test is which history each turn sees)
+
+
+class Scripted:
+    """Answers ``A<n>`` where n is the number of messages the request holds; scripted overrides by n."""
+
+    workers = 1
+    record = {"backend": "scripted"}
+
+    def __init__(self, overrides=None):
+        self.requests, self.overrides = [], overrides or {}
+
+    def answer(self, req):
+        self.requests.append(req.messages)
+        return self.overrides.get(len(req.messages), Answer(content=f"A{len(req.messages)}", completion_tokens=1))
+
+    def generate(self, reqs):
+        return [self.answer(r) for r in reqs]
+
+
+def drive(conv, turns="all", backend=None):
+    backend = backend or Scripted()
+    job = Regeneration(conv, turns)
+    while (req := job.next_request()) is not None:
+        job.feed(backend.answer(req))
+    return job, backend
+
+
+def conv(messages, tools=None):
+    return Conversation(conversation_id="c", source="f:1", messages=messages, tools=tools)
+
+
+def test_every_assistant_turn_sees_the_regenerated_history():
+    msgs = ROWS[0]["messages"]
+    job, backend = drive(conv(msgs))
+    assert job.reject is None
+    assert job.row()["messages"] == [msgs[0], msgs[1], {"role": "assistant", "content": "A2"}, msgs[3],
+                                     {"role": "assistant", "content": "A4"}]
+    assert backend.requests == [msgs[:2], [msgs[0], msgs[1], {"role": "assistant", "content": "A2"}, msgs[3]]]
+
+
+def test_turns_last_keeps_the_original_history():
+    msgs = ROWS[0]["messages"]
+    job, backend = drive(conv(msgs), turns="last")
+    assert job.row()["messages"] == msgs[:4] + [{"role": "assistant", "content": "A4"}]
+    assert backend.requests == [msgs[:4]]
+
+
+def test_tool_call_turns_are_kept_and_the_turn_after_the_result_is_regenerated():
+    msgs = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "", "tool_calls": [CALL]},
+            {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "It is sunny."},
+            {"role": "user", "content": "thanks"}]
+    job, backend = drive(conv(msgs, TOOLS))
+    assert job.row() == {"id": "c", "tools": TOOLS, "messages": msgs[:3] + [{"role": "assistant", "content": "A3"}]
+                         + msgs[4:]}
+    assert backend.requests == [msgs[:3]]
+    only_calls = conv(msgs[:3])
+    assert drive(only_calls)[0].reject == "nothing to regenerate: every assistant turn calls tools"
+
+
+def test_a_verifier_tool_call_ends_the_conversation_there():
+    msgs = ROWS[0]["messages"]
+    call = [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    job, _ = drive(conv(msgs), backend=Scripted({2: Answer(content="", tool_calls=call, finish_reason="tool_calls")}))
+    assert job.row()["messages"] == msgs[:2] + [{"role": "assistant", "content": "", "tool_calls": call}]
+    assert job.ended_at_tool_call
+
+
+def test_empty_answers_and_errors_reject_the_row():
+    msgs = ROWS[0]["messages"]
+    assert drive(conv(msgs), backend=Scripted({4: Answer(content="")}))[0].reject == \
+        "empty answer: assistant turn 4 (message 5)"
+    assert drive(conv(msgs), backend=Scripted({2: Answer(error="server error: x")}))[0].reject == "server error: x"
+    job, _ = drive(conv(msgs), backend=Scripted({2: Answer(content="", reasoning="hmm")}))
+    assert job.row()["messages"][2] == {"role": "assistant", "content": "", "reasoning_content": "hmm"}
+
+
+def test_split_reasoning():
+    assert split_reasoning("<think>\nplan\n</think>\n\nAnswer") == ("Answer", "plan")
+    assert split_reasoning("plan</think>Answer") == ("Answer", "plan")  # the prompt opened the block
+    assert split_reasoning("<think>cut short") == ("", "cut short")
+    assert split_reasoning("no reasoning <think> here") == ("no reasoning <think> here", None)
+
+
+# --------------------------------------------------------------------------------------------
+# local back end on a tiny random verifier
+
+
+@pytest.fixture(scope="module")
+def verifier_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    """A random 2-layer Llama with the SmolLM2 tokenizer; large weights so greedy answers vary."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("regen_verifier")
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                      initializer_range=0.5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    for f in Path(smollm2_tokenizer_dir).iterdir():
+        if f.is_file() and not f.name.startswith(".") and f.suffix != ".safetensors" \
+                and f.name not in ("config.json", "generation_config.json"):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def local(verifier_dir):
+    return LocalBackend(str(verifier_dir), max_new_tokens=6, temperature=0.0, batch_size=3, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory, local):
+    """One uninterrupted local run over ROWS (chunks of 2 rows)."""
+    d = tmp_path_factory.mktemp("regen_local")
+    inp = write_rows(d / "in.jsonl")
+    out = d / "out.jsonl"
+    summary = run_regenerate([str(inp)], out, lambda: local, RegenerateConfig(max_new_tokens=6, chunk_rows=2))
+    return inp, out, summary
+
+
+def test_local_answers_equal_one_prompt_generate(local_run, local):
+    import torch
+
+    _, out, summary = local_run
+    rows = lines(out)
+    assert [r["id"] for r in rows] == ["in:1", "in:2", "tool1", "in:5"]
+    first = rows[0]["messages"]
+    assert [m["role"] for m in first] == ["system", "user", "assistant", "user", "assistant"]
+    assert first[:2] == ROWS[0]["messages"][:2] and first[3] == ROWS[0]["messages"][3]
+    # turn 2 of row 1 equals a direct greedy generate on its prompt (batch of one, no padding)
+    ids = local.prompt_ids(type("R", (), {"messages": first[:4], "tools": None})())
+    gen = local.model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
+    gen = gen[:gen.index(2) + 1] if 2 in gen else gen
+    assert first[4]["content"] == local.tokenizer.decode(gen, skip_special_tokens=True) != "old 2"
+    assert rows[2]["messages"][1]["tool_calls"] == [CALL] and rows[2]["messages"][2] == {"role": "tool",
+                                                                                        "content": "sunny"}
+    c = summary["counts"]
+    assert (c["read"], c["written"], c["rejected"], c["turns_regenerated"]) == (5, 4, 1, 5)
+    assert lines(out.with_name("out.rejects.jsonl")) == [
+        {"source": f"{out.parent}/in.jsonl:3", "reason": "no assistant turn", "conversation_id": "in:3"}]
+    manifest = json.loads(out.with_name("out.manifest.json").read_text())
+    assert manifest["complete"] and manifest["generation"]["max_new_tokens"] == 6
+    assert manifest["model"]["backend"] == "local" and not out.with_name("out.jsonl.partial").exists()
+
+
+def test_the_output_tokenizes(local_run, tmp_path, verifier_dir):
+    from peagle_data.prepare import TokenizeConfig, run_tokenize
+
+    _, out, _ = local_run
+    summary = run_tokenize([str(out)], str(verifier_dir), tmp_path / "tok", TokenizeConfig())
+    # the SmolLM2 template renders no tools: tokenize rejects that row (the others are used)
+    assert summary["counts"]["used"] == 3 and summary["counts"]["rejected_by_reason"] == {"template drops tools": 1}
+
+
+def test_prompt_too_long_is_a_reject(tmp_path, local):
+    inp = write_rows(tmp_path / "in.jsonl", [ROWS[4], {"messages": [{"role": "user", "content": "word " * 300},
+                                                                  {"role": "assistant", "content": "x"}]}])
+    summary = run_regenerate([str(inp)], tmp_path / "o.jsonl", lambda: local, RegenerateConfig(max_new_tokens=6))
+    assert summary["counts"]["rejected_by_reason"] == {"prompt too long": 1}
+    reason = lines(tmp_path / "o.rejects.jsonl")[0]["reason"]
+    assert reason.startswith("prompt too long: ") and "exceed the verifier's 256 positions" in reason
+
+
+class Killed(Exception):
+    pass
+
+
+class DiesAfter:
+    """The local back end, killed at its n-th generate call."""
+
+    def __init__(self, backend, n):
+        self.backend, self.n, self.calls, self.record = backend, n, 0, backend.record
+
+    def generate(self, reqs):
+        self.calls += 1
+        if self.calls == self.n:
+            raise Killed
+        return self.backend.generate(reqs)
+
+
+def test_resume_gives_the_uninterrupted_file_without_redoing_rows(tmp_path, local_run, local):
+    inp, full, full_summary = local_run
+    out = tmp_path / "out.jsonl"
+    cfg = RegenerateConfig(max_new_tokens=6, chunk_rows=2)
+    with pytest.raises(Killed):  # dies in the 2nd chunk (call 1: chunk 1 turn 1, 2: turn 2, 3: chunk 2)
+        run_regenerate([str(inp)], out, lambda: DiesAfter(local, 3), cfg)
+    partial = out.with_name("out.jsonl.partial")
+    assert len(lines(partial)) == 2 and not out.exists()
+    with partial.open("a") as f:  # a row written after the checkpoint, its line cut by the kill
+        f.write('{"id": "in:9", "mess')
+    with pytest.raises(OutputExistsError):
+        run_regenerate([str(inp)], out, lambda: local, cfg)
+    with pytest.raises(InputError, match="max_new_tokens"):
+        run_regenerate([str(inp)], out, lambda: local, RegenerateConfig(max_new_tokens=7, chunk_rows=2), resume=True)
+    counting = DiesAfter(local, 0)
+    summary = run_regenerate([str(inp)], out, lambda: counting, cfg, resume=True)
+    assert out.read_bytes() == full.read_bytes()
+    assert out.with_name("out.rejects.jsonl").read_bytes() == full.with_name("out.rejects.jsonl").read_bytes()
+    assert summary["resumed_rows"] == 2 and summary["counts"] == full_summary["counts"]
+    assert counting.calls == 2  # one wave for chunk 2 (row 4; row 3 is a reader reject), one for row 5
+
+
+# --------------------------------------------------------------------------------------------
+# server back end: a real transformers serve on 127.0.0.1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(verifier_dir):
+    """``transformers serve`` of the tiny verifier; yields its URL."""
+    pytest.importorskip("fastapi", reason="transformers serve needs the test extra (transformers[serving])")
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    exe = Path(sys.executable).parent / "transformers"
+    exe = str(exe) if exe.exists() else shutil.which("transformers")
+    if exe is None:
+        pytest.fail("the `transformers` command is not installed beside this Python")
+    proc = subprocess.Popen([exe, "serve", str(verifier_dir), "--host", "127.0.0.1", "--port", str(port),
+                             "--device", "cpu"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"transformers serve did not start: {proc.stderr.read().decode()[-2000:]}")
+                time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_server_greedy_output_equals_the_local_back_end(server, local_run, tmp_path, verifier_dir):
+    inp, full, full_summary = local_run
+    out = tmp_path / "s.jsonl"
+    # two addresses of the one server: requests spread over both slots' clients
+    backend = ServerBackend([server, server + "/v1/"], None, max_new_tokens=6, temperature=0.0, concurrency=2)
+    summary = run_regenerate([str(inp)], out, lambda: backend, RegenerateConfig(max_new_tokens=6, chunk_rows=2))
+    assert out.read_bytes() == full.read_bytes()
+    c, f = summary["counts"], full_summary["counts"]
+    assert (c["written"], c["rejected"], c["turns_regenerated"], c["completion_tokens"]) == \
+        (f["written"], f["rejected"], f["turns_regenerated"], f["completion_tokens"])
+    assert json.loads(out.with_name("s.manifest.json").read_text())["model"]["model"] == str(verifier_dir)
+
+
+@pytest.mark.slow
+def test_server_errors_after_retries_are_rejects(tmp_path):
+    inp = write_rows(tmp_path / "in.jsonl", [ROWS[4]])
+    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    backend = ServerBackend([dead], "m", max_new_tokens=4, temperature=0.0, retries=1, timeout=5)
+    summary = run_regenerate([str(inp)], tmp_path / "o.jsonl", lambda: backend, RegenerateConfig(max_new_tokens=4))
+    assert summary["counts"]["rejected_by_reason"] == {"server error": 1}
+    assert lines(tmp_path / "o.rejects.jsonl")[0]["reason"].startswith(f"server error: {dead}/v1: APIConnectionError")
+
+
+@pytest.mark.slow
+def test_cli_regenerates_through_the_server(server, local_run, tmp_path):
+    inp, full, _ = local_run
+    out = tmp_path / "c.jsonl"
+    args = ["regenerate", str(inp), "--output", str(out), "--server", server, "--max-new-tokens", "6"]
+    res = CliRunner().invoke(data_main, args)
+    assert res.exit_code == 0, res.output
+    assert "read 5  written 4  rejected 1" in res.output and out.read_bytes() == full.read_bytes()
+    again = CliRunner().invoke(data_main, args)
+    assert again.exit_code == 2 and "already exists" in again.output
+
+
+def test_cli_needs_exactly_one_back_end(tmp_path):
+    inp = write_rows(tmp_path / "in.jsonl")
+    res = CliRunner().invoke(data_main, ["regenerate", str(inp), "--output", str(tmp_path / "o.jsonl")])
+    assert res.exit_code == 2 and "exactly one of --verifier" in res.output
