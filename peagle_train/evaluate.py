@@ -821,7 +821,8 @@ def write_acceptance_plot(report: dict[str, Any], path: str | Path) -> Path:
         xs = [i + offset for i in range(len(trials))]
         p = [a / n if n else float("nan") for a, n in zip(succ, trials)]
         ci = [wilson_interval(a, n) for a, n in zip(succ, trials)]
-        err = [[v - c[0] if c else 0 for v, c in zip(p, ci)], [c[1] - v if c else 0 for v, c in zip(p, ci)]]
+        err = [[max(0.0, v - c[0]) if c else 0.0 for v, c in zip(p, ci)],  # max: rounding at p = 0 or 1
+               [max(0.0, c[1] - v) if c else 0.0 for v, c in zip(p, ci)]]
         if is_bar:
             ax.bar(xs, [0 if n == 0 else v for v, n in zip(p, trials)], width=width * 0.95, label=label,
                    yerr=err, capsize=3, color=f"C{j}", ecolor="0.3")

@@ -482,8 +482,9 @@ OFFLINE = {"simulated_acceptance_length": 1.31, "positions_scored": 2200, "block
            "per_depth_correct": [600, 300, 200], "per_depth_weight": [2200, 2180, 2160], "num_depths": 3}
 
 
-@pytest.mark.parametrize("report", [ONLINE, {**ONLINE, "offline": OFFLINE}, {"offline": OFFLINE}],
-                         ids=["online", "both", "offline-only"])
+@pytest.mark.parametrize("report", [ONLINE, {**ONLINE, "offline": OFFLINE}, {"offline": OFFLINE},
+                                    {**ONLINE, "per_position_accepted": [6, 0, 0], "per_position_reached": [6, 11, 0]}],
+                         ids=["online", "both", "offline-only", "all-or-nothing"])
 def test_acceptance_plot_has_integer_positions_title_and_counts(tmp_path, monkeypatch, report):
     from peagle_train.evaluate import write_acceptance_plot
 
@@ -496,7 +497,8 @@ def test_acceptance_plot_has_integer_positions_title_and_counts(tmp_path, monkey
     texts = {t.get_text() for t in ax.texts}
     if "acceptance_length" in report:
         assert "online: acceptance length 1.140 (K=3, 4 turns, 50 verifier steps" in title
-        assert {"n=50", "n=7", "n=2"} <= texts
+        assert {"n=6", "n=11", "n=0"} <= texts if report["per_position_reached"][0] == 6 else \
+            {"n=50", "n=7", "n=2"} <= texts
     if "offline" in report:
         assert "offline: simulated acceptance length 1.310 (2200 positions, 2 blocks)" in title
         assert {"n=2200", "n=600", "n=90"} <= texts
