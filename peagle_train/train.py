@@ -543,18 +543,26 @@ def val_split_warning(n_blocks: int, n_val: int, val_fraction: float) -> str | N
             f"{n_blocks - n_val}, or pass --val-fraction 0 to train on all {n_blocks} (no validation)")
 
 
+def _check_resume_settings(cfg: TrainConfig) -> Path | None:
+    """``--resume``: the latest checkpoint in ``--output`` (or None); InputError when the saved
+    run's settings differ from ``cfg`` in a field that must not change."""
+    out = Path(cfg.output)
+    ckpt = latest_checkpoint(out)
+    saved = out / "train_config.json"
+    if ckpt is not None and saved.is_file():
+        old = json.loads(saved.read_text())
+        diff = {k: (old.get(k), getattr(cfg, k)) for k in _RESUME_FIELDS if old.get(k) != getattr(cfg, k)}
+        if diff:
+            raise InputError(f"--resume with settings that differ from the saved run in {out} "
+                             f"(saved, given): {diff}; rerun with the saved settings or a new --output")
+    return ckpt
+
+
 def _prepare_output(cfg: TrainConfig) -> Path | None:
     """Create or check the output directory; return the checkpoint to resume from, if any."""
     out = Path(cfg.output)
     if cfg.resume:
-        ckpt = latest_checkpoint(out)
-        saved = out / "train_config.json"
-        if ckpt is not None and saved.is_file():
-            old = json.loads(saved.read_text())
-            diff = {k: (old.get(k), getattr(cfg, k)) for k in _RESUME_FIELDS if old.get(k) != getattr(cfg, k)}
-            if diff:
-                raise InputError(f"--resume with settings that differ from the saved run in {out} "
-                                 f"(saved, given): {diff}; rerun with the saved settings or a new --output")
+        ckpt = _check_resume_settings(cfg)
         out.mkdir(parents=True, exist_ok=True)
         return ckpt
     if out.exists() and any(out.iterdir()):
@@ -669,7 +677,8 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str) -> None:
 
     Raises:
         OutputExistsError: ``--output`` holds files and neither ``--resume`` nor ``--force`` is given.
-        InputError: ``--draft-vocab-size`` exceeds the store's vocab.
+        InputError: ``--draft-vocab-size`` exceeds the store's vocab; ``--resume`` with settings that
+            differ from the saved run.
         StoreMismatchError: the verifier's config has another hidden or vocab size than the store.
     """
     from stores.model_config import load_model_config, text_config
@@ -677,6 +686,8 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str) -> None:
     out = Path(cfg.output)
     if not (cfg.resume or cfg.force) and out.exists() and any(out.iterdir()):
         raise OutputExistsError(str(out), "pass --resume to continue it or --force to overwrite it")
+    if cfg.resume:
+        _check_resume_settings(cfg)
     if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > store.vocab_size:
         raise InputError(f"--draft-vocab-size {cfg.draft_vocab_size} exceeds the verifier vocab size "
                          f"{store.vocab_size} (store {store.path})", field="--draft-vocab-size")

@@ -57,6 +57,21 @@ def test_train_checks_come_before_the_weights(tmp_path, verifier_dir, make_tiny_
     assert (out / "something").exists()  # --force deletes nothing before the checks pass
 
 
+def test_train_resume_with_changed_settings_is_refused_before_the_weights(tmp_path, verifier_dir, monkeypatch):
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
+    base = ["--store", store, "--output", str(tmp_path / "out"), "--max-steps", "1", "--num-depths", "2",
+            "--save-every", "1"]
+    assert _train(base).exit_code == 0
+    import transformers
+
+    def fail(cls, *a, **k):
+        raise WeightsLoaded("weights loaded before the --resume settings check")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(fail))
+    res = _train([*base[:-4], "--num-depths", "3", "--save-every", "1", "--resume"])
+    assert res.exit_code == 2 and "--resume with settings that differ" in res.output, res.output
+
+
 def test_train_loads_the_weights_once_the_checks_pass(tmp_path, verifier_dir, no_weights):
     store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
     res = _train(["--store", store, "--output", str(tmp_path / "out"), "--max-steps", "1", "--num-depths", "2"])
