@@ -596,14 +596,7 @@ def _open_or_create(cfg: ExtractConfig, rows, table, desc, layers, log) -> Featu
         except StoreFormatError:
             store = None  # killed before the attributes were written: start over
         if store is not None and store.attrs.get("tokens_written"):
-            check_compatible(store, verifier=desc, layers=layers, source=manifest_sha256(cfg.packed))
-            have = (store.attrs.get("shard") or {})
-            if (have.get("num_shards", 1), have.get("shard_index", 0)) != (cfg.num_shards, cfg.shard_index):
-                raise InputError(f"the store is shard {have.get('shard_index', 0)} of {have.get('num_shards', 1)}, "
-                                 f"asked for shard {cfg.shard_index} of {cfg.num_shards}", field="--shard-index")
-            if store.storage_dtype != cfg.storage_dtype:
-                raise InputError(f"the store holds {store.storage_dtype}, asked for {cfg.storage_dtype}",
-                                 field="--storage-dtype")
+            _check_resumable(store, cfg, desc, layers)
             return store
         if store is not None or _local(cfg.output):
             log(f"{cfg.output}: creation was interrupted; creating it again")
@@ -613,13 +606,30 @@ def _open_or_create(cfg: ExtractConfig, rows, table, desc, layers, log) -> Featu
     return _create_store(cfg, rows, table, desc, layers, log)
 
 
+def _check_resumable(store: FeatureStore, cfg: ExtractConfig, verifier: dict[str, Any], layers: list[int]) -> None:
+    """``--resume`` of ``store``: same verifier, layers, packed table, shard and storage dtype.
+
+    Raises:
+        StoreMismatchError: another verifier, other layers or another packed table.
+        InputError: another shard or storage dtype.
+    """
+    check_compatible(store, verifier=verifier, layers=layers, source=manifest_sha256(cfg.packed))
+    have = (store.attrs.get("shard") or {})
+    if (have.get("num_shards", 1), have.get("shard_index", 0)) != (cfg.num_shards, cfg.shard_index):
+        raise InputError(f"the store is shard {have.get('shard_index', 0)} of {have.get('num_shards', 1)}, "
+                         f"asked for shard {cfg.shard_index} of {cfg.num_shards}", field="--shard-index")
+    if store.storage_dtype != cfg.storage_dtype:
+        raise InputError(f"the store holds {store.storage_dtype}, asked for {cfg.storage_dtype}",
+                         field="--storage-dtype")
+
+
 def _check_before_weights(cfg: ExtractConfig) -> Path:
     """The checks that need only the verifier's config and files and the store (docs/design.md §2),
     before the weights load; returns the verifier's directory (:func:`resolve_model`).
 
     Raises:
         InputError: a ``--layers`` index outside ``0..num_hidden_layers`` (read from the config, before
-            the weights are even fetched), ``--resume`` with another ``--storage-dtype``, or a
+            the weights are even fetched), ``--resume`` with another ``--storage-dtype`` or shard, or a
             verifier with recurrent / linear-attention layers (:func:`check_packable`).
         StoreMismatchError: ``--resume`` with other layers, another verifier or another packed table.
     """
@@ -640,11 +650,8 @@ def _check_before_weights(cfg: ExtractConfig) -> Path:
             return directory  # interrupted creation: the store is made again
         if store.attrs.get("tokens_written"):
             layers = list(cfg.layers) if cfg.layers is not None else default_layers(L)
-            check_compatible(store, verifier={"name_or_path": cfg.verifier, "fingerprint": model_fingerprint(directory)},
-                             layers=layers, source=manifest_sha256(cfg.packed))
-            if store.storage_dtype != cfg.storage_dtype:
-                raise InputError(f"the store holds {store.storage_dtype}, asked for {cfg.storage_dtype}",
-                                 field="--storage-dtype")
+            _check_resumable(store, cfg, {"name_or_path": cfg.verifier, "fingerprint": model_fingerprint(directory)},
+                             layers)
     return directory
 
 

@@ -136,6 +136,8 @@ def test_extract_checks_come_before_the_weights(tmp_path, tiny_verifier_dir, mon
     assert res.exit_code == 2 and "layers [1, 2], asked for [1, 3]" in res.output, res.output
     res = CliRunner().invoke(extract, [*base, "--layers", "1,2", "--resume", "--storage-dtype", "fp8"])
     assert res.exit_code == 2 and "holds bf16, asked for fp8" in res.output, res.output
+    res = CliRunner().invoke(extract, [*base, "--layers", "1,2", "--resume", "--num-shards", "2"])
+    assert res.exit_code == 2 and "the store is shard 0 of 1, asked for shard 0 of 2" in res.output, res.output
     other = write_packed(tmp_path / "other", n_blocks=2, block_size=32, seed=1)
     res = CliRunner().invoke(extract, [str(other), *base[1:], "--layers", "1,2", "--resume"])
     assert res.exit_code == 2 and "another packed table" in res.output, res.output
