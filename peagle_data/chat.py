@@ -47,6 +47,7 @@ user-turn header (what a second user turn adds before its content).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import re
@@ -483,9 +484,15 @@ def dropped_content(tokenizer, messages: Sequence[dict[str, Any]], text: str, sp
     appears in the render: for a supervised assistant turn (``i in spans``) inside its own span,
     for any other message anywhere in ``text`` (templates move a system message into a user
     turn). Text is compared stripped (templates trim); a tool call needs its name and every key
-    and scalar of its arguments (as is, JSON-escaped or printed by Python). The reasoning of an
-    assistant turn that is only context (earlier turns of a per-turn row) is not checked: templates
-    drop earlier reasoning by design. ``tools`` are dropped when the render without them is the same.
+    and scalar of its arguments (as is, JSON-escaped or printed by Python). Each needle claims the
+    characters it is found at, and a later needle must be found in characters nobody claimed: text
+    that appears twice in a conversation (a tool result "Sunny" that the answer repeats, a
+    repeated user message, a tool name the turn's own text mentions) is rendered only when it
+    appears as often as the messages hold it. Supervised turns claim first, inside their spans
+    (longest needle first); then the other messages' needles, longest first, outside every
+    supervised span. The reasoning of an assistant turn that is only context (earlier turns of a
+    per-turn row) is not checked: templates drop earlier reasoning by design. ``tools`` are
+    dropped when the render without them is the same.
 
     Args:
         messages, tools, chat_template: what was rendered.
@@ -499,14 +506,53 @@ def dropped_content(tokenizer, messages: Sequence[dict[str, Any]], text: str, sp
     out: list[tuple[int | None, str, bool]] = []
     if tools and _render(tokenizer, messages, None, chat_template) == text:
         out.append((None, "tools", False))
-    for i, msg in enumerate(messages):
-        region = text[spans[i][0]:spans[i][1]] if i in spans else text
-        parts = _message_parts(msg, i in spans)
-        missing = [part for part, needles in parts
-                   if not all(any(alt in region for alt in needle) for needle in needles)]
-        lost_all = i in spans and bool(parts) and len(missing) == len(parts)
-        out += [(i, part, lost_all) for part in missing]
+    parts_of = [_message_parts(msg, i in spans) for i, msg in enumerate(messages)]
+    longest_first = lambda item: -max(len(alt) for alt in item[2])  # noqa: E731
+    needles = [sorted(((i, part, needle) for part, ns in parts_of[i] for needle in ns), key=longest_first)
+               for i in sorted(spans)]
+    needles.append(sorted(((i, part, needle) for i in range(len(messages)) if i not in spans
+                           for part, ns in parts_of[i] for needle in ns), key=longest_first))
+    claimed = _Claims(sorted(spans.values()))
+    missing = {(i, part) for group in needles for i, part, needle in group
+               if not claimed.claim(text, needle, *(spans[i] if i in spans else (0, len(text))), i in spans)}
+    for i in range(len(messages)):
+        lost = [part for part, _ in parts_of[i] if (i, part) in missing]
+        lost_all = i in spans and bool(parts_of[i]) and len(lost) == len(parts_of[i])
+        out += [(i, part, lost_all) for part in lost]
     return out
+
+
+class _Claims:
+    """Disjoint claimed character intervals of a render (:func:`dropped_content`).
+
+    ``spans`` are the supervised turns' spans: closed to other messages' needles, open to their
+    own turn's needles, which claim inside them.
+    """
+
+    def __init__(self, spans: list[tuple[int, int]]):
+        self._spans = spans
+        self._taken: list[tuple[int, int]] = []  # sorted, disjoint
+
+    def _free(self, a: int, b: int, inside_span: bool) -> bool:
+        k = bisect.bisect_right(self._taken, (a, b))
+        if k > 0 and self._taken[k - 1][1] > a:
+            return False
+        if k < len(self._taken) and self._taken[k][0] < b:
+            return False
+        return inside_span or not any(s < b and a < e for s, e in self._spans)
+
+    def claim(self, text: str, needle: tuple[str, ...], lo: int, hi: int, inside_span: bool) -> bool:
+        """Claim the first unclaimed occurrence in ``text[lo:hi]`` of any alternative of ``needle``."""
+        for alt in needle:
+            if not alt:
+                return True
+            at = text.find(alt, lo, hi)
+            while at >= 0:
+                if self._free(at, at + len(alt), inside_span):
+                    bisect.insort(self._taken, (at, at + len(alt)))
+                    return True
+                at = text.find(alt, at + 1, hi)
+        return False
 
 
 def tokenize_rendered(tokenizer, rows: Sequence[RenderedRow]) -> list[TokenizedConversation]:

@@ -617,8 +617,15 @@ def _tidy(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[st
 
 
 def is_empty_assistant(msg: dict[str, Any]) -> bool:
-    """An assistant message with no text, reasoning or tool calls: it supervises no token."""
-    return (msg.get("content") or "") == "" and not msg.get("reasoning_content") and not msg.get("tool_calls")
+    """An assistant message with no text, reasoning or tool calls: it supervises no token.
+
+    Whitespace-only text or reasoning is empty too: templates that trim render such a turn as a bare
+    end-of-turn token, others as whitespace and end-of-turn; neither is a reply to learn.
+    """
+    def blank(value: Any) -> bool:
+        return value is None or (isinstance(value, str) and not value.strip())
+
+    return blank(msg.get("content")) and blank(msg.get("reasoning_content")) and not msg.get("tool_calls")
 
 
 ROW_COUNTS = ("tool_arguments_decoded", "tool_arguments_not_json", "tool_schemas_decoded", "dropped_content_parts")

@@ -254,3 +254,60 @@ def test_parquet_tool_rows_tokenize_like_jsonl(tmp_path, qwen3_tok):
         '<tool_call>\n{"name": "get_city", "arguments": {"city": "Lyon"}}\n</tool_call><|im_end|>']
     system = qwen3_tok.decode(lyon.input_ids[: lyon.system_len])
     assert '"properties": {"city": {"type": "string"}}' in system and "ticker" not in system
+
+
+# --------------------------------------------------------------------------------------------
+# Text that appears twice: the copy a template keeps does not vouch for the copy it drops
+
+
+SKIP_TOOL = LLAMA3.replace("{% for m in messages %}", "{% for m in messages if m.role != 'tool' %}")
+ECHO_TURNS = [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": "Checking."},
+              {"role": "tool", "content": "Sunny"}, {"role": "assistant", "content": "Sunny"}]
+
+
+def test_a_dropped_tool_result_that_the_answer_repeats_is_found(llama3_tok):
+    with pytest.raises(ChatTemplateError, match=r"^template drops content: the content of message 2 \(tool\) does "
+                                                r"not appear in the render"):
+        tokenize_conversation(llama3_tok, ECHO_TURNS, chat_template=SKIP_TOOL)
+    text = llama3_tok.apply_chat_template(ECHO_TURNS, tokenize=False, chat_template=SKIP_TOOL)
+    assert text.count("Sunny") == 1  # the answer's copy only
+    # A template that renders the tool turn: both copies are there, nothing is dropped.
+    out = tokenize_conversation(llama3_tok, ECHO_TURNS, chat_template=LLAMA3)
+    assert masked_texts(llama3_tok, out) == ["Checking.<|eot_id|>", "Sunny<|eot_id|>"]
+
+
+def test_a_dropped_repeated_user_message_is_found(llama3_tok):
+    first_user_only = LLAMA3.replace("{% for m in messages %}", "{% for m in messages %}{% if m.role != 'user' "
+                                                                "or loop.first %}").replace("{% endfor %}",
+                                                                                            "{% endif %}{% endfor %}")
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+             {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello again"}]
+    with pytest.raises(ChatTemplateError, match=r"^template drops content: the content of message 2 \(user\)"):
+        tokenize_conversation(llama3_tok, turns, chat_template=first_user_only)
+    out = tokenize_conversation(llama3_tok, turns, chat_template=LLAMA3)
+    assert masked_texts(llama3_tok, out) == ["Hello<|eot_id|>", "Hello again<|eot_id|>"]
+    assert llama3_tok.decode(out.input_ids).count("<|end_header_id|>\n\nHi<|eot_id|>") == 2
+
+
+def test_a_dropped_tool_call_that_the_turns_text_mentions_is_found(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    turns = [{"role": "user", "content": "Weather in Oslo?"},
+             {"role": "assistant", "content": "I will call get_weather with city Oslo.", "tool_calls": [CALL]}]
+    with pytest.raises(ChatTemplateError, match=r"^template drops tool_calls: the tool_calls of message 1 "):
+        tokenize_conversation(tok, turns)
+    out = tokenize_conversation(tok, turns, on_dropped="keep")
+    assert masked_texts(tok, out) == ["I will call get_weather with city Oslo.<|im_end|>"]
+    # Rendered by a template with tool calls, the same turn claims its text and its call apart.
+    rows = render_rows(tok, turns, chat_template=TOJSON_CALLS)
+    assert rows[0].dropped == () and rows[0].text.count("get_weather") == 2
+
+
+@pytest.mark.parametrize("family", ["chatml", "llama3"])
+def test_a_whitespace_only_reply_supervises_nothing(smollm2_tokenizer, llama3_tok, family):
+    tok, template, eot = ((smollm2_tokenizer, None, "<|im_end|>") if family == "chatml"
+                          else (llama3_tok, LLAMA3, "<|eot_id|>"))
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " \n "},
+             {"role": "user", "content": "Still there?"}, {"role": "assistant", "content": "Yes."}]
+    out = tokenize_conversation(tok, turns, chat_template=template)
+    assert out.input_ids.tolist() == reference_ids(tok, turns, chat_template=template)
+    assert masked_texts(tok, out) == [f"Yes.{eot}"]  # not a bare end-of-turn token, nor blanks

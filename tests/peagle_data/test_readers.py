@@ -360,3 +360,15 @@ def test_unsupported_content_parts_reject_or_are_counted(tmp_path):
     (c,) = read_all(path, keep_dropped=True)
     assert c.messages[0] == {"role": "user", "content": "What is this?"}
     assert c.counts == {"dropped_content_parts": 1}
+
+
+def test_whitespace_only_assistant_turns_are_empty(tmp_path):
+    path = tmp_path / "ws.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "  \n"}]},
+            {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "\t",
+                                                              "reasoning_content": " "},
+                          {"role": "user", "content": "Hm?"}, {"role": "assistant", "content": "Yes."}]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    a, b = read_conversations([path])
+    assert isinstance(a, Reject) and a.reason == "no supervised tokens: every assistant turn is empty"
+    assert isinstance(b, Conversation) and b.empty_assistant_turns == 1
