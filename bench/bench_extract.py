@@ -109,12 +109,12 @@ def main() -> None:
         impl = args.attn_implementation
         if impl == "auto":
             from peagle_data.extract import _has_flash_attn
-            impl = "flash_attention_2" if cuda and _has_flash_attn() else "sdpa"
+            impl = "flash_attention_2" if cuda and _has_flash_attn() else None  # transformers' choice
         verifier = load_verifier(args.verifier, device=args.device, attn_implementation=impl)
         if cuda:
             torch.cuda.synchronize()
         load_s = time.perf_counter() - t0
-        layers = default_layers(verifier.config.num_hidden_layers)
+        layers = default_layers(len(_base_model(verifier).layers))  # the language model's layers
         bare_forward_s(verifier, subset_table(args.packed, 1, work / "warm"), layers)  # warm-up
         bare, on_device, extract = [], [], []
         for r in range(args.repeats):
@@ -124,7 +124,7 @@ def main() -> None:
                 on_device.append(bare_forward_s(verifier, packed, layers, to_host=False)[0])
             t0 = time.perf_counter()
             run_extract(ExtractConfig(packed=str(packed), verifier=args.verifier, output=str(work / "f.zarr"),
-                                      device=args.device, attn_implementation=impl, force=True),
+                                      device=args.device, attn_implementation=args.attn_implementation, force=True),
                         progress=False, log=lambda m: None)
             extract.append(time.perf_counter() - t0 - load_s)
         result = {

@@ -52,7 +52,7 @@ from peagle_train.cod import CodElements, element_inputs, sample_cod_elements
 from peagle_train.data import Block, BlockLoader, _seed_of, to_block
 from peagle_train.loss import LossOutput, kl_loss_and_accuracy
 from peagle_train.mask_token import resolve_mask_token
-from peagle_train.model import DrafterConfig, PEagleDrafter
+from peagle_train.model import ROPE_TYPES, DrafterConfig, PEagleDrafter
 from peagle_train.optim import LazyRowAdamW, clip_grad_norm
 from stores.errors import InputError, MissingDependencyError, OutputExistsError, StoreMismatchError
 
@@ -680,6 +680,7 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str) -> None:
         InputError: ``--draft-vocab-size`` exceeds the store's vocab; ``--resume`` with settings that
             differ from the saved run.
         StoreMismatchError: the verifier's config has another hidden or vocab size than the store.
+        InputError: a verifier RoPE the drafter cannot compute (``dynamic``, ``longrope``).
     """
     from stores.model_config import load_model_config, text_config
 
@@ -698,6 +699,11 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str) -> None:
             f"verifier {verifier_name!r} has hidden_size {H} and vocab_size {V}, but the store {store.path} was "
             f"extracted with hidden_size {store.hidden_size} and vocab_size {store.vocab_size} "
             f"(verifier {store.attrs['verifier'].get('name_or_path')!r}); pass --verifier with that model")
+    rope = verifier_rope(vc)
+    if rope["rope_type"] not in ROPE_TYPES:
+        raise InputError(f"verifier {verifier_name!r} uses RoPE type {rope['rope_type']!r}, whose frequencies "
+                         f"change with the sequence length; the drafter supports {', '.join(ROPE_TYPES)}",
+                         field="--verifier")
 
 
 def run_train(cfg: TrainConfig) -> dict[str, Any]:

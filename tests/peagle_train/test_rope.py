@@ -132,3 +132,27 @@ def test_edited_rope_disagreeing_with_the_peagle_block_is_refused(tmp_path):
     path.write_text(json.dumps(cfg))
     with pytest.raises(StoreFormatError, match="peagle block"):
         load_drafter(tmp_path / "ck")
+
+
+def test_train_refuses_a_longrope_verifier_before_its_weights(tmp_path, make_tiny_llama, monkeypatch):
+    import transformers
+    from click.testing import CliRunner
+
+    from cli.train import main
+
+    from .test_train import _store
+
+    verifier = make_tiny_llama(tmp_path / "v", hidden=64, vocab=256)
+    cfg = json.loads((verifier / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                              "long_factor": [2.0] * 8, "original_max_position_embeddings": 1024}
+    cfg["max_position_embeddings"] = 4096
+    (verifier / "config.json").write_text(json.dumps(cfg))
+    store = _store(tmp_path / "s.zarr", verifier, n_blocks=1)
+
+    def fail(cls, *a, **k):
+        raise AssertionError("weights loaded before the RoPE check")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(fail))
+    res = CliRunner().invoke(main, ["--store", store, "--output", str(tmp_path / "out"), "--max-steps", "1"])
+    assert res.exit_code == 2 and "'longrope'" in res.output and "llama3" in res.output, res.output
