@@ -178,7 +178,7 @@ def packs_like_transformers(position_ids: torch.Tensor, cu_seqlens: torch.Tensor
 PACKABLE_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 #: model types with recurrent, state-space or linear-attention layers: their state would flow from
-#: one packed segment into the next, so peagle refuses them (docs/design.md §5)
+#: one packed segment into the next, so peagle refuses them (docs/design.md §7)
 RECURRENT_MODEL_TYPES = {
     "mamba": "mamba", "mamba2": "mamba2", "falcon_mamba": "mamba", "falcon_h1": "mamba (hybrid)",
     "jamba": "mamba (hybrid)", "bamba": "mamba2 (hybrid)", "zamba": "mamba (hybrid)",
@@ -285,7 +285,7 @@ def verifier_features(base_model: torch.nn.Module, input_ids: torch.Tensor, posi
         cu_seqlens: ``[S+1] int64``; layers: HF ``output_hidden_states`` indices in ``0..L``;
         to_host: return CPU tensors (else tensors on the verifier's device).
 
-    Every layer keeps its own attention rule (docs/design.md §5). With ``flash_attention_2`` the
+    Every layer keeps its own attention rule (docs/design.md §7). With ``flash_attention_2`` the
     segments go to FlashAttention's varlen kernel as ``cu_seq_lens`` (each layer passes its own
     window and soft-cap). With SDPA/eager each layer gets the model's own mask of its layer type
     built for the packed segments (:func:`segment_masks`: block-diagonal ∧ causal ∧ window). When the
