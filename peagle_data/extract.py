@@ -730,7 +730,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True,
         log(f"{cfg.output}: blocks {sorted(writer.nonfinite)} have NaN or Inf hidden states (verifier overflow?); "
             "they are left not done")
     state.wait_for_everyone()
-    return {
+    summary = {
         "store": str(cfg.output),
         "rank": state.process_index,
         "world_size": state.num_processes,
@@ -746,3 +746,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True,
         "complete": store.is_complete(),
         "stored_bytes": store.summary()["stored_bytes"],
     }
+    # a rank that exits with its gloo/NCCL group alive can abort in the group's threads (SIGABRT,
+    # "terminate called without an active exception") and fail the launch
+    state.destroy_process_group()
+    return summary

@@ -929,8 +929,10 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
         except BaseException:
             _finish_trackers(accelerator, trackers)
             raise
-    if trackers:
-        accelerator.end_training()
+    # finishes the trackers and destroys the process group: a rank that exits with its gloo/NCCL group
+    # alive can abort in the group's threads (SIGABRT) and fail the launch
+    accelerator.wait_for_everyone()  # not before rank 0 has saved final/
+    accelerator.end_training()
     return summary
 
 

@@ -128,6 +128,8 @@ ids = [rank, rank + 2]  # rank 0: blocks 0 and 2, rank 1: blocks 1 and 3
 sums, grads = ga.accumulated(accelerator, model, vhead, ga.make_blocks(ids))
 torch.save({"rank": rank, "world": world, "blocks": ids, "sums": sums, "grads": grads,
             "backend": str(accelerator.state.backend)}, f"{sys.argv[2]}/rank{rank}.pt")
+accelerator.wait_for_everyone()
+accelerator.end_training()  # destroys the gloo group: exiting with it alive can SIGABRT a rank
 """
 
 

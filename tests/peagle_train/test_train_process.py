@@ -132,8 +132,13 @@ def test_two_data_parallel_cpu_ranks(tmp_path, verifier_dir):
     out = tmp_path / "ddp"
     # `--cpu` would make accelerate start a single process; `--multi_gpu` starts two through torchrun,
     # and run_train's Accelerator(cpu=True) puts them on gloo when there is no CUDA
+    import socket
+
+    with socket.socket() as s:  # a free port: accelerate's default 29500 is shared with any other launch
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
-           "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "cli.train",
+           "1", "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "cli.train",
            *_args(store, out, max_steps=4, save_every=2)]
     res = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
