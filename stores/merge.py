@@ -69,6 +69,18 @@ def _parameters_without_shard(m: dict[str, Any]) -> dict[str, Any]:
     return p
 
 
+_NO_EFFECT = ("num_workers",)
+"""Parameters that do not change an output (the same rows for any value): shards may differ in them."""
+
+
+def _output_parameters(m: dict[str, Any]) -> dict[str, Any]:
+    """A shard's parameters that decide its rows, flattened (``tokenize.x`` for pack's tokenize options)."""
+    p = _parameters_without_shard(m)
+    flat = {k: v for k, v in p.items() if k != "tokenize"}
+    flat.update({f"tokenize.{k}": v for k, v in p.get("tokenize", {}).items()})
+    return {k: v for k, v in flat.items() if k.rpartition(".")[2] not in _NO_EFFECT}
+
+
 def _open_shards(paths: list[str]) -> list[TokenTable]:
     tables = [TokenTable.open(p) for p in paths]
     shards = [_shard_of(t) for t in tables]
@@ -82,8 +94,11 @@ def _open_shards(paths: list[str]) -> list[TokenTable]:
             if t.manifest.get(key) != first.get(key):
                 raise StoreMismatchError(f"{t.directory}: its {key!r} differs from {tables[0].directory}'s; "
                                          "shards of one run share inputs, tokenizer and mixture")
-        if _parameters_without_shard(t.manifest) != _parameters_without_shard(first):
-            raise StoreMismatchError(f"{t.directory}: made with other parameters than {tables[0].directory}")
+        theirs, ours = _output_parameters(t.manifest), _output_parameters(first)
+        if theirs != ours:
+            diff = ", ".join(f"{k}: {theirs.get(k)!r} vs {ours.get(k)!r}" for k in sorted(set(theirs) | set(ours))
+                             if theirs.get(k) != ours.get(k))
+            raise StoreMismatchError(f"{t.directory}: made with other parameters than {tables[0].directory} ({diff})")
     return sorted(tables, key=lambda t: _shard_of(t)[1])
 
 
@@ -101,6 +116,50 @@ def _sum_counts(counts: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+_WHOLE_INPUT = ("copies", "sampled_out")
+"""Counts every shard makes over the whole input (weights draw before the shard filter): one value."""
+_WHOLE_INPUT_PER_SOURCE = ("read", "copies", "sampled_out")
+
+
+def _merged_counts(tables: list[TokenTable]) -> dict[str, Any]:
+    """The shards' counts joined into those of the unsharded run.
+
+    Per-shard counts (used, rejected, tokens, ...) are summed. Counts every shard takes over the
+    whole input (top-level ``copies``/``sampled_out``; per source ``read``, ``copies``,
+    ``sampled_out``) are the same in every shard and are taken once, and so is checked
+    ``read + other_shards`` (the items every shard saw); ``other_shards`` is 0 in the union (per
+    source) and absent at the top level, as in an unsharded run.
+
+    Raises:
+        StoreMismatchError: a whole-input count differs between shards (they read different data).
+    """
+    counts = [t.manifest.get("counts", {}) for t in tables]
+    out = _sum_counts(counts)
+    out.pop("other_shards", None)
+    whole = [(k, (), lambda c, k=k: c.get(k)) for k in _WHOLE_INPUT]
+    whole.append(("read + other_shards", (), lambda c: c.get("read", 0) + c.get("other_shards", 0)))
+    for name in out.get("sources", {}):
+        out["sources"][name]["other_shards"] = 0
+        whole += [(k, ("sources", name), lambda c, k=k, name=name: c.get("sources", {}).get(name, {}).get(k))
+                  for k in _WHOLE_INPUT_PER_SOURCE]
+    for key, where, get in whole:
+        values = [get(c) for c in counts]
+        if values[0] is None and all(v is None for v in values):
+            continue
+        if any(v != values[0] for v in values):
+            what = f"source {where[1]!r} {key}" if where else key
+            raise StoreMismatchError(
+                f"the shards read different input data: {what} is "
+                + ", ".join(f"{v} in {t.directory}" for v, t in zip(values, tables))
+                + " (every shard reads the whole input, so these must be equal)")
+        target = out
+        for part in where:
+            target = target[part]
+        if key in target:  # not a count of its own ("read + other_shards" only checks)
+            target[key] = values[0]
+    return out
+
+
 def merge_tables(paths: list[str | os.PathLike], output: str | os.PathLike, force: bool = False) -> dict[str, Any]:
     """Join the shard tables of one sharded ``tokenize`` or ``pack`` run into one table.
 
@@ -109,10 +168,12 @@ def merge_tables(paths: list[str | os.PathLike], output: str | os.PathLike, forc
 
     Raises:
         InputError: a path is not a shard, or the shards are not exactly 0..N-1 of one N.
-        StoreMismatchError: shards of different runs (inputs, parameters, tokenizer, mixture).
+        StoreMismatchError: shards of different runs (inputs, parameters, tokenizer, mixture), or
+            of different input data (a whole-input count differs, see :func:`_merged_counts`).
         OutputExistsError: ``output`` exists and ``force`` is false.
     """
     tables = _open_shards([str(p) for p in paths])
+    counts = _merged_counts(tables)
     kind = tables[0].kind
     with staged_output_dir(output, force) as out:
         merged_from, k, block = [], 0, 0
@@ -136,7 +197,6 @@ def merge_tables(paths: list[str | os.PathLike], output: str | os.PathLike, forc
         freqs = [t.token_freq() for t in tables]
         if all(f is not None for f in freqs):
             write_token_freq(out, np.sum(freqs, axis=0))
-        counts = _sum_counts([t.manifest.get("counts", {}) for t in tables])
         if kind == "packed" and counts.get("n_blocks"):
             counts["packing_efficiency"] = round(counts["tokens"] / (counts["n_blocks"] * counts["block_size"]), 6)
         first = tables[0].manifest

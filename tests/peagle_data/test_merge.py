@@ -18,6 +18,7 @@ from stores.merge import merge_stores, merge_tables, verify_table
 from stores.token_tables import TokenTable
 
 from tests.peagle_data.test_extract_run import write_packed
+from tests.peagle_data.test_mixtures import _three_sources
 from tests.peagle_data.test_shards import _inputs, _tok_rows, _windows
 
 
@@ -116,3 +117,48 @@ def test_extract_shards_merge_into_the_unsharded_store(tmp_path, tiny_verifier_d
     FeatureStore.open(parts[1], mode="r+").clear_done(0)
     with pytest.raises(InputError, match="1 blocks not done"):
         merge_stores(parts, tmp_path / "y.zarr")
+
+
+def test_merged_counts_of_a_weighted_mixture_are_the_unsharded_runs(tmp_path, smollm2_tokenizer):
+    # Every shard reads every row and draws every weight: read, copies and sampled_out are counted
+    # once in the union, not once per shard; other_shards is gone.
+    mix = _three_sources(tmp_path)
+    full = run_tokenize([mix], "smollm2-135m", tmp_path / "full", TokenizeConfig(), tokenizer=smollm2_tokenizer)
+    shards = _shards(tmp_path, smollm2_tokenizer, [mix], "tok")
+    merged = merge_tables(shards, tmp_path / "merged")
+    assert full["counts"]["sources"]["reasoning"]["copies"] == 20 and full["counts"]["sampled_out"] > 0
+    assert merged["counts"] == full["counts"]
+    assert TokenTable.open(tmp_path / "merged").manifest["counts"] == full["counts"]
+    packed = [tmp_path / f"p{i}" for i in range(2)]
+    for i, out in enumerate(packed):
+        run_pack([tmp_path / "full"], "smollm2-135m", out,
+                 PackConfig(max_seq_len=128, tokenize=TokenizeConfig(num_shards=2, shard_index=i)),
+                 tokenizer=smollm2_tokenizer)
+    whole = run_pack([tmp_path / "full"], "smollm2-135m", tmp_path / "p", PackConfig(max_seq_len=128),
+                     tokenizer=smollm2_tokenizer)
+    counts = merge_tables(packed, tmp_path / "merged_p")["counts"]
+    assert counts["sources"] == whole["counts"]["sources"] and "other_shards" not in counts
+    assert {k: counts[k] for k in ("read", "used", "rejected")} == {k: whole["counts"][k] for k in ("read", "used", "rejected")}
+
+
+def test_merge_refuses_shards_that_read_different_data_and_names_other_parameters(tmp_path, smollm2_tokenizer):
+    inputs = _inputs(tmp_path)
+    s0 = tmp_path / "s0"
+    run_tokenize(inputs, "smollm2-135m", s0, TokenizeConfig(num_shards=2, shard_index=0), tokenizer=smollm2_tokenizer)
+    with open(inputs[0], "a") as f:  # the file changed between the shard runs (same path)
+        f.write(json.dumps({"messages": [{"role": "user", "content": "New?"},
+                                         {"role": "assistant", "content": "Yes."}]}) + "\n")
+    s1 = tmp_path / "s1"
+    run_tokenize(inputs, "smollm2-135m", s1, TokenizeConfig(num_shards=2, shard_index=1), tokenizer=smollm2_tokenizer)
+    with pytest.raises(StoreMismatchError, match=r"the shards read different input data: read \+ other_shards is "):
+        merge_tables([s0, s1], tmp_path / "m")
+    assert not (tmp_path / "m").exists()
+    # --num-workers does not change a shard's rows: such shards merge; --max-tokens does, and is named.
+    run_tokenize(inputs, "smollm2-135m", tmp_path / "w0", TokenizeConfig(num_shards=2, shard_index=0, num_workers=2),
+                 tokenizer=smollm2_tokenizer)
+    merged = merge_tables([tmp_path / "w0", s1], tmp_path / "m")
+    assert merged["counts"]["used"] == TokenTable.open(tmp_path / "m").num_rows
+    run_tokenize(inputs, "smollm2-135m", tmp_path / "x0", TokenizeConfig(num_shards=2, shard_index=0, max_tokens=99),
+                 tokenizer=smollm2_tokenizer)
+    with pytest.raises(StoreMismatchError, match=r"made with other parameters than .* \(max_tokens: None vs 99\)"):
+        merge_tables([tmp_path / "x0", s1], tmp_path / "m2")
