@@ -9,7 +9,9 @@ split of the others. The loader's order is a pure function of the seed, the epoc
 ids, so ``--resume`` with the same stores in the same order restores the exact sample order.
 
 Stores from different verifiers (content fingerprint, name, hidden or vocab size) or with other
-aux layers are refused: their hidden states are not the same features.
+aux layers are refused: their hidden states are not the same features. Stores that hold the same
+blocks of one packed table (a merged store beside its shards, a copy of a store) are refused too:
+those blocks would train twice and validate on training data.
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ def open_stores(store: str | Sequence[str]):
 
     Raises:
         StoreFormatError: a store cannot be opened.
-        StoreMismatchError: the stores come from different verifiers or aux layers.
-        InputError: a store given twice.
+        StoreMismatchError: the stores come from different verifiers or aux layers, or two hold the same
+            blocks of one packed table.
+        InputError: a store given twice (the same directory under any spelling).
     """
     from stores.feature_store import FeatureStore
 
@@ -66,10 +69,40 @@ def open_stores(store: str | Sequence[str]):
     paths = [str(s) for s in store]
     if len(paths) == 1:
         return FeatureStore.open(paths[0])
-    repeated = sorted({p for p in paths if paths.count(p) > 1})
+    real = [os.path.realpath(p) if "://" not in p else p for p in paths]
+    repeated = sorted({p for p, r in zip(paths, real) if real.count(r) > 1})
     if repeated:
         raise InputError(f"store {repeated} given more than once", field="--store")
     return StoreSet([FeatureStore.open(p) for p in paths])
+
+
+def _packed_blocks(store) -> tuple[str, range]:
+    """(packed table sha256, the packed block ids the store holds): a shard store of ``extract
+    --num-shards N --shard-index I`` holds packed blocks ``I, I + N, ...``, a whole store ``0..n-1``."""
+    shard = store.attrs.get("shard") or {}
+    n, i = int(shard.get("num_shards", 1)), int(shard.get("shard_index", 0))
+    return str(store.attrs.get("source") or ""), range(i, i + n * store.n_blocks, n)
+
+
+def _check_disjoint(stores) -> None:
+    """Raise unless no two stores hold the same block of one packed table (a merged store and one of
+    its shards, a store copied elsewhere, one shard twice): those features would train twice, and
+    one copy's validation blocks would be another's training blocks."""
+    seen: dict[str, list[tuple[Any, set[int]]]] = {}
+    for s in stores:
+        source, blocks = _packed_blocks(s)
+        if not source:
+            continue
+        mine = set(blocks)
+        for other, theirs in seen.get(source, []):
+            shared = mine & theirs
+            if shared:
+                raise StoreMismatchError(
+                    f"{s.path} and {other.path} hold the same {len(shared)} block(s) of one packed table "
+                    f"(packed block {min(shared)} among them; the packed table's manifest sha256 {source}): "
+                    "their features would train twice and validate on training blocks; give each block once "
+                    "(the merged store, or its shard stores, not both)")
+        seen.setdefault(source, []).append((s, mine))
 
 
 def _check_same_features(stores) -> None:
@@ -103,6 +136,7 @@ class StoreSet:
         if not stores:
             raise InputError("no store given", field="--store")
         _check_same_features(stores)
+        _check_disjoint(stores)
         self.stores = list(stores)
         self.offsets = np.cumsum([0] + [s.n_blocks for s in self.stores]).astype(np.int64)
         self.path = " + ".join(str(s.path) for s in self.stores)

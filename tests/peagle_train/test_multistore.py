@@ -78,6 +78,31 @@ def test_stores_of_other_verifiers_or_layers_are_refused(tmp_path, verifier_dir,
         open_stores([a, str(tmp_path / "l.zarr")])
     with pytest.raises(InputError, match="given more than once"):
         open_stores([a, a])
+    with pytest.raises(InputError, match="given more than once"):
+        open_stores([a, str(tmp_path / "." / "a.zarr") + "/"])
+
+
+def test_stores_holding_the_same_packed_blocks_are_refused(tmp_path, verifier_dir):
+    # A copy of a store, a merged store beside one of its shards, the same shard twice: the same
+    # features would train twice and validate on training blocks.
+    a = _store(tmp_path / "a.zarr", verifier_dir, n_blocks=4, seed=1)
+    shutil.copytree(a, tmp_path / "copy.zarr")
+    with pytest.raises(StoreMismatchError, match=r"copy.zarr and .*a.zarr hold the same 4 block\(s\) of one packed "
+                                                 r"table \(packed block 0 among them"):
+        open_stores([a, str(tmp_path / "copy.zarr")])
+    shards = []
+    for i in range(2):  # extract --num-shards 2 of the same packed table: packed blocks i, i + 2
+        path = _store(tmp_path / f"s{i}.zarr", verifier_dir, n_blocks=2, seed=1)
+        s = FeatureStore.open(path, mode="r+")
+        s.update_attrs(source=FeatureStore.open(a).attrs["source"], shard={"num_shards": 2, "shard_index": i})
+        shards.append(path)
+    with pytest.raises(StoreMismatchError, match=r"s1.zarr and .*a.zarr hold the same 2 block\(s\) .*packed block 1 "):
+        open_stores([a, shards[1]])
+    assert open_stores(shards).n_blocks == 4  # the two shards are disjoint: accepted
+    third = FeatureStore.open(_store(tmp_path / "t.zarr", verifier_dir, n_blocks=2, seed=1), mode="r+")
+    third.update_attrs(source=FeatureStore.open(a).attrs["source"], shard={"num_shards": 4, "shard_index": 2})
+    with pytest.raises(StoreMismatchError, match=r"t.zarr and .*s0.zarr hold the same 1 block\(s\) .*packed block 2 "):
+        open_stores([*shards, str(tmp_path / "t.zarr")])  # shard 2 of 4 holds packed blocks 2, 6; shard 0 of 2: 0, 2
 
 
 def test_store_list_file(tmp_path):

@@ -1,6 +1,7 @@
 """The training loop on a tiny synthetic store and a tiny random verifier (vocab 256, hidden 64)."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ def _store(path, verifier_dir, n_blocks=1, done=None, seed=0):
         path, n_blocks=n_blocks, block_size=C, max_segments=3, layers=LAYERS, hidden_size=H, vocab_size=V,
         verifier={"name_or_path": str(verifier_dir), "architecture": "LlamaForCausalLM", "num_hidden_layers": 3,
                   "hidden_size": H, "vocab_size": V, "dtype": "bfloat16"},
-        tokenizer={"name_or_path": str(verifier_dir)}, source="sha")
+        tokenizer={"name_or_path": str(verifier_dir)}, source=f"sha-{os.path.basename(str(path))}")
     g = torch.Generator().manual_seed(seed)
     lens = [[20, 28], [48], [10, 30, 8]]
     n_tokens = []
