@@ -10,7 +10,10 @@ to ``pack`` are keyed by their rows' token ids and loss masks instead. Memory: o
 
 Filters reject a whole conversation (all its rows when a history-rewriting template split it)
 after tokenization: ``--max-tokens N`` when its tokens exceed N, ``--min-loss-tokens N`` when its
-supervised tokens are fewer than N. The reason keys (``too long``, ``too few supervised tokens``)
+supervised tokens are fewer than N. A conversation's tokens are its longest row's: the whole render,
+or for a split conversation the row of its last assistant turn, which holds the whole history (the
+rows repeat the history, so their sum is not a length); its supervised tokens are summed over its
+rows (each row supervises its own turn). The reason keys (``too long``, ``too few supervised tokens``)
 are counted per key in the manifest's ``rejected_by_reason``.
 """
 
@@ -100,7 +103,8 @@ def dedup_items(items: Iterable[Conversation | Reject], dedup: Deduplicator | No
 
 def filter_reason(n_tokens: int, n_loss_tokens: int, max_tokens: int | None,
                   min_loss_tokens: int | None) -> str | None:
-    """Why a conversation of ``n_tokens`` tokens, ``n_loss_tokens`` supervised, is filtered out, or None."""
+    """Why a conversation of ``n_tokens`` tokens (its longest row), ``n_loss_tokens`` supervised (summed
+    over its rows), is filtered out, or None."""
     if max_tokens is not None and n_tokens > max_tokens:
         return f"too long: {n_tokens} tokens > --max-tokens {max_tokens}"
     if min_loss_tokens is not None and n_loss_tokens < min_loss_tokens:

@@ -305,7 +305,7 @@ def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: Tokenize
                 if not isinstance(outcome, str) and not any(tok.loss_mask.any() for _, tok, _ in outcome):
                     outcome = "no supervised tokens: the template renders no assistant token"
                 filtered = None if isinstance(outcome, str) else filter_reason(
-                    sum(len(t.input_ids) for _, t, _ in outcome), sum(int(t.loss_mask.sum()) for _, t, _ in outcome),
+                    max(len(t.input_ids) for _, t, _ in outcome), sum(int(t.loss_mask.sum()) for _, t, _ in outcome),
                     cfg.max_tokens, cfg.min_loss_tokens)
                 if filtered is not None:  # a filter, not a bad row: rejected also with --strict
                     _reject(rejects, counts, item.source, filtered, conversation_id=item.conversation_id)
@@ -535,7 +535,7 @@ def _filter_table_groups(groups: Iterator[list[dict[str, Any]]], cfg: TokenizeCo
                         conversation_id=cid, duplicate_of=first)
                 source_bump(counts, group, rejected=1, duplicates=1)
                 continue
-        filtered = filter_reason(sum(len(r["input_ids"]) for r in group),
+        filtered = filter_reason(max(len(r["input_ids"]) for r in group),
                                  sum(int(np.sum(r["loss_mask"])) for r in group), cfg.max_tokens, cfg.min_loss_tokens)
         if filtered is not None:
             _reject(rejects, counts, source, filtered, conversation_id=cid)

@@ -91,3 +91,37 @@ def test_filter_reason_bounds():
     assert filter_reason(10, 3, 10, 3) is None
     assert filter_reason(11, 3, 10, None).startswith("too long: 11 tokens")
     assert filter_reason(5, 2, None, 3).startswith("too few supervised tokens: 2 < ")
+
+
+def test_max_tokens_of_a_split_conversation_is_its_length_not_the_sum_of_its_rows(tmp_path, smollm2_tokenizer):
+    # A history-rewriting template (Qwen3) gives one row per assistant turn, each holding the whole
+    # history before it: the conversation is as long as its last row, not as the rows together.
+    from tests.peagle_data.test_chat_templates import QWEN3
+
+    template = tmp_path / "qwen3.jinja"
+    template.write_text(QWEN3)
+    turns = [{"role": "user", "content": "What is 2+2?"},
+             {"role": "assistant", "content": "4.", "reasoning_content": "Two and two."},
+             {"role": "user", "content": "And 3+3?"},
+             {"role": "assistant", "content": "6.", "reasoning_content": "Three and three."}]
+    src = _write(tmp_path / "q.jsonl", [{"id": "q", "messages": turns}])
+    run_tokenize([src], "smollm2-135m", tmp_path / "full", TokenizeConfig(chat_template=str(template)),
+                 tokenizer=smollm2_tokenizer)
+    rows = list(TokenTable.open(tmp_path / "full").iter_rows(["conversation_id", "n_tokens", "n_loss_tokens"]))
+    assert [r["conversation_id"] for r in rows] == ["q@1", "q@3"]
+    longest, loss = rows[1]["n_tokens"], rows[0]["n_loss_tokens"] + rows[1]["n_loss_tokens"]
+    whole = smollm2_tokenizer.apply_chat_template(turns, chat_template=QWEN3, tokenize=True, return_dict=False)
+    assert longest == len(whole) < rows[0]["n_tokens"] + rows[1]["n_tokens"]
+    kept = run_tokenize([src], "smollm2-135m", tmp_path / "kept", TokenizeConfig(
+        chat_template=str(template), max_tokens=longest, min_loss_tokens=loss), tokenizer=smollm2_tokenizer)
+    assert kept["counts"]["used"] == 1 and TokenTable.open(tmp_path / "kept").num_rows == 2
+    cut = run_tokenize([src], "smollm2-135m", tmp_path / "cut", TokenizeConfig(
+        chat_template=str(template), max_tokens=longest - 1), tokenizer=smollm2_tokenizer)
+    assert cut["counts"]["used"] == 0
+    assert _rejects(tmp_path / "cut")[0]["reason"] == f"too long: {longest} tokens > --max-tokens {longest - 1}"
+    for n, used in ((longest, 1), (longest - 1, 0)):  # pack of the tokenize output: the same rule
+        out = tmp_path / f"p{n}"
+        r = run_pack([tmp_path / "full"], "smollm2-135m", out, PackConfig(
+            max_seq_len=512, tokenize=TokenizeConfig(chat_template=str(template), max_tokens=n)),
+            tokenizer=smollm2_tokenizer)
+        assert r["counts"]["used"] == used, n
