@@ -315,7 +315,15 @@ def _iter_json_array(path: Path):
         row = 1
         while True:
             skip(" \t\r\n,")
-            if pos >= len(buf) or buf[pos] == "]":
+            if pos < len(buf) and buf[pos] == "]":  # the end: only whitespace may follow
+                pos += 1
+                skip(" \t\r\n")
+                if pos < len(buf):
+                    yield row, _BadRow(f"invalid JSON: extra data after the array's closing ']' at "
+                                       f"{where.at(buf, pos)} (two arrays in one file?); the rest of the file "
+                                       "is not read")
+                return
+            if pos >= len(buf):
                 return
             while True:
                 try:

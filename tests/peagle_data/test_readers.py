@@ -372,3 +372,21 @@ def test_whitespace_only_assistant_turns_are_empty(tmp_path):
     a, b = read_conversations([path])
     assert isinstance(a, Reject) and a.reason == "no supervised tokens: every assistant turn is empty"
     assert isinstance(b, Conversation) and b.empty_assistant_turns == 1
+
+
+@pytest.mark.parametrize("chunk", [5, 1 << 20])
+def test_text_after_a_json_arrays_end_is_a_reject_not_ignored(tmp_path, monkeypatch, chunk):
+    # Two arrays concatenated into one file (cat a.json b.json): the second one's rows were dropped silently.
+    import peagle_data.readers as readers
+
+    monkeypatch.setattr(readers, "_CHUNK_CHARS", chunk)
+    conv = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+    path = tmp_path / "two.json"
+    path.write_text(json.dumps([conv]) + "\n" + json.dumps([conv, conv]) + "\n")
+    items = list(read_conversations([path], keep_dropped=False))
+    assert [type(i).__name__ for i in items] == ["Conversation", "Reject"]
+    assert items[1].source == f"{path}:2"
+    assert items[1].reason == ("invalid JSON: extra data after the array's closing ']' at line 2 column 1 (two "
+                               "arrays in one file?); the rest of the file is not read")
+    (tmp_path / "ok.json").write_text(json.dumps([conv]) + " \r\n\n")  # whitespace after it is fine
+    assert [type(i).__name__ for i in read_conversations([tmp_path / "ok.json"])] == ["Conversation"]
