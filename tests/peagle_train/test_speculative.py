@@ -466,3 +466,36 @@ def test_random_drafter_counts_add_up_with_eos(counter_verifier, temperature):
         stop = min(i for i, t in enumerate(free) if t in (free[j], 63))
         assert spec.tokens == free[:stop + 1]
         _check_identity(spec, 3)
+
+
+def test_verify_pass_logits_equal_the_full_forward(tiny_verifier):
+    """The body pass + one lm_head product over the K+1 rows gives the verifier's own logits."""
+    from peagle_train.speculative import _rollback_cache, _verifier_body_pass, _verifier_pass
+
+    prompt, step = torch.tensor(PROMPTS[0]), torch.tensor([11, 2222, 333, 44, 5555])
+    caches = [_rollback_cache(tiny_verifier), _rollback_cache(tiny_verifier)]
+    with torch.no_grad():
+        for cache in caches:
+            _verifier_pass(tiny_verifier, prompt, cache, want_hidden=False, last_only=True)
+        got, hs = _verifier_body_pass(tiny_verifier, step, caches[0])
+        want, want_hs = _verifier_pass(tiny_verifier, step, caches[1], want_hidden=True)
+    assert got.shape == want.shape == (5, tiny_verifier.config.vocab_size) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    torch.testing.assert_close(hs[-1], want_hs[-1])
+
+
+def test_lm_head_of_another_type_is_called_as_it_is():
+    """A Linear subclass (e.g. a quantized head) is called, never read through its ``weight``."""
+    from peagle_train.speculative import _lm_head_logits
+
+    class Shifted(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) + 1.0
+
+    torch.manual_seed(0)
+    plain, shifted = nn.Linear(8, 32, bias=True), Shifted(8, 32, bias=False)
+    hidden = torch.randn(5, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(_lm_head_logits(plain, hidden), plain(hidden), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(_lm_head_logits(shifted, hidden), shifted(hidden))
