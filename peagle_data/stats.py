@@ -6,7 +6,9 @@ so peak memory does not grow with the number of rows; percentiles are exact, tak
 length -> count tables. A feature store is read block by block (token arrays only, never hidden
 states) into histograms bounded by its block size.
 
-What each kind reports (``rows`` are conversations for a tokenize output, blocks otherwise):
+What each kind reports (``rows`` are conversations for a tokenize output, blocks otherwise; the
+per-turn rows of a conversation a history-rewriting template split are one conversation, as long
+as its longest row, and ``totals.table_rows`` counts the rows):
 
 - totals: rows, tokens, supervised (loss) tokens, supervised fraction;
 - length percentiles: tokens per conversation (tokenize output) or per window (pack output, store);
@@ -126,28 +128,49 @@ def _source_key(lf):
     return file
 
 
+def _conversations(table, lf):
+    """The tokenize output as one row per conversation: itself, or, when a history-rewriting template
+    split conversations into per-turn rows (each holding the history before its turn), its rows
+    grouped by ``source`` (``file:N``, shared by a conversation's rows): the conversation is as long
+    as its longest row and supervises the sum of its rows' supervised tokens. Returns ``(lf, split)``."""
+    import polars as pl
+
+    if not int(table.manifest.get("counts", {}).get("history_rewrite_rows", 0) or 0):
+        return lf, False
+    extra = [pl.col("dataset").first()] if "dataset" in lf.collect_schema().names() else []
+    return lf.group_by("source").agg(pl.col("n_tokens").max(), pl.col("n_loss_tokens").sum(), *extra), True
+
+
 def _tokenized_stats(table, max_seq_len: int | None, overlap: float) -> dict[str, Any]:
     import polars as pl
 
     lf = table.scan()
+    conv, split = _conversations(table, lf)
     frac_bin = (pl.col("n_loss_tokens") * FRACTION_BINS // pl.col("n_tokens")).alias("bin")
     queries = [
-        lf.group_by("n_tokens").agg(pl.len().alias("rows"), pl.col("n_loss_tokens").sum().alias("loss")),
-        lf.select(frac_bin).group_by("bin").len(),
+        conv.group_by("n_tokens").agg(pl.len().alias("rows"), pl.col("n_loss_tokens").sum().alias("loss")),
+        conv.select(frac_bin).group_by("bin").len(),
         lf.group_by(_source_key(lf).alias("src")).agg(
             pl.len().alias("rows"), pl.col("n_tokens").sum().alias("tokens"),
             pl.col("n_loss_tokens").sum().alias("loss")),
+        lf.select(pl.len().alias("rows"), pl.col("n_tokens").cast(pl.Int64).sum().alias("tokens")),
+        conv.group_by(_source_key(conv).alias("src")).len(),
     ]
     if max_seq_len is not None:
         queries.append(lf.group_by("n_tokens", "system_len").len())
     frames = pl.collect_all(queries, engine="streaming")
-    lengths, fracs, sources = frames[0], frames[1], frames[2]
-    tokens = int((lengths["n_tokens"].cast(pl.Int64) * lengths["rows"]).sum())
+    lengths, fracs, sources, table_rows = frames[0], frames[1], frames[2], frames[3]
+    tokens = int(table_rows["tokens"][0] or 0)
     loss = int(lengths["loss"].sum())
-    windows = _tokenized_windows(frames[3], max_seq_len, overlap) if max_seq_len is not None else None
+    per_source = dict(frames[4].iter_rows())
+    sources = sources.with_columns(pl.col("src").replace_strict(per_source, default=0).alias("rows"))
+    windows = _tokenized_windows(frames[5], max_seq_len, overlap) if max_seq_len is not None else None
+    totals = {"rows": int(lengths["rows"].sum()), "tokens": tokens, "loss_tokens": loss,
+              "supervised_fraction": round(loss / tokens, 6) if tokens else 0.0}
+    if split:
+        totals["table_rows"] = int(table_rows["rows"][0])
     return {
-        "totals": {"rows": int(lengths["rows"].sum()), "tokens": tokens, "loss_tokens": loss,
-                   "supervised_fraction": round(loss / tokens, 6) if tokens else 0.0},
+        "totals": totals,
         "lengths": {"of": "conversation", **_length_block(lengths["n_tokens"], lengths["rows"])},
         "supervised_fraction": {"of": "conversation", "histogram": _fraction_histogram(fracs["bin"], fracs["len"])},
         "windows_per_conversation": windows,
@@ -291,16 +314,20 @@ def format_stats(stats: dict[str, Any]) -> str:
     """The statistics as a few lines of text."""
     t = stats["totals"]
     row_name = "conversations" if stats["kind"] == "tokenized" else "blocks"
+    split = (f" (in {t['table_rows']:,} per-turn rows of a history-rewriting template; a conversation is as "
+             "long as its longest row)") if "table_rows" in t else ""
     lines = [f"{stats['path']}  ({stats['kind']})",
              f"{row_name} {t['rows']:,}  tokens {t['tokens']:,}  supervised tokens {t['loss_tokens']:,}  "
-             f"supervised fraction {t['supervised_fraction']:.4f}"]
+             f"supervised fraction {t['supervised_fraction']:.4f}{split}"]
     mc = stats.get("manifest_counts") or {}
     if mc:
         lines.append("input rows: " + "  ".join(f"{k} {v}" for k, v in mc.items() if not isinstance(v, dict))
                      + (f"  {mc['rejected_by_reason']}" if mc.get("rejected_by_reason") else ""))
     pc = stats["lengths"]["percentiles"]
-    lines.append(f"tokens per {stats['lengths']['of']}: " + "  ".join(
-        f"{k} {pc[k]}" for k in ("min", "p10", "p25", "p50", "p75", "p90", "p99", "max", "mean")))
+    lines.append(f"tokens per {stats['lengths']['of']}: " + ("none (the table is empty)" if pc["min"] is None else
+                                                             "  ".join(f"{k} {pc[k]}" for k in (
+                                                                 "min", "p10", "p25", "p50", "p75", "p90", "p99",
+                                                                 "max", "mean"))))
     w = stats.get("windows_per_conversation")
     if w:
         wp = w["percentiles"]

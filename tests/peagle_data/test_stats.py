@@ -109,3 +109,26 @@ def test_cli_text_and_bad_path(tmp_path):
     s = collect_stats(table)
     plot_stats(s, tmp_path / "t.png")  # no windows, one source: still a picture
     assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_per_turn_rows_of_a_split_conversation_are_one_conversation(tmp_path):
+    # A history-rewriting template's per-turn rows (source a.jsonl:1 twice) each hold the history:
+    # one conversation of 30 tokens (its longest row) supervising 4 + 6 tokens, not two conversations.
+    rows = [("a.jsonl:1", 12, 4, 0), ("a.jsonl:1", 30, 6, 0), ("a.jsonl:2", 8, 8, 0)]
+    table = _tokenized_table(tmp_path / "tok", rows)
+    manifest = json.loads((table / "manifest.json").read_text())
+    manifest["counts"]["history_rewrite_rows"] = 2
+    (table / "manifest.json").write_text(json.dumps(manifest))
+    s = collect_stats(table)
+    assert s["totals"] == {"rows": 2, "tokens": 50, "loss_tokens": 18, "supervised_fraction": round(18 / 50, 6),
+                           "table_rows": 3}
+    assert s["lengths"]["values"] == [8, 30] and s["lengths"]["counts"] == [1, 1]
+    hist = s["supervised_fraction"]["histogram"]
+    assert hist[49] == 1 and hist[10 * 50 // 30] == 1 and sum(hist) == 2
+    assert s["sources"] == [{"source": "a.jsonl", "rows": 2, "tokens": 50, "loss_tokens": 18, "token_share": 1.0,
+                             "loss_share": 1.0}]
+    r = CliRunner().invoke(main, ["stats", str(table)])
+    assert "conversations 2  tokens 50" in r.output and "(in 3 per-turn rows" in r.output
+    empty = _tokenized_table(tmp_path / "empty", [])
+    r = CliRunner().invoke(main, ["stats", str(empty)])
+    assert r.exit_code == 0 and "tokens per conversation: none (the table is empty)" in r.output
