@@ -98,8 +98,11 @@ def _echo_summary(summary: dict) -> None:
         click.echo(f"  kept without content the chat template drops (--on-dropped-content keep): "
                    f"{c['conversations_with_dropped_content']} conversations ({parts})")
     for name, sc in (c.get("sources") or {}).items():  # a mixture: one line per source
+        # sampled out and copies exist where weights were drawn (not in pack of a tokenize output)
+        drawn = "".join(f"  {label} {sc[key]}" for key, label in (("sampled_out", "sampled out"), ("copies", "copies"))
+                        if key in sc)
         click.echo(f"  source {name}: read {sc['read']}  used {sc['used']}  rejected {sc['rejected']}  duplicates "
-                   f"{sc['duplicates']}  sampled out {sc['sampled_out']}  copies {sc['copies']}"
+                   f"{sc['duplicates']}{drawn}"
                    + (f"  in other shards {sc['other_shards']}" if sc.get("other_shards") else ""))
     if c.get("other_shards"):
         click.echo(f"  {c['other_shards']} input items belong to other shards (--num-shards)")

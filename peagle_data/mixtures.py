@@ -69,10 +69,21 @@ class Mixture:
     seed: int = 0
 
     def record(self) -> dict[str, Any]:
-        """The mixture as recorded in a manifest."""
+        """The mixture as recorded in a manifest (with each source template's sha256: ``merge`` compares
+        the records of shard runs)."""
         return {"file": self.path, "seed": self.seed,
                 "sources": [{"name": s.name, "inputs": list(s.inputs), "weight": s.weight, "limit": s.limit,
-                             "chat_template": s.chat_template, "format": s.format} for s in self.sources]}
+                             "chat_template": s.chat_template, "format": s.format,
+                             **({"chat_template_sha256": _file_sha256(s.chat_template)} if s.chat_template else {})}
+                            for s in self.sources]}
+
+
+def _file_sha256(path: str) -> str | None:
+    """sha256 hex digest of a source's chat template file (so shard runs that read another text differ)."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
 
 
 def is_mixture_file(path: str | os.PathLike) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter
 
@@ -162,3 +163,21 @@ def test_merge_refuses_shards_that_read_different_data_and_names_other_parameter
                  tokenizer=smollm2_tokenizer)
     with pytest.raises(StoreMismatchError, match=r"made with other parameters than .* \(max_tokens: None vs 99\)"):
         merge_tables([tmp_path / "x0", s1], tmp_path / "m2")
+
+
+def test_merge_refuses_shards_whose_source_template_changed(tmp_path, smollm2_tokenizer):
+    # A mixture source's chat template edited between shard runs (same path): other masks, refused.
+    from tests.peagle_data.test_mixtures import conv, write_jsonl
+
+    write_jsonl(tmp_path / "a.jsonl", [conv(i, "a") for i in range(6)])
+    template = tmp_path / "t.jinja"
+    template.write_text(smollm2_tokenizer.chat_template)
+    (tmp_path / "mix.yaml").write_text("sources:\n  - {name: a, path: a.jsonl, chat_template: t.jinja}\n")
+    s0 = _shards(tmp_path, smollm2_tokenizer, [tmp_path / "mix.yaml"], "tok", n=2)[0]
+    template.write_text(smollm2_tokenizer.chat_template.replace("<|im_start|>", "<|im_start|> "))
+    run_tokenize([tmp_path / "mix.yaml"], "smollm2-135m", tmp_path / "late1", TokenizeConfig(num_shards=2, shard_index=1),
+                 tokenizer=smollm2_tokenizer)
+    with pytest.raises(StoreMismatchError, match="its 'mixture' differs"):
+        merge_tables([s0, tmp_path / "late1"], tmp_path / "m")
+    assert TokenTable.open(s0).manifest["mixture"]["sources"][0]["chat_template_sha256"] == \
+        hashlib.sha256(smollm2_tokenizer.chat_template.encode()).hexdigest()

@@ -158,3 +158,22 @@ def test_cli_pack_of_a_mixture_prints_each_source(tmp_path):
     assert (f"  source tools: read 32  used {tools['used']}  rejected {tools['rejected']}  duplicates "
             f"{tools['duplicates']}  sampled out 0  copies 0  in other shards {tools['other_shards']}") in r.output
     assert 0 < tools["other_shards"] < 32 and f"{counts['other_shards']} input items belong to other shards" in r.output
+
+
+def test_cli_pack_of_a_mixtures_tokenize_output_prints_each_source(tmp_path):
+    # pack of a tokenize output draws no weights: its per-source counts have no sampled_out/copies
+    # (the summary indexed them and pack ended in a KeyError traceback after writing its output).
+    from click.testing import CliRunner
+
+    from cli.data import main
+
+    mix = _three_sources(tmp_path)
+    r = CliRunner().invoke(main, ["tokenize", str(mix), "--tokenizer", "smollm2-135m", "--output", str(tmp_path / "t")])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["pack", str(tmp_path / "t"), "--tokenizer", "smollm2-135m", "--output",
+                                  str(tmp_path / "p"), "--max-seq-len", "64"])
+    assert r.exit_code == 0, r.output
+    tools = TokenTable.open(tmp_path / "p").manifest["counts"]["sources"]["tools"]
+    assert tools["read"] == 30 and "sampled_out" not in tools
+    assert (f"  source tools: read 30  used {tools['used']}  rejected {tools['rejected']}  duplicates "
+            f"{tools['duplicates']}\n") in r.output
