@@ -87,6 +87,8 @@ def select_items(table: TokenTable, row: int | None = None, item_id: str | None 
             if index == row:
                 return [_row_item(index, values) if table.kind == "tokenized" else _block_item(values)]
         what = "rows" if table.kind == "tokenized" else "blocks"
+        if table.num_rows == 0:
+            raise InputError(f"{table.directory}: the table has no {what} (see its rejects.jsonl for why)")
         raise InputError(f"{table.directory}: {what[:-1]} {row} is out of range: the table has {table.num_rows} "
                          f"{what} (0..{table.num_rows - 1})")
     items = list(_items_with_id(table, item_id))

@@ -78,3 +78,14 @@ def test_colour_per_turn_ids_and_errors(tables):
     assert out.exit_code == 2 and "row 2 is out of range: the table has 2 rows (0..1)" in out.output
     out = run(main, ["show", str(tables / "packed"), "--id", "zz"])
     assert out.exit_code == 2 and "no block holds id 'zz'" in out.output
+
+
+def test_show_of_an_empty_table_says_it_is_empty(tmp_path):
+    from stores.token_tables import TableWriter, write_manifest
+
+    (tmp_path / "empty").mkdir()
+    with TableWriter(tmp_path / "empty", "tokenized"):
+        pass
+    write_manifest(tmp_path / "empty", {"kind": "tokenized", "counts": {"read": 1, "used": 0, "rejected": 1}})
+    out = CliRunner().invoke(main, ["show", str(tmp_path / "empty")])
+    assert out.exit_code == 2 and "the table has no rows (see its rejects.jsonl for why)" in out.output
