@@ -124,7 +124,8 @@ class LocalBackend:
         self.max_new_tokens, self.temperature, self.batch_size = max_new_tokens, temperature, batch_size
         self.record = {"backend": "local", "verifier": str(verifier),
                        "verifier_fingerprint": model_fingerprint(resolve_model(verifier)),
-                       "device": str(self.model.device), "dtype": str(self.model.dtype).replace("torch.", "")}
+                       "device": str(self.model.device), "dtype": str(self.model.dtype).replace("torch.", ""),
+                       "batch_size": batch_size}  # batches are padded: a resumed greedy run needs the same
         cfg = self.model.config.get_text_config()
         self.max_positions = getattr(cfg, "max_position_embeddings", None)
         eos = self.model.generation_config.eos_token_id

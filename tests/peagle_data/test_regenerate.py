@@ -245,6 +245,10 @@ def test_resume_gives_the_uninterrupted_file_without_redoing_rows(tmp_path, loca
         run_regenerate([str(inp)], out, lambda: local, cfg)
     with pytest.raises(InputError, match="max_new_tokens"):
         run_regenerate([str(inp)], out, lambda: local, RegenerateConfig(max_new_tokens=7, chunk_rows=2), resume=True)
+    other_batches = DiesAfter(local, 0)
+    other_batches.record = {**local.record, "batch_size": 5}  # other padding: not the same greedy file
+    with pytest.raises(InputError, match="model was"):
+        run_regenerate([str(inp)], out, lambda: other_batches, cfg, resume=True)
     counting = DiesAfter(local, 0)
     summary = run_regenerate([str(inp)], out, lambda: counting, cfg, resume=True)
     assert out.read_bytes() == full.read_bytes()
