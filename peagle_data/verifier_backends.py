@@ -14,8 +14,11 @@ checks the local back end against ``transformers serve``):
   requests in flight per server, any free server taking the next request.
 
 Reasoning: a server's ``reasoning_content`` (vLLM, SGLang and ``transformers serve`` parse it) is
-kept; otherwise a think block in the text (``<think>...</think>``, or a text that ends one whose
-opening tag was in the prompt) is split off into ``reasoning_content``.
+kept; locally, a tokenizer's ``response_template`` parses content, reasoning and tool calls
+(``tokenizer.parse_response``). Otherwise a think block in the text (``<think>...</think>``, or a
+text that ends one whose opening tag was in the prompt) is split off into ``reasoning_content``, and
+a local answer holding special tokens that a plain decode would drop is refused (``unparsed answer
+format``), never written with its structure lost.
 """
 
 from __future__ import annotations
@@ -154,7 +157,8 @@ class LocalBackend:
         todo.sort(key=lambda i: (len(prompts[i]), i))
         for start in range(0, len(todo), self.batch_size):
             batch = todo[start:start + self.batch_size]
-            for i, answer in zip(batch, self._generate_batch([prompts[i] for i in batch])):
+            for i, answer in zip(batch, self._generate_batch([prompts[i] for i in batch],
+                                                             [requests[i].tools for i in batch])):
                 answers[i] = answer
         return answers
 
@@ -172,7 +176,7 @@ class LocalBackend:
             gc.do_sample = False
         return gc
 
-    def _generate_batch(self, prompts: list[list[int]]) -> list[Answer]:
+    def _generate_batch(self, prompts: list[list[int]], tools: list) -> list[Answer]:
         """One left-padded ``generate`` call; each row cut at its first end-of-sequence token."""
         import torch
 
@@ -187,17 +191,37 @@ class LocalBackend:
         with torch.no_grad():
             out = self.model.generate(input_ids=ids.to(self.model.device), attention_mask=mask.to(self.model.device),
                                       generation_config=self._generation_config(pad))
-        answers = []
-        for row, p in enumerate(prompts):
-            gen = out[row, width:].tolist()
-            stop = next((k for k, t in enumerate(gen) if t in self.eos_ids), None)
-            kept = gen if stop is None else gen[:stop + 1]
-            text = self.tokenizer.decode(kept, skip_special_tokens=True)
-            content, reasoning = split_reasoning(text)
-            answers.append(Answer(content=content, reasoning=reasoning,
-                                  finish_reason="length" if stop is None else "stop",
-                                  prompt_tokens=len(p), completion_tokens=len(kept)))
-        return answers
+        return [self.answer_of(out[row, width:].tolist(), p, t) for row, (p, t) in enumerate(zip(prompts, tools))]
+
+    def answer_of(self, generated: list[int], prompt: list[int], tools: list | None = None) -> Answer:
+        """The :class:`Answer` of ``generated`` ids (cut after the first end-of-sequence id).
+
+        With a tokenizer that declares a ``response_template``, ``tokenizer.parse_response`` splits
+        content, reasoning and tool calls (what ``transformers serve`` does). Otherwise the text is
+        the ``skip_special_tokens`` decode with a think block split off (:func:`split_reasoning`);
+        an answer holding other special tokens (e.g. gpt-oss's ``<|channel|>`` markup) is an error,
+        not a decode that would silently drop its structure.
+        """
+        stop = next((k for k, t in enumerate(generated) if t in self.eos_ids), None)
+        kept = generated if stop is None else generated[:stop + 1]
+        done = {"finish_reason": "length" if stop is None else "stop", "prompt_tokens": len(prompt),
+                "completion_tokens": len(kept)}
+        if getattr(self.tokenizer, "response_template", None) is not None:
+            parsed = self.tokenizer.parse_response(kept, prefix=self.tokenizer.decode(prompt), tools=tools)
+            calls = [{"type": "function", "function": {"name": c["function"]["name"], "arguments": json.dumps(
+                c["function"].get("arguments", {}), ensure_ascii=False)}} for c in parsed.get("tool_calls") or []]
+            reasoning = parsed.get("reasoning_content") or parsed.get("thinking")
+            return Answer(content=parsed.get("content") or "", reasoning=reasoning, tool_calls=calls or None,
+                          **{**done, **({"finish_reason": "tool_calls"} if calls else {})})
+        special = set(self.tokenizer.all_special_ids) - self.eos_ids
+        odd = sorted({t for t in kept if t in special})
+        if odd:
+            names = ", ".join(self.tokenizer.convert_ids_to_tokens(odd))
+            return Answer(error=f"unparsed answer format: the answer holds special tokens ({names}) that a plain "
+                                "decode drops, and the tokenizer declares no response_template to parse them; "
+                                "use a --server that parses this model's output", **done)
+        content, reasoning = split_reasoning(self.tokenizer.decode(kept, skip_special_tokens=True))
+        return Answer(content=content, reasoning=reasoning, **done)
 
 
 class ServerBackend:

@@ -337,3 +337,35 @@ def test_cli_needs_exactly_one_back_end(tmp_path):
     inp = write_rows(tmp_path / "in.jsonl")
     res = CliRunner().invoke(data_main, ["regenerate", str(inp), "--output", str(tmp_path / "o.jsonl")])
     assert res.exit_code == 2 and "exactly one of --verifier" in res.output
+
+
+QWEN_LIKE_TEMPLATE = {  # the shape of transformers serve's Qwen response template (ChatML, as SmolLM2's)
+    "defaults": {"role": "assistant"}, "start_anchor": "<|im_start|>assistant\n", "fields": {
+        "reasoning_content": {"open": "<think>", "close": "</think>", "content": "text"},
+        "tool_calls": {"open_pattern": r"\s*<tool_call>", "close": "</tool_call>", "repeats": True, "content": "json",
+                       "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"\s*(?:<\|im_end\|>|<\|endoftext\|>)", "content": "text"}}}
+
+
+def test_local_answer_parsing(local, monkeypatch):
+    tok = local.tokenizer
+    prompt = local.prompt_ids(type("R", (), {"messages": [{"role": "user", "content": "hi"}], "tools": None})())
+
+    def ids(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    answer = ids("<think>\nplan\n</think>\n\nHello<|im_end|>")
+    a = local.answer_of(answer + [2, 2], prompt)  # cut after the first end-of-sequence id (2 is <|im_end|>)
+    assert (a.content, a.reasoning, a.finish_reason, a.completion_tokens) == ("Hello", "plan", "stop", len(answer))
+    assert answer[-1] == 2 and 2 not in answer[:-1]
+    cut = local.answer_of(ids("Hello there"), prompt)
+    assert (cut.content, cut.reasoning, cut.finish_reason) == ("Hello there", None, "length")
+    odd = local.answer_of(ids("a<|im_start|>b<|im_end|>"), prompt)
+    assert odd.error.startswith("unparsed answer format: the answer holds special tokens (<|im_start|>)")
+    monkeypatch.setattr(tok, "response_template", QWEN_LIKE_TEMPLATE, raising=False)
+    call = local.answer_of(ids('Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call><|im_end|>'),
+                           prompt)
+    assert (call.content, call.finish_reason) == ("Sure.", "tool_calls")
+    assert call.tool_calls == [{"type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]
+    think = local.answer_of(ids("<think>\nplan\n</think>\n\nHello<|im_end|>"), prompt)
+    assert (think.content, think.reasoning) == ("Hello", "plan")
