@@ -30,7 +30,8 @@ import torch
 from peagle_data.extract import ExtractConfig, _base_model, default_layers, run_extract, verifier_features
 from stores.feature_store import FeatureStore
 from stores.model_cache import load_verifier
-from stores.token_tables import TableWriter, TokenTable, prepare_output_dir, write_manifest
+from stores.staging import prepare_output_dir
+from stores.token_tables import TableWriter, TokenTable, write_manifest
 
 
 def subset_table(packed: Path, n_blocks: int, out: Path) -> Path:

@@ -32,7 +32,7 @@ tokens"), so every written row has ``n_loss_tokens >= 1``. Ids repeated across o
 are renamed ``id~k`` and counted (``duplicate_ids_renamed``).
 
 Outputs are written into a hidden sibling directory and renamed into place at the end
-(:func:`stores.token_tables.staged_output_dir`): a run that fails (``--strict``, a bad file)
+(:func:`stores.staging.staged_output_dir`): a run that fails (``--strict``, a bad file)
 leaves no partial output, and the staging directory of a killed run is removed by the next run
 writing the same output. A run that uses no row still writes its manifest and rejects; the CLI
 then warns and exits 1.
@@ -66,13 +66,13 @@ from peagle_data.packing import make_packed_row, pack_blocks_flexible, packing_e
 from peagle_data.readers import FORMATS, Conversation, Reject, UniqueIds, read_conversations, resolve_inputs
 from peagle_data.windows import OVERLAP_LOSS, SystemPrefixTooLongError, Window, count_windows, make_windows
 from stores.errors import InputError, StoreMismatchError
+from stores.staging import staged_output_dir
 from stores.token_tables import (
     MANIFEST,
     RejectsWriter,
     TableWriter,
     TokenTable,
     manifest_sha256,
-    staged_output_dir,
     write_manifest,
     write_token_freq,
 )

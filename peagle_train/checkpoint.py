@@ -31,6 +31,7 @@ from peagle_train.model import DrafterConfig, PEagleDrafter
 from stores.errors import StoreFormatError
 from stores.files import follow_umask
 from stores.model_cache import hub_id
+from stores.staging import atomic_file, replace_dir
 
 __all__ = [
     "CONFIG_FILE",
@@ -128,24 +129,6 @@ def drafter_config_json(cfg: DrafterConfig, extra_config: dict[str, Any] | None 
     return out
 
 
-def _atomic_write_dir(directory: Path, write) -> None:
-    """Write into a sibling temp dir, then swap it in place of ``directory``."""
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.parent / f".{directory.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    write(tmp)
-    if directory.exists():
-        old = directory.parent / f".{directory.name}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(directory, old)
-        os.replace(tmp, directory)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, directory)
-
-
 def _write_drafter(model: PEagleDrafter, directory: Path, extra_config: dict[str, Any] | None) -> None:
     (directory / CONFIG_FILE).write_text(json.dumps(drafter_config_json(model.config, extra_config), indent=2))
     tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
@@ -166,7 +149,7 @@ def save_drafter(model: PEagleDrafter, directory: str | os.PathLike,
         ``directory`` as a Path.
     """
     directory = Path(directory)
-    _atomic_write_dir(directory, lambda tmp: _write_drafter(model, tmp, extra_config))
+    replace_dir(directory, lambda tmp: _write_drafter(model, tmp, extra_config))
     return directory
 
 
@@ -259,9 +242,8 @@ def load_drafter(directory: str | os.PathLike, device: str | torch.device = "cpu
 def save_training_state(directory: str | os.PathLike, state: dict[str, Any]) -> None:
     """Write ``training_state.pt`` (a dict: optimizer, scheduler, rng, data, step, ...) atomically."""
     path = Path(directory) / STATE_FILE
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        torch.save(state, tmp)
 
 
 def load_training_state(directory: str | os.PathLike) -> dict[str, Any]:
@@ -285,7 +267,7 @@ def save_checkpoint(model: PEagleDrafter, directory: str | os.PathLike, state: d
         _write_drafter(model, tmp, extra_config)
         save_training_state(tmp, state)
 
-    _atomic_write_dir(directory, write)
+    replace_dir(directory, write)
     return directory
 
 

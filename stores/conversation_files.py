@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from stores.errors import InputError, OutputExistsError, StoreFormatError
+from stores.staging import write_text_atomic
 
 __all__ = ["ConversationWriter", "check_output", "regenerate_paths", "read_regenerate_manifest"]
 
@@ -145,10 +146,8 @@ class ConversationWriter:
     def write_manifest(self, manifest: dict[str, Any]) -> None:
         """Write ``OUT.manifest.json`` atomically."""
         path = self.paths["manifest"]
-        tmp = Path(f"{path}.tmp")
         body = {"kind": "regenerated", "updated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **manifest}
-        tmp.write_text(json.dumps(body, indent=2, default=str) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        write_text_atomic(path, json.dumps(body, indent=2, default=str) + "\n", encoding="utf-8")
 
     def close(self) -> None:
         """Close the files (safe to call twice)."""

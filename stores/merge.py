@@ -25,12 +25,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from stores.errors import InputError, StoreMismatchError
+from stores.staging import staged_output_dir
 from stores.token_tables import (
     REJECTS,
     TokenTable,
     manifest_sha256,
     read_token_freq,
-    staged_output_dir,
     write_manifest,
     write_token_freq,
 )

@@ -15,11 +15,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from stores.errors import MissingDependencyError, ModelNotFoundError
 from stores.files import follow_umask
+from stores.staging import fill_dir
 
 __all__ = [
     "EMBEDDED_MODELS",
@@ -80,15 +80,6 @@ def _gguf_path(name: str) -> Path:
     return path
 
 
-def _atomic_dir_write(target: Path, writer) -> None:
-    """Run ``writer(tmp_dir)`` then move its files into ``target`` (created if needed)."""
-    target.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.tmp") as tmp:
-        writer(Path(tmp))
-        for f in Path(tmp).iterdir():
-            os.replace(f, target / f.name)
-
-
 def _convert_embedded(name: str, need_weights: bool) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
@@ -98,7 +89,7 @@ def _convert_embedded(name: str, need_weights: bool) -> Path:
         def write_tok(tmp: Path) -> None:
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             tok.save_pretrained(tmp)
-        _atomic_dir_write(target, write_tok)
+        fill_dir(target, write_tok)
         (target / _TOKENIZER_DONE).touch()
     if need_weights and not (target / _WEIGHTS_DONE).exists():
         def write_model(tmp: Path) -> None:
@@ -112,7 +103,7 @@ def _convert_embedded(name: str, need_weights: bool) -> Path:
             for f in tmp.iterdir():  # keep the tokenizer files written above
                 if f.name.startswith("tokenizer") or f.name in ("chat_template.jinja", "special_tokens_map.json"):
                     f.unlink()
-        _atomic_dir_write(target, write_model)
+        fill_dir(target, write_model)
         (target / _WEIGHTS_DONE).touch()
     return target
 

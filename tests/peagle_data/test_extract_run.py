@@ -17,7 +17,8 @@ import torch
 from peagle_data.extract import ExtractConfig, run_extract
 from stores.errors import OutputExistsError, StoreMismatchError
 from stores.feature_store import FeatureStore, verify_store
-from stores.token_tables import TableWriter, prepare_output_dir, write_manifest
+from stores.staging import prepare_output_dir
+from stores.token_tables import TableWriter, write_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 

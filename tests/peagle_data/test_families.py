@@ -20,7 +20,8 @@ from peagle_data.extract import (ExtractConfig, check_packable, language_model, 
                                  verifier_features)
 from stores.errors import InputError
 from stores.feature_store import FeatureStore
-from stores.token_tables import TableWriter, prepare_output_dir, write_manifest
+from stores.staging import prepare_output_dir
+from stores.token_tables import TableWriter, write_manifest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from families import FAMILIES, SLIDING, build_family, family_config, save_family  # noqa: E402

@@ -16,9 +16,10 @@ import pytest
 
 from peagle_data.prepare import PackConfig, TokenizeConfig, run_pack, run_tokenize
 from stores.errors import InputError
-from stores.token_tables import TokenTable, _host_tag
+from stores.staging import _host_tag
+from stores.token_tables import TokenTable
 from tests.peagle_data.test_chat_templates import QWEN3
-from tests.stores.test_token_tables import dead_pid, make_staging
+from tests.stores.test_staging import dead_pid, make_staging
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""staged_output_dir: owner-named staging directories, and the cleanup of those of killed runs."""
+"""stores.staging.staged_output_dir: owner-named staging directories, and the cleanup of those of killed runs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from stores.errors import OutputExistsError
-from stores.token_tables import _host_tag, remove_stale_partials, restore_replaced_output, staged_output_dir
+from stores.staging import _host_tag, remove_stale_partials, restore_replaced_output, staged_output_dir
 
 
 def dead_pid() -> int:

@@ -1,0 +1,60 @@
+"""The checks of a ``peagle-eval`` run that need no verifier weights (docs/design.md §2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from peagle_train.evaluate.prompts import read_prompts
+from peagle_train.speculative import check_compatible
+from stores.errors import StoreMismatchError
+
+
+def check_verifier_config(name: str, drafter) -> None:
+    """:func:`~peagle_train.speculative.check_compatible` on MODEL ``name``'s config alone, before its
+    weights load.
+
+    Raises:
+        InputError: the drafter does not fit the verifier. ModelNotFoundError: unknown MODEL.
+    """
+    from types import SimpleNamespace
+
+    from stores.model_config import load_model_config, text_config
+
+    check_compatible(SimpleNamespace(config=text_config(load_model_config(name))), drafter)
+
+
+def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = None,
+                         prompts_file: str | Path | None = None, store: str | Path | None = None,
+                         num_prompts: int | None = None) -> None:
+    """Every check of a ``peagle-eval`` run that needs no verifier weights (docs/design.md §2): the
+    prompts file, the drafter checkpoint, the store against the drafter, and each verifier's config
+    (online: ``verifier_name`` or the drafter's; offline: ``verifier_name`` or the store's).
+
+    Raises:
+        InputError, StoreFormatError, StoreMismatchError, ModelNotFoundError: as the run would, later.
+    """
+    from peagle_train.checkpoint import load_drafter
+    from stores.feature_store import FeatureStore
+
+    if prompts_file is not None:
+        read_prompts(prompts_file, num_prompts)
+    drafter = load_drafter(drafter_dir)
+    names = []
+    if prompts_file is not None:
+        names.append(verifier_name or drafter.config.verifier_name_or_path)
+    if store is not None:
+        fs = FeatureStore.open(store)
+        check_store_fits(fs, drafter)
+        names.append(verifier_name or fs.attrs.get("verifier", {}).get("name_or_path"))
+    for name in dict.fromkeys(n for n in names if n):
+        check_verifier_config(name, drafter)
+
+
+def check_store_fits(store, drafter) -> None:
+    cfg = drafter.config
+    if list(store.layers) != list(cfg.aux_layer_ids) or store.hidden_size != cfg.hidden_size \
+            or store.vocab_size != cfg.vocab_size:
+        raise StoreMismatchError(
+            f"{store.path}: store layers {store.layers}, hidden {store.hidden_size}, vocab {store.vocab_size}; "
+            f"the drafter wants layers {cfg.aux_layer_ids}, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}. "
+            "Evaluate on a store extracted from the drafter's verifier with its layers")

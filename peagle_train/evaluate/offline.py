@@ -1,0 +1,273 @@
+"""Offline evaluation: every drafted chain of held-out blocks against the verifier's argmax (docs/design.md §9)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peagle_train.attention import build_attention_mask
+from peagle_train.cod import CodElements, element_inputs
+from peagle_train.evaluate.checks import check_store_fits, check_verifier_config
+from peagle_train.evaluate.config import EvalConfig
+from peagle_train.evaluate.prompts import eos_ids
+from stores.errors import StoreMismatchError
+
+
+def _argmax_chunked(x: torch.Tensor, head: torch.Tensor, rows: int = 1024) -> torch.Tensor:
+    """``argmax(x @ head^T)`` row by row in chunks: ``[N, H], [D, H] -> [N] int64``."""
+    out = [(x[i:i + rows].float().to(head.device) @ head.T).argmax(-1).cpu() for i in range(0, x.shape[0], rows)]
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+
+@torch.no_grad()
+def segment_predictions(drafter, block, start: int, n: int, num_depths: int, chunk_anchors: int = 256) -> torch.Tensor:
+    """The drafter's argmax for every element ``(a, d)`` of one segment ``[start, start+n)``, all chains.
+
+    Anchors are processed ``chunk_anchors`` at a time: one pass holds the depth-0 elements up to the
+    chunk's last anchor (the context its chains may attend) and the chunk's chains, with the §8 mask.
+
+    Args:
+        drafter: a ``PEagleDrafter``.
+        block: ``input_ids, position_ids [T] int64``, ``aux_hidden [T, L, H]`` or ``[T, L*H]``.
+        start, n: the segment's first row and length.
+        num_depths: K.
+        chunk_anchors: anchors per drafter pass.
+
+    Returns:
+        ``[A, K] int64`` draft-vocab ids for the ``A = max(n - 2, 0)`` anchors; -1 where the element
+        does not exist (``a + d + 2 > n - 1``).
+    """
+    K = num_depths
+    A = max(n - 2, 0)
+    pred = torch.full((A, K), -1, dtype=torch.long)
+    exists = (torch.arange(A)[:, None] + torch.arange(K)[None, :] + 2) <= n - 1  # [A, K]
+    device = drafter.d2t.device
+    dtype = next(drafter.parameters()).dtype
+    aux = block.aux_hidden.reshape(block.aux_hidden.shape[0], -1)  # [T, L*H]
+    for c0 in range(0, A, chunk_anchors):
+        c1 = min(c0 + chunk_anchors, A)
+        parts = [torch.arange(c1)] + [torch.arange(c0, c1)[exists[c0:c1, d]] for d in range(1, K)]
+        anchor = torch.cat(parts) + start  # [E] row indices, sorted by (depth, anchor)
+        depth = torch.cat([torch.full((p.numel(),), d) for d, p in enumerate(parts)])  # [E]
+        elements = CodElements(anchor, depth, torch.zeros_like(anchor), torch.ones(anchor.numel()))
+        inputs = element_inputs(elements, block.input_ids, block.position_ids)
+        mask = build_attention_mask(elements)  # [E, E]
+        hidden = drafter(inputs.input_ids.to(device), aux[inputs.feature_index].to(device, dtype),
+                         inputs.is_mask.to(device), inputs.position_ids.to(device), mask.to(device))  # [E, H]
+        keep = (depth > 0) | (anchor - start >= c0)  # depth-0 elements before c0 were scored already
+        ids = torch.cat([drafter.logits(h).argmax(-1).cpu() for h in hidden[keep].split(1024)])  # [E']
+        pred[anchor[keep] - start, depth[keep]] = ids
+    return pred
+
+
+@dataclass
+class _OfflineTotals:
+    K: int
+    depth_correct: torch.Tensor = None  # [K] weighted correct
+    depth_weight: torch.Tensor = None  # [K] weight sums
+    reached: torch.Tensor = None  # [K] anchors whose chain reached depth i
+    accepted_at: torch.Tensor = None  # [K] anchors whose depth i was accepted
+    accepted: int = 0
+    anchors: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("depth_correct", "depth_weight", "reached", "accepted_at"):
+            setattr(self, name, torch.zeros(self.K, dtype=torch.long))
+
+    def add(self, correct: torch.Tensor, valid: torch.Tensor, ends: torch.Tensor | None = None) -> None:
+        """``correct, valid, ends [A, K] bool``; valid = element exists and has weight 1; ends = its
+        target is an EOS token.
+
+        An EOS target ends the output whether it is drafted or not, so (as online, see
+        ``speculative._record_step``) it and the depths after it are not scored in chains: a chain
+        counts the depths accepted before it, and an anchor whose depth-0 target is an EOS is not
+        counted. Per-depth accuracy still scores every valid element.
+        """
+        self.depth_correct += (correct & valid).sum(0)
+        self.depth_weight += valid.sum(0)
+        scored = valid if ends is None else valid & ~ends  # [A, K]
+        counted = scored[:, 0]
+        ok = (correct & scored)[counted].long()  # [A', K]
+        n_acc = ok.cumprod(1).sum(1)  # [A'] accepted depths per chain
+        i = torch.arange(self.K)
+        self.reached += ((n_acc[:, None] >= i[None, :]) & scored[counted]).sum(0)
+        self.accepted_at += (n_acc[:, None] > i[None, :]).sum(0)
+        self.accepted += int(n_acc.sum())
+        self.anchors += int(counted.sum())
+
+    def report(self) -> dict[str, Any]:
+        def ratios(num: torch.Tensor, den: torch.Tensor) -> list[float | None]:
+            return [n / d if d else None for n, d in zip(num.tolist(), den.tolist())]
+
+        mean_acc = self.accepted / self.anchors if self.anchors else 0.0
+        return {
+            "per_depth_accuracy": ratios(self.depth_correct, self.depth_weight),
+            "per_depth_correct": self.depth_correct.tolist(),
+            "per_depth_weight": self.depth_weight.tolist(),
+            "per_position_acceptance": ratios(self.accepted_at, self.reached),
+            "per_position_accepted": self.accepted_at.tolist(),
+            "per_position_reached": self.reached.tolist(),
+            "simulated_acceptance_length": 1.0 + mean_acc,
+            "mean_accepted": mean_acc,
+            "positions_scored": self.anchors,
+            "num_depths": self.K,
+        }
+
+
+def evaluate_offline(drafter, blocks: Iterable, lm_head_weight: torch.Tensor, num_depths: int | None = None,
+                     chunk_anchors: int = 256, progress: Callable[[int], None] | None = None,
+                     eos_token_ids: Iterable[int] = ()) -> dict[str, Any]:
+    """Offline acceptance of ``drafter`` on stored blocks (see the module docstring for definitions).
+
+    Args:
+        drafter: a ``PEagleDrafter``.
+        blocks: objects with ``input_ids, loss_mask, position_ids [T] int64``, ``cu_seqlens [S+1]``,
+            ``aux_hidden [T, L, H]`` or ``[T, L*H]`` (bf16/float) and ``final_hidden [T, H]``
+            (e.g. ``FeatureStore.read_block`` results).
+        lm_head_weight: ``[V, H]`` the verifier's lm_head; the argmax over all V rows is the target.
+        num_depths: K chain length scored; default the drafter's ``num_depths``.
+        chunk_anchors: anchors per drafter pass; memory is ``O((T + chunk * K)^2)`` for the mask.
+        progress: called with 1 after each block.
+        eos_token_ids: ids that end generation; a chain stops before an element whose target is one
+            of them, as online decoding does (see :meth:`_OfflineTotals.add`).
+
+    Returns:
+        ``per_depth_accuracy`` (K, None where no weight), ``per_depth_correct``,
+        ``per_depth_weight``, ``per_position_acceptance`` (K conditional rates),
+        ``simulated_acceptance_length``, ``mean_accepted``, ``positions_scored``, ``num_depths``.
+    """
+    K = num_depths or drafter.config.num_depths
+    head = lm_head_weight.detach().float()  # [V, H]
+    draft_ids = drafter.draft_ids.cpu()  # [D] verifier id of each draft id
+    totals = _OfflineTotals(K)
+    eos = torch.tensor(sorted({int(e) for e in eos_token_ids}), dtype=torch.long)
+    drafter.eval()
+    for block in blocks:
+        cu = block.cu_seqlens.tolist()
+        m = block.loss_mask.long()
+        for start, end in zip(cu[:-1], cu[1:]):
+            n = end - start
+            if n < 3:
+                continue
+            seg_m = m[start:end]  # [n]
+            # The verifier's full-vocab argmax z_r for the rows whose next token carries weight: the
+            # only targets that are ever scored (an element's target row is label - 1).
+            rows = torch.nonzero(seg_m[1:] == 1).flatten()  # [R] local rows r with m_{r+1} = 1
+            target = torch.full((n,), -1, dtype=torch.long)
+            target[rows] = _argmax_chunked(block.final_hidden[start + rows], head)  # verifier ids
+            pred = segment_predictions(drafter, block, start, n, K, chunk_anchors)  # [A, K] draft ids
+            exists = pred >= 0
+            drafted = torch.where(exists, draft_ids[pred.clamp_min(0)], torch.full_like(pred, -1))  # [A, K]
+            label = torch.arange(n - 2)[:, None] + torch.arange(K)[None, :] + 2  # [A, K] local x index
+            label = torch.where(exists, label, torch.zeros_like(label))
+            weight = exists & (seg_m[label] == 1)  # [A, K] w = m_{a+d+2}
+            correct = weight & (drafted == target[label - 1])  # target of (a, d) is argmax z_{a+d+1}
+            ends = exists & torch.isin(block.input_ids[start + label], eos)  # [A, K] target is an EOS
+            totals.add(correct, weight, ends)
+        if progress is not None:
+            progress(1)
+    return totals.report()
+
+
+def select_eval_blocks(store, drafter_config: dict[str, Any] | None = None,
+                       max_blocks: int | None = None) -> tuple[list[int], str]:
+    """The blocks offline evaluation scores: the training run's validation split when known.
+
+    The split is the ``val_blocks`` list that ``peagle-train`` records in the checkpoint's
+    ``config.json`` (``peagle_training``); failing that ``peagle_train.data.split_blocks(done blocks,
+    seed, val_fraction)`` with the recorded ``seed`` and ``val_fraction``; without either (or with an
+    empty validation split) every done block is scored.
+
+    Returns:
+        (block ids, ``"validation"`` or ``"all"``).
+    """
+    import numpy as np
+
+    from peagle_train.data import split_blocks
+
+    done = np.flatnonzero(store.done_mask()).astype(np.int64)
+    if done.size == 0:
+        raise StoreMismatchError(f"{store.path}: no block is done; run `peagle-data extract` first")
+    found = _find_keys(drafter_config or {}, ("seed", "val_fraction", "val_blocks"))
+    ids, split = done, "all"
+    if found.get("val_blocks"):  # recorded by peagle-train (config.json "peagle_training")
+        ids, split = np.intersect1d(done, np.asarray(found["val_blocks"], dtype=np.int64)), "validation"
+    elif "seed" in found and found.get("val_fraction"):
+        _, val = split_blocks(done, int(found["seed"]), float(found["val_fraction"]))
+        if val.size:
+            ids, split = val, "validation"
+    ids = ids.tolist()
+    return (ids[:max_blocks] if max_blocks else ids), split
+
+
+def _find_keys(tree: Any, keys: Sequence[str]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            if k in keys and not isinstance(v, dict):
+                found.setdefault(k, v)
+            else:
+                for k2, v2 in _find_keys(v, keys).items():
+                    found.setdefault(k2, v2)
+    return found
+
+
+def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int | None = None,
+                     blocks: Sequence[int] | None = None, verifier_name: str | None = None,
+                     num_depths: int | None = None, chunk_anchors: int = 256,
+                     progress_factory: Callable[[int], Any] | None = None) -> dict[str, Any]:
+    """Offline evaluation of a drafter checkpoint on a feature store (DESIGN.md §9).
+
+    Args:
+        drafter_dir: a drafter checkpoint directory.
+        store: a feature store path.
+        max_blocks: score at most this many of the selected blocks.
+        blocks: score exactly these block ids (default: :func:`select_eval_blocks`).
+        verifier_name: MODEL whose lm_head builds the targets; default the store's
+            ``verifier.name_or_path``.
+        num_depths: chain length K; default the drafter's.
+        chunk_anchors, progress_factory: see :func:`evaluate_offline` / :func:`run_online_eval`.
+
+    Returns:
+        The :func:`evaluate_offline` report plus ``blocks``, ``split``, ``store``, ``drafter``,
+        ``verifier``.
+
+    Raises:
+        StoreFormatError: not a feature store or not a drafter checkpoint.
+        StoreMismatchError: the store's layers / sizes do not fit the drafter; no done block.
+    """
+    from peagle_train.checkpoint import load_drafter
+    from stores.feature_store import FeatureStore
+    from stores.model_cache import load_tokenizer, load_verifier
+
+    EvalConfig(max_blocks=max_blocks, chunk_anchors=chunk_anchors, num_draft_tokens=num_depths)
+    drafter = load_drafter(drafter_dir).eval()
+    fs = FeatureStore.open(store)
+    check_store_fits(fs, drafter)
+    if blocks is None:
+        cfg_json = json.loads((Path(drafter_dir) / "config.json").read_text())
+        ids, split = select_eval_blocks(fs, cfg_json, max_blocks)
+    else:
+        ids, split = list(blocks)[:max_blocks] if max_blocks else list(blocks), "given"
+    name = verifier_name or fs.attrs.get("verifier", {}).get("name_or_path")
+    if not name:
+        raise StoreMismatchError(f"{store}: the store names no verifier; pass verifier_name")
+    check_verifier_config(name, drafter)  # before the weights load
+    verifier = load_verifier(name, device="cpu")
+    lm_head = verifier.lm_head.weight.detach()  # [V, H]
+    eos = eos_ids(load_tokenizer(name), verifier)
+    bar = progress_factory(len(ids)) if progress_factory else None
+    try:
+        report = evaluate_offline(drafter, (fs.read_block(i) for i in ids), lm_head, num_depths,
+                                  chunk_anchors, progress=bar.update if bar is not None else None,
+                                  eos_token_ids=eos)
+    finally:
+        if bar is not None:
+            bar.close()
+    return {"drafter": str(drafter_dir), "store": str(store), "verifier": str(name), "split": split,
+            "blocks": ids, **report}

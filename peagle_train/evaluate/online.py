@@ -1,0 +1,220 @@
+"""Online evaluation: plain vs speculative decoding on prompts, counted as vLLM reports (docs/design.md §9)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peagle_train.evaluate.checks import check_verifier_config
+from peagle_train.evaluate.config import EvalConfig
+from peagle_train.evaluate.prompts import Prompt, eos_ids, read_prompts, render_turn
+from peagle_train.evaluate.report import write_json
+from peagle_train.speculative import (
+    GenerationResult,
+    check_compatible,
+    greedy_generate,
+    plain_generate,
+    speculative_generate,
+)
+from stores.errors import InputError
+
+
+def _turn_generator(seed: int, turn_index: int) -> torch.Generator:
+    """The sampling randomness of one prompt turn: a function of ``(seed, turn_index)`` only."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + turn_index)
+
+
+@dataclass
+class _OnlineTotals:
+    K: int
+    accepted: int = 0
+    drafted: int = 0
+    steps: int = 0
+    reached: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+    spec_tokens: int = 0
+    spec_time_s: float = 0.0
+    base_tokens: int = 0
+    base_time_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.reached = [0] * self.K
+        self.accepted_at = [0] * self.K
+
+    def add(self, base: GenerationResult, spec: GenerationResult) -> None:
+        for n, k in zip(spec.accepted_per_step, spec.drafted_per_step):
+            if k == 0:  # no draft scored: max_new_tokens left no room, or the first draft's place was an EOS
+                continue
+            self.steps += 1
+            self.accepted += n
+            self.drafted += k
+            for i in range(k):
+                self.reached[i] += 1
+                self.accepted_at[i] += int(n > i)
+        self.spec_tokens += len(spec.tokens)
+        self.spec_time_s += spec.wall_time_s
+        self.base_tokens += len(base.tokens)
+        self.base_time_s += base.wall_time_s
+
+    def report(self) -> dict[str, Any]:
+        def ratio(a: float, b: float) -> float | None:
+            return a / b if b else None
+
+        return {
+            "acceptance_length": 1.0 + (self.accepted / self.steps if self.steps else 0.0),
+            "acceptance_rate": ratio(self.accepted, self.drafted),
+            "per_position_acceptance": [ratio(a, r) for a, r in zip(self.accepted_at, self.reached)],
+            "per_position_accepted": list(self.accepted_at),
+            "per_position_reached": list(self.reached),
+            "num_draft_tokens": self.K,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "num_drafts": self.steps,  # verifier steps that checked >= 1 draft (vLLM's num_drafts)
+            "generated_tokens": self.spec_tokens,
+            "tokens_per_second": ratio(self.spec_tokens, self.spec_time_s),
+            "baseline_tokens_per_second": ratio(self.base_tokens, self.base_time_s),
+            "speedup": ratio(ratio(self.spec_tokens, self.spec_time_s) or 0.0,
+                             ratio(self.base_tokens, self.base_time_s) or 0.0),
+        }
+
+
+def _decode(tokenizer, tokens: Sequence[int], eos: Iterable[int]) -> str:
+    """The text of generated ``tokens`` without EOS ids and special tokens."""
+    eos = set(eos)
+    return tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True)
+
+
+def _turn_record(tokenizer, prompt: Prompt, turn: int, prompt_tokens: int, base: GenerationResult,
+                 spec: GenerationResult, same: bool | None) -> dict[str, Any]:
+    """One ``per_prompt`` entry: counts, the user turn, the speculative output (``text``) and the
+    plain decoding's (``reference_text``: greedy at T = 0, a plain sample at T > 0), decoded with
+    special tokens kept so an EOS or a template token in the output stays visible."""
+    return {
+        "prompt_id": prompt.prompt_id, "turn": turn, "prompt_tokens": prompt_tokens,
+        "new_tokens": len(base.tokens), "spec_new_tokens": len(spec.tokens),
+        "verifier_steps": spec.verifier_steps, "accepted": spec.accepted, "drafted": spec.drafted,
+        "identical_to_greedy": same,
+        "user": prompt.user_turns[turn],
+        "text": tokenizer.decode(spec.tokens, skip_special_tokens=False),
+        "reference_text": tokenizer.decode(base.tokens, skip_special_tokens=False),
+    }
+
+
+def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], config: EvalConfig,
+                     progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Greedy baseline and speculative decoding on every turn of ``prompts``; compare and measure.
+
+    Args:
+        verifier: a transformers causal LM (batch 1, any device).
+        drafter: a ``PEagleDrafter`` for ``verifier``, on the verifier's device.
+        tokenizer: the verifier's tokenizer (with a chat template).
+        prompts: from :func:`read_prompts`.
+        config: ``max_new_tokens`` and ``num_draft_tokens`` are used.
+        progress: called with 1 after each prompt turn.
+
+    Returns:
+        The report (see :func:`run_online_eval`).
+
+    Raises:
+        InputError: the drafter does not match the verifier.
+    """
+    check_compatible(verifier, drafter)
+    K = config.num_draft_tokens or drafter.config.num_depths
+    eos = eos_ids(tokenizer, verifier)
+    if config.warmup:
+        warm = render_turn(tokenizer, prompts[0], 0, [])
+        greedy_generate(verifier, warm, 2, eos)
+        speculative_generate(verifier, drafter, warm, 2, K, eos)
+    totals = _OnlineTotals(K)
+    per_prompt: list[dict[str, Any]] = []
+    mismatches: list[str] = []
+    start = time.perf_counter()
+    T = config.temperature
+    for prompt in prompts:
+        answers: list[str] = []
+        for turn in range(len(prompt.user_turns)):
+            ids = render_turn(tokenizer, prompt, turn, answers)
+            gens = [_turn_generator(config.seed, len(per_prompt)) if T > 0 else None for _ in range(2)]
+            base = plain_generate(verifier, ids, config.max_new_tokens, eos, T, gens[0])
+            spec = speculative_generate(verifier, drafter, ids, config.max_new_tokens, K, eos, T, gens[1])
+            totals.add(base, spec)
+            same = spec.tokens == base.tokens if T == 0 else None  # samples differ by design at T > 0
+            if same is False and prompt.prompt_id not in mismatches:
+                mismatches.append(prompt.prompt_id)
+            per_prompt.append(_turn_record(tokenizer, prompt, turn, len(ids), base, spec, same))
+            answers.append(_decode(tokenizer, base.tokens, eos))
+            if progress is not None:
+                progress(1)
+    return {
+        **totals.report(),
+        "identical_to_greedy": not mismatches if T == 0 else None,
+        "temperature": T,
+        "seed": config.seed if T > 0 else None,
+        "mismatches": mismatches,
+        "wall_time_s": time.perf_counter() - start,
+        "num_prompts": len(prompts),
+        "num_turns": len(per_prompt),
+        "max_new_tokens": config.max_new_tokens,
+        "per_prompt": per_prompt,
+    }
+
+
+def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_file: str | Path,
+                    max_new_tokens: int = 128, num_prompts: int | None = None,
+                    num_draft_tokens: int | None = None, output: str | Path | None = None,
+                    progress_factory: Callable[[int], Any] | None = None, temperature: float = 0.0,
+                    seed: int = 0) -> dict[str, Any]:
+    """Online evaluation of a drafter checkpoint on a prompts file (DESIGN.md §9).
+
+    Args:
+        drafter_dir: a checkpoint written by ``peagle_train.checkpoint.save_drafter``.
+        verifier_name: MODEL (``smollm2-135m``, a directory, a hub id); None = the verifier named in
+            the drafter's config.
+        prompts_file: MT-Bench or OpenAI-messages JSONL (see :func:`read_prompts`).
+        max_new_tokens, num_prompts, num_draft_tokens, temperature, seed: see :class:`EvalConfig`.
+        output: also write the JSON report there.
+        progress_factory: ``total -> bar`` with ``update(n)`` and ``close()`` (e.g. ``tqdm``).
+
+    Returns:
+        A dict with ``acceptance_length``, ``acceptance_rate``, ``per_position_acceptance`` (K
+        fractions), ``drafted``, ``accepted``, ``identical_to_greedy`` (None at T > 0), ``mismatches`` (prompt ids),
+        ``tokens_per_second``, ``baseline_tokens_per_second``, ``speedup``, ``wall_time_s``,
+        ``num_prompts``, ``per_prompt`` (per turn: counts, ``user``, the speculative ``text`` and the
+        plain decoding's ``reference_text``) and the run's inputs.
+
+    Raises:
+        InputError: bad prompts file or options, or a drafter that does not match the verifier.
+        StoreFormatError: not a drafter checkpoint. ModelNotFoundError: unknown verifier.
+    """
+    from peagle_train.checkpoint import load_drafter
+    from stores.model_cache import load_tokenizer, load_verifier
+
+    config = EvalConfig(max_new_tokens=max_new_tokens, num_prompts=num_prompts, num_draft_tokens=num_draft_tokens,
+                        temperature=temperature, seed=seed)
+    prompts = read_prompts(prompts_file, config.num_prompts)
+    drafter = load_drafter(drafter_dir).eval()
+    name = verifier_name or drafter.config.verifier_name_or_path
+    if not name:
+        raise InputError("the drafter's config names no verifier; pass one", field="--verifier")
+    check_verifier_config(name, drafter)  # before the weights load
+    # float32 everywhere: a K+1-token verify pass and one-token decoding then agree to ~1e-6, so
+    # near-ties cannot flip an argmax the way they do in bf16.
+    verifier = load_verifier(name, dtype=torch.float32)
+    drafter = drafter.to(next(verifier.parameters()).device, torch.float32)
+    tokenizer = load_tokenizer(name)
+    bar = progress_factory(sum(len(p.user_turns) for p in prompts)) if progress_factory else None
+    try:
+        report = evaluate_prompts(verifier, drafter, tokenizer, prompts, config,
+                                  progress=bar.update if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
+    report = {"drafter": str(drafter_dir), "verifier": str(name), "prompts": str(prompts_file), **report}
+    if output is not None:
+        write_json(report, output)
+    return report

@@ -1,0 +1,107 @@
+"""Evaluation prompts: MT-Bench / OpenAI-messages JSONL, rendered turn by turn (docs/design.md §9)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stores.errors import InputError
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One evaluation prompt: fixed leading messages, then user turns answered by the verifier.
+
+    Turn i is rendered as ``prefix + [user_0, answer_0, ..., user_i]`` where ``answer_j`` is the
+    verifier's own greedy answer to turn j (MT-Bench's multi-turn protocol).
+    """
+
+    prompt_id: str
+    user_turns: list[str]
+    prefix: list[dict[str, str]] = field(default_factory=list)
+
+
+def _parse_prompt(obj: Any, file: str, row: int) -> Prompt:
+    if not isinstance(obj, dict):
+        raise InputError(f"expected a JSON object, got {type(obj).__name__}", file=file, row=row)
+    pid = str(obj.get("question_id", obj.get("id", row)))
+    if "turns" in obj:
+        turns = obj["turns"]
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+            raise InputError("expected a non-empty list of strings", file=file, row=row, field="turns")
+        return Prompt(pid, list(turns))
+    if "messages" in obj:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs):
+            raise InputError("expected a list of {'role': str, 'content': str}", file=file, row=row,
+                             field="messages")
+        users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+        if not users:
+            raise InputError("no user message to answer", file=file, row=row, field="messages")
+        last = users[-1]
+        prefix = [{"role": m["role"], "content": m["content"]} for m in msgs[:last]]
+        return Prompt(pid, [msgs[last]["content"]], prefix)
+    raise InputError("expected an MT-Bench line with 'turns' or an OpenAI line with 'messages'",
+                     file=file, row=row)
+
+
+def read_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
+    """Read prompts from a JSONL file (blank lines skipped).
+
+    Lines are MT-Bench ``{"question_id", "turns": [str, ...]}`` (every turn is evaluated, with the
+    verifier's earlier answers as history) or OpenAI ``{"messages": [...]}`` (the messages up to
+    the last user turn; that turn is evaluated). The id is ``question_id``, else ``id``, else the
+    row number (1-based).
+
+    Raises:
+        InputError: missing file, bad JSON or a line of neither form (names file, row and field).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InputError("prompts file not found", file=str(path), field="--prompts")
+    prompts: list[Prompt] = []
+    with path.open(encoding="utf-8") as f:
+        for row, line in enumerate(f, start=1):
+            if limit is not None and len(prompts) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"invalid JSON ({e.msg})", file=str(path), row=row) from None
+            prompts.append(_parse_prompt(obj, str(path), row))
+    if not prompts:
+        raise InputError("no prompts in the file", file=str(path), field="--prompts")
+    return prompts
+
+
+def render_turn(tokenizer, prompt: Prompt, turn: int, answers: Sequence[str]) -> list[int]:
+    """Token ids of turn ``turn`` of ``prompt`` with the chat template and a generation prompt.
+
+    Args:
+        answers: the verifier's answers to turns ``0..turn-1``.
+    """
+    messages = list(prompt.prefix)
+    for i in range(turn + 1):
+        messages.append({"role": "user", "content": prompt.user_turns[i]})
+        if i < turn:
+            messages.append({"role": "assistant", "content": answers[i]})
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return [int(t) for t in ids]
+
+
+def eos_ids(tokenizer, verifier) -> list[int]:
+    ids: set[int] = set()
+    for value in (getattr(tokenizer, "eos_token_id", None),
+                  getattr(getattr(verifier, "generation_config", None), "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return sorted(ids)

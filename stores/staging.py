@@ -1,0 +1,262 @@
+"""Atomic writes (docs/design.md §6): every writer of peagle stages its output and renames it into place.
+
+- :func:`staged_output_dir`: a command's output directory (token tables, merged stores) is built in
+  a hidden sibling ``.NAME.partial-HOST-PID-XXXX`` renamed to ``NAME`` only when the command
+  finishes, so a failed run leaves no half-written output behind; the directory of a killed run
+  (SIGKILL) is removed by the next run writing the same output (:func:`remove_stale_partials`).
+- :func:`replace_dir`: a directory written whole into ``.NAME.tmp`` then swapped in (checkpoints).
+- :func:`fill_dir`: files written into a hidden temporary directory then moved into an existing
+  directory (the model cache, filled in two steps).
+- :func:`atomic_file` / :func:`write_text_atomic`: one file written as ``NAME.tmp`` then renamed
+  (manifests, reports, training state).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from stores.errors import InputError, OutputExistsError
+
+__all__ = [
+    "prepare_output_dir",
+    "staged_output_dir",
+    "remove_stale_partials",
+    "restore_replaced_output",
+    "replace_dir",
+    "fill_dir",
+    "atomic_file",
+    "write_text_atomic",
+]
+
+
+def prepare_output_dir(path: str | os.PathLike, force: bool) -> Path:
+    """Create an empty output directory; refuse an existing non-empty one unless ``force``.
+
+    Raises:
+        OutputExistsError: ``path`` exists, is not empty, and ``force`` is false.
+    """
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        if not force:
+            raise OutputExistsError(str(path))
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+_STAGING_KINDS = ("partial", "old")
+
+
+def _host_tag() -> str:
+    """This host's name as it appears in staging directory names (no path separators)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "localhost"
+
+
+def _staging_prefix(path: Path, kind: str) -> str:
+    return f".{path.name}.{kind}-"
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (also when it belongs to another user)."""
+    if pid <= 0:
+        return True  # never a real owner: keep the directory
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists, owned by another user
+        return True
+    return True
+
+
+def _dead_staging(path: Path, kind: str) -> list[tuple[Path, str]]:
+    """``(entry, "HOST-PID")`` for each ``.NAME.KIND-HOST-PID-*`` of ``path`` whose process is gone
+    (HOST this host, PID not alive), newest name first; an unreadable parent gives ``[]``."""
+    prefix, host = _staging_prefix(path, kind), _host_tag()
+    try:
+        entries = sorted(path.parent.iterdir(), key=lambda e: e.name, reverse=True)
+    except OSError:  # e.g. a parent we may write but not list
+        return []
+    dead = []
+    for entry in entries:
+        if not entry.name.startswith(prefix):
+            continue
+        owner = entry.name[len(prefix):].rsplit("-", 2)
+        if len(owner) != 3 or owner[0] != host or not owner[1].isdigit() or _pid_alive(int(owner[1])):
+            continue
+        dead.append((entry, f"{owner[0]}-{owner[1]}"))
+    return dead
+
+
+def restore_replaced_output(path: str | os.PathLike) -> Path | None:
+    """Put back the previous output of ``path`` when a ``--force`` run died between its two renames.
+
+    :func:`staged_output_dir` replaces an output by renaming it to ``.NAME.old-HOST-PID-NS``, then
+    renaming its finished staging directory ``.NAME.partial-HOST-PID-*`` to ``path``, then deleting
+    the old copy. Only a run killed between the two renames leaves ``path`` missing with both hidden
+    directories of one dead PID present: the old copy is then whole and is renamed back to ``path``
+    (one line on stderr). An old copy without its partial was being deleted: it is left to
+    :func:`remove_stale_partials`.
+
+    Returns:
+        The restored hidden directory's former path, or None.
+    """
+    path = Path(path)
+    if path.exists() or path.is_symlink() or not path.parent.is_dir():
+        return None
+    partial_owners = {owner for _, owner in _dead_staging(path, "partial")}
+    for entry, owner in _dead_staging(path, "old"):
+        if owner not in partial_owners:
+            continue
+        try:
+            os.rename(entry, path)
+        except OSError:
+            continue
+        print(f"restored {path} from {entry.name}, left by a --force run killed while replacing it",
+              file=sys.stderr)
+        return entry
+    return None
+
+
+def remove_stale_partials(path: str | os.PathLike) -> list[Path]:
+    """Remove the staging directories of ``path`` left by runs that were killed.
+
+    :func:`staged_output_dir` names its hidden directories ``.NAME.partial-HOST-PID-XXXX`` (and,
+    while replacing an output, ``.NAME.old-HOST-PID-NS``). One is stale when HOST is this host and
+    no process PID exists any more; only those are removed (call :func:`restore_replaced_output`
+    first, so an old copy that is the only one is put back rather than removed). Directories of a
+    live process, of another host (a shared file system), or without an owner in their name (older
+    peagle versions) are left alone. PIDs are those of this PID namespace: runs in containers that
+    share a hostname and a volume but not a PID namespace must not write one output at a time.
+
+    Returns:
+        The removed directories.
+    """
+    path = Path(path)
+    if not path.parent.is_dir():
+        return []
+    removed = []
+    for kind in _STAGING_KINDS:
+        for entry, _ in _dead_staging(path, kind):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:  # an output file or link being replaced by a killed --force run
+                with contextlib.suppress(OSError):
+                    entry.unlink()
+            if not entry.exists() and not entry.is_symlink():
+                removed.append(entry)
+    return removed
+
+
+@contextlib.contextmanager
+def staged_output_dir(path: str | os.PathLike, force: bool) -> Iterator[Path]:
+    """Build an output directory atomically: yield an empty hidden sibling directory
+    (``.NAME.partial-HOST-PID-XXXX``), rename it to ``path`` when the block finishes, remove it
+    when the block raises (``path`` is then left as it was).
+
+    A previous output that a killed ``--force`` run left under its hidden name is restored first
+    (:func:`restore_replaced_output`); staging directories of ``path`` left by killed runs on this
+    host are then removed (:func:`remove_stale_partials`), with one line on stderr naming them.
+
+    Raises:
+        OutputExistsError: ``path`` exists, is not an empty directory, and ``force`` is false
+            (checked before the block runs).
+        InputError: ``path`` is the current directory or one of its parents.
+    """
+    path = Path(os.path.abspath(path))  # "out/" names its directory; links are not followed
+    cwd = Path.cwd()
+    if path == cwd or path in cwd.parents:
+        raise InputError(f"{path} is the current directory or contains it; the output is replaced by a "
+                         "renamed directory, so name a new directory (e.g. ./out)", field="--output")
+    restore_replaced_output(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())) and not force:
+        raise OutputExistsError(str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    removed = remove_stale_partials(path)
+    if removed:
+        print(f"removed {len(removed)} stale partial output{'s' if len(removed) > 1 else ''} of killed runs "
+              f"(their process is gone): {', '.join(str(p) for p in removed)}", file=sys.stderr)
+    owner = f"{_host_tag()}-{os.getpid()}"
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(path, 'partial')}{owner}-", dir=path.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if path.exists() or path.is_symlink():
+        old = path.parent / f"{_staging_prefix(path, 'old')}{owner}-{time.monotonic_ns()}"
+        os.rename(path, old)
+    try:
+        os.rename(tmp, path)
+    except OSError:
+        if old is not None:  # put the previous output back; the new one stays in its staging dir
+            with contextlib.suppress(OSError):
+                os.rename(old, path)
+        raise
+    if old is not None:
+        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+
+
+def replace_dir(directory: str | os.PathLike, write: Callable[[Path], None]) -> None:
+    """Run ``write(tmp)`` on an empty sibling ``.NAME.tmp``, then swap it in place of ``directory``.
+
+    An existing ``directory`` is renamed to ``.NAME.old`` for the swap and then deleted; leftovers of
+    an earlier interrupted call under those names are removed first. When ``write`` raises,
+    ``directory`` is left as it was.
+    """
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.parent / f".{directory.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    write(tmp)
+    if directory.exists():
+        old = directory.parent / f".{directory.name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(directory, old)
+        os.replace(tmp, directory)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, directory)
+
+
+def fill_dir(target: str | os.PathLike, write: Callable[[Path], None]) -> None:
+    """Run ``write(tmp)`` on a hidden temporary directory beside ``target``, then move each file it
+    wrote into ``target`` (created if needed; files of the same name are replaced, others kept).
+    The temporary directory is removed whether ``write`` succeeds or raises."""
+    target = Path(target)
+    target.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.tmp") as tmp:
+        write(Path(tmp))
+        for f in Path(tmp).iterdir():
+            os.replace(f, target / f.name)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield ``NAME.tmp`` beside ``path`` to write; rename it to ``path`` when the block finishes
+    (the parent directory must exist). A block that raises leaves ``path`` as it was."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    yield tmp
+    os.replace(tmp, path)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str, encoding: str | None = None) -> Path:
+    """Write ``text`` to ``path`` through :func:`atomic_file`; returns ``path``."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(text, encoding=encoding)
+    return Path(path)
