@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
@@ -10,7 +11,7 @@ import click
 
 from stores.errors import PeagleError
 
-__all__ = ["handle_errors", "parse_int_list", "echo_json"]
+__all__ = ["handle_errors", "parse_int_list", "echo_json", "config_error"]
 
 
 def handle_errors(fn):
@@ -42,3 +43,12 @@ def parse_int_list(ctx, param, value: str | None) -> list[int] | None:
 
 def echo_json(obj) -> None:
     click.echo(json.dumps(obj, indent=2, default=str))
+
+
+@contextlib.contextmanager
+def config_error(kind: type[click.ClickException] = click.UsageError):
+    """Turn the ``ValueError`` of a config dataclass's checks into a click usage error (exit code 2)."""
+    try:
+        yield
+    except ValueError as e:
+        raise kind(str(e)) from None

@@ -164,10 +164,11 @@ class TrainConfig:
     """Everything ``peagle-train`` needs; runtime handles (store, model) are built by :func:`run_train`."""
 
     store: str | list[str]
-    """Path of the feature store (``--store``), or the paths of several stores of one verifier and
-    layer set, trained on as one (``--store A --store B`` or a store list file; :mod:`peagle_train.multistore`)."""
+    """Feature store written by ``peagle-data extract`` (``--store``); repeat it (``--store A --store B``)
+    or give a file listing one store per line to train on several stores of one verifier and layer
+    set as one (:mod:`peagle_train.multistore`)."""
     output: str
-    """Output directory (``--output``)."""
+    """Output directory: checkpoints, metrics.jsonl, the plot (``--output``)."""
     verifier: str | None = None
     """Verifier MODEL for embeddings and lm_head (``--verifier``); default: the store's verifier."""
     max_steps: int | None = None
@@ -222,11 +223,13 @@ class TrainConfig:
     BlockMasks, CUDA only) or ``auto`` (flex on CUDA, sdpa otherwise); see
     :func:`resolve_attention_backend`."""
     mask_token_id: int | None = None
-    """Token fed at depth > 0 (``--mask-token-id``); None: chosen by
-    :func:`peagle_train.mask_token.choose_mask_token` (never a token supervised in the data)."""
+    """Token fed at depth > 0; must never occur as a supervised token in the store (``--mask-token-id``);
+    None: an unused special or reserved token, chosen by :func:`peagle_train.mask_token.choose_mask_token`
+    (see the README)."""
     report_to: str | None = None
-    """Accelerate trackers fed the metrics.jsonl rows, comma-separated: tensorboard, wandb, all
-    (``--report-to``); None: none (no tracker package imported)."""
+    """Accelerate trackers fed the metrics.jsonl rows, comma-separated: tensorboard, wandb, all installed
+    (``--report-to``); files under OUTPUT/trackers; wandb runs offline with WANDB_MODE=offline. None:
+    none (no tracker package imported)."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, option: str, rule: str, value: Any) -> None:

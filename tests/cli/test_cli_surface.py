@@ -4,6 +4,7 @@ A change to the surface is a visible diff here (STYLE.md #8)."""
 
 import re
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -11,36 +12,59 @@ from cli.data import main as data_main
 from cli.eval import main as eval_main
 from cli.train import main as train_main
 
-REQUIRED = {
-    ("data", "tokenize"): {"--tokenizer", "--output", "--chat-template", "--limit", "--format", "--strict", "--force"},
-    ("data", "pack"): {"--tokenizer", "--output", "--max-seq-len", "--block-size", "--overlap", "--overlap-loss",
-                       "--chat-template", "--limit", "--max-windows", "--force"},
-    ("data", "extract"): {"--verifier", "--output", "--layers", "--resume", "--force", "--storage-dtype"},
-    ("data", "regenerate"): {"--output", "--verifier", "--server", "--served-model", "--max-new-tokens", "--temperature",
-                             "--concurrency", "--turns", "--limit", "--resume", "--force"},
+CONFIG_FILE = {"--config", "--print-config"}
+"""cli/options.py: on every command that has a config dataclass."""
+SHARDS = {"--num-shards", "--shard-index"}
+TOKENIZE = {"--tokenizer", "--output", "--chat-template", "--limit", "--format", "--strict", "--num-workers",
+            "--on-history-rewrite", "--dedup", "--no-dedup", "--max-tokens", "--min-loss-tokens",
+            "--on-dropped-content", *SHARDS, "--force"}
+EXACT = {
+    ("data", "tokenize"): TOKENIZE,
+    ("data", "pack"): TOKENIZE | {"--max-seq-len", "--block-size", "--overlap", "--overlap-loss", "--max-windows"},
+    ("data", "extract"): {"--verifier", "--output", "--layers", "--storage-dtype", "--compressor",
+                          "--attn-implementation", "--resume", "--force", "--device", "--max-blocks", *SHARDS},
+    ("data", "regenerate"): {"--output", "--verifier", "--server", "--served-model", "--max-new-tokens",
+                             "--temperature", "--turns", "--concurrency", "--batch-size", "--device", "--limit",
+                             "--format", "--retries", "--timeout", "--seed", "--resume", "--force"},
     ("data", "inspect"): set(),
-    ("data", "verify"): {"--packed"},
+    ("data", "verify"): {"--packed", "--repair"},
+    ("data", "stats"): {"--json", "--png", "--max-seq-len", "--overlap"},
     ("data", "show"): {"--row", "--block", "--id", "--tokenizer", "--color", "--html", "--force"},
-    ("train", None): {"--store", "--output", "--verifier", "--max-steps", "--num-depths", "--max-anchors", "--seed",
-                      "--down-sample-ratio", "--down-sample-ratio-min", "--draft-vocab-size", "--resume",
-                      "--allow-incomplete", "--force"},
-    ("eval", None): {"--drafter", "--verifier", "--prompts", "--max-new-tokens", "--store", "--num-prompts",
-                     "--output"},
+    ("data", "merge"): {"--output", "--force"},
+    ("train", None): {"--store", "--output", "--verifier", "--max-steps", "--num-depths", "--max-anchors",
+                      "--down-sample-ratio", "--down-sample-ratio-min", "--draft-vocab-size", "--num-layers", "--lr",
+                      "--warmup-steps", "--weight-decay", "--grad-clip", "--grad-accum", "--save-every",
+                      "--save-total-limit", "--val-fraction", "--val-max-blocks", "--log-every", "--mask-token-id",
+                      "--loss-chunk-size", "--lazy-embedding", "--dense-embedding", "--seed", "--attention-backend",
+                      "--report-to", "--resume", "--allow-incomplete", "--force"} | CONFIG_FILE,
+    ("eval", None): {"--drafter", "--verifier", "--prompts", "--store", "--output", "--force", "--max-new-tokens",
+                     "--num-prompts", "--num-draft-tokens", "--max-blocks", "--temperature", "--seed"} | CONFIG_FILE,
 }
 GROUPS = {"data": data_main, "train": train_main, "eval": eval_main}
 
 
-@pytest.mark.parametrize("group,sub", sorted(REQUIRED, key=str))
+def _command(group, sub) -> click.Command:
+    return GROUPS[group].commands[sub] if sub else GROUPS[group]
+
+
+@pytest.mark.parametrize("group,sub", sorted(EXACT, key=str))
+def test_the_options_are_exactly(group, sub):
+    command = _command(group, sub)
+    options = {o for p in command.params if isinstance(p, click.Option) for o in p.opts + p.secondary_opts}
+    assert sorted(options) == sorted(EXACT[(group, sub)])
+
+
+@pytest.mark.parametrize("group,sub", sorted(EXACT, key=str))
 def test_help_lists_the_options(group, sub):
     args = ([sub] if sub else []) + ["--help"]
     result = CliRunner().invoke(GROUPS[group], args)
     assert result.exit_code == 0, result.output
     options = set(re.findall(r"(--[a-z][a-z0-9-]+)", result.output))
-    missing = REQUIRED[(group, sub)] - options
+    missing = EXACT[(group, sub)] - options
     assert not missing, f"{group} {sub}: --help lacks {sorted(missing)}"
 
 
 def test_data_group_lists_every_stage():
     out = CliRunner().invoke(data_main, ["--help"]).output
-    for command in ("regenerate", "tokenize", "pack", "extract", "inspect", "verify", "show"):
+    for command in ("regenerate", "tokenize", "pack", "extract", "inspect", "verify", "show", "stats", "merge"):
         assert command in out

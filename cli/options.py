@@ -1,0 +1,278 @@
+"""Click options generated from the config dataclasses, and ``--config FILE`` / ``--print-config``.
+
+A config field ``max_seq_len: int = 2048`` with the attribute docstring ``"Most tokens in a window."``
+becomes ``--max-seq-len INTEGER  Most tokens in a window.  [default: 2048]``: the flag from the field
+name, the click type from the annotation (``bool`` a flag, ``T | None`` an optional ``T``,
+``list[int]`` a comma-separated list, ``list[str]`` a repeatable option), the default from the
+field, the help from the docstring (litgpt's convention; docs/design.md §2: ``cli/`` is thin).
+What the annotation cannot say (the choices of a ``str``, a secondary negative flag, a metavar)
+comes from a small per-command table of overrides, whose choice lists are the library's own
+constants, so an option and its config field cannot drift apart.
+
+Config files (YAML or TOML) hold the same keys as the command's options (``max_seq_len`` or
+``max-seq-len``, arguments by their name, e.g. ``inputs``); options given on the command line win
+over the file, the file over the defaults. ``--print-config`` prints the resolved values as YAML,
+which ``--config`` reads back to the same values.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import re
+import sys
+import textwrap
+import types
+import typing
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+from click.core import ParameterSource
+
+__all__ = ["field_docs", "config_options", "config_file_options", "resolved_config", "IntList", "load_config_file"]
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The attribute docstrings of a dataclass and its bases: ``{field name: text}``.
+
+    An attribute docstring is the string literal statement right after an annotated assignment
+    (PEP 257, read by Sphinx); fields without one are left out.
+    """
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__[:-1]):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for stmt, nxt in zip(body, body[1:]):
+            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)):
+                docs[stmt.target.id] = inspect.cleandoc(nxt.value.value)
+    return docs
+
+
+_ROLE = re.compile(r":(?:mod|func|class|meth|attr):`~?([^`]+)`")
+
+
+def _help(doc: str, flags: list[str]) -> str:
+    """A docstring as one line of ``--help``: reST markup removed, a bare self-reference such as ``(--seed)`` dropped."""
+    text = _ROLE.sub(r"\1", " ".join(doc.split())).replace("``", "")
+    for flag in flags:
+        text = text.replace(f" ({flag})", "")
+        text = re.sub(rf"\({re.escape(flag)}(?:/--[a-z-]+)?[;,] ", "(", text)
+    return text
+
+
+class IntList(click.ParamType):
+    """``2,18,33`` (or a list of integers, from a config file) -> ``[2, 18, 33]``."""
+
+    name = "N,N,..."
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return list(value)
+        parts = [v.strip() for v in str(value).split(",")]
+        try:
+            if not parts or any(p == "" for p in parts):
+                raise ValueError
+            return [int(v) for v in parts]
+        except ValueError:
+            self.fail(f"expected comma-separated integers such as 2,18,33, got {value!r}", param, ctx)
+
+
+def _unwrap_optional(tp) -> tuple[Any, bool]:
+    """``T | None`` -> ``(T, True)``; anything else -> ``(tp, False)``."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return (rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]), True
+    return tp, False
+
+
+def _click_kwargs(tp, default) -> dict[str, Any]:
+    """click keyword arguments for a field's type annotation and default."""
+    tp, _ = _unwrap_optional(tp)
+    if tp is bool:
+        return {"is_flag": True} if default is False else {}
+    if tp in (int, float, str):
+        return {"type": tp}
+    if typing.get_origin(tp) is list and typing.get_args(tp) == (int,):
+        return {"type": IntList()}
+    if typing.get_args(tp) and str in typing.get_args(tp):  # str | list[str]: a repeatable option
+        return {"multiple": True, "type": str}
+    raise TypeError(f"no click option for a field of type {tp!r}; give its type in the overrides")
+
+
+def config_options(cls: type, *, skip: tuple[str, ...] = (), overrides: dict[str, dict] | None = None,
+                   arguments: tuple[str, ...] = ()) -> Callable:
+    """A decorator adding one click parameter per field of the dataclass ``cls``, in field order.
+
+    Args:
+        cls: a config dataclass whose fields have attribute docstrings (the help text).
+        skip: fields that are no option (library knobs such as a queue bound).
+        overrides: ``{field: click keyword arguments}`` merged over the generated ones; the key
+            ``"decls"`` replaces the option's declarations (e.g. ``["--lazy-embedding/--dense-embedding"]``).
+        arguments: fields that are positional arguments (``metavar`` and ``nargs`` from overrides).
+
+    Raises:
+        TypeError: a field without a docstring or of a type with no click mapping and no override.
+    """
+    docs, hints, overrides = field_docs(cls), typing.get_type_hints(cls), overrides or {}
+    params = []
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        if f.name not in docs:
+            raise TypeError(f"{cls.__name__}.{f.name} has no docstring to use as its --help")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        kwargs = {**_click_kwargs(hints[f.name], default), **overrides.get(f.name, {})}
+        decls = kwargs.pop("decls", None)
+        if f.name in arguments:
+            params.append(click.argument(f.name, cls=ConfigArgument, **kwargs))
+            continue
+        decls = decls or ["--" + f.name.replace("_", "-")]
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if not required:
+            kwargs.setdefault("default", default)
+        kwargs.setdefault("show_default", default is not None and default is not False)
+        kwargs.setdefault("help", _help(docs[f.name], decls + [d for decl in decls for d in decl.split("/")]))
+        params.append(click.option(*decls, f.name, required=required, **kwargs))
+
+    def decorate(fn):
+        for param in reversed(params):
+            fn = param(fn)
+        return fn
+
+    return decorate
+
+
+class ConfigArgument(click.Argument):
+    """A positional argument a config file may supply (click reads ``default_map`` for options only
+    when a ``nargs=-1`` argument is absent)."""
+
+    def consume_value(self, ctx, opts):
+        value, source = super().consume_value(ctx, opts)
+        if value in (None, ()) and ctx.default_map and self.name in ctx.default_map:
+            return ctx.default_map[self.name], ParameterSource.DEFAULT_MAP
+        return value, source
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """The top-level mapping of a YAML (``.yaml``/``.yml``) or TOML (``.toml``) config file.
+
+    Raises:
+        click.BadParameter: not a mapping, unparsable, or another suffix (naming the file).
+    """
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".toml":
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # pragma: no cover - Python 3.10: the tomli backport (pyproject.toml)
+            import tomli as tomllib
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise click.BadParameter(f"{path}: {e}", param_hint="--config") from None
+    elif path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise click.BadParameter(f"{path}: {e}", param_hint="--config") from None
+    else:
+        raise click.BadParameter(f"{path}: a config file is .yaml, .yml or .toml", param_hint="--config")
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise click.BadParameter(f"{path}: expected a mapping of option names to values, got a "
+                                 f"{type(data).__name__}", param_hint="--config")
+    return data
+
+
+def _keys(command: click.Command) -> dict[str, click.Parameter]:
+    """Config-file key -> parameter: each parameter's name and its long options without ``--``
+    (``-`` and ``_`` alike)."""
+    keys: dict[str, click.Parameter] = {}
+    for p in command.params:
+        if p.name in ("config", "print_config") or p.name is None:
+            continue
+        keys[p.name] = p
+        for opt in getattr(p, "opts", []):
+            if opt.startswith("--"):
+                keys[opt[2:].replace("-", "_")] = p
+    return keys
+
+
+def _load_into_context(ctx: click.Context, param, value):
+    """``--config`` callback (eager): the file's values become the command's defaults."""
+    if value is None:
+        return None
+    keys, data = _keys(ctx.command), load_config_file(value)
+    defaults: dict[str, Any] = {}
+    for key, v in data.items():
+        p = keys.get(str(key).replace("-", "_"))
+        if p is None:
+            raise click.BadParameter(f"{value}: unknown key {key!r}; the keys are the options of "
+                                     f"`{ctx.command_path}`: {', '.join(sorted(_print_keys(ctx.command)))}",
+                                     param_hint="--config")
+        if getattr(p, "multiple", False) or getattr(p, "nargs", 1) == -1:
+            v = [v] if isinstance(v, str) else v
+        defaults[p.name] = v
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    return value
+
+
+def _print_keys(command: click.Command) -> dict[str, str]:
+    """Parameter name -> the key ``--print-config`` writes (the first long option, or the argument name)."""
+    out = {}
+    for p in command.params:
+        if p.name in ("config", "print_config", "help") or p.name is None:
+            continue
+        longs = [o for o in getattr(p, "opts", []) if o.startswith("--")]
+        out[p.name] = longs[0][2:].replace("-", "_") if isinstance(p, click.Option) and longs else p.name
+    return out
+
+
+def resolved_config(ctx: click.Context) -> dict[str, Any]:
+    """The command's resolved values, by config-file key (what ``--print-config`` prints)."""
+    keys = _print_keys(ctx.command)
+    out = {}
+    for name, key in keys.items():
+        value = ctx.params.get(name)
+        out[key] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def config_file_options(fn):
+    """Add ``--config FILE`` and ``--print-config`` to a command function (apply below ``@click.command``).
+
+    With ``--print-config`` the command prints its resolved values as YAML and exits 0 without running.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, print_config: bool = False, **kwargs):
+        if print_config:
+            import yaml
+
+            click.echo(yaml.safe_dump(resolved_config(click.get_current_context()), sort_keys=False), nl=False)
+            return None
+        return fn(*args, **kwargs)
+
+    # click lists __click_params__ in reverse: put these two last in --help
+    wrapper.__click_params__ = [
+        click.Option(["--print-config"], is_flag=True,
+                     help="Print the resolved options as YAML (a --config file) and exit without running."),
+        click.Option(["--config"], metavar="FILE", type=click.Path(exists=True, dir_okay=False), is_eager=True,
+                     expose_value=False, callback=_load_into_context,
+                     help="YAML or TOML file of option values (keys as the options, e.g. max_seq_len); "
+                          "options on the command line override it."),
+        *getattr(fn, "__click_params__", []),
+    ]
+    return wrapper

@@ -1,0 +1,105 @@
+"""One ``peagle-eval`` run: the checks, offline and/or online evaluation, the merged report, its
+JSON and PNG (docs/design.md §9). The command line only builds an :class:`EvalRun` and prints."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from peagle_train.evaluate import EvalConfig
+from stores.errors import OutputExistsError
+
+__all__ = ["EvalRun", "run_eval"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalRun:
+    """What one ``peagle-eval`` run evaluates, where it writes, and how (``settings``)."""
+
+    drafter: str
+    """Drafter checkpoint directory, or a peagle-train output (its final/, else its newest checkpoint-N/)."""
+    verifier: str | None = None
+    """Verifier MODEL; None: the verifier named in the drafter config (online) or the store (offline)."""
+    prompts: str | None = None
+    """Prompts JSONL (MT-Bench ``turns`` or OpenAI ``messages`` lines): run online evaluation."""
+    store: str | None = None
+    """Feature store: run offline evaluation."""
+    output: str | None = None
+    """Also write the JSON report here (and a PNG beside it)."""
+    force: bool = False
+    """Overwrite an existing output (and its PNG)."""
+    settings: EvalConfig = field(default_factory=EvalConfig)
+    """What is measured and on how much."""
+
+    def __post_init__(self) -> None:
+        if self.prompts is None and self.store is None:
+            raise ValueError("give --prompts (online), --store (offline), or both")
+
+
+def _progress(desc: str) -> Callable[[int], Any]:
+    """A ``total -> tqdm bar`` factory writing to stderr."""
+    import sys
+
+    from tqdm import tqdm
+
+    return lambda total: tqdm(total=total, desc=desc, unit="it", file=sys.stderr, dynamic_ncols=True)
+
+
+def _check_output(run: EvalRun) -> None:
+    """Raise OutputExistsError when the report or its PNG exists and ``force`` is not set."""
+    if run.output is None or run.force:
+        return
+    for existing in (Path(run.output), Path(run.output).with_suffix(".png")):
+        if existing.exists():
+            raise OutputExistsError(str(existing))
+
+
+def _evaluate(run: EvalRun, drafter: str) -> dict[str, Any]:
+    """The online report with the offline one under ``offline``, or the offline report alone."""
+    from peagle_train.evaluate import run_offline_eval, run_online_eval
+
+    s = run.settings
+    offline = online = None
+    if run.store is not None:
+        offline = run_offline_eval(drafter, run.store, max_blocks=s.max_blocks, verifier_name=run.verifier,
+                                   num_depths=s.num_draft_tokens, chunk_anchors=s.chunk_anchors,
+                                   progress_factory=_progress("offline blocks"))
+    if run.prompts is not None:
+        online = run_online_eval(drafter, run.verifier, run.prompts, max_new_tokens=s.max_new_tokens,
+                                 num_prompts=s.num_prompts, num_draft_tokens=s.num_draft_tokens,
+                                 progress_factory=_progress("prompt turns"), temperature=s.temperature,
+                                 seed=s.seed)
+    if online is None:
+        return offline
+    return online if offline is None else {**online, "offline": offline}
+
+
+def run_eval(run: EvalRun, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Evaluate a drafter: every check that needs no weights first, then offline on ``run.store``
+    and online (speculative decoding) on ``run.prompts``; write the report atomically and its plot.
+
+    Returns:
+        The report: the online report (``identical_to_greedy``, ``mismatches``, acceptance, speed)
+        with the offline one under ``offline``, or the offline report alone.
+
+    Raises:
+        OutputExistsError: ``run.output`` or its PNG exists and ``run.force`` is not set.
+        InputError, StoreFormatError, StoreMismatchError, ModelNotFoundError: from the checks.
+    """
+    from peagle_train.checkpoint import find_drafter
+    from peagle_train.evaluate import _write_json, check_before_weights, write_acceptance_plot
+
+    found, note = find_drafter(run.drafter)  # a training output directory means its final/ checkpoint
+    if note:
+        log(note)
+    drafter = str(found)
+    _check_output(run)
+    check_before_weights(drafter, run.verifier, run.prompts, run.store, run.settings.num_prompts)
+    report = _evaluate(run, drafter)
+    if run.output is not None:
+        _write_json(report, run.output)
+        write_acceptance_plot(report if run.prompts is not None else {"offline": report},
+                              Path(run.output).with_suffix(".png"))
+    return report

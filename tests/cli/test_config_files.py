@@ -1,0 +1,94 @@
+"""``--config FILE`` and ``--print-config`` (cli/options.py): precedence, unknown keys, round trip,
+and the help text generated from the config fields' docstrings."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from cli.options import field_docs
+from cli.train import main as train_main
+from peagle_train.train import TrainConfig
+
+
+def invoke(command, args):
+    return CliRunner().invoke(command, [str(a) for a in args])
+
+
+def printed(command, args) -> dict:
+    result = invoke(command, [*args, "--print-config"])
+    assert result.exit_code == 0, result.output
+    return yaml.safe_load(result.stdout)
+
+
+def test_the_command_line_overrides_the_file_and_the_file_the_defaults(tmp_path):
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text("store: [a.zarr, b.zarr]\noutput: run\nnum_depths: 4\nlr: 0.01\nlazy-embedding: false\n")
+    resolved = printed(train_main, ["--config", cfg, "--lr", "0.02", "--seed", "7"])
+    assert resolved["store"] == ["a.zarr", "b.zarr"] and resolved["output"] == "run"
+    assert resolved["num_depths"] == 4  # the file
+    assert resolved["lr"] == 0.02 and resolved["seed"] == 7  # the command line
+    assert resolved["lazy_embedding"] is False  # the file, by its option name
+    assert resolved["grad_clip"] == 1.0 and resolved["attention_backend"] == "auto"  # the defaults
+    assert set(resolved) == {f.name for f in TrainConfig.__dataclass_fields__.values()}
+
+
+def test_a_toml_file_and_a_single_store(tmp_path):
+    cfg = tmp_path / "train.toml"
+    cfg.write_text('store = "one.zarr"\noutput = "run"\nmax_steps = 3\n')
+    resolved = printed(train_main, ["--config", cfg])
+    assert resolved["store"] == ["one.zarr"] and resolved["max_steps"] == 3
+
+
+def test_an_unknown_key_names_the_key_and_the_file(tmp_path):
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text("store: a.zarr\noutput: run\nnum_depth: 4\n")
+    result = invoke(train_main, ["--config", cfg])
+    assert result.exit_code == 2
+    assert f"{cfg}: unknown key 'num_depth'" in result.stderr and "num_depths" in result.stderr
+
+
+@pytest.mark.parametrize("text,why", [("- a\n- b\n", "expected a mapping"), ("a: [\n", "while parsing")])
+def test_a_bad_file_names_the_file(tmp_path, text, why):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(text)
+    result = invoke(train_main, ["--config", cfg])
+    assert result.exit_code == 2 and str(cfg) in result.stderr and why in result.stderr
+
+
+def test_a_bad_value_in_the_file_is_a_usage_error(tmp_path):
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text("store: a.zarr\noutput: run\nnum_depths: many\n")
+    result = invoke(train_main, ["--config", cfg])
+    assert result.exit_code == 2 and "--num-depths" in result.stderr and "many" in result.stderr
+
+
+def test_print_config_round_trips(tmp_path):
+    first = invoke(train_main, ["--store", "a.zarr", "--store", "b.zarr", "--output", "run", "--max-anchors", "5",
+                                "--dense-embedding", "--report-to", "tensorboard", "--print-config"])
+    assert first.exit_code == 0, first.output
+    (tmp_path / "again.yaml").write_text(first.stdout)
+    second = invoke(train_main, ["--config", tmp_path / "again.yaml", "--print-config"])
+    assert second.exit_code == 0, second.output
+    assert second.stdout == first.stdout
+    assert yaml.safe_load(first.stdout)["max_anchors"] == 5
+
+
+def test_the_file_reaches_the_run(tmp_path, monkeypatch):
+    import peagle_train.train
+
+    seen = []
+    monkeypatch.setattr(peagle_train.train, "run_train", lambda cfg: seen.append(cfg) or {"rank": 0})
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text("store: a.zarr\noutput: run\nnum_depths: 3\n")
+    result = invoke(train_main, ["--config", cfg, "--seed", "5"])
+    assert result.exit_code == 0, result.output
+    assert seen == [TrainConfig(store="a.zarr", output="run", num_depths=3, seed=5)]  # one store: its path
+
+
+def test_help_is_the_field_docstring():
+    docs = field_docs(TrainConfig)
+    assert docs["num_layers"] == "Drafter decoder layers (``--num-layers``)."
+    out = invoke(train_main, ["--help"]).output
+    assert "Drafter decoder layers." in " ".join(out.split())
