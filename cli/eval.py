@@ -1,7 +1,7 @@
 """``peagle-eval``: offline and online evaluation of a P-EAGLE drafter (docs/design.md §9).
 
-The options are the fields of :class:`~peagle_train.eval_run.EvalRun` and of its ``settings``
-(:class:`~peagle_train.evaluate.EvalConfig`); the run is :func:`~peagle_train.eval_run.run_eval`.
+The options are the fields of :class:`~peagle_train.evaluate.run.EvalRun` and of its ``settings``
+(:class:`~peagle_train.evaluate.EvalConfig`); the run is :func:`~peagle_train.evaluate.run.run_eval`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import click
 
 from cli.common import config_error, echo_json, handle_errors
 from cli.options import config_file_options, config_options
-from peagle_train.eval_run import EvalRun
+from peagle_train.evaluate.run import EvalRun
 from peagle_train.evaluate import EvalConfig
 
 _PATH = {"type": click.Path()}
@@ -28,7 +28,7 @@ def main(drafter, verifier, prompts, store, output, force, **settings) -> None:
 
     Exits non-zero when speculative decoding does not reproduce the verifier's greedy output.
     """
-    from peagle_train.eval_run import run_eval
+    from peagle_train.evaluate.run import run_eval
     from peagle_train.evaluate import format_report
 
     with config_error():

@@ -14,7 +14,7 @@ from cli.eval import main as eval_main
 from cli.train import main as train_main
 from peagle_data.extract import ExtractConfig
 from peagle_data.prepare import PackConfig, TokenizeConfig
-from peagle_train.eval_run import EvalRun
+from peagle_train.evaluate.run import EvalRun
 from peagle_train.evaluate import EvalConfig
 from peagle_train.train import TrainConfig
 

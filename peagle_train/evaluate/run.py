@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peagle_train.evaluate import EvalConfig
+from peagle_train.evaluate.config import EvalConfig
 from stores.errors import OutputExistsError
 
 __all__ = ["EvalRun", "run_eval"]
@@ -89,7 +89,8 @@ def run_eval(run: EvalRun, log: Callable[[str], None] = print) -> dict[str, Any]
         InputError, StoreFormatError, StoreMismatchError, ModelNotFoundError: from the checks.
     """
     from peagle_train.checkpoint import find_drafter
-    from peagle_train.evaluate import _write_json, check_before_weights, write_acceptance_plot
+    from peagle_train.evaluate import check_before_weights, write_acceptance_plot
+    from peagle_train.evaluate.report import write_json
 
     found, note = find_drafter(run.drafter)  # a training output directory means its final/ checkpoint
     if note:
@@ -99,7 +100,7 @@ def run_eval(run: EvalRun, log: Callable[[str], None] = print) -> dict[str, Any]
     check_before_weights(drafter, run.verifier, run.prompts, run.store, run.settings.num_prompts)
     report = _evaluate(run, drafter)
     if run.output is not None:
-        _write_json(report, run.output)
+        write_json(report, run.output)  # atomic (stores.staging)
         write_acceptance_plot(report if run.prompts is not None else {"offline": report},
                               Path(run.output).with_suffix(".png"))
     return report
