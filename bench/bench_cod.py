@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_train_memory import K, estimate, make_block, make_drafter, train_step  # noqa: E402
+from bench_train_memory import K, estimate, make_block, make_trainer, train_step  # noqa: E402
 
 from peagle_train.attention import build_attention_mask  # noqa: E402
 from peagle_train.cod import sample_cod_elements  # noqa: E402
@@ -61,8 +61,8 @@ def main() -> None:
             r = time_cod_and_mask(T, a, args.repeats)
             est_s, _ = estimate(T, a, args.draft_vocab)
             if T in step_T and est_s <= args.max_step_s:
-                model, vhead, opt, params = make_drafter(args.draft_vocab)
-                step = train_step(model, vhead, opt, params, make_block(T), a, 2048, seed=0)["step_s"]
+                trainer, _ = make_trainer(args.draft_vocab, 2048, max_anchors=a)
+                step = train_step(trainer, make_block(T), seed=0)["step_s"]
                 shown = f"{step:.1f}"
             else:
                 step, shown = est_s, f"~{est_s:.0f} (estimate, not run)"

@@ -63,12 +63,17 @@ def make_block(T: int, seed: int = 0):
                  final_hidden=(3 * torch.randn(T, H, generator=g)).to(torch.bfloat16))
 
 
-def make_drafter(D: int, num_depths: int = K):
-    """(model, verifier_head [D, H], optimizer, params) at SmolLM2 sizes."""
+def make_trainer(D: int, chunk: int | None, num_depths: int = K, max_anchors: int | None = None):
+    """(a :class:`peagle_train.trainer.Trainer` of a drafter at SmolLM2 sizes, its drafter).
+
+    Lazy embedding rows (LazyRowAdamW), lr 1e-4 with no warm-up or decay within the run, loss
+    chunks of ``chunk`` elements (None: unchunked, one chunk larger than any block).
+    """
     import torch
 
     from peagle_train.model import DrafterConfig, PEagleDrafter
-    from peagle_train.optim import LazyRowAdamW
+    from peagle_train.train import TrainConfig
+    from peagle_train.trainer import Trainer
 
     torch.manual_seed(0)
     cfg = DrafterConfig(hidden_size=H, intermediate_size=FFN, num_attention_heads=NH, num_key_value_heads=NKV,
@@ -77,38 +82,30 @@ def make_drafter(D: int, num_depths: int = K):
     model = PEagleDrafter(cfg)
     d2t = torch.zeros(D, dtype=torch.long) if D < V else None
     model.init_from_verifier(0.02 * torch.randn(V, H), 0.02 * torch.randn(V, H), d2t)
-    model.embed_tokens.sparse = True
-    embed = model.embed_tokens.weight
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = LazyRowAdamW([{"params": [p for p in params if p is not embed]}, {"params": [embed], "lazy_rows": True}],
-                       lr=1e-4)
     vhead = 0.05 * torch.randn(D, H)
-    return model, vhead, opt, params
+    train_cfg = TrainConfig(store="-", output="-", lr=1e-4, num_depths=num_depths, max_anchors=max_anchors,
+                            loss_chunk_size=chunk or 2 ** 62)
+    return Trainer(train_cfg, model, vhead, max_steps=10 ** 9, warmup=0), model
 
 
-def train_step(model, vhead, opt, params, block, max_anchors, chunk, seed: int, num_depths: int = K) -> dict:
-    """One full training step; returns its timings in seconds and element counts."""
+def train_step(trainer, block, seed: int) -> dict:
+    """One full training step (:meth:`Trainer.train_step`); its timings in seconds and element counts.
+
+    COD sampling and the dense mask are also timed apart (the step samples again with the same seed).
+    """
     import torch
 
     from peagle_train.attention import build_attention_mask
-    from peagle_train.cod import sample_cod_elements
-    from peagle_train.optim import clip_grad_norm
-    from peagle_train.train import block_loss
+    from peagle_train.step import sample_elements
 
     t0 = time.perf_counter()
-    el = sample_cod_elements(block.cu_seqlens, block.loss_mask, num_depths, 0.7, 0.2, max_anchors,
-                             torch.Generator().manual_seed(seed))
+    el = sample_elements(block, trainer.cfg, torch.Generator().manual_seed(seed))
     t1 = time.perf_counter()
-    build_attention_mask(el)  # timed apart; block_loss builds it again
+    build_attention_mask(el)
     t2 = time.perf_counter()
-    res = block_loss(model, model.lm_head.weight, vhead, block, el, num_depths, chunk)
-    res.loss.backward()
-    clip_grad_norm(params, 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    row = trainer.train_step([(block, torch.Generator().manual_seed(seed))])
     t3 = time.perf_counter()
-    return {"cod_s": t1 - t0, "mask_s": t2 - t1, "step_s": (t1 - t0) + (t3 - t2), "elements": len(el),
-            "loss": float(res.loss.detach())}
+    return {"cod_s": t1 - t0, "mask_s": t2 - t1, "step_s": t3 - t2, "elements": len(el), "loss": row["loss"]}
 
 
 def rss_mb() -> float:
@@ -122,10 +119,10 @@ def rss_mb() -> float:
 def run_one(T: int, max_anchors: int | None, chunk: int | None, D: int, steps: int) -> dict:
     import torch
 
-    model, vhead, opt, params = make_drafter(D)
+    trainer, _ = make_trainer(D, chunk, max_anchors=max_anchors)
     block = make_block(T)
     base = rss_mb()
-    runs = [train_step(model, vhead, opt, params, block, max_anchors, chunk, seed=i) for i in range(steps)]
+    runs = [train_step(trainer, block, seed=i) for i in range(steps)]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"T": T, "max_anchors": max_anchors, "chunk": chunk, "D": D, "threads": torch.get_num_threads(),
             "elements": runs[-1]["elements"], "step_s": min(r["step_s"] for r in runs),

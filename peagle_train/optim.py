@@ -16,9 +16,11 @@ a single process) is taken as is and never made dense; :func:`clip_grad_norm` cl
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["LazyRowAdamW", "clip_grad_norm"]
+__all__ = ["LazyRowAdamW", "clip_grad_norm", "build_optimizer", "CosineWithWarmup"]
 
 
 class LazyRowAdamW(torch.optim.AdamW):
@@ -122,3 +124,27 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     for g in dense + sparse:
         g.mul_(coef.to(g.device, g.dtype))
     return total
+
+
+def build_optimizer(model, cfg) -> LazyRowAdamW:
+    """AdamW over the trainable parameters of ``model`` (a ``PEagleDrafter``) with ``cfg.lr`` and
+    ``cfg.weight_decay``; ``embed_tokens`` updated lazily by rows unless ``cfg.lazy_embedding`` is false."""
+    embed = model.embed_tokens.weight
+    rest = [p for p in model.parameters() if p.requires_grad and p is not embed]
+    groups = [{"params": rest}]
+    if embed.requires_grad:
+        groups.append({"params": [embed], "lazy_rows": cfg.lazy_embedding})
+    return LazyRowAdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+class CosineWithWarmup:
+    """LR multiplier: linear warm-up to 1 over ``warmup`` steps, then cosine to 0 at ``total``."""
+
+    def __init__(self, warmup: int, total: int):
+        self.warmup, self.total = warmup, total
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / (self.warmup + 1)
+        progress = (step - self.warmup) / max(1, self.total - self.warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))

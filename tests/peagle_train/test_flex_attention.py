@@ -23,7 +23,8 @@ from peagle_train.attention import FlexElementMask, block_mask_from_elements, bu
 from peagle_train.cod import CodElements, all_elements, element_inputs, sample_cod_elements
 from peagle_train.data import Block
 from peagle_train.model import DrafterConfig, PEagleDrafter
-from peagle_train.train import TrainConfig, _block_to, block_loss, resolve_attention_backend, run_train
+from peagle_train.step import block_loss, block_to
+from peagle_train.train import TrainConfig, resolve_attention_backend, run_train
 from stores.errors import InputError
 
 H, V, L = 32, 60, 2
@@ -274,7 +275,7 @@ def test_cuda_step_loss_and_grads_equal(bf16, loss_rtol, grad_rtol):
     dev = torch.device("cuda")
     block = _block(seg_lens=(37, 190, 14, 159), seed=6)
     el = _elements(block, num_depths=6, seed=7)
-    block = _block_to(block, dev)
+    block = block_to(block, dev)
     el = el.to(dev)
     model = _model(2).to(dev)
     vhead = torch.randn(V, H, generator=torch.Generator().manual_seed(8)).to(dev)

@@ -19,7 +19,7 @@ from peagle_train.cod import sample_cod_elements
 from peagle_train.data import Block
 from peagle_train.loss import kl_loss_and_accuracy
 from peagle_train.model import DrafterConfig, PEagleDrafter
-from peagle_train.train import accumulate_step, block_hidden, block_loss
+from peagle_train.step import accumulate_step, block_hidden, block_loss
 
 H, V, L, K, CHUNK = 32, 64, 2, 3, 16
 REPO = Path(__file__).resolve().parents[2]

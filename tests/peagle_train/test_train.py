@@ -196,7 +196,7 @@ def _scalars(logdir):
 
 
 def test_tracker_values_flatten_a_metrics_row():
-    from peagle_train.train import tracker_values
+    from peagle_train.metrics import tracker_values
 
     train = {"split": "train", "step": 3, "loss": 1.5, "acc": [0.5, None, 0.25], "lr": 1e-3, "blocks": [4, 2]}
     assert tracker_values(train) == {"train/loss": 1.5, "train/acc_d0": 0.5, "train/acc_d2": 0.25, "train/lr": 1e-3}
@@ -276,7 +276,7 @@ def test_report_to_unknown_tracker_is_an_input_error(value, message):
 
 
 def test_report_to_missing_package_fails_before_training(tmp_path, verifier_dir, monkeypatch):
-    from peagle_train.train import resolve_trackers
+    from peagle_train.metrics import resolve_trackers
     from stores.errors import MissingDependencyError
 
     store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
@@ -294,7 +294,7 @@ def test_report_to_missing_package_fails_before_training(tmp_path, verifier_dir,
 
 
 def test_report_to_all_means_the_installed_trackers(monkeypatch):
-    from peagle_train.train import resolve_trackers
+    from peagle_train.metrics import resolve_trackers
 
     _hide_modules(monkeypatch, "wandb")
     assert resolve_trackers("all") == resolve_trackers("tensorboard, all") == ["tensorboard"]
@@ -397,7 +397,7 @@ def test_two_block_store_says_it_holds_one_out(tmp_path, verifier_dir, capsys):
 
 
 def test_summary_accuracy_pools_elements_over_steps():
-    from peagle_train.train import _pooled_acc
+    from peagle_train.metrics import pooled_accuracy as _pooled_acc
 
     steps = [{"correct": torch.tensor([9.0, 0.0, 0.0]), "counts": torch.tensor([10.0, 0.0, 0.0])},
              {"correct": torch.tensor([0.0, 1.0, 0.0]), "counts": torch.tensor([1.0, 2.0, 0.0])}]
@@ -411,7 +411,7 @@ def test_training_plot_integer_steps_and_readable_small_accuracy(tmp_path, monke
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from peagle_train.train import plot_metrics
+    from peagle_train.metrics import plot_metrics
 
     figs = []
     monkeypatch.setattr(plt, "close", lambda fig=None: figs.append(fig))

@@ -74,13 +74,13 @@ OPTS = dict(num_depths=3, lr=3e-3, warmup_steps=2, val_fraction=0.0, max_steps=S
 # line of step KILL_AT (a deterministic point in epoch 2, between checkpoint-9 and checkpoint-12)
 KILLED_CLI = f"""
 import os, signal, sys
-import peagle_train.train as t
-write = t._write_metrics
+import peagle_train.metrics as m
+write = m.write_metrics
 def write_then_die(path, rows):
     write(path, rows)
     if any(r.get("step") == {KILL_AT} for r in rows):
         os.kill(os.getpid(), signal.SIGKILL)
-t._write_metrics = write_then_die
+m.write_metrics = write_then_die
 from cli.train import main
 sys.argv[0] = "peagle-train"
 main()

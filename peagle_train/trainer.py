@@ -1,0 +1,408 @@
+"""The P-EAGLE trainer (docs/design.md §8): :class:`Trainer`, built by :func:`build_trainer`.
+
+Legend: T tokens in a block, E drafter elements, H hidden size, D draft vocab, K ``num_depths``.
+
+One optimizer step (:meth:`Trainer.train_step`) reads ``grad_accum`` packed blocks (one per
+micro-step). For each block: COD sampling (:mod:`peagle_train.cod`) with a generator seeded from
+``(seed, block position)`` (:func:`cod_generator`), the §8 attention of the run's backend
+(:mod:`peagle_train.attention`), one drafter forward, and the chunked weighted KL to the verifier's
+stored final hidden states (:mod:`peagle_train.loss`). The step optimises the pooled objective
+``Σ w·KL / Σ w`` over all its blocks and data-parallel ranks (:func:`accumulate_step`), the loss
+``metrics.jsonl`` records (:mod:`peagle_train.metrics`).
+
+The output directory a run writes is described in :mod:`peagle_train.train`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from peagle_train.checkpoint import latest_checkpoint, load_training_state, prune_checkpoints, save_checkpoint, \
+    save_drafter
+from peagle_train.cod import CodElements
+from peagle_train.data import Block, BlockLoader, _seed_of, to_block
+from peagle_train.loss import LossOutput
+from peagle_train.metrics import MetricsLog, plot_metrics, pooled_accuracy, resolve_trackers
+from peagle_train.model import PEagleDrafter
+from peagle_train.optim import CosineWithWarmup, build_optimizer, clip_grad_norm
+from peagle_train.step import (
+    accumulate_step, add_sums, block_loss, block_to, cod_generator, gather_ids, sample_elements, summarise,
+)
+from peagle_train.train import TrainConfig
+from stores.errors import MissingDependencyError
+
+__all__ = ["Trainer", "TrainRun", "build_trainer"]
+
+
+@dataclass
+class TrainRun:
+    """What a full run adds to a :class:`Trainer`: its data, output directory and log.
+
+    Attributes:
+        store: the open ``FeatureStore`` (or ``StoreSet``).
+        train_ids, val_ids: ``[n] int64`` block ids of the split.
+        output: the output directory.
+        metrics: the run's ``metrics.jsonl`` and trackers.
+        info: recorded in every saved drafter's ``config.json`` under ``peagle_training`` (with the
+            step), so evaluation finds the held-out split.
+        summary: constant entries of :meth:`Trainer.train`'s summary (draft vocab size, mask token).
+        resumed_from: the checkpoint the run continues, or None.
+    """
+
+    store: Any
+    train_ids: np.ndarray
+    val_ids: np.ndarray
+    output: Path
+    metrics: MetricsLog
+    info: dict[str, Any]
+    summary: dict[str, Any]
+    resumed_from: Path | None = None
+
+
+class Trainer:
+    """Optimises one drafter: steps, validation, checkpoints (torchtitan's shape).
+
+    ``train_step`` needs only the model; ``train``, ``validate`` and ``save`` need the ``run``.
+
+    Args:
+        cfg: the run's settings (``grad_accum``, ``grad_clip``, COD and loss settings, ``lr``, ...).
+        model: the drafter (not yet prepared); its trainable parameters get a
+            :func:`build_optimizer` optimizer and a :class:`CosineWithWarmup` schedule.
+        verifier_head: ``[D, H]`` the verifier's lm_head rows of the draft vocab, on the device.
+        accelerator: an ``accelerate.Accelerator``; None: a fresh one on the CPU.
+        attention: the resolved attention backend name (``"sdpa"`` or ``"flex"``).
+        max_steps: optimizer steps of the run (the schedule's length); warmup: its warm-up steps
+            (None: ``max_steps // 20``).
+        run: the data and output of a full run (None for a bare step, e.g. in a benchmark).
+    """
+
+    def __init__(self, cfg: TrainConfig, model: PEagleDrafter, verifier_head: torch.Tensor, *,
+                 accelerator=None, attention: str = "sdpa", max_steps: int = 1, warmup: int | None = None,
+                 run: TrainRun | None = None):
+        if accelerator is None:
+            from accelerate import Accelerator
+
+            accelerator = Accelerator(cpu=True)
+        self.cfg, self.accelerator, self.attention, self.run = cfg, accelerator, attention, run
+        self.verifier_head, self.max_steps = verifier_head, max_steps
+        self.warmup = warmup if warmup is not None else max_steps // 20
+        self.world, self.rank = accelerator.num_processes, accelerator.process_index
+        self.main = accelerator.is_main_process
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        # a sparse embedding gradient never exists densely; DDP all-reduce needs it dense (NCCL)
+        model.embed_tokens.sparse = cfg.lazy_embedding and self.world == 1
+        optimizer = build_optimizer(model, cfg)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, CosineWithWarmup(self.warmup, max_steps))
+        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        self.unwrapped = accelerator.unwrap_model(self.model)
+        self.step, self.position, self.tokens_total = 0, 0, 0
+        self.loader: BlockLoader | None = None
+        self.recent: list[dict[str, torch.Tensor]] = []  # the last 10 steps' sums, for the pooled accuracy
+        self.last_row: dict | None = None
+
+    # ---------------------------------------------------------------------------------- one step
+    def train_step(self, batches: Iterable[tuple[Block, torch.Generator]]) -> dict[str, Any]:
+        """One optimizer step over ``cfg.grad_accum`` micro-batches (``block``, COD generator).
+
+        Blocks may be on the CPU (moved to the device here). Returns the step's ``metrics.jsonl``
+        row: ``step``, ``loss`` (the pooled objective), ``acc [K]`` (None for a depth without
+        weight), ``tokens_per_s``, ``lr`` (of this step), ``n_elements``, ``blocks`` (every rank's
+        ids), ``weight``, ``step_s``, ``grad_norm`` (before clipping).
+        """
+        cfg, device = self.cfg, self.accelerator.device
+        t0 = time.perf_counter()
+        seen, sizes = [], []
+
+        def micro_batches() -> Iterator[tuple[Block, CodElements]]:
+            for block, gen in batches:
+                block = block_to(block, device)
+                elements = sample_elements(block, cfg, gen).to(device)
+                seen.append(block.block_id)
+                sizes.append((block.n_tokens, len(elements)))
+                yield block, elements
+
+        sums = accumulate_step(self.accelerator, self.model, self.params, micro_batches(), cfg.grad_accum,
+                               self._loss)
+        grad_norm = float(clip_grad_norm(self.params, cfg.grad_clip))
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        dt = time.perf_counter() - t0
+        n_tokens = sum(t for t, _ in sizes) * self.world
+        self.tokens_total += n_tokens
+        loss, acc = summarise(sums)
+        self.recent = [*self.recent[-9:], {k: sums[k].detach().cpu() for k in ("correct", "counts")}]
+        self.last_row = {"split": "train", "step": self.step, "loss": loss, "acc": acc,
+                         "tokens_per_s": n_tokens / dt, "lr": lr, "n_elements": sum(e for _, e in sizes),
+                         "blocks": gather_ids(self.accelerator, seen), "weight": float(sums["weight_sum"].sum()),
+                         "step_s": dt, "grad_norm": grad_norm}
+        return self.last_row
+
+    def _loss(self, item: tuple[Block, CodElements]) -> LossOutput:
+        with self.accelerator.autocast():
+            return block_loss(self.model, self.unwrapped.lm_head.weight, self.verifier_head, *item,
+                              self.cfg.num_depths, self.cfg.loss_chunk_size, self.attention)
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, Any]:
+        """Loss and per-depth accuracy on the first ``cfg.val_max_blocks`` held-out blocks, each
+        COD-sampled with its fixed seed: ``{"val_loss", "val_acc"}``, ``{}`` without held-out blocks."""
+        cfg, device, was_training = self.cfg, self.accelerator.device, self.model.training
+        self.model.eval()
+        sums = None
+        for bid in self.run.val_ids[: cfg.val_max_blocks]:
+            block = block_to(to_block(int(bid), self.run.store.read_block(int(bid))), device)
+            el = sample_elements(block, cfg, torch.Generator().manual_seed(_seed_of(cfg.seed, 2, int(bid)))).to(device)
+            out = block_loss(self.unwrapped, self.unwrapped.lm_head.weight, self.verifier_head, block, el,
+                             cfg.num_depths, cfg.loss_chunk_size, self.attention)
+            sums = add_sums(sums, {"loss_sum": out.loss_sum.float().reshape(1), "weight_sum": out.weight_sum.reshape(1),
+                               "correct": out.correct, "counts": out.counts})
+        self.model.train(was_training)
+        if sums is None:
+            return {}
+        loss, acc = summarise(sums)
+        return {"val_loss": loss, "val_acc": acc}
+
+    # ---------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """What ``training_state.pt`` holds: optimizer, scheduler, RNG, data position, step, config."""
+        data = self.loader.state_dict() if self.loader is not None else {"position": self.position,
+                                                                         "seed": self.cfg.seed}
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "rng": {"torch": torch.get_rng_state()}, "data": data, "step": self.step,
+                "train_config": self.cfg.to_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a :meth:`state_dict` (the model weights are loaded apart, from the checkpoint)."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"]["torch"])
+        self.step, self.position = int(state["step"]), int(state["data"]["position"])
+
+    def training_info(self) -> dict[str, Any]:
+        """Recorded in config.json so evaluation can find the held-out split."""
+        return {"peagle_training": {"step": self.step, **self.run.info}}
+
+    def save(self, name: str) -> Path:
+        """Save ``output/name`` (drafter and :meth:`state_dict`); prune old checkpoints (main rank)."""
+        path = save_checkpoint(self.unwrapped, self.run.output / name, self.state_dict(), self.training_info())
+        if self.cfg.save_total_limit is not None:
+            prune_checkpoints(self.run.output, self.cfg.save_total_limit)
+        return path
+
+    # ---------------------------------------------------------------------------------- the run
+    def train(self) -> dict[str, Any]:
+        """Run the steps left up to ``max_steps``, then save ``final/``, validate and plot.
+
+        Returns the summary described in :func:`peagle_train.train.run_train`. On an error the
+        trackers are finished and the error re-raised.
+        """
+        from tqdm.auto import tqdm
+
+        run, acc = self.run, self.accelerator
+        self.loader = BlockLoader(run.store, run.train_ids, self.cfg.seed, position=self.position, rank=self.rank,
+                                  world_size=self.world, pin_memory=acc.device.type == "cuda")
+        batches = iter(self.loader)
+        bar = tqdm(total=self.max_steps, initial=self.step, disable=not self.main, desc="peagle-train",
+                   dynamic_ncols=True)
+        t_start, wait0 = time.perf_counter(), self.loader.wait_s
+        self.model.train()
+        try:
+            while self.step < self.max_steps:
+                self._after_step(self.train_step(self._micro_batches(batches)), bar)
+        except BaseException:
+            run.metrics.finish_trackers()
+            raise
+        finally:
+            bar.close()
+            self.loader.close()
+        return self._finish(t_start, wait0)
+
+    def _micro_batches(self, batches: Iterator[Block]) -> Iterator[tuple[Block, torch.Generator]]:
+        for _ in range(self.cfg.grad_accum):
+            flat = self.loader.position * self.world + self.rank
+            yield next(batches), cod_generator(self.cfg.seed, flat)
+
+    def _after_step(self, row: dict[str, Any], bar) -> None:
+        """Log the step (every ``log_every`` and the last), save and validate every ``save_every``."""
+        cfg, step = self.cfg, self.step
+        if self.main:
+            if step % cfg.log_every == 0 or step == self.max_steps:
+                self.run.metrics.record(row)
+            shown = " ".join(f"{a:.2f}" if a is not None else "-" for a in row["acc"][:4])
+            bar.set_postfix_str(f"loss {row['loss']:.3f} acc {shown} tok/s {row['tokens_per_s']:.0f} "
+                                f"lr {row['lr']:.2e}")
+            bar.update(1)
+        if cfg.save_every and step % cfg.save_every == 0 and step < self.max_steps:
+            self.accelerator.wait_for_everyone()
+            if self.main:
+                self.save(f"checkpoint-{step}")
+                if len(self.run.val_ids):
+                    self.run.metrics.record({"split": "val", "step": step, **self.validate()})
+
+    def _finish(self, t_start: float, wait0: float) -> dict[str, Any]:
+        self.accelerator.wait_for_everyone()
+        summary: dict[str, Any] = {"steps": self.step, "rank": self.rank, "world_size": self.world,
+                                   "resumed_from": str(self.run.resumed_from) if self.run.resumed_from else None}
+        if self.main:
+            try:
+                summary.update(self._final_outputs(t_start, wait0))
+            except BaseException:
+                self.run.metrics.finish_trackers()
+                raise
+        self.accelerator.wait_for_everyone()  # not before rank 0 has saved final/
+        return summary
+
+    def _final_outputs(self, t_start: float, wait0: float) -> dict[str, Any]:
+        """Main rank: the last checkpoint, ``final/``, the last validation, the plot; summary entries."""
+        run, step = self.run, self.step
+        self.save(f"checkpoint-{step}")
+        final = save_drafter(self.unwrapped, run.output / "final", self.training_info())
+        val = self.validate() if len(run.val_ids) else {}
+        if val and not (run.resumed_from is not None and run.metrics.has_row("val", step)):
+            run.metrics.record({"split": "val", "step": step, **val})  # once, also when a finished run is resumed
+        path = run.metrics.path
+        plot = plot_metrics(path, run.output / "training.png") if path.is_file() else None
+        elapsed = time.perf_counter() - t_start
+        last = self.last_row or run.metrics.last_row("train") or {}
+        return {"final_loss": last.get("loss"), "per_depth_accuracy": pooled_accuracy(self.recent),
+                "val_loss": val.get("val_loss"), "val_per_depth_accuracy": val.get("val_acc"),
+                "checkpoint": str(final), "output": str(run.output), "metrics": str(path),
+                "plot": str(plot) if plot else None,
+                "tokens_per_second": self.tokens_total / elapsed if elapsed > 0 else None,
+                "data_wait_fraction": (self.loader.wait_s - wait0) / elapsed if elapsed > 0 else None,
+                "train_blocks": int(len(run.train_ids)), "val_blocks": int(len(run.val_ids)), **run.summary}
+
+    def close(self) -> None:
+        """Finish the trackers and destroy the process group (a rank that exits with its gloo/NCCL
+        group alive can abort in the group's threads and fail the launch); call after :meth:`train`."""
+        if self.loader is not None:
+            self.loader.close()
+        self.accelerator.end_training()
+
+
+# -------------------------------------------------------------------------------------- building
+def build_trainer(cfg: TrainConfig) -> Trainer:
+    """Everything a run needs, checked before the verifier's weights load (docs/design.md §2).
+
+    Opens the store(s) and splits them, checks the options, the output and the verifier's config,
+    loads the verifier's heads, builds the drafter (seeded by ``cfg.seed``), prepares the output
+    directory, resumes from the latest checkpoint with ``cfg.resume`` and starts the trackers.
+
+    Raises:
+        see :func:`peagle_train.train.run_train`.
+    """
+    from peagle_train.mask_token import resolve_mask_token
+    from peagle_train.multistore import open_stores, split_per_store, usable_blocks
+    from peagle_train.train import (
+        build_draft_vocab, check_before_weights, load_verifier_heads, resolve_attention_backend,
+    )
+
+    trackers = resolve_trackers(cfg.report_to)  # before anything is read or written
+    attention = resolve_attention_backend(cfg.attention_backend)  # InputError before any work
+    store = open_stores(cfg.store)  # several stores: one StoreSet, a validation split per store
+    usable = usable_blocks(store, cfg.allow_incomplete)
+    train_ids, val_ids = split_per_store(store, usable, cfg.seed, cfg.val_fraction)
+    verifier_name = cfg.verifier or store.attrs["verifier"]["name_or_path"]
+    check_before_weights(cfg, store, verifier_name)
+    mask = resolve_mask_token(verifier_name, store, cfg.mask_token_id)  # InputError before the weights load
+    heads = load_verifier_heads(verifier_name, store, mask.id)
+    d2t = build_draft_vocab(store.token_freq(), cfg.draft_vocab_size)
+    D = int(d2t.numel()) if d2t is not None else store.vocab_size
+    accelerator = _accelerator(cfg, trackers)
+    run = _start_run(cfg, accelerator, store, usable, train_ids, val_ids, trackers)
+    run.info.update(mask_token=mask.to_dict())
+    run.summary.update(draft_vocab_size=D, mask_token=mask.to_dict())
+    model, verifier_head = _drafter(cfg, heads, store, d2t, D, accelerator.device)
+    del heads
+    state = None
+    if run.resumed_from is not None:
+        from peagle_train.checkpoint import load_drafter
+
+        state = load_training_state(run.resumed_from)
+        model.load_state_dict(load_drafter(run.resumed_from).state_dict())
+    per_epoch = max(1, len(train_ids) // (cfg.grad_accum * accelerator.num_processes))
+    max_steps = cfg.max_steps if cfg.max_steps is not None else per_epoch
+    trainer = Trainer(cfg, model, verifier_head, accelerator=accelerator, attention=attention, max_steps=max_steps,
+                      warmup=cfg.warmup_steps, run=run)
+    if state is not None:
+        trainer.load_state_dict(state)
+        if trainer.main:
+            run.metrics.truncate(trainer.step)
+    elif trainer.main and run.metrics.path.exists():
+        run.metrics.path.unlink()
+    if trainer.main:
+        run.metrics.start(_hparams(cfg, trainer, D, verifier_name, run), trainer.step, cfg.resume)
+    return trainer
+
+
+def _accelerator(cfg: TrainConfig, trackers: list[str]):
+    """The run's ``Accelerator``: bf16 autocast on CUDA; ``cpu=True`` without CUDA (a multi-process
+    launch then runs data-parallel on gloo, MULTI_CPU); its trackers under ``output/trackers``.
+
+    Raises:
+        MissingDependencyError: accelerate could not load every tracker of ``trackers``.
+    """
+    from accelerate import Accelerator
+
+    tracking = {"log_with": trackers, "project_dir": str(Path(cfg.output) / "trackers")} if trackers else {}
+    accelerator = Accelerator(mixed_precision="bf16" if torch.cuda.is_available() else "no",
+                              cpu=not torch.cuda.is_available(), **tracking)
+    if trackers and sorted(map(str, accelerator.log_with)) != sorted(trackers):
+        raise MissingDependencyError(f"accelerate {accelerator.log_with} could not load every tracker of "
+                                     f"--report-to {','.join(trackers)}; check that their packages import")
+    return accelerator
+
+
+def _drafter(cfg: TrainConfig, heads, store, d2t: torch.Tensor | None, D: int,
+             device) -> tuple[PEagleDrafter, torch.Tensor]:
+    """The drafter initialised from the verifier's heads (``torch.manual_seed(cfg.seed)`` first: the
+    init is the only draw of the global generator), and the verifier's ``[D, H]`` head rows on ``device``."""
+    from peagle_train.train import build_drafter_config
+
+    torch.manual_seed(cfg.seed)
+    model = PEagleDrafter(build_drafter_config(heads, store, cfg, D))
+    model.init_from_verifier(heads.embed, heads.lm_head, d2t)
+    return model, heads.lm_head[model.draft_ids].to(device)  # [D, H]
+
+
+def _hparams(cfg: TrainConfig, trainer: Trainer, D: int, verifier_name: str, run: TrainRun) -> dict[str, Any]:
+    """The trackers' hyper-parameters: the scalar settings and the run's derived sizes."""
+    hparams = {k: v for k, v in cfg.to_dict().items() if isinstance(v, (bool, int, float, str))}
+    hparams.update(max_steps=trainer.max_steps, warmup_steps=trainer.warmup, draft_vocab_size=D,
+                   verifier=verifier_name, world_size=trainer.world, train_blocks=int(len(run.train_ids)),
+                   val_blocks=int(len(run.val_ids)))
+    return hparams
+
+
+def _start_run(cfg: TrainConfig, accelerator, store, usable, train_ids, val_ids, trackers) -> TrainRun:
+    """Warn about a large validation split, prepare the output directory (main rank), write
+    ``train_config.json`` and find the checkpoint to resume from."""
+    from peagle_train.train import _prepare_output, val_split_warning
+
+    main = accelerator.is_main_process
+    note = val_split_warning(len(usable), len(val_ids), cfg.val_fraction)
+    if note and main:
+        print(f"warning: {note}", file=sys.stderr)
+    resume_from = _prepare_output(cfg) if main else None
+    accelerator.wait_for_everyone()
+    if not main and cfg.resume:
+        resume_from = latest_checkpoint(cfg.output)
+    out = Path(cfg.output)
+    if main:
+        (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    info = {"store": cfg.store, "seed": cfg.seed, "val_fraction": cfg.val_fraction, "num_depths": cfg.num_depths,
+            "max_anchors": cfg.max_anchors, "down_sample_ratio": cfg.down_sample_ratio,
+            "down_sample_ratio_min": cfg.down_sample_ratio_min, "val_blocks": [int(i) for i in val_ids]}
+    return TrainRun(store=store, train_ids=train_ids, val_ids=val_ids, output=out, info=info, summary={},
+                    metrics=MetricsLog(out / "metrics.jsonl", accelerator, trackers), resumed_from=resume_from)
