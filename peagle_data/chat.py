@@ -27,7 +27,7 @@ Method, for one conversation of T tokens:
    ``add_special_tokens=False``, so the ids are identical by construction (tests check it on five
    template families); they are not tokenized twice at run time.
 
-Two more checks keep a mask from being silently wrong:
+Three more checks keep a mask from being silently wrong:
 
 - a template whose generation prompt adds text the rendered assistant turn does not start with
   (R1-Distill: the prompt ends with ``<think>\n``, rendered turns keep only the text after
@@ -37,7 +37,11 @@ Two more checks keep a mask from being silently wrong:
   results, reasoning, a system message, the ``tools`` list. A template that drops one (SmolLM2's
   ChatML renders a tool-call turn as a bare ``<|im_end|>``) rejects the row ("template drops
   tool_calls: ..."), or, with ``on_dropped="keep"``, keeps it with the dropped parts listed; an
-  assistant turn of which nothing is rendered then supervises nothing.
+  assistant turn of which nothing is rendered then supervises nothing;
+- a token across a span's boundary (:func:`straddling_token`: a generation prompt ending in a space
+  makes ``" Hello"`` start in the prompt; a turn without an end-of-turn token can merge into the
+  next one) rejects the row ("reply starts inside a token", "a supervised token ends past its
+  assistant turn") instead of dropping the reply's first token or training the next turn's text.
 
 ``system_len`` is the number of leading tokens that form the system prefix (BOS, the system turn,
 or the default system text a template injects): the common prefix of two renders of the
@@ -60,7 +64,7 @@ from peagle_data.readers import is_empty_assistant as _is_empty_assistant
 from stores.errors import InputError
 
 __all__ = ["ChatTemplateError", "TokenizedConversation", "RenderedRow", "render_rows", "tokenize_rendered",
-           "dropped_content", "DROPPED",
+           "dropped_content", "DROPPED", "straddling_token",
            "tokenize_conversation", "tokenize_turns", "system_prefix_text",
            "chat_template_sha256",
            "effective_chat_template"]
@@ -80,11 +84,14 @@ class TokenizedConversation:
         input_ids: int32 ``[T]``, identical to ``apply_chat_template(messages, tokenize=True)``.
         loss_mask: uint8 ``[T]``, 1 on assistant tokens as rendered and their end-of-turn token.
         system_len: leading tokens that form the system prefix (loss 0), ``0 <= system_len <= T``.
+        problem: why no exact mask exists (a token that straddles a supervised span's boundary, see
+            :func:`straddling_token`), or None; such a row is a reject.
     """
 
     input_ids: np.ndarray
     loss_mask: np.ndarray
     system_len: int
+    problem: str | None = None
 
 
 def effective_chat_template(tokenizer, chat_template: str | None = None) -> str:
@@ -582,8 +589,44 @@ def tokenize_rendered(tokenizer, rows: Sequence[RenderedRow]) -> list[TokenizedC
         supervised = np.flatnonzero(loss_mask)
         if supervised.size:
             system_len = min(system_len, int(supervised[0]))
-        out.append(TokenizedConversation(input_ids=ids, loss_mask=loss_mask, system_len=system_len))
+        out.append(TokenizedConversation(input_ids=ids, loss_mask=loss_mask, system_len=system_len,
+                                         problem=straddling_token(row, offsets, loss_mask)))
     return out
+
+
+def straddling_token(row: RenderedRow, offsets: np.ndarray, loss_mask: np.ndarray) -> str | None:
+    """Why a supervised span of ``row`` has no exact mask, or None.
+
+    A token that starts before a span and ends inside it holds the generation prompt's last
+    characters (or the previous message's) and the reply's first ones (a generation prompt ending in a space, ``"ASSISTANT: "``,
+    gives ``" Hello"``): the rule "supervised when it starts inside the span" would silently drop the
+    reply's first word, and supervising it would train the prompt's text. Likewise a supervised
+    token that ends past its span holds text of the next turn. Only straddles whose part on the
+    other side of the boundary holds non-whitespace count: a merged whitespace run (``"\n\n"``)
+    loses or adds only whitespace.
+
+    Args:
+        offsets: int64 ``[T, 2]`` character ``[start, end)`` of every token in ``row.text``.
+        loss_mask: uint8 ``[T]`` built from ``row.spans``.
+    """
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    text = row.text
+    for a, b in row.spans:
+        i = int(np.searchsorted(starts, a, side="left")) - 1  # the last token starting before the span
+        if i >= 0 and ends[i] > a and text[a:min(int(ends[i]), b)].strip():
+            return (f"reply starts inside a token: {text[int(starts[i]):int(ends[i])]!r} holds "
+                    f"{text[int(starts[i]):a]!r} rendered before an assistant reply (the generation prompt's end or "
+                    f"the previous message's) and {text[a:int(ends[i])]!r} of the reply, so the reply's first token "
+                    "has no exact mask (a generation prompt that ends in a space does this); pass --chat-template "
+                    "FILE with a generation prompt that ends where a token ends")
+        lo, hi = int(np.searchsorted(starts, a, side="left")), int(np.searchsorted(starts, b, side="left"))
+        inside = np.flatnonzero(loss_mask[lo:hi])
+        t = lo + int(inside[-1]) if inside.size else -1
+        if t >= 0 and ends[t] > b and text[b:int(ends[t])].strip():
+            return (f"a supervised token ends past its assistant turn: {text[int(starts[t]):int(ends[t])]!r} "
+                    f"holds {text[b:int(ends[t])]!r} of what follows the turn, so the turn has no exact mask; pass "
+                    "--chat-template FILE with a template that ends assistant turns with an end-of-turn token")
+    return None
 
 
 def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]], tools: list | None = None,
@@ -610,7 +653,10 @@ def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]], tools: 
         InputError: the tokenizer has no chat template or is not a fast tokenizer.
     """
     rows = render_rows(tokenizer, messages, tools, chat_template, per_turn_fallback=False, on_dropped=on_dropped)
-    return tokenize_rendered(tokenizer, rows)[0]
+    out = tokenize_rendered(tokenizer, rows)[0]
+    if out.problem:
+        raise ChatTemplateError(out.problem)
+    return out
 
 
 def tokenize_turns(tokenizer, messages: Sequence[dict[str, Any]], tools: list | None = None,
@@ -619,7 +665,11 @@ def tokenize_turns(tokenizer, messages: Sequence[dict[str, Any]], tools: list | 
     """Like :func:`tokenize_conversation`, but a template that rewrites history gives one row per
     assistant turn, ``(turn index, row)``; a conversation tokenized whole is ``[(None, row)]``."""
     rows = render_rows(tokenizer, messages, tools, chat_template, per_turn_fallback=True, on_dropped=on_dropped)
-    return [(r.turn, t) for r, t in zip(rows, tokenize_rendered(tokenizer, rows))]
+    out = [(r.turn, t) for r, t in zip(rows, tokenize_rendered(tokenizer, rows))]
+    for _, t in out:
+        if t.problem:
+            raise ChatTemplateError(t.problem)
+    return out
 
 
 def _mask_from_spans(ids: np.ndarray, starts: np.ndarray, spans: list[tuple[int, int]],

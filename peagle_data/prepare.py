@@ -358,6 +358,9 @@ def _tokenize_chunk(tokenizer, chunk: list[Conversation | Reject], template, spl
     tokenized = iter(tokenize_rendered(tokenizer, flat))
     for at, rows in rendered:
         outcomes[at] = [(r.turn, next(tokenized), r.dropped) for r in rows]
+        problem = next((t.problem for _, t, _ in outcomes[at] if t.problem), None)
+        if problem:  # no exact mask for one of its rows: the conversation is a reject
+            outcomes[at] = problem
     return list(zip(chunk, outcomes))
 
 

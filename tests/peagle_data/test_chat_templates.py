@@ -316,3 +316,62 @@ def check_mask_is_assistant_content(tok, conv, on_dropped="reject") -> int:
     assistants = [m["content"] for m in conv.messages if m["role"] == "assistant"]
     assert masked_texts(tok, out) == [c + "<|im_end|>" for c in assistants]
     return sum(c.startswith("<tool_call>") for c in assistants)
+
+
+# --------------------------------------------------------------------------------------------
+# A token across a supervised span's boundary: no exact mask, the row is a reject
+
+
+VICUNA = ("{% for m in messages %}{% if m.role == 'user' %}USER: {{ m.content }} {% else %}ASSISTANT: {{ m.content }}"
+          "</s>{% endif %}{% endfor %}{% if add_generation_prompt %}ASSISTANT: {% endif %}")
+VICUNA_TURNS = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"},
+                {"role": "user", "content": "Again"}, {"role": "assistant", "content": "Sure thing"}]
+
+
+def test_a_generation_prompt_ending_in_a_space_is_refused_not_masked_without_the_first_word(smollm2_tokenizer):
+    # "ASSISTANT: " + "Hello" tokenizes as ":" " Hello": the reply's first token starts in the prompt.
+    # Masked by "starts inside the span", every reply silently lost its first word (" there</s>").
+    tok = smollm2_tokenizer
+    with pytest.raises(ChatTemplateError) as info:
+        tokenize_conversation(tok, VICUNA_TURNS, chat_template=VICUNA)
+    assert str(info.value) == (
+        "reply starts inside a token: ' Hello' holds ' ' rendered before an assistant reply (the generation "
+        "prompt's end or the previous message's) and 'Hello' of the reply, so the reply's first token has no exact "
+        "mask (a generation prompt that ends in a space does this); pass --chat-template FILE with a generation "
+        "prompt that ends where a token ends")
+    with pytest.raises(ChatTemplateError, match="^reply starts inside a token: "):
+        tokenize_turns(tok, VICUNA_TURNS, chat_template=VICUNA)
+    fixed = VICUNA.replace("{% if add_generation_prompt %}ASSISTANT: {% endif %}",
+                           "{% if add_generation_prompt %}ASSISTANT:{% endif %}")  # DeepSeek-LLM's way
+    out = tokenize_conversation(tok, VICUNA_TURNS, chat_template=fixed)
+    assert masked_texts(tok, out) == [" Hello there</s>", " Sure thing</s>"]
+
+
+def test_a_supervised_token_that_runs_into_the_next_turn_is_refused(smollm2_tokenizer):
+    glued = "{% for m in messages %}{{ m.content }}{% endfor %}"  # no end-of-turn token, no separator
+    turns = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hel"},
+             {"role": "user", "content": "lo"}, {"role": "assistant", "content": "."}]
+    with pytest.raises(ChatTemplateError) as info:
+        tokenize_conversation(smollm2_tokenizer, turns, chat_template=glued)
+    assert str(info.value) == ("a supervised token ends past its assistant turn: 'Hello' holds 'lo' of what follows "
+                               "the turn, so the turn has no exact mask; pass --chat-template FILE with a template "
+                               "that ends assistant turns with an end-of-turn token")
+    turns[2]["content"] = "bye"  # "Good" "bye" are two tokens: exact
+    turns[1]["content"] = "Good"
+    assert masked_texts(smollm2_tokenizer, tokenize_conversation(smollm2_tokenizer, turns, chat_template=glued)) == [
+        "Good", "."]
+
+
+def test_a_straddling_token_rejects_the_row_in_tokenize(tmp_path, smollm2_tokenizer):
+    import json
+
+    from peagle_data.prepare import TokenizeConfig, run_tokenize
+
+    template = tmp_path / "vicuna.jinja"
+    template.write_text(VICUNA)
+    src = tmp_path / "v.jsonl"
+    src.write_text(json.dumps({"id": "v", "messages": VICUNA_TURNS}) + "\n")
+    counts = run_tokenize([src], "smollm2-135m", tmp_path / "t", TokenizeConfig(chat_template=str(template)),
+                          tokenizer=smollm2_tokenizer)["counts"]
+    assert (counts["used"], counts["rejected"]) == (0, 1)
+    assert counts["rejected_by_reason"] == {"reply starts inside a token": 1}
