@@ -2,55 +2,38 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import click
 from click.core import ParameterSource
 
-from cli.common import handle_errors
+from cli.common import config_error, handle_errors
+from cli.options import FROM_CONFIG_FILE, ConfigArgument, config_file_options, config_options
+from peagle_data.prepare import DROPPED_CONTENT, HISTORY_REWRITE, PackConfig, TokenizeConfig
+from peagle_data.readers import FORMATS
+from peagle_data.windows import OVERLAP_LOSS
 
 __all__ = ["tokenize", "pack"]
 
-_FORMAT = click.Choice(["auto", "openai", "sharegpt"])
+_TOKENIZE_OVERRIDES = {
+    "format": {"type": click.Choice(FORMATS)},
+    "chat_template": {"type": click.Path(dir_okay=False), "metavar": "FILE"},
+    "on_history_rewrite": {"type": click.Choice(HISTORY_REWRITE)},
+    "on_dropped_content": {"type": click.Choice(DROPPED_CONTENT)},
+    "dedup": {"decls": ["--dedup/--no-dedup"]},
+}
+"""What TokenizeConfig's annotations cannot say: the choices (the library's own tuples), a path, a flag pair."""
 
 
-def _common_options(fn):
-    """Options shared by tokenize and pack (applied in reverse so --help lists them in order)."""
+def _run_options(fn):
+    """The options of tokenize and pack that are no config field: inputs, tokenizer, output, force."""
     options = [
-        click.argument("inputs", metavar="INPUT...", nargs=-1, required=True),
+        click.argument("inputs", metavar="INPUT...", nargs=-1, required=True, cls=ConfigArgument),
         click.option("--tokenizer", "tokenizer_name", metavar="MODEL", required=True,
                      help="smollm2-135m, a local model directory or a Hugging Face id."),
         click.option("--output", metavar="DIR", required=True, type=click.Path(file_okay=False),
                      help="Output table directory (must not exist unless --force)."),
-        click.option("--chat-template", metavar="FILE", type=click.Path(dir_okay=False),
-                     help="Jinja chat template file replacing the tokenizer's own."),
-        click.option("--limit", metavar="N", type=click.IntRange(min=1),
-                     help="Read at most N input rows (usable or not); for pack of a tokenize output, "
-                          "its first N conversations."),
-        click.option("--format", "fmt", type=_FORMAT, default="auto", show_default=True,
-                     help="Conversation format of the input rows (auto detects per row)."),
-        click.option("--strict", is_flag=True, help="Stop at the first bad row instead of rejecting it."),
-        click.option("--num-workers", metavar="N", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="Processes that render and tokenize (same output for any N)."),
-        click.option("--on-history-rewrite", type=click.Choice(["split", "reject"]), default="split",
-                     show_default=True,
-                     help="A template that rewrites earlier turns: one row per assistant turn, or reject."),
-        click.option("--dedup/--no-dedup", default=True, show_default=True,
-                     help="Reject exact duplicates (same normalised messages) after the first, across all inputs; "
-                          "listed in rejects.jsonl with the row they duplicate."),
-        click.option("--max-tokens", metavar="N", type=click.IntRange(min=1), default=None,
-                     help="Reject conversations of more than N tokens (counted as 'too long')."),
-        click.option("--min-loss-tokens", metavar="N", type=click.IntRange(min=1), default=None,
-                     help="Reject conversations with fewer than N supervised tokens."),
-        click.option("--on-dropped-content", type=click.Choice(["reject", "keep"]), default="reject",
-                     show_default=True,
-                     help="Message content the chat template does not render (tool calls, reasoning, tools, "
-                          "images): reject the conversation, or keep it without that content (counted)."),
-        click.option("--num-shards", metavar="N", type=click.IntRange(min=1), default=1, show_default=True,
-                     help="Split the run into N shards by conversation content; see --shard-index."),
-        click.option("--shard-index", metavar="I", type=click.IntRange(min=0), default=0, show_default=True,
-                     help="The shard this run writes, 0..N-1; the union of all N outputs is the unsharded run "
-                          "(`peagle-data merge` joins them)."),
         click.option("--force", is_flag=True, help="Overwrite an existing output."),
     ]
     for option in reversed(options):
@@ -58,28 +41,23 @@ def _common_options(fn):
     return fn
 
 
-def _tokenize_config(chat_template, limit, fmt, strict, num_workers, on_history_rewrite, **filters):
-    """``filters``: on_dropped_content, dedup, max_tokens, min_loss_tokens (TokenizeConfig fields of
-    the same names)."""
-    from peagle_data.prepare import TokenizeConfig
-
-    try:
-        return TokenizeConfig(format=fmt, limit=limit, strict=strict, chat_template=chat_template,
-                              num_workers=num_workers, on_history_rewrite=on_history_rewrite, **filters)
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
-
-
-_TOKENIZE_FIELDS = {"chat_template": "chat_template", "limit": "limit", "fmt": "format", "strict": "strict",
-                    "num_workers": "num_workers", "on_history_rewrite": "on_history_rewrite",
-                    "on_dropped_content": "on_dropped_content"}
-"""click parameter name -> TokenizeConfig field."""
+def _tokenize_config(options: dict) -> TokenizeConfig:
+    """The TokenizeConfig of a command's options (its fields; the others are left alone)."""
+    with config_error():
+        return TokenizeConfig(**{f.name: options[f.name] for f in dataclasses.fields(TokenizeConfig)})
 
 
 def _explicit_tokenize_fields(ctx: click.Context) -> set[str]:
-    """TokenizeConfig fields whose option the user set (command line or environment), not defaults."""
-    return {field for param, field in _TOKENIZE_FIELDS.items()
-            if ctx.get_parameter_source(param) not in (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)}
+    """TokenizeConfig fields the user set: on the command line (or in the environment), or in a
+    ``--config`` file to another value than the default."""
+    defaults, from_file = TokenizeConfig(), ctx.meta.get(FROM_CONFIG_FILE, set())
+    explicit = set()
+    for f in dataclasses.fields(TokenizeConfig):
+        source = ctx.get_parameter_source(f.name)
+        if source not in (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP) or (
+                f.name in from_file and ctx.params[f.name] != getattr(defaults, f.name)):
+            explicit.add(f.name)
+    return explicit
 
 
 def _echo_summary(summary: dict) -> None:
@@ -132,10 +110,11 @@ def _exit_if_useless(summary: dict) -> None:
 
 
 @click.command()
-@_common_options
+@_run_options
+@config_options(TokenizeConfig, overrides=_TOKENIZE_OVERRIDES)
+@config_file_options
 @handle_errors
-def tokenize(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, num_workers, on_history_rewrite,
-             on_dropped_content, dedup, max_tokens, min_loss_tokens, num_shards, shard_index, force):
+def tokenize(inputs, tokenizer_name, output, force, **options):
     """Tokenize conversations with the chat template; write input_ids and assistant loss masks.
 
     INPUT: .jsonl, .json or .parquet files (globs allowed), 'sharegpt', or one mixture file
@@ -144,31 +123,18 @@ def tokenize(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, 
     """
     from peagle_data.prepare import run_tokenize
 
-    cfg = _tokenize_config(chat_template, limit, fmt, strict, num_workers, on_history_rewrite,
-                           on_dropped_content=on_dropped_content, dedup=dedup,
-                           max_tokens=max_tokens, min_loss_tokens=min_loss_tokens, num_shards=num_shards,
-                           shard_index=shard_index)
-    summary = run_tokenize(list(inputs), tokenizer_name, output, cfg, force=force)
+    summary = run_tokenize(list(inputs), tokenizer_name, output, _tokenize_config(options), force=force)
     _echo_summary(summary)
     _exit_if_useless(summary)
 
 
 @click.command()
-@_common_options
-@click.option("--max-seq-len", metavar="N", type=int, default=2048, show_default=True,
-              help="Most tokens in a window; longer conversations become overlapping windows.")
-@click.option("--block-size", metavar="N", type=int, default=None,
-              help="Most tokens in a packed block (>= --max-seq-len)  [default: --max-seq-len]")
-@click.option("--overlap", metavar="F", type=float, default=0.5, show_default=True,
-              help="Fraction of a window's body shared with the next window, in [0, 1).")
-@click.option("--overlap-loss", type=click.Choice(["skip", "keep"]), default="skip", show_default=True,
-              help="skip: supervise every token once; keep: supervise the overlap twice.")
-@click.option("--max-windows", type=click.IntRange(min=1), default=None, metavar="N",
-              help="Keep at most the first N windows of each conversation (default: all); the rest are counted.")
+@_run_options
+@config_options(TokenizeConfig, overrides=_TOKENIZE_OVERRIDES)
+@config_options(PackConfig, skip=("tokenize",), overrides={"overlap_loss": {"type": click.Choice(OVERLAP_LOSS)}})
+@config_file_options
 @handle_errors
-def pack(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, num_workers, on_history_rewrite,
-         on_dropped_content, dedup, max_tokens, min_loss_tokens, num_shards, shard_index, force, max_seq_len,
-         block_size, overlap, overlap_loss, max_windows):
+def pack(inputs, tokenizer_name, output, force, **options):
     """Cut conversations into windows and pack them into blocks with cu_seqlens.
 
     INPUT: conversation files / 'sharegpt' / one mixture file (tokenized on the fly), or a tokenize output (then
@@ -176,17 +142,11 @@ def pack(inputs, tokenizer_name, output, chat_template, limit, fmt, strict, num_
     names them if given).
     Exits 1 with a warning when no row is used or no block is written.
     """
-    from peagle_data.prepare import PackConfig, run_pack
+    from peagle_data.prepare import run_pack
 
-    tok_cfg = _tokenize_config(chat_template, limit, fmt, strict, num_workers, on_history_rewrite,
-                               on_dropped_content=on_dropped_content, dedup=dedup,
-                               max_tokens=max_tokens, min_loss_tokens=min_loss_tokens, num_shards=num_shards,
-                               shard_index=shard_index)
-    try:
-        cfg = PackConfig(max_seq_len=max_seq_len, block_size=block_size, overlap=overlap,
-                         overlap_loss=overlap_loss, max_windows=max_windows, tokenize=tok_cfg)
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
+    with config_error():
+        cfg = PackConfig(tokenize=_tokenize_config(options),
+                         **{f.name: options[f.name] for f in dataclasses.fields(PackConfig) if f.name != "tokenize"})
     summary = run_pack(list(inputs), tokenizer_name, output, cfg, force=force,
                        explicit=_explicit_tokenize_fields(click.get_current_context()))
     _echo_summary(summary)

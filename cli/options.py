@@ -32,7 +32,7 @@ from typing import Any, Callable
 import click
 from click.core import ParameterSource
 
-__all__ = ["field_docs", "config_options", "config_file_options", "resolved_config", "IntList", "load_config_file"]
+__all__ = ["FROM_CONFIG_FILE", "field_docs", "config_options", "config_file_options", "resolved_config", "IntList", "load_config_file"]
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -196,6 +196,10 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
+FROM_CONFIG_FILE = "peagle.from_config_file"
+"""``ctx.meta`` key: the parameter names a ``--config`` file set (their source is ``DEFAULT_MAP``)."""
+
+
 def _keys(command: click.Command) -> dict[str, click.Parameter]:
     """Config-file key -> parameter: each parameter's name and its long options without ``--``
     (``-`` and ``_`` alike)."""
@@ -226,6 +230,7 @@ def _load_into_context(ctx: click.Context, param, value):
             v = [v] if isinstance(v, str) else v
         defaults[p.name] = v
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    ctx.meta[FROM_CONFIG_FILE] = set(defaults)
     return value
 
 

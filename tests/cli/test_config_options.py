@@ -29,9 +29,9 @@ COMMANDS = {
               "chunk_anchors", "warmup"}),  # memory bound and timing warm-up: library knobs, never named as options
     "extract": (data_main.commands["extract"], [ExtractConfig], {"packed_dir": "packed"}, set(),
                 {"writer_queue"}),  # host-memory bound of the writer thread, never named as an option
-    "tokenize": (data_main.commands["tokenize"], [TokenizeConfig], {"fmt": "format"},
+    "tokenize": (data_main.commands["tokenize"], [TokenizeConfig], {},
                  {"inputs", "tokenizer_name", "output", "force"}, set()),
-    "pack": (data_main.commands["pack"], [PackConfig, TokenizeConfig], {"fmt": "format"},
+    "pack": (data_main.commands["pack"], [PackConfig, TokenizeConfig], {},
              {"inputs", "tokenizer_name", "output", "force"}, {"tokenize"}),  # the nested TokenizeConfig
 }
 

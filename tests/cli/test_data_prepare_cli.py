@@ -259,3 +259,28 @@ def test_inspect_prints_json(tmp_path, convs, tok_name):
     assert (info["kind"], info["rows"], info["path"]) == ("tokenized", 3, str(out))
     assert info["counts"]["read"] == 5 and info["counts"]["rejected_by_reason"] == {"invalid JSON": 1,
                                                                                     "no assistant turn": 1}
+
+
+def test_a_config_file_is_the_options_and_print_config_repeats_the_run(tmp_path, convs, tok_name):
+    """``--config`` supplies the INPUT argument and options; a tokenize option it sets to a non-default
+    value counts as given (pack of a tokenize output names it), the defaults a --print-config file
+    repeats do not; the command line wins over the file."""
+    import yaml
+
+    assert invoke(tokenize, [convs, "--tokenizer", tok_name, "--output", tmp_path / "tok"]).exit_code == 0
+    cfg = tmp_path / "pack.yaml"
+    cfg.write_text(yaml.safe_dump({"inputs": [str(tmp_path / "tok")], "tokenizer": tok_name, "max-seq-len": 64,
+                                   "num_workers": 3, "output": str(tmp_path / "p1")}))
+    result = invoke(pack, ["--config", cfg, "--max-seq-len", 32])
+    assert result.exit_code == 0, result.output
+    assert "WARNING: ignoring --num-workers 3" in result.stderr
+    assert TokenTable.open(tmp_path / "p1").manifest["parameters"]["max_seq_len"] == 32  # the command line
+    printed = invoke(pack, [tmp_path / "tok", "--tokenizer", tok_name, "--max-seq-len", 64, "--output",
+                            tmp_path / "p2", "--print-config"])
+    assert printed.exit_code == 0 and not (tmp_path / "p2").exists()  # printed, not run
+    assert yaml.safe_load(printed.stdout)["inputs"] == [str(tmp_path / "tok")]
+    (tmp_path / "again.yaml").write_text(printed.stdout)
+    again = invoke(pack, ["--config", tmp_path / "again.yaml"])
+    assert again.exit_code == 0 and "WARNING" not in again.stderr, again.output
+    first = TokenTable.open(tmp_path / "p2").manifest["parameters"]
+    assert first["max_seq_len"] == 64 and first["tokenize"]["num_workers"] == 1
