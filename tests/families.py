@@ -10,7 +10,9 @@ attention past its window, or across segments, would differ from the segment run
   sliding/full, attention and final logit soft-capping), ``gemma3_text`` (sliding, full, sliding;
   a RoPE per layer type), ``gpt_oss`` (alternating sliding/full, attention sinks, MoE, YaRN RoPE);
 - ``gemma3_mm``: a multimodal wrapper (``Gemma3ForConditionalGeneration`` with a 1-layer SigLIP
-  tower) around the ``gemma3_text`` language model.
+  tower) around the ``gemma3_text`` language model;
+- ``qwen2_5_vl``: ``Qwen2_5_VLForConditionalGeneration`` (a 1-block vision tower; its language
+  model is a Qwen2 with M-RoPE, sliding from layer 1 on).
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ WINDOW = 4
 """Sliding window (tokens) of every sliding layer in the matrix."""
 
 FAMILIES = ["llama31", "qwen3", "qwen3_moe", "mistral", "qwen2", "gemma2", "gemma3_text", "gpt_oss", "phi3",
-            "gemma3_mm"]
+            "gemma3_mm", "qwen2_5_vl"]
 """Every family of the matrix, in the order the tests run them."""
 
-SLIDING = {"mistral", "qwen2", "gemma2", "gemma3_text", "gpt_oss", "phi3", "gemma3_mm"}
+SLIDING = {"mistral", "qwen2", "gemma2", "gemma3_text", "gpt_oss", "phi3", "gemma3_mm", "qwen2_5_vl"}
 """Families with sliding-window layers."""
 
 
@@ -84,6 +86,14 @@ def family_config(name: str, vocab_size: int = 512):
         return tf.Gemma3Config(text_config=_gemma3_text(vocab_size), vision_config=vision, mm_tokens_per_image=4,
                                image_token_id=vocab_size - 1, boi_token_id=vocab_size - 2,
                                eoi_token_id=vocab_size - 3, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if name == "qwen2_5_vl":
+        text = {**s, "num_hidden_layers": 2, "use_sliding_window": True, "sliding_window": WINDOW,
+                "max_window_layers": 1, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
+        vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
+        return tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=vocab_size - 1,
+                                   video_token_id=vocab_size - 2, vision_start_token_id=vocab_size - 3,
+                                   vision_end_token_id=vocab_size - 4, pad_token_id=0, bos_token_id=1,
+                                   eos_token_id=2)
     raise KeyError(f"unknown family {name!r}; known: {FAMILIES}")
 
 
@@ -94,7 +104,7 @@ def build_family(name: str, vocab_size: int = 512, seed: int = 0, attn_implement
 
     cfg = family_config(name, vocab_size)
     torch.manual_seed(seed)
-    auto = AutoModelForImageTextToText if name == "gemma3_mm" else AutoModelForCausalLM
+    auto = AutoModelForImageTextToText if name in ("gemma3_mm", "qwen2_5_vl") else AutoModelForCausalLM
     model = auto.from_config(cfg, dtype=torch.float32,
                              **({"attn_implementation": attn_implementation} if attn_implementation else {}))
     with torch.no_grad():  # random weights large enough that layers and windows matter
