@@ -121,13 +121,15 @@ def language_model(verifier: torch.nn.Module) -> torch.nn.Module:
     ``Mistral3ForConditionalGeneration``, ...) its language model, which text-only data runs through.
     """
     getter = getattr(verifier, "get_decoder", None)
-    decoder = getter() if callable(getter) else None
-    if decoder is None or not hasattr(decoder, "layers"):
-        decoder = getattr(verifier, verifier.base_model_prefix, verifier)
-    if not hasattr(decoder, "layers"):
-        raise InputError(f"{type(verifier).__name__}: no decoder stack with .layers found; peagle extracts "
-                         "from transformers decoder models", field="--verifier")
-    return decoder
+    candidates = [getter() if callable(getter) else None, getattr(verifier, verifier.base_model_prefix, None),
+                  getattr(verifier, "model", None)]
+    for decoder in candidates:
+        inner = getattr(decoder, "language_model", None)  # a multimodal model's text stack
+        for module in (inner, decoder):
+            if module is not None and module is not verifier and hasattr(module, "layers"):
+                return module
+    raise InputError(f"{type(verifier).__name__}: no decoder stack with .layers found; peagle extracts "
+                     "from transformers decoder models", field="--verifier")
 
 
 _base_model = language_model  # the name bench/ and older callers use

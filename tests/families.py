@@ -12,7 +12,9 @@ attention past its window, or across segments, would differ from the segment run
 - ``gemma3_mm``: a multimodal wrapper (``Gemma3ForConditionalGeneration`` with a 1-layer SigLIP
   tower) around the ``gemma3_text`` language model;
 - ``qwen2_5_vl``: ``Qwen2_5_VLForConditionalGeneration`` (a 1-block vision tower; its language
-  model is a Qwen2 with M-RoPE, sliding from layer 1 on).
+  model is a Qwen2 with M-RoPE, sliding from layer 1 on);
+- ``llama4``: Llama-4 text (chunked attention in chunks of ``WINDOW`` tokens, then a full layer
+  without RoPE; MoE).
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ WINDOW = 4
 """Sliding window (tokens) of every sliding layer in the matrix."""
 
 FAMILIES = ["llama31", "qwen3", "qwen3_moe", "mistral", "qwen2", "gemma2", "gemma3_text", "gpt_oss", "phi3",
-            "gemma3_mm", "qwen2_5_vl"]
+            "gemma3_mm", "qwen2_5_vl", "llama4"]
 """Every family of the matrix, in the order the tests run them."""
 
-SLIDING = {"mistral", "qwen2", "gemma2", "gemma3_text", "gpt_oss", "phi3", "gemma3_mm", "qwen2_5_vl"}
-"""Families with sliding-window layers."""
+SLIDING = {"mistral", "qwen2", "gemma2", "gemma3_text", "gpt_oss", "phi3", "gemma3_mm", "qwen2_5_vl", "llama4"}
+"""Families with sliding-window (or chunked: llama4) layers."""
 
 
 def _shape(vocab_size: int) -> dict:
@@ -94,6 +96,10 @@ def family_config(name: str, vocab_size: int = 512):
                                    video_token_id=vocab_size - 2, vision_start_token_id=vocab_size - 3,
                                    vision_end_token_id=vocab_size - 4, pad_token_id=0, bos_token_id=1,
                                    eos_token_id=2)
+    if name == "llama4":
+        return tf.Llama4TextConfig(**s, num_hidden_layers=2, attention_chunk_size=WINDOW, intermediate_size_mlp=128,
+                                   num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=1,
+                                   no_rope_layers=[1, 0])
     raise KeyError(f"unknown family {name!r}; known: {FAMILIES}")
 
 
