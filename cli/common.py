@@ -1,4 +1,4 @@
-"""Helpers shared by the click commands: error handling and integer-list options."""
+"""Helpers shared by the click commands: error handling, config errors, JSON output."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import click
 
 from stores.errors import PeagleError
 
-__all__ = ["handle_errors", "parse_int_list", "echo_json", "config_error"]
+__all__ = ["handle_errors", "echo_json", "config_error"]
 
 
 def handle_errors(fn):
@@ -26,19 +26,6 @@ def handle_errors(fn):
             sys.exit(2)
 
     return wrapper
-
-
-def parse_int_list(ctx, param, value: str | None) -> list[int] | None:
-    """click callback: ``"2,18,33"`` -> ``[2, 18, 33]``."""
-    if value is None:
-        return None
-    parts = [v.strip() for v in value.split(",")]
-    try:
-        if not parts or any(p == "" for p in parts):
-            raise ValueError
-        return [int(v) for v in parts]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers such as 2,18,33, got {value!r}") from None
 
 
 def echo_json(obj) -> None:

@@ -7,50 +7,39 @@ from pathlib import Path
 
 import click
 
-from cli.common import echo_json, handle_errors, parse_int_list
+from cli.common import config_error, echo_json, handle_errors
+from cli.options import config_file_options, config_options
+from peagle_data.extract import ATTN_IMPLEMENTATIONS, ExtractConfig
+from stores.feature_store import STORAGE_DTYPES
 
 __all__ = ["extract", "inspect_cmd", "verify"]
 
 
-@click.command()
-@click.argument("packed_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("--verifier", required=True, help="MODEL: smollm2-135m, a local directory or a hub id.")
-@click.option("--output", required=True, type=click.Path(), help="Feature store path (zarr v3).")
-@click.option("--layers", callback=parse_int_list, default=None,
-              help="Aux layers as HF hidden_states indices, e.g. 2,18,33 (default: 2, L//2, L-3).")
-@click.option("--storage-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True,
-              help="bf16 (bit-exact) or fp8 (float8_e4m3fn with per-token, per-layer scales; half the bytes).")
-@click.option("--compressor", type=click.Choice(["none", "zstd"]), default="none", show_default=True,
-              help="Chunk compressor; none keeps chunks memory-mappable (activations barely compress).")
-@click.option("--attn-implementation", type=click.Choice(["auto", "sdpa", "eager", "flash_attention_2"]),
-              default="auto", show_default=True,
-              help="auto: FlashAttention varlen on CUDA when installed, else SDPA with a block-diagonal mask.")
-@click.option("--resume", is_flag=True,
-              help="Continue an existing store: check every done block (reads it once) and extract the "
-                   "blocks not done and the damaged ones.")
-@click.option("--force", is_flag=True, help="Overwrite an existing store; skip the free-disk check.")
-@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
-@click.option("--max-blocks", type=int, default=None, help="Stop after this many blocks (resumable).")
-@click.option("--num-shards", metavar="N", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Split the packed blocks into N shard stores (block I, I+N, ... go to shard I).")
-@click.option("--shard-index", metavar="I", type=click.IntRange(min=0), default=0, show_default=True,
-              help="The shard this run writes, 0..N-1; `peagle-data merge` joins the N stores.")
-@handle_errors
-def extract(packed_dir, verifier, output, layers, storage_dtype, compressor, attn_implementation, resume, force, device,
-            max_blocks, num_shards, shard_index):
-    """Run the verifier over PACKED_DIR and write hidden states into a feature store."""
-    from peagle_data.extract import ExtractConfig, run_extract
+_EXTRACT_OVERRIDES = {
+    "packed": {"type": click.Path(exists=True, file_okay=False), "metavar": "PACKED_DIR"},
+    "verifier": {"metavar": "MODEL"},
+    "output": {"type": click.Path()},
+    "storage_dtype": {"type": click.Choice(STORAGE_DTYPES)},
+    "compressor": {"type": click.Choice(["none", "zstd"]), "default": "none", "show_default": True,
+                   "callback": lambda ctx, param, value: None if value in (None, "none") else value},
+    "attn_implementation": {"type": click.Choice(ATTN_IMPLEMENTATIONS)},
+    "num_shards": {"metavar": "N"},
+    "shard_index": {"metavar": "I"},
+}
+"""What ExtractConfig's annotations cannot say: paths, choices (the library's tuples), ``none`` for no compressor."""
 
-    try:
-        cfg = ExtractConfig(packed=packed_dir, verifier=verifier, output=output, layers=layers,
-                            storage_dtype=storage_dtype,
-                            compressor=None if compressor == "none" else compressor,
-                            attn_implementation=attn_implementation, resume=resume, force=force, device=device, max_blocks=max_blocks,
-                            num_shards=num_shards, shard_index=shard_index)
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
-    summary = run_extract(cfg, log=lambda m: click.echo(m, err=True))
-    echo_json(summary)
+
+@click.command()
+@config_options(ExtractConfig, skip=("writer_queue",), arguments=("packed",), overrides=_EXTRACT_OVERRIDES)
+@config_file_options
+@handle_errors
+def extract(**options):
+    """Run the verifier over PACKED_DIR and write hidden states into a feature store."""
+    from peagle_data.extract import run_extract
+
+    with config_error():
+        cfg = ExtractConfig(**options)
+    echo_json(run_extract(cfg, log=lambda m: click.echo(m, err=True)))
 
 
 @click.command()
@@ -84,50 +73,12 @@ def verify(store, packed, repair):
     STORE may also be a token table: its totals and unique row sources / window ids, and for a
     table made by `peagle-data merge` the union of its shards.
     """
-    from stores.feature_store import verify_store
+    from peagle_data.verify import verify_output
 
-    if (Path(store) / "manifest.json").is_file():
-        _verify_table(store)
-        return
-    from stores.token_tables import TokenTable
-
-    from stores.errors import StoreMismatchError
-    from stores.feature_store import FeatureStore
-    from stores.token_tables import manifest_sha256
-
-    expected = None
-    if packed is not None:
-        table = TokenTable.open(packed)
-        if table.kind != "packed":
-            raise StoreMismatchError(f"--packed {packed}: expected a packed table, got a {table.kind} table")
-        source = FeatureStore.open(store).attrs.get("source")
-        if source != manifest_sha256(packed):
-            raise StoreMismatchError(f"--packed {packed}: the store was made from another packed table "
-                                     f"(manifest sha256 {source}, this table {manifest_sha256(packed)})")
-        rows = list(table.iter_rows(["input_ids"]))
-        shard = FeatureStore.open(store).attrs.get("shard") or {}
-        rows = rows[shard.get("shard_index", 0)::shard.get("num_shards", 1)]  # a shard store's blocks
-        expected = lambda i: rows[i]["input_ids"]  # noqa: E731
-    report = verify_store(store, expected_tokens=expected, repair=repair)
+    report, failure = verify_output(store, packed=packed, repair=repair)
     echo_json(report)
-    if not report["ok"]:
-        bad = sorted(set(report["not_done"]) | set(int(k) for k in report["bad_blocks"]))
-        damaged = "; ".join(report["damaged_arrays"].values())
-        click.echo(f"Error: store {store} failed verification; blocks at fault: {bad}"
-                   + (f"; {damaged}" if damaged else "")
-                   + ("; their done flags are cleared" if report["repaired"] else "")
-                   + ". `peagle-data extract PACKED --resume` (same --verifier and --layers) extracts "
-                     "them again", err=True)
-        sys.exit(1)
-
-
-def _verify_table(path) -> None:
-    from stores.merge import verify_table
-
-    report = verify_table(path)
-    echo_json(report)
-    if not report["ok"]:
-        click.echo(f"Error: table {path} failed verification: {'; '.join(report['problems'])}", err=True)
+    if failure is not None:
+        click.echo(f"Error: {failure}", err=True)
         sys.exit(1)
 
 

@@ -41,6 +41,7 @@ from stores.model_cache import load_verifier, model_fingerprint, resolve_model
 from stores.token_tables import TokenTable, manifest_sha256
 
 __all__ = [
+    "ATTN_IMPLEMENTATIONS",
     "ExtractConfig",
     "default_layers",
     "language_model",
@@ -53,22 +54,27 @@ __all__ = [
 ]
 
 
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2")
+"""The verifier attention implementations ``--attn-implementation`` accepts."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ExtractConfig:
     """Options of ``peagle-data extract``."""
 
     packed: str
-    """Packed table directory (output of ``peagle-data pack``)."""
+    """PACKED_DIR: the packed table directory (output of ``peagle-data pack``)."""
     verifier: str
     """MODEL: ``smollm2-135m``, a local directory or a hub id."""
     output: str
-    """Feature store path (a zarr v3 group)."""
+    """Feature store path (zarr v3)."""
     layers: list[int] | None = None
-    """Aux layers as HF ``output_hidden_states`` indices; default EAGLE-3's ``[2, L//2, L-3]``."""
+    """Aux layers as HF ``output_hidden_states`` indices, e.g. 2,18,33; default EAGLE-3's ``[2, L//2, L-3]``."""
     storage_dtype: str = "bf16"
-    """``bf16`` (bit-exact) or ``fp8`` (float8_e4m3fn with a per-token, per-layer scale)."""
+    """``bf16`` (bit-exact) or ``fp8`` (float8_e4m3fn with a per-token, per-layer scale; half the bytes)."""
     compressor: str | None = None
-    """None (raw chunks, memory-mapped reads) or ``zstd`` (smaller, read through zarr)."""
+    """Chunk compressor: None (``none`` on the command line: raw chunks, memory-mapped reads; activations
+    barely compress) or ``zstd`` (smaller, read through zarr)."""
     resume: bool = False
     """Continue an existing store: check every done block, then extract the not-done and damaged ones."""
     force: bool = False
@@ -99,7 +105,7 @@ class ExtractConfig:
             raise ValueError("--max-blocks must be ≥ 1")
         if self.storage_dtype not in STORAGE_DTYPES:
             raise ValueError(f"--storage-dtype: expected one of {STORAGE_DTYPES}, got {self.storage_dtype!r}")
-        if self.attn_implementation not in ("auto", "sdpa", "eager", "flash_attention_2"):
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ValueError(f"--attn-implementation: unknown {self.attn_implementation!r}")
         if self.writer_queue < 1:
             raise ValueError("writer_queue must be ≥ 1")

@@ -22,7 +22,7 @@ EXACT = {
     ("data", "tokenize"): TOKENIZE,
     ("data", "pack"): TOKENIZE | {"--max-seq-len", "--block-size", "--overlap", "--overlap-loss", "--max-windows"},
     ("data", "extract"): {"--verifier", "--output", "--layers", "--storage-dtype", "--compressor",
-                          "--attn-implementation", "--resume", "--force", "--device", "--max-blocks", *SHARDS},
+                          "--attn-implementation", "--resume", "--force", "--device", "--max-blocks", *SHARDS, *CONFIG_FILE},
     ("data", "regenerate"): {"--output", "--verifier", "--server", "--served-model", "--max-new-tokens",
                              "--temperature", "--turns", "--concurrency", "--batch-size", "--device", "--limit",
                              "--format", "--retries", "--timeout", "--seed", "--resume", "--force"},

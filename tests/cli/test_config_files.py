@@ -92,3 +92,27 @@ def test_help_is_the_field_docstring():
     assert docs["num_layers"] == "Drafter decoder layers (``--num-layers``)."
     out = invoke(train_main, ["--help"]).output
     assert "Drafter decoder layers." in " ".join(out.split())
+
+
+def test_extract_config_round_trip_with_its_converted_options(tmp_path, monkeypatch):
+    """``--layers 2,5`` is a list in the file, ``--compressor none`` is None; both read back the same."""
+    import peagle_data.extract
+    from cli.data import main as data_main
+    from peagle_data.extract import ExtractConfig
+
+    (tmp_path / "packed").mkdir()
+    args = ["extract", tmp_path / "packed", "--verifier", "m", "--output", tmp_path / "s.zarr", "--layers", "2,5"]
+    first = invoke(data_main, [*args, "--print-config"])
+    assert first.exit_code == 0, first.output
+    assert yaml.safe_load(first.stdout) == {
+        "packed": str(tmp_path / "packed"), "verifier": "m", "output": str(tmp_path / "s.zarr"), "layers": [2, 5],
+        "storage_dtype": "bf16", "compressor": None, "resume": False, "force": False, "device": None,
+        "max_blocks": None, "attn_implementation": "auto", "num_shards": 1, "shard_index": 0}
+    (tmp_path / "x.yaml").write_text(first.stdout)
+    assert invoke(data_main, ["extract", "--config", tmp_path / "x.yaml", "--print-config"]).stdout == first.stdout
+    seen = []
+    monkeypatch.setattr(peagle_data.extract, "run_extract", lambda cfg, log: seen.append(cfg) or {})
+    result = invoke(data_main, ["extract", "--config", tmp_path / "x.yaml", "--compressor", "zstd"])
+    assert result.exit_code == 0, result.output
+    assert seen == [ExtractConfig(packed=str(tmp_path / "packed"), verifier="m", output=str(tmp_path / "s.zarr"),
+                                  layers=[2, 5], compressor="zstd")]

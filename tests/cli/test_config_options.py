@@ -27,7 +27,7 @@ COMMANDS = {
     "eval": (eval_main, [EvalRun, EvalConfig], {}, set(),
              {"settings",  # the nested EvalConfig
               "chunk_anchors", "warmup"}),  # memory bound and timing warm-up: library knobs, never named as options
-    "extract": (data_main.commands["extract"], [ExtractConfig], {"packed_dir": "packed"}, set(),
+    "extract": (data_main.commands["extract"], [ExtractConfig], {}, set(),
                 {"writer_queue"}),  # host-memory bound of the writer thread, never named as an option
     "tokenize": (data_main.commands["tokenize"], [TokenizeConfig], {},
                  {"inputs", "tokenizer_name", "output", "force"}, set()),

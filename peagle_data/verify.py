@@ -1,0 +1,74 @@
+"""``peagle-data verify``: check a feature store (optionally its token ids against the packed table
+it was extracted from) or a token table; one report and, when it fails, one line saying what to do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["verify_output"]
+
+
+def _expected_tokens(store: str, packed: str):
+    """``block index -> input_ids`` of ``packed``'s blocks that ``store`` holds (a shard store holds
+    blocks ``shard_index, shard_index + num_shards, ...``).
+
+    Raises:
+        StoreMismatchError: ``packed`` is no packed table, or not the table the store was made from.
+    """
+    from stores.errors import StoreMismatchError
+    from stores.feature_store import FeatureStore
+    from stores.token_tables import TokenTable, manifest_sha256
+
+    table = TokenTable.open(packed)
+    if table.kind != "packed":
+        raise StoreMismatchError(f"--packed {packed}: expected a packed table, got a {table.kind} table")
+    attrs = FeatureStore.open(store).attrs
+    if attrs.get("source") != manifest_sha256(packed):
+        raise StoreMismatchError(f"--packed {packed}: the store was made from another packed table "
+                                 f"(manifest sha256 {attrs.get('source')}, this table {manifest_sha256(packed)})")
+    rows = list(table.iter_rows(["input_ids"]))
+    shard = attrs.get("shard") or {}
+    rows = rows[shard.get("shard_index", 0)::shard.get("num_shards", 1)]
+    return lambda i: rows[i]["input_ids"]
+
+
+def _store_failure(store: str, report: dict[str, Any]) -> str:
+    """The error line of a store that failed verification: the blocks at fault and how to redo them."""
+    bad = sorted(set(report["not_done"]) | set(int(k) for k in report["bad_blocks"]))
+    damaged = "; ".join(report["damaged_arrays"].values())
+    return (f"store {store} failed verification; blocks at fault: {bad}"
+            + (f"; {damaged}" if damaged else "")
+            + ("; their done flags are cleared" if report["repaired"] else "")
+            + ". `peagle-data extract PACKED --resume` (same --verifier and --layers) extracts them again")
+
+
+def verify_output(path: str | Path, packed: str | Path | None = None,
+                  repair: bool = False) -> tuple[dict[str, Any], str | None]:
+    """Verify a feature store (shapes, dtypes, done flags, chunk files, checksums, NaN/Inf, and with
+    ``packed`` its token ids) or a token table (totals, unique row sources / window ids, a merged
+    table's shards).
+
+    Args:
+        path: a feature store or a token table directory.
+        packed: the packed table the store was extracted from (stores only).
+        repair: clear the done flag of every bad block of a store, so that ``extract --resume``
+            extracts them again.
+
+    Returns:
+        ``(report, failure)``: the JSON-able report, and None when it passed, else one line naming
+        what is at fault.
+
+    Raises:
+        StoreMismatchError: ``packed`` is not the store's packed table.
+        StoreFormatError: ``path`` is neither a store nor a table.
+    """
+    from stores.feature_store import verify_store
+    from stores.merge import verify_table
+
+    if (Path(path) / "manifest.json").is_file():
+        report = verify_table(path)
+        return report, (None if report["ok"] else f"table {path} failed verification: {'; '.join(report['problems'])}")
+    expected = _expected_tokens(str(path), str(packed)) if packed is not None else None
+    report = verify_store(path, expected_tokens=expected, repair=repair)
+    return report, (None if report["ok"] else _store_failure(str(path), report))
