@@ -72,12 +72,12 @@ class RowByRowLogits:
 
 def row_by_row_run(*args):
     """oracle_run with the "before" lm_head (:class:`RowByRowLogits`)."""
-    orig = spec._lm_head_logits
-    spec._lm_head_logits = RowByRowLogits
+    orig = spec.lm_head_logits
+    spec.lm_head_logits = RowByRowLogits
     try:
         return oracle_run(*args)
     finally:
-        spec._lm_head_logits = orig
+        spec.lm_head_logits = orig
 
 
 def run_case(verifier, drafter, ids, base, n, K, wrong):

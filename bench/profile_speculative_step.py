@@ -30,12 +30,12 @@ from stores.model_cache import load_tokenizer, load_verifier
 
 def greedy_steps(verifier, ids, n, times):
     """``n`` one-token verifier passes after a prefill of ``ids``."""
-    cache = spec._new_cache(verifier)
-    logits, _ = spec._verifier_pass(verifier, ids, cache, want_hidden=False, last_only=True)
+    cache = spec.new_cache(verifier)
+    logits, _ = spec.verifier_pass(verifier, ids, cache, want_hidden=False, last_only=True)
     last = int(logits[-1].argmax())
     for _ in range(n):
         t0 = time.perf_counter()
-        logits, _ = spec._verifier_pass(verifier, torch.tensor([last]), cache, want_hidden=False)
+        logits, _ = spec.verifier_pass(verifier, torch.tensor([last]), cache, want_hidden=False)
         last = int(logits[-1].argmax())
         times.setdefault("greedy_step", []).append(time.perf_counter() - t0)
 
@@ -43,8 +43,8 @@ def greedy_steps(verifier, ids, n, times):
 def spec_steps(verifier, drafter, ids, full, n, K, times, prefix):
     """``n`` speculative steps whose drafts are ``full``'s tokens (all accepted), timed per part."""
     layers = drafter.config.aux_layer_ids
-    cache, session = spec._rollback_cache(verifier), spec.DrafterSession(drafter)
-    logits, hs = spec._verifier_pass(verifier, ids, cache, want_hidden=True, last_only=True)
+    cache, session = spec.rollback_cache(verifier), spec.DrafterSession(drafter)
+    logits, hs = spec.verifier_pass(verifier, ids, cache, want_hidden=True, last_only=True)
     toks, read = [int(logits[-1].argmax())], ids.numel()
     new_tokens, new_aux = torch.cat([ids[1:], torch.tensor(toks)]), spec._aux_features(hs, layers)
     vocab = verifier.config.get_text_config().vocab_size
@@ -55,12 +55,12 @@ def spec_steps(verifier, drafter, ids, full, n, K, times, prefix):
         spec._propose(draft_logits, drafter.draft_ids, vocab, 0.0, None)
         drafts = torch.tensor(full[read + 1:read + 1 + K], dtype=torch.long)
         marks.append(time.perf_counter())
-        logits, hs = spec._verifier_body_pass(verifier, torch.cat([torch.tensor(toks[-1:]), drafts]), cache)
+        logits, hs = spec.verifier_body_pass(verifier, torch.cat([torch.tensor(toks[-1:]), drafts]), cache)
         marks.append(time.perf_counter())
         accepted, emitted = spec.accept_drafts(drafts, logits, 0.0, None, None)
         marks.append(time.perf_counter())
         read += accepted + 1
-        spec._crop_cache(cache, read)
+        spec.crop_cache(cache, read)
         new_tokens, new_aux = emitted, spec._aux_features(hs, layers)[:accepted + 1]
         toks.extend(emitted.tolist())
         marks.append(time.perf_counter())
@@ -86,16 +86,16 @@ def main() -> None:
     ids = torch.tensor(render_turn(tok, read_prompts(args.prompts, 1)[0], 0, []))
     full = ids.tolist() + spec.plain_generate(verifier, ids, (K + 1) * args.steps + K + 2).tokens
     times: dict[str, list[float]] = {}
-    orig = spec._lm_head_logits
+    orig = spec.lm_head_logits
     with torch.no_grad():
         for _ in range(args.rounds):
             greedy_steps(verifier, ids, args.steps, times)
             spec_steps(verifier, drafter, ids, full, args.steps, K, times, "after_")
-            spec._lm_head_logits = RowByRowLogits
+            spec.lm_head_logits = RowByRowLogits
             try:
                 spec_steps(verifier, drafter, ids, full, args.steps, K, times, "before_")
             finally:
-                spec._lm_head_logits = orig
+                spec.lm_head_logits = orig
     ms = {name: round(statistics.median(v) * 1e3, 2) for name, v in times.items()}
     report = {"median_ms": ms, "K": K, "prompt_tokens": ids.numel(),
               "break_even_acceptance_length_after": round(ms["after_step"] / ms["greedy_step"], 3),

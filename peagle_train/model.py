@@ -31,8 +31,9 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from peagle_train.attention import FlexElementMask
+from peagle_train.rope import ROPE_TYPES, rope_cos_sin, rope_frequencies, rotary_cos_sin, rotate_half
 
-__all__ = ["DrafterConfig", "PEagleDrafter", "RMSNorm", "rotary_cos_sin", "rope_cos_sin", "rope_frequencies",
+__all__ = ["DrafterConfig", "PEagleDrafter", "DrafterCache", "KVCache", "RMSNorm", "rotary_cos_sin", "rope_cos_sin", "rope_frequencies",
            "ROPE_TYPES", "AttentionMask", "sdpa_dense",
            "SDPA_MASK_BUDGET_BYTES"]
 
@@ -139,67 +140,6 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-"""RoPE types whose frequencies are fixed (transformers' ``rope_type``); ``dynamic`` and ``longrope``
-change with the sequence length and are refused."""
-
-
-def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Llama ``default`` RoPE tables for ``position_ids [E]`` -> cos, sin ``[E, head_dim]``."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device,
-                                             dtype=torch.float32) / head_dim))
-    freqs = position_ids.float()[:, None] * inv_freq[None, :]  # [E, hd/2]
-    emb = torch.cat([freqs, freqs], dim=-1)  # [E, hd]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-_ROPE_CACHE: dict[str, tuple[torch.Tensor, float]] = {}
-
-
-def rope_frequencies(cfg: DrafterConfig) -> tuple[torch.Tensor, float]:
-    """``inv_freq [head_dim/2] float32`` and the cos/sin scale of ``cfg.rope_parameters``.
-
-    Computed by transformers' own RoPE functions (``modeling_rope_utils.ROPE_INIT_FUNCTIONS``) for a
-    Llama config of the drafter's head dim, so the drafter rotates exactly as a transformers Llama
-    (and vLLM's Llama drafter) with these parameters; cached per parameter set.
-    """
-    import json
-
-    key = json.dumps([cfg.head_dim, cfg.max_position_embeddings, cfg.rope_parameters], sort_keys=True)
-    if key not in _ROPE_CACHE:
-        rope = cfg.rope_parameters
-        if rope["rope_type"] == "default":
-            hd = cfg.head_dim
-            inv = 1.0 / (rope["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-            _ROPE_CACHE[key] = (inv, 1.0)
-        else:
-            from transformers import LlamaConfig
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            lc = LlamaConfig(hidden_size=cfg.head_dim * cfg.num_attention_heads, head_dim=cfg.head_dim,
-                             num_attention_heads=cfg.num_attention_heads,
-                             max_position_embeddings=cfg.max_position_embeddings, rope_parameters=dict(rope))
-            inv, scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](lc, torch.device("cpu"))
-            _ROPE_CACHE[key] = (inv.float(), float(scale))
-    return _ROPE_CACHE[key]
-
-
-def rope_cos_sin(position_ids: torch.Tensor, cfg: DrafterConfig,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The drafter's RoPE tables for ``position_ids [E]`` -> cos, sin ``[E, head_dim]`` of ``dtype``
-    (the verifier's RoPE type, scaling and theta: :func:`rope_frequencies`)."""
-    inv_freq, scale = rope_frequencies(cfg)
-    freqs = position_ids.float()[:, None] * inv_freq.to(position_ids.device)[None, :]  # [E, hd/2]
-    emb = torch.cat([freqs, freqs], dim=-1)  # [E, hd]
-    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: DrafterConfig, in_width: int):
         super().__init__()
@@ -210,11 +150,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_mask: AttentionMask, rows: torch.Tensor | None = None) -> torch.Tensor:
+                attn_mask: AttentionMask, rows: torch.Tensor | None = None,
+                kv: KVCache | None = None) -> torch.Tensor:
         """``x [E, in]`` -> ``[E, H]``, or ``[R, H]`` for the query ``rows [R]`` only (keys: all E).
 
         ``attn_mask``: ``[E, E] bool`` (SDPA; its rows ``rows`` are taken) or a
-        :class:`FlexElementMask` (flex_attention with its ``[E, E]`` or ``[R, E]`` BlockMask).
+        :class:`FlexElementMask` (flex_attention with its ``[E, E]`` or ``[R, E]`` BlockMask). With
+        ``kv`` the N cached keys come first: ``attn_mask`` is ``[E, N + E] bool`` (SDPA only).
         """
         E = x.shape[0]
         xq, cq, sq = (x, cos, sin) if rows is None else (x[rows], cos[rows], sin[rows])
@@ -222,8 +164,10 @@ class Attention(nn.Module):
         q = self.q_proj(xq).view(R, self.nh, self.hd).transpose(0, 1)  # [nh, R, hd]
         k = self.k_proj(x).view(E, self.nkv, self.hd).transpose(0, 1)  # [nkv, E, hd]
         v = self.v_proj(x).view(E, self.nkv, self.hd).transpose(0, 1)  # [nkv, E, hd]
-        q = q * cq + _rotate_half(q) * sq
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cq + rotate_half(q) * sq
+        k = k * cos + rotate_half(k) * sin
+        if kv is not None:
+            k, v = kv.extend(k, v)  # [nkv, N+E, hd]
         if isinstance(attn_mask, FlexElementMask):
             if R == 0:  # no query: nothing to attend (flex_attention wants a non-empty query)
                 out = torch.zeros_like(q)
@@ -283,6 +227,56 @@ def sdpa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     return torch.cat(outs, dim=1)  # [nh, R, hd]
 
 
+class KVCache:
+    """One attention layer's cached keys and values, ``[nkv, N, hd]`` each (after RoPE).
+
+    :meth:`extend` puts the cached ones before a forward's new ones and keeps the first ``keep``
+    new ones (set by :meth:`DrafterCache.start`) for the next forward.
+    """
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.keep = 0
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k, v [nkv, E, hd]`` -> ``[nkv, N + E, hd]`` (cached first); caches ``N + keep`` of them."""
+        if self.keys is not None:
+            k, v = torch.cat([self.keys, k], dim=1), torch.cat([self.values, v], dim=1)
+        n = (0 if self.keys is None else self.keys.shape[1]) + self.keep
+        self.keys, self.values = k[:, :n], v[:, :n]
+        return k, v
+
+
+class DrafterCache:
+    """The drafter's keys and values of the depth-0 elements seen so far, every layer (litgpt's KV
+    cache for :meth:`PEagleDrafter.forward`).
+
+    Attributes:
+        layers: one :class:`KVCache` per decoder layer.
+        length: N, the elements cached.
+    """
+
+    def __init__(self) -> None:
+        self.layers: list[KVCache] = []
+        self.length = 0
+
+    def start(self, is_mask: torch.Tensor, num_layers: int) -> None:
+        """Before a forward over elements ``is_mask [E] bool``: its depth-0 elements will be cached.
+
+        Raises:
+            ValueError: a depth-0 element after a depth > 0 one (only a prefix can be kept).
+        """
+        keep = int((~is_mask).sum())
+        if bool(is_mask[:keep].any()):
+            raise ValueError("a drafter cache keeps the depth-0 elements, which must come first")
+        while len(self.layers) < num_layers:
+            self.layers.append(KVCache())
+        for layer in self.layers:
+            layer.keep = keep
+        self.length += keep
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -318,14 +312,15 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_mask: AttentionMask, embeds: torch.Tensor | None = None,
-                rows: torch.Tensor | None = None) -> torch.Tensor:
-        """``[E, H]`` -> ``[E, H]``, or ``[R, H]`` for ``rows [R]`` only (the others serve as keys)."""
+                rows: torch.Tensor | None = None, kv: KVCache | None = None) -> torch.Tensor:
+        """``[E, H]`` -> ``[E, H]``, or ``[R, H]`` for ``rows [R]`` only (the others serve as keys);
+        ``kv``: this layer's cache (see :meth:`PEagleDrafter.forward`)."""
         residual = hidden if rows is None else hidden[rows]
         if self.first:
             x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [E, 2H]
         else:
             x = self.input_layernorm(hidden)
-        hidden = residual + self.self_attn(x, cos, sin, attn_mask, rows)
+        hidden = residual + self.self_attn(x, cos, sin, attn_mask, rows, kv)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -372,8 +367,8 @@ class PEagleDrafter(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, is_mask: torch.Tensor,
                 position_ids: torch.Tensor, attn_mask: torch.Tensor | FlexElementMask,
-                output_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the drafter over E elements of one row.
+                output_rows: torch.Tensor | None = None, cache: DrafterCache | None = None) -> torch.Tensor:
+        """Run the drafter over E elements of one row, after the N elements of ``cache`` if given.
 
         Args:
             input_ids: ``[E] int64``; the token ``x_{a+1}`` at depth 0 (ignored where ``is_mask``).
@@ -388,6 +383,11 @@ class PEagleDrafter(nn.Module):
             output_rows: ``[R] int64`` or None; the elements whose output is wanted (training asks
                 for the weighted ones). The last layer then runs its queries, MLP and norm on
                 these rows only; every element still serves as a key.
+            cache: the keys and values of N earlier depth-0 elements (speculative decoding): the E
+                new elements attend to them as the first N keys (``attn_mask`` is then ``[E, N + E]
+                bool``), and the new depth-0 elements, which must come first, join the cache.
+                Their keys never change once computed: a depth-0 element sees only depth-0
+                elements of anchors up to its own (§8). None: no cache (training, evaluation).
 
         Returns:
             ``[E, H]`` (``[R, H]`` with ``output_rows``) final-normed hidden states; :meth:`logits`
@@ -398,10 +398,12 @@ class PEagleDrafter(nn.Module):
         embeds = self.embed_tokens(ids)  # [E, H]
         hidden = self._fc_inputs(aux_hidden, is_mask)  # [E, H]
         cos, sin = rope_cos_sin(position_ids, cfg, hidden.dtype)
+        if cache is not None:
+            cache.start(is_mask, len(self.layers))
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, attn_mask, embeds if i == 0 else None,
-                           output_rows if i == last else None)
+                           output_rows if i == last else None, cache.layers[i] if cache is not None else None)
         return self.norm(hidden)
 
     def _fc_inputs(self, aux_hidden: torch.Tensor, is_mask: torch.Tensor) -> torch.Tensor:

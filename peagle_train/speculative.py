@@ -31,14 +31,14 @@ the output is the verifier's own greedy output token for token.
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
+from peagle_train.model import DrafterCache
+from peagle_train.verifier import crop_cache, new_cache, rollback_cache, verifier_body_pass, verifier_pass
 from stores.errors import InputError
 
 __all__ = [
@@ -143,8 +143,7 @@ class DrafterSession:
         self.drafter = drafter
         self.cached = hasattr(drafter, "layers")
         self.n_ctx = 0  # depth-0 elements seen (anchors 0..n_ctx-1)
-        self.keys: list[torch.Tensor] = []  # per layer [nkv, N, hd]
-        self.values: list[torch.Tensor] = []
+        self.cache = DrafterCache() if self.cached else None  # keys/values of the depth-0 elements
         self.tokens: list[torch.Tensor] = []  # recompute path: all x_{a+1} and g_a so far
         self.aux: list[torch.Tensor] = []
         p = next(drafter.parameters())
@@ -182,52 +181,12 @@ class DrafterSession:
         return self.drafter(ids, feats, is_mask, pos, mask)[self.n_ctx:]
 
     def _forward_cached(self, input_ids, g, is_mask, position_ids, n: int) -> torch.Tensor:
-        """``PEagleDrafter.forward`` over the new elements, attending to the cached depth-0 keys."""
-        d = self.drafter
-        cfg = d.config
+        """:meth:`PEagleDrafter.forward` over the new elements with the session's
+        :class:`~peagle_train.model.DrafterCache` (the ``n`` new depth-0 elements join it)."""
         E, N = input_ids.numel(), self.n_ctx
-        ids = torch.where(is_mask, torch.full_like(input_ids, cfg.mask_token_id), input_ids)
-        embeds = d.embed_tokens(ids)  # [E, H]
-        g = torch.where(is_mask[:, None], d.mask_hidden.view(1, -1).to(g.dtype), g)
-        hidden = d.fc(g.to(d.fc.weight.dtype))  # [E, H]
-        cos, sin = _rotary(position_ids, cfg, hidden.dtype)
-        mask = torch.ones(E, N + E, dtype=torch.bool, device=self.device)
-        mask[:, N:] = torch.ones(E, E, dtype=torch.bool, device=self.device).tril()  # [E, N+E]
-        for i, layer in enumerate(d.layers):
-            residual = hidden
-            if layer.first:
-                x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)  # [E, 2H]
-            else:
-                x = layer.input_layernorm(hidden)
-            attn = layer.self_attn
-            q = attn.q_proj(x).view(E, attn.nh, attn.hd).transpose(0, 1)  # [nh, E, hd]
-            k = attn.k_proj(x).view(E, attn.nkv, attn.hd).transpose(0, 1)  # [nkv, E, hd]
-            v = attn.v_proj(x).view(E, attn.nkv, attn.hd).transpose(0, 1)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            if i == len(self.keys):
-                self.keys.append(k[:, :0])
-                self.values.append(v[:, :0])
-            k = torch.cat([self.keys[i], k], dim=1)  # [nkv, N+E, hd]
-            v = torch.cat([self.values[i], v], dim=1)
-            self.keys[i], self.values[i] = k[:, :N + n], v[:, :N + n]  # keep depth-0 elements only
-            rep = attn.nh // attn.nkv
-            out = F.scaled_dot_product_attention(q[None], k.repeat_interleave(rep, 0)[None],
-                                                 v.repeat_interleave(rep, 0)[None], attn_mask=mask)[0]
-            hidden = residual + attn.o_proj(out.transpose(0, 1).reshape(E, attn.nh * attn.hd))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return d.norm(hidden)
-
-
-def _rotary(position_ids, cfg, dtype):
-    from peagle_train.model import rope_cos_sin
-
-    return rope_cos_sin(position_ids, cfg, dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+        # depth-0 by anchor then the chain: the §8 rule is causal after the N cached elements
+        mask = torch.ones(E, N + E, dtype=torch.bool, device=self.device).tril(N)  # [E, N+E]
+        return self.drafter(input_ids, g[:n], is_mask, position_ids, mask, cache=self.cache)
 
 
 @torch.no_grad()
@@ -317,110 +276,6 @@ def accept_drafts(drafts: torch.Tensor, target_logits, temperature: float = 0.0,
     return k, torch.cat([drafts, torch.tensor([_pick(target_logits[k], temperature, generator)])])
 
 
-def _lm_head_logits(lm_head, hidden: torch.Tensor) -> torch.Tensor:
-    """``lm_head(hidden)`` for all ``n`` rows of ``hidden [n, H]``: ``[n, V]`` float32 on CPU.
-
-    On a CPU a plain ``nn.Linear`` head is computed as ``weight @ hidden.T``: one pass over the
-    ``V x H`` weight serves all rows, so the ``K + 1`` rows of a verification cost about one row
-    (measured on SmolLM2-135M, V = 49152, 1 thread: 5 rows 11 ms this way, 25 ms with
-    ``F.linear``, 43 ms row by row; see docs/benchmarks.md). Other heads (quantized ``Linear``
-    subclasses, GPU) are called as they are.
-    """
-    if type(lm_head) is torch.nn.Linear and hidden.device.type == "cpu":
-        logits = torch.matmul(lm_head.weight, hidden.to(lm_head.weight.dtype).T).T  # [n, V]
-        if lm_head.bias is not None:
-            logits = logits + lm_head.bias
-    else:
-        logits = lm_head(hidden)
-    return logits.float().cpu().contiguous()
-
-
-# ------------------------------------------------------------------------------------------ verifier
-def _new_cache(verifier):
-    """The verifier's own KV cache (sliding-window layers keep only their window): plain decoding."""
-    from transformers import DynamicCache
-
-    try:
-        return DynamicCache(config=verifier.config)
-    except TypeError:  # older transformers
-        return DynamicCache()
-
-
-def _rollback_cache(verifier):
-    """A KV cache that :func:`_crop_cache` can cut back exactly, for speculative decoding.
-
-    The verifier's own cache with every sliding-window (or chunked) layer replaced by a full layer:
-    those layers then keep all keys and values, and the model still masks them by its window (its
-    masks are built from positions over the full key length), so the outputs equal the model's own
-    and a rejected draft's keys can be dropped (a sliding layer that has shifted its window cannot
-    give back the keys it evicted).
-
-    Raises:
-        InputError: a cache layer holding recurrent state (linear attention, state-space, convolution),
-            which cannot be cut back to an earlier token.
-    """
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-
-    cache = _new_cache(verifier)
-    layers = getattr(cache, "layers", None) or []
-    for i, layer in enumerate(layers):
-        if isinstance(layer, DynamicSlidingWindowLayer):
-            layers[i] = DynamicLayer()
-        elif type(layer) is not DynamicLayer and "Dummy" not in type(layer).__name__:
-            raise InputError(f"the verifier's cache layer {i} is a {type(layer).__name__}: its state cannot be cut "
-                             "back after a rejected draft, so speculative decoding would not be exact; peagle "
-                             "supports verifiers whose layers are full, sliding-window or chunked attention",
-                             field="--verifier")
-    return cache
-
-
-def _cache_kwarg(verifier) -> str:
-    """transformers ≥ 5.x names the cache argument ``cache``; earlier versions ``past_key_values``."""
-    return "cache" if "cache" in inspect.signature(verifier.forward).parameters else "past_key_values"
-
-
-def _crop_cache(cache, keep_tokens: int) -> None:
-    """Cut ``cache`` back to its first ``keep_tokens`` tokens (negative ``crop`` = tokens to remove)."""
-    remove = cache.get_seq_length() - keep_tokens
-    assert remove >= 0, (cache.get_seq_length(), keep_tokens)
-    if remove > 0:
-        cache.crop(-remove)
-
-
-def _verifier_pass(verifier, ids: torch.Tensor, cache, want_hidden: bool, last_only: bool = False):
-    """Feed ``ids [n]`` after the cached tokens.
-
-    Returns:
-        (logits ``[n, V]`` float on CPU, or ``[1, V]`` with ``last_only``; hidden_states or None).
-    """
-    device = next(verifier.parameters()).device
-    kwargs = {_cache_kwarg(verifier): cache}
-    if last_only and "logits_to_keep" in inspect.signature(verifier.forward).parameters:
-        kwargs["logits_to_keep"] = 1  # a prefill needs one row of the V-wide lm_head, not P
-    out = verifier(input_ids=ids.to(device)[None], use_cache=True, output_hidden_states=want_hidden, **kwargs)
-    logits = out.logits[0, -1:] if last_only else out.logits[0]
-    return logits.float().cpu(), (out.hidden_states if want_hidden else None)
-
-
-def _verifier_body_pass(verifier, ids: torch.Tensor, cache):
-    """Feed ``ids [n]`` through the verifier without its lm_head.
-
-    Returns:
-        (logits ``[n, V]`` float32 on CPU from :func:`_lm_head_logits`, hidden_states); falls back
-        to the full forward for models whose logits are more than ``lm_head(last hidden state)``.
-    """
-    lm_head = verifier.get_output_embeddings()
-    body = getattr(verifier, "base_model", None)
-    if lm_head is None or body is None or body is verifier \
-            or getattr(verifier.config.get_text_config(), "final_logit_softcapping", None):
-        logits, hs = _verifier_pass(verifier, ids, cache, want_hidden=True)
-        return logits, hs
-    device = next(verifier.parameters()).device
-    out = body(input_ids=ids.to(device)[None], use_cache=True, output_hidden_states=True,
-               **{_cache_kwarg(body): cache})
-    return _lm_head_logits(lm_head, out.last_hidden_state[0]), out.hidden_states
-
-
 def _prompt_tensor(prompt_ids) -> torch.Tensor:
     ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().cpu()
     if ids.numel() == 0:
@@ -455,11 +310,11 @@ def plain_generate(verifier, prompt_ids, max_new_tokens: int, eos_token_id: int 
     start = time.perf_counter()
     tokens: list[int] = []
     if max_new_tokens > 0:
-        cache = _new_cache(verifier)
-        logits, _ = _verifier_pass(verifier, ids, cache, want_hidden=False, last_only=True)
+        cache = new_cache(verifier)
+        logits, _ = verifier_pass(verifier, ids, cache, want_hidden=False, last_only=True)
         tokens.append(_pick(logits[-1], temperature, generator))
         while len(tokens) < max_new_tokens and tokens[-1] not in eos:
-            logits, _ = _verifier_pass(verifier, torch.tensor([tokens[-1]]), cache, want_hidden=False)
+            logits, _ = verifier_pass(verifier, torch.tensor([tokens[-1]]), cache, want_hidden=False)
             tokens.append(_pick(logits[-1], temperature, generator))
     return GenerationResult(tokens=tokens, wall_time_s=time.perf_counter() - start)
 
@@ -526,9 +381,9 @@ def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num
     start = time.perf_counter()
     if max_new_tokens <= 0:
         return result
-    cache = _rollback_cache(verifier)
+    cache = rollback_cache(verifier)
     session = DrafterSession(drafter)
-    logits, hs = _verifier_pass(verifier, ids, cache, want_hidden=True, last_only=True)
+    logits, hs = verifier_pass(verifier, ids, cache, want_hidden=True, last_only=True)
     result.tokens.append(_pick(logits[-1], temperature, generator))
     read = ids.numel()  # tokens in the verifier cache: x_0..x_t
     # depth-0 elements not yet given to the drafter: tokens x_{a+1} and features g_a
@@ -541,11 +396,11 @@ def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num
             draft_logits = session.draft(new_tokens, new_aux, k)  # [k, D]
             drafts, q = _propose(draft_logits, drafter.draft_ids, vocab, temperature, generator)
         verify_in = torch.cat([torch.tensor(result.tokens[-1:]), drafts])  # [k+1]: x_{t+1}, drafts
-        logits, hs = _verifier_body_pass(verifier, verify_in, cache)  # [k+1, V]
+        logits, hs = verifier_body_pass(verifier, verify_in, cache)  # [k+1, V]
         n, emitted = accept_drafts(drafts, logits, temperature, q, generator)  # [n+1]
         # x_{t+1} and the n accepted drafts are now read; the rest of the pass is discarded.
         read += n + 1
-        _crop_cache(cache, read)
+        crop_cache(cache, read)
         if k > 0:
             new_tokens, new_aux = emitted, _aux_features(hs, layers)[:n + 1]  # anchors t+1..t+n+1
         _record_step(result, emitted.tolist(), k, eos)

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from peagle_train.model import DrafterConfig, PEagleDrafter
-from peagle_train.speculative import (_crop_cache, _new_cache, _rollback_cache, _verifier_pass, greedy_generate,
-                                      speculative_generate)
+from peagle_train.speculative import greedy_generate, speculative_generate
+from peagle_train.verifier import crop_cache, new_cache, rollback_cache, verifier_pass
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from families import FAMILIES, WINDOW, build_family  # noqa: E402
@@ -83,11 +83,11 @@ def test_cut_back_cache_gives_the_models_own_logits(family):
     """After a cut back past the window the verifier's logits are those of a fresh forward (so sampling
     at T > 0, which reads the whole distribution, is exact too)."""
     verifier = build_family(family)
-    cache = _rollback_cache(verifier)
+    cache = rollback_cache(verifier)
     ids = torch.tensor(PROMPT)
-    _verifier_pass(verifier, ids, cache, want_hidden=False)
-    _verifier_pass(verifier, torch.tensor([5, 6, 7, 8]), cache, want_hidden=False)  # 4 drafts
-    _crop_cache(cache, len(PROMPT) + 1)  # keep one
-    got, _ = _verifier_pass(verifier, torch.tensor([9, 10, 11]), cache, want_hidden=False)
-    want, _ = _verifier_pass(verifier, torch.tensor(PROMPT + [5, 9, 10, 11]), _new_cache(verifier), want_hidden=False)
+    verifier_pass(verifier, ids, cache, want_hidden=False)
+    verifier_pass(verifier, torch.tensor([5, 6, 7, 8]), cache, want_hidden=False)  # 4 drafts
+    crop_cache(cache, len(PROMPT) + 1)  # keep one
+    got, _ = verifier_pass(verifier, torch.tensor([9, 10, 11]), cache, want_hidden=False)
+    want, _ = verifier_pass(verifier, torch.tensor(PROMPT + [5, 9, 10, 11]), new_cache(verifier), want_hidden=False)
     torch.testing.assert_close(got, want[-3:], atol=1e-4, rtol=1e-4)

@@ -62,3 +62,30 @@ def test_chunked_dense_attention_equals_one_call_values_and_grads(monkeypatch):
     calls.clear()  # under the budget: one call
     model_mod.sdpa_dense(torch.randn(nh, E, hd), torch.randn(nh, E, hd), torch.randn(nh, E, hd), mask)
     assert [s for s in calls] == [(E, E)]
+
+
+def test_cached_forward_equals_one_forward_over_all_elements():
+    """Elements in the decoding order (depth-0 by anchor, then a chain): the §8 rule is causal, so two
+    forwards through a DrafterCache give the rows of one forward over everything; only depth-0 stays."""
+    import pytest
+
+    from peagle_train.model import DrafterCache
+
+    cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, vocab_size=50, draft_vocab_size=50, aux_layer_ids=[1, 2], num_hidden_layers=2)
+    torch.manual_seed(0)
+    model = PEagleDrafter(cfg).eval()
+    ids, aux = torch.randint(0, 50, (9,)), torch.randn(9, 64)
+    # all at once: 7 depth-0 elements, then the chain (anchor 6, depths 1..2)
+    is_mask = torch.arange(9) >= 7
+    full = model(ids, aux, is_mask, torch.arange(1, 10), torch.ones(9, 9, dtype=torch.bool).tril())
+    cache = DrafterCache()
+    with torch.no_grad():
+        first = model(ids[:4], aux[:4], torch.zeros(4, dtype=torch.bool), torch.arange(1, 5),
+                      torch.ones(4, 4, dtype=torch.bool).tril(), cache=cache)
+        rest = model(ids[4:], aux[4:7], is_mask[4:], torch.arange(5, 10),
+                     torch.ones(5, 9, dtype=torch.bool).tril(4), cache=cache)
+    torch.testing.assert_close(torch.cat([first, rest]), full, rtol=1e-5, atol=1e-6)
+    assert cache.length == 7 and [tuple(c.keys.shape) for c in cache.layers] == [(2, 7, 8)] * 2
+    with pytest.raises(ValueError, match="must come first"):
+        cache.start(torch.tensor([True, False]), 2)

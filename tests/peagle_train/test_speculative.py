@@ -200,7 +200,7 @@ def test_drafter_session_cache_equals_full_pass(tiny_verifier, num_layers):
         seen += n_new
         full = full_pass_logits(drafter, tokens[:seen + 1], aux[:seen], k)
         torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-5)
-    assert session.keys[0].shape[1] == seen  # only depth-0 elements stay cached
+    assert session.cache.layers[0].keys.shape[1] == session.cache.length == seen  # only depth-0 elements stay cached
 
 
 # ------------------------------------------------------------------ rejection sampling
@@ -470,15 +470,15 @@ def test_random_drafter_counts_add_up_with_eos(counter_verifier, temperature):
 
 def test_verify_pass_logits_equal_the_full_forward(tiny_verifier):
     """The body pass + one lm_head product over the K+1 rows gives the verifier's own logits."""
-    from peagle_train.speculative import _rollback_cache, _verifier_body_pass, _verifier_pass
+    from peagle_train.verifier import rollback_cache, verifier_body_pass, verifier_pass
 
     prompt, step = torch.tensor(PROMPTS[0]), torch.tensor([11, 2222, 333, 44, 5555])
-    caches = [_rollback_cache(tiny_verifier), _rollback_cache(tiny_verifier)]
+    caches = [rollback_cache(tiny_verifier), rollback_cache(tiny_verifier)]
     with torch.no_grad():
         for cache in caches:
-            _verifier_pass(tiny_verifier, prompt, cache, want_hidden=False, last_only=True)
-        got, hs = _verifier_body_pass(tiny_verifier, step, caches[0])
-        want, want_hs = _verifier_pass(tiny_verifier, step, caches[1], want_hidden=True)
+            verifier_pass(tiny_verifier, prompt, cache, want_hidden=False, last_only=True)
+        got, hs = verifier_body_pass(tiny_verifier, step, caches[0])
+        want, want_hs = verifier_pass(tiny_verifier, step, caches[1], want_hidden=True)
     assert got.shape == want.shape == (5, tiny_verifier.config.vocab_size) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
@@ -487,7 +487,7 @@ def test_verify_pass_logits_equal_the_full_forward(tiny_verifier):
 
 def test_lm_head_of_another_type_is_called_as_it_is():
     """A Linear subclass (e.g. a quantized head) is called, never read through its ``weight``."""
-    from peagle_train.speculative import _lm_head_logits
+    from peagle_train.verifier import lm_head_logits
 
     class Shifted(nn.Linear):
         def forward(self, x):
@@ -497,5 +497,5 @@ def test_lm_head_of_another_type_is_called_as_it_is():
     plain, shifted = nn.Linear(8, 32, bias=True), Shifted(8, 32, bias=False)
     hidden = torch.randn(5, 8)
     with torch.no_grad():
-        torch.testing.assert_close(_lm_head_logits(plain, hidden), plain(hidden), rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(_lm_head_logits(shifted, hidden), shifted(hidden))
+        torch.testing.assert_close(lm_head_logits(plain, hidden), plain(hidden), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(lm_head_logits(shifted, hidden), shifted(hidden))
