@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 
 from stores.errors import InputError, OutputExistsError, StoreFormatError
 from stores.feature_store import STORAGE_DTYPES, FeatureStore, bytes_per_token, check_block, check_compatible
+from stores.feature_verify import read_done_flags, shared_damage
 from stores.model_cache import load_verifier, model_fingerprint, resolve_model
 from stores.token_tables import TokenTable, manifest_sha256
 
@@ -507,7 +508,7 @@ def _write_shared(store: FeatureStore, rows) -> None:
 
 def _repair_shared(store: FeatureStore, rows, log: Callable[[str], None]) -> dict[str, str]:
     """On --resume (main process): rewrite ``n_tokens``/``token_freq`` from the packed rows if damaged."""
-    damaged = store.shared_damage()
+    damaged = shared_damage(store)
     if damaged:
         for reason in damaged.values():
             log(f"{store.path}: {reason}; rewriting it from the packed table")
@@ -528,7 +529,7 @@ def _repair_blocks(store: FeatureStore, rows, rank: int, world: int, log: Callab
     Returns:
         ``{block: reason}`` of the damaged blocks found by this rank.
     """
-    done, damaged = store.read_done_flags()
+    done, damaged = read_done_flags(store)
     mine = range(rank, store.n_blocks, world)
     for i in (i for i in mine if done[i]):
         reason = check_block(store, i, rows[i]["input_ids"])

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import hashlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
 import torch
 
 from stores.errors import StoreFormatError
+from stores.feature_schema import Block
 
 __all__ = ["Block", "split_blocks", "epoch_order", "check_store_ready", "BlockLoader", "to_block",
            "READ_REQUEST_BYTES"]
@@ -28,38 +28,10 @@ READ_REQUEST_BYTES = 16 * 2 ** 20
 """Bytes of stored blocks the loader asks the store for at once (small blocks are read several at a time)."""
 
 
-@dataclass
-class Block:
-    """One packed block as the trainer consumes it.
-
-    Attributes:
-        block_id: index in the store.
-        input_ids: ``[T] int64``; loss_mask: ``[T] int64``; position_ids: ``[T] int64``;
-        cu_seqlens: ``[S+1] int64``;
-        aux_hidden: ``[T, L*H] bfloat16`` (layers concatenated);
-        final_hidden: ``[T, H] bfloat16``.
-    """
-
-    block_id: int
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    position_ids: torch.Tensor
-    cu_seqlens: torch.Tensor
-    aux_hidden: torch.Tensor
-    final_hidden: torch.Tensor
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.input_ids.numel())
-
-
-def to_block(block_id: int, feats) -> Block:
-    """A store ``BlockFeatures`` (``aux_hidden [T, L, H]``) -> :class:`Block` (``[T, L*H]``)."""
-    T = feats.input_ids.shape[0]
-    return Block(block_id=block_id, input_ids=feats.input_ids, loss_mask=feats.loss_mask,
-                 position_ids=feats.position_ids, cu_seqlens=feats.cu_seqlens,
-                 aux_hidden=feats.aux_hidden.reshape(T, -1),  # [T, L*H]
-                 final_hidden=feats.final_hidden)
+def to_block(block_id: int, feats: Block) -> Block:
+    """A block as read from the store (``aux_hidden [T, L, H]``) -> as training consumes it
+    (``aux_hidden [T, L*H]``, layers concatenated), with its ``block_id``."""
+    return feats.flat_layers(block_id)
 
 
 def _seed_of(*parts: int) -> int:

@@ -7,7 +7,6 @@ Legend: T tokens in a block, E drafter elements, H hidden size, D draft vocab, K
 
 from __future__ import annotations
 
-import dataclasses
 from contextlib import nullcontext
 
 import torch
@@ -107,9 +106,7 @@ def accumulate_step(accelerator, model, params: list[torch.nn.Parameter], micro_
 
 
 def block_to(block: Block, device) -> Block:
-    return dataclasses.replace(block, **{f: getattr(block, f).to(device) for f in
-                                         ("input_ids", "loss_mask", "position_ids", "cu_seqlens",
-                                          "aux_hidden", "final_hidden")})
+    return block.to(device)
 
 
 def sample_elements(block: Block, cfg, gen: torch.Generator) -> CodElements:

@@ -1,23 +1,21 @@
-"""The zarr v3 feature store (DESIGN.md §7): create, write a block, read a block, verify.
+"""The zarr v3 feature store (docs/design.md §7): create, write a block, read a block.
 
 Legend: N blocks, C ``block_size`` (tokens), T a block's ``n_tokens`` (≤ C), L aux layers,
 H hidden size, S segments in a block.
 
-One block is one chunk row of every per-token array, so two writers never touch one chunk. A
-block's ``done`` flag is written only after its data. Hidden states are stored as the uint16 bit
-patterns of bf16 (zarr has no bfloat16), with no compressor but a crc32c checksum codec, so each
-chunk file of a local store is ``raw little-endian bytes + 4 checksum bytes`` and is read straight
-into the result tensors with ``preadv`` (the ``file`` path: each array's chunk directory is opened
-once per store, a chunk costs openat + fstat + preadv + close); any other store (compressed,
-remote) is read through the zarr API. Both paths return identical tensors.
+The arrays are those of the schema table :data:`stores.feature_schema.ARRAYS`; create, write,
+read and verify (:mod:`stores.feature_verify`) all iterate it. One block is one chunk row of every
+per-block array, so two writers never touch one chunk. A block's ``done`` flag is written only
+after its data. Hidden states have no compressor but a crc32c checksum codec, so each chunk file of
+a local store is read straight into the result tensors (the ``file`` path,
+:class:`stores.chunk_files.ChunkFiles`); any other store (compressed, remote) is read through the
+zarr API. Both paths return identical tensors.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,17 +25,29 @@ import zarr
 import zarr.errors
 from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
 
-from stores.errors import OutputExistsError, StoreFormatError, StoreMismatchError
+from stores.chunk_files import ChunkFiles, uncompressed
+from stores.errors import OutputExistsError, StoreFormatError
+from stores.feature_schema import (
+    SEGMENTS,
+    STORAGE_DTYPES,
+    TOKEN_ARRAYS,
+    ArraySpec,
+    Block,
+    array_ndim,
+    block_arrays,
+    bytes_per_token,
+    decode_hidden,
+    encode_hidden,
+    hidden_arrays,
+    store_arrays,
+)
+from stores.feature_verify import check_block, check_compatible, verify_store
 
 __all__ = [
     "FORMAT_VERSION",
     "STORAGE_DTYPES",
-    "BlockFeatures",
+    "Block",
     "FeatureStore",
-    "bf16_to_uint16",
-    "uint16_to_bf16",
-    "quantize_fp8",
-    "dequantize_fp8",
     "check_compatible",
     "bytes_per_token",
     "verify_store",
@@ -45,75 +55,6 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
-STORAGE_DTYPES = ("bf16", "fp8")
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-_CHECKSUM_BYTES = 4  # crc32c codec appends 4 bytes to each chunk
-
-_TOKEN_ARRAYS = ("input_ids", "loss_mask", "position_ids")
-#: dimensions of every per-block array (chunk keys are ``c/i/0/...``)
-_NDIM = {"input_ids": 2, "loss_mask": 2, "position_ids": 2, "cu_seqlens": 2, "done": 1, "aux_hidden": 4,
-         "final_hidden": 3, "aux_scale": 3, "final_scale": 2}
-
-
-def bf16_to_uint16(t: torch.Tensor) -> np.ndarray:
-    """bf16 tensor -> numpy uint16 bit patterns (bit-exact; never through float16)."""
-    if t.dtype != torch.bfloat16:
-        raise TypeError(f"expected a bfloat16 tensor, got {t.dtype}")
-    return t.detach().contiguous().cpu().view(torch.uint16).numpy()
-
-
-def uint16_to_bf16(a: np.ndarray) -> torch.Tensor:
-    """numpy uint16 bit patterns -> bf16 tensor (copies, so the result owns its memory)."""
-    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.uint16).copy()).view(torch.bfloat16)
-
-
-def quantize_fp8(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """Per-vector float8_e4m3fn quantisation over the last dim.
-
-    Args:
-        x: ``[..., H]`` any float dtype.
-
-    Returns:
-        ``(codes [..., H] uint8`` (float8_e4m3fn bit patterns), ``scale [...] float32)`` with
-        ``x ≈ codes.float() * scale``; an all-zero vector gets scale 1.
-    """
-    xf = x.detach().float().cpu()
-    amax = xf.abs().amax(dim=-1)  # [...]
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    codes = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return codes.view(torch.uint8).numpy(), scale.numpy()
-
-
-def dequantize_fp8(codes: np.ndarray, scale: np.ndarray) -> torch.Tensor:
-    """Inverse of :func:`quantize_fp8`: ``[..., H] uint8`` and ``[...] float32`` -> ``[..., H] bf16``."""
-    q = torch.from_numpy(np.ascontiguousarray(codes, dtype=np.uint8).copy()).view(torch.float8_e4m3fn)
-    s = torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).copy())
-    return (q.float() * s[..., None]).to(torch.bfloat16)
-
-
-@dataclass
-class BlockFeatures:
-    """One block read back from the store (T = the block's ``n_tokens``).
-
-    Attributes:
-        input_ids: ``[T] int64``.
-        loss_mask: ``[T] int64`` (0/1).
-        position_ids: ``[T] int64``, restarting at 0 in every segment.
-        cu_seqlens: ``[S+1] int64``, ``[0, len_0, ..., T]``.
-        aux_hidden: ``[T, L, H] bfloat16``, verifier hidden states at the store's layers.
-        final_hidden: ``[T, H] bfloat16``, the verifier's post-norm final hidden state.
-    """
-
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    position_ids: torch.Tensor
-    cu_seqlens: torch.Tensor
-    aux_hidden: torch.Tensor
-    final_hidden: torch.Tensor
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
 
 
 class FeatureStore:
@@ -135,12 +76,12 @@ class FeatureStore:
             )
         self.attrs: dict[str, Any] = attrs
         self._local_root = Path(path) if _is_local(path) else None
-        # raw chunk files readable directly (the ``file`` read path; the name predates it)
-        self._mmap_ok = self._local_root is not None and _uncompressed(group["aux_hidden"])
+        self.raw_chunks = self._local_root is not None and uncompressed(group["aux_hidden"])
+        """Chunk files readable directly (the ``file`` read path)."""
         self._n_tokens_cache: np.ndarray | None = None
         self._array_cache: dict[str, zarr.Array] = {}
-        self._dir_fds: dict[str, int] = {}  # array name -> fd of its chunk directory ``name/c``
-        self._hidden_layout: list[tuple[str, tuple[int, ...], str, int]] | None = None  # + chunk bytes
+        self._files = ChunkFiles(self._local_root) if self._local_root is not None else None
+        self._layout: list[tuple[ArraySpec, tuple[int, ...], int]] | None = None
 
     # ---------------------------------------------------------------- properties
     @property
@@ -170,6 +111,17 @@ class FeatureStore:
     @property
     def storage_dtype(self) -> str:
         return str(self.attrs["storage_dtype"])
+
+    def sizes(self) -> dict[str, int]:
+        """The sizes of the schema's dimension symbols (:class:`stores.feature_schema.ArraySpec`)."""
+        return _sizes(self.n_blocks, self.block_size, int(self.attrs["max_segments"]), len(self.layers),
+                      self.hidden_size, self.vocab_size)
+
+    def array(self, name: str) -> zarr.Array:
+        """Array ``name``, opened once per store (opening reads its metadata)."""
+        if name not in self._array_cache:
+            self._array_cache[name] = self.group[name]
+        return self._array_cache[name]
 
     def bytes_per_token(self) -> int:
         """Stored bytes per token slot (hidden states + token arrays), excluding checksums."""
@@ -229,33 +181,13 @@ class FeatureStore:
             OutputExistsError: ``path`` exists and ``force`` is false.
             ValueError: an unsupported ``storage_dtype`` or ``compressor``.
         """
-        if storage_dtype not in STORAGE_DTYPES:
-            raise ValueError(f"--storage-dtype {storage_dtype!r}: expected one of {STORAGE_DTYPES}")
+        specs = store_arrays(storage_dtype)  # ValueError: an unsupported storage dtype
         if compressor not in (None, "zstd"):
             raise ValueError(f"--compressor {compressor!r}: expected zstd or none")
-        path = str(path)
-        if _is_local(path) and Path(path).exists():
-            if not force:
-                raise OutputExistsError(path, "pass --resume to continue it or --force to overwrite it")
-            shutil.rmtree(path)
-        try:
-            group = zarr.open_group(path, mode="w" if force or _is_local(path) else "w-")
-        except (FileExistsError, zarr.errors.ContainsGroupError, zarr.errors.ContainsArrayError) as e:
-            raise OutputExistsError(path, "pass --resume to continue it or --force to overwrite it") from e
-        C, L, H = block_size, len(layers), hidden_size
-        codecs = ([ZstdCodec(level=3)] if compressor == "zstd" else []) + [Crc32cCodec()]
-        raw = dict(serializer=BytesCodec(endian="little"), compressors=codecs,
-                   fill_value=0, config={"write_empty_chunks": True})
-        group.create_array("input_ids", shape=(n_blocks, C), chunks=(1, C), dtype="int32", **raw)
-        group.create_array("loss_mask", shape=(n_blocks, C), chunks=(1, C), dtype="uint8", **raw)
-        group.create_array("position_ids", shape=(n_blocks, C), chunks=(1, C), dtype="int32", **raw)
-        group.create_array("n_tokens", shape=(n_blocks,), chunks=(max(n_blocks, 1),), dtype="int32", **raw)
-        group.create_array("cu_seqlens", shape=(n_blocks, max_segments + 1), chunks=(1, max_segments + 1),
-                           dtype="int32", **raw)
-        for name, shape, dtype in _hidden_arrays(C, L, H, storage_dtype):
-            group.create_array(name, shape=(n_blocks, *shape), chunks=(1, *shape), dtype=dtype, **raw)
-        group.create_array("done", shape=(n_blocks,), chunks=(1,), dtype="uint8", **raw)
-        group.create_array("token_freq", shape=(vocab_size,), chunks=(max(vocab_size, 1),), dtype="int64", **raw)
+        group = _new_group(str(path), force)
+        C, H = block_size, hidden_size
+        sizes = _sizes(n_blocks, block_size, max_segments, len(layers), hidden_size, vocab_size)
+        _create_arrays(group, specs, sizes, compressor)
         attrs = {
             "format_version": FORMAT_VERSION,
             "verifier": dict(verifier, hidden_size=H, vocab_size=vocab_size),
@@ -274,7 +206,7 @@ class FeatureStore:
             **(extra or {}),
         }
         group.attrs["peagle"] = attrs
-        return cls(group, path)
+        return cls(group, str(path))
 
     def update_attrs(self, **values: Any) -> None:
         """Merge values into the ``peagle`` attributes."""
@@ -295,11 +227,11 @@ class FeatureStore:
         C = self.block_size
         if T > C:
             raise ValueError(f"block {i}: {T} tokens > block_size {C}")
-        for name, values, dtype in (("input_ids", input_ids, np.int32), ("loss_mask", loss_mask, np.uint8),
-                                    ("position_ids", position_ids, np.int32)):
-            row = np.zeros(C, dtype=dtype)
-            row[:T] = np.asarray(values, dtype=dtype)
-            self._writable(name)[i] = row
+        values = {"input_ids": input_ids, "loss_mask": loss_mask, "position_ids": position_ids}
+        for spec in TOKEN_ARRAYS:
+            row = np.zeros(C, dtype=spec.dtype)
+            row[:T] = np.asarray(values[spec.name], dtype=spec.dtype)
+            self._writable(spec.name)[i] = row
         cu = np.asarray(cu_seqlens, dtype=np.int32)
         width = int(self.attrs["max_segments"]) + 1
         if len(cu) > width:
@@ -317,20 +249,15 @@ class FeatureStore:
             aux_hidden: ``[T, L, H] bfloat16``; final_hidden: ``[T, H] bfloat16``.
         """
         T = aux_hidden.shape[0]
-        C, L, H = self.block_size, len(self.layers), self.hidden_size
+        L, H = len(self.layers), self.hidden_size
         if tuple(aux_hidden.shape[1:]) != (L, H) or tuple(final_hidden.shape) != (T, H):
             raise ValueError(f"block {i}: got aux {tuple(aux_hidden.shape)}, final {tuple(final_hidden.shape)}; "
                              f"expected [T, {L}, {H}] and [T, {H}]")
-        if self.storage_dtype == "bf16":
-            encoded = {"aux_hidden": bf16_to_uint16(aux_hidden), "final_hidden": bf16_to_uint16(final_hidden)}
-        else:
-            encoded = {}
-            encoded["aux_hidden"], encoded["aux_scale"] = quantize_fp8(aux_hidden)
-            encoded["final_hidden"], encoded["final_scale"] = quantize_fp8(final_hidden)
-        for name, shape, dtype in _hidden_arrays(C, L, H, self.storage_dtype):
-            row = np.zeros(shape, dtype=dtype)
-            row[:T] = encoded[name]
-            self._writable(name)[i] = row
+        encoded = encode_hidden(self.storage_dtype, aux_hidden, final_hidden)
+        for spec in hidden_arrays(self.storage_dtype):
+            row = np.zeros(spec.block_shape(self.sizes()), dtype=spec.dtype)
+            row[:T] = encoded[spec.name]
+            self._writable(spec.name)[i] = row
 
     def mark_done(self, i: int) -> None:
         """Set block ``i``'s done flag; call only after its data is written."""
@@ -381,11 +308,15 @@ class FeatureStore:
             self._n_tokens_cache = self.group["n_tokens"][:]
         return int(self._n_tokens_cache[i])
 
+    def forget_n_tokens(self) -> None:
+        """Drop the cached ``n_tokens`` array (read again on the next block read)."""
+        self._n_tokens_cache = None
+
     def _use_file(self, via: str) -> bool:
         if via not in ("auto", "file", "mmap", "zarr"):
             raise ValueError(f"via must be 'auto', 'file' or 'zarr', got {via!r}")
-        use_file = self._mmap_ok if via == "auto" else via in ("file", "mmap")
-        if use_file and not self._mmap_ok:
+        use_file = self.raw_chunks if via == "auto" else via in ("file", "mmap")
+        if use_file and not self.raw_chunks:
             raise StoreFormatError(f"{self.path}: direct chunk-file reads need a local uncompressed store")
         return use_file
 
@@ -397,13 +328,12 @@ class FeatureStore:
         if self._use_file(via):
             return self._read_tokens_file(i)
         T = self._n_tokens_of(i)
-        cu = self.group["cu_seqlens"][i]
-        ids, mask, pos = (self.group[n][i] for n in ("input_ids", "loss_mask", "position_ids"))
-        cu = cu[: int(np.argmax(cu == cu[-1])) + 1]  # drop the padding repeats
-        return {"input_ids": np.array(ids[:T]), "loss_mask": np.array(mask[:T]),
-                "position_ids": np.array(pos[:T]), "cu_seqlens": cu}
+        cu = self.group[SEGMENTS.name][i]
+        out = {spec.name: np.array(self.group[spec.name][i][:T]) for spec in TOKEN_ARRAYS}
+        out[SEGMENTS.name] = cu[: int(np.argmax(cu == cu[-1])) + 1]  # drop the padding repeats
+        return out
 
-    def read_block(self, i: int, via: str = "auto", pin_memory: bool = False) -> BlockFeatures:
+    def read_block(self, i: int, via: str = "auto", pin_memory: bool = False) -> Block:
         """Read block ``i``.
 
         Args:
@@ -413,7 +343,7 @@ class FeatureStore:
                 copies to a CUDA device; ``file`` path of bf16 stores with CUDA present, else ignored).
 
         Returns:
-            :class:`BlockFeatures` with ``aux_hidden [T, L, H]`` and ``final_hidden [T, H]`` in bf16.
+            :class:`~stores.feature_schema.Block` with ``aux_hidden [T, L, H]`` and ``final_hidden [T, H]`` in bf16.
 
         Raises:
             IndexError: ``i`` out of range.
@@ -427,19 +357,11 @@ class FeatureStore:
             self._check_chunks_exist(i)
         tok = self.read_tokens(i, via="zarr")
         T = len(tok["input_ids"])
-        raw = {name: self.group[name][i, :T] for name, _, _ in _hidden_arrays(
-            self.block_size, len(self.layers), self.hidden_size, self.storage_dtype)}
-        if self.storage_dtype == "bf16":
-            aux, fin = uint16_to_bf16(raw["aux_hidden"]), uint16_to_bf16(raw["final_hidden"])
-        else:
-            aux = dequantize_fp8(raw["aux_hidden"], raw["aux_scale"])
-            fin = dequantize_fp8(raw["final_hidden"], raw["final_scale"])
-        as64 = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64))  # noqa: E731
-        return BlockFeatures(input_ids=as64(tok["input_ids"]), loss_mask=as64(tok["loss_mask"]),
-                             position_ids=as64(tok["position_ids"]), cu_seqlens=as64(tok["cu_seqlens"]),
-                             aux_hidden=aux, final_hidden=fin)
+        raw = {spec.name: self.group[spec.name][i, :T] for spec in hidden_arrays(self.storage_dtype)}
+        tensors = {k: torch.from_numpy(np.asarray(a, dtype=np.int64)) for k, a in tok.items()}
+        return Block(**tensors, **decode_hidden(self.storage_dtype, raw))
 
-    def read_blocks(self, ids, via: str = "auto", pin_memory: bool = False) -> list[BlockFeatures]:
+    def read_blocks(self, ids, via: str = "auto", pin_memory: bool = False) -> list[Block]:
         """:meth:`read_block` of each id in ``ids`` (one request for several blocks), in order."""
         return [self.read_block(int(i), via=via, pin_memory=pin_memory) for i in ids]
 
@@ -447,45 +369,37 @@ class FeatureStore:
         """Token arrays of block ``i`` from the chunk files: ``[T] int64`` each, ``cu_seqlens [S+1]``."""
         T, C, width = self._n_tokens_of(i), self.block_size, int(self.attrs["max_segments"]) + 1
         out = {}
-        for name, dtype, n, full in (("input_ids", np.int32, T, C), ("loss_mask", np.uint8, T, C),
-                                     ("position_ids", np.int32, T, C), ("cu_seqlens", np.int32, width, width)):
-            a = np.empty(n, dtype=dtype)  # numpy, not torch: a torch op costs several times more here
-            self._pread_chunk(name, i, 1, a, full * a.itemsize)
-            out[name] = a.astype(np.int64)
-        cu = out["cu_seqlens"]
-        out["cu_seqlens"] = cu[: int(np.argmax(cu == cu[-1])) + 1]  # drop the padding repeats
+        for spec, n, full in [*((s, T, C) for s in TOKEN_ARRAYS), (SEGMENTS, width, width)]:
+            a = np.empty(n, dtype=spec.dtype)  # numpy, not torch: a torch op costs several times more here
+            self._pread_chunk(spec.name, i, 1, a, full * a.itemsize)
+            out[spec.name] = a.astype(np.int64)
+        cu = out[SEGMENTS.name]
+        out[SEGMENTS.name] = cu[: int(np.argmax(cu == cu[-1])) + 1]  # drop the padding repeats
         return out
 
-    def _read_block_file(self, i: int, pin_memory: bool) -> BlockFeatures:
+    def _read_block_file(self, i: int, pin_memory: bool) -> Block:
         """Block ``i`` read from its raw chunk files into freshly allocated tensors (first T rows)."""
         tok = self._read_tokens_file(i)
         pin_memory = pin_memory and torch.cuda.is_available()
         T = len(tok["input_ids"])
-        if self._hidden_layout is None:
-            self._hidden_layout = [(n, shape, dtype, math.prod(shape) * np.dtype(dtype).itemsize) for n, shape, dtype
-                                   in _hidden_arrays(self.block_size, len(self.layers), self.hidden_size,
-                                                     self.storage_dtype)]
         raw = {}
-        for name, shape, dtype, chunk_bytes in self._hidden_layout:
-            if pin_memory and dtype == "uint16":
+        for spec, shape, chunk_bytes in self._hidden_layout():
+            if pin_memory and spec.dtype == "uint16":
                 a = torch.empty((T, *shape[1:]), dtype=torch.uint16, pin_memory=True).numpy()
             else:
-                a = np.empty((T, *shape[1:]), dtype=dtype)
-            self._pread_chunk(name, i, len(shape), a, chunk_bytes)
-            raw[name] = a
-        if self.storage_dtype == "bf16":  # the bf16 bit patterns, viewed in place
-            aux, fin = (torch.from_numpy(raw[n]).view(torch.bfloat16) for n in ("aux_hidden", "final_hidden"))
-        else:
-            aux = dequantize_fp8(raw["aux_hidden"], raw["aux_scale"])
-            fin = dequantize_fp8(raw["final_hidden"], raw["final_scale"])
-        return BlockFeatures(aux_hidden=aux, final_hidden=fin, **{k: torch.from_numpy(v) for k, v in tok.items()})
+                a = np.empty((T, *shape[1:]), dtype=spec.dtype)
+            self._pread_chunk(spec.name, i, len(shape), a, chunk_bytes)
+            raw[spec.name] = a
+        hidden = decode_hidden(self.storage_dtype, raw, copy=False)  # bf16 bit patterns viewed in place
+        return Block(**{k: torch.from_numpy(v) for k, v in tok.items()}, **hidden)
 
-    def _dir_fd(self, name: str) -> int:
-        fd = self._dir_fds.get(name)
-        if fd is None:
-            fd = os.open(self._local_root / name / "c", os.O_RDONLY | os.O_DIRECTORY)  # FileNotFoundError
-            self._dir_fds[name] = fd
-        return fd
+    def _hidden_layout(self) -> list[tuple[ArraySpec, tuple[int, ...], int]]:
+        """``(spec, block shape, chunk bytes)`` of each hidden array, computed once per store."""
+        if self._layout is None:
+            sizes = self.sizes()
+            self._layout = [(s, s.block_shape(sizes), int(np.prod(s.block_shape(sizes))) * np.dtype(s.dtype).itemsize)
+                            for s in hidden_arrays(self.storage_dtype)]
+        return self._layout
 
     def _pread_chunk(self, name: str, i: int, ndim: int, out: np.ndarray, chunk_bytes: int) -> None:
         """Fill ``out`` (C-contiguous) from the start of block ``i``'s chunk file of ``name``, an
@@ -495,118 +409,44 @@ class FeatureStore:
             StoreFormatError: the file is missing (a done block's missing chunk is damage), is not
                 ``chunk_bytes`` + the checksum long, or reads short.
         """
-        key = "/".join([str(i)] + ["0"] * ndim)  # chunk (i, 0, ...) of an array of ndim + 1 dims
         try:
-            fd = os.open(key, os.O_RDONLY, dir_fd=self._dir_fd(name))
+            fd = self._files.open(name, i, ndim)
         except FileNotFoundError:
             self._check_chunks_exist(i)
             raise StoreFormatError(f"{self.chunk_path(name, i)}: chunk file is missing "
                                    "(run `peagle-data verify`)") from None
-        try:
-            size = os.fstat(fd).st_size
-            if size != chunk_bytes + _CHECKSUM_BYTES:
-                raise StoreFormatError(f"{self.chunk_path(name, i)}: {size} bytes, expected "
-                                       f"{chunk_bytes + _CHECKSUM_BYTES} (truncated or foreign chunk; "
-                                       "run `peagle-data verify`)")
-            if out.nbytes and os.preadv(fd, [out], 0) != out.nbytes:
-                raise StoreFormatError(f"{self.chunk_path(name, i)}: short read (file changed while read)")
-        finally:
-            os.close(fd)
+        ChunkFiles.read(fd, out, chunk_bytes, self.chunk_path(name, i))
 
     def close(self) -> None:
         """Close the chunk-directory descriptors the ``file`` read path keeps (reopened on demand)."""
-        fds, self._dir_fds = self._dir_fds, {}
-        for fd in fds.values():
-            os.close(fd)
+        if self._files is not None:
+            self._files.close()
 
     def __del__(self):
-        if getattr(self, "_dir_fds", None):
+        if getattr(self, "_files", None) is not None:
             self.close()
 
     # ---------------------------------------------------------------- damage
     def block_arrays(self) -> list[str]:
         """Names of the arrays holding one chunk per block (the ``done`` flag excluded)."""
-        return [*_TOKEN_ARRAYS, "cu_seqlens"] + [n for n, _, _ in _hidden_arrays(
-            self.block_size, len(self.layers), self.hidden_size, self.storage_dtype)]
-
-    def chunk_damage(self, name: str, i: int) -> str | None:
-        """Why chunk ``i`` of array ``name`` cannot be trusted, or None when it reads back intact.
-
-        Checks that a local chunk file exists and (uncompressed stores) has exactly its data bytes
-        plus the 4 checksum bytes, then reads it through zarr, which verifies the crc32c checksum:
-        a missing, truncated, empty, unreadable or altered chunk is named with its path.
-        """
-        if name not in self._array_cache:  # opening an array reads its metadata: once per store
-            self._array_cache[name] = self.group[name]
-        arr = self._array_cache[name]
-        path = self.chunk_path(name, i)
-        where = f"{name} chunk {path}" if path is not None else f"{name} chunk {i}"
-        if path is not None:
-            if not path.is_file():
-                return f"{where} is {'not a regular file' if path.exists() else 'missing'}"
-            if self._mmap_ok:
-                want = int(np.prod(arr.chunks)) * arr.dtype.itemsize + _CHECKSUM_BYTES
-                size = path.stat().st_size
-                if size != want:
-                    return f"{where} is {size} bytes, expected {want} ({'empty' if size == 0 else 'truncated or foreign'})"
-                return _raw_chunk_damage(path, where)  # the crc32c of the raw bytes, ~5x faster than zarr
-        try:
-            arr[i]
-        except Exception as e:  # checksum mismatch, undecodable bytes, permission denied
-            return f"{where} is unreadable ({type(e).__name__}: {e})"
-        return None
-
-    def block_damage(self, i: int) -> str | None:
-        """The first damaged chunk of block ``i``'s data (see :meth:`chunk_damage`), or None."""
-        for name in self.block_arrays():
-            reason = self.chunk_damage(name, i)
-            if reason is not None:
-                return f"block {i}: {reason}"
-        return None
-
-    def shared_damage(self) -> dict[str, str]:
-        """``{array: reason}`` for the whole-store arrays ``n_tokens`` and ``token_freq`` (one chunk each;
-        ``token_freq`` only once extraction has written it, attribute ``tokens_written``)."""
-        names = ["n_tokens"] + (["token_freq"] if self.attrs.get("tokens_written") else [])  # both set by extract
-        found = {name: self.chunk_damage(name, 0) for name in names}
-        self._n_tokens_cache = None
-        return {name: reason for name, reason in found.items() if reason is not None}
-
-    def read_done_flags(self) -> tuple[np.ndarray, dict[int, str]]:
-        """``([N] bool done flags, {block: reason})``: a block whose flag chunk is damaged reads as
-        not done and is listed with the reason (``done_mask`` would raise)."""
-        try:
-            return self.done_mask(), {}
-        except Exception:  # one flag chunk is damaged: read them one by one
-            pass
-        done = np.zeros(self.n_blocks, dtype=bool)
-        bad: dict[int, str] = {}
-        for i in range(self.n_blocks):
-            reason = self.chunk_damage("done", i)
-            if reason is not None:
-                bad[i] = f"block {i}: its done flag's {reason}"
-            else:
-                done[i] = bool(self.group["done"][i])
-        return done, bad
+        return block_arrays(self.storage_dtype)
 
     def chunk_path(self, name: str, i: int) -> Path | None:
         """Local path of block ``i``'s chunk of array ``name`` (None for a remote store)."""
         if self._local_root is None:
             return None
-        ndim = _NDIM.get(name) or len(self.group[name].shape)
+        ndim = array_ndim(name)
         return self._local_root / name / "/".join(["c", str(i)] + ["0"] * (ndim - 1))
 
     def _check_chunks_exist(self, i: int) -> None:
         """Every chunk of a done block is written (``write_empty_chunks``); a missing one is damage."""
-        if self._mmap_ok:
+        if self.raw_chunks:
             done = self.chunk_path("done", i)  # raw chunk: the flag's byte + the crc32c
             if not done.is_file() or done.read_bytes()[:1] != b"\x01":
                 return
         elif not self.group["done"][i]:
             return
-        names = [*_TOKEN_ARRAYS, "cu_seqlens"] + [n for n, _, _ in _hidden_arrays(
-            self.block_size, len(self.layers), self.hidden_size, self.storage_dtype)]
-        missing = [n for n in names if not self.chunk_path(n, i).is_file()]
+        missing = [n for n in self.block_arrays() if not self.chunk_path(n, i).is_file()]
         if missing:
             raise StoreFormatError(f"{self.path}: block {i} is marked done but its chunk files of "
                                    f"{missing} are missing (`peagle-data extract --resume` re-extracts "
@@ -632,147 +472,41 @@ class FeatureStore:
         }
 
 
-def _raw_chunk_damage(path: Path, where: str) -> str | None:
-    """Check a raw chunk file's trailing crc32c (little-endian, as zarr's codec writes it) against its data."""
-    import google_crc32c  # zarr's own crc32c dependency
-
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        return f"{where} is unreadable ({type(e).__name__}: {e})"
-    body = np.frombuffer(data, dtype=np.uint8, count=len(data) - _CHECKSUM_BYTES)
-    if google_crc32c.extend(0, body) != int.from_bytes(data[-_CHECKSUM_BYTES:], "little"):
-        return f"{where} is unreadable (its checksum does not match its data)"
-    return None
+def _sizes(n_blocks: int, block_size: int, max_segments: int, n_layers: int, hidden_size: int,
+           vocab_size: int) -> dict[str, int]:
+    return {"N": n_blocks, "C": block_size, "W": max_segments + 1, "L": n_layers, "H": hidden_size,
+            "V": vocab_size}
 
 
-def _nonfinite(x: torch.Tensor) -> bool:
-    """Whether a bf16 tensor holds a NaN or Inf: exponent bits all ones (no float copy)."""
-    bits = x.contiguous().view(torch.int16).numpy()  # numpy: ~8x faster than the same torch ops on CPU
-    return bool(((bits & 0x7F80) == 0x7F80).any())
-
-
-def check_block(store: FeatureStore, i: int, expected_ids=None) -> str | None:
-    """Why done block ``i`` cannot be trusted (the first problem found), or None.
-
-    Every chunk of the block must be present, of the right size and pass its checksum
-    (:meth:`FeatureStore.block_damage`); the hidden states must be finite; and, when
-    ``expected_ids [T]`` is given (the packed table's row), ``input_ids`` must equal it.
-    """
-    reason = store.block_damage(i)
-    if reason is not None:
-        return reason
-    try:
-        block = store.read_block(i)
-    except Exception as e:  # e.g. a damaged n_tokens chunk
-        return f"block {i}: cannot be read ({type(e).__name__}: {e})"
-    if _nonfinite(block.aux_hidden) or _nonfinite(block.final_hidden):
-        return f"block {i}: NaN or Inf in hidden states"
-    if expected_ids is not None:
-        exp = np.asarray(expected_ids)
-        if len(exp) != block.n_tokens or not np.array_equal(exp, block.input_ids.numpy()):
-            return f"block {i}: input_ids differ from the packed table"
-    return None
-
-
-def verify_store(path: str | os.PathLike, expected_tokens=None, repair: bool = False) -> dict[str, Any]:
-    """Check a store: format, shapes and dtypes, done flags, chunk files, checksums, NaN/Inf, token ids.
-
-    Args:
-        expected_tokens: optional callable ``i -> (input_ids [T] array)`` from the packed table.
-        repair: clear the done flag of every bad block (and rewrite damaged flag chunks), so that
-            ``peagle-data extract --resume`` extracts exactly those blocks again.
-
-    Returns:
-        ``{"ok": bool, "n_blocks", "blocks_done", "not_done": [...], "bad_blocks": {id: reason},
-        "damaged_arrays": {name: reason}, "repaired": [ids]}`` (``n_tokens``/``token_freq`` damage
-        is repaired by ``extract --resume``, which rewrites them from the packed table).
+def _new_group(path: str, force: bool) -> zarr.Group:
+    """An empty zarr group at ``path``: an existing local store is removed with ``force``.
 
     Raises:
-        StoreFormatError: the store cannot be opened at all, or an array is missing or misshapen.
+        OutputExistsError: ``path`` exists and ``force`` is false.
     """
-    store = FeatureStore.open(path, mode="r+" if repair else "r")
-    _check_arrays(store, path)
-    shared = store.shared_damage()
-    done, problems = store.read_done_flags()
-    for i in np.flatnonzero(done).tolist():
-        if "n_tokens" in shared:  # block lengths unknown: only the chunks themselves can be checked
-            reason = store.block_damage(i)
-        else:
-            reason = check_block(store, i, None if expected_tokens is None else expected_tokens(i))
-        if reason is not None:
-            problems[i] = reason
-    repaired = sorted(problems) if repair else []
-    for i in repaired:
-        store.clear_done(i)
-        done[i] = False
-    return {
-        "ok": bool(done.all()) and not problems and not shared,
-        "n_blocks": store.n_blocks,
-        "blocks_done": int(done.sum()),
-        "not_done": np.flatnonzero(~done).tolist(),
-        "bad_blocks": problems,
-        "damaged_arrays": shared,
-        "repaired": repaired,
-    }
+    if _is_local(path) and Path(path).exists():
+        if not force:
+            raise OutputExistsError(path, "pass --resume to continue it or --force to overwrite it")
+        shutil.rmtree(path)
+    try:
+        return zarr.open_group(path, mode="w" if force or _is_local(path) else "w-")
+    except (FileExistsError, zarr.errors.ContainsGroupError, zarr.errors.ContainsArrayError) as e:
+        raise OutputExistsError(path, "pass --resume to continue it or --force to overwrite it") from e
 
 
-def _check_arrays(store: FeatureStore, path) -> None:
-    """Every array is present with the shape and dtype the attributes imply (StoreFormatError otherwise)."""
-    g = store.group
-    N, C, L, H = store.n_blocks, store.block_size, len(store.layers), store.hidden_size
-    expect = {"input_ids": ((N, C), "int32"), "loss_mask": ((N, C), "uint8"),
-              "position_ids": ((N, C), "int32"), "done": ((N,), "uint8")}
-    for name, shape, dtype in _hidden_arrays(C, L, H, store.storage_dtype):
-        expect[name] = ((N, *shape), dtype)
-    for name, (shape, dtype) in expect.items():
-        if name not in g:
-            raise StoreFormatError(f"{path}: array {name!r} is missing")
-        arr = g[name]
-        if tuple(arr.shape) != shape or str(arr.dtype) != dtype:
-            raise StoreFormatError(f"{path}: {name} is {arr.shape} {arr.dtype}, expected {shape} {dtype}")
-
-
-def check_compatible(store: FeatureStore, *, verifier: dict[str, Any], layers: list[int], source: str) -> None:
-    """Raise :class:`StoreMismatchError` when resuming ``store`` with another verifier, layers or table."""
-    have = store.attrs
-    if list(have["layers"]) != list(layers):
-        raise StoreMismatchError(f"{store.path}: store has layers {have['layers']}, asked for {layers}")
-    for key in ("name_or_path", "fingerprint"):
-        if have["verifier"].get(key) != verifier.get(key):
-            raise StoreMismatchError(
-                f"{store.path}: store was made with verifier {have['verifier'].get(key)!r} ({key}), "
-                f"asked for {verifier.get(key)!r}"
-            )
-    if have.get("source") != source:
-        raise StoreMismatchError(f"{store.path}: store was made from another packed table "
-                                 f"(manifest sha256 {have.get('source')!r}, now {source!r})")
-
-
-def _hidden_arrays(C: int, L: int, H: int, storage_dtype: str) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, per-block shape, dtype) of the hidden-state arrays for a storage dtype."""
-    if storage_dtype == "bf16":
-        return [("aux_hidden", (C, L, H), "uint16"), ("final_hidden", (C, H), "uint16")]
-    return [("aux_hidden", (C, L, H), "uint8"), ("aux_scale", (C, L), "float32"),
-            ("final_hidden", (C, H), "uint8"), ("final_scale", (C,), "float32")]
-
-
-def bytes_per_token(n_layers: int, hidden_size: int, storage_dtype: str) -> int:
-    """Stored bytes per token slot: hidden states (+ fp8 scales) + input_ids, loss_mask, position_ids."""
-    C = 1
-    hidden = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
-                 for _, shape, dtype in _hidden_arrays(C, n_layers, hidden_size, storage_dtype))
-    return hidden + 4 + 1 + 4
+def _create_arrays(group: zarr.Group, specs: tuple[ArraySpec, ...], sizes: dict[str, int],
+                   compressor: str | None) -> None:
+    """Create every array of ``specs``: raw little-endian bytes, optional zstd, a crc32c checksum,
+    fill value 0, and every chunk written even when it holds only zeros."""
+    codecs = ([ZstdCodec(level=3)] if compressor == "zstd" else []) + [Crc32cCodec()]
+    raw = dict(serializer=BytesCodec(endian="little"), compressors=codecs,
+               fill_value=0, config={"write_empty_chunks": True})
+    for spec in specs:
+        group.create_array(spec.name, shape=spec.shape(sizes), chunks=spec.chunks(sizes), dtype=spec.dtype, **raw)
 
 
 def _is_local(path: str) -> bool:
     return "://" not in path
-
-
-def _uncompressed(array: zarr.Array) -> bool:
-    codecs = array.metadata.to_dict().get("codecs", [])
-    names = [c["name"] if isinstance(c, dict) else getattr(c, "name", "") for c in codecs]
-    return names in (["bytes"], ["bytes", "crc32c"])
 
 
 def _created_by() -> str:

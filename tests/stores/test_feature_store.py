@@ -137,7 +137,7 @@ class TestLocalMemoryMapped(StoreContract):
         return FeatureStore.create(tmp_path / "s.zarr", **kw)
 
     def test_uses_mmap(self, tmp_path):
-        assert self.round_trip(tmp_path)._mmap_ok
+        assert self.round_trip(tmp_path).raw_chunks
 
 
 class TestLocalCompressed(StoreContract):
@@ -146,7 +146,7 @@ class TestLocalCompressed(StoreContract):
 
     def test_reads_through_zarr(self, tmp_path):
         store = self.round_trip(tmp_path)
-        assert not store._mmap_ok
+        assert not store.raw_chunks
         with pytest.raises(StoreFormatError):
             store.read_block(0, via="mmap")
 

@@ -1,0 +1,193 @@
+"""Damage checks and ``verify`` of a feature store (docs/design.md §7).
+
+A block's data is trusted when every chunk exists, has the right size, passes its crc32c checksum
+and its hidden states are finite; a done block that fails is listed (and, with ``repair``, its done
+flag cleared so ``extract --resume`` extracts it again).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from stores.chunk_files import CHECKSUM_BYTES, raw_chunk_damage
+from stores.errors import StoreFormatError, StoreMismatchError
+from stores.feature_schema import store_arrays
+
+if TYPE_CHECKING:
+    from stores.feature_store import FeatureStore
+
+__all__ = ["chunk_damage", "block_damage", "shared_damage", "read_done_flags", "check_block", "verify_store",
+           "check_compatible"]
+
+
+def chunk_damage(store: FeatureStore, name: str, i: int) -> str | None:
+    """Why chunk ``i`` of array ``name`` cannot be trusted, or None when it reads back intact.
+
+    Checks that a local chunk file exists and (uncompressed stores) has exactly its data bytes
+    plus the 4 checksum bytes, then reads it through zarr, which verifies the crc32c checksum:
+    a missing, truncated, empty, unreadable or altered chunk is named with its path.
+    """
+    arr = store.array(name)
+    path = store.chunk_path(name, i)
+    where = f"{name} chunk {path}" if path is not None else f"{name} chunk {i}"
+    if path is not None:
+        if not path.is_file():
+            return f"{where} is {'not a regular file' if path.exists() else 'missing'}"
+        if store.raw_chunks:
+            want = int(np.prod(arr.chunks)) * arr.dtype.itemsize + CHECKSUM_BYTES
+            size = path.stat().st_size
+            if size != want:
+                return f"{where} is {size} bytes, expected {want} ({'empty' if size == 0 else 'truncated or foreign'})"
+            return raw_chunk_damage(path, where)  # the crc32c of the raw bytes, ~5x faster than zarr
+    try:
+        arr[i]
+    except Exception as e:  # checksum mismatch, undecodable bytes, permission denied
+        return f"{where} is unreadable ({type(e).__name__}: {e})"
+    return None
+
+
+def block_damage(store: FeatureStore, i: int) -> str | None:
+    """The first damaged chunk of block ``i``'s data (see :func:`chunk_damage`), or None."""
+    for name in store.block_arrays():
+        reason = chunk_damage(store, name, i)
+        if reason is not None:
+            return f"block {i}: {reason}"
+    return None
+
+
+def shared_damage(store: FeatureStore) -> dict[str, str]:
+    """``{array: reason}`` for the whole-store arrays ``n_tokens`` and ``token_freq`` (one chunk each;
+    ``token_freq`` only once extraction has written it, attribute ``tokens_written``)."""
+    names = ["n_tokens"] + (["token_freq"] if store.attrs.get("tokens_written") else [])  # both set by extract
+    found = {name: chunk_damage(store, name, 0) for name in names}
+    store.forget_n_tokens()
+    return {name: reason for name, reason in found.items() if reason is not None}
+
+
+def read_done_flags(store: FeatureStore) -> tuple[np.ndarray, dict[int, str]]:
+    """``([N] bool done flags, {block: reason})``: a block whose flag chunk is damaged reads as
+    not done and is listed with the reason (``done_mask`` would raise)."""
+    try:
+        return store.done_mask(), {}
+    except Exception:  # one flag chunk is damaged: read them one by one
+        pass
+    done = np.zeros(store.n_blocks, dtype=bool)
+    bad: dict[int, str] = {}
+    for i in range(store.n_blocks):
+        reason = chunk_damage(store, "done", i)
+        if reason is not None:
+            bad[i] = f"block {i}: its done flag's {reason}"
+        else:
+            done[i] = bool(store.group["done"][i])
+    return done, bad
+
+
+def _nonfinite(x: torch.Tensor) -> bool:
+    """Whether a bf16 tensor holds a NaN or Inf: exponent bits all ones (no float copy)."""
+    bits = x.contiguous().view(torch.int16).numpy()  # numpy: ~8x faster than the same torch ops on CPU
+    return bool(((bits & 0x7F80) == 0x7F80).any())
+
+
+def check_block(store: FeatureStore, i: int, expected_ids=None) -> str | None:
+    """Why done block ``i`` cannot be trusted (the first problem found), or None.
+
+    Every chunk of the block must be present, of the right size and pass its checksum
+    (:func:`block_damage`); the hidden states must be finite; and, when ``expected_ids [T]`` is
+    given (the packed table's row), ``input_ids`` must equal it.
+    """
+    reason = block_damage(store, i)
+    if reason is not None:
+        return reason
+    try:
+        block = store.read_block(i)
+    except Exception as e:  # e.g. a damaged n_tokens chunk
+        return f"block {i}: cannot be read ({type(e).__name__}: {e})"
+    if _nonfinite(block.aux_hidden) or _nonfinite(block.final_hidden):
+        return f"block {i}: NaN or Inf in hidden states"
+    if expected_ids is not None:
+        exp = np.asarray(expected_ids)
+        if len(exp) != block.n_tokens or not np.array_equal(exp, block.input_ids.numpy()):
+            return f"block {i}: input_ids differ from the packed table"
+    return None
+
+
+def verify_store(path: str | os.PathLike, expected_tokens=None, repair: bool = False) -> dict[str, Any]:
+    """Check a store: format, shapes and dtypes, done flags, chunk files, checksums, NaN/Inf, token ids.
+
+    Args:
+        expected_tokens: optional callable ``i -> (input_ids [T] array)`` from the packed table.
+        repair: clear the done flag of every bad block (and rewrite damaged flag chunks), so that
+            ``peagle-data extract --resume`` extracts exactly those blocks again.
+
+    Returns:
+        ``{"ok": bool, "n_blocks", "blocks_done", "not_done": [...], "bad_blocks": {id: reason},
+        "damaged_arrays": {name: reason}, "repaired": [ids]}`` (``n_tokens``/``token_freq`` damage
+        is repaired by ``extract --resume``, which rewrites them from the packed table).
+
+    Raises:
+        StoreFormatError: the store cannot be opened at all, or an array is missing or misshapen.
+    """
+    from stores.feature_store import FeatureStore
+
+    store = FeatureStore.open(path, mode="r+" if repair else "r")
+    _check_arrays(store, path)
+    shared = shared_damage(store)
+    done, problems = read_done_flags(store)
+    for i in np.flatnonzero(done).tolist():
+        if "n_tokens" in shared:  # block lengths unknown: only the chunks themselves can be checked
+            reason = block_damage(store, i)
+        else:
+            reason = check_block(store, i, None if expected_tokens is None else expected_tokens(i))
+        if reason is not None:
+            problems[i] = reason
+    repaired = sorted(problems) if repair else []
+    for i in repaired:
+        store.clear_done(i)
+        done[i] = False
+    return {
+        "ok": bool(done.all()) and not problems and not shared,
+        "n_blocks": store.n_blocks,
+        "blocks_done": int(done.sum()),
+        "not_done": np.flatnonzero(~done).tolist(),
+        "bad_blocks": problems,
+        "damaged_arrays": shared,
+        "repaired": repaired,
+    }
+
+
+_CHECKED_ROLES = ("token", "hidden", "flag")
+"""The arrays ``verify`` checks the shape and dtype of (those it always did)."""
+
+
+def _check_arrays(store: FeatureStore, path) -> None:
+    """Every array is present with the shape and dtype the attributes imply (StoreFormatError otherwise)."""
+    g, sizes = store.group, store.sizes()
+    for spec in store_arrays(store.storage_dtype):
+        if spec.role not in _CHECKED_ROLES:
+            continue
+        shape, dtype = spec.shape(sizes), spec.dtype
+        if spec.name not in g:
+            raise StoreFormatError(f"{path}: array {spec.name!r} is missing")
+        arr = g[spec.name]
+        if tuple(arr.shape) != shape or str(arr.dtype) != dtype:
+            raise StoreFormatError(f"{path}: {spec.name} is {arr.shape} {arr.dtype}, expected {shape} {dtype}")
+
+
+def check_compatible(store: FeatureStore, *, verifier: dict[str, Any], layers: list[int], source: str) -> None:
+    """Raise :class:`StoreMismatchError` when resuming ``store`` with another verifier, layers or table."""
+    have = store.attrs
+    if list(have["layers"]) != list(layers):
+        raise StoreMismatchError(f"{store.path}: store has layers {have['layers']}, asked for {layers}")
+    for key in ("name_or_path", "fingerprint"):
+        if have["verifier"].get(key) != verifier.get(key):
+            raise StoreMismatchError(
+                f"{store.path}: store was made with verifier {have['verifier'].get(key)!r} ({key}), "
+                f"asked for {verifier.get(key)!r}"
+            )
+    if have.get("source") != source:
+        raise StoreMismatchError(f"{store.path}: store was made from another packed table "
+                                 f"(manifest sha256 {have.get('source')!r}, now {source!r})")
