@@ -21,8 +21,8 @@ Method, for one conversation of T tokens:
    mask 0. A span with no special token is supervised whole. An empty think block
    (``<think></think>`` with only whitespace) that opens the span of a turn without
    ``reasoning_content`` was injected by the template, not generated: mask 0. An assistant turn
-   with empty content (no text, reasoning or tool calls) supervises nothing, not even its
-   end-of-turn token: all its tokens have mask 0 (it stays in the context).
+   with empty content (no text, reasoning or tool calls), or marked ``"weight": 0``, supervises
+   nothing, not even its end-of-turn token: all its tokens have mask 0 (it stays in the context).
 4. ``apply_chat_template(messages, tokenize=True)`` tokenizes the same render with
    ``add_special_tokens=False``, so the ids are identical by construction (tests check it on five
    template families); they are not tokenized twice at run time.
@@ -60,7 +60,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from peagle_data.readers import is_empty_assistant as _is_empty_assistant
+from peagle_data.readers import is_unsupervised as _is_unsupervised
 from stores.errors import InputError
 
 __all__ = ["ChatTemplateError", "TokenizedConversation", "RenderedRow", "render_rows", "tokenize_rendered",
@@ -354,7 +354,7 @@ def render_rows(tokenizer, messages: Sequence[dict[str, Any]], tools: list | Non
                                                   "whole conversation's render"))
     rows = []
     for i in indices:
-        if _is_empty_assistant(messages[i]):  # supervises nothing: no row of its own
+        if _is_unsupervised(messages[i]):  # empty or weight 0: supervises nothing, no row of its own
             continue
         sub = messages[: i + 1]
         sub_text = _render(tokenizer, sub, tools, chat_template)
@@ -381,7 +381,7 @@ def _checked_row(tokenizer, messages, tools, chat_template, text: str, spans: di
         raise ChatTemplateError(_dropped_reason(messages, i, part, len(dropped)))
     silent = {i for i, _, lost_all in dropped if lost_all}
     kept = [(i, span) for i, span in spans.items()
-            if not _is_empty_assistant(messages[i]) and i not in silent]
+            if not _is_unsupervised(messages[i]) and i not in silent]
     kept_indices, kept_spans = [i for i, _ in kept], [span for _, span in kept]
     if not kept_spans and turn is None and dropped:
         raise ChatTemplateError("no supervised tokens: the template renders no content of any assistant turn")

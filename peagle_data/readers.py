@@ -47,6 +47,9 @@ Normalisation rules (documented decisions):
 - an assistant turn with empty content (no text, reasoning or tool calls) yields no supervised
   token at all, not even its end-of-turn token; it is kept as context and counted; a
   conversation whose assistant turns are all empty is rejected ("no supervised tokens");
+- an assistant turn with ``"weight": 0`` (the OpenAI fine-tuning format; axolotl's ShareGPT turns)
+  is context only: it supervises nothing and is counted (``weight_zero_turns``); a weight other
+  than 0 or 1 rejects the row;
 - a conversation whose only assistant turns were leading ones is rejected ("only a leading
   assistant turn (dropped)").
 """
@@ -74,6 +77,7 @@ __all__ = [
     "read_conversations",
     "drop_arrow_nulls",
     "is_empty_assistant",
+    "is_unsupervised",
     "ROW_COUNTS",
 ]
 
@@ -108,7 +112,8 @@ class Conversation:
         counts: other non-zero per-row counts, summed into the manifest: ``tool_arguments_decoded``
             and ``tool_arguments_not_json`` (JSON-string tool-call arguments decoded / kept as
             text), ``tool_schemas_decoded``, ``dropped_content_parts`` (with ``keep_dropped``),
-            ``null_keys_dropped_rows`` (1 for a Parquet row whose null keys were dropped).
+            ``null_keys_dropped_rows`` (1 for a Parquet row whose null keys were dropped),
+            ``weight_zero_turns`` (assistant turns with ``"weight": 0``: context only).
     """
 
     conversation_id: str
@@ -529,8 +534,23 @@ def _normalize_openai(messages: Any, stats: dict[str, int]) -> list[dict[str, An
         for key in ("tool_call_id", "name"):
             if msg.get(key) is not None:
                 new[key] = msg[key]
+        _copy_weight(msg, new, where)
         out.append(new)
     return out
+
+
+def _copy_weight(turn: dict[str, Any], new: dict[str, Any], where: str) -> None:
+    """An assistant turn's ``weight`` (OpenAI fine-tuning format; axolotl's ShareGPT turns): 0 keeps
+    the turn as context without supervising it (``"weight": 0`` on ``new``), 1 or absent supervises
+    it; anything else rejects the row."""
+    weight = turn.get("weight")
+    if weight is None or new["role"] != "assistant":
+        return
+    if isinstance(weight, bool) or weight not in (0, 1):
+        raise _BadRow(f"invalid weight: {where}.weight is {weight!r} (0 leaves an assistant turn unsupervised, "
+                      "1 supervises it)", f"{where}.weight")
+    if weight == 0:
+        new["weight"] = 0
 
 
 def _normalize_sharegpt(turns: Any, system: Any) -> list[dict[str, Any]]:
@@ -556,6 +576,7 @@ def _normalize_sharegpt(turns: Any, system: Any) -> list[dict[str, Any]]:
             out.append({"role": "assistant", "content": f"<tool_call>\n{value}\n</tool_call>"})
         else:
             out.append({"role": role, "content": value})
+        _copy_weight(turn, out[-1], where)
     return out
 
 
@@ -596,7 +617,8 @@ def _parse_tools(tools: Any, stats: dict[str, int]) -> list[Any] | None:
 
 def _tidy(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """Drop leading assistant turns, merge consecutive user turns, check there is a non-empty assistant."""
-    counts = {"dropped_leading_assistant": 0, "merged_user_turns": 0, "empty_assistant_turns": 0}
+    counts = {"dropped_leading_assistant": 0, "merged_user_turns": 0, "empty_assistant_turns": 0,
+              "weight_zero_turns": 0}
     if not messages:
         raise _BadRow("empty conversation")
     out: list[dict[str, Any]] = []
@@ -614,6 +636,8 @@ def _tidy(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[st
             seen_user = True
         if role == "assistant" and is_empty_assistant(msg):
             counts["empty_assistant_turns"] += 1
+        elif role == "assistant" and msg.get("weight") == 0:
+            counts["weight_zero_turns"] += 1
         out.append(msg)
     assistants = [m for m in out if m["role"] == "assistant"]
     if not assistants:
@@ -621,6 +645,8 @@ def _tidy(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[st
                       else "no assistant turn")
     if all(is_empty_assistant(m) for m in assistants):
         raise _BadRow("no supervised tokens: every assistant turn is empty")
+    if all(is_unsupervised(m) for m in assistants):
+        raise _BadRow("no supervised tokens: every assistant turn is empty or has weight 0")
     return out, counts
 
 
@@ -634,6 +660,11 @@ def is_empty_assistant(msg: dict[str, Any]) -> bool:
         return value is None or (isinstance(value, str) and not value.strip())
 
     return blank(msg.get("content")) and blank(msg.get("reasoning_content")) and not msg.get("tool_calls")
+
+
+def is_unsupervised(msg: dict[str, Any]) -> bool:
+    """An assistant message that supervises no token: empty, or marked ``"weight": 0`` (context only)."""
+    return is_empty_assistant(msg) or msg.get("weight") == 0
 
 
 ROW_COUNTS = ("tool_arguments_decoded", "tool_arguments_not_json", "tool_schemas_decoded", "dropped_content_parts")
@@ -683,6 +714,7 @@ def normalize_record(record: dict[str, Any], fmt: str = "auto", keep_dropped: bo
         raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")
     tools = _parse_tools(record.get("tools"), stats)
     messages, counts = _tidy(messages)
+    stats["weight_zero_turns"] = counts.pop("weight_zero_turns")
     return messages, tools, {"tidy": counts, "row": {k: v for k, v in stats.items() if v}}
 
 

@@ -358,3 +358,32 @@ def test_parquet_null_keys_are_counted_in_the_manifest(tmp_path, smollm2_tokeniz
     assert counts["used"] == 3 and counts["null_keys_dropped_rows"] == 3
     manifest = json.loads((tmp_path / "tok" / "manifest.json").read_text())
     assert manifest["counts"]["null_keys_dropped_rows"] == 3
+
+
+def test_assistant_turns_with_weight_zero_are_context_only(tmp_path, smollm2_tokenizer):
+    # The OpenAI fine-tuning format marks turns not to train on with "weight": 0 (axolotl's ShareGPT
+    # turns too): they stay in the context and supervise nothing; 1 or absent supervises.
+    from tests.peagle_data.test_chat import masked_texts
+    from peagle_data.chat import TokenizedConversation
+
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Bad answer.", "weight": 0},
+             {"role": "user", "content": "Again?"}, {"role": "assistant", "content": "Good answer.", "weight": 1}]
+    sharegpt = {"id": "s", "conversations": [{"from": "human", "value": "Hi"},
+                                             {"from": "gpt", "value": "Bad answer.", "weight": 0},
+                                             {"from": "human", "value": "Again?"},
+                                             {"from": "gpt", "value": "Good answer."}]}
+    rows = [{"id": "w", "messages": turns}, sharegpt,
+            {"id": "all0", "messages": [turns[0], turns[1]]},
+            {"id": "half", "messages": [turns[0], {**turns[3], "weight": 0.5}]}]
+    src = write_rows(tmp_path / "w.jsonl", rows)
+    counts = run_tokenize([src], "smollm2-135m", tmp_path / "t", TokenizeConfig(dedup=False),
+                          tokenizer=smollm2_tokenizer)["counts"]
+    assert (counts["used"], counts["rejected"], counts["weight_zero_turns"]) == (2, 2, 2)
+    table = list(TokenTable.open(tmp_path / "t").iter_rows())
+    for row in table:
+        out = TokenizedConversation(row["input_ids"], row["loss_mask"], row["system_len"])
+        assert masked_texts(smollm2_tokenizer, out) == ["Good answer.<|im_end|>"]
+        assert "Bad answer." in smollm2_tokenizer.decode(row["input_ids"])  # still the context
+    assert [r["reason"] for r in rejects_of(tmp_path / "t")] == [
+        "no supervised tokens: every assistant turn is empty or has weight 0",
+        "invalid weight: messages[1].weight is 0.5 (0 leaves an assistant turn unsupervised, 1 supervises it)"]
