@@ -53,36 +53,35 @@ TURNS = ("all", "last")
 
 @dataclass(frozen=True, kw_only=True)
 class RegenerateConfig:
-    """Settings of one ``regenerate`` run (recorded in the manifest; ``--resume`` requires the same).
-
-    Attributes:
-        max_new_tokens: most tokens per answer.
-        temperature: 0 greedy, else sampling.
-        turns: ``all`` or ``last`` (see the module docstring).
-        limit: read at most this many input rows.
-        format: input format (``auto``, ``openai``, ``sharegpt``).
-        chunk_rows: rows generated together before they are written (a local wave holds one
-            request per unfinished row of the chunk).
-        seed: torch seed for sampling.
-    """
+    """Settings of one ``regenerate`` run (recorded in the manifest; ``--resume`` requires the same)."""
 
     max_new_tokens: int = 512
+    """Most tokens per answer; an answer cut there is kept and counted (``--max-new-tokens``)."""
     temperature: float = 0.0
+    """0 is greedy (reproducible, resumable to the same file); else sampling (``--temperature``)."""
     turns: str = "all"
+    """Regenerate every assistant turn (given the regenerated history) or only the last one (``--turns``)."""
     limit: int | None = None
+    """Read at most this many input rows; None: all (``--limit``)."""
     format: str = "auto"
+    """Conversation format of the input rows: auto (detected per row), openai or sharegpt (``--format``)."""
     chunk_rows: int = 64
+    """Rows generated together before they are written (a local wave holds one request per
+    unfinished row of the chunk)."""
     seed: int = 0
+    """Torch seed of sampling, with ``--temperature`` > 0 (``--seed``)."""
 
     def __post_init__(self) -> None:
         if self.turns not in TURNS:
-            raise ValueError(f"turns must be one of {TURNS}, got {self.turns!r}")
+            raise ValueError(f"--turns must be one of {TURNS}, got {self.turns!r}")
         if self.format not in FORMATS:
-            raise ValueError(f"format must be one of {FORMATS}, got {self.format!r}")
+            raise ValueError(f"--format must be one of {FORMATS}, got {self.format!r}")
         if self.max_new_tokens < 1 or self.chunk_rows < 1:
             raise ValueError("max_new_tokens and chunk_rows must be >= 1")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"--limit must be >= 1 rows, got {self.limit}")
 
 
 class Regeneration:

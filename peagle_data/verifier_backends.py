@@ -31,7 +31,7 @@ from typing import Any
 
 from stores.errors import InputError, MissingDependencyError
 
-__all__ = ["Request", "Answer", "LocalBackend", "ServerBackend", "split_reasoning", "server_base_url"]
+__all__ = ["Request", "Answer", "BackendConfig", "LocalBackend", "ServerBackend", "split_reasoning", "server_base_url"]
 
 
 @dataclass
@@ -102,6 +102,48 @@ def _wire_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             msg = {**msg, "tool_calls": calls}
         out.append(msg)
     return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackendConfig:
+    """Which verifier answers ``peagle-data regenerate``'s requests: in this process (``verifier``) or
+    OpenAI-compatible servers (``servers``), exactly one of them."""
+
+    verifier: str | None = None
+    """Generate in this process with this MODEL: smollm2-135m, a directory or a hub id (``--verifier``)."""
+    servers: tuple[str, ...] = ()
+    """OpenAI-compatible servers (vLLM, SGLang, transformers serve), http://host:port[/v1] (``--server``,
+    repeated for several, used in parallel)."""
+    served_model: str | None = None
+    """Model name sent to the servers; None: their only model (``--served-model``)."""
+    concurrency: int = 8
+    """Requests in flight per server (``--concurrency``)."""
+    batch_size: int = 16
+    """Prompts per generate call of the local verifier, sorted by length, left-padded (``--batch-size``)."""
+    device: str | None = None
+    """Local verifier device (cpu, cuda, cuda:1); None: cuda if available (``--device``)."""
+    retries: int = 5
+    """Retries of a failed server request (exponential backoff) before the row is rejected (``--retries``)."""
+    timeout: float = 600.0
+    """Seconds a server request may take (``--timeout``)."""
+
+    def __post_init__(self) -> None:
+        if bool(self.verifier) == bool(self.servers):
+            raise ValueError("give exactly one of --verifier MODEL (local) and --server URL (OpenAI-compatible)")
+        if self.verifier and self.served_model:
+            raise ValueError("--served-model goes with --server, not --verifier")
+        for name, value, least in (("--concurrency", self.concurrency, 1), ("--batch-size", self.batch_size, 1),
+                                   ("--retries", self.retries, 0), ("--timeout", self.timeout, 1)):
+            if not value >= least:
+                raise ValueError(f"{name} must be >= {least}, got {value}")
+
+    def make(self, max_new_tokens: int, temperature: float) -> LocalBackend | ServerBackend:
+        """The back end (loads the local verifier, or connects to the servers)."""
+        if self.verifier:
+            return LocalBackend(self.verifier, max_new_tokens, temperature, batch_size=self.batch_size,
+                                device=self.device)
+        return ServerBackend(list(self.servers), self.served_model, max_new_tokens, temperature,
+                             concurrency=self.concurrency, retries=self.retries, timeout=self.timeout)
 
 
 class LocalBackend:

@@ -25,7 +25,7 @@ EXACT = {
                           "--attn-implementation", "--resume", "--force", "--device", "--max-blocks", *SHARDS, *CONFIG_FILE},
     ("data", "regenerate"): {"--output", "--verifier", "--server", "--served-model", "--max-new-tokens",
                              "--temperature", "--turns", "--concurrency", "--batch-size", "--device", "--limit",
-                             "--format", "--retries", "--timeout", "--seed", "--resume", "--force"},
+                             "--format", "--retries", "--timeout", "--seed", "--resume", "--force", *CONFIG_FILE},
     ("data", "inspect"): set(),
     ("data", "verify"): {"--packed", "--repair"},
     ("data", "stats"): {"--json", "--png", "--max-seq-len", "--overlap"},

@@ -116,3 +116,20 @@ def test_extract_config_round_trip_with_its_converted_options(tmp_path, monkeypa
     assert result.exit_code == 0, result.output
     assert seen == [ExtractConfig(packed=str(tmp_path / "packed"), verifier="m", output=str(tmp_path / "s.zarr"),
                                   layers=[2, 5], compressor="zstd")]
+
+
+def test_regenerate_config_round_trip_and_its_back_end_check(tmp_path):
+    from cli.data import main as data_main
+
+    args = ["regenerate", "in.jsonl", "--output", tmp_path / "o.jsonl", "--server", "http://a:1", "--server",
+            "http://b:2", "--turns", "last"]
+    first = invoke(data_main, [*args, "--print-config"])
+    assert first.exit_code == 0, first.output
+    resolved = yaml.safe_load(first.stdout)
+    assert resolved["inputs"] == ["in.jsonl"] and resolved["servers"] == ["http://a:1", "http://b:2"]
+    assert resolved["turns"] == "last" and resolved["concurrency"] == 8 and "chunk_rows" not in resolved
+    (tmp_path / "r.toml").write_text('inputs = "in.jsonl"\nserver = ["http://a:1", "http://b:2"]\nturns = "last"\n'
+                                     f'output = "{tmp_path / "o.jsonl"}"\n')
+    assert invoke(data_main, ["regenerate", "--config", tmp_path / "r.toml", "--print-config"]).stdout == first.stdout
+    both = invoke(data_main, ["regenerate", "--config", tmp_path / "r.toml", "--verifier", "m"])
+    assert both.exit_code == 2 and "give exactly one of --verifier MODEL" in both.stderr

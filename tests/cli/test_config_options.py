@@ -14,6 +14,8 @@ from cli.eval import main as eval_main
 from cli.train import main as train_main
 from peagle_data.extract import ExtractConfig
 from peagle_data.prepare import PackConfig, TokenizeConfig
+from peagle_data.regenerate import RegenerateConfig
+from peagle_data.verifier_backends import BackendConfig
 from peagle_train.evaluate.run import EvalRun
 from peagle_train.evaluate import EvalConfig
 from peagle_train.train import TrainConfig
@@ -33,6 +35,8 @@ COMMANDS = {
                  {"inputs", "tokenizer_name", "output", "force"}, set()),
     "pack": (data_main.commands["pack"], [PackConfig, TokenizeConfig], {},
              {"inputs", "tokenizer_name", "output", "force"}, {"tokenize"}),  # the nested TokenizeConfig
+    "regenerate": (data_main.commands["regenerate"], [RegenerateConfig, BackendConfig], {},
+                   {"inputs", "output", "resume", "force"}, {"chunk_rows"}),  # rows per write: a library knob
 }
 
 
