@@ -126,7 +126,7 @@ def test_regenerate_config_round_trip_and_its_back_end_check(tmp_path):
     first = invoke(data_main, [*args, "--print-config"])
     assert first.exit_code == 0, first.output
     resolved = yaml.safe_load(first.stdout)
-    assert resolved["inputs"] == ["in.jsonl"] and resolved["servers"] == ["http://a:1", "http://b:2"]
+    assert resolved["inputs"] == ["in.jsonl"] and resolved["server"] == ["http://a:1", "http://b:2"]  # the option name
     assert resolved["turns"] == "last" and resolved["concurrency"] == 8 and "chunk_rows" not in resolved
     (tmp_path / "r.toml").write_text('inputs = "in.jsonl"\nserver = ["http://a:1", "http://b:2"]\nturns = "last"\n'
                                      f'output = "{tmp_path / "o.jsonl"}"\n')
