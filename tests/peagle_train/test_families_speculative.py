@@ -91,3 +91,17 @@ def test_cut_back_cache_gives_the_models_own_logits(family):
     got, _ = verifier_pass(verifier, torch.tensor([9, 10, 11]), cache, want_hidden=False)
     want, _ = verifier_pass(verifier, torch.tensor(PROMPT + [5, 9, 10, 11]), new_cache(verifier), want_hidden=False)
     torch.testing.assert_close(got, want[-3:], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("config_name", ["Qwen3NextConfig", "JambaConfig", "FalconH1Config"])
+def test_recurrent_cache_layers_are_refused(config_name):
+    """Linear-attention / state-space cache layers cannot be cut back to an earlier token: refused."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from stores.errors import InputError
+
+    verifier = SimpleNamespace(config=getattr(transformers, config_name)(num_hidden_layers=4))
+    with pytest.raises(InputError, match="LinearAttention.*cannot be cut back"):
+        _rollback_cache(verifier)
