@@ -75,10 +75,13 @@ def check_store_ready(store, allow_incomplete: bool) -> np.ndarray:
     """Ids of the blocks training may read.
 
     Raises:
-        StoreFormatError: some blocks are not done and ``allow_incomplete`` is false, or no block
-            is done.
+        StoreFormatError: the store holds no blocks, some blocks are not done and
+            ``allow_incomplete`` is false, or no block is done.
     """
     done = store.done_mask()
+    if done.size == 0:
+        raise StoreFormatError(f"{store.path}: the store holds no blocks (a shard store of a packed table with fewer "
+                               "blocks than --num-shards, or of an empty table); leave it out of --store")
     missing = np.flatnonzero(~done)
     if missing.size and not allow_incomplete:
         raise StoreFormatError(

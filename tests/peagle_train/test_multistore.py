@@ -12,7 +12,7 @@ from peagle_train.checkpoint import load_drafter
 from peagle_train.data import split_blocks
 from peagle_train.multistore import StoreSet, expand_store_args, open_stores, split_per_store, usable_blocks
 from peagle_train.train import build_draft_vocab, run_train
-from stores.errors import InputError, StoreMismatchError
+from stores.errors import InputError, StoreFormatError, StoreMismatchError
 from stores.feature_store import FeatureStore
 
 from tests.peagle_train.test_train import _cfg, _rows, _store
@@ -161,3 +161,13 @@ def test_cli_takes_repeated_stores_and_a_store_list(tmp_path, verifier_dir):
     assert saved[0] == [a, b] and saved[1] == [str(tmp_path / "a.zarr"), str(tmp_path / "b.zarr")]
     summary = lambda res: json.loads(res.output[res.output.index("{\n"):])  # noqa: E731 - after the warnings
     assert summary(r)["final_loss"] == summary(r2)["final_loss"] and summary(r)["steps"] == 2
+
+
+def test_a_store_without_blocks_is_named_as_such(tmp_path, verifier_dir):
+    # A shard store of a table with fewer blocks than shards holds no blocks: extraction did run.
+    a = _store(tmp_path / "a.zarr", verifier_dir, n_blocks=2, seed=1)
+    empty = _store(tmp_path / "e.zarr", verifier_dir, n_blocks=0, seed=2)
+    with pytest.raises(StoreFormatError, match=r"e.zarr: the store holds no blocks \(a shard store of a packed table "
+                                               r"with fewer blocks than --num-shards, or of an empty table\); leave it "
+                                               r"out of --store"):
+        usable_blocks(open_stores([a, empty]), allow_incomplete=False)
