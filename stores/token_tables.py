@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 
 from stores.errors import StoreFormatError
 from stores.staging import write_text_atomic
+from stores.token_rows import PackedRow, TokenizedRow
 
 if TYPE_CHECKING:
     import polars as pl
@@ -154,8 +155,11 @@ class TableWriter:
         self._part = 0
         self.n_rows = 0
 
-    def write(self, row: dict[str, Any]) -> None:
-        """Append one row (a dict with every column; lists or 1-D numpy arrays for list columns)."""
+    def write(self, row: dict[str, Any] | TokenizedRow | PackedRow) -> None:
+        """Append one row: a :mod:`stores.token_rows` dataclass, or a dict with every column (lists
+        or 1-D numpy arrays for list columns)."""
+        if not isinstance(row, dict):
+            row = row.as_dict()
         for name in self.schema.names:
             self._buffer[name].append(row.get(name) if name in OPTIONAL_COLUMNS else row[name])
         self.n_rows += 1

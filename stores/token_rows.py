@@ -1,0 +1,83 @@
+"""Typed rows of the token tables (docs/design.md §6): one dataclass per table kind.
+
+Each field carries its Arrow type (``metadata["arrow"]``); :func:`arrow_schema` builds the table
+schema from them, and ``tests/stores/test_token_rows.py`` checks it equals the schemas that
+:mod:`stores.token_tables` writes and reads. Fields with a default are the optional columns
+(written as nulls, absent from tables of older runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+__all__ = ["TokenizedRow", "PackedRow", "arrow_schema", "optional_columns"]
+
+
+def _col(arrow_type: pa.DataType, **kw: Any) -> Any:
+    return field(metadata={"arrow": arrow_type}, **kw)
+
+
+@dataclass
+class TokenizedRow:
+    """One tokenized conversation (or one turn's row under ``--on-history-rewrite per-turn``).
+
+    ``n`` = ``n_tokens``."""
+
+    conversation_id: str = _col(pa.string())
+    source: str = _col(pa.string())
+    """``FILE:ROW`` of the input row."""
+    input_ids: np.ndarray = _col(pa.large_list(pa.int32()))
+    """``[n] int32``."""
+    loss_mask: np.ndarray = _col(pa.large_list(pa.uint8()))
+    """``[n] uint8``, 1 on tokens the verifier generates as the assistant."""
+    system_len: int = _col(pa.int32())
+    """Tokens of the leading system prompt (kept at the start of every window)."""
+    n_tokens: int = _col(pa.int32())
+    n_loss_tokens: int = _col(pa.int32())
+    dataset: str | None = _col(pa.string(), default=None)
+    """The mixture source; None outside mixtures."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The row as :class:`stores.token_tables.TableWriter` writes it (no copies)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclass
+class PackedRow:
+    """One packed block: windows of conversations laid end to end (``T`` = ``n_tokens``, S windows)."""
+
+    block_id: int = _col(pa.int64())
+    input_ids: np.ndarray = _col(pa.large_list(pa.int32()))
+    """``[T] int32``."""
+    loss_mask: np.ndarray = _col(pa.large_list(pa.uint8()))
+    """``[T] uint8``."""
+    position_ids: np.ndarray = _col(pa.large_list(pa.int32()))
+    """``[T] int32``, restarting at 0 in every window."""
+    cu_seqlens: list[int] = _col(pa.list_(pa.int32()))
+    """``[S+1]``: ``[0, len_0, ..., T]``."""
+    segment_ids: list[str] = _col(pa.list_(pa.string()))
+    """``[S]`` the conversation id (``#window``) of each window."""
+    n_tokens: int = _col(pa.int32())
+    segment_datasets: list[str | None] | None = _col(pa.list_(pa.string()), default=None)
+    """``[S]`` mixture source of each window; None outside mixtures."""
+    segment_loss_tokens: list[int] | None = _col(pa.list_(pa.int32()), default=None)
+    """``[S]`` supervised tokens of each window; None outside mixtures."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The row as :class:`stores.token_tables.TableWriter` writes it (no copies)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def arrow_schema(row_type: type) -> pa.Schema:
+    """The Arrow schema of a row dataclass: its fields in order, with their ``arrow`` types."""
+    return pa.schema([(f.name, f.metadata["arrow"]) for f in dataclasses.fields(row_type)])
+
+
+def optional_columns(row_type: type) -> frozenset[str]:
+    """The columns a row may leave out: the fields with a default."""
+    return frozenset(f.name for f in dataclasses.fields(row_type) if f.default is not dataclasses.MISSING)
