@@ -262,7 +262,7 @@ def test_invalid_json_names_line_and_column_of_the_file(tmp_path):
 
 
 def test_invalid_json_position_after_the_buffer_moved_on(tmp_path, monkeypatch):
-    import peagle_data.readers as readers
+    import peagle_data.readers.formats as readers
 
     monkeypatch.setattr(readers, "_CHUNK_CHARS", 64)  # force the streaming buffer to drop text
     rows = [json.dumps(SHAREGPT_ROW)] * 5 + ['{"conversations": [}']
@@ -377,7 +377,7 @@ def test_whitespace_only_assistant_turns_are_empty(tmp_path):
 @pytest.mark.parametrize("chunk", [5, 1 << 20])
 def test_text_after_a_json_arrays_end_is_a_reject_not_ignored(tmp_path, monkeypatch, chunk):
     # Two arrays concatenated into one file (cat a.json b.json): the second one's rows were dropped silently.
-    import peagle_data.readers as readers
+    import peagle_data.readers.formats as readers
 
     monkeypatch.setattr(readers, "_CHUNK_CHARS", chunk)
     conv = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}

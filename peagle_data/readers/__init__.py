@@ -1,0 +1,146 @@
+"""Conversation readers: files, globs and the ``sharegpt`` alias -> normalised OpenAI messages.
+
+Every input row becomes either a :class:`Conversation` (OpenAI messages with roles ``system``,
+``user``, ``assistant``, ``tool``) or a :class:`Reject` (the row's ``file:row`` source and a
+reason). Nothing is dropped silently: a row that cannot be used is a ``Reject``, and with
+``strict=True`` the first bad row raises :class:`stores.errors.InputError` naming file, row and
+field instead.
+
+Rows are numbered from 1 in every format, like ``peagle-eval`` and text editors: ``file:N`` is
+the N-th line of a ``.jsonl`` file (blank lines are skipped but keep their number), the N-th
+element of a ``.json`` array, the N-th row of a ``.parquet`` file.
+
+A file that cannot be read at all (a ``.parquet`` that is not Parquet, a ``.json`` that is not a
+JSON array or object, an unreadable file) is an :class:`stores.errors.InputError` naming it, not
+a row reject.
+
+Conversation ids are unique within one run: a row's own ``id``, else ``<file>:<N>`` where
+``<file>`` is the path (without extension) relative to the common parent directory of all
+inputs. An id seen before (the same file given twice, a repeated explicit ``id``) gets the suffix
+``~2``, ``~3``, ... and is counted (``duplicate_ids_renamed`` in the manifest).
+
+Normalisation rules (documented decisions):
+- the format is detected per row (``messages`` -> OpenAI, ``conversations`` -> ShareGPT) unless
+  ``fmt`` forces one;
+- ShareGPT ``from``: ``human``/``user`` -> user, ``gpt``/``assistant`` -> assistant, ``system`` ->
+  system, ``function_call`` -> an assistant turn whose content is the call wrapped as
+  ``<tool_call>\\n...\\n</tool_call>`` (the ChatML/Hermes convention, so templates without tool
+  support still render it), ``observation``/``tool`` -> tool; a top-level ``system`` string
+  becomes a leading system message, a top-level ``tools`` (JSON string or list) is passed on;
+- OpenAI ``content`` may be a string, ``null`` (an assistant turn with ``tool_calls``) or a list of
+  parts: ``text`` parts are joined, ``reasoning`` parts become ``reasoning_content``,
+  ``tool_call`` parts become ``tool_calls`` entries;
+- tool-call ``arguments`` (and a tool's ``parameters``, or a whole ``tools`` entry) given as a
+  string that parses as a JSON object (the OpenAI wire form) are decoded into that object, so
+  both forms render and mask identically; a string that is not a JSON object stays as is and is
+  counted (``tool_arguments_not_json``); an assistant's legacy ``function_call`` becomes a
+  ``tool_calls`` entry; a null field counts as absent wherever two keys are alternatives
+  (``text``/``value``, ``from``/``role``);
+- Parquet rows: Arrow's schema unification gives every struct the keys of all rows, null where a
+  row had none, and Arrow cannot tell absent from null; so every null key inside ``tools``,
+  ``tool_calls``, ``function_call`` and content-part lists is dropped (rows touched are counted,
+  ``null_keys_dropped_rows``). JSON/JSONL rows keep an explicit null;
+- a content part of an unsupported type (image, audio, file) rejects the row, or with
+  ``keep_dropped`` is left out and counted (``dropped_content_parts``);
+- leading assistant turns (before any user turn) are dropped and counted, the rest is kept;
+- two (or more) user turns in a row are merged into one, joined by ``"\\n\\n"``, and counted;
+- an assistant turn with empty content (no text, reasoning or tool calls) yields no supervised
+  token at all, not even its end-of-turn token; it is kept as context and counted; a
+  conversation whose assistant turns are all empty is rejected ("no supervised tokens");
+- an assistant turn with ``"weight": 0`` (the OpenAI fine-tuning format; axolotl's ShareGPT turns)
+  is context only: it supervises nothing and is counted (``weight_zero_turns``); a weight other
+  than 0 or 1 rejects the row;
+- a conversation whose only assistant turns were leading ones is rejected ("only a leading
+  assistant turn (dropped)").
+
+Modules: :mod:`.rows` (what a row becomes), :mod:`.inputs` (INPUT arguments, ids),
+:mod:`.formats` (one reader per file format), :mod:`.normalize` (OpenAI/ShareGPT -> messages).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator, Sequence
+
+from peagle_data.readers.formats import iter_records
+from peagle_data.readers.inputs import UniqueIds, id_stems, resolve_inputs
+from peagle_data.readers.normalize import (
+    ROW_COUNTS,
+    drop_arrow_nulls,
+    is_empty_assistant,
+    is_unsupervised,
+    normalize_record,
+)
+from peagle_data.readers.rows import FORMATS, SHAREGPT_ALIAS, Conversation, Reject, RowError
+from stores.errors import InputError
+
+__all__ = [
+    "FORMATS",
+    "SHAREGPT_ALIAS",
+    "Conversation",
+    "Reject",
+    "RowError",
+    "UniqueIds",
+    "resolve_inputs",
+    "iter_records",
+    "normalize_record",
+    "read_conversations",
+    "drop_arrow_nulls",
+    "is_empty_assistant",
+    "is_unsupervised",
+    "ROW_COUNTS",
+]
+
+
+def read_conversations(inputs: Sequence[str | os.PathLike], fmt: str = "auto", strict: bool = False,
+                       limit: int | None = None, keep_dropped: bool = False) -> Iterator[Conversation | Reject]:
+    """Stream normalised conversations (and rejects) from INPUT arguments, in input order.
+
+    Args:
+        inputs: files, globs or ``sharegpt`` (see :func:`resolve_inputs`).
+        fmt: ``auto``, ``openai`` or ``sharegpt``.
+        strict: raise on the first bad row instead of yielding a Reject.
+        limit: stop after this many input rows (usable or not); None reads everything.
+        keep_dropped: leave content parts of unsupported types out (counted) instead of
+            rejecting the row (``--on-dropped-content keep``).
+
+    Yields:
+        One :class:`Conversation` or :class:`Reject` per input row. A Parquet row's null keys
+        below the message level are dropped first (:func:`drop_arrow_nulls`; a row with any is
+        counted in ``Conversation.counts["null_keys_dropped_rows"]``).
+
+    Raises:
+        InputError: bad arguments; with ``strict``, the first bad row (names file, row and field).
+    """
+    if fmt not in FORMATS:
+        raise InputError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    n = 0
+    files = resolve_inputs(inputs)
+    names = id_stems(files)
+    ids = UniqueIds()
+    for path, name in zip(files, names):
+        for row, record in iter_records(path):
+            if limit is not None and n >= limit:
+                return
+            n += 1
+            source = f"{path}:{row}"
+            cid = f"{name}:{row}"
+            if isinstance(record, dict) and record.get("id") is not None:
+                cid = str(record["id"])
+            cid, renamed = ids.unique(cid)
+            try:
+                if isinstance(record, RowError):
+                    raise record
+                nulls = 0
+                if path.suffix.lower() == ".parquet":
+                    record, nulls = drop_arrow_nulls(record)
+                messages, tools, counts = normalize_record(record, fmt, keep_dropped)
+            except RowError as bad:
+                if strict:
+                    raise InputError(bad.reason, file=str(path), row=row, field=bad.field) from None
+                yield Reject(source=source, reason=bad.reason, conversation_id=cid, field=bad.field,
+                             duplicate_id_renamed=int(renamed))
+                continue
+            row_counts = {**counts["row"], **({"null_keys_dropped_rows": 1} if nulls else {})}
+            yield Conversation(conversation_id=cid, source=source, messages=messages, tools=tools,
+                               duplicate_id_renamed=int(renamed), counts=row_counts, **counts["tidy"])
