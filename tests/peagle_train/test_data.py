@@ -50,13 +50,13 @@ def test_epoch_order_is_a_pinned_permutation_per_seed_and_epoch():
 
 
 def test_to_block_concatenates_the_layers_per_token():
-    from stores.feature_store import BlockFeatures
+    from peagle_train.data import Block
 
     T, L, H = 3, 2, 4
     aux = torch.arange(T * L * H, dtype=torch.float32).view(T, L, H).bfloat16()
-    feats = BlockFeatures(input_ids=torch.tensor([5, 6, 7]), loss_mask=torch.tensor([0, 1, 1]),
-                          position_ids=torch.arange(3), cu_seqlens=torch.tensor([0, 3]), aux_hidden=aux,
-                          final_hidden=torch.zeros(T, H).bfloat16())
+    feats = Block(input_ids=torch.tensor([5, 6, 7]), loss_mask=torch.tensor([0, 1, 1]),
+                  position_ids=torch.arange(3), cu_seqlens=torch.tensor([0, 3]), aux_hidden=aux,
+                  final_hidden=torch.zeros(T, H).bfloat16())
     block = to_block(4, feats)
     assert block.block_id == 4 and block.n_tokens == 3 and block.aux_hidden.shape == (T, L * H)
     assert block.aux_hidden[1].tolist() == list(range(8, 16))  # token 1: layer 0's H values, then layer 1's
