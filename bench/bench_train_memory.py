@@ -9,6 +9,9 @@ configuration runs in a fresh subprocess, so its peak resident memory (``ru_maxr
 Configurations whose estimated time exceeds ``--max-step-s`` or whose estimated unchunked logits
 exceed ``--max-gb`` are skipped and listed as such; a subprocess is also capped by RLIMIT_AS.
 
+``--backends sdpa,split`` compares the dense-mask attention with the split one (no ``[E, E]``
+tensor; ``peagle_train.attention.SplitElementAttention``).
+
 Usage (from the repository root, inside .venv):
     python bench/bench_train_memory.py --tokens 1024,2048,4096,8192,16384 --steps 1
 """
@@ -63,7 +66,8 @@ def make_block(T: int, seed: int = 0):
                  final_hidden=(3 * torch.randn(T, H, generator=g)).to(torch.bfloat16))
 
 
-def make_trainer(D: int, chunk: int | None, num_depths: int = K, max_anchors: int | None = None):
+def make_trainer(D: int, chunk: int | None, num_depths: int = K, max_anchors: int | None = None,
+                 backend: str = "sdpa"):
     """(a :class:`peagle_train.trainer.Trainer` of a drafter at SmolLM2 sizes, its drafter).
 
     Lazy embedding rows (LazyRowAdamW), lr 1e-4 with no warm-up or decay within the run, loss
@@ -84,24 +88,25 @@ def make_trainer(D: int, chunk: int | None, num_depths: int = K, max_anchors: in
     model.init_from_verifier(0.02 * torch.randn(V, H), 0.02 * torch.randn(V, H), d2t)
     vhead = 0.05 * torch.randn(D, H)
     train_cfg = TrainConfig(store="-", output="-", lr=1e-4, num_depths=num_depths, max_anchors=max_anchors,
-                            loss_chunk_size=chunk or 2 ** 62)
-    return Trainer(train_cfg, model, vhead, max_steps=10 ** 9, warmup=0), model
+                            loss_chunk_size=chunk or 2 ** 62, attention_backend=backend)
+    return Trainer(train_cfg, model, vhead, attention=backend, max_steps=10 ** 9, warmup=0), model
 
 
 def train_step(trainer, block, seed: int) -> dict:
     """One full training step (:meth:`Trainer.train_step`); its timings in seconds and element counts.
 
-    COD sampling and the dense mask are also timed apart (the step samples again with the same seed).
+    COD sampling and the attention's structure (the dense mask, or the split attention's tables) are
+    also timed apart (the step samples again with the same seed).
     """
     import torch
 
-    from peagle_train.attention import build_attention_mask
+    from peagle_train.attention import SplitElementAttention, build_attention_mask
     from peagle_train.step import sample_elements
 
     t0 = time.perf_counter()
     el = sample_elements(block, trainer.cfg, torch.Generator().manual_seed(seed))
     t1 = time.perf_counter()
-    build_attention_mask(el)
+    (SplitElementAttention if trainer.attention == "split" else build_attention_mask)(el)
     t2 = time.perf_counter()
     row = trainer.train_step([(block, torch.Generator().manual_seed(seed))])
     t3 = time.perf_counter()
@@ -116,15 +121,16 @@ def rss_mb() -> float:
     return float("nan")
 
 
-def run_one(T: int, max_anchors: int | None, chunk: int | None, D: int, steps: int) -> dict:
+def run_one(T: int, max_anchors: int | None, chunk: int | None, D: int, steps: int, backend: str = "sdpa") -> dict:
     import torch
 
-    trainer, _ = make_trainer(D, chunk, max_anchors=max_anchors)
+    trainer, _ = make_trainer(D, chunk, max_anchors=max_anchors, backend=backend)
     block = make_block(T)
     base = rss_mb()
     runs = [train_step(trainer, block, seed=i) for i in range(steps)]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"T": T, "max_anchors": max_anchors, "chunk": chunk, "D": D, "threads": torch.get_num_threads(),
+    return {"T": T, "max_anchors": max_anchors, "chunk": chunk, "backend": backend, "D": D,
+            "threads": torch.get_num_threads(),
             "elements": runs[-1]["elements"], "step_s": min(r["step_s"] for r in runs),
             "cod_s": runs[-1]["cod_s"], "mask_s": runs[-1]["mask_s"], "base_mb": base, "peak_mb": peak}
 
@@ -138,45 +144,52 @@ def main() -> None:
     ap.add_argument("--chunks", default="2048,none", help="loss chunk sizes to try (none: unchunked)")
     ap.add_argument("--max-step-s", type=float, default=120.0)
     ap.add_argument("--max-gb", type=float, default=12.0)
-    ap.add_argument("--one", nargs=3, metavar=("T", "MAX_ANCHORS", "CHUNK"), help=argparse.SUPPRESS)
+    ap.add_argument("--backends", default="sdpa", help="attention backends to try: sdpa (dense mask), split")
+    ap.add_argument("--one", nargs=4, metavar=("T", "MAX_ANCHORS", "CHUNK", "BACKEND"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        T, a, c = (None if v == "none" else int(v) for v in args.one)
+        T, a, c = (None if v == "none" else int(v) for v in args.one[:3])
         limit = int(args.max_gb * 1.25 * 2 ** 30)
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         try:
-            print(json.dumps(run_one(T, a, c, args.draft_vocab, args.steps)))
+            print(json.dumps(run_one(T, a, c, args.draft_vocab, args.steps, args.one[3])))
         except (MemoryError, RuntimeError) as e:
-            print(json.dumps({"T": T, "max_anchors": a, "chunk": c, "skipped": f"out of memory: {str(e)[:80]}"}))
+            print(json.dumps({"T": T, "max_anchors": a, "chunk": c, "backend": args.one[3],
+                              "skipped": f"out of memory: {str(e)[:80]}"}))
         return
     rows = []
     for T in (int(t) for t in args.tokens.split(",")):
         for a in (None if v == "none" else int(v) for v in args.anchors.split(",")):
             for c in (None if v == "none" else int(v) for v in args.chunks.split(",")):
-                secs, logits_gb = estimate(T, a, args.draft_vocab)
-                row = {"T": T, "max_anchors": a, "chunk": c, "est_step_s": round(secs, 1)}
-                if secs > args.max_step_s:
-                    row["skipped"] = f"estimated {secs:.0f} s per step > {args.max_step_s:.0f} s"
-                elif c is None and 4 * logits_gb > args.max_gb:
-                    row["skipped"] = f"unchunked logits alone ~{4 * logits_gb:.1f} GB > {args.max_gb:.0f} GB"
-                else:
-                    cmd = [sys.executable, __file__, "--one", str(T), str(a).lower(), str(c).lower(),
-                           "--draft-vocab", str(args.draft_vocab), "--steps", str(args.steps),
-                           "--max-gb", str(args.max_gb)]
-                    out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1])
-                    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-                    row.update(json.loads(lines[-1]) if lines else {"skipped": out.stderr[-200:]})
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    print("\n| T | max_anchors | loss | elements | step s | peak RSS MB | RSS before step MB |")
-    print("|---|---|---|---|---|---|---|")
+                for backend in args.backends.split(","):
+                    rows.append(run_config(T, a, c, backend, args))
+                    print(json.dumps(rows[-1]), flush=True)
+    print("\n| T | max_anchors | loss | attention | elements | step s | peak RSS MB | RSS before step MB |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         loss = f"chunked {r['chunk']}" if r["chunk"] else "unchunked"
         if "skipped" in r:
-            print(f"| {r['T']} | {r['max_anchors']} | {loss} | | skipped: {r['skipped']} | | |")
+            print(f"| {r['T']} | {r['max_anchors']} | {loss} | {r['backend']} | | skipped: {r['skipped']} | | |")
         else:
-            print(f"| {r['T']} | {r['max_anchors']} | {loss} | {r['elements']} | {r['step_s']:.2f} | "
+            print(f"| {r['T']} | {r['max_anchors']} | {loss} | {r['backend']} | {r['elements']} | {r['step_s']:.2f} | "
                   f"{r['peak_mb']:.0f} | {r['base_mb']:.0f} |")
+
+
+def run_config(T: int, a: int | None, c: int | None, backend: str, args) -> dict:
+    """One configuration in a fresh subprocess (or the reason it was skipped)."""
+    secs, logits_gb = estimate(T, a, args.draft_vocab)
+    row = {"T": T, "max_anchors": a, "chunk": c, "backend": backend, "est_step_s": round(secs, 1)}
+    if secs > args.max_step_s:
+        row["skipped"] = f"estimated {secs:.0f} s per step > {args.max_step_s:.0f} s"
+    elif c is None and 4 * logits_gb > args.max_gb:
+        row["skipped"] = f"unchunked logits alone ~{4 * logits_gb:.1f} GB > {args.max_gb:.0f} GB"
+    else:
+        cmd = [sys.executable, __file__, "--one", str(T), str(a).lower(), str(c).lower(), backend,
+               "--draft-vocab", str(args.draft_vocab), "--steps", str(args.steps), "--max-gb", str(args.max_gb)]
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1])
+        lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+        row.update(json.loads(lines[-1]) if lines else {"skipped": out.stderr[-200:]})
+    return row
 
 
 if __name__ == "__main__":

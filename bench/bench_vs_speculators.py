@@ -10,6 +10,13 @@ Paths (``--paths``, comma-separated):
   elements (anchors, depths, segment of every token): time (median of ``--mask-repeats``) and peak
   resident memory above the resident memory before the call (the kernel's high-water mark, reset
   through ``/proc/self/clear_refs``); both BlockMasks are checked identical.
+- ``attention``: one attention call (SmolLM2 heads: 9 query / 3 key-value heads of 64, float32)
+  forward and backward over the elements of a row, ``SplitElementAttention`` (no ``[E, E]``
+  tensor) against the dense backend (``build_attention_mask`` + ``sdpa_dense``, the mask built
+  inside the timed call); time (median of ``--attn-repeats``, alternating) and peak resident
+  memory above the start; outputs and gradients checked equal (max abs difference printed).
+  speculators' own attention is flex_attention, which has no backward on CPU, so the dense
+  backend is the anchor here; the training-memory table is ``bench/bench_train_memory.py``.
 - ``store``: whole-block reads of a local bf16 store at SmolLM2 sizes (3 aux layers, H 576), full
   blocks of ``--store-blocks`` tokens, page cache warm: ``FeatureStore.read_blocks`` (the ``file``
   path, 4 blocks per request) and the zarr-API path against a plain read of the same chunk files'
@@ -21,7 +28,7 @@ Speculators is the released 0.9.0 wheel installed with ``--no-deps`` (``bench/sp
 Run with one torch thread; a ratio below 1 means peagle is faster.
 
 Usage (from the repository root, inside .venv):
-    OMP_NUM_THREADS=1 python bench/bench_vs_speculators.py --paths cod
+    OMP_NUM_THREADS=1 python bench/bench_vs_speculators.py  # all paths; --paths cod,store for some
 """
 
 from __future__ import annotations
@@ -114,6 +121,39 @@ def bench_blockmask(tokens: list[int], repeats: int) -> None:
                   f"**{max(mem['ours'], 0.1) / mem['theirs']:.4f}** | {same} |", flush=True)
 
 
+def bench_attention(tokens: list[int], repeats: int) -> None:
+    from peagle_train.attention import SplitElementAttention, build_attention_mask
+    from peagle_train.model import sdpa_dense
+
+    print("\n## Attention forward + backward: split (no [E, E] tensor) vs dense mask + SDPA\n")
+    print("| T | max_anchors | elements | split s | dense s | time ratio | split peak MiB | dense peak MiB | "
+          "memory ratio | max abs diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for T in tokens:
+        block = make_block(T)
+        for a in (None, 1024):
+            el = sample_cod_elements(block.cu_seqlens, block.loss_mask, K, R, R_MIN, a, torch.Generator().manual_seed(0))
+            E = len(el)
+            g = torch.Generator().manual_seed(0)
+            q, k, v = (torch.randn(n, E, 64, generator=g).requires_grad_() for n in (9, 3, 3))
+            w = torch.randn(9, E, 64, generator=g)
+
+            def split():
+                out = SplitElementAttention(el).attend(q, k, v)
+                return (out,) + torch.autograd.grad((out * w).sum(), (q, k, v))
+
+            def dense():
+                out = sdpa_dense(q, k.repeat_interleave(3, 0), v.repeat_interleave(3, 0), build_attention_mask(el))
+                return (out,) + torch.autograd.grad((out * w).sum(), (q, k, v))
+
+            diff = max(float((x - y).detach().abs().max()) for x, y in zip(split(), dense()))
+            mem = {"split": _peak_above_start_mib(split), "dense": _peak_above_start_mib(dense)}
+            t = alternate({"split": split, "dense": dense}, repeats)
+            print(f"| {T} | {a} | {E} | {t['split']:.2f} | {t['dense']:.2f} | **{t['split'] / t['dense']:.2f}** | "
+                  f"{mem['split']:.0f} | {mem['dense']:.0f} | **{mem['split'] / max(mem['dense'], 1):.3f}** | "
+                  f"{diff:.1e} |", flush=True)
+
+
 def _make_store(path: Path, C: int, n_blocks: int):
     import numpy as np
 
@@ -193,11 +233,13 @@ def _rounds(fns: dict, rounds: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--paths", default="cod")
+    ap.add_argument("--paths", default="cod,blockmask,attention,store")
     ap.add_argument("--tokens", default="2048,8192,32768")
     ap.add_argument("--repeats", type=int, default=31)
     ap.add_argument("--mask-tokens", default="2048,8192", help="T values for --paths blockmask")
     ap.add_argument("--mask-repeats", type=int, default=3)
+    ap.add_argument("--attn-tokens", default="2048,8192", help="T values for --paths attention")
+    ap.add_argument("--attn-repeats", type=int, default=3)
     ap.add_argument("--store-blocks", default="512,1024,2048", help="block sizes (tokens) for --paths store")
     ap.add_argument("--store-mib", type=int, default=96, help="MiB of blocks per store size")
     ap.add_argument("--store-rounds", type=int, default=40, help="passes over the store per reader (best kept)")
@@ -209,6 +251,8 @@ def main() -> None:
         bench_cod(tokens, args.repeats)
     if "blockmask" in paths:
         bench_blockmask([int(t) for t in args.mask_tokens.split(",")], args.mask_repeats)
+    if "attention" in paths:
+        bench_attention([int(t) for t in args.attn_tokens.split(",")], args.attn_repeats)
     if "store" in paths:
         bench_store([int(c) for c in args.store_blocks.split(",")], args.store_mib, args.store_rounds)
 

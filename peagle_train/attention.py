@@ -8,12 +8,15 @@ Element q = (a_q, d_q) may attend element k = (a_k, d_k) iff both are in the sam
 ``a_k = a_q and d_k <= d_q`` (its own chain). From P-EAGLE (arXiv:2602.01469), as in the
 ``speculators`` P-EAGLE flex-attention mask.
 
-Two forms of the same rule feed the drafter's attention (``peagle_train.model``):
+Three forms of the same rule feed the drafter's attention (``peagle_train.model``):
 - :func:`build_attention_mask`: a dense ``[E, E] bool`` mask for ``scaled_dot_product_attention``
-  (every device; the only form with a backward on CPU);
-- :class:`FlexElementMask`: ``torch.nn.attention.flex_attention`` BlockMasks made with
-  ``create_block_mask`` from :func:`make_mask_mod`, ``[E, E]`` for every layer and ``[R, E]`` for the
-  last layer's query rows R (CUDA training; on CPU torch runs flex_attention forward only).
+  (every device);
+- :class:`FlexElementMask`: ``torch.nn.attention.flex_attention`` BlockMasks built from the element
+  structure by :func:`block_mask_from_elements` (identical to ``create_block_mask``'s), ``[E, E]``
+  for every layer and ``[R, E]`` for the last layer's query rows R (CUDA training; on CPU torch
+  runs flex_attention forward only);
+- :class:`SplitElementAttention`: no element×element tensor at all; the depth-0 range and the
+  chain keys are attended separately and merged by log-sum-exp (every device).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from peagle_train.cod import CodElements
 
 __all__ = ["build_attention_mask", "attention_mask_reference", "make_mask_mod", "FlexElementMask",
-           "MaskMod", "DEFAULT_BLOCK_SIZE", "block_mask_from_elements", "tile_counts"]
+           "MaskMod", "DEFAULT_BLOCK_SIZE", "block_mask_from_elements", "tile_counts", "SplitElementAttention"]
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``mask_mod(b, h, q_idx, kv_idx) -> bool`` as ``flex_attention`` takes it."""
@@ -296,3 +299,158 @@ class FlexElementMask:
         k = torch.arange(E, device=self.device)
         zero = torch.zeros((), dtype=torch.long, device=self.device)
         return self.mask_mod(zero, zero, q[:, None], k[None, :])
+
+
+class SplitElementAttention:
+    """The §8 rule with no element×element tensor: two attention calls merged by log-sum-exp.
+
+    Every query q attends (A) the depth-0 keys of its segment up to its own anchor, a contiguous
+    column range ``[lo_q, p_q]`` (causal attention within the segment, with q placed at its anchor's
+    depth-0 column ``p_q``), and a chain query (``d_q >= 1``) also (B) the keys of its own chain at
+    depths ``1..d_q`` (at most K-1 keys, found once by binary search). The two softmaxes are merged
+    by their log-sum-exp, which equals one softmax over the union of the keys (docs/design.md §8).
+    Queries are sorted by ``p_q`` and run in chunks whose float32 score tiles stay under
+    ``budget_bytes``; the backward recomputes each chunk's scores from q, k, v and the saved
+    log-sum-exp (FlashAttention's backward, written out in :class:`_SplitAttention`), so the largest
+    tensor is ``[heads, chunk, key range]``, never ``[E, E]``, and nothing per chunk outlives it.
+
+    ``PEagleDrafter.forward`` takes this in place of the dense mask; :meth:`attend` runs it. Plain
+    torch ops, so it runs and trains on any device; equal to the dense SDPA backend's outputs and
+    gradients up to float rounding (tested).
+
+    Attributes:
+        elements: the ``CodElements`` sorted by (depth, anchor), chains complete.
+        budget_bytes: most bytes of float32 scores one chunk may hold (forward).
+    """
+
+    __slots__ = ("elements", "budget_bytes", "_lo", "_p", "_chain")
+
+    def __init__(self, elements: CodElements, budget_bytes: int = 64 * 2 ** 20):
+        self.elements = elements
+        self.budget_bytes = int(budget_bytes)
+        E = len(elements)
+        q = torch.arange(E, device=elements.anchor.device)
+        self._lo, hi = _depth0_ranges(elements, q)  # [E], [E]
+        self._p = hi - 1  # [E] depth-0 column of each element's own anchor
+        K1 = max(int(elements.depth.max()) if E else 0, 1)
+        chain = torch.full((E, K1), -1, dtype=torch.int64, device=q.device)  # [E, K-1] chain keys, -1 pad
+        r, c = _chain_pairs(elements, q)
+        chain[r, elements.depth[c] - 1] = c
+        self._chain = chain
+
+    def __len__(self) -> int:
+        return len(self.elements)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of ``q [nh, R, hd]`` (the elements ``rows [R]``, all E if None) over ``k, v
+        [nkv, E, hd]`` (grouped-query: ``nh`` a multiple of ``nkv``), scale ``hd ** -0.5``.
+
+        Returns:
+            ``[nh, R, hd]`` in ``q``'s dtype (computed in float32 or wider).
+        """
+        nh, R, hd = q.shape
+        idx = torch.arange(R, device=q.device) if rows is None else rows.to(q.device)  # [R] element ids
+        if R == 0:
+            return q.new_zeros(nh, 0, hd)
+        p, lo = self._p[idx], self._lo[idx]
+        order = torch.argsort(p, stable=True)  # queries by anchor column: chunks cover short key ranges
+        span = int((p - lo).max()) + 1
+        chunk = max(8, self.budget_bytes // (4 * nh * (span + 64)))
+        return _SplitAttention.apply(q, k, v, lo, p, self._chain[idx], order, chunk)
+
+
+class _SplitAttention(torch.autograd.Function):
+    """:meth:`SplitElementAttention.attend` with a hand-written chunked backward (FlashAttention's:
+    the scores are recomputed chunk by chunk from q, k, v and the saved log-sum-exp), so neither
+    pass keeps more than one chunk's ``[heads, chunk, key range]`` scores and the gradients of q, k
+    and v are accumulated in place instead of one full-size gradient per chunk."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lo, p, chain, order, chunk):
+        # [nh, R, hd] over [R, nh, hd] memory: the caller's transpose(0, 1).reshape(R, nh * hd) for
+        # o_proj is then a view, not a second copy kept for the backward
+        out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device).transpose(0, 1)
+        lse = torch.empty(q.shape[:2], dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+        for sel in order.split(chunk):
+            c = _SplitChunk(q, k, v, sel, lo[sel], p[sel], chain[sel])
+            out[:, sel] = c.out.reshape(out.shape[0], -1, out.shape[2]).to(out.dtype)
+            lse[:, sel] = c.lse.reshape(lse.shape[0], -1)
+        ctx.save_for_backward(q, k, v, lo, p, chain, order, out, lse)
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, lo, p, chain, order, out, lse = ctx.saved_tensors
+        dt = lse.dtype
+        dq, dk, dv = (torch.zeros(t.shape, dtype=dt, device=t.device) for t in (q, k, v))
+        delta = (dout.to(dt) * out.to(dt)).sum(-1)  # [nh, R] rowsum(dO * O)
+        for sel in order.split(ctx.chunk):
+            c = _SplitChunk(q, k, v, sel, lo[sel], p[sel], chain[sel], lse=lse[:, sel])
+            dq[:, sel] = c.backward(dout[:, sel], delta[:, sel], dk, dv).reshape(dq.shape[0], -1, dq.shape[2])
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+class _SplitChunk:
+    """One query chunk: the depth-0 range scores ``sa [nkv, rep, c, kr]`` and the chain scores
+    ``sb [nkv, rep, c', K-1]`` of its chain queries (``deep``), their probabilities under the
+    joint log-sum-exp, the output (forward) or the gradients (backward)."""
+
+    def __init__(self, q, k, v, sel, lo, p, chain, lse=None):
+        nh, _, hd = q.shape
+        nkv = k.shape[0]
+        dt = torch.promote_types(q.dtype, torch.float32)
+        self.scale = hd ** -0.5
+        self.qg = q[:, sel].to(dt).view(nkv, nh // nkv, -1, hd)  # [nkv, rep, c, hd]
+        self.klo, self.khi = int(lo.min()), int(p.max()) + 1
+        self.ka, self.va = k[:, self.klo:self.khi].to(dt), v[:, self.klo:self.khi].to(dt)  # [nkv, kr, hd]
+        cols = torch.arange(self.klo, self.khi, device=q.device)
+        allowed = (cols[None, :] >= lo[:, None]) & (cols[None, :] <= p[:, None])  # [c, kr]
+        sa = torch.matmul(self.qg, self.ka[:, None].transpose(-1, -2)) * self.scale  # [nkv, rep, c, kr]
+        sa.masked_fill_(~allowed, float("-inf"))
+        self.deep = torch.nonzero(chain[:, 0] >= 0).squeeze(1)  # [c'] chain queries
+        self.ch = chain[self.deep].clamp(min=0)  # [c', K-1]
+        self.kb, self.vb = k[:, self.ch].to(dt), v[:, self.ch].to(dt)  # [nkv, c', K-1, hd]
+        sb = torch.einsum("grch,gckh->grck", self.qg[:, :, self.deep], self.kb) * self.scale
+        sb.masked_fill_(chain[self.deep] < 0, float("-inf"))  # [nkv, rep, c', K-1]
+        if lse is None:  # forward: merge the two parts' log-sum-exps
+            lse = torch.logsumexp(sa, dim=-1)  # finite: p itself is allowed
+            lse[:, :, self.deep] = torch.logaddexp(lse[:, :, self.deep], torch.logsumexp(sb, dim=-1))
+        else:
+            lse = lse.view(nkv, nh // nkv, -1)
+        self.lse = lse
+        self.pa = torch.exp(sa - lse[..., None])  # [nkv, rep, c, kr] joint probabilities, part A
+        self.pb = torch.exp(sb - lse[:, :, self.deep, None])  # [nkv, rep, c', K-1] part B
+        if self.deep.numel() == 0:
+            self.out = torch.matmul(self.pa, self.va[:, None])
+        else:
+            out = torch.matmul(self.pa, self.va[:, None])  # [nkv, rep, c, hd]
+            out[:, :, self.deep] += torch.einsum("grck,gckh->grch", self.pb, self.vb)
+            self.out = out
+
+    def backward(self, dout, delta, dk, dv):
+        """Add this chunk's terms to ``dk, dv [nkv, E, hd]``; return its ``dq [nkv, rep, c, hd]``.
+
+        ``dout [nh, c, hd]``, ``delta [nh, c]`` = rowsum(dO * O): with P the joint probabilities,
+        dV += Pᵀ dO, dS = P (dO Vᵀ - delta), dQ = scale dS K, dK += scale dSᵀ Q.
+        """
+        nkv, rep, c, hd = self.qg.shape
+        do = dout.to(self.pa.dtype).view(nkv, rep, c, hd)
+        dl = delta.view(nkv, rep, c, 1)
+        dv[:, self.klo:self.khi] += torch.einsum("grck,grch->gkh", self.pa, do)
+        ds = self.pa * (torch.matmul(do, self.va[:, None].transpose(-1, -2)) - dl)  # [nkv, rep, c, kr]
+        dq = torch.matmul(ds, self.ka[:, None]) * self.scale  # [nkv, rep, c, hd]
+        dk[:, self.klo:self.khi] += torch.einsum("grck,grch->gkh", ds, self.qg) * self.scale
+        if self.deep.numel():
+            dod, qd = do[:, :, self.deep], self.qg[:, :, self.deep]  # [nkv, rep, c', hd]
+            flat = self.ch.reshape(-1)
+            dvb = torch.einsum("grck,grch->gckh", self.pb, dod)  # [nkv, c', K-1, hd]
+            dv.index_add_(1, flat, dvb.reshape(nkv, -1, hd))
+            dsb = self.pb * (torch.einsum("grch,gckh->grck", dod, self.vb) - dl[:, :, self.deep])
+            dq[:, :, self.deep] += torch.einsum("grck,gckh->grch", dsb, self.kb) * self.scale
+            dkb = torch.einsum("grck,grch->gckh", dsb, qd) * self.scale
+            dk.index_add_(1, flat, dkb.reshape(nkv, -1, hd))
+        return dq
+
+

@@ -11,10 +11,11 @@ at rope position ``position_ids[a] + 1 + d``. The first decoder layer attends ov
 EAGLE-3 (Li et al., 2025, arXiv:2503.01840) and P-EAGLE; later layers are plain Llama layers.
 Tensor names follow the ``speculators`` 0.9 P-EAGLE model so vLLM loads the checkpoint.
 
-Attention takes the §8 rule in one of two forms (``peagle_train.attention``): a dense ``[E, E] bool``
-mask, run with ``scaled_dot_product_attention``, or a :class:`FlexElementMask`, run with
-``flex_attention`` (compiled once per process on CUDA; eager, forward only, elsewhere). Both give
-the same numbers up to float rounding.
+Attention takes the §8 rule in one of three forms (``peagle_train.attention``): a dense ``[E, E]
+bool`` mask, run with ``scaled_dot_product_attention``; a :class:`FlexElementMask`, run with
+``flex_attention`` (compiled once per process on CUDA; eager, forward only, elsewhere); or a
+:class:`SplitElementAttention`, which attends the depth-0 range and the chain keys separately and
+merges them by log-sum-exp (no ``[E, E]`` tensor). All give the same numbers up to float rounding.
 """
 
 from __future__ import annotations
@@ -30,15 +31,16 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from peagle_train.attention import FlexElementMask
+from peagle_train.attention import FlexElementMask, SplitElementAttention
 from peagle_train.rope import ROPE_TYPES, rope_cos_sin, rope_frequencies, rotary_cos_sin, rotate_half
 
 __all__ = ["DrafterConfig", "PEagleDrafter", "DrafterCache", "KVCache", "RMSNorm", "rotary_cos_sin", "rope_cos_sin", "rope_frequencies",
            "ROPE_TYPES", "AttentionMask", "sdpa_dense",
            "SDPA_MASK_BUDGET_BYTES"]
 
-AttentionMask = Union[torch.Tensor, FlexElementMask]
-"""The §8 rule as the drafter takes it: ``[E, E] bool`` (SDPA) or a :class:`FlexElementMask`."""
+AttentionMask = Union[torch.Tensor, FlexElementMask, SplitElementAttention]
+"""The §8 rule as the drafter takes it: ``[E, E] bool`` (SDPA), a :class:`FlexElementMask` or a
+:class:`SplitElementAttention` (no ``[E, E]`` tensor)."""
 
 _compiled_flex_attention = None  # torch.compile(flex_attention), made on the first CUDA call
 
@@ -155,7 +157,8 @@ class Attention(nn.Module):
         """``x [E, in]`` -> ``[E, H]``, or ``[R, H]`` for the query ``rows [R]`` only (keys: all E).
 
         ``attn_mask``: ``[E, E] bool`` (SDPA; its rows ``rows`` are taken) or a
-        :class:`FlexElementMask` (flex_attention with its ``[E, E]`` or ``[R, E]`` BlockMask). With
+        :class:`FlexElementMask` (flex_attention with its ``[E, E]`` or ``[R, E]`` BlockMask) or a
+        :class:`SplitElementAttention` (two attention calls merged by log-sum-exp). With
         ``kv`` the N cached keys come first: ``attn_mask`` is ``[E, N + E] bool`` (SDPA only).
         """
         E = x.shape[0]
@@ -168,7 +171,11 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         if kv is not None:
             k, v = kv.extend(k, v)  # [nkv, N+E, hd]
-        if isinstance(attn_mask, FlexElementMask):
+        if isinstance(attn_mask, SplitElementAttention):
+            if kv is not None:
+                raise ValueError("a KV cache needs the dense [E, N + E] mask (SDPA)")
+            out = attn_mask.attend(q, k, v, rows)  # [nh, R, hd]; GQA inside: k, v stay [nkv, E, hd]
+        elif isinstance(attn_mask, FlexElementMask):
             if R == 0:  # no query: nothing to attend (flex_attention wants a non-empty query)
                 out = torch.zeros_like(q)
             else:  # GQA inside the kernel: k, v stay [nkv, E, hd]
@@ -366,7 +373,7 @@ class PEagleDrafter(nn.Module):
         return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, is_mask: torch.Tensor,
-                position_ids: torch.Tensor, attn_mask: torch.Tensor | FlexElementMask,
+                position_ids: torch.Tensor, attn_mask: AttentionMask,
                 output_rows: torch.Tensor | None = None, cache: DrafterCache | None = None) -> torch.Tensor:
         """Run the drafter over E elements of one row, after the N elements of ``cache`` if given.
 

@@ -142,8 +142,8 @@ class TrainConfig:
     """Update only the embedding rows a step touched (``--lazy-embedding/--dense-embedding``)."""
     attention_backend: str = "auto"
     """Drafter attention (``--attention-backend``): ``sdpa`` (dense mask), ``flex`` (flex_attention
-    BlockMasks, CUDA only) or ``auto`` (flex on CUDA, sdpa otherwise); see
-    :func:`resolve_attention_backend`."""
+    BlockMasks, CUDA only), ``split`` (no element×element tensor) or ``auto`` (flex on CUDA, split
+    otherwise); see :func:`resolve_attention_backend`."""
     mask_token_id: int | None = None
     """Token fed at depth > 0; must never occur as a supervised token in the store (``--mask-token-id``);
     None: an unused special or reserved token, chosen by :func:`peagle_train.mask_token.choose_mask_token`
@@ -307,14 +307,16 @@ def build_drafter_config(heads: VerifierHeads, store, cfg: TrainConfig, draft_vo
 
 
 #: values of ``--attention-backend``
-ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "split")
 
 
 def resolve_attention_backend(backend: str, cuda_available: bool | None = None) -> str:
-    """The attention the drafter runs: ``"sdpa"`` or ``"flex"``.
+    """The attention the drafter runs: ``"sdpa"``, ``"flex"`` or ``"split"``.
 
     ``auto`` is ``flex`` where CUDA is available (the compiled flex_attention kernel skips the
-    masked tiles) and ``sdpa`` otherwise; ``sdpa`` and ``flex`` are taken as given.
+    masked tiles) and ``split`` otherwise (depth-0 range and chain attention merged by log-sum-exp:
+    no ``[E, E]`` tensor, and faster than the dense mask on CPU, docs/benchmarks.md); ``sdpa``,
+    ``flex`` and ``split`` are taken as given.
 
     Args:
         backend: one of :data:`ATTENTION_BACKENDS`.
@@ -329,10 +331,10 @@ def resolve_attention_backend(backend: str, cuda_available: bool | None = None) 
         raise InputError(f"expected one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}",
                          field="--attention-backend")
     if backend == "auto":
-        return "flex" if cuda else "sdpa"
+        return "flex" if cuda else "split"
     if backend == "flex" and not cuda:
         raise InputError("flex needs CUDA: torch's flex_attention has no backward on CPU (it runs the "
-                         "forward only), so it cannot train here; use --attention-backend sdpa or auto",
+                         "forward only), so it cannot train here; use --attention-backend split, sdpa or auto",
                          field="--attention-backend")
     return backend
 

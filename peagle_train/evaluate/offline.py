@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from peagle_train.attention import build_attention_mask
+from peagle_train.attention import SplitElementAttention
 from peagle_train.cod import CodElements, element_inputs
 from peagle_train.evaluate.checks import check_store_fits, check_verifier_config
 from peagle_train.evaluate.config import EvalConfig
@@ -29,7 +29,8 @@ def segment_predictions(drafter, block, start: int, n: int, num_depths: int, chu
     """The drafter's argmax for every element ``(a, d)`` of one segment ``[start, start+n)``, all chains.
 
     Anchors are processed ``chunk_anchors`` at a time: one pass holds the depth-0 elements up to the
-    chunk's last anchor (the context its chains may attend) and the chunk's chains, with the §8 mask.
+    chunk's last anchor (the context its chains may attend) and the chunk's chains, under the §8 rule
+    (:class:`~peagle_train.attention.SplitElementAttention`, no ``[E, E]`` mask).
 
     Args:
         drafter: a ``PEagleDrafter``.
@@ -56,9 +57,9 @@ def segment_predictions(drafter, block, start: int, n: int, num_depths: int, chu
         depth = torch.cat([torch.full((p.numel(),), d) for d, p in enumerate(parts)])  # [E]
         elements = CodElements(anchor, depth, torch.zeros_like(anchor), torch.ones(anchor.numel()))
         inputs = element_inputs(elements, block.input_ids, block.position_ids)
-        mask = build_attention_mask(elements)  # [E, E]
+        attn = SplitElementAttention(elements.to(device))  # the §8 rule without an [E, E] mask
         hidden = drafter(inputs.input_ids.to(device), aux[inputs.feature_index].to(device, dtype),
-                         inputs.is_mask.to(device), inputs.position_ids.to(device), mask.to(device))  # [E, H]
+                         inputs.is_mask.to(device), inputs.position_ids.to(device), attn)  # [E, H]
         keep = (depth > 0) | (anchor - start >= c0)  # depth-0 elements before c0 were scored already
         ids = torch.cat([drafter.logits(h).argmax(-1).cpu() for h in hidden[keep].split(1024)])  # [E']
         pred[anchor[keep] - start, depth[keep]] = ids
@@ -131,7 +132,8 @@ def evaluate_offline(drafter, blocks: Iterable, lm_head_weight: torch.Tensor, nu
             (e.g. ``FeatureStore.read_block`` results).
         lm_head_weight: ``[V, H]`` the verifier's lm_head; the argmax over all V rows is the target.
         num_depths: K chain length scored; default the drafter's ``num_depths``.
-        chunk_anchors: anchors per drafter pass; memory is ``O((T + chunk * K)^2)`` for the mask.
+        chunk_anchors: anchors per drafter pass; each pass runs ``T + chunk * K`` elements through the
+            split attention (no element×element mask).
         progress: called with 1 after each block.
         eos_token_ids: ids that end generation; a chain stops before an element whose target is one
             of them, as online decoding does (see :meth:`_OfflineTotals.add`).

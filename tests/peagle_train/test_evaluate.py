@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from peagle_train.attention import attention_mask_reference
 from peagle_train.evaluate import (
     EvalConfig,
     Prompt,
@@ -80,7 +81,8 @@ class RuleDrafter(nn.Module):
         return torch.arange(D) + self.d2t
 
     def forward(self, input_ids, aux_hidden, is_mask, position_ids, attn_mask):
-        depth = (attn_mask & is_mask[None, :]).sum(1)  # [E]
+        mask = attention_mask_reference(attn_mask.elements)  # [E, E] the rule of what it was given
+        depth = (mask & is_mask[None, :]).sum(1)  # [E]
         return torch.stack([position_ids, depth], dim=-1)  # [E, 2]
 
     def logits(self, hidden):

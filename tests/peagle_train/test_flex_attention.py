@@ -220,9 +220,11 @@ def test_flex_with_grad_on_cpu_is_torchs_refusal():
 
 
 def test_backend_resolution():
-    assert resolve_attention_backend("auto", cuda_available=False) == "sdpa"
+    assert resolve_attention_backend("auto", cuda_available=False) == "split"  # fastest on CPU
     assert resolve_attention_backend("auto", cuda_available=True) == "flex"
     assert resolve_attention_backend("sdpa", cuda_available=True) == "sdpa"
+    assert resolve_attention_backend("split", cuda_available=False) == "split"
+    assert resolve_attention_backend("split", cuda_available=True) == "split"
     assert resolve_attention_backend("flex", cuda_available=True) == "flex"
     with pytest.raises(InputError, match="--attention-backend.*backward on CPU") as e:
         resolve_attention_backend("flex", cuda_available=False)
