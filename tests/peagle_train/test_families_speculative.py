@@ -104,4 +104,4 @@ def test_recurrent_cache_layers_are_refused(config_name):
 
     verifier = SimpleNamespace(config=getattr(transformers, config_name)(num_hidden_layers=4))
     with pytest.raises(InputError, match="LinearAttention.*cannot be cut back"):
-        _rollback_cache(verifier)
+        rollback_cache(verifier)
