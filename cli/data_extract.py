@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from cli.common import config_error, echo_json, handle_errors
-from cli.options import config_file_options, config_options
+from cli.options import config_file_options, config_options, run_config
 from peagle_data.extract import ATTN_IMPLEMENTATIONS, ExtractConfig
 from stores.feature_store import STORAGE_DTYPES
 
@@ -39,7 +39,7 @@ def extract(**options):
 
     with config_error():
         cfg = ExtractConfig(**options)
-    echo_json(run_extract(cfg, log=lambda m: click.echo(m, err=True)))
+    echo_json(run_extract(cfg, log=lambda m: click.echo(m, err=True), config=run_config()))
 
 
 @click.command()

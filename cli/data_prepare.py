@@ -9,7 +9,7 @@ import click
 from click.core import ParameterSource
 
 from cli.common import config_error, handle_errors
-from cli.options import FROM_CONFIG_FILE, ConfigArgument, config_file_options, config_options
+from cli.options import FROM_CONFIG_FILE, ConfigArgument, config_file_options, config_options, run_config
 from peagle_data.prepare import DROPPED_CONTENT, HISTORY_REWRITE, PackConfig, TokenizeConfig
 from peagle_data.readers import FORMATS
 from peagle_data.windows import OVERLAP_LOSS
@@ -123,7 +123,8 @@ def tokenize(inputs, tokenizer_name, output, force, **options):
     """
     from peagle_data.prepare import run_tokenize
 
-    summary = run_tokenize(list(inputs), tokenizer_name, output, _tokenize_config(options), force=force)
+    summary = run_tokenize(list(inputs), tokenizer_name, output, _tokenize_config(options), force=force,
+                           config=run_config())
     _echo_summary(summary)
     _exit_if_useless(summary)
 
@@ -148,6 +149,6 @@ def pack(inputs, tokenizer_name, output, force, **options):
         cfg = PackConfig(tokenize=_tokenize_config(options),
                          **{f.name: options[f.name] for f in dataclasses.fields(PackConfig) if f.name != "tokenize"})
     summary = run_pack(list(inputs), tokenizer_name, output, cfg, force=force,
-                       explicit=_explicit_tokenize_fields(click.get_current_context()))
+                       explicit=_explicit_tokenize_fields(click.get_current_context()), config=run_config())
     _echo_summary(summary)
     _exit_if_useless(summary)

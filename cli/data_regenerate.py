@@ -13,7 +13,7 @@ import sys
 import click
 
 from cli.common import config_error, handle_errors
-from cli.options import ConfigArgument, config_file_options, config_options
+from cli.options import ConfigArgument, config_file_options, config_options, run_config
 from peagle_data.readers import FORMATS
 from peagle_data.regenerate import TURNS, RegenerateConfig
 from peagle_data.verifier_backends import BackendConfig
@@ -82,5 +82,5 @@ def regenerate(inputs, output, resume, force, **options):
         cfg = RegenerateConfig(**_split(options, RegenerateConfig))
         backend = BackendConfig(**_split(options, BackendConfig))
     summary = run_regenerate(list(inputs), output, lambda: backend.make(cfg.max_new_tokens, cfg.temperature), cfg,
-                             force=force, resume=resume)
+                             force=force, resume=resume, config=run_config())
     _echo_summary(summary, output)

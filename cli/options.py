@@ -32,7 +32,7 @@ from typing import Any, Callable
 import click
 from click.core import ParameterSource
 
-__all__ = ["FROM_CONFIG_FILE", "field_docs", "config_options", "config_file_options", "resolved_config", "IntList", "load_config_file"]
+__all__ = ["FROM_CONFIG_FILE", "field_docs", "config_options", "config_file_options", "resolved_config", "run_config", "IntList", "load_config_file"]
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -163,7 +163,11 @@ class ConfigArgument(click.Argument):
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    """The top-level mapping of a YAML (``.yaml``/``.yml``) or TOML (``.toml``) config file.
+    """The option values of a YAML (``.yaml``/``.yml``), TOML (``.toml``) or JSON (``.json``) config file.
+
+    The file's top-level mapping; or, when that mapping has a ``config`` mapping (no option is named
+    ``config``), that section: the options a run recorded in its output (a tokenize or pack
+    ``manifest.json``, regenerate's ``OUT.manifest.json``, ``peagle-data inspect STORE`` of a feature store).
 
     Raises:
         click.BadParameter: not a mapping, unparsable, or another suffix (naming the file).
@@ -186,14 +190,21 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise click.BadParameter(f"{path}: {e}", param_hint="--config") from None
+    elif path.suffix == ".json":
+        import json
+
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise click.BadParameter(f"{path}: {e}", param_hint="--config") from None
     else:
-        raise click.BadParameter(f"{path}: a config file is .yaml, .yml or .toml", param_hint="--config")
+        raise click.BadParameter(f"{path}: a config file is .yaml, .yml, .toml or .json", param_hint="--config")
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise click.BadParameter(f"{path}: expected a mapping of option names to values, got a "
                                  f"{type(data).__name__}", param_hint="--config")
-    return data
+    return data["config"] if isinstance(data.get("config"), dict) else data
 
 
 FROM_CONFIG_FILE = "peagle.from_config_file"
@@ -255,6 +266,12 @@ def resolved_config(ctx: click.Context) -> dict[str, Any]:
     return out
 
 
+def run_config() -> dict[str, Any]:
+    """The current command's resolved values (as :func:`resolved_config`), for the library to record
+    in the output (manifest ``config``, store attribute ``config``)."""
+    return resolved_config(click.get_current_context())
+
+
 def config_file_options(fn):
     """Add ``--config FILE`` and ``--print-config`` to a command function (apply below ``@click.command``).
 
@@ -276,8 +293,9 @@ def config_file_options(fn):
                      help="Print the resolved options as YAML (a --config file) and exit without running."),
         click.Option(["--config"], metavar="FILE", type=click.Path(exists=True, dir_okay=False), is_eager=True,
                      expose_value=False, callback=_load_into_context,
-                     help="YAML or TOML file of option values (keys as the options, e.g. max_seq_len); "
-                          "options on the command line override it."),
+                     help="YAML, TOML or JSON file of option values (keys as the options, e.g. max_seq_len), "
+                          "or the config section a run recorded in its output; options on the command line "
+                          "override it."),
         *getattr(fn, "__click_params__", []),
     ]
     return wrapper

@@ -664,8 +664,8 @@ def _check_before_weights(cfg: ExtractConfig) -> Path:
     return directory
 
 
-def run_extract(cfg: ExtractConfig, progress: bool = True,
-                log: Callable[[str], None] = print) -> dict[str, Any]:
+def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], None] = print,
+                config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run the verifier over every not-done block of a packed table and write the store.
 
     Under a launch of N processes (``accelerate launch --multi_gpu --num_processes N``; on CPU too,
@@ -673,6 +673,8 @@ def run_extract(cfg: ExtractConfig, progress: bool = True,
     ``resume`` every done block is checked first (:func:`_repair_blocks`) and damaged ones are
     extracted again, so ``complete`` is true only for a store that ``verify_store`` accepts. A block
     whose hidden states are not finite is left not done and listed in ``nonfinite_blocks``.
+    ``config``, the command's resolved options (``--print-config``), is recorded in the store's
+    ``config`` attribute, so that ``--config`` can repeat the run.
 
     Returns:
         A summary: store path, this process's ``rank`` among ``world_size``, blocks done in this run
@@ -705,6 +707,8 @@ def run_extract(cfg: ExtractConfig, progress: bool = True,
 
     if state.is_main_process:
         store = _open_or_create(cfg, rows, table, desc, layers, log)
+        if config is not None:
+            store.update_attrs(config=config)
         if cfg.resume:
             _repair_shared(store, rows, log)
     state.wait_for_everyone()

@@ -416,7 +416,7 @@ def _base_counts() -> dict[str, Any]:
 
 def run_tokenize(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.PathLike,
                  output: str | os.PathLike, cfg: TokenizeConfig, force: bool = False,
-                 tokenizer=None) -> dict[str, Any]:
+                 tokenizer=None, config: dict[str, Any] | None = None) -> dict[str, Any]:
     """``peagle-data tokenize``: conversations -> a tokenized table (DESIGN.md §6).
 
     Args:
@@ -426,6 +426,8 @@ def run_tokenize(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.P
         cfg: reading and tokenizing options.
         force: replace an existing output.
         tokenizer: an already loaded tokenizer to use instead of loading ``tokenizer_name``.
+        config: the command's resolved options (``--print-config``), recorded as the manifest's
+            ``config`` so that ``--config`` can repeat the run.
 
     Returns:
         A summary: ``output``, ``counts`` (as in the manifest).
@@ -462,6 +464,7 @@ def run_tokenize(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.P
             "inputs": [str(i) for i in inputs],
             "files": [str(f) for f in files],
             "parameters": dataclasses.asdict(cfg),
+            **({"config": config} if config is not None else {}),
             "tokenizer": _tokenizer_record(tokenizer_name, tokenizer, cfg.chat_template, template),
             "counts": dict(counts),
             **({"mixture": mixture.record()} if mixture is not None else {}),
@@ -566,7 +569,8 @@ def _open_tables(inputs, tokenizer, template) -> list[TokenTable]:
 
 def run_pack(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.PathLike,
              output: str | os.PathLike, cfg: PackConfig, force: bool = False,
-             tokenizer=None, explicit: Collection[str] | None = None) -> dict[str, Any]:
+             tokenizer=None, explicit: Collection[str] | None = None,
+             config: dict[str, Any] | None = None) -> dict[str, Any]:
     """``peagle-data pack``: conversations or a tokenize output -> windows -> packed blocks (§5, §6).
 
     Args:
@@ -579,6 +583,7 @@ def run_pack(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.PathL
         explicit: names of the ``cfg.tokenize`` fields the caller set explicitly; with tokenize
             outputs as inputs, those of :data:`TOKENIZE_ONLY` set to a non-default value are named
             in one warning line on stderr (they are ignored). None counts every field.
+        config: the command's resolved options, recorded as the manifest's ``config`` (as :func:`run_tokenize`).
 
     Returns:
         A summary: ``output``, ``counts`` (read/used/rejected, windows, windows_dropped, tokens,
@@ -631,6 +636,7 @@ def run_pack(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.PathL
             "inputs": [str(i) for i in inputs],
             "files": files,
             "parameters": {**dataclasses.asdict(cfg), "block_size": cfg.block_size_tokens},
+            **({"config": config} if config is not None else {}),
             "tokenizer": _tokenizer_record(tokenizer_name, tokenizer, cfg.tokenize.chat_template, template),
             "counts": dict(counts),
         }

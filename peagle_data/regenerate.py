@@ -258,7 +258,8 @@ def _generate_chunk(chunk: list[Conversation | Reject], cfg: RegenerateConfig, b
 
 
 def run_regenerate(inputs: Sequence[str | os.PathLike], output: str | os.PathLike, make_backend: Callable[[], Any],
-                   cfg: RegenerateConfig, force: bool = False, resume: bool = False) -> dict[str, Any]:
+                   cfg: RegenerateConfig, force: bool = False, resume: bool = False,
+                   config: dict[str, Any] | None = None) -> dict[str, Any]:
     """``peagle-data regenerate``: write ``output`` (OpenAI-messages JSONL) with the verifier's answers.
 
     Args:
@@ -269,6 +270,8 @@ def run_regenerate(inputs: Sequence[str | os.PathLike], output: str | os.PathLik
             inputs and the output are checked, so a bad argument fails before weights load.
         cfg: generation settings.
         force: overwrite an existing output. resume: continue an unfinished one (same settings).
+        config: the command's resolved options (``--print-config``), recorded as the manifest's
+            ``config`` so that ``--config`` can repeat the run (not compared on resume).
 
     Returns:
         ``{"output", "counts", "resumed_rows"}``.
@@ -280,7 +283,7 @@ def run_regenerate(inputs: Sequence[str | os.PathLike], output: str | os.PathLik
     files = resolve_inputs(inputs)
     check_output(output, force, resume)
     backend = make_backend()
-    settings = _settings(inputs, files, cfg, backend)
+    settings = {**_settings(inputs, files, cfg, backend), **({"config": config} if config is not None else {})}
     manifest = read_regenerate_manifest(output) if resume and not force else None
     _check_resume(manifest, settings, output)
     writer = ConversationWriter(output, force=force, resume=resume)

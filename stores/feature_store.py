@@ -469,6 +469,7 @@ class FeatureStore:
             "percent_done": round(100.0 * float(done.mean()), 2) if len(done) else 100.0,
             "bytes_per_token": self.bytes_per_token(),
             "stored_bytes": self.n_blocks * self.block_size * self.bytes_per_token(),
+            **({"config": self.attrs["config"]} if "config" in self.attrs else {}),  # extract's options
         }
 
 

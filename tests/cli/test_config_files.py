@@ -111,11 +111,12 @@ def test_extract_config_round_trip_with_its_converted_options(tmp_path, monkeypa
     (tmp_path / "x.yaml").write_text(first.stdout)
     assert invoke(data_main, ["extract", "--config", tmp_path / "x.yaml", "--print-config"]).stdout == first.stdout
     seen = []
-    monkeypatch.setattr(peagle_data.extract, "run_extract", lambda cfg, log: seen.append(cfg) or {})
+    monkeypatch.setattr(peagle_data.extract, "run_extract", lambda cfg, log, config: seen.append((cfg, config)) or {})
     result = invoke(data_main, ["extract", "--config", tmp_path / "x.yaml", "--compressor", "zstd"])
     assert result.exit_code == 0, result.output
-    assert seen == [ExtractConfig(packed=str(tmp_path / "packed"), verifier="m", output=str(tmp_path / "s.zarr"),
-                                  layers=[2, 5], compressor="zstd")]
+    assert seen == [(ExtractConfig(packed=str(tmp_path / "packed"), verifier="m", output=str(tmp_path / "s.zarr"),
+                                   layers=[2, 5], compressor="zstd"),
+                     {**yaml.safe_load(first.stdout), "compressor": "zstd"})]  # recorded in the store's attrs
 
 
 def test_regenerate_config_round_trip_and_its_back_end_check(tmp_path):
