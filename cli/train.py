@@ -9,13 +9,14 @@ import click
 
 from cli.common import config_error, echo_json, handle_errors
 from cli.options import config_file_options, config_options
-from peagle_train.train import ATTENTION_BACKENDS, TrainConfig
+from peagle_train.attention import ATTENTION_CHOICES
+from peagle_train.train import TrainConfig
 
 OVERRIDES = {
     "store": {"type": click.Path()},
     "output": {"type": click.Path()},
     "lazy_embedding": {"decls": ["--lazy-embedding/--dense-embedding"]},
-    "attention_backend": {"type": click.Choice(ATTENTION_BACKENDS)},
+    "attention_backend": {"type": click.Choice(ATTENTION_CHOICES)},
 }
 """What the field annotations cannot say: paths, the secondary flag, the choices."""
 

@@ -1,237 +1,112 @@
-"""The P-EAGLE attention rule between drafter elements (DESIGN.md §8).
+"""Drafter attention backends (docs/design.md §8): one class per backend, looked up by name.
 
-Legend: E drafter elements of one row, sorted by (depth, anchor) as :mod:`peagle_train.cod` returns
-them; E0 the depth-0 elements (the first E0 of them).
+Legend: E drafter elements of one row, R query rows, nh / nkv attention / key-value heads, hd head dim.
 
-Element q = (a_q, d_q) may attend element k = (a_k, d_k) iff both are in the same segment and either
-``d_k = 0 and a_k <= a_q`` (the verifier-feature context up to the anchor) or
-``a_k = a_q and d_k <= d_q`` (its own chain). From P-EAGLE (arXiv:2602.01469), as in the
-``speculators`` P-EAGLE flex-attention mask.
+A backend is an :class:`ElementAttention`: built from one forward's ``CodElements`` (it makes its
+own form of the §8 rule, :mod:`peagle_train.element_mask`), it attends ``q [nh, R, hd]`` over
+``k, v [nkv, E, hd]``. :data:`ATTENTION_BACKENDS` maps ``--attention-backend`` names to the classes;
+:func:`resolve_attention_backend` turns ``auto`` and the device into a name. Training
+(:mod:`peagle_train.step`), offline evaluation and speculative decoding build backends through
+:func:`element_attention`, and :class:`~peagle_train.model.PEagleDrafter` calls ``attend``. A new
+backend is one :class:`ElementAttention` subclass and one entry of :data:`ATTENTION_BACKENDS`.
 
-Three forms of the same rule feed the drafter's attention (``peagle_train.model``):
-- :func:`build_attention_mask`: a dense ``[E, E] bool`` mask for ``scaled_dot_product_attention``
-  (every device);
-- :class:`FlexElementMask`: ``torch.nn.attention.flex_attention`` BlockMasks built from the element
-  structure by :func:`block_mask_from_elements` (identical to ``create_block_mask``'s), ``[E, E]``
-  for every layer and ``[R, E]`` for the last layer's query rows R (CUDA training; on CPU torch
-  runs flex_attention forward only);
-- :class:`SplitElementAttention`: no element×element tensor at all; the depth-0 range and the
-  chain keys are attended separately and merged by log-sum-exp (every device).
+- ``sdpa`` (:class:`DenseAttention`): a dense ``[E, E] bool`` mask and
+  ``scaled_dot_product_attention``, in checkpointed query chunks when the mask is large; every
+  device. Also takes a given mask (speculative decoding's cached causal order, tests).
+- ``flex`` (:class:`FlexElementMask`): ``flex_attention`` BlockMasks built from the structure,
+  ``[E, E]`` for every layer and ``[R, E]`` for the last layer's query rows; trains on CUDA only.
+- ``split`` (:class:`SplitElementAttention`): no element×element tensor at all; the depth-0 range
+  and the chain keys are attended separately and merged by log-sum-exp; every device.
+
+All give the same numbers up to float rounding (tests).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import warnings
+from typing import ClassVar
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from peagle_train.cod import CodElements
+from peagle_train.element_mask import (  # noqa: F401  (re-exported: the rule's forms)
+    DEFAULT_BLOCK_SIZE, MaskMod, attention_mask_reference, block_mask_from_elements, build_attention_mask,
+    chain_pairs, depth0_ranges, make_mask_mod, tile_counts,
+)
+from peagle_train.split_kernel import SplitAttention
+from stores.errors import InputError
 
-__all__ = ["build_attention_mask", "attention_mask_reference", "make_mask_mod", "FlexElementMask",
-           "MaskMod", "DEFAULT_BLOCK_SIZE", "block_mask_from_elements", "tile_counts", "SplitElementAttention"]
-
-MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""``mask_mod(b, h, q_idx, kv_idx) -> bool`` as ``flex_attention`` takes it."""
-
-DEFAULT_BLOCK_SIZE = 128
-"""Tile of a flex_attention BlockMask (queries and keys), torch's default."""
+__all__ = ["ElementAttention", "DenseAttention", "FlexElementMask", "SplitElementAttention", "ATTENTION_BACKENDS", "ATTENTION_CHOICES",
+           "AUTO_BACKEND", "resolve_attention_backend", "element_attention", "as_element_attention", "sdpa_dense",
+           "SDPA_MASK_BUDGET_BYTES", "build_attention_mask", "attention_mask_reference", "make_mask_mod",
+           "block_mask_from_elements", "tile_counts", "MaskMod", "DEFAULT_BLOCK_SIZE"]
 
 
-def build_attention_mask(elements: CodElements) -> torch.Tensor:
-    """Dense boolean mask of the §8 rule, built from its structure.
+class ElementAttention:
+    """One forward's attention under the §8 rule (the base of every backend).
 
-    A query sees one contiguous range of depth-0 keys (its segment's first anchor up to its own
-    anchor) plus the keys of its own chain at depths 1..d_q; the range is made with one broadcast
-    comparison against ``[lo, hi)`` bounds and the chain keys are found by binary search per depth,
-    so nothing evaluates the rule pair by pair.
-
-    Args:
-        elements: ``CodElements`` sorted by (depth, anchor), with every chain complete below its
-            deepest element (true for ``sample_cod_elements`` and ``all_elements``).
-
-    Returns:
-        ``[E, E] bool`` on the elements' device; True where query row may attend key column. Every
-        row allows its own element.
+    Attributes:
+        name: the ``--attention-backend`` value (class attribute).
+        cuda_only: None, or why the backend cannot train without CUDA (class attribute; refused
+            there by :func:`resolve_attention_backend`).
+        takes_cached_keys: whether ``attend`` accepts N cached keys before the E (class attribute;
+            a :class:`~peagle_train.model.DrafterCache` forward needs it).
+        elements: the ``CodElements`` it was built for (None for a given mask).
     """
-    anchor, depth, segment = elements.anchor, elements.depth, elements.segment
-    dev = anchor.device
-    E = anchor.numel()
-    mask = torch.zeros(E, E, dtype=torch.bool, device=dev)
-    if E == 0:
-        return mask
-    n0 = int((depth == 0).sum())
-    a0, s0 = anchor[:n0], segment[:n0]  # [E0] sorted by anchor, so segments are non-decreasing
-    lo = torch.searchsorted(s0, segment, right=False)  # [E] first depth-0 key of the segment
-    hi = torch.searchsorted(a0, anchor, right=True)  # [E] one past the last depth-0 key with a_k <= a_q
-    cols = torch.arange(n0, device=dev)  # [E0]
-    mask[:, :n0] = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])  # [E, E0]
-    rows = torch.arange(E, device=dev)
-    max_depth = int(depth.max())
-    starts = torch.searchsorted(depth, torch.arange(max_depth + 2, device=dev))  # [K+1] depth offsets
-    for d in range(1, max_depth + 1):
-        ad = anchor[starts[d]:starts[d + 1]]  # [E_d] anchors at depth d, sorted
-        q = rows[depth >= d]
-        if ad.numel() == 0 or q.numel() == 0:
-            continue
-        j = torch.searchsorted(ad, anchor[q]).clamp(max=ad.numel() - 1)
-        hit = ad[j] == anchor[q]
-        mask[q[hit], starts[d] + j[hit]] = True
-    return mask
+
+    name: ClassVar[str] = ""
+    cuda_only: ClassVar[str | None] = None
+    takes_cached_keys: ClassVar[bool] = False
+    __slots__ = ()
+
+    def __init__(self, elements: CodElements):
+        raise NotImplementedError
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of ``q [nh, R, hd]`` (the elements ``rows [R] int64``; None: all, ``R = E``) over
+        ``k, v [nkv, E', hd]`` (grouped-query: ``nh`` a multiple of ``nkv``), scale ``hd ** -0.5``.
+
+        ``E'`` is E, or N + E after N cached keys where the backend allows it. Returns ``[nh, R, hd]``.
+        """
+        raise NotImplementedError
 
 
-def _rule(aq, dq, sq, ak, dk, sk) -> torch.Tensor:
-    return (sq == sk) & (((dk == 0) & (ak <= aq)) | ((ak == aq) & (dk <= dq)))
+class DenseAttention(ElementAttention):
+    """Backend ``sdpa``: a dense boolean mask (:func:`build_attention_mask` of the elements, or the
+    one given) and :func:`sdpa_dense`.
 
-
-def attention_mask_reference(elements: CodElements) -> torch.Tensor:
-    """The §8 rule evaluated on the full ``[E, E]`` index grid (for tests): ``[E, E] bool``."""
-    a, d, s = elements.anchor, elements.depth, elements.segment
-    return _rule(a[:, None], d[:, None], s[:, None], a[None, :], d[None, :], s[None, :])
-
-
-def make_mask_mod(elements: CodElements) -> MaskMod:
-    """A ``flex_attention`` ``mask_mod(b, h, q_idx, kv_idx) -> bool`` of the §8 rule.
-
-    Closes over the ``[E]`` anchor, depth and segment tensors; ``q_idx`` and ``kv_idx`` index the
-    elements. :class:`FlexElementMask` passes it to
-    ``torch.nn.attention.flex_attention.create_block_mask``.
+    Attributes:
+        mask: ``[E, E'] bool``, True where query row may attend key column.
     """
-    a, d, s = elements.anchor, elements.depth, elements.segment
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        return _rule(a[q_idx], d[q_idx], s[q_idx], a[kv_idx], d[kv_idx], s[kv_idx])
+    name = "sdpa"
+    takes_cached_keys = True
+    __slots__ = ("elements", "mask")
 
-    return mask_mod
+    def __init__(self, elements: CodElements | None = None, *, mask: torch.Tensor | None = None):
+        if (elements is None) == (mask is None):
+            raise ValueError("DenseAttention takes elements or a mask, one of them")
+        self.elements = elements
+        self.mask = build_attention_mask(elements) if mask is None else mask
 
-
-def _depth0_ranges(elements: CodElements, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[lo, hi)`` columns of the depth-0 keys query elements ``q [Q]`` see (their segment's first
-    depth-0 element up to their own anchor's); ``([Q], [Q]) int64``."""
-    anchor, depth, segment = elements.anchor, elements.depth, elements.segment
-    n0 = int((depth == 0).sum())
-    lo = torch.searchsorted(segment[:n0], segment[q], right=False)  # [Q]
-    hi = torch.searchsorted(anchor[:n0], anchor[q], right=True)  # [Q]
-    return lo, hi
-
-
-def _chain_pairs(elements: CodElements, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(query position in ``q``, key column) of every chain pair ``(a_q, d)``, ``1 <= d <= d_q``:
-    ``sum(d_q)`` pairs, found by binary search among each depth's sorted anchors."""
-    anchor, depth = elements.anchor, elements.depth
-    dev = anchor.device
-    if q.numel() == 0 or int(depth.max()) == 0:
-        return torch.zeros(0, dtype=torch.int64, device=dev), torch.zeros(0, dtype=torch.int64, device=dev)
-    max_depth = int(depth.max())
-    starts = torch.searchsorted(depth, torch.arange(max_depth + 2, device=dev))  # [K+1]
-    aq, dq = anchor[q], depth[q]  # [Q]
-    pos = torch.arange(q.numel(), device=dev)
-    rows, cols = [], []
-    for d in range(1, max_depth + 1):
-        ad = anchor[starts[d]:starts[d + 1]]  # [E_d] sorted
-        sel = pos[dq >= d]
-        if ad.numel() == 0 or sel.numel() == 0:
-            continue
-        j = torch.searchsorted(ad, aq[sel]).clamp(max=ad.numel() - 1)
-        hit = ad[j] == aq[sel]  # always true for complete chains
-        rows.append(sel[hit])
-        cols.append(starts[d] + j[hit])
-    if not rows:
-        return torch.zeros(0, dtype=torch.int64, device=dev), torch.zeros(0, dtype=torch.int64, device=dev)
-    return torch.cat(rows), torch.cat(cols)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
+        """See :meth:`ElementAttention.attend`; the mask's rows ``rows`` are taken (keys: all)."""
+        rep = q.shape[0] // k.shape[0]
+        k = k.repeat_interleave(rep, dim=0)  # [nh, E', hd]
+        v = v.repeat_interleave(rep, dim=0)
+        return sdpa_dense(q, k, v, self.mask, rows)  # [nh, R, hd]
 
 
-def tile_counts(elements: CodElements, rows: torch.Tensor | None = None,
-                block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
-    """Allowed (query, key) pairs of the §8 rule in every ``block_size``-square tile, from structure.
+class FlexElementMask(ElementAttention):
+    """Backend ``flex``: the §8 rule as ``flex_attention`` BlockMasks over E elements of one row,
+    made on demand, attended by the fused kernel (compiled on CUDA; eager, forward only, elsewhere).
 
-    The depth-0 range of each query adds its overlap with each key tile through a difference array
-    over tiles (the range is contiguous), and the chain keys add one pair each (``bincount``), so the
-    cost is O(Q·K + Qb·Kb) time and memory with nothing ``[Q, E]``.
-
-    Args:
-        elements: sorted by (depth, anchor) with complete chains (as COD sampling returns them).
-        rows: ``[R] int64`` query elements (None: all E).
-        block_size: tile side B.
-
-    Returns:
-        ``[Qb, Kb] int64`` with ``Qb = ceil(Q / B)``, ``Kb = ceil(E / B)``.
-    """
-    dev = elements.anchor.device
-    E = len(elements)
-    q = torch.arange(E, device=dev) if rows is None else rows.to(dev)
-    B = int(block_size)
-    Qb, Kb = -(-q.numel() // B), -(-E // B)
-    counts = torch.zeros(Qb * Kb, dtype=torch.int64, device=dev)
-    if q.numel() == 0 or E == 0:
-        return counts.view(Qb, Kb)
-    lo, hi = _depth0_ranges(elements, q)  # [Q]
-    qb = torch.arange(q.numel(), device=dev) // B  # [Q] query tile
-    bl, bh = lo // B, (hi - 1) // B  # [Q] first and last key tile the range touches
-    one = bl == bh
-    # the range's first tile, its last tile (when different) and every tile between them
-    counts.index_add_(0, qb * Kb + bl, torch.where(one, hi - lo, (bl + 1) * B - lo))
-    counts.index_add_(0, (qb * Kb + bh)[~one], (hi - bh * B)[~one])
-    diff = torch.zeros(Qb * (Kb + 1), dtype=torch.int64, device=dev)  # +B on tiles bl+1 .. bh-1
-    mid = bh > bl + 1
-    diff.index_add_(0, (qb * (Kb + 1) + bl + 1)[mid], torch.full_like(bl[mid], B))
-    diff.index_add_(0, (qb * (Kb + 1) + bh)[mid], torch.full_like(bl[mid], -B))
-    counts += diff.view(Qb, Kb + 1).cumsum(1)[:, :Kb].reshape(-1)
-    r, c = _chain_pairs(elements, q)
-    counts += torch.bincount((r // B) * Kb + c // B, minlength=Qb * Kb)
-    return counts.view(Qb, Kb)
-
-
-def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[Qb, Kb] bool`` -> (``[1, 1, Qb] int32`` count, ``[1, 1, Qb, Kb] int32`` listed tiles first,
-    each part ascending): the layout ``create_block_mask`` gives (a stable descending argsort)."""
-    t = tiles.to(torch.int32)
-    idx = torch.argsort(t, dim=-1, descending=True, stable=True)
-    return t.sum(-1).to(torch.int32)[None, None], idx.to(torch.int32)[None, None]
-
-
-def block_mask_from_elements(elements: CodElements, rows: torch.Tensor | None = None,
-                             block_size: int = DEFAULT_BLOCK_SIZE,
-                             mask_mod: MaskMod | None = None) -> BlockMask:
-    """The §8 rule's ``flex_attention`` BlockMask built from the element structure.
-
-    Identical (every index tensor) to ``create_block_mask(mask_mod, None, None, Q, E,
-    BLOCK_SIZE=block_size)`` for the rule's mask_mod, without evaluating it on the ``[Q, E]`` grid: a
-    tile is full when :func:`tile_counts` finds ``B * B`` allowed pairs in it, partial when it finds
-    fewer but some (tiles past the edge hold padding, so they are never full, as in torch).
-
-    Args:
-        elements: sorted by (depth, anchor) with complete chains.
-        rows: ``[R] int64`` query elements; None: all E (shape ``[1, 1, E, E]``, else ``[1, 1, R, E]``).
-        block_size: tile side, queries and keys.
-        mask_mod: the mask_mod stored in the BlockMask (the kernel applies it inside partial tiles);
-            default :func:`make_mask_mod` (restricted to ``rows``).
-
-    Returns:
-        ``torch.nn.attention.flex_attention.BlockMask`` on the elements' device.
-    """
-    B = int(block_size)
-    counts = tile_counts(elements, rows, B)  # [Qb, Kb]
-    full = counts == B * B
-    partial = (counts > 0) & ~full
-    if mask_mod is None:
-        mask_mod = make_mask_mod(elements)
-        if rows is not None:
-            base, idx = mask_mod, rows.to(elements.anchor.device)
-
-            def mask_mod(b, h, q_idx, kv_idx):
-                return base(b, h, idx[q_idx], kv_idx)
-    Q = len(elements) if rows is None else int(rows.numel())
-    kv_num, kv_idx = _ordered(partial)
-    full_num, full_idx = _ordered(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(B, B), mask_mod=mask_mod,
-                                    seq_lengths=(Q, len(elements)))
-
-
-class FlexElementMask:
-    """The §8 rule for ``flex_attention``: BlockMasks over E elements of one row, made on demand.
-
-    ``PEagleDrafter.forward`` takes this in place of the dense ``[E, E]`` mask. Every decoder layer
+    Every decoder layer
     asks for :meth:`block_mask` (``[E, E]``); the last layer, which runs queries for ``output_rows``
     R only, asks for ``block_mask(rows)`` (``[R, E]``: query i is element ``rows[i]``, keys are all E
     elements). Each is built once on the elements' device and cached for the object's life (one
@@ -247,6 +122,8 @@ class FlexElementMask:
         block_size: BlockMask tile, queries and keys.
     """
 
+    name = "flex"
+    cuda_only = "torch's flex_attention has no backward on CPU (it runs the forward only)"
     __slots__ = ("elements", "mask_mod", "block_size", "_full", "_rows", "_structural")
 
     def __init__(self, elements: CodElements, mask_mod: MaskMod | None = None,
@@ -260,6 +137,13 @@ class FlexElementMask:
 
     def __len__(self) -> int:
         return len(self.elements)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
+        """See :meth:`ElementAttention.attend`; GQA inside the kernel (k, v stay ``[nkv, E, hd]``)."""
+        if q.shape[1] == 0:  # no query: nothing to attend (flex_attention wants a non-empty query)
+            return torch.zeros_like(q)
+        return _flex_attention(q[None], k[None], v[None], self.block_mask(rows))[0]  # [nh, R, hd]
 
     @property
     def device(self) -> torch.device:
@@ -301,8 +185,10 @@ class FlexElementMask:
         return self.mask_mod(zero, zero, q[:, None], k[None, :])
 
 
-class SplitElementAttention:
-    """The §8 rule with no element×element tensor: two attention calls merged by log-sum-exp.
+
+class SplitElementAttention(ElementAttention):
+    """Backend ``split``: the §8 rule with no element×element tensor, two attention calls merged by
+    log-sum-exp.
 
     Every query q attends (A) the depth-0 keys of its segment up to its own anchor, a contiguous
     column range ``[lo_q, p_q]`` (causal attention within the segment, with q placed at its anchor's
@@ -311,7 +197,7 @@ class SplitElementAttention:
     by their log-sum-exp, which equals one softmax over the union of the keys (docs/design.md §8).
     Queries are sorted by ``p_q`` and run in chunks whose float32 score tiles stay under
     ``budget_bytes``; the backward recomputes each chunk's scores from q, k, v and the saved
-    log-sum-exp (FlashAttention's backward, written out in :class:`_SplitAttention`), so the largest
+    log-sum-exp (FlashAttention's backward, written out in :class:`~peagle_train.split_kernel.SplitAttention`), so the largest
     tensor is ``[heads, chunk, key range]``, never ``[E, E]``, and nothing per chunk outlives it.
 
     ``PEagleDrafter.forward`` takes this in place of the dense mask; :meth:`attend` runs it. Plain
@@ -323,6 +209,7 @@ class SplitElementAttention:
         budget_bytes: most bytes of float32 scores one chunk may hold (forward).
     """
 
+    name = "split"
     __slots__ = ("elements", "budget_bytes", "_lo", "_p", "_chain")
 
     def __init__(self, elements: CodElements, budget_bytes: int = 64 * 2 ** 20):
@@ -330,11 +217,11 @@ class SplitElementAttention:
         self.budget_bytes = int(budget_bytes)
         E = len(elements)
         q = torch.arange(E, device=elements.anchor.device)
-        self._lo, hi = _depth0_ranges(elements, q)  # [E], [E]
+        self._lo, hi = depth0_ranges(elements, q)  # [E], [E]
         self._p = hi - 1  # [E] depth-0 column of each element's own anchor
         K1 = max(int(elements.depth.max()) if E else 0, 1)
         chain = torch.full((E, K1), -1, dtype=torch.int64, device=q.device)  # [E, K-1] chain keys, -1 pad
-        r, c = _chain_pairs(elements, q)
+        r, c = chain_pairs(elements, q)
         chain[r, elements.depth[c] - 1] = c
         self._chain = chain
 
@@ -357,100 +244,123 @@ class SplitElementAttention:
         order = torch.argsort(p, stable=True)  # queries by anchor column: chunks cover short key ranges
         span = int((p - lo).max()) + 1
         chunk = max(8, self.budget_bytes // (4 * nh * (span + 64)))
-        return _SplitAttention.apply(q, k, v, lo, p, self._chain[idx], order, chunk)
+        return SplitAttention.apply(q, k, v, lo, p, self._chain[idx], order, chunk)
 
 
-class _SplitAttention(torch.autograd.Function):
-    """:meth:`SplitElementAttention.attend` with a hand-written chunked backward (FlashAttention's:
-    the scores are recomputed chunk by chunk from q, k, v and the saved log-sum-exp), so neither
-    pass keeps more than one chunk's ``[heads, chunk, key range]`` scores and the gradients of q, k
-    and v are accumulated in place instead of one full-size gradient per chunk."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, lo, p, chain, order, chunk):
-        # [nh, R, hd] over [R, nh, hd] memory: the caller's transpose(0, 1).reshape(R, nh * hd) for
-        # o_proj is then a view, not a second copy kept for the backward
-        out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device).transpose(0, 1)
-        lse = torch.empty(q.shape[:2], dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
-        for sel in order.split(chunk):
-            c = _SplitChunk(q, k, v, sel, lo[sel], p[sel], chain[sel])
-            out[:, sel] = c.out.reshape(out.shape[0], -1, out.shape[2]).to(out.dtype)
-            lse[:, sel] = c.lse.reshape(lse.shape[0], -1)
-        ctx.save_for_backward(q, k, v, lo, p, chain, order, out, lse)
-        ctx.chunk = chunk
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, lo, p, chain, order, out, lse = ctx.saved_tensors
-        dt = lse.dtype
-        dq, dk, dv = (torch.zeros(t.shape, dtype=dt, device=t.device) for t in (q, k, v))
-        delta = (dout.to(dt) * out.to(dt)).sum(-1)  # [nh, R] rowsum(dO * O)
-        for sel in order.split(ctx.chunk):
-            c = _SplitChunk(q, k, v, sel, lo[sel], p[sel], chain[sel], lse=lse[:, sel])
-            dq[:, sel] = c.backward(dout[:, sel], delta[:, sel], dk, dv).reshape(dq.shape[0], -1, dq.shape[2])
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+#: ``--attention-backend`` name -> backend class (``auto`` is resolved by :func:`resolve_attention_backend`)
+ATTENTION_BACKENDS: dict[str, type[ElementAttention]] = {
+    cls.name: cls for cls in (DenseAttention, FlexElementMask, SplitElementAttention)}
+#: the values ``--attention-backend`` accepts
+ATTENTION_CHOICES: tuple[str, ...] = ("auto", *ATTENTION_BACKENDS)
+#: what ``auto`` runs: with CUDA (the compiled flex_attention kernel skips the masked tiles) and without
+#: (no ``[E, E]`` tensor, and faster than the dense mask on CPU, docs/benchmarks.md)
+AUTO_BACKEND = {"cuda": "flex", "cpu": "split"}
 
 
-class _SplitChunk:
-    """One query chunk: the depth-0 range scores ``sa [nkv, rep, c, kr]`` and the chain scores
-    ``sb [nkv, rep, c', K-1]`` of its chain queries (``deep``), their probabilities under the
-    joint log-sum-exp, the output (forward) or the gradients (backward)."""
+def resolve_attention_backend(backend: str, cuda_available: bool | None = None) -> str:
+    """The name of the backend the drafter runs: ``auto`` by :data:`AUTO_BACKEND`, others as given.
 
-    def __init__(self, q, k, v, sel, lo, p, chain, lse=None):
-        nh, _, hd = q.shape
-        nkv = k.shape[0]
-        dt = torch.promote_types(q.dtype, torch.float32)
-        self.scale = hd ** -0.5
-        self.qg = q[:, sel].to(dt).view(nkv, nh // nkv, -1, hd)  # [nkv, rep, c, hd]
-        self.klo, self.khi = int(lo.min()), int(p.max()) + 1
-        self.ka, self.va = k[:, self.klo:self.khi].to(dt), v[:, self.klo:self.khi].to(dt)  # [nkv, kr, hd]
-        cols = torch.arange(self.klo, self.khi, device=q.device)
-        allowed = (cols[None, :] >= lo[:, None]) & (cols[None, :] <= p[:, None])  # [c, kr]
-        sa = torch.matmul(self.qg, self.ka[:, None].transpose(-1, -2)) * self.scale  # [nkv, rep, c, kr]
-        sa.masked_fill_(~allowed, float("-inf"))
-        self.deep = torch.nonzero(chain[:, 0] >= 0).squeeze(1)  # [c'] chain queries
-        self.ch = chain[self.deep].clamp(min=0)  # [c', K-1]
-        self.kb, self.vb = k[:, self.ch].to(dt), v[:, self.ch].to(dt)  # [nkv, c', K-1, hd]
-        sb = torch.einsum("grch,gckh->grck", self.qg[:, :, self.deep], self.kb) * self.scale
-        sb.masked_fill_(chain[self.deep] < 0, float("-inf"))  # [nkv, rep, c', K-1]
-        if lse is None:  # forward: merge the two parts' log-sum-exps
-            lse = torch.logsumexp(sa, dim=-1)  # finite: p itself is allowed
-            lse[:, :, self.deep] = torch.logaddexp(lse[:, :, self.deep], torch.logsumexp(sb, dim=-1))
+    Args:
+        backend: one of :data:`ATTENTION_CHOICES`.
+        cuda_available: None asks ``torch.cuda.is_available()``.
+
+    Raises:
+        InputError: an unknown name, or a backend that cannot train without CUDA (its ``cuda_only``
+            reason) where CUDA is not available; ``field`` is ``--attention-backend``.
+    """
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    if backend not in ATTENTION_CHOICES:
+        raise InputError(f"expected one of {', '.join(ATTENTION_CHOICES)}, got {backend!r}",
+                         field="--attention-backend")
+    if backend == "auto":
+        return AUTO_BACKEND["cuda" if cuda else "cpu"]
+    reason = ATTENTION_BACKENDS[backend].cuda_only
+    if reason and not cuda:
+        others = [n for n, c in ATTENTION_BACKENDS.items() if not c.cuda_only]
+        raise InputError(f"{backend} needs CUDA: {reason}, so it cannot train here; use --attention-backend "
+                         f"{', '.join(others)} or auto", field="--attention-backend")
+    return backend
+
+
+def element_attention(backend: str, elements: CodElements) -> ElementAttention:
+    """The backend named ``backend`` (a key of :data:`ATTENTION_BACKENDS`) for ``elements``.
+
+    Raises:
+        ValueError: an unknown name (``auto`` included: resolve it first).
+    """
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}")
+    return ATTENTION_BACKENDS[backend](elements)
+
+
+def as_element_attention(attention: ElementAttention | torch.Tensor) -> ElementAttention:
+    """``attention`` as it is, or a ``[E, E'] bool`` mask as a :class:`DenseAttention`."""
+    return DenseAttention(mask=attention) if isinstance(attention, torch.Tensor) else attention
+
+
+# ------------------------------------------------------------------------------------------ kernels
+_compiled_flex_attention = None  # torch.compile(flex_attention), made on the first CUDA call
+
+
+def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+    """``flex_attention`` of ``q [1, nh, R, hd]`` over ``k, v [1, nkv, E, hd]`` -> ``[1, nh, R, hd]``.
+
+    On CUDA through one ``torch.compile(flex_attention)`` per process (the fused kernel, with
+    backward); elsewhere eagerly, which torch implements for the forward only (on CPU it refuses
+    inputs that require grad: "FlexAttention does not support backward on CPU").
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if q.device.type != "cuda":
+        with warnings.catch_warnings():  # the eager path is intended here (tests, CPU inference)
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    global _compiled_flex_attention
+    if _compiled_flex_attention is None:
+        _compiled_flex_attention = torch.compile(flex_attention)
+    return _compiled_flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+
+
+SDPA_MASK_BUDGET_BYTES = 256 * 2**20
+"""Most bytes of float mask one SDPA call may materialise; larger query sets run in chunks."""
+
+
+def _sdpa_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+               mask_rows: torch.Tensor | slice) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[mask_rows])[0]
+
+
+def sdpa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+               rows: torch.Tensor | None = None, budget_bytes: int | None = None) -> torch.Tensor:
+    """``scaled_dot_product_attention`` under a dense boolean mask, in query chunks when it is large.
+
+    SDPA turns a boolean mask into an additive float mask of the same shape and, with autograd on,
+    keeps it for the backward: ``4 R E`` bytes, 1.4 GB at E = 18K elements. When ``4 R E`` exceeds
+    ``budget_bytes`` the queries run in chunks of ``budget_bytes / 4E`` rows, each under
+    ``torch.utils.checkpoint`` when a gradient is needed, so at most one chunk's float mask exists at
+    a time (forward and recomputed backward); the cost is one more attention forward per chunk.
+
+    Args:
+        q: ``[nh, R, hd]``; k, v: ``[nh, E, hd]`` (GQA already expanded).
+        mask: ``[E, E] bool``, True where query row may attend key column.
+        rows: ``[R] int64``, the elements the queries are (None: all E, ``R = E``).
+        budget_bytes: default :data:`SDPA_MASK_BUDGET_BYTES`.
+
+    Returns:
+        ``[nh, R, hd]``, equal to one SDPA call over all R queries up to float rounding.
+    """
+    R, E = q.shape[1], k.shape[1]
+    budget = SDPA_MASK_BUDGET_BYTES if budget_bytes is None else budget_bytes
+    chunk = max(1, budget // (4 * max(E, 1)))
+    if R <= chunk:
+        return _sdpa_rows(q, k, v, mask, slice(None) if rows is None else rows)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    outs = []
+    for i in range(0, R, chunk):
+        mask_rows = slice(i, i + chunk) if rows is None else rows[i:i + chunk]
+        qc = q[:, i:i + chunk]  # [nh, c, hd]
+        if grad:
+            outs.append(torch.utils.checkpoint.checkpoint(_sdpa_rows, qc, k, v, mask, mask_rows,
+                                                          use_reentrant=False))
         else:
-            lse = lse.view(nkv, nh // nkv, -1)
-        self.lse = lse
-        self.pa = torch.exp(sa - lse[..., None])  # [nkv, rep, c, kr] joint probabilities, part A
-        self.pb = torch.exp(sb - lse[:, :, self.deep, None])  # [nkv, rep, c', K-1] part B
-        if self.deep.numel() == 0:
-            self.out = torch.matmul(self.pa, self.va[:, None])
-        else:
-            out = torch.matmul(self.pa, self.va[:, None])  # [nkv, rep, c, hd]
-            out[:, :, self.deep] += torch.einsum("grck,gckh->grch", self.pb, self.vb)
-            self.out = out
-
-    def backward(self, dout, delta, dk, dv):
-        """Add this chunk's terms to ``dk, dv [nkv, E, hd]``; return its ``dq [nkv, rep, c, hd]``.
-
-        ``dout [nh, c, hd]``, ``delta [nh, c]`` = rowsum(dO * O): with P the joint probabilities,
-        dV += Pᵀ dO, dS = P (dO Vᵀ - delta), dQ = scale dS K, dK += scale dSᵀ Q.
-        """
-        nkv, rep, c, hd = self.qg.shape
-        do = dout.to(self.pa.dtype).view(nkv, rep, c, hd)
-        dl = delta.view(nkv, rep, c, 1)
-        dv[:, self.klo:self.khi] += torch.einsum("grck,grch->gkh", self.pa, do)
-        ds = self.pa * (torch.matmul(do, self.va[:, None].transpose(-1, -2)) - dl)  # [nkv, rep, c, kr]
-        dq = torch.matmul(ds, self.ka[:, None]) * self.scale  # [nkv, rep, c, hd]
-        dk[:, self.klo:self.khi] += torch.einsum("grck,grch->gkh", ds, self.qg) * self.scale
-        if self.deep.numel():
-            dod, qd = do[:, :, self.deep], self.qg[:, :, self.deep]  # [nkv, rep, c', hd]
-            flat = self.ch.reshape(-1)
-            dvb = torch.einsum("grck,grch->gckh", self.pb, dod)  # [nkv, c', K-1, hd]
-            dv.index_add_(1, flat, dvb.reshape(nkv, -1, hd))
-            dsb = self.pb * (torch.einsum("grch,gckh->grck", dod, self.vb) - dl[:, :, self.deep])
-            dq[:, :, self.deep] += torch.einsum("grck,gckh->grch", dsb, self.kb) * self.scale
-            dkb = torch.einsum("grck,grch->gckh", dsb, qd) * self.scale
-            dk.index_add_(1, flat, dkb.reshape(nkv, -1, hd))
-        return dq
-
-
+            outs.append(_sdpa_rows(qc, k, v, mask, mask_rows))
+    return torch.cat(outs, dim=1)  # [nh, R, hd]

@@ -11,57 +11,31 @@ at rope position ``position_ids[a] + 1 + d``. The first decoder layer attends ov
 EAGLE-3 (Li et al., 2025, arXiv:2503.01840) and P-EAGLE; later layers are plain Llama layers.
 Tensor names follow the ``speculators`` 0.9 P-EAGLE model so vLLM loads the checkpoint.
 
-Attention takes the §8 rule in one of three forms (``peagle_train.attention``): a dense ``[E, E]
-bool`` mask, run with ``scaled_dot_product_attention``; a :class:`FlexElementMask`, run with
-``flex_attention`` (compiled once per process on CUDA; eager, forward only, elsewhere); or a
-:class:`SplitElementAttention`, which attends the depth-0 range and the chain keys separately and
-merges them by log-sum-exp (no ``[E, E]`` tensor). All give the same numbers up to float rounding.
+Attention runs the §8 rule through an attention backend (:mod:`peagle_train.attention`): the
+forward takes an :class:`~peagle_train.attention.ElementAttention` built for its elements (or a
+dense ``[E, E] bool`` mask, run as the ``sdpa`` backend) and every layer calls its ``attend``.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Union
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from peagle_train.attention import FlexElementMask, SplitElementAttention
+from peagle_train.attention import SDPA_MASK_BUDGET_BYTES, ElementAttention, as_element_attention, sdpa_dense
 from peagle_train.rope import ROPE_TYPES, rope_cos_sin, rope_frequencies, rotary_cos_sin, rotate_half
 
 __all__ = ["DrafterConfig", "PEagleDrafter", "DrafterCache", "KVCache", "RMSNorm", "rotary_cos_sin", "rope_cos_sin", "rope_frequencies",
            "ROPE_TYPES", "AttentionMask", "sdpa_dense",
            "SDPA_MASK_BUDGET_BYTES"]
 
-AttentionMask = Union[torch.Tensor, FlexElementMask, SplitElementAttention]
-"""The §8 rule as the drafter takes it: ``[E, E] bool`` (SDPA), a :class:`FlexElementMask` or a
-:class:`SplitElementAttention` (no ``[E, E]`` tensor)."""
-
-_compiled_flex_attention = None  # torch.compile(flex_attention), made on the first CUDA call
-
-
-def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
-    """``flex_attention`` of ``q [1, nh, R, hd]`` over ``k, v [1, nkv, E, hd]`` -> ``[1, nh, R, hd]``.
-
-    On CUDA through one ``torch.compile(flex_attention)`` per process (the fused kernel, with
-    backward); elsewhere eagerly, which torch implements for the forward only (on CPU it refuses
-    inputs that require grad: "FlexAttention does not support backward on CPU").
-    """
-    gqa = q.shape[1] != k.shape[1]
-    if q.device.type != "cuda":
-        with warnings.catch_warnings():  # the eager path is intended here (tests, CPU inference)
-            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
-    global _compiled_flex_attention
-    if _compiled_flex_attention is None:
-        _compiled_flex_attention = torch.compile(flex_attention)
-    return _compiled_flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
-
+AttentionMask = Union[ElementAttention, torch.Tensor]
+"""The §8 rule as the drafter takes it: an attention backend built for the elements, or a dense
+``[E, E] bool`` mask (run as the ``sdpa`` backend)."""
 
 @dataclass(kw_only=True)
 class DrafterConfig:
@@ -152,14 +126,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_mask: AttentionMask, rows: torch.Tensor | None = None,
+                attention: ElementAttention, rows: torch.Tensor | None = None,
                 kv: KVCache | None = None) -> torch.Tensor:
         """``x [E, in]`` -> ``[E, H]``, or ``[R, H]`` for the query ``rows [R]`` only (keys: all E).
 
-        ``attn_mask``: ``[E, E] bool`` (SDPA; its rows ``rows`` are taken) or a
-        :class:`FlexElementMask` (flex_attention with its ``[E, E]`` or ``[R, E]`` BlockMask) or a
-        :class:`SplitElementAttention` (two attention calls merged by log-sum-exp). With
-        ``kv`` the N cached keys come first: ``attn_mask`` is ``[E, N + E] bool`` (SDPA only).
+        ``attention``: the backend of these elements. With ``kv`` the N cached keys come first
+        (a :class:`~peagle_train.attention.DenseAttention` of an ``[E, N + E]`` mask).
         """
         E = x.shape[0]
         xq, cq, sq = (x, cos, sin) if rows is None else (x[rows], cos[rows], sin[rows])
@@ -171,67 +143,8 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         if kv is not None:
             k, v = kv.extend(k, v)  # [nkv, N+E, hd]
-        if isinstance(attn_mask, SplitElementAttention):
-            if kv is not None:
-                raise ValueError("a KV cache needs the dense [E, N + E] mask (SDPA)")
-            out = attn_mask.attend(q, k, v, rows)  # [nh, R, hd]; GQA inside: k, v stay [nkv, E, hd]
-        elif isinstance(attn_mask, FlexElementMask):
-            if R == 0:  # no query: nothing to attend (flex_attention wants a non-empty query)
-                out = torch.zeros_like(q)
-            else:  # GQA inside the kernel: k, v stay [nkv, E, hd]
-                out = _flex_attention(q[None], k[None], v[None], attn_mask.block_mask(rows))[0]  # [nh, R, hd]
-        else:
-            rep = self.nh // self.nkv
-            k = k.repeat_interleave(rep, dim=0)  # [nh, E, hd]
-            v = v.repeat_interleave(rep, dim=0)
-            out = sdpa_dense(q, k, v, attn_mask, rows)  # [nh, R, hd]
+        out = attention.attend(q, k, v, rows)  # [nh, R, hd]
         return self.o_proj(out.transpose(0, 1).reshape(R, self.nh * self.hd))  # [R, H]
-
-
-SDPA_MASK_BUDGET_BYTES = 256 * 2**20
-"""Most bytes of float mask one SDPA call may materialise; larger query sets run in chunks."""
-
-
-def _sdpa_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-               mask_rows: torch.Tensor | slice) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[mask_rows])[0]
-
-
-def sdpa_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-               rows: torch.Tensor | None = None, budget_bytes: int | None = None) -> torch.Tensor:
-    """``scaled_dot_product_attention`` under a dense boolean mask, in query chunks when it is large.
-
-    SDPA turns a boolean mask into an additive float mask of the same shape and, with autograd on,
-    keeps it for the backward: ``4 R E`` bytes, 1.4 GB at E = 18K elements. When ``4 R E`` exceeds
-    ``budget_bytes`` the queries run in chunks of ``budget_bytes / 4E`` rows, each under
-    ``torch.utils.checkpoint`` when a gradient is needed, so at most one chunk's float mask exists at
-    a time (forward and recomputed backward); the cost is one more attention forward per chunk.
-
-    Args:
-        q: ``[nh, R, hd]``; k, v: ``[nh, E, hd]`` (GQA already expanded).
-        mask: ``[E, E] bool``, True where query row may attend key column.
-        rows: ``[R] int64``, the elements the queries are (None: all E, ``R = E``).
-        budget_bytes: default :data:`SDPA_MASK_BUDGET_BYTES`.
-
-    Returns:
-        ``[nh, R, hd]``, equal to one SDPA call over all R queries up to float rounding.
-    """
-    R, E = q.shape[1], k.shape[1]
-    budget = SDPA_MASK_BUDGET_BYTES if budget_bytes is None else budget_bytes
-    chunk = max(1, budget // (4 * max(E, 1)))
-    if R <= chunk:
-        return _sdpa_rows(q, k, v, mask, slice(None) if rows is None else rows)
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    outs = []
-    for i in range(0, R, chunk):
-        mask_rows = slice(i, i + chunk) if rows is None else rows[i:i + chunk]
-        qc = q[:, i:i + chunk]  # [nh, c, hd]
-        if grad:
-            outs.append(torch.utils.checkpoint.checkpoint(_sdpa_rows, qc, k, v, mask, mask_rows,
-                                                          use_reentrant=False))
-        else:
-            outs.append(_sdpa_rows(qc, k, v, mask, mask_rows))
-    return torch.cat(outs, dim=1)  # [nh, R, hd]
 
 
 class KVCache:
@@ -318,7 +231,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_mask: AttentionMask, embeds: torch.Tensor | None = None,
+                attention: ElementAttention, embeds: torch.Tensor | None = None,
                 rows: torch.Tensor | None = None, kv: KVCache | None = None) -> torch.Tensor:
         """``[E, H]`` -> ``[E, H]``, or ``[R, H]`` for ``rows [R]`` only (the others serve as keys);
         ``kv``: this layer's cache (see :meth:`PEagleDrafter.forward`)."""
@@ -327,7 +240,7 @@ class DecoderLayer(nn.Module):
             x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [E, 2H]
         else:
             x = self.input_layernorm(hidden)
-        hidden = residual + self.self_attn(x, cos, sin, attn_mask, rows, kv)
+        hidden = residual + self.self_attn(x, cos, sin, attention, rows, kv)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -383,10 +296,10 @@ class PEagleDrafter(nn.Module):
                 ``[E0, L*H]``, the rows of the E0 < E depth-0 elements only, in order.
             is_mask: ``[E] bool``; True for depth > 0 elements.
             position_ids: ``[E] int64``; rope position of each element (``pos[a] + 1 + d``).
-            attn_mask: ``[E, E] bool``, True where query row may attend key column (SDPA), or a
-                :class:`~peagle_train.attention.FlexElementMask` of the same elements
-                (flex_attention; the backward needs CUDA); see ``peagle_train.attention``. Every
-                row must allow at least itself.
+            attn_mask: the attention backend of these elements
+                (:func:`peagle_train.attention.element_attention`), or an ``[E, E] bool`` mask, True
+                where query row may attend key column (the ``sdpa`` backend). Every row must allow
+                at least itself.
             output_rows: ``[R] int64`` or None; the elements whose output is wanted (training asks
                 for the weighted ones). The last layer then runs its queries, MLP and norm on
                 these rows only; every element still serves as a key.
@@ -405,11 +318,15 @@ class PEagleDrafter(nn.Module):
         embeds = self.embed_tokens(ids)  # [E, H]
         hidden = self._fc_inputs(aux_hidden, is_mask)  # [E, H]
         cos, sin = rope_cos_sin(position_ids, cfg, hidden.dtype)
+        attention = as_element_attention(attn_mask)
         if cache is not None:
+            if not attention.takes_cached_keys:
+                raise ValueError(f"a drafter cache needs a backend that takes cached keys (a dense [E, N + E] "
+                                 f"mask), not {type(attention).__name__}")
             cache.start(is_mask, len(self.layers))
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, attn_mask, embeds if i == 0 else None,
+            hidden = layer(hidden, cos, sin, attention, embeds if i == 0 else None,
                            output_rows if i == last else None, cache.layers[i] if cache is not None else None)
         return self.norm(hidden)
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from peagle_train.attention import DenseAttention
 from peagle_train.model import DrafterCache
 from peagle_train.verifier import crop_cache, new_cache, rollback_cache, verifier_body_pass, verifier_pass
 from stores.errors import InputError
@@ -186,7 +187,7 @@ class DrafterSession:
         E, N = input_ids.numel(), self.n_ctx
         # depth-0 by anchor then the chain: the §8 rule is causal after the N cached elements
         mask = torch.ones(E, N + E, dtype=torch.bool, device=self.device).tril(N)  # [E, N+E]
-        return self.drafter(input_ids, g[:n], is_mask, position_ids, mask, cache=self.cache)
+        return self.drafter(input_ids, g[:n], is_mask, position_ids, DenseAttention(mask=mask), cache=self.cache)
 
 
 @torch.no_grad()

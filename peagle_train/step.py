@@ -11,7 +11,7 @@ from contextlib import nullcontext
 
 import torch
 
-from peagle_train.attention import FlexElementMask, SplitElementAttention, build_attention_mask
+from peagle_train.attention import element_attention
 from peagle_train.cod import CodElements, element_inputs, sample_cod_elements
 from peagle_train.data import Block, _seed_of
 from peagle_train.loss import LossOutput, kl_loss_and_accuracy
@@ -38,10 +38,8 @@ def block_loss(model, draft_head: torch.Tensor, verifier_head: torch.Tensor, blo
         verifier_head: ``[D, H]`` the verifier's lm_head rows of the draft vocab.
         block: tensors on the model's device.
         elements: from COD sampling, on the model's device.
-        attention_backend: ``"sdpa"`` (dense ``[E, E]`` mask), ``"flex"`` (a
-            :class:`~peagle_train.attention.FlexElementMask`; backward on CUDA only) or ``"split"`` (a
-            :class:`~peagle_train.attention.SplitElementAttention`, no ``[E, E]`` tensor); see
-            :func:`resolve_attention_backend`.
+        attention_backend: a key of :data:`peagle_train.attention.ATTENTION_BACKENDS` (resolved:
+            see :func:`peagle_train.attention.resolve_attention_backend`).
     """
     hidden, rows, target_index = block_hidden(model, draft_head.dtype, block, elements, attention_backend)
     return kl_loss_and_accuracy(hidden, draft_head, block.final_hidden, verifier_head, elements.weight[rows],
@@ -59,16 +57,9 @@ def block_hidden(model, dtype: torch.dtype, block: Block, elements: CodElements,
     """
     inp = element_inputs(elements, block.input_ids, block.position_ids)
     aux = block.aux_hidden[inp.feature_index[~inp.is_mask]].to(dtype)  # [E0, L*H] depth-0 rows only
-    if attention_backend == "flex":
-        mask = FlexElementMask(elements)  # BlockMasks [E, E] and [E', E], built in the forward
-    elif attention_backend == "sdpa":
-        mask = build_attention_mask(elements)  # [E, E] bool
-    elif attention_backend == "split":
-        mask = SplitElementAttention(elements)  # depth-0 range + chain, merged by log-sum-exp
-    else:
-        raise ValueError(f"attention_backend must be 'sdpa', 'flex' or 'split', got {attention_backend!r}")
+    attention = element_attention(attention_backend, elements)  # its form of the §8 rule
     rows = torch.nonzero(elements.weight != 0).squeeze(1)  # [E'] elements the loss reads
-    hidden = model(inp.input_ids, aux, inp.is_mask, inp.position_ids, mask, output_rows=rows)  # [E', H]
+    hidden = model(inp.input_ids, aux, inp.is_mask, inp.position_ids, attention, output_rows=rows)  # [E', H]
     return hidden, rows, inp.target_index[rows]
 
 

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from peagle_train.attention import ATTENTION_CHOICES
 from peagle_train.checkpoint import latest_checkpoint, rope_from_layer_config
 from peagle_train.metrics import parse_report_to
 from peagle_train.model import ROPE_TYPES, DrafterConfig
@@ -50,8 +51,6 @@ __all__ = [
     "verifier_rope",
     "val_split_warning",
     "check_before_weights",
-    "ATTENTION_BACKENDS",
-    "resolve_attention_backend",
 ]
 
 
@@ -141,9 +140,10 @@ class TrainConfig:
     lazy_embedding: bool = True
     """Update only the embedding rows a step touched (``--lazy-embedding/--dense-embedding``)."""
     attention_backend: str = "auto"
-    """Drafter attention (``--attention-backend``): ``sdpa`` (dense mask), ``flex`` (flex_attention
-    BlockMasks, CUDA only), ``split`` (no element×element tensor) or ``auto`` (flex on CUDA, split
-    otherwise); see :func:`resolve_attention_backend`."""
+    """Drafter attention backend (``--attention-backend``), a name of
+    :data:`peagle_train.attention.ATTENTION_BACKENDS` (``sdpa``: dense mask; ``flex``: flex_attention
+    BlockMasks, CUDA only; ``split``: no element×element tensor) or ``auto`` (flex on CUDA, split
+    otherwise: :data:`peagle_train.attention.AUTO_BACKEND`)."""
     mask_token_id: int | None = None
     """Token fed at depth > 0; must never occur as a supervised token in the store (``--mask-token-id``);
     None: an unused special or reserved token, chosen by :func:`peagle_train.mask_token.choose_mask_token`
@@ -182,8 +182,8 @@ class TrainConfig:
         need(self.mask_token_id is None or self.mask_token_id >= 0, "--mask-token-id", ">= 0 when set",
              self.mask_token_id)
         need(not (self.resume and self.force), "--resume/--force", "used one at a time", "both")
-        need(self.attention_backend in ATTENTION_BACKENDS, "--attention-backend",
-             f"one of {', '.join(ATTENTION_BACKENDS)}", self.attention_backend)
+        need(self.attention_backend in ATTENTION_CHOICES, "--attention-backend",
+             f"one of {', '.join(ATTENTION_CHOICES)}", self.attention_backend)
         parse_report_to(self.report_to)  # InputError (a ValueError) naming --report-to
 
     def to_dict(self) -> dict[str, Any]:
@@ -304,39 +304,6 @@ def build_drafter_config(heads: VerifierHeads, store, cfg: TrainConfig, draft_vo
         verifier_name_or_path=heads.name_or_path,
         verifier_architectures=list(getattr(heads.config, "architectures", None) or ["LlamaForCausalLM"]),
     )
-
-
-#: values of ``--attention-backend``
-ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "split")
-
-
-def resolve_attention_backend(backend: str, cuda_available: bool | None = None) -> str:
-    """The attention the drafter runs: ``"sdpa"``, ``"flex"`` or ``"split"``.
-
-    ``auto`` is ``flex`` where CUDA is available (the compiled flex_attention kernel skips the
-    masked tiles) and ``split`` otherwise (depth-0 range and chain attention merged by log-sum-exp:
-    no ``[E, E]`` tensor, and faster than the dense mask on CPU, docs/benchmarks.md); ``sdpa``,
-    ``flex`` and ``split`` are taken as given.
-
-    Args:
-        backend: one of :data:`ATTENTION_BACKENDS`.
-        cuda_available: None asks ``torch.cuda.is_available()``.
-
-    Raises:
-        InputError: ``flex`` without CUDA (torch's flex_attention has no backward on CPU), or an
-            unknown name; ``field`` is ``--attention-backend``.
-    """
-    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
-    if backend not in ATTENTION_BACKENDS:
-        raise InputError(f"expected one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}",
-                         field="--attention-backend")
-    if backend == "auto":
-        return "flex" if cuda else "split"
-    if backend == "flex" and not cuda:
-        raise InputError("flex needs CUDA: torch's flex_attention has no backward on CPU (it runs the "
-                         "forward only), so it cannot train here; use --attention-backend split, sdpa or auto",
-                         field="--attention-backend")
-    return backend
 
 
 def val_split_warning(n_blocks: int, n_val: int, val_fraction: float) -> str | None:

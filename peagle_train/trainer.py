@@ -78,7 +78,8 @@ class Trainer:
             :func:`build_optimizer` optimizer and a :class:`CosineWithWarmup` schedule.
         verifier_head: ``[D, H]`` the verifier's lm_head rows of the draft vocab, on the device.
         accelerator: an ``accelerate.Accelerator``; None: a fresh one on the CPU.
-        attention: the resolved attention backend name (``"sdpa"`` or ``"flex"``).
+        attention: the resolved attention backend, a key of
+            :data:`peagle_train.attention.ATTENTION_BACKENDS`.
         max_steps: optimizer steps of the run (the schedule's length); warmup: its warm-up steps
             (None: ``max_steps // 20``).
         run: the data and output of a full run (None for a bare step, e.g. in a benchmark).
@@ -304,9 +305,8 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     """
     from peagle_train.mask_token import resolve_mask_token
     from peagle_train.multistore import open_stores, split_per_store, usable_blocks
-    from peagle_train.train import (
-        build_draft_vocab, check_before_weights, load_verifier_heads, resolve_attention_backend,
-    )
+    from peagle_train.attention import resolve_attention_backend
+    from peagle_train.train import build_draft_vocab, check_before_weights, load_verifier_heads
 
     trackers = resolve_trackers(cfg.report_to)  # before anything is read or written
     attention = resolve_attention_backend(cfg.attention_backend)  # InputError before any work

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from peagle_train.attention import SplitElementAttention
+from peagle_train.attention import element_attention
 from peagle_train.cod import CodElements, element_inputs
 from peagle_train.evaluate.checks import check_store_fits, check_verifier_config
 from peagle_train.evaluate.config import EvalConfig
@@ -24,13 +24,19 @@ def _argmax_chunked(x: torch.Tensor, head: torch.Tensor, rows: int = 1024) -> to
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
 
+#: the attention backend offline evaluation runs (a key of ``peagle_train.attention.ATTENTION_BACKENDS``):
+#: split, no element×element mask
+OFFLINE_ATTENTION = "split"
+
+
 @torch.no_grad()
-def segment_predictions(drafter, block, start: int, n: int, num_depths: int, chunk_anchors: int = 256) -> torch.Tensor:
+def segment_predictions(drafter, block, start: int, n: int, num_depths: int, chunk_anchors: int = 256,
+                        attention_backend: str = OFFLINE_ATTENTION) -> torch.Tensor:
     """The drafter's argmax for every element ``(a, d)`` of one segment ``[start, start+n)``, all chains.
 
     Anchors are processed ``chunk_anchors`` at a time: one pass holds the depth-0 elements up to the
     chunk's last anchor (the context its chains may attend) and the chunk's chains, under the §8 rule
-    (:class:`~peagle_train.attention.SplitElementAttention`, no ``[E, E]`` mask).
+    (the ``attention_backend``; the split one needs no ``[E, E]`` mask).
 
     Args:
         drafter: a ``PEagleDrafter``.
@@ -38,6 +44,7 @@ def segment_predictions(drafter, block, start: int, n: int, num_depths: int, chu
         start, n: the segment's first row and length.
         num_depths: K.
         chunk_anchors: anchors per drafter pass.
+        attention_backend: the backend each pass builds for its elements (forward only).
 
     Returns:
         ``[A, K] int64`` draft-vocab ids for the ``A = max(n - 2, 0)`` anchors; -1 where the element
@@ -57,7 +64,7 @@ def segment_predictions(drafter, block, start: int, n: int, num_depths: int, chu
         depth = torch.cat([torch.full((p.numel(),), d) for d, p in enumerate(parts)])  # [E]
         elements = CodElements(anchor, depth, torch.zeros_like(anchor), torch.ones(anchor.numel()))
         inputs = element_inputs(elements, block.input_ids, block.position_ids)
-        attn = SplitElementAttention(elements.to(device))  # the §8 rule without an [E, E] mask
+        attn = element_attention(attention_backend, elements.to(device))  # the §8 rule of this pass
         hidden = drafter(inputs.input_ids.to(device), aux[inputs.feature_index].to(device, dtype),
                          inputs.is_mask.to(device), inputs.position_ids.to(device), attn)  # [E, H]
         keep = (depth > 0) | (anchor - start >= c0)  # depth-0 elements before c0 were scored already

@@ -24,7 +24,8 @@ from peagle_train.cod import CodElements, all_elements, element_inputs, sample_c
 from peagle_train.data import Block
 from peagle_train.model import DrafterConfig, PEagleDrafter
 from peagle_train.step import block_loss, block_to
-from peagle_train.train import TrainConfig, resolve_attention_backend, run_train
+from peagle_train.attention import resolve_attention_backend
+from peagle_train.train import TrainConfig, run_train
 from stores.errors import InputError
 
 H, V, L = 32, 60, 2

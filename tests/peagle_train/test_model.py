@@ -30,7 +30,7 @@ def test_chunked_dense_attention_equals_one_call_values_and_grads(monkeypatch):
     """Above the mask budget the queries run in checkpointed chunks: same outputs and gradients."""
     import torch.nn.functional as F
 
-    from peagle_train import model as model_mod
+    from peagle_train import attention as model_mod
 
     torch.manual_seed(0)
     E, nh, hd = 70, 2, 8
