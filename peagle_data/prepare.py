@@ -1,9 +1,8 @@
 """``peagle-data tokenize`` and ``pack``: the I/O around readers, chat masks, windows and packing.
 
-Rows are streamed in chunks of ``CHUNK_CONVERSATIONS`` conversations: the main process reads and
-normalises them, a chunk is rendered and tokenized in one batched tokenizer call (in
-``--num-workers`` processes when more than one, results taken in input order, so the output is
-identical to one worker), and rows are written in bounded batches.
+Modules: :mod:`peagle_data.prepare_config` (the typed options), :mod:`peagle_data.tokenizing`
+(reading, rendering and tokenizing rows in chunks, ``run_tokenize``), this module (``run_pack``:
+windows, spill, packing, the packed table) and :mod:`peagle_data.windows` (the window and trim policy).
 
 A template that rewrites history (see :mod:`peagle_data.chat`) turns a conversation into one
 row per assistant turn, ids ``conversation_id@turn``; with ``--on-history-rewrite reject`` the
@@ -46,25 +45,46 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import multiprocessing
 import os
 import re
 import sys
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Collection, Iterator, Sequence
 
 import numpy as np
 from tqdm import tqdm
 
-from peagle_data.dedup import Deduplicator, dedup_items, duplicate_reject, filter_reason, rows_key
-from peagle_data.shards import check_shard, shard_filter, shard_of_key
-from peagle_data.sources import input_files, iter_source_groups, mixture_of, source_bump, source_rejected
-from peagle_data.chat import ChatTemplateError, chat_template_sha256, render_rows, tokenize_rendered
+from peagle_data.chat import chat_template_sha256
+from peagle_data.dedup import Deduplicator, duplicate_reject, filter_reason, rows_key
 from peagle_data.packing import make_packed_row, pack_blocks_flexible, packing_efficiency
-from peagle_data.readers import FORMATS, Conversation, Reject, UniqueIds, read_conversations, resolve_inputs
-from peagle_data.windows import OVERLAP_LOSS, SystemPrefixTooLongError, Window, count_windows, make_windows
+from peagle_data.prepare_config import (
+    CHUNK_CONVERSATIONS,
+    DROPPED_CONTENT,
+    HISTORY_REWRITE,
+    TOKENIZE_ONLY,
+    PackConfig,
+    TokenizeConfig,
+)
+from peagle_data.readers import UniqueIds
+from peagle_data.shards import shard_of_key
+from peagle_data.sources import input_files, iter_source_groups, mixture_of, source_bump, source_rejected
+from peagle_data.tokenizing import (
+    _base_counts,
+    _TokenFreq,
+    _bump,
+    _check_output_not_input,
+    _load_tokenizer,
+    _read_template,
+    _reject,
+    _shard,
+    _shard_record,
+    _split_source,
+    _tokenizer_record,
+    iter_tokenized,
+    run_tokenize,
+)
+from peagle_data.windows import SystemPrefixTooLongError, Window, conversation_windows, trim_window
 from stores.errors import InputError, StoreMismatchError
 from stores.staging import staged_output_dir
 from stores.token_tables import (
@@ -78,403 +98,7 @@ from stores.token_tables import (
 )
 
 __all__ = ["TokenizeConfig", "PackConfig", "run_tokenize", "run_pack", "iter_tokenized", "CHUNK_CONVERSATIONS",
-           "HISTORY_REWRITE", "TOKENIZE_ONLY", "ignored_tokenize_options"]
-
-CHUNK_CONVERSATIONS = 64
-"""Conversations rendered and tokenized together (one batched tokenizer call, one worker task)."""
-
-HISTORY_REWRITE = ("split", "reject")
-DROPPED_CONTENT = ("reject", "keep")
-
-TOKENIZE_ONLY = {"format": "--format", "num_workers": "--num-workers", "on_history_rewrite": "--on-history-rewrite",
-                 "on_dropped_content": "--on-dropped-content"}
-"""``TokenizeConfig`` fields (and their options) that only shape tokenizing raw conversations: ``pack``
-of a tokenize output ignores them (``limit``, ``strict`` and ``chat_template`` still apply)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class TokenizeConfig:
-    """How conversations are read and tokenized (``peagle-data tokenize``)."""
-
-    format: str = "auto"
-    """Conversation format of the input rows: auto (detected per row), openai or sharegpt (--format)."""
-    limit: int | None = None
-    """Read at most this many input rows, usable or not; None reads all (--limit, rows). For
-    ``pack`` of a tokenize output: the first N conversations of the table(s)."""
-    strict: bool = False
-    """Stop with an error at the first bad row instead of writing it to rejects.jsonl (--strict)."""
-    chat_template: str | None = None
-    """Path of a Jinja chat template file replacing the tokenizer's own (--chat-template)."""
-    num_workers: int = 1
-    """Processes that render and tokenize; the output is the same for any number (--num-workers)."""
-    on_history_rewrite: str = "split"
-    """split: one row per assistant turn when the template rewrites history; reject: reject the
-    conversation (--on-history-rewrite)."""
-    dedup: bool = True
-    """Reject exact duplicates (same normalised messages; for tokenize outputs, same tokens and
-    mask) after their first occurrence across all inputs (--dedup/--no-dedup; :mod:`peagle_data.dedup`)."""
-    max_tokens: int | None = None
-    """Reject conversations of more tokens than this (--max-tokens, tokens; None: no limit)."""
-    min_loss_tokens: int | None = None
-    """Reject conversations with fewer supervised tokens than this (--min-loss-tokens; None: no limit)."""
-    on_dropped_content: str = "reject"
-    """reject: reject a conversation with content the chat template does not render (tool calls,
-    tool results, reasoning, a system message, tools, content parts of unsupported types); keep:
-    keep it without that content, counted in the manifest (--on-dropped-content)."""
-    num_shards: int = 1
-    """Split the run into this many shards by conversation content (--num-shards; :mod:`peagle_data.shards`)."""
-    shard_index: int = 0
-    """The shard this run writes, in [0, num_shards) (--shard-index)."""
-
-    def __post_init__(self) -> None:
-        check_shard(self.num_shards, self.shard_index)
-        for name, option in (("max_tokens", "--max-tokens"), ("min_loss_tokens", "--min-loss-tokens")):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{option} must be >= 1 tokens, got {getattr(self, name)}")
-        if self.num_workers < 1:
-            raise ValueError(f"--num-workers must be >= 1 processes, got {self.num_workers}")
-        if self.on_history_rewrite not in HISTORY_REWRITE:
-            raise ValueError(f"--on-history-rewrite must be one of {', '.join(HISTORY_REWRITE)}, "
-                             f"got {self.on_history_rewrite!r}")
-        if self.on_dropped_content not in DROPPED_CONTENT:
-            raise ValueError(f"--on-dropped-content must be one of {', '.join(DROPPED_CONTENT)}, "
-                             f"got {self.on_dropped_content!r}")
-        if self.format not in FORMATS:
-            raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}")
-        if self.limit is not None and self.limit < 1:
-            raise ValueError(f"--limit must be >= 1 rows, got {self.limit}")
-        if self.chat_template is not None and not Path(self.chat_template).is_file():
-            state = "is not a regular file" if Path(self.chat_template).exists() else "does not exist"
-            raise ValueError(f"--chat-template {self.chat_template!r} {state}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class PackConfig:
-    """How tokenized conversations become windows and packed blocks (``peagle-data pack``)."""
-
-    max_seq_len: int = 2048
-    """Most tokens in a window (--max-seq-len, tokens)."""
-    block_size: int | None = None
-    """Most tokens in a packed block, >= max_seq_len; None means max_seq_len (--block-size, tokens)."""
-    overlap: float = 0.5
-    """Fraction of a window's body shared with the next window of a long conversation, in [0, 1) (--overlap)."""
-    overlap_loss: str = "skip"
-    """skip: a token supervised by an earlier window gets loss 0; keep: train the overlap twice (--overlap-loss)."""
-    max_windows: int | None = None
-    """Keep at most this many windows per conversation, the first ones; the rest are counted as
-    ``windows_capped`` (--max-windows; None keeps all). Bounds the share of very long conversations."""
-    tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
-    """How raw conversations are read and tokenized (for a tokenize output only ``limit``,
-    ``strict`` and ``chat_template``, which must match the table's, apply)."""
-
-    def __post_init__(self) -> None:
-        if self.max_seq_len < 2:
-            raise ValueError(f"--max-seq-len must be >= 2 tokens, got {self.max_seq_len}")
-        if self.block_size is not None and self.block_size < self.max_seq_len:
-            raise ValueError(f"--block-size ({self.block_size}) must be >= --max-seq-len ({self.max_seq_len})")
-        if not 0.0 <= self.overlap < 1.0:
-            raise ValueError(f"--overlap must be in [0, 1), got {self.overlap}")
-        if self.max_windows is not None and self.max_windows < 1:
-            raise ValueError(f"--max-windows must be >= 1, got {self.max_windows}")
-        if self.overlap_loss not in OVERLAP_LOSS:
-            raise ValueError(f"--overlap-loss must be one of {', '.join(OVERLAP_LOSS)}, got {self.overlap_loss!r}")
-
-    @property
-    def block_size_tokens(self) -> int:
-        """The effective block size in tokens."""
-        return self.block_size if self.block_size is not None else self.max_seq_len
-
-
-# --------------------------------------------------------------------------------------------
-# Shared pieces
-
-
-def _load_tokenizer(tokenizer_name, tokenizer):
-    if tokenizer is not None:
-        return tokenizer
-    from stores.model_cache import load_tokenizer
-
-    return load_tokenizer(tokenizer_name)
-
-
-def _read_template(path: str | None) -> str | None:
-    """The text of a --chat-template file, checked to compile as Jinja.
-
-    Raises:
-        InputError: the file cannot be read or is not a valid Jinja template (names the file).
-    """
-    if path is None:
-        return None
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"--chat-template {path}: cannot read the file ({e})") from None
-    try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template as compile_template
-    except ImportError:  # another transformers version: plain jinja with the same extension
-        import jinja2
-
-        def compile_template(t):
-            return jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).from_string(t)
-    try:
-        compile_template(text)
-    except Exception as e:  # noqa: BLE001 - jinja2.TemplateSyntaxError and friends
-        line = getattr(e, "lineno", None)
-        raise InputError(f"--chat-template {path} is not a valid Jinja template"
-                         f"{f' (line {line})' if line else ''}: {type(e).__name__}: {e}") from None
-    return text
-
-
-def _tokenizer_record(tokenizer_name, tokenizer, template_path: str | None, template: str | None) -> dict:
-    return {"name": str(tokenizer_name), "vocab_size": len(tokenizer),
-            "chat_template_file": template_path,
-            "chat_template_sha256": chat_template_sha256(tokenizer, template)}
-
-
-def _split_source(source: str) -> tuple[str, int | None]:
-    file, _, row = source.rpartition(":")
-    return (file, int(row)) if row.isdigit() else (source, None)
-
-
-def _bump(counts: dict[str, Any], key: str, n: int = 1) -> None:
-    counts[key] = counts.get(key, 0) + int(n)
-
-
-def _reject(rejects: RejectsWriter, counts: dict[str, Any], source: str, reason: str, **extra) -> None:
-    rejects.write(source, reason, **{k: v for k, v in extra.items() if v is not None})
-    _bump(counts, "rejected")
-
-
-def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: TokenizeConfig,
-                   rejects: RejectsWriter, counts: dict[str, int], *, dedup: Deduplicator | None = None,
-                   select=None) -> Iterator[list[dict[str, Any]]]:
-    """Read, normalise and tokenize conversations, in input order.
-
-    ``dedup`` is shared across calls (the sources of a mixture); None makes a new one when
-    ``cfg.dedup``. ``select`` maps the deduplicated reader items to those to tokenize (weights,
-    shards: :mod:`peagle_data.sources`); None keeps all.
-
-    Rejected rows are written to ``rejects`` and counted; ``counts`` gains ``read``, ``rejected``,
-    ``dropped_leading_assistant_turns``, ``merged_user_turns``, ``empty_assistant_turns``,
-    ``history_rewrite_conversations``, ``history_rewrite_rows``, the per-row reader counts
-    (``null_keys_dropped_rows``, ``tool_arguments_decoded``, ``tool_arguments_not_json``,
-    ``tool_schemas_decoded``, ``dropped_content_parts``) and, with ``on_dropped_content="keep"``,
-    ``conversations_with_dropped_content`` and ``dropped_<part>`` (messages whose part the template
-    does not render; ``dropped_tools`` counts conversations).
-
-    Yields:
-        For every usable conversation, its tokenized-table rows (one, or one per assistant turn
-        when the template rewrites history): ``{"conversation_id", "source", "input_ids" int32 [T],
-        "loss_mask" uint8 [T], "system_len", "n_tokens", "n_loss_tokens"}``.
-
-    Raises:
-        InputError: with ``cfg.strict``, the first bad row (file, row and field where known).
-    """
-    template = _read_template(cfg.chat_template)
-    split = cfg.on_history_rewrite == "split"
-    bar = tqdm(total=cfg.limit, desc="tokenize", unit="conv", file=sys.stderr, disable=None)
-    keep = cfg.on_dropped_content == "keep"
-    if dedup is None and cfg.dedup:
-        dedup = Deduplicator()
-    items = dedup_items(read_conversations(inputs, fmt=cfg.format, strict=cfg.strict, limit=cfg.limit,
-                                           keep_dropped=keep), dedup)
-    if select is not None:
-        items = select(items)
-    chunks = iter(lambda: list(itertools.islice(items, CHUNK_CONVERSATIONS)), [])
-    pool = None
-    try:
-        if cfg.num_workers > 1:
-            ctx = multiprocessing.get_context("fork")
-            pool = ctx.Pool(cfg.num_workers, initializer=_init_worker,
-                            initargs=(tokenizer, template, split, cfg.on_dropped_content))
-            results = pool.imap(_worker_chunk, chunks)
-        else:
-            results = (_tokenize_chunk(tokenizer, chunk, template, split, cfg.on_dropped_content)
-                       for chunk in chunks)
-        for outcomes in results:
-            for item, outcome in outcomes:
-                _bump(counts, "read")
-                bar.update(1)
-                _bump(counts, "duplicate_ids_renamed", item.duplicate_id_renamed)
-                if isinstance(item, Reject):
-                    duplicate_of = getattr(item, "duplicate_of", None)
-                    _bump(counts, "duplicates", duplicate_of is not None)
-                    _reject(rejects, counts, item.source, item.reason, conversation_id=item.conversation_id,
-                            field=item.field, duplicate_of=duplicate_of)
-                    continue
-                if not isinstance(outcome, str) and not any(tok.loss_mask.any() for _, tok, _ in outcome):
-                    outcome = "no supervised tokens: the template renders no assistant token"
-                filtered = None if isinstance(outcome, str) else filter_reason(
-                    max(len(t.input_ids) for _, t, _ in outcome), sum(int(t.loss_mask.sum()) for _, t, _ in outcome),
-                    cfg.max_tokens, cfg.min_loss_tokens)
-                if filtered is not None:  # a filter, not a bad row: rejected also with --strict
-                    _reject(rejects, counts, item.source, filtered, conversation_id=item.conversation_id)
-                    continue
-                if isinstance(outcome, str):
-                    if cfg.strict:
-                        file, row = _split_source(item.source)
-                        raise InputError(outcome, file=file, row=row, field="messages")
-                    _reject(rejects, counts, item.source, outcome, conversation_id=item.conversation_id)
-                    continue
-                yield _rows_of(item, outcome, counts)
-    finally:
-        bar.close()
-        if pool is not None:
-            pool.terminate()
-
-
-_WORKER: dict[str, Any] = {}
-
-
-def _init_worker(tokenizer, template, split, on_dropped) -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    _WORKER.update(tokenizer=tokenizer, template=template, split=split, on_dropped=on_dropped)
-
-
-def _worker_chunk(chunk):
-    return _tokenize_chunk(_WORKER["tokenizer"], chunk, _WORKER["template"], _WORKER["split"],
-                           _WORKER["on_dropped"])
-
-
-def _tokenize_chunk(tokenizer, chunk: list[Conversation | Reject], template, split: bool,
-                    on_dropped: str = "reject") -> list[tuple]:
-    """``[(item, outcome)]``: outcome is ``[(turn, TokenizedConversation, dropped parts)]``, a reject
-    reason, or None for a reader reject. Rows of the whole chunk are tokenized in one batched call."""
-    rendered: list[tuple[int, list]] = []
-    outcomes: list[Any] = []
-    for item in chunk:
-        if isinstance(item, Reject):
-            outcomes.append(None)
-            continue
-        try:
-            rows = render_rows(tokenizer, item.messages, item.tools, template, per_turn_fallback=split,
-                               on_dropped=on_dropped)
-        except ChatTemplateError as e:
-            outcomes.append(str(e))
-            continue
-        rendered.append((len(outcomes), rows))
-        outcomes.append([])
-    flat = [r for _, rows in rendered for r in rows]
-    tokenized = iter(tokenize_rendered(tokenizer, flat))
-    for at, rows in rendered:
-        outcomes[at] = [(r.turn, next(tokenized), r.dropped) for r in rows]
-        problem = next((t.problem for _, t, _ in outcomes[at] if t.problem), None)
-        if problem:  # no exact mask for one of its rows: the conversation is a reject
-            outcomes[at] = problem
-    return list(zip(chunk, outcomes))
-
-
-def _rows_of(conv: Conversation, outcome: list[tuple], counts: dict[str, Any]) -> list[dict[str, Any]]:
-    _bump(counts, "dropped_leading_assistant_turns", conv.dropped_leading_assistant)
-    _bump(counts, "conversations_with_dropped_leading_assistant", conv.dropped_leading_assistant > 0)
-    _bump(counts, "merged_user_turns", conv.merged_user_turns)
-    _bump(counts, "empty_assistant_turns", conv.empty_assistant_turns)
-    for key, n in conv.counts.items():
-        _bump(counts, key, n)
-    dropped = {part for _, _, parts in outcome for part in parts}  # per-turn rows repeat context parts
-    _bump(counts, "conversations_with_dropped_content", bool(dropped) or bool(conv.counts.get("dropped_content_parts")))
-    for part in dropped:
-        _bump(counts, f"dropped_{part.split(' of ')[0]}")
-    per_turn = outcome[0][0] is not None
-    _bump(counts, "history_rewrite_conversations", per_turn)
-    _bump(counts, "history_rewrite_rows", len(outcome) if per_turn else 0)
-    rows = []
-    for turn, tok, _ in outcome:
-        n_loss = int(tok.loss_mask.sum())
-        rows.append({"conversation_id": conv.conversation_id if turn is None else f"{conv.conversation_id}@{turn}",
-                     "source": conv.source, "input_ids": tok.input_ids, "loss_mask": tok.loss_mask,
-                     "system_len": tok.system_len, "n_tokens": int(tok.input_ids.shape[0]),
-                     "n_loss_tokens": n_loss})
-    return rows
-
-
-def _check_output_not_input(output, inputs) -> None:
-    out = Path(output).resolve()
-    for i in inputs:
-        p = Path(i).resolve()
-        if p == out or out in p.parents:
-            raise InputError(f"--output {output} would overwrite the input {i}; choose another directory")
-
-
-def _shard(cfg: TokenizeConfig):
-    """The reader-item filter of ``cfg``'s shard, or None for an unsharded run."""
-    return shard_filter(cfg.num_shards, cfg.shard_index) if cfg.num_shards > 1 else None
-
-
-def _shard_record(cfg: TokenizeConfig) -> dict[str, Any]:
-    return {"shard": {"num_shards": cfg.num_shards, "shard_index": cfg.shard_index}} if cfg.num_shards > 1 else {}
-
-
-def _base_counts() -> dict[str, Any]:
-    return {"read": 0, "used": 0, "rejected": 0, "null_keys_dropped_rows": 0, "tool_arguments_decoded": 0,
-            "tool_arguments_not_json": 0, "tool_schemas_decoded": 0, "conversations_with_dropped_content": 0}
-
-
-# --------------------------------------------------------------------------------------------
-# tokenize
-
-
-def run_tokenize(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.PathLike,
-                 output: str | os.PathLike, cfg: TokenizeConfig, force: bool = False,
-                 tokenizer=None, config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``peagle-data tokenize``: conversations -> a tokenized table (DESIGN.md §6).
-
-    Args:
-        inputs: conversation files, globs or ``sharegpt``.
-        tokenizer_name: MODEL (``smollm2-135m``, a local directory or a hub id), recorded in the manifest.
-        output: the table directory to create.
-        cfg: reading and tokenizing options.
-        force: replace an existing output.
-        tokenizer: an already loaded tokenizer to use instead of loading ``tokenizer_name``.
-        config: the command's resolved options (``--print-config``), recorded as the manifest's
-            ``config`` so that ``--config`` can repeat the run.
-
-    Returns:
-        A summary: ``output``, ``counts`` (as in the manifest).
-
-    Raises:
-        OutputExistsError: ``output`` exists and ``force`` is false.
-        InputError: bad inputs; with ``cfg.strict`` the first bad row.
-        ModelNotFoundError, MissingDependencyError: the tokenizer cannot be loaded.
-    """
-    mixture = mixture_of(inputs)
-    files = input_files(inputs, mixture)  # fail on bad arguments before touching the output
-    _check_output_not_input(output, files)
-    template = _read_template(cfg.chat_template)
-    with staged_output_dir(output, force) as out:
-        tokenizer = _load_tokenizer(tokenizer_name, tokenizer)
-        counts = _base_counts()
-        token_freq = _TokenFreq(len(tokenizer))
-        n_tokens = n_loss = 0
-        with TableWriter(out, "tokenized") as writer, RejectsWriter(out) as rejects:
-            for group in iter_source_groups(iter_tokenized, inputs, mixture, tokenizer, cfg, rejects, counts,
-                                            _shard(cfg)):
-                _bump(counts, "used")
-                for row in group:
-                    writer.write(row)
-                    n_tokens += row["n_tokens"]
-                    n_loss += row["n_loss_tokens"]
-                    token_freq.add(row["input_ids"][row["loss_mask"] == 1])
-            by_reason = dict(rejects.by_reason)
-        counts.update(tokens=n_tokens, loss_tokens=n_loss, rejected_by_reason=by_reason)
-        assert counts["used"] + counts["rejected"] == counts["read"], counts
-        write_token_freq(out, token_freq.counts())
-        write_manifest(out, {
-            "kind": "tokenized",
-            "inputs": [str(i) for i in inputs],
-            "files": [str(f) for f in files],
-            "parameters": dataclasses.asdict(cfg),
-            **({"config": config} if config is not None else {}),
-            "tokenizer": _tokenizer_record(tokenizer_name, tokenizer, cfg.chat_template, template),
-            "counts": dict(counts),
-            **({"mixture": mixture.record()} if mixture is not None else {}),
-            **_shard_record(cfg),
-        })
-    return {"output": str(output), "counts": dict(counts)}
-
-
-# --------------------------------------------------------------------------------------------
-# pack
+           "HISTORY_REWRITE", "DROPPED_CONTENT", "TOKENIZE_ONLY", "ignored_tokenize_options"]
 
 
 def ignored_tokenize_options(cfg: TokenizeConfig, explicit: Collection[str] | None = None) -> list[str]:
@@ -594,6 +218,42 @@ def run_pack(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.PathL
         InputError: bad inputs, mixed raw and tokenized inputs; with strict, the first bad row.
         StoreMismatchError: a tokenize output made with another chat template.
     """
+    mixture, tables = _check_pack_inputs(inputs, output)
+    template = _read_template(cfg.tokenize.chat_template)
+    tokenizer = _load_tokenizer(tokenizer_name, tokenizer)
+    counts = _base_counts()
+    if tables is not None:
+        tables = _open_tables(inputs, tokenizer, template)  # refuses packed tables and mismatches first
+        ignored = ignored_tokenize_options(cfg.tokenize, explicit)
+        if ignored:
+            print(f"WARNING: ignoring {', '.join(ignored)}: the INPUT is a tokenize output, already tokenized "
+                  "(these options only apply to raw conversations)", file=sys.stderr)
+        files = [str(t.directory) for t in tables]
+    else:
+        files = input_files(inputs, mixture)
+    with staged_output_dir(output, force) as out:
+        with RejectsWriter(out) as rejects:
+            rows = (_filter_table_groups(_iter_table_rows(tables, counts, cfg.tokenize.limit), cfg.tokenize,
+                                         rejects, counts) if tables is not None
+                    else iter_source_groups(iter_tokenized, inputs, mixture, tokenizer, cfg.tokenize, rejects, counts,
+                                            _shard(cfg.tokenize)))
+            with _WindowSpill(out) as spill:
+                _collect_windows(rows, cfg, rejects, counts, spill)
+                counts["rejected_by_reason"] = dict(rejects.by_reason)
+                assert counts["used"] + counts["rejected"] == counts["read"], counts
+                token_freq = _write_blocks(out, spill, cfg.block_size_tokens, len(tokenizer), counts)
+        write_token_freq(out, token_freq)
+        write_manifest(out, _pack_manifest(inputs, files, cfg, tokenizer_name, tokenizer, template, counts,
+                                           mixture, tables, config))
+    return {"output": str(output), "counts": dict(counts)}
+
+
+def _check_pack_inputs(inputs, output) -> tuple[Any, list | None]:
+    """``(mixture or None, [] for tokenize-output inputs else None)``, checked before the output is touched.
+
+    Raises:
+        InputError: no input, raw and tokenized inputs mixed, bad arguments, output inside an input.
+    """
     if not inputs:
         raise InputError("no INPUT given")
     table_inputs = [_is_table(i) for i in inputs]
@@ -603,79 +263,32 @@ def run_pack(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.PathL
     if not all(table_inputs):
         input_files(inputs, mixture)  # fail on bad arguments before touching the output
     _check_output_not_input(output, inputs)
-    template = _read_template(cfg.tokenize.chat_template)
-    tokenizer = _load_tokenizer(tokenizer_name, tokenizer)
-    counts = _base_counts()
-    if all(table_inputs):
-        tables = _open_tables(inputs, tokenizer, template)  # refuses packed tables and mismatches first
-        ignored = ignored_tokenize_options(cfg.tokenize, explicit)
-        if ignored:
-            print(f"WARNING: ignoring {', '.join(ignored)}: the INPUT is a tokenize output, already tokenized "
-                  "(these options only apply to raw conversations)", file=sys.stderr)
-        files = [str(t.directory) for t in tables]
-        upstream = {str(t.directory): {"manifest_sha256": manifest_sha256(t.directory),
-                                       "counts": t.manifest.get("counts")} for t in tables}
-    else:
-        files = input_files(inputs, mixture)
-        upstream = None
-    with staged_output_dir(output, force) as out:
-        with RejectsWriter(out) as rejects:
-            rows = (_filter_table_groups(_iter_table_rows(tables, counts, cfg.tokenize.limit), cfg.tokenize,
-                                         rejects, counts) if upstream is not None
-                    else iter_source_groups(iter_tokenized, inputs, mixture, tokenizer, cfg.tokenize, rejects, counts,
-                                            _shard(cfg.tokenize)))
-            with _WindowSpill(out) as spill:
-                _collect_windows(rows, cfg, rejects, counts, spill)
-                by_reason = dict(rejects.by_reason)
-                counts["rejected_by_reason"] = by_reason
-                assert counts["used"] + counts["rejected"] == counts["read"], counts
-                token_freq = _write_blocks(out, spill, cfg.block_size_tokens, len(tokenizer), counts)
-        write_token_freq(out, token_freq)
-        manifest = {
-            "kind": "packed",
-            "inputs": [str(i) for i in inputs],
-            "files": files,
-            "parameters": {**dataclasses.asdict(cfg), "block_size": cfg.block_size_tokens},
-            **({"config": config} if config is not None else {}),
-            "tokenizer": _tokenizer_record(tokenizer_name, tokenizer, cfg.tokenize.chat_template, template),
-            "counts": dict(counts),
-        }
-        if upstream is not None:
-            manifest["upstream"] = upstream
-        if mixture is not None:
-            manifest["mixture"] = mixture.record()
-        elif upstream is not None and len({json.dumps(t.manifest.get("mixture"), sort_keys=True) for t in tables}) == 1 \
-                and tables[0].manifest.get("mixture"):
-            manifest["mixture"] = tables[0].manifest["mixture"]  # the tokenize output's mixture
-        manifest.update(_shard_record(cfg.tokenize))
-        write_manifest(out, manifest)
-    return {"output": str(output), "counts": dict(counts)}
+    return mixture, ([] if all(table_inputs) else None)
 
 
-class _TokenFreq:
-    """Counts of loss-masked token ids, binned in batches (one ``bincount`` per ~1M tokens)."""
-
-    def __init__(self, vocab_size: int, batch_tokens: int = 1 << 20):
-        self.total = np.zeros(vocab_size, dtype=np.int64)
-        self._pending: list[np.ndarray] = []
-        self._n = 0
-        self._batch = batch_tokens
-
-    def add(self, ids: np.ndarray) -> None:
-        self._pending.append(ids)
-        self._n += len(ids)
-        if self._n >= self._batch:
-            self._flush()
-
-    def _flush(self) -> None:
-        if self._pending:
-            self.total += np.bincount(np.concatenate(self._pending), minlength=len(self.total))[: len(self.total)]
-        self._pending, self._n = [], 0
-
-    def counts(self) -> np.ndarray:
-        """int64 ``[vocab_size]``."""
-        self._flush()
-        return self.total
+def _pack_manifest(inputs, files: list, cfg: PackConfig, tokenizer_name, tokenizer, template: str | None,
+                   counts: dict[str, Any], mixture, tables: list[TokenTable] | None,
+                   config: dict[str, Any] | None) -> dict[str, Any]:
+    """The packed table's manifest (``upstream``: each tokenize output's manifest sha256 and counts)."""
+    manifest = {
+        "kind": "packed",
+        "inputs": [str(i) for i in inputs],
+        "files": files,
+        "parameters": {**dataclasses.asdict(cfg), "block_size": cfg.block_size_tokens},
+        **({"config": config} if config is not None else {}),
+        "tokenizer": _tokenizer_record(tokenizer_name, tokenizer, cfg.tokenize.chat_template, template),
+        "counts": dict(counts),
+    }
+    if tables is not None:
+        manifest["upstream"] = {str(t.directory): {"manifest_sha256": manifest_sha256(t.directory),
+                                                   "counts": t.manifest.get("counts")} for t in tables}
+    if mixture is not None:
+        manifest["mixture"] = mixture.record()
+    elif tables is not None and len({json.dumps(t.manifest.get("mixture"), sort_keys=True) for t in tables}) == 1 \
+            and tables[0].manifest.get("mixture"):
+        manifest["mixture"] = tables[0].manifest["mixture"]  # the tokenize output's mixture
+    manifest.update(_shard_record(cfg.tokenize))
+    return manifest
 
 
 class _WindowSpill:
@@ -718,11 +331,9 @@ class _WindowSpill:
         data = os.pread(self._f.fileno(), 5 * n, self.offsets[i])
         ids = np.frombuffer(data, dtype=np.int32, count=n)
         mask = np.frombuffer(data, dtype=np.uint8, offset=4 * n, count=n)
-        cut = 0 if n_tokens is None else n - n_tokens
-        if cut:
-            assert 0 < cut <= n - self.min_lengths[i], (i, n_tokens)
-            keep = np.r_[0:self.prefix_lens[i], self.prefix_lens[i] + cut:n]
-            ids, mask = ids[keep], mask[keep]
+        if n_tokens is not None and n_tokens != n:
+            assert self.min_lengths[i] <= n_tokens < n, (i, n_tokens)
+            ids, mask = trim_window(ids, mask, self.prefix_lens[i], n_tokens)
         return self.segment_ids[i], ids, mask
 
     def __enter__(self) -> "_WindowSpill":
@@ -733,19 +344,6 @@ class _WindowSpill:
         os.unlink(self.path)
 
 
-def _group_windows(group: list[dict[str, Any]], cfg: PackConfig) -> tuple[list[tuple], int, int]:
-    """Windows ``(segment_id, Window)`` of one conversation's rows, candidates dropped, candidates."""
-    segments, dropped, candidates = [], 0, 0
-    for row in group:
-        ids, mask, system_len = row["input_ids"], row["loss_mask"], int(row["system_len"])
-        n_candidates = count_windows(len(ids), system_len, cfg.max_seq_len, cfg.overlap)
-        windows = make_windows(ids, mask, system_len, cfg.max_seq_len, cfg.overlap, cfg.overlap_loss)
-        dropped += n_candidates - len(windows)
-        candidates += n_candidates
-        segments += [(f"{row['conversation_id']}#{w.index}", w) for w in windows]
-    return segments, dropped, candidates
-
-
 def _collect_windows(groups: Iterator[list[dict[str, Any]]], cfg: PackConfig, rejects: RejectsWriter,
                      counts: dict[str, Any], spill: _WindowSpill) -> None:
     """Cut every conversation's rows into windows, spilled to ``spill``; conversations with none are rejected."""
@@ -753,7 +351,7 @@ def _collect_windows(groups: Iterator[list[dict[str, Any]]], cfg: PackConfig, re
     for group in groups:
         source, cid = group[0]["source"], group[0]["conversation_id"]
         try:
-            segments, dropped, candidates = _group_windows(group, cfg)
+            segments, dropped, candidates = conversation_windows(group, cfg.max_seq_len, cfg.overlap, cfg.overlap_loss)
         except SystemPrefixTooLongError as e:
             if cfg.tokenize.strict:
                 file, r = _split_source(source)

@@ -21,6 +21,9 @@ Pure functions over arrays. Legend: ``T`` tokens in the conversation, ``W`` = ``
   ``count_windows(...) - len(windows)``); ``Window.index`` is the window's place among all
   candidate windows, so ids ``conversation_id#index`` are stable.
 - Position ids restart at 0 in every window.
+- Trimming (:func:`trim_window`, applied by ``pack`` after best-fit decreasing chose a window's
+  length, :func:`peagle_data.packing.pack_blocks_flexible`): keep the prefix P, drop leading body
+  tokens, never below ``n_tokens - trimmable``.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import numpy as np
 from stores.errors import InputError
 
 __all__ = ["OVERLAP_LOSS", "MIN_TAIL_CONTEXT_FRACTION", "Window", "SystemPrefixTooLongError", "window_starts", "count_windows",
-           "make_windows"]
+           "make_windows", "conversation_windows", "trim_window"]
 
 OVERLAP_LOSS = ("skip", "keep")
 
@@ -178,3 +181,41 @@ def make_windows(input_ids: np.ndarray, loss_mask: np.ndarray, system_len: int, 
         windows.append(Window(w_ids, w_mask, np.arange(w_ids.shape[0], dtype=np.int32), k, s,
                               trimmable, system_len))
     return windows
+
+
+def conversation_windows(rows, max_seq_len: int, overlap: float = 0.5,
+                         overlap_loss: str = "skip") -> tuple[list[tuple[str, Window]], int, int]:
+    """The windows of one conversation's tokenized rows (one row, or one per assistant turn).
+
+    Args:
+        rows: mappings with ``conversation_id``, ``input_ids``, ``loss_mask``, ``system_len``.
+        max_seq_len, overlap, overlap_loss: as in :func:`make_windows`.
+
+    Returns:
+        ``([(segment id "conversation_id#index", Window)], candidate windows dropped (no
+        supervised token), candidate windows)``.
+
+    Raises:
+        SystemPrefixTooLongError: as :func:`make_windows`.
+    """
+    segments, dropped, candidates = [], 0, 0
+    for row in rows:
+        ids, mask, system_len = row["input_ids"], row["loss_mask"], int(row["system_len"])
+        n_candidates = count_windows(len(ids), system_len, max_seq_len, overlap)
+        windows = make_windows(ids, mask, system_len, max_seq_len, overlap, overlap_loss)
+        dropped += n_candidates - len(windows)
+        candidates += n_candidates
+        segments += [(f"{row['conversation_id']}#{w.index}", w) for w in windows]
+    return segments, dropped, candidates
+
+
+def trim_window(input_ids: np.ndarray, loss_mask: np.ndarray, prefix_len: int,
+                n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """A window cut to ``n_tokens``: its first ``prefix_len`` tokens kept, leading body tokens dropped.
+
+    The caller keeps ``n_tokens >= len(input_ids) - Window.trimmable`` (only loss-0 context is cut).
+    ``[n] -> [n_tokens]`` each, same dtypes.
+    """
+    cut = len(input_ids) - n_tokens
+    keep = np.r_[0:prefix_len, prefix_len + cut:len(input_ids)]
+    return input_ids[keep], loss_mask[keep]

@@ -269,7 +269,7 @@ def test_a_rerun_removes_stale_partials_of_dead_runs_only(tmp_path, smollm2_toke
 # would load the tokenizer), leaving that directory behind as a killed run does
 KILLED_DATA_CLI = """
 import os, signal, sys
-import peagle_data.prepare as p
+import peagle_data.tokenizing as p  # run_tokenize loads its tokenizer there
 def die(*args):
     os.kill(os.getpid(), signal.SIGKILL)
 p._load_tokenizer = die

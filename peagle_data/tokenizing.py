@@ -1,0 +1,346 @@
+"""``peagle-data tokenize``: conversations -> rendered, tokenized rows with exact loss masks.
+
+Rows are streamed in chunks of ``CHUNK_CONVERSATIONS`` conversations: the main process reads and
+normalises them, a chunk is rendered and tokenized in one batched tokenizer call (in
+``--num-workers`` processes when more than one, results taken in input order, so the output is
+identical to one worker), and rows are written in bounded batches. The pieces shared with ``pack``
+(:mod:`peagle_data.prepare`) are here too: template and tokenizer loading, counts, rejects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import multiprocessing
+import os
+import sys
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from peagle_data.chat import ChatTemplateError, chat_template_sha256, render_rows, tokenize_rendered
+from peagle_data.dedup import Deduplicator, dedup_items, filter_reason
+from peagle_data.prepare_config import CHUNK_CONVERSATIONS, TokenizeConfig
+from peagle_data.readers import Conversation, Reject, read_conversations
+from peagle_data.shards import shard_filter
+from peagle_data.sources import input_files, iter_source_groups, mixture_of
+from stores.errors import InputError
+from stores.staging import staged_output_dir
+from stores.token_tables import RejectsWriter, TableWriter, write_manifest, write_token_freq
+
+__all__ = ["iter_tokenized", "run_tokenize"]
+
+
+def _load_tokenizer(tokenizer_name, tokenizer):
+    if tokenizer is not None:
+        return tokenizer
+    from stores.model_cache import load_tokenizer
+
+    return load_tokenizer(tokenizer_name)
+
+
+def _read_template(path: str | None) -> str | None:
+    """The text of a --chat-template file, checked to compile as Jinja.
+
+    Raises:
+        InputError: the file cannot be read or is not a valid Jinja template (names the file).
+    """
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"--chat-template {path}: cannot read the file ({e})") from None
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template as compile_template
+    except ImportError:  # another transformers version: plain jinja with the same extension
+        import jinja2
+
+        def compile_template(t):
+            return jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).from_string(t)
+    try:
+        compile_template(text)
+    except Exception as e:  # noqa: BLE001 - jinja2.TemplateSyntaxError and friends
+        line = getattr(e, "lineno", None)
+        raise InputError(f"--chat-template {path} is not a valid Jinja template"
+                         f"{f' (line {line})' if line else ''}: {type(e).__name__}: {e}") from None
+    return text
+
+
+def _tokenizer_record(tokenizer_name, tokenizer, template_path: str | None, template: str | None) -> dict:
+    return {"name": str(tokenizer_name), "vocab_size": len(tokenizer),
+            "chat_template_file": template_path,
+            "chat_template_sha256": chat_template_sha256(tokenizer, template)}
+
+
+def _split_source(source: str) -> tuple[str, int | None]:
+    file, _, row = source.rpartition(":")
+    return (file, int(row)) if row.isdigit() else (source, None)
+
+
+def _bump(counts: dict[str, Any], key: str, n: int = 1) -> None:
+    counts[key] = counts.get(key, 0) + int(n)
+
+
+def _reject(rejects: RejectsWriter, counts: dict[str, Any], source: str, reason: str, **extra) -> None:
+    rejects.write(source, reason, **{k: v for k, v in extra.items() if v is not None})
+    _bump(counts, "rejected")
+
+
+def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: TokenizeConfig,
+                   rejects: RejectsWriter, counts: dict[str, int], *, dedup: Deduplicator | None = None,
+                   select=None) -> Iterator[list[dict[str, Any]]]:
+    """Read, normalise and tokenize conversations, in input order.
+
+    ``dedup`` is shared across calls (the sources of a mixture); None makes a new one when
+    ``cfg.dedup``. ``select`` maps the deduplicated reader items to those to tokenize (weights,
+    shards: :mod:`peagle_data.sources`); None keeps all.
+
+    Rejected rows are written to ``rejects`` and counted; ``counts`` gains ``read``, ``rejected``,
+    ``dropped_leading_assistant_turns``, ``merged_user_turns``, ``empty_assistant_turns``,
+    ``history_rewrite_conversations``, ``history_rewrite_rows``, the per-row reader counts
+    (``null_keys_dropped_rows``, ``tool_arguments_decoded``, ``tool_arguments_not_json``,
+    ``tool_schemas_decoded``, ``dropped_content_parts``) and, with ``on_dropped_content="keep"``,
+    ``conversations_with_dropped_content`` and ``dropped_<part>`` (messages whose part the template
+    does not render; ``dropped_tools`` counts conversations).
+
+    Yields:
+        For every usable conversation, its tokenized-table rows (one, or one per assistant turn
+        when the template rewrites history): ``{"conversation_id", "source", "input_ids" int32 [T],
+        "loss_mask" uint8 [T], "system_len", "n_tokens", "n_loss_tokens"}``.
+
+    Raises:
+        InputError: with ``cfg.strict``, the first bad row (file, row and field where known).
+    """
+    template = _read_template(cfg.chat_template)
+    bar = tqdm(total=cfg.limit, desc="tokenize", unit="conv", file=sys.stderr, disable=None)
+    if dedup is None and cfg.dedup:
+        dedup = Deduplicator()
+    items = dedup_items(read_conversations(inputs, fmt=cfg.format, strict=cfg.strict, limit=cfg.limit,
+                                           keep_dropped=cfg.on_dropped_content == "keep"), dedup)
+    if select is not None:
+        items = select(items)
+    chunks = iter(lambda: list(itertools.islice(items, CHUNK_CONVERSATIONS)), [])
+    pool = None
+    try:
+        if cfg.num_workers > 1:
+            ctx = multiprocessing.get_context("fork")
+            pool = ctx.Pool(cfg.num_workers, initializer=_init_worker,
+                            initargs=(tokenizer, template, cfg.on_history_rewrite == "split", cfg.on_dropped_content))
+            results = pool.imap(_worker_chunk, chunks)
+        else:
+            results = (_tokenize_chunk(tokenizer, chunk, template, cfg.on_history_rewrite == "split",
+                                       cfg.on_dropped_content) for chunk in chunks)
+        for outcomes in results:
+            for item, outcome in outcomes:
+                bar.update(1)
+                rows = _outcome_rows(item, outcome, cfg, rejects, counts)
+                if rows is not None:
+                    yield rows
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.terminate()
+
+
+def _outcome_rows(item: Conversation | Reject, outcome, cfg: TokenizeConfig, rejects: RejectsWriter,
+                  counts: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The rows of one read item and its tokenizing outcome (:func:`_tokenize_chunk`), or None when
+    it is rejected (written to ``rejects`` and counted)."""
+    _bump(counts, "read")
+    _bump(counts, "duplicate_ids_renamed", item.duplicate_id_renamed)
+    if isinstance(item, Reject):
+        duplicate_of = getattr(item, "duplicate_of", None)
+        _bump(counts, "duplicates", duplicate_of is not None)
+        _reject(rejects, counts, item.source, item.reason, conversation_id=item.conversation_id,
+                field=item.field, duplicate_of=duplicate_of)
+        return None
+    if not isinstance(outcome, str) and not any(tok.loss_mask.any() for _, tok, _ in outcome):
+        outcome = "no supervised tokens: the template renders no assistant token"
+    filtered = None if isinstance(outcome, str) else filter_reason(
+        max(len(t.input_ids) for _, t, _ in outcome), sum(int(t.loss_mask.sum()) for _, t, _ in outcome),
+        cfg.max_tokens, cfg.min_loss_tokens)
+    if filtered is not None:  # a filter, not a bad row: rejected also with --strict
+        _reject(rejects, counts, item.source, filtered, conversation_id=item.conversation_id)
+        return None
+    if isinstance(outcome, str):
+        if cfg.strict:
+            file, row = _split_source(item.source)
+            raise InputError(outcome, file=file, row=row, field="messages")
+        _reject(rejects, counts, item.source, outcome, conversation_id=item.conversation_id)
+        return None
+    return _rows_of(item, outcome, counts)
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer, template, split, on_dropped) -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _WORKER.update(tokenizer=tokenizer, template=template, split=split, on_dropped=on_dropped)
+
+
+def _worker_chunk(chunk):
+    return _tokenize_chunk(_WORKER["tokenizer"], chunk, _WORKER["template"], _WORKER["split"],
+                           _WORKER["on_dropped"])
+
+
+def _tokenize_chunk(tokenizer, chunk: list[Conversation | Reject], template, split: bool,
+                    on_dropped: str = "reject") -> list[tuple]:
+    """``[(item, outcome)]``: outcome is ``[(turn, TokenizedConversation, dropped parts)]``, a reject
+    reason, or None for a reader reject. Rows of the whole chunk are tokenized in one batched call."""
+    rendered: list[tuple[int, list]] = []
+    outcomes: list[Any] = []
+    for item in chunk:
+        if isinstance(item, Reject):
+            outcomes.append(None)
+            continue
+        try:
+            rows = render_rows(tokenizer, item.messages, item.tools, template, per_turn_fallback=split,
+                               on_dropped=on_dropped)
+        except ChatTemplateError as e:
+            outcomes.append(str(e))
+            continue
+        rendered.append((len(outcomes), rows))
+        outcomes.append([])
+    flat = [r for _, rows in rendered for r in rows]
+    tokenized = iter(tokenize_rendered(tokenizer, flat))
+    for at, rows in rendered:
+        outcomes[at] = [(r.turn, next(tokenized), r.dropped) for r in rows]
+        problem = next((t.problem for _, t, _ in outcomes[at] if t.problem), None)
+        if problem:  # no exact mask for one of its rows: the conversation is a reject
+            outcomes[at] = problem
+    return list(zip(chunk, outcomes))
+
+
+def _rows_of(conv: Conversation, outcome: list[tuple], counts: dict[str, Any]) -> list[dict[str, Any]]:
+    _bump(counts, "dropped_leading_assistant_turns", conv.dropped_leading_assistant)
+    _bump(counts, "conversations_with_dropped_leading_assistant", conv.dropped_leading_assistant > 0)
+    _bump(counts, "merged_user_turns", conv.merged_user_turns)
+    _bump(counts, "empty_assistant_turns", conv.empty_assistant_turns)
+    for key, n in conv.counts.items():
+        _bump(counts, key, n)
+    dropped = {part for _, _, parts in outcome for part in parts}  # per-turn rows repeat context parts
+    _bump(counts, "conversations_with_dropped_content", bool(dropped) or bool(conv.counts.get("dropped_content_parts")))
+    for part in dropped:
+        _bump(counts, f"dropped_{part.split(' of ')[0]}")
+    per_turn = outcome[0][0] is not None
+    _bump(counts, "history_rewrite_conversations", per_turn)
+    _bump(counts, "history_rewrite_rows", len(outcome) if per_turn else 0)
+    rows = []
+    for turn, tok, _ in outcome:
+        n_loss = int(tok.loss_mask.sum())
+        rows.append({"conversation_id": conv.conversation_id if turn is None else f"{conv.conversation_id}@{turn}",
+                     "source": conv.source, "input_ids": tok.input_ids, "loss_mask": tok.loss_mask,
+                     "system_len": tok.system_len, "n_tokens": int(tok.input_ids.shape[0]),
+                     "n_loss_tokens": n_loss})
+    return rows
+
+
+def _check_output_not_input(output, inputs) -> None:
+    out = Path(output).resolve()
+    for i in inputs:
+        p = Path(i).resolve()
+        if p == out or out in p.parents:
+            raise InputError(f"--output {output} would overwrite the input {i}; choose another directory")
+
+
+def _shard(cfg: TokenizeConfig):
+    """The reader-item filter of ``cfg``'s shard, or None for an unsharded run."""
+    return shard_filter(cfg.num_shards, cfg.shard_index) if cfg.num_shards > 1 else None
+
+
+def _shard_record(cfg: TokenizeConfig) -> dict[str, Any]:
+    return {"shard": {"num_shards": cfg.num_shards, "shard_index": cfg.shard_index}} if cfg.num_shards > 1 else {}
+
+
+def _base_counts() -> dict[str, Any]:
+    return {"read": 0, "used": 0, "rejected": 0, "null_keys_dropped_rows": 0, "tool_arguments_decoded": 0,
+            "tool_arguments_not_json": 0, "tool_schemas_decoded": 0, "conversations_with_dropped_content": 0}
+
+
+def run_tokenize(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.PathLike,
+                 output: str | os.PathLike, cfg: TokenizeConfig, force: bool = False,
+                 tokenizer=None, config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``peagle-data tokenize``: conversations -> a tokenized table (DESIGN.md §6).
+
+    Args:
+        inputs: conversation files, globs or ``sharegpt``.
+        tokenizer_name: MODEL (``smollm2-135m``, a local directory or a hub id), recorded in the manifest.
+        output: the table directory to create.
+        cfg: reading and tokenizing options.
+        force: replace an existing output.
+        tokenizer: an already loaded tokenizer to use instead of loading ``tokenizer_name``.
+        config: the command's resolved options (``--print-config``), recorded as the manifest's
+            ``config`` so that ``--config`` can repeat the run.
+
+    Returns:
+        A summary: ``output``, ``counts`` (as in the manifest).
+
+    Raises:
+        OutputExistsError: ``output`` exists and ``force`` is false.
+        InputError: bad inputs; with ``cfg.strict`` the first bad row.
+        ModelNotFoundError, MissingDependencyError: the tokenizer cannot be loaded.
+    """
+    mixture = mixture_of(inputs)
+    files = input_files(inputs, mixture)  # fail on bad arguments before touching the output
+    _check_output_not_input(output, files)
+    template = _read_template(cfg.chat_template)
+    with staged_output_dir(output, force) as out:
+        tokenizer = _load_tokenizer(tokenizer_name, tokenizer)
+        counts = _base_counts()
+        token_freq = _TokenFreq(len(tokenizer))
+        n_tokens = n_loss = 0
+        with TableWriter(out, "tokenized") as writer, RejectsWriter(out) as rejects:
+            for group in iter_source_groups(iter_tokenized, inputs, mixture, tokenizer, cfg, rejects, counts,
+                                            _shard(cfg)):
+                _bump(counts, "used")
+                for row in group:
+                    writer.write(row)
+                    n_tokens += row["n_tokens"]
+                    n_loss += row["n_loss_tokens"]
+                    token_freq.add(row["input_ids"][row["loss_mask"] == 1])
+            by_reason = dict(rejects.by_reason)
+        counts.update(tokens=n_tokens, loss_tokens=n_loss, rejected_by_reason=by_reason)
+        assert counts["used"] + counts["rejected"] == counts["read"], counts
+        write_token_freq(out, token_freq.counts())
+        write_manifest(out, {
+            "kind": "tokenized",
+            "inputs": [str(i) for i in inputs],
+            "files": [str(f) for f in files],
+            "parameters": dataclasses.asdict(cfg),
+            **({"config": config} if config is not None else {}),
+            "tokenizer": _tokenizer_record(tokenizer_name, tokenizer, cfg.chat_template, template),
+            "counts": dict(counts),
+            **({"mixture": mixture.record()} if mixture is not None else {}),
+            **_shard_record(cfg),
+        })
+    return {"output": str(output), "counts": dict(counts)}
+
+
+class _TokenFreq:
+    """Counts of loss-masked token ids, binned in batches (one ``bincount`` per ~1M tokens)."""
+
+    def __init__(self, vocab_size: int, batch_tokens: int = 1 << 20):
+        self.total = np.zeros(vocab_size, dtype=np.int64)
+        self._pending: list[np.ndarray] = []
+        self._n = 0
+        self._batch = batch_tokens
+
+    def add(self, ids: np.ndarray) -> None:
+        self._pending.append(ids)
+        self._n += len(ids)
+        if self._n >= self._batch:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._pending:
+            self.total += np.bincount(np.concatenate(self._pending), minlength=len(self.total))[: len(self.total)]
+        self._pending, self._n = [], 0
+
+    def counts(self) -> np.ndarray:
+        """int64 ``[vocab_size]``."""
+        self._flush()
+        return self.total
