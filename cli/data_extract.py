@@ -44,6 +44,7 @@ def extract(**options):
 
 @click.command()
 @click.argument("path", type=click.Path(exists=True))
+@config_file_options
 @handle_errors
 def inspect_cmd(path):
     """Describe a token table or a feature store, as JSON."""
@@ -66,6 +67,7 @@ def inspect_cmd(path):
               help="Also check token ids against this packed table.")
 @click.option("--repair", is_flag=True,
               help="Clear the done flag of every bad block, so that `extract --resume` extracts them again.")
+@config_file_options
 @handle_errors
 def verify(store, packed, repair):
     """Check a feature store: shapes, dtypes, done flags, chunk files, checksums, NaN/Inf, token ids.

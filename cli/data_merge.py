@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from cli.options import config_file_options
 from cli.common import echo_json, handle_errors
 
 __all__ = ["merge"]
@@ -16,6 +17,7 @@ __all__ = ["merge"]
 @click.option("--output", metavar="PATH", required=True, type=click.Path(),
               help="The merged token table or feature store (must not exist unless --force).")
 @click.option("--force", is_flag=True, help="Overwrite an existing output.")
+@config_file_options
 @handle_errors
 def merge(shards, output, force):
     """Join the N shard outputs (--num-shards N, --shard-index 0..N-1) of one run into one.
@@ -32,8 +34,12 @@ def merge(shards, output, force):
         raise InputError("merge SHARDs must be all token tables or all feature stores, not a mix")
     if all(is_store):
         echo_json(merge_stores(list(shards), output, force=force))
-        return
-    manifest = merge_tables(list(shards), output, force=force)
+    else:
+        _echo_table_merge(merge_tables(list(shards), output, force=force), output)
+
+
+def _echo_table_merge(manifest: dict, output: str) -> None:
+    """Print the merged table's counts and its path."""
     c = manifest["counts"]
     click.echo(f"merged {manifest['num_shards']} shards: {c.get('used', 0)} conversations used, "
                f"{c.get('tokens', 0)} tokens, {c.get('loss_tokens', 0)} supervised"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from cli.options import config_file_options
 from cli.common import echo_json, handle_errors
 
 __all__ = ["stats"]
@@ -18,6 +19,7 @@ __all__ = ["stats"]
               help="For a tokenize output: count the windows `pack --max-seq-len N` would cut.")
 @click.option("--overlap", metavar="F", type=click.FloatRange(0.0, 1.0, max_open=True), default=0.5,
               show_default=True, help="The `pack --overlap` of those windows.")
+@config_file_options
 @handle_errors
 def stats(path, as_json, png, max_seq_len, overlap):
     """Statistics of a tokenize output, a pack output or a feature store.

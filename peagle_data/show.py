@@ -21,7 +21,7 @@ import numpy as np
 from stores.errors import InputError
 from stores.token_tables import TokenTable
 
-__all__ = ["Segment", "ShownItem", "select_items", "supervised_spans", "render_text", "render_html",
+__all__ = ["Segment", "ShownItem", "show", "select_items", "supervised_spans", "render_text", "render_html",
            "OPEN", "CLOSE"]
 
 OPEN, CLOSE = "[[", "]]"
@@ -202,3 +202,45 @@ def render_html(items: list[ShownItem], tokenizer) -> str:
         parts.append(f"<h2>{html.escape(_summary(item))}</h2><p><mark>highlighted</mark> = supervised (loss 1)</p>"
                      f"<pre>{''.join(pre)}</pre><h3>supervised spans</h3><ol>{spans}</ol>")
     return _PAGE.format(title=html.escape(items[0].title if items else ""), body="\n".join(parts))
+
+
+def show(path: str, row: int | None = None, block: int | None = None, item_id: str | None = None,
+         tokenizer_name: str | None = None, color: bool = False, html_file: str | None = None,
+         force: bool = False) -> str:
+    """``peagle-data show``: the text of the chosen rows or blocks of the table at ``path`` (row 0
+    when nothing is chosen); with ``html_file`` also an HTML page of them.
+
+    Args:
+        path: a tokenized or packed table. row, block, item_id: at most one of them (see
+            :func:`select_items`; ``block`` needs a packed table).
+        tokenizer_name: decode with this tokenizer; None: the one in the table's manifest.
+        color: ANSI colours instead of ``[[...]]`` markers.
+        html_file: write the page here (atomically); it must not exist unless ``force``.
+
+    Raises:
+        InputError: more than one of row, block and item_id; ``block`` of a tokenized table; a
+            tokenizer of another vocab size than the table's; no such row, block or id.
+        OutputExistsError: ``html_file`` exists and ``force`` is not set.
+    """
+    from pathlib import Path
+
+    from stores.errors import OutputExistsError
+    from stores.model_cache import load_tokenizer
+    from stores.staging import write_text_atomic
+
+    if sum(x is not None for x in (row, block, item_id)) > 1:
+        raise InputError("give at most one of --row, --block and --id")
+    if html_file is not None and Path(html_file).exists() and not force:
+        raise OutputExistsError(f"--html {html_file} exists; pass --force to overwrite it")
+    table = TokenTable.open(path)
+    if block is not None and table.kind != "packed":
+        raise InputError(f"--block needs a packed table; {path} is a {table.kind} table (use --row)")
+    items = select_items(table, block if block is not None else row, item_id)
+    recorded = table.manifest.get("tokenizer", {})
+    tokenizer = load_tokenizer(tokenizer_name or recorded.get("name"))
+    if recorded.get("vocab_size") not in (None, len(tokenizer)):
+        raise InputError(f"--tokenizer {tokenizer_name}: {len(tokenizer)} tokens, but {path} was made with "
+                         f"{recorded.get('name')} ({recorded['vocab_size']} tokens)")
+    if html_file is not None:
+        write_text_atomic(html_file, render_html(items, tokenizer), encoding="utf-8")
+    return "\n\n".join(render_text(item, tokenizer, color) for item in items)

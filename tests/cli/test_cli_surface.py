@@ -13,7 +13,7 @@ from cli.eval import main as eval_main
 from cli.train import main as train_main
 
 CONFIG_FILE = {"--config", "--print-config"}
-"""cli/options.py: on every command that has a config dataclass."""
+"""cli/options.py: on every command."""
 SHARDS = {"--num-shards", "--shard-index"}
 TOKENIZE = {"--tokenizer", "--output", "--chat-template", "--limit", "--format", "--strict", "--num-workers",
             "--on-history-rewrite", "--dedup", "--no-dedup", "--max-tokens", "--min-loss-tokens",
@@ -26,11 +26,11 @@ EXACT = {
     ("data", "regenerate"): {"--output", "--verifier", "--server", "--served-model", "--max-new-tokens",
                              "--temperature", "--turns", "--concurrency", "--batch-size", "--device", "--limit",
                              "--format", "--retries", "--timeout", "--seed", "--resume", "--force", *CONFIG_FILE},
-    ("data", "inspect"): set(),
-    ("data", "verify"): {"--packed", "--repair"},
-    ("data", "stats"): {"--json", "--png", "--max-seq-len", "--overlap"},
-    ("data", "show"): {"--row", "--block", "--id", "--tokenizer", "--color", "--html", "--force"},
-    ("data", "merge"): {"--output", "--force"},
+    ("data", "inspect"): CONFIG_FILE,
+    ("data", "verify"): {"--packed", "--repair"} | CONFIG_FILE,
+    ("data", "stats"): {"--json", "--png", "--max-seq-len", "--overlap"} | CONFIG_FILE,
+    ("data", "show"): {"--row", "--block", "--id", "--tokenizer", "--color", "--html", "--force"} | CONFIG_FILE,
+    ("data", "merge"): {"--output", "--force"} | CONFIG_FILE,
     ("train", None): {"--store", "--output", "--verifier", "--max-steps", "--num-depths", "--max-anchors",
                       "--down-sample-ratio", "--down-sample-ratio-min", "--draft-vocab-size", "--num-layers", "--lr",
                       "--warmup-steps", "--weight-decay", "--grad-clip", "--grad-accum", "--save-every",

@@ -75,3 +75,36 @@ def test_every_option_the_code_names_exists():
             for name in set(pattern.findall(path.read_text())) - options:
                 unknown.setdefault(name, []).append(path.name)
     assert unknown == {}
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_generated_option_has_its_field_docstring_as_help(name):
+    from cli.options import _help, field_docs
+
+    command, configs, renamed, _, _ = COMMANDS[name]
+    by_field = {renamed.get(p.name, p.name): p for p in command.params if isinstance(p, click.Option)}
+    checked = 0
+    for cls in configs:
+        for field, doc in field_docs(cls).items():
+            if field in by_field:
+                p = by_field[field]
+                assert p.help == _help(doc, p.opts + p.secondary_opts + ["/".join(p.opts + p.secondary_opts)]), field
+                checked += 1
+    assert checked >= 5
+
+
+def test_a_field_without_docstring_is_refused():
+    from cli.options import config_options
+
+    @dataclasses.dataclass
+    class Undocumented:
+        steps: int = 1
+
+    with pytest.raises(TypeError, match="Undocumented.steps has no docstring"):
+        config_options(Undocumented)
+
+
+def test_every_command_takes_a_config_file():
+    for command in [*data_main.commands.values(), train_main, eval_main]:
+        names = {p.name for p in command.params}
+        assert {"config", "print_config"} <= names, command.name
