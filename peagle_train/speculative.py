@@ -343,6 +343,16 @@ def _record_step(result: GenerationResult, emitted: list[int], k: int, eos: set[
     result.drafted_per_step.append(k if cut is None else min(k, cut))
 
 
+def _checked_settings(verifier, drafter, num_draft_tokens: int | None, temperature: float) -> tuple[int, float]:
+    """``(K, temperature)`` of :func:`speculative_generate`, checked (K ≥ 1, T ≥ 0, the drafter fits)."""
+    K = drafter.config.num_depths if num_draft_tokens is None else int(num_draft_tokens)
+    if K < 1:
+        raise InputError(f"the number of draft tokens must be at least 1, got {K}", field="--num-draft-tokens")
+    temperature = _check_temperature(temperature)
+    check_compatible(verifier, drafter)
+    return K, temperature
+
+
 @torch.no_grad()
 def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num_draft_tokens: int | None = None,
                          eos_token_id: int | Iterable[int] | None = None, temperature: float = 0.0,
@@ -369,11 +379,7 @@ def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num
     Raises:
         InputError: empty prompt, K < 1, T < 0, or a drafter that does not match the verifier.
     """
-    K = drafter.config.num_depths if num_draft_tokens is None else int(num_draft_tokens)
-    if K < 1:
-        raise InputError(f"the number of draft tokens must be at least 1, got {K}", field="--num-draft-tokens")
-    temperature = _check_temperature(temperature)
-    check_compatible(verifier, drafter)
+    K, temperature = _checked_settings(verifier, drafter, num_draft_tokens, temperature)
     ids = _prompt_tensor(prompt_ids)
     eos = _eos_set(eos_token_id)
     layers = drafter.config.aux_layer_ids
