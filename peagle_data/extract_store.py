@@ -1,0 +1,266 @@
+"""The feature-store side of extraction: create or resume the store, repair it, write blocks behind a queue.
+
+Writes run on a background thread behind a bounded queue (:class:`BlockWriter`), so the next forward
+overlaps the store write; a block's ``done`` flag is written after its data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import shutil
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+import torch
+
+from peagle_data.verifier_forward import _layer_types, language_model
+from stores.errors import InputError, OutputExistsError, StoreFormatError
+from stores.feature_store import FeatureStore, bytes_per_token, check_block, check_compatible
+from stores.feature_verify import read_done_flags, shared_damage
+from stores.model_cache import model_fingerprint
+from stores.token_tables import TokenTable, manifest_sha256
+
+if TYPE_CHECKING:
+    from peagle_data.extract import ExtractConfig
+
+__all__ = ["BlockWriter", "verifier_desc", "open_packed", "open_or_create", "check_resumable", "repair_shared",
+           "repair_blocks", "is_local"]
+
+
+def verifier_desc(name: str, directory: Path, verifier, dtype: torch.dtype) -> dict[str, Any]:
+    """What the store records about the verifier: the language model's shape and layer convention."""
+    config = verifier.config
+    text = config.get_text_config()
+    decoder = language_model(verifier)
+    return {
+        "name_or_path": name,
+        "fingerprint": model_fingerprint(directory),
+        "architecture": (config.architectures or [type(verifier).__name__])[0],
+        "language_model": type(decoder).__name__,
+        "num_hidden_layers": len(decoder.layers),
+        "hidden_size": text.hidden_size,
+        "vocab_size": text.vocab_size,
+        "layer_types": _layer_types(decoder),
+        "final_norm": type(getattr(decoder, "norm", None)).__name__,
+        "attn_implementation": getattr(text, "_attn_implementation", None),
+        "dtype": str(dtype).replace("torch.", ""),
+    }
+
+
+def _check_disk(path: Path, needed_bytes: int, force: bool) -> None:
+    probe = path if path.exists() else path.parent
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if needed_bytes > free and not force:
+        raise OutputExistsError(
+            str(path), f"the store needs about {needed_bytes / 2**30:.2f} GiB but only "
+                       f"{free / 2**30:.2f} GiB are free; free disk or pass --force")
+
+
+class BlockWriter:
+    """A background thread that writes blocks and then their done flags, behind a bounded queue."""
+
+    def __init__(self, store: FeatureStore, maxsize: int):
+        self.store = store
+        self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
+        self.copy_stream = None  # a CUDA side stream for device-to-host copies, made on first use
+        self.error: BaseException | None = None
+        self.nonfinite: list[int] = []  # blocks left not done: NaN/Inf hidden states
+        self.thread = threading.Thread(target=self._run, name="peagle-store-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            if self.error is not None:
+                continue
+            i, aux, final, copied, device_refs = item
+            item = None
+            try:
+                if copied is not None:
+                    copied.synchronize()  # the device-to-host copy into pinned memory is done
+                device_refs = None  # the device tensors may now return to the allocator
+                self.store.write_features(i, aux, final)
+                if torch.isfinite(aux).all() and torch.isfinite(final).all():
+                    self.store.mark_done(i)
+                else:  # verify would reject it: never mark it done
+                    self.nonfinite.append(i)
+            except BaseException as e:  # reported on the main thread
+                self.error = e
+
+    def put(self, i: int, aux: torch.Tensor, final: torch.Tensor) -> None:
+        """Queue block ``i`` (``aux [T, L, H]``, ``final [T, H]``, bf16, CPU or CUDA).
+
+        CUDA tensors are copied into pinned host memory on a side stream that waits only for the
+        forward that made them, so the copy runs while the compute stream starts the next block's
+        forward; the writer thread waits on the copy's event, and the device tensors are kept alive
+        (queue item) until then, so the caching allocator cannot hand their memory out early.
+        Blocks (back-pressure) when ``maxsize`` blocks are already queued.
+        """
+        self._raise()
+        copied, device_refs = None, None
+        if aux.device.type == "cuda":
+            if self.copy_stream is None:
+                self.copy_stream = torch.cuda.Stream(device=aux.device)
+            self.copy_stream.wait_stream(torch.cuda.current_stream(aux.device))
+            aux_h = torch.empty(aux.shape, dtype=aux.dtype, pin_memory=True)
+            final_h = torch.empty(final.shape, dtype=final.dtype, pin_memory=True)
+            with torch.cuda.stream(self.copy_stream):
+                aux_h.copy_(aux, non_blocking=True)
+                final_h.copy_(final, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(self.copy_stream)
+            device_refs = (aux, final)
+            aux, final = aux_h, final_h
+        self.queue.put((i, aux, final, copied, device_refs))
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+def open_packed(path: str) -> TokenTable:
+    try:
+        table = TokenTable.open(path)
+    except StoreFormatError as e:
+        raise InputError(str(e), file=path) from e
+    if table.kind != "packed":
+        raise InputError(f"expected a packed table (peagle-data pack), got a {table.kind} table", file=path)
+    return table
+
+
+def _create_store(cfg: ExtractConfig, rows, table: TokenTable, desc: dict, layers: list[int],
+                  log: Callable[[str], None]) -> FeatureStore:
+    block_size = int(table.manifest.get("parameters", {}).get("block_size") or 0)
+    block_size = max([block_size] + [int(r["n_tokens"]) for r in rows])
+    max_segments = max((len(r["cu_seqlens"]) - 1 for r in rows), default=1)
+    H, V = desc["hidden_size"], desc["vocab_size"]
+    per_token = bytes_per_token(len(layers), H, cfg.storage_dtype)
+    projected = len(rows) * block_size * per_token
+    out = Path(cfg.output)
+    if is_local(cfg.output) and out.exists() and not cfg.force:
+        raise OutputExistsError(str(out), "pass --resume to continue it or --force to overwrite it")
+    log(f"projected store size: {projected / 2**20:.1f} MiB for {len(rows)} blocks of {block_size} "
+        f"token slots ({per_token} bytes per token, {cfg.storage_dtype})")
+    if is_local(cfg.output):
+        _check_disk(out, projected, cfg.force)
+    store = FeatureStore.create(
+        cfg.output, compressor=cfg.compressor, n_blocks=len(rows), block_size=block_size, max_segments=max_segments, layers=layers,
+        hidden_size=H, vocab_size=V, verifier=desc, tokenizer=table.manifest.get("tokenizer", {}),
+        source=manifest_sha256(cfg.packed), storage_dtype=cfg.storage_dtype,
+        n_tokens=int(sum(int(r["n_tokens"]) for r in rows)), force=cfg.force, extra=_shard_attrs(cfg, table),
+    )
+    for i, r in enumerate(rows):
+        store.write_tokens(i, r["input_ids"], r["loss_mask"], r["position_ids"], r["cu_seqlens"])
+    _write_shared(store, rows)
+    store.update_attrs(tokens_written=True)  # last: a store without it is recreated on --resume
+    return store
+
+
+def _shard_attrs(cfg: ExtractConfig, table: TokenTable) -> dict[str, Any]:
+    """Store attributes naming a shard store's part of the packed table (none for a whole store)."""
+    if cfg.num_shards == 1:
+        return {}
+    return {"shard": {"num_shards": cfg.num_shards, "shard_index": cfg.shard_index,
+                      "packed_blocks": table.num_rows,
+                      "blocks": "packed block shard_index + k * num_shards is store block k"}}
+
+
+def _write_shared(store: FeatureStore, rows) -> None:
+    """Write the whole-store arrays ``n_tokens [N]`` and ``token_freq [V]`` from the packed rows."""
+    freq = np.zeros(store.vocab_size, dtype=np.int64)
+    for r in rows:
+        ids = np.asarray(r["input_ids"], dtype=np.int64)[np.asarray(r["loss_mask"]) == 1]
+        freq += np.bincount(ids, minlength=store.vocab_size)[:store.vocab_size]
+    store.write_all_n_tokens(np.array([int(r["n_tokens"]) for r in rows], dtype=np.int32))
+    store.set_token_freq(freq)
+
+
+def repair_shared(store: FeatureStore, rows, log: Callable[[str], None]) -> dict[str, str]:
+    """On --resume (main process): rewrite ``n_tokens``/``token_freq`` from the packed rows if damaged."""
+    damaged = shared_damage(store)
+    if damaged:
+        for reason in damaged.values():
+            log(f"{store.path}: {reason}; rewriting it from the packed table")
+        _write_shared(store, rows)
+    return damaged
+
+
+def repair_blocks(store: FeatureStore, rows, rank: int, world: int, log: Callable[[str], None]) -> dict[int, str]:
+    """On --resume: check this rank's share of the blocks and make every damaged one not done.
+
+    A done block is damaged when :func:`stores.feature_store.check_block` finds a chunk missing,
+    truncated, empty, unreadable or failing its checksum, non-finite hidden states, or ``input_ids``
+    other than the packed row's (this reads every done block of the share once). A damaged done
+    flag chunk counts as not done. Damaged blocks get their flag cleared, and every not-done block
+    of the share gets its token arrays rewritten from the packed row, so the extraction that
+    follows makes the store byte-identical to an undamaged one.
+
+    Returns:
+        ``{block: reason}`` of the damaged blocks found by this rank.
+    """
+    done, damaged = read_done_flags(store)
+    mine = range(rank, store.n_blocks, world)
+    for i in (i for i in mine if done[i]):
+        reason = check_block(store, i, rows[i]["input_ids"])
+        if reason is not None:
+            damaged[i] = reason
+    damaged = {i: reason for i, reason in damaged.items() if i % world == rank}
+    for i, reason in sorted(damaged.items()):
+        log(f"{store.path}: {reason}; extracting block {i} again")
+        store.clear_done(i)
+        done[i] = False
+    for i in (i for i in mine if not done[i]):
+        r = rows[i]
+        store.write_tokens(i, r["input_ids"], r["loss_mask"], r["position_ids"], r["cu_seqlens"])
+    return damaged
+
+
+def is_local(path: str) -> bool:
+    return "://" not in str(path)
+
+
+def open_or_create(cfg: ExtractConfig, rows, table, desc, layers, log) -> FeatureStore:
+    out = Path(cfg.output)
+    if cfg.resume and (out.exists() or not is_local(cfg.output)):
+        try:
+            store = FeatureStore.open(cfg.output, mode="r+")
+        except StoreFormatError:
+            store = None  # killed before the attributes were written: start over
+        if store is not None and store.attrs.get("tokens_written"):
+            check_resumable(store, cfg, desc, layers)
+            return store
+        if store is not None or is_local(cfg.output):
+            log(f"{cfg.output}: creation was interrupted; creating it again")
+            cfg = dataclasses.replace(cfg, force=True, resume=False)
+            if is_local(cfg.output):
+                shutil.rmtree(out)
+    return _create_store(cfg, rows, table, desc, layers, log)
+
+
+def check_resumable(store: FeatureStore, cfg: ExtractConfig, verifier: dict[str, Any], layers: list[int]) -> None:
+    """``--resume`` of ``store``: same verifier, layers, packed table, shard and storage dtype.
+
+    Raises:
+        StoreMismatchError: another verifier, other layers or another packed table.
+        InputError: another shard or storage dtype.
+    """
+    check_compatible(store, verifier=verifier, layers=layers, source=manifest_sha256(cfg.packed))
+    have = (store.attrs.get("shard") or {})
+    if (have.get("num_shards", 1), have.get("shard_index", 0)) != (cfg.num_shards, cfg.shard_index):
+        raise InputError(f"the store is shard {have.get('shard_index', 0)} of {have.get('num_shards', 1)}, "
+                         f"asked for shard {cfg.shard_index} of {cfg.num_shards}", field="--shard-index")
+    if store.storage_dtype != cfg.storage_dtype:
+        raise InputError(f"the store holds {store.storage_dtype}, asked for {cfg.storage_dtype}",
+                         field="--storage-dtype")

@@ -1,0 +1,261 @@
+"""The verifier's forward over packed blocks (docs/design.md §4): hidden states of chosen layers.
+
+Legend: T tokens in a block, L aux layers, H hidden size, S segments.
+
+- Attention stays inside each segment, with every layer's own attention rule (full, sliding window,
+  chunked, sinks, soft-capping): position ids restart in every segment and the model builds its
+  per-layer-type masks from them (transformers' packed sequences), or FlashAttention's varlen kernel
+  gets ``cu_seqlens``; so a segment's hidden states equal those of the segment run alone.
+- Models with recurrent, state-space or linear-attention layers (state would flow across segments)
+  are refused before their weights load (:func:`check_packable`).
+- A multimodal wrapper runs its language model (:func:`language_model`).
+- Only the decoder stack runs (no lm_head): full-vocabulary logits are never computed, and
+  forward hooks keep only the chosen layers instead of all ``output_hidden_states``.
+- Layer ``l`` follows Hugging Face ``output_hidden_states[l]``: 0 is the embedding output, ``l`` in
+  1..L-1 the output of decoder layer ``l-1``, and ``L`` the final (post-norm) hidden state.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+from stores.errors import InputError
+
+__all__ = ["default_layers", "language_model", "packs_like_transformers", "check_packable", "segment_masks",
+           "verifier_features", "segments_alone"]
+
+
+def default_layers(num_hidden_layers: int) -> list[int]:
+    """EAGLE-3's default aux layers ``[2, L//2, L-3]`` (Qwen3-8B, L=36: ``[2, 18, 33]``)."""
+    L = num_hidden_layers
+    return sorted({min(2, L), L // 2, max(L - 3, 0)})
+
+
+def language_model(verifier: torch.nn.Module) -> torch.nn.Module:
+    """The text decoder stack of ``verifier`` (``embed_tokens``, ``layers``, ``norm``).
+
+    For a causal LM its ``.model``; for a multimodal wrapper (``Gemma3ForConditionalGeneration``,
+    ``Mistral3ForConditionalGeneration``, ...) its language model, which text-only data runs through.
+    """
+    getter = getattr(verifier, "get_decoder", None)
+    candidates = [getter() if callable(getter) else None, getattr(verifier, verifier.base_model_prefix, None),
+                  getattr(verifier, "model", None)]
+    for decoder in candidates:
+        inner = getattr(decoder, "language_model", None)  # a multimodal model's text stack
+        for module in (inner, decoder):
+            if module is not None and module is not verifier and hasattr(module, "layers"):
+                return module
+    raise InputError(f"{type(verifier).__name__}: no decoder stack with .layers found; peagle extracts "
+                     "from transformers decoder models", field="--verifier")
+
+
+
+
+@contextmanager
+def _capture_layers(decoder: torch.nn.Module, layers: list[int]) -> Iterator[dict[int, torch.Tensor]]:
+    """Hooks that keep ``output_hidden_states[l]`` for ``l < L`` (``L`` comes from the output).
+
+    Layer 0 is the input of the first decoder layer (the embeddings after any model-specific
+    scaling, e.g. Gemma's ``sqrt(H)``), ``l ≥ 1`` the output of decoder layer ``l - 1``.
+    """
+    captured: dict[int, torch.Tensor] = {}
+    blocks = decoder.layers
+    hooks = []
+
+    def first_input(module, args, kwargs):
+        captured[0] = args[0] if args else kwargs["hidden_states"]
+
+    for l in layers:
+        if l == 0:
+            hooks.append(blocks[0].register_forward_pre_hook(first_input, with_kwargs=True))
+        elif l < len(blocks):
+            hooks.append(blocks[l - 1].register_forward_hook(
+                lambda m, i, o, l=l: captured.__setitem__(l, o[0] if isinstance(o, tuple) else o)))
+    try:
+        yield captured
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def packs_like_transformers(position_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
+    """Whether transformers' packed-sequence detection finds exactly the segments of ``cu_seqlens``.
+
+    transformers (``masking_utils.find_packed_sequence_indices``) starts a new sequence wherever the
+    position id does not grow by 1; the block's segments must be those: positions ``+1`` inside every
+    segment, a jump at every boundary (``pack`` writes ``0..n-1`` per segment, which always holds).
+    """
+    pos = position_ids.reshape(-1).cpu()
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).cpu()
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), lengths)  # [T]
+    diff = torch.diff(pos, prepend=pos[:1] - 1)
+    return torch.equal((diff != 1).cumsum(0), seg)
+
+
+#: layer types extraction packs exactly (transformers ``config.layer_types`` names)
+PACKABLE_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+#: model types with recurrent, state-space or linear-attention layers: their state would flow from
+#: one packed segment into the next, so peagle refuses them (docs/design.md §7)
+RECURRENT_MODEL_TYPES = {
+    "mamba": "mamba", "mamba2": "mamba2", "falcon_mamba": "mamba", "falcon_h1": "mamba (hybrid)",
+    "jamba": "mamba (hybrid)", "bamba": "mamba2 (hybrid)", "zamba": "mamba (hybrid)",
+    "zamba2": "mamba2 (hybrid)", "nemotron_h": "mamba2 (hybrid)", "granitemoehybrid": "mamba2 (hybrid)",
+    "rwkv": "rwkv recurrence", "recurrent_gemma": "recurrent (RG-LRU)", "xlstm": "xLSTM recurrence",
+    "qwen3_next": "linear_attention (gated DeltaNet)", "lfm2": "short convolution", "lfm2_moe": "short convolution",
+    "minimax": "linear_attention (lightning)", "plamo2": "mamba (hybrid)",
+}
+
+
+def check_packable(config) -> None:
+    """Refuse verifiers whose layers carry state across tokens other than attention.
+
+    Reads only the config (call it before the weights load). ``config`` may be a multimodal
+    wrapper's; its text config is checked.
+
+    Raises:
+        InputError: naming the model type and layer type (a recurrent, state-space, linear-attention
+            or convolution layer, or a ``layer_types`` entry that is not full, sliding or chunked attention).
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for c in {id(config): config, id(text): text}.values():
+        kind = RECURRENT_MODEL_TYPES.get(getattr(c, "model_type", ""))
+        kinds = [t for t in (getattr(c, "layer_types", None) or []) if t not in PACKABLE_LAYER_TYPES]
+        kinds += [t for t in (getattr(c, "layers_block_type", None) or []) if t not in ("attention",)]
+        if kind or kinds:
+            raise InputError(
+                f"verifier model type {c.model_type!r} has {kind or sorted(set(kinds))[0]!r} layers, whose state "
+                "would flow from one packed segment into the next: peagle cannot extract exact features for "
+                "it (supported: models whose layers are all full, sliding-window or chunked attention)",
+                field="--verifier")
+
+
+def _layer_types(decoder) -> list[str]:
+    """The attention type of each decoder layer, as the model itself chooses its masks.
+
+    ``config.layer_types`` when the config has it; otherwise every layer is sliding when the config
+    sets ``sliding_window`` (Mistral, Phi-3, Qwen3-MoE build one sliding mask for all layers), else full.
+    """
+    cfg, n = decoder.config, len(decoder.layers)
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        types = ["sliding_attention" if getattr(cfg, "sliding_window", None) else "full_attention"] * n
+    if len(types) < n:
+        raise InputError(f"config.layer_types has {len(types)} entries for {n} decoder layers", field="--verifier")
+    for i, t in enumerate(types[:n]):
+        attn = getattr(decoder.layers[i], "self_attn", None)
+        window = getattr(attn, "sliding_window", "absent")
+        expect = getattr(cfg, "sliding_window", None) if t == "sliding_attention" else None
+        if window != "absent" and window != expect:
+            raise InputError(f"decoder layer {i} is {t!r} by the config but its attention has sliding_window "
+                             f"{window}: peagle cannot tell which mask it uses", field="--verifier")
+    return list(types[:n])
+
+
+def segment_masks(decoder, position_ids: torch.Tensor, types: set[str]) -> dict[str, Any]:
+    """The model's own attention mask of each layer type for one packed block.
+
+    transformers' mask functions (``create_causal_mask``, ``create_sliding_window_causal_mask``,
+    ``create_chunked_causal_mask``) with the block's ``position_ids [T]``, from which they take the
+    packed segments (block-diagonal ∧ causal ∧ window/chunk, in the model's attention backend's form:
+    bool for SDPA, additive float for eager). Check :func:`packs_like_transformers` first.
+    """
+    from transformers import masking_utils as mu
+
+    param = next(decoder.parameters())
+    pos = position_ids.reshape(1, -1).to(param.device)
+    dummy = torch.empty(1, pos.shape[1], 0, dtype=param.dtype, device=param.device)  # shape, dtype, device only
+    makers = {"full_attention": mu.create_causal_mask, "sliding_attention": mu.create_sliding_window_causal_mask,
+              "chunked_attention": mu.create_chunked_causal_mask}
+    return {t: makers[t](config=decoder.config, inputs_embeds=dummy, attention_mask=None, cache=None,
+                         position_ids=pos) for t in types}
+
+
+@contextmanager
+def _layer_masks(decoder, masks: dict[str, Any], types: list[str]) -> Iterator[None]:
+    """Give decoder layer ``i`` the mask of its type ``types[i]`` whatever mask the model built."""
+    def hook(i):
+        def set_mask(module, args, kwargs):
+            if "attention_mask" not in kwargs:
+                raise InputError(f"{type(module).__name__} does not take attention_mask as a keyword: peagle cannot "
+                                 "give each layer its packed-segment mask", field="--verifier")
+            kwargs["attention_mask"] = masks[types[i]]
+            return args, kwargs
+        return set_mask
+
+    hooks = [layer.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(decoder.layers)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+@torch.no_grad()
+def verifier_features(base_model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                      cu_seqlens: torch.Tensor, layers: list[int],
+                      to_host: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block through the verifier's decoder stack (no lm_head), each segment as if run alone.
+
+    Args:
+        base_model: the text decoder stack (:func:`language_model`) with ``layers``.
+        input_ids: ``[T] int64``; position_ids: ``[T] int64`` (restart per segment, any start);
+        cu_seqlens: ``[S+1] int64``; layers: HF ``output_hidden_states`` indices in ``0..L``;
+        to_host: return CPU tensors (else tensors on the verifier's device).
+
+    Every layer keeps its own attention rule (docs/design.md §7). With ``flash_attention_2`` the
+    segments go to FlashAttention's varlen kernel as ``cu_seq_lens`` (each layer passes its own
+    window and soft-cap). With SDPA/eager each layer gets the model's own mask of its layer type
+    built for the packed segments (:func:`segment_masks`: block-diagonal ∧ causal ∧ window). When the
+    positions would not tell the segments apart (:func:`packs_like_transformers`), each segment runs
+    alone (:func:`segments_alone`).
+
+    Returns:
+        ``aux_hidden [T, L, H] bf16`` and ``final_hidden [T, H] bf16`` (post final norm).
+    """
+    param = next(base_model.parameters())
+    if getattr(base_model.config, "_attn_implementation", None) == "flash_attention_2":
+        cu = cu_seqlens.to(param.device, torch.int32)
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        attn = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+        aux, final = _run(base_model, input_ids, position_ids, layers, attn)
+    elif len(cu_seqlens) <= 2:  # one segment: the model's own forward
+        aux, final = _run(base_model, input_ids, position_ids, layers, {})
+    elif packs_like_transformers(position_ids, cu_seqlens):
+        types = _layer_types(base_model)
+        masks = segment_masks(base_model, position_ids, set(types))
+        with _layer_masks(base_model, masks, types):  # a 4-D mask also spares the model building its own
+            aux, final = _run(base_model, input_ids, position_ids, layers,
+                              {"attention_mask": masks[types[0]]})
+    else:
+        aux, final = segments_alone(base_model, input_ids, position_ids, cu_seqlens, layers)
+    if to_host:
+        return aux.cpu(), final.cpu()
+    return aux, final
+
+
+def _run(decoder, input_ids, position_ids, layers, attn: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder forward without a cache: ``aux [T, L, H] bf16``, ``final [T, H] bf16`` on its device."""
+    device = next(decoder.parameters()).device
+    n_layers = len(decoder.layers)
+    with _capture_layers(decoder, layers) as captured:
+        out = decoder(input_ids=input_ids[None].to(device), position_ids=position_ids[None].to(device),
+                      use_cache=False, **attn)
+    final = out.last_hidden_state[0]  # [T, H]
+    aux = torch.stack([final if l == n_layers else captured[l][0] for l in layers], dim=1)  # [T, L, H]
+    return aux.to(torch.bfloat16), final.to(torch.bfloat16)
+
+
+@torch.no_grad()
+def segments_alone(decoder: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                   cu_seqlens: torch.Tensor, layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every segment through ``decoder`` on its own (the reference packing must equal; slower).
+
+    Same arguments and results as :func:`verifier_features` (tensors on the verifier's device).
+    """
+    outs = [_run(decoder, input_ids[lo:hi], position_ids[lo:hi], layers, {})
+            for lo, hi in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()) if hi > lo]
+    return torch.cat([a for a, _ in outs]), torch.cat([f for _, f in outs])
