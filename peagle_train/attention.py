@@ -261,7 +261,7 @@ def resolve_attention_backend(backend: str, cuda_available: bool | None = None) 
     """The name of the backend the drafter runs: ``auto`` by :data:`AUTO_BACKEND`, others as given.
 
     Args:
-        backend: one of :data:`ATTENTION_CHOICES`.
+        backend: ``auto`` or a key of :data:`ATTENTION_BACKENDS`.
         cuda_available: None asks ``torch.cuda.is_available()``.
 
     Raises:
@@ -269,8 +269,8 @@ def resolve_attention_backend(backend: str, cuda_available: bool | None = None) 
             reason) where CUDA is not available; ``field`` is ``--attention-backend``.
     """
     cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
-    if backend not in ATTENTION_CHOICES:
-        raise InputError(f"expected one of {', '.join(ATTENTION_CHOICES)}, got {backend!r}",
+    if backend != "auto" and backend not in ATTENTION_BACKENDS:
+        raise InputError(f"expected one of {', '.join(['auto', *ATTENTION_BACKENDS])}, got {backend!r}",
                          field="--attention-backend")
     if backend == "auto":
         return AUTO_BACKEND["cuda" if cuda else "cpu"]

@@ -1,0 +1,77 @@
+"""The attention-backend table: a new backend is one ElementAttention class and one table entry."""
+
+import pytest
+import torch
+
+from peagle_train.attention import (
+    ATTENTION_BACKENDS, ATTENTION_CHOICES, DenseAttention, ElementAttention, FlexElementMask, SplitElementAttention,
+    as_element_attention, attention_mask_reference, element_attention, resolve_attention_backend,
+)
+from peagle_train.cod import sample_cod_elements
+from peagle_train.step import block_loss
+from stores.errors import InputError
+from tests.peagle_train.test_split_attention import V, H, _model
+from tests.peagle_train.test_flex_attention import _block
+
+
+class ReferenceAttention(ElementAttention):
+    """The §8 rule evaluated on the full grid and a plain softmax: a whole backend."""
+
+    name = "reference"
+    __slots__ = ("elements", "mask")
+
+    def __init__(self, elements):
+        self.elements, self.mask = elements, attention_mask_reference(elements)
+
+    def attend(self, q, k, v, rows=None):
+        rep = q.shape[0] // k.shape[0]
+        k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+        allowed = self.mask if rows is None else self.mask[rows]  # [R, E]
+        scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v
+
+
+def test_the_table_names_each_backend_class():
+    assert ATTENTION_BACKENDS == {"sdpa": DenseAttention, "flex": FlexElementMask, "split": SplitElementAttention}
+    assert ATTENTION_CHOICES == ("auto", "sdpa", "flex", "split")
+    assert resolve_attention_backend("auto", cuda_available=False) == "split"
+    assert resolve_attention_backend("auto", cuda_available=True) == "flex"
+    with pytest.raises(InputError, match="expected one of auto, sdpa, flex, split, got 'xformers'"):
+        resolve_attention_backend("xformers", cuda_available=True)
+    with pytest.raises(ValueError, match="resolve it first|one of sdpa, flex, split"):
+        element_attention("auto", None)
+
+
+def test_a_new_backend_is_one_class_and_one_table_entry(monkeypatch):
+    """Registered, it resolves by name and trains: the loss and every gradient equal the sdpa backend's."""
+    monkeypatch.setitem(ATTENTION_BACKENDS, "reference", ReferenceAttention)
+    assert resolve_attention_backend("reference", cuda_available=False) == "reference"
+    block = _block(seg_lens=(37, 90, 14))
+    el = sample_cod_elements(block.cu_seqlens, block.loss_mask, 5, 0.8, 0.2, None, torch.Generator().manual_seed(1))
+    assert isinstance(element_attention("reference", el), ReferenceAttention)
+    vhead = 0.1 * torch.randn(V, H, generator=torch.Generator().manual_seed(3))
+    results = {}
+    for backend in ("sdpa", "reference"):
+        model = _model()
+        res = block_loss(model, model.lm_head.weight, vhead, block, el, 5, 64, attention_backend=backend)
+        res.loss.backward()
+        results[backend] = (res.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    (la, ga), (lb, gb) = results["sdpa"], results["reference"]
+    torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-6)
+    assert ga.keys() == gb.keys() and len(ga) > 5
+    for n in ga:
+        torch.testing.assert_close(gb[n], ga[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_a_mask_is_the_dense_backend_and_a_cache_needs_one():
+    from peagle_train.model import DrafterCache
+
+    mask = torch.ones(3, 3, dtype=torch.bool).tril()
+    dense = as_element_attention(mask)
+    assert isinstance(dense, DenseAttention) and dense.mask is mask and dense.elements is None
+    block = _block(seg_lens=(20,))
+    el = sample_cod_elements(block.cu_seqlens, block.loss_mask, 3, 0.8, 0.2, None, torch.Generator().manual_seed(0))
+    model = _model(num_layers=1)
+    with pytest.raises(ValueError, match="needs a backend that takes cached keys.*SplitElementAttention"):
+        model(torch.zeros(len(el), dtype=torch.long), torch.zeros(len(el), 2 * H), el.depth > 0,
+              torch.arange(len(el)), SplitElementAttention(el), cache=DrafterCache())
