@@ -11,7 +11,7 @@ import sys
 import click
 
 from cli.common import config_error, echo_json, handle_errors
-from cli.options import config_file_options, config_options
+from cli.options import config_file_options, config_options, run_config
 from peagle_train.evaluate.run import EvalRun
 from peagle_train.evaluate import EvalConfig
 
@@ -34,7 +34,7 @@ def main(drafter, verifier, prompts, store, output, force, **settings) -> None:
     with config_error():
         run = EvalRun(drafter=drafter, verifier=verifier, prompts=prompts, store=store, output=output, force=force,
                       settings=EvalConfig(**settings))
-    report = run_eval(run, log=lambda m: click.echo(m, err=True))
+    report = run_eval(run, log=lambda m: click.echo(m, err=True), config=run_config())
     click.echo(format_report(report), err=True)
     echo_json(report)
     if prompts is not None and report["identical_to_greedy"] is False:

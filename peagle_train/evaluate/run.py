@@ -76,13 +76,15 @@ def _evaluate(run: EvalRun, drafter: str) -> dict[str, Any]:
     return online if offline is None else {**online, "offline": offline}
 
 
-def run_eval(run: EvalRun, log: Callable[[str], None] = print) -> dict[str, Any]:
+def run_eval(run: EvalRun, log: Callable[[str], None] = print, config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Evaluate a drafter: every check that needs no weights first, then offline on ``run.store``
     and online (speculative decoding) on ``run.prompts``; write the report atomically and its plot.
 
     Returns:
         The report: the online report (``identical_to_greedy``, ``mismatches``, acceptance, speed)
-        with the offline one under ``offline``, or the offline report alone.
+        with the offline one under ``offline``, or the offline report alone; with ``config`` (the
+        command's resolved options, ``--print-config``) under ``config``, so that ``peagle-eval
+        --config REPORT.json`` repeats the run.
 
     Raises:
         OutputExistsError: ``run.output`` or its PNG exists and ``run.force`` is not set.
@@ -99,6 +101,8 @@ def run_eval(run: EvalRun, log: Callable[[str], None] = print) -> dict[str, Any]
     _check_output(run)
     check_before_weights(drafter, run.verifier, run.prompts, run.store, run.settings.num_prompts)
     report = _evaluate(run, drafter)
+    if config is not None:
+        report = {**report, "config": config}
     if run.output is not None:
         write_json(report, run.output)  # atomic (stores.staging)
         write_acceptance_plot(report if run.prompts is not None else {"offline": report},

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 from torch import nn
 
 from peagle_train.attention import attention_mask_reference
@@ -315,6 +316,9 @@ def test_cli_offline_and_online(tiny_verifier, tiny_verifier_dir, tmp_path):
     assert report["offline"]["blocks"] == [0] and report["offline"]["split"] == "all"
     assert json.loads((tmp_path / "eval.json").read_text()) == report
     assert (tmp_path / "eval.png").stat().st_size > 0
+    assert report["config"]["max_new_tokens"] == 6 and report["config"]["store"] == store  # the resolved options
+    printed = CliRunner().invoke(main, ["--config", str(tmp_path / "eval.json"), "--print-config"])
+    assert printed.exit_code == 0 and yaml.safe_load(printed.stdout) == report["config"]  # repeatable from it
     again = CliRunner().invoke(main, ["--drafter", str(tmp_path / "drafter"), "--store", store,
                                       "--output", str(tmp_path / "eval.json")])
     assert again.exit_code == 2 and "already exists" in again.output  # never overwritten without --force
