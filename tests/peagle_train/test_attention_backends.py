@@ -8,9 +8,8 @@ from peagle_train.attention import (
     as_element_attention, attention_mask_reference, element_attention, resolve_attention_backend,
 )
 from peagle_train.cod import sample_cod_elements
-from peagle_train.step import block_loss
 from stores.errors import InputError
-from tests.peagle_train.test_split_attention import V, H, _model
+from tests.peagle_train.test_split_attention import H, _model, assert_same_loss_and_grads
 from tests.peagle_train.test_flex_attention import _block
 
 
@@ -49,18 +48,7 @@ def test_a_new_backend_is_one_class_and_one_table_entry(monkeypatch):
     block = _block(seg_lens=(37, 90, 14))
     el = sample_cod_elements(block.cu_seqlens, block.loss_mask, 5, 0.8, 0.2, None, torch.Generator().manual_seed(1))
     assert isinstance(element_attention("reference", el), ReferenceAttention)
-    vhead = 0.1 * torch.randn(V, H, generator=torch.Generator().manual_seed(3))
-    results = {}
-    for backend in ("sdpa", "reference"):
-        model = _model()
-        res = block_loss(model, model.lm_head.weight, vhead, block, el, 5, 64, attention_backend=backend)
-        res.loss.backward()
-        results[backend] = (res.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
-    (la, ga), (lb, gb) = results["sdpa"], results["reference"]
-    torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-6)
-    assert ga.keys() == gb.keys() and len(ga) > 5
-    for n in ga:
-        torch.testing.assert_close(gb[n], ga[n], rtol=1e-4, atol=1e-6, msg=n)
+    assert_same_loss_and_grads(block, el, "reference", rtol=1e-4, atol=1e-6)
 
 
 def test_a_mask_is_the_dense_backend_and_a_cache_needs_one():

@@ -59,19 +59,25 @@ def test_block_loss_and_gradients_equal_the_dense_backend(make):
     el = {"sampled": lambda: sample_cod_elements(block.cu_seqlens, block.loss_mask, 5, 0.8, 0.2, None, gen),
           "capped": lambda: sample_cod_elements(block.cu_seqlens, block.loss_mask, 5, 0.8, 0.2, 20, gen),
           "all": lambda: all_elements(block.cu_seqlens, block.loss_mask, 4)}[make]()
+    assert_same_loss_and_grads(block, el, "split", atol=1e-5)
+
+
+def assert_same_loss_and_grads(block, el, backend: str, rtol: float = 1e-5, atol: float = 1e-5) -> None:
+    """``block_loss`` (K = 5, chunks of 64) and every parameter gradient of ``backend`` equal the sdpa
+    backend's on the same fresh model."""
     vhead = 0.1 * torch.randn(V, H, generator=torch.Generator().manual_seed(3))
     results = {}
-    for backend in ("sdpa", "split"):
+    for name in ("sdpa", backend):
         model = _model()
-        res = block_loss(model, model.lm_head.weight, vhead, block, el, 5, 64, attention_backend=backend)
+        res = block_loss(model, model.lm_head.weight, vhead, block, el, 5, 64, attention_backend=name)
         res.loss.backward()
-        results[backend] = (res.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                                                if p.grad is not None})
-    (la, ga), (lb, gb) = results["sdpa"], results["split"]
-    torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)
+        results[name] = (res.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                             if p.grad is not None})
+    (la, ga), (lb, gb) = results["sdpa"], results[backend]
+    torch.testing.assert_close(lb, la, rtol=rtol, atol=atol)
     assert ga.keys() == gb.keys() and len(ga) > 5
     for n in ga:
-        torch.testing.assert_close(gb[n], ga[n], rtol=1e-5, atol=1e-5, msg=n)
+        torch.testing.assert_close(gb[n], ga[n], rtol=rtol, atol=atol, msg=n)
 
 
 def test_split_attention_notices_a_wrong_rule():
