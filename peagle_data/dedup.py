@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
@@ -86,16 +87,24 @@ def duplicate_reject(conv_id: str | None, source: str, first: str, renamed: int 
                      duplicate_id_renamed=renamed, duplicate_of=first, key=key)
 
 
+_COPY = re.compile(r":\d+\*(\d+)$")
+"""The ``file:N*k`` source of copy k >= 2 of a row (a mixture weight above 1)."""
+
+
 def dedup_items(items: Iterable[Conversation | Reject], dedup: Deduplicator | None
                 ) -> Iterator[Conversation | Reject]:
     """Pass reader items through, turning repeats of an earlier conversation into :class:`Duplicate`.
+
+    Copy k >= 2 of a row (source ``file:N*k``, a mixture weight above 1) repeats only an earlier
+    copy k: the copies a weight draws are not duplicates of each other.
 
     ``dedup`` None passes everything through (``--no-dedup``).
     """
     for item in items:
         if dedup is not None and isinstance(item, Conversation):
             key = conversation_key(item)
-            first = dedup.first_of(key, item.source)
+            copy = _COPY.search(item.source)  # a weight's copy k: a duplicate only of an earlier copy k
+            first = dedup.first_of(key + copy.group(1).encode() if copy else key, item.source)
             if first is not None:
                 item = duplicate_reject(item.conversation_id, item.source, first, item.duplicate_id_renamed, key)
         yield item

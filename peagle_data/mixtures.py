@@ -22,7 +22,9 @@ Relative paths are taken from the mixture file's directory. TOML writes the same
 of source ``name`` is a fixed function of ``(seed, name, r)`` (BLAKE2b), so a run is
 deterministic for a seed, and sharded runs (:mod:`peagle_data.shards`) draw the same rows as the
 unsharded one. Copies after the first get the id ``ID*k`` (k >= 2) and the source ``file:N*k``.
-Sampling follows deduplication: a duplicate is rejected once, not once per copy.
+Deduplication follows sampling: a row of a later source is a duplicate only of a copy an earlier
+source drew (copy k of copy k), so a conversation in two sources is kept as many times as the
+larger draw gives, and a draw of 0 in the first source does not remove it from the second.
 """
 
 from __future__ import annotations

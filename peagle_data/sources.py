@@ -1,9 +1,11 @@
 """The conversation stream of ``tokenize``/``pack``: plain INPUTs or a mixture file, optionally one shard.
 
-Order of the steps, per source: read (a source's ``limit`` counts rows read) -> deduplicate
-(across all sources) -> sample by weight (:mod:`peagle_data.mixtures`) -> keep this shard's
-items (:mod:`peagle_data.shards`) -> render and tokenize. Every step before the shard filter runs
-the same in every shard, so shards draw the same rows and duplicates as the unsharded run.
+Order of the steps, per source: read (a source's ``limit`` counts rows read) -> sample by weight
+(:mod:`peagle_data.mixtures`) -> deduplicate (across all sources; copy k of a row duplicates only
+copy k of an earlier one, so a row is never rejected as the duplicate of a copy its weight did not
+draw) -> keep this shard's items (:mod:`peagle_data.shards`) -> render and tokenize. Every step
+before the shard filter runs the same in every shard, so shards draw the same rows and duplicates
+as the unsharded run.
 
 Per-source counts (``counts["sources"][name]``): ``read`` (rows read from the source's files),
 ``duplicates``, ``sampled_out`` (conversations a weight below 1 drew 0 times), ``copies`` (extra
@@ -73,8 +75,8 @@ def iter_source_groups(iter_tokenized: Callable[..., Iterator[list[dict[str, Any
         c: dict[str, Any] = {"read": 0, "rejected": 0}
         sample = lambda items, src=src, c=c: sample_items(items, mixture.seed, src.name, src.weight, c)  # noqa: E731
         used = 0
-        for group in iter_tokenized(list(src.inputs), tokenizer, src_cfg, rejects, c, dedup=dedup,
-                                    select=_select(sample, shard, c)):
+        for group in iter_tokenized(list(src.inputs), tokenizer, src_cfg, rejects, c, dedup=dedup, sample=sample,
+                                    select=_select(None, shard, c)):
             used += 1
             for row in group:
                 row["dataset"] = src.name

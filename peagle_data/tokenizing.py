@@ -91,12 +91,13 @@ def _reject(rejects: RejectsWriter, counts: dict[str, Any], source: str, reason:
 
 def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: TokenizeConfig,
                    rejects: RejectsWriter, counts: dict[str, int], *, dedup: Deduplicator | None = None,
-                   select=None) -> Iterator[list[dict[str, Any]]]:
+                   sample=None, select=None) -> Iterator[list[dict[str, Any]]]:
     """Read, normalise and tokenize conversations, in input order.
 
     ``dedup`` is shared across calls (the sources of a mixture); None makes a new one when
-    ``cfg.dedup``. ``select`` maps the deduplicated reader items to those to tokenize (weights,
-    shards: :mod:`peagle_data.sources`); None keeps all.
+    ``cfg.dedup``. ``sample`` maps the reader items to the drawn ones before deduplication (a
+    mixture source's weight: a row is a duplicate only of a copy that was drawn); ``select`` maps the
+    deduplicated items to those to tokenize (shards: :mod:`peagle_data.sources`); None keeps all.
 
     Rejected rows are written to ``rejects`` and counted; ``counts`` gains ``read``, ``rejected``,
     ``dropped_leading_assistant_turns``, ``merged_user_turns``, ``empty_assistant_turns``,
@@ -118,8 +119,11 @@ def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: Tokenize
     bar = tqdm(total=cfg.limit, desc="tokenize", unit="conv", file=sys.stderr, disable=None)
     if dedup is None and cfg.dedup:
         dedup = Deduplicator()
-    items = dedup_items(read_conversations(inputs, fmt=cfg.format, strict=cfg.strict, limit=cfg.limit,
-                                           keep_dropped=cfg.on_dropped_content == "keep"), dedup)
+    items = read_conversations(inputs, fmt=cfg.format, strict=cfg.strict, limit=cfg.limit,
+                               keep_dropped=cfg.on_dropped_content == "keep")
+    if sample is not None:
+        items = sample(items)
+    items = dedup_items(items, dedup)
     if select is not None:
         items = select(items)
     chunks = iter(lambda: list(itertools.islice(items, CHUNK_CONVERSATIONS)), [])

@@ -92,8 +92,10 @@ def test_three_source_mixture_rows_counts_and_determinism(tmp_path, smollm2_toke
     reasoning = [r["conversation_id"] for r in rows if r["dataset"] == "reasoning"]
     assert reasoning == [x for i in range(20) for x in (f"c{i}", f"c{i}*2")]
     src = summary["counts"]["sources"]
-    # tools: 30 rows + a duplicate of a chat row (kept or sampled out, it is a duplicate) + a bad row
-    assert src["tools"] == {"read": 32, "used": 30, "rejected": 2, "duplicates": 1, "sampled_out": 0, "copies": 0,
+    # tools: 30 rows + a bad row + chat's row a3, which the chat weight did not draw: kept from tools
+    # (not a duplicate of a row that is not in the output)
+    assert sample_copies(3, "chat", 4, 0.5) == 0
+    assert src["tools"] == {"read": 32, "used": 31, "rejected": 1, "duplicates": 0, "sampled_out": 0, "copies": 0,
                             "other_shards": 0}
     assert src["reasoning"]["read"] == 20 and src["reasoning"]["copies"] == 20 and src["reasoning"]["used"] == 40
     assert src["chat"]["used"] == len(expect_chat) and src["chat"]["sampled_out"] == 40 - len(expect_chat)
@@ -101,12 +103,11 @@ def test_three_source_mixture_rows_counts_and_determinism(tmp_path, smollm2_toke
         assert c["read"] - c["sampled_out"] + c["copies"] - c["other_shards"] == c["used"] + c["rejected"]
     m = t1.manifest
     assert m["mixture"]["seed"] == 3 and [s["name"] for s in m["mixture"]["sources"]] == ["chat", "tools", "reasoning"]
-    dup = [json.loads(x) for x in (tmp_path / "t1" / "rejects.jsonl").read_text().splitlines()
-           if "duplicate_of" in x]
-    assert dup == [{"source": f"{tmp_path / 'b.jsonl'}:31", "reason": f"duplicate: same messages as "
-                    f"{tmp_path / 'a.jsonl'}:4", "conversation_id": "a3", "duplicate_of": f"{tmp_path / 'a.jsonl'}:4"}]
+    assert [r for r in rows if r["conversation_id"] == "a3"] == [
+        {"conversation_id": "a3", "dataset": "tools", "source": f"{tmp_path / 'b.jsonl'}:31"}]
+    assert "duplicate_of" not in (tmp_path / "t1" / "rejects.jsonl").read_text()
     stats = collect_stats(tmp_path / "t1")
-    assert {s["source"]: s["rows"] for s in stats["sources"]} == {"chat": len(expect_chat), "tools": 30,
+    assert {s["source"]: s["rows"] for s in stats["sources"]} == {"chat": len(expect_chat), "tools": 31,
                                                                   "reasoning": 40}
 
 
@@ -174,6 +175,36 @@ def test_cli_pack_of_a_mixtures_tokenize_output_prints_each_source(tmp_path):
                                   str(tmp_path / "p"), "--max-seq-len", "64"])
     assert r.exit_code == 0, r.output
     tools = TokenTable.open(tmp_path / "p").manifest["counts"]["sources"]["tools"]
-    assert tools["read"] == 30 and "sampled_out" not in tools
-    assert (f"  source tools: read 30  used {tools['used']}  rejected {tools['rejected']}  duplicates "
+    assert tools["read"] == 31 and "sampled_out" not in tools
+    assert (f"  source tools: read 31  used {tools['used']}  rejected {tools['rejected']}  duplicates "
             f"{tools['duplicates']}\n") in r.output
+
+
+def test_a_duplicate_is_only_ever_of_a_drawn_copy(tmp_path, smollm2_tokenizer):
+    # The same conversations in several sources: a later source's row is a duplicate only of a copy an
+    # earlier source's weight drew (copy k of copy k); a row the earlier weight did not draw is kept.
+    drawn = [i for i in range(12) if sample_copies(0, "half", i + 1, 0.5) == 1]
+    missed = [i for i in range(12) if sample_copies(0, "half", i + 1, 0.5) == 0]
+    assert drawn and missed
+    a = write_jsonl(tmp_path / "a.jsonl", [conv(i, "a") for i in range(12)])
+    b = write_jsonl(tmp_path / "b.jsonl", [conv(drawn[0], "a"), conv(missed[0], "a")])
+    c = write_jsonl(tmp_path / "c.jsonl", [conv(drawn[1], "a")])
+    (tmp_path / "mix.yaml").write_text("sources:\n  - {name: half, path: a.jsonl, weight: 0.5}\n"
+                                       "  - {name: again, path: b.jsonl}\n  - {name: twice, path: c.jsonl, weight: 2}\n")
+    summary = run_tokenize([tmp_path / "mix.yaml"], "smollm2-135m", tmp_path / "t", TokenizeConfig(),
+                           tokenizer=smollm2_tokenizer)
+    rows = TokenTable.open(tmp_path / "t").read_all(["conversation_id", "dataset", "source"]).to_pylist()
+    assert [(r["dataset"], r["source"]) for r in rows if r["dataset"] != "half"] == [
+        ("again", f"{b}:2"), ("twice", f"{c}:1*2")]  # the missed row once, the drawn one's second copy
+    rejects = [json.loads(x) for x in (tmp_path / "t" / "rejects.jsonl").read_text().splitlines()]
+    assert [(r["source"], r["duplicate_of"]) for r in rejects] == [
+        (f"{b}:1", f"{a}:{drawn[0] + 1}"), (f"{c}:1", f"{a}:{drawn[1] + 1}")]
+    src = summary["counts"]["sources"]
+    assert (src["again"]["used"], src["again"]["duplicates"]) == (1, 1)
+    assert (src["twice"]["used"], src["twice"]["duplicates"], src["twice"]["copies"]) == (1, 1, 1)
+    for n in range(3):  # shards: the same verdicts
+        run_tokenize([tmp_path / "mix.yaml"], "smollm2-135m", tmp_path / f"s{n}",
+                     TokenizeConfig(num_shards=3, shard_index=n), tokenizer=smollm2_tokenizer)
+    union = sorted(r["source"] for n in range(3) for r in TokenTable.open(tmp_path / f"s{n}").read_all(
+        ["source"]).to_pylist())
+    assert union == sorted(r["source"] for r in rows)
