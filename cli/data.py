@@ -1,31 +1,46 @@
-"""``peagle-data``: regenerate, tokenize, pack, extract, inspect, verify, stats, show, merge."""
+"""``peagle-data``: regenerate, tokenize, pack, extract, inspect, verify, stats, show, merge.
+
+A subcommand's module is imported when the subcommand runs, so ``peagle-data tokenize`` does not
+import torch (the extract and verify modules do: their configs live beside torch code).
+"""
 
 from __future__ import annotations
 
+import importlib
+
 import click
 
-from cli.data_extract import extract, inspect_cmd, verify
-from cli.data_prepare import pack, tokenize
-from cli.data_show import show
-from cli.data_merge import merge
-from cli.data_regenerate import regenerate
-from cli.data_stats import stats
+COMMANDS = {
+    "extract": "cli.data_extract:extract",
+    "inspect": "cli.data_extract:inspect_cmd",
+    "merge": "cli.data_merge:merge",
+    "pack": "cli.data_prepare:pack",
+    "regenerate": "cli.data_regenerate:regenerate",
+    "show": "cli.data_show:show",
+    "stats": "cli.data_stats:stats",
+    "tokenize": "cli.data_prepare:tokenize",
+    "verify": "cli.data_extract:verify",
+}
+"""Subcommand name -> ``module:attribute`` of its click command."""
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _LazyGroup(click.Group):
+    """A click group whose subcommands are imported on first use (click's lazy-loading pattern)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context | None, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module, attribute = COMMANDS[name].split(":")
+        return getattr(importlib.import_module(module), attribute)
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Prepare P-EAGLE training data: conversations -> tokens -> packed blocks -> feature store."""
 
-
-main.add_command(tokenize)
-main.add_command(pack)
-main.add_command(extract)
-main.add_command(inspect_cmd, name="inspect")
-main.add_command(verify)
-main.add_command(stats)
-main.add_command(show)
-main.add_command(merge)
-main.add_command(regenerate)
 
 if __name__ == "__main__":
     main()

@@ -44,7 +44,7 @@ GROUPS = {"data": data_main, "train": train_main, "eval": eval_main}
 
 
 def _command(group, sub) -> click.Command:
-    return GROUPS[group].commands[sub] if sub else GROUPS[group]
+    return GROUPS[group].get_command(None, sub) if sub else GROUPS[group]
 
 
 @pytest.mark.parametrize("group,sub", sorted(EXACT, key=str))
@@ -68,3 +68,16 @@ def test_data_group_lists_every_stage():
     out = CliRunner().invoke(data_main, ["--help"]).output
     for command in ("regenerate", "tokenize", "pack", "extract", "inspect", "verify", "show", "stats", "merge"):
         assert command in out
+    assert sorted(data_main.list_commands(None)) == sorted(c[1] for c in EXACT if c[0] == "data")
+
+
+def test_a_light_command_does_not_import_torch():
+    """The data group imports a subcommand's module when it runs (cli/data.py): tokenize's --help
+    loads no torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from cli.data import main; main(['tokenize', '--help'], standalone_mode=False); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().endswith("False")

@@ -29,13 +29,13 @@ COMMANDS = {
     "eval": (eval_main, [EvalRun, EvalConfig], {}, set(),
              {"settings",  # the nested EvalConfig
               "chunk_anchors", "warmup"}),  # memory bound and timing warm-up: library knobs, never named as options
-    "extract": (data_main.commands["extract"], [ExtractConfig], {}, set(),
+    "extract": (data_main.get_command(None, "extract"), [ExtractConfig], {}, set(),
                 {"writer_queue"}),  # host-memory bound of the writer thread, never named as an option
-    "tokenize": (data_main.commands["tokenize"], [TokenizeConfig], {},
+    "tokenize": (data_main.get_command(None, "tokenize"), [TokenizeConfig], {},
                  {"inputs", "tokenizer_name", "output", "force"}, set()),
-    "pack": (data_main.commands["pack"], [PackConfig, TokenizeConfig], {},
+    "pack": (data_main.get_command(None, "pack"), [PackConfig, TokenizeConfig], {},
              {"inputs", "tokenizer_name", "output", "force"}, {"tokenize"}),  # the nested TokenizeConfig
-    "regenerate": (data_main.commands["regenerate"], [RegenerateConfig, BackendConfig], {},
+    "regenerate": (data_main.get_command(None, "regenerate"), [RegenerateConfig, BackendConfig], {},
                    {"inputs", "output", "resume", "force"}, {"chunk_rows"}),  # rows per write: a library knob
 }
 
@@ -58,7 +58,7 @@ def test_config_fields_are_the_options(name):
 
 
 def _all_options() -> set[str]:
-    commands = [*data_main.commands.values(), train_main, eval_main]
+    commands = [*(data_main.get_command(None, n) for n in data_main.list_commands(None)), train_main, eval_main]
     return {o for c in commands for p in c.params if isinstance(p, click.Option) for o in p.opts + p.secondary_opts}
 
 
@@ -105,6 +105,6 @@ def test_a_field_without_docstring_is_refused():
 
 
 def test_every_command_takes_a_config_file():
-    for command in [*data_main.commands.values(), train_main, eval_main]:
+    for command in [*(data_main.get_command(None, n) for n in data_main.list_commands(None)), train_main, eval_main]:
         names = {p.name for p in command.params}
         assert {"config", "print_config"} <= names, command.name
