@@ -26,16 +26,22 @@ def merge(shards, output, force):
     to the unsharded extraction. Every shard must be given once. Check the result with
     `peagle-data verify OUTPUT`.
     """
-    from stores.errors import InputError
     from stores.merge import merge_stores, merge_tables
+
+    if _all_stores(shards):
+        echo_json(merge_stores(list(shards), output, force=force))
+    else:
+        _echo_table_merge(merge_tables(list(shards), output, force=force), output)
+
+
+def _all_stores(shards) -> bool:
+    """True for feature stores, False for token tables; InputError for a mix."""
+    from stores.errors import InputError
 
     is_store = [(Path(s) / "zarr.json").is_file() for s in shards]
     if any(is_store) and not all(is_store):
         raise InputError("merge SHARDs must be all token tables or all feature stores, not a mix")
-    if all(is_store):
-        echo_json(merge_stores(list(shards), output, force=force))
-    else:
-        _echo_table_merge(merge_tables(list(shards), output, force=force), output)
+    return all(is_store)
 
 
 def _echo_table_merge(manifest: dict, output: str) -> None:

@@ -47,6 +47,13 @@ def _tokenize_config(options: dict) -> TokenizeConfig:
         return TokenizeConfig(**{f.name: options[f.name] for f in dataclasses.fields(TokenizeConfig)})
 
 
+def _pack_config(options: dict) -> PackConfig:
+    """The PackConfig of pack's options, its ``tokenize`` the TokenizeConfig of the same options."""
+    with config_error():
+        return PackConfig(tokenize=_tokenize_config(options),
+                          **{f.name: options[f.name] for f in dataclasses.fields(PackConfig) if f.name != "tokenize"})
+
+
 def _explicit_tokenize_fields(ctx: click.Context) -> set[str]:
     """TokenizeConfig fields the user set: on the command line (or in the environment), or in a
     ``--config`` file to another value than the default."""
@@ -145,10 +152,7 @@ def pack(inputs, tokenizer_name, output, force, **options):
     """
     from peagle_data.prepare import run_pack
 
-    with config_error():
-        cfg = PackConfig(tokenize=_tokenize_config(options),
-                         **{f.name: options[f.name] for f in dataclasses.fields(PackConfig) if f.name != "tokenize"})
-    summary = run_pack(list(inputs), tokenizer_name, output, cfg, force=force,
+    summary = run_pack(list(inputs), tokenizer_name, output, _pack_config(options), force=force,
                        explicit=_explicit_tokenize_fields(click.get_current_context()), config=run_config())
     _echo_summary(summary)
     _exit_if_useless(summary)

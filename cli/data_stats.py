@@ -28,14 +28,21 @@ def stats(path, as_json, png, max_seq_len, overlap):
     conversation, per-source breakdown, packing efficiency. Streams the Parquet files (polars lazy
     scans), so memory stays flat however many rows there are.
     """
-    from peagle_data.stats import collect_stats, format_stats, plot_stats
+    from peagle_data.stats import collect_stats, plot_stats
 
     result = collect_stats(path, max_seq_len=max_seq_len, overlap=overlap)
     if png:
         result["png"] = str(plot_stats(result, png))
+    _echo_stats(result, as_json)
+
+
+def _echo_stats(result: dict, as_json: bool) -> None:
+    """Print the statistics as JSON or as text (and where the plot went)."""
+    from peagle_data.stats import format_stats
+
     if as_json:
-        echo_json({k: v for k, v in result.items()})
-    else:
-        click.echo(format_stats(result))
-        if png:
-            click.echo(f"plot: {png}")
+        echo_json(result)
+        return
+    click.echo(format_stats(result))
+    if result.get("png"):
+        click.echo(f"plot: {result['png']}")

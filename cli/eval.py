@@ -28,8 +28,8 @@ def main(drafter, verifier, prompts, store, output, force, **settings) -> None:
 
     Exits non-zero when speculative decoding does not reproduce the verifier's greedy output.
     """
-    from peagle_train.evaluate.run import run_eval
     from peagle_train.evaluate import format_report
+    from peagle_train.evaluate.run import run_eval
 
     with config_error():
         run = EvalRun(drafter=drafter, verifier=verifier, prompts=prompts, store=store, output=output, force=force,
@@ -37,9 +37,14 @@ def main(drafter, verifier, prompts, store, output, force, **settings) -> None:
     report = run_eval(run, log=lambda m: click.echo(m, err=True), config=run_config())
     click.echo(format_report(report), err=True)
     echo_json(report)
-    if prompts is not None and report["identical_to_greedy"] is False:
+    _exit_if_not_greedy(report if prompts is not None else {})
+
+
+def _exit_if_not_greedy(online: dict) -> None:
+    """Exit 1 naming the prompts where greedy speculative decoding differed from greedy decoding."""
+    if online.get("identical_to_greedy") is False:
         click.echo(f"Error: speculative decoding differs from greedy decoding on prompts "
-                   f"{', '.join(report['mismatches'])}", err=True)
+                   f"{', '.join(online['mismatches'])}", err=True)
         sys.exit(1)
 
 

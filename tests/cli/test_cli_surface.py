@@ -81,3 +81,19 @@ def test_a_light_command_does_not_import_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().endswith("False")
+
+
+def test_command_functions_are_thin():
+    """cli/ is thin (docs/design.md §2): every click command function, docstring included, is at most
+    15 lines; the work is one library call."""
+    import ast
+    from pathlib import Path
+
+    sizes = {}
+    for path in sorted((Path(__file__).resolve().parents[2] / "cli").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and any(
+                    isinstance(d, ast.Call) and getattr(d.func, "attr", "") == "command" for d in node.decorator_list):
+                sizes[f"{path.name}:{node.name}"] = node.end_lineno - node.lineno + 1
+    assert len(sizes) == 11  # nine peagle-data subcommands, peagle-train, peagle-eval
+    assert {k: v for k, v in sizes.items() if v > 15} == {}
