@@ -1,0 +1,136 @@
+"""Rendered rows -> token ids and loss masks (docs/design.md §3, step 3): one batched tokenizer call
+with offsets; a token is supervised when it starts inside its turn's span, up to the span's end-of-turn
+token; a token across a span's boundary makes the row a reject (:func:`straddling_token`)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from stores.errors import InputError
+
+if TYPE_CHECKING:
+    from peagle_data.chat import RenderedRow
+
+__all__ = ["TokenizedConversation", "tokenize_rendered", "straddling_token"]
+
+
+@dataclass(frozen=True)
+class TokenizedConversation:
+    """One conversation as tokens.
+
+    Attributes:
+        input_ids: int32 ``[T]``, identical to ``apply_chat_template(messages, tokenize=True)``.
+        loss_mask: uint8 ``[T]``, 1 on assistant tokens as rendered and their end-of-turn token.
+        system_len: leading tokens that form the system prefix (loss 0), ``0 <= system_len <= T``.
+        problem: why no exact mask exists (a token that straddles a supervised span's boundary, see
+            :func:`straddling_token`), or None; such a row is a reject.
+    """
+
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    system_len: int
+    problem: str | None = None
+
+
+def _special_ids(tokenizer) -> frozenset[int]:
+    # Cached on the tokenizer, keyed by its size: adding tokens (or a deep copy that does) refreshes it.
+    size = len(tokenizer)
+    cached = getattr(tokenizer, "_peagle_special_ids", None)
+    if cached is None or cached[0] != size:
+        ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+        ids.update(getattr(tokenizer, "added_tokens_decoder", {}).keys())
+        cached = (size, frozenset(ids))
+        try:
+            tokenizer._peagle_special_ids = cached
+        except AttributeError:
+            pass
+    return cached[1]
+
+
+def tokenize_rendered(tokenizer, rows: Sequence[RenderedRow]) -> list[TokenizedConversation]:
+    """Tokenize rendered rows in one batched call and build their loss masks.
+
+    The ids equal ``apply_chat_template(messages, tokenize=True)``: that call tokenizes the same
+    render with ``add_special_tokens=False``, as here (the tests check it on every template family).
+
+    Raises:
+        InputError: the tokenizer is not a fast tokenizer (offsets are needed).
+    """
+    if not rows:
+        return []
+    if not getattr(tokenizer, "is_fast", False):
+        raise InputError("loss masks need a fast tokenizer (offset mapping); this one is not")
+    enc = tokenizer([r.text for r in rows], add_special_tokens=False, return_offsets_mapping=True)
+    special = _special_ids(tokenizer)
+    out = []
+    for row, row_ids, row_offsets in zip(rows, enc["input_ids"], enc["offset_mapping"]):
+        ids = np.fromiter(row_ids, dtype=np.int32, count=len(row_ids))
+        offsets = np.fromiter(itertools.chain.from_iterable(row_offsets), dtype=np.int64,
+                              count=2 * len(row_offsets)).reshape(-1, 2)  # [T, 2] chars
+        loss_mask = _mask_from_spans(ids, offsets[:, 0], list(row.spans), special)
+        if row.empty_think:
+            loss_mask[_mask_from_spans(ids, offsets[:, 0], list(row.empty_think), frozenset()) == 1] = 0
+        system_len = int(np.searchsorted(offsets[:, 1], row.prefix_chars, side="right"))
+        supervised = np.flatnonzero(loss_mask)
+        if supervised.size:
+            system_len = min(system_len, int(supervised[0]))
+        out.append(TokenizedConversation(input_ids=ids, loss_mask=loss_mask, system_len=system_len,
+                                         problem=straddling_token(row, offsets, loss_mask)))
+    return out
+
+
+def straddling_token(row: RenderedRow, offsets: np.ndarray, loss_mask: np.ndarray) -> str | None:
+    """Why a supervised span of ``row`` has no exact mask, or None.
+
+    A token that starts before a span and ends inside it holds the generation prompt's last
+    characters (or the previous message's) and the reply's first ones (a generation prompt ending in a space, ``"ASSISTANT: "``,
+    gives ``" Hello"``): the rule "supervised when it starts inside the span" would silently drop the
+    reply's first word, and supervising it would train the prompt's text. Likewise a supervised
+    token that ends past its span holds text of the next turn. Only straddles whose part on the
+    other side of the boundary holds non-whitespace count: a merged whitespace run (``"\n\n"``)
+    loses or adds only whitespace.
+
+    Args:
+        offsets: int64 ``[T, 2]`` character ``[start, end)`` of every token in ``row.text``.
+        loss_mask: uint8 ``[T]`` built from ``row.spans``.
+    """
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    text = row.text
+    for a, b in row.spans:
+        i = int(np.searchsorted(starts, a, side="left")) - 1  # the last token starting before the span
+        if i >= 0 and ends[i] > a and text[a:min(int(ends[i]), b)].strip():
+            return (f"reply starts inside a token: {text[int(starts[i]):int(ends[i])]!r} holds "
+                    f"{text[int(starts[i]):a]!r} rendered before an assistant reply (the generation prompt's end or "
+                    f"the previous message's) and {text[a:int(ends[i])]!r} of the reply, so the reply's first token "
+                    "has no exact mask (a generation prompt that ends in a space does this); pass --chat-template "
+                    "FILE with a generation prompt that ends where a token ends")
+        lo, hi = int(np.searchsorted(starts, a, side="left")), int(np.searchsorted(starts, b, side="left"))
+        inside = np.flatnonzero(loss_mask[lo:hi])
+        t = lo + int(inside[-1]) if inside.size else -1
+        if t >= 0 and ends[t] > b and text[b:int(ends[t])].strip():
+            return (f"a supervised token ends past its assistant turn: {text[int(starts[t]):int(ends[t])]!r} "
+                    f"holds {text[b:int(ends[t])]!r} of what follows the turn, so the turn has no exact mask; pass "
+                    "--chat-template FILE with a template that ends assistant turns with an end-of-turn token")
+    return None
+
+
+def _mask_from_spans(ids: np.ndarray, starts: np.ndarray, spans: list[tuple[int, int]],
+                     special: frozenset[int]) -> np.ndarray:
+    """uint8 ``[T]``: 1 for tokens starting in a span, up to and including its last special token."""
+    mask = np.zeros(len(ids), dtype=np.uint8)
+    for a, b in spans:
+        lo = int(np.searchsorted(starts, a, side="left"))
+        hi = int(np.searchsorted(starts, b, side="left"))  # tokens [lo, hi) start in [a, b)
+        if hi <= lo:
+            continue
+        end = hi
+        for t in range(hi - 1, lo - 1, -1):
+            if int(ids[t]) in special:
+                end = t + 1
+                break
+        mask[lo:end] = 1
+    return mask
