@@ -234,12 +234,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
     directory = _check_before_weights(cfg)
     device = cfg.device or (str(state.device) if state.device.type == "cuda" else "cpu")
     verifier = _load_for_extract(cfg, device, log)
-    L = len(language_model(verifier).layers)
-    layers = list(cfg.layers) if cfg.layers is not None else default_layers(L)
-    bad = [l for l in layers if not 0 <= l <= L]
-    if bad:
-        raise InputError(f"layers {bad} out of range: the verifier has {L} layers, valid indices are 0..{L}",
-                         field="--layers")
+    layers = _layers_of(cfg, verifier)
     desc = verifier_desc(cfg.verifier, directory, verifier, next(verifier.parameters()).dtype)
     store, repaired = _store_on_every_rank(state, cfg, rows, table, desc, layers, log, config)
     todo = store.missing_blocks()
@@ -253,7 +248,27 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
         log(f"{cfg.output}: blocks {nonfinite} have NaN or Inf hidden states (verifier overflow?); "
             "they are left not done")
     state.wait_for_everyone()
-    summary = {
+    summary = _summary(cfg, state, store, todo, tokens, layers, repaired, nonfinite)
+    # a rank that exits with its gloo/NCCL group alive can abort in the group's threads (SIGABRT,
+    # "terminate called without an active exception") and fail the launch
+    state.destroy_process_group()
+    return summary
+
+
+def _layers_of(cfg: ExtractConfig, verifier) -> list[int]:
+    """``cfg.layers`` or the default for the verifier's language model, checked in ``0..L``."""
+    L = len(language_model(verifier).layers)
+    layers = list(cfg.layers) if cfg.layers is not None else default_layers(L)
+    bad = [l for l in layers if not 0 <= l <= L]
+    if bad:
+        raise InputError(f"layers {bad} out of range: the verifier has {L} layers, valid indices are 0..{L}",
+                         field="--layers")
+    return layers
+
+
+def _summary(cfg: ExtractConfig, state, store: FeatureStore, todo: list[int], tokens: int, layers: list[int],
+             repaired: dict[int, str], nonfinite: list[int]) -> dict[str, Any]:
+    return {
         "store": str(cfg.output),
         "rank": state.process_index,
         "world_size": state.num_processes,
@@ -269,10 +284,6 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
         "complete": store.is_complete(),
         "stored_bytes": store.summary()["stored_bytes"],
     }
-    # a rank that exits with its gloo/NCCL group alive can abort in the group's threads (SIGABRT,
-    # "terminate called without an active exception") and fail the launch
-    state.destroy_process_group()
-    return summary
 
 
 def _store_on_every_rank(state, cfg: ExtractConfig, rows, table, desc: dict[str, Any], layers: list[int],

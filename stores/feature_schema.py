@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import zarr
+from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
 
 __all__ = [
     "STORAGE_DTYPES",
@@ -34,6 +36,8 @@ __all__ = [
     "hidden_arrays",
     "array_ndim",
     "bytes_per_token",
+    "dim_sizes",
+    "create_arrays",
     "bf16_to_uint16",
     "uint16_to_bf16",
     "quantize_fp8",
@@ -130,6 +134,24 @@ def block_arrays(storage_dtype: str) -> list[str]:
 def array_ndim(name: str) -> int:
     """Dimensions of array ``name`` (chunk keys are ``c/i/0/...``); the same for every storage dtype."""
     return next(len(s.dims) for s in ARRAYS if s.name == name)
+
+
+def dim_sizes(n_blocks: int, block_size: int, max_segments: int, n_layers: int, hidden_size: int,
+              vocab_size: int) -> dict[str, int]:
+    """The sizes of the dimension symbols of :class:`ArraySpec` for a store."""
+    return {"N": n_blocks, "C": block_size, "W": max_segments + 1, "L": n_layers, "H": hidden_size,
+            "V": vocab_size}
+
+
+def create_arrays(group: zarr.Group, specs: tuple[ArraySpec, ...], sizes: dict[str, int],
+                  compressor: str | None) -> None:
+    """Create every array of ``specs``: raw little-endian bytes, optional zstd, a crc32c checksum,
+    fill value 0, and every chunk written even when it holds only zeros."""
+    codecs = ([ZstdCodec(level=3)] if compressor == "zstd" else []) + [Crc32cCodec()]
+    raw = dict(serializer=BytesCodec(endian="little"), compressors=codecs,
+               fill_value=0, config={"write_empty_chunks": True})
+    for spec in specs:
+        group.create_array(spec.name, shape=spec.shape(sizes), chunks=spec.chunks(sizes), dtype=spec.dtype, **raw)
 
 
 def bytes_per_token(n_layers: int, hidden_size: int, storage_dtype: str) -> int:

@@ -23,20 +23,20 @@ import numpy as np
 import torch
 import zarr
 import zarr.errors
-from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
 
-from stores.chunk_files import ChunkFiles, uncompressed
+from stores.chunk_files import StoreFileReader, uncompressed
 from stores.errors import OutputExistsError, StoreFormatError
 from stores.feature_schema import (
     SEGMENTS,
     STORAGE_DTYPES,
     TOKEN_ARRAYS,
-    ArraySpec,
     Block,
     array_ndim,
     block_arrays,
     bytes_per_token,
+    create_arrays,
     decode_hidden,
+    dim_sizes,
     encode_hidden,
     hidden_arrays,
     store_arrays,
@@ -80,8 +80,7 @@ class FeatureStore:
         """Chunk files readable directly (the ``file`` read path)."""
         self._n_tokens_cache: np.ndarray | None = None
         self._array_cache: dict[str, zarr.Array] = {}
-        self._files = ChunkFiles(self._local_root) if self._local_root is not None else None
-        self._layout: list[tuple[ArraySpec, tuple[int, ...], int]] | None = None
+        self._files = StoreFileReader(self) if self.raw_chunks else None
 
     # ---------------------------------------------------------------- properties
     @property
@@ -114,7 +113,7 @@ class FeatureStore:
 
     def sizes(self) -> dict[str, int]:
         """The sizes of the schema's dimension symbols (:class:`stores.feature_schema.ArraySpec`)."""
-        return _sizes(self.n_blocks, self.block_size, int(self.attrs["max_segments"]), len(self.layers),
+        return dim_sizes(self.n_blocks, self.block_size, int(self.attrs["max_segments"]), len(self.layers),
                       self.hidden_size, self.vocab_size)
 
     def array(self, name: str) -> zarr.Array:
@@ -185,18 +184,17 @@ class FeatureStore:
         if compressor not in (None, "zstd"):
             raise ValueError(f"--compressor {compressor!r}: expected zstd or none")
         group = _new_group(str(path), force)
-        C, H = block_size, hidden_size
-        sizes = _sizes(n_blocks, block_size, max_segments, len(layers), hidden_size, vocab_size)
-        _create_arrays(group, specs, sizes, compressor)
+        sizes = dim_sizes(n_blocks, block_size, max_segments, len(layers), hidden_size, vocab_size)
+        create_arrays(group, specs, sizes, compressor)
         attrs = {
             "format_version": FORMAT_VERSION,
-            "verifier": dict(verifier, hidden_size=H, vocab_size=vocab_size),
+            "verifier": dict(verifier, hidden_size=hidden_size, vocab_size=vocab_size),
             "layers": list(layers),
             "layer_convention": "hf_hidden_states",
             "final": "post_norm",
             "storage_dtype": storage_dtype,
             "compressor": compressor,
-            "block_size": C,
+            "block_size": block_size,
             "max_segments": max_segments,
             "n_blocks": n_blocks,
             "n_tokens": n_tokens,
@@ -302,7 +300,8 @@ class FeatureStore:
         """``[N] int32``."""
         return self.group["n_tokens"][:]
 
-    def _n_tokens_of(self, i: int) -> int:
+    def n_tokens_of(self, i: int) -> int:
+        """Block ``i``'s ``n_tokens`` (the array is read once per open store)."""
         # n_tokens is one small chunk written before any block: read it once per open store
         if self._n_tokens_cache is None:
             self._n_tokens_cache = self.group["n_tokens"][:]
@@ -326,8 +325,8 @@ class FeatureStore:
         ``via`` as in :meth:`read_block`.
         """
         if self._use_file(via):
-            return self._read_tokens_file(i)
-        T = self._n_tokens_of(i)
+            return self._files.read_tokens(i)
+        T = self.n_tokens_of(i)
         cu = self.group[SEGMENTS.name][i]
         out = {spec.name: np.array(self.group[spec.name][i][:T]) for spec in TOKEN_ARRAYS}
         out[SEGMENTS.name] = cu[: int(np.argmax(cu == cu[-1])) + 1]  # drop the padding repeats
@@ -352,9 +351,9 @@ class FeatureStore:
         if not 0 <= i < self.n_blocks:
             raise IndexError(f"block {i} out of range [0, {self.n_blocks})")
         if self._use_file(via):
-            return self._read_block_file(i, pin_memory)
+            return self._files.read_block(i, pin_memory)
         if self._local_root is not None:
-            self._check_chunks_exist(i)
+            self.check_chunks_exist(i)
         tok = self.read_tokens(i, via="zarr")
         T = len(tok["input_ids"])
         raw = {spec.name: self.group[spec.name][i, :T] for spec in hidden_arrays(self.storage_dtype)}
@@ -364,58 +363,6 @@ class FeatureStore:
     def read_blocks(self, ids, via: str = "auto", pin_memory: bool = False) -> list[Block]:
         """:meth:`read_block` of each id in ``ids`` (one request for several blocks), in order."""
         return [self.read_block(int(i), via=via, pin_memory=pin_memory) for i in ids]
-
-    def _read_tokens_file(self, i: int) -> dict[str, np.ndarray]:
-        """Token arrays of block ``i`` from the chunk files: ``[T] int64`` each, ``cu_seqlens [S+1]``."""
-        T, C, width = self._n_tokens_of(i), self.block_size, int(self.attrs["max_segments"]) + 1
-        out = {}
-        for spec, n, full in [*((s, T, C) for s in TOKEN_ARRAYS), (SEGMENTS, width, width)]:
-            a = np.empty(n, dtype=spec.dtype)  # numpy, not torch: a torch op costs several times more here
-            self._pread_chunk(spec.name, i, 1, a, full * a.itemsize)
-            out[spec.name] = a.astype(np.int64)
-        cu = out[SEGMENTS.name]
-        out[SEGMENTS.name] = cu[: int(np.argmax(cu == cu[-1])) + 1]  # drop the padding repeats
-        return out
-
-    def _read_block_file(self, i: int, pin_memory: bool) -> Block:
-        """Block ``i`` read from its raw chunk files into freshly allocated tensors (first T rows)."""
-        tok = self._read_tokens_file(i)
-        pin_memory = pin_memory and torch.cuda.is_available()
-        T = len(tok["input_ids"])
-        raw = {}
-        for spec, shape, chunk_bytes in self._hidden_layout():
-            if pin_memory and spec.dtype == "uint16":
-                a = torch.empty((T, *shape[1:]), dtype=torch.uint16, pin_memory=True).numpy()
-            else:
-                a = np.empty((T, *shape[1:]), dtype=spec.dtype)
-            self._pread_chunk(spec.name, i, len(shape), a, chunk_bytes)
-            raw[spec.name] = a
-        hidden = decode_hidden(self.storage_dtype, raw, copy=False)  # bf16 bit patterns viewed in place
-        return Block(**{k: torch.from_numpy(v) for k, v in tok.items()}, **hidden)
-
-    def _hidden_layout(self) -> list[tuple[ArraySpec, tuple[int, ...], int]]:
-        """``(spec, block shape, chunk bytes)`` of each hidden array, computed once per store."""
-        if self._layout is None:
-            sizes = self.sizes()
-            self._layout = [(s, s.block_shape(sizes), int(np.prod(s.block_shape(sizes))) * np.dtype(s.dtype).itemsize)
-                            for s in hidden_arrays(self.storage_dtype)]
-        return self._layout
-
-    def _pread_chunk(self, name: str, i: int, ndim: int, out: np.ndarray, chunk_bytes: int) -> None:
-        """Fill ``out`` (C-contiguous) from the start of block ``i``'s chunk file of ``name``, an
-        array whose blocks have ``ndim`` dimensions.
-
-        Raises:
-            StoreFormatError: the file is missing (a done block's missing chunk is damage), is not
-                ``chunk_bytes`` + the checksum long, or reads short.
-        """
-        try:
-            fd = self._files.open(name, i, ndim)
-        except FileNotFoundError:
-            self._check_chunks_exist(i)
-            raise StoreFormatError(f"{self.chunk_path(name, i)}: chunk file is missing "
-                                   "(run `peagle-data verify`)") from None
-        ChunkFiles.read(fd, out, chunk_bytes, self.chunk_path(name, i))
 
     def close(self) -> None:
         """Close the chunk-directory descriptors the ``file`` read path keeps (reopened on demand)."""
@@ -438,7 +385,7 @@ class FeatureStore:
         ndim = array_ndim(name)
         return self._local_root / name / "/".join(["c", str(i)] + ["0"] * (ndim - 1))
 
-    def _check_chunks_exist(self, i: int) -> None:
+    def check_chunks_exist(self, i: int) -> None:
         """Every chunk of a done block is written (``write_empty_chunks``); a missing one is damage."""
         if self.raw_chunks:
             done = self.chunk_path("done", i)  # raw chunk: the flag's byte + the crc32c
@@ -473,12 +420,6 @@ class FeatureStore:
         }
 
 
-def _sizes(n_blocks: int, block_size: int, max_segments: int, n_layers: int, hidden_size: int,
-           vocab_size: int) -> dict[str, int]:
-    return {"N": n_blocks, "C": block_size, "W": max_segments + 1, "L": n_layers, "H": hidden_size,
-            "V": vocab_size}
-
-
 def _new_group(path: str, force: bool) -> zarr.Group:
     """An empty zarr group at ``path``: an existing local store is removed with ``force``.
 
@@ -493,17 +434,6 @@ def _new_group(path: str, force: bool) -> zarr.Group:
         return zarr.open_group(path, mode="w" if force or _is_local(path) else "w-")
     except (FileExistsError, zarr.errors.ContainsGroupError, zarr.errors.ContainsArrayError) as e:
         raise OutputExistsError(path, "pass --resume to continue it or --force to overwrite it") from e
-
-
-def _create_arrays(group: zarr.Group, specs: tuple[ArraySpec, ...], sizes: dict[str, int],
-                   compressor: str | None) -> None:
-    """Create every array of ``specs``: raw little-endian bytes, optional zstd, a crc32c checksum,
-    fill value 0, and every chunk written even when it holds only zeros."""
-    codecs = ([ZstdCodec(level=3)] if compressor == "zstd" else []) + [Crc32cCodec()]
-    raw = dict(serializer=BytesCodec(endian="little"), compressors=codecs,
-               fill_value=0, config={"write_empty_chunks": True})
-    for spec in specs:
-        group.create_array(spec.name, shape=spec.shape(sizes), chunks=spec.chunks(sizes), dtype=spec.dtype, **raw)
 
 
 def _is_local(path: str) -> bool:
