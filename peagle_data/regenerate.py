@@ -76,8 +76,10 @@ class RegenerateConfig:
             raise ValueError(f"--turns must be one of {TURNS}, got {self.turns!r}")
         if self.format not in FORMATS:
             raise ValueError(f"--format must be one of {FORMATS}, got {self.format!r}")
-        if self.max_new_tokens < 1 or self.chunk_rows < 1:
-            raise ValueError("max_new_tokens and chunk_rows must be >= 1")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be >= 1, got {self.chunk_rows}")
         if self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
         if self.limit is not None and self.limit < 1:

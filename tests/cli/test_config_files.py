@@ -134,3 +134,33 @@ def test_regenerate_config_round_trip_and_its_back_end_check(tmp_path):
     assert invoke(data_main, ["regenerate", "--config", tmp_path / "r.toml", "--print-config"]).stdout == first.stdout
     both = invoke(data_main, ["regenerate", "--config", tmp_path / "r.toml", "--verifier", "m"])
     assert both.exit_code == 2 and "give exactly one of --verifier MODEL" in both.stderr
+
+
+@pytest.mark.parametrize("command,args,option", [
+    ("tokenize", ["--limit", "0"], "--limit"),
+    ("tokenize", ["--num-workers", "0"], "--num-workers"),
+    ("tokenize", ["--max-tokens", "0"], "--max-tokens"),
+    ("tokenize", ["--min-loss-tokens", "0"], "--min-loss-tokens"),
+    ("tokenize", ["--num-shards", "2", "--shard-index", "2"], "--shard-index"),
+    ("pack", ["--max-windows", "0"], "--max-windows"),
+    ("pack", ["--overlap", "1"], "--overlap"),
+    ("regenerate", ["--server", "http://a:1", "--concurrency", "0"], "--concurrency"),
+    ("regenerate", ["--server", "http://a:1", "--batch-size", "0"], "--batch-size"),
+    ("regenerate", ["--server", "http://a:1", "--retries", "-1"], "--retries"),
+    ("regenerate", ["--server", "http://a:1", "--timeout", "0.5"], "--timeout"),
+    ("regenerate", ["--server", "http://a:1", "--limit", "0"], "--limit"),
+    ("regenerate", ["--server", "http://a:1", "--max-new-tokens", "0"], "--max-new-tokens"),
+    ("regenerate", ["--server", "http://a:1", "--temperature", "-1"], "--temperature"),
+    ("extract", ["--shard-index", "-1"], "--shard-index"),
+])
+def test_a_value_out_of_range_is_refused_by_its_config(tmp_path, command, args, option):
+    """The options' ranges are the config dataclasses' checks (no second copy in click types):
+    exit code 2 and a message naming the option, before any input is read."""
+    from cli.data import main as data_main
+
+    common = {"tokenize": ["in.jsonl", "--tokenizer", "m", "--output", tmp_path / "o"],
+              "pack": ["in.jsonl", "--tokenizer", "m", "--output", tmp_path / "o"],
+              "regenerate": ["in.jsonl", "--output", tmp_path / "o.jsonl"],
+              "extract": [tmp_path, "--verifier", "m", "--output", tmp_path / "s.zarr"]}[command]
+    result = invoke(data_main, [command, *common, *args])
+    assert result.exit_code == 2 and option in result.stderr, result.output
