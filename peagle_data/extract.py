@@ -42,6 +42,7 @@ from peagle_data.verifier_forward import (
     verifier_features,
 )
 from stores.errors import InputError, OutputExistsError, StoreFormatError
+from stores.feature_schema import SEGMENTS, TOKEN_ARRAYS
 from stores.feature_store import STORAGE_DTYPES, FeatureStore
 from stores.model_cache import load_verifier, model_fingerprint, resolve_model
 
@@ -57,6 +58,9 @@ __all__ = [
     "verifier_features",
     "run_extract",
 ]
+
+PACKED_COLUMNS = [*(s.name for s in TOKEN_ARRAYS), SEGMENTS.name, "n_tokens"]
+"""The packed-table columns extraction reads: the store's per-token arrays, ``cu_seqlens``, ``n_tokens``."""
 
 _BlockWriter = BlockWriter  # the name tests and older callers use
 _base_model = language_model  # the name bench/ and older callers use
@@ -229,7 +233,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
     table = open_packed(cfg.packed)
     if is_local(cfg.output) and Path(cfg.output).exists() and not (cfg.resume or cfg.force):
         raise OutputExistsError(cfg.output, "pass --resume to continue it or --force to overwrite it")
-    rows = list(table.iter_rows(["input_ids", "loss_mask", "position_ids", "cu_seqlens", "n_tokens"]))
+    rows = list(table.iter_rows(PACKED_COLUMNS))
     rows = rows[cfg.shard_index::cfg.num_shards]  # this shard's blocks (all of them unsharded)
     directory = _check_before_weights(cfg)
     device = cfg.device or (str(state.device) if state.device.type == "cuda" else "cpu")

@@ -162,7 +162,7 @@ def _create_store(cfg: ExtractConfig, rows, table: TokenTable, desc: dict, layer
         n_tokens=int(sum(int(r["n_tokens"]) for r in rows)), force=cfg.force, extra=_shard_attrs(cfg, table),
     )
     for i, r in enumerate(rows):
-        store.write_tokens(i, r["input_ids"], r["loss_mask"], r["position_ids"], r["cu_seqlens"])
+        store.write_token_row(i, r)
     _write_shared(store, rows)
     store.update_attrs(tokens_written=True)  # last: a store without it is recreated on --resume
     return store
@@ -223,7 +223,7 @@ def repair_blocks(store: FeatureStore, rows, rank: int, world: int, log: Callabl
         done[i] = False
     for i in (i for i in mine if not done[i]):
         r = rows[i]
-        store.write_tokens(i, r["input_ids"], r["loss_mask"], r["position_ids"], r["cu_seqlens"])
+        store.write_token_row(i, r)
     return damaged
 
 

@@ -7,7 +7,9 @@ size, W ``max_segments + 1`` (the ``cu_seqlens`` width), V verifier vocab, S seg
 :meth:`stores.feature_store.FeatureStore.create` creates them, the writers pad and write them, the
 readers read them back into a :class:`Block`, and ``verify`` checks their shapes and dtypes, all by
 iterating this table. A new per-token array is one :class:`ArraySpec` entry with role ``"token"``
-plus its :class:`Block` field (and the value the extractor passes to ``write_tokens``).
+plus its :class:`Block` field; extraction (``FeatureStore.write_token_row``) copies it from the packed row of the same name (a column
+of :data:`stores.token_tables.PACKED_SCHEMA` / :class:`stores.token_rows.PackedRow`, made by
+:func:`peagle_data.packing.make_packed_row`).
 
 Hidden states are stored as the uint16 bit patterns of bf16 (zarr has no bfloat16) or, with
 ``storage_dtype="fp8"``, as float8_e4m3fn codes with one float32 scale per vector.
@@ -20,10 +22,16 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import shutil
+from pathlib import Path
+
 import numpy as np
 import torch
 import zarr
+import zarr.errors
 from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
+
+from stores.errors import OutputExistsError
 
 __all__ = [
     "STORAGE_DTYPES",
@@ -38,6 +46,7 @@ __all__ = [
     "bytes_per_token",
     "dim_sizes",
     "create_arrays",
+    "new_group",
     "bf16_to_uint16",
     "uint16_to_bf16",
     "quantize_fp8",
@@ -152,6 +161,22 @@ def create_arrays(group: zarr.Group, specs: tuple[ArraySpec, ...], sizes: dict[s
                fill_value=0, config={"write_empty_chunks": True})
     for spec in specs:
         group.create_array(spec.name, shape=spec.shape(sizes), chunks=spec.chunks(sizes), dtype=spec.dtype, **raw)
+
+
+def new_group(path: str, force: bool) -> zarr.Group:
+    """An empty zarr group at ``path``: an existing local store is removed with ``force``.
+
+    Raises:
+        OutputExistsError: ``path`` exists and ``force`` is false.
+    """
+    if "://" not in path and Path(path).exists():
+        if not force:
+            raise OutputExistsError(path, "pass --resume to continue it or --force to overwrite it")
+        shutil.rmtree(path)
+    try:
+        return zarr.open_group(path, mode="w" if force or "://" not in path else "w-")
+    except (FileExistsError, zarr.errors.ContainsGroupError, zarr.errors.ContainsArrayError) as e:
+        raise OutputExistsError(path, "pass --resume to continue it or --force to overwrite it") from e
 
 
 def bytes_per_token(n_layers: int, hidden_size: int, storage_dtype: str) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -25,7 +25,7 @@ import zarr
 import zarr.errors
 
 from stores.chunk_files import StoreFileReader, uncompressed
-from stores.errors import OutputExistsError, StoreFormatError
+from stores.errors import StoreFormatError
 from stores.feature_schema import (
     SEGMENTS,
     STORAGE_DTYPES,
@@ -35,6 +35,7 @@ from stores.feature_schema import (
     block_arrays,
     bytes_per_token,
     create_arrays,
+    new_group,
     decode_hidden,
     dim_sizes,
     encode_hidden,
@@ -183,7 +184,7 @@ class FeatureStore:
         specs = store_arrays(storage_dtype)  # ValueError: an unsupported storage dtype
         if compressor not in (None, "zstd"):
             raise ValueError(f"--compressor {compressor!r}: expected zstd or none")
-        group = _new_group(str(path), force)
+        group = new_group(str(path), force)
         sizes = dim_sizes(n_blocks, block_size, max_segments, len(layers), hidden_size, vocab_size)
         create_arrays(group, specs, sizes, compressor)
         attrs = {
@@ -220,17 +221,23 @@ class FeatureStore:
         return self.group[name].with_config({"write_empty_chunks": True})
 
     def write_tokens(self, i: int, input_ids, loss_mask, position_ids, cu_seqlens) -> None:
-        """Write block ``i``'s token arrays (``[T]`` each; ``cu_seqlens [S+1]``), padded to C."""
-        T = len(input_ids)
+        """:meth:`write_token_row` of block ``i`` from its arrays (``[T]`` each; ``cu_seqlens [S+1]``)."""
+        self.write_token_row(i, {"input_ids": input_ids, "loss_mask": loss_mask, "position_ids": position_ids,
+                                 "cu_seqlens": cu_seqlens})
+
+    def write_token_row(self, i: int, values: Mapping[str, Any]) -> None:
+        """Write block ``i``'s token arrays, padded to C: ``values`` maps every per-token array of the
+        schema (:data:`~stores.feature_schema.TOKEN_ARRAYS`, ``[T]`` each) and ``cu_seqlens [S+1]``
+        (a packed row, or :meth:`read_tokens`)."""
+        T = len(values[TOKEN_ARRAYS[0].name])
         C = self.block_size
         if T > C:
             raise ValueError(f"block {i}: {T} tokens > block_size {C}")
-        values = {"input_ids": input_ids, "loss_mask": loss_mask, "position_ids": position_ids}
         for spec in TOKEN_ARRAYS:
             row = np.zeros(C, dtype=spec.dtype)
             row[:T] = np.asarray(values[spec.name], dtype=spec.dtype)
             self._writable(spec.name)[i] = row
-        cu = np.asarray(cu_seqlens, dtype=np.int32)
+        cu = np.asarray(values[SEGMENTS.name], dtype=np.int32)
         width = int(self.attrs["max_segments"]) + 1
         if len(cu) > width:
             raise ValueError(f"block {i}: {len(cu) - 1} segments > max_segments {width - 1}")
@@ -418,22 +425,6 @@ class FeatureStore:
             "stored_bytes": self.n_blocks * self.block_size * self.bytes_per_token(),
             **({"config": self.attrs["config"]} if "config" in self.attrs else {}),  # extract's options
         }
-
-
-def _new_group(path: str, force: bool) -> zarr.Group:
-    """An empty zarr group at ``path``: an existing local store is removed with ``force``.
-
-    Raises:
-        OutputExistsError: ``path`` exists and ``force`` is false.
-    """
-    if _is_local(path) and Path(path).exists():
-        if not force:
-            raise OutputExistsError(path, "pass --resume to continue it or --force to overwrite it")
-        shutil.rmtree(path)
-    try:
-        return zarr.open_group(path, mode="w" if force or _is_local(path) else "w-")
-    except (FileExistsError, zarr.errors.ContainsGroupError, zarr.errors.ContainsArrayError) as e:
-        raise OutputExistsError(path, "pass --resume to continue it or --force to overwrite it") from e
 
 
 def _is_local(path: str) -> bool:

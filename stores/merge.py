@@ -342,7 +342,7 @@ def _write_merged_store(stores, output, force: bool) -> dict[str, Any]:
         for k in range(s.n_blocks):
             g = s_index + k * n
             tok = s.read_tokens(k)
-            out.write_tokens(g, tok["input_ids"], tok["loss_mask"], tok["position_ids"], tok["cu_seqlens"])
+            out.write_token_row(g, tok)
             for name in hidden:
                 out.group[name][g] = s.group[name][k]
             n_tokens[g] = per_block[k]
