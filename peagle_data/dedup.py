@@ -23,11 +23,12 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 
 from peagle_data.readers import Conversation, Reject
+from stores.token_rows import TokenizedRow
 
 __all__ = ["DUPLICATE", "Duplicate", "Deduplicator", "conversation_key", "rows_key", "dedup_items",
            "filter_reason"]
@@ -52,14 +53,14 @@ def conversation_key(conv: Conversation) -> bytes:
     return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
 
 
-def rows_key(rows: Iterable[dict[str, Any]]) -> bytes:
+def rows_key(rows: Iterable[TokenizedRow]) -> bytes:
     """16-byte digest of tokenized rows' ``input_ids`` and ``loss_mask`` (a tokenize output's conversation)."""
     h = hashlib.blake2b(digest_size=16)
     for row in rows:
-        ids = np.ascontiguousarray(row["input_ids"], dtype=np.int32)
+        ids = np.ascontiguousarray(row.input_ids, dtype=np.int32)
         h.update(len(ids).to_bytes(8, "little"))
         h.update(ids.tobytes())
-        h.update(np.ascontiguousarray(row["loss_mask"], dtype=np.uint8).tobytes())
+        h.update(np.ascontiguousarray(row.loss_mask, dtype=np.uint8).tobytes())
     return h.digest()
 
 

@@ -6,9 +6,11 @@ Pure functions. Legend: ``n`` tokens in a block, ``S`` segments (windows) in it.
 from __future__ import annotations
 
 import bisect
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
+
+from stores.token_rows import PackedRow
 
 __all__ = ["pack_blocks", "pack_blocks_flexible", "make_packed_row", "packing_efficiency"]
 
@@ -103,7 +105,7 @@ def pack_blocks_flexible(lengths: Sequence[int], min_lengths: Sequence[int],
     return blocks, used
 
 
-def make_packed_row(block_id: int, segments: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> dict[str, Any]:
+def make_packed_row(block_id: int, segments: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> PackedRow:
     """Build one packed row (DESIGN.md §6) from its segments.
 
     Args:
@@ -111,9 +113,9 @@ def make_packed_row(block_id: int, segments: Sequence[tuple[str, np.ndarray, np.
         segments: ``(segment_id, input_ids int [n_s], loss_mask 0/1 [n_s])`` per window, in order.
 
     Returns:
-        ``{"block_id", "input_ids" int32 [n], "loss_mask" uint8 [n], "position_ids" int32 [n]
-        (restart at 0 in every segment), "cu_seqlens" int32 [S + 1] ([0, n_0, n_0+n_1, ..., n]),
-        "segment_ids" list[str] [S], "n_tokens" int}``.
+        A :class:`~stores.token_rows.PackedRow`: ``input_ids`` int32 [n], ``loss_mask`` uint8 [n],
+        ``position_ids`` int32 [n] (restart at 0 in every segment), ``cu_seqlens`` int32 [S + 1]
+        ([0, n_0, n_0+n_1, ..., n]), ``segment_ids`` list[str] [S], ``n_tokens``; no mixture columns.
 
     Raises:
         ValueError: no segment, an empty segment, or ids and mask of different lengths.
@@ -129,15 +131,15 @@ def make_packed_row(block_id: int, segments: Sequence[tuple[str, np.ndarray, np.
     np.cumsum(lengths, out=cu_seqlens[1:])
     n_tokens = int(cu_seqlens[-1])
     starts = np.repeat(cu_seqlens[:-1], lengths)  # [n] start of each token's segment
-    return {
-        "block_id": int(block_id),
-        "input_ids": np.concatenate([np.asarray(s[1], dtype=np.int32) for s in segments]),
-        "loss_mask": np.concatenate([np.asarray(s[2], dtype=np.uint8) for s in segments]),
-        "position_ids": (np.arange(n_tokens, dtype=np.int32) - starts).astype(np.int32),
-        "cu_seqlens": cu_seqlens,
-        "segment_ids": [s[0] for s in segments],
-        "n_tokens": n_tokens,
-    }
+    return PackedRow(
+        block_id=int(block_id),
+        input_ids=np.concatenate([np.asarray(s[1], dtype=np.int32) for s in segments]),
+        loss_mask=np.concatenate([np.asarray(s[2], dtype=np.uint8) for s in segments]),
+        position_ids=(np.arange(n_tokens, dtype=np.int32) - starts).astype(np.int32),
+        cu_seqlens=cu_seqlens,
+        segment_ids=[s[0] for s in segments],
+        n_tokens=n_tokens,
+    )
 
 
 def packing_efficiency(n_tokens_total: int, n_blocks: int, block_size: int) -> float:

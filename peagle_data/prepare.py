@@ -87,6 +87,7 @@ from peagle_data.tokenizing import (
 from peagle_data.windows import SystemPrefixTooLongError, Window, conversation_windows, trim_window
 from stores.errors import InputError, StoreMismatchError
 from stores.staging import staged_output_dir
+from stores.token_rows import TokenizedRow
 from stores.token_tables import (
     MANIFEST,
     RejectsWriter,
@@ -120,14 +121,15 @@ def _is_table(path: str | os.PathLike) -> bool:
 
 
 def _iter_table_rows(tables: list[TokenTable], counts: dict[str, Any],
-                     limit: int | None = None) -> Iterator[list[dict[str, Any]]]:
+                     limit: int | None = None) -> Iterator[list[TokenizedRow]]:
     """Rows of tokenize outputs grouped by conversation (per-turn rows share their ``source``);
     the first ``limit`` conversations when given. An id already seen (the same table twice,
     tables of the same file) is renamed ``id~k`` and counted in ``duplicate_ids_renamed``."""
     ids = UniqueIds()
     n = 0
     for table in tables:
-        for _, group in itertools.groupby(table.iter_rows(), key=lambda r: r["source"]):
+        rows = (TokenizedRow(**r) for r in table.iter_rows())
+        for _, group in itertools.groupby(rows, key=lambda r: r.source):
             if limit is not None and n >= limit:
                 return
             n += 1
@@ -135,19 +137,19 @@ def _iter_table_rows(tables: list[TokenTable], counts: dict[str, Any],
             group = list(group)
             renamed = False
             for row in group:
-                row["conversation_id"], was = ids.unique(row["conversation_id"])
+                row.conversation_id, was = ids.unique(row.conversation_id)
                 renamed |= was
             _bump(counts, "duplicate_ids_renamed", renamed)
             yield group
 
 
-def _filter_table_groups(groups: Iterator[list[dict[str, Any]]], cfg: TokenizeConfig, rejects: RejectsWriter,
-                         counts: dict[str, Any]) -> Iterator[list[dict[str, Any]]]:
+def _filter_table_groups(groups: Iterator[list[TokenizedRow]], cfg: TokenizeConfig, rejects: RejectsWriter,
+                         counts: dict[str, Any]) -> Iterator[list[TokenizedRow]]:
     """Tokenize-output conversations with exact duplicates (same token ids and loss masks, with
     ``cfg.dedup``) and those outside ``--max-tokens``/``--min-loss-tokens`` rejected and counted."""
     dedup = Deduplicator() if cfg.dedup else None
     for group in groups:
-        source, cid = group[0]["source"], group[0]["conversation_id"]
+        source, cid = group[0].source, group[0].conversation_id
         key = rows_key(group)
         source_bump(counts, group, read=1)
         if cfg.num_shards > 1 and shard_of_key(key, cfg.num_shards) != cfg.shard_index:
@@ -165,8 +167,8 @@ def _filter_table_groups(groups: Iterator[list[dict[str, Any]]], cfg: TokenizeCo
                         conversation_id=cid, duplicate_of=first)
                 source_bump(counts, group, rejected=1, duplicates=1)
                 continue
-        filtered = filter_reason(max(len(r["input_ids"]) for r in group),
-                                 sum(int(np.sum(r["loss_mask"])) for r in group), cfg.max_tokens, cfg.min_loss_tokens)
+        filtered = filter_reason(max(len(r.input_ids) for r in group),
+                                 sum(int(np.sum(r.loss_mask)) for r in group), cfg.max_tokens, cfg.min_loss_tokens)
         if filtered is not None:
             _reject(rejects, counts, source, filtered, conversation_id=cid)
             source_bump(counts, group, rejected=1)
@@ -344,12 +346,12 @@ class _WindowSpill:
         os.unlink(self.path)
 
 
-def _collect_windows(groups: Iterator[list[dict[str, Any]]], cfg: PackConfig, rejects: RejectsWriter,
+def _collect_windows(groups: Iterator[list[TokenizedRow]], cfg: PackConfig, rejects: RejectsWriter,
                      counts: dict[str, Any], spill: _WindowSpill) -> None:
     """Cut every conversation's rows into windows, spilled to ``spill``; conversations with none are rejected."""
     counts.update(windows=0, windows_dropped=0, windows_capped=0)
     for group in groups:
-        source, cid = group[0]["source"], group[0]["conversation_id"]
+        source, cid = group[0].source, group[0].conversation_id
         try:
             segments, dropped, candidates = conversation_windows(group, cfg.max_seq_len, cfg.overlap, cfg.overlap_loss)
         except SystemPrefixTooLongError as e:
@@ -373,7 +375,7 @@ def _collect_windows(groups: Iterator[list[dict[str, Any]]], cfg: PackConfig, re
         _bump(counts, "conversations_split", candidates > len(group))
         for segment in segments:
             spill.append(*segment)
-            spill.datasets.append(group[0].get("dataset"))
+            spill.datasets.append(group[0].dataset)
 
 
 def _write_blocks(out: Path, spill: _WindowSpill, block_size: int, vocab_size: int,
@@ -389,11 +391,11 @@ def _write_blocks(out: Path, spill: _WindowSpill, block_size: int, vocab_size: i
             segments = [spill.read(i, used_lengths[i]) for i in members]
             row = make_packed_row(block_id, segments)
             if mixed:  # per-window sources and supervised tokens (peagle-data stats per source)
-                row["segment_datasets"] = [spill.datasets[i] for i in members]
-                row["segment_loss_tokens"] = [int(m.sum()) for _, _, m in segments]
+                row.segment_datasets = [spill.datasets[i] for i in members]
+                row.segment_loss_tokens = [int(m.sum()) for _, _, m in segments]
             writer.write(row)
-            ids, mask = row["input_ids"], row["loss_mask"]
-            n_tokens += row["n_tokens"]
+            ids, mask = row.input_ids, row.loss_mask
+            n_tokens += row.n_tokens
             n_loss += int(mask.sum())
             token_freq.add(ids[mask == 1])
     efficiency = packing_efficiency(n_tokens, len(blocks), block_size)

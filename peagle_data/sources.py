@@ -24,6 +24,7 @@ from peagle_data.dedup import Deduplicator
 from peagle_data.mixtures import Mixture, is_mixture_file, load_mixture, sample_items
 from peagle_data.readers import resolve_inputs
 from stores.errors import InputError
+from stores.token_rows import TokenizedRow
 
 __all__ = ["mixture_of", "input_files", "iter_source_groups", "source_rejected", "source_bump"]
 
@@ -48,9 +49,9 @@ def input_files(inputs: Sequence[str | os.PathLike], mixture: Mixture | None) ->
     return [str(f) for s in mixture.sources for f in resolve_inputs(list(s.inputs))]
 
 
-def iter_source_groups(iter_tokenized: Callable[..., Iterator[list[dict[str, Any]]]], inputs, mixture, tokenizer,
+def iter_source_groups(iter_tokenized: Callable[..., Iterator[list[TokenizedRow]]], inputs, mixture, tokenizer,
                        cfg, rejects, counts: dict[str, Any],
-                       shard: Callable | None = None) -> Iterator[list[dict[str, Any]]]:
+                       shard: Callable | None = None) -> Iterator[list[TokenizedRow]]:
     """Tokenized conversation groups of plain INPUTs or of every mixture source in order.
 
     Args:
@@ -79,7 +80,7 @@ def iter_source_groups(iter_tokenized: Callable[..., Iterator[list[dict[str, Any
                                     select=_select(None, shard, c)):
             used += 1
             for row in group:
-                row["dataset"] = src.name
+                row.dataset = src.name
             yield group
         for key, value in c.items():  # every counter of the source's run adds to the run's
             if isinstance(value, int) and key != "used":
@@ -104,18 +105,18 @@ def _select(sample, shard, counts):
     return select
 
 
-def source_rejected(counts: dict[str, Any], group: list[dict[str, Any]]) -> None:
+def source_rejected(counts: dict[str, Any], group: list[TokenizedRow]) -> None:
     """A conversation of a mixture source rejected after tokenization (``pack``'s window stage)."""
-    name = group[0].get("dataset")
+    name = group[0].dataset
     if name is not None and name in counts.get("sources", {}):
         counts["sources"][name]["used"] -= 1
         counts["sources"][name]["rejected"] += 1
 
 
-def source_bump(counts: dict[str, Any], group: list[dict[str, Any]], **increments: int) -> None:
+def source_bump(counts: dict[str, Any], group: list[TokenizedRow], **increments: int) -> None:
     """Add to the per-source counts of a tokenize output's conversation (``pack`` of a mixture's
     tokenize output: its rows carry ``dataset``); nothing for rows without a source."""
-    name = group[0].get("dataset")
+    name = group[0].dataset
     if name is None:
         return
     c = counts.setdefault("sources", {}).setdefault(

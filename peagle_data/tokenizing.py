@@ -28,6 +28,7 @@ from peagle_data.shards import shard_filter
 from peagle_data.sources import input_files, iter_source_groups, mixture_of
 from stores.errors import InputError
 from stores.staging import staged_output_dir
+from stores.token_rows import TokenizedRow
 from stores.token_tables import RejectsWriter, TableWriter, write_manifest, write_token_freq
 
 __all__ = ["iter_tokenized", "run_tokenize"]
@@ -91,7 +92,7 @@ def _reject(rejects: RejectsWriter, counts: dict[str, Any], source: str, reason:
 
 def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: TokenizeConfig,
                    rejects: RejectsWriter, counts: dict[str, int], *, dedup: Deduplicator | None = None,
-                   sample=None, select=None) -> Iterator[list[dict[str, Any]]]:
+                   sample=None, select=None) -> Iterator[list[TokenizedRow]]:
     """Read, normalise and tokenize conversations, in input order.
 
     ``dedup`` is shared across calls (the sources of a mixture); None makes a new one when
@@ -150,7 +151,7 @@ def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: Tokenize
 
 
 def _outcome_rows(item: Conversation | Reject, outcome, cfg: TokenizeConfig, rejects: RejectsWriter,
-                  counts: dict[str, Any]) -> list[dict[str, Any]] | None:
+                  counts: dict[str, Any]) -> list[TokenizedRow] | None:
     """The rows of one read item and its tokenizing outcome (:func:`_tokenize_chunk`), or None when
     it is rejected (written to ``rejects`` and counted)."""
     _bump(counts, "read")
@@ -219,7 +220,7 @@ def _tokenize_chunk(tokenizer, chunk: list[Conversation | Reject], template, spl
     return list(zip(chunk, outcomes))
 
 
-def _rows_of(conv: Conversation, outcome: list[tuple], counts: dict[str, Any]) -> list[dict[str, Any]]:
+def _rows_of(conv: Conversation, outcome: list[tuple], counts: dict[str, Any]) -> list[TokenizedRow]:
     _bump(counts, "dropped_leading_assistant_turns", conv.dropped_leading_assistant)
     _bump(counts, "conversations_with_dropped_leading_assistant", conv.dropped_leading_assistant > 0)
     _bump(counts, "merged_user_turns", conv.merged_user_turns)
@@ -233,14 +234,11 @@ def _rows_of(conv: Conversation, outcome: list[tuple], counts: dict[str, Any]) -
     per_turn = outcome[0][0] is not None
     _bump(counts, "history_rewrite_conversations", per_turn)
     _bump(counts, "history_rewrite_rows", len(outcome) if per_turn else 0)
-    rows = []
-    for turn, tok, _ in outcome:
-        n_loss = int(tok.loss_mask.sum())
-        rows.append({"conversation_id": conv.conversation_id if turn is None else f"{conv.conversation_id}@{turn}",
-                     "source": conv.source, "input_ids": tok.input_ids, "loss_mask": tok.loss_mask,
-                     "system_len": tok.system_len, "n_tokens": int(tok.input_ids.shape[0]),
-                     "n_loss_tokens": n_loss})
-    return rows
+    return [TokenizedRow(conversation_id=conv.conversation_id if turn is None else f"{conv.conversation_id}@{turn}",
+                         source=conv.source, input_ids=tok.input_ids, loss_mask=tok.loss_mask,
+                         system_len=tok.system_len, n_tokens=int(tok.input_ids.shape[0]),
+                         n_loss_tokens=int(tok.loss_mask.sum()))
+            for turn, tok, _ in outcome]
 
 
 def _check_output_not_input(output, inputs) -> None:
@@ -303,9 +301,9 @@ def run_tokenize(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.P
                 _bump(counts, "used")
                 for row in group:
                     writer.write(row)
-                    n_tokens += row["n_tokens"]
-                    n_loss += row["n_loss_tokens"]
-                    token_freq.add(row["input_ids"][row["loss_mask"] == 1])
+                    n_tokens += row.n_tokens
+                    n_loss += row.n_loss_tokens
+                    token_freq.add(row.input_ids[row.loss_mask == 1])
             by_reason = dict(rejects.by_reason)
         counts.update(tokens=n_tokens, loss_tokens=n_loss, rejected_by_reason=by_reason)
         assert counts["used"] + counts["rejected"] == counts["read"], counts

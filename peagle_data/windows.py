@@ -188,7 +188,8 @@ def conversation_windows(rows, max_seq_len: int, overlap: float = 0.5,
     """The windows of one conversation's tokenized rows (one row, or one per assistant turn).
 
     Args:
-        rows: mappings with ``conversation_id``, ``input_ids``, ``loss_mask``, ``system_len``.
+        rows: :class:`~stores.token_rows.TokenizedRow` (``conversation_id``, ``input_ids``,
+            ``loss_mask``, ``system_len`` are read).
         max_seq_len, overlap, overlap_loss: as in :func:`make_windows`.
 
     Returns:
@@ -200,12 +201,12 @@ def conversation_windows(rows, max_seq_len: int, overlap: float = 0.5,
     """
     segments, dropped, candidates = [], 0, 0
     for row in rows:
-        ids, mask, system_len = row["input_ids"], row["loss_mask"], int(row["system_len"])
+        ids, mask, system_len = row.input_ids, row.loss_mask, int(row.system_len)
         n_candidates = count_windows(len(ids), system_len, max_seq_len, overlap)
         windows = make_windows(ids, mask, system_len, max_seq_len, overlap, overlap_loss)
         dropped += n_candidates - len(windows)
         candidates += n_candidates
-        segments += [(f"{row['conversation_id']}#{w.index}", w) for w in windows]
+        segments += [(f"{row.conversation_id}#{w.index}", w) for w in windows]
     return segments, dropped, candidates
 
 

@@ -58,8 +58,8 @@ class PackedRow:
     """``[T] uint8``."""
     position_ids: np.ndarray = _col(pa.large_list(pa.int32()))
     """``[T] int32``, restarting at 0 in every window."""
-    cu_seqlens: list[int] = _col(pa.list_(pa.int32()))
-    """``[S+1]``: ``[0, len_0, ..., T]``."""
+    cu_seqlens: np.ndarray = _col(pa.list_(pa.int32()))
+    """``[S+1] int32``: ``[0, len_0, ..., T]``."""
     segment_ids: list[str] = _col(pa.list_(pa.string()))
     """``[S]`` the conversation id (``#window``) of each window."""
     n_tokens: int = _col(pa.int32())

@@ -64,12 +64,12 @@ def test_make_packed_row_columns():
         ("b#2", np.array([20, 21]), np.array([1, 0])),
     ]
     row = make_packed_row(7, segments)
-    assert row["block_id"] == 7 and row["n_tokens"] == 5
-    assert row["input_ids"].tolist() == [10, 11, 12, 20, 21] and row["input_ids"].dtype == np.int32
-    assert row["loss_mask"].tolist() == [0, 1, 1, 1, 0] and row["loss_mask"].dtype == np.uint8
-    assert row["position_ids"].tolist() == [0, 1, 2, 0, 1] and row["position_ids"].dtype == np.int32
-    assert row["cu_seqlens"].tolist() == [0, 3, 5] and row["cu_seqlens"].dtype == np.int32
-    assert row["segment_ids"] == ["a#0", "b#2"]
+    assert row.block_id == 7 and row.n_tokens == 5
+    assert row.input_ids.tolist() == [10, 11, 12, 20, 21] and row.input_ids.dtype == np.int32
+    assert row.loss_mask.tolist() == [0, 1, 1, 1, 0] and row.loss_mask.dtype == np.uint8
+    assert row.position_ids.tolist() == [0, 1, 2, 0, 1] and row.position_ids.dtype == np.int32
+    assert row.cu_seqlens.tolist() == [0, 3, 5] and row.cu_seqlens.dtype == np.int32
+    assert row.segment_ids == ["a#0", "b#2"]
 
 
 def test_make_packed_row_rejects_bad_segments():
