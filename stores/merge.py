@@ -323,6 +323,7 @@ def merge_stores(paths: list[str | os.PathLike], output: str | os.PathLike, forc
 
 
 def _write_merged_store(stores, output, force: bool) -> dict[str, Any]:
+    from stores.feature_schema import hidden_arrays
     from stores.feature_store import FeatureStore
 
     first, n = stores[0], len(stores)
@@ -336,7 +337,7 @@ def _write_merged_store(stores, output, force: bool) -> dict[str, Any]:
         compressor=attrs.get("compressor"), n_tokens=sum(s.n_tokens for s in stores), force=force,
         extra={"merged_from": [{"path": str(s.path), "shard_index": i} for i, s in enumerate(stores)]})
     n_tokens = np.zeros(total, dtype=np.int32)
-    hidden = [name for name in ("aux_hidden", "final_hidden", "aux_scale", "final_scale") if name in first.group]
+    hidden = [spec.name for spec in hidden_arrays(first.storage_dtype)]
     for s_index, s in enumerate(stores):
         per_block = s.n_tokens_per_block()
         for k in range(s.n_blocks):
