@@ -1,4 +1,4 @@
-"""Chat templates and loss masks (DESIGN.md §3) on any template, without ``{% generation %}`` tags.
+"""Chat templates and loss masks (docs/design.md §3) on any template, without ``{% generation %}`` tags.
 
 Method, for one conversation of T tokens:
 

@@ -1,4 +1,4 @@
-"""Packing (DESIGN.md §5): best-fit decreasing of windows into blocks of at most ``block_size`` tokens.
+"""Packing (docs/design.md §5): best-fit decreasing of windows into blocks of at most ``block_size`` tokens.
 
 Pure functions. Legend: ``n`` tokens in a block, ``S`` segments (windows) in it.
 """
@@ -106,7 +106,7 @@ def pack_blocks_flexible(lengths: Sequence[int], min_lengths: Sequence[int],
 
 
 def make_packed_row(block_id: int, segments: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> PackedRow:
-    """Build one packed row (DESIGN.md §6) from its segments.
+    """Build one packed row (docs/design.md §6) from its segments.
 
     Args:
         block_id: the row's id.

@@ -18,7 +18,7 @@ turn of which nothing is rendered supervises nothing.
 temporary file in the output directory (5 bytes per token) and read back block by block after
 best-fit decreasing has placed them, so peak memory does not grow with the token count.
 
-Packing (DESIGN.md §5 best-fit decreasing, :func:`peagle_data.packing.pack_blocks_flexible`):
+Packing (docs/design.md §5 best-fit decreasing, :func:`peagle_data.packing.pack_blocks_flexible`):
 windows of long conversations are all W tokens (the last one is aligned to the body's end, see
 :mod:`peagle_data.windows`); with ``skip``, that last window may also be cut back (dropping
 leading loss-0 context tokens, never below the unaligned layout's start) to fill the largest gap

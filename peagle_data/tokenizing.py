@@ -266,7 +266,7 @@ def _base_counts() -> dict[str, Any]:
 def run_tokenize(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.PathLike,
                  output: str | os.PathLike, cfg: TokenizeConfig, force: bool = False,
                  tokenizer=None, config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``peagle-data tokenize``: conversations -> a tokenized table (DESIGN.md §6).
+    """``peagle-data tokenize``: conversations -> a tokenized table (docs/design.md §6).
 
     Args:
         inputs: conversation files, globs or ``sharegpt``.

@@ -1,4 +1,4 @@
-"""Windows (DESIGN.md §5): cut a tokenized conversation into pieces of at most ``max_seq_len`` tokens.
+"""Windows (docs/design.md §5): cut a tokenized conversation into pieces of at most ``max_seq_len`` tokens.
 
 Pure functions over arrays. Legend: ``T`` tokens in the conversation, ``W`` = ``max_seq_len``,
 ``P`` the system prefix (the first ``system_len`` tokens), ``B = W - len(P)`` body tokens per window.
@@ -125,7 +125,7 @@ def count_windows(n_tokens: int, system_len: int, max_seq_len: int, overlap: flo
 
 def make_windows(input_ids: np.ndarray, loss_mask: np.ndarray, system_len: int, max_seq_len: int,
                  overlap: float = 0.5, overlap_loss: str = "skip") -> list[Window]:
-    """Cut one conversation into windows of at most ``max_seq_len`` tokens (DESIGN.md §5).
+    """Cut one conversation into windows of at most ``max_seq_len`` tokens (docs/design.md §5).
 
     Args:
         input_ids: int ``[T]``.

@@ -1,4 +1,4 @@
-"""Drafter checkpoints in the ``speculators`` / vLLM P-EAGLE format, and training state (DESIGN.md §8).
+"""Drafter checkpoints in the ``speculators`` / vLLM P-EAGLE format, and training state (docs/design.md §8).
 
 A checkpoint directory holds
 - ``config.json``: ``architectures ["PEagleSpeculator"]``, ``speculators_model_type "peagle"``,

@@ -1,4 +1,4 @@
-"""COD sampling: which drafter elements ``(anchor, depth)`` one packed row trains (DESIGN.md §4, §8).
+"""COD sampling: which drafter elements ``(anchor, depth)`` one packed row trains (docs/design.md §4, §8).
 
 Legend: T tokens in a block, S segments, E drafter elements, K ``num_depths``.
 
@@ -257,7 +257,7 @@ def n_draw_formula(n_seeds: int, depth: int, down_sample_ratio: float, down_samp
 
 
 def element_inputs(elements: CodElements, input_ids: torch.Tensor, position_ids: torch.Tensor) -> ElementInputs:
-    """Gather the drafter inputs and loss indices of ``elements`` (DESIGN.md §4).
+    """Gather the drafter inputs and loss indices of ``elements`` (docs/design.md §4).
 
     Args:
         elements: from :func:`sample_cod_elements` or :func:`all_elements`.

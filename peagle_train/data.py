@@ -1,4 +1,4 @@
-"""The store-backed block loader: split, per-epoch shuffle, exact resume, prefetch (DESIGN.md §7, §8).
+"""The store-backed block loader: split, per-epoch shuffle, exact resume, prefetch (docs/design.md §7, §8).
 
 Legend: T tokens in a block, L aux layers, H hidden size.
 

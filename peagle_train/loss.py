@@ -1,4 +1,4 @@
-"""Weighted forward KL to the verifier and per-depth accuracy, in chunks (DESIGN.md §8).
+"""Weighted forward KL to the verifier and per-depth accuracy, in chunks (docs/design.md §8).
 
 Legend: E drafter elements, E' elements with non-zero weight, U distinct target rows, H hidden
 size, D draft vocab, K ``num_depths``, C elements per chunk.

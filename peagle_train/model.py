@@ -1,4 +1,4 @@
-"""The P-EAGLE drafter (DESIGN.md §8).
+"""The P-EAGLE drafter (docs/design.md §8).
 
 Legend: E drafter elements in one packed row, H hidden size, L aux layers, V verifier vocab,
 D draft vocab, nh / nkv attention / key-value heads, hd head dim.

@@ -1,4 +1,4 @@
-"""AdamW with lazy row updates for the embedding table (DESIGN.md §8: ``embed_tokens`` trains).
+"""AdamW with lazy row updates for the embedding table (docs/design.md §8: ``embed_tokens`` trains).
 
 Legend: V rows of an embedding table, H its width, R rows touched in a step.
 

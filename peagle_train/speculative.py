@@ -8,7 +8,7 @@ Legend: t index of the last token the verifier has read, K drafted tokens per st
 size, L aux layers, V verifier vocab, D draft vocab, E drafter elements in one pass, N cached drafter
 elements, nkv / hd drafter key-value heads / head dim.
 
-One step, in the alignment of DESIGN.md §4: the verifier has read ``x_0..x_t`` (they are in its KV
+One step, in the alignment of docs/design.md §4: the verifier has read ``x_0..x_t`` (they are in its KV
 cache) and has emitted ``x_{t+1}``.
 1. One drafter pass over the depth-0 elements ``(a, 0)`` not yet cached (token ``x_{a+1}``, feature
    ``g_a``) and the chain ``(t, 1..K-1)`` (mask token, ``mask_hidden``). Sorted (depth-0 by anchor,

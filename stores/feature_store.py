@@ -59,7 +59,7 @@ FORMAT_VERSION = 1
 
 
 class FeatureStore:
-    """A peagle feature store: one zarr v3 group with the arrays and attributes of DESIGN §7.
+    """A peagle feature store: one zarr v3 group with the arrays and attributes of docs/design.md §7.
 
     Open an existing store with :meth:`open`, make a new one with :meth:`create`.
     """

@@ -1,4 +1,4 @@
-"""Arrow token tables (DESIGN.md §6): schemas, a bounded-memory writer, readers, manifests.
+"""Arrow token tables (docs/design.md §6): schemas, a bounded-memory writer, readers, manifests.
 
 A table is a directory of Parquet (zstd) part files ``part-00000.parquet`` ... plus
 ``manifest.json`` written last (a table without a manifest is unfinished), and optionally

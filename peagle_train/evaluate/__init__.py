@@ -1,4 +1,4 @@
-"""Drafter evaluation (DESIGN.md §9): offline acceptance on stored features, online speculative decoding.
+"""Drafter evaluation (docs/design.md §9): offline acceptance on stored features, online speculative decoding.
 
 Legend: T tokens in a block, n tokens in a segment, L aux layers, H hidden size, V verifier vocab,
 D draft vocab, K drafted tokens per step (``num_depths``), E drafter elements, A anchors.

@@ -230,7 +230,7 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
                      blocks: Sequence[int] | None = None, verifier_name: str | None = None,
                      num_depths: int | None = None, chunk_anchors: int = 256,
                      progress_factory: Callable[[int], Any] | None = None) -> dict[str, Any]:
-    """Offline evaluation of a drafter checkpoint on a feature store (DESIGN.md §9).
+    """Offline evaluation of a drafter checkpoint on a feature store (docs/design.md §9).
 
     Args:
         drafter_dir: a drafter checkpoint directory.

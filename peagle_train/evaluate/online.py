@@ -169,7 +169,7 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
                     num_draft_tokens: int | None = None, output: str | Path | None = None,
                     progress_factory: Callable[[int], Any] | None = None, temperature: float = 0.0,
                     seed: int = 0) -> dict[str, Any]:
-    """Online evaluation of a drafter checkpoint on a prompts file (DESIGN.md §9).
+    """Online evaluation of a drafter checkpoint on a prompts file (docs/design.md §9).
 
     Args:
         drafter_dir: a checkpoint written by ``peagle_train.checkpoint.save_drafter``.

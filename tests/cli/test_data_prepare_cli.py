@@ -116,7 +116,7 @@ def test_pack_raw_and_from_tokenized_agree(tmp_path, convs, tok_name):
 
 @pytest.mark.slow
 def test_sharegpt_2000_packing_efficiency(tmp_path, tok_name):
-    """DESIGN.md §5 goal: efficiency >= 0.99 on 2,000 ShareGPT conversations at --max-seq-len 2048
+    """docs/design.md §5 goal: efficiency >= 0.99 on 2,000 ShareGPT conversations at --max-seq-len 2048
     (about 100 s on 2 CPU cores; slow: runs in CI and with PEAGLE_SLOW_TESTS=1)."""
     result = invoke(pack, ["sharegpt", "--tokenizer", tok_name, "--limit", 2000, "--max-seq-len", 2048,
                            "--output", tmp_path / "p"])

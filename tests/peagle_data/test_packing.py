@@ -1,4 +1,4 @@
-"""Packing (DESIGN.md §5): best-fit decreasing exactness, determinism, packed-row columns."""
+"""Packing (docs/design.md §5): best-fit decreasing exactness, determinism, packed-row columns."""
 
 from __future__ import annotations
 

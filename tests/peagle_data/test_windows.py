@@ -1,4 +1,4 @@
-"""Windows (DESIGN.md §5): hand cases with arithmetic ids, and properties over random conversations."""
+"""Windows (docs/design.md §5): hand cases with arithmetic ids, and properties over random conversations."""
 
 from __future__ import annotations
 

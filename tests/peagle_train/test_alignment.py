@@ -1,4 +1,4 @@
-"""DESIGN.md §4 worked example as a test: one segment [SYS, USR, HDR, A1, A2, EOT], m = [0,0,0,1,1,1]."""
+"""docs/design.md §4 worked example as a test: one segment [SYS, USR, HDR, A1, A2, EOT], m = [0,0,0,1,1,1]."""
 
 import torch
 

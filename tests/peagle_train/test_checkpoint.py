@@ -1,4 +1,4 @@
-"""Drafter checkpoints: exact round trip; config.json keys and tensor names/shapes per DESIGN.md §8."""
+"""Drafter checkpoints: exact round trip; config.json keys and tensor names/shapes per docs/design.md §8."""
 
 import json
 

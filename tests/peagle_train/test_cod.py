@@ -1,4 +1,4 @@
-"""COD sampling (DESIGN.md §8) against brute-force enumeration on small rows."""
+"""COD sampling (docs/design.md §8) against brute-force enumeration on small rows."""
 
 import itertools
 

@@ -26,7 +26,7 @@ from stores.errors import InputError
 
 
 # ------------------------------------------------------------------ offline, hand-built
-# One segment is the worked example of DESIGN.md §4: [SYS, USR, HDR, A1, A2, EOT], m = [0,0,0,1,1,1].
+# One segment is the worked example of docs/design.md §4: [SYS, USR, HDR, A1, A2, EOT], m = [0,0,0,1,1,1].
 SEGMENT = [10, 11, 12, 13, 14, 15]
 MASK = [0, 0, 0, 1, 1, 1]
 V, D, H = 16, 8, 16  # draft vocab = verifier ids 8..15 (d2t = 8); ids 0..7 are outside it

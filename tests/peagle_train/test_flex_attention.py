@@ -1,4 +1,4 @@
-"""flex_attention BlockMasks of the §8 rule give what the dense SDPA mask gives (DESIGN.md §8).
+"""flex_attention BlockMasks of the §8 rule give what the dense SDPA mask gives (docs/design.md §8).
 
 CPU (everywhere): the BlockMasks' tiles and mask_mod equal the dense rule, and the drafter forward
 (full and ``output_rows``) and the weighted KL with :class:`FlexElementMask` equal the dense ones
