@@ -9,8 +9,8 @@ import click
 from click.core import ParameterSource
 
 from cli.common import config_error, handle_errors
-from cli.options import FROM_CONFIG_FILE, ConfigArgument, config_file_options, config_options, run_config
-from peagle_data.prepare import DROPPED_CONTENT, HISTORY_REWRITE, PackConfig, TokenizeConfig
+from cli.options import FROM_CONFIG_FILE, config_file_options, config_options, run_config
+from peagle_data.prepare import DROPPED_CONTENT, HISTORY_REWRITE, PackConfig, PackRun, TokenizeConfig, TokenizeRun
 from peagle_data.readers import FORMATS
 from peagle_data.windows import OVERLAP_LOSS
 
@@ -26,19 +26,17 @@ _TOKENIZE_OVERRIDES = {
 """What TokenizeConfig's annotations cannot say: the choices (the library's own tuples), a path, a flag pair."""
 
 
-def _run_options(fn):
-    """The options of tokenize and pack that are no config field: inputs, tokenizer, output, force."""
-    options = [
-        click.argument("inputs", metavar="INPUT...", nargs=-1, required=True, cls=ConfigArgument),
-        click.option("--tokenizer", "tokenizer_name", metavar="MODEL", required=True,
-                     help="smollm2-135m, a local model directory or a Hugging Face id."),
-        click.option("--output", metavar="DIR", required=True, type=click.Path(file_okay=False),
-                     help="Output table directory (must not exist unless --force)."),
-        click.option("--force", is_flag=True, help="Overwrite an existing output."),
-    ]
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
+_RUN_OVERRIDES = {
+    "inputs": {"metavar": "INPUT...", "nargs": -1, "required": True},
+    "tokenizer": {"metavar": "MODEL"},
+    "output": {"metavar": "DIR", "type": click.Path(file_okay=False)},
+}
+"""The run fields of TokenizeRun and PackRun: INPUT... an argument, MODEL, a directory."""
+
+
+def _run_fields(options: dict) -> dict:
+    """The fields of the run wrapper (inputs, tokenizer, output, force) from a command's options."""
+    return {"inputs": list(options.pop("inputs")), **{k: options.pop(k) for k in ("tokenizer", "output", "force")}}
 
 
 def _tokenize_config(options: dict) -> TokenizeConfig:
@@ -117,11 +115,11 @@ def _exit_if_useless(summary: dict) -> None:
 
 
 @click.command()
-@_run_options
+@config_options(TokenizeRun, skip=("settings",), arguments=("inputs",), overrides=_RUN_OVERRIDES)
 @config_options(TokenizeConfig, overrides=_TOKENIZE_OVERRIDES)
 @config_file_options
 @handle_errors
-def tokenize(inputs, tokenizer_name, output, force, **options):
+def tokenize(**options):
     """Tokenize conversations with the chat template; write input_ids and assistant loss masks.
 
     INPUT: .jsonl, .json or .parquet files (globs allowed), 'sharegpt', or one mixture file
@@ -130,19 +128,19 @@ def tokenize(inputs, tokenizer_name, output, force, **options):
     """
     from peagle_data.prepare import run_tokenize
 
-    summary = run_tokenize(list(inputs), tokenizer_name, output, _tokenize_config(options), force=force,
-                           config=run_config())
+    run = TokenizeRun(**_run_fields(options), settings=_tokenize_config(options))
+    summary = run_tokenize(run, config=run_config())
     _echo_summary(summary)
     _exit_if_useless(summary)
 
 
 @click.command()
-@_run_options
+@config_options(PackRun, skip=("settings",), arguments=("inputs",), overrides=_RUN_OVERRIDES)
 @config_options(TokenizeConfig, overrides=_TOKENIZE_OVERRIDES)
 @config_options(PackConfig, skip=("tokenize",), overrides={"overlap_loss": {"type": click.Choice(OVERLAP_LOSS)}})
 @config_file_options
 @handle_errors
-def pack(inputs, tokenizer_name, output, force, **options):
+def pack(**options):
     """Cut conversations into windows and pack them into blocks with cu_seqlens.
 
     INPUT: conversation files / 'sharegpt' / one mixture file (tokenized on the fly), or a tokenize output (then
@@ -152,7 +150,7 @@ def pack(inputs, tokenizer_name, output, force, **options):
     """
     from peagle_data.prepare import run_pack
 
-    summary = run_pack(list(inputs), tokenizer_name, output, _pack_config(options), force=force,
-                       explicit=_explicit_tokenize_fields(click.get_current_context()), config=run_config())
+    run = PackRun(**_run_fields(options), settings=_pack_config(options))
+    summary = run_pack(run, explicit=_explicit_tokenize_fields(click.get_current_context()), config=run_config())
     _echo_summary(summary)
     _exit_if_useless(summary)

@@ -1,8 +1,8 @@
 """``peagle-data regenerate``: options -> a back end config and a run config -> one library call.
 
-The options are the fields of :class:`~peagle_data.regenerate.RegenerateConfig` and of
-:class:`~peagle_data.verifier_backends.BackendConfig` (cli/options.py), plus INPUT, --output,
---resume and --force.
+The options are the fields of :class:`~peagle_data.regenerate.RegenerateRun` (INPUT, --output,
+--resume, --force), of its ``settings`` (:class:`~peagle_data.regenerate.RegenerateConfig`) and of
+its ``backend`` (:class:`~peagle_data.verifier_backends.BackendConfig`) (cli/options.py).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import sys
 import click
 
 from cli.common import config_error, handle_errors
-from cli.options import ConfigArgument, config_file_options, config_options, run_config
+from cli.options import config_file_options, config_options, run_config
 from peagle_data.readers import FORMATS
-from peagle_data.regenerate import TURNS, RegenerateConfig
+from peagle_data.regenerate import TURNS, RegenerateConfig, RegenerateRun
 from peagle_data.verifier_backends import BackendConfig
 
 __all__ = ["regenerate"]
@@ -29,6 +29,10 @@ _BACKEND_OVERRIDES = {
     "device": {"metavar": "DEV"},
     "retries": {"metavar": "N"},
     "timeout": {"metavar": "S"},
+}
+_IO_OVERRIDES = {
+    "inputs": {"metavar": "INPUT...", "nargs": -1, "required": True},
+    "output": {"metavar": "OUT.jsonl", "type": click.Path(dir_okay=False)},
 }
 _RUN_OVERRIDES = {
     "max_new_tokens": {"metavar": "N"},
@@ -60,13 +64,11 @@ def _split(options: dict, cls: type) -> dict:
 
 
 @click.command()
-@click.argument("inputs", metavar="INPUT...", nargs=-1, required=True, cls=ConfigArgument)
-@click.option("--output", metavar="OUT.jsonl", required=True, type=click.Path(dir_okay=False),
-              help="Regenerated conversations (OpenAI messages); OUT.manifest.json and OUT.rejects.jsonl beside it.")
+@config_options(RegenerateRun, skip=("settings", "backend", "resume", "force"), arguments=("inputs",),
+                overrides=_IO_OVERRIDES)
 @config_options(BackendConfig, overrides=_BACKEND_OVERRIDES)
 @config_options(RegenerateConfig, skip=("chunk_rows",), overrides=_RUN_OVERRIDES)
-@click.option("--resume", is_flag=True, help="Continue an unfinished run of the same settings.")
-@click.option("--force", is_flag=True, help="Overwrite an existing output.")
+@config_options(RegenerateRun, skip=("inputs", "output", "settings", "backend"))
 @config_file_options
 @handle_errors
 def regenerate(inputs, output, resume, force, **options):
@@ -79,8 +81,7 @@ def regenerate(inputs, output, resume, force, **options):
     from peagle_data.regenerate import run_regenerate
 
     with config_error():
-        cfg = RegenerateConfig(**_split(options, RegenerateConfig))
-        backend = BackendConfig(**_split(options, BackendConfig))
-    summary = run_regenerate(list(inputs), output, lambda: backend.make(cfg.max_new_tokens, cfg.temperature), cfg,
-                             force=force, resume=resume, config=run_config())
-    _echo_summary(summary, output)
+        run = RegenerateRun(inputs=list(inputs), output=output, resume=resume, force=force,
+                            settings=RegenerateConfig(**_split(options, RegenerateConfig)),
+                            backend=BackendConfig(**_split(options, BackendConfig)))
+    _echo_summary(run_regenerate(run, config=run_config()), output)

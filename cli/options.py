@@ -132,7 +132,8 @@ def config_options(cls: type, *, skip: tuple[str, ...] = (), overrides: dict[str
         default = f.default if f.default is not dataclasses.MISSING else None
         kwargs = {**_click_kwargs(hints[f.name], default), **overrides.get(f.name, {})}
         decls = kwargs.pop("decls", None)
-        if f.name in arguments:
+        if f.name in arguments:  # a list field is one nargs=-1 argument (overrides), not a repeated option
+            kwargs.pop("multiple", None)
             params.append(click.argument(f.name, cls=ConfigArgument, **kwargs))
             continue
         decls = decls or ["--" + f.name.replace("_", "-")]

@@ -64,7 +64,9 @@ from peagle_data.prepare_config import (
     HISTORY_REWRITE,
     TOKENIZE_ONLY,
     PackConfig,
+    PackRun,
     TokenizeConfig,
+    TokenizeRun,
 )
 from peagle_data.readers import UniqueIds
 from peagle_data.shards import shard_of_key
@@ -98,7 +100,7 @@ from stores.token_tables import (
     write_token_freq,
 )
 
-__all__ = ["TokenizeConfig", "PackConfig", "run_tokenize", "run_pack", "iter_tokenized", "CHUNK_CONVERSATIONS",
+__all__ = ["TokenizeConfig", "PackConfig", "TokenizeRun", "PackRun", "run_tokenize", "run_pack", "iter_tokenized", "CHUNK_CONVERSATIONS",
            "HISTORY_REWRITE", "DROPPED_CONTENT", "TOKENIZE_ONLY", "ignored_tokenize_options"]
 
 
@@ -193,20 +195,17 @@ def _open_tables(inputs, tokenizer, template) -> list[TokenTable]:
     return tables
 
 
-def run_pack(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.PathLike,
-             output: str | os.PathLike, cfg: PackConfig, force: bool = False,
-             tokenizer=None, explicit: Collection[str] | None = None,
+def run_pack(run: PackRun, tokenizer=None, explicit: Collection[str] | None = None,
              config: dict[str, Any] | None = None) -> dict[str, Any]:
     """``peagle-data pack``: conversations or a tokenize output -> windows -> packed blocks (§5, §6).
 
     Args:
-        inputs: conversation files / globs / ``sharegpt``, or tokenize output directories (not mixed).
-        tokenizer_name: MODEL, recorded in the manifest (and used to tokenize raw conversations).
-        output: the packed table directory to create.
-        cfg: window, packing and (for raw inputs) tokenizing options.
-        force: replace an existing output.
-        tokenizer: an already loaded tokenizer to use instead of loading ``tokenizer_name``.
-        explicit: names of the ``cfg.tokenize`` fields the caller set explicitly; with tokenize
+        run: the inputs (conversation files / globs / ``sharegpt`` / one mixture file, or tokenize
+            output directories, not mixed), the tokenizer MODEL (recorded in the manifest, and used to
+            tokenize raw conversations), the packed table directory to create, ``force`` to replace
+            an existing one, and the window, packing and (for raw inputs) tokenizing ``settings``.
+        tokenizer: an already loaded tokenizer to use instead of loading ``run.tokenizer``.
+        explicit: names of the ``settings.tokenize`` fields the caller set explicitly; with tokenize
             outputs as inputs, those of :data:`TOKENIZE_ONLY` set to a non-default value are named
             in one warning line on stderr (they are ignored). None counts every field.
         config: the command's resolved options, recorded as the manifest's ``config`` (as :func:`run_tokenize`).
@@ -216,10 +215,11 @@ def run_pack(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.PathL
         loss_tokens, n_blocks, packing_efficiency, ...).
 
     Raises:
-        OutputExistsError: ``output`` exists and ``force`` is false.
+        OutputExistsError: ``run.output`` exists and ``run.force`` is false.
         InputError: bad inputs, mixed raw and tokenized inputs; with strict, the first bad row.
         StoreMismatchError: a tokenize output made with another chat template.
     """
+    inputs, tokenizer_name, output, cfg = run.inputs, run.tokenizer, run.output, run.settings
     mixture, tables = _check_pack_inputs(inputs, output)
     template = _read_template(cfg.tokenize.chat_template)
     tokenizer = _load_tokenizer(tokenizer_name, tokenizer)
@@ -233,7 +233,7 @@ def run_pack(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.PathL
         files = [str(t.directory) for t in tables]
     else:
         files = input_files(inputs, mixture)
-    with staged_output_dir(output, force) as out:
+    with staged_output_dir(output, run.force) as out:
         with RejectsWriter(out) as rejects:
             rows = (_filter_table_groups(_iter_table_rows(tables, counts, cfg.tokenize.limit), cfg.tokenize,
                                          rejects, counts) if tables is not None

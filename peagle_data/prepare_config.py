@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 from pathlib import Path
 
 from peagle_data.readers import FORMATS
 from peagle_data.shards import check_shard
 from peagle_data.windows import OVERLAP_LOSS
 
-__all__ = ["TokenizeConfig", "PackConfig", "CHUNK_CONVERSATIONS", "HISTORY_REWRITE", "DROPPED_CONTENT",
+__all__ = ["TokenizeConfig", "PackConfig", "TokenizeRun", "PackRun", "CHUNK_CONVERSATIONS", "HISTORY_REWRITE", "DROPPED_CONTENT",
            "TOKENIZE_ONLY"]
 
 CHUNK_CONVERSATIONS = 64
@@ -115,3 +116,33 @@ class PackConfig:
     def block_size_tokens(self) -> int:
         """The effective block size in tokens."""
         return self.block_size if self.block_size is not None else self.max_seq_len
+
+
+@dataclass(frozen=True, kw_only=True)
+class _PrepareRun:
+    """What one tokenize or pack run reads, with which tokenizer, and where it writes."""
+
+    inputs: Sequence[str]
+    """Conversation files (globs allowed), 'sharegpt', one mixture file, or (pack) tokenize outputs."""
+    tokenizer: str
+    """smollm2-135m, a local model directory or a Hugging Face id."""
+    output: str
+    """Output table directory (must not exist unless --force)."""
+    force: bool = False
+    """Overwrite an existing output."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizeRun(_PrepareRun):
+    """One ``peagle-data tokenize`` run: its inputs, tokenizer and output, and how (``settings``)."""
+
+    settings: TokenizeConfig = field(default_factory=TokenizeConfig)
+    """How conversations are read and tokenized."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackRun(_PrepareRun):
+    """One ``peagle-data pack`` run: its inputs, tokenizer and output, and how (``settings``)."""
+
+    settings: PackConfig = field(default_factory=PackConfig)
+    """How conversations are tokenized, cut into windows and packed."""

@@ -36,17 +36,17 @@ import itertools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from tqdm import tqdm
 
 from peagle_data.readers import FORMATS, Conversation, Reject, read_conversations, resolve_inputs
-from peagle_data.verifier_backends import Answer, Request
+from peagle_data.verifier_backends import Answer, BackendConfig, Request
 from stores.conversation_files import ConversationWriter, check_output, read_regenerate_manifest
 from stores.errors import InputError
 
-__all__ = ["RegenerateConfig", "TURNS", "Regeneration", "run_regenerate"]
+__all__ = ["RegenerateConfig", "RegenerateRun", "TURNS", "Regeneration", "run_regenerate"]
 
 TURNS = ("all", "last")
 
@@ -84,6 +84,25 @@ class RegenerateConfig:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"--limit must be >= 1 rows, got {self.limit}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegenerateRun:
+    """One ``peagle-data regenerate`` run: inputs, output, the generation ``settings`` and the ``backend``."""
+
+    inputs: Sequence[str]
+    """Conversation files (.jsonl, .json, .parquet; globs allowed) or 'sharegpt'."""
+    output: str
+    """Regenerated conversations (OpenAI messages); OUT.manifest.json and OUT.rejects.jsonl beside it."""
+    resume: bool = False
+    """Continue an unfinished run of the same settings."""
+    force: bool = False
+    """Overwrite an existing output."""
+    settings: RegenerateConfig = field(default_factory=RegenerateConfig)
+    """How answers are generated."""
+    backend: BackendConfig | None = None
+    """Which verifier answers (in this process or servers); None: the caller of :func:`run_regenerate`
+    passes ``make_backend``."""
 
 
 class Regeneration:
@@ -259,19 +278,19 @@ def _generate_chunk(chunk: list[Conversation | Reject], cfg: RegenerateConfig, b
     return jobs
 
 
-def run_regenerate(inputs: Sequence[str | os.PathLike], output: str | os.PathLike, make_backend: Callable[[], Any],
-                   cfg: RegenerateConfig, force: bool = False, resume: bool = False,
+def run_regenerate(run: RegenerateRun, make_backend: Callable[[], Any] | None = None,
                    config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``peagle-data regenerate``: write ``output`` (OpenAI-messages JSONL) with the verifier's answers.
+    """``peagle-data regenerate``: write ``run.output`` (OpenAI-messages JSONL) with the verifier's answers.
 
     Args:
-        inputs: conversation files, globs or ``sharegpt`` (as ``tokenize`` reads them).
-        output: ``OUT.jsonl``; ``OUT.manifest.json`` and ``OUT.rejects.jsonl`` are written beside it.
+        run: the inputs (conversation files, globs or ``sharegpt``, as ``tokenize`` reads them), the
+            output ``OUT.jsonl`` (``OUT.manifest.json`` and ``OUT.rejects.jsonl`` are written beside
+            it), ``force`` (overwrite) or ``resume`` (continue an unfinished run of the same
+            settings), the generation ``settings`` and the ``backend``.
         make_backend: returns a :class:`~peagle_data.verifier_backends.LocalBackend` (``generate``)
-            or :class:`~peagle_data.verifier_backends.ServerBackend` (``answer``); called after the
-            inputs and the output are checked, so a bad argument fails before weights load.
-        cfg: generation settings.
-        force: overwrite an existing output. resume: continue an unfinished one (same settings).
+            or :class:`~peagle_data.verifier_backends.ServerBackend` (``answer``); None:
+            ``run.backend.make`` (then ``run.backend`` must be set: ValueError). Called after the inputs and the output are checked, so a bad
+            argument fails before weights load.
         config: the command's resolved options (``--print-config``), recorded as the manifest's
             ``config`` so that ``--config`` can repeat the run (not compared on resume).
 
@@ -282,9 +301,12 @@ def run_regenerate(inputs: Sequence[str | os.PathLike], output: str | os.PathLik
         OutputExistsError: the output exists and neither ``force`` nor ``resume`` is set.
         InputError: bad inputs; ``resume`` of an output written with other settings or inputs.
     """
+    inputs, output, cfg, force, resume = run.inputs, run.output, run.settings, run.force, run.resume
     files = resolve_inputs(inputs)
     check_output(output, force, resume)
-    backend = make_backend()
+    if make_backend is None and run.backend is None:
+        raise ValueError("run_regenerate needs run.backend or make_backend")
+    backend = make_backend() if make_backend is not None else run.backend.make(cfg.max_new_tokens, cfg.temperature)
     settings = {**_settings(inputs, files, cfg, backend), **({"config": config} if config is not None else {})}
     manifest = read_regenerate_manifest(output) if resume and not force else None
     _check_resume(manifest, settings, output)

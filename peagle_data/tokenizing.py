@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from peagle_data.chat import ChatTemplateError, chat_template_sha256, render_rows, tokenize_rendered
 from peagle_data.dedup import Deduplicator, dedup_items, filter_reason
-from peagle_data.prepare_config import CHUNK_CONVERSATIONS, TokenizeConfig
+from peagle_data.prepare_config import CHUNK_CONVERSATIONS, TokenizeConfig, TokenizeRun
 from peagle_data.readers import Conversation, Reject, read_conversations
 from peagle_data.shards import shard_filter
 from peagle_data.sources import input_files, iter_source_groups, mixture_of
@@ -263,18 +263,14 @@ def _base_counts() -> dict[str, Any]:
             "tool_arguments_not_json": 0, "tool_schemas_decoded": 0, "conversations_with_dropped_content": 0}
 
 
-def run_tokenize(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.PathLike,
-                 output: str | os.PathLike, cfg: TokenizeConfig, force: bool = False,
-                 tokenizer=None, config: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_tokenize(run: TokenizeRun, tokenizer=None, config: dict[str, Any] | None = None) -> dict[str, Any]:
     """``peagle-data tokenize``: conversations -> a tokenized table (docs/design.md §6).
 
     Args:
-        inputs: conversation files, globs or ``sharegpt``.
-        tokenizer_name: MODEL (``smollm2-135m``, a local directory or a hub id), recorded in the manifest.
-        output: the table directory to create.
-        cfg: reading and tokenizing options.
-        force: replace an existing output.
-        tokenizer: an already loaded tokenizer to use instead of loading ``tokenizer_name``.
+        run: the inputs (conversation files, globs, ``sharegpt`` or one mixture file), the tokenizer
+            MODEL (recorded in the manifest), the table directory to create, ``force`` to replace an
+            existing one, and the reading and tokenizing ``settings``.
+        tokenizer: an already loaded tokenizer to use instead of loading ``run.tokenizer``.
         config: the command's resolved options (``--print-config``), recorded as the manifest's
             ``config`` so that ``--config`` can repeat the run.
 
@@ -282,15 +278,16 @@ def run_tokenize(inputs: Sequence[str | os.PathLike], tokenizer_name: str | os.P
         A summary: ``output``, ``counts`` (as in the manifest).
 
     Raises:
-        OutputExistsError: ``output`` exists and ``force`` is false.
-        InputError: bad inputs; with ``cfg.strict`` the first bad row.
+        OutputExistsError: ``run.output`` exists and ``run.force`` is false.
+        InputError: bad inputs; with ``settings.strict`` the first bad row.
         ModelNotFoundError, MissingDependencyError: the tokenizer cannot be loaded.
     """
+    inputs, tokenizer_name, output, cfg = run.inputs, run.tokenizer, run.output, run.settings
     mixture = mixture_of(inputs)
     files = input_files(inputs, mixture)  # fail on bad arguments before touching the output
     _check_output_not_input(output, files)
     template = _read_template(cfg.chat_template)
-    with staged_output_dir(output, force) as out:
+    with staged_output_dir(output, run.force) as out:
         tokenizer = _load_tokenizer(tokenizer_name, tokenizer)
         counts = _base_counts()
         token_freq = _TokenFreq(len(tokenizer))

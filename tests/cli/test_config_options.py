@@ -13,8 +13,8 @@ from cli.data import main as data_main
 from cli.eval import main as eval_main
 from cli.train import main as train_main
 from peagle_data.extract import ExtractConfig
-from peagle_data.prepare import PackConfig, TokenizeConfig
-from peagle_data.regenerate import RegenerateConfig
+from peagle_data.prepare import PackConfig, PackRun, TokenizeConfig, TokenizeRun
+from peagle_data.regenerate import RegenerateConfig, RegenerateRun
 from peagle_data.verifier_backends import BackendConfig
 from peagle_train.evaluate.run import EvalRun
 from peagle_train.evaluate import EvalConfig
@@ -31,12 +31,13 @@ COMMANDS = {
               "chunk_anchors", "warmup"}),  # memory bound and timing warm-up: library knobs, never named as options
     "extract": (data_main.get_command(None, "extract"), [ExtractConfig], {}, set(),
                 {"writer_queue"}),  # host-memory bound of the writer thread, never named as an option
-    "tokenize": (data_main.get_command(None, "tokenize"), [TokenizeConfig], {},
-                 {"inputs", "tokenizer_name", "output", "force"}, set()),
-    "pack": (data_main.get_command(None, "pack"), [PackConfig, TokenizeConfig], {},
-             {"inputs", "tokenizer_name", "output", "force"}, {"tokenize"}),  # the nested TokenizeConfig
-    "regenerate": (data_main.get_command(None, "regenerate"), [RegenerateConfig, BackendConfig], {},
-                   {"inputs", "output", "resume", "force"}, {"chunk_rows"}),  # rows per write: a library knob
+    "tokenize": (data_main.get_command(None, "tokenize"), [TokenizeRun, TokenizeConfig], {}, set(),
+                 {"settings"}),  # the nested TokenizeConfig
+    "pack": (data_main.get_command(None, "pack"), [PackRun, PackConfig, TokenizeConfig], {}, set(),
+             {"settings", "tokenize"}),  # the nested PackConfig and TokenizeConfig
+    "regenerate": (data_main.get_command(None, "regenerate"), [RegenerateRun, RegenerateConfig, BackendConfig], {},
+                   set(), {"settings", "backend",  # the nested RegenerateConfig and BackendConfig
+                           "chunk_rows"}),  # rows per write: a library knob
 }
 
 

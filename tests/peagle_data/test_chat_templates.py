@@ -365,14 +365,15 @@ def test_a_supervised_token_that_runs_into_the_next_turn_is_refused(smollm2_toke
 def test_a_straddling_token_rejects_the_row_in_tokenize(tmp_path, smollm2_tokenizer):
     import json
 
-    from peagle_data.prepare import TokenizeConfig, run_tokenize
+    from peagle_data.prepare import TokenizeConfig, TokenizeRun, run_tokenize
 
     template = tmp_path / "vicuna.jinja"
     template.write_text(VICUNA)
     src = tmp_path / "v.jsonl"
     src.write_text(json.dumps({"id": "v", "messages": VICUNA_TURNS}) + "\n")
-    counts = run_tokenize([src], "smollm2-135m", tmp_path / "t", TokenizeConfig(chat_template=str(template)),
-                          tokenizer=smollm2_tokenizer)["counts"]
+    counts = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "t",
+                                      settings=TokenizeConfig(chat_template=str(template))),
+                                      tokenizer=smollm2_tokenizer)["counts"]
     assert (counts["used"], counts["rejected"]) == (0, 1)
     assert counts["rejected_by_reason"] == {"reply starts inside a token": 1}
 

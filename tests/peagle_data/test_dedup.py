@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from cli.data import main
 from peagle_data.dedup import Deduplicator, conversation_key, filter_reason
-from peagle_data.prepare import PackConfig, TokenizeConfig, run_pack, run_tokenize
+from peagle_data.prepare import PackConfig, PackRun, TokenizeConfig, TokenizeRun, run_pack, run_tokenize
 from peagle_data.readers import Conversation
 from stores.token_tables import TokenTable
 
@@ -41,7 +41,8 @@ def test_duplicates_across_sources_and_formats_are_dropped_and_listed(tmp_path, 
                                                    {"from": "gpt", "value": "4"}]}
     b = _write(tmp_path / "b.jsonl", [_conv("hello", "hi there", "b1"), sharegpt_copy, _conv("new", "row", "b3"),
                                       _conv("hello", "hi there", "b4")])
-    c = run_tokenize([a, b], "smollm2-135m", tmp_path / "tok", TokenizeConfig(), tokenizer=smollm2_tokenizer)["counts"]
+    c = run_tokenize(TokenizeRun(inputs=[a, b], tokenizer="smollm2-135m", output=tmp_path / "tok",
+                                 settings=TokenizeConfig()), tokenizer=smollm2_tokenizer)["counts"]
     assert (c["read"], c["used"], c["rejected"], c["duplicates"]) == (6, 3, 3, 3)
     assert c["rejected_by_reason"] == {"duplicate": 3}
     rejects = _rejects(tmp_path / "tok")
@@ -51,12 +52,12 @@ def test_duplicates_across_sources_and_formats_are_dropped_and_listed(tmp_path, 
     ids = [r["conversation_id"] for r in TokenTable.open(tmp_path / "tok").iter_rows(["conversation_id"])]
     assert ids == ["a1", "a2", "b3"]
     # --no-dedup keeps them all
-    c = run_tokenize([a, b], "smollm2-135m", tmp_path / "all", TokenizeConfig(dedup=False),
-                     tokenizer=smollm2_tokenizer)["counts"]
+    c = run_tokenize(TokenizeRun(inputs=[a, b], tokenizer="smollm2-135m", output=tmp_path / "all",
+                                 settings=TokenizeConfig(dedup=False)), tokenizer=smollm2_tokenizer)["counts"]
     assert (c["used"], c["rejected"], c.get("duplicates", 0)) == (6, 0, 0)
     # pack of two tokenize outputs holding the same conversations: duplicates by tokens
-    p = run_pack([tmp_path / "tok", tmp_path / "all"], "smollm2-135m", tmp_path / "p", PackConfig(max_seq_len=64),
-                 tokenizer=smollm2_tokenizer)["counts"]
+    p = run_pack(PackRun(inputs=[tmp_path / "tok", tmp_path / "all"], tokenizer="smollm2-135m", output=tmp_path / "p",
+                         settings=PackConfig(max_seq_len=64)), tokenizer=smollm2_tokenizer)["counts"]
     assert (p["read"], p["used"], p["duplicates"]) == (9, 3, 6)
     firsts = {r["duplicate_of"] for r in _rejects(tmp_path / "p")}
     assert firsts == {f"{a}:1", f"{a}:2", f"{b}:3"}
@@ -65,13 +66,15 @@ def test_duplicates_across_sources_and_formats_are_dropped_and_listed(tmp_path, 
 def test_length_filters_reject_with_counts(tmp_path, smollm2_tokenizer):
     long_answer = " ".join(["word"] * 200)
     src = _write(tmp_path / "f.jsonl", [_conv("q1", "ok"), _conv("q2", long_answer), _conv("q3", "fine thanks")])
-    full = run_tokenize([src], "smollm2-135m", tmp_path / "full", TokenizeConfig(), tokenizer=smollm2_tokenizer)
+    full = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "full",
+                                    settings=TokenizeConfig()), tokenizer=smollm2_tokenizer)
     rows = list(TokenTable.open(tmp_path / "full").iter_rows(["n_tokens", "n_loss_tokens"]))
     n = [r["n_tokens"] for r in rows]
     m = [r["n_loss_tokens"] for r in rows]
     assert full["counts"]["used"] == 3 and n[1] > 200 > max(n[0], n[2]) and m[0] < m[2]
     cfg = TokenizeConfig(max_tokens=n[1] - 1, min_loss_tokens=m[0] + 1)
-    c = run_tokenize([src], "smollm2-135m", tmp_path / "f", cfg, tokenizer=smollm2_tokenizer)["counts"]
+    c = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "f", settings=cfg),
+                                 tokenizer=smollm2_tokenizer)["counts"]
     assert (c["used"], c["rejected"]) == (1, 2)
     assert c["rejected_by_reason"] == {"too long": 1, "too few supervised tokens": 1}
     reasons = {r["source"]: r["reason"] for r in _rejects(tmp_path / "f")}
@@ -105,23 +108,28 @@ def test_max_tokens_of_a_split_conversation_is_its_length_not_the_sum_of_its_row
              {"role": "user", "content": "And 3+3?"},
              {"role": "assistant", "content": "6.", "reasoning_content": "Three and three."}]
     src = _write(tmp_path / "q.jsonl", [{"id": "q", "messages": turns}])
-    run_tokenize([src], "smollm2-135m", tmp_path / "full", TokenizeConfig(chat_template=str(template)),
-                 tokenizer=smollm2_tokenizer)
+    run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "full",
+                             settings=TokenizeConfig(chat_template=str(template))), tokenizer=smollm2_tokenizer)
     rows = list(TokenTable.open(tmp_path / "full").iter_rows(["conversation_id", "n_tokens", "n_loss_tokens"]))
     assert [r["conversation_id"] for r in rows] == ["q@1", "q@3"]
     longest, loss = rows[1]["n_tokens"], rows[0]["n_loss_tokens"] + rows[1]["n_loss_tokens"]
     whole = smollm2_tokenizer.apply_chat_template(turns, chat_template=QWEN3, tokenize=True, return_dict=False)
     assert longest == len(whole) < rows[0]["n_tokens"] + rows[1]["n_tokens"]
-    kept = run_tokenize([src], "smollm2-135m", tmp_path / "kept", TokenizeConfig(
-        chat_template=str(template), max_tokens=longest, min_loss_tokens=loss), tokenizer=smollm2_tokenizer)
+    kept = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "kept",
+                                    settings=TokenizeConfig(
+        chat_template=str(template), max_tokens=longest, min_loss_tokens=loss)),
+                                    tokenizer=smollm2_tokenizer)
     assert kept["counts"]["used"] == 1 and TokenTable.open(tmp_path / "kept").num_rows == 2
-    cut = run_tokenize([src], "smollm2-135m", tmp_path / "cut", TokenizeConfig(
-        chat_template=str(template), max_tokens=longest - 1), tokenizer=smollm2_tokenizer)
+    cut = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "cut",
+                                   settings=TokenizeConfig(
+        chat_template=str(template), max_tokens=longest - 1)),
+                                   tokenizer=smollm2_tokenizer)
     assert cut["counts"]["used"] == 0
     assert _rejects(tmp_path / "cut")[0]["reason"] == f"too long: {longest} tokens > --max-tokens {longest - 1}"
     for n, used in ((longest, 1), (longest - 1, 0)):  # pack of the tokenize output: the same rule
         out = tmp_path / f"p{n}"
-        r = run_pack([tmp_path / "full"], "smollm2-135m", out, PackConfig(
-            max_seq_len=512, tokenize=TokenizeConfig(chat_template=str(template), max_tokens=n)),
-            tokenizer=smollm2_tokenizer)
+        r = run_pack(PackRun(inputs=[tmp_path / "full"], tokenizer="smollm2-135m", output=out,
+                             settings=PackConfig(
+            max_seq_len=512, tokenize=TokenizeConfig(chat_template=str(template), max_tokens=n))),
+                             tokenizer=smollm2_tokenizer)
         assert r["counts"]["used"] == used, n

@@ -2,7 +2,7 @@
 
 import json
 
-from peagle_data.prepare import PackConfig, run_pack
+from peagle_data.prepare import PackConfig, PackRun, run_pack
 from stores.token_tables import TokenTable
 
 
@@ -12,10 +12,10 @@ def test_max_windows_caps_and_counts(tmp_path, smollm2_tokenizer):
     short = {"id": "short", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
     src = tmp_path / "c.jsonl"
     src.write_text(json.dumps(long) + "\n" + json.dumps(short) + "\n")
-    full = run_pack([src], "smollm2-135m", tmp_path / "full", PackConfig(max_seq_len=128),
-                    tokenizer=smollm2_tokenizer)["counts"]
-    capped = run_pack([src], "smollm2-135m", tmp_path / "cap", PackConfig(max_seq_len=128, max_windows=2),
-                      tokenizer=smollm2_tokenizer)["counts"]
+    full = run_pack(PackRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "full",
+                            settings=PackConfig(max_seq_len=128)), tokenizer=smollm2_tokenizer)["counts"]
+    capped = run_pack(PackRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "cap",
+                              settings=PackConfig(max_seq_len=128, max_windows=2)), tokenizer=smollm2_tokenizer)["counts"]
     assert full["windows"] > 3 and full["windows_capped"] == 0
     assert capped["windows"] == 3  # two of the long conversation, one of the short
     assert capped["windows_capped"] == full["windows"] - 3

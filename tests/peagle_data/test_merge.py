@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from cli.data import main
 from peagle_data.extract import ExtractConfig, run_extract
-from peagle_data.prepare import PackConfig, TokenizeConfig, run_pack, run_tokenize
+from peagle_data.prepare import PackConfig, PackRun, TokenizeConfig, TokenizeRun, run_pack, run_tokenize
 from stores.errors import InputError, StoreMismatchError
 from stores.feature_store import FeatureStore, verify_store
 from stores.merge import merge_stores, merge_tables, verify_table
@@ -29,16 +29,18 @@ def _shards(tmp_path, tok, inputs, kind, n=3):
         out = tmp_path / f"{kind}{i}"
         t = TokenizeConfig(num_shards=n, shard_index=i)
         if kind == "tok":
-            run_tokenize(inputs, "smollm2-135m", out, t, tokenizer=tok)
+            run_tokenize(TokenizeRun(inputs=inputs, tokenizer="smollm2-135m", output=out, settings=t), tokenizer=tok)
         else:
-            run_pack(inputs, "smollm2-135m", out, PackConfig(max_seq_len=128, tokenize=t), tokenizer=tok)
+            run_pack(PackRun(inputs=inputs, tokenizer="smollm2-135m", output=out,
+                             settings=PackConfig(max_seq_len=128, tokenize=t)), tokenizer=tok)
         outs.append(out)
     return outs
 
 
 def test_merged_tokenize_and_pack_shards_equal_the_unsharded_run(tmp_path, smollm2_tokenizer):
     inputs = _inputs(tmp_path)
-    full_tok = run_tokenize(inputs, "smollm2-135m", tmp_path / "full_tok", TokenizeConfig(), tokenizer=smollm2_tokenizer)
+    full_tok = run_tokenize(TokenizeRun(inputs=inputs, tokenizer="smollm2-135m", output=tmp_path / "full_tok",
+                                        settings=TokenizeConfig()), tokenizer=smollm2_tokenizer)
     shards = _shards(tmp_path, smollm2_tokenizer, inputs, "tok")
     manifest = merge_tables(shards[::-1], tmp_path / "merged_tok")  # any order
     assert _tok_rows(tmp_path / "merged_tok") == _tok_rows(tmp_path / "full_tok")
@@ -52,7 +54,8 @@ def test_merged_tokenize_and_pack_shards_equal_the_unsharded_run(tmp_path, smoll
     assert verify_table(tmp_path / "merged_tok") == {"ok": True, "kind": "tokenized",
                                                      "rows": full_tok["counts"]["used"], "problems": []}
 
-    full = run_pack(inputs, "smollm2-135m", tmp_path / "full_p", PackConfig(max_seq_len=128), tokenizer=smollm2_tokenizer)
+    full = run_pack(PackRun(inputs=inputs, tokenizer="smollm2-135m", output=tmp_path / "full_p",
+                            settings=PackConfig(max_seq_len=128)), tokenizer=smollm2_tokenizer)
     r = CliRunner().invoke(main, ["merge", *map(str, _shards(tmp_path, smollm2_tokenizer, inputs, "p")),
                                   "--output", str(tmp_path / "merged_p")])
     assert r.exit_code == 0, r.output
@@ -71,11 +74,13 @@ def test_merge_refuses_incomplete_or_foreign_shards_and_verify_finds_overlaps(tm
         merge_tables([shards[0], shards[2]], tmp_path / "m")
     with pytest.raises(InputError, match=r"shard index \[0\] given twice"):
         merge_tables([shards[0], shards[0], shards[2]], tmp_path / "m")
-    run_tokenize(inputs, "smollm2-135m", tmp_path / "other", TokenizeConfig(num_shards=3, shard_index=1, max_tokens=500),
-                 tokenizer=smollm2_tokenizer)
+    run_tokenize(TokenizeRun(inputs=inputs, tokenizer="smollm2-135m", output=tmp_path / "other",
+                             settings=TokenizeConfig(num_shards=3, shard_index=1, max_tokens=500)),
+                             tokenizer=smollm2_tokenizer)
     with pytest.raises(StoreMismatchError, match="other parameters"):
         merge_tables([shards[0], tmp_path / "other", shards[2]], tmp_path / "m")
-    run_tokenize(inputs, "smollm2-135m", tmp_path / "whole", TokenizeConfig(), tokenizer=smollm2_tokenizer)
+    run_tokenize(TokenizeRun(inputs=inputs, tokenizer="smollm2-135m", output=tmp_path / "whole",
+                             settings=TokenizeConfig()), tokenizer=smollm2_tokenizer)
     with pytest.raises(InputError, match="is not a shard"):
         merge_tables([tmp_path / "whole"], tmp_path / "m")
     assert not (tmp_path / "m").exists()
@@ -124,7 +129,8 @@ def test_merged_counts_of_a_weighted_mixture_are_the_unsharded_runs(tmp_path, sm
     # Every shard reads every row and draws every weight: read, copies and sampled_out are counted
     # once in the union, not once per shard; other_shards is gone.
     mix = _three_sources(tmp_path)
-    full = run_tokenize([mix], "smollm2-135m", tmp_path / "full", TokenizeConfig(), tokenizer=smollm2_tokenizer)
+    full = run_tokenize(TokenizeRun(inputs=[mix], tokenizer="smollm2-135m", output=tmp_path / "full",
+                                    settings=TokenizeConfig()), tokenizer=smollm2_tokenizer)
     shards = _shards(tmp_path, smollm2_tokenizer, [mix], "tok")
     merged = merge_tables(shards, tmp_path / "merged")
     assert full["counts"]["sources"]["reasoning"]["copies"] == 20 and full["counts"]["sampled_out"] > 0
@@ -132,11 +138,11 @@ def test_merged_counts_of_a_weighted_mixture_are_the_unsharded_runs(tmp_path, sm
     assert TokenTable.open(tmp_path / "merged").manifest["counts"] == full["counts"]
     packed = [tmp_path / f"p{i}" for i in range(2)]
     for i, out in enumerate(packed):
-        run_pack([tmp_path / "full"], "smollm2-135m", out,
-                 PackConfig(max_seq_len=128, tokenize=TokenizeConfig(num_shards=2, shard_index=i)),
-                 tokenizer=smollm2_tokenizer)
-    whole = run_pack([tmp_path / "full"], "smollm2-135m", tmp_path / "p", PackConfig(max_seq_len=128),
-                     tokenizer=smollm2_tokenizer)
+        run_pack(PackRun(inputs=[tmp_path / "full"], tokenizer="smollm2-135m", output=out,
+                         settings=PackConfig(max_seq_len=128, tokenize=TokenizeConfig(num_shards=2, shard_index=i))),
+                         tokenizer=smollm2_tokenizer)
+    whole = run_pack(PackRun(inputs=[tmp_path / "full"], tokenizer="smollm2-135m", output=tmp_path / "p",
+                             settings=PackConfig(max_seq_len=128)), tokenizer=smollm2_tokenizer)
     counts = merge_tables(packed, tmp_path / "merged_p")["counts"]
     assert counts["sources"] == whole["counts"]["sources"] and "other_shards" not in counts
     assert {k: counts[k] for k in ("read", "used", "rejected")} == {k: whole["counts"][k] for k in ("read", "used", "rejected")}
@@ -145,22 +151,26 @@ def test_merged_counts_of_a_weighted_mixture_are_the_unsharded_runs(tmp_path, sm
 def test_merge_refuses_shards_that_read_different_data_and_names_other_parameters(tmp_path, smollm2_tokenizer):
     inputs = _inputs(tmp_path)
     s0 = tmp_path / "s0"
-    run_tokenize(inputs, "smollm2-135m", s0, TokenizeConfig(num_shards=2, shard_index=0), tokenizer=smollm2_tokenizer)
+    run_tokenize(TokenizeRun(inputs=inputs, tokenizer="smollm2-135m", output=s0,
+                             settings=TokenizeConfig(num_shards=2, shard_index=0)), tokenizer=smollm2_tokenizer)
     with open(inputs[0], "a") as f:  # the file changed between the shard runs (same path)
         f.write(json.dumps({"messages": [{"role": "user", "content": "New?"},
                                          {"role": "assistant", "content": "Yes."}]}) + "\n")
     s1 = tmp_path / "s1"
-    run_tokenize(inputs, "smollm2-135m", s1, TokenizeConfig(num_shards=2, shard_index=1), tokenizer=smollm2_tokenizer)
+    run_tokenize(TokenizeRun(inputs=inputs, tokenizer="smollm2-135m", output=s1,
+                             settings=TokenizeConfig(num_shards=2, shard_index=1)), tokenizer=smollm2_tokenizer)
     with pytest.raises(StoreMismatchError, match=r"the shards read different input data: read \+ other_shards is "):
         merge_tables([s0, s1], tmp_path / "m")
     assert not (tmp_path / "m").exists()
     # --num-workers does not change a shard's rows: such shards merge; --max-tokens does, and is named.
-    run_tokenize(inputs, "smollm2-135m", tmp_path / "w0", TokenizeConfig(num_shards=2, shard_index=0, num_workers=2),
-                 tokenizer=smollm2_tokenizer)
+    run_tokenize(TokenizeRun(inputs=inputs, tokenizer="smollm2-135m", output=tmp_path / "w0",
+                             settings=TokenizeConfig(num_shards=2, shard_index=0, num_workers=2)),
+                             tokenizer=smollm2_tokenizer)
     merged = merge_tables([tmp_path / "w0", s1], tmp_path / "m")
     assert merged["counts"]["used"] == TokenTable.open(tmp_path / "m").num_rows
-    run_tokenize(inputs, "smollm2-135m", tmp_path / "x0", TokenizeConfig(num_shards=2, shard_index=0, max_tokens=99),
-                 tokenizer=smollm2_tokenizer)
+    run_tokenize(TokenizeRun(inputs=inputs, tokenizer="smollm2-135m", output=tmp_path / "x0",
+                             settings=TokenizeConfig(num_shards=2, shard_index=0, max_tokens=99)),
+                             tokenizer=smollm2_tokenizer)
     with pytest.raises(StoreMismatchError, match=r"made with other parameters than .* \(max_tokens: None vs 99\)"):
         merge_tables([tmp_path / "x0", s1], tmp_path / "m2")
 
@@ -175,8 +185,8 @@ def test_merge_refuses_shards_whose_source_template_changed(tmp_path, smollm2_to
     (tmp_path / "mix.yaml").write_text("sources:\n  - {name: a, path: a.jsonl, chat_template: t.jinja}\n")
     s0 = _shards(tmp_path, smollm2_tokenizer, [tmp_path / "mix.yaml"], "tok", n=2)[0]
     template.write_text(smollm2_tokenizer.chat_template.replace("<|im_start|>", "<|im_start|> "))
-    run_tokenize([tmp_path / "mix.yaml"], "smollm2-135m", tmp_path / "late1", TokenizeConfig(num_shards=2, shard_index=1),
-                 tokenizer=smollm2_tokenizer)
+    run_tokenize(TokenizeRun(inputs=[tmp_path / "mix.yaml"], tokenizer="smollm2-135m", output=tmp_path / "late1",
+                             settings=TokenizeConfig(num_shards=2, shard_index=1)), tokenizer=smollm2_tokenizer)
     with pytest.raises(StoreMismatchError, match="its 'mixture' differs"):
         merge_tables([s0, tmp_path / "late1"], tmp_path / "m")
     assert TokenTable.open(s0).manifest["mixture"]["sources"][0]["chat_template_sha256"] == \

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from peagle_data.mixtures import load_mixture, sample_copies
-from peagle_data.prepare import PackConfig, TokenizeConfig, run_pack, run_tokenize
+from peagle_data.prepare import PackConfig, PackRun, TokenizeConfig, TokenizeRun, run_pack, run_tokenize
 from peagle_data.stats import collect_stats
 from stores.errors import InputError
 from stores.token_tables import TokenTable
@@ -81,8 +81,10 @@ def _three_sources(tmp_path):
 
 def test_three_source_mixture_rows_counts_and_determinism(tmp_path, smollm2_tokenizer):
     mix = _three_sources(tmp_path)
-    summary = run_tokenize([mix], "smollm2-135m", tmp_path / "t1", TokenizeConfig(), tokenizer=smollm2_tokenizer)
-    run_tokenize([mix], "smollm2-135m", tmp_path / "t2", TokenizeConfig(), tokenizer=smollm2_tokenizer)
+    summary = run_tokenize(TokenizeRun(inputs=[mix], tokenizer="smollm2-135m", output=tmp_path / "t1",
+                                       settings=TokenizeConfig()), tokenizer=smollm2_tokenizer)
+    run_tokenize(TokenizeRun(inputs=[mix], tokenizer="smollm2-135m", output=tmp_path / "t2",
+                             settings=TokenizeConfig()), tokenizer=smollm2_tokenizer)
     t1, t2 = TokenTable.open(tmp_path / "t1"), TokenTable.open(tmp_path / "t2")
     assert t1.read_all().equals(t2.read_all())  # deterministic for the seed
     rows = t1.read_all(["conversation_id", "dataset", "source"]).to_pylist()
@@ -113,7 +115,8 @@ def test_three_source_mixture_rows_counts_and_determinism(tmp_path, smollm2_toke
 
 def test_pack_of_a_mixture_records_each_window_source(tmp_path, smollm2_tokenizer):
     mix = _three_sources(tmp_path)
-    p = run_pack([mix], "smollm2-135m", tmp_path / "p", PackConfig(max_seq_len=64), tokenizer=smollm2_tokenizer)
+    p = run_pack(PackRun(inputs=[mix], tokenizer="smollm2-135m", output=tmp_path / "p",
+                         settings=PackConfig(max_seq_len=64)), tokenizer=smollm2_tokenizer)
     table = TokenTable.open(tmp_path / "p")
     rows = table.read_all(["segment_ids", "segment_datasets", "segment_loss_tokens", "loss_mask", "cu_seqlens"])
     for r in rows.to_pylist():
@@ -125,8 +128,10 @@ def test_pack_of_a_mixture_records_each_window_source(tmp_path, smollm2_tokenize
     assert sum(s["loss_tokens"] for s in by.values()) == p["counts"]["loss_tokens"]
     assert by["reasoning"]["rows"] == 40 and p["counts"]["sources"]["reasoning"]["used"] == 40
     # the tokenize output of the same mixture, packed, gives the same blocks
-    run_tokenize([mix], "smollm2-135m", tmp_path / "t", TokenizeConfig(), tokenizer=smollm2_tokenizer)
-    run_pack([tmp_path / "t"], "smollm2-135m", tmp_path / "p2", PackConfig(max_seq_len=64), tokenizer=smollm2_tokenizer)
+    run_tokenize(TokenizeRun(inputs=[mix], tokenizer="smollm2-135m", output=tmp_path / "t", settings=TokenizeConfig()),
+                             tokenizer=smollm2_tokenizer)
+    run_pack(PackRun(inputs=[tmp_path / "t"], tokenizer="smollm2-135m", output=tmp_path / "p2",
+                     settings=PackConfig(max_seq_len=64)), tokenizer=smollm2_tokenizer)
     cols = ["input_ids", "loss_mask", "segment_ids", "segment_datasets"]
     assert TokenTable.open(tmp_path / "p2").read_all(cols).equals(table.read_all(cols))
     p2 = TokenTable.open(tmp_path / "p2").manifest
@@ -138,10 +143,11 @@ def test_pack_of_a_mixture_records_each_window_source(tmp_path, smollm2_tokenize
 def test_mixture_must_be_the_only_input_and_takes_no_limit(tmp_path, smollm2_tokenizer):
     mix = _three_sources(tmp_path)
     with pytest.raises(InputError, match="only INPUT"):
-        run_tokenize([mix, tmp_path / "a.jsonl"], "smollm2-135m", tmp_path / "o", TokenizeConfig(),
-                     tokenizer=smollm2_tokenizer)
+        run_tokenize(TokenizeRun(inputs=[mix, tmp_path / "a.jsonl"], tokenizer="smollm2-135m", output=tmp_path / "o",
+                                 settings=TokenizeConfig()), tokenizer=smollm2_tokenizer)
     with pytest.raises(InputError, match="give each source a 'limit'"):
-        run_tokenize([mix], "smollm2-135m", tmp_path / "o", TokenizeConfig(limit=5), tokenizer=smollm2_tokenizer)
+        run_tokenize(TokenizeRun(inputs=[mix], tokenizer="smollm2-135m", output=tmp_path / "o",
+                                 settings=TokenizeConfig(limit=5)), tokenizer=smollm2_tokenizer)
     assert not (tmp_path / "o").exists()
 
 
@@ -191,8 +197,8 @@ def test_a_duplicate_is_only_ever_of_a_drawn_copy(tmp_path, smollm2_tokenizer):
     c = write_jsonl(tmp_path / "c.jsonl", [conv(drawn[1], "a")])
     (tmp_path / "mix.yaml").write_text("sources:\n  - {name: half, path: a.jsonl, weight: 0.5}\n"
                                        "  - {name: again, path: b.jsonl}\n  - {name: twice, path: c.jsonl, weight: 2}\n")
-    summary = run_tokenize([tmp_path / "mix.yaml"], "smollm2-135m", tmp_path / "t", TokenizeConfig(),
-                           tokenizer=smollm2_tokenizer)
+    summary = run_tokenize(TokenizeRun(inputs=[tmp_path / "mix.yaml"], tokenizer="smollm2-135m", output=tmp_path / "t",
+                                       settings=TokenizeConfig()), tokenizer=smollm2_tokenizer)
     rows = TokenTable.open(tmp_path / "t").read_all(["conversation_id", "dataset", "source"]).to_pylist()
     assert [(r["dataset"], r["source"]) for r in rows if r["dataset"] != "half"] == [
         ("again", f"{b}:2"), ("twice", f"{c}:1*2")]  # the missed row once, the drawn one's second copy
@@ -203,8 +209,8 @@ def test_a_duplicate_is_only_ever_of_a_drawn_copy(tmp_path, smollm2_tokenizer):
     assert (src["again"]["used"], src["again"]["duplicates"]) == (1, 1)
     assert (src["twice"]["used"], src["twice"]["duplicates"], src["twice"]["copies"]) == (1, 1, 1)
     for n in range(3):  # shards: the same verdicts
-        run_tokenize([tmp_path / "mix.yaml"], "smollm2-135m", tmp_path / f"s{n}",
-                     TokenizeConfig(num_shards=3, shard_index=n), tokenizer=smollm2_tokenizer)
+        run_tokenize(TokenizeRun(inputs=[tmp_path / "mix.yaml"], tokenizer="smollm2-135m", output=tmp_path / f"s{n}",
+                                 settings=TokenizeConfig(num_shards=3, shard_index=n)), tokenizer=smollm2_tokenizer)
     union = sorted(r["source"] for n in range(3) for r in TokenTable.open(tmp_path / f"s{n}").read_all(
         ["source"]).to_pylist())
     assert union == sorted(r["source"] for r in rows)

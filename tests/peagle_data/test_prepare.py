@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from peagle_data.prepare import PackConfig, TokenizeConfig, run_pack, run_tokenize
+from peagle_data.prepare import PackConfig, PackRun, TokenizeConfig, TokenizeRun, run_pack, run_tokenize
 from stores.errors import InputError
 from stores.staging import _host_tag
 from stores.token_tables import TokenTable
@@ -63,7 +63,8 @@ def rejects_of(directory):
 
 def test_bad_rows_nothing_lost(tmp_path, smollm2_tokenizer):
     src = write_rows(tmp_path / "bad.jsonl", BAD_ROWS)
-    summary = run_tokenize([src], "smollm2-135m", tmp_path / "tok", TokenizeConfig(), tokenizer=smollm2_tokenizer)
+    summary = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "tok",
+                                       settings=TokenizeConfig()), tokenizer=smollm2_tokenizer)
     c = summary["counts"]
     assert (c["read"], c["used"], c["rejected"]) == (13, 4, 9)
     assert c["dropped_leading_assistant_turns"] == 1 and c["merged_user_turns"] == 1
@@ -82,8 +83,8 @@ def test_bad_rows_nothing_lost(tmp_path, smollm2_tokenizer):
     assert smollm2_tokenizer.decode(rows["e"]["input_ids"][rows["e"]["loss_mask"] == 1]) == "s<|im_end|>"
     assert all(r["n_loss_tokens"] >= 1 for r in rows.values())  # no row without a supervised token
 
-    packed = run_pack([tmp_path / "tok"], "smollm2-135m", tmp_path / "pack", PackConfig(max_seq_len=64),
-                      tokenizer=smollm2_tokenizer)["counts"]
+    packed = run_pack(PackRun(inputs=[tmp_path / "tok"], tokenizer="smollm2-135m", output=tmp_path / "pack",
+                              settings=PackConfig(max_seq_len=64)), tokenizer=smollm2_tokenizer)["counts"]
     assert packed["used"] + packed["rejected"] == packed["read"] == 4
     assert packed["loss_tokens"] == c["loss_tokens"]
     table = TokenTable.open(tmp_path / "pack")
@@ -95,8 +96,8 @@ def test_bad_rows_nothing_lost(tmp_path, smollm2_tokenizer):
 def test_strict_stops_at_the_first_bad_row(tmp_path, smollm2_tokenizer):
     src = write_rows(tmp_path / "bad.jsonl", BAD_ROWS)
     with pytest.raises(InputError) as info:
-        run_tokenize([src], "smollm2-135m", tmp_path / "tok", TokenizeConfig(strict=True),
-                     tokenizer=smollm2_tokenizer)
+        run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "tok",
+                                 settings=TokenizeConfig(strict=True)), tokenizer=smollm2_tokenizer)
     assert (info.value.file, info.value.row) == (str(src), 2)  # line 2 of the file
     assert not (tmp_path / "tok").exists()  # no half-written output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]  # nor a staging directory
@@ -105,17 +106,19 @@ def test_strict_stops_at_the_first_bad_row(tmp_path, smollm2_tokenizer):
 def test_failed_run_keeps_the_old_output_and_a_rerun_works(tmp_path, smollm2_tokenizer):
     src = write_rows(tmp_path / "bad.jsonl", BAD_ROWS)
     out = tmp_path / "tok"
-    run_tokenize([src], "smollm2-135m", out, TokenizeConfig(), tokenizer=smollm2_tokenizer)
+    run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=out, settings=TokenizeConfig()),
+                             tokenizer=smollm2_tokenizer)
     before = (out / "manifest.json").read_text()
     with pytest.raises(InputError):  # a forced run that fails leaves the finished output as it was
-        run_tokenize([src], "smollm2-135m", out, TokenizeConfig(strict=True), force=True,
-                     tokenizer=smollm2_tokenizer)
+        run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=out,
+                                 settings=TokenizeConfig(strict=True), force=True), tokenizer=smollm2_tokenizer)
     assert (out / "manifest.json").read_text() == before
     with pytest.raises(InputError):
-        run_pack([src], "smollm2-135m", tmp_path / "p", PackConfig(tokenize=TokenizeConfig(strict=True)),
-                 tokenizer=smollm2_tokenizer)
+        run_pack(PackRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "p",
+                         settings=PackConfig(tokenize=TokenizeConfig(strict=True))), tokenizer=smollm2_tokenizer)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "tok"]
-    run_pack([src], "smollm2-135m", tmp_path / "p", PackConfig(), tokenizer=smollm2_tokenizer)  # no --force
+    run_pack(PackRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "p", settings=PackConfig()),
+                     tokenizer=smollm2_tokenizer)  # no --force
     assert TokenTable.open(tmp_path / "p").manifest["counts"]["used"] == 4
 
 
@@ -124,12 +127,14 @@ def test_bad_chat_template_fails_once_up_front(tmp_path, smollm2_tokenizer):
     template = tmp_path / "broken.jinja"
     template.write_text("{% for m in messages %}{{ m.content }")
     with pytest.raises(InputError, match="not a valid Jinja template") as info:
-        run_tokenize([src], "smollm2-135m", tmp_path / "tok", TokenizeConfig(chat_template=str(template)),
-                     tokenizer=smollm2_tokenizer)
+        run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "tok",
+                                 settings=TokenizeConfig(chat_template=str(template))), tokenizer=smollm2_tokenizer)
     assert str(template) in str(info.value) and not (tmp_path / "tok").exists()
     with pytest.raises(InputError, match="not a valid Jinja template"):
-        run_pack([src], "smollm2-135m", tmp_path / "p", PackConfig(
-            tokenize=TokenizeConfig(chat_template=str(template))), tokenizer=smollm2_tokenizer)
+        run_pack(PackRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "p",
+                         settings=PackConfig(
+            tokenize=TokenizeConfig(chat_template=str(template)))),
+                         tokenizer=smollm2_tokenizer)
     with pytest.raises(ValueError, match=r"^--chat-template '.*nope.jinja' does not exist$"):
         TokenizeConfig(chat_template=str(tmp_path / "nope.jinja"))
     with pytest.raises(ValueError, match=r"^--chat-template '.*' is not a regular file$"):
@@ -138,9 +143,12 @@ def test_bad_chat_template_fails_once_up_front(tmp_path, smollm2_tokenizer):
 
 def test_pack_limit_applies_to_a_tokenize_output(tmp_path, smollm2_tokenizer):
     src = write_rows(tmp_path / "c.jsonl", _long_conversations(6))
-    run_tokenize([src], "smollm2-135m", tmp_path / "tok", TokenizeConfig(), tokenizer=smollm2_tokenizer)
-    c = run_pack([tmp_path / "tok"], "smollm2-135m", tmp_path / "p", PackConfig(
-        max_seq_len=4096, tokenize=TokenizeConfig(limit=2)), tokenizer=smollm2_tokenizer)["counts"]
+    run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "tok",
+                             settings=TokenizeConfig()), tokenizer=smollm2_tokenizer)
+    c = run_pack(PackRun(inputs=[tmp_path / "tok"], tokenizer="smollm2-135m", output=tmp_path / "p",
+                         settings=PackConfig(
+        max_seq_len=4096, tokenize=TokenizeConfig(limit=2))),
+                         tokenizer=smollm2_tokenizer)["counts"]
     assert (c["read"], c["used"], c["windows"]) == (2, 2, 2)
     segments = [s for r in TokenTable.open(tmp_path / "p").iter_rows() for s in r["segment_ids"]]
     assert sorted(segments) == ["c0#0", "c1#0"]
@@ -152,14 +160,15 @@ def test_duplicate_ids_are_renamed_and_counted(tmp_path, smollm2_tokenizer):
     row = {"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]}
     a = write_rows(tmp_path / "a" / "good.jsonl", [row, OK])
     b = write_rows(tmp_path / "b" / "good.jsonl", [row, OK])
-    c = run_tokenize([a, b, a], "smollm2-135m", tmp_path / "tok", TokenizeConfig(dedup=False),
-                     tokenizer=smollm2_tokenizer)["counts"]
+    c = run_tokenize(TokenizeRun(inputs=[a, b, a], tokenizer="smollm2-135m", output=tmp_path / "tok",
+                                 settings=TokenizeConfig(dedup=False)), tokenizer=smollm2_tokenizer)["counts"]
     ids = [r["conversation_id"] for r in TokenTable.open(tmp_path / "tok").iter_rows(["conversation_id"])]
     assert ids == ["a/good:1", "ok", "b/good:1", "ok~2", "a/good:1~2", "ok~3"]
     assert c["duplicate_ids_renamed"] == 3
     # the same tokenize output twice: pack keeps segment ids unique too
-    p = run_pack([tmp_path / "tok", tmp_path / "tok"], "smollm2-135m", tmp_path / "p",
-                 PackConfig(max_seq_len=256, tokenize=TokenizeConfig(dedup=False)), tokenizer=smollm2_tokenizer)["counts"]
+    p = run_pack(PackRun(inputs=[tmp_path / "tok", tmp_path / "tok"], tokenizer="smollm2-135m", output=tmp_path / "p",
+                         settings=PackConfig(max_seq_len=256, tokenize=TokenizeConfig(dedup=False))),
+                         tokenizer=smollm2_tokenizer)["counts"]
     segments = [s for r in TokenTable.open(tmp_path / "p").iter_rows() for s in r["segment_ids"]]
     assert len(segments) == len(set(segments)) == 12 and p["duplicate_ids_renamed"] == 6
 
@@ -167,13 +176,14 @@ def test_duplicate_ids_are_renamed_and_counted(tmp_path, smollm2_tokenizer):
 def test_nothing_used_still_writes_manifest_without_dividing_by_zero(tmp_path, smollm2_tokenizer):
     empty_turn = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]}
     src = write_rows(tmp_path / "e.jsonl", [empty_turn, empty_turn])
-    c = run_tokenize([src], "smollm2-135m", tmp_path / "tok", TokenizeConfig(), tokenizer=smollm2_tokenizer)["counts"]
+    c = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "tok",
+                                 settings=TokenizeConfig()), tokenizer=smollm2_tokenizer)["counts"]
     assert (c["read"], c["used"], c["loss_tokens"]) == (2, 0, 0)
-    p = run_pack([tmp_path / "tok"], "smollm2-135m", tmp_path / "p", PackConfig(max_seq_len=64),
-                 tokenizer=smollm2_tokenizer)["counts"]
+    p = run_pack(PackRun(inputs=[tmp_path / "tok"], tokenizer="smollm2-135m", output=tmp_path / "p",
+                         settings=PackConfig(max_seq_len=64)), tokenizer=smollm2_tokenizer)["counts"]
     assert (p["read"], p["n_blocks"], p["packing_efficiency"]) == (0, 0, 0.0)
-    p = run_pack([src], "smollm2-135m", tmp_path / "p2", PackConfig(max_seq_len=64),
-                 tokenizer=smollm2_tokenizer)["counts"]
+    p = run_pack(PackRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "p2",
+                         settings=PackConfig(max_seq_len=64)), tokenizer=smollm2_tokenizer)["counts"]
     assert (p["read"], p["rejected"], p["n_blocks"], p["packing_efficiency"]) == (2, 2, 0, 0.0)
     assert TokenTable.open(tmp_path / "p2").num_rows == 0
 
@@ -185,18 +195,23 @@ def test_history_rewrite_split_and_reject(tmp_path, smollm2_tokenizer):
         {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4.", "reasoning_content": "Add."},
         {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6.", "reasoning_content": "Add."}]}
     src = write_rows(tmp_path / "q.jsonl", [conv, OK])
-    split = run_tokenize([src], "smollm2-135m", tmp_path / "split", TokenizeConfig(chat_template=str(template)),
-                         tokenizer=smollm2_tokenizer)["counts"]
+    split = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "split",
+                                     settings=TokenizeConfig(chat_template=str(template))),
+                                     tokenizer=smollm2_tokenizer)["counts"]
     assert (split["read"], split["used"], split["history_rewrite_conversations"], split["history_rewrite_rows"]) \
         == (2, 2, 1, 2)
     table = TokenTable.open(tmp_path / "split")
     assert [r["conversation_id"] for r in table.iter_rows(["conversation_id"])] == ["q@1", "q@3", "ok"]
-    packed = run_pack([tmp_path / "split"], "smollm2-135m", tmp_path / "p", PackConfig(
-        max_seq_len=256, tokenize=TokenizeConfig(chat_template=str(template))), tokenizer=smollm2_tokenizer)
+    packed = run_pack(PackRun(inputs=[tmp_path / "split"], tokenizer="smollm2-135m", output=tmp_path / "p",
+                              settings=PackConfig(
+        max_seq_len=256, tokenize=TokenizeConfig(chat_template=str(template)))),
+                              tokenizer=smollm2_tokenizer)
     assert (packed["counts"]["read"], packed["counts"]["used"], packed["counts"]["windows"]) == (2, 2, 3)
 
-    reject = run_tokenize([src], "smollm2-135m", tmp_path / "rej", TokenizeConfig(
-        chat_template=str(template), on_history_rewrite="reject"), tokenizer=smollm2_tokenizer)["counts"]
+    reject = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "rej",
+                                      settings=TokenizeConfig(
+        chat_template=str(template), on_history_rewrite="reject")),
+                                      tokenizer=smollm2_tokenizer)["counts"]
     assert (reject["used"], reject["rejected"]) == (1, 1)
     assert rejects_of(tmp_path / "rej")[0]["reason"].startswith("template rewrites history")
 
@@ -217,8 +232,8 @@ def _long_conversations(n: int) -> list[dict]:
 def test_workers_give_identical_output(tmp_path, smollm2_tokenizer):
     src = write_rows(tmp_path / "c.jsonl", _long_conversations(150) + [b"{bad\n"])
     for workers in (1, 2):
-        run_tokenize([src], "smollm2-135m", tmp_path / f"t{workers}", TokenizeConfig(num_workers=workers),
-                     tokenizer=smollm2_tokenizer)
+        run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / f"t{workers}",
+                                 settings=TokenizeConfig(num_workers=workers)), tokenizer=smollm2_tokenizer)
     t1, t2 = TokenTable.open(tmp_path / "t1"), TokenTable.open(tmp_path / "t2")
     assert t1.read_all().equals(t2.read_all())
     assert t1.manifest["counts"] == t2.manifest["counts"]
@@ -227,10 +242,11 @@ def test_workers_give_identical_output(tmp_path, smollm2_tokenizer):
 
 def test_pack_round_trip_every_supervised_token_once(tmp_path, smollm2_tokenizer):
     src = write_rows(tmp_path / "c.jsonl", _long_conversations(60))
-    run_tokenize([src], "smollm2-135m", tmp_path / "tok", TokenizeConfig(), tokenizer=smollm2_tokenizer)
+    run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "tok",
+                             settings=TokenizeConfig()), tokenizer=smollm2_tokenizer)
     tok = TokenTable.open(tmp_path / "tok")
-    run_pack([tmp_path / "tok"], "smollm2-135m", tmp_path / "p", PackConfig(max_seq_len=128),
-             tokenizer=smollm2_tokenizer)
+    run_pack(PackRun(inputs=[tmp_path / "tok"], tokenizer="smollm2-135m", output=tmp_path / "p",
+                     settings=PackConfig(max_seq_len=128)), tokenizer=smollm2_tokenizer)
     packed = TokenTable.open(tmp_path / "p")
     c = packed.manifest["counts"]
     assert c["conversations_split"] > 10 and c["windows_trimmed"] > 0
@@ -256,9 +272,11 @@ def test_a_rerun_removes_stale_partials_of_dead_runs_only(tmp_path, smollm2_toke
     stale = make_staging(tmp_path, "out", "partial", f"{host}-{dead_pid()}")
     live = make_staging(tmp_path, "out", "partial", f"{host}-{os.getpid()}")
     if command == "tokenize":
-        run_tokenize([src], "smollm2-135m", tmp_path / "out", TokenizeConfig(), tokenizer=smollm2_tokenizer)
+        run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "out",
+                                 settings=TokenizeConfig()), tokenizer=smollm2_tokenizer)
     else:
-        run_pack([src], "smollm2-135m", tmp_path / "out", PackConfig(max_seq_len=64), tokenizer=smollm2_tokenizer)
+        run_pack(PackRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "out",
+                         settings=PackConfig(max_seq_len=64)), tokenizer=smollm2_tokenizer)
     assert not stale.exists() and live.is_dir()
     assert TokenTable.open(tmp_path / "out").manifest["counts"]["used"] == 3
     lines = [line for line in capsys.readouterr().err.splitlines() if "stale partial" in line]
@@ -289,7 +307,8 @@ def test_sigkilled_tokenize_leaves_a_partial_the_next_run_removes(tmp_path, smol
     left = [p for p in tmp_path.iterdir() if p.name.startswith(".tok.partial-")]
     assert len(left) == 1 and not out.exists()
     live = make_staging(tmp_path, "tok", "partial", f"{_host_tag()}-{os.getpid()}")
-    run_tokenize([src], "smollm2-135m", out, TokenizeConfig(), tokenizer=smollm2_tokenizer)
+    run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=out, settings=TokenizeConfig()),
+                             tokenizer=smollm2_tokenizer)
     assert not left[0].exists() and live.is_dir()
     assert str(left[0]) in capsys.readouterr().err
     assert TokenTable.open(out).manifest["counts"]["used"] == 3
@@ -297,23 +316,27 @@ def test_sigkilled_tokenize_leaves_a_partial_the_next_run_removes(tmp_path, smol
 
 def test_pack_of_a_tokenize_output_warns_about_ignored_tokenize_options(tmp_path, smollm2_tokenizer, capsys):
     src = write_rows(tmp_path / "ok.jsonl", distinct_ok_rows(3))
-    run_tokenize([src], "smollm2-135m", tmp_path / "tok", TokenizeConfig(), tokenizer=smollm2_tokenizer)
+    run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "tok",
+                             settings=TokenizeConfig()), tokenizer=smollm2_tokenizer)
     tok_cfg = TokenizeConfig(format="sharegpt", num_workers=2, on_history_rewrite="reject", limit=2)
     capsys.readouterr()
-    run_pack([tmp_path / "tok"], "smollm2-135m", tmp_path / "p", PackConfig(max_seq_len=64, tokenize=tok_cfg),
-             tokenizer=smollm2_tokenizer)
+    run_pack(PackRun(inputs=[tmp_path / "tok"], tokenizer="smollm2-135m", output=tmp_path / "p",
+                     settings=PackConfig(max_seq_len=64, tokenize=tok_cfg)), tokenizer=smollm2_tokenizer)
     warnings = [line for line in capsys.readouterr().err.splitlines() if "WARNING" in line]
     assert warnings == ["WARNING: ignoring --format sharegpt, --num-workers 2, --on-history-rewrite reject: the "
                         "INPUT is a tokenize output, already tokenized (these options only apply to raw "
                         "conversations)"]
     # only the options the caller set explicitly are named; raw conversations use them all: no warning
-    run_pack([tmp_path / "tok"], "smollm2-135m", tmp_path / "p2", PackConfig(max_seq_len=64, tokenize=tok_cfg),
-             tokenizer=smollm2_tokenizer, explicit={"num_workers", "limit"})
+    run_pack(PackRun(inputs=[tmp_path / "tok"], tokenizer="smollm2-135m", output=tmp_path / "p2",
+                     settings=PackConfig(max_seq_len=64, tokenize=tok_cfg)), tokenizer=smollm2_tokenizer,
+                     explicit={"num_workers", "limit"})
     assert [line for line in capsys.readouterr().err.splitlines() if "WARNING" in line] == [
         "WARNING: ignoring --num-workers 2: the INPUT is a tokenize output, already tokenized (these options "
         "only apply to raw conversations)"]
-    run_pack([src], "smollm2-135m", tmp_path / "p3", PackConfig(max_seq_len=64, tokenize=TokenizeConfig(
-        format="openai")), tokenizer=smollm2_tokenizer)
+    run_pack(PackRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "p3",
+                     settings=PackConfig(max_seq_len=64, tokenize=TokenizeConfig(
+        format="openai"))),
+                     tokenizer=smollm2_tokenizer)
     assert "WARNING" not in capsys.readouterr().err
 
 
@@ -327,15 +350,16 @@ def test_dropped_content_rejects_or_is_kept_and_counted(tmp_path, smollm2_tokeni
                                                        {"type": "text", "text": "What is it?"}]},
                           {"role": "assistant", "content": "A cat."}]}]
     src = write_rows(tmp_path / "drops.jsonl", rows)
-    summary = run_tokenize([src], "smollm2-135m", tmp_path / "rej", TokenizeConfig(), tokenizer=smollm2_tokenizer)
+    summary = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "rej",
+                                       settings=TokenizeConfig()), tokenizer=smollm2_tokenizer)
     assert (summary["counts"]["used"], summary["counts"]["rejected"]) == (1, 2)
     reasons = [r["reason"] for r in rejects_of(tmp_path / "rej")]
     assert reasons[0].startswith("template drops tool_calls: the tool_calls of message 1 (assistant)")
     assert reasons[1].startswith("unsupported content part: messages[0].content[0] has type 'image_url'")
     assert summary["counts"]["rejected_by_reason"] == {"template drops tool_calls": 1, "unsupported content part": 1}
     assert summary["counts"]["tool_arguments_decoded"] == 0  # counted for used rows only
-    kept = run_tokenize([src], "smollm2-135m", tmp_path / "keep", TokenizeConfig(on_dropped_content="keep"),
-                        tokenizer=smollm2_tokenizer)["counts"]
+    kept = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "keep",
+                                    settings=TokenizeConfig(on_dropped_content="keep")), tokenizer=smollm2_tokenizer)["counts"]
     assert (kept["used"], kept["rejected"]) == (3, 0)
     assert kept["conversations_with_dropped_content"] == 2 and kept["dropped_tool_calls"] == 1
     assert kept["dropped_content_parts"] == 1 and kept["tool_arguments_decoded"] == 1
@@ -353,8 +377,9 @@ def test_parquet_null_keys_are_counted_in_the_manifest(tmp_path, smollm2_tokeniz
     import pyarrow.parquet as pq
 
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "n.parquet")
-    counts = run_tokenize([tmp_path / "n.parquet"], "smollm2-135m", tmp_path / "tok", TokenizeConfig(),
-                          tokenizer=smollm2_tokenizer)["counts"]
+    counts = run_tokenize(TokenizeRun(inputs=[tmp_path / "n.parquet"], tokenizer="smollm2-135m",
+                                      output=tmp_path / "tok", settings=TokenizeConfig()),
+                                      tokenizer=smollm2_tokenizer)["counts"]
     assert counts["used"] == 3 and counts["null_keys_dropped_rows"] == 3
     manifest = json.loads((tmp_path / "tok" / "manifest.json").read_text())
     assert manifest["counts"]["null_keys_dropped_rows"] == 3
@@ -376,8 +401,8 @@ def test_assistant_turns_with_weight_zero_are_context_only(tmp_path, smollm2_tok
             {"id": "all0", "messages": [turns[0], turns[1]]},
             {"id": "half", "messages": [turns[0], {**turns[3], "weight": 0.5}]}]
     src = write_rows(tmp_path / "w.jsonl", rows)
-    counts = run_tokenize([src], "smollm2-135m", tmp_path / "t", TokenizeConfig(dedup=False),
-                          tokenizer=smollm2_tokenizer)["counts"]
+    counts = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "t",
+                                      settings=TokenizeConfig(dedup=False)), tokenizer=smollm2_tokenizer)["counts"]
     assert (counts["used"], counts["rejected"], counts["weight_zero_turns"]) == (2, 2, 2)
     table = list(TokenTable.open(tmp_path / "t").iter_rows())
     for row in table:

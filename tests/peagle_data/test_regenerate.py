@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from cli.data import main as data_main
 from peagle_data.readers import Conversation
-from peagle_data.regenerate import RegenerateConfig, Regeneration, run_regenerate
+from peagle_data.regenerate import RegenerateConfig, RegenerateRun, Regeneration, run_regenerate
 from peagle_data.verifier_backends import Answer, LocalBackend, ServerBackend, split_reasoning
 from stores.errors import InputError, OutputExistsError
 
@@ -167,7 +167,9 @@ def local_run(tmp_path_factory, local):
     d = tmp_path_factory.mktemp("regen_local")
     inp = write_rows(d / "in.jsonl")
     out = d / "out.jsonl"
-    summary = run_regenerate([str(inp)], out, lambda: local, RegenerateConfig(max_new_tokens=6, chunk_rows=2))
+    summary = run_regenerate(RegenerateRun(inputs=[str(inp)], output=out,
+                                           settings=RegenerateConfig(max_new_tokens=6, chunk_rows=2)),
+                                           make_backend=lambda: local)
     return inp, out, summary
 
 
@@ -197,10 +199,11 @@ def test_local_answers_equal_one_prompt_generate(local_run, local):
 
 
 def test_the_output_tokenizes(local_run, tmp_path, verifier_dir):
-    from peagle_data.prepare import TokenizeConfig, run_tokenize
+    from peagle_data.prepare import TokenizeConfig, TokenizeRun, run_tokenize
 
     _, out, _ = local_run
-    summary = run_tokenize([str(out)], str(verifier_dir), tmp_path / "tok", TokenizeConfig())
+    summary = run_tokenize(TokenizeRun(inputs=[str(out)], tokenizer=str(verifier_dir), output=tmp_path / "tok",
+                                       settings=TokenizeConfig()))
     # the SmolLM2 template renders no tools: tokenize rejects that row (the others are used)
     assert summary["counts"]["used"] == 3 and summary["counts"]["rejected_by_reason"] == {"template drops tools": 1}
 
@@ -208,7 +211,8 @@ def test_the_output_tokenizes(local_run, tmp_path, verifier_dir):
 def test_prompt_too_long_is_a_reject(tmp_path, local):
     inp = write_rows(tmp_path / "in.jsonl", [ROWS[4], {"messages": [{"role": "user", "content": "word " * 300},
                                                                   {"role": "assistant", "content": "x"}]}])
-    summary = run_regenerate([str(inp)], tmp_path / "o.jsonl", lambda: local, RegenerateConfig(max_new_tokens=6))
+    summary = run_regenerate(RegenerateRun(inputs=[str(inp)], output=tmp_path / "o.jsonl",
+                                           settings=RegenerateConfig(max_new_tokens=6)), make_backend=lambda: local)
     assert summary["counts"]["rejected_by_reason"] == {"prompt too long": 1}
     reason = lines(tmp_path / "o.rejects.jsonl")[0]["reason"]
     assert reason.startswith("prompt too long: ") and "exceed the verifier's 256 positions" in reason
@@ -236,21 +240,26 @@ def test_resume_gives_the_uninterrupted_file_without_redoing_rows(tmp_path, loca
     out = tmp_path / "out.jsonl"
     cfg = RegenerateConfig(max_new_tokens=6, chunk_rows=2)
     with pytest.raises(Killed):  # dies in the 2nd chunk (call 1: chunk 1 turn 1, 2: turn 2, 3: chunk 2)
-        run_regenerate([str(inp)], out, lambda: DiesAfter(local, 3), cfg)
+        run_regenerate(RegenerateRun(inputs=[str(inp)], output=out, settings=cfg),
+                                     make_backend=lambda: DiesAfter(local, 3))
     partial = out.with_name("out.jsonl.partial")
     assert len(lines(partial)) == 2 and not out.exists()
     with partial.open("a") as f:  # a row written after the checkpoint, its line cut by the kill
         f.write('{"id": "in:9", "mess')
     with pytest.raises(OutputExistsError):
-        run_regenerate([str(inp)], out, lambda: local, cfg)
+        run_regenerate(RegenerateRun(inputs=[str(inp)], output=out, settings=cfg), make_backend=lambda: local)
     with pytest.raises(InputError, match="max_new_tokens"):
-        run_regenerate([str(inp)], out, lambda: local, RegenerateConfig(max_new_tokens=7, chunk_rows=2), resume=True)
+        run_regenerate(RegenerateRun(inputs=[str(inp)], output=out,
+                                     settings=RegenerateConfig(max_new_tokens=7, chunk_rows=2), resume=True),
+                                     make_backend=lambda: local)
     other_batches = DiesAfter(local, 0)
     other_batches.record = {**local.record, "batch_size": 5}  # other padding: not the same greedy file
     with pytest.raises(InputError, match="model was"):
-        run_regenerate([str(inp)], out, lambda: other_batches, cfg, resume=True)
+        run_regenerate(RegenerateRun(inputs=[str(inp)], output=out, settings=cfg, resume=True),
+                                     make_backend=lambda: other_batches)
     counting = DiesAfter(local, 0)
-    summary = run_regenerate([str(inp)], out, lambda: counting, cfg, resume=True)
+    summary = run_regenerate(RegenerateRun(inputs=[str(inp)], output=out, settings=cfg, resume=True),
+                                           make_backend=lambda: counting)
     assert out.read_bytes() == full.read_bytes()
     assert out.with_name("out.rejects.jsonl").read_bytes() == full.with_name("out.rejects.jsonl").read_bytes()
     assert summary["resumed_rows"] == 2 and summary["counts"] == full_summary["counts"]
@@ -303,7 +312,9 @@ def test_server_greedy_output_equals_the_local_back_end(server, local_run, tmp_p
     out = tmp_path / "s.jsonl"
     # two addresses of the one server: requests spread over both slots' clients
     backend = ServerBackend([server, server + "/v1/"], None, max_new_tokens=6, temperature=0.0, concurrency=2)
-    summary = run_regenerate([str(inp)], out, lambda: backend, RegenerateConfig(max_new_tokens=6, chunk_rows=2))
+    summary = run_regenerate(RegenerateRun(inputs=[str(inp)], output=out,
+                                           settings=RegenerateConfig(max_new_tokens=6, chunk_rows=2)),
+                                           make_backend=lambda: backend)
     assert out.read_bytes() == full.read_bytes()
     c, f = summary["counts"], full_summary["counts"]
     assert (c["written"], c["rejected"], c["turns_regenerated"], c["completion_tokens"]) == \
@@ -316,7 +327,8 @@ def test_server_errors_after_retries_are_rejects(tmp_path):
     inp = write_rows(tmp_path / "in.jsonl", [ROWS[4]])
     dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
     backend = ServerBackend([dead], "m", max_new_tokens=4, temperature=0.0, retries=1, timeout=5)
-    summary = run_regenerate([str(inp)], tmp_path / "o.jsonl", lambda: backend, RegenerateConfig(max_new_tokens=4))
+    summary = run_regenerate(RegenerateRun(inputs=[str(inp)], output=tmp_path / "o.jsonl",
+                                           settings=RegenerateConfig(max_new_tokens=4)), make_backend=lambda: backend)
     assert summary["counts"]["rejected_by_reason"] == {"server error": 1}
     assert lines(tmp_path / "o.rejects.jsonl")[0]["reason"].startswith(f"server error: {dead}/v1: APIConnectionError")
 

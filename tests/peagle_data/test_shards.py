@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from peagle_data.prepare import PackConfig, TokenizeConfig, run_pack, run_tokenize
+from peagle_data.prepare import PackConfig, PackRun, TokenizeConfig, TokenizeRun, run_pack, run_tokenize
 from peagle_data.shards import check_shard
 from stores.token_tables import TokenTable
 
@@ -45,11 +45,13 @@ def _rejects(path):
 @pytest.mark.parametrize("mixture", [False, True])
 def test_tokenize_shards_union_equals_the_unsharded_run(tmp_path, smollm2_tokenizer, mixture):
     inputs = [_three_sources(tmp_path)] if mixture else _inputs(tmp_path)
-    full = run_tokenize(inputs, "smollm2-135m", tmp_path / "full", TokenizeConfig(), tokenizer=smollm2_tokenizer)
+    full = run_tokenize(TokenizeRun(inputs=inputs, tokenizer="smollm2-135m", output=tmp_path / "full",
+                                    settings=TokenizeConfig()), tokenizer=smollm2_tokenizer)
     union, rejects, counts = Counter(), [], Counter()
     for i in range(3):
-        s = run_tokenize(inputs, "smollm2-135m", tmp_path / f"s{i}", TokenizeConfig(num_shards=3, shard_index=i),
-                         tokenizer=smollm2_tokenizer)
+        s = run_tokenize(TokenizeRun(inputs=inputs, tokenizer="smollm2-135m", output=tmp_path / f"s{i}",
+                                     settings=TokenizeConfig(num_shards=3, shard_index=i)),
+                                     tokenizer=smollm2_tokenizer)
         part = _tok_rows(tmp_path / f"s{i}")
         assert part and not set(part) & set(union)  # disjoint, none empty
         union += part
@@ -59,8 +61,9 @@ def test_tokenize_shards_union_equals_the_unsharded_run(tmp_path, smollm2_tokeni
     assert union == _tok_rows(tmp_path / "full")
     assert sorted(rejects) == _rejects(tmp_path / "full")
     assert all(counts[k] == full["counts"].get(k, 0) for k in counts)
-    again = run_tokenize(inputs, "smollm2-135m", tmp_path / "again", TokenizeConfig(num_shards=3, shard_index=1),
-                         tokenizer=smollm2_tokenizer)
+    again = run_tokenize(TokenizeRun(inputs=inputs, tokenizer="smollm2-135m", output=tmp_path / "again",
+                                     settings=TokenizeConfig(num_shards=3, shard_index=1)),
+                                     tokenizer=smollm2_tokenizer)
     assert TokenTable.open(tmp_path / "again").read_all().equals(TokenTable.open(tmp_path / "s1").read_all())
     assert again["counts"]["used"] + again["counts"]["rejected"] == again["counts"]["read"]
 
@@ -68,14 +71,17 @@ def test_tokenize_shards_union_equals_the_unsharded_run(tmp_path, smollm2_tokeni
 def test_pack_shards_of_raw_inputs_and_of_a_tokenize_output(tmp_path, smollm2_tokenizer):
     inputs = _inputs(tmp_path)
     cfg = dict(max_seq_len=128, overlap=0.5)
-    full = run_pack(inputs, "smollm2-135m", tmp_path / "full", PackConfig(**cfg), tokenizer=smollm2_tokenizer)
-    run_tokenize(inputs, "smollm2-135m", tmp_path / "tok", TokenizeConfig(), tokenizer=smollm2_tokenizer)
+    full = run_pack(PackRun(inputs=inputs, tokenizer="smollm2-135m", output=tmp_path / "full",
+                            settings=PackConfig(**cfg)), tokenizer=smollm2_tokenizer)
+    run_tokenize(TokenizeRun(inputs=inputs, tokenizer="smollm2-135m", output=tmp_path / "tok",
+                             settings=TokenizeConfig()), tokenizer=smollm2_tokenizer)
     for kind, src in (("raw", inputs), ("table", [tmp_path / "tok"])):
         union, loss = Counter(), 0
         for i in range(2):
             out = tmp_path / f"{kind}{i}"
-            s = run_pack(src, "smollm2-135m", out, PackConfig(**cfg, tokenize=TokenizeConfig(num_shards=2, shard_index=i)),
-                         tokenizer=smollm2_tokenizer)
+            s = run_pack(PackRun(inputs=src, tokenizer="smollm2-135m", output=out,
+                                 settings=PackConfig(**cfg, tokenize=TokenizeConfig(num_shards=2, shard_index=i))),
+                                 tokenizer=smollm2_tokenizer)
             union += _windows(out)
             loss += s["counts"]["loss_tokens"]
         assert union == _windows(tmp_path / "full"), kind

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli.data import main
-from peagle_data.prepare import PackConfig, TokenizeConfig, run_pack, run_tokenize
+from peagle_data.prepare import PackConfig, PackRun, TokenizeConfig, TokenizeRun, run_pack, run_tokenize
 from peagle_data.show import render_text, select_items, supervised_spans
 from stores.token_tables import TokenTable
 
@@ -25,9 +25,10 @@ def tables(tmp_path_factory, smollm2_tokenizer):
     root = tmp_path_factory.mktemp("show")
     src = root / "c.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    run_tokenize([src], "smollm2-135m", root / "tok", TokenizeConfig(), tokenizer=smollm2_tokenizer)
-    run_pack([root / "tok"], "smollm2-135m", root / "packed", PackConfig(max_seq_len=64, block_size=128),
-             tokenizer=smollm2_tokenizer)
+    run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=root / "tok", settings=TokenizeConfig()),
+                             tokenizer=smollm2_tokenizer)
+    run_pack(PackRun(inputs=[root / "tok"], tokenizer="smollm2-135m", output=root / "packed",
+                     settings=PackConfig(max_seq_len=64, block_size=128)), tokenizer=smollm2_tokenizer)
     return root
 
 
