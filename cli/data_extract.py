@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-
 import click
 
 from cli.common import config_error, echo_json, handle_errors
 from cli.options import config_file_options, config_options, run_config
 from peagle_data.extract import ATTN_IMPLEMENTATIONS, ExtractConfig
+from peagle_data.tool_configs import InspectConfig, VerifyConfig
 from stores.feature_store import STORAGE_DTYPES
 
 __all__ = ["extract", "inspect_cmd", "verify"]
@@ -43,33 +42,24 @@ def extract(**options):
 
 
 @click.command()
-@click.argument("path", type=click.Path(exists=True))
+@config_options(InspectConfig, arguments=("path",), overrides={"path": {"type": click.Path(exists=True)}})
 @config_file_options
 @handle_errors
-def inspect_cmd(path):
+def inspect_cmd(**options):
     """Describe a token table or a feature store, as JSON."""
-    from stores.feature_store import FeatureStore
-    from stores.token_tables import TokenTable
+    from peagle_data.verify import inspect_output
 
-    p = Path(path)
-    if (p / "zarr.json").is_file():
-        info = FeatureStore.open(p).summary()
-    else:
-        table = TokenTable.open(p)
-        info = {"path": str(p), "kind": table.kind, "rows": table.num_rows,
-                **{k: v for k, v in table.manifest.items() if k not in ("library_versions",)}}
-    echo_json(info)  # JSON, like verify: scripts parse it
+    with config_error():
+        cfg = InspectConfig(**options)
+    echo_json(inspect_output(cfg.path))  # JSON, like verify: scripts parse it
 
 
 @click.command()
-@click.argument("store", type=click.Path(exists=True))
-@click.option("--packed", type=click.Path(exists=True, file_okay=False), default=None,
-              help="Also check token ids against this packed table.")
-@click.option("--repair", is_flag=True,
-              help="Clear the done flag of every bad block, so that `extract --resume` extracts them again.")
+@config_options(VerifyConfig, arguments=("store",), overrides={
+    "store": {"type": click.Path(exists=True)}, "packed": {"type": click.Path(exists=True, file_okay=False)}})
 @config_file_options
 @handle_errors
-def verify(store, packed, repair):
+def verify(**options):
     """Check a feature store: shapes, dtypes, done flags, chunk files, checksums, NaN/Inf, token ids.
 
     STORE may also be a token table: its totals and unique row sources / window ids, and for a
@@ -77,7 +67,9 @@ def verify(store, packed, repair):
     """
     from peagle_data.verify import verify_output
 
-    report, failure = verify_output(store, packed=packed, repair=repair)
+    with config_error():
+        cfg = VerifyConfig(**options)
+    report, failure = verify_output(cfg.store, packed=cfg.packed, repair=cfg.repair)
     echo_json(report)
     if failure is not None:
         click.echo(f"Error: {failure}", err=True)

@@ -6,32 +6,39 @@ from pathlib import Path
 
 import click
 
-from cli.options import config_file_options
-from cli.common import echo_json, handle_errors
+from cli.common import config_error, echo_json, handle_errors
+from cli.options import config_file_options, config_options
+from peagle_data.tool_configs import MergeConfig
 
 __all__ = ["merge"]
 
 
 @click.command()
-@click.argument("shards", metavar="SHARD...", nargs=-1, required=True, type=click.Path(exists=True))
-@click.option("--output", metavar="PATH", required=True, type=click.Path(),
-              help="The merged token table or feature store (must not exist unless --force).")
-@click.option("--force", is_flag=True, help="Overwrite an existing output.")
+@config_options(MergeConfig, arguments=("shards",), overrides={
+    "shards": {"metavar": "SHARD...", "nargs": -1, "required": True, "type": click.Path(exists=True)},
+    "output": {"metavar": "PATH", "type": click.Path()}})
 @config_file_options
 @handle_errors
-def merge(shards, output, force):
+def merge(**options):
     """Join the N shard outputs (--num-shards N, --shard-index 0..N-1) of one run into one.
 
     Token tables give one table whose manifest lists its shards; feature stores give one store equal
     to the unsharded extraction. Every shard must be given once. Check the result with
     `peagle-data verify OUTPUT`.
     """
+    with config_error():
+        cfg = MergeConfig(**{**options, "shards": list(options["shards"])})
+    _merge(cfg)
+
+
+def _merge(cfg: MergeConfig) -> None:
+    """Merge feature stores (print the JSON summary) or token tables (print their counts)."""
     from stores.merge import merge_stores, merge_tables
 
-    if _all_stores(shards):
-        echo_json(merge_stores(list(shards), output, force=force))
+    if _all_stores(cfg.shards):
+        echo_json(merge_stores(list(cfg.shards), cfg.output, force=cfg.force))
     else:
-        _echo_table_merge(merge_tables(list(shards), output, force=force), output)
+        _echo_table_merge(merge_tables(list(cfg.shards), cfg.output, force=cfg.force), cfg.output)
 
 
 def _all_stores(shards) -> bool:

@@ -5,31 +5,29 @@ from __future__ import annotations
 import sys
 import click
 
-from cli.options import config_file_options
-from cli.common import handle_errors
+from cli.common import config_error, handle_errors
+from cli.options import config_file_options, config_options
+from peagle_data.tool_configs import COLORS, ShowConfig
 
 __all__ = ["show"]
 
 
+_OVERRIDES = {
+    "path": {"type": click.Path(exists=True, file_okay=False)},
+    "row": {"type": click.IntRange(min=0), "metavar": "N"},
+    "block": {"type": click.IntRange(min=0), "metavar": "N"},
+    "item_id": {"decls": ["--id"], "metavar": "ID"},
+    "tokenizer": {"metavar": "MODEL"},
+    "color": {"type": click.Choice(COLORS)},
+    "html": {"type": click.Path(dir_okay=False), "metavar": "FILE"},
+}
+
+
 @click.command()
-@click.argument("path", type=click.Path(exists=True, file_okay=False))
-@click.option("--row", type=click.IntRange(min=0), default=None, metavar="N",
-              help="Row N of a tokenized table (from 0; default 0); for a packed table, block N.")
-@click.option("--block", type=click.IntRange(min=0), default=None, metavar="N",
-              help="Block N of a packed table (its block_id, from 0).")
-@click.option("--id", "item_id", default=None, metavar="ID",
-              help="A conversation id (its per-turn rows ID@turn too), or a window id ID#k: the rows or blocks "
-                   "that hold it.")
-@click.option("--tokenizer", "tokenizer_name", default=None, metavar="MODEL",
-              help="Tokenizer to decode with  [default: the one in the table's manifest]")
-@click.option("--color", type=click.Choice(["auto", "always", "never"]), default="auto", show_default=True,
-              help="Colour supervised tokens (auto: on a terminal); without colour they are [[bracketed]].")
-@click.option("--html", "html_file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
-              help="Also write an HTML page with the supervised tokens highlighted.")
-@click.option("--force", is_flag=True, help="Overwrite an existing --html FILE.")
+@config_options(ShowConfig, arguments=("path",), overrides=_OVERRIDES)
 @config_file_options
 @handle_errors
-def show(path, row, block, item_id, tokenizer_name, color, html_file, force):
+def show(**options):
     """Show a tokenized row or packed block of PATH with its supervised tokens (loss 1) marked.
 
     Segment boundaries (the windows packed into a block; a row's system prefix) get their own
@@ -37,7 +35,9 @@ def show(path, row, block, item_id, tokenizer_name, color, html_file, force):
     """
     from peagle_data.show import show as show_text
 
-    use_color = color == "always" or (color == "auto" and sys.stdout.isatty())
-    click.echo(show_text(path, row, block, item_id, tokenizer_name, use_color, html_file, force), color=use_color)
-    if html_file is not None:
-        click.echo(f"html: {html_file}", err=True)
+    with config_error():
+        c = ShowConfig(**options)
+    use_color = c.color == "always" or (c.color == "auto" and sys.stdout.isatty())
+    click.echo(show_text(c.path, c.row, c.block, c.item_id, c.tokenizer, use_color, c.html, c.force), color=use_color)
+    if c.html is not None:
+        click.echo(f"html: {c.html}", err=True)

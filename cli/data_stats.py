@@ -4,24 +4,26 @@ from __future__ import annotations
 
 import click
 
-from cli.options import config_file_options
-from cli.common import echo_json, handle_errors
+from cli.common import config_error, echo_json, handle_errors
+from cli.options import config_file_options, config_options
+from peagle_data.tool_configs import StatsConfig
 
 __all__ = ["stats"]
 
 
+_OVERRIDES = {
+    "path": {"type": click.Path(exists=True)},
+    "png": {"metavar": "FILE", "type": click.Path(dir_okay=False)},
+    "max_seq_len": {"metavar": "N", "type": click.IntRange(min=2)},
+    "overlap": {"metavar": "F", "type": click.FloatRange(0.0, 1.0, max_open=True)},
+}
+
+
 @click.command()
-@click.argument("path", type=click.Path(exists=True))
-@click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON.")
-@click.option("--png", metavar="FILE", type=click.Path(dir_okay=False),
-              help="Also write a PNG: length histogram, supervised fraction, windows, per-source shares.")
-@click.option("--max-seq-len", metavar="N", type=click.IntRange(min=2), default=None,
-              help="For a tokenize output: count the windows `pack --max-seq-len N` would cut.")
-@click.option("--overlap", metavar="F", type=click.FloatRange(0.0, 1.0, max_open=True), default=0.5,
-              show_default=True, help="The `pack --overlap` of those windows.")
+@config_options(StatsConfig, arguments=("path",), overrides=_OVERRIDES)
 @config_file_options
 @handle_errors
-def stats(path, as_json, png, max_seq_len, overlap):
+def stats(**options):
     """Statistics of a tokenize output, a pack output or a feature store.
 
     Totals, token and supervised token counts, length percentiles, supervised fraction, windows per
@@ -30,10 +32,12 @@ def stats(path, as_json, png, max_seq_len, overlap):
     """
     from peagle_data.stats import collect_stats, plot_stats
 
-    result = collect_stats(path, max_seq_len=max_seq_len, overlap=overlap)
-    if png:
-        result["png"] = str(plot_stats(result, png))
-    _echo_stats(result, as_json)
+    with config_error():
+        cfg = StatsConfig(**options)
+    result = collect_stats(cfg.path, max_seq_len=cfg.max_seq_len, overlap=cfg.overlap)
+    if cfg.png:
+        result["png"] = str(plot_stats(result, cfg.png))
+    _echo_stats(result, cfg.json)
 
 
 def _echo_stats(result: dict, as_json: bool) -> None:

@@ -1,4 +1,4 @@
-"""``peagle-data verify``: check a feature store (optionally its token ids against the packed table
+"""``peagle-data verify`` and ``inspect``: check a feature store (optionally its token ids against the packed table
 it was extracted from) or a token table; one report and, when it fails, one line saying what to do."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["verify_output"]
+__all__ = ["verify_output", "inspect_output"]
 
 
 def _expected_tokens(store: str, packed: str):
@@ -72,3 +72,21 @@ def verify_output(path: str | Path, packed: str | Path | None = None,
     expected = _expected_tokens(str(path), str(packed)) if packed is not None else None
     report = verify_store(path, expected_tokens=expected, repair=repair)
     return report, (None if report["ok"] else _store_failure(str(path), report))
+
+
+def inspect_output(path: str | Path) -> dict[str, Any]:
+    """``peagle-data inspect``: a feature store's summary, or a token table's kind, rows and manifest
+    (without its ``library_versions``), JSON-able.
+
+    Raises:
+        StoreFormatError: ``path`` is neither a store nor a table.
+    """
+    from stores.feature_store import FeatureStore
+    from stores.token_tables import TokenTable
+
+    p = Path(path)
+    if (p / "zarr.json").is_file():
+        return FeatureStore.open(p).summary()
+    table = TokenTable.open(p)
+    return {"path": str(p), "kind": table.kind, "rows": table.num_rows,
+            **{k: v for k, v in table.manifest.items() if k not in ("library_versions",)}}

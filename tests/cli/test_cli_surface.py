@@ -64,6 +64,37 @@ def test_help_lists_the_options(group, sub):
     assert not missing, f"{group} {sub}: --help lacks {sorted(missing)}"
 
 
+def _required_args(tmp_path) -> dict:
+    """The fewest arguments each command runs with (paths that must exist are made)."""
+    (tmp_path / "d").mkdir()
+    d = str(tmp_path / "d")
+    return {("data", "tokenize"): [d, "--tokenizer", "m", "--output", "o"],
+            ("data", "pack"): [d, "--tokenizer", "m", "--output", "o"],
+            ("data", "extract"): [d, "--verifier", "m", "--output", "o"],
+            ("data", "regenerate"): ["in.jsonl", "--output", "o.jsonl", "--verifier", "m"],
+            ("data", "inspect"): [d], ("data", "verify"): [d, "--packed", d, "--repair"],
+            ("data", "stats"): [d, "--json", "--max-seq-len", "64"],
+            ("data", "show"): [d, "--id", "c1", "--color", "never"], ("data", "merge"): [d, d, "--output", "o"],
+            ("train", None): ["--store", d, "--output", "o"], ("eval", None): ["--drafter", d, "--store", d]}
+
+
+@pytest.mark.parametrize("group,sub", sorted(EXACT, key=str))
+def test_print_config_is_a_config_file_of_the_same_run(group, sub, tmp_path):
+    """--print-config of the command line, read back with --config, prints the same values; one key
+    per parameter (its first long option, or the argument name)."""
+    import yaml
+
+    command, cli = _command(group, sub), ([sub] if sub else [])
+    first = CliRunner().invoke(GROUPS[group], [*cli, *_required_args(tmp_path)[(group, sub)], "--print-config"])
+    assert first.exit_code == 0, first.output
+    printed = yaml.safe_load(first.stdout)
+    assert len(printed) == len([p for p in command.params if p.name not in ("config", "print_config")])
+    (tmp_path / "c.yaml").write_text(first.stdout)
+    again = CliRunner().invoke(GROUPS[group], [*cli, "--config", str(tmp_path / "c.yaml"), "--print-config"])
+    assert again.exit_code == 0, again.output
+    assert again.stdout == first.stdout
+
+
 def test_data_group_lists_every_stage():
     out = CliRunner().invoke(data_main, ["--help"]).output
     for command in ("regenerate", "tokenize", "pack", "extract", "inspect", "verify", "show", "stats", "merge"):
