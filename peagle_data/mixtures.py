@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from peagle_data.counts import Counts
 from peagle_data.readers import FORMATS, Conversation, Reject
 from stores.errors import InputError
 
@@ -182,7 +183,7 @@ def sample_copies(seed: int, name: str, row: int, weight: float) -> int:
 
 
 def sample_items(items: Iterable[Conversation | Reject], seed: int, name: str, weight: float,
-                 counts: dict[str, Any]) -> Iterator[Conversation | Reject]:
+                 counts: Counts) -> Iterator[Conversation | Reject]:
     """Apply a source's weight to reader items (rejects pass once); ``counts`` gains ``sampled_out``
     (conversations drawn 0 times) and ``copies`` (extra copies)."""
     for row, item in enumerate(items, 1):
@@ -191,9 +192,9 @@ def sample_items(items: Iterable[Conversation | Reject], seed: int, name: str, w
             continue
         k = sample_copies(seed, name, row, weight)
         if k == 0:
-            counts["sampled_out"] = counts.get("sampled_out", 0) + 1
+            counts.bump("sampled_out")
             continue
         yield item
         for copy in range(2, k + 1):
-            counts["copies"] = counts.get("copies", 0) + 1
+            counts.bump("copies")
             yield replace(item, conversation_id=f"{item.conversation_id}*{copy}", source=f"{item.source}*{copy}")

@@ -56,6 +56,7 @@ import numpy as np
 from tqdm import tqdm
 
 from peagle_data.chat import chat_template_sha256
+from peagle_data.counts import Counts
 from peagle_data.dedup import Deduplicator, duplicate_reject, filter_reason, rows_key
 from peagle_data.packing import make_packed_row, pack_blocks_flexible, packing_efficiency
 from peagle_data.prepare_config import (
@@ -72,9 +73,7 @@ from peagle_data.readers import UniqueIds
 from peagle_data.shards import shard_of_key
 from peagle_data.sources import input_files, iter_source_groups, mixture_of, source_bump, source_rejected
 from peagle_data.tokenizing import (
-    _base_counts,
     _TokenFreq,
-    _bump,
     _check_output_not_input,
     _load_tokenizer,
     _read_template,
@@ -122,7 +121,7 @@ def _is_table(path: str | os.PathLike) -> bool:
     return Path(path).is_dir() and (Path(path) / MANIFEST).is_file()
 
 
-def _iter_table_rows(tables: list[TokenTable], counts: dict[str, Any],
+def _iter_table_rows(tables: list[TokenTable], counts: Counts,
                      limit: int | None = None) -> Iterator[list[TokenizedRow]]:
     """Rows of tokenize outputs grouped by conversation (per-turn rows share their ``source``);
     the first ``limit`` conversations when given. An id already seen (the same table twice,
@@ -135,18 +134,18 @@ def _iter_table_rows(tables: list[TokenTable], counts: dict[str, Any],
             if limit is not None and n >= limit:
                 return
             n += 1
-            _bump(counts, "read")
+            counts.read += 1
             group = list(group)
             renamed = False
             for row in group:
                 row.conversation_id, was = ids.unique(row.conversation_id)
                 renamed |= was
-            _bump(counts, "duplicate_ids_renamed", renamed)
+            counts.bump("duplicate_ids_renamed", renamed)
             yield group
 
 
 def _filter_table_groups(groups: Iterator[list[TokenizedRow]], cfg: TokenizeConfig, rejects: RejectsWriter,
-                         counts: dict[str, Any]) -> Iterator[list[TokenizedRow]]:
+                         counts: Counts) -> Iterator[list[TokenizedRow]]:
     """Tokenize-output conversations with exact duplicates (same token ids and loss masks, with
     ``cfg.dedup``) and those outside ``--max-tokens``/``--min-loss-tokens`` rejected and counted."""
     dedup = Deduplicator() if cfg.dedup else None
@@ -155,8 +154,8 @@ def _filter_table_groups(groups: Iterator[list[TokenizedRow]], cfg: TokenizeConf
         key = rows_key(group)
         source_bump(counts, group, read=1)
         if cfg.num_shards > 1 and shard_of_key(key, cfg.num_shards) != cfg.shard_index:
-            counts["read"] -= 1  # read again by the shard that keeps it
-            _bump(counts, "other_shards")
+            counts.read -= 1  # read again by the shard that keeps it
+            counts.bump("other_shards")
             source_bump(counts, group, other_shards=1)
             continue
         if dedup is not None:  # a weight's copies (source file:N*k) are not duplicates of their row
@@ -164,7 +163,7 @@ def _filter_table_groups(groups: Iterator[list[TokenizedRow]], cfg: TokenizeConf
             first = dedup.first_of(key + copy.group(1).encode() if copy else key, source)
             if first is not None:
                 d = duplicate_reject(cid, source, first)
-                _bump(counts, "duplicates")
+                counts.bump("duplicates")
                 _reject(rejects, counts, source, d.reason.replace("same messages", "same tokens"),
                         conversation_id=cid, duplicate_of=first)
                 source_bump(counts, group, rejected=1, duplicates=1)
@@ -223,7 +222,7 @@ def run_pack(run: PackRun, tokenizer=None, explicit: Collection[str] | None = No
     mixture, tables = _check_pack_inputs(inputs, output)
     template = _read_template(cfg.tokenize.chat_template)
     tokenizer = _load_tokenizer(tokenizer_name, tokenizer)
-    counts = _base_counts()
+    counts = Counts()
     if tables is not None:
         tables = _open_tables(inputs, tokenizer, template)  # refuses packed tables and mismatches first
         ignored = ignored_tokenize_options(cfg.tokenize, explicit)
@@ -241,13 +240,13 @@ def run_pack(run: PackRun, tokenizer=None, explicit: Collection[str] | None = No
                                             _shard(cfg.tokenize)))
             with _WindowSpill(out) as spill:
                 _collect_windows(rows, cfg, rejects, counts, spill)
-                counts["rejected_by_reason"] = dict(rejects.by_reason)
-                assert counts["used"] + counts["rejected"] == counts["read"], counts
+                counts.rejected_by_reason = dict(rejects.by_reason)
+                assert counts.used + counts.rejected == counts.read, counts
                 token_freq = _write_blocks(out, spill, cfg.block_size_tokens, len(tokenizer), counts)
         write_token_freq(out, token_freq)
         write_manifest(out, _pack_manifest(inputs, files, cfg, tokenizer_name, tokenizer, template, counts,
                                            mixture, tables, config))
-    return {"output": str(output), "counts": dict(counts)}
+    return {"output": str(output), "counts": counts.to_manifest()}
 
 
 def _check_pack_inputs(inputs, output) -> tuple[Any, list | None]:
@@ -269,7 +268,7 @@ def _check_pack_inputs(inputs, output) -> tuple[Any, list | None]:
 
 
 def _pack_manifest(inputs, files: list, cfg: PackConfig, tokenizer_name, tokenizer, template: str | None,
-                   counts: dict[str, Any], mixture, tables: list[TokenTable] | None,
+                   counts: Counts, mixture, tables: list[TokenTable] | None,
                    config: dict[str, Any] | None) -> dict[str, Any]:
     """The packed table's manifest (``upstream``: each tokenize output's manifest sha256 and counts)."""
     manifest = {
@@ -279,7 +278,7 @@ def _pack_manifest(inputs, files: list, cfg: PackConfig, tokenizer_name, tokeniz
         "parameters": {**dataclasses.asdict(cfg), "block_size": cfg.block_size_tokens},
         **({"config": config} if config is not None else {}),
         "tokenizer": _tokenizer_record(tokenizer_name, tokenizer, cfg.tokenize.chat_template, template),
-        "counts": dict(counts),
+        "counts": counts.to_manifest(),
     }
     if tables is not None:
         manifest["upstream"] = {str(t.directory): {"manifest_sha256": manifest_sha256(t.directory),
@@ -347,9 +346,9 @@ class _WindowSpill:
 
 
 def _collect_windows(groups: Iterator[list[TokenizedRow]], cfg: PackConfig, rejects: RejectsWriter,
-                     counts: dict[str, Any], spill: _WindowSpill) -> None:
+                     counts: Counts, spill: _WindowSpill) -> None:
     """Cut every conversation's rows into windows, spilled to ``spill``; conversations with none are rejected."""
-    counts.update(windows=0, windows_dropped=0, windows_capped=0)
+    counts.windows = counts.windows_dropped = counts.windows_capped = 0
     for group in groups:
         source, cid = group[0].source, group[0].conversation_id
         try:
@@ -361,25 +360,25 @@ def _collect_windows(groups: Iterator[list[TokenizedRow]], cfg: PackConfig, reje
             _reject(rejects, counts, source, str(e), conversation_id=cid)
             source_rejected(counts, group)
             continue
-        _bump(counts, "windows_dropped", dropped)
+        counts.bump("windows_dropped", dropped)
         if cfg.max_windows is not None and len(segments) > cfg.max_windows:
-            _bump(counts, "windows_capped", len(segments) - cfg.max_windows)
+            counts.bump("windows_capped", len(segments) - cfg.max_windows)
             segments = segments[: cfg.max_windows]
         if not segments:
             _reject(rejects, counts, source, "no supervised tokens: no assistant token in any window",
                     conversation_id=cid)
             source_rejected(counts, group)
             continue
-        _bump(counts, "used")
-        _bump(counts, "windows", len(segments))
-        _bump(counts, "conversations_split", candidates > len(group))
+        counts.used += 1
+        counts.bump("windows", len(segments))
+        counts.bump("conversations_split", candidates > len(group))
         for segment in segments:
             spill.append(*segment)
             spill.datasets.append(group[0].dataset)
 
 
 def _write_blocks(out: Path, spill: _WindowSpill, block_size: int, vocab_size: int,
-                  counts: dict[str, Any]) -> np.ndarray:
+                  counts: Counts) -> np.ndarray:
     """Pack the spilled windows, write the packed table; returns token_freq int64 [vocab_size]."""
     blocks, used_lengths = pack_blocks_flexible(spill.lengths, spill.min_lengths, block_size)
     token_freq = _TokenFreq(vocab_size)
@@ -399,7 +398,7 @@ def _write_blocks(out: Path, spill: _WindowSpill, block_size: int, vocab_size: i
             n_loss += int(mask.sum())
             token_freq.add(ids[mask == 1])
     efficiency = packing_efficiency(n_tokens, len(blocks), block_size)
-    counts.update(tokens=n_tokens, loss_tokens=n_loss, n_blocks=len(blocks), block_size=block_size,
-                  packing_efficiency=round(efficiency, 6),
-                  windows_trimmed=sum(u < n for u, n in zip(used_lengths, spill.lengths)))
+    counts.tokens, counts.loss_tokens, counts.n_blocks, counts.block_size = n_tokens, n_loss, len(blocks), block_size
+    counts.packing_efficiency = round(efficiency, 6)
+    counts.windows_trimmed = sum(u < n for u, n in zip(used_lengths, spill.lengths))
     return token_freq.counts()

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any, Iterable, Iterator
+from typing import Iterable, Iterator
 
+from peagle_data.counts import Counts
 from peagle_data.dedup import conversation_key
 from peagle_data.readers import Conversation, Reject
 
@@ -51,10 +52,10 @@ def shard_filter(num_shards: int, shard_index: int):
     """A filter ``(items, counts) -> items`` keeping shard ``shard_index``; counts ``other_shards``."""
     check_shard(num_shards, shard_index)
 
-    def keep(items: Iterable[Conversation | Reject], counts: dict[str, Any]) -> Iterator[Conversation | Reject]:
+    def keep(items: Iterable[Conversation | Reject], counts: Counts) -> Iterator[Conversation | Reject]:
         for item in items:
             if item_shard(item, num_shards) == shard_index:
                 yield item
             else:
-                counts["other_shards"] = counts.get("other_shards", 0) + 1
+                counts.bump("other_shards")
     return keep

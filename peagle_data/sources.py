@@ -7,7 +7,7 @@ draw) -> keep this shard's items (:mod:`peagle_data.shards`) -> render and token
 before the shard filter runs the same in every shard, so shards draw the same rows and duplicates
 as the unsharded run.
 
-Per-source counts (``counts["sources"][name]``): ``read`` (rows read from the source's files),
+Per-source counts (:attr:`peagle_data.counts.Counts.sources`, by source name): ``read`` (rows read from the source's files),
 ``duplicates``, ``sampled_out`` (conversations a weight below 1 drew 0 times), ``copies`` (extra
 copies a weight above 1 drew), ``other_shards`` (items left to other shards), ``rejected`` (every
 reject: reader, duplicate, template, filter, and in ``pack`` the window stage) and ``used``, with
@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
+from peagle_data.counts import Counts
 from peagle_data.dedup import Deduplicator
 from peagle_data.mixtures import Mixture, is_mixture_file, load_mixture, sample_items
 from peagle_data.readers import resolve_inputs
@@ -50,7 +51,7 @@ def input_files(inputs: Sequence[str | os.PathLike], mixture: Mixture | None) ->
 
 
 def iter_source_groups(iter_tokenized: Callable[..., Iterator[list[TokenizedRow]]], inputs, mixture, tokenizer,
-                       cfg, rejects, counts: dict[str, Any],
+                       cfg, rejects, counts: Counts,
                        shard: Callable | None = None) -> Iterator[list[TokenizedRow]]:
     """Tokenized conversation groups of plain INPUTs or of every mixture source in order.
 
@@ -69,11 +70,11 @@ def iter_source_groups(iter_tokenized: Callable[..., Iterator[list[TokenizedRow]
     if cfg.limit is not None:
         raise InputError("--limit does not apply to a mixture file; give each source a 'limit'")
     dedup = Deduplicator() if cfg.dedup else None
-    per_source = counts.setdefault("sources", {})
+    counts.sources = {}
     for src in mixture.sources:
         src_cfg = dataclasses.replace(cfg, limit=src.limit, chat_template=src.chat_template or cfg.chat_template,
                                       format=src.format or cfg.format)
-        c: dict[str, Any] = {"read": 0, "rejected": 0}
+        c = Counts()
         sample = lambda items, src=src, c=c: sample_items(items, mixture.seed, src.name, src.weight, c)  # noqa: E731
         used = 0
         for group in iter_tokenized(list(src.inputs), tokenizer, src_cfg, rejects, c, dedup=dedup, sample=sample,
@@ -82,14 +83,11 @@ def iter_source_groups(iter_tokenized: Callable[..., Iterator[list[TokenizedRow]
             for row in group:
                 row.dataset = src.name
             yield group
-        for key, value in c.items():  # every counter of the source's run adds to the run's
-            if isinstance(value, int) and key != "used":
-                counts[key] = counts.get(key, 0) + value
-        per_source[src.name] = {"read": c["read"] + c.get("sampled_out", 0) - c.get("copies", 0)
-                                + c.get("other_shards", 0),
-                                "used": used, "rejected": c["rejected"], "duplicates": c.get("duplicates", 0),
-                                "sampled_out": c.get("sampled_out", 0), "copies": c.get("copies", 0),
-                                "other_shards": c.get("other_shards", 0)}
+        counts.add(c)  # every counter of the source's run adds to the run's
+        counts.sources[src.name] = {"read": c.read + (c.sampled_out or 0) - (c.copies or 0) + (c.other_shards or 0),
+                                    "used": used, "rejected": c.rejected, "duplicates": c.duplicates or 0,
+                                    "sampled_out": c.sampled_out or 0, "copies": c.copies or 0,
+                                    "other_shards": c.other_shards or 0}
 
 
 def _select(sample, shard, counts):
@@ -105,21 +103,20 @@ def _select(sample, shard, counts):
     return select
 
 
-def source_rejected(counts: dict[str, Any], group: list[TokenizedRow]) -> None:
+def source_rejected(counts: Counts, group: list[TokenizedRow]) -> None:
     """A conversation of a mixture source rejected after tokenization (``pack``'s window stage)."""
     name = group[0].dataset
-    if name is not None and name in counts.get("sources", {}):
-        counts["sources"][name]["used"] -= 1
-        counts["sources"][name]["rejected"] += 1
+    if name is not None and name in (counts.sources or {}):
+        counts.sources[name]["used"] -= 1
+        counts.sources[name]["rejected"] += 1
 
 
-def source_bump(counts: dict[str, Any], group: list[TokenizedRow], **increments: int) -> None:
+def source_bump(counts: Counts, group: list[TokenizedRow], **increments: int) -> None:
     """Add to the per-source counts of a tokenize output's conversation (``pack`` of a mixture's
     tokenize output: its rows carry ``dataset``); nothing for rows without a source."""
     name = group[0].dataset
     if name is None:
         return
-    c = counts.setdefault("sources", {}).setdefault(
-        name, {"read": 0, "used": 0, "rejected": 0, "duplicates": 0, "other_shards": 0})
+    c = counts.source(name)
     for key, n in increments.items():
         c[key] = c.get(key, 0) + n

@@ -21,6 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from peagle_data.chat import ChatTemplateError, chat_template_sha256, render_rows, tokenize_rendered
+from peagle_data.counts import Counts
 from peagle_data.dedup import Deduplicator, dedup_items, filter_reason
 from peagle_data.prepare_config import CHUNK_CONVERSATIONS, TokenizeConfig, TokenizeRun
 from peagle_data.readers import Conversation, Reject, read_conversations
@@ -81,17 +82,13 @@ def _split_source(source: str) -> tuple[str, int | None]:
     return (file, int(row)) if row.isdigit() else (source, None)
 
 
-def _bump(counts: dict[str, Any], key: str, n: int = 1) -> None:
-    counts[key] = counts.get(key, 0) + int(n)
-
-
-def _reject(rejects: RejectsWriter, counts: dict[str, Any], source: str, reason: str, **extra) -> None:
+def _reject(rejects: RejectsWriter, counts: Counts, source: str, reason: str, **extra) -> None:
     rejects.write(source, reason, **{k: v for k, v in extra.items() if v is not None})
-    _bump(counts, "rejected")
+    counts.rejected += 1
 
 
 def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: TokenizeConfig,
-                   rejects: RejectsWriter, counts: dict[str, int], *, dedup: Deduplicator | None = None,
+                   rejects: RejectsWriter, counts: Counts, *, dedup: Deduplicator | None = None,
                    sample=None, select=None) -> Iterator[list[TokenizedRow]]:
     """Read, normalise and tokenize conversations, in input order.
 
@@ -151,14 +148,14 @@ def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: Tokenize
 
 
 def _outcome_rows(item: Conversation | Reject, outcome, cfg: TokenizeConfig, rejects: RejectsWriter,
-                  counts: dict[str, Any]) -> list[TokenizedRow] | None:
+                  counts: Counts) -> list[TokenizedRow] | None:
     """The rows of one read item and its tokenizing outcome (:func:`_tokenize_chunk`), or None when
     it is rejected (written to ``rejects`` and counted)."""
-    _bump(counts, "read")
-    _bump(counts, "duplicate_ids_renamed", item.duplicate_id_renamed)
+    counts.read += 1
+    counts.bump("duplicate_ids_renamed", item.duplicate_id_renamed)
     if isinstance(item, Reject):
         duplicate_of = getattr(item, "duplicate_of", None)
-        _bump(counts, "duplicates", duplicate_of is not None)
+        counts.bump("duplicates", duplicate_of is not None)
         _reject(rejects, counts, item.source, item.reason, conversation_id=item.conversation_id,
                 field=item.field, duplicate_of=duplicate_of)
         return None
@@ -220,20 +217,20 @@ def _tokenize_chunk(tokenizer, chunk: list[Conversation | Reject], template, spl
     return list(zip(chunk, outcomes))
 
 
-def _rows_of(conv: Conversation, outcome: list[tuple], counts: dict[str, Any]) -> list[TokenizedRow]:
-    _bump(counts, "dropped_leading_assistant_turns", conv.dropped_leading_assistant)
-    _bump(counts, "conversations_with_dropped_leading_assistant", conv.dropped_leading_assistant > 0)
-    _bump(counts, "merged_user_turns", conv.merged_user_turns)
-    _bump(counts, "empty_assistant_turns", conv.empty_assistant_turns)
+def _rows_of(conv: Conversation, outcome: list[tuple], counts: Counts) -> list[TokenizedRow]:
+    counts.bump("dropped_leading_assistant_turns", conv.dropped_leading_assistant)
+    counts.bump("conversations_with_dropped_leading_assistant", conv.dropped_leading_assistant > 0)
+    counts.bump("merged_user_turns", conv.merged_user_turns)
+    counts.bump("empty_assistant_turns", conv.empty_assistant_turns)
     for key, n in conv.counts.items():
-        _bump(counts, key, n)
+        counts.bump(key, n)
     dropped = {part for _, _, parts in outcome for part in parts}  # per-turn rows repeat context parts
-    _bump(counts, "conversations_with_dropped_content", bool(dropped) or bool(conv.counts.get("dropped_content_parts")))
-    for part in dropped:
-        _bump(counts, f"dropped_{part.split(' of ')[0]}")
+    counts.conversations_with_dropped_content += bool(dropped) or bool(conv.counts.get("dropped_content_parts"))
+    for part in sorted(dropped):
+        counts.drop(part.split(' of ')[0])
     per_turn = outcome[0][0] is not None
-    _bump(counts, "history_rewrite_conversations", per_turn)
-    _bump(counts, "history_rewrite_rows", len(outcome) if per_turn else 0)
+    counts.bump("history_rewrite_conversations", per_turn)
+    counts.bump("history_rewrite_rows", len(outcome) if per_turn else 0)
     return [TokenizedRow(conversation_id=conv.conversation_id if turn is None else f"{conv.conversation_id}@{turn}",
                          source=conv.source, input_ids=tok.input_ids, loss_mask=tok.loss_mask,
                          system_len=tok.system_len, n_tokens=int(tok.input_ids.shape[0]),
@@ -256,11 +253,6 @@ def _shard(cfg: TokenizeConfig):
 
 def _shard_record(cfg: TokenizeConfig) -> dict[str, Any]:
     return {"shard": {"num_shards": cfg.num_shards, "shard_index": cfg.shard_index}} if cfg.num_shards > 1 else {}
-
-
-def _base_counts() -> dict[str, Any]:
-    return {"read": 0, "used": 0, "rejected": 0, "null_keys_dropped_rows": 0, "tool_arguments_decoded": 0,
-            "tool_arguments_not_json": 0, "tool_schemas_decoded": 0, "conversations_with_dropped_content": 0}
 
 
 def run_tokenize(run: TokenizeRun, tokenizer=None, config: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -289,21 +281,21 @@ def run_tokenize(run: TokenizeRun, tokenizer=None, config: dict[str, Any] | None
     template = _read_template(cfg.chat_template)
     with staged_output_dir(output, run.force) as out:
         tokenizer = _load_tokenizer(tokenizer_name, tokenizer)
-        counts = _base_counts()
+        counts = Counts()
         token_freq = _TokenFreq(len(tokenizer))
         n_tokens = n_loss = 0
         with TableWriter(out, "tokenized") as writer, RejectsWriter(out) as rejects:
             for group in iter_source_groups(iter_tokenized, inputs, mixture, tokenizer, cfg, rejects, counts,
                                             _shard(cfg)):
-                _bump(counts, "used")
+                counts.used += 1
                 for row in group:
                     writer.write(row)
                     n_tokens += row.n_tokens
                     n_loss += row.n_loss_tokens
                     token_freq.add(row.input_ids[row.loss_mask == 1])
             by_reason = dict(rejects.by_reason)
-        counts.update(tokens=n_tokens, loss_tokens=n_loss, rejected_by_reason=by_reason)
-        assert counts["used"] + counts["rejected"] == counts["read"], counts
+        counts.tokens, counts.loss_tokens, counts.rejected_by_reason = n_tokens, n_loss, by_reason
+        assert counts.used + counts.rejected == counts.read, counts
         write_token_freq(out, token_freq.counts())
         write_manifest(out, {
             "kind": "tokenized",
@@ -312,11 +304,11 @@ def run_tokenize(run: TokenizeRun, tokenizer=None, config: dict[str, Any] | None
             "parameters": dataclasses.asdict(cfg),
             **({"config": config} if config is not None else {}),
             "tokenizer": _tokenizer_record(tokenizer_name, tokenizer, cfg.chat_template, template),
-            "counts": dict(counts),
+            "counts": counts.to_manifest(),
             **({"mixture": mixture.record()} if mixture is not None else {}),
             **_shard_record(cfg),
         })
-    return {"output": str(output), "counts": dict(counts)}
+    return {"output": str(output), "counts": counts.to_manifest()}
 
 
 class _TokenFreq:

@@ -1,0 +1,138 @@
+"""The counts of one ``tokenize`` or ``pack`` run (the manifest's ``counts``; docs/design.md §6).
+
+One typed record instead of a dict of ~25 string keys: a fixed field per fixed counter, a mapping
+for the counters named by the data (``dropped_<part>``), the per-source entries of a mixture and
+the rejects by reason. A counter that is None was never counted in the run and is left out of
+:meth:`Counts.to_manifest` (a counter counted zero times is written as 0), so a manifest holds the
+same keys as the run touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Counts"]
+
+
+@dataclass
+class Counts:
+    """Counters of a tokenize or pack run; :meth:`to_manifest` is the manifest's ``counts``."""
+
+    read: int = 0
+    """Input conversations read (rows of the input files, or conversations of tokenize outputs)."""
+    used: int = 0
+    """Conversations written (tokenize) or cut into at least one window (pack)."""
+    rejected: int = 0
+    """Conversations written to rejects.jsonl; ``used + rejected == read``."""
+    null_keys_dropped_rows: int = 0
+    """Rows where a null key counted as absent (Parquet rows have every key of every row)."""
+    tool_arguments_decoded: int = 0
+    """Tool-call arguments given as a JSON string and decoded."""
+    tool_arguments_not_json: int = 0
+    """Tool-call arguments that are a string but no JSON (kept as the string)."""
+    tool_schemas_decoded: int = 0
+    """Tool schemas given as JSON strings and decoded."""
+    conversations_with_dropped_content: int = 0
+    """Conversations kept without content the chat template drops (``--on-dropped-content keep``)."""
+    duplicate_ids_renamed: int | None = None
+    """Conversations whose id was seen before, renamed ``id~k``."""
+    duplicates: int | None = None
+    """Exact duplicates rejected after their first occurrence (``--dedup``)."""
+    dropped_leading_assistant_turns: int | None = None
+    """Assistant turns before the first user turn, dropped."""
+    conversations_with_dropped_leading_assistant: int | None = None
+    """Conversations that had such turns."""
+    merged_user_turns: int | None = None
+    """Consecutive user turns merged into one."""
+    empty_assistant_turns: int | None = None
+    """Assistant turns with no text, reasoning or tool call (unsupervised)."""
+    dropped_content_parts: int | None = None
+    """Content parts of unsupported types left out (``--on-dropped-content keep``)."""
+    weight_zero_turns: int | None = None
+    """Assistant turns marked ``"weight": 0`` (context only)."""
+    dropped: dict[str, int] = field(default_factory=dict)
+    """Conversations kept without each kind of content the template drops: ``{part: n}``, written
+    as ``dropped_<part>`` keys (``dropped_tools``, ``dropped_reasoning``, ...)."""
+    history_rewrite_conversations: int | None = None
+    """Conversations split into one row per assistant turn (the template rewrites history)."""
+    history_rewrite_rows: int | None = None
+    """The rows of those conversations."""
+    other_shards: int | None = None
+    """Input items of other shards (``--num-shards``)."""
+    sampled_out: int | None = None
+    """Mixture rows not drawn by a source's weight below 1."""
+    copies: int | None = None
+    """Extra copies of mixture rows drawn by a source's weight above 1."""
+    windows: int | None = None
+    """Windows written (pack)."""
+    windows_dropped: int | None = None
+    """Windows with no supervised token left (pack)."""
+    windows_capped: int | None = None
+    """Windows after the first ``--max-windows`` of a conversation (pack)."""
+    conversations_split: int | None = None
+    """Conversations cut into more windows than they have rows (pack)."""
+    tokens: int | None = None
+    """Tokens written."""
+    loss_tokens: int | None = None
+    """Supervised tokens written."""
+    rejected_by_reason: dict[str, int] | None = None
+    """Rejected conversations by reason (rejects.jsonl)."""
+    n_blocks: int | None = None
+    """Packed blocks (pack)."""
+    block_size: int | None = None
+    """Tokens per packed block (pack)."""
+    packing_efficiency: float | None = None
+    """Used tokens / (blocks x block_size), rounded to 6 digits (pack)."""
+    windows_trimmed: int | None = None
+    """Windows packed shorter than cut (pack)."""
+    sources: dict[str, dict[str, int]] | None = None
+    """Per-source counts of a mixture: ``{name: {read, used, rejected, duplicates, ...}}``."""
+
+    def bump(self, name: str, n: int = 1) -> None:
+        """Add ``n`` (an int or a bool) to the counter ``name``, counting it from 0 if it never was.
+
+        Raises:
+            AttributeError: ``name`` is no integer counter of this class.
+        """
+        if name not in _COUNTERS:
+            raise AttributeError(f"Counts has no counter {name!r}")
+        setattr(self, name, (getattr(self, name) or 0) + int(n))
+
+    def drop(self, part: str) -> None:
+        """Count one conversation kept without ``part`` (``dropped_<part>``)."""
+        self.dropped[part] = self.dropped.get(part, 0) + 1
+
+    def source(self, name: str) -> dict[str, int]:
+        """The per-source counts of ``name`` (a new zero entry the first time)."""
+        if self.sources is None:
+            self.sources = {}
+        return self.sources.setdefault(name, {"read": 0, "used": 0, "rejected": 0, "duplicates": 0,
+                                              "other_shards": 0})
+
+    def add(self, other: Counts) -> None:
+        """Add every counter of ``other`` (a mixture source's run) except ``used``."""
+        for name in _COUNTERS - {"used"}:
+            if getattr(other, name) is not None:
+                self.bump(name, getattr(other, name))
+        for part, n in other.dropped.items():
+            self.dropped[part] = self.dropped.get(part, 0) + n
+
+    def to_manifest(self) -> dict[str, Any]:
+        """The manifest's ``counts``: the counted fields in field order, ``dropped`` as ``dropped_<part>``
+        keys in the order first counted."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "dropped":
+                out.update({f"dropped_{part}": n for part, n in value.items()})
+            elif value is not None:
+                out[f.name] = dict(value) if isinstance(value, dict) else value
+        if self.sources is not None:
+            out["sources"] = {name: dict(c) for name, c in self.sources.items()}
+        return out
+
+
+_COUNTERS = frozenset(f.name for f in dataclasses.fields(Counts)
+                      if f.name not in ("dropped", "rejected_by_reason", "sources", "packing_efficiency"))
