@@ -94,6 +94,15 @@ def _peak_above_start_mib(fn) -> float:
     return status("VmHWM:") - start
 
 
+def _element_cases(tokens: list[int]):
+    """``(T, max_anchors, block, elements)`` for every T, uncapped and capped at 1024 (seed 0)."""
+    for T in tokens:
+        block = make_block(T)
+        for a in (None, 1024):
+            yield T, a, block, sample_cod_elements(block.cu_seqlens, block.loss_mask, K, R, R_MIN, a,
+                                                   torch.Generator().manual_seed(0))
+
+
 def bench_blockmask(tokens: list[int], repeats: int) -> None:
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -105,20 +114,17 @@ def bench_blockmask(tokens: list[int], repeats: int) -> None:
     print("| T | max_anchors | elements | peagle ms | create_block_mask ms | time ratio | peagle peak MiB | "
           "create_block_mask peak MiB | memory ratio | identical |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for T in tokens:
-        block = make_block(T)
-        for a in (None, 1024):
-            el = sample_cod_elements(block.cu_seqlens, block.loss_mask, K, R, R_MIN, a, torch.Generator().manual_seed(0))
-            E = len(el)
-            mod = spec_mod(el.anchor, el.depth, segment_ids(block.cu_seqlens))
-            ours = lambda: block_mask_from_elements(el)  # noqa: E731
-            theirs = lambda: create_block_mask(mod, None, None, E, E, device="cpu")  # noqa: E731
-            same = all(torch.equal(x, y) for x, y in zip(ours().as_tuple()[2:10], theirs().as_tuple()[2:10]))
-            mem = {"ours": _peak_above_start_mib(ours), "theirs": _peak_above_start_mib(theirs)}
-            t = alternate({"ours": ours, "theirs": theirs}, repeats)
-            print(f"| {T} | {a} | {E} | {t['ours'] * 1e3:.1f} | {t['theirs'] * 1e3:.0f} | "
-                  f"**{t['ours'] / t['theirs']:.4f}** | {mem['ours']:.1f} | {mem['theirs']:.0f} | "
-                  f"**{max(mem['ours'], 0.1) / mem['theirs']:.4f}** | {same} |", flush=True)
+    for T, a, block, el in _element_cases(tokens):
+        E = len(el)
+        mod = spec_mod(el.anchor, el.depth, segment_ids(block.cu_seqlens))
+        ours = lambda: block_mask_from_elements(el)  # noqa: E731
+        theirs = lambda: create_block_mask(mod, None, None, E, E, device="cpu")  # noqa: E731
+        same = all(torch.equal(x, y) for x, y in zip(ours().as_tuple()[2:10], theirs().as_tuple()[2:10]))
+        mem = {"ours": _peak_above_start_mib(ours), "theirs": _peak_above_start_mib(theirs)}
+        t = alternate({"ours": ours, "theirs": theirs}, repeats)
+        print(f"| {T} | {a} | {E} | {t['ours'] * 1e3:.1f} | {t['theirs'] * 1e3:.0f} | "
+              f"**{t['ours'] / t['theirs']:.4f}** | {mem['ours']:.1f} | {mem['theirs']:.0f} | "
+              f"**{max(mem['ours'], 0.1) / mem['theirs']:.4f}** | {same} |", flush=True)
 
 
 def bench_attention(tokens: list[int], repeats: int) -> None:
@@ -129,29 +135,26 @@ def bench_attention(tokens: list[int], repeats: int) -> None:
     print("| T | max_anchors | elements | split s | dense s | time ratio | split peak MiB | dense peak MiB | "
           "memory ratio | max abs diff |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for T in tokens:
-        block = make_block(T)
-        for a in (None, 1024):
-            el = sample_cod_elements(block.cu_seqlens, block.loss_mask, K, R, R_MIN, a, torch.Generator().manual_seed(0))
-            E = len(el)
-            g = torch.Generator().manual_seed(0)
-            q, k, v = (torch.randn(n, E, 64, generator=g).requires_grad_() for n in (9, 3, 3))
-            w = torch.randn(9, E, 64, generator=g)
+    for T, a, block, el in _element_cases(tokens):
+        E = len(el)
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(n, E, 64, generator=g).requires_grad_() for n in (9, 3, 3))
+        w = torch.randn(9, E, 64, generator=g)
 
-            def split():
-                out = SplitElementAttention(el).attend(q, k, v)
-                return (out,) + torch.autograd.grad((out * w).sum(), (q, k, v))
+        def split():
+            out = SplitElementAttention(el).attend(q, k, v)
+            return (out,) + torch.autograd.grad((out * w).sum(), (q, k, v))
 
-            def dense():
-                out = sdpa_dense(q, k.repeat_interleave(3, 0), v.repeat_interleave(3, 0), build_attention_mask(el))
-                return (out,) + torch.autograd.grad((out * w).sum(), (q, k, v))
+        def dense():
+            out = sdpa_dense(q, k.repeat_interleave(3, 0), v.repeat_interleave(3, 0), build_attention_mask(el))
+            return (out,) + torch.autograd.grad((out * w).sum(), (q, k, v))
 
-            diff = max(float((x - y).detach().abs().max()) for x, y in zip(split(), dense()))
-            mem = {"split": _peak_above_start_mib(split), "dense": _peak_above_start_mib(dense)}
-            t = alternate({"split": split, "dense": dense}, repeats)
-            print(f"| {T} | {a} | {E} | {t['split']:.2f} | {t['dense']:.2f} | **{t['split'] / t['dense']:.2f}** | "
-                  f"{mem['split']:.0f} | {mem['dense']:.0f} | **{mem['split'] / max(mem['dense'], 1):.3f}** | "
-                  f"{diff:.1e} |", flush=True)
+        diff = max(float((x - y).detach().abs().max()) for x, y in zip(split(), dense()))
+        mem = {"split": _peak_above_start_mib(split), "dense": _peak_above_start_mib(dense)}
+        t = alternate({"split": split, "dense": dense}, repeats)
+        print(f"| {T} | {a} | {E} | {t['split']:.2f} | {t['dense']:.2f} | **{t['split'] / t['dense']:.2f}** | "
+              f"{mem['split']:.0f} | {mem['dense']:.0f} | **{mem['split'] / max(mem['dense'], 1):.3f}** | "
+              f"{diff:.1e} |", flush=True)
 
 
 def _make_store(path: Path, C: int, n_blocks: int):

@@ -238,12 +238,7 @@ def load_verifier_heads(name: str, store, mask_token_id: int) -> VerifierHeads:
             "pass --verifier with the extraction's model")
     model = load_verifier(name, dtype=torch.float32, device="cpu")
     cfg = model.config.get_text_config()  # a multimodal wrapper's language model
-    H, V = int(cfg.hidden_size), int(cfg.vocab_size)
-    if H != store.hidden_size or V != store.vocab_size:
-        raise StoreMismatchError(
-            f"verifier {name!r} has hidden_size {H} and vocab_size {V}, but the store {store.path} was "
-            f"extracted with hidden_size {store.hidden_size} and vocab_size {store.vocab_size} "
-            f"(verifier {store.attrs['verifier'].get('name_or_path')!r}); pass --verifier with that model")
+    _check_verifier_shape(name, cfg, store)
     embed = model.get_input_embeddings().weight.detach().float().clone()  # [V, H]
     lm_head = model.get_output_embeddings().weight.detach().float().clone()  # [V, H]
     del model
@@ -371,12 +366,7 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str) -> None:
         raise InputError(f"--draft-vocab-size {cfg.draft_vocab_size} exceeds the verifier vocab size "
                          f"{store.vocab_size} (store {store.path})", field="--draft-vocab-size")
     vc = text_config(load_model_config(verifier_name))
-    H, V = int(vc.hidden_size), int(vc.vocab_size)
-    if H != store.hidden_size or V != store.vocab_size:
-        raise StoreMismatchError(
-            f"verifier {verifier_name!r} has hidden_size {H} and vocab_size {V}, but the store {store.path} was "
-            f"extracted with hidden_size {store.hidden_size} and vocab_size {store.vocab_size} "
-            f"(verifier {store.attrs['verifier'].get('name_or_path')!r}); pass --verifier with that model")
+    _check_verifier_shape(verifier_name, vc, store)
     rope = verifier_rope(vc)
     if rope["rope_type"] not in ROPE_TYPES:
         raise InputError(f"verifier {verifier_name!r} uses RoPE type {rope['rope_type']!r}, whose frequencies "
@@ -384,3 +374,12 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str) -> None:
                          field="--verifier")
 
 
+def _check_verifier_shape(name: str, text_cfg, store) -> None:
+    """Raise :class:`StoreMismatchError` unless the verifier's (language model's) ``hidden_size`` and
+    ``vocab_size`` are the store's."""
+    H, V = int(text_cfg.hidden_size), int(text_cfg.vocab_size)
+    if H != store.hidden_size or V != store.vocab_size:
+        raise StoreMismatchError(
+            f"verifier {name!r} has hidden_size {H} and vocab_size {V}, but the store {store.path} was "
+            f"extracted with hidden_size {store.hidden_size} and vocab_size {store.vocab_size} "
+            f"(verifier {store.attrs['verifier'].get('name_or_path')!r}); pass --verifier with that model")

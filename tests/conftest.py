@@ -78,10 +78,23 @@ def smollm2_tokenizer(smollm2_tokenizer_dir):
 
 
 @pytest.fixture(scope="session")
-def tiny_verifier_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
-    """A random 4-layer Llama (hidden 64, the SmolLM2 vocab) saved with the SmolLM2 tokenizer."""
+def copy_smollm2_tokenizer(smollm2_tokenizer_dir):
+    """``copy(out)``: copy the SmolLM2 tokenizer files (not its config or weights) into model dir ``out``."""
     import shutil
 
+    def copy(out: Path) -> Path:
+        for f in Path(smollm2_tokenizer_dir).iterdir():
+            if f.is_file() and not f.name.startswith(".") and f.suffix != ".safetensors" \
+                    and f.name not in ("config.json", "generation_config.json"):
+                shutil.copy(f, out / f.name)
+        return out
+
+    return copy
+
+
+@pytest.fixture(scope="session")
+def tiny_verifier_dir(tmp_path_factory, copy_smollm2_tokenizer) -> Path:
+    """A random 4-layer Llama (hidden 64, the SmolLM2 vocab) saved with the SmolLM2 tokenizer."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -95,10 +108,7 @@ def tiny_verifier_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
     model.save_pretrained(out)
-    for f in Path(smollm2_tokenizer_dir).iterdir():
-        if f.is_file() and not f.name.startswith(".") and f.suffix != ".safetensors" \
-                and f.name not in ("config.json", "generation_config.json"):
-            shutil.copy(f, out / f.name)
+    copy_smollm2_tokenizer(out)
     return out
 
 
@@ -107,3 +117,15 @@ def tiny_verifier(tiny_verifier_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_verifier_dir).eval()
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test: tiny models gain nothing from threads, and multi-threaded small
+    GEMMs stall on a busy 2-core box."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -29,12 +29,7 @@ from families import FAMILIES, SLIDING, build_family, family_config, save_family
 LENGTHS = [9, 3, 12]  # two segments longer than the window, one shorter
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _block(seed: int = 1, vocab: int = 512):

@@ -137,7 +137,7 @@ def test_split_reasoning():
 
 
 @pytest.fixture(scope="module")
-def verifier_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+def verifier_dir(tmp_path_factory, copy_smollm2_tokenizer) -> Path:
     """A random 2-layer Llama with the SmolLM2 tokenizer; large weights so greedy answers vary."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -149,10 +149,7 @@ def verifier_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
                       pad_token_id=2)
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(out)
-    for f in Path(smollm2_tokenizer_dir).iterdir():
-        if f.is_file() and not f.name.startswith(".") and f.suffix != ".safetensors" \
-                and f.name not in ("config.json", "generation_config.json"):
-            shutil.copy(f, out / f.name)
+    copy_smollm2_tokenizer(out)
     return out
 
 

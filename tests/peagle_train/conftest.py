@@ -7,12 +7,8 @@ import torch
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads, and multi-threaded small GEMMs stall on a busy 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """Every trainer and evaluation test runs on one torch thread (``one_thread`` in tests/conftest.py)."""
 
 
 @pytest.fixture(scope="session")
