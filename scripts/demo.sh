@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The main job on the embedded defaults, end to end on a CPU:
 #   ShareGPT conversations -> pack -> extract (SmolLM2-135M) -> train a drafter -> evaluate.
-# Sizes are chosen for a few minutes per stage on 2 CPU cores, where SmolLM2-135M in float32
-# forwards about 200 tokens/s and decodes about 7 tokens/s (the measured wall time and machine load
-# are in README.md). Override them with the environment variables below.
+# Sizes are chosen for a few minutes per stage on 2 CPU cores (measured wall times, with the
+# machine load, are in README.md; yours depend on your machine). Override them with the environment
+# variables below.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
