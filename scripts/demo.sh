@@ -53,9 +53,10 @@ ratio = r["tokens_per_second"] / r["baseline_tokens_per_second"]
 if ratio < 1:
     print(f"In plain words: speculative decoding was {1 / ratio:.1f}x SLOWER than plain decoding here, "
           f"because this demo drafter, trained for only {steps} steps, gets few drafts accepted "
-          f"(acceptance length {r['acceptance_length']:.2f}) while on a CPU speculation pays only from "
-          "an acceptance length of about 2.5 (docs/benchmarks.md); a drafter worth using needs far more "
-          "data and steps (README, 'Using your own verifier and data').")
+          f"(acceptance length {r['acceptance_length']:.2f}), while this run's own figures put the "
+          f"break-even at an acceptance length of about {r['acceptance_length'] / ratio:.1f} "
+          "(acceptance length / speed ratio; about 2 on an idle CPU, docs/benchmarks.md); a drafter "
+          "worth using needs far more data and steps (README, 'Using your own verifier and data').")
 else:
     print(f"In plain words: speculative decoding was {ratio:.1f}x faster than plain decoding here, with "
           "the same output; more data and steps give a better drafter (README, 'Using your own verifier "
