@@ -195,7 +195,7 @@ def draft_tokens(drafter, tokens: torch.Tensor, aux: torch.Tensor, num_draft_tok
     """One drafter pass without a cache: draft ``x_{t+2}..x_{t+K+1}`` from ``x_1..x_{t+1}``, ``g_0..g_t``.
 
     Args:
-        drafter: a ``PEagleDrafter``; ``num_draft_tokens`` may exceed its trained depth.
+        drafter: a ``PEagleDrafter``.
         tokens: ``[t+2] int64``, the sequence ``x_0..x_{t+1}``.
         aux: ``[t+1, L*H]`` float, the verifier's aux features ``g_0..g_t``.
         num_draft_tokens: K ≥ 1.
@@ -343,11 +343,30 @@ def _record_step(result: GenerationResult, emitted: list[int], k: int, eos: set[
     result.drafted_per_step.append(k if cut is None else min(k, cut))
 
 
-def _checked_settings(verifier, drafter, num_draft_tokens: int | None, temperature: float) -> tuple[int, float]:
-    """``(K, temperature)`` of :func:`speculative_generate`, checked (K ≥ 1, T ≥ 0, the drafter fits)."""
-    K = drafter.config.num_depths if num_draft_tokens is None else int(num_draft_tokens)
+def checked_num_draft_tokens(num_draft_tokens: int | None, drafter) -> int:
+    """K drafts per step: ``num_draft_tokens``, default the drafter's trained ``num_depths``.
+
+    Drafting past the trained depths is refused (docs/design.md §9): depth ``d >= num_depths`` was
+    never trained (its position ids and mask-token chains never occurred in training), so its drafts
+    would be measured as if they were the drafter's.
+
+    Raises:
+        InputError: ``K < 1`` or ``K > num_depths``.
+    """
+    trained = int(drafter.config.num_depths)
+    K = trained if num_draft_tokens is None else int(num_draft_tokens)
     if K < 1:
         raise InputError(f"the number of draft tokens must be at least 1, got {K}", field="--num-draft-tokens")
+    if K > trained:
+        raise InputError(f"--num-draft-tokens {K} exceeds the drafter's trained num_depths {trained}: depths "
+                         f"{trained}..{K - 1} were never trained; use at most {trained} (or train with "
+                         f"--num-depths {K})", field="--num-draft-tokens")
+    return K
+
+
+def _checked_settings(verifier, drafter, num_draft_tokens: int | None, temperature: float) -> tuple[int, float]:
+    """``(K, temperature)`` of :func:`speculative_generate`, checked (1 ≤ K ≤ num_depths, T ≥ 0, the drafter fits)."""
+    K = checked_num_draft_tokens(num_draft_tokens, drafter)
     temperature = _check_temperature(temperature)
     check_compatible(verifier, drafter)
     return K, temperature

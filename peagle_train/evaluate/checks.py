@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from peagle_train.evaluate.prompts import read_prompts
-from peagle_train.speculative import check_compatible
+from peagle_train.speculative import check_compatible, checked_num_draft_tokens
 from stores.errors import StoreMismatchError
 
 
@@ -25,9 +25,10 @@ def check_verifier_config(name: str, drafter) -> None:
 
 def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = None,
                          prompts_file: str | Path | None = None, store: str | Path | None = None,
-                         num_prompts: int | None = None) -> None:
+                         num_prompts: int | None = None, num_draft_tokens: int | None = None) -> None:
     """Every check of a ``peagle-eval`` run that needs no verifier weights (docs/design.md §2): the
-    prompts file, the drafter checkpoint, the store against the drafter, and each verifier's config
+    prompts file, the drafter checkpoint, ``num_draft_tokens`` against its trained ``num_depths``, the
+    store against the drafter, and each verifier's config
     (online: ``verifier_name`` or the drafter's; offline: ``verifier_name`` or the store's).
 
     Raises:
@@ -39,6 +40,7 @@ def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = No
     if prompts_file is not None:
         read_prompts(prompts_file, num_prompts)
     drafter = load_drafter(drafter_dir)
+    checked_num_draft_tokens(num_draft_tokens, drafter)
     names = []
     if prompts_file is not None:
         names.append(verifier_name or drafter.config.verifier_name_or_path)

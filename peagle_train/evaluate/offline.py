@@ -15,6 +15,7 @@ from peagle_train.cod import CodElements, element_inputs
 from peagle_train.evaluate.checks import check_store_fits, check_verifier_config
 from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.prompts import eos_ids
+from peagle_train.speculative import checked_num_draft_tokens
 from stores.errors import StoreMismatchError
 
 
@@ -150,7 +151,7 @@ def evaluate_offline(drafter, blocks: Iterable, lm_head_weight: torch.Tensor, nu
         ``per_depth_weight``, ``per_position_acceptance`` (K conditional rates),
         ``simulated_acceptance_length``, ``mean_accepted``, ``positions_scored``, ``num_depths``.
     """
-    K = num_depths or drafter.config.num_depths
+    K = checked_num_draft_tokens(num_depths, drafter)
     head = lm_head_weight.detach().float()  # [V, H]
     draft_ids = drafter.draft_ids.cpu()  # [D] verifier id of each draft id
     totals = _OfflineTotals(K)

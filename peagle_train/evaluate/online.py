@@ -17,6 +17,7 @@ from peagle_train.evaluate.report import write_json
 from peagle_train.speculative import (
     GenerationResult,
     check_compatible,
+    checked_num_draft_tokens,
     greedy_generate,
     plain_generate,
     speculative_generate,
@@ -121,10 +122,10 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
         The report (see :func:`run_online_eval`).
 
     Raises:
-        InputError: the drafter does not match the verifier.
+        InputError: the drafter does not match the verifier; ``num_draft_tokens`` exceeds its ``num_depths``.
     """
     check_compatible(verifier, drafter)
-    K = config.num_draft_tokens or drafter.config.num_depths
+    K = checked_num_draft_tokens(config.num_draft_tokens, drafter)
     eos = eos_ids(tokenizer, verifier)
     if config.warmup:
         warm = render_turn(tokenizer, prompts[0], 0, [])

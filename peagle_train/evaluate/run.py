@@ -99,7 +99,8 @@ def run_eval(run: EvalRun, log: Callable[[str], None] = print, config: dict[str,
         log(note)
     drafter = str(found)
     _check_output(run)
-    check_before_weights(drafter, run.verifier, run.prompts, run.store, run.settings.num_prompts)
+    check_before_weights(drafter, run.verifier, run.prompts, run.store, run.settings.num_prompts,
+                         run.settings.num_draft_tokens)
     report = _evaluate(run, drafter)
     if config is not None:
         report = {**report, "config": config}

@@ -325,6 +325,23 @@ def test_cli_offline_and_online(tiny_verifier, tiny_verifier_dir, tmp_path):
     assert json.loads((tmp_path / "eval.json").read_text()) == report
 
 
+def test_cli_refuses_drafting_past_the_trained_depths(tiny_verifier, tmp_path):
+    """--num-draft-tokens above the drafter's num_depths is refused before any weights load (§9)."""
+    from click.testing import CliRunner
+
+    from cli.eval import main
+    from peagle_train.checkpoint import save_drafter
+    from tests.peagle_train.test_speculative import tiny_drafter
+
+    save_drafter(tiny_drafter(tiny_verifier, num_depths=4), tmp_path / "drafter")
+    prompts = write_lines(tmp_path / "two.jsonl", [{"question_id": 1, "turns": ["Hi"]}, {"question_id": 2, "turns": ["Yo"]}])
+    result = CliRunner().invoke(main, ["--drafter", str(tmp_path / "drafter"), "--prompts", prompts,
+                                       "--num-draft-tokens", "6"])
+    assert result.exit_code == 2, result.output
+    assert ("field '--num-draft-tokens': --num-draft-tokens 6 exceeds the drafter's trained num_depths 4: depths "
+            "4..5 were never trained; use at most 4 (or train with --num-depths 6)") in result.output
+
+
 def test_select_eval_blocks_uses_the_recorded_split():
     import numpy as np
 

@@ -80,7 +80,7 @@ class OracleDrafter(nn.Module):
         return out
 
 
-@pytest.mark.parametrize("K", [1, 3, 5])
+@pytest.mark.parametrize("K", [1, 3, 4])
 def test_speculative_equals_greedy(tiny_verifier, K):
     drafter = tiny_drafter(tiny_verifier)
     for prompt in PROMPTS:
@@ -151,6 +151,11 @@ def test_drafter_mismatch_is_a_clear_error(tiny_verifier):
         check_compatible(tiny_verifier, drafter)
     with pytest.raises(InputError, match="at least 1"):
         speculative_generate(tiny_verifier, tiny_drafter(tiny_verifier), PROMPTS[0], 5, num_draft_tokens=0)
+    msg = ("--num-draft-tokens 6 exceeds the drafter's trained num_depths 4: depths 4..5 were never trained; "
+           "use at most 4 (or train with --num-depths 6)")
+    with pytest.raises(InputError) as err:
+        speculative_generate(tiny_verifier, tiny_drafter(tiny_verifier), PROMPTS[0], 5, num_draft_tokens=6)
+    assert str(err.value) == "field '--num-draft-tokens': " + msg
 
 
 def test_inference_mask_is_the_p_eagle_rule():
