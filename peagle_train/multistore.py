@@ -25,7 +25,8 @@ import numpy as np
 from peagle_train.data import check_store_ready, split_blocks
 from stores.errors import InputError, StoreMismatchError
 
-__all__ = ["expand_store_args", "open_stores", "StoreSet", "split_per_store", "usable_blocks"]
+__all__ = ["expand_store_args", "open_stores", "StoreSet", "split_per_store", "store_identities", "store_identity",
+           "usable_blocks"]
 
 
 def expand_store_args(values: Sequence[str]) -> str | list[str]:
@@ -82,6 +83,31 @@ def _packed_blocks(store) -> tuple[str, range]:
     shard = store.attrs.get("shard") or {}
     n, i = int(shard.get("num_shards", 1)), int(shard.get("shard_index", 0))
     return str(store.attrs.get("source") or ""), range(i, i + n * store.n_blocks, n)
+
+
+def store_identity(store) -> dict[str, Any]:
+    """What makes one feature store's blocks the same data as another's, whatever its path: the packed
+    table it was extracted from (``source`` sha256) and shard, its block count, the verifier's
+    content fingerprint and the aux layers (docs/design.md §9: offline evaluation recognises the
+    training store by it)."""
+    shard = store.attrs.get("shard") or {}
+    return {"source": str(store.attrs.get("source") or ""),
+            "shard": [int(shard.get("shard_index", 0)), int(shard.get("num_shards", 1))],
+            "n_blocks": int(store.n_blocks), "layers": [int(x) for x in store.layers],
+            "verifier_fingerprint": store.attrs.get("verifier", {}).get("fingerprint")}
+
+
+def store_identities(store) -> list[dict[str, Any]]:
+    """One entry per training store (a ``FeatureStore`` or a :class:`StoreSet`, in order): its resolved
+    ``path``, its :func:`store_identity` and ``first_block``, the global id of its block 0 (the run's
+    block ids, ``val_blocks`` included, are global). Recorded in checkpoints' ``config.json``
+    (``peagle_training.stores``)."""
+    stores = store.stores if isinstance(store, StoreSet) else [store]
+    out, first = [], 0
+    for s in stores:
+        out.append({"path": str(Path(s.path).resolve()), **store_identity(s), "first_block": first})
+        first += int(s.n_blocks)
+    return out
 
 
 def _check_disjoint(stores) -> None:

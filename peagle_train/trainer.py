@@ -388,6 +388,7 @@ def _hparams(cfg: TrainConfig, trainer: Trainer, D: int, verifier_name: str, run
 def _start_run(cfg: TrainConfig, accelerator, store, usable, train_ids, val_ids, trackers) -> TrainRun:
     """Warn about a large validation split, prepare the output directory (main rank), write
     ``train_config.json`` and find the checkpoint to resume from."""
+    from peagle_train.multistore import store_identities
     from peagle_train.train import _prepare_output, val_split_warning
 
     main = accelerator.is_main_process
@@ -401,7 +402,8 @@ def _start_run(cfg: TrainConfig, accelerator, store, usable, train_ids, val_ids,
     out = Path(cfg.output)
     if main:
         (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    info = {"store": cfg.store, "seed": cfg.seed, "val_fraction": cfg.val_fraction, "num_depths": cfg.num_depths,
+    info = {"store": cfg.store, "stores": store_identities(store), "seed": cfg.seed, "val_fraction": cfg.val_fraction,
+            "num_depths": cfg.num_depths,
             "max_anchors": cfg.max_anchors, "down_sample_ratio": cfg.down_sample_ratio,
             "down_sample_ratio_min": cfg.down_sample_ratio_min, "val_blocks": [int(i) for i in val_ids]}
     return TrainRun(store=store, train_ids=train_ids, val_ids=val_ids, output=out, info=info, summary={},

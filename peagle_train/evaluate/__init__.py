@@ -34,7 +34,8 @@ Modules: :mod:`.config` (``EvalConfig``), :mod:`.prompts`, :mod:`.checks` (befor
 
 from peagle_train.evaluate.checks import check_before_weights, check_verifier_config
 from peagle_train.evaluate.config import EvalConfig
-from peagle_train.evaluate.offline import evaluate_offline, run_offline_eval, segment_predictions, select_eval_blocks
+from peagle_train.evaluate.offline import (BlockSelection, evaluate_offline, run_offline_eval, segment_predictions,
+                                           select_eval_blocks)
 from peagle_train.evaluate.online import evaluate_prompts, run_online_eval
 from peagle_train.evaluate.prompts import Prompt, read_prompts, render_turn
 from peagle_train.evaluate.report import format_report, wilson_interval, write_acceptance_plot
@@ -50,6 +51,7 @@ __all__ = [
     "segment_predictions",
     "run_offline_eval",
     "select_eval_blocks",
+    "BlockSelection",
     "check_before_weights",
     "check_verifier_config",
     "format_report",

@@ -184,53 +184,105 @@ def evaluate_offline(drafter, blocks: Iterable, lm_head_weight: torch.Tensor, nu
     return totals.report()
 
 
-def select_eval_blocks(store, drafter_config: dict[str, Any] | None = None,
-                       max_blocks: int | None = None) -> tuple[list[int], str]:
-    """The blocks offline evaluation scores: the training run's validation split when known.
+@dataclass(frozen=True)
+class BlockSelection:
+    """The blocks offline evaluation scores and what they are (docs/design.md §9)."""
 
-    The split is the ``val_blocks`` list that ``peagle-train`` records in the checkpoint's
-    ``config.json`` (``peagle_training``); failing that ``peagle_train.data.split_blocks(done blocks,
-    seed, val_fraction)`` with the recorded ``seed`` and ``val_fraction``; without either (or with an
-    empty validation split) every done block is scored.
+    ids: list[int]
+    split: str
+    """``validation`` (the training run's held-out blocks of this very store), ``training`` (its
+    training store, of which it held out none), ``other_store`` (a store it was not trained on: every
+    done block), ``all`` (the checkpoint records no training store: every done block) or ``given``."""
+    blocks_done: int
+    blocks_total: int
+    warnings: list[str]
 
-    Returns:
-        (block ids, ``"validation"`` or ``"all"``).
-    """
+    def report(self) -> dict[str, Any]:
+        """The report fields: ``split``, ``blocks``, ``store_blocks_done``, ``store_blocks_total``, ``warnings``."""
+        return {"split": self.split, "blocks": self.ids, "store_blocks_done": self.blocks_done,
+                "store_blocks_total": self.blocks_total, "warnings": self.warnings}
+
+
+def _training_store(store, training: dict[str, Any]) -> tuple[int | None, str | None]:
+    """(global id of ``store``'s block 0 in the training run, None) when ``store`` is one of the run's
+    stores (same :func:`~peagle_train.multistore.store_identity`, any path; for checkpoints that
+    record only a ``store`` path, the same resolved path); else (None, why not)."""
+    from peagle_train.multistore import store_identity
+
+    if training.get("stores"):
+        ident = store_identity(store)
+        for entry in training["stores"]:
+            if {k: entry.get(k) for k in ident} == ident:
+                return int(entry["first_block"]), None
+        paths = ", ".join(e.get("path", "?") for e in training["stores"])
+        return None, (f"{store.path} is not a store this drafter was trained on (it was trained on {paths}; "
+                      "another packed table, shard, verifier or layer set): every done block is scored as "
+                      "split 'other_store', none of them is held-out validation data")
+    recorded = training.get("store")
+    if isinstance(recorded, str) and Path(recorded).resolve() == Path(str(store.path)).resolve():
+        return 0, None
+    if recorded:
+        return None, (f"{store.path} is not the store this drafter was trained on ({recorded}): every done "
+                      "block is scored as split 'other_store', none of them is held-out validation data")
+    return None, ("the drafter's config.json records no training store: every done block is scored as split "
+                  "'all'; some may have been trained on")
+
+
+def _held_out(done, n_blocks: int, first: int, training: dict[str, Any]):
+    """``[M] int64`` the training run's held-out blocks among a training store's ``done`` ones: the recorded
+    global ``val_blocks`` in ``[first, first + n_blocks)``, or (checkpoints without them)
+    ``split_blocks(done, seed, val_fraction)``."""
     import numpy as np
 
     from peagle_train.data import split_blocks
 
+    if "val_blocks" in training:
+        val = np.asarray(training["val_blocks"], dtype=np.int64) - first
+        return np.intersect1d(done, val[(val >= 0) & (val < n_blocks)])
+    if training.get("val_fraction"):
+        return split_blocks(done, int(training.get("seed", 0)), float(training["val_fraction"]))[1]
+    return done[:0]
+
+
+def select_eval_blocks(store, drafter_config: dict[str, Any] | None = None,
+                       max_blocks: int | None = None) -> BlockSelection:
+    """The blocks offline evaluation scores: the training run's validation blocks of this very store.
+
+    The training store is recognised by the identities ``peagle-train`` records in the checkpoint's
+    ``config.json`` (``peagle_training.stores``, see :func:`_training_store`); its validation blocks
+    are the recorded ``val_blocks`` (global ids) that fall in it, or for checkpoints without them
+    ``peagle_train.data.split_blocks(done blocks, seed, val_fraction)``. Any other store is scored
+    whole as ``other_store``. A store with blocks not extracted yet is named incomplete in ``warnings``.
+
+    Raises:
+        StoreMismatchError: no block of the store is done.
+    """
+    import numpy as np
+
     done = np.flatnonzero(store.done_mask()).astype(np.int64)
     if done.size == 0:
         raise StoreMismatchError(f"{store.path}: no block is done; run `peagle-data extract` first")
-    found = _find_keys(drafter_config or {}, ("seed", "val_fraction", "val_blocks"))
-    ids, split = done, "all"
-    if found.get("val_blocks"):  # recorded by peagle-train (config.json "peagle_training")
-        ids, split = np.intersect1d(done, np.asarray(found["val_blocks"], dtype=np.int64)), "validation"
-    elif "seed" in found and found.get("val_fraction"):
-        _, val = split_blocks(done, int(found["seed"]), float(found["val_fraction"]))
-        if val.size:
-            ids, split = val, "validation"
+    training = (drafter_config or {}).get("peagle_training") or {}
+    warnings = [] if done.size == store.n_blocks else [
+        f"{store.path} is an incomplete store: {done.size} of {store.n_blocks} blocks extracted; only those are scored"]
+    first, why = _training_store(store, training)
+    if first is None:
+        warnings.append(why)
+        ids, split = done, ("other_store" if training.get("stores") or training.get("store") else "all")
+    else:
+        ids, split = _held_out(done, store.n_blocks, first, training), "validation"
+        if ids.size == 0:
+            ids, split = done, "training"
+            warnings.append(f"the training run held out no block of {store.path}: every block scored was trained on")
     ids = ids.tolist()
-    return (ids[:max_blocks] if max_blocks else ids), split
-
-
-def _find_keys(tree: Any, keys: Sequence[str]) -> dict[str, Any]:
-    found: dict[str, Any] = {}
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            if k in keys and not isinstance(v, dict):
-                found.setdefault(k, v)
-            else:
-                for k2, v2 in _find_keys(v, keys).items():
-                    found.setdefault(k2, v2)
-    return found
+    return BlockSelection(ids[:max_blocks] if max_blocks else ids, split, int(done.size), int(store.n_blocks), warnings)
 
 
 def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int | None = None,
                      blocks: Sequence[int] | None = None, verifier_name: str | None = None,
                      num_depths: int | None = None, chunk_anchors: int = 256,
-                     progress_factory: Callable[[int], Any] | None = None) -> dict[str, Any]:
+                     progress_factory: Callable[[int], Any] | None = None,
+                     log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     """Offline evaluation of a drafter checkpoint on a feature store (docs/design.md §9).
 
     Args:
@@ -242,10 +294,11 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
             ``verifier.name_or_path``.
         num_depths: chain length K; default the drafter's.
         chunk_anchors, progress_factory: see :func:`evaluate_offline` / :func:`run_online_eval`.
+        log: called with each warning of the block selection (another store, an incomplete one).
 
     Returns:
-        The :func:`evaluate_offline` report plus ``blocks``, ``split``, ``store``, ``drafter``,
-        ``verifier``.
+        The :func:`evaluate_offline` report plus :meth:`BlockSelection.report` (``split``, ``blocks``,
+        ``store_blocks_done``, ``store_blocks_total``, ``warnings``), ``store``, ``drafter``, ``verifier``.
 
     Raises:
         StoreFormatError: not a feature store or not a drafter checkpoint.
@@ -260,10 +313,14 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
     fs = FeatureStore.open(store)
     check_store_fits(fs, drafter)
     if blocks is None:
-        cfg_json = json.loads((Path(drafter_dir) / "config.json").read_text())
-        ids, split = select_eval_blocks(fs, cfg_json, max_blocks)
+        chosen = select_eval_blocks(fs, json.loads((Path(drafter_dir) / "config.json").read_text()), max_blocks)
     else:
-        ids, split = list(blocks)[:max_blocks] if max_blocks else list(blocks), "given"
+        done = int(fs.done_mask().sum())
+        chosen = BlockSelection(list(blocks)[:max_blocks] if max_blocks else list(blocks), "given", done,
+                                fs.n_blocks, [])
+    for note in chosen.warnings:
+        log(f"warning: {note}")
+    ids = chosen.ids
     name = verifier_name or fs.attrs.get("verifier", {}).get("name_or_path")
     if not name:
         raise StoreMismatchError(f"{store}: the store names no verifier; pass verifier_name")
@@ -279,5 +336,4 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
     finally:
         if bar is not None:
             bar.close()
-    return {"drafter": str(drafter_dir), "store": str(store), "verifier": str(name), "split": split,
-            "blocks": ids, **report}
+    return {"drafter": str(drafter_dir), "store": str(store), "verifier": str(name), **chosen.report(), **report}

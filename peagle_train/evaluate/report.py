@@ -42,7 +42,7 @@ def format_report(report: dict[str, Any]) -> str:
     if off:
         K = off["num_depths"]
         lines += [
-            f"offline: {len(off.get('blocks', []))} blocks ({off.get('split', '-')}), "
+            f"offline: {len(off.get('blocks', []))} blocks ({off.get('split', '-')}{_store_state(off)}), "
             f"{off['positions_scored']} positions",
             f"  simulated acceptance length {_fmt(off['simulated_acceptance_length'])}",
             "  depth     " + " ".join(f"{i:>6d}" for i in range(K)),
@@ -50,6 +50,12 @@ def format_report(report: dict[str, Any]) -> str:
             "  cond.acc  " + " ".join(f"{_fmt(x):>6s}" for x in off["per_position_acceptance"]),
         ]
     return "\n".join(lines)
+
+
+def _store_state(off: dict) -> str:
+    """``"; incomplete store: 10 of 77 blocks done"`` when the offline store has blocks not extracted yet."""
+    done, total = off.get("store_blocks_done"), off.get("store_blocks_total")
+    return f"; incomplete store: {done} of {total} blocks done" if done is not None and done != total else ""
 
 
 def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float] | None:

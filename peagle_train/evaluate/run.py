@@ -56,7 +56,7 @@ def _check_output(run: EvalRun) -> None:
             raise OutputExistsError(str(existing))
 
 
-def _evaluate(run: EvalRun, drafter: str) -> dict[str, Any]:
+def _evaluate(run: EvalRun, drafter: str, log: Callable[[str], None]) -> dict[str, Any]:
     """The online report with the offline one under ``offline``, or the offline report alone."""
     from peagle_train.evaluate import run_offline_eval, run_online_eval
 
@@ -65,7 +65,7 @@ def _evaluate(run: EvalRun, drafter: str) -> dict[str, Any]:
     if run.store is not None:
         offline = run_offline_eval(drafter, run.store, max_blocks=s.max_blocks, verifier_name=run.verifier,
                                    num_depths=s.num_draft_tokens, chunk_anchors=s.chunk_anchors,
-                                   progress_factory=_progress("offline blocks"))
+                                   progress_factory=_progress("offline blocks"), log=log)
     if run.prompts is not None:
         online = run_online_eval(drafter, run.verifier, run.prompts, max_new_tokens=s.max_new_tokens,
                                  num_prompts=s.num_prompts, num_draft_tokens=s.num_draft_tokens,
@@ -101,7 +101,7 @@ def run_eval(run: EvalRun, log: Callable[[str], None] = print, config: dict[str,
     _check_output(run)
     check_before_weights(drafter, run.verifier, run.prompts, run.store, run.settings.num_prompts,
                          run.settings.num_draft_tokens)
-    report = _evaluate(run, drafter)
+    report = _evaluate(run, drafter, log)
     if config is not None:
         report = {**report, "config": config}
     if run.output is not None:

@@ -314,6 +314,9 @@ def test_cli_offline_and_online(tiny_verifier, tiny_verifier_dir, tmp_path):
     assert report["identical_to_greedy"] is True and report["num_prompts"] == 1
     assert report["offline"]["positions_scored"] == 8 + 4  # anchors a with m_{a+2} = 1: rows 2..15 are loss 1
     assert report["offline"]["blocks"] == [0] and report["offline"]["split"] == "all"
+    no_record = ("the drafter's config.json records no training store: every done block is scored as split 'all'; "
+                 "some may have been trained on")
+    assert report["offline"]["warnings"] == [no_record] and f"warning: {no_record}\n" in result.stderr
     assert json.loads((tmp_path / "eval.json").read_text()) == report
     assert (tmp_path / "eval.png").stat().st_size > 0
     assert report["config"]["max_new_tokens"] == 6 and report["config"]["store"] == store  # the resolved options
@@ -342,18 +345,45 @@ def test_cli_refuses_drafting_past_the_trained_depths(tiny_verifier, tmp_path):
             "4..5 were never trained; use at most 4 (or train with --num-depths 6)") in result.output
 
 
-def test_select_eval_blocks_uses_the_recorded_split():
+def test_select_eval_blocks_uses_the_recorded_split_of_this_store_only(tmp_path):
     import numpy as np
 
     from peagle_train.data import split_blocks
     from peagle_train.evaluate import select_eval_blocks
+    from peagle_train.multistore import store_identity
 
-    store = SimpleNamespace(path="s", done_mask=lambda: np.array([1, 1, 0, 1, 1, 1, 1, 1, 1, 1], dtype=bool))
-    assert select_eval_blocks(store, {"peagle_training": {"val_blocks": [2, 3, 7]}}) == ([3, 7], "validation")
+    path = str(tmp_path / "s.zarr")
+    store = SimpleNamespace(path=path, n_blocks=10, layers=[1, 2, 3], done_mask=lambda: np.array(
+        [1, 1, 0, 1, 1, 1, 1, 1, 1, 1], dtype=bool), attrs={"source": "sha", "verifier": {"fingerprint": "f"}})
+    entry = {"path": "/elsewhere/s.zarr", **store_identity(store), "first_block": 4}  # a copy, 2nd of two stores
+    incomplete = f"{path} is an incomplete store: 9 of 10 blocks extracted; only those are scored"
+    chosen = select_eval_blocks(store, {"peagle_training": {"stores": [entry], "val_blocks": [1, 6, 7, 11, 14]}})
+    assert (chosen.ids, chosen.split, chosen.warnings) == ([3, 7], "validation", [incomplete])  # 6 is block 2: not done
+    assert chosen.report() == {"split": "validation", "blocks": [3, 7], "store_blocks_done": 9,
+                               "store_blocks_total": 10, "warnings": [incomplete]}
+    chosen = select_eval_blocks(store, {"peagle_training": {"stores": [entry], "val_blocks": [1, 2]}})
+    assert (chosen.ids[:2], chosen.split) == ([0, 1], "training")  # it held out none of this store
+    assert chosen.warnings[1] == f"the training run held out no block of {path}: every block scored was trained on"
+    foreign = {"peagle_training": {"stores": [dict(entry, source="other")], "val_blocks": [6, 7]}}
+    chosen = select_eval_blocks(store, foreign, max_blocks=2)
+    off = {**chosen.report(), "num_depths": 1, "positions_scored": 5, "simulated_acceptance_length": 1.5,
+           "per_depth_accuracy": [0.5], "per_position_acceptance": [0.5]}
+    assert "offline: 2 blocks (other_store; incomplete store: 9 of 10 blocks done), 5 positions" in format_report(off)
+    assert (chosen.ids, chosen.split) == ([0, 1], "other_store")
+    assert chosen.warnings[1].startswith(f"{path} is not a store this drafter was trained on (it was trained on "
+                                         "/elsewhere/s.zarr; ")
+    # checkpoints that record only the store's path (and maybe only seed / val_fraction)
     _, val = split_blocks(np.array([0, 1, 3, 4, 5, 6, 7, 8, 9]), 5, 0.3)
-    cfg = {"peagle_training": {"seed": 5, "val_fraction": 0.3}}
-    assert select_eval_blocks(store, cfg) == (val.tolist(), "validation")
-    assert select_eval_blocks(store, {}, max_blocks=2) == ([0, 1], "all")
+    chosen = select_eval_blocks(store, {"peagle_training": {"store": path, "seed": 5, "val_fraction": 0.3}})
+    assert (chosen.ids, chosen.split) == (val.tolist(), "validation")
+    chosen = select_eval_blocks(store, {"peagle_training": {"store": "other.zarr", "val_blocks": [3]}})
+    assert (chosen.ids, chosen.split) == ([0, 1, 3, 4, 5, 6, 7, 8, 9], "other_store")
+    assert chosen.warnings[1] == (f"{path} is not the store this drafter was trained on (other.zarr): every done "
+                                  "block is scored as split 'other_store', none of them is held-out validation data")
+    chosen = select_eval_blocks(store, {}, max_blocks=2)
+    assert (chosen.ids, chosen.split) == ([0, 1], "all")
+    assert chosen.warnings[1] == ("the drafter's config.json records no training store: every done block is scored "
+                                  "as split 'all'; some may have been trained on")
 
 
 def test_offline_chains_are_the_online_drafts(tiny_verifier):

@@ -423,3 +423,36 @@ def test_training_plot_integer_steps_and_readable_small_accuracy(tmp_path, monke
         ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
         assert ticks and all(float(t).is_integer() for t in ticks)
     assert acc_ax.get_ylim() == (0.0, pytest.approx(0.0345))  # 1.15 x the largest accuracy, not 0..1
+
+
+def test_offline_eval_finds_the_held_out_blocks_of_each_training_store_and_names_other_stores(tmp_path,
+                                                                                               verifier_dir):
+    """config.json records each training store's identity; evaluation labels "validation" only the held-out
+    blocks of that very store (global ids mapped back), and scores any other store whole as "other_store"."""
+    from peagle_train.evaluate import select_eval_blocks
+    from peagle_train.multistore import store_identity
+    from stores.feature_store import FeatureStore
+
+    a, b = _store(tmp_path / "a.zarr", verifier_dir, n_blocks=3), _store(tmp_path / "b.zarr", verifier_dir, n_blocks=3)
+    run_train(_cfg([a, b], tmp_path / "out", max_steps=1, val_fraction=0.3))
+    cfg = json.loads((tmp_path / "out" / "final" / "config.json").read_text())
+    rec = cfg["peagle_training"]
+    assert [s["path"] for s in rec["stores"]] == [str((tmp_path / "a.zarr").resolve()), str((tmp_path / "b.zarr").resolve())]
+    assert [s["first_block"] for s in rec["stores"]] == [0, 3]
+    assert rec["stores"][1] == {"path": str((tmp_path / "b.zarr").resolve()), "source": "sha-b.zarr", "shard": [0, 1],
+                                "n_blocks": 3, "layers": LAYERS, "verifier_fingerprint": None, "first_block": 3}
+    val = rec["val_blocks"]
+    assert len(val) == 2 and sum(v < 3 for v in val) == 1  # one held out per store
+    fb = FeatureStore.open(b)
+    assert {k: rec["stores"][1][k] for k in store_identity(fb)} == store_identity(fb)
+    chosen = select_eval_blocks(fb, cfg)
+    assert (chosen.ids, chosen.split, chosen.warnings) == ([v - 3 for v in val if v >= 3], "validation", [])
+
+    other = FeatureStore.open(_store(tmp_path / "fmix.zarr", verifier_dir, n_blocks=7, done={0, 2, 5}))
+    chosen = select_eval_blocks(other, cfg)
+    assert (chosen.ids, chosen.split, chosen.blocks_done, chosen.blocks_total) == ([0, 2, 5], "other_store", 3, 7)
+    assert chosen.warnings == [
+        f"{other.path} is an incomplete store: 3 of 7 blocks extracted; only those are scored",
+        f"{other.path} is not a store this drafter was trained on (it was trained on {rec['stores'][0]['path']}, "
+        f"{rec['stores'][1]['path']}; another packed table, shard, verifier or layer set): every done block is "
+        "scored as split 'other_store', none of them is held-out validation data"]
