@@ -30,7 +30,7 @@ import polars, matplotlib  # noqa: F401
 from peagle_data.stats import collect_stats, plot_stats
 if sys.argv[1] != "-":
     s = collect_stats(sys.argv[1], max_seq_len=int(sys.argv[3]) if sys.argv[3] != "-" else None)
-    plot_stats(s, sys.argv[2])
+    plot_stats(s, sys.argv[2], force=True)
     rows = s["totals"]["rows"]; tokens = s["totals"]["tokens"]
 else:
     rows = tokens = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import click
 
-from cli.common import config_error, echo_json, handle_errors
+from cli.common import OutputPath, config_error, echo_json, handle_errors
 from cli.options import config_file_options, config_options, run_config
 from peagle_data.extract import ATTN_IMPLEMENTATIONS, ExtractConfig
 from peagle_data.tool_configs import InspectConfig, VerifyConfig
@@ -17,7 +17,7 @@ __all__ = ["extract", "inspect_cmd", "verify"]
 _EXTRACT_OVERRIDES = {
     "packed": {"type": click.Path(exists=True, file_okay=False), "metavar": "PACKED_DIR"},
     "verifier": {"metavar": "MODEL"},
-    "output": {"type": click.Path()},
+    "output": {"type": OutputPath(directory=True)},
     "storage_dtype": {"type": click.Choice(STORAGE_DTYPES)},
     "compressor": {"type": click.Choice(["none", "zstd"]), "default": "none", "show_default": True,
                    "callback": lambda ctx, param, value: None if value in (None, "none") else value},

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from cli.common import config_error, echo_json, handle_errors
+from cli.common import OutputPath, config_error, echo_json, handle_errors
 from cli.options import config_file_options, config_options
 from peagle_data.tool_configs import MergeConfig
 
@@ -16,7 +16,7 @@ __all__ = ["merge"]
 @click.command()
 @config_options(MergeConfig, arguments=("shards",), overrides={
     "shards": {"metavar": "SHARD...", "nargs": -1, "required": True, "type": click.Path(exists=True)},
-    "output": {"metavar": "PATH", "type": click.Path()}})
+    "output": {"metavar": "PATH", "type": OutputPath(directory=True)}})
 @config_file_options
 @handle_errors
 def merge(**options):

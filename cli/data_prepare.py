@@ -8,7 +8,7 @@ import sys
 import click
 from click.core import ParameterSource
 
-from cli.common import config_error, handle_errors
+from cli.common import OutputPath, config_error, handle_errors
 from cli.options import FROM_CONFIG_FILE, config_file_options, config_options, run_config
 from peagle_data.prepare import DROPPED_CONTENT, HISTORY_REWRITE, PackConfig, PackRun, TokenizeConfig, TokenizeRun
 from peagle_data.readers import FORMATS
@@ -29,7 +29,7 @@ _TOKENIZE_OVERRIDES = {
 _RUN_OVERRIDES = {
     "inputs": {"metavar": "INPUT...", "nargs": -1, "required": True},
     "tokenizer": {"metavar": "MODEL"},
-    "output": {"metavar": "DIR", "type": click.Path(file_okay=False)},
+    "output": {"metavar": "DIR", "type": OutputPath(directory=True)},
 }
 """The run fields of TokenizeRun and PackRun: INPUT... an argument, MODEL, a directory."""
 

@@ -12,7 +12,7 @@ import sys
 
 import click
 
-from cli.common import config_error, handle_errors
+from cli.common import OutputPath, config_error, handle_errors
 from cli.options import config_file_options, config_options, run_config
 from peagle_data.readers import FORMATS
 from peagle_data.regenerate import TURNS, RegenerateConfig, RegenerateRun
@@ -32,7 +32,7 @@ _BACKEND_OVERRIDES = {
 }
 _IO_OVERRIDES = {
     "inputs": {"metavar": "INPUT...", "nargs": -1, "required": True},
-    "output": {"metavar": "OUT.jsonl", "type": click.Path(dir_okay=False)},
+    "output": {"metavar": "OUT.jsonl", "type": OutputPath(suffixes=(".jsonl",))},
 }
 _RUN_OVERRIDES = {
     "max_new_tokens": {"metavar": "N"},

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import click
 
-from cli.common import config_error, handle_errors
+from cli.common import OutputPath, config_error, handle_errors
 from cli.options import config_file_options, config_options
 from peagle_data.tool_configs import COLORS, ShowConfig
 
@@ -19,7 +19,7 @@ _OVERRIDES = {
     "item_id": {"decls": ["--id"], "metavar": "ID"},
     "tokenizer": {"metavar": "MODEL"},
     "color": {"type": click.Choice(COLORS)},
-    "html": {"type": click.Path(dir_okay=False), "metavar": "FILE"},
+    "html": {"type": OutputPath(suffixes=(".html", ".htm")), "metavar": "FILE"},
 }
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import click
 
-from cli.common import config_error, echo_json, handle_errors
+from cli.common import OutputPath, config_error, echo_json, handle_errors
 from cli.options import config_file_options, config_options
+from peagle_data.stats import PLOT_SUFFIXES
 from peagle_data.tool_configs import StatsConfig
 
 __all__ = ["stats"]
@@ -13,7 +14,7 @@ __all__ = ["stats"]
 
 _OVERRIDES = {
     "path": {"type": click.Path(exists=True)},
-    "png": {"metavar": "FILE", "type": click.Path(dir_okay=False)},
+    "png": {"metavar": "FILE", "type": OutputPath(suffixes=PLOT_SUFFIXES)},
     "max_seq_len": {"metavar": "N", "type": click.IntRange(min=2)},
     "overlap": {"metavar": "F", "type": click.FloatRange(0.0, 1.0, max_open=True)},
 }
@@ -30,20 +31,21 @@ def stats(**options):
     conversation, per-source breakdown, packing efficiency. Streams the Parquet files (polars lazy
     scans), so memory stays flat however many rows there are.
     """
-    from peagle_data.stats import collect_stats, plot_stats
-
+    from peagle_data.stats import check_plot_output, collect_stats, plot_stats
     with config_error():
         cfg = StatsConfig(**options)
+    if cfg.png:  # before the scan: an existing plot is refused at once
+        check_plot_output(cfg.png, cfg.force)
     result = collect_stats(cfg.path, max_seq_len=cfg.max_seq_len, overlap=cfg.overlap)
-    if cfg.png:
-        result["png"] = str(plot_stats(result, cfg.png))
-    _echo_stats(result, cfg.json)
+    _echo_stats(result, cfg.json, cfg.png and plot_stats(result, cfg.png, force=cfg.force))
 
 
-def _echo_stats(result: dict, as_json: bool) -> None:
-    """Print the statistics as JSON or as text (and where the plot went)."""
+def _echo_stats(result: dict, as_json: bool, png=None) -> None:
+    """Print the statistics as JSON or as text (and where the plot ``png`` went, if one was written)."""
     from peagle_data.stats import format_stats
 
+    if png:
+        result["png"] = str(png)
     if as_json:
         echo_json(result)
         return

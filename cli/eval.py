@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from cli.common import config_error, echo_json, handle_errors
+from cli.common import OutputPath, config_error, echo_json, handle_errors
 from cli.options import config_file_options, config_options, run_config
 from peagle_train.evaluate.run import EvalRun
 from peagle_train.evaluate import EvalConfig
@@ -19,7 +19,8 @@ _PATH = {"type": click.Path()}
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@config_options(EvalRun, skip=("settings",), overrides={k: _PATH for k in ("drafter", "prompts", "store", "output")})
+@config_options(EvalRun, skip=("settings",), overrides={**{k: _PATH for k in ("drafter", "prompts", "store")},
+                                               "output": {"type": OutputPath(suffixes=(".json",))}})
 @config_options(EvalConfig, skip=("chunk_anchors", "warmup"))  # memory bound and timing warm-up: library knobs
 @config_file_options
 @handle_errors

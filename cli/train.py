@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import click
 
-from cli.common import config_error, echo_json, handle_errors
+from cli.common import OutputPath, config_error, echo_json, handle_errors
 from cli.options import config_file_options, config_options
 from peagle_train.attention import ATTENTION_CHOICES
 from peagle_train.train import TrainConfig
 
 OVERRIDES = {
     "store": {"type": click.Path()},
-    "output": {"type": click.Path()},
+    "output": {"type": OutputPath(directory=True)},
     "lazy_embedding": {"decls": ["--lazy-embedding/--dense-embedding"]},
     "attention_backend": {"type": click.Choice(ATTENTION_CHOICES)},
 }

@@ -223,7 +223,8 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
 
     Raises:
         InputError: the packed path is not a packed table, or a layer index is out of range.
-        OutputExistsError: the store exists without ``resume``/``force``, or the disk is short.
+        OutputExistsError: the store exists without ``resume``/``force``.
+        DiskSpaceError: the disk is short (without ``force``).
         StoreMismatchError: resuming with another verifier, other layers or another packed table.
     """
     from accelerate import PartialState

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from peagle_data.verifier_forward import _layer_types, language_model
-from stores.errors import InputError, OutputExistsError, StoreFormatError
+from stores.errors import DiskSpaceError, InputError, OutputExistsError, StoreFormatError
 from stores.feature_store import FeatureStore, bytes_per_token, check_block, check_compatible
 from stores.feature_verify import read_done_flags, shared_damage
 from stores.model_cache import model_fingerprint
@@ -56,9 +56,9 @@ def _check_disk(path: Path, needed_bytes: int, force: bool) -> None:
         probe = probe.parent
     free = shutil.disk_usage(probe).free
     if needed_bytes > free and not force:
-        raise OutputExistsError(
-            str(path), f"the store needs about {needed_bytes / 2**30:.2f} GiB but only "
-                       f"{free / 2**30:.2f} GiB are free; free disk or pass --force")
+        raise DiskSpaceError(
+            f"{path}: the store needs about {needed_bytes / 2**30:.2f} GiB but only "
+            f"{free / 2**30:.2f} GiB are free; free disk or pass --force")
 
 
 class BlockWriter:

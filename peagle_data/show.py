@@ -231,7 +231,7 @@ def show(path: str, row: int | None = None, block: int | None = None, item_id: s
     if sum(x is not None for x in (row, block, item_id)) > 1:
         raise InputError("give at most one of --row, --block and --id")
     if html_file is not None and Path(html_file).exists() and not force:
-        raise OutputExistsError(f"--html {html_file} exists; pass --force to overwrite it")
+        raise OutputExistsError(f"--html {html_file}")  # "output --html F already exists; pass --force ..."
     table = TokenTable.open(path)
     if block is not None and table.kind != "packed":
         raise InputError(f"--block needs a packed table; {path} is a {table.kind} table (use --row)")

@@ -32,9 +32,13 @@ from typing import Any
 import numpy as np
 
 from peagle_data.windows import SystemPrefixTooLongError, count_windows
-from stores.errors import InputError
+from stores.errors import InputError, OutputExistsError
 
-__all__ = ["PERCENTILES", "collect_stats", "format_stats", "plot_stats", "percentiles_from_counts"]
+__all__ = ["PERCENTILES", "PLOT_SUFFIXES", "check_plot_output", "collect_stats", "format_stats", "plot_stats",
+           "percentiles_from_counts"]
+
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+"""The file types :func:`plot_stats` writes (matplotlib picks the format from the extension)."""
 
 PERCENTILES = (1, 5, 10, 25, 50, 75, 90, 95, 99)
 FRACTION_BINS = 50
@@ -343,13 +347,31 @@ def format_stats(stats: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot_stats(stats: dict[str, Any], png: str | os.PathLike) -> Path:
+def check_plot_output(png: str | os.PathLike, force: bool = False) -> None:
+    """Raise before any work when :func:`plot_stats` could not write ``png``.
+
+    Raises:
+        InputError: the extension is not one of :data:`PLOT_SUFFIXES`.
+        OutputExistsError: ``png`` exists and ``force`` is false.
+    """
+    png = Path(png)
+    if png.suffix.lower() not in PLOT_SUFFIXES:
+        raise InputError(f"--png {png}: a plot is {', '.join(PLOT_SUFFIXES)}, not {png.suffix or 'a name without extension'!r}")
+    if png.exists() and not force:
+        raise OutputExistsError(str(png))
+
+
+def plot_stats(stats: dict[str, Any], png: str | os.PathLike, force: bool = False) -> Path:
     """Write a 2x2 PNG: length histogram with p50/p90/p99, supervised fraction histogram, windows
     per conversation (segments per block for a store), per-source shares of tokens and supervised tokens.
 
     Returns:
         The PNG path.
+
+    Raises:
+        InputError, OutputExistsError: see :func:`check_plot_output` (checked before drawing).
     """
+    check_plot_output(png, force)
     import matplotlib
 
     matplotlib.use("Agg")

@@ -51,6 +51,8 @@ class StatsConfig:
     """For a tokenize output: count the windows `pack --max-seq-len N` would cut (tokens, >= 2)."""
     overlap: float = 0.5
     """The `pack --overlap` of those windows, in [0, 1)."""
+    force: bool = False
+    """Overwrite an existing --png file."""
 
     def __post_init__(self) -> None:
         if self.max_seq_len is not None and self.max_seq_len < 2:

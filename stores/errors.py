@@ -14,6 +14,7 @@ __all__ = [
     "StoreMismatchError",
     "MissingDependencyError",
     "ModelNotFoundError",
+    "DiskSpaceError",
 ]
 
 
@@ -38,11 +39,19 @@ class InputError(PeagleError, ValueError):
 
 
 class OutputExistsError(PeagleError, FileExistsError):
-    """An output path exists and ``--force`` (or ``--resume``) was not given."""
+    """An output path exists and ``--force`` (or ``--resume``) was not given.
+
+    The message is ``output {path} already exists; {hint}``: ``path`` is only the path (or
+    ``--option path``), ``hint`` only the remedy; neither repeats "exists".
+    """
 
     def __init__(self, path: str, hint: str = "pass --force to overwrite it"):
         self.path = path
         super().__init__(f"output {path} already exists; {hint}")
+
+
+class DiskSpaceError(PeagleError, OSError):
+    """An output would not fit on its disk (``--force`` writes it anyway)."""
 
 
 class StoreFormatError(PeagleError, ValueError):

@@ -28,7 +28,7 @@ EXACT = {
                              "--format", "--retries", "--timeout", "--seed", "--resume", "--force", *CONFIG_FILE},
     ("data", "inspect"): CONFIG_FILE,
     ("data", "verify"): {"--packed", "--repair"} | CONFIG_FILE,
-    ("data", "stats"): {"--json", "--png", "--max-seq-len", "--overlap"} | CONFIG_FILE,
+    ("data", "stats"): {"--json", "--png", "--max-seq-len", "--overlap", "--force"} | CONFIG_FILE,
     ("data", "show"): {"--row", "--block", "--id", "--tokenizer", "--color", "--html", "--force"} | CONFIG_FILE,
     ("data", "merge"): {"--output", "--force"} | CONFIG_FILE,
     ("train", None): {"--store", "--output", "--verifier", "--max-steps", "--num-depths", "--max-anchors",

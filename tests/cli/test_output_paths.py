@@ -1,0 +1,100 @@
+"""Every output path of every command is checked when the options are parsed (missing parent
+directory, wrong extension) and never overwritten without --force; the messages are exact."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from cli.data_extract import extract
+from cli.data_merge import merge
+from cli.data_prepare import pack, tokenize
+from cli.data_regenerate import regenerate
+from cli.data_show import show
+from cli.data_stats import stats
+from cli.eval import main as eval_main
+from cli.train import main as train_main
+
+
+def invoke(cmd, args):
+    return CliRunner().invoke(cmd, [str(a) for a in args])
+
+
+@pytest.fixture()
+def packed(tmp_path, monkeypatch, smollm2_tokenizer):
+    """A pack output of two tiny conversations (the session's SmolLM2 tokenizer, no reload)."""
+    import stores.model_cache
+
+    monkeypatch.setattr(stores.model_cache, "load_tokenizer", lambda name: smollm2_tokenizer)
+    convs = tmp_path / "convs.jsonl"
+    convs.write_text("".join(json.dumps({"id": f"c{i}", "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": f"Hello {i}!"}]}) + "\n" for i in range(2)))
+    out = tmp_path / "packed"
+    result = invoke(pack, [convs, "--tokenizer", "smollm2-135m", "--output", out, "--max-seq-len", 64])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def _cases(d):
+    """(command, arguments before the output option, output option) for every output path."""
+    return [
+        (stats, [d], "--png"), (show, [d], "--html"),
+        (tokenize, [d, "--tokenizer", "m"], "--output"), (pack, [d, "--tokenizer", "m"], "--output"),
+        (extract, [d, "--verifier", "m"], "--output"), (merge, [d, d], "--output"),
+        (regenerate, [d, "--verifier", "m"], "--output"), (train_main, ["--store", d], "--output"),
+        (eval_main, ["--drafter", d, "--store", d], "--output"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(9))
+def test_a_missing_parent_directory_is_refused_before_any_work(tmp_path, monkeypatch, case):
+    cmd, args, opt = _cases(tmp_path)[case]
+    name = {"--png": "x.png", "--html": "x.html", "--output": "x"}[opt]
+    if cmd is regenerate:
+        name = "x.jsonl"
+    elif cmd is eval_main:
+        name = "x.json"
+    monkeypatch.chdir(tmp_path)
+    result = invoke(cmd, [*args, opt, f"nodir/{name}"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert (f"Invalid value for '{opt}': nodir/{name}: the parent directory {tmp_path / 'nodir'} does not exist "
+            "(create it first)") in result.output, result.output
+
+
+@pytest.mark.parametrize("cmd, args, opt, name, supported", [
+    (stats, [], "--png", "out.txt", ".png, .svg, .pdf"),
+    (show, [], "--html", "page.txt", ".html, .htm"),
+    (regenerate, ["--verifier", "m"], "--output", "out.json", ".jsonl"),
+    (eval_main, ["--store", "."], "--output", "report.png", ".json"),
+])
+def test_an_unsupported_extension_is_refused_naming_the_supported_ones(tmp_path, monkeypatch, cmd, args, opt, name, supported):
+    monkeypatch.chdir(tmp_path)
+    first = ["--drafter", "."] if cmd is eval_main else ["."]
+    result = invoke(cmd, [*first, *args, opt, name])
+    ext = name[name.rindex("."):]
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"Invalid value for '{opt}': {name} has extension '{ext}'; the supported ones are {supported}" \
+        in result.output, result.output
+
+
+def test_stats_png_is_not_overwritten_without_force(tmp_path, packed):
+    png = tmp_path / "plot.png"
+    png.write_bytes(b"mine")
+    refused = invoke(stats, [packed, "--png", png])
+    assert refused.exit_code == 2
+    assert refused.output == f"Error: output {png} already exists; pass --force to overwrite it\n"
+    assert png.read_bytes() == b"mine"
+    forced = invoke(stats, [packed, "--png", png, "--force"])
+    assert forced.exit_code == 0, forced.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"plot: {png}" in forced.output
+
+
+def test_show_html_overwrite_message_says_it_once(tmp_path, packed):
+    page = tmp_path / "multi.html"
+    page.write_text("mine")
+    refused = invoke(show, [packed, "--html", page, "--color", "never"])
+    assert refused.exit_code == 2
+    assert refused.output == f"Error: output --html {page} already exists; pass --force to overwrite it\n"
+    assert page.read_text() == "mine"
