@@ -236,7 +236,7 @@ def _load_into_context(ctx: click.Context, param, value):
         p = keys.get(str(key).replace("-", "_"))
         if p is None:
             raise click.BadParameter(f"{value}: unknown key {key!r}; the keys are the options of "
-                                     f"`{ctx.command_path}`: {', '.join(sorted(_print_keys(ctx.command)))}",
+                                     f"`{ctx.command_path}`: {', '.join(sorted(_print_keys(ctx.command).values()))}",
                                      param_hint="--config")
         if getattr(p, "multiple", False) or getattr(p, "nargs", 1) == -1:
             v = [v] if isinstance(v, str) else v

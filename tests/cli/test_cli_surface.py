@@ -95,6 +95,27 @@ def test_print_config_is_a_config_file_of_the_same_run(group, sub, tmp_path):
     assert again.stdout == first.stdout
 
 
+@pytest.mark.parametrize("group,sub", sorted(EXACT, key=str))
+def test_an_unknown_config_key_lists_the_print_config_keys(group, sub, tmp_path):
+    """The keys an unknown-key error lists are exactly those --print-config writes (the option names,
+    e.g. regenerate's ``server`` for ``--server``, not the parameter name ``servers``)."""
+    import yaml
+
+    cli = [sub] if sub else []
+    keys = yaml.safe_load(CliRunner().invoke(
+        GROUPS[group], [*cli, *_required_args(tmp_path)[(group, sub)], "--print-config"]).stdout)
+    (tmp_path / "bad.yaml").write_text("bogus: 1\n")
+    result = CliRunner().invoke(GROUPS[group], [*cli, "--config", str(tmp_path / "bad.yaml")])
+    assert result.exit_code == 2
+    listed = re.search(r"unknown key 'bogus'; the keys are the options of `[^`]+`: (.*)", result.output)
+    assert listed, result.output
+    assert listed.group(1).strip().split(", ") == sorted(keys)
+    if (group, sub) == ("data", "regenerate"):
+        assert "server" in keys and "servers" not in keys
+    if (group, sub) in (("data", "tokenize"), ("data", "pack")):
+        assert "tokenizer" in keys and "tokenizer_name" not in keys
+
+
 def test_data_group_lists_every_stage():
     out = CliRunner().invoke(data_main, ["--help"]).output
     for command in ("regenerate", "tokenize", "pack", "extract", "inspect", "verify", "show", "stats", "merge"):
