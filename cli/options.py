@@ -32,7 +32,7 @@ from typing import Any, Callable
 import click
 from click.core import ParameterSource
 
-__all__ = ["FROM_CONFIG_FILE", "field_docs", "config_options", "config_file_options", "resolved_config", "run_config", "IntList", "load_config_file"]
+__all__ = ["FROM_CONFIG_FILE", "field_docs", "plain_text", "config_options", "config_file_options", "resolved_config", "run_config", "IntList", "load_config_file"]
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -56,12 +56,28 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-_ROLE = re.compile(r":(?:mod|func|class|meth|attr):`~?([^`]+)`")
+_ROLE = re.compile(r":(?:[a-z]+:)?[a-z]+:`(~?)([^`<]+?)(?:\s*<([^`>]+)>)?`")
+"""A Sphinx role: ``:data:`x.Y` ``, ``:py:func:`~x.f` `` (shown ``f``), ``:ref:`text <label>` ``."""
+_LITERAL = re.compile(r"``(.+?)``|`([^`]+)`")
+_NONE = re.compile(r"\bNone\b(\s*[:=])?")
+
+
+def plain_text(doc: str) -> str:
+    """Docstring text as ``--help`` text: Sphinx roles, ````literals```` and `interpreted text` as
+    plain text (line breaks kept). Applied to every option's help and every command's docstring."""
+    def role(m: re.Match) -> str:
+        target = m.group(2).strip()
+        return target.rsplit(".", 1)[-1] if m.group(1) else target
+
+    return _LITERAL.sub(lambda m: m.group(1) or m.group(2), _ROLE.sub(role, doc))
 
 
 def _help(doc: str, flags: list[str]) -> str:
-    """A docstring as one line of ``--help``: reST markup removed, a bare self-reference such as ``(--seed)`` dropped."""
-    text = _ROLE.sub(r"\1", " ".join(doc.split())).replace("``", "")
+    """A field docstring as one line of ``--help``: plain text (:func:`plain_text`), Python's None
+    (which cannot be typed) as "unset" ("None: x" -> "unset: x"), a bare self-reference such as
+    ``(--seed)`` dropped."""
+    text = plain_text(" ".join(doc.split()))
+    text = _NONE.sub(lambda m: "unset:" if m.group(1) else "unset", text)
     for flag in flags:
         text = text.replace(f" ({flag})", "")
         text = re.sub(rf"\({re.escape(flag)}(?:/--[a-z-]+)?[;,] ", "(", text)
@@ -287,6 +303,8 @@ def config_file_options(fn):
             click.echo(yaml.safe_dump(resolved_config(click.get_current_context()), sort_keys=False), nl=False)
             return None
         return fn(*args, **kwargs)
+
+    wrapper.__doc__ = plain_text(fn.__doc__ or "")  # the command's --help (click reads __doc__)
 
     # click lists __click_params__ in reverse: put these two last in --help
     wrapper.__click_params__ = [

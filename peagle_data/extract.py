@@ -85,8 +85,8 @@ class ExtractConfig:
     storage_dtype: str = "bf16"
     """``bf16`` (bit-exact) or ``fp8`` (float8_e4m3fn with a per-token, per-layer scale; half the bytes)."""
     compressor: str | None = None
-    """Chunk compressor: None (``none`` on the command line: raw chunks, memory-mapped reads; activations
-    barely compress) or ``zstd`` (smaller, read through zarr)."""
+    """Chunk compressor: ``none`` (raw chunks, memory-mapped reads; activations barely compress) or
+    ``zstd`` (smaller, read through zarr)."""
     resume: bool = False
     """Continue an existing store: check every done block, then extract the not-done and damaged ones."""
     force: bool = False

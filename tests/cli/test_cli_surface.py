@@ -149,3 +149,29 @@ def test_command_functions_are_thin():
                 sizes[f"{path.name}:{node.name}"] = node.end_lineno - node.lineno + 1
     assert len(sizes) == 11  # nine peagle-data subcommands, peagle-train, peagle-eval
     assert {k: v for k, v in sizes.items() if v > 15} == {}
+
+
+def test_plain_text_turns_sphinx_markup_and_none_into_typable_help():
+    from cli.options import _help, plain_text
+
+    assert plain_text("a name of :data:`peagle_train.attention.ATTENTION_BACKENDS`") == \
+        "a name of peagle_train.attention.ATTENTION_BACKENDS"
+    assert plain_text("see :py:func:`~peagle_data.stats.plot_stats` and :ref:`the design <design>`") == \
+        "see plot_stats and the design"
+    assert plain_text("``zstd`` or `pack --overlap`\nnext line") == "zstd or pack --overlap\nnext line"
+    assert _help("Steps; None: one pass.", ["--max-steps"]) == "Steps; unset: one pass."
+    assert _help("Prompts; None = all.", ["--num-prompts"]) == "Prompts; unset: all."
+    assert _help("Cap (None keeps all).", ["--cap"]) == "Cap (unset keeps all)."
+
+
+@pytest.mark.parametrize("group,sub", sorted(EXACT, key=str) + [("data", None)])
+def test_help_has_no_sphinx_markup_and_no_python_none(group, sub):
+    """Every command's --help (options and the command's own text) is plain: no roles, no
+    backticks, no None (which cannot be typed)."""
+    result = CliRunner().invoke(GROUPS[group], [*([sub] if sub else []), "--help"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    for markup in (":data:", ":func:", ":class:", ":meth:", ":attr:", ":mod:", "`"):
+        assert markup not in result.output, f"{group} {sub}: {markup!r} in --help"
+    assert not re.search(r"\bNone\b", result.output), result.output
+    if (group, sub) == ("train", None):
+        assert "a name of peagle_train.attention.ATTENTION_BACKENDS (sdpa" in " ".join(result.output.split())

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from peagle_data.extract import ExtractConfig, run_extract
-from stores.errors import OutputExistsError, StoreMismatchError
+from stores.errors import DiskSpaceError, OutputExistsError, StoreMismatchError
 from stores.feature_store import FeatureStore, verify_store
 from stores.staging import prepare_output_dir
 from stores.token_tables import TableWriter, write_manifest
@@ -195,9 +195,12 @@ def test_refuses_when_disk_is_short_unless_forced(tmp_path, tiny_verifier_dir, m
     packed = write_packed(tmp_path / "packed", n_blocks=2, block_size=32)
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 100, 100))
-    with pytest.raises(OutputExistsError, match="free"):
+    with pytest.raises(DiskSpaceError) as e:
         run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir),
                                   output=str(tmp_path / "f.zarr"), layers=[1]), progress=False)
+    assert "already exists" not in str(e.value)  # not an "output exists" error (it does not)
+    assert str(e.value).startswith(f"{tmp_path / 'f.zarr'}: the store needs about ")
+    assert str(e.value).endswith(" GiB but only 0.00 GiB are free; free disk or pass --force")
     assert not (tmp_path / "f.zarr").exists()
     s = run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir),
                                   output=str(tmp_path / "f.zarr"), layers=[1], force=True), progress=False)
