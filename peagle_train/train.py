@@ -324,9 +324,24 @@ def _check_resume_settings(cfg: TrainConfig) -> Path | None:
         old = json.loads(saved.read_text())
         diff = {k: (old.get(k), getattr(cfg, k)) for k in _RESUME_FIELDS if old.get(k) != getattr(cfg, k)}
         if diff:
-            raise InputError(f"--resume with settings that differ from the saved run in {out} "
-                             f"(saved, given): {diff}; rerun with the saved settings or a new --output")
+            raise InputError(resume_mismatch_message(saved, diff), field="--resume")
     return ckpt
+
+
+def resume_mismatch_message(saved: Path, diff: dict[str, tuple[Any, Any]]) -> str:
+    """The ``--resume`` refusal: which settings differ from ``saved`` (train_config.json), the command that
+    resumes, the options that may change on resume, and why ``--max-steps`` may not (docs/design.md §8)."""
+    free = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(TrainConfig)
+            if f.name not in (*_RESUME_FIELDS, "output", "verifier", "resume", "force")]
+    given = "; ".join(f"--{k.replace('_', '-')}: saved {a!r}, given {b!r}" for k, (a, b) in diff.items())
+    message = (f"--resume continues the run saved in {saved.parent} with its own settings, and these differ "
+               f"from it: {given}. Resume it with: peagle-train --config {saved} --resume (adding only options "
+               f"that may change on resume: {', '.join(free)})")
+    if "max_steps" in diff:
+        message += (". --max-steps cannot change on resume: it is the length of the cosine learning-rate "
+                    "schedule, so the resumed run would no longer be the saved run continued; to train longer, "
+                    "start a new run (a new --output, or --force)")
+    return message
 
 
 def _prepare_output(cfg: TrainConfig) -> Path | None:

@@ -139,7 +139,7 @@ def test_training_on_two_stores_resumes_exactly(tmp_path, verifier_dir):
     sa, sb = load_drafter(full / "final").state_dict(), load_drafter(part / "final").state_dict()
     for k in sa:
         torch.testing.assert_close(sa[k], sb[k])
-    with pytest.raises(InputError, match="differ from the saved run"):  # other stores: not the same run
+    with pytest.raises(InputError, match="these differ from it: --store: saved"):  # other stores: not the same run
         run_train(_cfg([b, a], part, max_steps=8, save_every=4, val_fraction=0.25, draft_vocab_size=64, resume=True))
 
 

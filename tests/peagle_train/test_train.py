@@ -456,3 +456,30 @@ def test_offline_eval_finds_the_held_out_blocks_of_each_training_store_and_names
         f"{other.path} is not a store this drafter was trained on (it was trained on {rec['stores'][0]['path']}, "
         f"{rec['stores'][1]['path']}; another packed table, shard, verifier or layer set): every done block is "
         "scored as split 'other_store', none of them is held-out validation data"]
+
+
+def test_cli_resume_with_other_settings_says_the_working_command_and_why_max_steps_is_fixed(tmp_path, verifier_dir):
+    from cli.train import main
+
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
+    out = tmp_path / "drafter"
+    args = ["--store", store, "--output", str(out), "--num-depths", "3", "--lr", "0.003", "--val-fraction", "0",
+            "--loss-chunk-size", "64"]
+    assert CliRunner().invoke(main, [*args, "--max-steps", "5", "--save-every", "2"]).exit_code == 0
+    res = CliRunner().invoke(main, [*args, "--max-steps", "8", "--resume"])
+    saved = out / "train_config.json"
+    assert res.exit_code == 2
+    assert " ".join(res.stderr.split()) == " ".join((
+        f"Error: field '--resume': --resume continues the run saved in {out} with its own settings, and these "
+        f"differ from it: --max-steps: saved 5, given 8. Resume it with: peagle-train --config {saved} --resume "
+        "(adding only options that may change on resume: --save-every, --save-total-limit, --val-max-blocks, "
+        "--allow-incomplete, --loss-chunk-size, --log-every, --attention-backend, --report-to). --max-steps cannot "
+        "change on resume: it is the length of the cosine learning-rate schedule, so the resumed run would no "
+        "longer be the saved run continued; to train longer, start a new run (a new --output, or --force)").split())
+    import shutil
+
+    shutil.rmtree(out / "final"), shutil.rmtree(out / "checkpoint-5")  # as if stopped after checkpoint-4
+    res = CliRunner().invoke(main, ["--config", str(saved), "--resume", "--log-every", "1"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout[res.stdout.index("{"):])
+    assert summary["steps"] == 5 and summary["resumed_from"].endswith("checkpoint-4")
