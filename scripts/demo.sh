@@ -3,11 +3,11 @@
 #   ShareGPT conversations -> pack -> extract (SmolLM2-135M) -> train a drafter -> evaluate.
 # Sizes are chosen for a few minutes per stage on 2 CPU cores (measured wall times, with the
 # machine load, are in README.md; yours depend on your machine). Override them with the environment
-# variables below.
+# variables below (checked before anything runs: a bad value stops the script naming the variable).
+# Re-running over an existing DEMO_DIR replaces its outputs: every stage passes --force on purpose,
+# so the demo can be repeated with other settings; do not point DEMO_DIR at results you want to keep.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh
-. .venv/bin/activate
 
 OUT=${DEMO_DIR:-demo}
 CONVERSATIONS=${DEMO_CONVERSATIONS:-100}
@@ -20,6 +20,21 @@ NUM_DEPTHS=${DEMO_NUM_DEPTHS:-4}
 PROMPTS=${DEMO_PROMPTS:-examples/prompts.jsonl}
 NUM_PROMPTS=${DEMO_NUM_PROMPTS:-2}
 MAX_NEW_TOKENS=${DEMO_MAX_NEW_TOKENS:-32}
+
+bad() { echo "demo.sh: $1" >&2; exit 2; }
+for var in DEMO_CONVERSATIONS DEMO_MAX_SEQ_LEN DEMO_MAX_WINDOWS DEMO_STEPS DEMO_DRAFT_VOCAB DEMO_NUM_DEPTHS \
+           DEMO_NUM_PROMPTS DEMO_MAX_NEW_TOKENS; do
+  value=${!var:-}  # unset or empty: the default above
+  [[ -z $value || $value =~ ^[1-9][0-9]*$ ]] || bad "$var=$value: expected a positive integer"
+done
+[[ $LR =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$ && ! $LR =~ ^[0.]+([eE].*)?$ ]] \
+  || bad "DEMO_LR=$LR: expected a positive number such as 1e-3"
+(( MAX_SEQ_LEN >= 2 )) || bad "DEMO_MAX_SEQ_LEN=$MAX_SEQ_LEN: expected at least 2 tokens"
+[[ -f $PROMPTS ]] || bad "DEMO_PROMPTS=$PROMPTS: no such file"
+[[ ! -e $OUT || -d $OUT ]] || bad "DEMO_DIR=$OUT: exists and is not a directory"
+
+bash scripts/setup_env.sh
+. .venv/bin/activate
 mkdir -p "$OUT"
 t0=$(date +%s)
 
