@@ -15,7 +15,7 @@ import click
 from cli.common import OutputPath, config_error, handle_errors
 from cli.options import config_file_options, config_options, run_config
 from peagle_data.readers import FORMATS
-from peagle_data.regenerate import TURNS, RegenerateConfig, RegenerateRun
+from peagle_data.regenerate import ON_DROPPED, ON_TRUNCATED, TURNS, RegenerateConfig, RegenerateRun
 from peagle_data.verifier_backends import BackendConfig
 
 __all__ = ["regenerate"]
@@ -29,6 +29,7 @@ _BACKEND_OVERRIDES = {
     "device": {"metavar": "DEV"},
     "retries": {"metavar": "N"},
     "timeout": {"metavar": "S"},
+    "tokenizer": {"metavar": "MODEL"},
 }
 _IO_OVERRIDES = {
     "inputs": {"metavar": "INPUT...", "nargs": -1, "required": True},
@@ -40,18 +41,25 @@ _RUN_OVERRIDES = {
     "turns": {"type": click.Choice(TURNS)},
     "limit": {"metavar": "N"},
     "format": {"type": click.Choice(FORMATS)},
+    "on_dropped_content": {"type": click.Choice(ON_DROPPED)},
+    "on_truncated": {"type": click.Choice(ON_TRUNCATED)},
 }
 
 
-def _echo_summary(summary: dict, output: str) -> None:
+def _echo_summary(summary: dict, output: str, max_new_tokens: int) -> None:
     """Print the run's counts; exit 1 with a warning when no conversation was written."""
     c = summary["counts"]
     click.echo(f"read {c['read']}  written {c['written']}  rejected {c['rejected']}"
                + (f"  (resumed after {summary['resumed_rows']} rows)" if summary["resumed_rows"] else ""))
     if c["rejected"]:
         click.echo(f"  rejected by reason: {c['rejected_by_reason']}; see the rejects file beside {output}")
-    click.echo(f"turns regenerated {c['turns_regenerated']} (cut at --max-new-tokens {c['turns_truncated']})  "
+    mid = c.get("turns_cut_mid_character", 0)
+    click.echo(f"turns regenerated {c['turns_regenerated']} ({c['turns_truncated']} cut at --max-new-tokens "
+               f"{max_new_tokens}" + (f", {mid} of them inside a character, dropped" if mid else "") + ")  "
                f"prompt tokens {c['prompt_tokens']}  completion tokens {c['completion_tokens']}")
+    if c.get("conversations_with_dropped_content"):
+        click.echo(f"  regenerated with content the chat template drops (--on-dropped-content keep): "
+                   f"{c['conversations_with_dropped_content']} conversations")
     click.echo(f"output: {output}")
     if c["written"] == 0:
         click.echo("WARNING: no conversation was regenerated; see the rejects file", err=True)
@@ -84,4 +92,4 @@ def regenerate(inputs, output, resume, force, **options):
         run = RegenerateRun(inputs=list(inputs), output=output, resume=resume, force=force,
                             settings=RegenerateConfig(**_split(options, RegenerateConfig)),
                             backend=BackendConfig(**_split(options, BackendConfig)))
-    _echo_summary(run_regenerate(run, config=run_config()), output)
+    _echo_summary(run_regenerate(run, config=run_config()), output, run.settings.max_new_tokens)

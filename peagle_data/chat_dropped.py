@@ -19,13 +19,15 @@ _ADVICE = {
 }
 
 
-def _dropped_reason(messages, i: int | None, part: str, n: int) -> str:
+_TOKENIZE_ADVICE = ("pass --chat-template FILE with a template that renders it, or --on-dropped-content keep to keep "
+                    "the row without it (counted in the manifest)")
+
+
+def _dropped_reason(messages, i: int | None, part: str, n: int, advice: str = _TOKENIZE_ADVICE) -> str:
     what = "the tools passed with the conversation" if i is None else f"the {part} of message {i} ({messages[i]['role']})"
     why = _ADVICE.get(part, "the template does not render it")
     more = f" (and {n - 1} more dropped part{'s' if n > 2 else ''})" if n > 1 else ""
-    return (f"template drops {part}: {what} {'do' if i is None else 'does'} not appear in the render ({why}){more}; "
-            "pass --chat-template FILE with a template that renders it, or --on-dropped-content keep to keep "
-            "the row without it (counted in the manifest)")
+    return f"template drops {part}: {what} {'do' if i is None else 'does'} not appear in the render ({why}){more}; {advice}"
 
 
 def _thought_in(content: Any) -> str:

@@ -19,9 +19,21 @@ Per conversation (read and normalised by :mod:`peagle_data.readers`, so every in
 - the verifier's reasoning is kept as ``reasoning_content`` (see
   :mod:`peagle_data.verifier_backends`); messages after the last regenerated turn are kept.
 
+Each prompt is checked, before it is sent, for content the verifier's chat template does not render
+(the check of ``tokenize``, :func:`peagle_data.chat_dropped.dropped_content`): a verifier that never
+saw the tools or a tool call must not answer as if it had. The local back end checks with its own
+template; the server back end with ``--tokenizer``'s, else the servers' templates are trusted.
+``--on-dropped-content keep`` regenerates such rows anyway (counted).
+
+An answer cut at ``--max-new-tokens`` is kept (``--on-truncated keep``, counted as
+``turns_truncated``) without the incomplete character the cut may leave (counted as
+``turns_cut_mid_character``), or rejects its row (``--on-truncated drop``).
+
 A row that cannot be regenerated is a line of ``OUT.rejects.jsonl`` with its reason: the reader's
-reason, ``prompt too long``, ``server error`` (after the retries), ``empty answer`` (no text,
-reasoning or tool call), or ``nothing to regenerate`` (every assistant turn in scope calls tools).
+reason, ``template drops <part>``, ``prompt too long``, ``server error`` (after the retries),
+``empty answer`` (no text, reasoning or tool call), ``truncated answer`` (``--on-truncated drop``),
+``invalid UTF-8`` / ``undecodable answer`` (see :mod:`peagle_data.verifier_backends`), or
+``nothing to regenerate`` (every assistant turn in scope calls tools).
 
 Rows are processed in chunks; a chunk's rows are written in input order when it is done, so the
 output does not depend on the back end's batching or concurrency. ``--resume`` skips the rows
@@ -41,14 +53,19 @@ from typing import Any, Callable, Iterator, Sequence
 
 from tqdm import tqdm
 
+from peagle_data.chat_dropped import _dropped_reason, dropped_content
+from peagle_data.chat_render import ChatTemplateError, render
 from peagle_data.readers import FORMATS, Conversation, Reject, read_conversations, resolve_inputs
 from peagle_data.verifier_backends import Answer, BackendConfig, Request
 from stores.conversation_files import ConversationWriter, check_output, read_regenerate_manifest
 from stores.errors import InputError
 
-__all__ = ["RegenerateConfig", "RegenerateRun", "TURNS", "Regeneration", "run_regenerate"]
+__all__ = ["RegenerateConfig", "RegenerateRun", "TURNS", "ON_DROPPED", "ON_TRUNCATED", "Regeneration",
+           "prompt_drops", "run_regenerate"]
 
 TURNS = ("all", "last")
+ON_DROPPED = ("reject", "keep")
+ON_TRUNCATED = ("keep", "drop")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +87,11 @@ class RegenerateConfig:
     unfinished row of the chunk)."""
     seed: int = 0
     """Torch seed of sampling, with ``--temperature`` > 0 (``--seed``)."""
+    on_dropped_content: str = "reject"
+    """A prompt with content the verifier's chat template does not render (tools, a tool call):
+    reject the row, or keep regenerating it, counted (``--on-dropped-content``, as ``tokenize``)."""
+    on_truncated: str = "keep"
+    """An answer cut at --max-new-tokens: keep it (counted), or drop its row to the rejects (``--on-truncated``)."""
 
     def __post_init__(self) -> None:
         if self.turns not in TURNS:
@@ -82,6 +104,10 @@ class RegenerateConfig:
             raise ValueError(f"chunk_rows must be >= 1, got {self.chunk_rows}")
         if self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.on_dropped_content not in ON_DROPPED:
+            raise ValueError(f"--on-dropped-content must be one of {ON_DROPPED}, got {self.on_dropped_content!r}")
+        if self.on_truncated not in ON_TRUNCATED:
+            raise ValueError(f"--on-truncated must be one of {ON_TRUNCATED}, got {self.on_truncated!r}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"--limit must be >= 1 rows, got {self.limit}")
 
@@ -111,14 +137,16 @@ class Regeneration:
     Args:
         conv: the normalised conversation.
         turns: ``all`` or ``last``.
+        on_truncated: ``keep`` an answer cut at the token limit, or ``drop`` (reject) its row.
 
     Use: while :meth:`next_request` returns a request, answer it and pass the answer to
     :meth:`feed`; then :attr:`reject` is None and :meth:`row` is the output row, or
     :attr:`reject` is the reason.
     """
 
-    def __init__(self, conv: Conversation, turns: str):
-        self.conv = conv
+    def __init__(self, conv: Conversation, turns: str, on_truncated: str = "keep"):
+        self.conv, self.on_truncated = conv, on_truncated
+        self.dropped_content = False  # a prompt had content the template drops (--on-dropped-content keep)
         msgs = conv.messages
         assistants = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
         scope = assistants if turns == "all" else assistants[-1:]
@@ -151,6 +179,10 @@ class Regeneration:
         if not answer.content and not answer.reasoning and not answer.tool_calls:
             self.reject = f"empty answer: assistant turn {turn} (message {turn + 1})"
             return
+        if answer.finish_reason == "length" and self.on_truncated == "drop":
+            self.reject = (f"truncated answer: assistant turn {turn} (message {turn + 1}) was cut at "
+                           "--max-new-tokens (--on-truncated drop)")
+            return
         msg: dict[str, Any] = {"role": "assistant", "content": answer.content}
         if answer.reasoning:
             msg["reasoning_content"] = answer.reasoning
@@ -168,24 +200,70 @@ class Regeneration:
                 **({"tools": self.conv.tools} if self.conv.tools is not None else {})}
 
 
-def _run_local(jobs: list[Regeneration], backend) -> None:
+_ADVICE = ("the verifier would answer without seeing it; regenerate with a verifier whose template renders it, "
+           "or pass --on-dropped-content keep to regenerate the row anyway (counted in the manifest)")
+
+
+def prompt_drops(tokenizer, request: Request) -> str | None:
+    """Why the verifier cannot be asked ``request``: its chat template does not render part of it.
+
+    The request's history (and tools) is rendered with ``tokenizer``'s chat template and checked as
+    ``tokenize`` checks a row (:func:`~peagle_data.chat_dropped.dropped_content`, no supervised turn:
+    the reasoning of earlier turns is not checked).
+
+    Returns:
+        None, or the reject reason (``template drops <part>: ...``, ``template error: ...``).
+    """
+    try:
+        text = render(tokenizer, request.messages, request.tools, None)
+        dropped = dropped_content(tokenizer, request.messages, text, {}, request.tools, None)
+    except ChatTemplateError as e:
+        return str(e)
+    if not dropped:
+        return None
+    i, part, _ = dropped[0]
+    return _dropped_reason(request.messages, i, part, len(dropped), advice=_ADVICE)
+
+
+def _screen(job: Regeneration, req: Request, tokenizer, on_dropped: str) -> Answer | None:
+    """The error answer of a prompt ``tokenizer``'s template does not render whole (unless
+    ``on_dropped`` is ``keep``: then the job is marked) or cannot render; None: ask the verifier."""
+    reason = None if tokenizer is None else prompt_drops(tokenizer, req)
+    if reason is None:
+        return None
+    if on_dropped == "keep" and reason.startswith("template drops"):
+        job.dropped_content = True
+        return None
+    return Answer(error=reason)
+
+
+def _run_local(jobs: list[Regeneration], backend, on_dropped: str) -> None:
     """Drive a chunk through the local back end in waves: one request per unfinished conversation."""
     while True:
         pending = [(job, req) for job in jobs if (req := job.next_request()) is not None]
         if not pending:
             return
-        for (job, _), answer in zip(pending, backend.generate([req for _, req in pending])):
-            job.feed(answer)
+        asked = []
+        for job, req in pending:
+            refused = _screen(job, req, getattr(backend, "tokenizer", None), on_dropped)
+            if refused is not None:
+                job.feed(refused)
+            else:
+                asked.append((job, req))
+        if asked:
+            for (job, _), answer in zip(asked, backend.generate([req for _, req in asked])):
+                job.feed(answer)
 
 
-def _run_one(job: Regeneration, backend) -> None:
+def _run_one(job: Regeneration, backend, on_dropped: str) -> None:
     while (req := job.next_request()) is not None:
-        job.feed(backend.answer(req))
+        refused = _screen(job, req, getattr(backend, "tokenizer", None), on_dropped)
+        job.feed(refused if refused is not None else backend.answer(req))
 
 
-def _run_server(jobs: list[Regeneration], backend, pool: ThreadPoolExecutor) -> None:
+def _run_server(jobs: list[Regeneration], backend, pool: ThreadPoolExecutor, on_dropped: str) -> None:
     """Drive a chunk through the server back end: each conversation in a thread, turns in order."""
-    for f in [pool.submit(_run_one, job, backend) for job in jobs]:
+    for f in [pool.submit(_run_one, job, backend, on_dropped) for job in jobs]:
         f.result()
 
 
@@ -223,7 +301,8 @@ def _check_resume(manifest: dict[str, Any] | None, settings: dict[str, Any], out
 
 def _base_counts() -> dict[str, Any]:
     return {"read": 0, "written": 0, "rejected": 0, "rejected_by_reason": {}, "turns_regenerated": 0,
-            "turns_truncated": 0, "turns_with_reasoning": 0, "ended_at_verifier_tool_call": 0,
+            "turns_truncated": 0, "turns_cut_mid_character": 0, "turns_with_reasoning": 0,
+            "conversations_with_dropped_content": 0, "ended_at_verifier_tool_call": 0,
             "prompt_tokens": 0, "completion_tokens": 0}
 
 
@@ -238,6 +317,7 @@ def _record(job: Regeneration | Reject, writer: ConversationWriter, counts: dict
             if a.error is None:
                 counts["turns_regenerated"] += 1
                 counts["turns_truncated"] += a.finish_reason == "length"
+                counts["turns_cut_mid_character"] += a.cut_partial_char
                 counts["turns_with_reasoning"] += bool(a.reasoning)
     if reason is not None:
         src, cid = (job.source, job.conversation_id) if isinstance(job, Reject) else (job.conv.source,
@@ -248,6 +328,7 @@ def _record(job: Regeneration | Reject, writer: ConversationWriter, counts: dict
         counts["rejected_by_reason"][key] = counts["rejected_by_reason"].get(key, 0) + 1
         return
     counts["ended_at_verifier_tool_call"] += job.ended_at_tool_call
+    counts["conversations_with_dropped_content"] += job.dropped_content
     writer.write_row(job.row())
     counts["written"] += 1
 
@@ -269,12 +350,12 @@ def _skip_done(items: Iterator[Conversation | Reject], done: list[str], output) 
 
 def _generate_chunk(chunk: list[Conversation | Reject], cfg: RegenerateConfig, backend, pool) -> list:
     """Regenerate the conversations of one chunk; readers' rejects pass through."""
-    jobs = [item if isinstance(item, Reject) else Regeneration(item, cfg.turns) for item in chunk]
+    jobs = [item if isinstance(item, Reject) else Regeneration(item, cfg.turns, cfg.on_truncated) for item in chunk]
     live = [j for j in jobs if isinstance(j, Regeneration)]
     if pool is None:
-        _run_local(live, backend)
+        _run_local(live, backend, cfg.on_dropped_content)
     else:
-        _run_server(live, backend, pool)
+        _run_server(live, backend, pool, cfg.on_dropped_content)
     return jobs
 
 

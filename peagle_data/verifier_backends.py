@@ -31,7 +31,11 @@ from typing import Any
 
 from stores.errors import InputError, MissingDependencyError
 
-__all__ = ["Request", "Answer", "BackendConfig", "LocalBackend", "ServerBackend", "split_reasoning", "server_base_url"]
+__all__ = ["Request", "Answer", "BackendConfig", "LocalBackend", "ServerBackend", "split_reasoning", "server_base_url",
+           "complete_prefix"]
+
+REPLACEMENT = "\ufffd"
+"""U+FFFD, what a lossy UTF-8 decode writes for bytes that are not a complete character."""
 
 
 @dataclass
@@ -53,6 +57,8 @@ class Answer:
         finish_reason: ``stop``, ``length`` or ``tool_calls``.
         prompt_tokens, completion_tokens: token counts of the request and the answer.
         error: None, or a reject reason (``prompt too long: ...``, ``server error: ...``).
+        cut_partial_char: the answer was cut at the token limit inside a character, whose
+            incomplete bytes were dropped from the text.
     """
 
     content: str = ""
@@ -62,6 +68,7 @@ class Answer:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    cut_partial_char: bool = False
 
 
 _THINK = re.compile(r"^\s*(?:<think>)?(.*?)</think>\s*(.*)$", re.DOTALL)
@@ -78,6 +85,62 @@ def split_reasoning(text: str) -> tuple[str, str | None]:
     if text.lstrip().startswith("<think>"):
         return "", text.lstrip()[len("<think>"):].strip()
     return text, None
+
+
+def _byte_level(tokenizer) -> bool:
+    """Whether the tokenizer's decoder is byte-level BPE (GPT-2 style: every token is bytes)."""
+    from tokenizers import decoders
+
+    dec = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    return isinstance(dec, decoders.ByteLevel)
+
+
+def _token_bytes(tokenizer, ids: list[int]) -> bytes | None:
+    """The bytes of ``ids`` (special tokens left out) for a byte-level BPE tokenizer; None otherwise."""
+    if not _byte_level(tokenizer):
+        return None
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    inverse = {c: b for b, c in bytes_to_unicode().items()}
+    special = set(tokenizer.all_special_ids)
+    out = bytearray()
+    for tok in tokenizer.convert_ids_to_tokens([i for i in ids if i not in special]):
+        if any(c not in inverse for c in tok):
+            return None
+        out += bytes(inverse[c] for c in tok)
+    return bytes(out)
+
+
+def complete_prefix(tokenizer, ids: list[int], cut: bool) -> tuple[int, str | None]:
+    """How many of the generated ``ids`` an answer keeps, and why it cannot be kept at all.
+
+    An answer ``cut`` at the token limit drops its last ids while their ``skip_special_tokens``
+    decode ends in U+FFFD: the bytes of a character the limit cut (at most 3 ids for a 4-byte
+    character; a trailing U+FFFD the verifier itself wrote goes too, the kept text is still a prefix
+    of its answer). A U+FFFD left in the text must be the verifier's own character: for a
+    byte-level BPE tokenizer the ids' bytes must be valid UTF-8 (else ``invalid UTF-8``); for other
+    tokenizers the bytes cannot be read back and the answer is refused (``undecodable answer``).
+
+    Returns:
+        ``(n, error)``: keep ``ids[:n]``; ``error`` None or the reject reason.
+    """
+    n = len(ids)
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    while cut and n and text.endswith(REPLACEMENT):
+        n -= 1
+        text = tokenizer.decode(ids[:n], skip_special_tokens=True)
+    if REPLACEMENT not in text:
+        return n, None
+    raw = _token_bytes(tokenizer, ids[:n])
+    if raw is None:
+        return n, ("undecodable answer: the answer decodes to U+FFFD and this tokenizer's bytes cannot be "
+                   "checked to tell the verifier's own U+FFFD from bytes that are not UTF-8")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return n, (f"invalid UTF-8: the answer's tokens hold bytes that are not UTF-8 (byte {e.start} of "
+                   f"{len(raw)}: {raw[e.start:e.end]!r}); their decode would write U+FFFD the verifier did not say")
+    return n, None
 
 
 def server_base_url(url: str) -> str:
@@ -126,12 +189,18 @@ class BackendConfig:
     """Retries of a failed server request (exponential backoff) before the row is rejected (``--retries``)."""
     timeout: float = 600.0
     """Seconds a server request may take (``--timeout``)."""
+    tokenizer: str | None = None
+    """With --server: a tokenizer (MODEL, as --verifier) whose chat template checks each prompt for
+    content it does not render, as the local back end does; None: the servers' templates are trusted
+    (``--tokenizer``)."""
 
     def __post_init__(self) -> None:
         if bool(self.verifier) == bool(self.servers):
             raise ValueError("give exactly one of --verifier MODEL (local) and --server URL (OpenAI-compatible)")
         if self.verifier and self.served_model:
             raise ValueError("--served-model goes with --server, not --verifier")
+        if self.verifier and self.tokenizer:
+            raise ValueError("--tokenizer goes with --server; --verifier checks prompts with its own template")
         for name, value, least in (("--concurrency", self.concurrency, 1), ("--batch-size", self.batch_size, 1),
                                    ("--retries", self.retries, 0), ("--timeout", self.timeout, 1)):
             if not value >= least:
@@ -142,8 +211,17 @@ class BackendConfig:
         if self.verifier:
             return LocalBackend(self.verifier, max_new_tokens, temperature, batch_size=self.batch_size,
                                 device=self.device)
-        return ServerBackend(list(self.servers), self.served_model, max_new_tokens, temperature,
-                             concurrency=self.concurrency, retries=self.retries, timeout=self.timeout)
+        tokenizer = None
+        if self.tokenizer:
+            from stores.model_cache import load_tokenizer
+
+            tokenizer = load_tokenizer(self.tokenizer)
+        backend = ServerBackend(list(self.servers), self.served_model, max_new_tokens, temperature,
+                                concurrency=self.concurrency, retries=self.retries, timeout=self.timeout,
+                                tokenizer=tokenizer)
+        if self.tokenizer:
+            backend.record["tokenizer"] = self.tokenizer
+        return backend
 
 
 class LocalBackend:
@@ -242,12 +320,17 @@ class LocalBackend:
         content, reasoning and tool calls (what ``transformers serve`` does). Otherwise the text is
         the ``skip_special_tokens`` decode with a think block split off (:func:`split_reasoning`);
         an answer holding other special tokens (e.g. gpt-oss's ``<|channel|>`` markup) is an error,
-        not a decode that would silently drop its structure.
+        not a decode that would silently drop its structure. An answer cut inside a character ends
+        before it; one whose tokens are not UTF-8 is an error (:func:`complete_prefix`).
         """
         stop = next((k for k, t in enumerate(generated) if t in self.eos_ids), None)
         kept = generated if stop is None else generated[:stop + 1]
         done = {"finish_reason": "length" if stop is None else "stop", "prompt_tokens": len(prompt),
                 "completion_tokens": len(kept)}
+        n, error = complete_prefix(self.tokenizer, kept, cut=stop is None)
+        if error is not None:
+            return Answer(error=error, **done)
+        done["cut_partial_char"], kept = n < len(kept), kept[:n]
         if getattr(self.tokenizer, "response_template", None) is not None:
             parsed = self.tokenizer.parse_response(kept, prefix=self.tokenizer.decode(prompt), tools=tools)
             calls = [{"type": "function", "function": {"name": c["function"]["name"], "arguments": json.dumps(
@@ -277,6 +360,8 @@ class ServerBackend:
         concurrency: requests in flight per server.
         retries: retries of one request (exponential backoff) before it becomes ``server error``.
         timeout: seconds one request may take.
+        tokenizer: a loaded tokenizer whose chat template ``regenerate`` checks each prompt with
+            (content the template does not render); None: the servers' templates are trusted.
 
     Raises:
         MissingDependencyError: the ``openai`` package is missing.
@@ -284,7 +369,7 @@ class ServerBackend:
     """
 
     def __init__(self, urls: list[str], model: str | None, max_new_tokens: int, temperature: float,
-                 concurrency: int = 8, retries: int = 5, timeout: float = 600.0):
+                 concurrency: int = 8, retries: int = 5, timeout: float = 600.0, tokenizer=None):
         try:
             import openai
         except ImportError as e:  # pragma: no cover - a dependency of peagle
@@ -292,7 +377,7 @@ class ServerBackend:
         self.bases = [server_base_url(u) for u in urls]
         self.clients = {b: openai.OpenAI(base_url=b, api_key="EMPTY", max_retries=retries, timeout=timeout)
                         for b in self.bases}
-        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.max_new_tokens, self.temperature, self.tokenizer = max_new_tokens, temperature, tokenizer
         self.slots: queue.Queue[str] = queue.Queue()
         for _ in range(concurrency):
             for b in self.bases:
@@ -340,7 +425,13 @@ class ServerBackend:
 
 
 def _answer_of(resp) -> Answer:
-    """An :class:`Answer` from an ``openai`` ChatCompletion."""
+    """An :class:`Answer` from an ``openai`` ChatCompletion.
+
+    An answer cut at ``max_tokens`` (``finish_reason == "length"``) drops the U+FFFD its text ends
+    with (a character the limit cut; from the content, or the reasoning when there is no content);
+    any other U+FFFD makes it an error (``undecodable answer``): a server's text cannot be checked
+    against the tokens it came from.
+    """
     choice = resp.choices[0]
     msg = choice.message
     extra = msg.model_extra or {}
@@ -348,9 +439,18 @@ def _answer_of(resp) -> Answer:
     content = msg.content or ""
     if reasoning is None:
         content, reasoning = split_reasoning(content)
+    finish, usage = choice.finish_reason or "stop", resp.usage
     calls = [{"type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
              for c in (msg.tool_calls or [])] or None
-    usage = resp.usage
-    return Answer(content=content, reasoning=reasoning, tool_calls=calls, finish_reason=choice.finish_reason or "stop",
-                  prompt_tokens=getattr(usage, "prompt_tokens", 0) or 0,
-                  completion_tokens=getattr(usage, "completion_tokens", 0) or 0)
+    cut = False
+    if finish == "length" and not calls:
+        if content:
+            content, cut = content.rstrip(REPLACEMENT), content.endswith(REPLACEMENT)
+        elif reasoning:
+            reasoning, cut = reasoning.rstrip(REPLACEMENT), reasoning.endswith(REPLACEMENT)
+    done = {"finish_reason": finish, "prompt_tokens": getattr(usage, "prompt_tokens", 0) or 0,
+            "completion_tokens": getattr(usage, "completion_tokens", 0) or 0}
+    if REPLACEMENT in content + (reasoning or ""):
+        return Answer(error="undecodable answer: the server's answer holds U+FFFD other than at a cut at "
+                            "--max-new-tokens; its bytes cannot be checked against the verifier's tokens", **done)
+    return Answer(content=content, reasoning=reasoning, tool_calls=calls, cut_partial_char=cut, **done)

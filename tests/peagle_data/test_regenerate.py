@@ -18,8 +18,8 @@ from click.testing import CliRunner
 
 from cli.data import main as data_main
 from peagle_data.readers import Conversation
-from peagle_data.regenerate import RegenerateConfig, RegenerateRun, Regeneration, run_regenerate
-from peagle_data.verifier_backends import Answer, LocalBackend, ServerBackend, split_reasoning
+from peagle_data.regenerate import RegenerateConfig, RegenerateRun, Regeneration, prompt_drops, run_regenerate
+from peagle_data.verifier_backends import Answer, LocalBackend, Request, ServerBackend, _answer_of, split_reasoning
 from stores.errors import InputError, OutputExistsError
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -68,9 +68,9 @@ class Scripted:
         return [self.answer(r) for r in reqs]
 
 
-def drive(conv, turns="all", backend=None):
+def drive(conv, turns="all", backend=None, on_truncated="keep"):
     backend = backend or Scripted()
-    job = Regeneration(conv, turns)
+    job = Regeneration(conv, turns, on_truncated)
     while (req := job.next_request()) is not None:
         job.feed(backend.answer(req))
     return job, backend
@@ -125,6 +125,49 @@ def test_empty_answers_and_errors_reject_the_row():
     assert job.row()["messages"][2] == {"role": "assistant", "content": "", "reasoning_content": "hmm"}
 
 
+def test_on_truncated_drop_rejects_the_row_and_keep_keeps_the_answer():
+    msgs = ROWS[0]["messages"]
+    cut = Scripted({2: Answer(content="A2 cut", finish_reason="length")})
+    job, _ = drive(conv(msgs), backend=cut, on_truncated="drop")
+    assert job.reject == "truncated answer: assistant turn 2 (message 3) was cut at --max-new-tokens (--on-truncated drop)"
+    job, _ = drive(conv(msgs), backend=cut)
+    assert job.row()["messages"][2] == {"role": "assistant", "content": "A2 cut"}
+    with pytest.raises(ValueError, match="--on-truncated must be one of"):
+        RegenerateConfig(on_truncated="trim")
+
+
+def test_echo_summary_names_the_token_limit_and_the_cut_turns(capsys):
+    from cli.data_regenerate import _echo_summary
+
+    counts = {"read": 2, "written": 2, "rejected": 0, "rejected_by_reason": {}, "turns_regenerated": 6,
+              "turns_truncated": 4, "turns_cut_mid_character": 1, "prompt_tokens": 10, "completion_tokens": 60,
+              "conversations_with_dropped_content": 0}
+    _echo_summary({"counts": counts, "resumed_rows": 0}, "o.jsonl", 16)
+    assert capsys.readouterr().out.splitlines()[1] == (
+        "turns regenerated 6 (4 cut at --max-new-tokens 16, 1 of them inside a character, dropped)  "
+        "prompt tokens 10  completion tokens 60")
+
+
+def _completion(content, finish, reasoning=None):
+    from types import SimpleNamespace as NS
+
+    msg = NS(content=content, tool_calls=None, model_extra={"reasoning_content": reasoning} if reasoning else {})
+    return NS(choices=[NS(message=msg, finish_reason=finish)], usage=NS(prompt_tokens=5, completion_tokens=16))
+
+
+def test_server_answers_cut_inside_a_character_end_before_it():
+    a = _answer_of(_completion("Bonjour, je m'appelle l'Américan. \ufffd", "length"))
+    assert (a.content, a.cut_partial_char, a.finish_reason, a.error) == \
+        ("Bonjour, je m'appelle l'Américan. ", True, "length", None)
+    r = _answer_of(_completion("", "length", reasoning="plan \ufffd"))
+    assert (r.content, r.reasoning, r.cut_partial_char) == ("", "plan ", True)
+    whole = _answer_of(_completion("ok 😀", "length"))
+    assert (whole.content, whole.cut_partial_char) == ("ok 😀", False)
+    inner = _answer_of(_completion("a \ufffd b", "stop"))
+    assert inner.error.startswith("undecodable answer: the server's answer holds U+FFFD other than at a cut")
+    assert _answer_of(_completion("a \ufffd", "stop")).error.startswith("undecodable answer")
+
+
 def test_split_reasoning():
     assert split_reasoning("<think>\nplan\n</think>\n\nAnswer") == ("Answer", "plan")
     assert split_reasoning("plan</think>Answer") == ("Answer", "plan")  # the prompt opened the block
@@ -175,7 +218,7 @@ def test_local_answers_equal_one_prompt_generate(local_run, local):
 
     _, out, summary = local_run
     rows = lines(out)
-    assert [r["id"] for r in rows] == ["in:1", "in:2", "tool1", "in:5"]
+    assert [r["id"] for r in rows] == ["in:1", "in:2", "in:5"]
     first = rows[0]["messages"]
     assert [m["role"] for m in first] == ["system", "user", "assistant", "user", "assistant"]
     assert first[:2] == ROWS[0]["messages"][:2] and first[3] == ROWS[0]["messages"][3]
@@ -184,15 +227,43 @@ def test_local_answers_equal_one_prompt_generate(local_run, local):
     gen = local.model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
     gen = gen[:gen.index(2) + 1] if 2 in gen else gen
     assert first[4]["content"] == local.tokenizer.decode(gen, skip_special_tokens=True) != "old 2"
-    assert rows[2]["messages"][1]["tool_calls"] == [CALL] and rows[2]["messages"][2] == {"role": "tool",
-                                                                                        "content": "sunny"}
     c = summary["counts"]
-    assert (c["read"], c["written"], c["rejected"], c["turns_regenerated"]) == (5, 4, 1, 5)
+    assert (c["read"], c["written"], c["rejected"], c["turns_regenerated"]) == (5, 3, 2, 4)
+    assert c["rejected_by_reason"] == {"no assistant turn": 1, "template drops tools": 1}
+    # every answer is cut at 6 tokens, one of them inside a character: its partial bytes are not written
+    assert (c["turns_truncated"], c["turns_cut_mid_character"]) == (4, 1)
+    assert not any("\ufffd" in (m.get("content") or "") for r in rows for m in r["messages"])
+    # the SmolLM2 template renders neither the tools nor the tool call: the verifier never saw them
     assert lines(out.with_name("out.rejects.jsonl")) == [
-        {"source": f"{out.parent}/in.jsonl:3", "reason": "no assistant turn", "conversation_id": "in:3"}]
+        {"source": f"{out.parent}/in.jsonl:3", "reason": "no assistant turn", "conversation_id": "in:3"},
+        {"source": f"{out.parent}/in.jsonl:4", "reason": TOOLS_DROPPED, "conversation_id": "tool1"}]
     manifest = json.loads(out.with_name("out.manifest.json").read_text())
     assert manifest["complete"] and manifest["generation"]["max_new_tokens"] == 6
     assert manifest["model"]["backend"] == "local" and not out.with_name("out.jsonl.partial").exists()
+
+
+TOOLS_DROPPED = ("template drops tools: the tools passed with the conversation do not appear in the render (the "
+                 "template ignores the tools list) (and 1 more dropped part); the verifier would answer without "
+                 "seeing it; regenerate with a verifier whose template renders it, or pass --on-dropped-content "
+                 "keep to regenerate the row anyway (counted in the manifest)")
+
+
+def test_prompt_drops_is_the_tokenize_check_of_the_prompt(local):
+    msgs = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "", "tool_calls": [CALL]},
+            {"role": "tool", "content": "sunny"}]
+    assert prompt_drops(local.tokenizer, Request(msgs, TOOLS)) == TOOLS_DROPPED
+    assert prompt_drops(local.tokenizer, Request(msgs, None)).startswith(
+        "template drops tool_calls: the tool_calls of message 1 (assistant) does not appear in the render")
+    assert prompt_drops(local.tokenizer, Request(ROWS[0]["messages"][:4], None)) is None
+
+
+def test_on_dropped_content_keep_regenerates_the_row_counted(tmp_path, local):
+    inp = write_rows(tmp_path / "in.jsonl", [ROWS[3], ROWS[4]])
+    summary = run_regenerate(RegenerateRun(inputs=[str(inp)], output=tmp_path / "o.jsonl", settings=RegenerateConfig(
+        max_new_tokens=6, on_dropped_content="keep")), make_backend=lambda: local)
+    c = summary["counts"]
+    assert (c["written"], c["rejected"], c["conversations_with_dropped_content"]) == (2, 0, 1)
+    assert [r["id"] for r in lines(tmp_path / "o.jsonl")] == ["tool1", "in:2"]
 
 
 def test_the_output_tokenizes(local_run, tmp_path, verifier_dir):
@@ -201,8 +272,8 @@ def test_the_output_tokenizes(local_run, tmp_path, verifier_dir):
     _, out, _ = local_run
     summary = run_tokenize(TokenizeRun(inputs=[str(out)], tokenizer=str(verifier_dir), output=tmp_path / "tok",
                                        settings=TokenizeConfig()))
-    # the SmolLM2 template renders no tools: tokenize rejects that row (the others are used)
-    assert summary["counts"]["used"] == 3 and summary["counts"]["rejected_by_reason"] == {"template drops tools": 1}
+    # regenerate already refused the row whose tools the SmolLM2 template drops: every row is used
+    assert summary["counts"]["used"] == 3 and summary["counts"]["rejected_by_reason"] == {}
 
 
 def test_prompt_too_long_is_a_reject(tmp_path, local):
@@ -224,6 +295,7 @@ class DiesAfter:
 
     def __init__(self, backend, n):
         self.backend, self.n, self.calls, self.record = backend, n, 0, backend.record
+        self.tokenizer = backend.tokenizer
 
     def generate(self, reqs):
         self.calls += 1
@@ -236,7 +308,9 @@ def test_resume_gives_the_uninterrupted_file_without_redoing_rows(tmp_path, loca
     inp, full, full_summary = local_run
     out = tmp_path / "out.jsonl"
     cfg = RegenerateConfig(max_new_tokens=6, chunk_rows=2)
-    with pytest.raises(Killed):  # dies in the 2nd chunk (call 1: chunk 1 turn 1, 2: turn 2, 3: chunk 2)
+    # dies in the 3rd chunk (call 1: chunk 1 turn 1, 2: turn 2; chunk 2 needs none: row 3 is a reader
+    # reject, row 4 a template-drops reject; 3: chunk 3)
+    with pytest.raises(Killed):
         run_regenerate(RegenerateRun(inputs=[str(inp)], output=out, settings=cfg),
                                      make_backend=lambda: DiesAfter(local, 3))
     partial = out.with_name("out.jsonl.partial")
@@ -259,8 +333,8 @@ def test_resume_gives_the_uninterrupted_file_without_redoing_rows(tmp_path, loca
                                            make_backend=lambda: counting)
     assert out.read_bytes() == full.read_bytes()
     assert out.with_name("out.rejects.jsonl").read_bytes() == full.with_name("out.rejects.jsonl").read_bytes()
-    assert summary["resumed_rows"] == 2 and summary["counts"] == full_summary["counts"]
-    assert counting.calls == 2  # one wave for chunk 2 (row 4; row 3 is a reader reject), one for row 5
+    assert summary["resumed_rows"] == 4 and summary["counts"] == full_summary["counts"]
+    assert counting.calls == 1  # one wave for chunk 3 (row 5); chunks 1 and 2 were on disk
 
 
 # --------------------------------------------------------------------------------------------
@@ -304,11 +378,13 @@ def server(verifier_dir):
 
 
 @pytest.mark.slow
-def test_server_greedy_output_equals_the_local_back_end(server, local_run, tmp_path, verifier_dir):
+def test_server_greedy_output_equals_the_local_back_end(server, local_run, local, tmp_path, verifier_dir):
     inp, full, full_summary = local_run
     out = tmp_path / "s.jsonl"
-    # two addresses of the one server: requests spread over both slots' clients
-    backend = ServerBackend([server, server + "/v1/"], None, max_new_tokens=6, temperature=0.0, concurrency=2)
+    # two addresses of the one server: requests spread over both slots' clients; prompts checked with
+    # the verifier's template, as the local back end checks them
+    backend = ServerBackend([server, server + "/v1/"], None, max_new_tokens=6, temperature=0.0, concurrency=2,
+                            tokenizer=local.tokenizer)
     summary = run_regenerate(RegenerateRun(inputs=[str(inp)], output=out,
                                            settings=RegenerateConfig(max_new_tokens=6, chunk_rows=2)),
                                            make_backend=lambda: backend)
@@ -317,6 +393,7 @@ def test_server_greedy_output_equals_the_local_back_end(server, local_run, tmp_p
     assert (c["written"], c["rejected"], c["turns_regenerated"], c["completion_tokens"]) == \
         (f["written"], f["rejected"], f["turns_regenerated"], f["completion_tokens"])
     assert json.loads(out.with_name("s.manifest.json").read_text())["model"]["model"] == str(verifier_dir)
+    assert out.with_name("s.rejects.jsonl").read_bytes() == full.with_name("out.rejects.jsonl").read_bytes()
 
 
 @pytest.mark.slow
@@ -331,13 +408,16 @@ def test_server_errors_after_retries_are_rejects(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_regenerates_through_the_server(server, local_run, tmp_path):
+def test_cli_regenerates_through_the_server(server, local_run, tmp_path, verifier_dir):
     inp, full, _ = local_run
     out = tmp_path / "c.jsonl"
-    args = ["regenerate", str(inp), "--output", str(out), "--server", server, "--max-new-tokens", "6"]
+    args = ["regenerate", str(inp), "--output", str(out), "--server", server, "--max-new-tokens", "6",
+            "--tokenizer", str(verifier_dir)]
     res = CliRunner().invoke(data_main, args)
     assert res.exit_code == 0, res.output
-    assert "read 5  written 4  rejected 1" in res.output and out.read_bytes() == full.read_bytes()
+    assert "read 5  written 3  rejected 2" in res.output and out.read_bytes() == full.read_bytes()
+    assert "turns regenerated 4 (4 cut at --max-new-tokens 6, 1 of them inside a character, dropped)" in res.output
+    assert json.loads(out.with_name("c.manifest.json").read_text())["model"]["tokenizer"] == str(verifier_dir)
     again = CliRunner().invoke(data_main, args)
     assert again.exit_code == 2 and "already exists" in again.output
 
@@ -378,3 +458,21 @@ def test_local_answer_parsing(local, monkeypatch):
     assert call.tool_calls == [{"type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]
     think = local.answer_of(ids("<think>\nplan\n</think>\n\nHello<|im_end|>"), prompt)
     assert (think.content, think.reasoning) == ("Hello", "plan")
+
+
+def test_local_answer_cut_inside_a_character_ends_before_it(local):
+    tok = local.tokenizer
+    prompt = local.prompt_ids(type("R", (), {"messages": [{"role": "user", "content": "hi"}], "tools": None})())
+    ids = tok("Bonjour, je m'appelle l'Américan. 😀 ok", add_special_tokens=False)["input_ids"]
+    emoji = ids.index(40303)  # 'ĠðŁĺ': a space and 3 of the emoji's 4 bytes; the next id ends it
+    cut = local.answer_of(ids[:emoji + 1], prompt)
+    assert (cut.content, cut.finish_reason, cut.cut_partial_char, cut.completion_tokens, cut.error) == \
+        ("Bonjour, je m'appelle l'Américan.", "length", True, emoji + 1, None)
+    whole = local.answer_of(ids[:emoji + 2], prompt)
+    assert (whole.content, whole.cut_partial_char) == ("Bonjour, je m'appelle l'Américan. 😀", False)
+    fffd = tok("\ufffd", add_special_tokens=False)["input_ids"]  # the verifier's own U+FFFD is kept
+    own = local.answer_of(ids[:3] + fffd + [2], prompt)
+    assert (own.content, own.error) == ("Bonjour,\ufffd", None)
+    broken = local.answer_of([40303] + ids[-1:] + [2], prompt)  # 3 bytes of a 4-byte character, then ' ok'
+    assert broken.error == ("invalid UTF-8: the answer's tokens hold bytes that are not UTF-8 (byte 1 of 7: "
+                            "b'\\xf0\\x9f\\x98'); their decode would write U+FFFD the verifier did not say")
