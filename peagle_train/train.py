@@ -58,8 +58,10 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
     """Train a P-EAGLE drafter on a feature store and save it (docs/design.md §8).
 
     Returns:
-        A summary: ``steps``, ``final_loss``, ``per_depth_accuracy`` (pooled over the last 10 steps:
-        Σ weighted correct / Σ weight per depth, [] when this run took no step),
+        A summary: ``steps``, ``last_step_loss`` (the loss of one step, ``last_step``, the last),
+        ``per_depth_accuracy_last_steps`` (pooled over the last 10 steps this process ran, first and
+        last given as ``per_depth_accuracy_steps``: Σ weighted correct / Σ weight per depth; [] and
+        None when this run took no step),
         ``val_loss``, ``val_per_depth_accuracy``, ``checkpoint`` (the ``final/`` directory),
         ``metrics``, ``plot``, ``tokens_per_second``, ``data_wait_fraction``, ``resumed_from``, ``rank``,
         ``world_size`` (data-parallel processes), ``mask_token``.

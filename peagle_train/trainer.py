@@ -142,7 +142,7 @@ class Trainer:
         n_tokens = sum(t for t, _ in sizes) * self.world
         self.tokens_total += n_tokens
         loss, acc = summarise(sums)
-        self.recent = [*self.recent[-9:], {k: sums[k].detach().cpu() for k in ("correct", "counts")}]
+        self.recent = [*self.recent[-9:], {"step": self.step, **{k: sums[k].detach().cpu() for k in ("correct", "counts")}}]
         self.last_row = {"split": "train", "step": self.step, "loss": loss, "acc": acc,
                          "tokens_per_s": n_tokens / dt, "lr": lr, "n_elements": sum(e for _, e in sizes),
                          "blocks": gather_ids(self.accelerator, seen), "weight": float(sums["weight_sum"].sum()),
@@ -276,7 +276,9 @@ class Trainer:
         plot = plot_metrics(path, run.output / "training.png") if path.is_file() else None
         elapsed = time.perf_counter() - t_start
         last = self.last_row or run.metrics.last_row("train") or {}
-        return {"final_loss": last.get("loss"), "per_depth_accuracy": pooled_accuracy(self.recent),
+        return {"last_step_loss": last.get("loss"), "last_step": last.get("step"),
+                "per_depth_accuracy_last_steps": pooled_accuracy(self.recent),
+                "per_depth_accuracy_steps": [self.recent[0]["step"], self.recent[-1]["step"]] if self.recent else None,
                 "val_loss": val.get("val_loss"), "val_per_depth_accuracy": val.get("val_acc"),
                 "checkpoint": str(final), "output": str(run.output), "metrics": str(path),
                 "plot": str(plot) if plot else None,

@@ -59,7 +59,7 @@ def test_cli_pipeline_end_to_end(tmp_path, tiny_verifier_dir):
                                            "--max-steps", 6, "--num-depths", 3, "--draft-vocab-size", 64]))
     final = tmp_path / "drafter" / "final"
     assert (final / "config.json").is_file() and (final / "model.safetensors").is_file()
-    assert len(summary["per_depth_accuracy"]) == 3
+    assert len(summary["per_depth_accuracy_last_steps"]) == 3
     config = json.loads((final / "config.json").read_text())
     assert config["architectures"] == ["PEagleSpeculator"] and config["draft_vocab_size"] == 64
 

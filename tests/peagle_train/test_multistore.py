@@ -160,7 +160,7 @@ def test_cli_takes_repeated_stores_and_a_store_list(tmp_path, verifier_dir):
     saved = [json.loads((tmp_path / o / "train_config.json").read_text())["store"] for o in ("o1", "o2")]
     assert saved[0] == [a, b] and saved[1] == [str(tmp_path / "a.zarr"), str(tmp_path / "b.zarr")]
     summary = lambda res: json.loads(res.output[res.output.index("{\n"):])  # noqa: E731 - after the warnings
-    assert summary(r)["final_loss"] == summary(r2)["final_loss"] and summary(r)["steps"] == 2
+    assert summary(r)["last_step_loss"] == summary(r2)["last_step_loss"] and summary(r)["steps"] == 2
 
 
 def test_a_store_without_blocks_is_named_as_such(tmp_path, verifier_dir):

@@ -72,7 +72,9 @@ def test_loss_decreases_on_a_repeated_block(tmp_path, verifier_dir):
     assert len(rows) == 12 and all(np.isfinite(losses))
     assert np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3])
     assert len(rows[0]["acc"]) == 4
-    assert summary["final_loss"] == losses[-1] and summary["draft_vocab_size"] == 100
+    assert summary["last_step_loss"] == losses[-1] and summary["draft_vocab_size"] == 100
+    assert summary["last_step"] == 12 and summary["per_depth_accuracy_steps"] == [3, 12]  # the window pooled
+    assert "final_loss" not in summary and "per_depth_accuracy" not in summary
     drafter = load_drafter(summary["checkpoint"])
     assert drafter.config.draft_vocab_size == 100 and drafter.config.mask_token_id == 3
     assert (tmp_path / "out" / "training.png").stat().st_size > 0
@@ -150,7 +152,7 @@ def test_cli_trains_and_refuses_existing_output(tmp_path, verifier_dir):
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
     summary = json.loads(res.output[res.output.index("{"):])
-    assert summary["steps"] == 2 and len(summary["per_depth_accuracy"]) == 3
+    assert summary["steps"] == 2 and len(summary["per_depth_accuracy_last_steps"]) == 3
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 2 and "--resume" in res.output
     res = CliRunner().invoke(main, [*args, "--max-anchors", "0"])
@@ -258,7 +260,7 @@ def test_report_to_tensorboard_after_resume_holds_each_step_once(tmp_path, verif
 
     # resuming a finished run redoes nothing: one validation row at the last step, the summary's loss
     again = run_train(_cfg(store, full, **kw, resume=True))
-    assert again["steps"] == 4 and again["final_loss"] == _rows(full)[-1]["loss"]
+    assert again["steps"] == 4 and again["last_step_loss"] == _rows(full)[-1]["loss"]
     assert [r["step"] for r in _rows(full, "val")] == [2, 4]
     assert [s for s, _ in _scalars(full / "trackers" / "peagle")["val/loss"]] == [2, 4]
 
