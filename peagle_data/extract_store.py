@@ -133,8 +133,8 @@ class BlockWriter:
 def open_packed(path: str) -> TokenTable:
     try:
         table = TokenTable.open(path)
-    except StoreFormatError as e:
-        raise InputError(str(e), file=path) from e
+    except StoreFormatError as e:  # its message names the path (and says what is there instead)
+        raise InputError(str(e)) from e
     if table.kind != "packed":
         raise InputError(f"expected a packed table (peagle-data pack), got a {table.kind} table", file=path)
     return table

@@ -43,6 +43,7 @@ from stores.feature_schema import (
     store_arrays,
 )
 from stores.feature_verify import check_block, check_compatible, verify_store
+from stores.token_tables import not_a_store_hint
 
 __all__ = [
     "FORMAT_VERSION",
@@ -139,7 +140,7 @@ class FeatureStore:
         if path.startswith("file://"):
             path = path[len("file://"):]
         if _is_local(path) and not (Path(path) / "zarr.json").is_file():
-            raise StoreFormatError(f"{path}: no feature store here (no zarr.json)")
+            raise StoreFormatError(not_a_store_hint(path) or f"{path}: no feature store here (no zarr.json)")
         try:
             group = zarr.open_group(path, mode=mode)
         except Exception as e:  # zarr raises several types for a bad path

@@ -41,6 +41,7 @@ __all__ = [
     "TokenTable",
     "write_manifest",
     "read_manifest",
+    "not_a_store_hint",
     "manifest_sha256",
     "library_versions",
     "write_token_freq",
@@ -113,6 +114,11 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     """
     path = Path(directory) / MANIFEST
     if not path.is_file():
+        if (Path(directory) / "zarr.json").is_file():
+            raise StoreFormatError(
+                f"{directory} is a feature store (zarr.json), not a token table: this command reads tokenize or "
+                "pack outputs. A feature store is read by `peagle-data inspect`, `verify` and `stats`, and by "
+                "`peagle-train --store` and `peagle-eval --store`")
         raise StoreFormatError(
             f"{directory}: no {MANIFEST}; not a peagle table, or the command that wrote it did not finish"
         )
@@ -125,6 +131,24 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
             f"{path}: format_version {manifest.get('format_version')!r}, this peagle reads {FORMAT_VERSION}"
         )
     return manifest
+
+
+def not_a_store_hint(directory: str | os.PathLike) -> str | None:
+    """Why ``directory``, given where a feature store is expected, is a token table instead, and the
+    command that makes a store of it; None when it holds no table manifest."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        kind = json.loads(path.read_text()).get("kind")
+    except (json.JSONDecodeError, AttributeError):
+        kind = None
+    if kind == "packed":
+        return (f"{directory} is a packed token table (manifest.json), not a feature store: extract its features "
+                f"first with `peagle-data extract {directory} --verifier MODEL --output STORE`, then pass STORE")
+    return (f"{directory} is a {kind or 'peagle'} token table (manifest.json), not a feature store: pack it "
+            f"(`peagle-data pack {directory} --tokenizer MODEL --output PACKED`), extract the packed table (`peagle-data extract "
+            "PACKED --verifier MODEL --output STORE`), then pass STORE")
 
 
 def manifest_sha256(directory: str | os.PathLike) -> str:

@@ -47,6 +47,10 @@ def resolve_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
             continue
         path = Path(text).expanduser()
         if path.is_dir():
+            if (path / "zarr.json").is_file():
+                raise InputError(f"input {text!r} is a feature store (zarr.json), not a conversation file or a "
+                                 "tokenize output; feature stores are read by `peagle-data inspect`, `verify`, "
+                                 "`stats` and `peagle-train --store`")
             if not (path / "manifest.json").is_file():
                 raise InputError(f"input {text!r} is a directory without manifest.json: an unfinished peagle "
                                  "output (no manifest.json), or not a peagle output; re-run the command that "
