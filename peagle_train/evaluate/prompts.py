@@ -24,6 +24,26 @@ class Prompt:
     prefix: list[dict[str, str]] = field(default_factory=list)
 
 
+def _check_messages(msgs: Any, file: str, row: int) -> None:
+    """Raise InputError unless ``msgs`` is a list of ``{"role": str, "content": str}`` without tool calls,
+    naming the first message that is not (docs/design.md §9: evaluation prompts are plain chat)."""
+    def bad(message: str):
+        return InputError(message, file=file, row=row, field="messages")
+
+    if not isinstance(msgs, list):
+        raise bad(f"expected a list of {{'role': str, 'content': str}}, got {type(msgs).__name__}")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(f"message {i}: expected {{'role': str, 'content': str}}")
+        if m["role"] == "tool" or m.get("tool_calls") or m.get("function_call"):
+            raise bad(f"message {i} ({m['role']}): tool calls and tool results are not supported in evaluation "
+                      "prompts, which are plain system/user/assistant messages with string content; drop the "
+                      "row or its tool turns")
+        if not isinstance(m.get("content"), str):
+            raise bad(f"message {i} ({m['role']}): content must be a string, got "
+                      f"{type(m.get('content')).__name__} (lists of content parts are not supported)")
+
+
 def _parse_prompt(obj: Any, file: str, row: int) -> Prompt:
     if not isinstance(obj, dict):
         raise InputError(f"expected a JSON object, got {type(obj).__name__}", file=file, row=row)
@@ -35,11 +55,7 @@ def _parse_prompt(obj: Any, file: str, row: int) -> Prompt:
         return Prompt(pid, list(turns))
     if "messages" in obj:
         msgs = obj["messages"]
-        if not isinstance(msgs, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in msgs):
-            raise InputError("expected a list of {'role': str, 'content': str}", file=file, row=row,
-                             field="messages")
+        _check_messages(msgs, file, row)
         users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
         if not users:
             raise InputError("no user message to answer", file=file, row=row, field="messages")
@@ -54,9 +70,11 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
     """Read prompts from a JSONL file (blank lines skipped).
 
     Lines are MT-Bench ``{"question_id", "turns": [str, ...]}`` (every turn is evaluated, with the
-    verifier's earlier answers as history) or OpenAI ``{"messages": [...]}`` (the messages up to
-    the last user turn; that turn is evaluated). The id is ``question_id``, else ``id``, else the
-    row number (1-based).
+    verifier's earlier answers as history) or OpenAI ``{"messages": [...]}``: only the last user turn
+    is evaluated, with the messages before it (their assistant turns as written, not the verifier's)
+    as history; messages after it (a reference answer) are not used. Messages are plain
+    ``{"role", "content": str}``: tool calls, tool results and content-part lists are refused. The id
+    is ``question_id``, else ``id``, else the row number (1-based).
 
     Raises:
         InputError: missing file, bad JSON or a line of neither form (names file, row and field).

@@ -206,7 +206,10 @@ def test_read_prompts_mt_bench_and_openai(tmp_path):
     p = read_prompts(f)
     assert p[0] == Prompt("81", ["Write a poem.", "Now shorter."], [])
     assert p[1].prompt_id == "3" and p[1].user_turns == ["2+2?"]
-    assert [m["content"] for m in p[1].prefix] == ["Be brief.", "Hi", "Hello!"]
+    assert [m["content"] for m in p[1].prefix] == ["Be brief.", "Hi", "Hello!"]  # the written answer, not the verifier's
+    # only the last user turn is generated: the trailing reference answer "4" is not used
+    assert p[1] == Prompt("3", ["2+2?"], [{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}])
     assert len(read_prompts(f, limit=1)) == 1
 
 
@@ -215,6 +218,17 @@ def test_read_prompts_mt_bench_and_openai(tmp_path):
     ({"turns": []}, "field 'turns'"),
     ({"messages": [{"role": "assistant", "content": "x"}]}, "no user message"),
     ({"prompt": "x"}, "'turns' or an OpenAI line"),
+    ({"messages": "hi"}, "field 'messages': expected a list of {'role': str, 'content': str}, got str$"),
+    ({"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "get", "arguments": "{}"}}]}, {"role": "user", "content": "ok"}]},
+     r"^file .*bad.jsonl, row 1, field 'messages': message 1 \(assistant\): tool calls and tool results are not "
+     r"supported in evaluation prompts, which are plain system/user/assistant messages with string content; drop "
+     r"the row or its tool turns$"),
+    ({"messages": [{"role": "tool", "content": "20C"}, {"role": "user", "content": "ok"}]},
+     r"field 'messages': message 0 \(tool\): tool calls and tool results are not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]},
+     r"field 'messages': message 0 \(user\): content must be a string, got list \(lists of content parts are not "
+     r"supported\)$"),
 ])
 def test_read_prompts_errors(tmp_path, line, match):
     f = write_lines(tmp_path / "bad.jsonl", [line])
