@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from tqdm.auto import tqdm
 
 from peagle_data.extract_store import (
     BlockWriter,
@@ -45,6 +44,7 @@ from stores.errors import InputError, OutputExistsError, StoreFormatError
 from stores.feature_schema import SEGMENTS, TOKEN_ARRAYS
 from stores.feature_store import STORAGE_DTYPES, FeatureStore
 from stores.model_cache import load_verifier, model_fingerprint, resolve_model
+from stores.progress import progress as progress_bar
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
@@ -318,7 +318,7 @@ def _extract_blocks(base, store: FeatureStore, rows, todo: list[int], layers: li
     """
     writer = BlockWriter(store, cfg.writer_queue)
     tokens = 0
-    bar = tqdm(todo, desc=label, unit="block", disable=not progress)
+    bar = progress_bar(todo, desc=label, unit="block", disable=not progress)
     try:
         for i in bar:
             r = rows[i]  # numpy arrays from Arrow are read-only: copy into tensors

@@ -53,7 +53,6 @@ from pathlib import Path
 from typing import Any, Collection, Iterator, Sequence
 
 import numpy as np
-from tqdm import tqdm
 
 from peagle_data.chat import chat_template_sha256
 from peagle_data.counts import Counts
@@ -87,6 +86,7 @@ from peagle_data.tokenizing import (
 )
 from peagle_data.windows import SystemPrefixTooLongError, Window, conversation_windows, trim_window
 from stores.errors import InputError, StoreMismatchError
+from stores.progress import progress
 from stores.staging import staged_output_dir
 from stores.token_rows import TokenizedRow
 from stores.token_tables import (
@@ -385,8 +385,7 @@ def _write_blocks(out: Path, spill: _WindowSpill, block_size: int, vocab_size: i
     n_tokens = n_loss = 0
     mixed = any(d is not None for d in spill.datasets)
     with TableWriter(out, "packed") as writer:
-        for block_id, members in enumerate(tqdm(blocks, desc="pack", unit="block", file=sys.stderr,
-                                                disable=None)):
+        for block_id, members in enumerate(progress(blocks, desc="pack", unit="block")):
             segments = [spill.read(i, used_lengths[i]) for i in members]
             row = make_packed_row(block_id, segments)
             if mixed:  # per-window sources and supervised tokens (peagle-data stats per source)

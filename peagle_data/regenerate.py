@@ -51,14 +51,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-from tqdm import tqdm
-
 from peagle_data.chat_dropped import _dropped_reason, dropped_content
 from peagle_data.chat_render import ChatTemplateError, render
 from peagle_data.readers import FORMATS, Conversation, Reject, read_conversations, resolve_inputs
 from peagle_data.verifier_backends import Answer, BackendConfig, Request
 from stores.conversation_files import ConversationWriter, check_output, read_regenerate_manifest
 from stores.errors import InputError
+from stores.progress import progress
 
 __all__ = ["RegenerateConfig", "RegenerateRun", "TURNS", "ON_DROPPED", "ON_TRUNCATED", "Regeneration",
            "prompt_drops", "run_regenerate"]
@@ -420,7 +419,7 @@ def _regenerate_into(writer: ConversationWriter, inputs, cfg: RegenerateConfig, 
 
     checkpoint(False)
     try:
-        with tqdm(total=cfg.limit, initial=len(done), unit="row", desc="regenerate") as bar:
+        with progress(total=cfg.limit, initial=len(done), unit="row", desc="regenerate") as bar:
             for chunk in _chunks(_skip_done(items, done, output), cfg.chunk_rows):
                 for job in _generate_chunk(chunk, cfg, backend, pool):
                     _record(job, writer, counts)

@@ -13,12 +13,10 @@ import dataclasses
 import itertools
 import multiprocessing
 import os
-import sys
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
-from tqdm import tqdm
 
 from peagle_data.chat import ChatTemplateError, chat_template_sha256, render_rows, tokenize_rendered
 from peagle_data.counts import Counts
@@ -28,6 +26,7 @@ from peagle_data.readers import Conversation, Reject, read_conversations
 from peagle_data.shards import shard_filter
 from peagle_data.sources import input_files, iter_source_groups, mixture_of
 from stores.errors import InputError
+from stores.progress import progress
 from stores.staging import staged_output_dir
 from stores.token_rows import TokenizedRow
 from stores.token_tables import RejectsWriter, TableWriter, write_manifest, write_token_freq
@@ -114,7 +113,7 @@ def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: Tokenize
         InputError: with ``cfg.strict``, the first bad row (file, row and field where known).
     """
     template = _read_template(cfg.chat_template)
-    bar = tqdm(total=cfg.limit, desc="tokenize", unit="conv", file=sys.stderr, disable=None)
+    bar = progress(total=cfg.limit, desc="tokenize", unit="conv")
     if dedup is None and cfg.dedup:
         dedup = Deduplicator()
     items = read_conversations(inputs, fmt=cfg.format, strict=cfg.strict, limit=cfg.limit,

@@ -208,13 +208,13 @@ class Trainer:
         Returns the summary described in :func:`peagle_train.train.run_train`. On an error the
         trackers are finished and the error re-raised.
         """
-        from tqdm.auto import tqdm
+        from stores.progress import progress
 
         run, acc = self.run, self.accelerator
         self.loader = BlockLoader(run.store, run.train_ids, self.cfg.seed, position=self.position, rank=self.rank,
                                   world_size=self.world, pin_memory=acc.device.type == "cuda")
         batches = iter(self.loader)
-        bar = tqdm(total=self.max_steps, initial=self.step, disable=not self.main, desc="peagle-train",
+        bar = progress(total=self.max_steps, initial=self.step, disable=not self.main, desc="peagle-train",
                    dynamic_ncols=True)
         t_start, wait0 = time.perf_counter(), self.loader.wait_s
         self.model.train()

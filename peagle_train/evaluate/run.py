@@ -40,11 +40,9 @@ class EvalRun:
 
 def _progress(desc: str) -> Callable[[int], Any]:
     """A ``total -> tqdm bar`` factory writing to stderr."""
-    import sys
+    from stores.progress import progress
 
-    from tqdm import tqdm
-
-    return lambda total: tqdm(total=total, desc=desc, unit="it", file=sys.stderr, dynamic_ncols=True)
+    return lambda total: progress(total=total, desc=desc, unit="it", dynamic_ncols=True)
 
 
 def _check_output(run: EvalRun) -> None:

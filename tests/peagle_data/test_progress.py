@@ -27,7 +27,7 @@ def test_extract_bar_shows_the_whole_token_count(tmp_path, tiny_verifier_dir, mo
             postfixes.append(kwargs)
             super().set_postfix(ordered_dict, refresh, **kwargs)
 
-    monkeypatch.setattr(extract, "tqdm", lambda *a, **kw: Bar(*a, **{**kw, "file": io.StringIO()}))
+    monkeypatch.setattr(extract, "progress_bar", lambda *a, **kw: Bar(*a, **{**kw, "file": io.StringIO()}))
     packed = write_packed(tmp_path / "packed", n_blocks=2, block_size=48)
     extract.run_extract(extract.ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir),
                                               output=str(tmp_path / "f.zarr"), layers=[1]))
