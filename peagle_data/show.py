@@ -218,7 +218,7 @@ def show(path: str, row: int | None = None, block: int | None = None, item_id: s
         html_file: write the page here (atomically); it must not exist unless ``force``.
 
     Raises:
-        InputError: more than one of row, block and item_id; ``block`` of a tokenized table; a
+        InputError: more than one of row, block and item_id; no directory for ``html_file``; ``block`` of a tokenized table; a
             tokenizer of another vocab size than the table's; no such row, block or id.
         OutputExistsError: ``html_file`` exists and ``force`` is not set.
     """
@@ -230,6 +230,8 @@ def show(path: str, row: int | None = None, block: int | None = None, item_id: s
 
     if sum(x is not None for x in (row, block, item_id)) > 1:
         raise InputError("give at most one of --row, --block and --id")
+    if html_file is not None and not Path(html_file).absolute().parent.is_dir():
+        raise InputError(f"--html {html_file}: the directory {Path(html_file).absolute().parent} does not exist")
     if html_file is not None and Path(html_file).exists() and not force:
         raise OutputExistsError(f"--html {html_file}")  # "output --html F already exists; pass --force ..."
     table = TokenTable.open(path)

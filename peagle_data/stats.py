@@ -351,12 +351,14 @@ def check_plot_output(png: str | os.PathLike, force: bool = False) -> None:
     """Raise before any work when :func:`plot_stats` could not write ``png``.
 
     Raises:
-        InputError: the extension is not one of :data:`PLOT_SUFFIXES`.
+        InputError: the extension is not one of :data:`PLOT_SUFFIXES`, or the directory is missing.
         OutputExistsError: ``png`` exists and ``force`` is false.
     """
     png = Path(png)
     if png.suffix.lower() not in PLOT_SUFFIXES:
         raise InputError(f"--png {png}: a plot is {', '.join(PLOT_SUFFIXES)}, not {png.suffix or 'a name without extension'!r}")
+    if not png.absolute().parent.is_dir():
+        raise InputError(f"--png {png}: the directory {png.absolute().parent} does not exist")
     if png.exists() and not force:
         raise OutputExistsError(str(png))
 

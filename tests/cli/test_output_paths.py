@@ -98,3 +98,30 @@ def test_show_html_overwrite_message_says_it_once(tmp_path, packed):
     assert refused.exit_code == 2
     assert refused.output == f"Error: output --html {page} already exists; pass --force to overwrite it\n"
     assert page.read_text() == "mine"
+
+
+def test_the_library_checks_the_plot_and_page_paths_too(tmp_path, packed):
+    """From Python (no click): a missing directory or extension is an InputError naming it, not a
+    traceback from matplotlib or from the atomic writer's NAME.tmp."""
+    from peagle_data.show import show as show_text
+    from peagle_data.stats import check_plot_output
+    from stores.errors import InputError
+
+    with pytest.raises(InputError) as e:
+        check_plot_output(tmp_path / "out.txt")
+    assert str(e.value) == f"--png {tmp_path / 'out.txt'}: a plot is .png, .svg, .pdf, not '.txt'"
+    with pytest.raises(InputError) as e:
+        check_plot_output(tmp_path / "nodir" / "x.png")
+    assert str(e.value) == f"--png {tmp_path / 'nodir' / 'x.png'}: the directory {tmp_path / 'nodir'} does not exist"
+    with pytest.raises(InputError) as e:
+        show_text(str(packed), None, None, None, None, False, str(tmp_path / "nodir" / "x.html"))
+    assert str(e.value) == (f"--html {tmp_path / 'nodir' / 'x.html'}: the directory {tmp_path / 'nodir'} "
+                            "does not exist")
+
+
+def test_a_config_file_output_path_is_checked_like_the_option(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.yaml").write_text("png: nodir/x.png\n")
+    result = invoke(stats, [tmp_path, "--config", tmp_path / "c.yaml"])
+    assert result.exit_code == 2
+    assert f"nodir/x.png: the parent directory {tmp_path / 'nodir'} does not exist" in result.output, result.output
