@@ -365,7 +365,8 @@ def checked_num_draft_tokens(num_draft_tokens: int | None, drafter) -> int:
 
 
 def _checked_settings(verifier, drafter, num_draft_tokens: int | None, temperature: float) -> tuple[int, float]:
-    """``(K, temperature)`` of :func:`speculative_generate`, checked (1 ≤ K ≤ num_depths, T ≥ 0, the drafter fits)."""
+    """``(K, temperature)`` of :func:`speculative_generate`, checked (1 ≤ K ≤ num_depths, T ≥ 0, the
+    drafter fits)."""
     K = checked_num_draft_tokens(num_draft_tokens, drafter)
     temperature = _check_temperature(temperature)
     check_compatible(verifier, drafter)

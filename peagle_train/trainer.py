@@ -142,7 +142,8 @@ class Trainer:
         n_tokens = sum(t for t, _ in sizes) * self.world
         self.tokens_total += n_tokens
         loss, acc = summarise(sums)
-        self.recent = [*self.recent[-9:], {"step": self.step, **{k: sums[k].detach().cpu() for k in ("correct", "counts")}}]
+        pooled = {k: sums[k].detach().cpu() for k in ("correct", "counts")}
+        self.recent = [*self.recent[-9:], {"step": self.step, **pooled}]
         self.last_row = {"split": "train", "step": self.step, "loss": loss, "acc": acc,
                          "tokens_per_s": n_tokens / dt, "lr": lr, "n_elements": sum(e for _, e in sizes),
                          "blocks": gather_ids(self.accelerator, seen), "weight": float(sums["weight_sum"].sum()),
@@ -404,8 +405,8 @@ def _start_run(cfg: TrainConfig, accelerator, store, usable, train_ids, val_ids,
     out = Path(cfg.output)
     if main:
         (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    info = {"store": cfg.store, "stores": store_identities(store), "seed": cfg.seed, "val_fraction": cfg.val_fraction,
-            "num_depths": cfg.num_depths,
+    info = {"store": cfg.store, "stores": store_identities(store),  # evaluation finds the held-out blocks by these
+            "seed": cfg.seed, "val_fraction": cfg.val_fraction, "num_depths": cfg.num_depths,
             "max_anchors": cfg.max_anchors, "down_sample_ratio": cfg.down_sample_ratio,
             "down_sample_ratio_min": cfg.down_sample_ratio_min, "val_blocks": [int(i) for i in val_ids]}
     return TrainRun(store=store, train_ids=train_ids, val_ids=val_ids, output=out, info=info, summary={},

@@ -147,8 +147,8 @@ def not_a_store_hint(directory: str | os.PathLike) -> str | None:
         return (f"{directory} is a packed token table (manifest.json), not a feature store: extract its features "
                 f"first with `peagle-data extract {directory} --verifier MODEL --output STORE`, then pass STORE")
     return (f"{directory} is a {kind or 'peagle'} token table (manifest.json), not a feature store: pack it "
-            f"(`peagle-data pack {directory} --tokenizer MODEL --output PACKED`), extract the packed table (`peagle-data extract "
-            "PACKED --verifier MODEL --output STORE`), then pass STORE")
+            f"(`peagle-data pack {directory} --tokenizer MODEL --output PACKED`), extract the packed table "
+            "(`peagle-data extract PACKED --verifier MODEL --output STORE`), then pass STORE")
 
 
 def manifest_sha256(directory: str | os.PathLike) -> str:

@@ -69,7 +69,8 @@ def test_train_resume_with_changed_settings_is_refused_before_the_weights(tmp_pa
 
     monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(fail))
     res = _train([*base[:-4], "--num-depths", "3", "--save-every", "1", "--resume"])
-    assert res.exit_code == 2 and "--resume with settings that differ" in res.output, res.output
+    assert res.exit_code == 2 and "and these differ from it: --num-depths: saved 2, given 3. Resume it with: " \
+        f"peagle-train --config {tmp_path / 'out' / 'train_config.json'} --resume" in res.output, res.output
 
 
 def test_train_loads_the_weights_once_the_checks_pass(tmp_path, verifier_dir, no_weights):

@@ -206,10 +206,10 @@ def test_read_prompts_mt_bench_and_openai(tmp_path):
     p = read_prompts(f)
     assert p[0] == Prompt("81", ["Write a poem.", "Now shorter."], [])
     assert p[1].prompt_id == "3" and p[1].user_turns == ["2+2?"]
-    assert [m["content"] for m in p[1].prefix] == ["Be brief.", "Hi", "Hello!"]  # the written answer, not the verifier's
+    assert [m["content"] for m in p[1].prefix] == ["Be brief.", "Hi", "Hello!"]  # as written, not the verifier's
     # only the last user turn is generated: the trailing reference answer "4" is not used
-    assert p[1] == Prompt("3", ["2+2?"], [{"role": "system", "content": "Be brief."},
-                                          {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}])
+    assert p[1] == Prompt("3", ["2+2?"], [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                                          {"role": "assistant", "content": "Hello!"}])
     assert len(read_prompts(f, limit=1)) == 1
 
 
