@@ -52,21 +52,21 @@ K, R, R_MIN = 8, 0.7, 0.2
 
 def alternate(fns: dict, repeats: int) -> dict:
     """Median seconds of each callable, calling them in turn ``repeats`` times."""
-    times = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return {k: statistics.median(v) for k, v in _rounds(fns, repeats).items()}
+
+
+def _table(title: str, header: str) -> None:
+    """Print a section title and a Markdown table header (``header`` is its first row)."""
+    print(f"\n## {title}\n")
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
 
 
 def bench_cod(tokens: list[int], repeats: int) -> None:
     spec_cod = speculators_ref.generate_cod_sample_indices()
-    print("\n## COD sampling: sample_cod_elements vs speculators generate_cod_sample_indices\n")
-    print("| T | max_anchors | peagle ms | speculators ms | peagle / speculators | "
-          "elements per depth 1..7, peagle | speculators |")
-    print("|---|---|---|---|---|---|---|")
+    _table("COD sampling: sample_cod_elements vs speculators generate_cod_sample_indices",
+           "| T | max_anchors | peagle ms | speculators ms | peagle / speculators | "
+           "elements per depth 1..7, peagle | speculators |")
     for T in tokens:
         block = make_block(T)
         lm = block.loss_mask[None]
@@ -110,10 +110,9 @@ def bench_blockmask(tokens: list[int], repeats: int) -> None:
     from peagle_train.cod import segment_ids
 
     spec_mod = speculators_ref.create_peagle_mask_mod()
-    print("\n## flex BlockMask: block_mask_from_elements vs create_block_mask(speculators' mask_mod)\n")
-    print("| T | max_anchors | elements | peagle ms | create_block_mask ms | time ratio | peagle peak MiB | "
-          "create_block_mask peak MiB | memory ratio | identical |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    _table("flex BlockMask: block_mask_from_elements vs create_block_mask(speculators' mask_mod)",
+           "| T | max_anchors | elements | peagle ms | create_block_mask ms | time ratio | peagle peak MiB | "
+           "create_block_mask peak MiB | memory ratio | identical |")
     for T, a, block, el in _element_cases(tokens):
         E = len(el)
         mod = spec_mod(el.anchor, el.depth, segment_ids(block.cu_seqlens))
@@ -131,10 +130,9 @@ def bench_attention(tokens: list[int], repeats: int) -> None:
     from peagle_train.attention import SplitElementAttention, build_attention_mask
     from peagle_train.model import sdpa_dense
 
-    print("\n## Attention forward + backward: split (no [E, E] tensor) vs dense mask + SDPA\n")
-    print("| T | max_anchors | elements | split s | dense s | time ratio | split peak MiB | dense peak MiB | "
-          "memory ratio | max abs diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    _table("Attention forward + backward: split (no [E, E] tensor) vs dense mask + SDPA",
+           "| T | max_anchors | elements | split s | dense s | time ratio | split peak MiB | dense peak MiB | "
+           "memory ratio | max abs diff |")
     for T, a, block, el in _element_cases(tokens):
         E = len(el)
         g = torch.Generator().manual_seed(0)
@@ -200,9 +198,8 @@ def _plain_reader(store, i: int):
 def bench_store(block_sizes: list[int], mib: int, rounds: int) -> None:
     import tempfile
 
-    print("\n## Store reads: FeatureStore.read_blocks vs a plain read of the same bytes\n")
-    print("| block tokens | blocks | MiB | plain MiB/s | file path MiB/s | file / plain | zarr API MiB/s | zarr / plain |")
-    print("|---|---|---|---|---|---|---|---|")
+    _table("Store reads: FeatureStore.read_blocks vs a plain read of the same bytes",
+           "| block tokens | blocks | MiB | plain MiB/s | file path MiB/s | file / plain | zarr API MiB/s | zarr / plain |")
     for C in block_sizes:
         n = max(4, mib * 2 ** 20 // (C * (3 * 576 * 2 + 576 * 2 + 9)))
         with tempfile.TemporaryDirectory(prefix="peagle-bench-store-") as tmp:
