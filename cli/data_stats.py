@@ -6,7 +6,7 @@ import click
 
 from cli.common import OutputPath, config_error, echo_json, handle_errors
 from cli.options import config_file_options, config_options
-from peagle_data.stats import PLOT_SUFFIXES
+from peagle_data.stats_plot import PLOT_SUFFIXES
 from peagle_data.tool_configs import StatsConfig
 
 __all__ = ["stats"]
@@ -31,7 +31,8 @@ def stats(**options):
     conversation, per-source breakdown, packing efficiency. Streams the Parquet files (polars lazy
     scans), so memory stays flat however many rows there are.
     """
-    from peagle_data.stats import check_plot_output, collect_stats, plot_stats
+    from peagle_data.stats import collect_stats
+    from peagle_data.stats_plot import check_plot_output, plot_stats
     with config_error():
         cfg = StatsConfig(**options)
     if cfg.png:  # before the scan: an existing plot is refused at once

@@ -157,7 +157,7 @@ def test_plain_text_turns_sphinx_markup_and_none_into_typable_help():
 
     assert plain_text("a name of :data:`peagle_train.attention.ATTENTION_BACKENDS`") == \
         "a name of peagle_train.attention.ATTENTION_BACKENDS"
-    assert plain_text("see :py:func:`~peagle_data.stats.plot_stats` and :ref:`the design <design>`") == \
+    assert plain_text("see :py:func:`~peagle_data.stats_plot.plot_stats` and :ref:`the design <design>`") == \
         "see plot_stats and the design"
     assert plain_text("``zstd`` or `pack --overlap`\nnext line") == "zstd or pack --overlap\nnext line"
     assert _help("Steps; None: one pass.", ["--max-steps"]) == "Steps; unset: one pass."

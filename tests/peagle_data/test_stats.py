@@ -10,7 +10,8 @@ from click.testing import CliRunner
 
 from cli.data import main
 from peagle_data.packing import make_packed_row
-from peagle_data.stats import collect_stats, percentiles_from_counts, plot_stats
+from peagle_data.stats import collect_stats, percentiles_from_counts
+from peagle_data.stats_plot import plot_stats
 from stores.feature_store import FeatureStore
 from stores.token_tables import TableWriter, write_manifest
 
