@@ -233,7 +233,8 @@ def verify_table(path: str | os.PathLike) -> dict[str, Any]:
     """Check a token table, and for a merged one the union of its shards.
 
     Checks: the manifest's totals equal the rows' (tokens, supervised tokens, rows/blocks); every
-    row's ``source`` (tokenized) or window id (packed) occurs once; for a merged table, the parts
+    row's ``(source, conversation_id)`` (tokenized: the rows of a conversation split per turn share
+    a source) or window id (packed) occurs once; for a merged table, the parts
     per shard hold the rows its manifest records, and each shard directory that still exists has
     the manifest recorded (sha256).
 
@@ -248,7 +249,9 @@ def verify_table(path: str | os.PathLike) -> dict[str, Any]:
     if table.kind == "tokenized":
         agg = lf.select(pl.len().alias("rows"), pl.col("n_tokens").cast(pl.Int64).sum().alias("tokens"),
                         pl.col("n_loss_tokens").cast(pl.Int64).sum().alias("loss"),
-                        pl.col("source").n_unique().alias("unique"))
+                        # one conversation split per assistant turn (history rewrite) gives rows
+                        # sharing a source: a row is the pair (source, conversation_id "ID@turn")
+                        pl.struct("source", "conversation_id").n_unique().alias("unique"))
     else:
         agg = lf.select(pl.len().alias("rows"), pl.col("n_tokens").cast(pl.Int64).sum().alias("tokens"),
                         pl.col("loss_mask").list.sum().cast(pl.Int64).sum().alias("loss"),
