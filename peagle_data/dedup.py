@@ -30,7 +30,7 @@ import numpy as np
 from peagle_data.readers import Conversation, Reject
 from stores.token_rows import TokenizedRow
 
-__all__ = ["DUPLICATE", "Duplicate", "Deduplicator", "conversation_key", "rows_key", "dedup_items",
+__all__ = ["DUPLICATE", "Duplicate", "Deduplicator", "conversation_key", "rows_key", "copy_key", "dedup_items",
            "filter_reason"]
 
 DUPLICATE = "duplicate"
@@ -92,6 +92,13 @@ _COPY = re.compile(r":\d+\*(\d+)$")
 """The ``file:N*k`` source of copy k >= 2 of a row (a mixture weight above 1)."""
 
 
+def copy_key(key: bytes, source: str) -> bytes:
+    """The deduplication key of a row with content digest ``key`` from ``source``: copy k >= 2 of a
+    row (``file:N*k``, a mixture weight above 1) is keyed apart, a duplicate only of an earlier copy k."""
+    copy = _COPY.search(source)
+    return key + copy.group(1).encode() if copy else key
+
+
 def dedup_items(items: Iterable[Conversation | Reject], dedup: Deduplicator | None
                 ) -> Iterator[Conversation | Reject]:
     """Pass reader items through, turning repeats of an earlier conversation into :class:`Duplicate`.
@@ -104,8 +111,7 @@ def dedup_items(items: Iterable[Conversation | Reject], dedup: Deduplicator | No
     for item in items:
         if dedup is not None and isinstance(item, Conversation):
             key = conversation_key(item)
-            copy = _COPY.search(item.source)  # a weight's copy k: a duplicate only of an earlier copy k
-            first = dedup.first_of(key + copy.group(1).encode() if copy else key, item.source)
+            first = dedup.first_of(copy_key(key, item.source), item.source)
             if first is not None:
                 item = duplicate_reject(item.conversation_id, item.source, first, item.duplicate_id_renamed, key)
         yield item

@@ -46,7 +46,6 @@ import dataclasses
 import itertools
 import json
 import os
-import re
 import sys
 import tempfile
 from pathlib import Path
@@ -56,7 +55,7 @@ import numpy as np
 
 from peagle_data.chat import chat_template_sha256
 from peagle_data.counts import Counts
-from peagle_data.dedup import Deduplicator, duplicate_reject, filter_reason, rows_key
+from peagle_data.dedup import Deduplicator, copy_key, duplicate_reject, filter_reason, rows_key
 from peagle_data.packing import make_packed_row, pack_blocks_flexible, packing_efficiency
 from peagle_data.prepare_config import (
     CHUNK_CONVERSATIONS,
@@ -159,8 +158,7 @@ def _filter_table_groups(groups: Iterator[list[TokenizedRow]], cfg: TokenizeConf
             source_bump(counts, group, other_shards=1)
             continue
         if dedup is not None:  # a weight's copies (source file:N*k) are not duplicates of their row
-            copy = re.search(r":\d+\*(\d+)$", source)
-            first = dedup.first_of(key + copy.group(1).encode() if copy else key, source)
+            first = dedup.first_of(copy_key(key, source), source)
             if first is not None:
                 d = duplicate_reject(cid, source, first)
                 counts.bump("duplicates")
