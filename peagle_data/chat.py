@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 
@@ -254,7 +254,8 @@ def render_rows(tokenizer, messages: Sequence[dict[str, Any]], tools: list | Non
     Every row is then checked for content the template drops (:func:`dropped_content`): with
     ``on_dropped="reject"`` the first one raises; with ``"keep"`` the row is kept, the dropped
     parts are listed in ``RenderedRow.dropped``, and an assistant turn of which nothing is
-    rendered supervises nothing (its span is only template glue).
+    rendered supervises nothing (its span is only template glue); in the per-turn rows such a turn
+    has no row, and its dropped parts are listed on the conversation's last row instead.
 
     Raises:
         ChatTemplateError: "template error"; "template rewrites history" or "generation prompt
@@ -280,7 +281,7 @@ def render_rows(tokenizer, messages: Sequence[dict[str, Any]], tools: list | Non
         raise ChatTemplateError(_no_prefix_reason(tokenizer, messages, first_bad, text, tools, chat_template,
                                                   "the render up to assistant turn {i} is not a prefix of the "
                                                   "whole conversation's render"))
-    rows = []
+    rows, lost = [], []
     for i in indices:
         if _is_unsupervised(messages[i]):  # empty or weight 0: supervises nothing, no row of its own
             continue
@@ -294,8 +295,13 @@ def render_rows(tokenizer, messages: Sequence[dict[str, Any]], tools: list | Non
         row = _checked_row(tokenizer, sub, tools, chat_template, sub_text, {i: span}, i, on_dropped)
         if row.spans:
             rows.append(row)
+        else:  # nothing of the turn is rendered (on_dropped="keep"): no row, but its drops still count
+            lost += [part for part in row.dropped if part not in lost]
     if not rows:
-        raise ChatTemplateError("no supervised tokens: every assistant turn is empty")
+        raise ChatTemplateError("no supervised tokens: the template renders no content of any assistant turn"
+                                if lost else "no supervised tokens: every assistant turn is empty")
+    if lost:  # the conversation's dropped parts are the union over its rows: carried by its last row
+        rows[-1] = replace(rows[-1], dropped=rows[-1].dropped + tuple(p for p in lost if p not in rows[-1].dropped))
     return rows
 
 

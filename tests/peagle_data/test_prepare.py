@@ -412,3 +412,23 @@ def test_assistant_turns_with_weight_zero_are_context_only(tmp_path, smollm2_tok
     assert [r["reason"] for r in rejects_of(tmp_path / "t")] == [
         "no supervised tokens: every assistant turn is empty or has weight 0",
         "invalid weight: messages[1].weight is 0.5 (0 leaves an assistant turn unsupervised, 1 supervises it)"]
+
+
+def test_a_split_turn_the_template_drops_whole_is_counted(tmp_path, smollm2_tokenizer):
+    # QWEN3 without its tool-call block: rewrites history (earlier reasoning) and drops tool calls
+    start = QWEN3.index("{%- if m.tool_calls %}")
+    end = QWEN3.index("{%- endif %}{{- '<|im_end|>\\n' }}", start) + len("{%- endif %}")
+    template = tmp_path / "no_calls.jinja"
+    template.write_text(QWEN3[:start] + QWEN3[end:])
+    conv = {"id": "q", "messages": [
+        {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4.", "reasoning_content": "Add."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "get_weather",
+                                                                             "arguments": {"city": "Paris"}}}]}]}
+    src = write_rows(tmp_path / "q.jsonl", [conv, OK])
+    c = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "o",
+                                 settings=TokenizeConfig(chat_template=str(template), on_dropped_content="keep")),
+                     tokenizer=smollm2_tokenizer)["counts"]
+    # the tool-call turn renders as glue only: no row of its own, but its dropped tool call is counted
+    assert (c["used"], c["history_rewrite_rows"]) == (2, 1)
+    assert (c["conversations_with_dropped_content"], c.get("dropped_tool_calls")) == (1, 1)
