@@ -31,6 +31,7 @@ from peagle_data.extract_store import (
     repair_shared,
     verifier_desc,
 )
+from peagle_data.shards import check_shard
 from peagle_data.verifier_forward import (
     check_packable,
     default_layers,
@@ -121,9 +122,7 @@ class ExtractConfig:
             raise ValueError(f"--attn-implementation: unknown {self.attn_implementation!r}")
         if self.writer_queue < 1:
             raise ValueError("writer_queue must be ≥ 1")
-        if self.num_shards < 1 or not 0 <= self.shard_index < self.num_shards:
-            raise ValueError(f"--shard-index must be in [0, {self.num_shards - 1}] and --num-shards >= 1, "
-                             f"got {self.shard_index} of {self.num_shards}")
+        check_shard(self.num_shards, self.shard_index)
 
 
 def _check_device(device: str | None) -> None:
