@@ -504,3 +504,23 @@ def test_lm_head_of_another_type_is_called_as_it_is():
     with torch.no_grad():
         torch.testing.assert_close(lm_head_logits(plain, hidden), plain(hidden), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(lm_head_logits(shifted, hidden), shifted(hidden))
+
+
+@pytest.mark.parametrize("family", ["granite", "cohere"])
+def test_verify_pass_logits_keep_the_models_logit_scaling(family):
+    """Granite divides its logits by ``logits_scaling``, Cohere multiplies them by ``logit_scale``: the
+    verification pass must give those logits (rejection sampling at T > 0 reads their softmax)."""
+    from transformers import CohereConfig, CohereForCausalLM, GraniteConfig, GraniteForCausalLM
+
+    from peagle_train.verifier import new_cache, verifier_body_pass, verifier_pass
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, eos_token_id=1, bos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = (GraniteForCausalLM(GraniteConfig(logits_scaling=4.0, **shape)) if family == "granite"
+             else CohereForCausalLM(CohereConfig(logit_scale=0.25, **shape))).eval()
+    ids = torch.tensor([3, 5, 7, 9])
+    with torch.no_grad():
+        want, _ = verifier_pass(model, ids, new_cache(model), want_hidden=True)
+        got, _ = verifier_body_pass(model, ids, new_cache(model))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
