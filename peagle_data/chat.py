@@ -41,7 +41,9 @@ Three more checks keep a mask from being silently wrong:
 - a token across a span's boundary (:func:`straddling_token`: a generation prompt ending in a space
   makes ``" Hello"`` start in the prompt; a turn without an end-of-turn token can merge into the
   next one) rejects the row ("reply starts inside a token", "a supervised token ends past its
-  assistant turn") instead of dropping the reply's first token or training the next turn's text.
+  assistant turn") instead of dropping the reply's first token or training the next turn's text;
+  likewise a last special token followed by more of the reply (a template without an end-of-turn
+  token, a reply holding an added token): "no end-of-turn token ends an assistant turn".
 
 ``system_len`` is the number of leading tokens that form the system prefix (BOS, the system turn,
 or the default system text a template injects): the common prefix of two renders of the

@@ -1,6 +1,7 @@
 """Rendered rows -> token ids and loss masks (docs/design.md §3, step 3): one batched tokenizer call
 with offsets; a token is supervised when it starts inside its turn's span, up to the span's end-of-turn
-token; a token across a span's boundary makes the row a reject (:func:`straddling_token`)."""
+token; a token across a span's boundary (:func:`straddling_token`), or a last special token that is
+followed by more of the reply (:func:`_unclear_end_of_turn`), makes the row a reject."""
 
 from __future__ import annotations
 
@@ -78,8 +79,9 @@ def tokenize_rendered(tokenizer, rows: Sequence[RenderedRow]) -> list[TokenizedC
         supervised = np.flatnonzero(loss_mask)
         if supervised.size:
             system_len = min(system_len, int(supervised[0]))
+        problem = straddling_token(row, offsets, loss_mask) or _unclear_end_of_turn(row, ids, offsets, special)
         out.append(TokenizedConversation(input_ids=ids, loss_mask=loss_mask, system_len=system_len,
-                                         problem=straddling_token(row, offsets, loss_mask)))
+                                         problem=problem))
     return out
 
 
@@ -114,6 +116,25 @@ def straddling_token(row: RenderedRow, offsets: np.ndarray, loss_mask: np.ndarra
         if t >= 0 and ends[t] > b and text[b:int(ends[t])].strip():
             return (f"a supervised token ends past its assistant turn: {text[int(starts[t]):int(ends[t])]!r} "
                     f"holds {text[b:int(ends[t])]!r} of what follows the turn, so the turn has no exact mask; pass "
+                    "--chat-template FILE with a template that ends assistant turns with an end-of-turn token")
+    return None
+
+
+def _unclear_end_of_turn(row: RenderedRow, ids: np.ndarray, offsets: np.ndarray,
+                         special: frozenset[int]) -> str | None:
+    """Why a supervised span has no exact end, or None: its last special/added token (the one
+    :func:`_mask_from_spans` ends the mask at) is followed by more than whitespace inside the span, so
+    it is a token of the reply itself (``"a <file_sep> b"``, an inline ``</think>``) under a template
+    that ends turns without one; masking up to it would silently drop the reply's rest."""
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    text = row.text
+    for a, b in row.spans:
+        lo, hi = int(np.searchsorted(starts, a, side="left")), int(np.searchsorted(starts, b, side="left"))
+        last = next((t for t in range(hi - 1, lo - 1, -1) if int(ids[t]) in special), None)
+        if last is not None and text[int(ends[last]):b].strip():
+            return (f"no end-of-turn token ends an assistant turn: its last special token "
+                    f"{text[int(starts[last]):int(ends[last])]!r} is followed by {text[int(ends[last]):b][:40]!r} "
+                    "inside the turn, so it is part of the reply and the turn has no exact mask; pass "
                     "--chat-template FILE with a template that ends assistant turns with an end-of-turn token")
     return None
 

@@ -152,3 +152,17 @@ def test_template_error_is_a_reject_reason(smollm2_tokenizer):
     template = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(ChatTemplateError, match="template error"):
         tokenize_conversation(smollm2_tokenizer, MULTI_TURN, chat_template=template)
+
+
+def test_a_special_token_inside_a_reply_without_end_of_turn_is_rejected_not_cut(smollm2_tokenizer):
+    # A template that ends assistant turns with no special token: the reply's own <file_sep> was taken as
+    # its end-of-turn token, and " b and more" silently got loss 0.
+    template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")
+    messages = [{"role": "user", "content": "Paths?"}, {"role": "assistant", "content": "a <file_sep> b and more"}]
+    with pytest.raises(ChatTemplateError, match="no end-of-turn token ends an assistant turn: its last special "
+                                                "token '<file_sep>' is followed by ' b and more"):
+        tokenize_conversation(smollm2_tokenizer, messages, chat_template=template)
+    # the same reply under ChatML: <|im_end|> ends the turn, the reply's <file_sep> is supervised with it
+    out = tokenize_conversation(smollm2_tokenizer, messages)
+    assert masked_texts(smollm2_tokenizer, out) == ["a <file_sep> b and more<|im_end|>"]
