@@ -3,8 +3,11 @@
 Legend: E drafter elements, E' elements with non-zero weight, U distinct target rows, H hidden
 size, D draft vocab, K ``num_depths``, C elements per chunk.
 
-The soft target of element ``(a, d)`` is ``p = softmax(f_{a+d+1} @ W_v[draft_ids].T)`` where ``f`` is
-the verifier's stored final (post-norm) hidden state and ``W_v`` its lm_head; the drafter's
+The soft target of element ``(a, d)`` is ``p = softmax(g(f_{a+d+1} @ W_v[draft_ids].T))`` where ``f``
+is the verifier's stored final (post-norm) hidden state, ``W_v`` its lm_head and ``g`` the
+verifier's own logit transform (:class:`LogitTransform`: Gemma-2's soft-capping, Cohere's and
+Granite's scaling; the identity for most models), so ``p`` is the verifier's real distribution
+restricted to the draft vocab; the drafter's
 prediction is ``log q = log_softmax(h @ W_d.T)``. The loss is ``Σ_e w_e KL(p_e || q_e) / Σ_e w_e``
 (0 when Σw = 0), as in EAGLE-3 (arXiv:2503.01840) and P-EAGLE (arXiv:2602.01469).
 
@@ -25,7 +28,42 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LossOutput", "kl_loss_and_accuracy"]
+__all__ = ["LogitTransform", "LossOutput", "kl_loss_and_accuracy"]
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """How a verifier's logits follow from ``lm_head(final hidden)``: ``g(x) = c·tanh(s·x / c)``
+    with ``s`` the scale and ``c`` the soft-cap (``g(x) = s·x`` without a cap).
+
+    Attributes:
+        scale: Cohere's ``logit_scale`` times ``1 / logits_scaling`` (Granite); 1.0 for most models.
+        softcap: Gemma-2's ``final_logit_softcapping``, or None.
+    """
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    @classmethod
+    def from_config(cls, text_config) -> "LogitTransform":
+        """The transform of a (language-model) config: reads ``final_logit_softcapping``,
+        ``logit_scale`` and ``logits_scaling`` as transformers' Gemma-2/3, Cohere and Granite do."""
+        scale = float(getattr(text_config, "logit_scale", None) or 1.0)
+        scale /= float(getattr(text_config, "logits_scaling", None) or 1.0)
+        cap = getattr(text_config, "final_logit_softcapping", None)
+        return cls(scale=scale, softcap=float(cap) if cap else None)
+
+    @property
+    def identity(self) -> bool:
+        return self.scale == 1.0 and self.softcap is None
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """``g(logits)``, any shape."""
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
 
 @dataclass
@@ -52,7 +90,7 @@ class LossOutput:
 
 
 def _kl_chunks(hidden, draft_head, target_hidden, target_index, verifier_head, weight, chunk: int,
-               grad_hidden: bool, grad_head: bool):
+               grad_hidden: bool, grad_head: bool, transform: LogitTransform | None = None):
     """The chunk loop. ``hidden [E', H]`` sorted by ``target_index [E']`` (rows of ``target_hidden``).
 
     Returns:
@@ -71,7 +109,8 @@ def _kl_chunks(hidden, draft_head, target_hidden, target_index, verifier_head, w
         h = hidden[s:s + chunk]  # [C, H]
         w = weight[s:s + chunk, None]  # [C, 1]
         rows, inv = torch.unique_consecutive(target_index[s:s + chunk], return_inverse=True)  # [U], [C]
-        t_logp = torch.log_softmax(target_hidden[rows].float() @ vhead.T, dim=-1)  # [U, D]
+        t_logits = target_hidden[rows].float() @ vhead.T  # [U, D]
+        t_logp = torch.log_softmax(transform(t_logits) if transform is not None else t_logits, dim=-1)
         p = t_logp.exp()  # [U, D]
         neg_entropy = (p * t_logp).sum(-1)  # [U]  Σ p log p
         t_arg = t_logp.argmax(-1)  # [U]
@@ -98,11 +137,11 @@ class _WeightedKL(torch.autograd.Function):
     """``Σ w KL`` with its gradient formed in forward (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, hidden, draft_head, target_hidden, target_index, verifier_head, weight, chunk):
+    def forward(ctx, hidden, draft_head, target_hidden, target_index, verifier_head, weight, chunk, transform):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with torch.autocast(hidden.device.type, enabled=False):
             loss_sum, agree, g_h, g_w = _kl_chunks(hidden, draft_head, target_hidden, target_index,
-                                                   verifier_head, weight, chunk, need_h, need_w)
+                                                   verifier_head, weight, chunk, need_h, need_w, transform)
         ctx.save_for_backward(g_h if g_h is not None else hidden.new_zeros(0),
                               g_w.to(draft_head.dtype) if g_w is not None else draft_head.new_zeros(0))
         ctx.mark_non_differentiable(agree)
@@ -113,13 +152,14 @@ class _WeightedKL(torch.autograd.Function):
         g_h, g_w = ctx.saved_tensors
         out_h = g_h * grad_loss.to(g_h.dtype) if ctx.needs_input_grad[0] else None
         out_w = g_w * grad_loss.to(g_w.dtype) if ctx.needs_input_grad[1] else None
-        return out_h, out_w, None, None, None, None, None
+        return out_h, out_w, None, None, None, None, None, None
 
 
 def kl_loss_and_accuracy(hidden: torch.Tensor, draft_head: torch.Tensor, target_hidden: torch.Tensor,
                          verifier_head: torch.Tensor, weight: torch.Tensor, depth: torch.Tensor,
                          num_depths: int, chunk_size: int | None = 2048,
-                         target_index: torch.Tensor | None = None) -> LossOutput:
+                         target_index: torch.Tensor | None = None,
+                         logit_transform: LogitTransform | None = None) -> LossOutput:
     """Weighted forward KL from the verifier's draft-vocab distribution to the drafter's.
 
     Args:
@@ -134,6 +174,7 @@ def kl_loss_and_accuracy(hidden: torch.Tensor, draft_head: torch.Tensor, target_
         chunk_size: elements per chunk; None computes all weighted elements in one piece.
         target_index: ``[E] int64`` row of ``target_hidden`` of each element (``a + d + 1``); lets
             the verifier's logits be computed once per distinct row.
+        logit_transform: the verifier's :class:`LogitTransform` (None: the identity).
 
     Returns:
         :class:`LossOutput`.
@@ -157,7 +198,7 @@ def kl_loss_and_accuracy(hidden: torch.Tensor, draft_head: torch.Tensor, target_
     keep = keep[torch.argsort(target_index[keep], stable=True)]  # by target row
     chunk = max(1, keep.numel() if chunk_size is None else min(chunk_size, max(keep.numel(), 1)))
     loss_sum, agree_kept = _WeightedKL.apply(hidden[keep], draft_head, target_hidden.to(dev), target_index[keep],
-                                             verifier_head.to(dev), weight[keep], chunk)
+                                             verifier_head.to(dev), weight[keep], chunk, logit_transform)
     loss_sum = loss_sum + 0.0 * hidden.sum()  # keeps the graph (and zero gradients) when E' = 0
     weight_sum = weight.sum().detach()
     loss = loss_sum / weight_sum if float(weight_sum) > 0 else loss_sum * 0.0

@@ -14,7 +14,7 @@ import torch
 from peagle_train.attention import element_attention
 from peagle_train.cod import CodElements, element_inputs, sample_cod_elements
 from peagle_train.data import Block, _seed_of
-from peagle_train.loss import LossOutput, kl_loss_and_accuracy
+from peagle_train.loss import LogitTransform, LossOutput, kl_loss_and_accuracy
 
 __all__ = ["cod_generator", "block_loss", "block_hidden", "accumulate_step", "block_to", "sample_elements",
            "summarise", "add_sums", "gather_ids"]
@@ -29,7 +29,7 @@ def cod_generator(seed: int, flat_position: int) -> torch.Generator:
 
 def block_loss(model, draft_head: torch.Tensor, verifier_head: torch.Tensor, block: Block,
                elements: CodElements, num_depths: int, chunk_size: int,
-               attention_backend: str = "sdpa") -> LossOutput:
+               attention_backend: str = "sdpa", logit_transform: LogitTransform | None = None) -> LossOutput:
     """Drafter forward over ``elements`` of ``block`` and the weighted KL to the verifier.
 
     Args:
@@ -40,10 +40,12 @@ def block_loss(model, draft_head: torch.Tensor, verifier_head: torch.Tensor, blo
         elements: from COD sampling, on the model's device.
         attention_backend: a key of :data:`peagle_train.attention.ATTENTION_BACKENDS` (resolved:
             see :func:`peagle_train.attention.resolve_attention_backend`).
+        logit_transform: the verifier's :class:`peagle_train.loss.LogitTransform` (None: identity).
     """
     hidden, rows, target_index = block_hidden(model, draft_head.dtype, block, elements, attention_backend)
     return kl_loss_and_accuracy(hidden, draft_head, block.final_hidden, verifier_head, elements.weight[rows],
-                                elements.depth[rows], num_depths, chunk_size, target_index=target_index)
+                                elements.depth[rows], num_depths, chunk_size, target_index=target_index,
+                                logit_transform=logit_transform)
 
 
 def block_hidden(model, dtype: torch.dtype, block: Block, elements: CodElements,

@@ -29,7 +29,7 @@ from peagle_train.checkpoint import latest_checkpoint, load_training_state, prun
     save_drafter
 from peagle_train.cod import CodElements
 from peagle_train.data import Block, BlockLoader, _seed_of, to_block
-from peagle_train.loss import LossOutput
+from peagle_train.loss import LogitTransform, LossOutput
 from peagle_train.metrics import MetricsLog, plot_metrics, pooled_accuracy, resolve_trackers
 from peagle_train.model import PEagleDrafter
 from peagle_train.optim import CosineWithWarmup, build_optimizer, clip_grad_norm
@@ -87,13 +87,14 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, model: PEagleDrafter, verifier_head: torch.Tensor, *,
                  accelerator=None, attention: str = "sdpa", max_steps: int = 1, warmup: int | None = None,
-                 run: TrainRun | None = None):
+                 run: TrainRun | None = None, logit_transform: LogitTransform | None = None):
         if accelerator is None:
             from accelerate import Accelerator
 
             accelerator = Accelerator(cpu=True)
         self.cfg, self.accelerator, self.attention, self.run = cfg, accelerator, attention, run
         self.verifier_head, self.max_steps = verifier_head, max_steps
+        self.logit_transform = logit_transform  # the verifier's soft-capping / logit scaling, None: identity
         self.warmup = warmup if warmup is not None else max_steps // 20
         self.world, self.rank = accelerator.num_processes, accelerator.process_index
         self.main = accelerator.is_main_process
@@ -153,7 +154,7 @@ class Trainer:
     def _loss(self, item: tuple[Block, CodElements]) -> LossOutput:
         with self.accelerator.autocast():
             return block_loss(self.model, self.unwrapped.lm_head.weight, self.verifier_head, *item,
-                              self.cfg.num_depths, self.cfg.loss_chunk_size, self.attention)
+                              self.cfg.num_depths, self.cfg.loss_chunk_size, self.attention, self.logit_transform)
 
     @torch.no_grad()
     def validate(self) -> dict[str, Any]:
@@ -166,7 +167,7 @@ class Trainer:
             block = block_to(to_block(int(bid), self.run.store.read_block(int(bid))), device)
             el = sample_elements(block, cfg, torch.Generator().manual_seed(_seed_of(cfg.seed, 2, int(bid)))).to(device)
             out = block_loss(self.unwrapped, self.unwrapped.lm_head.weight, self.verifier_head, block, el,
-                             cfg.num_depths, cfg.loss_chunk_size, self.attention)
+                             cfg.num_depths, cfg.loss_chunk_size, self.attention, self.logit_transform)
             sums = add_sums(sums, {"loss_sum": out.loss_sum.float().reshape(1), "weight_sum": out.weight_sum.reshape(1),
                                "correct": out.correct, "counts": out.counts})
         self.model.train(was_training)
@@ -327,6 +328,8 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     run.info.update(mask_token=mask.to_dict())
     run.summary.update(draft_vocab_size=D, mask_token=mask.to_dict())
     model, verifier_head = _drafter(cfg, heads, store, d2t, D, accelerator.device)
+    transform = LogitTransform.from_config(heads.config)
+    run.info.update(verifier_logit_transform={"scale": transform.scale, "softcap": transform.softcap})
     del heads
     state = None
     if run.resumed_from is not None:
@@ -337,7 +340,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     per_epoch = max(1, len(train_ids) // (cfg.grad_accum * accelerator.num_processes))
     max_steps = cfg.max_steps if cfg.max_steps is not None else per_epoch
     trainer = Trainer(cfg, model, verifier_head, accelerator=accelerator, attention=attention, max_steps=max_steps,
-                      warmup=cfg.warmup_steps, run=run)
+                      warmup=cfg.warmup_steps, run=run, logit_transform=None if transform.identity else transform)
     if state is not None:
         trainer.load_state_dict(state)
         if trainer.main:

@@ -10,6 +10,7 @@ import inspect
 
 import torch
 
+from peagle_train.loss import LogitTransform
 from stores.errors import InputError
 
 __all__ = ["new_cache", "rollback_cache", "crop_cache", "verifier_pass", "verifier_body_pass", "lm_head_logits"]
@@ -99,16 +100,6 @@ def verifier_pass(verifier, ids: torch.Tensor, cache, want_hidden: bool, last_on
     return logits.float().cpu(), (out.hidden_states if want_hidden else None)
 
 
-_LOGIT_TRANSFORMS = {"final_logit_softcapping": (None, 0, 0.0), "logit_scale": (None, 1, 1.0),
-                     "logits_scaling": (None, 1, 1.0)}
-"""Config fields by which a model's logits are more than ``lm_head(final hidden)``, with their neutral
-values: Gemma 2/3's soft-capping, Cohere's ``logits * logit_scale``, Granite's ``logits / logits_scaling``."""
-
-
-def _transforms_logits(config) -> bool:
-    return any(getattr(config, name, None) not in neutral for name, neutral in _LOGIT_TRANSFORMS.items())
-
-
 def verifier_body_pass(verifier, ids: torch.Tensor, cache):
     """Feed ``ids [n]`` through the verifier without its lm_head.
 
@@ -118,7 +109,7 @@ def verifier_body_pass(verifier, ids: torch.Tensor, cache):
     """
     lm_head = verifier.get_output_embeddings()
     body = getattr(verifier, "base_model", None)
-    if lm_head is None or body is None or body is verifier or _transforms_logits(verifier.config.get_text_config()):
+    if lm_head is None or body is None or body is verifier or not LogitTransform.from_config(verifier.config.get_text_config()).identity:
         logits, hs = verifier_pass(verifier, ids, cache, want_hidden=True)
         return logits, hs
     device = next(verifier.parameters()).device

@@ -27,7 +27,7 @@ from families import family_config, save_family  # noqa: E402
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gpt_oss", "gemma3_mm", "llama31"])
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma3_mm", "llama31", "gemma2"])
 def test_family_through_the_cli(tmp_path, smollm2_tokenizer_dir, family):
     model = str(save_family(family, tmp_path / "verifier", smollm2_tokenizer_dir, vocab_size=49152))
     data = tmp_path / "convs.jsonl"
@@ -60,6 +60,9 @@ def test_family_through_the_cli(tmp_path, smollm2_tokenizer_dir, family):
     layer_config = json.loads((final / "config.json").read_text())["transformer_layer_config"]
     assert layer_config["rope_parameters"] == verifier_rope(text)
     assert layer_config["rope_theta"] == verifier_rope(text)["rope_theta"]
+    # the KL targets are the verifier's real distribution: Gemma-2's logits are soft-capped
+    recorded = json.loads((final / "config.json").read_text())["peagle_training"]["verifier_logit_transform"]
+    assert recorded == {"scale": 1.0, "softcap": getattr(text, "final_logit_softcapping", None)}
 
     report = json.loads(_run(eval_main, ["--drafter", final, "--verifier", model, "--prompts", prompts,
                                          "--max-new-tokens", 12, "--output", tmp_path / "eval.json"]))

@@ -1,5 +1,6 @@
 """Chunked weighted KL equals the unchunked one, in value and gradients; Σw = 0 gives 0."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -90,3 +91,47 @@ def test_analytic_gradient_equals_autograd_of_the_naive_loss():
     kl_loss_and_accuracy(hidden, head, target, vhead, w, depth, K, chunk_size=5).loss.backward()
     torch.testing.assert_close(hidden.grad, expect[0], rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(head.grad, expect[1], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "cohere", "granite"])
+def test_logit_transform_of_a_config_gives_the_models_own_logits(family):
+    """Gemma-2 soft-caps, Cohere multiplies by ``logit_scale``, Granite divides by ``logits_scaling``:
+    ``LogitTransform.from_config`` applied to ``lm_head(final hidden)`` must give the model's logits."""
+    from transformers import (CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM, GraniteConfig,
+                              GraniteForCausalLM)
+
+    from peagle_train.loss import LogitTransform
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, eos_token_id=1, bos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = {"gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(final_logit_softcapping=0.5, head_dim=8, **shape)),
+             "cohere": lambda: CohereForCausalLM(CohereConfig(logit_scale=0.25, **shape)),
+             "granite": lambda: GraniteForCausalLM(GraniteConfig(logits_scaling=4.0, **shape))}[family]().eval()
+    ids = torch.tensor([[3, 5, 7, 9]])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits[0]
+        raw = model.get_output_embeddings()(model.base_model(input_ids=ids).last_hidden_state[0])
+    g = LogitTransform.from_config(model.config)
+    assert not g.identity
+    assert not torch.allclose(raw, want, atol=1e-3)  # the transform matters for these models
+    torch.testing.assert_close(g(raw), want, rtol=1e-5, atol=1e-6)
+
+
+def test_kl_targets_are_the_verifiers_transformed_distribution():
+    """With a soft-capping verifier the target is softmax(cap·tanh(f W_v^T / cap)), not softmax(f W_v^T)."""
+    from peagle_train.loss import LogitTransform
+
+    g = torch.Generator().manual_seed(3)
+    E, H, D = 7, 8, 11
+    hidden, draft_head = torch.randn(E, H, generator=g), torch.randn(D, H, generator=g)
+    target, vhead = torch.randn(E, H, generator=g) * 3, torch.randn(D, H, generator=g)
+    weight, depth = torch.rand(E, generator=g), torch.arange(E) % 2
+    cap = LogitTransform(softcap=2.0)
+    out = kl_loss_and_accuracy(hidden, draft_head, target, vhead, weight, depth, 2, chunk_size=3, logit_transform=cap)
+    p = torch.softmax(2.0 * torch.tanh(target @ vhead.T / 2.0), -1)
+    logq = torch.log_softmax(hidden @ draft_head.T, -1)
+    want = (weight * (p * (p.log() - logq)).sum(-1)).sum() / weight.sum()
+    torch.testing.assert_close(out.loss, want, rtol=1e-5, atol=1e-6)
+    plain = kl_loss_and_accuracy(hidden, draft_head, target, vhead, weight, depth, 2, chunk_size=3)
+    assert abs(float(plain.loss) - float(want)) > 1e-2  # without the transform the target differs
