@@ -283,6 +283,14 @@ def render_rows(tokenizer, messages: Sequence[dict[str, Any]], tools: list | Non
         raise ChatTemplateError(_no_prefix_reason(tokenizer, messages, first_bad, text, tools, chat_template,
                                                   "the render up to assistant turn {i} is not a prefix of the "
                                                   "whole conversation's render"))
+    return _per_turn_rows(tokenizer, messages, indices, tools, chat_template, on_dropped)
+
+
+def _per_turn_rows(tokenizer, messages: list, indices: list[int], tools, chat_template,
+                   on_dropped: str) -> list[RenderedRow]:
+    """One row per supervised assistant turn ``i`` (``indices``), rendered from ``messages[:i+1]``
+    (see :func:`render_rows`); a turn of which nothing renders has no row, and its dropped parts are
+    listed on the conversation's last row."""
     rows, lost = [], []
     for i in indices:
         if _is_unsupervised(messages[i]):  # empty or weight 0: supervises nothing, no row of its own

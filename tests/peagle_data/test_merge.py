@@ -194,15 +194,8 @@ def test_merge_refuses_shards_whose_source_template_changed(tmp_path, smollm2_to
 
 
 def test_verify_accepts_the_per_turn_rows_of_a_history_rewrite(tmp_path, smollm2_tokenizer):
-    from tests.peagle_data.test_prepare import OK, QWEN3, write_rows
+    from tests.peagle_data.test_prepare import tokenize_history_rewrite
 
-    template = tmp_path / "qwen3.jinja"
-    template.write_text(QWEN3)
-    conv = {"id": "q", "messages": [
-        {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4.", "reasoning_content": "Add."},
-        {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6.", "reasoning_content": "Add."}]}
-    src = write_rows(tmp_path / "q.jsonl", [conv, OK])
-    run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "split",
-                             settings=TokenizeConfig(chat_template=str(template))), tokenizer=smollm2_tokenizer)
+    tokenize_history_rewrite(tmp_path, smollm2_tokenizer)
     # rows q@1, q@3 (one source) and ok: three rows, none repeated
     assert verify_table(tmp_path / "split") == {"ok": True, "kind": "tokenized", "rows": 3, "problems": []}

@@ -188,16 +188,25 @@ def test_nothing_used_still_writes_manifest_without_dividing_by_zero(tmp_path, s
     assert TokenTable.open(tmp_path / "p2").num_rows == 0
 
 
-def test_history_rewrite_split_and_reject(tmp_path, smollm2_tokenizer):
+def tokenize_history_rewrite(tmp_path, tokenizer):
+    """Tokenize a two-turn reasoning conversation ``q`` and the row ``OK`` under the Qwen3 template
+    (which rewrites history: ``q`` becomes rows ``q@1``, ``q@3``) into ``tmp_path/split``.
+
+    Returns: (template path, input path, the run's counts)."""
     template = tmp_path / "qwen3.jinja"
     template.write_text(QWEN3)
     conv = {"id": "q", "messages": [
         {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4.", "reasoning_content": "Add."},
         {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6.", "reasoning_content": "Add."}]}
     src = write_rows(tmp_path / "q.jsonl", [conv, OK])
-    split = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "split",
-                                     settings=TokenizeConfig(chat_template=str(template))),
-                                     tokenizer=smollm2_tokenizer)["counts"]
+    counts = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "split",
+                                      settings=TokenizeConfig(chat_template=str(template))),
+                          tokenizer=tokenizer)["counts"]
+    return template, src, counts
+
+
+def test_history_rewrite_split_and_reject(tmp_path, smollm2_tokenizer):
+    template, src, split = tokenize_history_rewrite(tmp_path, smollm2_tokenizer)
     assert (split["read"], split["used"], split["history_rewrite_conversations"], split["history_rewrite_rows"]) \
         == (2, 2, 1, 2)
     table = TokenTable.open(tmp_path / "split")
