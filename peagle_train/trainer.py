@@ -289,10 +289,18 @@ class Trainer:
                 "train_blocks": int(len(run.train_ids)), "val_blocks": int(len(run.val_ids)), **run.summary}
 
     def close(self) -> None:
-        """Finish the trackers and destroy the process group (a rank that exits with its gloo/NCCL
-        group alive can abort in the group's threads and fail the launch); call after :meth:`train`."""
+        """Finish the trackers and destroy the process group; call after :meth:`train`, the trainer
+        is unusable afterwards.
+
+        The DDP wrapper keeps its own reference to the gloo/NCCL group, so the group outlives
+        ``destroy_process_group`` until the wrapper is freed; freed at interpreter exit, its threads can
+        abort the rank (SIGABRT, "terminate called without an active exception", about one launch in
+        five with two gloo ranks). The prepared model and optimizer are released first.
+        """
         if self.loader is not None:
             self.loader.close()
+        self.model = self.optimizer = self.scheduler = self.unwrapped = None
+        self.accelerator.free_memory()  # drops the accelerator's own references, then gc.collect()
         self.accelerator.end_training()
 
 
