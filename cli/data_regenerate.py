@@ -40,6 +40,7 @@ _RUN_OVERRIDES = {
     "temperature": {"metavar": "T"},
     "turns": {"type": click.Choice(TURNS)},
     "limit": {"metavar": "N"},
+    "max_prompt_tokens": {"metavar": "N"},
     "format": {"type": click.Choice(FORMATS)},
     "on_dropped_content": {"type": click.Choice(ON_DROPPED)},
     "on_truncated": {"type": click.Choice(ON_TRUNCATED)},

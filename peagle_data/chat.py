@@ -23,6 +23,8 @@ Method, for one conversation of T tokens:
    ``reasoning_content`` was injected by the template, not generated: mask 0. An assistant turn
    with empty content (no text, reasoning or tool calls), or marked ``"weight": 0``, supervises
    nothing, not even its end-of-turn token: all its tokens have mask 0 (it stays in the context).
+   A turn marked ``"finish_reason": "length"`` (a reply cut at a token limit) is supervised up to,
+   not including, its end-of-turn token: the verifier did not end the turn there.
 4. ``apply_chat_template(messages, tokenize=True)`` tokenizes the same render with
    ``add_special_tokens=False``, so the ids are identical by construction (tests check it on five
    template families); they are not tokenized twice at run time.
@@ -151,6 +153,8 @@ class RenderedRow:
         empty_think: ``[(start, end)]`` characters of template-injected empty think blocks (loss 0).
         dropped: message content the template does not render, kept by ``on_dropped="keep"``:
             ``"tools"`` or ``"<part> of message <i>"`` (part: content, reasoning_content, tool_calls).
+        cut: positions in ``spans`` of turns marked ``"finish_reason": "length"`` (cut at a token
+            limit): supervised up to, not including, their end-of-turn token.
     """
 
     text: str
@@ -159,6 +163,7 @@ class RenderedRow:
     turn: int | None = None
     empty_think: tuple[tuple[int, int], ...] = ()
     dropped: tuple[str, ...] = ()
+    cut: tuple[int, ...] = ()
 
 
 _EMPTY_THINK = re.compile(r"<think>\s*</think>\s*")
@@ -331,7 +336,8 @@ def _checked_row(tokenizer, messages, tools, chat_template, text: str, spans: di
         raise ChatTemplateError("no supervised tokens: the template renders no content of any assistant turn")
     return RenderedRow(text, tuple(kept_spans), _prefix_chars(tokenizer, messages, text, tools, chat_template),
                        turn, _empty_think(messages, kept_indices, text, kept_spans),
-                       tuple(("tools" if i is None else f"{part} of message {i}") for i, part, _ in dropped))
+                       tuple(("tools" if i is None else f"{part} of message {i}") for i, part, _ in dropped),
+                       tuple(k for k, i in enumerate(kept_indices) if messages[i].get("finish_reason") == "length"))
 
 
 def _no_prefix_reason(tokenizer, messages, i: int, text: str, tools, chat_template, detail: str) -> str:

@@ -72,14 +72,15 @@ def tokenize_rendered(tokenizer, rows: Sequence[RenderedRow]) -> list[TokenizedC
         ids = np.fromiter(row_ids, dtype=np.int32, count=len(row_ids))
         offsets = np.fromiter(itertools.chain.from_iterable(row_offsets), dtype=np.int64,
                               count=2 * len(row_offsets)).reshape(-1, 2)  # [T, 2] chars
-        loss_mask = _mask_from_spans(ids, offsets[:, 0], list(row.spans), special)
+        loss_mask = _mask_from_spans(ids, offsets[:, 0], list(row.spans), special, frozenset(row.cut))
         if row.empty_think:
             loss_mask[_mask_from_spans(ids, offsets[:, 0], list(row.empty_think), frozenset()) == 1] = 0
         system_len = int(np.searchsorted(offsets[:, 1], row.prefix_chars, side="right"))
         supervised = np.flatnonzero(loss_mask)
         if supervised.size:
             system_len = min(system_len, int(supervised[0]))
-        problem = straddling_token(row, offsets, loss_mask) or _unclear_end_of_turn(row, ids, offsets, special)
+        problem = (straddling_token(row, offsets, loss_mask) or _unclear_end_of_turn(row, ids, offsets, special)
+                   or _cut_without_end_of_turn(row, ids, offsets[:, 0], special))
         out.append(TokenizedConversation(input_ids=ids, loss_mask=loss_mask, system_len=system_len,
                                          problem=problem))
     return out
@@ -139,11 +140,27 @@ def _unclear_end_of_turn(row: RenderedRow, ids: np.ndarray, offsets: np.ndarray,
     return None
 
 
+def _cut_without_end_of_turn(row: RenderedRow, ids: np.ndarray, starts: np.ndarray,
+                             special: frozenset[int]) -> str | None:
+    """Why a cut turn (``finish_reason: length``) has no exact mask, or None: its span holds no special
+    token, so where the reply ends and the template's closing text begins is not known."""
+    for k in row.cut:
+        a, b = row.spans[k]
+        lo, hi = int(np.searchsorted(starts, a, side="left")), int(np.searchsorted(starts, b, side="left"))
+        if not any(int(t) in special for t in ids[lo:hi]):
+            return ("a reply cut at a token limit (finish_reason: length) under a template that ends turns "
+                    "without an end-of-turn token: what the template appends cannot be told from the reply, so "
+                    "the turn has no exact mask; drop such rows (regenerate --on-truncated drop) or pass "
+                    "--chat-template FILE with a template that ends assistant turns with an end-of-turn token")
+    return None
+
+
 def _mask_from_spans(ids: np.ndarray, starts: np.ndarray, spans: list[tuple[int, int]],
-                     special: frozenset[int]) -> np.ndarray:
-    """uint8 ``[T]``: 1 for tokens starting in a span, up to and including its last special token."""
+                     special: frozenset[int], cut: frozenset[int] = frozenset()) -> np.ndarray:
+    """uint8 ``[T]``: 1 for tokens starting in a span, up to and including its last special token
+    (excluding it for the spans whose position is in ``cut``: replies cut at a token limit)."""
     mask = np.zeros(len(ids), dtype=np.uint8)
-    for a, b in spans:
+    for k, (a, b) in enumerate(spans):
         lo = int(np.searchsorted(starts, a, side="left"))
         hi = int(np.searchsorted(starts, b, side="left"))  # tokens [lo, hi) start in [a, b)
         if hi <= lo:
@@ -151,7 +168,7 @@ def _mask_from_spans(ids: np.ndarray, starts: np.ndarray, spans: list[tuple[int,
         end = hi
         for t in range(hi - 1, lo - 1, -1):
             if int(ids[t]) in special:
-                end = t + 1
+                end = t if k in cut else t + 1
                 break
         mask[lo:end] = 1
     return mask

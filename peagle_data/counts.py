@@ -52,6 +52,9 @@ class Counts:
     """Content parts of unsupported types left out (``--on-dropped-content keep``)."""
     weight_zero_turns: int | None = None
     """Assistant turns marked ``"weight": 0`` (context only)."""
+    cut_assistant_turns: int | None = None
+    """Assistant turns marked ``"finish_reason": "length"`` (cut at a token limit): their text is
+    supervised, the end-of-turn token after it is not."""
     dropped: dict[str, int] = field(default_factory=dict)
     """Conversations kept without each kind of content the template drops: ``{part: n}``, written
     as ``dropped_<part>`` keys (``dropped_tools``, ``dropped_reasoning``, ...)."""

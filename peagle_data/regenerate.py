@@ -10,7 +10,8 @@ Per conversation (read and normalised by :mod:`peagle_data.readers`, so every in
 - system, user and tool messages and the tools list are kept as they are;
 - ``--turns all`` (default): every assistant turn is replaced, in order, by the verifier's answer
   to the *regenerated* history before it; ``--turns last``: only the last assistant turn is,
-  given the original history;
+  given the original history; ``--turns first``: only the first one is, and the conversation ends
+  after it (the cheapest: one short prompt a row; later turns answered something else);
 - an assistant turn that calls tools is kept as it is (with the tool results after it): the
   verifier's own call could not be given a result; the turns after it are regenerated. When the
   verifier answers a regenerated turn with a tool call, that answer is kept and the conversation
@@ -27,7 +28,8 @@ template; the server back end with ``--tokenizer``'s, else the servers' template
 
 An answer cut at ``--max-new-tokens`` is kept (``--on-truncated keep``, counted as
 ``turns_truncated``) without the incomplete character the cut may leave (counted as
-``turns_cut_mid_character``), or rejects its row (``--on-truncated drop``).
+``turns_cut_mid_character``), or rejects its row (``--on-truncated drop``). A prompt longer than
+``--max-prompt-tokens`` rejects its row (``prompt too long``) before any generation.
 
 A row that cannot be regenerated is a line of ``OUT.rejects.jsonl`` with its reason: the reader's
 reason, ``template drops <part>``, ``prompt too long``, ``server error`` (after the retries),
@@ -54,7 +56,7 @@ from typing import Any, Callable, Iterator, Sequence
 from peagle_data.chat_dropped import _dropped_reason, dropped_content
 from peagle_data.chat_render import ChatTemplateError, render
 from peagle_data.readers import FORMATS, Conversation, Reject, read_conversations, resolve_inputs
-from peagle_data.verifier_backends import Answer, BackendConfig, Request
+from peagle_data.verifier_backends import Answer, BackendConfig, Request, prompt_tokens
 from stores.conversation_files import ConversationWriter, check_output, read_regenerate_manifest
 from stores.errors import InputError
 from stores.progress import progress
@@ -62,7 +64,7 @@ from stores.progress import progress
 __all__ = ["RegenerateConfig", "RegenerateRun", "TURNS", "ON_DROPPED", "ON_TRUNCATED", "Regeneration",
            "prompt_drops", "run_regenerate"]
 
-TURNS = ("all", "last")
+TURNS = ("all", "last", "first")
 ON_DROPPED = ("reject", "keep")
 ON_TRUNCATED = ("keep", "drop")
 
@@ -76,7 +78,8 @@ class RegenerateConfig:
     temperature: float = 0.0
     """0 is greedy (reproducible, resumable to the same file); else sampling (``--temperature``)."""
     turns: str = "all"
-    """Regenerate every assistant turn (given the regenerated history) or only the last one (``--turns``)."""
+    """Regenerate every assistant turn (given the regenerated history), only the last one, or only the
+    first one, ending the conversation after it (``--turns``)."""
     limit: int | None = None
     """Read at most this many input rows; None: all (``--limit``)."""
     format: str = "auto"
@@ -91,6 +94,10 @@ class RegenerateConfig:
     reject the row, or keep regenerating it, counted (``--on-dropped-content``, as ``tokenize``)."""
     on_truncated: str = "keep"
     """An answer cut at --max-new-tokens: keep it (counted), or drop its row to the rejects (``--on-truncated``)."""
+    max_prompt_tokens: int | None = None
+    """Reject a row (``prompt too long``) whose prompt, rendered with the generation prompt, has more
+    tokens; None: only the verifier's context length limits it (``--max-prompt-tokens``; with
+    ``--server`` it needs ``--tokenizer`` to count)."""
 
     def __post_init__(self) -> None:
         if self.turns not in TURNS:
@@ -109,6 +116,8 @@ class RegenerateConfig:
             raise ValueError(f"--on-truncated must be one of {ON_TRUNCATED}, got {self.on_truncated!r}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"--limit must be >= 1 rows, got {self.limit}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"--max-prompt-tokens must be >= 1, got {self.max_prompt_tokens}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,7 +144,7 @@ class Regeneration:
 
     Args:
         conv: the normalised conversation.
-        turns: ``all`` or ``last``.
+        turns: ``all``, ``last`` or ``first`` (the conversation ends after the first assistant turn).
         on_truncated: ``keep`` an answer cut at the token limit, or ``drop`` (reject) its row.
 
     Use: while :meth:`next_request` returns a request, answer it and pass the answer to
@@ -148,7 +157,8 @@ class Regeneration:
         self.dropped_content = False  # a prompt had content the template drops (--on-dropped-content keep)
         msgs = conv.messages
         assistants = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
-        scope = assistants if turns == "all" else assistants[-1:]
+        scope = {"all": assistants, "last": assistants[-1:], "first": assistants[:1]}[turns]
+        self.end_after_scope = turns == "first"  # the turns after it answered what the verifier did not say
         self.todo = [i for i in scope if not msgs[i].get("tool_calls")]
         self.out: list[dict[str, Any]] = []
         self.pos = 0
@@ -157,7 +167,7 @@ class Regeneration:
         self.answers: list[Answer] = []
         if not self.todo:
             self.reject = ("nothing to regenerate: every assistant turn calls tools" if turns == "all"
-                           else "nothing to regenerate: the last assistant turn calls tools")
+                           else f"nothing to regenerate: the {turns} assistant turn calls tools")
 
     def next_request(self) -> Request | None:
         """The next turn to generate, or None when the conversation is finished (or rejected)."""
@@ -183,6 +193,8 @@ class Regeneration:
                            "--max-new-tokens (--on-truncated drop)")
             return
         msg: dict[str, Any] = {"role": "assistant", "content": answer.content}
+        if answer.finish_reason == "length":  # cut at --max-new-tokens: tokenize supervises no end-of-turn
+            msg["finish_reason"] = "length"
         if answer.reasoning:
             msg["reasoning_content"] = answer.reasoning
         if answer.tool_calls:
@@ -194,7 +206,8 @@ class Regeneration:
     def row(self) -> dict[str, Any]:
         """The output row ``{"id", "messages", "tools"?}`` of a finished, not rejected conversation."""
         assert self.reject is None and self.next_request() is None
-        messages = self.out if self.ended_at_tool_call else self.out + self.conv.messages[self.pos:]
+        ended = self.ended_at_tool_call or self.end_after_scope
+        messages = self.out if ended else self.out + self.conv.messages[self.pos:]
         return {"id": self.conv.conversation_id, "messages": messages,
                 **({"tools": self.conv.tools} if self.conv.tools is not None else {})}
 
@@ -224,19 +237,23 @@ def prompt_drops(tokenizer, request: Request) -> str | None:
     return _dropped_reason(request.messages, i, part, len(dropped), advice=_ADVICE)
 
 
-def _screen(job: Regeneration, req: Request, tokenizer, on_dropped: str) -> Answer | None:
+def _screen(job: Regeneration, req: Request, tokenizer, cfg: RegenerateConfig) -> Answer | None:
     """The error answer of a prompt ``tokenizer``'s template does not render whole (unless
-    ``on_dropped`` is ``keep``: then the job is marked) or cannot render; None: ask the verifier."""
+    ``cfg.on_dropped_content`` is ``keep``: then the job is marked), cannot render, or renders to
+    more than ``cfg.max_prompt_tokens``; None: ask the verifier."""
     reason = None if tokenizer is None else prompt_drops(tokenizer, req)
-    if reason is None:
-        return None
-    if on_dropped == "keep" and reason.startswith("template drops"):
-        job.dropped_content = True
-        return None
-    return Answer(error=reason)
+    if reason is not None and not (cfg.on_dropped_content == "keep" and reason.startswith("template drops")):
+        return Answer(error=reason)
+    job.dropped_content |= reason is not None
+    if cfg.max_prompt_tokens is not None and tokenizer is not None:
+        n = len(prompt_tokens(tokenizer, req))
+        if n > cfg.max_prompt_tokens:
+            return Answer(error=f"prompt too long: {n} prompt tokens exceed --max-prompt-tokens "
+                                f"{cfg.max_prompt_tokens}", prompt_tokens=n)
+    return None
 
 
-def _run_local(jobs: list[Regeneration], backend, on_dropped: str) -> None:
+def _run_local(jobs: list[Regeneration], backend, cfg: RegenerateConfig) -> None:
     """Drive a chunk through the local back end in waves: one request per unfinished conversation."""
     while True:
         pending = [(job, req) for job in jobs if (req := job.next_request()) is not None]
@@ -244,7 +261,7 @@ def _run_local(jobs: list[Regeneration], backend, on_dropped: str) -> None:
             return
         asked = []
         for job, req in pending:
-            refused = _screen(job, req, getattr(backend, "tokenizer", None), on_dropped)
+            refused = _screen(job, req, getattr(backend, "tokenizer", None), cfg)
             if refused is not None:
                 job.feed(refused)
             else:
@@ -254,15 +271,15 @@ def _run_local(jobs: list[Regeneration], backend, on_dropped: str) -> None:
                 job.feed(answer)
 
 
-def _run_one(job: Regeneration, backend, on_dropped: str) -> None:
+def _run_one(job: Regeneration, backend, cfg: RegenerateConfig) -> None:
     while (req := job.next_request()) is not None:
-        refused = _screen(job, req, getattr(backend, "tokenizer", None), on_dropped)
+        refused = _screen(job, req, getattr(backend, "tokenizer", None), cfg)
         job.feed(refused if refused is not None else backend.answer(req))
 
 
-def _run_server(jobs: list[Regeneration], backend, pool: ThreadPoolExecutor, on_dropped: str) -> None:
+def _run_server(jobs: list[Regeneration], backend, pool: ThreadPoolExecutor, cfg: RegenerateConfig) -> None:
     """Drive a chunk through the server back end: each conversation in a thread, turns in order."""
-    for f in [pool.submit(_run_one, job, backend, on_dropped) for job in jobs]:
+    for f in [pool.submit(_run_one, job, backend, cfg) for job in jobs]:
         f.result()
 
 
@@ -352,9 +369,9 @@ def _generate_chunk(chunk: list[Conversation | Reject], cfg: RegenerateConfig, b
     jobs = [item if isinstance(item, Reject) else Regeneration(item, cfg.turns, cfg.on_truncated) for item in chunk]
     live = [j for j in jobs if isinstance(j, Regeneration)]
     if pool is None:
-        _run_local(live, backend, cfg.on_dropped_content)
+        _run_local(live, backend, cfg)
     else:
-        _run_server(live, backend, pool, cfg.on_dropped_content)
+        _run_server(live, backend, pool, cfg)
     return jobs
 
 
@@ -387,6 +404,9 @@ def run_regenerate(run: RegenerateRun, make_backend: Callable[[], Any] | None = 
     if make_backend is None and run.backend is None:
         raise ValueError("run_regenerate needs run.backend or make_backend")
     backend = make_backend() if make_backend is not None else run.backend.make(cfg.max_new_tokens, cfg.temperature)
+    if cfg.max_prompt_tokens is not None and getattr(backend, "tokenizer", None) is None:
+        raise InputError("--max-prompt-tokens needs a tokenizer to count prompt tokens: with --server, "
+                         "pass --tokenizer MODEL (the servers' model)")
     settings = {**_settings(inputs, files, cfg, backend), **({"config": config} if config is not None else {})}
     manifest = read_regenerate_manifest(output) if resume and not force else None
     _check_resume(manifest, settings, output)

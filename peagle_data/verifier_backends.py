@@ -33,7 +33,7 @@ from peagle_data.answer_text import REPLACEMENT, complete_prefix, split_reasonin
 from stores.errors import InputError, MissingDependencyError
 
 __all__ = ["Request", "Answer", "BackendConfig", "LocalBackend", "ServerBackend", "split_reasoning", "server_base_url",
-           "complete_prefix"]
+           "complete_prefix", "prompt_tokens"]
 
 
 @dataclass
@@ -67,6 +67,13 @@ class Answer:
     completion_tokens: int = 0
     error: str | None = None
     cut_partial_char: bool = False
+
+
+def prompt_tokens(tokenizer, request: Request) -> list[int]:
+    """The token ids of ``request`` rendered with ``tokenizer``'s chat template and generation prompt."""
+    enc = tokenizer.apply_chat_template(request.messages, tools=request.tools, add_generation_prompt=True,
+                                        tokenize=True, return_dict=True)
+    return list(enc["input_ids"])
 
 
 def server_base_url(url: str) -> str:
@@ -184,9 +191,7 @@ class LocalBackend:
 
     def prompt_ids(self, request: Request) -> list[int]:
         """The token ids of a request rendered with the chat template and the generation prompt."""
-        enc = self.tokenizer.apply_chat_template(request.messages, tools=request.tools, add_generation_prompt=True,
-                                                 tokenize=True, return_dict=True)
-        return list(enc["input_ids"])
+        return prompt_tokens(self.tokenizer, request)
 
     def generate(self, requests: list[Request]) -> list[Answer]:
         """Answers to ``requests`` in their order (batched by prompt length)."""

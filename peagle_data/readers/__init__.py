@@ -50,6 +50,10 @@ Normalisation rules (documented decisions):
 - an assistant turn with ``"weight": 0`` (the OpenAI fine-tuning format; axolotl's ShareGPT turns)
   is context only: it supervises nothing and is counted (``weight_zero_turns``); a weight other
   than 0 or 1 rejects the row;
+- an assistant turn with ``"finish_reason": "length"`` (OpenAI's name; ``regenerate`` writes it on a
+  reply cut at ``--max-new-tokens``) supervises its text but not the end-of-turn token the template
+  renders after it (the verifier did not end the turn there); counted (``cut_assistant_turns``); a
+  finish_reason other than ``stop`` or ``length`` rejects the row;
 - a conversation whose only assistant turns were leading ones is rejected ("only a leading
   assistant turn (dropped)").
 

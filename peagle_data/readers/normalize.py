@@ -183,6 +183,7 @@ def _normalize_openai(messages: Any, stats: dict[str, int]) -> list[dict[str, An
             if msg.get(key) is not None:
                 new[key] = msg[key]
         _copy_weight(msg, new, where)
+        _copy_finish_reason(msg, new, where)
         out.append(new)
     return out
 
@@ -199,6 +200,20 @@ def _copy_weight(turn: dict[str, Any], new: dict[str, Any], where: str) -> None:
                        "1 supervises it)", f"{where}.weight")
     if weight == 0:
         new["weight"] = 0
+
+
+def _copy_finish_reason(turn: dict[str, Any], new: dict[str, Any], where: str) -> None:
+    """An assistant turn's ``finish_reason`` (OpenAI's name; ``peagle-data regenerate`` writes it):
+    ``"length"`` marks a reply cut at a token limit, so the end-of-turn token the template renders
+    after it is not the verifier's and is not supervised (``"finish_reason": "length"`` on ``new``);
+    ``"stop"`` or absent is a complete reply; anything else rejects the row."""
+    reason = turn.get("finish_reason")
+    if reason is None or reason == "stop" or new["role"] != "assistant":
+        return
+    if reason != "length":
+        raise RowError(f"invalid finish_reason: {where}.finish_reason is {reason!r} (\"length\": the reply was "
+                       "cut at a token limit, \"stop\": it is complete)", f"{where}.finish_reason")
+    new["finish_reason"] = "length"
 
 
 def _normalize_sharegpt(turns: Any, system: Any) -> list[dict[str, Any]]:
@@ -266,7 +281,7 @@ def _parse_tools(tools: Any, stats: dict[str, int]) -> list[Any] | None:
 def _tidy(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """Drop leading assistant turns, merge consecutive user turns, check there is a non-empty assistant."""
     counts = {"dropped_leading_assistant": 0, "merged_user_turns": 0, "empty_assistant_turns": 0,
-              "weight_zero_turns": 0}
+              "weight_zero_turns": 0, "cut_assistant_turns": 0}
     if not messages:
         raise RowError("empty conversation")
     out: list[dict[str, Any]] = []
@@ -286,6 +301,8 @@ def _tidy(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[st
             counts["empty_assistant_turns"] += 1
         elif role == "assistant" and msg.get("weight") == 0:
             counts["weight_zero_turns"] += 1
+        elif role == "assistant" and msg.get("finish_reason") == "length":
+            counts["cut_assistant_turns"] += 1
         out.append(msg)
     assistants = [m for m in out if m["role"] == "assistant"]
     if not assistants:
@@ -363,6 +380,7 @@ def normalize_record(record: dict[str, Any], fmt: str = "auto", keep_dropped: bo
     tools = _parse_tools(record.get("tools"), stats)
     messages, counts = _tidy(messages)
     stats["weight_zero_turns"] = counts.pop("weight_zero_turns")
+    stats["cut_assistant_turns"] = counts.pop("cut_assistant_turns")
     return messages, tools, {"tidy": counts, "row": {k: v for k, v in stats.items() if v}}
 
 

@@ -29,7 +29,8 @@ class Conversation:
             and ``tool_arguments_not_json`` (JSON-string tool-call arguments decoded / kept as
             text), ``tool_schemas_decoded``, ``dropped_content_parts`` (with ``keep_dropped``),
             ``null_keys_dropped_rows`` (1 for a Parquet row whose null keys were dropped),
-            ``weight_zero_turns`` (assistant turns with ``"weight": 0``: context only).
+            ``weight_zero_turns`` (assistant turns with ``"weight": 0``: context only),
+            ``cut_assistant_turns`` (``"finish_reason": "length"``: no end-of-turn supervised).
     """
 
     conversation_id: str

@@ -166,3 +166,14 @@ def test_a_special_token_inside_a_reply_without_end_of_turn_is_rejected_not_cut(
     # the same reply under ChatML: <|im_end|> ends the turn, the reply's <file_sep> is supervised with it
     out = tokenize_conversation(smollm2_tokenizer, messages)
     assert masked_texts(smollm2_tokenizer, out) == ["a <file_sep> b and more<|im_end|>"]
+
+
+def test_a_cut_reply_without_an_end_of_turn_token_has_no_exact_mask(smollm2_tokenizer):
+    # ChatML: the reply cut at a token limit is supervised without the <|im_end|> the template adds
+    cut = [MULTI_TURN[0], {**MULTI_TURN[1], "finish_reason": "length"}]
+    assert masked_texts(smollm2_tokenizer, tokenize_conversation(smollm2_tokenizer, cut)) == ["2+2 is 4."]
+    # a template that closes turns with plain text: where the reply ends is unknown, a reject
+    template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")
+    with pytest.raises(ChatTemplateError, match="a reply cut at a token limit"):
+        tokenize_conversation(smollm2_tokenizer, cut, chat_template=template)

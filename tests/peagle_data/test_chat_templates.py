@@ -378,6 +378,14 @@ def test_a_straddling_token_rejects_the_row_in_tokenize(tmp_path, smollm2_tokeni
     assert counts["rejected_by_reason"] == {"reply starts inside a token": 1}
 
 
+def test_a_cut_turn_in_a_per_turn_row_ends_before_its_end_of_turn(qwen3_tok):
+    turns = [dict(m) for m in QWEN_REASONING]
+    turns[3]["finish_reason"] = "length"
+    rows = tokenize_turns(qwen3_tok, turns, chat_template=QWEN3)
+    assert [t for t, _ in rows] == [1, 3]
+    assert masked_texts(qwen3_tok, rows[1][1]) == ["<think>\nThree and three.\n</think>\n\n6."]
+
+
 def test_a_weight_zero_turn_gets_no_per_turn_row(qwen3_tok):
     turns = [dict(m) for m in QWEN_REASONING]
     turns[1]["weight"] = 0  # the OpenAI fine-tuning format's "do not train on this turn"

@@ -130,10 +130,21 @@ def test_on_truncated_drop_rejects_the_row_and_keep_keeps_the_answer():
     cut = Scripted({2: Answer(content="A2 cut", finish_reason="length")})
     job, _ = drive(conv(msgs), backend=cut, on_truncated="drop")
     assert job.reject == "truncated answer: assistant turn 2 (message 3) was cut at --max-new-tokens (--on-truncated drop)"
-    job, _ = drive(conv(msgs), backend=cut)
-    assert job.row()["messages"][2] == {"role": "assistant", "content": "A2 cut"}
+    job, _ = drive(conv(msgs), backend=cut)  # marked, so that tokenize supervises no end-of-turn after it
+    assert job.row()["messages"][2] == {"role": "assistant", "content": "A2 cut", "finish_reason": "length"}
     with pytest.raises(ValueError, match="--on-truncated must be one of"):
         RegenerateConfig(on_truncated="trim")
+
+
+def test_turns_first_regenerates_the_first_turn_and_ends_the_conversation_there():
+    msgs = ROWS[0]["messages"]
+    job, backend = drive(conv(msgs), turns="first")
+    assert job.row()["messages"] == msgs[:2] + [{"role": "assistant", "content": "A2"}]
+    assert backend.requests == [msgs[:2]]
+    tool_first = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                  {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "It is sunny."}]
+    assert drive(conv(tool_first, TOOLS), turns="first")[0].reject == \
+        "nothing to regenerate: the first assistant turn calls tools"
 
 
 def test_echo_summary_names_the_token_limit_and_the_cut_turns(capsys):
@@ -274,6 +285,9 @@ def test_the_output_tokenizes(local_run, tmp_path, verifier_dir):
                                        settings=TokenizeConfig()))
     # regenerate already refused the row whose tools the SmolLM2 template drops: every row is used
     assert summary["counts"]["used"] == 3 and summary["counts"]["rejected_by_reason"] == {}
+    # answers cut at 6 tokens are marked; tokenize supervises their text and no <|im_end|> after it
+    cut = [m for row in lines(out) for m in row["messages"] if m.get("finish_reason") == "length"]
+    assert len(cut) >= 2 and summary["counts"]["cut_assistant_turns"] == len(cut)
 
 
 def test_prompt_too_long_is_a_reject(tmp_path, local):
@@ -284,6 +298,25 @@ def test_prompt_too_long_is_a_reject(tmp_path, local):
     assert summary["counts"]["rejected_by_reason"] == {"prompt too long": 1}
     reason = lines(tmp_path / "o.rejects.jsonl")[0]["reason"]
     assert reason.startswith("prompt too long: ") and "exceed the verifier's 256 positions" in reason
+
+
+def test_max_prompt_tokens_rejects_longer_prompts_before_generation(tmp_path, local):
+    long_row = {"messages": [{"role": "user", "content": "word " * 40}, {"role": "assistant", "content": "x"}]}
+    inp = write_rows(tmp_path / "in.jsonl", [ROWS[4], long_row])
+    n_long = len(local.prompt_ids(Request(messages=long_row["messages"][:1])))
+    n_short = len(local.prompt_ids(Request(messages=ROWS[4]["messages"][:1])))
+    assert n_short < 50 < n_long
+    summary = run_regenerate(RegenerateRun(inputs=[str(inp)], output=tmp_path / "o.jsonl",
+                                           settings=RegenerateConfig(max_new_tokens=4, max_prompt_tokens=50)),
+                             make_backend=lambda: local)
+    assert summary["counts"]["rejected_by_reason"] == {"prompt too long": 1} and summary["counts"]["written"] == 1
+    assert lines(tmp_path / "o.rejects.jsonl")[0]["reason"] == \
+        f"prompt too long: {n_long} prompt tokens exceed --max-prompt-tokens 50"
+    with pytest.raises(InputError, match="--max-prompt-tokens needs a tokenizer"):  # a server without --tokenizer
+        run_regenerate(RegenerateRun(inputs=[str(inp)], output=tmp_path / "p.jsonl",
+                                     settings=RegenerateConfig(max_prompt_tokens=30)), make_backend=Scripted)
+    with pytest.raises(ValueError, match="--max-prompt-tokens must be >= 1"):
+        RegenerateConfig(max_prompt_tokens=0)
 
 
 class Killed(Exception):
