@@ -16,6 +16,7 @@ OVERRIDES = {
     "store": {"type": click.Path()},
     "output": {"type": OutputPath(directory=True)},
     "lazy_embedding": {"decls": ["--lazy-embedding/--dense-embedding"]},
+    "train_embedding": {"decls": ["--train-embedding/--freeze-embedding"]},
     "attention_backend": {"type": click.Choice(ATTENTION_CHOICES)},
 }
 """What the field annotations cannot say: paths, the secondary flag, the choices."""

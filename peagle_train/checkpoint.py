@@ -101,8 +101,10 @@ def rope_from_layer_config(layer: dict[str, Any]) -> dict[str, Any]:
     return rope
 
 
-def drafter_config_json(cfg: DrafterConfig, extra_config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The §8 ``config.json`` of a drafter with config ``cfg`` (``extra_config`` merged on top)."""
+def drafter_config_json(cfg: DrafterConfig, extra_config: dict[str, Any] | None = None,
+                        embed_requires_grad: bool = True) -> dict[str, Any]:
+    """The §8 ``config.json`` of a drafter with config ``cfg`` (``extra_config`` merged on top;
+    ``embed_requires_grad``: whether training updated the token embedding)."""
     out: dict[str, Any] = {
         "architectures": ["PEagleSpeculator"],
         "speculators_model_type": "peagle",
@@ -112,7 +114,7 @@ def drafter_config_json(cfg: DrafterConfig, extra_config: dict[str, Any] | None 
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
         "mask_token_id": cfg.mask_token_id,
         "norm_before_residual": False,
-        "embed_requires_grad": True,
+        "embed_requires_grad": embed_requires_grad,
         "num_depths": cfg.num_depths,
         "speculators_config": {
             "algorithm": "peagle",
@@ -130,7 +132,8 @@ def drafter_config_json(cfg: DrafterConfig, extra_config: dict[str, Any] | None 
 
 
 def _write_drafter(model: PEagleDrafter, directory: Path, extra_config: dict[str, Any] | None) -> None:
-    (directory / CONFIG_FILE).write_text(json.dumps(drafter_config_json(model.config, extra_config), indent=2))
+    config = drafter_config_json(model.config, extra_config, model.embed_tokens.weight.requires_grad)
+    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
     follow_umask(directory / WEIGHTS_FILE)  # safetensors creates it 0600

@@ -141,6 +141,9 @@ class TrainConfig:
     """Steps between metrics.jsonl lines (``--log-every``)."""
     lazy_embedding: bool = True
     """Update only the embedding rows a step touched (``--lazy-embedding/--dense-embedding``)."""
+    train_embedding: bool = True
+    """Train the drafter's token embedding (initialised from the verifier's), or keep it frozen as
+    EAGLE-3 does (``--train-embedding/--freeze-embedding``); recorded as ``embed_requires_grad``."""
     attention_backend: str = "auto"
     """Drafter attention backend (``--attention-backend``), a name of
     :data:`peagle_train.attention.ATTENTION_BACKENDS` (``sdpa``: dense mask; ``flex``: flex_attention
@@ -195,7 +198,8 @@ class TrainConfig:
 #: fields that must equal the saved ones for ``--resume`` to reproduce an uninterrupted run
 _RESUME_FIELDS = ("store", "max_steps", "num_depths", "down_sample_ratio", "down_sample_ratio_min",
                   "max_anchors", "lr", "warmup_steps", "weight_decay", "grad_accum", "seed",
-                  "draft_vocab_size", "num_layers", "val_fraction", "lazy_embedding", "grad_clip", "mask_token_id")
+                  "draft_vocab_size", "num_layers", "val_fraction", "lazy_embedding", "grad_clip", "mask_token_id",
+                  "train_embedding")
 
 
 @dataclass

@@ -387,6 +387,7 @@ def _drafter(cfg: TrainConfig, heads, store, d2t: torch.Tensor | None, D: int,
     torch.manual_seed(cfg.seed)
     model = PEagleDrafter(build_drafter_config(heads, store, cfg, D))
     model.init_from_verifier(heads.embed, heads.lm_head, d2t)
+    model.embed_tokens.weight.requires_grad_(cfg.train_embedding)
     return model, heads.lm_head[model.draft_ids].to(device)  # [D, H]
 
 

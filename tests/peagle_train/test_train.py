@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from peagle_train.checkpoint import load_drafter
 from peagle_train.data import epoch_order, split_blocks
 from peagle_train.train import TrainConfig, build_draft_vocab, run_train
-from stores.errors import StoreFormatError, StoreMismatchError
+from stores.errors import InputError, StoreFormatError, StoreMismatchError
 
 H, V, LAYERS, C = 64, 256, [1, 2], 48
 
@@ -80,6 +80,21 @@ def test_loss_decreases_on_a_repeated_block(tmp_path, verifier_dir):
     assert (tmp_path / "out" / "training.png").stat().st_size > 0
     assert (tmp_path / "out" / "checkpoint-12" / "training_state.pt").is_file()
     assert not (tmp_path / "out" / "trackers").exists()  # no --report-to: no tracker
+
+
+def test_freeze_embedding_keeps_the_verifiers_embedding_and_says_so(tmp_path, verifier_dir):
+    from transformers import AutoModelForCausalLM
+
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
+    embed = AutoModelForCausalLM.from_pretrained(verifier_dir).get_input_embeddings().weight.detach()
+    for flag, out in ((False, tmp_path / "frozen"), (True, tmp_path / "trained")):
+        summary = run_train(_cfg(store, out, max_steps=4, train_embedding=flag))
+        drafter = load_drafter(summary["checkpoint"])
+        changed = (drafter.embed_tokens.weight.float() - embed.float()).abs().max().item()
+        assert (changed == 0) is (not flag)
+        assert json.loads((out / "final" / "config.json").read_text())["embed_requires_grad"] is flag
+    with pytest.raises(InputError, match="--train-embedding: saved False, given True"):  # a resume keeps it
+        run_train(_cfg(store, tmp_path / "frozen", max_steps=4, train_embedding=True, resume=True))
 
 
 def test_resume_continues_exactly(tmp_path, verifier_dir):
