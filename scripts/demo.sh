@@ -13,7 +13,7 @@ OUT=${DEMO_DIR:-demo}
 CONVERSATIONS=${DEMO_CONVERSATIONS:-100}
 MAX_SEQ_LEN=${DEMO_MAX_SEQ_LEN:-512}
 MAX_WINDOWS=${DEMO_MAX_WINDOWS:-1}
-STEPS=${DEMO_STEPS:-80}
+STEPS=${DEMO_STEPS:-300}
 LR=${DEMO_LR:-1e-3}
 DRAFT_VOCAB=${DEMO_DRAFT_VOCAB:-4096}
 NUM_DEPTHS=${DEMO_NUM_DEPTHS:-4}
@@ -21,14 +21,10 @@ PROMPTS=${DEMO_PROMPTS:-examples/prompts.jsonl}
 NUM_PROMPTS=${DEMO_NUM_PROMPTS:-2}
 MAX_NEW_TOKENS=${DEMO_MAX_NEW_TOKENS:-32}
 
-bad() { echo "demo.sh: $1" >&2; exit 2; }
-for var in DEMO_CONVERSATIONS DEMO_MAX_SEQ_LEN DEMO_MAX_WINDOWS DEMO_STEPS DEMO_DRAFT_VOCAB DEMO_NUM_DEPTHS \
-           DEMO_NUM_PROMPTS DEMO_MAX_NEW_TOKENS; do
-  value=${!var:-}  # unset or empty: the default above
-  [[ -z $value || $value =~ ^[1-9][0-9]*$ ]] || bad "$var=$value: expected a positive integer"
-done
-[[ $LR =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$ && ! $LR =~ ^[0.]+([eE].*)?$ ]] \
-  || bad "DEMO_LR=$LR: expected a positive number such as 1e-3"
+PREFIX=demo.sh; . scripts/checks.sh
+check_positive_ints DEMO_CONVERSATIONS DEMO_MAX_SEQ_LEN DEMO_MAX_WINDOWS DEMO_STEPS DEMO_DRAFT_VOCAB \
+  DEMO_NUM_DEPTHS DEMO_NUM_PROMPTS DEMO_MAX_NEW_TOKENS
+check_positive_number DEMO_LR "$LR"
 (( MAX_SEQ_LEN >= 2 )) || bad "DEMO_MAX_SEQ_LEN=$MAX_SEQ_LEN: expected at least 2 tokens"
 [[ -f $PROMPTS ]] || bad "DEMO_PROMPTS=$PROMPTS: no such file"
 [[ ! -e $OUT || -d $OUT ]] || bad "DEMO_DIR=$OUT: exists and is not a directory"
