@@ -26,10 +26,10 @@ saw the tools or a tool call must not answer as if it had. The local back end ch
 template; the server back end with ``--tokenizer``'s, else the servers' templates are trusted.
 ``--on-dropped-content keep`` regenerates such rows anyway (counted).
 
-An answer cut at ``--max-new-tokens`` is kept (``--on-truncated keep``, counted as
-``turns_truncated``) without the incomplete character the cut may leave (counted as
-``turns_cut_mid_character``), or rejects its row (``--on-truncated drop``). A prompt longer than
-``--max-prompt-tokens`` rejects its row (``prompt too long``) before any generation.
+An answer cut at ``--max-new-tokens`` is kept (``--on-truncated keep``, counted as ``turns_truncated``),
+marked ``finish_reason: length`` (``tokenize`` then supervises no end-of-turn token after it), without
+the incomplete character the cut may leave (``turns_cut_mid_character``), or rejects its row
+(``--on-truncated drop``). A prompt over ``--max-prompt-tokens`` is a reject (``prompt too long``).
 
 A row that cannot be regenerated is a line of ``OUT.rejects.jsonl`` with its reason: the reader's
 reason, ``template drops <part>``, ``prompt too long``, ``server error`` (after the retries),
@@ -95,9 +95,8 @@ class RegenerateConfig:
     on_truncated: str = "keep"
     """An answer cut at --max-new-tokens: keep it (counted), or drop its row to the rejects (``--on-truncated``)."""
     max_prompt_tokens: int | None = None
-    """Reject a row (``prompt too long``) whose prompt, rendered with the generation prompt, has more
-    tokens; None: only the verifier's context length limits it (``--max-prompt-tokens``; with
-    ``--server`` it needs ``--tokenizer`` to count)."""
+    """Reject a row (``prompt too long``) whose rendered prompt has more tokens; None: no limit but the
+    verifier's context (``--max-prompt-tokens``; with ``--server`` it needs ``--tokenizer`` to count)."""
 
     def __post_init__(self) -> None:
         if self.turns not in TURNS:
@@ -284,13 +283,9 @@ def _run_server(jobs: list[Regeneration], backend, pool: ThreadPoolExecutor, cfg
 
 
 def _chunks(items: Iterator, size: int) -> Iterator[list]:
-    chunk = []
-    for item in items:
-        chunk.append(item)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
+    """Lists of ``size`` items (the last one shorter): ``itertools.batched`` of Python 3.12."""
+    items = iter(items)
+    while chunk := list(itertools.islice(items, size)):
         yield chunk
 
 
