@@ -67,7 +67,7 @@ if ratio < 1:
           f"(acceptance length {r['acceptance_length']:.2f}), while this run's own figures put the "
           f"break-even at an acceptance length of about {r['acceptance_length'] / ratio:.1f} "
           "(acceptance length / speed ratio; about 2 on an idle CPU, docs/benchmarks.md); a drafter "
-          "worth using needs far more data and steps (README, 'Using your own verifier and data').")
+          "worth using needs far more data and steps (README, 'A drafter that pays? The quality recipe').")
 else:
     print(f"In plain words: speculative decoding was {ratio:.1f}x faster than plain decoding here, with "
           "the same output; more data and steps give a better drafter (README, 'Using your own verifier "
