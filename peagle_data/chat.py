@@ -23,8 +23,9 @@ Method, for one conversation of T tokens:
    ``reasoning_content`` was injected by the template, not generated: mask 0. An assistant turn
    with empty content (no text, reasoning or tool calls), or marked ``"weight": 0``, supervises
    nothing, not even its end-of-turn token: all its tokens have mask 0 (it stays in the context).
-   A turn marked ``"finish_reason": "length"`` (a reply cut at a token limit) is supervised up to,
-   not including, its end-of-turn token: the verifier did not end the turn there.
+   A turn marked ``"finish_reason": "length"`` (a reply cut at a token limit) is supervised up to the
+   end of its own text (its content, else its reasoning): the closing text the template renders after
+   it (``</think>``, the end-of-turn token) is not what the verifier generated.
 4. ``apply_chat_template(messages, tokenize=True)`` tokenizes the same render with
    ``add_special_tokens=False``, so the ids are identical by construction (tests check it on five
    template families); they are not tokenized twice at run time.
@@ -154,7 +155,7 @@ class RenderedRow:
         dropped: message content the template does not render, kept by ``on_dropped="keep"``:
             ``"tools"`` or ``"<part> of message <i>"`` (part: content, reasoning_content, tool_calls).
         cut: positions in ``spans`` of turns marked ``"finish_reason": "length"`` (cut at a token
-            limit): supervised up to, not including, their end-of-turn token.
+            limit); their span ends where the reply's own text ends, and is supervised whole.
     """
 
     text: str
@@ -334,10 +335,28 @@ def _checked_row(tokenizer, messages, tools, chat_template, text: str, spans: di
     kept_indices, kept_spans = [i for i, _ in kept], [span for _, span in kept]
     if not kept_spans and turn is None and dropped:
         raise ChatTemplateError("no supervised tokens: the template renders no content of any assistant turn")
+    cut = tuple(k for k, i in enumerate(kept_indices) if messages[i].get("finish_reason") == "length")
+    for k in cut:  # a cut reply ends where its text ends: what the template renders after it was not generated
+        kept_spans[k] = (kept_spans[k][0], _cut_end(messages[kept_indices[k]], text, *kept_spans[k]))
     return RenderedRow(text, tuple(kept_spans), _prefix_chars(tokenizer, messages, text, tools, chat_template),
                        turn, _empty_think(messages, kept_indices, text, kept_spans),
-                       tuple(("tools" if i is None else f"{part} of message {i}") for i, part, _ in dropped),
-                       tuple(k for k, i in enumerate(kept_indices) if messages[i].get("finish_reason") == "length"))
+                       tuple(("tools" if i is None else f"{part} of message {i}") for i, part, _ in dropped), cut)
+
+
+def _cut_end(msg: dict[str, Any], text: str, a: int, b: int) -> int:
+    """The end (characters) of a cut reply's own text in its span ``[a, b)``: after the last occurrence
+    of the final characters of its content, else of its reasoning (a reply cut inside its think
+    block, whose closing ``</think>`` the template adds).
+
+    Raises:
+        ChatTemplateError: the reply has no text, or its end is not found in the render.
+    """
+    last = str(msg.get("content") or "").rstrip() or str(msg.get("reasoning_content") or "").rstrip()
+    at = text.rfind(last[-16:], a, b) if last else -1
+    if at < 0:
+        raise ChatTemplateError("a reply cut at a token limit (finish_reason: length) whose text's end is not "
+                                "found in the render: the turn has no exact mask")
+    return at + len(last[-16:])
 
 
 def _no_prefix_reason(tokenizer, messages, i: int, text: str, tools, chat_template, detail: str) -> str:

@@ -79,8 +79,7 @@ def tokenize_rendered(tokenizer, rows: Sequence[RenderedRow]) -> list[TokenizedC
         supervised = np.flatnonzero(loss_mask)
         if supervised.size:
             system_len = min(system_len, int(supervised[0]))
-        problem = (straddling_token(row, offsets, loss_mask) or _unclear_end_of_turn(row, ids, offsets, special)
-                   or _cut_without_end_of_turn(row, ids, offsets[:, 0], special))
+        problem = straddling_token(row, offsets, loss_mask) or _unclear_end_of_turn(row, ids, offsets, special)
         out.append(TokenizedConversation(input_ids=ids, loss_mask=loss_mask, system_len=system_len,
                                          problem=problem))
     return out
@@ -129,7 +128,9 @@ def _unclear_end_of_turn(row: RenderedRow, ids: np.ndarray, offsets: np.ndarray,
     that ends turns without one; masking up to it would silently drop the reply's rest."""
     starts, ends = offsets[:, 0], offsets[:, 1]
     text = row.text
-    for a, b in row.spans:
+    for k, (a, b) in enumerate(row.spans):
+        if k in row.cut:  # ends with the reply's own text
+            continue
         lo, hi = int(np.searchsorted(starts, a, side="left")), int(np.searchsorted(starts, b, side="left"))
         last = next((t for t in range(hi - 1, lo - 1, -1) if int(ids[t]) in special), None)
         if last is not None and text[int(ends[last]):b].strip():
@@ -140,25 +141,11 @@ def _unclear_end_of_turn(row: RenderedRow, ids: np.ndarray, offsets: np.ndarray,
     return None
 
 
-def _cut_without_end_of_turn(row: RenderedRow, ids: np.ndarray, starts: np.ndarray,
-                             special: frozenset[int]) -> str | None:
-    """Why a cut turn (``finish_reason: length``) has no exact mask, or None: its span holds no special
-    token, so where the reply ends and the template's closing text begins is not known."""
-    for k in row.cut:
-        a, b = row.spans[k]
-        lo, hi = int(np.searchsorted(starts, a, side="left")), int(np.searchsorted(starts, b, side="left"))
-        if not any(int(t) in special for t in ids[lo:hi]):
-            return ("a reply cut at a token limit (finish_reason: length) under a template that ends turns "
-                    "without an end-of-turn token: what the template appends cannot be told from the reply, so "
-                    "the turn has no exact mask; drop such rows (regenerate --on-truncated drop) or pass "
-                    "--chat-template FILE with a template that ends assistant turns with an end-of-turn token")
-    return None
-
-
 def _mask_from_spans(ids: np.ndarray, starts: np.ndarray, spans: list[tuple[int, int]],
                      special: frozenset[int], cut: frozenset[int] = frozenset()) -> np.ndarray:
     """uint8 ``[T]``: 1 for tokens starting in a span, up to and including its last special token
-    (excluding it for the spans whose position is in ``cut``: replies cut at a token limit)."""
+    (all of them for the spans whose position is in ``cut``: replies cut at a token limit, whose span
+    already ends with the reply's text)."""
     mask = np.zeros(len(ids), dtype=np.uint8)
     for k, (a, b) in enumerate(spans):
         lo = int(np.searchsorted(starts, a, side="left"))
@@ -167,8 +154,8 @@ def _mask_from_spans(ids: np.ndarray, starts: np.ndarray, spans: list[tuple[int,
             continue
         end = hi
         for t in range(hi - 1, lo - 1, -1):
-            if int(ids[t]) in special:
-                end = t if k in cut else t + 1
+            if int(ids[t]) in special and k not in cut:
+                end = t + 1
                 break
         mask[lo:end] = 1
     return mask

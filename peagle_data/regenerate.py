@@ -305,6 +305,8 @@ def _check_resume(manifest: dict[str, Any] | None, settings: dict[str, Any], out
         if key == "model" and isinstance(old, dict):  # the device may change between runs
             old, new = ({k: v for k, v in d.items() if k not in ("device", "concurrency", "servers")}
                         for d in (old, new))
+        if key == "generation" and isinstance(old, dict):  # a setting added since, left unset
+            new = {k: v for k, v in new.items() if k in old or v is not None}
         if old != new:
             raise InputError(f"--resume: {output} was written with other settings: {key} was {old!r}, "
                              f"now {new!r}; rerun with the same settings, or with --force to start over")

@@ -85,9 +85,11 @@ def server_base_url(url: str) -> str:
 
 
 def _wire_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as the OpenAI API wants them: tool-call ``arguments`` as JSON strings."""
+    """Messages as the OpenAI API wants them: tool-call ``arguments`` as JSON strings, without the
+    training-data keys (``weight``, ``finish_reason``) a strict server refuses."""
     out = []
     for msg in messages:
+        msg = {k: v for k, v in msg.items() if k not in ("weight", "finish_reason")}
         if msg.get("tool_calls"):
             calls = []
             for call in msg["tool_calls"]:

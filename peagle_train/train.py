@@ -333,7 +333,9 @@ def _check_resume_settings(cfg: TrainConfig) -> Path | None:
     saved = out / "train_config.json"
     if ckpt is not None and saved.is_file():
         old = json.loads(saved.read_text())
-        diff = {k: (old.get(k), getattr(cfg, k)) for k in _RESUME_FIELDS if old.get(k) != getattr(cfg, k)}
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+        old = {k: old.get(k, defaults[k]) for k in _RESUME_FIELDS}  # a run saved before a field existed
+        diff = {k: (old[k], getattr(cfg, k)) for k in _RESUME_FIELDS if old[k] != getattr(cfg, k)}
         if diff:
             raise InputError(resume_mismatch_message(saved, diff), field="--resume")
     return ckpt

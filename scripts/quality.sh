@@ -12,7 +12,9 @@
 #                  speculative decoding of the first QUALITY_ONLINE_QUESTIONS MT-Bench questions, checked
 #                  token for token against greedy decoding, speculative vs greedy tokens/s
 #
-# Stage 1 resumes (re-running continues an unfinished regeneration); the others start over (--force).
+# Stage 1 resumes (re-running continues an unfinished regeneration; with other QUALITY_ROWS or
+# QUALITY_MAX_NEW_TOKENS use a new QUALITY_DIR); the others start over (--force). Relative paths in
+# QUALITY_DIR and QUALITY_MT_BENCH are taken from the repository root.
 # Measured wall times and results are in README.md and docs/benchmarks.md. Override the sizes with the
 # environment variables below (checked before anything runs).
 set -euo pipefail
@@ -38,7 +40,7 @@ check_positive_number QUALITY_LR "$LR"
 (( DRAFT_TOKENS <= NUM_DEPTHS )) || bad "QUALITY_DRAFT_TOKENS=$DRAFT_TOKENS: at most QUALITY_NUM_DEPTHS=$NUM_DEPTHS"
 (( STEPS >= 4 )) || bad "QUALITY_STEPS=$STEPS: expected at least 4 (four checkpoints make the learning curve)"
 [[ -f $MT_BENCH ]] || bad "QUALITY_MT_BENCH=$MT_BENCH: no such file; download FastChat's MT-Bench questions:
-  curl -o $MT_BENCH https://raw.githubusercontent.com/lm-sys/FastChat/main/fastchat/llm_judge/data/mt_bench/question.jsonl"
+  curl --create-dirs -o $MT_BENCH https://raw.githubusercontent.com/lm-sys/FastChat/main/fastchat/llm_judge/data/mt_bench/question.jsonl"
 [[ ! -e $OUT || -d $OUT ]] || bad "QUALITY_DIR=$OUT: exists and is not a directory"
 
 bash scripts/setup_env.sh
@@ -90,9 +92,11 @@ peagle-train --store "$OUT/features.zarr" --output "$OUT/drafter" --max-steps "$
 stamp train
 
 echo "== 6/6 evaluate: offline on the held-out store (each checkpoint), online on $ONLINE_QUESTIONS MT-Bench questions"
-for ck in $(ls -d "$OUT"/drafter/checkpoint-* | sort -t- -k2 -n); do
-  peagle-eval --drafter "$ck" --store "$OUT/mt_bench.zarr" --num-draft-tokens "$DRAFT_TOKENS" \
-    --output "$ck/held_out.json" --force > /dev/null
+steps=$(cd "$OUT/drafter" && ls -d checkpoint-* | sed 's/^checkpoint-//' | sort -n)
+[[ -n $steps ]] || { echo "quality.sh: no checkpoint in $OUT/drafter" >&2; exit 1; }
+for step in $steps; do
+  peagle-eval --drafter "$OUT/drafter/checkpoint-$step" --store "$OUT/mt_bench.zarr" --num-draft-tokens "$DRAFT_TOKENS" \
+    --output "$OUT/drafter/checkpoint-$step/held_out.json" --force > /dev/null
 done
 OMP_NUM_THREADS=1 peagle-eval --drafter "$OUT/drafter/final" --verifier smollm2-135m --prompts "$MT_BENCH" \
   --num-prompts "$ONLINE_QUESTIONS" --num-draft-tokens "$DRAFT_TOKENS" --output "$OUT/online.json" --force > /dev/null

@@ -35,6 +35,8 @@ def projection(points: list[dict], regen_tokens_per_s: float | None = None) -> s
     """Training tokens (and hours) for held-out AL 2.0 from a straight line of AL against
     log(training tokens) through the first and last checkpoints: a rough extrapolation, and an
     optimistic one for a small store, whose later passes repeat data (fresh data would be needed)."""
+    if len(points) < 2 or points[-1]["tokens"] <= points[0]["tokens"]:
+        return "too few checkpoints for a learning curve"
     a, b = points[0], points[-1]
     slope = (b["al"] - a["al"]) / math.log(b["tokens"] / a["tokens"])
     if slope <= 0:
@@ -54,9 +56,10 @@ def projection(points: list[dict], regen_tokens_per_s: float | None = None) -> s
 
 
 def regen_rate(out: Path, stages: list[list[str]]) -> float | None:
-    """New tokens per second of stage 1 (``regenerate``), from its manifest and stage time."""
+    """New tokens per second of stage 1 (``regenerate``), from its manifest and stage time; None when
+    the stage took under a minute (a re-run that found the regeneration done: not its speed)."""
     manifest, secs = out / "regenerated.manifest.json", dict(stages).get("regenerate")
-    if not manifest.is_file() or not secs or int(secs) <= 0:
+    if not manifest.is_file() or not secs or int(secs) < 60:
         return None
     return json.loads(manifest.read_text())["counts"]["completion_tokens"] / int(secs)
 

@@ -206,13 +206,14 @@ def _copy_finish_reason(turn: dict[str, Any], new: dict[str, Any], where: str) -
     """An assistant turn's ``finish_reason`` (OpenAI's name; ``peagle-data regenerate`` writes it):
     ``"length"`` marks a reply cut at a token limit, so the end-of-turn token the template renders
     after it is not the verifier's and is not supervised (``"finish_reason": "length"`` on ``new``);
-    ``"stop"`` or absent is a complete reply; anything else rejects the row."""
+    ``"stop"``, ``"tool_calls"``, ``"function_call"`` or absent is a complete reply; anything else
+    (``"content_filter"``: cut by a filter) rejects the row."""
     reason = turn.get("finish_reason")
-    if reason is None or reason == "stop" or new["role"] != "assistant":
+    if reason in (None, "stop", "tool_calls", "function_call") or new["role"] != "assistant":
         return
     if reason != "length":
         raise RowError(f"invalid finish_reason: {where}.finish_reason is {reason!r} (\"length\": the reply was "
-                       "cut at a token limit, \"stop\": it is complete)", f"{where}.finish_reason")
+                       "cut at a token limit; \"stop\", \"tool_calls\": it is complete)", f"{where}.finish_reason")
     new["finish_reason"] = "length"
 
 
@@ -240,6 +241,7 @@ def _normalize_sharegpt(turns: Any, system: Any) -> list[dict[str, Any]]:
         else:
             out.append({"role": role, "content": value})
         _copy_weight(turn, out[-1], where)
+        _copy_finish_reason(turn, out[-1], where)
     return out
 
 

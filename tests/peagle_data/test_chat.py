@@ -168,12 +168,18 @@ def test_a_special_token_inside_a_reply_without_end_of_turn_is_rejected_not_cut(
     assert masked_texts(smollm2_tokenizer, out) == ["a <file_sep> b and more<|im_end|>"]
 
 
-def test_a_cut_reply_without_an_end_of_turn_token_has_no_exact_mask(smollm2_tokenizer):
+def test_a_cut_reply_is_supervised_up_to_its_own_text(smollm2_tokenizer):
     # ChatML: the reply cut at a token limit is supervised without the <|im_end|> the template adds
     cut = [MULTI_TURN[0], {**MULTI_TURN[1], "finish_reason": "length"}]
     assert masked_texts(smollm2_tokenizer, tokenize_conversation(smollm2_tokenizer, cut)) == ["2+2 is 4."]
-    # a template that closes turns with plain text: where the reply ends is unknown, a reject
+    # a template that closes turns with plain text: its "\n" is not supervised either
     template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
                 "{% if add_generation_prompt %}assistant:{% endif %}")
-    with pytest.raises(ChatTemplateError, match="a reply cut at a token limit"):
-        tokenize_conversation(smollm2_tokenizer, cut, chat_template=template)
+    out = tokenize_conversation(smollm2_tokenizer, cut, chat_template=template)
+    assert masked_texts(smollm2_tokenizer, out) == [" 2+2 is 4."]
+    # a render without the reply's text (the dropped-content check rejects such rows first): no guess
+    from peagle_data.chat import _cut_end
+
+    with pytest.raises(ChatTemplateError, match="a reply cut at a token limit .* whose text's end is not found"):
+        _cut_end(cut[1], "assistant: 2+2 IS 4.\n", 11, 21)
+    assert _cut_end({"content": "", "reasoning_content": "Two and "}, "<think>\nTwo and\n</think>", 0, 25) == 15

@@ -386,6 +386,14 @@ def test_a_cut_turn_in_a_per_turn_row_ends_before_its_end_of_turn(qwen3_tok):
     assert masked_texts(qwen3_tok, rows[1][1]) == ["<think>\nThree and three.\n</think>\n\n6."]
 
 
+def test_a_reply_cut_inside_its_reasoning_supervises_no_closing_think(qwen3_tok):
+    # regenerate cut inside the think block: reasoning only; the template adds "\n</think>\n\n" itself
+    turns = [{"role": "user", "content": "3+3?"},
+             {"role": "assistant", "content": "", "reasoning_content": "Two and", "finish_reason": "length"}]
+    rows = tokenize_turns(qwen3_tok, turns, chat_template=QWEN3)
+    assert [masked_texts(qwen3_tok, out) for _, out in rows] == [["<think>\nTwo and"]]
+
+
 def test_a_weight_zero_turn_gets_no_per_turn_row(qwen3_tok):
     turns = [dict(m) for m in QWEN_REASONING]
     turns[1]["weight"] = 0  # the OpenAI fine-tuning format's "do not train on this turn"

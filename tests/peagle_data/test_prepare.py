@@ -432,17 +432,20 @@ def test_a_reply_cut_at_a_token_limit_supervises_no_end_of_turn(tmp_path, smollm
     turns = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "One, two,", "finish_reason": "length"},
              {"role": "user", "content": "Again?"}, {"role": "assistant", "content": "Done.", "finish_reason": "stop"}]
     rows = [{"id": "c", "messages": turns},
-            {"id": "bad", "messages": [turns[0], {**turns[1], "finish_reason": "content_filter"}]}]
+            {"id": "bad", "messages": [turns[0], {**turns[1], "finish_reason": "content_filter"}]},
+            {"id": "sg", "conversations": [{"from": "human", "value": "Count."},
+                                           {"from": "gpt", "value": "One, two,", "finish_reason": "length"}]}]
     src = write_rows(tmp_path / "c.jsonl", rows)
     counts = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "t",
                                       settings=TokenizeConfig(dedup=False)), tokenizer=smollm2_tokenizer)["counts"]
-    assert (counts["used"], counts["rejected"], counts["cut_assistant_turns"]) == (1, 1, 1)
-    row = next(TokenTable.open(tmp_path / "t").iter_rows())
-    out = TokenizedConversation(row["input_ids"], row["loss_mask"], row["system_len"])
-    assert masked_texts(smollm2_tokenizer, out) == ["One, two,", "Done.<|im_end|>"]
+    assert (counts["used"], counts["rejected"], counts["cut_assistant_turns"]) == (2, 1, 2)
+    table = list(TokenTable.open(tmp_path / "t").iter_rows())
+    out = [masked_texts(smollm2_tokenizer, TokenizedConversation(r["input_ids"], r["loss_mask"], r["system_len"]))
+           for r in table]
+    assert out == [["One, two,", "Done.<|im_end|>"], ["One, two,"]]  # the ShareGPT row's turn too
     assert [r["reason"] for r in rejects_of(tmp_path / "t")] == [
         "invalid finish_reason: messages[1].finish_reason is 'content_filter' (\"length\": the reply was cut at a "
-        "token limit, \"stop\": it is complete)"]
+        "token limit; \"stop\", \"tool_calls\": it is complete)"]
 
 
 def test_a_split_turn_the_template_drops_whole_is_counted(tmp_path, smollm2_tokenizer):

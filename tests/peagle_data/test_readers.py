@@ -390,3 +390,18 @@ def test_text_after_a_json_arrays_end_is_a_reject_not_ignored(tmp_path, monkeypa
                                "arrays in one file?); the rest of the file is not read")
     (tmp_path / "ok.json").write_text(json.dumps([conv]) + " \r\n\n")  # whitespace after it is fine
     assert [type(i).__name__ for i in read_conversations([tmp_path / "ok.json"])] == ["Conversation"]
+
+
+def test_finish_reason_of_a_complete_turn_is_dropped_and_length_kept():
+    from peagle_data.readers.normalize import normalize_record
+
+    def last(reason):
+        row = {"messages": [{"role": "user", "content": "q"},
+                            {"role": "assistant", "content": "a", "finish_reason": reason}]}
+        return normalize_record(row)[0][-1]
+
+    for complete in ("stop", "tool_calls", "function_call", None):
+        assert last(complete) == {"role": "assistant", "content": "a"}
+    assert last("length") == {"role": "assistant", "content": "a", "finish_reason": "length"}
+    sharegpt = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a", "finish_reason": "length"}]}
+    assert normalize_record(sharegpt)[0][-1] == {"role": "assistant", "content": "a", "finish_reason": "length"}

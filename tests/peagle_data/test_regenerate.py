@@ -509,3 +509,24 @@ def test_local_answer_cut_inside_a_character_ends_before_it(local):
     broken = local.answer_of([40303] + ids[-1:] + [2], prompt)  # 3 bytes of a 4-byte character, then ' ok'
     assert broken.error == ("invalid UTF-8: the answer's tokens hold bytes that are not UTF-8 (byte 1 of 7: "
                             "b'\\xf0\\x9f\\x98'); their decode would write U+FFFD the verifier did not say")
+
+
+def test_wire_messages_carry_only_the_apis_keys():
+    from peagle_data.verifier_backends import _wire_messages
+
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "finish_reason": "length"},
+            {"role": "assistant", "content": "b", "weight": 0}]
+    assert _wire_messages(msgs) == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                                    {"role": "assistant", "content": "b"}]
+
+
+def test_resume_of_an_output_written_before_a_setting_existed():
+    from peagle_data.regenerate import _check_resume
+
+    settings = {"inputs": ["i"], "files": ["f"], "model": {"backend": "local"},
+                "generation": {"turns": "all", "max_prompt_tokens": None}}
+    old = {**settings, "generation": {"turns": "all"}}  # written before --max-prompt-tokens
+    _check_resume(old, settings, "o.jsonl")
+    with pytest.raises(InputError, match="generation was"):  # set now: not the same run
+        _check_resume(old, {**settings, "generation": {"turns": "all", "max_prompt_tokens": 64}}, "o.jsonl")
+

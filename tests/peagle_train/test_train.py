@@ -97,6 +97,20 @@ def test_freeze_embedding_keeps_the_verifiers_embedding_and_says_so(tmp_path, ve
         run_train(_cfg(store, tmp_path / "frozen", max_steps=4, train_embedding=True, resume=True))
 
 
+def test_resume_of_a_run_saved_before_a_setting_existed(tmp_path, verifier_dir):
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
+    out = tmp_path / "out"
+    run_train(_cfg(store, out, max_steps=4, save_every=2))
+    saved = json.loads((out / "train_config.json").read_text())
+    del saved["train_embedding"]  # as written before --freeze-embedding existed: the default (trained)
+    (out / "train_config.json").write_text(json.dumps(saved))
+    import shutil
+
+    shutil.rmtree(out / "checkpoint-4")
+    shutil.rmtree(out / "final")
+    assert run_train(_cfg(store, out, max_steps=4, save_every=2, resume=True))["resumed_from"].endswith("checkpoint-2")
+
+
 def test_resume_continues_exactly(tmp_path, verifier_dir):
     store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=5)
     full = tmp_path / "full"
