@@ -283,8 +283,7 @@ def _run_server(jobs: list[Regeneration], backend, pool: ThreadPoolExecutor, cfg
 
 
 def _chunks(items: Iterator, size: int) -> Iterator[list]:
-    """Lists of ``size`` items (the last one shorter): ``itertools.batched`` of Python 3.12."""
-    items = iter(items)
+    """Lists of ``size`` items of the iterator ``items`` (the last one shorter): Python 3.12's ``batched``."""
     while chunk := list(itertools.islice(items, size)):
         yield chunk
 
@@ -313,10 +312,9 @@ def _check_resume(manifest: dict[str, Any] | None, settings: dict[str, Any], out
 
 
 def _base_counts() -> dict[str, Any]:
-    return {"read": 0, "written": 0, "rejected": 0, "rejected_by_reason": {}, "turns_regenerated": 0,
-            "turns_truncated": 0, "turns_cut_mid_character": 0, "turns_with_reasoning": 0,
-            "conversations_with_dropped_content": 0, "ended_at_verifier_tool_call": 0,
-            "prompt_tokens": 0, "completion_tokens": 0}
+    return {"read": 0, "written": 0, "rejected": 0, "rejected_by_reason": {}, "turns_regenerated": 0, "turns_truncated": 0,
+            "turns_cut_mid_character": 0, "turns_with_reasoning": 0, "conversations_with_dropped_content": 0,
+            "ended_at_verifier_tool_call": 0, "prompt_tokens": 0, "completion_tokens": 0}
 
 
 def _record(job: Regeneration | Reject, writer: ConversationWriter, counts: dict[str, Any]) -> None:
