@@ -51,9 +51,10 @@ Normalisation rules (documented decisions):
   is context only: it supervises nothing and is counted (``weight_zero_turns``); a weight other
   than 0 or 1 rejects the row;
 - an assistant turn with ``"finish_reason": "length"`` (OpenAI's name; ``regenerate`` writes it on a
-  reply cut at ``--max-new-tokens``) supervises its text but not the end-of-turn token the template
-  renders after it (the verifier did not end the turn there); counted (``cut_assistant_turns``); a
-  finish_reason other than ``stop`` or ``length`` rejects the row;
+  reply cut at ``--max-new-tokens``) supervises its own text but nothing the template renders after
+  it (a closing ``</think>``, the end-of-turn token: the verifier did not end the turn there); counted
+  (``cut_assistant_turns``); ``stop``, ``tool_calls``, ``function_call`` are complete turns; another
+  finish_reason rejects the row;
 - a conversation whose only assistant turns were leading ones is rejected ("only a leading
   assistant turn (dropped)").
 
