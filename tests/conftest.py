@@ -29,14 +29,40 @@ TEST_DATA_FILES = {
 """Public data files some tests read but the repository does not ship: name -> (what it is, where to get it)."""
 
 
+VLLM_SETUP = "PEAGLE_VLLM=1 bash scripts/setup_env.sh (creates .venv-vllm); run them with .venv-vllm/bin/python -m pytest -m vllm"
+"""How a user gets the environment the tests marked ``vllm`` run in."""
+
+
+def vllm_missing_reason() -> str | None:
+    """Why vLLM cannot be imported in this interpreter, or None when it can."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return f"needs vLLM, which this environment lacks: {VLLM_SETUP}"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``slow`` run in CI (.ci/run sets PEAGLE_SLOW_TESTS=1) and are skipped otherwise."""
-    if os.environ.get("PEAGLE_SLOW_TESTS") == "1":
+    """Tests marked ``slow`` run in CI (.ci/run sets PEAGLE_SLOW_TESTS=1) and are skipped otherwise.
+
+    Tests marked ``vllm`` need vLLM importable (``.venv-vllm``); without it they skip naming the set-up
+    command, except under ``PEAGLE_REQUIRE_VLLM=1`` (the vLLM run of ``scripts/test.sh``, so CI), where
+    a vLLM test that cannot run is a failure.
+    """
+    if os.environ.get("PEAGLE_SLOW_TESTS") != "1":
+        skip = pytest.mark.skip(reason="slow: set PEAGLE_SLOW_TESTS=1 (CI does) to run it")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip)
+    missing = vllm_missing_reason()
+    if missing is None:
         return
-    skip = pytest.mark.skip(reason="slow: set PEAGLE_SLOW_TESTS=1 (CI does) to run it")
+    if os.environ.get("PEAGLE_REQUIRE_VLLM") == "1":
+        raise pytest.UsageError(f"PEAGLE_REQUIRE_VLLM=1 but vLLM cannot run here: {missing}")
+    skip_vllm = pytest.mark.skip(reason=missing)
     for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+        if "vllm" in item.keywords:
+            item.add_marker(skip_vllm)
 
 
 def shared_data_dir() -> Path:
