@@ -118,7 +118,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Max gradient norm (``--grad-clip``); must be > 0."""
     grad_accum: int = 1
-    """Blocks per optimizer step and rank (``--grad-accum``); the step's loss pools their elements."""
+    """Blocks per optimizer step and rank (``--grad-accum``); the step's loss pools their elements. A
+    ``--resume`` on another number of processes keeps ``grad_accum`` × processes, the blocks of one step."""
     seed: int = 0
     """Seed of the split, the shuffles, COD sampling and the drafter init (``--seed``)."""
     draft_vocab_size: int | None = None
@@ -201,8 +202,10 @@ class TrainConfig:
 
 
 #: fields that must equal the saved ones for ``--resume`` to reproduce an uninterrupted run
+#: (``grad_accum`` may change with the number of processes: their product, the blocks of one step, may
+#: not; :func:`peagle_train.data.resume_cursor` checks it)
 _RESUME_FIELDS = ("store", "max_steps", "num_depths", "down_sample_ratio", "down_sample_ratio_min",
-                  "max_anchors", "lr", "warmup_steps", "weight_decay", "grad_accum", "seed",
+                  "max_anchors", "lr", "warmup_steps", "weight_decay", "seed",
                   "draft_vocab_size", "num_layers", "val_fraction", "lazy_embedding", "grad_clip", "mask_token_id",
                   "train_embedding")
 
@@ -345,7 +348,8 @@ def resume_mismatch_message(saved: Path, diff: dict[str, tuple[Any, Any]]) -> st
     """The ``--resume`` refusal: which settings differ from ``saved`` (train_config.json), the command that
     resumes, the options that may change on resume, and why ``--max-steps`` may not (docs/design.md §8)."""
     free = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(TrainConfig)
-            if f.name not in (*_RESUME_FIELDS, "output", "verifier", "resume", "force")]
+            if f.name not in (*_RESUME_FIELDS, "output", "verifier", "resume", "force", "grad_accum")]
+    free.append("--grad-accum (keeping --grad-accum × processes)")
     given = "; ".join(f"--{k.replace('_', '-')}: saved {a!r}, given {b!r}" for k, (a, b) in diff.items())
     message = (f"--resume continues the run saved in {saved.parent} with its own settings, and these differ "
                f"from it: {given}. Resume it with: peagle-train --config {saved} --resume (adding only options "

@@ -230,8 +230,10 @@ def _training_store(store, training: dict[str, Any]) -> tuple[int | None, str | 
 
 def _held_out(done, n_blocks: int, first: int, training: dict[str, Any]):
     """``[M] int64`` the training run's held-out blocks among a training store's ``done`` ones: the recorded
-    global ``val_blocks`` in ``[first, first + n_blocks)``, or (checkpoints without them)
-    ``split_blocks(done, seed, val_fraction)``."""
+    global ``val_blocks`` in ``[first, first + n_blocks)`` (a run records its whole validation side,
+    extracted or not, so a held-out block extracted after training is scored too; earlier runs recorded
+    the done ones), or (checkpoints without them) ``split_blocks(done, seed, val_fraction)``, the split
+    of those earliest runs."""
     import numpy as np
 
     from peagle_train.data import split_blocks
@@ -272,8 +274,12 @@ def select_eval_blocks(store, drafter_config: dict[str, Any] | None = None,
     else:
         ids, split = _held_out(done, store.n_blocks, first, training), "validation"
         if ids.size == 0:
+            held = _held_out(np.arange(store.n_blocks, dtype=np.int64), store.n_blocks, first, training)
             ids, split = done, "training"
-            warnings.append(f"the training run held out no block of {store.path}: every block scored was trained on")
+            warnings.append(
+                f"the training run held out no block of {store.path}: every block scored was trained on" if held.size
+                == 0 else f"none of the {held.size} block(s) the training run held out of {store.path} is extracted "
+                f"(first: {held[:5].tolist()}): every block scored is a training block")
     ids = ids.tolist()
     return BlockSelection(ids[:max_blocks] if max_blocks else ids, split, int(done.size), int(store.n_blocks), warnings)
 
