@@ -204,8 +204,8 @@ def resume_cursor(saved: dict[str, Any], sequence: BlockSequence, world_size: in
     per_step, old_world, old_accum = int(saved["blocks_per_step"]), int(saved["world_size"]), int(saved["grad_accum"])
     if grad_accum * world_size != per_step:
         if per_step % world_size == 0:
-            fix = (f"resume on {world_size} process(es) with --grad-accum {per_step // world_size}, or on "
-                   f"{old_world} with --grad-accum {old_accum}")
+            fix = f"resume with --grad-accum {per_step // world_size} on these {world_size} process(es)" + (
+                f", or on {old_world} with --grad-accum {old_accum}" if old_world != world_size else "")
         else:
             fix = (f"{world_size} processes cannot share {per_step} block(s) per step: resume on a number of "
                    f"processes that divides {per_step} (with --grad-accum {per_step} / processes), e.g. {old_world} "

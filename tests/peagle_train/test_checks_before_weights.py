@@ -73,6 +73,45 @@ def test_train_resume_with_changed_settings_is_refused_before_the_weights(tmp_pa
         f"peagle-train --config {tmp_path / 'out' / 'train_config.json'} --resume" in res.output, res.output
 
 
+def test_train_resume_that_cannot_continue_the_saved_blocks_is_refused_before_the_weights(tmp_path, verifier_dir,
+                                                                                            monkeypatch):
+    """Another number of blocks per step, a state of an earlier peagle, a trained block no longer extracted."""
+    from stores.feature_store import FeatureStore
+
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=4)
+    out = tmp_path / "out"
+    base = ["--store", store, "--output", str(out), "--max-steps", "3", "--num-depths", "2", "--val-fraction", "0",
+            "--allow-incomplete"]
+    assert _train([*base, "--save-every", "2"]).exit_code == 0
+    import shutil
+
+    shutil.rmtree(out / "checkpoint-3"), shutil.rmtree(out / "final")  # as if killed after checkpoint-2
+    import transformers
+
+    def fail(cls, *a, **k):
+        raise WeightsLoaded("weights loaded before the resume position check")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(fail))
+    res = _train([*base, "--grad-accum", "2", "--resume"])
+    assert res.exit_code == 2 and " ".join(res.output.split()) == " ".join((
+        f"Error: field '--grad-accum': {out / 'checkpoint-2'} was trained on 1 process(es) with --grad-accum 1, "
+        "1 block(s) per optimizer step; this launch has 1 process(es) with --grad-accum 2, 2 per step: every step "
+        "would pool other blocks, and the run would not be the saved one continued; resume with --grad-accum 1 on "
+        "these 1 process(es)").split()), res.output
+    fs = FeatureStore.open(store, mode="r+")
+    fs.clear_done(1)
+    res = _train([*base, "--resume"])
+    assert res.exit_code == 2 and "1 block(s) the run saved in" in res.output and "(first: [1])" in res.output
+    fs.mark_done(1)
+    state_file = out / "checkpoint-2" / "training_state.pt"
+    state = torch.load(state_file, weights_only=False)
+    state["data"] = {"position": 2, "seed": 0}  # as peagle wrote it before the global cursor
+    torch.save(state, state_file)
+    res = _train([*base, "--resume"])
+    assert res.exit_code == 2 and "was saved by an earlier peagle" in res.output and "Start a new run" in res.output
+    assert not isinstance(res.exception, WeightsLoaded)
+
+
 def test_train_loads_the_weights_once_the_checks_pass(tmp_path, verifier_dir, no_weights):
     store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
     res = _train(["--store", store, "--output", str(tmp_path / "out"), "--max-steps", "1", "--num-depths", "2"])

@@ -170,7 +170,7 @@ def test_resume_cursor_continues_only_the_same_blocks_per_step():
         "--grad-accum 1")
     with pytest.raises(InputError, match=r"2 process\(es\) with --grad-accum 1, 2 block\(s\) per optimizer step; "
                                          r"this launch has 1 process\(es\) with --grad-accum 1, 1 per step.*; resume "
-                                         r"on 1 process\(es\) with --grad-accum 2, or on 2 with --grad-accum 1$"):
+                                         r"with --grad-accum 2 on these 1 process\(es\), or on 2 with --grad-accum 1$"):
         resume_cursor(data_state(seq, 8, world_size=2, grad_accum=1), seq, world_size=1, grad_accum=1)
     with pytest.raises(InputError, match=r"field '--resume': the checkpoint was saved by an earlier peagle"):
         resume_cursor({"position": 4, "seed": 0}, seq, world_size=1, grad_accum=1)

@@ -241,8 +241,8 @@ def test_resume_on_another_number_of_ranks_trains_exactly_the_uninterrupted_epoc
     assert str(refused.value) == (
         f"field '--grad-accum': {one / 'checkpoint-6'} was trained on 2 process(es) with --grad-accum 1, 2 block(s) "
         "per optimizer step; this launch has 1 process(es) with --grad-accum 1, 1 per step: every step would pool "
-        "other blocks, and the run would not be the saved one continued; resume on 1 process(es) with "
-        "--grad-accum 2, or on 2 with --grad-accum 1")
+        "other blocks, and the run would not be the saved one continued; resume with --grad-accum 2 on these 1 "
+        "process(es), or on 2 with --grad-accum 1")
     assert [r["step"] for r in _rows(one)] == list(range(1, 9))  # refused before anything was written
     resumed = run_train(TrainConfig(store=store, output=str(one), grad_accum=2, resume=True, **opts))
     assert resumed["resumed_from"].endswith("checkpoint-6") and resumed["world_size"] == 1
