@@ -95,7 +95,8 @@ class TrainConfig:
     verifier: str | None = None
     """Verifier MODEL for embeddings and lm_head (``--verifier``); default: the store's verifier."""
     max_steps: int | None = None
-    """Optimizer steps (``--max-steps``); None: one pass over the training blocks."""
+    """Optimizer steps (``--max-steps``); None: one pass over the training blocks (those extracted when
+    the run starts; a resume keeps the saved run's count)."""
     num_depths: int = 4
     """K, parallel draft depths (``--num-depths``). The default 4 is measured (docs/benchmarks.md,
     "Defaults from evidence"): K = 8 trained no better depth-for-depth in the same steps and took 31%
