@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from peagle_data.verifier_forward import _layer_types, language_model
-from stores.errors import DiskSpaceError, InputError, OutputExistsError, StoreFormatError
+from stores.errors import DiskSpaceError, InputError, OutputExistsError, StoreFormatError, StoreMismatchError
 from stores.feature_store import FeatureStore, bytes_per_token, check_block, check_compatible
 from stores.feature_verify import read_done_flags, shared_damage
 from stores.model_cache import model_fingerprint
@@ -179,10 +179,15 @@ def _shard_attrs(cfg: ExtractConfig, table: TokenTable) -> dict[str, Any]:
 
 def _write_shared(store: FeatureStore, rows) -> None:
     """Write the whole-store arrays ``n_tokens [N]`` and ``token_freq [V]`` from the packed rows."""
-    freq = np.zeros(store.vocab_size, dtype=np.int64)
-    for r in rows:
+    V = store.vocab_size
+    freq = np.zeros(V, dtype=np.int64)
+    for i, r in enumerate(rows):
         ids = np.asarray(r["input_ids"], dtype=np.int64)[np.asarray(r["loss_mask"]) == 1]
-        freq += np.bincount(ids, minlength=store.vocab_size)[:store.vocab_size]
+        outside = ids[(ids < 0) | (ids >= V)]
+        if outside.size:  # extract checks every id before the weights load: an invariant
+            raise StoreMismatchError(f"{store.path}: block {i} holds token id {int(outside[0])} outside the "
+                                     f"verifier's {V} ids; token_freq cannot count it")
+        freq += np.bincount(ids, minlength=V)
     store.write_all_n_tokens(np.array([int(r["n_tokens"]) for r in rows], dtype=np.int32))
     store.set_token_freq(freq)
 

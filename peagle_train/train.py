@@ -40,6 +40,7 @@ from peagle_train.checkpoint import latest_checkpoint, rope_from_layer_config
 from peagle_train.metrics import parse_report_to
 from peagle_train.model import ROPE_TYPES, DrafterConfig
 from stores.errors import InputError, OutputExistsError, StoreMismatchError
+from stores.verifier_match import check_store_verifier
 
 __all__ = [
     "TrainConfig",
@@ -234,19 +235,13 @@ def load_verifier_heads(name: str, store, mask_token_id: int) -> VerifierHeads:
     :func:`peagle_train.mask_token.resolve_mask_token`).
 
     Raises:
-        StoreMismatchError: the verifier's content fingerprint, hidden size or vocab size differs
-            from the store's.
+        StoreMismatchError: the verifier's content fingerprint, tokenizer, hidden size or vocab size
+            differs from the store's (:func:`stores.verifier_match.check_store_verifier`).
         ModelNotFoundError / MissingDependencyError: from :func:`stores.model_cache.resolve_model`.
     """
-    from stores.model_cache import load_verifier, model_fingerprint, resolve_model
+    from stores.model_cache import load_verifier
 
-    recorded = store.attrs.get("verifier", {}).get("fingerprint")
-    if recorded is not None and recorded != model_fingerprint(resolve_model(name)):
-        raise StoreMismatchError(
-            f"verifier {name!r} is not the model the store {store.path} was extracted with (content "
-            f"fingerprint {model_fingerprint(resolve_model(name))} vs the store's {recorded}, verifier "
-            f"{store.attrs['verifier'].get('name_or_path')!r}): its targets would come from another model; "
-            "pass --verifier with the extraction's model")
+    check_store_verifier(store, name)
     model = load_verifier(name, dtype=torch.float32, device="cpu")
     cfg = model.config.get_text_config()  # a multimodal wrapper's language model
     _check_verifier_shape(name, cfg, store)
@@ -380,7 +375,9 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str) -> None:
         OutputExistsError: ``--output`` holds files and neither ``--resume`` nor ``--force`` is given.
         InputError: ``--draft-vocab-size`` exceeds the store's vocab; ``--resume`` with settings that
             differ from the saved run.
-        StoreMismatchError: the verifier's config has another hidden or vocab size than the store.
+        StoreMismatchError: the verifier's config has another hidden or vocab size than the store, or
+            the verifier is not the store's (content fingerprint, or the tokenizer the store's ids were
+            made with: :func:`stores.verifier_match.check_store_verifier`).
         InputError: a verifier RoPE the drafter cannot compute (``dynamic``, ``longrope``).
     """
     from stores.model_config import load_model_config, text_config
@@ -395,6 +392,8 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str) -> None:
                          f"{store.vocab_size} (store {store.path})", field="--draft-vocab-size")
     vc = text_config(load_model_config(verifier_name))
     _check_verifier_shape(verifier_name, vc, store)
+    for s in getattr(store, "stores", [store]):  # each store of a StoreSet
+        check_store_verifier(s, verifier_name)
     rope = verifier_rope(vc)
     if rope["rope_type"] not in ROPE_TYPES:
         raise InputError(f"verifier {verifier_name!r} uses RoPE type {rope['rope_type']!r}, whose frequencies "

@@ -7,6 +7,7 @@ from pathlib import Path
 from peagle_train.evaluate.prompts import read_prompts
 from peagle_train.speculative import check_compatible, checked_num_draft_tokens
 from stores.errors import StoreMismatchError
+from stores.verifier_match import check_store_verifier
 
 
 def check_verifier_config(name: str, drafter) -> None:
@@ -28,7 +29,8 @@ def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = No
                          num_prompts: int | None = None, num_draft_tokens: int | None = None) -> None:
     """Every check of a ``peagle-eval`` run that needs no verifier weights (docs/design.md §2): the
     prompts file, the drafter checkpoint, ``num_draft_tokens`` against its trained ``num_depths``, the
-    store against the drafter, and each verifier's config
+    store against the drafter, the offline verifier against the store (content fingerprint and the
+    tokenizer of its ids: :func:`stores.verifier_match.check_store_verifier`), and each verifier's config
     (online: ``verifier_name`` or the drafter's; offline: ``verifier_name`` or the store's).
 
     Raises:
@@ -47,7 +49,10 @@ def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = No
     if store is not None:
         fs = FeatureStore.open(store)
         check_store_fits(fs, drafter)
-        names.append(verifier_name or fs.attrs.get("verifier", {}).get("name_or_path"))
+        offline = verifier_name or fs.attrs.get("verifier", {}).get("name_or_path")
+        if offline:
+            check_store_verifier(fs, offline)
+        names.append(offline)
     for name in dict.fromkeys(n for n in names if n):
         check_verifier_config(name, drafter)
 
