@@ -173,11 +173,12 @@ def _load_for_extract(cfg: ExtractConfig, device: str, log: Callable[[str], None
                          "(the model's own choice) or eager", field="--attn-implementation") from e
 
 
-def _check_before_weights(cfg: ExtractConfig, table, rows) -> Path:
+def _check_before_weights(cfg: ExtractConfig, table, rows, device: str) -> Path:
     """The checks that need only the verifier's config and files, the packed table and the store
     (docs/design.md §2), before the weights load; returns the verifier's directory (:func:`resolve_model`).
 
-    ``rows`` are this shard's packed rows (row k is packed block ``shard_index + k * num_shards``).
+    ``rows`` are this shard's packed rows (row k is packed block ``shard_index + k * num_shards``);
+    ``device`` is where the verifier will run (it decides the dtype: bfloat16 on CUDA, float32 on CPU).
 
     Raises:
         InputError: a ``--layers`` index outside ``0..num_hidden_layers`` (read from the config, before
@@ -208,8 +209,9 @@ def _check_before_weights(cfg: ExtractConfig, table, rows) -> Path:
             return directory  # interrupted creation: the store is made again
         if store.attrs.get("tokens_written"):
             layers = list(cfg.layers) if cfg.layers is not None else default_layers(L)
-            check_resumable(store, cfg, {"name_or_path": cfg.verifier, "fingerprint": model_fingerprint(directory)},
-                             layers)
+            dtype = "bfloat16" if device.startswith("cuda") else "float32"  # as load_verifier picks it
+            check_resumable(store, cfg, {"name_or_path": cfg.verifier, "fingerprint": model_fingerprint(directory),
+                                         "dtype": dtype}, layers)
     return directory
 
 
@@ -246,8 +248,8 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
         raise OutputExistsError(cfg.output, "pass --resume to continue it or --force to overwrite it")
     rows = list(table.iter_rows(PACKED_COLUMNS))
     rows = rows[cfg.shard_index::cfg.num_shards]  # this shard's blocks (all of them unsharded)
-    directory = _check_before_weights(cfg, table, rows)
     device = cfg.device or (str(state.device) if state.device.type == "cuda" else "cpu")
+    directory = _check_before_weights(cfg, table, rows, device)
     verifier = _load_for_extract(cfg, device, log)
     layers = _layers_of(cfg, verifier)
     desc = verifier_desc(cfg.verifier, directory, verifier, next(verifier.parameters()).dtype)
