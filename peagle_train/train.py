@@ -36,10 +36,11 @@ import numpy as np
 import torch
 
 from peagle_train.attention import ATTENTION_CHOICES
-from peagle_train.checkpoint import latest_checkpoint, rope_from_layer_config
+from peagle_train.checkpoint import latest_checkpoint, load_training_state, rope_from_layer_config
 from peagle_train.metrics import parse_report_to
 from peagle_train.model import ROPE_TYPES, DrafterConfig
-from stores.errors import InputError, OutputExistsError, StoreMismatchError
+from stores.errors import InputError, OutputExistsError, PeagleError, StoreMismatchError
+from stores.model_cache import model_fingerprint, resolve_model
 from stores.verifier_match import check_store_verifier
 
 __all__ = [
@@ -320,20 +321,51 @@ def val_split_warning(n_blocks: int, n_val: int, val_fraction: float) -> str | N
             f"{n_blocks - n_val}, or pass --val-fraction 0 to train on all {n_blocks} (no validation)")
 
 
-def _check_resume_settings(cfg: TrainConfig) -> Path | None:
-    """``--resume``: the latest checkpoint in ``--output`` (or None); InputError when the saved
-    run's settings differ from ``cfg`` in a field that must not change."""
+def _saved_settings(cfg: TrainConfig) -> tuple[Path | None, Path, dict[str, Any] | None]:
+    """``(latest checkpoint, OUTPUT/train_config.json, the saved settings)``: the file, else (deleted) the
+    ``train_config`` the checkpoint's ``training_state.pt`` holds; None without a checkpoint."""
     out = Path(cfg.output)
     ckpt = latest_checkpoint(out)
     saved = out / "train_config.json"
-    if ckpt is not None and saved.is_file():
-        old = json.loads(saved.read_text())
+    if ckpt is None:
+        return None, saved, None
+    if saved.is_file():
+        return ckpt, saved, json.loads(saved.read_text())
+    old = load_training_state(ckpt).get("train_config")
+    if old is None:
+        raise InputError(f"--resume: {saved} is missing and {ckpt} records no settings, so this run cannot be "
+                         "checked against the saved one; start over with --force", field="--resume")
+    return ckpt, saved, old
+
+
+def _check_resume_settings(cfg: TrainConfig) -> Path | None:
+    """``--resume``: the latest checkpoint in ``--output`` (or None); InputError when the saved
+    run's settings differ from ``cfg`` in a field that must not change."""
+    ckpt, saved, old = _saved_settings(cfg)
+    if old is not None:
         defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
         old = {k: old.get(k, defaults[k]) for k in _RESUME_FIELDS}  # a run saved before a field existed
         diff = {k: (old[k], getattr(cfg, k)) for k in _RESUME_FIELDS if old[k] != getattr(cfg, k)}
         if diff:
             raise InputError(resume_mismatch_message(saved, diff), field="--resume")
     return ckpt
+
+
+def _check_resume_verifier(cfg: TrainConfig, store, verifier_name: str) -> None:
+    """``--resume`` with another verifier than the saved run's (``--verifier``, default the store's) is
+    refused unless both names resolve to one model (the same content fingerprint)."""
+    _, saved, old = _saved_settings(cfg)
+    if old is None:
+        return
+    before = old.get("verifier") or store.attrs.get("verifier", {}).get("name_or_path")
+    if before is None or before == verifier_name:
+        return
+    try:
+        same = model_fingerprint(resolve_model(before)) == model_fingerprint(resolve_model(verifier_name))
+    except PeagleError:  # the saved verifier cannot be found any more
+        same = False
+    if not same:
+        raise InputError(resume_mismatch_message(saved, {"verifier": (before, verifier_name)}), field="--resume")
 
 
 def resume_mismatch_message(saved: Path, diff: dict[str, tuple[Any, Any]]) -> str:
@@ -374,7 +406,8 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str) -> None:
     Raises:
         OutputExistsError: ``--output`` holds files and neither ``--resume`` nor ``--force`` is given.
         InputError: ``--draft-vocab-size`` exceeds the store's vocab; ``--resume`` with settings that
-            differ from the saved run.
+            differ from the saved run, another verifier among them (compared by content fingerprint
+            when the names differ).
         StoreMismatchError: the verifier's config has another hidden or vocab size than the store, or
             the verifier is not the store's (content fingerprint, or the tokenizer the store's ids were
             made with: :func:`stores.verifier_match.check_store_verifier`).
@@ -387,6 +420,7 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str) -> None:
         raise OutputExistsError(str(out), "pass --resume to continue it or --force to overwrite it")
     if cfg.resume:
         _check_resume_settings(cfg)
+        _check_resume_verifier(cfg, store, verifier_name)
     if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > store.vocab_size:
         raise InputError(f"--draft-vocab-size {cfg.draft_vocab_size} exceeds the verifier vocab size "
                          f"{store.vocab_size} (store {store.path})", field="--draft-vocab-size")

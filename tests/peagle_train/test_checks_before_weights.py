@@ -245,3 +245,34 @@ def test_eval_offline_refuses_another_verifier_or_tokenizer_than_the_store_s(tmp
     fs.update_attrs(verifier={**fs.attrs["verifier"], "fingerprint": model_fingerprint(v)})
     res = _eval(["--drafter", str(drafter_dir), "--store", store])
     assert isinstance(res.exception, WeightsLoaded), res.output
+
+
+def test_train_resume_with_another_verifier_or_without_train_config_is_checked(tmp_path, verifier_dir, monkeypatch):
+    """The verifier is fixed by the run (a copy of the same model under another path may resume); a deleted
+    train_config.json falls back to the settings the checkpoint's training_state.pt holds."""
+    import shutil
+
+    import transformers
+
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
+    out = tmp_path / "out"
+    base = ["--store", store, "--output", str(out), "--max-steps", "1", "--num-depths", "2", "--save-every", "1"]
+    assert _train(base).exit_code == 0
+
+    def fail(cls, *a, **k):
+        raise WeightsLoaded("weights loaded before the --resume checks")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(fail))
+    copy = shutil.copytree(verifier_dir, tmp_path / "copy")
+    assert isinstance(_train([*base, "--resume", "--verifier", str(copy)]).exception, WeightsLoaded)
+    other = shutil.copytree(verifier_dir, tmp_path / "other")
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-3}))
+    res = _train([*base, "--resume", "--verifier", str(other)])
+    assert res.exit_code == 2 and (
+        f"and these differ from it: --verifier: saved {str(verifier_dir)!r}, given {str(other)!r}. Resume it with: "
+        f"peagle-train --config {out / 'train_config.json'} --resume") in " ".join(res.output.split()), res.output
+    (out / "train_config.json").unlink()
+    res = _train([*base[:-4], "--num-depths", "3", "--save-every", "1", "--resume"])
+    assert res.exit_code == 2 and "and these differ from it: --num-depths: saved 2, given 3." in \
+        " ".join(res.output.split()), res.output
