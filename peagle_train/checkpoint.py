@@ -136,6 +136,8 @@ def _write_drafter(model: PEagleDrafter, directory: Path, extra_config: dict[str
     config = drafter_config_json(model.config, extra_config, model.embed_tokens.weight.requires_grad)
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    if "d2t" in tensors:  # never write maps a reader would refuse
+        check_vocab_maps(tensors["d2t"], tensors["t2d"], model.config.vocab_size, directory / WEIGHTS_FILE)
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
     follow_umask(directory / WEIGHTS_FILE)  # safetensors creates it 0600
 

@@ -36,9 +36,10 @@ import numpy as np
 import torch
 
 from peagle_train.attention import ATTENTION_CHOICES
-from peagle_train.checkpoint import latest_checkpoint, load_training_state, rope_from_layer_config
+from peagle_train.checkpoint import CONFIG_FILE, latest_checkpoint, load_training_state, rope_from_layer_config
 from peagle_train.metrics import parse_report_to
 from peagle_train.model import ROPE_TYPES, DrafterConfig
+from peagle_train.multistore import store_identities
 from stores.errors import InputError, OutputExistsError, PeagleError, StoreMismatchError
 from stores.model_cache import model_fingerprint, resolve_model
 from stores.verifier_match import check_store_verifier
@@ -368,6 +369,29 @@ def _check_resume_verifier(cfg: TrainConfig, store, verifier_name: str) -> None:
         raise InputError(resume_mismatch_message(saved, {"verifier": (before, verifier_name)}), field="--resume")
 
 
+_STORE_IDENTITY = ("source", "shard", "n_blocks", "layers", "verifier_fingerprint")
+"""The keys of :func:`peagle_train.multistore.store_identity` a resumed run's stores must keep."""
+
+
+def _check_resume_stores(cfg: TrainConfig, store) -> None:
+    """``--resume``: each store holds the data the saved run trained on (the identities its newest
+    checkpoint records, ``peagle_training.stores``), not a store extracted anew at the same path.
+
+    Raises:
+        StoreMismatchError: names the store, the checkpoint, the key and both values.
+    """
+    ckpt = latest_checkpoint(cfg.output)
+    if ckpt is None or not (ckpt / CONFIG_FILE).is_file():
+        return
+    saved = json.loads((ckpt / CONFIG_FILE).read_text()).get("peagle_training", {}).get("stores") or []
+    for old, new in zip(saved, store_identities(store)):
+        for key in (k for k in _STORE_IDENTITY if k in old and old[k] != new.get(k)):
+            raise StoreMismatchError(
+                f"--resume: {new['path']} is not the store the saved run trained on ({ckpt}): its {key} is "
+                f"{new.get(key)!r}, the run's was {old[key]!r}; resume with the run's store, or start a new run "
+                "(a new --output, or --force)")
+
+
 def resume_mismatch_message(saved: Path, diff: dict[str, tuple[Any, Any]]) -> str:
     """The ``--resume`` refusal: which settings differ from ``saved`` (train_config.json), the command that
     resumes, the options that may change on resume, and why ``--max-steps`` may not (docs/design.md §8)."""
@@ -408,6 +432,8 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str) -> None:
         InputError: ``--draft-vocab-size`` exceeds the store's vocab; ``--resume`` with settings that
             differ from the saved run, another verifier among them (compared by content fingerprint
             when the names differ).
+        StoreMismatchError: ``--resume`` with a store other than the saved run's under its path
+            (packed table, shard, block count, layers or verifier fingerprint).
         StoreMismatchError: the verifier's config has another hidden or vocab size than the store, or
             the verifier is not the store's (content fingerprint, or the tokenizer the store's ids were
             made with: :func:`stores.verifier_match.check_store_verifier`).
@@ -421,6 +447,7 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str) -> None:
     if cfg.resume:
         _check_resume_settings(cfg)
         _check_resume_verifier(cfg, store, verifier_name)
+        _check_resume_stores(cfg, store)
     if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > store.vocab_size:
         raise InputError(f"--draft-vocab-size {cfg.draft_vocab_size} exceeds the verifier vocab size "
                          f"{store.vocab_size} (store {store.path})", field="--draft-vocab-size")

@@ -235,3 +235,12 @@ def test_eval_and_resume_refuse_a_checkpoint_whose_maps_disagree(tmp_path):
     ck = _save_with_maps(tmp_path, ids.clone(), t2d)
     with pytest.raises(StoreFormatError, match="draft id 1 maps to verifier id 3"):
         check_before_weights(ck)
+
+
+def test_maps_that_disagree_are_never_written(tmp_path):
+    m = _model()
+    with torch.no_grad():
+        m.t2d[1] = True  # marked, but no draft id maps to verifier id 1
+    with pytest.raises(StoreFormatError, match="verifier id 1 is marked but no draft id maps to it"):
+        save_drafter(m, tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()

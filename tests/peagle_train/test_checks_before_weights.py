@@ -7,6 +7,7 @@ that each command reports the option's own error: the error comes first, without
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -276,3 +277,34 @@ def test_train_resume_with_another_verifier_or_without_train_config_is_checked(t
     res = _train([*base[:-4], "--num-depths", "3", "--save-every", "1", "--resume"])
     assert res.exit_code == 2 and "and these differ from it: --num-depths: saved 2, given 3." in \
         " ".join(res.output.split()), res.output
+
+
+def test_train_resume_refuses_a_store_extracted_anew_at_the_same_path(tmp_path, verifier_dir, monkeypatch):
+    import shutil
+
+    import transformers
+
+    from stores.feature_store import FeatureStore
+
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
+    out = tmp_path / "out"
+    base = ["--store", store, "--output", str(out), "--max-steps", "1", "--num-depths", "2", "--save-every", "1"]
+    assert _train(base).exit_code == 0
+
+    def fail(cls, *a, **k):
+        raise WeightsLoaded("weights loaded before the --resume checks")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(fail))
+    FeatureStore.open(store, mode="r+").update_attrs(source="sha-of-another-table")
+    res = _train([*base, "--resume"])
+    assert res.exit_code == 2 and (
+        f"Error: --resume: {Path(store).resolve()} is not the store the saved run trained on ({out / 'checkpoint-1'}): "
+        "its source is 'sha-of-another-table', the run's was 'sha-s.zarr'; resume with the run's store, or start a "
+        "new run (a new --output, or --force)") in " ".join(res.output.split()), res.output
+    shutil.rmtree(store)
+    _store(tmp_path / "s.zarr", verifier_dir, n_blocks=3)
+    res = _train([*base, "--resume"])
+    assert res.exit_code == 2 and "its n_blocks is 3, the run's was 2" in res.output, res.output
+    shutil.rmtree(store)
+    _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)  # the same data again: resumes
+    assert isinstance(_train([*base, "--resume"]).exception, WeightsLoaded)
