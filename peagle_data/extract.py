@@ -90,7 +90,8 @@ class ExtractConfig:
     """Chunk compressor: ``none`` (raw chunks, memory-mapped reads; activations barely compress) or
     ``zstd`` (smaller, read through zarr)."""
     resume: bool = False
-    """Continue an existing store: check every done block, then extract the not-done and damaged ones."""
+    """Continue an existing store: check every done block, then extract the not-done and damaged ones. Every
+    other option must be the store's, except ``--device`` (one computing in the store's dtype) and ``--max-blocks``."""
     force: bool = False
     """Overwrite an existing store; also skip the free-disk check."""
     device: str | None = None

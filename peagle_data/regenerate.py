@@ -128,7 +128,8 @@ class RegenerateRun:
     output: str
     """Regenerated conversations (OpenAI messages); OUT.manifest.json and OUT.rejects.jsonl beside it."""
     resume: bool = False
-    """Continue an unfinished run of the same settings."""
+    """Continue an unfinished run of the same settings; only --device (same dtype), --concurrency, --server,
+    --retries and --timeout may differ."""
     force: bool = False
     """Overwrite an existing output."""
     settings: RegenerateConfig = field(default_factory=RegenerateConfig)
