@@ -418,6 +418,7 @@ def _start_run(cfg: TrainConfig, accelerator, store, usable, train_ids, val_ids,
     if main:
         (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     info = {"store": cfg.store, "stores": store_identities(store),  # evaluation finds the held-out blocks by these
+            "tokenizer": store.attrs.get("tokenizer") or {},  # what the drafter's token ids mean (peagle-eval checks it)
             "seed": cfg.seed, "val_fraction": cfg.val_fraction, "num_depths": cfg.num_depths,
             "max_anchors": cfg.max_anchors, "down_sample_ratio": cfg.down_sample_ratio,
             "down_sample_ratio_min": cfg.down_sample_ratio_min, "val_blocks": [int(i) for i in val_ids]}

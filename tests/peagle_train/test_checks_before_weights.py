@@ -290,6 +290,8 @@ def test_train_resume_refuses_a_store_extracted_anew_at_the_same_path(tmp_path, 
     out = tmp_path / "out"
     base = ["--store", store, "--output", str(out), "--max-steps", "1", "--num-depths", "2", "--save-every", "1"]
     assert _train(base).exit_code == 0
+    recorded = json.loads((out / "final" / "config.json").read_text())["peagle_training"]["tokenizer"]
+    assert recorded == FeatureStore.open(store).attrs["tokenizer"] == {"name_or_path": str(verifier_dir)}
 
     def fail(cls, *a, **k):
         raise WeightsLoaded("weights loaded before the --resume checks")
@@ -308,3 +310,31 @@ def test_train_resume_refuses_a_store_extracted_anew_at_the_same_path(tmp_path, 
     shutil.rmtree(store)
     _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)  # the same data again: resumes
     assert isinstance(_train([*base, "--resume"]).exception, WeightsLoaded)
+
+
+def test_eval_online_refuses_a_verifier_of_another_tokenizer_than_the_training_data(tmp_path, verifier_with_tokenizer,
+                                                                                  no_weights):
+    """peagle-train keeps the store's tokenizer record in the checkpoint (peagle_training.tokenizer): the
+    drafter's embedding rows and d2t mean its tokens; a checkpoint without it (another tool's) is not checked."""
+    from peagle_train.checkpoint import save_drafter
+    from peagle_train.model import DrafterConfig, PEagleDrafter
+
+    v, fp_a, fp_b = verifier_with_tokenizer
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"turns": ["hi"]}) + "\n")
+    cfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, vocab_size=256, draft_vocab_size=256, aux_layer_ids=LAYERS, num_depths=2,
+                        verifier_name_or_path=str(v))
+    torch.manual_seed(0)
+    model = PEagleDrafter(cfg)
+    for name, fp, passes in (("B", fp_b, False), ("A", fp_a, True), (None, None, True)):
+        extra = {"peagle_training": {"tokenizer": {"name": name, "vocab_size": 256, "fingerprint": fp}}} if name else {}
+        d = save_drafter(model, tmp_path / f"d{name}", extra_config=extra)
+        res = _eval(["--drafter", str(d), "--prompts", str(prompts)])
+        if passes:
+            assert isinstance(res.exception, WeightsLoaded), (name, res.output)
+        else:
+            assert res.exit_code == 2 and (
+                f"Error: the training data of the drafter {d} was tokenized with 'B' (tokenizer fingerprint {fp_b}, "
+                f"256 tokens), but verifier {str(v)!r} has tokenizer fingerprint {fp_a} and 256 tokens: its token ids "
+                "would mean other tokens") in " ".join(res.output.split()), res.output
