@@ -128,7 +128,8 @@ class RegenerateRun:
     output: str
     """Regenerated conversations (OpenAI messages); OUT.manifest.json and OUT.rejects.jsonl beside it."""
     resume: bool = False
-    """Continue an unfinished run of the same settings."""
+    """Continue an unfinished run of the same settings; only --device (same dtype), --concurrency, --server,
+    --retries and --timeout may differ."""
     force: bool = False
     """Overwrite an existing output."""
     settings: RegenerateConfig = field(default_factory=RegenerateConfig)
@@ -295,20 +296,38 @@ def _settings(inputs, files, cfg: RegenerateConfig, backend) -> dict[str, Any]:
             "model": backend.record}
 
 
+RESUME_MAY_CHANGE = ("--device", "--concurrency", "--server", "--retries", "--timeout")
+"""The ``regenerate`` options a ``--resume`` may change (they change no answer; ``--device`` only to one
+that computes in the recorded dtype); every other setting is compared with the manifest's."""
+
+_MODEL_OPTIONS = {"backend": "--verifier/--server", "verifier": "--verifier", "verifier_fingerprint":
+                  "--verifier (its content fingerprint)", "dtype": "--device (the dtype it decides)",
+                  "batch_size": "--batch-size", "model": "--served-model", "tokenizer": "--tokenizer"}
+"""The option behind each key of a back end's ``record``."""
+
+
 def _check_resume(manifest: dict[str, Any] | None, settings: dict[str, Any], output) -> None:
-    """Raise when the output to continue was written with other settings (names the first field)."""
+    """Raise when the output to continue was written with other settings (names the first option that
+    differs, with its recorded and its given value)."""
     if manifest is None:
         return
     for key in ("inputs", "files", "generation", "model"):
         old, new = manifest.get(key), settings[key]
-        if key == "model" and isinstance(old, dict):  # the device may change between runs
-            old, new = ({k: v for k, v in d.items() if k not in ("device", "concurrency", "servers")}
+        if key == "model" and isinstance(old, dict):  # RESUME_MAY_CHANGE
+            old, new = ({k: v for k, v in d.items() if k not in ("device", "concurrency", "servers", "retries")}
                         for d in (old, new))
         if key == "generation" and isinstance(old, dict):  # a setting added since, left unset
             new = {k: v for k, v in new.items() if k in old or v is not None}
-        if old != new:
-            raise InputError(f"--resume: {output} was written with other settings: {key} was {old!r}, "
-                             f"now {new!r}; rerun with the same settings, or with --force to start over")
+        if old == new:
+            continue
+        option, was, now = {"inputs": "INPUT", "files": "INPUT (the files it names)"}.get(key, key), old, new
+        if isinstance(old, dict) and isinstance(new, dict):
+            inner = next(k for k in sorted(old.keys() | new.keys(), key=str) if old.get(k) != new.get(k))
+            option = (_MODEL_OPTIONS.get(inner, inner) if key == "model" else "--" + inner.replace("_", "-"))
+            was, now = old.get(inner), new.get(inner)
+        raise InputError(f"--resume: {output} was written with other settings: {option} was {was!r}, now {now!r} "
+                         f"({key}); rerun with the same settings, or with --force to start over (a resume may "
+                         f"change only {', '.join(RESUME_MAY_CHANGE)})")
 
 
 def _base_counts() -> dict[str, Any]:

@@ -20,6 +20,7 @@ import numpy as np
 
 from stores.errors import InputError
 from stores.token_tables import TokenTable
+from stores.verifier_match import check_tokenizer
 
 __all__ = ["Segment", "ShownItem", "show", "select_items", "supervised_spans", "render_text", "render_html",
            "OPEN", "CLOSE"]
@@ -218,8 +219,9 @@ def show(path: str, row: int | None = None, block: int | None = None, item_id: s
         html_file: write the page here (atomically); it must not exist unless ``force``.
 
     Raises:
-        InputError: more than one of row, block and item_id; no directory for ``html_file``; ``block`` of a tokenized table; a
-            tokenizer of another vocab size than the table's; no such row, block or id.
+        InputError: more than one of row, block and item_id; no directory for ``html_file``; ``block`` of a tokenized table;
+            no such row, block or id.
+        StoreMismatchError: a tokenizer other than the table's (fingerprint or vocab size).
         OutputExistsError: ``html_file`` exists and ``force`` is not set.
     """
     from pathlib import Path
@@ -240,9 +242,8 @@ def show(path: str, row: int | None = None, block: int | None = None, item_id: s
     items = select_items(table, block if block is not None else row, item_id)
     recorded = table.manifest.get("tokenizer", {})
     tokenizer = load_tokenizer(tokenizer_name or recorded.get("name"))
-    if recorded.get("vocab_size") not in (None, len(tokenizer)):
-        raise InputError(f"--tokenizer {tokenizer_name}: {len(tokenizer)} tokens, but {path} was made with "
-                         f"{recorded.get('name')} ({recorded['vocab_size']} tokens)")
+    check_tokenizer(recorded, str(path), tokenizer, f"--tokenizer {tokenizer_name or recorded.get('name')}",
+                    "pass the tokenizer it was made with (--tokenizer), or none to use the recorded one")
     if html_file is not None:
         write_text_atomic(html_file, render_html(items, tokenizer), encoding="utf-8")
     return "\n\n".join(render_text(item, tokenizer, color) for item in items)

@@ -30,6 +30,7 @@ from stores.progress import progress
 from stores.staging import staged_output_dir
 from stores.token_rows import TokenizedRow
 from stores.token_tables import RejectsWriter, TableWriter, write_manifest, write_token_freq
+from stores.verifier_match import tokenizer_fingerprint
 
 __all__ = ["iter_tokenized", "run_tokenize"]
 
@@ -71,7 +72,7 @@ def _read_template(path: str | None) -> str | None:
 
 
 def _tokenizer_record(tokenizer_name, tokenizer, template_path: str | None, template: str | None) -> dict:
-    return {"name": str(tokenizer_name), "vocab_size": len(tokenizer),
+    return {"name": str(tokenizer_name), "vocab_size": len(tokenizer), "fingerprint": tokenizer_fingerprint(tokenizer),
             "chat_template_file": template_path,
             "chat_template_sha256": chat_template_sha256(tokenizer, template)}
 
@@ -327,7 +328,11 @@ class _TokenFreq:
 
     def _flush(self) -> None:
         if self._pending:
-            self.total += np.bincount(np.concatenate(self._pending), minlength=len(self.total))[: len(self.total)]
+            ids = np.concatenate(self._pending)
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= len(self.total)):
+                raise ValueError(f"token id {int(ids.max()) if ids.max() >= len(self.total) else int(ids.min())} "
+                                 f"outside the tokenizer's {len(self.total)} ids")  # an internal invariant
+            self.total += np.bincount(ids, minlength=len(self.total))
         self._pending, self._n = [], 0
 
     def counts(self) -> np.ndarray:

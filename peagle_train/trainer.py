@@ -475,6 +475,7 @@ def _start_run(cfg: TrainConfig, accelerator, store, sequence: BlockSequence, va
     # evaluation finds the held-out blocks by these: val_blocks is the whole validation side (global ids,
     # extracted or not), so a block extracted after the run started is known held out
     info = {"store": cfg.store, "stores": store_identities(store),
+            "tokenizer": store.attrs.get("tokenizer") or {},  # what the drafter's token ids mean (peagle-eval checks it)
             "seed": cfg.seed, "val_fraction": cfg.val_fraction, "num_depths": cfg.num_depths,
             "max_anchors": cfg.max_anchors, "down_sample_ratio": cfg.down_sample_ratio,
             "down_sample_ratio_min": cfg.down_sample_ratio_min, "val_blocks": [int(i) for i in val_side]}

@@ -17,6 +17,7 @@ from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.prompts import eos_ids
 from peagle_train.speculative import checked_num_draft_tokens
 from stores.errors import StoreMismatchError
+from stores.verifier_match import check_store_verifier
 
 
 def _argmax_chunked(x: torch.Tensor, head: torch.Tensor, rows: int = 1024) -> torch.Tensor:
@@ -308,7 +309,8 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
 
     Raises:
         StoreFormatError: not a feature store or not a drafter checkpoint.
-        StoreMismatchError: the store's layers / sizes do not fit the drafter; no done block.
+        StoreMismatchError: the store's layers / sizes do not fit the drafter; no done block; the
+            verifier is not the store's (:func:`stores.verifier_match.check_store_verifier`).
     """
     from peagle_train.checkpoint import load_drafter
     from stores.feature_store import FeatureStore
@@ -331,6 +333,7 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
     if not name:
         raise StoreMismatchError(f"{store}: the store names no verifier; pass verifier_name")
     check_verifier_config(name, drafter)  # before the weights load
+    check_store_verifier(fs, name)  # the store's targets come from this verifier's lm_head
     verifier = load_verifier(name, device="cpu")
     lm_head = verifier.lm_head.weight.detach()  # [V, H]
     eos = eos_ids(load_tokenizer(name), verifier)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from peagle_train.evaluate.checks import check_verifier_config
+from peagle_train.evaluate.checks import check_drafter_tokenizer, check_verifier_config
 from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.prompts import Prompt, eos_ids, read_prompts, render_turn
 from peagle_train.evaluate.report import write_json
@@ -190,6 +190,7 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
 
     Raises:
         InputError: bad prompts file or options, or a drafter that does not match the verifier.
+        StoreMismatchError: a verifier of another tokenizer than the drafter's training data.
         StoreFormatError: not a drafter checkpoint. ModelNotFoundError: unknown verifier.
     """
     from peagle_train.checkpoint import load_drafter
@@ -203,6 +204,7 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
     if not name:
         raise InputError("the drafter's config names no verifier; pass one", field="--verifier")
     check_verifier_config(name, drafter)  # before the weights load
+    check_drafter_tokenizer(drafter_dir, name)
     # float32 everywhere: a K+1-token verify pass and one-token decoding then agree to ~1e-6, so
     # near-ties cannot flip an argmax the way they do in bf16.
     verifier = load_verifier(name, dtype=torch.float32)

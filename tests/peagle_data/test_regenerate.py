@@ -352,13 +352,13 @@ def test_resume_gives_the_uninterrupted_file_without_redoing_rows(tmp_path, loca
         f.write('{"id": "in:9", "mess')
     with pytest.raises(OutputExistsError):
         run_regenerate(RegenerateRun(inputs=[str(inp)], output=out, settings=cfg), make_backend=lambda: local)
-    with pytest.raises(InputError, match="max_new_tokens"):
+    with pytest.raises(InputError, match="--max-new-tokens was 6, now 7 \\(generation\\)"):
         run_regenerate(RegenerateRun(inputs=[str(inp)], output=out,
                                      settings=RegenerateConfig(max_new_tokens=7, chunk_rows=2), resume=True),
                                      make_backend=lambda: local)
     other_batches = DiesAfter(local, 0)
     other_batches.record = {**local.record, "batch_size": 5}  # other padding: not the same greedy file
-    with pytest.raises(InputError, match="model was"):
+    with pytest.raises(InputError, match="--batch-size was 3, now 5 \\(model\\)"):
         run_regenerate(RegenerateRun(inputs=[str(inp)], output=out, settings=cfg, resume=True),
                                      make_backend=lambda: other_batches)
     counting = DiesAfter(local, 0)
@@ -527,6 +527,26 @@ def test_resume_of_an_output_written_before_a_setting_existed():
                 "generation": {"turns": "all", "max_prompt_tokens": None}}
     old = {**settings, "generation": {"turns": "all"}}  # written before --max-prompt-tokens
     _check_resume(old, settings, "o.jsonl")
-    with pytest.raises(InputError, match="generation was"):  # set now: not the same run
+    with pytest.raises(InputError, match="--max-prompt-tokens was None, now 64 \\(generation\\)"):  # set now
         _check_resume(old, {**settings, "generation": {"turns": "all", "max_prompt_tokens": 64}}, "o.jsonl")
+
+
+def test_resume_names_the_option_and_allows_only_those_that_change_no_answer():
+    from peagle_data.regenerate import _check_resume
+
+    record = {"backend": "server", "servers": ["http://a/v1"], "model": "m", "concurrency": 8, "retries": 5}
+    settings = {"inputs": ["i"], "files": ["f"], "model": record, "generation": {"turns": "all"}}
+    _check_resume(settings, {**settings, "model": {**record, "servers": ["http://b/v1"], "concurrency": 2,
+                                                   "retries": 9}}, "o.jsonl")  # may change
+    with pytest.raises(InputError) as e:
+        _check_resume(settings, {**settings, "model": {**record, "model": "other"}}, "o.jsonl")
+    assert str(e.value) == ("--resume: o.jsonl was written with other settings: --served-model was 'm', now 'other' "
+                            "(model); rerun with the same settings, or with --force to start over (a resume may "
+                            "change only --device, --concurrency, --server, --retries, --timeout)")
+    with pytest.raises(InputError, match="--verifier \\(its content fingerprint\\) was 'a', now 'b' \\(model\\)"):
+        local = {"backend": "local", "verifier": "v", "verifier_fingerprint": "a", "dtype": "float32"}
+        _check_resume({**settings, "model": local},
+                      {**settings, "model": {**local, "verifier_fingerprint": "b"}}, "o.jsonl")
+    with pytest.raises(InputError, match="INPUT was \\['i'\\], now \\['j'\\] \\(inputs\\)"):
+        _check_resume(settings, {**settings, "inputs": ["j"]}, "o.jsonl")
 
