@@ -67,8 +67,16 @@ from typing import Any, Sequence
 
 
 from peagle_data.chat_dropped import _dropped_reason, _thought_in, dropped_content
-from peagle_data.chat_render import ChatTemplateError, chat_template_sha256, effective_chat_template, render
+from peagle_data.chat_render import (
+    ChatTemplateError,
+    chat_template_sha256,
+    content_format,
+    effective_chat_template,
+    render,
+    template_messages,
+)
 from peagle_data.chat_tokens import TokenizedConversation, straddling_token, tokenize_rendered
+from peagle_data.readers import content_text, content_texts
 from peagle_data.readers import is_unsupervised as _is_unsupervised
 
 __all__ = ["ChatTemplateError", "TokenizedConversation", "RenderedRow", "render_rows", "tokenize_rendered",
@@ -189,8 +197,10 @@ class _PrefixRenderer:
 
             if tools is not None and not all(isinstance(t, dict) for t in tools):
                 return
-            self._compiled = _compile_jinja_template(tokenizer.get_chat_template(chat_template, tools))
-            self._chat = _alias_reasoning_fields(_plain_template_data(list(messages)))
+            template = tokenizer.get_chat_template(chat_template, tools)
+            self._compiled = _compile_jinja_template(template)
+            self._chat = _alias_reasoning_fields(_plain_template_data(
+                template_messages(messages, content_format(template))))
             self._tools = _plain_template_data(tools)
             self._kwargs = _plain_template_data(dict(tokenizer.special_tokens_map))
         except Exception:  # noqa: BLE001 - any private-API mismatch means: use the public path
@@ -229,7 +239,7 @@ def _empty_think(messages, indices, text, spans) -> tuple[tuple[int, int], ...]:
         if messages[i].get("reasoning_content"):
             continue
         m = _EMPTY_THINK.match(text, a, b)
-        if m and "<think>" not in str(messages[i].get("content") or "")[:16]:
+        if m and "<think>" not in content_text(messages[i].get("content"))[:16]:
             out.append((a, m.end()))
     return tuple(out)
 
@@ -351,7 +361,8 @@ def _cut_end(msg: dict[str, Any], text: str, a: int, b: int) -> int:
     Raises:
         ChatTemplateError: the reply has no text, or its end is not found in the render.
     """
-    last = str(msg.get("content") or "").rstrip() or str(msg.get("reasoning_content") or "").rstrip()
+    texts = [t for t in content_texts(msg.get("content")) if t.strip()]  # the last text part: a template may
+    last = texts[-1].rstrip() if texts else str(msg.get("reasoning_content") or "").rstrip()  # join parts its way
     at = text.rfind(last[-16:], a, b) if last else -1
     if at < 0:
         raise ChatTemplateError("a reply cut at a token limit (finish_reason: length) whose text's end is not "
@@ -373,7 +384,7 @@ def _no_prefix_reason(tokenizer, messages, i: int, text: str, tools, chat_templa
     if not (text.startswith(history) and prompt.startswith(history)) or text.startswith(prompt):
         return default
     added, turn = prompt[len(history):], text[len(history):]
-    thought = (messages[i].get("reasoning_content") or "").strip() or _thought_in(messages[i].get("content"))
+    thought = (messages[i].get("reasoning_content") or "").strip() or _thought_in(content_text(messages[i].get("content")))
     stripped = (f", and it drops the reasoning of assistant turn {i} (rendered turns keep only the text after "
                 "</think>, as R1-Distill templates do)") if thought and thought not in turn else ""
     return (f"generation prompt mismatch: the template's generation prompt adds {added!r} after the history, "

@@ -1,13 +1,31 @@
-"""The effective chat template and one render of a conversation through it (docs/design.md §3)."""
+"""The effective chat template and one render of a conversation through it (docs/design.md §3).
+
+Message content reaches the template as vLLM passes it (``vllm/renderers/chat_utils.py``,
+``_parse_chat_message_content``; the format is detected in ``vllm/renderers/hf.py``,
+``_detect_content_format``): a template that loops over a message's content (``{% for part in
+message.content %}``) has the **openai** content format and gets every message's content as a list of
+``{"type": "text", "text": ...}`` parts (a string is one part, no content an empty list); any other
+template has the **string** format and gets the text parts joined with ``"\n"``. Tool messages get a
+string in both formats (vLLM joins their text parts too). :func:`content_format` detects the format as
+vLLM does, from the template's syntax tree; :func:`template_messages` converts the messages.
+"""
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
+import jinja2.nodes as jn
+
+from peagle_data.readers import content_texts
 from stores.errors import InputError
 
-__all__ = ["ChatTemplateError", "effective_chat_template", "chat_template_sha256", "render"]
+__all__ = ["ChatTemplateError", "CONTENT_FORMATS", "effective_chat_template", "chat_template_sha256",
+           "content_format", "template_messages", "render"]
+
+CONTENT_FORMATS = ("string", "openai")
+"""How message content is passed to a chat template: joined text, or a list of text parts."""
 
 
 class ChatTemplateError(InputError):
@@ -33,8 +51,113 @@ def chat_template_sha256(tokenizer, chat_template: str | None = None) -> str:
     return hashlib.sha256(effective_chat_template(tokenizer, chat_template).encode("utf-8")).hexdigest()
 
 
+def _loads(node: jn.Node, name: str, key: str | None = None) -> bool:
+    """Whether ``node`` reads the variable ``name`` (``key`` given: its item ``key``, as ``name.key`` or
+    ``name['key']``), possibly through filters, tests and slices (``messages[1:] | selectattr(...)``)."""
+    while True:
+        if isinstance(node, (jn.Filter, jn.Test)) and node.node is not None:
+            node = node.node
+        elif isinstance(node, jn.Getitem) and isinstance(node.arg, jn.Slice):
+            node = node.node
+        else:
+            break
+    if key is None:
+        return isinstance(node, jn.Name) and node.ctx == "load" and node.name == name
+    if isinstance(node, jn.Getattr):
+        return node.attr == key and _loads(node.node, name) if isinstance(node.node, jn.Name) else False
+    if isinstance(node, jn.Getitem):
+        return (isinstance(node.arg, jn.Const) and node.arg.value == key and isinstance(node.node, jn.Name)
+                and _loads(node.node, name))
+    return False
+
+
+def _loops_over_content(tree: jn.Template) -> bool:
+    """Whether a template iterates over a message's content: vLLM's rule for the openai format.
+
+    Messages lists are ``messages`` and every variable set from one (``{% set loop_messages =
+    messages[1:] %}``, transitively); messages are the targets of loops over those. Content is looped
+    over by a loop over ``message.content`` / ``message['content']``, by a loop inside a macro over a
+    parameter that a call passes ``message.content``, or by a loop outside macros over a variable named
+    ``content``.
+    """
+    lists, todo = {"messages"}, ["messages"]
+    while todo:
+        name = todo.pop()
+        for assign in tree.find_all(jn.Assign):
+            if isinstance(assign.target, jn.Name) and _loads(assign.node, name) and assign.target.name not in lists:
+                lists.add(assign.target.name)
+                todo.append(assign.target.name)
+    loops = list(tree.find_all(jn.For))
+    items = {loop.target.name for loop in loops if isinstance(loop.target, jn.Name)
+             and any(_loads(loop.iter, name) for name in lists)}
+
+    def passes_content(arg: jn.Node) -> bool:
+        return any(_loads(arg, item, "content") for item in items)
+
+    in_macros: dict[int, set[str]] = {}  # loop id -> parameters of its macro that receive content
+    for macro in tree.find_all(jn.Macro):
+        params = [a.name for a in macro.args]
+        fed = set()
+        for call in tree.find_all(jn.Call):
+            if isinstance(call.node, jn.Name) and call.node.name == macro.name:
+                fed |= {params[k] for k, arg in enumerate(call.args[:len(params)]) if passes_content(arg)}
+                fed |= {kw.key for kw in call.kwargs if kw.key in params and passes_content(kw.value)}
+        for loop in macro.find_all(jn.For):
+            in_macros[id(loop)] = fed
+    for loop in loops:
+        if passes_content(loop.iter):
+            return True
+        if isinstance(loop.iter, jn.Name):
+            fed = in_macros.get(id(loop))
+            if (fed is None and loop.iter.name == "content") or (fed and loop.iter.name in fed):
+                return True
+    return False
+
+
+@functools.lru_cache(maxsize=64)
+def content_format(template: str) -> str:
+    """The content format (:data:`CONTENT_FORMATS`) vLLM detects for a chat template's text.
+
+    ``openai`` when the template loops over a message's content (see :func:`_loops_over_content`),
+    else ``string``; a template that does not parse is ``string`` (vLLM's default; rendering it then
+    fails with its own error).
+    """
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        tree = _compile_jinja_template(template).environment.parse(template)
+    except Exception:  # noqa: BLE001 - jinja syntax errors; vLLM falls back to "string" alike
+        return "string"
+    return "openai" if _loops_over_content(tree) else "string"
+
+
+def template_messages(messages, fmt: str) -> list[dict[str, Any]]:
+    """Normalised messages with their content as vLLM passes it to a template of content format ``fmt``.
+
+    ``string``: the text parts joined with ``"\n"`` (no content: ``""``); ``openai``: a list of
+    ``{"type": "text", "text": ...}`` parts (a string is one part, no content none); tool messages get
+    the joined string in both formats, as vLLM gives them.
+
+    Raises:
+        ValueError: ``fmt`` is not one of :data:`CONTENT_FORMATS`.
+    """
+    if fmt not in CONTENT_FORMATS:
+        raise ValueError(f"content format must be one of {CONTENT_FORMATS}, got {fmt!r}")
+    out = []
+    for msg in messages:
+        texts = content_texts(msg.get("content"))
+        if fmt == "string" or msg.get("role") == "tool":
+            content: Any = "\n".join(texts)
+        else:
+            content = [{"type": "text", "text": t} for t in texts]
+        out.append({**msg, "content": content})
+    return out
+
+
 def render(tokenizer, messages, tools, chat_template, add_generation_prompt=False) -> str:
-    """``messages`` (and ``tools``) rendered as text by ``chat_template`` (None: the tokenizer's own).
+    """``messages`` (and ``tools``) rendered as text by ``chat_template`` (None: the tokenizer's own),
+    their content passed as vLLM passes it (:func:`template_messages` in the template's
+    :func:`content_format`).
 
     Raises:
         ChatTemplateError: the template fails on this conversation (names the error).
@@ -52,6 +175,7 @@ def render(tokenizer, messages, tools, chat_template, add_generation_prompt=Fals
                 conversations=[[]], tools=tools, chat_template=tokenizer.get_chat_template(chat_template, tools),
                 add_generation_prompt=add_generation_prompt, **tokenizer.special_tokens_map)
             return rendered[0]
-        return tokenizer.apply_chat_template(list(messages), **kwargs)
+        fmt = content_format(tokenizer.get_chat_template(chat_template, tools))
+        return tokenizer.apply_chat_template(template_messages(messages, fmt), **kwargs)
     except Exception as e:  # jinja errors, raise_exception() in templates, type errors on content
         raise ChatTemplateError(f"template error: {type(e).__name__}: {e}") from None

@@ -36,6 +36,12 @@ class Counts:
     """Tool schemas given as JSON strings and decoded."""
     conversations_with_dropped_content: int = 0
     """Conversations kept without content the chat template drops (``--on-dropped-content keep``)."""
+    tool_schemas_wrapped: int | None = None
+    """Bare tool schemas ``{"name", "parameters"}`` wrapped as ``{"type": "function", "function": ...}``."""
+    sharegpt_function_calls: int | None = None
+    """Tool calls of ShareGPT ``function_call`` turns, made OpenAI ``tool_calls`` entries."""
+    sharegpt_observations: int | None = None
+    """ShareGPT ``observation`` (``tool``, ``function``) turns, made ``tool`` messages."""
     duplicate_ids_renamed: int | None = None
     """Conversations whose id was seen before, renamed ``id~k``."""
     duplicates: int | None = None

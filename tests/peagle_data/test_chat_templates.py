@@ -9,6 +9,7 @@ tool-call text included) and the end-of-turn token; ids always equal ``apply_cha
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 
@@ -295,6 +296,8 @@ def test_reply_ending_in_whitespace_chatml(smollm2_tokenizer, reply):
 
 
 def test_sharegpt_tool_call_rows_on_chatml_from_glaive(smollm2_tokenizer):
+    # SmolLM2's ChatML has no tool support: the tools list and every tool call are dropped by it, so such
+    # rows are rejected saying so; kept on request, a tool-call turn supervises nothing.
     from peagle_data.readers import Conversation, read_conversations
     from tests.conftest import shared_file
 
@@ -302,20 +305,143 @@ def test_sharegpt_tool_call_rows_on_chatml_from_glaive(smollm2_tokenizer):
              if isinstance(c, Conversation)]
     n_calls = n_tools = 0
     for conv in items:
-        if conv.tools:  # SmolLM2's template ignores the tools list: rejected unless kept on request
-            n_tools += 1
-            with pytest.raises(ChatTemplateError, match="^template drops tools: "):
+        calls = [m for m in conv.messages if m.get("tool_calls")]
+        if conv.tools or calls:
+            n_tools += bool(conv.tools)
+            part = "tools" if conv.tools else "tool_calls"
+            with pytest.raises(ChatTemplateError, match=f"^template drops {part}: "):
                 tokenize_conversation(smollm2_tokenizer, conv.messages, tools=conv.tools)
-        n_calls += check_mask_is_assistant_content(smollm2_tokenizer, conv, on_dropped="keep")
+        out = tokenize_conversation(smollm2_tokenizer, conv.messages, tools=conv.tools, on_dropped="keep")
+        texts = [m["content"] for m in conv.messages if m["role"] == "assistant" and not m.get("tool_calls")]
+        assert masked_texts(smollm2_tokenizer, out) == [c + "<|im_end|>" for c in texts]
+        n_calls += len(calls)
     assert n_calls == 29 and n_tools == 24
 
 
-def check_mask_is_assistant_content(tok, conv, on_dropped="reject") -> int:
-    """Each supervised run decodes to one assistant turn's content + <|im_end|>; returns #tool-call turns."""
-    out = tokenize_conversation(tok, conv.messages, tools=conv.tools, on_dropped=on_dropped)
-    assistants = [m["content"] for m in conv.messages if m["role"] == "assistant"]
-    assert masked_texts(tok, out) == [c + "<|im_end|>" for c in assistants]
-    return sum(c.startswith("<tool_call>") for c in assistants)
+# Llama-3.1 style tool use: tools in the first user turn, a call rendered as {"name", "parameters"}
+# JSON, tool results in an "ipython" turn (as Meta's template: a string result is iterable, so tojson).
+LLAMA31_TOOLS = (
+    "{{- '<|begin_of_text|>' }}"
+    "{%- if messages[0].role == 'system' %}{%- set system_message = messages[0].content | trim %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system_message = '' %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\n\n' }}"
+    "{%- if tools is not none %}{{- 'Environment: ipython\n' }}{%- endif %}"
+    "{{- system_message + '<|eot_id|>' }}"
+    "{%- if tools is not none %}{%- set first_user_message = messages[0].content | trim %}"
+    "{%- set messages = messages[1:] %}"
+    "{{- '<|start_header_id|>user<|end_header_id|>\n\nGiven the following functions, respond with a JSON for a '"
+    " 'function call.\n\nRespond in the format {\"name\": function name, \"parameters\": dictionary of argument '"
+    " 'name and its value}.\n\n' }}"
+    "{%- for t in tools %}{{- t | tojson(indent=4) + '\n\n' }}{%- endfor %}"
+    "{{- first_user_message + '<|eot_id|>' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}"
+    "{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n' + message.content | trim + '<|eot_id|>' }}"
+    "{%- elif 'tool_calls' in message %}{%- set tool_call = message.tool_calls[0].function %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\n\n{\"name\": \"' + tool_call.name + '\", \"parameters\": ' }}"
+    "{{- tool_call.arguments | tojson + '}<|eot_id|>' }}"
+    "{%- else %}{{- '<|start_header_id|>ipython<|end_header_id|>\n\n' }}"
+    "{%- if message.content is mapping or message.content is iterable %}{{- message.content | tojson }}"
+    "{%- else %}{{- message.content }}{%- endif %}{{- '<|eot_id|>' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
+)
+
+GLAIVE_ROW = {  # Glaive / LLaMA-Factory ShareGPT: tools as a JSON string of bare schemas
+    "tools": json.dumps([{"name": "search_recipes", "description": "Search for recipes",
+                          "parameters": {"type": "object", "properties": {"ingredients": {"type": "array"}}}}]),
+    "conversations": [
+        {"from": "human", "value": "I have chicken and rice."},
+        {"from": "function_call", "value": '{"name": "search_recipes", "arguments": {"ingredients": ["chicken", '
+                                           '"rice"]}}'},
+        {"from": "observation", "value": '{"recipes": ["Chicken fried rice"]}'},
+        {"from": "gpt", "value": "Try chicken fried rice."},
+    ],
+}
+
+
+def _as_openai(row: dict) -> dict:
+    """A ShareGPT tool row written in OpenAI form by hand, as a client sends it: wrapped tools, calls
+    with JSON-string arguments and null content, tool results as tool messages."""
+    roles = {"human": "user", "gpt": "assistant", "system": "system", "observation": "tool"}
+    messages = []
+    for turn in row["conversations"]:
+        if turn["from"] == "function_call":
+            call = json.loads(turn["value"])
+            messages.append({"role": "assistant", "content": None, "tool_calls": [{
+                "id": f"call_{len(messages)}", "type": "function",
+                "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}]})
+        else:
+            messages.append({"role": roles[turn["from"]], "content": turn["value"]})
+    tools = [{"type": "function", "function": t} for t in json.loads(row["tools"] or "[]")]
+    return {"messages": messages, **({"tools": tools} if tools else {})}
+
+
+def _tool_rows_both_forms(tmp_path, sharegpt_rows):
+    from peagle_data.readers import Conversation, read_conversations
+
+    share, openai = tmp_path / "share.jsonl", tmp_path / "openai.jsonl"
+    share.write_text("".join(json.dumps(r) + "\n" for r in sharegpt_rows))
+    openai.write_text("".join(json.dumps(_as_openai(r)) + "\n" for r in sharegpt_rows))
+    a = [c for c in read_conversations([share]) if isinstance(c, Conversation)]
+    b = [c for c in read_conversations([openai]) if isinstance(c, Conversation)]
+    assert len(a) == len(b) == len(sharegpt_rows)
+    return a, b
+
+
+def _rows(tok, conv, template):
+    """``[(turn, ids, mask)]`` of a conversation as tokenize makes them (per-turn rows when the template
+    rewrites history, as Qwen3's does: a last turn gets an empty think block), each row's ids checked
+    against transformers' own apply_chat_template of the OpenAI-form messages."""
+    out = []
+    for turn, t in tokenize_turns(tok, conv.messages, tools=conv.tools, chat_template=template):
+        messages = conv.messages if turn is None else conv.messages[: turn + 1]
+        reference = [{**m, "content": "" if m["content"] is None else m["content"]} for m in messages]
+        kw = {"tools": conv.tools} if conv.tools else {}
+        assert t.input_ids.tolist() == list(tok.apply_chat_template(reference, tokenize=True, return_dict=False,
+                                                                    chat_template=template, **kw))
+        out.append((turn, t.input_ids.tolist(), t.loss_mask.tolist(), t))
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama31"])
+def test_sharegpt_function_calls_render_like_the_openai_form(tmp_path, family, qwen3_tok, llama3_tok):
+    tok, template = {"qwen3": (qwen3_tok, QWEN3), "llama31": (llama3_tok, LLAMA31_TOOLS)}[family]
+    (share,), (openai,) = _tool_rows_both_forms(tmp_path, [GLAIVE_ROW])
+    x, y = _rows(tok, share, template), _rows(tok, openai, template)
+    assert [r[:3] for r in x] == [r[:3] for r in y]
+    # the call is supervised as the verifier's own template writes it, not as Hermes text
+    supervised = [text for *_, t in x for text in masked_texts(tok, t)]
+    assert supervised == {
+        "qwen3": ['<tool_call>\n{"name": "search_recipes", "arguments": {"ingredients": '
+                  '["chicken", "rice"]}}\n</tool_call><|im_end|>', "Try chicken fried rice.<|im_end|>"],
+        "llama31": ['{"name": "search_recipes", "parameters": {"ingredients": ["chicken", "rice"]}}<|eot_id|>',
+                    "Try chicken fried rice.<|eot_id|>"]}[family]
+    if family == "qwen3":  # the call is its row's last turn, so the template injects an empty think block: loss 0
+        assert "<|im_start|>assistant\n<think>\n\n</think>\n\n<tool_call>" in tok.decode(x[0][3].input_ids)
+    rendered = tok.decode(x[-1][3].input_ids)
+    assert {"qwen3": '<tool_response>\n{"recipes": ["Chicken fried rice"]}\n</tool_response>',
+            "llama31": '<|start_header_id|>ipython<|end_header_id|>\n\n"{\\"recipes\\": [\\"Chicken fried rice\\"]}"'
+            }[family] in rendered
+    assert '"name": "search_recipes"' in rendered.split("I have chicken")[0 if family == "qwen3" else 1]  # tools
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama31"])
+def test_glaive_sharegpt_and_openai_forms_give_identical_ids_and_masks(tmp_path, family, qwen3_tok, llama3_tok):
+    from tests.conftest import shared_file
+
+    tok, template = {"qwen3": (qwen3_tok, QWEN3), "llama31": (llama3_tok, LLAMA31_TOOLS)}[family]
+    rows = json.loads(shared_file("glaive_toolcall_en_demo.json").read_text())[:40]
+    share, openai = _tool_rows_both_forms(tmp_path, rows)
+    n_calls = supervised_calls = 0
+    opener = {"qwen3": "<tool_call>", "llama31": '{"name": '}[family]
+    for a, b in zip(share, openai):
+        x, y = _rows(tok, a, template), _rows(tok, b, template)
+        assert [r[:3] for r in x] == [r[:3] for r in y]
+        n_calls += sum(bool(m.get("tool_calls")) for m in a.messages)
+        # per-turn rows supervise their last turn only, a whole row every turn: each call once
+        supervised_calls += sum(text.startswith(opener) for *_, t in x for text in masked_texts(tok, t))
+    assert n_calls == 29 and supervised_calls == 29
 
 
 # --------------------------------------------------------------------------------------------
