@@ -201,8 +201,14 @@ def test_mistral_inst_without_system(mistral_tok):
 def test_mistral_system_in_last_user_turn_gives_one_row_per_turn(mistral_tok):
     # The system prompt moves to the last user turn, so the first turn's context is rendered
     # differently in the full conversation: whole-conversation masks would be a guess.
-    with pytest.raises(ChatTemplateError, match="template rewrites history"):
+    with pytest.raises(ChatTemplateError) as info:
         tokenize_conversation(mistral_tok, TWO_TURNS, chat_template=MISTRAL)
+    assert str(info.value) == (
+        "template rewrites history: the render up to assistant turn 2 is not a prefix of the whole conversation's "
+        "render; it moves the system message into the last user turn (Mistral style): rendered in the user turn "
+        "before assistant turn 2 while that turn is last, and in a later user turn in the whole conversation; "
+        "per-turn rows (--on-history-rewrite split, the default) give each assistant turn a row with the context "
+        "the verifier is served")
     rows = tokenize_turns(mistral_tok, TWO_TURNS, chat_template=MISTRAL)
     assert [turn for turn, _ in rows] == [2, 4]
     for (turn, out), expected in zip(rows, [" 2+2 is 4.</s>", " It is 6.</s>"]):
@@ -212,6 +218,66 @@ def test_mistral_system_in_last_user_turn_gives_one_row_per_turn(mistral_tok):
         assert masked_texts(mistral_tok, out) == [expected]  # only the row's last turn
     assert "[INST] Be brief.\n\nWhat is 2+2?[/INST]" in mistral_tok.decode(rows[0][1].input_ids)
     assert "[INST] Be brief.\n\nAnd 3+3?[/INST]" in mistral_tok.decode(rows[1][1].input_ids)
+
+
+# Mistral v0.3's own template: the system prompt is rendered only while a user turn is the LAST
+# message (`loop.last`), so a conversation that ends with a reply never shows it.
+MISTRAL_V3 = (
+    "{{- '<s>' }}"
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{%- for message in loop_messages %}"
+    "{%- if message['role'] == 'user' %}"
+    "{%- if loop.last and system_message is defined %}"
+    "{{- '[INST] ' + system_message + '\n\n' + message['content'] + '[/INST]' }}"
+    "{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] | trim + '</s>' }}"
+    "{%- else %}{{- raise_exception('Only user and assistant roles are supported') }}{%- endif %}"
+    "{%- endfor %}"
+)
+
+LAST_USER_SYSTEM = ("template renders the system message only in the last user turn: the system message (message 0) "
+                    "is rendered in the prompt of assistant turn 2, where a user turn is the last message, but not "
+                    "once that turn's reply follows (a Mistral-v3 style `loop.last` test), so no row holds the "
+                    "context the verifier is served. Pass --chat-template FILE with a training template that renders "
+                    "the system message in the last user turn whatever follows it (the index of the last user "
+                    "message instead of `loop.last`); each assistant turn then gets its own row "
+                    "(--on-history-rewrite split, the default) whose context is the prompt the verifier is served")
+
+
+def test_mistral_v3_system_only_while_a_user_turn_is_last_is_refused_naming_the_cause(mistral_tok):
+    for messages in (TWO_TURNS, TWO_TURNS[:3]):
+        for tokenize in (tokenize_conversation, tokenize_turns):
+            with pytest.raises(ChatTemplateError) as info:
+                tokenize(mistral_tok, messages, chat_template=MISTRAL_V3)
+            assert str(info.value) == LAST_USER_SYSTEM
+    check(mistral_tok, TWO_TURNS[1:], MISTRAL_V3, [" 2+2 is 4.</s>", " It is 6.</s>"], "<s>")  # no system: exact
+    # The advised training template (the system message in the last user turn, MISTRAL above): each row's
+    # context is exactly the prompt Mistral-v3's own template renders for the served request.
+    rows = tokenize_turns(mistral_tok, TWO_TURNS, chat_template=MISTRAL)
+    for turn, out in rows:
+        served = mistral_tok.apply_chat_template(TWO_TURNS[:turn], tokenize=True, return_dict=False,
+                                                 chat_template=MISTRAL_V3)
+        first = int(out.loss_mask.argmax())
+        assert out.input_ids[:first].tolist() == list(served)
+        assert "Be brief." in mistral_tok.decode(served)
+
+
+def test_mistral_v3_rows_in_tokenize_are_rejected_with_the_cause(tmp_path, mistral_tok):
+    from peagle_data.prepare import TokenizeConfig, TokenizeRun, run_tokenize
+
+    template = tmp_path / "mistral_v3.jinja"
+    template.write_text(MISTRAL_V3)
+    src = tmp_path / "m.jsonl"
+    src.write_text(json.dumps({"messages": TWO_TURNS}) + "\n" + json.dumps({"messages": TWO_TURNS[1:]}) + "\n")
+    out = tmp_path / "t"
+    counts = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=out,
+                                      settings=TokenizeConfig(chat_template=str(template))),
+                          tokenizer=mistral_tok)["counts"]
+    assert (counts["used"], counts["rejected"]) == (1, 1)
+    assert counts["rejected_by_reason"] == {"template renders the system message only in the last user turn": 1}
+    (reject,) = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert reject["reason"] == LAST_USER_SYSTEM and reject["source"] == f"{src}:1"
 
 
 QWEN_REASONING = [
@@ -225,8 +291,15 @@ QWEN_REASONING = [
 def test_qwen3_drops_earlier_reasoning_so_rows_are_per_turn(qwen3_tok):
     full = qwen3_tok.apply_chat_template(QWEN_REASONING, tokenize=False, chat_template=QWEN3)
     assert "Two and two." not in full  # the template rewrites the first turn once a query follows
-    with pytest.raises(ChatTemplateError, match="template rewrites history"):
+    with pytest.raises(ChatTemplateError, match="^template rewrites history: .*; it drops the reasoning of "
+                                                "assistant turn 1 once later turns follow \\(Qwen3 style\\); per-turn"):
         tokenize_conversation(qwen3_tok, QWEN_REASONING, chat_template=QWEN3)
+    plain = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in QWEN_REASONING]
+    with pytest.raises(ChatTemplateError) as info:  # no reasoning: the last turn's injected empty think block
+        tokenize_conversation(qwen3_tok, plain, chat_template=QWEN3)
+    assert str(info.value).endswith(
+        " (assistant turn 1 renders as '<think>\\n\\n</think>\\n\\n4.<|im_end|>\\n' when it is the last message, as "
+        "'4.<|im_end|>\\n<|im_start|>user\\nAnd 3+3?<|' once later messages follow)")
     rows = tokenize_turns(qwen3_tok, QWEN_REASONING, chat_template=QWEN3)
     assert [t for t, _ in rows] == [1, 3]
     assert masked_texts(qwen3_tok, rows[0][1]) == ["<think>\nTwo and two.\n</think>\n\n4.<|im_end|>"]
