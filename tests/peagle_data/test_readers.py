@@ -102,6 +102,40 @@ def test_sharegpt_function_call_values(tmp_path):
     assert empty.reason == "invalid tool call: conversations[1].value of a function_call turn is an empty list"
 
 
+def test_tool_calls_and_content_parts_read_alike_from_jsonl_json_and_parquet(tmp_path):
+    rows = [
+        {"id": "s", "tools": json.dumps([{"name": "f", "description": "d", "parameters": {"type": "object"}}]),
+         "conversations": [{"from": "human", "value": "go"},
+                           {"from": "function_call", "value": '{"name": "f", "arguments": "{\\"x\\": 1}"}'},
+                           {"from": "observation", "value": "7"}, {"from": "gpt", "value": "It is 7."}]},
+        {"id": "o", "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+            {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "7"},
+                                                              {"type": "text", "text": "8"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "It is"}, {"type": "text", "text": "7."}]}]},
+    ]
+    (tmp_path / "r.json").write_text(json.dumps(rows))
+    keys = ("id", "tools", "conversations", "messages")  # from_pylist takes the columns of the first row
+    pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in rows]), tmp_path / "r.parquet")
+    read = {ext: read_all(path) for ext, path in (
+        ("jsonl", write_jsonl(tmp_path / "r.jsonl", rows)), ("json", tmp_path / "r.json"),
+        ("parquet", tmp_path / "r.parquet"))}
+    for items in read.values():
+        assert [(c.messages, c.tools) for c in items] == [(c.messages, c.tools) for c in read["jsonl"]]
+    s, o = read["parquet"]
+    assert s.messages[1] == {"role": "assistant", "content": None,
+                             "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]}
+    assert s.tools == [{"type": "function", "function": {"name": "f", "description": "d",
+                                                         "parameters": {"type": "object"}}}]
+    assert o.messages[0]["content"] == [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert o.messages[2] == {"role": "tool", "content": "7\n8", "tool_call_id": "c"}
+    assert {k: v for k, v in s.counts.items() if k != "null_keys_dropped_rows"} == {
+        "sharegpt_function_calls": 1, "sharegpt_observations": 1, "tool_schemas_wrapped": 1,
+        "tool_arguments_decoded": 1}
+
+
 def test_openai_content_parts_and_tool_calls(tmp_path):
     row = {"messages": [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
