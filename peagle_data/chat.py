@@ -70,7 +70,6 @@ from peagle_data.chat_dropped import _dropped_reason, _thought_in, dropped_conte
 from peagle_data.chat_render import (
     ChatTemplateError,
     chat_template_sha256,
-    content_format,
     effective_chat_template,
     render,
     template_messages,
@@ -199,8 +198,7 @@ class _PrefixRenderer:
                 return
             template = tokenizer.get_chat_template(chat_template, tools)
             self._compiled = _compile_jinja_template(template)
-            self._chat = _alias_reasoning_fields(_plain_template_data(
-                template_messages(messages, content_format(template))))
+            self._chat = _alias_reasoning_fields(_plain_template_data(template_messages(messages, template)))
             self._tools = _plain_template_data(tools)
             self._kwargs = _plain_template_data(dict(tokenizer.special_tokens_map))
         except Exception:  # noqa: BLE001 - any private-API mismatch means: use the public path
@@ -247,7 +245,7 @@ def _empty_think(messages, indices, text, spans) -> tuple[tuple[int, int], ...]:
 def _prefix_chars(tokenizer, messages, text, tools, chat_template) -> int:
     system_msgs = []
     for m in messages:
-        if m.get("role") != "system":
+        if m.get("role") not in ("system", "developer"):
             break
         system_msgs.append(m)
     prefix = _cached_system_prefix(tokenizer, system_msgs, tools, chat_template)
@@ -406,7 +404,7 @@ def _no_prefix_reason(tokenizer, messages, i: int, text: str, tools, chat_templa
 
 def _system_text(messages) -> str:
     """The stripped text of a leading system message, or ``""``."""
-    if not messages or messages[0].get("role") != "system":
+    if not messages or messages[0].get("role") not in ("system", "developer"):
         return ""
     return content_text(messages[0].get("content")).strip()
 

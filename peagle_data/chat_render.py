@@ -7,7 +7,9 @@ message.content %}``) has the **openai** content format and gets every message's
 ``{"type": "text", "text": ...}`` parts (a string is one part, no content an empty list); any other
 template has the **string** format and gets the text parts joined with ``"\n"``. Tool messages get a
 string in both formats (vLLM joins their text parts too). :func:`content_format` detects the format as
-vLLM does, from the template's syntax tree; :func:`template_messages` converts the messages.
+vLLM does, from the template's syntax tree; :func:`template_messages` converts the messages. A
+``developer`` message reaches a template that names that role as it is, any other template as a
+system message (vLLM's ``safe_apply_chat_template``).
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from typing import Any
 
 import jinja2.nodes as jn
 
-from peagle_data.readers import content_texts
+from peagle_data.readers import content_text, content_texts
 from stores.errors import InputError
 
 __all__ = ["ChatTemplateError", "CONTENT_FORMATS", "effective_chat_template", "chat_template_sha256",
-           "content_format", "template_messages", "render"]
+           "content_format", "supports_developer_role", "template_messages", "render"]
 
 CONTENT_FORMATS = ("string", "openai")
 """How message content is passed to a chat template: joined text, or a list of text parts."""
@@ -131,18 +133,37 @@ def content_format(template: str) -> str:
     return "openai" if _loops_over_content(tree) else "string"
 
 
-def template_messages(messages, fmt: str) -> list[dict[str, Any]]:
-    """Normalised messages with their content as vLLM passes it to a template of content format ``fmt``.
+def supports_developer_role(template: str) -> bool:
+    """Whether a chat template names the ``developer`` role (vLLM's test: the quoted word appears)."""
+    return '"developer"' in template or "'developer'" in template
 
-    ``string``: the text parts joined with ``"\n"`` (no content: ``""``); ``openai``: a list of
-    ``{"type": "text", "text": ...}`` parts (a string is one part, no content none); tool messages get
-    the joined string in both formats, as vLLM gives them.
 
-    Raises:
-        ValueError: ``fmt`` is not one of :data:`CONTENT_FORMATS`.
+def _as_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM's handling of ``developer`` messages under a template without that role: they become
+    ``system`` messages, and when a system message is then not first, or not alone, all of them are
+    merged into one first system message, their texts (parts joined with ``"\n"``) joined with
+    ``"\n\n"``, empty ones left out."""
+    out = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+    systems = [k for k, m in enumerate(out) if m["role"] == "system"]
+    if systems in ([], [0]):
+        return out
+    texts = [t for t in (content_text(out[k].get("content")) for k in systems) if t]
+    return [{"role": "system", "content": "\n\n".join(texts)}] + [m for m in out if m["role"] != "system"]
+
+
+def template_messages(messages, template: str) -> list[dict[str, Any]]:
+    """Normalised messages as vLLM's chat endpoint passes them to ``template`` (the template's text).
+
+    Content, by the template's :func:`content_format`: ``string``, the text parts joined with ``"\n"``
+    (no content: ``""``); ``openai``, a list of ``{"type": "text", "text": ...}`` parts (a string is
+    one part, no content none); tool messages get the joined string in both formats. ``developer``
+    messages stay so when the template names that role, else become system messages
+    (:func:`_as_system_messages`).
     """
-    if fmt not in CONTENT_FORMATS:
-        raise ValueError(f"content format must be one of {CONTENT_FORMATS}, got {fmt!r}")
+    fmt = content_format(template)
+    messages = list(messages)
+    if any(m.get("role") == "developer" for m in messages) and not supports_developer_role(template):
+        messages = _as_system_messages(messages)
     out = []
     for msg in messages:
         texts = content_texts(msg.get("content"))
@@ -156,8 +177,7 @@ def template_messages(messages, fmt: str) -> list[dict[str, Any]]:
 
 def render(tokenizer, messages, tools, chat_template, add_generation_prompt=False) -> str:
     """``messages`` (and ``tools``) rendered as text by ``chat_template`` (None: the tokenizer's own),
-    their content passed as vLLM passes it (:func:`template_messages` in the template's
-    :func:`content_format`).
+    passed as vLLM passes them (:func:`template_messages`).
 
     Raises:
         ChatTemplateError: the template fails on this conversation (names the error).
@@ -175,7 +195,7 @@ def render(tokenizer, messages, tools, chat_template, add_generation_prompt=Fals
                 conversations=[[]], tools=tools, chat_template=tokenizer.get_chat_template(chat_template, tools),
                 add_generation_prompt=add_generation_prompt, **tokenizer.special_tokens_map)
             return rendered[0]
-        fmt = content_format(tokenizer.get_chat_template(chat_template, tools))
-        return tokenizer.apply_chat_template(template_messages(messages, fmt), **kwargs)
+        return tokenizer.apply_chat_template(
+            template_messages(messages, tokenizer.get_chat_template(chat_template, tools)), **kwargs)
     except Exception as e:  # jinja errors, raise_exception() in templates, type errors on content
         raise ChatTemplateError(f"template error: {type(e).__name__}: {e}") from None

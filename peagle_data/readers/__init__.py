@@ -1,7 +1,7 @@
 """Conversation readers: files, globs and the ``sharegpt`` alias -> normalised OpenAI messages.
 
 Every input row becomes either a :class:`Conversation` (OpenAI messages with roles ``system``,
-``user``, ``assistant``, ``tool``) or a :class:`Reject` (the row's ``file:row`` source and a
+``developer``, ``user``, ``assistant``, ``tool``) or a :class:`Reject` (the row's ``file:row`` source and a
 reason). Nothing is dropped silently: a row that cannot be used is a ``Reject``, and with
 ``strict=True`` the first bad row raises :class:`stores.errors.InputError` naming file, row and
 field instead.
@@ -22,6 +22,9 @@ inputs. An id seen before (the same file given twice, a repeated explicit ``id``
 Normalisation rules (documented decisions):
 - the format is detected per row (``messages`` -> OpenAI, ``conversations`` -> ShareGPT) unless
   ``fmt`` forces one;
+- OpenAI roles: ``developer`` stays ``developer`` (the template gets it as vLLM gives it: as is when
+  the template names the role, else merged into the first system message), ``function`` and
+  ``ipython`` -> tool;
 - ShareGPT ``from``: ``human``/``user`` -> user, ``gpt``/``assistant`` -> assistant, ``system`` ->
   system, ``function_call`` (Glaive, LLaMA-Factory: the value is ``{"name", "arguments"}`` JSON, or a
   list of them) -> an assistant message with content null and those ``tool_calls``

@@ -21,7 +21,7 @@ _SHAREGPT_ROLES = {
     "function_call": "function_call",
     "observation": "tool", "tool": "tool", "function": "tool",
 }
-_OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+_OPENAI_ROLES = {"system": "system", "developer": "developer", "user": "user", "assistant": "assistant",
                  "tool": "tool", "function": "tool", "ipython": "tool"}
 
 

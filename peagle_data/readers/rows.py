@@ -19,7 +19,9 @@ class Conversation:
         conversation_id: the row's ``id`` if it has one, else ``file:N`` (the path relative to the
             inputs' common parent, without extension); unique in a run (``~k`` suffix on repeats).
         source: ``file:N`` (N counts from 1).
-        messages: ``[{"role", "content", ...}]`` with roles system/user/assistant/tool.
+        messages: ``[{"role", "content", ...}]`` with roles system/developer/user/assistant/tool;
+            content is a string, None (an assistant turn with tool calls) or a list of
+            ``{"type": "text", "text"}`` parts (two or more, or none).
         tools: tool definitions to pass to the chat template, or None.
         dropped_leading_assistant: assistant turns dropped from the start of the conversation.
         merged_user_turns: user turns merged into the preceding user turn.

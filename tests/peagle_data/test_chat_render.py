@@ -41,12 +41,6 @@ NOT_CONTENT = "{% for m in messages %}{% for tc in m.tool_calls or [] %}{{ tc.fu
 MACRO_OTHER = ("{% macro show(parts) %}{% for p in parts %}{{ p }}{% endfor %}{% endmacro %}"
                "{% for m in messages %}{{ show(m.tool_calls) }}{% endfor %}")
 
-TEMPLATES = {"llama3": LLAMA3, "gemma": GEMMA, "mistral": MISTRAL, "qwen3": QWEN3, "open_think": OPEN_THINK,
-             "vicuna": VICUNA, "llama31_tools": LLAMA31_TOOLS, "parts": PARTS, "via_set": VIA_SET,
-             "via_macro": VIA_MACRO, "via_name": VIA_NAME, "not_content": NOT_CONTENT, "macro_other": MACRO_OTHER,
-             "broken": "{% for m in messages %}"}
-EXPECTED_FORMAT = {"parts": "openai", "via_set": "openai", "via_macro": "openai", "via_name": "openai"}
-
 # A request as a client sends it: text parts, a null content with a tool call, a tool result in parts.
 REQUEST = [
     {"role": "system", "content": "Be brief."},
@@ -62,6 +56,23 @@ REQUEST = [
 ]
 NO_TOOLS = [m for m in REQUEST if m["role"] != "tool" and not m.get("tool_calls")]
 
+# A developer message after the system message: vLLM passes it to a template that names the role, and
+# makes it part of one first system message for any other template.
+DEV_REQUEST = [{"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Answer in French."},
+               {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Salut."},
+               {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Au revoir."}]
+DEVELOPER = ("{% for m in messages %}{% if m.role == 'developer' %}<|im_start|>developer\n[{{ m.content }}]"
+             "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+TEMPLATES = {"llama3": LLAMA3, "gemma": GEMMA, "mistral": MISTRAL, "qwen3": QWEN3, "open_think": OPEN_THINK,
+             "vicuna": VICUNA, "llama31_tools": LLAMA31_TOOLS, "parts": PARTS, "via_set": VIA_SET,
+             "via_macro": VIA_MACRO, "via_name": VIA_NAME, "developer": DEVELOPER, "not_content": NOT_CONTENT,
+             "macro_other": MACRO_OTHER,
+             "broken": "{% for m in messages %}"}
+EXPECTED_FORMAT = {"parts": "openai", "via_set": "openai", "via_macro": "openai", "via_name": "openai"}
+
 
 def _normalized(messages):
     return normalize_record({"messages": messages})[0]
@@ -74,16 +85,24 @@ def test_content_format_of_templates(name):
 
 def test_template_messages_in_both_formats():
     msgs = _normalized(REQUEST)
-    assert [m["content"] for m in template_messages(msgs, "string")] == [
+    assert [m["content"] for m in template_messages(msgs, LLAMA3)] == [
         "Be brief.", "Summarise this:\nThe cat sat on the mat.", "", "cat: a small\ndomesticated feline",
         " A cat sat on a mat. ", " Thanks! ", "You are\nwelcome."]
     text = [{"type": "text", "text": t} for t in ("Summarise this:", "The cat sat on the mat.")]
-    assert [m["content"] for m in template_messages(msgs, "openai")] == [
+    assert [m["content"] for m in template_messages(msgs, PARTS)] == [
         [{"type": "text", "text": "Be brief."}], text, [], "cat: a small\ndomesticated feline",
         [{"type": "text", "text": " A cat sat on a mat. "}], [{"type": "text", "text": " Thanks! "}],
         [{"type": "text", "text": "You are"}, {"type": "text", "text": "welcome."}]]
-    with pytest.raises(ValueError, match="content format must be one of"):
-        template_messages(msgs, "list")
+
+
+def test_developer_messages_as_vllm_passes_them():
+    msgs = _normalized(DEV_REQUEST)
+    assert [m["role"] for m in msgs] == ["system", "developer", "user", "assistant", "user", "assistant"]
+    assert template_messages(msgs, DEVELOPER) == msgs  # the template names the role: as it is
+    assert template_messages(msgs, LLAMA3)[:2] == [{"role": "system", "content": "Be brief.\n\nAnswer in French."},
+                                                   {"role": "user", "content": "Hi"}]
+    alone = [{"role": "developer", "content": "Terse."}] + msgs[2:]
+    assert template_messages(alone, LLAMA3)[0] == {"role": "system", "content": "Terse."}
 
 
 def test_parts_are_joined_with_a_newline_for_a_string_template(smollm2_tokenizer):
@@ -137,14 +156,15 @@ def test_content_format_equals_vllms(vllm_model_config, smollm2_tokenizer, name)
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("name, request_messages", [("smollm2", NO_TOOLS), ("parts", REQUEST)])
+@pytest.mark.parametrize("name, request_messages", [("smollm2", NO_TOOLS), ("parts", REQUEST),
+                                                    ("smollm2", DEV_REQUEST), ("developer", DEV_REQUEST)])
 def test_ids_equal_vllms_rendering_of_the_same_request(vllm_model_config, smollm2_tokenizer, name,
                                                        request_messages):
-    tok, template = smollm2_tokenizer, {"smollm2": None, "parts": PARTS}[name]
+    tok, template = smollm2_tokenizer, {"smollm2": None, "parts": PARTS, "developer": DEVELOPER}[name]
     messages = _normalized(request_messages)
     # the training row: the whole conversation
     fmt, reference = _vllm_ids(vllm_model_config, tok, request_messages, template, add_generation_prompt=False)
-    assert fmt == {"smollm2": "string", "parts": "openai"}[name]
+    assert fmt == {"smollm2": "string", "parts": "openai", "developer": "string"}[name]
     out = tokenize_conversation(tok, messages, chat_template=template)
     assert out.input_ids.tolist() == reference
     # every prompt the verifier is served (the history before each assistant turn), as regenerate renders it
