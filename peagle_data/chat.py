@@ -73,6 +73,7 @@ from peagle_data.chat_render import (
     effective_chat_template,
     render,
     template_messages,
+    template_tools,
 )
 from peagle_data.chat_tokens import TokenizedConversation, straddling_token, tokenize_rendered
 from peagle_data.readers import content_text, content_texts
@@ -199,7 +200,7 @@ class _PrefixRenderer:
             template = tokenizer.get_chat_template(chat_template, tools)
             self._compiled = _compile_jinja_template(template)
             self._chat = _alias_reasoning_fields(_plain_template_data(template_messages(messages, template)))
-            self._tools = _plain_template_data(tools)
+            self._tools = _plain_template_data(template_tools(tools))
             self._kwargs = _plain_template_data(dict(tokenizer.special_tokens_map))
         except Exception:  # noqa: BLE001 - any private-API mismatch means: use the public path
             self._compiled = None

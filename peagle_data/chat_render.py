@@ -9,7 +9,8 @@ template has the **string** format and gets the text parts joined with ``"\n"``.
 string in both formats (vLLM joins their text parts too). :func:`content_format` detects the format as
 vLLM does, from the template's syntax tree; :func:`template_messages` converts the messages. A
 ``developer`` message reaches a template that names that role as it is, any other template as a
-system message (vLLM's ``safe_apply_chat_template``).
+system message (vLLM's ``safe_apply_chat_template``); tool definitions reach it as vLLM's request
+model dumps them (:func:`template_tools`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from peagle_data.readers import content_text, content_texts
 from stores.errors import InputError
 
 __all__ = ["ChatTemplateError", "CONTENT_FORMATS", "effective_chat_template", "chat_template_sha256",
-           "content_format", "supports_developer_role", "template_messages", "render"]
+           "content_format", "supports_developer_role", "template_messages", "template_tools", "render"]
 
 CONTENT_FORMATS = ("string", "openai")
 """How message content is passed to a chat template: joined text, or a list of text parts."""
@@ -175,6 +176,26 @@ def template_messages(messages, template: str) -> list[dict[str, Any]]:
     return out
 
 
+def template_tools(tools: list | None) -> list | None:
+    """Tool definitions as vLLM passes them to a template: each as its request model dumps it
+    (``ChatCompletionToolsParam.model_dump()``), ``{"type": "function", "function": {"name",
+    "description", "parameters"}}`` in that order, a missing description or parameters as None,
+    ``strict`` and ``defer_loading`` only when set, other keys left out. The readers accept only tools
+    of this shape (:func:`peagle_data.readers.normalize_record`)."""
+    if tools is None:
+        return None
+    out = []
+    for tool in tools:
+        fn = tool["function"]
+        function = {key: fn.get(key) for key in ("name", "description", "parameters")}
+        defer = fn.get("defer_loading") if fn.get("defer_loading") is not None else tool.get("defer_loading")
+        function.update({key: value for key, value in (("strict", fn.get("strict")), ("defer_loading", defer))
+                         if value is not None})
+        out.append({"type": "function", "function": function,
+                    **({"defer_loading": tool["defer_loading"]} if tool.get("defer_loading") is not None else {})})
+    return out
+
+
 def render(tokenizer, messages, tools, chat_template, add_generation_prompt=False) -> str:
     """``messages`` (and ``tools``) rendered as text by ``chat_template`` (None: the tokenizer's own),
     passed as vLLM passes them (:func:`template_messages`).
@@ -183,6 +204,7 @@ def render(tokenizer, messages, tools, chat_template, add_generation_prompt=Fals
         ChatTemplateError: the template fails on this conversation (names the error).
     """
     kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
+    tools = template_tools(tools)
     if tools is not None:
         kwargs["tools"] = tools
     if chat_template is not None:

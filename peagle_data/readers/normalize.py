@@ -316,7 +316,8 @@ def _parse_tools(tools: Any, stats: dict[str, int]) -> list[Any] | None:
     decoded when it holds a JSON object (``tool_schemas_decoded``), like tool-call arguments; an
     entry that is not a JSON object rejects the row. A bare function schema ``{"name", "description",
     "parameters"}`` (Glaive, LLaMA-Factory) is wrapped as ``{"type": "function", "function": ...}``, the
-    form an OpenAI client sends and vLLM passes to the template (``tool_schemas_wrapped``)."""
+    form an OpenAI client sends and vLLM passes to the template (``tool_schemas_wrapped``); a tool
+    vLLM's request model refuses rejects the row (:func:`_check_tool`)."""
     if tools is None or tools == "" or tools == []:
         return None
     if isinstance(tools, str):
@@ -341,14 +342,32 @@ def _parse_tools(tools: Any, stats: dict[str, int]) -> list[Any] | None:
             tool = {"type": "function", "function": tool}  # a bare schema (Glaive): as a client sends it to vLLM
             stats["tool_schemas_wrapped"] += 1
         fn = tool.get("function")
-        holder = fn if isinstance(fn, dict) else tool
-        params = holder.get("parameters")
-        if isinstance(params, str) and _json_object(params) is not None:
-            holder = {**holder, "parameters": _json_object(params)}
-            tool = {**tool, "function": holder} if isinstance(fn, dict) else holder
+        if isinstance(fn, dict) and isinstance(fn.get("parameters"), str) and _json_object(fn["parameters"]):
+            tool = {**tool, "function": {**fn, "parameters": _json_object(fn["parameters"])}}
             stats["tool_schemas_decoded"] += 1
-        out.append(tool)
+        out.append(_check_tool(tool, f"tools[{k}]"))
     return out or None
+
+
+def _check_tool(tool: dict[str, Any], where: str) -> dict[str, Any]:
+    """``tool`` when vLLM's request model takes it (``{"type": "function", "function": {"name": str,
+    "description": str, "parameters": object}}``, the type optional, description and parameters
+    optional), else a RowError naming the field: vLLM refuses such a request, so no template render
+    of it is the served one."""
+    fn = tool.get("function")
+    if tool.get("type", "function") != "function" or not isinstance(fn, dict):
+        raise RowError(f"invalid tools: {where} is not a function tool (expected {{\"type\": \"function\", "
+                       f"\"function\": {{\"name\", \"description\", \"parameters\"}}}} or a bare "
+                       f"{{\"name\", \"parameters\"}} schema)", where)
+    if not isinstance(fn.get("name"), str):
+        raise RowError(f"invalid tools: {where}.function has no name", f"{where}.function.name")
+    if fn.get("description") is not None and not isinstance(fn["description"], str):
+        raise RowError(f"invalid tools: {where}.function.description is a {type(fn['description']).__name__}, "
+                       "expected text", f"{where}.function.description")
+    if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+        raise RowError(f"invalid tools: {where}.function.parameters is not a JSON object",
+                       f"{where}.function.parameters")
+    return tool
 
 
 def _merged(first: str | list, second: str | list) -> str | list:

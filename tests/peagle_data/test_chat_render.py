@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from peagle_data.chat import tokenize_conversation
-from peagle_data.chat_render import content_format, render, template_messages
+from peagle_data.chat import tokenize_conversation, tokenize_turns
+from peagle_data.chat_render import content_format, render, template_messages, template_tools
 from peagle_data.readers import normalize_record
 from peagle_data.verifier_backends import Request, prompt_tokens
 from tests.peagle_data.test_chat import masked_texts
@@ -55,6 +55,13 @@ REQUEST = [
     {"role": "assistant", "content": [{"type": "text", "text": "You are"}, {"type": "text", "text": "welcome."}]},
 ]
 NO_TOOLS = [m for m in REQUEST if m["role"] != "tool" and not m.get("tool_calls")]
+
+# Tools as a client may send them: no type, keys in another order, no description. vLLM dumps its request
+# model: {"type", "function": {"name", "description": null, "parameters"}}.
+ODD_TOOLS = [{"function": {"parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+                           "name": "lookup"}},
+             {"type": "function", "function": {"name": "now", "strict": True, "description": "The time."},
+              "x-extra": 1}]
 
 # A developer message after the system message: vLLM passes it to a template that names the role, and
 # makes it part of one first system message for any other template.
@@ -105,6 +112,18 @@ def test_developer_messages_as_vllm_passes_them():
     assert template_messages(alone, LLAMA3)[0] == {"role": "system", "content": "Terse."}
 
 
+def test_tools_as_vllm_dumps_them(smollm2_tokenizer):
+    assert template_tools(normalize_record({"messages": NO_TOOLS, "tools": ODD_TOOLS})[1]) == [
+        {"type": "function", "function": {"name": "lookup", "description": None, "parameters": {
+            "type": "object", "properties": {"q": {"type": "string"}}}}},
+        {"type": "function", "function": {"name": "now", "description": "The time.", "parameters": None,
+                                          "strict": True}}]
+    tools = normalize_record({"messages": NO_TOOLS, "tools": ODD_TOOLS})[1]
+    text = render(smollm2_tokenizer, _normalized(NO_TOOLS)[:2], tools, QWEN3)
+    assert ('<tools>\n{"type": "function", "function": {"name": "lookup", "description": null, "parameters": '
+            '{"type": "object", "properties": {"q": {"type": "string"}}}}}\n') in text
+
+
 def test_parts_are_joined_with_a_newline_for_a_string_template(smollm2_tokenizer):
     # the issue's case: ["Summarise this:", "The cat sat on the mat."] is not "Summarise this:The cat..."
     text = render(smollm2_tokenizer, _normalized(NO_TOOLS)[:2], None, None)
@@ -133,15 +152,18 @@ def vllm_model_config(smollm2_tokenizer_dir):
     return ModelConfig(model=str(smollm2_tokenizer_dir), tokenizer=str(smollm2_tokenizer_dir), dtype="float32")
 
 
-def _vllm_ids(model_config, tokenizer, messages, template, add_generation_prompt):
-    """Token ids vLLM's chat endpoint renders for ``messages``: its content-format detection, message
-    parsing and template application, as ``HfRenderer.render_messages`` runs them."""
+def _vllm_ids(model_config, tokenizer, messages, template, add_generation_prompt, tools=None):
+    """Token ids vLLM's chat endpoint renders for ``messages`` (and ``tools``): its content-format
+    detection, message parsing, tool dump and template application, as its online renderer and
+    ``HfRenderer.render_messages`` run them."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
     from vllm.renderers.chat_utils import parse_chat_messages
     from vllm.renderers.hf import resolve_chat_template_content_format, safe_apply_chat_template
 
-    fmt = resolve_chat_template_content_format(template, None, "auto", tokenizer, model_config=model_config)
+    tool_dicts = None if tools is None else [ChatCompletionToolsParam(**t).model_dump() for t in tools]
+    fmt = resolve_chat_template_content_format(template, tool_dicts, "auto", tokenizer, model_config=model_config)
     conversation, _, _ = parse_chat_messages(messages, model_config, fmt)
-    return fmt, list(safe_apply_chat_template(model_config, tokenizer, conversation, tools=None,
+    return fmt, list(safe_apply_chat_template(model_config, tokenizer, conversation, tools=tool_dicts,
                                               chat_template=template, tokenize=True,
                                               add_generation_prompt=add_generation_prompt))
 
@@ -156,21 +178,27 @@ def test_content_format_equals_vllms(vllm_model_config, smollm2_tokenizer, name)
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("name, request_messages", [("smollm2", NO_TOOLS), ("parts", REQUEST),
-                                                    ("smollm2", DEV_REQUEST), ("developer", DEV_REQUEST)])
+@pytest.mark.parametrize("name, request_messages, tools", [
+    ("smollm2", NO_TOOLS, None), ("parts", REQUEST, None), ("smollm2", DEV_REQUEST, None),
+    ("developer", DEV_REQUEST, None), ("qwen3", REQUEST, ODD_TOOLS)])
 def test_ids_equal_vllms_rendering_of_the_same_request(vllm_model_config, smollm2_tokenizer, name,
-                                                       request_messages):
-    tok, template = smollm2_tokenizer, {"smollm2": None, "parts": PARTS, "developer": DEVELOPER}[name]
-    messages = _normalized(request_messages)
-    # the training row: the whole conversation
-    fmt, reference = _vllm_ids(vllm_model_config, tok, request_messages, template, add_generation_prompt=False)
-    assert fmt == {"smollm2": "string", "parts": "openai", "developer": "string"}[name]
-    out = tokenize_conversation(tok, messages, chat_template=template)
-    assert out.input_ids.tolist() == reference
+                                                       request_messages, tools):
+    tok = smollm2_tokenizer
+    template = {"smollm2": None, "parts": PARTS, "developer": DEVELOPER, "qwen3": QWEN3}[name]
+    record = normalize_record({"messages": request_messages, **({"tools": tools} if tools else {})})
+    messages, row_tools = record[0], record[1]
+    # the training rows (one, or one per assistant turn where the template rewrites history: Qwen3)
+    rows = tokenize_turns(tok, messages, tools=row_tools, chat_template=template)
+    assert [turn for turn, _ in rows] == ([None] if name != "qwen3" else [2, 4, 6])
+    for turn, out in rows:
+        upto = request_messages if turn is None else request_messages[: turn + 1]
+        fmt, reference = _vllm_ids(vllm_model_config, tok, upto, template, False, tools)
+        assert fmt == {"parts": "openai"}.get(name, "string")
+        assert out.input_ids.tolist() == reference
     # every prompt the verifier is served (the history before each assistant turn), as regenerate renders it
     for i in [i for i, m in enumerate(request_messages) if m["role"] == "assistant"]:
-        _, served = _vllm_ids(vllm_model_config, tok, request_messages[:i], template, add_generation_prompt=True)
+        _, served = _vllm_ids(vllm_model_config, tok, request_messages[:i], template, True, tools)
         if template is None:
-            assert prompt_tokens(tok, Request(messages=messages[:i])) == served
-        ids = tok(render(tok, messages[:i], None, template, add_generation_prompt=True), add_special_tokens=False)
+            assert prompt_tokens(tok, Request(messages=messages[:i], tools=row_tools)) == served
+        ids = tok(render(tok, messages[:i], row_tools, template, add_generation_prompt=True), add_special_tokens=False)
         assert ids["input_ids"] == served

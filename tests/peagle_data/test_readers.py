@@ -136,6 +136,21 @@ def test_tool_calls_and_content_parts_read_alike_from_jsonl_json_and_parquet(tmp
         "tool_arguments_decoded": 1}
 
 
+def test_tools_vllm_refuses_reject_the_row(tmp_path):
+    def row(tools):
+        return {"tools": tools, "messages": [{"role": "user", "content": "go"}, {"role": "assistant", "content": "ok"}]}
+
+    bad = [[{"type": "code_interpreter"}], [{"type": "function", "function": {"description": "no name"}}],
+           [{"function": {"name": "f", "description": 3}}], [{"function": {"name": "f", "parameters": "not json"}}]]
+    got = read_all(write_jsonl(tmp_path / "tools.jsonl", [row(t) for t in bad]))
+    assert [(r.reason, r.field) for r in got] == [
+        ('invalid tools: tools[0] is not a function tool (expected {"type": "function", "function": {"name", '
+         '"description", "parameters"}} or a bare {"name", "parameters"} schema)', "tools[0]"),
+        ("invalid tools: tools[0].function has no name", "tools[0].function.name"),
+        ("invalid tools: tools[0].function.description is a int, expected text", "tools[0].function.description"),
+        ("invalid tools: tools[0].function.parameters is not a JSON object", "tools[0].function.parameters")]
+
+
 def test_openai_content_parts_and_tool_calls(tmp_path):
     row = {"messages": [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
