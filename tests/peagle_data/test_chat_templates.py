@@ -433,7 +433,7 @@ GLAIVE_ROW = {  # Glaive / LLaMA-Factory ShareGPT: tools as a JSON string of bar
 }
 
 
-def _as_openai(row: dict) -> dict:
+def as_openai(row: dict) -> dict:
     """A ShareGPT tool row written in OpenAI form by hand, as a client sends it: wrapped tools, calls
     with JSON-string arguments and null content, tool results as tool messages."""
     roles = {"human": "user", "gpt": "assistant", "system": "system", "observation": "tool"}
@@ -455,7 +455,7 @@ def _tool_rows_both_forms(tmp_path, sharegpt_rows):
 
     share, openai = tmp_path / "share.jsonl", tmp_path / "openai.jsonl"
     share.write_text("".join(json.dumps(r) + "\n" for r in sharegpt_rows))
-    openai.write_text("".join(json.dumps(_as_openai(r)) + "\n" for r in sharegpt_rows))
+    openai.write_text("".join(json.dumps(as_openai(r)) + "\n" for r in sharegpt_rows))
     a = [c for c in read_conversations([share]) if isinstance(c, Conversation)]
     b = [c for c in read_conversations([openai]) if isinstance(c, Conversation)]
     assert len(a) == len(b) == len(sharegpt_rows)

@@ -18,7 +18,7 @@ from peagle_data.prepare import PackConfig, PackRun, TokenizeConfig, TokenizeRun
 from stores.errors import InputError
 from stores.staging import _host_tag
 from stores.token_tables import TokenTable
-from tests.peagle_data.test_chat_templates import QWEN3
+from tests.peagle_data.test_chat_templates import QWEN3, qwen3_tok  # noqa: F401 - a fixture
 from tests.stores.test_staging import dead_pid, make_staging
 
 REPO = Path(__file__).resolve().parents[2]
@@ -394,16 +394,15 @@ def test_parquet_null_keys_are_counted_in_the_manifest(tmp_path, smollm2_tokeniz
     assert manifest["counts"]["null_keys_dropped_rows"] == 3
 
 
-def test_sharegpt_function_calls_are_counted_and_tokenize_like_the_openai_form(tmp_path, smollm2_tokenizer):
-    from tests.peagle_data.test_chat_templates import GLAIVE_ROW, _as_openai, _with_tokens
+def test_sharegpt_function_calls_are_counted_and_tokenize_like_the_openai_form(tmp_path, qwen3_tok):
+    from tests.peagle_data.test_chat_templates import GLAIVE_ROW, as_openai
 
-    tok = _with_tokens(smollm2_tokenizer, added=["<think>", "</think>", "<tool_call>", "</tool_call>",
-                                                 "<tool_response>", "</tool_response>"])
+    tok = qwen3_tok
     template = tmp_path / "qwen3.jinja"
     template.write_text(QWEN3)
     share, openai = tmp_path / "share.jsonl", tmp_path / "openai.jsonl"
     share.write_text(json.dumps({"id": "g", **GLAIVE_ROW}) + "\n")
-    openai.write_text(json.dumps({"id": "g", **_as_openai(GLAIVE_ROW)}) + "\n")
+    openai.write_text(json.dumps({"id": "g", **as_openai(GLAIVE_ROW)}) + "\n")
     counts = {}
     for name, src in (("share", share), ("openai", openai)):
         counts[name] = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / name,
