@@ -43,9 +43,10 @@ Normalisation rules (documented decisions):
   ``{"type": "function", "function": ...}``, the form a client sends to vLLM (``tool_schemas_wrapped``);
 - tool-call ``arguments`` (and a tool's ``parameters``, or a whole ``tools`` entry) given as a
   string that parses as a JSON object (the OpenAI wire form) are decoded into that object, so
-  both forms render and mask identically; a string that is not a JSON object stays as is and is
-  counted (``tool_arguments_not_json``); an assistant's legacy ``function_call`` becomes a
-  ``tool_calls`` entry; a null field counts as absent wherever two keys are alternatives
+  both forms render and mask identically; no arguments are ``{}``; arguments that are no JSON
+  object (text or not) reject the row (vLLM renders them as ``{}``); a flat call ``{"name",
+  "arguments"}`` is wrapped as ``{"type": "function", "function": ...}`` (``tool_calls_wrapped``); an
+  assistant's legacy ``function_call`` becomes a ``tool_calls`` entry; a null field counts as absent wherever two keys are alternatives
   (``text``/``value``, ``from``/``role``);
 - Parquet rows: Arrow's schema unification gives every struct the keys of all rows, null where a
   row had none, and Arrow cannot tell absent from null; so every null key inside ``tools``,

@@ -54,26 +54,42 @@ def _json_object(text: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _decode_arguments(entry: dict[str, Any], stats: dict[str, int]) -> dict[str, Any]:
-    """A tool call whose ``arguments`` is a string holding a JSON object, with the object instead.
+def _decode_arguments(entry: dict[str, Any], stats: dict[str, int], where: str) -> dict[str, Any]:
+    """A tool call as an OpenAI ``tool_calls`` entry ``{"type": "function", "function": {"name",
+    "arguments"}}`` with its arguments a mapping, as vLLM passes it to a template.
 
     The OpenAI wire form gives arguments as JSON text; templates render a string and a mapping
-    differently (``tojson`` of a string is a quoted, escaped string), so both forms are made one.
-    A string that is not a JSON object stays as is and is counted (``tool_arguments_not_json``).
+    differently (``tojson`` of a string is a quoted, escaped string), and vLLM decodes the text, so
+    text holding a JSON object is decoded (``tool_arguments_decoded``); no arguments (null, ``""``)
+    are ``{}``, as in vLLM. A flat call ``{"name", "arguments"}`` (no ``function`` object) is wrapped
+    (``tool_calls_wrapped``).
+
+    Raises:
+        RowError: arguments that are no JSON object (vLLM renders them as ``{}``, so no row holds what
+            the call said), a call of another type than ``function``, or one without a function name.
     """
     fn = entry.get("function")
-    holder = fn if isinstance(fn, dict) else entry
-    args = holder.get("arguments")
-    if not isinstance(args, str):
-        return entry
-    decoded = _json_object(args)
-    if decoded is None:
-        stats["tool_arguments_not_json"] += 1
-        return entry
-    stats["tool_arguments_decoded"] += 1
-    if isinstance(fn, dict):
-        return {**entry, "function": {**fn, "arguments": decoded}}
-    return {**entry, "arguments": decoded}
+    if not isinstance(fn, dict) and entry.get("type") is None and isinstance(entry.get("name"), str):
+        fn = {key: entry[key] for key in ("name", "arguments") if key in entry}
+        entry = {**{k: v for k, v in entry.items() if k not in ("name", "arguments")}, "function": fn}
+        stats["tool_calls_wrapped"] += 1
+    if entry.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise RowError(f"invalid tool call: {where} is not a function call with a name (expected "
+                       '{"type": "function", "function": {"name", "arguments"}})', where)
+    args = fn.get("arguments")
+    if args is None or args == "":
+        args = {}
+    elif isinstance(args, str):
+        decoded = _json_object(args)
+        if decoded is None:
+            raise RowError(f"invalid tool call: {where}.function.arguments is text that is not a JSON object (vLLM "
+                           "renders such arguments as {}); fix or drop the call", f"{where}.function.arguments")
+        args = decoded
+        stats["tool_arguments_decoded"] += 1
+    elif not isinstance(args, dict):
+        raise RowError(f"invalid tool call: {where}.function.arguments is a {type(args).__name__}, not a JSON object "
+                       "(vLLM renders such arguments as {})", f"{where}.function.arguments")
+    return {**entry, "type": "function", "function": {**fn, "arguments": args}}
 
 
 def _tool_call_part(part: dict[str, Any], where: str) -> dict[str, Any]:
@@ -171,18 +187,20 @@ def _message_tool_calls(msg: dict[str, Any], where: str, part_calls: list,
     calls = msg.get("tool_calls") or []
     if not isinstance(calls, list):
         raise RowError(f"invalid tool call: {where}.tool_calls is a {type(calls).__name__}", f"{where}.tool_calls")
+    located = [(call, f"{where}.tool_calls[{k}]") for k, call in enumerate(calls)]
     legacy = msg.get("function_call")
     if legacy is not None:
         if not isinstance(legacy, dict) or not isinstance(legacy.get("name"), str):
             raise RowError(f"invalid tool call: {where}.function_call has no function name", f"{where}.function_call")
-        calls = calls + [{"type": "function", "function": {"name": legacy["name"],
-                                                          "arguments": _first(legacy, "arguments") or {}}}]
+        located.append(({"type": "function", "function": {"name": legacy["name"],
+                                                          "arguments": _first(legacy, "arguments")}},
+                        f"{where}.function_call"))
+    located += [(call, f"{where}.content") for call in part_calls]
     out = []
-    for k, call in enumerate(calls + part_calls):
+    for call, at in located:
         if not isinstance(call, dict):
-            raise RowError(f"invalid tool call: {where}.tool_calls[{k}] is a {type(call).__name__}",
-                          f"{where}.tool_calls[{k}]")
-        out.append(_decode_arguments(call, stats))
+            raise RowError(f"invalid tool call: {at} is a {type(call).__name__}", at)
+        out.append(_decode_arguments(call, stats, at))
     return out
 
 
@@ -272,7 +290,8 @@ def _sharegpt_calls(value: str, where: str, stats: dict[str, int]) -> list[dict[
         entry = {"type": "function", "function": {"name": call["name"], "arguments": _first(call, "arguments") or {}}}
         if call.get("id") is not None:
             entry["id"] = call["id"]
-        out.append(_decode_arguments(entry, stats))
+        out.append(_decode_arguments(entry, stats, f"{where}.value" if not isinstance(calls, list)
+                                     else f"{where}.value[{k}]"))
     if not out:
         raise RowError(f"invalid tool call: {where}.value of a function_call turn is an empty list", f"{where}.value")
     stats["sharegpt_function_calls"] += len(out)
@@ -435,7 +454,7 @@ def is_unsupervised(msg: dict[str, Any]) -> bool:
     return is_empty_assistant(msg) or msg.get("weight") == 0
 
 
-ROW_COUNTS = ("tool_arguments_decoded", "tool_arguments_not_json", "tool_schemas_decoded", "tool_schemas_wrapped",
+ROW_COUNTS = ("tool_arguments_decoded", "tool_calls_wrapped", "tool_schemas_decoded", "tool_schemas_wrapped",
               "sharegpt_function_calls", "sharegpt_observations", "dropped_content_parts")
 """Per-row counts of :attr:`Conversation.counts` (summed into the manifest)."""
 

@@ -446,10 +446,29 @@ def test_json_string_tool_arguments_are_decoded(tmp_path):
     a, b, c, d = read_all(write_jsonl(tmp_path / "s.jsonl", [as_mapping, as_string, broken, legacy]))
     assert b.messages == a.messages and b.tools == a.tools
     assert a.counts == {} and b.counts == {"tool_arguments_decoded": 1, "tool_schemas_decoded": 1}
-    assert c.messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"'
-    assert c.counts == {"tool_arguments_not_json": 1}
+    assert (c.reason, c.field) == (
+        "invalid tool call: messages[1].tool_calls[0].function.arguments is text that is not a JSON object (vLLM "
+        "renders such arguments as {}); fix or drop the call", "messages[1].tool_calls[0].function.arguments")
     assert d.messages[1] == {"role": "assistant", "content": None, "tool_calls": [
         {"type": "function", "function": {"name": "get_city", "arguments": {"city": "Oslo"}}}]}
+
+
+def test_tool_calls_as_vllm_takes_them(tmp_path):
+    def row(calls):
+        return {"messages": [{"role": "user", "content": "go"},
+                             {"role": "assistant", "content": None, "tool_calls": calls}]}
+
+    flat, no_args, listed, other = read_all(write_jsonl(tmp_path / "c.jsonl", [
+        row([{"id": "c1", "name": "f", "arguments": '{"x": 1}'}]), row([{"function": {"name": "f"}}]),
+        row([{"function": {"name": "f", "arguments": [1]}}]), row([{"type": "custom", "custom": {"name": "f"}}])]))
+    assert flat.messages[1]["tool_calls"] == [{"id": "c1", "type": "function",
+                                               "function": {"name": "f", "arguments": {"x": 1}}}]
+    assert flat.counts == {"tool_calls_wrapped": 1, "tool_arguments_decoded": 1}
+    assert no_args.messages[1]["tool_calls"] == [{"type": "function", "function": {"name": "f", "arguments": {}}}]
+    assert listed.reason == ("invalid tool call: messages[1].tool_calls[0].function.arguments is a list, not a JSON "
+                             "object (vLLM renders such arguments as {})")
+    assert other.reason == ('invalid tool call: messages[1].tool_calls[0] is not a function call with a name '
+                            '(expected {"type": "function", "function": {"name", "arguments"}})')
 
 
 def test_unsupported_content_parts_reject_or_are_counted(tmp_path):
