@@ -46,8 +46,8 @@ Normalisation rules (documented decisions):
   both forms render and mask identically; no arguments are ``{}``; arguments that are no JSON
   object (text or not) reject the row (vLLM renders them as ``{}``); a flat call ``{"name",
   "arguments"}`` is wrapped as ``{"type": "function", "function": ...}`` (``tool_calls_wrapped``); an
-  assistant's legacy ``function_call`` becomes a ``tool_calls`` entry; a null field counts as absent wherever two keys are alternatives
-  (``text``/``value``, ``from``/``role``);
+  assistant's legacy ``function_call`` becomes a ``tool_calls`` entry; a null field counts as absent
+  wherever two keys are alternatives (``text``/``value``, ``from``/``role``);
 - Parquet rows: Arrow's schema unification gives every struct the keys of all rows, null where a
   row had none, and Arrow cannot tell absent from null; so every null key inside ``tools``,
   ``tool_calls``, ``function_call`` and content-part lists is dropped (rows touched are counted,

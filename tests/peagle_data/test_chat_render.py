@@ -36,7 +36,8 @@ VIA_SET = ("{% set loop_messages = messages[1:] %}{% for m in loop_messages %}"
            "{% for c in m['content'] | list %}{{ c.text }}{% endfor %}{% endfor %}")
 VIA_MACRO = ("{% macro show(parts) %}{% for p in parts %}{{ p.text }}{% endfor %}{% endmacro %}"
              "{% for m in messages %}{{ show(m.content) }}{% endfor %}")
-VIA_NAME = "{% for m in messages %}{% set content = m.content %}{% for c in content %}{{ c.text }}{% endfor %}{% endfor %}"
+VIA_NAME = ("{% for m in messages %}{% set content = m.content %}{% for c in content %}{{ c.text }}{% endfor %}"
+            "{% endfor %}")
 NOT_CONTENT = "{% for m in messages %}{% for tc in m.tool_calls or [] %}{{ tc.function.name }}{% endfor %}{% endfor %}"
 MACRO_OTHER = ("{% macro show(parts) %}{% for p in parts %}{{ p }}{% endfor %}{% endmacro %}"
                "{% for m in messages %}{{ show(m.tool_calls) }}{% endfor %}")
