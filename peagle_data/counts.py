@@ -30,12 +30,18 @@ class Counts:
     """Rows where a null key counted as absent (Parquet rows have every key of every row)."""
     tool_arguments_decoded: int = 0
     """Tool-call arguments given as a JSON string and decoded."""
-    tool_arguments_not_json: int = 0
-    """Tool-call arguments that are a string but no JSON (kept as the string)."""
     tool_schemas_decoded: int = 0
     """Tool schemas given as JSON strings and decoded."""
     conversations_with_dropped_content: int = 0
     """Conversations kept without content the chat template drops (``--on-dropped-content keep``)."""
+    tool_calls_wrapped: int | None = None
+    """Flat tool calls ``{"name", "arguments"}`` wrapped as ``{"type": "function", "function": ...}``."""
+    tool_schemas_wrapped: int | None = None
+    """Bare tool schemas ``{"name", "parameters"}`` wrapped as ``{"type": "function", "function": ...}``."""
+    sharegpt_function_calls: int | None = None
+    """Tool calls of ShareGPT ``function_call`` turns, made OpenAI ``tool_calls`` entries."""
+    sharegpt_observations: int | None = None
+    """ShareGPT ``observation`` (``tool``, ``function``) turns, made ``tool`` messages."""
     duplicate_ids_renamed: int | None = None
     """Conversations whose id was seen before, renamed ``id~k``."""
     duplicates: int | None = None

@@ -100,8 +100,9 @@ def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: Tokenize
     Rejected rows are written to ``rejects`` and counted; ``counts`` gains ``read``, ``rejected``,
     ``dropped_leading_assistant_turns``, ``merged_user_turns``, ``empty_assistant_turns``,
     ``history_rewrite_conversations``, ``history_rewrite_rows``, the per-row reader counts
-    (``null_keys_dropped_rows``, ``tool_arguments_decoded``, ``tool_arguments_not_json``,
-    ``tool_schemas_decoded``, ``dropped_content_parts``) and, with ``on_dropped_content="keep"``,
+    (``null_keys_dropped_rows``, ``tool_arguments_decoded``, ``tool_calls_wrapped``,
+    ``tool_schemas_decoded``, ``tool_schemas_wrapped``, ``sharegpt_function_calls``,
+    ``sharegpt_observations``, ``dropped_content_parts``) and, with ``on_dropped_content="keep"``,
     ``conversations_with_dropped_content`` and ``dropped_<part>`` (messages whose part the template
     does not render; ``dropped_tools`` counts conversations).
 

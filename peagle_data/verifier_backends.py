@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from peagle_data.answer_text import REPLACEMENT, complete_prefix, split_reasoning
+from peagle_data.chat_render import template_messages, template_tools
 from stores.errors import InputError, MissingDependencyError
 
 __all__ = ["Request", "Answer", "BackendConfig", "LocalBackend", "ServerBackend", "split_reasoning", "server_base_url",
@@ -70,9 +71,12 @@ class Answer:
 
 
 def prompt_tokens(tokenizer, request: Request) -> list[int]:
-    """The token ids of ``request`` rendered with ``tokenizer``'s chat template and generation prompt."""
-    enc = tokenizer.apply_chat_template(request.messages, tools=request.tools, add_generation_prompt=True,
-                                        tokenize=True, return_dict=True)
+    """The token ids of ``request`` rendered with ``tokenizer``'s chat template and generation prompt, the
+    content passed as vLLM passes it (:func:`peagle_data.chat_render.template_messages`)."""
+    template = tokenizer.get_chat_template(None, request.tools)
+    enc = tokenizer.apply_chat_template(template_messages(request.messages, template),
+                                        tools=template_tools(request.tools),
+                                        add_generation_prompt=True, tokenize=True, return_dict=True)
     return list(enc["input_ids"])
 
 
