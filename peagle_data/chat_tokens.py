@@ -1,7 +1,8 @@
 """Rendered rows -> token ids and loss masks (docs/design.md §3, step 3): one batched tokenizer call
 with offsets; a token is supervised when it starts inside its turn's span, up to the span's end-of-turn
-token; a token across a span's boundary (:func:`straddling_token`), or a last special token that is
-followed by more of the reply (:func:`_unclear_end_of_turn`), makes the row a reject."""
+token; a token across a span's boundary (:func:`straddling_token`), a last special token that is
+followed by more of the reply (:func:`_unclear_end_of_turn`), or a turn whose tokens are not the ids
+the verifier generated (:func:`not_generated_ids`), makes the row a reject."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from stores.errors import InputError
 if TYPE_CHECKING:
     from peagle_data.chat import RenderedRow
 
-__all__ = ["TokenizedConversation", "tokenize_rendered", "straddling_token"]
+__all__ = ["TokenizedConversation", "tokenize_rendered", "straddling_token", "not_generated_ids"]
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,8 @@ def tokenize_rendered(tokenizer, rows: Sequence[RenderedRow]) -> list[TokenizedC
         supervised = np.flatnonzero(loss_mask)
         if supervised.size:
             system_len = min(system_len, int(supervised[0]))
-        problem = straddling_token(row, offsets, loss_mask) or _unclear_end_of_turn(row, ids, offsets, special)
+        problem = (straddling_token(row, offsets, loss_mask) or _unclear_end_of_turn(row, ids, offsets, special)
+                   or not_generated_ids(tokenizer, row, ids, offsets[:, 0], special))
         out.append(TokenizedConversation(input_ids=ids, loss_mask=loss_mask, system_len=system_len,
                                          problem=problem))
     return out
@@ -141,6 +143,51 @@ def _unclear_end_of_turn(row: RenderedRow, ids: np.ndarray, offsets: np.ndarray,
     return None
 
 
+def not_generated_ids(tokenizer, row: RenderedRow, ids: np.ndarray, starts: np.ndarray,
+                      special: frozenset[int]) -> str | None:
+    """Why a supervised turn of ``row`` that carries the verifier's generated ids
+    (``row.token_ids``) does not tokenize to exactly them, or None.
+
+    A turn's tokens are those of :func:`_mask_from_spans` before any masking of an empty think
+    block (every token the verifier generated, up to its end-of-turn token). The text a back end
+    wrote re-tokenizes to other ids when its decode cleaned up tokenization spaces (``x!= y`` for
+    ``x != y``) or when the verifier produced a non-canonical tokenization; training on the
+    re-tokenization would teach the drafter tokens the verifier never produced.
+
+    Args:
+        ids: int32 ``[T]`` of ``row.text``; starts: int64 ``[T]`` their first characters.
+    """
+    for k, msg_index, generated in row.token_ids:
+        a, b = row.spans[k]
+        lo, end = _span_tokens(ids, starts, a, b, special, k in row.cut)
+        got = [int(t) for t in ids[lo:end]]
+        if got == list(generated):
+            continue
+        at = next((j for j, (x, y) in enumerate(zip(got, generated)) if x != y), min(len(got), len(generated)))
+        name = [repr(tokenizer.convert_ids_to_tokens(int(seq[at]))) if at < len(seq) else "(end)"
+                for seq in (got, generated)]
+        return (f"generated ids do not round-trip: assistant message {msg_index} re-tokenizes inside the chat "
+                f"template to {len(got)} ids, the verifier generated {len(generated)} (token_ids); first "
+                f"difference at token {at}: {name[0]} for the generated {name[1]}. Its text was decoded "
+                "with clean_up_tokenization_spaces, or the verifier produced a tokenization the tokenizer does "
+                "not; regenerate with the verifier's own tokenizer (peagle decodes without clean-up), or tokenize "
+                "with the tokenizer that generated the ids")
+    return None
+
+
+def _span_tokens(ids: np.ndarray, starts: np.ndarray, a: int, b: int, special: frozenset[int],
+                 cut: bool) -> tuple[int, int]:
+    """Tokens ``[lo, end)`` of the span ``[a, b)`` characters: those starting in it, up to and
+    including its last special token (all of them when ``cut``: a reply cut at a token limit)."""
+    lo = int(np.searchsorted(starts, a, side="left"))
+    hi = int(np.searchsorted(starts, b, side="left"))  # tokens [lo, hi) start in [a, b)
+    if not cut:
+        for t in range(hi - 1, lo - 1, -1):
+            if int(ids[t]) in special:
+                return lo, t + 1
+    return lo, max(hi, lo)
+
+
 def _mask_from_spans(ids: np.ndarray, starts: np.ndarray, spans: list[tuple[int, int]],
                      special: frozenset[int], cut: frozenset[int] = frozenset()) -> np.ndarray:
     """uint8 ``[T]``: 1 for tokens starting in a span, up to and including its last special token
@@ -148,14 +195,6 @@ def _mask_from_spans(ids: np.ndarray, starts: np.ndarray, spans: list[tuple[int,
     already ends with the reply's text)."""
     mask = np.zeros(len(ids), dtype=np.uint8)
     for k, (a, b) in enumerate(spans):
-        lo = int(np.searchsorted(starts, a, side="left"))
-        hi = int(np.searchsorted(starts, b, side="left"))  # tokens [lo, hi) start in [a, b)
-        if hi <= lo:
-            continue
-        end = hi
-        for t in range(hi - 1, lo - 1, -1):
-            if int(ids[t]) in special and k not in cut:
-                end = t + 1
-                break
+        lo, end = _span_tokens(ids, starts, a, b, special, k in cut)
         mask[lo:end] = 1
     return mask

