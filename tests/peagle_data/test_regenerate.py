@@ -3,6 +3,7 @@ rejects, and the server back end against a real ``transformers serve`` started o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -45,6 +46,12 @@ def write_rows(path: Path, rows=ROWS) -> Path:
 
 def lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def without_token_ids(path: Path) -> list[dict]:
+    """The rows of ``path`` without the assistant turns' ``token_ids`` (a server that returns none)."""
+    return [{**r, "messages": [{k: v for k, v in m.items() if k != "token_ids"} for m in r["messages"]]}
+            for r in lines(path)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -478,9 +485,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(verifier_dir):
-    """``transformers serve`` of the tiny verifier; yields its URL."""
+@contextlib.contextmanager
+def transformers_serve(model_dir: Path):
+    """``transformers serve`` of ``model_dir`` on 127.0.0.1 and a free port; yields its URL."""
     pytest.importorskip("fastapi", reason="transformers serve needs the test extra (transformers[serving])")
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -488,7 +495,7 @@ def server(verifier_dir):
     exe = str(exe) if exe.exists() else shutil.which("transformers")
     if exe is None:
         pytest.fail("the `transformers` command is not installed beside this Python")
-    proc = subprocess.Popen([exe, "serve", str(verifier_dir), "--host", "127.0.0.1", "--port", str(port),
+    proc = subprocess.Popen([exe, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
                              "--device", "cpu"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
@@ -508,22 +515,58 @@ def server(verifier_dir):
         proc.wait(timeout=30)
 
 
+@pytest.fixture(scope="module")
+def server(verifier_dir):
+    """``transformers serve`` of the tiny verifier; yields its URL."""
+    with transformers_serve(verifier_dir) as url:
+        yield url
+
+
+@pytest.mark.slow
+def test_transformers_serve_is_told_greedy_without_the_verifiers_repetition_penalty(repeating_verifier_dir, tmp_path):
+    """transformers serve applies the model's generation_config.json (repetition_penalty 1.3) unless told:
+    --server-kind transformers sends a whole neutral generation_config, the OpenAI fields alone
+    (frequency_penalty 0, its repetition_penalty 1) also neutralise it; both equal the local back end."""
+    import openai
+
+    d = str(repeating_verifier_dir)
+    inp = write_rows(tmp_path / "in.jsonl", [ROWS[1], ROWS[4]])
+    local = tmp_path / "local.jsonl"
+    run_regenerate(RegenerateRun(inputs=[str(inp)], output=local, settings=RegenerateConfig(max_new_tokens=6)),
+                   make_backend=lambda: LocalBackend(d, max_new_tokens=6, temperature=0.0, batch_size=1, device="cpu"))
+    with transformers_serve(repeating_verifier_dir) as url:
+        for kind in ("transformers", "openai"):
+            out = tmp_path / f"{kind}.jsonl"
+            run_regenerate(RegenerateRun(inputs=[str(inp)], output=out, settings=RegenerateConfig(max_new_tokens=6)),
+                           make_backend=lambda: ServerBackend([url], None, 6, 0.0, kind=kind))
+            assert without_token_ids(out) == without_token_ids(local), kind
+        client = openai.OpenAI(base_url=url + "/v1", api_key="EMPTY")
+        for row in lines(local):  # a request that states only temperature 0 gets the penalised answer
+            resp = client.chat.completions.create(model=d, messages=row["messages"][:-1], max_tokens=6, temperature=0)
+            assert resp.choices[0].message.content != row["messages"][-1]["content"]
+
+
 @pytest.mark.slow
 def test_server_greedy_output_equals_the_local_back_end(server, local_run, local, tmp_path, verifier_dir):
     inp, full, full_summary = local_run
     out = tmp_path / "s.jsonl"
     # two addresses of the one server: requests spread over both slots' clients; prompts checked with
-    # the verifier's template, as the local back end checks them
+    # the verifier's template, as the local back end checks them; told a whole neutral generation_config
     backend = ServerBackend([server, server + "/v1/"], None, max_new_tokens=6, temperature=0.0, concurrency=2,
-                            tokenizer=local.tokenizer)
+                            tokenizer=local.tokenizer, kind="transformers")
     summary = run_regenerate(RegenerateRun(inputs=[str(inp)], output=out,
                                            settings=RegenerateConfig(max_new_tokens=6, chunk_rows=2)),
                                            make_backend=lambda: backend)
-    assert out.read_bytes() == full.read_bytes()
+    # transformers serve returns no token ids: the same rows without them
+    assert without_token_ids(out) == without_token_ids(full) and "token_ids" not in out.read_text()
     c, f = summary["counts"], full_summary["counts"]
     assert (c["written"], c["rejected"], c["turns_regenerated"], c["completion_tokens"]) == \
         (f["written"], f["rejected"], f["turns_regenerated"], f["completion_tokens"])
-    assert json.loads(out.with_name("s.manifest.json").read_text())["model"]["model"] == str(verifier_dir)
+    model = json.loads(out.with_name("s.manifest.json").read_text())["model"]
+    assert (model["model"], model["server_kind"], model["token_ids"]) == (str(verifier_dir), "transformers", False)
+    assert model["not_sent"] == ["bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "sequence_bias",
+                                 "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty"]
+    assert c["turns_with_token_ids"] == 0
     assert out.with_name("s.rejects.jsonl").read_bytes() == full.with_name("out.rejects.jsonl").read_bytes()
 
 
@@ -546,7 +589,11 @@ def test_cli_regenerates_through_the_server(server, local_run, tmp_path, verifie
             "--tokenizer", str(verifier_dir)]
     res = CliRunner().invoke(data_main, args)
     assert res.exit_code == 0, res.output
-    assert "read 5  written 3  rejected 2" in res.output and out.read_bytes() == full.read_bytes()
+    assert "read 5  written 3  rejected 2" in res.output and without_token_ids(out) == without_token_ids(full)
+    # not a vLLM server: told the OpenAI API's fields only (frequency_penalty 0 is transformers serve's
+    # repetition_penalty 1), and the rest is said
+    assert ("WARNING: the server could not be told these sampling settings, its own defaults applied: top_k, min_p, "
+            "repetition_penalty, every other default of the server's generation config") in res.output
     assert "turns regenerated 4 (4 cut at --max-new-tokens 6, 1 of them inside a character, dropped)" in res.output
     assert json.loads(out.with_name("c.manifest.json").read_text())["model"]["tokenizer"] == str(verifier_dir)
     again = CliRunner().invoke(data_main, args)
@@ -612,7 +659,8 @@ def test_local_answer_cut_inside_a_character_ends_before_it(local):
 def test_wire_messages_carry_only_the_apis_keys():
     from peagle_data.verifier_backends import _wire_messages
 
-    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "finish_reason": "length"},
+    msgs = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a", "finish_reason": "length", "token_ids": [64]},
             {"role": "assistant", "content": "b", "weight": 0}]
     assert _wire_messages(msgs) == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
                                     {"role": "assistant", "content": "b"}]
@@ -726,3 +774,82 @@ def test_regenerate_through_vllm_serve_equals_the_local_back_end(vllm_server, pe
     for row in written:
         t = tokenize_conversation(tok, row["messages"])
         assert t.input_ids[t.loss_mask == 1].tolist() == [i for m in row["messages"] for i in m.get("token_ids", [])]
+
+
+# --------------------------------------------------------------------------------------------
+# decoding that round-trips (clean_up_tokenization_spaces), and tokenize on the generated ids
+
+SPACED = "if x != y: print('social' .)"
+"""Text that a clean-up of tokenization spaces rewrites (``x!= y``, ``'social'.``)."""
+
+
+@pytest.fixture
+def cleaning_tokenizer(local, monkeypatch):
+    """The verifier's SmolLM2 tokenizer configured with ``clean_up_tokenization_spaces=True`` (every
+    Llama-3.x tokenizer config says so; transformers releases before 5 apply it to BPE tokenizers)."""
+    tok = local.tokenizer
+    monkeypatch.setattr(tok, "clean_up_tokenization_spaces", True)
+    monkeypatch.setattr(tok, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", True,
+                        raising=False)
+    return tok
+
+
+def test_answers_are_decoded_without_cleaning_up_spaces(local, cleaning_tokenizer):
+    tok = cleaning_tokenizer
+    ids = tok(SPACED, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == "if x!= y: print('social'.)"  # a default decode: other ids on re-tokenizing
+    assert tok.convert_ids_to_tokens(tok(tok.decode(ids), add_special_tokens=False)["input_ids"]) == \
+        ["if", "Ġx", "!=", "Ġy", ":", "Ġprint", "('", "social", "'", ".)"]
+    assert tok.convert_ids_to_tokens(ids) == ["if", "Ġx", "Ġ!=", "Ġy", ":", "Ġprint", "('", "social", "'", "Ġ.", ")"]
+    prompt = local.prompt_ids(Request(messages=[{"role": "user", "content": "hi"}]))
+    answer = local.answer_of(ids + [2], prompt)
+    assert (answer.content, answer.token_ids, answer.finish_reason) == (SPACED, ids + [2], "stop")
+    cut = local.answer_of(ids[:3], prompt)  # cut at the token limit: the cut-character check decodes too
+    assert (cut.content, cut.token_ids, cut.finish_reason) == ("if x !=", ids[:3], "length")
+    tok.response_template = QWEN_LIKE_TEMPLATE  # the response_template path decodes for parse_response
+    try:
+        parsed = local.answer_of(ids + [2], prompt)
+    finally:
+        del tok.response_template
+    assert (parsed.content, parsed.token_ids) == (SPACED, ids + [2])
+
+
+def test_tokenize_trains_on_the_generated_ids_and_rejects_a_text_that_does_not_round_trip(local, cleaning_tokenizer):
+    from peagle_data.chat import ChatTemplateError, tokenize_conversation, tokenize_turns
+
+    tok = local.tokenizer
+    ids = tok(SPACED, add_special_tokens=False)["input_ids"] + [2]
+    user = {"role": "user", "content": "Compare x and y"}
+    good = [user, {"role": "assistant", "content": SPACED, "token_ids": ids}]
+    t = tokenize_conversation(tok, good)
+    assert t.input_ids[t.loss_mask == 1].tolist() == ids
+    cleaned = [user, {"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True), "token_ids": ids}]
+    with pytest.raises(ChatTemplateError) as e:
+        tokenize_conversation(tok, cleaned)
+    assert str(e.value).startswith(
+        f"generated ids do not round-trip: assistant message 1 re-tokenizes inside the chat template to "
+        f"{len(ids) - 1} ids, the verifier generated {len(ids)} (token_ids); first difference at token 2: '!=' for "
+        "the generated 'Ġ!='.")
+    # without token_ids the cleaned text trains, as before: nothing to check it against
+    t = tokenize_conversation(tok, [user, {k: v for k, v in cleaned[1].items() if k != "token_ids"}])
+    assert t.loss_mask.sum() == len(ids) - 1
+    # a cut reply (finish_reason length): its ids up to the cut, no end-of-turn token
+    cut = [user, {"role": "assistant", "content": SPACED, "finish_reason": "length", "token_ids": ids[:-1]}]
+    t = tokenize_conversation(tok, cut)
+    assert t.input_ids[t.loss_mask == 1].tolist() == ids[:-1]
+    # the per-turn rows of a template that rewrites history check each supervised turn the same way
+    multi = good + [{"role": "user", "content": "again"},
+                    {"role": "assistant", "content": "x", "token_ids": tok("y", add_special_tokens=False)["input_ids"]
+                     + [2]}]
+    with pytest.raises(ChatTemplateError, match="assistant message 3 re-tokenizes"):
+        tokenize_turns(tok, multi)
+
+
+def test_readers_keep_token_ids_and_reject_malformed_ones(tmp_path):
+    from peagle_data.readers import read_conversations
+
+    ok = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "token_ids": [64, 2]}]}
+    bad = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "token_ids": [64, -1]}]}
+    items = list(read_conversations([str(write_rows(tmp_path / "in.jsonl", [ok, bad]))]))
+    assert items[0].messages[1] == {"role": "assistant", "content": "a", "token_ids": [64, 2]}
+    assert items[1].reason == "invalid token_ids: messages[1].token_ids must be a list of token ids (ints >= 0)"
