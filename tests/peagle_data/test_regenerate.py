@@ -800,7 +800,8 @@ def test_answers_are_decoded_without_cleaning_up_spaces(local, cleaning_tokenize
     assert tok.decode(ids) == "if x!= y: print('social'.)"  # a default decode: other ids on re-tokenizing
     assert tok.convert_ids_to_tokens(tok(tok.decode(ids), add_special_tokens=False)["input_ids"]) == \
         ["if", "Ġx", "!=", "Ġy", ":", "Ġprint", "('", "social", "'", ".)"]
-    assert tok.convert_ids_to_tokens(ids) == ["if", "Ġx", "Ġ!=", "Ġy", ":", "Ġprint", "('", "social", "'", "Ġ.", ")"]
+    assert tok.convert_ids_to_tokens(ids) == ["if", "Ġx", "Ġ!=", "Ġy", ":", "Ġprint", "('", "social", "'", "Ġ.",
+                                              ")"]
     prompt = local.prompt_ids(Request(messages=[{"role": "user", "content": "hi"}]))
     answer = local.answer_of(ids + [2], prompt)
     assert (answer.content, answer.token_ids, answer.finish_reason) == (SPACED, ids + [2], "stop")
@@ -853,3 +854,23 @@ def test_readers_keep_token_ids_and_reject_malformed_ones(tmp_path):
     items = list(read_conversations([str(write_rows(tmp_path / "in.jsonl", [ok, bad]))]))
     assert items[0].messages[1] == {"role": "assistant", "content": "a", "token_ids": [64, 2]}
     assert items[1].reason == "invalid token_ids: messages[1].token_ids must be a list of token ids (ints >= 0)"
+
+
+def test_each_server_kind_is_told_the_neutral_sampling_parameters():
+    from peagle_data.verifier_backends import BackendConfig, _request_params
+
+    assert _request_params("vllm", 0.0, 8) == {
+        "max_tokens": 8, "temperature": 0.0, "top_p": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+        "extra_body": {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "return_token_ids": True}}
+    assert _request_params("openai", 0.5, 8) == {"max_tokens": 8, "temperature": 0.5, "top_p": 1.0,
+                                                 "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    told = _request_params("transformers", 0.5, 8)
+    assert set(told) == {"max_tokens", "temperature", "top_p", "extra_body"}
+    gc = json.loads(told["extra_body"]["generation_config"])
+    assert (gc["do_sample"], gc["temperature"], gc["top_k"], gc["top_p"], gc["repetition_penalty"],
+            gc["no_repeat_ngram_size"], gc["max_new_tokens"]) == (True, 0.5, 0, 1.0, 1.0, 0, 8)
+    assert json.loads(_request_params("transformers", 0.0, 8)["extra_body"]["generation_config"])["do_sample"] is False
+    with pytest.raises(ValueError, match="--server-kind goes with --server"):
+        BackendConfig(verifier="m", server_kind="vllm")
+    with pytest.raises(ValueError, match="--server-kind must be one of"):
+        BackendConfig(servers=("http://a:1",), server_kind="sglang")
