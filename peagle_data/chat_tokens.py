@@ -168,10 +168,10 @@ def not_generated_ids(tokenizer, row: RenderedRow, ids: np.ndarray, starts: np.n
                 for seq in (got, generated)]
         return (f"generated ids do not round-trip: assistant message {msg_index} re-tokenizes inside the chat "
                 f"template to {len(got)} ids, the verifier generated {len(generated)} (token_ids); first "
-                f"difference at token {at}: {name[0]} for the generated {name[1]}. Its text was decoded "
-                "with clean_up_tokenization_spaces, or the verifier produced a tokenization the tokenizer does "
-                "not; regenerate with the verifier's own tokenizer (peagle decodes without clean-up), or tokenize "
-                "with the tokenizer that generated the ids")
+                f"difference at token {at}: {name[0]} for the generated {name[1]}. Either its text was decoded "
+                "with clean_up_tokenization_spaces (peagle's regenerate never does) or by another tokenizer "
+                "(tokenize with the one that generated the ids), or the verifier produced a tokenization its "
+                "tokenizer does not make, which no text reproduces: the row is left out")
     return None
 
 

@@ -186,6 +186,13 @@ def test_server_answers_cut_inside_a_character_end_before_it():
     assert _answer_of(_completion("a \ufffd", "stop")).error.startswith("undecodable answer")
 
 
+def test_server_answers_keep_vllms_token_ids():
+    resp = _completion("ok", "stop")
+    assert _answer_of(resp).token_ids is None  # a server that returns none (transformers serve)
+    resp.choices[0].model_extra = {"token_ids": [1, 2]}  # vLLM's return_token_ids
+    assert _answer_of(resp).token_ids == [1, 2]
+
+
 def test_split_reasoning():
     assert split_reasoning("<think>\nplan\n</think>\n\nAnswer") == ("Answer", "plan")
     assert split_reasoning("plan</think>Answer") == ("Answer", "plan")  # the prompt opened the block
@@ -380,10 +387,10 @@ def test_the_output_tokenizes(local_run, tmp_path, verifier_dir):
     reject = lines(next((tmp_path / "tok").rglob("*rejects*.jsonl")))
     assert reject == [{"source": f"{out}:3", "conversation_id": "in:5", "reason": (
         "generated ids do not round-trip: assistant message 1 re-tokenizes inside the chat template to 8 ids, the "
-        "verifier generated 6 (token_ids); first difference at token 2: 'MR' for the generated 'MRI'. Its text was "
-        "decoded with clean_up_tokenization_spaces, or the verifier produced a tokenization the tokenizer does not; "
-        "regenerate with the verifier's own tokenizer (peagle decodes without clean-up), or tokenize with the "
-        "tokenizer that generated the ids")}]
+        "verifier generated 6 (token_ids); first difference at token 2: 'MR' for the generated 'MRI'. Either its "
+        "text was decoded with clean_up_tokenization_spaces (peagle's regenerate never does) or by another tokenizer "
+        "(tokenize with the one that generated the ids), or the verifier produced a tokenization its tokenizer does "
+        "not make, which no text reproduces: the row is left out")}]
     # answers cut at 6 tokens are marked; tokenize supervises their text and no <|im_end|> after it
     rows = lines(out)
     cut = [m for row in rows[:2] for m in row["messages"] if m.get("finish_reason") == "length"]
