@@ -3,7 +3,7 @@
 Both back ends take chat requests (OpenAI messages and tools, the history up to an assistant turn)
 and return :class:`Answer` objects with the same fields, so the output does not depend on which
 one ran (for greedy decoding the texts are equal; ``tests/peagle_data/test_regenerate.py``
-checks the local back end against ``transformers serve``):
+checks the local back end against ``transformers serve`` and vLLM's server):
 
 - :class:`LocalBackend` renders each request with the verifier's chat template
   (``add_generation_prompt``), sorts a wave of requests by prompt length, and generates in

@@ -370,7 +370,7 @@ def test_on_dropped_content_keep_regenerates_the_row_counted(tmp_path, local):
     assert [r["id"] for r in lines(tmp_path / "o.jsonl")] == ["tool1", "in:2"]
 
 
-def test_the_output_tokenizes(local_run, tmp_path, verifier_dir):
+def test_the_output_tokenizes(local_run, local, tmp_path, verifier_dir):
     from peagle_data.prepare import TokenizeConfig, TokenizeRun, run_tokenize
 
     from peagle_data.chat import tokenize_conversation
@@ -379,27 +379,26 @@ def test_the_output_tokenizes(local_run, tmp_path, verifier_dir):
     _, out, _ = local_run
     summary = run_tokenize(TokenizeRun(inputs=[str(out)], tokenizer=str(verifier_dir), output=tmp_path / "tok",
                                        settings=TokenizeConfig()))
-    # regenerate already refused the row whose tools the SmolLM2 template drops; of the 3 rows, one
-    # answer of the random verifier is a tokenization the tokenizer does not make ("MRI" "Discussion"
-    # re-tokenizes as "MR" "ID" ...): its text would train other ids than the verifier generated
+    # regenerate already refused the row whose tools the SmolLM2 template drops: every row is used. One
+    # answer of the random verifier is a tokenization its tokenizer does not make ("MRI" "Discussion"
+    # re-tokenizes as "MR" "ID" ...): that last turn trains on the generated ids, not on the text's
     c = summary["counts"]
-    assert c["used"] == 2 and c["rejected_by_reason"] == {"generated ids do not round-trip": 1}
-    reject = lines(next((tmp_path / "tok").rglob("*rejects*.jsonl")))
-    assert reject == [{"source": f"{out}:3", "conversation_id": "in:5", "reason": (
-        "generated ids do not round-trip: assistant message 1 re-tokenizes inside the chat template to 8 ids, the "
-        "verifier generated 6 (token_ids); first difference at token 2: 'MR' for the generated 'MRI'. Either its "
-        "text was decoded with clean_up_tokenization_spaces (peagle's regenerate never does) or by another tokenizer "
-        "(tokenize with the one that generated the ids), or the verifier produced a tokenization its tokenizer does "
-        "not make, which no text reproduces: the row is left out")}]
+    assert c["used"] == 3 and c["rejected_by_reason"] == {} and c["turns_on_generated_ids"] == 1
     # answers cut at 6 tokens are marked; tokenize supervises their text and no <|im_end|> after it
     rows = lines(out)
-    cut = [m for row in rows[:2] for m in row["messages"] if m.get("finish_reason") == "length"]
-    assert len(cut) == 3 and c["cut_assistant_turns"] == len(cut)
-    # the rows used train on exactly the ids the verifier generated
+    cut = [m for row in rows for m in row["messages"] if m.get("finish_reason") == "length"]
+    assert len(cut) == 4 and c["cut_assistant_turns"] == len(cut)
+    # every row trains on exactly the ids the verifier generated, after exactly its prompt's ids
     tok = load_tokenizer(str(verifier_dir))
-    for row in rows[:2]:
+    for row, spliced in zip(rows, (0, 0, 1)):
         t = tokenize_conversation(tok, row["messages"])
         assert t.input_ids[t.loss_mask == 1].tolist() == [i for m in row["messages"] for i in m.get("token_ids", [])]
+        assert t.on_generated_ids == spliced
+    prompt = local.prompt_ids(Request(messages=rows[2]["messages"][:1]))
+    t = tokenize_conversation(tok, rows[2]["messages"])
+    assert t.input_ids.tolist() == prompt + rows[2]["messages"][1]["token_ids"] + [2, 198]  # <|im_end|> "\n" of
+    # the template after the cut turn, unsupervised
+    assert tok.convert_ids_to_tokens(rows[2]["messages"][1]["token_ids"][2:4]) == ["MRI", "Discussion"]
 
 
 def test_prompt_too_long_is_a_reject(tmp_path, local):
@@ -834,10 +833,12 @@ def test_tokenize_trains_on_the_generated_ids_and_rejects_a_text_that_does_not_r
     cleaned = [user, {"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True), "token_ids": ids}]
     with pytest.raises(ChatTemplateError) as e:
         tokenize_conversation(tok, cleaned)
-    assert str(e.value).startswith(
+    assert str(e.value) == (
         f"generated ids do not round-trip: assistant message 1 re-tokenizes inside the chat template to "
         f"{len(ids) - 1} ids, the verifier generated {len(ids)} (token_ids); first difference at token 2: '!=' for "
-        "the generated 'Ġ!='.")
+        "the generated 'Ġ!=', and they decode to another text. Its text was decoded with "
+        "clean_up_tokenization_spaces (peagle's regenerate never does), edited after regenerate, or tokenize runs "
+        "with another tokenizer than the one that generated the ids")
     # without token_ids the cleaned text trains, as before: nothing to check it against
     t = tokenize_conversation(tok, [user, {k: v for k, v in cleaned[1].items() if k != "token_ids"}])
     assert t.loss_mask.sum() == len(ids) - 1
@@ -845,12 +846,29 @@ def test_tokenize_trains_on_the_generated_ids_and_rejects_a_text_that_does_not_r
     cut = [user, {"role": "assistant", "content": SPACED, "finish_reason": "length", "token_ids": ids[:-1]}]
     t = tokenize_conversation(tok, cut)
     assert t.input_ids[t.loss_mask == 1].tolist() == ids[:-1]
-    # the per-turn rows of a template that rewrites history check each supervised turn the same way
-    multi = good + [{"role": "user", "content": "again"},
+    # the same text, another tokenization ("\n\n" as one token where the tokenizer makes two): the last
+    # turn trains on the generated ids; an earlier one, whose re-tokenized text was the next turn's
+    # context, is a reject
+    text = "Plan:\n\n1. go"
+    canonical = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.convert_ids_to_tokens(canonical)[:4] == ["Plan", ":", "Ċ", "Ċ"]
+    own = canonical[:2] + tok.convert_tokens_to_ids(["ĊĊ"]) + canonical[4:] + [2]
+    assert tok.decode(own, skip_special_tokens=True) == text
+    last = [user, {"role": "assistant", "content": text, "token_ids": own}]
+    t = tokenize_conversation(tok, last)
+    assert t.input_ids[t.loss_mask == 1].tolist() == own and t.on_generated_ids == 1
+    assert t.input_ids.tolist() == tokenize_conversation(tok, [user, {"role": "assistant", "content": text}]
+                                                         ).input_ids.tolist()[:-(len(canonical) + 2)] + own + [198]
+    earlier = last + [{"role": "user", "content": "again"}, {"role": "assistant", "content": "ok"}]
+    with pytest.raises(ChatTemplateError, match=r"assistant message 1 .* \(the same text, another tokenization\); "
+                                                "the verifier saw the re-tokenized text"):
+        tokenize_conversation(tok, earlier)
+    # per-turn rows (a template that rewrites history) check each supervised turn the same way
+    stale = good + [{"role": "user", "content": "again"},
                     {"role": "assistant", "content": "x", "token_ids": tok("y", add_special_tokens=False)["input_ids"]
                      + [2]}]
-    with pytest.raises(ChatTemplateError, match="assistant message 3 re-tokenizes"):
-        tokenize_turns(tok, multi)
+    with pytest.raises(ChatTemplateError, match="assistant message 3 re-tokenizes.*decode to another text"):
+        tokenize_turns(tok, stale)
 
 
 def test_readers_keep_token_ids_and_reject_malformed_ones(tmp_path):
