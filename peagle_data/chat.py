@@ -28,7 +28,9 @@ Method, for one conversation of T tokens:
    it (``</think>``, the end-of-turn token) is not what the verifier generated.
 4. ``apply_chat_template(messages, tokenize=True)`` tokenizes the same render with
    ``add_special_tokens=False``, so the ids are identical by construction (tests check it on five
-   template families); they are not tokenized twice at run time.
+   template families); they are not tokenized twice at run time. Exception: a last turn that
+   carries the verifier's generated ``token_ids``, another tokenization of its text, holds those ids
+   (:func:`~peagle_data.chat_tokens.on_generated_ids`).
 
 Three more checks keep a mask from being silently wrong:
 

@@ -26,8 +26,8 @@ request leaves out). What a server cannot be told is recorded in the manifest (`
 
 Token ids: the local back end and vLLM (``return_token_ids``) return the ids the verifier
 generated (``Answer.token_ids``, end-of-sequence id included); ``regenerate`` writes them beside
-the text (``token_ids`` of the assistant message) and ``tokenize`` checks that the text,
-re-tokenized inside the chat template, gives exactly those ids (:mod:`peagle_data.chat_tokens`).
+the text (``token_ids`` of the assistant message) and ``tokenize`` trains on exactly those ids
+(:func:`peagle_data.chat_tokens.on_generated_ids`).
 
 Reasoning: a server's ``reasoning_content`` (vLLM, SGLang and ``transformers serve`` parse it) is
 kept; locally, a tokenizer's ``response_template`` parses content, reasoning and tool calls
