@@ -1,5 +1,7 @@
 """``peagle-data regenerate``: the turn logic, the local back end on a tiny random verifier, resume,
-rejects, and the server back end against a real ``transformers serve`` started on 127.0.0.1."""
+rejects, greedy without the verifier's generation_config, the generated token ids and tokenize on them,
+decoding without clean-up, and the server back end against a real ``transformers serve`` and a real
+vLLM server (the real SmolLM2) started on 127.0.0.1."""
 
 from __future__ import annotations
 
