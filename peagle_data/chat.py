@@ -28,7 +28,9 @@ Method, for one conversation of T tokens:
    it (``</think>``, the end-of-turn token) is not what the verifier generated.
 4. ``apply_chat_template(messages, tokenize=True)`` tokenizes the same render with
    ``add_special_tokens=False``, so the ids are identical by construction (tests check it on five
-   template families); they are not tokenized twice at run time.
+   template families); they are not tokenized twice at run time. Exception: a last turn that
+   carries the verifier's generated ``token_ids``, another tokenization of its text, holds those ids
+   (:func:`~peagle_data.chat_tokens.on_generated_ids`).
 
 Three more checks keep a mask from being silently wrong:
 
@@ -164,6 +166,9 @@ class RenderedRow:
             ``"tools"`` or ``"<part> of message <i>"`` (part: content, reasoning_content, tool_calls).
         cut: positions in ``spans`` of turns marked ``"finish_reason": "length"`` (cut at a token
             limit); their span ends where the reply's own text ends, and is supervised whole.
+        token_ids: ``(position in spans, message index, ids)`` of every supervised turn that carries
+            the ids the verifier generated (``token_ids``, written by ``regenerate``): its span
+            must tokenize to exactly them (:func:`~peagle_data.chat_tokens.tokenize_rendered`).
     """
 
     text: str
@@ -173,6 +178,7 @@ class RenderedRow:
     empty_think: tuple[tuple[int, int], ...] = ()
     dropped: tuple[str, ...] = ()
     cut: tuple[int, ...] = ()
+    token_ids: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
 
 _EMPTY_THINK = re.compile(r"<think>\s*</think>\s*")
@@ -347,9 +353,12 @@ def _checked_row(tokenizer, messages, tools, chat_template, text: str, spans: di
     cut = tuple(k for k, i in enumerate(kept_indices) if messages[i].get("finish_reason") == "length")
     for k in cut:  # a cut reply ends where its text ends: what the template renders after it was not generated
         kept_spans[k] = (kept_spans[k][0], _cut_end(messages[kept_indices[k]], text, *kept_spans[k]))
+    generated = tuple((k, i, tuple(messages[i]["token_ids"])) for k, i in enumerate(kept_indices)
+                      if messages[i].get("token_ids") is not None)
     return RenderedRow(text, tuple(kept_spans), _prefix_chars(tokenizer, messages, text, tools, chat_template),
                        turn, _empty_think(messages, kept_indices, text, kept_spans),
-                       tuple(("tools" if i is None else f"{part} of message {i}") for i, part, _ in dropped), cut)
+                       tuple(("tools" if i is None else f"{part} of message {i}") for i, part, _ in dropped), cut,
+                       generated)
 
 
 def _cut_end(msg: dict[str, Any], text: str, a: int, b: int) -> int:

@@ -61,6 +61,9 @@ class Counts:
     cut_assistant_turns: int | None = None
     """Assistant turns marked ``"finish_reason": "length"`` (cut at a token limit): their text is
     supervised, the end-of-turn token after it is not."""
+    turns_on_generated_ids: int | None = None
+    """Last assistant turns trained on the ids the verifier generated (``token_ids``) in place of the
+    re-tokenization of their text: the same text, another tokenization."""
     dropped: dict[str, int] = field(default_factory=dict)
     """Conversations kept without each kind of content the template drops: ``{part: n}``, written
     as ``dropped_<part>`` keys (``dropped_tools``, ``dropped_reasoning``, ...)."""

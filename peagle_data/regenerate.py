@@ -18,7 +18,15 @@ Per conversation (read and normalised by :mod:`peagle_data.readers`, so every in
   ends there (later turns answered something the verifier did not say; counted as
   ``ended_at_verifier_tool_call``);
 - the verifier's reasoning is kept as ``reasoning_content`` (see
-  :mod:`peagle_data.verifier_backends`); messages after the last regenerated turn are kept.
+  :mod:`peagle_data.verifier_backends`); messages after the last regenerated turn are kept;
+- a regenerated turn carries ``token_ids``, the ids the verifier generated (end-of-sequence id
+  included), when the back end returns them (local, vLLM; counted as ``turns_with_token_ids``):
+  ``tokenize`` trains on exactly them (:func:`peagle_data.chat_tokens.on_generated_ids`).
+
+Greedy means argmax, as ``peagle-eval``'s reference: no back end applies the verifier's
+``generation_config.json`` (see :func:`~peagle_data.verifier_backends.sampling_parameters`); the
+manifest's ``model`` records the effective ``sampling``, what a server could not be told
+(``not_sent``) and, locally, the verifier's settings that were not applied.
 
 Each prompt is checked, before it is sent, for content the verifier's chat template does not render
 (the check of ``tokenize``, :func:`peagle_data.chat_dropped.dropped_content`): a verifier that never
@@ -200,6 +208,8 @@ class Regeneration:
         if answer.tool_calls:
             msg["tool_calls"] = answer.tool_calls
             self.ended_at_tool_call = True
+        if answer.token_ids is not None:  # what the verifier generated: tokenize checks the text against it
+            msg["token_ids"] = answer.token_ids
         self.out.append(msg)
         self.pos = turn + 1
 
@@ -332,7 +342,8 @@ def _check_resume(manifest: dict[str, Any] | None, settings: dict[str, Any], out
 
 def _base_counts() -> dict[str, Any]:
     return {"read": 0, "written": 0, "rejected": 0, "rejected_by_reason": {}, "turns_regenerated": 0, "turns_truncated": 0,
-            "turns_cut_mid_character": 0, "turns_with_reasoning": 0, "conversations_with_dropped_content": 0,
+            "turns_cut_mid_character": 0, "turns_with_reasoning": 0, "turns_with_token_ids": 0,
+            "conversations_with_dropped_content": 0,
             "ended_at_verifier_tool_call": 0, "prompt_tokens": 0, "completion_tokens": 0}
 
 
@@ -349,6 +360,7 @@ def _record(job: Regeneration | Reject, writer: ConversationWriter, counts: dict
                 counts["turns_truncated"] += a.finish_reason == "length"
                 counts["turns_cut_mid_character"] += a.cut_partial_char
                 counts["turns_with_reasoning"] += bool(a.reasoning)
+                counts["turns_with_token_ids"] += a.token_ids is not None
     if reason is not None:
         src, cid = (job.source, job.conversation_id) if isinstance(job, Reject) else (job.conv.source,
                                                                                       job.conv.conversation_id)
@@ -406,7 +418,8 @@ def run_regenerate(run: RegenerateRun, make_backend: Callable[[], Any] | None = 
             ``config`` so that ``--config`` can repeat the run (not compared on resume).
 
     Returns:
-        ``{"output", "counts", "resumed_rows"}``.
+        ``{"output", "counts", "resumed_rows", "not_sent"}`` (``not_sent``: the sampling settings
+        the server could not be told, see :data:`~peagle_data.verifier_backends.SERVER_KINDS`).
 
     Raises:
         OutputExistsError: the output exists and neither ``force`` nor ``resume`` is set.
@@ -426,14 +439,16 @@ def run_regenerate(run: RegenerateRun, make_backend: Callable[[], Any] | None = 
     _check_resume(manifest, settings, output)
     writer = ConversationWriter(output, force=force, resume=resume)
     if manifest is not None and manifest.get("complete") and writer.paths["rows"].exists():
-        return {"output": str(output), "counts": manifest["counts"], "resumed_rows": manifest["counts"]["read"]}
+        return {"output": str(output), "counts": manifest["counts"], "resumed_rows": manifest["counts"]["read"],
+                "not_sent": backend.record.get("not_sent", [])}
     ckpt = (manifest or {}).get("checkpoint", {"rows": 0, "rejects": 0})
     done = writer.resume_at(ckpt["rows"], ckpt["rejects"]) if manifest is not None else []
-    counts = (manifest or {}).get("counts") or _base_counts()
+    counts = {**_base_counts(), **((manifest or {}).get("counts") or {})}
     if manifest is None:
         writer.resume_at(0, 0)  # --resume of nothing: start from empty files
     _regenerate_into(writer, inputs, cfg, backend, settings, counts, done, output)
-    return {"output": str(output), "counts": counts, "resumed_rows": len(done)}
+    return {"output": str(output), "counts": counts, "resumed_rows": len(done),
+            "not_sent": backend.record.get("not_sent", [])}
 
 
 def _regenerate_into(writer: ConversationWriter, inputs, cfg: RegenerateConfig, backend, settings, counts,

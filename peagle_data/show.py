@@ -139,7 +139,8 @@ def _spans_listing(item: ShownItem, tokenizer) -> list[tuple[str, str]]:
     out = []
     for seg, a, b, supervised in _runs(item):
         if supervised:
-            out.append((f"tokens {a}-{b - 1} ({b - a}) in {seg.label}", tokenizer.decode(item.input_ids[a:b])))
+            out.append((f"tokens {a}-{b - 1} ({b - a}) in {seg.label}",
+                        tokenizer.decode(item.input_ids[a:b], clean_up_tokenization_spaces=False)))
     return out
 
 
@@ -161,7 +162,7 @@ def render_text(item: ShownItem, tokenizer, color: bool = False) -> str:
         if seg is not current:
             current = seg
             body.append(f"\n--- segment {seg.label}: tokens {seg.start}-{seg.end - 1} ---\n")
-        text = tokenizer.decode(item.input_ids[a:b])
+        text = tokenizer.decode(item.input_ids[a:b], clean_up_tokenization_spaces=False)
         if supervised:
             text = click.style(text, fg="black", bg="green") if color else f"{OPEN}{text}{CLOSE}"
         body.append(text)
@@ -196,7 +197,7 @@ def render_html(items: list[ShownItem], tokenizer) -> str:
                 current = seg
                 pre.append(f'<span class="seg">segment {html.escape(seg.label)}: tokens {seg.start}-{seg.end - 1}'
                            "</span>")
-            text = html.escape(tokenizer.decode(item.input_ids[a:b]))
+            text = html.escape(tokenizer.decode(item.input_ids[a:b], clean_up_tokenization_spaces=False))
             pre.append(f"<mark>{text}</mark>" if supervised else text)
         spans = "".join(f"<li>{html.escape(where)}: <code>{html.escape(text)}</code></li>"
                         for where, text in _spans_listing(item, tokenizer))

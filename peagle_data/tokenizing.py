@@ -229,6 +229,8 @@ def _rows_of(conv: Conversation, outcome: list[tuple], counts: Counts) -> list[T
     counts.conversations_with_dropped_content += bool(dropped) or bool(conv.counts.get("dropped_content_parts"))
     for part in sorted(dropped):
         counts.drop(part.split(' of ')[0])
+    if any(m.get("token_ids") is not None for m in conv.messages):  # regenerate's output: its ids are counted
+        counts.bump("turns_on_generated_ids", sum(tok.on_generated_ids for _, tok, _ in outcome))
     per_turn = outcome[0][0] is not None
     counts.bump("history_rewrite_conversations", per_turn)
     counts.bump("history_rewrite_rows", len(outcome) if per_turn else 0)

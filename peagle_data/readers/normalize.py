@@ -236,8 +236,22 @@ def _normalize_openai(messages: Any, stats: dict[str, int]) -> list[dict[str, An
                 new[key] = msg[key]
         _copy_weight(msg, new, where)
         _copy_finish_reason(msg, new, where)
+        _copy_token_ids(msg, new, where)
         out.append(new)
     return out
+
+
+def _copy_token_ids(turn: dict[str, Any], new: dict[str, Any], where: str) -> None:
+    """An assistant turn's ``token_ids`` (``peagle-data regenerate`` writes the ids the verifier
+    generated): kept, a list of ints >= 0, so that ``tokenize`` checks the turn's text re-tokenizes
+    to exactly them; anything else rejects the row."""
+    ids = turn.get("token_ids")
+    if ids is None or new["role"] != "assistant":
+        return
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise RowError(f"invalid token_ids: {where}.token_ids must be a list of token ids (ints >= 0)",
+                       f"{where}.token_ids")
+    new["token_ids"] = ids
 
 
 def _copy_weight(turn: dict[str, Any], new: dict[str, Any], where: str) -> None:

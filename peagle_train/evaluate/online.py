@@ -85,9 +85,11 @@ class _OnlineTotals:
 
 
 def _decode(tokenizer, tokens: Sequence[int], eos: Iterable[int]) -> str:
-    """The text of generated ``tokens`` without EOS ids and special tokens."""
+    """The text of generated ``tokens`` without EOS ids and special tokens, not cleaned up (it is
+    rendered into the next turn's prompt and re-tokenized: ``x != y`` must stay ``x != y``)."""
     eos = set(eos)
-    return tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True)
+    return tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True,
+                            clean_up_tokenization_spaces=False)
 
 
 def _turn_record(tokenizer, prompt: Prompt, turn: int, prompt_tokens: int, base: GenerationResult,
@@ -101,8 +103,8 @@ def _turn_record(tokenizer, prompt: Prompt, turn: int, prompt_tokens: int, base:
         "verifier_steps": spec.verifier_steps, "accepted": spec.accepted, "drafted": spec.drafted,
         "identical_to_greedy": same,
         "user": prompt.user_turns[turn],
-        "text": tokenizer.decode(spec.tokens, skip_special_tokens=False),
-        "reference_text": tokenizer.decode(base.tokens, skip_special_tokens=False),
+        "text": tokenizer.decode(spec.tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False),
+        "reference_text": tokenizer.decode(base.tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False),
     }
 
 
