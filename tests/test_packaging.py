@@ -1,0 +1,137 @@
+"""The wheel (pyproject.toml; issue 22 item 1): what ``pip wheel .`` builds installs into a clean
+virtualenv and works there, with no source tree to fall back on.
+
+The editable install of ``scripts/setup_env.sh`` imports the packages from the source tree, so a
+subpackage the wheel lacks (``peagle_data.readers``, ``peagle_train.evaluate``) goes unnoticed there.
+Here the wheel is built from a copy of the working tree (ignored paths left out, so a stale ``build/``
+cannot hide a missing module), its file list is compared with the source tree's modules, and the wheel
+is installed into a new virtualenv (torch 2.13.0 first, then the wheel and its dependencies) and run
+from a directory outside the repository: every command's ``--help``, then tokenize -> pack -> extract ->
+train 3 steps -> offline eval on the tiny random Llama, whose packed table must equal the one the source
+tree makes. A pytest test (marked slow, so ``.ci/run`` runs it) rather than a step of ``scripts/test.sh``:
+it reuses the tiny-model fixture and the in-process reference run, and names what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from cli.data import COMMANDS
+from cli.data import main as data_main
+from tests.e2e.test_pipeline import CONVERSATIONS
+
+REPO = Path(__file__).resolve().parents[1]
+COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", ".venv-*", "build", "dist", "*.egg-info", "__pycache__",
+                                     ".pytest_cache", ".hypothesis", "runs", "demo", "quality", "shared")
+"""What the source copy leaves out: the .gitignore entries (virtualenvs, build outputs, run outputs)."""
+
+
+def source_packages() -> list[str]:
+    """The top-level packages of the repository: its directories holding an ``__init__.py``."""
+    return sorted(p.parent.name for p in REPO.glob("*/__init__.py"))
+
+
+def source_modules() -> set[str]:
+    """Every ``.py`` file under the packages, as a path relative to the repository (``cli/data.py``)."""
+    return {p.relative_to(REPO).as_posix() for pkg in source_packages() for p in (REPO / pkg).rglob("*.py")
+            if "__pycache__" not in p.parts}
+
+
+def test_the_packages_are_the_library_and_not_the_tests():
+    """The source tree's packages are the four the wheel ships; tests, bench and scripts are none."""
+    assert source_packages() == ["cli", "peagle_data", "peagle_train", "stores"]
+    assert {"peagle_data/readers/__init__.py", "peagle_train/evaluate/__init__.py"} <= source_modules()
+
+
+def _run(args, *, env, cwd, timeout=300) -> str:
+    result = subprocess.run([str(a) for a in args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"{' '.join(map(str, args))} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+@pytest.mark.slow  # builds the wheel and installs it with its dependencies into a new virtualenv
+def test_the_wheel_installs_into_a_clean_virtualenv_and_runs_the_pipeline(tmp_path, tiny_verifier_dir):
+    timings = {}
+    start = time.perf_counter()
+    src = tmp_path / "src"
+    shutil.copytree(REPO, src, ignore=COPY_IGNORE)
+    build_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", tmp_path / "dist", src],
+         env=build_env, cwd=tmp_path)
+    (wheel,) = (tmp_path / "dist").glob("peagle-*.whl")
+    timings["build"] = time.perf_counter() - start
+
+    names = zipfile.ZipFile(wheel).namelist()
+    shipped = {n for n in names if n.endswith(".py")}
+    assert sorted(source_modules() - shipped) == [], "modules of the source tree missing from the wheel"
+    assert sorted(shipped - source_modules()) == [], "modules in the wheel that the source tree does not have"
+    assert {n.split("/")[0] for n in names} == {*source_packages(), "peagle-0.1.0.dist-info"}
+
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", venv], env=build_env, cwd=tmp_path)
+    py, bin_dir = venv / "bin" / "python", venv / "bin"
+    t = time.perf_counter()
+    _run([py, "-m", "pip", "install", "-q", "torch==2.13.0"], env=build_env, cwd=tmp_path, timeout=900)
+    _run([py, "-m", "pip", "install", "-q", wheel], env=build_env, cwd=tmp_path, timeout=900)
+    timings["install"] = time.perf_counter() - t
+
+    work = tmp_path / "work"  # outside the repository: no source tree on sys.path
+    work.mkdir()
+    env = {**build_env, "PATH": f"{bin_dir}{os.pathsep}{build_env.get('PATH', '')}", "VIRTUAL_ENV": str(venv),
+           "PEAGLE_HOME": str(tmp_path / "peagle_home"), "HF_HUB_OFFLINE": "1"}
+    where = json.loads(_run([py, "-c", "import json, cli, peagle_data.readers, peagle_train.evaluate, stores; "
+                             "print(json.dumps([m.__file__ for m in (cli, peagle_data.readers, "
+                             "peagle_train.evaluate, stores)]))"], env=env, cwd=work))
+    site = str(venv / "lib")
+    assert all(f.startswith(site) for f in where), where
+
+    t = time.perf_counter()
+    for args in (["peagle-data", "--help"], *(["peagle-data", name, "--help"] for name in sorted(COMMANDS)),
+                 ["peagle-train", "--help"], ["peagle-eval", "--help"]):
+        out = _run([bin_dir / args[0], *args[1:]], env=env, cwd=work)
+        assert out.startswith(f"Usage: {' '.join(args[:-1])}"), out
+    timings["help"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    model = str(tiny_verifier_dir)
+    (work / "convs.jsonl").write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
+    out = _run([bin_dir / "peagle-data", "tokenize", "convs.jsonl", "--tokenizer", model, "--output", "tok"],
+               env=env, cwd=work)
+    assert "read 11  used 11  rejected 0" in out, out
+    _run([bin_dir / "peagle-data", "pack", "tok", "--tokenizer", model, "--output", "packed", "--max-seq-len", 128],
+         env=env, cwd=work)
+    _run([bin_dir / "peagle-data", "extract", "packed", "--verifier", model, "--output", "f.zarr", "--layers",
+          "1,2,3"], env=env, cwd=work)
+    verify = json.loads(_run([bin_dir / "peagle-data", "verify", "f.zarr", "--packed", "packed"], env=env, cwd=work))
+    summary = json.loads(_run([bin_dir / "peagle-train", "--store", "f.zarr", "--output", "drafter", "--max-steps", 3,
+                               "--num-depths", 2, "--draft-vocab-size", 64], env=env, cwd=work))
+    report = json.loads(_run([bin_dir / "peagle-eval", "--drafter", "drafter", "--store", "f.zarr", "--output",
+                              "eval.json"], env=env, cwd=work))
+    timings["pipeline"] = time.perf_counter() - t
+
+    # the source tree's pack of the same input: the wheel's table is the same table
+    ref = CliRunner().invoke(data_main, ["pack", str(work / "tok"), "--tokenizer", model, "--output",
+                                         str(tmp_path / "packed_ref"), "--max-seq-len", "128"], catch_exceptions=False)
+    assert ref.exit_code == 0, ref.output
+    parts = sorted(p.name for p in (work / "packed").glob("*.parquet"))
+    assert parts == sorted(p.name for p in (tmp_path / "packed_ref").glob("*.parquet")) and parts
+    for part in parts:
+        assert pq.read_table(work / "packed" / part).equals(pq.read_table(tmp_path / "packed_ref" / part))
+    manifest = json.loads((work / "packed" / "manifest.json").read_text())
+    assert verify["ok"] and verify["blocks_done"] == verify["n_blocks"] == manifest["counts"]["n_blocks"] > 1
+    assert summary["steps"] == 3 and len(summary["per_depth_accuracy_last_steps"]) == 2
+    assert (work / "drafter" / "final" / "model.safetensors").is_file()
+    assert report["positions_scored"] > 0 and json.loads((work / "eval.json").read_text()) == report
+    timings["total"] = time.perf_counter() - start
+    print("wheel install timings (s):", {k: round(v, 1) for k, v in timings.items()})
