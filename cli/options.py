@@ -30,8 +30,8 @@ import dataclasses
 import functools
 import inspect
 import re
-import sys
 import textwrap
+import tomllib
 import types
 import typing
 from pathlib import Path
@@ -214,10 +214,6 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".toml":
-        if sys.version_info >= (3, 11):
-            import tomllib
-        else:  # pragma: no cover - Python 3.10: the tomli backport (pyproject.toml)
-            import tomli as tomllib
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
