@@ -102,11 +102,18 @@ def test_the_wheel_holds_every_module_of_the_source_tree_and_nothing_else(wheel)
         assert line in entry_points
 
 
+@pytest.fixture
+def venv(tmp_path):
+    """A new virtualenv (about 2 GB with torch), removed after the test."""
+    path = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", path], env=BUILD_ENV, cwd=tmp_path)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.slow  # installs the wheel and its dependencies into a new virtualenv, then runs the pipeline
-def test_the_wheel_installs_into_a_clean_virtualenv_and_runs_the_pipeline(wheel, tmp_path, tiny_verifier_dir):
+def test_the_wheel_installs_into_a_clean_virtualenv_and_runs_the_pipeline(wheel, venv, tmp_path, tiny_verifier_dir):
     timings, start = {}, _clock()
-    venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", venv], env=BUILD_ENV, cwd=tmp_path)
     py, bin_dir = venv / "bin" / "python", venv / "bin"
     t = _clock()
     for what in ("torch==2.13.0", wheel):  # torch first: the CPU wheel (README, "Disk space and the torch wheel")
