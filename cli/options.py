@@ -156,7 +156,8 @@ def config_options(cls: type, *, skip: tuple[str, ...] = (), overrides: dict[str
         arguments: fields that are positional arguments (``metavar`` and ``nargs`` from overrides).
 
     Raises:
-        TypeError: a field without a docstring or of a type with no click mapping and no override.
+        TypeError: a field without a docstring or of a type with no click mapping and no override; an
+            action field (:func:`is_action`) given an option class that is no :class:`ActionOption`.
     """
     docs, hints, overrides = field_docs(cls), typing.get_type_hints(cls), overrides or {}
     params = []
@@ -173,8 +174,8 @@ def config_options(cls: type, *, skip: tuple[str, ...] = (), overrides: dict[str
             params.append(click.argument(f.name, cls=ConfigArgument, **kwargs))
             continue
         decls = decls or ["--" + f.name.replace("_", "-")]
-        if is_action(f):
-            kwargs.setdefault("cls", ActionOption)
+        if is_action(f) and not issubclass(kwargs.setdefault("cls", ActionOption), ActionOption):
+            raise TypeError(f"{cls.__name__}.{f.name} is an action: its option class must be an ActionOption")
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if not required:
             kwargs.setdefault("default", default)

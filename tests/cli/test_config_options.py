@@ -116,6 +116,22 @@ def test_a_field_without_docstring_is_refused():
         config_options(Undocumented)
 
 
+def test_an_action_field_is_an_action_option_and_not_a_setting():
+    from cli.options import ActionOption, config_options
+
+    @dataclasses.dataclass
+    class Run:
+        steps: int = 1
+        """Steps."""
+        force: bool = dataclasses.field(default=False, metadata={"action": True})
+        """Overwrite."""
+
+    command = click.command()(config_options(Run)(lambda **kw: None))
+    assert [type(p) for p in command.params] == [click.Option, ActionOption]
+    with pytest.raises(TypeError, match="Run.force is an action: its option class must be an ActionOption"):
+        config_options(Run, overrides={"force": {"cls": click.Option}})
+
+
 def test_every_command_takes_a_config_file():
     for command in [*(data_main.get_command(None, n) for n in data_main.list_commands(None)), train_main, eval_main]:
         names = {p.name for p in command.params}
