@@ -13,6 +13,14 @@ Config files (YAML or TOML) hold the same keys as the command's options (``max_s
 ``max-seq-len``, arguments by their name, e.g. ``inputs``); options given on the command line win
 over the file, the file over the defaults. ``--print-config`` prints the resolved values as YAML,
 which ``--config`` reads back to the same values.
+
+Actions are not settings. A field marked ``metadata={"action": True}`` (``--force``, ``--resume``,
+``--repair``, extract's ``--max-blocks``) says what one invocation does with an existing output, or how
+much of the run it does, not what the run computes. It is an option (an :class:`ActionOption`), but
+``--print-config`` and the config a run records in its output (:func:`run_config`) leave it out, and a
+config file does not set it: the key is dropped, with a warning on stderr when it is set (records
+written before this rule hold ``force`` and ``resume``). So ``peagle-train --config
+OUTPUT/train_config.json --resume`` continues a run started with ``--force``.
 """
 
 from __future__ import annotations
@@ -22,8 +30,8 @@ import dataclasses
 import functools
 import inspect
 import re
-import sys
 import textwrap
+import tomllib
 import types
 import typing
 from pathlib import Path
@@ -32,7 +40,19 @@ from typing import Any, Callable
 import click
 from click.core import ParameterSource
 
-__all__ = ["FROM_CONFIG_FILE", "field_docs", "plain_text", "config_options", "config_file_options", "resolved_config", "run_config", "IntList", "load_config_file"]
+__all__ = ["FROM_CONFIG_FILE", "ActionOption", "is_action", "field_docs", "plain_text", "config_options",
+           "config_file_options", "resolved_config", "run_config", "IntList", "load_config_file"]
+
+
+def is_action(f: dataclasses.Field) -> bool:
+    """True for a config field that is an action of one invocation (``--force``, ``--resume``,
+    ``--repair``, extract's ``--max-blocks``: ``metadata={"action": True}``), not a setting of the run."""
+    return bool(f.metadata.get("action"))
+
+
+class ActionOption(click.Option):
+    """The option of an action field (:func:`is_action`): never printed by ``--print-config``, never
+    recorded in a run's output, never set by a ``--config`` file."""
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -136,7 +156,8 @@ def config_options(cls: type, *, skip: tuple[str, ...] = (), overrides: dict[str
         arguments: fields that are positional arguments (``metavar`` and ``nargs`` from overrides).
 
     Raises:
-        TypeError: a field without a docstring or of a type with no click mapping and no override.
+        TypeError: a field without a docstring or of a type with no click mapping and no override; an
+            action field (:func:`is_action`) given an option class that is no :class:`ActionOption`.
     """
     docs, hints, overrides = field_docs(cls), typing.get_type_hints(cls), overrides or {}
     params = []
@@ -153,6 +174,8 @@ def config_options(cls: type, *, skip: tuple[str, ...] = (), overrides: dict[str
             params.append(click.argument(f.name, cls=ConfigArgument, **kwargs))
             continue
         decls = decls or ["--" + f.name.replace("_", "-")]
+        if is_action(f) and not issubclass(kwargs.setdefault("cls", ActionOption), ActionOption):
+            raise TypeError(f"{cls.__name__}.{f.name} is an action: its option class must be an ActionOption")
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if not required:
             kwargs.setdefault("default", default)
@@ -192,10 +215,6 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".toml":
-        if sys.version_info >= (3, 11):
-            import tomllib
-        else:  # pragma: no cover - Python 3.10: the tomli backport (pyproject.toml)
-            import tomli as tomllib
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
@@ -254,6 +273,11 @@ def _load_into_context(ctx: click.Context, param, value):
             raise click.BadParameter(f"{value}: unknown key {key!r}; the keys are the options of "
                                      f"`{ctx.command_path}`: {', '.join(sorted(_print_keys(ctx.command).values()))}",
                                      param_hint="--config")
+        if isinstance(p, ActionOption):  # an action applies to one invocation: give it on the command line
+            if v:
+                click.echo(f"warning: {value}: ignoring {key}: {v!r}; {p.opts[0]} is an action of one "
+                           f"invocation, not a setting of the run: give it on the command line", err=True)
+            continue
         if getattr(p, "multiple", False) or getattr(p, "nargs", 1) == -1:
             v = [v] if isinstance(v, str) else v
         defaults[p.name] = v
@@ -263,10 +287,11 @@ def _load_into_context(ctx: click.Context, param, value):
 
 
 def _print_keys(command: click.Command) -> dict[str, str]:
-    """Parameter name -> the key ``--print-config`` writes (the first long option, or the argument name)."""
+    """Parameter name -> the key ``--print-config`` writes (the first long option, or the argument name);
+    the actions (:class:`ActionOption`, ``--print-config`` itself) are left out."""
     out = {}
     for p in command.params:
-        if p.name in ("config", "print_config", "help") or p.name is None:
+        if p.name in ("config", "print_config", "help") or p.name is None or isinstance(p, ActionOption):
             continue
         longs = [o for o in getattr(p, "opts", []) if o.startswith("--")]
         out[p.name] = longs[0][2:].replace("-", "_") if isinstance(p, click.Option) and longs else p.name
@@ -274,7 +299,8 @@ def _print_keys(command: click.Command) -> dict[str, str]:
 
 
 def resolved_config(ctx: click.Context) -> dict[str, Any]:
-    """The command's resolved values, by config-file key (what ``--print-config`` prints)."""
+    """The command's resolved settings, by config-file key (what ``--print-config`` prints): every
+    parameter but the actions (:class:`ActionOption`: ``--force``, ``--resume``, ... and ``--print-config``)."""
     keys = _print_keys(ctx.command)
     out = {}
     for name, key in keys.items():
@@ -284,8 +310,9 @@ def resolved_config(ctx: click.Context) -> dict[str, Any]:
 
 
 def run_config() -> dict[str, Any]:
-    """The current command's resolved values (as :func:`resolved_config`), for the library to record
-    in the output (manifest ``config``, store attribute ``config``)."""
+    """The current command's resolved settings (as :func:`resolved_config`, without the actions), for the
+    library to record in the output (manifest ``config``, store attribute ``config``, the eval report's
+    ``config``)."""
     return resolved_config(click.get_current_context())
 
 

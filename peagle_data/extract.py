@@ -15,7 +15,7 @@ Legend: T tokens in a block, L aux layers, H hidden size, S segments.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -89,15 +89,16 @@ class ExtractConfig:
     compressor: str | None = None
     """Chunk compressor: ``none`` (raw chunks, memory-mapped reads; activations barely compress) or
     ``zstd`` (smaller, read through zarr)."""
-    resume: bool = False
+    resume: bool = field(default=False, metadata={"action": True})
     """Continue an existing store: check every done block, then extract the not-done and damaged ones. Every
     other option must be the store's, except ``--device`` (one computing in the store's dtype) and ``--max-blocks``."""
-    force: bool = False
+    force: bool = field(default=False, metadata={"action": True})
     """Overwrite an existing store; also skip the free-disk check."""
     device: str | None = None
     """``cpu`` or ``cuda``; default cuda when available."""
-    max_blocks: int | None = None
-    """Stop after this many blocks in this run (the store stays resumable); None = all."""
+    max_blocks: int | None = field(default=None, metadata={"action": True})
+    """Stop after this many blocks in this run (the store stays resumable); None = all. A budget of one
+    invocation, like ``resume``: not recorded in the store's config."""
     writer_queue: int = 2
     """Blocks that may wait for the writer thread (bounds host memory)."""
     attn_implementation: str = "auto"

@@ -128,7 +128,7 @@ class _PrepareRun:
     """smollm2-135m, a local model directory or a Hugging Face id."""
     output: str
     """Output table directory (must not exist unless --force)."""
-    force: bool = False
+    force: bool = field(default=False, metadata={"action": True})
     """Overwrite an existing output."""
 
 

@@ -135,10 +135,10 @@ class RegenerateRun:
     """Conversation files (.jsonl, .json, .parquet; globs allowed) or 'sharegpt'."""
     output: str
     """Regenerated conversations (OpenAI messages); OUT.manifest.json and OUT.rejects.jsonl beside it."""
-    resume: bool = False
+    resume: bool = field(default=False, metadata={"action": True})
     """Continue an unfinished run of the same settings; only --device (same dtype), --concurrency, --server,
     --retries and --timeout may differ."""
-    force: bool = False
+    force: bool = field(default=False, metadata={"action": True})
     """Overwrite an existing output."""
     settings: RegenerateConfig = field(default_factory=RegenerateConfig)
     """How answers are generated."""

@@ -7,7 +7,7 @@ Light on purpose (no torch, no polars): ``peagle-data --help`` imports these thr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 __all__ = ["InspectConfig", "VerifyConfig", "StatsConfig", "ShowConfig", "MergeConfig", "COLORS"]
@@ -33,7 +33,7 @@ class VerifyConfig:
     merged table the union of its shards)."""
     packed: str | None = None
     """Also check token ids against this packed table."""
-    repair: bool = False
+    repair: bool = field(default=False, metadata={"action": True})
     """Clear the done flag of every bad block, so that extract with its resume option extracts them again."""
 
 
@@ -51,7 +51,7 @@ class StatsConfig:
     """For a tokenize output: count the windows `pack --max-seq-len N` would cut (tokens, >= 2)."""
     overlap: float = 0.5
     """The `pack --overlap` of those windows, in [0, 1)."""
-    force: bool = False
+    force: bool = field(default=False, metadata={"action": True})
     """Overwrite an existing --png file."""
 
     def __post_init__(self) -> None:
@@ -82,7 +82,7 @@ class ShowConfig:
     """Colour supervised tokens (auto: on a terminal); without colour they are [[bracketed]]."""
     html: str | None = None
     """Also write an HTML page with the supervised tokens highlighted."""
-    force: bool = False
+    force: bool = field(default=False, metadata={"action": True})
     """Overwrite an existing --html FILE."""
 
     def __post_init__(self) -> None:
@@ -102,5 +102,5 @@ class MergeConfig:
     token tables or all feature stores, each given once."""
     output: str
     """The merged token table or feature store (must not exist unless --force)."""
-    force: bool = False
+    force: bool = field(default=False, metadata={"action": True})
     """Overwrite an existing output."""

@@ -10,7 +10,8 @@ validation and checkpoints live there, ``metrics.jsonl``, trackers and the plot 
 weights; it is never run.
 
 Output directory layout:
-- ``train_config.json``: the :class:`TrainConfig` (checked again on ``--resume``);
+- ``train_config.json``: the :class:`TrainConfig`'s settings, without the actions ``--resume`` and
+  ``--force`` (checked again on ``--resume``);
 - ``metrics.jsonl``: one line per step (step, loss (the pooled objective), acc per depth, tokens/s, lr, the block ids read,
   grad norm, ...) and one per validation (``"split": "val"``);
 - ``checkpoint-N/``: drafter (``config.json``, ``model.safetensors``) plus ``training_state.pt``
@@ -143,9 +144,9 @@ class TrainConfig:
     """Train on the done blocks of an unfinished store (``--allow-incomplete``)."""
     loss_chunk_size: int = 2048
     """Elements per logits chunk in the loss (``--loss-chunk-size``)."""
-    resume: bool = False
+    resume: bool = dataclasses.field(default=False, metadata={"action": True})
     """Continue from the latest ``checkpoint-N`` in output (``--resume``)."""
-    force: bool = False
+    force: bool = dataclasses.field(default=False, metadata={"action": True})
     """Delete an existing output directory first (``--force``)."""
     log_every: int = 1
     """Steps between metrics.jsonl lines (``--log-every``)."""
@@ -202,7 +203,12 @@ class TrainConfig:
         parse_report_to(self.report_to)  # InputError (a ValueError) naming --report-to
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The run's settings as written to ``train_config.json`` (and ``training_state.pt``, the
+        trackers' hyper-parameters): every field but the actions ``resume`` and ``force``
+        (``metadata={"action": True}``), which belong to one invocation, so that
+        ``peagle-train --config OUTPUT/train_config.json --resume`` continues a run started with ``--force``."""
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if not type(self).__dataclass_fields__[k].metadata.get("action")}
 
 
 #: fields that must equal the saved ones for ``--resume`` to reproduce an uninterrupted run

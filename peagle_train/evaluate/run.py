@@ -28,7 +28,7 @@ class EvalRun:
     """Feature store: run offline evaluation."""
     output: str | None = None
     """Also write the JSON report here (and a PNG beside it)."""
-    force: bool = False
+    force: bool = field(default=False, metadata={"action": True})
     """Overwrite an existing output (and its PNG)."""
     settings: EvalConfig = field(default_factory=EvalConfig)
     """What is measured and on how much."""

@@ -44,6 +44,15 @@ EXACT = {
                      "--num-prompts", "--num-draft-tokens", "--max-blocks", "--temperature", "--seed"} | CONFIG_FILE,
 }
 GROUPS = {"data": data_main, "train": train_main, "eval": eval_main}
+ACTIONS = {
+    ("data", "tokenize"): {"force"}, ("data", "pack"): {"force"}, ("data", "extract"): {"resume", "force", "max_blocks"},
+    ("data", "regenerate"): {"resume", "force"}, ("data", "inspect"): set(), ("data", "verify"): {"repair"},
+    ("data", "stats"): {"force"}, ("data", "show"): {"force"}, ("data", "merge"): {"force"},
+    ("train", None): {"resume", "force"}, ("eval", None): {"force"},
+}
+"""Each command's actions (cli/options.py ActionOption, besides --print-config): what one invocation does
+with an existing output (and extract's budget of blocks for one invocation), never printed by
+--print-config nor recorded in the output."""
 
 
 def _command(group, sub) -> click.Command:
@@ -55,6 +64,14 @@ def test_the_options_are_exactly(group, sub):
     command = _command(group, sub)
     options = {o for p in command.params if isinstance(p, click.Option) for o in p.opts + p.secondary_opts}
     assert sorted(options) == sorted(EXACT[(group, sub)])
+
+
+@pytest.mark.parametrize("group,sub", sorted(EXACT, key=str))
+def test_the_actions_are_exactly(group, sub):
+    from cli.options import ActionOption
+
+    command = _command(group, sub)
+    assert {p.name for p in command.params if isinstance(p, ActionOption)} == ACTIONS[(group, sub)]
 
 
 @pytest.mark.parametrize("group,sub", sorted(EXACT, key=str))
@@ -91,7 +108,8 @@ def test_print_config_is_a_config_file_of_the_same_run(group, sub, tmp_path):
     first = CliRunner().invoke(GROUPS[group], [*cli, *_required_args(tmp_path)[(group, sub)], "--print-config"])
     assert first.exit_code == 0, first.output
     printed = yaml.safe_load(first.stdout)
-    assert len(printed) == len([p for p in command.params if p.name not in ("config", "print_config")])
+    settings = [p for p in command.params if p.name not in ("config", "print_config", *ACTIONS[(group, sub)])]
+    assert len(printed) == len(settings) and not set(printed) & ACTIONS[(group, sub)]
     (tmp_path / "c.yaml").write_text(first.stdout)
     again = CliRunner().invoke(GROUPS[group], [*cli, "--config", str(tmp_path / "c.yaml"), "--print-config"])
     assert again.exit_code == 0, again.output

@@ -31,7 +31,7 @@ def test_the_command_line_overrides_the_file_and_the_file_the_defaults(tmp_path)
     assert resolved["lr"] == 0.02 and resolved["seed"] == 7  # the command line
     assert resolved["lazy_embedding"] is False  # the file, by its option name
     assert resolved["grad_clip"] == 1.0 and resolved["attention_backend"] == "auto"  # the defaults
-    assert set(resolved) == {f.name for f in TrainConfig.__dataclass_fields__.values()}
+    assert set(resolved) == {f.name for f in TrainConfig.__dataclass_fields__.values()} - {"resume", "force"}
 
 
 def test_a_toml_file_and_a_single_store(tmp_path):
@@ -106,8 +106,8 @@ def test_extract_config_round_trip_with_its_converted_options(tmp_path, monkeypa
     assert first.exit_code == 0, first.output
     assert yaml.safe_load(first.stdout) == {
         "packed": str(tmp_path / "packed"), "verifier": "m", "output": str(tmp_path / "s.zarr"), "layers": [2, 5],
-        "storage_dtype": "bf16", "compressor": None, "resume": False, "force": False, "device": None,
-        "max_blocks": None, "attn_implementation": "auto", "num_shards": 1, "shard_index": 0}
+        "storage_dtype": "bf16", "compressor": None, "device": None,
+        "attn_implementation": "auto", "num_shards": 1, "shard_index": 0}
     (tmp_path / "x.yaml").write_text(first.stdout)
     assert invoke(data_main, ["extract", "--config", tmp_path / "x.yaml", "--print-config"]).stdout == first.stdout
     seen = []
@@ -164,3 +164,37 @@ def test_a_value_out_of_range_is_refused_by_its_config(tmp_path, command, args, 
               "extract": [tmp_path, "--verifier", "m", "--output", tmp_path / "s.zarr"]}[command]
     result = invoke(data_main, [command, *common, *args])
     assert result.exit_code == 2 and option in result.stderr, result.output
+
+
+def test_a_config_file_does_not_set_an_action(tmp_path, monkeypatch):
+    """Issue 22 item 8: ``force``/``resume`` in a file (as train_config.json held them before actions were
+    left out of records) are dropped, with a warning for a set one; the run gets the command line's."""
+    import peagle_train.train
+
+    seen = []
+    monkeypatch.setattr(peagle_train.train, "run_train", lambda cfg: seen.append(cfg) or {"rank": 0})
+    cfg = tmp_path / "train_config.json"
+    cfg.write_text('{"store": "a.zarr", "output": "run", "num_depths": 3, "force": true, "resume": false}')
+    warning = (f"warning: {cfg}: ignoring force: True; --force is an action of one invocation, not a setting "
+               "of the run: give it on the command line\n")
+    printed = invoke(train_main, ["--config", cfg, "--print-config"])
+    assert printed.exit_code == 0 and printed.stderr == warning
+    assert not {"force", "resume"} & set(yaml.safe_load(printed.stdout))
+    result = invoke(train_main, ["--config", cfg, "--resume"])
+    assert result.exit_code == 0, result.output
+    assert seen == [TrainConfig(store="a.zarr", output="run", num_depths=3, resume=True)]
+    assert "force" not in seen[0].to_dict() and "resume" not in seen[0].to_dict()
+
+
+def test_verify_repair_is_an_action_of_the_command_line(tmp_path, monkeypatch):
+    import peagle_data.verify
+    from cli.data import main as data_main
+
+    seen = []
+    monkeypatch.setattr(peagle_data.verify, "verify_output", lambda store, packed, repair: seen.append(repair)
+                        or ({}, None))
+    cfg = tmp_path / "v.yaml"
+    cfg.write_text(f"store: {tmp_path}\nrepair: true\n")
+    result = invoke(data_main, ["verify", "--config", cfg])
+    assert result.exit_code == 0 and seen == [False] and "ignoring repair: True; --repair is an action" in result.stderr
+    assert invoke(data_main, ["verify", "--config", cfg, "--repair"]).exit_code == 0 and seen == [False, True]

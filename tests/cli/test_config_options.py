@@ -116,6 +116,22 @@ def test_a_field_without_docstring_is_refused():
         config_options(Undocumented)
 
 
+def test_an_action_field_is_an_action_option_and_not_a_setting():
+    from cli.options import ActionOption, config_options
+
+    @dataclasses.dataclass
+    class Run:
+        steps: int = 1
+        """Steps."""
+        force: bool = dataclasses.field(default=False, metadata={"action": True})
+        """Overwrite."""
+
+    command = click.command()(config_options(Run)(lambda **kw: None))
+    assert [type(p) for p in command.params] == [click.Option, ActionOption]
+    with pytest.raises(TypeError, match="Run.force is an action: its option class must be an ActionOption"):
+        config_options(Run, overrides={"force": {"cls": click.Option}})
+
+
 def test_every_command_takes_a_config_file():
     for command in [*(data_main.get_command(None, n) for n in data_main.list_commands(None)), train_main, eval_main]:
         names = {p.name for p in command.params}
@@ -143,11 +159,11 @@ def test_the_tool_commands_pass_their_config_to_the_library(tmp_path, monkeypatc
     monkeypatch.setattr(stores.merge, "merge_tables",
                         lambda shards, output, force: seen.setdefault("merge", (shards, output, force)) and
                         {"counts": {}, "num_shards": 2})
-    (tmp_path / "v.yaml").write_text(f"store: {d}\npacked: {d}\nrepair: true\n")
+    (tmp_path / "v.yaml").write_text(f"store: {d}\npacked: {d}\n")
     (tmp_path / "s.yaml").write_text(f"path: {d}\nmax_seq_len: 64\noverlap: 0.25\njson: true\n")
     (tmp_path / "w.yaml").write_text(f"path: {d}\nid: c1\ntokenizer: tok\ncolor: always\nhtml: {d}/p.html\n")
     (tmp_path / "m.yaml").write_text(f"shards: [{d}, {d}]\noutput: {d}/out\n")
-    for args in (["inspect", d], ["verify", "--config", tmp_path / "v.yaml"],
+    for args in (["inspect", d], ["verify", "--config", tmp_path / "v.yaml", "--repair"],
                  ["stats", "--config", tmp_path / "s.yaml", "--overlap", "0.5"],
                  ["show", "--config", tmp_path / "w.yaml", "--force"], ["merge", "--config", tmp_path / "m.yaml"]):
         result = CliRunner().invoke(data_main, [str(a) for a in args])

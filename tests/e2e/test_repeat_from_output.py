@@ -6,6 +6,7 @@ table, the same store and the same training losses."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pyarrow.parquet as pq
 import torch
@@ -13,6 +14,7 @@ import yaml
 from click.testing import CliRunner
 
 from cli.data import main as data_main
+from cli.eval import main as eval_main
 from cli.train import main as train_main
 from stores.feature_store import FeatureStore
 from tests.e2e.test_pipeline import CONVERSATIONS
@@ -62,3 +64,116 @@ def test_pack_extract_and_train_repeat_from_their_outputs(tmp_path, tiny_verifie
     assert again["last_step_loss"] == first["last_step_loss"] > 0
     resolved = _printed(train_main, train_args)
     assert _printed(train_main, ["--config", tmp_path / "d1" / "train_config.json"]) == resolved
+
+
+ACTIONS = {"force", "resume", "repair", "max_blocks"}
+"""Options of one invocation (what it does with an existing output; extract's budget of blocks): never
+in a recorded config (eval's ``max_blocks``, how many blocks it scores, is a setting)."""
+
+
+def _invoke(cmd, args):
+    return CliRunner().invoke(cmd, [str(a) for a in args], catch_exceptions=False)
+
+
+def _metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tokenize_pack_and_extract_started_with_force_are_repeated_and_resumed_from_their_records(
+        tmp_path, tiny_verifier_dir):
+    """Issue 22 item 8: a record holds no action. ``--config OUT/manifest.json`` over its own output
+    refuses instead of overwriting it (``force`` was replayed before), overwrites with ``--force``;
+    an extraction started with ``--force`` and stopped resumes with ``extract --config STORE.json --resume``."""
+    data = tmp_path / "convs.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
+    model = str(tiny_verifier_dir)
+    for kind in ("tokenize", "pack"):
+        out = tmp_path / kind
+        out.mkdir()
+        (out / "stale.txt").write_text("x")  # an output to overwrite
+        _run(data_main, [kind, data, "--tokenizer", model, "--output", out, "--max-tokens", 1000, "--force"]
+             + (["--max-seq-len", 128] if kind == "pack" else []))
+        assert not (out / "stale.txt").exists()
+        manifest = (out / "manifest.json").read_text()
+        assert not ACTIONS & set(json.loads(manifest)["config"])
+        again = _invoke(data_main, [kind, "--config", out / "manifest.json"])
+        assert again.exit_code == 2 and f"{out} already exists" in again.stderr and "--force" in again.stderr
+        assert (out / "manifest.json").read_text() == manifest  # not overwritten
+        _run(data_main, [kind, "--config", out / "manifest.json", "--force"])
+        assert json.loads((out / "manifest.json").read_text())["counts"] == json.loads(manifest)["counts"]
+
+    whole = tmp_path / "whole.zarr"
+    _run(data_main, ["extract", tmp_path / "pack", "--verifier", model, "--output", whole, "--layers", "1,3"])
+    part = tmp_path / "part.zarr"
+    part.mkdir()
+    _run(data_main, ["extract", tmp_path / "pack", "--verifier", model, "--output", part, "--layers", "1,3",
+                     "--max-blocks", 1, "--force"])  # stopped after one block
+    assert FeatureStore.open(part).missing_blocks() == list(range(1, FeatureStore.open(whole).n_blocks))
+    (tmp_path / "part.json").write_text(_run(data_main, ["inspect", part]))
+    assert not ACTIONS & set(json.loads((tmp_path / "part.json").read_text())["config"])
+    _run(data_main, ["extract", "--config", tmp_path / "part.json", "--resume"])  # --max-blocks 1 was not recorded
+    a, b = FeatureStore.open(whole), FeatureStore.open(part)
+    assert b.n_blocks == a.n_blocks > 1 and b.missing_blocks() == [] and b.is_complete()
+    for i in range(a.n_blocks):
+        x, y = a.read_block(i), b.read_block(i)
+        assert torch.equal(x.aux_hidden, y.aux_hidden) and torch.equal(x.input_ids, y.input_ids)
+
+
+def test_a_run_started_with_force_resumes_from_its_train_config_and_eval_repeats(tmp_path, tiny_verifier_dir):
+    """Issue 22 item 8: ``peagle-train --config OUTPUT/train_config.json --resume`` continues a run
+    started with ``--force`` (it exited 2, "--resume/--force must be used one at a time", when the record
+    held ``force: true``), with the losses of the uninterrupted run; a record written before this rule
+    (``force: true`` in it) resumes too, with a warning; an eval report's config holds no ``force``."""
+    data = tmp_path / "convs.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
+    model, store, out = str(tiny_verifier_dir), tmp_path / "s.zarr", tmp_path / "drafter"
+    _run(data_main, ["pack", data, "--tokenizer", model, "--output", tmp_path / "p", "--max-seq-len", 128])
+    _run(data_main, ["extract", tmp_path / "p", "--verifier", model, "--output", store, "--layers", "1,3"])
+    out.mkdir()
+    (out / "stale.txt").write_text("x")
+    first = json.loads(_run(train_main, ["--store", store, "--output", out, "--max-steps", 4, "--save-every", 2,
+                                         "--num-depths", 2, "--draft-vocab-size", 32, "--val-fraction", 0, "--force"]))
+    assert first["steps"] == 4 and not (out / "stale.txt").exists()
+    saved = out / "train_config.json"
+    record = json.loads(saved.read_text())
+    assert not ACTIONS & set(record) and record["max_steps"] == 4 and record["output"] == str(out)
+    uninterrupted = [r["loss"] for r in _metrics(out) if r.get("split") == "train"]
+
+    for old_record in (False, True):
+        if old_record:  # as train_config.json was written before actions were left out
+            saved.write_text(json.dumps({**record, "resume": False, "force": True}))
+        shutil.rmtree(out / "checkpoint-4")
+        shutil.rmtree(out / "final")  # as if stopped after checkpoint-2
+        result = _invoke(train_main, ["--config", saved, "--resume"])
+        assert result.exit_code == 0, result.output
+        summary = json.loads(result.stdout)
+        assert summary["steps"] == 4 and summary["resumed_from"] == str(out / "checkpoint-2")
+        assert [r["loss"] for r in _metrics(out) if r.get("split") == "train"] == uninterrupted
+        assert ("ignoring force: True" in result.stderr) is old_record
+        assert json.loads(saved.read_text()) == record  # rewritten without the actions
+
+    report = tmp_path / "eval.json"
+    report.write_text("{}")
+    _run(eval_main, ["--drafter", out, "--store", store, "--output", report, "--max-blocks", 2, "--force"])
+    assert not (ACTIONS - {"max_blocks"}) & set(json.loads(report.read_text())["config"])
+    assert json.loads(report.read_text())["config"]["max_blocks"] == 2
+    again = _invoke(eval_main, ["--config", report])
+    assert again.exit_code == 2 and str(report) in again.stderr  # not overwritten without --force
+    _run(eval_main, ["--config", report, "--force"])
+
+
+def test_regenerate_started_with_force_resumes_from_its_manifest(tmp_path, tiny_verifier_dir):
+    """Issue 22 item 8: ``peagle-data regenerate --config OUT.manifest.json --resume`` continues a run
+    started with ``--force`` (the record held ``force: true``: "--resume and --force" refused it)."""
+    data = tmp_path / "convs.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
+    out = tmp_path / "r.jsonl"
+    out.write_text("stale\n")
+    _run(data_main, ["regenerate", data, "--verifier", tiny_verifier_dir, "--output", out, "--max-new-tokens", 3,
+                     "--limit", 2, "--turns", "last", "--force"])
+    manifest = tmp_path / "r.manifest.json"
+    assert not ACTIONS & set(json.loads(manifest.read_text())["config"])
+    rows = out.read_text()
+    assert len(rows.splitlines()) == 2 and "stale" not in rows
+    resumed = _run(data_main, ["regenerate", "--config", manifest, "--resume"])
+    assert "resumed after 2 rows" in resumed and out.read_text() == rows
