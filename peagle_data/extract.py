@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from peagle_data.extract_store import (
@@ -31,6 +32,9 @@ from peagle_data.extract_store import (
     repair_shared,
     verifier_desc,
 )
+from peagle_data.extract_engine import PackedFacts, VerifierEngine
+from peagle_data.extract_hf import HfEngine
+from peagle_data.extract_vllm import VllmEngine
 from peagle_data.shards import check_shard
 from peagle_data.verifier_forward import (
     check_packable,
@@ -44,7 +48,8 @@ from peagle_data.verifier_forward import (
 from stores.errors import InputError, OutputExistsError, StoreFormatError
 from stores.feature_schema import SEGMENTS, TOKEN_ARRAYS
 from stores.feature_store import STORAGE_DTYPES, FeatureStore
-from stores.model_cache import load_verifier, model_fingerprint, resolve_model
+from stores.model_cache import model_fingerprint, resolve_model
+from stores.model_config import load_model_config, text_config
 from stores.progress import progress as progress_bar
 
 __all__ = [
@@ -69,6 +74,9 @@ _base_model = language_model  # the name bench/ and older callers use
 
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2")
 """The verifier attention implementations ``--attn-implementation`` accepts."""
+
+ENGINES: dict[str, type[VerifierEngine]] = {"hf": HfEngine, "vllm": VllmEngine}
+"""``--engine``: the verifier engines (:class:`peagle_data.extract_engine.VerifierEngine`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,6 +114,20 @@ class ExtractConfig:
     shard_index: int = 0
     """This run's shard: packed blocks ``shard_index, shard_index + num_shards, ...`` become the
     store's blocks ``0, 1, ...`` (--shard-index); ``peagle-data merge`` joins the shard stores."""
+    engine: str = "hf"
+    """``hf`` (transformers, the reference) or ``vllm`` (the serving engine's hidden states: needs vLLM,
+    ``PEAGLE_VLLM=1 bash scripts/setup_env.sh``)."""
+    tensor_parallel_size: int = 1
+    """--engine vllm: vLLM's tensor parallel size (GPUs per replica)."""
+    pipeline_parallel_size: int = 1
+    """--engine vllm: vLLM's pipeline parallel size (stages per replica)."""
+    server: str | None = None
+    """--engine vllm: URL of a running ``vllm serve`` started for extraction (its command is in the README);
+    None: start vLLM in this process. Data parallel: one server with ``--data-parallel-size``, or shards."""
+    shared_storage: str | None = None
+    """--server: this machine's path of the directory the server's hidden-states connector writes to."""
+    concurrency: int = 16
+    """--server: requests in flight."""
 
     def __post_init__(self) -> None:
         if self.resume and self.force:
@@ -123,6 +145,19 @@ class ExtractConfig:
         if self.writer_queue < 1:
             raise ValueError("writer_queue must be ≥ 1")
         check_shard(self.num_shards, self.shard_index)
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine: expected one of {sorted(ENGINES)}, got {self.engine!r}")
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1 or self.concurrency < 1:
+            raise ValueError("--tensor-parallel-size, --pipeline-parallel-size and --concurrency must be ≥ 1")
+        vllm_only = {"--tensor-parallel-size": self.tensor_parallel_size != 1,
+                     "--pipeline-parallel-size": self.pipeline_parallel_size != 1,
+                     "--server": self.server is not None, "--shared-storage": self.shared_storage is not None}
+        given = [flag for flag, set_ in vllm_only.items() if set_]
+        if self.engine != "vllm" and given:
+            raise ValueError(f"{given[0]} is an option of --engine vllm (the engine is {self.engine!r})")
+        if self.server is not None and (self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1):
+            raise ValueError("--server: the server's own vllm serve options set its parallelism; drop "
+                             "--tensor-parallel-size/--pipeline-parallel-size")
 
 
 def _check_device(device: str | None) -> None:
@@ -140,50 +175,18 @@ def _check_device(device: str | None) -> None:
         raise InputError(f"device {device!r} is not supported; use cpu or cuda", field="--device")
 
 
-def _has_flash_attn() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("flash_attn") is not None
-
-
-def _load_for_extract(cfg: ExtractConfig, device: str, log: Callable[[str], None]):
-    """The verifier with the attention backend of ``cfg.attn_implementation``.
-
-    ``auto``: FlashAttention varlen on CUDA when installed and the model supports it, else
-    transformers' choice (SDPA when the model supports it, else eager: Gemma-2, gpt-oss).
-
-    Raises:
-        InputError: an explicit backend the model does not support (names the alternatives).
-    """
-    impl = cfg.attn_implementation
-    if impl == "auto":
-        if device.startswith("cuda") and _has_flash_attn():
-            try:
-                return load_verifier(cfg.verifier, device=device, attn_implementation="flash_attention_2")
-            except (ValueError, ImportError) as e:
-                log(f"flash_attention_2 is not available for this verifier ({e}); using transformers' default")
-        return load_verifier(cfg.verifier, device=device)
-    try:
-        return load_verifier(cfg.verifier, device=device, attn_implementation=impl)
-    except ValueError as e:
-        if "support" not in str(e):
-            raise
-        raise InputError(f"the verifier cannot run with {impl}: {e}; pass --attn-implementation auto "
-                         "(the model's own choice) or eager", field="--attn-implementation") from e
-
-
 def _check_before_weights(cfg: ExtractConfig) -> Path:
     """The checks that need only the verifier's config and files and the store (docs/design.md §2),
     before the weights load; returns the verifier's directory (:func:`resolve_model`).
 
     Raises:
         InputError: a ``--layers`` index outside ``0..num_hidden_layers`` (read from the config, before
-            the weights are even fetched), ``--resume`` with another ``--storage-dtype`` or shard, or a
-            verifier with recurrent / linear-attention layers (:func:`check_packable`).
+            the weights are even fetched), ``--resume`` with another ``--storage-dtype``, shard or engine, a
+            verifier with recurrent / linear-attention layers (:func:`check_packable`), or one the
+            ``--engine`` refuses (:meth:`VerifierEngine.check`).
+        MissingDependencyError: the engine's package is missing.
         StoreMismatchError: ``--resume`` with other layers, another verifier or another packed table.
     """
-    from stores.model_config import load_model_config, text_config
-
     config = load_model_config(cfg.verifier)
     check_packable(config)
     L = int(text_config(config).num_hidden_layers)
@@ -191,6 +194,7 @@ def _check_before_weights(cfg: ExtractConfig) -> Path:
     if bad:
         raise InputError(f"layers {bad} out of range: the verifier has {L} layers, valid indices are 0..{L}",
                          field="--layers")
+    ENGINES[cfg.engine].check(cfg, config, list(cfg.layers) if cfg.layers is not None else default_layers(L))
     directory = resolve_model(cfg.verifier)
     if cfg.resume and is_local(cfg.output) and (Path(cfg.output) / "zarr.json").is_file():
         try:
@@ -236,18 +240,25 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
     rows = list(table.iter_rows(PACKED_COLUMNS))
     rows = rows[cfg.shard_index::cfg.num_shards]  # this shard's blocks (all of them unsharded)
     directory = _check_before_weights(cfg)
+    if cfg.engine != "hf" and state.num_processes > 1:
+        raise InputError(f"--engine {cfg.engine} runs in one process (its parallelism is vLLM's): drop accelerate "
+                         "launch, or give each process its own --shard-index", field="--engine")
     device = cfg.device or (str(state.device) if state.device.type == "cuda" else "cpu")
-    verifier = _load_for_extract(cfg, device, log)
-    layers = _layers_of(cfg, verifier)
-    desc = verifier_desc(cfg.verifier, directory, verifier, next(verifier.parameters()).dtype)
-    store, repaired = _store_on_every_rank(state, cfg, rows, table, desc, layers, log, config)
-    todo = store.missing_blocks()
-    state.wait_for_everyone()  # every rank reads the same list before any rank writes
-    todo = todo[state.process_index::state.num_processes]
-    if cfg.max_blocks is not None:
-        todo = todo[: cfg.max_blocks]
-    label = f"extract[{state.process_index}]" if state.num_processes > 1 else "extract"
-    tokens, nonfinite = _extract_blocks(language_model(verifier), store, rows, todo, layers, cfg, label, progress)
+    facts = PackedFacts(longest_segment=max((int(np.diff(r["cu_seqlens"]).max()) for r in rows), default=1),
+                        tokenizer=(table.manifest.get("tokenizer") or {}).get("name_or_path"))
+    engine = ENGINES[cfg.engine].open(cfg, directory, _layers_of(cfg), log, device, facts)
+    try:
+        layers = _layers_of(cfg, engine.desc["num_hidden_layers"])
+        store, repaired = _store_on_every_rank(state, cfg, rows, table, engine, layers, log, config)
+        todo = store.missing_blocks()
+        state.wait_for_everyone()  # every rank reads the same list before any rank writes
+        todo = todo[state.process_index::state.num_processes]
+        if cfg.max_blocks is not None:
+            todo = todo[: cfg.max_blocks]
+        label = f"extract[{state.process_index}]" if state.num_processes > 1 else "extract"
+        tokens, nonfinite = _extract_blocks(engine, store, rows, todo, cfg, label, progress)
+    finally:
+        engine.close()
     if nonfinite:
         log(f"{cfg.output}: blocks {nonfinite} have NaN or Inf hidden states (verifier overflow?); "
             "they are left not done")
@@ -259,9 +270,11 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
     return summary
 
 
-def _layers_of(cfg: ExtractConfig, verifier) -> list[int]:
-    """``cfg.layers`` or the default for the verifier's language model, checked in ``0..L``."""
-    L = len(language_model(verifier).layers)
+def _layers_of(cfg: ExtractConfig, L: int | None = None) -> list[int]:
+    """``cfg.layers`` or the default for the verifier's ``L`` language-model layers (default: its
+    config's), checked in ``0..L``."""
+    if L is None:
+        L = int(text_config(load_model_config(cfg.verifier)).num_hidden_layers)
     layers = list(cfg.layers) if cfg.layers is not None else default_layers(L)
     bad = [l for l in layers if not 0 <= l <= L]
     if bad:
@@ -290,12 +303,12 @@ def _summary(cfg: ExtractConfig, state, store: FeatureStore, todo: list[int], to
     }
 
 
-def _store_on_every_rank(state, cfg: ExtractConfig, rows, table, desc: dict[str, Any], layers: list[int],
+def _store_on_every_rank(state, cfg: ExtractConfig, rows, table, engine: VerifierEngine, layers: list[int],
                          log: Callable[[str], None], config: dict[str, Any] | None) -> tuple[FeatureStore, dict]:
     """The store, created or resumed by the main process and then opened by the others; with
     ``resume``, each rank's share of the blocks checked and repaired. Returns ``(store, {block: reason})``."""
     if state.is_main_process:
-        store = open_or_create(cfg, rows, table, desc, layers, log)
+        store = open_or_create(cfg, rows, table, engine.desc, layers, log, engine.record)
         if config is not None:
             store.update_attrs(config=config)
         if cfg.resume:
@@ -308,9 +321,9 @@ def _store_on_every_rank(state, cfg: ExtractConfig, rows, table, desc: dict[str,
     return store, repaired
 
 
-def _extract_blocks(base, store: FeatureStore, rows, todo: list[int], layers: list[int], cfg: ExtractConfig,
+def _extract_blocks(engine: VerifierEngine, store: FeatureStore, rows, todo: list[int], cfg: ExtractConfig,
                     label: str, progress: bool) -> tuple[int, list[int]]:
-    """Run the verifier's decoder ``base`` over blocks ``todo`` and write them (writer thread).
+    """Run ``engine`` over blocks ``todo`` and write them (writer thread).
 
     Returns:
         ``(tokens extracted, sorted blocks left not done for NaN/Inf hidden states)``.
@@ -319,14 +332,9 @@ def _extract_blocks(base, store: FeatureStore, rows, todo: list[int], layers: li
     tokens = 0
     bar = progress_bar(todo, desc=label, unit="block", disable=not progress)
     try:
-        for i in bar:
-            r = rows[i]  # numpy arrays from Arrow are read-only: copy into tensors
-            aux, final = verifier_features(
-                base, torch.tensor(r["input_ids"], dtype=torch.long),
-                torch.tensor(r["position_ids"], dtype=torch.long),
-                torch.tensor(r["cu_seqlens"], dtype=torch.long), layers, to_host=False)
+        for i, aux, final in engine.features((i, rows[i]) for i in bar):
             writer.put(i, aux, final)
-            tokens += int(r["n_tokens"])
+            tokens += int(rows[i]["n_tokens"])
             bar.set_postfix(tokens=f"{tokens:,}")  # a string: tqdm prints numbers as 2e+4
     finally:
         writer.close()

@@ -141,7 +141,7 @@ def open_packed(path: str) -> TokenTable:
 
 
 def _create_store(cfg: ExtractConfig, rows, table: TokenTable, desc: dict, layers: list[int],
-                  log: Callable[[str], None]) -> FeatureStore:
+                  log: Callable[[str], None], engine: dict[str, Any]) -> FeatureStore:
     block_size = int(table.manifest.get("parameters", {}).get("block_size") or 0)
     block_size = max([block_size] + [int(r["n_tokens"]) for r in rows])
     max_segments = max((len(r["cu_seqlens"]) - 1 for r in rows), default=1)
@@ -159,7 +159,8 @@ def _create_store(cfg: ExtractConfig, rows, table: TokenTable, desc: dict, layer
         cfg.output, compressor=cfg.compressor, n_blocks=len(rows), block_size=block_size, max_segments=max_segments, layers=layers,
         hidden_size=H, vocab_size=V, verifier=desc, tokenizer=table.manifest.get("tokenizer", {}),
         source=manifest_sha256(cfg.packed), storage_dtype=cfg.storage_dtype,
-        n_tokens=int(sum(int(r["n_tokens"]) for r in rows)), force=cfg.force, extra=_shard_attrs(cfg, table),
+        n_tokens=int(sum(int(r["n_tokens"]) for r in rows)), force=cfg.force,
+        extra={"engine": engine, **_shard_attrs(cfg, table)},
     )
     for i, r in enumerate(rows):
         store.write_token_row(i, r)
@@ -231,7 +232,9 @@ def is_local(path: str) -> bool:
     return "://" not in str(path)
 
 
-def open_or_create(cfg: ExtractConfig, rows, table, desc, layers, log) -> FeatureStore:
+def open_or_create(cfg: ExtractConfig, rows, table, desc, layers, log, engine: dict[str, Any]) -> FeatureStore:
+    """The store of ``cfg.output``: resumed (checked by :func:`check_resumable`) or created with the
+    verifier ``desc`` and the ``engine`` attribute (:attr:`VerifierEngine.record`)."""
     out = Path(cfg.output)
     if cfg.resume and (out.exists() or not is_local(cfg.output)):
         try:
@@ -246,21 +249,25 @@ def open_or_create(cfg: ExtractConfig, rows, table, desc, layers, log) -> Featur
             cfg = dataclasses.replace(cfg, force=True, resume=False)
             if is_local(cfg.output):
                 shutil.rmtree(out)
-    return _create_store(cfg, rows, table, desc, layers, log)
+    return _create_store(cfg, rows, table, desc, layers, log, engine)
 
 
 def check_resumable(store: FeatureStore, cfg: ExtractConfig, verifier: dict[str, Any], layers: list[int]) -> None:
-    """``--resume`` of ``store``: same verifier, layers, packed table, shard and storage dtype.
+    """``--resume`` of ``store``: same verifier, layers, packed table, shard, storage dtype and engine.
 
     Raises:
         StoreMismatchError: another verifier, other layers or another packed table.
-        InputError: another shard or storage dtype.
+        InputError: another shard, storage dtype or ``--engine`` (a store's blocks come from one engine).
     """
     check_compatible(store, verifier=verifier, layers=layers, source=manifest_sha256(cfg.packed))
     have = (store.attrs.get("shard") or {})
     if (have.get("num_shards", 1), have.get("shard_index", 0)) != (cfg.num_shards, cfg.shard_index):
         raise InputError(f"the store is shard {have.get('shard_index', 0)} of {have.get('num_shards', 1)}, "
                          f"asked for shard {cfg.shard_index} of {cfg.num_shards}", field="--shard-index")
+    made_by = (store.attrs.get("engine") or {}).get("name", "hf")  # stores before --engine: hf
+    if made_by != cfg.engine:
+        raise InputError(f"the store was extracted with --engine {made_by}, asked for --engine {cfg.engine}: "
+                         "resume with the same engine (or --force a new store)", field="--engine")
     if store.storage_dtype != cfg.storage_dtype:
         raise InputError(f"the store holds {store.storage_dtype}, asked for {cfg.storage_dtype}",
                          field="--storage-dtype")

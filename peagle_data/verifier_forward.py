@@ -170,8 +170,8 @@ def segment_masks(decoder, position_ids: torch.Tensor, types: set[str]) -> dict[
     dummy = torch.empty(1, pos.shape[1], 0, dtype=param.dtype, device=param.device)  # shape, dtype, device only
     makers = {"full_attention": mu.create_causal_mask, "sliding_attention": mu.create_sliding_window_causal_mask,
               "chunked_attention": mu.create_chunked_causal_mask}
-    return {t: makers[t](config=decoder.config, inputs_embeds=dummy, attention_mask=None, cache=None,
-                         position_ids=pos) for t in types}
+    # the cache is the fourth argument: ``cache`` in transformers 5.24, ``past_key_values`` in 5.19 (vLLM's)
+    return {t: makers[t](decoder.config, dummy, None, None, position_ids=pos) for t in types}
 
 
 @contextmanager
