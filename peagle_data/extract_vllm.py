@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shlex
 import shutil
 import tempfile
 import urllib.error
@@ -50,7 +51,7 @@ from stores.model_config import text_config
 if TYPE_CHECKING:
     from peagle_data.extract import ExtractConfig
 
-__all__ = ["VllmEngine", "VLLM_SETUP", "capture_ids", "connector_config", "serve_command"]
+__all__ = ["VllmEngine", "VLLM_SETUP", "capture_ids", "connector_config", "serve_args", "serve_command"]
 
 VLLM_SETUP = "PEAGLE_VLLM=1 bash scripts/setup_env.sh (creates .venv-vllm; run .venv-vllm/bin/peagle-data)"
 """How a user gets vLLM next to peagle (vLLM pins its own transformers, so it has its own virtualenv)."""
@@ -87,12 +88,17 @@ def speculative_config(ids: list[int]) -> dict[str, Any]:
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}}}
 
 
-def serve_command(model: str, layers: list[int], num_hidden_layers: int, storage: str, accelerator: bool) -> str:
-    """The ``vllm serve`` command line a ``--server`` extraction of ``layers`` needs."""
+def serve_args(layers: list[int], num_hidden_layers: int, storage: str, accelerator: bool) -> list[str]:
+    """The ``vllm serve MODEL`` options a ``--server`` extraction of ``layers`` needs (prefix caching off,
+    the capture ids, the connector writing into ``storage``)."""
     spec = json.dumps(speculative_config(capture_ids(layers, num_hidden_layers)), separators=(",", ":"))
     kv = json.dumps(connector_config(storage, accelerator), separators=(",", ":"))
-    return (f"vllm serve {model} --no-enable-prefix-caching --speculative-config '{spec}' "
-            f"--kv-transfer-config '{kv}'")
+    return ["--no-enable-prefix-caching", "--speculative-config", spec, "--kv-transfer-config", kv]
+
+
+def serve_command(model: str, layers: list[int], num_hidden_layers: int, storage: str, accelerator: bool) -> str:
+    """:func:`serve_args` as one shell command line ``vllm serve MODEL ...``."""
+    return shlex.join(["vllm", "serve", model, *serve_args(layers, num_hidden_layers, storage, accelerator)])
 
 
 def _has_accelerator() -> bool:
@@ -120,6 +126,12 @@ def _check_vllm_model(config, cfg: ExtractConfig) -> None:
     if mla:
         raise InputError(f"the verifier uses multi-head latent attention ({mla[0]} in its config), which "
                          "vLLM's hidden-states connector does not support: use --engine hf", field="--engine")
+    types = set(getattr(text, "layer_types", None) or [])
+    window_layers = getattr(text, "max_window_layers", None)
+    if len(types) > 1 and window_layers is not None and window_layers != text.num_hidden_layers:
+        raise InputError(f"the verifier has sliding-window attention in some layers only (max_window_layers "
+                         f"{window_layers} of {text.num_hidden_layers}), which vLLM's {arch} refuses: use --engine hf",
+                         field="--engine")
     if cfg.pipeline_parallel_size > 1 and not getattr(model_cls, "supports_aux_hidden_states_over_pp", False):
         raise InputError(f"vLLM's {arch} cannot pass hidden states between pipeline stages: use "
                          "--tensor-parallel-size instead", field="--pipeline-parallel-size")
@@ -169,7 +181,8 @@ class VllmEngine(VerifierEngine):
 
         Raises:
             MissingDependencyError: vLLM is not installed here (names the set-up command).
-            InputError: see :func:`_check_vllm_model`; ``--attn-implementation`` or ``--device`` given.
+            InputError: see :func:`_check_vllm_model`; ``--attn-implementation`` or ``--device`` given;
+                ``--server`` without an existing ``--shared-storage`` directory.
         """
         if importlib.util.find_spec("vllm") is None:
             raise MissingDependencyError(f"--engine vllm needs vLLM, which this environment lacks: {VLLM_SETUP}")
@@ -179,6 +192,9 @@ class VllmEngine(VerifierEngine):
         if cfg.device is not None:
             raise InputError("--device is for --engine hf; vLLM uses its platform's devices (CUDA_VISIBLE_DEVICES "
                              "chooses GPUs)", field="--device")
+        if cfg.server and (not cfg.shared_storage or not Path(cfg.shared_storage).is_dir()):
+            raise InputError(f"--server needs --shared-storage: the directory (as this machine mounts it) that the "
+                             f"server's connector writes into, got {cfg.shared_storage!r}", field="--shared-storage")
         _check_vllm_model(config, cfg)
 
     @classmethod
@@ -236,9 +252,6 @@ class VllmEngine(VerifierEngine):
         Raises:
             InputError: unreachable, not one model, another tokenizer, no ``--shared-storage``.
         """
-        if not self.cfg.shared_storage or not Path(self.cfg.shared_storage).is_dir():
-            raise InputError(f"--server needs --shared-storage: the directory (as this machine mounts it) that the "
-                             f"server's connector writes into, got {self.cfg.shared_storage!r}", field="--shared-storage")
         self.base = server_base_url(self.cfg.server)
         models = self._request(self.base + "/models")["data"]
         if len(models) != 1:
