@@ -357,3 +357,17 @@ def test_vllm_missing_names_the_set_up_command(tmp_path):
 def test_engine_options_that_contradict(options, message):
     with pytest.raises(ValueError, match=message):
         ExtractConfig(packed="p", verifier="v", output="o", **options)
+
+
+def test_resume_with_another_engine_is_refused(tmp_path):
+    """A store's blocks come from one engine: --resume with the other one stops before weights load."""
+    model = save_family("llama31", tmp_path / "m", overrides=VLLM_CPU_SHAPE)
+    packed = write_packed(tmp_path / "packed", n_blocks=2, vocab=512)
+    out = tmp_path / "f.zarr"
+    run_extract(ExtractConfig(packed=str(packed), verifier=str(model), output=str(out), layers=[1], device="cpu",
+                              max_blocks=1), progress=False)
+    assert FeatureStore.open(out).attrs["engine"] == {"name": "hf"}
+    FeatureStore.open(out, mode="r+").update_attrs(engine={"name": "vllm"})  # as --engine vllm records it
+    with pytest.raises(InputError, match="extracted with --engine vllm, asked for --engine hf"):
+        run_extract(ExtractConfig(packed=str(packed), verifier=str(model), output=str(out), layers=[1],
+                                  device="cpu", resume=True), progress=False)
