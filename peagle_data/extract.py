@@ -2,9 +2,11 @@
 
 Legend: T tokens in a block, L aux layers, H hidden size, S segments.
 
-- The verifier's forward (segments kept apart, chosen layers only, refusals before weights load)
-  is :mod:`peagle_data.verifier_forward`; the store side (create, resume, repair, the writer
-  thread) is :mod:`peagle_data.extract_store`.
+- The features come from a verifier engine (:data:`ENGINES`, ``--engine``; the interface is
+  :mod:`peagle_data.extract_engine`): ``hf`` (:mod:`peagle_data.extract_hf`, transformers, the
+  reference; its forward is :mod:`peagle_data.verifier_forward`) or ``vllm``
+  (:mod:`peagle_data.extract_vllm`, the serving engine's hidden states); the store side (create,
+  resume, repair, the writer thread) is :mod:`peagle_data.extract_store`, the same for every engine.
 - A multimodal wrapper runs its language model: layers, layer convention and final norm are the
   language model's (recorded in the store's ``verifier`` attributes).
 - Writes run on a background thread behind a bounded queue, so the next forward overlaps the
@@ -225,7 +227,9 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
         (this rank), blocks done in all, layers, bytes.
 
     Raises:
-        InputError: the packed path is not a packed table, or a layer index is out of range.
+        InputError: the packed path is not a packed table, a layer index is out of range, or the
+            ``--engine`` refuses the verifier or an option (before weights load).
+        MissingDependencyError: ``--engine vllm`` without vLLM installed.
         OutputExistsError: the store exists without ``resume``/``force``.
         DiskSpaceError: the disk is short (without ``force``).
         StoreMismatchError: resuming with another verifier, other layers or another packed table.

@@ -69,11 +69,19 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - 7)
 
 
+FLOAT32_NOISE = 1e-6
+"""Float32 compute noise, relative to a token's largest |value|: two engines sum in other orders, so
+an element far smaller than its token's largest (SmolLM2 has values of 400 beside 1e-4) may differ
+by more than its own bf16 step; a wrong layer, norm or position differs by the token's scale."""
+
+
 def assert_within_rounding(a: torch.Tensor, b: torch.Tensor, what: str) -> float:
-    """Every element of bf16 ``a`` and ``b`` within one bf16 step of the larger; returns the worst
-    per-token relative difference ``|a - b| / |a|`` (L2 over H)."""
+    """Every element of bf16 ``a`` and ``b`` (``[..., H]``) within one bf16 step of the larger plus
+    :data:`FLOAT32_NOISE` times its token's largest |value|; returns the worst per-token relative
+    difference ``|a - b| / |a|`` (L2 over H)."""
     a, b = a.float(), b.float()
-    step = bf16_ulp(torch.maximum(a.abs(), b.abs()))
+    scale = torch.maximum(a.abs(), b.abs()).amax(dim=-1, keepdim=True)
+    step = bf16_ulp(torch.maximum(a.abs(), b.abs())) + FLOAT32_NOISE * scale
     bad = (a - b).abs() > step
     assert not bad.any(), f"{what}: {int(bad.sum())} of {a.numel()} elements differ by more than one bf16 step"
     return float(((a - b).norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-30)).max())
@@ -127,6 +135,7 @@ def assert_prenorm_layer(store: Path, model_dir, L: int, label: str) -> float:
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # one vLLM engine start (~50 s)
 def test_smollm2_vllm_equals_hf(tmp_path):
     """SmolLM2-135M: layers 2, 15, 27 and the final slot equal the hf engine's; 30 is the pre-norm output."""
     from stores.model_cache import resolve_model
