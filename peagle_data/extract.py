@@ -32,7 +32,6 @@ from peagle_data.extract_store import (
     open_packed,
     repair_blocks,
     repair_shared,
-    verifier_desc,
 )
 from peagle_data.extract_engine import PackedFacts, VerifierEngine
 from peagle_data.extract_hf import HfEngine

@@ -338,7 +338,8 @@ class VllmEngine(VerifierEngine):
 
     def close(self) -> None:
         if self.llm is not None:
-            self.llm = None  # its engine process ends with it
+            self.llm.llm_engine.engine_core.shutdown()  # the engine process (and TP/PP workers) end now
+            self.llm = None
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
