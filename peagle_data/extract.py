@@ -124,7 +124,7 @@ class ExtractConfig:
     """--engine vllm: vLLM's pipeline parallel size (stages per replica)."""
     server: str | None = None
     """--engine vllm: URL of a running ``vllm serve`` started for extraction (its command is in the README);
-    None: start vLLM in this process. Data parallel: one server with ``--data-parallel-size``, or shards."""
+    None: start vLLM in this process. Data parallel: a data-parallel vLLM server, or shards."""
     shared_storage: str | None = None
     """--server: this machine's path of the directory the server's hidden-states connector writes to."""
     concurrency: int = 16
