@@ -204,12 +204,17 @@ class VllmEngine(VerifierEngine):
 
         Raises:
             InputError: the server checks of :meth:`_connect`; a segment longer than the verifier's
-                ``max_position_embeddings``.
+                ``max_position_embeddings``; a language model without a ``.norm`` module.
+            ModelNotFoundError: the final norm's weights are not in the checkpoint
+                (:func:`stores.model_cache.load_submodule`).
         """
         accelerator = _has_accelerator()
         dtype = torch.bfloat16 if accelerator else torch.float32  # as the hf engine loads the verifier
         skeleton = verifier_skeleton(directory)
         decoder = language_model(skeleton)
+        if not isinstance(getattr(decoder, "norm", None), torch.nn.Module):
+            raise InputError(f"{type(decoder).__name__} has no final norm module (.norm) to compute the final slot "
+                             "from vLLM's pre-norm last layer: use --engine hf", field="--engine")
         norm_name = next(n for n, m in skeleton.named_modules() if m is decoder.norm)
         norm = load_submodule(directory, skeleton, norm_name, dtype)
         desc = verifier_desc(cfg.verifier, directory, skeleton, dtype)
