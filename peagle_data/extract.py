@@ -248,7 +248,8 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
                          "launch, or give each process its own --shard-index", field="--engine")
     device = cfg.device or (str(state.device) if state.device.type == "cuda" else "cpu")
     facts = PackedFacts(longest_segment=max((int(np.diff(r["cu_seqlens"]).max()) for r in rows), default=1),
-                        tokenizer=(table.manifest.get("tokenizer") or {}).get("name_or_path"))
+                        tokenizer=(table.manifest.get("tokenizer") or {}).get("name_or_path"),
+                        offset_segment=_offset_segment(rows))
     engine = ENGINES[cfg.engine].open(cfg, directory, _layers_of(cfg), log, device, facts)
     try:
         layers = _layers_of(cfg, engine.desc["num_hidden_layers"])
@@ -284,6 +285,16 @@ def _layers_of(cfg: ExtractConfig, L: int | None = None) -> list[int]:
         raise InputError(f"layers {bad} out of range: the verifier has {L} layers, valid indices are 0..{L}",
                          field="--layers")
     return layers
+
+
+def _offset_segment(rows) -> tuple[int, int] | None:
+    """``(block, segment)`` of the first segment whose position ids are not ``0..n-1``, else None."""
+    for i, r in enumerate(rows):
+        cu, pos = np.asarray(r["cu_seqlens"]), np.asarray(r["position_ids"])
+        for k, (lo, hi) in enumerate(zip(cu[:-1], cu[1:])):
+            if not np.array_equal(pos[lo:hi], np.arange(hi - lo)):
+                return i, k
+    return None
 
 
 def _summary(cfg: ExtractConfig, state, store: FeatureStore, todo: list[int], tokens: int, layers: list[int],

@@ -35,6 +35,9 @@ class PackedFacts:
     """Tokens of the longest segment (a vLLM engine's ``max_model_len``)."""
     tokenizer: str | None
     """The tokenizer the table was made with (its manifest's ``name_or_path``), None if unrecorded."""
+    offset_segment: tuple[int, int] | None = None
+    """``(block, segment)`` of the first segment whose position ids are not ``0..n-1``, None if none
+    (an engine that starts every request at position 0 refuses such a table)."""
 
 
 class VerifierEngine(ABC):

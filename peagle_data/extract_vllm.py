@@ -137,21 +137,10 @@ def _check_vllm_model(config, cfg: ExtractConfig) -> None:
                          "--tensor-parallel-size instead", field="--pipeline-parallel-size")
 
 
-def _check_positions(i: int, r: Mapping[str, Any]) -> list[tuple[int, int]]:
-    """Block ``i``'s segments ``[(lo, hi)]``; each must have positions ``0..n-1`` (vLLM starts every
-    request at position 0).
-
-    Raises:
-        InputError: a segment whose positions do not start at 0 and grow by 1.
-    """
+def _segments(r: Mapping[str, Any]) -> list[tuple[int, int]]:
+    """A packed row's non-empty segments ``[(lo, hi)]``."""
     cu = np.asarray(r["cu_seqlens"]).tolist()
-    pos = np.asarray(r["position_ids"])
-    spans = [(lo, hi) for lo, hi in zip(cu[:-1], cu[1:]) if hi > lo]
-    for k, (lo, hi) in enumerate(spans):
-        if not np.array_equal(pos[lo:hi], np.arange(hi - lo)):
-            raise InputError(f"packed block {i}, segment {k}: position ids {pos[lo:lo + 4].tolist()}... do not "
-                             "start at 0; vLLM starts every request at position 0: use --engine hf")
-    return spans
+    return [(lo, hi) for lo, hi in zip(cu[:-1], cu[1:]) if hi > lo]
 
 
 class VllmEngine(VerifierEngine):
@@ -172,8 +161,9 @@ class VllmEngine(VerifierEngine):
         self.model: str | None = None
         self.record = {"name": self.name, "vllm": _vllm_version(), "capture_ids": self.ids,
                        "last_layer": "pre_norm", "dtype": desc["dtype"],
-                       "tensor_parallel_size": cfg.tensor_parallel_size,
-                       "pipeline_parallel_size": cfg.pipeline_parallel_size}
+                       **({"server": cfg.server} if cfg.server else
+                          {"tensor_parallel_size": cfg.tensor_parallel_size,
+                           "pipeline_parallel_size": cfg.pipeline_parallel_size})}
 
     @classmethod
     def check(cls, cfg: ExtractConfig, config, layers: list[int]) -> None:
@@ -204,10 +194,15 @@ class VllmEngine(VerifierEngine):
 
         Raises:
             InputError: the server checks of :meth:`_connect`; a segment longer than the verifier's
-                ``max_position_embeddings``; a language model without a ``.norm`` module.
+                ``max_position_embeddings`` or one whose positions do not start at 0; a language model
+                without a ``.norm`` module.
             ModelNotFoundError: the final norm's weights are not in the checkpoint
                 (:func:`stores.model_cache.load_submodule`).
         """
+        if packed.offset_segment is not None:
+            block, segment = packed.offset_segment
+            raise InputError(f"packed block {block}, segment {segment}: position ids do not start at 0, and vLLM "
+                             "starts every request at position 0: use --engine hf", file=cfg.packed)
         accelerator = _has_accelerator()
         dtype = torch.bfloat16 if accelerator else torch.float32  # as the hf engine loads the verifier
         skeleton = verifier_skeleton(directory)
@@ -312,8 +307,8 @@ class VllmEngine(VerifierEngine):
         """One vLLM batch per block, every segment its own request; rows reassembled in block order.
 
         Raises:
-            InputError: a segment not starting at position 0; a file whose token ids or shape
-                ``[T, K, H]`` are not the request's (a server capturing other layers).
+            InputError: a file whose token ids or shape ``[T, K, H]`` are not the request's (a server
+                capturing other layers).
         """
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
             cleanup_hidden_states,
@@ -323,7 +318,7 @@ class VllmEngine(VerifierEngine):
         H = self.desc["hidden_size"]
         for i, r in rows:
             ids = np.asarray(r["input_ids"], dtype=np.int64)
-            spans = _check_positions(i, r)
+            spans = _segments(r)
             prompts = [ids[lo:hi].tolist() for lo, hi in spans]
             paths = self._serve(prompts) if self.base else self._generate(prompts)
             parts = []

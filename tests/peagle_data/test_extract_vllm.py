@@ -36,8 +36,9 @@ ENV = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE=os.environ.g
 
 
 def write_packed(directory: Path, n_blocks: int, vocab: int, seed: int = 0, tokenizer: str = "smollm2-135m",
-                 longest: int = 24) -> Path:
-    """A packed table of ``n_blocks`` blocks of 2-4 segments of 5..longest token ids in ``3..vocab-1``."""
+                 longest: int = 24, offset: int = 0) -> Path:
+    """A packed table of ``n_blocks`` blocks of 2-4 segments of 5..longest token ids in ``3..vocab-1``;
+    every block's second segment has positions ``offset..offset+n-1``."""
     rng = np.random.default_rng(seed)
     prepare_output_dir(directory, force=True)
     with TableWriter(directory, "packed") as w:
@@ -46,7 +47,8 @@ def write_packed(directory: Path, n_blocks: int, vocab: int, seed: int = 0, toke
             n = int(lengths.sum())
             w.write({"block_id": b, "input_ids": rng.integers(3, vocab, size=n, dtype=np.int32),
                      "loss_mask": (rng.random(n) < 0.6).astype(np.uint8),
-                     "position_ids": np.concatenate([np.arange(k) for k in lengths]).astype(np.int32),
+                     "position_ids": np.concatenate([np.arange(k) + (offset if j == 1 else 0)
+                                                     for j, k in enumerate(lengths)]).astype(np.int32),
                      "cu_seqlens": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
                      "segment_ids": [f"c{b}#{k}" for k in range(len(lengths))], "n_tokens": n})
     write_manifest(directory, {"kind": "packed", "inputs": [f"random-seed-{seed}"],
@@ -341,6 +343,9 @@ def test_bad_options_are_refused_before_the_engine_starts(tmp_path):
         run_extract(ExtractConfig(**base, layers=[1], attn_implementation="eager"), progress=False)
     with pytest.raises(InputError, match="shared-storage"):
         run_extract(ExtractConfig(**base, layers=[1], server="http://127.0.0.1:9"), progress=False)
+    offset = write_packed(tmp_path / "offset", n_blocks=2, vocab=512, offset=3)
+    with pytest.raises(InputError, match="packed block 0, segment 1: position ids do not start at 0"):
+        run_extract(ExtractConfig(**{**base, "packed": str(offset)}, layers=[1]), progress=False)
     with pytest.raises(InputError, match="127.0.0.1:9"):  # nothing listens: named before any block
         run_extract(ExtractConfig(**base, layers=[1], server="http://127.0.0.1:9", shared_storage=str(tmp_path)),
                     progress=False)
