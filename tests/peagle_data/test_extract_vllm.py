@@ -26,7 +26,7 @@ from stores.errors import InputError
 from stores.feature_store import FeatureStore, verify_store
 from stores.staging import prepare_output_dir
 from stores.token_tables import TableWriter, write_manifest
-from tests.peagle_data.test_extract_run import _chunk_bytes
+from tests.peagle_data.test_extract_run import chunk_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from families import VLLM_CPU_SHAPE, save_family  # noqa: E402
@@ -198,7 +198,7 @@ def test_kill_then_resume_is_byte_identical(tmp_path):
     assert 0 < done_before < 150
     res = extract_cli(packed, model, out, [1, 2], "--resume")
     assert f'"blocks_done_this_run": {150 - done_before},' in res.stdout  # vLLM logs to stdout too
-    assert _chunk_bytes(out) == _chunk_bytes(ref)
+    assert chunk_bytes(out) == chunk_bytes(ref)
     assert verify_store(out)["ok"]
 
 
