@@ -16,7 +16,7 @@ from cli.common import OutputPath, config_error, handle_errors
 from cli.options import config_file_options, config_options, run_config
 from peagle_data.readers import FORMATS
 from peagle_data.regenerate import ON_DROPPED, ON_TRUNCATED, TURNS, RegenerateConfig, RegenerateRun
-from peagle_data.verifier_backends import BackendConfig
+from peagle_data.verifier_backends import SERVER_KINDS, BackendConfig
 
 __all__ = ["regenerate"]
 
@@ -30,6 +30,7 @@ _BACKEND_OVERRIDES = {
     "retries": {"metavar": "N"},
     "timeout": {"metavar": "S"},
     "tokenizer": {"metavar": "MODEL"},
+    "server_kind": {"type": click.Choice(SERVER_KINDS)},
 }
 _IO_OVERRIDES = {
     "inputs": {"metavar": "INPUT...", "nargs": -1, "required": True},
@@ -61,6 +62,9 @@ def _echo_summary(summary: dict, output: str, max_new_tokens: int) -> None:
     if c.get("conversations_with_dropped_content"):
         click.echo(f"  regenerated with content the chat template drops (--on-dropped-content keep): "
                    f"{c['conversations_with_dropped_content']} conversations")
+    if summary.get("not_sent"):
+        click.echo(f"WARNING: the server could not be told these sampling settings, its own defaults applied: "
+                   f"{', '.join(summary['not_sent'])} (--server-kind; recorded in the manifest)", err=True)
     click.echo(f"output: {output}")
     if c["written"] == 0:
         click.echo("WARNING: no conversation was regenerated; see the rejects file", err=True)

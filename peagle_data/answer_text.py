@@ -65,10 +65,10 @@ def complete_prefix(tokenizer, ids: list[int], cut: bool) -> tuple[int, str | No
         ``(n, error)``: keep ``ids[:n]``; ``error`` None or the reject reason.
     """
     n = len(ids)
-    text = tokenizer.decode(ids, skip_special_tokens=True)
+    text = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     while cut and n and text.endswith(REPLACEMENT):
         n -= 1
-        text = tokenizer.decode(ids[:n], skip_special_tokens=True)
+        text = tokenizer.decode(ids[:n], skip_special_tokens=True, clean_up_tokenization_spaces=False)
     if REPLACEMENT not in text:
         return n, None
     raw = _token_bytes(tokenizer, ids[:n])

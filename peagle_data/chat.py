@@ -28,7 +28,9 @@ Method, for one conversation of T tokens:
    it (``</think>``, the end-of-turn token) is not what the verifier generated.
 4. ``apply_chat_template(messages, tokenize=True)`` tokenizes the same render with
    ``add_special_tokens=False``, so the ids are identical by construction (tests check it on five
-   template families); they are not tokenized twice at run time.
+   template families); they are not tokenized twice at run time. Exception: a last turn that
+   carries the verifier's generated ``token_ids``, another tokenization of its text, holds those ids
+   (:func:`~peagle_data.chat_tokens.on_generated_ids`).
 
 Three more checks keep a mask from being silently wrong:
 
@@ -67,8 +69,16 @@ from typing import Any, Sequence
 
 
 from peagle_data.chat_dropped import _dropped_reason, _thought_in, dropped_content
-from peagle_data.chat_render import ChatTemplateError, chat_template_sha256, effective_chat_template, render
+from peagle_data.chat_render import (
+    ChatTemplateError,
+    chat_template_sha256,
+    effective_chat_template,
+    render,
+    template_messages,
+    template_tools,
+)
 from peagle_data.chat_tokens import TokenizedConversation, straddling_token, tokenize_rendered
+from peagle_data.readers import content_text, content_texts
 from peagle_data.readers import is_unsupervised as _is_unsupervised
 
 __all__ = ["ChatTemplateError", "TokenizedConversation", "RenderedRow", "render_rows", "tokenize_rendered",
@@ -156,6 +166,9 @@ class RenderedRow:
             ``"tools"`` or ``"<part> of message <i>"`` (part: content, reasoning_content, tool_calls).
         cut: positions in ``spans`` of turns marked ``"finish_reason": "length"`` (cut at a token
             limit); their span ends where the reply's own text ends, and is supervised whole.
+        token_ids: ``(position in spans, message index, ids)`` of every supervised turn that carries
+            the ids the verifier generated (``token_ids``, written by ``regenerate``): its span
+            must tokenize to exactly them (:func:`~peagle_data.chat_tokens.tokenize_rendered`).
     """
 
     text: str
@@ -165,6 +178,7 @@ class RenderedRow:
     empty_think: tuple[tuple[int, int], ...] = ()
     dropped: tuple[str, ...] = ()
     cut: tuple[int, ...] = ()
+    token_ids: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
 
 _EMPTY_THINK = re.compile(r"<think>\s*</think>\s*")
@@ -189,9 +203,10 @@ class _PrefixRenderer:
 
             if tools is not None and not all(isinstance(t, dict) for t in tools):
                 return
-            self._compiled = _compile_jinja_template(tokenizer.get_chat_template(chat_template, tools))
-            self._chat = _alias_reasoning_fields(_plain_template_data(list(messages)))
-            self._tools = _plain_template_data(tools)
+            template = tokenizer.get_chat_template(chat_template, tools)
+            self._compiled = _compile_jinja_template(template)
+            self._chat = _alias_reasoning_fields(_plain_template_data(template_messages(messages, template)))
+            self._tools = _plain_template_data(template_tools(tools))
             self._kwargs = _plain_template_data(dict(tokenizer.special_tokens_map))
         except Exception:  # noqa: BLE001 - any private-API mismatch means: use the public path
             self._compiled = None
@@ -229,7 +244,7 @@ def _empty_think(messages, indices, text, spans) -> tuple[tuple[int, int], ...]:
         if messages[i].get("reasoning_content"):
             continue
         m = _EMPTY_THINK.match(text, a, b)
-        if m and "<think>" not in str(messages[i].get("content") or "")[:16]:
+        if m and "<think>" not in content_text(messages[i].get("content"))[:16]:
             out.append((a, m.end()))
     return tuple(out)
 
@@ -237,7 +252,7 @@ def _empty_think(messages, indices, text, spans) -> tuple[tuple[int, int], ...]:
 def _prefix_chars(tokenizer, messages, text, tools, chat_template) -> int:
     system_msgs = []
     for m in messages:
-        if m.get("role") != "system":
+        if m.get("role") not in ("system", "developer"):
             break
         system_msgs.append(m)
     prefix = _cached_system_prefix(tokenizer, system_msgs, tools, chat_template)
@@ -338,9 +353,12 @@ def _checked_row(tokenizer, messages, tools, chat_template, text: str, spans: di
     cut = tuple(k for k, i in enumerate(kept_indices) if messages[i].get("finish_reason") == "length")
     for k in cut:  # a cut reply ends where its text ends: what the template renders after it was not generated
         kept_spans[k] = (kept_spans[k][0], _cut_end(messages[kept_indices[k]], text, *kept_spans[k]))
+    generated = tuple((k, i, tuple(messages[i]["token_ids"])) for k, i in enumerate(kept_indices)
+                      if messages[i].get("token_ids") is not None)
     return RenderedRow(text, tuple(kept_spans), _prefix_chars(tokenizer, messages, text, tools, chat_template),
                        turn, _empty_think(messages, kept_indices, text, kept_spans),
-                       tuple(("tools" if i is None else f"{part} of message {i}") for i, part, _ in dropped), cut)
+                       tuple(("tools" if i is None else f"{part} of message {i}") for i, part, _ in dropped), cut,
+                       generated)
 
 
 def _cut_end(msg: dict[str, Any], text: str, a: int, b: int) -> int:
@@ -351,7 +369,8 @@ def _cut_end(msg: dict[str, Any], text: str, a: int, b: int) -> int:
     Raises:
         ChatTemplateError: the reply has no text, or its end is not found in the render.
     """
-    last = str(msg.get("content") or "").rstrip() or str(msg.get("reasoning_content") or "").rstrip()
+    texts = [t for t in content_texts(msg.get("content")) if t.strip()]  # the last text part: a template may
+    last = texts[-1].rstrip() if texts else str(msg.get("reasoning_content") or "").rstrip()  # join parts its way
     at = text.rfind(last[-16:], a, b) if last else -1
     if at < 0:
         raise ChatTemplateError("a reply cut at a token limit (finish_reason: length) whose text's end is not "
@@ -360,26 +379,71 @@ def _cut_end(msg: dict[str, Any], text: str, a: int, b: int) -> int:
 
 
 def _no_prefix_reason(tokenizer, messages, i: int, text: str, tools, chat_template, detail: str) -> str:
-    """Why assistant turn ``i`` has no exact span in ``text``: the generation prompt adds text the
-    rendered turn does not start with (R1-Distill style templates), else history is rewritten."""
+    """Why assistant turn ``i`` has no exact span in ``text`` (the render of ``messages``): the generation
+    prompt adds text the rendered turn does not start with (R1-Distill style templates), the system
+    message is rendered only while a user turn is last (Mistral-v3's ``loop.last``), else history is
+    rewritten, with the cause named where it is known (:func:`_rewrite_cause`)."""
     default = "template rewrites history: " + detail.format(i=i)
-    if i == 0:
-        return default
     try:
-        history = render(tokenizer, messages[:i], tools, chat_template)
         prompt = render(tokenizer, messages[:i], tools, chat_template, add_generation_prompt=True)
+        through = render(tokenizer, messages[: i + 1], tools, chat_template)
+        history = render(tokenizer, messages[:i], tools, chat_template) if i else ""
     except ChatTemplateError:
         return default
-    if not (text.startswith(history) and prompt.startswith(history)) or text.startswith(prompt):
-        return default
-    added, turn = prompt[len(history):], text[len(history):]
-    thought = (messages[i].get("reasoning_content") or "").strip() or _thought_in(messages[i].get("content"))
-    stripped = (f", and it drops the reasoning of assistant turn {i} (rendered turns keep only the text after "
-                "</think>, as R1-Distill templates do)") if thought and thought not in turn else ""
-    return (f"generation prompt mismatch: the template's generation prompt adds {added!r} after the history, "
-            f"but assistant turn {i} renders as {turn[:len(added) + 24]!r}...{stripped}; no exact mask exists. "
-            "Pass --chat-template FILE with a training template that keeps the reasoning: each assistant turn "
-            "rendered as the generation prompt followed by its reasoning and answer")
+    system = _system_text(messages)
+    if system and system in prompt and system not in through:
+        return ("template renders the system message only in the last user turn: the system message (message 0) "
+                f"is rendered in the prompt of assistant turn {i}, where a user turn is the last message, but not "
+                f"once that turn's reply follows (a Mistral-v3 style `loop.last` test), so no row holds the context "
+                "the verifier is served. Pass --chat-template FILE with a training template that renders the "
+                "system message in the last user turn whatever follows it (the index of the last user message "
+                "instead of `loop.last`); each assistant turn then gets its own row (--on-history-rewrite split, "
+                "the default) whose context is the prompt the verifier is served")
+    if i and text.startswith(history) and prompt.startswith(history) and not text.startswith(prompt):
+        added, turn = prompt[len(history):], text[len(history):]
+        thought = ((messages[i].get("reasoning_content") or "").strip()
+                   or _thought_in(content_text(messages[i].get("content"))))
+        stripped = (f", and it drops the reasoning of assistant turn {i} (rendered turns keep only the text after "
+                    "</think>, as R1-Distill templates do)") if thought and thought not in turn else ""
+        return (f"generation prompt mismatch: the template's generation prompt adds {added!r} after the history, "
+                f"but assistant turn {i} renders as {turn[:len(added) + 24]!r}...{stripped}; no exact mask exists. "
+                "Pass --chat-template FILE with a training template that keeps the reasoning: each assistant turn "
+                "rendered as the generation prompt followed by its reasoning and answer")
+    return default + _rewrite_cause(messages, i, prompt, through, text, system)
+
+
+def _system_text(messages) -> str:
+    """The stripped text of a leading system message, or ``""``."""
+    if not messages or messages[0].get("role") not in ("system", "developer"):
+        return ""
+    return content_text(messages[0].get("content")).strip()
+
+
+def _rewrite_cause(messages, i: int, prompt: str, through: str, text: str, system: str) -> str:
+    """``": <cause>"`` of a history rewrite at assistant turn ``i``: ``prompt`` (the render of
+    ``messages[:i]`` with the generation prompt) or ``through`` (of ``messages[:i+1]``) is not a prefix
+    of ``text``. Named causes: the system message moves to a later user turn (Mistral-v3 style), the
+    reasoning of an assistant turn is dropped once later turns follow (Qwen3 style), assistant turn
+    ``i`` renders differently when it is the last message; else where the renders part."""
+    early = prompt if not text.startswith(prompt) else through
+    at = _common_prefix_len(early, text)
+    if system and early.find(system) >= at and text.find(system) != early.find(system):
+        return (f"; it moves the system message into the last user turn (Mistral style): rendered in the user turn "
+                f"before assistant turn {i} while that turn is last, and in a later user turn in the whole "
+                "conversation; per-turn rows (--on-history-rewrite split, the default) give each assistant turn "
+                "a row with the context the verifier is served")
+    for k in range(i + 1):
+        reasoning = (messages[k].get("reasoning_content") or "").strip() if messages[k].get("role") == "assistant" \
+            else ""
+        if reasoning and reasoning in through and reasoning not in text:
+            return (f"; it drops the reasoning of assistant turn {k} once later turns follow (Qwen3 style); "
+                    "per-turn rows (--on-history-rewrite split, the default) give each assistant turn a row with "
+                    "the context the verifier saw")
+    where = (f"assistant turn {i} renders as {early[at:at + 40]!r} when it is the last message, as "
+             f"{text[at:at + 40]!r} once later messages follow" if at >= len(prompt) and early is through else
+             f"the renders part at character {at}: {early[at:at + 40]!r} up to assistant turn {i}, "
+             f"{text[at:at + 40]!r} in the longer render")
+    return f" ({where})"
 
 
 def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]], tools: list | None = None,

@@ -8,6 +8,7 @@ import json
 from typing import Any, Sequence
 
 from peagle_data.chat_render import render
+from peagle_data.readers import content_texts
 
 __all__ = ["dropped_content"]
 
@@ -56,13 +57,13 @@ def _leaves(value: Any) -> list[tuple[str, ...]]:
 def _message_parts(msg: dict[str, Any], supervised: bool) -> list[tuple[str, list[tuple[str, ...]]]]:
     """``[(part, needles)]`` of one message: a part is rendered when each needle (a tuple of
     alternative strings) appears. Reasoning is checked on supervised assistant turns only."""
-    parts = []
-    content = (msg.get("content") or "") if isinstance(msg.get("content") or "", str) else ""
-    thought = _thought_in(content)
-    answer = content.rsplit("</think>", 1)[-1].strip()
-    needles = [_alternatives(answer)] if answer else []  # escaped: templates that apply tojson to content
-    if thought and supervised:
-        needles.append(_alternatives(thought))
+    parts, needles = [], []
+    for text in content_texts(msg.get("content")):  # each text part: templates join parts their own way
+        thought = _thought_in(text)
+        answer = text.rsplit("</think>", 1)[-1].strip()
+        needles += [_alternatives(answer)] if answer else []  # escaped: templates that apply tojson to content
+        if thought and supervised:
+            needles.append(_alternatives(thought))
     if needles:
         parts.append(("content", needles))
     if msg.get("role") != "assistant":

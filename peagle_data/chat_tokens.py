@@ -1,7 +1,8 @@
 """Rendered rows -> token ids and loss masks (docs/design.md §3, step 3): one batched tokenizer call
 with offsets; a token is supervised when it starts inside its turn's span, up to the span's end-of-turn
-token; a token across a span's boundary (:func:`straddling_token`), or a last special token that is
-followed by more of the reply (:func:`_unclear_end_of_turn`), makes the row a reject."""
+token; a token across a span's boundary (:func:`straddling_token`), a last special token that is
+followed by more of the reply (:func:`_unclear_end_of_turn`), or a turn that cannot be trained on the
+ids the verifier generated (:func:`on_generated_ids`), makes the row a reject."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from stores.errors import InputError
 if TYPE_CHECKING:
     from peagle_data.chat import RenderedRow
 
-__all__ = ["TokenizedConversation", "tokenize_rendered", "straddling_token"]
+__all__ = ["TokenizedConversation", "tokenize_rendered", "straddling_token", "on_generated_ids"]
 
 
 @dataclass(frozen=True)
@@ -24,17 +25,21 @@ class TokenizedConversation:
     """One conversation as tokens.
 
     Attributes:
-        input_ids: int32 ``[T]``, identical to ``apply_chat_template(messages, tokenize=True)``.
+        input_ids: int32 ``[T]``, identical to ``apply_chat_template(messages, tokenize=True)``, except
+            a last turn trained on the verifier's generated ids (``on_generated_ids``).
         loss_mask: uint8 ``[T]``, 1 on assistant tokens as rendered and their end-of-turn token.
         system_len: leading tokens that form the system prefix (loss 0), ``0 <= system_len <= T``.
         problem: why no exact mask exists (a token that straddles a supervised span's boundary, see
             :func:`straddling_token`), or None; such a row is a reject.
+        on_generated_ids: 1 when the row's last turn holds the verifier's generated ids in place of
+            the re-tokenization of its text (the same text, another tokenization), else 0.
     """
 
     input_ids: np.ndarray
     loss_mask: np.ndarray
     system_len: int
     problem: str | None = None
+    on_generated_ids: int = 0
 
 
 def _special_ids(tokenizer) -> frozenset[int]:
@@ -80,8 +85,11 @@ def tokenize_rendered(tokenizer, rows: Sequence[RenderedRow]) -> list[TokenizedC
         if supervised.size:
             system_len = min(system_len, int(supervised[0]))
         problem = straddling_token(row, offsets, loss_mask) or _unclear_end_of_turn(row, ids, offsets, special)
+        spliced = 0
+        if problem is None and row.token_ids:
+            ids, loss_mask, spliced, problem = on_generated_ids(tokenizer, row, ids, offsets, loss_mask, special)
         out.append(TokenizedConversation(input_ids=ids, loss_mask=loss_mask, system_len=system_len,
-                                         problem=problem))
+                                         problem=problem, on_generated_ids=spliced))
     return out
 
 
@@ -141,6 +149,73 @@ def _unclear_end_of_turn(row: RenderedRow, ids: np.ndarray, offsets: np.ndarray,
     return None
 
 
+def on_generated_ids(tokenizer, row: RenderedRow, ids: np.ndarray, offsets: np.ndarray, loss_mask: np.ndarray,
+                     special: frozenset[int]) -> tuple[np.ndarray, np.ndarray, int, str | None]:
+    """The row trained on the ids the verifier generated for its turns that carry them (``row.token_ids``).
+
+    A turn's tokens (those of :func:`_mask_from_spans`, up to its end-of-turn token) usually are
+    exactly its generated ids. When they are not:
+
+    - the generated ids decode (no clean-up) to the same text, another tokenization of it (a verifier
+      generates ``"\n\n"`` as one token where its tokenizer makes two): the row's last supervised
+      turn is trained on the generated ids, spliced in place of its tokens (what the verifier computed
+      and what vLLM serves: the prompt, then the generated ids), counted; an earlier turn is a reject,
+      since the next turn's context, as the verifier saw it, was the re-tokenized text;
+    - another text (a decode that cleaned up tokenization spaces, ``x!= y`` for ``x != y``; ids left
+      over from an edited text; another tokenizer): a reject.
+
+    Args:
+        ids: int32 ``[T]`` of ``row.text``; offsets: int64 ``[T, 2]`` their characters;
+            loss_mask: uint8 ``[T]``.
+
+    Returns:
+        ``(input_ids, loss_mask, spliced, problem)``: the ids and mask (new arrays when a turn was
+        spliced), 1 when it was, and the reject reason or None.
+    """
+    starts, text = offsets[:, 0], row.text
+    for k, msg_index, generated in row.token_ids:
+        a, b = row.spans[k]
+        lo, end = _span_tokens(ids, starts, a, b, special, k in row.cut)
+        got = [int(t) for t in ids[lo:end]]
+        if got == list(generated):
+            continue
+        at = next((j for j, (x, y) in enumerate(zip(got, generated)) if x != y), min(len(got), len(generated)))
+        name = [repr(tokenizer.convert_ids_to_tokens(int(seq[at]))) if at < len(seq) else "(end)"
+                for seq in (got, generated)]
+        where = (f"assistant message {msg_index} re-tokenizes inside the chat template to {len(got)} ids, the "
+                 f"verifier generated {len(generated)} (token_ids); first difference at token {at}: {name[0]} "
+                 f"for the generated {name[1]}")
+        same_text = end > lo and tokenizer.decode(list(generated), clean_up_tokenization_spaces=False) == \
+            text[int(starts[lo]):int(offsets[end - 1, 1])]
+        if not same_text:
+            return ids, loss_mask, 0, (
+                f"generated ids do not round-trip: {where}, and they decode to another text. Its text was decoded "
+                "with clean_up_tokenization_spaces (peagle's regenerate never does), edited after regenerate, or "
+                "tokenize runs with another tokenizer than the one that generated the ids")
+        if k != len(row.spans) - 1 or any(a <= x < b for x, _ in row.empty_think):
+            return ids, loss_mask, 0, (
+                f"generated ids do not round-trip: {where} (the same text, another tokenization); the verifier "
+                "saw the re-tokenized text as the context of the turns after it, so no tokenization trains both "
+                "exactly")
+        new_ids = np.concatenate([ids[:lo], np.asarray(generated, dtype=ids.dtype), ids[end:]])
+        new_mask = np.concatenate([loss_mask[:lo], np.ones(len(generated), dtype=loss_mask.dtype), loss_mask[end:]])
+        return new_ids, new_mask, 1, None
+    return ids, loss_mask, 0, None
+
+
+def _span_tokens(ids: np.ndarray, starts: np.ndarray, a: int, b: int, special: frozenset[int],
+                 cut: bool) -> tuple[int, int]:
+    """Tokens ``[lo, end)`` of the span ``[a, b)`` characters: those starting in it, up to and
+    including its last special token (all of them when ``cut``: a reply cut at a token limit)."""
+    lo = int(np.searchsorted(starts, a, side="left"))
+    hi = int(np.searchsorted(starts, b, side="left"))  # tokens [lo, hi) start in [a, b)
+    if not cut:
+        for t in range(hi - 1, lo - 1, -1):
+            if int(ids[t]) in special:
+                return lo, t + 1
+    return lo, max(hi, lo)
+
+
 def _mask_from_spans(ids: np.ndarray, starts: np.ndarray, spans: list[tuple[int, int]],
                      special: frozenset[int], cut: frozenset[int] = frozenset()) -> np.ndarray:
     """uint8 ``[T]``: 1 for tokens starting in a span, up to and including its last special token
@@ -148,14 +223,6 @@ def _mask_from_spans(ids: np.ndarray, starts: np.ndarray, spans: list[tuple[int,
     already ends with the reply's text)."""
     mask = np.zeros(len(ids), dtype=np.uint8)
     for k, (a, b) in enumerate(spans):
-        lo = int(np.searchsorted(starts, a, side="left"))
-        hi = int(np.searchsorted(starts, b, side="left"))  # tokens [lo, hi) start in [a, b)
-        if hi <= lo:
-            continue
-        end = hi
-        for t in range(hi - 1, lo - 1, -1):
-            if int(ids[t]) in special and k not in cut:
-                end = t + 1
-                break
+        lo, end = _span_tokens(ids, starts, a, b, special, k in cut)
         mask[lo:end] = 1
     return mask

@@ -30,12 +30,18 @@ class Counts:
     """Rows where a null key counted as absent (Parquet rows have every key of every row)."""
     tool_arguments_decoded: int = 0
     """Tool-call arguments given as a JSON string and decoded."""
-    tool_arguments_not_json: int = 0
-    """Tool-call arguments that are a string but no JSON (kept as the string)."""
     tool_schemas_decoded: int = 0
     """Tool schemas given as JSON strings and decoded."""
     conversations_with_dropped_content: int = 0
     """Conversations kept without content the chat template drops (``--on-dropped-content keep``)."""
+    tool_calls_wrapped: int | None = None
+    """Flat tool calls ``{"name", "arguments"}`` wrapped as ``{"type": "function", "function": ...}``."""
+    tool_schemas_wrapped: int | None = None
+    """Bare tool schemas ``{"name", "parameters"}`` wrapped as ``{"type": "function", "function": ...}``."""
+    sharegpt_function_calls: int | None = None
+    """Tool calls of ShareGPT ``function_call`` turns, made OpenAI ``tool_calls`` entries."""
+    sharegpt_observations: int | None = None
+    """ShareGPT ``observation`` (``tool``, ``function``) turns, made ``tool`` messages."""
     duplicate_ids_renamed: int | None = None
     """Conversations whose id was seen before, renamed ``id~k``."""
     duplicates: int | None = None
@@ -55,6 +61,9 @@ class Counts:
     cut_assistant_turns: int | None = None
     """Assistant turns marked ``"finish_reason": "length"`` (cut at a token limit): their text is
     supervised, the end-of-turn token after it is not."""
+    turns_on_generated_ids: int | None = None
+    """Last assistant turns trained on the ids the verifier generated (``token_ids``) in place of the
+    re-tokenization of their text: the same text, another tokenization."""
     dropped: dict[str, int] = field(default_factory=dict)
     """Conversations kept without each kind of content the template drops: ``{part: n}``, written
     as ``dropped_<part>`` keys (``dropped_tools``, ``dropped_reasoning``, ...)."""

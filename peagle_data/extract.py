@@ -52,6 +52,7 @@ from stores.feature_store import STORAGE_DTYPES, FeatureStore
 from stores.model_cache import model_fingerprint, resolve_model
 from stores.model_config import load_model_config, text_config
 from stores.progress import progress as progress_bar
+from stores.verifier_match import check_token_ids, check_verifier_tokenizer
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS",
@@ -98,7 +99,9 @@ class ExtractConfig:
     """Chunk compressor: ``none`` (raw chunks, memory-mapped reads; activations barely compress) or
     ``zstd`` (smaller, read through zarr)."""
     resume: bool = False
-    """Continue an existing store: check every done block, then extract the not-done and damaged ones."""
+    """Continue an existing store: check every done block, then extract the not-done and damaged ones. Every
+    other option must be the store's, except ``--device`` (one computing in the store's dtype), ``--max-blocks``
+    and the ``--server`` connection (``--server``, ``--shared-storage``, ``--concurrency``)."""
     force: bool = False
     """Overwrite an existing store; also skip the free-disk check."""
     device: str | None = None
@@ -176,20 +179,28 @@ def _check_device(device: str | None) -> None:
         raise InputError(f"device {device!r} is not supported; use cpu or cuda", field="--device")
 
 
-def _check_before_weights(cfg: ExtractConfig) -> Path:
-    """The checks that need only the verifier's config and files and the store (docs/design.md §2),
-    before the weights load; returns the verifier's directory (:func:`resolve_model`).
+def _check_before_weights(cfg: ExtractConfig, table, rows, device: str) -> Path:
+    """The checks that need only the verifier's config and files, the packed table and the store
+    (docs/design.md §2), before the weights load; returns the verifier's directory (:func:`resolve_model`).
+
+    ``rows`` are this shard's packed rows (row k is packed block ``shard_index + k * num_shards``);
+    ``device`` is where the verifier will run (it decides the dtype: bfloat16 on CUDA, float32 on CPU).
 
     Raises:
         InputError: a ``--layers`` index outside ``0..num_hidden_layers`` (read from the config, before
-            the weights are even fetched), ``--resume`` with another ``--storage-dtype``, shard or engine, a
-            verifier with recurrent / linear-attention layers (:func:`check_packable`), or one the
-            ``--engine`` refuses (:meth:`VerifierEngine.check`).
+            the weights are even fetched), ``--resume`` with an option the store fixes
+            (:func:`check_resumable`, the engine included), a verifier with recurrent / linear-attention
+            layers (:func:`check_packable`), or one the ``--engine`` refuses (:meth:`VerifierEngine.check`).
         MissingDependencyError: the engine's package is missing.
-        StoreMismatchError: ``--resume`` with other layers, another verifier or another packed table.
+        StoreMismatchError: the packed table was made with another tokenizer than the verifier's, or
+            holds a token id that is no row of the verifier's embedding; ``--resume`` with other
+            layers, another verifier or another packed table.
     """
     config = load_model_config(cfg.verifier)
     check_packable(config)
+    made = f"the packed table {cfg.packed}"
+    check_verifier_tokenizer(table.manifest.get("tokenizer") or {}, made, cfg.verifier)
+    check_token_ids(rows, made, cfg.verifier, int(text_config(config).vocab_size), cfg.shard_index, cfg.num_shards)
     L = int(text_config(config).num_hidden_layers)
     bad = [layer for layer in (cfg.layers or []) if not 0 <= layer <= L]
     if bad:
@@ -204,8 +215,9 @@ def _check_before_weights(cfg: ExtractConfig) -> Path:
             return directory  # interrupted creation: the store is made again
         if store.attrs.get("tokens_written"):
             layers = list(cfg.layers) if cfg.layers is not None else default_layers(L)
-            check_resumable(store, cfg, {"name_or_path": cfg.verifier, "fingerprint": model_fingerprint(directory)},
-                             layers)
+            dtype = "bfloat16" if device.startswith("cuda") else "float32"  # as load_verifier picks it
+            check_resumable(store, cfg, {"name_or_path": cfg.verifier, "fingerprint": model_fingerprint(directory),
+                                         "dtype": dtype}, layers)
     return directory
 
 
@@ -231,7 +243,9 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
         MissingDependencyError: ``--engine vllm`` without vLLM installed.
         OutputExistsError: the store exists without ``resume``/``force``.
         DiskSpaceError: the disk is short (without ``force``).
-        StoreMismatchError: resuming with another verifier, other layers or another packed table.
+        StoreMismatchError: a packed table made with another tokenizer than the verifier's (fingerprint or
+            vocab size) or holding a token id past the verifier's embedding (before any weights load);
+            resuming with another verifier, other layers or another packed table.
     """
     from accelerate import PartialState
 
@@ -242,11 +256,11 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
         raise OutputExistsError(cfg.output, "pass --resume to continue it or --force to overwrite it")
     rows = list(table.iter_rows(PACKED_COLUMNS))
     rows = rows[cfg.shard_index::cfg.num_shards]  # this shard's blocks (all of them unsharded)
-    directory = _check_before_weights(cfg)
+    device = cfg.device or (str(state.device) if state.device.type == "cuda" else "cpu")
+    directory = _check_before_weights(cfg, table, rows, device)
     if cfg.engine != "hf" and state.num_processes > 1:
         raise InputError(f"--engine {cfg.engine} runs in one process (its parallelism is vLLM's): drop accelerate "
                          "launch, or give each process its own --shard-index", field="--engine")
-    device = cfg.device or (str(state.device) if state.device.type == "cuda" else "cpu")
     facts = PackedFacts(longest_segment=max((int(np.diff(r["cu_seqlens"]).max()) for r in rows), default=1),
                         tokenizer=(table.manifest.get("tokenizer") or {}).get("name_or_path"),
                         offset_segment=_offset_segment(rows))

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from peagle_data.verifier_forward import _layer_types, language_model
-from stores.errors import DiskSpaceError, InputError, OutputExistsError, StoreFormatError
+from stores.errors import DiskSpaceError, InputError, OutputExistsError, StoreFormatError, StoreMismatchError
 from stores.feature_store import FeatureStore, bytes_per_token, check_block, check_compatible
 from stores.feature_verify import read_done_flags, shared_damage
 from stores.model_cache import model_fingerprint
@@ -26,8 +26,8 @@ from stores.token_tables import TokenTable, manifest_sha256
 if TYPE_CHECKING:
     from peagle_data.extract import ExtractConfig
 
-__all__ = ["BlockWriter", "verifier_desc", "open_packed", "open_or_create", "check_resumable", "repair_shared",
-           "repair_blocks", "is_local"]
+__all__ = ["BlockWriter", "verifier_desc", "open_packed", "open_or_create", "check_resumable", "RESUME_MAY_CHANGE",
+           "repair_shared", "repair_blocks", "is_local"]
 
 
 def verifier_desc(name: str, directory: Path, verifier, dtype: torch.dtype) -> dict[str, Any]:
@@ -180,10 +180,15 @@ def _shard_attrs(cfg: ExtractConfig, table: TokenTable) -> dict[str, Any]:
 
 def _write_shared(store: FeatureStore, rows) -> None:
     """Write the whole-store arrays ``n_tokens [N]`` and ``token_freq [V]`` from the packed rows."""
-    freq = np.zeros(store.vocab_size, dtype=np.int64)
-    for r in rows:
+    V = store.vocab_size
+    freq = np.zeros(V, dtype=np.int64)
+    for i, r in enumerate(rows):
         ids = np.asarray(r["input_ids"], dtype=np.int64)[np.asarray(r["loss_mask"]) == 1]
-        freq += np.bincount(ids, minlength=store.vocab_size)[:store.vocab_size]
+        outside = ids[(ids < 0) | (ids >= V)]
+        if outside.size:  # extract checks every id before the weights load: an invariant
+            raise StoreMismatchError(f"{store.path}: block {i} holds token id {int(outside[0])} outside the "
+                                     f"verifier's {V} ids; token_freq cannot count it")
+        freq += np.bincount(ids, minlength=V)
     store.write_all_n_tokens(np.array([int(r["n_tokens"]) for r in rows], dtype=np.int32))
     store.set_token_freq(freq)
 
@@ -252,22 +257,62 @@ def open_or_create(cfg: ExtractConfig, rows, table, desc, layers, log, engine: d
     return _create_store(cfg, rows, table, desc, layers, log, engine)
 
 
+RESUME_MAY_CHANGE = ("--device", "--max-blocks", "--server", "--shared-storage", "--concurrency")
+"""The ``extract`` options a ``--resume`` may change (``--device`` only to one that computes in the
+store's dtype; ``--server`` and its connection to another server of the same verifier); every other
+option is fixed by the store (:func:`check_resumable`)."""
+
+
+def _resume_conflicts(store: FeatureStore, cfg: ExtractConfig, verifier: dict[str, Any]) -> list[str]:
+    """``--option: the store's X, given Y`` for each option of ``cfg`` a resume cannot change that
+    differs from the store's (layers, verifier and packed table: :func:`check_compatible`)."""
+    have = store.attrs.get("shard") or {}
+    engine = store.attrs.get("engine") or {}
+    store_dtype = store.attrs.get("verifier", {}).get("dtype")
+    store_attn = store.attrs.get("verifier", {}).get("attn_implementation")
+    attn = verifier.get("attn_implementation") or (None if cfg.attn_implementation == "auto"
+                                                    else cfg.attn_implementation)
+    rows = [
+        ("--storage-dtype", store.storage_dtype, cfg.storage_dtype),
+        ("--compressor", store.attrs.get("compressor") or "none", cfg.compressor or "none"),
+        ("--num-shards", have.get("num_shards", 1), cfg.num_shards),
+        ("--shard-index", have.get("shard_index", 0), cfg.shard_index),
+        ("--engine", engine.get("name", "hf"), cfg.engine),  # stores made before --engine: hf
+    ]
+    if engine.get("name") == "vllm" and cfg.engine == "vllm" and "tensor_parallel_size" in engine and not cfg.server:
+        rows += [("--tensor-parallel-size", engine["tensor_parallel_size"], cfg.tensor_parallel_size),
+                 ("--pipeline-parallel-size", engine["pipeline_parallel_size"], cfg.pipeline_parallel_size)]
+    if store_attn is not None and attn is not None:
+        rows.append(("--attn-implementation", store_attn, attn))
+    out = [f"{option}: the store's {old}, given {new}" for option, old, new in rows if old != new]
+    dtype = verifier.get("dtype")
+    if store_dtype is not None and dtype is not None and dtype != store_dtype:
+        out.append(f"--device: the store's blocks were computed in {store_dtype}, given {cfg.device or 'the default'}, "
+                   f"which computes in {dtype} (bfloat16 on CUDA, float32 on CPU)")
+    return out
+
+
 def check_resumable(store: FeatureStore, cfg: ExtractConfig, verifier: dict[str, Any], layers: list[int]) -> None:
-    """``--resume`` of ``store``: same verifier, layers, packed table, shard, storage dtype and engine.
+    """``--resume`` of ``store``: every option a resume cannot change is the store's.
+
+    Fixed by the store: the packed table, the verifier (name and content fingerprint), ``--layers``,
+    ``--storage-dtype``, ``--compressor``, ``--num-shards``/``--shard-index``, ``--engine`` (a store's
+    blocks come from one engine) and vLLM's parallel sizes, ``--attn-implementation``
+    (compared when given explicitly, and as resolved once the verifier is loaded) and the dtype the
+    verifier computes in (``verifier["dtype"]``, which ``--device`` decides). A resume may change
+    :data:`RESUME_MAY_CHANGE`. ``verifier`` is the store's ``verifier`` record of this run
+    (:func:`verifier_desc`), or before the weights load its ``name_or_path``, ``fingerprint`` and
+    predicted ``dtype``.
 
     Raises:
         StoreMismatchError: another verifier, other layers or another packed table.
-        InputError: another shard, storage dtype or ``--engine`` (a store's blocks come from one engine).
+        InputError: other values of the options above; names every one with the store's value and
+            the given one.
     """
     check_compatible(store, verifier=verifier, layers=layers, source=manifest_sha256(cfg.packed))
-    have = (store.attrs.get("shard") or {})
-    if (have.get("num_shards", 1), have.get("shard_index", 0)) != (cfg.num_shards, cfg.shard_index):
-        raise InputError(f"the store is shard {have.get('shard_index', 0)} of {have.get('num_shards', 1)}, "
-                         f"asked for shard {cfg.shard_index} of {cfg.num_shards}", field="--shard-index")
-    made_by = (store.attrs.get("engine") or {}).get("name", "hf")  # stores before --engine: hf
-    if made_by != cfg.engine:
-        raise InputError(f"the store was extracted with --engine {made_by}, asked for --engine {cfg.engine}: "
-                         "resume with the same engine (or --force a new store)", field="--engine")
-    if store.storage_dtype != cfg.storage_dtype:
-        raise InputError(f"the store holds {store.storage_dtype}, asked for {cfg.storage_dtype}",
-                         field="--storage-dtype")
+    conflicts = _resume_conflicts(store, cfg, verifier)
+    if conflicts:
+        raise InputError(
+            f"{store.path} was extracted with other options, which a resume cannot change: {'; '.join(conflicts)}. "
+            f"Resume with the store's values (its options: `peagle-data inspect {store.path}`, under config), or "
+            f"start over with --force; a resume may change only {', '.join(RESUME_MAY_CHANGE)}", field="--resume")

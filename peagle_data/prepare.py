@@ -88,6 +88,7 @@ from stores.errors import InputError, StoreMismatchError
 from stores.progress import progress
 from stores.staging import staged_output_dir
 from stores.token_rows import TokenizedRow
+from stores.verifier_match import check_tokenizer
 from stores.token_tables import (
     MANIFEST,
     RejectsWriter,
@@ -176,7 +177,7 @@ def _filter_table_groups(groups: Iterator[list[TokenizedRow]], cfg: TokenizeConf
         yield group
 
 
-def _open_tables(inputs, tokenizer, template) -> list[TokenTable]:
+def _open_tables(inputs, tokenizer, template, tokenizer_name) -> list[TokenTable]:
     tables = []
     want = chat_template_sha256(tokenizer, template)
     for path in inputs:
@@ -188,6 +189,8 @@ def _open_tables(inputs, tokenizer, template) -> list[TokenTable]:
             raise StoreMismatchError(
                 f"{path} was tokenized with chat template sha256 {have}, but --tokenizer/--chat-template "
                 f"give {want}; pass the same tokenizer and template, or re-run tokenize")
+        check_tokenizer(table.manifest.get("tokenizer", {}), f"the tokenize output {path}", tokenizer,
+                        f"--tokenizer {tokenizer_name or tokenizer.name_or_path}", "pass the tokenizer it was tokenized with, or re-run tokenize")
         tables.append(table)
     return tables
 
@@ -214,7 +217,7 @@ def run_pack(run: PackRun, tokenizer=None, explicit: Collection[str] | None = No
     Raises:
         OutputExistsError: ``run.output`` exists and ``run.force`` is false.
         InputError: bad inputs, mixed raw and tokenized inputs; with strict, the first bad row.
-        StoreMismatchError: a tokenize output made with another chat template.
+        StoreMismatchError: a tokenize output made with another chat template or tokenizer.
     """
     inputs, tokenizer_name, output, cfg = run.inputs, run.tokenizer, run.output, run.settings
     mixture, tables = _check_pack_inputs(inputs, output)
@@ -222,7 +225,7 @@ def run_pack(run: PackRun, tokenizer=None, explicit: Collection[str] | None = No
     tokenizer = _load_tokenizer(tokenizer_name, tokenizer)
     counts = Counts()
     if tables is not None:
-        tables = _open_tables(inputs, tokenizer, template)  # refuses packed tables and mismatches first
+        tables = _open_tables(inputs, tokenizer, template, tokenizer_name)  # refuses packed tables and mismatches first
         ignored = ignored_tokenize_options(cfg.tokenize, explicit)
         if ignored:
             print(f"WARNING: ignoring {', '.join(ignored)}: the INPUT is a tokenize output, already tokenized "

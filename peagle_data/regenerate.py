@@ -18,7 +18,15 @@ Per conversation (read and normalised by :mod:`peagle_data.readers`, so every in
   ends there (later turns answered something the verifier did not say; counted as
   ``ended_at_verifier_tool_call``);
 - the verifier's reasoning is kept as ``reasoning_content`` (see
-  :mod:`peagle_data.verifier_backends`); messages after the last regenerated turn are kept.
+  :mod:`peagle_data.verifier_backends`); messages after the last regenerated turn are kept;
+- a regenerated turn carries ``token_ids``, the ids the verifier generated (end-of-sequence id
+  included), when the back end returns them (local, vLLM; counted as ``turns_with_token_ids``):
+  ``tokenize`` trains on exactly them (:func:`peagle_data.chat_tokens.on_generated_ids`).
+
+Greedy means argmax, as ``peagle-eval``'s reference: no back end applies the verifier's
+``generation_config.json`` (see :func:`~peagle_data.verifier_backends.sampling_parameters`); the
+manifest's ``model`` records the effective ``sampling``, what a server could not be told
+(``not_sent``) and, locally, the verifier's settings that were not applied.
 
 Each prompt is checked, before it is sent, for content the verifier's chat template does not render
 (the check of ``tokenize``, :func:`peagle_data.chat_dropped.dropped_content`): a verifier that never
@@ -128,7 +136,8 @@ class RegenerateRun:
     output: str
     """Regenerated conversations (OpenAI messages); OUT.manifest.json and OUT.rejects.jsonl beside it."""
     resume: bool = False
-    """Continue an unfinished run of the same settings."""
+    """Continue an unfinished run of the same settings; only --device (same dtype), --concurrency, --server,
+    --retries and --timeout may differ."""
     force: bool = False
     """Overwrite an existing output."""
     settings: RegenerateConfig = field(default_factory=RegenerateConfig)
@@ -199,6 +208,8 @@ class Regeneration:
         if answer.tool_calls:
             msg["tool_calls"] = answer.tool_calls
             self.ended_at_tool_call = True
+        if answer.token_ids is not None:  # what the verifier generated: tokenize checks the text against it
+            msg["token_ids"] = answer.token_ids
         self.out.append(msg)
         self.pos = turn + 1
 
@@ -295,25 +306,44 @@ def _settings(inputs, files, cfg: RegenerateConfig, backend) -> dict[str, Any]:
             "model": backend.record}
 
 
+RESUME_MAY_CHANGE = ("--device", "--concurrency", "--server", "--retries", "--timeout")
+"""The ``regenerate`` options a ``--resume`` may change (they change no answer; ``--device`` only to one
+that computes in the recorded dtype); every other setting is compared with the manifest's."""
+
+_MODEL_OPTIONS = {"backend": "--verifier/--server", "verifier": "--verifier", "verifier_fingerprint":
+                  "--verifier (its content fingerprint)", "dtype": "--device (the dtype it decides)",
+                  "batch_size": "--batch-size", "model": "--served-model", "tokenizer": "--tokenizer"}
+"""The option behind each key of a back end's ``record``."""
+
+
 def _check_resume(manifest: dict[str, Any] | None, settings: dict[str, Any], output) -> None:
-    """Raise when the output to continue was written with other settings (names the first field)."""
+    """Raise when the output to continue was written with other settings (names the first option that
+    differs, with its recorded and its given value)."""
     if manifest is None:
         return
     for key in ("inputs", "files", "generation", "model"):
         old, new = manifest.get(key), settings[key]
-        if key == "model" and isinstance(old, dict):  # the device may change between runs
-            old, new = ({k: v for k, v in d.items() if k not in ("device", "concurrency", "servers")}
+        if key == "model" and isinstance(old, dict):  # RESUME_MAY_CHANGE
+            old, new = ({k: v for k, v in d.items() if k not in ("device", "concurrency", "servers", "retries")}
                         for d in (old, new))
         if key == "generation" and isinstance(old, dict):  # a setting added since, left unset
             new = {k: v for k, v in new.items() if k in old or v is not None}
-        if old != new:
-            raise InputError(f"--resume: {output} was written with other settings: {key} was {old!r}, "
-                             f"now {new!r}; rerun with the same settings, or with --force to start over")
+        if old == new:
+            continue
+        option, was, now = {"inputs": "INPUT", "files": "INPUT (the files it names)"}.get(key, key), old, new
+        if isinstance(old, dict) and isinstance(new, dict):
+            inner = next(k for k in sorted(old.keys() | new.keys(), key=str) if old.get(k) != new.get(k))
+            option = (_MODEL_OPTIONS.get(inner, inner) if key == "model" else "--" + inner.replace("_", "-"))
+            was, now = old.get(inner), new.get(inner)
+        raise InputError(f"--resume: {output} was written with other settings: {option} was {was!r}, now {now!r} "
+                         f"({key}); rerun with the same settings, or with --force to start over (a resume may "
+                         f"change only {', '.join(RESUME_MAY_CHANGE)})")
 
 
 def _base_counts() -> dict[str, Any]:
     return {"read": 0, "written": 0, "rejected": 0, "rejected_by_reason": {}, "turns_regenerated": 0, "turns_truncated": 0,
-            "turns_cut_mid_character": 0, "turns_with_reasoning": 0, "conversations_with_dropped_content": 0,
+            "turns_cut_mid_character": 0, "turns_with_reasoning": 0, "turns_with_token_ids": 0,
+            "conversations_with_dropped_content": 0,
             "ended_at_verifier_tool_call": 0, "prompt_tokens": 0, "completion_tokens": 0}
 
 
@@ -330,6 +360,7 @@ def _record(job: Regeneration | Reject, writer: ConversationWriter, counts: dict
                 counts["turns_truncated"] += a.finish_reason == "length"
                 counts["turns_cut_mid_character"] += a.cut_partial_char
                 counts["turns_with_reasoning"] += bool(a.reasoning)
+                counts["turns_with_token_ids"] += a.token_ids is not None
     if reason is not None:
         src, cid = (job.source, job.conversation_id) if isinstance(job, Reject) else (job.conv.source,
                                                                                       job.conv.conversation_id)
@@ -387,7 +418,8 @@ def run_regenerate(run: RegenerateRun, make_backend: Callable[[], Any] | None = 
             ``config`` so that ``--config`` can repeat the run (not compared on resume).
 
     Returns:
-        ``{"output", "counts", "resumed_rows"}``.
+        ``{"output", "counts", "resumed_rows", "not_sent"}`` (``not_sent``: the sampling settings
+        the server could not be told, see :data:`~peagle_data.verifier_backends.SERVER_KINDS`).
 
     Raises:
         OutputExistsError: the output exists and neither ``force`` nor ``resume`` is set.
@@ -407,14 +439,16 @@ def run_regenerate(run: RegenerateRun, make_backend: Callable[[], Any] | None = 
     _check_resume(manifest, settings, output)
     writer = ConversationWriter(output, force=force, resume=resume)
     if manifest is not None and manifest.get("complete") and writer.paths["rows"].exists():
-        return {"output": str(output), "counts": manifest["counts"], "resumed_rows": manifest["counts"]["read"]}
+        return {"output": str(output), "counts": manifest["counts"], "resumed_rows": manifest["counts"]["read"],
+                "not_sent": backend.record.get("not_sent", [])}
     ckpt = (manifest or {}).get("checkpoint", {"rows": 0, "rejects": 0})
     done = writer.resume_at(ckpt["rows"], ckpt["rejects"]) if manifest is not None else []
-    counts = (manifest or {}).get("counts") or _base_counts()
+    counts = {**_base_counts(), **((manifest or {}).get("counts") or {})}
     if manifest is None:
         writer.resume_at(0, 0)  # --resume of nothing: start from empty files
     _regenerate_into(writer, inputs, cfg, backend, settings, counts, done, output)
-    return {"output": str(output), "counts": counts, "resumed_rows": len(done)}
+    return {"output": str(output), "counts": counts, "resumed_rows": len(done),
+            "not_sent": backend.record.get("not_sent", [])}
 
 
 def _regenerate_into(writer: ConversationWriter, inputs, cfg: RegenerateConfig, backend, settings, counts,

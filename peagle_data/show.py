@@ -20,6 +20,7 @@ import numpy as np
 
 from stores.errors import InputError
 from stores.token_tables import TokenTable
+from stores.verifier_match import check_tokenizer
 
 __all__ = ["Segment", "ShownItem", "show", "select_items", "supervised_spans", "render_text", "render_html",
            "OPEN", "CLOSE"]
@@ -138,7 +139,8 @@ def _spans_listing(item: ShownItem, tokenizer) -> list[tuple[str, str]]:
     out = []
     for seg, a, b, supervised in _runs(item):
         if supervised:
-            out.append((f"tokens {a}-{b - 1} ({b - a}) in {seg.label}", tokenizer.decode(item.input_ids[a:b])))
+            out.append((f"tokens {a}-{b - 1} ({b - a}) in {seg.label}",
+                        tokenizer.decode(item.input_ids[a:b], clean_up_tokenization_spaces=False)))
     return out
 
 
@@ -160,7 +162,7 @@ def render_text(item: ShownItem, tokenizer, color: bool = False) -> str:
         if seg is not current:
             current = seg
             body.append(f"\n--- segment {seg.label}: tokens {seg.start}-{seg.end - 1} ---\n")
-        text = tokenizer.decode(item.input_ids[a:b])
+        text = tokenizer.decode(item.input_ids[a:b], clean_up_tokenization_spaces=False)
         if supervised:
             text = click.style(text, fg="black", bg="green") if color else f"{OPEN}{text}{CLOSE}"
         body.append(text)
@@ -195,7 +197,7 @@ def render_html(items: list[ShownItem], tokenizer) -> str:
                 current = seg
                 pre.append(f'<span class="seg">segment {html.escape(seg.label)}: tokens {seg.start}-{seg.end - 1}'
                            "</span>")
-            text = html.escape(tokenizer.decode(item.input_ids[a:b]))
+            text = html.escape(tokenizer.decode(item.input_ids[a:b], clean_up_tokenization_spaces=False))
             pre.append(f"<mark>{text}</mark>" if supervised else text)
         spans = "".join(f"<li>{html.escape(where)}: <code>{html.escape(text)}</code></li>"
                         for where, text in _spans_listing(item, tokenizer))
@@ -218,8 +220,9 @@ def show(path: str, row: int | None = None, block: int | None = None, item_id: s
         html_file: write the page here (atomically); it must not exist unless ``force``.
 
     Raises:
-        InputError: more than one of row, block and item_id; no directory for ``html_file``; ``block`` of a tokenized table; a
-            tokenizer of another vocab size than the table's; no such row, block or id.
+        InputError: more than one of row, block and item_id; no directory for ``html_file``; ``block`` of a tokenized table;
+            no such row, block or id.
+        StoreMismatchError: a tokenizer other than the table's (fingerprint or vocab size).
         OutputExistsError: ``html_file`` exists and ``force`` is not set.
     """
     from pathlib import Path
@@ -240,9 +243,8 @@ def show(path: str, row: int | None = None, block: int | None = None, item_id: s
     items = select_items(table, block if block is not None else row, item_id)
     recorded = table.manifest.get("tokenizer", {})
     tokenizer = load_tokenizer(tokenizer_name or recorded.get("name"))
-    if recorded.get("vocab_size") not in (None, len(tokenizer)):
-        raise InputError(f"--tokenizer {tokenizer_name}: {len(tokenizer)} tokens, but {path} was made with "
-                         f"{recorded.get('name')} ({recorded['vocab_size']} tokens)")
+    check_tokenizer(recorded, str(path), tokenizer, f"--tokenizer {tokenizer_name or recorded.get('name')}",
+                    "pass the tokenizer it was made with (--tokenizer), or none to use the recorded one")
     if html_file is not None:
         write_text_atomic(html_file, render_html(items, tokenizer), encoding="utf-8")
     return "\n\n".join(render_text(item, tokenizer, color) for item in items)

@@ -30,6 +30,7 @@ from stores.progress import progress
 from stores.staging import staged_output_dir
 from stores.token_rows import TokenizedRow
 from stores.token_tables import RejectsWriter, TableWriter, write_manifest, write_token_freq
+from stores.verifier_match import tokenizer_fingerprint
 
 __all__ = ["iter_tokenized", "run_tokenize"]
 
@@ -71,7 +72,7 @@ def _read_template(path: str | None) -> str | None:
 
 
 def _tokenizer_record(tokenizer_name, tokenizer, template_path: str | None, template: str | None) -> dict:
-    return {"name": str(tokenizer_name), "vocab_size": len(tokenizer),
+    return {"name": str(tokenizer_name), "vocab_size": len(tokenizer), "fingerprint": tokenizer_fingerprint(tokenizer),
             "chat_template_file": template_path,
             "chat_template_sha256": chat_template_sha256(tokenizer, template)}
 
@@ -99,8 +100,9 @@ def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: Tokenize
     Rejected rows are written to ``rejects`` and counted; ``counts`` gains ``read``, ``rejected``,
     ``dropped_leading_assistant_turns``, ``merged_user_turns``, ``empty_assistant_turns``,
     ``history_rewrite_conversations``, ``history_rewrite_rows``, the per-row reader counts
-    (``null_keys_dropped_rows``, ``tool_arguments_decoded``, ``tool_arguments_not_json``,
-    ``tool_schemas_decoded``, ``dropped_content_parts``) and, with ``on_dropped_content="keep"``,
+    (``null_keys_dropped_rows``, ``tool_arguments_decoded``, ``tool_calls_wrapped``,
+    ``tool_schemas_decoded``, ``tool_schemas_wrapped``, ``sharegpt_function_calls``,
+    ``sharegpt_observations``, ``dropped_content_parts``) and, with ``on_dropped_content="keep"``,
     ``conversations_with_dropped_content`` and ``dropped_<part>`` (messages whose part the template
     does not render; ``dropped_tools`` counts conversations).
 
@@ -227,6 +229,8 @@ def _rows_of(conv: Conversation, outcome: list[tuple], counts: Counts) -> list[T
     counts.conversations_with_dropped_content += bool(dropped) or bool(conv.counts.get("dropped_content_parts"))
     for part in sorted(dropped):
         counts.drop(part.split(' of ')[0])
+    if any(m.get("token_ids") is not None for m in conv.messages):  # regenerate's output: its ids are counted
+        counts.bump("turns_on_generated_ids", sum(tok.on_generated_ids for _, tok, _ in outcome))
     per_turn = outcome[0][0] is not None
     counts.bump("history_rewrite_conversations", per_turn)
     counts.bump("history_rewrite_rows", len(outcome) if per_turn else 0)
@@ -327,7 +331,11 @@ class _TokenFreq:
 
     def _flush(self) -> None:
         if self._pending:
-            self.total += np.bincount(np.concatenate(self._pending), minlength=len(self.total))[: len(self.total)]
+            ids = np.concatenate(self._pending)
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= len(self.total)):
+                raise ValueError(f"token id {int(ids.max()) if ids.max() >= len(self.total) else int(ids.min())} "
+                                 f"outside the tokenizer's {len(self.total)} ids")  # an internal invariant
+            self.total += np.bincount(ids, minlength=len(self.total))
         self._pending, self._n = [], 0
 
     def counts(self) -> np.ndarray:

@@ -3,15 +3,31 @@
 Both back ends take chat requests (OpenAI messages and tools, the history up to an assistant turn)
 and return :class:`Answer` objects with the same fields, so the output does not depend on which
 one ran (for greedy decoding the texts are equal; ``tests/peagle_data/test_regenerate.py``
-checks the local back end against ``transformers serve``):
+checks the local back end against ``transformers serve`` and vLLM's server):
 
 - :class:`LocalBackend` renders each request with the verifier's chat template
   (``add_generation_prompt``), sorts a wave of requests by prompt length, and generates in
   left-padded batches with transformers' ``generate`` (KV cache), on CPU or GPU. The answer text is
-  the ``skip_special_tokens`` decode up to the first end-of-sequence token, as servers return it.
+  the ``skip_special_tokens`` decode up to the first end-of-sequence token, as servers return it,
+  never with ``clean_up_tokenization_spaces`` (which rewrites ``x != y`` as ``x!= y``: a text that
+  re-tokenizes to other ids than the verifier generated).
 - :class:`ServerBackend` posts ``/v1/chat/completions`` with the ``openai`` client (its retries
   with exponential backoff on connection errors, 408/409/429 and 5xx), at most ``concurrency``
   requests in flight per server, any free server taking the next request.
+
+Sampling means one thing in every back end (:func:`sampling_parameters`): ``softmax(z / T)`` over
+the whole vocabulary, argmax at T = 0, as ``peagle-eval``'s reference decoder
+(:func:`peagle_train.speculative.plain_generate`): no top-k, top-p, min-p or repetition
+penalties. The verifier's ``generation_config.json`` (``repetition_penalty 1.3``, ``top_k 50``...)
+is not applied: the local back end generates with a generation config holding only the verifier's
+special token ids (the fields it ignored are recorded), and every request to a server states the
+neutral values (:data:`SERVER_KINDS`: vLLM applies the model's generation config to any field a
+request leaves out). What a server cannot be told is recorded in the manifest (``not_sent``).
+
+Token ids: the local back end and vLLM (``return_token_ids``) return the ids the verifier
+generated (``Answer.token_ids``, end-of-sequence id included); ``regenerate`` writes them beside
+the text (``token_ids`` of the assistant message) and ``tokenize`` trains on exactly those ids
+(:func:`peagle_data.chat_tokens.on_generated_ids`).
 
 Reasoning: a server's ``reasoning_content`` (vLLM, SGLang and ``transformers serve`` parse it) is
 kept; locally, a tokenizer's ``response_template`` parses content, reasoning and tool calls
@@ -30,10 +46,51 @@ from dataclasses import dataclass
 from typing import Any
 
 from peagle_data.answer_text import REPLACEMENT, complete_prefix, split_reasoning
+from peagle_data.chat_render import template_messages, template_tools
 from stores.errors import InputError, MissingDependencyError
 
 __all__ = ["Request", "Answer", "BackendConfig", "LocalBackend", "ServerBackend", "split_reasoning", "server_base_url",
-           "complete_prefix", "prompt_tokens"]
+           "complete_prefix", "prompt_tokens", "sampling_parameters", "SERVER_KINDS"]
+
+SERVER_KINDS = ("auto", "vllm", "transformers", "openai")
+"""What a ``--server`` is told: ``vllm`` (OpenAI fields plus vLLM's ``top_k``, ``min_p``,
+``repetition_penalty`` and ``return_token_ids``), ``transformers`` (``transformers serve``: a
+whole ``generation_config``), ``openai`` (only the OpenAI API's own fields: ``temperature``,
+``top_p``, ``presence_penalty``, ``frequency_penalty``), ``auto``: ``vllm`` when the server's
+``/v1/models`` says ``owned_by: vllm``, else ``openai``."""
+
+_NOT_SENT = {
+    "vllm": [],
+    "transformers": ["bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "sequence_bias",
+                     "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty"],
+    "openai": ["top_k", "min_p", "repetition_penalty", "every other default of the server's generation config"],
+}
+"""Per server kind, the sampling settings a request cannot state (``transformers serve`` fills a
+null field of the sent ``generation_config`` from the model's file): the server's own defaults apply."""
+
+
+def sampling_parameters(temperature: float) -> dict[str, Any]:
+    """The effective sampling parameters of every back end at ``temperature`` (recorded in the
+    manifest): ``softmax(z / T)`` over the whole vocabulary (greedy at 0), nothing else.
+
+    ``top_k`` 0 is off (vLLM's and transformers' value for it)."""
+    return {"temperature": float(temperature), "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+            "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+def _neutral_generation_config(temperature: float, max_new_tokens: int) -> dict[str, Any]:
+    """transformers ``GenerationConfig`` fields for :func:`sampling_parameters`: every logits
+    processor a model's generation config can switch on, set to its neutral value (the sampling
+    warpers only at T > 0: greedy decoding does not use them)."""
+    out: dict[str, Any] = {
+        "do_sample": temperature > 0, "num_beams": 1, "num_beam_groups": 1, "diversity_penalty": 0.0,
+        "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+        "encoder_no_repeat_ngram_size": 0, "length_penalty": 1.0, "min_new_tokens": 0, "renormalize_logits": False,
+        "remove_invalid_values": False, "max_new_tokens": max_new_tokens}
+    if temperature > 0:
+        out.update(temperature=float(temperature), top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, epsilon_cutoff=0.0,
+                   eta_cutoff=0.0)
+    return out
 
 
 @dataclass
@@ -57,6 +114,8 @@ class Answer:
         error: None, or a reject reason (``prompt too long: ...``, ``server error: ...``).
         cut_partial_char: the answer was cut at the token limit inside a character, whose
             incomplete bytes were dropped from the text.
+        token_ids: the ids the verifier generated for this answer (end-of-sequence id included,
+            a cut character's ids left out), or None when the back end does not return them.
     """
 
     content: str = ""
@@ -67,12 +126,16 @@ class Answer:
     completion_tokens: int = 0
     error: str | None = None
     cut_partial_char: bool = False
+    token_ids: list[int] | None = None
 
 
 def prompt_tokens(tokenizer, request: Request) -> list[int]:
-    """The token ids of ``request`` rendered with ``tokenizer``'s chat template and generation prompt."""
-    enc = tokenizer.apply_chat_template(request.messages, tools=request.tools, add_generation_prompt=True,
-                                        tokenize=True, return_dict=True)
+    """The token ids of ``request`` rendered with ``tokenizer``'s chat template and generation prompt, the
+    content passed as vLLM passes it (:func:`peagle_data.chat_render.template_messages`)."""
+    template = tokenizer.get_chat_template(None, request.tools)
+    enc = tokenizer.apply_chat_template(template_messages(request.messages, template),
+                                        tools=template_tools(request.tools),
+                                        add_generation_prompt=True, tokenize=True, return_dict=True)
     return list(enc["input_ids"])
 
 
@@ -86,10 +149,10 @@ def server_base_url(url: str) -> str:
 
 def _wire_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages as the OpenAI API wants them: tool-call ``arguments`` as JSON strings, without the
-    training-data keys (``weight``, ``finish_reason``) a strict server refuses."""
+    training-data keys (``weight``, ``finish_reason``, ``token_ids``) a strict server refuses."""
     out = []
     for msg in messages:
-        msg = {k: v for k, v in msg.items() if k not in ("weight", "finish_reason")}
+        msg = {k: v for k, v in msg.items() if k not in ("weight", "finish_reason", "token_ids")}
         if msg.get("tool_calls"):
             calls = []
             for call in msg["tool_calls"]:
@@ -128,6 +191,10 @@ class BackendConfig:
     """With --server: a tokenizer (MODEL, as --verifier) whose chat template checks each prompt for
     content it does not render, as the local back end does; None: the servers' templates are trusted
     (``--tokenizer``)."""
+    server_kind: str = "auto"
+    """With --server: how requests state the sampling parameters: vllm, transformers (transformers
+    serve), openai (only the OpenAI API's fields; the rest is the server's default, recorded as
+    ``not_sent``), auto: vllm when the server says so, else openai (``--server-kind``)."""
 
     def __post_init__(self) -> None:
         if bool(self.verifier) == bool(self.servers):
@@ -136,6 +203,10 @@ class BackendConfig:
             raise ValueError("--served-model goes with --server, not --verifier")
         if self.verifier and self.tokenizer:
             raise ValueError("--tokenizer goes with --server; --verifier checks prompts with its own template")
+        if self.server_kind not in SERVER_KINDS:
+            raise ValueError(f"--server-kind must be one of {SERVER_KINDS}, got {self.server_kind!r}")
+        if self.verifier and self.server_kind != "auto":
+            raise ValueError("--server-kind goes with --server, not --verifier")
         for name, value, least in (("--concurrency", self.concurrency, 1), ("--batch-size", self.batch_size, 1),
                                    ("--retries", self.retries, 0), ("--timeout", self.timeout, 1)):
             if not value >= least:
@@ -153,7 +224,7 @@ class BackendConfig:
             tokenizer = load_tokenizer(self.tokenizer)
         backend = ServerBackend(list(self.servers), self.served_model, max_new_tokens, temperature,
                                 concurrency=self.concurrency, retries=self.retries, timeout=self.timeout,
-                                tokenizer=tokenizer)
+                                tokenizer=tokenizer, kind=self.server_kind)
         if self.tokenizer:
             backend.record["tokenizer"] = self.tokenizer
         return backend
@@ -177,16 +248,26 @@ class LocalBackend:
                  device: str | None = None):
         from stores.model_cache import load_tokenizer, load_verifier, model_fingerprint, resolve_model
 
+        from transformers import GenerationConfig
+
         self.tokenizer = load_tokenizer(verifier)
         self.model = load_verifier(verifier, device=device)
         self.max_new_tokens, self.temperature, self.batch_size = max_new_tokens, temperature, batch_size
+        own = self.model.generation_config
+        # generate() fills every field a call leaves unset from model.generation_config: keep only
+        # the verifier's special token ids there, so none of its sampling settings can apply
+        self.model.generation_config = GenerationConfig(**{k: getattr(own, k, None) for k in _SPECIAL_FIELDS})
+        ignored = {k: v for k, v in own.to_diff_dict().items()
+                   if k not in _SPECIAL_FIELDS and k not in _NOT_SAMPLING}
         self.record = {"backend": "local", "verifier": str(verifier),
                        "verifier_fingerprint": model_fingerprint(resolve_model(verifier)),
                        "device": str(self.model.device), "dtype": str(self.model.dtype).replace("torch.", ""),
-                       "batch_size": batch_size}  # batches are padded: a resumed greedy run needs the same
+                       "batch_size": batch_size,  # batches are padded: a resumed greedy run needs the same
+                       "sampling": sampling_parameters(temperature), "not_sent": [],
+                       "verifier_generation_config_ignored": ignored, "token_ids": True}
         cfg = self.model.config.get_text_config()
         self.max_positions = getattr(cfg, "max_position_embeddings", None)
-        eos = self.model.generation_config.eos_token_id
+        eos = own.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -216,18 +297,12 @@ class LocalBackend:
         return answers
 
     def _generation_config(self, pad: int):
-        """The verifier's own generation config with this run's token limit and temperature (what
-        ``transformers serve`` does with a request's ``max_tokens`` and ``temperature``)."""
-        import copy
+        """The generation config of :func:`sampling_parameters` at this run's temperature and token
+        limit, stopping at the verifier's end-of-sequence ids (none of its own sampling settings)."""
+        from transformers import GenerationConfig
 
-        gc = copy.deepcopy(self.model.generation_config)
-        gc.max_new_tokens, gc.pad_token_id = self.max_new_tokens, pad
-        gc.max_length = None
-        if self.temperature > 0:
-            gc.do_sample, gc.temperature = True, self.temperature
-        else:
-            gc.do_sample = False
-        return gc
+        return GenerationConfig(**_neutral_generation_config(self.temperature, self.max_new_tokens),
+                                pad_token_id=pad, eos_token_id=sorted(self.eos_ids))
 
     def _generate_batch(self, prompts: list[list[int]], tools: list) -> list[Answer]:
         """One left-padded ``generate`` call; each row cut at its first end-of-sequence token."""
@@ -254,7 +329,8 @@ class LocalBackend:
         the ``skip_special_tokens`` decode with a think block split off (:func:`split_reasoning`);
         an answer holding other special tokens (e.g. gpt-oss's ``<|channel|>`` markup) is an error,
         not a decode that would silently drop its structure. An answer cut inside a character ends
-        before it; one whose tokens are not UTF-8 is an error (:func:`complete_prefix`).
+        before it; one whose tokens are not UTF-8 is an error (:func:`complete_prefix`). Texts are
+        decoded without ``clean_up_tokenization_spaces``; ``token_ids`` are the kept ids.
         """
         stop = next((k for k, t in enumerate(generated) if t in self.eos_ids), None)
         kept = generated if stop is None else generated[:stop + 1]
@@ -264,8 +340,12 @@ class LocalBackend:
         if error is not None:
             return Answer(error=error, **done)
         done["cut_partial_char"], kept = n < len(kept), kept[:n]
+        done["token_ids"] = list(kept)
         if getattr(self.tokenizer, "response_template", None) is not None:
-            parsed = self.tokenizer.parse_response(kept, prefix=self.tokenizer.decode(prompt), tools=tools)
+            # decoded here: parse_response's own decode of ids would clean up tokenization spaces
+            parsed = self.tokenizer.parse_response(
+                self.tokenizer.decode(kept, clean_up_tokenization_spaces=False),
+                prefix=self.tokenizer.decode(prompt, clean_up_tokenization_spaces=False), tools=tools)
             calls = [{"type": "function", "function": {"name": c["function"]["name"], "arguments": json.dumps(
                 c["function"].get("arguments", {}), ensure_ascii=False)}} for c in parsed.get("tool_calls") or []]
             reasoning = parsed.get("reasoning_content") or parsed.get("thinking")
@@ -278,8 +358,14 @@ class LocalBackend:
             return Answer(error=f"unparsed answer format: the answer holds special tokens ({names}) that a plain "
                                 "decode drops, and the tokenizer declares no response_template to parse them; "
                                 "use a --server that parses this model's output", **done)
-        content, reasoning = split_reasoning(self.tokenizer.decode(kept, skip_special_tokens=True))
+        content, reasoning = split_reasoning(self.tokenizer.decode(kept, skip_special_tokens=True,
+                                                                   clean_up_tokenization_spaces=False))
         return Answer(content=content, reasoning=reasoning, **done)
+
+
+_SPECIAL_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+_NOT_SAMPLING = ("transformers_version", "_from_model_config", "use_cache", "output_attentions",
+                 "output_hidden_states", "max_length", "max_new_tokens")
 
 
 class ServerBackend:
@@ -295,18 +381,24 @@ class ServerBackend:
         timeout: seconds one request may take.
         tokenizer: a loaded tokenizer whose chat template ``regenerate`` checks each prompt with
             (content the template does not render); None: the servers' templates are trusted.
+        kind: one of :data:`SERVER_KINDS`: which fields state :func:`sampling_parameters` (and
+            ask for the generated token ids) in each request.
 
     Raises:
         MissingDependencyError: the ``openai`` package is missing.
-        InputError: no model name given and the server does not serve exactly one.
+        InputError: no model name given and the server does not serve exactly one; ``auto`` kind
+            and the models cannot be listed.
     """
 
     def __init__(self, urls: list[str], model: str | None, max_new_tokens: int, temperature: float,
-                 concurrency: int = 8, retries: int = 5, timeout: float = 600.0, tokenizer=None):
+                 concurrency: int = 8, retries: int = 5, timeout: float = 600.0, tokenizer=None,
+                 kind: str = "auto"):
         try:
             import openai
         except ImportError as e:  # pragma: no cover - a dependency of peagle
             raise MissingDependencyError("the server back end needs `pip install openai`") from e
+        if kind not in SERVER_KINDS:
+            raise ValueError(f"--server-kind must be one of {SERVER_KINDS}, got {kind!r}")
         self.bases = [server_base_url(u) for u in urls]
         self.clients = {b: openai.OpenAI(base_url=b, api_key="EMPTY", max_retries=retries, timeout=timeout)
                         for b in self.bases}
@@ -316,17 +408,31 @@ class ServerBackend:
             for b in self.bases:
                 self.slots.put(b)
         self.workers = concurrency * len(self.bases)
-        self.model = model or self._only_model()
+        listed = self._models(required=model is None) if model is None or kind == "auto" else []
+        self.model = model or self._only_model(listed)
+        if kind == "auto":  # a server that cannot be asked is told only the OpenAI fields (recorded)
+            owners = {getattr(m, "owned_by", None) for m in listed}
+            kind = "vllm" if owners == {"vllm"} else "openai"
+        self.kind = kind
+        self.params = _request_params(kind, temperature, max_new_tokens)
         self.record = {"backend": "server", "servers": self.bases, "model": self.model,
-                       "concurrency": concurrency, "retries": retries}
+                       "concurrency": concurrency, "retries": retries, "server_kind": kind,
+                       "sampling": sampling_parameters(temperature), "not_sent": list(_NOT_SENT[kind]),
+                       "token_ids": kind == "vllm"}
 
-    def _only_model(self) -> str:
+    def _models(self, required: bool) -> list:
+        """The first server's ``/v1/models`` entries; [] when they cannot be listed and not ``required``."""
         import openai
 
         try:
-            names = [m.id for m in self.clients[self.bases[0]].models.list()]
+            return list(self.clients[self.bases[0]].models.list())
         except openai.OpenAIError as e:
+            if not required:
+                return []
             raise InputError(f"--server {self.bases[0]}: cannot list its models ({e}); pass --served-model") from None
+
+    def _only_model(self, listed: list) -> str:
+        names = [m.id for m in listed]
         if len(names) != 1:
             raise InputError(f"--server {self.bases[0]} serves {len(names)} models ({', '.join(names)}); "
                              "name one with --served-model")
@@ -344,8 +450,7 @@ class ServerBackend:
         try:
             kwargs = {"tools": request.tools} if request.tools else {}
             resp = self.clients[base].chat.completions.create(
-                model=self.model, messages=_wire_messages(request.messages), max_tokens=self.max_new_tokens,
-                temperature=self.temperature, **kwargs)
+                model=self.model, messages=_wire_messages(request.messages), **self.params, **kwargs)
         except openai.BadRequestError as e:
             text = str(e)
             key = "prompt too long" if re.search(r"context|too long|maximum", text, re.I) else "server error"
@@ -354,7 +459,34 @@ class ServerBackend:
             return Answer(error=f"server error: {base}: {type(e).__name__}: {e}")
         finally:
             self.slots.put(base)
-        return _answer_of(resp)
+        answer = _answer_of(resp)
+        if answer.token_ids is not None and answer.finish_reason == "length":
+            # a cut character's bytes left the text: its ids go too (counted with the tokenizer; none
+            # can be kept without one)
+            if self.tokenizer is not None:
+                n = complete_prefix(self.tokenizer, answer.token_ids, cut=True)[0]
+                answer.cut_partial_char |= n < len(answer.token_ids)
+                answer.token_ids = answer.token_ids[:n]
+            elif answer.cut_partial_char:
+                answer.token_ids = None
+        return answer
+
+
+def _request_params(kind: str, temperature: float, max_new_tokens: int) -> dict[str, Any]:
+    """The ``chat.completions.create`` arguments that state :func:`sampling_parameters` to a
+    server of ``kind`` (fields beyond the OpenAI API go in ``extra_body``)."""
+    p = sampling_parameters(temperature)
+    params: dict[str, Any] = {"max_tokens": max_new_tokens, "temperature": p["temperature"], "top_p": p["top_p"]}
+    if kind == "vllm":
+        params.update(presence_penalty=p["presence_penalty"], frequency_penalty=p["frequency_penalty"],
+                      extra_body={"top_k": p["top_k"], "min_p": p["min_p"],
+                                  "repetition_penalty": p["repetition_penalty"], "return_token_ids": True})
+    elif kind == "transformers":  # it refuses unknown fields, maps frequency_penalty onto repetition_penalty
+        params["extra_body"] = {"generation_config": json.dumps(_neutral_generation_config(temperature,
+                                                                                           max_new_tokens))}
+    else:
+        params.update(presence_penalty=p["presence_penalty"], frequency_penalty=p["frequency_penalty"])
+    return params
 
 
 def _answer_of(resp) -> Answer:
@@ -363,7 +495,8 @@ def _answer_of(resp) -> Answer:
     An answer cut at ``max_tokens`` (``finish_reason == "length"``) drops the U+FFFD its text ends
     with (a character the limit cut; from the content, or the reasoning when there is no content);
     any other U+FFFD makes it an error (``undecodable answer``): a server's text cannot be checked
-    against the tokens it came from.
+    against the tokens it came from. ``token_ids``: the choice's ``token_ids`` (vLLM's
+    ``return_token_ids``), else None.
     """
     choice = resp.choices[0]
     msg = choice.message
@@ -381,8 +514,10 @@ def _answer_of(resp) -> Answer:
             content, cut = content.rstrip(REPLACEMENT), content.endswith(REPLACEMENT)
         elif reasoning:
             reasoning, cut = reasoning.rstrip(REPLACEMENT), reasoning.endswith(REPLACEMENT)
+    ids = (getattr(choice, "model_extra", None) or {}).get("token_ids")
     done = {"finish_reason": finish, "prompt_tokens": getattr(usage, "prompt_tokens", 0) or 0,
-            "completion_tokens": getattr(usage, "completion_tokens", 0) or 0}
+            "completion_tokens": getattr(usage, "completion_tokens", 0) or 0,
+            "token_ids": [int(t) for t in ids] if ids is not None else None}
     if REPLACEMENT in content + (reasoning or ""):
         return Answer(error="undecodable answer: the server's answer holds U+FFFD other than at a cut at "
                             "--max-new-tokens; its bytes cannot be checked against the verifier's tokens", **done)

@@ -41,6 +41,7 @@ __all__ = [
     "rope_from_layer_config",
     "save_drafter",
     "load_drafter",
+    "check_vocab_maps",
     "save_training_state",
     "load_training_state",
     "save_checkpoint",
@@ -135,6 +136,8 @@ def _write_drafter(model: PEagleDrafter, directory: Path, extra_config: dict[str
     config = drafter_config_json(model.config, extra_config, model.embed_tokens.weight.requires_grad)
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    if "d2t" in tensors:  # never write maps a reader would refuse
+        check_vocab_maps(tensors["d2t"], tensors["t2d"], model.config.vocab_size, directory / WEIGHTS_FILE)
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
     follow_umask(directory / WEIGHTS_FILE)  # safetensors creates it 0600
 
@@ -216,12 +219,57 @@ def _drop_identity_vocab_maps(tensors: dict[str, torch.Tensor], cfg: DrafterConf
     return {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
 
 
+def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, path: str | os.PathLike) -> None:
+    """A reduced draft vocab's maps agree with each other (docs/design.md §3, §8).
+
+    ``d2t [D]`` holds offsets (``verifier_id = draft_id + d2t[draft_id]``): the ids ``arange(D) + d2t``
+    must lie in ``[0, V)`` and increase strictly, and ``t2d [V]`` (bool, or 0/1) must mark exactly
+    those D ids. A ``d2t`` holding absolute verifier ids instead of offsets (a bug of other
+    writers) fails here, at draft id 1.
+
+    Raises:
+        StoreFormatError: names ``path`` (the weights file) and the first offending draft id.
+    """
+    D = int(d2t.numel())
+    if d2t.dim() != 1 or t2d.dim() != 1 or t2d.numel() != vocab_size:
+        raise StoreFormatError(f"{path}: d2t has shape {list(d2t.shape)} and t2d {list(t2d.shape)}; expected "
+                               f"[D] and [{vocab_size}] (the vocab size)")
+    if d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
+        raise StoreFormatError(f"{path}: d2t is {d2t.dtype}, expected integer offsets (int64)")
+    if t2d.dtype != torch.bool and not bool(((t2d == 0) | (t2d == 1)).all()):
+        raise StoreFormatError(f"{path}: t2d holds values other than 0 and 1; expected a bool mask [{vocab_size}]")
+    ids = torch.arange(D, dtype=torch.int64) + d2t.to(torch.int64)  # [D] verifier id of each draft id
+    fix = ("d2t must hold offsets, verifier_id = draft_id + d2t[draft_id], of strictly increasing verifier ids, "
+           "and t2d mark exactly those ids (a d2t rewritten as absolute ids is a known bug of other writers); "
+           "rebuild the maps or re-export the checkpoint")
+    mark = t2d.to(torch.bool)
+    outside = (ids < 0) | (ids >= vocab_size)
+    falls = torch.zeros(D, dtype=torch.bool)
+    falls[1:] = ids[1:] <= ids[:-1]
+    unmarked = ~outside & ~mark[ids.clamp(0, vocab_size - 1)]
+    bad = torch.nonzero(outside | falls | unmarked).flatten()
+    if bad.numel():
+        i = int(bad[0])
+        to = f"draft id {i} maps to verifier id {int(ids[i])} (d2t[{i}] = {int(d2t[i])})"
+        why = (f"outside [0, {vocab_size})" if outside[i] else
+               f"not above draft id {i - 1}'s {int(ids[i - 1])}" if falls[i] else "which t2d does not mark")
+        raise StoreFormatError(f"{path}: {to}, {why} ({int(unmarked.sum())} of {D} draft ids map to ids t2d "
+                               f"does not mark, {int(outside.sum())} outside the vocab); {fix}")
+    n = int(mark.sum())
+    if n != D:  # every mapped id is marked, so t2d marks more
+        extra = torch.nonzero(mark).flatten()
+        extra = extra[~torch.isin(extra, ids)]
+        raise StoreFormatError(f"{path}: t2d marks {n} verifier ids but d2t maps {D} draft ids: verifier id "
+                               f"{int(extra[0])} is marked but no draft id maps to it; {fix}")
+
+
 def load_drafter(directory: str | os.PathLike, device: str | torch.device = "cpu") -> PEagleDrafter:
     """Load a drafter written by :func:`save_drafter` (bit-exact round trip).
 
     Raises:
         StoreFormatError: ``config.json`` or ``model.safetensors`` is missing, not a P-EAGLE
-            checkpoint, or its tensors do not match the config.
+            checkpoint, its tensors do not match the config, or its ``d2t``/``t2d`` disagree
+            (:func:`check_vocab_maps`).
     """
     directory = Path(directory)
     cfg_path, w_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
@@ -234,6 +282,8 @@ def load_drafter(directory: str | os.PathLike, device: str | torch.device = "cpu
                                f"{cfg.get('speculators_model_type')!r}, expected 'peagle'")
     model = PEagleDrafter(_config_from_json(cfg, cfg_path))
     tensors = _drop_identity_vocab_maps(load_file(str(w_path)), model.config, w_path)
+    if model.config.draft_vocab_size < model.config.vocab_size and {"d2t", "t2d"} <= tensors.keys():
+        check_vocab_maps(tensors["d2t"], tensors["t2d"], model.config.vocab_size, w_path)
     try:
         model.load_state_dict(tensors, strict=True)
     except RuntimeError as e:

@@ -2,7 +2,7 @@
 
 ``metrics.jsonl`` holds one JSON object per line: a training step (``"split": "train"``: step, loss
 (the pooled objective), acc per depth, tokens/s, lr, the block ids read, grad norm, ...) or a
-validation (``"split": "val"``: ``val_loss``, ``val_acc``). :class:`MetricsLog` appends rows and sends
+validation (``"split": "val"``: ``val_loss``, ``val_acc``, ``blocks``). :class:`MetricsLog` appends rows and sends
 them to the trackers of ``--report-to`` (TensorBoard event files under ``trackers/peagle/``, wandb
 runs under ``trackers/wandb/``) as :func:`tracker_values`; :func:`plot_metrics` draws
 ``training.png`` from the file.

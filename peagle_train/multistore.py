@@ -3,10 +3,12 @@
 :class:`StoreSet` shows the stores to the trainer as one store: block ``offset_j + k`` is block k of
 store j (stores in the order given), ``token_freq`` is the sum of theirs (so the draft vocab comes
 from the summed frequencies), and ``done_mask`` the concatenation. :func:`split_per_store` holds
-out each store's own validation blocks (``split_blocks`` of that store's usable blocks with the
-run's seed), so every source is represented in validation and adding a store does not move the
-split of the others. The loader's order is a pure function of the seed, the epoch and the training
-ids, so ``--resume`` with the same stores in the same order restores the exact sample order.
+out each store's own validation blocks (``split_blocks`` of all that store's block ids with the
+run's seed, extracted or not), so every source is represented in validation, adding a store does
+not move the split of the others, and finishing an extraction moves no block between the sides.
+The run's block sequence (:class:`peagle_train.data.BlockSequence`) is a pure function of the seed,
+the epoch and the train side, so ``--resume`` with the same stores in the same order restores the
+exact sample order.
 
 Stores from different verifiers (content fingerprint, name, hidden or vocab size) or with other
 aux layers are refused: their hidden states are not the same features. Stores that hold the same
@@ -239,14 +241,17 @@ def usable_blocks(store, allow_incomplete: bool) -> np.ndarray:
                            for j, s in enumerate(store.stores)])
 
 
-def split_per_store(store, usable: np.ndarray, seed: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """Train and validation ids: :func:`split_blocks` per store of a :class:`StoreSet`, else of the store."""
+def split_per_store(store, seed: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """The train side and the validation side of every block id, extracted or not (global ids, sorted):
+    :func:`split_blocks` of ``arange(n_blocks)`` of each store of a :class:`StoreSet` (offset to global
+    ids), else of the store. A store's block count is fixed when ``extract`` creates it, so a block's side
+    never changes as the extraction finishes, and adding a store does not move the others'; training
+    reads the sides' extracted blocks (``np.intersect1d`` with :func:`usable_blocks`)."""
     if not isinstance(store, StoreSet):
-        return split_blocks(usable, seed, val_fraction)
+        return split_blocks(np.arange(store.n_blocks, dtype=np.int64), seed, val_fraction)
     train, val = [], []
-    for j in range(len(store.stores)):
-        lo, hi = store.offsets[j], store.offsets[j + 1]
-        t, v = split_blocks(usable[(usable >= lo) & (usable < hi)] - lo, seed, val_fraction)
-        train.append(t + lo)
-        val.append(v + lo)
+    for j, s in enumerate(store.stores):
+        t, v = split_blocks(np.arange(s.n_blocks, dtype=np.int64), seed, val_fraction)
+        train.append(t + store.offsets[j])
+        val.append(v + store.offsets[j])
     return np.concatenate(train), np.concatenate(val)

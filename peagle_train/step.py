@@ -13,16 +13,17 @@ import torch
 
 from peagle_train.attention import element_attention
 from peagle_train.cod import CodElements, element_inputs, sample_cod_elements
-from peagle_train.data import Block, _seed_of
+from peagle_train.data import Block, derive_seed
 from peagle_train.loss import LogitTransform, LossOutput, kl_loss_and_accuracy
 
 __all__ = ["cod_generator", "block_loss", "block_hidden", "accumulate_step", "block_to", "sample_elements",
            "summarise", "add_sums", "gather_ids"]
 
 
-def cod_generator(seed: int, flat_position: int) -> torch.Generator:
-    """The CPU generator of COD sampling for the block at ``flat_position`` of the run's sequence."""
-    return torch.Generator().manual_seed(_seed_of(seed, 1, flat_position))
+def cod_generator(seed: int, cursor: int) -> torch.Generator:
+    """The CPU generator of COD sampling for the block at ``cursor`` of the run's block sequence
+    (:class:`peagle_train.data.BlockSequence`): the same on any number of ranks."""
+    return torch.Generator().manual_seed(derive_seed(seed, 1, cursor))
 
 
 

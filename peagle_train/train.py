@@ -36,10 +36,13 @@ import numpy as np
 import torch
 
 from peagle_train.attention import ATTENTION_CHOICES
-from peagle_train.checkpoint import latest_checkpoint, rope_from_layer_config
+from peagle_train.checkpoint import CONFIG_FILE, latest_checkpoint, load_training_state, rope_from_layer_config
 from peagle_train.metrics import parse_report_to
 from peagle_train.model import ROPE_TYPES, DrafterConfig
-from stores.errors import InputError, OutputExistsError, StoreMismatchError
+from peagle_train.multistore import store_identities
+from stores.errors import InputError, OutputExistsError, PeagleError, StoreMismatchError
+from stores.model_cache import model_fingerprint, resolve_model
+from stores.verifier_match import check_store_verifier
 
 __all__ = [
     "TrainConfig",
@@ -95,7 +98,8 @@ class TrainConfig:
     verifier: str | None = None
     """Verifier MODEL for embeddings and lm_head (``--verifier``); default: the store's verifier."""
     max_steps: int | None = None
-    """Optimizer steps (``--max-steps``); None: one pass over the training blocks."""
+    """Optimizer steps (``--max-steps``); None: one pass over the training blocks (those extracted when
+    the run starts; a resume keeps the saved run's count)."""
     num_depths: int = 4
     """K, parallel draft depths (``--num-depths``). The default 4 is measured (docs/benchmarks.md,
     "Defaults from evidence"): K = 8 trained no better depth-for-depth in the same steps and took 31%
@@ -118,7 +122,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Max gradient norm (``--grad-clip``); must be > 0."""
     grad_accum: int = 1
-    """Blocks per optimizer step and rank (``--grad-accum``); the step's loss pools their elements."""
+    """Blocks per optimizer step and rank (``--grad-accum``); the step's loss pools their elements. A
+    ``--resume`` on another number of processes keeps ``grad_accum`` × processes, the blocks of one step."""
     seed: int = 0
     """Seed of the split, the shuffles, COD sampling and the drafter init (``--seed``)."""
     draft_vocab_size: int | None = None
@@ -201,8 +206,10 @@ class TrainConfig:
 
 
 #: fields that must equal the saved ones for ``--resume`` to reproduce an uninterrupted run
+#: (``grad_accum`` may change with the number of processes: their product, the blocks of one step, may
+#: not; :func:`peagle_train.data.resume_cursor` checks it)
 _RESUME_FIELDS = ("store", "max_steps", "num_depths", "down_sample_ratio", "down_sample_ratio_min",
-                  "max_anchors", "lr", "warmup_steps", "weight_decay", "grad_accum", "seed",
+                  "max_anchors", "lr", "warmup_steps", "weight_decay", "seed",
                   "draft_vocab_size", "num_layers", "val_fraction", "lazy_embedding", "grad_clip", "mask_token_id",
                   "train_embedding")
 
@@ -234,19 +241,13 @@ def load_verifier_heads(name: str, store, mask_token_id: int) -> VerifierHeads:
     :func:`peagle_train.mask_token.resolve_mask_token`).
 
     Raises:
-        StoreMismatchError: the verifier's content fingerprint, hidden size or vocab size differs
-            from the store's.
+        StoreMismatchError: the verifier's content fingerprint, tokenizer, hidden size or vocab size
+            differs from the store's (:func:`stores.verifier_match.check_store_verifier`).
         ModelNotFoundError / MissingDependencyError: from :func:`stores.model_cache.resolve_model`.
     """
-    from stores.model_cache import load_verifier, model_fingerprint, resolve_model
+    from stores.model_cache import load_verifier
 
-    recorded = store.attrs.get("verifier", {}).get("fingerprint")
-    if recorded is not None and recorded != model_fingerprint(resolve_model(name)):
-        raise StoreMismatchError(
-            f"verifier {name!r} is not the model the store {store.path} was extracted with (content "
-            f"fingerprint {model_fingerprint(resolve_model(name))} vs the store's {recorded}, verifier "
-            f"{store.attrs['verifier'].get('name_or_path')!r}): its targets would come from another model; "
-            "pass --verifier with the extraction's model")
+    check_store_verifier(store, name)
     model = load_verifier(name, dtype=torch.float32, device="cpu")
     cfg = model.config.get_text_config()  # a multimodal wrapper's language model
     _check_verifier_shape(name, cfg, store)
@@ -325,14 +326,28 @@ def val_split_warning(n_blocks: int, n_val: int, val_fraction: float) -> str | N
             f"{n_blocks - n_val}, or pass --val-fraction 0 to train on all {n_blocks} (no validation)")
 
 
-def _check_resume_settings(cfg: TrainConfig) -> Path | None:
-    """``--resume``: the latest checkpoint in ``--output`` (or None); InputError when the saved
-    run's settings differ from ``cfg`` in a field that must not change."""
+def _saved_settings(cfg: TrainConfig) -> tuple[Path | None, Path, dict[str, Any] | None]:
+    """``(latest checkpoint, OUTPUT/train_config.json, the saved settings)``: the file, else (deleted) the
+    ``train_config`` the checkpoint's ``training_state.pt`` holds; None without a checkpoint."""
     out = Path(cfg.output)
     ckpt = latest_checkpoint(out)
     saved = out / "train_config.json"
-    if ckpt is not None and saved.is_file():
-        old = json.loads(saved.read_text())
+    if ckpt is None:
+        return None, saved, None
+    if saved.is_file():
+        return ckpt, saved, json.loads(saved.read_text())
+    old = load_training_state(ckpt).get("train_config")
+    if old is None:
+        raise InputError(f"--resume: {saved} is missing and {ckpt} records no settings, so this run cannot be "
+                         "checked against the saved one; start over with --force", field="--resume")
+    return ckpt, saved, old
+
+
+def _check_resume_settings(cfg: TrainConfig) -> Path | None:
+    """``--resume``: the latest checkpoint in ``--output`` (or None); InputError when the saved
+    run's settings differ from ``cfg`` in a field that must not change."""
+    ckpt, saved, old = _saved_settings(cfg)
+    if old is not None:
         defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
         old = {k: old.get(k, defaults[k]) for k in _RESUME_FIELDS}  # a run saved before a field existed
         diff = {k: (old[k], getattr(cfg, k)) for k in _RESUME_FIELDS if old[k] != getattr(cfg, k)}
@@ -341,11 +356,52 @@ def _check_resume_settings(cfg: TrainConfig) -> Path | None:
     return ckpt
 
 
+def _check_resume_verifier(cfg: TrainConfig, store, verifier_name: str) -> None:
+    """``--resume`` with another verifier than the saved run's (``--verifier``, default the store's) is
+    refused unless both names resolve to one model (the same content fingerprint)."""
+    _, saved, old = _saved_settings(cfg)
+    if old is None:
+        return
+    before = old.get("verifier") or store.attrs.get("verifier", {}).get("name_or_path")
+    if before is None or before == verifier_name:
+        return
+    try:
+        same = model_fingerprint(resolve_model(before)) == model_fingerprint(resolve_model(verifier_name))
+    except PeagleError:  # the saved verifier cannot be found any more
+        same = False
+    if not same:
+        raise InputError(resume_mismatch_message(saved, {"verifier": (before, verifier_name)}), field="--resume")
+
+
+_STORE_IDENTITY = ("source", "shard", "n_blocks", "layers", "verifier_fingerprint")
+"""The keys of :func:`peagle_train.multistore.store_identity` a resumed run's stores must keep."""
+
+
+def _check_resume_stores(cfg: TrainConfig, store) -> None:
+    """``--resume``: each store holds the data the saved run trained on (the identities its newest
+    checkpoint records, ``peagle_training.stores``), not a store extracted anew at the same path.
+
+    Raises:
+        StoreMismatchError: names the store, the checkpoint, the key and both values.
+    """
+    ckpt = latest_checkpoint(cfg.output)
+    if ckpt is None or not (ckpt / CONFIG_FILE).is_file():
+        return
+    saved = json.loads((ckpt / CONFIG_FILE).read_text()).get("peagle_training", {}).get("stores") or []
+    for old, new in zip(saved, store_identities(store)):
+        for key in (k for k in _STORE_IDENTITY if k in old and old[k] != new.get(k)):
+            raise StoreMismatchError(
+                f"--resume: {new['path']} is not the store the saved run trained on ({ckpt}): its {key} is "
+                f"{new.get(key)!r}, the run's was {old[key]!r}; resume with the run's store, or start a new run "
+                "(a new --output, or --force)")
+
+
 def resume_mismatch_message(saved: Path, diff: dict[str, tuple[Any, Any]]) -> str:
     """The ``--resume`` refusal: which settings differ from ``saved`` (train_config.json), the command that
     resumes, the options that may change on resume, and why ``--max-steps`` may not (docs/design.md §8)."""
     free = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(TrainConfig)
-            if f.name not in (*_RESUME_FIELDS, "output", "verifier", "resume", "force")]
+            if f.name not in (*_RESUME_FIELDS, "output", "verifier", "resume", "force", "grad_accum")]
+    free.append("--grad-accum (keeping --grad-accum × processes)")
     given = "; ".join(f"--{k.replace('_', '-')}: saved {a!r}, given {b!r}" for k, (a, b) in diff.items())
     message = (f"--resume continues the run saved in {saved.parent} with its own settings, and these differ "
                f"from it: {given}. Resume it with: peagle-train --config {saved} --resume (adding only options "
@@ -379,8 +435,13 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str) -> None:
     Raises:
         OutputExistsError: ``--output`` holds files and neither ``--resume`` nor ``--force`` is given.
         InputError: ``--draft-vocab-size`` exceeds the store's vocab; ``--resume`` with settings that
-            differ from the saved run.
-        StoreMismatchError: the verifier's config has another hidden or vocab size than the store.
+            differ from the saved run, another verifier among them (compared by content fingerprint
+            when the names differ).
+        StoreMismatchError: ``--resume`` with a store other than the saved run's under its path
+            (packed table, shard, block count, layers or verifier fingerprint).
+        StoreMismatchError: the verifier's config has another hidden or vocab size than the store, or
+            the verifier is not the store's (content fingerprint, or the tokenizer the store's ids were
+            made with: :func:`stores.verifier_match.check_store_verifier`).
         InputError: a verifier RoPE the drafter cannot compute (``dynamic``, ``longrope``).
     """
     from stores.model_config import load_model_config, text_config
@@ -390,11 +451,15 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str) -> None:
         raise OutputExistsError(str(out), "pass --resume to continue it or --force to overwrite it")
     if cfg.resume:
         _check_resume_settings(cfg)
+        _check_resume_verifier(cfg, store, verifier_name)
+        _check_resume_stores(cfg, store)
     if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > store.vocab_size:
         raise InputError(f"--draft-vocab-size {cfg.draft_vocab_size} exceeds the verifier vocab size "
                          f"{store.vocab_size} (store {store.path})", field="--draft-vocab-size")
     vc = text_config(load_model_config(verifier_name))
     _check_verifier_shape(verifier_name, vc, store)
+    for s in getattr(store, "stores", [store]):  # each store of a StoreSet
+        check_store_verifier(s, verifier_name)
     rope = verifier_rope(vc)
     if rope["rope_type"] not in ROPE_TYPES:
         raise InputError(f"verifier {verifier_name!r} uses RoPE type {rope['rope_type']!r}, whose frequencies "

@@ -28,7 +28,7 @@ import torch
 from peagle_train.checkpoint import latest_checkpoint, load_training_state, prune_checkpoints, save_checkpoint, \
     save_drafter
 from peagle_train.cod import CodElements
-from peagle_train.data import Block, BlockLoader, _seed_of, to_block
+from peagle_train.data import Block, BlockLoader, BlockSequence, data_state, derive_seed, resume_cursor, to_block
 from peagle_train.loss import LogitTransform, LossOutput
 from peagle_train.metrics import MetricsLog, plot_metrics, pooled_accuracy, resolve_trackers
 from peagle_train.model import PEagleDrafter
@@ -48,7 +48,8 @@ class TrainRun:
 
     Attributes:
         store: the open ``FeatureStore`` (or ``StoreSet``).
-        train_ids, val_ids: ``[n] int64`` block ids of the split.
+        sequence: the run's training blocks in order (its ``usable`` ones are :attr:`train_ids`).
+        val_ids: ``[m] int64`` the extracted blocks of the validation side, sorted.
         output: the output directory.
         metrics: the run's ``metrics.jsonl`` and trackers.
         info: recorded in every saved drafter's ``config.json`` under ``peagle_training`` (with the
@@ -58,13 +59,18 @@ class TrainRun:
     """
 
     store: Any
-    train_ids: np.ndarray
+    sequence: BlockSequence
     val_ids: np.ndarray
     output: Path
     metrics: MetricsLog
     info: dict[str, Any]
     summary: dict[str, Any]
     resumed_from: Path | None = None
+
+    @property
+    def train_ids(self) -> np.ndarray:
+        """``[n] int64`` the extracted blocks of the train side, sorted."""
+        return self.sequence.usable
 
 
 class Trainer:
@@ -105,7 +111,8 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, CosineWithWarmup(self.warmup, max_steps))
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
         self.unwrapped = accelerator.unwrap_model(self.model)
-        self.step, self.position, self.tokens_total = 0, 0, 0
+        self.step, self.tokens_total = 0, 0
+        self.cursor = 0  # the run's block-sequence cursor after the last step (all ranks)
         self.loader: BlockLoader | None = None
         self.recent: list[dict[str, torch.Tensor]] = []  # the last 10 steps' sums, for the pooled accuracy
         self.last_row: dict | None = None
@@ -116,8 +123,8 @@ class Trainer:
 
         Blocks may be on the CPU (moved to the device here). Returns the step's ``metrics.jsonl``
         row: ``step``, ``loss`` (the pooled objective), ``acc [K]`` (None for a depth without
-        weight), ``tokens_per_s``, ``lr`` (of this step), ``n_elements``, ``blocks`` (every rank's
-        ids), ``weight``, ``step_s``, ``grad_norm`` (before clipping).
+        weight), ``tokens_per_s``, ``lr`` (of this step), ``n_elements`` (all ranks'), ``blocks`` (every
+        rank's ids), ``weight``, ``step_s``, ``grad_norm`` (before clipping).
         """
         cfg, device = self.cfg, self.accelerator.device
         t0 = time.perf_counter()
@@ -140,16 +147,23 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         dt = time.perf_counter() - t0
-        n_tokens = sum(t for t, _ in sizes) * self.world
+        n_tokens, n_elements = self._all_ranks_sum([sum(t for t, _ in sizes), sum(e for _, e in sizes)])
         self.tokens_total += n_tokens
         loss, acc = summarise(sums)
         pooled = {k: sums[k].detach().cpu() for k in ("correct", "counts")}
         self.recent = [*self.recent[-9:], {"step": self.step, **pooled}]
         self.last_row = {"split": "train", "step": self.step, "loss": loss, "acc": acc,
-                         "tokens_per_s": n_tokens / dt, "lr": lr, "n_elements": sum(e for _, e in sizes),
+                         "tokens_per_s": n_tokens / dt, "lr": lr, "n_elements": n_elements,
                          "blocks": gather_ids(self.accelerator, seen), "weight": float(sums["weight_sum"].sum()),
                          "step_s": dt, "grad_norm": grad_norm}
         return self.last_row
+
+    def _all_ranks_sum(self, values: list[int]) -> list[int]:
+        """``values`` summed over the data-parallel ranks (the step's tokens and elements of all its blocks)."""
+        if self.world == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.int64, device=self.accelerator.device)
+        return [int(x) for x in self.accelerator.reduce(t, reduction="sum").tolist()]
 
     def _loss(self, item: tuple[Block, CodElements]) -> LossOutput:
         with self.accelerator.autocast():
@@ -158,14 +172,17 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> dict[str, Any]:
-        """Loss and per-depth accuracy on the first ``cfg.val_max_blocks`` held-out blocks, each
-        COD-sampled with its fixed seed: ``{"val_loss", "val_acc"}``, ``{}`` without held-out blocks."""
+        """Loss and per-depth accuracy on the first ``cfg.val_max_blocks`` held-out blocks (by id),
+        each COD-sampled with its fixed seed: ``{"val_loss", "val_acc", "blocks"}`` (``blocks``: the
+        ids scored; a resume after more held-out blocks were extracted may score more), ``{}``
+        without held-out blocks."""
         cfg, device, was_training = self.cfg, self.accelerator.device, self.model.training
         self.model.eval()
         sums = None
-        for bid in self.run.val_ids[: cfg.val_max_blocks]:
-            block = block_to(to_block(int(bid), self.run.store.read_block(int(bid))), device)
-            el = sample_elements(block, cfg, torch.Generator().manual_seed(_seed_of(cfg.seed, 2, int(bid)))).to(device)
+        scored = [int(b) for b in self.run.val_ids[: cfg.val_max_blocks]]
+        for bid in scored:
+            block = block_to(to_block(bid, self.run.store.read_block(bid)), device)
+            el = sample_elements(block, cfg, torch.Generator().manual_seed(derive_seed(cfg.seed, 2, bid))).to(device)
             out = block_loss(self.unwrapped, self.unwrapped.lm_head.weight, self.verifier_head, block, el,
                              cfg.num_depths, cfg.loss_chunk_size, self.attention, self.logit_transform)
             sums = add_sums(sums, {"loss_sum": out.loss_sum.float().reshape(1), "weight_sum": out.weight_sum.reshape(1),
@@ -174,23 +191,38 @@ class Trainer:
         if sums is None:
             return {}
         loss, acc = summarise(sums)
-        return {"val_loss": loss, "val_acc": acc}
+        return {"val_loss": loss, "val_acc": acc, "blocks": scored}
 
     # ---------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """What ``training_state.pt`` holds: optimizer, scheduler, RNG, data position, step, config."""
-        data = self.loader.state_dict() if self.loader is not None else {"position": self.position,
-                                                                         "seed": self.cfg.seed}
+        """What ``training_state.pt`` holds: optimizer, scheduler, RNG, ``data``
+        (:func:`peagle_train.data.data_state`: the global cursor, blocks per step, world size, ...; None
+        without a run), step, ``max_steps`` (the schedule's length) and config."""
+        if self.loader is not None:
+            data = self.loader.state_dict()
+        else:
+            data = data_state(self.run.sequence, self.cursor, self.world, self.cfg.grad_accum) if self.run else None
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "rng": {"torch": torch.get_rng_state()}, "data": data, "step": self.step,
-                "train_config": self.cfg.to_dict()}
+                "max_steps": self.max_steps, "train_config": self.cfg.to_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a :meth:`state_dict` (the model weights are loaded apart, from the checkpoint)."""
+        """Continue from a :meth:`state_dict` (the model weights are loaded apart, from the checkpoint).
+
+        Raises:
+            InputError / StoreFormatError: from :func:`peagle_train.data.resume_cursor` (a state of an
+                earlier peagle, another number of blocks per step, blocks no longer done).
+            ValueError: the trainer's ``max_steps`` is not the saved run's.
+        """
+        where = str(self.run.resumed_from) if self.run.resumed_from is not None else "the checkpoint"
+        self.cursor = resume_cursor(state.get("data") or {}, self.run.sequence, self.world, self.cfg.grad_accum, where)
+        if int(state["max_steps"]) != self.max_steps:
+            raise ValueError(f"{where} is a run of {state['max_steps']} steps, the trainer has max_steps "
+                             f"{self.max_steps}; build it with the saved run's")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"]["torch"])
-        self.step, self.position = int(state["step"]), int(state["data"]["position"])
+        self.step = int(state["step"])
 
     def training_info(self) -> dict[str, Any]:
         """Recorded in config.json so evaluation can find the held-out split."""
@@ -213,8 +245,8 @@ class Trainer:
         from stores.progress import progress
 
         run, acc = self.run, self.accelerator
-        self.loader = BlockLoader(run.store, run.train_ids, self.cfg.seed, position=self.position, rank=self.rank,
-                                  world_size=self.world, pin_memory=acc.device.type == "cuda")
+        self.loader = BlockLoader(run.store, run.sequence, cursor=self.cursor, rank=self.rank, world_size=self.world,
+                                  grad_accum=self.cfg.grad_accum, pin_memory=acc.device.type == "cuda")
         batches = iter(self.loader)
         bar = progress(total=self.max_steps, initial=self.step, disable=not self.main, desc="peagle-train",
                    dynamic_ncols=True)
@@ -231,10 +263,11 @@ class Trainer:
             self.loader.close()
         return self._finish(t_start, wait0)
 
-    def _micro_batches(self, batches: Iterator[Block]) -> Iterator[tuple[Block, torch.Generator]]:
+    def _micro_batches(self, batches: Iterator[tuple[int, Block]]) -> Iterator[tuple[Block, torch.Generator]]:
+        """This rank's ``grad_accum`` blocks of the next step, each with the COD generator of its cursor."""
         for _ in range(self.cfg.grad_accum):
-            flat = self.loader.position * self.world + self.rank
-            yield next(batches), cod_generator(self.cfg.seed, flat)
+            cursor, block = next(batches)
+            yield block, cod_generator(self.cfg.seed, cursor)
 
     def _after_step(self, row: dict[str, Any], bar) -> None:
         """Log the step (every ``log_every`` and the last), save and validate every ``save_every``."""
@@ -309,8 +342,9 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     """Everything a run needs, checked before the verifier's weights load (docs/design.md §2).
 
     Opens the store(s) and splits them, checks the options, the output and the verifier's config,
-    loads the verifier's heads, builds the drafter (seeded by ``cfg.seed``), prepares the output
-    directory, resumes from the latest checkpoint with ``cfg.resume`` and starts the trackers.
+    checks that ``cfg.resume``'s latest checkpoint can be continued exactly on this launch, loads the
+    verifier's heads, builds the drafter (seeded by ``cfg.seed``), prepares the output directory,
+    resumes from that checkpoint and starts the trackers.
 
     Raises:
         see :func:`peagle_train.train.run_train`.
@@ -324,29 +358,39 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     attention = resolve_attention_backend(cfg.attention_backend)  # InputError before any work
     store = open_stores(cfg.store)  # several stores: one StoreSet, a validation split per store
     usable = usable_blocks(store, cfg.allow_incomplete)
-    train_ids, val_ids = split_per_store(store, usable, cfg.seed, cfg.val_fraction)
     verifier_name = cfg.verifier or store.attrs["verifier"]["name_or_path"]
     check_before_weights(cfg, store, verifier_name)
     mask = resolve_mask_token(verifier_name, store, cfg.mask_token_id)  # InputError before the weights load
+    accelerator = _accelerator(cfg, trackers)
+    usable = _rank0_blocks(accelerator, usable)
+    train_side, val_side = split_per_store(store, cfg.seed, cfg.val_fraction)  # over every block id
+    sequence = BlockSequence(train_side, np.intersect1d(train_side, usable), cfg.seed, str(store.path))
+    val_ids = np.intersect1d(val_side, usable)
+    resume_from = latest_checkpoint(cfg.output) if cfg.resume else None
+    state = load_training_state(resume_from) if resume_from is not None else None
+    if state is not None:  # refused here, before the weights load, unless it continues exactly
+        resume_cursor(state.get("data") or {}, sequence, accelerator.num_processes, cfg.grad_accum, str(resume_from))
     heads = load_verifier_heads(verifier_name, store, mask.id)
     d2t = build_draft_vocab(store.token_freq(), cfg.draft_vocab_size)
     D = int(d2t.numel()) if d2t is not None else store.vocab_size
-    accelerator = _accelerator(cfg, trackers)
-    run = _start_run(cfg, accelerator, store, usable, train_ids, val_ids, trackers)
+    run = _start_run(cfg, accelerator, store, sequence, val_side, val_ids, trackers)
+    if run.resumed_from != resume_from:
+        raise RuntimeError(f"the latest checkpoint in {cfg.output} changed while the run started "
+                           f"({resume_from} -> {run.resumed_from}); is another run writing there?")
     run.info.update(mask_token=mask.to_dict())
     run.summary.update(draft_vocab_size=D, mask_token=mask.to_dict())
     model, verifier_head = _drafter(cfg, heads, store, d2t, D, accelerator.device)
     transform = LogitTransform.from_config(heads.config)
     run.info.update(verifier_logit_transform={"scale": transform.scale, "softcap": transform.softcap})
     del heads
-    state = None
-    if run.resumed_from is not None:
+    if state is not None:
         from peagle_train.checkpoint import load_drafter
 
-        state = load_training_state(run.resumed_from)
-        model.load_state_dict(load_drafter(run.resumed_from).state_dict())
-    per_epoch = max(1, len(train_ids) // (cfg.grad_accum * accelerator.num_processes))
-    max_steps = cfg.max_steps if cfg.max_steps is not None else per_epoch
+        model.load_state_dict(load_drafter(resume_from).state_dict())
+        max_steps = int(state["max_steps"])  # the schedule's length, as the saved run computed it
+    else:
+        per_epoch = max(1, len(sequence.usable) // (cfg.grad_accum * accelerator.num_processes))
+        max_steps = cfg.max_steps if cfg.max_steps is not None else per_epoch
     trainer = Trainer(cfg, model, verifier_head, accelerator=accelerator, attention=attention, max_steps=max_steps,
                       warmup=cfg.warmup_steps, run=run, logit_transform=None if transform.identity else transform)
     if state is not None:
@@ -358,6 +402,16 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     if trainer.main:
         run.metrics.start(_hparams(cfg, trainer, D, verifier_name, run), trainer.step, cfg.resume)
     return trainer
+
+
+def _rank0_blocks(accelerator, usable: np.ndarray) -> np.ndarray:
+    """Rank 0's usable block ids on every rank (``[m] int64``): every rank must build the same block
+    sequence, and a store still being extracted may mark blocks done between the ranks' reads."""
+    if accelerator.num_processes == 1:
+        return usable
+    from accelerate.utils import broadcast_object_list
+
+    return np.asarray(broadcast_object_list([usable.tolist()], from_process=0)[0], dtype=np.int64)
 
 
 def _accelerator(cfg: TrainConfig, trackers: list[str]):
@@ -400,14 +454,15 @@ def _hparams(cfg: TrainConfig, trainer: Trainer, D: int, verifier_name: str, run
     return hparams
 
 
-def _start_run(cfg: TrainConfig, accelerator, store, usable, train_ids, val_ids, trackers) -> TrainRun:
+def _start_run(cfg: TrainConfig, accelerator, store, sequence: BlockSequence, val_side: np.ndarray,
+               val_ids: np.ndarray, trackers) -> TrainRun:
     """Warn about a large validation split, prepare the output directory (main rank), write
     ``train_config.json`` and find the checkpoint to resume from."""
     from peagle_train.multistore import store_identities
     from peagle_train.train import _prepare_output, val_split_warning
 
     main = accelerator.is_main_process
-    note = val_split_warning(len(usable), len(val_ids), cfg.val_fraction)
+    note = val_split_warning(store.n_blocks, len(val_side), cfg.val_fraction)
     if note and main:
         print(f"warning: {note}", file=sys.stderr)
     resume_from = _prepare_output(cfg) if main else None
@@ -417,9 +472,12 @@ def _start_run(cfg: TrainConfig, accelerator, store, usable, train_ids, val_ids,
     out = Path(cfg.output)
     if main:
         (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    info = {"store": cfg.store, "stores": store_identities(store),  # evaluation finds the held-out blocks by these
+    # evaluation finds the held-out blocks by these: val_blocks is the whole validation side (global ids,
+    # extracted or not), so a block extracted after the run started is known held out
+    info = {"store": cfg.store, "stores": store_identities(store),
+            "tokenizer": store.attrs.get("tokenizer") or {},  # what the drafter's token ids mean (peagle-eval checks it)
             "seed": cfg.seed, "val_fraction": cfg.val_fraction, "num_depths": cfg.num_depths,
             "max_anchors": cfg.max_anchors, "down_sample_ratio": cfg.down_sample_ratio,
-            "down_sample_ratio_min": cfg.down_sample_ratio_min, "val_blocks": [int(i) for i in val_ids]}
-    return TrainRun(store=store, train_ids=train_ids, val_ids=val_ids, output=out, info=info, summary={},
+            "down_sample_ratio_min": cfg.down_sample_ratio_min, "val_blocks": [int(i) for i in val_side]}
+    return TrainRun(store=store, sequence=sequence, val_ids=val_ids, output=out, info=info, summary={},
                     metrics=MetricsLog(out / "metrics.jsonl", accelerator, trackers), resumed_from=resume_from)

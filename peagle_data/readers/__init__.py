@@ -1,7 +1,7 @@
 """Conversation readers: files, globs and the ``sharegpt`` alias -> normalised OpenAI messages.
 
 Every input row becomes either a :class:`Conversation` (OpenAI messages with roles ``system``,
-``user``, ``assistant``, ``tool``) or a :class:`Reject` (the row's ``file:row`` source and a
+``developer``, ``user``, ``assistant``, ``tool``) or a :class:`Reject` (the row's ``file:row`` source and a
 reason). Nothing is dropped silently: a row that cannot be used is a ``Reject``, and with
 ``strict=True`` the first bad row raises :class:`stores.errors.InputError` naming file, row and
 field instead.
@@ -22,20 +22,32 @@ inputs. An id seen before (the same file given twice, a repeated explicit ``id``
 Normalisation rules (documented decisions):
 - the format is detected per row (``messages`` -> OpenAI, ``conversations`` -> ShareGPT) unless
   ``fmt`` forces one;
+- OpenAI roles: ``developer`` stays ``developer`` (the template gets it as vLLM gives it: as is when
+  the template names the role, else merged into the first system message), ``function`` and
+  ``ipython`` -> tool;
 - ShareGPT ``from``: ``human``/``user`` -> user, ``gpt``/``assistant`` -> assistant, ``system`` ->
-  system, ``function_call`` -> an assistant turn whose content is the call wrapped as
-  ``<tool_call>\\n...\\n</tool_call>`` (the ChatML/Hermes convention, so templates without tool
-  support still render it), ``observation``/``tool`` -> tool; a top-level ``system`` string
-  becomes a leading system message, a top-level ``tools`` (JSON string or list) is passed on;
-- OpenAI ``content`` may be a string, ``null`` (an assistant turn with ``tool_calls``) or a list of
-  parts: ``text`` parts are joined, ``reasoning`` parts become ``reasoning_content``,
-  ``tool_call`` parts become ``tool_calls`` entries;
+  system, ``function_call`` (Glaive, LLaMA-Factory: the value is ``{"name", "arguments"}`` JSON, or a
+  list of them) -> an assistant message with content null and those ``tool_calls``
+  (``sharegpt_function_calls``), ``observation``/``tool``/``function`` -> a tool message
+  (``sharegpt_observations``): the verifier's own template renders them, exactly as it renders the
+  same conversation in OpenAI form (a template without tool support rejects the row: "template drops
+  tool_calls"); a value that is not such JSON rejects the row; a top-level ``system`` string becomes
+  a leading system message, a top-level ``tools`` (JSON string or list) is passed on;
+- OpenAI ``content`` may be a string, ``null`` (an assistant turn with ``tool_calls``; kept null) or a
+  list of parts: text parts (``text``, ``input_text``, ``output_text``, ``refusal``, bare strings) are
+  kept as parts (one part as its string; a tool message's parts joined with ``"\\n"``), and the chat
+  template gets them as vLLM passes them: joined with ``"\\n"`` for a string-content template, as the
+  list for one that loops over content (:mod:`peagle_data.chat_render`); ``reasoning`` parts become
+  ``reasoning_content``, ``tool_call`` parts become ``tool_calls`` entries;
+- a bare tool schema ``{"name", "description", "parameters"}`` in ``tools`` is wrapped as
+  ``{"type": "function", "function": ...}``, the form a client sends to vLLM (``tool_schemas_wrapped``);
 - tool-call ``arguments`` (and a tool's ``parameters``, or a whole ``tools`` entry) given as a
   string that parses as a JSON object (the OpenAI wire form) are decoded into that object, so
-  both forms render and mask identically; a string that is not a JSON object stays as is and is
-  counted (``tool_arguments_not_json``); an assistant's legacy ``function_call`` becomes a
-  ``tool_calls`` entry; a null field counts as absent wherever two keys are alternatives
-  (``text``/``value``, ``from``/``role``);
+  both forms render and mask identically; no arguments are ``{}``; arguments that are no JSON
+  object (text or not) reject the row (vLLM renders them as ``{}``); a flat call ``{"name",
+  "arguments"}`` is wrapped as ``{"type": "function", "function": ...}`` (``tool_calls_wrapped``); an
+  assistant's legacy ``function_call`` becomes a ``tool_calls`` entry; a null field counts as absent
+  wherever two keys are alternatives (``text``/``value``, ``from``/``role``);
 - Parquet rows: Arrow's schema unification gives every struct the keys of all rows, null where a
   row had none, and Arrow cannot tell absent from null; so every null key inside ``tools``,
   ``tool_calls``, ``function_call`` and content-part lists is dropped (rows touched are counted,
@@ -43,7 +55,8 @@ Normalisation rules (documented decisions):
 - a content part of an unsupported type (image, audio, file) rejects the row, or with
   ``keep_dropped`` is left out and counted (``dropped_content_parts``);
 - leading assistant turns (before any user turn) are dropped and counted, the rest is kept;
-- two (or more) user turns in a row are merged into one, joined by ``"\\n\\n"``, and counted;
+- two (or more) user turns in a row are merged into one, joined by ``"\\n\\n"`` (lists of text
+  parts: the first's last part and the second's first part), and counted;
 - an assistant turn with empty content (no text, reasoning or tool calls) yields no supervised
   token at all, not even its end-of-turn token; it is kept as context and counted; a
   conversation whose assistant turns are all empty is rejected ("no supervised tokens");
@@ -71,6 +84,8 @@ from peagle_data.readers.formats import iter_records
 from peagle_data.readers.inputs import UniqueIds, id_stems, resolve_inputs
 from peagle_data.readers.normalize import (
     ROW_COUNTS,
+    content_text,
+    content_texts,
     drop_arrow_nulls,
     is_empty_assistant,
     is_unsupervised,
@@ -93,6 +108,8 @@ __all__ = [
     "drop_arrow_nulls",
     "is_empty_assistant",
     "is_unsupervised",
+    "content_text",
+    "content_texts",
     "ROW_COUNTS",
 ]
 

@@ -11,7 +11,8 @@ from typing import Any
 
 from peagle_data.readers.rows import FORMATS, RowError
 
-__all__ = ["normalize_record", "drop_arrow_nulls", "is_empty_assistant", "is_unsupervised", "ROW_COUNTS"]
+__all__ = ["normalize_record", "drop_arrow_nulls", "is_empty_assistant", "is_unsupervised", "content_text",
+           "content_texts", "ROW_COUNTS"]
 
 _SHAREGPT_ROLES = {
     "human": "user", "user": "user",
@@ -20,7 +21,7 @@ _SHAREGPT_ROLES = {
     "function_call": "function_call",
     "observation": "tool", "tool": "tool", "function": "tool",
 }
-_OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+_OPENAI_ROLES = {"system": "system", "developer": "developer", "user": "user", "assistant": "assistant",
                  "tool": "tool", "function": "tool", "ipython": "tool"}
 
 
@@ -53,26 +54,42 @@ def _json_object(text: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _decode_arguments(entry: dict[str, Any], stats: dict[str, int]) -> dict[str, Any]:
-    """A tool call whose ``arguments`` is a string holding a JSON object, with the object instead.
+def _decode_arguments(entry: dict[str, Any], stats: dict[str, int], where: str) -> dict[str, Any]:
+    """A tool call as an OpenAI ``tool_calls`` entry ``{"type": "function", "function": {"name",
+    "arguments"}}`` with its arguments a mapping, as vLLM passes it to a template.
 
     The OpenAI wire form gives arguments as JSON text; templates render a string and a mapping
-    differently (``tojson`` of a string is a quoted, escaped string), so both forms are made one.
-    A string that is not a JSON object stays as is and is counted (``tool_arguments_not_json``).
+    differently (``tojson`` of a string is a quoted, escaped string), and vLLM decodes the text, so
+    text holding a JSON object is decoded (``tool_arguments_decoded``); no arguments (null, ``""``)
+    are ``{}``, as in vLLM. A flat call ``{"name", "arguments"}`` (no ``function`` object) is wrapped
+    (``tool_calls_wrapped``).
+
+    Raises:
+        RowError: arguments that are no JSON object (vLLM renders them as ``{}``, so no row holds what
+            the call said), a call of another type than ``function``, or one without a function name.
     """
     fn = entry.get("function")
-    holder = fn if isinstance(fn, dict) else entry
-    args = holder.get("arguments")
-    if not isinstance(args, str):
-        return entry
-    decoded = _json_object(args)
-    if decoded is None:
-        stats["tool_arguments_not_json"] += 1
-        return entry
-    stats["tool_arguments_decoded"] += 1
-    if isinstance(fn, dict):
-        return {**entry, "function": {**fn, "arguments": decoded}}
-    return {**entry, "arguments": decoded}
+    if not isinstance(fn, dict) and entry.get("type") is None and isinstance(entry.get("name"), str):
+        fn = {key: entry[key] for key in ("name", "arguments") if key in entry}
+        entry = {**{k: v for k, v in entry.items() if k not in ("name", "arguments")}, "function": fn}
+        stats["tool_calls_wrapped"] += 1
+    if entry.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise RowError(f"invalid tool call: {where} is not a function call with a name (expected "
+                       '{"type": "function", "function": {"name", "arguments"}})', where)
+    args = fn.get("arguments")
+    if args is None or args == "":
+        args = {}
+    elif isinstance(args, str):
+        decoded = _json_object(args)
+        if decoded is None:
+            raise RowError(f"invalid tool call: {where}.function.arguments is text that is not a JSON object (vLLM "
+                           "renders such arguments as {}); fix or drop the call", f"{where}.function.arguments")
+        args = decoded
+        stats["tool_arguments_decoded"] += 1
+    elif not isinstance(args, dict):
+        raise RowError(f"invalid tool call: {where}.function.arguments is a {type(args).__name__}, not a JSON object "
+                       "(vLLM renders such arguments as {})", f"{where}.function.arguments")
+    return {**entry, "type": "function", "function": {**fn, "arguments": args}}
 
 
 def _tool_call_part(part: dict[str, Any], where: str) -> dict[str, Any]:
@@ -96,12 +113,44 @@ def _tool_call_part(part: dict[str, Any], where: str) -> dict[str, Any]:
     return entry
 
 
-def _openai_content(msg: dict[str, Any], where: str,
-                    stats: dict[str, int]) -> tuple[str | None, str | None, list]:
-    """(text, reasoning, tool calls) of an OpenAI message's ``content`` (string, null or list of parts).
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+"""Content-part types that are text (vLLM's text parts, but ``thinking``) -> the key holding the text."""
 
-    A part of an unsupported type (image, audio, file) rejects the row, or, when ``stats`` has the
-    key ``dropped_content_parts`` (``keep_dropped``), is left out and counted there.
+
+def content_texts(content: Any) -> list[str]:
+    """The text parts of normalised content: a string is one part, None none, a list its parts' texts."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
+    return [part["text"] for part in content]
+
+
+def content_text(content: Any) -> str:
+    """Normalised content as one string: its text parts joined with ``"\n"``, as vLLM joins them for a
+    string-content template (None: ``""``)."""
+    return "\n".join(content_texts(content))
+
+
+def _parts_content(texts: list[str]) -> str | list[dict[str, str]]:
+    """Normalised content of a list of text parts: one part is its string (vLLM renders both alike in
+    either content format), more stay a list of ``{"type": "text", "text"}`` parts (none: ``[]``)."""
+    if len(texts) == 1:
+        return texts[0]
+    return [{"type": "text", "text": t} for t in texts]
+
+
+def _openai_content(msg: dict[str, Any], where: str,
+                    stats: dict[str, int]) -> tuple[str | list | None, str | None, list]:
+    """(content, reasoning, tool calls) of an OpenAI message's ``content`` (string, null or list of parts).
+
+    Content is None (null), a string, or, for a list of parts, its text parts (``text``,
+    ``input_text``, ``output_text``, ``refusal``, bare strings) as :func:`_parts_content` keeps them:
+    the chat template gets them as vLLM passes them (joined with ``"\n"``, or the list;
+    :func:`peagle_data.chat_render.template_messages`). ``reasoning``/``thinking`` parts become the
+    reasoning, ``tool_call``/``function_call`` parts tool calls. A part of another type (image, audio,
+    file) rejects the row, or, when ``stats`` has the key ``dropped_content_parts`` (``keep_dropped``),
+    is left out and counted there.
     """
     content = msg.get("content")
     if content is None or isinstance(content, str):
@@ -117,11 +166,10 @@ def _openai_content(msg: dict[str, Any], where: str,
         if not isinstance(part, dict):
             raise RowError(f"content not text: {pw} is a {type(part).__name__}", pw)
         kind = _first(part, "type") or "text"
-        value = _first(part, "text", "value")
-        if kind == "text":
-            texts.append(_check_text(value, pw))
+        if kind in _TEXT_PARTS:
+            texts.append(_check_text(_first(part, _TEXT_PARTS[kind], "value"), pw))
         elif kind in ("reasoning", "thinking"):
-            reasoning.append(_check_text(value, pw))
+            reasoning.append(_check_text(_first(part, "text", "value"), pw))
         elif kind in ("tool_call", "function_call"):
             calls.append(_tool_call_part(part, pw))
         elif "dropped_content_parts" in stats:
@@ -129,7 +177,7 @@ def _openai_content(msg: dict[str, Any], where: str,
         else:
             raise RowError(f"unsupported content part: {pw} has type {kind!r} (the chat template renders "
                           "text only; --on-dropped-content keep leaves such parts out and counts them)", pw)
-    return "".join(texts), ("".join(reasoning) if reasoning else None), calls
+    return _parts_content(texts), ("".join(reasoning) if reasoning else None), calls
 
 
 def _message_tool_calls(msg: dict[str, Any], where: str, part_calls: list,
@@ -139,18 +187,20 @@ def _message_tool_calls(msg: dict[str, Any], where: str, part_calls: list,
     calls = msg.get("tool_calls") or []
     if not isinstance(calls, list):
         raise RowError(f"invalid tool call: {where}.tool_calls is a {type(calls).__name__}", f"{where}.tool_calls")
+    located = [(call, f"{where}.tool_calls[{k}]") for k, call in enumerate(calls)]
     legacy = msg.get("function_call")
     if legacy is not None:
         if not isinstance(legacy, dict) or not isinstance(legacy.get("name"), str):
             raise RowError(f"invalid tool call: {where}.function_call has no function name", f"{where}.function_call")
-        calls = calls + [{"type": "function", "function": {"name": legacy["name"],
-                                                          "arguments": _first(legacy, "arguments") or {}}}]
+        located.append(({"type": "function", "function": {"name": legacy["name"],
+                                                          "arguments": _first(legacy, "arguments")}},
+                        f"{where}.function_call"))
+    located += [(call, f"{where}.content") for call in part_calls]
     out = []
-    for k, call in enumerate(calls + part_calls):
+    for call, at in located:
         if not isinstance(call, dict):
-            raise RowError(f"invalid tool call: {where}.tool_calls[{k}] is a {type(call).__name__}",
-                          f"{where}.tool_calls[{k}]")
-        out.append(_decode_arguments(call, stats))
+            raise RowError(f"invalid tool call: {at} is a {type(call).__name__}", at)
+        out.append(_decode_arguments(call, stats, at))
     return out
 
 
@@ -174,7 +224,9 @@ def _normalize_openai(messages: Any, stats: dict[str, int]) -> list[dict[str, An
         if text is None and not tool_calls:
             state = "is null" if "content" in msg else "is missing"
             raise RowError(f"turn with no content: {where}.content {state}", f"{where}.content")
-        new: dict[str, Any] = {"role": role, "content": text if text is not None else ""}
+        if role == "tool" and isinstance(text, list):  # vLLM joins a tool message's text parts in both formats
+            text = content_text(text)
+        new: dict[str, Any] = {"role": role, "content": text}
         if reasoning:
             new["reasoning_content"] = _check_text(reasoning, f"{where}.reasoning_content")
         if tool_calls:
@@ -184,8 +236,22 @@ def _normalize_openai(messages: Any, stats: dict[str, int]) -> list[dict[str, An
                 new[key] = msg[key]
         _copy_weight(msg, new, where)
         _copy_finish_reason(msg, new, where)
+        _copy_token_ids(msg, new, where)
         out.append(new)
     return out
+
+
+def _copy_token_ids(turn: dict[str, Any], new: dict[str, Any], where: str) -> None:
+    """An assistant turn's ``token_ids`` (``peagle-data regenerate`` writes the ids the verifier
+    generated): kept, a list of ints >= 0, so that ``tokenize`` checks the turn's text re-tokenizes
+    to exactly them; anything else rejects the row."""
+    ids = turn.get("token_ids")
+    if ids is None or new["role"] != "assistant":
+        return
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise RowError(f"invalid token_ids: {where}.token_ids must be a list of token ids (ints >= 0)",
+                       f"{where}.token_ids")
+    new["token_ids"] = ids
 
 
 def _copy_weight(turn: dict[str, Any], new: dict[str, Any], where: str) -> None:
@@ -217,7 +283,39 @@ def _copy_finish_reason(turn: dict[str, Any], new: dict[str, Any], where: str) -
     new["finish_reason"] = "length"
 
 
-def _normalize_sharegpt(turns: Any, system: Any) -> list[dict[str, Any]]:
+def _sharegpt_calls(value: str, where: str, stats: dict[str, int]) -> list[dict[str, Any]]:
+    """The OpenAI ``tool_calls`` of a ShareGPT ``function_call`` turn (Glaive, LLaMA-Factory): its value
+    is a JSON object ``{"name", "arguments"}`` or a list of them (parallel calls); ``arguments`` may be
+    JSON text (decoded, :func:`_decode_arguments`). Counted as ``sharegpt_function_calls``.
+
+    Raises:
+        RowError: the value is not JSON, or a call has no function name (names the turn).
+    """
+    try:
+        calls = json.loads(value)
+    except (json.JSONDecodeError, RecursionError):
+        raise RowError(f"invalid tool call: {where}.value of a function_call turn is not JSON (expected "
+                       '{"name": ..., "arguments": {...}} or a list of them)', f"{where}.value") from None
+    out = []
+    for k, call in enumerate(calls if isinstance(calls, list) else [calls]):
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            at = f"{where}.value" if not isinstance(calls, list) else f"{where}.value[{k}]"
+            raise RowError(f"invalid tool call: {at} of a function_call turn has no function name", at)
+        entry = {"type": "function", "function": {"name": call["name"], "arguments": _first(call, "arguments") or {}}}
+        if call.get("id") is not None:
+            entry["id"] = call["id"]
+        out.append(_decode_arguments(entry, stats, f"{where}.value" if not isinstance(calls, list)
+                                     else f"{where}.value[{k}]"))
+    if not out:
+        raise RowError(f"invalid tool call: {where}.value of a function_call turn is an empty list", f"{where}.value")
+    stats["sharegpt_function_calls"] += len(out)
+    return out
+
+
+def _normalize_sharegpt(turns: Any, system: Any, stats: dict[str, int]) -> list[dict[str, Any]]:
+    """ShareGPT turns as OpenAI messages; a ``function_call`` turn is an assistant message with
+    ``tool_calls`` (content null), an ``observation`` (``tool``, ``function``) turn a ``tool`` message, so
+    the verifier's own template renders them as it renders the same conversation in OpenAI form."""
     if not isinstance(turns, list):
         raise RowError(f"not a list: 'conversations' is a {type(turns).__name__}", "conversations")
     out: list[dict[str, Any]] = []
@@ -237,9 +335,10 @@ def _normalize_sharegpt(turns: Any, system: Any) -> list[dict[str, Any]]:
             raise RowError(f"turn with no content: {where}.value {state}", f"{where}.value")
         value = _check_text(value, f"{where}.value")
         if role == "function_call":
-            out.append({"role": "assistant", "content": f"<tool_call>\n{value}\n</tool_call>"})
+            out.append({"role": "assistant", "content": None, "tool_calls": _sharegpt_calls(value, where, stats)})
         else:
             out.append({"role": role, "content": value})
+            stats["sharegpt_observations"] += role == "tool"
         _copy_weight(turn, out[-1], where)
         _copy_finish_reason(turn, out[-1], where)
     return out
@@ -248,7 +347,10 @@ def _normalize_sharegpt(turns: Any, system: Any) -> list[dict[str, Any]]:
 def _parse_tools(tools: Any, stats: dict[str, int]) -> list[Any] | None:
     """The row's tool list. A list entry, or a function's ``parameters``, given as JSON text is
     decoded when it holds a JSON object (``tool_schemas_decoded``), like tool-call arguments; an
-    entry that is not a JSON object rejects the row."""
+    entry that is not a JSON object rejects the row. A bare function schema ``{"name", "description",
+    "parameters"}`` (Glaive, LLaMA-Factory) is wrapped as ``{"type": "function", "function": ...}``, the
+    form an OpenAI client sends and vLLM passes to the template (``tool_schemas_wrapped``); a tool
+    vLLM's request model refuses rejects the row (:func:`_check_tool`)."""
     if tools is None or tools == "" or tools == []:
         return None
     if isinstance(tools, str):
@@ -269,15 +371,47 @@ def _parse_tools(tools: Any, stats: dict[str, int]) -> list[Any] | None:
             stats["tool_schemas_decoded"] += 1
         if not isinstance(tool, dict):
             raise RowError(f"invalid tools: tools[{k}] is a {type(tool).__name__}, expected an object", f"tools[{k}]")
+        if tool.get("function") is None and tool.get("type") is None and isinstance(tool.get("name"), str):
+            tool = {"type": "function", "function": tool}  # a bare schema (Glaive): as a client sends it to vLLM
+            stats["tool_schemas_wrapped"] += 1
         fn = tool.get("function")
-        holder = fn if isinstance(fn, dict) else tool
-        params = holder.get("parameters")
-        if isinstance(params, str) and _json_object(params) is not None:
-            holder = {**holder, "parameters": _json_object(params)}
-            tool = {**tool, "function": holder} if isinstance(fn, dict) else holder
+        if isinstance(fn, dict) and isinstance(fn.get("parameters"), str) and _json_object(fn["parameters"]):
+            tool = {**tool, "function": {**fn, "parameters": _json_object(fn["parameters"])}}
             stats["tool_schemas_decoded"] += 1
-        out.append(tool)
+        out.append(_check_tool(tool, f"tools[{k}]"))
     return out or None
+
+
+def _check_tool(tool: dict[str, Any], where: str) -> dict[str, Any]:
+    """``tool`` when vLLM's request model takes it (``{"type": "function", "function": {"name": str,
+    "description": str, "parameters": object}}``, the type optional, description and parameters
+    optional), else a RowError naming the field: vLLM refuses such a request, so no template render
+    of it is the served one."""
+    fn = tool.get("function")
+    if tool.get("type", "function") != "function" or not isinstance(fn, dict):
+        raise RowError(f"invalid tools: {where} is not a function tool (expected {{\"type\": \"function\", "
+                       f"\"function\": {{\"name\", \"description\", \"parameters\"}}}} or a bare "
+                       f"{{\"name\", \"parameters\"}} schema)", where)
+    if not isinstance(fn.get("name"), str):
+        raise RowError(f"invalid tools: {where}.function has no name", f"{where}.function.name")
+    if fn.get("description") is not None and not isinstance(fn["description"], str):
+        raise RowError(f"invalid tools: {where}.function.description is a {type(fn['description']).__name__}, "
+                       "expected text", f"{where}.function.description")
+    if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+        raise RowError(f"invalid tools: {where}.function.parameters is not a JSON object",
+                       f"{where}.function.parameters")
+    return tool
+
+
+def _merged(first: str | list, second: str | list) -> str | list:
+    """The content of two consecutive user turns merged into one: their texts joined with ``"\n\n"``
+    (the last part of the first and the first part of the second, for lists of text parts)."""
+    if isinstance(first, str) and isinstance(second, str):
+        return first + "\n\n" + second
+    a, b = content_texts(first), content_texts(second)
+    if not a or not b:
+        return _parts_content(a + b)
+    return _parts_content(a[:-1] + [a[-1] + "\n\n" + b[0]] + b[1:])
 
 
 def _tidy(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, int]]:
@@ -295,7 +429,7 @@ def _tidy(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[st
             continue
         if role == "user":
             if seen_user and out and out[-1]["role"] == "user":
-                out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + msg["content"]}
+                out[-1] = {**out[-1], "content": _merged(out[-1]["content"], msg["content"])}
                 counts["merged_user_turns"] += 1
                 continue
             seen_user = True
@@ -326,7 +460,7 @@ def is_empty_assistant(msg: dict[str, Any]) -> bool:
     def blank(value: Any) -> bool:
         return value is None or (isinstance(value, str) and not value.strip())
 
-    return blank(msg.get("content")) and blank(msg.get("reasoning_content")) and not msg.get("tool_calls")
+    return blank(content_text(msg.get("content"))) and blank(msg.get("reasoning_content")) and not msg.get("tool_calls")
 
 
 def is_unsupervised(msg: dict[str, Any]) -> bool:
@@ -334,7 +468,8 @@ def is_unsupervised(msg: dict[str, Any]) -> bool:
     return is_empty_assistant(msg) or msg.get("weight") == 0
 
 
-ROW_COUNTS = ("tool_arguments_decoded", "tool_arguments_not_json", "tool_schemas_decoded", "dropped_content_parts")
+ROW_COUNTS = ("tool_arguments_decoded", "tool_calls_wrapped", "tool_schemas_decoded", "tool_schemas_wrapped",
+              "sharegpt_function_calls", "sharegpt_observations", "dropped_content_parts")
 """Per-row counts of :attr:`Conversation.counts` (summed into the manifest)."""
 
 
@@ -370,13 +505,13 @@ def normalize_record(record: dict[str, Any], fmt: str = "auto", keep_dropped: bo
         # Some datasets store ShareGPT turns under "messages".
         if isinstance(msgs, list) and msgs and isinstance(msgs[0], dict) and msgs[0].get("from") is not None \
                 and msgs[0].get("role") is None:
-            messages = _normalize_sharegpt(msgs, record.get("system"))
+            messages = _normalize_sharegpt(msgs, record.get("system"), stats)
         else:
             messages = _normalize_openai(msgs, stats)
     elif fmt == "sharegpt":
         if "conversations" not in record:
             raise RowError("missing field: --format sharegpt needs 'conversations'", "conversations")
-        messages = _normalize_sharegpt(record["conversations"], record.get("system"))
+        messages = _normalize_sharegpt(record["conversations"], record.get("system"), stats)
     else:
         raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")
     tools = _parse_tools(record.get("tools"), stats)

@@ -19,15 +19,18 @@ class Conversation:
         conversation_id: the row's ``id`` if it has one, else ``file:N`` (the path relative to the
             inputs' common parent, without extension); unique in a run (``~k`` suffix on repeats).
         source: ``file:N`` (N counts from 1).
-        messages: ``[{"role", "content", ...}]`` with roles system/user/assistant/tool.
+        messages: ``[{"role", "content", ...}]`` with roles system/developer/user/assistant/tool;
+            content is a string, None (an assistant turn with tool calls) or a list of
+            ``{"type": "text", "text"}`` parts (two or more, or none).
         tools: tool definitions to pass to the chat template, or None.
         dropped_leading_assistant: assistant turns dropped from the start of the conversation.
         merged_user_turns: user turns merged into the preceding user turn.
         empty_assistant_turns: assistant turns with empty content (no supervised tokens).
         duplicate_id_renamed: 1 when ``conversation_id`` got a ``~k`` suffix, else 0.
         counts: other non-zero per-row counts, summed into the manifest: ``tool_arguments_decoded``
-            and ``tool_arguments_not_json`` (JSON-string tool-call arguments decoded / kept as
-            text), ``tool_schemas_decoded``, ``dropped_content_parts`` (with ``keep_dropped``),
+            (JSON-string tool-call arguments decoded), ``tool_calls_wrapped``, ``tool_schemas_decoded``,
+            ``tool_schemas_wrapped``, ``sharegpt_function_calls``, ``sharegpt_observations``,
+            ``dropped_content_parts`` (with ``keep_dropped``),
             ``null_keys_dropped_rows`` (1 for a Parquet row whose null keys were dropped),
             ``weight_zero_turns`` (assistant turns with ``"weight": 0``: context only),
             ``cut_assistant_turns`` (``"finish_reason": "length"``: no end-of-turn supervised).

@@ -7,6 +7,7 @@ from pathlib import Path
 from peagle_train.evaluate.prompts import read_prompts
 from peagle_train.speculative import check_compatible, checked_num_draft_tokens
 from stores.errors import StoreMismatchError
+from stores.verifier_match import check_store_verifier, check_verifier_tokenizer
 
 
 def check_verifier_config(name: str, drafter) -> None:
@@ -28,7 +29,9 @@ def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = No
                          num_prompts: int | None = None, num_draft_tokens: int | None = None) -> None:
     """Every check of a ``peagle-eval`` run that needs no verifier weights (docs/design.md §2): the
     prompts file, the drafter checkpoint, ``num_draft_tokens`` against its trained ``num_depths``, the
-    store against the drafter, and each verifier's config
+    store against the drafter, the online verifier's tokenizer against the drafter's training data
+    (:func:`check_drafter_tokenizer`), the offline verifier against the store (content fingerprint and the
+    tokenizer of its ids: :func:`stores.verifier_match.check_store_verifier`), and each verifier's config
     (online: ``verifier_name`` or the drafter's; offline: ``verifier_name`` or the store's).
 
     Raises:
@@ -43,13 +46,34 @@ def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = No
     checked_num_draft_tokens(num_draft_tokens, drafter)
     names = []
     if prompts_file is not None:
-        names.append(verifier_name or drafter.config.verifier_name_or_path)
+        online = verifier_name or drafter.config.verifier_name_or_path
+        check_drafter_tokenizer(drafter_dir, online)
+        names.append(online)
     if store is not None:
         fs = FeatureStore.open(store)
         check_store_fits(fs, drafter)
-        names.append(verifier_name or fs.attrs.get("verifier", {}).get("name_or_path"))
+        offline = verifier_name or fs.attrs.get("verifier", {}).get("name_or_path")
+        if offline:
+            check_store_verifier(fs, offline)
+        names.append(offline)
     for name in dict.fromkeys(n for n in names if n):
         check_verifier_config(name, drafter)
+
+
+def check_drafter_tokenizer(drafter_dir: str | Path, verifier_name: str) -> None:
+    """The verifier's tokenizer is the one the drafter's training data was tokenized with (the store's
+    ``tokenizer`` record, which ``peagle-train`` keeps in ``config.json`` as ``peagle_training.tokenizer``;
+    a checkpoint without it, e.g. another tool's, is not checked): the drafter's embedding rows and
+    ``d2t`` mean that tokenizer's tokens.
+
+    Raises:
+        StoreMismatchError: another tokenizer (:func:`stores.verifier_match.check_tokenizer`).
+    """
+    import json
+
+    config = json.loads((Path(drafter_dir) / "config.json").read_text())
+    recorded = (config.get("peagle_training") or {}).get("tokenizer") or {}
+    check_verifier_tokenizer(recorded, f"the training data of the drafter {drafter_dir}", verifier_name)
 
 
 def check_store_fits(store, drafter) -> None:

@@ -17,6 +17,7 @@ from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.prompts import eos_ids
 from peagle_train.speculative import checked_num_draft_tokens
 from stores.errors import StoreMismatchError
+from stores.verifier_match import check_store_verifier
 
 
 def _argmax_chunked(x: torch.Tensor, head: torch.Tensor, rows: int = 1024) -> torch.Tensor:
@@ -230,8 +231,10 @@ def _training_store(store, training: dict[str, Any]) -> tuple[int | None, str | 
 
 def _held_out(done, n_blocks: int, first: int, training: dict[str, Any]):
     """``[M] int64`` the training run's held-out blocks among a training store's ``done`` ones: the recorded
-    global ``val_blocks`` in ``[first, first + n_blocks)``, or (checkpoints without them)
-    ``split_blocks(done, seed, val_fraction)``."""
+    global ``val_blocks`` in ``[first, first + n_blocks)`` (a run records its whole validation side,
+    extracted or not, so a held-out block extracted after training is scored too; earlier runs recorded
+    the done ones), or (checkpoints without them) ``split_blocks(done, seed, val_fraction)``, the split
+    of those earliest runs."""
     import numpy as np
 
     from peagle_train.data import split_blocks
@@ -272,8 +275,12 @@ def select_eval_blocks(store, drafter_config: dict[str, Any] | None = None,
     else:
         ids, split = _held_out(done, store.n_blocks, first, training), "validation"
         if ids.size == 0:
+            held = _held_out(np.arange(store.n_blocks, dtype=np.int64), store.n_blocks, first, training)
             ids, split = done, "training"
-            warnings.append(f"the training run held out no block of {store.path}: every block scored was trained on")
+            warnings.append(
+                f"the training run held out no block of {store.path}: every block scored was trained on" if held.size
+                == 0 else f"none of the {held.size} block(s) the training run held out of {store.path} is extracted "
+                f"(first: {held[:5].tolist()}): every block scored is a training block")
     ids = ids.tolist()
     return BlockSelection(ids[:max_blocks] if max_blocks else ids, split, int(done.size), int(store.n_blocks), warnings)
 
@@ -302,7 +309,8 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
 
     Raises:
         StoreFormatError: not a feature store or not a drafter checkpoint.
-        StoreMismatchError: the store's layers / sizes do not fit the drafter; no done block.
+        StoreMismatchError: the store's layers / sizes do not fit the drafter; no done block; the
+            verifier is not the store's (:func:`stores.verifier_match.check_store_verifier`).
     """
     from peagle_train.checkpoint import load_drafter
     from stores.feature_store import FeatureStore
@@ -325,6 +333,7 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
     if not name:
         raise StoreMismatchError(f"{store}: the store names no verifier; pass verifier_name")
     check_verifier_config(name, drafter)  # before the weights load
+    check_store_verifier(fs, name)  # the store's targets come from this verifier's lm_head
     verifier = load_verifier(name, device="cpu")
     lm_head = verifier.lm_head.weight.detach()  # [V, H]
     eos = eos_ids(load_tokenizer(name), verifier)

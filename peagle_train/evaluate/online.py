@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from peagle_train.evaluate.checks import check_verifier_config
+from peagle_train.evaluate.checks import check_drafter_tokenizer, check_verifier_config
 from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.prompts import Prompt, eos_ids, read_prompts, render_turn
 from peagle_train.evaluate.report import write_json
@@ -85,9 +85,11 @@ class _OnlineTotals:
 
 
 def _decode(tokenizer, tokens: Sequence[int], eos: Iterable[int]) -> str:
-    """The text of generated ``tokens`` without EOS ids and special tokens."""
+    """The text of generated ``tokens`` without EOS ids and special tokens, not cleaned up (it is
+    rendered into the next turn's prompt and re-tokenized: ``x != y`` must stay ``x != y``)."""
     eos = set(eos)
-    return tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True)
+    return tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True,
+                            clean_up_tokenization_spaces=False)
 
 
 def _turn_record(tokenizer, prompt: Prompt, turn: int, prompt_tokens: int, base: GenerationResult,
@@ -101,8 +103,8 @@ def _turn_record(tokenizer, prompt: Prompt, turn: int, prompt_tokens: int, base:
         "verifier_steps": spec.verifier_steps, "accepted": spec.accepted, "drafted": spec.drafted,
         "identical_to_greedy": same,
         "user": prompt.user_turns[turn],
-        "text": tokenizer.decode(spec.tokens, skip_special_tokens=False),
-        "reference_text": tokenizer.decode(base.tokens, skip_special_tokens=False),
+        "text": tokenizer.decode(spec.tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False),
+        "reference_text": tokenizer.decode(base.tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False),
     }
 
 
@@ -190,6 +192,7 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
 
     Raises:
         InputError: bad prompts file or options, or a drafter that does not match the verifier.
+        StoreMismatchError: a verifier of another tokenizer than the drafter's training data.
         StoreFormatError: not a drafter checkpoint. ModelNotFoundError: unknown verifier.
     """
     from peagle_train.checkpoint import load_drafter
@@ -203,6 +206,7 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
     if not name:
         raise InputError("the drafter's config names no verifier; pass one", field="--verifier")
     check_verifier_config(name, drafter)  # before the weights load
+    check_drafter_tokenizer(drafter_dir, name)
     # float32 everywhere: a K+1-token verify pass and one-token decoding then agree to ~1e-6, so
     # near-ties cannot flip an argmax the way they do in bf16.
     verifier = load_verifier(name, dtype=torch.float32)

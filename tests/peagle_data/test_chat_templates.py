@@ -9,6 +9,7 @@ tool-call text included) and the end-of-turn token; ids always equal ``apply_cha
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 
@@ -200,8 +201,14 @@ def test_mistral_inst_without_system(mistral_tok):
 def test_mistral_system_in_last_user_turn_gives_one_row_per_turn(mistral_tok):
     # The system prompt moves to the last user turn, so the first turn's context is rendered
     # differently in the full conversation: whole-conversation masks would be a guess.
-    with pytest.raises(ChatTemplateError, match="template rewrites history"):
+    with pytest.raises(ChatTemplateError) as info:
         tokenize_conversation(mistral_tok, TWO_TURNS, chat_template=MISTRAL)
+    assert str(info.value) == (
+        "template rewrites history: the render up to assistant turn 2 is not a prefix of the whole conversation's "
+        "render; it moves the system message into the last user turn (Mistral style): rendered in the user turn "
+        "before assistant turn 2 while that turn is last, and in a later user turn in the whole conversation; "
+        "per-turn rows (--on-history-rewrite split, the default) give each assistant turn a row with the context "
+        "the verifier is served")
     rows = tokenize_turns(mistral_tok, TWO_TURNS, chat_template=MISTRAL)
     assert [turn for turn, _ in rows] == [2, 4]
     for (turn, out), expected in zip(rows, [" 2+2 is 4.</s>", " It is 6.</s>"]):
@@ -211,6 +218,66 @@ def test_mistral_system_in_last_user_turn_gives_one_row_per_turn(mistral_tok):
         assert masked_texts(mistral_tok, out) == [expected]  # only the row's last turn
     assert "[INST] Be brief.\n\nWhat is 2+2?[/INST]" in mistral_tok.decode(rows[0][1].input_ids)
     assert "[INST] Be brief.\n\nAnd 3+3?[/INST]" in mistral_tok.decode(rows[1][1].input_ids)
+
+
+# Mistral v0.3's own template: the system prompt is rendered only while a user turn is the LAST
+# message (`loop.last`), so a conversation that ends with a reply never shows it.
+MISTRAL_V3 = (
+    "{{- '<s>' }}"
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{%- for message in loop_messages %}"
+    "{%- if message['role'] == 'user' %}"
+    "{%- if loop.last and system_message is defined %}"
+    "{{- '[INST] ' + system_message + '\n\n' + message['content'] + '[/INST]' }}"
+    "{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] | trim + '</s>' }}"
+    "{%- else %}{{- raise_exception('Only user and assistant roles are supported') }}{%- endif %}"
+    "{%- endfor %}"
+)
+
+LAST_USER_SYSTEM = ("template renders the system message only in the last user turn: the system message (message 0) "
+                    "is rendered in the prompt of assistant turn 2, where a user turn is the last message, but not "
+                    "once that turn's reply follows (a Mistral-v3 style `loop.last` test), so no row holds the "
+                    "context the verifier is served. Pass --chat-template FILE with a training template that renders "
+                    "the system message in the last user turn whatever follows it (the index of the last user "
+                    "message instead of `loop.last`); each assistant turn then gets its own row "
+                    "(--on-history-rewrite split, the default) whose context is the prompt the verifier is served")
+
+
+def test_mistral_v3_system_only_while_a_user_turn_is_last_is_refused_naming_the_cause(mistral_tok):
+    for messages in (TWO_TURNS, TWO_TURNS[:3]):
+        for tokenize in (tokenize_conversation, tokenize_turns):
+            with pytest.raises(ChatTemplateError) as info:
+                tokenize(mistral_tok, messages, chat_template=MISTRAL_V3)
+            assert str(info.value) == LAST_USER_SYSTEM
+    check(mistral_tok, TWO_TURNS[1:], MISTRAL_V3, [" 2+2 is 4.</s>", " It is 6.</s>"], "<s>")  # no system: exact
+    # The advised training template (the system message in the last user turn, MISTRAL above): each row's
+    # context is exactly the prompt Mistral-v3's own template renders for the served request.
+    rows = tokenize_turns(mistral_tok, TWO_TURNS, chat_template=MISTRAL)
+    for turn, out in rows:
+        served = mistral_tok.apply_chat_template(TWO_TURNS[:turn], tokenize=True, return_dict=False,
+                                                 chat_template=MISTRAL_V3)
+        first = int(out.loss_mask.argmax())
+        assert out.input_ids[:first].tolist() == list(served)
+        assert "Be brief." in mistral_tok.decode(served)
+
+
+def test_mistral_v3_rows_in_tokenize_are_rejected_with_the_cause(tmp_path, mistral_tok):
+    from peagle_data.prepare import TokenizeConfig, TokenizeRun, run_tokenize
+
+    template = tmp_path / "mistral_v3.jinja"
+    template.write_text(MISTRAL_V3)
+    src = tmp_path / "m.jsonl"
+    src.write_text(json.dumps({"messages": TWO_TURNS}) + "\n" + json.dumps({"messages": TWO_TURNS[1:]}) + "\n")
+    out = tmp_path / "t"
+    counts = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=out,
+                                      settings=TokenizeConfig(chat_template=str(template))),
+                          tokenizer=mistral_tok)["counts"]
+    assert (counts["used"], counts["rejected"]) == (1, 1)
+    assert counts["rejected_by_reason"] == {"template renders the system message only in the last user turn": 1}
+    (reject,) = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert reject["reason"] == LAST_USER_SYSTEM and reject["source"] == f"{src}:1"
 
 
 QWEN_REASONING = [
@@ -224,8 +291,15 @@ QWEN_REASONING = [
 def test_qwen3_drops_earlier_reasoning_so_rows_are_per_turn(qwen3_tok):
     full = qwen3_tok.apply_chat_template(QWEN_REASONING, tokenize=False, chat_template=QWEN3)
     assert "Two and two." not in full  # the template rewrites the first turn once a query follows
-    with pytest.raises(ChatTemplateError, match="template rewrites history"):
+    with pytest.raises(ChatTemplateError, match="^template rewrites history: .*; it drops the reasoning of "
+                                                "assistant turn 1 once later turns follow \\(Qwen3 style\\); per-turn"):
         tokenize_conversation(qwen3_tok, QWEN_REASONING, chat_template=QWEN3)
+    plain = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in QWEN_REASONING]
+    with pytest.raises(ChatTemplateError) as info:  # no reasoning: the last turn's injected empty think block
+        tokenize_conversation(qwen3_tok, plain, chat_template=QWEN3)
+    assert str(info.value).endswith(
+        " (assistant turn 1 renders as '<think>\\n\\n</think>\\n\\n4.<|im_end|>\\n' when it is the last message, as "
+        "'4.<|im_end|>\\n<|im_start|>user\\nAnd 3+3?<|' once later messages follow)")
     rows = tokenize_turns(qwen3_tok, QWEN_REASONING, chat_template=QWEN3)
     assert [t for t, _ in rows] == [1, 3]
     assert masked_texts(qwen3_tok, rows[0][1]) == ["<think>\nTwo and two.\n</think>\n\n4.<|im_end|>"]
@@ -295,6 +369,8 @@ def test_reply_ending_in_whitespace_chatml(smollm2_tokenizer, reply):
 
 
 def test_sharegpt_tool_call_rows_on_chatml_from_glaive(smollm2_tokenizer):
+    # SmolLM2's ChatML has no tool support: the tools list and every tool call are dropped by it, so such
+    # rows are rejected saying so; kept on request, a tool-call turn supervises nothing.
     from peagle_data.readers import Conversation, read_conversations
     from tests.conftest import shared_file
 
@@ -302,20 +378,143 @@ def test_sharegpt_tool_call_rows_on_chatml_from_glaive(smollm2_tokenizer):
              if isinstance(c, Conversation)]
     n_calls = n_tools = 0
     for conv in items:
-        if conv.tools:  # SmolLM2's template ignores the tools list: rejected unless kept on request
-            n_tools += 1
-            with pytest.raises(ChatTemplateError, match="^template drops tools: "):
+        calls = [m for m in conv.messages if m.get("tool_calls")]
+        if conv.tools or calls:
+            n_tools += bool(conv.tools)
+            part = "tools" if conv.tools else "tool_calls"
+            with pytest.raises(ChatTemplateError, match=f"^template drops {part}: "):
                 tokenize_conversation(smollm2_tokenizer, conv.messages, tools=conv.tools)
-        n_calls += check_mask_is_assistant_content(smollm2_tokenizer, conv, on_dropped="keep")
+        out = tokenize_conversation(smollm2_tokenizer, conv.messages, tools=conv.tools, on_dropped="keep")
+        texts = [m["content"] for m in conv.messages if m["role"] == "assistant" and not m.get("tool_calls")]
+        assert masked_texts(smollm2_tokenizer, out) == [c + "<|im_end|>" for c in texts]
+        n_calls += len(calls)
     assert n_calls == 29 and n_tools == 24
 
 
-def check_mask_is_assistant_content(tok, conv, on_dropped="reject") -> int:
-    """Each supervised run decodes to one assistant turn's content + <|im_end|>; returns #tool-call turns."""
-    out = tokenize_conversation(tok, conv.messages, tools=conv.tools, on_dropped=on_dropped)
-    assistants = [m["content"] for m in conv.messages if m["role"] == "assistant"]
-    assert masked_texts(tok, out) == [c + "<|im_end|>" for c in assistants]
-    return sum(c.startswith("<tool_call>") for c in assistants)
+# Llama-3.1 style tool use: tools in the first user turn, a call rendered as {"name", "parameters"}
+# JSON, tool results in an "ipython" turn (as Meta's template: a string result is iterable, so tojson).
+LLAMA31_TOOLS = (
+    "{{- '<|begin_of_text|>' }}"
+    "{%- if messages[0].role == 'system' %}{%- set system_message = messages[0].content | trim %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system_message = '' %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\n\n' }}"
+    "{%- if tools is not none %}{{- 'Environment: ipython\n' }}{%- endif %}"
+    "{{- system_message + '<|eot_id|>' }}"
+    "{%- if tools is not none %}{%- set first_user_message = messages[0].content | trim %}"
+    "{%- set messages = messages[1:] %}"
+    "{{- '<|start_header_id|>user<|end_header_id|>\n\nGiven the following functions, respond with a JSON for a '"
+    " 'function call.\n\nRespond in the format {\"name\": function name, \"parameters\": dictionary of argument '"
+    " 'name and its value}.\n\n' }}"
+    "{%- for t in tools %}{{- t | tojson(indent=4) + '\n\n' }}{%- endfor %}"
+    "{{- first_user_message + '<|eot_id|>' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}"
+    "{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n' + message.content | trim + '<|eot_id|>' }}"
+    "{%- elif 'tool_calls' in message %}{%- set tool_call = message.tool_calls[0].function %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\n\n{\"name\": \"' + tool_call.name + '\", \"parameters\": ' }}"
+    "{{- tool_call.arguments | tojson + '}<|eot_id|>' }}"
+    "{%- else %}{{- '<|start_header_id|>ipython<|end_header_id|>\n\n' }}"
+    "{%- if message.content is mapping or message.content is iterable %}{{- message.content | tojson }}"
+    "{%- else %}{{- message.content }}{%- endif %}{{- '<|eot_id|>' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
+)
+
+GLAIVE_ROW = {  # Glaive / LLaMA-Factory ShareGPT: tools as a JSON string of bare schemas
+    "tools": json.dumps([{"name": "search_recipes", "description": "Search for recipes",
+                          "parameters": {"type": "object", "properties": {"ingredients": {"type": "array"}}}}]),
+    "conversations": [
+        {"from": "human", "value": "I have chicken and rice."},
+        {"from": "function_call", "value": '{"name": "search_recipes", "arguments": {"ingredients": ["chicken", '
+                                           '"rice"]}}'},
+        {"from": "observation", "value": '{"recipes": ["Chicken fried rice"]}'},
+        {"from": "gpt", "value": "Try chicken fried rice."},
+    ],
+}
+
+
+def as_openai(row: dict) -> dict:
+    """A ShareGPT tool row written in OpenAI form by hand, as a client sends it: wrapped tools, calls
+    with JSON-string arguments and null content, tool results as tool messages."""
+    roles = {"human": "user", "gpt": "assistant", "system": "system", "observation": "tool"}
+    messages = []
+    for turn in row["conversations"]:
+        if turn["from"] == "function_call":
+            call = json.loads(turn["value"])
+            messages.append({"role": "assistant", "content": None, "tool_calls": [{
+                "id": f"call_{len(messages)}", "type": "function",
+                "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}]})
+        else:
+            messages.append({"role": roles[turn["from"]], "content": turn["value"]})
+    tools = [{"type": "function", "function": t} for t in json.loads(row["tools"] or "[]")]
+    return {"messages": messages, **({"tools": tools} if tools else {})}
+
+
+def _tool_rows_both_forms(tmp_path, sharegpt_rows):
+    from peagle_data.readers import Conversation, read_conversations
+
+    share, openai = tmp_path / "share.jsonl", tmp_path / "openai.jsonl"
+    share.write_text("".join(json.dumps(r) + "\n" for r in sharegpt_rows))
+    openai.write_text("".join(json.dumps(as_openai(r)) + "\n" for r in sharegpt_rows))
+    a = [c for c in read_conversations([share]) if isinstance(c, Conversation)]
+    b = [c for c in read_conversations([openai]) if isinstance(c, Conversation)]
+    assert len(a) == len(b) == len(sharegpt_rows)
+    return a, b
+
+
+def _rows(tok, conv, template):
+    """``[(turn, ids, mask)]`` of a conversation as tokenize makes them (per-turn rows when the template
+    rewrites history, as Qwen3's does: a last turn gets an empty think block), each row's ids checked
+    against transformers' own apply_chat_template of the OpenAI-form messages."""
+    out = []
+    for turn, t in tokenize_turns(tok, conv.messages, tools=conv.tools, chat_template=template):
+        messages = conv.messages if turn is None else conv.messages[: turn + 1]
+        reference = [{**m, "content": "" if m["content"] is None else m["content"]} for m in messages]
+        kw = {"tools": conv.tools} if conv.tools else {}
+        assert t.input_ids.tolist() == list(tok.apply_chat_template(reference, tokenize=True, return_dict=False,
+                                                                    chat_template=template, **kw))
+        out.append((turn, t.input_ids.tolist(), t.loss_mask.tolist(), t))
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama31"])
+def test_sharegpt_function_calls_render_like_the_openai_form(tmp_path, family, qwen3_tok, llama3_tok):
+    tok, template = {"qwen3": (qwen3_tok, QWEN3), "llama31": (llama3_tok, LLAMA31_TOOLS)}[family]
+    (share,), (openai,) = _tool_rows_both_forms(tmp_path, [GLAIVE_ROW])
+    x, y = _rows(tok, share, template), _rows(tok, openai, template)
+    assert [r[:3] for r in x] == [r[:3] for r in y]
+    # the call is supervised as the verifier's own template writes it, not as Hermes text
+    supervised = [text for *_, t in x for text in masked_texts(tok, t)]
+    assert supervised == {
+        "qwen3": ['<tool_call>\n{"name": "search_recipes", "arguments": {"ingredients": '
+                  '["chicken", "rice"]}}\n</tool_call><|im_end|>', "Try chicken fried rice.<|im_end|>"],
+        "llama31": ['{"name": "search_recipes", "parameters": {"ingredients": ["chicken", "rice"]}}<|eot_id|>',
+                    "Try chicken fried rice.<|eot_id|>"]}[family]
+    if family == "qwen3":  # the call is its row's last turn, so the template injects an empty think block: loss 0
+        assert "<|im_start|>assistant\n<think>\n\n</think>\n\n<tool_call>" in tok.decode(x[0][3].input_ids)
+    rendered = tok.decode(x[-1][3].input_ids)
+    assert {"qwen3": '<tool_response>\n{"recipes": ["Chicken fried rice"]}\n</tool_response>',
+            "llama31": '<|start_header_id|>ipython<|end_header_id|>\n\n"{\\"recipes\\": [\\"Chicken fried rice\\"]}"'
+            }[family] in rendered
+    assert '"name": "search_recipes"' in rendered.split("I have chicken")[0 if family == "qwen3" else 1]  # tools
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama31"])
+def test_glaive_sharegpt_and_openai_forms_give_identical_ids_and_masks(tmp_path, family, qwen3_tok, llama3_tok):
+    from tests.conftest import shared_file
+
+    tok, template = {"qwen3": (qwen3_tok, QWEN3), "llama31": (llama3_tok, LLAMA31_TOOLS)}[family]
+    rows = json.loads(shared_file("glaive_toolcall_en_demo.json").read_text())[:40]
+    share, openai = _tool_rows_both_forms(tmp_path, rows)
+    n_calls = supervised_calls = 0
+    opener = {"qwen3": "<tool_call>", "llama31": '{"name": '}[family]
+    for a, b in zip(share, openai):
+        x, y = _rows(tok, a, template), _rows(tok, b, template)
+        assert [r[:3] for r in x] == [r[:3] for r in y]
+        n_calls += sum(bool(m.get("tool_calls")) for m in a.messages)
+        # per-turn rows supervise their last turn only, a whole row every turn: each call once
+        supervised_calls += sum(text.startswith(opener) for *_, t in x for text in masked_texts(tok, t))
+    assert n_calls == 29 and supervised_calls == 29
 
 
 # --------------------------------------------------------------------------------------------

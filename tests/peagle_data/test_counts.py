@@ -8,7 +8,7 @@ from peagle_data.counts import Counts
 def test_to_manifest_keeps_the_counted_fields_in_order_and_leaves_out_the_uncounted():
     c = Counts()
     assert c.to_manifest() == {"read": 0, "used": 0, "rejected": 0, "null_keys_dropped_rows": 0,
-                               "tool_arguments_decoded": 0, "tool_arguments_not_json": 0, "tool_schemas_decoded": 0,
+                               "tool_arguments_decoded": 0, "tool_schemas_decoded": 0,
                                "conversations_with_dropped_content": 0}
     c.read += 3
     c.bump("duplicates", False)  # counted zero times: written as 0
@@ -19,7 +19,7 @@ def test_to_manifest_keeps_the_counted_fields_in_order_and_leaves_out_the_uncoun
     c.rejected_by_reason = {"bad json": 1}
     c.source("chat")["used"] += 1
     m = c.to_manifest()
-    assert list(m)[8:] == ["duplicates", "dropped_tools", "dropped_reasoning_content", "copies", "rejected_by_reason",
+    assert list(m)[7:] == ["duplicates", "dropped_tools", "dropped_reasoning_content", "copies", "rejected_by_reason",
                            "sources"]
     assert (m["read"], m["duplicates"], m["copies"], m["dropped_tools"], m["dropped_reasoning_content"]) == (3, 0, 2, 2, 1)
     assert m["sources"] == {"chat": {"read": 0, "used": 1, "rejected": 0, "duplicates": 0, "other_shards": 0}}

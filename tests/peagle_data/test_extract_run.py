@@ -94,6 +94,30 @@ def test_resume_refuses_other_layers_or_table(tmp_path, tiny_verifier_dir):
     assert s["blocks_done_this_run"] == 1 and s["complete"]  # the done block is not recomputed
 
 
+def test_resume_keeps_every_option_the_store_fixes(tmp_path, tiny_verifier_dir):
+    """A zstd store resumes with --compressor zstd into the store an uninterrupted run writes; without
+    it (the default, none) the resume is refused naming the option and both values, never continued
+    with the store's codec in silence."""
+    from stores.errors import InputError
+
+    packed = write_packed(tmp_path / "packed", n_blocks=3, block_size=32)
+    base = dict(packed=str(packed), verifier=str(tiny_verifier_dir), layers=[1, 2], device="cpu", compressor="zstd")
+    run_extract(ExtractConfig(**base, output=str(tmp_path / "whole.zarr")), progress=False, log=lambda m: None)
+    out = str(tmp_path / "f.zarr")
+    run_extract(ExtractConfig(**base, output=out, max_blocks=1), progress=False, log=lambda m: None)
+    with pytest.raises(InputError) as e:
+        run_extract(ExtractConfig(**{**base, "compressor": None}, output=out, resume=True), progress=False,
+                    log=lambda m: None)
+    assert "which a resume cannot change: --compressor: the store's zstd, given none." in str(e.value)
+    s = run_extract(ExtractConfig(**base, output=out, resume=True, max_blocks=5), progress=False, log=lambda m: None)
+    assert s["blocks_done_this_run"] == 2 and s["complete"]
+    a, b = FeatureStore.open(out), FeatureStore.open(tmp_path / "whole.zarr")
+    assert a.attrs["compressor"] == "zstd" and not a.raw_chunks
+    for i in range(3):
+        x, y = a.read_block(i), b.read_block(i)
+        assert torch.equal(x.aux_hidden, y.aux_hidden) and torch.equal(x.final_hidden, y.final_hidden)
+
+
 def _extract_cmd(packed, verifier, out, *extra):
     return [sys.executable, "-m", "cli.data_extract", str(packed), "--verifier", str(verifier),
             "--output", str(out), "--layers", "1,2,3", "--device", "cpu", *extra]

@@ -388,6 +388,6 @@ def test_resume_with_another_engine_is_refused(tmp_path):
                               max_blocks=1), progress=False)
     assert FeatureStore.open(out).attrs["engine"] == {"name": "hf"}
     FeatureStore.open(out, mode="r+").update_attrs(engine={"name": "vllm"})  # as --engine vllm records it
-    with pytest.raises(InputError, match="extracted with --engine vllm, asked for --engine hf"):
+    with pytest.raises(InputError, match="--engine: the store's vllm, given hf"):
         run_extract(ExtractConfig(packed=str(packed), verifier=str(model), output=str(out), layers=[1],
                                   device="cpu", resume=True), progress=False)

@@ -18,7 +18,7 @@ from peagle_data.prepare import PackConfig, PackRun, TokenizeConfig, TokenizeRun
 from stores.errors import InputError
 from stores.staging import _host_tag
 from stores.token_tables import TokenTable
-from tests.peagle_data.test_chat_templates import QWEN3
+from tests.peagle_data.test_chat_templates import QWEN3, qwen3_tok  # noqa: F401 - a fixture
 from tests.stores.test_staging import dead_pid, make_staging
 
 REPO = Path(__file__).resolve().parents[2]
@@ -392,6 +392,31 @@ def test_parquet_null_keys_are_counted_in_the_manifest(tmp_path, smollm2_tokeniz
     assert counts["used"] == 3 and counts["null_keys_dropped_rows"] == 3
     manifest = json.loads((tmp_path / "tok" / "manifest.json").read_text())
     assert manifest["counts"]["null_keys_dropped_rows"] == 3
+
+
+def test_sharegpt_function_calls_are_counted_and_tokenize_like_the_openai_form(tmp_path, qwen3_tok):
+    from tests.peagle_data.test_chat_templates import GLAIVE_ROW, as_openai
+
+    tok = qwen3_tok
+    template = tmp_path / "qwen3.jinja"
+    template.write_text(QWEN3)
+    share, openai = tmp_path / "share.jsonl", tmp_path / "openai.jsonl"
+    share.write_text(json.dumps({"id": "g", **GLAIVE_ROW}) + "\n")
+    openai.write_text(json.dumps({"id": "g", **as_openai(GLAIVE_ROW)}) + "\n")
+    counts = {}
+    for name, src in (("share", share), ("openai", openai)):
+        counts[name] = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / name,
+                                                settings=TokenizeConfig(chat_template=str(template))),
+                                    tokenizer=tok)["counts"]
+    manifest = json.loads((tmp_path / "share" / "manifest.json").read_text())["counts"]
+    assert (manifest["used"], manifest["sharegpt_function_calls"], manifest["sharegpt_observations"],
+            manifest["tool_schemas_wrapped"]) == (1, 1, 1, 1)
+    assert counts["openai"]["used"] == 1 and counts["openai"]["tool_arguments_decoded"] == 1
+    assert not {"sharegpt_function_calls", "sharegpt_observations", "tool_schemas_wrapped"} & set(counts["openai"])
+    a, b = (list(TokenTable.open(tmp_path / name).iter_rows()) for name in ("share", "openai"))
+    for key in ("input_ids", "loss_mask"):
+        assert [r[key].tolist() for r in a] == [r[key].tolist() for r in b]
+    assert [r["conversation_id"] for r in a] == ["g@1", "g@3"]  # the call turn is last in its row
 
 
 def test_assistant_turns_with_weight_zero_are_context_only(tmp_path, smollm2_tokenizer):

@@ -72,8 +72,83 @@ def test_sharegpt_roles_system_and_tools(tmp_path):
     (c,) = read_all(write_jsonl(tmp_path / "t.jsonl", [row]))
     assert [m["role"] for m in c.messages] == ["system", "user", "assistant", "tool", "assistant"]
     assert c.messages[0]["content"] == "Be nice."
-    assert c.messages[2]["content"] == '<tool_call>\n{"name": "f"}\n</tool_call>'
-    assert c.tools == [{"name": "f", "parameters": {}}]
+    # the function_call turn is a real tool call (no arguments: {}), the observation a tool message,
+    # and the bare schema is wrapped as an OpenAI client sends it
+    assert c.messages[2] == {"role": "assistant", "content": None,
+                             "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}]}
+    assert c.messages[3] == {"role": "tool", "content": "42"}
+    assert c.tools == [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    assert c.counts == {"sharegpt_function_calls": 1, "sharegpt_observations": 1, "tool_schemas_wrapped": 1}
+
+
+def test_sharegpt_function_call_values(tmp_path):
+    def row(value):
+        return {"conversations": [{"from": "human", "value": "go"}, {"from": "function_call", "value": value},
+                                  {"from": "observation", "value": "ok"}, {"from": "gpt", "value": "done"}]}
+
+    parallel = json.dumps([{"name": "f", "arguments": '{"x": 1}'}, {"name": "g", "arguments": {"y": [2]}}])
+    good, bad_json, no_name, empty = read_all(write_jsonl(tmp_path / "fc.jsonl", [
+        row(parallel), row("<tool_call>f()</tool_call>"), row('{"arguments": {}}'), row("[]")]))
+    assert good.messages[1]["tool_calls"] == [
+        {"type": "function", "function": {"name": "f", "arguments": {"x": 1}}},
+        {"type": "function", "function": {"name": "g", "arguments": {"y": [2]}}}]
+    assert good.counts == {"sharegpt_function_calls": 2, "sharegpt_observations": 1, "tool_arguments_decoded": 1}
+    assert (bad_json.reason, bad_json.field) == (
+        'invalid tool call: conversations[1].value of a function_call turn is not JSON (expected {"name": ..., '
+        '"arguments": {...}} or a list of them)', "conversations[1].value")
+    assert (no_name.reason, no_name.field) == (
+        "invalid tool call: conversations[1].value of a function_call turn has no function name",
+        "conversations[1].value")
+    assert empty.reason == "invalid tool call: conversations[1].value of a function_call turn is an empty list"
+
+
+def test_tool_calls_and_content_parts_read_alike_from_jsonl_json_and_parquet(tmp_path):
+    rows = [
+        {"id": "s", "tools": json.dumps([{"name": "f", "description": "d", "parameters": {"type": "object"}}]),
+         "conversations": [{"from": "human", "value": "go"},
+                           {"from": "function_call", "value": '{"name": "f", "arguments": "{\\"x\\": 1}"}'},
+                           {"from": "observation", "value": "7"}, {"from": "gpt", "value": "It is 7."}]},
+        {"id": "o", "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+            {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "7"},
+                                                              {"type": "text", "text": "8"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "It is"}, {"type": "text", "text": "7."}]}]},
+    ]
+    (tmp_path / "r.json").write_text(json.dumps(rows))
+    keys = ("id", "tools", "conversations", "messages")  # from_pylist takes the columns of the first row
+    pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in rows]), tmp_path / "r.parquet")
+    read = {ext: read_all(path) for ext, path in (
+        ("jsonl", write_jsonl(tmp_path / "r.jsonl", rows)), ("json", tmp_path / "r.json"),
+        ("parquet", tmp_path / "r.parquet"))}
+    for items in read.values():
+        assert [(c.messages, c.tools) for c in items] == [(c.messages, c.tools) for c in read["jsonl"]]
+    s, o = read["parquet"]
+    assert s.messages[1] == {"role": "assistant", "content": None,
+                             "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]}
+    assert s.tools == [{"type": "function", "function": {"name": "f", "description": "d",
+                                                         "parameters": {"type": "object"}}}]
+    assert o.messages[0]["content"] == [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert o.messages[2] == {"role": "tool", "content": "7\n8", "tool_call_id": "c"}
+    assert {k: v for k, v in s.counts.items() if k != "null_keys_dropped_rows"} == {
+        "sharegpt_function_calls": 1, "sharegpt_observations": 1, "tool_schemas_wrapped": 1,
+        "tool_arguments_decoded": 1}
+
+
+def test_tools_vllm_refuses_reject_the_row(tmp_path):
+    def row(tools):
+        return {"tools": tools, "messages": [{"role": "user", "content": "go"}, {"role": "assistant", "content": "ok"}]}
+
+    bad = [[{"type": "code_interpreter"}], [{"type": "function", "function": {"description": "no name"}}],
+           [{"function": {"name": "f", "description": 3}}], [{"function": {"name": "f", "parameters": "not json"}}]]
+    got = read_all(write_jsonl(tmp_path / "tools.jsonl", [row(t) for t in bad]))
+    assert [(r.reason, r.field) for r in got] == [
+        ('invalid tools: tools[0] is not a function tool (expected {"type": "function", "function": {"name", '
+         '"description", "parameters"}} or a bare {"name", "parameters"} schema)', "tools[0]"),
+        ("invalid tools: tools[0].function has no name", "tools[0].function.name"),
+        ("invalid tools: tools[0].function.description is a int, expected text", "tools[0].function.description"),
+        ("invalid tools: tools[0].function.parameters is not a JSON object", "tools[0].function.parameters")]
 
 
 def test_openai_content_parts_and_tool_calls(tmp_path):
@@ -85,9 +160,29 @@ def test_openai_content_parts_and_tool_calls(tmp_path):
         {"role": "assistant", "content": [{"type": "reasoning", "text": "think"}, {"type": "text", "value": "ok"}]},
     ]}
     (c,) = read_all(write_jsonl(tmp_path / "p.jsonl", [row]))
-    assert c.messages[0]["content"] == "ab"
-    assert c.messages[1]["content"] == "" and c.messages[1]["tool_calls"][0]["function"]["name"] == "f"
+    # two text parts stay parts (the template gets them as vLLM passes them: chat_render), one is its string
+    assert c.messages[0]["content"] == [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert c.messages[1]["content"] is None and c.messages[1]["tool_calls"][0]["function"]["name"] == "f"
     assert c.messages[3] == {"role": "assistant", "content": "ok", "reasoning_content": "think"}
+
+
+def test_text_part_types_tool_parts_and_merged_part_lists(tmp_path):
+    row = {"messages": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Summarise this:"}, "The cat sat on the mat."]},
+        {"role": "user", "content": [{"type": "text", "text": "Briefly."}, {"type": "text", "text": "Please."}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f"}}]},
+        {"role": "tool", "content": [{"type": "text", "text": "r1"}, {"type": "text", "text": "r2"}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Cat."}, {"type": "refusal",
+                                                                                  "refusal": "No more."}]},
+    ]}
+    (c,) = read_all(write_jsonl(tmp_path / "parts.jsonl", [row]))
+    # consecutive user turns: the first's last part and the second's first part joined with "\n\n"
+    assert c.messages[0] == {"role": "user", "content": [
+        {"type": "text", "text": "Summarise this:"}, {"type": "text", "text": "The cat sat on the mat.\n\nBriefly."},
+        {"type": "text", "text": "Please."}]}
+    assert c.merged_user_turns == 1
+    assert c.messages[2] == {"role": "tool", "content": "r1\nr2"}  # vLLM joins tool parts in both formats
+    assert c.messages[3]["content"] == [{"type": "text", "text": "Cat."}, {"type": "text", "text": "No more."}]
 
 
 def test_leading_assistant_dropped_and_user_turns_merged(tmp_path):
@@ -166,7 +261,15 @@ def test_glaive_tool_calling_set():
     roles = {m["role"] for c in items for m in c.messages}
     assert roles == {"user", "assistant", "tool"}
     assert sum(bool(c.tools) for c in items) == 191  # the others have tools "[]"
-    assert sum(any(m["content"].startswith("<tool_call>") for m in c.messages) for c in items) == 153
+    assert sum(any(m.get("tool_calls") for m in c.messages) for c in items) == 153
+    calls = [m for c in items for m in c.messages if m.get("tool_calls")]
+    assert len(calls) == 211 and sum(m["role"] == "tool" for c in items for m in c.messages) == 211
+    assert all(m["content"] is None and len(m["tool_calls"]) == 1 for m in calls)
+    assert calls[0]["tool_calls"] == [{"type": "function", "function": {
+        "name": "search_recipes", "arguments": {"ingredients": ["chicken", "bell peppers", "rice"]}}}]
+    assert items[0].tools[0]["type"] == "function" and items[0].tools[0]["function"]["name"] == "search_recipes"
+    assert sum(c.counts.get("sharegpt_function_calls", 0) for c in items) == 211
+    assert sum(c.counts.get("sharegpt_observations", 0) for c in items) == 211
 
 
 def test_tool_call_content_parts_become_tool_calls(tmp_path):
@@ -181,7 +284,7 @@ def test_tool_call_content_parts_become_tool_calls(tmp_path):
     ]}
     (c,) = read_all(write_jsonl(tmp_path / "tc.jsonl", [row]))
     assert c.tools == row["tools"]
-    assert c.messages[1] == {"role": "assistant", "content": "", "reasoning_content": "call f", "tool_calls": [
+    assert c.messages[1] == {"role": "assistant", "content": [], "reasoning_content": "call f", "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": {"x": 1}}},
         {"type": "function", "function": {"name": "g", "arguments": {}}}]}
     assert c.messages[2] == {"role": "tool", "content": "1"}
@@ -343,10 +446,29 @@ def test_json_string_tool_arguments_are_decoded(tmp_path):
     a, b, c, d = read_all(write_jsonl(tmp_path / "s.jsonl", [as_mapping, as_string, broken, legacy]))
     assert b.messages == a.messages and b.tools == a.tools
     assert a.counts == {} and b.counts == {"tool_arguments_decoded": 1, "tool_schemas_decoded": 1}
-    assert c.messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"'
-    assert c.counts == {"tool_arguments_not_json": 1}
-    assert d.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
+    assert (c.reason, c.field) == (
+        "invalid tool call: messages[1].tool_calls[0].function.arguments is text that is not a JSON object (vLLM "
+        "renders such arguments as {}); fix or drop the call", "messages[1].tool_calls[0].function.arguments")
+    assert d.messages[1] == {"role": "assistant", "content": None, "tool_calls": [
         {"type": "function", "function": {"name": "get_city", "arguments": {"city": "Oslo"}}}]}
+
+
+def test_tool_calls_as_vllm_takes_them(tmp_path):
+    def row(calls):
+        return {"messages": [{"role": "user", "content": "go"},
+                             {"role": "assistant", "content": None, "tool_calls": calls}]}
+
+    flat, no_args, listed, other = read_all(write_jsonl(tmp_path / "c.jsonl", [
+        row([{"id": "c1", "name": "f", "arguments": '{"x": 1}'}]), row([{"function": {"name": "f"}}]),
+        row([{"function": {"name": "f", "arguments": [1]}}]), row([{"type": "custom", "custom": {"name": "f"}}])]))
+    assert flat.messages[1]["tool_calls"] == [{"id": "c1", "type": "function",
+                                               "function": {"name": "f", "arguments": {"x": 1}}}]
+    assert flat.counts == {"tool_calls_wrapped": 1, "tool_arguments_decoded": 1}
+    assert no_args.messages[1]["tool_calls"] == [{"type": "function", "function": {"name": "f", "arguments": {}}}]
+    assert listed.reason == ("invalid tool call: messages[1].tool_calls[0].function.arguments is a list, not a JSON "
+                             "object (vLLM renders such arguments as {})")
+    assert other.reason == ('invalid tool call: messages[1].tool_calls[0] is not a function call with a name '
+                            '(expected {"type": "function", "function": {"name", "arguments"}})')
 
 
 def test_unsupported_content_parts_reject_or_are_counted(tmp_path):

@@ -150,3 +150,97 @@ def test_full_vocab_round_trip_and_a_checkpoint_that_still_has_identity_maps(tmp
               str(tmp_path / "ck" / "model.safetensors"))
     with pytest.raises(StoreFormatError, match="not the identity maps"):
         load_drafter(tmp_path / "ck")
+
+
+def _save_with_maps(tmp_path, d2t, t2d, foreign=False):
+    """A reduced-vocab checkpoint (draft id i -> verifier id 2i) whose d2t/t2d are replaced; ``foreign``
+    drops the ``peagle`` block, as a checkpoint written by speculators or another trainer has none."""
+    from safetensors.torch import load_file, save_file
+
+    ck = save_drafter(_model(), tmp_path / "ck")
+    tensors = load_file(str(ck / "model.safetensors"))
+    save_file({**tensors, "d2t": d2t, "t2d": t2d}, str(ck / "model.safetensors"))
+    if foreign:
+        cfg = json.loads((ck / "config.json").read_text())
+        del cfg["peagle"]
+        (ck / "config.json").write_text(json.dumps(cfg))
+    return ck
+
+
+def _maps():
+    ids = 2 * torch.arange(D)  # the drafter's verifier ids
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    return ids - torch.arange(D), t2d, ids
+
+
+FIX = ("d2t must hold offsets, verifier_id = draft_id + d2t[draft_id], of strictly increasing verifier ids, "
+       "and t2d mark exactly those ids (a d2t rewritten as absolute ids is a known bug of other writers); "
+       "rebuild the maps or re-export the checkpoint")
+
+
+@pytest.mark.parametrize("foreign", [False, True])
+def test_d2t_rewritten_as_absolute_ids_is_refused_naming_the_file_and_draft_id(tmp_path, foreign):
+    """verl-SpeCo's bug: d2t holds the verifier ids themselves, so draft id i reads verifier id i + 2i."""
+    _, t2d, ids = _maps()
+    ck = _save_with_maps(tmp_path, ids.clone(), t2d, foreign)
+    # ids 3i: t2d marks the even ids up to 78, so odd i <= 33 (17) and i = 28, 30, 32 land on unmarked
+    # ids, and i >= 34 (6) past V = 100
+    want = (f"{ck / 'model.safetensors'}: draft id 1 maps to verifier id 3 (d2t[1] = 2), which t2d does not mark "
+            f"(20 of 40 draft ids map to ids t2d does not mark, 6 outside the vocab); {FIX}")
+    with pytest.raises(StoreFormatError) as e:
+        load_drafter(ck)
+    assert str(e.value) == want
+
+
+def test_every_other_d2t_t2d_disagreement_is_refused(tmp_path):
+    d2t, t2d, _ = _maps()
+    w = tmp_path / "ck" / "model.safetensors"
+    cases = []
+    past = d2t.clone()
+    past[39] += 30  # verifier id 108 >= V
+    cases.append((past, t2d, f"draft id 39 maps to verifier id 108 (d2t[39] = 69), outside [0, 100) "
+                             f"(0 of 40 draft ids map to ids t2d does not mark, 1 outside the vocab)"))
+    repeat = d2t.clone()
+    repeat[5] = 3  # verifier id 8, draft id 4's too
+    cases.append((repeat, t2d, "draft id 5 maps to verifier id 8 (d2t[5] = 3), not above draft id 4's 8 "
+                               "(0 of 40 draft ids map to ids t2d does not mark, 0 outside the vocab)"))
+    negative = d2t.clone()
+    negative[0] = -1
+    cases.append((negative, t2d, "draft id 0 maps to verifier id -1 (d2t[0] = -1), outside [0, 100) "
+                                 "(0 of 40 draft ids map to ids t2d does not mark, 1 outside the vocab)"))
+    missing = t2d.clone()
+    missing[6] = False
+    cases.append((d2t, missing, "draft id 3 maps to verifier id 6 (d2t[3] = 3), which t2d does not mark "
+                                "(1 of 40 draft ids map to ids t2d does not mark, 0 outside the vocab)"))
+    extra = t2d.clone()
+    extra[1] = True
+    cases.append((d2t, extra, "t2d marks 41 verifier ids but d2t maps 40 draft ids: verifier id 1 is marked but "
+                              "no draft id maps to it"))
+    for bad_d2t, bad_t2d, reason in cases:
+        _save_with_maps(tmp_path, bad_d2t, bad_t2d)
+        with pytest.raises(StoreFormatError) as e:
+            load_drafter(tmp_path / "ck")
+        assert str(e.value) == f"{w}: {reason}; {FIX}"
+    _save_with_maps(tmp_path, d2t, t2d.to(torch.uint8))  # a 0/1 t2d of agreeing maps loads
+    assert torch.equal(load_drafter(tmp_path / "ck").draft_ids, 2 * torch.arange(D))
+
+
+def test_eval_and_resume_refuse_a_checkpoint_whose_maps_disagree(tmp_path):
+    """peagle-eval's checks (before any verifier loads) and a training resume both read checkpoints
+    with load_drafter, so both refuse."""
+    from peagle_train.evaluate.checks import check_before_weights
+
+    _, t2d, ids = _maps()
+    ck = _save_with_maps(tmp_path, ids.clone(), t2d)
+    with pytest.raises(StoreFormatError, match="draft id 1 maps to verifier id 3"):
+        check_before_weights(ck)
+
+
+def test_maps_that_disagree_are_never_written(tmp_path):
+    m = _model()
+    with torch.no_grad():
+        m.t2d[1] = True  # marked, but no draft id maps to verifier id 1
+    with pytest.raises(StoreFormatError, match="verifier id 1 is marked but no draft id maps to it"):
+        save_drafter(m, tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()

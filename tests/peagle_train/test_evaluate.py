@@ -378,6 +378,10 @@ def test_select_eval_blocks_uses_the_recorded_split_of_this_store_only(tmp_path)
     chosen = select_eval_blocks(store, {"peagle_training": {"stores": [entry], "val_blocks": [1, 2]}})
     assert (chosen.ids[:2], chosen.split) == ([0, 1], "training")  # it held out none of this store
     assert chosen.warnings[1] == f"the training run held out no block of {path}: every block scored was trained on"
+    chosen = select_eval_blocks(store, {"peagle_training": {"stores": [entry], "val_blocks": [1, 6]}})
+    assert (chosen.ids[:2], chosen.split) == ([0, 1], "training")  # its held-out block 2 is not extracted here
+    assert chosen.warnings[1] == (f"none of the 1 block(s) the training run held out of {path} is extracted "
+                                  "(first: [2]): every block scored is a training block")
     foreign = {"peagle_training": {"stores": [dict(entry, source="other")], "val_blocks": [6, 7]}}
     chosen = select_eval_blocks(store, foreign, max_blocks=2)
     off = {**chosen.report(), "num_depths": 1, "positions_scored": 5, "simulated_acceptance_length": 1.5,

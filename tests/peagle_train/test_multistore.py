@@ -15,7 +15,7 @@ from peagle_train.train import build_draft_vocab, run_train
 from stores.errors import InputError, StoreFormatError, StoreMismatchError
 from stores.feature_store import FeatureStore
 
-from tests.peagle_train.test_train import _cfg, _rows, _store
+from tests.peagle_train.test_train import _cfg, _rows, _store, grown_run
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +56,12 @@ def test_split_per_store_and_summed_draft_vocab(tmp_path, verifier_dir):
     s = open_stores([a, b])
     usable = usable_blocks(s, allow_incomplete=False)
     assert usable.tolist() == list(range(7))
-    train, val = split_per_store(s, usable, seed=5, val_fraction=0.25)
+    train, val = split_per_store(s, seed=5, val_fraction=0.25)
     ta, va = split_blocks(np.arange(4), 5, 0.25)
     tb, vb = split_blocks(np.arange(3), 5, 0.25)
     assert train.tolist() == [*ta, *(tb + 4)] and val.tolist() == [*va, *(vb + 4)]
     assert len(va) == 1 and len(vb) == 1  # each store holds out its own block
+    assert val.tolist() == [0, 5]  # pinned
     d2t = build_draft_vocab(s.token_freq(), 4)
     top = (torch.arange(4) + d2t).tolist()
     assert {200, 201, 202} <= set(top)  # B's frequent tokens are in the draft vocab of the summed counts
@@ -141,6 +142,28 @@ def test_training_on_two_stores_resumes_exactly(tmp_path, verifier_dir):
         torch.testing.assert_close(sa[k], sb[k])
     with pytest.raises(InputError, match="these differ from it: --store: saved"):  # other stores: not the same run
         run_train(_cfg([b, a], part, max_steps=8, save_every=4, val_fraction=0.25, draft_vocab_size=64, resume=True))
+
+
+def test_split_sides_do_not_depend_on_which_blocks_are_extracted(tmp_path, verifier_dir):
+    """The split is drawn over every block id of each store: finishing an extraction moves no block."""
+    a = _store(tmp_path / "a.zarr", verifier_dir, n_blocks=4, seed=1)
+    b = _store(tmp_path / "b.zarr", verifier_dir, n_blocks=6, seed=2, done={0, 3})
+    s = open_stores([a, b])
+    assert usable_blocks(s, allow_incomplete=True).tolist() == [0, 1, 2, 3, 4, 7]
+    train, val = split_per_store(s, seed=0, val_fraction=0.25)
+    assert val.tolist() == [1, 8, 9] and train.tolist() == [0, 2, 3, 4, 5, 6, 7]
+    fb = FeatureStore.open(b, mode="r+")
+    for i in range(6):
+        fb.mark_done(i)
+    again = split_per_store(open_stores([a, b]), seed=0, val_fraction=0.25)
+    assert again[0].tolist() == train.tolist() and again[1].tolist() == val.tolist()
+
+
+def test_two_stores_allow_incomplete_then_the_extraction_finishes_then_resume(tmp_path, verifier_dir, monkeypatch):
+    """Issue 22 item 7 on a StoreSet: store 0 complete (6 blocks), store 1 with 4 of 10 extracted."""
+    val_side, trained, val_rows = grown_run(tmp_path, verifier_dir, monkeypatch, (6, 10), (range(6), range(4)))
+    assert val_side == [4, 5, 12, 14, 15]  # [4, 5] of store 0, [6, 8, 9] of store 1 (+ 6)
+    assert [r["blocks"] for r in val_rows] == [[4, 5], val_side, val_side]
 
 
 def test_cli_takes_repeated_stores_and_a_store_list(tmp_path, verifier_dir):

@@ -133,6 +133,100 @@ def test_resume_continues_exactly(tmp_path, verifier_dir):
         torch.testing.assert_close(sa[k], sb[k])
 
 
+class _Stopped(Exception):
+    """Raised right after a step's checkpoint is saved, as if the run were killed there."""
+
+
+def _train_until(cfg, stop_step, monkeypatch):
+    """``run_train(cfg)`` stopped right after step ``stop_step`` (its checkpoint saved when ``save_every`` says)."""
+    from peagle_train.trainer import Trainer
+
+    after_step = Trainer._after_step
+
+    def stop(self, row, bar):
+        after_step(self, row, bar)
+        if self.step == stop_step:
+            raise _Stopped
+
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "_after_step", stop)
+        with pytest.raises(_Stopped):
+            run_train(cfg)
+
+
+def _documented_sequence(train_side, usable, seed, cursor):
+    """docs/design.md §8 restated: entry i of epoch e is ``epoch_order(train side, seed, e)[i]``, at cursor
+    ``e * n + i``; entries whose block is not usable are skipped. Yields (cursor, block id)."""
+    n = len(train_side)
+    while True:
+        e, i = divmod(cursor, n)
+        b = int(epoch_order(np.asarray(train_side), seed, e)[i])
+        if b in set(usable):
+            yield cursor, b
+        cursor += 1
+
+
+def grown_run(tmp_path, verifier_dir, monkeypatch, sizes, done):
+    """The issue's scenario on stores of ``sizes`` blocks (``done``: the blocks extracted at first): 6 steps
+    with --allow-incomplete --val-fraction 0.25 (checkpoint-6), every block extracted, --resume to step 16.
+    Checks everything that must hold for one store or several and returns what the caller pins."""
+    from itertools import islice
+
+    from peagle_train.evaluate import select_eval_blocks
+    from stores.feature_store import FeatureStore
+
+    paths = [_store(tmp_path / f"s{j}.zarr", verifier_dir, n_blocks=n, done=set(d), seed=j)
+             for j, (n, d) in enumerate(zip(sizes, done))]
+    store, out = (paths[0] if len(paths) == 1 else paths), tmp_path / "out"
+    kw = dict(max_steps=16, save_every=6, val_fraction=0.25, allow_incomplete=True, num_depths=3)
+    _train_until(_cfg(store, out, **kw), 6, monkeypatch)
+    before = json.loads((out / "checkpoint-6" / "config.json").read_text())
+    for path, n in zip(paths, sizes):  # the extraction finishes
+        fs = FeatureStore.open(path, mode="r+")
+        for b in range(n):
+            fs.mark_done(b)
+    summary = run_train(_cfg(store, out, resume=True, **kw))
+    assert summary["resumed_from"].endswith("checkpoint-6") and summary["steps"] == 16
+    after = json.loads((out / "final" / "config.json").read_text())
+
+    offsets = np.cumsum([0, *sizes])
+    sides = [split_blocks(np.arange(n), 0, 0.25) for n in sizes]  # every block id of each store
+    train_side = np.concatenate([t + o for (t, _), o in zip(sides, offsets)])
+    val_side = np.concatenate([v + o for (_, v), o in zip(sides, offsets)]).tolist()
+    done_before = {int(b + o) for d, o in zip(done, offsets) for b in d}
+    usable_before = [b for b in train_side.tolist() if b in done_before]
+    first = list(islice(_documented_sequence(train_side, usable_before, 0, 0), 6))
+    rest = list(islice(_documented_sequence(train_side, train_side.tolist(), 0, first[-1][0] + 1), 10))
+    trained = [r["blocks"] for r in _rows(out)]
+    assert trained == [[b] for _, b in first + rest]
+    assert before["peagle_training"]["val_blocks"] == after["peagle_training"]["val_blocks"] == val_side
+    assert not {b for (b,) in trained} & set(val_side)  # no held-out block is ever trained
+    n = len(train_side)
+    for epoch in range(3):  # never twice in an epoch
+        ids = [b for c, b in first + rest if c // n == epoch]
+        assert len(ids) == len(set(ids))
+    assert rest[-1][0] >= n and set(usable_before) <= {b for c, b in first + rest if c < n}  # each in epoch 0
+    val_rows = _rows(out, "val")
+    assert [r["step"] for r in val_rows] == [6, 12, 16]  # every --save-every and at the end
+    assert [r["blocks"] for r in val_rows] == [[b for b in val_side if b in done_before], val_side, val_side]
+    for cfg in (before, after):  # peagle-eval holds out exactly training's validation side, any checkpoint
+        for path, o, (_, v) in zip(paths, offsets, sides):
+            chosen = select_eval_blocks(FeatureStore.open(path), cfg)
+            assert (chosen.ids, chosen.split) == (v.tolist(), "validation")
+    return val_side, trained, val_rows
+
+
+def test_allow_incomplete_then_the_extraction_finishes_then_resume_keeps_split_and_order(tmp_path, verifier_dir,
+                                                                                         monkeypatch):
+    """Issue 22 item 7: 8 of 16 blocks extracted; the old split moved val [0, 3] to [0, 2, 5, 9]."""
+    val_side, trained, val_rows = grown_run(tmp_path, verifier_dir, monkeypatch, (16,), (range(8),))
+    assert val_side == [0, 2, 5, 9]  # decided over all 16 ids before any was extracted past 7
+    assert [b for (b,) in trained] == [1, 7, 3, 6, 4,  # epoch 0: the 5 extracted train-side blocks
+                                       4, 12, 1, 8, 15, 10, 7, 6, 3, 13,  # epoch 1 (11, 14 came after its place)
+                                       7]  # epoch 2
+    assert [r["blocks"] for r in val_rows] == [[0, 2, 5], [0, 2, 5, 9], [0, 2, 5, 9]]
+
+
 def test_split_and_shuffle_are_pure_functions_of_the_seed():
     ids = np.arange(10)
     tr, va = split_blocks(ids, 3, 0.2)
@@ -504,7 +598,8 @@ def test_cli_resume_with_other_settings_says_the_working_command_and_why_max_ste
         f"Error: field '--resume': --resume continues the run saved in {out} with its own settings, and these "
         f"differ from it: --max-steps: saved 5, given 8. Resume it with: peagle-train --config {saved} --resume "
         "(adding only options that may change on resume: --save-every, --save-total-limit, --val-max-blocks, "
-        "--allow-incomplete, --loss-chunk-size, --log-every, --attention-backend, --report-to). --max-steps cannot "
+        "--allow-incomplete, --loss-chunk-size, --log-every, --attention-backend, --report-to, --grad-accum (keeping "
+        "--grad-accum × processes)). --max-steps cannot "
         "change on resume: it is the length of the cosine learning-rate schedule, so the resumed run would no "
         "longer be the saved run continued; to train longer, start a new run (a new --output, or --force)").split())
     import shutil

@@ -14,6 +14,7 @@ import torch
 from click.testing import CliRunner
 
 from peagle_train.train import TrainConfig, run_train
+from stores.errors import InputError
 
 REPO = Path(__file__).resolve().parents[2]
 H, V, LAYERS, C = 64, 256, [1, 2], 48
@@ -166,6 +167,86 @@ def test_two_data_parallel_cpu_ranks(tmp_path, verifier_dir):
     a, b = load_drafter(out / "final").state_dict(), load_drafter(tmp_path / "one" / "final").state_dict()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def _launch_two_ranks(args: list[str]) -> subprocess.CompletedProcess:
+    """``peagle-train ARGS`` on two data-parallel CPU ranks (gloo), as in test_two_data_parallel_cpu_ranks."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+           "1", "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "cli.train",
+           *args]
+    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+
+
+def _stopped_at(full: Path, dest: Path, step: int) -> Path:
+    """A copy of the run ``full`` as if it had been killed right after ``checkpoint-<step>``."""
+    import shutil
+
+    shutil.copytree(full, dest)
+    for d in dest.glob("checkpoint-*"):
+        if int(d.name.split("-")[1]) > step:
+            shutil.rmtree(d)
+    shutil.rmtree(dest / "final")
+    return dest
+
+
+@pytest.mark.slow  # one two-rank launch (~45 s on the shared 2-core CI box)
+def test_resume_on_another_number_of_ranks_trains_exactly_the_uninterrupted_epoch(tmp_path, verifier_dir):
+    """Issue 22 item 6: 16 blocks, 2 per optimizer step. One process (--grad-accum 2) to step 4, resumed on
+    two gloo ranks (--grad-accum 1) to step 8; that run's checkpoint-6 (two ranks) resumed on one process.
+    Each trains the 16 blocks of the epoch in the uninterrupted run's order, each once, with its losses; a
+    resume that would change the blocks of a step is refused naming both world sizes."""
+    from peagle_train.checkpoint import load_drafter
+    from peagle_train.data import epoch_order
+
+    store = _store(tmp_path / "s.zarr", verifier_dir, 16)
+    opts = {**OPTS, "max_steps": 8, "save_every": 2}
+    ref = run_train(TrainConfig(store=store, output=str(tmp_path / "ref"), grad_accum=2, **opts))
+    assert (ref["world_size"], ref["steps"]) == (1, 8)
+    full = _rows(tmp_path / "ref")
+    epoch = epoch_order(np.arange(16), OPTS["seed"], 0).tolist()
+    assert [r["blocks"] for r in full] == [epoch[2 * s:2 * s + 2] for s in range(8)]  # the whole epoch, each once
+
+    def same_run(out: Path) -> None:
+        rows = _rows(out)
+        assert [r["step"] for r in rows] == list(range(1, 9))
+        assert [r["blocks"] for r in rows] == [r["blocks"] for r in full]  # none skipped, none repeated
+        assert [b for r in rows for b in r["blocks"]] == epoch
+        assert [r["n_elements"] for r in rows] == [r["n_elements"] for r in full]  # the same COD samples
+        assert [r["weight"] for r in rows] == [r["weight"] for r in full]
+        np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in full], rtol=1e-5, atol=1e-7)
+        a, b = load_drafter(tmp_path / "ref" / "final").state_dict(), load_drafter(out / "final").state_dict()
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=k)
+
+    # 1 -> 2: two ranks of one block each continue the one-process run of two blocks per step
+    two = _stopped_at(tmp_path / "ref", tmp_path / "two", 4)
+    res = _launch_two_ranks([*_args(store, two, **{**opts, "grad_accum": 1}), "--resume"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(res.stdout[res.stdout.index("{"):])
+    assert summary["resumed_from"].endswith("checkpoint-4") and (summary["world_size"], summary["steps"]) == (2, 8)
+    same_run(two)
+    state = torch.load(two / "checkpoint-6" / "training_state.pt", weights_only=False)["data"]
+    assert {k: state[k] for k in ("cursor", "blocks_per_step", "world_size", "grad_accum")} == {
+        "cursor": 12, "blocks_per_step": 2, "world_size": 2, "grad_accum": 1}
+
+    # 2 -> 1: the two-rank checkpoint-6 on one process; one block per step would be another run: refused
+    one = _stopped_at(two, tmp_path / "one", 6)
+    with pytest.raises(InputError) as refused:
+        run_train(TrainConfig(store=store, output=str(one), grad_accum=1, resume=True, **opts))
+    assert str(refused.value) == (
+        f"field '--grad-accum': {one / 'checkpoint-6'} was trained on 2 process(es) with --grad-accum 1, 2 block(s) "
+        "per optimizer step; this launch has 1 process(es) with --grad-accum 1, 1 per step: every step would pool "
+        "other blocks, and the run would not be the saved one continued; resume with --grad-accum 2 on these 1 "
+        "process(es), or on 2 with --grad-accum 1")
+    assert [r["step"] for r in _rows(one)] == list(range(1, 9))  # refused before anything was written
+    resumed = run_train(TrainConfig(store=store, output=str(one), grad_accum=2, resume=True, **opts))
+    assert resumed["resumed_from"].endswith("checkpoint-6") and resumed["world_size"] == 1
+    same_run(one)
 
 
 @pytest.mark.parametrize("option, value", [
