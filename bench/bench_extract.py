@@ -109,8 +109,8 @@ def main() -> None:
         t0 = time.perf_counter()
         impl = args.attn_implementation
         if impl == "auto":
-            from peagle_data.extract import _has_flash_attn
-            impl = "flash_attention_2" if cuda and _has_flash_attn() else None  # transformers' choice
+            from peagle_data.extract_hf import has_flash_attn
+            impl = "flash_attention_2" if cuda and has_flash_attn() else None  # transformers' choice
         verifier = load_verifier(args.verifier, device=args.device, attn_implementation=impl)
         if cuda:
             torch.cuda.synchronize()

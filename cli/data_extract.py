@@ -7,7 +7,7 @@ import click
 
 from cli.common import OutputPath, config_error, echo_json, handle_errors
 from cli.options import config_file_options, config_options, run_config
-from peagle_data.extract import ATTN_IMPLEMENTATIONS, ExtractConfig
+from peagle_data.extract import ATTN_IMPLEMENTATIONS, ENGINES, ExtractConfig
 from peagle_data.tool_configs import InspectConfig, VerifyConfig
 from stores.feature_store import STORAGE_DTYPES
 
@@ -23,6 +23,9 @@ _EXTRACT_OVERRIDES = {
                    "callback": lambda ctx, param, value: None if value in (None, "none") else value},
     "attn_implementation": {"type": click.Choice(ATTN_IMPLEMENTATIONS)},
     "num_shards": {"metavar": "N"},
+    "engine": {"type": click.Choice(list(ENGINES))},
+    "server": {"metavar": "URL"},
+    "shared_storage": {"type": click.Path(file_okay=False), "metavar": "DIR"},
     "shard_index": {"metavar": "I"},
 }
 """What ExtractConfig's annotations cannot say: paths, choices (the library's tuples), ``none`` for no compressor."""

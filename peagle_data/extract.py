@@ -2,9 +2,11 @@
 
 Legend: T tokens in a block, L aux layers, H hidden size, S segments.
 
-- The verifier's forward (segments kept apart, chosen layers only, refusals before weights load)
-  is :mod:`peagle_data.verifier_forward`; the store side (create, resume, repair, the writer
-  thread) is :mod:`peagle_data.extract_store`.
+- The features come from a verifier engine (:data:`ENGINES`, ``--engine``; the interface is
+  :mod:`peagle_data.extract_engine`): ``hf`` (:mod:`peagle_data.extract_hf`, transformers, the
+  reference; its forward is :mod:`peagle_data.verifier_forward`) or ``vllm``
+  (:mod:`peagle_data.extract_vllm`, the serving engine's hidden states); the store side (create,
+  resume, repair, the writer thread) is :mod:`peagle_data.extract_store`, the same for every engine.
 - A multimodal wrapper runs its language model: layers, layer convention and final norm are the
   language model's (recorded in the store's ``verifier`` attributes).
 - Writes run on a background thread behind a bounded queue, so the next forward overlaps the
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from peagle_data.extract_store import (
@@ -29,8 +32,10 @@ from peagle_data.extract_store import (
     open_packed,
     repair_blocks,
     repair_shared,
-    verifier_desc,
 )
+from peagle_data.extract_engine import PackedFacts, VerifierEngine
+from peagle_data.extract_hf import HfEngine
+from peagle_data.extract_vllm import VllmEngine
 from peagle_data.shards import check_shard
 from peagle_data.verifier_forward import (
     check_packable,
@@ -44,7 +49,8 @@ from peagle_data.verifier_forward import (
 from stores.errors import InputError, OutputExistsError, StoreFormatError
 from stores.feature_schema import SEGMENTS, TOKEN_ARRAYS
 from stores.feature_store import STORAGE_DTYPES, FeatureStore
-from stores.model_cache import load_verifier, model_fingerprint, resolve_model
+from stores.model_cache import model_fingerprint, resolve_model
+from stores.model_config import load_model_config, text_config
 from stores.progress import progress as progress_bar
 from stores.verifier_match import check_token_ids, check_verifier_tokenizer
 
@@ -71,6 +77,9 @@ _base_model = language_model  # the name bench/ and older callers use
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2")
 """The verifier attention implementations ``--attn-implementation`` accepts."""
 
+ENGINES: dict[str, type[VerifierEngine]] = {"hf": HfEngine, "vllm": VllmEngine}
+"""``--engine``: the verifier engines (:class:`peagle_data.extract_engine.VerifierEngine`)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class ExtractConfig:
@@ -91,7 +100,8 @@ class ExtractConfig:
     ``zstd`` (smaller, read through zarr)."""
     resume: bool = field(default=False, metadata={"action": True})
     """Continue an existing store: check every done block, then extract the not-done and damaged ones. Every
-    other option must be the store's, except ``--device`` (one computing in the store's dtype) and ``--max-blocks``."""
+    other option must be the store's, except ``--device`` (one computing in the store's dtype), ``--max-blocks``
+    and the ``--server`` connection (``--server``, ``--shared-storage``, ``--concurrency``)."""
     force: bool = field(default=False, metadata={"action": True})
     """Overwrite an existing store; also skip the free-disk check."""
     device: str | None = None
@@ -109,6 +119,20 @@ class ExtractConfig:
     shard_index: int = 0
     """This run's shard: packed blocks ``shard_index, shard_index + num_shards, ...`` become the
     store's blocks ``0, 1, ...`` (--shard-index); ``peagle-data merge`` joins the shard stores."""
+    engine: str = "hf"
+    """``hf`` (transformers, the reference) or ``vllm`` (the serving engine's hidden states: needs vLLM,
+    ``PEAGLE_VLLM=1 bash scripts/setup_env.sh``)."""
+    tensor_parallel_size: int = 1
+    """--engine vllm: vLLM's tensor parallel size (GPUs per replica)."""
+    pipeline_parallel_size: int = 1
+    """--engine vllm: vLLM's pipeline parallel size (stages per replica)."""
+    server: str | None = None
+    """--engine vllm: URL of a running ``vllm serve`` started for extraction (its command is in the README);
+    None: start vLLM in this process. Data parallel: a data-parallel vLLM server, or shards."""
+    shared_storage: str | None = None
+    """--server: this machine's path of the directory the server's hidden-states connector writes to."""
+    concurrency: int = 16
+    """--server: requests in flight."""
 
     def __post_init__(self) -> None:
         if self.resume and self.force:
@@ -126,6 +150,19 @@ class ExtractConfig:
         if self.writer_queue < 1:
             raise ValueError("writer_queue must be ≥ 1")
         check_shard(self.num_shards, self.shard_index)
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine: expected one of {sorted(ENGINES)}, got {self.engine!r}")
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1 or self.concurrency < 1:
+            raise ValueError("--tensor-parallel-size, --pipeline-parallel-size and --concurrency must be ≥ 1")
+        vllm_only = {"--tensor-parallel-size": self.tensor_parallel_size != 1,
+                     "--pipeline-parallel-size": self.pipeline_parallel_size != 1,
+                     "--server": self.server is not None, "--shared-storage": self.shared_storage is not None}
+        given = [flag for flag, set_ in vllm_only.items() if set_]
+        if self.engine != "vllm" and given:
+            raise ValueError(f"{given[0]} is an option of --engine vllm (the engine is {self.engine!r})")
+        if self.server is not None and (self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1):
+            raise ValueError("--server: the server's own vllm serve options set its parallelism; drop "
+                             "--tensor-parallel-size/--pipeline-parallel-size")
 
 
 def _check_device(device: str | None) -> None:
@@ -143,38 +180,6 @@ def _check_device(device: str | None) -> None:
         raise InputError(f"device {device!r} is not supported; use cpu or cuda", field="--device")
 
 
-def _has_flash_attn() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("flash_attn") is not None
-
-
-def _load_for_extract(cfg: ExtractConfig, device: str, log: Callable[[str], None]):
-    """The verifier with the attention backend of ``cfg.attn_implementation``.
-
-    ``auto``: FlashAttention varlen on CUDA when installed and the model supports it, else
-    transformers' choice (SDPA when the model supports it, else eager: Gemma-2, gpt-oss).
-
-    Raises:
-        InputError: an explicit backend the model does not support (names the alternatives).
-    """
-    impl = cfg.attn_implementation
-    if impl == "auto":
-        if device.startswith("cuda") and _has_flash_attn():
-            try:
-                return load_verifier(cfg.verifier, device=device, attn_implementation="flash_attention_2")
-            except (ValueError, ImportError) as e:
-                log(f"flash_attention_2 is not available for this verifier ({e}); using transformers' default")
-        return load_verifier(cfg.verifier, device=device)
-    try:
-        return load_verifier(cfg.verifier, device=device, attn_implementation=impl)
-    except ValueError as e:
-        if "support" not in str(e):
-            raise
-        raise InputError(f"the verifier cannot run with {impl}: {e}; pass --attn-implementation auto "
-                         "(the model's own choice) or eager", field="--attn-implementation") from e
-
-
 def _check_before_weights(cfg: ExtractConfig, table, rows, device: str) -> Path:
     """The checks that need only the verifier's config and files, the packed table and the store
     (docs/design.md §2), before the weights load; returns the verifier's directory (:func:`resolve_model`).
@@ -185,14 +190,13 @@ def _check_before_weights(cfg: ExtractConfig, table, rows, device: str) -> Path:
     Raises:
         InputError: a ``--layers`` index outside ``0..num_hidden_layers`` (read from the config, before
             the weights are even fetched), ``--resume`` with an option the store fixes
-            (:func:`check_resumable`), or a verifier with recurrent / linear-attention layers
-            (:func:`check_packable`).
+            (:func:`check_resumable`, the engine included), a verifier with recurrent / linear-attention
+            layers (:func:`check_packable`), or one the ``--engine`` refuses (:meth:`VerifierEngine.check`).
+        MissingDependencyError: the engine's package is missing.
         StoreMismatchError: the packed table was made with another tokenizer than the verifier's, or
             holds a token id that is no row of the verifier's embedding; ``--resume`` with other
             layers, another verifier or another packed table.
     """
-    from stores.model_config import load_model_config, text_config
-
     config = load_model_config(cfg.verifier)
     check_packable(config)
     made = f"the packed table {cfg.packed}"
@@ -203,6 +207,7 @@ def _check_before_weights(cfg: ExtractConfig, table, rows, device: str) -> Path:
     if bad:
         raise InputError(f"layers {bad} out of range: the verifier has {L} layers, valid indices are 0..{L}",
                          field="--layers")
+    ENGINES[cfg.engine].check(cfg, config, list(cfg.layers) if cfg.layers is not None else default_layers(L))
     directory = resolve_model(cfg.verifier)
     if cfg.resume and is_local(cfg.output) and (Path(cfg.output) / "zarr.json").is_file():
         try:
@@ -234,7 +239,9 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
         (this rank), blocks done in all, layers, bytes.
 
     Raises:
-        InputError: the packed path is not a packed table, or a layer index is out of range.
+        InputError: the packed path is not a packed table, a layer index is out of range, or the
+            ``--engine`` refuses the verifier or an option (before weights load).
+        MissingDependencyError: ``--engine vllm`` without vLLM installed.
         OutputExistsError: the store exists without ``resume``/``force``.
         DiskSpaceError: the disk is short (without ``force``).
         StoreMismatchError: a packed table made with another tokenizer than the verifier's (fingerprint or
@@ -252,17 +259,25 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
     rows = rows[cfg.shard_index::cfg.num_shards]  # this shard's blocks (all of them unsharded)
     device = cfg.device or (str(state.device) if state.device.type == "cuda" else "cpu")
     directory = _check_before_weights(cfg, table, rows, device)
-    verifier = _load_for_extract(cfg, device, log)
-    layers = _layers_of(cfg, verifier)
-    desc = verifier_desc(cfg.verifier, directory, verifier, next(verifier.parameters()).dtype)
-    store, repaired = _store_on_every_rank(state, cfg, rows, table, desc, layers, log, config)
-    todo = store.missing_blocks()
-    state.wait_for_everyone()  # every rank reads the same list before any rank writes
-    todo = todo[state.process_index::state.num_processes]
-    if cfg.max_blocks is not None:
-        todo = todo[: cfg.max_blocks]
-    label = f"extract[{state.process_index}]" if state.num_processes > 1 else "extract"
-    tokens, nonfinite = _extract_blocks(language_model(verifier), store, rows, todo, layers, cfg, label, progress)
+    if cfg.engine != "hf" and state.num_processes > 1:
+        raise InputError(f"--engine {cfg.engine} runs in one process (its parallelism is vLLM's): drop accelerate "
+                         "launch, or give each process its own --shard-index", field="--engine")
+    facts = PackedFacts(longest_segment=max((int(np.diff(r["cu_seqlens"]).max()) for r in rows), default=1),
+                        tokenizer=(table.manifest.get("tokenizer") or {}).get("name_or_path"),
+                        offset_segment=_offset_segment(rows))
+    engine = ENGINES[cfg.engine].open(cfg, directory, _layers_of(cfg), log, device, facts)
+    try:
+        layers = _layers_of(cfg, engine.desc["num_hidden_layers"])
+        store, repaired = _store_on_every_rank(state, cfg, rows, table, engine, layers, log, config)
+        todo = store.missing_blocks()
+        state.wait_for_everyone()  # every rank reads the same list before any rank writes
+        todo = todo[state.process_index::state.num_processes]
+        if cfg.max_blocks is not None:
+            todo = todo[: cfg.max_blocks]
+        label = f"extract[{state.process_index}]" if state.num_processes > 1 else "extract"
+        tokens, nonfinite = _extract_blocks(engine, store, rows, todo, cfg, label, progress)
+    finally:
+        engine.close()
     if nonfinite:
         log(f"{cfg.output}: blocks {nonfinite} have NaN or Inf hidden states (verifier overflow?); "
             "they are left not done")
@@ -274,15 +289,27 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
     return summary
 
 
-def _layers_of(cfg: ExtractConfig, verifier) -> list[int]:
-    """``cfg.layers`` or the default for the verifier's language model, checked in ``0..L``."""
-    L = len(language_model(verifier).layers)
+def _layers_of(cfg: ExtractConfig, L: int | None = None) -> list[int]:
+    """``cfg.layers`` or the default for the verifier's ``L`` language-model layers (default: its
+    config's), checked in ``0..L``."""
+    if L is None:
+        L = int(text_config(load_model_config(cfg.verifier)).num_hidden_layers)
     layers = list(cfg.layers) if cfg.layers is not None else default_layers(L)
     bad = [l for l in layers if not 0 <= l <= L]
     if bad:
         raise InputError(f"layers {bad} out of range: the verifier has {L} layers, valid indices are 0..{L}",
                          field="--layers")
     return layers
+
+
+def _offset_segment(rows) -> tuple[int, int] | None:
+    """``(block, segment)`` of the first segment whose position ids are not ``0..n-1``, else None."""
+    for i, r in enumerate(rows):
+        cu, pos = np.asarray(r["cu_seqlens"]), np.asarray(r["position_ids"])
+        for k, (lo, hi) in enumerate(zip(cu[:-1], cu[1:])):
+            if not np.array_equal(pos[lo:hi], np.arange(hi - lo)):
+                return i, k
+    return None
 
 
 def _summary(cfg: ExtractConfig, state, store: FeatureStore, todo: list[int], tokens: int, layers: list[int],
@@ -305,12 +332,12 @@ def _summary(cfg: ExtractConfig, state, store: FeatureStore, todo: list[int], to
     }
 
 
-def _store_on_every_rank(state, cfg: ExtractConfig, rows, table, desc: dict[str, Any], layers: list[int],
+def _store_on_every_rank(state, cfg: ExtractConfig, rows, table, engine: VerifierEngine, layers: list[int],
                          log: Callable[[str], None], config: dict[str, Any] | None) -> tuple[FeatureStore, dict]:
     """The store, created or resumed by the main process and then opened by the others; with
     ``resume``, each rank's share of the blocks checked and repaired. Returns ``(store, {block: reason})``."""
     if state.is_main_process:
-        store = open_or_create(cfg, rows, table, desc, layers, log)
+        store = open_or_create(cfg, rows, table, engine.desc, layers, log, engine.record)
         if config is not None:
             store.update_attrs(config=config)
         if cfg.resume:
@@ -323,9 +350,9 @@ def _store_on_every_rank(state, cfg: ExtractConfig, rows, table, desc: dict[str,
     return store, repaired
 
 
-def _extract_blocks(base, store: FeatureStore, rows, todo: list[int], layers: list[int], cfg: ExtractConfig,
+def _extract_blocks(engine: VerifierEngine, store: FeatureStore, rows, todo: list[int], cfg: ExtractConfig,
                     label: str, progress: bool) -> tuple[int, list[int]]:
-    """Run the verifier's decoder ``base`` over blocks ``todo`` and write them (writer thread).
+    """Run ``engine`` over blocks ``todo`` and write them (writer thread).
 
     Returns:
         ``(tokens extracted, sorted blocks left not done for NaN/Inf hidden states)``.
@@ -334,14 +361,9 @@ def _extract_blocks(base, store: FeatureStore, rows, todo: list[int], layers: li
     tokens = 0
     bar = progress_bar(todo, desc=label, unit="block", disable=not progress)
     try:
-        for i in bar:
-            r = rows[i]  # numpy arrays from Arrow are read-only: copy into tensors
-            aux, final = verifier_features(
-                base, torch.tensor(r["input_ids"], dtype=torch.long),
-                torch.tensor(r["position_ids"], dtype=torch.long),
-                torch.tensor(r["cu_seqlens"], dtype=torch.long), layers, to_host=False)
+        for i, aux, final in engine.features((i, rows[i]) for i in bar):
             writer.put(i, aux, final)
-            tokens += int(r["n_tokens"])
+            tokens += int(rows[i]["n_tokens"])
             bar.set_postfix(tokens=f"{tokens:,}")  # a string: tqdm prints numbers as 2e+4
     finally:
         writer.close()

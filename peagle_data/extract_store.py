@@ -141,7 +141,7 @@ def open_packed(path: str) -> TokenTable:
 
 
 def _create_store(cfg: ExtractConfig, rows, table: TokenTable, desc: dict, layers: list[int],
-                  log: Callable[[str], None]) -> FeatureStore:
+                  log: Callable[[str], None], engine: dict[str, Any]) -> FeatureStore:
     block_size = int(table.manifest.get("parameters", {}).get("block_size") or 0)
     block_size = max([block_size] + [int(r["n_tokens"]) for r in rows])
     max_segments = max((len(r["cu_seqlens"]) - 1 for r in rows), default=1)
@@ -159,7 +159,8 @@ def _create_store(cfg: ExtractConfig, rows, table: TokenTable, desc: dict, layer
         cfg.output, compressor=cfg.compressor, n_blocks=len(rows), block_size=block_size, max_segments=max_segments, layers=layers,
         hidden_size=H, vocab_size=V, verifier=desc, tokenizer=table.manifest.get("tokenizer", {}),
         source=manifest_sha256(cfg.packed), storage_dtype=cfg.storage_dtype,
-        n_tokens=int(sum(int(r["n_tokens"]) for r in rows)), force=cfg.force, extra=_shard_attrs(cfg, table),
+        n_tokens=int(sum(int(r["n_tokens"]) for r in rows)), force=cfg.force,
+        extra={"engine": engine, **_shard_attrs(cfg, table)},
     )
     for i, r in enumerate(rows):
         store.write_token_row(i, r)
@@ -236,7 +237,9 @@ def is_local(path: str) -> bool:
     return "://" not in str(path)
 
 
-def open_or_create(cfg: ExtractConfig, rows, table, desc, layers, log) -> FeatureStore:
+def open_or_create(cfg: ExtractConfig, rows, table, desc, layers, log, engine: dict[str, Any]) -> FeatureStore:
+    """The store of ``cfg.output``: resumed (checked by :func:`check_resumable`) or created with the
+    verifier ``desc`` and the ``engine`` attribute (:attr:`VerifierEngine.record`)."""
     out = Path(cfg.output)
     if cfg.resume and (out.exists() or not is_local(cfg.output)):
         try:
@@ -251,18 +254,20 @@ def open_or_create(cfg: ExtractConfig, rows, table, desc, layers, log) -> Featur
             cfg = dataclasses.replace(cfg, force=True, resume=False)
             if is_local(cfg.output):
                 shutil.rmtree(out)
-    return _create_store(cfg, rows, table, desc, layers, log)
+    return _create_store(cfg, rows, table, desc, layers, log, engine)
 
 
-RESUME_MAY_CHANGE = ("--device", "--max-blocks")
+RESUME_MAY_CHANGE = ("--device", "--max-blocks", "--server", "--shared-storage", "--concurrency")
 """The ``extract`` options a ``--resume`` may change (``--device`` only to one that computes in the
-store's dtype); every other option is fixed by the store (:func:`check_resumable`)."""
+store's dtype; ``--server`` and its connection to another server of the same verifier); every other
+option is fixed by the store (:func:`check_resumable`)."""
 
 
 def _resume_conflicts(store: FeatureStore, cfg: ExtractConfig, verifier: dict[str, Any]) -> list[str]:
     """``--option: the store's X, given Y`` for each option of ``cfg`` a resume cannot change that
     differs from the store's (layers, verifier and packed table: :func:`check_compatible`)."""
     have = store.attrs.get("shard") or {}
+    engine = store.attrs.get("engine") or {}
     store_dtype = store.attrs.get("verifier", {}).get("dtype")
     store_attn = store.attrs.get("verifier", {}).get("attn_implementation")
     attn = verifier.get("attn_implementation") or (None if cfg.attn_implementation == "auto"
@@ -272,7 +277,11 @@ def _resume_conflicts(store: FeatureStore, cfg: ExtractConfig, verifier: dict[st
         ("--compressor", store.attrs.get("compressor") or "none", cfg.compressor or "none"),
         ("--num-shards", have.get("num_shards", 1), cfg.num_shards),
         ("--shard-index", have.get("shard_index", 0), cfg.shard_index),
+        ("--engine", engine.get("name", "hf"), cfg.engine),  # stores made before --engine: hf
     ]
+    if engine.get("name") == "vllm" and cfg.engine == "vllm" and "tensor_parallel_size" in engine and not cfg.server:
+        rows += [("--tensor-parallel-size", engine["tensor_parallel_size"], cfg.tensor_parallel_size),
+                 ("--pipeline-parallel-size", engine["pipeline_parallel_size"], cfg.pipeline_parallel_size)]
     if store_attn is not None and attn is not None:
         rows.append(("--attn-implementation", store_attn, attn))
     out = [f"{option}: the store's {old}, given {new}" for option, old, new in rows if old != new]
@@ -287,7 +296,8 @@ def check_resumable(store: FeatureStore, cfg: ExtractConfig, verifier: dict[str,
     """``--resume`` of ``store``: every option a resume cannot change is the store's.
 
     Fixed by the store: the packed table, the verifier (name and content fingerprint), ``--layers``,
-    ``--storage-dtype``, ``--compressor``, ``--num-shards``/``--shard-index``, ``--attn-implementation``
+    ``--storage-dtype``, ``--compressor``, ``--num-shards``/``--shard-index``, ``--engine`` (a store's
+    blocks come from one engine) and vLLM's parallel sizes, ``--attn-implementation``
     (compared when given explicitly, and as resolved once the verifier is loaded) and the dtype the
     verifier computes in (``verifier["dtype"]``, which ``--device`` decides). A resume may change
     :data:`RESUME_MAY_CHANGE`. ``verifier`` is the store's ``verifier`` record of this run

@@ -320,9 +320,26 @@ def merge_stores(paths: list[str | os.PathLike], output: str | os.PathLike, forc
             if s.attrs.get(key) != first.attrs.get(key):
                 raise StoreMismatchError(f"{s.path}: {key} {s.attrs.get(key)!r} differs from {first.path}'s "
                                          f"{first.attrs.get(key)!r}")
+        if _engine_name(s) != _engine_name(first):
+            raise StoreMismatchError(f"{s.path}: extracted with --engine {_engine_name(s)}, {first.path} with "
+                                     f"--engine {_engine_name(first)}; a store's blocks come from one engine")
         if s.attrs["verifier"] != first.attrs["verifier"]:
             raise StoreMismatchError(f"{s.path}: made with another verifier than {first.path}")
     return _write_merged_store(stores, output, force)
+
+
+def _engine_name(store) -> str:
+    """The ``--engine`` a feature store was extracted with (stores older than the option: ``hf``)."""
+    return (store.attrs.get("engine") or {}).get("name", "hf")
+
+
+def _merged_engine(stores) -> dict[str, Any]:
+    """The merged store's ``engine`` attribute: the shards' when they agree, else their name and each
+    shard's record under ``shards`` (e.g. servers of different tensor parallel sizes)."""
+    records = [s.attrs.get("engine") or {"name": "hf"} for s in stores]
+    if all(r == records[0] for r in records):
+        return records[0]
+    return {"name": records[0]["name"], "shards": records}
 
 
 def _write_merged_store(stores, output, force: bool) -> dict[str, Any]:
@@ -338,7 +355,8 @@ def _write_merged_store(stores, output, force: bool) -> dict[str, Any]:
         hidden_size=first.hidden_size, vocab_size=first.vocab_size, verifier=attrs["verifier"],
         tokenizer=attrs.get("tokenizer"), source=attrs.get("source", ""), storage_dtype=first.storage_dtype,
         compressor=attrs.get("compressor"), n_tokens=sum(s.n_tokens for s in stores), force=force,
-        extra={"merged_from": [{"path": str(s.path), "shard_index": i} for i, s in enumerate(stores)]})
+        extra={"merged_from": [{"path": str(s.path), "shard_index": i} for i, s in enumerate(stores)],
+               "engine": _merged_engine(stores)})
     n_tokens = np.zeros(total, dtype=np.int32)
     hidden = [spec.name for spec in hidden_arrays(first.storage_dtype)]
     for s_index, s in enumerate(stores):

@@ -27,6 +27,8 @@ __all__ = [
     "resolve_model",
     "load_tokenizer",
     "load_verifier",
+    "verifier_skeleton",
+    "load_submodule",
     "model_fingerprint",
     "EMBEDDED_HUB_IDS",
     "hub_id",
@@ -191,6 +193,75 @@ def load_verifier(name: str | os.PathLike, dtype=None, device: str | None = None
     auto = _auto_class(AutoConfig.from_pretrained(directory))
     model = auto.from_pretrained(directory, dtype=dtype, **kwargs)
     return model.to(device).eval()
+
+
+def verifier_skeleton(name: str | os.PathLike):
+    """MODEL's transformers model on the ``meta`` device: its classes, config and module tree, no weights.
+
+    Raises:
+        ModelNotFoundError: transformers knows the config as neither a causal LM nor an image-text model.
+    """
+    import torch
+    from transformers import AutoConfig
+
+    directory = resolve_model(name, need_weights=False)
+    config = AutoConfig.from_pretrained(directory)
+    with torch.device("meta"):
+        return _auto_class(config).from_config(config).eval()
+
+
+def _bare_key(key: str) -> tuple[str, ...]:
+    """A parameter name without the wrapper prefixes checkpoints differ in (``model.``, ``language_model.``)."""
+    return tuple(p for p in key.split(".") if p not in ("model", "language_model"))
+
+
+def load_submodule(name: str | os.PathLike, skeleton, module_name: str, dtype) -> "torch.nn.Module":
+    """Module ``module_name`` of ``skeleton`` (:func:`verifier_skeleton`) with its weights read from
+    MODEL's safetensors files only (e.g. the final norm of a 70B verifier: kilobytes, not the model).
+
+    A parameter ``a.b.w`` is the checkpoint tensor of the same name, else the only one whose name
+    equals it without ``model.`` / ``language_model.`` parts (checkpoints of multimodal wrappers
+    differ there).
+
+    Returns:
+        The module on CPU in ``dtype``, eval mode.
+
+    Raises:
+        ModelNotFoundError: MODEL has no safetensors weights, or a parameter is in none of them
+            (or in several under the loose match), or the module holds buffers a checkpoint lacks.
+    """
+    import json
+
+    import torch
+    from safetensors import safe_open
+
+    directory = resolve_model(name)
+    module = skeleton.get_submodule(module_name)
+    if any(True for _ in module.buffers()):
+        raise ModelNotFoundError(f"{module_name} of {name} holds buffers that are not in its checkpoint")
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        where = json.loads(index.read_text())["weight_map"]
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise ModelNotFoundError(f"{directory}: no safetensors weights")
+        where = {}
+        for f in files:
+            with safe_open(f, "pt") as h:
+                where.update({k: f.name for k in h.keys()})
+    module = module.to_empty(device="cpu")
+    state = {}
+    for pname in module.state_dict():
+        full = f"{module_name}.{pname}"
+        keys = [full] if full in where else [k for k in where if _bare_key(k) == _bare_key(full)]
+        if len(keys) != 1:
+            raise ModelNotFoundError(f"{directory}: parameter {full} is in {len(keys)} checkpoint tensors "
+                                     f"({keys[:4]}); expected exactly one")
+        with safe_open(directory / where[keys[0]], "pt") as h:
+            state[pname] = h.get_tensor(keys[0])
+    module.load_state_dict(state, strict=True)
+    return module.to(dtype).eval()
 
 
 def model_fingerprint(directory: Path, sample_bytes: int = 1 << 20) -> str:

@@ -103,12 +103,21 @@ def family_config(name: str, vocab_size: int = 512):
     raise KeyError(f"unknown family {name!r}; known: {FAMILIES}")
 
 
-def build_family(name: str, vocab_size: int = 512, seed: int = 0, attn_implementation: str | None = None):
+VLLM_CPU_SHAPE = {"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32}
+"""Overrides that make a family runnable by vLLM's CPU attention (head sizes 32, 64, ...; not 16), with
+head counts that split over 2 tensor-parallel ranks."""
+
+
+def build_family(name: str, vocab_size: int = 512, seed: int = 0, attn_implementation: str | None = None,
+                 overrides: dict | None = None):
     """A random float32 model of family ``name`` in eval mode (``AutoModelForCausalLM`` or, for the
-    multimodal wrapper, ``AutoModelForImageTextToText``), with weights drawn from ``seed``."""
+    multimodal wrapper, ``AutoModelForImageTextToText``), with weights drawn from ``seed``;
+    ``overrides`` are set on its text config (e.g. :data:`VLLM_CPU_SHAPE`)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     cfg = family_config(name, vocab_size)
+    for key, value in (overrides or {}).items():
+        setattr(cfg.get_text_config(), key, value)
     torch.manual_seed(seed)
     auto = AutoModelForImageTextToText if name in ("gemma3_mm", "qwen2_5_vl") else AutoModelForCausalLM
     model = auto.from_config(cfg, dtype=torch.float32,
@@ -120,11 +129,12 @@ def build_family(name: str, vocab_size: int = 512, seed: int = 0, attn_implement
     return model.eval()
 
 
-def save_family(name: str, path: Path, tokenizer_dir: Path | None = None, vocab_size: int = 512) -> Path:
+def save_family(name: str, path: Path, tokenizer_dir: Path | None = None, vocab_size: int = 512,
+                overrides: dict | None = None) -> Path:
     """Save a random model of family ``name`` to ``path`` (with the tokenizer files of ``tokenizer_dir``,
-    whose vocabulary must then be ``vocab_size``); returns ``path``."""
+    whose vocabulary must then be ``vocab_size``; ``overrides`` as :func:`build_family`); returns ``path``."""
     path = Path(path)
-    build_family(name, vocab_size).save_pretrained(path)
+    build_family(name, vocab_size, overrides=overrides).save_pretrained(path)
     if tokenizer_dir is not None:
         for f in Path(tokenizer_dir).iterdir():
             if f.is_file() and not f.name.startswith(".") and f.suffix != ".safetensors" \

@@ -73,8 +73,10 @@ def _all_options() -> set[str]:
     return {o for c in commands for p in c.params if isinstance(p, click.Option) for o in p.opts + p.secondary_opts}
 
 
-#: flags of other tools that messages quote (pip, click, accelerate launch) and a placeholder in a docstring
-FOREIGN = {"--no-deps", "--force-reinstall", "--help", "--num_processes", "--multi_gpu", "--cpu", "--option"}
+#: flags of other tools that messages quote (pip, click, accelerate launch, vllm serve) and a placeholder in a docstring
+FOREIGN = {"--no-deps", "--force-reinstall", "--help", "--num_processes", "--multi_gpu", "--cpu", "--option",
+           "--data-parallel-size", "--kv-transfer-config", "--no-enable-prefix-caching", "--skip-tokenizer-init",
+           "--speculative-config"}
 
 
 def test_every_option_the_code_names_exists():

@@ -43,7 +43,7 @@ def write_packed(directory: Path, n_blocks: int, block_size: int, seed: int = 0)
     return directory
 
 
-def _chunk_bytes(store: Path) -> dict[str, bytes]:
+def chunk_bytes(store: Path) -> dict[str, bytes]:
     """Every file of the store, byte for byte; the group's zarr.json without the ``config`` attribute,
     the record of the command line that made the store (another --output, --resume: another record)."""
     import json
@@ -149,7 +149,7 @@ def test_sigkill_then_resume_is_byte_identical(tmp_path, tiny_verifier_dir):
     res = subprocess.run(_extract_cmd(packed, tiny_verifier_dir, out, "--resume"), check=True, env=env,
                          capture_output=True, text=True)
     assert f'"blocks_done_this_run": {40 - done_before}' in res.stdout
-    assert _chunk_bytes(out) == _chunk_bytes(ref)
+    assert chunk_bytes(out) == chunk_bytes(ref)
     assert verify_store(out)["ok"]
 
 
@@ -175,7 +175,7 @@ def test_two_cpu_ranks_equal_one_process(tmp_path, tiny_verifier_dir):
     assert [(s["rank"], s["world_size"]) for s in summaries] == [(0, 2), (1, 2)]
     assert [s["blocks_done_this_run"] for s in summaries] == [3, 3]  # round-robin: 0, 2, 4 and 1, 3, 5
     assert all(s["complete"] for s in summaries)
-    assert _chunk_bytes(two) == _chunk_bytes(one)
+    assert chunk_bytes(two) == chunk_bytes(one)
 
 
 def test_bad_device_and_wrong_verify_table_are_clear_errors(tmp_path, tiny_verifier_dir):

@@ -118,6 +118,11 @@ def test_extract_shards_merge_into_the_unsharded_store(tmp_path, tiny_verifier_d
     assert verify_store(tmp_path / "m.zarr")["ok"]
     r = CliRunner().invoke(main, ["verify", str(tmp_path / "m.zarr"), "--packed", str(packed)])
     assert r.exit_code == 0, r.output
+    assert merged.attrs["engine"] == full.attrs["engine"] == {"name": "hf"}
+    FeatureStore.open(parts[1], mode="r+").update_attrs(engine={"name": "vllm"})  # as an --engine vllm shard
+    with pytest.raises(StoreMismatchError, match="a store's blocks come from one engine"):
+        merge_stores(parts, tmp_path / "z.zarr")
+    FeatureStore.open(parts[1], mode="r+").update_attrs(engine={"name": "hf"})
     with pytest.raises(InputError, match=r"missing shard index \[1\]"):
         merge_stores([parts[0]], tmp_path / "x.zarr")
     FeatureStore.open(parts[1], mode="r+").clear_done(0)

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from peagle_data.extract import ExtractConfig, run_extract
 from stores.feature_store import verify_store
 
-from .test_extract_run import _chunk_bytes, write_packed
+from .test_extract_run import chunk_bytes, write_packed
 
 N_BLOCKS = 4
 
@@ -77,7 +77,7 @@ def test_resume_repairs_exactly_the_damaged_block(tmp_path, finished, tiny_verif
     assert summary["blocks_done_this_run"] == 1  # exactly the damaged block
     assert list(summary["repaired_blocks"]) == ([2] if words is not None else [])
     assert summary["complete"] and verify_store(out)["ok"]
-    assert _chunk_bytes(out) == _chunk_bytes(ref)
+    assert chunk_bytes(out) == chunk_bytes(ref)
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == sorted(p.relative_to(ref) for p in ref.rglob("*"))
 
 
@@ -90,7 +90,7 @@ def test_resume_repairs_a_chunk_without_read_permission(tmp_path, finished, tiny
     assert "PermissionError" in verify_store(out)["bad_blocks"][1]
     summary = run_extract(_cfg(packed, tiny_verifier_dir, out), progress=False)
     assert list(summary["repaired_blocks"]) == [1] and summary["complete"]
-    assert _chunk_bytes(out) == _chunk_bytes(ref)
+    assert chunk_bytes(out) == chunk_bytes(ref)
 
 
 @pytest.mark.parametrize("array", ["n_tokens", "token_freq"])
@@ -103,7 +103,7 @@ def test_resume_rewrites_damaged_store_wide_arrays(tmp_path, finished, tiny_veri
     assert not report["ok"] and "0 bytes" in report["damaged_arrays"][array]
     summary = run_extract(_cfg(packed, tiny_verifier_dir, out), progress=False)
     assert summary["blocks_done_this_run"] == 0 and summary["complete"] and verify_store(out)["ok"]
-    assert _chunk_bytes(out) == _chunk_bytes(ref)
+    assert chunk_bytes(out) == chunk_bytes(ref)
 
 
 def test_verify_repair_then_resume_and_partial_resume_is_not_complete(tmp_path, finished, tiny_verifier_dir):
@@ -126,7 +126,7 @@ def test_verify_repair_then_resume_and_partial_resume_is_not_complete(tmp_path, 
     assert summary["complete"] == verify_store(out)["ok"]
     summary = run_extract(_cfg(packed, tiny_verifier_dir, out), progress=False)
     assert summary["blocks_done_this_run"] == 1 and summary["complete"] and summary["repaired_blocks"] == {}
-    assert _chunk_bytes(out) == _chunk_bytes(ref)
+    assert chunk_bytes(out) == chunk_bytes(ref)
 
 
 @pytest.mark.parametrize("storage_dtype,compressor", [("bf16", "zstd"), ("fp8", None)])
@@ -149,4 +149,4 @@ def test_repair_of_compressed_and_fp8_stores(tmp_path, tiny_verifier_dir, storag
     summary = run_extract(dataclasses.replace(cfg, output=str(out), resume=True), progress=False)
     assert sorted(summary["repaired_blocks"]) == [0, 1] and summary["blocks_done_this_run"] == 2
     assert summary["complete"] and verify_store(out)["ok"]
-    assert _chunk_bytes(out) == _chunk_bytes(ref)
+    assert chunk_bytes(out) == chunk_bytes(ref)

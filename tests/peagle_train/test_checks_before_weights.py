@@ -177,7 +177,8 @@ def test_extract_checks_come_before_the_weights(tmp_path, tiny_verifier_dir, mon
     assert res.exit_code == 2 and "layers [1, 2], asked for [1, 3]" in res.output, res.output
     refused = (f"Error: field '--resume': {out} was extracted with other options, which a resume cannot change: "
                "{}. Resume with the store's values (its options: `peagle-data inspect " + str(out) + "`, under config), "
-               "or start over with --force; a resume may change only --device, --max-blocks")
+               "or start over with --force; a resume may change only --device, --max-blocks, --server, --shared-storage, "
+               "--concurrency")
     for extra, conflicts in (
             (["--compressor", "zstd"], "--compressor: the store's none, given zstd"),
             (["--storage-dtype", "fp8", "--compressor", "zstd"],

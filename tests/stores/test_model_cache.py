@@ -42,3 +42,35 @@ def test_hub_id_of_the_embedded_alias():
 
     assert hub_id("smollm2-135m") == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert hub_id("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B" and hub_id("/models/x") == "/models/x"
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "gemma3_mm"])
+def test_load_submodule_reads_only_the_final_norm(tmp_path, family):
+    """The final norm of a verifier from its checkpoint alone equals the fully loaded model's, for a
+    causal LM, Gemma's (1 + w) RMSNorm and a multimodal wrapper (checkpoint names differ from the module's)."""
+    import sys
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from peagle_data.verifier_forward import language_model
+    from stores.model_cache import load_submodule, verifier_skeleton
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from families import save_family
+
+    model_dir = save_family(family, tmp_path / family)
+    with torch.no_grad():  # a norm weight that is not its initial value
+        auto = AutoModelForImageTextToText if family == "gemma3_mm" else AutoModelForCausalLM
+        full = auto.from_pretrained(model_dir, dtype=torch.float32)
+        language_model(full).norm.weight.normal_()
+        full.save_pretrained(model_dir)
+    skeleton = verifier_skeleton(model_dir)
+    assert next(skeleton.parameters()).device.type == "meta"
+    name = next(n for n, m in skeleton.named_modules() if m is language_model(skeleton).norm)
+    norm = load_submodule(model_dir, skeleton, name, torch.float32)
+    ref = language_model(auto.from_pretrained(model_dir, dtype=torch.float32)).norm
+    assert type(norm) is type(ref)
+    x = torch.randn(5, ref.weight.shape[0])
+    assert torch.equal(norm.weight, ref.weight) and torch.equal(norm(x), ref(x))

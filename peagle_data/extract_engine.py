@@ -1,0 +1,82 @@
+"""The verifier engine interface of extraction: what an engine (``hf``, ``vllm``) provides.
+
+Legend: T tokens in a block, L aux layers, H hidden size, S segments.
+
+An engine turns packed blocks into the store's features; everything else (the packed table, the
+store, resume and repair, shards, the writer thread) is :mod:`peagle_data.extract`'s and the same for
+every engine, so stores of two engines differ only in their ``engine`` attribute and in the
+numerics of the features. A new engine is one module with one :class:`VerifierEngine` subclass and
+one entry in :data:`peagle_data.extract.ENGINES`.
+
+Layer ids follow transformers' ``output_hidden_states``: ``0`` the embedding output, ``k`` in
+``1..L-1`` the output of decoder layer ``k-1``; the final slot is the final-norm output.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, Mapping
+
+import torch
+
+if TYPE_CHECKING:
+    from peagle_data.extract import ExtractConfig
+
+__all__ = ["PackedFacts", "VerifierEngine"]
+
+
+@dataclass(frozen=True)
+class PackedFacts:
+    """What an engine may need to know of the packed table before it starts."""
+
+    longest_segment: int
+    """Tokens of the longest segment (a vLLM engine's ``max_model_len``)."""
+    tokenizer: str | None
+    """The tokenizer the table was made with (its manifest's ``name_or_path``), None if unrecorded."""
+    offset_segment: tuple[int, int] | None = None
+    """``(block, segment)`` of the first segment whose position ids are not ``0..n-1``, None if none
+    (an engine that starts every request at position 0 refuses such a table)."""
+
+
+class VerifierEngine(ABC):
+    """One verifier engine: refusals before weights load, the verifier's description, block features.
+
+    Lifecycle: :meth:`check` (config only, class method) → ``open`` (loads weights or starts the
+    engine) → :meth:`features` over the blocks → :meth:`close`.
+    """
+
+    name: ClassVar[str]
+    """The ``--engine`` value and the store's ``engine.name`` attribute."""
+
+    @classmethod
+    @abstractmethod
+    def check(cls, cfg: ExtractConfig, config, layers: list[int]) -> None:
+        """Refuse what this engine cannot extract exactly, from the verifier's ``config`` and the options only.
+
+        Raises:
+            InputError: naming the option or the verifier and the fix.
+            MissingDependencyError: the engine's package is not installed (names the set-up command).
+        """
+
+    @classmethod
+    @abstractmethod
+    def open(cls, cfg: ExtractConfig, directory: Path, layers: list[int], log: Callable[[str], None],
+             device: str, packed: PackedFacts) -> "VerifierEngine":
+        """Load the verifier from ``directory`` (or connect to it) for extracting ``layers``; ``device``
+        is the accelerate process's device (hf)."""
+
+    desc: dict[str, Any]
+    """The store's ``verifier`` attribute (:func:`peagle_data.extract_store.verifier_desc`)."""
+    record: dict[str, Any]
+    """The store's ``engine`` attribute: ``name`` and the settings that change the numerics."""
+
+    @abstractmethod
+    def features(self, rows: Iterable[tuple[int, Mapping[str, Any]]]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Features of packed blocks ``(i, row)`` (a row has ``input_ids``, ``position_ids`` ``[T]``,
+        ``cu_seqlens [S+1]``), yielded in order as ``(i, aux [T, L, H] bf16, final [T, H] bf16)``
+        (CPU or the verifier's device), each segment as if run alone."""
+
+    def close(self) -> None:
+        """Release the engine (processes, temporary files)."""

@@ -1,0 +1,90 @@
+"""The ``hf`` extraction engine: the verifier's transformers forward over whole packed blocks (the reference).
+
+Legend: T tokens in a block, L aux layers, H hidden size.
+
+The forward itself (segments kept apart inside a block, chosen layers only) is
+:mod:`peagle_data.verifier_forward`; this module loads the verifier with the attention backend of
+``--attn-implementation`` and runs it block by block. Under ``accelerate launch`` every rank opens
+its own engine (one whole model per process).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
+
+import torch
+
+from peagle_data.extract_engine import PackedFacts, VerifierEngine
+from peagle_data.extract_store import verifier_desc
+from peagle_data.verifier_forward import language_model, verifier_features
+from stores.errors import InputError
+from stores.model_cache import load_verifier
+
+if TYPE_CHECKING:
+    from peagle_data.extract import ExtractConfig
+
+__all__ = ["HfEngine", "has_flash_attn"]
+
+
+def has_flash_attn() -> bool:
+    """Whether the ``flash_attn`` package is installed."""
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def _load_for_extract(cfg: ExtractConfig, device: str, log: Callable[[str], None]):
+    """The verifier with the attention backend of ``cfg.attn_implementation``.
+
+    ``auto``: FlashAttention varlen on CUDA when installed and the model supports it, else
+    transformers' choice (SDPA when the model supports it, else eager: Gemma-2, gpt-oss).
+
+    Raises:
+        InputError: an explicit backend the model does not support (names the alternatives).
+    """
+    impl = cfg.attn_implementation
+    if impl == "auto":
+        if device.startswith("cuda") and has_flash_attn():
+            try:
+                return load_verifier(cfg.verifier, device=device, attn_implementation="flash_attention_2")
+            except (ValueError, ImportError) as e:
+                log(f"flash_attention_2 is not available for this verifier ({e}); using transformers' default")
+        return load_verifier(cfg.verifier, device=device)
+    try:
+        return load_verifier(cfg.verifier, device=device, attn_implementation=impl)
+    except ValueError as e:
+        if "support" not in str(e):
+            raise
+        raise InputError(f"the verifier cannot run with {impl}: {e}; pass --attn-implementation auto "
+                         "(the model's own choice) or eager", field="--attn-implementation") from e
+
+
+class HfEngine(VerifierEngine):
+    """transformers on one device per process; packed blocks run whole (docs/design.md §4)."""
+
+    name = "hf"
+
+    def __init__(self, verifier, desc: dict[str, Any], layers: list[int]):
+        self.decoder = language_model(verifier)
+        self.desc, self.layers = desc, layers
+        self.record = {"name": self.name}
+
+    @classmethod
+    def check(cls, cfg: ExtractConfig, config, layers: list[int]) -> None:
+        """Nothing beyond the engine-independent checks: transformers runs every packable verifier."""
+
+    @classmethod
+    def open(cls, cfg: ExtractConfig, directory: Path, layers: list[int], log: Callable[[str], None],
+             device: str, packed: PackedFacts) -> "HfEngine":
+        verifier = _load_for_extract(cfg, device, log)
+        desc = verifier_desc(cfg.verifier, directory, verifier, next(verifier.parameters()).dtype)
+        return cls(verifier, desc, layers)
+
+    def features(self, rows: Iterable[tuple[int, Mapping[str, Any]]]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """One verifier forward per block (:func:`verifier_features`); tensors stay on the verifier's device."""
+        for i, r in rows:  # numpy arrays from Arrow are read-only: copy into tensors
+            aux, final = verifier_features(
+                self.decoder, torch.tensor(r["input_ids"], dtype=torch.long),
+                torch.tensor(r["position_ids"], dtype=torch.long),
+                torch.tensor(r["cu_seqlens"], dtype=torch.long), self.layers, to_host=False)
+            yield i, aux, final

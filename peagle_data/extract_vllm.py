@@ -1,0 +1,350 @@
+"""The ``vllm`` extraction engine: hidden states from the serving engine (vLLM's ``extract_hidden_states``).
+
+Legend: T tokens in a segment or block, L aux layers (store), K layer ids vLLM captures, H hidden size.
+
+- vLLM runs the verifier with the speculative method ``extract_hidden_states``
+  (``num_speculative_tokens: 1``, the ids in ``eagle_aux_hidden_state_layer_ids``) and a hidden-states
+  KV connector that writes one safetensors file per request (``hidden_states [T, K, H]``,
+  ``token_ids [T]``), whose path comes back in ``kv_transfer_params["hidden_states_path"]``.
+- Every packed segment is its own token-id prompt (``max_tokens=1``): vLLM keeps requests apart, so no
+  packing mask is needed; the segments' rows are concatenated back into the block. One block is one
+  ``generate`` call (one batch), and prefix caching is off, so a block's features do not depend on
+  the blocks around it and a resumed store is byte-identical to an uninterrupted one.
+- Layer ids: vLLM id k is the input of decoder layer k, which is transformers' ``hidden_states[k]``
+  for k < L; id L is the last layer's output *before* the final norm (stored as such when asked for).
+  vLLM sorts and de-duplicates the ids, so L is always captured and the final slot is the verifier's own
+  final-norm module (transformers', weights read alone: :func:`stores.model_cache.load_submodule`)
+  applied to it, in the engine's dtype, as the ``hf`` engine computes it.
+- Parallelism is vLLM's: ``--tensor-parallel-size``, ``--pipeline-parallel-size`` in this process;
+  data parallel through shards (one process per replica) or ``--server`` (a running ``vllm serve``,
+  any ``--data-parallel-size``) with ``--shared-storage``, the directory its connector writes to.
+- Without an accelerator vLLM's connector cannot copy (pinned memory):
+  :class:`peagle_data.vllm_cpu_connector.CpuHiddenStatesConnector` is loaded instead.
+
+vLLM is imported lazily (its own virtualenv: ``PEAGLE_VLLM=1 bash scripts/setup_env.sh``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shlex
+import shutil
+import tempfile
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
+
+import numpy as np
+import torch
+
+from peagle_data.extract_engine import PackedFacts, VerifierEngine
+from peagle_data.extract_store import verifier_desc
+from peagle_data.verifier_backends import server_base_url
+from peagle_data.verifier_forward import language_model
+from stores.errors import InputError, MissingDependencyError
+from stores.model_cache import load_submodule, load_tokenizer, verifier_skeleton
+from stores.model_config import text_config
+
+if TYPE_CHECKING:
+    from peagle_data.extract import ExtractConfig
+
+__all__ = ["VllmEngine", "VLLM_SETUP", "capture_ids", "connector_config", "serve_args", "serve_command"]
+
+VLLM_SETUP = "PEAGLE_VLLM=1 bash scripts/setup_env.sh (creates .venv-vllm; run .venv-vllm/bin/peagle-data)"
+"""How a user gets vLLM next to peagle (vLLM pins its own transformers, so it has its own virtualenv)."""
+
+CPU_CONNECTOR = "peagle_data.vllm_cpu_connector"
+"""``kv_connector_module_path`` of the connector used where no accelerator exists."""
+
+SERVER_TIMEOUT_S = 600.0
+"""Seconds one server request may take."""
+
+MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "use_mla")
+"""Config keys of multi-head latent attention (DeepSeek-V2/V3, Kimi): the hidden-states connector refuses it."""
+
+
+def capture_ids(layers: list[int], num_hidden_layers: int) -> list[int]:
+    """The ids vLLM is asked for: the store's ``layers`` and ``L`` (for the final slot), sorted, unique
+    (as vLLM orders its ``aux_hidden_states``)."""
+    return sorted(set(layers) | {num_hidden_layers})
+
+
+def connector_config(storage: str, accelerator: bool) -> dict[str, Any]:
+    """``kv_transfer_config`` of the hidden-states connector writing into directory ``storage``:
+    vLLM's ``ExampleHiddenStatesConnector`` with an accelerator, else peagle's CPU subclass."""
+    cfg = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+           "kv_connector_extra_config": {"shared_storage_path": storage}}
+    if not accelerator:
+        cfg = {**cfg, "kv_connector": "CpuHiddenStatesConnector", "kv_connector_module_path": CPU_CONNECTOR}
+    return cfg
+
+
+def speculative_config(ids: list[int]) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` that captures layer ids ``ids`` (no drafting)."""
+    return {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}}}
+
+
+def serve_args(layers: list[int], num_hidden_layers: int, storage: str, accelerator: bool) -> list[str]:
+    """The ``vllm serve MODEL`` options a ``--server`` extraction of ``layers`` needs (prefix caching off,
+    the capture ids, the connector writing into ``storage``)."""
+    spec = json.dumps(speculative_config(capture_ids(layers, num_hidden_layers)), separators=(",", ":"))
+    kv = json.dumps(connector_config(storage, accelerator), separators=(",", ":"))
+    return ["--no-enable-prefix-caching", "--speculative-config", spec, "--kv-transfer-config", kv]
+
+
+def serve_command(model: str, layers: list[int], num_hidden_layers: int, storage: str, accelerator: bool) -> str:
+    """:func:`serve_args` as one shell command line ``vllm serve MODEL ...``."""
+    return shlex.join(["vllm", "serve", model, *serve_args(layers, num_hidden_layers, storage, accelerator)])
+
+
+def _has_accelerator() -> bool:
+    """Whether vLLM's platform here is an accelerator (CUDA, ROCm, XPU, ...), not the CPU."""
+    from vllm.platforms import current_platform
+
+    return not current_platform.is_cpu()
+
+
+def _check_vllm_model(config, cfg: ExtractConfig) -> None:
+    """Refuse architectures vLLM cannot capture hidden states of (not registered, no EAGLE-3 aux
+    outputs, MLA, pipeline parallel without aux outputs across stages); imports model classes only."""
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    arch = (getattr(config, "architectures", None) or ["?"])[0]
+    if arch not in ModelRegistry.get_supported_archs():
+        raise InputError(f"vLLM does not know the verifier's architecture {arch}: use --engine hf", field="--engine")
+    model_cls = ModelRegistry._try_load_model_cls(arch)  # vLLM has no public by-name lookup
+    if model_cls is None or not supports_eagle3(model_cls):
+        raise InputError(f"vLLM's {arch} has no auxiliary hidden-state outputs (the EAGLE-3 interface "
+                         "extract_hidden_states needs): use --engine hf", field="--engine")
+    text = text_config(config)
+    mla = [k for k in MLA_KEYS if getattr(text, k, None)]
+    if mla:
+        raise InputError(f"the verifier uses multi-head latent attention ({mla[0]} in its config), which "
+                         "vLLM's hidden-states connector does not support: use --engine hf", field="--engine")
+    types = set(getattr(text, "layer_types", None) or [])
+    window_layers = getattr(text, "max_window_layers", None)
+    if len(types) > 1 and window_layers is not None and window_layers != text.num_hidden_layers:
+        raise InputError(f"the verifier has sliding-window attention in some layers only (max_window_layers "
+                         f"{window_layers} of {text.num_hidden_layers}), which vLLM's {arch} refuses: use --engine hf",
+                         field="--engine")
+    if cfg.pipeline_parallel_size > 1 and not getattr(model_cls, "supports_aux_hidden_states_over_pp", False):
+        raise InputError(f"vLLM's {arch} cannot pass hidden states between pipeline stages: use "
+                         "--tensor-parallel-size instead", field="--pipeline-parallel-size")
+
+
+def _segments(r: Mapping[str, Any]) -> list[tuple[int, int]]:
+    """A packed row's non-empty segments ``[(lo, hi)]``."""
+    cu = np.asarray(r["cu_seqlens"]).tolist()
+    return [(lo, hi) for lo, hi in zip(cu[:-1], cu[1:]) if hi > lo]
+
+
+class VllmEngine(VerifierEngine):
+    """vLLM in this process (``LLM``), or a running ``vllm serve`` (``--server``)."""
+
+    name = "vllm"
+
+    def __init__(self, cfg: ExtractConfig, desc: dict[str, Any], layers: list[int], norm: torch.nn.Module,
+                 dtype: torch.dtype, log: Callable[[str], None]):
+        self.cfg, self.desc, self.layers, self.norm, self.dtype, self.log = cfg, desc, layers, norm, dtype, log
+        L = desc["num_hidden_layers"]
+        self.ids = capture_ids(layers, L)
+        self.pick = [self.ids.index(l) for l in layers]
+        self.last = self.ids.index(L)
+        self.llm = None
+        self.tmp: str | None = None
+        self.base: str | None = None
+        self.model: str | None = None
+        self.record = {"name": self.name, "vllm": _vllm_version(), "capture_ids": self.ids,
+                       "last_layer": "pre_norm", "dtype": desc["dtype"],
+                       **({"server": cfg.server} if cfg.server else
+                          {"tensor_parallel_size": cfg.tensor_parallel_size,
+                           "pipeline_parallel_size": cfg.pipeline_parallel_size})}
+
+    @classmethod
+    def check(cls, cfg: ExtractConfig, config, layers: list[int]) -> None:
+        """vLLM importable, the architecture capturable, hf-only options unset, --server with --shared-storage.
+
+        Raises:
+            MissingDependencyError: vLLM is not installed here (names the set-up command).
+            InputError: see :func:`_check_vllm_model`; ``--attn-implementation`` or ``--device`` given;
+                ``--server`` without an existing ``--shared-storage`` directory.
+        """
+        if importlib.util.find_spec("vllm") is None:
+            raise MissingDependencyError(f"--engine vllm needs vLLM, which this environment lacks: {VLLM_SETUP}")
+        if cfg.attn_implementation != "auto":
+            raise InputError("--attn-implementation chooses transformers' attention (--engine hf); vLLM picks "
+                             "its own backend", field="--attn-implementation")
+        if cfg.device is not None:
+            raise InputError("--device is for --engine hf; vLLM uses its platform's devices (CUDA_VISIBLE_DEVICES "
+                             "chooses GPUs)", field="--device")
+        if cfg.server and (not cfg.shared_storage or not Path(cfg.shared_storage).is_dir()):
+            raise InputError(f"--server needs --shared-storage: the directory (as this machine mounts it) that the "
+                             f"server's connector writes into, got {cfg.shared_storage!r}", field="--shared-storage")
+        _check_vllm_model(config, cfg)
+
+    @classmethod
+    def open(cls, cfg: ExtractConfig, directory: Path, layers: list[int], log: Callable[[str], None],
+             device: str, packed: PackedFacts) -> "VllmEngine":
+        """The final norm first (no vLLM yet), then the server checks or vLLM's start.
+
+        Raises:
+            InputError: the server checks of :meth:`_connect`; a segment longer than the verifier's
+                ``max_position_embeddings`` or one whose positions do not start at 0; a language model
+                without a ``.norm`` module.
+            ModelNotFoundError: the final norm's weights are not in the checkpoint
+                (:func:`stores.model_cache.load_submodule`).
+        """
+        if packed.offset_segment is not None:
+            block, segment = packed.offset_segment
+            raise InputError(f"packed block {block}, segment {segment}: position ids do not start at 0, and vLLM "
+                             "starts every request at position 0: use --engine hf", file=cfg.packed)
+        accelerator = _has_accelerator()
+        dtype = torch.bfloat16 if accelerator else torch.float32  # as the hf engine loads the verifier
+        skeleton = verifier_skeleton(directory)
+        decoder = language_model(skeleton)
+        if not isinstance(getattr(decoder, "norm", None), torch.nn.Module):
+            raise InputError(f"{type(decoder).__name__} has no final norm module (.norm) to compute the final slot "
+                             "from vLLM's pre-norm last layer: use --engine hf", field="--engine")
+        norm_name = next(n for n, m in skeleton.named_modules() if m is decoder.norm)
+        norm = load_submodule(directory, skeleton, norm_name, dtype)
+        desc = verifier_desc(cfg.verifier, directory, skeleton, dtype)
+        desc["attn_implementation"] = None  # vLLM's choice, not transformers'
+        engine = cls(cfg, desc, layers, norm, dtype, log)
+        limit = getattr(text_config(skeleton.config), "max_position_embeddings", None)
+        if limit is not None and packed.longest_segment > int(limit):
+            raise InputError(f"a packed segment has {packed.longest_segment} tokens, more than the verifier's "
+                             f"max_position_embeddings {limit}", file=cfg.packed)
+        if cfg.server:
+            engine._connect(directory, packed.tokenizer)
+        else:
+            engine._start(directory, accelerator, packed.longest_segment + 1)
+        return engine
+
+    # ------------------------------------------------------------------ local engine
+    def _start(self, directory: Path, accelerator: bool, max_len: int) -> None:
+        """``LLM`` over ``directory`` for prompts of up to ``max_len - 1`` tokens (plus the one generated)."""
+        from vllm import LLM
+
+        self.tmp = tempfile.mkdtemp(prefix="peagle-vllm-hs-")
+        self.llm = LLM(model=str(directory), skip_tokenizer_init=True, dtype=str(self.dtype).replace("torch.", ""),
+                       enforce_eager=not accelerator, seed=0, enable_prefix_caching=False,
+                       max_model_len=max_len, tensor_parallel_size=self.cfg.tensor_parallel_size,
+                       pipeline_parallel_size=self.cfg.pipeline_parallel_size,
+                       speculative_config=speculative_config(self.ids),
+                       kv_transfer_config=connector_config(self.tmp, accelerator))
+
+    def _generate(self, prompts: list[list[int]]) -> list[str]:
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [o.kv_transfer_params["hidden_states_path"] for o in outs]
+
+    # ------------------------------------------------------------------ server
+    def _connect(self, directory: Path, table_tokenizer: str | None) -> None:
+        """Check the server before any block: reachable, one model, the pack's tokenizer.
+
+        Raises:
+            InputError: unreachable, not one model, another tokenizer, no ``--shared-storage``.
+        """
+        self.base = server_base_url(self.cfg.server)
+        models = self._request(self.base + "/models")["data"]
+        if len(models) != 1:
+            raise InputError(f"--server {self.base} serves {len(models)} models; extraction needs one", field="--server")
+        self.model = models[0]["id"]
+        probe = "Hidden states: déjà vu, 3.14159 <tool_call> 你好\n"
+        try:
+            served = self._request(self.base.removesuffix("/v1") + "/tokenize", {"model": self.model, "prompt": probe,
+                                                    "add_special_tokens": False})["tokens"]
+        except InputError as e:
+            raise InputError(f"{e}; extraction checks the server's tokenizer: start it without "
+                             "--skip-tokenizer-init", field="--server") from None
+        tokenizer = load_tokenizer(table_tokenizer or directory)
+        mine = tokenizer(probe, add_special_tokens=False)["input_ids"]
+        if served != mine:
+            raise InputError(f"--server {self.base} serves {self.model}, whose tokenizer is not the packed table's "
+                             f"({table_tokenizer or directory}): {served[:8]}... vs {mine[:8]}...; serve "
+                             "the verifier the table was tokenized for", field="--server")
+        self.log(f"server {self.base}: {self.model}; it must capture layer ids {self.ids}: "
+                 + serve_command(self.model, self.layers, self.desc["num_hidden_layers"], "DIR", True))
+
+    def _request(self, url: str, body: dict | None = None) -> dict:
+        """JSON of GET (``body`` None) or POST ``url``.
+
+        Raises:
+            InputError: unreachable, an HTTP error (with the server's message) or not JSON.
+        """
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=SERVER_TIMEOUT_S) as resp:
+                return json.loads(resp.read())
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            detail = e.read().decode(errors="replace")[:300] if isinstance(e, urllib.error.HTTPError) else e
+            raise InputError(f"--server {url}: {detail}", field="--server") from None
+
+    def _serve(self, prompts: list[list[int]]) -> list[str]:
+        def one(p):
+            out = self._request(self.base + "/completions", {"model": self.model, "prompt": p, "max_tokens": 1,
+                                                 "temperature": 0.0})
+            path = (out.get("kv_transfer_params") or {}).get("hidden_states_path")
+            if path is None:
+                raise InputError(f"--server {self.base} returned no hidden_states_path: start it with "
+                                 "the extract_hidden_states speculative config and the hidden-states connector",
+                                 field="--server")
+            return str(Path(self.cfg.shared_storage) / Path(path).name)
+
+        with ThreadPoolExecutor(max_workers=self.cfg.concurrency) as pool:
+            return list(pool.map(one, prompts))
+
+    # ------------------------------------------------------------------ features
+    def features(self, rows: Iterable[tuple[int, Mapping[str, Any]]]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """One vLLM batch per block, every segment its own request; rows reassembled in block order.
+
+        Raises:
+            InputError: a file whose token ids or shape ``[T, K, H]`` are not the request's (a server
+                capturing other layers).
+        """
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+            cleanup_hidden_states,
+            load_hidden_states,
+        )
+
+        H = self.desc["hidden_size"]
+        for i, r in rows:
+            ids = np.asarray(r["input_ids"], dtype=np.int64)
+            spans = _segments(r)
+            prompts = [ids[lo:hi].tolist() for lo, hi in spans]
+            paths = self._serve(prompts) if self.base else self._generate(prompts)
+            parts = []
+            for (lo, hi), path in zip(spans, paths):
+                data = load_hidden_states(path)
+                cleanup_hidden_states(path)
+                hs, got = data["hidden_states"], data["token_ids"]
+                if tuple(hs.shape) != (hi - lo, len(self.ids), H) or got.tolist() != prompts[len(parts)]:
+                    raise InputError(f"block {i}: vLLM returned hidden states {tuple(hs.shape)} for "
+                                     f"{hi - lo} tokens, expected ({hi - lo}, {len(self.ids)}, {H}) for layer ids "
+                                     f"{self.ids} (is the server capturing these ids?)", field="--server")
+                parts.append(hs)
+            hs = torch.cat(parts)  # [T, K, H] in the engine's dtype
+            with torch.no_grad():
+                final = self.norm(hs[:, self.last].to(self.dtype))
+            yield i, hs[:, self.pick].to(torch.bfloat16), final.to(torch.bfloat16)
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()  # the engine process (and TP/PP workers) end now
+            self.llm = None
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__

@@ -1,0 +1,393 @@
+"""``extract --engine vllm`` against a real vLLM engine: equal to ``--engine hf`` within bf16 rounding
+(SmolLM2 and the tiny families vLLM's CPU build runs), kill-and-resume byte-identical, tensor parallel 2,
+``--server`` with a real ``vllm serve``, and the refusals before the engine starts.
+
+vLLM runs in subprocesses of the CLI (``python -m cli.data_extract``, which has the ``__main__`` guard
+vLLM's spawned engine process needs). Figures are printed (``pytest -s``) for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from peagle_data.extract import ExtractConfig, run_extract
+from stores.errors import InputError
+from stores.feature_store import FeatureStore, verify_store
+from stores.staging import prepare_output_dir
+from stores.token_tables import TableWriter, write_manifest
+from tests.peagle_data.test_extract_run import chunk_bytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from families import VLLM_CPU_SHAPE, save_family  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
+
+
+def write_packed(directory: Path, n_blocks: int, vocab: int, seed: int = 0, tokenizer: str = "smollm2-135m",
+                 longest: int = 24, offset: int = 0) -> Path:
+    """A packed table of ``n_blocks`` blocks of 2-4 segments of 5..longest token ids in ``3..vocab-1``;
+    every block's second segment has positions ``offset..offset+n-1``."""
+    rng = np.random.default_rng(seed)
+    prepare_output_dir(directory, force=True)
+    with TableWriter(directory, "packed") as w:
+        for b in range(n_blocks):
+            lengths = rng.integers(5, longest + 1, size=rng.integers(2, 5))
+            n = int(lengths.sum())
+            w.write({"block_id": b, "input_ids": rng.integers(3, vocab, size=n, dtype=np.int32),
+                     "loss_mask": (rng.random(n) < 0.6).astype(np.uint8),
+                     "position_ids": np.concatenate([np.arange(k) + (offset if j == 1 else 0)
+                                                     for j, k in enumerate(lengths)]).astype(np.int32),
+                     "cu_seqlens": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
+                     "segment_ids": [f"c{b}#{k}" for k in range(len(lengths))], "n_tokens": n})
+    write_manifest(directory, {"kind": "packed", "inputs": [f"random-seed-{seed}"],
+                               "parameters": {"block_size": 4 * longest}, "tokenizer": {"name_or_path": tokenizer}})
+    return directory
+
+
+def extract_cli(packed: Path, verifier, out: Path, layers: list[int], *extra: str, check: bool = True,
+                env: dict | None = None):
+    """``peagle-data extract --engine vllm`` in a subprocess (``env`` added to :data:`ENV`); returns the
+    completed process."""
+    args = [sys.executable, "-m", "cli.data_extract", str(packed), "--verifier", str(verifier), "--output", str(out),
+            "--layers", ",".join(map(str, layers)), "--engine", "vllm", *extra]
+    res = subprocess.run(args, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=900)
+    if check and res.returncode != 0:
+        raise AssertionError(f"extract failed ({res.returncode}):\n{res.stderr[-4000:]}")
+    return res
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 values at ``|x|`` (8 significant bits): ``2^(floor(log2|x|) - 7)``."""
+    return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - 7)
+
+
+FLOAT32_NOISE = 1e-6
+"""Float32 compute noise, relative to a token's largest |value|: two engines sum in other orders, so
+an element far smaller than its token's largest (SmolLM2 has values of 400 beside 1e-4) may differ
+by more than its own bf16 step; a wrong layer, norm or position differs by the token's scale."""
+
+
+def assert_within_rounding(a: torch.Tensor, b: torch.Tensor, what: str) -> float:
+    """Every element of bf16 ``a`` and ``b`` (``[..., H]``) within one bf16 step of the larger plus
+    :data:`FLOAT32_NOISE` times its token's largest |value|; returns the worst per-token relative
+    difference ``|a - b| / |a|`` (L2 over H)."""
+    a, b = a.float(), b.float()
+    scale = torch.maximum(a.abs(), b.abs()).amax(dim=-1, keepdim=True)
+    step = bf16_ulp(torch.maximum(a.abs(), b.abs())) + FLOAT32_NOISE * scale
+    bad = (a - b).abs() > step
+    assert not bad.any(), f"{what}: {int(bad.sum())} of {a.numel()} elements differ by more than one bf16 step"
+    return float(((a - b).norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-30)).max())
+
+
+def compare_stores(hf: Path, vllm: Path, L: int, label: str) -> dict[str, float]:
+    """Both stores: same tokens, layers and attributes except ``engine`` (and vLLM's attention, recorded
+    as None); every stored layer below L and the final slot within rounding. Returns the worst relative
+    difference per layer and ``final``."""
+    a, b = FeatureStore.open(hf), FeatureStore.open(vllm)
+    assert a.attrs["engine"] == {"name": "hf"} and b.attrs["engine"]["name"] == "vllm"
+    strip = lambda attrs: {k: v for k, v in attrs.items() if k not in ("engine", "config", "verifier")}
+    assert strip(a.attrs) == strip(b.attrs)
+    assert {**a.attrs["verifier"], "attn_implementation": None} == b.attrs["verifier"]
+    assert verify_store(vllm)["ok"] and b.is_complete()
+    worst = {}
+    for i in range(a.n_blocks):
+        x, y = a.read_block(i), b.read_block(i)
+        assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.cu_seqlens, y.cu_seqlens)
+        for k, layer in enumerate(a.layers):
+            if layer < L:
+                d = assert_within_rounding(x.aux_hidden[:, k], y.aux_hidden[:, k], f"{label} block {i} layer {layer}")
+                worst[layer] = max(worst.get(layer, 0.0), d)
+        d = assert_within_rounding(x.final_hidden, y.final_hidden, f"{label} block {i} final")
+        worst["final"] = max(worst.get("final", 0.0), d)
+    print(f"{label}: worst relative difference hf vs vllm: " + ", ".join(f"{k}: {v:.1e}" for k, v in worst.items()))
+    return worst
+
+
+def assert_prenorm_layer(store: Path, model_dir, L: int, label: str) -> float:
+    """Stored layer L equals transformers' last decoder layer output (before the final norm), per segment."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    s = FeatureStore.open(store)
+    k = s.layers.index(L)
+    worst = 0.0
+    for i in range(s.n_blocks):
+        blk = s.read_block(i)
+        cu = blk.cu_seqlens.tolist()
+        for lo, hi in zip(cu[:-1], cu[1:]):
+            got = {}
+            hook = model.model.layers[-1].register_forward_hook(lambda m, a, o: got.__setitem__("h", o[0] if isinstance(o, tuple) else o))
+            with torch.no_grad():
+                model(blk.input_ids[lo:hi][None])
+            hook.remove()
+            ref = got["h"][0].to(torch.bfloat16)
+            worst = max(worst, assert_within_rounding(ref, blk.aux_hidden[lo:hi, k], f"{label} block {i} layer {L}"))
+    print(f"{label}: layer {L} (pre-norm) vs transformers' last layer output: {worst:.1e}")
+    return worst
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # one vLLM engine start (~50 s)
+def test_smollm2_vllm_equals_hf(tmp_path):
+    """SmolLM2-135M: layers 2, 15, 27 and the final slot equal the hf engine's; 30 is the pre-norm output."""
+    from stores.model_cache import resolve_model
+
+    model = resolve_model("smollm2-135m")
+    packed = write_packed(tmp_path / "packed", n_blocks=3, vocab=49152, longest=40)
+    layers = [27, 2, 15, 30]  # unsorted on purpose: vLLM sorts its ids, the store keeps this order
+    run_extract(ExtractConfig(packed=str(packed), verifier=str(model), output=str(tmp_path / "hf.zarr"),
+                              layers=layers, device="cpu"), progress=False)
+    extract_cli(packed, model, tmp_path / "vllm.zarr", layers)
+    assert FeatureStore.open(tmp_path / "vllm.zarr").layers == layers
+    compare_stores(tmp_path / "hf.zarr", tmp_path / "vllm.zarr", 30, "smollm2")
+    assert_prenorm_layer(tmp_path / "vllm.zarr", model, 30, "smollm2")
+
+
+VLLM_FAMILIES = ["llama31", "qwen3", "qwen3_moe", "mistral", "gpt_oss"]
+"""The tiny families vLLM's CPU build extracts (head size 32: the CPU attention takes 32, 64, ...; not
+the matrix's 16). mistral: every layer sliding (window 4); gpt_oss: alternating sliding and full
+attention with sinks, MoE. The others are refused before the engine
+starts (test_refused_families)."""
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # one vLLM engine start per family (~40-90 s each on 2 shared cores)
+@pytest.mark.parametrize("family", VLLM_FAMILIES)
+def test_family_vllm_equals_hf(tmp_path, family):
+    model = save_family(family, tmp_path / family, overrides=VLLM_CPU_SHAPE)
+    L = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    packed = write_packed(tmp_path / "packed", n_blocks=3, vocab=512)
+    layers = list(range(L + 1))  # every id: the embeddings (0), each layer, the pre-norm last (L)
+    run_extract(ExtractConfig(packed=str(packed), verifier=str(model), output=str(tmp_path / "hf.zarr"),
+                              layers=layers, device="cpu"), progress=False)
+    extract_cli(packed, model, tmp_path / "vllm.zarr", layers)
+    compare_stores(tmp_path / "hf.zarr", tmp_path / "vllm.zarr", L, family)
+    assert_prenorm_layer(tmp_path / "vllm.zarr", model, L, family)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # three vLLM engine starts
+def test_kill_then_resume_is_byte_identical(tmp_path):
+    model = save_family("llama31", tmp_path / "llama31", overrides=VLLM_CPU_SHAPE)
+    packed = write_packed(tmp_path / "packed", n_blocks=150, vocab=512, longest=60)
+    ref, out = tmp_path / "ref.zarr", tmp_path / "out.zarr"
+    extract_cli(packed, model, ref, [1, 2])
+    args = [sys.executable, "-m", "cli.data_extract", str(packed), "--verifier", str(model), "--output", str(out),
+            "--layers", "1,2", "--engine", "vllm"]
+    proc = subprocess.Popen(args, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # its own group: the kill takes vLLM's engine process too
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None and len(list((out / "done").rglob("c/*"))) < 5:
+        time.sleep(0.02)
+    assert proc.poll() is None, "the extraction ended before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_before = int(FeatureStore.open(out).done_mask().sum())
+    assert 0 < done_before < 150
+    res = extract_cli(packed, model, out, [1, 2], "--resume")
+    assert f'"blocks_done_this_run": {150 - done_before},' in res.stdout  # vLLM logs to stdout too
+    assert chunk_bytes(out) == chunk_bytes(ref)
+    assert verify_store(out)["ok"]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # two vLLM engines (TP 1 and TP 2 over gloo on CPU)
+def test_tensor_parallel_2_equals_1(tmp_path):
+    model = save_family("qwen3", tmp_path / "qwen3", overrides=VLLM_CPU_SHAPE)  # 2 heads, 2 kv heads: split in 2
+    packed = write_packed(tmp_path / "packed", n_blocks=2, vocab=512)
+    extract_cli(packed, model, tmp_path / "tp1.zarr", [1, 2])
+    # vLLM's CPU workers bind their threads per NUMA node; one node here, so one core per rank by hand
+    extract_cli(packed, model, tmp_path / "tp2.zarr", [1, 2], "--tensor-parallel-size", "2",
+                env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    a, b = FeatureStore.open(tmp_path / "tp1.zarr"), FeatureStore.open(tmp_path / "tp2.zarr")
+    assert b.attrs["engine"]["tensor_parallel_size"] == 2
+    for i in range(a.n_blocks):
+        x, y = a.read_block(i), b.read_block(i)
+        for k in range(2):
+            assert_within_rounding(x.aux_hidden[:, k], y.aux_hidden[:, k], f"tp block {i} layer {k + 1}")
+        assert_within_rounding(x.final_hidden, y.final_hidden, f"tp block {i} final")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory, copy_smollm2_tokenizer):
+    """A real ``vllm serve`` on 127.0.0.1 of a tiny Llama with the SmolLM2 tokenizer, capturing ids 1, 2
+    into a shared directory with peagle's CPU connector: ``(url, storage, model_dir)``."""
+    from peagle_data.extract_vllm import serve_args
+
+    root = tmp_path_factory.mktemp("server")
+    model = copy_smollm2_tokenizer(save_family("llama31", root / "model", vocab_size=49152, overrides=VLLM_CPU_SHAPE))
+    storage = root / "hidden"
+    storage.mkdir()
+    port = _free_port()
+    # `vllm serve` (vllm.entrypoints.cli.main) fails in vllm-cpu 0.32.0: it asks importlib.metadata for
+    # "vllm", whose distribution is "vllm-cpu"; the OpenAI server module is the same server without it
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "128",
+            *serve_args([1, 2], 2, str(storage), accelerator=False)]
+    log = open(root / "server.log", "w")
+    proc = subprocess.Popen(args, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    import urllib.request
+
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"vllm serve exited: {(root / 'server.log').read_text()[-3000:]}")
+        try:
+            urllib.request.urlopen(url + "/v1/models", timeout=2)
+            break
+        except OSError:
+            time.sleep(1)
+    yield url, storage, model
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    log.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # a vllm serve start and a local engine start
+def test_server_mode_equals_local_engine(tmp_path, vllm_server):
+    url, storage, model = vllm_server
+    packed = write_packed(tmp_path / "packed", n_blocks=3, vocab=49152)
+    extract_cli(packed, model, tmp_path / "server.zarr", [1, 2], "--server", url, "--shared-storage", str(storage))
+    extract_cli(packed, model, tmp_path / "local.zarr", [1, 2])
+    a, b = FeatureStore.open(tmp_path / "local.zarr"), FeatureStore.open(tmp_path / "server.zarr")
+    assert verify_store(tmp_path / "server.zarr")["ok"]
+    for i in range(a.n_blocks):
+        x, y = a.read_block(i), b.read_block(i)
+        assert torch.equal(x.input_ids, y.input_ids)
+        for k in range(2):
+            assert_within_rounding(x.aux_hidden[:, k], y.aux_hidden[:, k], f"server block {i} layer {k + 1}")
+        assert_within_rounding(x.final_hidden, y.final_hidden, f"server block {i} final")
+    assert not list(storage.iterdir())  # every hidden-states file and lock read and removed
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # shares the server fixture's start
+def test_server_with_another_tokenizer_is_refused(tmp_path, vllm_server):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    url, storage, model = vllm_server
+    other = tmp_path / "other_tokenizer"
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")),
+                            unk_token="[UNK]").save_pretrained(other)
+    packed = write_packed(tmp_path / "packed", n_blocks=1, vocab=49152, tokenizer=str(other))
+    res = extract_cli(packed, model, tmp_path / "x.zarr", [1, 2], "--server", url, "--shared-storage", str(storage),
+                      check=False)
+    assert res.returncode != 0 and "whose tokenizer is not the packed table's" in res.stderr
+    packed = write_packed(tmp_path / "packed2", n_blocks=1, vocab=49152)
+    res = extract_cli(packed, model, tmp_path / "y.zarr", [1, 2, 0], "--server", url, "--shared-storage",
+                      str(storage), check=False)  # ids 0, 1, 2: the server's files hold 2 layers, not 3
+    assert res.returncode != 0 and "is the server capturing these ids?" in res.stderr
+
+
+def _config_dir(tmp_path: Path, name: str, config: dict) -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("config,message", [
+    ({"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "num_hidden_layers": 2,
+      "hidden_size": 64, "kv_lora_rank": 16, "q_lora_rank": None, "vocab_size": 512}, "multi-head latent attention"),
+    ({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "num_hidden_layers": 2, "hidden_size": 64,
+      "vocab_size": 512}, "no auxiliary hidden-state outputs"),
+    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": 3, "hidden_size": 64,
+      "vocab_size": 512, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+     "sliding-window attention in some layers only"),
+    ({"architectures": ["NoSuchModelForCausalLM"], "model_type": "llama", "num_hidden_layers": 2,
+      "hidden_size": 64, "vocab_size": 512}, "does not know the verifier's architecture"),
+])
+def test_refused_families_before_the_engine_starts(tmp_path, config, message):
+    """Configs only (no weights): each refusal comes from the checks, not from a failed engine start."""
+    verifier = _config_dir(tmp_path, "m", config)
+    packed = write_packed(tmp_path / "packed", n_blocks=1, vocab=512)
+    with pytest.raises(InputError, match=message):
+        run_extract(ExtractConfig(packed=str(packed), verifier=str(verifier), output=str(tmp_path / "f.zarr"),
+                                  engine="vllm", layers=[1]), progress=False)
+    assert not (tmp_path / "f.zarr").exists()
+
+
+@pytest.mark.vllm
+def test_bad_options_are_refused_before_the_engine_starts(tmp_path):
+    model = save_family("llama31", tmp_path / "m", overrides=VLLM_CPU_SHAPE)
+    packed = write_packed(tmp_path / "packed", n_blocks=1, vocab=512)
+    base = dict(packed=str(packed), verifier=str(model), output=str(tmp_path / "f.zarr"), engine="vllm")
+    with pytest.raises(InputError, match=r"out of range.*0\.\.2"):
+        run_extract(ExtractConfig(**base, layers=[3]), progress=False)
+    with pytest.raises(InputError, match="--engine hf"):
+        run_extract(ExtractConfig(**base, layers=[1], attn_implementation="eager"), progress=False)
+    with pytest.raises(InputError, match="shared-storage"):
+        run_extract(ExtractConfig(**base, layers=[1], server="http://127.0.0.1:9"), progress=False)
+    offset = write_packed(tmp_path / "offset", n_blocks=2, vocab=512, offset=3)
+    with pytest.raises(InputError, match="packed block 0, segment 1: position ids do not start at 0"):
+        run_extract(ExtractConfig(**{**base, "packed": str(offset)}, layers=[1]), progress=False)
+    with pytest.raises(InputError, match="127.0.0.1:9"):  # nothing listens: named before any block
+        run_extract(ExtractConfig(**base, layers=[1], server="http://127.0.0.1:9", shared_storage=str(tmp_path)),
+                    progress=False)
+    assert not (tmp_path / "f.zarr").exists()
+
+
+def test_vllm_missing_names_the_set_up_command(tmp_path):
+    """In an environment without vLLM (the main .venv) --engine vllm stops before any weight or store."""
+    import importlib.util
+
+    from stores.errors import MissingDependencyError
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here; this checks the environment without it")
+    model = save_family("llama31", tmp_path / "m", overrides=VLLM_CPU_SHAPE)
+    packed = write_packed(tmp_path / "packed", n_blocks=1, vocab=512)
+    with pytest.raises(MissingDependencyError, match="PEAGLE_VLLM=1 bash scripts/setup_env.sh"):
+        run_extract(ExtractConfig(packed=str(packed), verifier=str(model), output=str(tmp_path / "f.zarr"),
+                                  engine="vllm"), progress=False)
+    assert not (tmp_path / "f.zarr").exists()
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"tensor_parallel_size": 2}, "--tensor-parallel-size is an option of --engine vllm"),
+    ({"server": "http://127.0.0.1:8000"}, "--server is an option of --engine vllm"),
+    ({"engine": "vllm", "server": "http://h:1", "tensor_parallel_size": 2}, "the server's own vllm serve options"),
+    ({"engine": "sglang"}, "--engine: expected one of"),
+])
+def test_engine_options_that_contradict(options, message):
+    with pytest.raises(ValueError, match=message):
+        ExtractConfig(packed="p", verifier="v", output="o", **options)
+
+
+def test_resume_with_another_engine_is_refused(tmp_path):
+    """A store's blocks come from one engine: --resume with the other one stops before weights load."""
+    model = save_family("llama31", tmp_path / "m", overrides=VLLM_CPU_SHAPE)
+    packed = write_packed(tmp_path / "packed", n_blocks=2, vocab=512)
+    out = tmp_path / "f.zarr"
+    run_extract(ExtractConfig(packed=str(packed), verifier=str(model), output=str(out), layers=[1], device="cpu",
+                              max_blocks=1), progress=False)
+    assert FeatureStore.open(out).attrs["engine"] == {"name": "hf"}
+    FeatureStore.open(out, mode="r+").update_attrs(engine={"name": "vllm"})  # as --engine vllm records it
+    with pytest.raises(InputError, match="--engine: the store's vllm, given hf"):
+        run_extract(ExtractConfig(packed=str(packed), verifier=str(model), output=str(out), layers=[1],
+                                  device="cpu", resume=True), progress=False)
