@@ -527,3 +527,61 @@ def test_finish_reason_of_a_complete_turn_is_dropped_and_length_kept():
     assert last("length") == {"role": "assistant", "content": "a", "finish_reason": "length"}
     sharegpt = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a", "finish_reason": "length"}]}
     assert normalize_record(sharegpt)[0][-1] == {"role": "assistant", "content": "a", "finish_reason": "length"}
+
+
+def test_tool_call_arguments_under_another_key_or_no_object_reject_the_row(tmp_path):
+    """A call whose arguments sit under another key (``parameters``, Llama-3.1 style) or are a falsy
+    non-object (``[]``, ``0``) is refused in every form, never rendered as ``{}``."""
+    def sharegpt(value):
+        return {"conversations": [{"from": "human", "value": "go"}, {"from": "function_call", "value": value},
+                                  {"from": "observation", "value": "1"}, {"from": "gpt", "value": "done"}]}
+
+    def openai(assistant):
+        return {"messages": [{"role": "user", "content": "go"}, {"role": "assistant", **assistant}]}
+
+    rows = [sharegpt('{"name": "f", "parameters": {"x": 1}}'),
+            sharegpt('{"name": "f", "arguments": []}'),
+            sharegpt('{"name": "f", "arguments": 0}'),
+            openai({"content": [{"type": "tool_call", "name": "f", "parameters": {"x": 1}}]}),
+            openai({"content": [{"type": "tool_call", "name": "f", "arguments": []}]}),
+            openai({"content": None, "tool_calls": [{"name": "f", "parameters": {"x": 1}}]}),
+            openai({"content": None, "tool_calls": [{"type": "function", "function": {"name": "f",
+                                                                                      "parameters": {"x": 1}}}]}),
+            openai({"content": None, "function_call": {"name": "f", "parameters": {"x": 1}}}),
+            sharegpt('{"name": "f"}')]
+    items = read_all(write_jsonl(tmp_path / "calls.jsonl", rows))
+    reasons = [getattr(item, "reason", None) for item in items]
+    assert reasons[:-1] == [
+        "invalid tool call: conversations[1].value has the key 'parameters' (a call's arguments go under "
+        "'arguments'; rename it)",
+        "invalid tool call: conversations[1].value.function.arguments is a list, not a JSON object "
+        "(vLLM renders such arguments as {})",
+        "invalid tool call: conversations[1].value.function.arguments is a int, not a JSON object "
+        "(vLLM renders such arguments as {})",
+        "invalid tool call: messages[1].content[0] has the key 'parameters' (a call's arguments go under "
+        "'arguments'; rename it)",
+        "invalid tool call: messages[1].content.function.arguments is a list, not a JSON object "
+        "(vLLM renders such arguments as {})",
+        "invalid tool call: messages[1].tool_calls[0] has the key 'parameters' (a call's arguments go under "
+        "'arguments'; rename it)",
+        "invalid tool call: messages[1].tool_calls[0].function has the key 'parameters' (a call's arguments go "
+        "under 'arguments'; rename it)",
+        "invalid tool call: messages[1].function_call has the key 'parameters' (a call's arguments go under "
+        "'arguments'; rename it)",
+    ]
+    assert items[-1].messages[1]["tool_calls"] == [{"type": "function", "function": {"name": "f", "arguments": {}}}]
+
+
+def test_reasoning_field_is_read_as_vllm_reads_it(tmp_path):
+    """``reasoning`` (vLLM's request field; ``reasoning_content`` is its deprecated name) is the turn's
+    reasoning; both given and different rejects the row."""
+    def row(**fields):
+        return {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", **fields}]}
+
+    items = read_all(write_jsonl(tmp_path / "r.jsonl", [
+        row(reasoning="why"), row(reasoning="why", reasoning_content="why"),
+        row(reasoning="why", reasoning_content="other")]))
+    assert items[0].messages[1] == {"role": "assistant", "content": "a", "reasoning_content": "why"}
+    assert items[1].messages[1] == {"role": "assistant", "content": "a", "reasoning_content": "why"}
+    assert items[2].reason == ("conflicting reasoning: messages[1] has both 'reasoning' and 'reasoning_content' "
+                               "and they differ; keep one")
