@@ -241,7 +241,7 @@ def _normalize_openai(messages: Any, stats: dict[str, int]) -> list[dict[str, An
         tool_calls = _message_tool_calls(msg, where, part_calls, stats) if role == "assistant" else None
         if role != "assistant" and (msg.get("tool_calls") or part_calls):
             raise RowError(f"tool calls in a {role} turn: {where} (only assistant turns make tool calls)", where)
-        if text is None and not tool_calls:
+        if text is None and not tool_calls and not reasoning:  # vLLM renders null content as ""
             state = "is null" if "content" in msg else "is missing"
             raise RowError(f"turn with no content: {where}.content {state}", f"{where}.content")
         if role == "tool" and isinstance(text, list):  # vLLM joins a tool message's text parts in both formats

@@ -585,3 +585,15 @@ def test_reasoning_field_is_read_as_vllm_reads_it(tmp_path):
     assert items[1].messages[1] == {"role": "assistant", "content": "a", "reasoning_content": "why"}
     assert items[2].reason == ("conflicting reasoning: messages[1] has both 'reasoning' and 'reasoning_content' "
                                "and they differ; keep one")
+
+
+def test_a_reasoning_only_turn_with_null_content_is_kept(tmp_path):
+    """``content: null`` beside reasoning (an answer cut inside its think block, R1-style rows): vLLM
+    renders the reasoning and an empty content, so the turn is kept; null content with nothing else
+    still rejects."""
+    rows = [{"messages": [{"role": "user", "content": "q"},
+                          {"role": "assistant", "content": None, "reasoning": "hmm"}]},
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}]}]
+    kept, rejected = read_all(write_jsonl(tmp_path / "r.jsonl", rows))
+    assert kept.messages[1] == {"role": "assistant", "content": None, "reasoning_content": "hmm"}
+    assert rejected.reason == "turn with no content: messages[1].content is null"
