@@ -253,6 +253,9 @@ def _normalize_openai(messages: Any, stats: dict[str, int]) -> list[dict[str, An
             new["tool_calls"] = tool_calls
         for key in ("tool_call_id", "name"):
             if msg.get(key) is not None:
+                if not isinstance(msg[key], str):  # vLLM's request model refuses it
+                    raise RowError(f"invalid {key}: {where}.{key} is a {type(msg[key]).__name__}, expected text",
+                                   f"{where}.{key}")
                 new[key] = msg[key]
         _copy_weight(msg, new, where)
         _copy_finish_reason(msg, new, where)
