@@ -188,7 +188,7 @@ def _openai_content(msg: dict[str, Any], where: str,
         if kind in _TEXT_PARTS:
             texts.append(_check_text(_first(part, _TEXT_PARTS[kind], "value"), pw))
         elif kind in ("reasoning", "thinking"):
-            reasoning.append(_check_text(_first(part, "text", "value"), pw))
+            reasoning.append(_check_text(_first(part, kind, "text", "value"), pw))
         elif kind in ("tool_call", "function_call"):
             calls.append(_tool_call_part(part, pw))
         elif "dropped_content_parts" in stats:

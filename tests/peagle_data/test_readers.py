@@ -612,3 +612,13 @@ def test_a_name_or_tool_call_id_that_is_no_text_rejects_the_row(tmp_path):
     assert a.reason == "invalid name: messages[0].name is a int, expected text"
     assert b.reason == "invalid tool_call_id: messages[2].tool_call_id is a int, expected text"
     assert c.messages[0] == {"role": "user", "content": "q", "name": "ann"}
+
+
+def test_a_thinking_part_holds_its_text_under_thinking(tmp_path):
+    """``{"type": "thinking", "thinking": ...}`` (the form vLLM's and Anthropic's messages use) is the
+    turn's reasoning; it was refused as content that is no text."""
+    row = {"messages": [{"role": "user", "content": "q"},
+                        {"role": "assistant", "content": [{"type": "thinking", "thinking": "t"},
+                                                          {"type": "text", "text": "a"}]}]}
+    (c,) = read_all(write_jsonl(tmp_path / "t.jsonl", [row]))
+    assert c.messages[1] == {"role": "assistant", "content": "a", "reasoning_content": "t"}
