@@ -379,6 +379,7 @@ def _normalize_sharegpt(turns: Any, system: Any, stats: dict[str, int]) -> list[
             stats["sharegpt_observations"] += role == "tool"
         _copy_weight(turn, out[-1], where)
         _copy_finish_reason(turn, out[-1], where)
+        _copy_token_ids(turn, out[-1], where)
     return out
 
 

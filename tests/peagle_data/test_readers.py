@@ -622,3 +622,13 @@ def test_a_thinking_part_holds_its_text_under_thinking(tmp_path):
                                                           {"type": "text", "text": "a"}]}]}
     (c,) = read_all(write_jsonl(tmp_path / "t.jsonl", [row]))
     assert c.messages[1] == {"role": "assistant", "content": "a", "reasoning_content": "t"}
+
+
+def test_sharegpt_turns_keep_token_ids_like_openai_turns(tmp_path):
+    """A ShareGPT assistant turn's ``token_ids`` are kept (and checked) as an OpenAI turn's are; they
+    were dropped, so tokenize re-tokenized the text without comparing it with the generated ids."""
+    rows = [{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a", "token_ids": [64, 2]}]},
+            {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a", "token_ids": [-1]}]}]
+    good, bad = read_all(write_jsonl(tmp_path / "s.jsonl", rows))
+    assert good.messages[1] == {"role": "assistant", "content": "a", "token_ids": [64, 2]}
+    assert bad.reason == "invalid token_ids: conversations[1].token_ids must be a list of token ids (ints >= 0)"
