@@ -45,7 +45,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from peagle_data.answer_text import REPLACEMENT, complete_prefix, split_reasoning
+from peagle_data.answer_text import REPLACEMENT, complete_prefix, prompt_opens_think, split_reasoning
 from peagle_data.chat_render import template_messages, template_tools
 from stores.errors import InputError, MissingDependencyError
 
@@ -326,7 +326,8 @@ class LocalBackend:
 
         With a tokenizer that declares a ``response_template``, ``tokenizer.parse_response`` splits
         content, reasoning and tool calls (what ``transformers serve`` does). Otherwise the text is
-        the ``skip_special_tokens`` decode with a think block split off (:func:`split_reasoning`);
+        the ``skip_special_tokens`` decode with a think block split off (:func:`split_reasoning`; text
+        before a ``</think>`` is reasoning only when the answer or the prompt opened the block);
         an answer holding other special tokens (e.g. gpt-oss's ``<|channel|>`` markup) is an error,
         not a decode that would silently drop its structure. An answer cut inside a character ends
         before it; one whose tokens are not UTF-8 is an error (:func:`complete_prefix`). Texts are
@@ -358,8 +359,9 @@ class LocalBackend:
             return Answer(error=f"unparsed answer format: the answer holds special tokens ({names}) that a plain "
                                 "decode drops, and the tokenizer declares no response_template to parse them; "
                                 "use a --server that parses this model's output", **done)
+        opened = prompt_opens_think(self.tokenizer.decode(prompt, clean_up_tokenization_spaces=False))
         content, reasoning = split_reasoning(self.tokenizer.decode(kept, skip_special_tokens=True,
-                                                                   clean_up_tokenization_spaces=False))
+                                                                   clean_up_tokenization_spaces=False), opened)
         return Answer(content=content, reasoning=reasoning, **done)
 
 
