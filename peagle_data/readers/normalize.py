@@ -93,6 +93,9 @@ def _decode_arguments(entry: dict[str, Any], stats: dict[str, int], where: str) 
         raise RowError(f"invalid tool call: {where} is not a function call with a name (expected "
                        '{"type": "function", "function": {"name", "arguments"}})', where)
     _check_argument_keys(fn, f"{where}.function")
+    if entry.get("id") is not None and not isinstance(entry["id"], str):  # vLLM's request model refuses it
+        raise RowError(f"invalid tool call: {where}.id is a {type(entry['id']).__name__}, expected text",
+                       f"{where}.id")
     args = fn.get("arguments")
     if args is None or args == "":
         args = {}

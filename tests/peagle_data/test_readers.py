@@ -600,15 +600,19 @@ def test_a_reasoning_only_turn_with_null_content_is_kept(tmp_path):
 
 
 def test_a_name_or_tool_call_id_that_is_no_text_rejects_the_row(tmp_path):
-    """vLLM's request model refuses a message ``name`` or ``tool_call_id`` that is no string, so no
-    served prompt renders it (peagle passed ``5`` to the template)."""
+    """vLLM's request model refuses a message ``name``, ``tool_call_id`` or tool-call ``id`` that is no
+    string, so no served prompt renders it (peagle passed ``5`` to the template)."""
     rows = [{"messages": [{"role": "user", "content": "q", "name": 5}, {"role": "assistant", "content": "a"}]},
             {"messages": [{"role": "user", "content": "q"},
                           {"role": "assistant", "content": None, "tool_calls": [
                               {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
                           {"role": "tool", "content": "r", "tool_call_id": 1}, {"role": "assistant", "content": "a"}]},
-            {"messages": [{"role": "user", "content": "q", "name": "ann"}, {"role": "assistant", "content": "a"}]}]
-    a, b, c = read_all(write_jsonl(tmp_path / "n.jsonl", rows))
+            {"messages": [{"role": "user", "content": "q", "name": "ann"}, {"role": "assistant", "content": "a"}]},
+            {"messages": [{"role": "user", "content": "q"},
+                          {"role": "assistant", "content": None, "tool_calls": [
+                              {"id": 7, "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}]
+    a, b, c, d = read_all(write_jsonl(tmp_path / "n.jsonl", rows))
+    assert d.reason == "invalid tool call: messages[1].tool_calls[0].id is a int, expected text"
     assert a.reason == "invalid name: messages[0].name is a int, expected text"
     assert b.reason == "invalid tool_call_id: messages[2].tool_call_id is a int, expected text"
     assert c.messages[0] == {"role": "user", "content": "q", "name": "ann"}
