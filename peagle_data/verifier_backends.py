@@ -461,7 +461,11 @@ class ServerBackend:
             return Answer(error=f"server error: {base}: {type(e).__name__}: {e}")
         finally:
             self.slots.put(base)
-        answer = _answer_of(resp)
+        opened = None  # unknown without the tokenizer: the prompt is the server's
+        if self.tokenizer is not None:
+            opened = prompt_opens_think(self.tokenizer.decode(prompt_tokens(self.tokenizer, request),
+                                                              clean_up_tokenization_spaces=False))
+        answer = _answer_of(resp, opened)
         if answer.token_ids is not None and answer.finish_reason == "length":
             # a cut character's bytes left the text: its ids go too (counted with the tokenizer; none
             # can be kept without one)
@@ -491,14 +495,15 @@ def _request_params(kind: str, temperature: float, max_new_tokens: int) -> dict[
     return params
 
 
-def _answer_of(resp) -> Answer:
+def _answer_of(resp, prompt_opened: bool | None = None) -> Answer:
     """An :class:`Answer` from an ``openai`` ChatCompletion.
 
     An answer cut at ``max_tokens`` (``finish_reason == "length"``) drops the U+FFFD its text ends
     with (a character the limit cut; from the content, or the reasoning when there is no content);
     any other U+FFFD makes it an error (``undecodable answer``): a server's text cannot be checked
     against the tokens it came from. ``token_ids``: the choice's ``token_ids`` (vLLM's
-    ``return_token_ids``), else None.
+    ``return_token_ids``), else None. ``prompt_opened``: whether the prompt ends inside an open think
+    block (:func:`split_reasoning`; None: unknown).
     """
     choice = resp.choices[0]
     msg = choice.message
@@ -506,7 +511,7 @@ def _answer_of(resp) -> Answer:
     reasoning = extra.get("reasoning_content") or extra.get("reasoning")
     content = msg.content or ""
     if reasoning is None:
-        content, reasoning = split_reasoning(content)
+        content, reasoning = split_reasoning(content, prompt_opened)
     finish, usage = choice.finish_reason or "stop", resp.usage
     calls = [{"type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
              for c in (msg.tool_calls or [])] or None

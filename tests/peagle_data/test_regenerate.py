@@ -188,6 +188,13 @@ def test_server_answers_cut_inside_a_character_end_before_it():
     assert _answer_of(_completion("a \ufffd", "stop")).error.startswith("undecodable answer")
 
 
+def test_a_server_answer_writing_a_closing_think_tag_is_content_when_the_prompt_opened_no_block():
+    text = "The tag </think> closes it."
+    a = _answer_of(_completion(text, "stop"), prompt_opened=False)  # the prompt rendered with --tokenizer
+    assert (a.content, a.reasoning) == (text, None)
+    assert _answer_of(_completion(text, "stop")).reasoning == "The tag"  # unknown prompt (no --tokenizer)
+
+
 def test_server_answers_keep_vllms_token_ids():
     resp = _completion("ok", "stop")
     assert _answer_of(resp).token_ids is None  # a server that returns none (transformers serve)
