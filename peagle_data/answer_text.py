@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["REPLACEMENT", "complete_prefix", "split_reasoning"]
+__all__ = ["REPLACEMENT", "complete_prefix", "split_reasoning", "prompt_opens_think"]
 
 REPLACEMENT = "\ufffd"
 """U+FFFD, what a lossy UTF-8 decode writes for bytes that are not a complete character."""
@@ -14,17 +14,32 @@ REPLACEMENT = "\ufffd"
 _THINK = re.compile(r"^\s*(?:<think>)?(.*?)</think>\s*(.*)$", re.DOTALL)
 
 
-def split_reasoning(text: str) -> tuple[str, str | None]:
+def split_reasoning(text: str, prompt_opened: bool | None = None) -> tuple[str, str | None]:
     """``(content, reasoning)`` of a decoded answer: a leading ``<think>...</think>`` block (or text
     up to ``</think>`` when the prompt opened the block) becomes the reasoning, stripped; the rest is
     the content with leading whitespace removed. A text without ``</think>`` is all content, except
-    one that opens ``<think>`` and never closes it (cut by the token limit): all reasoning."""
+    one that opens ``<think>`` and never closes it (cut by the token limit): all reasoning.
+
+    Args:
+        prompt_opened: whether the prompt ends inside an open ``<think>`` block (its last ``<think>``
+            after its last ``</think>``). False: only a text that opens its own block has reasoning
+            (``"The tag </think> closes it."`` stays content); None (a server's prompt, unknown):
+            text up to a ``</think>`` is reasoning.
+    """
+    if prompt_opened is False and not text.lstrip().startswith("<think>"):
+        return text, None
     m = _THINK.match(text)
     if m:
         return m.group(2), m.group(1).strip()
     if text.lstrip().startswith("<think>"):
         return "", text.lstrip()[len("<think>"):].strip()
     return text, None
+
+
+def prompt_opens_think(prompt_text: str) -> bool:
+    """Whether ``prompt_text`` ends inside an open think block (a generation prompt ending ``<think>\n``,
+    DeepSeek-R1 style): its last ``<think>`` comes after its last ``</think>``."""
+    return prompt_text.rfind("<think>") > prompt_text.rfind("</think>")
 
 
 def _byte_level(tokenizer) -> bool:

@@ -157,7 +157,8 @@ def template_messages(messages, template: str) -> list[dict[str, Any]]:
 
     Content, by the template's :func:`content_format`: ``string``, the text parts joined with ``"\n"``
     (no content: ``""``); ``openai``, a list of ``{"type": "text", "text": ...}`` parts (a string is
-    one part, no content none); tool messages get the joined string in both formats. ``developer``
+    one part, no content none); tool messages get the joined string in both formats. An assistant's
+    ``reasoning_content`` is passed as ``reasoning`` too, as vLLM passes it. ``developer``
     messages stay so when the template names that role, else become system messages
     (:func:`_as_system_messages`).
     """
@@ -173,6 +174,8 @@ def template_messages(messages, template: str) -> list[dict[str, Any]]:
         else:
             content = [{"type": "text", "text": t} for t in texts]
         out.append({**msg, "content": content})
+        if msg.get("role") == "assistant" and msg.get("reasoning_content") is not None:
+            out[-1]["reasoning"] = msg["reasoning_content"]  # vLLM passes both names
     return out
 
 

@@ -162,7 +162,8 @@ def on_generated_ids(tokenizer, row: RenderedRow, ids: np.ndarray, offsets: np.n
       and what vLLM serves: the prompt, then the generated ids), counted; an earlier turn is a reject,
       since the next turn's context, as the verifier saw it, was the re-tokenized text;
     - another text (a decode that cleaned up tokenization spaces, ``x!= y`` for ``x != y``; ids left
-      over from an edited text; another tokenizer): a reject.
+      over from an edited text; another tokenizer): a reject;
+    - an id outside ``[0, len(tokenizer))``: a reject (it decodes to ``""``, so the text alone would match).
 
     Args:
         ids: int32 ``[T]`` of ``row.text``; offsets: int64 ``[T, 2]`` their characters;
@@ -173,7 +174,15 @@ def on_generated_ids(tokenizer, row: RenderedRow, ids: np.ndarray, offsets: np.n
         spliced), 1 when it was, and the reject reason or None.
     """
     starts, text = offsets[:, 0], row.text
+    n_tokens = len(tokenizer)
     for k, msg_index, generated in row.token_ids:
+        past = next((j for j, t in enumerate(generated) if not 0 <= t < n_tokens), None)
+        if past is not None:  # decodes to "": the text would still match
+            return ids, loss_mask, 0, (
+                f"generated ids outside the tokenizer: assistant message {msg_index} token_ids[{past}] is "
+                f"{generated[past]}, but the tokenizer has {n_tokens} tokens (ids 0..{n_tokens - 1}): the ids come "
+                "from another tokenizer or were edited; tokenize with the tokenizer of the verifier that generated "
+                "them")
         a, b = row.spans[k]
         lo, end = _span_tokens(ids, starts, a, b, special, k in row.cut)
         got = [int(t) for t in ids[lo:end]]

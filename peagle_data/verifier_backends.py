@@ -45,7 +45,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from peagle_data.answer_text import REPLACEMENT, complete_prefix, split_reasoning
+from peagle_data.answer_text import REPLACEMENT, complete_prefix, prompt_opens_think, split_reasoning
 from peagle_data.chat_render import template_messages, template_tools
 from stores.errors import InputError, MissingDependencyError
 
@@ -326,7 +326,8 @@ class LocalBackend:
 
         With a tokenizer that declares a ``response_template``, ``tokenizer.parse_response`` splits
         content, reasoning and tool calls (what ``transformers serve`` does). Otherwise the text is
-        the ``skip_special_tokens`` decode with a think block split off (:func:`split_reasoning`);
+        the ``skip_special_tokens`` decode with a think block split off (:func:`split_reasoning`; text
+        before a ``</think>`` is reasoning only when the answer or the prompt opened the block);
         an answer holding other special tokens (e.g. gpt-oss's ``<|channel|>`` markup) is an error,
         not a decode that would silently drop its structure. An answer cut inside a character ends
         before it; one whose tokens are not UTF-8 is an error (:func:`complete_prefix`). Texts are
@@ -358,8 +359,9 @@ class LocalBackend:
             return Answer(error=f"unparsed answer format: the answer holds special tokens ({names}) that a plain "
                                 "decode drops, and the tokenizer declares no response_template to parse them; "
                                 "use a --server that parses this model's output", **done)
+        opened = prompt_opens_think(self.tokenizer.decode(prompt, clean_up_tokenization_spaces=False))
         content, reasoning = split_reasoning(self.tokenizer.decode(kept, skip_special_tokens=True,
-                                                                   clean_up_tokenization_spaces=False))
+                                                                   clean_up_tokenization_spaces=False), opened)
         return Answer(content=content, reasoning=reasoning, **done)
 
 
@@ -459,7 +461,11 @@ class ServerBackend:
             return Answer(error=f"server error: {base}: {type(e).__name__}: {e}")
         finally:
             self.slots.put(base)
-        answer = _answer_of(resp)
+        opened = None  # unknown without the tokenizer: the prompt is the server's
+        if self.tokenizer is not None:
+            opened = prompt_opens_think(self.tokenizer.decode(prompt_tokens(self.tokenizer, request),
+                                                              clean_up_tokenization_spaces=False))
+        answer = _answer_of(resp, opened)
         if answer.token_ids is not None and answer.finish_reason == "length":
             # a cut character's bytes left the text: its ids go too (counted with the tokenizer; none
             # can be kept without one)
@@ -489,14 +495,15 @@ def _request_params(kind: str, temperature: float, max_new_tokens: int) -> dict[
     return params
 
 
-def _answer_of(resp) -> Answer:
+def _answer_of(resp, prompt_opened: bool | None = None) -> Answer:
     """An :class:`Answer` from an ``openai`` ChatCompletion.
 
     An answer cut at ``max_tokens`` (``finish_reason == "length"``) drops the U+FFFD its text ends
     with (a character the limit cut; from the content, or the reasoning when there is no content);
     any other U+FFFD makes it an error (``undecodable answer``): a server's text cannot be checked
     against the tokens it came from. ``token_ids``: the choice's ``token_ids`` (vLLM's
-    ``return_token_ids``), else None.
+    ``return_token_ids``), else None. ``prompt_opened``: whether the prompt ends inside an open think
+    block (:func:`split_reasoning`; None: unknown).
     """
     choice = resp.choices[0]
     msg = choice.message
@@ -504,7 +511,7 @@ def _answer_of(resp) -> Answer:
     reasoning = extra.get("reasoning_content") or extra.get("reasoning")
     content = msg.content or ""
     if reasoning is None:
-        content, reasoning = split_reasoning(content)
+        content, reasoning = split_reasoning(content, prompt_opened)
     finish, usage = choice.finish_reason or "stop", resp.usage
     calls = [{"type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
              for c in (msg.tool_calls or [])] or None

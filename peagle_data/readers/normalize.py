@@ -54,6 +54,21 @@ def _json_object(text: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+_OTHER_ARGUMENT_KEYS = ("parameters", "params", "args", "input")
+"""Keys some datasets hold a call's arguments under (Llama-3.1 ``parameters``, Anthropic ``input``):
+vLLM reads ``arguments`` only and would render the call with ``{}``."""
+
+
+def _check_argument_keys(call: dict[str, Any], where: str) -> None:
+    """Raise RowError when ``call`` (a call or its ``function`` object) holds its arguments under another
+    key than ``arguments`` (:data:`_OTHER_ARGUMENT_KEYS`): read as no arguments, the row would
+    supervise a call with ``{}``."""
+    for key in _OTHER_ARGUMENT_KEYS:
+        if key in call:
+            raise RowError(f"invalid tool call: {where} has the key {key!r} (a call's arguments go under "
+                           "'arguments'; rename it)", f"{where}.{key}")
+
+
 def _decode_arguments(entry: dict[str, Any], stats: dict[str, int], where: str) -> dict[str, Any]:
     """A tool call as an OpenAI ``tool_calls`` entry ``{"type": "function", "function": {"name",
     "arguments"}}`` with its arguments a mapping, as vLLM passes it to a template.
@@ -70,12 +85,17 @@ def _decode_arguments(entry: dict[str, Any], stats: dict[str, int], where: str) 
     """
     fn = entry.get("function")
     if not isinstance(fn, dict) and entry.get("type") is None and isinstance(entry.get("name"), str):
+        _check_argument_keys(entry, where)
         fn = {key: entry[key] for key in ("name", "arguments") if key in entry}
         entry = {**{k: v for k, v in entry.items() if k not in ("name", "arguments")}, "function": fn}
         stats["tool_calls_wrapped"] += 1
     if entry.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise RowError(f"invalid tool call: {where} is not a function call with a name (expected "
                        '{"type": "function", "function": {"name", "arguments"}})', where)
+    _check_argument_keys(fn, f"{where}.function")
+    if entry.get("id") is not None and not isinstance(entry["id"], str):  # vLLM's request model refuses it
+        raise RowError(f"invalid tool call: {where}.id is a {type(entry['id']).__name__}, expected text",
+                       f"{where}.id")
     args = fn.get("arguments")
     if args is None or args == "":
         args = {}
@@ -98,7 +118,8 @@ def _tool_call_part(part: dict[str, Any], where: str) -> dict[str, Any]:
     Accepted shapes: ``{"function": {"name", "arguments"}}``, ``{"name", "arguments"}``, or the
     call as JSON text under ``text``/``value``.
     """
-    call: Any = part.get("function") or ({"name": part["name"], "arguments": _first(part, "arguments") or {}}
+    _check_argument_keys(part, where)
+    call: Any = part.get("function") or ({"name": part["name"], "arguments": _first(part, "arguments")}
                                          if part.get("name") is not None else _first(part, "text", "value"))
     if isinstance(call, str):
         try:
@@ -107,7 +128,8 @@ def _tool_call_part(part: dict[str, Any], where: str) -> dict[str, Any]:
             raise RowError(f"invalid tool call: {where} is not JSON ({e.msg})", where) from None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         raise RowError(f"invalid tool call: {where} has no function name", where)
-    entry = {"type": "function", "function": {"name": call["name"], "arguments": _first(call, "arguments") or {}}}
+    _check_argument_keys(call, where)
+    entry = {"type": "function", "function": {"name": call["name"], "arguments": _first(call, "arguments")}}
     if part.get("id") is not None:
         entry["id"] = part["id"]
     return entry
@@ -169,7 +191,7 @@ def _openai_content(msg: dict[str, Any], where: str,
         if kind in _TEXT_PARTS:
             texts.append(_check_text(_first(part, _TEXT_PARTS[kind], "value"), pw))
         elif kind in ("reasoning", "thinking"):
-            reasoning.append(_check_text(_first(part, "text", "value"), pw))
+            reasoning.append(_check_text(_first(part, kind, "text", "value"), pw))
         elif kind in ("tool_call", "function_call"):
             calls.append(_tool_call_part(part, pw))
         elif "dropped_content_parts" in stats:
@@ -192,6 +214,7 @@ def _message_tool_calls(msg: dict[str, Any], where: str, part_calls: list,
     if legacy is not None:
         if not isinstance(legacy, dict) or not isinstance(legacy.get("name"), str):
             raise RowError(f"invalid tool call: {where}.function_call has no function name", f"{where}.function_call")
+        _check_argument_keys(legacy, f"{where}.function_call")
         located.append(({"type": "function", "function": {"name": legacy["name"],
                                                           "arguments": _first(legacy, "arguments")}},
                         f"{where}.function_call"))
@@ -217,11 +240,11 @@ def _normalize_openai(messages: Any, stats: dict[str, int]) -> list[dict[str, An
             raise RowError(f"unknown role: {role!r} in {where}.role", f"{where}.role")
         role = _OPENAI_ROLES[role]
         text, reasoning, part_calls = _openai_content(msg, where, stats)
-        reasoning = reasoning or msg.get("reasoning_content")
+        reasoning = reasoning or _message_reasoning(msg, where)
         tool_calls = _message_tool_calls(msg, where, part_calls, stats) if role == "assistant" else None
         if role != "assistant" and (msg.get("tool_calls") or part_calls):
             raise RowError(f"tool calls in a {role} turn: {where} (only assistant turns make tool calls)", where)
-        if text is None and not tool_calls:
+        if text is None and not tool_calls and not reasoning:  # vLLM renders null content as ""
             state = "is null" if "content" in msg else "is missing"
             raise RowError(f"turn with no content: {where}.content {state}", f"{where}.content")
         if role == "tool" and isinstance(text, list):  # vLLM joins a tool message's text parts in both formats
@@ -233,12 +256,29 @@ def _normalize_openai(messages: Any, stats: dict[str, int]) -> list[dict[str, An
             new["tool_calls"] = tool_calls
         for key in ("tool_call_id", "name"):
             if msg.get(key) is not None:
+                if not isinstance(msg[key], str):  # vLLM's request model refuses it
+                    raise RowError(f"invalid {key}: {where}.{key} is a {type(msg[key]).__name__}, expected text",
+                                   f"{where}.{key}")
                 new[key] = msg[key]
         _copy_weight(msg, new, where)
         _copy_finish_reason(msg, new, where)
         _copy_token_ids(msg, new, where)
         out.append(new)
     return out
+
+
+def _message_reasoning(msg: dict[str, Any], where: str) -> Any:
+    """A message's reasoning field: ``reasoning`` (vLLM's request field) or ``reasoning_content`` (its
+    deprecated name, which vLLM renames to ``reasoning``); None when neither is set.
+
+    Raises:
+        RowError: both are set and differ (vLLM would keep ``reasoning`` and drop the other silently).
+    """
+    reasoning, legacy = msg.get("reasoning"), msg.get("reasoning_content")
+    if reasoning is not None and legacy is not None and reasoning != legacy:
+        raise RowError(f"conflicting reasoning: {where} has both 'reasoning' and 'reasoning_content' and they "
+                       "differ; keep one", f"{where}.reasoning")
+    return reasoning if reasoning is not None else legacy
 
 
 def _copy_token_ids(turn: dict[str, Any], new: dict[str, Any], where: str) -> None:
@@ -301,7 +341,8 @@ def _sharegpt_calls(value: str, where: str, stats: dict[str, int]) -> list[dict[
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             at = f"{where}.value" if not isinstance(calls, list) else f"{where}.value[{k}]"
             raise RowError(f"invalid tool call: {at} of a function_call turn has no function name", at)
-        entry = {"type": "function", "function": {"name": call["name"], "arguments": _first(call, "arguments") or {}}}
+        _check_argument_keys(call, f"{where}.value" if not isinstance(calls, list) else f"{where}.value[{k}]")
+        entry = {"type": "function", "function": {"name": call["name"], "arguments": _first(call, "arguments")}}
         if call.get("id") is not None:
             entry["id"] = call["id"]
         out.append(_decode_arguments(entry, stats, f"{where}.value" if not isinstance(calls, list)
@@ -341,6 +382,7 @@ def _normalize_sharegpt(turns: Any, system: Any, stats: dict[str, int]) -> list[
             stats["sharegpt_observations"] += role == "tool"
         _copy_weight(turn, out[-1], where)
         _copy_finish_reason(turn, out[-1], where)
+        _copy_token_ids(turn, out[-1], where)
     return out
 
 

@@ -183,3 +183,18 @@ def test_a_cut_reply_is_supervised_up_to_its_own_text(smollm2_tokenizer):
     with pytest.raises(ChatTemplateError, match="a reply cut at a token limit .* whose text's end is not found"):
         _cut_end(cut[1], "assistant: 2+2 IS 4.\n", 11, 21)
     assert _cut_end({"content": "", "reasoning_content": "Two and "}, "<think>\nTwo and\n</think>", 0, 25) == 15
+
+
+def test_generated_ids_outside_the_tokenizer_reject_the_row(smollm2_tokenizer):
+    """An id past the tokenizer decodes to "" (the text still matches), so it would be spliced into the
+    training ids unseen, and pass extract on a verifier whose embedding is padded past the tokenizer."""
+    tok = smollm2_tokenizer
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello there"}]
+    generated = [19556, 665, 2]  # 'Hello', 'Ġthere', '<|im_end|>'
+    ok = tokenize_conversation(tok, [messages[0], {**messages[1], "token_ids": generated}])
+    assert ok.problem is None and ok.input_ids[ok.loss_mask == 1].tolist() == generated
+    with pytest.raises(ChatTemplateError) as e:
+        tokenize_conversation(tok, [messages[0], {**messages[1], "token_ids": [19556, 665, 49157, 2]}])
+    assert str(e.value) == ("generated ids outside the tokenizer: assistant message 1 token_ids[2] is 49157, but "
+                            "the tokenizer has 49152 tokens (ids 0..49151): the ids come from another tokenizer or "
+                            "were edited; tokenize with the tokenizer of the verifier that generated them")

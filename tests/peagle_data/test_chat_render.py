@@ -203,3 +203,42 @@ def test_ids_equal_vllms_rendering_of_the_same_request(vllm_model_config, smollm
             assert prompt_tokens(tok, Request(messages=messages[:i], tools=row_tools)) == served
         ids = tok(render(tok, messages[:i], row_tools, template, add_generation_prompt=True), add_special_tokens=False)
         assert ids["input_ids"] == served
+
+
+@pytest.mark.vllm
+def test_a_reasoning_field_renders_as_vllm_renders_it(vllm_model_config, smollm2_tokenizer):
+    """An assistant turn's ``reasoning`` (vLLM's request field) reaches the template: the Qwen3 render
+    holds its think block, as vLLM's does, and the reasoning is supervised."""
+    tok = smollm2_tokenizer
+    request = [{"role": "user", "content": "2+2?"},
+               {"role": "assistant", "content": "4.", "reasoning": "Two and two make four."}]
+    messages, tools, _ = normalize_record({"messages": request})
+    out = tokenize_conversation(tok, messages, chat_template=QWEN3)
+    _, reference = _vllm_ids(vllm_model_config, tok, request, QWEN3, False)
+    assert out.input_ids.tolist() == reference
+    assert masked_texts(tok, out) == ["<think>\nTwo and two make four.\n</think>\n\n4.<|im_end|>"]
+
+
+# A template that reads vLLM's name for the reasoning, ``message.reasoning`` (vLLM passes it and
+# ``reasoning_content`` alike).
+REASONING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning %}[{{ m.reasoning }}]"
+                      "{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_template_messages_pass_the_reasoning_under_both_names():
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "r"}]
+    assert template_messages(messages, REASONING_TEMPLATE) == [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "r",
+                                           "reasoning": "r"}]
+
+
+@pytest.mark.vllm
+def test_a_template_reading_message_reasoning_renders_as_vllm_renders_it(vllm_model_config, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    request = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4.", "reasoning": "2 and 2."}]
+    messages, _, _ = normalize_record({"messages": request})
+    out = tokenize_conversation(tok, messages, chat_template=REASONING_TEMPLATE)
+    _, reference = _vllm_ids(vllm_model_config, tok, request, REASONING_TEMPLATE, False)
+    assert out.input_ids.tolist() == reference
+    assert masked_texts(tok, out) == ["[2 and 2.]4.<|im_end|>"]

@@ -527,3 +527,112 @@ def test_finish_reason_of_a_complete_turn_is_dropped_and_length_kept():
     assert last("length") == {"role": "assistant", "content": "a", "finish_reason": "length"}
     sharegpt = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a", "finish_reason": "length"}]}
     assert normalize_record(sharegpt)[0][-1] == {"role": "assistant", "content": "a", "finish_reason": "length"}
+
+
+def test_tool_call_arguments_under_another_key_or_no_object_reject_the_row(tmp_path):
+    """A call whose arguments sit under another key (``parameters``, Llama-3.1 style) or are a falsy
+    non-object (``[]``, ``0``) is refused in every form, never rendered as ``{}``."""
+    def sharegpt(value):
+        return {"conversations": [{"from": "human", "value": "go"}, {"from": "function_call", "value": value},
+                                  {"from": "observation", "value": "1"}, {"from": "gpt", "value": "done"}]}
+
+    def openai(assistant):
+        return {"messages": [{"role": "user", "content": "go"}, {"role": "assistant", **assistant}]}
+
+    rows = [sharegpt('{"name": "f", "parameters": {"x": 1}}'),
+            sharegpt('{"name": "f", "arguments": []}'),
+            sharegpt('{"name": "f", "arguments": 0}'),
+            openai({"content": [{"type": "tool_call", "name": "f", "parameters": {"x": 1}}]}),
+            openai({"content": [{"type": "tool_call", "name": "f", "arguments": []}]}),
+            openai({"content": None, "tool_calls": [{"name": "f", "parameters": {"x": 1}}]}),
+            openai({"content": None, "tool_calls": [{"type": "function", "function": {"name": "f",
+                                                                                      "parameters": {"x": 1}}}]}),
+            openai({"content": None, "function_call": {"name": "f", "parameters": {"x": 1}}}),
+            sharegpt('{"name": "f"}')]
+    items = read_all(write_jsonl(tmp_path / "calls.jsonl", rows))
+    reasons = [getattr(item, "reason", None) for item in items]
+    assert reasons[:-1] == [
+        "invalid tool call: conversations[1].value has the key 'parameters' (a call's arguments go under "
+        "'arguments'; rename it)",
+        "invalid tool call: conversations[1].value.function.arguments is a list, not a JSON object "
+        "(vLLM renders such arguments as {})",
+        "invalid tool call: conversations[1].value.function.arguments is a int, not a JSON object "
+        "(vLLM renders such arguments as {})",
+        "invalid tool call: messages[1].content[0] has the key 'parameters' (a call's arguments go under "
+        "'arguments'; rename it)",
+        "invalid tool call: messages[1].content.function.arguments is a list, not a JSON object "
+        "(vLLM renders such arguments as {})",
+        "invalid tool call: messages[1].tool_calls[0] has the key 'parameters' (a call's arguments go under "
+        "'arguments'; rename it)",
+        "invalid tool call: messages[1].tool_calls[0].function has the key 'parameters' (a call's arguments go "
+        "under 'arguments'; rename it)",
+        "invalid tool call: messages[1].function_call has the key 'parameters' (a call's arguments go under "
+        "'arguments'; rename it)",
+    ]
+    assert items[-1].messages[1]["tool_calls"] == [{"type": "function", "function": {"name": "f", "arguments": {}}}]
+
+
+def test_reasoning_field_is_read_as_vllm_reads_it(tmp_path):
+    """``reasoning`` (vLLM's request field; ``reasoning_content`` is its deprecated name) is the turn's
+    reasoning; both given and different rejects the row."""
+    def row(**fields):
+        return {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", **fields}]}
+
+    items = read_all(write_jsonl(tmp_path / "r.jsonl", [
+        row(reasoning="why"), row(reasoning="why", reasoning_content="why"),
+        row(reasoning="why", reasoning_content="other")]))
+    assert items[0].messages[1] == {"role": "assistant", "content": "a", "reasoning_content": "why"}
+    assert items[1].messages[1] == {"role": "assistant", "content": "a", "reasoning_content": "why"}
+    assert items[2].reason == ("conflicting reasoning: messages[1] has both 'reasoning' and 'reasoning_content' "
+                               "and they differ; keep one")
+
+
+def test_a_reasoning_only_turn_with_null_content_is_kept(tmp_path):
+    """``content: null`` beside reasoning (an answer cut inside its think block, R1-style rows): vLLM
+    renders the reasoning and an empty content, so the turn is kept; null content with nothing else
+    still rejects."""
+    rows = [{"messages": [{"role": "user", "content": "q"},
+                          {"role": "assistant", "content": None, "reasoning": "hmm"}]},
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}]}]
+    kept, rejected = read_all(write_jsonl(tmp_path / "r.jsonl", rows))
+    assert kept.messages[1] == {"role": "assistant", "content": None, "reasoning_content": "hmm"}
+    assert rejected.reason == "turn with no content: messages[1].content is null"
+
+
+def test_a_name_or_tool_call_id_that_is_no_text_rejects_the_row(tmp_path):
+    """vLLM's request model refuses a message ``name``, ``tool_call_id`` or tool-call ``id`` that is no
+    string, so no served prompt renders it (peagle passed ``5`` to the template)."""
+    rows = [{"messages": [{"role": "user", "content": "q", "name": 5}, {"role": "assistant", "content": "a"}]},
+            {"messages": [{"role": "user", "content": "q"},
+                          {"role": "assistant", "content": None, "tool_calls": [
+                              {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                          {"role": "tool", "content": "r", "tool_call_id": 1}, {"role": "assistant", "content": "a"}]},
+            {"messages": [{"role": "user", "content": "q", "name": "ann"}, {"role": "assistant", "content": "a"}]},
+            {"messages": [{"role": "user", "content": "q"},
+                          {"role": "assistant", "content": None, "tool_calls": [
+                              {"id": 7, "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}]
+    a, b, c, d = read_all(write_jsonl(tmp_path / "n.jsonl", rows))
+    assert d.reason == "invalid tool call: messages[1].tool_calls[0].id is a int, expected text"
+    assert a.reason == "invalid name: messages[0].name is a int, expected text"
+    assert b.reason == "invalid tool_call_id: messages[2].tool_call_id is a int, expected text"
+    assert c.messages[0] == {"role": "user", "content": "q", "name": "ann"}
+
+
+def test_a_thinking_part_holds_its_text_under_thinking(tmp_path):
+    """``{"type": "thinking", "thinking": ...}`` (the form vLLM's and Anthropic's messages use) is the
+    turn's reasoning; it was refused as content that is no text."""
+    row = {"messages": [{"role": "user", "content": "q"},
+                        {"role": "assistant", "content": [{"type": "thinking", "thinking": "t"},
+                                                          {"type": "text", "text": "a"}]}]}
+    (c,) = read_all(write_jsonl(tmp_path / "t.jsonl", [row]))
+    assert c.messages[1] == {"role": "assistant", "content": "a", "reasoning_content": "t"}
+
+
+def test_sharegpt_turns_keep_token_ids_like_openai_turns(tmp_path):
+    """A ShareGPT assistant turn's ``token_ids`` are kept (and checked) as an OpenAI turn's are; they
+    were dropped, so tokenize re-tokenized the text without comparing it with the generated ids."""
+    rows = [{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a", "token_ids": [64, 2]}]},
+            {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a", "token_ids": [-1]}]}]
+    good, bad = read_all(write_jsonl(tmp_path / "s.jsonl", rows))
+    assert good.messages[1] == {"role": "assistant", "content": "a", "token_ids": [64, 2]}
+    assert bad.reason == "invalid token_ids: conversations[1].token_ids must be a list of token ids (ints >= 0)"

@@ -188,6 +188,13 @@ def test_server_answers_cut_inside_a_character_end_before_it():
     assert _answer_of(_completion("a \ufffd", "stop")).error.startswith("undecodable answer")
 
 
+def test_a_server_answer_writing_a_closing_think_tag_is_content_when_the_prompt_opened_no_block():
+    text = "The tag </think> closes it."
+    a = _answer_of(_completion(text, "stop"), prompt_opened=False)  # the prompt rendered with --tokenizer
+    assert (a.content, a.reasoning) == (text, None)
+    assert _answer_of(_completion(text, "stop")).reasoning == "The tag"  # unknown prompt (no --tokenizer)
+
+
 def test_server_answers_keep_vllms_token_ids():
     resp = _completion("ok", "stop")
     assert _answer_of(resp).token_ids is None  # a server that returns none (transformers serve)
@@ -920,3 +927,20 @@ def test_each_server_kind_is_told_the_neutral_sampling_parameters():
         BackendConfig(verifier="m", server_kind="vllm")
     with pytest.raises(ValueError, match="--server-kind must be one of"):
         BackendConfig(servers=("http://a:1",), server_kind="sglang")
+
+
+def test_a_closing_think_tag_in_an_answer_the_prompt_did_not_open_is_content(local):
+    """A ``</think>`` the verifier writes in its answer, after a prompt without an open think block, is
+    text of the answer: it was split off as reasoning (``"The tag"``), so the row trained on other text."""
+    text = "The tag </think> closes it."
+    assert split_reasoning(text, prompt_opened=False) == (text, None)
+    assert split_reasoning(text, prompt_opened=True) == ("closes it.", "The tag")
+    assert split_reasoning("<think>plan</think>Answer", prompt_opened=False) == ("Answer", "plan")
+    tok = local.tokenizer
+    prompt = local.prompt_ids(Request(messages=[{"role": "user", "content": "q"}]))
+    generated = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+    answer = local.answer_of(generated, prompt)
+    assert (answer.content, answer.reasoning, answer.token_ids) == (text, None, generated)
+    opened = tok.encode("<|im_start|>assistant\n<think>\n", add_special_tokens=False)
+    answer = local.answer_of(generated, opened)
+    assert (answer.content, answer.reasoning) == ("closes it.", "The tag")
