@@ -226,22 +226,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory, copy_smollm2_tokenizer):
-    """A real ``vllm serve`` on 127.0.0.1 of a tiny Llama with the SmolLM2 tokenizer, capturing ids 1, 2
-    into a shared directory with peagle's CPU connector: ``(url, storage, model_dir)``."""
-    from peagle_data.extract_vllm import serve_args
-
-    root = tmp_path_factory.mktemp("server")
-    model = copy_smollm2_tokenizer(save_family("llama31", root / "model", vocab_size=49152, overrides=VLLM_CPU_SHAPE))
-    storage = root / "hidden"
-    storage.mkdir()
+def start_server(root: Path, model: Path, serve_options: list[str]):
+    """A real ``vllm serve`` of ``model`` on 127.0.0.1 with ``serve_options``: ``(process, url, log file)``
+    once it answers ``/v1/models``."""
     port = _free_port()
     # `vllm serve` (vllm.entrypoints.cli.main) fails in vllm-cpu 0.32.0: it asks importlib.metadata for
     # "vllm", whose distribution is "vllm-cpu"; the OpenAI server module is the same server without it
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "128",
-            *serve_args([1, 2], 2, str(storage), accelerator=False)]
+            "--port", str(port), "--enforce-eager", "--max-model-len", "128", *serve_options]
     log = open(root / "server.log", "w")
     proc = subprocess.Popen(args, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -256,13 +248,38 @@ def vllm_server(tmp_path_factory, copy_smollm2_tokenizer):
             break
         except OSError:
             time.sleep(1)
-    yield url, storage, model
+    return proc, url, log
+
+
+def stop_server(proc, log) -> None:
     os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
     log.close()
+
+
+@pytest.fixture(scope="module")
+def server_model(tmp_path_factory, copy_smollm2_tokenizer) -> Path:
+    """A tiny Llama (2 layers) with the SmolLM2 tokenizer, for the servers."""
+    root = tmp_path_factory.mktemp("server_model")
+    return copy_smollm2_tokenizer(save_family("llama31", root / "model", vocab_size=49152, overrides=VLLM_CPU_SHAPE))
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory, server_model):
+    """A real ``vllm serve`` on 127.0.0.1 of :func:`server_model`, started as
+    :func:`peagle_data.extract_vllm.serve_args` prints it for ``--layers 1,2``: capturing ids 1, 2 into a
+    shared directory with peagle's CPU connector: ``(url, storage, model_dir)``."""
+    from peagle_data.extract_vllm import serve_args
+
+    root = tmp_path_factory.mktemp("server")
+    storage = root / "hidden"
+    storage.mkdir()
+    proc, url, log = start_server(root, server_model, serve_args([1, 2], 2, str(storage), accelerator=False))
+    yield url, storage, server_model
+    stop_server(proc, log)
 
 
 @pytest.mark.vllm
@@ -297,10 +314,52 @@ def test_server_with_another_tokenizer_is_refused(tmp_path, vllm_server):
     res = extract_cli(packed, model, tmp_path / "x.zarr", [1, 2], "--server", url, "--shared-storage", str(storage),
                       check=False)
     assert res.returncode != 0 and "whose tokenizer is not the packed table's" in res.stderr
-    packed = write_packed(tmp_path / "packed2", n_blocks=1, vocab=49152)
-    res = extract_cli(packed, model, tmp_path / "y.zarr", [1, 2, 0], "--server", url, "--shared-storage",
-                      str(storage), check=False)  # ids 0, 1, 2: the server's files hold 2 layers, not 3
-    assert res.returncode != 0 and "is the server capturing these ids?" in res.stderr
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # shares the server fixture's start
+def test_server_capturing_other_ids_of_the_same_count_is_refused(tmp_path, vllm_server):
+    """The server captures ids [1, 2]; --layers 0 asks for [0, 2] (2 ids, as many as the server's files
+    hold): refused from the probe file's metadata before any block, naming the serve command."""
+    from peagle_data.extract_vllm import serve_command
+
+    url, storage, model = vllm_server
+    packed = write_packed(tmp_path / "packed", n_blocks=1, vocab=49152)
+    res = extract_cli(packed, model, tmp_path / "x.zarr", [0], "--server", url, "--shared-storage", str(storage),
+                      check=False)
+    assert res.returncode != 0
+    command = serve_command(str(model), [0], 2, str(storage), accelerator=False)
+    err = " ".join(res.stderr.split())
+    assert (f"the probe request: --server {url}/v1 wrote {storage}/" in err
+            and f".safetensors with capture_ids [1, 2], this extraction needs [0, 2]; start the server as: {command}" in err)
+    assert not (tmp_path / "x.zarr").exists() or not FeatureStore.open(tmp_path / "x.zarr").done_mask().any()
+    assert not list(storage.iterdir())  # the probe's file and lock removed
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # its own vllm serve start (~50 s)
+def test_server_with_the_stock_connector_is_refused(tmp_path, server_model):
+    """A server whose files lack peagle's metadata (vLLM's stock write path, through a CPU copy: vLLM's
+    own connector cannot copy on CPU) is refused: its files do not say which layer ids they hold."""
+    from peagle_data.extract_vllm import serve_args, serve_command
+
+    storage = tmp_path / "hidden"
+    storage.mkdir()
+    options = serve_args([1, 2], 2, str(storage), accelerator=False)
+    k = options.index("--kv-transfer-config") + 1
+    options[k] = options[k].replace('"CpuHiddenStatesConnector"', '"StockWriteCpuConnector"').replace(
+        '"peagle_data.vllm_connector"', '"tests.peagle_data.stock_write_connector"')
+    proc, url, log = start_server(tmp_path, server_model, options)
+    try:
+        packed = write_packed(tmp_path / "packed", n_blocks=1, vocab=49152)
+        res = extract_cli(packed, server_model, tmp_path / "x.zarr", [1, 2], "--server", url, "--shared-storage",
+                          str(storage), check=False)
+    finally:
+        stop_server(proc, log)
+    command = serve_command(str(server_model), [1, 2], 2, str(storage), accelerator=False)
+    assert res.returncode != 0
+    assert ("without peagle's metadata (which layer ids it holds): it runs vLLM's stock connector, not "
+            f"peagle_data.vllm_connector; start the server as: {command}") in " ".join(res.stderr.split())
 
 
 def _config_dir(tmp_path: Path, name: str, config: dict) -> Path:
