@@ -20,7 +20,7 @@ Legend: T tokens in a segment or block, L aux layers (store), K layer ids vLLM c
   any ``--data-parallel-size``) with ``--shared-storage``, the directory its connector writes to.
 - The connector is peagle's (:mod:`peagle_data.vllm_connector`: vLLM's, plus metadata in every file:
   the captured layer ids, the model, dtype, prefix caching). Every file is checked against what the
-  extraction asked for (:meth:`VllmEngine._check_file`), so a server started with other ids of the
+  extraction asked for (:meth:`VllmEngine.check_file`), so a server started with other ids of the
   same count, vLLM's stock connector, another dtype or prefix caching is refused, naming the
   ``vllm serve`` command to use. Without an accelerator vLLM's copy fails (pinned memory), so
   :class:`peagle_data.vllm_connector.CpuHiddenStatesConnector` is loaded instead of the GPU one.
@@ -170,6 +170,8 @@ class VllmEngine(VerifierEngine):
         self.base: str | None = None
         self.model: str | None = None
         self.server_storage: str | None = None
+        self.quantized = False
+        """Whether the verifier's checkpoint is quantized (else a server must not quantize it at load)."""
         self.record = {"name": self.name, "vllm": _vllm_version(), "capture_ids": self.ids,
                        "last_layer": "pre_norm", "dtype": desc["dtype"],
                        **({"server": cfg.server} if cfg.server else
@@ -226,6 +228,7 @@ class VllmEngine(VerifierEngine):
         desc = verifier_desc(cfg.verifier, directory, skeleton, dtype)
         desc["attn_implementation"] = None  # vLLM's choice, not transformers'
         engine = cls(cfg, desc, layers, norm, accelerator, log)
+        engine.quantized = getattr(skeleton.config, "quantization_config", None) is not None
         limit = getattr(text_config(skeleton.config), "max_position_embeddings", None)
         if limit is not None and packed.longest_segment > int(limit):
             raise InputError(f"a packed segment has {packed.longest_segment} tokens, more than the verifier's "
@@ -263,7 +266,7 @@ class VllmEngine(VerifierEngine):
         Raises:
             InputError: unreachable, not one model, another tokenizer; a probe request's file not
                 written by peagle's connector with this extraction's ids, dtype and no prefix caching
-                (:meth:`_check_file`).
+                (:meth:`check_file`).
         """
         self.base = server_base_url(self.cfg.server)
         models = self._request(self.base + "/models")["data"]
@@ -285,7 +288,7 @@ class VllmEngine(VerifierEngine):
                              "the verifier the table was tokenized for", field="--server")
         path = self._serve([mine])[0]  # one probe request: its file's metadata before any block
         data = _take_file(path)
-        self._check_file(path, data, mine, "the probe request")
+        self.check_file(path, data, mine, "the probe request")
         self.log(f"server {self.base}: {self.model}, capturing layer ids {self.ids}")
 
     def _request(self, url: str, body: dict | None = None) -> dict:
@@ -323,7 +326,7 @@ class VllmEngine(VerifierEngine):
         """One vLLM batch per block, every segment its own request; rows reassembled in block order.
 
         Raises:
-            InputError: a file not written by peagle's connector for this extraction (:meth:`_check_file`:
+            InputError: a file not written by peagle's connector for this extraction (:meth:`check_file`:
                 other layer ids, dtype, model, prefix caching, vLLM's stock connector) or whose token ids
                 or shape ``[T, K, H]`` are not the request's.
         """
@@ -336,7 +339,7 @@ class VllmEngine(VerifierEngine):
             parts = []
             for (lo, hi), path in zip(spans, paths):
                 data = _take_file(path)
-                self._check_file(path, data, prompts[len(parts)], f"block {i}")
+                self.check_file(path, data, prompts[len(parts)], f"block {i}")
                 hs, got = data["hidden_states"], data["token_ids"]
                 if tuple(hs.shape) != (hi - lo, len(self.ids), H) or got.tolist() != prompts[len(parts)]:
                     raise InputError(f"block {i}: vLLM returned hidden states {tuple(hs.shape)} for "
@@ -348,11 +351,11 @@ class VllmEngine(VerifierEngine):
                 final = self.norm(hs[:, self.last].to(self.dtype))
             yield i, hs[:, self.pick].to(torch.bfloat16), final.to(torch.bfloat16)
 
-    def _check_file(self, path: str, data: Mapping[str, torch.Tensor], prompt: list[int], what: str) -> None:
+    def check_file(self, path: str, data: Mapping[str, torch.Tensor], prompt: list[int], what: str) -> None:
         """Refuse a hidden-states file that is not exactly this extraction's: written by peagle's connector
         (:mod:`peagle_data.vllm_connector` metadata) for layer ids :attr:`ids` of a verifier with the
         store's layer count, in the engine dtype, without prefix caching, by the served model (``--server``),
-        for token ids ``prompt``.
+        for token ids ``prompt``, not quantized at load unless the checkpoint is.
 
         Raises:
             InputError: naming the file, the metadata field that differs and the ``vllm serve`` command.
@@ -373,6 +376,10 @@ class VllmEngine(VerifierEngine):
             if meta.get(key) != value:
                 raise InputError(f"{what}: {where} wrote {path} with {key.removeprefix('peagle_')} "
                                  f"{meta.get(key)}, this extraction needs {value}; {fix}", field="--server")
+        if not self.quantized and meta.get("peagle_quantization") != "None":
+            raise InputError(f"{what}: {where} wrote {path} with quantization {meta.get('peagle_quantization')}, "
+                             "but the verifier's checkpoint is not quantized (its numerics are not the "
+                             f"checkpoint's); {fix}", field="--server")
         if data["token_ids"].tolist() != prompt or data["hidden_states"].dtype != self.dtype:
             raise InputError(f"{what}: {where} wrote {path} for other token ids or dtype "
                              f"({data['hidden_states'].dtype}) than the request's; {fix}", field="--server")

@@ -35,7 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 __all__ = ["CpuHiddenStatesConnector", "HiddenStatesConnector", "META_KEYS", "provenance"]
 
 META_KEYS = ("peagle_capture_ids", "peagle_model", "peagle_served_model_name", "peagle_dtype",
-             "peagle_prefix_caching", "peagle_num_hidden_layers")
+             "peagle_prefix_caching", "peagle_num_hidden_layers", "peagle_quantization")
 """The safetensors metadata keys every file carries (strings; ids and flags as JSON)."""
 
 
@@ -46,7 +46,8 @@ def provenance(vllm_config) -> dict[str, str]:
     (the model emits its aux hidden states in layer order, once each); ``peagle_model``: the model
     path or name vLLM loaded; ``peagle_served_model_name``: the name the server lists; ``peagle_dtype``:
     the compute dtype (``"float32"``, ``"bfloat16"``, ...); ``peagle_prefix_caching``: ``"true"`` or
-    ``"false"``; ``peagle_num_hidden_layers``: the verifier's decoder layers.
+    ``"false"``; ``peagle_num_hidden_layers``: the verifier's decoder layers; ``peagle_quantization``: vLLM's
+    quantization method (``"None"`` if unquantized).
     """
     mc = vllm_config.model_config
     ids = getattr(vllm_config.speculative_config.draft_model_config.hf_config, "eagle_aux_hidden_state_layer_ids", [])
@@ -55,7 +56,8 @@ def provenance(vllm_config) -> dict[str, str]:
     return {"peagle_capture_ids": json.dumps(sorted(set(int(i) for i in ids))), "peagle_model": str(mc.model),
             "peagle_served_model_name": str(served or mc.model), "peagle_dtype": str(mc.dtype).replace("torch.", ""),
             "peagle_prefix_caching": json.dumps(bool(vllm_config.cache_config.enable_prefix_caching)),
-            "peagle_num_hidden_layers": str(mc.hf_text_config.num_hidden_layers)}
+            "peagle_num_hidden_layers": str(mc.hf_text_config.num_hidden_layers),
+            "peagle_quantization": str(mc.quantization)}
 
 
 class HiddenStatesConnector(ExampleHiddenStatesConnector):

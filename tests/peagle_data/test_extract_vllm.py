@@ -362,6 +362,49 @@ def test_server_with_the_stock_connector_is_refused(tmp_path, server_model):
             f"peagle_data.vllm_connector; start the server as: {command}") in " ".join(res.stderr.split())
 
 
+GOOD_META = {"peagle_capture_ids": "[1, 2]", "peagle_model": "/m", "peagle_served_model_name": "/m",
+             "peagle_dtype": "float32", "peagle_prefix_caching": "false", "peagle_num_hidden_layers": "2",
+             "peagle_quantization": "None"}
+"""The metadata peagle's CPU connector writes for a float32 2-layer verifier served as ``/m`` capturing 1, 2."""
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("change,message", [
+    ({}, None),
+    ({"peagle_capture_ids": "[0, 2]"}, "with capture_ids [0, 2], this extraction needs [1, 2]"),
+    ({"peagle_dtype": "bfloat16"}, "with dtype bfloat16, this extraction needs float32"),
+    ({"peagle_prefix_caching": "true"}, "with prefix_caching true, this extraction needs false"),
+    ({"peagle_served_model_name": "/other"}, "with served_model_name /other, this extraction needs /m"),
+    ({"peagle_num_hidden_layers": "3"}, "with num_hidden_layers 3, this extraction needs 2"),
+    ({"peagle_quantization": "fp8"}, "with quantization fp8, but the verifier's checkpoint is not quantized"),
+])
+def test_file_metadata_other_than_the_extraction_is_refused(tmp_path, change, message):
+    """Each field the server decides, in a file as the connector writes it (the real servers above cover
+    the ids and the stock connector end to end): refused with the field, the values and the serve line."""
+    from safetensors.torch import save_file
+
+    from peagle_data.extract_vllm import VllmEngine, serve_command
+
+    cfg = ExtractConfig(packed="p", verifier="v", output="o", engine="vllm", server="http://h:1",
+                        shared_storage=str(tmp_path))
+    engine = VllmEngine(cfg, {"num_hidden_layers": 2, "dtype": "float32"}, [1, 2], torch.nn.Identity(), False, print)
+    engine.base, engine.model, engine.server_storage = "http://h:1/v1", "/m", "/srv/hs"
+    path = str(tmp_path / "r.safetensors")
+    data = {"hidden_states": torch.zeros(3, 2, 8), "token_ids": torch.tensor([5, 6, 7])}
+    save_file(data, path, metadata={**GOOD_META, **change})
+    data["metadata"] = {**GOOD_META, **change}
+    if message is None:
+        engine.check_file(path, data, [5, 6, 7], "block 0")
+        with pytest.raises(InputError, match="other token ids"):
+            engine.check_file(path, data, [5, 6, 8], "block 0")
+        return
+    with pytest.raises(InputError) as e:
+        engine.check_file(path, data, [5, 6, 7], "block 0")
+    assert str(e.value).startswith(f"field '--server': block 0: --server http://h:1/v1 wrote {path} ")
+    assert message in str(e.value)
+    assert str(e.value).endswith("; start the server as: " + serve_command("/m", [1, 2], 2, "/srv/hs", False))
+
+
 def _config_dir(tmp_path: Path, name: str, config: dict) -> Path:
     d = tmp_path / name
     d.mkdir()
