@@ -18,8 +18,12 @@ Legend: T tokens in a segment or block, L aux layers (store), K layer ids vLLM c
 - Parallelism is vLLM's: ``--tensor-parallel-size``, ``--pipeline-parallel-size`` in this process;
   data parallel through shards (one process per replica) or ``--server`` (a running ``vllm serve``,
   any ``--data-parallel-size``) with ``--shared-storage``, the directory its connector writes to.
-- Without an accelerator vLLM's connector cannot copy (pinned memory):
-  :class:`peagle_data.vllm_cpu_connector.CpuHiddenStatesConnector` is loaded instead.
+- The connector is peagle's (:mod:`peagle_data.vllm_connector`: vLLM's, plus metadata in every file:
+  the captured layer ids, the model, dtype, prefix caching). Every file is checked against what the
+  extraction asked for (:meth:`VllmEngine.check_file`), so a server started with other ids of the
+  same count, vLLM's stock connector, another dtype or prefix caching is refused, naming the
+  ``vllm serve`` command to use. Without an accelerator vLLM's copy fails (pinned memory), so
+  :class:`peagle_data.vllm_connector.CpuHiddenStatesConnector` is loaded instead of the GPU one.
 
 vLLM is imported lazily (its own virtualenv: ``PEAGLE_VLLM=1 bash scripts/setup_env.sh``).
 """
@@ -39,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
+from safetensors import safe_open
 
 from peagle_data.extract_engine import PackedFacts, VerifierEngine
 from peagle_data.extract_store import verifier_desc
@@ -56,8 +61,8 @@ __all__ = ["VllmEngine", "VLLM_SETUP", "capture_ids", "connector_config", "serve
 VLLM_SETUP = "PEAGLE_VLLM=1 bash scripts/setup_env.sh (creates .venv-vllm; run .venv-vllm/bin/peagle-data)"
 """How a user gets vLLM next to peagle (vLLM pins its own transformers, so it has its own virtualenv)."""
 
-CPU_CONNECTOR = "peagle_data.vllm_cpu_connector"
-"""``kv_connector_module_path`` of the connector used where no accelerator exists."""
+CONNECTOR_MODULE = "peagle_data.vllm_connector"
+"""``kv_connector_module_path`` of peagle's hidden-states connectors (files with provenance metadata)."""
 
 SERVER_TIMEOUT_S = 600.0
 """Seconds one server request may take."""
@@ -73,13 +78,16 @@ def capture_ids(layers: list[int], num_hidden_layers: int) -> list[int]:
 
 
 def connector_config(storage: str, accelerator: bool) -> dict[str, Any]:
-    """``kv_transfer_config`` of the hidden-states connector writing into directory ``storage``:
-    vLLM's ``ExampleHiddenStatesConnector`` with an accelerator, else peagle's CPU subclass."""
-    cfg = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-           "kv_connector_extra_config": {"shared_storage_path": storage}}
-    if not accelerator:
-        cfg = {**cfg, "kv_connector": "CpuHiddenStatesConnector", "kv_connector_module_path": CPU_CONNECTOR}
-    return cfg
+    """``kv_transfer_config`` of peagle's hidden-states connector writing into directory ``storage``:
+    ``HiddenStatesConnector`` (vLLM's write path) with an accelerator, else ``CpuHiddenStatesConnector``."""
+    return {"kv_connector": "HiddenStatesConnector" if accelerator else "CpuHiddenStatesConnector",
+            "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": storage}}
+
+
+def engine_dtype(accelerator: bool) -> torch.dtype:
+    """The compute dtype of a vLLM extraction: bf16 on an accelerator, float32 on CPU (as ``hf`` loads)."""
+    return torch.bfloat16 if accelerator else torch.float32
 
 
 def speculative_config(ids: list[int]) -> dict[str, Any]:
@@ -89,11 +97,12 @@ def speculative_config(ids: list[int]) -> dict[str, Any]:
 
 
 def serve_args(layers: list[int], num_hidden_layers: int, storage: str, accelerator: bool) -> list[str]:
-    """The ``vllm serve MODEL`` options a ``--server`` extraction of ``layers`` needs (prefix caching off,
-    the capture ids, the connector writing into ``storage``)."""
+    """The ``vllm serve MODEL`` options a ``--server`` extraction of ``layers`` needs (the engine dtype,
+    prefix caching off, the capture ids, peagle's connector writing into ``storage``)."""
     spec = json.dumps(speculative_config(capture_ids(layers, num_hidden_layers)), separators=(",", ":"))
     kv = json.dumps(connector_config(storage, accelerator), separators=(",", ":"))
-    return ["--no-enable-prefix-caching", "--speculative-config", spec, "--kv-transfer-config", kv]
+    dtype = str(engine_dtype(accelerator)).removeprefix("torch.")
+    return ["--dtype", dtype, "--no-enable-prefix-caching", "--speculative-config", spec, "--kv-transfer-config", kv]
 
 
 def serve_command(model: str, layers: list[int], num_hidden_layers: int, storage: str, accelerator: bool) -> str:
@@ -149,8 +158,9 @@ class VllmEngine(VerifierEngine):
     name = "vllm"
 
     def __init__(self, cfg: ExtractConfig, desc: dict[str, Any], layers: list[int], norm: torch.nn.Module,
-                 dtype: torch.dtype, log: Callable[[str], None]):
-        self.cfg, self.desc, self.layers, self.norm, self.dtype, self.log = cfg, desc, layers, norm, dtype, log
+                 accelerator: bool, log: Callable[[str], None]):
+        self.cfg, self.desc, self.layers, self.norm, self.log = cfg, desc, layers, norm, log
+        self.accelerator, self.dtype = accelerator, engine_dtype(accelerator)
         L = desc["num_hidden_layers"]
         self.ids = capture_ids(layers, L)
         self.pick = [self.ids.index(l) for l in layers]
@@ -159,6 +169,9 @@ class VllmEngine(VerifierEngine):
         self.tmp: str | None = None
         self.base: str | None = None
         self.model: str | None = None
+        self.server_storage: str | None = None
+        self.quantized = False
+        """Whether the verifier's checkpoint is quantized (else a server must not quantize it at load)."""
         self.record = {"name": self.name, "vllm": _vllm_version(), "capture_ids": self.ids,
                        "last_layer": "pre_norm", "dtype": desc["dtype"],
                        **({"server": cfg.server} if cfg.server else
@@ -204,7 +217,7 @@ class VllmEngine(VerifierEngine):
             raise InputError(f"packed block {block}, segment {segment}: position ids do not start at 0, and vLLM "
                              "starts every request at position 0: use --engine hf", file=cfg.packed)
         accelerator = _has_accelerator()
-        dtype = torch.bfloat16 if accelerator else torch.float32  # as the hf engine loads the verifier
+        dtype = engine_dtype(accelerator)
         skeleton = verifier_skeleton(directory)
         decoder = language_model(skeleton)
         if not isinstance(getattr(decoder, "norm", None), torch.nn.Module):
@@ -214,7 +227,8 @@ class VllmEngine(VerifierEngine):
         norm = load_submodule(directory, skeleton, norm_name, dtype)
         desc = verifier_desc(cfg.verifier, directory, skeleton, dtype)
         desc["attn_implementation"] = None  # vLLM's choice, not transformers'
-        engine = cls(cfg, desc, layers, norm, dtype, log)
+        engine = cls(cfg, desc, layers, norm, accelerator, log)
+        engine.quantized = getattr(skeleton.config, "quantization_config", None) is not None
         limit = getattr(text_config(skeleton.config), "max_position_embeddings", None)
         if limit is not None and packed.longest_segment > int(limit):
             raise InputError(f"a packed segment has {packed.longest_segment} tokens, more than the verifier's "
@@ -250,7 +264,9 @@ class VllmEngine(VerifierEngine):
         """Check the server before any block: reachable, one model, the pack's tokenizer.
 
         Raises:
-            InputError: unreachable, not one model, another tokenizer, no ``--shared-storage``.
+            InputError: unreachable, not one model, another tokenizer; a probe request's file not
+                written by peagle's connector with this extraction's ids, dtype and no prefix caching
+                (:meth:`check_file`).
         """
         self.base = server_base_url(self.cfg.server)
         models = self._request(self.base + "/models")["data"]
@@ -270,8 +286,10 @@ class VllmEngine(VerifierEngine):
             raise InputError(f"--server {self.base} serves {self.model}, whose tokenizer is not the packed table's "
                              f"({table_tokenizer or directory}): {served[:8]}... vs {mine[:8]}...; serve "
                              "the verifier the table was tokenized for", field="--server")
-        self.log(f"server {self.base}: {self.model}; it must capture layer ids {self.ids}: "
-                 + serve_command(self.model, self.layers, self.desc["num_hidden_layers"], "DIR", True))
+        path = self._serve([mine])[0]  # one probe request: its file's metadata before any block
+        data = _take_file(path)
+        self.check_file(path, data, mine, "the probe request")
+        self.log(f"server {self.base}: {self.model}, capturing layer ids {self.ids}")
 
     def _request(self, url: str, body: dict | None = None) -> dict:
         """JSON of GET (``body`` None) or POST ``url``.
@@ -297,6 +315,7 @@ class VllmEngine(VerifierEngine):
                 raise InputError(f"--server {self.base} returned no hidden_states_path: start it with "
                                  "the extract_hidden_states speculative config and the hidden-states connector",
                                  field="--server")
+            self.server_storage = str(Path(path).parent)  # the directory as the server names it
             return str(Path(self.cfg.shared_storage) / Path(path).name)
 
         with ThreadPoolExecutor(max_workers=self.cfg.concurrency) as pool:
@@ -307,14 +326,10 @@ class VllmEngine(VerifierEngine):
         """One vLLM batch per block, every segment its own request; rows reassembled in block order.
 
         Raises:
-            InputError: a file whose token ids or shape ``[T, K, H]`` are not the request's (a server
-                capturing other layers).
+            InputError: a file not written by peagle's connector for this extraction (:meth:`check_file`:
+                other layer ids, dtype, model, prefix caching, vLLM's stock connector) or whose token ids
+                or shape ``[T, K, H]`` are not the request's.
         """
-        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-            cleanup_hidden_states,
-            load_hidden_states,
-        )
-
         H = self.desc["hidden_size"]
         for i, r in rows:
             ids = np.asarray(r["input_ids"], dtype=np.int64)
@@ -323,8 +338,8 @@ class VllmEngine(VerifierEngine):
             paths = self._serve(prompts) if self.base else self._generate(prompts)
             parts = []
             for (lo, hi), path in zip(spans, paths):
-                data = load_hidden_states(path)
-                cleanup_hidden_states(path)
+                data = _take_file(path)
+                self.check_file(path, data, prompts[len(parts)], f"block {i}")
                 hs, got = data["hidden_states"], data["token_ids"]
                 if tuple(hs.shape) != (hi - lo, len(self.ids), H) or got.tolist() != prompts[len(parts)]:
                     raise InputError(f"block {i}: vLLM returned hidden states {tuple(hs.shape)} for "
@@ -336,12 +351,60 @@ class VllmEngine(VerifierEngine):
                 final = self.norm(hs[:, self.last].to(self.dtype))
             yield i, hs[:, self.pick].to(torch.bfloat16), final.to(torch.bfloat16)
 
+    def check_file(self, path: str, data: Mapping[str, torch.Tensor], prompt: list[int], what: str) -> None:
+        """Refuse a hidden-states file that is not exactly this extraction's: written by peagle's connector
+        (:mod:`peagle_data.vllm_connector` metadata) for layer ids :attr:`ids` of a verifier with the
+        store's layer count, in the engine dtype, without prefix caching, by the served model (``--server``),
+        for token ids ``prompt``, not quantized at load unless the checkpoint is.
+
+        Raises:
+            InputError: naming the file, the metadata field that differs and the ``vllm serve`` command.
+        """
+        meta = data["metadata"]
+        L = self.desc["num_hidden_layers"]
+        where = f"--server {self.base}" if self.base else "vLLM"
+        fix = ("start the server as: " + serve_command(self.model, self.layers, L, self.server_storage or "DIR",
+                                                       self.accelerator) if self.base else
+               "peagle started this engine itself, so this is a bug: please report it")
+        if "peagle_capture_ids" not in meta:
+            raise InputError(f"{what}: {where} wrote {path} without peagle's metadata (which layer ids it holds): "
+                             f"it runs vLLM's stock connector, not {CONNECTOR_MODULE}; {fix}", field="--server")
+        want = {"peagle_capture_ids": json.dumps(self.ids), "peagle_num_hidden_layers": str(L),
+                "peagle_dtype": str(self.dtype).removeprefix("torch."), "peagle_prefix_caching": "false",
+                **({"peagle_served_model_name": self.model} if self.base else {})}
+        for key, value in want.items():
+            if meta.get(key) != value:
+                raise InputError(f"{what}: {where} wrote {path} with {key.removeprefix('peagle_')} "
+                                 f"{meta.get(key)}, this extraction needs {value}; {fix}", field="--server")
+        if not self.quantized and meta.get("peagle_quantization") != "None":
+            raise InputError(f"{what}: {where} wrote {path} with quantization {meta.get('peagle_quantization')}, "
+                             "but the verifier's checkpoint is not quantized (its numerics are not the "
+                             f"checkpoint's); {fix}", field="--server")
+        if data["token_ids"].tolist() != prompt or data["hidden_states"].dtype != self.dtype:
+            raise InputError(f"{what}: {where} wrote {path} for other token ids or dtype "
+                             f"({data['hidden_states'].dtype}) than the request's; {fix}", field="--server")
+
     def close(self) -> None:
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()  # the engine process (and TP/PP workers) end now
             self.llm = None
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _take_file(path: str) -> dict[str, Any]:
+    """A connector's file at ``path`` once written (vLLM's ``.lock`` wait), then removed with its lock:
+    ``hidden_states [T, K, H]``, ``token_ids [T]`` and ``metadata`` (the safetensors string metadata)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        cleanup_hidden_states,
+        load_hidden_states,
+    )
+
+    data = load_hidden_states(path)
+    with safe_open(path, "pt") as f:
+        data["metadata"] = f.metadata() or {}
+    cleanup_hidden_states(path)
+    return data
 
 
 def _vllm_version() -> str:

@@ -226,22 +226,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory, copy_smollm2_tokenizer):
-    """A real ``vllm serve`` on 127.0.0.1 of a tiny Llama with the SmolLM2 tokenizer, capturing ids 1, 2
-    into a shared directory with peagle's CPU connector: ``(url, storage, model_dir)``."""
-    from peagle_data.extract_vllm import serve_args
-
-    root = tmp_path_factory.mktemp("server")
-    model = copy_smollm2_tokenizer(save_family("llama31", root / "model", vocab_size=49152, overrides=VLLM_CPU_SHAPE))
-    storage = root / "hidden"
-    storage.mkdir()
+def start_server(root: Path, model: Path, serve_options: list[str]):
+    """A real ``vllm serve`` of ``model`` on 127.0.0.1 with ``serve_options``: ``(process, url, log file)``
+    once it answers ``/v1/models``."""
     port = _free_port()
     # `vllm serve` (vllm.entrypoints.cli.main) fails in vllm-cpu 0.32.0: it asks importlib.metadata for
     # "vllm", whose distribution is "vllm-cpu"; the OpenAI server module is the same server without it
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "128",
-            *serve_args([1, 2], 2, str(storage), accelerator=False)]
+            "--port", str(port), "--enforce-eager", "--max-model-len", "128", *serve_options]
     log = open(root / "server.log", "w")
     proc = subprocess.Popen(args, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -256,13 +248,38 @@ def vllm_server(tmp_path_factory, copy_smollm2_tokenizer):
             break
         except OSError:
             time.sleep(1)
-    yield url, storage, model
+    return proc, url, log
+
+
+def stop_server(proc, log) -> None:
     os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
     log.close()
+
+
+@pytest.fixture(scope="module")
+def server_model(tmp_path_factory, copy_smollm2_tokenizer) -> Path:
+    """A tiny Llama (2 layers) with the SmolLM2 tokenizer, for the servers."""
+    root = tmp_path_factory.mktemp("server_model")
+    return copy_smollm2_tokenizer(save_family("llama31", root / "model", vocab_size=49152, overrides=VLLM_CPU_SHAPE))
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory, server_model):
+    """A real ``vllm serve`` on 127.0.0.1 of :func:`server_model`, started as
+    :func:`peagle_data.extract_vllm.serve_args` prints it for ``--layers 1,2``: capturing ids 1, 2 into a
+    shared directory with peagle's CPU connector: ``(url, storage, model_dir)``."""
+    from peagle_data.extract_vllm import serve_args
+
+    root = tmp_path_factory.mktemp("server")
+    storage = root / "hidden"
+    storage.mkdir()
+    proc, url, log = start_server(root, server_model, serve_args([1, 2], 2, str(storage), accelerator=False))
+    yield url, storage, server_model
+    stop_server(proc, log)
 
 
 @pytest.mark.vllm
@@ -297,10 +314,95 @@ def test_server_with_another_tokenizer_is_refused(tmp_path, vllm_server):
     res = extract_cli(packed, model, tmp_path / "x.zarr", [1, 2], "--server", url, "--shared-storage", str(storage),
                       check=False)
     assert res.returncode != 0 and "whose tokenizer is not the packed table's" in res.stderr
-    packed = write_packed(tmp_path / "packed2", n_blocks=1, vocab=49152)
-    res = extract_cli(packed, model, tmp_path / "y.zarr", [1, 2, 0], "--server", url, "--shared-storage",
-                      str(storage), check=False)  # ids 0, 1, 2: the server's files hold 2 layers, not 3
-    assert res.returncode != 0 and "is the server capturing these ids?" in res.stderr
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # shares the server fixture's start
+def test_server_capturing_other_ids_of_the_same_count_is_refused(tmp_path, vllm_server):
+    """The server captures ids [1, 2]; --layers 0 asks for [0, 2] (2 ids, as many as the server's files
+    hold): refused from the probe file's metadata before any block, naming the serve command."""
+    from peagle_data.extract_vllm import serve_command
+
+    url, storage, model = vllm_server
+    packed = write_packed(tmp_path / "packed", n_blocks=1, vocab=49152)
+    res = extract_cli(packed, model, tmp_path / "x.zarr", [0], "--server", url, "--shared-storage", str(storage),
+                      check=False)
+    assert res.returncode != 0
+    command = serve_command(str(model), [0], 2, str(storage), accelerator=False)
+    err = " ".join(res.stderr.split())
+    assert (f"the probe request: --server {url}/v1 wrote {storage}/" in err
+            and f".safetensors with capture_ids [1, 2], this extraction needs [0, 2]; start the server as: {command}" in err)
+    assert not (tmp_path / "x.zarr").exists() or not FeatureStore.open(tmp_path / "x.zarr").done_mask().any()
+    assert not list(storage.iterdir())  # the probe's file and lock removed
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # its own vllm serve start (~50 s)
+def test_server_with_the_stock_connector_is_refused(tmp_path, server_model):
+    """A server whose files lack peagle's metadata (vLLM's stock write path, through a CPU copy: vLLM's
+    own connector cannot copy on CPU) is refused: its files do not say which layer ids they hold."""
+    from peagle_data.extract_vllm import serve_args, serve_command
+
+    storage = tmp_path / "hidden"
+    storage.mkdir()
+    options = serve_args([1, 2], 2, str(storage), accelerator=False)
+    k = options.index("--kv-transfer-config") + 1
+    options[k] = options[k].replace('"CpuHiddenStatesConnector"', '"StockWriteCpuConnector"').replace(
+        '"peagle_data.vllm_connector"', '"tests.peagle_data.stock_write_connector"')
+    proc, url, log = start_server(tmp_path, server_model, options)
+    try:
+        packed = write_packed(tmp_path / "packed", n_blocks=1, vocab=49152)
+        res = extract_cli(packed, server_model, tmp_path / "x.zarr", [1, 2], "--server", url, "--shared-storage",
+                          str(storage), check=False)
+    finally:
+        stop_server(proc, log)
+    command = serve_command(str(server_model), [1, 2], 2, str(storage), accelerator=False)
+    assert res.returncode != 0
+    assert ("without peagle's metadata (which layer ids it holds): it runs vLLM's stock connector, not "
+            f"peagle_data.vllm_connector; start the server as: {command}") in " ".join(res.stderr.split())
+
+
+GOOD_META = {"peagle_capture_ids": "[1, 2]", "peagle_model": "/m", "peagle_served_model_name": "/m",
+             "peagle_dtype": "float32", "peagle_prefix_caching": "false", "peagle_num_hidden_layers": "2",
+             "peagle_quantization": "None"}
+"""The metadata peagle's CPU connector writes for a float32 2-layer verifier served as ``/m`` capturing 1, 2."""
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("change,message", [
+    ({}, None),
+    ({"peagle_capture_ids": "[0, 2]"}, "with capture_ids [0, 2], this extraction needs [1, 2]"),
+    ({"peagle_dtype": "bfloat16"}, "with dtype bfloat16, this extraction needs float32"),
+    ({"peagle_prefix_caching": "true"}, "with prefix_caching true, this extraction needs false"),
+    ({"peagle_served_model_name": "/other"}, "with served_model_name /other, this extraction needs /m"),
+    ({"peagle_num_hidden_layers": "3"}, "with num_hidden_layers 3, this extraction needs 2"),
+    ({"peagle_quantization": "fp8"}, "with quantization fp8, but the verifier's checkpoint is not quantized"),
+])
+def test_file_metadata_other_than_the_extraction_is_refused(tmp_path, change, message):
+    """Each field the server decides, in a file as the connector writes it (the real servers above cover
+    the ids and the stock connector end to end): refused with the field, the values and the serve line."""
+    from safetensors.torch import save_file
+
+    from peagle_data.extract_vllm import VllmEngine, serve_command
+
+    cfg = ExtractConfig(packed="p", verifier="v", output="o", engine="vllm", server="http://h:1",
+                        shared_storage=str(tmp_path))
+    engine = VllmEngine(cfg, {"num_hidden_layers": 2, "dtype": "float32"}, [1, 2], torch.nn.Identity(), False, print)
+    engine.base, engine.model, engine.server_storage = "http://h:1/v1", "/m", "/srv/hs"
+    path = str(tmp_path / "r.safetensors")
+    data = {"hidden_states": torch.zeros(3, 2, 8), "token_ids": torch.tensor([5, 6, 7])}
+    save_file(data, path, metadata={**GOOD_META, **change})
+    data["metadata"] = {**GOOD_META, **change}
+    if message is None:
+        engine.check_file(path, data, [5, 6, 7], "block 0")
+        with pytest.raises(InputError, match="other token ids"):
+            engine.check_file(path, data, [5, 6, 8], "block 0")
+        return
+    with pytest.raises(InputError) as e:
+        engine.check_file(path, data, [5, 6, 7], "block 0")
+    assert str(e.value).startswith(f"field '--server': block 0: --server http://h:1/v1 wrote {path} ")
+    assert message in str(e.value)
+    assert str(e.value).endswith("; start the server as: " + serve_command("/m", [1, 2], 2, "/srv/hs", False))
 
 
 def _config_dir(tmp_path: Path, name: str, config: dict) -> Path:
