@@ -21,6 +21,8 @@ from stores.staging import prepare_output_dir
 from stores.token_tables import TableWriter, write_manifest
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+from families import hidden_states_as_stored  # noqa: E402
 
 
 def write_packed(directory: Path, n_blocks: int, block_size: int, seed: int = 0) -> Path:
@@ -221,11 +223,10 @@ def test_real_smollm2_segments_equal_segments_alone():
     aux, final = verifier_features(verifier.model, torch.cat(segs), torch.cat([torch.arange(n) for n in lengths]),
                                    cu, [2, 15, 27, 30])
     for k, seg in enumerate(segs):
-        with torch.no_grad():
-            out = verifier(seg[None], output_hidden_states=True)
+        hidden, out = hidden_states_as_stored(verifier, input_ids=seg[None])  # [30]: before the final norm
         lo, hi = int(cu[k]), int(cu[k + 1])
         for j, layer in enumerate([2, 15, 27, 30]):
-            want = out.hidden_states[layer][0].to(torch.bfloat16).float()
+            want = hidden[layer][0].to(torch.bfloat16).float()
             torch.testing.assert_close(aux[lo:hi, j].float(), want, atol=0.05 * float(want.abs().max()), rtol=0.02)
         logits = verifier.lm_head(final[lo:hi].float())
         assert torch.equal(logits.argmax(-1), out.logits[0].argmax(-1))
