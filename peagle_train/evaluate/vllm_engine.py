@@ -133,7 +133,7 @@ def _step_counts(output) -> dict[str, list[int]] | None:
 def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
                   speculative_config: dict[str, Any] | None = None, concurrency: int = 8,
                   turns: Callable[[list[list[int]]], list[list[int]]] | None = None,
-                  max_model_len: int = 2048, timed: bool = True, log: Callable[[str], None] | None = None) -> VllmRun:
+                  max_model_len: int = 4096, timed: bool = True, log: Callable[[str], None] | None = None) -> VllmRun:
     """Start one vLLM engine on ``model`` (float32, eager, seed 0), run ``prompts`` greedily, stop it.
 
     Args:

@@ -204,3 +204,15 @@ def test_eval_refuses_a_foreign_checkpoint_vllm_would_serve_otherwise(tmp_path, 
             f"checkpoint has 2 ({LAYERS}); write \"num_aux_hidden_states\": 2 inside transformer_layer_config; "
             "d2t is missing but the draft vocab is reduced (128 < 256): vLLM would map draft id i to token i"
             in text), res.output
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_eval_engine_vllm_without_vllm_names_the_set_up(tmp_path, drafter_dir, no_weights):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"turns": ["hi"]}) + "\n")
+    res = _eval(["--drafter", str(drafter_dir), "--prompts", str(prompts), "--engine", "vllm"])
+    assert res.exit_code != 0 and not isinstance(res.exception, WeightsLoaded), res.output
+    assert "--engine vllm needs vLLM, which this environment lacks" in res.output
+    assert "PEAGLE_VLLM=1 bash scripts/setup_env.sh" in res.output.replace("\n", " "), res.output
+    res = _eval(["--drafter", str(drafter_dir), "--prompts", str(prompts), "--engine", "vllm", "--temperature", "0.5"])
+    assert res.exit_code == 2 and "--engine vllm measures greedy decoding only" in res.output, res.output

@@ -98,7 +98,7 @@ def served(tmp_path_factory):
            "num_prompts": NUM_PROMPTS, "cases": {n: [str(drafters[n]), CASES[n][2]] for n in CASES}}
     (work / "job.json").write_text(json.dumps(job))
     (work / "serve.py").write_text(SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "2"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}  # no hub
     proc = subprocess.run([sys.executable, str(work / "serve.py"), str(work / "job.json"), str(work / "out.json")],
                           env=env, cwd=work, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -142,6 +142,14 @@ def test_vllm_serves_the_drafter_exactly(served, case):
         assert len(mine.accepted_per_step) == len(theirs["accepted"]), r
         assert mine.accepted_per_step == [min(a, k) for a, k in zip(theirs["accepted"], mine.drafted_per_step)], r
     drafting = sum(1 for m in ours for k in m.drafted_per_step if k > 0)  # peagle's num_drafts
+    if case == "3aux-reduced":  # peagle-eval itself (its own plain answers as turn-2 history) counts the same
+        from peagle_train.evaluate import run_online_eval
+
+        mine = run_online_eval(drafters[case], "smollm2-135m", REPO / "examples" / "prompts.jsonl",
+                               max_new_tokens=MAX_NEW_TOKENS, num_prompts=NUM_PROMPTS, num_draft_tokens=K)
+        assert mine["identical_to_greedy"] and mine["num_drafts"] == drafting
+        assert mine["accepted"] == sum(m.accepted for m in ours) and mine["drafted"] == sum(m.drafted for m in ours)
+        assert [p["text"] for p in mine["per_prompt"]] == [p["text"] for p in report["per_prompt"]]
     per_pos = [sum(a > i for m in ours for a in m.accepted_per_step) for i in range(K)]
     print(f"{case}: vLLM AL {report['acceptance_length']:.3f}, accepted per position {report['per_position_accepted']} "
           f"of {report['num_drafts']} drafts; peagle AL {1 + sum(m.accepted for m in ours) / drafting:.3f}, {per_pos} "
@@ -152,7 +160,7 @@ def test_peagle_eval_engine_vllm_reports_vllms_figures(served):
     """``peagle-eval --engine vllm`` (speculators loading, ``vllm serve final/``'s path) on the
     3aux-reduced drafter: the report, plot and counters of the script's native-loading run."""
     work, drafters, out = served
-    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "2"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
     report_path = work / "eval.json"
     proc = subprocess.run(
         [sys.executable, "-m", "cli.eval", "--drafter", str(drafters["3aux-reduced"]), "--prompts",
