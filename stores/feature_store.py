@@ -88,7 +88,8 @@ def check_layer_convention(attrs: Mapping[str, Any], path: str) -> None:
     if convention == _LEGACY_CONVENTION and L is not None and int(L) not in layers:
         return
     if convention == _LEGACY_CONVENTION:
-        verifier = attrs["verifier"].get("name_or_path", "VERIFIER")
+        verifier = (attrs.get("verifier") or {}).get("name_or_path", "VERIFIER")
+        L = "L (the verifier's layer count, not recorded)" if L is None else L
         raise StoreFormatError(
             f"{path}: aux layer {L} of this store is the verifier's final normed state (stored by peagle "
             f"before layer {L} meant what vLLM feeds a drafter: the last decoder layer's output before the "

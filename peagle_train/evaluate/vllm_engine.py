@@ -342,7 +342,8 @@ def _report(found, ref: VllmReference, spec: VllmRun, config: EvalConfig, versio
     per_pos = (c["accepted_per_pos"] + [0] * K)[:K]
     mismatches: list[str] = []
     per_prompt = []
-    for (i, t), ids, base, got, steps in zip(ref.order, ref.requests, plain.tokens, spec.tokens, spec.per_request):
+    rows = sorted(zip(ref.order, ref.requests, plain.tokens, spec.tokens, spec.per_request), key=lambda r: r[0])
+    for (i, t), ids, base, got, steps in rows:  # prompt by prompt, turn by turn, as peagle's own report
         same = base == got
         if not same and prompts[i].prompt_id not in mismatches:
             mismatches.append(prompts[i].prompt_id)

@@ -63,7 +63,7 @@ def test_store_matches_packed_table_and_verifies(tmp_path, tiny_verifier_dir, ti
                                         output=str(tmp_path / "f.zarr"), layers=[1, 2, 3]), progress=False)
     assert summary["complete"] and summary["blocks_done_this_run"] == 3
     store = FeatureStore.open(tmp_path / "f.zarr")
-    assert store.layers == [1, 2, 3] and store.attrs["layer_convention"] == "hf_hidden_states"
+    assert store.layers == [1, 2, 3] and store.attrs["layer_convention"] == "vllm_aux"
     assert store.attrs["verifier"]["num_hidden_layers"] == 4
     b = store.read_block(1)
     with torch.no_grad():  # first segment alone through the verifier

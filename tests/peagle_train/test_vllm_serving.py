@@ -60,7 +60,8 @@ if __name__ == "__main__":  # vLLM spawns its engine process: the script must be
                     concurrency=1)
     t0 = time.perf_counter()
     ref = vllm_reference("smollm2-135m", job["prompts"], EvalConfig(**settings))
-    out = {"requests": ref.requests, "plain": ref.plain.tokens, "plain_start_s": ref.plain.start_s,
+    out = {"requests": ref.requests, "keys": [[ref.prompts[i].prompt_id, t] for i, t in ref.order],
+           "plain": ref.plain.tokens, "plain_start_s": ref.plain.start_s,
            "reference_s": time.perf_counter() - t0, "cases": {}}
     for name, (drafter, loading) in job["cases"].items():
         t = time.perf_counter()
@@ -130,7 +131,8 @@ def test_vllm_serves_the_drafter_exactly(served, case):
     assert report["identical_to_greedy"] is True and report["mismatches"] == []
     assert [p["identical_to_greedy"] for p in report["per_prompt"]] == [True] * len(out["requests"])
     # vLLM's global counters are the sums of its per-request, per-step counts
-    steps = [p["vllm_steps"] for p in report["per_prompt"]]
+    by_key = {(p["prompt_id"], p["turn"]): p for p in report["per_prompt"]}
+    steps = [by_key[(pid, turn)]["vllm_steps"] for pid, turn in out["keys"]]  # in request order
     assert report["num_drafts"] == sum(len(s["accepted"]) for s in steps)
     assert report["drafted"] == sum(sum(s["drafted"]) for s in steps) == K * report["num_drafts"]
     assert report["accepted"] == sum(sum(s["accepted"]) for s in steps)
