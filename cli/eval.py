@@ -14,6 +14,7 @@ from cli.common import OutputPath, config_error, echo_json, handle_errors
 from cli.options import config_file_options, config_options, run_config
 from peagle_train.evaluate.run import EvalRun
 from peagle_train.evaluate import EvalConfig
+from peagle_train.evaluate.config import ENGINES, VLLM_LOADINGS
 
 _PATH = {"type": click.Path()}
 
@@ -21,7 +22,9 @@ _PATH = {"type": click.Path()}
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @config_options(EvalRun, skip=("settings",), overrides={**{k: _PATH for k in ("drafter", "prompts", "store")},
                                                "output": {"type": OutputPath(suffixes=(".json",))}})
-@config_options(EvalConfig, skip=("chunk_anchors", "warmup"))  # memory bound and timing warm-up: library knobs
+@config_options(EvalConfig, skip=("chunk_anchors", "warmup"),  # memory bound and timing warm-up: library knobs
+                overrides={"engine": {"type": click.Choice(ENGINES)},
+                           "vllm_loading": {"type": click.Choice(VLLM_LOADINGS)}})
 @config_file_options
 @handle_errors
 def main(drafter, verifier, prompts, store, output, force, **settings) -> None:

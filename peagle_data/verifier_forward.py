@@ -11,8 +11,12 @@ Legend: T tokens in a block, L aux layers, H hidden size, S segments.
 - A multimodal wrapper runs its language model (:func:`language_model`).
 - Only the decoder stack runs (no lm_head): full-vocabulary logits are never computed, and
   forward hooks keep only the chosen layers instead of all ``output_hidden_states``.
-- Layer ``l`` follows Hugging Face ``output_hidden_states[l]``: 0 is the embedding output, ``l`` in
-  1..L-1 the output of decoder layer ``l-1``, and ``L`` the final (post-norm) hidden state.
+- Layer ``l`` is what vLLM's EAGLE-3 capture feeds a drafter (``hidden_states + residual`` after
+  decoder layer ``l-1``): 0 is the embedding output, ``l`` in 1..L the output of decoder layer ``l-1``,
+  so ``L`` is the last decoder layer's output **before** the final norm (Hugging Face's
+  ``output_hidden_states[l]`` for ``l < L``; its ``[L]`` is normed and is not used). The final,
+  post-norm state is returned separately (the KL target source). Store attribute
+  ``layer_convention: "vllm_aux"`` (:data:`stores.feature_store.LAYER_CONVENTION`).
 """
 
 from __future__ import annotations
@@ -56,10 +60,12 @@ def language_model(verifier: torch.nn.Module) -> torch.nn.Module:
 
 @contextmanager
 def _capture_layers(decoder: torch.nn.Module, layers: list[int]) -> Iterator[dict[int, torch.Tensor]]:
-    """Hooks that keep ``output_hidden_states[l]`` for ``l < L`` (``L`` comes from the output).
+    """Hooks that keep aux layer ``l`` of ``layers``, each ``[1, T, H]`` in the verifier's dtype.
 
     Layer 0 is the input of the first decoder layer (the embeddings after any model-specific
-    scaling, e.g. Gemma's ``sqrt(H)``), ``l ≥ 1`` the output of decoder layer ``l - 1``.
+    scaling, e.g. Gemma's ``sqrt(H)``), ``l ≥ 1`` the output of decoder layer ``l - 1``, for
+    ``l = L`` too: the last layer's output before the final norm, as vLLM captures it
+    (``hidden_states + residual``), not Hugging Face's normed ``output_hidden_states[L]``.
     """
     captured: dict[int, torch.Tensor] = {}
     blocks = decoder.layers
@@ -71,7 +77,7 @@ def _capture_layers(decoder: torch.nn.Module, layers: list[int]) -> Iterator[dic
     for l in layers:
         if l == 0:
             hooks.append(blocks[0].register_forward_pre_hook(first_input, with_kwargs=True))
-        elif l < len(blocks):
+        elif l <= len(blocks):
             hooks.append(blocks[l - 1].register_forward_hook(
                 lambda m, i, o, l=l: captured.__setitem__(l, o[0] if isinstance(o, tuple) else o)))
     try:
@@ -204,7 +210,7 @@ def verifier_features(base_model: torch.nn.Module, input_ids: torch.Tensor, posi
     Args:
         base_model: the text decoder stack (:func:`language_model`) with ``layers``.
         input_ids: ``[T] int64``; position_ids: ``[T] int64`` (restart per segment, any start);
-        cu_seqlens: ``[S+1] int64``; layers: HF ``output_hidden_states`` indices in ``0..L``;
+        cu_seqlens: ``[S+1] int64``; layers: aux layer ids in ``0..L`` (module doc);
         to_host: return CPU tensors (else tensors on the verifier's device).
 
     Every layer keeps its own attention rule (docs/design.md §7). With ``flash_attention_2`` the
@@ -215,7 +221,8 @@ def verifier_features(base_model: torch.nn.Module, input_ids: torch.Tensor, posi
     alone (:func:`segments_alone`).
 
     Returns:
-        ``aux_hidden [T, L, H] bf16`` and ``final_hidden [T, H] bf16`` (post final norm).
+        ``aux_hidden [T, L, H] bf16`` (layer ``L`` before the final norm) and ``final_hidden [T, H]
+        bf16`` (after it).
     """
     param = next(base_model.parameters())
     if getattr(base_model.config, "_attn_implementation", None) == "flash_attention_2":
@@ -241,12 +248,11 @@ def verifier_features(base_model: torch.nn.Module, input_ids: torch.Tensor, posi
 def _run(decoder, input_ids, position_ids, layers, attn: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder forward without a cache: ``aux [T, L, H] bf16``, ``final [T, H] bf16`` on its device."""
     device = next(decoder.parameters()).device
-    n_layers = len(decoder.layers)
     with _capture_layers(decoder, layers) as captured:
         out = decoder(input_ids=input_ids[None].to(device), position_ids=position_ids[None].to(device),
                       use_cache=False, **attn)
     final = out.last_hidden_state[0]  # [T, H]
-    aux = torch.stack([final if l == n_layers else captured[l][0] for l in layers], dim=1)  # [T, L, H]
+    aux = torch.stack([captured[l][0] for l in layers], dim=1)  # [T, L, H]
     return aux.to(torch.bfloat16), final.to(torch.bfloat16)
 
 

@@ -25,12 +25,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from peagle_train.model import DrafterConfig, PEagleDrafter
-from stores.errors import StoreFormatError
+from stores.errors import InputError, StoreFormatError
 from stores.files import follow_umask
-from stores.model_cache import hub_id
+from stores.model_cache import EMBEDDED_MODELS, peagle_home
 from stores.staging import atomic_file, replace_dir
 
 __all__ = [
@@ -48,6 +49,11 @@ __all__ = [
     "latest_checkpoint",
     "prune_checkpoints",
     "find_drafter",
+    "VLLM_MODEL_TYPES",
+    "vllm_problems",
+    "check_servable",
+    "check_servable_checkpoint",
+    "served_verifier_name",
 ]
 
 CONFIG_FILE = "config.json"
@@ -62,6 +68,9 @@ def _llama_layer_config(cfg: DrafterConfig) -> dict[str, Any]:
     transformers ≥ 5 (and speculators 0.9 on it) read ``rope_parameters`` (``rope_type``,
     ``rope_theta``, scaling keys); transformers 4 and readers written for it (vLLM's config
     loading on v4) read top-level ``rope_theta`` and ``rope_scaling`` (None for default RoPE).
+    ``num_aux_hidden_states`` (L aux layers) is here because vLLM's EAGLE-3 drafter sizes ``fc`` as
+    ``target_hidden_size × num_aux_hidden_states`` read from this dict (else 3), never from the
+    top-level ``eagle_aux_hidden_state_layer_ids``.
     """
     from transformers import LlamaConfig
 
@@ -77,7 +86,22 @@ def _llama_layer_config(cfg: DrafterConfig) -> dict[str, Any]:
     out["rope_theta"] = float(rope["rope_theta"])
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     out["rope_scaling"] = None if rope["rope_type"] == "default" else scaling
+    out["num_aux_hidden_states"] = cfg.num_aux_layers
     return out
+
+
+def served_verifier_name(name: str | os.PathLike) -> str:
+    """What ``speculators_config.verifier.name_or_path`` holds: a name vLLM resolves without a hub.
+
+    The embedded alias (``smollm2-135m``) becomes its converted directory
+    (``$PEAGLE_HOME/models/smollm2-135m``, which vLLM loads as it is); a local directory its absolute
+    path; anything else (a hub id) is kept. ``vllm serve final/`` then loads the verifier offline.
+    """
+    text = str(name)
+    if text in EMBEDDED_MODELS:
+        return str(peagle_home() / "models" / text)
+    path = Path(text).expanduser()
+    return str(path.resolve()) if path.is_dir() else text
 
 
 def rope_from_layer_config(layer: dict[str, Any]) -> dict[str, Any]:
@@ -121,9 +145,9 @@ def drafter_config_json(cfg: DrafterConfig, extra_config: dict[str, Any] | None 
             "algorithm": "peagle",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.num_depths}],
             "default_proposal_method": "greedy",
-            # what vLLM / speculators load: a hub id for an embedded alias (which only peagle resolves);
-            # the alias stays in peagle.drafter_config.verifier_name_or_path
-            "verifier": {"name_or_path": hub_id(cfg.verifier_name_or_path),
+            # what vLLM / speculators load (vllm serve final/): a local directory for an embedded alias
+            # (which only peagle resolves); the alias stays in peagle.drafter_config.verifier_name_or_path
+            "verifier": {"name_or_path": served_verifier_name(cfg.verifier_name_or_path),
                          "architectures": list(cfg.verifier_architectures)},
         },
         "peagle": {"drafter_config": cfg.to_dict()},
@@ -134,10 +158,11 @@ def drafter_config_json(cfg: DrafterConfig, extra_config: dict[str, Any] | None 
 
 def _write_drafter(model: PEagleDrafter, directory: Path, extra_config: dict[str, Any] | None) -> None:
     config = drafter_config_json(model.config, extra_config, model.embed_tokens.weight.requires_grad)
-    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     if "d2t" in tensors:  # never write maps a reader would refuse
         check_vocab_maps(tensors["d2t"], tensors["t2d"], model.config.vocab_size, directory / WEIGHTS_FILE)
+    check_servable(config, {k: tuple(v.shape) for k, v in tensors.items()}, str(directory))
+    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
     follow_umask(directory / WEIGHTS_FILE)  # safetensors creates it 0600
 
@@ -383,3 +408,126 @@ def find_drafter(path: str | os.PathLike) -> tuple[Path, str | None]:
                         f"checkpoint {latest}")
     raise StoreFormatError(f"{path} is not a drafter checkpoint ({CONFIG_FILE} and {WEIGHTS_FILE}) nor a "
                            "peagle-train output holding final/ or a checkpoint-N/")
+
+
+# ------------------------------------------------------------------------------ vLLM's rules
+VLLM_MODEL_TYPES = ("llama", "qwen3")
+"""``transformer_layer_config.model_type`` values vLLM 0.32 maps a P-EAGLE checkpoint to
+(``PeagleLlamaForCausalLM``, ``PeagleQwen3ForCausalLM``; vllm/transformers_utils/configs/speculators/algos.py)."""
+
+_UNTRAINED_NORMS = ("norm_before_fc", "fc_norm", "norm_output")
+
+
+def vllm_problems(config: dict[str, Any], shapes: dict[str, tuple[int, ...]] | None = None) -> list[str]:
+    """Why vLLM 0.32 would not serve the checkpoint of ``config`` (a ``config.json`` dict) as it was
+    trained, or would serve something else; empty when it serves it exactly.
+
+    The rules are what vLLM reads (``update_peagle``, ``llama_eagle3.py`` / ``qwen3_eagle3.py``,
+    ``gpu_model_runner._get_eagle3_aux_layers_from_config``, ``EagleModelMixin``):
+    - ``speculators_config`` with a proposal method's ``speculative_tokens`` and ``verifier.name_or_path``;
+    - ``transformer_layer_config.model_type`` one of :data:`VLLM_MODEL_TYPES`, ``hidden_act`` silu (vLLM's
+      Llama MLP has no other), no attention or MLP bias, no ``logit_scale`` other than 1;
+    - ``mask_token_id`` (vLLM's ``pard_token``), required under parallel drafting;
+    - ``eagle_aux_hidden_state_layer_ids`` strictly increasing (vLLM captures ``sorted(set(ids))`` and
+      concatenates them in that order) and as many as ``fc`` is wide: ``num_aux_hidden_states`` inside
+      ``transformer_layer_config`` (else 3) for llama, ``num_aux_layers`` / ``num_aux_hidden_states`` /
+      the ids' count for qwen3;
+    - ``norm_before_residual`` false (peagle's drafter adds the un-normed fc output as its residual),
+      ``norm_before_fc``, ``fc_norm``, ``norm_output`` absent or false at either level: peagle trains none
+      of those norms, and vLLM reads them only inside ``transformer_layer_config``;
+    - ``target_hidden_size`` (when given) equal to ``hidden_size``;
+    - with ``shapes`` (tensor name -> shape): ``mask_hidden`` of L·H values, ``d2t [D]`` whenever
+      ``draft_vocab_size`` D < the vocab size (without it vLLM maps draft id i to token i), ``fc.weight
+      [H, L·H]``.
+    """
+    out: list[str] = []
+    spec = config.get("speculators_config")
+    methods = (spec or {}).get("proposal_methods") or [{}]
+    if config.get("speculators_model_type") != "peagle":
+        out.append(f"speculators_model_type is {config.get('speculators_model_type')!r}, not 'peagle'")
+    if not isinstance(spec, dict) or methods[0].get("speculative_tokens") is None \
+            or not (spec.get("verifier") or {}).get("name_or_path"):
+        out.append("speculators_config needs proposal_methods[0].speculative_tokens and verifier.name_or_path")
+    layer = config.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        return out + ["transformer_layer_config (a dict) is missing"]
+    model_type = layer.get("model_type", "llama")
+    if model_type not in VLLM_MODEL_TYPES:
+        out.append(f"transformer_layer_config.model_type {model_type!r}: vLLM maps only {list(VLLM_MODEL_TYPES)}")
+    if layer.get("hidden_act", "silu") != "silu":
+        out.append(f"hidden_act {layer.get('hidden_act')!r}: vLLM's drafter MLP supports only silu")
+    for key in ("attention_bias", "mlp_bias"):
+        if layer.get(key):
+            out.append(f"transformer_layer_config.{key} is true: the drafter is trained without biases")
+    if float(layer.get("logit_scale", 1.0) or 1.0) != 1.0:
+        out.append(f"transformer_layer_config.logit_scale {layer['logit_scale']}: vLLM would scale the draft logits")
+    if not isinstance(config.get("mask_token_id"), int):
+        out.append("mask_token_id is missing: vLLM needs it (pard_token) to draft in parallel")
+    ids = config.get("eagle_aux_hidden_state_layer_ids") or []
+    if not ids:
+        out.append("eagle_aux_hidden_state_layer_ids is missing: vLLM would capture its default layers")
+    elif list(ids) != sorted(set(ids)):
+        out.append(f"eagle_aux_hidden_state_layer_ids {list(ids)} is not strictly increasing: vLLM feeds the "
+                   f"layers {sorted(set(ids))}, in that order; extract with --layers "
+                   f"{','.join(map(str, sorted(set(ids))))}")
+    eagle = layer.get("eagle_config") or {}
+    if eagle.get("use_aux_hidden_state") is False:
+        out.append("transformer_layer_config.eagle_config.use_aux_hidden_state is false: vLLM would skip fc")
+    if model_type == "qwen3":
+        width = layer.get("num_aux_layers") or layer.get("num_aux_hidden_states") or len(
+            layer.get("eagle_aux_hidden_state_layer_ids") or ids or eagle.get("eagle_aux_hidden_state_layer_ids") or
+            [0, 0, 0])
+    else:
+        width = layer.get("num_aux_hidden_states") or len(eagle.get("eagle_aux_hidden_state_layer_ids") or [0, 0, 0])
+    if ids and int(width) != len(ids):
+        out.append(f"vLLM sizes fc for {width} aux layers but the checkpoint has {len(ids)} "
+                   f"({list(ids)}); write \"num_aux_hidden_states\": {len(ids)} inside transformer_layer_config")
+    if config.get("norm_before_residual", False):
+        out.append("norm_before_residual is true: peagle's drafter adds the un-normed fc output as its residual")
+    for key in _UNTRAINED_NORMS:
+        if config.get(key) or layer.get(key) or eagle.get(key):
+            out.append(f"{key} is set: peagle's drafter has no such norm (and vLLM reads it only inside "
+                       "transformer_layer_config)")
+    H = layer.get("hidden_size")
+    if config.get("target_hidden_size") not in (None, H):
+        out.append(f"target_hidden_size {config['target_hidden_size']} != hidden_size {H}")
+    if shapes is not None and H is not None and ids:
+        D, V = config.get("draft_vocab_size"), layer.get("vocab_size")
+        mask = shapes.get("mask_hidden")
+        if mask is None or int(torch.Size(mask).numel()) != len(ids) * H:
+            out.append(f"mask_hidden {mask} must hold {len(ids)} x {H} values (vLLM requires it under parallel "
+                       "drafting)")
+        if D is not None and V is not None and D < V and "d2t" not in shapes:
+            out.append(f"d2t is missing but the draft vocab is reduced ({D} < {V}): vLLM would map draft id i "
+                       "to token i")
+        if shapes.get("fc.weight") not in (None, (H, len(ids) * H)):
+            out.append(f"fc.weight {shapes['fc.weight']} is not [{H}, {len(ids) * H}]")
+    return out
+
+
+def check_servable(config: dict[str, Any], shapes: dict[str, tuple[int, ...]] | None, where: str) -> None:
+    """Raise when vLLM would not serve ``config`` exactly as trained (:func:`vllm_problems`).
+
+    Raises:
+        InputError: naming ``where`` (the checkpoint, or the training settings) and every problem.
+    """
+    problems = vllm_problems(config, shapes)
+    if problems:
+        raise InputError(f"{where}: vLLM cannot serve this drafter as it is trained: " + "; ".join(problems))
+
+
+def check_servable_checkpoint(directory: str | os.PathLike) -> None:
+    """:func:`check_servable` on a checkpoint directory's ``config.json`` and tensor shapes (read from
+    the safetensors header, no weights loaded): how ``peagle-eval`` checks a drafter, peagle's or not.
+
+    Raises:
+        InputError: vLLM would not serve it as trained (naming every reason).
+        StoreFormatError: not a drafter checkpoint.
+    """
+    directory = Path(directory)
+    cfg_path, w_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    if not cfg_path.is_file() or not w_path.is_file():
+        raise StoreFormatError(f"{directory} is not a drafter checkpoint: expected {CONFIG_FILE} and {WEIGHTS_FILE}")
+    with safe_open(str(w_path), framework="pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    check_servable(json.loads(cfg_path.read_text()), shapes, str(directory))

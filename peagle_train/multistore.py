@@ -147,7 +147,7 @@ def _check_same_features(stores) -> None:
         if list(s.layers) != list(first.layers):
             raise StoreMismatchError(f"{s.path} holds aux layers {s.layers}, {first.path} holds {first.layers}; "
                                      "extract every store with the same --layers")
-        for key in ("layer_convention", "final"):
+        for key in ("final",):  # layer_convention: stores.feature_store.check_layer_convention, per store
             if s.attrs.get(key) != first.attrs.get(key):
                 raise StoreMismatchError(f"{s.path}: {key} {s.attrs.get(key)!r} differs from {first.path}'s "
                                          f"{first.attrs.get(key)!r}")

@@ -39,7 +39,8 @@ import torch
 
 from peagle_train.attention import DenseAttention
 from peagle_train.model import DrafterCache
-from peagle_train.verifier import crop_cache, new_cache, rollback_cache, verifier_body_pass, verifier_pass
+from peagle_train.verifier import (aux_hidden_states, crop_cache, new_cache, rollback_cache, verifier_body_pass,
+                                   verifier_pass)
 from stores.errors import InputError
 
 __all__ = [
@@ -122,9 +123,13 @@ def check_compatible(verifier, drafter) -> None:
         )
 
 
-def _aux_features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
-    """HF ``output_hidden_states`` (each ``[1, T, H]``) -> ``g [T, L*H]`` (layer l is entry l)."""
-    return torch.cat([hidden_states[layer][0] for layer in layer_ids], dim=-1)
+def _aux_features(hidden_states: Sequence[torch.Tensor], last: dict[str, torch.Tensor],
+                  layer_ids: Sequence[int]) -> torch.Tensor:
+    """HF ``output_hidden_states`` (each ``[1, T, H]``) -> ``g [T, L*H]``: layer l < L is entry l, layer L
+    the last decoder layer's output before the final norm (``last["last"]``, from
+    :func:`peagle_train.verifier.aux_hidden_states`), as extraction stores it and vLLM feeds it."""
+    top = len(hidden_states) - 1
+    return torch.cat([(last["last"] if layer == top else hidden_states[layer])[0] for layer in layer_ids], dim=-1)
 
 
 # ------------------------------------------------------------------------------------------ drafter
@@ -408,28 +413,29 @@ def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num
     start = time.perf_counter()
     if max_new_tokens <= 0:
         return result
-    cache = rollback_cache(verifier)
-    session = DrafterSession(drafter)
-    logits, hs = verifier_pass(verifier, ids, cache, want_hidden=True, last_only=True)
-    result.tokens.append(_pick(logits[-1], temperature, generator))
-    read = ids.numel()  # tokens in the verifier cache: x_0..x_t
-    # depth-0 elements not yet given to the drafter: tokens x_{a+1} and features g_a
-    new_tokens = torch.cat([ids[1:], torch.tensor(result.tokens)])  # [t+1]: x_1..x_{t+1}
-    new_aux = _aux_features(hs, layers)  # [t+1, L*H]: g_0..g_t
-    while len(result.tokens) < max_new_tokens and result.tokens[-1] not in eos:
-        k = min(K, max_new_tokens - len(result.tokens) - 1)
-        drafts, q = torch.zeros(0, dtype=torch.long), None
-        if k > 0:
-            draft_logits = session.draft(new_tokens, new_aux, k)  # [k, D]
-            drafts, q = _propose(draft_logits, drafter.draft_ids, vocab, temperature, generator)
-        verify_in = torch.cat([torch.tensor(result.tokens[-1:]), drafts])  # [k+1]: x_{t+1}, drafts
-        logits, hs = verifier_body_pass(verifier, verify_in, cache)  # [k+1, V]
-        n, emitted = accept_drafts(drafts, logits, temperature, q, generator)  # [n+1]
-        # x_{t+1} and the n accepted drafts are now read; the rest of the pass is discarded.
-        read += n + 1
-        crop_cache(cache, read)
-        if k > 0:
-            new_tokens, new_aux = emitted, _aux_features(hs, layers)[:n + 1]  # anchors t+1..t+n+1
-        _record_step(result, emitted.tolist(), k, eos)
+    with aux_hidden_states(verifier) as last:
+        cache = rollback_cache(verifier)
+        session = DrafterSession(drafter)
+        logits, hs = verifier_pass(verifier, ids, cache, want_hidden=True, last_only=True)
+        result.tokens.append(_pick(logits[-1], temperature, generator))
+        read = ids.numel()  # tokens in the verifier cache: x_0..x_t
+        # depth-0 elements not yet given to the drafter: tokens x_{a+1} and features g_a
+        new_tokens = torch.cat([ids[1:], torch.tensor(result.tokens)])  # [t+1]: x_1..x_{t+1}
+        new_aux = _aux_features(hs, last, layers)  # [t+1, L*H]: g_0..g_t
+        while len(result.tokens) < max_new_tokens and result.tokens[-1] not in eos:
+            k = min(K, max_new_tokens - len(result.tokens) - 1)
+            drafts, q = torch.zeros(0, dtype=torch.long), None
+            if k > 0:
+                draft_logits = session.draft(new_tokens, new_aux, k)  # [k, D]
+                drafts, q = _propose(draft_logits, drafter.draft_ids, vocab, temperature, generator)
+            verify_in = torch.cat([torch.tensor(result.tokens[-1:]), drafts])  # [k+1]: x_{t+1}, drafts
+            logits, hs = verifier_body_pass(verifier, verify_in, cache)  # [k+1, V]
+            n, emitted = accept_drafts(drafts, logits, temperature, q, generator)  # [n+1]
+            # x_{t+1} and the n accepted drafts are now read; the rest of the pass is discarded.
+            read += n + 1
+            crop_cache(cache, read)
+            if k > 0:
+                new_tokens, new_aux = emitted, _aux_features(hs, last, layers)[:n + 1]  # anchors t+1..t+n+1
+            _record_step(result, emitted.tolist(), k, eos)
     result.wall_time_s = time.perf_counter() - start
     return result

@@ -31,17 +31,20 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
 
 from peagle_train.attention import ATTENTION_CHOICES
-from peagle_train.checkpoint import CONFIG_FILE, latest_checkpoint, load_training_state, rope_from_layer_config
+from peagle_train.checkpoint import (CONFIG_FILE, check_servable, drafter_config_json, latest_checkpoint,
+                                     load_training_state, rope_from_layer_config)
 from peagle_train.metrics import parse_report_to
 from peagle_train.model import ROPE_TYPES, DrafterConfig
 from peagle_train.multistore import store_identities
 from stores.errors import InputError, OutputExistsError, PeagleError, StoreMismatchError
+from stores.feature_store import check_layer_convention
 from stores.model_cache import model_fingerprint, resolve_model
 from stores.verifier_match import check_store_verifier
 
@@ -313,7 +316,7 @@ def build_drafter_config(heads: VerifierHeads, store, cfg: TrainConfig, draft_vo
         rms_norm_eps=float(getattr(vc, "rms_norm_eps", 1e-5)), rope_theta=theta, rope_parameters=rope,
         max_position_embeddings=int(getattr(vc, "max_position_embeddings", 8192)),
         mask_token_id=heads.mask_token_id, num_depths=cfg.num_depths,
-        hidden_act=str(getattr(vc, "hidden_act", None) or getattr(vc, "hidden_activation", None) or "silu"),
+        hidden_act="silu",  # the MLP trains from scratch; vLLM's EAGLE-3 drafter MLP computes only silu
         verifier_name_or_path=heads.name_or_path,
         verifier_architectures=list(getattr(heads.config, "architectures", None) or ["LlamaForCausalLM"]),
     )
@@ -448,7 +451,11 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str) -> None:
         StoreMismatchError: the verifier's config has another hidden or vocab size than the store, or
             the verifier is not the store's (content fingerprint, or the tokenizer the store's ids were
             made with: :func:`stores.verifier_match.check_store_verifier`).
-        InputError: a verifier RoPE the drafter cannot compute (``dynamic``, ``longrope``).
+        InputError: a verifier RoPE the drafter cannot compute (``dynamic``, ``longrope``); a drafter
+            vLLM could not serve as trained (:func:`peagle_train.checkpoint.vllm_problems`: aux layers
+            not increasing, an activation other than silu, ...).
+        StoreFormatError: a store whose aux layer L is the normed final state (extracted by an older
+            peagle: :func:`stores.feature_store.check_layer_convention`).
     """
     from stores.model_config import load_model_config, text_config
 
@@ -462,7 +469,10 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str) -> None:
     if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > store.vocab_size:
         raise InputError(f"--draft-vocab-size {cfg.draft_vocab_size} exceeds the verifier vocab size "
                          f"{store.vocab_size} (store {store.path})", field="--draft-vocab-size")
-    vc = text_config(load_model_config(verifier_name))
+    for one in getattr(store, "stores", [store]):  # a StoreSet's stores, or the store
+        check_layer_convention(one.attrs, str(one.path))
+    config = load_model_config(verifier_name)
+    vc = text_config(config)
     _check_verifier_shape(verifier_name, vc, store)
     for s in getattr(store, "stores", [store]):  # each store of a StoreSet
         check_store_verifier(s, verifier_name)
@@ -471,6 +481,11 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str) -> None:
         raise InputError(f"verifier {verifier_name!r} uses RoPE type {rope['rope_type']!r}, whose frequencies "
                          f"change with the sequence length; the drafter supports {', '.join(ROPE_TYPES)}",
                          field="--verifier")
+    # the config.json this run will write (the mask token is chosen later; any id stands for it here)
+    planned = build_drafter_config(SimpleNamespace(config=config, name_or_path=verifier_name, mask_token_id=0),
+                                   store, cfg, cfg.draft_vocab_size or store.vocab_size)
+    check_servable(drafter_config_json(planned), None,
+                   f"peagle-train on {store.path} (layers {list(store.layers)}, verifier {verifier_name!r})")
 
 
 def _check_verifier_shape(name: str, text_cfg, store) -> None:

@@ -7,13 +7,16 @@ Legend: n tokens fed in one pass, H verifier hidden size, V verifier vocab.
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
 from peagle_train.loss import LogitTransform
 from stores.errors import InputError
 
-__all__ = ["new_cache", "rollback_cache", "crop_cache", "verifier_pass", "verifier_body_pass", "lm_head_logits"]
+__all__ = ["new_cache", "rollback_cache", "crop_cache", "verifier_pass", "verifier_body_pass", "lm_head_logits",
+           "decoder_layers", "aux_hidden_states"]
 
 
 def lm_head_logits(lm_head, hidden: torch.Tensor) -> torch.Tensor:
@@ -116,3 +119,33 @@ def verifier_body_pass(verifier, ids: torch.Tensor, cache):
     out = body(input_ids=ids.to(device)[None], use_cache=True, output_hidden_states=True,
                **{cache_kwarg(body): cache})
     return lm_head_logits(lm_head, out.last_hidden_state[0]), out.hidden_states
+
+
+def decoder_layers(verifier) -> torch.nn.ModuleList:
+    """The decoder layers of ``verifier`` (a causal LM, or a multimodal wrapper's language model).
+
+    Raises:
+        InputError: no ``layers`` list found.
+    """
+    base = getattr(verifier, "base_model", verifier)
+    for module in (getattr(base, "language_model", None), base, getattr(base, "model", None)):
+        if module is not None and isinstance(getattr(module, "layers", None), torch.nn.ModuleList):
+            return module.layers
+    raise InputError(f"{type(verifier).__name__}: no decoder layers found", field="--verifier")
+
+
+@contextmanager
+def aux_hidden_states(verifier) -> Iterator[dict[str, torch.Tensor]]:
+    """While active, ``out["last"]`` holds the last decoder layer's output of the newest pass
+    (``[1, n, H]``, before the final norm): aux layer ``L`` as vLLM feeds it to a drafter
+    (docs/design.md §7), which Hugging Face's ``hidden_states[L]`` (after the final norm) is not."""
+    out: dict[str, torch.Tensor] = {}
+
+    def keep(module, args, output):
+        out["last"] = output[0] if isinstance(output, tuple) else output
+
+    hook = decoder_layers(verifier)[-1].register_forward_hook(keep)
+    try:
+        yield out
+    finally:
+        hook.remove()

@@ -54,9 +54,50 @@ __all__ = [
     "bytes_per_token",
     "verify_store",
     "check_block",
+    "LAYER_CONVENTION",
+    "check_layer_convention",
 ]
 
 FORMAT_VERSION = 1
+
+LAYER_CONVENTION = "vllm_aux"
+"""The ``layer_convention`` attribute of a store made now: aux layer 0 is the embedding output, layer
+l ≥ 1 the output of decoder layer l-1, so layer L (the verifier's number of decoder layers) is the
+last layer's output **before** the final norm, as vLLM captures it for EAGLE-3 drafters
+(``hidden_states + residual``). The ``final_hidden`` array is after the final norm (``final:
+"post_norm"``). Stores made before had ``"hf_hidden_states"``, where layer L was the normed state."""
+
+_LEGACY_CONVENTION = "hf_hidden_states"
+
+
+def check_layer_convention(attrs: Mapping[str, Any], path: str) -> None:
+    """Refuse a store whose aux layers are not what vLLM feeds a drafter (see :data:`LAYER_CONVENTION`).
+
+    A store of the old ``hf_hidden_states`` convention holds the same values for every layer below L,
+    so it passes unless its layers include L (the normed final state there, the un-normed one in vLLM:
+    a drafter trained on it would lose most of its accepted drafts when served).
+
+    Raises:
+        StoreFormatError: naming the store, the layer and the command that re-extracts it.
+    """
+    convention = attrs.get("layer_convention")
+    layers = list(attrs.get("layers") or [])
+    L = (attrs.get("verifier") or {}).get("num_hidden_layers")
+    if convention == LAYER_CONVENTION:
+        return
+    if convention == _LEGACY_CONVENTION and L is not None and int(L) not in layers:
+        return
+    if convention == _LEGACY_CONVENTION:
+        verifier = (attrs.get("verifier") or {}).get("name_or_path", "VERIFIER")
+        L = "L (the verifier's layer count, not recorded)" if L is None else L
+        raise StoreFormatError(
+            f"{path}: aux layer {L} of this store is the verifier's final normed state (stored by peagle "
+            f"before layer {L} meant what vLLM feeds a drafter: the last decoder layer's output before the "
+            "final norm); a drafter trained on it would draft from another feature when served. Re-extract "
+            f"it: peagle-data extract PACKED --verifier {verifier} --layers {','.join(map(str, layers))} "
+            "--output NEW_STORE")
+    raise StoreFormatError(f"{path}: unknown layer_convention {convention!r} (expected {LAYER_CONVENTION!r}); "
+                           "made by another tool or a newer peagle?")
 
 
 class FeatureStore:
@@ -171,7 +212,7 @@ class FeatureStore:
 
         Args:
             n_blocks: N; block_size: C tokens; max_segments: S_max (cu_seqlens width - 1).
-            layers: aux layer indices (HF ``output_hidden_states``); hidden_size: H; vocab_size: V.
+            layers: aux layer ids (:data:`LAYER_CONVENTION`); hidden_size: H; vocab_size: V.
             verifier: ``name_or_path``, ``revision``, ``architecture``, ``num_hidden_layers``,
                 ``hidden_size``, ``vocab_size``, ``dtype``.
             source: sha256 of the packed table's manifest.
@@ -192,7 +233,7 @@ class FeatureStore:
             "format_version": FORMAT_VERSION,
             "verifier": dict(verifier, hidden_size=hidden_size, vocab_size=vocab_size),
             "layers": list(layers),
-            "layer_convention": "hf_hidden_states",
+            "layer_convention": LAYER_CONVENTION,
             "final": "post_norm",
             "storage_dtype": storage_dtype,
             "compressor": compressor,

@@ -180,6 +180,10 @@ def _check_arrays(store: FeatureStore, path) -> None:
 def check_compatible(store: FeatureStore, *, verifier: dict[str, Any], layers: list[int], source: str) -> None:
     """Raise :class:`StoreMismatchError` when resuming ``store`` with another verifier, layers or table."""
     have = store.attrs
+    if have.get("layer_convention") != "vllm_aux":  # feature_store.LAYER_CONVENTION (it imports this module)
+        raise StoreMismatchError(f"{store.path}: store has layer_convention {have.get('layer_convention')!r}, "
+                                 "made by an older peagle; a resumed run would mix two conventions: extract "
+                                 "again into a new --output (or --force)")
     if list(have["layers"]) != list(layers):
         raise StoreMismatchError(f"{store.path}: store has layers {have['layers']}, asked for {layers}")
     for key in ("name_or_path", "fingerprint"):

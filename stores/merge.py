@@ -316,7 +316,7 @@ def merge_stores(paths: list[str | os.PathLike], output: str | os.PathLike, forc
     stores = [s for _, s in sorted(zip([x[1] for x in shards], stores), key=lambda t: t[0])]
     first = stores[0]
     for s in stores[1:]:
-        for key in ("source", "layers", "storage_dtype", "compressor", "block_size"):
+        for key in ("source", "layers", "layer_convention", "storage_dtype", "compressor", "block_size"):
             if s.attrs.get(key) != first.attrs.get(key):
                 raise StoreMismatchError(f"{s.path}: {key} {s.attrs.get(key)!r} differs from {first.path}'s "
                                          f"{first.attrs.get(key)!r}")
@@ -356,7 +356,9 @@ def _write_merged_store(stores, output, force: bool) -> dict[str, Any]:
         tokenizer=attrs.get("tokenizer"), source=attrs.get("source", ""), storage_dtype=first.storage_dtype,
         compressor=attrs.get("compressor"), n_tokens=sum(s.n_tokens for s in stores), force=force,
         extra={"merged_from": [{"path": str(s.path), "shard_index": i} for i, s in enumerate(stores)],
-               "engine": _merged_engine(stores)})
+               "engine": _merged_engine(stores),
+               # the shards' own convention: shards of an older peagle stay recognisable as such
+               "layer_convention": attrs.get("layer_convention")})
     n_tokens = np.zeros(total, dtype=np.int32)
     hidden = [spec.name for spec in hidden_arrays(first.storage_dtype)]
     for s_index, s in enumerate(stores):

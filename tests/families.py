@@ -141,3 +141,21 @@ def save_family(name: str, path: Path, tokenizer_dir: Path | None = None, vocab_
                     and f.name not in ("config.json", "generation_config.json"):
                 shutil.copy(f, path / f.name)
     return path
+
+
+def hidden_states_as_stored(model, **inputs) -> tuple:
+    """``model(**inputs, output_hidden_states=True).hidden_states`` with entry L (the number of decoder
+    layers) replaced by the last decoder layer's own output, caught by a forward hook: the value before
+    the final norm, which vLLM feeds a drafter as aux layer L and extraction stores (transformers' own
+    entry L is after the final norm). Returns ``(hidden_states, output)``."""
+    from peagle_data.verifier_forward import language_model
+
+    last = {}
+    hook = language_model(model).layers[-1].register_forward_hook(
+        lambda m, i, o: last.__setitem__("out", o[0] if isinstance(o, tuple) else o))
+    try:
+        with torch.no_grad():
+            out = model(**inputs, output_hidden_states=True)
+    finally:
+        hook.remove()
+    return tuple(out.hidden_states[:-1]) + (last["out"],), out

@@ -29,7 +29,8 @@ per prompt turn), which are not compared token for token. Acceptance length, rat
 ``AL = 1 + accepted / steps`` over verifier steps that checked at least one draft.
 
 Modules: :mod:`.config` (``EvalConfig``), :mod:`.prompts`, :mod:`.checks` (before weights load),
-:mod:`.online`, :mod:`.offline`, :mod:`.report`.
+:mod:`.online`, :mod:`.offline`, :mod:`.report`, :mod:`.vllm_engine` (``--engine vllm``; imports vLLM only
+when run, so it is not imported here).
 """
 
 from peagle_train.evaluate.checks import check_before_weights, check_verifier_config

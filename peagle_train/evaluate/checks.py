@@ -28,20 +28,24 @@ def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = No
                          prompts_file: str | Path | None = None, store: str | Path | None = None,
                          num_prompts: int | None = None, num_draft_tokens: int | None = None) -> None:
     """Every check of a ``peagle-eval`` run that needs no verifier weights (docs/design.md §2): the
-    prompts file, the drafter checkpoint, ``num_draft_tokens`` against its trained ``num_depths``, the
+    prompts file, the drafter checkpoint (vLLM's rules: :func:`peagle_train.checkpoint.vllm_problems`),
+    ``num_draft_tokens`` against its trained ``num_depths``, the
     store against the drafter, the online verifier's tokenizer against the drafter's training data
     (:func:`check_drafter_tokenizer`), the offline verifier against the store (content fingerprint and the
     tokenizer of its ids: :func:`stores.verifier_match.check_store_verifier`), and each verifier's config
     (online: ``verifier_name`` or the drafter's; offline: ``verifier_name`` or the store's).
 
     Raises:
-        InputError, StoreFormatError, StoreMismatchError, ModelNotFoundError: as the run would, later.
+        InputError, StoreFormatError, StoreMismatchError, ModelNotFoundError: as the run would, later;
+        InputError for a drafter vLLM would not serve as trained; StoreFormatError for a store whose aux
+        layer L is the normed final state (an older peagle's).
     """
-    from peagle_train.checkpoint import load_drafter
-    from stores.feature_store import FeatureStore
+    from peagle_train.checkpoint import check_servable_checkpoint, load_drafter
+    from stores.feature_store import FeatureStore, check_layer_convention
 
     if prompts_file is not None:
         read_prompts(prompts_file, num_prompts)
+    check_servable_checkpoint(drafter_dir)  # vLLM's rules, for a drafter of any origin
     drafter = load_drafter(drafter_dir)
     checked_num_draft_tokens(num_draft_tokens, drafter)
     names = []
@@ -51,6 +55,7 @@ def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = No
         names.append(online)
     if store is not None:
         fs = FeatureStore.open(store)
+        check_layer_convention(fs.attrs, str(fs.path))
         check_store_fits(fs, drafter)
         offline = verifier_name or fs.attrs.get("verifier", {}).get("name_or_path")
         if offline:

@@ -4,6 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+ENGINES = ("peagle", "vllm")
+"""Online engines of ``peagle-eval --engine``: peagle's own speculative decoder (transformers), or vLLM."""
+
+VLLM_LOADINGS = ("speculative_config", "speculators")
+"""How ``--engine vllm`` gives vLLM the drafter: ``speculative_config`` (``LLM(model=VERIFIER,
+speculative_config={"model": DRAFTER, "method": "eagle3", "parallel_drafting": True, ...})``) or
+``speculators`` (``LLM(model=DRAFTER)``: vLLM reads ``speculators_config`` and loads the verifier it
+names, as ``vllm serve DRAFTER`` does)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class EvalConfig:
@@ -25,6 +34,16 @@ class EvalConfig:
     """Online: 0 = greedy (checked token for token); T > 0 = sampling at T, with rejection sampling (--temperature)."""
     seed: int = 0
     """Online, T > 0: prompt turn i samples with generators seeded ``(seed, i)`` (--seed)."""
+    engine: str = "peagle"
+    """Online engine (--engine): ``peagle`` (its own speculative decoder on transformers; checks T > 0 too)
+    or ``vllm`` (vLLM with and without the drafter: its acceptance counters, token identity with its own
+    greedy output, and tokens/s at concurrency 1 and --concurrency; greedy only; needs vLLM installed)."""
+    concurrency: int = 8
+    """--engine vllm: the higher concurrency tokens/s is also measured at (requests running together)."""
+    vllm_loading: str = "speculative_config"
+    """--engine vllm: how vLLM loads the drafter: ``speculative_config`` (the verifier with a speculative
+    config naming the drafter) or ``speculators`` (the drafter directory as the model, as ``vllm serve
+    DRAFTER`` does; vLLM loads the verifier its config names)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -39,3 +58,12 @@ class EvalConfig:
             raise ValueError(f"chunk_anchors must be >= 1, got {self.chunk_anchors}")
         if not self.temperature >= 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.vllm_loading not in VLLM_LOADINGS:
+            raise ValueError(f"--vllm-loading must be one of {', '.join(VLLM_LOADINGS)}, got {self.vllm_loading!r}")
+        if self.concurrency < 1:
+            raise ValueError(f"--concurrency must be >= 1, got {self.concurrency}")
+        if self.engine == "vllm" and self.temperature != 0:
+            raise ValueError("--engine vllm measures greedy decoding only: give --temperature 0 (peagle's own "
+                             "engine checks T > 0)")

@@ -92,19 +92,29 @@ def _decode(tokenizer, tokens: Sequence[int], eos: Iterable[int]) -> str:
                             clean_up_tokenization_spaces=False)
 
 
+def turn_text(tokenizer, tokens: Sequence[int], eos: Iterable[int]) -> str:
+    """A generated turn's text: its tokens decoded with special tokens kept (a template token in the
+    output stays visible), without the EOS that ends the turn (``finish_reason`` says it was there)."""
+    cut = list(tokens[:-1]) if tokens and tokens[-1] in set(eos) else list(tokens)
+    return tokenizer.decode(cut, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
 def _turn_record(tokenizer, prompt: Prompt, turn: int, prompt_tokens: int, base: GenerationResult,
-                 spec: GenerationResult, same: bool | None) -> dict[str, Any]:
+                 spec: GenerationResult, same: bool | None, eos: Iterable[int]) -> dict[str, Any]:
     """One ``per_prompt`` entry: counts, the user turn, the speculative output (``text``) and the
-    plain decoding's (``reference_text``: greedy at T = 0, a plain sample at T > 0), decoded with
-    special tokens kept so an EOS or a template token in the output stays visible."""
+    plain decoding's (``reference_text``: greedy at T = 0, a plain sample at T > 0), each without the
+    EOS that ends it (:func:`turn_text`), and ``finish_reason`` (``stop``: it ended with an EOS;
+    ``length``: at ``max_new_tokens``)."""
+    eos = set(eos)
     return {
         "prompt_id": prompt.prompt_id, "turn": turn, "prompt_tokens": prompt_tokens,
         "new_tokens": len(base.tokens), "spec_new_tokens": len(spec.tokens),
         "verifier_steps": spec.verifier_steps, "accepted": spec.accepted, "drafted": spec.drafted,
         "identical_to_greedy": same,
         "user": prompt.user_turns[turn],
-        "text": tokenizer.decode(spec.tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False),
-        "reference_text": tokenizer.decode(base.tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False),
+        "text": turn_text(tokenizer, spec.tokens, eos),
+        "reference_text": turn_text(tokenizer, base.tokens, eos),
+        "finish_reason": "stop" if spec.tokens and spec.tokens[-1] in eos else "length",
     }
 
 
@@ -149,7 +159,7 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
             same = spec.tokens == base.tokens if T == 0 else None  # samples differ by design at T > 0
             if same is False and prompt.prompt_id not in mismatches:
                 mismatches.append(prompt.prompt_id)
-            per_prompt.append(_turn_record(tokenizer, prompt, turn, len(ids), base, spec, same))
+            per_prompt.append(_turn_record(tokenizer, prompt, turn, len(ids), base, spec, same, eos))
             answers.append(_decode(tokenizer, base.tokens, eos))
             if progress is not None:
                 progress(1)

@@ -64,7 +64,11 @@ def _evaluate(run: EvalRun, drafter: str, log: Callable[[str], None]) -> dict[st
         offline = run_offline_eval(drafter, run.store, max_blocks=s.max_blocks, verifier_name=run.verifier,
                                    num_depths=s.num_draft_tokens, chunk_anchors=s.chunk_anchors,
                                    progress_factory=_progress("offline blocks"), log=log)
-    if run.prompts is not None:
+    if run.prompts is not None and s.engine == "vllm":
+        from peagle_train.evaluate.vllm_engine import run_vllm_eval
+
+        online = run_vllm_eval(drafter, run.verifier, run.prompts, s, log=log)
+    elif run.prompts is not None:
         online = run_online_eval(drafter, run.verifier, run.prompts, max_new_tokens=s.max_new_tokens,
                                  num_prompts=s.num_prompts, num_draft_tokens=s.num_draft_tokens,
                                  progress_factory=_progress("prompt turns"), temperature=s.temperature,
@@ -86,6 +90,7 @@ def run_eval(run: EvalRun, log: Callable[[str], None] = print, config: dict[str,
 
     Raises:
         OutputExistsError: ``run.output`` or its PNG exists and ``run.force`` is not set.
+        MissingDependencyError: ``--engine vllm`` without vLLM installed (names the set-up command).
         InputError, StoreFormatError, StoreMismatchError, ModelNotFoundError: from the checks.
     """
     from peagle_train.checkpoint import find_drafter
@@ -97,6 +102,10 @@ def run_eval(run: EvalRun, log: Callable[[str], None] = print, config: dict[str,
         log(note)
     drafter = str(found)
     _check_output(run)
+    if run.prompts is not None and run.settings.engine == "vllm":
+        from peagle_train.evaluate.vllm_engine import import_vllm
+
+        import_vllm()  # MissingDependencyError naming the set-up command, before any work
     check_before_weights(drafter, run.verifier, run.prompts, run.store, run.settings.num_prompts,
                          run.settings.num_draft_tokens)
     report = _evaluate(run, drafter, log)

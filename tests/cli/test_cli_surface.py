@@ -43,7 +43,8 @@ EXACT = {
                       "--freeze-embedding", "--seed", "--attention-backend",
                       "--report-to", "--resume", "--allow-incomplete", "--force"} | CONFIG_FILE,
     ("eval", None): {"--drafter", "--verifier", "--prompts", "--store", "--output", "--force", "--max-new-tokens",
-                     "--num-prompts", "--num-draft-tokens", "--max-blocks", "--temperature", "--seed"} | CONFIG_FILE,
+                     "--num-prompts", "--num-draft-tokens", "--max-blocks", "--temperature", "--seed", "--engine",
+                     "--concurrency", "--vllm-loading"} | CONFIG_FILE,
 }
 GROUPS = {"data": data_main, "train": train_main, "eval": eval_main}
 ACTIONS = {

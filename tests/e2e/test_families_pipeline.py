@@ -23,7 +23,7 @@ from stores.feature_store import FeatureStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from e2e.test_pipeline import CONVERSATIONS, PROMPTS, _run  # noqa: E402
-from families import family_config, save_family  # noqa: E402
+from families import family_config, hidden_states_as_stored, save_family  # noqa: E402
 
 
 @pytest.mark.slow
@@ -47,8 +47,7 @@ def test_family_through_the_cli(tmp_path, smollm2_tokenizer_dir, family):
     b = store.read_block(0)
     for k in range(len(b.cu_seqlens) - 1):  # every segment of the first block, alone through the verifier
         lo, hi = int(b.cu_seqlens[k]), int(b.cu_seqlens[k + 1])
-        with torch.no_grad():
-            alone = verifier(input_ids=b.input_ids[lo:hi][None], output_hidden_states=True).hidden_states
+        alone, _ = hidden_states_as_stored(verifier, input_ids=b.input_ids[lo:hi][None])  # [L]: before the norm
         for j, layer in enumerate([0, 1, 2]):
             ref = alone[layer][0]
             rel = (b.aux_hidden[lo:hi, j].float() - ref).norm(dim=-1) / ref.norm(dim=-1)

