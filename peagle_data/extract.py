@@ -141,6 +141,11 @@ class ExtractConfig:
             raise ValueError("--layers: give at least one layer index")
         if self.layers is not None and len(set(self.layers)) != len(self.layers):
             raise ValueError(f"--layers: repeated index in {self.layers}")
+        if self.layers is not None and list(self.layers) != sorted(self.layers):
+            # vLLM captures sorted(set(ids)) and feeds the drafter's fc in that order: a store in another
+            # order would train fc on its inputs swapped (peagle-train refuses such a store too)
+            raise ValueError(f"--layers: {','.join(map(str, self.layers))} is not increasing; vLLM feeds the "
+                             f"aux layers in increasing order: give --layers {','.join(map(str, sorted(self.layers)))}")
         if self.max_blocks is not None and self.max_blocks < 1:
             raise ValueError("--max-blocks must be ≥ 1")
         if self.storage_dtype not in STORAGE_DTYPES:

@@ -49,7 +49,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Collection, Iterator, Sequence
+from typing import Any, Collection, Iterator
 
 import numpy as np
 

@@ -55,7 +55,6 @@ but not reproducible across batch shapes, so a resumed sampled run is a valid ru
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field

@@ -30,7 +30,6 @@ from stores.token_tables import (
     REJECTS,
     TokenTable,
     manifest_sha256,
-    read_token_freq,
     write_manifest,
     write_token_freq,
 )

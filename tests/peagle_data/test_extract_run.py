@@ -254,3 +254,13 @@ def test_real_smollm2_segments_equal_segments_alone():
             torch.testing.assert_close(aux[lo:hi, j].float(), want, atol=0.05 * float(want.abs().max()), rtol=0.02)
         logits = verifier.lm_head(final[lo:hi].float())
         assert torch.equal(logits.argmax(-1), out.logits[0].argmax(-1))
+
+
+def test_layers_out_of_increasing_order_are_refused_naming_the_order_vllm_feeds():
+    """vLLM captures the aux layers as sorted(set(ids)): a store of 15,2,27 would train the drafter's fc on
+    inputs in another order than vLLM serves them."""
+    with pytest.raises(ValueError) as e:
+        ExtractConfig(packed="p", verifier="v", output="o", layers=[15, 2, 27])
+    assert str(e.value) == ("--layers: 15,2,27 is not increasing; vLLM feeds the aux layers in increasing order: "
+                            "give --layers 2,15,27")
+    assert ExtractConfig(packed="p", verifier="v", output="o", layers=[2, 15, 27]).layers == [2, 15, 27]
