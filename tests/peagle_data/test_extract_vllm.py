@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from tests.peagle_data.test_extract_run import chunk_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from families import VLLM_CPU_SHAPE, save_family  # noqa: E402
+from servers import free_port, stop, wait_until_up  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
@@ -220,16 +220,10 @@ def test_tensor_parallel_2_equals_1(tmp_path):
         assert_within_rounding(x.final_hidden, y.final_hidden, f"tp block {i} final")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(root: Path, model: Path, serve_options: list[str]):
     """A real ``vllm serve`` of ``model`` on 127.0.0.1 with ``serve_options``: ``(process, url, log file)``
     once it answers ``/v1/models``."""
-    port = _free_port()
+    port = free_port()
     # `vllm serve` (vllm.entrypoints.cli.main) fails in vllm-cpu 0.32.0: it asks importlib.metadata for
     # "vllm", whose distribution is "vllm-cpu"; the OpenAI server module is the same server without it
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
@@ -237,26 +231,18 @@ def start_server(root: Path, model: Path, serve_options: list[str]):
     log = open(root / "server.log", "w")
     proc = subprocess.Popen(args, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    import urllib.request
-
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"vllm serve exited: {(root / 'server.log').read_text()[-3000:]}")
-        try:
-            urllib.request.urlopen(url + "/v1/models", timeout=2)
-            break
-        except OSError:
-            time.sleep(1)
+    try:
+        wait_until_up(proc, url + "/v1/models", "vllm serve", lambda: (root / "server.log").read_text()[-3000:],
+                      timeout_s=600)
+    except AssertionError:
+        stop(proc)
+        log.close()
+        raise
     return proc, url, log
 
 
 def stop_server(proc, log) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+    stop(proc)
     log.close()
 
 

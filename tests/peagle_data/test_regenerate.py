@@ -9,11 +9,9 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,9 @@ from peagle_data.readers import Conversation
 from peagle_data.regenerate import RegenerateConfig, RegenerateRun, Regeneration, prompt_drops, run_regenerate
 from peagle_data.verifier_backends import Answer, LocalBackend, Request, ServerBackend, _answer_of, split_reasoning
 from stores.errors import InputError, OutputExistsError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from servers import free_port, stop, wait_until_up  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -216,24 +217,28 @@ def test_split_reasoning():
 REPETITION_PENALTY = 1.3  # in the tiny verifier's generation_config.json: greedy must not apply it
 
 
-@pytest.fixture(scope="module")
-def verifier_dir(tmp_path_factory, copy_smollm2_tokenizer) -> Path:
-    """A random 2-layer Llama with the SmolLM2 tokenizer; large weights so greedy answers vary; its
-    generation_config.json sets repetition_penalty 1.3 (as some hub models do)."""
+def _penalised_llama(out: Path, initializer_range: float, copy_tokenizer) -> Path:
+    """A random 2-layer Llama (weights of std ``initializer_range``) with the SmolLM2 tokenizer, saved in
+    ``out``; its generation_config.json sets repetition_penalty 1.3 (as some hub models do)."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    out = tmp_path_factory.mktemp("regen_verifier")
     cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                      initializer_range=0.5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                      initializer_range=initializer_range, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
                       pad_token_id=2)
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(out)
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2,
                      repetition_penalty=REPETITION_PENALTY).save_pretrained(out)
-    copy_smollm2_tokenizer(out)
+    copy_tokenizer(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def verifier_dir(tmp_path_factory, copy_smollm2_tokenizer) -> Path:
+    """Large weights (std 0.5), so greedy answers vary."""
+    return _penalised_llama(tmp_path_factory.mktemp("regen_verifier"), 0.5, copy_smollm2_tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -290,22 +295,8 @@ def test_local_answers_equal_one_prompt_generate(local_run, local):
 
 @pytest.fixture(scope="module")
 def repeating_verifier_dir(tmp_path_factory, copy_smollm2_tokenizer) -> Path:
-    """A random 2-layer Llama (initializer_range 0.1: its greedy answers repeat tokens) whose
-    generation_config.json sets repetition_penalty 1.3."""
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    out = tmp_path_factory.mktemp("repeating_verifier")
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                      initializer_range=0.1, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-                      pad_token_id=2)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2,
-                     repetition_penalty=REPETITION_PENALTY).save_pretrained(out)
-    copy_smollm2_tokenizer(out)
-    return out
+    """Small weights (std 0.1): its greedy answers repeat tokens, so the penalty would change them."""
+    return _penalised_llama(tmp_path_factory.mktemp("repeating_verifier"), 0.1, copy_smollm2_tokenizer)
 
 
 def test_greedy_is_peagle_evals_argmax_not_the_verifiers_generation_config(tmp_path, repeating_verifier_dir):
@@ -494,40 +485,32 @@ def test_resume_gives_the_uninterrupted_file_without_redoing_rows(tmp_path, loca
 # server back end: a real transformers serve on 127.0.0.1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def transformers_serve(model_dir: Path):
     """``transformers serve`` of ``model_dir`` on 127.0.0.1 and a free port; yields its URL."""
     pytest.importorskip("fastapi", reason="transformers serve needs the test extra (transformers[serving])")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     exe = Path(sys.executable).parent / "transformers"
     exe = str(exe) if exe.exists() else shutil.which("transformers")
     if exe is None:
         pytest.fail("the `transformers` command is not installed beside this Python")
+    log = tempfile.TemporaryFile()
     proc = subprocess.Popen([exe, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
                              "--device", "cpu"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
+
+    def tail() -> str:
+        log.seek(0)
+        return log.read().decode(errors="replace")[-2000:]
+
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"transformers serve did not start: {proc.stderr.read().decode()[-2000:]}")
-                time.sleep(0.5)
+        wait_until_up(proc, url + "/health", "transformers serve", tail, timeout_s=180, poll_s=0.5)
         yield url
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop(proc, grace_s=30)
+        log.close()
 
 
 @pytest.fixture(scope="module")
@@ -588,7 +571,7 @@ def test_server_greedy_output_equals_the_local_back_end(server, local_run, local
 @pytest.mark.slow
 def test_server_errors_after_retries_are_rejects(tmp_path):
     inp = write_rows(tmp_path / "in.jsonl", [ROWS[4]])
-    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     backend = ServerBackend([dead], "m", max_new_tokens=4, temperature=0.0, retries=1, timeout=5)
     summary = run_regenerate(RegenerateRun(inputs=[str(inp)], output=tmp_path / "o.jsonl",
                                            settings=RegenerateConfig(max_new_tokens=4)), make_backend=lambda: backend)
@@ -736,7 +719,7 @@ def penalised_smollm2(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
 def vllm_server(penalised_smollm2, tmp_path_factory):
     """``vllm serve`` (its OpenAI API server) of the penalised SmolLM2 in float32, eager, 2 GiB of
     KV cache; yields its URL; stopped after the module."""
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("vllm_log") / "server.log"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
     with log.open("wb") as out:
@@ -746,23 +729,10 @@ def vllm_server(penalised_smollm2, tmp_path_factory):
                                 env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 480
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"vllm serve did not start: {log.read_text()[-3000:]}")
-                time.sleep(1)
+        wait_until_up(proc, url + "/health", "vllm serve", lambda: log.read_text()[-3000:], timeout_s=480)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait(timeout=30)
+        stop(proc)
 
 
 @pytest.mark.vllm
