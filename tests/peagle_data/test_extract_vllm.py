@@ -146,7 +146,7 @@ def test_smollm2_vllm_equals_hf(tmp_path):
 
     model = resolve_model("smollm2-135m")
     packed = write_packed(tmp_path / "packed", n_blocks=3, vocab=49152, longest=40)
-    layers = [27, 2, 15, 30]  # unsorted on purpose: vLLM sorts its ids, the store keeps this order
+    layers = [2, 15, 27, 30]  # increasing: vLLM feeds sorted(set(ids)), extract refuses another order
     run_extract(ExtractConfig(packed=str(packed), verifier=str(model), output=str(tmp_path / "hf.zarr"),
                               layers=layers, device="cpu"), progress=False)
     extract_cli(packed, model, tmp_path / "vllm.zarr", layers)
