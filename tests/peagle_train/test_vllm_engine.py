@@ -82,3 +82,10 @@ def test_speculators_loading_refuses_a_verifier_other_than_the_drafters(tmp_path
     with pytest.raises(InputError, match="vLLM would load the verifier 'nope' the drafter names, which does not "
                                          "resolve here"):
         check_speculators_verifier(drafter, str(a))
+
+
+def test_engine_settings_are_exact_on_cpu_and_as_served_on_an_accelerator():
+    from peagle_train.evaluate.vllm_engine import engine_settings
+
+    assert engine_settings(True) == {"dtype": "float32", "enforce_eager": True}
+    assert engine_settings(False) == {"dtype": "bfloat16", "enforce_eager": False}
