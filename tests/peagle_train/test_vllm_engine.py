@@ -89,3 +89,16 @@ def test_engine_settings_are_exact_on_cpu_and_as_served_on_an_accelerator():
 
     assert engine_settings(True) == {"dtype": "float32", "enforce_eager": True}
     assert engine_settings(False) == {"dtype": "bfloat16", "enforce_eager": False}
+
+
+def test_a_request_cut_by_max_model_len_is_refused():
+    import pytest
+
+    from peagle_train.evaluate.vllm_engine import check_full_length
+    from stores.errors import InputError
+
+    check_full_length(10, [1, 2, 3], 3, [9], 4096)  # full length
+    check_full_length(10, [1, 9], 3, [9], 4096)  # ended by an EOS
+    with pytest.raises(InputError, match=r"a prompt of 4000 tokens got 96 of --max-new-tokens 128 before vLLM's "
+                                         r"max_model_len 4096; lower --max-new-tokens or shorten the prompts"):
+        check_full_length(4000, [1] * 96, 128, [9], 4096)
