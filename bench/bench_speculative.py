@@ -26,6 +26,7 @@ import time
 import torch
 
 import peagle_train.speculative as spec
+import peagle_train.verifier as verifier_mod  # its verifier passes call lm_head_logits: patched here
 from peagle_train.checkpoint import load_drafter
 from peagle_train.evaluate import read_prompts, render_turn
 from stores.model_cache import load_tokenizer, load_verifier
@@ -34,7 +35,7 @@ from stores.model_cache import load_tokenizer, load_verifier
 def oracle_run(verifier, drafter, ids, full, max_new, K, wrong_from):
     """speculative_generate with the drafts replaced by ``full`` (prompt + greedy tokens)."""
     state = {}
-    orig_draft, orig_propose = spec.DrafterSession.draft, spec._propose
+    orig_draft, orig_propose = spec.DrafterSession.draft, spec.propose_drafts
 
     def draft(self, new_tokens, new_aux, k):
         out = orig_draft(self, new_tokens, new_aux, k)  # the real drafter's cost
@@ -48,11 +49,11 @@ def oracle_run(verifier, drafter, ids, full, max_new, K, wrong_from):
             toks = [tok if d < wrong_from else (tok + 1) % vocab for d, tok in enumerate(toks)]
         return torch.tensor(toks), None
 
-    spec.DrafterSession.draft, spec._propose = draft, propose
+    spec.DrafterSession.draft, spec.propose_drafts = draft, propose
     try:
         return spec.speculative_generate(verifier, drafter, ids, max_new, K)
     finally:
-        spec.DrafterSession.draft, spec._propose = orig_draft, orig_propose
+        spec.DrafterSession.draft, spec.propose_drafts = orig_draft, orig_propose
 
 
 class RowByRowLogits:
@@ -72,12 +73,12 @@ class RowByRowLogits:
 
 def row_by_row_run(*args):
     """oracle_run with the "before" lm_head (:class:`RowByRowLogits`)."""
-    orig = spec.lm_head_logits
-    spec.lm_head_logits = RowByRowLogits
+    orig = verifier_mod.lm_head_logits
+    verifier_mod.lm_head_logits = RowByRowLogits
     try:
         return oracle_run(*args)
     finally:
-        spec.lm_head_logits = orig
+        verifier_mod.lm_head_logits = orig
 
 
 def run_case(verifier, drafter, ids, base, n, K, wrong):

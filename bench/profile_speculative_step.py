@@ -22,20 +22,23 @@ import time
 import torch
 
 import peagle_train.speculative as spec
+import peagle_train.verifier as verifier_mod  # its verifier passes call lm_head_logits: patched here
 from bench_speculative import RowByRowLogits  # noqa: E402  (bench/ is on sys.path when run as a script)
 from peagle_train.checkpoint import load_drafter
 from peagle_train.evaluate import read_prompts, render_turn
+from peagle_train.verifier import (aux_hidden_states, crop_cache, new_cache, rollback_cache, verifier_body_pass,
+                                   verifier_pass)
 from stores.model_cache import load_tokenizer, load_verifier
 
 
 def greedy_steps(verifier, ids, n, times):
     """``n`` one-token verifier passes after a prefill of ``ids``."""
-    cache = spec.new_cache(verifier)
-    logits, _ = spec.verifier_pass(verifier, ids, cache, want_hidden=False, last_only=True)
+    cache = new_cache(verifier)
+    logits, _ = verifier_pass(verifier, ids, cache, want_hidden=False, last_only=True)
     last = int(logits[-1].argmax())
     for _ in range(n):
         t0 = time.perf_counter()
-        logits, _ = spec.verifier_pass(verifier, torch.tensor([last]), cache, want_hidden=False)
+        logits, _ = verifier_pass(verifier, torch.tensor([last]), cache, want_hidden=False)
         last = int(logits[-1].argmax())
         times.setdefault("greedy_step", []).append(time.perf_counter() - t0)
 
@@ -43,25 +46,30 @@ def greedy_steps(verifier, ids, n, times):
 def spec_steps(verifier, drafter, ids, full, n, K, times, prefix):
     """``n`` speculative steps whose drafts are ``full``'s tokens (all accepted), timed per part."""
     layers = drafter.config.aux_layer_ids
-    cache, session = spec.rollback_cache(verifier), spec.DrafterSession(drafter)
-    logits, hs = spec.verifier_pass(verifier, ids, cache, want_hidden=True, last_only=True)
+    with aux_hidden_states(verifier) as last:  # layer L = the last decoder layer's output before the norm
+        _spec_steps(verifier, drafter, ids, full, n, K, times, prefix, layers, last)
+
+
+def _spec_steps(verifier, drafter, ids, full, n, K, times, prefix, layers, last):
+    cache, session = rollback_cache(verifier), spec.DrafterSession(drafter)
+    logits, hs = verifier_pass(verifier, ids, cache, want_hidden=True, last_only=True)
     toks, read = [int(logits[-1].argmax())], ids.numel()
-    new_tokens, new_aux = torch.cat([ids[1:], torch.tensor(toks)]), spec._aux_features(hs, layers)
+    new_tokens, new_aux = torch.cat([ids[1:], torch.tensor(toks)]), spec.aux_features(hs, last, layers)
     vocab = verifier.config.get_text_config().vocab_size
     for _ in range(n):
         marks = [time.perf_counter()]
         draft_logits = session.draft(new_tokens, new_aux, K)
         marks.append(time.perf_counter())
-        spec._propose(draft_logits, drafter.draft_ids, vocab, 0.0, None)
+        spec.propose_drafts(draft_logits, drafter.draft_ids, vocab, 0.0, None)
         drafts = torch.tensor(full[read + 1:read + 1 + K], dtype=torch.long)
         marks.append(time.perf_counter())
-        logits, hs = spec.verifier_body_pass(verifier, torch.cat([torch.tensor(toks[-1:]), drafts]), cache)
+        logits, hs = verifier_body_pass(verifier, torch.cat([torch.tensor(toks[-1:]), drafts]), cache)
         marks.append(time.perf_counter())
         accepted, emitted = spec.accept_drafts(drafts, logits, 0.0, None, None)
         marks.append(time.perf_counter())
         read += accepted + 1
-        spec.crop_cache(cache, read)
-        new_tokens, new_aux = emitted, spec._aux_features(hs, layers)[:accepted + 1]
+        crop_cache(cache, read)
+        new_tokens, new_aux = emitted, spec.aux_features(hs, last, layers)[:accepted + 1]
         toks.extend(emitted.tolist())
         marks.append(time.perf_counter())
         for name, a, b in zip(("drafter", "propose", "verifier_body", "lm_head_and_accept", "cut_back"),
@@ -86,16 +94,16 @@ def main() -> None:
     ids = torch.tensor(render_turn(tok, read_prompts(args.prompts, 1)[0], 0, []))
     full = ids.tolist() + spec.plain_generate(verifier, ids, (K + 1) * args.steps + K + 2).tokens
     times: dict[str, list[float]] = {}
-    orig = spec.lm_head_logits
+    orig = verifier_mod.lm_head_logits
     with torch.no_grad():
         for _ in range(args.rounds):
             greedy_steps(verifier, ids, args.steps, times)
             spec_steps(verifier, drafter, ids, full, args.steps, K, times, "after_")
-            spec.lm_head_logits = RowByRowLogits
+            verifier_mod.lm_head_logits = RowByRowLogits
             try:
                 spec_steps(verifier, drafter, ids, full, args.steps, K, times, "before_")
             finally:
-                spec.lm_head_logits = orig
+                verifier_mod.lm_head_logits = orig
     ms = {name: round(statistics.median(v) * 1e3, 2) for name, v in times.items()}
     report = {"median_ms": ms, "K": K, "prompt_tokens": ids.numel(),
               "break_even_acceptance_length_after": round(ms["after_step"] / ms["greedy_step"], 3),

@@ -474,8 +474,9 @@ def vllm_problems(config: dict[str, Any], shapes: dict[str, tuple[int, ...]] | N
     if eagle.get("use_aux_hidden_state") is False:
         out.append("transformer_layer_config.eagle_config.use_aux_hidden_state is false: vLLM would skip fc")
     if model_type == "qwen3":
+        # vLLM's update_peagle overwrites the inner ids with the top-level ones when those are set
         width = layer.get("num_aux_layers") or layer.get("num_aux_hidden_states") or len(
-            layer.get("eagle_aux_hidden_state_layer_ids") or ids or eagle.get("eagle_aux_hidden_state_layer_ids") or
+            ids or layer.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids") or
             [0, 0, 0])
     else:
         width = layer.get("num_aux_hidden_states") or len(eagle.get("eagle_aux_hidden_state_layer_ids") or [0, 0, 0])

@@ -56,7 +56,9 @@ class DrafterConfig:
     draft_vocab_size: int
     """D, the drafter's output vocabulary (rows of lm_head, length of d2t)."""
     aux_layer_ids: list[int]
-    """Verifier hidden-state layers concatenated into g (HF output_hidden_states indices)."""
+    """Verifier layers concatenated into g, as vLLM aux layer ids: k < L is transformers
+    ``hidden_states[k]``; k = L (the verifier's num_hidden_layers) is the last decoder layer's output
+    before the final norm (transformers' ``hidden_states[L]`` is after it)."""
     num_hidden_layers: int = 1
     """Drafter decoder layers."""
     rms_norm_eps: float = 1e-5

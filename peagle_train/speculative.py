@@ -47,10 +47,12 @@ __all__ = [
     "GenerationResult",
     "DrafterSession",
     "accept_drafts",
+    "aux_features",
     "check_compatible",
     "draft_tokens",
     "greedy_generate",
     "plain_generate",
+    "propose_drafts",
     "speculative_generate",
 ]
 
@@ -123,8 +125,8 @@ def check_compatible(verifier, drafter) -> None:
         )
 
 
-def _aux_features(hidden_states: Sequence[torch.Tensor], last: dict[str, torch.Tensor],
-                  layer_ids: Sequence[int]) -> torch.Tensor:
+def aux_features(hidden_states: Sequence[torch.Tensor], last: dict[str, torch.Tensor],
+                 layer_ids: Sequence[int]) -> torch.Tensor:
     """HF ``output_hidden_states`` (each ``[1, T, H]``) -> ``g [T, L*H]``: layer l < L is entry l, layer L
     the last decoder layer's output before the final norm (``last["last"]``, from
     :func:`peagle_train.verifier.aux_hidden_states`), as extraction stores it and vLLM feeds it."""
@@ -226,8 +228,8 @@ def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator |
     return _sample(torch.softmax(logits.float() / temperature, -1), generator)
 
 
-def _propose(draft_logits: torch.Tensor, draft_ids: torch.Tensor, vocab_size: int, temperature: float,
-             generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def propose_drafts(draft_logits: torch.Tensor, draft_ids: torch.Tensor, vocab_size: int, temperature: float,
+                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Drafts ``[k]`` (verifier ids) from ``draft_logits [k, D]``, and their distributions ``q [k, V]``.
 
     Temperature 0: the argmax, ``q`` None. Otherwise one sample per depth from
@@ -421,13 +423,13 @@ def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num
         read = ids.numel()  # tokens in the verifier cache: x_0..x_t
         # depth-0 elements not yet given to the drafter: tokens x_{a+1} and features g_a
         new_tokens = torch.cat([ids[1:], torch.tensor(result.tokens)])  # [t+1]: x_1..x_{t+1}
-        new_aux = _aux_features(hs, last, layers)  # [t+1, L*H]: g_0..g_t
+        new_aux = aux_features(hs, last, layers)  # [t+1, L*H]: g_0..g_t
         while len(result.tokens) < max_new_tokens and result.tokens[-1] not in eos:
             k = min(K, max_new_tokens - len(result.tokens) - 1)
             drafts, q = torch.zeros(0, dtype=torch.long), None
             if k > 0:
                 draft_logits = session.draft(new_tokens, new_aux, k)  # [k, D]
-                drafts, q = _propose(draft_logits, drafter.draft_ids, vocab, temperature, generator)
+                drafts, q = propose_drafts(draft_logits, drafter.draft_ids, vocab, temperature, generator)
             verify_in = torch.cat([torch.tensor(result.tokens[-1:]), drafts])  # [k+1]: x_{t+1}, drafts
             logits, hs = verifier_body_pass(verifier, verify_in, cache)  # [k+1, V]
             n, emitted = accept_drafts(drafts, logits, temperature, q, generator)  # [n+1]
@@ -435,7 +437,7 @@ def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num
             read += n + 1
             crop_cache(cache, read)
             if k > 0:
-                new_tokens, new_aux = emitted, _aux_features(hs, last, layers)[:n + 1]  # anchors t+1..t+n+1
+                new_tokens, new_aux = emitted, aux_features(hs, last, layers)[:n + 1]  # anchors t+1..t+n+1
             _record_step(result, emitted.tolist(), k, eos)
     result.wall_time_s = time.perf_counter() - start
     return result

@@ -84,7 +84,7 @@ class _OnlineTotals:
         }
 
 
-def _decode(tokenizer, tokens: Sequence[int], eos: Iterable[int]) -> str:
+def answer_text(tokenizer, tokens: Sequence[int], eos: Iterable[int]) -> str:
     """The text of generated ``tokens`` without EOS ids and special tokens, not cleaned up (it is
     rendered into the next turn's prompt and re-tokenized: ``x != y`` must stay ``x != y``)."""
     eos = set(eos)
@@ -160,7 +160,7 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
             if same is False and prompt.prompt_id not in mismatches:
                 mismatches.append(prompt.prompt_id)
             per_prompt.append(_turn_record(tokenizer, prompt, turn, len(ids), base, spec, same, eos))
-            answers.append(_decode(tokenizer, base.tokens, eos))
+            answers.append(answer_text(tokenizer, base.tokens, eos))
             if progress is not None:
                 progress(1)
     return {

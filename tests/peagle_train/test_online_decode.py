@@ -3,7 +3,7 @@ turn's prompt and re-tokenized; the report's texts are what the verifier said)."
 
 from __future__ import annotations
 
-from peagle_train.evaluate.online import _decode
+from peagle_train.evaluate.online import answer_text
 
 SPACED = "if x != y: print('social' .)"
 
@@ -16,5 +16,5 @@ def test_answers_are_decoded_without_cleaning_up_spaces(smollm2_tokenizer_dir):
     ids = tok(SPACED, add_special_tokens=False)["input_ids"]
     assert tok.decode(ids) == "if x!= y: print('social'.)"  # what a default decode writes
     eos = [tok.convert_tokens_to_ids("<|im_end|>")]
-    assert _decode(tok, ids + eos, eos) == SPACED
-    assert tok(_decode(tok, ids + eos, eos), add_special_tokens=False)["input_ids"] == ids
+    assert answer_text(tok, ids + eos, eos) == SPACED
+    assert tok(answer_text(tok, ids + eos, eos), add_special_tokens=False)["input_ids"] == ids

@@ -126,3 +126,26 @@ def test_missing_d2t_of_a_reduced_vocab_and_the_fc_width_are_checked_on_the_tens
     assert vllm_problems(cfg, shapes) == [
         "mask_hidden (1, 1, 96) must hold 2 x 32 values (vLLM requires it under parallel drafting)",
         "fc.weight (32, 96) is not [32, 64]"]
+
+
+def _qwen3_with_stale_inner_ids(tmp_path):
+    """A qwen3 drafter config whose transformer_layer_config holds other aux ids than the top level."""
+    c = _config(tmp_path)
+    c["transformer_layer_config"].update(model_type="qwen3", eagle_aux_hidden_state_layer_ids=[2, 15])
+    c["transformer_layer_config"].pop("num_aux_hidden_states")
+    return c
+
+
+def test_qwen3_fc_width_comes_from_the_top_level_ids(tmp_path):
+    assert vllm_problems(_qwen3_with_stale_inner_ids(tmp_path)) == []
+
+
+@pytest.mark.vllm
+def test_vllms_peagle_conversion_takes_the_top_level_ids(tmp_path):
+    """vLLM's update_peagle replaces the inner ids by the top-level ones (what vllm_problems assumes)."""
+    from vllm.transformers_utils.configs.speculators.algos import SUPPORTED_SPECULATORS_TYPES
+
+    c = _qwen3_with_stale_inner_ids(tmp_path)
+    layer = dict(c["transformer_layer_config"])
+    SUPPORTED_SPECULATORS_TYPES["peagle"](c, layer)
+    assert layer["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]

@@ -1,0 +1,104 @@
+"""Units of ``peagle-eval --engine vllm`` (peagle_train/evaluate/vllm_engine.py) that need no engine."""
+
+from __future__ import annotations
+
+from peagle_train.evaluate.prompts import Prompt, render_turn
+from peagle_train.evaluate.vllm_engine import next_turn_prompts, per_position_counts
+
+SPACED = "if x != y: print('social' .)"
+
+
+def test_later_turns_take_the_answers_without_cleaning_up_spaces(smollm2_tokenizer_dir):
+    """Turn 2's history is the turn-1 answer as generated (``x != y``), not a cleaned-up decode
+    (``x!= y``), with a tokenizer whose config cleans up (as Llama-3.x tokenizers do)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir, clean_up_tokenization_spaces=True,
+                                        clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output=True)
+    ids = tok(SPACED, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids, skip_special_tokens=True) == "if x!= y: print('social'.)"  # the old decoding
+    eos = {tok.convert_tokens_to_ids("<|im_end|>")}
+    prompts = [Prompt("a", ["first", "second"]), Prompt("b", ["only"])]
+    order: list[tuple[int, int]] = []
+    answers: list[list[str]] = [[], []]
+    first = next_turn_prompts(tok, prompts, eos, order, answers, None)
+    assert first == [render_turn(tok, prompts[0], 0, []), render_turn(tok, prompts[1], 0, [])]
+    assert order == [(0, 0), (1, 0)]
+    second = next_turn_prompts(tok, prompts, eos, order, answers, [ids + sorted(eos), [5, 6]])
+    assert answers[0] == [SPACED]
+    assert second == [render_turn(tok, prompts[0], 1, [SPACED])]
+    assert order == [(0, 0), (1, 0), (0, 1)]
+    assert SPACED in tok.decode(second[0], clean_up_tokenization_spaces=False)
+    assert next_turn_prompts(tok, prompts, eos, order, answers, [ids]) == []
+
+
+def test_per_position_counts_only_when_every_step_drafted_k():
+    """vLLM exports no drafts-per-position counter: reached = num_drafts only if each step drafted K."""
+    c = {"num_drafts": 5, "num_draft_tokens": 15, "num_accepted_tokens": 7, "accepted_per_pos": [4, 2, 1]}
+    assert per_position_counts(c, 3) == ([4, 2, 1], [5, 5, 5])
+    assert per_position_counts({**c, "accepted_per_pos": [4]}, 3) == ([4, 0, 0], [5, 5, 5])
+    assert per_position_counts({**c, "num_draft_tokens": 14}, 3) is None  # one step drafted 2
+
+
+def test_report_text_says_why_per_position_figures_are_missing():
+    from peagle_train.evaluate.report import format_report
+
+    note = "vLLM drafted 14 tokens in 5 steps, not K=3 at each"
+    report = {"acceptance_length": 2.4, "acceptance_rate": 0.5, "accepted": 7, "drafted": 14, "num_prompts": 1,
+              "num_turns": 1, "num_draft_tokens": 3, "tokens_per_second": 1.0, "baseline_tokens_per_second": 1.0,
+              "speedup": 1.0, "identical_to_greedy": True, "per_position_acceptance": None,
+              "per_position_note": note}
+    text = format_report(report)
+    assert f"  per position       {note}" in text.splitlines()
+
+
+def test_speculators_loading_refuses_a_verifier_other_than_the_drafters(tmp_path, make_tiny_llama):
+    """``--vllm-loading speculators``: vLLM loads the drafter's named verifier; --verifier must be it."""
+    import json
+    import shutil
+
+    import pytest
+
+    from peagle_train.evaluate.vllm_engine import check_speculators_verifier
+    from stores.errors import InputError
+
+    a = make_tiny_llama(tmp_path / "a")
+    same = tmp_path / "a_copy"
+    shutil.copytree(a, same)
+    b = make_tiny_llama(tmp_path / "b", hidden=32)
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"speculators_config": {"verifier": {"name_or_path": str(a)}}}))
+    check_speculators_verifier(drafter, str(a))
+    check_speculators_verifier(drafter, str(same))  # another directory holding the same model
+    with pytest.raises(InputError) as e:
+        check_speculators_verifier(drafter, str(b))
+    assert e.value.field == "--verifier" and e.value.file == str(drafter / "config.json")
+    assert (f"--vllm-loading speculators: vLLM would load the verifier {str(a)!r} that the drafter's "
+            f"speculators_config names, but the reference runs on --verifier {str(b)!r}, a different model; pass "
+            f"--vllm-loading speculative_config (the verifier given to vLLM as the model, the drafter as "
+            f"speculative_config) or --verifier {str(a)!r}") in str(e.value)
+    (drafter / "config.json").write_text(json.dumps({"speculators_config": {"verifier": {"name_or_path": "nope"}}}))
+    with pytest.raises(InputError, match="vLLM would load the verifier 'nope' the drafter names, which does not "
+                                         "resolve here"):
+        check_speculators_verifier(drafter, str(a))
+
+
+def test_engine_settings_are_exact_on_cpu_and_as_served_on_an_accelerator():
+    from peagle_train.evaluate.vllm_engine import engine_settings
+
+    assert engine_settings(True) == {"dtype": "float32", "enforce_eager": True}
+    assert engine_settings(False) == {"dtype": "bfloat16", "enforce_eager": False}
+
+
+def test_a_request_cut_by_max_model_len_is_refused():
+    import pytest
+
+    from peagle_train.evaluate.vllm_engine import check_full_length
+    from stores.errors import InputError
+
+    check_full_length(10, [1, 2, 3], 3, [9], 4096)  # full length
+    check_full_length(10, [1, 9], 3, [9], 4096)  # ended by an EOS
+    with pytest.raises(InputError, match=r"a prompt of 4000 tokens got 96 of --max-new-tokens 128 before vLLM's "
+                                         r"max_model_len 4096; lower --max-new-tokens or shorten the prompts"):
+        check_full_length(4000, [1] * 96, 128, [9], 4096)
