@@ -222,7 +222,8 @@ def _check_before_weights(cfg: ExtractConfig, table, rows, device: str) -> Path:
             return directory  # interrupted creation: the store is made again
         if store.attrs.get("tokens_written"):
             layers = list(cfg.layers) if cfg.layers is not None else default_layers(L)
-            dtype = "bfloat16" if device.startswith("cuda") else "float32"  # as load_verifier picks it
+            # as load_verifier picks it; a --server extraction computes in the store's dtype (extract_vllm.server_dtype)
+            dtype = None if cfg.server else "bfloat16" if device.startswith("cuda") else "float32"
             check_resumable(store, cfg, {"name_or_path": cfg.verifier, "fingerprint": model_fingerprint(directory),
                                          "dtype": dtype}, layers)
     return directory
