@@ -21,8 +21,11 @@ Legend: T tokens in a segment or block, L aux layers (store), K layer ids vLLM c
 - The connector is peagle's (:mod:`peagle_data.vllm_connector`: vLLM's, plus metadata in every file:
   the captured layer ids, the model, dtype, prefix caching). Every file is checked against what the
   extraction asked for (:meth:`VllmEngine.check_file`), so a server started with other ids of the
-  same count, vLLM's stock connector, another dtype or prefix caching is refused, naming the
-  ``vllm serve`` command to use. Without an accelerator vLLM's copy fails (pinned memory), so
+  same count, vLLM's stock connector, another dtype, prefix caching, a quantized KV cache or config
+  overrides (:data:`EXACT_SERVER`) is refused, naming the ``vllm serve`` command to use on the
+  server's platform. A ``--server`` extraction computes in the resumed store's dtype, else the
+  server's (:func:`server_dtype`), never this client's platform's. Without an accelerator vLLM's
+  copy fails (pinned memory), so
   :class:`peagle_data.vllm_connector.CpuHiddenStatesConnector` is loaded instead of the GPU one.
 
 vLLM is imported lazily (its own virtualenv: ``PEAGLE_VLLM=1 bash scripts/setup_env.sh``).
@@ -410,7 +413,8 @@ class _ServerProbe:
         """
         models = self.request(self.base + "/models")["data"]
         if len(models) != 1:
-            raise InputError(f"--server {self.base} serves {len(models)} models; extraction needs one", field="--server")
+            raise InputError(f"--server {self.base} serves {len(models)} models; extraction needs one",
+                             field="--server")
         self.model = models[0]["id"]
         probe = "Hidden states: déjà vu, 3.14159 <tool_call> 你好\n"
         try:

@@ -411,7 +411,8 @@ def test_file_metadata_other_than_the_extraction_is_refused(tmp_path, change, me
 
 GPU_LINE = ("vllm serve /m --dtype bfloat16 --no-enable-prefix-caching --speculative-config "
             "'{\"method\":\"extract_hidden_states\",\"num_speculative_tokens\":1,\"draft_model_config\":{\"hf_config\":"
-            "{\"eagle_aux_hidden_state_layer_ids\":[1,2]}}}' --kv-transfer-config '{\"kv_connector\":\"HiddenStatesConnector\","
+            "{\"eagle_aux_hidden_state_layer_ids\":[1,2]}}}' --kv-transfer-config "
+            "'{\"kv_connector\":\"HiddenStatesConnector\","
             "\"kv_connector_module_path\":\"peagle_data.vllm_connector\",\"kv_role\":\"kv_producer\","
             "\"kv_connector_extra_config\":{\"shared_storage_path\":\"/srv/hs\"}}'")
 """The serve line of a GPU server (bf16, peagle's GPU connector) capturing ids 1, 2 into ``/srv/hs``."""
