@@ -92,7 +92,8 @@ class ExtractConfig:
     output: str
     """Feature store path (zarr v3)."""
     layers: list[int] | None = None
-    """Aux layers as HF ``output_hidden_states`` indices, e.g. 2,18,33; default EAGLE-3's ``[2, L//2, L-3]``."""
+    """Aux layer ids as vLLM's (= transformers' ``hidden_states[k]`` for k < L; L = the last decoder layer's
+    output before the final norm), e.g. 2,18,33; default EAGLE-3's ``[2, L//2, L-3]``."""
     storage_dtype: str = "bf16"
     """``bf16`` (bit-exact) or ``fp8`` (float8_e4m3fn with a per-token, per-layer scale; half the bytes)."""
     compressor: str | None = None
@@ -221,7 +222,8 @@ def _check_before_weights(cfg: ExtractConfig, table, rows, device: str) -> Path:
             return directory  # interrupted creation: the store is made again
         if store.attrs.get("tokens_written"):
             layers = list(cfg.layers) if cfg.layers is not None else default_layers(L)
-            dtype = "bfloat16" if device.startswith("cuda") else "float32"  # as load_verifier picks it
+            # as load_verifier picks it; a --server extraction computes in the store's dtype (extract_vllm.server_dtype)
+            dtype = None if cfg.server else "bfloat16" if device.startswith("cuda") else "float32"
             check_resumable(store, cfg, {"name_or_path": cfg.verifier, "fingerprint": model_fingerprint(directory),
                                          "dtype": dtype}, layers)
     return directory
@@ -269,7 +271,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
                          "launch, or give each process its own --shard-index", field="--engine")
     facts = PackedFacts(longest_segment=max((int(np.diff(r["cu_seqlens"]).max()) for r in rows), default=1),
                         tokenizer=(table.manifest.get("tokenizer") or {}).get("name_or_path"),
-                        offset_segment=_offset_segment(rows))
+                        offset_segment=_offset_segment(rows, cfg.shard_index, cfg.num_shards))
     engine = ENGINES[cfg.engine].open(cfg, directory, _layers_of(cfg), log, device, facts)
     try:
         layers = _layers_of(cfg, engine.desc["num_hidden_layers"])
@@ -307,9 +309,12 @@ def _layers_of(cfg: ExtractConfig, L: int | None = None) -> list[int]:
     return layers
 
 
-def _offset_segment(rows) -> tuple[int, int] | None:
-    """``(block, segment)`` of the first segment whose position ids are not ``0..n-1``, else None."""
-    for i, r in enumerate(rows):
+def _offset_segment(rows, shard_index: int = 0, num_shards: int = 1) -> tuple[int, int] | None:
+    """``(block, segment)`` of the first segment whose position ids are not ``0..n-1``, else None;
+    ``block`` is the packed table's block index (``rows`` are shard ``shard_index`` of ``num_shards``:
+    row k is packed block ``shard_index + k * num_shards``)."""
+    for k_row, r in enumerate(rows):
+        i = shard_index + k_row * num_shards
         cu, pos = np.asarray(r["cu_seqlens"]), np.asarray(r["position_ids"])
         for k, (lo, hi) in enumerate(zip(cu[:-1], cu[1:])):
             if not np.array_equal(pos[lo:hi], np.arange(hi - lo)):

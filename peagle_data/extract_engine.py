@@ -8,8 +8,10 @@ every engine, so stores of two engines differ only in their ``engine`` attribute
 numerics of the features. A new engine is one module with one :class:`VerifierEngine` subclass and
 one entry in :data:`peagle_data.extract.ENGINES`.
 
-Layer ids follow transformers' ``output_hidden_states``: ``0`` the embedding output, ``k`` in
-``1..L-1`` the output of decoder layer ``k-1``; the final slot is the final-norm output.
+Layer ids are vLLM's aux ids, L the verifier's decoder layer count: ``0`` the embedding output, ``k``
+in ``1..L-1`` the output of decoder layer ``k-1`` (transformers' ``hidden_states[k]`` for k < L),
+``L`` the last decoder layer's output before the final norm; the final slot is the normed state
+(the final-norm output).
 """
 
 from __future__ import annotations

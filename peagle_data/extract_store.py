@@ -257,6 +257,19 @@ def open_or_create(cfg: ExtractConfig, rows, table, desc, layers, log, engine: d
     return _create_store(cfg, rows, table, desc, layers, log, engine)
 
 
+def resumed_dtype(cfg: ExtractConfig) -> str | None:
+    """The compute dtype (``verifier["dtype"]``, e.g. ``"bfloat16"``) of the store ``cfg.output`` that
+    ``--resume`` continues, or None when there is none to continue (no ``--resume``, no store, or one
+    whose creation was interrupted)."""
+    if not cfg.resume or (is_local(cfg.output) and not Path(cfg.output).exists()):
+        return None
+    try:
+        store = FeatureStore.open(cfg.output)
+    except (StoreFormatError, FileNotFoundError):
+        return None
+    return store.attrs.get("verifier", {}).get("dtype") if store.attrs.get("tokens_written") else None
+
+
 RESUME_MAY_CHANGE = ("--device", "--max-blocks", "--server", "--shared-storage", "--concurrency")
 """The ``extract`` options a ``--resume`` may change (``--device`` only to one that computes in the
 store's dtype; ``--server`` and its connection to another server of the same verifier); every other

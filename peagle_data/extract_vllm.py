@@ -21,8 +21,11 @@ Legend: T tokens in a segment or block, L aux layers (store), K layer ids vLLM c
 - The connector is peagle's (:mod:`peagle_data.vllm_connector`: vLLM's, plus metadata in every file:
   the captured layer ids, the model, dtype, prefix caching). Every file is checked against what the
   extraction asked for (:meth:`VllmEngine.check_file`), so a server started with other ids of the
-  same count, vLLM's stock connector, another dtype or prefix caching is refused, naming the
-  ``vllm serve`` command to use. Without an accelerator vLLM's copy fails (pinned memory), so
+  same count, vLLM's stock connector, another dtype, prefix caching, a quantized KV cache or config
+  overrides (:data:`EXACT_SERVER`) is refused, naming the ``vllm serve`` command to use on the
+  server's platform. A ``--server`` extraction computes in the resumed store's dtype, else the
+  server's (:func:`server_dtype`), never this client's platform's. Without an accelerator vLLM's
+  copy fails (pinned memory), so
   :class:`peagle_data.vllm_connector.CpuHiddenStatesConnector` is loaded instead of the GPU one.
 
 vLLM is imported lazily (its own virtualenv: ``PEAGLE_VLLM=1 bash scripts/setup_env.sh``).
@@ -46,7 +49,7 @@ import torch
 from safetensors import safe_open
 
 from peagle_data.extract_engine import PackedFacts, VerifierEngine
-from peagle_data.extract_store import verifier_desc
+from peagle_data.extract_store import resumed_dtype, verifier_desc
 from peagle_data.verifier_backends import server_base_url
 from peagle_data.verifier_forward import language_model
 from stores.errors import InputError, MissingDependencyError
@@ -56,7 +59,8 @@ from stores.model_config import text_config
 if TYPE_CHECKING:
     from peagle_data.extract import ExtractConfig
 
-__all__ = ["VllmEngine", "VLLM_SETUP", "capture_ids", "connector_config", "serve_args", "serve_command"]
+__all__ = ["VllmEngine", "VLLM_SETUP", "capture_ids", "connector_config", "serve_args", "serve_command",
+           "server_dtype", "EXACT_SERVER"]
 
 VLLM_SETUP = "PEAGLE_VLLM=1 bash scripts/setup_env.sh (creates .venv-vllm; run .venv-vllm/bin/peagle-data)"
 """How a user gets vLLM next to peagle (vLLM pins its own transformers, so it has its own virtualenv)."""
@@ -66,6 +70,18 @@ CONNECTOR_MODULE = "peagle_data.vllm_connector"
 
 SERVER_TIMEOUT_S = 600.0
 """Seconds one server request may take."""
+
+EXACT_SERVER = {"peagle_kv_cache_dtype": ("auto", "--kv-cache-dtype"),
+                "peagle_hf_overrides": ("{}", "--hf-overrides (rope scaling included)"),
+                "peagle_model_class_overrides": ("{}", "--model-class-overrides"),
+                "peagle_disable_sliding_window": ("false", "--disable-sliding-window")}
+"""Connector metadata a server must leave at vLLM's default, with the ``vllm serve`` option that sets it:
+each changes the verifier's numerics (a quantized KV cache, an edited config) while the captured
+hidden states keep their dtype and shape, so a file alone would not show it. (Mamba cache dtypes are
+not among them: extraction refuses recurrent verifiers, and vLLM's CPU platform sets them itself.)"""
+
+CPU_CONNECTOR = "CpuHiddenStatesConnector"
+"""peagle's connector class for servers without an accelerator (``HiddenStatesConnector`` otherwise)."""
 
 MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "use_mla")
 """Config keys of multi-head latent attention (DeepSeek-V2/V3, Kimi): the hidden-states connector refuses it."""
@@ -80,7 +96,7 @@ def capture_ids(layers: list[int], num_hidden_layers: int) -> list[int]:
 def connector_config(storage: str, accelerator: bool) -> dict[str, Any]:
     """``kv_transfer_config`` of peagle's hidden-states connector writing into directory ``storage``:
     ``HiddenStatesConnector`` (vLLM's write path) with an accelerator, else ``CpuHiddenStatesConnector``."""
-    return {"kv_connector": "HiddenStatesConnector" if accelerator else "CpuHiddenStatesConnector",
+    return {"kv_connector": "HiddenStatesConnector" if accelerator else CPU_CONNECTOR,
             "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
             "kv_connector_extra_config": {"shared_storage_path": storage}}
 
@@ -96,18 +112,42 @@ def speculative_config(ids: list[int]) -> dict[str, Any]:
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}}}
 
 
-def serve_args(layers: list[int], num_hidden_layers: int, storage: str, accelerator: bool) -> list[str]:
-    """The ``vllm serve MODEL`` options a ``--server`` extraction of ``layers`` needs (the engine dtype,
-    prefix caching off, the capture ids, peagle's connector writing into ``storage``)."""
+def serve_args(layers: list[int], num_hidden_layers: int, storage: str, accelerator: bool,
+               dtype: str | None = None) -> list[str]:
+    """The ``vllm serve MODEL`` options a ``--server`` extraction of ``layers`` needs on a server with
+    (``accelerator``) or without an accelerator: the compute ``dtype`` (default the platform's,
+    :func:`engine_dtype`), prefix caching off, the capture ids, peagle's connector writing into
+    ``storage``. The options of :data:`EXACT_SERVER` stay at vLLM's defaults (not given)."""
     spec = json.dumps(speculative_config(capture_ids(layers, num_hidden_layers)), separators=(",", ":"))
     kv = json.dumps(connector_config(storage, accelerator), separators=(",", ":"))
-    dtype = str(engine_dtype(accelerator)).removeprefix("torch.")
+    dtype = dtype or str(engine_dtype(accelerator)).removeprefix("torch.")
     return ["--dtype", dtype, "--no-enable-prefix-caching", "--speculative-config", spec, "--kv-transfer-config", kv]
 
 
-def serve_command(model: str, layers: list[int], num_hidden_layers: int, storage: str, accelerator: bool) -> str:
-    """:func:`serve_args` as one shell command line ``vllm serve MODEL ...``."""
-    return shlex.join(["vllm", "serve", model, *serve_args(layers, num_hidden_layers, storage, accelerator)])
+def serve_command(model: str, layers: list[int], num_hidden_layers: int, storage: str, accelerator: bool,
+                  dtype: str | None = None) -> str:
+    """:func:`serve_args` as one shell command line ``vllm serve MODEL ...`` (without
+    ``--kv-cache-dtype``, ``--hf-overrides`` and the other :data:`EXACT_SERVER` options)."""
+    return shlex.join(["vllm", "serve", model, *serve_args(layers, num_hidden_layers, storage, accelerator, dtype)])
+
+
+def server_dtype(meta: Mapping[str, str], file_dtype: torch.dtype, store_dtype: str | None,
+                 here: bool) -> tuple[str, bool]:
+    """The compute dtype of a ``--server`` extraction and whether the server has an accelerator, from the
+    probe file (connector metadata ``meta``, hidden states of ``file_dtype``) and the dtype of the store
+    being resumed (``store_dtype``, None for a new store): the store's when it has one (every client
+    filling a store computes in the store's dtype), else the server's (``peagle_dtype``, which the
+    store then records). The platform is the server's (``peagle_connector``: :data:`CPU_CONNECTOR`
+    or ``HiddenStatesConnector``), never this client's; ``here`` (this machine's) only names the
+    command for a file without peagle's metadata (vLLM's stock connector, refused anyway).
+
+    Returns:
+        ``(dtype, accelerator)``, e.g. ``("bfloat16", True)`` for a new store on a GPU server.
+    """
+    connector = meta.get("peagle_connector")
+    accelerator = here if connector is None else connector != CPU_CONNECTOR
+    served = meta.get("peagle_dtype") or str(file_dtype).removeprefix("torch.")
+    return store_dtype or served, accelerator
 
 
 def _has_accelerator() -> bool:
@@ -160,12 +200,13 @@ class VllmEngine(VerifierEngine):
     def __init__(self, cfg: ExtractConfig, desc: dict[str, Any], layers: list[int], norm: torch.nn.Module,
                  accelerator: bool, log: Callable[[str], None]):
         self.cfg, self.desc, self.layers, self.norm, self.log = cfg, desc, layers, norm, log
-        self.accelerator, self.dtype = accelerator, engine_dtype(accelerator)
+        self.accelerator, self.dtype = accelerator, getattr(torch, desc["dtype"])
         L = desc["num_hidden_layers"]
         self.ids = capture_ids(layers, L)
         self.pick = [self.ids.index(l) for l in layers]
         self.last = self.ids.index(L)
         self.llm = None
+        self.server: _ServerProbe | None = None
         self.tmp: str | None = None
         self.base: str | None = None
         self.model: str | None = None
@@ -206,7 +247,8 @@ class VllmEngine(VerifierEngine):
         """The final norm first (no vLLM yet), then the server checks or vLLM's start.
 
         Raises:
-            InputError: the server checks of :meth:`_connect`; a segment longer than the verifier's
+            InputError: the server checks of :meth:`_ServerProbe.connect` and :meth:`check_file` (of the
+                probe request, in the resumed store's dtype, else the server's); a segment longer than the verifier's
                 ``max_position_embeddings`` or one whose positions do not start at 0; a language model
                 without a ``.norm`` module.
             ModelNotFoundError: the final norm's weights are not in the checkpoint
@@ -216,25 +258,37 @@ class VllmEngine(VerifierEngine):
             block, segment = packed.offset_segment
             raise InputError(f"packed block {block}, segment {segment}: position ids do not start at 0, and vLLM "
                              "starts every request at position 0: use --engine hf", file=cfg.packed)
-        accelerator = _has_accelerator()
-        dtype = engine_dtype(accelerator)
         skeleton = verifier_skeleton(directory)
         decoder = language_model(skeleton)
         if not isinstance(getattr(decoder, "norm", None), torch.nn.Module):
             raise InputError(f"{type(decoder).__name__} has no final norm module (.norm) to compute the final slot "
                              "from vLLM's pre-norm last layer: use --engine hf", field="--engine")
         norm_name = next(n for n, m in skeleton.named_modules() if m is decoder.norm)
+        limit = getattr(text_config(skeleton.config), "max_position_embeddings", None)
+        if limit is not None and packed.longest_segment > int(limit):
+            raise InputError(f"a packed segment has {packed.longest_segment} tokens, more than the verifier's "
+                             f"max_position_embeddings {limit}", file=cfg.packed)
+        L = int(text_config(skeleton.config).num_hidden_layers)
+        if cfg.server:  # the dtype is the store's or the server's, the platform the server's
+            server = _ServerProbe(cfg, capture_ids(layers, L))
+            probe = server.connect(directory, packed.tokenizer)
+            name, accelerator = server_dtype(probe[1]["metadata"], probe[1]["hidden_states"].dtype,
+                                             resumed_dtype(cfg), _has_accelerator())
+            dtype = getattr(torch, name)
+        else:
+            accelerator = _has_accelerator()
+            dtype = engine_dtype(accelerator)
         norm = load_submodule(directory, skeleton, norm_name, dtype)
         desc = verifier_desc(cfg.verifier, directory, skeleton, dtype)
         desc["attn_implementation"] = None  # vLLM's choice, not transformers'
         engine = cls(cfg, desc, layers, norm, accelerator, log)
         engine.quantized = getattr(skeleton.config, "quantization_config", None) is not None
-        limit = getattr(text_config(skeleton.config), "max_position_embeddings", None)
-        if limit is not None and packed.longest_segment > int(limit):
-            raise InputError(f"a packed segment has {packed.longest_segment} tokens, more than the verifier's "
-                             f"max_position_embeddings {limit}", file=cfg.packed)
         if cfg.server:
-            engine._connect(directory, packed.tokenizer)
+            engine.server = server
+            engine.base, engine.model, engine.server_storage = server.base, server.model, server.storage
+            engine.record["connector"] = probe[1]["metadata"].get("peagle_connector")
+            engine.check_file(*probe, "the probe request")
+            log(f"server {engine.base}: {engine.model}, capturing layer ids {engine.ids} in {name}")
         else:
             engine._start(directory, accelerator, packed.longest_segment + 1)
         return engine
@@ -259,68 +313,6 @@ class VllmEngine(VerifierEngine):
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [o.kv_transfer_params["hidden_states_path"] for o in outs]
 
-    # ------------------------------------------------------------------ server
-    def _connect(self, directory: Path, table_tokenizer: str | None) -> None:
-        """Check the server before any block: reachable, one model, the pack's tokenizer.
-
-        Raises:
-            InputError: unreachable, not one model, another tokenizer; a probe request's file not
-                written by peagle's connector with this extraction's ids, dtype and no prefix caching
-                (:meth:`check_file`).
-        """
-        self.base = server_base_url(self.cfg.server)
-        models = self._request(self.base + "/models")["data"]
-        if len(models) != 1:
-            raise InputError(f"--server {self.base} serves {len(models)} models; extraction needs one", field="--server")
-        self.model = models[0]["id"]
-        probe = "Hidden states: déjà vu, 3.14159 <tool_call> 你好\n"
-        try:
-            served = self._request(self.base.removesuffix("/v1") + "/tokenize", {"model": self.model, "prompt": probe,
-                                                    "add_special_tokens": False})["tokens"]
-        except InputError as e:
-            raise InputError(f"{e}; extraction checks the server's tokenizer: start it without "
-                             "--skip-tokenizer-init", field="--server") from None
-        tokenizer = load_tokenizer(table_tokenizer or directory)
-        mine = tokenizer(probe, add_special_tokens=False)["input_ids"]
-        if served != mine:
-            raise InputError(f"--server {self.base} serves {self.model}, whose tokenizer is not the packed table's "
-                             f"({table_tokenizer or directory}): {served[:8]}... vs {mine[:8]}...; serve "
-                             "the verifier the table was tokenized for", field="--server")
-        path = self._serve([mine])[0]  # one probe request: its file's metadata before any block
-        data = _take_file(path)
-        self.check_file(path, data, mine, "the probe request")
-        self.log(f"server {self.base}: {self.model}, capturing layer ids {self.ids}")
-
-    def _request(self, url: str, body: dict | None = None) -> dict:
-        """JSON of GET (``body`` None) or POST ``url``.
-
-        Raises:
-            InputError: unreachable, an HTTP error (with the server's message) or not JSON.
-        """
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=SERVER_TIMEOUT_S) as resp:
-                return json.loads(resp.read())
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            detail = e.read().decode(errors="replace")[:300] if isinstance(e, urllib.error.HTTPError) else e
-            raise InputError(f"--server {url}: {detail}", field="--server") from None
-
-    def _serve(self, prompts: list[list[int]]) -> list[str]:
-        def one(p):
-            out = self._request(self.base + "/completions", {"model": self.model, "prompt": p, "max_tokens": 1,
-                                                 "temperature": 0.0})
-            path = (out.get("kv_transfer_params") or {}).get("hidden_states_path")
-            if path is None:
-                raise InputError(f"--server {self.base} returned no hidden_states_path: start it with "
-                                 "the extract_hidden_states speculative config and the hidden-states connector",
-                                 field="--server")
-            self.server_storage = str(Path(path).parent)  # the directory as the server names it
-            return str(Path(self.cfg.shared_storage) / Path(path).name)
-
-        with ThreadPoolExecutor(max_workers=self.cfg.concurrency) as pool:
-            return list(pool.map(one, prompts))
-
     # ------------------------------------------------------------------ features
     def features(self, rows: Iterable[tuple[int, Mapping[str, Any]]]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """One vLLM batch per block, every segment its own request; rows reassembled in block order.
@@ -335,7 +327,7 @@ class VllmEngine(VerifierEngine):
             ids = np.asarray(r["input_ids"], dtype=np.int64)
             spans = _segments(r)
             prompts = [ids[lo:hi].tolist() for lo, hi in spans]
-            paths = self._serve(prompts) if self.base else self._generate(prompts)
+            paths = self.server.serve(prompts) if self.server else self._generate(prompts)
             parts = []
             for (lo, hi), path in zip(spans, paths):
                 data = _take_file(path)
@@ -354,8 +346,10 @@ class VllmEngine(VerifierEngine):
     def check_file(self, path: str, data: Mapping[str, torch.Tensor], prompt: list[int], what: str) -> None:
         """Refuse a hidden-states file that is not exactly this extraction's: written by peagle's connector
         (:mod:`peagle_data.vllm_connector` metadata) for layer ids :attr:`ids` of a verifier with the
-        store's layer count, in the engine dtype, without prefix caching, by the served model (``--server``),
-        for token ids ``prompt``, not quantized at load unless the checkpoint is.
+        store's layer count, in the engine dtype (``--server``: the resumed store's, else the server's), without
+        prefix caching, by the served model (``--server``), for token ids ``prompt``, not quantized at load
+        unless the checkpoint is, with the :data:`EXACT_SERVER` settings at vLLM's defaults (no quantized KV
+        cache, no config overrides). The command named is for the server's platform (its connector class).
 
         Raises:
             InputError: naming the file, the metadata field that differs and the ``vllm serve`` command.
@@ -363,19 +357,26 @@ class VllmEngine(VerifierEngine):
         meta = data["metadata"]
         L = self.desc["num_hidden_layers"]
         where = f"--server {self.base}" if self.base else "vLLM"
+        dtype = str(self.dtype).removeprefix("torch.")
         fix = ("start the server as: " + serve_command(self.model, self.layers, L, self.server_storage or "DIR",
-                                                       self.accelerator) if self.base else
+                                                       self.accelerator, dtype)
+               + f" (and without {', '.join(o for _, o in EXACT_SERVER.values())})" if self.base else
                "peagle started this engine itself, so this is a bug: please report it")
         if "peagle_capture_ids" not in meta:
             raise InputError(f"{what}: {where} wrote {path} without peagle's metadata (which layer ids it holds): "
                              f"it runs vLLM's stock connector, not {CONNECTOR_MODULE}; {fix}", field="--server")
         want = {"peagle_capture_ids": json.dumps(self.ids), "peagle_num_hidden_layers": str(L),
-                "peagle_dtype": str(self.dtype).removeprefix("torch."), "peagle_prefix_caching": "false",
+                "peagle_dtype": dtype, "peagle_prefix_caching": "false",
                 **({"peagle_served_model_name": self.model} if self.base else {})}
         for key, value in want.items():
             if meta.get(key) != value:
                 raise InputError(f"{what}: {where} wrote {path} with {key.removeprefix('peagle_')} "
                                  f"{meta.get(key)}, this extraction needs {value}; {fix}", field="--server")
+        for key, (value, option) in EXACT_SERVER.items():
+            if meta.get(key) != value:
+                raise InputError(f"{what}: {where} wrote {path} with {key.removeprefix('peagle_')} {meta.get(key)} "
+                                 f"({option}), this extraction needs {value}: it changes the verifier's numerics "
+                                 f"while the hidden states keep their dtype; {fix}", field="--server")
         if not self.quantized and meta.get("peagle_quantization") != "None":
             raise InputError(f"{what}: {where} wrote {path} with quantization {meta.get('peagle_quantization')}, "
                              "but the verifier's checkpoint is not quantized (its numerics are not the "
@@ -390,6 +391,77 @@ class VllmEngine(VerifierEngine):
             self.llm = None
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class _ServerProbe:
+    """A running ``vllm serve`` (``--server``): its URL, the one model it serves, the directory its
+    connector writes into (as the server names it) and the requests."""
+
+    def __init__(self, cfg: ExtractConfig, ids: list[int]):
+        self.cfg, self.ids = cfg, ids
+        self.base = server_base_url(cfg.server)
+        self.model: str | None = None
+        self.storage: str | None = None
+
+    def connect(self, directory: Path, table_tokenizer: str | None) -> tuple[str, dict[str, Any], list[int]]:
+        """Check the server before any block and the weights: reachable, one model, the pack's tokenizer;
+        then one probe request, whose file is returned (``(path, data, prompt)``, :func:`_take_file`)
+        for :meth:`VllmEngine.check_file` once the dtype is decided (:func:`server_dtype`).
+
+        Raises:
+            InputError: unreachable, not one model, another tokenizer, no hidden-states file.
+        """
+        models = self.request(self.base + "/models")["data"]
+        if len(models) != 1:
+            raise InputError(f"--server {self.base} serves {len(models)} models; extraction needs one",
+                             field="--server")
+        self.model = models[0]["id"]
+        probe = "Hidden states: déjà vu, 3.14159 <tool_call> 你好\n"
+        try:
+            served = self.request(self.base.removesuffix("/v1") + "/tokenize", {"model": self.model, "prompt": probe,
+                                                   "add_special_tokens": False})["tokens"]
+        except InputError as e:
+            raise InputError(f"{e}; extraction checks the server's tokenizer: start it without "
+                             "--skip-tokenizer-init", field="--server") from None
+        tokenizer = load_tokenizer(table_tokenizer or directory)
+        mine = tokenizer(probe, add_special_tokens=False)["input_ids"]
+        if served != mine:
+            raise InputError(f"--server {self.base} serves {self.model}, whose tokenizer is not the packed table's "
+                             f"({table_tokenizer or directory}): {served[:8]}... vs {mine[:8]}...; serve "
+                             "the verifier the table was tokenized for", field="--server")
+        path = self.serve([mine])[0]  # one probe request: its file's metadata before any block
+        return path, _take_file(path), mine
+
+    def request(self, url: str, body: dict | None = None) -> dict:
+        """JSON of GET (``body`` None) or POST ``url``.
+
+        Raises:
+            InputError: unreachable, an HTTP error (with the server's message) or not JSON.
+        """
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=SERVER_TIMEOUT_S) as resp:
+                return json.loads(resp.read())
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            detail = e.read().decode(errors="replace")[:300] if isinstance(e, urllib.error.HTTPError) else e
+            raise InputError(f"--server {url}: {detail}", field="--server") from None
+
+    def serve(self, prompts: list[list[int]]) -> list[str]:
+        """The local paths (under ``--shared-storage``) of the files of one request per prompt."""
+        def one(p):
+            out = self.request(self.base + "/completions", {"model": self.model, "prompt": p, "max_tokens": 1,
+                                                "temperature": 0.0})
+            path = (out.get("kv_transfer_params") or {}).get("hidden_states_path")
+            if path is None:
+                raise InputError(f"--server {self.base} returned no hidden_states_path: start it with "
+                                 "the extract_hidden_states speculative config and the hidden-states connector",
+                                 field="--server")
+            self.storage = str(Path(path).parent)  # the directory as the server names it
+            return str(Path(self.cfg.shared_storage) / Path(path).name)
+
+        with ThreadPoolExecutor(max_workers=self.cfg.concurrency) as pool:
+            return list(pool.map(one, prompts))
 
 
 def _take_file(path: str) -> dict[str, Any]:

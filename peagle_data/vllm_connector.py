@@ -35,7 +35,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 __all__ = ["CpuHiddenStatesConnector", "HiddenStatesConnector", "META_KEYS", "provenance"]
 
 META_KEYS = ("peagle_capture_ids", "peagle_model", "peagle_served_model_name", "peagle_dtype",
-             "peagle_prefix_caching", "peagle_num_hidden_layers", "peagle_quantization")
+             "peagle_prefix_caching", "peagle_num_hidden_layers", "peagle_quantization", "peagle_kv_cache_dtype",
+             "peagle_hf_overrides", "peagle_model_class_overrides",
+             "peagle_disable_sliding_window", "peagle_connector")
 """The safetensors metadata keys every file carries (strings; ids and flags as JSON)."""
 
 
@@ -47,7 +49,16 @@ def provenance(vllm_config) -> dict[str, str]:
     path or name vLLM loaded; ``peagle_served_model_name``: the name the server lists; ``peagle_dtype``:
     the compute dtype (``"float32"``, ``"bfloat16"``, ...); ``peagle_prefix_caching``: ``"true"`` or
     ``"false"``; ``peagle_num_hidden_layers``: the verifier's decoder layers; ``peagle_quantization``: vLLM's
-    quantization method (``"None"`` if unquantized).
+    quantization method (``"None"`` if unquantized); ``peagle_kv_cache_dtype``: the verifier's KV cache
+    dtype (``--kv-cache-dtype``: ``"auto"`` or a quantized one such as ``"fp8"``; vLLM's
+    ``extract_hidden_states`` resets only its own hidden-states cache to ``"auto"``, so the captured
+    tensor keeps the compute dtype while the verifier's attention reads a quantized cache);
+    ``peagle_hf_overrides``:
+    ``--hf-overrides`` as sorted JSON (``"{}"`` if none; rope scaling and every other config override
+    arrive there), or ``"callable NAME"``; ``peagle_model_class_overrides``: sorted JSON;
+    ``peagle_disable_sliding_window``: ``"true"``/``"false"``. The connector adds ``peagle_connector``,
+    its class name (``HiddenStatesConnector`` on an accelerator, ``CpuHiddenStatesConnector``), which
+    names the server's platform.
     """
     mc = vllm_config.model_config
     ids = getattr(vllm_config.speculative_config.draft_model_config.hf_config, "eagle_aux_hidden_state_layer_ids", [])
@@ -57,7 +68,18 @@ def provenance(vllm_config) -> dict[str, str]:
             "peagle_served_model_name": str(served or mc.model), "peagle_dtype": str(mc.dtype).replace("torch.", ""),
             "peagle_prefix_caching": json.dumps(bool(vllm_config.cache_config.enable_prefix_caching)),
             "peagle_num_hidden_layers": str(mc.hf_text_config.num_hidden_layers),
-            "peagle_quantization": str(mc.quantization)}
+            "peagle_quantization": str(mc.quantization),
+            "peagle_kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
+            "peagle_hf_overrides": _overrides_json(mc.hf_overrides),
+            "peagle_model_class_overrides": _overrides_json(getattr(mc, "model_class_overrides", None)),
+            "peagle_disable_sliding_window": json.dumps(bool(mc.disable_sliding_window))}
+
+
+def _overrides_json(overrides) -> str:
+    """A config override (a dict, a callable or None) as a string: sorted JSON, ``"{}"`` if empty."""
+    if callable(overrides):
+        return f"callable {getattr(overrides, '__qualname__', repr(overrides))}"
+    return json.dumps(overrides or {}, sort_keys=True, default=str)
 
 
 class HiddenStatesConnector(ExampleHiddenStatesConnector):
@@ -65,7 +87,7 @@ class HiddenStatesConnector(ExampleHiddenStatesConnector):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._provenance = provenance(self._vllm_config)
+        self._provenance = {**provenance(self._vllm_config), "peagle_connector": type(self).__name__}
 
     def _write_tensors(self, tensors: dict[str, torch.Tensor], event, filename: str, lock_fd: int | None) -> None:
         """Writer thread: wait for the copy, write the file with metadata, release the lock (the parent's

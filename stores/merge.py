@@ -322,6 +322,11 @@ def merge_stores(paths: list[str | os.PathLike], output: str | os.PathLike, forc
         if _engine_name(s) != _engine_name(first):
             raise StoreMismatchError(f"{s.path}: extracted with --engine {_engine_name(s)}, {first.path} with "
                                      f"--engine {_engine_name(first)}; a store's blocks come from one engine")
+        dtypes = [x.attrs["verifier"].get("dtype") for x in (s, first)]
+        if dtypes[0] != dtypes[1]:
+            raise StoreMismatchError(f"{s.path}: features computed in {dtypes[0]}, {first.path}'s in {dtypes[1]} "
+                                     "(servers or devices of other dtypes); a merged store's blocks come from one "
+                                     "compute dtype: extract the shards again with one")
         if s.attrs["verifier"] != first.attrs["verifier"]:
             raise StoreMismatchError(f"{s.path}: made with another verifier than {first.path}")
     return _write_merged_store(stores, output, force)

@@ -76,7 +76,8 @@ def _all_options() -> set[str]:
 #: flags of other tools that messages quote (pip, click, accelerate launch, vllm serve) and a placeholder in a docstring
 FOREIGN = {"--no-deps", "--force-reinstall", "--help", "--num_processes", "--multi_gpu", "--cpu", "--option",
            "--data-parallel-size", "--kv-transfer-config", "--no-enable-prefix-caching", "--skip-tokenizer-init",
-           "--speculative-config", "--dtype"}
+           "--speculative-config", "--dtype", "--kv-cache-dtype", "--hf-overrides", "--model-class-overrides",
+           "--disable-sliding-window"}
 
 
 def test_every_option_the_code_names_exists():

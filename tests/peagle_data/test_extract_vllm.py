@@ -350,8 +350,14 @@ def test_server_with_the_stock_connector_is_refused(tmp_path, server_model):
 
 GOOD_META = {"peagle_capture_ids": "[1, 2]", "peagle_model": "/m", "peagle_served_model_name": "/m",
              "peagle_dtype": "float32", "peagle_prefix_caching": "false", "peagle_num_hidden_layers": "2",
-             "peagle_quantization": "None"}
+             "peagle_quantization": "None", "peagle_kv_cache_dtype": "auto", "peagle_hf_overrides": "{}",
+             "peagle_model_class_overrides": "{}", "peagle_disable_sliding_window": "false",
+             "peagle_connector": "CpuHiddenStatesConnector"}
 """The metadata peagle's CPU connector writes for a float32 2-layer verifier served as ``/m`` capturing 1, 2."""
+
+EXACT_FIX = (" (and without --kv-cache-dtype, --hf-overrides (rope scaling included), --model-class-overrides, "
+             "--disable-sliding-window)")
+"""The end of every ``--server`` refusal: the options the serve line leaves at vLLM's defaults."""
 
 
 @pytest.mark.vllm
@@ -363,6 +369,16 @@ GOOD_META = {"peagle_capture_ids": "[1, 2]", "peagle_model": "/m", "peagle_serve
     ({"peagle_served_model_name": "/other"}, "with served_model_name /other, this extraction needs /m"),
     ({"peagle_num_hidden_layers": "3"}, "with num_hidden_layers 3, this extraction needs 2"),
     ({"peagle_quantization": "fp8"}, "with quantization fp8, but the verifier's checkpoint is not quantized"),
+    ({"peagle_kv_cache_dtype": "fp8"}, "with kv_cache_dtype fp8 (--kv-cache-dtype), this extraction needs auto: "
+                                       "it changes the verifier's numerics while the hidden states keep their dtype"),
+    ({"peagle_hf_overrides": '{"rope_scaling": {"factor": 2.0, "rope_type": "linear"}}'},
+     'with hf_overrides {"rope_scaling": {"factor": 2.0, "rope_type": "linear"}} (--hf-overrides (rope scaling '
+     "included)), this extraction needs {}"),
+    ({"peagle_model_class_overrides": '{"LlamaForCausalLM": "x.Y"}'},
+     'with model_class_overrides {"LlamaForCausalLM": "x.Y"} (--model-class-overrides), this extraction needs {}'),
+    ({"peagle_disable_sliding_window": "true"},
+     "with disable_sliding_window true (--disable-sliding-window), this extraction needs false"),
+    ({"peagle_kv_cache_dtype": None}, "with kv_cache_dtype None (--kv-cache-dtype), this extraction needs auto"),
 ])
 def test_file_metadata_other_than_the_extraction_is_refused(tmp_path, change, message):
     """Each field the server decides, in a file as the connector writes it (the real servers above cover
@@ -377,8 +393,9 @@ def test_file_metadata_other_than_the_extraction_is_refused(tmp_path, change, me
     engine.base, engine.model, engine.server_storage = "http://h:1/v1", "/m", "/srv/hs"
     path = str(tmp_path / "r.safetensors")
     data = {"hidden_states": torch.zeros(3, 2, 8), "token_ids": torch.tensor([5, 6, 7])}
-    save_file(data, path, metadata={**GOOD_META, **change})
-    data["metadata"] = {**GOOD_META, **change}
+    meta = {k: v for k, v in {**GOOD_META, **change}.items() if v is not None}  # None: a file of an older peagle
+    save_file(data, path, metadata=meta)
+    data["metadata"] = meta
     if message is None:
         engine.check_file(path, data, [5, 6, 7], "block 0")
         with pytest.raises(InputError, match="other token ids"):
@@ -388,7 +405,81 @@ def test_file_metadata_other_than_the_extraction_is_refused(tmp_path, change, me
         engine.check_file(path, data, [5, 6, 7], "block 0")
     assert str(e.value).startswith(f"field '--server': block 0: --server http://h:1/v1 wrote {path} ")
     assert message in str(e.value)
-    assert str(e.value).endswith("; start the server as: " + serve_command("/m", [1, 2], 2, "/srv/hs", False))
+    assert str(e.value).endswith("; start the server as: " + serve_command("/m", [1, 2], 2, "/srv/hs", False)
+                                 + EXACT_FIX)
+
+
+GPU_LINE = ("vllm serve /m --dtype bfloat16 --no-enable-prefix-caching --speculative-config "
+            "'{\"method\":\"extract_hidden_states\",\"num_speculative_tokens\":1,\"draft_model_config\":{\"hf_config\":"
+            "{\"eagle_aux_hidden_state_layer_ids\":[1,2]}}}' --kv-transfer-config "
+            "'{\"kv_connector\":\"HiddenStatesConnector\","
+            "\"kv_connector_module_path\":\"peagle_data.vllm_connector\",\"kv_role\":\"kv_producer\","
+            "\"kv_connector_extra_config\":{\"shared_storage_path\":\"/srv/hs\"}}'")
+"""The serve line of a GPU server (bf16, peagle's GPU connector) capturing ids 1, 2 into ``/srv/hs``."""
+
+
+@pytest.mark.vllm
+def test_a_gpu_servers_files_from_a_cpu_client(tmp_path):
+    """A CPU client of a GPU server (bf16, ``HiddenStatesConnector``) computes in the server's dtype
+    (:func:`server_dtype`): the server's files pass, and a refusal names the GPU server's line, not
+    this machine's float32 / ``CpuHiddenStatesConnector`` one."""
+    from safetensors.torch import save_file
+
+    from peagle_data.extract_vllm import VllmEngine, server_dtype
+
+    gpu = {**GOOD_META, "peagle_dtype": "bfloat16", "peagle_connector": "HiddenStatesConnector"}
+    dtype, accelerator = server_dtype(gpu, torch.bfloat16, None, False)  # a new store, this machine a CPU
+    assert (dtype, accelerator) == ("bfloat16", True)
+    cfg = ExtractConfig(packed="p", verifier="v", output="o", engine="vllm", server="http://h:1",
+                        shared_storage=str(tmp_path))
+    engine = VllmEngine(cfg, {"num_hidden_layers": 2, "dtype": dtype}, [1, 2], torch.nn.Identity(), accelerator, print)
+    engine.base, engine.model, engine.server_storage = "http://h:1/v1", "/m", "/srv/hs"
+    path = str(tmp_path / "r.safetensors")
+    data = {"hidden_states": torch.zeros(3, 2, 8, dtype=torch.bfloat16), "token_ids": torch.tensor([5, 6, 7])}
+    save_file(data, path, metadata=gpu)
+    engine.check_file(path, {**data, "metadata": gpu}, [5, 6, 7], "the probe request")
+    with pytest.raises(InputError) as e:
+        engine.check_file(path, {**data, "metadata": {**gpu, "peagle_kv_cache_dtype": "fp8"}}, [5, 6, 7], "block 0")
+    assert str(e.value) == (f"field '--server': block 0: --server http://h:1/v1 wrote {path} with kv_cache_dtype fp8 "
+                            "(--kv-cache-dtype), this extraction needs auto: it changes the verifier's numerics while "
+                            f"the hidden states keep their dtype; start the server as: {GPU_LINE}{EXACT_FIX}")
+
+
+@pytest.mark.parametrize("meta,file_dtype,store,here,expected", [
+    ({"peagle_dtype": "bfloat16", "peagle_connector": "HiddenStatesConnector"}, torch.bfloat16, None, False,
+     ("bfloat16", True)),  # a new store: the GPU server's dtype and platform, not the CPU client's
+    ({"peagle_dtype": "float32", "peagle_connector": "CpuHiddenStatesConnector"}, torch.float32, "bfloat16", True,
+     ("bfloat16", False)),  # resuming a bf16 store: the store's dtype, the CPU server's platform
+    ({}, torch.float16, None, True, ("float16", True)),  # vLLM's stock connector: the file's dtype, this platform
+])
+def test_server_dtype_is_the_stores_else_the_servers(meta, file_dtype, store, here, expected):
+    from peagle_data.extract_vllm import server_dtype
+
+    assert server_dtype(meta, file_dtype, store, here) == expected
+
+
+@pytest.mark.vllm
+def test_connector_metadata_of_a_real_vllm_config(tmp_path):
+    """:func:`provenance` of the ``VllmConfig`` vLLM builds (no engine start): a server of the printed
+    options has :data:`EXACT_SERVER`'s defaults; ``--kv-cache-dtype fp8`` and ``--hf-overrides`` show."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from peagle_data.extract_vllm import EXACT_SERVER, connector_config, speculative_config
+    from peagle_data.vllm_connector import provenance
+
+    model = save_family("llama31", tmp_path / "m", overrides=VLLM_CPU_SHAPE)
+    base = dict(model=str(model), skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=64,
+                enable_prefix_caching=False, speculative_config=speculative_config([1, 2]),
+                kv_transfer_config=connector_config(str(tmp_path), False))
+    plain = provenance(EngineArgs(**base).create_engine_config())
+    assert plain == {**{k: v for k, v in GOOD_META.items() if k != "peagle_connector"},
+                     "peagle_model": str(model), "peagle_served_model_name": str(model)}
+    assert {k: plain[k] for k in EXACT_SERVER} == {k: v for k, (v, _) in EXACT_SERVER.items()}
+    changed = provenance(EngineArgs(**base, kv_cache_dtype="fp8", hf_overrides={"rope_theta": 5.0},
+                                    disable_sliding_window=True).create_engine_config())
+    assert {k: changed[k] for k in EXACT_SERVER} == {
+        "peagle_kv_cache_dtype": "fp8", "peagle_hf_overrides": '{"rope_theta": 5.0}',
+        "peagle_model_class_overrides": "{}", "peagle_disable_sliding_window": "true"}
 
 
 def _config_dir(tmp_path: Path, name: str, config: dict) -> Path:
@@ -434,6 +525,9 @@ def test_bad_options_are_refused_before_the_engine_starts(tmp_path):
     offset = write_packed(tmp_path / "offset", n_blocks=2, vocab=512, offset=3)
     with pytest.raises(InputError, match="packed block 0, segment 1: position ids do not start at 0"):
         run_extract(ExtractConfig(**{**base, "packed": str(offset)}, layers=[1]), progress=False)
+    with pytest.raises(InputError, match="packed block 1, segment 1: position ids"):  # the table's, not the shard's 0
+        run_extract(ExtractConfig(**{**base, "packed": str(offset)}, layers=[1], num_shards=2, shard_index=1),
+                    progress=False)
     with pytest.raises(InputError, match="127.0.0.1:9"):  # nothing listens: named before any block
         run_extract(ExtractConfig(**base, layers=[1], server="http://127.0.0.1:9", shared_storage=str(tmp_path)),
                     progress=False)
@@ -479,3 +573,27 @@ def test_resume_with_another_engine_is_refused(tmp_path):
     with pytest.raises(InputError, match="--engine: the store's vllm, given hf"):
         run_extract(ExtractConfig(packed=str(packed), verifier=str(model), output=str(out), layers=[1],
                                   device="cpu", resume=True), progress=False)
+
+
+@pytest.mark.vllm
+def test_server_resume_takes_the_stores_dtype_not_this_machines(tmp_path):
+    """A CPU client resuming a store a GPU server began (bf16): no refusal for this machine's float32
+    before the server is reached; the store's dtype is what the server must compute in."""
+    from peagle_data.extract_store import resumed_dtype
+
+    model = save_family("llama31", tmp_path / "m", overrides=VLLM_CPU_SHAPE)
+    packed = write_packed(tmp_path / "packed", n_blocks=2, vocab=512)
+    out = tmp_path / "f.zarr"
+    run_extract(ExtractConfig(packed=str(packed), verifier=str(model), output=str(out), layers=[1], device="cpu",
+                              max_blocks=1), progress=False)
+    store = FeatureStore.open(out, mode="r+")
+    store.update_attrs(engine={"name": "vllm", "dtype": "bfloat16"},  # as a GPU server's first client records it
+                       verifier={**store.attrs["verifier"], "dtype": "bfloat16"})
+    cfg = ExtractConfig(packed=str(packed), verifier=str(model), output=str(out), layers=[1], engine="vllm",
+                        server="http://127.0.0.1:9", shared_storage=str(tmp_path), resume=True)
+    assert resumed_dtype(cfg) == "bfloat16"
+    assert resumed_dtype(ExtractConfig(**{**cfg.__dict__, "resume": False})) is None
+    assert resumed_dtype(ExtractConfig(**{**cfg.__dict__, "output": str(tmp_path / "none.zarr")})) is None
+    with pytest.raises(InputError) as e:
+        run_extract(cfg, progress=False)
+    assert str(e.value).startswith("field '--server': --server http://127.0.0.1:9/v1/models: ")

@@ -123,6 +123,14 @@ def test_extract_shards_merge_into_the_unsharded_store(tmp_path, tiny_verifier_d
     with pytest.raises(StoreMismatchError, match="a store's blocks come from one engine"):
         merge_stores(parts, tmp_path / "z.zarr")
     FeatureStore.open(parts[1], mode="r+").update_attrs(engine={"name": "hf"})
+    verifier = FeatureStore.open(parts[1]).attrs["verifier"]
+    FeatureStore.open(parts[1], mode="r+").update_attrs(verifier={**verifier, "dtype": "bfloat16"})  # a GPU server's
+    with pytest.raises(StoreMismatchError) as e:
+        merge_stores(parts, tmp_path / "z.zarr")
+    assert str(e.value) == (f"{parts[1]}: features computed in bfloat16, {parts[0]}'s in float32 (servers or devices "
+                            "of other dtypes); a merged store's blocks come from one compute dtype: extract the "
+                            "shards again with one")
+    FeatureStore.open(parts[1], mode="r+").update_attrs(verifier=verifier)
     with pytest.raises(InputError, match=r"missing shard index \[1\]"):
         merge_stores([parts[0]], tmp_path / "x.zarr")
     FeatureStore.open(parts[1], mode="r+").clear_done(0)
