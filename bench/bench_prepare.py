@@ -25,9 +25,10 @@ import itertools
 import json
 import time
 
-from peagle_data.chat import render_rows, tokenize_rendered
-from peagle_data.prepare import CHUNK_CONVERSATIONS
-from peagle_data.readers import Conversation, read_conversations
+from peagle_data.chat.masks import render_rows, tokenize_rendered
+from peagle_data.prepare.config import CHUNK_CONVERSATIONS
+from peagle_data.readers.conversations import read_conversations
+from peagle_data.readers.rows import Conversation
 from stores.model_cache import load_tokenizer
 
 

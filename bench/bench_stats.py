@@ -27,8 +27,8 @@ CHILD = r"""
 import json, resource, sys, time
 t0 = time.perf_counter()
 import polars, matplotlib  # noqa: F401
-from peagle_data.stats import collect_stats
-from peagle_data.stats_plot import plot_stats
+from peagle_data.inspect.stats import collect_stats
+from peagle_data.inspect.stats_plot import plot_stats
 if sys.argv[1] != "-":
     s = collect_stats(sys.argv[1], max_seq_len=int(sys.argv[3]) if sys.argv[3] != "-" else None)
     plot_stats(s, sys.argv[2], force=True)

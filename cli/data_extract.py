@@ -8,7 +8,8 @@ import click
 from cli.common import OutputPath, config_error, echo_json, handle_errors
 from cli.options import config_file_options, config_options, run_config
 from peagle_data.extract import ATTN_IMPLEMENTATIONS, ENGINES, ExtractConfig
-from peagle_data.tool_configs import InspectConfig, VerifyConfig
+import peagle_data.inspect.verify
+from peagle_data.inspect.verify import InspectConfig, VerifyConfig
 from stores.feature_store import STORAGE_DTYPES
 
 __all__ = ["extract", "inspect_cmd", "verify"]
@@ -50,11 +51,9 @@ def extract(**options):
 @handle_errors
 def inspect_cmd(**options):
     """Describe a token table or a feature store, as JSON."""
-    from peagle_data.verify import inspect_output
-
     with config_error():
         cfg = InspectConfig(**options)
-    echo_json(inspect_output(cfg.path))  # JSON, like verify: scripts parse it
+    echo_json(peagle_data.inspect.verify.inspect_output(cfg.path))  # JSON, like verify: scripts parse it
 
 
 @click.command()
@@ -68,11 +67,9 @@ def verify(**options):
     STORE may also be a token table: its totals and unique row sources / window ids, and for a
     table made by `peagle-data merge` the union of its shards.
     """
-    from peagle_data.verify import verify_output
-
     with config_error():
         cfg = VerifyConfig(**options)
-    report, failure = verify_output(cfg.store, packed=cfg.packed, repair=cfg.repair)
+    report, failure = peagle_data.inspect.verify.verify_output(cfg.store, packed=cfg.packed, repair=cfg.repair)
     echo_json(report)
     if failure is not None:
         click.echo(f"Error: {failure}", err=True)

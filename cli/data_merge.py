@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import click
 
+import stores.merge
 from cli.common import OutputPath, config_error, echo_json, handle_errors
 from cli.options import config_file_options, config_options
-from peagle_data.tool_configs import MergeConfig
+from stores.errors import InputError
 
-__all__ = ["merge"]
+__all__ = ["MergeConfig", "merge"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MergeConfig:
+    """Which shard outputs ``peagle-data merge`` joins, and where."""
+
+    shards: Sequence[str]
+    """The N shard outputs (shard_index 0..N-1 of num_shards N) of one tokenize, pack or extract run: all
+    token tables or all feature stores, each given once."""
+    output: str
+    """The merged token table or feature store (must not exist unless --force)."""
+    force: bool = field(default=False, metadata={"action": True})
+    """Overwrite an existing output."""
 
 
 @click.command()
@@ -33,18 +49,14 @@ def merge(**options):
 
 def _merge(cfg: MergeConfig) -> None:
     """Merge feature stores (print the JSON summary) or token tables (print their counts)."""
-    from stores.merge import merge_stores, merge_tables
-
     if _all_stores(cfg.shards):
-        echo_json(merge_stores(list(cfg.shards), cfg.output, force=cfg.force))
+        echo_json(stores.merge.merge_stores(list(cfg.shards), cfg.output, force=cfg.force))
     else:
-        _echo_table_merge(merge_tables(list(cfg.shards), cfg.output, force=cfg.force), cfg.output)
+        _echo_table_merge(stores.merge.merge_tables(list(cfg.shards), cfg.output, force=cfg.force), cfg.output)
 
 
 def _all_stores(shards) -> bool:
     """True for feature stores, False for token tables; InputError for a mix."""
-    from stores.errors import InputError
-
     is_store = [(Path(s) / "zarr.json").is_file() for s in shards]
     if any(is_store) and not all(is_store):
         raise InputError("merge SHARDs must be all token tables or all feature stores, not a mix")

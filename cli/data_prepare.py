@@ -10,9 +10,18 @@ from click.core import ParameterSource
 
 from cli.common import OutputPath, config_error, handle_errors
 from cli.options import FROM_CONFIG_FILE, config_file_options, config_options, run_config
-from peagle_data.prepare import DROPPED_CONTENT, HISTORY_REWRITE, PackConfig, PackRun, TokenizeConfig, TokenizeRun
-from peagle_data.readers import FORMATS
-from peagle_data.windows import OVERLAP_LOSS
+from peagle_data.prepare.config import (
+    DROPPED_CONTENT,
+    HISTORY_REWRITE,
+    PackConfig,
+    PackRun,
+    TokenizeConfig,
+    TokenizeRun,
+)
+from peagle_data.prepare.pack import run_pack
+from peagle_data.prepare.tokenizing import run_tokenize
+from peagle_data.prepare.windows import OVERLAP_LOSS
+from peagle_data.readers.rows import FORMATS
 
 __all__ = ["tokenize", "pack"]
 
@@ -126,8 +135,6 @@ def tokenize(**options):
     (.yaml/.toml: sources with weights or row limits, see the README). Rejected rows go to
     rejects.jsonl as FILE:N (N counts lines/rows from 1). Exits 1 with a warning when no row is used.
     """
-    from peagle_data.prepare import run_tokenize
-
     run = TokenizeRun(**_run_fields(options), settings=_tokenize_config(options))
     summary = run_tokenize(run, config=run_config())
     _echo_summary(summary)
@@ -148,8 +155,6 @@ def pack(**options):
     names them if given).
     Exits 1 with a warning when no row is used or no block is written.
     """
-    from peagle_data.prepare import run_pack
-
     run = PackRun(**_run_fields(options), settings=_pack_config(options))
     summary = run_pack(run, explicit=_explicit_tokenize_fields(click.get_current_context()), config=run_config())
     _echo_summary(summary)

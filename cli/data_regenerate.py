@@ -1,8 +1,8 @@
 """``peagle-data regenerate``: options -> a back end config and a run config -> one library call.
 
-The options are the fields of :class:`~peagle_data.regenerate.RegenerateRun` (INPUT, --output,
---resume, --force), of its ``settings`` (:class:`~peagle_data.regenerate.RegenerateConfig`) and of
-its ``backend`` (:class:`~peagle_data.verifier_backends.BackendConfig`) (cli/options.py).
+The options are the fields of :class:`~peagle_data.regenerate.run.RegenerateRun` (INPUT, --output,
+--resume, --force), of its ``settings`` (:class:`~peagle_data.regenerate.run.RegenerateConfig`) and of
+its ``backend`` (:class:`~peagle_data.regenerate.backends.BackendConfig`) (cli/options.py).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import click
 
 from cli.common import OutputPath, config_error, handle_errors
 from cli.options import config_file_options, config_options, run_config
-from peagle_data.readers import FORMATS
-from peagle_data.regenerate import ON_DROPPED, ON_TRUNCATED, TURNS, RegenerateConfig, RegenerateRun
-from peagle_data.verifier_backends import SERVER_KINDS, BackendConfig
+from peagle_data.readers.rows import FORMATS
+from peagle_data.regenerate.backends import SERVER_KINDS, BackendConfig
+from peagle_data.regenerate.run import ON_DROPPED, ON_TRUNCATED, TURNS, RegenerateConfig, RegenerateRun, run_regenerate
 
 __all__ = ["regenerate"]
 
@@ -91,8 +91,6 @@ def regenerate(inputs, output, resume, force, **options):
     and tool messages and tools are kept; tool-calling assistant turns are kept as they are. Rows
     that cannot be regenerated go to OUT.rejects.jsonl with the reason. Exits 1 when no row is written.
     """
-    from peagle_data.regenerate import run_regenerate
-
     with config_error():
         run = RegenerateRun(inputs=list(inputs), output=output, resume=resume, force=force,
                             settings=RegenerateConfig(**_split(options, RegenerateConfig)),

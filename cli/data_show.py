@@ -7,7 +7,8 @@ import click
 
 from cli.common import OutputPath, config_error, handle_errors
 from cli.options import config_file_options, config_options
-from peagle_data.tool_configs import COLORS, ShowConfig
+import peagle_data.inspect.show
+from peagle_data.inspect.show import COLORS, ShowConfig
 
 __all__ = ["show"]
 
@@ -33,11 +34,9 @@ def show(**options):
     Segment boundaries (the windows packed into a block; a row's system prefix) get their own
     line, and the decoded text of every supervised span is listed after the tokens.
     """
-    from peagle_data.show import show as show_text
-
     with config_error():
         c = ShowConfig(**options)
     use_color = c.color == "always" or (c.color == "auto" and sys.stdout.isatty())
-    click.echo(show_text(c.path, c.row, c.block, c.item_id, c.tokenizer, use_color, c.html, c.force), color=use_color)
+    click.echo(peagle_data.inspect.show.show(c.path, c.row, c.block, c.item_id, c.tokenizer, use_color, c.html, c.force), color=use_color)
     if c.html is not None:
         click.echo(f"html: {c.html}", err=True)

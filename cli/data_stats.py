@@ -6,8 +6,9 @@ import click
 
 from cli.common import OutputPath, config_error, echo_json, handle_errors
 from cli.options import config_file_options, config_options
-from peagle_data.stats_plot import PLOT_SUFFIXES
-from peagle_data.tool_configs import StatsConfig
+import peagle_data.inspect.stats
+from peagle_data.inspect.stats import StatsConfig, format_stats
+from peagle_data.inspect.stats_plot import PLOT_SUFFIXES, check_plot_output, plot_stats
 
 __all__ = ["stats"]
 
@@ -31,20 +32,16 @@ def stats(**options):
     conversation, per-source breakdown, packing efficiency. Streams the Parquet files (polars lazy
     scans), so memory stays flat however many rows there are.
     """
-    from peagle_data.stats import collect_stats
-    from peagle_data.stats_plot import check_plot_output, plot_stats
     with config_error():
         cfg = StatsConfig(**options)
     if cfg.png:  # before the scan: an existing plot is refused at once
         check_plot_output(cfg.png, cfg.force)
-    result = collect_stats(cfg.path, max_seq_len=cfg.max_seq_len, overlap=cfg.overlap)
+    result = peagle_data.inspect.stats.collect_stats(cfg.path, max_seq_len=cfg.max_seq_len, overlap=cfg.overlap)
     _echo_stats(result, cfg.json, cfg.png and plot_stats(result, cfg.png, force=cfg.force))
 
 
 def _echo_stats(result: dict, as_json: bool, png=None) -> None:
     """Print the statistics as JSON or as text (and where the plot ``png`` went, if one was written)."""
-    from peagle_data.stats import format_stats
-
     if png:
         result["png"] = str(png)
     if as_json:

@@ -36,7 +36,7 @@ from peagle_data.extract_store import (
 from peagle_data.extract_engine import PackedFacts, VerifierEngine
 from peagle_data.extract_hf import HfEngine
 from peagle_data.extract_vllm import VllmEngine
-from peagle_data.shards import check_shard
+from peagle_data.prepare.shards import check_shard
 from peagle_data.verifier_forward import (
     check_packable,
     default_layers,

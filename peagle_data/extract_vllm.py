@@ -50,7 +50,7 @@ from safetensors import safe_open
 
 from peagle_data.extract_engine import PackedFacts, VerifierEngine
 from peagle_data.extract_store import resumed_dtype, verifier_desc
-from peagle_data.verifier_backends import server_base_url
+from peagle_data.regenerate.backends import server_base_url
 from peagle_data.verifier_forward import language_model
 from stores.errors import InputError, MissingDependencyError
 from stores.model_cache import load_submodule, load_tokenizer, verifier_skeleton

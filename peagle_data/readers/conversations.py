@@ -1,4 +1,4 @@
-"""Conversation readers: files, globs and the ``sharegpt`` alias -> normalised OpenAI messages.
+"""Reading conversations: files, globs and the ``sharegpt`` alias -> normalised OpenAI messages.
 
 Every input row becomes either a :class:`Conversation` (OpenAI messages with roles ``system``,
 ``developer``, ``user``, ``assistant``, ``tool``) or a :class:`Reject` (the row's ``file:row`` source and a
@@ -37,7 +37,7 @@ Normalisation rules (documented decisions):
   list of parts: text parts (``text``, ``input_text``, ``output_text``, ``refusal``, bare strings) are
   kept as parts (one part as its string; a tool message's parts joined with ``"\\n"``), and the chat
   template gets them as vLLM passes them: joined with ``"\\n"`` for a string-content template, as the
-  list for one that loops over content (:mod:`peagle_data.chat_render`); ``reasoning`` parts become
+  list for one that loops over content (:mod:`peagle_data.chat.template`); ``reasoning`` parts become
   ``reasoning_content``, ``tool_call`` parts become ``tool_calls`` entries;
 - a bare tool schema ``{"name", "description", "parameters"}`` in ``tools`` is wrapped as
   ``{"type": "function", "function": ...}``, the form a client sends to vLLM (``tool_schemas_wrapped``);
@@ -71,8 +71,9 @@ Normalisation rules (documented decisions):
 - a conversation whose only assistant turns were leading ones is rejected ("only a leading
   assistant turn (dropped)").
 
-Modules: :mod:`.rows` (what a row becomes), :mod:`.inputs` (INPUT arguments, ids),
-:mod:`.formats` (one reader per file format), :mod:`.normalize` (OpenAI/ShareGPT -> messages).
+Modules of :mod:`peagle_data.readers`: :mod:`.rows` (what a row becomes), :mod:`.inputs` (INPUT
+arguments, ids), :mod:`.formats` (one reader per file format), :mod:`.normalize` (OpenAI/ShareGPT ->
+messages), this module (:func:`read_conversations`, the stream of all of them).
 """
 
 from __future__ import annotations
@@ -82,36 +83,11 @@ from typing import Iterator, Sequence
 
 from peagle_data.readers.formats import iter_records
 from peagle_data.readers.inputs import UniqueIds, id_stems, resolve_inputs
-from peagle_data.readers.normalize import (
-    ROW_COUNTS,
-    content_text,
-    content_texts,
-    drop_arrow_nulls,
-    is_empty_assistant,
-    is_unsupervised,
-    normalize_record,
-)
-from peagle_data.readers.rows import FORMATS, SHAREGPT_ALIAS, Conversation, Reject, RowError
+from peagle_data.readers.normalize import drop_arrow_nulls, normalize_record
+from peagle_data.readers.rows import FORMATS, Conversation, Reject, RowError
 from stores.errors import InputError
 
-__all__ = [
-    "FORMATS",
-    "SHAREGPT_ALIAS",
-    "Conversation",
-    "Reject",
-    "RowError",
-    "UniqueIds",
-    "resolve_inputs",
-    "iter_records",
-    "normalize_record",
-    "read_conversations",
-    "drop_arrow_nulls",
-    "is_empty_assistant",
-    "is_unsupervised",
-    "content_text",
-    "content_texts",
-    "ROW_COUNTS",
-]
+__all__ = ["read_conversations"]
 
 
 def read_conversations(inputs: Sequence[str | os.PathLike], fmt: str = "auto", strict: bool = False,

@@ -1,6 +1,6 @@
 """The adapter: one input record (OpenAI or ShareGPT) -> normalised OpenAI messages and tools.
 
-The rules are those listed in :mod:`peagle_data.readers`. A row that cannot be used raises
+The rules are those listed in :mod:`peagle_data.readers.conversations`. A row that cannot be used raises
 :class:`~peagle_data.readers.rows.RowError`.
 """
 
@@ -169,7 +169,7 @@ def _openai_content(msg: dict[str, Any], where: str,
     Content is None (null), a string, or, for a list of parts, its text parts (``text``,
     ``input_text``, ``output_text``, ``refusal``, bare strings) as :func:`_parts_content` keeps them:
     the chat template gets them as vLLM passes them (joined with ``"\n"``, or the list;
-    :func:`peagle_data.chat_render.template_messages`). ``reasoning``/``thinking`` parts become the
+    :func:`peagle_data.chat.template.template_messages`). ``reasoning``/``thinking`` parts become the
     reasoning, ``tool_call``/``function_call`` parts tool calls. A part of another type (image, audio,
     file) rejects the row, or, when ``stats`` has the key ``dropped_content_parts`` (``keep_dropped``),
     is left out and counted there.

@@ -189,11 +189,11 @@ def test_a_config_file_does_not_set_an_action(tmp_path, monkeypatch):
 
 
 def test_verify_repair_is_an_action_of_the_command_line(tmp_path, monkeypatch):
-    import peagle_data.verify
+    import peagle_data.inspect.verify
     from cli.data import main as data_main
 
     seen = []
-    monkeypatch.setattr(peagle_data.verify, "verify_output", lambda store, packed, repair: seen.append(repair)
+    monkeypatch.setattr(peagle_data.inspect.verify, "verify_output", lambda store, packed, repair: seen.append(repair)
                         or ({}, None))
     cfg = tmp_path / "v.yaml"
     cfg.write_text(f"store: {tmp_path}\nrepair: true\n")

@@ -13,10 +13,13 @@ from cli.data import main as data_main
 from cli.eval import main as eval_main
 from cli.train import main as train_main
 from peagle_data.extract import ExtractConfig
-from peagle_data.prepare import PackConfig, PackRun, TokenizeConfig, TokenizeRun
-from peagle_data.regenerate import RegenerateConfig, RegenerateRun
-from peagle_data.tool_configs import InspectConfig, MergeConfig, ShowConfig, StatsConfig, VerifyConfig
-from peagle_data.verifier_backends import BackendConfig
+from peagle_data.prepare.config import PackConfig, PackRun, TokenizeConfig, TokenizeRun
+from peagle_data.regenerate.run import RegenerateConfig, RegenerateRun
+from cli.data_merge import MergeConfig
+from peagle_data.inspect.show import ShowConfig
+from peagle_data.inspect.stats import StatsConfig
+from peagle_data.inspect.verify import InspectConfig, VerifyConfig
+from peagle_data.regenerate.backends import BackendConfig
 from peagle_train.evaluate.run import EvalRun
 from peagle_train.evaluate import EvalConfig
 from peagle_train.train import TrainConfig
@@ -146,19 +149,19 @@ def test_the_tool_commands_pass_their_config_to_the_library(tmp_path, monkeypatc
     the command line) become the config whose fields reach the library call."""
     from click.testing import CliRunner
 
-    import peagle_data.show
-    import peagle_data.stats
-    import peagle_data.verify
+    import peagle_data.inspect.show
+    import peagle_data.inspect.stats
+    import peagle_data.inspect.verify
     import stores.merge
 
     d = str(tmp_path)
     seen = {}
-    monkeypatch.setattr(peagle_data.verify, "inspect_output", lambda path: seen.setdefault("inspect", path) and {})
-    monkeypatch.setattr(peagle_data.verify, "verify_output",
+    monkeypatch.setattr(peagle_data.inspect.verify, "inspect_output", lambda path: seen.setdefault("inspect", path) and {})
+    monkeypatch.setattr(peagle_data.inspect.verify, "verify_output",
                         lambda store, packed, repair: seen.setdefault("verify", (store, packed, repair)) and ({}, None))
-    monkeypatch.setattr(peagle_data.stats, "collect_stats",
+    monkeypatch.setattr(peagle_data.inspect.stats, "collect_stats",
                         lambda path, max_seq_len, overlap: seen.setdefault("stats", (path, max_seq_len, overlap)) and {})
-    monkeypatch.setattr(peagle_data.show, "show", lambda *a: seen.setdefault("show", a) and "")
+    monkeypatch.setattr(peagle_data.inspect.show, "show", lambda *a: seen.setdefault("show", a) and "")
     monkeypatch.setattr(stores.merge, "merge_tables",
                         lambda shards, output, force: seen.setdefault("merge", (shards, output, force)) and
                         {"counts": {}, "num_shards": 2})

@@ -103,8 +103,8 @@ def test_show_html_overwrite_message_says_it_once(tmp_path, packed):
 def test_the_library_checks_the_plot_and_page_paths_too(tmp_path, packed):
     """From Python (no click): a missing directory or extension is an InputError naming it, not a
     traceback from matplotlib or from the atomic writer's NAME.tmp."""
-    from peagle_data.show import show as show_text
-    from peagle_data.stats_plot import check_plot_output
+    from peagle_data.inspect.show import show as show_text
+    from peagle_data.inspect.stats_plot import check_plot_output
     from stores.errors import InputError
 
     with pytest.raises(InputError) as e:

@@ -12,15 +12,17 @@ from click.testing import CliRunner
 
 from cli.data import main
 from peagle_data.extract import ExtractConfig, run_extract
-from peagle_data.prepare import PackConfig, PackRun, TokenizeConfig, TokenizeRun, run_pack, run_tokenize
+from peagle_data.prepare.config import PackConfig, PackRun, TokenizeConfig, TokenizeRun
+from peagle_data.prepare.pack import run_pack
+from peagle_data.prepare.tokenizing import run_tokenize
 from stores.errors import InputError, StoreMismatchError
 from stores.feature_store import FeatureStore, verify_store
 from stores.merge import merge_stores, merge_tables, verify_table
 from stores.token_tables import TokenTable
 
 from tests.peagle_data.test_extract_run import write_packed
-from tests.peagle_data.test_mixtures import _three_sources
-from tests.peagle_data.test_shards import _inputs, _tok_rows, _windows
+from tests.peagle_data.prepare.test_mixtures import _three_sources
+from tests.peagle_data.prepare.test_shards import _inputs, _tok_rows, _windows
 
 
 def _shards(tmp_path, tok, inputs, kind, n=3):
@@ -190,7 +192,7 @@ def test_merge_refuses_shards_that_read_different_data_and_names_other_parameter
 
 def test_merge_refuses_shards_whose_source_template_changed(tmp_path, smollm2_tokenizer):
     # A mixture source's chat template edited between shard runs (same path): other masks, refused.
-    from tests.peagle_data.test_mixtures import conv, write_jsonl
+    from tests.peagle_data.prepare.test_mixtures import conv, write_jsonl
 
     write_jsonl(tmp_path / "a.jsonl", [conv(i, "a") for i in range(6)])
     template = tmp_path / "t.jinja"
@@ -207,7 +209,7 @@ def test_merge_refuses_shards_whose_source_template_changed(tmp_path, smollm2_to
 
 
 def test_verify_accepts_the_per_turn_rows_of_a_history_rewrite(tmp_path, smollm2_tokenizer):
-    from tests.peagle_data.test_prepare import tokenize_history_rewrite
+    from tests.peagle_data.prepare.test_runs import tokenize_history_rewrite
 
     tokenize_history_rewrite(tmp_path, smollm2_tokenizer)
     # rows q@1, q@3 (one source) and ok: three rows, none repeated

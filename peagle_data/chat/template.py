@@ -1,0 +1,226 @@
+"""The effective chat template and one render of a conversation through it (docs/design.md §3).
+
+Message content reaches the template as vLLM passes it (``vllm/renderers/chat_utils.py``,
+``_parse_chat_message_content``; the format is detected in ``vllm/renderers/hf.py``,
+``_detect_content_format``): a template that loops over a message's content (``{% for part in
+message.content %}``) has the **openai** content format and gets every message's content as a list of
+``{"type": "text", "text": ...}`` parts (a string is one part, no content an empty list); any other
+template has the **string** format and gets the text parts joined with ``"\n"``. Tool messages get a
+string in both formats (vLLM joins their text parts too). :func:`content_format` detects the format as
+vLLM does, from the template's syntax tree; :func:`template_messages` converts the messages. A
+``developer`` message reaches a template that names that role as it is, any other template as a
+system message (vLLM's ``safe_apply_chat_template``); tool definitions reach it as vLLM's request
+model dumps them (:func:`template_tools`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+import jinja2.nodes as jn
+
+from peagle_data.readers.normalize import content_text, content_texts
+from stores.errors import InputError
+
+__all__ = ["ChatTemplateError", "CONTENT_FORMATS", "effective_chat_template", "chat_template_sha256",
+           "content_format", "supports_developer_role", "template_messages", "template_tools", "render"]
+
+CONTENT_FORMATS = ("string", "openai")
+"""How message content is passed to a chat template: joined text, or a list of text parts."""
+
+
+class ChatTemplateError(InputError):
+    """A conversation cannot be rendered or masked exactly with this chat template (a reject reason)."""
+
+
+def effective_chat_template(tokenizer, chat_template: str | None = None) -> str:
+    """The template text actually used (the override, else the tokenizer's own).
+
+    Raises:
+        InputError: the tokenizer has no chat template and none is given.
+    """
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    if template is None:
+        raise InputError("the tokenizer has no chat template; pass one with --chat-template FILE")
+    return template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+
+
+def chat_template_sha256(tokenizer, chat_template: str | None = None) -> str:
+    """sha256 hex digest of the effective chat template text (recorded in manifests)."""
+    import hashlib
+
+    return hashlib.sha256(effective_chat_template(tokenizer, chat_template).encode("utf-8")).hexdigest()
+
+
+def _loads(node: jn.Node, name: str, key: str | None = None) -> bool:
+    """Whether ``node`` reads the variable ``name`` (``key`` given: its item ``key``, as ``name.key`` or
+    ``name['key']``), possibly through filters, tests and slices (``messages[1:] | selectattr(...)``)."""
+    while True:
+        if isinstance(node, (jn.Filter, jn.Test)) and node.node is not None:
+            node = node.node
+        elif isinstance(node, jn.Getitem) and isinstance(node.arg, jn.Slice):
+            node = node.node
+        else:
+            break
+    if key is None:
+        return isinstance(node, jn.Name) and node.ctx == "load" and node.name == name
+    if isinstance(node, jn.Getattr):
+        return node.attr == key and _loads(node.node, name) if isinstance(node.node, jn.Name) else False
+    if isinstance(node, jn.Getitem):
+        return (isinstance(node.arg, jn.Const) and node.arg.value == key and isinstance(node.node, jn.Name)
+                and _loads(node.node, name))
+    return False
+
+
+def _loops_over_content(tree: jn.Template) -> bool:
+    """Whether a template iterates over a message's content: vLLM's rule for the openai format.
+
+    Messages lists are ``messages`` and every variable set from one (``{% set loop_messages =
+    messages[1:] %}``, transitively); messages are the targets of loops over those. Content is looped
+    over by a loop over ``message.content`` / ``message['content']``, by a loop inside a macro over a
+    parameter that a call passes ``message.content``, or by a loop outside macros over a variable named
+    ``content``.
+    """
+    lists, todo = {"messages"}, ["messages"]
+    while todo:
+        name = todo.pop()
+        for assign in tree.find_all(jn.Assign):
+            if isinstance(assign.target, jn.Name) and _loads(assign.node, name) and assign.target.name not in lists:
+                lists.add(assign.target.name)
+                todo.append(assign.target.name)
+    loops = list(tree.find_all(jn.For))
+    items = {loop.target.name for loop in loops if isinstance(loop.target, jn.Name)
+             and any(_loads(loop.iter, name) for name in lists)}
+
+    def passes_content(arg: jn.Node) -> bool:
+        return any(_loads(arg, item, "content") for item in items)
+
+    in_macros: dict[int, set[str]] = {}  # loop id -> parameters of its macro that receive content
+    for macro in tree.find_all(jn.Macro):
+        params = [a.name for a in macro.args]
+        fed = set()
+        for call in tree.find_all(jn.Call):
+            if isinstance(call.node, jn.Name) and call.node.name == macro.name:
+                fed |= {params[k] for k, arg in enumerate(call.args[:len(params)]) if passes_content(arg)}
+                fed |= {kw.key for kw in call.kwargs if kw.key in params and passes_content(kw.value)}
+        for loop in macro.find_all(jn.For):
+            in_macros[id(loop)] = fed
+    for loop in loops:
+        if passes_content(loop.iter):
+            return True
+        if isinstance(loop.iter, jn.Name):
+            fed = in_macros.get(id(loop))
+            if (fed is None and loop.iter.name == "content") or (fed and loop.iter.name in fed):
+                return True
+    return False
+
+
+@functools.lru_cache(maxsize=64)
+def content_format(template: str) -> str:
+    """The content format (:data:`CONTENT_FORMATS`) vLLM detects for a chat template's text.
+
+    ``openai`` when the template loops over a message's content (see :func:`_loops_over_content`),
+    else ``string``; a template that does not parse is ``string`` (vLLM's default; rendering it then
+    fails with its own error).
+    """
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        tree = _compile_jinja_template(template).environment.parse(template)
+    except Exception:  # noqa: BLE001 - jinja syntax errors; vLLM falls back to "string" alike
+        return "string"
+    return "openai" if _loops_over_content(tree) else "string"
+
+
+def supports_developer_role(template: str) -> bool:
+    """Whether a chat template names the ``developer`` role (vLLM's test: the quoted word appears)."""
+    return '"developer"' in template or "'developer'" in template
+
+
+def _as_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM's handling of ``developer`` messages under a template without that role: they become
+    ``system`` messages, and when a system message is then not first, or not alone, all of them are
+    merged into one first system message, their texts (parts joined with ``"\n"``) joined with
+    ``"\n\n"``, empty ones left out."""
+    out = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+    systems = [k for k, m in enumerate(out) if m["role"] == "system"]
+    if systems in ([], [0]):
+        return out
+    texts = [t for t in (content_text(out[k].get("content")) for k in systems) if t]
+    return [{"role": "system", "content": "\n\n".join(texts)}] + [m for m in out if m["role"] != "system"]
+
+
+def template_messages(messages, template: str) -> list[dict[str, Any]]:
+    """Normalised messages as vLLM's chat endpoint passes them to ``template`` (the template's text).
+
+    Content, by the template's :func:`content_format`: ``string``, the text parts joined with ``"\n"``
+    (no content: ``""``); ``openai``, a list of ``{"type": "text", "text": ...}`` parts (a string is
+    one part, no content none); tool messages get the joined string in both formats. An assistant's
+    ``reasoning_content`` is passed as ``reasoning`` too, as vLLM passes it. ``developer``
+    messages stay so when the template names that role, else become system messages
+    (:func:`_as_system_messages`).
+    """
+    fmt = content_format(template)
+    messages = list(messages)
+    if any(m.get("role") == "developer" for m in messages) and not supports_developer_role(template):
+        messages = _as_system_messages(messages)
+    out = []
+    for msg in messages:
+        texts = content_texts(msg.get("content"))
+        if fmt == "string" or msg.get("role") == "tool":
+            content: Any = "\n".join(texts)
+        else:
+            content = [{"type": "text", "text": t} for t in texts]
+        out.append({**msg, "content": content})
+        if msg.get("role") == "assistant" and msg.get("reasoning_content") is not None:
+            out[-1]["reasoning"] = msg["reasoning_content"]  # vLLM passes both names
+    return out
+
+
+def template_tools(tools: list | None) -> list | None:
+    """Tool definitions as vLLM passes them to a template: each as its request model dumps it
+    (``ChatCompletionToolsParam.model_dump()``), ``{"type": "function", "function": {"name",
+    "description", "parameters"}}`` in that order, a missing description or parameters as None,
+    ``strict`` and ``defer_loading`` only when set, other keys left out. The readers accept only tools
+    of this shape (:func:`peagle_data.readers.normalize_record`)."""
+    if tools is None:
+        return None
+    out = []
+    for tool in tools:
+        fn = tool["function"]
+        function = {key: fn.get(key) for key in ("name", "description", "parameters")}
+        defer = fn.get("defer_loading") if fn.get("defer_loading") is not None else tool.get("defer_loading")
+        function.update({key: value for key, value in (("strict", fn.get("strict")), ("defer_loading", defer))
+                         if value is not None})
+        out.append({"type": "function", "function": function,
+                    **({"defer_loading": tool["defer_loading"]} if tool.get("defer_loading") is not None else {})})
+    return out
+
+
+def render(tokenizer, messages, tools, chat_template, add_generation_prompt=False) -> str:
+    """``messages`` (and ``tools``) rendered as text by ``chat_template`` (None: the tokenizer's own),
+    passed as vLLM passes them (:func:`template_messages`).
+
+    Raises:
+        ChatTemplateError: the template fails on this conversation (names the error).
+    """
+    kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
+    tools = template_tools(tools)
+    if tools is not None:
+        kwargs["tools"] = tools
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
+    try:
+        if not messages:  # apply_chat_template refuses an empty history; the renderer does not
+            from transformers.utils.chat_template_utils import render_jinja_template
+
+            rendered, _ = render_jinja_template(
+                conversations=[[]], tools=tools, chat_template=tokenizer.get_chat_template(chat_template, tools),
+                add_generation_prompt=add_generation_prompt, **tokenizer.special_tokens_map)
+            return rendered[0]
+        return tokenizer.apply_chat_template(
+            template_messages(messages, tokenizer.get_chat_template(chat_template, tools)), **kwargs)
+    except Exception as e:  # jinja errors, raise_exception() in templates, type errors on content
+        raise ChatTemplateError(f"template error: {type(e).__name__}: {e}") from None

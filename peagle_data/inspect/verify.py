@@ -1,0 +1,109 @@
+"""``peagle-data verify`` and ``inspect``: check a feature store (optionally its token ids against the packed table
+it was extracted from) or a token table; one report and, when it fails, one line saying what to do."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stores.errors import StoreMismatchError
+from stores.feature_store import FeatureStore, verify_store
+from stores.merge import verify_table
+from stores.token_tables import TokenTable, manifest_sha256
+
+__all__ = ["InspectConfig", "VerifyConfig", "verify_output", "inspect_output"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class InspectConfig:
+    """What ``peagle-data inspect`` describes."""
+
+    path: str
+    """A token table (tokenize or pack output) or a feature store."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyConfig:
+    """What ``peagle-data verify`` checks, and whether it repairs."""
+
+    store: str
+    """A feature store, or a token table (its totals, unique row sources and window ids, and for a
+    merged table the union of its shards)."""
+    packed: str | None = None
+    """Also check token ids against this packed table."""
+    repair: bool = field(default=False, metadata={"action": True})
+    """Clear the done flag of every bad block, so that extract with its resume option extracts them again."""
+
+
+def _expected_tokens(store: str, packed: str):
+    """``block index -> input_ids`` of ``packed``'s blocks that ``store`` holds (a shard store holds
+    blocks ``shard_index, shard_index + num_shards, ...``).
+
+    Raises:
+        StoreMismatchError: ``packed`` is no packed table, or not the table the store was made from.
+    """
+    table = TokenTable.open(packed)
+    if table.kind != "packed":
+        raise StoreMismatchError(f"--packed {packed}: expected a packed table, got a {table.kind} table")
+    attrs = FeatureStore.open(store).attrs
+    if attrs.get("source") != manifest_sha256(packed):
+        raise StoreMismatchError(f"--packed {packed}: the store was made from another packed table "
+                                 f"(manifest sha256 {attrs.get('source')}, this table {manifest_sha256(packed)})")
+    rows = list(table.iter_rows(["input_ids"]))
+    shard = attrs.get("shard") or {}
+    rows = rows[shard.get("shard_index", 0)::shard.get("num_shards", 1)]
+    return lambda i: rows[i]["input_ids"]
+
+
+def _store_failure(store: str, report: dict[str, Any]) -> str:
+    """The error line of a store that failed verification: the blocks at fault and how to redo them."""
+    bad = sorted(set(report["not_done"]) | set(int(k) for k in report["bad_blocks"]))
+    damaged = "; ".join(report["damaged_arrays"].values())
+    return (f"store {store} failed verification; blocks at fault: {bad}"
+            + (f"; {damaged}" if damaged else "")
+            + ("; their done flags are cleared" if report["repaired"] else "")
+            + ". `peagle-data extract PACKED --resume` (same --verifier and --layers) extracts them again")
+
+
+def verify_output(path: str | Path, packed: str | Path | None = None,
+                  repair: bool = False) -> tuple[dict[str, Any], str | None]:
+    """Verify a feature store (shapes, dtypes, done flags, chunk files, checksums, NaN/Inf, and with
+    ``packed`` its token ids) or a token table (totals, unique row sources / window ids, a merged
+    table's shards).
+
+    Args:
+        path: a feature store or a token table directory.
+        packed: the packed table the store was extracted from (stores only).
+        repair: clear the done flag of every bad block of a store, so that ``extract --resume``
+            extracts them again.
+
+    Returns:
+        ``(report, failure)``: the JSON-able report, and None when it passed, else one line naming
+        what is at fault.
+
+    Raises:
+        StoreMismatchError: ``packed`` is not the store's packed table.
+        StoreFormatError: ``path`` is neither a store nor a table.
+    """
+    if (Path(path) / "manifest.json").is_file():
+        report = verify_table(path)
+        return report, (None if report["ok"] else f"table {path} failed verification: {'; '.join(report['problems'])}")
+    expected = _expected_tokens(str(path), str(packed)) if packed is not None else None
+    report = verify_store(path, expected_tokens=expected, repair=repair)
+    return report, (None if report["ok"] else _store_failure(str(path), report))
+
+
+def inspect_output(path: str | Path) -> dict[str, Any]:
+    """``peagle-data inspect``: a feature store's summary, or a token table's kind, rows and manifest
+    (without its ``library_versions``), JSON-able.
+
+    Raises:
+        StoreFormatError: ``path`` is neither a store nor a table.
+    """
+    p = Path(path)
+    if (p / "zarr.json").is_file():
+        return FeatureStore.open(p).summary()
+    table = TokenTable.open(p)
+    return {"path": str(p), "kind": table.kind, "rows": table.num_rows,
+            **{k: v for k, v in table.manifest.items() if k not in ("library_versions",)}}

@@ -1,0 +1,393 @@
+"""``peagle-data tokenize`` and ``pack``: the I/O around readers, chat masks, windows and packing.
+
+Modules: :mod:`peagle_data.prepare.config` (the typed options), :mod:`peagle_data.prepare.tokenizing`
+(reading, rendering and tokenizing rows in chunks, ``run_tokenize``), this module (``run_pack``:
+windows, spill, packing, the packed table) and :mod:`peagle_data.prepare.windows` (the window and trim policy).
+
+A template that rewrites history (see :mod:`peagle_data.chat.masks`) turns a conversation into one
+row per assistant turn, ids ``conversation_id@turn``; with ``--on-history-rewrite reject`` the
+conversation is rejected instead. Counts are per input conversation.
+
+Message content that the chat template does not render (tool calls, tool results, reasoning, a
+system message, the tools list, content parts of unsupported types) rejects the conversation
+("template drops tool_calls: ..."); with ``--on-dropped-content keep`` it is kept without that
+content and counted (``conversations_with_dropped_content``, ``dropped_<part>``), and an assistant
+turn of which nothing is rendered supervises nothing.
+
+``pack`` holds only window lengths, offsets and ids in memory: window tokens are spilled to a
+temporary file in the output directory (5 bytes per token) and read back block by block after
+best-fit decreasing has placed them, so peak memory does not grow with the token count.
+
+Packing (docs/design.md §5 best-fit decreasing, :func:`peagle_data.prepare.packing.pack_blocks_flexible`):
+windows of long conversations are all W tokens (the last one is aligned to the body's end, see
+:mod:`peagle_data.prepare.windows`); with ``skip``, that last window may also be cut back (dropping
+leading loss-0 context tokens, never below the unaligned layout's start) to fill the largest gap
+a shorter conversation left in a block. Every supervised token is still trained exactly once;
+``windows_trimmed`` counts the windows packed shorter.
+
+Counts in every manifest satisfy ``used + rejected == read``; each rejected row is one line in
+``rejects.jsonl``. A conversation that yields no supervised token is rejected ("no supervised
+tokens"), so every written row has ``n_loss_tokens >= 1``. Ids repeated across or within inputs
+are renamed ``id~k`` and counted (``duplicate_ids_renamed``).
+
+Outputs are written into a hidden sibling directory and renamed into place at the end
+(:func:`stores.staging.staged_output_dir`): a run that fails (``--strict``, a bad file)
+leaves no partial output, and the staging directory of a killed run is removed by the next run
+writing the same output. A run that uses no row still writes its manifest and rejects; the CLI
+then warns and exits 1.
+
+``pack`` of a tokenize output ignores the tokenize-only options (:data:`TOKENIZE_ONLY`); it says
+so in one line on stderr when the caller set one of them to a non-default value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Collection, Iterator
+
+import numpy as np
+
+from peagle_data.chat.template import chat_template_sha256
+from peagle_data.prepare.config import TOKENIZE_ONLY, PackConfig, PackRun, TokenizeConfig
+from peagle_data.prepare.counts import Counts
+from peagle_data.prepare.dedup import Deduplicator, copy_key, duplicate_reject, filter_reason, rows_key
+from peagle_data.prepare.packing import make_packed_row, pack_blocks_flexible, packing_efficiency
+from peagle_data.prepare.shards import shard_of_key
+from peagle_data.prepare.sources import input_files, iter_source_groups, mixture_of, source_bump, source_rejected
+from peagle_data.prepare.tokenizing import (
+    TokenFreq,
+    check_output_not_input,
+    iter_tokenized,
+    read_template,
+    resolve_tokenizer,
+    run_shard_filter,
+    shard_record,
+    split_source,
+    tokenizer_record,
+    write_reject,
+)
+from peagle_data.prepare.windows import SystemPrefixTooLongError, Window, conversation_windows, trim_window
+from peagle_data.readers.inputs import UniqueIds
+from stores.errors import InputError, StoreMismatchError
+from stores.progress import progress
+from stores.staging import staged_output_dir
+from stores.token_rows import TokenizedRow
+from stores.token_tables import (
+    MANIFEST,
+    RejectsWriter,
+    TableWriter,
+    TokenTable,
+    manifest_sha256,
+    write_manifest,
+    write_token_freq,
+)
+from stores.verifier_match import check_tokenizer
+
+__all__ = ["run_pack", "ignored_tokenize_options"]
+
+
+def ignored_tokenize_options(cfg: TokenizeConfig, explicit: Collection[str] | None = None) -> list[str]:
+    """The tokenize-only options that ``pack`` of a tokenize output ignores, as ``--option value``.
+
+    Args:
+        cfg: the tokenizing options given to pack.
+        explicit: names of the ``cfg`` fields the caller set explicitly (the CLI: options given on
+            the command line); None counts every field. Only those that also differ from their
+            default are named.
+    """
+    default = TokenizeConfig()
+    return [f"{option} {getattr(cfg, name)}" for name, option in TOKENIZE_ONLY.items()
+            if (explicit is None or name in explicit) and getattr(cfg, name) != getattr(default, name)]
+
+
+def _is_table(path: str | os.PathLike) -> bool:
+    return Path(path).is_dir() and (Path(path) / MANIFEST).is_file()
+
+
+def _iter_table_rows(tables: list[TokenTable], counts: Counts,
+                     limit: int | None = None) -> Iterator[list[TokenizedRow]]:
+    """Rows of tokenize outputs grouped by conversation (per-turn rows share their ``source``);
+    the first ``limit`` conversations when given. An id already seen (the same table twice,
+    tables of the same file) is renamed ``id~k`` and counted in ``duplicate_ids_renamed``."""
+    ids = UniqueIds()
+    n = 0
+    for table in tables:
+        rows = (TokenizedRow(**r) for r in table.iter_rows())
+        for _, group in itertools.groupby(rows, key=lambda r: r.source):
+            if limit is not None and n >= limit:
+                return
+            n += 1
+            counts.read += 1
+            group = list(group)
+            renamed = False
+            for row in group:
+                row.conversation_id, was = ids.unique(row.conversation_id)
+                renamed |= was
+            counts.bump("duplicate_ids_renamed", renamed)
+            yield group
+
+
+def _filter_table_groups(groups: Iterator[list[TokenizedRow]], cfg: TokenizeConfig, rejects: RejectsWriter,
+                         counts: Counts) -> Iterator[list[TokenizedRow]]:
+    """Tokenize-output conversations with exact duplicates (same token ids and loss masks, with
+    ``cfg.dedup``) and those outside ``--max-tokens``/``--min-loss-tokens`` rejected and counted."""
+    dedup = Deduplicator() if cfg.dedup else None
+    for group in groups:
+        source, cid = group[0].source, group[0].conversation_id
+        key = rows_key(group)
+        source_bump(counts, group, read=1)
+        if cfg.num_shards > 1 and shard_of_key(key, cfg.num_shards) != cfg.shard_index:
+            counts.read -= 1  # read again by the shard that keeps it
+            counts.bump("other_shards")
+            source_bump(counts, group, other_shards=1)
+            continue
+        if dedup is not None:  # a weight's copies (source file:N*k) are not duplicates of their row
+            first = dedup.first_of(copy_key(key, source), source)
+            if first is not None:
+                d = duplicate_reject(cid, source, first)
+                counts.bump("duplicates")
+                write_reject(rejects, counts, source, d.reason.replace("same messages", "same tokens"),
+                        conversation_id=cid, duplicate_of=first)
+                source_bump(counts, group, rejected=1, duplicates=1)
+                continue
+        filtered = filter_reason(max(len(r.input_ids) for r in group),
+                                 sum(int(np.sum(r.loss_mask)) for r in group), cfg.max_tokens, cfg.min_loss_tokens)
+        if filtered is not None:
+            write_reject(rejects, counts, source, filtered, conversation_id=cid)
+            source_bump(counts, group, rejected=1)
+            continue
+        source_bump(counts, group, used=1)
+        yield group
+
+
+def _open_tables(inputs, tokenizer, template, tokenizer_name) -> list[TokenTable]:
+    tables = []
+    want = chat_template_sha256(tokenizer, template)
+    for path in inputs:
+        table = TokenTable.open(path)
+        if table.kind != "tokenized":
+            raise InputError(f"{path} is a {table.kind} table; pack reads conversations or a tokenize output")
+        have = table.manifest.get("tokenizer", {}).get("chat_template_sha256")
+        if have != want:
+            raise StoreMismatchError(
+                f"{path} was tokenized with chat template sha256 {have}, but --tokenizer/--chat-template "
+                f"give {want}; pass the same tokenizer and template, or re-run tokenize")
+        check_tokenizer(table.manifest.get("tokenizer", {}), f"the tokenize output {path}", tokenizer,
+                        f"--tokenizer {tokenizer_name or tokenizer.name_or_path}", "pass the tokenizer it was tokenized with, or re-run tokenize")
+        tables.append(table)
+    return tables
+
+
+def run_pack(run: PackRun, tokenizer=None, explicit: Collection[str] | None = None,
+             config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``peagle-data pack``: conversations or a tokenize output -> windows -> packed blocks (§5, §6).
+
+    Args:
+        run: the inputs (conversation files / globs / ``sharegpt`` / one mixture file, or tokenize
+            output directories, not mixed), the tokenizer MODEL (recorded in the manifest, and used to
+            tokenize raw conversations), the packed table directory to create, ``force`` to replace
+            an existing one, and the window, packing and (for raw inputs) tokenizing ``settings``.
+        tokenizer: an already loaded tokenizer to use instead of loading ``run.tokenizer``.
+        explicit: names of the ``settings.tokenize`` fields the caller set explicitly; with tokenize
+            outputs as inputs, those of :data:`TOKENIZE_ONLY` set to a non-default value are named
+            in one warning line on stderr (they are ignored). None counts every field.
+        config: the command's resolved options, recorded as the manifest's ``config`` (as :func:`run_tokenize`).
+
+    Returns:
+        A summary: ``output``, ``counts`` (read/used/rejected, windows, windows_dropped, tokens,
+        loss_tokens, n_blocks, packing_efficiency, ...).
+
+    Raises:
+        OutputExistsError: ``run.output`` exists and ``run.force`` is false.
+        InputError: bad inputs, mixed raw and tokenized inputs; with strict, the first bad row.
+        StoreMismatchError: a tokenize output made with another chat template or tokenizer.
+    """
+    inputs, tokenizer_name, output, cfg = run.inputs, run.tokenizer, run.output, run.settings
+    mixture, tables = _check_pack_inputs(inputs, output)
+    template = read_template(cfg.tokenize.chat_template)
+    tokenizer = resolve_tokenizer(tokenizer_name, tokenizer)
+    counts = Counts()
+    if tables is not None:
+        tables = _open_tables(inputs, tokenizer, template, tokenizer_name)  # refuses packed tables and mismatches first
+        ignored = ignored_tokenize_options(cfg.tokenize, explicit)
+        if ignored:
+            print(f"WARNING: ignoring {', '.join(ignored)}: the INPUT is a tokenize output, already tokenized "
+                  "(these options only apply to raw conversations)", file=sys.stderr)
+        files = [str(t.directory) for t in tables]
+    else:
+        files = input_files(inputs, mixture)
+    with staged_output_dir(output, run.force) as out:
+        with RejectsWriter(out) as rejects:
+            rows = (_filter_table_groups(_iter_table_rows(tables, counts, cfg.tokenize.limit), cfg.tokenize,
+                                         rejects, counts) if tables is not None
+                    else iter_source_groups(iter_tokenized, inputs, mixture, tokenizer, cfg.tokenize, rejects, counts,
+                                            run_shard_filter(cfg.tokenize)))
+            with _WindowSpill(out) as spill:
+                _collect_windows(rows, cfg, rejects, counts, spill)
+                counts.rejected_by_reason = dict(rejects.by_reason)
+                assert counts.used + counts.rejected == counts.read, counts
+                token_freq = _write_blocks(out, spill, cfg.block_size_tokens, len(tokenizer), counts)
+        write_token_freq(out, token_freq)
+        write_manifest(out, _pack_manifest(inputs, files, cfg, tokenizer_name, tokenizer, template, counts,
+                                           mixture, tables, config))
+    return {"output": str(output), "counts": counts.to_manifest()}
+
+
+def _check_pack_inputs(inputs, output) -> tuple[Any, list | None]:
+    """``(mixture or None, [] for tokenize-output inputs else None)``, checked before the output is touched.
+
+    Raises:
+        InputError: no input, raw and tokenized inputs mixed, bad arguments, output inside an input.
+    """
+    if not inputs:
+        raise InputError("no INPUT given")
+    table_inputs = [_is_table(i) for i in inputs]
+    if any(table_inputs) and not all(table_inputs):
+        raise InputError("pack INPUTs must be all conversation files or all tokenize outputs, not a mix")
+    mixture = None if all(table_inputs) else mixture_of(inputs)
+    if not all(table_inputs):
+        input_files(inputs, mixture)  # fail on bad arguments before touching the output
+    check_output_not_input(output, inputs)
+    return mixture, ([] if all(table_inputs) else None)
+
+
+def _pack_manifest(inputs, files: list, cfg: PackConfig, tokenizer_name, tokenizer, template: str | None,
+                   counts: Counts, mixture, tables: list[TokenTable] | None,
+                   config: dict[str, Any] | None) -> dict[str, Any]:
+    """The packed table's manifest (``upstream``: each tokenize output's manifest sha256 and counts)."""
+    manifest = {
+        "kind": "packed",
+        "inputs": [str(i) for i in inputs],
+        "files": files,
+        "parameters": {**dataclasses.asdict(cfg), "block_size": cfg.block_size_tokens},
+        **({"config": config} if config is not None else {}),
+        "tokenizer": tokenizer_record(tokenizer_name, tokenizer, cfg.tokenize.chat_template, template),
+        "counts": counts.to_manifest(),
+    }
+    if tables is not None:
+        manifest["upstream"] = {str(t.directory): {"manifest_sha256": manifest_sha256(t.directory),
+                                                   "counts": t.manifest.get("counts")} for t in tables}
+    if mixture is not None:
+        manifest["mixture"] = mixture.record()
+    elif tables is not None and len({json.dumps(t.manifest.get("mixture"), sort_keys=True) for t in tables}) == 1 \
+            and tables[0].manifest.get("mixture"):
+        manifest["mixture"] = tables[0].manifest["mixture"]  # the tokenize output's mixture
+    manifest.update(shard_record(cfg.tokenize))
+    return manifest
+
+
+class _WindowSpill:
+    """Window tokens on disk (ids int32 then mask uint8 per window); ids, lengths and offsets in memory.
+
+    The file lives in the output directory and is removed on close.
+    """
+
+    def __init__(self, directory: Path):
+        fd, self.path = tempfile.mkstemp(prefix=".windows-", suffix=".spill", dir=directory)
+        self._f = os.fdopen(fd, "w+b")
+        self.segment_ids: list[str] = []
+        self.lengths: list[int] = []
+        self.min_lengths: list[int] = []
+        self.prefix_lens: list[int] = []
+        self.offsets: list[int] = []
+        self.datasets: list[str | None] = []
+        """Each window's mixture source (None outside mixtures)."""
+        self._end = 0
+        self._dirty = False
+
+    def append(self, segment_id: str, window: Window) -> None:
+        data = window.input_ids.astype(np.int32).tobytes() + window.loss_mask.astype(np.uint8).tobytes()
+        self._f.write(data)
+        self._dirty = True
+        self.segment_ids.append(segment_id)
+        self.lengths.append(window.n_tokens)
+        self.min_lengths.append(window.n_tokens - window.trimmable)
+        self.prefix_lens.append(window.prefix_len)
+        self.offsets.append(self._end)
+        self._end += len(data)
+
+    def read(self, i: int, n_tokens: int | None = None) -> tuple[str, np.ndarray, np.ndarray]:
+        """``(segment_id, input_ids int32 [n], loss_mask uint8 [n])`` of window ``i``, cut to
+        ``n_tokens`` (prefix kept, leading body tokens dropped; at least its minimum length)."""
+        if self._dirty:
+            self._f.flush()
+            self._dirty = False
+        n = self.lengths[i]
+        data = os.pread(self._f.fileno(), 5 * n, self.offsets[i])
+        ids = np.frombuffer(data, dtype=np.int32, count=n)
+        mask = np.frombuffer(data, dtype=np.uint8, offset=4 * n, count=n)
+        if n_tokens is not None and n_tokens != n:
+            assert self.min_lengths[i] <= n_tokens < n, (i, n_tokens)
+            ids, mask = trim_window(ids, mask, self.prefix_lens[i], n_tokens)
+        return self.segment_ids[i], ids, mask
+
+    def __enter__(self) -> "_WindowSpill":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()
+        os.unlink(self.path)
+
+
+def _collect_windows(groups: Iterator[list[TokenizedRow]], cfg: PackConfig, rejects: RejectsWriter,
+                     counts: Counts, spill: _WindowSpill) -> None:
+    """Cut every conversation's rows into windows, spilled to ``spill``; conversations with none are rejected."""
+    counts.windows = counts.windows_dropped = counts.windows_capped = 0
+    for group in groups:
+        source, cid = group[0].source, group[0].conversation_id
+        try:
+            segments, dropped, candidates = conversation_windows(group, cfg.max_seq_len, cfg.overlap, cfg.overlap_loss)
+        except SystemPrefixTooLongError as e:
+            if cfg.tokenize.strict:
+                file, r = split_source(source)
+                raise InputError(str(e), file=file, row=r, field="system") from None
+            write_reject(rejects, counts, source, str(e), conversation_id=cid)
+            source_rejected(counts, group)
+            continue
+        counts.bump("windows_dropped", dropped)
+        if cfg.max_windows is not None and len(segments) > cfg.max_windows:
+            counts.bump("windows_capped", len(segments) - cfg.max_windows)
+            segments = segments[: cfg.max_windows]
+        if not segments:
+            write_reject(rejects, counts, source, "no supervised tokens: no assistant token in any window",
+                    conversation_id=cid)
+            source_rejected(counts, group)
+            continue
+        counts.used += 1
+        counts.bump("windows", len(segments))
+        counts.bump("conversations_split", candidates > len(group))
+        for segment in segments:
+            spill.append(*segment)
+            spill.datasets.append(group[0].dataset)
+
+
+def _write_blocks(out: Path, spill: _WindowSpill, block_size: int, vocab_size: int,
+                  counts: Counts) -> np.ndarray:
+    """Pack the spilled windows, write the packed table; returns token_freq int64 [vocab_size]."""
+    blocks, used_lengths = pack_blocks_flexible(spill.lengths, spill.min_lengths, block_size)
+    token_freq = TokenFreq(vocab_size)
+    n_tokens = n_loss = 0
+    mixed = any(d is not None for d in spill.datasets)
+    with TableWriter(out, "packed") as writer:
+        for block_id, members in enumerate(progress(blocks, desc="pack", unit="block")):
+            segments = [spill.read(i, used_lengths[i]) for i in members]
+            row = make_packed_row(block_id, segments)
+            if mixed:  # per-window sources and supervised tokens (peagle-data stats per source)
+                row.segment_datasets = [spill.datasets[i] for i in members]
+                row.segment_loss_tokens = [int(m.sum()) for _, _, m in segments]
+            writer.write(row)
+            ids, mask = row.input_ids, row.loss_mask
+            n_tokens += row.n_tokens
+            n_loss += int(mask.sum())
+            token_freq.add(ids[mask == 1])
+    efficiency = packing_efficiency(n_tokens, len(blocks), block_size)
+    counts.tokens, counts.loss_tokens, counts.n_blocks, counts.block_size = n_tokens, n_loss, len(blocks), block_size
+    counts.packing_efficiency = round(efficiency, 6)
+    counts.windows_trimmed = sum(u < n for u, n in zip(used_lengths, spill.lengths))
+    return token_freq.counts()

@@ -1,0 +1,485 @@
+"""``peagle-data regenerate``: the verifier rewrites the assistant turns of a conversation set.
+
+Training a drafter on what the verifier itself says, not on another model's answers, is what lifts
+acceptance (EAGLE-3; SpecForge's ``regenerate_train_data.py``; speculators' response
+regeneration); it runs before ``tokenize``/``pack`` in the pipeline of docs/design.md §1.
+
+Per conversation (read and normalised by :mod:`peagle_data.readers`, so every input format of
+``tokenize`` works):
+
+- system, user and tool messages and the tools list are kept as they are;
+- ``--turns all`` (default): every assistant turn is replaced, in order, by the verifier's answer
+  to the *regenerated* history before it; ``--turns last``: only the last assistant turn is,
+  given the original history; ``--turns first``: only the first one is, and the conversation ends
+  after it (the cheapest: one short prompt a row; later turns answered something else);
+- an assistant turn that calls tools is kept as it is (with the tool results after it): the
+  verifier's own call could not be given a result; the turns after it are regenerated. When the
+  verifier answers a regenerated turn with a tool call, that answer is kept and the conversation
+  ends there (later turns answered something the verifier did not say; counted as
+  ``ended_at_verifier_tool_call``);
+- the verifier's reasoning is kept as ``reasoning_content`` (see
+  :mod:`peagle_data.regenerate.backends`); messages after the last regenerated turn are kept;
+- a regenerated turn carries ``token_ids``, the ids the verifier generated (end-of-sequence id
+  included), when the back end returns them (local, vLLM; counted as ``turns_with_token_ids``):
+  ``tokenize`` trains on exactly them (:func:`peagle_data.chat.masks.on_generated_ids`).
+
+Greedy means argmax, as ``peagle-eval``'s reference: no back end applies the verifier's
+``generation_config.json`` (see :func:`~peagle_data.regenerate.backends.sampling_parameters`); the
+manifest's ``model`` records the effective ``sampling``, what a server could not be told
+(``not_sent``) and, locally, the verifier's settings that were not applied.
+
+Each prompt is checked, before it is sent, for content the verifier's chat template does not render
+(the check of ``tokenize``, :func:`peagle_data.chat.dropped.dropped_content`): a verifier that never
+saw the tools or a tool call must not answer as if it had. The local back end checks with its own
+template; the server back end with ``--tokenizer``'s, else the servers' templates are trusted.
+``--on-dropped-content keep`` regenerates such rows anyway (counted).
+
+An answer cut at ``--max-new-tokens`` is kept (``--on-truncated keep``, counted as ``turns_truncated``),
+marked ``finish_reason: length`` (``tokenize`` then supervises no end-of-turn token after it), without
+the incomplete character the cut may leave (``turns_cut_mid_character``), or rejects its row
+(``--on-truncated drop``). A prompt over ``--max-prompt-tokens`` is a reject (``prompt too long``).
+
+A row that cannot be regenerated is a line of ``OUT.rejects.jsonl`` with its reason: the reader's
+reason, ``template drops <part>``, ``prompt too long``, ``server error`` (after the retries),
+``empty answer`` (no text, reasoning or tool call), ``truncated answer`` (``--on-truncated drop``),
+``invalid UTF-8`` / ``undecodable answer`` (see :mod:`peagle_data.regenerate.backends`), or
+``nothing to regenerate`` (every assistant turn in scope calls tools).
+
+Rows are processed in chunks; a chunk's rows are written in input order when it is done, so the
+output does not depend on the back end's batching or concurrency. ``--resume`` skips the rows
+already on disk (a prefix of the input, see :mod:`stores.conversation_files`) and continues; with
+greedy decoding the result equals an uninterrupted run. Sampling (``--temperature`` > 0) is seeded
+but not reproducible across batch shapes, so a resumed sampled run is a valid run, not the same one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+from peagle_data.chat.dropped import dropped_reason, dropped_content
+from peagle_data.chat.template import ChatTemplateError, render
+from peagle_data.readers.conversations import read_conversations
+from peagle_data.readers.inputs import resolve_inputs
+from peagle_data.readers.rows import FORMATS, Conversation, Reject
+from peagle_data.regenerate.backends import Answer, BackendConfig, Request, prompt_tokens
+from stores.conversation_files import ConversationWriter, check_output, read_regenerate_manifest
+from stores.errors import InputError
+from stores.progress import progress
+
+__all__ = ["RegenerateConfig", "RegenerateRun", "TURNS", "ON_DROPPED", "ON_TRUNCATED", "Regeneration",
+           "prompt_drops", "run_regenerate"]
+
+TURNS = ("all", "last", "first")
+ON_DROPPED = ("reject", "keep")
+ON_TRUNCATED = ("keep", "drop")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegenerateConfig:
+    """Settings of one ``regenerate`` run (recorded in the manifest; ``--resume`` requires the same)."""
+
+    max_new_tokens: int = 512
+    """Most tokens per answer; an answer cut there is kept and counted (``--max-new-tokens``)."""
+    temperature: float = 0.0
+    """0 is greedy (reproducible, resumable to the same file); else sampling (``--temperature``)."""
+    turns: str = "all"
+    """Regenerate every assistant turn (given the regenerated history), only the last one, or only the
+    first one, ending the conversation after it (``--turns``)."""
+    limit: int | None = None
+    """Read at most this many input rows; None: all (``--limit``)."""
+    format: str = "auto"
+    """Conversation format of the input rows: auto (detected per row), openai or sharegpt (``--format``)."""
+    chunk_rows: int = 64
+    """Rows generated together before they are written (a local wave holds one request per
+    unfinished row of the chunk)."""
+    seed: int = 0
+    """Torch seed of sampling, with ``--temperature`` > 0 (``--seed``)."""
+    on_dropped_content: str = "reject"
+    """A prompt with content the verifier's chat template does not render (tools, a tool call):
+    reject the row, or keep regenerating it, counted (``--on-dropped-content``, as ``tokenize``)."""
+    on_truncated: str = "keep"
+    """An answer cut at --max-new-tokens: keep it (counted), or drop its row to the rejects (``--on-truncated``)."""
+    max_prompt_tokens: int | None = None
+    """Reject a row (``prompt too long``) whose rendered prompt has more tokens; None: no limit but the
+    verifier's context (``--max-prompt-tokens``; with ``--server`` it needs ``--tokenizer`` to count)."""
+
+    def __post_init__(self) -> None:
+        if self.turns not in TURNS:
+            raise ValueError(f"--turns must be one of {TURNS}, got {self.turns!r}")
+        if self.format not in FORMATS:
+            raise ValueError(f"--format must be one of {FORMATS}, got {self.format!r}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be >= 1, got {self.chunk_rows}")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.on_dropped_content not in ON_DROPPED:
+            raise ValueError(f"--on-dropped-content must be one of {ON_DROPPED}, got {self.on_dropped_content!r}")
+        if self.on_truncated not in ON_TRUNCATED:
+            raise ValueError(f"--on-truncated must be one of {ON_TRUNCATED}, got {self.on_truncated!r}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"--limit must be >= 1 rows, got {self.limit}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"--max-prompt-tokens must be >= 1, got {self.max_prompt_tokens}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegenerateRun:
+    """One ``peagle-data regenerate`` run: inputs, output, the generation ``settings`` and the ``backend``."""
+
+    inputs: Sequence[str]
+    """Conversation files (.jsonl, .json, .parquet; globs allowed) or 'sharegpt'."""
+    output: str
+    """Regenerated conversations (OpenAI messages); OUT.manifest.json and OUT.rejects.jsonl beside it."""
+    resume: bool = field(default=False, metadata={"action": True})
+    """Continue an unfinished run of the same settings; only --device (same dtype), --concurrency, --server,
+    --retries and --timeout may differ."""
+    force: bool = field(default=False, metadata={"action": True})
+    """Overwrite an existing output."""
+    settings: RegenerateConfig = field(default_factory=RegenerateConfig)
+    """How answers are generated."""
+    backend: BackendConfig | None = None
+    """Which verifier answers (in this process or servers); None: the caller of :func:`run_regenerate`
+    passes ``make_backend``."""
+
+
+class Regeneration:
+    """The state of one conversation being regenerated: which request comes next, and the result.
+
+    Args:
+        conv: the normalised conversation.
+        turns: ``all``, ``last`` or ``first`` (the conversation ends after the first assistant turn).
+        on_truncated: ``keep`` an answer cut at the token limit, or ``drop`` (reject) its row.
+
+    Use: while :meth:`next_request` returns a request, answer it and pass the answer to
+    :meth:`feed`; then :attr:`reject` is None and :meth:`row` is the output row, or
+    :attr:`reject` is the reason.
+    """
+
+    def __init__(self, conv: Conversation, turns: str, on_truncated: str = "keep"):
+        self.conv, self.on_truncated = conv, on_truncated
+        self.dropped_content = False  # a prompt had content the template drops (--on-dropped-content keep)
+        msgs = conv.messages
+        assistants = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        scope = {"all": assistants, "last": assistants[-1:], "first": assistants[:1]}[turns]
+        self.end_after_scope = turns == "first"  # the turns after it answered what the verifier did not say
+        self.todo = [i for i in scope if not msgs[i].get("tool_calls")]
+        self.out: list[dict[str, Any]] = []
+        self.pos = 0
+        self.reject: str | None = None
+        self.ended_at_tool_call = False
+        self.answers: list[Answer] = []
+        if not self.todo:
+            self.reject = ("nothing to regenerate: every assistant turn calls tools" if turns == "all"
+                           else f"nothing to regenerate: the {turns} assistant turn calls tools")
+
+    def next_request(self) -> Request | None:
+        """The next turn to generate, or None when the conversation is finished (or rejected)."""
+        if self.reject is not None or self.ended_at_tool_call or not self.todo:
+            return None
+        turn = self.todo[0]
+        self.out.extend(self.conv.messages[self.pos:turn])
+        self.pos = turn
+        return Request(messages=list(self.out), tools=self.conv.tools)
+
+    def feed(self, answer: Answer) -> None:
+        """Take the answer to the request :meth:`next_request` returned."""
+        turn = self.todo.pop(0)
+        self.answers.append(answer)
+        if answer.error is not None:
+            self.reject = answer.error
+            return
+        if not answer.content and not answer.reasoning and not answer.tool_calls:
+            self.reject = f"empty answer: assistant turn {turn} (message {turn + 1})"
+            return
+        if answer.finish_reason == "length" and self.on_truncated == "drop":
+            self.reject = (f"truncated answer: assistant turn {turn} (message {turn + 1}) was cut at "
+                           "--max-new-tokens (--on-truncated drop)")
+            return
+        msg: dict[str, Any] = {"role": "assistant", "content": answer.content}
+        if answer.finish_reason == "length":  # cut at --max-new-tokens: tokenize supervises no end-of-turn
+            msg["finish_reason"] = "length"
+        if answer.reasoning:
+            msg["reasoning_content"] = answer.reasoning
+        if answer.tool_calls:
+            msg["tool_calls"] = answer.tool_calls
+            self.ended_at_tool_call = True
+        if answer.token_ids is not None:  # what the verifier generated: tokenize checks the text against it
+            msg["token_ids"] = answer.token_ids
+        self.out.append(msg)
+        self.pos = turn + 1
+
+    def row(self) -> dict[str, Any]:
+        """The output row ``{"id", "messages", "tools"?}`` of a finished, not rejected conversation."""
+        assert self.reject is None and self.next_request() is None
+        ended = self.ended_at_tool_call or self.end_after_scope
+        messages = self.out if ended else self.out + self.conv.messages[self.pos:]
+        return {"id": self.conv.conversation_id, "messages": messages,
+                **({"tools": self.conv.tools} if self.conv.tools is not None else {})}
+
+
+_ADVICE = ("the verifier would answer without seeing it; regenerate with a verifier whose template renders it, "
+           "or pass --on-dropped-content keep to regenerate the row anyway (counted in the manifest)")
+
+
+def prompt_drops(tokenizer, request: Request) -> str | None:
+    """Why the verifier cannot be asked ``request``: its chat template does not render part of it.
+
+    The request's history (and tools) is rendered with ``tokenizer``'s chat template and checked as
+    ``tokenize`` checks a row (:func:`~peagle_data.chat.dropped.dropped_content`, no supervised turn:
+    the reasoning of earlier turns is not checked).
+
+    Returns:
+        None, or the reject reason (``template drops <part>: ...``, ``template error: ...``).
+    """
+    try:
+        text = render(tokenizer, request.messages, request.tools, None)
+        dropped = dropped_content(tokenizer, request.messages, text, {}, request.tools, None)
+    except ChatTemplateError as e:
+        return str(e)
+    if not dropped:
+        return None
+    i, part, _ = dropped[0]
+    return dropped_reason(request.messages, i, part, len(dropped), advice=_ADVICE)
+
+
+def _screen(job: Regeneration, req: Request, tokenizer, cfg: RegenerateConfig) -> Answer | None:
+    """The error answer of a prompt ``tokenizer``'s template does not render whole (unless
+    ``cfg.on_dropped_content`` is ``keep``: then the job is marked), cannot render, or renders to
+    more than ``cfg.max_prompt_tokens``; None: ask the verifier."""
+    reason = None if tokenizer is None else prompt_drops(tokenizer, req)
+    if reason is not None and not (cfg.on_dropped_content == "keep" and reason.startswith("template drops")):
+        return Answer(error=reason)
+    job.dropped_content |= reason is not None
+    if cfg.max_prompt_tokens is not None and tokenizer is not None:
+        n = len(prompt_tokens(tokenizer, req))
+        if n > cfg.max_prompt_tokens:
+            return Answer(error=f"prompt too long: {n} prompt tokens exceed --max-prompt-tokens "
+                                f"{cfg.max_prompt_tokens}", prompt_tokens=n)
+    return None
+
+
+def _run_local(jobs: list[Regeneration], backend, cfg: RegenerateConfig) -> None:
+    """Drive a chunk through the local back end in waves: one request per unfinished conversation."""
+    while True:
+        pending = [(job, req) for job in jobs if (req := job.next_request()) is not None]
+        if not pending:
+            return
+        asked = []
+        for job, req in pending:
+            refused = _screen(job, req, getattr(backend, "tokenizer", None), cfg)
+            if refused is not None:
+                job.feed(refused)
+            else:
+                asked.append((job, req))
+        if asked:
+            for (job, _), answer in zip(asked, backend.generate([req for _, req in asked])):
+                job.feed(answer)
+
+
+def _run_one(job: Regeneration, backend, cfg: RegenerateConfig) -> None:
+    while (req := job.next_request()) is not None:
+        refused = _screen(job, req, getattr(backend, "tokenizer", None), cfg)
+        job.feed(refused if refused is not None else backend.answer(req))
+
+
+def _run_server(jobs: list[Regeneration], backend, pool: ThreadPoolExecutor, cfg: RegenerateConfig) -> None:
+    """Drive a chunk through the server back end: each conversation in a thread, turns in order."""
+    for f in [pool.submit(_run_one, job, backend, cfg) for job in jobs]:
+        f.result()
+
+
+def _chunks(items: Iterator, size: int) -> Iterator[list]:
+    """Lists of ``size`` items of the iterator ``items`` (the last one shorter): Python 3.12's ``batched``."""
+    while chunk := list(itertools.islice(items, size)):
+        yield chunk
+
+
+def _settings(inputs, files, cfg: RegenerateConfig, backend) -> dict[str, Any]:
+    """The manifest fields a resumed run must share with the run it continues."""
+    gen = {k: v for k, v in asdict(cfg).items() if k != "chunk_rows"}
+    return {"inputs": [str(i) for i in inputs], "files": [str(f) for f in files], "generation": gen,
+            "model": backend.record}
+
+
+RESUME_MAY_CHANGE = ("--device", "--concurrency", "--server", "--retries", "--timeout")
+"""The ``regenerate`` options a ``--resume`` may change (they change no answer; ``--device`` only to one
+that computes in the recorded dtype); every other setting is compared with the manifest's."""
+
+_MODEL_OPTIONS = {"backend": "--verifier/--server", "verifier": "--verifier", "verifier_fingerprint":
+                  "--verifier (its content fingerprint)", "dtype": "--device (the dtype it decides)",
+                  "batch_size": "--batch-size", "model": "--served-model", "tokenizer": "--tokenizer"}
+"""The option behind each key of a back end's ``record``."""
+
+
+def _check_resume(manifest: dict[str, Any] | None, settings: dict[str, Any], output) -> None:
+    """Raise when the output to continue was written with other settings (names the first option that
+    differs, with its recorded and its given value)."""
+    if manifest is None:
+        return
+    for key in ("inputs", "files", "generation", "model"):
+        old, new = manifest.get(key), settings[key]
+        if key == "model" and isinstance(old, dict):  # RESUME_MAY_CHANGE
+            old, new = ({k: v for k, v in d.items() if k not in ("device", "concurrency", "servers", "retries")}
+                        for d in (old, new))
+        if key == "generation" and isinstance(old, dict):  # a setting added since, left unset
+            new = {k: v for k, v in new.items() if k in old or v is not None}
+        if old == new:
+            continue
+        option, was, now = {"inputs": "INPUT", "files": "INPUT (the files it names)"}.get(key, key), old, new
+        if isinstance(old, dict) and isinstance(new, dict):
+            inner = next(k for k in sorted(old.keys() | new.keys(), key=str) if old.get(k) != new.get(k))
+            option = (_MODEL_OPTIONS.get(inner, inner) if key == "model" else "--" + inner.replace("_", "-"))
+            was, now = old.get(inner), new.get(inner)
+        raise InputError(f"--resume: {output} was written with other settings: {option} was {was!r}, now {now!r} "
+                         f"({key}); rerun with the same settings, or with --force to start over (a resume may "
+                         f"change only {', '.join(RESUME_MAY_CHANGE)})")
+
+
+def _base_counts() -> dict[str, Any]:
+    return {"read": 0, "written": 0, "rejected": 0, "rejected_by_reason": {}, "turns_regenerated": 0, "turns_truncated": 0,
+            "turns_cut_mid_character": 0, "turns_with_reasoning": 0, "turns_with_token_ids": 0,
+            "conversations_with_dropped_content": 0,
+            "ended_at_verifier_tool_call": 0, "prompt_tokens": 0, "completion_tokens": 0}
+
+
+def _record(job: Regeneration | Reject, writer: ConversationWriter, counts: dict[str, Any]) -> None:
+    """Write one finished item (row or reject) and add it to the counts."""
+    counts["read"] += 1
+    reason = job.reason if isinstance(job, Reject) else job.reject
+    if isinstance(job, Regeneration):
+        for a in job.answers:
+            counts["prompt_tokens"] += a.prompt_tokens
+            counts["completion_tokens"] += a.completion_tokens
+            if a.error is None:
+                counts["turns_regenerated"] += 1
+                counts["turns_truncated"] += a.finish_reason == "length"
+                counts["turns_cut_mid_character"] += a.cut_partial_char
+                counts["turns_with_reasoning"] += bool(a.reasoning)
+                counts["turns_with_token_ids"] += a.token_ids is not None
+    if reason is not None:
+        src, cid = (job.source, job.conversation_id) if isinstance(job, Reject) else (job.conv.source,
+                                                                                      job.conv.conversation_id)
+        writer.write_reject(src, reason, cid)
+        counts["rejected"] += 1
+        key = reason.split(":")[0]
+        counts["rejected_by_reason"][key] = counts["rejected_by_reason"].get(key, 0) + 1
+        return
+    counts["ended_at_verifier_tool_call"] += job.ended_at_tool_call
+    counts["conversations_with_dropped_content"] += job.dropped_content
+    writer.write_row(job.row())
+    counts["written"] += 1
+
+
+def _skip_done(items: Iterator[Conversation | Reject], done: list[str], output) -> Iterator[Conversation | Reject]:
+    """The input items after the ``len(done)`` already written; their ids must be ``done``'s.
+
+    Raises:
+        InputError: the first ``len(done)`` input rows are not the rows written (checked before any
+            new row is yielded).
+    """
+    it = iter(items)
+    seen = [item.conversation_id for item in itertools.islice(it, len(done))]
+    if sorted(map(str, seen)) != sorted(map(str, done)):
+        raise InputError(f"--resume: the rows in {output} are not the first {len(done)} input rows; "
+                         "the inputs changed since; rerun with --force")
+    yield from it
+
+
+def _generate_chunk(chunk: list[Conversation | Reject], cfg: RegenerateConfig, backend, pool) -> list:
+    """Regenerate the conversations of one chunk; readers' rejects pass through."""
+    jobs = [item if isinstance(item, Reject) else Regeneration(item, cfg.turns, cfg.on_truncated) for item in chunk]
+    live = [j for j in jobs if isinstance(j, Regeneration)]
+    if pool is None:
+        _run_local(live, backend, cfg)
+    else:
+        _run_server(live, backend, pool, cfg)
+    return jobs
+
+
+def run_regenerate(run: RegenerateRun, make_backend: Callable[[], Any] | None = None,
+                   config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``peagle-data regenerate``: write ``run.output`` (OpenAI-messages JSONL) with the verifier's answers.
+
+    Args:
+        run: the inputs (conversation files, globs or ``sharegpt``, as ``tokenize`` reads them), the
+            output ``OUT.jsonl`` (``OUT.manifest.json`` and ``OUT.rejects.jsonl`` are written beside
+            it), ``force`` (overwrite) or ``resume`` (continue an unfinished run of the same
+            settings), the generation ``settings`` and the ``backend``.
+        make_backend: returns a :class:`~peagle_data.regenerate.backends.LocalBackend` (``generate``)
+            or :class:`~peagle_data.regenerate.backends.ServerBackend` (``answer``); None:
+            ``run.backend.make`` (then ``run.backend`` must be set: ValueError). Called after the inputs and the output are checked, so a bad
+            argument fails before weights load.
+        config: the command's resolved options (``--print-config``), recorded as the manifest's
+            ``config`` so that ``--config`` can repeat the run (not compared on resume).
+
+    Returns:
+        ``{"output", "counts", "resumed_rows", "not_sent"}`` (``not_sent``: the sampling settings
+        the server could not be told, see :data:`~peagle_data.regenerate.backends.SERVER_KINDS`).
+
+    Raises:
+        OutputExistsError: the output exists and neither ``force`` nor ``resume`` is set.
+        InputError: bad inputs; ``resume`` of an output written with other settings or inputs.
+    """
+    inputs, output, cfg, force, resume = run.inputs, run.output, run.settings, run.force, run.resume
+    files = resolve_inputs(inputs)
+    check_output(output, force, resume)
+    if make_backend is None and run.backend is None:
+        raise ValueError("run_regenerate needs run.backend or make_backend")
+    backend = make_backend() if make_backend is not None else run.backend.make(cfg.max_new_tokens, cfg.temperature)
+    if cfg.max_prompt_tokens is not None and getattr(backend, "tokenizer", None) is None:
+        raise InputError("--max-prompt-tokens needs a tokenizer to count prompt tokens: with --server, "
+                         "pass --tokenizer MODEL (the servers' model)")
+    settings = {**_settings(inputs, files, cfg, backend), **({"config": config} if config is not None else {})}
+    manifest = read_regenerate_manifest(output) if resume and not force else None
+    _check_resume(manifest, settings, output)
+    writer = ConversationWriter(output, force=force, resume=resume)
+    if manifest is not None and manifest.get("complete") and writer.paths["rows"].exists():
+        return {"output": str(output), "counts": manifest["counts"], "resumed_rows": manifest["counts"]["read"],
+                "not_sent": backend.record.get("not_sent", [])}
+    ckpt = (manifest or {}).get("checkpoint", {"rows": 0, "rejects": 0})
+    done = writer.resume_at(ckpt["rows"], ckpt["rejects"]) if manifest is not None else []
+    counts = {**_base_counts(), **((manifest or {}).get("counts") or {})}
+    if manifest is None:
+        writer.resume_at(0, 0)  # --resume of nothing: start from empty files
+    _regenerate_into(writer, inputs, cfg, backend, settings, counts, done, output)
+    return {"output": str(output), "counts": counts, "resumed_rows": len(done),
+            "not_sent": backend.record.get("not_sent", [])}
+
+
+def _regenerate_into(writer: ConversationWriter, inputs, cfg: RegenerateConfig, backend, settings, counts,
+                     done: list[str], output) -> None:
+    """The chunk loop: generate, write in input order, checkpoint the manifest; rename at the end."""
+    import torch
+
+    torch.manual_seed(cfg.seed)
+    items = read_conversations(inputs, fmt=cfg.format, limit=cfg.limit)
+    pool = ThreadPoolExecutor(backend.workers) if hasattr(backend, "answer") else None
+    start, tokens0 = time.monotonic(), counts["completion_tokens"]
+    writer.open()
+
+    def checkpoint(complete: bool) -> None:
+        writer.write_manifest({**settings, "counts": counts, "complete": complete,
+                               "checkpoint": {"rows": counts["written"], "rejects": counts["rejected"]}})
+
+    checkpoint(False)
+    try:
+        with progress(total=cfg.limit, initial=len(done), unit="row", desc="regenerate") as bar:
+            for chunk in _chunks(_skip_done(items, done, output), cfg.chunk_rows):
+                for job in _generate_chunk(chunk, cfg, backend, pool):
+                    _record(job, writer, counts)
+                checkpoint(False)
+                bar.update(len(chunk))
+                rate = (counts["completion_tokens"] - tokens0) / max(time.monotonic() - start, 1e-9)
+                bar.set_postfix(tok_s=f"{rate:,.1f}", rejected=counts["rejected"])
+        writer.finish()
+        checkpoint(True)
+    finally:
+        writer.close()
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)

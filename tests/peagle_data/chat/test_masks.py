@@ -1,0 +1,201 @@
+"""Loss masks and system prefixes on the real SmolLM2 tokenizer (ChatML, default system injected)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from peagle_data.chat.masks import tokenize_conversation
+from peagle_data.chat.template import ChatTemplateError
+
+DEFAULT_SYSTEM = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+                  "Hugging Face<|im_end|>\n")
+
+
+def runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of every run of 1s."""
+    padded = np.concatenate([[0], mask.astype(np.int8), [0]])
+    edges = np.flatnonzero(np.diff(padded))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+
+
+def masked_texts(tok, out) -> list[str]:
+    return [tok.decode(out.input_ids[a:b]) for a, b in runs(out.loss_mask)]
+
+
+def reference_ids(tok, messages, **kw) -> list[int]:
+    return list(tok.apply_chat_template(messages, tokenize=True, return_dict=False, **kw))
+
+
+MULTI_TURN = [
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "2+2 is 4."},
+    {"role": "user", "content": "And 3+3?"},
+    {"role": "assistant", "content": "It is 6."},
+]
+
+
+def test_multi_turn_spans_are_content_plus_im_end(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    out = tokenize_conversation(tok, MULTI_TURN)
+    assert out.input_ids.dtype == np.int32 and out.loss_mask.dtype == np.uint8
+    assert out.input_ids.tolist() == reference_ids(tok, MULTI_TURN)
+    assert masked_texts(tok, out) == ["2+2 is 4.<|im_end|>", "It is 6.<|im_end|>"]
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    for a, b in runs(out.loss_mask):
+        assert out.input_ids[b - 1] == im_end
+        assert tok.decode(out.input_ids[b:b + 1]) == "\n" and out.loss_mask[b] == 0  # template glue
+        assert tok.decode(out.input_ids[:a]).endswith("<|im_start|>assistant\n")  # header: mask 0
+    # Nothing else is supervised: no system, user or header token.
+    unmasked = tok.decode(out.input_ids[out.loss_mask == 0])
+    assert "What is 2+2?" in unmasked and "2+2 is 4." not in unmasked
+
+
+def test_system_len_default_system_injected(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    out = tokenize_conversation(tok, MULTI_TURN)
+    assert tok.decode(out.input_ids[:out.system_len]) == DEFAULT_SYSTEM
+    assert out.system_len == 21
+    assert not out.loss_mask[:out.system_len].any()
+
+
+def test_system_len_with_system_message(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    messages = [{"role": "system", "content": "You are terse."}] + MULTI_TURN
+    out = tokenize_conversation(tok, messages)
+    assert out.input_ids.tolist() == reference_ids(tok, messages)
+    assert tok.decode(out.input_ids[:out.system_len]) == "<|im_start|>system\nYou are terse.<|im_end|>\n"
+    assert masked_texts(tok, out) == ["2+2 is 4.<|im_end|>", "It is 6.<|im_end|>"]
+
+
+def test_reply_ending_in_whitespace_keeps_it(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    messages = [{"role": "user", "content": "List?"}, {"role": "assistant", "content": "- a\n- b\n\n"}]
+    out = tokenize_conversation(tok, messages)
+    assert out.input_ids.tolist() == reference_ids(tok, messages)
+    assert masked_texts(tok, out) == ["- a\n- b\n\n<|im_end|>"]
+
+
+def test_assistant_as_first_rendered_content(smollm2_tokenizer):
+    # A bare template: the reply is the very first thing rendered (token 0 is supervised).
+    template = "{% for m in messages %}{{ m.content }}<|endoftext|>{% endfor %}"
+    messages = [{"role": "assistant", "content": "Hello!"}]
+    out = tokenize_conversation(smollm2_tokenizer, messages, chat_template=template)
+    assert out.loss_mask[0] == 1 and out.system_len == 0
+    assert masked_texts(smollm2_tokenizer, out) == ["Hello!<|endoftext|>"]
+
+
+def test_assistant_right_after_system(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    messages = [{"role": "system", "content": "Greet."}, {"role": "assistant", "content": "Hello!"}]
+    out = tokenize_conversation(tok, messages)
+    assert masked_texts(tok, out) == ["Hello!<|im_end|>"]
+    assert tok.decode(out.input_ids[:out.system_len]) == "<|im_start|>system\nGreet.<|im_end|>\n"
+
+
+def test_assistant_first_under_smollm2_is_rejected_not_guessed(smollm2_tokenizer):
+    # SmolLM2 injects its default system prompt only when messages exist, so the generation
+    # prompt of an empty history is not a prefix of the render: the row is rejected (readers drop
+    # leading assistant turns before this point anyway).
+    with pytest.raises(ChatTemplateError, match="template rewrites history"):
+        tokenize_conversation(smollm2_tokenizer, [{"role": "assistant", "content": "Hello!"}])
+
+
+def test_empty_assistant_content_supervises_nothing(smollm2_tokenizer):
+    # An empty assistant turn yields no supervised token, not even its end-of-turn token (issue 3).
+    tok = smollm2_tokenizer
+    out = tokenize_conversation(tok, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}])
+    assert masked_texts(tok, out) == [] and out.loss_mask.sum() == 0
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""},
+                {"role": "user", "content": "Again?"}, {"role": "assistant", "content": "Yes."}]
+    out = tokenize_conversation(tok, messages)
+    assert masked_texts(tok, out) == ["Yes.<|im_end|>"]
+    assert out.input_ids.tolist() == reference_ids(tok, messages)
+
+
+def test_tool_call_and_tool_result(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    messages = [
+        {"role": "user", "content": "Add one."},
+        {"role": "assistant", "content": call},
+        {"role": "tool", "content": '{"result": 2}'},
+        {"role": "assistant", "content": "The result is 2."},
+    ]
+    out = tokenize_conversation(tok, messages)
+    assert out.input_ids.tolist() == reference_ids(tok, messages)
+    assert masked_texts(tok, out) == [call + "<|im_end|>", "The result is 2.<|im_end|>"]
+    assert '{"result": 2}' in tok.decode(out.input_ids[out.loss_mask == 0])
+
+
+def test_other_template_without_newline_glue(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    template = ("{% for m in messages %}{% if m.role == 'user' %}User: {{ m.content }}\n\n"
+                "{% else %}Assistant: {{ m.content }}<|endoftext|>{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}Assistant:{% endif %}")
+    out = tokenize_conversation(tok, MULTI_TURN, chat_template=template)
+    assert out.input_ids.tolist() == reference_ids(tok, MULTI_TURN, chat_template=template)
+    # The generation prompt ends at "Assistant:", so the space before the content is generated too.
+    assert masked_texts(tok, out) == [" 2+2 is 4.<|endoftext|>", " It is 6.<|endoftext|>"]
+    assert out.system_len == 0
+
+
+def test_template_that_rewrites_history_is_rejected(smollm2_tokenizer):
+    # Earlier assistant turns are rendered as "[...]" once a later turn exists.
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
+                "{% if m.role == 'assistant' and not loop.last %}[...]{% else %}{{ m.content }}{% endif %}"
+                "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with pytest.raises(ChatTemplateError, match="template rewrites history"):
+        tokenize_conversation(smollm2_tokenizer, MULTI_TURN, chat_template=template)
+
+
+def test_template_error_is_a_reject_reason(smollm2_tokenizer):
+    template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(ChatTemplateError, match="template error"):
+        tokenize_conversation(smollm2_tokenizer, MULTI_TURN, chat_template=template)
+
+
+def test_a_special_token_inside_a_reply_without_end_of_turn_is_rejected_not_cut(smollm2_tokenizer):
+    # A template that ends assistant turns with no special token: the reply's own <file_sep> was taken as
+    # its end-of-turn token, and " b and more" silently got loss 0.
+    template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")
+    messages = [{"role": "user", "content": "Paths?"}, {"role": "assistant", "content": "a <file_sep> b and more"}]
+    with pytest.raises(ChatTemplateError, match="no end-of-turn token ends an assistant turn: its last special "
+                                                "token '<file_sep>' is followed by ' b and more"):
+        tokenize_conversation(smollm2_tokenizer, messages, chat_template=template)
+    # the same reply under ChatML: <|im_end|> ends the turn, the reply's <file_sep> is supervised with it
+    out = tokenize_conversation(smollm2_tokenizer, messages)
+    assert masked_texts(smollm2_tokenizer, out) == ["a <file_sep> b and more<|im_end|>"]
+
+
+def test_a_cut_reply_is_supervised_up_to_its_own_text(smollm2_tokenizer):
+    # ChatML: the reply cut at a token limit is supervised without the <|im_end|> the template adds
+    cut = [MULTI_TURN[0], {**MULTI_TURN[1], "finish_reason": "length"}]
+    assert masked_texts(smollm2_tokenizer, tokenize_conversation(smollm2_tokenizer, cut)) == ["2+2 is 4."]
+    # a template that closes turns with plain text: its "\n" is not supervised either
+    template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")
+    out = tokenize_conversation(smollm2_tokenizer, cut, chat_template=template)
+    assert masked_texts(smollm2_tokenizer, out) == [" 2+2 is 4."]
+    # a render without the reply's text (the dropped-content check rejects such rows first): no guess
+    from peagle_data.chat.masks import _cut_end
+
+    with pytest.raises(ChatTemplateError, match="a reply cut at a token limit .* whose text's end is not found"):
+        _cut_end(cut[1], "assistant: 2+2 IS 4.\n", 11, 21)
+    assert _cut_end({"content": "", "reasoning_content": "Two and "}, "<think>\nTwo and\n</think>", 0, 25) == 15
+
+
+def test_generated_ids_outside_the_tokenizer_reject_the_row(smollm2_tokenizer):
+    """An id past the tokenizer decodes to "" (the text still matches), so it would be spliced into the
+    training ids unseen, and pass extract on a verifier whose embedding is padded past the tokenizer."""
+    tok = smollm2_tokenizer
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello there"}]
+    generated = [19556, 665, 2]  # 'Hello', 'Ġthere', '<|im_end|>'
+    ok = tokenize_conversation(tok, [messages[0], {**messages[1], "token_ids": generated}])
+    assert ok.problem is None and ok.input_ids[ok.loss_mask == 1].tolist() == generated
+    with pytest.raises(ChatTemplateError) as e:
+        tokenize_conversation(tok, [messages[0], {**messages[1], "token_ids": [19556, 665, 49157, 2]}])
+    assert str(e.value) == ("generated ids outside the tokenizer: assistant message 1 token_ids[2] is 49157, but "
+                            "the tokenizer has 49152 tokens (ids 0..49151): the ids come from another tokenizer or "
+                            "were edited; tokenize with the tokenizer of the verifier that generated them")
