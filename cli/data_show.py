@@ -5,9 +5,9 @@ from __future__ import annotations
 import sys
 import click
 
+import peagle_data.inspect.show
 from cli.common import OutputPath, config_error, handle_errors
 from cli.options import config_file_options, config_options
-import peagle_data.inspect.show
 from peagle_data.inspect.show import COLORS, ShowConfig
 
 __all__ = ["show"]

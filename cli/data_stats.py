@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import click
 
+import peagle_data.inspect.stats
 from cli.common import OutputPath, config_error, echo_json, handle_errors
 from cli.options import config_file_options, config_options
-import peagle_data.inspect.stats
 from peagle_data.inspect.stats import StatsConfig, format_stats
 from peagle_data.inspect.stats_plot import PLOT_SUFFIXES, check_plot_output, plot_stats
 

@@ -184,7 +184,7 @@ def template_tools(tools: list | None) -> list | None:
     (``ChatCompletionToolsParam.model_dump()``), ``{"type": "function", "function": {"name",
     "description", "parameters"}}`` in that order, a missing description or parameters as None,
     ``strict`` and ``defer_loading`` only when set, other keys left out. The readers accept only tools
-    of this shape (:func:`peagle_data.readers.normalize_record`)."""
+    of this shape (:func:`peagle_data.readers.normalize.normalize_record`)."""
     if tools is None:
         return None
     out = []

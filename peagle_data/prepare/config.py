@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from typing import Sequence
 from pathlib import Path
 
-from peagle_data.readers.rows import FORMATS
 from peagle_data.prepare.shards import check_shard
 from peagle_data.prepare.windows import OVERLAP_LOSS
+from peagle_data.readers.rows import FORMATS
 
 __all__ = ["TokenizeConfig", "PackConfig", "TokenizeRun", "PackRun", "CHUNK_CONVERSATIONS", "HISTORY_REWRITE", "DROPPED_CONTENT",
            "TOKENIZE_ONLY"]

@@ -1,7 +1,7 @@
 """Exact deduplication and length filters for ``peagle-data tokenize`` and ``pack``.
 
 Deduplication keys a conversation by a 16-byte BLAKE2b digest of its normalised messages and
-tools (:class:`peagle_data.readers.Conversation` after the reader's normalisation: roles mapped,
+tools (:class:`peagle_data.readers.rows.Conversation` after the reader's normalisation: roles mapped,
 user turns merged, leading assistant turns dropped), serialised as canonical JSON (sorted keys,
 no whitespace). The first occurrence in input order is kept; every later one is rejected as
 ``duplicate: ...`` with ``duplicate_of`` naming the kept row's ``file:N``. Tokenize outputs given

@@ -56,7 +56,7 @@ def iter_source_groups(iter_tokenized: Callable[..., Iterator[list[TokenizedRow]
     """Tokenized conversation groups of plain INPUTs or of every mixture source in order.
 
     Args:
-        iter_tokenized: :func:`peagle_data.prepare.iter_tokenized` (passed in: that module imports this one).
+        iter_tokenized: :func:`peagle_data.prepare.tokenizing.iter_tokenized` (passed in: that module imports this one).
         mixture: from :func:`mixture_of`; None for plain inputs.
         cfg: the run's TokenizeConfig; a source's ``limit``, ``chat_template`` and ``format`` replace its own.
         shard: a filter of reader items keeping this shard's (:func:`peagle_data.prepare.shards.shard_filter`), or None.

@@ -20,13 +20,13 @@ import numpy as np
 
 from peagle_data.chat.masks import render_rows, tokenize_rendered
 from peagle_data.chat.template import ChatTemplateError, chat_template_sha256
+from peagle_data.prepare.config import CHUNK_CONVERSATIONS, TokenizeConfig, TokenizeRun
 from peagle_data.prepare.counts import Counts
 from peagle_data.prepare.dedup import Deduplicator, dedup_items, filter_reason
-from peagle_data.prepare.config import CHUNK_CONVERSATIONS, TokenizeConfig, TokenizeRun
-from peagle_data.readers.conversations import read_conversations
-from peagle_data.readers.rows import Conversation, Reject
 from peagle_data.prepare.shards import shard_filter
 from peagle_data.prepare.sources import input_files, iter_source_groups, mixture_of
+from peagle_data.readers.conversations import read_conversations
+from peagle_data.readers.rows import Conversation, Reject
 from stores.errors import InputError
 from stores.model_cache import load_tokenizer
 from stores.progress import progress

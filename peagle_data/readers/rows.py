@@ -63,7 +63,7 @@ class Reject:
 
 class RowError(Exception):
     """A row-level problem: the row cannot be used. Readers and the normaliser yield or raise it;
-    :func:`peagle_data.readers.read_conversations` turns it into a :class:`Reject` (or, strict, an
+    :func:`peagle_data.readers.conversations.read_conversations` turns it into a :class:`Reject` (or, strict, an
     :class:`~stores.errors.InputError` naming file, row and field).
 
     Attributes:
