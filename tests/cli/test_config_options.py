@@ -10,12 +10,12 @@ import click
 import pytest
 
 from cli.data import main as data_main
+from cli.data_merge import MergeConfig
 from cli.eval import main as eval_main
 from cli.train import main as train_main
 from peagle_data.extract import ExtractConfig
 from peagle_data.prepare.config import PackConfig, PackRun, TokenizeConfig, TokenizeRun
 from peagle_data.regenerate.run import RegenerateConfig, RegenerateRun
-from cli.data_merge import MergeConfig
 from peagle_data.inspect.show import ShowConfig
 from peagle_data.inspect.stats import StatsConfig
 from peagle_data.inspect.verify import InspectConfig, VerifyConfig
