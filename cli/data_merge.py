@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
 from cli.common import OutputPath, config_error, echo_json, handle_errors
 from cli.options import config_file_options, config_options
 from peagle_data.tool_configs import MergeConfig
+from stores.files import is_zarr_store
 
 __all__ = ["merge"]
 
@@ -45,7 +44,7 @@ def _all_stores(shards) -> bool:
     """True for feature stores, False for token tables; InputError for a mix."""
     from stores.errors import InputError
 
-    is_store = [(Path(s) / "zarr.json").is_file() for s in shards]
+    is_store = [is_zarr_store(s) for s in shards]
     if any(is_store) and not all(is_store):
         raise InputError("merge SHARDs must be all token tables or all feature stores, not a mix")
     return all(is_store)

@@ -33,6 +33,7 @@ import numpy as np
 
 from peagle_data.windows import SystemPrefixTooLongError, count_windows
 from stores.errors import InputError
+from stores.files import is_zarr_store
 
 __all__ = ["PERCENTILES", "collect_stats", "format_stats", "percentiles_from_counts"]
 
@@ -105,7 +106,7 @@ def collect_stats(path: str | os.PathLike, max_seq_len: int | None = None,
         StoreFormatError: the table or store cannot be read.
     """
     p = Path(path)
-    if (p / "zarr.json").is_file():
+    if is_zarr_store(p):
         return _store_stats(p)
     if not (p / "manifest.json").is_file():
         raise InputError(f"{path}: not a token table (no manifest.json) nor a feature store (no zarr.json)")

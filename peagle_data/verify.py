@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from stores.files import is_zarr_store
+
 __all__ = ["verify_output", "inspect_output"]
 
 
@@ -63,7 +65,7 @@ def verify_output(path: str | Path, packed: str | Path | None = None,
         StoreMismatchError: ``packed`` is not the store's packed table.
         StoreFormatError: ``path`` is neither a store nor a table.
     """
-    from stores.feature_store import verify_store
+    from stores.feature_repair import verify_store
     from stores.merge import verify_table
 
     if (Path(path) / "manifest.json").is_file():
@@ -85,7 +87,7 @@ def inspect_output(path: str | Path) -> dict[str, Any]:
     from stores.token_tables import TokenTable
 
     p = Path(path)
-    if (p / "zarr.json").is_file():
+    if is_zarr_store(p):
         return FeatureStore.open(p).summary()
     table = TokenTable.open(p)
     return {"path": str(p), "kind": table.kind, "rows": table.num_rows,

@@ -32,6 +32,7 @@ import zarr.errors
 from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
 
 from stores.errors import OutputExistsError
+from stores.files import is_local
 
 __all__ = [
     "STORAGE_DTYPES",
@@ -169,12 +170,12 @@ def new_group(path: str, force: bool) -> zarr.Group:
     Raises:
         OutputExistsError: ``path`` exists and ``force`` is false.
     """
-    if "://" not in path and Path(path).exists():
+    if is_local(path) and Path(path).exists():
         if not force:
             raise OutputExistsError(path, "pass --resume to continue it or --force to overwrite it")
         shutil.rmtree(path)
     try:
-        return zarr.open_group(path, mode="w" if force or "://" not in path else "w-")
+        return zarr.open_group(path, mode="w" if force or is_local(path) else "w-")
     except (FileExistsError, zarr.errors.ContainsGroupError, zarr.errors.ContainsArrayError) as e:
         raise OutputExistsError(path, "pass --resume to continue it or --force to overwrite it") from e
 

@@ -24,6 +24,7 @@ from stores.staging import fill_dir
 __all__ = [
     "EMBEDDED_MODELS",
     "peagle_home",
+    "gguf_path",
     "resolve_model",
     "load_tokenizer",
     "load_verifier",
@@ -65,7 +66,8 @@ def peagle_home() -> Path:
     return Path(os.environ.get("PEAGLE_HOME", Path.home() / ".cache" / "peagle")).expanduser()
 
 
-def _gguf_path(name: str) -> Path:
+def gguf_path(name: str) -> Path:
+    """The GGUF file of embedded model ``name`` (:data:`EMBEDDED_MODELS`) inside its installed package."""
     package, filename, install = EMBEDDED_MODELS[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -85,7 +87,7 @@ def _gguf_path(name: str) -> Path:
 def _convert_embedded(name: str, need_weights: bool) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    gguf = _gguf_path(name)
+    gguf = gguf_path(name)
     target = peagle_home() / "models" / name
     if not (target / _TOKENIZER_DONE).exists():
         def write_tok(tmp: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 from cli.data import main as data_main
 from cli.eval import main as eval_main
 from cli.train import main as train_main
-from peagle_data.extract import ExtractConfig
+from peagle_data.extract.config import ExtractConfig
 from peagle_data.prepare import PackConfig, PackRun, TokenizeConfig, TokenizeRun
 from peagle_data.regenerate import RegenerateConfig, RegenerateRun
 from peagle_data.tool_configs import InspectConfig, MergeConfig, ShowConfig, StatsConfig, VerifyConfig

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from peagle_data.extract import (ExtractConfig, check_packable, language_model, run_extract, segments_alone,
-                                 verifier_features)
+from peagle_data.extract.config import ExtractConfig
+from peagle_data.extract.hf_forward import check_packable, language_model, segments_alone, verifier_features
+from peagle_data.extract.run import run_extract
 from stores.errors import InputError
 from stores.feature_store import FeatureStore
 from stores.staging import prepare_output_dir
