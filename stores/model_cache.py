@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 from pathlib import Path
 
 from stores.errors import MissingDependencyError, ModelNotFoundError
@@ -294,8 +293,3 @@ def model_fingerprint(directory: Path, sample_bytes: int = 1 << 20) -> str:
                     fh.seek(size - sample_bytes)
                     h.update(fh.read(sample_bytes))
     return h.hexdigest()[:16]
-
-
-def clear_cache(name: str) -> None:  # pragma: no cover - maintenance helper
-    """Delete the converted copy of an embedded model."""
-    shutil.rmtree(peagle_home() / "models" / name, ignore_errors=True)

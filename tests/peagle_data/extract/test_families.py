@@ -25,7 +25,7 @@ from stores.feature_store import FeatureStore
 from stores.staging import prepare_output_dir
 from stores.token_tables import TableWriter, write_manifest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from families import FAMILIES, SLIDING, build_family, family_config, hidden_states_as_stored, save_family  # noqa: E402
 
 LENGTHS = [9, 3, 12]  # two segments longer than the window, one shorter

@@ -22,7 +22,7 @@ from stores.feature_store import FeatureStore
 from stores.staging import prepare_output_dir
 from stores.token_tables import TableWriter, write_manifest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests"))
 from families import hidden_states_as_stored  # noqa: E402
 

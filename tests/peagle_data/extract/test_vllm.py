@@ -29,11 +29,11 @@ from stores.staging import prepare_output_dir
 from stores.token_tables import TableWriter, write_manifest
 from tests.peagle_data.extract.test_run import chunk_bytes
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from families import VLLM_CPU_SHAPE, save_family  # noqa: E402
 from servers import free_port, stop, wait_until_up  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 ENV = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
 
 
