@@ -27,7 +27,9 @@ from pathlib import Path
 
 import torch
 
-from peagle_data.extract import ExtractConfig, _base_model, default_layers, run_extract, verifier_features
+from peagle_data.extract.config import ExtractConfig
+from peagle_data.extract.hf_forward import default_layers, language_model, verifier_features
+from peagle_data.extract.run import run_extract
 from stores.feature_store import FeatureStore
 from stores.model_cache import load_verifier
 from stores.staging import prepare_output_dir
@@ -52,7 +54,7 @@ def subset_table(packed: Path, n_blocks: int, out: Path) -> Path:
 def bare_forward_s(verifier, packed: Path, layers: list[int], to_host: bool = True) -> tuple[float, int]:
     """Seconds and tokens of the verifier forward over every block (no store); ``to_host=False``
     leaves the features on the device and synchronizes once at the end."""
-    base = _base_model(verifier)
+    base = language_model(verifier)
     tokens = 0
     t0 = time.perf_counter()
     for row in TokenTable.open(packed).iter_rows(["input_ids", "position_ids", "cu_seqlens", "n_tokens"]):
@@ -109,13 +111,13 @@ def main() -> None:
         t0 = time.perf_counter()
         impl = args.attn_implementation
         if impl == "auto":
-            from peagle_data.extract_hf import has_flash_attn
+            from peagle_data.extract.hf import has_flash_attn
             impl = "flash_attention_2" if cuda and has_flash_attn() else None  # transformers' choice
         verifier = load_verifier(args.verifier, device=args.device, attn_implementation=impl)
         if cuda:
             torch.cuda.synchronize()
         load_s = time.perf_counter() - t0
-        layers = default_layers(len(_base_model(verifier).layers))  # the language model's layers
+        layers = default_layers(len(language_model(verifier).layers))  # the language model's layers
         bare_forward_s(verifier, subset_table(args.packed, 1, work / "warm"), layers)  # warm-up
         bare, on_device, extract = [], [], []
         for r in range(args.repeats):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from peagle_data.extract import default_layers, language_model, verifier_features
+from peagle_data.extract.hf_forward import default_layers, language_model, verifier_features
 from stores.model_cache import load_verifier
 from stores.token_tables import TokenTable
 

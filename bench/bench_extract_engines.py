@@ -37,7 +37,8 @@ def child(args) -> dict:
     import psutil
     import torch
 
-    from peagle_data.extract import ExtractConfig, run_extract
+    from peagle_data.extract.config import ExtractConfig
+    from peagle_data.extract.run import run_extract
 
     me = psutil.Process()
     peak = [0]

@@ -7,10 +7,11 @@ import click
 
 from cli.common import OutputPath, config_error, echo_json, handle_errors
 from cli.options import config_file_options, config_options, run_config
-from peagle_data.extract import ATTN_IMPLEMENTATIONS, ENGINES, ExtractConfig
+from peagle_data.extract.config import ATTN_IMPLEMENTATIONS, ENGINES, ExtractConfig
+from peagle_data.extract.run import run_extract
 import peagle_data.inspect.verify
 from peagle_data.inspect.verify import InspectConfig, VerifyConfig
-from stores.feature_store import STORAGE_DTYPES
+from stores.feature_schema import STORAGE_DTYPES
 
 __all__ = ["extract", "inspect_cmd", "verify"]
 
@@ -38,8 +39,6 @@ _EXTRACT_OVERRIDES = {
 @handle_errors
 def extract(**options):
     """Run the verifier over PACKED_DIR and write hidden states into a feature store."""
-    from peagle_data.extract import run_extract
-
     with config_error():
         cfg = ExtractConfig(**options)
     echo_json(run_extract(cfg, log=lambda m: click.echo(m, err=True), config=run_config()))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Sequence
 
 import click
@@ -12,6 +11,7 @@ import stores.merge
 from cli.common import OutputPath, config_error, echo_json, handle_errors
 from cli.options import config_file_options, config_options
 from stores.errors import InputError
+from stores.files import is_zarr_store
 
 __all__ = ["MergeConfig", "merge"]
 
@@ -57,7 +57,7 @@ def _merge(cfg: MergeConfig) -> None:
 
 def _all_stores(shards) -> bool:
     """True for feature stores, False for token tables; InputError for a mix."""
-    is_store = [(Path(s) / "zarr.json").is_file() for s in shards]
+    is_store = [is_zarr_store(s) for s in shards]
     if any(is_store) and not all(is_store):
         raise InputError("merge SHARDs must be all token tables or all feature stores, not a mix")
     return all(is_store)

@@ -26,6 +26,7 @@ import numpy as np
 
 from peagle_train.data import check_store_ready, split_blocks
 from stores.errors import InputError, StoreMismatchError
+from stores.files import is_local
 
 __all__ = ["expand_store_args", "open_stores", "StoreSet", "split_per_store", "store_identities", "store_identity",
            "usable_blocks"]
@@ -48,7 +49,7 @@ def expand_store_args(values: Sequence[str]) -> str | list[str]:
             entries = [line for line in lines if line and not line.startswith("#")]
             if not entries:
                 raise InputError(f"store list {v} names no store", field="--store")
-            paths += [e if os.path.isabs(e) or "://" in e else str(p.parent / e) for e in entries]
+            paths += [e if os.path.isabs(e) or not is_local(e) else str(p.parent / e) for e in entries]
         else:
             paths.append(str(v))
     if not paths:
@@ -72,7 +73,7 @@ def open_stores(store: str | Sequence[str]):
     paths = [str(s) for s in store]
     if len(paths) == 1:
         return FeatureStore.open(paths[0])
-    real = [os.path.realpath(p) if "://" not in p else p for p in paths]
+    real = [os.path.realpath(p) if is_local(p) else p for p in paths]
     repeated = sorted({p for p, r in zip(paths, real) if real.count(r) > 1})
     if repeated:
         raise InputError(f"store {repeated} given more than once", field="--store")

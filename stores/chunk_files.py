@@ -11,19 +11,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from typing import TYPE_CHECKING
-
 import numpy as np
-import torch
 import zarr
 
 from stores.errors import StoreFormatError
-from stores.feature_schema import SEGMENTS, TOKEN_ARRAYS, ArraySpec, Block, decode_hidden, hidden_arrays
 
-if TYPE_CHECKING:
-    from stores.feature_store import FeatureStore
-
-__all__ = ["CHECKSUM_BYTES", "ChunkFiles", "StoreFileReader", "raw_chunk_damage", "uncompressed"]
+__all__ = ["CHECKSUM_BYTES", "ChunkFiles", "raw_chunk_damage", "uncompressed"]
 
 CHECKSUM_BYTES = 4  # crc32c codec appends 4 bytes to each chunk
 
@@ -92,70 +85,3 @@ class ChunkFiles:
         fds, self._dir_fds = self._dir_fds, {}
         for fd in fds.values():
             os.close(fd)
-
-
-class StoreFileReader:
-    """The ``file`` read path of a local uncompressed :class:`~stores.feature_store.FeatureStore`:
-    each block's chunk files read straight into freshly allocated arrays (first T rows)."""
-
-    def __init__(self, store: FeatureStore):
-        self.store = store
-        self.files = ChunkFiles(store._local_root)
-        self._layout: list[tuple[ArraySpec, tuple[int, ...], int]] | None = None
-
-    def read_tokens(self, i: int) -> dict[str, np.ndarray]:
-        """Token arrays of block ``i`` from the chunk files: ``[T] int64`` each, ``cu_seqlens [S+1]``."""
-        store = self.store
-        T, C, width = store.n_tokens_of(i), store.block_size, int(store.attrs["max_segments"]) + 1
-        out = {}
-        for spec, n, full in [*((s, T, C) for s in TOKEN_ARRAYS), (SEGMENTS, width, width)]:
-            a = np.empty(n, dtype=spec.dtype)  # numpy, not torch: a torch op costs several times more here
-            self.pread(spec.name, i, 1, a, full * a.itemsize)
-            out[spec.name] = a.astype(np.int64)
-        cu = out[SEGMENTS.name]
-        out[SEGMENTS.name] = cu[: int(np.argmax(cu == cu[-1])) + 1]  # drop the padding repeats
-        return out
-
-    def read_block(self, i: int, pin_memory: bool) -> Block:
-        """Block ``i``; hidden states in page-locked memory with ``pin_memory`` (bf16 stores, CUDA present)."""
-        tok = self.read_tokens(i)
-        pin_memory = pin_memory and torch.cuda.is_available()
-        T = len(tok["input_ids"])
-        raw = {}
-        for spec, shape, chunk_bytes in self._hidden_layout():
-            if pin_memory and spec.dtype == "uint16":
-                a = torch.empty((T, *shape[1:]), dtype=torch.uint16, pin_memory=True).numpy()
-            else:
-                a = np.empty((T, *shape[1:]), dtype=spec.dtype)
-            self.pread(spec.name, i, len(shape), a, chunk_bytes)
-            raw[spec.name] = a
-        hidden = decode_hidden(self.store.storage_dtype, raw, copy=False)  # bf16 bit patterns viewed in place
-        return Block(**{k: torch.from_numpy(v) for k, v in tok.items()}, **hidden)
-
-    def _hidden_layout(self) -> list[tuple[ArraySpec, tuple[int, ...], int]]:
-        """``(spec, block shape, chunk bytes)`` of each hidden array, computed once per store."""
-        if self._layout is None:
-            sizes = self.store.sizes()
-            self._layout = [(s, s.block_shape(sizes), int(np.prod(s.block_shape(sizes))) * np.dtype(s.dtype).itemsize)
-                            for s in hidden_arrays(self.store.storage_dtype)]
-        return self._layout
-
-    def pread(self, name: str, i: int, ndim: int, out: np.ndarray, chunk_bytes: int) -> None:
-        """Fill ``out`` (C-contiguous) from the start of block ``i``'s chunk file of ``name``, an
-        array whose blocks have ``ndim`` dimensions.
-
-        Raises:
-            StoreFormatError: the file is missing (a done block's missing chunk is damage), is not
-                ``chunk_bytes`` + the checksum long, or reads short.
-        """
-        try:
-            fd = self.files.open(name, i, ndim)
-        except FileNotFoundError:
-            self.store.check_chunks_exist(i)
-            raise StoreFormatError(f"{self.store.chunk_path(name, i)}: chunk file is missing "
-                                   "(run `peagle-data verify`)") from None
-        ChunkFiles.read(fd, out, chunk_bytes, self.store.chunk_path(name, i))
-
-    def close(self) -> None:
-        """Close the chunk-directory descriptors (reopened on demand)."""
-        self.files.close()

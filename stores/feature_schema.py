@@ -9,7 +9,7 @@ readers read them back into a :class:`Block`, and ``verify`` checks their shapes
 iterating this table. A new per-token array is one :class:`ArraySpec` entry with role ``"token"``
 plus its :class:`Block` field; extraction (``FeatureStore.write_token_row``) copies it from the packed row of the same name (a column
 of :data:`stores.token_tables.PACKED_SCHEMA` / :class:`stores.token_rows.PackedRow`, made by
-:func:`peagle_data.packing.make_packed_row`).
+:func:`peagle_data.prepare.packing.make_packed_row`).
 
 Hidden states are stored as the uint16 bit patterns of bf16 (zarr has no bfloat16) or, with
 ``storage_dtype="fp8"``, as float8_e4m3fn codes with one float32 scale per vector.
@@ -32,6 +32,7 @@ import zarr.errors
 from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
 
 from stores.errors import OutputExistsError
+from stores.files import is_local
 
 __all__ = [
     "STORAGE_DTYPES",
@@ -169,12 +170,12 @@ def new_group(path: str, force: bool) -> zarr.Group:
     Raises:
         OutputExistsError: ``path`` exists and ``force`` is false.
     """
-    if "://" not in path and Path(path).exists():
+    if is_local(path) and Path(path).exists():
         if not force:
             raise OutputExistsError(path, "pass --resume to continue it or --force to overwrite it")
         shutil.rmtree(path)
     try:
-        return zarr.open_group(path, mode="w" if force or "://" not in path else "w-")
+        return zarr.open_group(path, mode="w" if force or is_local(path) else "w-")
     except (FileExistsError, zarr.errors.ContainsGroupError, zarr.errors.ContainsArrayError) as e:
         raise OutputExistsError(path, "pass --resume to continue it or --force to overwrite it") from e
 

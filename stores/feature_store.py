@@ -4,11 +4,11 @@ Legend: N blocks, C ``block_size`` (tokens), T a block's ``n_tokens`` (≤ C), L
 H hidden size, S segments in a block.
 
 The arrays are those of the schema table :data:`stores.feature_schema.ARRAYS`; create, write,
-read and verify (:mod:`stores.feature_verify`) all iterate it. One block is one chunk row of every
+read and verify (:mod:`stores.feature_repair`) all iterate it. One block is one chunk row of every
 per-block array, so two writers never touch one chunk. A block's ``done`` flag is written only
 after its data. Hidden states have no compressor but a crc32c checksum codec, so each chunk file of
-a local store is read straight into the result tensors (the ``file`` path,
-:class:`stores.chunk_files.ChunkFiles`); any other store (compressed, remote) is read through the
+a local store is read straight into the result tensors (the ``file`` path, :class:`StoreFileReader`
+over :class:`stores.chunk_files.ChunkFiles`); any other store (compressed, remote) is read through the
 zarr API. Both paths return identical tensors.
 """
 
@@ -24,12 +24,13 @@ import torch
 import zarr
 import zarr.errors
 
-from stores.chunk_files import StoreFileReader, uncompressed
+from stores.chunk_files import ChunkFiles, uncompressed
 from stores.errors import StoreFormatError
 from stores.feature_schema import (
     SEGMENTS,
     STORAGE_DTYPES,
     TOKEN_ARRAYS,
+    ArraySpec,
     Block,
     array_ndim,
     block_arrays,
@@ -42,7 +43,7 @@ from stores.feature_schema import (
     hidden_arrays,
     store_arrays,
 )
-from stores.feature_verify import check_block, check_compatible, verify_store
+from stores.files import is_local, is_zarr_store
 from stores.token_tables import not_a_store_hint
 
 __all__ = [
@@ -50,10 +51,8 @@ __all__ = [
     "STORAGE_DTYPES",
     "Block",
     "FeatureStore",
-    "check_compatible",
+    "StoreFileReader",
     "bytes_per_token",
-    "verify_store",
-    "check_block",
     "LAYER_CONVENTION",
     "check_layer_convention",
 ]
@@ -118,7 +117,7 @@ class FeatureStore:
                 f"this peagle reads {FORMAT_VERSION}"
             )
         self.attrs: dict[str, Any] = attrs
-        self._local_root = Path(path) if _is_local(path) else None
+        self._local_root = Path(path) if is_local(path) else None
         self.raw_chunks = self._local_root is not None and uncompressed(group["aux_hidden"])
         """Chunk files readable directly (the ``file`` read path)."""
         self._n_tokens_cache: np.ndarray | None = None
@@ -180,7 +179,7 @@ class FeatureStore:
         path = str(path)
         if path.startswith("file://"):
             path = path[len("file://"):]
-        if _is_local(path) and not (Path(path) / "zarr.json").is_file():
+        if is_local(path) and not is_zarr_store(path):
             raise StoreFormatError(not_a_store_hint(path) or f"{path}: no feature store here (no zarr.json)")
         try:
             group = zarr.open_group(path, mode=mode)
@@ -469,10 +468,6 @@ class FeatureStore:
         }
 
 
-def _is_local(path: str) -> bool:
-    return "://" not in path
-
-
 def _created_by() -> str:
     try:
         from importlib.metadata import version
@@ -480,3 +475,70 @@ def _created_by() -> str:
         return f"peagle {version('peagle')}"
     except Exception:
         return "peagle"
+
+
+class StoreFileReader:
+    """The ``file`` read path of a local uncompressed :class:`~stores.feature_store.FeatureStore`:
+    each block's chunk files read straight into freshly allocated arrays (first T rows)."""
+
+    def __init__(self, store: FeatureStore):
+        self.store = store
+        self.files = ChunkFiles(store._local_root)
+        self._layout: list[tuple[ArraySpec, tuple[int, ...], int]] | None = None
+
+    def read_tokens(self, i: int) -> dict[str, np.ndarray]:
+        """Token arrays of block ``i`` from the chunk files: ``[T] int64`` each, ``cu_seqlens [S+1]``."""
+        store = self.store
+        T, C, width = store.n_tokens_of(i), store.block_size, int(store.attrs["max_segments"]) + 1
+        out = {}
+        for spec, n, full in [*((s, T, C) for s in TOKEN_ARRAYS), (SEGMENTS, width, width)]:
+            a = np.empty(n, dtype=spec.dtype)  # numpy, not torch: a torch op costs several times more here
+            self.pread(spec.name, i, 1, a, full * a.itemsize)
+            out[spec.name] = a.astype(np.int64)
+        cu = out[SEGMENTS.name]
+        out[SEGMENTS.name] = cu[: int(np.argmax(cu == cu[-1])) + 1]  # drop the padding repeats
+        return out
+
+    def read_block(self, i: int, pin_memory: bool) -> Block:
+        """Block ``i``; hidden states in page-locked memory with ``pin_memory`` (bf16 stores, CUDA present)."""
+        tok = self.read_tokens(i)
+        pin_memory = pin_memory and torch.cuda.is_available()
+        T = len(tok["input_ids"])
+        raw = {}
+        for spec, shape, chunk_bytes in self._hidden_layout():
+            if pin_memory and spec.dtype == "uint16":
+                a = torch.empty((T, *shape[1:]), dtype=torch.uint16, pin_memory=True).numpy()
+            else:
+                a = np.empty((T, *shape[1:]), dtype=spec.dtype)
+            self.pread(spec.name, i, len(shape), a, chunk_bytes)
+            raw[spec.name] = a
+        hidden = decode_hidden(self.store.storage_dtype, raw, copy=False)  # bf16 bit patterns viewed in place
+        return Block(**{k: torch.from_numpy(v) for k, v in tok.items()}, **hidden)
+
+    def _hidden_layout(self) -> list[tuple[ArraySpec, tuple[int, ...], int]]:
+        """``(spec, block shape, chunk bytes)`` of each hidden array, computed once per store."""
+        if self._layout is None:
+            sizes = self.store.sizes()
+            self._layout = [(s, s.block_shape(sizes), int(np.prod(s.block_shape(sizes))) * np.dtype(s.dtype).itemsize)
+                            for s in hidden_arrays(self.store.storage_dtype)]
+        return self._layout
+
+    def pread(self, name: str, i: int, ndim: int, out: np.ndarray, chunk_bytes: int) -> None:
+        """Fill ``out`` (C-contiguous) from the start of block ``i``'s chunk file of ``name``, an
+        array whose blocks have ``ndim`` dimensions.
+
+        Raises:
+            StoreFormatError: the file is missing (a done block's missing chunk is damage), is not
+                ``chunk_bytes`` + the checksum long, or reads short.
+        """
+        try:
+            fd = self.files.open(name, i, ndim)
+        except FileNotFoundError:
+            self.store.check_chunks_exist(i)
+            raise StoreFormatError(f"{self.store.chunk_path(name, i)}: chunk file is missing "
+                                   "(run `peagle-data verify`)") from None
+        ChunkFiles.read(fd, out, chunk_bytes, self.store.chunk_path(name, i))
+
+    def close(self) -> None:
+        """Close the chunk-directory descriptors (reopened on demand)."""
+        self.files.close()

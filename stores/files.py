@@ -1,11 +1,23 @@
-"""File-system helpers shared by the writers: permissions that follow the process umask."""
+"""File-system helpers shared by the stores and their callers: permissions that follow the process umask,
+local paths (:func:`is_local`) and the zarr v3 probe (:func:`is_zarr_store`)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-__all__ = ["current_umask", "follow_umask"]
+__all__ = ["current_umask", "follow_umask", "is_local", "is_zarr_store"]
+
+
+def is_local(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names a local file or directory, not an fsspec URL (``s3://``, ``memory://``...)."""
+    return "://" not in str(path)
+
+
+def is_zarr_store(path: str | os.PathLike) -> bool:
+    """Whether directory ``path`` holds a zarr v3 group, i.e. a feature store (its ``zarr.json``), not a
+    token table (``manifest.json``)."""
+    return (Path(path) / "zarr.json").is_file()
 
 
 def current_umask() -> int:

@@ -25,6 +25,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from stores.errors import InputError, StoreMismatchError
+from stores.feature_schema import hidden_arrays
+from stores.feature_store import FeatureStore
 from stores.staging import staged_output_dir
 from stores.token_tables import (
     REJECTS,
@@ -296,8 +298,6 @@ def merge_stores(paths: list[str | os.PathLike], output: str | os.PathLike, forc
         StoreMismatchError: shards of other packed tables, verifiers, layers or storage.
         OutputExistsError: ``output`` exists and ``force`` is false.
     """
-    from stores.feature_store import FeatureStore
-
     stores = [FeatureStore.open(p) for p in paths]
     shards = []
     for s in stores:
@@ -347,9 +347,6 @@ def _merged_engine(stores) -> dict[str, Any]:
 
 
 def _write_merged_store(stores, output, force: bool) -> dict[str, Any]:
-    from stores.feature_schema import hidden_arrays
-    from stores.feature_store import FeatureStore
-
     first, n = stores[0], len(stores)
     total = sum(s.n_blocks for s in stores)
     attrs = dict(first.attrs)

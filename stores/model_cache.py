@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 from pathlib import Path
 
 from stores.errors import MissingDependencyError, ModelNotFoundError
@@ -24,6 +23,7 @@ from stores.staging import fill_dir
 __all__ = [
     "EMBEDDED_MODELS",
     "peagle_home",
+    "gguf_path",
     "resolve_model",
     "load_tokenizer",
     "load_verifier",
@@ -65,7 +65,8 @@ def peagle_home() -> Path:
     return Path(os.environ.get("PEAGLE_HOME", Path.home() / ".cache" / "peagle")).expanduser()
 
 
-def _gguf_path(name: str) -> Path:
+def gguf_path(name: str) -> Path:
+    """The GGUF file of embedded model ``name`` (:data:`EMBEDDED_MODELS`) inside its installed package."""
     package, filename, install = EMBEDDED_MODELS[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -85,7 +86,7 @@ def _gguf_path(name: str) -> Path:
 def _convert_embedded(name: str, need_weights: bool) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    gguf = _gguf_path(name)
+    gguf = gguf_path(name)
     target = peagle_home() / "models" / name
     if not (target / _TOKENIZER_DONE).exists():
         def write_tok(tmp: Path) -> None:
@@ -292,8 +293,3 @@ def model_fingerprint(directory: Path, sample_bytes: int = 1 << 20) -> str:
                     fh.seek(size - sample_bytes)
                     h.update(fh.read(sample_bytes))
     return h.hexdigest()[:16]
-
-
-def clear_cache(name: str) -> None:  # pragma: no cover - maintenance helper
-    """Delete the converted copy of an embedded model."""
-    shutil.rmtree(peagle_home() / "models" / name, ignore_errors=True)

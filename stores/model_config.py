@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from stores.model_cache import EMBEDDED_MODELS, _gguf_path, peagle_home, resolve_model
+from stores.model_cache import EMBEDDED_MODELS, gguf_path, peagle_home, resolve_model
 
 __all__ = ["load_model_config", "text_config"]
 
@@ -33,7 +33,7 @@ def load_model_config(name: str | os.PathLike):
         converted = peagle_home() / "models" / text / "config.json"
         if converted.is_file():
             return AutoConfig.from_pretrained(converted.parent)
-        gguf = _gguf_path(text)
+        gguf = gguf_path(text)
         return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     directory = resolve_model(name, need_weights=False)
     if not (Path(directory) / "config.json").is_file():  # a hub snapshot without it: fetch everything

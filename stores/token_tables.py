@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from stores.errors import StoreFormatError
+from stores.files import is_zarr_store
 from stores.staging import write_text_atomic
 from stores.token_rows import PackedRow, TokenizedRow
 
@@ -114,7 +115,7 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     """
     path = Path(directory) / MANIFEST
     if not path.is_file():
-        if (Path(directory) / "zarr.json").is_file():
+        if is_zarr_store(directory):
             raise StoreFormatError(
                 f"{directory} is a feature store (zarr.json), not a token table: this command reads tokenize or "
                 "pack outputs. A feature store is read by `peagle-data inspect`, `verify` and `stats`, and by "

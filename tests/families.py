@@ -148,7 +148,7 @@ def hidden_states_as_stored(model, **inputs) -> tuple:
     layers) replaced by the last decoder layer's own output, caught by a forward hook: the value before
     the final norm, which vLLM feeds a drafter as aux layer L and extraction stores (transformers' own
     entry L is after the final norm). Returns ``(hidden_states, output)``."""
-    from peagle_data.verifier_forward import language_model
+    from peagle_data.extract.hf_forward import language_model
 
     last = {}
     hook = language_model(model).layers[-1].register_forward_hook(

@@ -36,6 +36,7 @@ from peagle_data.prepare.packing import packing_efficiency
 from peagle_data.prepare.windows import SystemPrefixTooLongError, count_windows
 from stores.errors import InputError
 from stores.feature_store import FeatureStore
+from stores.files import is_zarr_store
 from stores.token_tables import TokenTable
 
 __all__ = ["PERCENTILES", "StatsConfig", "collect_stats", "format_stats", "percentiles_from_counts"]
@@ -133,7 +134,7 @@ def collect_stats(path: str | os.PathLike, max_seq_len: int | None = None,
         StoreFormatError: the table or store cannot be read.
     """
     p = Path(path)
-    if (p / "zarr.json").is_file():
+    if is_zarr_store(p):
         return _store_stats(p)
     if not (p / "manifest.json").is_file():
         raise InputError(f"{path}: not a token table (no manifest.json) nor a feature store (no zarr.json)")

@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from stores.errors import StoreMismatchError
-from stores.feature_store import FeatureStore, verify_store
+from stores.feature_repair import verify_store
+from stores.feature_store import FeatureStore
+from stores.files import is_zarr_store
 from stores.merge import verify_table
 from stores.token_tables import TokenTable, manifest_sha256
 
@@ -102,7 +104,7 @@ def inspect_output(path: str | Path) -> dict[str, Any]:
         StoreFormatError: ``path`` is neither a store nor a table.
     """
     p = Path(path)
-    if (p / "zarr.json").is_file():
+    if is_zarr_store(p):
         return FeatureStore.open(p).summary()
     table = TokenTable.open(p)
     return {"path": str(p), "kind": table.kind, "rows": table.num_rows,

@@ -10,6 +10,7 @@ from typing import Sequence
 
 from peagle_data.readers.rows import SHAREGPT_ALIAS
 from stores.errors import InputError
+from stores.files import is_zarr_store
 
 __all__ = ["resolve_inputs", "id_stems", "UniqueIds"]
 
@@ -47,7 +48,7 @@ def resolve_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
             continue
         path = Path(text).expanduser()
         if path.is_dir():
-            if (path / "zarr.json").is_file():
+            if is_zarr_store(path):
                 raise InputError(f"input {text!r} is a feature store (zarr.json), not a conversation file or a "
                                  "tokenize output; feature stores are read by `peagle-data inspect`, `verify`, "
                                  "`stats` and `peagle-train --store`")

@@ -96,9 +96,9 @@ def test_help_is_the_field_docstring():
 
 def test_extract_config_round_trip_with_its_converted_options(tmp_path, monkeypatch):
     """``--layers 2,5`` is a list in the file, ``--compressor none`` is None; both read back the same."""
-    import peagle_data.extract
+    import cli.data_extract
     from cli.data import main as data_main
-    from peagle_data.extract import ExtractConfig
+    from peagle_data.extract.config import ExtractConfig
 
     (tmp_path / "packed").mkdir()
     args = ["extract", tmp_path / "packed", "--verifier", "m", "--output", tmp_path / "s.zarr", "--layers", "2,5"]
@@ -113,7 +113,7 @@ def test_extract_config_round_trip_with_its_converted_options(tmp_path, monkeypa
     (tmp_path / "x.yaml").write_text(first.stdout)
     assert invoke(data_main, ["extract", "--config", tmp_path / "x.yaml", "--print-config"]).stdout == first.stdout
     seen = []
-    monkeypatch.setattr(peagle_data.extract, "run_extract", lambda cfg, log, config: seen.append((cfg, config)) or {})
+    monkeypatch.setattr(cli.data_extract, "run_extract", lambda cfg, log, config: seen.append((cfg, config)) or {})
     result = invoke(data_main, ["extract", "--config", tmp_path / "x.yaml", "--compressor", "zstd"])
     assert result.exit_code == 0, result.output
     assert seen == [(ExtractConfig(packed=str(tmp_path / "packed"), verifier="m", output=str(tmp_path / "s.zarr"),

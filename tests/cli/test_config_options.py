@@ -13,7 +13,7 @@ from cli.data import main as data_main
 from cli.data_merge import MergeConfig
 from cli.eval import main as eval_main
 from cli.train import main as train_main
-from peagle_data.extract import ExtractConfig
+from peagle_data.extract.config import ExtractConfig
 from peagle_data.prepare.config import PackConfig, PackRun, TokenizeConfig, TokenizeRun
 from peagle_data.regenerate.run import RegenerateConfig, RegenerateRun
 from peagle_data.inspect.show import ShowConfig

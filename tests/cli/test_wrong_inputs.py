@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from click.testing import CliRunner
 
-from tests.peagle_data.test_extract_run import write_packed
+from tests.peagle_data.extract.test_run import write_packed
 
 STORE_HINT = ("is a feature store (zarr.json), not a token table: this command reads tokenize or pack outputs. A "
               "feature store is read by `peagle-data inspect`, `verify` and `stats`, and by `peagle-train --store` "

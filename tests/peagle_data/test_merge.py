@@ -11,16 +11,18 @@ import pytest
 from click.testing import CliRunner
 
 from cli.data import main
-from peagle_data.extract import ExtractConfig, run_extract
+from peagle_data.extract.config import ExtractConfig
+from peagle_data.extract.run import run_extract
 from peagle_data.prepare.config import PackConfig, PackRun, TokenizeConfig, TokenizeRun
 from peagle_data.prepare.pack import run_pack
 from peagle_data.prepare.tokenizing import run_tokenize
 from stores.errors import InputError, StoreMismatchError
-from stores.feature_store import FeatureStore, verify_store
+from stores.feature_repair import verify_store
+from stores.feature_store import FeatureStore
 from stores.merge import merge_stores, merge_tables, verify_table
 from stores.token_tables import TokenTable
 
-from tests.peagle_data.test_extract_run import write_packed
+from tests.peagle_data.extract.test_run import write_packed
 from tests.peagle_data.prepare.test_mixtures import _three_sources
 from tests.peagle_data.prepare.test_shards import _inputs, _tok_rows, _windows
 

@@ -160,7 +160,7 @@ def test_extract_checks_come_before_the_weights(tmp_path, tiny_verifier_dir, mon
     import transformers
 
     from cli.data_extract import extract
-    from tests.peagle_data.test_extract_run import write_packed
+    from tests.peagle_data.extract.test_run import write_packed
 
     packed = write_packed(tmp_path / "packed", n_blocks=2, block_size=32)
     out = tmp_path / "f.zarr"

@@ -530,7 +530,7 @@ def test_online_layer_l_is_what_extraction_stores(tiny_verifier):
     """Speculative decoding feeds aux layer L (the last decoder layer's output before the final norm,
     :func:`peagle_train.verifier.aux_hidden_states`), the value extraction stores and vLLM feeds, not
     transformers' normed ``hidden_states[L]``."""
-    from peagle_data.verifier_forward import verifier_features
+    from peagle_data.extract.hf_forward import verifier_features
     from peagle_train.verifier import aux_hidden_states, new_cache, verifier_pass
 
     L = tiny_verifier.config.num_hidden_layers

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from stores.errors import OutputExistsError, StoreFormatError
-from stores.feature_store import FeatureStore, verify_store
+from stores.feature_repair import verify_store
+from stores.feature_store import FeatureStore
 
 
 def _make(tmp_path, n_blocks=3, C=8, L=2, H=4):

@@ -18,7 +18,7 @@ def test_converted_weights_follow_the_umask(tmp_path, monkeypatch, umask, mode):
     target = tmp_path / "home" / "models" / "smollm2-135m"
     target.mkdir(parents=True)
     (target / mc._TOKENIZER_DONE).touch()  # the tokenizer half is done: only the weights are written
-    monkeypatch.setattr(mc, "_gguf_path", lambda name: tmp_path / "fake.gguf")
+    monkeypatch.setattr(mc, "gguf_path", lambda name: tmp_path / "fake.gguf")
 
     def tiny(*args, **kwargs):  # stands in for the dequantized GGUF
         torch.manual_seed(0)
@@ -54,7 +54,7 @@ def test_load_submodule_reads_only_the_final_norm(tmp_path, family):
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from peagle_data.verifier_forward import language_model
+    from peagle_data.extract.hf_forward import language_model
     from stores.model_cache import load_submodule, verifier_skeleton
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -96,7 +96,7 @@ def test_bad_shard_options():
         TokenizeConfig(num_shards=3, shard_index=3)
     with pytest.raises(ValueError, match="--num-shards must be >= 1"):
         TokenizeConfig(num_shards=0)
-    from peagle_data.extract import ExtractConfig
+    from peagle_data.extract.config import ExtractConfig
 
     for bad, match in (({"num_shards": 3, "shard_index": 3}, "--shard-index must be in \\[0, 2\\]"),
                        ({"num_shards": 0}, "--num-shards must be >= 1")):  # the same check as tokenize's

@@ -7,8 +7,8 @@ import io
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-import peagle_data.extract as extract
-from tests.peagle_data.test_extract_run import write_packed
+import peagle_data.extract.run as extract
+from tests.peagle_data.extract.test_run import write_packed
 
 
 def test_tqdm_prints_a_round_count_as_2e_4():  # why counts are passed as formatted strings

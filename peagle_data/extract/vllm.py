@@ -18,7 +18,7 @@ Legend: T tokens in a segment or block, L aux layers (store), K layer ids vLLM c
 - Parallelism is vLLM's: ``--tensor-parallel-size``, ``--pipeline-parallel-size`` in this process;
   data parallel through shards (one process per replica) or ``--server`` (a running ``vllm serve``,
   any ``--data-parallel-size``) with ``--shared-storage``, the directory its connector writes to.
-- The connector is peagle's (:mod:`peagle_data.vllm_connector`: vLLM's, plus metadata in every file:
+- The connector is peagle's (:mod:`peagle_data.extract.vllm_connector`: vLLM's, plus metadata in every file:
   the captured layer ids, the model, dtype, prefix caching). Every file is checked against what the
   extraction asked for (:meth:`VllmEngine.check_file`), so a server started with other ids of the
   same count, vLLM's stock connector, another dtype, prefix caching, a quantized KV cache or config
@@ -26,7 +26,7 @@ Legend: T tokens in a segment or block, L aux layers (store), K layer ids vLLM c
   server's platform. A ``--server`` extraction computes in the resumed store's dtype, else the
   server's (:func:`server_dtype`), never this client's platform's. Without an accelerator vLLM's
   copy fails (pinned memory), so
-  :class:`peagle_data.vllm_connector.CpuHiddenStatesConnector` is loaded instead of the GPU one.
+  :class:`peagle_data.extract.vllm_connector.CpuHiddenStatesConnector` is loaded instead of the GPU one.
 
 vLLM is imported lazily (its own virtualenv: ``PEAGLE_VLLM=1 bash scripts/setup_env.sh``).
 """
@@ -42,22 +42,19 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
 from safetensors import safe_open
 
-from peagle_data.extract_engine import PackedFacts, VerifierEngine
-from peagle_data.extract_store import resumed_dtype, verifier_desc
+from peagle_data.extract.engine import PackedFacts, VerifierEngine
+from peagle_data.extract.hf_forward import language_model
+from peagle_data.extract.store import resumed_dtype, verifier_desc
 from peagle_data.regenerate.backends import server_base_url
-from peagle_data.verifier_forward import language_model
 from stores.errors import InputError, MissingDependencyError
 from stores.model_cache import load_submodule, load_tokenizer, verifier_skeleton
 from stores.model_config import text_config
-
-if TYPE_CHECKING:
-    from peagle_data.extract import ExtractConfig
 
 __all__ = ["VllmEngine", "VLLM_SETUP", "capture_ids", "connector_config", "serve_args", "serve_command",
            "server_dtype", "EXACT_SERVER"]
@@ -65,7 +62,7 @@ __all__ = ["VllmEngine", "VLLM_SETUP", "capture_ids", "connector_config", "serve
 VLLM_SETUP = "PEAGLE_VLLM=1 bash scripts/setup_env.sh (creates .venv-vllm; run .venv-vllm/bin/peagle-data)"
 """How a user gets vLLM next to peagle (vLLM pins its own transformers, so it has its own virtualenv)."""
 
-CONNECTOR_MODULE = "peagle_data.vllm_connector"
+CONNECTOR_MODULE = "peagle_data.extract.vllm_connector"
 """``kv_connector_module_path`` of peagle's hidden-states connectors (files with provenance metadata)."""
 
 SERVER_TIMEOUT_S = 600.0
@@ -157,7 +154,7 @@ def _has_accelerator() -> bool:
     return not current_platform.is_cpu()
 
 
-def _check_vllm_model(config, cfg: ExtractConfig) -> None:
+def _check_vllm_model(config, cfg) -> None:
     """Refuse architectures vLLM cannot capture hidden states of (not registered, no EAGLE-3 aux
     outputs, MLA, pipeline parallel without aux outputs across stages); imports model classes only."""
     from vllm.model_executor.models import ModelRegistry
@@ -197,7 +194,7 @@ class VllmEngine(VerifierEngine):
 
     name = "vllm"
 
-    def __init__(self, cfg: ExtractConfig, desc: dict[str, Any], layers: list[int], norm: torch.nn.Module,
+    def __init__(self, cfg, desc: dict[str, Any], layers: list[int], norm: torch.nn.Module,
                  accelerator: bool, log: Callable[[str], None]):
         self.cfg, self.desc, self.layers, self.norm, self.log = cfg, desc, layers, norm, log
         self.accelerator, self.dtype = accelerator, getattr(torch, desc["dtype"])
@@ -220,7 +217,7 @@ class VllmEngine(VerifierEngine):
                            "pipeline_parallel_size": cfg.pipeline_parallel_size})}
 
     @classmethod
-    def check(cls, cfg: ExtractConfig, config, layers: list[int]) -> None:
+    def check(cls, cfg, config, layers: list[int]) -> None:
         """vLLM importable, the architecture capturable, hf-only options unset, --server with --shared-storage.
 
         Raises:
@@ -242,7 +239,7 @@ class VllmEngine(VerifierEngine):
         _check_vllm_model(config, cfg)
 
     @classmethod
-    def open(cls, cfg: ExtractConfig, directory: Path, layers: list[int], log: Callable[[str], None],
+    def open(cls, cfg, directory: Path, layers: list[int], log: Callable[[str], None],
              device: str, packed: PackedFacts) -> "VllmEngine":
         """The final norm first (no vLLM yet), then the server checks or vLLM's start.
 
@@ -345,7 +342,7 @@ class VllmEngine(VerifierEngine):
 
     def check_file(self, path: str, data: Mapping[str, torch.Tensor], prompt: list[int], what: str) -> None:
         """Refuse a hidden-states file that is not exactly this extraction's: written by peagle's connector
-        (:mod:`peagle_data.vllm_connector` metadata) for layer ids :attr:`ids` of a verifier with the
+        (:mod:`peagle_data.extract.vllm_connector` metadata) for layer ids :attr:`ids` of a verifier with the
         store's layer count, in the engine dtype (``--server``: the resumed store's, else the server's), without
         prefix caching, by the served model (``--server``), for token ids ``prompt``, not quantized at load
         unless the checkpoint is, with the :data:`EXACT_SERVER` settings at vLLM's defaults (no quantized KV
@@ -397,7 +394,7 @@ class _ServerProbe:
     """A running ``vllm serve`` (``--server``): its URL, the one model it serves, the directory its
     connector writes into (as the server names it) and the requests."""
 
-    def __init__(self, cfg: ExtractConfig, ids: list[int]):
+    def __init__(self, cfg, ids: list[int]):
         self.cfg, self.ids = cfg, ids
         self.base = server_base_url(cfg.server)
         self.model: str | None = None

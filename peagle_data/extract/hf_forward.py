@@ -1,4 +1,8 @@
-"""The verifier's forward over packed blocks (docs/design.md §4): hidden states of chosen layers.
+"""The verifier's transformers forward over packed blocks (docs/design.md §4): hidden states of chosen layers.
+
+Also the facts of a transformers verifier every engine reads: its language model
+(:func:`language_model`), its layers' attention types (:func:`layer_types`), whether it packs
+(:func:`check_packable`) and the default aux layers (:func:`default_layers`).
 
 Legend: T tokens in a block, L aux layers, H hidden size, S segments.
 
@@ -28,8 +32,8 @@ import torch
 
 from stores.errors import InputError
 
-__all__ = ["default_layers", "language_model", "packs_like_transformers", "check_packable", "segment_masks",
-           "verifier_features", "segments_alone"]
+__all__ = ["default_layers", "language_model", "layer_types", "packs_like_transformers", "check_packable",
+           "segment_masks", "verifier_features", "segments_alone"]
 
 
 def default_layers(num_hidden_layers: int) -> list[int]:
@@ -139,7 +143,7 @@ def check_packable(config) -> None:
                 field="--verifier")
 
 
-def _layer_types(decoder) -> list[str]:
+def layer_types(decoder) -> list[str]:
     """The attention type of each decoder layer, as the model itself chooses its masks.
 
     ``config.layer_types`` when the config has it; otherwise every layer is sliding when the config
@@ -233,7 +237,7 @@ def verifier_features(base_model: torch.nn.Module, input_ids: torch.Tensor, posi
     elif len(cu_seqlens) <= 2:  # one segment: the model's own forward
         aux, final = _run(base_model, input_ids, position_ids, layers, {})
     elif packs_like_transformers(position_ids, cu_seqlens):
-        types = _layer_types(base_model)
+        types = layer_types(base_model)
         masks = segment_masks(base_model, position_ids, set(types))
         with _layer_masks(base_model, masks, types):  # a 4-D mask also spares the model building its own
             aux, final = _run(base_model, input_ids, position_ids, layers,

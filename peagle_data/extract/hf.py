@@ -3,7 +3,7 @@
 Legend: T tokens in a block, L aux layers, H hidden size.
 
 The forward itself (segments kept apart inside a block, chosen layers only) is
-:mod:`peagle_data.verifier_forward`; this module loads the verifier with the attention backend of
+:mod:`peagle_data.extract.hf_forward`; this module loads the verifier with the attention backend of
 ``--attn-implementation`` and runs it block by block. Under ``accelerate launch`` every rank opens
 its own engine (one whole model per process).
 """
@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from peagle_data.extract_engine import PackedFacts, VerifierEngine
-from peagle_data.extract_store import verifier_desc
-from peagle_data.verifier_forward import language_model, verifier_features
+from peagle_data.extract.engine import PackedFacts, VerifierEngine
+from peagle_data.extract.hf_forward import language_model, verifier_features
+from peagle_data.extract.store import verifier_desc
 from stores.errors import InputError
 from stores.model_cache import load_verifier
-
-if TYPE_CHECKING:
-    from peagle_data.extract import ExtractConfig
 
 __all__ = ["HfEngine", "has_flash_attn"]
 
@@ -33,7 +30,7 @@ def has_flash_attn() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def _load_for_extract(cfg: ExtractConfig, device: str, log: Callable[[str], None]):
+def _load_for_extract(cfg, device: str, log: Callable[[str], None]):
     """The verifier with the attention backend of ``cfg.attn_implementation``.
 
     ``auto``: FlashAttention varlen on CUDA when installed and the model supports it, else
@@ -63,6 +60,7 @@ class HfEngine(VerifierEngine):
     """transformers on one device per process; packed blocks run whole (docs/design.md §4)."""
 
     name = "hf"
+    multi_process = True
 
     def __init__(self, verifier, desc: dict[str, Any], layers: list[int]):
         self.decoder = language_model(verifier)
@@ -70,11 +68,11 @@ class HfEngine(VerifierEngine):
         self.record = {"name": self.name}
 
     @classmethod
-    def check(cls, cfg: ExtractConfig, config, layers: list[int]) -> None:
+    def check(cls, cfg, config, layers: list[int]) -> None:
         """Nothing beyond the engine-independent checks: transformers runs every packable verifier."""
 
     @classmethod
-    def open(cls, cfg: ExtractConfig, directory: Path, layers: list[int], log: Callable[[str], None],
+    def open(cls, cfg, directory: Path, layers: list[int], log: Callable[[str], None],
              device: str, packed: PackedFacts) -> "HfEngine":
         verifier = _load_for_extract(cfg, device, log)
         desc = verifier_desc(cfg.verifier, directory, verifier, next(verifier.parameters()).dtype)

@@ -1,12 +1,13 @@
-"""Hidden-state extraction: run the verifier over packed blocks and fill the feature store.
+"""Hidden-state extraction (``peagle-data extract``): run the verifier over packed blocks and fill the feature store.
 
 Legend: T tokens in a block, L aux layers, H hidden size, S segments.
 
-- The features come from a verifier engine (:data:`ENGINES`, ``--engine``; the interface is
-  :mod:`peagle_data.extract_engine`): ``hf`` (:mod:`peagle_data.extract_hf`, transformers, the
-  reference; its forward is :mod:`peagle_data.verifier_forward`) or ``vllm``
-  (:mod:`peagle_data.extract_vllm`, the serving engine's hidden states); the store side (create,
-  resume, repair, the writer thread) is :mod:`peagle_data.extract_store`, the same for every engine.
+- The features come from a verifier engine (:data:`peagle_data.extract.config.ENGINES`, ``--engine``;
+  the interface is :mod:`peagle_data.extract.engine`): ``hf`` (:mod:`peagle_data.extract.hf`,
+  transformers, the reference; its forward is :mod:`peagle_data.extract.hf_forward`) or ``vllm``
+  (:mod:`peagle_data.extract.vllm`, the serving engine's hidden states); the store side (create,
+  resume, the writer thread) is :mod:`peagle_data.extract.store`, the same for every engine, and the
+  store's damage checks and repair are :mod:`stores.feature_repair`.
 - A multimodal wrapper runs its language model: layers, layer convention and final norm are the
   language model's (recorded in the store's ``verifier`` attributes).
 - Writes run on a background thread behind a bounded queue, so the next forward overlaps the
@@ -17,158 +18,30 @@ Legend: T tokens in a block, L aux layers, H hidden size, S segments.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from peagle_data.extract_store import (
-    BlockWriter,
-    check_resumable,
-    is_local,
-    open_or_create,
-    open_packed,
-    repair_blocks,
-    repair_shared,
-)
-from peagle_data.extract_engine import PackedFacts, VerifierEngine
-from peagle_data.extract_hf import HfEngine
-from peagle_data.extract_vllm import VllmEngine
-from peagle_data.prepare.shards import check_shard
-from peagle_data.verifier_forward import (
-    check_packable,
-    default_layers,
-    language_model,
-    packs_like_transformers,
-    segment_masks,
-    segments_alone,
-    verifier_features,
-)
+from peagle_data.extract.config import ENGINES, ExtractConfig
+from peagle_data.extract.engine import PackedFacts, VerifierEngine
+from peagle_data.extract.hf_forward import check_packable, default_layers
+from peagle_data.extract.store import BlockWriter, check_resumable, open_or_create, open_packed
 from stores.errors import InputError, OutputExistsError, StoreFormatError
+from stores.feature_repair import repair_blocks, repair_shared
 from stores.feature_schema import SEGMENTS, TOKEN_ARRAYS
-from stores.feature_store import STORAGE_DTYPES, FeatureStore
+from stores.feature_store import FeatureStore
+from stores.files import is_local, is_zarr_store
 from stores.model_cache import model_fingerprint, resolve_model
 from stores.model_config import load_model_config, text_config
 from stores.progress import progress as progress_bar
 from stores.verifier_match import check_token_ids, check_verifier_tokenizer
 
-__all__ = [
-    "ATTN_IMPLEMENTATIONS",
-    "ExtractConfig",
-    "default_layers",
-    "language_model",
-    "packs_like_transformers",
-    "segments_alone",
-    "segment_masks",
-    "check_packable",
-    "verifier_features",
-    "run_extract",
-]
+__all__ = ["PACKED_COLUMNS", "run_extract"]
 
 PACKED_COLUMNS = [*(s.name for s in TOKEN_ARRAYS), SEGMENTS.name, "n_tokens"]
 """The packed-table columns extraction reads: the store's per-token arrays, ``cu_seqlens``, ``n_tokens``."""
-
-_BlockWriter = BlockWriter  # the name tests and older callers use
-_base_model = language_model  # the name bench/ and older callers use
-
-
-ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2")
-"""The verifier attention implementations ``--attn-implementation`` accepts."""
-
-ENGINES: dict[str, type[VerifierEngine]] = {"hf": HfEngine, "vllm": VllmEngine}
-"""``--engine``: the verifier engines (:class:`peagle_data.extract_engine.VerifierEngine`)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ExtractConfig:
-    """Options of ``peagle-data extract``."""
-
-    packed: str
-    """PACKED_DIR: the packed table directory (output of ``peagle-data pack``)."""
-    verifier: str
-    """MODEL: ``smollm2-135m``, a local directory or a hub id."""
-    output: str
-    """Feature store path (zarr v3)."""
-    layers: list[int] | None = None
-    """Aux layer ids as vLLM's (= transformers' ``hidden_states[k]`` for k < L; L = the last decoder layer's
-    output before the final norm), e.g. 2,18,33; default EAGLE-3's ``[2, L//2, L-3]``."""
-    storage_dtype: str = "bf16"
-    """``bf16`` (bit-exact) or ``fp8`` (float8_e4m3fn with a per-token, per-layer scale; half the bytes)."""
-    compressor: str | None = None
-    """Chunk compressor: ``none`` (raw chunks, memory-mapped reads; activations barely compress) or
-    ``zstd`` (smaller, read through zarr)."""
-    resume: bool = field(default=False, metadata={"action": True})
-    """Continue an existing store: check every done block, then extract the not-done and damaged ones. Every
-    other option must be the store's, except ``--device`` (one computing in the store's dtype), ``--max-blocks``
-    and the ``--server`` connection (``--server``, ``--shared-storage``, ``--concurrency``)."""
-    force: bool = field(default=False, metadata={"action": True})
-    """Overwrite an existing store; also skip the free-disk check."""
-    device: str | None = None
-    """``cpu`` or ``cuda``; default cuda when available."""
-    max_blocks: int | None = field(default=None, metadata={"action": True})
-    """Stop after this many blocks in this run (the store stays resumable); None = all. A budget of one
-    invocation, like ``resume``: not recorded in the store's config."""
-    writer_queue: int = 2
-    """Blocks that may wait for the writer thread (bounds host memory)."""
-    attn_implementation: str = "auto"
-    """``auto`` (FlashAttention varlen on CUDA when installed and supported, else transformers'
-    choice: SDPA, or eager for models without SDPA), ``sdpa``, ``eager`` or ``flash_attention_2``."""
-    num_shards: int = 1
-    """Split the packed table's blocks into this many shard stores (--num-shards)."""
-    shard_index: int = 0
-    """This run's shard: packed blocks ``shard_index, shard_index + num_shards, ...`` become the
-    store's blocks ``0, 1, ...`` (--shard-index); ``peagle-data merge`` joins the shard stores."""
-    engine: str = "hf"
-    """``hf`` (transformers, the reference) or ``vllm`` (the serving engine's hidden states: needs vLLM,
-    ``PEAGLE_VLLM=1 bash scripts/setup_env.sh``)."""
-    tensor_parallel_size: int = 1
-    """--engine vllm: vLLM's tensor parallel size (GPUs per replica)."""
-    pipeline_parallel_size: int = 1
-    """--engine vllm: vLLM's pipeline parallel size (stages per replica)."""
-    server: str | None = None
-    """--engine vllm: URL of a running ``vllm serve`` started for extraction (its command is in the README);
-    None: start vLLM in this process. Data parallel: a data-parallel vLLM server, or shards."""
-    shared_storage: str | None = None
-    """--server: this machine's path of the directory the server's hidden-states connector writes to."""
-    concurrency: int = 16
-    """--server: requests in flight."""
-
-    def __post_init__(self) -> None:
-        if self.resume and self.force:
-            raise ValueError("--resume and --force contradict each other: choose one")
-        if self.layers is not None and len(self.layers) == 0:
-            raise ValueError("--layers: give at least one layer index")
-        if self.layers is not None and len(set(self.layers)) != len(self.layers):
-            raise ValueError(f"--layers: repeated index in {self.layers}")
-        if self.layers is not None and list(self.layers) != sorted(self.layers):
-            # vLLM captures sorted(set(ids)) and feeds the drafter's fc in that order: a store in another
-            # order would train fc on its inputs swapped (peagle-train refuses such a store too)
-            raise ValueError(f"--layers: {','.join(map(str, self.layers))} is not increasing; vLLM feeds the "
-                             f"aux layers in increasing order: give --layers {','.join(map(str, sorted(self.layers)))}")
-        if self.max_blocks is not None and self.max_blocks < 1:
-            raise ValueError("--max-blocks must be ≥ 1")
-        if self.storage_dtype not in STORAGE_DTYPES:
-            raise ValueError(f"--storage-dtype: expected one of {STORAGE_DTYPES}, got {self.storage_dtype!r}")
-        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
-            raise ValueError(f"--attn-implementation: unknown {self.attn_implementation!r}")
-        if self.writer_queue < 1:
-            raise ValueError("writer_queue must be ≥ 1")
-        check_shard(self.num_shards, self.shard_index)
-        if self.engine not in ENGINES:
-            raise ValueError(f"--engine: expected one of {sorted(ENGINES)}, got {self.engine!r}")
-        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1 or self.concurrency < 1:
-            raise ValueError("--tensor-parallel-size, --pipeline-parallel-size and --concurrency must be ≥ 1")
-        vllm_only = {"--tensor-parallel-size": self.tensor_parallel_size != 1,
-                     "--pipeline-parallel-size": self.pipeline_parallel_size != 1,
-                     "--server": self.server is not None, "--shared-storage": self.shared_storage is not None}
-        given = [flag for flag, set_ in vllm_only.items() if set_]
-        if self.engine != "vllm" and given:
-            raise ValueError(f"{given[0]} is an option of --engine vllm (the engine is {self.engine!r})")
-        if self.server is not None and (self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1):
-            raise ValueError("--server: the server's own vllm serve options set its parallelism; drop "
-                             "--tensor-parallel-size/--pipeline-parallel-size")
 
 
 def _check_device(device: str | None) -> None:
@@ -215,14 +88,14 @@ def _check_before_weights(cfg: ExtractConfig, table, rows, device: str) -> Path:
                          field="--layers")
     ENGINES[cfg.engine].check(cfg, config, list(cfg.layers) if cfg.layers is not None else default_layers(L))
     directory = resolve_model(cfg.verifier)
-    if cfg.resume and is_local(cfg.output) and (Path(cfg.output) / "zarr.json").is_file():
+    if cfg.resume and is_local(cfg.output) and is_zarr_store(cfg.output):
         try:
             store = FeatureStore.open(cfg.output)
         except StoreFormatError:
             return directory  # interrupted creation: the store is made again
         if store.attrs.get("tokens_written"):
             layers = list(cfg.layers) if cfg.layers is not None else default_layers(L)
-            # as load_verifier picks it; a --server extraction computes in the store's dtype (extract_vllm.server_dtype)
+            # as load_verifier picks it; a --server extraction computes in the store's dtype (vllm.server_dtype)
             dtype = None if cfg.server else "bfloat16" if device.startswith("cuda") else "float32"
             check_resumable(store, cfg, {"name_or_path": cfg.verifier, "fingerprint": model_fingerprint(directory),
                                          "dtype": dtype}, layers)
@@ -266,7 +139,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
     rows = rows[cfg.shard_index::cfg.num_shards]  # this shard's blocks (all of them unsharded)
     device = cfg.device or (str(state.device) if state.device.type == "cuda" else "cpu")
     directory = _check_before_weights(cfg, table, rows, device)
-    if cfg.engine != "hf" and state.num_processes > 1:
+    if not ENGINES[cfg.engine].multi_process and state.num_processes > 1:
         raise InputError(f"--engine {cfg.engine} runs in one process (its parallelism is vLLM's): drop accelerate "
                          "launch, or give each process its own --shard-index", field="--engine")
     facts = PackedFacts(longest_segment=max((int(np.diff(r["cu_seqlens"]).max()) for r in rows), default=1),

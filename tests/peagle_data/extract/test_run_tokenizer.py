@@ -11,13 +11,14 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from peagle_data.extract import ExtractConfig, run_extract
+from peagle_data.extract.config import ExtractConfig
+from peagle_data.extract.run import run_extract
 from stores.errors import StoreMismatchError
 from stores.feature_store import FeatureStore
 from stores.token_tables import TokenTable
 from stores.verifier_match import tokenizer_fingerprint
 
-from .test_extract_run import write_packed
+from .test_run import write_packed
 
 EXTRA = "<|peagle_extra|>"  # the added token: id 49152 after SmolLM2's 49152 ids
 FIX = "tokenize and pack the conversations with the verifier's tokenizer (`peagle-data pack ... --tokenizer {v}`), " \

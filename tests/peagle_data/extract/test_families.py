@@ -17,14 +17,15 @@ import numpy as np
 import pytest
 import torch
 
-from peagle_data.extract import (ExtractConfig, check_packable, language_model, run_extract, segments_alone,
-                                 verifier_features)
+from peagle_data.extract.config import ExtractConfig
+from peagle_data.extract.hf_forward import check_packable, language_model, segments_alone, verifier_features
+from peagle_data.extract.run import run_extract
 from stores.errors import InputError
 from stores.feature_store import FeatureStore
 from stores.staging import prepare_output_dir
 from stores.token_tables import TableWriter, write_manifest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from families import FAMILIES, SLIDING, build_family, family_config, hidden_states_as_stored, save_family  # noqa: E402
 
 LENGTHS = [9, 3, 12]  # two segments longer than the window, one shorter

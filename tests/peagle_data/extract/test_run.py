@@ -14,13 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from peagle_data.extract import ExtractConfig, run_extract
+from peagle_data.extract.config import ExtractConfig
+from peagle_data.extract.run import run_extract
 from stores.errors import DiskSpaceError, OutputExistsError, StoreMismatchError
-from stores.feature_store import FeatureStore, verify_store
+from stores.feature_repair import verify_store
+from stores.feature_store import FeatureStore
 from stores.staging import prepare_output_dir
 from stores.token_tables import TableWriter, write_manifest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests"))
 from families import hidden_states_as_stored  # noqa: E402
 
@@ -242,7 +244,7 @@ def test_real_smollm2_segments_equal_segments_alone():
     lengths = [9, 14, 6]
     segs = [torch.randint(10, 49152, (n,)) for n in lengths]
     cu = torch.tensor([0] + lengths).cumsum(0)
-    from peagle_data.extract import verifier_features
+    from peagle_data.extract.hf_forward import verifier_features
 
     aux, final = verifier_features(verifier.model, torch.cat(segs), torch.cat([torch.arange(n) for n in lengths]),
                                    cu, [2, 15, 27, 30])

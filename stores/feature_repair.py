@@ -1,14 +1,17 @@
-"""Damage checks and ``verify`` of a feature store (docs/design.md §7).
+"""Damage checks, ``verify`` and repair of a feature store (docs/design.md §7): the store's repair policy.
 
 A block's data is trusted when every chunk exists, has the right size, passes its crc32c checksum
 and its hidden states are finite; a done block that fails is listed (and, with ``repair``, its done
-flag cleared so ``extract --resume`` extracts it again).
+flag cleared so ``extract --resume`` extracts it again). On ``extract --resume`` the damaged whole-store
+arrays are rewritten from the packed rows (:func:`repair_shared`) and each rank's damaged blocks are
+made not done (:func:`repair_blocks`); whether a store may be resumed with a verifier, layers and a
+packed table is :func:`check_compatible`.
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -16,12 +19,10 @@ import torch
 from stores.chunk_files import CHECKSUM_BYTES, raw_chunk_damage
 from stores.errors import StoreFormatError, StoreMismatchError
 from stores.feature_schema import store_arrays
-
-if TYPE_CHECKING:
-    from stores.feature_store import FeatureStore
+from stores.feature_store import LAYER_CONVENTION, FeatureStore
 
 __all__ = ["chunk_damage", "block_damage", "shared_damage", "read_done_flags", "check_block", "verify_store",
-           "check_compatible"]
+           "check_compatible", "write_shared", "repair_shared", "repair_blocks"]
 
 
 def chunk_damage(store: FeatureStore, name: str, i: int) -> str | None:
@@ -131,8 +132,6 @@ def verify_store(path: str | os.PathLike, expected_tokens=None, repair: bool = F
     Raises:
         StoreFormatError: the store cannot be opened at all, or an array is missing or misshapen.
     """
-    from stores.feature_store import FeatureStore
-
     store = FeatureStore.open(path, mode="r+" if repair else "r")
     _check_arrays(store, path)
     shared = shared_damage(store)
@@ -180,7 +179,7 @@ def _check_arrays(store: FeatureStore, path) -> None:
 def check_compatible(store: FeatureStore, *, verifier: dict[str, Any], layers: list[int], source: str) -> None:
     """Raise :class:`StoreMismatchError` when resuming ``store`` with another verifier, layers or table."""
     have = store.attrs
-    if have.get("layer_convention") != "vllm_aux":  # feature_store.LAYER_CONVENTION (it imports this module)
+    if have.get("layer_convention") != LAYER_CONVENTION:
         raise StoreMismatchError(f"{store.path}: store has layer_convention {have.get('layer_convention')!r}, "
                                  "made by an older peagle; a resumed run would mix two conventions: extract "
                                  "again into a new --output (or --force)")
@@ -195,3 +194,58 @@ def check_compatible(store: FeatureStore, *, verifier: dict[str, Any], layers: l
     if have.get("source") != source:
         raise StoreMismatchError(f"{store.path}: store was made from another packed table "
                                  f"(manifest sha256 {have.get('source')!r}, now {source!r})")
+
+
+def write_shared(store: FeatureStore, rows) -> None:
+    """Write the whole-store arrays ``n_tokens [N]`` and ``token_freq [V]`` from the packed rows."""
+    V = store.vocab_size
+    freq = np.zeros(V, dtype=np.int64)
+    for i, r in enumerate(rows):
+        ids = np.asarray(r["input_ids"], dtype=np.int64)[np.asarray(r["loss_mask"]) == 1]
+        outside = ids[(ids < 0) | (ids >= V)]
+        if outside.size:  # extract checks every id before the weights load: an invariant
+            raise StoreMismatchError(f"{store.path}: block {i} holds token id {int(outside[0])} outside the "
+                                     f"verifier's {V} ids; token_freq cannot count it")
+        freq += np.bincount(ids, minlength=V)
+    store.write_all_n_tokens(np.array([int(r["n_tokens"]) for r in rows], dtype=np.int32))
+    store.set_token_freq(freq)
+
+
+def repair_shared(store: FeatureStore, rows, log: Callable[[str], None]) -> dict[str, str]:
+    """On --resume (main process): rewrite ``n_tokens``/``token_freq`` from the packed rows if damaged."""
+    damaged = shared_damage(store)
+    if damaged:
+        for reason in damaged.values():
+            log(f"{store.path}: {reason}; rewriting it from the packed table")
+        write_shared(store, rows)
+    return damaged
+
+
+def repair_blocks(store: FeatureStore, rows, rank: int, world: int, log: Callable[[str], None]) -> dict[int, str]:
+    """On --resume: check this rank's share of the blocks and make every damaged one not done.
+
+    A done block is damaged when :func:`check_block` finds a chunk missing,
+    truncated, empty, unreadable or failing its checksum, non-finite hidden states, or ``input_ids``
+    other than the packed row's (this reads every done block of the share once). A damaged done
+    flag chunk counts as not done. Damaged blocks get their flag cleared, and every not-done block
+    of the share gets its token arrays rewritten from the packed row, so the extraction that
+    follows makes the store byte-identical to an undamaged one.
+
+    Returns:
+        ``{block: reason}`` of the damaged blocks found by this rank.
+    """
+    done, damaged = read_done_flags(store)
+    mine = range(rank, store.n_blocks, world)
+    for i in (i for i in mine if done[i]):
+        reason = check_block(store, i, rows[i]["input_ids"])
+        if reason is not None:
+            damaged[i] = reason
+    damaged = {i: reason for i, reason in damaged.items() if i % world == rank}
+    for i, reason in sorted(damaged.items()):
+        log(f"{store.path}: {reason}; extracting block {i} again")
+        store.clear_done(i)
+        done[i] = False
+    for i in (i for i in mine if not done[i]):
+        r = rows[i]
+        store.write_token_row(i, r)
+    return damaged

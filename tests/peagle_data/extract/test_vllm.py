@@ -20,18 +20,20 @@ import numpy as np
 import pytest
 import torch
 
-from peagle_data.extract import ExtractConfig, run_extract
+from peagle_data.extract.config import ExtractConfig
+from peagle_data.extract.run import run_extract
 from stores.errors import InputError
-from stores.feature_store import FeatureStore, verify_store
+from stores.feature_repair import verify_store
+from stores.feature_store import FeatureStore
 from stores.staging import prepare_output_dir
 from stores.token_tables import TableWriter, write_manifest
-from tests.peagle_data.test_extract_run import chunk_bytes
+from tests.peagle_data.extract.test_run import chunk_bytes
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from families import VLLM_CPU_SHAPE, save_family  # noqa: E402
 from servers import free_port, stop, wait_until_up  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 ENV = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
 
 
@@ -256,9 +258,9 @@ def server_model(tmp_path_factory, copy_smollm2_tokenizer) -> Path:
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory, server_model):
     """A real ``vllm serve`` on 127.0.0.1 of :func:`server_model`, started as
-    :func:`peagle_data.extract_vllm.serve_args` prints it for ``--layers 1,2``: capturing ids 1, 2 into a
+    :func:`peagle_data.extract.vllm.serve_args` prints it for ``--layers 1,2``: capturing ids 1, 2 into a
     shared directory with peagle's CPU connector: ``(url, storage, model_dir)``."""
-    from peagle_data.extract_vllm import serve_args
+    from peagle_data.extract.vllm import serve_args
 
     root = tmp_path_factory.mktemp("server")
     storage = root / "hidden"
@@ -307,7 +309,7 @@ def test_server_with_another_tokenizer_is_refused(tmp_path, vllm_server):
 def test_server_capturing_other_ids_of_the_same_count_is_refused(tmp_path, vllm_server):
     """The server captures ids [1, 2]; --layers 0 asks for [0, 2] (2 ids, as many as the server's files
     hold): refused from the probe file's metadata before any block, naming the serve command."""
-    from peagle_data.extract_vllm import serve_command
+    from peagle_data.extract.vllm import serve_command
 
     url, storage, model = vllm_server
     packed = write_packed(tmp_path / "packed", n_blocks=1, vocab=49152)
@@ -327,14 +329,14 @@ def test_server_capturing_other_ids_of_the_same_count_is_refused(tmp_path, vllm_
 def test_server_with_the_stock_connector_is_refused(tmp_path, server_model):
     """A server whose files lack peagle's metadata (vLLM's stock write path, through a CPU copy: vLLM's
     own connector cannot copy on CPU) is refused: its files do not say which layer ids they hold."""
-    from peagle_data.extract_vllm import serve_args, serve_command
+    from peagle_data.extract.vllm import serve_args, serve_command
 
     storage = tmp_path / "hidden"
     storage.mkdir()
     options = serve_args([1, 2], 2, str(storage), accelerator=False)
     k = options.index("--kv-transfer-config") + 1
     options[k] = options[k].replace('"CpuHiddenStatesConnector"', '"StockWriteCpuConnector"').replace(
-        '"peagle_data.vllm_connector"', '"tests.peagle_data.stock_write_connector"')
+        '"peagle_data.extract.vllm_connector"', '"tests.peagle_data.extract.stock_write_connector"')
     proc, url, log = start_server(tmp_path, server_model, options)
     try:
         packed = write_packed(tmp_path / "packed", n_blocks=1, vocab=49152)
@@ -345,7 +347,7 @@ def test_server_with_the_stock_connector_is_refused(tmp_path, server_model):
     command = serve_command(str(server_model), [1, 2], 2, str(storage), accelerator=False)
     assert res.returncode != 0
     assert ("without peagle's metadata (which layer ids it holds): it runs vLLM's stock connector, not "
-            f"peagle_data.vllm_connector; start the server as: {command}") in " ".join(res.stderr.split())
+            f"peagle_data.extract.vllm_connector; start the server as: {command}") in " ".join(res.stderr.split())
 
 
 GOOD_META = {"peagle_capture_ids": "[1, 2]", "peagle_model": "/m", "peagle_served_model_name": "/m",
@@ -385,7 +387,7 @@ def test_file_metadata_other_than_the_extraction_is_refused(tmp_path, change, me
     the ids and the stock connector end to end): refused with the field, the values and the serve line."""
     from safetensors.torch import save_file
 
-    from peagle_data.extract_vllm import VllmEngine, serve_command
+    from peagle_data.extract.vllm import VllmEngine, serve_command
 
     cfg = ExtractConfig(packed="p", verifier="v", output="o", engine="vllm", server="http://h:1",
                         shared_storage=str(tmp_path))
@@ -413,7 +415,7 @@ GPU_LINE = ("vllm serve /m --dtype bfloat16 --no-enable-prefix-caching --specula
             "'{\"method\":\"extract_hidden_states\",\"num_speculative_tokens\":1,\"draft_model_config\":{\"hf_config\":"
             "{\"eagle_aux_hidden_state_layer_ids\":[1,2]}}}' --kv-transfer-config "
             "'{\"kv_connector\":\"HiddenStatesConnector\","
-            "\"kv_connector_module_path\":\"peagle_data.vllm_connector\",\"kv_role\":\"kv_producer\","
+            "\"kv_connector_module_path\":\"peagle_data.extract.vllm_connector\",\"kv_role\":\"kv_producer\","
             "\"kv_connector_extra_config\":{\"shared_storage_path\":\"/srv/hs\"}}'")
 """The serve line of a GPU server (bf16, peagle's GPU connector) capturing ids 1, 2 into ``/srv/hs``."""
 
@@ -425,7 +427,7 @@ def test_a_gpu_servers_files_from_a_cpu_client(tmp_path):
     this machine's float32 / ``CpuHiddenStatesConnector`` one."""
     from safetensors.torch import save_file
 
-    from peagle_data.extract_vllm import VllmEngine, server_dtype
+    from peagle_data.extract.vllm import VllmEngine, server_dtype
 
     gpu = {**GOOD_META, "peagle_dtype": "bfloat16", "peagle_connector": "HiddenStatesConnector"}
     dtype, accelerator = server_dtype(gpu, torch.bfloat16, None, False)  # a new store, this machine a CPU
@@ -453,7 +455,7 @@ def test_a_gpu_servers_files_from_a_cpu_client(tmp_path):
     ({}, torch.float16, None, True, ("float16", True)),  # vLLM's stock connector: the file's dtype, this platform
 ])
 def test_server_dtype_is_the_stores_else_the_servers(meta, file_dtype, store, here, expected):
-    from peagle_data.extract_vllm import server_dtype
+    from peagle_data.extract.vllm import server_dtype
 
     assert server_dtype(meta, file_dtype, store, here) == expected
 
@@ -464,8 +466,8 @@ def test_connector_metadata_of_a_real_vllm_config(tmp_path):
     options has :data:`EXACT_SERVER`'s defaults; ``--kv-cache-dtype fp8`` and ``--hf-overrides`` show."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from peagle_data.extract_vllm import EXACT_SERVER, connector_config, speculative_config
-    from peagle_data.vllm_connector import provenance
+    from peagle_data.extract.vllm import EXACT_SERVER, connector_config, speculative_config
+    from peagle_data.extract.vllm_connector import provenance
 
     model = save_family("llama31", tmp_path / "m", overrides=VLLM_CPU_SHAPE)
     base = dict(model=str(model), skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=64,
@@ -579,7 +581,7 @@ def test_resume_with_another_engine_is_refused(tmp_path):
 def test_server_resume_takes_the_stores_dtype_not_this_machines(tmp_path):
     """A CPU client resuming a store a GPU server began (bf16): no refusal for this machine's float32
     before the server is reached; the store's dtype is what the server must compute in."""
-    from peagle_data.extract_store import resumed_dtype
+    from peagle_data.extract.store import resumed_dtype
 
     model = save_family("llama31", tmp_path / "m", overrides=VLLM_CPU_SHAPE)
     packed = write_packed(tmp_path / "packed", n_blocks=2, vocab=512)

@@ -1,7 +1,11 @@
-"""The feature-store side of extraction: create or resume the store, repair it, write blocks behind a queue.
+"""The feature-store side of extraction: create or resume the store, write blocks behind a queue.
 
 Writes run on a background thread behind a bounded queue (:class:`BlockWriter`), so the next forward
-overlaps the store write; a block's ``done`` flag is written after its data.
+overlaps the store write; a block's ``done`` flag is written after its data. What is about the store's
+files (damage checks, repair on ``--resume``, the shared arrays written from the packed rows) is
+:mod:`stores.feature_repair`; here is what is about the extraction run (its options, the verifier's
+description). ``cfg`` is the run's :class:`peagle_data.extract.config.ExtractConfig` (not imported
+here: that module imports the engines, which import this one).
 """
 
 from __future__ import annotations
@@ -11,23 +15,21 @@ import queue
 import shutil
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-import numpy as np
 import torch
 
-from peagle_data.verifier_forward import _layer_types, language_model
-from stores.errors import DiskSpaceError, InputError, OutputExistsError, StoreFormatError, StoreMismatchError
-from stores.feature_store import FeatureStore, bytes_per_token, check_block, check_compatible
-from stores.feature_verify import read_done_flags, shared_damage
+from peagle_data.extract.hf_forward import language_model, layer_types
+from stores.errors import DiskSpaceError, InputError, OutputExistsError, StoreFormatError
+from stores.feature_repair import check_compatible, write_shared
+from stores.feature_schema import bytes_per_token
+from stores.feature_store import FeatureStore
+from stores.files import is_local
 from stores.model_cache import model_fingerprint
 from stores.token_tables import TokenTable, manifest_sha256
 
-if TYPE_CHECKING:
-    from peagle_data.extract import ExtractConfig
-
-__all__ = ["BlockWriter", "verifier_desc", "open_packed", "open_or_create", "check_resumable", "RESUME_MAY_CHANGE",
-           "repair_shared", "repair_blocks", "is_local"]
+__all__ = ["BlockWriter", "verifier_desc", "open_packed", "open_or_create", "resumed_dtype", "check_resumable",
+           "RESUME_MAY_CHANGE"]
 
 
 def verifier_desc(name: str, directory: Path, verifier, dtype: torch.dtype) -> dict[str, Any]:
@@ -43,7 +45,7 @@ def verifier_desc(name: str, directory: Path, verifier, dtype: torch.dtype) -> d
         "num_hidden_layers": len(decoder.layers),
         "hidden_size": text.hidden_size,
         "vocab_size": text.vocab_size,
-        "layer_types": _layer_types(decoder),
+        "layer_types": layer_types(decoder),
         "final_norm": type(getattr(decoder, "norm", None)).__name__,
         "attn_implementation": getattr(text, "_attn_implementation", None),
         "dtype": str(dtype).replace("torch.", ""),
@@ -140,7 +142,7 @@ def open_packed(path: str) -> TokenTable:
     return table
 
 
-def _create_store(cfg: ExtractConfig, rows, table: TokenTable, desc: dict, layers: list[int],
+def _create_store(cfg, rows, table: TokenTable, desc: dict, layers: list[int],
                   log: Callable[[str], None], engine: dict[str, Any]) -> FeatureStore:
     block_size = int(table.manifest.get("parameters", {}).get("block_size") or 0)
     block_size = max([block_size] + [int(r["n_tokens"]) for r in rows])
@@ -164,12 +166,12 @@ def _create_store(cfg: ExtractConfig, rows, table: TokenTable, desc: dict, layer
     )
     for i, r in enumerate(rows):
         store.write_token_row(i, r)
-    _write_shared(store, rows)
+    write_shared(store, rows)
     store.update_attrs(tokens_written=True)  # last: a store without it is recreated on --resume
     return store
 
 
-def _shard_attrs(cfg: ExtractConfig, table: TokenTable) -> dict[str, Any]:
+def _shard_attrs(cfg, table: TokenTable) -> dict[str, Any]:
     """Store attributes naming a shard store's part of the packed table (none for a whole store)."""
     if cfg.num_shards == 1:
         return {}
@@ -178,66 +180,7 @@ def _shard_attrs(cfg: ExtractConfig, table: TokenTable) -> dict[str, Any]:
                       "blocks": "packed block shard_index + k * num_shards is store block k"}}
 
 
-def _write_shared(store: FeatureStore, rows) -> None:
-    """Write the whole-store arrays ``n_tokens [N]`` and ``token_freq [V]`` from the packed rows."""
-    V = store.vocab_size
-    freq = np.zeros(V, dtype=np.int64)
-    for i, r in enumerate(rows):
-        ids = np.asarray(r["input_ids"], dtype=np.int64)[np.asarray(r["loss_mask"]) == 1]
-        outside = ids[(ids < 0) | (ids >= V)]
-        if outside.size:  # extract checks every id before the weights load: an invariant
-            raise StoreMismatchError(f"{store.path}: block {i} holds token id {int(outside[0])} outside the "
-                                     f"verifier's {V} ids; token_freq cannot count it")
-        freq += np.bincount(ids, minlength=V)
-    store.write_all_n_tokens(np.array([int(r["n_tokens"]) for r in rows], dtype=np.int32))
-    store.set_token_freq(freq)
-
-
-def repair_shared(store: FeatureStore, rows, log: Callable[[str], None]) -> dict[str, str]:
-    """On --resume (main process): rewrite ``n_tokens``/``token_freq`` from the packed rows if damaged."""
-    damaged = shared_damage(store)
-    if damaged:
-        for reason in damaged.values():
-            log(f"{store.path}: {reason}; rewriting it from the packed table")
-        _write_shared(store, rows)
-    return damaged
-
-
-def repair_blocks(store: FeatureStore, rows, rank: int, world: int, log: Callable[[str], None]) -> dict[int, str]:
-    """On --resume: check this rank's share of the blocks and make every damaged one not done.
-
-    A done block is damaged when :func:`stores.feature_store.check_block` finds a chunk missing,
-    truncated, empty, unreadable or failing its checksum, non-finite hidden states, or ``input_ids``
-    other than the packed row's (this reads every done block of the share once). A damaged done
-    flag chunk counts as not done. Damaged blocks get their flag cleared, and every not-done block
-    of the share gets its token arrays rewritten from the packed row, so the extraction that
-    follows makes the store byte-identical to an undamaged one.
-
-    Returns:
-        ``{block: reason}`` of the damaged blocks found by this rank.
-    """
-    done, damaged = read_done_flags(store)
-    mine = range(rank, store.n_blocks, world)
-    for i in (i for i in mine if done[i]):
-        reason = check_block(store, i, rows[i]["input_ids"])
-        if reason is not None:
-            damaged[i] = reason
-    damaged = {i: reason for i, reason in damaged.items() if i % world == rank}
-    for i, reason in sorted(damaged.items()):
-        log(f"{store.path}: {reason}; extracting block {i} again")
-        store.clear_done(i)
-        done[i] = False
-    for i in (i for i in mine if not done[i]):
-        r = rows[i]
-        store.write_token_row(i, r)
-    return damaged
-
-
-def is_local(path: str) -> bool:
-    return "://" not in str(path)
-
-
-def open_or_create(cfg: ExtractConfig, rows, table, desc, layers, log, engine: dict[str, Any]) -> FeatureStore:
+def open_or_create(cfg, rows, table, desc, layers, log, engine: dict[str, Any]) -> FeatureStore:
     """The store of ``cfg.output``: resumed (checked by :func:`check_resumable`) or created with the
     verifier ``desc`` and the ``engine`` attribute (:attr:`VerifierEngine.record`)."""
     out = Path(cfg.output)
@@ -257,7 +200,7 @@ def open_or_create(cfg: ExtractConfig, rows, table, desc, layers, log, engine: d
     return _create_store(cfg, rows, table, desc, layers, log, engine)
 
 
-def resumed_dtype(cfg: ExtractConfig) -> str | None:
+def resumed_dtype(cfg) -> str | None:
     """The compute dtype (``verifier["dtype"]``, e.g. ``"bfloat16"``) of the store ``cfg.output`` that
     ``--resume`` continues, or None when there is none to continue (no ``--resume``, no store, or one
     whose creation was interrupted)."""
@@ -276,7 +219,7 @@ store's dtype; ``--server`` and its connection to another server of the same ver
 option is fixed by the store (:func:`check_resumable`)."""
 
 
-def _resume_conflicts(store: FeatureStore, cfg: ExtractConfig, verifier: dict[str, Any]) -> list[str]:
+def _resume_conflicts(store: FeatureStore, cfg, verifier: dict[str, Any]) -> list[str]:
     """``--option: the store's X, given Y`` for each option of ``cfg`` a resume cannot change that
     differs from the store's (layers, verifier and packed table: :func:`check_compatible`)."""
     have = store.attrs.get("shard") or {}
@@ -305,7 +248,7 @@ def _resume_conflicts(store: FeatureStore, cfg: ExtractConfig, verifier: dict[st
     return out
 
 
-def check_resumable(store: FeatureStore, cfg: ExtractConfig, verifier: dict[str, Any], layers: list[int]) -> None:
+def check_resumable(store: FeatureStore, cfg, verifier: dict[str, Any], layers: list[int]) -> None:
     """``--resume`` of ``store``: every option a resume cannot change is the store's.
 
     Fixed by the store: the packed table, the verifier (name and content fingerprint), ``--layers``,

@@ -5,7 +5,7 @@ Each request's safetensors file (``hidden_states [T, K, H]``, ``token_ids [T]``,
 parent's writer threads and ``.lock`` protocol) carries string metadata (:data:`META_KEYS`) read
 from the vLLM config the connector is given: the layer ids the model captures (sorted, unique, the
 order of the file's K axis), the model and its served name, the compute dtype, prefix caching and
-the verifier's layer count. :class:`peagle_data.extract_vllm.VllmEngine` refuses a file without it
+the verifier's layer count. :class:`peagle_data.extract.vllm.VllmEngine` refuses a file without it
 (a server started with vLLM's stock connector) or whose metadata is not what the extraction needs.
 
 - :class:`HiddenStatesConnector`: GPUs; vLLM's write path unchanged, only the file gets metadata.
@@ -14,7 +14,7 @@ the verifier's layer count. :class:`peagle_data.extract_vllm.VllmEngine` refuses
   (``pin_memory=True requires a CUDA or other accelerator backend``) on the first finished request;
   the cache already lives in host memory, so the rows are gathered with a plain copy.
 
-:func:`peagle_data.extract_vllm.connector_config` chooses.
+:func:`peagle_data.extract.vllm.connector_config` chooses.
 """
 
 from __future__ import annotations

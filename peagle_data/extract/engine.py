@@ -3,10 +3,11 @@
 Legend: T tokens in a block, L aux layers, H hidden size, S segments.
 
 An engine turns packed blocks into the store's features; everything else (the packed table, the
-store, resume and repair, shards, the writer thread) is :mod:`peagle_data.extract`'s and the same for
-every engine, so stores of two engines differ only in their ``engine`` attribute and in the
+store, resume and repair, shards, the writer thread) is :mod:`peagle_data.extract.run`'s and the same
+for every engine, so stores of two engines differ only in their ``engine`` attribute and in the
 numerics of the features. A new engine is one module with one :class:`VerifierEngine` subclass and
-one entry in :data:`peagle_data.extract.ENGINES`.
+one entry in :data:`peagle_data.extract.config.ENGINES`. ``cfg`` is the run's
+:class:`peagle_data.extract.config.ExtractConfig` (not imported here: that module imports the engines).
 
 Layer ids are vLLM's aux ids, L the verifier's decoder layer count: ``0`` the embedding output, ``k``
 in ``1..L-1`` the output of decoder layer ``k-1`` (transformers' ``hidden_states[k]`` for k < L),
@@ -19,12 +20,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, Mapping
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping
 
 import torch
-
-if TYPE_CHECKING:
-    from peagle_data.extract import ExtractConfig
 
 __all__ = ["PackedFacts", "VerifierEngine"]
 
@@ -51,10 +49,13 @@ class VerifierEngine(ABC):
 
     name: ClassVar[str]
     """The ``--engine`` value and the store's ``engine.name`` attribute."""
+    multi_process: ClassVar[bool] = False
+    """Whether the engine runs under ``accelerate launch`` with several processes (each rank opens its
+    own engine); else it runs in one process (its parallelism is its own)."""
 
     @classmethod
     @abstractmethod
-    def check(cls, cfg: ExtractConfig, config, layers: list[int]) -> None:
+    def check(cls, cfg, config, layers: list[int]) -> None:
         """Refuse what this engine cannot extract exactly, from the verifier's ``config`` and the options only.
 
         Raises:
@@ -64,13 +65,13 @@ class VerifierEngine(ABC):
 
     @classmethod
     @abstractmethod
-    def open(cls, cfg: ExtractConfig, directory: Path, layers: list[int], log: Callable[[str], None],
+    def open(cls, cfg, directory: Path, layers: list[int], log: Callable[[str], None],
              device: str, packed: PackedFacts) -> "VerifierEngine":
         """Load the verifier from ``directory`` (or connect to it) for extracting ``layers``; ``device``
         is the accelerate process's device (hf)."""
 
     desc: dict[str, Any]
-    """The store's ``verifier`` attribute (:func:`peagle_data.extract_store.verifier_desc`)."""
+    """The store's ``verifier`` attribute (:func:`peagle_data.extract.store.verifier_desc`)."""
     record: dict[str, Any]
     """The store's ``engine`` attribute: ``name`` and the settings that change the numerics."""
 

@@ -12,9 +12,13 @@ import importlib.util
 import pytest
 import torch
 
-from peagle_data.extract import ExtractConfig, _BlockWriter, run_extract, verifier_features
-from stores.feature_store import FeatureStore, verify_store
-from tests.peagle_data.test_extract_run import write_packed
+from peagle_data.extract.config import ExtractConfig
+from peagle_data.extract.hf_forward import verifier_features
+from peagle_data.extract.run import run_extract
+from peagle_data.extract.store import BlockWriter
+from stores.feature_repair import verify_store
+from stores.feature_store import FeatureStore
+from tests.peagle_data.extract.test_run import write_packed
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -77,7 +81,7 @@ def test_side_stream_copies_are_exact_under_load(tmp_path, tiny_verifier_dir):
     run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), output=str(tmp_path / "f.zarr"),
                               layers=LAYERS, device="cpu", max_blocks=0), progress=False)
     store = FeatureStore.open(tmp_path / "f.zarr", mode="r+")
-    writer = _BlockWriter(store, maxsize=2)
+    writer = BlockWriter(store, maxsize=2)
     want = {}
     g = torch.Generator(device="cuda").manual_seed(0)
     n_tokens = store.n_tokens_per_block()

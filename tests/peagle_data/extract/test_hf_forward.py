@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from peagle_data.extract import default_layers, packs_like_transformers, segment_masks, verifier_features
+from peagle_data.extract.hf_forward import default_layers, packs_like_transformers, segment_masks, verifier_features
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from families import WINDOW, build_family, hidden_states_as_stored  # noqa: E402
 
 

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from peagle_data.extract import ExtractConfig, run_extract
-from stores.feature_store import verify_store
+from peagle_data.extract.config import ExtractConfig
+from peagle_data.extract.run import run_extract
+from stores.feature_repair import verify_store
 
-from .test_extract_run import chunk_bytes, write_packed
+from .test_run import chunk_bytes, write_packed
 
 N_BLOCKS = 4
 

@@ -4,7 +4,7 @@ itself cannot copy without an accelerator). Loaded by the server through ``kv_co
 
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import ExampleHiddenStatesConnector
 
-from peagle_data.vllm_connector import CpuHiddenStatesConnector
+from peagle_data.extract.vllm_connector import CpuHiddenStatesConnector
 
 
 class StockWriteCpuConnector(CpuHiddenStatesConnector):

@@ -1,0 +1,1 @@
+"""Hidden-state extraction: the options, the verifier engines (``hf``, ``vllm``), the store side and the run."""

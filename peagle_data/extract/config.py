@@ -1,0 +1,116 @@
+"""The options of ``peagle-data extract`` (:class:`ExtractConfig`) and the verifier engines they choose from.
+
+The engines (:mod:`peagle_data.extract.hf`, :mod:`peagle_data.extract.vllm`) and the store side
+(:mod:`peagle_data.extract.store`) take an ``ExtractConfig`` as ``cfg`` without importing this module,
+which imports them for :data:`ENGINES` (so the graph stays one-way).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from peagle_data.extract.engine import VerifierEngine
+from peagle_data.extract.hf import HfEngine
+from peagle_data.extract.vllm import VllmEngine
+from peagle_data.prepare.shards import check_shard
+from stores.feature_schema import STORAGE_DTYPES
+
+__all__ = ["ATTN_IMPLEMENTATIONS", "ENGINES", "ExtractConfig"]
+
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2")
+"""The verifier attention implementations ``--attn-implementation`` accepts."""
+
+ENGINES: dict[str, type[VerifierEngine]] = {"hf": HfEngine, "vllm": VllmEngine}
+"""``--engine``: the verifier engines (:class:`peagle_data.extract.engine.VerifierEngine`). A new engine is
+one module with one subclass and one entry here; the CLI's choices, the option check below and
+:func:`peagle_data.extract.run.run_extract` read this table."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExtractConfig:
+    """Options of ``peagle-data extract``."""
+
+    packed: str
+    """PACKED_DIR: the packed table directory (output of ``peagle-data pack``)."""
+    verifier: str
+    """MODEL: ``smollm2-135m``, a local directory or a hub id."""
+    output: str
+    """Feature store path (zarr v3)."""
+    layers: list[int] | None = None
+    """Aux layer ids as vLLM's (= transformers' ``hidden_states[k]`` for k < L; L = the last decoder layer's
+    output before the final norm), e.g. 2,18,33; default EAGLE-3's ``[2, L//2, L-3]``."""
+    storage_dtype: str = "bf16"
+    """``bf16`` (bit-exact) or ``fp8`` (float8_e4m3fn with a per-token, per-layer scale; half the bytes)."""
+    compressor: str | None = None
+    """Chunk compressor: ``none`` (raw chunks, memory-mapped reads; activations barely compress) or
+    ``zstd`` (smaller, read through zarr)."""
+    resume: bool = field(default=False, metadata={"action": True})
+    """Continue an existing store: check every done block, then extract the not-done and damaged ones. Every
+    other option must be the store's, except ``--device`` (one computing in the store's dtype), ``--max-blocks``
+    and the ``--server`` connection (``--server``, ``--shared-storage``, ``--concurrency``)."""
+    force: bool = field(default=False, metadata={"action": True})
+    """Overwrite an existing store; also skip the free-disk check."""
+    device: str | None = None
+    """``cpu`` or ``cuda``; default cuda when available."""
+    max_blocks: int | None = field(default=None, metadata={"action": True})
+    """Stop after this many blocks in this run (the store stays resumable); None = all. A budget of one
+    invocation, like ``resume``: not recorded in the store's config."""
+    writer_queue: int = 2
+    """Blocks that may wait for the writer thread (bounds host memory)."""
+    attn_implementation: str = "auto"
+    """``auto`` (FlashAttention varlen on CUDA when installed and supported, else transformers'
+    choice: SDPA, or eager for models without SDPA), ``sdpa``, ``eager`` or ``flash_attention_2``."""
+    num_shards: int = 1
+    """Split the packed table's blocks into this many shard stores (--num-shards)."""
+    shard_index: int = 0
+    """This run's shard: packed blocks ``shard_index, shard_index + num_shards, ...`` become the
+    store's blocks ``0, 1, ...`` (--shard-index); ``peagle-data merge`` joins the shard stores."""
+    engine: str = "hf"
+    """``hf`` (transformers, the reference) or ``vllm`` (the serving engine's hidden states: needs vLLM,
+    ``PEAGLE_VLLM=1 bash scripts/setup_env.sh``)."""
+    tensor_parallel_size: int = 1
+    """--engine vllm: vLLM's tensor parallel size (GPUs per replica)."""
+    pipeline_parallel_size: int = 1
+    """--engine vllm: vLLM's pipeline parallel size (stages per replica)."""
+    server: str | None = None
+    """--engine vllm: URL of a running ``vllm serve`` started for extraction (its command is in the README);
+    None: start vLLM in this process. Data parallel: a data-parallel vLLM server, or shards."""
+    shared_storage: str | None = None
+    """--server: this machine's path of the directory the server's hidden-states connector writes to."""
+    concurrency: int = 16
+    """--server: requests in flight."""
+
+    def __post_init__(self) -> None:
+        if self.resume and self.force:
+            raise ValueError("--resume and --force contradict each other: choose one")
+        if self.layers is not None and len(self.layers) == 0:
+            raise ValueError("--layers: give at least one layer index")
+        if self.layers is not None and len(set(self.layers)) != len(self.layers):
+            raise ValueError(f"--layers: repeated index in {self.layers}")
+        if self.layers is not None and list(self.layers) != sorted(self.layers):
+            # vLLM captures sorted(set(ids)) and feeds the drafter's fc in that order: a store in another
+            # order would train fc on its inputs swapped (peagle-train refuses such a store too)
+            raise ValueError(f"--layers: {','.join(map(str, self.layers))} is not increasing; vLLM feeds the "
+                             f"aux layers in increasing order: give --layers {','.join(map(str, sorted(self.layers)))}")
+        if self.max_blocks is not None and self.max_blocks < 1:
+            raise ValueError("--max-blocks must be ≥ 1")
+        if self.storage_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"--storage-dtype: expected one of {STORAGE_DTYPES}, got {self.storage_dtype!r}")
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(f"--attn-implementation: unknown {self.attn_implementation!r}")
+        if self.writer_queue < 1:
+            raise ValueError("writer_queue must be ≥ 1")
+        check_shard(self.num_shards, self.shard_index)
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine: expected one of {sorted(ENGINES)}, got {self.engine!r}")
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1 or self.concurrency < 1:
+            raise ValueError("--tensor-parallel-size, --pipeline-parallel-size and --concurrency must be ≥ 1")
+        vllm_only = {"--tensor-parallel-size": self.tensor_parallel_size != 1,
+                     "--pipeline-parallel-size": self.pipeline_parallel_size != 1,
+                     "--server": self.server is not None, "--shared-storage": self.shared_storage is not None}
+        given = [flag for flag, set_ in vllm_only.items() if set_]
+        if self.engine != "vllm" and given:
+            raise ValueError(f"{given[0]} is an option of --engine vllm (the engine is {self.engine!r})")
+        if self.server is not None and (self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1):
+            raise ValueError("--server: the server's own vllm serve options set its parallelism; drop "
+                             "--tensor-parallel-size/--pipeline-parallel-size")
