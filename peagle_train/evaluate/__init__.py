@@ -23,7 +23,7 @@ within the draft vocab and is therefore higher when the draft vocab is reduced.)
 - simulated acceptance length: ``1 + mean accepted`` (bonus token counted).
 
 Online (:func:`evaluate_prompts`, :func:`run_online_eval`): per prompt turn, plain greedy decoding and
-greedy speculative decoding (:mod:`peagle_train.speculative`) with the same verifier, compared token
+greedy speculative decoding (:mod:`peagle_train.evaluate.speculative`) with the same verifier, compared token
 for token; with ``temperature > 0`` plain sampling and speculative sampling (rejection sampling, seeded
 per prompt turn), which are not compared token for token. Acceptance length, rate and per-position acceptance are counted as vLLM reports them:
 ``AL = 1 + accepted / steps`` over verifier steps that checked at least one draft.
@@ -32,30 +32,3 @@ Modules: :mod:`.config` (``EvalConfig``), :mod:`.prompts`, :mod:`.checks` (befor
 :mod:`.online`, :mod:`.offline`, :mod:`.report`, :mod:`.vllm_engine` (``--engine vllm``; imports vLLM only
 when run, so it is not imported here).
 """
-
-from peagle_train.evaluate.checks import check_before_weights, check_verifier_config
-from peagle_train.evaluate.config import EvalConfig
-from peagle_train.evaluate.offline import (BlockSelection, evaluate_offline, run_offline_eval, segment_predictions,
-                                           select_eval_blocks)
-from peagle_train.evaluate.online import evaluate_prompts, run_online_eval
-from peagle_train.evaluate.prompts import Prompt, read_prompts, render_turn
-from peagle_train.evaluate.report import format_report, wilson_interval, write_acceptance_plot
-
-__all__ = [
-    "EvalConfig",
-    "Prompt",
-    "read_prompts",
-    "render_turn",
-    "evaluate_prompts",
-    "run_online_eval",
-    "evaluate_offline",
-    "segment_predictions",
-    "run_offline_eval",
-    "select_eval_blocks",
-    "BlockSelection",
-    "check_before_weights",
-    "check_verifier_config",
-    "format_report",
-    "write_acceptance_plot",
-    "wilson_interval",
-]

@@ -178,8 +178,8 @@ def test_command_functions_are_thin():
 def test_plain_text_turns_sphinx_markup_and_none_into_typable_help():
     from cli.options import _help, plain_text
 
-    assert plain_text("a name of :data:`peagle_train.attention.ATTENTION_BACKENDS`") == \
-        "a name of peagle_train.attention.ATTENTION_BACKENDS"
+    assert plain_text("a name of :data:`peagle_train.model.attention.ATTENTION_BACKENDS`") == \
+        "a name of peagle_train.model.attention.ATTENTION_BACKENDS"
     assert plain_text("see :py:func:`~peagle_data.stats_plot.plot_stats` and :ref:`the design <design>`") == \
         "see plot_stats and the design"
     assert plain_text("``zstd`` or `pack --overlap`\nnext line") == "zstd or pack --overlap\nnext line"
@@ -198,4 +198,4 @@ def test_help_has_no_sphinx_markup_and_no_python_none(group, sub):
         assert markup not in result.output, f"{group} {sub}: {markup!r} in --help"
     assert not re.search(r"\bNone\b", result.output), result.output
     if (group, sub) == ("train", None):
-        assert "a name of peagle_train.attention.ATTENTION_BACKENDS (sdpa" in " ".join(result.output.split())
+        assert "a name of peagle_train.model.attention.ATTENTION_BACKENDS (sdpa" in " ".join(result.output.split())

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from cli.options import field_docs
 from cli.train import main as train_main
-from peagle_train.train import TrainConfig
+from peagle_train.train.config import TrainConfig
 
 
 def invoke(command, args):
@@ -76,10 +76,10 @@ def test_print_config_round_trips(tmp_path):
 
 
 def test_the_file_reaches_the_run(tmp_path, monkeypatch):
-    import peagle_train.train
+    import peagle_train.train.setup
 
     seen = []
-    monkeypatch.setattr(peagle_train.train, "run_train", lambda cfg: seen.append(cfg) or {"rank": 0})
+    monkeypatch.setattr(peagle_train.train.setup, "run_train", lambda cfg: seen.append(cfg) or {"rank": 0})
     cfg = tmp_path / "train.yaml"
     cfg.write_text("store: a.zarr\noutput: run\nnum_depths: 3\n")
     result = invoke(train_main, ["--config", cfg, "--seed", "5"])
@@ -171,10 +171,10 @@ def test_a_value_out_of_range_is_refused_by_its_config(tmp_path, command, args, 
 def test_a_config_file_does_not_set_an_action(tmp_path, monkeypatch):
     """Issue 22 item 8: ``force``/``resume`` in a file (as train_config.json held them before actions were
     left out of records) are dropped, with a warning for a set one; the run gets the command line's."""
-    import peagle_train.train
+    import peagle_train.train.setup
 
     seen = []
-    monkeypatch.setattr(peagle_train.train, "run_train", lambda cfg: seen.append(cfg) or {"rank": 0})
+    monkeypatch.setattr(peagle_train.train.setup, "run_train", lambda cfg: seen.append(cfg) or {"rank": 0})
     cfg = tmp_path / "train_config.json"
     cfg.write_text('{"store": "a.zarr", "output": "run", "num_depths": 3, "force": true, "resume": false}')
     warning = (f"warning: {cfg}: ignoring force: True; --force is an action of one invocation, not a setting "

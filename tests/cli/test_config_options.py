@@ -17,9 +17,9 @@ from peagle_data.prepare import PackConfig, PackRun, TokenizeConfig, TokenizeRun
 from peagle_data.regenerate import RegenerateConfig, RegenerateRun
 from peagle_data.tool_configs import InspectConfig, MergeConfig, ShowConfig, StatsConfig, VerifyConfig
 from peagle_data.verifier_backends import BackendConfig
+from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.run import EvalRun
-from peagle_train.evaluate import EvalConfig
-from peagle_train.train import TrainConfig
+from peagle_train.train.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
