@@ -88,7 +88,7 @@ def make_trainer(D: int, chunk: int | None, num_depths: int = K, max_anchors: in
     d2t = torch.zeros(D, dtype=torch.long) if D < V else None
     model.init_from_verifier(0.02 * torch.randn(V, H), 0.02 * torch.randn(V, H), d2t)
     vhead = 0.05 * torch.randn(D, H)
-    train_cfg = TrainConfig(store="-", output="-", lr=1e-4, num_depths=num_depths, max_anchors=max_anchors,
+    train_cfg = TrainConfig.from_flat(store="-", output="-", lr=1e-4, num_depths=num_depths, max_anchors=max_anchors,
                             loss_chunk_size=chunk or 2 ** 62, attention_backend=backend)
     return Trainer(train_cfg, model, vhead, attention=backend, max_steps=10 ** 9, warmup=0), model
 

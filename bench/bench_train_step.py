@@ -36,7 +36,7 @@ def setup() -> tuple[Trainer, Block]:
     block = Block(torch.randint(0, V, (T,)), (torch.rand(T) < 0.7).long(),
                   torch.cat([torch.arange(200), torch.arange(T - 200)]), cu,
                   torch.randn(T, L * H).bfloat16(), (3 * torch.randn(T, H)).bfloat16(), block_id=0)
-    train_cfg = TrainConfig(store="-", output="-", lr=1e-4, num_depths=K, loss_chunk_size=2048)
+    train_cfg = TrainConfig.from_flat(store="-", output="-", lr=1e-4, num_depths=K, loss_chunk_size=2048)
     return Trainer(train_cfg, model, 0.05 * torch.randn(D, H), max_steps=10 ** 9, warmup=0), block
 
 

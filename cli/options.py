@@ -150,9 +150,10 @@ def _click_kwargs(tp, default) -> dict[str, Any]:
     raise TypeError(f"no click option for a field of type {tp!r}; give its type in the overrides")
 
 
-def config_fields(cls: type) -> list[tuple[str | None, type, dataclasses.Field]]:
+def config_fields(cls: type, skip: tuple[str, ...] = ()) -> list[tuple[str | None, type, dataclasses.Field]]:
     """``(group, owner, field)`` for every option field of the dataclass ``cls`` in order: a field whose
-    type is a dataclass is a group, its fields listed under its name (``owner`` the group's class); the
+    type is a dataclass is a group, its fields listed under its name (``owner`` the group's class), unless
+    ``skip`` names it (a nested config given its own :func:`config_options`, e.g. a run's ``settings``); the
     others have group None and owner ``cls``.
 
     Raises:
@@ -160,7 +161,7 @@ def config_fields(cls: type) -> list[tuple[str | None, type, dataclasses.Field]]
     """
     out, hints = [], typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
+        if dataclasses.is_dataclass(hints[f.name]) and f.name not in skip:
             out.extend((f.name, hints[f.name], g) for g in dataclasses.fields(hints[f.name]))
         else:
             out.append((None, cls, f))
@@ -189,7 +190,7 @@ def config_options(cls: type, *, skip: tuple[str, ...] = (), overrides: dict[str
     """
     overrides = overrides or {}
     params, groups = [], {}
-    for group, owner, f in config_fields(cls):
+    for group, owner, f in config_fields(cls, skip):
         if f.name in skip:
             continue
         docs, hints = field_docs(owner), typing.get_type_hints(owner)

@@ -15,12 +15,12 @@ from peagle_train.train.run import run_train
 from peagle_train.train.setup import build_draft_vocab
 from stores.errors import InputError, StoreFormatError, StoreMismatchError
 from stores.feature_store import FeatureStore
-from tests.peagle_train.test_train import _cfg, _rows, _store, grown_run
+from tests.peagle_train.train.test_train import _cfg, _rows, _store, grown_run
 
 
 @pytest.fixture(scope="module")
 def verifier_dir(tmp_path_factory, make_tiny_llama):
-    from tests.peagle_train.test_train import H, V
+    from tests.peagle_train.train.test_train import H, V
 
     return make_tiny_llama(tmp_path_factory.mktemp("verifier"), hidden=H, vocab=V)
 
@@ -180,7 +180,7 @@ def test_cli_takes_repeated_stores_and_a_store_list(tmp_path, verifier_dir):
     assert r.exit_code == 0, r.output
     r2 = CliRunner().invoke(main, ["--store", str(tmp_path / "stores.txt"), "--output", str(tmp_path / "o2"), *common])
     assert r2.exit_code == 0, r2.output
-    saved = [json.loads((tmp_path / o / "train_config.json").read_text())["store"] for o in ("o1", "o2")]
+    saved = [json.loads((tmp_path / o / "train_config.json").read_text())["data"]["store"] for o in ("o1", "o2")]
     assert saved[0] == [a, b] and saved[1] == [str(tmp_path / "a.zarr"), str(tmp_path / "b.zarr")]
     summary = lambda res: json.loads(res.output[res.output.index("{\n"):])  # noqa: E731 - after the warnings
     assert summary(r)["last_step_loss"] == summary(r2)["last_step_loss"] and summary(r)["steps"] == 2

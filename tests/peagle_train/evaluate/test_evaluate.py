@@ -165,7 +165,7 @@ def test_offline_equal_counts_mean_a_collapsed_drafter():
 
 
 def test_offline_real_drafter_chunking_invariant():
-    from tests.peagle_train.test_speculative import tiny_drafter
+    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
 
     verifier = SimpleNamespace(config=SimpleNamespace(hidden_size=64, vocab_size=49152))
     drafter = tiny_drafter(verifier, num_depths=4)
@@ -250,7 +250,7 @@ def test_real_mt_bench_file_reads():
 
 # ------------------------------------------------------------------ online report
 def test_online_report(tiny_verifier, smollm2_tokenizer, tmp_path):
-    from tests.peagle_train.test_speculative import tiny_drafter
+    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
 
     prompts = [Prompt("a", ["Hello there", "Tell me more"]), Prompt("b", ["Name a color."])]
     report = evaluate_prompts(tiny_verifier, tiny_drafter(tiny_verifier), smollm2_tokenizer, prompts,
@@ -319,7 +319,7 @@ def test_cli_offline_and_online(tiny_verifier, tiny_verifier_dir, tmp_path):
 
     from cli.eval import main
     from peagle_train.model.checkpoint import save_drafter
-    from tests.peagle_train.test_speculative import tiny_drafter
+    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
 
     drafter = tiny_drafter(tiny_verifier)
     drafter.config.verifier_name_or_path = str(tiny_verifier_dir)
@@ -355,7 +355,7 @@ def test_cli_refuses_drafting_past_the_trained_depths(tiny_verifier, tmp_path):
 
     from cli.eval import main
     from peagle_train.model.checkpoint import save_drafter
-    from tests.peagle_train.test_speculative import tiny_drafter
+    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
 
     save_drafter(tiny_drafter(tiny_verifier, num_depths=4), tmp_path / "drafter")
     prompts = write_lines(tmp_path / "two.jsonl", [{"question_id": 1, "turns": ["Hi"]}, {"question_id": 2, "turns": ["Yo"]}])
@@ -415,7 +415,7 @@ def test_offline_chains_are_the_online_drafts(tiny_verifier):
     """§4 both ways: offline element (a, d) is exactly what online decoding drafts at t = a."""
     from peagle_train.evaluate.offline import segment_predictions
     from peagle_train.evaluate.speculative import draft_tokens
-    from tests.peagle_train.test_speculative import tiny_drafter
+    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
 
     drafter = tiny_drafter(tiny_verifier, draft_vocab_size=512, num_depths=3)
     x = torch.tensor([1, 504, 3458, 282, 260, 1115, 30, 77, 78, 79, 80, 81])
@@ -434,7 +434,7 @@ def test_offline_chains_are_the_online_drafts(tiny_verifier):
 def test_cli_fails_on_a_mismatch_naming_the_prompt(monkeypatch, tmp_path):
     from click.testing import CliRunner
 
-    import peagle_train.evaluate as ev
+    import peagle_train.evaluate.run as ev
     from cli.eval import main
 
     fake = {"acceptance_length": 1.0, "acceptance_rate": 0.0, "per_position_acceptance": [0.0], "num_prompts": 2,
@@ -453,7 +453,7 @@ def test_cli_fails_on_a_mismatch_naming_the_prompt(monkeypatch, tmp_path):
 
 
 def test_online_report_with_temperature(tiny_verifier, smollm2_tokenizer):
-    from tests.peagle_train.test_speculative import tiny_drafter
+    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
 
     prompts = [Prompt("a", ["Hello there"])]
     cfg = EvalConfig(max_new_tokens=6, num_draft_tokens=2, temperature=0.7, seed=3, warmup=False)
@@ -489,12 +489,13 @@ def test_offline_chains_stop_before_an_eos_target(eos, scored, mean, pos):
 def test_cli_drafter_given_a_training_output_uses_final_else_the_newest_checkpoint(monkeypatch, tmp_path):
     from click.testing import CliRunner
 
-    import peagle_train.evaluate as ev
+    import cli.eval
+    import peagle_train.evaluate.run as ev
     from cli.eval import main
 
     used = []
     monkeypatch.setattr(ev, "run_offline_eval", lambda drafter, *a, **k: used.append(drafter) or {"blocks": []})
-    monkeypatch.setattr(ev, "format_report", lambda report: "")
+    monkeypatch.setattr(cli.eval, "format_report", lambda report: "")
     monkeypatch.setattr(ev, "check_before_weights", lambda *a, **k: None)  # the fake checkpoints hold "{}"
     out = tmp_path / "run"
     for sub in ("checkpoint-2", "checkpoint-10", "final"):

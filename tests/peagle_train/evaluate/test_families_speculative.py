@@ -18,7 +18,7 @@ from peagle_train.evaluate.verifier import crop_cache, new_cache, rollback_cache
 from peagle_train.model.config import DrafterConfig
 from peagle_train.model.drafter import PEagleDrafter
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from families import FAMILIES, WINDOW, build_family  # noqa: E402
 
 PROMPT = [1, 17, 230, 45, 99, 310, 7, 58, 402, 11]  # longer than the window

@@ -36,7 +36,7 @@ from click.testing import CliRunner
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 K = 3
 MAX_NEW_TOKENS = 32
 NUM_PROMPTS = 3

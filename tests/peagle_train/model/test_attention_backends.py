@@ -9,8 +9,8 @@ from peagle_train.model.attention import (ATTENTION_BACKENDS, ATTENTION_CHOICES,
                                           element_attention, resolve_attention_backend)
 from peagle_train.model.element_mask import attention_mask_reference
 from stores.errors import InputError
-from tests.peagle_train.test_flex_attention import _block
-from tests.peagle_train.test_split_attention import H, _model, assert_same_loss_and_grads
+from tests.peagle_train.model.test_flex_attention import _block
+from tests.peagle_train.model.test_split_attention import H, _model, assert_same_loss_and_grads
 
 
 class ReferenceAttention(ElementAttention):

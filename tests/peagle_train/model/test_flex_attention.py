@@ -233,14 +233,14 @@ def test_backend_resolution():
         resolve_attention_backend("flex", cuda_available=False)
     assert e.value.field == "--attention-backend"
     with pytest.raises(ValueError, match="--attention-backend"):
-        TrainConfig(store="s", output="o", attention_backend="xformers")
-    assert TrainConfig(store="s", output="o").attention_backend == "auto"
+        TrainConfig.from_flat(store="s", output="o", attention_backend="xformers")
+    assert TrainConfig.from_flat(store="s", output="o").model.attention_backend == "auto"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_flex_without_cuda_fails_before_training(tmp_path):
     with pytest.raises(InputError, match="--attention-backend"):
-        run_train(TrainConfig(store=str(tmp_path / "missing.zarr"), output=str(tmp_path / "out"),
+        run_train(TrainConfig.from_flat(store=str(tmp_path / "missing.zarr"), output=str(tmp_path / "out"),
                               attention_backend="flex"))
     assert not (tmp_path / "out").exists()
     from cli.train import main
@@ -297,7 +297,7 @@ def test_cuda_step_loss_and_grads_equal(bf16, loss_rtol, grad_rtol):
 def _train_helpers():
     """``_store``, ``_cfg`` and ``_rows`` of test_train.py (one store builder for the trainer tests)."""
     spec = importlib.util.spec_from_file_location("_peagle_test_train_helpers",
-                                                  Path(__file__).with_name("test_train.py"))
+                                                  Path(__file__).parents[1] / "train" / "test_train.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -314,7 +314,7 @@ def test_cuda_run_train_flex_equals_sdpa(tmp_path, make_tiny_llama):
         out = tmp_path / backend
         summary = run_train(t._cfg(store, out, max_steps=4, attention_backend=backend))
         assert summary["steps"] == 4
-        assert json.loads((out / "train_config.json").read_text())["attention_backend"] == backend
+        assert json.loads((out / "train_config.json").read_text())["model"]["attention_backend"] == backend
         runs[backend] = t._rows(out)
     a, b = runs["sdpa"], runs["flex"]
     assert [r["n_elements"] for r in a] == [r["n_elements"] for r in b]

@@ -16,7 +16,7 @@ from peagle_train.model.drafter import PEagleDrafter
 from peagle_train.model.rope import rope_cos_sin
 from stores.errors import StoreFormatError
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from families import FAMILIES, family_config  # noqa: E402
 
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -143,7 +143,7 @@ def test_train_refuses_a_longrope_verifier_before_its_weights(tmp_path, make_tin
 
     from cli.train import main
 
-    from .test_train import _store
+    from tests.peagle_train.train.test_train import _store
 
     verifier = make_tiny_llama(tmp_path / "v", hidden=64, vocab=256)
     cfg = json.loads((verifier / "config.json").read_text())

@@ -13,7 +13,7 @@ from peagle_train.model.config import DrafterConfig
 from peagle_train.model.drafter import PEagleDrafter
 from peagle_train.model.element_mask import build_attention_mask
 from peagle_train.train.step import block_loss
-from tests.peagle_train.test_flex_attention import _block
+from tests.peagle_train.model.test_flex_attention import _block
 
 H, V, L = 32, 60, 2
 

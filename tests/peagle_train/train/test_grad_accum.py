@@ -23,7 +23,7 @@ from peagle_train.train.loss import kl_loss_and_accuracy
 from peagle_train.train.step import accumulate_step, block_hidden, block_loss
 
 H, V, L, K, CHUNK = 32, 64, 2, 3, 16
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 #: supervised tokens per block: 40 of 48 (about 100 weighted elements) and 1 (one element)
 SUPERVISED = [40, 1, 25, 3]
 

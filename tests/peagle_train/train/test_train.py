@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from peagle_train.data.loader import epoch_order, split_blocks
 from peagle_train.model.checkpoint import load_drafter
-from peagle_train.train.config import TrainConfig
+from peagle_train.train.config import TrainConfig, flat_settings
 from peagle_train.train.run import run_train
 from peagle_train.train.setup import build_draft_vocab
 from stores.errors import InputError, StoreFormatError, StoreMismatchError
@@ -59,7 +59,7 @@ def _cfg(store, out, **kw):
     base = dict(store=store, output=str(out), num_depths=4, lr=3e-3, warmup_steps=0, val_fraction=0.0,
                 max_steps=8, loss_chunk_size=64)
     base.update(kw)
-    return TrainConfig(**base)
+    return TrainConfig.from_flat(**base)
 
 
 def _rows(out, split="train"):
@@ -104,12 +104,44 @@ def test_resume_of_a_run_saved_before_a_setting_existed(tmp_path, verifier_dir):
     out = tmp_path / "out"
     run_train(_cfg(store, out, max_steps=4, save_every=2))
     saved = json.loads((out / "train_config.json").read_text())
-    del saved["train_embedding"]  # as written before --freeze-embedding existed: the default (trained)
+    del saved["optim"]["train_embedding"]  # as written before --freeze-embedding existed: the default (trained)
     (out / "train_config.json").write_text(json.dumps(saved))
     import shutil
 
     shutil.rmtree(out / "checkpoint-4")
     shutil.rmtree(out / "final")
+    assert run_train(_cfg(store, out, max_steps=4, save_every=2, resume=True))["resumed_from"].endswith("checkpoint-2")
+
+
+def test_resume_of_a_run_saved_with_a_flat_train_config(tmp_path, verifier_dir):
+    """A run saved before TrainConfig was grouped wrote train_config.json (and training_state.pt's
+    ``train_config``) flat: it resumes, and a changed setting is still refused by its flag."""
+    import shutil
+
+    from cli.train import main
+
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
+    out = tmp_path / "out"
+    run_train(_cfg(store, out, max_steps=4, save_every=2))
+    flat = {k: v for k, v in _cfg(store, out, max_steps=4, save_every=2).flat().items() if k not in ("resume", "force")}
+    saved = json.loads((out / "train_config.json").read_text())
+    assert set(saved) == {"data", "model", "optim", "run"} and flat_settings(saved) == flat
+    (out / "train_config.json").write_text(json.dumps(flat))  # as written before the grouping
+    shutil.rmtree(out / "checkpoint-4")
+    shutil.rmtree(out / "final")
+    with pytest.raises(InputError, match="--lr: saved 0.003, given 0.01"):
+        run_train(_cfg(store, out, max_steps=4, save_every=2, lr=1e-2, resume=True))
+    res = CliRunner().invoke(main, ["--config", str(out / "train_config.json"), "--resume"])  # the flat file
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output[res.output.index("{\n"):])["resumed_from"].endswith("checkpoint-2")
+    (out / "train_config.json").unlink()  # the settings training_state.pt holds, flat as well
+    state_path = out / "checkpoint-2" / "training_state.pt"
+    state = torch.load(state_path, weights_only=False)
+    torch.save({**state, "train_config": flat}, state_path)
+    shutil.rmtree(out / "checkpoint-4")
+    shutil.rmtree(out / "final")
+    with pytest.raises(InputError, match="--num-depths: saved 4, given 3"):
+        run_train(_cfg(store, out, max_steps=4, save_every=2, num_depths=3, resume=True))
     assert run_train(_cfg(store, out, max_steps=4, save_every=2, resume=True))["resumed_from"].endswith("checkpoint-2")
 
 
@@ -253,7 +285,7 @@ def test_draft_vocab_takes_most_frequent_ties_by_id():
 ])
 def test_bad_config_names_the_option(kw, option):
     with pytest.raises(ValueError, match=option):
-        TrainConfig(store="s", output="o", **kw)
+        TrainConfig.from_flat(store="s", output="o", **kw)
 
 
 def test_bad_stores_fail_before_training(tmp_path, verifier_dir, make_tiny_llama):
@@ -398,7 +430,7 @@ def test_report_to_unknown_tracker_is_an_input_error(value, message):
     from stores.errors import InputError
 
     with pytest.raises(InputError, match=message) as e:
-        TrainConfig(store="s", output="o", report_to=value)
+        TrainConfig.from_flat(store="s", output="o", report_to=value)
     assert e.value.field == "--report-to" and "tensorboard, wandb, all" in str(e.value)
 
 
@@ -599,8 +631,8 @@ def test_cli_resume_with_other_settings_says_the_working_command_and_why_max_ste
     assert " ".join(res.stderr.split()) == " ".join((
         f"Error: field '--resume': --resume continues the run saved in {out} with its own settings, and these "
         f"differ from it: --max-steps: saved 5, given 8. Resume it with: peagle-train --config {saved} --resume "
-        "(adding only options that may change on resume: --save-every, --save-total-limit, --val-max-blocks, "
-        "--allow-incomplete, --loss-chunk-size, --log-every, --attention-backend, --report-to, --grad-accum (keeping "
+        "(adding only options that may change on resume: --val-max-blocks, --allow-incomplete, --attention-backend, "
+        "--loss-chunk-size, --save-every, --save-total-limit, --log-every, --report-to, --grad-accum (keeping "
         "--grad-accum × processes)). --max-steps cannot "
         "change on resume: it is the length of the cosine learning-rate schedule, so the resumed run would no "
         "longer be the saved run continued; to train longer, start a new run (a new --output, or --force)").split())

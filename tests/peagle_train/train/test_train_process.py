@@ -17,7 +17,7 @@ from peagle_train.train.config import TrainConfig
 from peagle_train.train.run import run_train
 from stores.errors import InputError
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 H, V, LAYERS, C = 64, 256, [1, 2], 48
 
 
@@ -102,7 +102,7 @@ def test_sigkill_in_epoch_2_then_resume_equals_an_uninterrupted_run(tmp_path, ve
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        run_train(TrainConfig(store=store, output=str(tmp_path / "full"), **OPTS))
+        run_train(TrainConfig.from_flat(store=store, output=str(tmp_path / "full"), **OPTS))
     finally:
         torch.set_num_threads(threads)
     full = _rows(tmp_path / "full")
@@ -158,7 +158,7 @@ def test_two_data_parallel_cpu_ranks(tmp_path, verifier_dir):
     assert load_drafter(out / "final").config.num_depths == 3
     # one process with --grad-accum 2 reads the same blocks (flat indices 2s, 2s+1) with the same COD
     # seeds; the pooled objective makes its steps those of the two ranks
-    one = run_train(TrainConfig(store=store, output=str(tmp_path / "one"), **{**OPTS, "max_steps": 4,
+    one = run_train(TrainConfig.from_flat(store=store, output=str(tmp_path / "one"), **{**OPTS, "max_steps": 4,
                                                                                "save_every": 2, "grad_accum": 2}))
     assert one["world_size"] == 1
     single = _rows(tmp_path / "one")
@@ -206,7 +206,7 @@ def test_resume_on_another_number_of_ranks_trains_exactly_the_uninterrupted_epoc
 
     store = _store(tmp_path / "s.zarr", verifier_dir, 16)
     opts = {**OPTS, "max_steps": 8, "save_every": 2}
-    ref = run_train(TrainConfig(store=store, output=str(tmp_path / "ref"), grad_accum=2, **opts))
+    ref = run_train(TrainConfig.from_flat(store=store, output=str(tmp_path / "ref"), grad_accum=2, **opts))
     assert (ref["world_size"], ref["steps"]) == (1, 8)
     full = _rows(tmp_path / "ref")
     epoch = epoch_order(np.arange(16), OPTS["seed"], 0).tolist()
@@ -238,14 +238,14 @@ def test_resume_on_another_number_of_ranks_trains_exactly_the_uninterrupted_epoc
     # 2 -> 1: the two-rank checkpoint-6 on one process; one block per step would be another run: refused
     one = _stopped_at(two, tmp_path / "one", 6)
     with pytest.raises(InputError) as refused:
-        run_train(TrainConfig(store=store, output=str(one), grad_accum=1, resume=True, **opts))
+        run_train(TrainConfig.from_flat(store=store, output=str(one), grad_accum=1, resume=True, **opts))
     assert str(refused.value) == (
         f"field '--grad-accum': {one / 'checkpoint-6'} was trained on 2 process(es) with --grad-accum 1, 2 block(s) "
         "per optimizer step; this launch has 1 process(es) with --grad-accum 1, 1 per step: every step would pool "
         "other blocks, and the run would not be the saved one continued; resume with --grad-accum 2 on these 1 "
         "process(es), or on 2 with --grad-accum 1")
     assert [r["step"] for r in _rows(one)] == list(range(1, 9))  # refused before anything was written
-    resumed = run_train(TrainConfig(store=store, output=str(one), grad_accum=2, resume=True, **opts))
+    resumed = run_train(TrainConfig.from_flat(store=store, output=str(one), grad_accum=2, resume=True, **opts))
     assert resumed["resumed_from"].endswith("checkpoint-6") and resumed["world_size"] == 1
     same_run(one)
 
