@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_train_memory import K, estimate, make_block, make_trainer, train_step  # noqa: E402
 
-from peagle_train.attention import build_attention_mask  # noqa: E402
-from peagle_train.cod import sample_cod_elements  # noqa: E402
+from peagle_train.model.element_mask import build_attention_mask
+from peagle_train.data.cod import sample_cod_elements  # noqa: E402
 
 
 def time_cod_and_mask(T: int, max_anchors: int | None, repeats: int) -> dict:

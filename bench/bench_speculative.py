@@ -25,10 +25,10 @@ import time
 
 import torch
 
-import peagle_train.speculative as spec
-import peagle_train.verifier as verifier_mod  # its verifier passes call lm_head_logits: patched here
-from peagle_train.checkpoint import load_drafter
-from peagle_train.evaluate import read_prompts, render_turn
+import peagle_train.evaluate.speculative as spec
+import peagle_train.evaluate.verifier as verifier_mod  # its verifier passes call lm_head_logits: patched here
+from peagle_train.evaluate.prompts import read_prompts, render_turn
+from peagle_train.model.checkpoint import load_drafter
 from stores.model_cache import load_tokenizer, load_verifier
 
 

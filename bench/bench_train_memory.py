@@ -10,7 +10,7 @@ Configurations whose estimated time exceeds ``--max-step-s`` or whose estimated 
 exceed ``--max-gb`` are skipped and listed as such; a subprocess is also capped by RLIMIT_AS.
 
 ``--backends sdpa,split`` compares the dense-mask attention with the split one (no ``[E, E]``
-tensor; ``peagle_train.attention.SplitElementAttention``).
+tensor; ``peagle_train.model.attention.SplitElementAttention``).
 
 Usage (from the repository root, inside .venv):
     python bench/bench_train_memory.py --tokens 1024,2048,4096,8192,16384 --steps 1
@@ -54,7 +54,7 @@ def make_block(T: int, seed: int = 0):
     """A synthetic packed block: segments of SEGMENT tokens, 70% supervised, random features."""
     import torch
 
-    from peagle_train.data import Block
+    from peagle_train.data.loader import Block
 
     g = torch.Generator().manual_seed(seed)
     lens = [min(SEGMENT, T - s) for s in range(0, T, SEGMENT)]
@@ -68,16 +68,17 @@ def make_block(T: int, seed: int = 0):
 
 def make_trainer(D: int, chunk: int | None, num_depths: int = K, max_anchors: int | None = None,
                  backend: str = "sdpa"):
-    """(a :class:`peagle_train.trainer.Trainer` of a drafter at SmolLM2 sizes, its drafter).
+    """(a :class:`peagle_train.train.trainer.Trainer` of a drafter at SmolLM2 sizes, its drafter).
 
     Lazy embedding rows (LazyRowAdamW), lr 1e-4 with no warm-up or decay within the run, loss
     chunks of ``chunk`` elements (None: unchunked, one chunk larger than any block).
     """
     import torch
 
-    from peagle_train.model import DrafterConfig, PEagleDrafter
-    from peagle_train.train import TrainConfig
-    from peagle_train.trainer import Trainer
+    from peagle_train.model.config import DrafterConfig
+    from peagle_train.model.drafter import PEagleDrafter
+    from peagle_train.train.config import TrainConfig
+    from peagle_train.train.trainer import Trainer
 
     torch.manual_seed(0)
     cfg = DrafterConfig(hidden_size=H, intermediate_size=FFN, num_attention_heads=NH, num_key_value_heads=NKV,
@@ -87,7 +88,7 @@ def make_trainer(D: int, chunk: int | None, num_depths: int = K, max_anchors: in
     d2t = torch.zeros(D, dtype=torch.long) if D < V else None
     model.init_from_verifier(0.02 * torch.randn(V, H), 0.02 * torch.randn(V, H), d2t)
     vhead = 0.05 * torch.randn(D, H)
-    train_cfg = TrainConfig(store="-", output="-", lr=1e-4, num_depths=num_depths, max_anchors=max_anchors,
+    train_cfg = TrainConfig.from_flat(store="-", output="-", lr=1e-4, num_depths=num_depths, max_anchors=max_anchors,
                             loss_chunk_size=chunk or 2 ** 62, attention_backend=backend)
     return Trainer(train_cfg, model, vhead, attention=backend, max_steps=10 ** 9, warmup=0), model
 
@@ -100,8 +101,9 @@ def train_step(trainer, block, seed: int) -> dict:
     """
     import torch
 
-    from peagle_train.attention import SplitElementAttention, build_attention_mask
-    from peagle_train.step import sample_elements
+    from peagle_train.model.attention import SplitElementAttention
+    from peagle_train.model.element_mask import build_attention_mask
+    from peagle_train.train.step import sample_elements
 
     t0 = time.perf_counter()
     el = sample_elements(block, trainer.cfg, torch.Generator().manual_seed(seed))

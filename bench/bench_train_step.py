@@ -1,7 +1,7 @@
 """Time one training step at the demo's sizes, in wall and process-CPU seconds.
 
 SmolLM2-135M drafter (H 576, 1 layer, vocab 49152), T = 512 tokens in two segments, 70% supervised,
-K = 4, draft vocab 4096: :meth:`peagle_train.trainer.Trainer.train_step` (COD sampling, forward +
+K = 4, draft vocab 4096: :meth:`peagle_train.train.trainer.Trainer.train_step` (COD sampling, forward +
 loss, backward, clipping + LazyRowAdamW with lazy embedding rows), and COD sampling alone.
 
 Usage (from the repository root, inside .venv):
@@ -15,12 +15,13 @@ import time
 
 import torch
 
-import peagle_train.trainer as trainer_module
-from peagle_train.data import Block
-from peagle_train.model import DrafterConfig, PEagleDrafter
-from peagle_train.step import sample_elements
-from peagle_train.train import TrainConfig
-from peagle_train.trainer import Trainer
+import peagle_train.train.trainer as trainer_module
+from peagle_train.data.loader import Block
+from peagle_train.model.config import DrafterConfig
+from peagle_train.model.drafter import PEagleDrafter
+from peagle_train.train.config import TrainConfig
+from peagle_train.train.step import sample_elements
+from peagle_train.train.trainer import Trainer
 
 T, K, D, H, V, L = 512, 4, 4096, 576, 49152, 3
 
@@ -35,7 +36,7 @@ def setup() -> tuple[Trainer, Block]:
     block = Block(torch.randint(0, V, (T,)), (torch.rand(T) < 0.7).long(),
                   torch.cat([torch.arange(200), torch.arange(T - 200)]), cu,
                   torch.randn(T, L * H).bfloat16(), (3 * torch.randn(T, H)).bfloat16(), block_id=0)
-    train_cfg = TrainConfig(store="-", output="-", lr=1e-4, num_depths=K, loss_chunk_size=2048)
+    train_cfg = TrainConfig.from_flat(store="-", output="-", lr=1e-4, num_depths=K, loss_chunk_size=2048)
     return Trainer(train_cfg, model, 0.05 * torch.randn(D, H), max_steps=10 ** 9, warmup=0), block
 
 

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import speculators_ref  # noqa: E402
 from bench_train_memory import make_block  # noqa: E402
 
-from peagle_train.cod import sample_cod_elements  # noqa: E402
+from peagle_train.data.cod import sample_cod_elements  # noqa: E402
 
 K, R, R_MIN = 8, 0.7, 0.2
 
@@ -106,8 +106,8 @@ def _element_cases(tokens: list[int]):
 def bench_blockmask(tokens: list[int], repeats: int) -> None:
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from peagle_train.attention import block_mask_from_elements
-    from peagle_train.cod import segment_ids
+    from peagle_train.model.element_mask import block_mask_from_elements
+    from peagle_train.data.cod import segment_ids
 
     spec_mod = speculators_ref.create_peagle_mask_mod()
     _table("flex BlockMask: block_mask_from_elements vs create_block_mask(speculators' mask_mod)",
@@ -127,8 +127,9 @@ def bench_blockmask(tokens: list[int], repeats: int) -> None:
 
 
 def bench_attention(tokens: list[int], repeats: int) -> None:
-    from peagle_train.attention import SplitElementAttention, build_attention_mask
-    from peagle_train.model import sdpa_dense
+    from peagle_train.model.attention import SplitElementAttention
+    from peagle_train.model.element_mask import build_attention_mask
+    from peagle_train.model.attention import sdpa_dense
 
     _table("Attention forward + backward: split (no [E, E] tensor) vs dense mask + SDPA",
            "| T | max_anchors | elements | split s | dense s | time ratio | split peak MiB | dense peak MiB | "

@@ -1,7 +1,7 @@
 """``peagle-eval``: offline and online evaluation of a P-EAGLE drafter (docs/design.md §9).
 
 The options are the fields of :class:`~peagle_train.evaluate.run.EvalRun` and of its ``settings``
-(:class:`~peagle_train.evaluate.EvalConfig`); the run is :func:`~peagle_train.evaluate.run.run_eval`.
+(:class:`~peagle_train.evaluate.config.EvalConfig`); the run is :func:`~peagle_train.evaluate.run.run_eval`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import click
 
 from cli.common import OutputPath, config_error, echo_json, handle_errors
 from cli.options import config_file_options, config_options, run_config
-from peagle_train.evaluate.run import EvalRun
-from peagle_train.evaluate import EvalConfig
-from peagle_train.evaluate.config import ENGINES, VLLM_LOADINGS
+from peagle_train.evaluate.config import ENGINES, VLLM_LOADINGS, EvalConfig
+from peagle_train.evaluate.report import format_report
+from peagle_train.evaluate.run import EvalRun, run_eval
 
 _PATH = {"type": click.Path()}
 
@@ -32,9 +32,6 @@ def main(drafter, verifier, prompts, store, output, force, **settings) -> None:
 
     Exits non-zero when speculative decoding does not reproduce the verifier's greedy output.
     """
-    from peagle_train.evaluate import format_report
-    from peagle_train.evaluate.run import run_eval
-
     with config_error():
         run = EvalRun(drafter=drafter, verifier=verifier, prompts=prompts, store=store, output=output, force=force,
                       settings=EvalConfig(**settings))

@@ -14,6 +14,12 @@ Config files (YAML or TOML) hold the same keys as the command's options (``max_s
 over the file, the file over the defaults. ``--print-config`` prints the resolved values as YAML,
 which ``--config`` reads back to the same values.
 
+A config of groups (a field whose type is a dataclass: ``TrainConfig.optim`` an ``OptimConfig``)
+gives each group's fields as options like any other (``--lr`` for ``optim.lr``; a field name is
+unique over the groups). ``--print-config`` prints such a command's values by group
+(``optim: {lr: ...}``); a config file may hold them by group or flat (``lr: ...``, the form of the
+files written before the grouping), or both.
+
 Actions are not settings. A field marked ``metadata={"action": True}`` (``--force``, ``--resume``,
 ``--repair``, extract's ``--max-blocks``) says what one invocation does with an existing output, or how
 much of the run it does, not what the run computes. It is an option (an :class:`ActionOption`), but
@@ -41,7 +47,7 @@ import click
 from click.core import ParameterSource
 
 __all__ = ["FROM_CONFIG_FILE", "ActionOption", "is_action", "field_docs", "plain_text", "config_options",
-           "config_file_options", "resolved_config", "run_config", "IntList", "load_config_file"]
+           "config_file_options", "resolved_config", "run_config", "IntList", "load_config_file", "config_fields"]
 
 
 def is_action(f: dataclasses.Field) -> bool:
@@ -144,12 +150,35 @@ def _click_kwargs(tp, default) -> dict[str, Any]:
     raise TypeError(f"no click option for a field of type {tp!r}; give its type in the overrides")
 
 
+def config_fields(cls: type, skip: tuple[str, ...] = ()) -> list[tuple[str | None, type, dataclasses.Field]]:
+    """``(group, owner, field)`` for every option field of the dataclass ``cls`` in order: a field whose
+    type is a dataclass is a group, its fields listed under its name (``owner`` the group's class), unless
+    ``skip`` names it (a nested config given its own :func:`config_options`, e.g. a run's ``settings``); the
+    others have group None and owner ``cls``.
+
+    Raises:
+        TypeError: a field name given twice (two groups, or a group and ``cls``): flags are flat.
+    """
+    out, hints = [], typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]) and f.name not in skip:
+            out.extend((f.name, hints[f.name], g) for g in dataclasses.fields(hints[f.name]))
+        else:
+            out.append((None, cls, f))
+    names = [f.name for _, _, f in out]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise TypeError(f"{cls.__name__}: fields {', '.join(twice)} given twice; each option is one flat name")
+    return out
+
+
 def config_options(cls: type, *, skip: tuple[str, ...] = (), overrides: dict[str, dict] | None = None,
                    arguments: tuple[str, ...] = ()) -> Callable:
     """A decorator adding one click parameter per field of the dataclass ``cls``, in field order.
 
     Args:
-        cls: a config dataclass whose fields have attribute docstrings (the help text).
+        cls: a config dataclass whose fields have attribute docstrings (the help text); a field whose
+            type is a dataclass is a group, whose fields become the options (:func:`config_fields`).
         skip: fields that are no option (library knobs such as a queue bound).
         overrides: ``{field: click keyword arguments}`` merged over the generated ones; the key
             ``"decls"`` replaces the option's declarations (e.g. ``["--lazy-embedding/--dense-embedding"]``).
@@ -159,13 +188,16 @@ def config_options(cls: type, *, skip: tuple[str, ...] = (), overrides: dict[str
         TypeError: a field without a docstring or of a type with no click mapping and no override; an
             action field (:func:`is_action`) given an option class that is no :class:`ActionOption`.
     """
-    docs, hints, overrides = field_docs(cls), typing.get_type_hints(cls), overrides or {}
-    params = []
-    for f in dataclasses.fields(cls):
+    overrides = overrides or {}
+    params, groups = [], {}
+    for group, owner, f in config_fields(cls, skip):
         if f.name in skip:
             continue
+        docs, hints = field_docs(owner), typing.get_type_hints(owner)
         if f.name not in docs:
-            raise TypeError(f"{cls.__name__}.{f.name} has no docstring to use as its --help")
+            raise TypeError(f"{owner.__name__}.{f.name} has no docstring to use as its --help")
+        if group is not None:
+            groups[f.name] = group
         default = f.default if f.default is not dataclasses.MISSING else None
         kwargs = {**_click_kwargs(hints[f.name], default), **overrides.get(f.name, {})}
         decls = kwargs.pop("decls", None)
@@ -175,7 +207,7 @@ def config_options(cls: type, *, skip: tuple[str, ...] = (), overrides: dict[str
             continue
         decls = decls or ["--" + f.name.replace("_", "-")]
         if is_action(f) and not issubclass(kwargs.setdefault("cls", ActionOption), ActionOption):
-            raise TypeError(f"{cls.__name__}.{f.name} is an action: its option class must be an ActionOption")
+            raise TypeError(f"{owner.__name__}.{f.name} is an action: its option class must be an ActionOption")
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if not required:
             kwargs.setdefault("default", default)
@@ -186,6 +218,8 @@ def config_options(cls: type, *, skip: tuple[str, ...] = (), overrides: dict[str
     def decorate(fn):
         for param in reversed(params):
             fn = param(fn)
+        if groups:
+            fn.__config_groups__ = {**getattr(fn, "__config_groups__", {}), **groups}
         return fn
 
     return decorate
@@ -261,13 +295,39 @@ def _keys(command: click.Command) -> dict[str, click.Parameter]:
     return keys
 
 
+def _groups(command: click.Command) -> dict[str, str]:
+    """Parameter name -> its group, for a command whose config has groups (:func:`config_options`)."""
+    return getattr(command.callback, "__config_groups__", {})
+
+
+def _ungrouped(data: dict[str, Any], groups: dict[str, str], path: str) -> list[tuple[str, Any]]:
+    """A config file's ``(key, value)`` pairs, a group's mapping (``optim: {lr: ...}``) read as its keys.
+
+    Raises:
+        click.BadParameter: a key under a group that is not that group's (naming its group).
+    """
+    names = set(groups.values())
+    pairs = []
+    for key, v in data.items():
+        if key not in names or not isinstance(v, dict):
+            pairs.append((key, v))
+            continue
+        for sub, w in v.items():
+            home = groups.get(str(sub).replace("-", "_"))
+            if home is not None and home != key:
+                raise click.BadParameter(f"{path}: {key}.{sub}: {sub} is a setting of {home}, not of {key}; "
+                                         f"write it under {home}", param_hint="--config")
+            pairs.append((sub, w))
+    return pairs
+
+
 def _load_into_context(ctx: click.Context, param, value):
     """``--config`` callback (eager): the file's values become the command's defaults."""
     if value is None:
         return None
     keys, data = _keys(ctx.command), load_config_file(value)
     defaults: dict[str, Any] = {}
-    for key, v in data.items():
+    for key, v in _ungrouped(data, _groups(ctx.command), value):
         p = keys.get(str(key).replace("-", "_"))
         if p is None:
             raise click.BadParameter(f"{value}: unknown key {key!r}; the keys are the options of "
@@ -300,12 +360,17 @@ def _print_keys(command: click.Command) -> dict[str, str]:
 
 def resolved_config(ctx: click.Context) -> dict[str, Any]:
     """The command's resolved settings, by config-file key (what ``--print-config`` prints): every
-    parameter but the actions (:class:`ActionOption`: ``--force``, ``--resume``, ... and ``--print-config``)."""
-    keys = _print_keys(ctx.command)
-    out = {}
+    parameter but the actions (:class:`ActionOption`: ``--force``, ``--resume``, ... and ``--print-config``);
+    a grouped config's under their group (``{"optim": {"lr": ...}}``, in the groups' order)."""
+    keys, groups = _print_keys(ctx.command), _groups(ctx.command)
+    out: dict[str, Any] = {}
     for name, key in keys.items():
         value = ctx.params.get(name)
-        out[key] = list(value) if isinstance(value, tuple) else value
+        value = list(value) if isinstance(value, tuple) else value
+        if name in groups:
+            out.setdefault(groups[name], {})[key] = value
+        else:
+            out[key] = value
     return out
 
 

@@ -1,6 +1,6 @@
 """``peagle-train``: train a P-EAGLE drafter on a feature store (docs/design.md §8).
 
-Every option is a :class:`~peagle_train.train.TrainConfig` field (cli/options.py).
+Every option is a field of a :class:`~peagle_train.train.config.TrainConfig` group (cli/options.py).
 """
 
 from __future__ import annotations
@@ -9,8 +9,10 @@ import click
 
 from cli.common import OutputPath, config_error, echo_json, handle_errors
 from cli.options import config_file_options, config_options
-from peagle_train.attention import ATTENTION_CHOICES
-from peagle_train.train import TrainConfig
+from peagle_train.data.multistore import expand_store_args
+from peagle_train.model.attention import ATTENTION_CHOICES
+from peagle_train.train.config import TrainConfig
+from peagle_train.train.run import run_train
 
 OVERRIDES = {
     "store": {"type": click.Path()},
@@ -28,11 +30,8 @@ OVERRIDES = {
 @handle_errors
 def main(**options) -> None:
     """Train a P-EAGLE drafter on STORE and write checkpoints to OUTPUT; prints a JSON summary."""
-    from peagle_train.multistore import expand_store_args
-    from peagle_train.train import run_train
-
     with config_error(click.BadParameter):
-        cfg = TrainConfig(**{**options, "store": expand_store_args(options["store"])})
+        cfg = TrainConfig.from_flat(**{**options, "store": expand_store_args(options["store"])})
     summary = run_train(cfg)
     if summary.get("rank", 0) == 0:  # one summary per run, not one per data-parallel rank
         echo_json(summary)

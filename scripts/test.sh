@@ -13,7 +13,7 @@ if [ "${PEAGLE_VLLM:-0}" = 1 ]; then
     # .venv-vllm holds transformers 5.19, pyproject's lower bound (.venv has 5.24): the code that calls
     # transformers' internals (packed-segment masks, the model families, chat templates) is tested on it too
     .venv-vllm/bin/python -m pytest -q -m "not vllm" tests/peagle_data/extract/test_hf_forward.py \
-      tests/peagle_data/extract/test_families.py tests/peagle_train/test_families_speculative.py \
+      tests/peagle_data/extract/test_families.py tests/peagle_train/evaluate/test_families_speculative.py \
       tests/peagle_data/chat/test_template_families.py tests/e2e/test_pipeline.py
   fi
 fi

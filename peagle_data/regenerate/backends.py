@@ -17,7 +17,7 @@ checks the local back end against ``transformers serve`` and vLLM's server):
 
 Sampling means one thing in every back end (:func:`sampling_parameters`): ``softmax(z / T)`` over
 the whole vocabulary, argmax at T = 0, as ``peagle-eval``'s reference decoder
-(:func:`peagle_train.speculative.plain_generate`): no top-k, top-p, min-p or repetition
+(:func:`peagle_train.evaluate.speculative.plain_generate`): no top-k, top-p, min-p or repetition
 penalties. The verifier's ``generation_config.json`` (``repetition_penalty 1.3``, ``top_k 50``...)
 is not applied: the local back end generates with a generation config holding only the verifier's
 special token ids (the fields it ignored are recorded), and every request to a server states the

@@ -3,7 +3,7 @@
 Legend: T tokens in a block, n tokens in a segment, L aux layers, H hidden size, V verifier vocab,
 D draft vocab, K drafted tokens per step (``num_depths``), E drafter elements, A anchors.
 
-Offline (:func:`evaluate_offline`, :func:`run_offline_eval`): on held-out blocks, every chain
+Offline (:func:`.offline.evaluate_offline`, :func:`.offline.run_offline_eval`): on held-out blocks, every chain
 ``(a, 0..K-1)`` without sampling (alignment of §4). Element ``(a, d)`` is *correct* when the
 drafter's argmax, mapped to a verifier id, equals the verifier's argmax over its full vocab
 (``argmax lm_head(f_{a+d+1})``): exactly the test online greedy verification applies, so a token
@@ -22,40 +22,14 @@ within the draft vocab and is therefore higher when the draft vocab is reduced.)
 - per-position conditional acceptance: P(depth i accepted | depths < i accepted, (a, i) exists);
 - simulated acceptance length: ``1 + mean accepted`` (bonus token counted).
 
-Online (:func:`evaluate_prompts`, :func:`run_online_eval`): per prompt turn, plain greedy decoding and
-greedy speculative decoding (:mod:`peagle_train.speculative`) with the same verifier, compared token
+Online (:func:`.online.evaluate_prompts`, :func:`.online.run_online_eval`): per prompt turn, plain greedy decoding and
+greedy speculative decoding (:mod:`peagle_train.evaluate.speculative`) with the same verifier, compared token
 for token; with ``temperature > 0`` plain sampling and speculative sampling (rejection sampling, seeded
 per prompt turn), which are not compared token for token. Acceptance length, rate and per-position acceptance are counted as vLLM reports them:
 ``AL = 1 + accepted / steps`` over verifier steps that checked at least one draft.
 
 Modules: :mod:`.config` (``EvalConfig``), :mod:`.prompts`, :mod:`.checks` (before weights load),
-:mod:`.online`, :mod:`.offline`, :mod:`.report`, :mod:`.vllm_engine` (``--engine vllm``; imports vLLM only
-when run, so it is not imported here).
+:mod:`.online`, :mod:`.offline`, :mod:`.report`, :mod:`.run` (one ``peagle-eval`` run), :mod:`.speculative`
+and :mod:`.verifier` (speculative decoding and the verifier's passes), :mod:`.vllm_engine` (``--engine vllm``;
+imports vLLM only when run). Callers import from these modules; this package re-exports nothing.
 """
-
-from peagle_train.evaluate.checks import check_before_weights, check_verifier_config
-from peagle_train.evaluate.config import EvalConfig
-from peagle_train.evaluate.offline import (BlockSelection, evaluate_offline, run_offline_eval, segment_predictions,
-                                           select_eval_blocks)
-from peagle_train.evaluate.online import evaluate_prompts, run_online_eval
-from peagle_train.evaluate.prompts import Prompt, read_prompts, render_turn
-from peagle_train.evaluate.report import format_report, wilson_interval, write_acceptance_plot
-
-__all__ = [
-    "EvalConfig",
-    "Prompt",
-    "read_prompts",
-    "render_turn",
-    "evaluate_prompts",
-    "run_online_eval",
-    "evaluate_offline",
-    "segment_predictions",
-    "run_offline_eval",
-    "select_eval_blocks",
-    "BlockSelection",
-    "check_before_weights",
-    "check_verifier_config",
-    "format_report",
-    "write_acceptance_plot",
-    "wilson_interval",
-]

@@ -2,24 +2,26 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from types import SimpleNamespace
 
 from peagle_train.evaluate.prompts import read_prompts
-from peagle_train.speculative import check_compatible, checked_num_draft_tokens
+from peagle_train.evaluate.speculative import check_compatible, checked_num_draft_tokens
+from peagle_train.model.checkpoint import check_servable_checkpoint, load_drafter
 from stores.errors import StoreMismatchError
+from stores.feature_store import check_layer_convention, FeatureStore
+from stores.model_config import load_model_config, text_config
 from stores.verifier_match import check_store_verifier, check_verifier_tokenizer
 
 
 def check_verifier_config(name: str, drafter) -> None:
-    """:func:`~peagle_train.speculative.check_compatible` on MODEL ``name``'s config alone, before its
+    """:func:`~peagle_train.evaluate.speculative.check_compatible` on MODEL ``name``'s config alone, before its
     weights load.
 
     Raises:
         InputError: the drafter does not fit the verifier. ModelNotFoundError: unknown MODEL.
     """
-    from types import SimpleNamespace
-
-    from stores.model_config import load_model_config, text_config
 
     check_compatible(SimpleNamespace(config=text_config(load_model_config(name))), drafter)
 
@@ -28,7 +30,7 @@ def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = No
                          prompts_file: str | Path | None = None, store: str | Path | None = None,
                          num_prompts: int | None = None, num_draft_tokens: int | None = None) -> None:
     """Every check of a ``peagle-eval`` run that needs no verifier weights (docs/design.md §2): the
-    prompts file, the drafter checkpoint (vLLM's rules: :func:`peagle_train.checkpoint.vllm_problems`),
+    prompts file, the drafter checkpoint (vLLM's rules: :func:`peagle_train.model.checkpoint.vllm_problems`),
     ``num_draft_tokens`` against its trained ``num_depths``, the
     store against the drafter, the online verifier's tokenizer against the drafter's training data
     (:func:`check_drafter_tokenizer`), the offline verifier against the store (content fingerprint and the
@@ -40,9 +42,6 @@ def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = No
         InputError for a drafter vLLM would not serve as trained; StoreFormatError for a store whose aux
         layer L is the normed final state (an older peagle's).
     """
-    from peagle_train.checkpoint import check_servable_checkpoint, load_drafter
-    from stores.feature_store import FeatureStore, check_layer_convention
-
     if prompts_file is not None:
         read_prompts(prompts_file, num_prompts)
     check_servable_checkpoint(drafter_dir)  # vLLM's rules, for a drafter of any origin
@@ -74,8 +73,6 @@ def check_drafter_tokenizer(drafter_dir: str | Path, verifier_name: str) -> None
     Raises:
         StoreMismatchError: another tokenizer (:func:`stores.verifier_match.check_tokenizer`).
     """
-    import json
-
     config = json.loads((Path(drafter_dir) / "config.json").read_text())
     recorded = (config.get("peagle_training") or {}).get("tokenizer") or {}
     check_verifier_tokenizer(recorded, f"the training data of the drafter {drafter_dir}", verifier_name)

@@ -8,15 +8,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from peagle_train.attention import element_attention
-from peagle_train.cod import CodElements, element_inputs
+from peagle_train.data.cod import CodElements, element_inputs
+from peagle_train.data.loader import split_blocks
+from peagle_train.data.multistore import store_identity
 from peagle_train.evaluate.checks import check_store_fits, check_verifier_config
 from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.prompts import eos_ids
-from peagle_train.speculative import checked_num_draft_tokens
+from peagle_train.evaluate.speculative import checked_num_draft_tokens
+from peagle_train.model.attention import element_attention
+from peagle_train.model.checkpoint import load_drafter
 from stores.errors import StoreMismatchError
+from stores.feature_store import FeatureStore
+from stores.model_cache import load_tokenizer, load_verifier
 from stores.verifier_match import check_store_verifier
 
 
@@ -26,7 +32,7 @@ def _argmax_chunked(x: torch.Tensor, head: torch.Tensor, rows: int = 1024) -> to
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
 
-#: the attention backend offline evaluation runs (a key of ``peagle_train.attention.ATTENTION_BACKENDS``):
+#: the attention backend offline evaluation runs (a key of ``peagle_train.model.attention.ATTENTION_BACKENDS``):
 #: split, no element×element mask
 OFFLINE_ATTENTION = "split"
 
@@ -206,10 +212,8 @@ class BlockSelection:
 
 def _training_store(store, training: dict[str, Any]) -> tuple[int | None, str | None]:
     """(global id of ``store``'s block 0 in the training run, None) when ``store`` is one of the run's
-    stores (same :func:`~peagle_train.multistore.store_identity`, any path; for checkpoints that
+    stores (same :func:`~peagle_train.data.multistore.store_identity`, any path; for checkpoints that
     record only a ``store`` path, the same resolved path); else (None, why not)."""
-    from peagle_train.multistore import store_identity
-
     if training.get("stores"):
         ident = store_identity(store)
         for entry in training["stores"]:
@@ -235,9 +239,6 @@ def _held_out(done, n_blocks: int, first: int, training: dict[str, Any]):
     extracted or not, so a held-out block extracted after training is scored too; earlier runs recorded
     the done ones), or (checkpoints without them) ``split_blocks(done, seed, val_fraction)``, the split
     of those earliest runs."""
-    import numpy as np
-
-    from peagle_train.data import split_blocks
 
     if "val_blocks" in training:
         val = np.asarray(training["val_blocks"], dtype=np.int64) - first
@@ -254,14 +255,12 @@ def select_eval_blocks(store, drafter_config: dict[str, Any] | None = None,
     The training store is recognised by the identities ``peagle-train`` records in the checkpoint's
     ``config.json`` (``peagle_training.stores``, see :func:`_training_store`); its validation blocks
     are the recorded ``val_blocks`` (global ids) that fall in it, or for checkpoints without them
-    ``peagle_train.data.split_blocks(done blocks, seed, val_fraction)``. Any other store is scored
+    ``peagle_train.data.loader.split_blocks(done blocks, seed, val_fraction)``. Any other store is scored
     whole as ``other_store``. A store with blocks not extracted yet is named incomplete in ``warnings``.
 
     Raises:
         StoreMismatchError: no block of the store is done.
     """
-    import numpy as np
-
     done = np.flatnonzero(store.done_mask()).astype(np.int64)
     if done.size == 0:
         raise StoreMismatchError(f"{store.path}: no block is done; run `peagle-data extract` first")
@@ -312,10 +311,6 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
         StoreMismatchError: the store's layers / sizes do not fit the drafter; no done block; the
             verifier is not the store's (:func:`stores.verifier_match.check_store_verifier`).
     """
-    from peagle_train.checkpoint import load_drafter
-    from stores.feature_store import FeatureStore
-    from stores.model_cache import load_tokenizer, load_verifier
-
     EvalConfig(max_blocks=max_blocks, chunk_anchors=chunk_anchors, num_draft_tokens=num_depths)
     drafter = load_drafter(drafter_dir).eval()
     fs = FeatureStore.open(store)

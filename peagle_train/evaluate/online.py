@@ -14,7 +14,7 @@ from peagle_train.evaluate.checks import check_drafter_tokenizer, check_verifier
 from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.prompts import Prompt, eos_ids, read_prompts, render_turn
 from peagle_train.evaluate.report import write_json
-from peagle_train.speculative import (
+from peagle_train.evaluate.speculative import (
     GenerationResult,
     check_compatible,
     checked_num_draft_tokens,
@@ -22,7 +22,9 @@ from peagle_train.speculative import (
     plain_generate,
     speculative_generate,
 )
+from peagle_train.model.checkpoint import load_drafter
 from stores.errors import InputError
+from stores.model_cache import load_tokenizer, load_verifier
 
 
 def _turn_generator(seed: int, turn_index: int) -> torch.Generator:
@@ -185,7 +187,7 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
     """Online evaluation of a drafter checkpoint on a prompts file (docs/design.md §9).
 
     Args:
-        drafter_dir: a checkpoint written by ``peagle_train.checkpoint.save_drafter``.
+        drafter_dir: a checkpoint written by ``peagle_train.model.checkpoint.save_drafter``.
         verifier_name: MODEL (``smollm2-135m``, a directory, a hub id); None = the verifier named in
             the drafter's config.
         prompts_file: MT-Bench or OpenAI-messages JSONL (see :func:`read_prompts`).
@@ -205,9 +207,6 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
         StoreMismatchError: a verifier of another tokenizer than the drafter's training data.
         StoreFormatError: not a drafter checkpoint. ModelNotFoundError: unknown verifier.
     """
-    from peagle_train.checkpoint import load_drafter
-    from stores.model_cache import load_tokenizer, load_verifier
-
     config = EvalConfig(max_new_tokens=max_new_tokens, num_prompts=num_prompts, num_draft_tokens=num_draft_tokens,
                         temperature=temperature, seed=seed)
     prompts = read_prompts(prompts_file, config.num_prompts)

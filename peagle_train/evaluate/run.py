@@ -8,8 +8,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from peagle_train.evaluate.checks import check_before_weights
 from peagle_train.evaluate.config import EvalConfig
+from peagle_train.evaluate.offline import run_offline_eval
+from peagle_train.evaluate.online import run_online_eval
+from peagle_train.evaluate.report import write_acceptance_plot, write_json
+from peagle_train.evaluate.vllm_engine import import_vllm, run_vllm_eval
+from peagle_train.model.checkpoint import find_drafter
 from stores.errors import OutputExistsError
+from stores.progress import progress
 
 __all__ = ["EvalRun", "run_eval"]
 
@@ -40,8 +47,6 @@ class EvalRun:
 
 def _progress(desc: str) -> Callable[[int], Any]:
     """A ``total -> tqdm bar`` factory writing to stderr."""
-    from stores.progress import progress
-
     return lambda total: progress(total=total, desc=desc, unit="it", dynamic_ncols=True)
 
 
@@ -56,8 +61,6 @@ def _check_output(run: EvalRun) -> None:
 
 def _evaluate(run: EvalRun, drafter: str, log: Callable[[str], None]) -> dict[str, Any]:
     """The online report with the offline one under ``offline``, or the offline report alone."""
-    from peagle_train.evaluate import run_offline_eval, run_online_eval
-
     s = run.settings
     offline = online = None
     if run.store is not None:
@@ -65,8 +68,6 @@ def _evaluate(run: EvalRun, drafter: str, log: Callable[[str], None]) -> dict[st
                                    num_depths=s.num_draft_tokens, chunk_anchors=s.chunk_anchors,
                                    progress_factory=_progress("offline blocks"), log=log)
     if run.prompts is not None and s.engine == "vllm":
-        from peagle_train.evaluate.vllm_engine import run_vllm_eval
-
         online = run_vllm_eval(drafter, run.verifier, run.prompts, s, log=log)
     elif run.prompts is not None:
         online = run_online_eval(drafter, run.verifier, run.prompts, max_new_tokens=s.max_new_tokens,
@@ -93,18 +94,12 @@ def run_eval(run: EvalRun, log: Callable[[str], None] = print, config: dict[str,
         MissingDependencyError: ``--engine vllm`` without vLLM installed (names the set-up command).
         InputError, StoreFormatError, StoreMismatchError, ModelNotFoundError: from the checks.
     """
-    from peagle_train.checkpoint import find_drafter
-    from peagle_train.evaluate import check_before_weights, write_acceptance_plot
-    from peagle_train.evaluate.report import write_json
-
     found, note = find_drafter(run.drafter)  # a training output directory means its final/ checkpoint
     if note:
         log(note)
     drafter = str(found)
     _check_output(run)
     if run.prompts is not None and run.settings.engine == "vllm":
-        from peagle_train.evaluate.vllm_engine import import_vllm
-
         import_vllm()  # MissingDependencyError naming the set-up command, before any work
     check_before_weights(drafter, run.verifier, run.prompts, run.store, run.settings.num_prompts,
                          run.settings.num_draft_tokens)

@@ -33,11 +33,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from peagle_train.checkpoint import find_drafter, load_drafter
 from peagle_train.evaluate.config import VLLM_LOADINGS, EvalConfig
 from peagle_train.evaluate.online import answer_text, turn_text
 from peagle_train.evaluate.prompts import Prompt, eos_ids, read_prompts, render_turn
-from peagle_train.speculative import checked_num_draft_tokens
+from peagle_train.evaluate.speculative import checked_num_draft_tokens
+from peagle_train.model.checkpoint import find_drafter, load_drafter
 from stores.errors import InputError, MissingDependencyError, ModelNotFoundError
 from stores.model_cache import load_tokenizer, model_fingerprint, resolve_model
 

@@ -3,13 +3,15 @@ and the help text generated from the config fields' docstrings."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import yaml
 from click.testing import CliRunner
 
 from cli.options import field_docs
 from cli.train import main as train_main
-from peagle_train.train import TrainConfig
+from peagle_train.train.config import GROUPS, ModelConfig, TrainConfig
 
 
 def invoke(command, args):
@@ -26,19 +28,22 @@ def test_the_command_line_overrides_the_file_and_the_file_the_defaults(tmp_path)
     cfg = tmp_path / "train.yaml"
     cfg.write_text("store: [a.zarr, b.zarr]\noutput: run\nnum_depths: 4\nlr: 0.01\nlazy-embedding: false\n")
     resolved = printed(train_main, ["--config", cfg, "--lr", "0.02", "--seed", "7"])
-    assert resolved["store"] == ["a.zarr", "b.zarr"] and resolved["output"] == "run"
-    assert resolved["num_depths"] == 4  # the file
-    assert resolved["lr"] == 0.02 and resolved["seed"] == 7  # the command line
-    assert resolved["lazy_embedding"] is False  # the file, by its option name
-    assert resolved["grad_clip"] == 1.0 and resolved["attention_backend"] == "auto"  # the defaults
-    assert set(resolved) == {f.name for f in TrainConfig.__dataclass_fields__.values()} - {"resume", "force"}
+    data, model, optim, run = (resolved[g] for g in ("data", "model", "optim", "run"))
+    assert data["store"] == ["a.zarr", "b.zarr"] and run["output"] == "run"
+    assert model["num_depths"] == 4  # the file
+    assert optim["lr"] == 0.02 and run["seed"] == 7  # the command line
+    assert optim["lazy_embedding"] is False  # the file, by its option name
+    assert optim["grad_clip"] == 1.0 and model["attention_backend"] == "auto"  # the defaults
+    assert list(resolved) == list(GROUPS)  # printed by group
+    assert {g: set(v) for g, v in resolved.items()} == {
+        g: {f.name for f in dataclasses.fields(klass)} - {"resume", "force"} for g, klass in GROUPS.items()}
 
 
 def test_a_toml_file_and_a_single_store(tmp_path):
     cfg = tmp_path / "train.toml"
     cfg.write_text('store = "one.zarr"\noutput = "run"\nmax_steps = 3\n')
     resolved = printed(train_main, ["--config", cfg])
-    assert resolved["store"] == ["one.zarr"] and resolved["max_steps"] == 3
+    assert resolved["data"]["store"] == ["one.zarr"] and resolved["optim"]["max_steps"] == 3
 
 
 def test_an_unknown_key_names_the_key_and_the_file(tmp_path):
@@ -72,23 +77,23 @@ def test_print_config_round_trips(tmp_path):
     second = invoke(train_main, ["--config", tmp_path / "again.yaml", "--print-config"])
     assert second.exit_code == 0, second.output
     assert second.stdout == first.stdout
-    assert yaml.safe_load(first.stdout)["max_anchors"] == 5
+    assert yaml.safe_load(first.stdout)["data"]["max_anchors"] == 5
 
 
 def test_the_file_reaches_the_run(tmp_path, monkeypatch):
-    import peagle_train.train
+    import cli.train
 
     seen = []
-    monkeypatch.setattr(peagle_train.train, "run_train", lambda cfg: seen.append(cfg) or {"rank": 0})
+    monkeypatch.setattr(cli.train, "run_train", lambda cfg: seen.append(cfg) or {"rank": 0})
     cfg = tmp_path / "train.yaml"
     cfg.write_text("store: a.zarr\noutput: run\nnum_depths: 3\n")
     result = invoke(train_main, ["--config", cfg, "--seed", "5"])
     assert result.exit_code == 0, result.output
-    assert seen == [TrainConfig(store="a.zarr", output="run", num_depths=3, seed=5)]  # one store: its path
+    assert seen == [TrainConfig.from_flat(store="a.zarr", output="run", num_depths=3, seed=5)]  # one store: its path
 
 
 def test_help_is_the_field_docstring():
-    docs = field_docs(TrainConfig)
+    docs = field_docs(ModelConfig)
     assert docs["num_layers"] == "Drafter decoder layers (``--num-layers``)."
     out = invoke(train_main, ["--help"]).output
     assert "Drafter decoder layers." in " ".join(out.split())
@@ -168,24 +173,47 @@ def test_a_value_out_of_range_is_refused_by_its_config(tmp_path, command, args, 
     assert result.exit_code == 2 and option in result.stderr, result.output
 
 
+def test_a_train_config_file_by_group_or_flat(tmp_path, monkeypatch):
+    """peagle-train's file holds the settings by TrainConfig group (what --print-config writes) or flat (the
+    files written before the grouping), or both; a key under another group than its own is refused."""
+    import cli.train
+
+    seen = []
+    monkeypatch.setattr(cli.train, "run_train", lambda cfg: seen.append(cfg) or {"rank": 0})
+    grouped, flat, mixed, wrong = (tmp_path / f"{n}.yaml" for n in ("grouped", "flat", "mixed", "wrong"))
+    grouped.write_text("data: {store: a.zarr}\nmodel: {num_depths: 3}\noptim: {lr: 0.01}\nrun: {output: run}\n")
+    flat.write_text("store: a.zarr\nnum_depths: 3\nlr: 0.01\noutput: run\n")
+    mixed.write_text("data: {store: a.zarr}\nnum-depths: 3\noptim: {lr: 0.01}\noutput: run\n")
+    for cfg in (grouped, flat, mixed):
+        result = invoke(train_main, ["--config", cfg])
+        assert result.exit_code == 0, result.output
+    want = TrainConfig.from_flat(store="a.zarr", output="run", num_depths=3, lr=0.01)
+    assert seen == [want] * 3 and want.model.num_depths == 3 and want.optim.lr == 0.01
+    assert printed(train_main, ["--config", flat]) == printed(train_main, ["--config", grouped])
+    wrong.write_text("data: {store: a.zarr, lr: 0.01}\nrun: {output: run}\n")
+    result = invoke(train_main, ["--config", wrong])
+    assert result.exit_code == 2
+    assert f"{wrong}: data.lr: lr is a setting of optim, not of data; write it under optim" in result.stderr
+
+
 def test_a_config_file_does_not_set_an_action(tmp_path, monkeypatch):
     """Issue 22 item 8: ``force``/``resume`` in a file (as train_config.json held them before actions were
     left out of records) are dropped, with a warning for a set one; the run gets the command line's."""
-    import peagle_train.train
+    import cli.train
 
     seen = []
-    monkeypatch.setattr(peagle_train.train, "run_train", lambda cfg: seen.append(cfg) or {"rank": 0})
+    monkeypatch.setattr(cli.train, "run_train", lambda cfg: seen.append(cfg) or {"rank": 0})
     cfg = tmp_path / "train_config.json"
     cfg.write_text('{"store": "a.zarr", "output": "run", "num_depths": 3, "force": true, "resume": false}')
     warning = (f"warning: {cfg}: ignoring force: True; --force is an action of one invocation, not a setting "
                "of the run: give it on the command line\n")
     printed = invoke(train_main, ["--config", cfg, "--print-config"])
     assert printed.exit_code == 0 and printed.stderr == warning
-    assert not {"force", "resume"} & set(yaml.safe_load(printed.stdout))
+    assert not {"force", "resume"} & set(yaml.safe_load(printed.stdout)["run"])
     result = invoke(train_main, ["--config", cfg, "--resume"])
     assert result.exit_code == 0, result.output
-    assert seen == [TrainConfig(store="a.zarr", output="run", num_depths=3, resume=True)]
-    assert "force" not in seen[0].to_dict() and "resume" not in seen[0].to_dict()
+    assert seen == [TrainConfig.from_flat(store="a.zarr", output="run", num_depths=3, resume=True)]
+    assert "force" not in seen[0].to_dict()["run"] and "resume" not in seen[0].to_dict()["run"]
 
 
 def test_verify_repair_is_an_action_of_the_command_line(tmp_path, monkeypatch):

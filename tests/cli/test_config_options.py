@@ -20,16 +20,17 @@ from peagle_data.inspect.show import ShowConfig
 from peagle_data.inspect.stats import StatsConfig
 from peagle_data.inspect.verify import InspectConfig, VerifyConfig
 from peagle_data.regenerate.backends import BackendConfig
+from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.run import EvalRun
-from peagle_train.evaluate import EvalConfig
-from peagle_train.train import TrainConfig
+from peagle_train.train.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
 # command -> (config classes, click parameter -> field where the names differ,
 #             parameters that are no config field, fields that are no option (and why))
 COMMANDS = {
-    "train": (train_main, [TrainConfig], {}, set(), set()),
+    "train": (train_main, [TrainConfig, DataConfig, ModelConfig, OptimConfig, RunConfig], {}, set(),
+              {"data", "model", "optim", "run"}),  # the groups
     "eval": (eval_main, [EvalRun, EvalConfig], {}, set(),
              {"settings",  # the nested EvalConfig
               "chunk_anchors", "warmup"}),  # memory bound and timing warm-up: library knobs, never named as options
@@ -88,7 +89,7 @@ def test_every_option_the_code_names_exists():
     options = _all_options() | FOREIGN
     unknown = {}
     for package in ("peagle_data", "peagle_train", "stores", "cli"):
-        for path in sorted((REPO / package).glob("*.py")):
+        for path in sorted((REPO / package).rglob("*.py")):
             for name in set(pattern.findall(path.read_text())) - options:
                 unknown.setdefault(name, []).append(path.name)
     assert unknown == {}

@@ -40,8 +40,8 @@ def test_a_store_where_a_table_is_read_says_it_is_a_feature_store(tmp_path):
 def test_a_packed_table_where_a_store_is_read_points_to_extract(tmp_path, tiny_verifier):
     from cli.eval import main as eval_main
     from cli.train import main as train_main
-    from peagle_train.checkpoint import save_drafter
-    from tests.peagle_train.test_speculative import tiny_drafter
+    from peagle_train.model.checkpoint import save_drafter
+    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
 
     packed = str(write_packed(tmp_path / "packed", n_blocks=1, block_size=24))
     hint = (f"{packed} is a packed token table (manifest.json), not a feature store: extract its features first "

@@ -18,7 +18,7 @@ import torch
 from cli.data import main as data_main
 from cli.eval import main as eval_main
 from cli.train import main as train_main
-from peagle_train.train import verifier_rope
+from peagle_train.train.setup import verifier_rope
 from stores.feature_store import FeatureStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from cli.data import main as data_main
 from cli.eval import main as eval_main
 from cli.train import main as train_main
+from peagle_train.train.config import flat_settings
 from stores.feature_store import FeatureStore
 from tests.e2e.test_pipeline import CONVERSATIONS
 
@@ -136,12 +137,13 @@ def test_a_run_started_with_force_resumes_from_its_train_config_and_eval_repeats
     assert first["steps"] == 4 and not (out / "stale.txt").exists()
     saved = out / "train_config.json"
     record = json.loads(saved.read_text())
-    assert not ACTIONS & set(record) and record["max_steps"] == 4 and record["output"] == str(out)
+    assert not ACTIONS & set(record["run"]) and record["optim"]["max_steps"] == 4
+    assert record["run"]["output"] == str(out)
     uninterrupted = [r["loss"] for r in _metrics(out) if r.get("split") == "train"]
 
     for old_record in (False, True):
-        if old_record:  # as train_config.json was written before actions were left out
-            saved.write_text(json.dumps({**record, "resume": False, "force": True}))
+        if old_record:  # as train_config.json was written before actions were left out (and flat)
+            saved.write_text(json.dumps({**flat_settings(record), "resume": False, "force": True}))
         shutil.rmtree(out / "checkpoint-4")
         shutil.rmtree(out / "final")  # as if stopped after checkpoint-2
         result = _invoke(train_main, ["--config", saved, "--resume"])

@@ -1,0 +1,443 @@
+"""Online speculative decoding with a P-EAGLE drafter and a transformers verifier.
+
+Algorithm: speculative decoding (Leviathan et al., 2023, arXiv:2211.17192; Chen et al., 2023,
+arXiv:2302.01318), greedy or with rejection sampling, with the drafter of P-EAGLE (arXiv:2602.01469),
+which drafts all K tokens in one parallel pass.
+
+Legend: t index of the last token the verifier has read, K drafted tokens per step, H verifier hidden
+size, L aux layers, V verifier vocab, D draft vocab, E drafter elements in one pass, N cached drafter
+elements, nkv / hd drafter key-value heads / head dim.
+
+One step, in the alignment of docs/design.md §4: the verifier has read ``x_0..x_t`` (they are in its KV
+cache) and has emitted ``x_{t+1}``.
+1. One drafter pass over the depth-0 elements ``(a, 0)`` not yet cached (token ``x_{a+1}``, feature
+   ``g_a``) and the chain ``(t, 1..K-1)`` (mask token, ``mask_hidden``). Sorted (depth-0 by anchor,
+   then the chain) the attention rule of §8 is exactly a causal mask, so the keys and values of the
+   depth-0 elements never change once computed: :class:`DrafterSession` caches them (every layer)
+   and each step runs only the ``n + 1`` new depth-0 elements and the ``K - 1`` chain elements.
+   Element ``(t, d)`` drafts ``x_{t+d+2}``.
+2. One verifier pass over ``[x_{t+1}, draft_1..draft_K]`` with the KV cache; its logits at input i
+   are the verifier's distribution for the token after it.
+3. :func:`accept_drafts`: greedy (temperature 0) keeps the longest prefix of drafts equal to the
+   verifier's argmax plus the verifier's argmax after it (the bonus token); with temperature T > 0
+   draft i is kept with probability ``min(1, p_i(x)/q_i(x))`` and the first rejected one is replaced
+   by a sample of ``norm(max(0, p_i - q_i))``, which keeps the verifier's distribution exactly. The
+   verifier cache (full keys/values also for sliding-window layers, masked by the window) is cut
+   back to the accepted tokens and their aux features feed the drafter.
+
+Under greedy decoding every token emitted is the verifier's argmax given the tokens before it, so
+the output is the verifier's own greedy output token for token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from peagle_train.evaluate.verifier import (aux_hidden_states, crop_cache, new_cache, rollback_cache,
+                                            verifier_body_pass, verifier_pass)
+from peagle_train.model.attention import DenseAttention
+from peagle_train.model.drafter import DrafterCache
+from stores.errors import InputError
+
+__all__ = [
+    "GenerationResult",
+    "DrafterSession",
+    "accept_drafts",
+    "aux_features",
+    "check_compatible",
+    "draft_tokens",
+    "greedy_generate",
+    "plain_generate",
+    "propose_drafts",
+    "speculative_generate",
+]
+
+
+@dataclass
+class GenerationResult:
+    """What one generation produced and how.
+
+    ``tokens`` are the new tokens only (the prompt excluded), EOS included when it was emitted.
+    For plain decoding the per-step lists are empty and ``drafted`` is 0.
+    """
+
+    tokens: list[int]
+    """Generated verifier token ids, at most ``max_new_tokens``."""
+    accepted_per_step: list[int] = field(default_factory=list)
+    """Drafts accepted and emitted in each verifier step (0..K); each step emitted ``accepted + 1``
+    tokens, so ``1 + sum(accepted + 1) == len(tokens)``. A step that ends at an EOS counts only the
+    drafts before the EOS (the EOS takes the verifier token's place; later drafts are discarded)."""
+    drafted_per_step: list[int] = field(default_factory=list)
+    """Drafts scored in each verifier step: K, or fewer near ``max_new_tokens``, or, in a step that
+    ends at an EOS, the drafts before the EOS (the EOS position and later ones are not scored)."""
+    wall_time_s: float = 0.0
+    """Seconds from the prefill to the last token."""
+
+    @property
+    def drafted(self) -> int:
+        return sum(self.drafted_per_step)
+
+    @property
+    def accepted(self) -> int:
+        return sum(self.accepted_per_step)
+
+    @property
+    def verifier_steps(self) -> int:
+        """Verifier passes after the prefill (the prefill emits the first token)."""
+        return len(self.accepted_per_step)
+
+
+def _eos_set(eos_token_id: int | Iterable[int] | None) -> set[int]:
+    if eos_token_id is None:
+        return set()
+    if isinstance(eos_token_id, int):
+        return {eos_token_id}
+    return {int(e) for e in eos_token_id}
+
+
+def check_compatible(verifier, drafter) -> None:
+    """Check that ``drafter`` was built for ``verifier``'s shapes.
+
+    Raises:
+        InputError: hidden size, vocabulary or aux layer ids do not fit the verifier.
+    """
+    vcfg = verifier.config.get_text_config()  # a multimodal wrapper's language model
+    dcfg = drafter.config
+    n_layers = vcfg.num_hidden_layers
+    problems = []
+    if dcfg.hidden_size != vcfg.hidden_size:
+        problems.append(f"hidden size {dcfg.hidden_size} != verifier's {vcfg.hidden_size}")
+    if dcfg.vocab_size != vcfg.vocab_size:
+        problems.append(f"vocab size {dcfg.vocab_size} != verifier's {vcfg.vocab_size}")
+    bad = [layer for layer in dcfg.aux_layer_ids if not 0 <= layer <= n_layers]
+    if bad:
+        problems.append(f"aux layers {bad} outside the verifier's hidden states 0..{n_layers} "
+                        f"(it has {n_layers} decoder layers)")
+    if problems:
+        raise InputError(
+            "the drafter does not match the verifier (" + "; ".join(problems) + "); pass the "
+            f"verifier it was trained for (its config names {dcfg.verifier_name_or_path!r})",
+            field="--verifier",
+        )
+
+
+def aux_features(hidden_states: Sequence[torch.Tensor], last: dict[str, torch.Tensor],
+                 layer_ids: Sequence[int]) -> torch.Tensor:
+    """HF ``output_hidden_states`` (each ``[1, T, H]``) -> ``g [T, L*H]``: layer l < L is entry l, layer L
+    the last decoder layer's output before the final norm (``last["last"]``, from
+    :func:`peagle_train.evaluate.verifier.aux_hidden_states`), as extraction stores it and vLLM feeds it."""
+    top = len(hidden_states) - 1
+    return torch.cat([(last["last"] if layer == top else hidden_states[layer])[0] for layer in layer_ids], dim=-1)
+
+
+# ------------------------------------------------------------------------------------------ drafter
+class DrafterSession:
+    """Incremental drafting for one sequence: the drafter's keys/values of depth-0 elements are cached.
+
+    Feed it the depth-0 elements as they become known and ask for K drafts in the same pass::
+
+        session.draft(new_tokens, new_aux, k)   # -> [k, D] draft logits of elements (t, 0..k-1)
+
+    ``new_tokens [n]`` are ``x_{a+1}`` and ``new_aux [n, L*H]`` are ``g_a`` of the next n anchors
+    (first call: the whole prompt). Drafters that are not a ``PEagleDrafter`` (anything with the same
+    ``forward``/``logits`` interface but no ``layers``) are run over the whole context each step.
+    """
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+        self.cached = hasattr(drafter, "layers")
+        self.n_ctx = 0  # depth-0 elements seen (anchors 0..n_ctx-1)
+        self.cache = DrafterCache() if self.cached else None  # keys/values of the depth-0 elements
+        self.tokens: list[torch.Tensor] = []  # recompute path: all x_{a+1} and g_a so far
+        self.aux: list[torch.Tensor] = []
+        p = next(drafter.parameters())
+        self.device, self.dtype = p.device, p.dtype
+
+    @torch.no_grad()
+    def draft(self, new_tokens: torch.Tensor, new_aux: torch.Tensor, k: int) -> torch.Tensor:
+        """Add ``n ≥ 1`` depth-0 elements and draft ``k ≥ 1`` tokens: ``[k, D]`` draft-vocab logits."""
+        n = new_tokens.numel()
+        assert n >= 1 and k >= 1 and new_aux.shape[0] == n, (n, k, tuple(new_aux.shape))
+        E = n + k - 1
+        input_ids = torch.zeros(E, dtype=torch.long, device=self.device)
+        input_ids[:n] = new_tokens.to(self.device)
+        g = torch.zeros(E, new_aux.shape[1], dtype=self.dtype, device=self.device)
+        g[:n] = new_aux.to(self.device, self.dtype)
+        is_mask = torch.arange(E, device=self.device) >= n
+        # depth 0: element (a, 0) is at position a + 1; the chain (t, d) at t + 1 + d.
+        position_ids = torch.arange(self.n_ctx + 1, self.n_ctx + E + 1, device=self.device)
+        if self.cached:
+            hidden = self._forward_cached(input_ids, g, is_mask, position_ids, n)  # [E, H]
+        else:
+            hidden = self._forward_full(input_ids, g, n)
+        self.n_ctx += n
+        return self.drafter.logits(hidden[n - 1:])  # [k, D]: elements (t, 0..k-1)
+
+    def _forward_full(self, input_ids: torch.Tensor, g: torch.Tensor, n: int) -> torch.Tensor:
+        self.tokens.append(input_ids[:n])
+        self.aux.append(g[:n])
+        ids = torch.cat(self.tokens + [input_ids[n:]])  # [N + E - n]
+        feats = torch.cat(self.aux + [g[n:]])
+        E = ids.numel()
+        is_mask = torch.arange(E, device=self.device) >= self.n_ctx + n
+        pos = torch.arange(1, E + 1, device=self.device)
+        mask = torch.ones(E, E, dtype=torch.bool, device=self.device).tril()  # §8 rule for this order
+        return self.drafter(ids, feats, is_mask, pos, mask)[self.n_ctx:]
+
+    def _forward_cached(self, input_ids, g, is_mask, position_ids, n: int) -> torch.Tensor:
+        """:meth:`PEagleDrafter.forward` over the new elements with the session's
+        :class:`~peagle_train.model.drafter.DrafterCache` (the ``n`` new depth-0 elements join it)."""
+        E, N = input_ids.numel(), self.n_ctx
+        # depth-0 by anchor then the chain: the §8 rule is causal after the N cached elements
+        mask = torch.ones(E, N + E, dtype=torch.bool, device=self.device).tril(N)  # [E, N+E]
+        return self.drafter(input_ids, g[:n], is_mask, position_ids, DenseAttention(mask=mask), cache=self.cache)
+
+
+@torch.no_grad()
+def draft_tokens(drafter, tokens: torch.Tensor, aux: torch.Tensor, num_draft_tokens: int) -> torch.Tensor:
+    """One drafter pass without a cache: draft ``x_{t+2}..x_{t+K+1}`` from ``x_1..x_{t+1}``, ``g_0..g_t``.
+
+    Args:
+        drafter: a ``PEagleDrafter``.
+        tokens: ``[t+2] int64``, the sequence ``x_0..x_{t+1}``.
+        aux: ``[t+1, L*H]`` float, the verifier's aux features ``g_0..g_t``.
+        num_draft_tokens: K ≥ 1.
+
+    Returns:
+        ``[K] int64`` verifier token ids (the argmax draft ids mapped through ``drafter.draft_ids``).
+    """
+    n_ctx = aux.shape[0]
+    logits = DrafterSession(drafter).draft(tokens[1:n_ctx + 1], aux, num_draft_tokens)  # [K, D]
+    return drafter.draft_ids[logits.argmax(-1)]
+
+
+# ------------------------------------------------------------------------------------------ sampling
+def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One id from ``probs [V]`` (need not sum to 1)."""
+    return int(torch.multinomial(probs.float().cpu(), 1, generator=generator))
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    """The next token from verifier ``logits [V]``: argmax at temperature 0, else a sample."""
+    if temperature == 0:
+        return int(logits.argmax())
+    return _sample(torch.softmax(logits.float() / temperature, -1), generator)
+
+
+def propose_drafts(draft_logits: torch.Tensor, draft_ids: torch.Tensor, vocab_size: int, temperature: float,
+                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Drafts ``[k]`` (verifier ids) from ``draft_logits [k, D]``, and their distributions ``q [k, V]``.
+
+    Temperature 0: the argmax, ``q`` None. Otherwise one sample per depth from
+    ``softmax(logits / T)`` over the draft vocab, placed on the verifier vocab (0 outside it).
+    """
+    ids = draft_ids.cpu()
+    if temperature == 0:
+        return ids[draft_logits.argmax(-1).cpu()], None
+    q_draft = torch.softmax(draft_logits.float().cpu() / temperature, -1)  # [k, D]
+    picks = torch.multinomial(q_draft, 1, generator=generator)[:, 0]  # [k] draft ids
+    q = torch.zeros(q_draft.shape[0], vocab_size)
+    q[:, ids] = q_draft  # [k, V]
+    return ids[picks], q
+
+
+def accept_drafts(drafts: torch.Tensor, target_logits, temperature: float = 0.0,
+                  draft_probs: torch.Tensor | None = None,
+                  generator: torch.Generator | None = None) -> tuple[int, torch.Tensor]:
+    """Verify ``k`` drafts against the verifier: how many are kept, and the tokens the step emits.
+
+    Rows of ``target_logits`` are read in order and only up to the first rejection.
+
+    Args:
+        drafts: ``[k] int64`` verifier ids.
+        target_logits: ``[k+1, V]`` (a tensor, or anything whose ``[i]`` gives row i): the
+            verifier's logits after ``x_{t+1}`` and after each draft.
+        temperature: 0 for greedy verification; T > 0 for rejection sampling of ``softmax(z / T)``.
+        draft_probs: ``[k, V]`` the distributions the drafts were sampled from (T > 0 only).
+        generator: the randomness (T > 0 only).
+
+    Returns:
+        ``(n, emitted [n+1])``: the first n drafts, then the bonus token (greedy: the verifier's
+        argmax; sampling: a sample of the residual ``norm(max(0, p_n - q_n))`` after a rejection, or
+        of ``p_k`` when all k were kept).
+    """
+    k = drafts.numel()
+    assert temperature == 0 or k == 0 or (draft_probs is not None and draft_probs.shape[0] == k)
+    for i in range(k):
+        x = int(drafts[i])
+        if temperature == 0:
+            best = int(target_logits[i].argmax())
+            if best == x:
+                continue
+            return i, torch.cat([drafts[:i], torch.tensor([best])])
+        p = torch.softmax(target_logits[i].float().cpu() / temperature, -1)  # [V]
+        if float(torch.rand((), generator=generator)) * float(draft_probs[i, x]) < float(p[x]):
+            continue  # kept with probability min(1, p/q)
+        residual = (p - draft_probs[i]).clamp_min(0)  # [V]
+        if float(residual.sum()) <= 0:  # p == q up to rounding: any sample of p is right
+            residual = p
+        return i, torch.cat([drafts[:i], torch.tensor([_sample(residual, generator)])])
+    return k, torch.cat([drafts, torch.tensor([_pick(target_logits[k], temperature, generator)])])
+
+
+def _prompt_tensor(prompt_ids) -> torch.Tensor:
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().cpu()
+    if ids.numel() == 0:
+        raise InputError("the prompt is empty (0 tokens)")
+    return ids
+
+
+def _check_temperature(temperature: float) -> float:
+    if not temperature >= 0:
+        raise InputError(f"the temperature must be >= 0, got {temperature}", field="--temperature")
+    return float(temperature)
+
+
+@torch.no_grad()
+def plain_generate(verifier, prompt_ids, max_new_tokens: int, eos_token_id: int | Iterable[int] | None = None,
+                   temperature: float = 0.0, generator: torch.Generator | None = None) -> GenerationResult:
+    """Plain decoding with a KV cache, one verifier pass per token (the baseline).
+
+    Args:
+        verifier: a transformers causal LM (batch 1).
+        prompt_ids: ``[P]`` int token ids.
+        max_new_tokens: most tokens generated; generation also stops after an EOS token.
+        eos_token_id: one id, several, or None.
+        temperature: 0 = greedy; T > 0 samples ``softmax(z / T)`` with ``generator``.
+
+    Returns:
+        :class:`GenerationResult` with ``tokens`` only.
+    """
+    temperature = _check_temperature(temperature)
+    ids = _prompt_tensor(prompt_ids)
+    eos = _eos_set(eos_token_id)
+    start = time.perf_counter()
+    tokens: list[int] = []
+    if max_new_tokens > 0:
+        cache = new_cache(verifier)
+        logits, _ = verifier_pass(verifier, ids, cache, want_hidden=False, last_only=True)
+        tokens.append(_pick(logits[-1], temperature, generator))
+        while len(tokens) < max_new_tokens and tokens[-1] not in eos:
+            logits, _ = verifier_pass(verifier, torch.tensor([tokens[-1]]), cache, want_hidden=False)
+            tokens.append(_pick(logits[-1], temperature, generator))
+    return GenerationResult(tokens=tokens, wall_time_s=time.perf_counter() - start)
+
+
+def greedy_generate(verifier, prompt_ids, max_new_tokens: int,
+                    eos_token_id: int | Iterable[int] | None = None) -> GenerationResult:
+    """Plain greedy decoding: :func:`plain_generate` at temperature 0."""
+    return plain_generate(verifier, prompt_ids, max_new_tokens, eos_token_id)
+
+
+def _record_step(result: GenerationResult, emitted: list[int], k: int, eos: set[int]) -> None:
+    """Append one step's ``emitted`` tokens (cut after the first EOS) and its counters to ``result``.
+
+    Counting convention (docs/design.md §9): a step emits ``accepted + 1`` tokens; its last emitted
+    token plays the verifier token's role. When that token is an EOS, the EOS ends the output
+    whether it was drafted or not, so the position holding it and every position after it are not
+    scored: ``accepted = drafted = drafts before the EOS``. Without an EOS ``accepted`` is the
+    number of drafts kept and ``drafted`` is ``k``. So ``1 + Σ(accepted + 1) == len(tokens)``.
+    """
+    cut = next((i for i, tok in enumerate(emitted) if tok in eos), None)
+    if cut is not None:
+        emitted = emitted[:cut + 1]
+    result.tokens.extend(emitted)
+    result.accepted_per_step.append(len(emitted) - 1)
+    result.drafted_per_step.append(k if cut is None else min(k, cut))
+
+
+def checked_num_draft_tokens(num_draft_tokens: int | None, drafter) -> int:
+    """K drafts per step: ``num_draft_tokens``, default the drafter's trained ``num_depths``.
+
+    Drafting past the trained depths is refused (docs/design.md §9): depth ``d >= num_depths`` was
+    never trained (its position ids and mask-token chains never occurred in training), so its drafts
+    would be measured as if they were the drafter's.
+
+    Raises:
+        InputError: ``K < 1`` or ``K > num_depths``.
+    """
+    trained = int(drafter.config.num_depths)
+    K = trained if num_draft_tokens is None else int(num_draft_tokens)
+    if K < 1:
+        raise InputError(f"the number of draft tokens must be at least 1, got {K}", field="--num-draft-tokens")
+    if K > trained:
+        raise InputError(f"--num-draft-tokens {K} exceeds the drafter's trained num_depths {trained}: depths "
+                         f"{trained}..{K - 1} were never trained; use at most {trained} (or train with "
+                         f"--num-depths {K})", field="--num-draft-tokens")
+    return K
+
+
+def _checked_settings(verifier, drafter, num_draft_tokens: int | None, temperature: float) -> tuple[int, float]:
+    """``(K, temperature)`` of :func:`speculative_generate`, checked (1 ≤ K ≤ num_depths, T ≥ 0, the
+    drafter fits)."""
+    K = checked_num_draft_tokens(num_draft_tokens, drafter)
+    temperature = _check_temperature(temperature)
+    check_compatible(verifier, drafter)
+    return K, temperature
+
+
+@torch.no_grad()
+def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num_draft_tokens: int | None = None,
+                         eos_token_id: int | Iterable[int] | None = None, temperature: float = 0.0,
+                         generator: torch.Generator | None = None) -> GenerationResult:
+    """Speculative decoding: the drafter drafts K tokens, the verifier checks them in one pass.
+
+    Near the end a step drafts only ``min(K, max_new_tokens - generated - 1)`` tokens, so no token
+    beyond ``max_new_tokens`` is ever computed or emitted; tokens after an EOS are dropped.
+
+    Args:
+        verifier: a transformers causal LM (batch 1) that returns ``hidden_states``.
+        drafter: a ``PEagleDrafter`` built for ``verifier`` (see :func:`check_compatible`).
+        prompt_ids: ``[P]`` int token ids.
+        max_new_tokens: most tokens generated.
+        num_draft_tokens: K ≥ 1 drafts per step; default the drafter's ``num_depths``.
+        eos_token_id: one id, several, or None.
+        temperature: 0 = greedy (output identical to :func:`greedy_generate`); T > 0 = speculative
+            sampling, distributed exactly as :func:`plain_generate` at T.
+        generator: the randomness at T > 0.
+
+    Returns:
+        :class:`GenerationResult` with the tokens and per-step drafted/accepted counts.
+
+    Raises:
+        InputError: empty prompt, K < 1, T < 0, or a drafter that does not match the verifier.
+    """
+    K, temperature = _checked_settings(verifier, drafter, num_draft_tokens, temperature)
+    ids = _prompt_tensor(prompt_ids)
+    eos = _eos_set(eos_token_id)
+    layers = drafter.config.aux_layer_ids
+    vocab = verifier.config.get_text_config().vocab_size
+    result = GenerationResult(tokens=[])
+    start = time.perf_counter()
+    if max_new_tokens <= 0:
+        return result
+    with aux_hidden_states(verifier) as last:
+        cache = rollback_cache(verifier)
+        session = DrafterSession(drafter)
+        logits, hs = verifier_pass(verifier, ids, cache, want_hidden=True, last_only=True)
+        result.tokens.append(_pick(logits[-1], temperature, generator))
+        read = ids.numel()  # tokens in the verifier cache: x_0..x_t
+        # depth-0 elements not yet given to the drafter: tokens x_{a+1} and features g_a
+        new_tokens = torch.cat([ids[1:], torch.tensor(result.tokens)])  # [t+1]: x_1..x_{t+1}
+        new_aux = aux_features(hs, last, layers)  # [t+1, L*H]: g_0..g_t
+        while len(result.tokens) < max_new_tokens and result.tokens[-1] not in eos:
+            k = min(K, max_new_tokens - len(result.tokens) - 1)
+            drafts, q = torch.zeros(0, dtype=torch.long), None
+            if k > 0:
+                draft_logits = session.draft(new_tokens, new_aux, k)  # [k, D]
+                drafts, q = propose_drafts(draft_logits, drafter.draft_ids, vocab, temperature, generator)
+            verify_in = torch.cat([torch.tensor(result.tokens[-1:]), drafts])  # [k+1]: x_{t+1}, drafts
+            logits, hs = verifier_body_pass(verifier, verify_in, cache)  # [k+1, V]
+            n, emitted = accept_drafts(drafts, logits, temperature, q, generator)  # [n+1]
+            # x_{t+1} and the n accepted drafts are now read; the rest of the pass is discarded.
+            read += n + 1
+            crop_cache(cache, read)
+            if k > 0:
+                new_tokens, new_aux = emitted, aux_features(hs, last, layers)[:n + 1]  # anchors t+1..t+n+1
+            _record_step(result, emitted.tolist(), k, eos)
+    result.wall_time_s = time.perf_counter() - start
+    return result

@@ -1,0 +1,228 @@
+"""The settings of a training run (docs/design.md §8): :class:`TrainConfig`, grouped as
+:class:`DataConfig`, :class:`ModelConfig`, :class:`OptimConfig` and :class:`RunConfig`.
+
+Each field is one ``peagle-train`` option (cli/options.py: a group's fields are flags as any other,
+``--lr`` for ``optim.lr``), so a field name is unique over the groups. ``train_config.json`` and
+``--print-config`` hold the grouped form (:meth:`TrainConfig.to_dict`); :func:`flat_settings` reads it
+and the flat form of the files written before the grouping alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from peagle_train.model.attention import ATTENTION_CHOICES
+from peagle_train.train.metrics import parse_report_to
+
+__all__ = ["DataConfig", "ModelConfig", "OptimConfig", "RunConfig", "TrainConfig", "GROUPS", "FIELD_DEFAULTS",
+           "flat_settings"]
+
+
+def _need(ok: bool, option: str, rule: str, value: Any) -> None:
+    """ValueError naming the option unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{option} must be {rule}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """What the run trains on: the store(s), COD sampling of each block, the held-out split."""
+
+    store: str | list[str]
+    """Feature store written by ``peagle-data extract`` (``--store``); repeat it (``--store A --store B``)
+    or give a file listing one store per line to train on several stores of one verifier and layer
+    set as one (:mod:`peagle_train.data.multistore`)."""
+    down_sample_ratio: float = 0.5
+    """COD keep ratio r per depth, in (0, 1] (``--down-sample-ratio``). The default 0.5 is measured:
+    the same held-out acceptance as 0.7 in 18% less time, as the P-EAGLE ablations found for a
+    1-layer drafter."""
+    down_sample_ratio_min: float = 0.2
+    """Floor of the COD keep ratio, in (0, 1] (``--down-sample-ratio-min``)."""
+    max_anchors: int | None = None
+    """Cap on COD seeds per block (``--max-anchors``); None: no cap."""
+    val_fraction: float = 0.05
+    """Fraction of blocks held out for validation, in [0, 1) (``--val-fraction``)."""
+    val_max_blocks: int = 16
+    """Validation reads at most this many held-out blocks (``--val-max-blocks``)."""
+    allow_incomplete: bool = False
+    """Train on the done blocks of an unfinished store (``--allow-incomplete``)."""
+
+    def __post_init__(self) -> None:
+        _need(0.0 < self.down_sample_ratio <= 1.0, "--down-sample-ratio", "in (0, 1]", self.down_sample_ratio)
+        _need(0.0 < self.down_sample_ratio_min <= 1.0, "--down-sample-ratio-min", "in (0, 1]",
+              self.down_sample_ratio_min)
+        _need(self.max_anchors is None or self.max_anchors >= 1, "--max-anchors", ">= 1 when set", self.max_anchors)
+        _need(0.0 <= self.val_fraction < 1.0, "--val-fraction", "in [0, 1)", self.val_fraction)
+        _need(self.val_max_blocks >= 0, "--val-max-blocks", ">= 0", self.val_max_blocks)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The drafter: its verifier, depths, layers, draft vocab, mask token and attention backend."""
+
+    verifier: str | None = None
+    """Verifier MODEL for embeddings and lm_head (``--verifier``); default: the store's verifier."""
+    num_depths: int = 4
+    """K, parallel draft depths (``--num-depths``). The default 4 is measured (docs/benchmarks.md,
+    "Defaults from evidence"): K = 8 trained no better depth-for-depth in the same steps and took 31%
+    longer, and the P-EAGLE ablations find depths past ~5 add < 2% of accepted tokens."""
+    draft_vocab_size: int | None = None
+    """D, the most frequent loss-masked tokens (``--draft-vocab-size``); None: the verifier's vocab."""
+    num_layers: int = 1
+    """Drafter decoder layers (``--num-layers``)."""
+    mask_token_id: int | None = None
+    """Token fed at depth > 0; must never occur as a supervised token in the store (``--mask-token-id``);
+    None: an unused special or reserved token, chosen by :func:`peagle_train.model.mask_token.choose_mask_token`
+    (see the README)."""
+    attention_backend: str = "auto"
+    """Drafter attention backend (``--attention-backend``), a name of
+    :data:`peagle_train.model.attention.ATTENTION_BACKENDS` (``sdpa``: dense mask; ``flex``: flex_attention
+    BlockMasks, CUDA only; ``split``: no element×element tensor) or ``auto`` (flex on CUDA, split
+    otherwise: :data:`peagle_train.model.attention.AUTO_BACKEND`)."""
+
+    def __post_init__(self) -> None:
+        _need(self.num_depths >= 1, "--num-depths", ">= 1", self.num_depths)
+        _need(self.draft_vocab_size is None or self.draft_vocab_size >= 1, "--draft-vocab-size", ">= 1 when set",
+              self.draft_vocab_size)
+        _need(self.num_layers >= 1, "--num-layers", ">= 1", self.num_layers)
+        _need(self.mask_token_id is None or self.mask_token_id >= 0, "--mask-token-id", ">= 0 when set",
+              self.mask_token_id)
+        _need(self.attention_backend in ATTENTION_CHOICES, "--attention-backend",
+              f"one of {', '.join(ATTENTION_CHOICES)}", self.attention_backend)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """The optimisation: steps, AdamW and its schedule, gradient accumulation and clipping, the loss chunks,
+    the embedding's updates."""
+
+    max_steps: int | None = None
+    """Optimizer steps (``--max-steps``); None: one pass over the training blocks (those extracted when
+    the run starts; a resume keeps the saved run's count)."""
+    lr: float = 1e-3
+    """Peak AdamW learning rate (``--lr``). The default 1e-3 is measured: held-out acceptance above
+    3e-4's in the same steps (docs/benchmarks.md, "Defaults from evidence")."""
+    warmup_steps: int | None = None
+    """Linear warm-up steps (``--warmup-steps``); None: 5% of max_steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (``--weight-decay``)."""
+    grad_clip: float = 1.0
+    """Max gradient norm (``--grad-clip``); must be > 0."""
+    grad_accum: int = 1
+    """Blocks per optimizer step and rank (``--grad-accum``); the step's loss pools their elements. A
+    ``--resume`` on another number of processes keeps ``grad_accum`` × processes, the blocks of one step."""
+    loss_chunk_size: int = 2048
+    """Elements per logits chunk in the loss (``--loss-chunk-size``)."""
+    lazy_embedding: bool = True
+    """Update only the embedding rows a step touched (``--lazy-embedding/--dense-embedding``)."""
+    train_embedding: bool = True
+    """Train the drafter's token embedding (initialised from the verifier's), or keep it frozen as
+    EAGLE-3 does (``--train-embedding/--freeze-embedding``); recorded as ``embed_requires_grad``."""
+
+    def __post_init__(self) -> None:
+        _need(self.max_steps is None or self.max_steps >= 1, "--max-steps", ">= 1 when set", self.max_steps)
+        _need(self.lr > 0, "--lr", "> 0", self.lr)
+        _need(self.warmup_steps is None or self.warmup_steps >= 0, "--warmup-steps", ">= 0", self.warmup_steps)
+        _need(self.weight_decay >= 0, "--weight-decay", ">= 0", self.weight_decay)
+        _need(self.grad_clip > 0, "--grad-clip", "> 0", self.grad_clip)
+        _need(self.grad_accum >= 1, "--grad-accum", ">= 1", self.grad_accum)
+        _need(self.loss_chunk_size >= 1, "--loss-chunk-size", ">= 1", self.loss_chunk_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """The run itself: its output directory, seed, checkpoints, logging, trackers and the actions on an
+    existing output."""
+
+    output: str
+    """Output directory: checkpoints, metrics.jsonl, the plot (``--output``)."""
+    seed: int = 0
+    """Seed of the split, the shuffles, COD sampling and the drafter init (``--seed``)."""
+    save_every: int | None = None
+    """Steps between checkpoints (``--save-every``); None: only at the end."""
+    save_total_limit: int | None = None
+    """Keep only the newest N ``checkpoint-N/`` directories (``--save-total-limit``), each a full copy
+    of the drafter weights plus the optimizer state; ``final/`` is never removed. None: keep all."""
+    log_every: int = 1
+    """Steps between metrics.jsonl lines (``--log-every``)."""
+    report_to: str | None = None
+    """Accelerate trackers fed the metrics.jsonl rows, comma-separated: tensorboard, wandb, all installed
+    (``--report-to``); files under OUTPUT/trackers; wandb runs offline with WANDB_MODE=offline. None:
+    none (no tracker package imported)."""
+    resume: bool = dataclasses.field(default=False, metadata={"action": True})
+    """Continue from the latest ``checkpoint-N`` in output (``--resume``)."""
+    force: bool = dataclasses.field(default=False, metadata={"action": True})
+    """Delete an existing output directory first (``--force``)."""
+
+    def __post_init__(self) -> None:
+        _need(self.save_every is None or self.save_every >= 1, "--save-every", ">= 1 when set", self.save_every)
+        _need(self.save_total_limit is None or self.save_total_limit >= 1, "--save-total-limit", ">= 1 when set",
+              self.save_total_limit)
+        _need(self.log_every >= 1, "--log-every", ">= 1", self.log_every)
+        _need(not (self.resume and self.force), "--resume/--force", "used one at a time", "both")
+        parse_report_to(self.report_to)  # InputError (a ValueError) naming --report-to
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything ``peagle-train`` needs, by group; runtime handles (store, model) are built by
+    :func:`peagle_train.train.run.run_train`."""
+
+    data: DataConfig
+    """What the run trains on."""
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """The drafter."""
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    """The optimisation."""
+    run: RunConfig
+    """The output and the run's bookkeeping."""
+
+    @classmethod
+    def from_flat(cls, **settings: Any) -> TrainConfig:
+        """A config from the flat settings (``lr=...``, ``store=...``: the options' names), each given to
+        its group; a field left out takes its default.
+
+        Raises:
+            TypeError: a name that is no field of any group.
+        """
+        unknown = set(settings) - set(_GROUP_OF)
+        if unknown:
+            raise TypeError(f"TrainConfig has no field {', '.join(sorted(unknown))}")
+        parts: dict[str, dict[str, Any]] = {g: {} for g in GROUPS}
+        for name, value in settings.items():
+            parts[_GROUP_OF[name]][name] = value
+        return cls(**{g: GROUPS[g](**kw) for g, kw in parts.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The run's settings as written to ``train_config.json`` (and ``training_state.pt``), by group:
+        every field but the actions ``resume`` and ``force`` (``metadata={"action": True}``), which belong
+        to one invocation, so that ``peagle-train --config OUTPUT/train_config.json --resume`` continues a
+        run started with ``--force``."""
+        return {g: {f.name: getattr(getattr(self, g), f.name) for f in dataclasses.fields(GROUPS[g])
+                     if not f.metadata.get("action")} for g in GROUPS}
+
+    def flat(self) -> dict[str, Any]:
+        """Every setting by its field name, actions included (``{"lr": ..., "resume": ...}``)."""
+        return {f.name: getattr(getattr(self, g), f.name) for g in GROUPS for f in dataclasses.fields(GROUPS[g])}
+
+
+GROUPS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "run": RunConfig}
+"""The groups of :class:`TrainConfig`, by field name, in order."""
+
+_GROUP_OF = {f.name: g for g, klass in GROUPS.items() for f in dataclasses.fields(klass)}
+"""Field name -> its group."""
+
+FIELD_DEFAULTS: dict[str, Any] = {f.name: f.default for klass in GROUPS.values() for f in dataclasses.fields(klass)}
+"""Every field's default by name (``dataclasses.MISSING`` for ``store`` and ``output``)."""
+
+
+def flat_settings(saved: dict[str, Any]) -> dict[str, Any]:
+    """Settings saved by a run, by field name: the grouped form of :meth:`TrainConfig.to_dict` (a
+    ``{"data": {...}, ...}`` mapping) or the flat form ``train_config.json`` held before the grouping."""
+    flat = {k: v for k, v in saved.items() if not (k in GROUPS and isinstance(v, dict))}
+    for group in GROUPS:
+        if isinstance(saved.get(group), dict):
+            flat.update(saved[group])
+    return flat

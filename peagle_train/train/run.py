@@ -1,0 +1,209 @@
+"""Training a P-EAGLE drafter (docs/design.md §8): :func:`run_train`, store in, drafter checkpoint out.
+
+Legend: H hidden size, D draft vocab, K ``num_depths``.
+
+:func:`build_trainer` opens the stores, runs the checks before the weights and the set-up of
+:mod:`peagle_train.train.setup`, and builds the :class:`peagle_train.train.trainer.Trainer` of the run;
+:func:`run_train` trains it. The step, validation and checkpoints live in the Trainer,
+``metrics.jsonl``, trackers and the plot in :mod:`peagle_train.train.metrics`.
+
+Output directory layout:
+- ``train_config.json``: the :class:`TrainConfig`'s settings, without the actions ``--resume`` and
+  ``--force`` (checked again on ``--resume``);
+- ``metrics.jsonl``: one line per step (step, loss (the pooled objective), acc per depth, tokens/s, lr, the block ids read,
+  grad norm, ...) and one per validation (``"split": "val"``);
+- ``checkpoint-N/``: drafter (``config.json``, ``model.safetensors``) plus ``training_state.pt``
+  (the AdamW moments of the trainable weights): a full copy per checkpoint, all kept unless
+  ``save_total_limit`` (``--save-total-limit``) keeps only the newest N;
+- ``final/``: the drafter at the last step, the directory to serve or evaluate;
+- ``training.png``: loss and per-depth accuracy against steps;
+- ``trackers/``: only with ``report_to`` (``--report-to``): the accelerate trackers' files (TensorBoard
+  event files under ``trackers/peagle/``, wandb runs under ``trackers/wandb/``), fed the same rows as
+  ``metrics.jsonl`` (see :func:`peagle_train.train.metrics.tracker_values`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from peagle_train.data.loader import BlockSequence, resume_cursor
+from peagle_train.data.multistore import open_stores, split_per_store, store_identities, usable_blocks
+from peagle_train.model.attention import resolve_attention_backend
+from peagle_train.model.checkpoint import latest_checkpoint, load_drafter, load_training_state
+from peagle_train.model.drafter import PEagleDrafter
+from peagle_train.model.mask_token import resolve_mask_token
+from peagle_train.train.config import TrainConfig
+from peagle_train.train.loss import LogitTransform
+from peagle_train.train.metrics import MetricsLog, resolve_trackers
+from peagle_train.train.setup import (build_draft_vocab, build_drafter_config, check_before_weights,
+                                      load_verifier_heads, prepare_output, val_split_warning)
+from peagle_train.train.trainer import Trainer, TrainRun
+from stores.errors import MissingDependencyError
+
+__all__ = ["run_train", "build_trainer"]
+
+
+def run_train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train a P-EAGLE drafter on a feature store and save it (docs/design.md §8).
+
+    Returns:
+        A summary: ``steps``, ``last_step_loss`` (the loss of one step, ``last_step``, the last),
+        ``per_depth_accuracy_last_steps`` (pooled over the last 10 steps this process ran, first and
+        last given as ``per_depth_accuracy_steps``: Σ weighted correct / Σ weight per depth; [] and
+        None when this run took no step),
+        ``val_loss``, ``val_per_depth_accuracy``, ``checkpoint`` (the ``final/`` directory),
+        ``metrics``, ``plot``, ``tokens_per_second``, ``data_wait_fraction``, ``resumed_from``, ``rank``,
+        ``world_size`` (data-parallel processes), ``mask_token``.
+
+    Raises:
+        StoreFormatError: missing or unfinished store (without ``allow_incomplete``).
+        StoreMismatchError: the verifier does not match the store.
+        OutputExistsError: output exists without ``resume`` or ``force``.
+        InputError: ``--resume`` with settings that differ from the saved run, or a draft vocab
+            larger than the verifier's, or ``attention_backend="flex"`` without CUDA.
+        MissingDependencyError: a ``report_to`` tracker whose package is not installed.
+    """
+    trainer = build_trainer(cfg)
+    summary = trainer.train()
+    trainer.close()
+    return summary
+
+
+def build_trainer(cfg: TrainConfig) -> Trainer:
+    """Everything a run needs, checked before the verifier's weights load (docs/design.md §2).
+
+    Opens the store(s) and splits them, checks the options, the output and the verifier's config,
+    checks that ``cfg.run.resume``'s latest checkpoint can be continued exactly on this launch, loads the
+    verifier's heads, builds the drafter (seeded by ``cfg.run.seed``), prepares the output directory,
+    resumes from that checkpoint and starts the trackers.
+
+    Raises:
+        see :func:`run_train`.
+    """
+    trackers = resolve_trackers(cfg.run.report_to)  # before anything is read or written
+    attention = resolve_attention_backend(cfg.model.attention_backend)  # InputError before any work
+    store = open_stores(cfg.data.store)  # several stores: one StoreSet, a validation split per store
+    usable = usable_blocks(store, cfg.data.allow_incomplete)
+    verifier_name = cfg.model.verifier or store.attrs["verifier"]["name_or_path"]
+    check_before_weights(cfg, store, verifier_name)
+    mask = resolve_mask_token(verifier_name, store, cfg.model.mask_token_id)  # InputError before the weights load
+    accelerator = _accelerator(cfg, trackers)
+    usable = _rank0_blocks(accelerator, usable)
+    train_side, val_side = split_per_store(store, cfg.run.seed, cfg.data.val_fraction)  # over every block id
+    sequence = BlockSequence(train_side, np.intersect1d(train_side, usable), cfg.run.seed, str(store.path))
+    val_ids = np.intersect1d(val_side, usable)
+    resume_from = latest_checkpoint(cfg.run.output) if cfg.run.resume else None
+    state = load_training_state(resume_from) if resume_from is not None else None
+    if state is not None:  # refused here, before the weights load, unless it continues exactly
+        resume_cursor(state.get("data") or {}, sequence, accelerator.num_processes, cfg.optim.grad_accum, str(resume_from))
+    heads = load_verifier_heads(verifier_name, store, mask.id)
+    d2t = build_draft_vocab(store.token_freq(), cfg.model.draft_vocab_size)
+    D = int(d2t.numel()) if d2t is not None else store.vocab_size
+    run = _start_run(cfg, accelerator, store, sequence, val_side, val_ids, trackers)
+    if run.resumed_from != resume_from:
+        raise RuntimeError(f"the latest checkpoint in {cfg.run.output} changed while the run started "
+                           f"({resume_from} -> {run.resumed_from}); is another run writing there?")
+    run.info.update(mask_token=mask.to_dict())
+    run.summary.update(draft_vocab_size=D, mask_token=mask.to_dict())
+    model, verifier_head = _drafter(cfg, heads, store, d2t, D, accelerator.device)
+    transform = LogitTransform.from_config(heads.config)
+    run.info.update(verifier_logit_transform={"scale": transform.scale, "softcap": transform.softcap})
+    del heads
+    if state is not None:
+        model.load_state_dict(load_drafter(resume_from).state_dict())
+        max_steps = int(state["max_steps"])  # the schedule's length, as the saved run computed it
+    else:
+        per_epoch = max(1, len(sequence.usable) // (cfg.optim.grad_accum * accelerator.num_processes))
+        max_steps = cfg.optim.max_steps if cfg.optim.max_steps is not None else per_epoch
+    trainer = Trainer(cfg, model, verifier_head, accelerator=accelerator, attention=attention, max_steps=max_steps,
+                      warmup=cfg.optim.warmup_steps, run=run, logit_transform=None if transform.identity else transform)
+    if state is not None:
+        trainer.load_state_dict(state)
+        if trainer.main:
+            run.metrics.truncate(trainer.step)
+    elif trainer.main and run.metrics.path.exists():
+        run.metrics.path.unlink()
+    if trainer.main:
+        run.metrics.start(_hparams(cfg, trainer, D, verifier_name, run), trainer.step, cfg.run.resume)
+    return trainer
+
+
+def _rank0_blocks(accelerator, usable: np.ndarray) -> np.ndarray:
+    """Rank 0's usable block ids on every rank (``[m] int64``): every rank must build the same block
+    sequence, and a store still being extracted may mark blocks done between the ranks' reads."""
+    if accelerator.num_processes == 1:
+        return usable
+    from accelerate.utils import broadcast_object_list
+
+    return np.asarray(broadcast_object_list([usable.tolist()], from_process=0)[0], dtype=np.int64)
+
+
+def _accelerator(cfg: TrainConfig, trackers: list[str]):
+    """The run's ``Accelerator``: bf16 autocast on CUDA; ``cpu=True`` without CUDA (a multi-process
+    launch then runs data-parallel on gloo, MULTI_CPU); its trackers under ``output/trackers``.
+
+    Raises:
+        MissingDependencyError: accelerate could not load every tracker of ``trackers``.
+    """
+    from accelerate import Accelerator
+
+    tracking = {"log_with": trackers, "project_dir": str(Path(cfg.run.output) / "trackers")} if trackers else {}
+    accelerator = Accelerator(mixed_precision="bf16" if torch.cuda.is_available() else "no",
+                              cpu=not torch.cuda.is_available(), **tracking)
+    if trackers and sorted(map(str, accelerator.log_with)) != sorted(trackers):
+        raise MissingDependencyError(f"accelerate {accelerator.log_with} could not load every tracker of "
+                                     f"--report-to {','.join(trackers)}; check that their packages import")
+    return accelerator
+
+
+def _drafter(cfg: TrainConfig, heads, store, d2t: torch.Tensor | None, D: int,
+             device) -> tuple[PEagleDrafter, torch.Tensor]:
+    """The drafter initialised from the verifier's heads (``torch.manual_seed(cfg.run.seed)`` first: the
+    init is the only draw of the global generator), and the verifier's ``[D, H]`` head rows on ``device``."""
+    torch.manual_seed(cfg.run.seed)
+    model = PEagleDrafter(build_drafter_config(heads, store, cfg, D))
+    model.init_from_verifier(heads.embed, heads.lm_head, d2t)
+    model.embed_tokens.weight.requires_grad_(cfg.optim.train_embedding)
+    return model, heads.lm_head[model.draft_ids].to(device)  # [D, H]
+
+
+def _hparams(cfg: TrainConfig, trainer: Trainer, D: int, verifier_name: str, run: TrainRun) -> dict[str, Any]:
+    """The trackers' hyper-parameters: the scalar settings and the run's derived sizes."""
+    hparams = {k: v for k, v in cfg.flat().items()
+               if k not in ("resume", "force") and isinstance(v, (bool, int, float, str))}
+    hparams.update(max_steps=trainer.max_steps, warmup_steps=trainer.warmup, draft_vocab_size=D,
+                   verifier=verifier_name, world_size=trainer.world, train_blocks=int(len(run.train_ids)),
+                   val_blocks=int(len(run.val_ids)))
+    return hparams
+
+
+def _start_run(cfg: TrainConfig, accelerator, store, sequence: BlockSequence, val_side: np.ndarray,
+               val_ids: np.ndarray, trackers) -> TrainRun:
+    """Warn about a large validation split, prepare the output directory (main rank), write
+    ``train_config.json`` and find the checkpoint to resume from."""
+    main = accelerator.is_main_process
+    note = val_split_warning(store.n_blocks, len(val_side), cfg.data.val_fraction)
+    if note and main:
+        print(f"warning: {note}", file=sys.stderr)
+    resume_from = prepare_output(cfg) if main else None
+    accelerator.wait_for_everyone()
+    if not main and cfg.run.resume:
+        resume_from = latest_checkpoint(cfg.run.output)
+    out = Path(cfg.run.output)
+    if main:
+        (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    # evaluation finds the held-out blocks by these: val_blocks is the whole validation side (global ids,
+    # extracted or not), so a block extracted after the run started is known held out
+    info = {"store": cfg.data.store, "stores": store_identities(store),
+            "tokenizer": store.attrs.get("tokenizer") or {},  # what the drafter's token ids mean (peagle-eval checks it)
+            "seed": cfg.run.seed, "val_fraction": cfg.data.val_fraction, "num_depths": cfg.model.num_depths,
+            "max_anchors": cfg.data.max_anchors, "down_sample_ratio": cfg.data.down_sample_ratio,
+            "down_sample_ratio_min": cfg.data.down_sample_ratio_min, "val_blocks": [int(i) for i in val_side]}
+    return TrainRun(store=store, sequence=sequence, val_ids=val_ids, output=out, info=info, summary={},
+                    metrics=MetricsLog(out / "metrics.jsonl", accelerator, trackers), resumed_from=resume_from)

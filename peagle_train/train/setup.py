@@ -1,0 +1,326 @@
+"""What a training run derives and checks before the Trainer is built (docs/design.md §8).
+
+Legend: H hidden size, V verifier vocab, D draft vocab, K ``num_depths``.
+
+The checks that need no weights (:func:`check_before_weights`, the ``--resume`` checks against the saved
+run), the verifier's heads, the draft vocab, the drafter's config and the output directory
+(:func:`prepare_output`). The verifier is loaded only for its ``embed_tokens`` and ``lm_head``
+weights; it is never run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from peagle_train.data.multistore import store_identities
+from peagle_train.model.checkpoint import (CONFIG_FILE, check_servable, drafter_config_json, latest_checkpoint,
+                                           load_training_state, rope_from_layer_config)
+from peagle_train.model.config import ROPE_TYPES, DrafterConfig
+from peagle_train.train.config import FIELD_DEFAULTS, TrainConfig, flat_settings
+from stores.errors import InputError, OutputExistsError, PeagleError, StoreMismatchError
+from stores.feature_store import check_layer_convention
+from stores.model_cache import load_verifier, model_fingerprint, resolve_model
+from stores.model_config import load_model_config, text_config
+from stores.verifier_match import check_store_verifier
+
+__all__ = [
+    "VerifierHeads",
+    "load_verifier_heads",
+    "build_draft_vocab",
+    "build_drafter_config",
+    "verifier_rope",
+    "val_split_warning",
+    "check_before_weights",
+    "prepare_output",
+    "resume_mismatch_message",
+]
+
+
+#: fields that must equal the saved ones for ``--resume`` to reproduce an uninterrupted run
+#: (``grad_accum`` may change with the number of processes: their product, the blocks of one step, may
+#: not; :func:`peagle_train.data.loader.resume_cursor` checks it)
+_RESUME_FIELDS = ("store", "max_steps", "num_depths", "down_sample_ratio", "down_sample_ratio_min",
+                  "max_anchors", "lr", "warmup_steps", "weight_decay", "seed",
+                  "draft_vocab_size", "num_layers", "val_fraction", "lazy_embedding", "grad_clip", "mask_token_id",
+                  "train_embedding")
+
+
+@dataclass
+class VerifierHeads:
+    """What training takes from the verifier.
+
+    Attributes:
+        name_or_path: the MODEL argument.
+        config: the verifier's transformers config.
+        embed: ``[V, H] float32`` input embeddings.
+        lm_head: ``[V, H] float32`` output projection (its final norm is already in the stored
+            ``final_hidden``).
+        mask_token_id: token fed at depth > 0.
+    """
+
+    name_or_path: str
+    config: Any
+    embed: torch.Tensor
+    lm_head: torch.Tensor
+    mask_token_id: int
+
+
+def load_verifier_heads(name: str, store, mask_token_id: int) -> VerifierHeads:
+    """Load the verifier's embeddings and lm_head and check them against the store.
+
+    ``mask_token_id`` is recorded as is (chosen before the weights load, see
+    :func:`peagle_train.model.mask_token.resolve_mask_token`).
+
+    Raises:
+        StoreMismatchError: the verifier's content fingerprint, tokenizer, hidden size or vocab size
+            differs from the store's (:func:`stores.verifier_match.check_store_verifier`).
+        ModelNotFoundError / MissingDependencyError: from :func:`stores.model_cache.resolve_model`.
+    """
+    check_store_verifier(store, name)
+    model = load_verifier(name, dtype=torch.float32, device="cpu")
+    cfg = model.config.get_text_config()  # a multimodal wrapper's language model
+    _check_verifier_shape(name, cfg, store)
+    embed = model.get_input_embeddings().weight.detach().float().clone()  # [V, H]
+    lm_head = model.get_output_embeddings().weight.detach().float().clone()  # [V, H]
+    del model
+    return VerifierHeads(name_or_path=str(name), config=cfg, embed=embed, lm_head=lm_head,
+                         mask_token_id=int(mask_token_id))
+
+
+def build_draft_vocab(token_freq: np.ndarray, draft_vocab_size: int | None) -> torch.Tensor | None:
+    """The draft vocab as ``d2t [D] int64`` offsets (``target_id = draft_id + d2t[draft_id]``).
+
+    With ``draft_vocab_size`` N: the N most frequent tokens of ``token_freq [V] int64`` (ties broken
+    by the smaller id), sorted by id, as in EAGLE-3's frequency-based draft vocabulary
+    (arXiv:2503.01840). None: the verifier's vocab (returns None).
+
+    Raises:
+        InputError: N larger than V.
+    """
+    if draft_vocab_size is None:
+        return None
+    freq = np.asarray(token_freq, dtype=np.int64)
+    V = freq.size
+    if draft_vocab_size > V:
+        raise InputError(f"--draft-vocab-size {draft_vocab_size} exceeds the verifier vocab size {V}")
+    order = np.lexsort((np.arange(V), -freq))  # by count desc, then id asc
+    ids = np.sort(order[:draft_vocab_size])
+    return torch.from_numpy(ids - np.arange(draft_vocab_size)).to(torch.int64)  # [D]
+
+
+def verifier_rope(text_config) -> dict[str, Any]:
+    """The verifier's RoPE as the drafter takes it: flat ``rope_parameters`` (a per-layer-type RoPE,
+    e.g. Gemma-3's, collapses to its sliding layers' entry, and ``partial_rotary_factor`` is dropped
+    since the drafter rotates whole heads: both as speculators 0.9 builds a drafter)."""
+    rope = rope_from_layer_config(text_config.to_dict())
+    rope.pop("partial_rotary_factor", None)
+    return rope
+
+
+def build_drafter_config(heads: VerifierHeads, store, cfg: TrainConfig, draft_vocab_size: int) -> DrafterConfig:
+    """A :class:`DrafterConfig` mirroring the verifier's config, its RoPE included (type, scaling, theta).
+
+    Raises:
+        ValueError: a verifier RoPE the drafter cannot compute (``dynamic``, ``longrope``).
+    """
+    vc = heads.config.get_text_config()
+    H = int(vc.hidden_size)
+    nh = int(vc.num_attention_heads)
+    rope = verifier_rope(vc)
+    theta = float(rope["rope_theta"])
+    return DrafterConfig(
+        hidden_size=H, intermediate_size=int(vc.intermediate_size), num_attention_heads=nh,
+        num_key_value_heads=int(getattr(vc, "num_key_value_heads", None) or nh),
+        head_dim=int(getattr(vc, "head_dim", None) or H // nh), vocab_size=int(vc.vocab_size),
+        draft_vocab_size=draft_vocab_size, aux_layer_ids=list(store.layers), num_hidden_layers=cfg.model.num_layers,
+        rms_norm_eps=float(getattr(vc, "rms_norm_eps", 1e-5)), rope_theta=theta, rope_parameters=rope,
+        max_position_embeddings=int(getattr(vc, "max_position_embeddings", 8192)),
+        mask_token_id=heads.mask_token_id, num_depths=cfg.model.num_depths,
+        hidden_act="silu",  # the MLP trains from scratch; vLLM's EAGLE-3 drafter MLP computes only silu
+        verifier_name_or_path=heads.name_or_path,
+        verifier_architectures=list(getattr(heads.config, "architectures", None) or ["LlamaForCausalLM"]),
+    )
+
+
+def val_split_warning(n_blocks: int, n_val: int, val_fraction: float) -> str | None:
+    """A warning when the validation split holds out more than twice ``val_fraction`` of the blocks.
+
+    :func:`peagle_train.data.loader.split_blocks` holds out at least one block of a store with two or more
+    (1 of 2 blocks is 50% for ``--val-fraction 0.05``); that is kept, and said. None otherwise.
+    """
+    if n_val == 0 or n_val <= 2 * val_fraction * n_blocks:
+        return None
+    return (f"holding out {n_val} of {n_blocks} blocks ({100 * n_val / n_blocks:.0f}%) for validation, more than "
+            f"--val-fraction {val_fraction:g} asks, because at least one block is held out; train on "
+            f"{n_blocks - n_val}, or pass --val-fraction 0 to train on all {n_blocks} (no validation)")
+
+
+def _saved_settings(cfg: TrainConfig) -> tuple[Path | None, Path, dict[str, Any] | None]:
+    """``(latest checkpoint, OUTPUT/train_config.json, the saved settings by field name)``: the file, else
+    (deleted) the ``train_config`` the checkpoint's ``training_state.pt`` holds, grouped or (a run saved
+    before the grouping) flat (:func:`peagle_train.train.config.flat_settings`); None without a checkpoint."""
+    out = Path(cfg.run.output)
+    ckpt = latest_checkpoint(out)
+    saved = out / "train_config.json"
+    if ckpt is None:
+        return None, saved, None
+    if saved.is_file():
+        return ckpt, saved, flat_settings(json.loads(saved.read_text()))
+    old = load_training_state(ckpt).get("train_config")
+    if old is None:
+        raise InputError(f"--resume: {saved} is missing and {ckpt} records no settings, so this run cannot be "
+                         "checked against the saved one; start over with --force", field="--resume")
+    return ckpt, saved, flat_settings(old)
+
+
+def _check_resume_settings(cfg: TrainConfig) -> Path | None:
+    """``--resume``: the latest checkpoint in ``--output`` (or None); InputError when the saved
+    run's settings differ from ``cfg`` in a field that must not change."""
+    ckpt, saved, old = _saved_settings(cfg)
+    if old is not None:
+        new = cfg.flat()
+        old = {k: old.get(k, FIELD_DEFAULTS[k]) for k in _RESUME_FIELDS}  # a run saved before a field existed
+        diff = {k: (old[k], new[k]) for k in _RESUME_FIELDS if old[k] != new[k]}
+        if diff:
+            raise InputError(resume_mismatch_message(saved, diff), field="--resume")
+    return ckpt
+
+
+def _check_resume_verifier(cfg: TrainConfig, store, verifier_name: str) -> None:
+    """``--resume`` with another verifier than the saved run's (``--verifier``, default the store's) is
+    refused unless both names resolve to one model (the same content fingerprint)."""
+    _, saved, old = _saved_settings(cfg)
+    if old is None:
+        return
+    before = old.get("verifier") or store.attrs.get("verifier", {}).get("name_or_path")
+    if before is None or before == verifier_name:
+        return
+    try:
+        same = model_fingerprint(resolve_model(before)) == model_fingerprint(resolve_model(verifier_name))
+    except PeagleError:  # the saved verifier cannot be found any more
+        same = False
+    if not same:
+        raise InputError(resume_mismatch_message(saved, {"verifier": (before, verifier_name)}), field="--resume")
+
+
+_STORE_IDENTITY = ("source", "shard", "n_blocks", "layers", "verifier_fingerprint")
+"""The keys of :func:`peagle_train.data.multistore.store_identity` a resumed run's stores must keep."""
+
+
+def _check_resume_stores(cfg: TrainConfig, store) -> None:
+    """``--resume``: each store holds the data the saved run trained on (the identities its newest
+    checkpoint records, ``peagle_training.stores``), not a store extracted anew at the same path.
+
+    Raises:
+        StoreMismatchError: names the store, the checkpoint, the key and both values.
+    """
+    ckpt = latest_checkpoint(cfg.run.output)
+    if ckpt is None or not (ckpt / CONFIG_FILE).is_file():
+        return
+    saved = json.loads((ckpt / CONFIG_FILE).read_text()).get("peagle_training", {}).get("stores") or []
+    for old, new in zip(saved, store_identities(store)):
+        for key in (k for k in _STORE_IDENTITY if k in old and old[k] != new.get(k)):
+            raise StoreMismatchError(
+                f"--resume: {new['path']} is not the store the saved run trained on ({ckpt}): its {key} is "
+                f"{new.get(key)!r}, the run's was {old[key]!r}; resume with the run's store, or start a new run "
+                "(a new --output, or --force)")
+
+
+def resume_mismatch_message(saved: Path, diff: dict[str, tuple[Any, Any]]) -> str:
+    """The ``--resume`` refusal: which settings differ from ``saved`` (train_config.json), the command that
+    resumes, the options that may change on resume, and why ``--max-steps`` may not (docs/design.md §8)."""
+    free = [f"--{name.replace('_', '-')}" for name in FIELD_DEFAULTS
+            if name not in (*_RESUME_FIELDS, "output", "verifier", "resume", "force", "grad_accum")]
+    free.append("--grad-accum (keeping --grad-accum × processes)")
+    given = "; ".join(f"--{k.replace('_', '-')}: saved {a!r}, given {b!r}" for k, (a, b) in diff.items())
+    message = (f"--resume continues the run saved in {saved.parent} with its own settings, and these differ "
+               f"from it: {given}. Resume it with: peagle-train --config {saved} --resume (adding only options "
+               f"that may change on resume: {', '.join(free)})")
+    if "max_steps" in diff:
+        message += (". --max-steps cannot change on resume: it is the length of the cosine learning-rate "
+                    "schedule, so the resumed run would no longer be the saved run continued; to train longer, "
+                    "start a new run (a new --output, or --force)")
+    return message
+
+
+def prepare_output(cfg: TrainConfig) -> Path | None:
+    """Create or check the output directory; return the checkpoint to resume from, if any."""
+    out = Path(cfg.run.output)
+    if cfg.run.resume:
+        ckpt = _check_resume_settings(cfg)
+        out.mkdir(parents=True, exist_ok=True)
+        return ckpt
+    if out.exists() and any(out.iterdir()):
+        if not cfg.run.force:
+            raise OutputExistsError(str(out), "pass --resume to continue it or --force to overwrite it")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return None
+
+
+def check_before_weights(cfg: TrainConfig, store, verifier_name: str) -> None:
+    """Every check that needs only the options, the store, the file system and the verifier's config,
+    run before the verifier's weights load (docs/design.md §2).
+
+    Raises:
+        OutputExistsError: ``--output`` holds files and neither ``--resume`` nor ``--force`` is given.
+        InputError: ``--draft-vocab-size`` exceeds the store's vocab; ``--resume`` with settings that
+            differ from the saved run, another verifier among them (compared by content fingerprint
+            when the names differ).
+        StoreMismatchError: ``--resume`` with a store other than the saved run's under its path
+            (packed table, shard, block count, layers or verifier fingerprint).
+        StoreMismatchError: the verifier's config has another hidden or vocab size than the store, or
+            the verifier is not the store's (content fingerprint, or the tokenizer the store's ids were
+            made with: :func:`stores.verifier_match.check_store_verifier`).
+        InputError: a verifier RoPE the drafter cannot compute (``dynamic``, ``longrope``); a drafter
+            vLLM could not serve as trained (:func:`peagle_train.model.checkpoint.vllm_problems`: aux layers
+            not increasing, an activation other than silu, ...).
+        StoreFormatError: a store whose aux layer L is the normed final state (extracted by an older
+            peagle: :func:`stores.feature_store.check_layer_convention`).
+    """
+    out = Path(cfg.run.output)
+    if not (cfg.run.resume or cfg.run.force) and out.exists() and any(out.iterdir()):
+        raise OutputExistsError(str(out), "pass --resume to continue it or --force to overwrite it")
+    if cfg.run.resume:
+        _check_resume_settings(cfg)
+        _check_resume_verifier(cfg, store, verifier_name)
+        _check_resume_stores(cfg, store)
+    if cfg.model.draft_vocab_size is not None and cfg.model.draft_vocab_size > store.vocab_size:
+        raise InputError(f"--draft-vocab-size {cfg.model.draft_vocab_size} exceeds the verifier vocab size "
+                         f"{store.vocab_size} (store {store.path})", field="--draft-vocab-size")
+    for one in getattr(store, "stores", [store]):  # a StoreSet's stores, or the store
+        check_layer_convention(one.attrs, str(one.path))
+    config = load_model_config(verifier_name)
+    vc = text_config(config)
+    _check_verifier_shape(verifier_name, vc, store)
+    for s in getattr(store, "stores", [store]):  # each store of a StoreSet
+        check_store_verifier(s, verifier_name)
+    rope = verifier_rope(vc)
+    if rope["rope_type"] not in ROPE_TYPES:
+        raise InputError(f"verifier {verifier_name!r} uses RoPE type {rope['rope_type']!r}, whose frequencies "
+                         f"change with the sequence length; the drafter supports {', '.join(ROPE_TYPES)}",
+                         field="--verifier")
+    # the config.json this run will write (the mask token is chosen later; any id stands for it here)
+    planned = build_drafter_config(SimpleNamespace(config=config, name_or_path=verifier_name, mask_token_id=0),
+                                   store, cfg, cfg.model.draft_vocab_size or store.vocab_size)
+    check_servable(drafter_config_json(planned), None,
+                   f"peagle-train on {store.path} (layers {list(store.layers)}, verifier {verifier_name!r})")
+
+
+def _check_verifier_shape(name: str, text_cfg, store) -> None:
+    """Raise :class:`StoreMismatchError` unless the verifier's (language model's) ``hidden_size`` and
+    ``vocab_size`` are the store's."""
+    H, V = int(text_cfg.hidden_size), int(text_cfg.vocab_size)
+    if H != store.hidden_size or V != store.vocab_size:
+        raise StoreMismatchError(
+            f"verifier {name!r} has hidden_size {H} and vocab_size {V}, but the store {store.path} was "
+            f"extracted with hidden_size {store.hidden_size} and vocab_size {store.vocab_size} "
+            f"(verifier {store.attrs['verifier'].get('name_or_path')!r}); pass --verifier with that model")

@@ -1,0 +1,184 @@
+"""Drafters trained by the pipeline, served by a real vLLM engine on the real SmolLM2 verifier.
+
+One small pipeline (16 ShareGPT conversations, first window of 256 tokens) is packed once; stores of
+3 (``2,15,27``, EAGLE-3's default), 2 (``15,30``) and 4 (``2,15,27,30``) aux layers are extracted
+from it (30 = L: the last decoder layer's output before the final norm, as vLLM feeds it), and a
+drafter is trained on each (K = 3, a few dozen steps). vLLM runs in a subprocess script with a
+``__main__`` guard (it spawns its engine process): once without a drafter, then once per case,
+loading the drafter either way users do:
+
+| case | aux layers | draft vocab | loading |
+|---|---|---|---|
+| ``3aux-reduced`` | 2, 15, 27 | 2,048 | ``speculative_config`` (and ``speculators`` through ``peagle-eval --engine vllm``) |
+| ``3aux-full`` | 2, 15, 27 | 49,152 | ``speculators`` (``LLM(model=final/)``, verifier from ``speculators_config``) |
+| ``2aux-reduced`` | 15, 30 | 2,048 | ``speculative_config`` |
+| ``4aux-reduced`` | 2, 15, 27, 30 | 2,048 | ``speculators`` |
+
+Each case asserts (a) vLLM's greedy output with the drafter equals its output without it, token for
+token, and (b) vLLM's counters equal peagle's speculative decoding of the same request token ids, step
+by step: vLLM drafts K at every step and counts acceptances the output then cuts (at
+``max_new_tokens`` or an EOS), peagle drafts ``min(K, left - 1)`` and counts only what is emitted, so
+peagle's accepted count of each step is ``min(vLLM's, peagle's drafted)``; and vLLM's global counters
+(``llm.get_metrics()``) are the sums of its per-step counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[3]
+K = 3
+MAX_NEW_TOKENS = 32
+NUM_PROMPTS = 3
+STEPS = 40
+CASES = {  # name: (store, draft vocab or None for the full vocab, loading)
+    "3aux-reduced": ("s3", 2048, "speculative_config"),
+    "3aux-full": ("s3", None, "speculators"),
+    "2aux-reduced": ("s2", 2048, "speculative_config"),
+    "4aux-reduced": ("s4", 2048, "speculators"),
+}
+STORES = {"s3": "2,15,27", "s2": "15,30", "s4": "2,15,27,30"}
+
+SCRIPT = '''
+import json, sys, time
+from peagle_train.evaluate.config import EvalConfig
+from peagle_train.evaluate.vllm_engine import vllm_reference, vllm_speculative
+
+if __name__ == "__main__":  # vLLM spawns its engine process: the script must be importable without running
+    job = json.load(open(sys.argv[1]))
+    settings = dict(max_new_tokens=job["max_new_tokens"], num_prompts=job["num_prompts"], engine="vllm",
+                    concurrency=1)
+    t0 = time.perf_counter()
+    ref = vllm_reference("smollm2-135m", job["prompts"], EvalConfig(**settings))
+    out = {"requests": ref.requests, "keys": [[ref.prompts[i].prompt_id, t] for i, t in ref.order],
+           "plain": ref.plain.tokens, "plain_start_s": ref.plain.start_s,
+           "reference_s": time.perf_counter() - t0, "cases": {}}
+    for name, (drafter, loading) in job["cases"].items():
+        t = time.perf_counter()
+        report = vllm_speculative(ref, drafter, EvalConfig(**settings, vllm_loading=loading))
+        out["cases"][name] = {**report, "case_s": time.perf_counter() - t}
+    json.dump(out, open(sys.argv[2], "w"), default=str)
+'''
+
+
+def _run(cmd, args):
+    result = CliRunner().invoke(cmd, [str(a) for a in args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """Pack, extract, train every case's drafter, then run the vLLM script once; returns
+    ``(work dir, {case: drafter final/}, vLLM's results)``."""
+    from cli.data import main as data_main
+    from cli.train import main as train_main
+
+    work = tmp_path_factory.mktemp("served")
+    _run(data_main, ["pack", "sharegpt", "--tokenizer", "smollm2-135m", "--output", work / "packed", "--limit", 16,
+                     "--max-seq-len", 256, "--max-windows", 1])
+    for store, layers in STORES.items():
+        _run(data_main, ["extract", work / "packed", "--verifier", "smollm2-135m", "--output", work / f"{store}.zarr",
+                         "--layers", layers])
+    drafters = {}
+    for name, (store, vocab, _) in CASES.items():
+        _run(train_main, ["--store", work / f"{store}.zarr", "--output", work / name, "--max-steps", STEPS,
+                          "--num-depths", K, "--val-fraction", 0, *(["--draft-vocab-size", vocab] if vocab else [])])
+        drafters[name] = work / name / "final"
+    job = {"prompts": str(REPO / "examples" / "prompts.jsonl"), "max_new_tokens": MAX_NEW_TOKENS,
+           "num_prompts": NUM_PROMPTS, "cases": {n: [str(drafters[n]), CASES[n][2]] for n in CASES}}
+    (work / "job.json").write_text(json.dumps(job))
+    (work / "serve.py").write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}  # no hub
+    proc = subprocess.run([sys.executable, str(work / "serve.py"), str(work / "job.json"), str(work / "out.json")],
+                          env=env, cwd=work, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return work, drafters, json.loads((work / "out.json").read_text())
+
+
+def _peagle_steps(drafter_dir, requests):
+    """peagle's own speculative decoding of each request (float32, K drafts): GenerationResults."""
+    from peagle_train.model.checkpoint import load_drafter
+    from peagle_train.evaluate.prompts import eos_ids
+    from peagle_train.evaluate.speculative import speculative_generate
+    from stores.model_cache import load_tokenizer, load_verifier
+
+    verifier = load_verifier("smollm2-135m", dtype=torch.float32, device="cpu")
+    drafter = load_drafter(drafter_dir).eval()
+    eos = eos_ids(load_tokenizer("smollm2-135m"), verifier)
+    return [speculative_generate(verifier, drafter, ids, MAX_NEW_TOKENS, K, eos) for ids in requests]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_vllm_serves_the_drafter_exactly(served, case):
+    work, drafters, out = served
+    report = out["cases"][case]
+    # the drafter loaded as trained: the layers peagle wrote, the loading asked for, K drafts a step
+    cfg = json.loads((drafters[case] / "config.json").read_text())
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [int(x) for x in STORES[CASES[case][0]].split(",")]
+    assert report["loading"] == CASES[case][2] and report["num_draft_tokens"] == K
+    # (a) token for token vLLM's own greedy output
+    assert report["identical_to_greedy"] is True and report["mismatches"] == []
+    assert [p["identical_to_greedy"] for p in report["per_prompt"]] == [True] * len(out["requests"])
+    # vLLM's global counters are the sums of its per-request, per-step counts
+    by_key = {(p["prompt_id"], p["turn"]): p for p in report["per_prompt"]}
+    steps = [by_key[(pid, turn)]["vllm_steps"] for pid, turn in out["keys"]]  # in request order
+    assert report["num_drafts"] == sum(len(s["accepted"]) for s in steps)
+    assert report["drafted"] == sum(sum(s["drafted"]) for s in steps) == K * report["num_drafts"]
+    assert report["accepted"] == sum(sum(s["accepted"]) for s in steps)
+    assert report["per_position_accepted"] == [sum(a > i for s in steps for a in s["accepted"]) for i in range(K)]
+    # (b) step by step, the counts of peagle's own speculative decoding of the same requests
+    ours = _peagle_steps(drafters[case], out["requests"])
+    for r, (mine, theirs, plain) in enumerate(zip(ours, steps, out["plain"])):
+        assert mine.tokens == plain, r  # transformers and vLLM agree on the greedy output
+        assert len(mine.accepted_per_step) == len(theirs["accepted"]), r
+        assert mine.accepted_per_step == [min(a, k) for a, k in zip(theirs["accepted"], mine.drafted_per_step)], r
+    drafting = sum(1 for m in ours for k in m.drafted_per_step if k > 0)  # peagle's num_drafts
+    if case == "3aux-reduced":  # peagle-eval itself (its own plain answers as turn-2 history) counts the same
+        from peagle_train.evaluate.online import run_online_eval
+
+        mine = run_online_eval(drafters[case], "smollm2-135m", REPO / "examples" / "prompts.jsonl",
+                               max_new_tokens=MAX_NEW_TOKENS, num_prompts=NUM_PROMPTS, num_draft_tokens=K)
+        assert mine["identical_to_greedy"] and mine["num_drafts"] == drafting
+        assert mine["accepted"] == sum(m.accepted for m in ours) and mine["drafted"] == sum(m.drafted for m in ours)
+        assert [p["text"] for p in mine["per_prompt"]] == [p["text"] for p in report["per_prompt"]]
+    per_pos = [sum(a > i for m in ours for a in m.accepted_per_step) for i in range(K)]
+    print(f"{case}: vLLM AL {report['acceptance_length']:.3f}, accepted per position {report['per_position_accepted']} "
+          f"of {report['num_drafts']} drafts; peagle AL {1 + sum(m.accepted for m in ours) / drafting:.3f}, {per_pos} "
+          f"of {drafting}; engine start {report['engine_start_s']['speculative']:.0f} s, case {report['case_s']:.0f} s")
+
+
+def test_peagle_eval_engine_vllm_reports_vllms_figures(served):
+    """``peagle-eval --engine vllm`` (speculators loading, ``vllm serve final/``'s path) on the
+    3aux-reduced drafter: the report, plot and counters of the script's native-loading run."""
+    work, drafters, out = served
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
+    report_path = work / "eval.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "cli.eval", "--drafter", str(drafters["3aux-reduced"]), "--prompts",
+         str(REPO / "examples" / "prompts.jsonl"), "--num-prompts", str(NUM_PROMPTS), "--max-new-tokens",
+         str(MAX_NEW_TOKENS), "--engine", "vllm", "--vllm-loading", "speculators", "--concurrency", "2",
+         "--output", str(report_path)], env=env, cwd=work, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    report = json.loads(report_path.read_text())
+    assert (work / "eval.png").stat().st_size > 0
+    native = out["cases"]["3aux-reduced"]
+    assert report["engine"] == "vllm" and report["loading"] == "speculators" and report["identical_to_greedy"]
+    for key in ("num_drafts", "drafted", "accepted", "per_position_accepted", "acceptance_length"):
+        assert report[key] == native[key], key  # both loadings serve the same drafter the same way
+    assert [p["vllm_steps"] for p in report["per_prompt"]] == [p["vllm_steps"] for p in native["per_prompt"]]
+    assert set(report["throughput"]) == {"1", "2"}
+    for c in ("1", "2"):
+        t = report["throughput"][c]
+        assert t["plain"] > 0 and t["speculative"] > 0 and t["speedup"] == t["speculative"] / t["plain"]
+    assert all("<|im_end|>" not in p["text"] for p in report["per_prompt"])
