@@ -1,27 +1,5 @@
-"""Every on-disk format of peagle: token tables, the feature store, the model cache.
+"""Every on-disk format of peagle: token tables, the feature store, the model cache (docs/design.md §2).
 
-This package imports nothing else of peagle; ``peagle_data`` writes through it and
-``peagle_train`` reads through it.
+This package imports nothing else of peagle; ``peagle_data`` writes through it and ``peagle_train``
+reads through it. The error types every package raises are in :mod:`stores.errors`.
 """
-
-from stores.errors import (
-    InputError,
-    MissingDependencyError,
-    ModelNotFoundError,
-    OutputExistsError,
-    DiskSpaceError,
-    PeagleError,
-    StoreFormatError,
-    StoreMismatchError,
-)
-
-__all__ = [
-    "InputError",
-    "MissingDependencyError",
-    "ModelNotFoundError",
-    "OutputExistsError",
-    "DiskSpaceError",
-    "PeagleError",
-    "StoreFormatError",
-    "StoreMismatchError",
-]
