@@ -1,7 +1,8 @@
 """``peagle-data``: regenerate, tokenize, pack, extract, inspect, verify, stats, show, merge.
 
 A subcommand's module is imported when the subcommand runs, so ``peagle-data tokenize`` does not
-import torch (the extract and verify modules do: their configs live beside torch code).
+import torch (extract, inspect, verify and stats do: they read feature stores, whose module imports
+torch at its top).
 """
 
 from __future__ import annotations
