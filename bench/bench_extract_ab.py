@@ -28,7 +28,12 @@ from stores.token_tables import TokenTable
 
 
 def _load_old(old: Path):
-    spec = importlib.util.spec_from_file_location("old_extract", old / "peagle_data" / "extract.py")
+    # the forward's module: peagle_data/extract/hf_forward.py since the stage folders, extract.py before
+    path = next((p for p in (old / "peagle_data" / "extract" / "hf_forward.py", old / "peagle_data" / "extract.py")
+                 if p.is_file()), None)
+    if path is None:
+        raise SystemExit(f"--old {old}: neither peagle_data/extract/hf_forward.py nor peagle_data/extract.py")
+    spec = importlib.util.spec_from_file_location("old_extract", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules["old_extract"] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
