@@ -19,7 +19,7 @@ bench = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = bench  # dataclasses look their module up
 spec.loader.exec_module(bench)
 
-SYSTEM_LEN, W, LAYERS = 6, 40, [1, 2, 4]  # 4 = L: the pre-norm output of the last layer
+SYSTEM_LEN, W, LAYERS = 6, 40, [0, 1, 2, 4]  # 0: embeddings; 4 = L: the pre-norm output of the last layer
 
 
 def conversation() -> tuple[np.ndarray, np.ndarray]:
@@ -46,7 +46,7 @@ def test_first_window_agrees_and_later_window_is_measured_at_its_supervised_toke
     # supervised tokens 15..29 and 38..39 of the window -> positions t - 1: 14..28, 37, 38
     assert first.positions.tolist() == list(range(14, 29)) + [37, 38]
     assert not first.argmax_differs.any() and np.abs(first.kl).max() < 1e-9
-    assert first.cosine.shape == (17, 4) and first.cosine.min() > 1 - 1e-6
+    assert first.cosine.shape == (17, 5) and first.cosine.min() > 1 - 1e-6
 
     later = windows[1]  # prefix 0..5, body tokens 23..56 of the conversation; 40..51 newly supervised
     assert later.loss_mask.sum() == 12  # skip: 38..39 were supervised by window 0
@@ -63,4 +63,11 @@ def test_first_window_agrees_and_later_window_is_measured_at_its_supervised_toke
     np.testing.assert_allclose(c.kl, kl, rtol=1e-4, atol=1e-7)
     assert c.kl.min() > 1e-6  # the missing context changes every target here
     assert c.argmax_differs.tolist() == (lp_full[c.positions].argmax(-1) != lp_win[local].argmax(-1)).tolist()
-    assert c.cosine[:, 0].min() < 1 - 1e-4 and c.cosine.max() < 1.0 + 1e-6
+    # the same tokens: equal embeddings (layer 0), context-dependent states from layer 1 on
+    assert c.cosine[:, 0].min() > 1 - 1e-6 and c.cosine[:, 1].min() < 1 - 1e-4 and c.cosine.max() < 1 + 1e-6
+
+    # keep: the window's first body token (conversation token 23, after the prefix) is supervised;
+    # it is compared where serving predicts it, conversation position 22, not the prefix's last (5)
+    kept = make_windows(ids, mask, SYSTEM_LEN, W, overlap_loss="keep")[1]
+    k = bench.compare_window(tiny_verifier, ids, full, kept, SYSTEM_LEN, LAYERS)
+    assert k.positions.tolist() == list(range(22, 29)) + list(range(37, 51))
