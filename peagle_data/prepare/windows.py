@@ -59,8 +59,8 @@ class Window:
         loss_mask: uint8 ``[n]``.
         position_ids: int32 ``[n]``, ``0..n-1``.
         index: the window's place among the conversation's candidate windows (0-based).
-        body_start: token offset in the conversation of the window's first body token
-            (0 for a conversation that fits whole).
+        body_start: offset of the window's first body token from the body's start (the
+            conversation token ``system_len + body_start``; 0 for a conversation that fits whole).
     """
 
     input_ids: np.ndarray
