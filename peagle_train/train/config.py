@@ -76,6 +76,15 @@ class ModelConfig:
     """Token fed at depth > 0; must never occur as a supervised token in the store (``--mask-token-id``);
     None: an unused special or reserved token, chosen by :func:`peagle_train.model.mask_token.choose_mask_token`
     (see the README)."""
+    init_from: str | None = None
+    """Start from this drafter instead of a fresh one (``--init-from``): a peagle checkpoint (or training
+    output: its ``final/``, else its newest ``checkpoint-N/``), a speculators P-EAGLE or EAGLE-3 checkpoint, or
+    a native vLLM-layout one (:mod:`peagle_train.model.warm_start`). Checked against the store and the
+    verifier before any weights load; its draft vocab and mask token are the run's. Not a resume: a new
+    optimizer and schedule from step 0. A run records the checkpoint directory here."""
+    init_from_sha256: str | None = None
+    """sha256 of the ``--init-from`` drafter's ``model.safetensors`` (``--init-from-sha256``): recorded by
+    the run; when given, a drafter with other weights is refused."""
     attention_backend: str = "auto"
     """Drafter attention backend (``--attention-backend``), a name of
     :data:`peagle_train.model.attention.ATTENTION_BACKENDS` (``sdpa``: dense mask; ``flex``: flex_attention
@@ -89,6 +98,8 @@ class ModelConfig:
         _need(self.num_layers >= 1, "--num-layers", ">= 1", self.num_layers)
         _need(self.mask_token_id is None or self.mask_token_id >= 0, "--mask-token-id", ">= 0 when set",
               self.mask_token_id)
+        _need(self.init_from_sha256 is None or self.init_from is not None, "--init-from-sha256",
+              "given with --init-from", self.init_from_sha256)
         _need(self.attention_backend in ATTENTION_CHOICES, "--attention-backend",
               f"one of {', '.join(ATTENTION_CHOICES)}", self.attention_backend)
 

@@ -38,11 +38,12 @@ from peagle_train.model.attention import resolve_attention_backend
 from peagle_train.model.checkpoint import latest_checkpoint, load_drafter, load_training_state
 from peagle_train.model.drafter import PEagleDrafter
 from peagle_train.model.mask_token import resolve_mask_token
+from peagle_train.model.warm_start import InitSource, load_init_weights
 from peagle_train.train.config import TrainConfig
 from peagle_train.train.loss import LogitTransform
 from peagle_train.train.metrics import MetricsLog, resolve_trackers
 from peagle_train.train.setup import (build_draft_vocab, build_drafter_config, check_before_weights,
-                                      load_verifier_heads, prepare_output, val_split_warning)
+                                      load_verifier_heads, prepare_output, resolve_init_from, val_split_warning)
 from peagle_train.train.trainer import Trainer, TrainRun
 from stores.errors import MissingDependencyError
 
@@ -91,8 +92,10 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     store = open_stores(cfg.data.store)  # several stores: one StoreSet, a validation split per store
     usable = usable_blocks(store, cfg.data.allow_incomplete)
     verifier_name = cfg.model.verifier or store.attrs["verifier"]["name_or_path"]
-    check_before_weights(cfg, store, verifier_name)
-    mask = resolve_mask_token(verifier_name, store, cfg.model.mask_token_id)  # InputError before the weights load
+    cfg, init = resolve_init_from(cfg)  # the --init-from drafter's config and maps, no weights
+    check_before_weights(cfg, store, verifier_name, init)
+    mask_id = init.mask_token_id if init is not None and init.mask_token_id is not None else cfg.model.mask_token_id
+    mask = resolve_mask_token(verifier_name, store, mask_id)  # InputError before the weights load
     accelerator = _accelerator(cfg, trackers)
     usable = _rank0_blocks(accelerator, usable)
     train_side, val_side = split_per_store(store, cfg.run.seed, cfg.data.val_fraction)  # over every block id
@@ -103,15 +106,22 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     if state is not None:  # refused here, before the weights load, unless it continues exactly
         resume_cursor(state.get("data") or {}, sequence, accelerator.num_processes, cfg.optim.grad_accum, str(resume_from))
     heads = load_verifier_heads(verifier_name, store, mask.id)
-    d2t = build_draft_vocab(store.token_freq(), cfg.model.draft_vocab_size)
-    D = int(d2t.numel()) if d2t is not None else store.vocab_size
+    if init is not None:  # the drafter's draft vocab (check_init_source: --draft-vocab-size agrees with it)
+        d2t, D = init.d2t, init.config.draft_vocab_size
+    else:
+        d2t = build_draft_vocab(store.token_freq(), cfg.model.draft_vocab_size)
+        D = int(d2t.numel()) if d2t is not None else store.vocab_size
     run = _start_run(cfg, accelerator, store, sequence, val_side, val_ids, trackers)
     if run.resumed_from != resume_from:
         raise RuntimeError(f"the latest checkpoint in {cfg.run.output} changed while the run started "
                            f"({resume_from} -> {run.resumed_from}); is another run writing there?")
     run.info.update(mask_token=mask.to_dict())
     run.summary.update(draft_vocab_size=D, mask_token=mask.to_dict())
-    model, verifier_head = _drafter(cfg, heads, store, d2t, D, accelerator.device)
+    if cfg.model.init_from is not None:  # a warm start, or the resume of one: the drafter it started from
+        record = _saved_init_record(resume_from) if resume_from is not None else init.record()
+        run.info.update(init_from=record)
+        run.summary.update(init_from=record)
+    model, verifier_head = _drafter(cfg, heads, store, d2t, D, accelerator.device, init)
     transform = LogitTransform.from_config(heads.config)
     run.info.update(verifier_logit_transform={"scale": transform.scale, "softcap": transform.softcap})
     del heads
@@ -162,13 +172,25 @@ def _accelerator(cfg: TrainConfig, trackers: list[str]):
     return accelerator
 
 
+def _saved_init_record(checkpoint) -> dict[str, Any] | None:
+    """The ``peagle_training.init_from`` record of a resumed run's checkpoint (None: none there)."""
+    path = Path(checkpoint) / "config.json" if checkpoint is not None else None
+    if path is None or not path.is_file():
+        return None
+    return json.loads(path.read_text()).get("peagle_training", {}).get("init_from")
+
+
 def _drafter(cfg: TrainConfig, heads, store, d2t: torch.Tensor | None, D: int,
-             device) -> tuple[PEagleDrafter, torch.Tensor]:
+             device, init: InitSource | None = None) -> tuple[PEagleDrafter, torch.Tensor]:
     """The drafter initialised from the verifier's heads (``torch.manual_seed(cfg.run.seed)`` first: the
-    init is the only draw of the global generator), and the verifier's ``[D, H]`` head rows on ``device``."""
+    init is the only draw of the global generator), then from the ``--init-from`` drafter's weights (those
+    its layout lacks keep the fresh init: :func:`peagle_train.model.warm_start.load_init_weights`), and the
+    verifier's ``[D, H]`` head rows on ``device``."""
     torch.manual_seed(cfg.run.seed)
     model = PEagleDrafter(build_drafter_config(heads, store, cfg, D))
     model.init_from_verifier(heads.embed, heads.lm_head, d2t)
+    if init is not None:
+        load_init_weights(init, model)
     model.embed_tokens.weight.requires_grad_(cfg.optim.train_embedding)
     return model, heads.lm_head[model.draft_ids].to(device)  # [D, H]
 

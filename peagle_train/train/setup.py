@@ -10,6 +10,7 @@ weights; it is never run.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from peagle_train.data.multistore import store_identities
 from peagle_train.model.checkpoint import (CONFIG_FILE, check_servable, drafter_config_json, latest_checkpoint,
                                            load_training_state, rope_from_layer_config)
 from peagle_train.model.config import ROPE_TYPES, DrafterConfig
+from peagle_train.model.warm_start import InitSource, read_init_source
 from peagle_train.train.config import FIELD_DEFAULTS, TrainConfig, flat_settings
 from stores.errors import InputError, OutputExistsError, PeagleError, StoreMismatchError
 from stores.feature_store import check_layer_convention
@@ -39,6 +41,8 @@ __all__ = [
     "verifier_rope",
     "val_split_warning",
     "check_before_weights",
+    "resolve_init_from",
+    "check_init_source",
     "prepare_output",
     "resume_mismatch_message",
 ]
@@ -266,7 +270,7 @@ def prepare_output(cfg: TrainConfig) -> Path | None:
     return None
 
 
-def check_before_weights(cfg: TrainConfig, store, verifier_name: str) -> None:
+def check_before_weights(cfg: TrainConfig, store, verifier_name: str, init: InitSource | None = None) -> None:
     """Every check that needs only the options, the store, the file system and the verifier's config,
     run before the verifier's weights load (docs/design.md §2).
 
@@ -285,6 +289,8 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str) -> None:
             not increasing, an activation other than silu, ...).
         StoreFormatError: a store whose aux layer L is the normed final state (extracted by an older
             peagle: :func:`stores.feature_store.check_layer_convention`).
+        InputError: an ``--init-from`` drafter (``init``) that does not fit the store, the verifier or the
+            options (:func:`check_init_source`).
     """
     out = Path(cfg.run.output)
     if not (cfg.run.resume or cfg.run.force) and out.exists() and any(out.iterdir()):
@@ -309,8 +315,11 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str) -> None:
                          f"change with the sequence length; the drafter supports {', '.join(ROPE_TYPES)}",
                          field="--verifier")
     # the config.json this run will write (the mask token is chosen later; any id stands for it here)
+    D = init.config.draft_vocab_size if init is not None else cfg.model.draft_vocab_size or store.vocab_size
     planned = build_drafter_config(SimpleNamespace(config=config, name_or_path=verifier_name, mask_token_id=0),
-                                   store, cfg, cfg.model.draft_vocab_size or store.vocab_size)
+                                   store, cfg, D)
+    if init is not None:
+        check_init_source(init, planned, cfg, store)
     check_servable(drafter_config_json(planned), None,
                    f"peagle-train on {store.path} (layers {list(store.layers)}, verifier {verifier_name!r})")
 
@@ -324,3 +333,115 @@ def _check_verifier_shape(name: str, text_cfg, store) -> None:
             f"verifier {name!r} has hidden_size {H} and vocab_size {V}, but the store {store.path} was "
             f"extracted with hidden_size {store.hidden_size} and vocab_size {store.vocab_size} "
             f"(verifier {store.attrs['verifier'].get('name_or_path')!r}); pass --verifier with that model")
+
+
+def resolve_init_from(cfg: TrainConfig) -> tuple[TrainConfig, InitSource | None]:
+    """The run's ``--init-from`` drafter, read (no weights) and recorded in the config (its checkpoint
+    directory and weights' sha256); on ``--resume`` of a warm start, the saved run's record, and its newest
+    checkpoint read as the source (its draft vocab and mask token are the run's; its weights are loaded
+    anyway by the resume), or, without a checkpoint yet, the saved drafter again.
+
+    Returns:
+        (``cfg`` with ``init_from`` the absolute checkpoint directory and ``init_from_sha256`` set, the
+        :class:`~peagle_train.model.warm_start.InitSource` or None: no ``--init-from``).
+
+    Raises:
+        InputError: ``--resume`` with an ``--init-from`` (or sha256) other than the saved run's (a warm
+            start begins a run; a resume continues one); ``--init-from-sha256`` other than the drafter's.
+        StoreFormatError / InputError: from :func:`peagle_train.model.warm_start.read_init_source`.
+    """
+    if cfg.run.resume:
+        _, saved, old = _saved_settings(cfg)
+        before = (old or {}).get("init_from"), (old or {}).get("init_from_sha256")
+        given = cfg.model.init_from, cfg.model.init_from_sha256
+        if given[0] is not None and (given[0] != before[0] or given[1] not in (None, before[1])):
+            raise InputError(f"--init-from cannot be combined with --resume: --resume continues the run saved in "
+                             f"{saved.parent} from its checkpoint (started from {before[0]!r}), --init-from "
+                             f"{given[0]!r} starts a new run from a drafter; drop --init-from to resume, or "
+                             "start a new run (a new --output, or --force)", field="--init-from")
+        model = dataclasses.replace(cfg.model, init_from=before[0], init_from_sha256=before[1])
+        cfg = dataclasses.replace(cfg, model=model)
+        ckpt = latest_checkpoint(cfg.run.output)
+        if before[0] is None:
+            return cfg, None
+        if ckpt is not None:  # the run's own checkpoint: its draft vocab and mask token, which are the drafter's
+            return cfg, read_init_source(ckpt)
+    if cfg.model.init_from is None:
+        return cfg, None
+    init = read_init_source(cfg.model.init_from)
+    if cfg.model.init_from_sha256 not in (None, init.weights_sha256):
+        raise InputError(f"--init-from {init.path}: its {init.path / 'model.safetensors'} has sha256 "
+                         f"{init.weights_sha256}, --init-from-sha256 is {cfg.model.init_from_sha256}: not the "
+                         "drafter the run was started from; give that drafter, or drop --init-from-sha256",
+                         field="--init-from-sha256")
+    model = dataclasses.replace(cfg.model, init_from=str(init.path), init_from_sha256=init.weights_sha256)
+    return dataclasses.replace(cfg, model=model), init
+
+
+def _rope_key(rope: dict[str, Any]) -> dict[str, Any]:
+    """A RoPE dict comparable across writers: numbers as floats, ``partial_rotary_factor`` 1 dropped."""
+    out = {k: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for k, v in rope.items()}
+    if out.get("partial_rotary_factor") == 1.0:
+        out.pop("partial_rotary_factor")
+    return out
+
+
+def check_init_source(init: InitSource, planned: DrafterConfig, cfg: TrainConfig, store) -> None:
+    """The ``--init-from`` drafter fits this run: the store's hidden size, vocab size and aux layers, the
+    verifier's RoPE and attention/MLP shapes (``planned``: the drafter this run would build), and the
+    options ``--num-layers``, ``--num-depths``, ``--mask-token-id`` and ``--draft-vocab-size``.
+
+    The draft vocab is the drafter's (its lm_head rows are trained for its tokens): without
+    ``--draft-vocab-size`` the run takes it; with it, its size and the maps it builds from the store's
+    token counts (:func:`build_draft_vocab`) must be the drafter's. The mask token is the drafter's
+    (EAGLE-3 has none: the run chooses one); ``--mask-token-id`` must equal it when given.
+
+    Raises:
+        InputError: naming ``--init-from``, the field, both values and the fix (``field`` the option to change).
+    """
+    d = init.config
+    where = f"--init-from {init.path}"
+
+    def refuse(what: str, theirs: Any, ours: Any, of: str, fix: str, option: str = "--init-from") -> None:
+        raise InputError(f"{where}: the drafter's {what} is {theirs!r} but {of} is {ours!r}; {fix}", field=option)
+
+    other = "train a fresh drafter (drop --init-from) or start from a drafter of this verifier and store"
+    if d.hidden_size != store.hidden_size:
+        refuse("hidden_size", d.hidden_size, store.hidden_size, f"the store {store.path}'s", other)
+    if d.vocab_size != store.vocab_size:
+        refuse("vocab_size (the verifier vocab)", d.vocab_size, store.vocab_size, f"the store {store.path}'s", other)
+    if list(d.aux_layer_ids) != list(store.layers):
+        refuse(f"eagle_aux_hidden_state_layer_ids ({d.num_aux_layers} layers)", list(d.aux_layer_ids),
+               list(store.layers), f"the store's layers ({len(store.layers)})",
+               f"extract a store with --layers {','.join(map(str, d.aux_layer_ids))}, or {other}")
+    if _rope_key(d.rope_parameters) != _rope_key(planned.rope_parameters):
+        refuse("RoPE (type, theta, scaling)", d.rope_parameters, planned.rope_parameters,
+               f"the verifier {planned.verifier_name_or_path!r}'s", other)
+    for key in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps"):
+        if getattr(d, key) != getattr(planned, key):
+            refuse(key, getattr(d, key), getattr(planned, key), f"the verifier {planned.verifier_name_or_path!r}'s "
+                   "(the drafter peagle trains mirrors it)", other)
+    if d.num_hidden_layers != cfg.model.num_layers:
+        refuse("num_hidden_layers", d.num_hidden_layers, cfg.model.num_layers, "--num-layers",
+               f"pass --num-layers {d.num_hidden_layers}", "--num-layers")
+    if init.num_depths is not None and init.num_depths != cfg.model.num_depths:
+        refuse("num_depths (speculative_tokens)", init.num_depths, cfg.model.num_depths, "--num-depths",
+               f"pass --num-depths {init.num_depths}", "--num-depths")
+    if init.mask_token_id is not None and cfg.model.mask_token_id not in (None, init.mask_token_id):
+        refuse("mask token", init.mask_token_id, cfg.model.mask_token_id, "--mask-token-id",
+               f"drop --mask-token-id (the run takes the drafter's) or pass --mask-token-id {init.mask_token_id}",
+               "--mask-token-id")
+    asked = cfg.model.draft_vocab_size
+    if asked is not None:
+        if asked != d.draft_vocab_size:
+            refuse("draft_vocab_size", d.draft_vocab_size, asked, "--draft-vocab-size",
+                   "drop --draft-vocab-size (the run takes the drafter's draft vocab)", "--draft-vocab-size")
+        ours = build_draft_vocab(store.token_freq(), asked)
+        theirs = init.d2t if init.d2t is not None else torch.zeros(asked, dtype=torch.int64)
+        if asked == store.vocab_size:
+            ours = torch.zeros(asked, dtype=torch.int64)
+        if not torch.equal(ours, theirs):
+            i = int(torch.nonzero(ours != theirs).flatten()[0])
+            refuse(f"draft vocab (d2t) at draft id {i}: verifier token", i + int(theirs[i]), i + int(ours[i]),
+                   f"the {asked} most frequent tokens of the store {store.path} there",
+                   "drop --draft-vocab-size (the run takes the drafter's draft vocab)", "--draft-vocab-size")

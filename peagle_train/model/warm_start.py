@@ -1,0 +1,276 @@
+"""Warm start (``peagle-train --init-from DIR``, docs/design.md §8): an existing drafter as the initial
+weights of a new training run, read and checked before any weights load.
+
+Legend: H hidden size, L aux layers, V verifier vocab, D draft vocab.
+
+Three layouts are read (:data:`INIT_FORMATS`):
+- ``peagle``: a peagle checkpoint (``final/``, ``checkpoint-N/``, or a training output holding one), or a
+  speculators P-EAGLE one (``speculators_model_type "peagle"``);
+- ``eagle3``: a speculators EAGLE-3 checkpoint (``speculators_model_type "eagle3"``): no ``mask_hidden`` and
+  no mask token (both come fresh from this run); vLLM reads its ``norm_before_residual`` as true when absent;
+- ``vllm``: the native vLLM layout (a Llama config with ``architectures`` an EAGLE-3 / P-EAGLE drafter of
+  :data:`NATIVE_ARCHITECTURES`, the mask token as ``ptd_token_id`` or ``pard_token``, the aux layers as
+  ``eagle_aux_hidden_state_layer_ids`` at the top or in ``eagle_config``), as the public gpt-oss P-EAGLE
+  drafters; ``midlayer.*`` is read as ``layers.0.*`` and a missing ``embed_tokens`` keeps the verifier's (as
+  vLLM then shares the verifier's embedding).
+
+Tensors are read under the peagle names (:class:`peagle_train.model.drafter.PEagleDrafter`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from peagle_train.model.checkpoint import (CONFIG_FILE, WEIGHTS_FILE, check_vocab_maps, find_drafter,
+                                           rope_from_layer_config)
+from peagle_train.model.config import DrafterConfig
+from peagle_train.model.drafter import PEagleDrafter
+from stores.errors import InputError, StoreFormatError
+
+__all__ = ["INIT_FORMATS", "NATIVE_ARCHITECTURES", "InitSource", "read_init_source", "file_sha256",
+           "load_init_weights"]
+
+INIT_FORMATS = ("peagle", "eagle3", "vllm")
+"""The checkpoint layouts ``--init-from`` reads."""
+
+NATIVE_ARCHITECTURES = ("Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3", "PeagleLlamaForCausalLM",
+                        "PEagleDraftModel")
+"""``architectures`` of a native vLLM-layout drafter that vLLM 0.32 maps to its Llama EAGLE-3 / P-EAGLE
+drafter (vllm/model_executor/models/registry.py -> ``llama_eagle3.Eagle3LlamaForCausalLM``)."""
+
+_OPTIONAL = {"eagle3": ("mask_hidden", "embed_tokens.weight"), "vllm": ("embed_tokens.weight",), "peagle": ()}
+"""Tensors a layout may lack: then they keep this run's fresh initialisation (``mask_hidden``) or the
+verifier's rows (``embed_tokens``)."""
+
+
+@dataclass
+class InitSource:
+    """A drafter checkpoint to start from, read without its weights.
+
+    Attributes:
+        path: the checkpoint directory (a training output's ``final/`` or newest ``checkpoint-N/``).
+        format: one of :data:`INIT_FORMATS`.
+        config: the drafter's shape; its ``mask_token_id`` is meaningful only when :attr:`mask_token_id` is set.
+        mask_token_id: the drafter's mask token (``mask_token_id`` / ``ptd_token_id``), None for EAGLE-3.
+        num_depths: the drafter's K (speculators ``speculative_tokens``), None where the layout has none.
+        names: peagle tensor name -> the name in the file.
+        shapes: peagle tensor name -> shape, from the safetensors header.
+        d2t: ``[D] int64`` offsets of a reduced draft vocab (None with D == V).
+        t2d: ``[V] bool`` (None with D == V).
+        weights_sha256: sha256 of ``model.safetensors``.
+        config_sha256: sha256 of ``config.json``.
+    """
+
+    path: Path
+    format: str
+    config: DrafterConfig
+    mask_token_id: int | None
+    num_depths: int | None
+    names: dict[str, str]
+    shapes: dict[str, tuple[int, ...]]
+    d2t: torch.Tensor | None
+    t2d: torch.Tensor | None
+    weights_sha256: str
+    config_sha256: str
+
+    def record(self) -> dict[str, Any]:
+        """What the run records (``peagle_training.init_from``)."""
+        return {"path": str(self.path), "format": self.format, "weights_sha256": self.weights_sha256,
+                "config_sha256": self.config_sha256}
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes (read in 16 MiB chunks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _refuse(where: Path, problem: str) -> None:
+    raise InputError(f"--init-from {where}: {problem}", field="--init-from")
+
+
+def _layout(cfg: dict[str, Any], where: Path) -> tuple[str, dict[str, Any]]:
+    """``(format, the Llama layer dict)`` of a ``config.json``.
+
+    Raises:
+        StoreFormatError: neither a speculators P-EAGLE / EAGLE-3 config nor a native vLLM-layout one.
+    """
+    kind = cfg.get("speculators_model_type")
+    if kind in ("peagle", "eagle3"):
+        layer = cfg.get("transformer_layer_config")
+        if not isinstance(layer, dict):
+            raise StoreFormatError(f"{where}: speculators_model_type {kind!r} without a transformer_layer_config")
+        return kind, layer
+    if kind is None and set(cfg.get("architectures") or []) & set(NATIVE_ARCHITECTURES):
+        return "vllm", cfg
+    raise StoreFormatError(
+        f"{where}: not a drafter --init-from reads: speculators_model_type {kind!r}, architectures "
+        f"{cfg.get('architectures')!r}; expected speculators_model_type 'peagle' or 'eagle3', or a native vLLM "
+        f"config with architectures one of {list(NATIVE_ARCHITECTURES)}")
+
+
+def _check_computes_as_peagle(fmt: str, cfg: dict[str, Any], layer: dict[str, Any], where: Path) -> None:
+    """Refuse a drafter whose forward, as vLLM computes it, is not peagle's: another layer type, an
+    activation other than silu, biases, a norm peagle's drafter lacks, no aux hidden states."""
+    eagle = layer.get("eagle_config") or cfg.get("eagle_config") or {}
+    model_type = layer.get("model_type", "llama")
+    if model_type != "llama":
+        _refuse(where, f"model_type is {model_type!r}; peagle's drafter layer is llama (a qwen3 layer has q/k "
+                       "norms it lacks); train a fresh drafter instead")
+    if layer.get("hidden_act", "silu") != "silu":
+        _refuse(where, f"hidden_act is {layer.get('hidden_act')!r}; peagle's drafter MLP is silu")
+    for key in ("attention_bias", "mlp_bias"):
+        if layer.get(key):
+            _refuse(where, f"{key} is true; peagle's drafter has no biases")
+    # vLLM's default: true for speculators EAGLE-3 (update_eagle3), false for P-EAGLE and a native config
+    nbr = cfg.get("norm_before_residual", fmt == "eagle3")
+    if fmt == "vllm":
+        nbr = bool(layer.get("norm_before_residual", False))
+    if nbr:
+        _refuse(where, f"norm_before_residual is true{' (vLLM reads it so when absent)' if fmt == 'eagle3' else ''}: "
+                       "vLLM adds the normed fc output as the residual, peagle's drafter the un-normed one, so "
+                       "training would change what the drafter computes")
+    for key in ("norm_before_fc", "fc_norm", "norm_output"):
+        if cfg.get(key) or layer.get(key) or eagle.get(key):
+            _refuse(where, f"{key} is set; peagle's drafter has no such norm")
+    if eagle.get("use_aux_hidden_state") is False:
+        _refuse(where, "eagle_config.use_aux_hidden_state is false; peagle's drafter reads aux hidden states")
+    if float(layer.get("logit_scale", 1.0) or 1.0) != 1.0:
+        _refuse(where, f"logit_scale is {layer['logit_scale']}; peagle's drafter does not scale its logits")
+
+
+def _mask_token(fmt: str, cfg: dict[str, Any], where: Path) -> int | None:
+    """The drafter's mask token: ``mask_token_id`` (speculators; vLLM's ``pard_token``), or in a native
+    config the first of ``mask_token_id``, ``pard_token``, ``ptd_token_id`` (vLLM's order); None for EAGLE-3."""
+    if fmt == "eagle3":
+        return None
+    keys = ("mask_token_id",) if fmt == "peagle" else ("mask_token_id", "pard_token", "ptd_token_id")
+    for key in keys:
+        if cfg.get(key) is not None:
+            return int(cfg[key])
+    raise StoreFormatError(f"{where}: no mask token ({' / '.join(keys)}); vLLM needs it to draft in parallel")
+
+
+def read_init_source(path: str | os.PathLike) -> InitSource:
+    """Read the drafter ``path`` names (a checkpoint, or a training output: its ``final/``, else its
+    newest ``checkpoint-N/``): config, tensor names and shapes, its ``d2t``/``t2d``; no other weights.
+
+    Raises:
+        StoreFormatError: not a drafter checkpoint of :data:`INIT_FORMATS`; no mask token where one is
+            required; maps that disagree (:func:`peagle_train.model.checkpoint.check_vocab_maps`).
+        InputError: a drafter whose forward is not peagle's (another layer type or activation, biases,
+            ``norm_before_residual``, extra norms), or whose tensors are not the ones its config implies
+            (naming the tensors and shapes).
+    """
+    directory, _ = find_drafter(path)
+    cfg_path, w_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    raw = cfg_path.read_bytes()
+    cfg = json.loads(raw)
+    fmt, layer = _layout(cfg, cfg_path)
+    _check_computes_as_peagle(fmt, cfg, layer, directory)
+    eagle = layer.get("eagle_config") or cfg.get("eagle_config") or {}
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        raise StoreFormatError(f"{cfg_path}: eagle_aux_hidden_state_layer_ids is missing (at the top or in "
+                               "eagle_config): the verifier layers the drafter reads are unknown")
+    mask = _mask_token(fmt, cfg, cfg_path)
+    methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    K = methods[0].get("speculative_tokens") if fmt == "peagle" else None
+    rope = rope_from_layer_config(layer)
+    saved = (cfg.get("peagle") or {}).get("drafter_config") or {}
+    nh = int(layer["num_attention_heads"])
+    V = int(layer["vocab_size"])
+    try:
+        dc = DrafterConfig(
+            hidden_size=int(layer["hidden_size"]), intermediate_size=int(layer["intermediate_size"]),
+            num_attention_heads=nh, num_key_value_heads=int(layer.get("num_key_value_heads") or nh),
+            head_dim=int(layer.get("head_dim") or int(layer["hidden_size"]) // nh), vocab_size=V,
+            draft_vocab_size=int(cfg.get("draft_vocab_size") or V), aux_layer_ids=[int(i) for i in ids],
+            num_hidden_layers=int(layer.get("num_hidden_layers", 1)),
+            rms_norm_eps=float(layer.get("rms_norm_eps", 1e-5)), rope_theta=float(rope["rope_theta"]),
+            rope_parameters=rope, max_position_embeddings=int(layer.get("max_position_embeddings", 8192)),
+            mask_token_id=mask or 0, num_depths=int(K or 1),
+            verifier_name_or_path=saved.get("verifier_name_or_path")
+            or ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path", ""))
+    except (KeyError, ValueError) as e:
+        raise StoreFormatError(f"{cfg_path}: {type(e).__name__} {e}") from e
+    width = layer.get("num_aux_hidden_states")
+    if width is not None and int(width) != dc.num_aux_layers:
+        _refuse(directory, f"num_aux_hidden_states is {width} but eagle_aux_hidden_state_layer_ids {list(ids)} "
+                           f"holds {dc.num_aux_layers}: vLLM sizes fc for {width}")
+    with safe_open(str(w_path), framework="pt") as f:
+        names = {k.replace("midlayer.", "layers.0.", 1) if k.startswith("midlayer.") else k: k for k in f.keys()}
+        shapes = {k: tuple(f.get_slice(names[k]).get_shape()) for k in names}
+        d2t = f.get_tensor(names["d2t"]) if "d2t" in names else None
+        t2d = f.get_tensor(names["t2d"]) if "t2d" in names else None
+    _check_tensors(fmt, dc, shapes, directory)
+    if dc.draft_vocab_size < V:
+        if d2t is None:
+            _refuse(directory, f"draft_vocab_size {dc.draft_vocab_size} < vocab_size {V} but d2t is missing: which "
+                               "verifier token each draft id is is unknown")
+        if t2d is None:  # vLLM never reads t2d: derive it from d2t
+            t2d = torch.zeros(V, dtype=torch.bool)
+            t2d[(torch.arange(d2t.numel()) + d2t).clamp(0, V - 1)] = True
+        check_vocab_maps(d2t, t2d, V, w_path)
+        d2t, t2d = d2t.to(torch.int64), t2d.to(torch.bool)
+    else:
+        d2t = t2d = None
+    return InitSource(path=directory.resolve(), format=fmt, config=dc, mask_token_id=mask,
+                      num_depths=int(K) if K is not None else None, names=names, shapes=shapes, d2t=d2t, t2d=t2d,
+                      weights_sha256=file_sha256(w_path), config_sha256=hashlib.sha256(raw).hexdigest())
+
+
+def _expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of a drafter of ``cfg`` (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        model = PEagleDrafter(cfg)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def _check_tensors(fmt: str, cfg: DrafterConfig, shapes: dict[str, tuple[int, ...]], where: Path) -> None:
+    """The file's tensors are the drafter's of ``cfg``: no unknown one, none missing (but
+    :data:`_OPTIONAL`'s of its layout), each of its shape; ``mask_hidden`` of L·H values."""
+    want = _expected_shapes(cfg)
+    extra = sorted(set(shapes) - set(want) - {"d2t", "t2d"})
+    missing = sorted(set(want) - set(shapes) - set(_OPTIONAL[fmt]) - {"d2t", "t2d"})
+    if extra or missing:
+        _refuse(where, f"its tensors are not those of its config ({cfg.num_hidden_layers} layers): "
+                       f"unknown {extra}, missing {missing}")
+    for name, shape in shapes.items():
+        if name == "mask_hidden":
+            if int(torch.Size(shape).numel()) != cfg.num_aux_layers * cfg.hidden_size:
+                _refuse(where, f"mask_hidden {list(shape)} must hold {cfg.num_aux_layers} x {cfg.hidden_size} values")
+        elif name in want and name not in ("d2t", "t2d") and shape != want[name]:
+            _refuse(where, f"{name} is {list(shape)}, its config implies {list(want[name])}")
+
+
+def load_init_weights(source: InitSource, model: PEagleDrafter) -> list[str]:
+    """Copy ``source``'s weights into ``model`` (built with the same shape, its embedding and lm_head
+    from the verifier, its draft maps the source's); returns the tensors the layout lacks, which keep
+    the model's (:data:`_OPTIONAL`).
+
+    Raises:
+        InputError: ``model.safetensors`` changed since :func:`read_init_source` (its sha256).
+    """
+    w_path = source.path / WEIGHTS_FILE
+    if file_sha256(w_path) != source.weights_sha256:
+        _refuse(source.path, f"{WEIGHTS_FILE} changed since it was checked (sha256 {source.weights_sha256}); "
+                             "start again")
+    own = model.state_dict()
+    with safe_open(str(w_path), framework="pt") as f, torch.no_grad():
+        for name, file_name in source.names.items():
+            if name in ("d2t", "t2d") or name not in own:
+                continue
+            own[name].copy_(f.get_tensor(file_name).reshape(own[name].shape).to(own[name].dtype))
+    return sorted(k for k in own if k not in source.names and k not in ("d2t", "t2d"))
