@@ -155,6 +155,10 @@ def _mask_token(fmt: str, cfg: dict[str, Any], where: Path) -> int | None:
     config the first of ``mask_token_id``, ``pard_token``, ``ptd_token_id`` (vLLM's order); None for EAGLE-3."""
     if fmt == "eagle3":
         return None
+    inner = cfg.get("transformer_layer_config") or {}
+    if fmt == "peagle" and inner.get("mask_token_id") not in (None, cfg.get("mask_token_id")):
+        raise StoreFormatError(f"{where}: transformer_layer_config.mask_token_id {inner['mask_token_id']} differs "
+                               f"from mask_token_id {cfg.get('mask_token_id')}; vLLM drafts with the inner one")
     keys = ("mask_token_id",) if fmt == "peagle" else ("mask_token_id", "pard_token", "ptd_token_id")
     for key in keys:
         if cfg.get(key) is not None:
@@ -180,7 +184,9 @@ def read_init_source(path: str | os.PathLike) -> InitSource:
     fmt, layer = _layout(cfg, cfg_path)
     _check_computes_as_peagle(fmt, cfg, layer, directory)
     eagle = layer.get("eagle_config") or cfg.get("eagle_config") or {}
-    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
+    # vLLM's order: the top level (speculators copy it into the layer config), the layer's, then eagle_config's
+    ids = (cfg.get("eagle_aux_hidden_state_layer_ids") or layer.get("eagle_aux_hidden_state_layer_ids")
+           or eagle.get("eagle_aux_hidden_state_layer_ids"))
     if not ids:
         raise StoreFormatError(f"{cfg_path}: eagle_aux_hidden_state_layer_ids is missing (at the top or in "
                                "eagle_config): the verifier layers the drafter reads are unknown")

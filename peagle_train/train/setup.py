@@ -242,7 +242,8 @@ def resume_mismatch_message(saved: Path, diff: dict[str, tuple[Any, Any]]) -> st
     """The ``--resume`` refusal: which settings differ from ``saved`` (train_config.json), the command that
     resumes, the options that may change on resume, and why ``--max-steps`` may not (docs/design.md §8)."""
     free = [f"--{name.replace('_', '-')}" for name in FIELD_DEFAULTS
-            if name not in (*_RESUME_FIELDS, "output", "verifier", "resume", "force", "grad_accum")]
+            if name not in (*_RESUME_FIELDS, "output", "verifier", "resume", "force", "grad_accum", "init_from",
+                            "init_from_sha256")]
     free.append("--grad-accum (keeping --grad-accum × processes)")
     given = "; ".join(f"--{k.replace('_', '-')}: saved {a!r}, given {b!r}" for k, (a, b) in diff.items())
     message = (f"--resume continues the run saved in {saved.parent} with its own settings, and these differ "
