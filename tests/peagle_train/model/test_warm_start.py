@@ -1,0 +1,119 @@
+"""Reading an ``--init-from`` drafter (peagle_train/model/warm_start.py): the layouts, as vLLM reads them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from peagle_train.model.checkpoint import save_drafter
+from peagle_train.model.config import DrafterConfig
+from peagle_train.model.drafter import PEagleDrafter
+from peagle_train.model.warm_start import NATIVE_ARCHITECTURES, load_init_weights, read_init_source
+from stores.errors import InputError, StoreFormatError
+
+H, V, D = 32, 100, 40
+
+
+def _peagle(path) -> PEagleDrafter:
+    cfg = DrafterConfig(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                        vocab_size=V, draft_vocab_size=D, aux_layer_ids=[1, 3], num_hidden_layers=2, mask_token_id=7,
+                        num_depths=3, verifier_name_or_path="Org/Verifier")
+    torch.manual_seed(0)
+    m = PEagleDrafter(cfg)
+    m.init_from_verifier(torch.randn(V, H), torch.randn(V, H), torch.arange(D))  # draft id i -> token 2i
+    save_drafter(m, path)
+    return m
+
+
+def _native(src, dst, token_key="ptd_token_id"):
+    """``src`` in the native vLLM layout (as the public gpt-oss P-EAGLE drafters): a top-level Llama config,
+    the mask token as ``token_key``, the aux layers in ``eagle_config``, layer 0 as ``midlayer.*``, no embed_tokens."""
+    dst.mkdir()
+    cfg = json.loads((src / "config.json").read_text())
+    native = dict(cfg["transformer_layer_config"])
+    native.update(architectures=["Eagle3LlamaForCausalLM"], draft_vocab_size=cfg["draft_vocab_size"],
+                  **{token_key: cfg["mask_token_id"]},
+                  eagle_config={"eagle_aux_hidden_state_layer_ids": cfg["eagle_aux_hidden_state_layer_ids"]})
+    (dst / "config.json").write_text(json.dumps(native))
+    tensors = {k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k: v
+               for k, v in load_file(str(src / "model.safetensors")).items() if k != "embed_tokens.weight"}
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_native_layout_reads_as_the_peagle_one_and_loads_the_same_weights(tmp_path):
+    m = _peagle(tmp_path / "p")
+    native = read_init_source(_native(tmp_path / "p", tmp_path / "n"))
+    ours = read_init_source(tmp_path / "p")
+    assert (native.format, ours.format) == ("vllm", "peagle")
+    assert native.mask_token_id == ours.mask_token_id == 7
+    assert native.num_depths is None and ours.num_depths == 3  # vLLM's native config has no K
+    assert native.config.aux_layer_ids == [1, 3] and native.config.num_hidden_layers == 2
+    assert native.names["layers.0.hidden_norm.weight"] == "midlayer.hidden_norm.weight"
+    assert torch.equal(native.d2t, torch.arange(D)) and torch.equal(native.t2d, m.t2d)
+    assert native.weights_sha256 != ours.weights_sha256
+    fresh = PEagleDrafter(ours.config)
+    fresh.init_from_verifier(torch.zeros(V, H), torch.zeros(V, H), native.d2t)
+    assert load_init_weights(native, fresh) == ["embed_tokens.weight"]  # kept: the verifier's (zeros here)
+    got, want = fresh.state_dict(), m.state_dict()
+    for k in want:
+        if k != "embed_tokens.weight":
+            assert torch.equal(got[k], want[k]), k
+    assert not got["embed_tokens.weight"].any()
+
+
+def test_tensors_that_are_not_the_configs_are_refused_by_name(tmp_path):
+    _peagle(tmp_path / "p")
+    src = _native(tmp_path / "p", tmp_path / "n")
+    tensors = load_file(str(src / "model.safetensors"))
+    del tensors["mask_hidden"]
+    tensors["layers.2.mlp.up_proj.weight"] = torch.zeros(64, H)
+    save_file(tensors, str(src / "model.safetensors"))
+    with pytest.raises(InputError, match=r"its tensors are not those of its config \(2 layers\): unknown "
+                                         r"\['layers.2.mlp.up_proj.weight'\], missing \['mask_hidden'\]"):
+        read_init_source(src)
+    (src / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
+    with pytest.raises(StoreFormatError, match="not a drafter --init-from reads"):
+        read_init_source(src)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("token_key", ["ptd_token_id", "pard_token", "mask_token_id"])
+def test_vllm_reads_the_native_layout_as_peagle_does(tmp_path, token_key):
+    """vLLM's config loading of the native layout: the architecture it maps to its Llama EAGLE-3 drafter,
+    the parallel-drafting token and the aux layers are the ones :func:`read_init_source` reads."""
+    from vllm import ModelRegistry
+    from vllm.transformers_utils.config import get_config
+    from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
+
+    _peagle(tmp_path / "p")
+    src = _native(tmp_path / "p", tmp_path / "n", token_key)
+    hf = get_config(str(src), trust_remote_code=False)
+    init = read_init_source(src)
+    for arch in NATIVE_ARCHITECTURES:  # each mapped to vLLM's Llama EAGLE-3 / P-EAGLE drafter
+        entry = ModelRegistry.models[arch]
+        assert (entry.module_name, entry.class_name) == ("vllm.model_executor.models.llama_eagle3",
+                                                         "Eagle3LlamaForCausalLM"), arch
+    assert hf.architectures == ["Eagle3LlamaForCausalLM"]
+    assert get_parallel_drafting_token_id(hf) == init.mask_token_id == 7
+    assert hf.eagle_config["eagle_aux_hidden_state_layer_ids"] == init.config.aux_layer_ids
+    assert getattr(hf, "norm_before_residual", False) is False and hf.num_hidden_layers == 2
+
+
+@pytest.mark.vllm
+def test_vllm_reads_an_eagle3_checkpoint_without_norm_before_residual_as_true(tmp_path):
+    """Why an EAGLE-3 checkpoint without ``norm_before_residual`` is refused: vLLM's default there is true."""
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    _peagle(tmp_path / "p")
+    cfg = json.loads((tmp_path / "p" / "config.json").read_text())
+    for key in ("peagle", "norm_before_residual", "mask_token_id"):
+        cfg.pop(key)
+    cfg["speculators_model_type"] = "eagle3"
+    (tmp_path / "p" / "config.json").write_text(json.dumps(cfg))
+    assert SpeculatorsConfig.from_pretrained(str(tmp_path / "p")).norm_before_residual is True
+    with pytest.raises(InputError, match=r"norm_before_residual is true \(vLLM reads it so when absent\)"):
+        read_init_source(tmp_path / "p")
