@@ -20,7 +20,7 @@ OVERRIDES = {
     "lazy_embedding": {"decls": ["--lazy-embedding/--dense-embedding"]},
     "train_embedding": {"decls": ["--train-embedding/--freeze-embedding"]},
     "attention_backend": {"type": click.Choice(ATTENTION_CHOICES)},
-    "init_from": {"type": click.Path(exists=True, file_okay=False)},
+    "init_from": {"type": click.Path(file_okay=False)},
 }
 """What the field annotations cannot say: paths, the secondary flag, the choices."""
 

@@ -202,16 +202,26 @@ def _config_from_json(cfg: dict[str, Any], path: Path) -> DrafterConfig:
                 raise StoreFormatError(f"{path}: transformer_layer_config has RoPE {rope} but the peagle block "
                                        f"has {out.rope_parameters}; the checkpoint was edited by hand?")
             return out
-        return _foreign_config(cfg, layer, rope)
+        return _foreign_config(cfg, layer, rope, path)
     except ValueError as e:  # DrafterConfig refuses the RoPE
         raise StoreFormatError(f"{path}: {e}") from e
 
 
-def _foreign_config(cfg: dict[str, Any], layer: dict[str, Any], rope: dict[str, Any]) -> DrafterConfig:
-    """A config written by another tool (speculators): everything from its Llama layer config."""
+def _foreign_config(cfg: dict[str, Any], layer: dict[str, Any], rope: dict[str, Any], path: Path) -> DrafterConfig:
+    """A config written by another tool (speculators): everything from its Llama layer config.
+
+    Raises:
+        StoreFormatError: no ``mask_token_id`` or no ``speculative_tokens`` (vLLM requires both; a default
+            would draft with another token or K than the drafter was trained for).
+    """
     spec = cfg.get("speculators_config", {})
     verifier = spec.get("verifier", {})
     methods = spec.get("proposal_methods") or [{}]
+    for key, value in (("mask_token_id", cfg.get("mask_token_id")),
+                       ("speculators_config.proposal_methods[0].speculative_tokens", methods[0].get("speculative_tokens"))):
+        if not isinstance(value, int):
+            raise StoreFormatError(f"{path}: {key} is {value!r}, expected an integer (vLLM requires it); the "
+                                   "drafter's mask token and K cannot be guessed")
     return DrafterConfig(
         hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
         num_attention_heads=layer["num_attention_heads"],
@@ -222,8 +232,7 @@ def _foreign_config(cfg: dict[str, Any], layer: dict[str, Any], rope: dict[str, 
         num_hidden_layers=layer.get("num_hidden_layers", 1), rms_norm_eps=layer.get("rms_norm_eps", 1e-5),
         rope_theta=float(rope["rope_theta"]), rope_parameters=rope,
         max_position_embeddings=layer.get("max_position_embeddings", 8192),
-        mask_token_id=cfg.get("mask_token_id") or 0,
-        num_depths=methods[0].get("speculative_tokens", 8),
+        mask_token_id=cfg["mask_token_id"], num_depths=methods[0]["speculative_tokens"],
         verifier_name_or_path=verifier.get("name_or_path", ""),
         verifier_architectures=verifier.get("architectures") or ["LlamaForCausalLM"],
     )

@@ -251,3 +251,21 @@ def test_maps_that_disagree_are_never_written(tmp_path):
     with pytest.raises(StoreFormatError, match="verifier id 1 is marked but no draft id maps to it"):
         save_drafter(m, tmp_path / "ck")
     assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("key,where", [("mask_token_id", None), ("speculative_tokens", "proposal_methods")])
+def test_a_foreign_checkpoint_without_mask_token_or_k_is_refused_not_defaulted(tmp_path, key, where):
+    """vLLM requires both; loading used to take mask token 0 and K = 8 in their place."""
+    ck = save_drafter(_model(), tmp_path / "ck")
+    cfg = json.loads((ck / "config.json").read_text())
+    del cfg["peagle"]
+    if where is None:
+        del cfg[key]
+        name = key
+    else:
+        del cfg["speculators_config"]["proposal_methods"][0][key]
+        name = "speculators_config.proposal_methods[0].speculative_tokens"
+    (ck / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(StoreFormatError, match=rf"config.json: {name.replace('[', '[[]').replace('.', '[.]')} is "
+                                               r"None, expected an integer \(vLLM requires it\)"):
+        load_drafter(ck)

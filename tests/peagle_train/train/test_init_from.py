@@ -232,16 +232,23 @@ def test_resume_of_a_warm_start_continues_it_and_init_from_with_resume_is_refuse
     from cli.train import main
 
     store, x = source
-    out = tmp_path / "w"
-    run_train(_cfg(store, out, max_steps=4, save_every=2, init_from=str(x / "final")))
+    out, copy = tmp_path / "w", tmp_path / "copy"
+    shutil.copytree(x / "final", copy)
+    run_train(_cfg(store, out, max_steps=4, save_every=2, init_from=str(copy)))
+    record = json.loads((out / "checkpoint-2" / "config.json").read_text())["peagle_training"]["init_from"]
+    uninterrupted = [r["loss"] for r in _rows(out)]
     shutil.rmtree(out / "checkpoint-4")
     shutil.rmtree(out / "final")
+    shutil.rmtree(copy)  # a resume needs the run's checkpoint, not the drafter it started from
     res = CliRunner().invoke(main, ["--config", str(out / "train_config.json"), "--resume"])
     assert res.exit_code == 0, res.output
     summary = json.loads(res.output[res.output.index("{\n"):])
     assert summary["resumed_from"].endswith("checkpoint-2") and summary["steps"] == 4
-    assert summary["init_from"]["path"] == str((x / "final").resolve())  # the record kept
-    assert json.loads((out / "train_config.json").read_text())["model"]["init_from"] == str((x / "final").resolve())
+    assert summary["init_from"] == record and record["path"] == str(copy.resolve())  # the record kept
+    assert summary["draft_vocab_size"] == D  # the run's own, not the full vocab
+    assert [r["loss"] for r in _rows(out)] == pytest.approx(uninterrupted, rel=1e-6)  # continued exactly
+    assert json.loads((out / "train_config.json").read_text())["model"]["init_from"] == str(copy.resolve())
+    assert json.loads((out / "final" / "config.json").read_text())["peagle_training"]["init_from"] == record
     other = tmp_path / "other"
     run_train(_cfg(store, other, max_steps=2))
     with pytest.raises(InputError, match=r"--init-from cannot be combined with --resume: --resume continues the run "
