@@ -437,10 +437,8 @@ def check_init_source(init: InitSource, planned: DrafterConfig, cfg: TrainConfig
         if asked != d.draft_vocab_size:
             refuse("draft_vocab_size", d.draft_vocab_size, asked, "--draft-vocab-size",
                    "drop --draft-vocab-size (the run takes the drafter's draft vocab)", "--draft-vocab-size")
-        ours = build_draft_vocab(store.token_freq(), asked)
+        ours = build_draft_vocab(store.token_freq(), asked)  # [D] offsets; all 0 when D == V
         theirs = init.d2t if init.d2t is not None else torch.zeros(asked, dtype=torch.int64)
-        if asked == store.vocab_size:
-            ours = torch.zeros(asked, dtype=torch.int64)
         if not torch.equal(ours, theirs):
             i = int(torch.nonzero(ours != theirs).flatten()[0])
             refuse(f"draft vocab (d2t) at draft id {i}: verifier token", i + int(theirs[i]), i + int(ours[i]),

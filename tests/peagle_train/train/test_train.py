@@ -282,6 +282,7 @@ def test_draft_vocab_takes_most_frequent_ties_by_id():
     (dict(num_depths=0), "--num-depths"), (dict(down_sample_ratio=0.0), "--down-sample-ratio"),
     (dict(down_sample_ratio_min=1.5), "--down-sample-ratio-min"), (dict(max_anchors=0), "--max-anchors"),
     (dict(max_steps=0), "--max-steps"), (dict(val_fraction=1.0), "--val-fraction"),
+    (dict(init_from_sha256="00ff"), "--init-from-sha256 must be given with --init-from"),
 ])
 def test_bad_config_names_the_option(kw, option):
     with pytest.raises(ValueError, match=option):
