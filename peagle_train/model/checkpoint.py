@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from peagle_train.model.config import DrafterConfig
+from peagle_train.model.config import LAYER_TYPES, DrafterConfig
 from peagle_train.model.drafter import PEagleDrafter
 from stores.errors import InputError, StoreFormatError
 from stores.files import follow_umask
@@ -41,6 +41,8 @@ __all__ = [
     "STATE_FILE",
     "drafter_config_json",
     "rope_from_layer_config",
+    "DEFAULT_ROPE_THETA",
+    "layer_type_of",
     "save_drafter",
     "load_drafter",
     "check_vocab_maps",
@@ -63,26 +65,35 @@ STATE_FILE = "training_state.pt"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
-def _llama_layer_config(cfg: DrafterConfig) -> dict[str, Any]:
-    """The drafter layer as a Llama config dict, with the verifier's RoPE in both layouts.
+def _layer_config(cfg: DrafterConfig) -> dict[str, Any]:
+    """The drafter layer as a transformers config dict of its ``layer_type`` (``LlamaConfig`` or
+    ``Qwen3Config``: ``model_type`` is what vLLM maps to its P-EAGLE drafter), with the verifier's RoPE in
+    both layouts.
 
     transformers ≥ 5 (and speculators 0.9 on it) read ``rope_parameters`` (``rope_type``,
     ``rope_theta``, scaling keys); transformers 4 and readers written for it (vLLM's config
     loading on v4) read top-level ``rope_theta`` and ``rope_scaling`` (None for default RoPE).
     ``num_aux_hidden_states`` (L aux layers) is here because vLLM's EAGLE-3 drafter sizes ``fc`` as
     ``target_hidden_size × num_aux_hidden_states`` read from this dict (else 3), never from the
-    top-level ``eagle_aux_hidden_state_layer_ids``.
+    top-level ``eagle_aux_hidden_state_layer_ids``. Always without biases (``attention_bias``,
+    ``mlp_bias`` false) and, for qwen3, without sliding windows (every ``layer_types`` entry
+    ``full_attention``), as peagle trains the layer.
     """
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, Qwen3Config
 
     rope = dict(cfg.rope_parameters)
-    out = LlamaConfig(
+    shape = dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, hidden_act=cfg.hidden_act,
         rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings,
-        rope_parameters=dict(rope), tie_word_embeddings=False, architectures=["LlamaForCausalLM"],
-    ).to_dict()
+        rope_parameters=dict(rope), tie_word_embeddings=False, attention_bias=False)
+    if cfg.layer_type == "qwen3":
+        out = Qwen3Config(**shape, use_sliding_window=False, sliding_window=None,
+                          layer_types=["full_attention"] * cfg.num_hidden_layers,
+                          architectures=["Qwen3ForCausalLM"]).to_dict()
+    else:
+        out = LlamaConfig(**shape, mlp_bias=False, architectures=["LlamaForCausalLM"]).to_dict()
     out["rope_parameters"] = rope
     out["rope_theta"] = float(rope["rope_theta"])
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
@@ -105,13 +116,20 @@ def served_verifier_name(name: str | os.PathLike) -> str:
     return str(path.resolve()) if path.is_dir() else text
 
 
+DEFAULT_ROPE_THETA = {"qwen3": 1_000_000.0}
+"""RoPE theta of a layer config without one, by ``model_type`` (vLLM's ``Qwen3DecoderLayer`` sets 1e6 by
+``set_default_rope_theta``); others 10000."""
+
+
 def rope_from_layer_config(layer: dict[str, Any]) -> dict[str, Any]:
     """The RoPE of a ``transformer_layer_config`` dict as flat ``rope_parameters``.
 
     Reads ``rope_parameters`` (transformers 5; a per-layer-type dict is collapsed to its
     ``sliding_attention`` entry, else ``full_attention``, as speculators 0.9 does), else the v4
-    keys ``rope_scaling`` (``rope_type`` or legacy ``type``) and ``rope_theta``.
+    keys ``rope_scaling`` (``rope_type`` or legacy ``type``) and ``rope_theta``; no theta at all:
+    :data:`DEFAULT_ROPE_THETA` of its ``model_type``.
     """
+    theta = layer.get("rope_theta", DEFAULT_ROPE_THETA.get(layer.get("model_type"), 10000.0))
     rope = layer.get("rope_parameters")
     if isinstance(rope, dict) and "rope_theta" not in rope and "rope_type" not in rope:
         rope = rope.get("sliding_attention") or rope.get("full_attention")
@@ -119,12 +137,36 @@ def rope_from_layer_config(layer: dict[str, Any]) -> dict[str, Any]:
         rope = dict(layer.get("rope_scaling") or {})
         if "type" in rope and "rope_type" not in rope:
             rope["rope_type"] = rope.pop("type")
-        rope.setdefault("rope_theta", layer.get("rope_theta", 10000.0))
+        rope.setdefault("rope_theta", theta)
     rope = dict(rope)
     rope.pop("type", None)
     rope.setdefault("rope_type", "default")
-    rope.setdefault("rope_theta", layer.get("rope_theta", 10000.0))
+    rope.setdefault("rope_theta", theta)
     return rope
+
+
+def layer_type_of(layer: dict[str, Any]) -> str:
+    """The drafter layer type (:data:`~peagle_train.model.config.LAYER_TYPES`) of a ``transformer_layer_config``
+    dict (its ``model_type``, llama when absent, as vLLM reads it), if peagle's drafter computes that layer
+    exactly as vLLM does.
+
+    Raises:
+        ValueError: another ``model_type``; ``attention_bias`` or ``mlp_bias`` true (peagle's layers have no
+            biases; vLLM would add q/k/v biases, transformers' Qwen3 an o_proj bias too); a qwen3 layer
+            with a ``sliding_attention`` entry in ``layer_types`` (vLLM would attend within a window).
+    """
+    model_type = layer.get("model_type", "llama")
+    if model_type not in LAYER_TYPES:
+        raise ValueError(f"transformer_layer_config.model_type is {model_type!r}; peagle's drafter layer is one of "
+                         f"{list(LAYER_TYPES)}")
+    for key in ("attention_bias", "mlp_bias"):
+        if layer.get(key):
+            raise ValueError(f"transformer_layer_config.{key} is true; peagle's drafter layers have no biases")
+    if model_type == "qwen3" and "sliding_attention" in (layer.get("layer_types") or []):
+        raise ValueError(f"transformer_layer_config.layer_types is {layer['layer_types']}: vLLM would attend within "
+                         f"a sliding window of {layer.get('sliding_window')} in those layers; peagle's drafter "
+                         "attends fully")
+    return model_type
 
 
 def drafter_config_json(cfg: DrafterConfig, extra_config: dict[str, Any] | None = None,
@@ -134,7 +176,7 @@ def drafter_config_json(cfg: DrafterConfig, extra_config: dict[str, Any] | None 
     out: dict[str, Any] = {
         "architectures": ["PEagleSpeculator"],
         "speculators_model_type": "peagle",
-        "transformer_layer_config": _llama_layer_config(cfg),
+        "transformer_layer_config": _layer_config(cfg),
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
@@ -189,26 +231,34 @@ def _config_from_json(cfg: dict[str, Any], path: Path) -> DrafterConfig:
     """The :class:`DrafterConfig` of a ``config.json``; its RoPE is the ``transformer_layer_config``'s.
 
     Raises:
-        StoreFormatError: a RoPE the drafter cannot compute, or a ``peagle`` block whose RoPE
-            disagrees with the ``transformer_layer_config`` (which vLLM reads).
+        StoreFormatError: a RoPE or layer the drafter cannot compute (:func:`layer_type_of`), or a ``peagle``
+            block whose RoPE or layer type disagrees with the ``transformer_layer_config`` (which vLLM reads).
     """
     layer = cfg["transformer_layer_config"]
     rope = rope_from_layer_config(layer)
     saved = cfg.get("peagle", {}).get("drafter_config")
     try:
+        layer_type = layer_type_of(layer)
         if saved is not None:
-            out = DrafterConfig(**saved)
+            out = DrafterConfig(**saved)  # written before layer_type existed: llama
+            if out.layer_type != layer_type:
+                raise StoreFormatError(f"{path}: transformer_layer_config.model_type is {layer_type!r} (what vLLM "
+                                       f"serves) but the peagle block's layer_type is {out.layer_type!r}; the "
+                                       "checkpoint was edited by hand?")
             if out.rope_parameters != DrafterConfig(**{**saved, "rope_parameters": rope}).rope_parameters:
                 raise StoreFormatError(f"{path}: transformer_layer_config has RoPE {rope} but the peagle block "
                                        f"has {out.rope_parameters}; the checkpoint was edited by hand?")
             return out
-        return _foreign_config(cfg, layer, rope, path)
-    except ValueError as e:  # DrafterConfig refuses the RoPE
+        return _foreign_config(cfg, layer, rope, layer_type, path)
+    except StoreFormatError:
+        raise
+    except ValueError as e:  # DrafterConfig refuses the RoPE, layer_type_of the layer
         raise StoreFormatError(f"{path}: {e}") from e
 
 
-def _foreign_config(cfg: dict[str, Any], layer: dict[str, Any], rope: dict[str, Any], path: Path) -> DrafterConfig:
-    """A config written by another tool (speculators): everything from its Llama layer config.
+def _foreign_config(cfg: dict[str, Any], layer: dict[str, Any], rope: dict[str, Any], layer_type: str,
+                    path: Path) -> DrafterConfig:
+    """A config written by another tool (speculators): everything from its layer config.
 
     Raises:
         StoreFormatError: no ``mask_token_id`` or no ``speculative_tokens`` (vLLM requires both; a default
@@ -232,7 +282,7 @@ def _foreign_config(cfg: dict[str, Any], layer: dict[str, Any], rope: dict[str, 
         num_hidden_layers=layer.get("num_hidden_layers", 1), rms_norm_eps=layer.get("rms_norm_eps", 1e-5),
         rope_theta=float(rope["rope_theta"]), rope_parameters=rope,
         max_position_embeddings=layer.get("max_position_embeddings", 8192),
-        mask_token_id=cfg["mask_token_id"], num_depths=methods[0]["speculative_tokens"],
+        mask_token_id=cfg["mask_token_id"], num_depths=methods[0]["speculative_tokens"], layer_type=layer_type,
         verifier_name_or_path=verifier.get("name_or_path", ""),
         verifier_architectures=verifier.get("architectures") or ["LlamaForCausalLM"],
     )
@@ -436,7 +486,8 @@ def vllm_problems(config: dict[str, Any], shapes: dict[str, tuple[int, ...]] | N
     ``gpu_model_runner._get_eagle3_aux_layers_from_config``, ``EagleModelMixin``):
     - ``speculators_config`` with a proposal method's ``speculative_tokens`` and ``verifier.name_or_path``;
     - ``transformer_layer_config.model_type`` one of :data:`VLLM_MODEL_TYPES`, ``hidden_act`` silu (vLLM's
-      Llama MLP has no other), no attention or MLP bias, no ``logit_scale`` other than 1;
+      Llama MLP has no other), no attention or MLP bias, no ``logit_scale`` other than 1, no qwen3
+      ``sliding_attention`` layer (``Qwen3Eagle3DecoderLayer`` reads ``layer_types``);
     - ``mask_token_id`` (vLLM's ``pard_token``), required under parallel drafting;
     - ``eagle_aux_hidden_state_layer_ids`` strictly increasing (vLLM captures ``sorted(set(ids))`` and
       concatenates them in that order) and as many as ``fc`` is wide: ``num_aux_hidden_states`` inside
@@ -469,6 +520,9 @@ def vllm_problems(config: dict[str, Any], shapes: dict[str, tuple[int, ...]] | N
     for key in ("attention_bias", "mlp_bias"):
         if layer.get(key):
             out.append(f"transformer_layer_config.{key} is true: the drafter is trained without biases")
+    if model_type == "qwen3" and "sliding_attention" in (layer.get("layer_types") or []):
+        out.append(f"transformer_layer_config.layer_types {layer['layer_types']}: vLLM's qwen3 drafter would "
+                   "attend within a sliding window there; the drafter is trained with full attention")
     if float(layer.get("logit_scale", 1.0) or 1.0) != 1.0:
         out.append(f"transformer_layer_config.logit_scale {layer['logit_scale']}: vLLM would scale the draft logits")
     if not isinstance(config.get("mask_token_id"), int):

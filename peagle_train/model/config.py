@@ -1,15 +1,22 @@
-"""The drafter's shape (:class:`DrafterConfig`) and the RoPE types it computes (:data:`ROPE_TYPES`)."""
+"""The drafter's shape (:class:`DrafterConfig`), its decoder-layer types (:data:`LAYER_TYPES`) and the RoPE
+types it computes (:data:`ROPE_TYPES`)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["DrafterConfig", "ROPE_TYPES"]
+__all__ = ["DrafterConfig", "LAYER_TYPES", "ROPE_TYPES"]
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 """RoPE types whose frequencies are fixed (transformers' ``rope_type``); ``dynamic`` and ``longrope``
 change with the sequence length and are refused."""
+
+LAYER_TYPES = ("llama", "qwen3")
+"""Decoder-layer types of the drafter, as ``transformer_layer_config.model_type`` names them (the two
+vLLM 0.32 maps a P-EAGLE checkpoint to: ``PeagleLlamaForCausalLM``, ``PeagleQwen3ForCausalLM``).
+``qwen3`` is ``llama`` plus a per-head RMSNorm over head_dim on q (``q_norm``) and k (``k_norm``)
+before RoPE, as vLLM's ``Qwen3Attention`` computes it."""
 
 
 @dataclass(kw_only=True)
@@ -51,6 +58,8 @@ class DrafterConfig:
     """Token id fed at depth > 0."""
     num_depths: int = 8
     """K, drafted tokens per verifier step."""
+    layer_type: str = "llama"
+    """The decoder layer, one of :data:`LAYER_TYPES` (a checkpoint written before the field existed is llama)."""
     hidden_act: str = "silu"
     """MLP activation, a transformers ``ACT2FN`` name (Llama: silu; the verifier's, as speculators does)."""
     verifier_name_or_path: str = ""
@@ -59,6 +68,8 @@ class DrafterConfig:
     """The verifier's architectures (config.json)."""
 
     def __post_init__(self) -> None:
+        if self.layer_type not in LAYER_TYPES:
+            raise ValueError(f"drafter layer type {self.layer_type!r} is not supported; supported: {LAYER_TYPES}")
         rope = dict(self.rope_parameters or {"rope_type": "default", "rope_theta": self.rope_theta})
         rope.setdefault("rope_type", rope.pop("type", "default"))
         rope.setdefault("rope_theta", self.rope_theta)

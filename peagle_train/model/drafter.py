@@ -8,7 +8,9 @@ An element ``(a, d)`` (see ``peagle_train.data.cod``) enters the drafter as
 - depth > 0: ``mask_token_id`` and the learned ``mask_hidden`` (``[L*H]``),
 at rope position ``position_ids[a] + 1 + d``. The first decoder layer attends over
 ``[input_layernorm(embed) ‖ hidden_norm(fc(g))]`` (2H wide) with ``fc(g)`` as the residual, as in
-EAGLE-3 (Li et al., 2025, arXiv:2503.01840) and P-EAGLE; later layers are plain Llama layers.
+EAGLE-3 (Li et al., 2025, arXiv:2503.01840) and P-EAGLE; later layers are plain Llama layers. With
+``layer_type`` qwen3 every layer's attention also normalises q and k per head (``q_norm``, ``k_norm``)
+before RoPE, as vLLM's ``Qwen3Eagle3DecoderLayer``.
 Tensor names follow the ``speculators`` 0.9 P-EAGLE model so vLLM loads the checkpoint.
 
 Attention runs the §8 rule through an attention backend (:mod:`peagle_train.model.attention`): the
@@ -52,6 +54,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """The layer's attention: Llama's, or (``layer_type`` qwen3) Qwen3's, which RMS-normalises each
+    head of q and k over head_dim (``q_norm``, ``k_norm``: weights ``[hd]``, eps ``rms_norm_eps``)
+    before RoPE, as vLLM's ``Qwen3Attention`` (no biases: peagle trains none)."""
+
     def __init__(self, cfg: DrafterConfig, in_width: int):
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -59,6 +65,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(in_width, self.nkv * self.hd, bias=False)
         self.v_proj = nn.Linear(in_width, self.nkv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        if cfg.layer_type == "qwen3":
+            self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.qk_norm = cfg.layer_type == "qwen3"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention: ElementAttention, rows: torch.Tensor | None = None,
@@ -74,6 +84,8 @@ class Attention(nn.Module):
         q = self.q_proj(xq).view(R, self.nh, self.hd).transpose(0, 1)  # [nh, R, hd]
         k = self.k_proj(x).view(E, self.nkv, self.hd).transpose(0, 1)  # [nkv, E, hd]
         v = self.v_proj(x).view(E, self.nkv, self.hd).transpose(0, 1)  # [nkv, E, hd]
+        if self.qk_norm:  # per head, over hd, before RoPE (qwen3)
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q * cq + rotate_half(q) * sq
         k = k * cos + rotate_half(k) * sin
         if kv is not None:
@@ -152,7 +164,8 @@ def _activation(name: str):
 
 
 class DecoderLayer(nn.Module):
-    """A Llama decoder layer; the first one (``first=True``) reads ``[embed ‖ hidden]``."""
+    """A Llama (or qwen3: :class:`Attention`) decoder layer; the first one (``first=True``) reads
+    ``[embed ‖ hidden]``."""
 
     def __init__(self, cfg: DrafterConfig, first: bool):
         super().__init__()
@@ -183,7 +196,8 @@ class PEagleDrafter(nn.Module):
     """P-EAGLE drafter: parallel drafting of K tokens from one verifier feature.
 
     Parameters (names as saved in ``model.safetensors``): ``embed_tokens [V, H]``,
-    ``fc [H, L*H]``, ``mask_hidden [1, 1, L*H]``, ``layers.N.*``, ``norm [H]``, ``lm_head [D, H]``,
+    ``fc [H, L*H]``, ``mask_hidden [1, 1, L*H]``, ``layers.N.*`` (qwen3 also
+    ``layers.N.self_attn.q_norm.weight``, ``k_norm.weight [hd]``), ``norm [H]``, ``lm_head [D, H]``,
     buffers ``d2t [D] int64`` (``target_id = draft_id + d2t[draft_id]``) and ``t2d [V] bool``, in the
     state dict only when ``draft_vocab_size < vocab_size`` (with the full vocab both are identities).
     """

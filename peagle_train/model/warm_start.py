@@ -8,13 +8,15 @@ Three layouts are read (:data:`INIT_FORMATS`):
   speculators P-EAGLE one (``speculators_model_type "peagle"``);
 - ``eagle3``: a speculators EAGLE-3 checkpoint (``speculators_model_type "eagle3"``): no ``mask_hidden`` and
   no mask token (both come fresh from this run); vLLM reads its ``norm_before_residual`` as true when absent;
-- ``vllm``: the native vLLM layout (a Llama config with ``architectures`` an EAGLE-3 / P-EAGLE drafter of
-  :data:`NATIVE_ARCHITECTURES`, the mask token as ``ptd_token_id`` or ``pard_token``, the aux layers as
+- ``vllm``: the native vLLM layout (a Llama or Qwen3 config with ``architectures`` an EAGLE-3 / P-EAGLE
+  drafter of :data:`NATIVE_ARCHITECTURES`, the mask token as ``ptd_token_id`` or ``pard_token``, the aux layers as
   ``eagle_aux_hidden_state_layer_ids`` at the top or in ``eagle_config``), as the public gpt-oss P-EAGLE
   drafters; ``midlayer.*`` is read as ``layers.0.*`` and a missing ``embed_tokens`` keeps the verifier's (as
   vLLM then shares the verifier's embedding).
 
-Tensors are read under the peagle names (:class:`peagle_train.model.drafter.PEagleDrafter`).
+Both drafter layer types are read (``llama``, ``qwen3`` with its ``q_norm``/``k_norm`` tensors); the run's
+``--drafter-layer`` must be the source's. Tensors are read under the peagle names
+(:class:`peagle_train.model.drafter.PEagleDrafter`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 from safetensors import safe_open
 
 from peagle_train.model.checkpoint import (CONFIG_FILE, WEIGHTS_FILE, check_vocab_maps, find_drafter,
-                                           rope_from_layer_config)
+                                           layer_type_of, rope_from_layer_config)
 from peagle_train.model.config import DrafterConfig
 from peagle_train.model.drafter import PEagleDrafter
 from stores.errors import InputError, StoreFormatError
@@ -41,10 +43,12 @@ __all__ = ["INIT_FORMATS", "NATIVE_ARCHITECTURES", "InitSource", "read_init_sour
 INIT_FORMATS = ("peagle", "eagle3", "vllm")
 """The checkpoint layouts ``--init-from`` reads."""
 
-NATIVE_ARCHITECTURES = ("Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3", "PeagleLlamaForCausalLM",
-                        "PEagleDraftModel")
-"""``architectures`` of a native vLLM-layout drafter that vLLM 0.32 maps to its Llama EAGLE-3 / P-EAGLE
-drafter (vllm/model_executor/models/registry.py -> ``llama_eagle3.Eagle3LlamaForCausalLM``)."""
+NATIVE_ARCHITECTURES = {"Eagle3LlamaForCausalLM": "llama", "LlamaForCausalLMEagle3": "llama",
+                        "PeagleLlamaForCausalLM": "llama", "PEagleDraftModel": "llama",
+                        "Eagle3Qwen3ForCausalLM": "qwen3", "PeagleQwen3ForCausalLM": "qwen3"}
+"""``architectures`` of a native vLLM-layout drafter -> the drafter layer type vLLM 0.32 builds for it
+(vllm/model_executor/models/registry.py -> ``llama_eagle3.Eagle3LlamaForCausalLM`` or
+``qwen3_eagle3.Eagle3Qwen3ForCausalLM``)."""
 
 _OPTIONAL = {"eagle3": ("mask_hidden", "embed_tokens.weight"), "vllm": ("embed_tokens.weight",), "peagle": ()}
 """Tensors a layout may lack: then they keep this run's fresh initialisation (``mask_hidden``) or the
@@ -120,19 +124,25 @@ def _layout(cfg: dict[str, Any], where: Path) -> tuple[str, dict[str, Any]]:
         f"config with architectures one of {list(NATIVE_ARCHITECTURES)}")
 
 
-def _check_computes_as_peagle(fmt: str, cfg: dict[str, Any], layer: dict[str, Any], where: Path) -> None:
-    """Refuse a drafter whose forward, as vLLM computes it, is not peagle's: another layer type, an
-    activation other than silu, biases, a norm peagle's drafter lacks, no aux hidden states."""
+def _check_computes_as_peagle(fmt: str, cfg: dict[str, Any], layer: dict[str, Any], where: Path) -> str:
+    """The drafter's layer type (:data:`~peagle_train.model.config.LAYER_TYPES`); refuse a drafter whose
+    forward, as vLLM computes it, is not peagle's: another layer type, an activation other than silu,
+    biases, sliding windows, a norm peagle's drafter lacks, no aux hidden states. A native config's layer
+    type is its architecture's (:data:`NATIVE_ARCHITECTURES`, which vLLM builds), and its ``model_type``,
+    when given, must agree."""
     eagle = layer.get("eagle_config") or cfg.get("eagle_config") or {}
-    model_type = layer.get("model_type", "llama")
-    if model_type != "llama":
-        _refuse(where, f"model_type is {model_type!r}; peagle's drafter layer is llama (a qwen3 layer has q/k "
-                       "norms it lacks); train a fresh drafter instead")
+    try:
+        layer_type = layer_type_of(layer)
+    except ValueError as e:
+        _refuse(where, f"{e}; train a fresh drafter instead")
+    if fmt == "vllm":
+        archs = {NATIVE_ARCHITECTURES[a] for a in cfg.get("architectures") or [] if a in NATIVE_ARCHITECTURES}
+        if len(archs) != 1 or ("model_type" in layer and layer_type not in archs):
+            _refuse(where, f"architectures {cfg.get('architectures')} (vLLM builds a {' or '.join(sorted(archs))} "
+                           f"drafter layer) and model_type {layer.get('model_type')!r} disagree")
+        layer_type = archs.pop()
     if layer.get("hidden_act", "silu") != "silu":
         _refuse(where, f"hidden_act is {layer.get('hidden_act')!r}; peagle's drafter MLP is silu")
-    for key in ("attention_bias", "mlp_bias"):
-        if layer.get(key):
-            _refuse(where, f"{key} is true; peagle's drafter has no biases")
     # vLLM's default: true for speculators EAGLE-3 (update_eagle3), false for P-EAGLE and a native config
     nbr = cfg.get("norm_before_residual", fmt == "eagle3")
     if fmt == "vllm":
@@ -148,6 +158,7 @@ def _check_computes_as_peagle(fmt: str, cfg: dict[str, Any], layer: dict[str, An
         _refuse(where, "eagle_config.use_aux_hidden_state is false; peagle's drafter reads aux hidden states")
     if float(layer.get("logit_scale", 1.0) or 1.0) != 1.0:
         _refuse(where, f"logit_scale is {layer['logit_scale']}; peagle's drafter does not scale its logits")
+    return layer_type
 
 
 def _mask_token(fmt: str, cfg: dict[str, Any], where: Path) -> int | None:
@@ -173,8 +184,8 @@ def read_init_source(path: str | os.PathLike) -> InitSource:
     Raises:
         StoreFormatError: not a drafter checkpoint of :data:`INIT_FORMATS`; no mask token where one is
             required; maps that disagree (:func:`peagle_train.model.checkpoint.check_vocab_maps`).
-        InputError: a drafter whose forward is not peagle's (another layer type or activation, biases,
-            ``norm_before_residual``, extra norms), or whose tensors are not the ones its config implies
+        InputError: a drafter whose forward is not peagle's (a layer type other than llama and qwen3, another
+            activation, biases, sliding windows, ``norm_before_residual``, extra norms), or whose tensors are not the ones its config implies
             (naming the tensors and shapes).
     """
     directory, _ = find_drafter(path)
@@ -182,7 +193,7 @@ def read_init_source(path: str | os.PathLike) -> InitSource:
     raw = cfg_path.read_bytes()
     cfg = json.loads(raw)
     fmt, layer = _layout(cfg, cfg_path)
-    _check_computes_as_peagle(fmt, cfg, layer, directory)
+    layer_type = _check_computes_as_peagle(fmt, cfg, layer, directory)
     eagle = layer.get("eagle_config") or cfg.get("eagle_config") or {}
     # vLLM's order: the top level (speculators copy it into the layer config), the layer's, then eagle_config's
     ids = (cfg.get("eagle_aux_hidden_state_layer_ids") or layer.get("eagle_aux_hidden_state_layer_ids")
@@ -206,7 +217,7 @@ def read_init_source(path: str | os.PathLike) -> InitSource:
             num_hidden_layers=int(layer.get("num_hidden_layers", 1)),
             rms_norm_eps=float(layer.get("rms_norm_eps", 1e-5)), rope_theta=float(rope["rope_theta"]),
             rope_parameters=rope, max_position_embeddings=int(layer.get("max_position_embeddings", 8192)),
-            mask_token_id=mask or 0, num_depths=int(K or 1),
+            mask_token_id=mask or 0, num_depths=int(K or 1), layer_type=layer_type,
             verifier_name_or_path=saved.get("verifier_name_or_path")
             or ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path", ""))
     except (KeyError, ValueError) as e:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from peagle_train.model.attention import ATTENTION_CHOICES
+from peagle_train.model.config import LAYER_TYPES
 from peagle_train.train.metrics import parse_report_to
 
 __all__ = ["DataConfig", "ModelConfig", "OptimConfig", "RunConfig", "TrainConfig", "GROUPS", "FIELD_DEFAULTS",
@@ -85,6 +86,11 @@ class ModelConfig:
     init_from_sha256: str | None = None
     """sha256 of the ``--init-from`` drafter's ``model.safetensors`` (``--init-from-sha256``): recorded by
     the run; when given, a drafter with other weights is refused."""
+    drafter_layer: str | None = None
+    """The drafter's decoder layer (``--drafter-layer``): ``llama``, or ``qwen3`` (llama plus a per-head RMSNorm
+    of q and k before RoPE), the two layers vLLM serves a P-EAGLE drafter with. None: the ``--init-from``
+    drafter's, else the verifier's own family when it is Qwen3 (``model_type`` qwen3 or qwen3_moe), else
+    llama (:func:`peagle_train.train.setup.resolve_drafter_layer`); the run records the layer it chose."""
     attention_backend: str = "auto"
     """Drafter attention backend (``--attention-backend``), a name of
     :data:`peagle_train.model.attention.ATTENTION_BACKENDS` (``sdpa``: dense mask; ``flex``: flex_attention
@@ -100,6 +106,8 @@ class ModelConfig:
               self.mask_token_id)
         _need(self.init_from_sha256 is None or self.init_from is not None, "--init-from-sha256",
               "given with --init-from", self.init_from_sha256)
+        _need(self.drafter_layer is None or self.drafter_layer in LAYER_TYPES, "--drafter-layer",
+              f"one of {', '.join(LAYER_TYPES)} when set", self.drafter_layer)
         _need(self.attention_backend in ATTENTION_CHOICES, "--attention-backend",
               f"one of {', '.join(ATTENTION_CHOICES)}", self.attention_backend)
 

@@ -43,7 +43,8 @@ from peagle_train.train.config import TrainConfig
 from peagle_train.train.loss import LogitTransform
 from peagle_train.train.metrics import MetricsLog, resolve_trackers
 from peagle_train.train.setup import (build_draft_vocab, build_drafter_config, check_before_weights,
-                                      load_verifier_heads, prepare_output, resolve_init_from, val_split_warning)
+                                      load_verifier_heads, prepare_output, resolve_drafter_layer, resolve_init_from,
+                                      val_split_warning)
 from peagle_train.train.trainer import Trainer, TrainRun
 from stores.errors import MissingDependencyError
 
@@ -93,6 +94,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     usable = usable_blocks(store, cfg.data.allow_incomplete)
     verifier_name = cfg.model.verifier or store.attrs["verifier"]["name_or_path"]
     cfg, init = resolve_init_from(cfg)  # the --init-from drafter's config and maps, no weights
+    cfg = resolve_drafter_layer(cfg, verifier_name, init)  # recorded in train_config.json
     check_before_weights(cfg, store, verifier_name, init)
     mask_id = init.mask_token_id if init is not None and init.mask_token_id is not None else cfg.model.mask_token_id
     mask = resolve_mask_token(verifier_name, store, mask_id)  # InputError before the weights load

@@ -38,6 +38,9 @@ __all__ = [
     "load_verifier_heads",
     "build_draft_vocab",
     "build_drafter_config",
+    "QWEN3_FAMILIES",
+    "default_drafter_layer",
+    "resolve_drafter_layer",
     "verifier_rope",
     "val_split_warning",
     "check_before_weights",
@@ -53,8 +56,12 @@ __all__ = [
 #: not; :func:`peagle_train.data.loader.resume_cursor` checks it)
 _RESUME_FIELDS = ("store", "max_steps", "num_depths", "down_sample_ratio", "down_sample_ratio_min",
                   "max_anchors", "lr", "warmup_steps", "weight_decay", "seed",
-                  "draft_vocab_size", "num_layers", "val_fraction", "lazy_embedding", "grad_clip", "mask_token_id",
+                  "draft_vocab_size", "num_layers", "drafter_layer", "val_fraction", "lazy_embedding", "grad_clip", "mask_token_id",
                   "train_embedding")
+
+
+_BEFORE_FIELD = {"drafter_layer": "llama"}
+"""What a run saved before a field existed trained with, where that is not the field's default."""
 
 
 @dataclass
@@ -148,10 +155,34 @@ def build_drafter_config(heads: VerifierHeads, store, cfg: TrainConfig, draft_vo
         rms_norm_eps=float(getattr(vc, "rms_norm_eps", 1e-5)), rope_theta=theta, rope_parameters=rope,
         max_position_embeddings=int(getattr(vc, "max_position_embeddings", 8192)),
         mask_token_id=heads.mask_token_id, num_depths=cfg.model.num_depths,
+        layer_type=cfg.model.drafter_layer or default_drafter_layer(vc),
         hidden_act="silu",  # the MLP trains from scratch; vLLM's EAGLE-3 drafter MLP computes only silu
         verifier_name_or_path=heads.name_or_path,
         verifier_architectures=list(getattr(heads.config, "architectures", None) or ["LlamaForCausalLM"]),
     )
+
+
+QWEN3_FAMILIES = ("qwen3", "qwen3_moe")
+"""Verifier ``model_type`` values (of the text config) whose attention is Qwen3's (per-head q/k RMSNorm):
+their drafter layer defaults to ``qwen3``."""
+
+
+def default_drafter_layer(text_config) -> str:
+    """The drafter layer a verifier gets without ``--drafter-layer`` or ``--init-from``: ``qwen3`` for a
+    verifier of :data:`QWEN3_FAMILIES` (the drafter's attention then mirrors the verifier's, as its RoPE and
+    head shapes do), else ``llama``."""
+    return "qwen3" if getattr(text_config, "model_type", None) in QWEN3_FAMILIES else "llama"
+
+
+def resolve_drafter_layer(cfg: TrainConfig, verifier_name: str, init: InitSource | None) -> TrainConfig:
+    """``cfg`` with ``model.drafter_layer`` set (so ``train_config.json`` records it): as given, else the
+    ``--init-from`` drafter's layer type, else :func:`default_drafter_layer` of the verifier's config (read,
+    no weights). A given one that is not the ``--init-from`` drafter's is refused by :func:`check_init_source`."""
+    if cfg.model.drafter_layer is not None:
+        return cfg
+    layer = init.config.layer_type if init is not None else default_drafter_layer(
+        text_config(load_model_config(verifier_name)))
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, drafter_layer=layer))
 
 
 def val_split_warning(n_blocks: int, n_val: int, val_fraction: float) -> str | None:
@@ -191,7 +222,7 @@ def _check_resume_settings(cfg: TrainConfig) -> Path | None:
     ckpt, saved, old = _saved_settings(cfg)
     if old is not None:
         new = cfg.flat()
-        old = {k: old.get(k, FIELD_DEFAULTS[k]) for k in _RESUME_FIELDS}  # a run saved before a field existed
+        old = {k: old.get(k, _BEFORE_FIELD.get(k, FIELD_DEFAULTS[k])) for k in _RESUME_FIELDS}  # saved before a field existed
         diff = {k: (old[k], new[k]) for k in _RESUME_FIELDS if old[k] != new[k]}
         if diff:
             raise InputError(resume_mismatch_message(saved, diff), field="--resume")
@@ -390,7 +421,7 @@ def _rope_key(rope: dict[str, Any]) -> dict[str, Any]:
 def check_init_source(init: InitSource, planned: DrafterConfig, cfg: TrainConfig, store) -> None:
     """The ``--init-from`` drafter fits this run: the store's hidden size, vocab size and aux layers, the
     verifier's RoPE and attention/MLP shapes (``planned``: the drafter this run would build), and the
-    options ``--num-layers``, ``--num-depths``, ``--mask-token-id`` and ``--draft-vocab-size``.
+    options ``--drafter-layer``, ``--num-layers``, ``--num-depths``, ``--mask-token-id`` and ``--draft-vocab-size``.
 
     The draft vocab is the drafter's (its lm_head rows are trained for its tokens): without
     ``--draft-vocab-size`` the run takes it; with it, its size and the maps it builds from the store's
@@ -422,6 +453,10 @@ def check_init_source(init: InitSource, planned: DrafterConfig, cfg: TrainConfig
         if getattr(d, key) != getattr(planned, key):
             refuse(key, getattr(d, key), getattr(planned, key), f"the verifier {planned.verifier_name_or_path!r}'s "
                    "(the drafter peagle trains mirrors it)", other)
+    if d.layer_type != planned.layer_type:
+        refuse("layer type", d.layer_type, planned.layer_type, "--drafter-layer",
+               f"pass --drafter-layer {d.layer_type} or drop --drafter-layer (the run takes the drafter's)",
+               "--drafter-layer")
     if d.num_hidden_layers != cfg.model.num_layers:
         refuse("num_hidden_layers", d.num_hidden_layers, cfg.model.num_layers, "--num-layers",
                f"pass --num-layers {d.num_hidden_layers}", "--num-layers")

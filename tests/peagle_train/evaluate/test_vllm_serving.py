@@ -13,6 +13,8 @@ loading the drafter either way users do:
 | ``3aux-full`` | 2, 15, 27 | 49,152 | ``speculators`` (``LLM(model=final/)``, verifier from ``speculators_config``) |
 | ``2aux-reduced`` | 15, 30 | 2,048 | ``speculative_config`` |
 | ``4aux-reduced`` | 2, 15, 27, 30 | 2,048 | ``speculators`` |
+| ``qwen3-layer`` | 2, 15, 27 | 2,048 | ``speculators`` (``--drafter-layer qwen3``: vLLM's ``PeagleQwen3ForCausalLM``) |
+| ``2-layer`` | 2, 15, 27 | 2,048 | ``speculative_config`` (``--num-layers 2``) |
 
 Each case asserts (a) vLLM's greedy output with the drafter equals its output without it, token for
 token, and (b) vLLM's counters equal peagle's speculative decoding of the same request token ids, step
@@ -20,6 +22,11 @@ by step: vLLM drafts K at every step and counts acceptances the output then cuts
 ``max_new_tokens`` or an EOS), peagle drafts ``min(K, left - 1)`` and counts only what is emitted, so
 peagle's accepted count of each step is ``min(vLLM's, peagle's drafted)``; and vLLM's global counters
 (``llm.get_metrics()``) are the sums of its per-step counts.
+
+vLLM's drafter loader skips tensors it has no parameter for and leaves parameters no tensor fills at
+their init, without an error. So for the ``qwen3-layer`` and ``2-layer`` drafters the test also shows that
+vLLM computes every part of the drafter: the same drafter with its ``q_norm``/``k_norm`` dropped (a llama
+layer) or with its second layer dropped, decoded by peagle, counts otherwise than vLLM did.
 """
 
 from __future__ import annotations
@@ -41,11 +48,13 @@ K = 3
 MAX_NEW_TOKENS = 32
 NUM_PROMPTS = 3
 STEPS = 40
-CASES = {  # name: (store, draft vocab or None for the full vocab, loading)
-    "3aux-reduced": ("s3", 2048, "speculative_config"),
-    "3aux-full": ("s3", None, "speculators"),
-    "2aux-reduced": ("s2", 2048, "speculative_config"),
-    "4aux-reduced": ("s4", 2048, "speculators"),
+CASES = {  # name: (store, draft vocab or None for the full vocab, loading, more peagle-train options)
+    "3aux-reduced": ("s3", 2048, "speculative_config", []),
+    "3aux-full": ("s3", None, "speculators", []),
+    "2aux-reduced": ("s2", 2048, "speculative_config", []),
+    "4aux-reduced": ("s4", 2048, "speculators", []),
+    "qwen3-layer": ("s3", 2048, "speculators", ["--drafter-layer", "qwen3"]),
+    "2-layer": ("s3", 2048, "speculative_config", ["--num-layers", 2]),
 }
 STORES = {"s3": "2,15,27", "s2": "15,30", "s4": "2,15,27,30"}
 
@@ -91,9 +100,10 @@ def served(tmp_path_factory):
         _run(data_main, ["extract", work / "packed", "--verifier", "smollm2-135m", "--output", work / f"{store}.zarr",
                          "--layers", layers])
     drafters = {}
-    for name, (store, vocab, _) in CASES.items():
+    for name, (store, vocab, _, more) in CASES.items():
         _run(train_main, ["--store", work / f"{store}.zarr", "--output", work / name, "--max-steps", STEPS,
-                          "--num-depths", K, "--val-fraction", 0, *(["--draft-vocab-size", vocab] if vocab else [])])
+                          "--num-depths", K, "--val-fraction", 0, *(["--draft-vocab-size", vocab] if vocab else []),
+                          *more])
         drafters[name] = work / name / "final"
     job = {"prompts": str(REPO / "examples" / "prompts.jsonl"), "max_new_tokens": MAX_NEW_TOKENS,
            "num_prompts": NUM_PROMPTS, "cases": {n: [str(drafters[n]), CASES[n][2]] for n in CASES}}
@@ -106,15 +116,26 @@ def served(tmp_path_factory):
     return work, drafters, json.loads((work / "out.json").read_text())
 
 
-def _peagle_steps(drafter_dir, requests):
-    """peagle's own speculative decoding of each request (float32, K drafts): GenerationResults."""
+def _peagle_steps(drafter_dir, requests, part=None):
+    """peagle's own speculative decoding of each request (float32, K drafts): GenerationResults. ``part``:
+    ``"no-qk-norm"`` decodes the drafter as a llama layer (its q_norm/k_norm dropped), ``"first-layer"``
+    with its first layer only (the final norm and head kept)."""
+    import dataclasses
+
     from peagle_train.model.checkpoint import load_drafter
+    from peagle_train.model.drafter import PEagleDrafter
     from peagle_train.evaluate.prompts import eos_ids
     from peagle_train.evaluate.speculative import speculative_generate
     from stores.model_cache import load_tokenizer, load_verifier
 
     verifier = load_verifier("smollm2-135m", dtype=torch.float32, device="cpu")
     drafter = load_drafter(drafter_dir).eval()
+    if part is not None:
+        change = {"no-qk-norm": {"layer_type": "llama"}, "first-layer": {"num_hidden_layers": 1}}[part]
+        cut = PEagleDrafter(dataclasses.replace(drafter.config, **change)).eval()
+        state = drafter.state_dict()
+        cut.load_state_dict({k: state[k] for k in cut.state_dict()}, strict=True)
+        drafter = cut
     eos = eos_ids(load_tokenizer("smollm2-135m"), verifier)
     return [speculative_generate(verifier, drafter, ids, MAX_NEW_TOKENS, K, eos) for ids in requests]
 
@@ -127,6 +148,9 @@ def test_vllm_serves_the_drafter_exactly(served, case):
     cfg = json.loads((drafters[case] / "config.json").read_text())
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [int(x) for x in STORES[CASES[case][0]].split(",")]
     assert report["loading"] == CASES[case][2] and report["num_draft_tokens"] == K
+    layer = cfg["transformer_layer_config"]
+    assert (layer["model_type"], layer["num_hidden_layers"]) == {"qwen3-layer": ("qwen3", 1), "2-layer": (
+        "llama", 2)}.get(case, ("llama", 1))
     # (a) token for token vLLM's own greedy output
     assert report["identical_to_greedy"] is True and report["mismatches"] == []
     assert [p["identical_to_greedy"] for p in report["per_prompt"]] == [True] * len(out["requests"])
@@ -144,7 +168,8 @@ def test_vllm_serves_the_drafter_exactly(served, case):
         assert len(mine.accepted_per_step) == len(theirs["accepted"]), r
         assert mine.accepted_per_step == [min(a, k) for a, k in zip(theirs["accepted"], mine.drafted_per_step)], r
     drafting = sum(1 for m in ours for k in m.drafted_per_step if k > 0)  # peagle's num_drafts
-    if case == "3aux-reduced":  # peagle-eval itself (its own plain answers as turn-2 history) counts the same
+    if case in ("3aux-reduced", "qwen3-layer", "2-layer"):  # peagle-eval itself (its own plain answers as turn-2
+        # history) counts the same
         from peagle_train.evaluate.online import run_online_eval
 
         mine = run_online_eval(drafters[case], "smollm2-135m", REPO / "examples" / "prompts.jsonl",
@@ -152,6 +177,11 @@ def test_vllm_serves_the_drafter_exactly(served, case):
         assert mine["identical_to_greedy"] and mine["num_drafts"] == drafting
         assert mine["accepted"] == sum(m.accepted for m in ours) and mine["drafted"] == sum(m.drafted for m in ours)
         assert [p["text"] for p in mine["per_prompt"]] == [p["text"] for p in report["per_prompt"]]
+    part = {"qwen3-layer": "no-qk-norm", "2-layer": "first-layer"}.get(case)
+    if part is not None:  # vLLM computed the part too: without it, peagle counts otherwise than vLLM
+        cut = _peagle_steps(drafters[case], out["requests"], part)
+        assert [m.tokens for m in cut] == out["plain"]  # still the greedy output (the verifier decides)
+        assert [m.accepted_per_step for m in cut] != [m.accepted_per_step for m in ours], part
     per_pos = [sum(a > i for m in ours for a in m.accepted_per_step) for i in range(K)]
     print(f"{case}: vLLM AL {report['acceptance_length']:.3f}, accepted per position {report['per_position_accepted']} "
           f"of {report['num_drafts']} drafts; peagle AL {1 + sum(m.accepted for m in ours) / drafting:.3f}, {per_pos} "

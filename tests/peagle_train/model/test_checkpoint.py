@@ -269,3 +269,80 @@ def test_a_foreign_checkpoint_without_mask_token_or_k_is_refused_not_defaulted(t
     with pytest.raises(StoreFormatError, match=rf"config.json: {name.replace('[', '[[]').replace('.', '[.]')} is "
                                                r"None, expected an integer \(vLLM requires it\)"):
         load_drafter(ck)
+
+
+def _qwen3_model(num_layers=2):
+    import dataclasses
+
+    base = _model(num_layers)
+    m = PEagleDrafter(dataclasses.replace(base.config, layer_type="qwen3"))
+    m.load_state_dict(base.state_dict(), strict=False)  # all but q_norm/k_norm
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "q_norm" in name or "k_norm" in name:
+                p.copy_(torch.linspace(0.5, 1.5, p.numel()))
+    return m
+
+
+def test_qwen3_round_trip_is_exact_and_written_as_vllms_qwen3_layer(tmp_path):
+    m = _qwen3_model()
+    save_drafter(m, tmp_path / "ck")
+    back = load_drafter(tmp_path / "ck")
+    assert back.config == m.config and back.config.layer_type == "qwen3"
+    sd, sd2 = m.state_dict(), back.state_dict()
+    assert sd.keys() == sd2.keys() and all(torch.equal(sd[k], sd2[k]) for k in sd)
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    tl = cfg["transformer_layer_config"]
+    assert (tl["model_type"], tl["architectures"], tl["attention_bias"], tl["use_sliding_window"]) == (
+        "qwen3", ["Qwen3ForCausalLM"], False, False)
+    assert tl["layer_types"] == ["full_attention"] * 2 and tl["head_dim"] == 8 and tl["rms_norm_eps"] == 1e-5
+    assert cfg["peagle"]["drafter_config"]["layer_type"] == "qwen3"
+    with safe_open(str(tmp_path / "ck" / "model.safetensors"), "pt") as f:
+        norms = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if "q_norm" in k or "k_norm" in k}
+    assert norms == {f"layers.{i}.self_attn.{n}_norm.weight": (8,) for i in (0, 1) for n in "qk"}
+
+
+def _edit(path, edit):
+    cfg = json.loads((path / "config.json").read_text())
+    edit(cfg)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_a_checkpoint_without_layer_type_is_llama_and_a_mismatch_is_refused(tmp_path):
+    save_drafter(_model(), tmp_path / "old")
+    _edit(tmp_path / "old", lambda c: c["peagle"]["drafter_config"].pop("layer_type"))  # written before the field
+    assert load_drafter(tmp_path / "old").config.layer_type == "llama"
+    _edit(tmp_path / "old", lambda c: c["transformer_layer_config"].update(model_type="qwen3"))
+    with pytest.raises(StoreFormatError, match="transformer_layer_config.model_type is 'qwen3' \\(what vLLM serves\\) "
+                                               "but the peagle block's layer_type is 'llama'"):
+        load_drafter(tmp_path / "old")
+
+
+def test_a_foreign_qwen3_checkpoint_loads_as_qwen3_and_what_peagle_does_not_compute_is_refused(tmp_path):
+    """speculators' layout (no peagle block): the layer type from model_type; biases, sliding windows and other
+    layer types are refused naming the key; a qwen3 layer without rope_theta has vLLM's default 1e6."""
+    save_drafter(_qwen3_model(), tmp_path / "ck")
+    _edit(tmp_path / "ck", lambda c: c.pop("peagle"))
+    back = load_drafter(tmp_path / "ck")
+    assert back.config.layer_type == "qwen3" and torch.equal(
+        back.state_dict()["layers.1.self_attn.k_norm.weight"], torch.linspace(0.5, 1.5, 8))
+
+    def no_theta(c):
+        for key in ("rope_theta", "rope_parameters", "rope_scaling"):
+            c["transformer_layer_config"].pop(key)
+    _edit(tmp_path / "ck", no_theta)
+    assert load_drafter(tmp_path / "ck").config.rope_parameters == {"rope_type": "default", "rope_theta": 1e6}
+    for edit, message in [
+        (lambda c: c["transformer_layer_config"].update(attention_bias=True),
+         "transformer_layer_config.attention_bias is true; peagle's drafter layers have no biases"),
+        (lambda c: c["transformer_layer_config"].update(layer_types=["sliding_attention", "full_attention"],
+                                                        sliding_window=64),
+         "layer_types is \\['sliding_attention', 'full_attention'\\]: vLLM would attend within a sliding window of 64"),
+        (lambda c: c["transformer_layer_config"].update(model_type="gemma2"),
+         "model_type is 'gemma2'; peagle's drafter layer is one of \\['llama', 'qwen3'\\]"),
+    ]:
+        save_drafter(_qwen3_model(), tmp_path / "bad")
+        _edit(tmp_path / "bad", lambda c: c.pop("peagle"))
+        _edit(tmp_path / "bad", edit)
+        with pytest.raises(StoreFormatError, match=f"{tmp_path / 'bad' / 'config.json'}: .*{message}"):
+            load_drafter(tmp_path / "bad")

@@ -305,14 +305,15 @@ def _train_helpers():
 
 @pytest.mark.cuda
 @needs_cuda
-def test_cuda_run_train_flex_equals_sdpa(tmp_path, make_tiny_llama):
+@pytest.mark.parametrize("layer", ["llama", "qwen3"])
+def test_cuda_run_train_flex_equals_sdpa(tmp_path, make_tiny_llama, layer):
     t = _train_helpers()
     verifier = make_tiny_llama(tmp_path / "verifier", hidden=t.H, vocab=t.V)
     store = t._store(tmp_path / "s.zarr", verifier, n_blocks=3)
     runs = {}
     for backend in ("sdpa", "flex"):
         out = tmp_path / backend
-        summary = run_train(t._cfg(store, out, max_steps=4, attention_backend=backend))
+        summary = run_train(t._cfg(store, out, max_steps=4, attention_backend=backend, drafter_layer=layer))
         assert summary["steps"] == 4
         assert json.loads((out / "train_config.json").read_text())["model"]["attention_backend"] == backend
         runs[backend] = t._rows(out)

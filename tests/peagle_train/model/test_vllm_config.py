@@ -150,3 +150,41 @@ def test_vllms_peagle_conversion_takes_the_top_level_ids(tmp_path):
     layer = dict(c["transformer_layer_config"])
     SUPPORTED_SPECULATORS_TYPES["peagle"](c, layer)
     assert layer["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+
+
+def _qwen3_drafter(num_layers: int = 2) -> PEagleDrafter:
+    import dataclasses
+
+    base = _drafter([2, 15, 27], 40)
+    m = PEagleDrafter(dataclasses.replace(base.config, layer_type="qwen3", num_hidden_layers=num_layers))
+    m.load_state_dict(base.state_dict(), strict=False)
+    return m
+
+
+@pytest.mark.vllm
+def test_vllm_converts_a_qwen3_layer_drafter_to_its_qwen3_peagle_model(tmp_path):
+    """vLLM maps the qwen3 layer to PeagleQwen3ForCausalLM (qwen3_eagle3.Eagle3Qwen3ForCausalLM) with every layer
+    full attention, no q/k/v bias, the head dim and eps of q_norm/k_norm peagle trained, and peagle's tensor names
+    are the parameter names of vLLM's Qwen3Attention."""
+    from vllm.model_executor.models.registry import ModelRegistry
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    save_drafter(_qwen3_drafter(), tmp_path / "d")
+    hf = SpeculatorsConfig.from_pretrained(str(tmp_path / "d"))
+    assert hf.architectures == ["PeagleQwen3ForCausalLM"] and hf.num_hidden_layers == 2
+    entry = ModelRegistry.models["PeagleQwen3ForCausalLM"]
+    assert (entry.module_name, entry.class_name) == ("vllm.model_executor.models.qwen3_eagle3", "Eagle3Qwen3ForCausalLM")
+    assert hf.layer_types == ["full_attention"] * 2 and hf.attention_bias is False and hf.head_dim == 8
+    assert hf.rms_norm_eps == 1e-5 and hf.rope_parameters == {"rope_type": "default", "rope_theta": 10000.0}
+    assert hf.num_aux_hidden_states == 3 and hf.pard_token == 7 and hf.norm_before_residual is False
+    raw = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert vllm_problems(raw) == []
+
+
+def test_a_qwen3_sliding_window_layer_is_a_problem(tmp_path):
+    save_drafter(_qwen3_drafter(), tmp_path / "d")
+    raw = json.loads((tmp_path / "d" / "config.json").read_text())
+    raw["transformer_layer_config"]["layer_types"] = ["sliding_attention", "full_attention"]
+    assert vllm_problems(raw) == [
+        "transformer_layer_config.layer_types ['sliding_attention', 'full_attention']: vLLM's qwen3 drafter would "
+        "attend within a sliding window there; the drafter is trained with full attention"]

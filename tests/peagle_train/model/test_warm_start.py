@@ -93,10 +93,11 @@ def test_vllm_reads_the_native_layout_as_peagle_does(tmp_path, token_key):
     src = _native(tmp_path / "p", tmp_path / "n", token_key)
     hf = get_config(str(src), trust_remote_code=False)
     init = read_init_source(src)
-    for arch in NATIVE_ARCHITECTURES:  # each mapped to vLLM's Llama EAGLE-3 / P-EAGLE drafter
+    for arch, layer in NATIVE_ARCHITECTURES.items():  # each mapped to vLLM's EAGLE-3 / P-EAGLE drafter of its layer
         entry = ModelRegistry.models[arch]
-        assert (entry.module_name, entry.class_name) == ("vllm.model_executor.models.llama_eagle3",
-                                                         "Eagle3LlamaForCausalLM"), arch
+        assert (entry.module_name, entry.class_name) == (f"vllm.model_executor.models.{layer}_eagle3",
+                                                         f"Eagle3{layer.capitalize()}ForCausalLM"), arch
+    assert set(NATIVE_ARCHITECTURES.values()) == {"llama", "qwen3"}
     assert hf.architectures == ["Eagle3LlamaForCausalLM"]
     assert get_parallel_drafting_token_id(hf) == init.mask_token_id == 7
     assert hf.eagle_config["eagle_aux_hidden_state_layer_ids"] == init.config.aux_layer_ids

@@ -196,6 +196,11 @@ REFUSALS = [
     ({}, {"mask_token_id": 5}, "--mask-token-id",
      "the drafter's mask token is 3 but --mask-token-id is 5; drop --mask-token-id (the run takes the drafter's) "
      "or pass --mask-token-id 3"),
+    ({"layer_type": "qwen3"}, {"drafter_layer": "llama"}, "--drafter-layer",
+     "the drafter's layer type is 'qwen3' but --drafter-layer is 'llama'; pass --drafter-layer qwen3 or drop "
+     "--drafter-layer (the run takes the drafter's)"),
+    ({}, {"drafter_layer": "qwen3"}, "--drafter-layer",
+     "the drafter's layer type is 'llama' but --drafter-layer is 'qwen3'; pass --drafter-layer llama"),
     ({}, {"draft_vocab_size": 100}, "--draft-vocab-size",
      f"the drafter's draft_vocab_size is {D} but --draft-vocab-size is 100; drop --draft-vocab-size"),
     ({"draft_vocab_size": D}, {"draft_vocab_size": D}, "--draft-vocab-size",
@@ -224,10 +229,59 @@ def test_a_forward_peagle_does_not_compute_is_refused(tmp_path, source, no_weigh
     with pytest.raises(InputError, match=r"norm_before_residual is true \(vLLM reads it so when absent\): vLLM adds "
                                          "the normed fc output as the residual"):
         build_trainer(_cfg(store, tmp_path / "w", init_from=str(src)))
-    cfg["norm_before_residual"], cfg["transformer_layer_config"]["model_type"] = False, "qwen3"
+    cfg["norm_before_residual"], cfg["transformer_layer_config"]["model_type"] = False, "gemma2"
     (src / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(InputError, match="model_type is 'qwen3'; peagle's drafter layer is llama"):
+    with pytest.raises(InputError, match="model_type is 'gemma2'; peagle's drafter layer is one of "
+                                         r"\['llama', 'qwen3'\]; train a fresh drafter instead"):
         build_trainer(_cfg(store, tmp_path / "w", init_from=str(src)))
+    cfg["transformer_layer_config"]["model_type"] = "qwen3"  # a qwen3 layer needs its q_norm/k_norm tensors
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InputError, match=r"its tensors are not those of its config \(1 layers\): unknown \[\], "
+                                         r"missing \['layers.0.self_attn.k_norm.weight', "
+                                         r"'layers.0.self_attn.q_norm.weight'\]"):
+        build_trainer(_cfg(store, tmp_path / "w", init_from=str(src)))
+
+
+def _qwen3_native(src, dst):
+    """``src`` (a qwen3-layer drafter) in the native vLLM layout of vLLM's Qwen3 EAGLE-3 drafter."""
+    _native(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["architectures"] = ["Eagle3Qwen3ForCausalLM"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("layout", [None, _speculators, _qwen3_native])
+def test_a_qwen3_drafter_warm_starts_a_qwen3_run(tmp_path, source, layout):
+    """Without --drafter-layer the run takes the source's qwen3 layer, records it, and starts from its
+    q_norm/k_norm weights; a native config whose model_type contradicts its architecture is refused."""
+    store, x = source
+    src = _variant(x, tmp_path / "q3", layer_type="qwen3", draft_vocab_size=D)
+    drafter = load_drafter(src)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    save_drafter(drafter, src)
+    if layout is not None:
+        src = layout(src, tmp_path / "ck")
+    trainer = build_trainer(_cfg(store, tmp_path / "w", max_steps=2, init_from=str(src)))
+    assert trainer.unwrapped.config.layer_type == "qwen3"
+    got = trainer.unwrapped.state_dict()
+    for k in ("layers.0.self_attn.q_norm.weight", "layers.0.self_attn.k_norm.weight"):
+        assert torch.equal(got[k], drafter.state_dict()[k]), k
+    assert json.loads((tmp_path / "w" / "train_config.json").read_text())["model"]["drafter_layer"] == "qwen3"
+    trainer.train()
+    trainer.close()
+    final = json.loads((tmp_path / "w" / "final" / "config.json").read_text())
+    assert final["transformer_layer_config"]["model_type"] == "qwen3"
+    if layout is _qwen3_native:
+        cfg = json.loads((src / "config.json").read_text())
+        cfg["model_type"] = "llama"
+        (src / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(InputError, match=r"architectures \['Eagle3Qwen3ForCausalLM'\] \(vLLM builds a qwen3 "
+                                             r"drafter layer\) and model_type 'llama' disagree"):
+            build_trainer(_cfg(store, tmp_path / "w2", init_from=str(src)))
 
 
 def test_resume_of_a_warm_start_continues_it_and_init_from_with_resume_is_refused(tmp_path, source):

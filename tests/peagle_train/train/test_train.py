@@ -644,3 +644,47 @@ def test_cli_resume_with_other_settings_says_the_working_command_and_why_max_ste
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout[res.stdout.index("{"):])
     assert summary["steps"] == 5 and summary["resumed_from"].endswith("checkpoint-4")
+
+
+@pytest.mark.parametrize("family, given, want", [("qwen3", None, "qwen3"), ("qwen3", "llama", "llama"),
+                                                 ("llama", None, "llama"), ("llama", "qwen3", "qwen3")])
+def test_the_drafter_layer_is_the_verifiers_family_unless_given_and_is_recorded(tmp_path, verifier_dir, family,
+                                                                                given, want):
+    """Without --drafter-layer a Qwen3 verifier gets a qwen3 drafter layer, a Llama one a llama layer; the run
+    records the layer in train_config.json and the checkpoint, and a --resume keeps it."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from families import save_family
+
+    verifier = verifier_dir if family == "llama" else save_family("qwen3", tmp_path / "qwen3", vocab_size=V)
+    store = _store(tmp_path / "s.zarr", verifier, n_blocks=2)
+    out = tmp_path / "out"
+    run_train(_cfg(store, out, max_steps=2, save_every=1, mask_token_id=3, drafter_layer=given))
+    assert json.loads((out / "train_config.json").read_text())["model"]["drafter_layer"] == want
+    final = json.loads((out / "final" / "config.json").read_text())
+    assert final["transformer_layer_config"]["model_type"] == want
+    assert load_drafter(out / "final").config.layer_type == want
+    if given is None:
+        other = {"llama": "qwen3", "qwen3": "llama"}[want]
+        with pytest.raises(InputError, match=f"--drafter-layer: saved '{want}', given '{other}'"):
+            run_train(_cfg(store, out, max_steps=2, save_every=1, mask_token_id=3, drafter_layer=other, resume=True))
+
+
+def test_a_qwen3_drafter_trains_alike_on_the_sdpa_and_split_backends(tmp_path, verifier_dir):
+    """Four steps of a 2-layer qwen3 drafter: the same blocks and elements and, step by step, the same loss on
+    both CPU backends (flex trains on CUDA only: tests/peagle_train/model/test_flex_attention.py)."""
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=3)
+    rows = {}
+    for backend in ("sdpa", "split"):
+        run_train(_cfg(store, tmp_path / backend, max_steps=4, attention_backend=backend, drafter_layer="qwen3",
+                       num_layers=2))
+        rows[backend] = _rows(tmp_path / backend)
+        assert load_drafter(tmp_path / backend / "final").config.layer_type == "qwen3"
+    a, b = rows["sdpa"], rows["split"]
+    assert [r["blocks"] for r in a] == [r["blocks"] for r in b] and len(a) == 4
+    assert [r["n_elements"] for r in a] == [r["n_elements"] for r in b]
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), (x["step"], x["loss"], y["loss"])
+    assert a[-1]["loss"] != a[0]["loss"]
