@@ -185,8 +185,8 @@ def read_init_source(path: str | os.PathLike) -> InitSource:
         StoreFormatError: not a drafter checkpoint of :data:`INIT_FORMATS`; no mask token where one is
             required; maps that disagree (:func:`peagle_train.model.checkpoint.check_vocab_maps`).
         InputError: a drafter whose forward is not peagle's (a layer type other than llama and qwen3, another
-            activation, biases, sliding windows, ``norm_before_residual``, extra norms), or whose tensors are not the ones its config implies
-            (naming the tensors and shapes).
+            activation, biases, sliding windows, ``norm_before_residual``, extra norms), or whose tensors are not
+            the ones its config implies (naming the tensors and shapes).
     """
     directory, _ = find_drafter(path)
     cfg_path, w_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE

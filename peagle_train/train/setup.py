@@ -56,8 +56,8 @@ __all__ = [
 #: not; :func:`peagle_train.data.loader.resume_cursor` checks it)
 _RESUME_FIELDS = ("store", "max_steps", "num_depths", "down_sample_ratio", "down_sample_ratio_min",
                   "max_anchors", "lr", "warmup_steps", "weight_decay", "seed",
-                  "draft_vocab_size", "num_layers", "drafter_layer", "val_fraction", "lazy_embedding", "grad_clip", "mask_token_id",
-                  "train_embedding")
+                  "draft_vocab_size", "num_layers", "drafter_layer", "val_fraction", "lazy_embedding", "grad_clip",
+                  "mask_token_id", "train_embedding")
 
 
 _BEFORE_FIELD = {"drafter_layer": "llama"}
@@ -222,7 +222,8 @@ def _check_resume_settings(cfg: TrainConfig) -> Path | None:
     ckpt, saved, old = _saved_settings(cfg)
     if old is not None:
         new = cfg.flat()
-        old = {k: old.get(k, _BEFORE_FIELD.get(k, FIELD_DEFAULTS[k])) for k in _RESUME_FIELDS}  # saved before a field existed
+        # a run saved before a field existed
+        old = {k: old.get(k, _BEFORE_FIELD.get(k, FIELD_DEFAULTS[k])) for k in _RESUME_FIELDS}
         diff = {k: (old[k], new[k]) for k in _RESUME_FIELDS if old[k] != new[k]}
         if diff:
             raise InputError(resume_mismatch_message(saved, diff), field="--resume")

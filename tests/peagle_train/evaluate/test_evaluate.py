@@ -411,13 +411,16 @@ def test_select_eval_blocks_uses_the_recorded_split_of_this_store_only(tmp_path)
                                   "as split 'all'; some may have been trained on")
 
 
-def test_offline_chains_are_the_online_drafts(tiny_verifier):
-    """§4 both ways: offline element (a, d) is exactly what online decoding drafts at t = a."""
+@pytest.mark.parametrize("layer_type, num_layers", [("llama", 1), ("qwen3", 1), ("qwen3", 2)])
+def test_offline_chains_are_the_online_drafts(tiny_verifier, layer_type, num_layers):
+    """§4 both ways: offline element (a, d) is exactly what online decoding drafts at t = a (the drafter
+    cache of online decoding and the offline backend, for each layer type and depth of stack)."""
     from peagle_train.evaluate.offline import segment_predictions
     from peagle_train.evaluate.speculative import draft_tokens
     from tests.peagle_train.evaluate.test_speculative import tiny_drafter
 
-    drafter = tiny_drafter(tiny_verifier, draft_vocab_size=512, num_depths=3)
+    drafter = tiny_drafter(tiny_verifier, draft_vocab_size=512, num_depths=3, layer_type=layer_type,
+                           num_layers=num_layers)
     x = torch.tensor([1, 504, 3458, 282, 260, 1115, 30, 77, 78, 79, 80, 81])
     with torch.no_grad():
         hs = tiny_verifier.model(input_ids=x[None], output_hidden_states=True).hidden_states

@@ -25,16 +25,23 @@ PROMPTS = [
 ]
 
 
-def tiny_drafter(verifier, draft_vocab_size: int | None = None, num_depths: int = 4, seed: int = 0) -> PEagleDrafter:
-    """A random 1-layer drafter for ``verifier`` (hidden 64) reading layers 1, 2, 3."""
+def tiny_drafter(verifier, draft_vocab_size: int | None = None, num_depths: int = 4, seed: int = 0,
+                 layer_type: str = "llama", num_layers: int = 1) -> PEagleDrafter:
+    """A random drafter (``num_layers`` layers of ``layer_type``) for ``verifier`` (hidden 64) reading layers 1,
+    2, 3; a qwen3 layer's q_norm/k_norm weights random in [0.5, 1.5] (not ones, so they matter)."""
     vcfg = verifier.config
     cfg = DrafterConfig(
         hidden_size=vcfg.hidden_size, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, vocab_size=vcfg.vocab_size, draft_vocab_size=draft_vocab_size or vcfg.vocab_size,
-        aux_layer_ids=[1, 2, 3], num_depths=num_depths, verifier_name_or_path="tiny",
+        aux_layer_ids=[1, 2, 3], num_depths=num_depths, verifier_name_or_path="tiny", layer_type=layer_type,
+        num_hidden_layers=num_layers,
     )
     torch.manual_seed(seed)
     drafter = PEagleDrafter(cfg).eval()
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "q_norm" in name or "k_norm" in name:
+                p.uniform_(0.5, 1.5)
     if draft_vocab_size is not None:  # draft vocab = every 7th verifier id
         d2t = torch.arange(draft_vocab_size) * 7 - torch.arange(draft_vocab_size)
         drafter.init_from_verifier(verifier.model.embed_tokens.weight, verifier.lm_head.weight, d2t=d2t)
@@ -185,15 +192,11 @@ def full_pass_logits(drafter, tokens: torch.Tensor, aux: torch.Tensor, K: int) -
     return drafter.logits(hidden[n_ctx - 1:])
 
 
-@pytest.mark.parametrize("num_layers", [1, 2])
-def test_drafter_session_cache_equals_full_pass(tiny_verifier, num_layers):
+@pytest.mark.parametrize("num_layers, layer_type", [(1, "llama"), (2, "llama"), (1, "qwen3"), (2, "qwen3")])
+def test_drafter_session_cache_equals_full_pass(tiny_verifier, num_layers, layer_type):
     """Steps that add 4, 1, 3, 2 depth-0 elements: each cached pass equals a full recompute."""
-    drafter = tiny_drafter(tiny_verifier)
-    if num_layers == 2:
-        cfg = drafter.config
-        cfg.num_hidden_layers = 2
-        torch.manual_seed(3)
-        drafter = PEagleDrafter(cfg).eval()
+    drafter = tiny_drafter(tiny_verifier, seed=0 if num_layers == 1 else 3, layer_type=layer_type,
+                           num_layers=num_layers)
     from peagle_train.evaluate.speculative import DrafterSession
 
     torch.manual_seed(0)

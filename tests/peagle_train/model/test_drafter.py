@@ -217,6 +217,7 @@ def test_qwen3_layer_on_every_backend():
 def test_unknown_layer_type_is_refused():
     import pytest
 
-    with pytest.raises(ValueError, match=r"drafter layer type 'gemma2' is not supported; supported: \('llama', 'qwen3'\)"):
+    with pytest.raises(ValueError,
+                       match=r"drafter layer type 'gemma2' is not supported; supported: \('llama', 'qwen3'\)"):
         DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                       vocab_size=50, draft_vocab_size=50, aux_layer_ids=[1], layer_type="gemma2")

@@ -173,7 +173,8 @@ def test_vllm_converts_a_qwen3_layer_drafter_to_its_qwen3_peagle_model(tmp_path)
     hf = SpeculatorsConfig.from_pretrained(str(tmp_path / "d"))
     assert hf.architectures == ["PeagleQwen3ForCausalLM"] and hf.num_hidden_layers == 2
     entry = ModelRegistry.models["PeagleQwen3ForCausalLM"]
-    assert (entry.module_name, entry.class_name) == ("vllm.model_executor.models.qwen3_eagle3", "Eagle3Qwen3ForCausalLM")
+    assert (entry.module_name, entry.class_name) == ("vllm.model_executor.models.qwen3_eagle3",
+                                                     "Eagle3Qwen3ForCausalLM")
     assert hf.layer_types == ["full_attention"] * 2 and hf.attention_bias is False and hf.head_dim == 8
     assert hf.rms_norm_eps == 1e-5 and hf.rope_parameters == {"rope_type": "default", "rope_theta": 10000.0}
     assert hf.num_aux_hidden_states == 3 and hf.pard_token == 7 and hf.norm_before_residual is False
