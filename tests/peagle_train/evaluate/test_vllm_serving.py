@@ -24,9 +24,14 @@ peagle's accepted count of each step is ``min(vLLM's, peagle's drafted)``; and v
 (``llm.get_metrics()``) are the sums of its per-step counts.
 
 vLLM's drafter loader skips tensors it has no parameter for and leaves parameters no tensor fills at
-their init, without an error. So for the ``qwen3-layer`` and ``2-layer`` drafters the test also shows that
-vLLM computes every part of the drafter: the same drafter with its ``q_norm``/``k_norm`` dropped (a llama
-layer) or with its second layer dropped, decoded by peagle, counts otherwise than vLLM did.
+their init, without an error, and these briefly trained drafters accept few drafts, so equal counts alone
+would not show that vLLM computes every part of them. For the ``qwen3-layer`` and ``2-layer`` drafters the
+script therefore also starts an engine and reads, in vLLM's worker (``collective_rpc``), the drafter vLLM
+built: its class (``Eagle3Qwen3ForCausalLM`` with ``Qwen3Attention``; ``Eagle3LlamaForCausalLM`` with 2
+layers), and every tensor of the checkpoint equal to the weight vLLM computes with (a linear layer whose
+weight vLLM's CPU backend repacked is applied to the identity), q_norm/k_norm and the second layer included,
+none of vLLM's parameters left at its init but layer 1's ``hidden_norm``, which vLLM builds in every layer
+and its forward reads in layer 0 only (``llama_eagle3.py``).
 """
 
 from __future__ import annotations
@@ -57,11 +62,61 @@ CASES = {  # name: (store, draft vocab or None for the full vocab, loading, more
     "2-layer": ("s3", 2048, "speculative_config", ["--num-layers", 2]),
 }
 STORES = {"s3": "2,15,27", "s2": "15,30", "s4": "2,15,27,30"}
+LOADED = {  # case: the drafter vLLM builds for it (class, decoder layers, attention), and its parameters no
+    # checkpoint tensor fills (vLLM gives every layer a hidden_norm; its forward reads layer 0's only)
+    "qwen3-layer": ("Eagle3Qwen3ForCausalLM", ["Qwen3Eagle3DecoderLayer"], "Qwen3Attention", []),
+    "2-layer": ("Eagle3LlamaForCausalLM", ["LlamaDecoderLayer"] * 2, "LlamaAttention",
+                ["model.layers.1.hidden_norm.weight"]),
+}
 
 SCRIPT = '''
 import json, sys, time
 from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.vllm_engine import vllm_reference, vllm_speculative
+
+
+def loaded_drafter(worker, path):
+    """In vLLM's worker: the drafter it built and loaded, against the checkpoint's tensors (by peagle name:
+    equal or not), and vLLM's parameters no checkpoint tensor filled."""
+    import torch
+    from safetensors.torch import load_file
+
+    model = worker.model_runner.drafter.model
+    theirs = {**dict(model.named_parameters()), "mask_hidden": model.mask_hidden}
+
+    def effective(key):  # the CPU backend repacks linear weights (leaving them empty): layer(I) = W^T
+        w = theirs[key].detach()
+        if w.numel() or not key.endswith(".weight"):
+            return w
+        layer = model.get_submodule(key[:-len(".weight")])
+        with torch.no_grad():
+            out = layer(torch.eye(layer.input_size, dtype=torch.float32))
+        return (out[0] if isinstance(out, tuple) else out).T
+
+    ours = load_file(f"{path}/model.safetensors")
+    fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    equal, used = {}, set()
+    for name, t in ours.items():
+        if name == "t2d":  # vLLM reads d2t only
+            continue
+        part = next((p for p in fused if f".{p}." in name), None)
+        key = {"lm_head.weight": "lm_head.weight", "d2t": "draft_id_to_target_id", "mask_hidden": "mask_hidden"}.get(
+            name, "model." + name)
+        if part is None:
+            got = effective(key)
+        else:
+            into, i = fused[part]
+            key = key.replace(part, into)
+            sizes = ([ours[name.replace(part, p)].shape[0] for p in ("q_proj", "k_proj", "v_proj")]
+                     if into == "qkv_proj" else [t.shape[0]] * 2)
+            got = effective(key).split(sizes, dim=0)[i]
+        used.add(key)
+        equal[name] = bool(got.numel() == t.numel() and torch.equal(got.reshape(t.shape), t.to(got.dtype)))
+    layers = model.model.layers
+    return {"class": type(model).__name__, "layers": [type(x).__name__ for x in layers],
+            "attention": type(layers[0].self_attn).__name__, "equal": equal, "not_loaded": sorted(set(theirs) - used)}
+
 
 if __name__ == "__main__":  # vLLM spawns its engine process: the script must be importable without running
     job = json.load(open(sys.argv[1]))
@@ -76,6 +131,15 @@ if __name__ == "__main__":  # vLLM spawns its engine process: the script must be
         t = time.perf_counter()
         report = vllm_speculative(ref, drafter, EvalConfig(**settings, vllm_loading=loading))
         out["cases"][name] = {**report, "case_s": time.perf_counter() - t}
+    import vllm
+    for name in job["inspect"]:  # one more engine per drafter: what vLLM built and loaded
+        drafter = job["cases"][name][0]
+        llm = vllm.LLM(model=ref.directory, dtype="float32", enforce_eager=True, seed=0, max_model_len=1024,
+                       max_num_seqs=1, speculative_config={"model": drafter, "method": "eagle3",
+                                                           "parallel_drafting": True, "num_speculative_tokens": 3})
+        out["cases"][name]["loaded"] = llm.collective_rpc(loaded_drafter, args=(drafter,))[0]
+        llm.llm_engine.engine_core.shutdown()
+        del llm
     json.dump(out, open(sys.argv[2], "w"), default=str)
 '''
 
@@ -106,36 +170,27 @@ def served(tmp_path_factory):
                           *more])
         drafters[name] = work / name / "final"
     job = {"prompts": str(REPO / "examples" / "prompts.jsonl"), "max_new_tokens": MAX_NEW_TOKENS,
-           "num_prompts": NUM_PROMPTS, "cases": {n: [str(drafters[n]), CASES[n][2]] for n in CASES}}
+           "num_prompts": NUM_PROMPTS, "cases": {n: [str(drafters[n]), CASES[n][2]] for n in CASES},
+           "inspect": list(LOADED)}
     (work / "job.json").write_text(json.dumps(job))
     (work / "serve.py").write_text(SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}  # no hub
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",  # no hub
+           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # collective_rpc of the script's own function
     proc = subprocess.run([sys.executable, str(work / "serve.py"), str(work / "job.json"), str(work / "out.json")],
                           env=env, cwd=work, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return work, drafters, json.loads((work / "out.json").read_text())
 
 
-def _peagle_steps(drafter_dir, requests, part=None):
-    """peagle's own speculative decoding of each request (float32, K drafts): GenerationResults. ``part``:
-    ``"no-qk-norm"`` decodes the drafter as a llama layer (its q_norm/k_norm dropped), ``"first-layer"``
-    with its first layer only (the final norm and head kept)."""
-    import dataclasses
-
+def _peagle_steps(drafter_dir, requests):
+    """peagle's own speculative decoding of each request (float32, K drafts): GenerationResults."""
     from peagle_train.model.checkpoint import load_drafter
-    from peagle_train.model.drafter import PEagleDrafter
     from peagle_train.evaluate.prompts import eos_ids
     from peagle_train.evaluate.speculative import speculative_generate
     from stores.model_cache import load_tokenizer, load_verifier
 
     verifier = load_verifier("smollm2-135m", dtype=torch.float32, device="cpu")
     drafter = load_drafter(drafter_dir).eval()
-    if part is not None:
-        change = {"no-qk-norm": {"layer_type": "llama"}, "first-layer": {"num_hidden_layers": 1}}[part]
-        cut = PEagleDrafter(dataclasses.replace(drafter.config, **change)).eval()
-        state = drafter.state_dict()
-        cut.load_state_dict({k: state[k] for k in cut.state_dict()}, strict=True)
-        drafter = cut
     eos = eos_ids(load_tokenizer("smollm2-135m"), verifier)
     return [speculative_generate(verifier, drafter, ids, MAX_NEW_TOKENS, K, eos) for ids in requests]
 
@@ -177,11 +232,16 @@ def test_vllm_serves_the_drafter_exactly(served, case):
         assert mine["identical_to_greedy"] and mine["num_drafts"] == drafting
         assert mine["accepted"] == sum(m.accepted for m in ours) and mine["drafted"] == sum(m.drafted for m in ours)
         assert [p["text"] for p in mine["per_prompt"]] == [p["text"] for p in report["per_prompt"]]
-    part = {"qwen3-layer": "no-qk-norm", "2-layer": "first-layer"}.get(case)
-    if part is not None:  # vLLM computed the part too: without it, peagle counts otherwise than vLLM
-        cut = _peagle_steps(drafters[case], out["requests"], part)
-        assert [m.tokens for m in cut] == out["plain"]  # still the greedy output (the verifier decides)
-        assert [m.accepted_per_step for m in cut] != [m.accepted_per_step for m in ours], part
+    if case in LOADED:  # vLLM built the drafter's layers and computes with every tensor peagle trained
+        from safetensors.torch import load_file
+
+        loaded, ours_t = report["loaded"], load_file(str(drafters[case] / "model.safetensors"))
+        assert (loaded["class"], loaded["layers"], loaded["attention"], loaded["not_loaded"]) == LOADED[case]
+        assert loaded["equal"] == {name: True for name in ours_t if name != "t2d"}
+        trained = [n for n in ours_t if n.endswith(("q_norm.weight", "k_norm.weight", "layernorm.weight"))]
+        assert trained and not any(torch.equal(ours_t[n], torch.ones_like(ours_t[n])) for n in trained)  # not vLLM's init
+        assert any(n.startswith("layers.1.") for n in ours_t) == (case == "2-layer")
+        assert any("q_norm" in n for n in ours_t) == (case == "qwen3-layer")
     per_pos = [sum(a > i for m in ours for a in m.accepted_per_step) for i in range(K)]
     print(f"{case}: vLLM AL {report['acceptance_length']:.3f}, accepted per position {report['per_position_accepted']} "
           f"of {report['num_drafts']} drafts; peagle AL {1 + sum(m.accepted for m in ours) / drafting:.3f}, {per_pos} "
