@@ -64,6 +64,8 @@ def test_pack_extract_and_train_repeat_from_their_outputs(tmp_path, tiny_verifie
                                          tmp_path / "d2"]))
     assert again["last_step_loss"] == first["last_step_loss"] > 0
     resolved = _printed(train_main, train_args)
+    assert resolved["model"]["drafter_layer"] is None  # chosen by the run (the tiny Llama verifier's: llama)
+    resolved["model"]["drafter_layer"] = "llama"
     assert _printed(train_main, ["--config", tmp_path / "d1" / "train_config.json"]) == resolved
 
 

@@ -124,6 +124,7 @@ def test_resume_of_a_run_saved_with_a_flat_train_config(tmp_path, verifier_dir):
     out = tmp_path / "out"
     run_train(_cfg(store, out, max_steps=4, save_every=2))
     flat = {k: v for k, v in _cfg(store, out, max_steps=4, save_every=2).flat().items() if k not in ("resume", "force")}
+    flat["drafter_layer"] = "llama"  # the run records the layer it chose (a Llama verifier's default)
     saved = json.loads((out / "train_config.json").read_text())
     assert set(saved) == {"data", "model", "optim", "run"} and flat_settings(saved) == flat
     (out / "train_config.json").write_text(json.dumps(flat))  # as written before the grouping
@@ -647,6 +648,7 @@ def test_cli_resume_with_other_settings_says_the_working_command_and_why_max_ste
 
 
 @pytest.mark.parametrize("family, given, want", [("qwen3", None, "qwen3"), ("qwen3", "llama", "llama"),
+                                                 ("qwen3_moe", None, "qwen3"), ("mistral", None, "llama"),
                                                  ("llama", None, "llama"), ("llama", "qwen3", "qwen3")])
 def test_the_drafter_layer_is_the_verifiers_family_unless_given_and_is_recorded(tmp_path, verifier_dir, family,
                                                                                 given, want):
@@ -658,7 +660,7 @@ def test_the_drafter_layer_is_the_verifiers_family_unless_given_and_is_recorded(
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from families import save_family
 
-    verifier = verifier_dir if family == "llama" else save_family("qwen3", tmp_path / "qwen3", vocab_size=V)
+    verifier = verifier_dir if family == "llama" else save_family(family, tmp_path / family, vocab_size=V)
     store = _store(tmp_path / "s.zarr", verifier, n_blocks=2)
     out = tmp_path / "out"
     run_train(_cfg(store, out, max_steps=2, save_every=1, mask_token_id=3, drafter_layer=given))
