@@ -11,6 +11,7 @@ from cli.common import OutputPath, config_error, echo_json, handle_errors
 from cli.options import config_file_options, config_options
 from peagle_train.data.multistore import expand_store_args
 from peagle_train.model.attention import ATTENTION_CHOICES
+from peagle_train.model.warm_start import INIT_LAYERS
 from peagle_train.train.config import TrainConfig
 from peagle_train.train.run import run_train
 
@@ -21,6 +22,7 @@ OVERRIDES = {
     "train_embedding": {"decls": ["--train-embedding/--freeze-embedding"]},
     "attention_backend": {"type": click.Choice(ATTENTION_CHOICES)},
     "init_from": {"type": click.Path(file_okay=False)},
+    "init_layers": {"type": click.Choice(INIT_LAYERS)},
 }
 """What the field annotations cannot say: paths, the secondary flag, the choices."""
 
