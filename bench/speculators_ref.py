@@ -11,7 +11,8 @@ side-by-side training bench). Its ``__init__`` chain reaches ``speculators.train
 ``openai``, ``datasets`` and ``hs_connectors`` at module top for its data services (vLLM clients,
 Arrow datasets, hidden-state transfer); the model, its loss and its factory never call them. Those
 three are the dependencies ``--no-deps`` leaves out, so they are given as empty placeholder modules
-(:class:`_AbsentServices`) while speculators imports, and any attribute of them used at run time is
+(:class:`_AbsentServices`) while speculators imports (and taken out of ``sys.modules`` after it, so
+that a later ``import openai`` finds the real package or fails as it should), and any attribute of them used at run time is
 an empty class, which fails loudly if speculators ever calls one.
 """
 
@@ -71,6 +72,8 @@ def speculators_peagle() -> SimpleNamespace:
     finally:
         if finder is not None:
             sys.meta_path.remove(finder)
+            for name in [n for n, m in sys.modules.items() if getattr(getattr(m, "__spec__", None), "loader", None) is finder]:
+                del sys.modules[name]  # speculators keeps what it bound; an ``import openai`` later is the real one
     return SimpleNamespace(PEagleDraftModel=PEagleDraftModel, resolve_loss_config=resolve_loss_config)
 
 
