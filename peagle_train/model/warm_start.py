@@ -37,7 +37,8 @@ from peagle_train.model.config import DrafterConfig
 from peagle_train.model.drafter import PEagleDrafter
 from stores.errors import InputError, StoreFormatError
 
-__all__ = ["INIT_FORMATS", "NATIVE_ARCHITECTURES", "InitSource", "read_init_source", "file_sha256",
+__all__ = ["INIT_FORMATS", "INIT_LAYERS", "NATIVE_ARCHITECTURES", "InitSource", "read_init_source", "file_sha256",
+           "check_verifier_layers", "copy_verifier_layers",
            "load_init_weights"]
 
 INIT_FORMATS = ("peagle", "eagle3", "vllm")
@@ -291,3 +292,80 @@ def load_init_weights(source: InitSource, model: PEagleDrafter) -> list[str]:
                 continue
             own[name].copy_(f.get_tensor(file_name).reshape(own[name].shape).to(own[name].dtype))
     return sorted(k for k in own if k not in source.names and k not in ("d2t", "t2d"))
+
+
+INIT_LAYERS = ("random", "verifier")
+"""How a fresh drafter's decoder layers start (``--init-layers``): ``random`` (normal, std 0.02) or
+``verifier``, copies of the verifier's last decoder layers (:func:`copy_verifier_layers`)."""
+
+_LAYER_CONFIG_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+"""The verifier config's fields a drafter layer must share to start as a copy of a verifier layer."""
+
+
+def check_verifier_layers(verifier_config, drafter: DrafterConfig, verifier_name: str) -> list[int]:
+    """The verifier decoder layers a ``--init-layers verifier`` drafter starts from, checked on the
+    verifier's (text) config before any weights load: the last ``drafter.num_hidden_layers`` ones, in
+    order (drafter layer i from verifier layer ``L - N + i``).
+
+    Raises:
+        InputError: the verifier has fewer decoder layers than the drafter, a layer shape the drafter
+            does not share (``_LAYER_CONFIG_FIELDS``, head_dim), biases in its attention or MLP, or an
+            activation other than the drafter's.
+    """
+    vc, N = verifier_config, drafter.num_hidden_layers
+    L = int(vc.num_hidden_layers)
+    why = []
+    if N > L:
+        why.append(f"it has {L} decoder layers and the drafter {N}")
+    for name in _LAYER_CONFIG_FIELDS:
+        if getattr(vc, name, None) != getattr(drafter, name):
+            why.append(f"{name} {getattr(vc, name, None)} (the drafter's {getattr(drafter, name)})")
+    head_dim = getattr(vc, "head_dim", None) or vc.hidden_size // vc.num_attention_heads
+    if head_dim != drafter.head_dim:
+        why.append(f"head_dim {head_dim} (the drafter's {drafter.head_dim})")
+    for name in ("attention_bias", "mlp_bias"):
+        if getattr(vc, name, False):
+            why.append(f"{name} true (the drafter's layers have no biases)")
+    if getattr(vc, "hidden_act", drafter.hidden_act) != drafter.hidden_act:
+        why.append(f"hidden_act {vc.hidden_act!r} (the drafter's {drafter.hidden_act!r})")
+    if why:
+        raise InputError(f"--init-layers verifier: the drafter's layers cannot start as copies of verifier "
+                         f"{verifier_name!r}'s: {'; '.join(why)}; use --init-layers random", field="--init-layers")
+    return list(range(L - N, L))
+
+
+def copy_verifier_layers(model: PEagleDrafter, layers: list[dict[str, torch.Tensor]]) -> list[str]:
+    """Start the drafter's decoder layers as copies of verifier layers (``layers[i]``: the state dict of
+    the verifier decoder layer for drafter layer i, transformers names, e.g. ``self_attn.q_proj.weight``).
+
+    Every verifier tensor goes to the drafter tensor of the same name, except in the first layer, whose
+    attention reads ``[norm(embed) ‖ hidden_norm(fc(g))]`` (``2H`` wide): there the verifier's
+    ``q/k/v_proj [out, H]`` fill the columns that read the hidden half (``[:, H:]``) and its
+    ``input_layernorm`` becomes ``hidden_norm``; the columns that read the embedding and the embedding's
+    ``input_layernorm`` keep their fresh initialisation. Returns the drafter layer tensors no verifier
+    tensor filled (those keep the fresh initialisation).
+
+    Raises:
+        InputError: a verifier tensor the drafter layer has no place for, or another shape.
+    """
+    H = model.config.hidden_size
+    filled: set[str] = set()
+    own = model.state_dict()
+    with torch.no_grad():
+        for i, state in enumerate(layers):
+            first = i == 0
+            for name, tensor in state.items():
+                target = "hidden_norm.weight" if first and name == "input_layernorm.weight" else name
+                key = f"layers.{i}.{target}"
+                if key not in own:
+                    raise InputError(f"--init-layers verifier: the verifier layer's {name} {tuple(tensor.shape)} has "
+                                     f"no place in drafter layer {i}; use --init-layers random", field="--init-layers")
+                dest = own[key]
+                if first and name.split(".")[-2] in ("q_proj", "k_proj", "v_proj"):
+                    dest = dest[:, H:]
+                if dest.shape != tensor.shape:
+                    raise InputError(f"--init-layers verifier: the verifier layer's {name} is {tuple(tensor.shape)}, "
+                                     f"drafter layer {i}'s {key} takes {tuple(dest.shape)}", field="--init-layers")
+                dest.copy_(tensor.to(dest.dtype))
+                filled.add(key)
+    return sorted(k for k in own if k.startswith("layers.") and k not in filled)

@@ -15,6 +15,7 @@ from typing import Any
 
 from peagle_train.model.attention import ATTENTION_CHOICES
 from peagle_train.model.config import LAYER_TYPES
+from peagle_train.model.warm_start import INIT_LAYERS
 from peagle_train.train.metrics import parse_report_to
 
 __all__ = ["DataConfig", "ModelConfig", "OptimConfig", "RunConfig", "TrainConfig", "GROUPS", "FIELD_DEFAULTS",
@@ -91,6 +92,12 @@ class ModelConfig:
     of q and k before RoPE), the two layers vLLM serves a P-EAGLE drafter with. None: the ``--init-from``
     drafter's, else the verifier's own family when it is Qwen3 (``model_type`` qwen3 or qwen3_moe), else
     llama (:func:`peagle_train.train.setup.resolve_drafter_layer`); the run records the layer it chose."""
+    init_layers: str = "random"
+    """How a fresh drafter's decoder layers start (``--init-layers``, :data:`peagle_train.model.warm_start.INIT_LAYERS`):
+    ``random`` (normal, std 0.02) or ``verifier``, copies of the verifier's last ``--num-layers`` decoder
+    layers and their norms (:func:`peagle_train.model.warm_start.copy_verifier_layers`; the embedding and
+    lm_head come from the verifier either way). Not with ``--init-from``, whose drafter's layers are the start.
+    The default is measured (docs/benchmarks.md, "peagle against speculators: drafter quality")."""
     attention_backend: str = "auto"
     """Drafter attention backend (``--attention-backend``), a name of
     :data:`peagle_train.model.attention.ATTENTION_BACKENDS` (``sdpa``: dense mask; ``flex``: flex_attention
@@ -108,6 +115,9 @@ class ModelConfig:
               "given with --init-from", self.init_from_sha256)
         _need(self.drafter_layer is None or self.drafter_layer in LAYER_TYPES, "--drafter-layer",
               f"one of {', '.join(LAYER_TYPES)} when set", self.drafter_layer)
+        _need(self.init_layers in INIT_LAYERS, "--init-layers", f"one of {', '.join(INIT_LAYERS)}", self.init_layers)
+        _need(self.init_layers == "random" or self.init_from is None, "--init-layers verifier",
+              "left out with --init-from (that drafter's layers are the start)", self.init_from)
         _need(self.attention_backend in ATTENTION_CHOICES, "--attention-backend",
               f"one of {', '.join(ATTENTION_CHOICES)}", self.attention_backend)
 

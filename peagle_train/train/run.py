@@ -38,7 +38,7 @@ from peagle_train.model.attention import resolve_attention_backend
 from peagle_train.model.checkpoint import latest_checkpoint, load_drafter, load_training_state
 from peagle_train.model.drafter import PEagleDrafter
 from peagle_train.model.mask_token import resolve_mask_token
-from peagle_train.model.warm_start import InitSource, load_init_weights
+from peagle_train.model.warm_start import InitSource, copy_verifier_layers, load_init_weights
 from peagle_train.train.config import TrainConfig
 from peagle_train.train.loss import LogitTransform
 from peagle_train.train.metrics import MetricsLog, resolve_trackers
@@ -107,7 +107,9 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     state = load_training_state(resume_from) if resume_from is not None else None
     if state is not None:  # refused here, before the weights load, unless it continues exactly
         resume_cursor(state.get("data") or {}, sequence, accelerator.num_processes, cfg.optim.grad_accum, str(resume_from))
-    heads = load_verifier_heads(verifier_name, store, mask.id)
+    # --init-layers verifier (checked before the weights); a resume takes its layers from the checkpoint
+    last_layers = cfg.model.num_layers if cfg.model.init_layers == "verifier" and state is None else 0
+    heads = load_verifier_heads(verifier_name, store, mask.id, last_layers)
     if init is not None:  # the drafter's draft vocab (check_init_source: --draft-vocab-size agrees with it)
         d2t, D = init.d2t, init.config.draft_vocab_size
     else:
@@ -193,6 +195,8 @@ def _drafter(cfg: TrainConfig, heads, store, d2t: torch.Tensor | None, D: int,
     model.init_from_verifier(heads.embed, heads.lm_head, d2t)
     if init is not None:
         load_init_weights(init, model)
+    if heads.layers:  # --init-layers verifier
+        copy_verifier_layers(model, heads.layers)
     model.embed_tokens.weight.requires_grad_(cfg.optim.train_embedding)
     return model, heads.lm_head[model.draft_ids].to(device)  # [D, H]
 

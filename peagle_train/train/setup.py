@@ -25,7 +25,7 @@ from peagle_train.data.multistore import store_identities
 from peagle_train.model.checkpoint import (CONFIG_FILE, check_servable, drafter_config_json, latest_checkpoint,
                                            load_training_state, rope_from_layer_config)
 from peagle_train.model.config import ROPE_TYPES, DrafterConfig
-from peagle_train.model.warm_start import InitSource, read_init_source
+from peagle_train.model.warm_start import InitSource, check_verifier_layers, read_init_source
 from peagle_train.train.config import FIELD_DEFAULTS, TrainConfig, flat_settings
 from stores.errors import InputError, OutputExistsError, PeagleError, StoreMismatchError
 from stores.feature_store import check_layer_convention
@@ -57,7 +57,7 @@ __all__ = [
 _RESUME_FIELDS = ("store", "max_steps", "num_depths", "down_sample_ratio", "down_sample_ratio_min",
                   "max_anchors", "lr", "warmup_steps", "weight_decay", "seed",
                   "draft_vocab_size", "num_layers", "drafter_layer", "val_fraction", "lazy_embedding", "grad_clip",
-                  "mask_token_id", "train_embedding")
+                  "mask_token_id", "train_embedding", "init_layers")
 
 
 _BEFORE_FIELD = {"drafter_layer": "llama"}
@@ -75,6 +75,8 @@ class VerifierHeads:
         lm_head: ``[V, H] float32`` output projection (its final norm is already in the stored
             ``final_hidden``).
         mask_token_id: token fed at depth > 0.
+        layers: the state dicts (``float32``, transformers names) of the verifier decoder layers the
+            drafter's layers start from (``--init-layers verifier``), in the drafter's order; empty otherwise.
     """
 
     name_or_path: str
@@ -82,13 +84,16 @@ class VerifierHeads:
     embed: torch.Tensor
     lm_head: torch.Tensor
     mask_token_id: int
+    layers: list[dict[str, torch.Tensor]] = dataclasses.field(default_factory=list)
 
 
-def load_verifier_heads(name: str, store, mask_token_id: int) -> VerifierHeads:
+def load_verifier_heads(name: str, store, mask_token_id: int, last_layers: int = 0) -> VerifierHeads:
     """Load the verifier's embeddings and lm_head and check them against the store.
 
     ``mask_token_id`` is recorded as is (chosen before the weights load, see
-    :func:`peagle_train.model.mask_token.resolve_mask_token`).
+    :func:`peagle_train.model.mask_token.resolve_mask_token`). ``last_layers``: keep the weights of the
+    verifier's last ``last_layers`` decoder layers too (``--init-layers verifier``, checked before by
+    :func:`peagle_train.model.warm_start.check_verifier_layers`).
 
     Raises:
         StoreMismatchError: the verifier's content fingerprint, tokenizer, hidden size or vocab size
@@ -101,9 +106,18 @@ def load_verifier_heads(name: str, store, mask_token_id: int) -> VerifierHeads:
     _check_verifier_shape(name, cfg, store)
     embed = model.get_input_embeddings().weight.detach().float().clone()  # [V, H]
     lm_head = model.get_output_embeddings().weight.detach().float().clone()  # [V, H]
+    layers = []
+    if last_layers:
+        decoder_layers = getattr(model.get_decoder(), "layers", None)
+        if not isinstance(decoder_layers, torch.nn.ModuleList) or len(decoder_layers) != cfg.num_hidden_layers:
+            raise InputError(f"--init-layers verifier: verifier {name!r} ({type(model).__name__}) has no list of "
+                             f"{cfg.num_hidden_layers} decoder layers at get_decoder().layers; use --init-layers random",
+                             field="--init-layers")
+        layers = [{k: v.detach().float().clone() for k, v in layer.state_dict().items()}
+                  for layer in decoder_layers[len(decoder_layers) - last_layers:]]
     del model
     return VerifierHeads(name_or_path=str(name), config=cfg, embed=embed, lm_head=lm_head,
-                         mask_token_id=int(mask_token_id))
+                         mask_token_id=int(mask_token_id), layers=layers)
 
 
 def build_draft_vocab(token_freq: np.ndarray, draft_vocab_size: int | None) -> torch.Tensor | None:
@@ -323,7 +337,8 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str, init: Init
         StoreFormatError: a store whose aux layer L is the normed final state (extracted by an older
             peagle: :func:`stores.feature_store.check_layer_convention`).
         InputError: an ``--init-from`` drafter (``init``) that does not fit the store, the verifier or the
-            options (:func:`check_init_source`).
+            options (:func:`check_init_source`); ``--init-layers verifier`` with a verifier whose layers the
+            drafter's cannot copy (:func:`peagle_train.model.warm_start.check_verifier_layers`).
     """
     out = Path(cfg.run.output)
     if not (cfg.run.resume or cfg.run.force) and out.exists() and any(out.iterdir()):
@@ -353,6 +368,8 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str, init: Init
                                    store, cfg, D)
     if init is not None:
         check_init_source(init, planned, cfg, store)
+    if cfg.model.init_layers == "verifier":
+        check_verifier_layers(vc, planned, verifier_name)
     check_servable(drafter_config_json(planned), None,
                    f"peagle-train on {store.path} (layers {list(store.layers)}, verifier {verifier_name!r})")
 

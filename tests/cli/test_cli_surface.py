@@ -41,7 +41,7 @@ EXACT = {
                       "--save-total-limit", "--val-fraction", "--val-max-blocks", "--log-every", "--mask-token-id",
                       "--loss-chunk-size", "--lazy-embedding", "--dense-embedding", "--train-embedding",
                       "--freeze-embedding", "--seed", "--attention-backend", "--drafter-layer", "--init-from",
-                      "--init-from-sha256", "--report-to", "--resume", "--allow-incomplete", "--force"} | CONFIG_FILE,
+                      "--init-from-sha256", "--init-layers", "--report-to", "--resume", "--allow-incomplete", "--force"} | CONFIG_FILE,
     ("eval", None): {"--drafter", "--verifier", "--prompts", "--store", "--output", "--force", "--max-new-tokens",
                      "--num-prompts", "--num-draft-tokens", "--max-blocks", "--temperature", "--seed", "--engine",
                      "--concurrency", "--vllm-loading"} | CONFIG_FILE,
