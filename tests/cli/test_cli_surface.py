@@ -39,7 +39,7 @@ EXACT = {
                       "--down-sample-ratio", "--down-sample-ratio-min", "--draft-vocab-size", "--num-layers", "--lr",
                       "--warmup-steps", "--weight-decay", "--grad-clip", "--grad-accum", "--save-every",
                       "--save-total-limit", "--val-fraction", "--val-max-blocks", "--log-every", "--mask-token-id",
-                      "--loss-chunk-size", "--lazy-embedding", "--dense-embedding", "--train-embedding",
+                      "--loss-chunk-size", "--gradient-checkpointing", "--lazy-embedding", "--dense-embedding", "--train-embedding",
                       "--freeze-embedding", "--seed", "--attention-backend", "--init-from", "--init-from-sha256",
                       "--report-to", "--resume", "--allow-incomplete", "--force"} | CONFIG_FILE,
     ("eval", None): {"--drafter", "--verifier", "--prompts", "--store", "--output", "--force", "--max-new-tokens",
