@@ -25,6 +25,7 @@ from typing import Union
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from peagle_train.model.attention import ElementAttention, as_element_attention
@@ -218,6 +219,9 @@ class PEagleDrafter(nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long), persistent=reduced)
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool) if reduced
                              else torch.ones(cfg.vocab_size, dtype=torch.bool), persistent=reduced)
+        self.gradient_checkpointing = False
+        """Recompute each decoder layer's activations in the backward instead of keeping them
+        (``--gradient-checkpointing``, set by the trainer; not saved with the weights): see :meth:`forward`."""
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -261,6 +265,11 @@ class PEagleDrafter(nn.Module):
         Returns:
             ``[E, H]`` (``[R, H]`` with ``output_rows``) final-normed hidden states; :meth:`logits`
             maps them to draft-vocab logits.
+
+        With :attr:`gradient_checkpointing` (and autograd recording, no ``cache``) each decoder layer runs
+        under non-reentrant ``torch.utils.checkpoint``: only its inputs (``[E, H]`` hidden, the first
+        layer's ``[E, H]`` embeddings, the ``[E, hd]`` RoPE tables) are kept, and its activations are
+        recomputed in the backward, one layer at a time (one more forward of every layer per step).
         """
         cfg = self.config
         ids = torch.where(is_mask, torch.full_like(input_ids, cfg.mask_token_id), input_ids)
@@ -274,9 +283,12 @@ class PEagleDrafter(nn.Module):
                                  f"mask), not {type(attention).__name__}")
             cache.start(is_mask, len(self.layers))
         last = len(self.layers) - 1
+        recompute = self.gradient_checkpointing and cache is None and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, attention, embeds if i == 0 else None,
-                           output_rows if i == last else None, cache.layers[i] if cache is not None else None)
+            args = (hidden, cos, sin, attention, embeds if i == 0 else None, output_rows if i == last else None,
+                    cache.layers[i] if cache is not None else None)
+            hidden = (torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False) if recompute
+                      else layer(*args))
         return self.norm(hidden)
 
     def _fc_inputs(self, aux_hidden: torch.Tensor, is_mask: torch.Tensor) -> torch.Tensor:

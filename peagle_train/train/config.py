@@ -125,7 +125,7 @@ class ModelConfig:
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
     """The optimisation: steps, AdamW and its schedule, gradient accumulation and clipping, the loss chunks,
-    the embedding's updates."""
+    gradient checkpointing, the embedding's updates."""
 
     max_steps: int | None = None
     """Optimizer steps (``--max-steps``); None: one pass over the training blocks (those extracted when
@@ -144,6 +144,10 @@ class OptimConfig:
     ``--resume`` on another number of processes keeps ``grad_accum`` × processes, the blocks of one step."""
     loss_chunk_size: int = 2048
     """Elements per logits chunk in the loss (``--loss-chunk-size``)."""
+    gradient_checkpointing: bool = False
+    """Recompute each drafter decoder layer's activations in the backward instead of keeping them
+    (``--gradient-checkpointing``): less memory for long rows, one more forward of the layers per step
+    (docs/benchmarks.md, "Gradient checkpointing"); the same loss and gradients up to float rounding."""
     lazy_embedding: bool = True
     """Update only the embedding rows a step touched (``--lazy-embedding/--dense-embedding``)."""
     train_embedding: bool = True

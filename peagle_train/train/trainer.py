@@ -105,6 +105,7 @@ class Trainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         # a sparse embedding gradient never exists densely; DDP all-reduce needs it dense (NCCL)
         model.embed_tokens.sparse = cfg.optim.lazy_embedding and self.world == 1
+        model.gradient_checkpointing = cfg.optim.gradient_checkpointing
         optimizer = build_optimizer(model, cfg.optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, CosineWithWarmup(self.warmup, max_steps))
         self.model, self.optimizer = accelerator.prepare(model, optimizer)

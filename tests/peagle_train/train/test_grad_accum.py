@@ -3,7 +3,8 @@
 The accumulated gradient of :func:`accumulate_step` must equal the gradient of a single
 :func:`kl_loss_and_accuracy` over the concatenated elements of every block (one process with
 ``--grad-accum 2``; two real gloo ranks with two blocks each), and the logged loss must be that
-pooled value. Blocks of very different weight make a mean of block means differ from it.
+pooled value, with and without gradient checkpointing. Blocks of very different weight make a mean of
+block means differ from it.
 """
 
 import copy
@@ -92,7 +93,8 @@ def assert_same_grads(got: dict, want: dict) -> None:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_grad_accum_gradient_is_the_pooled_gradient():
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["kept", "gradient-checkpointing"])
+def test_grad_accum_gradient_is_the_pooled_gradient(checkpointing):
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
@@ -102,8 +104,12 @@ def test_grad_accum_gradient_is_the_pooled_gradient():
     weights = [float(el.weight.sum()) for _, el in blocks]
     assert weights[0] > 50 * weights[1] > 0  # very unequal blocks
 
-    want_loss, want = pooled_reference(model, vhead, blocks)
+    want_loss, want = pooled_reference(model, vhead, blocks)  # activations kept
+    model.gradient_checkpointing = checkpointing
+    calls = [0]
+    model.layers[0].register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     sums, got = accumulated(accelerator, model, vhead, blocks)
+    assert calls == [4 if checkpointing else 2]  # two blocks, each layer forward recomputed once
     assert float(sums["weight_sum"].sum()) == sum(weights)
     assert float(sums["loss_sum"].sum()) / float(sums["weight_sum"].sum()) == pytest.approx(want_loss, rel=1e-5)
     assert_same_grads(got, want)
@@ -123,13 +129,17 @@ spec = importlib.util.spec_from_file_location("ga", sys.argv[1])
 ga = importlib.util.module_from_spec(spec); spec.loader.exec_module(ga)
 accelerator = Accelerator(cpu=True)
 rank, world = accelerator.process_index, accelerator.num_processes
-model, vhead = ga.make_model()
-model = accelerator.prepare(model)
 ids = [rank, rank + 2]  # rank 0: blocks 0 and 2, rank 1: blocks 1 and 3
-sums, grads = ga.accumulated(accelerator, model, vhead, ga.make_blocks(ids))
-torch.save({"rank": rank, "world": world, "blocks": ids, "sums": sums, "grads": grads,
-            "backend": str(accelerator.state.backend)}, f"{sys.argv[2]}/rank{rank}.pt")
-accelerator.wait_for_everyone()
+for name, checkpointing in (("kept", False), ("gradient-checkpointing", True)):
+    model, vhead = ga.make_model()
+    model.gradient_checkpointing = checkpointing
+    model = accelerator.prepare(model)
+    calls = [0]
+    accelerator.unwrap_model(model).layers[0].register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    sums, grads = ga.accumulated(accelerator, model, vhead, ga.make_blocks(ids))
+    torch.save({"rank": rank, "world": world, "blocks": ids, "sums": sums, "grads": grads, "layer_calls": calls[0],
+                "backend": str(accelerator.state.backend)}, f"{sys.argv[2]}/{name}-rank{rank}.pt")
+    accelerator.wait_for_everyone()
 # as Trainer.close: free the DDP wrapper (it holds the gloo group) before destroying the group, or
 # about one launch in five aborts a rank at exit ("terminate called without an active exception")
 del model
@@ -147,15 +157,16 @@ def test_two_gloo_ranks_accumulate_the_pooled_gradient(tmp_path):
                           str(script), __file__, str(tmp_path)], env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
-    assert [r["rank"] for r in ranks] == [0, 1] and [r["world"] for r in ranks] == [2, 2]
-    assert [r["blocks"] for r in ranks] == [[0, 2], [1, 3]] and ranks[0]["backend"] == "gloo"
-
     model, vhead = make_model()
     want_loss, want = pooled_reference(model, vhead, make_blocks([0, 1, 2, 3]))
-    for r in ranks:  # every rank holds the same, pooled gradient and the same global sums
-        assert_same_grads(r["grads"], want)
-        assert float(r["sums"]["loss_sum"].sum()) / float(r["sums"]["weight_sum"].sum()) == pytest.approx(
-            want_loss, rel=1e-5)
     total = sum(float(el.weight.sum()) for _, el in make_blocks([0, 1, 2, 3]))
-    assert float(ranks[0]["sums"]["weight_sum"].sum()) == total
+    for name, layer_calls in (("kept", 2), ("gradient-checkpointing", 4)):  # 2 blocks; each recomputed
+        ranks = [torch.load(tmp_path / f"{name}-rank{r}.pt", weights_only=False) for r in (0, 1)]
+        assert [r["rank"] for r in ranks] == [0, 1] and [r["world"] for r in ranks] == [2, 2]
+        assert [r["blocks"] for r in ranks] == [[0, 2], [1, 3]] and ranks[0]["backend"] == "gloo"
+        assert [r["layer_calls"] for r in ranks] == [layer_calls, layer_calls]
+        for r in ranks:  # every rank holds the same, pooled gradient and the same global sums
+            assert_same_grads(r["grads"], want)
+            assert float(r["sums"]["loss_sum"].sum()) / float(r["sums"]["weight_sum"].sum()) == pytest.approx(
+                want_loss, rel=1e-5)
+        assert float(ranks[0]["sums"]["weight_sum"].sum()) == total

@@ -146,18 +146,27 @@ def test_resume_of_a_run_saved_with_a_flat_train_config(tmp_path, verifier_dir):
     assert run_train(_cfg(store, out, max_steps=4, save_every=2, resume=True))["resumed_from"].endswith("checkpoint-2")
 
 
-def test_resume_continues_exactly(tmp_path, verifier_dir):
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["same", "resumed-with-gradient-checkpointing"])
+def test_resume_continues_exactly(tmp_path, verifier_dir, checkpointing):
+    """Also when the resume adds ``--gradient-checkpointing`` (an option that may change on resume: the
+    same loss and gradients), which the resumed run records in train_config.json."""
     store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=5)
     full = tmp_path / "full"
     run_train(_cfg(store, full, max_steps=6, save_every=3, val_fraction=0.2))
+    assert json.loads((full / "train_config.json").read_text())["optim"]["gradient_checkpointing"] is False
     part = tmp_path / "part"
     import shutil
 
     shutil.copytree(full, part)
     shutil.rmtree(part / "checkpoint-6")
     shutil.rmtree(part / "final")
-    summary = run_train(_cfg(store, part, max_steps=6, save_every=3, val_fraction=0.2, resume=True))
+    summary = run_train(_cfg(store, part, max_steps=6, save_every=3, val_fraction=0.2, resume=True,
+                             gradient_checkpointing=checkpointing))
     assert summary["resumed_from"].endswith("checkpoint-3")
+    saved = json.loads((part / "train_config.json").read_text())
+    assert saved["optim"]["gradient_checkpointing"] is checkpointing
+    state = torch.load(part / "checkpoint-6" / "training_state.pt", weights_only=False)
+    assert flat_settings(state["train_config"])["gradient_checkpointing"] is checkpointing
     a, b = _rows(full), _rows(part)
     assert [r["step"] for r in b] == list(range(1, 7))
     for x, y in zip(a, b):
@@ -634,7 +643,7 @@ def test_cli_resume_with_other_settings_says_the_working_command_and_why_max_ste
         f"Error: field '--resume': --resume continues the run saved in {out} with its own settings, and these "
         f"differ from it: --max-steps: saved 5, given 8. Resume it with: peagle-train --config {saved} --resume "
         "(adding only options that may change on resume: --val-max-blocks, --allow-incomplete, --attention-backend, "
-        "--loss-chunk-size, --save-every, --save-total-limit, --log-every, --report-to, --grad-accum (keeping "
+        "--loss-chunk-size, --gradient-checkpointing, --save-every, --save-total-limit, --log-every, --report-to, --grad-accum (keeping "
         "--grad-accum × processes)). --max-steps cannot "
         "change on resume: it is the length of the cosine learning-rate schedule, so the resumed run would no "
         "longer be the saved run continued; to train longer, start a new run (a new --output, or --force)").split())
