@@ -10,15 +10,21 @@ from typing import Any
 
 from peagle_train.evaluate.checks import check_before_weights
 from peagle_train.evaluate.config import EvalConfig
+from peagle_train.evaluate.cost_model import cost_model_report, first_prompt_ids, measure_step_costs
 from peagle_train.evaluate.offline import run_offline_eval
-from peagle_train.evaluate.online import run_online_eval
+from peagle_train.evaluate.online import load_for_decoding, run_online_eval
 from peagle_train.evaluate.report import write_acceptance_plot, write_json
 from peagle_train.evaluate.vllm_engine import import_vllm, run_vllm_eval
 from peagle_train.model.checkpoint import find_drafter
 from stores.errors import OutputExistsError
+from stores.feature_store import FeatureStore
 from stores.progress import progress
 
-__all__ = ["EvalRun", "run_eval"]
+__all__ = ["EvalRun", "run_eval", "VLLM_COSTS_SKIPPED"]
+
+VLLM_COSTS_SKIPPED = ("--engine vllm: the cost model times peagle's own decoder (transformers), not vLLM, so it is "
+                      "not applied to vLLM's acceptance; with --store the offline report holds the table for "
+                      "peagle's decoder")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,9 +79,17 @@ def _evaluate(run: EvalRun, drafter: str, log: Callable[[str], None]) -> dict[st
         online = run_online_eval(drafter, run.verifier, run.prompts, max_new_tokens=s.max_new_tokens,
                                  num_prompts=s.num_prompts, num_draft_tokens=s.num_draft_tokens,
                                  progress_factory=_progress("prompt turns"), temperature=s.temperature,
-                                 seed=s.seed)
+                                 seed=s.seed, measure_costs=s.measure_costs)
+    if s.measure_costs and offline is not None and (online is None or s.engine == "vllm"):
+        # no acceptance of peagle's own decoder: the offline one, with the steps timed on the store's first prompt
+        context = first_prompt_ids(FeatureStore.open(run.store).read_block(offline["blocks"][0]))
+        verifier, loaded, _, _ = load_for_decoding(drafter, run.verifier or offline["verifier"])
+        offline = {**offline, "cost_model": cost_model_report(
+            measure_step_costs(verifier, loaded, context, int(loaded.config.num_depths), s.cost_rounds), offline)}
     if online is None:
         return offline
+    if s.measure_costs and s.engine == "vllm":
+        online = {**online, "cost_model": {"skipped": VLLM_COSTS_SKIPPED}}
     return online if offline is None else {**online, "offline": offline}
 
 
