@@ -58,8 +58,8 @@ from peagle_train.evaluate.verifier import (aux_hidden_states, crop_cache, new_c
                                             verifier_body_pass, verifier_pass)
 from stores.errors import InputError
 
-__all__ = ["ASSUMPTIONS", "StepCosts", "measure_step_costs", "first_prompt_ids", "acceptance_shares", "expected_acceptance_length",
-           "predict_speedups", "cost_model_report", "format_cost_model"]
+__all__ = ["ASSUMPTIONS", "StepCosts", "measure_step_costs", "first_prompt_ids", "acceptance_shares",
+           "expected_acceptance_length", "predict_speedups", "cost_model_report", "format_cost_model"]
 
 ASSUMPTIONS = [
     "greedy verification (temperature 0)",
@@ -228,14 +228,17 @@ def expected_acceptance_length(shares: Sequence[float], K: int) -> float:
 
 def predict_speedups(costs: StepCosts, shares: Sequence[float]) -> list[dict[str, float | int]]:
     """One row per K = 1..min(len(shares), len(costs.verify_s)): ``K``, ``expected_acceptance_length``,
-    ``draft_ms`` (t_d(K)), ``verify_ms`` (t_v(K+1)), ``step_ms`` (their sum), ``expected_speedup``
-    (``E[AL](K) · t_v(1) / (t_v(K+1) + t_d(K))``, module docstring)."""
+    ``draft_ms`` (t_d(K)), ``verify_ms`` (t_v(K+1)), ``step_ms`` (their sum),
+    ``break_even_acceptance_length`` (``step / t_v(1)``: the AL at which K drafts match greedy decoding, as
+    docs/benchmarks.md's "break-even acceptance length"), ``expected_speedup`` (``E[AL](K) · t_v(1) /
+    (t_v(K+1) + t_d(K))``, module docstring)."""
     rows = []
     for K in range(1, min(len(shares), len(costs.verify_s)) + 1):
         al = expected_acceptance_length(shares, K)
         step = costs.verify_s[K - 1] + costs.draft_s[K - 1]
         rows.append({"K": K, "expected_acceptance_length": al, "draft_ms": costs.draft_s[K - 1] * 1e3,
                      "verify_ms": costs.verify_s[K - 1] * 1e3, "step_ms": step * 1e3,
+                     "break_even_acceptance_length": step / costs.verify_1_s,
                      "expected_speedup": al * costs.verify_1_s / step})
     return rows
 
@@ -270,9 +273,9 @@ def format_cost_model(cm: dict[str, Any]) -> list[str]:
     lines = [f"K from measured costs ({cm['acceptance_source']} acceptance; {c['device']}, {c['threads']} threads, "
              f"KV cache {c['context_tokens']} tokens, medians of {c['rounds']} rounds; greedy step "
              f"{cm['greedy_step_ms']:.2f} ms)",
-             "  K  expected AL  t_draft ms  t_verify(K+1) ms  expected speedup"]
+             "  K  expected AL  t_draft ms  t_verify(K+1) ms  break-even AL  expected speedup"]
     lines += [f"  {r['K']:<2d} {r['expected_acceptance_length']:>11.3f} {r['draft_ms']:>11.2f} {r['verify_ms']:>17.2f} "
-              f"{r['expected_speedup']:>17.3f}" for r in cm["rows"]]
+              f"{r['break_even_acceptance_length']:>14.3f} {r['expected_speedup']:>17.3f}" for r in cm["rows"]]
     verdict = "" if cm["faster_than_greedy"] else " (no K beats greedy decoding here)"
     lines.append(f"  best K {cm['best_K']}: expected speedup {cm['best_expected_speedup']:.3f}{verdict}")
     if cm.get("note"):

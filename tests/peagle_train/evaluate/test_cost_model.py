@@ -42,6 +42,7 @@ def test_expected_al_and_speedup_on_hand_made_values_pick_the_best_k():
     assert [r["K"] for r in rows] == [1, 2, 3, 4]
     assert [r["expected_acceptance_length"] for r in rows] == [1.5, 1.75, 1.875, 1.9375]
     assert [r["step_ms"] for r in rows] == pytest.approx([64.0, 64.0, 84.0, 124.0], rel=1e-12)
+    assert [r["break_even_acceptance_length"] for r in rows] == pytest.approx([1.6, 1.6, 2.1, 3.1], rel=1e-12)
     expected = [1.5 * 40 / 64, 1.75 * 40 / 64, 1.875 * 40 / 84, 1.9375 * 40 / 124]  # 0.9375, 1.09375, 0.893, 0.625
     assert [r["expected_speedup"] for r in rows] == pytest.approx(expected, rel=1e-12)
     report = cost_model_report(c, {"num_drafts": 16, "per_position_accepted": [8, 4, 2, 1]})
@@ -87,7 +88,8 @@ def test_acceptance_shares_reproduce_the_reports_own_al():
 
 
 def test_first_prompt_ids_stop_before_the_first_supervised_token():
-    block = SimpleNamespace(input_ids=torch.tensor([5, 6, 7, 8, 9, 10, 11]), loss_mask=torch.tensor([0, 0, 0, 1, 1, 0, 1]),
+    block = SimpleNamespace(input_ids=torch.tensor([5, 6, 7, 8, 9, 10, 11]),
+                            loss_mask=torch.tensor([0, 0, 0, 1, 1, 0, 1]),
                             cu_seqlens=torch.tensor([0, 5, 7]))
     assert first_prompt_ids(block).tolist() == [5, 6, 7]
     whole = SimpleNamespace(input_ids=torch.tensor([5, 6, 7]), loss_mask=torch.tensor([1, 1, 1]),
@@ -121,7 +123,8 @@ def test_online_report_has_the_table(tiny_verifier, smollm2_tokenizer):
     best = max(cm["rows"], key=lambda r: r["expected_speedup"])
     assert cm["best_K"] == best["K"]
     text = format_report(report)
-    assert "K  expected AL  t_draft ms  t_verify(K+1) ms  expected speedup" in text and f"best K {best['K']}" in text
+    assert "K  expected AL  t_draft ms  t_verify(K+1) ms  break-even AL  expected speedup" in text
+    assert f"best K {best['K']}" in text
     sampled = evaluate_prompts(tiny_verifier, drafter, smollm2_tokenizer, prompts,
                                EvalConfig(max_new_tokens=4, temperature=1.0, cost_rounds=1))
     assert sampled["cost_model"]["skipped"].startswith("temperature 1.0: the cost model predicts greedy decoding")
