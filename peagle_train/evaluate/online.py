@@ -198,28 +198,17 @@ def online_cost_model(verifier, drafter, context_ids: Sequence[int], online: dic
     return cost_model_report(costs, online)
 
 
-def load_for_decoding(drafter_dir: str | Path, verifier_name: str | None):
-    """The drafter, its verifier and tokenizer as online decoding runs them: float32, on the verifier's device.
-
-    The verifier's config and the drafter's tokenizer are checked before the weights load. float32
+def load_for_decoding(drafter, verifier_name: str):
+    """The verifier, and ``drafter`` (a loaded ``PEagleDrafter``) moved to it, as online decoding runs them:
+    float32, on the verifier's device. float32
     everywhere: a K+1-token verify pass and one-token decoding then agree to ~1e-6, so near-ties cannot flip
-    an argmax the way they do in bf16.
+    an argmax the way they do in bf16. The caller runs the checks first (:func:`run_online_eval`).
 
     Returns:
-        ``(verifier, drafter, tokenizer, verifier_name)``.
-
-    Raises:
-        InputError: no verifier named; StoreMismatchError, ModelNotFoundError: from the checks.
+        ``(verifier, drafter)``.
     """
-    drafter = load_drafter(drafter_dir).eval()
-    name = verifier_name or drafter.config.verifier_name_or_path
-    if not name:
-        raise InputError("the drafter's config names no verifier; pass one", field="--verifier")
-    check_verifier_config(name, drafter)  # before the weights load
-    check_drafter_tokenizer(drafter_dir, name)
-    verifier = load_verifier(name, dtype=torch.float32)
-    drafter = drafter.to(next(verifier.parameters()).device, torch.float32)
-    return verifier, drafter, load_tokenizer(name), str(name)
+    verifier = load_verifier(verifier_name, dtype=torch.float32)
+    return verifier, drafter.eval().to(next(verifier.parameters()).device, torch.float32)
 
 
 def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_file: str | Path,
@@ -254,7 +243,14 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
     config = EvalConfig(max_new_tokens=max_new_tokens, num_prompts=num_prompts, num_draft_tokens=num_draft_tokens,
                         temperature=temperature, seed=seed, measure_costs=measure_costs)
     prompts = read_prompts(prompts_file, config.num_prompts)
-    verifier, drafter, tokenizer, name = load_for_decoding(drafter_dir, verifier_name)
+    drafter = load_drafter(drafter_dir)
+    name = verifier_name or drafter.config.verifier_name_or_path
+    if not name:
+        raise InputError("the drafter's config names no verifier; pass one", field="--verifier")
+    check_verifier_config(name, drafter)  # before the weights load
+    check_drafter_tokenizer(drafter_dir, name)
+    verifier, drafter = load_for_decoding(drafter, name)
+    tokenizer = load_tokenizer(name)
     bar = progress_factory(sum(len(p.user_turns) for p in prompts)) if progress_factory else None
     try:
         report = evaluate_prompts(verifier, drafter, tokenizer, prompts, config,

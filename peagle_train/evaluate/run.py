@@ -15,7 +15,7 @@ from peagle_train.evaluate.offline import run_offline_eval
 from peagle_train.evaluate.online import load_for_decoding, run_online_eval
 from peagle_train.evaluate.report import write_acceptance_plot, write_json
 from peagle_train.evaluate.vllm_engine import import_vllm, run_vllm_eval
-from peagle_train.model.checkpoint import find_drafter
+from peagle_train.model.checkpoint import find_drafter, load_drafter
 from stores.errors import OutputExistsError
 from stores.feature_store import FeatureStore
 from stores.progress import progress
@@ -83,7 +83,8 @@ def _evaluate(run: EvalRun, drafter: str, log: Callable[[str], None]) -> dict[st
     if s.measure_costs and offline is not None and (online is None or s.engine == "vllm"):
         # no acceptance of peagle's own decoder: the offline one, with the steps timed on the store's first prompt
         context = first_prompt_ids(FeatureStore.open(run.store).read_block(offline["blocks"][0]))
-        verifier, loaded, _, _ = load_for_decoding(drafter, run.verifier or offline["verifier"])
+        # the verifier's config was checked before any weights (check_before_weights)
+        verifier, loaded = load_for_decoding(load_drafter(drafter), offline["verifier"])
         offline = {**offline, "cost_model": cost_model_report(
             measure_step_costs(verifier, loaded, context, int(loaded.config.num_depths), s.cost_rounds), offline)}
     if online is None:
