@@ -81,17 +81,26 @@ def _evaluate(run: EvalRun, drafter: str, log: Callable[[str], None]) -> dict[st
                                  progress_factory=_progress("prompt turns"), temperature=s.temperature,
                                  seed=s.seed, measure_costs=s.measure_costs)
     if s.measure_costs and offline is not None and (online is None or s.engine == "vllm"):
-        # no acceptance of peagle's own decoder: the offline one, with the steps timed on the store's first prompt
-        context = first_prompt_ids(FeatureStore.open(run.store).read_block(offline["blocks"][0]))
-        # the verifier's config was checked before any weights (check_before_weights)
-        verifier, loaded = load_for_decoding(load_drafter(drafter), offline["verifier"])
-        offline = {**offline, "cost_model": cost_model_report(
-            measure_step_costs(verifier, loaded, context, int(loaded.config.num_depths), s.cost_rounds), offline)}
+        offline = {**offline, "cost_model": _offline_cost_model(drafter, run.store, offline, s.cost_rounds)}
     if online is None:
         return offline
     if s.measure_costs and s.engine == "vllm":
         online = {**online, "cost_model": {"skipped": VLLM_COSTS_SKIPPED}}
     return online if offline is None else {**online, "offline": offline}
+
+
+def _offline_cost_model(drafter: str, store: str, offline: dict[str, Any], rounds: int) -> dict[str, Any]:
+    """The ``cost_model`` from the offline acceptance (no acceptance of peagle's own decoder was measured), the
+    steps timed with a KV cache of the first scored block's prompt (:func:`first_prompt_ids`); ``{"skipped":
+    reason}`` when no anchor was scored."""
+    if not offline["positions_scored"]:
+        return {"skipped": "the offline evaluation scored no anchor: no acceptance to predict from"}
+    context = first_prompt_ids(FeatureStore.open(store).read_block(offline["blocks"][0]))
+    # the verifier's config was checked before any weights (check_before_weights); the timing needs no
+    # tokenizer check: token ids do not change a step's cost
+    verifier, loaded = load_for_decoding(load_drafter(drafter), offline["verifier"])
+    return cost_model_report(measure_step_costs(verifier, loaded, context, int(loaded.config.num_depths), rounds),
+                             offline)
 
 
 def run_eval(run: EvalRun, log: Callable[[str], None] = print, config: dict[str, Any] | None = None) -> dict[str, Any]:
