@@ -22,8 +22,9 @@ _PATH = {"type": click.Path()}
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @config_options(EvalRun, skip=("settings",), overrides={**{k: _PATH for k in ("drafter", "prompts", "store")},
                                                "output": {"type": OutputPath(suffixes=(".json",))}})
-@config_options(EvalConfig, skip=("chunk_anchors", "warmup"),  # memory bound and timing warm-up: library knobs
+@config_options(EvalConfig, skip=("chunk_anchors", "warmup", "cost_rounds"),  # memory bound, timing: library knobs
                 overrides={"engine": {"type": click.Choice(ENGINES)},
+                           "measure_costs": {"decls": ["--measure-costs/--no-measure-costs"]},
                            "vllm_loading": {"type": click.Choice(VLLM_LOADINGS)}})
 @config_file_options
 @handle_errors

@@ -45,7 +45,16 @@ class EvalConfig:
     config naming the drafter) or ``speculators`` (the drafter directory as the model, as ``vllm serve
     DRAFTER`` does; vLLM loads the verifier its config names)."""
 
+    measure_costs: bool = True
+    """Time a greedy step and, for every K <= num_depths, a drafter pass and a verifier pass over K+1 tokens on
+    this machine, and report the expected speedup per K and the best K from the measured acceptance
+    (``cost_model``; a few seconds; --measure-costs/--no-measure-costs)."""
+    cost_rounds: int = 15
+    """Timed rounds of the cost measurement (medians), after 2 untimed ones."""
+
     def __post_init__(self) -> None:
+        if self.cost_rounds < 1:
+            raise ValueError(f"cost_rounds must be >= 1, got {self.cost_rounds}")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.num_prompts is not None and self.num_prompts < 1:

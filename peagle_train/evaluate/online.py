@@ -12,6 +12,7 @@ import torch
 
 from peagle_train.evaluate.checks import check_drafter_tokenizer, check_verifier_config
 from peagle_train.evaluate.config import EvalConfig
+from peagle_train.evaluate.cost_model import cost_model_report, measure_step_costs
 from peagle_train.evaluate.prompts import Prompt, eos_ids, read_prompts, render_turn
 from peagle_train.evaluate.report import write_json
 from peagle_train.evaluate.speculative import (
@@ -165,25 +166,56 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
             answers.append(answer_text(tokenizer, base.tokens, eos))
             if progress is not None:
                 progress(1)
+    wall_time_s = time.perf_counter() - start
+    report = totals.report()
     return {
-        **totals.report(),
+        **report,
         "identical_to_greedy": not mismatches if T == 0 else None,
         "temperature": T,
         "seed": config.seed if T > 0 else None,
         "mismatches": mismatches,
-        "wall_time_s": time.perf_counter() - start,
+        "wall_time_s": wall_time_s,
         "num_prompts": len(prompts),
         "num_turns": len(per_prompt),
         "max_new_tokens": config.max_new_tokens,
+        **({"cost_model": online_cost_model(verifier, drafter, render_turn(tokenizer, prompts[0], 0, []), report,
+                                            config)} if config.measure_costs else {}),
         "per_prompt": per_prompt,
     }
+
+
+def online_cost_model(verifier, drafter, context_ids: Sequence[int], online: dict[str, Any],
+                      config: EvalConfig) -> dict[str, Any]:
+    """The ``cost_model`` of an online report (:mod:`.cost_model`): the steps timed with a KV cache of
+    ``context_ids`` (the first prompt turn) for K = 1..num_depths, the acceptance of ``online``'s counts;
+    ``{"skipped": reason}`` at temperature > 0 (the model is greedy verification's) or with no scored draft."""
+    if config.temperature > 0:
+        return {"skipped": f"temperature {config.temperature}: the cost model predicts greedy decoding; run at "
+                           "--temperature 0 for the table"}
+    if not online["num_drafts"]:
+        return {"skipped": "no verifier step checked a draft: no acceptance to predict from"}
+    costs = measure_step_costs(verifier, drafter, context_ids, int(drafter.config.num_depths), config.cost_rounds)
+    return cost_model_report(costs, online)
+
+
+def load_for_decoding(drafter, verifier_name: str):
+    """The verifier, and ``drafter`` (a loaded ``PEagleDrafter``) moved to it, as online decoding runs them:
+    float32, on the verifier's device. float32
+    everywhere: a K+1-token verify pass and one-token decoding then agree to ~1e-6, so near-ties cannot flip
+    an argmax the way they do in bf16. The caller runs the checks first (:func:`run_online_eval`).
+
+    Returns:
+        ``(verifier, drafter)``.
+    """
+    verifier = load_verifier(verifier_name, dtype=torch.float32)
+    return verifier, drafter.eval().to(next(verifier.parameters()).device, torch.float32)
 
 
 def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_file: str | Path,
                     max_new_tokens: int = 128, num_prompts: int | None = None,
                     num_draft_tokens: int | None = None, output: str | Path | None = None,
                     progress_factory: Callable[[int], Any] | None = None, temperature: float = 0.0,
-                    seed: int = 0) -> dict[str, Any]:
+                    seed: int = 0, measure_costs: bool = True) -> dict[str, Any]:
     """Online evaluation of a drafter checkpoint on a prompts file (docs/design.md §9).
 
     Args:
@@ -191,7 +223,7 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
         verifier_name: MODEL (``smollm2-135m``, a directory, a hub id); None = the verifier named in
             the drafter's config.
         prompts_file: MT-Bench or OpenAI-messages JSONL (see :func:`read_prompts`).
-        max_new_tokens, num_prompts, num_draft_tokens, temperature, seed: see :class:`EvalConfig`.
+        max_new_tokens, num_prompts, num_draft_tokens, temperature, seed, measure_costs: see :class:`EvalConfig`.
         output: also write the JSON report there.
         progress_factory: ``total -> bar`` with ``update(n)`` and ``close()`` (e.g. ``tqdm``).
 
@@ -200,7 +232,8 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
         fractions), ``drafted``, ``accepted``, ``identical_to_greedy`` (None at T > 0), ``mismatches`` (prompt ids),
         ``tokens_per_second``, ``baseline_tokens_per_second``, ``speedup``, ``wall_time_s``,
         ``num_prompts``, ``per_prompt`` (per turn: counts, ``user``, the speculative ``text`` and the
-        plain decoding's ``reference_text``) and the run's inputs.
+        plain decoding's ``reference_text``), with ``measure_costs`` the ``cost_model``
+        (:func:`online_cost_model`), and the run's inputs.
 
     Raises:
         InputError: bad prompts file or options, or a drafter that does not match the verifier.
@@ -208,18 +241,15 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
         StoreFormatError: not a drafter checkpoint. ModelNotFoundError: unknown verifier.
     """
     config = EvalConfig(max_new_tokens=max_new_tokens, num_prompts=num_prompts, num_draft_tokens=num_draft_tokens,
-                        temperature=temperature, seed=seed)
+                        temperature=temperature, seed=seed, measure_costs=measure_costs)
     prompts = read_prompts(prompts_file, config.num_prompts)
-    drafter = load_drafter(drafter_dir).eval()
+    drafter = load_drafter(drafter_dir)
     name = verifier_name or drafter.config.verifier_name_or_path
     if not name:
         raise InputError("the drafter's config names no verifier; pass one", field="--verifier")
     check_verifier_config(name, drafter)  # before the weights load
     check_drafter_tokenizer(drafter_dir, name)
-    # float32 everywhere: a K+1-token verify pass and one-token decoding then agree to ~1e-6, so
-    # near-ties cannot flip an argmax the way they do in bf16.
-    verifier = load_verifier(name, dtype=torch.float32)
-    drafter = drafter.to(next(verifier.parameters()).device, torch.float32)
+    verifier, drafter = load_for_decoding(drafter, name)
     tokenizer = load_tokenizer(name)
     bar = progress_factory(sum(len(p.user_turns) for p in prompts)) if progress_factory else None
     try:

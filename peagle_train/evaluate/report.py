@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from peagle_train.evaluate.cost_model import format_cost_model
 from stores.staging import write_text_atomic
 
 
@@ -40,6 +41,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines += ([f"  per position       {report.get('per_position_note')}"] if per_pos is None else [
             "  position  " + " ".join(f"{i:>6d}" for i in range(len(per_pos))),
             "  accepted  " + " ".join(f"{_fmt(x):>6s}" for x in per_pos)])
+        lines += _cost_lines(report)
     off = report.get("offline", report if "simulated_acceptance_length" in report else None)
     if off:
         K = off["num_depths"]
@@ -51,7 +53,18 @@ def format_report(report: dict[str, Any]) -> str:
             "  accuracy  " + " ".join(f"{_fmt(x):>6s}" for x in off["per_depth_accuracy"]),
             "  cond.acc  " + " ".join(f"{_fmt(x):>6s}" for x in off["per_position_acceptance"]),
         ]
+        lines += _cost_lines(off)
     return "\n".join(lines)
+
+
+def _cost_lines(report: dict[str, Any]) -> list[str]:
+    """The ``cost_model`` table of an online or offline report, or the reason it was skipped; none when absent."""
+    cm = report.get("cost_model")
+    if cm is None:
+        return []
+    if "skipped" in cm:
+        return [f"K from measured costs: skipped ({cm['skipped']})"]
+    return format_cost_model(cm)
 
 
 def _store_state(off: dict) -> str:

@@ -10,15 +10,21 @@ from typing import Any
 
 from peagle_train.evaluate.checks import check_before_weights
 from peagle_train.evaluate.config import EvalConfig
+from peagle_train.evaluate.cost_model import cost_model_report, first_prompt_ids, measure_step_costs
 from peagle_train.evaluate.offline import run_offline_eval
-from peagle_train.evaluate.online import run_online_eval
+from peagle_train.evaluate.online import load_for_decoding, run_online_eval
 from peagle_train.evaluate.report import write_acceptance_plot, write_json
 from peagle_train.evaluate.vllm_engine import import_vllm, run_vllm_eval
-from peagle_train.model.checkpoint import find_drafter
+from peagle_train.model.checkpoint import find_drafter, load_drafter
 from stores.errors import OutputExistsError
+from stores.feature_store import FeatureStore
 from stores.progress import progress
 
-__all__ = ["EvalRun", "run_eval"]
+__all__ = ["EvalRun", "run_eval", "VLLM_COSTS_SKIPPED"]
+
+VLLM_COSTS_SKIPPED = ("--engine vllm: the cost model times peagle's own decoder (transformers), not vLLM, so it is "
+                      "not applied to vLLM's acceptance; with --store the offline report holds the table for "
+                      "peagle's decoder")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,10 +79,28 @@ def _evaluate(run: EvalRun, drafter: str, log: Callable[[str], None]) -> dict[st
         online = run_online_eval(drafter, run.verifier, run.prompts, max_new_tokens=s.max_new_tokens,
                                  num_prompts=s.num_prompts, num_draft_tokens=s.num_draft_tokens,
                                  progress_factory=_progress("prompt turns"), temperature=s.temperature,
-                                 seed=s.seed)
+                                 seed=s.seed, measure_costs=s.measure_costs)
+    if s.measure_costs and offline is not None and (online is None or s.engine == "vllm"):
+        offline = {**offline, "cost_model": _offline_cost_model(drafter, run.store, offline, s.cost_rounds)}
     if online is None:
         return offline
+    if s.measure_costs and s.engine == "vllm":
+        online = {**online, "cost_model": {"skipped": VLLM_COSTS_SKIPPED}}
     return online if offline is None else {**online, "offline": offline}
+
+
+def _offline_cost_model(drafter: str, store: str, offline: dict[str, Any], rounds: int) -> dict[str, Any]:
+    """The ``cost_model`` from the offline acceptance (no acceptance of peagle's own decoder was measured), the
+    steps timed with a KV cache of the first scored block's prompt (:func:`first_prompt_ids`); ``{"skipped":
+    reason}`` when no anchor was scored."""
+    if not offline["positions_scored"]:
+        return {"skipped": "the offline evaluation scored no anchor: no acceptance to predict from"}
+    context = first_prompt_ids(FeatureStore.open(store).read_block(offline["blocks"][0]))
+    # the verifier's config was checked before any weights (check_before_weights); the timing needs no
+    # tokenizer check: token ids do not change a step's cost
+    verifier, loaded = load_for_decoding(load_drafter(drafter), offline["verifier"])
+    return cost_model_report(measure_step_costs(verifier, loaded, context, int(loaded.config.num_depths), rounds),
+                             offline)
 
 
 def run_eval(run: EvalRun, log: Callable[[str], None] = print, config: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -33,7 +33,7 @@ COMMANDS = {
               {"data", "model", "optim", "run"}),  # the groups
     "eval": (eval_main, [EvalRun, EvalConfig], {}, set(),
              {"settings",  # the nested EvalConfig
-              "chunk_anchors", "warmup"}),  # memory bound and timing warm-up: library knobs, never named as options
+              "chunk_anchors", "warmup", "cost_rounds"}),  # memory bound, timing: library knobs, never named as options
     "extract": (data_main.get_command(None, "extract"), [ExtractConfig], {}, set(),
                 {"writer_queue"}),  # host-memory bound of the writer thread, never named as an option
     "tokenize": (data_main.get_command(None, "tokenize"), [TokenizeRun, TokenizeConfig], {}, set(),

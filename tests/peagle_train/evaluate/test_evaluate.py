@@ -496,7 +496,7 @@ def test_cli_drafter_given_a_training_output_uses_final_else_the_newest_checkpoi
     import peagle_train.evaluate.run as ev
     from cli.eval import main
 
-    used = []
+    used = []  # the fake offline report holds no acceptance: --no-measure-costs below
     monkeypatch.setattr(ev, "run_offline_eval", lambda drafter, *a, **k: used.append(drafter) or {"blocks": []})
     monkeypatch.setattr(cli.eval, "format_report", lambda report: "")
     monkeypatch.setattr(ev, "check_before_weights", lambda *a, **k: None)  # the fake checkpoints hold "{}"
@@ -508,19 +508,19 @@ def test_cli_drafter_given_a_training_output_uses_final_else_the_newest_checkpoi
     for sub in ("checkpoint-2", "checkpoint-10"):
         (out / sub / "training_state.pt").write_text("")
 
-    result = CliRunner().invoke(main, ["--drafter", str(out), "--store", "s.zarr"])
+    result = CliRunner().invoke(main, ["--drafter", str(out), "--store", "s.zarr", "--no-measure-costs"])
     assert result.exit_code == 0, result.output
     assert used == [str(out / "final")]
     assert f"{out} is a training output: using its final checkpoint {out / 'final'}" in result.stderr
     import shutil
 
     shutil.rmtree(out / "final")  # an unfinished run: its newest complete checkpoint
-    result = CliRunner().invoke(main, ["--drafter", str(out), "--store", "s.zarr"])
+    result = CliRunner().invoke(main, ["--drafter", str(out), "--store", "s.zarr", "--no-measure-costs"])
     assert result.exit_code == 0 and used[-1] == str(out / "checkpoint-10")
     assert f"using its newest checkpoint {out / 'checkpoint-10'}" in result.stderr
-    result = CliRunner().invoke(main, ["--drafter", str(out / "final"), "--store", "s.zarr"])
+    result = CliRunner().invoke(main, ["--drafter", str(out / "final"), "--store", "s.zarr", "--no-measure-costs"])
     assert result.exit_code == 2 and "is not a drafter checkpoint" in result.stderr
-    result = CliRunner().invoke(main, ["--drafter", str(out / "checkpoint-2"), "--store", "s.zarr"])
+    result = CliRunner().invoke(main, ["--drafter", str(out / "checkpoint-2"), "--store", "s.zarr", "--no-measure-costs"])
     assert result.exit_code == 0 and used[-1] == str(out / "checkpoint-2") and "using" not in result.stderr
 
 

@@ -46,6 +46,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from peagle_train.evaluate.run import VLLM_COSTS_SKIPPED
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[3]
@@ -273,3 +275,4 @@ def test_peagle_eval_engine_vllm_reports_vllms_figures(served):
         t = report["throughput"][c]
         assert t["plain"] > 0 and t["speculative"] > 0 and t["speedup"] == t["speculative"] / t["plain"]
     assert all("<|im_end|>" not in p["text"] for p in report["per_prompt"])
+    assert report["cost_model"] == {"skipped": VLLM_COSTS_SKIPPED}  # peagle's costs are not applied to vLLM

@@ -1,0 +1,166 @@
+"""K from measured costs (issue 23): the formula on hand-made costs and acceptances, the timing on the tiny
+Llama, and the ``cost_model`` entry of online, offline and CLI reports."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from peagle_train.evaluate.config import EvalConfig
+from peagle_train.evaluate.cost_model import (
+    ASSUMPTIONS,
+    StepCosts,
+    acceptance_shares,
+    cost_model_report,
+    expected_acceptance_length,
+    first_prompt_ids,
+    measure_step_costs,
+    predict_speedups,
+)
+from peagle_train.evaluate.online import evaluate_prompts
+from peagle_train.evaluate.prompts import Prompt, render_turn
+from peagle_train.evaluate.report import format_report
+from stores.errors import InputError
+from tests.peagle_train.evaluate.test_evaluate import make_store, write_lines
+from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+
+
+def costs(verify_1_ms: float, verify_ms: list[float], draft_ms: list[float]) -> StepCosts:
+    return StepCosts(verify_1_s=verify_1_ms / 1e3, verify_s=[v / 1e3 for v in verify_ms],
+                     draft_s=[d / 1e3 for d in draft_ms], context_tokens=100, rounds=1, warmup_rounds=0, threads=1,
+                     device="cpu")
+
+
+# ------------------------------------------------------------------ the formula
+def test_expected_al_and_speedup_on_hand_made_values_pick_the_best_k():
+    # s = 1/2, 1/4, 1/8, 1/16: E[AL] = 1.5, 1.75, 1.875, 1.9375; steps 64, 64, 84, 124 ms; greedy step 40 ms
+    c = costs(40.0, [60.0, 60.0, 80.0, 120.0], [4.0, 4.0, 4.0, 4.0])
+    rows = predict_speedups(c, [0.5, 0.25, 0.125, 0.0625])
+    assert [r["K"] for r in rows] == [1, 2, 3, 4]
+    assert [r["expected_acceptance_length"] for r in rows] == [1.5, 1.75, 1.875, 1.9375]
+    assert [r["step_ms"] for r in rows] == pytest.approx([64.0, 64.0, 84.0, 124.0], rel=1e-12)
+    assert [r["break_even_acceptance_length"] for r in rows] == pytest.approx([1.6, 1.6, 2.1, 3.1], rel=1e-12)
+    expected = [1.5 * 40 / 64, 1.75 * 40 / 64, 1.875 * 40 / 84, 1.9375 * 40 / 124]  # 0.9375, 1.09375, 0.893, 0.625
+    assert [r["expected_speedup"] for r in rows] == pytest.approx(expected, rel=1e-12)
+    report = cost_model_report(c, {"num_drafts": 16, "per_position_accepted": [8, 4, 2, 1]})
+    assert report["best_K"] == 2 and report["best_expected_speedup"] == pytest.approx(1.09375, rel=1e-12)
+    assert report["faster_than_greedy"] is True and report["acceptance_source"] == "online"
+    assert report["acceptance_shares"] == [0.5, 0.25, 0.125, 0.0625] and report["greedy_step_ms"] == 40.0
+    assert report["assumptions"] == ASSUMPTIONS and "note" not in report
+    assert report["costs"]["verify_s"] == [0.06, 0.06, 0.08, 0.12]
+
+
+def test_iid_acceptance_gives_leviathan_et_al_expected_tokens():
+    """With s_i = a^(i+1), E[AL](K) is Leviathan et al.'s (1 - a^(K+1)) / (1 - a)."""
+    a = 0.6
+    shares = [a ** (i + 1) for i in range(6)]
+    for K in range(1, 7):
+        assert expected_acceptance_length(shares, K) == pytest.approx((1 - a ** (K + 1)) / (1 - a), rel=1e-12)
+    with pytest.raises(InputError, match="K = 7 outside the 6 positions"):
+        expected_acceptance_length(shares, 7)
+
+
+def test_no_k_beats_greedy_and_fewer_measured_positions_than_timed():
+    c = costs(40.0, [80.0, 80.0, 80.0, 80.0], [5.0, 5.0, 5.0, 5.0])
+    report = cost_model_report(c, {"positions_scored": 10, "per_position_accepted": [3, 1]})
+    assert report["acceptance_source"] == "offline" and [r["K"] for r in report["rows"]] == [1, 2]
+    assert report["best_K"] == 2 and report["best_expected_speedup"] == pytest.approx(1.4 * 40 / 85, rel=1e-12)
+    assert report["faster_than_greedy"] is False
+    assert report["note"] == ("the acceptance was measured with K = 2 drafts: K = 3..4 are not predicted (run "
+                              "with --num-draft-tokens 4)")
+    assert "best K 2: expected speedup 0.659 (no K beats greedy decoding here)" in format_report(
+        {"simulated_acceptance_length": 1.4, "num_depths": 2, "positions_scored": 10, "per_depth_accuracy": [0.3, 0.1],
+         "per_position_acceptance": [0.3, 1 / 3], "cost_model": report})
+
+
+def test_acceptance_shares_reproduce_the_reports_own_al():
+    online = {"num_drafts": 1625, "per_position_accepted": [530, 102, 10, 0], "acceptance_length": 1 + 642 / 1625}
+    shares, source = acceptance_shares(online)
+    assert source == "online" and shares == [530 / 1625, 102 / 1625, 10 / 1625, 0.0]
+    assert expected_acceptance_length(shares, 4) == pytest.approx(online["acceptance_length"], rel=1e-15)
+    with pytest.raises(InputError, match="scored no draft"):
+        acceptance_shares({"num_drafts": 0, "per_position_accepted": [0]})
+    with pytest.raises(InputError, match="neither online"):
+        acceptance_shares({"acceptance_length": 1.2})
+
+
+def test_first_prompt_ids_stop_before_the_first_supervised_token():
+    block = SimpleNamespace(input_ids=torch.tensor([5, 6, 7, 8, 9, 10, 11]),
+                            loss_mask=torch.tensor([0, 0, 0, 1, 1, 0, 1]),
+                            cu_seqlens=torch.tensor([0, 5, 7]))
+    assert first_prompt_ids(block).tolist() == [5, 6, 7]
+    whole = SimpleNamespace(input_ids=torch.tensor([5, 6, 7]), loss_mask=torch.tensor([1, 1, 1]),
+                            cu_seqlens=torch.tensor([0, 3]))
+    assert first_prompt_ids(whole).tolist() == [5, 6, 7]  # supervised from its first token: the whole segment
+
+
+# ------------------------------------------------------------------ the timing on the tiny Llama
+def test_timing_on_the_tiny_llama_gives_one_row_per_k(tiny_verifier, smollm2_tokenizer):
+    drafter = tiny_drafter(tiny_verifier, num_depths=3)
+    ids = render_turn(smollm2_tokenizer, Prompt("a", ["Hello there"]), 0, [])
+    c = measure_step_costs(tiny_verifier, drafter, ids, 3, rounds=3, warmup_rounds=1)
+    assert len(c.verify_s) == len(c.draft_s) == 3 and c.context_tokens == len(ids) and c.rounds == 3
+    assert c.verify_1_s > 0 and all(t > 0 for t in c.verify_s + c.draft_s)
+    assert c.threads == 1 and c.device == "cpu"  # the one_thread fixture of tests/peagle_train/conftest.py
+    with pytest.raises(InputError, match="empty"):
+        measure_step_costs(tiny_verifier, drafter, [], 3)
+
+
+def test_online_report_has_the_table(tiny_verifier, smollm2_tokenizer):
+    drafter = tiny_drafter(tiny_verifier, num_depths=4)
+    prompts = [Prompt("a", ["Hello there"])]
+    report = evaluate_prompts(tiny_verifier, drafter, smollm2_tokenizer, prompts,
+                              EvalConfig(max_new_tokens=9, num_draft_tokens=3, cost_rounds=2))
+    cm = report["cost_model"]
+    assert cm["acceptance_source"] == "online" and [r["K"] for r in cm["rows"]] == [1, 2, 3]
+    assert len(cm["costs"]["verify_s"]) == 4  # timed up to num_depths; the acceptance of 3 positions limits the rows
+    assert cm["note"].startswith("the acceptance was measured with K = 3 drafts")
+    assert cm["rows"][-1]["expected_acceptance_length"] == pytest.approx(report["acceptance_length"], rel=1e-12)
+    assert cm["costs"]["context_tokens"] == len(render_turn(smollm2_tokenizer, prompts[0], 0, []))
+    best = max(cm["rows"], key=lambda r: r["expected_speedup"])
+    assert cm["best_K"] == best["K"]
+    text = format_report(report)
+    assert "K  expected AL  t_draft ms  t_verify(K+1) ms  break-even AL  expected speedup" in text
+    assert f"best K {best['K']}" in text
+    sampled = evaluate_prompts(tiny_verifier, drafter, smollm2_tokenizer, prompts,
+                               EvalConfig(max_new_tokens=4, temperature=1.0, cost_rounds=1))
+    assert sampled["cost_model"]["skipped"].startswith("temperature 1.0: the cost model predicts greedy decoding")
+    off = evaluate_prompts(tiny_verifier, drafter, smollm2_tokenizer, prompts,
+                           EvalConfig(max_new_tokens=4, measure_costs=False))
+    assert "cost_model" not in off
+
+
+def test_cli_offline_writes_the_table_and_no_measure_costs_turns_it_off(tiny_verifier, tiny_verifier_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from cli.eval import main
+    from peagle_train.model.checkpoint import save_drafter
+
+    drafter = tiny_drafter(tiny_verifier)
+    drafter.config.verifier_name_or_path = str(tiny_verifier_dir)
+    save_drafter(drafter, tmp_path / "drafter")
+    store = make_store(str(tmp_path / "store"), tiny_verifier, tiny_verifier_dir,
+                       [[1, 5, 9, 200, 300, 400, 7, 8, 9, 10], [1, 42, 43, 44, 45, 46]])
+    args = ["--drafter", str(tmp_path / "drafter"), "--store", store]
+    result = CliRunner().invoke(main, args + ["--output", str(tmp_path / "eval.json")])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    cm = report["cost_model"]
+    assert cm["acceptance_source"] == "offline" and [r["K"] for r in cm["rows"]] == [1, 2, 3, 4]
+    assert cm["costs"]["context_tokens"] == 2  # the first segment's tokens before its first loss token
+    assert cm["acceptance_shares"] == [a / report["positions_scored"] for a in report["per_position_accepted"]]
+    assert cm["rows"][-1]["expected_acceptance_length"] == pytest.approx(report["simulated_acceptance_length"],
+                                                                         rel=1e-12)
+    assert json.loads((tmp_path / "eval.json").read_text())["cost_model"] == cm
+    assert report["config"]["measure_costs"] is True and "best K" in result.stderr
+    off = CliRunner().invoke(main, args + ["--no-measure-costs"])
+    assert off.exit_code == 0, off.output
+    assert "cost_model" not in json.loads(off.stdout) and "best K" not in off.stderr
+    prompts = write_lines(tmp_path / "p.jsonl", [{"question_id": 7, "turns": ["Hi"]}])
+    both = CliRunner().invoke(main, args + ["--prompts", prompts, "--max-new-tokens", "6"])
+    assert both.exit_code == 0, both.output
+    both = json.loads(both.stdout)  # peagle's own decoder ran: the table is the online acceptance's
+    assert both["cost_model"]["acceptance_source"] == "online" and "cost_model" not in both["offline"]
