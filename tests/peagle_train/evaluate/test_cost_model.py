@@ -24,7 +24,7 @@ from peagle_train.evaluate.online import evaluate_prompts
 from peagle_train.evaluate.prompts import Prompt, render_turn
 from peagle_train.evaluate.report import format_report
 from stores.errors import InputError
-from tests.peagle_train.evaluate.test_evaluate import make_store, write_lines
+from tests.peagle_train.evaluate.test_evaluate import saved_drafter_and_store, write_lines
 from tests.peagle_train.evaluate.test_speculative import tiny_drafter
 
 
@@ -137,13 +137,8 @@ def test_cli_offline_writes_the_table_and_no_measure_costs_turns_it_off(tiny_ver
     from click.testing import CliRunner
 
     from cli.eval import main
-    from peagle_train.model.checkpoint import save_drafter
 
-    drafter = tiny_drafter(tiny_verifier)
-    drafter.config.verifier_name_or_path = str(tiny_verifier_dir)
-    save_drafter(drafter, tmp_path / "drafter")
-    store = make_store(str(tmp_path / "store"), tiny_verifier, tiny_verifier_dir,
-                       [[1, 5, 9, 200, 300, 400, 7, 8, 9, 10], [1, 42, 43, 44, 45, 46]])
+    store = saved_drafter_and_store(tiny_verifier, tiny_verifier_dir, tmp_path)
     args = ["--drafter", str(tmp_path / "drafter"), "--store", store]
     result = CliRunner().invoke(main, args + ["--output", str(tmp_path / "eval.json")])
     assert result.exit_code == 0, result.output

@@ -314,18 +314,25 @@ def make_store(path, verifier, verifier_dir, segments: list[list[int]]):
     return path
 
 
-def test_cli_offline_and_online(tiny_verifier, tiny_verifier_dir, tmp_path):
-    from click.testing import CliRunner
-
-    from cli.eval import main
+def saved_drafter_and_store(tiny_verifier, tiny_verifier_dir, tmp_path) -> str:
+    """A tiny drafter saved under ``tmp_path / "drafter"`` and a two-segment store of its verifier; returns
+    the store's path."""
     from peagle_train.model.checkpoint import save_drafter
     from tests.peagle_train.evaluate.test_speculative import tiny_drafter
 
     drafter = tiny_drafter(tiny_verifier)
     drafter.config.verifier_name_or_path = str(tiny_verifier_dir)
     save_drafter(drafter, tmp_path / "drafter")
-    store = make_store(str(tmp_path / "store"), tiny_verifier, tiny_verifier_dir,
-                       [[1, 5, 9, 200, 300, 400, 7, 8, 9, 10], [1, 42, 43, 44, 45, 46]])
+    return make_store(str(tmp_path / "store"), tiny_verifier, tiny_verifier_dir,
+                      [[1, 5, 9, 200, 300, 400, 7, 8, 9, 10], [1, 42, 43, 44, 45, 46]])
+
+
+def test_cli_offline_and_online(tiny_verifier, tiny_verifier_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from cli.eval import main
+
+    store = saved_drafter_and_store(tiny_verifier, tiny_verifier_dir, tmp_path)
     prompts = write_lines(tmp_path / "p.jsonl", [{"question_id": 7, "turns": ["Hi", "Again"]}])
     result = CliRunner().invoke(main, ["--drafter", str(tmp_path / "drafter"), "--store", store,
                                        "--prompts", prompts, "--max-new-tokens", "6",
