@@ -38,7 +38,7 @@ from peagle_train.model.drafter import PEagleDrafter
 from stores.errors import InputError, StoreFormatError
 
 __all__ = ["INIT_FORMATS", "INIT_LAYERS", "NATIVE_ARCHITECTURES", "InitSource", "read_init_source", "file_sha256",
-           "check_verifier_layers", "copy_verifier_layers",
+           "check_verifier_layers", "copy_verifier_layers", "COPYABLE_LAYERS",
            "load_init_weights"]
 
 INIT_FORMATS = ("peagle", "eagle3", "vllm")
@@ -298,6 +298,11 @@ INIT_LAYERS = ("random", "verifier")
 """How a fresh drafter's decoder layers start (``--init-layers``): ``random`` (normal, std 0.02) or
 ``verifier``, copies of the verifier's last decoder layers (:func:`copy_verifier_layers`)."""
 
+COPYABLE_LAYERS = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3"}
+"""Verifier ``model_type`` -> the drafter layer type whose tensors compute exactly its decoder layer (the same
+names, RMSNorm ``w * x / rms``, dense MLP). Other families' layers are refused by ``--init-layers verifier``:
+Gemma's norms scale by ``1 + w``, MoE layers have experts, Qwen2's projections biases, gpt-oss sinks."""
+
 _LAYER_CONFIG_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
 """The verifier config's fields a drafter layer must share to start as a copy of a verifier layer."""
 
@@ -308,13 +313,21 @@ def check_verifier_layers(verifier_config, drafter: DrafterConfig, verifier_name
     order (drafter layer i from verifier layer ``L - N + i``).
 
     Raises:
-        InputError: the verifier has fewer decoder layers than the drafter, a layer shape the drafter
-            does not share (``_LAYER_CONFIG_FIELDS``, head_dim), biases in its attention or MLP, or an
-            activation other than the drafter's.
+        InputError: a verifier family not in :data:`COPYABLE_LAYERS`, or whose layer is not the drafter's
+            ``layer_type``; fewer decoder layers than the drafter, a layer shape the drafter does not share
+            (``_LAYER_CONFIG_FIELDS``, head_dim), biases in its attention or MLP, or an activation other
+            than the drafter's.
     """
     vc, N = verifier_config, drafter.num_hidden_layers
     L = int(vc.num_hidden_layers)
     why = []
+    model_type = getattr(vc, "model_type", None)
+    if model_type not in COPYABLE_LAYERS:
+        why.append(f"its decoder layers (model_type {model_type!r}) are not a drafter layer exactly "
+                   f"(copyable: {', '.join(sorted(COPYABLE_LAYERS))})")
+    elif COPYABLE_LAYERS[model_type] != drafter.layer_type:
+        why.append(f"its {model_type} layers are the drafter layer {COPYABLE_LAYERS[model_type]!r}, the drafter's is "
+                   f"{drafter.layer_type!r} (--drafter-layer {COPYABLE_LAYERS[model_type]})")
     if N > L:
         why.append(f"it has {L} decoder layers and the drafter {N}")
     for name in _LAYER_CONFIG_FIELDS:

@@ -12,9 +12,11 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
 from peagle_train.model.config import DrafterConfig
 from peagle_train.model.drafter import PEagleDrafter
-from peagle_train.model.warm_start import check_verifier_layers, copy_verifier_layers
+from peagle_train.model.warm_start import COPYABLE_LAYERS, check_verifier_layers, copy_verifier_layers
 from peagle_train.train.run import build_trainer
 from stores.errors import InputError
+
+from tests.families import FAMILIES, build_family, family_config
 
 from .test_train import H, _cfg, _store
 
@@ -74,9 +76,11 @@ def test_init_layers_verifier_with_init_from_is_refused_by_name(tmp_path):
     ({"attention_bias": True}, "attention_bias true (the drafter's layers have no biases)"),
     ({"mlp_bias": True}, "mlp_bias true"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' (the drafter's 'silu')"),
+    ({"model_type": "gemma"}, "its decoder layers (model_type 'gemma') are not a drafter layer exactly"),
+    ({"model_type": "qwen3"}, "its qwen3 layers are the drafter layer 'qwen3', the drafter's is 'llama'"),
 ])
 def test_a_verifier_whose_layers_the_drafter_cannot_copy_is_refused_from_its_config(changes, reason):
-    vc = dict(num_hidden_layers=3, hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    vc = dict(model_type="llama", num_hidden_layers=3, hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, attention_bias=False, mlp_bias=False, hidden_act="silu")
     assert check_verifier_layers(SimpleNamespace(**vc), _drafter_config(), "v") == [1, 2]
     vc.update(changes)
@@ -111,3 +115,26 @@ def test_a_qwen3_drafter_layer_takes_every_tensor_of_a_qwen3_layer():
     assert torch.equal(own["self_attn.k_norm.weight"], state["self_attn.k_norm.weight"])
     assert torch.equal(own["self_attn.k_proj.weight"][:, H:], state["self_attn.k_proj.weight"])
     assert torch.equal(own["hidden_norm.weight"], state["input_layernorm.weight"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_family_matrix_is_copied_exactly_or_refused_from_its_config(family):
+    """Llama, Mistral and Qwen3 layers are copied tensor for tensor into the drafter layer that computes them;
+    every other family (Gemma's 1 + w norms, MoE experts, Qwen2's biases, gpt-oss sinks, multimodal wrappers'
+    language models of those) is refused from its config, before any weights."""
+    vc = family_config(family).get_text_config()
+    layer_type = COPYABLE_LAYERS.get(vc.model_type, "llama")
+    head_dim = getattr(vc, "head_dim", None) or vc.hidden_size // vc.num_attention_heads
+    drafter = _drafter_config(hidden_size=vc.hidden_size, intermediate_size=vc.intermediate_size,
+                              num_attention_heads=vc.num_attention_heads, num_key_value_heads=vc.num_key_value_heads,
+                              head_dim=head_dim, vocab_size=vc.vocab_size, draft_vocab_size=vc.vocab_size,
+                              num_hidden_layers=1, layer_type=layer_type, hidden_act=getattr(vc, "hidden_act", "silu"))
+    if vc.model_type not in COPYABLE_LAYERS:
+        with pytest.raises(InputError, match=f"model_type '{vc.model_type}'"):
+            check_verifier_layers(vc, drafter, family)
+        return
+    assert check_verifier_layers(vc, drafter, family) == [vc.num_hidden_layers - 1]
+    layer = build_family(family).get_decoder().layers[-1].state_dict()
+    model = PEagleDrafter(drafter)
+    assert copy_verifier_layers(model, [layer]) == ["layers.0.input_layernorm.weight"]
+    assert torch.equal(model.layers[0].mlp.down_proj.weight, layer["mlp.down_proj.weight"])
