@@ -93,7 +93,8 @@ def _relative(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float(((got.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)).max())
 
 
-def worst_against_full_forward(store: FeatureStore, packed: Path, model, rows: list[TokenizedRow]) -> float:
+def worst_against_full_forward(store: FeatureStore, packed: Path, model, rows: list[TokenizedRow],
+                               layers: list[int] = LAYERS) -> float:
     """Largest per-token relative difference between every training block's stored features and a
     forward of each segment's whole conversation at the segment's conversation positions."""
     by_id = {r.conversation_id: r for r in rows}
@@ -112,7 +113,7 @@ def worst_against_full_forward(store: FeatureStore, packed: Path, model, rows: l
             p, s, n = prow["segment_prefix_lens"][k], prow["segment_starts"][k], cu[k + 1] - cu[k]
             where = np.r_[0:p, s:s + n - p]  # the segment's tokens in its conversation
             lo, hi = cu[k], cu[k + 1]
-            for j, layer in enumerate(LAYERS):
+            for j, layer in enumerate(layers):
                 worst = max(worst, _relative(block.aux_hidden[lo:hi, j], alone[layer][0][where]))
             worst = max(worst, _relative(block.final_hidden[lo:hi], out.hidden_states[-1][0][where]))
     return worst
@@ -253,3 +254,31 @@ def test_sigkill_then_resume_is_byte_identical(tmp_path, tiny_verifier_dir):
     assert f'"blocks_done_this_run": {n_contexts - done_before}' in res.stdout
     assert _chunk_bytes(out) == _chunk_bytes(ref)
     assert verify_store(out)["ok"]
+
+
+@pytest.mark.slow  # SmolLM2-135M's weights, a few thousand tokens through it twice
+def test_smollm2_every_token_equals_its_whole_conversation_forward(tmp_path, smollm2_tokenizer):
+    """The embedded verifier on a table made by ``pack`` itself (windows of 128, trimmed ones included)."""
+    from transformers import AutoModelForCausalLM
+
+    from peagle_data.prepare.config import PackConfig, PackRun
+    from peagle_data.prepare.pack import run_pack
+    from stores.model_cache import resolve_model
+
+    sys.path.insert(0, str(REPO / "tests" / "peagle_data" / "prepare"))
+    from test_pack_conversations import long_conversations  # noqa: E402
+
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in long_conversations(4)))
+    run_pack(PackRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "p",
+                     settings=PackConfig(max_seq_len=128, block_size=256)), tokenizer=smollm2_tokenizer)
+    layers = [2, 15, 30]  # 30: the last decoder layer's output before the final norm
+    summary = run_extract(ExtractConfig(packed=str(tmp_path / "p"), verifier="smollm2-135m", layers=layers,
+                                        output=str(tmp_path / "f.zarr"), device="cpu", context="full"),
+                          progress=False, log=lambda m: None)
+    assert summary["complete"] and summary["context"]["max_context"] == 8192  # SmolLM2's max_position_embeddings
+    model = AutoModelForCausalLM.from_pretrained(resolve_model("smollm2-135m"), dtype=torch.float32).eval()
+    conv = TokenTable.open(tmp_path / "p").conversations()
+    rows = [TokenizedRow(**r) for r in conv.iter_rows()]
+    worst = worst_against_full_forward(FeatureStore.open(tmp_path / "f.zarr"), tmp_path / "p", model, rows, layers)
+    assert worst < 4e-3, f"worst relative difference {worst:.4f}"
