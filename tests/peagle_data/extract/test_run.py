@@ -16,11 +16,14 @@ import torch
 
 from peagle_data.extract.config import ExtractConfig
 from peagle_data.extract.run import run_extract
+from peagle_data.prepare.config import PackConfig, PackRun
+from peagle_data.prepare.pack import run_pack
 from stores.errors import DiskSpaceError, OutputExistsError, StoreMismatchError
 from stores.feature_repair import verify_store
 from stores.feature_store import FeatureStore
 from stores.staging import prepare_output_dir
 from stores.token_tables import TableWriter, write_manifest
+from tests.peagle_data.prepare.test_mixtures import conv, write_jsonl
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests"))
@@ -45,6 +48,17 @@ def write_packed(directory: Path, n_blocks: int, block_size: int, seed: int = 0)
                                "parameters": {"block_size": block_size},
                                "tokenizer": {"name_or_path": "smollm2-135m"}})
     return directory
+
+
+def pack_conversations(directory: Path, tokenizer, max_seq_len: int = 64) -> Path:
+    """A packed table (``pack --max-seq-len 64``, SmolLM2 chat template) of 8 conversations of 40-145
+    tokens, 5 of them cut into windows (20 blocks), with its conversations sub-table (``--context full``)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = [conv(i, "s", answer=("long answer " * (i % 7) * 9) or None) for i in range(8)]
+    inputs = write_jsonl(directory / "conversations.jsonl", rows)
+    run_pack(PackRun(inputs=[inputs], tokenizer="smollm2-135m", output=directory / "packed",
+                     settings=PackConfig(max_seq_len=max_seq_len)), tokenizer=tokenizer)
+    return directory / "packed"
 
 
 def chunk_bytes(store: Path) -> dict[str, bytes]:
