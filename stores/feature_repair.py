@@ -149,7 +149,9 @@ def _verify_windows(store: FeatureStore, path, expected_tokens, repair: bool) ->
     if store.attrs.get("shard"):  # its training blocks read the other shards' context blocks too: no done state
         done, ok = None, grid["ok"] and not bad and not shared
     else:
-        done = store.done_mask()
+        context_done = np.ones(store.contexts.n_blocks, dtype=bool)
+        context_done[grid["not_done"]] = False
+        done = _training_done(store, context_done)
         ok = grid["ok"] and not bad and not shared and bool(done.all())
     return {
         "ok": ok,
@@ -163,16 +165,36 @@ def _verify_windows(store: FeatureStore, path, expected_tokens, repair: bool) ->
     }
 
 
+def _training_done(store: FeatureStore, context_done: np.ndarray) -> np.ndarray:
+    """``[N] bool``: :meth:`FeatureStore.done_mask` of a full-context store from its context blocks'
+    done flags; a training block whose views chunk is damaged reads as not done."""
+    done = np.zeros(store.n_blocks, dtype=bool)
+    for i in range(store.n_blocks):
+        views = _views_or_none(store, i)
+        if views is not None:
+            m = views[:, 0]
+            done[i] = bool(context_done[m[m >= 0]].all())
+    return done
+
+
+def _views_or_none(store: FeatureStore, i: int) -> np.ndarray | None:
+    """Training block ``i``'s views, None when their chunk is damaged."""
+    try:
+        return store.view_row(i)
+    except Exception:  # a damaged views chunk (listed among the bad blocks)
+        return None
+
+
 def _blocks_reading(store: FeatureStore, bad_contexts: dict[int, str]) -> dict[int, str]:
     """``{training block: the reason of the first bad context block it reads}`` (``bad_contexts``: blocks
     of the sub-store, a shard's numbered in the shard)."""
     if not bad_contexts:
         return {}
-    m = store.views()[..., 0]
     local = _local_context_block(store)
     out = {}
     for i in range(store.n_blocks):
-        hit = [local(int(c)) for c in m[i] if c >= 0 and local(int(c)) in bad_contexts]
+        views = _views_or_none(store, i)
+        hit = [] if views is None else [local(int(c)) for c in views[:, 0] if c >= 0 and local(int(c)) in bad_contexts]
         if hit:
             out[i] = f"context {bad_contexts[hit[0]]}"
     return out

@@ -354,6 +354,22 @@ class FeatureStore:
             self._views_cache = np.asarray(self.group[WINDOW_VIEWS.name][:], dtype=np.int32)
         return self._views_cache
 
+    def view_row(self, i: int) -> np.ndarray:
+        """``[S_max, 4] int32``: training block ``i``'s views (:meth:`views`), read alone when another
+        block's chunk of the array is damaged (``verify`` and repair read the undamaged ones).
+
+        Raises:
+            StoreFormatError: not a full-context store; an exception of zarr: block ``i``'s chunk is damaged.
+        """
+        if self._views_cache is None:
+            try:
+                self.views()
+            except StoreFormatError:
+                raise
+            except Exception:  # a damaged chunk of another block (checksum, size, missing file)
+                return np.asarray(self.group[WINDOW_VIEWS.name][i], dtype=np.int32)
+        return self._views_cache[i]
+
     # ---------------------------------------------------------------- writes
     def _writable(self, name: str) -> zarr.Array:
         """Array ``name`` configured to write every chunk, all-fill-value ones included: zarr keeps
@@ -547,7 +563,7 @@ class FeatureStore:
         Raises:
             StoreFormatError: a view that does not fit its segment or its context block.
         """
-        views, lengths = self.views()[i], np.diff(np.asarray(cu_seqlens, dtype=np.int64))
+        views, lengths = self.view_row(i), np.diff(np.asarray(cu_seqlens, dtype=np.int64))
         out = []
         C, M = self.contexts.block_size, self.n_context_blocks()
         for k, n in enumerate(lengths.tolist()):
