@@ -146,12 +146,18 @@ def _verify_windows(store: FeatureStore, path, expected_tokens, repair: bool) ->
     bad = windows_damage(store, expected_tokens)
     shared = {**shared_damage(store), **{f"contexts/{k}": v for k, v in grid["damaged_arrays"].items()}}
     bad.update({i: f"{reason} (the context block it reads)" for i, reason in _blocks_reading(store, grid["bad_blocks"]).items()})
-    done = store.done_mask()
+    if store.attrs.get("shard"):  # its training blocks read the other shards' context blocks too: no done state
+        done, ok = None, grid["ok"] and not bad and not shared
+    else:
+        context_done = np.ones(store.contexts.n_blocks, dtype=bool)
+        context_done[grid["not_done"]] = False
+        done = _training_done(store, context_done)
+        ok = grid["ok"] and not bad and not shared and bool(done.all())
     return {
-        "ok": grid["ok"] and not bad and not shared and bool(done.all()),
+        "ok": ok,
         "n_blocks": store.n_blocks,
-        "blocks_done": int(done.sum()),
-        "not_done": np.flatnonzero(~done).tolist(),
+        "blocks_done": None if done is None else int(done.sum()),
+        "not_done": [] if done is None else np.flatnonzero(~done).tolist(),
         "bad_blocks": bad,
         "damaged_arrays": shared,
         "repaired": grid["repaired"],
@@ -159,14 +165,36 @@ def _verify_windows(store: FeatureStore, path, expected_tokens, repair: bool) ->
     }
 
 
+def _training_done(store: FeatureStore, context_done: np.ndarray) -> np.ndarray:
+    """``[N] bool``: :meth:`FeatureStore.done_mask` of a full-context store from its context blocks'
+    done flags; a training block whose views chunk is damaged reads as not done."""
+    done = np.zeros(store.n_blocks, dtype=bool)
+    for i in range(store.n_blocks):
+        views = _views_or_none(store, i)
+        if views is not None:
+            m = views[:, 0]
+            done[i] = bool(context_done[m[m >= 0]].all())
+    return done
+
+
+def _views_or_none(store: FeatureStore, i: int) -> np.ndarray | None:
+    """Training block ``i``'s views, None when their chunk is damaged."""
+    try:
+        return store.view_row(i)
+    except Exception:  # a damaged views chunk (listed among the bad blocks)
+        return None
+
+
 def _blocks_reading(store: FeatureStore, bad_contexts: dict[int, str]) -> dict[int, str]:
-    """``{training block: the reason of the first bad context block it reads}``."""
+    """``{training block: the reason of the first bad context block it reads}`` (``bad_contexts``: blocks
+    of the sub-store, a shard's numbered in the shard)."""
     if not bad_contexts:
         return {}
-    m = store.views()[..., 0]
+    local = _local_context_block(store)
     out = {}
     for i in range(store.n_blocks):
-        hit = [int(c) for c in m[i] if int(c) in bad_contexts]
+        views = _views_or_none(store, i)
+        hit = [] if views is None else [local(int(c)) for c in views[:, 0] if c >= 0 and local(int(c)) in bad_contexts]
         if hit:
             out[i] = f"context {bad_contexts[hit[0]]}"
     return out
@@ -267,26 +295,31 @@ def windows_damage(store: FeatureStore, expected_tokens=None) -> dict[int, str]:
     """``{training block: reason}`` of a full-context store's root (docs/design.md §7): a damaged chunk of
     its token arrays or views (:func:`block_damage`), a view that does not fit, or tokens other than the
     context blocks hold at the view's slots; with ``expected_tokens`` (``i -> input_ids [T]``, the packed
-    table's), tokens other than the packed table's. Context blocks not done are not compared."""
+    table's), tokens other than the packed table's. Context blocks not done are not compared, nor, in a
+    shard store, those of the other shards (the tokens of the runs in this shard's context blocks are)."""
     problems: dict[int, str] = {}
     grid = store.contexts
     context_done = grid.done_mask()
     context_ids: dict[int, np.ndarray] = {}
+    local = _local_context_block(store)
     for i in range(store.n_blocks):
         reason = block_damage(store, i)
         if reason is None:
             try:
                 tok = store.read_tokens(i)
-                runs = store.runs(i, tok["cu_seqlens"])
+                runs = store.view_runs(i, tok["cu_seqlens"])
             except Exception as e:  # a damaged n_tokens, a view that does not fit
                 reason = f"block {i}: cannot be read ({type(e).__name__}: {e})"
-        if reason is None and all(context_done[m] for m, _, _ in runs):
-            parts = []
+        if reason is None:
+            ids, offset, parts = tok["input_ids"], 0, []
             for m, s, n in runs:
-                if m not in context_ids:
-                    context_ids[m] = grid.read_tokens(m)["input_ids"]
-                parts.append(context_ids[m][s:s + n])
-            if not np.array_equal(np.concatenate(parts), tok["input_ids"]):
+                k = local(m)
+                if k is not None and context_done[k]:
+                    if k not in context_ids:
+                        context_ids[k] = grid.read_tokens(k)["input_ids"]
+                    parts.append((ids[offset:offset + n], context_ids[k][s:s + n]))
+                offset += n
+            if any(not np.array_equal(a, b) for a, b in parts):
                 reason = f"block {i}: its tokens differ from those its views read in the context blocks"
         if reason is None and expected_tokens is not None:
             exp = np.asarray(expected_tokens(i))
@@ -295,6 +328,16 @@ def windows_damage(store: FeatureStore, expected_tokens=None) -> dict[int, str]:
         if reason is not None:
             problems[i] = reason
     return problems
+
+
+def _local_context_block(store: FeatureStore) -> Callable[[int], int | None]:
+    """Context block ``m`` of the whole extraction -> its block in ``store.contexts`` (a shard's sub-store
+    holds blocks ``shard_index + k * num_shards`` as block k), None when another shard holds it."""
+    shard = store.attrs.get("shard")
+    if not shard:
+        return lambda m: m
+    n, i = int(shard["num_shards"]), int(shard["shard_index"])
+    return lambda m: m // n if m % n == i else None
 
 
 def repair_windows(store: FeatureStore, rows, views, log: Callable[[str], None]) -> dict[int, str]:

@@ -354,6 +354,22 @@ class FeatureStore:
             self._views_cache = np.asarray(self.group[WINDOW_VIEWS.name][:], dtype=np.int32)
         return self._views_cache
 
+    def view_row(self, i: int) -> np.ndarray:
+        """``[S_max, 4] int32``: training block ``i``'s views (:meth:`views`), read alone when another
+        block's chunk of the array is damaged (``verify`` and repair read the undamaged ones).
+
+        Raises:
+            StoreFormatError: not a full-context store; an exception of zarr: block ``i``'s chunk is damaged.
+        """
+        if self._views_cache is None:
+            try:
+                self.views()
+            except StoreFormatError:
+                raise
+            except Exception:  # a damaged chunk of another block (checksum, size, missing file)
+                return np.asarray(self.group[WINDOW_VIEWS.name][i], dtype=np.int32)
+        return self._views_cache[i]
+
     # ---------------------------------------------------------------- writes
     def _writable(self, name: str) -> zarr.Array:
         """Array ``name`` configured to write every chunk, all-fill-value ones included: zarr keeps
@@ -527,18 +543,35 @@ class FeatureStore:
         ``[(context block, first slot, tokens)]`` in token order, one or two per segment.
 
         Raises:
-            StoreFormatError: a view that does not fit its segment or its context block.
+            StoreFormatError: a view that does not fit its segment or its context block; a shard store
+                (:meth:`view_runs` reads its views).
         """
         self._refuse_shard()
-        views, lengths = self.views()[i], np.diff(np.asarray(cu_seqlens, dtype=np.int64))
+        return self.view_runs(i, cu_seqlens)
+
+    def n_context_blocks(self) -> int:
+        """The context blocks of the whole extraction (full-context stores): a shard store's sub-store
+        holds every ``num_shards``-th of them (attribute ``shard``)."""
+        shard = self.attrs.get("shard")
+        return int(shard["context_blocks"]) if shard else self.contexts.n_blocks
+
+    def view_runs(self, i: int, cu_seqlens) -> list[tuple[int, int, int]]:
+        """:meth:`runs` of a full-context store or shard store, context blocks numbered in the whole
+        extraction (:meth:`n_context_blocks`; a shard holds block m when ``m % num_shards == shard_index``,
+        as its sub-store's block ``m // num_shards``).
+
+        Raises:
+            StoreFormatError: a view that does not fit its segment or its context block.
+        """
+        views, lengths = self.view_row(i), np.diff(np.asarray(cu_seqlens, dtype=np.int64))
         out = []
-        C = self.contexts.block_size
+        C, M = self.contexts.block_size, self.n_context_blocks()
         for k, n in enumerate(lengths.tolist()):
             m, prefix_slot, prefix_len, body_slot = (int(x) for x in views[k])
-            if not (0 <= m < self.contexts.n_blocks and 0 <= prefix_len <= n and prefix_slot >= 0
+            if not (0 <= m < M and 0 <= prefix_len <= n and prefix_slot >= 0
                     and prefix_slot + prefix_len <= C and body_slot >= 0 and body_slot + n - prefix_len <= C):
                 raise StoreFormatError(f"{self.path}: block {i} segment {k}: view {views[k].tolist()} does not fit "
-                                       f"a segment of {n} tokens in {self.contexts.n_blocks} context blocks of {C} "
+                                       f"a segment of {n} tokens in {M} context blocks of {C} "
                                        "slots (run `peagle-data verify`)")
             if prefix_len:
                 out.append((m, prefix_slot, prefix_len))
@@ -618,23 +651,27 @@ class FeatureStore:
 
     def summary(self) -> dict[str, Any]:
         """Facts for ``peagle-data inspect`` (a full-context store's also under ``contexts``: its
-        context blocks, the tokens the verifier ran, and the bytes of both parts)."""
-        done = self.done_mask()
+        context blocks, the tokens the verifier ran, and the bytes of both parts; a full-context shard
+        store's ``blocks_done``/``percent_done`` are None, its training blocks being done once merged)."""
         if self.layout == "windows":
             contexts = self.contexts.summary()
             token_bytes = self.n_blocks * (self.block_size * 9 + (int(self.attrs["max_segments"]) * 5 + 1) * 4)
+            # a shard's training blocks read the other shards' context blocks too: done once merged
+            done = None if self.attrs.get("shard") else self.done_mask()
             return {
                 "path": self.path, "format_version": self.attrs["format_version"], "layout": self.layout,
                 "verifier": self.attrs["verifier"].get("name_or_path"), "layers": self.layers,
                 "hidden_size": self.hidden_size, "storage_dtype": self.storage_dtype, "block_size": self.block_size,
-                "n_blocks": self.n_blocks, "n_tokens": self.n_tokens, "blocks_done": int(done.sum()),
-                "percent_done": round(100.0 * float(done.mean()), 2) if len(done) else 100.0,
+                "n_blocks": self.n_blocks, "n_tokens": self.n_tokens,
+                "blocks_done": None if done is None else int(done.sum()),
+                "percent_done": None if done is None else round(100.0 * float(done.mean()), 2) if len(done) else 100.0,
                 "stored_bytes": contexts["stored_bytes"] + token_bytes,
                 "contexts": {k: contexts[k] for k in ("block_size", "n_blocks", "n_tokens", "blocks_done",
-                                                      "bytes_per_token", "stored_bytes")},
-                **{k: self.attrs[k] for k in ("context",) if k in self.attrs},
+                                                      "percent_done", "bytes_per_token", "stored_bytes")},
+                **{k: self.attrs[k] for k in ("context", "shard", "merged_from") if k in self.attrs},
                 **({"config": self.attrs["config"]} if "config" in self.attrs else {}),
             }
+        done = self.done_mask()
         return {
             "path": self.path,
             "format_version": self.attrs["format_version"],

@@ -9,7 +9,11 @@ batch by batch with ``block_id`` renumbered 0..B-1. ``rejects.jsonl`` is concate
 
 Feature stores: the N shard stores of ``extract --num-shards N`` (same packed table, verifier,
 layers and storage) become one store in which packed block ``s + k*N`` (store block k of shard
-s) is block ``s + k*N`` again, so the merged store equals the unsharded one array for array.
+s) is block ``s + k*N`` again, so the merged store equals the unsharded one array for array. The
+shards of a full-context extraction (``--context full``, docs/design.md §7) hold the same root
+(training blocks and views) and split the context blocks the same way: context block ``s + k*N`` is
+block k of shard s's ``contexts`` sub-store; the merged store takes the root of shard 0 (checked
+equal in every shard) and the context blocks interleaved.
 """
 
 from __future__ import annotations
@@ -318,21 +322,27 @@ def _check_parts(table: TokenTable) -> list[str]:
 
 
 def merge_stores(paths: list[str | os.PathLike], output: str | os.PathLike, force: bool = False) -> dict[str, Any]:
-    """Join the shard stores of ``extract --num-shards N`` into one store equal to the unsharded one.
+    """Join the shard stores of ``extract --num-shards N`` into one store equal to the unsharded one
+    (full-context shards: the full-context store; module docstring).
 
     Raises:
-        InputError: a store is not a shard, not complete, or the shards are not 0..N-1 of one N.
-        StoreMismatchError: shards of other packed tables, verifiers, layers or storage.
+        InputError: a store is not a shard, not complete (a full-context shard: its context blocks), or
+            the shards are not 0..N-1 of one N.
+        StoreMismatchError: shards of other packed tables, verifiers, layers or storage; of both
+            ``--context`` layouts; of other ``--max-context`` or context plans.
         OutputExistsError: ``output`` exists and ``force`` is false.
     """
     stores = [FeatureStore.open(p) for p in paths]
+    _check_one_layout(stores)
     shards = []
     for s in stores:
         sh = s.attrs.get("shard")
         if not sh:
             raise InputError(f"{s.path} is not a shard store (made without extract --num-shards)")
-        if not s.is_complete():
-            raise InputError(f"{s.path}: {len(s.missing_blocks())} blocks not done; finish it with "
+        grid = s.contexts if s.layout == "windows" else s  # the blocks the verifier ran
+        if not grid.is_complete():
+            what = "context blocks" if s.layout == "windows" else "blocks"
+            raise InputError(f"{s.path}: {len(grid.missing_blocks())} {what} not done; finish it with "
                              "`peagle-data extract --resume` first")
         shards.append((int(sh["num_shards"]), int(sh["shard_index"])))
     n = shards[0][0]
@@ -356,7 +366,106 @@ def merge_stores(paths: list[str | os.PathLike], output: str | os.PathLike, forc
                                      "compute dtype: extract the shards again with one")
         if s.attrs["verifier"] != first.attrs["verifier"]:
             raise StoreMismatchError(f"{s.path}: made with another verifier than {first.path}")
+    if first.layout == "windows":
+        _check_windows_shards(stores)
+        return _write_merged_windows(stores, output, force)
     return _write_merged_store(stores, output, force)
+
+
+def _check_one_layout(stores: list[FeatureStore]) -> None:
+    """Raise :class:`StoreMismatchError` unless every store has the first one's layout (``--context``)."""
+    context = {"windows": "full", "blocks": "window"}
+    for s in stores[1:]:
+        if s.layout != stores[0].layout:
+            raise StoreMismatchError(
+                f"{s.path} was extracted with --context {context[s.layout]}, {stores[0].path} with --context "
+                f"{context[stores[0].layout]}: shards of one run share --context; extract the odd ones again")
+
+
+def _check_windows_shards(stores: list[FeatureStore]) -> None:
+    """The shards of one full-context extraction: one ``--max-context``, one plan (the ``context``
+    counts, the training blocks and their views, equal in every shard) and, together, every context
+    block of the plan once.
+
+    Raises:
+        StoreMismatchError: naming the shard and what differs.
+    """
+    first, n = stores[0], len(stores)
+    plan = first.attrs.get("context") or {}
+    for s in stores[1:]:
+        theirs = s.attrs.get("context") or {}
+        if theirs.get("max_context") != plan.get("max_context"):
+            raise StoreMismatchError(f"{s.path}: extracted with --max-context {theirs.get('max_context')}, "
+                                     f"{first.path} with --max-context {plan.get('max_context')}; shards of one run "
+                                     "share --max-context: extract the odd ones again")
+        if theirs != plan:
+            raise StoreMismatchError(f"{s.path}: its context plan {theirs} differs from {first.path}'s {plan} "
+                                     "(made by another peagle version?): extract the shards again with one")
+        keys = [(s, first, k) for k in ("n_blocks", "n_tokens", "max_segments")]
+        keys += [(s.contexts, first.contexts, k) for k in ("block_size", "max_segments")]
+        for a, b, key in keys:
+            if a.attrs.get(key) != b.attrs.get(key):
+                raise StoreMismatchError(f"{a.path}: {key} {a.attrs.get(key)!r} differs from {b.path}'s "
+                                         f"{b.attrs.get(key)!r} (another plan): extract the shards again with one "
+                                         "peagle version")
+        if not np.array_equal(s.views(), first.views()) or \
+                not np.array_equal(s.n_tokens_per_block(), first.n_tokens_per_block()):
+            raise StoreMismatchError(f"{s.path}: its training blocks' views differ from {first.path}'s (another "
+                                     "plan): extract the shards again with one peagle version")
+    total = int(first.attrs["shard"].get("context_blocks", -1))
+    for i, s in enumerate(stores):
+        want = len(range(i, total, n))
+        if s.contexts.n_blocks != want:
+            raise StoreMismatchError(f"{s.path}: {s.contexts.n_blocks} context blocks, shard {i} of {n} of a plan of "
+                                     f"{total} context blocks holds {want}")
+
+
+def _write_merged_windows(stores: list[FeatureStore], output, force: bool) -> dict[str, Any]:
+    """The merged full-context store: shard 0's root (training blocks, views, ``n_tokens``, ``token_freq``)
+    and context block ``s + k*N`` = block k of shard s's sub-store; ``contexts/token_freq`` summed."""
+    first, n = stores[0], len(stores)
+    grids = [s.contexts for s in stores]
+    total = sum(g.n_blocks for g in grids)
+    attrs = dict(first.attrs)
+    out = FeatureStore.create_windows(
+        output, n_blocks=first.n_blocks, block_size=first.block_size, max_segments=int(attrs["max_segments"]),
+        n_context_blocks=total, context_size=grids[0].block_size,
+        context_segments=int(grids[0].attrs["max_segments"]), layers=first.layers, hidden_size=first.hidden_size,
+        vocab_size=first.vocab_size, verifier=attrs["verifier"], tokenizer=attrs.get("tokenizer"),
+        source=attrs.get("source", ""), storage_dtype=first.storage_dtype, compressor=attrs.get("compressor"),
+        n_tokens=first.n_tokens, n_context_tokens=sum(g.n_tokens for g in grids), force=force,
+        extra={"merged_from": [{"path": str(s.path), "shard_index": i} for i, s in enumerate(stores)],
+               "engine": _merged_engine(stores), "context": attrs.get("context"),
+               "layer_convention": attrs.get("layer_convention")})
+    views = first.views()
+    for i in range(first.n_blocks):
+        out.write_token_row(i, first.read_tokens(i))
+        out.write_views(i, views[i])  # padded with -1 as written
+    out.write_all_n_tokens(first.n_tokens_per_block())
+    out.set_token_freq(first.token_freq())
+    _copy_blocks(grids, out.contexts, n)
+    out.update_attrs(tokens_written=True)
+    return out.summary()
+
+
+def _copy_blocks(stores: list[FeatureStore], out: FeatureStore, n: int) -> None:
+    """Block k of ``stores[s]`` to block ``s + k*n`` of ``out`` (token arrays, hidden states, ``n_tokens``,
+    done), ``token_freq`` summed."""
+    n_tokens = np.zeros(out.n_blocks, dtype=np.int32)
+    hidden = {spec.name: out.group[spec.name].with_config({"write_empty_chunks": True})
+              for spec in hidden_arrays(out.storage_dtype)}
+    for s_index, s in enumerate(stores):
+        per_block = s.n_tokens_per_block()
+        for k in range(s.n_blocks):
+            g = s_index + k * n
+            out.write_token_row(g, s.read_tokens(k))
+            for name, arr in hidden.items():
+                arr[g] = s.group[name][k]
+            n_tokens[g] = per_block[k]
+    out.write_all_n_tokens(n_tokens)
+    out.set_token_freq(np.sum([s.token_freq() for s in stores], axis=0))
+    for g in range(out.n_blocks):
+        out.mark_done(g)
 
 
 def _engine_name(store) -> str:
@@ -387,20 +496,6 @@ def _write_merged_store(stores, output, force: bool) -> dict[str, Any]:
                "engine": _merged_engine(stores),
                # the shards' own convention: shards of an older peagle stay recognisable as such
                "layer_convention": attrs.get("layer_convention")})
-    n_tokens = np.zeros(total, dtype=np.int32)
-    hidden = [spec.name for spec in hidden_arrays(first.storage_dtype)]
-    for s_index, s in enumerate(stores):
-        per_block = s.n_tokens_per_block()
-        for k in range(s.n_blocks):
-            g = s_index + k * n
-            tok = s.read_tokens(k)
-            out.write_token_row(g, tok)
-            for name in hidden:
-                out.group[name][g] = s.group[name][k]
-            n_tokens[g] = per_block[k]
-    out.write_all_n_tokens(n_tokens)
-    out.set_token_freq(np.sum([s.token_freq() for s in stores], axis=0))
-    for g in range(total):
-        out.mark_done(g)
+    _copy_blocks(stores, out, n)
     out.update_attrs(tokens_written=True)
     return out.summary()

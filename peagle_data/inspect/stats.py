@@ -19,7 +19,11 @@ as its longest row, and ``totals.table_rows`` counts the rows):
   (:func:`peagle_data.prepare.windows.count_windows`) when ``max_seq_len`` is given;
 - per-source breakdown: the ``dataset`` column of a table (mixture sources) when present, else the
   file part of each row's ``source`` (``file:N``);
-- packing efficiency: tokens / (blocks x block_size) of a pack output or store.
+- packing efficiency: tokens / (blocks x block_size) of a pack output or store;
+- a full-context store's (``extract --context full``) context part, ``contexts``: the context blocks
+  the verifier ran (done, slots), the tokens extracted and per supervised token, the conversations
+  and those longer than ``--max-context``, split (None for a window-context store). Its blocks,
+  lengths and fractions above are the training blocks'.
 """
 
 from __future__ import annotations
@@ -127,7 +131,7 @@ def collect_stats(path: str | os.PathLike, max_seq_len: int | None = None,
         A JSON-able dict: ``path``, ``kind``, ``totals``, ``lengths`` (``percentiles``, ``values``,
         ``counts``), ``supervised_fraction`` (``of``, ``histogram`` over FRACTION_BINS bins),
         ``windows_per_conversation`` (or None), ``sources`` (or None), ``packing`` (or None),
-        ``manifest_counts``.
+        ``manifest_counts``; a store's also ``contexts`` (a full-context store's context part, else None).
 
     Raises:
         InputError: ``path`` is neither a token table nor a feature store.
@@ -316,12 +320,14 @@ def _store_stats(path: Path) -> dict[str, Any]:
         segs_per_block[s] = segs_per_block.get(s, 0) + 1
     seg_hist[0] = 0
     nz = np.flatnonzero(seg_hist)
-    done = store.done_mask()
+    shard = store.layout == "windows" and store.attrs.get("shard")  # training blocks done once merged
+    done = None if shard else store.done_mask()
     return {
         "path": str(path), "kind": "store",
         "totals": {"rows": store.n_blocks, "tokens": tokens, "loss_tokens": loss,
                    "supervised_fraction": round(loss / tokens, 6) if tokens else 0.0,
-                   "blocks_done": int(done.sum())},
+                   "blocks_done": None if done is None else int(done.sum())},
+        "contexts": _context_stats(store, loss) if store.layout == "windows" else None,
         "lengths": {"of": "window", **_length_block(nz, seg_hist[nz])},
         "supervised_fraction": {"of": "block", "histogram": frac_hist.tolist()},
         "windows_per_conversation": None,
@@ -330,6 +336,24 @@ def _store_stats(path: Path) -> dict[str, Any]:
         "packing": _packing(store.n_blocks, tokens, C),
         "manifest_counts": {},
         "verifier": store.attrs.get("verifier", {}).get("name_or_path"), "layers": store.layers,
+    }
+
+
+def _context_stats(store: FeatureStore, loss: int) -> dict[str, Any]:
+    """The context part of a full-context store (module docstring); a shard store's holds its own context
+    blocks (``shard``), the plan's ``conversations``/``conversations_split``/``max_context`` are the whole run's."""
+    grid = store.contexts
+    plan = store.attrs.get("context") or {}
+    shard = store.attrs.get("shard")
+    extracted = int(grid.n_tokens_per_block().astype(np.int64).sum())
+    return {
+        "blocks": grid.n_blocks, "blocks_done": int(grid.done_mask().sum()), "block_size": grid.block_size,
+        "tokens_extracted": extracted,
+        "tokens_extracted_per_supervised_token": None if shard or not loss else round(extracted / loss, 6),
+        "packing_efficiency": round(packing_efficiency(extracted, grid.n_blocks, grid.block_size), 6)
+        if grid.n_blocks else None,
+        **{k: plan.get(k) for k in ("max_context", "conversations", "conversations_split")},
+        **({"shard": {k: shard[k] for k in ("num_shards", "shard_index", "context_blocks")}} if shard else {}),
     }
 
 
@@ -359,6 +383,16 @@ def format_stats(stats: dict[str, Any]) -> str:
     if stats.get("packing"):
         pk = stats["packing"]
         lines.append(f"packing: {pk['blocks']:,} blocks x {pk['block_size']}  efficiency {pk['efficiency']}")
+    cx = stats.get("contexts")
+    if cx:
+        per = cx["tokens_extracted_per_supervised_token"]
+        sh = cx.get("shard")
+        lines.append(f"full context: {cx['blocks']:,} context blocks x {cx['block_size']} ({cx['blocks_done']:,} done"
+                     + (f"; shard {sh['shard_index']} of {sh['num_shards']}, {sh['context_blocks']:,} in the run"
+                        if sh else "") + f")  tokens extracted {cx['tokens_extracted']:,}"
+                     + (f" ({per} per supervised token)" if per is not None else "")
+                     + f"  conversations {cx['conversations']:,} ({cx['conversations_split']:,} longer than "
+                     f"--max-context {cx['max_context']}, split)")
     unit = "conversations" if stats["kind"] == "tokenized" else "windows"
     for s in stats.get("sources") or []:
         lines.append(f"  source {s['source']}: {s['rows']:,} {unit}  {s['tokens']:,} tokens ({s['token_share']:.1%})  "

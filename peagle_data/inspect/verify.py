@@ -40,7 +40,8 @@ class VerifyConfig:
 
 def _expected_tokens(store: str, packed: str):
     """``block index -> input_ids`` of ``packed``'s blocks that ``store`` holds (a shard store holds
-    blocks ``shard_index, shard_index + num_shards, ...``).
+    blocks ``shard_index, shard_index + num_shards, ...``; a full-context store, shard or not, every
+    block: its shards split the context blocks).
 
     Raises:
         StoreMismatchError: ``packed`` is no packed table, or not the table the store was made from.
@@ -48,12 +49,13 @@ def _expected_tokens(store: str, packed: str):
     table = TokenTable.open(packed)
     if table.kind != "packed":
         raise StoreMismatchError(f"--packed {packed}: expected a packed table, got a {table.kind} table")
-    attrs = FeatureStore.open(store).attrs
+    opened = FeatureStore.open(store)
+    attrs = opened.attrs
     if attrs.get("source") != manifest_sha256(packed):
         raise StoreMismatchError(f"--packed {packed}: the store was made from another packed table "
                                  f"(manifest sha256 {attrs.get('source')}, this table {manifest_sha256(packed)})")
     rows = list(table.iter_rows(["input_ids"]))
-    shard = attrs.get("shard") or {}
+    shard = {} if opened.layout == "windows" else attrs.get("shard") or {}
     rows = rows[shard.get("shard_index", 0)::shard.get("num_shards", 1)]
     return lambda i: rows[i]["input_ids"]
 
@@ -62,6 +64,14 @@ def _store_failure(store: str, report: dict[str, Any]) -> str:
     """The error line of a store that failed verification: the blocks at fault and how to redo them."""
     bad = sorted(set(report["not_done"]) | set(int(k) for k in report["bad_blocks"]))
     damaged = "; ".join(report["damaged_arrays"].values())
+    contexts = report.get("contexts")  # a full-context store: the verifier's blocks are its context blocks
+    if contexts is not None:
+        at_fault = sorted(set(contexts["not_done"]) | set(int(k) for k in contexts["bad_blocks"]))
+        return (f"store {store} failed verification; training blocks at fault: {bad}; context blocks at fault: "
+                f"{at_fault}" + (f"; {damaged}" if damaged else "")
+                + ("; the done flags of those context blocks are cleared" if report["repaired"] else "")
+                + ". `peagle-data extract PACKED --context full --resume` (same --verifier, --layers and "
+                "--max-context) extracts them again and rewrites damaged training blocks")
     return (f"store {store} failed verification; blocks at fault: {bad}"
             + (f"; {damaged}" if damaged else "")
             + ("; their done flags are cleared" if report["repaired"] else "")

@@ -8,6 +8,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 from click.testing import CliRunner
 
 from cli.data import main
@@ -22,7 +23,7 @@ from stores.feature_store import FeatureStore
 from stores.merge import merge_stores, merge_tables, verify_table
 from stores.token_tables import TokenTable
 
-from tests.peagle_data.extract.test_run import write_packed
+from tests.peagle_data.extract.test_run import pack_conversations, write_packed
 from tests.peagle_data.prepare.test_mixtures import _three_sources
 from tests.peagle_data.prepare.test_shards import _inputs, _tok_rows, _windows
 
@@ -140,6 +141,84 @@ def test_extract_shards_merge_into_the_unsharded_store(tmp_path, tiny_verifier_d
     FeatureStore.open(parts[1], mode="r+").clear_done(0)
     with pytest.raises(InputError, match="1 blocks not done"):
         merge_stores(parts, tmp_path / "y.zarr")
+
+
+def _files(store):
+    """Every file of a store but its zarr.json metadata, byte for byte."""
+    return {str(p.relative_to(store)): p.read_bytes() for p in sorted(store.rglob("*"))
+            if p.is_file() and p.name != "zarr.json"}
+
+
+def test_full_context_shards_merge_into_the_unsharded_store(tmp_path, smollm2_tokenizer, tiny_verifier_dir):
+    packed = pack_conversations(tmp_path, smollm2_tokenizer)
+    cfg = dict(packed=str(packed), verifier=str(tiny_verifier_dir), layers=[1, 3], device="cpu", context="full",
+               max_context=128)
+    quiet = dict(progress=False, log=lambda m: None)
+    run_extract(ExtractConfig(**cfg, output=str(tmp_path / "full.zarr")), **quiet)
+    full = FeatureStore.open(tmp_path / "full.zarr")
+    # 8 conversations in 9 contexts (the one of 145 tokens is cut in two) in 7 context blocks of 128 slots
+    assert (full.n_blocks, full.contexts.n_blocks, full.contexts.block_size) == (20, 7, 128)
+    assert full.attrs["context"]["conversations_split"] == 1
+    parts = [tmp_path / f"s{i}.zarr" for i in range(2)]
+    for i, out in enumerate(parts):
+        s = run_extract(ExtractConfig(**cfg, output=str(out), num_shards=2, shard_index=i), **quiet)
+        assert s["complete"] and (s["context_blocks"], s["n_blocks"]) == ((4, 3)[i], 20)
+        shard = FeatureStore.open(out)
+        # the whole root in every shard, context blocks i, i+2, ... below
+        assert np.array_equal(shard.views(), full.views())
+        assert np.array_equal(shard.contexts.group["input_ids"][:], full.contexts.group["input_ids"][i::2])
+        assert np.array_equal(shard.contexts.group["aux_hidden"][:], full.contexts.group["aux_hidden"][i::2])
+    r = CliRunner().invoke(main, ["merge", str(parts[1]), str(parts[0]), "--output", str(tmp_path / "m.zarr")])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["contexts"]["n_blocks"] == 7
+    merged = FeatureStore.open(tmp_path / "m.zarr")
+    assert _files(tmp_path / "m.zarr") == _files(tmp_path / "full.zarr")  # every chunk, byte for byte
+    for a, b in ((merged, full), (merged.contexts, full.contexts)):
+        for name, arr in b.group.arrays():
+            assert np.array_equal(a.group[name][:], arr[:]), name
+        assert a.attrs["merged_from"] == [{"path": str(parts[0]), "shard_index": 0},
+                                          {"path": str(parts[1]), "shard_index": 1}]
+        assert {k: v for k, v in a.attrs.items() if k != "merged_from"} == b.attrs
+    for i in range(full.n_blocks):
+        x, y = merged.read_block(i), full.read_block(i)
+        for name in ("input_ids", "loss_mask", "position_ids", "cu_seqlens", "aux_hidden", "final_hidden"):
+            assert torch.equal(getattr(x, name), getattr(y, name)), (i, name)
+    r = CliRunner().invoke(main, ["verify", str(tmp_path / "m.zarr"), "--packed", str(packed)])
+    assert r.exit_code == 0 and json.loads(r.output)["blocks_done"] == 20, r.output
+
+
+def test_merge_refuses_full_context_shards_of_other_runs_or_unfinished(tmp_path, smollm2_tokenizer,
+                                                                      tiny_verifier_dir):
+    packed = pack_conversations(tmp_path, smollm2_tokenizer)
+    cfg = dict(packed=str(packed), verifier=str(tiny_verifier_dir), layers=[1, 3], device="cpu", num_shards=2)
+    quiet = dict(progress=False, log=lambda m: None)
+    s0, s1, window, wide = (tmp_path / f"{n}.zarr" for n in ("s0", "s1", "window", "wide"))
+    run_extract(ExtractConfig(**cfg, output=str(s0), shard_index=0, context="full", max_context=128), **quiet)
+    run_extract(ExtractConfig(**cfg, output=str(s1), shard_index=1, context="full", max_context=128,
+                              max_blocks=1), **quiet)
+    run_extract(ExtractConfig(**cfg, output=str(window), shard_index=1), **quiet)
+    run_extract(ExtractConfig(**cfg, output=str(wide), shard_index=1, context="full", max_context=160), **quiet)
+    with pytest.raises(InputError) as e:
+        merge_stores([s0, s1], tmp_path / "m.zarr")
+    assert str(e.value) == (f"{s1}: 2 context blocks not done; finish it with `peagle-data extract --resume` first")
+    with pytest.raises(StoreMismatchError) as e:
+        merge_stores([s0, window], tmp_path / "m.zarr")
+    assert str(e.value) == (f"{window} was extracted with --context window, {s0} with --context full: shards of one "
+                            "run share --context; extract the odd ones again")
+    with pytest.raises(StoreMismatchError) as e:
+        merge_stores([s0, wide], tmp_path / "m.zarr")
+    assert str(e.value) == (f"{wide}: extracted with --max-context 160, {s0} with --max-context 128; shards of one "
+                            "run share --max-context: extract the odd ones again")
+    FeatureStore.open(s0, mode="r+").update_attrs(shard={**FeatureStore.open(s0).attrs["shard"], "context_blocks": 9})
+    logs = []
+    s = run_extract(ExtractConfig(**cfg, output=str(s1), shard_index=1, context="full", max_context=128,
+                                  resume=True), progress=False, log=logs.append)
+    assert s["complete"] and s["blocks_done_this_run"] == 2
+    assert not [m for m in logs if "rewriting" in m or "again" in m], logs  # an undamaged shard: nothing repaired
+    with pytest.raises(StoreMismatchError, match="4 context blocks, shard 0 of 2 of a plan of 9 context blocks "
+                                                 "holds 5"):
+        merge_stores([s1, s0], tmp_path / "m.zarr")
+    assert not (tmp_path / "m.zarr").exists()
 
 
 def test_merged_counts_of_a_weighted_mixture_are_the_unsharded_runs(tmp_path, smollm2_tokenizer):

@@ -16,11 +16,14 @@ import torch
 
 from peagle_data.extract.config import ExtractConfig
 from peagle_data.extract.run import run_extract
+from peagle_data.prepare.config import PackConfig, PackRun
+from peagle_data.prepare.pack import run_pack
 from stores.errors import DiskSpaceError, OutputExistsError, StoreMismatchError
 from stores.feature_repair import verify_store
 from stores.feature_store import FeatureStore
 from stores.staging import prepare_output_dir
 from stores.token_tables import TableWriter, write_manifest
+from tests.peagle_data.prepare.test_mixtures import conv, write_jsonl
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests"))
@@ -45,6 +48,17 @@ def write_packed(directory: Path, n_blocks: int, block_size: int, seed: int = 0)
                                "parameters": {"block_size": block_size},
                                "tokenizer": {"name_or_path": "smollm2-135m"}})
     return directory
+
+
+def pack_conversations(directory: Path, tokenizer, max_seq_len: int = 64) -> Path:
+    """A packed table (``pack --max-seq-len 64``, SmolLM2 chat template) of 8 conversations of 40-145
+    tokens, 5 of them cut into windows (20 blocks), with its conversations sub-table (``--context full``)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = [conv(i, "s", answer=("long answer " * (i % 7) * 9) or None) for i in range(8)]
+    inputs = write_jsonl(directory / "conversations.jsonl", rows)
+    run_pack(PackRun(inputs=[inputs], tokenizer="smollm2-135m", output=directory / "packed",
+                     settings=PackConfig(max_seq_len=max_seq_len)), tokenizer=tokenizer)
+    return directory / "packed"
 
 
 def chunk_bytes(store: Path) -> dict[str, bytes]:
@@ -157,29 +171,56 @@ def test_sigkill_then_resume_is_byte_identical(tmp_path, tiny_verifier_dir):
     assert verify_store(out)["ok"]
 
 
-@pytest.mark.slow  # two gloo ranks, each importing torch and transformers
-def test_two_cpu_ranks_equal_one_process(tmp_path, tiny_verifier_dir):
+def _one_and_two_ranks(tmp_path, packed, verifier_dir, *extra) -> list[dict]:
+    """Extract ``packed`` in one process (``one.zarr``) and in two CPU ranks (``two.zarr``); returns the
+    two ranks' summaries, rank 0 first."""
     import json
 
-    packed = write_packed(tmp_path / "packed", n_blocks=6, block_size=64)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     one = tmp_path / "one.zarr"
-    subprocess.run(_extract_cmd(packed, tiny_verifier_dir, one), check=True, env=env, capture_output=True)
+    subprocess.run(_extract_cmd(packed, verifier_dir, one, *extra), check=True, env=env, capture_output=True)
     two = tmp_path / "two.zarr"
     # `accelerate launch --cpu --num_processes 2` would start ONE process; torchrun (what accelerate's
     # --multi_gpu runs) starts two, and PartialState(cpu=True) joins them on gloo; each rank's stdout
     # goes to its own file under logs/
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
               "--redirects", "1", "--log-dir", str(tmp_path / "logs"), "-m",
-              *_extract_cmd(packed, tiny_verifier_dir, two)[2:]]
+              *_extract_cmd(packed, verifier_dir, two, *extra)[2:]]
     res = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     logs = sorted((tmp_path / "logs").rglob("stdout.log"))
     summaries = sorted((json.loads(p.read_text()[p.read_text().index("{"):]) for p in logs), key=lambda s: s["rank"])
     assert [(s["rank"], s["world_size"]) for s in summaries] == [(0, 2), (1, 2)]
-    assert [s["blocks_done_this_run"] for s in summaries] == [3, 3]  # round-robin: 0, 2, 4 and 1, 3, 5
     assert all(s["complete"] for s in summaries)
-    assert chunk_bytes(two) == chunk_bytes(one)
+    return summaries
+
+
+def _without_config(store: Path) -> dict[str, bytes]:
+    """:func:`chunk_bytes` of the store and its ``contexts`` sub-store (the record of the command line
+    that made them left out of both)."""
+    files = chunk_bytes(store)
+    files.update({f"contexts/{k}": v for k, v in chunk_bytes(store / "contexts").items()})
+    return files
+
+
+@pytest.mark.slow  # two gloo ranks, each importing torch and transformers
+def test_two_cpu_ranks_equal_one_process(tmp_path, tiny_verifier_dir):
+    packed = write_packed(tmp_path / "packed", n_blocks=6, block_size=64)
+    summaries = _one_and_two_ranks(tmp_path, packed, tiny_verifier_dir)
+    assert [s["blocks_done_this_run"] for s in summaries] == [3, 3]  # round-robin: 0, 2, 4 and 1, 3, 5
+    assert chunk_bytes(tmp_path / "two.zarr") == chunk_bytes(tmp_path / "one.zarr")
+
+
+@pytest.mark.slow  # two gloo ranks, each importing torch and transformers
+def test_two_cpu_ranks_of_a_full_context_extraction_equal_one_process(tmp_path, smollm2_tokenizer,
+                                                                      tiny_verifier_dir):
+    """Rank 0 creates the full-context store; the ranks split its 7 context blocks round-robin."""
+    packed = pack_conversations(tmp_path, smollm2_tokenizer)
+    summaries = _one_and_two_ranks(tmp_path, packed, tiny_verifier_dir, "--context", "full", "--max-context", "128")
+    assert [s["blocks_done_this_run"] for s in summaries] == [4, 3]  # context blocks 0, 2, 4, 6 and 1, 3, 5
+    assert [(s["context_blocks"], s["blocks_done"], s["n_blocks"]) for s in summaries] == [(7, 20, 20)] * 2
+    assert _without_config(tmp_path / "two.zarr") == _without_config(tmp_path / "one.zarr")
+    assert verify_store(tmp_path / "two.zarr")["ok"]
 
 
 def test_bad_device_and_wrong_verify_table_are_clear_errors(tmp_path, tiny_verifier_dir):

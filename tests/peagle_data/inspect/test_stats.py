@@ -9,11 +9,15 @@ import pytest
 from click.testing import CliRunner
 
 from cli.data import main
+from peagle_data.extract.config import ExtractConfig
+from peagle_data.extract.run import run_extract
 from peagle_data.prepare.packing import make_packed_row
-from peagle_data.inspect.stats import collect_stats, percentiles_from_counts
+from peagle_data.inspect.stats import collect_stats, format_stats, percentiles_from_counts
 from peagle_data.inspect.stats_plot import plot_stats
 from stores.feature_store import FeatureStore
-from stores.token_tables import TableWriter, write_manifest
+from stores.token_tables import TableWriter, TokenTable, write_manifest
+
+from tests.peagle_data.extract.test_run import pack_conversations
 
 
 def _tokenized_table(path, rows):
@@ -133,3 +137,38 @@ def test_per_turn_rows_of_a_split_conversation_are_one_conversation(tmp_path):
     empty = _tokenized_table(tmp_path / "empty", [])
     r = CliRunner().invoke(main, ["stats", str(empty)])
     assert r.exit_code == 0 and "tokens per conversation: none (the table is empty)" in r.output
+
+
+def test_full_context_store_stats_report_the_context_part(tmp_path, smollm2_tokenizer, tiny_verifier_dir):
+    packed = pack_conversations(tmp_path, smollm2_tokenizer)
+    base = dict(packed=str(packed), verifier=str(tiny_verifier_dir), layers=[1], device="cpu", context="full",
+                max_context=128)
+    run_extract(ExtractConfig(**base, output=str(tmp_path / "f.zarr")), progress=False, log=lambda m: None)
+    run_extract(ExtractConfig(**base, output=str(tmp_path / "s1.zarr"), num_shards=2, shard_index=1), progress=False,
+                log=lambda m: None)
+    counts = TokenTable.open(packed).manifest["counts"]
+    # the verifier runs each conversation of at most 128 tokens once, the one of 145 as two pieces of 128
+    lengths = [r["n_tokens"] for r in TokenTable.open(packed).conversations().iter_rows(["n_tokens"])]
+    assert sorted(lengths)[-2:] == [127, 145]
+    extracted = sum(n for n in lengths if n <= 128) + 2 * 128
+    r = CliRunner().invoke(main, ["stats", str(tmp_path / "f.zarr"), "--json"])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.output)
+    assert (s["totals"]["rows"], s["totals"]["tokens"], s["totals"]["loss_tokens"], s["totals"]["blocks_done"]) == \
+        (counts["n_blocks"], counts["tokens"], counts["loss_tokens"], counts["n_blocks"])  # the training blocks
+    assert s["contexts"] == {
+        "blocks": 7, "blocks_done": 7, "block_size": 128, "tokens_extracted": extracted,
+        "tokens_extracted_per_supervised_token": round(extracted / counts["loss_tokens"], 6),
+        "packing_efficiency": round(extracted / (7 * 128), 6), "max_context": 128, "conversations": 8,
+        "conversations_split": 1}
+    r = CliRunner().invoke(main, ["stats", str(tmp_path / "f.zarr")])
+    assert r.exit_code == 0 and (
+        f"full context: 7 context blocks x 128 (7 done)  tokens extracted {extracted:,} "
+        f"({round(extracted / counts['loss_tokens'], 6)} per supervised token)  conversations 8 (1 longer than "
+        "--max-context 128, split)") in r.output, r.output
+    s = collect_stats(tmp_path / "s1.zarr")
+    assert s["totals"]["blocks_done"] is None and s["totals"]["tokens"] == counts["tokens"]
+    assert s["contexts"]["shard"] == {"num_shards": 2, "shard_index": 1, "context_blocks": 7}
+    assert (s["contexts"]["blocks"], s["contexts"]["tokens_extracted_per_supervised_token"]) == (3, None)
+    assert s["contexts"]["tokens_extracted"] == int(FeatureStore.open(tmp_path / "s1.zarr").contexts.n_tokens)
+    assert "3 context blocks x 128 (3 done; shard 1 of 2, 7 in the run)" in format_stats(s)

@@ -1,0 +1,147 @@
+"""peagle-data inspect and verify of full-context stores (``extract --context full``) and their shard stores:
+the context part reported, a damaged context block found, its done flag cleared and `extract --resume`
+making the store byte-identical to the undamaged one."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from cli.data import main
+from peagle_data.extract.config import ExtractConfig
+from peagle_data.extract.run import run_extract
+from stores.feature_repair import verify_store
+from stores.feature_store import FeatureStore
+from stores.token_tables import TokenTable
+
+from tests.peagle_data.extract.test_run import chunk_bytes, pack_conversations
+from tests.peagle_data.extract.test_store_repair import _flip_byte
+
+MAX_CONTEXT = 128
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory, smollm2_tokenizer, tiny_verifier_dir):
+    """(packed table, a full-context store, its two shard stores), extracted once for the module."""
+    root = tmp_path_factory.mktemp("verify_full")
+    packed = pack_conversations(root, smollm2_tokenizer)
+    full = root / "full.zarr"
+    run_extract(_cfg(packed, tiny_verifier_dir, full), progress=False, log=lambda m: None)
+    shards = [root / f"s{i}.zarr" for i in range(2)]
+    for i, out in enumerate(shards):
+        run_extract(_cfg(packed, tiny_verifier_dir, out, num_shards=2, shard_index=i), progress=False,
+                    log=lambda m: None)
+    return packed, full, shards
+
+
+def _cfg(packed, verifier_dir, out, **extra):
+    return ExtractConfig(packed=str(packed), verifier=str(verifier_dir), output=str(out), layers=[1, 3],
+                         device="cpu", context="full", max_context=MAX_CONTEXT, **extra)
+
+
+def _tokens_extracted(packed) -> int:
+    """The tokens the verifier runs: every conversation of at most MAX_CONTEXT tokens once, and the
+    pieces of a longer one (this table's: two pieces of MAX_CONTEXT tokens)."""
+    lengths = [r["n_tokens"] for r in TokenTable.open(packed).conversations().iter_rows(["n_tokens"])]
+    assert sorted(lengths) == [40, 46, 55, 73, 91, 109, 127, 145]
+    return sum(n for n in lengths if n <= MAX_CONTEXT) + 2 * MAX_CONTEXT
+
+
+def _invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_inspect_reports_the_context_part_of_a_store_and_its_shards(stores):
+    packed, full, shards = stores
+    r = _invoke("inspect", full)
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.output)
+    assert (s["layout"], s["format_version"], s["n_blocks"], s["blocks_done"], s["percent_done"]) == \
+        ("windows", 2, 20, 20, 100.0)
+    assert s["n_tokens"] == TokenTable.open(packed).manifest["counts"]["tokens"] == 1229
+    assert {k: s["contexts"][k] for k in ("block_size", "n_blocks", "n_tokens", "blocks_done")} == \
+        {"block_size": MAX_CONTEXT, "n_blocks": 7, "n_tokens": _tokens_extracted(packed), "blocks_done": 7}
+    assert (s["context"]["conversations"], s["context"]["conversations_split"], s["context"]["max_context"]) == \
+        (8, 1, MAX_CONTEXT)
+    per_shard = []
+    for i, shard in enumerate(shards):
+        s = json.loads(_invoke("inspect", shard).output)
+        assert s["shard"]["shard_index"] == i and s["shard"]["context_blocks"] == 7
+        assert s["blocks_done"] is None and s["n_blocks"] == 20  # training blocks done once merged
+        assert (s["contexts"]["n_blocks"], s["contexts"]["blocks_done"]) == ((4, 3)[i],) * 2
+        per_shard.append(s["contexts"]["n_tokens"])
+    assert sum(per_shard) == _tokens_extracted(packed)
+
+
+def test_verify_a_full_context_store_and_its_shards_against_the_packed_table(stores, tmp_path):
+    packed, full, shards = stores
+    for store in (full, *shards):
+        r = _invoke("verify", store, "--packed", packed)
+        assert r.exit_code == 0, r.output
+        report = json.loads(r.output)
+        assert report["ok"] and report["bad_blocks"] == {} and report["n_blocks"] == 20
+        assert report["blocks_done"] == (20 if store == full else None)
+    # a training block whose tokens are not those its views read in a context block this shard holds
+    copy = tmp_path / "s1.zarr"
+    shutil.copytree(shards[1], copy)
+    store = FeatureStore.open(copy, mode="r+")
+    views = store.views()
+    block = next(i for i in range(store.n_blocks) if any(m >= 0 and m % 2 == 1 for m in views[i, :, 0]))
+    tok = store.read_tokens(block)
+    segment = next(k for k in range(len(tok["cu_seqlens"]) - 1) if views[block, k, 0] % 2 == 1)
+    tok["input_ids"][tok["cu_seqlens"][segment]] += 1
+    store.write_token_row(block, tok)
+    report = verify_store(copy)
+    assert not report["ok"]
+    assert report["bad_blocks"] == {block: f"block {block}: its tokens differ from those its views read in the "
+                                           "context blocks"}
+
+
+def test_damaged_context_chunk_found_by_verify_and_repaired_by_resume(stores, tmp_path, tiny_verifier_dir):
+    packed, full, _ = stores
+    copy = tmp_path / "f.zarr"
+    shutil.copytree(full, copy)
+    _flip_byte(copy / "contexts/aux_hidden/c/2/0/0/0")
+    views = FeatureStore.open(copy).views()
+    readers = [i for i in range(views.shape[0]) if 2 in views[i, :, 0].tolist()]
+    assert readers  # some training blocks read context block 2
+    r = _invoke("verify", copy, "--packed", packed)
+    assert r.exit_code == 1
+    report = json.loads(r.output[:r.output.rindex("}") + 1])
+    assert list(report["contexts"]["bad_blocks"]) == ["2"]
+    assert "checksum does not match" in report["contexts"]["bad_blocks"]["2"]
+    assert sorted(int(i) for i in report["bad_blocks"]) == readers
+    assert f"training blocks at fault: {readers}; context blocks at fault: [2]" in r.output
+    r = _invoke("verify", copy, "--repair")
+    assert r.exit_code == 1 and "the done flags of those context blocks are cleared" in r.output
+    assert json.loads(r.output[:r.output.rindex("}") + 1])["repaired"] == [2]
+    store = FeatureStore.open(copy)
+    assert store.contexts.missing_blocks() == [2]
+    assert np.flatnonzero(~store.done_mask()).tolist() == readers
+    s = run_extract(_cfg(packed, tiny_verifier_dir, copy, resume=True), progress=False, log=lambda m: None)
+    assert s["complete"] and s["blocks_done_this_run"] == 1 and s["blocks_done"] == 20
+    assert chunk_bytes(copy) == chunk_bytes(full)
+    assert verify_store(copy)["ok"]
+
+
+def test_resume_alone_repairs_a_damaged_context_chunk_and_view(stores, tmp_path, tiny_verifier_dir):
+    """Without verify --repair: --resume finds a missing context chunk and a damaged training-block
+    chunk (a view) itself and makes the store byte-identical."""
+    packed, full, _ = stores
+    copy = tmp_path / "f.zarr"
+    shutil.copytree(full, copy)
+    (copy / "contexts/final_hidden/c/5/0/0").unlink()
+    _flip_byte(copy / "window_views/c/3/0/0")
+    report = verify_store(copy)
+    assert "block 5: final_hidden chunk" in report["contexts"]["bad_blocks"][5]
+    assert report["bad_blocks"][3].startswith("block 3: window_views chunk")
+    logs = []
+    s = run_extract(_cfg(packed, tiny_verifier_dir, copy, resume=True), progress=False, log=logs.append)
+    assert s["complete"] and s["blocks_done_this_run"] == 1 and s["repaired_blocks"].keys() == {5}
+    assert any("block 3: window_views chunk" in m and "rewriting it" in m for m in logs)
+    assert chunk_bytes(copy) == chunk_bytes(full)
+    assert verify_store(copy)["ok"]
