@@ -193,6 +193,7 @@ class VllmEngine(VerifierEngine):
     """vLLM in this process (``LLM``), or a running ``vllm serve`` (``--server``)."""
 
     name = "vllm"
+    positions_after_prompt = 1  # max_tokens=1: the prompt and one generated token fit max_model_len
 
     def __init__(self, cfg, desc: dict[str, Any], layers: list[int], norm: torch.nn.Module,
                  accelerator: bool, log: Callable[[str], None]):
@@ -246,7 +247,8 @@ class VllmEngine(VerifierEngine):
         Raises:
             InputError: the server checks of :meth:`_ServerProbe.connect` and :meth:`check_file` (of the
                 probe request, in the resumed store's dtype, else the server's); a segment longer than the verifier's
-                ``max_position_embeddings`` or one whose positions do not start at 0; a language model
+                ``max_position_embeddings`` less :attr:`positions_after_prompt` (``--context full``: a
+                context) or one whose positions do not start at 0; a language model
                 without a ``.norm`` module.
             ModelNotFoundError: the final norm's weights are not in the checkpoint
                 (:func:`stores.model_cache.load_submodule`).
@@ -262,9 +264,11 @@ class VllmEngine(VerifierEngine):
                              "from vLLM's pre-norm last layer: use --engine hf", field="--engine")
         norm_name = next(n for n, m in skeleton.named_modules() if m is decoder.norm)
         limit = getattr(text_config(skeleton.config), "max_position_embeddings", None)
-        if limit is not None and packed.longest_segment > int(limit):
-            raise InputError(f"a packed segment has {packed.longest_segment} tokens, more than the verifier's "
-                             f"max_position_embeddings {limit}", file=cfg.packed)
+        if limit is not None and packed.longest_segment > int(limit) - cls.positions_after_prompt:
+            raise InputError(f"a packed segment has {packed.longest_segment} tokens; vLLM runs at most the verifier's "
+                             f"max_position_embeddings {limit} minus the one token it generates after the prompt "
+                             f"({int(limit) - cls.positions_after_prompt}): pack with a smaller --max-seq-len, or use --engine hf",
+                             file=cfg.packed)
         L = int(text_config(skeleton.config).num_hidden_layers)
         if cfg.server:  # the dtype is the store's or the server's, the platform the server's
             server = _ServerProbe(cfg, capture_ids(layers, L))
