@@ -246,7 +246,8 @@ class VllmEngine(VerifierEngine):
 
         Raises:
             InputError: the server checks of :meth:`_ServerProbe.connect` and :meth:`check_file` (of the
-                probe request, in the resumed store's dtype, else the server's); a segment longer than the verifier's
+                probe request, in the resumed store's dtype, else the server's); a segment the server's
+                ``max_model_len`` cannot hold with the generated token; a segment longer than the verifier's
                 ``max_position_embeddings`` less :attr:`positions_after_prompt` (``--context full``: a
                 context) or one whose positions do not start at 0; a language model
                 without a ``.norm`` module.
@@ -273,6 +274,11 @@ class VllmEngine(VerifierEngine):
         if cfg.server:  # the dtype is the store's or the server's, the platform the server's
             server = _ServerProbe(cfg, capture_ids(layers, L))
             probe = server.connect(directory, packed.tokenizer)
+            if server.max_model_len is not None and packed.longest_segment >= int(server.max_model_len):
+                raise InputError(f"--server {server.base} serves max_model_len {server.max_model_len}, but a packed "
+                                 f"segment (--context full: a context) has {packed.longest_segment} tokens, plus the "
+                                 f"one vLLM generates: start the server with --max-model-len "
+                                 f"{packed.longest_segment + 1} or more", field="--server")
             name, accelerator = server_dtype(probe[1]["metadata"], probe[1]["hidden_states"].dtype,
                                              resumed_dtype(cfg), _has_accelerator())
             dtype = getattr(torch, name)
@@ -402,6 +408,7 @@ class _ServerProbe:
         self.cfg, self.ids = cfg, ids
         self.base = server_base_url(cfg.server)
         self.model: str | None = None
+        self.max_model_len: int | None = None
         self.storage: str | None = None
 
     def connect(self, directory: Path, table_tokenizer: str | None) -> tuple[str, dict[str, Any], list[int]]:
@@ -417,6 +424,7 @@ class _ServerProbe:
             raise InputError(f"--server {self.base} serves {len(models)} models; extraction needs one",
                              field="--server")
         self.model = models[0]["id"]
+        self.max_model_len = models[0].get("max_model_len")  # the served limit: prompt + the generated token
         probe = "Hidden states: déjà vu, 3.14159 <tool_call> 你好\n"
         try:
             served = self.request(self.base.removesuffix("/v1") + "/tokenize", {"model": self.model, "prompt": probe,
