@@ -18,9 +18,10 @@ from peagle_data.extract.config import ExtractConfig
 from peagle_data.extract.run import run_extract
 from peagle_train.data.loader import BlockLoader, BlockSequence
 from peagle_train.data.multistore import open_stores
+from peagle_train.evaluate.offline import select_eval_blocks
 from peagle_train.train.config import TrainConfig
 from peagle_train.train.run import run_train
-from stores.errors import StoreFormatError
+from stores.errors import StoreFormatError, StoreMismatchError
 from stores.feature_store import FeatureStore
 from tests.long_conversations import pack_long
 
@@ -30,15 +31,18 @@ MERGE_HINT = "Join the shards first: peagle-data merge SHARD_0 ... SHARD_N-1 --o
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory, tiny_verifier_dir):
-    """``{"full": a full-context store, "window": a window-context store of another packing of the same
-    conversations, "shard": shard 0 of 2 of a full-context store}`` of the tiny verifier."""
+    """``{"full": a full-context store, "same_windows": the window-context store of the same packed table,
+    "window": a window-context store of another packing of the same conversations, "shard": shard 0 of 2
+    of a full-context store}`` of the tiny verifier."""
     root = tmp_path_factory.mktemp("full_context")
     packed = pack_long(root / "packed", tiny_verifier_dir)
     other = pack_long(root / "packed48", tiny_verifier_dir, max_seq_len=48, block_size=96)
     common = dict(verifier=str(tiny_verifier_dir), layers=LAYERS, device="cpu")
-    out = {"full": root / "full.zarr", "window": root / "window.zarr", "shard": root / "shard.zarr"}
+    out = {"full": root / "full.zarr", "window": root / "window.zarr", "shard": root / "shard.zarr",
+           "same_windows": root / "same_windows.zarr"}
     run_extract(ExtractConfig(packed=str(packed), output=str(out["full"]), context="full", max_context=256, **common),
                 progress=False)
+    run_extract(ExtractConfig(packed=str(packed), output=str(out["same_windows"]), **common), progress=False)
     run_extract(ExtractConfig(packed=str(other), output=str(out["window"]), **common), progress=False)
     run_extract(ExtractConfig(packed=str(packed), output=str(out["shard"]), context="full", max_context=256,
                               num_shards=2, shard_index=0, **common), progress=False)
@@ -80,7 +84,7 @@ def test_training_on_a_full_context_store_alone_and_beside_a_window_store(tmp_pa
     summary = run_train(_cfg(stores["full"], tmp_path / "one"))
     assert summary["last_step"] == 4 and np.isfinite(summary["last_step_loss"])
     config = json.loads((tmp_path / "one" / "final" / "config.json").read_text())
-    assert [s["n_blocks"] for s in config["peagle_training"]["stores"]] == [16]
+    assert [(s["n_blocks"], s["context"]) for s in config["peagle_training"]["stores"]] == [(16, "full")]
     mixed = run_train(_cfg([stores["window"], stores["full"]], tmp_path / "two", max_steps=6))
     assert mixed["last_step"] == 6 and np.isfinite(mixed["last_step_loss"])
     config = json.loads((tmp_path / "two" / "final" / "config.json").read_text())
@@ -112,3 +116,29 @@ def test_a_full_context_shard_store_is_refused_with_the_merge_command(tmp_path, 
         run_train(_cfg([stores["window"], stores["shard"]], tmp_path / "out2"))
     result = CliRunner().invoke(eval_main, ["--drafter", drafter, "--store", stores["shard"]])
     assert result.exit_code != 0 and MERGE_HINT in " ".join(result.output.split()), result.output
+
+
+def test_resume_on_the_same_windows_with_other_features_is_refused(tmp_path, stores, monkeypatch):
+    """A store extracted again at the run's path with the other --context holds the same windows (same
+    packed table, block count, layers, verifier) but other features: the resume is refused before the
+    weights; offline evaluation still recognises its validation blocks (the same windows were held out)."""
+    import shutil
+
+    import transformers
+
+    path = tmp_path / "s.zarr"
+    shutil.copytree(stores["same_windows"], path)
+    run_train(_cfg(str(path), tmp_path / "out", max_steps=2, save_every=1))
+
+    def no_weights(cls, *a, **k):
+        raise AssertionError(f"{cls.__name__}.from_pretrained was called before the refusal")
+
+    shutil.rmtree(path)
+    shutil.copytree(stores["full"], path)
+    with monkeypatch.context() as m:
+        m.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(no_weights))
+        with pytest.raises(StoreMismatchError, match="its context is 'full', the run's was 'window'"):
+            run_train(_cfg(str(path), tmp_path / "out", max_steps=2, save_every=1, resume=True))
+    config = json.loads((tmp_path / "out" / "final" / "config.json").read_text())
+    chosen = select_eval_blocks(FeatureStore.open(path), config)
+    assert chosen.split == "validation" and chosen.ids == sorted(config["peagle_training"]["val_blocks"])
