@@ -94,7 +94,8 @@ class ExtractConfig:
     max_context: int | None = None
     """--context full: the most tokens the verifier runs at once; a longer conversation is cut into pieces
     of this length (overlap 0.5) and each window reads the first piece that holds it (counted as
-    conversations_split). Default: the verifier's max_position_embeddings, at most 32768."""
+    conversations_split). Default: the verifier's max_position_embeddings (less the one token ``--engine vllm``
+    generates after a request), at most 32768."""
 
     def __post_init__(self) -> None:
         if self.resume and self.force:

@@ -52,6 +52,11 @@ class VerifierEngine(ABC):
     multi_process: ClassVar[bool] = False
     """Whether the engine runs under ``accelerate launch`` with several processes (each rank opens its
     own engine); else it runs in one process (its parallelism is its own)."""
+    positions_after_prompt: ClassVar[int] = 0
+    """Positions the engine needs after a segment's last token within the verifier's
+    ``max_position_embeddings``: a segment may have at most ``max_position_embeddings -
+    positions_after_prompt`` tokens (vLLM generates one token after every request, and its
+    ``max_model_len`` may not pass ``max_position_embeddings``)."""
 
     @classmethod
     @abstractmethod

@@ -258,17 +258,21 @@ def _store_on_every_rank(state, cfg: ExtractConfig, rows, table, engine: Verifie
 
 def _max_context(cfg: ExtractConfig) -> int:
     """``--max-context``, else the verifier's ``max_position_embeddings`` capped at :data:`DEFAULT_MAX_CONTEXT`
-    (read from its config, before the weights).
+    (read from its config, before the weights), less the positions the ``--engine`` needs after a request
+    (:attr:`VerifierEngine.positions_after_prompt`: vLLM's one generated token).
 
     Raises:
-        InputError: a ``--max-context`` past the verifier's ``max_position_embeddings``.
+        InputError: a ``--max-context`` past that.
     """
     limit = getattr(text_config(load_model_config(cfg.verifier)), "max_position_embeddings", None)
+    room = ENGINES[cfg.engine].positions_after_prompt
     if cfg.max_context is None:
-        return min(int(limit), DEFAULT_MAX_CONTEXT) if limit else DEFAULT_MAX_CONTEXT
-    if limit and cfg.max_context > int(limit):
-        raise InputError(f"--max-context {cfg.max_context} is past the verifier's max_position_embeddings {limit}: "
-                         "it computes no positions beyond them", field="--max-context")
+        return min(int(limit) - room, DEFAULT_MAX_CONTEXT) if limit else DEFAULT_MAX_CONTEXT
+    if limit and cfg.max_context > int(limit) - room:
+        why = (f"--engine {cfg.engine} generates {room} token(s) after each context within them: give at most "
+               f"{int(limit) - room}" if room else "it computes no positions beyond them")
+        raise InputError(f"--max-context {cfg.max_context}: the verifier's max_position_embeddings is {limit}, and "
+                         f"{why}", field="--max-context")
     return int(cfg.max_context)
 
 

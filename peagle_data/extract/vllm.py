@@ -193,6 +193,7 @@ class VllmEngine(VerifierEngine):
     """vLLM in this process (``LLM``), or a running ``vllm serve`` (``--server``)."""
 
     name = "vllm"
+    positions_after_prompt = 1  # max_tokens=1: the prompt and one generated token fit max_model_len
 
     def __init__(self, cfg, desc: dict[str, Any], layers: list[int], norm: torch.nn.Module,
                  accelerator: bool, log: Callable[[str], None]):
@@ -245,8 +246,10 @@ class VllmEngine(VerifierEngine):
 
         Raises:
             InputError: the server checks of :meth:`_ServerProbe.connect` and :meth:`check_file` (of the
-                probe request, in the resumed store's dtype, else the server's); a segment longer than the verifier's
-                ``max_position_embeddings`` or one whose positions do not start at 0; a language model
+                probe request, in the resumed store's dtype, else the server's); a segment the server's
+                ``max_model_len`` cannot hold with the generated token; a segment longer than the verifier's
+                ``max_position_embeddings`` less :attr:`positions_after_prompt` (``--context full``: a
+                context) or one whose positions do not start at 0; a language model
                 without a ``.norm`` module.
             ModelNotFoundError: the final norm's weights are not in the checkpoint
                 (:func:`stores.model_cache.load_submodule`).
@@ -262,13 +265,20 @@ class VllmEngine(VerifierEngine):
                              "from vLLM's pre-norm last layer: use --engine hf", field="--engine")
         norm_name = next(n for n, m in skeleton.named_modules() if m is decoder.norm)
         limit = getattr(text_config(skeleton.config), "max_position_embeddings", None)
-        if limit is not None and packed.longest_segment > int(limit):
-            raise InputError(f"a packed segment has {packed.longest_segment} tokens, more than the verifier's "
-                             f"max_position_embeddings {limit}", file=cfg.packed)
+        if limit is not None and packed.longest_segment > int(limit) - cls.positions_after_prompt:
+            raise InputError(f"a packed segment has {packed.longest_segment} tokens; vLLM runs at most the verifier's "
+                             f"max_position_embeddings {limit} minus the one token it generates after the prompt "
+                             f"({int(limit) - cls.positions_after_prompt}): pack with a smaller --max-seq-len, or use --engine hf",
+                             file=cfg.packed)
         L = int(text_config(skeleton.config).num_hidden_layers)
         if cfg.server:  # the dtype is the store's or the server's, the platform the server's
             server = _ServerProbe(cfg, capture_ids(layers, L))
             probe = server.connect(directory, packed.tokenizer)
+            if server.max_model_len is not None and packed.longest_segment >= int(server.max_model_len):
+                raise InputError(f"--server {server.base} serves max_model_len {server.max_model_len}, but a packed "
+                                 f"segment (--context full: a context) has {packed.longest_segment} tokens, plus the "
+                                 f"one vLLM generates: start the server with --max-model-len "
+                                 f"{packed.longest_segment + 1} or more", field="--server")
             name, accelerator = server_dtype(probe[1]["metadata"], probe[1]["hidden_states"].dtype,
                                              resumed_dtype(cfg), _has_accelerator())
             dtype = getattr(torch, name)
@@ -398,6 +408,7 @@ class _ServerProbe:
         self.cfg, self.ids = cfg, ids
         self.base = server_base_url(cfg.server)
         self.model: str | None = None
+        self.max_model_len: int | None = None
         self.storage: str | None = None
 
     def connect(self, directory: Path, table_tokenizer: str | None) -> tuple[str, dict[str, Any], list[int]]:
@@ -413,6 +424,7 @@ class _ServerProbe:
             raise InputError(f"--server {self.base} serves {len(models)} models; extraction needs one",
                              field="--server")
         self.model = models[0]["id"]
+        self.max_model_len = models[0].get("max_model_len")  # the served limit: prompt + the generated token
         probe = "Hidden states: déjà vu, 3.14159 <tool_call> 你好\n"
         try:
             served = self.request(self.base.removesuffix("/v1") + "/tokenize", {"model": self.model, "prompt": probe,

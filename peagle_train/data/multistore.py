@@ -101,13 +101,16 @@ def store_identity(store) -> dict[str, Any]:
 
 def store_identities(store) -> list[dict[str, Any]]:
     """One entry per training store (a ``FeatureStore`` or a :class:`StoreSet`, in order): its resolved
-    ``path``, its :func:`store_identity` and ``first_block``, the global id of its block 0 (the run's
-    block ids, ``val_blocks`` included, are global). Recorded in checkpoints' ``config.json``
-    (``peagle_training.stores``)."""
+    ``path``, its :func:`store_identity`, ``context`` (where its features come from: ``"window"``, each
+    window extracted alone, or ``"full"``, a full-context store's) and ``first_block``, the global id of
+    its block 0 (the run's block ids, ``val_blocks`` included, are global). Recorded in checkpoints'
+    ``config.json`` (``peagle_training.stores``). ``context`` is no part of the identity: the two stores
+    of one packed table hold the same windows (and held-out split), with other features."""
     stores = store.stores if isinstance(store, StoreSet) else [store]
     out, first = [], 0
     for s in stores:
-        out.append({"path": str(Path(s.path).resolve()), **store_identity(s), "first_block": first})
+        out.append({"path": str(Path(s.path).resolve()), **store_identity(s),
+                    "context": "full" if s.layout == "windows" else "window", "first_block": first})
         first += int(s.n_blocks)
     return out
 

@@ -261,8 +261,10 @@ def _check_resume_verifier(cfg: TrainConfig, store, verifier_name: str) -> None:
         raise InputError(resume_mismatch_message(saved, {"verifier": (before, verifier_name)}), field="--resume")
 
 
-_STORE_IDENTITY = ("source", "shard", "n_blocks", "layers", "verifier_fingerprint")
-"""The keys of :func:`peagle_train.data.multistore.store_identity` a resumed run's stores must keep."""
+_STORE_IDENTITY = ("source", "shard", "n_blocks", "layers", "verifier_fingerprint", "context")
+"""The keys of :func:`peagle_train.data.multistore.store_identities` a resumed run's stores must keep (the
+features' ``context`` too: a store extracted again with the other ``--context`` holds other features;
+checkpoints saved before it was recorded are not checked for it)."""
 
 
 def _check_resume_stores(cfg: TrainConfig, store) -> None:
@@ -327,7 +329,7 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str, init: Init
             differ from the saved run, another verifier among them (compared by content fingerprint
             when the names differ).
         StoreMismatchError: ``--resume`` with a store other than the saved run's under its path
-            (packed table, shard, block count, layers or verifier fingerprint).
+            (packed table, shard, block count, layers, verifier fingerprint or the features' context).
         StoreMismatchError: the verifier's config has another hidden or vocab size than the store, or
             the verifier is not the store's (content fingerprint, or the tokenizer the store's ids were
             made with: :func:`stores.verifier_match.check_store_verifier`).

@@ -290,6 +290,22 @@ def test_server_mode_equals_local_engine(tmp_path, vllm_server):
 
 @pytest.mark.vllm
 @pytest.mark.slow  # shares the server fixture's start
+def test_server_shorter_than_a_segment_is_refused_before_any_block(tmp_path, vllm_server):
+    """The server runs --max-model-len 128; the table's longest segment has 257 tokens (with --context full
+    a context, longer than any window, is the request): refused from /v1/models, naming the length to serve."""
+    url, storage, model = vllm_server
+    packed = write_packed(tmp_path / "packed", n_blocks=1, vocab=49152, longest=400)  # segments 257, 207, 111, 126
+    res = extract_cli(packed, model, tmp_path / "x.zarr", [1, 2], "--server", url, "--shared-storage", str(storage),
+                      check=False)
+    err = " ".join(res.stderr.split())
+    assert res.returncode != 0 and (f"--server {url}/v1 serves max_model_len 128, but a packed segment (--context "
+                                    "full: a context) has 257 tokens, plus the one vLLM generates: start the server "
+                                    "with --max-model-len 258 or more") in err, err[-2000:]
+    assert not (tmp_path / "x.zarr").exists() and not list(storage.iterdir())
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # shares the server fixture's start
 def test_server_with_another_tokenizer_is_refused(tmp_path, vllm_server):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast

@@ -610,7 +610,8 @@ def test_offline_eval_finds_the_held_out_blocks_of_each_training_store_and_names
     assert [s["path"] for s in rec["stores"]] == [str((tmp_path / "a.zarr").resolve()), str((tmp_path / "b.zarr").resolve())]
     assert [s["first_block"] for s in rec["stores"]] == [0, 3]
     assert rec["stores"][1] == {"path": str((tmp_path / "b.zarr").resolve()), "source": "sha-b.zarr", "shard": [0, 1],
-                                "n_blocks": 3, "layers": LAYERS, "verifier_fingerprint": None, "first_block": 3}
+                                "n_blocks": 3, "layers": LAYERS, "verifier_fingerprint": None, "context": "window",
+                                "first_block": 3}
     val = rec["val_blocks"]
     assert len(val) == 2 and sum(v < 3 for v in val) == 1  # one held out per store
     fb = FeatureStore.open(b)
