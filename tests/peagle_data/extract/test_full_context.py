@@ -257,28 +257,21 @@ def test_sigkill_then_resume_is_byte_identical(tmp_path, tiny_verifier_dir):
 
 
 @pytest.mark.slow  # SmolLM2-135M's weights, a few thousand tokens through it twice
-def test_smollm2_every_token_equals_its_whole_conversation_forward(tmp_path, smollm2_tokenizer):
-    """The embedded verifier on a table made by ``pack`` itself (windows of 128, trimmed ones included)."""
+def test_smollm2_every_token_equals_its_whole_conversation_forward(tmp_path, smollm2_tokenizer_dir):
+    """The embedded verifier on a table made by ``pack`` itself (windows of 64, trimmed ones included)."""
     from transformers import AutoModelForCausalLM
 
-    from peagle_data.prepare.config import PackConfig, PackRun
-    from peagle_data.prepare.pack import run_pack
+    from long_conversations import pack_long
     from stores.model_cache import resolve_model
 
-    sys.path.insert(0, str(REPO / "tests" / "peagle_data" / "prepare"))
-    from test_pack_conversations import long_conversations  # noqa: E402
-
-    src = tmp_path / "c.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in long_conversations(4)))
-    run_pack(PackRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "p",
-                     settings=PackConfig(max_seq_len=128, block_size=256)), tokenizer=smollm2_tokenizer)
+    packed = pack_long(tmp_path / "p", smollm2_tokenizer_dir)
     layers = [2, 15, 30]  # 30: the last decoder layer's output before the final norm
-    summary = run_extract(ExtractConfig(packed=str(tmp_path / "p"), verifier="smollm2-135m", layers=layers,
+    summary = run_extract(ExtractConfig(packed=str(packed), verifier="smollm2-135m", layers=layers,
                                         output=str(tmp_path / "f.zarr"), device="cpu", context="full"),
                           progress=False, log=lambda m: None)
     assert summary["complete"] and summary["context"]["max_context"] == 8192  # SmolLM2's max_position_embeddings
+    assert summary["context"]["conversations_split"] == 0 and summary["context"]["conversations"] == 6
     model = AutoModelForCausalLM.from_pretrained(resolve_model("smollm2-135m"), dtype=torch.float32).eval()
-    conv = TokenTable.open(tmp_path / "p").conversations()
-    rows = [TokenizedRow(**r) for r in conv.iter_rows()]
-    worst = worst_against_full_forward(FeatureStore.open(tmp_path / "f.zarr"), tmp_path / "p", model, rows, layers)
+    rows = [TokenizedRow(**r) for r in TokenTable.open(packed).conversations().iter_rows()]
+    worst = worst_against_full_forward(FeatureStore.open(tmp_path / "f.zarr"), packed, model, rows, layers)
     assert worst < 4e-3, f"worst relative difference {worst:.4f}"
