@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +36,7 @@ from stores.token_tables import CONVERSATIONS, TableWriter, TokenTable, write_ma
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests"))
 from families import FAMILIES, build_family, hidden_states_as_stored, save_family  # noqa: E402
+from processes import kill_runs  # noqa: E402
 
 LAYERS = [0, 1, 2]
 SHAPES = [(10, 3), (40, 3), (70, 4), (14, 0), (30, 0)]
@@ -234,19 +232,8 @@ def test_sigkill_then_resume_is_byte_identical(tmp_path, tiny_verifier_dir):
     subprocess.run([*cmd, "--output", str(ref)], check=True, env=env, capture_output=True)
     n_contexts = FeatureStore.open(ref).contexts.n_blocks
     out = tmp_path / "out.zarr"
-    rng = random.Random(0)
-    kills = 0
-    for _ in range(3):
-        args = [*cmd, "--output", str(out), *(["--resume"] if out.exists() else [])]
-        proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 60
-        while time.time() < deadline and not (out / CONTEXTS / "done").exists() and proc.poll() is None:
-            time.sleep(0.05)
-        time.sleep(rng.uniform(0.0, 1.0))
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            kills += 1
-        proc.wait()
+    kills = kill_runs(lambda resume: [*cmd, "--output", str(out), *(["--resume"] if resume else [])], env,
+                      out / CONTEXTS / "done", out)
     assert kills >= 2
     done_before = int(FeatureStore.open(out).contexts.done_mask().sum()) if (out / "zarr.json").exists() else 0
     assert done_before < n_contexts

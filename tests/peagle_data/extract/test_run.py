@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import os
-import random
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +25,7 @@ from tests.peagle_data.prepare.test_mixtures import conv, write_jsonl
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests"))
 from families import hidden_states_as_stored  # noqa: E402
+from processes import kill_runs  # noqa: E402
 
 
 def write_packed(directory: Path, n_blocks: int, block_size: int, seed: int = 0) -> Path:
@@ -149,19 +147,8 @@ def test_sigkill_then_resume_is_byte_identical(tmp_path, tiny_verifier_dir):
     run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), output=str(ref),
                               layers=[1, 2, 3], device="cpu"), progress=False)
     out = tmp_path / "out.zarr"
-    rng = random.Random(0)
-    kills = 0
-    for attempt in range(3):
-        args = _extract_cmd(packed, tiny_verifier_dir, out, *(["--resume"] if out.exists() else []))
-        proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 60
-        while time.time() < deadline and not (out / "done").exists() and proc.poll() is None:
-            time.sleep(0.05)
-        time.sleep(rng.uniform(0.0, 1.0))
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            kills += 1
-        proc.wait()
+    kills = kill_runs(lambda resume: _extract_cmd(packed, tiny_verifier_dir, out, *(["--resume"] if resume else [])),
+                      env, out / "done", out)
     assert kills >= 2
     done_before = int(FeatureStore.open(out).done_mask().sum()) if (out / "zarr.json").exists() else 0
     res = subprocess.run(_extract_cmd(packed, tiny_verifier_dir, out, "--resume"), check=True, env=env,
