@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Sequence
 from peagle_data.prepare.counts import Counts
 from peagle_data.prepare.dedup import Deduplicator
 from peagle_data.prepare.mixtures import Mixture, is_mixture_file, load_mixture, sample_items
-from peagle_data.readers.inputs import resolve_inputs
+from peagle_data.readers.inputs import UniqueIds, resolve_inputs
 from stores.errors import InputError
 from stores.token_rows import TokenizedRow
 
@@ -70,6 +70,7 @@ def iter_source_groups(iter_tokenized: Callable[..., Iterator[list[TokenizedRow]
     if cfg.limit is not None:
         raise InputError("--limit does not apply to a mixture file; give each source a 'limit'")
     dedup = Deduplicator() if cfg.dedup else None
+    ids = UniqueIds()  # one id space for every source: a window's id names one conversation of the table
     counts.sources = {}
     for src in mixture.sources:
         src_cfg = dataclasses.replace(cfg, limit=src.limit, chat_template=src.chat_template or cfg.chat_template,
@@ -78,7 +79,7 @@ def iter_source_groups(iter_tokenized: Callable[..., Iterator[list[TokenizedRow]
         sample = lambda items, src=src, c=c: sample_items(items, mixture.seed, src.name, src.weight, c)  # noqa: E731
         used = 0
         for group in iter_tokenized(list(src.inputs), tokenizer, src_cfg, rejects, c, dedup=dedup, sample=sample,
-                                    select=_select(None, shard, c)):
+                                    select=_select(None, shard, c), ids=ids):
             used += 1
             for row in group:
                 row.dataset = src.name

@@ -26,6 +26,7 @@ from peagle_data.prepare.dedup import Deduplicator, dedup_items, filter_reason
 from peagle_data.prepare.shards import shard_filter
 from peagle_data.prepare.sources import input_files, iter_source_groups, mixture_of
 from peagle_data.readers.conversations import read_conversations
+from peagle_data.readers.inputs import UniqueIds
 from peagle_data.readers.rows import Conversation, Reject
 from stores.errors import InputError
 from stores.model_cache import load_tokenizer
@@ -95,13 +96,15 @@ def write_reject(rejects: RejectsWriter, counts: Counts, source: str, reason: st
 
 def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: TokenizeConfig,
                    rejects: RejectsWriter, counts: Counts, *, dedup: Deduplicator | None = None,
-                   sample=None, select=None) -> Iterator[list[TokenizedRow]]:
+                   sample=None, select=None, ids: UniqueIds | None = None) -> Iterator[list[TokenizedRow]]:
     """Read, normalise and tokenize conversations, in input order.
 
     ``dedup`` is shared across calls (the sources of a mixture); None makes a new one when
     ``cfg.dedup``. ``sample`` maps the reader items to the drawn ones before deduplication (a
     mixture source's weight: a row is a duplicate only of a copy that was drawn); ``select`` maps the
     deduplicated items to those to tokenize (shards: :mod:`peagle_data.prepare.sources`); None keeps all.
+    ``ids`` (:class:`~peagle_data.readers.inputs.UniqueIds`), shared across calls like ``dedup``, keeps
+    conversation ids unique over the sources of a mixture; None makes a new one.
 
     Rejected rows are written to ``rejects`` and counted; ``counts`` gains ``read``, ``rejected``,
     ``dropped_leading_assistant_turns``, ``merged_user_turns``, ``empty_assistant_turns``,
@@ -125,7 +128,7 @@ def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: Tokenize
     if dedup is None and cfg.dedup:
         dedup = Deduplicator()
     items = read_conversations(inputs, fmt=cfg.format, strict=cfg.strict, limit=cfg.limit,
-                               keep_dropped=cfg.on_dropped_content == "keep")
+                               keep_dropped=cfg.on_dropped_content == "keep", ids=ids)
     if sample is not None:
         items = sample(items)
     items = dedup_items(items, dedup)

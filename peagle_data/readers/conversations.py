@@ -91,7 +91,8 @@ __all__ = ["read_conversations"]
 
 
 def read_conversations(inputs: Sequence[str | os.PathLike], fmt: str = "auto", strict: bool = False,
-                       limit: int | None = None, keep_dropped: bool = False) -> Iterator[Conversation | Reject]:
+                       limit: int | None = None, keep_dropped: bool = False,
+                       ids: UniqueIds | None = None) -> Iterator[Conversation | Reject]:
     """Stream normalised conversations (and rejects) from INPUT arguments, in input order.
 
     Args:
@@ -101,6 +102,8 @@ def read_conversations(inputs: Sequence[str | os.PathLike], fmt: str = "auto", s
         limit: stop after this many input rows (usable or not); None reads everything.
         keep_dropped: leave content parts of unsupported types out (counted) instead of
             rejecting the row (``--on-dropped-content keep``).
+        ids: the ids already given in this run (the sources of a mixture share one, so an id two sources
+            use is renamed too); None starts afresh.
 
     Yields:
         One :class:`Conversation` or :class:`Reject` per input row. A Parquet row's null keys
@@ -115,7 +118,7 @@ def read_conversations(inputs: Sequence[str | os.PathLike], fmt: str = "auto", s
     n = 0
     files = resolve_inputs(inputs)
     names = id_stems(files)
-    ids = UniqueIds()
+    ids = UniqueIds() if ids is None else ids
     for path, name in zip(files, names):
         for row, record in iter_records(path):
             if limit is not None and n >= limit:

@@ -107,8 +107,10 @@ def test_three_source_mixture_rows_counts_and_determinism(tmp_path, smollm2_toke
         assert c["read"] - c["sampled_out"] + c["copies"] - c["other_shards"] == c["used"] + c["rejected"]
     m = t1.manifest
     assert m["mixture"]["seed"] == 3 and [s["name"] for s in m["mixture"]["sources"]] == ["chat", "tools", "reasoning"]
-    assert [r for r in rows if r["conversation_id"] == "a3"] == [
-        {"conversation_id": "a3", "dataset": "tools", "source": f"{tmp_path / 'b.jsonl'}:31"}]
+    # its id is renamed: ids are unique over every row the run reads, in all sources
+    assert [r for r in rows if r["conversation_id"] in ("a3", "a3~2")] == [
+        {"conversation_id": "a3~2", "dataset": "tools", "source": f"{tmp_path / 'b.jsonl'}:31"}]
+    assert summary["counts"]["duplicate_ids_renamed"] == 1
     assert "duplicate_of" not in (tmp_path / "t1" / "rejects.jsonl").read_text()
     stats = collect_stats(tmp_path / "t1")
     assert {s["source"]: s["rows"] for s in stats["sources"]} == {"chat": len(expect_chat), "tools": 31,
@@ -216,3 +218,20 @@ def test_a_duplicate_is_only_ever_of_a_drawn_copy(tmp_path, smollm2_tokenizer):
     union = sorted(r["source"] for n in range(3) for r in TokenTable.open(tmp_path / f"s{n}").read_all(
         ["source"]).to_pylist())
     assert union == sorted(r["source"] for r in rows)
+
+
+def test_an_id_of_two_sources_names_one_conversation(tmp_path, smollm2_tokenizer):
+    """Two sources that use one id for other conversations (two dumps of one corpus): the second is
+    renamed ``~2``, so every window id of the packed table, and every row of its conversations sub-table
+    (which full-context extraction looks windows up in), names one conversation."""
+    write_jsonl(tmp_path / "a.jsonl", [conv(i, "x") for i in range(3)])
+    write_jsonl(tmp_path / "b.jsonl", [conv(i, "x", answer=f"other answer {i} " * 3) for i in range(2)])
+    (tmp_path / "mix.yaml").write_text("sources:\n  - {name: a, path: a.jsonl}\n  - {name: b, path: b.jsonl}\n")
+    p = run_pack(PackRun(inputs=[tmp_path / "mix.yaml"], tokenizer="smollm2-135m", output=tmp_path / "p",
+                         settings=PackConfig(max_seq_len=64)), tokenizer=smollm2_tokenizer)
+    assert p["counts"]["duplicate_ids_renamed"] == 2
+    sub = TokenTable.open(tmp_path / "p").conversations().read_all(["conversation_id", "dataset"]).to_pylist()
+    assert sorted((r["conversation_id"], r["dataset"]) for r in sub) == [
+        ("x0", "a"), ("x0~2", "b"), ("x1", "a"), ("x1~2", "b"), ("x2", "a")]
+    segments = [s for r in TokenTable.open(tmp_path / "p").read_all(["segment_ids"]).to_pylist() for s in r["segment_ids"]]
+    assert sorted(segments) == ["x0#0", "x0~2#0", "x1#0", "x1~2#0", "x2#0"]
