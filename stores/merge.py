@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from stores.errors import InputError, StoreMismatchError
+from stores.errors import InputError, StoreFormatError, StoreMismatchError
 from stores.feature_schema import hidden_arrays
 from stores.feature_store import FeatureStore
 from stores.staging import staged_output_dir
@@ -36,6 +36,7 @@ from stores.token_tables import (
     CONVERSATIONS,
     REJECTS,
     TokenTable,
+    conversations_record,
     manifest_sha256,
     write_manifest,
     write_token_freq,
@@ -211,6 +212,8 @@ def merge_tables(paths: list[str | os.PathLike], output: str | os.PathLike, forc
         manifest = {key: first[key] for key in ("kind", "inputs", "files", "tokenizer", "mixture") if key in first}
         manifest.update(parameters=_parameters_without_shard(first), counts=counts,
                         merged_from=merged_from, num_shards=len(tables))
+        if (out / CONVERSATIONS).is_dir():
+            manifest[CONVERSATIONS] = conversations_record(out)
         write_manifest(out, manifest)
     return manifest
 
@@ -268,7 +271,8 @@ def verify_table(path: str | os.PathLike) -> dict[str, Any]:
     row's ``(source, conversation_id)`` (tokenized: the rows of a conversation split per turn share
     a source) or window id (packed) occurs once; for a merged table, the parts
     per shard hold the rows its manifest records, and each shard directory that still exists has
-    the manifest recorded (sha256).
+    the manifest recorded (sha256); a packed table's conversations sub-table is the one its manifest
+    records (:func:`~stores.token_tables.conversations_record`).
 
     Returns:
         ``{"ok": bool, "kind", "rows", "problems": [str, ...]}``.
@@ -301,6 +305,11 @@ def verify_table(path: str | os.PathLike) -> dict[str, Any]:
         what = "row sources" if table.kind == "tokenized" else "window ids"
         problems.append(f"{n_ids - got['unique']} repeated {what}: a shard given twice or overlapping runs")
     problems += _check_parts(table)
+    if table.kind == "packed":
+        try:
+            table.conversations()  # the sub-table the manifest records
+        except (StoreMismatchError, StoreFormatError) as e:
+            problems.append(str(e))
     return {"ok": not problems, "kind": table.kind, "rows": got["rows"], "problems": problems}
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from stores.errors import StoreFormatError
+from stores.errors import StoreFormatError, StoreMismatchError
 from stores.files import is_zarr_store
 from stores.staging import write_text_atomic
 from stores.token_rows import PackedRow, TokenizedRow
@@ -36,6 +36,7 @@ __all__ = [
     "PACKED_SCHEMA",
     "MANIFEST",
     "CONVERSATIONS",
+    "conversations_record",
     "REJECTS",
     "TOKEN_FREQ",
     "TableWriter",
@@ -92,7 +93,8 @@ absent from tables packed before peagle recorded it)."""
 
 CONVERSATIONS = "conversations"
 """The sub-table of a packed table that holds the tokenized rows its windows were cut from (a
-tokenized table in the directory ``PACKED/conversations``), read by full-context extraction."""
+tokenized table in the directory ``PACKED/conversations``), read by full-context extraction; the packed
+manifest records its digest under this key (:func:`conversations_record`)."""
 
 
 def library_versions() -> dict[str, str]:
@@ -160,6 +162,22 @@ def not_a_store_hint(directory: str | os.PathLike) -> str | None:
     return (f"{directory} is a {kind or 'peagle'} token table (manifest.json), not a feature store: pack it "
             f"(`peagle-data pack {directory} --tokenizer MODEL --output PACKED`), extract the packed table "
             "(`peagle-data extract PACKED --verifier MODEL --output STORE`), then pass STORE")
+
+
+def conversations_record(packed: str | os.PathLike) -> dict[str, Any]:
+    """What a packed table's manifest records of its :data:`CONVERSATIONS` sub-table (key
+    ``conversations``): ``rows`` and ``sha256``, a digest of its part files' bytes in part order (each
+    file's size first, names not included, so linked or renamed parts keep it). A feature store's
+    ``source`` (:func:`manifest_sha256` of the packed table) then covers the conversations too."""
+    directory = Path(packed) / CONVERSATIONS
+    h = hashlib.sha256()
+    for f in sorted(directory.glob("part-*.parquet")):
+        h.update(f.stat().st_size.to_bytes(8, "little"))
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    rows = sum(pq.ParquetFile(f).metadata.num_rows for f in sorted(directory.glob("part-*.parquet")))
+    return {"rows": rows, "sha256": h.hexdigest()}
 
 
 def manifest_sha256(directory: str | os.PathLike) -> str:
@@ -365,6 +383,8 @@ class TokenTable:
 
         Raises:
             StoreFormatError: the sub-table is there but unfinished or not a tokenized table.
+            StoreMismatchError: its part files are not those the packed manifest records (``conversations``:
+                :func:`conversations_record`), for a table whose manifest records them.
         """
         path = self.directory / CONVERSATIONS
         if self.kind != "packed" or not path.is_dir():
@@ -372,6 +392,12 @@ class TokenTable:
         table = TokenTable.open(path)
         if table.kind != "tokenized":
             raise StoreFormatError(f"{path}: a {table.kind} table where the conversations of {self.directory} belong")
+        recorded = self.manifest.get(CONVERSATIONS)
+        if recorded is not None and conversations_record(self.directory) != recorded:
+            raise StoreMismatchError(
+                f"{path}: its part files are not those {self.directory / MANIFEST} records (rows and sha256 under "
+                f"{CONVERSATIONS!r}): the sub-table was edited or copied from another pack run, and its conversations "
+                "may not be the ones the windows were cut from; pack the table again")
         return table
 
 

@@ -29,14 +29,15 @@ from peagle_data.extract.config import DEFAULT_MAX_CONTEXT, ENGINES, ExtractConf
 from peagle_data.extract.contexts import ContextPlan, plan_contexts
 from peagle_data.extract.engine import PackedFacts, VerifierEngine
 from peagle_data.extract.hf_forward import check_packable, default_layers
-from peagle_data.extract.store import BlockWriter, check_resumable, open_or_create, open_packed
-from stores.errors import InputError, OutputExistsError, StoreFormatError
+from peagle_data.extract.store import BlockWriter, check_resumable, check_same_plan, open_or_create, open_packed
+from stores.errors import InputError, OutputExistsError, StoreFormatError, StoreMismatchError
 from stores.feature_repair import repair_blocks, repair_shared, repair_windows
 from stores.feature_schema import SEGMENTS, TOKEN_ARRAYS
 from stores.feature_store import FeatureStore
 from stores.files import is_local, is_zarr_store
 from stores.model_cache import model_fingerprint, resolve_model
 from stores.model_config import load_model_config, text_config
+from stores.token_tables import CONVERSATIONS, MANIFEST
 from stores.progress import progress as progress_bar
 from stores.verifier_match import check_token_ids, check_verifier_tokenizer
 
@@ -61,11 +62,12 @@ def _check_device(device: str | None) -> None:
         raise InputError(f"device {device!r} is not supported; use cpu or cuda", field="--device")
 
 
-def _check_before_weights(cfg: ExtractConfig, table, rows, device: str) -> Path:
+def _check_before_weights(cfg: ExtractConfig, table, rows, device: str, plan: ContextPlan | None = None) -> Path:
     """The checks that need only the verifier's config and files, the packed table and the store
     (docs/design.md §2), before the weights load; returns the verifier's directory (:func:`resolve_model`).
 
-    ``rows`` are this shard's packed rows (row k is packed block ``shard_index + k * num_shards``);
+    ``rows`` are this shard's packed rows (row k is packed block ``shard_index + k * num_shards``), or
+    with ``--context full`` its context blocks (``plan``, checked against a resumed store's: :func:`check_same_plan`);
     ``device`` is where the verifier will run (it decides the dtype: bfloat16 on CUDA, float32 on CPU).
 
     Raises:
@@ -101,6 +103,8 @@ def _check_before_weights(cfg: ExtractConfig, table, rows, device: str) -> Path:
             dtype = None if cfg.server else "bfloat16" if device.startswith("cuda") else "float32"
             check_resumable(store, cfg, {"name_or_path": cfg.verifier, "fingerprint": model_fingerprint(directory),
                                          "dtype": dtype}, layers)
+            if plan is not None:
+                check_same_plan(store, plan, cfg.packed)
     return directory
 
 
@@ -149,7 +153,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
         rows = list(table.iter_rows(PACKED_COLUMNS))
     rows = rows[cfg.shard_index::cfg.num_shards]  # this shard's blocks (all of them unsharded)
     device = cfg.device or (str(state.device) if state.device.type == "cuda" else "cpu")
-    directory = _check_before_weights(cfg, table, rows, device)
+    directory = _check_before_weights(cfg, table, rows, device, plan)
     if not ENGINES[cfg.engine].multi_process and state.num_processes > 1:
         raise InputError(f"--engine {cfg.engine} runs in one process (its parallelism is vLLM's): drop accelerate "
                          "launch, or give each process its own --shard-index", field="--engine")
@@ -281,14 +285,24 @@ def _plan(cfg: ExtractConfig, table) -> ContextPlan:
     conversations sub-table.
 
     Raises:
-        InputError: a table packed before peagle kept its conversations.
+        InputError: a table packed before peagle kept its conversations, or their digest.
+        StoreMismatchError: a conversations sub-table other than the manifest records, or with one
+            conversation id in two rows.
     """
-    conversations = table.conversations()
+    conversations = table.conversations()  # checked against the digest the packed manifest records
     if conversations is None:
         raise InputError(f"{cfg.packed} has no conversations sub-table (packed by an older peagle): pack it again "
                          "for --context full, or extract it with --context window", field="--context")
-    by_id = {r["conversation_id"]: r for r in conversations.iter_rows(["conversation_id", "input_ids", "loss_mask",
-                                                                       "system_len"])}
+    if CONVERSATIONS not in table.manifest:
+        raise InputError(f"{cfg.packed}/{MANIFEST} records no digest of its conversations sub-table (packed by an "
+                         "older peagle), so an edited sub-table could give windows another history than theirs: pack "
+                         "it again for --context full, or extract it with --context window", field="--context")
+    by_id: dict[str, dict] = {}
+    for r in conversations.iter_rows(["conversation_id", "source", "input_ids", "loss_mask", "system_len"]):
+        first = by_id.setdefault(r["conversation_id"], r)
+        if first is not r:  # which of the two a window was cut from is unknown
+            raise StoreMismatchError(f"{conversations.directory}: conversation id {r['conversation_id']!r} is in two "
+                                     f"rows (sources {first['source']}, {r['source']}); pack the table again")
     where = ["segment_ids", "segment_prefix_lens", "segment_starts"]
     if not set(where) <= set(table.columns()):
         raise InputError(f"{cfg.packed} was packed by an older peagle, which did not record where its windows come "

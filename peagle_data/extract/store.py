@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from peagle_data.extract.hf_forward import language_model, layer_types
@@ -29,7 +30,7 @@ from stores.model_cache import model_fingerprint
 from stores.token_tables import TokenTable, manifest_sha256
 
 __all__ = ["BlockWriter", "verifier_desc", "open_packed", "open_or_create", "resumed_dtype", "check_resumable",
-           "RESUME_MAY_CHANGE"]
+           "RESUME_MAY_CHANGE", "check_same_plan"]
 
 
 def verifier_desc(name: str, directory: Path, verifier, dtype: torch.dtype) -> dict[str, Any]:
@@ -238,6 +239,8 @@ def open_or_create(cfg, rows, table, desc, layers, log, engine: dict[str, Any], 
             store = None  # killed before the attributes were written: start over
         if store is not None and store.attrs.get("tokens_written"):
             check_resumable(store, cfg, desc, layers)
+            if plan is not None:
+                check_same_plan(store, plan, cfg.packed)
             return store
         if store is not None or is_local(cfg.output):
             log(f"{cfg.output}: creation was interrupted; creating it again")
@@ -247,6 +250,42 @@ def open_or_create(cfg, rows, table, desc, layers, log, engine: dict[str, Any], 
     if plan is not None:
         return _create_windows_store(cfg, rows, plan, table, desc, layers, log, engine)
     return _create_store(cfg, rows, table, desc, layers, log, engine)
+
+
+def check_same_plan(store: FeatureStore, plan, packed: str) -> None:
+    """``--resume`` of a full-context store: the plan made now from the packed table
+    (:class:`peagle_data.extract.contexts.ContextPlan`) is the one the store was made with: the same
+    counts (``context`` attribute), context blocks of the same size and number, and every training
+    block's views (a block whose views chunk is damaged is rewritten from the plan by repair instead).
+    Otherwise the context blocks still to extract would follow the new plan while the views and the
+    done blocks follow the old one, and windows would read other tokens' features.
+
+    Raises:
+        InputError: a plan other than the store's, naming what differs.
+    """
+    diffs = []
+    made = store.attrs.get("context") or {}
+    if made != plan.counts:
+        diffs.append("counts " + ", ".join(f"{k} {made.get(k)} -> {v}" for k, v in plan.counts.items()
+                                           if made.get(k) != v))
+    if store.contexts.block_size != plan.context_size or store.n_context_blocks() != len(plan.rows):
+        diffs.append(f"context blocks {store.n_context_blocks()} of {store.contexts.block_size} slots -> "
+                     f"{len(plan.rows)} of {plan.context_size}")
+    if store.n_blocks != len(plan.views):
+        diffs.append(f"training blocks {store.n_blocks} -> {len(plan.views)}")
+    else:
+        for i, v in enumerate(plan.views):
+            try:
+                row = store.view_row(i)
+            except Exception:  # a damaged views chunk: repair_windows rewrites it from the plan
+                continue
+            if not (np.array_equal(row[:len(v)], v) and (row[len(v):] == -1).all()):
+                diffs.append(f"the views of training block {i} (and maybe others)")
+                break
+    if diffs:
+        raise InputError(f"{store.path} was made with another full-context plan than {packed} gives now "
+                         f"({'; '.join(diffs)}): its conversations or the peagle that plans them changed since. "
+                         "A resume would mix the two plans; start over with --force", field="--resume")
 
 
 def resumed_dtype(cfg) -> str | None:

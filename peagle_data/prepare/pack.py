@@ -83,6 +83,7 @@ from stores.token_tables import (
     RejectsWriter,
     CONVERSATIONS,
     TableWriter,
+    conversations_record,
     TokenTable,
     manifest_sha256,
     write_manifest,
@@ -238,8 +239,8 @@ def run_pack(run: PackRun, tokenizer=None, explicit: Collection[str] | None = No
         write_token_freq(out, token_freq)
         write_manifest(out / CONVERSATIONS, {"kind": "tokenized", "of": "the rows the packed table's windows are cut from",
                                              "rows": conversations.n_rows})
-        write_manifest(out, _pack_manifest(inputs, files, cfg, tokenizer_name, tokenizer, template, counts,
-                                           mixture, tables, config))
+        write_manifest(out, {**_pack_manifest(inputs, files, cfg, tokenizer_name, tokenizer, template, counts,
+                                              mixture, tables, config), CONVERSATIONS: conversations_record(out)})
     return {"output": str(output), "counts": counts.to_manifest()}
 
 

@@ -21,8 +21,9 @@ from stores.errors import InputError, StoreMismatchError
 from stores.feature_repair import verify_store
 from stores.feature_store import FeatureStore
 from stores.merge import merge_stores, merge_tables, verify_table
-from stores.token_tables import TokenTable
+from stores.token_tables import CONVERSATIONS, TokenTable, conversations_record
 
+from tests.long_conversations import long_conversations
 from tests.peagle_data.extract.test_run import pack_conversations, write_packed
 from tests.peagle_data.prepare.test_mixtures import _three_sources
 from tests.peagle_data.prepare.test_shards import _inputs, _tok_rows, _windows
@@ -99,6 +100,28 @@ def test_merge_refuses_incomplete_or_foreign_shards_and_verify_finds_overlaps(tm
     assert any(p.startswith("shard 1:") for p in report["problems"])
     r = CliRunner().invoke(main, ["verify", str(tmp_path / "m")])
     assert r.exit_code == 1 and "failed verification" in r.output
+
+
+def test_merged_pack_shards_record_their_conversations_and_refuse_a_changed_one(tmp_path, smollm2_tokenizer):
+    from tests.stores.test_token_tables import _rewrite
+
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps(c) + "\n" for c in long_conversations(6)))
+    shards = []
+    for i in range(2):
+        run_pack(PackRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / f"s{i}",
+                         settings=PackConfig(max_seq_len=64, tokenize=TokenizeConfig(num_shards=2, shard_index=i))),
+                 tokenizer=smollm2_tokenizer)
+        shards.append(tmp_path / f"s{i}")
+    merged = merge_tables(shards, tmp_path / "m")
+    assert merged[CONVERSATIONS] == conversations_record(tmp_path / "m") and merged[CONVERSATIONS]["rows"] == 6
+    assert verify_table(tmp_path / "m")["ok"]
+    _rewrite(tmp_path / "m", lambda rows: rows[::-1])  # the same conversations in another order: other bytes
+    report = verify_table(tmp_path / "m")
+    assert not report["ok"] and any("edited or copied from another pack run" in p for p in report["problems"])
+    _rewrite(shards[1], lambda rows: rows[:-1])
+    with pytest.raises(StoreMismatchError, match=f"{shards[1] / CONVERSATIONS}: its part files are not those"):
+        merge_tables(shards, tmp_path / "m2")
 
 
 def test_extract_shards_merge_into_the_unsharded_store(tmp_path, tiny_verifier_dir):

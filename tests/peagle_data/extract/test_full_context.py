@@ -26,12 +26,12 @@ from peagle_data.extract.config import ExtractConfig
 from peagle_data.extract.run import run_extract
 from peagle_data.prepare.packing import make_packed_row, pack_blocks_flexible
 from peagle_data.prepare.windows import make_windows, trim_window
-from stores.errors import InputError
+from stores.errors import InputError, StoreMismatchError
 from stores.feature_repair import verify_store
 from stores.feature_store import CONTEXTS, FeatureStore
 from stores.staging import prepare_output_dir
 from stores.token_rows import TokenizedRow
-from stores.token_tables import CONVERSATIONS, TableWriter, TokenTable, write_manifest
+from stores.token_tables import CONVERSATIONS, TableWriter, TokenTable, conversations_record, write_manifest
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests"))
@@ -83,7 +83,7 @@ def write_packed_conversations(directory: Path, rows: list[TokenizedRow], max_se
                                   for i in members]
             w.write(row)
     write_manifest(directory, {"kind": "packed", "inputs": ["synthetic"], "parameters": {"block_size": block_size},
-                               "tokenizer": {"name_or_path": tokenizer}})
+                               "tokenizer": {"name_or_path": tokenizer}, CONVERSATIONS: conversations_record(directory)})
     return directory
 
 
@@ -193,6 +193,83 @@ def test_full_context_needs_a_table_with_conversations(tmp_path, tiny_verifier_d
         run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), output=str(tmp_path / "g.zarr"),
                                   layers=[1, 2], device="cpu", context="full", max_context=8), progress=False,
                     log=lambda m: None)
+
+
+def _gap_conversations() -> list[TokenizedRow]:
+    """:func:`synthetic_conversations` plus ``gap``: 70 tokens (system prefix 3) whose tokens 20-49 are
+    unsupervised, so the windows of 16 there have no supervised token and are dropped."""
+    rows = synthetic_conversations(49152)
+    g = np.random.default_rng(5)
+    ids, mask = g.integers(3, 49149, 70).astype(np.int32), np.ones(70, dtype=np.uint8)
+    mask[:3] = mask[20:50] = 0
+    return rows + [TokenizedRow("gap", "synthetic:6", ids, mask, 3, 70, int(mask.sum()))]
+
+
+def _edit_conversation(packed: Path, cid: str, position: int) -> None:
+    """Change token ``position`` of conversation ``cid`` in the packed table's conversations sub-table."""
+    rows = [TokenizedRow(**r) for r in TokenTable.open(packed / CONVERSATIONS).iter_rows()]
+    for f in (packed / CONVERSATIONS).glob("part-*.parquet"):
+        f.unlink()
+    with TableWriter(packed / CONVERSATIONS, "tokenized") as w:
+        for r in rows:
+            if r.conversation_id == cid:
+                r.input_ids = r.input_ids.copy()
+                r.input_ids[position] += 1
+            w.write(r)
+
+
+def test_a_changed_conversations_sub_table_is_refused_before_any_forward(tmp_path, tiny_verifier_dir):
+    """Token 30 of ``gap`` is in no window (its windows are dropped), so no check of the windows against
+    their conversations can see it change, yet every later window of ``gap`` reads a forward of it: the
+    sub-table must be the one ``pack`` recorded."""
+    packed = write_packed_conversations(tmp_path / "packed", _gap_conversations(), 16, 32, "smollm2-135m")
+    held = {int(x) for r in TokenTable.open(packed).iter_rows() for k, sid in enumerate(r["segment_ids"])
+            if sid.startswith("gap#") for x in np.r_[0:r["segment_prefix_lens"][k], r["segment_starts"][k]:
+                                                        r["segment_starts"][k] + np.diff(r["cu_seqlens"])[k]
+                                                        - r["segment_prefix_lens"][k]]}
+    assert 30 not in held and max(held) == 69
+    _edit_conversation(packed, "gap", 30)
+    cfg = ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), output=str(tmp_path / "f.zarr"),
+                        layers=[1, 2], device="cpu", context="full", max_context=128)
+    with pytest.raises(StoreMismatchError, match=f"{packed / CONVERSATIONS}: its part files are not those"):
+        run_extract(cfg, progress=False, log=lambda m: None)
+    assert not (tmp_path / "f.zarr").exists()
+
+
+def test_a_table_without_the_digest_or_with_a_repeated_id_is_refused(tmp_path, tiny_verifier_dir):
+    rows = synthetic_conversations(49152)
+    packed = write_packed_conversations(tmp_path / "p", rows, 16, 32, "smollm2-135m")
+    manifest = json.loads((packed / "manifest.json").read_text())
+    write_manifest(packed, {k: v for k, v in manifest.items() if k not in (CONVERSATIONS, "created_at", "library_versions")})
+    cfg = dict(verifier=str(tiny_verifier_dir), output=str(tmp_path / "f.zarr"), layers=[1, 2], device="cpu",
+               context="full", max_context=128)
+    with pytest.raises(InputError, match="records no digest of its conversations sub-table .* pack it again"):
+        run_extract(ExtractConfig(packed=str(packed), **cfg), progress=False, log=lambda m: None)
+    # c0 twice, with other tokens after its first 8: which one its windows come from is unknown
+    other = TokenizedRow("c0", "synthetic:9", np.r_[rows[0].input_ids[:8], [5, 6]].astype(np.int32),
+                         rows[0].loss_mask.copy(), 3, 10, int(rows[0].loss_mask.sum()))
+    packed = write_packed_conversations(tmp_path / "q", [*rows, other], 16, 32, "smollm2-135m")
+    with pytest.raises(StoreMismatchError, match=r"conversation id 'c0' is in two rows \(sources synthetic:1, "
+                                                 r"synthetic:9\); pack the table again"):
+        run_extract(ExtractConfig(packed=str(packed), **cfg), progress=False, log=lambda m: None)
+
+
+def test_resume_refuses_another_plan(tmp_path, tiny_verifier_dir, monkeypatch):
+    """A store resumed by a peagle that plans the same table otherwise (here: pieces of another overlap)
+    would extract the remaining context blocks of the new plan under the views of the old one."""
+    from peagle_data.extract import contexts
+
+    packed = write_packed_conversations(tmp_path / "packed", synthetic_conversations(49152), 16, 32, "smollm2-135m")
+    base = dict(packed=str(packed), verifier=str(tiny_verifier_dir), output=str(tmp_path / "f.zarr"), layers=[1, 2],
+                device="cpu", context="full", max_context=24)
+    run_extract(ExtractConfig(**base, max_blocks=1), progress=False, log=lambda m: None)
+    monkeypatch.setattr(contexts, "CONTEXT_OVERLAP", 0.9)
+    with pytest.raises(InputError, match=rf"{tmp_path / 'f.zarr'} was made with another full-context plan than "
+                                         rf"{packed} gives now \(counts contexts .* start over with --force"):
+        run_extract(ExtractConfig(**base, resume=True), progress=False, log=lambda m: None)
+    monkeypatch.setattr(contexts, "CONTEXT_OVERLAP", 0.5)
+    s = run_extract(ExtractConfig(**base, resume=True), progress=False, log=lambda m: None)
+    assert s["complete"] and verify_store(tmp_path / "f.zarr")["ok"]
 
 
 def test_resume_keeps_context_and_max_context(tmp_path, tiny_verifier_dir):
