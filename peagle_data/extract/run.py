@@ -302,7 +302,10 @@ def _plan(cfg: ExtractConfig, table) -> ContextPlan:
         first = by_id.setdefault(r["conversation_id"], r)
         if first is not r:  # which of the two a window was cut from is unknown
             raise StoreMismatchError(f"{conversations.directory}: conversation id {r['conversation_id']!r} is in two "
-                                     f"rows (sources {first['source']}, {r['source']}); pack the table again")
+                                     f"rows (sources {first['source']}, {r['source']}), so its windows' conversation is "
+                                     "unknown. An input id that equals another conversation's per-turn (ID@k) or "
+                                     "mixture-copy (ID*k) id in a sharded pack does this: give those input rows other "
+                                     "ids, or pack unsharded (pack renames it ~k), and pack the table again")
     where = ["segment_ids", "segment_prefix_lens", "segment_starts"]
     if not set(where) <= set(table.columns()):
         raise InputError(f"{cfg.packed} was packed by an older peagle, which did not record where its windows come "

@@ -348,9 +348,19 @@ def _collect_windows(groups: Iterator[list[TokenizedRow]], cfg: PackConfig, reje
                      counts: Counts, spill: _WindowSpill, conversations: TableWriter) -> None:
     """Cut every conversation's rows into windows, spilled to ``spill``; conversations with none are
     rejected. Each row a kept window comes from is written to ``conversations`` (the packed table's
-    :data:`~stores.token_tables.CONVERSATIONS` sub-table, read by full-context extraction)."""
+    :data:`~stores.token_tables.CONVERSATIONS` sub-table, read by full-context extraction). A row id
+    another row of the run already has (an input id equal to another conversation's per-turn ``ID@k`` or
+    mixture-copy ``ID*k`` id) is renamed ``~k`` and counted in ``duplicate_ids_renamed``, so that a window
+    id names one row (a sharded run cannot see the other shards' ids: full-context extraction refuses
+    the merged table then)."""
     counts.windows = counts.windows_dropped = counts.windows_capped = 0
+    ids = UniqueIds()
     for group in groups:
+        renamed = False
+        for row in group:
+            row.conversation_id, was = ids.unique(row.conversation_id)
+            renamed |= was
+        counts.bump("duplicate_ids_renamed", renamed)
         source, cid = group[0].source, group[0].conversation_id
         try:
             segments, dropped, candidates = conversation_windows(group, cfg.max_seq_len, cfg.overlap, cfg.overlap_loss)

@@ -250,7 +250,7 @@ def test_a_table_without_the_digest_or_with_a_repeated_id_is_refused(tmp_path, t
                          rows[0].loss_mask.copy(), 3, 10, int(rows[0].loss_mask.sum()))
     packed = write_packed_conversations(tmp_path / "q", [*rows, other], 16, 32, "smollm2-135m")
     with pytest.raises(StoreMismatchError, match=r"conversation id 'c0' is in two rows \(sources synthetic:1, "
-                                                 r"synthetic:9\); pack the table again"):
+                                                 r"synthetic:9\), so its windows. conversation is unknown"):
         run_extract(ExtractConfig(packed=str(packed), **cfg), progress=False, log=lambda m: None)
 
 

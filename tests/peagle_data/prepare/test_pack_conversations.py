@@ -78,3 +78,28 @@ def test_merged_shards_keep_the_conversations(tmp_path, smollm2_tokenizer):
     check_windows_against_conversations(tmp_path / "m")
     ids = sorted(r["conversation_id"] for r in TokenTable.open(tmp_path / "m").conversations().iter_rows())
     assert ids == sorted([f"long{c}" for c in range(6)] + [f"short{c}" for c in range(4)])
+
+
+def test_an_input_id_equal_to_a_per_turn_id_is_renamed(tmp_path, smollm2_tokenizer):
+    """Under a template that rewrites history, conversation ``q`` gives rows ``q@1``, ``q@3``; an input row
+    whose own id is ``q@1`` becomes ``q@1~2``, so each window id names one row of the sub-table."""
+    from stores.merge import verify_table
+    from tests.peagle_data.prepare.test_runs import QWEN3
+
+    template = tmp_path / "qwen3.jinja"
+    template.write_text(QWEN3)
+    q = {"id": "q", "messages": [
+        {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4.", "reasoning_content": "Add."},
+        {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6.", "reasoning_content": "Add."}]}
+    other = {"id": "q@1", "messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]}
+    src = tmp_path / "q.jsonl"
+    src.write_text(json.dumps(q) + "\n" + json.dumps(other) + "\n")
+    p = run_pack(PackRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "p",
+                         settings=PackConfig(max_seq_len=64, tokenize=TokenizeConfig(chat_template=str(template)))),
+                 tokenizer=smollm2_tokenizer)
+    assert p["counts"]["duplicate_ids_renamed"] == 1
+    sub = TokenTable.open(tmp_path / "p").conversations().read_all(["conversation_id", "source"]).to_pylist()
+    assert [(r["conversation_id"], r["source"].rpartition(":")[2]) for r in sub] == [
+        ("q@1", "1"), ("q@3", "1"), ("q@1~2", "2")]
+    assert verify_table(tmp_path / "p")["ok"]
+    check_windows_against_conversations(tmp_path / "p")
