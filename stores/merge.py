@@ -212,8 +212,8 @@ def merge_tables(paths: list[str | os.PathLike], output: str | os.PathLike, forc
         manifest = {key: first[key] for key in ("kind", "inputs", "files", "tokenizer", "mixture") if key in first}
         manifest.update(parameters=_parameters_without_shard(first), counts=counts,
                         merged_from=merged_from, num_shards=len(tables))
-        if (out / CONVERSATIONS).is_dir():
-            manifest[CONVERSATIONS] = conversations_record(out)
+        if (out / CONVERSATIONS).is_dir() and all(CONVERSATIONS in t.manifest for t in tables):
+            manifest[CONVERSATIONS] = conversations_record(out)  # of shards whose sub-tables were checked
         write_manifest(out, manifest)
     return manifest
 

@@ -122,6 +122,11 @@ def test_merged_pack_shards_record_their_conversations_and_refuse_a_changed_one(
     _rewrite(shards[1], lambda rows: rows[:-1])
     with pytest.raises(StoreMismatchError, match=f"{shards[1] / CONVERSATIONS}: its part files are not those"):
         merge_tables(shards, tmp_path / "m2")
+    # a shard whose manifest records no digest (an older peagle): nothing was checked, nothing is recorded
+    manifest = json.loads((shards[1] / "manifest.json").read_text())
+    del manifest[CONVERSATIONS]
+    (shards[1] / "manifest.json").write_text(json.dumps(manifest))
+    assert CONVERSATIONS not in merge_tables(shards, tmp_path / "m3")
 
 
 def test_extract_shards_merge_into_the_unsharded_store(tmp_path, tiny_verifier_dir):
