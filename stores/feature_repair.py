@@ -263,7 +263,9 @@ def check_compatible(store: FeatureStore, *, verifier: dict[str, Any], layers: l
             )
     if have.get("source") != source:
         raise StoreMismatchError(f"{store.path}: store was made from another packed table "
-                                 f"(manifest sha256 {have.get('source')!r}, now {source!r})")
+                                 f"(manifest sha256 {have.get('source')!r}, now {source!r}: the table was packed "
+                                 "again or its manifest changed); resume with the table it was made from, or start "
+                                 "over with --force")
 
 
 def write_shared(store: FeatureStore, rows) -> None:

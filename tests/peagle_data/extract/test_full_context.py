@@ -287,6 +287,18 @@ def test_resume_keeps_context_and_max_context(tmp_path, tiny_verifier_dir):
     assert s["complete"] and s["blocks_done"] == s["n_blocks"]
 
 
+def test_resume_after_the_packed_manifest_changed_is_refused(tmp_path, tiny_verifier_dir):
+    packed = write_packed_conversations(tmp_path / "packed", synthetic_conversations(49152), 16, 32, "smollm2-135m")
+    base = dict(packed=str(packed), verifier=str(tiny_verifier_dir), output=str(tmp_path / "f.zarr"), layers=[1, 2],
+                device="cpu", context="full", max_context=48)
+    run_extract(ExtractConfig(**base, max_blocks=1), progress=False, log=lambda m: None)
+    manifest = json.loads((packed / "manifest.json").read_text())
+    (packed / "manifest.json").write_text(json.dumps({**manifest, "inputs": ["other"]}))
+    with pytest.raises(StoreMismatchError, match="made from another packed table .* resume with the table it was "
+                                                 "made from, or start over with --force"):
+        run_extract(ExtractConfig(**base, resume=True), progress=False, log=lambda m: None)
+
+
 def _chunk_bytes(store: Path) -> dict[str, bytes]:
     """Every file of the store, byte for byte, without the recorded command line (``config``)."""
     files = {str(p.relative_to(store)): p.read_bytes() for p in sorted(store.rglob("*")) if p.is_file()}
