@@ -9,6 +9,7 @@ checked without zarr.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -64,8 +65,10 @@ class ChunkFiles:
         return os.open(key, os.O_RDONLY, dir_fd=self._dir_fd(name))
 
     @staticmethod
-    def read(fd: int, out: np.ndarray, chunk_bytes: int, where: Path) -> None:
-        """Fill ``out`` (C-contiguous) from the start of the open chunk file ``fd`` (closed after).
+    def read(fd: int, out: np.ndarray, chunk_bytes: int, where: Callable[[], Path]) -> None:
+        """Fill ``out`` (C-contiguous) from the start of the open chunk file ``fd`` (closed after);
+        ``where()`` is the file's path, called only for an error message (a ``Path`` costs more than
+        a whole small read).
 
         Raises:
             StoreFormatError: the file is not ``chunk_bytes`` + the checksum long, or reads short.
@@ -77,22 +80,24 @@ class ChunkFiles:
             os.close(fd)
 
     @staticmethod
-    def check_size(fd: int, chunk_bytes: int, where: Path) -> None:
-        """Raise StoreFormatError unless the open chunk file ``fd`` is ``chunk_bytes`` + the checksum long."""
+    def check_size(fd: int, chunk_bytes: int, where: Callable[[], Path]) -> None:
+        """Raise StoreFormatError unless the open chunk file ``fd`` is ``chunk_bytes`` + the checksum
+        long (``where()``: its path, for the message)."""
         size = os.fstat(fd).st_size
         if size != chunk_bytes + CHECKSUM_BYTES:
-            raise StoreFormatError(f"{where}: {size} bytes, expected {chunk_bytes + CHECKSUM_BYTES} "
+            raise StoreFormatError(f"{where()}: {size} bytes, expected {chunk_bytes + CHECKSUM_BYTES} "
                                    "(truncated or foreign chunk; run `peagle-data verify`)")
 
     @staticmethod
-    def read_at(fd: int, out: np.ndarray, offset: int, where: Path) -> None:
-        """Fill ``out`` (C-contiguous) from byte ``offset`` of the open chunk file ``fd`` (left open).
+    def read_at(fd: int, out: np.ndarray, offset: int, where: Callable[[], Path]) -> None:
+        """Fill ``out`` (C-contiguous) from byte ``offset`` of the open chunk file ``fd`` (left open;
+        ``where()``: its path, for the message).
 
         Raises:
             StoreFormatError: a short read.
         """
         if out.nbytes and os.preadv(fd, [out], offset) != out.nbytes:
-            raise StoreFormatError(f"{where}: short read at byte {offset} (file changed while read)")
+            raise StoreFormatError(f"{where()}: short read at byte {offset} (file changed while read)")
 
     def close(self) -> None:
         """Close the chunk-directory descriptors."""

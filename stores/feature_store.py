@@ -776,12 +776,13 @@ class StoreFileReader:
             pos = 0
             try:
                 for m, s, n in runs:
-                    where = self.store.chunk_path(spec.name, m)
+                    def where(name=spec.name, m=m):  # the path only for a message: building it costs a small read
+                        return self.store.chunk_path(name, m)
                     if m not in fds:
                         try:
                             fds[m] = self.files.open(spec.name, m, len(shape))
                         except FileNotFoundError:
-                            raise StoreFormatError(f"{where}: chunk file is missing (run `peagle-data verify`)") from None
+                            raise StoreFormatError(f"{where()}: chunk file is missing (run `peagle-data verify`)") from None
                         ChunkFiles.check_size(fds[m], chunk_bytes, where)
                     ChunkFiles.read_at(fds[m], a[pos:pos + n], s * slot_bytes, where)
                     pos += n
@@ -813,7 +814,7 @@ class StoreFileReader:
             self.store.check_chunks_exist(i)
             raise StoreFormatError(f"{self.store.chunk_path(name, i)}: chunk file is missing "
                                    "(run `peagle-data verify`)") from None
-        ChunkFiles.read(fd, out, chunk_bytes, self.store.chunk_path(name, i))
+        ChunkFiles.read(fd, out, chunk_bytes, lambda: self.store.chunk_path(name, i))
 
     def close(self) -> None:
         """Close the chunk-directory descriptors (reopened on demand)."""

@@ -219,3 +219,52 @@ def test_file_path_rejects_a_truncated_chunk_with_its_path(tmp_path):
         store.read_block(2, via="file")
     with pytest.raises(ValueError, match="via"):
         store.read_block(1, via="mmapp")
+
+
+def _tiny_full_context_store(tmp_path):
+    """A full-context store: 2 context blocks of 10 slots; one training block of 2 segments, (5
+    tokens: a 2-token prefix at context block 0 slot 0, its body at slot 4) and (3 tokens, no prefix,
+    context block 1 slot 2)."""
+    L, H = 2, 4
+    store = FeatureStore.create_windows(tmp_path / "w.zarr", n_blocks=1, block_size=8, max_segments=2,
+                                        n_context_blocks=2, context_size=10, context_segments=1,
+                                        layers=list(range(L)), hidden_size=H, vocab_size=16,
+                                        verifier={"name_or_path": "tiny"})
+    g = torch.Generator().manual_seed(0)
+    store.write_all_n_tokens(np.array([8]))
+    store.write_tokens(0, list(range(8)), [1] * 8, [0, 1, 2, 3, 4, 0, 1, 2], [0, 5, 8])
+    store.write_views(0, [[0, 0, 2, 4], [1, 0, 0, 2]])
+    ctx = store.contexts
+    ctx.write_all_n_tokens(np.array([10, 10]))
+    feats = []
+    for m in range(2):
+        aux, fin = torch.randn(10, L, H, generator=g).to(torch.bfloat16), torch.randn(10, H, generator=g).to(torch.bfloat16)
+        ctx.write_tokens(m, list(range(10)), [1] * 10, list(range(10)), [0, 10])
+        ctx.write_features(m, aux, fin)
+        ctx.mark_done(m)
+        feats.append((aux, fin))
+    store.update_attrs(tokens_written=True)
+    rows = [(0, 0, 2), (0, 4, 3), (1, 2, 3)]  # (context block, first slot, tokens) in token order
+    expected = tuple(torch.cat([feats[m][k][s:s + n] for m, s, n in rows]) for k in range(2))
+    return FeatureStore.open(tmp_path / "w.zarr"), rows, expected
+
+
+def test_full_context_store_reads_its_views_on_both_paths(tmp_path):
+    store, rows, (aux, fin) = _tiny_full_context_store(tmp_path)
+    assert store.runs(0, [0, 5, 8]) == rows
+    for via in ("file", "zarr"):
+        b = store.read_block(0, via=via)
+        assert b.input_ids.tolist() == list(range(8)) and b.cu_seqlens.tolist() == [0, 5, 8]
+        assert torch.equal(b.aux_hidden.view(torch.int16), aux.view(torch.int16))
+        assert torch.equal(b.final_hidden.view(torch.int16), fin.view(torch.int16))
+
+
+def test_full_context_file_path_rejects_a_truncated_or_missing_context_chunk_with_its_path(tmp_path):
+    store, _, _ = _tiny_full_context_store(tmp_path)
+    chunk = tmp_path / "w.zarr" / "contexts" / "aux_hidden" / "c" / "1" / "0" / "0" / "0"
+    chunk.write_bytes(chunk.read_bytes()[:-6])
+    with pytest.raises(StoreFormatError, match=r"contexts/aux_hidden/c/1/0/0/0: \d+ bytes, expected"):
+        store.read_block(0, via="file")
+    chunk.unlink()
+    with pytest.raises(StoreFormatError, match=r"contexts/aux_hidden/c/1/0/0/0: chunk file is missing"):
+        store.read_block(0, via="file")
