@@ -85,7 +85,8 @@ def _windows_of(packed_rows: Iterable[Mapping[str, Any]], conversations: Mapping
     for b, r in enumerate(packed_rows):
         if r.get("segment_starts") is None or r.get("segment_prefix_lens") is None:
             raise InputError(f"{packed} was packed by an older peagle, which did not record where its windows "
-                             "come from: pack it again, or extract it with --context window", field="--context")
+                             "come from: pack it again with `peagle-data pack`, or extract it with --context window",
+                             field="--context")
         cu = np.asarray(r["cu_seqlens"], dtype=np.int64)
         ids = np.asarray(r["input_ids"])
         for k, sid in enumerate(r["segment_ids"]):

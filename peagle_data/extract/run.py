@@ -61,11 +61,13 @@ def _check_device(device: str | None) -> None:
         raise InputError(f"device {device!r} is not supported; use cpu or cuda", field="--device")
 
 
-def _check_before_weights(cfg: ExtractConfig, table, rows, device: str) -> Path:
+def _check_before_weights(cfg: ExtractConfig, table, rows, device: str, plan: ContextPlan | None = None) -> Path:
     """The checks that need only the verifier's config and files, the packed table and the store
     (docs/design.md §2), before the weights load; returns the verifier's directory (:func:`resolve_model`).
 
-    ``rows`` are this shard's packed rows (row k is packed block ``shard_index + k * num_shards``);
+    ``rows`` are this shard's packed rows (row k is packed block ``shard_index + k * num_shards``), or with
+    ``plan`` (``--context full``) this shard's context blocks, whose token ids are checked after those of
+    the packed blocks (``plan.training_rows``, so that a bad id is named by its packed block);
     ``device`` is where the verifier will run (it decides the dtype: bfloat16 on CUDA, float32 on CPU).
 
     Raises:
@@ -82,7 +84,11 @@ def _check_before_weights(cfg: ExtractConfig, table, rows, device: str) -> Path:
     check_packable(config)
     made = f"the packed table {cfg.packed}"
     check_verifier_tokenizer(table.manifest.get("tokenizer") or {}, made, cfg.verifier)
-    check_token_ids(rows, made, cfg.verifier, int(text_config(config).vocab_size), cfg.shard_index, cfg.num_shards)
+    vocab = int(text_config(config).vocab_size)
+    if plan is not None:
+        check_token_ids(plan.training_rows, made, cfg.verifier, vocab)
+        made = f"the context blocks (--context full) of {made}"
+    check_token_ids(rows, made, cfg.verifier, vocab, cfg.shard_index, cfg.num_shards)
     L = int(text_config(config).num_hidden_layers)
     bad = [layer for layer in (cfg.layers or []) if not 0 <= layer <= L]
     if bad:
@@ -139,8 +145,9 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
         raise OutputExistsError(cfg.output, "pass --resume to continue it or --force to overwrite it")
     plan = None
     if cfg.context == "full":
+        conversations = _conversations(cfg, table)  # an older table is refused before the verifier is read
         cfg = dataclasses.replace(cfg, max_context=_max_context(cfg))
-        plan = _plan(cfg, table)
+        plan = _plan(cfg, table, conversations)
         rows = plan.rows  # the verifier runs the context blocks
         log(f"full context: {plan.counts['conversations']:,} conversations in {plan.counts['contexts']:,} contexts "
             f"({plan.counts['conversations_split']:,} longer than --max-context {cfg.max_context}, split), "
@@ -149,7 +156,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
         rows = list(table.iter_rows(PACKED_COLUMNS))
     rows = rows[cfg.shard_index::cfg.num_shards]  # this shard's blocks (all of them unsharded)
     device = cfg.device or (str(state.device) if state.device.type == "cuda" else "cpu")
-    directory = _check_before_weights(cfg, table, rows, device)
+    directory = _check_before_weights(cfg, table, rows, device, plan)
     if not ENGINES[cfg.engine].multi_process and state.num_processes > 1:
         raise InputError(f"--engine {cfg.engine} runs in one process (its parallelism is vLLM's): drop accelerate "
                          "launch, or give each process its own --shard-index", field="--engine")
@@ -276,23 +283,31 @@ def _max_context(cfg: ExtractConfig) -> int:
     return int(cfg.max_context)
 
 
-def _plan(cfg: ExtractConfig, table) -> ContextPlan:
-    """The full-context plan of the packed table (:func:`plan_contexts`), from its blocks and its
-    conversations sub-table.
+def _conversations(cfg: ExtractConfig, table):
+    """The packed table's ``conversations/`` sub-table, which ``--context full`` (the default) runs whole.
 
     Raises:
-        InputError: a table packed before peagle kept its conversations.
+        InputError: a table without it or without the columns that say where its windows come from
+            (packed by an older peagle, or written by hand); names both fixes: pack it again, or
+            ``--context window``.
     """
     conversations = table.conversations()
-    if conversations is None:
-        raise InputError(f"{cfg.packed} has no conversations sub-table (packed by an older peagle): pack it again "
-                         "for --context full, or extract it with --context window", field="--context")
+    missing = [c for c in ("segment_ids", "segment_prefix_lens", "segment_starts") if c not in table.columns()]
+    if conversations is None or missing:
+        what = "no conversations/ sub-table" if conversations is None else f"no column {', '.join(missing)}"
+        raise InputError(f"{cfg.packed} has {what} (packed by an older peagle, or written by hand), and the default "
+                         "--context full runs each conversation whole from it: pack it again with `peagle-data pack` "
+                         "(which keeps the conversations and where each window comes from), or extract it with "
+                         "--context window (each packed block as it is, a format-1 store)", field="--context")
+    return conversations
+
+
+def _plan(cfg: ExtractConfig, table, conversations) -> ContextPlan:
+    """The full-context plan of the packed table (:func:`plan_contexts`), from its blocks and its
+    ``conversations`` sub-table (:func:`_conversations`)."""
     by_id = {r["conversation_id"]: r for r in conversations.iter_rows(["conversation_id", "input_ids", "loss_mask",
                                                                        "system_len"])}
     where = ["segment_ids", "segment_prefix_lens", "segment_starts"]
-    if not set(where) <= set(table.columns()):
-        raise InputError(f"{cfg.packed} was packed by an older peagle, which did not record where its windows come "
-                         "from: pack it again for --context full, or extract it with --context window", field="--context")
     training = list(table.iter_rows(PACKED_COLUMNS + where))
     block_size = int(table.manifest.get("parameters", {}).get("block_size") or 0)
     return plan_contexts(training, by_id, int(cfg.max_context), block_size, str(cfg.packed))

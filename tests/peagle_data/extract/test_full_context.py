@@ -185,9 +185,20 @@ def test_full_context_needs_a_table_with_conversations(tmp_path, tiny_verifier_d
     for p in (packed / CONVERSATIONS).iterdir():
         p.unlink()
     (packed / CONVERSATIONS).rmdir()
-    with pytest.raises(InputError, match="no conversations sub-table .* pack it again"):
-        run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), output=str(tmp_path / "f.zarr"),
-                                  layers=[1, 2], device="cpu", context="full"), progress=False, log=lambda m: None)
+    # the default --context full; refused before the verifier is even read (a path that holds no model)
+    with pytest.raises(InputError) as e:
+        run_extract(ExtractConfig(packed=str(packed), verifier=str(tmp_path / "no-model"),
+                                  output=str(tmp_path / "f.zarr"), layers=[1, 2], device="cpu"),
+                    progress=False, log=lambda m: None)
+    assert str(e.value) == (f"field '--context': {packed} has no conversations/ sub-table (packed by an older peagle, or written by "
+                            "hand), and the default --context full runs each conversation whole from it: pack it "
+                            "again with `peagle-data pack` (which keeps the conversations and where each window "
+                            "comes from), or extract it with --context window (each packed block as it is, a "
+                            "format-1 store)")
+    assert not (tmp_path / "f.zarr").exists()
+    s = run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), output=str(tmp_path / "f.zarr"),
+                                  layers=[1, 2], device="cpu", context="window"), progress=False, log=lambda m: None)
+    assert s["complete"] and FeatureStore.open(str(tmp_path / "f.zarr")).layout == "blocks"
     with pytest.raises(InputError, match="shorter than the longest window"):
         packed = write_packed_conversations(tmp_path / "p2", synthetic_conversations(49152), 16, 32, "smollm2-135m")
         run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), output=str(tmp_path / "g.zarr"),
@@ -204,7 +215,7 @@ def test_resume_keeps_context_and_max_context(tmp_path, tiny_verifier_dir):
         run_extract(ExtractConfig(**base, context="full", max_context=64, resume=True), progress=False,
                     log=lambda m: None)
     with pytest.raises(InputError, match="--context: the store's full, given window"):
-        run_extract(ExtractConfig(**base, resume=True), progress=False, log=lambda m: None)
+        run_extract(ExtractConfig(**base, context="window", resume=True), progress=False, log=lambda m: None)
     s = run_extract(ExtractConfig(**base, context="full", max_context=48, resume=True), progress=False,
                     log=lambda m: None)
     assert s["complete"] and s["blocks_done"] == s["n_blocks"]
