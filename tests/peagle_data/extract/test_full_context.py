@@ -56,9 +56,10 @@ def synthetic_conversations(vocab: int, seed: int = 0, shapes=SHAPES) -> list[To
 
 
 def write_packed_conversations(directory: Path, rows: list[TokenizedRow], max_seq_len: int, block_size: int,
-                               tokenizer: str = "none") -> Path:
+                               tokenizer: str = "none", max_windows: int | None = None) -> Path:
     """A packed table with its conversations sub-table, cut and packed by pack's own functions
-    (windows, best-fit with trimming) the way ``peagle-data pack`` writes it."""
+    (windows, best-fit with trimming) the way ``peagle-data pack`` writes it; ``max_windows`` keeps
+    only the first windows of each conversation (``pack --max-windows``)."""
     prepare_output_dir(directory, force=True)
     (directory / CONVERSATIONS).mkdir()
     windows = []
@@ -66,7 +67,7 @@ def write_packed_conversations(directory: Path, rows: list[TokenizedRow], max_se
         for r in rows:
             w.write(r)
             windows += [(f"{r.conversation_id}#{win.index}", win)
-                        for win in make_windows(r.input_ids, r.loss_mask, r.system_len, max_seq_len)]
+                        for win in make_windows(r.input_ids, r.loss_mask, r.system_len, max_seq_len)[:max_windows]]
     write_manifest(directory / CONVERSATIONS, {"kind": "tokenized"})
     blocks, used = pack_blocks_flexible([w.n_tokens for _, w in windows],
                                         [w.n_tokens - w.trimmable for _, w in windows], block_size)
@@ -130,6 +131,33 @@ def test_every_token_equals_its_whole_conversation_forward(tmp_path, family):
     assert summary["context"]["tokens_extracted"] == sum(len(r.input_ids) for r in rows)  # each token once
     store = FeatureStore.open(tmp_path / "f.zarr")
     assert store.layout == "windows" and store.attrs["format_version"] == 2
+    worst = worst_against_full_forward(store, packed, build_family(family), rows)
+    assert worst < 4e-3, f"{family}: worst relative difference {worst:.4f} (bf16 rounding is ≤ 2^-8 = 3.9e-3)"
+    assert verify_store(tmp_path / "f.zarr")["ok"]
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("family", ["llama31", "gemma2"])  # gemma2: sliding-window layers, soft-capped logits
+def test_tokens_no_window_reads_are_not_run(tmp_path, family):
+    """With only each conversation's first window packed (``pack --max-windows 1``) a context ends at its
+    window's last token: the verifier runs the tokens the windows read and no others, and they equal a
+    forward of the whole conversation (the default --context full)."""
+    rows = synthetic_conversations(512)
+    packed = write_packed_conversations(tmp_path / "packed", rows, max_seq_len=16, block_size=32, max_windows=1)
+    verifier = save_family(family, tmp_path / "verifier")
+    summary = run_extract(ExtractConfig(packed=str(packed), verifier=str(verifier), output=str(tmp_path / "f.zarr"),
+                                        layers=LAYERS, device="cpu", max_context=128),
+                          progress=False, log=lambda m: None)
+    ends = {}  # conversation -> the end of its last window in it (one window each here)
+    for prow in TokenTable.open(packed).iter_rows():
+        for k, sid in enumerate(prow["segment_ids"]):
+            n = prow["cu_seqlens"][k + 1] - prow["cu_seqlens"][k]
+            end = prow["segment_starts"][k] + n - prow["segment_prefix_lens"][k]
+            ends[sid.rpartition("#")[0]] = max(ends.get(sid.rpartition("#")[0], 0), int(end))
+    assert ends == {"c0": 10, "c1": 16, "c2": 16, "c3": 14, "c4": 16}  # c1, c2, c4 are longer: 40, 70, 30 tokens
+    assert summary["complete"] and summary["context"]["tokens_extracted"] == 72 < sum(len(r.input_ids) for r in rows)
+    store = FeatureStore.open(str(tmp_path / "f.zarr"))
+    assert store.layout == "windows" and store.contexts.n_tokens == 72
     worst = worst_against_full_forward(store, packed, build_family(family), rows)
     assert worst < 4e-3, f"{family}: worst relative difference {worst:.4f} (bf16 rounding is ≤ 2^-8 = 3.9e-3)"
     assert verify_store(tmp_path / "f.zarr")["ok"]
