@@ -38,6 +38,8 @@ sys.path.insert(0, str(REPO / "tests"))
 from families import FAMILIES, build_family, hidden_states_as_stored, save_family  # noqa: E402
 from processes import kill_runs  # noqa: E402
 
+from .test_run import window_ends  # noqa: E402
+
 LAYERS = [0, 1, 2]
 SHAPES = [(10, 3), (40, 3), (70, 4), (14, 0), (30, 0)]
 """(tokens, system_len) of the synthetic conversations: one whole window, two split into windows of 16."""
@@ -148,13 +150,7 @@ def test_tokens_no_window_reads_are_not_run(tmp_path, family):
     summary = run_extract(ExtractConfig(packed=str(packed), verifier=str(verifier), output=str(tmp_path / "f.zarr"),
                                         layers=LAYERS, device="cpu", max_context=128),
                           progress=False, log=lambda m: None)
-    ends = {}  # conversation -> the end of its last window in it (one window each here)
-    for prow in TokenTable.open(packed).iter_rows():
-        for k, sid in enumerate(prow["segment_ids"]):
-            n = prow["cu_seqlens"][k + 1] - prow["cu_seqlens"][k]
-            end = prow["segment_starts"][k] + n - prow["segment_prefix_lens"][k]
-            ends[sid.rpartition("#")[0]] = max(ends.get(sid.rpartition("#")[0], 0), int(end))
-    assert ends == {"c0": 10, "c1": 16, "c2": 16, "c3": 14, "c4": 16}  # c1, c2, c4 are longer: 40, 70, 30 tokens
+    assert window_ends(packed) == {"c0": 10, "c1": 16, "c2": 16, "c3": 14, "c4": 16}  # c1, c2, c4 are longer: 40, 70, 30 tokens
     assert summary["complete"] and summary["context"]["tokens_extracted"] == 72 < sum(len(r.input_ids) for r in rows)
     store = FeatureStore.open(str(tmp_path / "f.zarr"))
     assert store.layout == "windows" and store.contexts.n_tokens == 72

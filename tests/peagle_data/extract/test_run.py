@@ -60,6 +60,19 @@ def pack_conversations(directory: Path, tokenizer, max_seq_len: int = 64) -> Pat
     return directory / "packed"
 
 
+def window_ends(packed: Path) -> dict[str, int]:
+    """Conversation id -> the end of its windows' last token in it (``segment_starts + n - prefix_len``,
+    the most over its windows): the tokens ``--context full`` runs of it."""
+    from stores.token_tables import TokenTable
+
+    ends: dict[str, int] = {}
+    for r in TokenTable.open(packed).iter_rows(["cu_seqlens", "segment_ids", "segment_prefix_lens", "segment_starts"]):
+        for k, sid in enumerate(r["segment_ids"]):
+            cid, n = sid.rpartition("#")[0], int(r["cu_seqlens"][k + 1] - r["cu_seqlens"][k])
+            ends[cid] = max(ends.get(cid, 0), int(r["segment_starts"][k]) + n - int(r["segment_prefix_lens"][k]))
+    return ends
+
+
 def chunk_bytes(store: Path) -> dict[str, bytes]:
     """Every file of the store, byte for byte; the group's zarr.json without the ``config`` attribute,
     the record of the command line that made the store (another --output, --resume: another record)."""
