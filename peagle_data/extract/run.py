@@ -127,8 +127,9 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
         (this rank), blocks done in all, layers, bytes.
 
     Raises:
-        InputError: the packed path is not a packed table, a layer index is out of range, or the
-            ``--engine`` refuses the verifier or an option (before weights load).
+        InputError: the packed path is not a packed table, or (``--context full``, the default) one without
+            its conversations sub-table (before the verifier is read), a layer index is out of range, or
+            the ``--engine`` refuses the verifier or an option (before weights load).
         MissingDependencyError: ``--engine vllm`` without vLLM installed.
         OutputExistsError: the store exists without ``resume``/``force``.
         DiskSpaceError: the disk is short (without ``force``).
