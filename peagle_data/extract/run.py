@@ -297,7 +297,7 @@ def _conversations(cfg: ExtractConfig, table):
     if conversations is None or missing:
         what = "no conversations/ sub-table" if conversations is None else f"no column {', '.join(missing)}"
         raise InputError(f"{cfg.packed} has {what} (packed by an older peagle, or written by hand), and the default "
-                         "--context full runs each conversation whole from it: pack it again with `peagle-data pack` "
+                         "--context full runs the conversations kept there: pack it again with `peagle-data pack` "
                          "(which keeps the conversations and where each window comes from), or extract it with "
                          "--context window (each packed block as it is, a format-1 store)", field="--context")
     return conversations

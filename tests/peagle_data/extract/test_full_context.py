@@ -215,7 +215,7 @@ def test_full_context_needs_a_table_with_conversations(tmp_path, tiny_verifier_d
                                   output=str(tmp_path / "f.zarr"), layers=[1, 2], device="cpu"),
                     progress=False, log=lambda m: None)
     assert str(e.value) == (f"field '--context': {packed} has no conversations/ sub-table (packed by an older peagle, or written by "
-                            "hand), and the default --context full runs each conversation whole from it: pack it "
+                            "hand), and the default --context full runs the conversations kept there: pack it "
                             "again with `peagle-data pack` (which keeps the conversations and where each window "
                             "comes from), or extract it with --context window (each packed block as it is, a "
                             "format-1 store)")
