@@ -37,7 +37,8 @@ from stores.token_tables import TableWriter, TokenTable, write_manifest
 
 
 def subset_table(packed: Path, n_blocks: int, out: Path) -> Path:
-    """The first ``n_blocks`` blocks of a packed table as a table of their own."""
+    """The first ``n_blocks`` blocks of a packed table as a table of their own (without its conversations:
+    extract it with ``--context window``)."""
     table = TokenTable.open(packed)
     prepare_output_dir(out, force=True)
     with TableWriter(out, "packed") as w:
@@ -127,7 +128,8 @@ def main() -> None:
                 on_device.append(bare_forward_s(verifier, packed, layers, to_host=False)[0])
             t0 = time.perf_counter()
             run_extract(ExtractConfig(packed=str(packed), verifier=args.verifier, output=str(work / "f.zarr"),
-                                      device=args.device, attn_implementation=args.attn_implementation, force=True),
+                                      device=args.device, attn_implementation=args.attn_implementation, force=True,
+                                      context="window"),  # the packed blocks the bare forward runs (format 1)
                         progress=False, log=lambda m: None)
             extract.append(time.perf_counter() - t0 - load_s)
         result = {

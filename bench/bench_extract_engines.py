@@ -54,7 +54,7 @@ def child(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = ExtractConfig(packed=args.packed, verifier=args.verifier, output=args.output, layers=args.layers,
-                        engine=args.engine, force=True,
+                        engine=args.engine, force=True, context="window",  # both engines on the same packed blocks
                         **({"device": "cpu"} if args.engine == "hf" else {}))
     stamps = []  # the store's creation is logged right after the engine is open
     t0 = time.perf_counter()

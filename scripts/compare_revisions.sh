@@ -2,7 +2,9 @@
 # Behaviour check for refactors: run the demo's commands at a small size with the code of two git
 # revisions and compare what they write. Packed Parquet parts and every zarr chunk must be
 # byte-identical, and the training losses and final weights equal (manifests and the store's
-# zarr.json differ by created_at and the recorded config). Uses this checkout's .venv.
+# zarr.json differ by created_at and the recorded config). Uses this checkout's .venv. Each revision
+# extracts with its own default --context: a pair across the change of the default (window, then
+# full: a format-2 store) differs in features.zarr by design; compare revisions on one side of it.
 #   bash scripts/compare_revisions.sh REV_BEFORE [REV_AFTER=HEAD]
 set -euo pipefail
 cd "$(dirname "$0")/.."

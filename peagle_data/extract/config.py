@@ -20,7 +20,7 @@ __all__ = ["ATTN_IMPLEMENTATIONS", "CONTEXTS", "DEFAULT_MAX_CONTEXT", "ENGINES",
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2")
 """The verifier attention implementations ``--attn-implementation`` accepts."""
 
-CONTEXTS = ("window", "full")
+CONTEXTS = ("full", "window")
 """``--context``: where windows' features come from (:attr:`ExtractConfig.context`)."""
 
 DEFAULT_MAX_CONTEXT = 32768
@@ -86,11 +86,12 @@ class ExtractConfig:
     """--server: this machine's path of the directory the server's hidden-states connector writes to."""
     concurrency: int = 16
     """--server: requests in flight."""
-    context: str = "window"
-    """Where a window's features come from: ``window`` (each packed block runs as it is: a later window of a
-    long conversation is seen without the tokens before it) or ``full`` (each conversation runs once, whole,
-    up to ``--max-context``, and windows read their features from it: what the verifier computes at that token
-    when it serves; needs a table packed by this peagle, which keeps the conversations)."""
+    context: str = "full"
+    """Where a window's features come from: ``full`` (the default: each conversation runs once, whole, up to
+    ``--max-context``, and windows read their features from it: what the verifier computes at that token when
+    it serves; a format-2 store; needs a table packed by this peagle, which keeps the conversations) or
+    ``window`` (each packed block runs as it is: a later window of a long conversation is seen without the
+    tokens before it; a format-1 store, for tables packed without their conversations)."""
     max_context: int | None = None
     """--context full: the most tokens the verifier runs at once; a longer conversation is cut into pieces
     of this length (overlap 0.5) and each window reads the first piece that holds it (counted as

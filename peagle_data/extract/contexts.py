@@ -10,10 +10,13 @@ body continues at (the packed table's ``segment_starts``).
 - A window of a conversation is its tokens ``[0, prefix_len)`` followed by ``[start, start + n -
   prefix_len)``; each is checked against the conversation (a mismatch is refused, naming block and
   segment), so a view can never point at other tokens than the window holds.
-- A conversation of at most X tokens is one **context**: the verifier runs it whole, once, and every
-  window of it reads its features there. Each token's features are then those of one forward of the
-  conversation up to that token, as the verifier computes them when it serves.
-- A longer conversation is cut the way ``pack`` cuts windows (:func:`peagle_data.prepare.windows.window_starts`
+- A conversation runs up to the last token a window of it reads (``R``: its whole ``T`` tokens unless
+  its last windows were dropped or capped, e.g. by ``pack --max-windows``); the tokens after that
+  change no feature before them (causal attention) and are not run. A conversation of ``R ≤ X`` is one
+  **context**: the verifier runs it once, and every window of it reads its features there. Each token's
+  features are then those of one forward of the conversation up to that token, as the verifier
+  computes them when it serves.
+- A longer one (``R > X``) is cut the way ``pack`` cuts windows (:func:`peagle_data.prepare.windows.window_starts`
   with X and overlap 0.5): pieces of P + (X - P) body tokens. Each window reads the first piece that
   holds all of it (the most history before it); a window no piece holds (X < 2 W) gets a piece of its
   own that ends where the window ends. Pieces no window reads are not run. Such conversations are
@@ -85,7 +88,8 @@ def _windows_of(packed_rows: Iterable[Mapping[str, Any]], conversations: Mapping
     for b, r in enumerate(packed_rows):
         if r.get("segment_starts") is None or r.get("segment_prefix_lens") is None:
             raise InputError(f"{packed} was packed by an older peagle, which did not record where its windows "
-                             "come from: pack it again, or extract it with --context window", field="--context")
+                             "come from: pack it again with `peagle-data pack`, or extract it with --context window",
+                             field="--context")
         cu = np.asarray(r["cu_seqlens"], dtype=np.int64)
         ids = np.asarray(r["input_ids"])
         for k, sid in enumerate(r["segment_ids"]):
@@ -149,7 +153,9 @@ def plan_contexts(packed_rows: list[Mapping[str, Any]], conversations: Mapping[s
     for cid, windows in by_conversation.items():
         conv = conversations[cid]
         ids, mask = np.asarray(conv["input_ids"], dtype=np.int32), np.asarray(conv["loss_mask"], dtype=np.uint8)
-        T, P = len(ids), int(conv["system_len"])
+        # R: the tokens past the last one a window reads are never run (they change no feature before them)
+        T, P = max(w.end for w in windows), int(conv["system_len"])
+        ids, mask = ids[:T], mask[:T]
         if T <= max_context:
             c = len(contexts)
             contexts.append((ids, mask))

@@ -66,8 +66,10 @@ def _check_before_weights(cfg: ExtractConfig, table, rows, device: str, plan: Co
     """The checks that need only the verifier's config and files, the packed table and the store
     (docs/design.md §2), before the weights load; returns the verifier's directory (:func:`resolve_model`).
 
-    ``rows`` are this shard's packed rows (row k is packed block ``shard_index + k * num_shards``), or
-    with ``--context full`` its context blocks (``plan``, checked against a resumed store's: :func:`check_same_plan`);
+    ``rows`` are this shard's packed rows (row k is packed block ``shard_index + k * num_shards``), or with
+    ``plan`` (``--context full``) this shard's context blocks, whose token ids are checked after those of
+    the packed blocks (``plan.training_rows``, so that a bad id is named by its packed block), and the
+    plan against a resumed store's (:func:`check_same_plan`);
     ``device`` is where the verifier will run (it decides the dtype: bfloat16 on CUDA, float32 on CPU).
 
     Raises:
@@ -84,7 +86,11 @@ def _check_before_weights(cfg: ExtractConfig, table, rows, device: str, plan: Co
     check_packable(config)
     made = f"the packed table {cfg.packed}"
     check_verifier_tokenizer(table.manifest.get("tokenizer") or {}, made, cfg.verifier)
-    check_token_ids(rows, made, cfg.verifier, int(text_config(config).vocab_size), cfg.shard_index, cfg.num_shards)
+    vocab = int(text_config(config).vocab_size)
+    if plan is not None:
+        check_token_ids(plan.training_rows, made, cfg.verifier, vocab)
+        made = f"the context blocks (--context full) of {made}"
+    check_token_ids(rows, made, cfg.verifier, vocab, cfg.shard_index, cfg.num_shards)
     L = int(text_config(config).num_hidden_layers)
     bad = [layer for layer in (cfg.layers or []) if not 0 <= layer <= L]
     if bad:
@@ -125,8 +131,9 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
         (this rank), blocks done in all, layers, bytes.
 
     Raises:
-        InputError: the packed path is not a packed table, a layer index is out of range, or the
-            ``--engine`` refuses the verifier or an option (before weights load).
+        InputError: the packed path is not a packed table, or (``--context full``, the default) one without
+            its conversations sub-table (before the verifier is read), a layer index is out of range, or
+            the ``--engine`` refuses the verifier or an option (before weights load).
         MissingDependencyError: ``--engine vllm`` without vLLM installed.
         OutputExistsError: the store exists without ``resume``/``force``.
         DiskSpaceError: the disk is short (without ``force``).
@@ -143,8 +150,9 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
         raise OutputExistsError(cfg.output, "pass --resume to continue it or --force to overwrite it")
     plan = None
     if cfg.context == "full":
+        conversations = _conversations(cfg, table)  # an older table is refused before the verifier is read
         cfg = dataclasses.replace(cfg, max_context=_max_context(cfg))
-        plan = _plan(cfg, table)
+        plan = _plan(cfg, table, conversations)
         rows = plan.rows  # the verifier runs the context blocks
         log(f"full context: {plan.counts['conversations']:,} conversations in {plan.counts['contexts']:,} contexts "
             f"({plan.counts['conversations_split']:,} longer than --max-context {cfg.max_context}, split), "
@@ -280,23 +288,37 @@ def _max_context(cfg: ExtractConfig) -> int:
     return int(cfg.max_context)
 
 
-def _plan(cfg: ExtractConfig, table) -> ContextPlan:
-    """The full-context plan of the packed table (:func:`plan_contexts`), from its blocks and its
-    conversations sub-table.
+def _conversations(cfg: ExtractConfig, table):
+    """The packed table's ``conversations/`` sub-table, which ``--context full`` (the default) runs whole.
 
     Raises:
-        InputError: a table packed before peagle kept its conversations, or their digest.
-        StoreMismatchError: a conversations sub-table other than the manifest records, or with one
-            conversation id in two rows.
+        InputError: a table without it, without the columns that say where its windows come from, or
+            without the sub-table's digest in its manifest (packed by an older peagle, or written by
+            hand); names both fixes: pack it again, or ``--context window``.
+        StoreMismatchError: a conversations sub-table other than the manifest records.
     """
     conversations = table.conversations()  # checked against the digest the packed manifest records
-    if conversations is None:
-        raise InputError(f"{cfg.packed} has no conversations sub-table (packed by an older peagle): pack it again "
-                         "for --context full, or extract it with --context window", field="--context")
+    missing = [c for c in ("segment_ids", "segment_prefix_lens", "segment_starts") if c not in table.columns()]
+    if conversations is None or missing:
+        what = "no conversations/ sub-table" if conversations is None else f"no column {', '.join(missing)}"
+        raise InputError(f"{cfg.packed} has {what} (packed by an older peagle, or written by hand), and the default "
+                         "--context full runs the conversations kept there: pack it again with `peagle-data pack` "
+                         "(which keeps the conversations and where each window comes from), or extract it with "
+                         "--context window (each packed block as it is, a format-1 store)", field="--context")
     if CONVERSATIONS not in table.manifest:
         raise InputError(f"{cfg.packed}/{MANIFEST} records no digest of its conversations sub-table (packed by an "
                          "older peagle), so an edited sub-table could give windows another history than theirs: pack "
-                         "it again for --context full, or extract it with --context window", field="--context")
+                         "it again with `peagle-data pack`, or extract it with --context window", field="--context")
+    return conversations
+
+
+def _plan(cfg: ExtractConfig, table, conversations) -> ContextPlan:
+    """The full-context plan of the packed table (:func:`plan_contexts`), from its blocks and its
+    ``conversations`` sub-table (:func:`_conversations`).
+
+    Raises:
+        StoreMismatchError: one conversation id in two rows of the sub-table.
+    """
     by_id: dict[str, dict] = {}
     for r in conversations.iter_rows(["conversation_id", "source", "input_ids", "loss_mask", "system_len"]):
         first = by_id.setdefault(r["conversation_id"], r)
@@ -307,9 +329,6 @@ def _plan(cfg: ExtractConfig, table) -> ContextPlan:
                                      "mixture-copy (ID*k) id in a sharded pack does this: give those input rows other "
                                      "ids, or pack unsharded (pack renames it ~k), and pack the table again")
     where = ["segment_ids", "segment_prefix_lens", "segment_starts"]
-    if not set(where) <= set(table.columns()):
-        raise InputError(f"{cfg.packed} was packed by an older peagle, which did not record where its windows come "
-                         "from: pack it again for --context full, or extract it with --context window", field="--context")
     training = list(table.iter_rows(PACKED_COLUMNS + where))
     block_size = int(table.manifest.get("parameters", {}).get("block_size") or 0)
     return plan_contexts(training, by_id, int(cfg.max_context), block_size, str(cfg.packed))

@@ -75,7 +75,8 @@ def _store_failure(store: str, report: dict[str, Any]) -> str:
     return (f"store {store} failed verification; blocks at fault: {bad}"
             + (f"; {damaged}" if damaged else "")
             + ("; their done flags are cleared" if report["repaired"] else "")
-            + ". `peagle-data extract PACKED --resume` (same --verifier and --layers) extracts them again")
+            + ". `peagle-data extract PACKED --context window --resume` (same --verifier and --layers) extracts "
+            "them again")
 
 
 def verify_output(path: str | Path, packed: str | Path | None = None,

@@ -110,8 +110,11 @@ def test_tokenize_pack_and_extract_started_with_force_are_repeated_and_resumed_f
     part = tmp_path / "part.zarr"
     part.mkdir()
     _run(data_main, ["extract", tmp_path / "pack", "--verifier", model, "--output", part, "--layers", "1,3",
-                     "--max-blocks", 1, "--force"])  # stopped after one block
-    assert FeatureStore.open(part).missing_blocks() == list(range(1, FeatureStore.open(whole).n_blocks))
+                     "--max-blocks", 1, "--force"])  # stopped after one (context) block
+    p, w = FeatureStore.open(part), FeatureStore.open(whole)
+    assert p.layout == w.layout == "windows"  # the default, --context full: the verifier runs context blocks
+    assert w.contexts.n_blocks > 1 and p.contexts.missing_blocks() == list(range(1, w.contexts.n_blocks))
+    assert 0 < len(p.missing_blocks()) < p.n_blocks  # the training blocks that read only context block 0 are done
     (tmp_path / "part.json").write_text(_run(data_main, ["inspect", part]))
     assert not ACTIONS & set(json.loads((tmp_path / "part.json").read_text())["config"])
     _run(data_main, ["extract", "--config", tmp_path / "part.json", "--resume"])  # --max-blocks 1 was not recorded

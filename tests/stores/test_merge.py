@@ -131,7 +131,7 @@ def test_merged_pack_shards_record_their_conversations_and_refuse_a_changed_one(
 
 def test_extract_shards_merge_into_the_unsharded_store(tmp_path, tiny_verifier_dir):
     packed = write_packed(tmp_path / "packed", n_blocks=5, block_size=48)
-    cfg = dict(packed=str(packed), verifier=str(tiny_verifier_dir), layers=[1, 3], device="cpu")
+    cfg = dict(packed=str(packed), verifier=str(tiny_verifier_dir), layers=[1, 3], device="cpu", context="window")
     run_extract(ExtractConfig(**cfg, output=str(tmp_path / "full.zarr")), progress=False)
     parts = []
     for i in range(2):
@@ -224,7 +224,7 @@ def test_merge_refuses_full_context_shards_of_other_runs_or_unfinished(tmp_path,
     run_extract(ExtractConfig(**cfg, output=str(s0), shard_index=0, context="full", max_context=128), **quiet)
     run_extract(ExtractConfig(**cfg, output=str(s1), shard_index=1, context="full", max_context=128,
                               max_blocks=1), **quiet)
-    run_extract(ExtractConfig(**cfg, output=str(window), shard_index=1), **quiet)
+    run_extract(ExtractConfig(**cfg, output=str(window), shard_index=1, context="window"), **quiet)
     run_extract(ExtractConfig(**cfg, output=str(wide), shard_index=1, context="full", max_context=160), **quiet)
     with pytest.raises(InputError) as e:
         merge_stores([s0, s1], tmp_path / "m.zarr")

@@ -103,6 +103,8 @@ def test_positions_without_segment_jumps_run_segments_alone():
 
 
 def _write_packed(directory: Path, n_blocks: int, vocab: int) -> Path:
+    """A packed table of :func:`_block`'s blocks without a conversations sub-table: extract it with
+    ``--context window`` (the default, full, refuses it)."""
     prepare_output_dir(directory, force=True)
     with TableWriter(directory, "packed") as w:
         for b in range(n_blocks):
@@ -122,7 +124,7 @@ def test_run_extract_records_the_language_model(tmp_path, family):
     verifier = save_family(family, tmp_path / "verifier")
     packed = _write_packed(tmp_path / "packed", 2, 512)
     run_extract(ExtractConfig(packed=str(packed), verifier=str(verifier), output=str(tmp_path / "f.zarr"),
-                              layers=[0, 1, 2], device="cpu"), progress=False, log=lambda m: None)
+                              layers=[0, 1, 2], device="cpu", context="window"), progress=False, log=lambda m: None)
     store = FeatureStore.open(tmp_path / "f.zarr")
     desc = store.attrs["verifier"]
     text = family_config(family).get_text_config()
@@ -142,7 +144,8 @@ def test_explicit_sdpa_on_a_model_without_it_is_a_clear_error(tmp_path):
     packed = _write_packed(tmp_path / "packed", 1, 512)
     with pytest.raises(InputError, match="--attn-implementation.*eager"):
         run_extract(ExtractConfig(packed=str(packed), verifier=str(verifier), output=str(tmp_path / "f.zarr"),
-                                  device="cpu", attn_implementation="sdpa"), progress=False, log=lambda m: None)
+                                  device="cpu", attn_implementation="sdpa", context="window"), progress=False,
+                    log=lambda m: None)
 
 
 def _recurrent_configs():
@@ -175,7 +178,7 @@ def test_refused_before_any_weights_load(tmp_path):
     packed = _write_packed(tmp_path / "packed", 1, 512)
     with pytest.raises(InputError, match="linear_attention"):  # no weights in the directory at all
         run_extract(ExtractConfig(packed=str(packed), verifier=str(verifier), output=str(tmp_path / "f.zarr"),
-                                  device="cpu"), progress=False, log=lambda m: None)
+                                  device="cpu", context="window"), progress=False, log=lambda m: None)
 
 
 @pytest.mark.cuda

@@ -38,6 +38,8 @@ sys.path.insert(0, str(REPO / "tests"))
 from families import FAMILIES, build_family, hidden_states_as_stored, save_family  # noqa: E402
 from processes import kill_runs  # noqa: E402
 
+from .test_run import window_ends  # noqa: E402
+
 LAYERS = [0, 1, 2]
 SHAPES = [(10, 3), (40, 3), (70, 4), (14, 0), (30, 0)]
 """(tokens, system_len) of the synthetic conversations: one whole window, two split into windows of 16."""
@@ -56,9 +58,10 @@ def synthetic_conversations(vocab: int, seed: int = 0, shapes=SHAPES) -> list[To
 
 
 def write_packed_conversations(directory: Path, rows: list[TokenizedRow], max_seq_len: int, block_size: int,
-                               tokenizer: str = "none") -> Path:
+                               tokenizer: str = "none", max_windows: int | None = None) -> Path:
     """A packed table with its conversations sub-table, cut and packed by pack's own functions
-    (windows, best-fit with trimming) the way ``peagle-data pack`` writes it."""
+    (windows, best-fit with trimming) the way ``peagle-data pack`` writes it; ``max_windows`` keeps
+    only the first windows of each conversation (``pack --max-windows``)."""
     prepare_output_dir(directory, force=True)
     (directory / CONVERSATIONS).mkdir()
     windows = []
@@ -66,7 +69,7 @@ def write_packed_conversations(directory: Path, rows: list[TokenizedRow], max_se
         for r in rows:
             w.write(r)
             windows += [(f"{r.conversation_id}#{win.index}", win)
-                        for win in make_windows(r.input_ids, r.loss_mask, r.system_len, max_seq_len)]
+                        for win in make_windows(r.input_ids, r.loss_mask, r.system_len, max_seq_len)[:max_windows]]
     write_manifest(directory / CONVERSATIONS, {"kind": "tokenized"})
     blocks, used = pack_blocks_flexible([w.n_tokens for _, w in windows],
                                         [w.n_tokens - w.trimmable for _, w in windows], block_size)
@@ -136,6 +139,27 @@ def test_every_token_equals_its_whole_conversation_forward(tmp_path, family):
 
 
 @pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("family", ["llama31", "gemma2"])  # gemma2: sliding-window layers, soft-capped logits
+def test_tokens_no_window_reads_are_not_run(tmp_path, family):
+    """With only each conversation's first window packed (``pack --max-windows 1``) a context ends at its
+    window's last token: the verifier runs the tokens the windows read and no others, and they equal a
+    forward of the whole conversation (the default --context full)."""
+    rows = synthetic_conversations(512)
+    packed = write_packed_conversations(tmp_path / "packed", rows, max_seq_len=16, block_size=32, max_windows=1)
+    verifier = save_family(family, tmp_path / "verifier")
+    summary = run_extract(ExtractConfig(packed=str(packed), verifier=str(verifier), output=str(tmp_path / "f.zarr"),
+                                        layers=LAYERS, device="cpu", max_context=128),
+                          progress=False, log=lambda m: None)
+    assert window_ends(packed) == {"c0": 10, "c1": 16, "c2": 16, "c3": 14, "c4": 16}  # c1, c2, c4 are longer: 40, 70, 30 tokens
+    assert summary["complete"] and summary["context"]["tokens_extracted"] == 72 < sum(len(r.input_ids) for r in rows)
+    store = FeatureStore.open(str(tmp_path / "f.zarr"))
+    assert store.layout == "windows" and store.contexts.n_tokens == 72
+    worst = worst_against_full_forward(store, packed, build_family(family), rows)
+    assert worst < 4e-3, f"{family}: worst relative difference {worst:.4f} (bf16 rounding is ≤ 2^-8 = 3.9e-3)"
+    assert verify_store(tmp_path / "f.zarr")["ok"]
+
+
+@pytest.mark.usefixtures("one_thread")
 def test_a_conversation_past_max_context_reads_its_pieces(tmp_path):
     rows = synthetic_conversations(512)
     packed = write_packed_conversations(tmp_path / "packed", rows, max_seq_len=16, block_size=32)
@@ -185,9 +209,20 @@ def test_full_context_needs_a_table_with_conversations(tmp_path, tiny_verifier_d
     for p in (packed / CONVERSATIONS).iterdir():
         p.unlink()
     (packed / CONVERSATIONS).rmdir()
-    with pytest.raises(InputError, match="no conversations sub-table .* pack it again"):
-        run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), output=str(tmp_path / "f.zarr"),
-                                  layers=[1, 2], device="cpu", context="full"), progress=False, log=lambda m: None)
+    # the default --context full; refused before the verifier is even read (a path that holds no model)
+    with pytest.raises(InputError) as e:
+        run_extract(ExtractConfig(packed=str(packed), verifier=str(tmp_path / "no-model"),
+                                  output=str(tmp_path / "f.zarr"), layers=[1, 2], device="cpu"),
+                    progress=False, log=lambda m: None)
+    assert str(e.value) == (f"field '--context': {packed} has no conversations/ sub-table (packed by an older peagle, or written by "
+                            "hand), and the default --context full runs the conversations kept there: pack it "
+                            "again with `peagle-data pack` (which keeps the conversations and where each window "
+                            "comes from), or extract it with --context window (each packed block as it is, a "
+                            "format-1 store)")
+    assert not (tmp_path / "f.zarr").exists()
+    s = run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), output=str(tmp_path / "f.zarr"),
+                                  layers=[1, 2], device="cpu", context="window"), progress=False, log=lambda m: None)
+    assert s["complete"] and FeatureStore.open(str(tmp_path / "f.zarr")).layout == "blocks"
     with pytest.raises(InputError, match="shorter than the longest window"):
         packed = write_packed_conversations(tmp_path / "p2", synthetic_conversations(49152), 16, 32, "smollm2-135m")
         run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), output=str(tmp_path / "g.zarr"),
@@ -281,7 +316,7 @@ def test_resume_keeps_context_and_max_context(tmp_path, tiny_verifier_dir):
         run_extract(ExtractConfig(**base, context="full", max_context=64, resume=True), progress=False,
                     log=lambda m: None)
     with pytest.raises(InputError, match="--context: the store's full, given window"):
-        run_extract(ExtractConfig(**base, resume=True), progress=False, log=lambda m: None)
+        run_extract(ExtractConfig(**base, context="window", resume=True), progress=False, log=lambda m: None)
     s = run_extract(ExtractConfig(**base, context="full", max_context=48, resume=True), progress=False,
                     log=lambda m: None)
     assert s["complete"] and s["blocks_done"] == s["n_blocks"]

@@ -30,6 +30,6 @@ def test_extract_bar_shows_the_whole_token_count(tmp_path, tiny_verifier_dir, mo
     monkeypatch.setattr(extract, "progress_bar", lambda *a, **kw: Bar(*a, **{**kw, "file": io.StringIO()}))
     packed = write_packed(tmp_path / "packed", n_blocks=2, block_size=48)
     extract.run_extract(extract.ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir),
-                                              output=str(tmp_path / "f.zarr"), layers=[1]))
+                                              output=str(tmp_path / "f.zarr"), layers=[1], context="window"))
     n = pq.read_table(next(packed.glob("part-*.parquet")), columns=["n_tokens"]).column("n_tokens").to_pylist()
     assert postfixes == [{"tokens": f"{n[0]:,}"}, {"tokens": f"{n[0] + n[1]:,}"}]

@@ -29,7 +29,8 @@ from processes import kill_runs  # noqa: E402
 
 
 def write_packed(directory: Path, n_blocks: int, block_size: int, seed: int = 0) -> Path:
-    """A packed table of random blocks (2-3 segments each) written through stores.token_tables."""
+    """A packed table of random blocks (2-3 segments each) written through stores.token_tables, without a
+    conversations sub-table: extract it with ``--context window`` (format 1; the default, full, refuses it)."""
     rng = np.random.default_rng(seed)
     prepare_output_dir(directory, force=True)
     with TableWriter(directory, "packed") as w:
@@ -59,6 +60,19 @@ def pack_conversations(directory: Path, tokenizer, max_seq_len: int = 64) -> Pat
     return directory / "packed"
 
 
+def window_ends(packed: Path) -> dict[str, int]:
+    """Conversation id -> the end of its windows' last token in it (``segment_starts + n - prefix_len``,
+    the most over its windows): the tokens ``--context full`` runs of it."""
+    from stores.token_tables import TokenTable
+
+    ends: dict[str, int] = {}
+    for r in TokenTable.open(packed).iter_rows(["cu_seqlens", "segment_ids", "segment_prefix_lens", "segment_starts"]):
+        for k, sid in enumerate(r["segment_ids"]):
+            cid, n = sid.rpartition("#")[0], int(r["cu_seqlens"][k + 1] - r["cu_seqlens"][k])
+            ends[cid] = max(ends.get(cid, 0), int(r["segment_starts"][k]) + n - int(r["segment_prefix_lens"][k]))
+    return ends
+
+
 def chunk_bytes(store: Path) -> dict[str, bytes]:
     """Every file of the store, byte for byte; the group's zarr.json without the ``config`` attribute,
     the record of the command line that made the store (another --output, --resume: another record)."""
@@ -73,7 +87,7 @@ def chunk_bytes(store: Path) -> dict[str, bytes]:
 
 def test_store_matches_packed_table_and_verifies(tmp_path, tiny_verifier_dir, tiny_verifier):
     packed = write_packed(tmp_path / "packed", n_blocks=3, block_size=48)
-    summary = run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir),
+    summary = run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), context="window",
                                         output=str(tmp_path / "f.zarr"), layers=[1, 2, 3]), progress=False)
     assert summary["complete"] and summary["blocks_done_this_run"] == 3
     store = FeatureStore.open(tmp_path / "f.zarr")
@@ -89,7 +103,7 @@ def test_store_matches_packed_table_and_verifies(tmp_path, tiny_verifier_dir, ti
     assert freq.sum() == sum(int(store.read_block(i).loss_mask.sum()) for i in range(3))
     assert verify_store(tmp_path / "f.zarr")["ok"]
     with pytest.raises(OutputExistsError):
-        run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir),
+        run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), context="window",
                                   output=str(tmp_path / "f.zarr")), progress=False)
 
 
@@ -97,16 +111,16 @@ def test_resume_refuses_other_layers_or_table(tmp_path, tiny_verifier_dir):
     packed = write_packed(tmp_path / "packed", n_blocks=2, block_size=32)
     out = str(tmp_path / "f.zarr")
     run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), output=out, layers=[1, 2],
-                              max_blocks=1), progress=False)
+                              max_blocks=1, context="window"), progress=False)
     with pytest.raises(StoreMismatchError, match="layers"):
         run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), output=out, layers=[1, 3],
-                                  resume=True), progress=False)
+                                  resume=True, context="window"), progress=False)
     other = write_packed(tmp_path / "other", n_blocks=2, block_size=32, seed=1)
     with pytest.raises(StoreMismatchError, match="packed table"):
         run_extract(ExtractConfig(packed=str(other), verifier=str(tiny_verifier_dir), output=out, layers=[1, 2],
-                                  resume=True), progress=False)
+                                  resume=True, context="window"), progress=False)
     s = run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), output=out, layers=[1, 2],
-                                  resume=True), progress=False)
+                                  resume=True, context="window"), progress=False)
     assert s["blocks_done_this_run"] == 1 and s["complete"]  # the done block is not recomputed
 
 
@@ -117,7 +131,8 @@ def test_resume_keeps_every_option_the_store_fixes(tmp_path, tiny_verifier_dir):
     from stores.errors import InputError
 
     packed = write_packed(tmp_path / "packed", n_blocks=3, block_size=32)
-    base = dict(packed=str(packed), verifier=str(tiny_verifier_dir), layers=[1, 2], device="cpu", compressor="zstd")
+    base = dict(packed=str(packed), verifier=str(tiny_verifier_dir), layers=[1, 2], device="cpu", compressor="zstd",
+                context="window")
     run_extract(ExtractConfig(**base, output=str(tmp_path / "whole.zarr")), progress=False, log=lambda m: None)
     out = str(tmp_path / "f.zarr")
     run_extract(ExtractConfig(**base, output=out, max_blocks=1), progress=False, log=lambda m: None)
@@ -145,13 +160,15 @@ def test_sigkill_then_resume_is_byte_identical(tmp_path, tiny_verifier_dir):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     ref = tmp_path / "ref.zarr"
     run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), output=str(ref),
-                              layers=[1, 2, 3], device="cpu"), progress=False)
+                              layers=[1, 2, 3], device="cpu", context="window"), progress=False)
     out = tmp_path / "out.zarr"
-    kills = kill_runs(lambda resume: _extract_cmd(packed, tiny_verifier_dir, out, *(["--resume"] if resume else [])),
+    kills = kill_runs(lambda resume: _extract_cmd(packed, tiny_verifier_dir, out, "--context", "window",
+                                                  *(["--resume"] if resume else [])),
                       env, out / "done", out)
     assert kills >= 2
     done_before = int(FeatureStore.open(out).done_mask().sum()) if (out / "zarr.json").exists() else 0
-    res = subprocess.run(_extract_cmd(packed, tiny_verifier_dir, out, "--resume"), check=True, env=env,
+    res = subprocess.run(_extract_cmd(packed, tiny_verifier_dir, out, "--context", "window", "--resume"), check=True,
+                         env=env,
                          capture_output=True, text=True)
     assert f'"blocks_done_this_run": {40 - done_before}' in res.stdout
     assert chunk_bytes(out) == chunk_bytes(ref)
@@ -193,7 +210,7 @@ def _without_config(store: Path) -> dict[str, bytes]:
 @pytest.mark.slow  # two gloo ranks, each importing torch and transformers
 def test_two_cpu_ranks_equal_one_process(tmp_path, tiny_verifier_dir):
     packed = write_packed(tmp_path / "packed", n_blocks=6, block_size=64)
-    summaries = _one_and_two_ranks(tmp_path, packed, tiny_verifier_dir)
+    summaries = _one_and_two_ranks(tmp_path, packed, tiny_verifier_dir, "--context", "window")
     assert [s["blocks_done_this_run"] for s in summaries] == [3, 3]  # round-robin: 0, 2, 4 and 1, 3, 5
     assert chunk_bytes(tmp_path / "two.zarr") == chunk_bytes(tmp_path / "one.zarr")
 
@@ -203,7 +220,7 @@ def test_two_cpu_ranks_of_a_full_context_extraction_equal_one_process(tmp_path, 
                                                                       tiny_verifier_dir):
     """Rank 0 creates the full-context store; the ranks split its 7 context blocks round-robin."""
     packed = pack_conversations(tmp_path, smollm2_tokenizer)
-    summaries = _one_and_two_ranks(tmp_path, packed, tiny_verifier_dir, "--context", "full", "--max-context", "128")
+    summaries = _one_and_two_ranks(tmp_path, packed, tiny_verifier_dir, "--max-context", "128")  # the default: full
     assert [s["blocks_done_this_run"] for s in summaries] == [4, 3]  # context blocks 0, 2, 4, 6 and 1, 3, 5
     assert [(s["context_blocks"], s["blocks_done"], s["n_blocks"]) for s in summaries] == [(7, 20, 20)] * 2
     assert _without_config(tmp_path / "two.zarr") == _without_config(tmp_path / "one.zarr")
@@ -224,7 +241,7 @@ def test_bad_device_and_wrong_verify_table_are_clear_errors(tmp_path, tiny_verif
                                        str(tmp_path / "y.zarr"), "--layers", ""])
     assert res.exit_code == 2 and "comma-separated integers" in res.output
     run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), output=str(tmp_path / "f.zarr"),
-                              layers=[1]), progress=False)
+                              layers=[1], context="window"), progress=False)
     other = write_packed(tmp_path / "other", n_blocks=2, block_size=32, seed=3)
     res = CliRunner().invoke(verify, [str(tmp_path / "f.zarr"), "--packed", str(other)])
     assert res.exit_code == 2 and "another packed table" in res.output
@@ -252,13 +269,13 @@ def test_refuses_when_disk_is_short_unless_forced(tmp_path, tiny_verifier_dir, m
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 100, 100))
     with pytest.raises(DiskSpaceError) as e:
-        run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir),
+        run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), context="window",
                                   output=str(tmp_path / "f.zarr"), layers=[1]), progress=False)
     assert "already exists" not in str(e.value)  # not an "output exists" error (it does not)
     assert str(e.value).startswith(f"{tmp_path / 'f.zarr'}: the store needs about ")
     assert str(e.value).endswith(" GiB but only 0.00 GiB are free; free disk or pass --force")
     assert not (tmp_path / "f.zarr").exists()
-    s = run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir),
+    s = run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), context="window",
                                   output=str(tmp_path / "f.zarr"), layers=[1], force=True), progress=False)
     assert s["complete"]
 

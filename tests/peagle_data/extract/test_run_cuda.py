@@ -65,7 +65,7 @@ def test_cuda_store_equals_cpu_store(tmp_path, tiny_verifier_dir):
     for device in ("cpu", "cuda"):
         out = tmp_path / f"{device}.zarr"
         s = run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), output=str(out),
-                                      layers=LAYERS, device=device, writer_queue=1), progress=False)
+                                      layers=LAYERS, device=device, writer_queue=1, context="window"), progress=False)
         assert s["complete"] and verify_store(out)["ok"]
         stores[device] = FeatureStore.open(out)
     for i in range(6):
@@ -79,7 +79,7 @@ def test_side_stream_copies_are_exact_under_load(tmp_path, tiny_verifier_dir):
     come back bit-exact: the device tensors stay alive until their copy's event has fired."""
     packed = write_packed(tmp_path / "packed", n_blocks=8, block_size=96)
     run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), output=str(tmp_path / "f.zarr"),
-                              layers=LAYERS, device="cpu", max_blocks=0), progress=False)
+                              layers=LAYERS, device="cpu", max_blocks=0, context="window"), progress=False)
     store = FeatureStore.open(tmp_path / "f.zarr", mode="r+")
     writer = BlockWriter(store, maxsize=2)
     want = {}

@@ -18,7 +18,7 @@ from stores.feature_store import FeatureStore
 from stores.token_tables import TokenTable
 from stores.verifier_match import tokenizer_fingerprint
 
-from .test_run import write_packed
+from .test_run import pack_conversations, write_packed
 
 EXTRA = "<|peagle_extra|>"  # the added token: id 49152 after SmolLM2's 49152 ids
 FIX = "tokenize and pack the conversations with the verifier's tokenizer (`peagle-data pack ... --tokenizer {v}`), " \
@@ -149,7 +149,7 @@ def test_token_ids_past_the_embedding_are_refused_naming_block_position_and_id(t
                 "verifier whose tokenizer made it")
         with pytest.raises(StoreMismatchError) as e:
             run_extract(ExtractConfig(packed=str(packed), verifier=str(small), output=str(tmp_path / "f.zarr"),
-                                      device="cpu", num_shards=num_shards, shard_index=shard),
+                                      device="cpu", num_shards=num_shards, shard_index=shard, context="window"),
                         progress=False, log=lambda m: None)
         assert str(e.value) == want
     # a manifest naming a tokenizer with its vocab size but no fingerprint: the sizes are compared
@@ -159,8 +159,30 @@ def test_token_ids_past_the_embedding_are_refused_naming_block_position_and_id(t
     with pytest.raises(StoreMismatchError, match=f"tokenized with 'old' \\(tokenizer fingerprint None, 49153 "
                                                  f"tokens\\), but verifier {str(v)!r} has tokenizer fingerprint "
                                                  f"{_fp(smollm2_tokenizer_dir)} and 49152 tokens"):
-        run_extract(ExtractConfig(packed=str(packed), verifier=str(v), output=str(tmp_path / "f.zarr"), device="cpu"),
-                    progress=False, log=lambda m: None)
+        run_extract(ExtractConfig(packed=str(packed), verifier=str(v), output=str(tmp_path / "f.zarr"), device="cpu",
+                                  context="window"), progress=False, log=lambda m: None)
+
+
+def test_full_context_names_the_packed_block_of_a_token_id_past_the_embedding(tmp_path, smollm2_tokenizer,
+                                                                            smollm2_tokenizer_dir):
+    """With the default --context full the verifier runs context blocks, but a bad id is named by the
+    packed block (and position) that holds it, as with --context window."""
+    packed = pack_conversations(tmp_path, smollm2_tokenizer)
+    manifest = json.loads((packed / "manifest.json").read_text())
+    manifest.pop("tokenizer")  # no fingerprint to compare: the ids themselves are checked
+    (packed / "manifest.json").write_text(json.dumps(manifest))
+    small = _verifier(tmp_path / "small", 4096, smollm2_tokenizer_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (small / name).unlink()
+    rows = list(TokenTable.open(packed).iter_rows(["input_ids"]))
+    block, t = next((b, int(np.flatnonzero(np.asarray(r["input_ids"]) >= 4096)[0]))
+                    for b, r in enumerate(rows) if (np.asarray(r["input_ids"]) >= 4096).any())
+    with pytest.raises(StoreMismatchError) as e:
+        run_extract(ExtractConfig(packed=str(packed), verifier=str(small), output=str(tmp_path / "f.zarr"),
+                                  device="cpu"), progress=False, log=lambda m: None)
+    assert str(e.value).startswith(f"the packed table {packed}: block {block} holds token id "
+                                   f"{int(rows[block]['input_ids'][t])} at position {t}, but verifier")
+    assert not (tmp_path / "f.zarr").exists()
 
 
 def test_a_recorded_fingerprint_and_a_verifier_without_tokenizer_is_refused(tmp_path, packed_plus,

@@ -33,8 +33,10 @@ def finished(tmp_path_factory, tiny_verifier_dir):
 
 
 def _cfg(packed, verifier_dir, out, resume=True, max_blocks=None):
+    """A format-1 extraction (``--context window``: the damage below is of format-1 block chunks; a
+    full-context store's repair is tests/peagle_data/inspect/test_verify.py's)."""
     return ExtractConfig(packed=str(packed), verifier=str(verifier_dir), output=str(out), layers=[1, 2, 3],
-                         device="cpu", resume=resume, max_blocks=max_blocks)
+                         device="cpu", resume=resume, max_blocks=max_blocks, context="window")
 
 
 def _flip_byte(p: Path) -> None:
@@ -119,7 +121,7 @@ def test_verify_repair_then_resume_and_partial_resume_is_not_complete(tmp_path, 
     res = CliRunner().invoke(verify, [str(out), "--repair"])
     assert res.exit_code == 1
     assert "blocks at fault: [0, 3]" in res.output and "done flags are cleared" in res.output
-    assert "extract PACKED --resume" in res.output
+    assert "`peagle-data extract PACKED --context window --resume` (same --verifier and --layers)" in " ".join(res.output.split())
     report = verify_store(out)
     assert report["not_done"] == [0, 3] and report["bad_blocks"] == {}
     summary = run_extract(_cfg(packed, tiny_verifier_dir, out, max_blocks=1), progress=False)

@@ -40,7 +40,8 @@ ENV = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE=os.environ.g
 def write_packed(directory: Path, n_blocks: int, vocab: int, seed: int = 0, tokenizer: str = "smollm2-135m",
                  longest: int = 24, offset: int = 0) -> Path:
     """A packed table of ``n_blocks`` blocks of 2-4 segments of 5..longest token ids in ``3..vocab-1``;
-    every block's second segment has positions ``offset..offset+n-1``."""
+    every block's second segment has positions ``offset..offset+n-1``. No conversations sub-table:
+    extract it with ``--context window`` (the default, full, refuses it)."""
     rng = np.random.default_rng(seed)
     prepare_output_dir(directory, force=True)
     with TableWriter(directory, "packed") as w:
@@ -149,9 +150,9 @@ def test_smollm2_vllm_equals_hf(tmp_path):
     model = resolve_model("smollm2-135m")
     packed = write_packed(tmp_path / "packed", n_blocks=3, vocab=49152, longest=40)
     layers = [2, 15, 27, 30]  # increasing: vLLM feeds sorted(set(ids)), extract refuses another order
-    run_extract(ExtractConfig(packed=str(packed), verifier=str(model), output=str(tmp_path / "hf.zarr"),
+    run_extract(ExtractConfig(packed=str(packed), context="window", verifier=str(model), output=str(tmp_path / "hf.zarr"),
                               layers=layers, device="cpu"), progress=False)
-    extract_cli(packed, model, tmp_path / "vllm.zarr", layers)
+    extract_cli(packed, model, tmp_path / "vllm.zarr", layers, "--context", "window")
     assert FeatureStore.open(tmp_path / "vllm.zarr").layers == layers
     compare_stores(tmp_path / "hf.zarr", tmp_path / "vllm.zarr", 30, "smollm2")
     assert_prenorm_layer(tmp_path / "vllm.zarr", model, 30, "smollm2")
@@ -172,9 +173,9 @@ def test_family_vllm_equals_hf(tmp_path, family):
     L = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     packed = write_packed(tmp_path / "packed", n_blocks=3, vocab=512)
     layers = list(range(L + 1))  # every id: the embeddings (0), each layer, the pre-norm last (L)
-    run_extract(ExtractConfig(packed=str(packed), verifier=str(model), output=str(tmp_path / "hf.zarr"),
+    run_extract(ExtractConfig(packed=str(packed), context="window", verifier=str(model), output=str(tmp_path / "hf.zarr"),
                               layers=layers, device="cpu"), progress=False)
-    extract_cli(packed, model, tmp_path / "vllm.zarr", layers)
+    extract_cli(packed, model, tmp_path / "vllm.zarr", layers, "--context", "window")
     compare_stores(tmp_path / "hf.zarr", tmp_path / "vllm.zarr", L, family)
     assert_prenorm_layer(tmp_path / "vllm.zarr", model, L, family)
 
@@ -185,9 +186,9 @@ def test_kill_then_resume_is_byte_identical(tmp_path):
     model = save_family("llama31", tmp_path / "llama31", overrides=VLLM_CPU_SHAPE)
     packed = write_packed(tmp_path / "packed", n_blocks=150, vocab=512, longest=60)
     ref, out = tmp_path / "ref.zarr", tmp_path / "out.zarr"
-    extract_cli(packed, model, ref, [1, 2])
+    extract_cli(packed, model, ref, [1, 2], "--context", "window")
     args = [sys.executable, "-m", "cli.data_extract", str(packed), "--verifier", str(model), "--output", str(out),
-            "--layers", "1,2", "--engine", "vllm"]
+            "--layers", "1,2", "--engine", "vllm", "--context", "window"]
     proc = subprocess.Popen(args, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)  # its own group: the kill takes vLLM's engine process too
     deadline = time.time() + 600
@@ -198,7 +199,7 @@ def test_kill_then_resume_is_byte_identical(tmp_path):
     proc.wait()
     done_before = int(FeatureStore.open(out).done_mask().sum())
     assert 0 < done_before < 150
-    res = extract_cli(packed, model, out, [1, 2], "--resume")
+    res = extract_cli(packed, model, out, [1, 2], "--context", "window", "--resume")
     assert f'"blocks_done_this_run": {150 - done_before},' in res.stdout  # vLLM logs to stdout too
     assert chunk_bytes(out) == chunk_bytes(ref)
     assert verify_store(out)["ok"]
@@ -209,9 +210,9 @@ def test_kill_then_resume_is_byte_identical(tmp_path):
 def test_tensor_parallel_2_equals_1(tmp_path):
     model = save_family("qwen3", tmp_path / "qwen3", overrides=VLLM_CPU_SHAPE)  # 2 heads, 2 kv heads: split in 2
     packed = write_packed(tmp_path / "packed", n_blocks=2, vocab=512)
-    extract_cli(packed, model, tmp_path / "tp1.zarr", [1, 2])
+    extract_cli(packed, model, tmp_path / "tp1.zarr", [1, 2], "--context", "window")
     # vLLM's CPU workers bind their threads per NUMA node; one node here, so one core per rank by hand
-    extract_cli(packed, model, tmp_path / "tp2.zarr", [1, 2], "--tensor-parallel-size", "2",
+    extract_cli(packed, model, tmp_path / "tp2.zarr", [1, 2], "--context", "window", "--tensor-parallel-size", "2",
                 env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     a, b = FeatureStore.open(tmp_path / "tp1.zarr"), FeatureStore.open(tmp_path / "tp2.zarr")
     assert b.attrs["engine"]["tensor_parallel_size"] == 2
@@ -275,8 +276,8 @@ def vllm_server(tmp_path_factory, server_model):
 def test_server_mode_equals_local_engine(tmp_path, vllm_server):
     url, storage, model = vllm_server
     packed = write_packed(tmp_path / "packed", n_blocks=3, vocab=49152)
-    extract_cli(packed, model, tmp_path / "server.zarr", [1, 2], "--server", url, "--shared-storage", str(storage))
-    extract_cli(packed, model, tmp_path / "local.zarr", [1, 2])
+    extract_cli(packed, model, tmp_path / "server.zarr", [1, 2], "--context", "window", "--server", url, "--shared-storage", str(storage))
+    extract_cli(packed, model, tmp_path / "local.zarr", [1, 2], "--context", "window")
     a, b = FeatureStore.open(tmp_path / "local.zarr"), FeatureStore.open(tmp_path / "server.zarr")
     assert verify_store(tmp_path / "server.zarr")["ok"]
     for i in range(a.n_blocks):
@@ -295,7 +296,7 @@ def test_server_shorter_than_a_segment_is_refused_before_any_block(tmp_path, vll
     a context, longer than any window, is the request): refused from /v1/models, naming the length to serve."""
     url, storage, model = vllm_server
     packed = write_packed(tmp_path / "packed", n_blocks=1, vocab=49152, longest=400)  # segments 257, 207, 111, 126
-    res = extract_cli(packed, model, tmp_path / "x.zarr", [1, 2], "--server", url, "--shared-storage", str(storage),
+    res = extract_cli(packed, model, tmp_path / "x.zarr", [1, 2], "--context", "window", "--server", url, "--shared-storage", str(storage),
                       check=False)
     err = " ".join(res.stderr.split())
     assert res.returncode != 0 and (f"--server {url}/v1 serves max_model_len 128, but a packed segment (--context "
@@ -315,7 +316,7 @@ def test_server_with_another_tokenizer_is_refused(tmp_path, vllm_server):
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")),
                             unk_token="[UNK]").save_pretrained(other)
     packed = write_packed(tmp_path / "packed", n_blocks=1, vocab=49152, tokenizer=str(other))
-    res = extract_cli(packed, model, tmp_path / "x.zarr", [1, 2], "--server", url, "--shared-storage", str(storage),
+    res = extract_cli(packed, model, tmp_path / "x.zarr", [1, 2], "--context", "window", "--server", url, "--shared-storage", str(storage),
                       check=False)
     assert res.returncode != 0 and "whose tokenizer is not the packed table's" in res.stderr
 
@@ -329,7 +330,7 @@ def test_server_capturing_other_ids_of_the_same_count_is_refused(tmp_path, vllm_
 
     url, storage, model = vllm_server
     packed = write_packed(tmp_path / "packed", n_blocks=1, vocab=49152)
-    res = extract_cli(packed, model, tmp_path / "x.zarr", [0], "--server", url, "--shared-storage", str(storage),
+    res = extract_cli(packed, model, tmp_path / "x.zarr", [0], "--context", "window", "--server", url, "--shared-storage", str(storage),
                       check=False)
     assert res.returncode != 0
     command = serve_command(str(model), [0], 2, str(storage), accelerator=False)
@@ -356,7 +357,7 @@ def test_server_with_the_stock_connector_is_refused(tmp_path, server_model):
     proc, url, log = start_server(tmp_path, server_model, options)
     try:
         packed = write_packed(tmp_path / "packed", n_blocks=1, vocab=49152)
-        res = extract_cli(packed, server_model, tmp_path / "x.zarr", [1, 2], "--server", url, "--shared-storage",
+        res = extract_cli(packed, server_model, tmp_path / "x.zarr", [1, 2], "--context", "window", "--server", url, "--shared-storage",
                           str(storage), check=False)
     finally:
         stop_server(proc, log)
@@ -524,7 +525,7 @@ def test_refused_families_before_the_engine_starts(tmp_path, config, message):
     verifier = _config_dir(tmp_path, "m", config)
     packed = write_packed(tmp_path / "packed", n_blocks=1, vocab=512)
     with pytest.raises(InputError, match=message):
-        run_extract(ExtractConfig(packed=str(packed), verifier=str(verifier), output=str(tmp_path / "f.zarr"),
+        run_extract(ExtractConfig(packed=str(packed), context="window", verifier=str(verifier), output=str(tmp_path / "f.zarr"),
                                   engine="vllm", layers=[1]), progress=False)
     assert not (tmp_path / "f.zarr").exists()
 
@@ -533,7 +534,8 @@ def test_refused_families_before_the_engine_starts(tmp_path, config, message):
 def test_bad_options_are_refused_before_the_engine_starts(tmp_path):
     model = save_family("llama31", tmp_path / "m", overrides=VLLM_CPU_SHAPE)
     packed = write_packed(tmp_path / "packed", n_blocks=1, vocab=512)
-    base = dict(packed=str(packed), verifier=str(model), output=str(tmp_path / "f.zarr"), engine="vllm")
+    base = dict(packed=str(packed), verifier=str(model), output=str(tmp_path / "f.zarr"), engine="vllm",
+                context="window")
     with pytest.raises(InputError, match=r"out of range.*0\.\.2"):
         run_extract(ExtractConfig(**base, layers=[3]), progress=False)
     with pytest.raises(InputError, match="--engine hf"):
@@ -563,7 +565,7 @@ def test_vllm_missing_names_the_set_up_command(tmp_path):
     model = save_family("llama31", tmp_path / "m", overrides=VLLM_CPU_SHAPE)
     packed = write_packed(tmp_path / "packed", n_blocks=1, vocab=512)
     with pytest.raises(MissingDependencyError, match="PEAGLE_VLLM=1 bash scripts/setup_env.sh"):
-        run_extract(ExtractConfig(packed=str(packed), verifier=str(model), output=str(tmp_path / "f.zarr"),
+        run_extract(ExtractConfig(packed=str(packed), context="window", verifier=str(model), output=str(tmp_path / "f.zarr"),
                                   engine="vllm"), progress=False)
     assert not (tmp_path / "f.zarr").exists()
 
@@ -584,12 +586,12 @@ def test_resume_with_another_engine_is_refused(tmp_path):
     model = save_family("llama31", tmp_path / "m", overrides=VLLM_CPU_SHAPE)
     packed = write_packed(tmp_path / "packed", n_blocks=2, vocab=512)
     out = tmp_path / "f.zarr"
-    run_extract(ExtractConfig(packed=str(packed), verifier=str(model), output=str(out), layers=[1], device="cpu",
+    run_extract(ExtractConfig(packed=str(packed), context="window", verifier=str(model), output=str(out), layers=[1], device="cpu",
                               max_blocks=1), progress=False)
     assert FeatureStore.open(out).attrs["engine"] == {"name": "hf"}
     FeatureStore.open(out, mode="r+").update_attrs(engine={"name": "vllm"})  # as --engine vllm records it
     with pytest.raises(InputError, match="--engine: the store's vllm, given hf"):
-        run_extract(ExtractConfig(packed=str(packed), verifier=str(model), output=str(out), layers=[1],
+        run_extract(ExtractConfig(packed=str(packed), context="window", verifier=str(model), output=str(out), layers=[1],
                                   device="cpu", resume=True), progress=False)
 
 
@@ -602,12 +604,12 @@ def test_server_resume_takes_the_stores_dtype_not_this_machines(tmp_path):
     model = save_family("llama31", tmp_path / "m", overrides=VLLM_CPU_SHAPE)
     packed = write_packed(tmp_path / "packed", n_blocks=2, vocab=512)
     out = tmp_path / "f.zarr"
-    run_extract(ExtractConfig(packed=str(packed), verifier=str(model), output=str(out), layers=[1], device="cpu",
+    run_extract(ExtractConfig(packed=str(packed), context="window", verifier=str(model), output=str(out), layers=[1], device="cpu",
                               max_blocks=1), progress=False)
     store = FeatureStore.open(out, mode="r+")
     store.update_attrs(engine={"name": "vllm", "dtype": "bfloat16"},  # as a GPU server's first client records it
                        verifier={**store.attrs["verifier"], "dtype": "bfloat16"})
-    cfg = ExtractConfig(packed=str(packed), verifier=str(model), output=str(out), layers=[1], engine="vllm",
+    cfg = ExtractConfig(packed=str(packed), context="window", verifier=str(model), output=str(out), layers=[1], engine="vllm",
                         server="http://127.0.0.1:9", shared_storage=str(tmp_path), resume=True)
     assert resumed_dtype(cfg) == "bfloat16"
     assert resumed_dtype(ExtractConfig(**{**cfg.__dict__, "resume": False})) is None

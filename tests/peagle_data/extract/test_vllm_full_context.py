@@ -49,8 +49,7 @@ def test_full_context_vllm_equals_hf(tmp_path, copy_smollm2_tokenizer):
     packed = pack_long(tmp_path / "packed", model)
     options = dict(packed=str(packed), verifier=str(model), layers=LAYERS, context="full", max_context=MAX_CONTEXT)
     run_extract(ExtractConfig(output=str(tmp_path / "hf.zarr"), device="cpu", **options), progress=False)
-    res = extract_cli(packed, model, tmp_path / "vllm.zarr", LAYERS, "--context", "full", "--max-context",
-                      str(MAX_CONTEXT))
+    res = extract_cli(packed, model, tmp_path / "vllm.zarr", LAYERS, "--max-context", str(MAX_CONTEXT))  # default: full
     hf, vllm = FeatureStore.open(tmp_path / "hf.zarr"), FeatureStore.open(tmp_path / "vllm.zarr")
     assert vllm.layout == "windows" and vllm.attrs["context"] == hf.attrs["context"] == {
         "max_context": 256, "conversations": 6, "conversations_split": 1, "contexts": 7, "tokens_extracted": 1206,

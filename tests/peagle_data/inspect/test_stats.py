@@ -17,7 +17,7 @@ from peagle_data.inspect.stats_plot import plot_stats
 from stores.feature_store import FeatureStore
 from stores.token_tables import TableWriter, TokenTable, write_manifest
 
-from tests.peagle_data.extract.test_run import pack_conversations
+from tests.peagle_data.extract.test_run import pack_conversations, window_ends
 
 
 def _tokenized_table(path, rows):
@@ -147,9 +147,10 @@ def test_full_context_store_stats_report_the_context_part(tmp_path, smollm2_toke
     run_extract(ExtractConfig(**base, output=str(tmp_path / "s1.zarr"), num_shards=2, shard_index=1), progress=False,
                 log=lambda m: None)
     counts = TokenTable.open(packed).manifest["counts"]
-    # the verifier runs each conversation of at most 128 tokens once, the one of 145 as two pieces of 128
-    lengths = [r["n_tokens"] for r in TokenTable.open(packed).conversations().iter_rows(["n_tokens"])]
-    assert sorted(lengths)[-2:] == [127, 145]
+    # the verifier runs each conversation of at most 128 tokens once (up to the last token a window reads),
+    # the one of 145 as two pieces of 128
+    lengths = sorted(window_ends(packed).values())
+    assert lengths[-2:] == [127, 145]
     extracted = sum(n for n in lengths if n <= 128) + 2 * 128
     r = CliRunner().invoke(main, ["stats", str(tmp_path / "f.zarr"), "--json"])
     assert r.exit_code == 0, r.output

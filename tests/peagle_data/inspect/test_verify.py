@@ -18,7 +18,7 @@ from stores.feature_repair import verify_store
 from stores.feature_store import FeatureStore
 from stores.token_tables import TokenTable
 
-from tests.peagle_data.extract.test_run import chunk_bytes, pack_conversations
+from tests.peagle_data.extract.test_run import chunk_bytes, pack_conversations, window_ends
 from tests.peagle_data.extract.test_store_repair import _flip_byte
 
 MAX_CONTEXT = 128
@@ -44,11 +44,14 @@ def _cfg(packed, verifier_dir, out, **extra):
 
 
 def _tokens_extracted(packed) -> int:
-    """The tokens the verifier runs: every conversation of at most MAX_CONTEXT tokens once, and the
-    pieces of a longer one (this table's: two pieces of MAX_CONTEXT tokens)."""
+    """The tokens the verifier runs: every conversation of at most MAX_CONTEXT tokens once, up to the
+    last token its windows read (one of 109 tokens ends in a "\\n" no window holds), and the pieces of a
+    longer one (this table's: two pieces of MAX_CONTEXT tokens)."""
     lengths = [r["n_tokens"] for r in TokenTable.open(packed).conversations().iter_rows(["n_tokens"])]
     assert sorted(lengths) == [40, 46, 55, 73, 91, 109, 127, 145]
-    return sum(n for n in lengths if n <= MAX_CONTEXT) + 2 * MAX_CONTEXT
+    read = sorted(window_ends(packed).values())
+    assert read == [40, 46, 55, 73, 91, 108, 127, 145]
+    return sum(n for n in read if n <= MAX_CONTEXT) + 2 * MAX_CONTEXT
 
 
 def _invoke(*args):

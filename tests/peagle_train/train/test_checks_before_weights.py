@@ -164,14 +164,16 @@ def test_extract_checks_come_before_the_weights(tmp_path, tiny_verifier_dir, mon
 
     packed = write_packed(tmp_path / "packed", n_blocks=2, block_size=32)
     out = tmp_path / "f.zarr"
-    base = [str(packed), "--verifier", str(tiny_verifier_dir), "--output", str(out), "--device", "cpu"]
+    base = [str(packed), "--verifier", str(tiny_verifier_dir), "--output", str(out), "--device", "cpu",
+            "--context", "window"]  # a table without conversations: a format-1 store
     assert CliRunner().invoke(extract, [*base, "--layers", "1,2", "--max-blocks", "1"]).exit_code == 0
 
     def fail(cls, *a, **k):
         raise WeightsLoaded(f"{cls.__name__}.from_pretrained was called before the option checks")
 
     monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(fail))
-    res = CliRunner().invoke(extract, [*base.copy()[:4], str(tmp_path / "new.zarr"), "--layers", "1,5"])
+    res = CliRunner().invoke(extract, [*base.copy()[:4], str(tmp_path / "new.zarr"), "--layers", "1,5", "--context",
+                                       "window"])
     assert res.exit_code == 2 and "layers [5] out of range: the verifier has 4 layers" in res.output, res.output
     res = CliRunner().invoke(extract, [*base, "--layers", "1,3", "--resume"])
     assert res.exit_code == 2 and "layers [1, 2], asked for [1, 3]" in res.output, res.output

@@ -42,8 +42,10 @@ def stores(tmp_path_factory, tiny_verifier_dir):
            "same_windows": root / "same_windows.zarr"}
     run_extract(ExtractConfig(packed=str(packed), output=str(out["full"]), context="full", max_context=256, **common),
                 progress=False)
-    run_extract(ExtractConfig(packed=str(packed), output=str(out["same_windows"]), **common), progress=False)
-    run_extract(ExtractConfig(packed=str(other), output=str(out["window"]), **common), progress=False)
+    run_extract(ExtractConfig(packed=str(packed), output=str(out["same_windows"]), context="window", **common),
+                progress=False)
+    run_extract(ExtractConfig(packed=str(other), output=str(out["window"]), context="window", **common),
+                progress=False)
     run_extract(ExtractConfig(packed=str(packed), output=str(out["shard"]), context="full", max_context=256,
                               num_shards=2, shard_index=0, **common), progress=False)
     return {k: str(v) for k, v in out.items()}
