@@ -38,6 +38,12 @@ class PackedFacts:
     offset_segment: tuple[int, int] | None = None
     """``(block, segment)`` of the first segment whose position ids are not ``0..n-1``, None if none
     (an engine that starts every request at position 0 refuses such a table)."""
+    group_tokens: int | None = None
+    """``--context full``: the packed table's block size. A context block holds up to ``--max-context``
+    tokens of many conversations; an engine whose attention over a packed block costs its length
+    squared (transformers' SDPA or eager with a block mask) runs the block's conversations in
+    consecutive groups of at most this many tokens (a longer one alone), so that costs what the packed
+    blocks would. None: whole blocks."""
 
 
 class VerifierEngine(ABC):

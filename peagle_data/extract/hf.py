@@ -22,7 +22,7 @@ from peagle_data.extract.store import verifier_desc
 from stores.errors import InputError
 from stores.model_cache import load_verifier
 
-__all__ = ["HfEngine", "has_flash_attn"]
+__all__ = ["HfEngine", "has_flash_attn", "segment_groups"]
 
 
 def has_flash_attn() -> bool:
@@ -62,10 +62,12 @@ class HfEngine(VerifierEngine):
     name = "hf"
     multi_process = True
 
-    def __init__(self, verifier, desc: dict[str, Any], layers: list[int]):
+    def __init__(self, verifier, desc: dict[str, Any], layers: list[int], group_tokens: int | None = None):
         self.decoder = language_model(verifier)
         self.desc, self.layers = desc, layers
         self.record = {"name": self.name}
+        varlen = getattr(self.decoder.config, "_attn_implementation", None) == "flash_attention_2"
+        self.group_tokens = None if varlen else group_tokens  # varlen attention wastes nothing on a long block
 
     @classmethod
     def check(cls, cfg, config, layers: list[int]) -> None:
@@ -76,13 +78,40 @@ class HfEngine(VerifierEngine):
              device: str, packed: PackedFacts) -> "HfEngine":
         verifier = _load_for_extract(cfg, device, log)
         desc = verifier_desc(cfg.verifier, directory, verifier, next(verifier.parameters()).dtype)
-        return cls(verifier, desc, layers)
+        return cls(verifier, desc, layers, packed.group_tokens)
 
     def features(self, rows: Iterable[tuple[int, Mapping[str, Any]]]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        """One verifier forward per block (:func:`verifier_features`); tensors stay on the verifier's device."""
+        """One verifier forward per block (:func:`verifier_features`), or per group of its segments
+        (:func:`segment_groups` of ``group_tokens``); tensors stay on the verifier's device."""
         for i, r in rows:  # numpy arrays from Arrow are read-only: copy into tensors
-            aux, final = verifier_features(
-                self.decoder, torch.tensor(r["input_ids"], dtype=torch.long),
-                torch.tensor(r["position_ids"], dtype=torch.long),
-                torch.tensor(r["cu_seqlens"], dtype=torch.long), self.layers, to_host=False)
-            yield i, aux, final
+            ids = torch.tensor(r["input_ids"], dtype=torch.long)
+            pos = torch.tensor(r["position_ids"], dtype=torch.long)
+            cu = torch.tensor(r["cu_seqlens"], dtype=torch.long)
+            parts = []
+            for first, last in segment_groups(cu.tolist(), self.group_tokens):
+                lo, hi = int(cu[first]), int(cu[last])
+                parts.append(verifier_features(self.decoder, ids[lo:hi], pos[lo:hi], cu[first:last + 1] - lo,
+                                               self.layers, to_host=False))
+            if len(parts) == 1:
+                yield i, *parts[0]
+            else:
+                yield i, torch.cat([a for a, _ in parts]), torch.cat([f for _, f in parts])
+
+
+def segment_groups(cu_seqlens: list[int], group_tokens: int | None) -> list[tuple[int, int]]:
+    """Consecutive segments of a block in groups of at most ``group_tokens`` tokens (a longer segment
+    alone): ``[(first segment, one past the last)]``; the whole block when ``group_tokens`` is None.
+
+    ``cu_seqlens`` ``[S+1]``: ``[0, n_0, ..., T]``. Each group runs as a block of its own, its segments
+    still computed as if alone, so the features are those of the whole block within float rounding.
+    """
+    S = len(cu_seqlens) - 1
+    if group_tokens is None or cu_seqlens[-1] <= group_tokens:
+        return [(0, S)]
+    groups, first = [], 0
+    for k in range(1, S):
+        if cu_seqlens[k + 1] - cu_seqlens[first] > group_tokens:
+            groups.append((first, k))
+            first = k
+    groups.append((first, S))
+    return groups

@@ -167,7 +167,9 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
                          "launch, or give each process its own --shard-index", field="--engine")
     facts = PackedFacts(longest_segment=max((int(np.diff(r["cu_seqlens"]).max()) for r in rows), default=1),
                         tokenizer=(table.manifest.get("tokenizer") or {}).get("name_or_path"),
-                        offset_segment=_offset_segment(rows, cfg.shard_index, cfg.num_shards))
+                        offset_segment=_offset_segment(rows, cfg.shard_index, cfg.num_shards),
+                        group_tokens=None if plan is None else int(
+                            table.manifest.get("parameters", {}).get("block_size") or plan.context_size))
     engine = ENGINES[cfg.engine].open(cfg, directory, _layers_of(cfg), log, device, facts)
     try:
         layers = _layers_of(cfg, engine.desc["num_hidden_layers"])
