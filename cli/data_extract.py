@@ -7,7 +7,7 @@ import click
 
 from cli.common import OutputPath, config_error, echo_json, handle_errors
 from cli.options import config_file_options, config_options, run_config
-from peagle_data.extract.config import ATTN_IMPLEMENTATIONS, ENGINES, ExtractConfig
+from peagle_data.extract.config import ATTN_IMPLEMENTATIONS, CONTEXTS, ENGINES, ExtractConfig
 from peagle_data.extract.run import run_extract
 import peagle_data.inspect.verify
 from peagle_data.inspect.verify import InspectConfig, VerifyConfig
@@ -29,6 +29,8 @@ _EXTRACT_OVERRIDES = {
     "server": {"metavar": "URL"},
     "shared_storage": {"type": click.Path(file_okay=False), "metavar": "DIR"},
     "shard_index": {"metavar": "I"},
+    "context": {"type": click.Choice(CONTEXTS)},
+    "max_context": {"metavar": "TOKENS"},
 }
 """What ExtractConfig's annotations cannot say: paths, choices (the library's tuples), ``none`` for no compressor."""
 

@@ -71,14 +71,28 @@ class ChunkFiles:
             StoreFormatError: the file is not ``chunk_bytes`` + the checksum long, or reads short.
         """
         try:
-            size = os.fstat(fd).st_size
-            if size != chunk_bytes + CHECKSUM_BYTES:
-                raise StoreFormatError(f"{where}: {size} bytes, expected {chunk_bytes + CHECKSUM_BYTES} "
-                                       "(truncated or foreign chunk; run `peagle-data verify`)")
-            if out.nbytes and os.preadv(fd, [out], 0) != out.nbytes:
-                raise StoreFormatError(f"{where}: short read (file changed while read)")
+            ChunkFiles.check_size(fd, chunk_bytes, where)
+            ChunkFiles.read_at(fd, out, 0, where)
         finally:
             os.close(fd)
+
+    @staticmethod
+    def check_size(fd: int, chunk_bytes: int, where: Path) -> None:
+        """Raise StoreFormatError unless the open chunk file ``fd`` is ``chunk_bytes`` + the checksum long."""
+        size = os.fstat(fd).st_size
+        if size != chunk_bytes + CHECKSUM_BYTES:
+            raise StoreFormatError(f"{where}: {size} bytes, expected {chunk_bytes + CHECKSUM_BYTES} "
+                                   "(truncated or foreign chunk; run `peagle-data verify`)")
+
+    @staticmethod
+    def read_at(fd: int, out: np.ndarray, offset: int, where: Path) -> None:
+        """Fill ``out`` (C-contiguous) from byte ``offset`` of the open chunk file ``fd`` (left open).
+
+        Raises:
+            StoreFormatError: a short read.
+        """
+        if out.nbytes and os.preadv(fd, [out], offset) != out.nbytes:
+            raise StoreFormatError(f"{where}: short read at byte {offset} (file changed while read)")
 
     def close(self) -> None:
         """Close the chunk-directory descriptors."""

@@ -18,11 +18,11 @@ import torch
 
 from stores.chunk_files import CHECKSUM_BYTES, raw_chunk_damage
 from stores.errors import StoreFormatError, StoreMismatchError
-from stores.feature_schema import store_arrays
+from stores.feature_schema import WINDOW_ARRAYS, store_arrays
 from stores.feature_store import LAYER_CONVENTION, FeatureStore
 
 __all__ = ["chunk_damage", "block_damage", "shared_damage", "read_done_flags", "check_block", "verify_store",
-           "check_compatible", "write_shared", "repair_shared", "repair_blocks"]
+           "check_compatible", "write_shared", "repair_shared", "windows_damage", "repair_windows", "repair_blocks"]
 
 
 def chunk_damage(store: FeatureStore, name: str, i: int) -> str | None:
@@ -133,6 +133,47 @@ def verify_store(path: str | os.PathLike, expected_tokens=None, repair: bool = F
         StoreFormatError: the store cannot be opened at all, or an array is missing or misshapen.
     """
     store = FeatureStore.open(path, mode="r+" if repair else "r")
+    if store.layout == "windows":
+        return _verify_windows(store, path, expected_tokens, repair)
+    return _verify_blocks(store, path, expected_tokens, repair)
+
+
+def _verify_windows(store: FeatureStore, path, expected_tokens, repair: bool) -> dict[str, Any]:
+    """:func:`verify_store` of a full-context store: its context blocks as any store's (``contexts``: that
+    report; ``repaired`` lists context blocks), its training blocks by :func:`windows_damage`."""
+    _check_arrays(store, path)
+    grid = _verify_blocks(store.contexts, f"{path}/contexts", None, repair)
+    bad = windows_damage(store, expected_tokens)
+    shared = {**shared_damage(store), **{f"contexts/{k}": v for k, v in grid["damaged_arrays"].items()}}
+    bad.update({i: f"{reason} (the context block it reads)" for i, reason in _blocks_reading(store, grid["bad_blocks"]).items()})
+    done = store.done_mask()
+    return {
+        "ok": grid["ok"] and not bad and not shared and bool(done.all()),
+        "n_blocks": store.n_blocks,
+        "blocks_done": int(done.sum()),
+        "not_done": np.flatnonzero(~done).tolist(),
+        "bad_blocks": bad,
+        "damaged_arrays": shared,
+        "repaired": grid["repaired"],
+        "contexts": grid,
+    }
+
+
+def _blocks_reading(store: FeatureStore, bad_contexts: dict[int, str]) -> dict[int, str]:
+    """``{training block: the reason of the first bad context block it reads}``."""
+    if not bad_contexts:
+        return {}
+    m = store.views()[..., 0]
+    out = {}
+    for i in range(store.n_blocks):
+        hit = [int(c) for c in m[i] if int(c) in bad_contexts]
+        if hit:
+            out[i] = f"context {bad_contexts[hit[0]]}"
+    return out
+
+
+def _verify_blocks(store: FeatureStore, path, expected_tokens, repair: bool) -> dict[str, Any]:
+    """:func:`verify_store` of a store of blocks (a window-context store, or a full-context store's context blocks)."""
     _check_arrays(store, path)
     shared = shared_damage(store)
     done, problems = read_done_flags(store)
@@ -158,14 +199,15 @@ def verify_store(path: str | os.PathLike, expected_tokens=None, repair: bool = F
     }
 
 
-_CHECKED_ROLES = ("token", "hidden", "flag")
+_CHECKED_ROLES = ("token", "hidden", "flag", "views")
 """The arrays ``verify`` checks the shape and dtype of (those it always did)."""
 
 
 def _check_arrays(store: FeatureStore, path) -> None:
     """Every array is present with the shape and dtype the attributes imply (StoreFormatError otherwise)."""
     g, sizes = store.group, store.sizes()
-    for spec in store_arrays(store.storage_dtype):
+    specs = WINDOW_ARRAYS if store.layout == "windows" else store_arrays(store.storage_dtype)
+    for spec in specs:
         if spec.role not in _CHECKED_ROLES:
             continue
         shape, dtype = spec.shape(sizes), spec.dtype
@@ -218,6 +260,55 @@ def repair_shared(store: FeatureStore, rows, log: Callable[[str], None]) -> dict
         for reason in damaged.values():
             log(f"{store.path}: {reason}; rewriting it from the packed table")
         write_shared(store, rows)
+    return damaged
+
+
+def windows_damage(store: FeatureStore, expected_tokens=None) -> dict[int, str]:
+    """``{training block: reason}`` of a full-context store's root (docs/design.md §7): a damaged chunk of
+    its token arrays or views (:func:`block_damage`), a view that does not fit, or tokens other than the
+    context blocks hold at the view's slots; with ``expected_tokens`` (``i -> input_ids [T]``, the packed
+    table's), tokens other than the packed table's. Context blocks not done are not compared."""
+    problems: dict[int, str] = {}
+    grid = store.contexts
+    context_done = grid.done_mask()
+    context_ids: dict[int, np.ndarray] = {}
+    for i in range(store.n_blocks):
+        reason = block_damage(store, i)
+        if reason is None:
+            try:
+                tok = store.read_tokens(i)
+                runs = store.runs(i, tok["cu_seqlens"])
+            except Exception as e:  # a damaged n_tokens, a view that does not fit
+                reason = f"block {i}: cannot be read ({type(e).__name__}: {e})"
+        if reason is None and all(context_done[m] for m, _, _ in runs):
+            parts = []
+            for m, s, n in runs:
+                if m not in context_ids:
+                    context_ids[m] = grid.read_tokens(m)["input_ids"]
+                parts.append(context_ids[m][s:s + n])
+            if not np.array_equal(np.concatenate(parts), tok["input_ids"]):
+                reason = f"block {i}: its tokens differ from those its views read in the context blocks"
+        if reason is None and expected_tokens is not None:
+            exp = np.asarray(expected_tokens(i))
+            if len(exp) != len(tok["input_ids"]) or not np.array_equal(exp, tok["input_ids"]):
+                reason = f"block {i}: input_ids differ from the packed table"
+        if reason is not None:
+            problems[i] = reason
+    return problems
+
+
+def repair_windows(store: FeatureStore, rows, views, log: Callable[[str], None]) -> dict[int, str]:
+    """On --resume of a full-context store (main process): rewrite every damaged training block's token
+    arrays and views from the packed rows and the plan's ``views`` (:func:`windows_damage`).
+
+    Returns:
+        ``{block: reason}`` of the blocks rewritten.
+    """
+    damaged = windows_damage(store)
+    for i, reason in sorted(damaged.items()):
+        log(f"{store.path}: {reason}; rewriting it from the packed table")
+        store.write_token_row(i, rows[i])
+        store.write_views(i, views[i])
     return damaged
 
 

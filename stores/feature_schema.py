@@ -39,6 +39,9 @@ __all__ = [
     "ArraySpec",
     "ARRAYS",
     "TOKEN_ARRAYS",
+    "VIEW_FIELDS",
+    "WINDOW_VIEWS",
+    "WINDOW_ARRAYS",
     "Block",
     "store_arrays",
     "block_arrays",
@@ -58,7 +61,7 @@ __all__ = [
 
 STORAGE_DTYPES = ("bf16", "fp8")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-ROLES = ("token", "segments", "hidden", "flag", "shared")
+ROLES = ("token", "segments", "hidden", "flag", "shared", "views")
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,8 @@ class ArraySpec:
             touch one chunk); ``"whole"``: the whole array is one chunk.
         role: ``"token"`` per-token values of a block, padded to C (read back as ``[T] int64``);
             ``"segments"`` ``cu_seqlens`` padded to W with its last value; ``"hidden"`` hidden states
-            (or their fp8 scales); ``"flag"`` the ``done`` flag; ``"shared"`` one array for the store.
+            (or their fp8 scales); ``"flag"`` the ``done`` flag; ``"shared"`` one array for the store;
+            ``"views"`` where a window store's segments read their features (:data:`WINDOW_VIEWS`).
         storage: the ``storage_dtype`` the array belongs to; None: every store has it.
     """
 
@@ -123,6 +127,24 @@ ARRAYS: tuple[ArraySpec, ...] = (
 TOKEN_ARRAYS: tuple[ArraySpec, ...] = tuple(s for s in ARRAYS if s.role == "token")
 SEGMENTS = next(s for s in ARRAYS if s.role == "segments")
 
+VIEW_FIELDS = ("context_block", "prefix_slot", "prefix_len", "body_slot")
+"""The four int32 of a segment's view (docs/design.md §7, full-context stores): segment token
+``j < prefix_len`` reads context-grid block ``context_block`` at slot ``prefix_slot + j``, token
+``j >= prefix_len`` at slot ``body_slot + j - prefix_len``."""
+
+WINDOW_VIEWS = ArraySpec("window_views", "int32", ("N", "S", "F"), "block", "views")
+"""``[N, S_max, 4]``: the view of each segment of a training block (:data:`VIEW_FIELDS`); rows past a
+block's segments are -1."""
+
+WINDOW_ARRAYS: tuple[ArraySpec, ...] = (
+    *(s for s in ARRAYS if s.role in ("token", "segments") or s.name == "n_tokens"),
+    WINDOW_VIEWS,
+    next(s for s in ARRAYS if s.name == "token_freq"),
+)
+"""The arrays at the root of a full-context store (``layout: "windows"``): the training blocks' token
+arrays and their views into the ``contexts`` sub-store, which holds :data:`ARRAYS` for the context
+blocks the verifier ran."""
+
 
 def store_arrays(storage_dtype: str) -> tuple[ArraySpec, ...]:
     """The arrays of a store with ``storage_dtype``, in creation order."""
@@ -143,14 +165,14 @@ def block_arrays(storage_dtype: str) -> list[str]:
 
 def array_ndim(name: str) -> int:
     """Dimensions of array ``name`` (chunk keys are ``c/i/0/...``); the same for every storage dtype."""
-    return next(len(s.dims) for s in ARRAYS if s.name == name)
+    return next(len(s.dims) for s in (*ARRAYS, WINDOW_VIEWS) if s.name == name)
 
 
 def dim_sizes(n_blocks: int, block_size: int, max_segments: int, n_layers: int, hidden_size: int,
               vocab_size: int) -> dict[str, int]:
     """The sizes of the dimension symbols of :class:`ArraySpec` for a store."""
-    return {"N": n_blocks, "C": block_size, "W": max_segments + 1, "L": n_layers, "H": hidden_size,
-            "V": vocab_size}
+    return {"N": n_blocks, "C": block_size, "W": max_segments + 1, "S": max_segments, "F": len(VIEW_FIELDS),
+            "L": n_layers, "H": hidden_size, "V": vocab_size}
 
 
 def create_arrays(group: zarr.Group, specs: tuple[ArraySpec, ...], sizes: dict[str, int],

@@ -30,6 +30,9 @@ from stores.feature_schema import (
     SEGMENTS,
     STORAGE_DTYPES,
     TOKEN_ARRAYS,
+    VIEW_FIELDS,
+    WINDOW_ARRAYS,
+    WINDOW_VIEWS,
     ArraySpec,
     Block,
     array_ndim,
@@ -48,6 +51,8 @@ from stores.token_tables import not_a_store_hint
 
 __all__ = [
     "FORMAT_VERSION",
+    "WINDOWS_FORMAT_VERSION",
+    "CONTEXTS",
     "STORAGE_DTYPES",
     "Block",
     "FeatureStore",
@@ -58,6 +63,17 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
+"""The format of a store whose blocks are the packed table's blocks, each extracted as it is
+(``layout: "blocks"``, ``extract --context window``)."""
+
+WINDOWS_FORMAT_VERSION = 2
+"""The format of a full-context store (``extract --context full``): the root holds the training
+blocks' token arrays and, per segment, a view into the ``contexts`` sub-store, whose blocks are the
+whole conversations the verifier ran (``layout: "windows"`` at the root, ``"contexts"`` below)."""
+
+LAYOUTS = {(FORMAT_VERSION, "blocks"), (WINDOWS_FORMAT_VERSION, "windows"), (WINDOWS_FORMAT_VERSION, "contexts")}
+CONTEXTS = "contexts"
+"""The sub-store of a full-context store."""
 
 LAYER_CONVENTION = "vllm_aux"
 """The ``layer_convention`` attribute of a store made now: aux layer 0 is the embedding output, layer
@@ -111,15 +127,26 @@ class FeatureStore:
         attrs = dict(group.attrs).get("peagle")
         if not isinstance(attrs, dict):
             raise StoreFormatError(f"{path}: not a peagle feature store (no 'peagle' attributes)")
-        if attrs.get("format_version") != FORMAT_VERSION:
+        self.layout = str(attrs.get("layout", "blocks"))
+        """``"blocks"`` (format 1), ``"windows"`` (a full-context store's root) or ``"contexts"`` (its sub-store)."""
+        if (attrs.get("format_version"), self.layout) not in LAYOUTS:
             raise StoreFormatError(
-                f"{path}: feature store format_version {attrs.get('format_version')!r}, "
-                f"this peagle reads {FORMAT_VERSION}"
-            )
+                f"{path}: feature store format_version {attrs.get('format_version')!r} (layout {self.layout!r}); "
+                f"this peagle reads {FORMAT_VERSION} (window-context stores) and {WINDOWS_FORMAT_VERSION} "
+                "(full-context stores): made by a newer peagle?")
         self.attrs: dict[str, Any] = attrs
         self._local_root = Path(path) if is_local(path) else None
-        self.raw_chunks = self._local_root is not None and uncompressed(group["aux_hidden"])
+        self.contexts: FeatureStore | None = None
+        """A full-context store's sub-store of context blocks (None for other layouts)."""
+        if self.layout == "windows":
+            if CONTEXTS not in group:
+                raise StoreFormatError(f"{path}: full-context store without its {CONTEXTS!r} sub-store")
+            self.contexts = FeatureStore(group[CONTEXTS], f"{path}/{CONTEXTS}")
+            self.raw_chunks = self.contexts.raw_chunks and uncompressed(group["input_ids"])
+        else:
+            self.raw_chunks = self._local_root is not None and uncompressed(group["aux_hidden"])
         """Chunk files readable directly (the ``file`` read path)."""
+        self._views_cache: np.ndarray | None = None
         self._n_tokens_cache: np.ndarray | None = None
         self._array_cache: dict[str, zarr.Array] = {}
         self._files = StoreFileReader(self) if self.raw_chunks else None
@@ -185,7 +212,11 @@ class FeatureStore:
             group = zarr.open_group(path, mode=mode)
         except Exception as e:  # zarr raises several types for a bad path
             raise StoreFormatError(f"{path}: cannot open as a zarr v3 group ({e})") from e
-        return cls(group, path)
+        store = cls(group, path)
+        if store.layout == "contexts":
+            parent = path.rstrip("/").rpartition("/")[0] or "."
+            raise StoreFormatError(f"{path} is the context sub-store of the full-context store {parent}: pass {parent}")
+        return store
 
     @classmethod
     def create(
@@ -228,30 +259,100 @@ class FeatureStore:
         group = new_group(str(path), force)
         sizes = dim_sizes(n_blocks, block_size, max_segments, len(layers), hidden_size, vocab_size)
         create_arrays(group, specs, sizes, compressor)
-        attrs = {
-            "format_version": FORMAT_VERSION,
-            "verifier": dict(verifier, hidden_size=hidden_size, vocab_size=vocab_size),
-            "layers": list(layers),
-            "layer_convention": LAYER_CONVENTION,
-            "final": "post_norm",
-            "storage_dtype": storage_dtype,
-            "compressor": compressor,
-            "block_size": block_size,
-            "max_segments": max_segments,
-            "n_blocks": n_blocks,
-            "n_tokens": n_tokens,
-            "tokenizer": tokenizer or {},
-            "source": source,
-            "created_by": _created_by(),
-            **(extra or {}),
-        }
-        group.attrs["peagle"] = attrs
+        group.attrs["peagle"] = _store_attrs(
+            FORMAT_VERSION, "blocks", verifier=verifier, layers=layers, hidden_size=hidden_size,
+            vocab_size=vocab_size, storage_dtype=storage_dtype, compressor=compressor, block_size=block_size,
+            max_segments=max_segments, n_blocks=n_blocks, n_tokens=n_tokens, tokenizer=tokenizer, source=source,
+            extra=extra)
+        return cls(group, str(path))
+
+    @classmethod
+    def create_windows(
+        cls,
+        path: str | os.PathLike,
+        *,
+        n_blocks: int,
+        block_size: int,
+        max_segments: int,
+        n_context_blocks: int,
+        context_size: int,
+        context_segments: int,
+        layers: list[int],
+        hidden_size: int,
+        vocab_size: int,
+        verifier: dict[str, Any],
+        tokenizer: dict[str, Any] | None = None,
+        source: str = "",
+        storage_dtype: str = "bf16",
+        compressor: str | None = None,
+        n_tokens: int = 0,
+        n_context_tokens: int = 0,
+        extra: dict[str, Any] | None = None,
+        force: bool = False,
+    ) -> "FeatureStore":
+        """Create an empty full-context store (docs/design.md §7, ``layout: "windows"``).
+
+        The root gets :data:`~stores.feature_schema.WINDOW_ARRAYS` for ``n_blocks`` training blocks of
+        ``block_size`` slots; the :data:`CONTEXTS` sub-store gets every array of :meth:`create` for
+        ``n_context_blocks`` context blocks of ``context_size`` slots holding at most
+        ``context_segments`` conversations each; every context block starts not done. ``extra``
+        goes to both attribute sets; other arguments as :meth:`create`.
+
+        Raises:
+            OutputExistsError: ``path`` exists and ``force`` is false.
+            ValueError: an unsupported ``storage_dtype`` or ``compressor``.
+        """
+        specs = store_arrays(storage_dtype)
+        if compressor not in (None, "zstd"):
+            raise ValueError(f"--compressor {compressor!r}: expected zstd or none")
+        group = new_group(str(path), force)
+        L = len(layers)
+        create_arrays(group, WINDOW_ARRAYS, dim_sizes(n_blocks, block_size, max_segments, L, hidden_size, vocab_size),
+                      compressor)
+        sub = group.create_group(CONTEXTS)
+        create_arrays(sub, specs, dim_sizes(n_context_blocks, context_size, context_segments, L, hidden_size,
+                                            vocab_size), compressor)
+        common = dict(verifier=verifier, layers=layers, hidden_size=hidden_size, vocab_size=vocab_size,
+                      storage_dtype=storage_dtype, compressor=compressor, tokenizer=tokenizer, source=source,
+                      extra=extra)
+        sub.attrs["peagle"] = _store_attrs(WINDOWS_FORMAT_VERSION, "contexts", block_size=context_size,
+                                           max_segments=context_segments, n_blocks=n_context_blocks,
+                                           n_tokens=n_context_tokens, **common)
+        group.attrs["peagle"] = _store_attrs(WINDOWS_FORMAT_VERSION, "windows", block_size=block_size,
+                                             max_segments=max_segments, n_blocks=n_blocks, n_tokens=n_tokens, **common)
         return cls(group, str(path))
 
     def update_attrs(self, **values: Any) -> None:
-        """Merge values into the ``peagle`` attributes."""
+        """Merge values into the ``peagle`` attributes (a full-context store's: also its sub-store's)."""
         self.attrs = {**self.attrs, **values}
         self.group.attrs["peagle"] = self.attrs
+        if self.contexts is not None:
+            self.contexts.update_attrs(**values)
+
+    def write_views(self, i: int, views) -> None:
+        """Write training block ``i``'s segment views (full-context stores): ``views [S, 4]`` int
+        (:data:`~stores.feature_schema.VIEW_FIELDS`), padded to ``max_segments`` with -1."""
+        v = np.asarray(views, dtype=np.int32).reshape(-1, len(VIEW_FIELDS))
+        S = int(self.attrs["max_segments"])
+        if len(v) > S:
+            raise ValueError(f"block {i}: {len(v)} segment views > max_segments {S}")
+        row = np.full((S, len(VIEW_FIELDS)), -1, dtype=np.int32)
+        row[: len(v)] = v
+        self._writable(WINDOW_VIEWS.name)[i] = row
+        self._views_cache = None
+
+    def views(self) -> np.ndarray:
+        """``[N, S_max, 4] int32``: every training block's segment views (full-context stores; read once
+        per open store; rows past a block's segments are -1).
+
+        Raises:
+            StoreFormatError: not a full-context store.
+        """
+        if self.layout != "windows":
+            raise StoreFormatError(f"{self.path}: a {self.layout} store has no segment views")
+        if self._views_cache is None:
+            self._views_cache = np.asarray(self.group[WINDOW_VIEWS.name][:], dtype=np.int32)
+        return self._views_cache
 
     # ---------------------------------------------------------------- writes
     def _writable(self, name: str) -> zarr.Array:
@@ -315,6 +416,9 @@ class FeatureStore:
         In a local store, block ``i``'s chunks are removed first (a damaged chunk may be a directory
         or a file that cannot be replaced); the block's data must then be written again.
         """
+        if self.layout == "windows":
+            raise StoreFormatError(f"{self.path}: a full-context store's blocks have no done flags; "
+                                   "clear those of its context blocks (store.contexts)")
         if self._local_root is not None:
             for name in [*self.block_arrays(), "done"]:
                 path = self.chunk_path(name, i)
@@ -330,7 +434,13 @@ class FeatureStore:
 
     # ---------------------------------------------------------------- reads
     def done_mask(self) -> np.ndarray:
-        """``[N] bool``: which blocks are done."""
+        """``[N] bool``: which blocks are done; a full-context store's training block is done when
+        every context block its segments read is done."""
+        if self.layout == "windows":
+            self._refuse_shard()
+            context_done = self.contexts.done_mask()
+            m = self.views()[..., 0]
+            return np.where(m >= 0, context_done[np.clip(m, 0, None)], True).all(axis=1)
         return self.group["done"][:].astype(bool)
 
     def missing_blocks(self) -> list[int]:
@@ -398,6 +508,10 @@ class FeatureStore:
         """
         if not 0 <= i < self.n_blocks:
             raise IndexError(f"block {i} out of range [0, {self.n_blocks})")
+        if self.layout == "windows":
+            tok = self.read_tokens(i, via)
+            hidden = self.contexts.read_runs(self.runs(i, tok[SEGMENTS.name]), via, pin_memory)
+            return Block(**{k: torch.from_numpy(np.asarray(v, dtype=np.int64)) for k, v in tok.items()}, **hidden)
         if self._use_file(via):
             return self._files.read_block(i, pin_memory)
         if self._local_root is not None:
@@ -407,6 +521,56 @@ class FeatureStore:
         raw = {spec.name: self.group[spec.name][i, :T] for spec in hidden_arrays(self.storage_dtype)}
         tensors = {k: torch.from_numpy(np.asarray(a, dtype=np.int64)) for k, a in tok.items()}
         return Block(**tensors, **decode_hidden(self.storage_dtype, raw))
+
+    def runs(self, i: int, cu_seqlens) -> list[tuple[int, int, int]]:
+        """Where training block ``i``'s tokens lie in the context blocks (full-context stores):
+        ``[(context block, first slot, tokens)]`` in token order, one or two per segment.
+
+        Raises:
+            StoreFormatError: a view that does not fit its segment or its context block.
+        """
+        self._refuse_shard()
+        views, lengths = self.views()[i], np.diff(np.asarray(cu_seqlens, dtype=np.int64))
+        out = []
+        C = self.contexts.block_size
+        for k, n in enumerate(lengths.tolist()):
+            m, prefix_slot, prefix_len, body_slot = (int(x) for x in views[k])
+            if not (0 <= m < self.contexts.n_blocks and 0 <= prefix_len <= n and prefix_slot >= 0
+                    and prefix_slot + prefix_len <= C and body_slot >= 0 and body_slot + n - prefix_len <= C):
+                raise StoreFormatError(f"{self.path}: block {i} segment {k}: view {views[k].tolist()} does not fit "
+                                       f"a segment of {n} tokens in {self.contexts.n_blocks} context blocks of {C} "
+                                       "slots (run `peagle-data verify`)")
+            if prefix_len:
+                out.append((m, prefix_slot, prefix_len))
+            if n > prefix_len:
+                out.append((m, body_slot, n - prefix_len))
+        return out
+
+    def _refuse_shard(self) -> None:
+        shard = self.attrs.get("shard")
+        if shard:
+            raise StoreFormatError(
+                f"{self.path} is shard {shard['shard_index']} of {shard['num_shards']} of a full-context store: its "
+                "training blocks read context blocks of the other shards too. Join the shards first: "
+                "peagle-data merge SHARD_0 ... SHARD_N-1 --output STORE")
+
+    def read_runs(self, runs: list[tuple[int, int, int]], via: str = "auto",
+                  pin_memory: bool = False) -> dict[str, torch.Tensor]:
+        """The hidden states of ``runs`` (``[(block, first slot, tokens)]``) laid end to end:
+        ``{"aux_hidden": [T, L, H], "final_hidden": [T, H]}`` bf16, T the runs' tokens summed
+        (a full-context store's sub-store; ``via`` as :meth:`read_block`)."""
+        if self._use_file(via):
+            return self._files.read_runs(runs, pin_memory)
+        raw, chunks = {}, {}
+        for spec in hidden_arrays(self.storage_dtype):
+            parts = []
+            for m, s, n in runs:
+                if (spec.name, m) not in chunks:  # a compressed chunk decodes whole: once per block
+                    chunks[spec.name, m] = self.array(spec.name)[m]
+                parts.append(chunks[spec.name, m][s:s + n])
+            shape = spec.block_shape(self.sizes())[1:]
+            raw[spec.name] = np.concatenate(parts) if parts else np.zeros((0, *shape), dtype=spec.dtype)
+        return decode_hidden(self.storage_dtype, raw)
 
     def read_blocks(self, ids, via: str = "auto", pin_memory: bool = False) -> list[Block]:
         """:meth:`read_block` of each id in ``ids`` (one request for several blocks), in order."""
@@ -424,6 +588,8 @@ class FeatureStore:
     # ---------------------------------------------------------------- damage
     def block_arrays(self) -> list[str]:
         """Names of the arrays holding one chunk per block (the ``done`` flag excluded)."""
+        if self.layout == "windows":
+            return [s.name for s in WINDOW_ARRAYS if s.chunking == "block"]
         return block_arrays(self.storage_dtype)
 
     def chunk_path(self, name: str, i: int) -> Path | None:
@@ -435,7 +601,10 @@ class FeatureStore:
 
     def check_chunks_exist(self, i: int) -> None:
         """Every chunk of a done block is written (``write_empty_chunks``); a missing one is damage."""
-        if self.raw_chunks:
+        if self.layout == "windows":  # the training blocks' arrays are all written when the store is made
+            if not self.attrs.get("tokens_written"):
+                return
+        elif self.raw_chunks:
             done = self.chunk_path("done", i)  # raw chunk: the flag's byte + the crc32c
             if not done.is_file() or done.read_bytes()[:1] != b"\x01":
                 return
@@ -448,8 +617,24 @@ class FeatureStore:
                                    "damaged blocks; `peagle-data verify` lists them)")
 
     def summary(self) -> dict[str, Any]:
-        """Facts for ``peagle-data inspect``."""
+        """Facts for ``peagle-data inspect`` (a full-context store's also under ``contexts``: its
+        context blocks, the tokens the verifier ran, and the bytes of both parts)."""
         done = self.done_mask()
+        if self.layout == "windows":
+            contexts = self.contexts.summary()
+            token_bytes = self.n_blocks * (self.block_size * 9 + (int(self.attrs["max_segments"]) * 5 + 1) * 4)
+            return {
+                "path": self.path, "format_version": self.attrs["format_version"], "layout": self.layout,
+                "verifier": self.attrs["verifier"].get("name_or_path"), "layers": self.layers,
+                "hidden_size": self.hidden_size, "storage_dtype": self.storage_dtype, "block_size": self.block_size,
+                "n_blocks": self.n_blocks, "n_tokens": self.n_tokens, "blocks_done": int(done.sum()),
+                "percent_done": round(100.0 * float(done.mean()), 2) if len(done) else 100.0,
+                "stored_bytes": contexts["stored_bytes"] + token_bytes,
+                "contexts": {k: contexts[k] for k in ("block_size", "n_blocks", "n_tokens", "blocks_done",
+                                                      "bytes_per_token", "stored_bytes")},
+                **{k: self.attrs[k] for k in ("context",) if k in self.attrs},
+                **({"config": self.attrs["config"]} if "config" in self.attrs else {}),
+            }
         return {
             "path": self.path,
             "format_version": self.attrs["format_version"],
@@ -466,6 +651,29 @@ class FeatureStore:
             "stored_bytes": self.n_blocks * self.block_size * self.bytes_per_token(),
             **({"config": self.attrs["config"]} if "config" in self.attrs else {}),  # extract's options
         }
+
+
+def _store_attrs(format_version: int, layout: str, *, verifier, layers, hidden_size, vocab_size, storage_dtype,
+                 compressor, block_size, max_segments, n_blocks, n_tokens, tokenizer, source, extra) -> dict[str, Any]:
+    """The ``peagle`` attributes of a new store or sub-store (docs/design.md §7)."""
+    return {
+        "format_version": format_version,
+        **({"layout": layout} if layout != "blocks" else {}),
+        "verifier": dict(verifier, hidden_size=hidden_size, vocab_size=vocab_size),
+        "layers": list(layers),
+        "layer_convention": LAYER_CONVENTION,
+        "final": "post_norm",
+        "storage_dtype": storage_dtype,
+        "compressor": compressor,
+        "block_size": block_size,
+        "max_segments": max_segments,
+        "n_blocks": n_blocks,
+        "n_tokens": n_tokens,
+        "tokenizer": tokenizer or {},
+        "source": source,
+        "created_by": _created_by(),
+        **(extra or {}),
+    }
 
 
 def _created_by() -> str:
@@ -514,6 +722,37 @@ class StoreFileReader:
             raw[spec.name] = a
         hidden = decode_hidden(self.store.storage_dtype, raw, copy=False)  # bf16 bit patterns viewed in place
         return Block(**{k: torch.from_numpy(v) for k, v in tok.items()}, **hidden)
+
+    def read_runs(self, runs: list[tuple[int, int, int]], pin_memory: bool) -> dict[str, torch.Tensor]:
+        """:meth:`FeatureStore.read_runs` from the chunk files: each run one ``preadv`` at its slot's
+        byte offset (each block's chunk file opened once and its size checked)."""
+        T = sum(n for _, _, n in runs)
+        pin_memory = pin_memory and torch.cuda.is_available()
+        raw = {}
+        for spec, shape, chunk_bytes in self._hidden_layout():
+            if pin_memory and spec.dtype == "uint16":
+                a = torch.empty((T, *shape[1:]), dtype=torch.uint16, pin_memory=True).numpy()
+            else:
+                a = np.empty((T, *shape[1:]), dtype=spec.dtype)
+            slot_bytes = chunk_bytes // shape[0]
+            fds: dict[int, int] = {}
+            pos = 0
+            try:
+                for m, s, n in runs:
+                    where = self.store.chunk_path(spec.name, m)
+                    if m not in fds:
+                        try:
+                            fds[m] = self.files.open(spec.name, m, len(shape))
+                        except FileNotFoundError:
+                            raise StoreFormatError(f"{where}: chunk file is missing (run `peagle-data verify`)") from None
+                        ChunkFiles.check_size(fds[m], chunk_bytes, where)
+                    ChunkFiles.read_at(fds[m], a[pos:pos + n], s * slot_bytes, where)
+                    pos += n
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
+            raw[spec.name] = a
+        return decode_hidden(self.store.storage_dtype, raw, copy=False)
 
     def _hidden_layout(self) -> list[tuple[ArraySpec, tuple[int, ...], int]]:
         """``(spec, block shape, chunk bytes)`` of each hidden array, computed once per store."""

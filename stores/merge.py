@@ -29,6 +29,7 @@ from stores.feature_schema import hidden_arrays
 from stores.feature_store import FeatureStore
 from stores.staging import staged_output_dir
 from stores.token_tables import (
+    CONVERSATIONS,
     REJECTS,
     TokenTable,
     manifest_sha256,
@@ -190,6 +191,8 @@ def merge_tables(paths: list[str | os.PathLike], output: str | os.PathLike, forc
             merged_from.append({"path": str(t.directory), "shard_index": _shard_of(t)[1],
                                 "manifest_sha256": manifest_sha256(t.directory), "rows": t.num_rows,
                                 "parts": len(files)})
+        if kind == "packed":
+            _merge_conversations(tables, out)
         with (out / REJECTS).open("wb") as dst:
             for t in tables:
                 if t.rejects_path.is_file():
@@ -206,6 +209,30 @@ def merge_tables(paths: list[str | os.PathLike], output: str | os.PathLike, forc
                         merged_from=merged_from, num_shards=len(tables))
         write_manifest(out, manifest)
     return manifest
+
+
+def _merge_conversations(tables: list[TokenTable], out: Path) -> None:
+    """The packed shards' :data:`~stores.token_tables.CONVERSATIONS` sub-tables joined in shard order
+    (part files linked); nothing when no shard has one.
+
+    Raises:
+        StoreMismatchError: some shards have the sub-table and others not (packed by different peagle versions).
+    """
+    subs = [t.conversations() for t in tables]
+    if all(s is None for s in subs):
+        return
+    if any(s is None for s in subs):
+        lacking = [str(t.directory) for t, s in zip(tables, subs) if s is None]
+        raise StoreMismatchError(f"{', '.join(lacking)}: no {CONVERSATIONS} sub-table, which the other shards have "
+                                 "(packed by an older peagle); pack those shards again")
+    (out / CONVERSATIONS).mkdir()
+    k = rows = 0
+    for sub in subs:
+        for f in sub._files():
+            _link_or_copy(f, out / CONVERSATIONS / f"part-{k:05d}.parquet")
+            k += 1
+        rows += sub.num_rows
+    write_manifest(out / CONVERSATIONS, {**subs[0].manifest, "rows": rows})
 
 
 def _link_or_copy(src: Path, dest: Path) -> None:

@@ -67,6 +67,14 @@ class PackedRow:
     """``[S]`` mixture source of each window; None outside mixtures."""
     segment_loss_tokens: list[int] | None = _col(pa.list_(pa.int32()), default=None)
     """``[S]`` supervised tokens of each window; None outside mixtures."""
+    segment_prefix_lens: list[int] | None = _col(pa.list_(pa.int32()), default=None)
+    """``[S]`` tokens of the system prefix at the front of each window (0 for a window that is its
+    whole conversation); None in tables packed before peagle recorded where windows come from."""
+    segment_starts: list[int] | None = _col(pa.list_(pa.int64()), default=None)
+    """``[S]`` where each window continues in its conversation (a row of the packed table's
+    ``conversations`` sub-table, named by the window id before ``#``): window token
+    ``j < prefix_len`` is conversation token ``j``, token ``j >= prefix_len`` is conversation token
+    ``segment_starts + j - prefix_len``; None in older tables (docs/design.md §6)."""
 
     def as_dict(self) -> dict[str, Any]:
         """The row as :class:`stores.token_tables.TableWriter` writes it (no copies)."""

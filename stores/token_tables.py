@@ -35,6 +35,7 @@ __all__ = [
     "TOKENIZED_SCHEMA",
     "PACKED_SCHEMA",
     "MANIFEST",
+    "CONVERSATIONS",
     "REJECTS",
     "TOKEN_FREQ",
     "TableWriter",
@@ -75,14 +76,23 @@ PACKED_SCHEMA = pa.schema([
     ("n_tokens", pa.int32()),
     ("segment_datasets", pa.list_(pa.string())),
     ("segment_loss_tokens", pa.list_(pa.int32())),
+    ("segment_prefix_lens", pa.list_(pa.int32())),
+    ("segment_starts", pa.list_(pa.int64())),
 ])
 
 SCHEMAS = {"tokenized": TOKENIZED_SCHEMA, "packed": PACKED_SCHEMA}
 
-OPTIONAL_COLUMNS = frozenset({"dataset", "segment_datasets", "segment_loss_tokens"})
+OPTIONAL_COLUMNS = frozenset({"dataset", "segment_datasets", "segment_loss_tokens", "segment_prefix_lens",
+                              "segment_starts"})
 """Columns a row may leave out (written as nulls) and a table may lack (tables of older runs):
 the mixture source of a tokenized row (``dataset``), and of each window of a packed row with its
-supervised tokens (``segment_datasets``, ``segment_loss_tokens``); null outside mixtures."""
+supervised tokens (``segment_datasets``, ``segment_loss_tokens``; null outside mixtures); where each
+window of a packed row comes from in its conversation (``segment_prefix_lens``, ``segment_starts``;
+absent from tables packed before peagle recorded it)."""
+
+CONVERSATIONS = "conversations"
+"""The sub-table of a packed table that holds the tokenized rows its windows were cut from (a
+tokenized table in the directory ``PACKED/conversations``), read by full-context extraction."""
 
 
 def library_versions() -> dict[str, str]:
@@ -311,6 +321,10 @@ class TokenTable:
     def _dataset(self) -> pq.ParquetDataset:
         return pq.ParquetDataset([str(f) for f in self._files()])
 
+    def columns(self) -> list[str]:
+        """The table's column names (a table of an older run may lack optional ones)."""
+        return list(self._dataset().schema.names)
+
     @property
     def num_rows(self) -> int:
         return sum(pq.ParquetFile(f).metadata.num_rows for f in self._files())
@@ -344,6 +358,21 @@ class TokenTable:
 
     def token_freq(self) -> np.ndarray | None:
         return read_token_freq(self.directory)
+
+    def conversations(self) -> "TokenTable | None":
+        """The :data:`CONVERSATIONS` sub-table of a packed table, None when it has none (packed
+        before peagle kept it).
+
+        Raises:
+            StoreFormatError: the sub-table is there but unfinished or not a tokenized table.
+        """
+        path = self.directory / CONVERSATIONS
+        if self.kind != "packed" or not path.is_dir():
+            return None
+        table = TokenTable.open(path)
+        if table.kind != "tokenized":
+            raise StoreFormatError(f"{path}: a {table.kind} table where the conversations of {self.directory} belong")
+        return table
 
 
 def _value(column: pa.Array, i: int):

@@ -15,10 +15,17 @@ from peagle_data.extract.vllm import VllmEngine
 from peagle_data.prepare.shards import check_shard
 from stores.feature_schema import STORAGE_DTYPES
 
-__all__ = ["ATTN_IMPLEMENTATIONS", "ENGINES", "ExtractConfig"]
+__all__ = ["ATTN_IMPLEMENTATIONS", "CONTEXTS", "DEFAULT_MAX_CONTEXT", "ENGINES", "ExtractConfig"]
 
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2")
 """The verifier attention implementations ``--attn-implementation`` accepts."""
+
+CONTEXTS = ("window", "full")
+"""``--context``: where windows' features come from (:attr:`ExtractConfig.context`)."""
+
+DEFAULT_MAX_CONTEXT = 32768
+"""The most tokens ``--context full`` runs at once unless ``--max-context`` says (and the verifier's
+``max_position_embeddings`` allows)."""
 
 ENGINES: dict[str, type[VerifierEngine]] = {"hf": HfEngine, "vllm": VllmEngine}
 """``--engine``: the verifier engines (:class:`peagle_data.extract.engine.VerifierEngine`). A new engine is
@@ -79,6 +86,15 @@ class ExtractConfig:
     """--server: this machine's path of the directory the server's hidden-states connector writes to."""
     concurrency: int = 16
     """--server: requests in flight."""
+    context: str = "window"
+    """Where a window's features come from: ``window`` (each packed block runs as it is: a later window of a
+    long conversation is seen without the tokens before it) or ``full`` (each conversation runs once, whole,
+    up to ``--max-context``, and windows read their features from it: what the verifier computes at that token
+    when it serves; needs a table packed by this peagle, which keeps the conversations)."""
+    max_context: int | None = None
+    """--context full: the most tokens the verifier runs at once; a longer conversation is cut into pieces
+    of this length (overlap 0.5) and each window reads the first piece that holds it (counted as
+    conversations_split). Default: the verifier's max_position_embeddings, at most 32768."""
 
     def __post_init__(self) -> None:
         if self.resume and self.force:
@@ -101,6 +117,10 @@ class ExtractConfig:
         if self.writer_queue < 1:
             raise ValueError("writer_queue must be ≥ 1")
         check_shard(self.num_shards, self.shard_index)
+        if self.context not in CONTEXTS:
+            raise ValueError(f"--context: expected one of {CONTEXTS}, got {self.context!r}")
+        if self.max_context is not None and (self.context != "full" or self.max_context < 1):
+            raise ValueError("--max-context is an option of --context full, and must be ≥ 1")
         if self.engine not in ENGINES:
             raise ValueError(f"--engine: expected one of {sorted(ENGINES)}, got {self.engine!r}")
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1 or self.concurrency < 1:

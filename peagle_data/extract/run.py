@@ -18,18 +18,20 @@ Legend: T tokens in a block, L aux layers, H hidden size, S segments.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from peagle_data.extract.config import ENGINES, ExtractConfig
+from peagle_data.extract.config import DEFAULT_MAX_CONTEXT, ENGINES, ExtractConfig
+from peagle_data.extract.contexts import ContextPlan, plan_contexts
 from peagle_data.extract.engine import PackedFacts, VerifierEngine
 from peagle_data.extract.hf_forward import check_packable, default_layers
 from peagle_data.extract.store import BlockWriter, check_resumable, open_or_create, open_packed
 from stores.errors import InputError, OutputExistsError, StoreFormatError
-from stores.feature_repair import repair_blocks, repair_shared
+from stores.feature_repair import repair_blocks, repair_shared, repair_windows
 from stores.feature_schema import SEGMENTS, TOKEN_ARRAYS
 from stores.feature_store import FeatureStore
 from stores.files import is_local, is_zarr_store
@@ -135,7 +137,16 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
     table = open_packed(cfg.packed)
     if is_local(cfg.output) and Path(cfg.output).exists() and not (cfg.resume or cfg.force):
         raise OutputExistsError(cfg.output, "pass --resume to continue it or --force to overwrite it")
-    rows = list(table.iter_rows(PACKED_COLUMNS))
+    plan = None
+    if cfg.context == "full":
+        cfg = dataclasses.replace(cfg, max_context=_max_context(cfg))
+        plan = _plan(cfg, table)
+        rows = plan.rows  # the verifier runs the context blocks
+        log(f"full context: {plan.counts['conversations']:,} conversations in {plan.counts['contexts']:,} contexts "
+            f"({plan.counts['conversations_split']:,} longer than --max-context {cfg.max_context}, split), "
+            f"{plan.counts['tokens_extracted']:,} tokens in {len(rows):,} context blocks of {plan.context_size}")
+    else:
+        rows = list(table.iter_rows(PACKED_COLUMNS))
     rows = rows[cfg.shard_index::cfg.num_shards]  # this shard's blocks (all of them unsharded)
     device = cfg.device or (str(state.device) if state.device.type == "cuda" else "cpu")
     directory = _check_before_weights(cfg, table, rows, device)
@@ -148,7 +159,8 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
     engine = ENGINES[cfg.engine].open(cfg, directory, _layers_of(cfg), log, device, facts)
     try:
         layers = _layers_of(cfg, engine.desc["num_hidden_layers"])
-        store, repaired = _store_on_every_rank(state, cfg, rows, table, engine, layers, log, config)
+        root, repaired = _store_on_every_rank(state, cfg, rows, table, engine, layers, log, config, plan)
+        store = root.contexts if root.layout == "windows" else root  # the blocks the verifier runs
         todo = store.missing_blocks()
         state.wait_for_everyone()  # every rank reads the same list before any rank writes
         todo = todo[state.process_index::state.num_processes]
@@ -163,6 +175,11 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
             "they are left not done")
     state.wait_for_everyone()
     summary = _summary(cfg, state, store, todo, tokens, layers, repaired, nonfinite)
+    if root.layout == "windows":
+        summary.update(context=root.attrs.get("context"), n_blocks=root.n_blocks, n_tokens=root.n_tokens,
+                       context_blocks=store.n_blocks, context_blocks_done=summary["blocks_done"],
+                       stored_bytes=root.summary()["stored_bytes"] if not root.attrs.get("shard") else None)
+        summary["blocks_done"] = None if root.attrs.get("shard") else int(root.done_mask().sum())
     # a rank that exits with its gloo/NCCL group alive can abort in the group's threads (SIGABRT,
     # "terminate called without an active exception") and fail the launch
     state.destroy_process_group()
@@ -216,21 +233,65 @@ def _summary(cfg: ExtractConfig, state, store: FeatureStore, todo: list[int], to
 
 
 def _store_on_every_rank(state, cfg: ExtractConfig, rows, table, engine: VerifierEngine, layers: list[int],
-                         log: Callable[[str], None], config: dict[str, Any] | None) -> tuple[FeatureStore, dict]:
+                         log: Callable[[str], None], config: dict[str, Any] | None,
+                         plan: ContextPlan | None = None) -> tuple[FeatureStore, dict]:
     """The store, created or resumed by the main process and then opened by the others; with
-    ``resume``, each rank's share of the blocks checked and repaired. Returns ``(store, {block: reason})``."""
+    ``resume``, each rank's share of the blocks checked and repaired (a full-context store's context
+    blocks; its training blocks' arrays by the main process). Returns ``(store, {block: reason})``."""
     if state.is_main_process:
-        store = open_or_create(cfg, rows, table, engine.desc, layers, log, engine.record)
+        root = open_or_create(cfg, rows, table, engine.desc, layers, log, engine.record, plan)
         if config is not None:
-            store.update_attrs(config=config)
+            root.update_attrs(config=config)
         if cfg.resume:
-            repair_shared(store, rows, log)
+            if plan is not None:
+                repair_windows(root, plan.training_rows, plan.views, log)
+                repair_shared(root, plan.training_rows, log)
+            repair_shared(root.contexts if plan is not None else root, rows, log)
     state.wait_for_everyone()
     if not state.is_main_process:
-        store = FeatureStore.open(cfg.output, mode="r+")
+        root = FeatureStore.open(cfg.output, mode="r+")
+    store = root.contexts if root.layout == "windows" else root
     repaired = repair_blocks(store, rows, state.process_index, state.num_processes, log) if cfg.resume else {}
     state.wait_for_everyone()
-    return store, repaired
+    return root, repaired
+
+
+def _max_context(cfg: ExtractConfig) -> int:
+    """``--max-context``, else the verifier's ``max_position_embeddings`` capped at :data:`DEFAULT_MAX_CONTEXT`
+    (read from its config, before the weights).
+
+    Raises:
+        InputError: a ``--max-context`` past the verifier's ``max_position_embeddings``.
+    """
+    limit = getattr(text_config(load_model_config(cfg.verifier)), "max_position_embeddings", None)
+    if cfg.max_context is None:
+        return min(int(limit), DEFAULT_MAX_CONTEXT) if limit else DEFAULT_MAX_CONTEXT
+    if limit and cfg.max_context > int(limit):
+        raise InputError(f"--max-context {cfg.max_context} is past the verifier's max_position_embeddings {limit}: "
+                         "it computes no positions beyond them", field="--max-context")
+    return int(cfg.max_context)
+
+
+def _plan(cfg: ExtractConfig, table) -> ContextPlan:
+    """The full-context plan of the packed table (:func:`plan_contexts`), from its blocks and its
+    conversations sub-table.
+
+    Raises:
+        InputError: a table packed before peagle kept its conversations.
+    """
+    conversations = table.conversations()
+    if conversations is None:
+        raise InputError(f"{cfg.packed} has no conversations sub-table (packed by an older peagle): pack it again "
+                         "for --context full, or extract it with --context window", field="--context")
+    by_id = {r["conversation_id"]: r for r in conversations.iter_rows(["conversation_id", "input_ids", "loss_mask",
+                                                                       "system_len"])}
+    where = ["segment_ids", "segment_prefix_lens", "segment_starts"]
+    if not set(where) <= set(table.columns()):
+        raise InputError(f"{cfg.packed} was packed by an older peagle, which did not record where its windows come "
+                         "from: pack it again for --context full, or extract it with --context window", field="--context")
+    training = list(table.iter_rows(PACKED_COLUMNS + where))
+    block_size = int(table.manifest.get("parameters", {}).get("block_size") or 0)
+    return plan_contexts(training, by_id, int(cfg.max_context), block_size, str(cfg.packed))
 
 
 def _extract_blocks(engine: VerifierEngine, store: FeatureStore, rows, todo: list[int], cfg: ExtractConfig,

@@ -171,18 +171,65 @@ def _create_store(cfg, rows, table: TokenTable, desc: dict, layers: list[int],
     return store
 
 
-def _shard_attrs(cfg, table: TokenTable) -> dict[str, Any]:
+def _create_windows_store(cfg, rows, plan, table: TokenTable, desc: dict, layers: list[int],
+                          log: Callable[[str], None], engine: dict[str, Any]) -> FeatureStore:
+    """A full-context store (docs/design.md §7): the training blocks' token arrays and views at the
+    root from ``plan.training_rows``/``plan.views``, this shard's context blocks (``rows``) below."""
+    block_size = int(table.manifest.get("parameters", {}).get("block_size") or 0)
+    training = plan.training_rows
+    block_size = max([block_size] + [int(r["n_tokens"]) for r in training])
+    max_segments = max((len(r["cu_seqlens"]) - 1 for r in training), default=1)
+    context_segments = max((len(r["cu_seqlens"]) - 1 for r in plan.rows), default=1)
+    H, V = desc["hidden_size"], desc["vocab_size"]
+    per_token = bytes_per_token(len(layers), H, cfg.storage_dtype)
+    projected = len(rows) * plan.context_size * per_token + len(training) * block_size * 9
+    out = Path(cfg.output)
+    if is_local(cfg.output) and out.exists() and not cfg.force:
+        raise OutputExistsError(str(out), "pass --resume to continue it or --force to overwrite it")
+    counts = plan.counts
+    log(f"projected store size: {projected / 2**20:.1f} MiB: {len(rows)} context blocks of {plan.context_size} token "
+        f"slots ({per_token} bytes per token, {cfg.storage_dtype}) holding {counts['tokens_extracted']:,} tokens of "
+        f"{counts['conversations']:,} conversations ({counts['conversations_split']:,} longer than --max-context "
+        f"{counts['max_context']}, split), for {len(training)} training blocks")
+    if is_local(cfg.output):
+        _check_disk(out, projected, cfg.force)
+    store = FeatureStore.create_windows(
+        cfg.output, compressor=cfg.compressor, n_blocks=len(training), block_size=block_size,
+        max_segments=max_segments, n_context_blocks=len(rows), context_size=plan.context_size,
+        context_segments=context_segments, layers=layers, hidden_size=H, vocab_size=V, verifier=desc,
+        tokenizer=table.manifest.get("tokenizer", {}), source=manifest_sha256(cfg.packed),
+        storage_dtype=cfg.storage_dtype, n_tokens=int(sum(int(r["n_tokens"]) for r in training)),
+        n_context_tokens=int(sum(int(r["n_tokens"]) for r in rows)), force=cfg.force,
+        extra={"engine": engine, "context": counts, **_shard_attrs(cfg, table, len(plan.rows))},
+    )
+    for i, r in enumerate(training):
+        store.write_token_row(i, r)
+        store.write_views(i, plan.views[i])
+    write_shared(store, training)
+    for i, r in enumerate(rows):
+        store.contexts.write_token_row(i, r)
+    write_shared(store.contexts, rows)
+    store.update_attrs(tokens_written=True)  # last: a store without it is recreated on --resume
+    return store
+
+
+def _shard_attrs(cfg, table: TokenTable, n_blocks: int | None = None) -> dict[str, Any]:
     """Store attributes naming a shard store's part of the packed table (none for a whole store)."""
     if cfg.num_shards == 1:
         return {}
+    if n_blocks is not None:  # a full-context store: shards split the context blocks
+        return {"shard": {"num_shards": cfg.num_shards, "shard_index": cfg.shard_index, "context_blocks": n_blocks,
+                          "blocks": "context block shard_index + k * num_shards is the sub-store's block k"}}
     return {"shard": {"num_shards": cfg.num_shards, "shard_index": cfg.shard_index,
                       "packed_blocks": table.num_rows,
                       "blocks": "packed block shard_index + k * num_shards is store block k"}}
 
 
-def open_or_create(cfg, rows, table, desc, layers, log, engine: dict[str, Any]) -> FeatureStore:
+def open_or_create(cfg, rows, table, desc, layers, log, engine: dict[str, Any], plan=None) -> FeatureStore:
     """The store of ``cfg.output``: resumed (checked by :func:`check_resumable`) or created with the
-    verifier ``desc`` and the ``engine`` attribute (:attr:`VerifierEngine.record`)."""
+    verifier ``desc`` and the ``engine`` attribute (:attr:`VerifierEngine.record`). With a full-context
+    ``plan`` (:class:`peagle_data.extract.contexts.ContextPlan` with ``training_rows``), ``rows`` are
+    this shard's context blocks and the store is a full-context one."""
     out = Path(cfg.output)
     if cfg.resume and (out.exists() or not is_local(cfg.output)):
         try:
@@ -197,6 +244,8 @@ def open_or_create(cfg, rows, table, desc, layers, log, engine: dict[str, Any]) 
             cfg = dataclasses.replace(cfg, force=True, resume=False)
             if is_local(cfg.output):
                 shutil.rmtree(out)
+    if plan is not None:
+        return _create_windows_store(cfg, rows, plan, table, desc, layers, log, engine)
     return _create_store(cfg, rows, table, desc, layers, log, engine)
 
 
@@ -234,7 +283,10 @@ def _resume_conflicts(store: FeatureStore, cfg, verifier: dict[str, Any]) -> lis
         ("--num-shards", have.get("num_shards", 1), cfg.num_shards),
         ("--shard-index", have.get("shard_index", 0), cfg.shard_index),
         ("--engine", engine.get("name", "hf"), cfg.engine),  # stores made before --engine: hf
+        ("--context", "full" if store.layout == "windows" else "window", cfg.context),
     ]
+    if store.layout == "windows" and cfg.context == "full":
+        rows.append(("--max-context", (store.attrs.get("context") or {}).get("max_context"), cfg.max_context))
     if engine.get("name") == "vllm" and cfg.engine == "vllm" and "tensor_parallel_size" in engine and not cfg.server:
         rows += [("--tensor-parallel-size", engine["tensor_parallel_size"], cfg.tensor_parallel_size),
                  ("--pipeline-parallel-size", engine["pipeline_parallel_size"], cfg.pipeline_parallel_size)]

@@ -81,6 +81,7 @@ from stores.token_rows import TokenizedRow
 from stores.token_tables import (
     MANIFEST,
     RejectsWriter,
+    CONVERSATIONS,
     TableWriter,
     TokenTable,
     manifest_sha256,
@@ -228,12 +229,15 @@ def run_pack(run: PackRun, tokenizer=None, explicit: Collection[str] | None = No
                                          rejects, counts) if tables is not None
                     else iter_source_groups(iter_tokenized, inputs, mixture, tokenizer, cfg.tokenize, rejects, counts,
                                             run_shard_filter(cfg.tokenize)))
-            with _WindowSpill(out) as spill:
-                _collect_windows(rows, cfg, rejects, counts, spill)
+            (out / CONVERSATIONS).mkdir()
+            with _WindowSpill(out) as spill, TableWriter(out / CONVERSATIONS, "tokenized") as conversations:
+                _collect_windows(rows, cfg, rejects, counts, spill, conversations)
                 counts.rejected_by_reason = dict(rejects.by_reason)
                 assert counts.used + counts.rejected == counts.read, counts
                 token_freq = _write_blocks(out, spill, cfg.block_size_tokens, len(tokenizer), counts)
         write_token_freq(out, token_freq)
+        write_manifest(out / CONVERSATIONS, {"kind": "tokenized", "of": "the rows the packed table's windows are cut from",
+                                             "rows": conversations.n_rows})
         write_manifest(out, _pack_manifest(inputs, files, cfg, tokenizer_name, tokenizer, template, counts,
                                            mixture, tables, config))
     return {"output": str(output), "counts": counts.to_manifest()}
@@ -295,6 +299,9 @@ class _WindowSpill:
         self.lengths: list[int] = []
         self.min_lengths: list[int] = []
         self.prefix_lens: list[int] = []
+        self.body_starts: list[int] = []
+        """Each window's first body token in its conversation (``system_len + Window.body_start``; 0
+        for a whole conversation), before the packer trims it."""
         self.offsets: list[int] = []
         self.datasets: list[str | None] = []
         """Each window's mixture source (None outside mixtures)."""
@@ -309,6 +316,7 @@ class _WindowSpill:
         self.lengths.append(window.n_tokens)
         self.min_lengths.append(window.n_tokens - window.trimmable)
         self.prefix_lens.append(window.prefix_len)
+        self.body_starts.append(window.prefix_len + window.body_start)
         self.offsets.append(self._end)
         self._end += len(data)
 
@@ -336,8 +344,10 @@ class _WindowSpill:
 
 
 def _collect_windows(groups: Iterator[list[TokenizedRow]], cfg: PackConfig, rejects: RejectsWriter,
-                     counts: Counts, spill: _WindowSpill) -> None:
-    """Cut every conversation's rows into windows, spilled to ``spill``; conversations with none are rejected."""
+                     counts: Counts, spill: _WindowSpill, conversations: TableWriter) -> None:
+    """Cut every conversation's rows into windows, spilled to ``spill``; conversations with none are
+    rejected. Each row a kept window comes from is written to ``conversations`` (the packed table's
+    :data:`~stores.token_tables.CONVERSATIONS` sub-table, read by full-context extraction)."""
     counts.windows = counts.windows_dropped = counts.windows_capped = 0
     for group in groups:
         source, cid = group[0].source, group[0].conversation_id
@@ -365,6 +375,10 @@ def _collect_windows(groups: Iterator[list[TokenizedRow]], cfg: PackConfig, reje
         for segment in segments:
             spill.append(*segment)
             spill.datasets.append(group[0].dataset)
+        used = {sid.rpartition("#")[0] for sid, _ in segments}
+        for row in group:
+            if row.conversation_id in used:
+                conversations.write(row)
 
 
 def _write_blocks(out: Path, spill: _WindowSpill, block_size: int, vocab_size: int,
@@ -378,6 +392,9 @@ def _write_blocks(out: Path, spill: _WindowSpill, block_size: int, vocab_size: i
         for block_id, members in enumerate(progress(blocks, desc="pack", unit="block")):
             segments = [spill.read(i, used_lengths[i]) for i in members]
             row = make_packed_row(block_id, segments)
+            row.segment_prefix_lens = [spill.prefix_lens[i] for i in members]
+            # a trimmed window lost leading body tokens: it continues that much later in its conversation
+            row.segment_starts = [spill.body_starts[i] + spill.lengths[i] - used_lengths[i] for i in members]
             if mixed:  # per-window sources and supervised tokens (peagle-data stats per source)
                 row.segment_datasets = [spill.datasets[i] for i in members]
                 row.segment_loss_tokens = [int(m.sum()) for _, _, m in segments]

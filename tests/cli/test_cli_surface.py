@@ -24,7 +24,7 @@ EXACT = {
     ("data", "extract"): {"--verifier", "--output", "--layers", "--storage-dtype", "--compressor",
                           "--attn-implementation", "--resume", "--force", "--device", "--max-blocks", *SHARDS,
                           "--engine", "--tensor-parallel-size", "--pipeline-parallel-size", "--server",
-                          "--shared-storage", "--concurrency", *CONFIG_FILE},
+                          "--shared-storage", "--concurrency", "--context", "--max-context", *CONFIG_FILE},
     ("data", "regenerate"): {"--output", "--verifier", "--server", "--served-model", "--max-new-tokens",
                              "--temperature", "--turns", "--concurrency", "--batch-size", "--device", "--limit",
                              "--format", "--retries", "--timeout", "--seed", "--tokenizer", "--server-kind",

@@ -1,0 +1,255 @@
+"""Full-context extraction (docs/design.md §7, ``extract --context full``).
+
+- Every stored token's features equal a transformers forward of its whole conversation up to that
+  token, at every stored layer and the final slot, within bf16 rounding, for every family of the tiny
+  matrix (sliding-window, chunked and soft-capped ones included) and for SmolLM2; the windows read back
+  from the store are slices of that forward.
+- A conversation longer than ``--max-context`` is cut into the pieces the plan says, and its windows
+  equal the forward of their piece.
+- A killed extraction resumes byte-identical; a resume with another ``--max-context`` and a table
+  without conversations are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from peagle_data.extract.config import ExtractConfig
+from peagle_data.extract.run import run_extract
+from peagle_data.prepare.packing import make_packed_row, pack_blocks_flexible
+from peagle_data.prepare.windows import make_windows, trim_window
+from stores.errors import InputError
+from stores.feature_repair import verify_store
+from stores.feature_store import CONTEXTS, FeatureStore
+from stores.staging import prepare_output_dir
+from stores.token_rows import TokenizedRow
+from stores.token_tables import CONVERSATIONS, TableWriter, TokenTable, write_manifest
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "tests"))
+from families import FAMILIES, build_family, hidden_states_as_stored, save_family  # noqa: E402
+
+LAYERS = [0, 1, 2]
+SHAPES = [(10, 3), (40, 3), (70, 4), (14, 0), (30, 0)]
+"""(tokens, system_len) of the synthetic conversations: one whole window, two split into windows of 16."""
+
+
+def synthetic_conversations(vocab: int, seed: int = 0, shapes=SHAPES) -> list[TokenizedRow]:
+    """Random conversations: ids in ``3..vocab-3``, a loss mask of density 0.7 (0 on the system prefix)."""
+    g = np.random.default_rng(seed)
+    rows = []
+    for c, (T, P) in enumerate(shapes):
+        ids = g.integers(3, vocab - 3, T).astype(np.int32)
+        mask = (g.random(T) < 0.7).astype(np.uint8)
+        mask[:P] = 0
+        rows.append(TokenizedRow(f"c{c}", f"synthetic:{c + 1}", ids, mask, P, T, int(mask.sum())))
+    return rows
+
+
+def write_packed_conversations(directory: Path, rows: list[TokenizedRow], max_seq_len: int, block_size: int,
+                               tokenizer: str = "none") -> Path:
+    """A packed table with its conversations sub-table, cut and packed by pack's own functions
+    (windows, best-fit with trimming) the way ``peagle-data pack`` writes it."""
+    prepare_output_dir(directory, force=True)
+    (directory / CONVERSATIONS).mkdir()
+    windows = []
+    with TableWriter(directory / CONVERSATIONS, "tokenized") as w:
+        for r in rows:
+            w.write(r)
+            windows += [(f"{r.conversation_id}#{win.index}", win)
+                        for win in make_windows(r.input_ids, r.loss_mask, r.system_len, max_seq_len)]
+    write_manifest(directory / CONVERSATIONS, {"kind": "tokenized"})
+    blocks, used = pack_blocks_flexible([w.n_tokens for _, w in windows],
+                                        [w.n_tokens - w.trimmable for _, w in windows], block_size)
+    with TableWriter(directory, "packed") as w:
+        for b, members in enumerate(blocks):
+            segments = []
+            for i in members:
+                sid, win = windows[i]
+                ids, mask = trim_window(win.input_ids, win.loss_mask, win.prefix_len, used[i])
+                segments.append((sid, ids, mask))
+            row = make_packed_row(b, segments)
+            row.segment_prefix_lens = [windows[i][1].prefix_len for i in members]
+            row.segment_starts = [windows[i][1].prefix_len + windows[i][1].body_start + windows[i][1].n_tokens - used[i]
+                                  for i in members]
+            w.write(row)
+    write_manifest(directory, {"kind": "packed", "inputs": ["synthetic"], "parameters": {"block_size": block_size},
+                               "tokenizer": {"name_or_path": tokenizer}})
+    return directory
+
+
+def _relative(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float(((got.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)).max())
+
+
+def worst_against_full_forward(store: FeatureStore, packed: Path, model, rows: list[TokenizedRow]) -> float:
+    """Largest per-token relative difference between every training block's stored features and a
+    forward of each segment's whole conversation at the segment's conversation positions."""
+    by_id = {r.conversation_id: r for r in rows}
+    forwards = {}
+    worst = 0.0
+    for b, prow in enumerate(TokenTable.open(packed).iter_rows()):
+        block = store.read_block(b)
+        assert torch.equal(block.input_ids, torch.from_numpy(prow["input_ids"].astype(np.int64)))
+        cu = prow["cu_seqlens"]
+        for k, sid in enumerate(prow["segment_ids"]):
+            conv = by_id[sid.rpartition("#")[0]]
+            if conv.conversation_id not in forwards:
+                ids = torch.from_numpy(conv.input_ids.astype(np.int64))[None]
+                forwards[conv.conversation_id] = hidden_states_as_stored(model, input_ids=ids)
+            alone, out = forwards[conv.conversation_id]
+            p, s, n = prow["segment_prefix_lens"][k], prow["segment_starts"][k], cu[k + 1] - cu[k]
+            where = np.r_[0:p, s:s + n - p]  # the segment's tokens in its conversation
+            lo, hi = cu[k], cu[k + 1]
+            for j, layer in enumerate(LAYERS):
+                worst = max(worst, _relative(block.aux_hidden[lo:hi, j], alone[layer][0][where]))
+            worst = max(worst, _relative(block.final_hidden[lo:hi], out.hidden_states[-1][0][where]))
+    return worst
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_token_equals_its_whole_conversation_forward(tmp_path, family):
+    rows = synthetic_conversations(512)
+    packed = write_packed_conversations(tmp_path / "packed", rows, max_seq_len=16, block_size=32)
+    verifier = save_family(family, tmp_path / "verifier")
+    summary = run_extract(ExtractConfig(packed=str(packed), verifier=str(verifier), output=str(tmp_path / "f.zarr"),
+                                        layers=LAYERS, device="cpu", context="full", max_context=128),
+                          progress=False, log=lambda m: None)
+    assert summary["complete"] and summary["context"]["conversations_split"] == 0
+    assert summary["context"]["tokens_extracted"] == sum(len(r.input_ids) for r in rows)  # each token once
+    store = FeatureStore.open(tmp_path / "f.zarr")
+    assert store.layout == "windows" and store.attrs["format_version"] == 2
+    worst = worst_against_full_forward(store, packed, build_family(family), rows)
+    assert worst < 4e-3, f"{family}: worst relative difference {worst:.4f} (bf16 rounding is ≤ 2^-8 = 3.9e-3)"
+    assert verify_store(tmp_path / "f.zarr")["ok"]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_conversation_past_max_context_reads_its_pieces(tmp_path):
+    rows = synthetic_conversations(512)
+    packed = write_packed_conversations(tmp_path / "packed", rows, max_seq_len=16, block_size=32)
+    verifier = save_family("llama31", tmp_path / "verifier")
+    base = dict(packed=str(packed), verifier=str(verifier), layers=LAYERS, device="cpu")
+    summary = run_extract(ExtractConfig(**base, output=str(tmp_path / "f.zarr"), context="full", max_context=48),
+                          progress=False, log=lambda m: None)
+    # c2 (70 tokens, system prefix 4) is cut into pieces of 4 + 44 body tokens at body offsets 0 and 22
+    # (window_starts at 48, overlap 0.5); the other four conversations run whole
+    assert {k: summary["context"][k] for k in ("conversations", "conversations_split", "contexts", "tokens_extracted")} \
+        == {"conversations": 5, "conversations_split": 1, "contexts": 6, "tokens_extracted": 10 + 40 + 48 + 48 + 14 + 30}
+    store = FeatureStore.open(tmp_path / "f.zarr")
+    grid = store.contexts
+    c2 = rows[2].input_ids
+    pieces = {tuple(c2[np.r_[0:4, 4:48]]), tuple(c2[np.r_[0:4, 26:70]])}
+    contexts = set()
+    model = build_family("llama31")
+    for m in range(grid.n_blocks):
+        block = grid.read_block(m)
+        cu = block.cu_seqlens.tolist()
+        for lo, hi in zip(cu[:-1], cu[1:]):
+            ids = block.input_ids[lo:hi]
+            contexts.add(tuple(ids.tolist()))
+            alone, out = hidden_states_as_stored(model, input_ids=ids[None])  # each context alone
+            for j, layer in enumerate(LAYERS):
+                assert _relative(block.aux_hidden[lo:hi, j], alone[layer][0]) < 4e-3
+            assert _relative(block.final_hidden[lo:hi], out.hidden_states[-1][0]) < 4e-3
+    assert pieces <= contexts
+    # every window of c2 reads a piece that holds it whole, with the piece's history before it
+    window_store = tmp_path / "w.zarr"
+    run_extract(ExtractConfig(**base, output=str(window_store)), progress=False, log=lambda m: None)
+    windows = FeatureStore.open(window_store)
+    later_differs = False
+    for b, prow in enumerate(TokenTable.open(packed).iter_rows()):
+        full, alone = store.read_block(b), windows.read_block(b)
+        for k, sid in enumerate(prow["segment_ids"]):
+            lo, hi = prow["cu_seqlens"][k], prow["cu_seqlens"][k + 1]
+            if sid.endswith("#0"):  # a first window: its own context is the conversation's start
+                assert _relative(full.final_hidden[lo:hi], alone.final_hidden[lo:hi]) < 8e-3  # two roundings
+            elif _relative(full.final_hidden[lo:hi], alone.final_hidden[lo:hi]) > 0.05:
+                later_differs = True  # control: the window context is another context
+    assert later_differs
+
+
+def test_full_context_needs_a_table_with_conversations(tmp_path, tiny_verifier_dir):
+    packed = write_packed_conversations(tmp_path / "packed", synthetic_conversations(49152), 16, 32, "smollm2-135m")
+    for p in (packed / CONVERSATIONS).iterdir():
+        p.unlink()
+    (packed / CONVERSATIONS).rmdir()
+    with pytest.raises(InputError, match="no conversations sub-table .* pack it again"):
+        run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), output=str(tmp_path / "f.zarr"),
+                                  layers=[1, 2], device="cpu", context="full"), progress=False, log=lambda m: None)
+    with pytest.raises(InputError, match="shorter than the longest window"):
+        packed = write_packed_conversations(tmp_path / "p2", synthetic_conversations(49152), 16, 32, "smollm2-135m")
+        run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), output=str(tmp_path / "g.zarr"),
+                                  layers=[1, 2], device="cpu", context="full", max_context=8), progress=False,
+                    log=lambda m: None)
+
+
+def test_resume_keeps_context_and_max_context(tmp_path, tiny_verifier_dir):
+    packed = write_packed_conversations(tmp_path / "packed", synthetic_conversations(49152), 16, 32, "smollm2-135m")
+    base = dict(packed=str(packed), verifier=str(tiny_verifier_dir), output=str(tmp_path / "f.zarr"), layers=[1, 2],
+                device="cpu")
+    run_extract(ExtractConfig(**base, context="full", max_context=48, max_blocks=1), progress=False, log=lambda m: None)
+    with pytest.raises(InputError, match="--max-context: the store's 48, given 64"):
+        run_extract(ExtractConfig(**base, context="full", max_context=64, resume=True), progress=False,
+                    log=lambda m: None)
+    with pytest.raises(InputError, match="--context: the store's full, given window"):
+        run_extract(ExtractConfig(**base, resume=True), progress=False, log=lambda m: None)
+    s = run_extract(ExtractConfig(**base, context="full", max_context=48, resume=True), progress=False,
+                    log=lambda m: None)
+    assert s["complete"] and s["blocks_done"] == s["n_blocks"]
+
+
+def _chunk_bytes(store: Path) -> dict[str, bytes]:
+    """Every file of the store, byte for byte, without the recorded command line (``config``)."""
+    files = {str(p.relative_to(store)): p.read_bytes() for p in sorted(store.rglob("*")) if p.is_file()}
+    for name in ("zarr.json", f"{CONTEXTS}/zarr.json"):
+        meta = json.loads(files[name])
+        meta["attributes"]["peagle"].pop("config", None)
+        files[name] = json.dumps(meta, sort_keys=True).encode()
+    return files
+
+
+@pytest.mark.slow  # several subprocesses, each importing torch and transformers
+def test_sigkill_then_resume_is_byte_identical(tmp_path, tiny_verifier_dir):
+    shapes = [(int(n), 8) for n in np.random.default_rng(1).integers(40, 400, size=60)]
+    rows = synthetic_conversations(49152, seed=1, shapes=shapes)
+    packed = write_packed_conversations(tmp_path / "packed", rows, 128, 128, "smollm2-135m")
+    cmd = [sys.executable, "-m", "cli.data_extract", str(packed), "--verifier", str(tiny_verifier_dir), "--layers",
+           "1,2,3", "--device", "cpu", "--context", "full", "--max-context", "256"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    ref = tmp_path / "ref.zarr"
+    subprocess.run([*cmd, "--output", str(ref)], check=True, env=env, capture_output=True)
+    n_contexts = FeatureStore.open(ref).contexts.n_blocks
+    out = tmp_path / "out.zarr"
+    rng = random.Random(0)
+    kills = 0
+    for _ in range(3):
+        args = [*cmd, "--output", str(out), *(["--resume"] if out.exists() else [])]
+        proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 60
+        while time.time() < deadline and not (out / CONTEXTS / "done").exists() and proc.poll() is None:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 1.0))
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            kills += 1
+        proc.wait()
+    assert kills >= 2
+    done_before = int(FeatureStore.open(out).contexts.done_mask().sum()) if (out / "zarr.json").exists() else 0
+    assert done_before < n_contexts
+    res = subprocess.run([*cmd, "--output", str(out), "--resume"], check=True, env=env, capture_output=True, text=True)
+    assert f'"blocks_done_this_run": {n_contexts - done_before}' in res.stdout
+    assert _chunk_bytes(out) == _chunk_bytes(ref)
+    assert verify_store(out)["ok"]
