@@ -70,7 +70,8 @@ if has data "$STAGES"; then
     --train-out "$OUT/train.jsonl" --prompts-out "$OUT/prompts.jsonl" --held-out-out "$OUT/held_out.jsonl"
   step tokenize_train "$OUT/train_tok" peagle-data tokenize "$OUT/train.jsonl" --tokenizer smollm2-135m \
     --output "$OUT/train_tok"
-  python bench/full_context_data.py check --tokenized "$OUT/sg_tok" --train-tokenized "$OUT/train_tok"
+  python bench/full_context_data.py check --tokenized "$OUT/sg_tok" --train-tokenized "$OUT/train_tok" \
+    --train-jsonl "$OUT/train.jsonl"
   step pack "$OUT/packed" peagle-data pack "$OUT/train.jsonl" --tokenizer smollm2-135m --output "$OUT/packed" \
     --max-seq-len 1024 --block-size 1024
   step pack_held_out "$OUT/held_packed" peagle-data pack "$OUT/held_out.jsonl" --tokenizer smollm2-135m \

@@ -28,13 +28,13 @@ conversations are taken in order of ``sha256(conversation_id)``, the first ones 
 (deterministic: no random state). At most one held-out prompt per BASE.
 
 ``check`` compares a tokenize output of ``--train-out`` with the ShareGPT tokenize output row by
-row (same ids, same ``n_tokens`` and ``n_loss_tokens``): the JSONL round trip must not change a
-conversation's tokens; exits 1 naming the first difference.
+row (every id of the JSONL there, same ``n_tokens`` and ``n_loss_tokens``): the JSONL round trip must
+neither lose a conversation nor change its tokens; exits 1 naming the first difference.
 
 Usage (from the repository root, inside .venv; about a minute):
     python bench/full_context_data.py select --tokenized TOK --tokenizer smollm2-135m \\
         --train-out train.jsonl --prompts-out prompts.jsonl --held-out-out held_out.jsonl
-    python bench/full_context_data.py check --tokenized TOK --train-tokenized TRAIN_TOK
+    python bench/full_context_data.py check --tokenized TOK --train-tokenized TRAIN_TOK --train-jsonl train.jsonl
 """
 
 from __future__ import annotations
@@ -179,6 +179,12 @@ def select(args: argparse.Namespace) -> None:
 def check(args: argparse.Namespace) -> None:
     original = read_table(args.tokenized)
     again = read_table(args.train_tokenized)
+    with open(args.train_jsonl, encoding="utf-8") as f:
+        wanted = [json.loads(line)["id"] for line in f if line.strip()]
+    lost = sorted(set(wanted) - set(again["conversation_id"].to_list()))
+    if lost:
+        sys.exit(f"full_context_data.py check: {len(lost)} conversations of {args.train_jsonl} are not in "
+                 f"{args.train_tokenized} (rejected by tokenize? see its rejects.jsonl); first: {lost[0]}")
     joined = again.join(original, on="conversation_id", how="left", suffix="_sharegpt")
     bad = joined.filter((pl.col("n_tokens") != pl.col("n_tokens_sharegpt"))
                         | (pl.col("n_loss_tokens") != pl.col("n_loss_tokens_sharegpt"))
@@ -268,7 +274,8 @@ def main() -> None:
     s.add_argument("--held-out-out", required=True)
     c = sub.add_parser("check")
     c.add_argument("--tokenized", required=True)
-    c.add_argument("--train-tokenized", required=True)
+    c.add_argument("--train-tokenized", required=True, help="peagle-data tokenize output of --train-jsonl")
+    c.add_argument("--train-jsonl", required=True)
     t = sub.add_parser("table")
     t.add_argument("out", help="the bench's OUT directory")
     args = p.parse_args()
