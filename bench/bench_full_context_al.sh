@@ -31,8 +31,9 @@
 #
 # Usage: bash bench/bench_full_context_al.sh OUT [STAGES] [SIDES]
 #   STAGES: comma list of data,extract,train,eval (default all); SIDES: window,full (default both).
-#   Env: CTX_TRAIN (160), CTX_PROMPTS (24), CTX_STEPS (training steps, 1500), CTX_THREADS (torch
-#   threads, 2), PEAGLE_VLLM_PYTHON (default .venv-vllm/bin/python).
+#   Env: CTX_TRAIN (160), CTX_PROMPTS (24), CTX_STEPS (training steps, 400), CTX_THREADS (torch
+#   threads of tokenize, pack, extract, offline eval: 2), CTX_TRAIN_THREADS (of training: 1),
+#   PEAGLE_VLLM_PYTHON (default .venv-vllm/bin/python).
 # Time on the 2-core CI machine kind (measured 2026-12-01, shared with other jobs, docs/benchmarks.md
 # "Window context against full context: drafters on long-history prompts"): data 1 min; extract
 # window 13 min (519K tokens), full about 10 min (311K tokens), held-out 1-2 min; train about 20 min
@@ -43,8 +44,9 @@ STAGES=${2:-data,extract,train,eval}
 SIDES=${3:-window,full}
 N_TRAIN=${CTX_TRAIN:-160}
 N_PROMPTS=${CTX_PROMPTS:-24}
-STEPS=${CTX_STEPS:-1500}
+STEPS=${CTX_STEPS:-400}
 export OMP_NUM_THREADS=${CTX_THREADS:-2}
+TRAIN_THREADS=${CTX_TRAIN_THREADS:-1}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VLLM_PY=${PEAGLE_VLLM_PYTHON:-$ROOT/.venv-vllm/bin/python}
 LAYERS=2,15,27
@@ -89,7 +91,7 @@ fi
 
 if has train "$STAGES"; then
   for side in ${SIDES//,/ }; do
-    step "train_$side" "$OUT/drafter_$side" peagle-train --store "$OUT/store_$side" --output "$OUT/drafter_$side" \
+    step "train_$side" "$OUT/drafter_$side" env OMP_NUM_THREADS="$TRAIN_THREADS" peagle-train --store "$OUT/store_$side" --output "$OUT/drafter_$side" \
       --max-steps "$STEPS" --num-depths 4 --draft-vocab-size 4096 --lr 1e-3 --seed 0
   done
 fi
@@ -98,7 +100,7 @@ if has eval "$STAGES"; then
   for side in ${SIDES//,/ }; do
     d=$OUT/drafter_$side
     step "offline_$side" "$d/offline.json" peagle-eval --drafter "$d/final" --store "$OUT/held_full" \
-      --output "$d/offline.json"
+      --output "$d/offline.json" --no-measure-costs
     step "vllm_$side" "$d/vllm.json" env VLLM_CPU_KVCACHE_SPACE=2 "$VLLM_PY" -m cli.eval --drafter "$d/final" \
       --verifier smollm2-135m --prompts "$OUT/prompts.jsonl" --max-new-tokens 128 --engine vllm \
       --concurrency 1 --vllm-loading speculators --output "$d/vllm.json"
