@@ -34,10 +34,11 @@
 #   Env: CTX_TRAIN (160), CTX_PROMPTS (24), CTX_STEPS (training steps, 400), CTX_THREADS (torch
 #   threads of tokenize, pack, extract, offline eval: 2), CTX_TRAIN_THREADS (of training: 1),
 #   PEAGLE_VLLM_PYTHON (default .venv-vllm/bin/python).
-# Time on the 2-core CI machine kind (measured 2026-12-01, shared with other jobs, docs/benchmarks.md
-# "Window context against full context: drafters on long-history prompts"): data 1 min; extract
-# window 13 min (519K tokens), full about 10 min (311K tokens), held-out 1-2 min; train about 20 min
-# per side; eval about 10 min per side (vLLM 4-5, peagle's engine 4-5, offline 1).
+# Time on the 2-core CI machine kind, shared with other jobs at load 4-9 (2026-12-01, docs/benchmarks.md
+# "Window context against full context: drafters on long-history prompts"): data 1 min; extract window
+# 37 min (519K tokens), full 56 min (311K tokens in 4,378-slot context blocks), held-out 9 min; train
+# 18-37 min per side (400 steps, 2.7-5.5 s a step); eval offline 7-8 min and vLLM 12-14 min per side;
+# peagle's own engine about 100 s per prompt under that load (40 min per side; quiet machine: less).
 set -euo pipefail
 OUT=$(mkdir -p "$1" && realpath "$1")
 STAGES=${2:-data,extract,train,eval}
