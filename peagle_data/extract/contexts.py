@@ -120,6 +120,10 @@ def _pieces(n_tokens: int, system_len: int, max_context: int, windows: list[_Win
     for w in windows:
         fits = [s for s in starts if s <= w.start and w.end <= s + body]
         s = fits[0] if fits else w.end - body  # ends where the window ends: as much history as fits
+        if s > w.start:  # a window longer than a piece's body: no piece holds it whole
+            raise InputError(f"--max-context {max_context}: a window of {w.end - w.start} body tokens (block "
+                             f"{w.block} segment {w.segment}) does not fit a piece of {body} body tokens after the "
+                             f"{system_len}-token system prefix; raise --max-context", field="--max-context")
         chosen.setdefault(s, []).append(w)
     return sorted(chosen.items())
 
@@ -163,6 +167,11 @@ def plan_contexts(packed_rows: list[Mapping[str, Any]], conversations: Mapping[s
                 placement[w.block, w.segment] = (c, 0, w.prefix_len, w.start)
             continue
         split += 1
+        odd = next((w for w in windows if w.prefix_len != P), None)
+        if odd is not None:  # pack gives every window of a long conversation its whole system prefix
+            raise StoreMismatchError(f"{packed}: block {odd.block} segment {odd.segment} of {cid!r} starts with "
+                                     f"{odd.prefix_len} prefix tokens, but the conversation's system prefix has {P}: "
+                                     "its place in a piece is unknown; pack it again")
         for s, members in _pieces(T, P, max_context, windows):
             c = len(contexts)
             keep = np.r_[0:P, s:min(s + max_context - P, T)]

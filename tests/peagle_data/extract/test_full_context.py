@@ -386,3 +386,25 @@ def test_smollm2_every_token_equals_its_whole_conversation_forward(tmp_path, smo
     rows = [TokenizedRow(**r) for r in TokenTable.open(packed).conversations().iter_rows()]
     worst = worst_against_full_forward(FeatureStore.open(tmp_path / "f.zarr"), packed, model, rows, layers)
     assert worst < 4e-3, f"worst relative difference {worst:.4f}"
+
+
+def test_a_window_whose_prefix_is_not_its_conversations_is_refused(tmp_path):
+    """A split conversation's window must start with its whole system prefix, else its piece slots are unknown."""
+    from peagle_data.extract.contexts import plan_contexts
+    from stores.errors import StoreMismatchError
+
+    rows = synthetic_conversations(512)
+    packed = write_packed_conversations(tmp_path / "packed", rows, max_seq_len=16, block_size=32)
+    training = list(TokenTable.open(packed).iter_rows())
+    by_id = {r.conversation_id: r.as_dict() for r in rows}
+    assert plan_contexts(training, by_id, 48, 32).counts["conversations_split"] == 1
+    b, k = next((b, k) for b, r in enumerate(training) for k, sid in enumerate(r["segment_ids"])
+                if sid == "c2#0")  # its body starts right after the prefix
+    row = dict(training[b])
+    row["segment_prefix_lens"] = list(row["segment_prefix_lens"])
+    row["segment_prefix_lens"][k] -= 1  # one prefix token moved into the body: the tokens still match
+    row["segment_starts"] = list(row["segment_starts"])
+    row["segment_starts"][k] = 3  # conversation token 3 (the last prefix token) continues the window
+    training[b] = row
+    with pytest.raises(StoreMismatchError, match="prefix tokens, but the conversation's system prefix has 4"):
+        plan_contexts(training, by_id, 48, 32)
