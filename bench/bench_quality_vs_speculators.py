@@ -34,6 +34,10 @@ every ``--save-every`` steps and at the end; ``OUT/speculators-L{n}/summary.json
 (offline per-depth acceptance on a held-out store, online AL, AL served by vLLM): the commands are in
 docs/benchmarks.md, "peagle against speculators: drafter quality (issue 23)".
 
+``--peagle-loss-mask shifted`` (an ablation) trains the peagle drafter on each block's ``loss_mask``
+moved one token later inside each segment, so that its element ``(a, d)`` has speculators' weight
+``m[a+d+1]`` (and its COD seeds speculators' seeds) instead of its own ``m[a+d+2]``.
+
 ``--init-layers verifier`` trains the peagle drafter with ``peagle-train --init-layers verifier`` (its
 decoder layers from the verifier's last ones) instead; ``--trainers peagle`` trains peagle alone.
 
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import statistics
 import sys
@@ -93,6 +98,18 @@ def timed(fn):
     t0 = time.perf_counter()
     out = fn()
     return out, time.perf_counter() - t0
+
+
+def mask_shifted_right(block: Block) -> Block:
+    """``block`` with its ``loss_mask`` moved one token later inside every segment (``m'[t] = m[t-1]``,
+    0 at a segment's first token): peagle's element ``(a, d)`` then has speculators' weight
+    ``m[a+d+1]`` (and its COD seeds speculators' seeds) instead of ``m[a+d+2]``. For the loss-weight
+    ablation (``--peagle-loss-mask shifted``) only."""
+    m = torch.zeros_like(block.loss_mask)
+    m[1:] = block.loss_mask[:-1]
+    starts = block.cu_seqlens[:-1]
+    m[starts[starts < m.numel()]] = 0
+    return dataclasses.replace(block, loss_mask=m)
 
 
 def speculators_batch(block: Block, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -177,10 +194,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--init-layers", choices=("random", "verifier"), default="random")
     ap.add_argument("--trainers", default="peagle,speculators")
+    ap.add_argument("--peagle-loss-mask", choices=("own", "shifted"), default="own",
+                    help="shifted: peagle trains with speculators' loss weights m[a+d+1] (an ablation)")
     args = ap.parse_args()
     trainers = args.trainers.split(",")
     n = args.num_layers
-    tag = f"L{n}" + ("-verifier-init" if args.init_layers == "verifier" else "")
+    tag = f"L{n}" + ("-verifier-init" if args.init_layers == "verifier" else "") + \
+        ("-mask-shifted" if args.peagle_loss_mask == "shifted" else "")
     cfg = TrainConfig.from_flat(
         store=args.store, output=str(args.out / f"peagle-{tag}"), max_steps=args.steps, num_depths=args.num_depths,
         down_sample_ratio=args.down_sample_ratio, down_sample_ratio_min=args.down_sample_ratio_min,
@@ -211,7 +231,8 @@ def main() -> None:
         for step in range(1, args.steps + 1):
             cursor, block = next(batches)
             if "peagle" in trainers:
-                row, dt = timed(lambda: trainer.train_step([(block, cod_generator(cfg.run.seed, cursor))]))
+                own = mask_shifted_right(block) if args.peagle_loss_mask == "shifted" else block
+                row, dt = timed(lambda: trainer.train_step([(own, cod_generator(cfg.run.seed, cursor))]))
                 rows["peagle"].append({"step": step, "loss": row["loss"], "acc": row["acc"], "s": dt,
                                        "tokens": block.n_tokens})
             if spec is not None:

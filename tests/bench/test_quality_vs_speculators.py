@@ -65,3 +65,13 @@ def test_the_same_as_speculators_shift_batch_segment_by_segment():
                                  "position_ids": torch.arange(n)}))
     for key in ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask"):
         assert torch.equal(out[key][0], torch.cat([w[key] for w in want])), key
+
+
+def test_the_shifted_loss_mask_gives_peagle_speculators_weights():
+    """``--peagle-loss-mask shifted``: m'[t] = m[t-1] inside each segment, 0 at every segment start, so
+    peagle's weight of element (a, d), m'[a+d+2], is speculators' m[a+d+1]."""
+    b = _block()
+    out = bench.mask_shifted_right(b)
+    assert out.loss_mask.tolist() == [0, 0, 0, 1, 0, 0, 1, 0]
+    assert torch.equal(out.input_ids, b.input_ids) and torch.equal(out.aux_hidden, b.aux_hidden)
+    assert b.loss_mask.tolist() == [0, 0, 1, 1, 0, 1, 1, 1]  # the block itself is untouched
