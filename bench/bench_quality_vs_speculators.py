@@ -38,6 +38,9 @@ docs/benchmarks.md, "peagle against speculators: drafter quality (issue 23)".
 moved one token later inside each segment, so that its element ``(a, d)`` has speculators' weight
 ``m[a+d+1]`` (and its COD seeds speculators' seeds) instead of its own ``m[a+d+2]``.
 
+``--peagle-mask-hidden-std STD`` (an ablation) draws peagle's ``mask_hidden`` from normal(0, STD), as
+speculators draws its own from normal(0, 1), instead of normal(0, 0.02).
+
 ``--init-layers verifier`` trains the peagle drafter with ``peagle-train --init-layers verifier`` (its
 decoder layers from the verifier's last ones) instead; ``--trainers peagle`` trains peagle alone.
 
@@ -194,13 +197,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--init-layers", choices=("random", "verifier"), default="random")
     ap.add_argument("--trainers", default="peagle,speculators")
+    ap.add_argument("--peagle-mask-hidden-std", type=float, default=None,
+                    help="draw peagle's mask_hidden from normal(0, STD) (speculators: 1.0; an ablation)")
     ap.add_argument("--peagle-loss-mask", choices=("own", "shifted"), default="own",
                     help="shifted: peagle trains with speculators' loss weights m[a+d+1] (an ablation)")
     args = ap.parse_args()
     trainers = args.trainers.split(",")
     n = args.num_layers
     tag = f"L{n}" + ("-verifier-init" if args.init_layers == "verifier" else "") + \
-        ("-mask-shifted" if args.peagle_loss_mask == "shifted" else "")
+        ("-mask-shifted" if args.peagle_loss_mask == "shifted" else "") + \
+        (f"-mask-hidden-std{args.peagle_mask_hidden_std:g}" if args.peagle_mask_hidden_std is not None else "")
     cfg = TrainConfig.from_flat(
         store=args.store, output=str(args.out / f"peagle-{tag}"), max_steps=args.steps, num_depths=args.num_depths,
         down_sample_ratio=args.down_sample_ratio, down_sample_ratio_min=args.down_sample_ratio_min,
@@ -210,6 +216,10 @@ def main() -> None:
     run = trainer.run
     model = trainer.unwrapped
     mask_id = int(model.config.mask_token_id)
+    if args.peagle_mask_hidden_std is not None:  # before any step: the optimizer holds no state yet
+        with torch.no_grad():
+            model.mask_hidden.normal_(0.0, args.peagle_mask_hidden_std,
+                                      generator=torch.Generator().manual_seed(args.seed))
     reduced = model.config.draft_vocab_size != model.config.vocab_size
     verifier_dir = str(resolve_model(run.store.attrs["verifier"]["name_or_path"]))
     layers = list(model.config.aux_layer_ids)
