@@ -203,6 +203,13 @@ def main() -> None:
                     help="shifted: peagle trains with speculators' loss weights m[a+d+1] (an ablation)")
     args = ap.parse_args()
     trainers = args.trainers.split(",")
+    ablations = [f for f, on in (("--peagle-mask-hidden-std", args.peagle_mask_hidden_std is not None),
+                                 ("--peagle-loss-mask shifted", args.peagle_loss_mask == "shifted")) if on]
+    if ablations and "peagle" not in trainers:
+        ap.error(f"{' and '.join(ablations)} change only the peagle drafter, which --trainers {args.trainers} "
+                 "does not train")
+    if args.peagle_mask_hidden_std is not None and not args.peagle_mask_hidden_std > 0:
+        ap.error(f"--peagle-mask-hidden-std must be > 0, got {args.peagle_mask_hidden_std}")
     n = args.num_layers
     tag = f"L{n}" + ("-verifier-init" if args.init_layers == "verifier" else "") + \
         ("-mask-shifted" if args.peagle_loss_mask == "shifted" else "") + \

@@ -75,3 +75,20 @@ def test_the_shifted_loss_mask_gives_peagle_speculators_weights():
     assert out.loss_mask.tolist() == [0, 0, 0, 1, 0, 0, 1, 0]
     assert torch.equal(out.input_ids, b.input_ids) and torch.equal(out.aux_hidden, b.aux_hidden)
     assert b.loss_mask.tolist() == [0, 0, 1, 1, 0, 1, 1, 1]  # the block itself is untouched
+    from peagle_train.data.cod import all_elements
+
+    el = all_elements(out.cu_seqlens, out.loss_mask, num_depths=2)  # every (a, d) with a + d + 2 in its segment
+    want = b.loss_mask[el.anchor + el.depth + 1].float()  # speculators' weight m[a+d+1], from the unshifted mask
+    assert el.weight.tolist() == want.tolist() == [0.0, 1.0, 1.0, 1.0]  # (0,0) (1,0) (4,0) (0,1)
+
+
+@pytest.mark.parametrize("flags", [["--trainers", "speculators", "--peagle-loss-mask", "shifted"],
+                                   ["--trainers", "speculators", "--peagle-mask-hidden-std", "1"],
+                                   ["--peagle-mask-hidden-std", "0"]])
+def test_an_ablation_that_would_change_nothing_is_refused(flags, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench", "--store", "S", "--out", "O", *flags])
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert ("which --trainers speculators does not train" in err) or ("must be > 0, got 0.0" in err)
