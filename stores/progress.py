@@ -1,43 +1,129 @@
-"""Progress bars of every long loop (tokenize, pack, regenerate, extract, train, eval): one place.
+"""Progress of every long loop (tokenize, pack, regenerate, extract, train, eval): one place, one convention.
 
 On a terminal a bar is tqdm's usual in-place bar. Written anywhere else (a log file, a pipe, a
-notebook's captured stderr) tqdm would redraw the bar with carriage returns on one line, which a log
-keeps as one line of tens of kilobytes; there :func:`progress` prints plain ASCII lines instead: the
-first after :data:`LOG_INTERVAL_S` seconds, then at most one per :data:`LOG_INTERVAL_S`, and a final
-one when the loop ends (a loop shorter than that prints nothing).
+notebook's captured stderr) :func:`progress` prints plain ASCII lines instead (:class:`LogLines`):
+the first after :data:`LOG_INTERVAL_S` seconds, then at most one per :data:`LOG_INTERVAL_S` (whatever
+the loop updates in between: a step, a postfix), and always one final line when the loop ends,
+``DESC: done: N/TOTAL UNIT in ELAPSED (RATE UNIT/s), POSTFIX`` (``stopped:`` instead of ``done:`` when
+an exception, Ctrl-C included, ends it), also for a loop shorter than the interval.
 """
 
 from __future__ import annotations
 
-import io
 import sys
-from typing import Any, Iterable, TextIO
+import time
+from typing import Any, Iterable, Iterator, TextIO
 
-__all__ = ["LOG_INTERVAL_S", "progress"]
+__all__ = ["LOG_INTERVAL_S", "LogLines", "progress"]
 
 LOG_INTERVAL_S = 30.0
 """Seconds between two progress lines when the bar's stream is not a terminal."""
 
 
-class _Lines(io.TextIOBase):
-    """A stream wrapper that writes each tqdm refresh (``"\\r" + status + padding``) as its own line."""
+def _duration(seconds: float) -> str:
+    """``1h02m03s`` / ``2m03s`` / ``4.2s``."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
-    def __init__(self, stream: TextIO):
-        self.stream, self.last = stream, ""
 
-    def write(self, s: str) -> int:
-        text = s.replace("\r", "").strip()
-        # tqdm's bare "\r"/"\n" (clearing, closing) and "" probes write nothing, nor does the
-        # closing redraw of a count already written (only its [elapsed, rate] part differs)
-        key = text.split("[", 1)[0]
-        if text and key != self.last:
-            self.stream.write(text + "\n")
-            self.stream.flush()
-            self.last = key
-        return len(s)
+class LogLines:
+    """The progress of a loop as plain lines on a stream that is not a terminal (the module's convention).
 
-    def flush(self) -> None:
-        self.stream.flush()
+    It has the part of ``tqdm``'s interface the loops use: iterate it, ``update(n)``,
+    ``set_postfix(**kwargs)`` / ``set_postfix_str(s)`` (kept for the next line, never a line by
+    itself), ``close()``, and use as a context manager.
+
+    Args:
+        iterable: the loop's items (optional; else call :meth:`update`).
+        file: the stream.
+        desc: the name starting each line (``extract``, ``peagle-train``).
+        total: the number of items, or None when unknown.
+        initial: items already done (a resumed run).
+        unit: the items' unit (``block``, ``step``, ``tok``).
+        disable: True: no output at all.
+        interval: seconds between two lines (default :data:`LOG_INTERVAL_S`).
+    """
+
+    def __init__(self, iterable: Iterable | None = None, *, file: TextIO, desc: str = "", total: int | None = None,
+                 initial: int = 0, unit: str = "it", disable: bool = False, interval: float | None = None,
+                 **_ignored: Any):
+        if total is None and iterable is not None and hasattr(iterable, "__len__"):
+            total = len(iterable)
+        self.iterable, self.file, self.desc, self.total, self.unit = iterable, file, desc, total, unit
+        self.n = self.initial = int(initial)
+        self.disable = bool(disable)
+        self.interval = LOG_INTERVAL_S if interval is None else float(interval)
+        self.postfix = ""
+        self.start = self.last = time.monotonic()
+        self.closed = False
+
+    # ---------------------------------------------------------------------------- tqdm's interface
+    def __iter__(self) -> Iterator:
+        try:
+            for item in self.iterable:
+                yield item
+                self.update(1)
+        finally:
+            self.close()
+
+    def __enter__(self) -> "LogLines":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def update(self, n: int = 1) -> None:
+        """Count ``n`` more items; print a line when :attr:`interval` has passed since the last one."""
+        self.n += int(n)
+        now = time.monotonic()
+        if not self.disable and now - self.last >= self.interval:
+            self.last = now
+            self._write(self._line(now))
+
+    def set_postfix(self, ordered_dict: dict | None = None, refresh: bool = True, **kwargs: Any) -> None:
+        """Show ``key=value`` pairs at the end of the next line (no line by itself)."""
+        items = {**(ordered_dict or {}), **kwargs}
+        self.postfix = ", ".join(f"{k}={v}" for k, v in items.items())
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        """Show ``s`` at the end of the next line (no line by itself)."""
+        self.postfix = str(s)
+
+    def close(self) -> None:
+        """Print the final line (once): ``done:``, or ``stopped:`` while an exception propagates."""
+        if self.closed:
+            return
+        self.closed = True
+        if not self.disable:
+            state = "stopped" if sys.exc_info()[0] is not None else "done"
+            self._write(self._line(time.monotonic(), state))
+
+    # ---------------------------------------------------------------------------- the lines
+    def _line(self, now: float, state: str | None = None) -> str:
+        elapsed = now - self.start
+        count = f"{self.n}/{self.total}" if self.total is not None else f"{self.n}"
+        rate = (self.n - self.initial) / elapsed if elapsed > 0 else None
+        shown_rate = f"{rate:.3g} {self.unit}/s" if rate is not None else f"- {self.unit}/s"
+        head = f"{self.desc}: " if self.desc else ""
+        if state is not None:
+            text = f"{head}{state}: {count} {self.unit} in {_duration(elapsed)} ({shown_rate})"
+        else:
+            pct = f" ({100 * self.n / self.total:.0f}%)" if self.total else ""
+            left = ""
+            if self.total is not None and rate:
+                left = f", ~{_duration(max(self.total - self.n, 0) / rate)} left"
+            text = f"{head}{count} {self.unit}{pct}, {_duration(elapsed)} elapsed, {shown_rate}{left}"
+        return f"{text}, {self.postfix}" if self.postfix else text
+
+    def _write(self, line: str) -> None:
+        try:
+            self.file.write(line + "\n")
+            self.file.flush()
+        except ValueError:  # a closed stream (interpreter shutdown)
+            pass
 
 
 def _is_terminal(stream: Any) -> bool:
@@ -49,24 +135,22 @@ def _is_terminal(stream: Any) -> bool:
 
 def progress(iterable: Iterable | None = None, *, file: TextIO | None = None, disable: bool | None = False,
              **kwargs: Any):
-    """A tqdm bar on ``file`` (default stderr): in place on a terminal, sparse lines elsewhere.
+    """The progress of a loop on ``file`` (default stderr): a tqdm bar on a terminal, :class:`LogLines` elsewhere.
 
     Args:
         iterable, kwargs: as ``tqdm(iterable, **kwargs)`` (``desc``, ``total``, ``unit``, ``initial``).
         file: the stream; whether it is a terminal picks the mode.
         disable: True: no output at all (e.g. not the main process). None is False here: unlike
-            tqdm's None, a non-terminal stream gets its sparse lines rather than nothing.
+            tqdm's None, a non-terminal stream gets its lines rather than nothing.
 
     Returns:
-        A ``tqdm.tqdm`` (iterate it, or ``update``/``set_postfix``/``close``; usable as a context manager).
+        A ``tqdm.tqdm`` or a :class:`LogLines` (iterate it, or ``update``/``set_postfix``/``close``; usable
+        as a context manager).
     """
     file = sys.stderr if file is None else file
     if _is_terminal(file):
         from tqdm.auto import tqdm
 
         return tqdm(iterable, file=file, disable=bool(disable), **kwargs)
-    from tqdm import tqdm
-
     kwargs.pop("dynamic_ncols", None)
-    return tqdm(iterable, file=_Lines(file), disable=bool(disable), mininterval=LOG_INTERVAL_S,
-                delay=LOG_INTERVAL_S, ascii=True, **kwargs)
+    return LogLines(iterable, file=file, disable=bool(disable), **kwargs)

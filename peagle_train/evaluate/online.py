@@ -121,6 +121,12 @@ def _turn_record(tokenizer, prompt: Prompt, turn: int, prompt_tokens: int, base:
     }
 
 
+def progress_total(prompts: Sequence[Prompt], max_new_tokens: int) -> int:
+    """The progress total of :func:`evaluate_prompts`: ``2 * max_new_tokens`` tokens per turn (the plain decoding
+    and speculative decoding each generate up to ``max_new_tokens``)."""
+    return 2 * max_new_tokens * sum(len(p.user_turns) for p in prompts)
+
+
 def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], config: EvalConfig,
                      progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Greedy baseline and speculative decoding on every turn of ``prompts``; compare and measure.
@@ -131,7 +137,9 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
         tokenizer: the verifier's tokenizer (with a chat template).
         prompts: from :func:`read_prompts`.
         config: ``max_new_tokens`` and ``num_draft_tokens`` are used.
-        progress: called with 1 after each prompt turn.
+        progress: called with each decoding step's new tokens, of the plain decoding and of speculative
+            decoding, and at a turn's end with both decodings' unused ``max_new_tokens``: a bar of total
+            ``2 * max_new_tokens * turns`` tokens (:func:`progress_total`) advances within a turn.
 
     Returns:
         The report (see :func:`run_online_eval`).
@@ -156,16 +164,17 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
         for turn in range(len(prompt.user_turns)):
             ids = render_turn(tokenizer, prompt, turn, answers)
             gens = [_turn_generator(config.seed, len(per_prompt)) if T > 0 else None for _ in range(2)]
-            base = plain_generate(verifier, ids, config.max_new_tokens, eos, T, gens[0])
-            spec = speculative_generate(verifier, drafter, ids, config.max_new_tokens, K, eos, T, gens[1])
+            base = plain_generate(verifier, ids, config.max_new_tokens, eos, T, gens[0], on_tokens=progress)
+            spec = speculative_generate(verifier, drafter, ids, config.max_new_tokens, K, eos, T, gens[1],
+                                        on_tokens=progress)
             totals.add(base, spec)
             same = spec.tokens == base.tokens if T == 0 else None  # samples differ by design at T > 0
             if same is False and prompt.prompt_id not in mismatches:
                 mismatches.append(prompt.prompt_id)
             per_prompt.append(_turn_record(tokenizer, prompt, turn, len(ids), base, spec, same, eos))
             answers.append(answer_text(tokenizer, base.tokens, eos))
-            if progress is not None:
-                progress(1)
+            if progress is not None:  # a turn that stopped early (EOS) completes its share of the total
+                progress(2 * config.max_new_tokens - len(base.tokens) - len(spec.tokens))
     wall_time_s = time.perf_counter() - start
     report = totals.report()
     return {
@@ -225,7 +234,8 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
         prompts_file: MT-Bench or OpenAI-messages JSONL (see :func:`read_prompts`).
         max_new_tokens, num_prompts, num_draft_tokens, temperature, seed, measure_costs: see :class:`EvalConfig`.
         output: also write the JSON report there.
-        progress_factory: ``total -> bar`` with ``update(n)`` and ``close()`` (e.g. ``tqdm``).
+        progress_factory: ``total -> bar`` with ``update(n)`` and ``close()`` (:func:`stores.progress.progress`):
+            its total is in tokens (:func:`progress_total`), so it advances within a turn.
 
     Returns:
         A dict with ``acceptance_length``, ``acceptance_rate``, ``per_position_acceptance`` (K
@@ -251,7 +261,7 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
     check_drafter_tokenizer(drafter_dir, name)
     verifier, drafter = load_for_decoding(drafter, name)
     tokenizer = load_tokenizer(name)
-    bar = progress_factory(sum(len(p.user_turns) for p in prompts)) if progress_factory else None
+    bar = progress_factory(progress_total(prompts, config.max_new_tokens)) if progress_factory else None
     try:
         report = evaluate_prompts(verifier, drafter, tokenizer, prompts, config,
                                   progress=bar.update if bar is not None else None)

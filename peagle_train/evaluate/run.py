@@ -51,9 +51,9 @@ class EvalRun:
             raise ValueError("give --prompts (online), --store (offline), or both")
 
 
-def _progress(desc: str) -> Callable[[int], Any]:
-    """A ``total -> tqdm bar`` factory writing to stderr."""
-    return lambda total: progress(total=total, desc=desc, unit="it", dynamic_ncols=True)
+def _progress(desc: str, unit: str) -> Callable[[int], Any]:
+    """A ``total -> bar`` factory writing to stderr (:func:`stores.progress.progress`)."""
+    return lambda total: progress(total=total, desc=desc, unit=unit, dynamic_ncols=True)
 
 
 def _check_output(run: EvalRun) -> None:
@@ -72,13 +72,13 @@ def _evaluate(run: EvalRun, drafter: str, log: Callable[[str], None]) -> dict[st
     if run.store is not None:
         offline = run_offline_eval(drafter, run.store, max_blocks=s.max_blocks, verifier_name=run.verifier,
                                    num_depths=s.num_draft_tokens, chunk_anchors=s.chunk_anchors,
-                                   progress_factory=_progress("offline blocks"), log=log)
+                                   progress_factory=_progress("offline eval", "block"), log=log)
     if run.prompts is not None and s.engine == "vllm":
         online = run_vllm_eval(drafter, run.verifier, run.prompts, s, log=log)
     elif run.prompts is not None:
         online = run_online_eval(drafter, run.verifier, run.prompts, max_new_tokens=s.max_new_tokens,
                                  num_prompts=s.num_prompts, num_draft_tokens=s.num_draft_tokens,
-                                 progress_factory=_progress("prompt turns"), temperature=s.temperature,
+                                 progress_factory=_progress("online eval (plain + speculative)", "tok"), temperature=s.temperature,
                                  seed=s.seed, measure_costs=s.measure_costs)
     if s.measure_costs and offline is not None and (online is None or s.engine == "vllm"):
         offline = {**offline, "cost_model": _offline_cost_model(drafter, run.store, offline, s.cost_rounds)}

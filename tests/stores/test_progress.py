@@ -1,10 +1,13 @@
-"""stores.progress: one tqdm helper for every loop; plain sparse lines when the stream is no terminal."""
+"""stores.progress: one convention for every loop: a tqdm bar on a terminal; in a log at most one plain
+line per interval and always a final ``done:`` line (issue 34 item 6)."""
 
 from __future__ import annotations
 
 import io
 import re
 from pathlib import Path
+
+import pytest
 
 import stores.progress
 from stores.progress import progress
@@ -17,40 +20,81 @@ class _Terminal(io.StringIO):
         return True
 
 
-def _run(stream, n=12, step_s=0.25, monkeypatch=None, **kwargs):
-    """Run a bar over ``n`` steps of ``step_s`` seconds each on tqdm's clock (a fake one when
-    ``monkeypatch`` is given: no sleeping, no dependence on the machine's load)."""
-    clock = [1000.0]
-    if monkeypatch is not None:
-        monkeypatch.setattr("tqdm.std.time", lambda: clock[0])
-    for _ in progress(range(n), desc="pack", unit="block", file=stream, **kwargs):
+@pytest.fixture
+def clock(monkeypatch):
+    """A fake clock for both tqdm and the log lines: no sleeping, no dependence on the machine's load."""
+    now = [1000.0]
+    monkeypatch.setattr("tqdm.std.time", lambda: now[0])
+    monkeypatch.setattr(stores.progress.time, "monotonic", lambda: now[0])
+    return now
+
+
+def _run(stream, clock, n=12, step_s=0.25, postfix=False, **kwargs):
+    """Run a bar over ``n`` steps of ``step_s`` seconds each, the trainer's way when ``postfix``
+    (a postfix set before each update)."""
+    bar = progress(total=n, desc="pack", unit="block", file=stream, **kwargs)
+    for i in range(n):
         clock[0] += step_s
+        if postfix:
+            bar.set_postfix_str(f"loss {1 / (i + 1):.3f}")
+        bar.update(1)
+    bar.close()
     return stream.getvalue()
 
 
-def test_a_log_gets_one_plain_line_per_interval_and_no_carriage_return(monkeypatch):
+def test_a_log_gets_one_plain_line_per_interval_and_a_final_line(monkeypatch, clock):
     monkeypatch.setattr(stores.progress, "LOG_INTERVAL_S", 1.0)
-    text = _run(io.StringIO(), monkeypatch=monkeypatch)
+    text = _run(io.StringIO(), clock)
     assert "\r" not in text
     lines = text.splitlines()
-    counts = [re.match(r"pack: +\d+%\|[# 0-9]+\| (\d+)/12 \[", line).group(1) for line in lines]
-    # the first line after one interval (4 steps of 0.25 s), then one per interval, the last once
-    assert counts == ["4", "8", "12"], lines
+    assert [re.match(r"pack: (\d+)/12 block", line).group(1) for line in lines[:-1]] == ["4", "8", "12"], lines
+    assert lines[0] == "pack: 4/12 block (33%), 1.0s elapsed, 4 block/s, ~2.0s left"
+    assert lines[-1] == "pack: done: 12/12 block in 3.0s (4 block/s)"
 
 
-def test_a_loop_shorter_than_the_interval_prints_nothing_to_a_log():
-    assert _run(io.StringIO(), n=3) == ""
+def test_a_postfix_every_step_does_not_print_a_line_every_step(monkeypatch, clock):
+    # the trainer sets its loss every step: tqdm's set_postfix refreshed the line each time (301 lines for
+    # 300 steps), and its close then printed nothing (a log ending at 299/300)
+    monkeypatch.setattr(stores.progress, "LOG_INTERVAL_S", 30.0)
+    lines = _run(io.StringIO(), clock, n=300, step_s=0.5, postfix=True).splitlines()
+    assert len(lines) == 5 + 1, lines  # 150 s: one line per 30 s, and the final one
+    assert lines[-1] == "pack: done: 300/300 block in 2m30s (2 block/s), loss 0.003"
 
 
-def test_a_terminal_gets_the_usual_in_place_bar():
-    text = _run(_Terminal(), n=3)
+def test_a_loop_shorter_than_the_interval_prints_only_its_final_line(clock):
+    assert _run(io.StringIO(), clock, n=3) == "pack: done: 3/3 block in 0.8s (4 block/s)\n"
+
+
+def test_an_iterated_loop_and_a_resumed_one(clock):
+    stream = io.StringIO()
+    for _ in progress(range(3), desc="extract", unit="block", file=stream):
+        clock[0] += 1
+    assert stream.getvalue() == "extract: done: 3/3 block in 3.0s (1 block/s)\n"
+    stream = io.StringIO()
+    with progress(total=10, initial=8, desc="regenerate", unit="row", file=stream) as bar:
+        clock[0] += 2
+        bar.update(2)
+    assert stream.getvalue() == "regenerate: done: 10/10 row in 2.0s (1 row/s)\n"  # the rate of this run's rows
+
+
+def test_an_interrupted_loop_says_stopped(clock):
+    stream = io.StringIO()
+    with pytest.raises(KeyboardInterrupt):
+        with progress(total=20, desc="peagle-train", unit="step", file=stream) as bar:
+            bar.update(19)
+            raise KeyboardInterrupt
+    assert stream.getvalue().startswith("peagle-train: stopped: 19/20 step in ")
+
+
+def test_a_terminal_gets_the_usual_in_place_bar(clock):
+    text = _run(_Terminal(), clock, n=3)
     assert text.startswith("\rpack:   0%|") and "3/3" in text and text.endswith("\n")
 
 
-def test_disabled_prints_nothing_anywhere(monkeypatch):
+def test_disabled_prints_nothing_anywhere(monkeypatch, clock):
     monkeypatch.setattr(stores.progress, "LOG_INTERVAL_S", 0.0)
-    assert _run(io.StringIO(), n=3, disable=True) == ""
-    assert _run(_Terminal(), n=3, disable=True) == ""
+    assert _run(io.StringIO(), clock, n=3, disable=True) == ""
+    assert _run(_Terminal(), clock, n=3, disable=True) == ""
 
 
 def test_no_module_uses_tqdm_but_the_helper():

@@ -277,6 +277,22 @@ def test_online_report(tiny_verifier, smollm2_tokenizer, tmp_path):
     assert [r["user"] for r in report["per_prompt"]] == ["Hello there", "Tell me more", "Name a color."]
 
 
+def test_online_progress_advances_within_a_turn_and_ends_at_its_total(tiny_verifier, smollm2_tokenizer):
+    # issue 34 item 6: the bar moved once per turn (40-140 s between updates on MT-Bench); now per decoding step
+    from peagle_train.evaluate.online import progress_total
+    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+
+    prompts = [Prompt("a", ["Hello there", "Tell me more"])]
+    updates: list[int] = []
+    report = evaluate_prompts(tiny_verifier, tiny_drafter(tiny_verifier), smollm2_tokenizer, prompts,
+                              EvalConfig(max_new_tokens=9, num_draft_tokens=3), progress=updates.append)
+    assert sum(updates) == progress_total(prompts, 9) == 2 * 9 * 2
+    steps = sum(r["verifier_steps"] for r in report["per_prompt"])
+    # per turn: one call per plain token, one for the first speculative token and one per verifier step,
+    # one for what an early EOS left of the budget
+    assert len(updates) == sum(r["new_tokens"] + 1 + 1 for r in report["per_prompt"]) + steps
+
+
 def test_turn_text_drops_only_the_eos_that_ends_the_turn(smollm2_tokenizer):
     from peagle_train.evaluate.online import turn_text
 
