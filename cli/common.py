@@ -5,18 +5,78 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import shlex
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 import click
 
 from stores.errors import PeagleError
 
-__all__ = ["handle_errors", "echo_json", "config_error", "OutputPath"]
+__all__ = ["handle_errors", "echo_json", "config_error", "OutputPath", "interrupted_message", "resume_command",
+           "again_command", "nothing_kept", "INTERRUPTED_EXIT"]
+
+INTERRUPTED_EXIT = 130
+"""The exit status after Ctrl-C (128 + SIGINT, the shell's convention)."""
+
+Kept = Callable[[str, list[str], dict[str, Any]], tuple[str, str]]
+"""``(program, args, params) -> (what the output keeps, the command to run next)`` of one command
+(:func:`handle_errors`); the command is :func:`resume_command`'s or :func:`again_command`'s."""
 
 
-def handle_errors(fn):
-    """Turn a PeagleError into ``Error: ...`` on stderr and exit code 2 (no traceback)."""
+def again_command(program: str, args: list[str], force: bool = False) -> str:
+    """``program args`` shell-quoted (``--resume`` dropped; with ``force``, ``--force`` added once): the
+    invocation that runs an interrupted command again from the start."""
+    kept = [a for a in args if a not in ("--force", "--resume")] if force else [a for a in args if a != "--resume"]
+    return shlex.join([*shlex.split(program), *kept, *(["--force"] if force else [])])
+
+
+def resume_command(program: str, args: list[str]) -> str:
+    """``program args`` with ``--force`` dropped and ``--resume`` added (once), shell-quoted: the
+    invocation that continues an interrupted run with the same settings."""
+    kept = [a for a in args if a not in ("--force", "--resume")]
+    return shlex.join([*shlex.split(program), *kept, "--resume"])
+
+
+def nothing_kept(program: str, args: list[str], params: dict[str, Any]) -> tuple[str, str]:
+    """The :data:`Kept` of a command that writes its output only at its end (or in a hidden directory
+    renamed into place): nothing kept, run it again."""
+    return "nothing: this command writes its output only when it finishes", again_command(program, args)
+
+
+def interrupted_message(program: str, args: list[str], params: dict[str, Any], kept: Kept | None = None) -> str:
+    """What Ctrl-C prints (:func:`handle_errors`): the command interrupted, what its output keeps and the
+    exact command to run next (``resume with`` when it resumes, else ``run it again with``)."""
+    try:
+        what, command = (kept or nothing_kept)(program, args, params)
+    except Exception as e:  # the output could not be read: say so rather than guess
+        what, command = f"unknown: could not read the output ({type(e).__name__}: {e})", again_command(program, args)
+    verb = "resume with" if "--resume" in shlex.split(command) else "run it again with"
+    return f"Interrupted (Ctrl-C): {program}\n  kept: {what}\n  {verb}: {command}"
+
+
+def _invocation(ctx: click.Context | None) -> tuple[str, list[str], dict[str, Any]]:
+    """``(command path, the command's own arguments, its resolved params)`` of the running command."""
+    if ctx is None:
+        return "the command", sys.argv[1:], {}
+    depth = 0
+    parent = ctx.parent
+    while parent is not None:
+        depth, parent = depth + 1, parent.parent
+    return ctx.command_path, sys.argv[1 + depth:], dict(ctx.params)
+
+
+def handle_errors(fn=None, *, kept: Kept | None = None):
+    """Turn a PeagleError into ``Error: ...`` on stderr and exit code 2 (no traceback), and Ctrl-C
+    (KeyboardInterrupt) into what was kept and the exact command to run next (:func:`interrupted_message`;
+    ``kept`` describes the command's output, default :func:`nothing_kept`) on stderr and exit code 130,
+    instead of click's bare ``Aborted!``.
+
+    Use as ``@handle_errors`` or ``@handle_errors(kept=describe)``.
+    """
+    if fn is None:
+        return functools.partial(handle_errors, kept=kept)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -25,6 +85,10 @@ def handle_errors(fn):
         except PeagleError as e:
             click.echo(f"Error: {e}", err=True)
             sys.exit(2)
+        except KeyboardInterrupt:
+            program, argv, params = _invocation(click.get_current_context(silent=True))
+            click.echo(interrupted_message(program, argv, params, kept), err=True)
+            sys.exit(INTERRUPTED_EXIT)
 
     return wrapper
 

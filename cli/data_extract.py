@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+from typing import Any
+
 import click
 
-from cli.common import OutputPath, config_error, echo_json, handle_errors
+from cli.common import OutputPath, again_command, config_error, echo_json, handle_errors, resume_command
 from cli.options import config_file_options, config_options, run_config
 from peagle_data.extract.config import ATTN_IMPLEMENTATIONS, CONTEXTS, ENGINES, ExtractConfig
 from peagle_data.extract.run import run_extract
 import peagle_data.inspect.verify
 from peagle_data.inspect.verify import InspectConfig, VerifyConfig
 from stores.feature_schema import STORAGE_DTYPES
+from stores.feature_store import FeatureStore
 
-__all__ = ["extract", "inspect_cmd", "verify"]
+__all__ = ["extract", "inspect_cmd", "verify", "kept_blocks"]
 
 
 _EXTRACT_OVERRIDES = {
@@ -35,10 +39,21 @@ _EXTRACT_OVERRIDES = {
 """What ExtractConfig's annotations cannot say: paths, choices (the library's tuples), ``none`` for no compressor."""
 
 
+def kept_blocks(program: str, args: list[str], params: dict[str, Any]) -> tuple[str, str]:
+    """After Ctrl-C (cli.common.handle_errors): the blocks the store keeps, and ``--resume``, which extracts
+    the others (a block is done only once its data is written)."""
+    store = params.get("output")
+    if not store or not Path(store).exists():
+        return f"nothing: the store {store} was not created yet", again_command(program, args)
+    opened = FeatureStore.open(store)
+    done = int(opened.done_mask().sum())
+    return f"{store}: {done} of {opened.n_blocks} blocks extracted", resume_command(program, args)
+
+
 @click.command()
 @config_options(ExtractConfig, skip=("writer_queue",), arguments=("packed",), overrides=_EXTRACT_OVERRIDES)
 @config_file_options
-@handle_errors
+@handle_errors(kept=kept_blocks)
 def extract(**options):
     """Run the verifier over PACKED_DIR and write hidden states into a feature store."""
     with config_error():

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from typing import Any
 
 import click
 
-from cli.common import OutputPath, config_error, handle_errors
+from cli.common import OutputPath, again_command, config_error, handle_errors, resume_command
 from cli.options import config_file_options, config_options, run_config
 from peagle_data.readers.rows import FORMATS
 from peagle_data.regenerate.backends import SERVER_KINDS, BackendConfig
 from peagle_data.regenerate.run import ON_DROPPED, ON_TRUNCATED, TURNS, RegenerateConfig, RegenerateRun, run_regenerate
+from stores.conversation_files import read_regenerate_manifest, regenerate_paths
 
-__all__ = ["regenerate"]
+__all__ = ["regenerate", "kept_rows"]
 
 _BACKEND_OVERRIDES = {
     "verifier": {"metavar": "MODEL"},
@@ -76,6 +78,16 @@ def _split(options: dict, cls: type) -> dict:
     return {f.name: options[f.name] for f in dataclasses.fields(cls) if f.name in options}
 
 
+def kept_rows(program: str, args: list[str], params: dict[str, Any]) -> tuple[str, str]:
+    """After Ctrl-C (cli.common.handle_errors): the rows the last checkpoint of the manifest counts, and ``--resume``."""
+    output = params.get("output")
+    manifest = read_regenerate_manifest(output) if output else None
+    if manifest is None:
+        return f"nothing: {output} was not started yet", again_command(program, args)
+    rows = (manifest.get("checkpoint") or {}).get("rows", 0)
+    return f"{rows} regenerated rows in {regenerate_paths(output)['partial']}", resume_command(program, args)
+
+
 @click.command()
 @config_options(RegenerateRun, skip=("settings", "backend", "resume", "force"), arguments=("inputs",),
                 overrides=_IO_OVERRIDES)
@@ -83,7 +95,7 @@ def _split(options: dict, cls: type) -> dict:
 @config_options(RegenerateConfig, skip=("chunk_rows",), overrides=_RUN_OVERRIDES)
 @config_options(RegenerateRun, skip=("inputs", "output", "settings", "backend"))
 @config_file_options
-@handle_errors
+@handle_errors(kept=kept_rows)
 def regenerate(inputs, output, resume, force, **options):
     """Rewrite the assistant turns of conversations with the verifier's own answers.
 

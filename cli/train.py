@@ -5,12 +5,17 @@ Every option is a field of a :class:`~peagle_train.train.config.TrainConfig` gro
 
 from __future__ import annotations
 
+import shlex
+from pathlib import Path
+from typing import Any
+
 import click
 
-from cli.common import OutputPath, config_error, echo_json, handle_errors
+from cli.common import OutputPath, again_command, config_error, echo_json, handle_errors
 from cli.options import config_file_options, config_options
 from peagle_train.data.multistore import expand_store_args
 from peagle_train.model.attention import ATTENTION_CHOICES
+from peagle_train.model.checkpoint import latest_checkpoint
 from peagle_train.model.config import LAYER_TYPES
 from peagle_train.model.warm_start import INIT_LAYERS
 from peagle_train.train.config import TrainConfig
@@ -29,10 +34,24 @@ OVERRIDES = {
 """What the field annotations cannot say: paths, the secondary flag, the choices."""
 
 
+def kept_checkpoint(program: str, args: list[str], params: dict[str, Any]) -> tuple[str, str]:
+    """After Ctrl-C (cli.common.handle_errors): the newest checkpoint and the README's short resume form
+    (``--config OUTPUT/train_config.json --resume``), or, with no checkpoint yet, the command again with ``--force``."""
+    output = params.get("output")
+    checkpoint = latest_checkpoint(output) if output else None
+    config = Path(output or ".") / "train_config.json"
+    if checkpoint is None or not config.is_file():
+        return (f"no checkpoint in {output} yet (one is saved every --save-every steps and at the end)",
+                again_command(program, args, force=bool(output) and Path(output).exists()))
+    step = checkpoint.name.rsplit("-", 1)[-1]
+    return (f"{checkpoint} (step {step}; the steps after it are lost)",
+            shlex.join([*shlex.split(program), "--config", str(config), "--resume"]))
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @config_options(TrainConfig, overrides=OVERRIDES)
 @config_file_options
-@handle_errors
+@handle_errors(kept=kept_checkpoint)
 def main(**options) -> None:
     """Train a P-EAGLE drafter on STORE and write checkpoints to OUTPUT; prints a JSON summary."""
     with config_error(click.BadParameter):
