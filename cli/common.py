@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.metadata
 import json
 import shlex
 import sys
@@ -14,8 +15,27 @@ import click
 
 from stores.errors import PeagleError
 
-__all__ = ["handle_errors", "echo_json", "config_error", "OutputPath", "interrupted_message", "resume_command",
+__all__ = ["peagle_version", "version_option", "handle_errors", "echo_json", "config_error", "OutputPath", "interrupted_message", "resume_command",
            "again_command", "nothing_kept", "INTERRUPTED_EXIT"]
+
+def peagle_version() -> str:
+    """peagle's version from the installed package's metadata (``unknown (not installed)`` in a bare source tree)."""
+    try:
+        return importlib.metadata.version("peagle")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def version_option() -> click.Option:
+    """``--version``: print ``PROGRAM, version V`` (click's message, peagle's version) and exit."""
+    def show(ctx: click.Context, param, value) -> None:
+        if value and not ctx.resilient_parsing:
+            click.echo(f"{ctx.command_path}, version {peagle_version()}")
+            ctx.exit()
+
+    return click.Option(["--version"], is_flag=True, expose_value=False, is_eager=True, callback=show,
+                        help="Show peagle's version and exit.")
+
 
 INTERRUPTED_EXIT = 130
 """The exit status after Ctrl-C (128 + SIGINT, the shell's convention)."""

@@ -11,6 +11,8 @@ import importlib
 
 import click
 
+from cli.common import version_option
+
 COMMANDS = {
     "extract": "cli.data_extract:extract",
     "inspect": "cli.data_extract:inspect_cmd",
@@ -38,7 +40,7 @@ class _LazyGroup(click.Group):
         return getattr(importlib.import_module(module), attribute)
 
 
-@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]}, params=[version_option()])
 def main() -> None:
     """Prepare P-EAGLE training data: conversations -> tokens -> packed blocks -> feature store."""
 

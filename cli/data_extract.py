@@ -22,19 +22,15 @@ __all__ = ["extract", "inspect_cmd", "verify", "kept_blocks"]
 
 _EXTRACT_OVERRIDES = {
     "packed": {"type": click.Path(exists=True, file_okay=False), "metavar": "PACKED_DIR"},
-    "verifier": {"metavar": "MODEL"},
     "output": {"type": OutputPath(directory=True)},
     "storage_dtype": {"type": click.Choice(STORAGE_DTYPES)},
     "compressor": {"type": click.Choice(["none", "zstd"]), "default": "none", "show_default": True,
                    "callback": lambda ctx, param, value: None if value in (None, "none") else value},
     "attn_implementation": {"type": click.Choice(ATTN_IMPLEMENTATIONS)},
-    "num_shards": {"metavar": "N"},
     "engine": {"type": click.Choice(list(ENGINES))},
     "server": {"metavar": "URL"},
     "shared_storage": {"type": click.Path(file_okay=False), "metavar": "DIR"},
-    "shard_index": {"metavar": "I"},
     "context": {"type": click.Choice(CONTEXTS)},
-    "max_context": {"metavar": "TOKENS"},
 }
 """What ExtractConfig's annotations cannot say: paths, choices (the library's tuples), ``none`` for no compressor."""
 

@@ -32,7 +32,7 @@ class MergeConfig:
 @click.command()
 @config_options(MergeConfig, arguments=("shards",), overrides={
     "shards": {"metavar": "SHARD...", "nargs": -1, "required": True, "type": click.Path(exists=True)},
-    "output": {"metavar": "PATH", "type": OutputPath(directory=True)}})
+    "output": {"type": OutputPath(directory=True)}})
 @config_file_options
 @handle_errors
 def merge(**options):

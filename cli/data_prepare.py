@@ -132,7 +132,8 @@ def tokenize(**options):
     """Tokenize conversations with the chat template; write input_ids and assistant loss masks.
 
     INPUT: .jsonl, .json or .parquet files (globs allowed), 'sharegpt', or one mixture file
-    (.yaml/.toml: sources with weights or row limits, see the README). Rejected rows go to
+    (.yaml/.toml: 'seed' and a list 'sources', each with 'path', optional 'name', 'weight' (expected copies
+    of each row), 'limit' (first rows) and 'chat_template'; paths relative to the file). Rejected rows go to
     rejects.jsonl as FILE:N (N counts lines/rows from 1). Exits 1 with a warning when no row is used.
     """
     run = TokenizeRun(**_run_fields(options), settings=_tokenize_config(options))

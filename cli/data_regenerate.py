@@ -28,19 +28,16 @@ _BACKEND_OVERRIDES = {
     "served_model": {"metavar": "NAME"},
     "concurrency": {"metavar": "N"},
     "batch_size": {"metavar": "N"},
-    "device": {"metavar": "DEV"},
     "retries": {"metavar": "N"},
-    "timeout": {"metavar": "S"},
     "tokenizer": {"metavar": "MODEL"},
     "server_kind": {"type": click.Choice(SERVER_KINDS)},
 }
 _IO_OVERRIDES = {
     "inputs": {"metavar": "INPUT...", "nargs": -1, "required": True},
-    "output": {"metavar": "OUT.jsonl", "type": OutputPath(suffixes=(".jsonl",))},
+    "output": {"type": OutputPath(suffixes=(".jsonl",))},
 }
 _RUN_OVERRIDES = {
     "max_new_tokens": {"metavar": "N"},
-    "temperature": {"metavar": "T"},
     "turns": {"type": click.Choice(TURNS)},
     "limit": {"metavar": "N"},
     "max_prompt_tokens": {"metavar": "N"},

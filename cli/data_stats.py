@@ -17,7 +17,7 @@ _OVERRIDES = {
     "path": {"type": click.Path(exists=True)},
     "png": {"metavar": "FILE", "type": OutputPath(suffixes=PLOT_SUFFIXES)},
     "max_seq_len": {"metavar": "N", "type": click.IntRange(min=2)},
-    "overlap": {"metavar": "F", "type": click.FloatRange(0.0, 1.0, max_open=True)},
+    "overlap": {"type": click.FloatRange(0.0, 1.0, max_open=True)},
 }
 
 

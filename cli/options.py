@@ -46,6 +46,8 @@ from typing import Any, Callable
 import click
 from click.core import ParameterSource
 
+from cli.common import version_option
+
 __all__ = ["FROM_CONFIG_FILE", "ActionOption", "is_action", "field_docs", "plain_text", "config_options",
            "config_file_options", "resolved_config", "run_config", "IntList", "load_config_file", "config_fields"]
 
@@ -136,6 +138,35 @@ def _unwrap_optional(tp) -> tuple[Any, bool]:
     return tp, False
 
 
+METAVARS = {int: "N", float: "X", str: "TEXT"}
+"""The one metavar style of every command: an integer ``N``, a number ``X``, text ``TEXT``; a path ``PATH``,
+``DIR`` or ``FILE`` (:func:`metavar_of`); the kinds of :data:`FIELD_METAVARS`; overrides name other kinds in
+the same style (``URL``, ``NAME``, ``ID``)."""
+
+FIELD_METAVARS = {"verifier": "MODEL", "tokenizer": "MODEL", "device": "DEVICE", "init_from_sha256": "HEX",
+                  "report_to": "NAME"}
+"""Fields whose text is of a kind: a model (an alias, a directory or a hub id), a torch device, a digest, a name."""
+
+
+def metavar_of(name: str, kwargs: dict[str, Any]) -> str | None:
+    """The metavar of a generated option without one in its overrides (:data:`METAVARS`); None for a flag
+    or a choice (click shows ``[a|b]``)."""
+    tp = kwargs.get("type")
+    if kwargs.get("is_flag") or isinstance(tp, click.Choice):
+        return None
+    if isinstance(tp, click.Path):
+        return "DIR" if not tp.file_okay else "FILE" if not tp.dir_okay else "PATH"
+    if name in FIELD_METAVARS:
+        return FIELD_METAVARS[name]
+    if tp is int or isinstance(tp, click.types.IntParamType):
+        return METAVARS[int]
+    if tp is float or isinstance(tp, click.types.FloatParamType):
+        return METAVARS[float]
+    if tp is str or isinstance(tp, click.types.StringParamType):
+        return METAVARS[str]
+    return None  # a type with its own name (IntList: N,N,...)
+
+
 def _click_kwargs(tp, default) -> dict[str, Any]:
     """click keyword arguments for a field's type annotation and default."""
     tp, _ = _unwrap_optional(tp)
@@ -203,9 +234,11 @@ def config_options(cls: type, *, skip: tuple[str, ...] = (), overrides: dict[str
         decls = kwargs.pop("decls", None)
         if f.name in arguments:  # a list field is one nargs=-1 argument (overrides), not a repeated option
             kwargs.pop("multiple", None)
-            params.append(click.argument(f.name, cls=ConfigArgument, **kwargs))
+            params.append((False, click.argument(f.name, cls=ConfigArgument, **kwargs)))
             continue
         decls = decls or ["--" + f.name.replace("_", "-")]
+        if "metavar" not in kwargs and metavar_of(f.name, kwargs) is not None:
+            kwargs["metavar"] = metavar_of(f.name, kwargs)
         if is_action(f) and not issubclass(kwargs.setdefault("cls", ActionOption), ActionOption):
             raise TypeError(f"{owner.__name__}.{f.name} is an action: its option class must be an ActionOption")
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
@@ -213,7 +246,9 @@ def config_options(cls: type, *, skip: tuple[str, ...] = (), overrides: dict[str
             kwargs.setdefault("default", default)
         kwargs.setdefault("show_default", default is not None and default is not False)
         kwargs.setdefault("help", _help(docs[f.name], decls + [d for decl in decls for d in decl.split("/")]))
-        params.append(click.option(*decls, f.name, required=required, **kwargs))
+        params.append((required, click.option(*decls, f.name, required=required, **kwargs)))
+    # --help lists the required options first (each part in field order); arguments keep their positions
+    params = [p for req, p in params if req] + [p for req, p in params if not req]
 
     def decorate(fn):
         for param in reversed(params):
@@ -286,7 +321,7 @@ def _keys(command: click.Command) -> dict[str, click.Parameter]:
     (``-`` and ``_`` alike)."""
     keys: dict[str, click.Parameter] = {}
     for p in command.params:
-        if p.name in ("config", "print_config") or p.name is None:
+        if p.name in ("config", "print_config", "version") or p.name is None:
             continue
         keys[p.name] = p
         for opt in getattr(p, "opts", []):
@@ -351,7 +386,7 @@ def _print_keys(command: click.Command) -> dict[str, str]:
     the actions (:class:`ActionOption`, ``--print-config`` itself) are left out."""
     out = {}
     for p in command.params:
-        if p.name in ("config", "print_config", "help") or p.name is None or isinstance(p, ActionOption):
+        if p.name in ("config", "print_config", "version", "help") or p.name is None or isinstance(p, ActionOption):
             continue
         longs = [o for o in getattr(p, "opts", []) if o.startswith("--")]
         out[p.name] = longs[0][2:].replace("-", "_") if isinstance(p, click.Option) and longs else p.name
@@ -363,7 +398,7 @@ def resolved_config(ctx: click.Context) -> dict[str, Any]:
     parameter but the actions (:class:`ActionOption`: ``--force``, ``--resume``, ... and ``--print-config``);
     a grouped config's under their group (``{"optim": {"lr": ...}}``, in the groups' order)."""
     keys, groups = _print_keys(ctx.command), _groups(ctx.command)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {g: {} for g in dict.fromkeys(groups.values())}  # the groups in field order
     for name, key in keys.items():
         value = ctx.params.get(name)
         value = list(value) if isinstance(value, tuple) else value
@@ -382,7 +417,8 @@ def run_config() -> dict[str, Any]:
 
 
 def config_file_options(fn):
-    """Add ``--config FILE`` and ``--print-config`` to a command function (apply below ``@click.command``).
+    """Add ``--config FILE``, ``--print-config`` and ``--version`` to a command function (apply below
+    ``@click.command``).
 
     With ``--print-config`` the command prints its resolved values as YAML and exits 0 without running.
     """
@@ -400,6 +436,7 @@ def config_file_options(fn):
 
     # click lists __click_params__ in reverse: put these two last in --help
     wrapper.__click_params__ = [
+        version_option(),
         click.Option(["--print-config"], is_flag=True,
                      help="Print the resolved options as YAML (a --config file) and exit without running."),
         click.Option(["--config"], metavar="FILE", type=click.Path(exists=True, dir_okay=False), is_eager=True,

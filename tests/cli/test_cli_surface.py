@@ -12,7 +12,7 @@ from cli.data import main as data_main
 from cli.eval import main as eval_main
 from cli.train import main as train_main
 
-CONFIG_FILE = {"--config", "--print-config"}
+CONFIG_FILE = {"--config", "--print-config", "--version"}
 """cli/options.py: on every command."""
 SHARDS = {"--num-shards", "--shard-index"}
 TOKENIZE = {"--tokenizer", "--output", "--chat-template", "--limit", "--format", "--strict", "--num-workers",
@@ -117,7 +117,7 @@ def test_print_config_is_a_config_file_of_the_same_run(group, sub, tmp_path):
     first = CliRunner().invoke(GROUPS[group], [*cli, *_required_args(tmp_path)[(group, sub)], "--print-config"])
     assert first.exit_code == 0, first.output
     printed = _by_key(yaml.safe_load(first.stdout), group)
-    settings = [p for p in command.params if p.name not in ("config", "print_config", *ACTIONS[(group, sub)])]
+    settings = [p for p in command.params if p.name not in ("config", "print_config", "version", *ACTIONS[(group, sub)])]
     assert len(printed) == len(settings) and not set(printed) & ACTIONS[(group, sub)]
     (tmp_path / "c.yaml").write_text(first.stdout)
     again = CliRunner().invoke(GROUPS[group], [*cli, "--config", str(tmp_path / "c.yaml"), "--print-config"])
@@ -205,3 +205,37 @@ def test_help_has_no_sphinx_markup_and_no_python_none(group, sub):
     assert not re.search(r"\bNone\b", result.output), result.output
     if (group, sub) == ("train", None):
         assert "a name of peagle_train.model.attention.ATTENTION_BACKENDS (sdpa" in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("group,sub", sorted(EXACT, key=str) + [("data", None)])
+def test_every_command_has_version(group, sub):
+    from importlib.metadata import version
+
+    prog = {"data": "peagle-data", "train": "peagle-train", "eval": "peagle-eval"}[group]
+    result = CliRunner().invoke(GROUPS[group], [*([sub] if sub else []), "--version"], prog_name=prog)
+    assert result.exit_code == 0, result.output
+    assert result.output == f"{prog}{' ' + sub if sub else ''}, version {version('peagle')}\n"
+
+
+METAVARS = {"N", "X", "TEXT", "PATH", "DIR", "FILE", "MODEL", "DEVICE", "URL", "NAME", "ID", "HEX", "N,N,..."}
+"""cli/options.py METAVARS / FIELD_METAVARS: one style (issue 34: INTEGER beside N, TEXT beside MODEL)."""
+
+
+@pytest.mark.parametrize("group,sub", sorted(EXACT, key=str))
+def test_one_metavar_style_and_required_options_first(group, sub):
+    command = _command(group, sub)
+    ctx = click.Context(command)
+    options = [p for p in command.get_params(ctx) if isinstance(p, click.Option)]
+    shown = {p.opts[0]: p.make_metavar(ctx) for p in options if not p.is_flag and not isinstance(p.type, click.Choice)}
+    assert {o: m for o, m in shown.items() if m not in METAVARS} == {}
+    required = [p.required for p in options]
+    assert required == sorted(required, reverse=True), [p.opts[0] for p in options]  # required ones first
+
+
+@pytest.mark.parametrize("group,sub", sorted(EXACT, key=str) + [("data", None)])
+def test_help_points_to_no_file_of_the_repository(group, sub):
+    """A wheel user has no README, docs/ or scripts/: the help says it itself."""
+    result = CliRunner().invoke(GROUPS[group], [*([sub] if sub else []), "--help"], terminal_width=200)
+    text = " ".join(result.output.split())
+    for pointer in ("README", "docs/", "scripts/", "setup_env", ".md"):
+        assert pointer not in text, f"{group} {sub}: {pointer!r} in --help"

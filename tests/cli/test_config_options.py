@@ -55,8 +55,8 @@ def test_every_command_is_covered():
     assert sorted(COMMANDS) == sorted([*data_main.list_commands(None), "train", "eval"])
 
 
-CONFIG_FILE_OPTIONS = {"config", "print_config"}
-"""``--config FILE`` and ``--print-config`` (cli/options.py): on every command with a config, no field."""
+CONFIG_FILE_OPTIONS = {"config", "print_config", "version"}
+"""``--config FILE``, ``--print-config`` and ``--version`` (cli/options.py): on every command with a config, no field."""
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
