@@ -41,14 +41,24 @@ Assumptions, stated in every report (``assumptions``):
   prediction is of decoding steps, not of a whole generation's wall time;
 - the costs are those of peagle's own speculative decoder (transformers, :mod:`.speculative`), not of vLLM,
   whose kernels, batching and scheduling cost otherwise.
+
+Trust (issue 34): timings taken on a loaded machine can be noise (verifying 5 tokens measured cheaper than
+verifying 2). Every timing has its spread (interquartile range / median over the rounds) and the machine's
+1-minute load average before and after (``os.getloadavg``, beside the CPUs this process may use).
+:func:`cost_problems` refuses a measurement whose verifier cost falls as K grows (a pass over more tokens
+cannot cost less; :data:`MONOTONE_TOLERANCE`) or whose spread exceeds :data:`SPREAD_LIMIT`;
+:func:`measure_trusted_costs` then measures once more, and when the problems remain the report recommends
+no K (``recommended_K`` None, ``not_recommended`` the reasons) and leaves ``best_K`` unset. A load average
+above the CPUs, or a prediction far from the run's measured speedup, is a warning (``warnings``).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -58,8 +68,17 @@ from peagle_train.evaluate.verifier import (aux_hidden_states, crop_cache, new_c
                                             verifier_body_pass, verifier_pass)
 from stores.errors import InputError
 
-__all__ = ["ASSUMPTIONS", "StepCosts", "measure_step_costs", "first_prompt_ids", "acceptance_shares",
-           "expected_acceptance_length", "predict_speedups", "cost_model_report", "format_cost_model"]
+__all__ = ["ASSUMPTIONS", "MONOTONE_TOLERANCE", "SPREAD_LIMIT", "PREDICTION_TOLERANCE", "StepCosts",
+           "measure_step_costs", "measure_trusted_costs", "cost_problems", "load_average", "usable_cpus",
+           "first_prompt_ids", "acceptance_shares", "expected_acceptance_length", "predict_speedups",
+           "cost_model_report", "format_cost_model"]
+
+MONOTONE_TOLERANCE = 0.10
+"""A verifier pass over more tokens measured more than this fraction cheaper than one over fewer is noise."""
+SPREAD_LIMIT = 0.25
+"""A timing whose interquartile range exceeds this fraction of its median is noise."""
+PREDICTION_TOLERANCE = 1.5
+"""A predicted speedup more than this factor away from the run's measured one (either way) is warned about."""
 
 ASSUMPTIONS = [
     "greedy verification (temperature 0)",
@@ -93,7 +112,43 @@ class StepCosts:
     threads: int
     """``torch.get_num_threads()`` during the timing."""
     device: str
+    verify_1_spread: float = 0.0
+    """Spread of ``verify_1_s``: the interquartile range over the rounds / the median (0 with < 2 rounds)."""
+    verify_spread: list[float] = field(default_factory=list)
+    """``[K_max]``: spread of ``verify_s`` (as ``verify_1_spread``)."""
+    draft_spread: list[float] = field(default_factory=list)
+    """``[K_max]``: spread of ``draft_s`` (as ``verify_1_spread``)."""
+    load_average: list[float] = field(default_factory=list)
+    """The machine's 1-minute load average before and after the timing (``os.getloadavg``); empty when unknown."""
+    cpus: int = 0
+    """The CPUs this process may run on (``os.sched_getaffinity``)."""
+    attempts: int = 1
+    """Measurements taken (:func:`measure_trusted_costs` measures again when the first is noise)."""
 
+
+def load_average() -> float | None:
+    """The machine's 1-minute load average (``os.getloadavg()[0]``), None where the OS has none."""
+    try:
+        return float(os.getloadavg()[0])
+    except (AttributeError, OSError):
+        return None
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _spread(times: Sequence[float]) -> float:
+    """Interquartile range / median of ``times`` (0 with fewer than 2)."""
+    if len(times) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    median = statistics.median(times)
+    return (q3 - q1) / median if median > 0 else 0.0
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -138,6 +193,7 @@ def measure_step_costs(verifier, drafter, context_ids: Sequence[int] | torch.Ten
     vocab = verifier.config.get_text_config().vocab_size
     layers = drafter.config.aux_layer_ids
     P = ids.numel()
+    load_before = load_average()
     greedy_cache = new_cache(verifier)
     logits, _ = verifier_pass(verifier, ids, greedy_cache, want_hidden=False, last_only=True)
     last = int(logits[-1].argmax())
@@ -174,9 +230,51 @@ def measure_step_costs(verifier, drafter, context_ids: Sequence[int] | torch.Ten
                 if timed:
                     t_draft[K - 1].append(t1 - t0)
                     t_verify[K - 1].append(t2 - t1)
+    load_after = load_average()
     return StepCosts(verify_1_s=statistics.median(t_greedy), verify_s=[statistics.median(t) for t in t_verify],
                      draft_s=[statistics.median(t) for t in t_draft], context_tokens=P, rounds=rounds,
-                     warmup_rounds=warmup_rounds, threads=torch.get_num_threads(), device=str(device))
+                     warmup_rounds=warmup_rounds, threads=torch.get_num_threads(), device=str(device),
+                     verify_1_spread=_spread(t_greedy), verify_spread=[_spread(t) for t in t_verify],
+                     draft_spread=[_spread(t) for t in t_draft],
+                     load_average=[x for x in (load_before, load_after) if x is not None], cpus=usable_cpus())
+
+
+def cost_problems(costs: StepCosts) -> list[str]:
+    """Why ``costs`` are noise rather than this machine's decoding costs (empty: none found).
+
+    - a verifier pass over n + 1 tokens measured more than :data:`MONOTONE_TOLERANCE` cheaper than the most
+      expensive pass over fewer tokens (t_v(1), t_v(2), ... must not fall: more tokens, more work);
+    - a timing (t_v(1), any t_v(K+1) or t_d(K)) whose spread exceeds :data:`SPREAD_LIMIT`.
+    """
+    problems = []
+    chain = [(1, costs.verify_1_s)] + [(K + 1, t) for K, t in enumerate(costs.verify_s, start=1)]
+    dearest = chain[0]
+    for n, t in chain[1:]:
+        if t < dearest[1] * (1 - MONOTONE_TOLERANCE):
+            problems.append(f"verifying {n} tokens measured {t * 1e3:.2f} ms, cheaper than verifying {dearest[0]} "
+                            f"({dearest[1] * 1e3:.2f} ms)")
+        if t > dearest[1]:
+            dearest = (n, t)
+    spreads = [("t_v(1)", costs.verify_1_spread)]
+    spreads += [(f"t_v({K + 1})", x) for K, x in enumerate(costs.verify_spread, start=1)]
+    spreads += [(f"t_d({K})", x) for K, x in enumerate(costs.draft_spread, start=1)]
+    noisy = [f"{name} {x:.0%}" for name, x in spreads if x > SPREAD_LIMIT]
+    if noisy:
+        problems.append(f"timings spread more than {SPREAD_LIMIT:.0%} of their median over {costs.rounds} rounds "
+                        f"(interquartile range): {', '.join(noisy)}")
+    return problems
+
+
+def measure_trusted_costs(verifier, drafter, context_ids: Sequence[int] | torch.Tensor, max_draft_tokens: int,
+                          rounds: int = 15, warmup_rounds: int = 2, attempts: int = 2) -> StepCosts:
+    """:func:`measure_step_costs`, measured again (up to ``attempts`` times in all) while :func:`cost_problems`
+    finds the timings to be noise; returns the last measurement, its ``attempts`` set (the report then
+    states the problems that remain)."""
+    for attempt in range(1, attempts + 1):
+        costs = measure_step_costs(verifier, drafter, context_ids, max_draft_tokens, rounds, warmup_rounds)
+        if not cost_problems(costs):
+            break
+    return StepCosts(**{**asdict(costs), "attempts": attempt})
 
 
 def first_prompt_ids(block) -> torch.Tensor:
@@ -248,36 +346,81 @@ def cost_model_report(costs: StepCosts, acceptance: dict[str, Any]) -> dict[str,
     report (its counts, :func:`acceptance_shares`).
 
     Returns:
-        ``rows`` (:func:`predict_speedups`), ``best_K`` and ``best_expected_speedup`` (the row of the
-        largest expected speedup), ``faster_than_greedy`` (that speedup > 1), ``greedy_step_ms`` (t_v(1)),
-        ``acceptance_source`` (``online`` / ``offline``), ``acceptance_shares`` (s_i), ``costs``
-        (:class:`StepCosts` as a dict), ``assumptions`` and, when the acceptance was measured with fewer
-        drafts than the costs were timed for, ``note`` (the larger K are not predicted).
+        ``rows`` (:func:`predict_speedups`), ``recommended_K`` / ``best_K`` and ``best_expected_speedup`` (the
+        row of the largest expected speedup), ``faster_than_greedy`` (that speedup > 1), all None with
+        ``not_recommended`` (the reasons, :func:`cost_problems`) when the timings are noise;
+        ``greedy_step_ms`` (t_v(1)), ``load_average`` (1-minute, before and after the timing) and ``cpus``,
+        ``warnings`` (a load average above the CPUs; online, a prediction at the run's K more than
+        :data:`PREDICTION_TOLERANCE` away from the measured ``speedup``), ``acceptance_source`` (``online`` /
+        ``offline``), ``acceptance_shares`` (s_i), ``costs`` (:class:`StepCosts` as a dict), ``assumptions``
+        and, when the acceptance was measured with fewer drafts than the costs were timed for, ``note`` (the
+        larger K are not predicted).
     """
     shares, source = acceptance_shares(acceptance)
     rows = predict_speedups(costs, shares)
     best = max(rows, key=lambda row: row["expected_speedup"])
+    problems = cost_problems(costs)
+    trusted = not problems
     out = {"acceptance_source": source, "acceptance_shares": shares, "greedy_step_ms": costs.verify_1_s * 1e3,
-           "rows": rows, "best_K": best["K"], "best_expected_speedup": best["expected_speedup"],
-           "faster_than_greedy": best["expected_speedup"] > 1.0, "costs": asdict(costs),
-           "assumptions": list(ASSUMPTIONS)}
+           "load_average": list(costs.load_average), "cpus": costs.cpus,
+           "rows": rows, "recommended_K": best["K"] if trusted else None,
+           "best_K": best["K"] if trusted else None,
+           "best_expected_speedup": best["expected_speedup"] if trusted else None,
+           "faster_than_greedy": best["expected_speedup"] > 1.0 if trusted else None,
+           "warnings": _warnings(costs, rows, acceptance, source),
+           "costs": asdict(costs), "assumptions": list(ASSUMPTIONS)}
+    if problems:
+        out["not_recommended"] = (f"the step timings are noise ({'; '.join(problems)}; measured {costs.attempts} "
+                                  f"times): no K is recommended; measure again on an idle machine")
     if len(shares) < len(costs.verify_s):
         out["note"] = (f"the acceptance was measured with K = {len(shares)} drafts: K = {len(shares) + 1}.."
                        f"{len(costs.verify_s)} are not predicted (run with --num-draft-tokens {len(costs.verify_s)})")
     return out
 
 
+def _warnings(costs: StepCosts, rows: list[dict[str, Any]], acceptance: dict[str, Any], source: str) -> list[str]:
+    """The report's ``warnings`` (:func:`cost_model_report`)."""
+    out = []
+    if costs.load_average and costs.cpus and max(costs.load_average) > costs.cpus:
+        out.append(f"the load average ({_loads(costs.load_average)}) exceeds the {costs.cpus} CPUs: the timings are "
+                   "of a shared machine, not of decoding alone")
+    measured = acceptance.get("speedup") if source == "online" else None
+    K = len(acceptance.get("per_position_accepted") or [])
+    if measured and 1 <= K <= len(rows):
+        predicted = rows[K - 1]["expected_speedup"]
+        if not 1 / PREDICTION_TOLERANCE <= predicted / measured <= PREDICTION_TOLERANCE:
+            out.append(f"at the run's K = {K} the table predicts a speedup of {predicted:.3f}, the run measured "
+                       f"{measured:.3f}: the timings do not describe this run (load changed, or the prefill, "
+                       "not counted, dominates short generations)")
+    return out
+
+
+def _loads(loads: Sequence[float]) -> str:
+    return " -> ".join(f"{x:.2f}" for x in loads) if loads else "unknown"
+
+
 def format_cost_model(cm: dict[str, Any]) -> list[str]:
-    """The table of a ``cost_model`` entry, as ``peagle-eval`` prints it."""
+    """The table of a ``cost_model`` entry, as ``peagle-eval`` prints it: the load average beside the timings,
+    each timing's spread, the recommended K or why none is."""
     c = cm["costs"]
+    spread = lambda xs, i: f"±{xs[i]:.0%}" if i < len(xs) else ""  # noqa: E731
     lines = [f"K from measured costs ({cm['acceptance_source']} acceptance; {c['device']}, {c['threads']} threads, "
-             f"KV cache {c['context_tokens']} tokens, medians of {c['rounds']} rounds; greedy step "
-             f"{cm['greedy_step_ms']:.2f} ms)",
-             "  K  expected AL  t_draft ms  t_verify(K+1) ms  break-even AL  expected speedup"]
-    lines += [f"  {r['K']:<2d} {r['expected_acceptance_length']:>11.3f} {r['draft_ms']:>11.2f} {r['verify_ms']:>17.2f} "
-              f"{r['break_even_acceptance_length']:>14.3f} {r['expected_speedup']:>17.3f}" for r in cm["rows"]]
-    verdict = "" if cm["faster_than_greedy"] else " (no K beats greedy decoding here)"
-    lines.append(f"  best K {cm['best_K']}: expected speedup {cm['best_expected_speedup']:.3f}{verdict}")
+             f"KV cache {c['context_tokens']} tokens, medians of {c['rounds']} rounds; load average "
+             f"{_loads(c.get('load_average') or [])} on {c.get('cpus') or '?'} CPUs; greedy step "
+             f"{cm['greedy_step_ms']:.2f} ms {spread([c.get('verify_1_spread', 0.0)], 0)})",
+             "  K  expected AL  t_draft ms (spread)  t_verify(K+1) ms (spread)  break-even AL  expected speedup"]
+    for r in cm["rows"]:
+        i = r["K"] - 1
+        lines.append(f"  {r['K']:<2d} {r['expected_acceptance_length']:>11.3f} {r['draft_ms']:>11.2f} "
+                     f"{spread(c.get('draft_spread') or [], i):>8} {r['verify_ms']:>17.2f} "
+                     f"{spread(c.get('verify_spread') or [], i):>9} {r['break_even_acceptance_length']:>14.3f} "
+                     f"{r['expected_speedup']:>17.3f}")
+    if cm.get("not_recommended"):
+        lines.append(f"  no K recommended: {cm['not_recommended']}")
+    else:
+        verdict = "" if cm["faster_than_greedy"] else " (no K beats greedy decoding here)"
+        lines.append(f"  best K {cm['best_K']}: expected speedup {cm['best_expected_speedup']:.3f}{verdict}")
+    lines += [f"  warning: {w}" for w in cm.get("warnings") or []]
     if cm.get("note"):
         lines.append(f"  {cm['note']}")
     return lines

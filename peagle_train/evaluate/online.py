@@ -12,7 +12,7 @@ import torch
 
 from peagle_train.evaluate.checks import check_drafter_tokenizer, check_verifier_config
 from peagle_train.evaluate.config import EvalConfig
-from peagle_train.evaluate.cost_model import cost_model_report, measure_step_costs
+from peagle_train.evaluate.cost_model import cost_model_report, measure_trusted_costs
 from peagle_train.evaluate.prompts import Prompt, eos_ids, read_prompts, render_turn
 from peagle_train.evaluate.report import write_json
 from peagle_train.evaluate.speculative import (
@@ -203,7 +203,7 @@ def online_cost_model(verifier, drafter, context_ids: Sequence[int], online: dic
                            "--temperature 0 for the table"}
     if not online["num_drafts"]:
         return {"skipped": "no verifier step checked a draft: no acceptance to predict from"}
-    costs = measure_step_costs(verifier, drafter, context_ids, int(drafter.config.num_depths), config.cost_rounds)
+    costs = measure_trusted_costs(verifier, drafter, context_ids, int(drafter.config.num_depths), config.cost_rounds)
     return cost_model_report(costs, online)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from peagle_train.evaluate.checks import check_before_weights
 from peagle_train.evaluate.config import EvalConfig
-from peagle_train.evaluate.cost_model import cost_model_report, first_prompt_ids, measure_step_costs
+from peagle_train.evaluate.cost_model import cost_model_report, first_prompt_ids, measure_trusted_costs
 from peagle_train.evaluate.offline import run_offline_eval
 from peagle_train.evaluate.online import load_for_decoding, run_online_eval
 from peagle_train.evaluate.report import write_acceptance_plot, write_json
@@ -99,7 +99,7 @@ def _offline_cost_model(drafter: str, store: str, offline: dict[str, Any], round
     # the verifier's config was checked before any weights (check_before_weights); the timing needs no
     # tokenizer check: token ids do not change a step's cost
     verifier, loaded = load_for_decoding(load_drafter(drafter), offline["verifier"])
-    return cost_model_report(measure_step_costs(verifier, loaded, context, int(loaded.config.num_depths), rounds),
+    return cost_model_report(measure_trusted_costs(verifier, loaded, context, int(loaded.config.num_depths), rounds),
                              offline)
 
 
