@@ -21,7 +21,8 @@ def _fmt(x: Any) -> str:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    """A readable table of an online and/or offline report (the ``offline`` key)."""
+    """A readable table of an online and/or offline report (the ``offline`` key); the tokens/s of every
+    measured concurrency (:func:`_throughput_lines`)."""
     lines: list[str] = []
     if "acceptance_length" in report:
         lines += [
@@ -29,9 +30,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"  acceptance length  {_fmt(report['acceptance_length'])}",
             f"  acceptance rate    {_fmt(report['acceptance_rate'])}  "
             f"({report['accepted']}/{report['drafted']})",
-            f"  tokens/s           {_fmt(report['tokens_per_second'])} speculative, "
-            f"{_fmt(report['baseline_tokens_per_second'])} {'plain sampling' if report.get('temperature') else 'greedy'} "
-            f"(speedup {_fmt(report['speedup'])})",
+            *_throughput_lines(report),
             f"  identical to greedy {report['identical_to_greedy']}"
             + (f"  (temperature {report['temperature']}: sampled, not compared)" if report.get("temperature") else ""),
             f"  wall time          {_fmt(report.get('wall_time_s'))} s, {report.get('generated_tokens', '-')} tokens "
@@ -55,6 +54,27 @@ def format_report(report: dict[str, Any]) -> str:
         ]
         lines += _cost_lines(off)
     return "\n".join(lines)
+
+
+def engine_name(report: dict[str, Any]) -> str:
+    """The online engine a report measured, as summaries and plots name it: ``vLLM`` or ``peagle`` (its own
+    decoder, transformers)."""
+    return "vLLM" if report.get("engine") == "vllm" else "peagle"
+
+
+def _throughput_lines(report: dict[str, Any]) -> list[str]:
+    """Tokens/s and speedup at every measured concurrency (``throughput``, ``--engine vllm``: 1 and
+    ``--concurrency``), not only the first; peagle's own decoder measures concurrency 1 alone."""
+    baseline = "plain sampling" if report.get("temperature") else "greedy"
+    throughput = report.get("throughput") or {}
+    if not throughput:
+        return [f"  tokens/s           {_fmt(report['tokens_per_second'])} speculative, "
+                f"{_fmt(report['baseline_tokens_per_second'])} {baseline} (speedup {_fmt(report['speedup'])})"]
+    lines = [f"  tokens/s ({engine_name(report)}, per concurrency: requests running together)"]
+    for n, t in sorted(throughput.items(), key=lambda item: int(item[0])):
+        lines.append(f"    concurrency {int(n):<3d} {_fmt(t.get('speculative'))} speculative, {_fmt(t.get('plain'))} "
+                     f"{baseline} (speedup {_fmt(t.get('speedup'))})")
+    return lines
 
 
 def _cost_lines(report: dict[str, Any]) -> list[str]:
@@ -95,8 +115,8 @@ def _plot_series(report: dict[str, Any]) -> list[tuple[str, list[int], list[int]
     acceptance, offline per-depth accuracy."""
     series = []
     if "acceptance_length" in report and "per_position_reached" in report:
-        series.append(("online: share of verifier steps accepting draft i (vLLM)", report["per_position_accepted"],
-                       report["per_position_reached"]))
+        series.append((f"online ({engine_name(report)}): share of verifier steps accepting draft i",
+                       report["per_position_accepted"], report["per_position_reached"]))
     off = report.get("offline")
     if off and "per_position_reached" in off:
         series.append(("offline: P(accept | earlier accepted)", off["per_position_accepted"],
@@ -110,6 +130,13 @@ def _plot_title(report: dict[str, Any]) -> str:
     if "acceptance_length" in report:
         lines.append(f"online: acceptance length {report['acceptance_length']:.3f} (K={report['num_draft_tokens']}, "
                      f"{report['num_turns']} turns, {report['num_drafts']} verifier steps with drafts)")
+        speedups = [f"{t['speedup']:.3f}x at concurrency {n}" for n, t in
+                    sorted((report.get("throughput") or {}).items(), key=lambda item: int(item[0]))
+                    if t.get("speedup") is not None]
+        if speedups:
+            lines.append(f"{engine_name(report)} tokens/s speedup: {', '.join(speedups)}")
+        elif report.get("speedup") is not None:
+            lines.append(f"{engine_name(report)} tokens/s speedup: {report['speedup']:.3f}x")
     off = report.get("offline")
     if off:
         lines.append(f"offline: simulated acceptance length {off['simulated_acceptance_length']:.3f} "

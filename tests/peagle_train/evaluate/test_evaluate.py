@@ -611,10 +611,34 @@ def test_acceptance_plot_has_integer_positions_title_and_counts(tmp_path, monkey
 
     labels = [t.get_text() for t in figs[0].legends[0].get_texts()]
     assert labels == [name for key, name in (
-        ("acceptance_length", "online: share of verifier steps accepting draft i (vLLM)"),
+        ("acceptance_length", "online (peagle): share of verifier steps accepting draft i"),
         ("offline", "offline: P(accept | earlier accepted)"), ("offline", "offline: per-depth accuracy"))
         if key in report]
     assert sum(isinstance(c, BarContainer) for c in ax.containers) == ("acceptance_length" in report) + ("offline" in report)
+
+
+VLLM_ONLINE = {**ONLINE, "engine": "vllm", "num_prompts": 2, "identical_to_greedy": True, "accepted": 9,
+               "drafted": 150, "acceptance_rate": 0.06, "tokens_per_second": 61.0, "baseline_tokens_per_second": 60.0,
+               "speedup": 1.017, "temperature": 0.0,
+               "throughput": {"1": {"plain": 60.0, "speculative": 61.0, "speedup": 1.017},
+                              "8": {"plain": 400.0, "speculative": 224.0, "speedup": 0.56}}}
+
+
+def test_vllm_summary_and_plot_show_every_concurrency_and_name_the_engine(tmp_path, monkeypatch):
+    # issue 34 item 4: the summary printed concurrency 1 only (1.017x); 0.56x at 8 was in the JSON alone
+    from peagle_train.evaluate.report import write_acceptance_plot
+
+    text = format_report(VLLM_ONLINE)
+    assert "  tokens/s (vLLM, per concurrency: requests running together)" in text
+    assert "    concurrency 1   61.000 speculative, 60.000 greedy (speedup 1.017)" in text
+    assert "    concurrency 8   224.000 speculative, 400.000 greedy (speedup 0.560)" in text
+    figs = _captured_figures(monkeypatch)
+    write_acceptance_plot(VLLM_ONLINE, tmp_path / "eval.png")
+    assert "vLLM tokens/s speedup: 1.017x at concurrency 1, 0.560x at concurrency 8" in figs[0].axes[0].get_title()
+    assert [t.get_text() for t in figs[0].legends[0].get_texts()] == [
+        "online (vLLM): share of verifier steps accepting draft i"]
+    peagle = {**VLLM_ONLINE, "engine": None, "throughput": None}
+    assert "(speedup 1.017)" in format_report(peagle) and "concurrency" not in format_report(peagle)
 
 
 def test_reports_carry_the_counts_behind_each_rate():
