@@ -179,6 +179,10 @@ class RunConfig:
     of the drafter weights plus the optimizer state; ``final/`` is never removed. None: keep all."""
     log_every: int = 1
     """Steps between metrics.jsonl lines (``--log-every``)."""
+    val_every: int | None = None
+    """Steps between validations on the held-out blocks (``--val-every``), each a ``split: val`` row in
+    metrics.jsonl and a point of training.png, besides the one at the end; None: every ``--save-every``
+    steps when set, else every max(50, max_steps // 10) steps. May change on ``--resume``."""
     report_to: str | None = None
     """Accelerate trackers fed the metrics.jsonl rows, comma-separated: tensorboard, wandb, all installed
     (``--report-to``); files under OUTPUT/trackers; wandb runs offline with WANDB_MODE=offline. None:
@@ -188,11 +192,17 @@ class RunConfig:
     force: bool = dataclasses.field(default=False, metadata={"action": True})
     """Delete an existing output directory first (``--force``)."""
 
+    def val_interval(self, max_steps: int) -> int:
+        """The steps between validations (``--val-every``, resolved): ``val_every``, else ``save_every``, else
+        max(50, ``max_steps`` // 10)."""
+        return self.val_every or self.save_every or max(50, max_steps // 10)
+
     def __post_init__(self) -> None:
         _need(self.save_every is None or self.save_every >= 1, "--save-every", ">= 1 when set", self.save_every)
         _need(self.save_total_limit is None or self.save_total_limit >= 1, "--save-total-limit", ">= 1 when set",
               self.save_total_limit)
         _need(self.log_every >= 1, "--log-every", ">= 1", self.log_every)
+        _need(self.val_every is None or self.val_every >= 1, "--val-every", ">= 1 when set", self.val_every)
         _need(not (self.resume and self.force), "--resume/--force", "used one at a time", "both")
         parse_report_to(self.report_to)  # InputError (a ValueError) naming --report-to
 

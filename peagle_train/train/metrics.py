@@ -20,7 +20,7 @@ import torch
 from stores.errors import InputError, MissingDependencyError
 
 __all__ = ["TRACKERS", "TRACKER_PROJECT", "MetricsLog", "parse_report_to", "resolve_trackers", "tracker_values",
-           "plot_metrics", "read_metrics", "write_metrics", "pooled_accuracy"]
+           "plot_metrics", "rolling_mean", "smoothing_window", "read_metrics", "write_metrics", "pooled_accuracy"]
 
 #: accelerate trackers ``--report-to`` accepts: name -> (module that must import, pip requirement)
 TRACKERS: dict[str, tuple[str, str]] = {
@@ -185,9 +185,29 @@ class MetricsLog:
         return any(r.get("split") == split and r.get("step") == step for r in read_metrics(self.path))
 
 
+def smoothing_window(n_points: int) -> int:
+    """The rolling-mean window of training.png: a twentieth of the logged steps (at least 1)."""
+    return max(1, n_points // 20)
+
+
+def rolling_mean(values: list[float | None], window: int) -> list[float]:
+    """Trailing mean of the last ``window`` values at each point (fewer at the start), skipping None/NaN;
+    NaN where the window holds none."""
+    out = []
+    for i in range(len(values)):
+        seen = [v for v in values[max(0, i - window + 1):i + 1] if v is not None and v == v]
+        out.append(sum(seen) / len(seen) if seen else float("nan"))
+    return out
+
+
 def plot_metrics(metrics_path: Path, png_path: Path) -> Path | None:
     """Write a PNG of training loss and per-depth accuracy against steps (matplotlib, Agg); None
-    when ``metrics_path`` has no training row."""
+    when ``metrics_path`` has no training row.
+
+    Each training curve is drawn faint step by step and as its trailing mean over
+    :func:`smoothing_window` logged steps (one step's loss is one block's: noise); the validation rows
+    (``--val-every`` and the end) are points joined by a line, the accuracy's in each depth's colour.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -199,19 +219,32 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> Path | None:
     if not train:
         return None
     steps = [r["step"] for r in train]
+    window = smoothing_window(len(train))
+    smoothed = f"mean of {window} logged steps" if window > 1 else "each step"
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ax1.plot(steps, [r["loss"] for r in train], label="train")
+    losses = [r["loss"] for r in train]
+    if window > 1:
+        ax1.plot(steps, losses, color="C0", alpha=0.25, linewidth=0.8, label="train, each step")
+    ax1.plot(steps, rolling_mean(losses, window), color="C0", label=f"train, {smoothed}")
     val = [r for r in rows if r.get("split") == "val"]
     if val:
-        ax1.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="val")
+        ax1.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", color="C1",
+                 label=f"validation ({len(val)} points)")
     ax1.set(xlabel="step", ylabel="KL loss", title="loss")
-    ax1.legend()
+    ax1.legend(fontsize=8)
     for d in range(len(train[0]["acc"])):
         ys = [r["acc"][d] if r["acc"][d] is not None else float("nan") for r in train]
-        ax2.plot(steps, ys, label=f"depth {d}")
-    top = max([a for r in train for a in r["acc"] if a is not None] or [0.0])
+        if window > 1:
+            ax2.plot(steps, ys, color=f"C{d}", alpha=0.2, linewidth=0.8)
+        ax2.plot(steps, rolling_mean(ys, window), color=f"C{d}", label=f"depth {d}")
+        vals = [(r["step"], r["val_acc"][d]) for r in val if d < len(r.get("val_acc") or []) and r["val_acc"][d] is not None]
+        if vals:
+            ax2.plot(*zip(*vals), "o--", color=f"C{d}", markersize=4, linewidth=0.8,
+                     label="validation" if d == 0 else None)
+    top = max([a for r in train for a in r["acc"] if a is not None]
+              + [a for r in val for a in (r.get("val_acc") or []) if a is not None] or [0.0])
     # the axis follows the data (small accuracies early in training stay readable), never past 1
-    ax2.set(xlabel="step", ylabel="weighted argmax agreement", title="per-depth accuracy",
+    ax2.set(xlabel="step", ylabel="weighted argmax agreement", title=f"per-depth accuracy (train: {smoothed})",
             ylim=(0, min(1.0, max(0.02, 1.15 * top))))
     ax2.legend(fontsize=7)
     for ax in (ax1, ax2):  # steps are integers: no 0.5 ticks on a short run

@@ -267,7 +267,8 @@ class Trainer:
             yield block, cod_generator(self.cfg.run.seed, cursor)
 
     def _after_step(self, row: dict[str, Any], bar) -> None:
-        """Log the step (every ``log_every`` and the last), save and validate every ``save_every``."""
+        """Log the step (every ``log_every`` and the last), save every ``save_every``, validate every
+        ``val_every`` (:meth:`RunConfig.val_interval`); the last step's are :meth:`_final_outputs`'."""
         cfg, step = self.cfg, self.step
         if self.main:
             if step % cfg.run.log_every == 0 or step == self.max_steps:
@@ -280,8 +281,9 @@ class Trainer:
             self.accelerator.wait_for_everyone()
             if self.main:
                 self.save(f"checkpoint-{step}")
-                if len(self.run.val_ids):
-                    self.run.metrics.record({"split": "val", "step": step, **self.validate()})
+        if self.main and step % cfg.run.val_interval(self.max_steps) == 0 and step < self.max_steps \
+                and len(self.run.val_ids):
+            self.run.metrics.record({"split": "val", "step": step, **self.validate()})
 
     def _finish(self, t_start: float, wait0: float) -> dict[str, Any]:
         self.accelerator.wait_for_everyone()

@@ -38,7 +38,7 @@ EXACT = {
     ("train", None): {"--store", "--output", "--verifier", "--max-steps", "--num-depths", "--max-anchors",
                       "--down-sample-ratio", "--down-sample-ratio-min", "--draft-vocab-size", "--num-layers", "--lr",
                       "--warmup-steps", "--weight-decay", "--grad-clip", "--grad-accum", "--save-every",
-                      "--save-total-limit", "--val-fraction", "--val-max-blocks", "--log-every", "--mask-token-id",
+                      "--save-total-limit", "--val-fraction", "--val-max-blocks", "--val-every", "--log-every", "--mask-token-id",
                       "--loss-chunk-size", "--gradient-checkpointing", "--lazy-embedding", "--dense-embedding",
                       "--train-embedding", "--freeze-embedding", "--seed", "--attention-backend", "--drafter-layer",
                       "--init-from", "--init-from-sha256", "--init-layers", "--report-to", "--resume", "--allow-incomplete",

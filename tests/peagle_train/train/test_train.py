@@ -595,6 +595,49 @@ def test_training_plot_integer_steps_and_readable_small_accuracy(tmp_path, monke
     assert acc_ax.get_ylim() == (0.0, pytest.approx(0.0345))  # 1.15 x the largest accuracy, not 0..1
 
 
+def test_training_plot_smooths_the_steps_and_shows_validation_along_the_way(tmp_path, monkeypatch):
+    # issue 34 item 4: training.png was raw per-step noise with one validation point at the end
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from peagle_train.train.metrics import plot_metrics, rolling_mean
+
+    assert rolling_mean([1.0, 3.0, None, 5.0, float("nan")], 2) == [1.0, 2.0, 3.0, 5.0, 5.0]
+    figs = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figs.append(fig))
+    rows = [{"split": "train", "step": s, "loss": 2.0 + 0.25 * (s % 5), "acc": [0.5, 0.1 * (s % 2)]}
+            for s in range(1, 101)]
+    rows += [{"split": "val", "step": s, "val_loss": 2.4, "val_acc": [0.4, 0.05]} for s in (50, 100)]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plot_metrics(tmp_path / "m.jsonl", tmp_path / "t.png")
+    loss_ax, acc_ax = figs[0].axes
+    raw, mean, val = loss_ax.get_lines()
+    assert raw.get_alpha() == 0.25 and mean.get_alpha() is None
+    # a period of 5 steps (2, 2.25, ..., 3) averaged over 5 logged steps: flat once the window is full
+    assert list(mean.get_ydata())[4:] == pytest.approx([2.5] * 96)
+    assert list(val.get_xdata()) == [50, 100] and val.get_label() == "validation (2 points)"
+    assert [t.get_text() for t in loss_ax.get_legend().get_texts()] == [
+        "train, each step", "train, mean of 5 logged steps", "validation (2 points)"]
+    assert "validation" in [t.get_text() for t in acc_ax.get_legend().get_texts()]
+    assert acc_ax.get_title() == "per-depth accuracy (train: mean of 5 logged steps)"
+
+
+def test_val_every_validates_along_the_way(tmp_path, verifier_dir):
+    from peagle_train.train.config import RunConfig
+
+    assert RunConfig(output="o").val_interval(300) == 50 and RunConfig(output="o").val_interval(2000) == 200
+    assert RunConfig(output="o", save_every=6).val_interval(300) == 6
+    assert RunConfig(output="o", save_every=6, val_every=4).val_interval(300) == 4
+    with pytest.raises(ValueError, match="--val-every"):
+        RunConfig(output="o", val_every=0)
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=5)
+    run_train(_cfg(store, tmp_path / "out", max_steps=7, val_every=3, val_fraction=0.2))
+    assert [r["step"] for r in _rows(tmp_path / "out", "val")] == [3, 6, 7]
+    assert not list((tmp_path / "out").glob("checkpoint-[36]"))  # validation does not save
+
+
 def test_offline_eval_finds_the_held_out_blocks_of_each_training_store_and_names_other_stores(tmp_path,
                                                                                                verifier_dir):
     """config.json records each training store's identity; evaluation labels "validation" only the held-out
