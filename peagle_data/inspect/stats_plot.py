@@ -1,5 +1,5 @@
-"""The picture of ``peagle-data stats``: a 2x2 figure of the statistics :func:`peagle_data.inspect.stats.collect_stats`
-returns (lengths, supervised fractions, windows per conversation, per-source shares)."""
+"""The picture of ``peagle-data stats``: the statistics :func:`peagle_data.inspect.stats.collect_stats` returns
+(lengths, supervised fractions, windows per conversation, per-source shares), one panel each that shows something."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 from peagle_data.inspect.stats import FRACTION_BINS
 from stores.errors import InputError, OutputExistsError
 
-__all__ = ["PLOT_SUFFIXES", "check_plot_output", "plot_stats"]
+__all__ = ["PLOT_SUFFIXES", "check_plot_output", "plot_stats", "panels"]
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 """The file types :func:`plot_stats` writes (matplotlib picks the format from the extension)."""
@@ -35,8 +35,11 @@ def check_plot_output(png: str | os.PathLike, force: bool = False) -> None:
 
 
 def plot_stats(stats: dict[str, Any], png: str | os.PathLike, force: bool = False) -> Path:
-    """Write a 2x2 PNG: length histogram with p50/p90/p99, supervised fraction histogram, windows
-    per conversation (segments per block for a store), per-source shares of tokens and supervised tokens.
+    """Write a PNG of the panels that show something: the length histogram with p50/p90/p99 and the
+    supervised fraction histogram always; windows per conversation (segments per block for a store) when they
+    take two values or more; per-source shares of tokens and supervised tokens when there are two sources or
+    more. A panel left out (one value, one source, not known) is said in a line under the title instead of
+    drawn empty or as one bar (:func:`panels`).
 
     Returns:
         The PNG path.
@@ -50,20 +53,51 @@ def plot_stats(stats: dict[str, Any], png: str | os.PathLike, force: bool = Fals
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), dpi=80)
-    _plot_lengths(axes[0][0], stats)
-    _plot_fractions(axes[0][1], stats)
-    _plot_windows(axes[1][0], stats)
-    _plot_sources(axes[1][1], stats)
+    drawn, notes = panels(stats)
+    rows, cols = (1, len(drawn)) if len(drawn) <= 3 else (2, 2)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.4 * rows + 0.4 * bool(notes)), dpi=80, squeeze=False)
+    for ax, draw in zip(axes.flat, drawn):
+        draw(ax, stats)
     t = stats["totals"]
-    fig.suptitle(f"{Path(stats['path']).name} ({stats['kind']}): {t['rows']:,} "
-                 f"{'conversations' if stats['kind'] == 'tokenized' else 'blocks'}, {t['tokens']:,} tokens, "
-                 f"{t['supervised_fraction']:.1%} supervised", fontsize=11)
+    title = (f"{Path(stats['path']).name} ({stats['kind']}): {t['rows']:,} "
+             f"{'conversations' if stats['kind'] == 'tokenized' else 'blocks'}, {t['tokens']:,} tokens, "
+             f"{t['supervised_fraction']:.1%} supervised")
+    fig.suptitle("\n".join([title, "; ".join(notes)] if notes else [title]), fontsize=11)
     fig.tight_layout()
     png = Path(png)
     fig.savefig(png)
     plt.close(fig)
     return png
+
+
+def panels(stats: dict[str, Any]) -> tuple[list, list[str]]:
+    """``(the panel functions to draw, the facts said instead of a panel)`` for :func:`plot_stats`."""
+    drawn, notes = [_plot_lengths, _plot_fractions], []
+    hist, label = _windows(stats)
+    if hist and len(hist) > 1:
+        drawn.append(_plot_windows)
+    elif hist:
+        (k, n), = hist.items()
+        notes.append(f"{label}: {k} for all {int(n):,}")
+    else:
+        notes.append(f"{label}: not known (give --max-seq-len)")
+    if stats.get("packing"):
+        notes.append(f"packing efficiency {stats['packing']['efficiency']}")
+    sources = stats.get("sources") or []
+    if len(sources) > 1:
+        drawn.append(_plot_sources)
+    elif sources:
+        notes.append(f"one source: {Path(str(sources[0]['source'])).name}")
+    else:
+        notes.append("sources: one, or not recorded")
+    return drawn, notes
+
+
+def _windows(stats) -> tuple[dict | None, str]:
+    """The windows histogram (``{count: rows}``) and what it counts."""
+    w = stats.get("windows_per_conversation")
+    return (w["histogram"], "windows per conversation") if w else (stats.get("segments_per_block"),
+                                                                  "windows per block")
 
 
 def _plot_lengths(ax, stats) -> None:
@@ -95,32 +129,21 @@ def _plot_fractions(ax, stats) -> None:
 
 
 def _plot_windows(ax, stats) -> None:
-    w = stats.get("windows_per_conversation")
-    hist, label = (w["histogram"], "windows per conversation") if w else (stats.get("segments_per_block"),
-                                                                        "windows per block")
+    hist, label = _windows(stats)
     title = "windows"
-    if hist:
-        ks = np.array([int(k) for k in hist])
-        cs = np.array([hist[k] for k in hist])
-        shown = ks <= 16
-        ax.bar(ks[shown], cs[shown], color="#aa3377")
-        ax.set_yscale("log")
-        if not shown.all():
-            title += f" ({int(cs[~shown].sum()):,} above 16 not shown; max {int(ks.max())})"
-    else:
-        ax.text(0.5, 0.5, "not known (give --max-seq-len)", ha="center", va="center", transform=ax.transAxes)
-    if stats.get("packing"):
-        label += f"  (packing efficiency {stats['packing']['efficiency']})"
+    ks = np.array([int(k) for k in hist])
+    cs = np.array([hist[k] for k in hist])
+    shown = ks <= 16
+    ax.bar(ks[shown], cs[shown], color="#aa3377")
+    ax.set_yscale("log")
+    if not shown.all():
+        title += f" ({int(cs[~shown].sum()):,} above 16 not shown; max {int(ks.max())})"
     ax.set_xlabel(label)
     ax.set_title(title, fontsize=10)
 
 
 def _plot_sources(ax, stats) -> None:
-    sources = stats.get("sources")
-    if not sources:
-        ax.text(0.5, 0.5, "one source / not recorded", ha="center", va="center", transform=ax.transAxes)
-        ax.set_title("sources", fontsize=10)
-        return
+    sources = stats["sources"]
     names = [Path(str(s["source"])).name[:24] for s in sources[:12]]
     y = np.arange(len(names))
     ax.barh(y - 0.2, [s["token_share"] for s in sources[:12]], height=0.4, label="tokens", color="#4477aa")

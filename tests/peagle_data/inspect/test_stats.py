@@ -116,6 +116,32 @@ def test_cli_text_and_bad_path(tmp_path):
     assert (tmp_path / "t.png").stat().st_size > 1000
 
 
+def test_stats_plot_draws_no_empty_or_one_bar_panel(tmp_path, monkeypatch):
+    # issue 34 item 4: stats.png showed an empty "sources" panel and a one-bar windows panel
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from peagle_data.inspect.stats_plot import panels
+
+    figs = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figs.append(fig))
+    one = collect_stats(_tokenized_table(tmp_path / "one", [("a.jsonl:1", 4, 2, 0), ("a.jsonl:2", 6, 3, 0)]))
+    one["windows_per_conversation"] = {"histogram": {1: 2}}
+    drawn, notes = panels(one)
+    assert [f.__name__ for f in drawn] == ["_plot_lengths", "_plot_fractions"]
+    assert notes == ["windows per conversation: 1 for all 2", "one source: a.jsonl"]
+    plot_stats(one, tmp_path / "one.png")
+    assert len(figs[-1].axes) == 2 and "one source: a.jsonl" in figs[-1]._suptitle.get_text()
+    two = collect_stats(_tokenized_table(tmp_path / "two", [("a.jsonl:1", 4, 2, 0), ("b.jsonl:1", 6, 3, 0)]))
+    two["windows_per_conversation"] = {"histogram": {1: 1, 3: 1}}
+    drawn, notes = panels(two)
+    assert [f.__name__ for f in drawn] == ["_plot_lengths", "_plot_fractions", "_plot_windows", "_plot_sources"]
+    plot_stats(two, tmp_path / "two.png")
+    assert [ax.get_title() for ax in figs[-1].axes][2:] == ["windows", "sources"]
+
+
 def test_per_turn_rows_of_a_split_conversation_are_one_conversation(tmp_path):
     # A history-rewriting template's per-turn rows (source a.jsonl:1 twice) each hold the history:
     # one conversation of 30 tokens (its longest row) supervising 4 + 6 tokens, not two conversations.
