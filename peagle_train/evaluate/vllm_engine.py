@@ -40,6 +40,7 @@ from peagle_train.evaluate.speculative import checked_num_draft_tokens
 from peagle_train.model.checkpoint import find_drafter, load_drafter
 from stores.errors import InputError, MissingDependencyError, ModelNotFoundError
 from stores.model_cache import load_tokenizer, model_fingerprint, resolve_model
+from stores.progress import progress
 
 __all__ = ["VLLM_SETUP", "SPEC_METRICS", "VllmRun", "VllmReference", "import_vllm", "vllm_generate",
            "engine_settings", "check_full_length", "next_turn_prompts", "per_position_counts",
@@ -197,6 +198,8 @@ def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int,
     log(f"vLLM engine on {model} started in {run.start_s:.0f} s"
         + (f" (drafter {spec.model}, K={spec.num_speculative_tokens})" if spec is not None else ""))
     params = vllm.SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=list(stop_token_ids))
+    # later turns are built from the answers: the total is unknown until the last turn (stores.progress)
+    bar = progress(desc=f"vLLM {'speculative' if spec is not None else 'plain'} requests", unit="request")
     try:
         _generate(llm, [prompts[0]], vllm.SamplingParams(temperature=0.0, max_tokens=4))  # warm-up, untimed
         before = _counters(llm) if spec is not None else None
@@ -210,11 +213,13 @@ def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int,
                 check_full_length(len(p), o[0].outputs[0].token_ids, max_new_tokens, stop_token_ids, max_model_len)
                 outs += o
                 elapsed += s
+                bar.update(1)
             all_prompts += batch
             run.tokens += [list(o.outputs[0].token_ids) for o in outs]
             per_request += [_step_counts(o) or {} for o in outs]
             generated += sum(len(o.outputs[0].token_ids) for o in outs)
             batch = turns([list(o.outputs[0].token_ids) for o in outs]) if turns else []
+        bar.close()  # the concurrency-C pass is one vLLM call, not counted here
         run.tokens_per_second[1] = generated / elapsed if elapsed else 0.0
         if spec is not None:
             run.counters = _delta(_counters(llm), before)
@@ -225,6 +230,7 @@ def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int,
             outs, s = _generate(llm, many, params)
             run.tokens_per_second[concurrency] = sum(len(o.outputs[0].token_ids) for o in outs) / s
     finally:
+        bar.close()
         _shutdown(llm)
     return run
 
