@@ -246,7 +246,7 @@ class Trainer:
                                   grad_accum=self.cfg.optim.grad_accum, pin_memory=acc.device.type == "cuda")
         batches = iter(self.loader)
         bar = progress(total=self.max_steps, initial=self.step, disable=not self.main, desc="peagle-train",
-                   dynamic_ncols=True)
+                       unit="step", dynamic_ncols=True)
         t_start, wait0 = time.perf_counter(), self.loader.wait_s
         self.model.train()
         try:

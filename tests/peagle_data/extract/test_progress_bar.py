@@ -33,3 +33,13 @@ def test_extract_bar_shows_the_whole_token_count(tmp_path, tiny_verifier_dir, mo
                                               output=str(tmp_path / "f.zarr"), layers=[1], context="window"))
     n = pq.read_table(next(packed.glob("part-*.parquet")), columns=["n_tokens"]).column("n_tokens").to_pylist()
     assert postfixes == [{"tokens": f"{n[0]:,}"}, {"tokens": f"{n[0] + n[1]:,}"}]
+
+
+def test_extract_in_a_log_ends_with_its_final_line(tmp_path, tiny_verifier_dir, capsys):
+    # issue 34 item 6: a short run ended at 19/20 with no final line; now one line at the end
+    packed = write_packed(tmp_path / "packed", n_blocks=3, block_size=48)
+    extract.run_extract(extract.ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir),
+                                              output=str(tmp_path / "f.zarr"), layers=[1], context="window"),
+                        log=lambda m: None)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("extract")]
+    assert len(lines) == 1 and lines[0].startswith("extract: done: 3/3 block in ") and ", tokens=" in lines[0]

@@ -66,9 +66,12 @@ def _rows(out, split="train"):
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["split"] == split]
 
 
-def test_loss_decreases_on_a_repeated_block(tmp_path, verifier_dir):
+def test_loss_decreases_on_a_repeated_block(tmp_path, verifier_dir, capsys):
     store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=1)
     summary = run_train(_cfg(store, tmp_path / "out", max_steps=12, draft_vocab_size=100))
+    # stderr is no terminal here, as in a log file: no line per step, one final line (issue 34 item 6)
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("peagle-train")]
+    assert len(progress) == 1 and progress[0].startswith("peagle-train: done: 12/12 step in "), progress
     rows = _rows(tmp_path / "out")
     losses = [r["loss"] for r in rows]
     assert len(rows) == 12 and all(np.isfinite(losses))
