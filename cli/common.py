@@ -6,6 +6,7 @@ import contextlib
 import functools
 import importlib.metadata
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -106,8 +107,9 @@ def handle_errors(fn=None, *, kept: Kept | None = None):
             click.echo(f"Error: {e}", err=True)
             sys.exit(2)
         except KeyboardInterrupt:
-            program, argv, params = _invocation(click.get_current_context(silent=True))
-            click.echo(interrupted_message(program, argv, params, kept), err=True)
+            if os.environ.get("RANK", "0") == "0":  # one message per launch (accelerate sets RANK per process)
+                program, argv, params = _invocation(click.get_current_context(silent=True))
+                click.echo(interrupted_message(program, argv, params, kept), err=True)
             sys.exit(INTERRUPTED_EXIT)
 
     return wrapper
