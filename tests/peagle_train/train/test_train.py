@@ -690,7 +690,7 @@ def test_cli_resume_with_other_settings_says_the_working_command_and_why_max_ste
         f"Error: field '--resume': --resume continues the run saved in {out} with its own settings, and these "
         f"differ from it: --max-steps: saved 5, given 8. Resume it with: peagle-train --config {saved} --resume "
         "(adding only options that may change on resume: --val-max-blocks, --allow-incomplete, --attention-backend, "
-        "--loss-chunk-size, --gradient-checkpointing, --save-every, --save-total-limit, --log-every, --report-to, --grad-accum (keeping "
+        "--loss-chunk-size, --gradient-checkpointing, --save-every, --save-total-limit, --log-every, --val-every, --report-to, --grad-accum (keeping "
         "--grad-accum × processes)). --max-steps cannot "
         "change on resume: it is the length of the cosine learning-rate schedule, so the resumed run would no "
         "longer be the saved run continued; to train longer, start a new run (a new --output, or --force)").split())
