@@ -102,3 +102,35 @@ def test_a_request_cut_by_max_model_len_is_refused():
     with pytest.raises(InputError, match=r"a prompt of 4000 tokens got 96 of --max-new-tokens 128 before vLLM's "
                                          r"max_model_len 4096; lower --max-new-tokens or shorten the prompts"):
         check_full_length(4000, [1] * 96, 128, [9], 4096)
+
+
+def test_vllm_generate_reports_progress_per_request_with_a_final_line(monkeypatch, capsys):
+    """issue 34 item 6: the vLLM passes said nothing until the turn ended; a fake vLLM (no engine) shows the
+    concurrency-1 requests counted, later turns included, and the final line."""
+    import sys
+    from types import ModuleType, SimpleNamespace
+
+    import peagle_train.evaluate.vllm_engine as engine
+
+    class LLM:
+        def __init__(self, **kwargs):
+            self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(speculative_config=None))
+
+        def generate(self, prompts, params, use_tqdm):
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7] * params.max_tokens)]) for _ in prompts]
+
+    vllm = ModuleType("vllm")
+    vllm.LLM = LLM
+    vllm.SamplingParams = lambda **kw: SimpleNamespace(**kw)
+    platforms, inputs = ModuleType("vllm.platforms"), ModuleType("vllm.inputs")
+    platforms.current_platform = SimpleNamespace(is_cpu=lambda: True)
+    inputs.TokensPrompt = dict
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    monkeypatch.setattr(engine, "import_vllm", lambda: vllm)
+    turns = iter([[[1, 2]], []])  # one later turn of one request, then none
+    run = engine.vllm_generate("m", [[1], [2], [3]], 3, concurrency=2, turns=lambda outs: next(turns))
+    assert run.tokens == [[7, 7, 7]] * 4 and set(run.tokens_per_second) == {1, 2}
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("vLLM")]
+    assert len(lines) == 1 and lines[0].startswith("vLLM plain requests: done: 4 request in "), lines
