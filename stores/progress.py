@@ -109,7 +109,10 @@ class LogLines:
         shown_rate = f"{rate:.3g} {self.unit}/s" if rate is not None else f"- {self.unit}/s"
         head = f"{self.desc}: " if self.desc else ""
         if state is not None:
-            text = f"{head}{state}: {count} {self.unit} in {_duration(elapsed)} ({shown_rate})"
+            counted = f"{count} {self.unit}"
+            if self.total is not None and self.n != self.total and state == "done":  # a bound such as --limit
+                counted = f"{self.n} {self.unit} ({self.total} expected)"
+            text = f"{head}{state}: {counted} in {_duration(elapsed)} ({shown_rate})"
         else:
             pct = f" ({100 * self.n / self.total:.0f}%)" if self.total else ""
             left = ""

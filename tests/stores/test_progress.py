@@ -77,6 +77,14 @@ def test_an_iterated_loop_and_a_resumed_one(clock):
     assert stream.getvalue() == "regenerate: done: 10/10 row in 2.0s (1 row/s)\n"  # the rate of this run's rows
 
 
+def test_a_loop_that_ends_before_its_total_says_so(clock):  # tokenize's total is --limit, a bound
+    stream = io.StringIO()
+    with progress(total=1000, desc="tokenize", unit="conv", file=stream) as bar:
+        clock[0] += 5
+        bar.update(50)
+    assert stream.getvalue() == "tokenize: done: 50 conv (1000 expected) in 5.0s (10 conv/s)\n"
+
+
 def test_an_interrupted_loop_says_stopped(clock):
     stream = io.StringIO()
     with pytest.raises(KeyboardInterrupt):
