@@ -1,8 +1,9 @@
 """Click options generated from the config dataclasses, and ``--config FILE`` / ``--print-config``.
 
 A config field ``max_seq_len: int = 2048`` with the attribute docstring ``"Most tokens in a window."``
-becomes ``--max-seq-len INTEGER  Most tokens in a window.  [default: 2048]``: the flag from the field
-name, the click type from the annotation (``bool`` a flag, ``T | None`` an optional ``T``,
+becomes ``--max-seq-len N  Most tokens in a window.  [default: 2048]``: the flag from the field
+name, the metavar in one style (:func:`metavar_of`: ``N``, ``X``, ``TEXT``, ``FILE``, ``MODEL``...), the
+click type from the annotation (``bool`` a flag, ``T | None`` an optional ``T``,
 ``list[int]`` a comma-separated list, ``list[str]`` a repeatable option), the default from the
 field, the help from the docstring (litgpt's convention; docs/design.md §2: ``cli/`` is thin).
 What the annotation cannot say (the choices of a ``str``, a secondary negative flag, a metavar)
@@ -434,7 +435,7 @@ def config_file_options(fn):
 
     wrapper.__doc__ = plain_text(fn.__doc__ or "")  # the command's --help (click reads __doc__)
 
-    # click lists __click_params__ in reverse: put these two last in --help
+    # click lists __click_params__ in reverse: put these three last in --help
     wrapper.__click_params__ = [
         version_option(),
         click.Option(["--print-config"], is_flag=True,
