@@ -170,3 +170,39 @@ def test_a_reduced_vocab_drafter_without_lm_head_is_refused_unless_vllms_rows_ar
     fresh.init_from_verifier(torch.randn(V, H), head, init.d2t)
     load_init_weights(init, fresh)
     assert torch.equal(fresh.lm_head.weight, head[:D])  # the rows vLLM's logits [:D] come from
+
+
+@pytest.mark.vllm
+def test_vllm_scores_draft_id_i_of_a_drafter_without_lm_head_with_the_verifiers_row_i():
+    """Why a reduced-vocab drafter without lm_head is refused, in vLLM's own code: an EAGLE-3 drafter that
+    loaded no lm_head (``has_own_lm_head`` False, vLLM's default) gets the verifier's lm_head module
+    (``_maybe_share_lm_head``), its LogitsProcessor keeps the first D of the V logits, and
+    ``compute_logits`` places draft id i's at token ``i + d2t[i]``."""
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.models.interfaces import SupportsEagleBase
+    from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    Hs, Vs, Ds = 8, 12, 5
+    assert Eagle3LlamaForCausalLM.has_own_lm_head is SupportsEagleBase.has_own_lm_head is False
+    target, draft = torch.nn.Module(), torch.nn.Module()
+    target.lm_head, target.model = torch.nn.Linear(Hs, Vs, bias=False), torch.nn.Module()
+    draft.has_own_lm_head, draft.lm_head = False, torch.nn.Linear(Hs, Ds, bias=False)
+    proposer = SimpleNamespace(model=draft, use_local_argmax_reduction=False,
+                               vllm_config=SimpleNamespace(speculative_config=None))
+    SpecDecodeBaseProposer._maybe_share_lm_head(proposer, target)
+    assert draft.lm_head is target.lm_head  # the whole [V, H] head
+    head = target.lm_head
+    head.quant_method, head.tp_size = SimpleNamespace(apply=lambda layer, x, bias=None: x @ layer.weight.T), 1
+    with set_current_vllm_config(VllmConfig()):
+        processor = LogitsProcessor(Ds)  # Eagle3LlamaForCausalLM's: LogitsProcessor(draft_vocab_size)
+    d2t = torch.tensor([0, 1, 1, 2, 7])
+    drafter = SimpleNamespace(logits_processor=processor, lm_head=head, draft_id_to_target_id=d2t,
+                              config=SimpleNamespace(draft_vocab_size=Ds, vocab_size=Vs))
+    hidden = torch.randn(3, Hs)
+    want = torch.full((3, Vs), float("-inf"))
+    want[:, torch.arange(Ds) + d2t] = hidden @ head.weight[:Ds].T  # row i at token i + d2t[i]
+    assert torch.equal(Eagle3LlamaForCausalLM.compute_logits(drafter, hidden), want)
