@@ -146,8 +146,8 @@ class ExtractConfig:
             raise ValueError("--server: the server's own vllm serve options set its parallelism; drop "
                              "--tensor-parallel-size/--pipeline-parallel-size")
         if self.server is not None and (self.vllm_kv_cache_gib is not None or self.vllm_gpu_memory_utilization is not None):
-            raise ValueError("--server: the server's own options set its memory (--kv-cache-memory-bytes, "
-                             "--gpu-memory-utilization); drop --vllm-kv-cache-gib/--vllm-gpu-memory-utilization")
+            raise ValueError("--server: the server's own vLLM options set its memory (its KV cache size or GPU "
+                             "memory share); drop --vllm-kv-cache-gib/--vllm-gpu-memory-utilization")
         self.vllm_memory  # noqa: B018  the memory options' own checks (ValueError)
 
     @property
