@@ -155,11 +155,13 @@ def root_cause(lines: Iterable[str]) -> str | None:
 
 
 class VllmOutput:
-    """File descriptors 1 and 2 of this process into a pipe while vLLM runs (:meth:`start` to
-    :meth:`stop`, or ``with``): a daemon thread copies everything to the real stderr and keeps the last
-    ``keep`` lines (:attr:`lines`). vLLM's engine processes inherit the pipe, so nothing of vLLM reaches
-    stdout, and their log (the root cause of a failed start) can be read here. The thread runs until
-    every process holding the pipe has closed it."""
+    """vLLM's output off stdout while it runs (:meth:`start` to :meth:`stop`, or ``with``): from
+    :meth:`start` file descriptors 1 and 2 of this process go into a pipe, which a daemon thread copies to
+    the real stderr, keeping the last ``keep`` lines (:attr:`lines`). vLLM's engine processes, started
+    then, inherit the pipe as their stdout and stderr, so their log (the root cause of a failed start)
+    can be read here. Once they are up (:meth:`started`) this process writes to the real stderr again, its
+    stdout too, until :meth:`stop` gives stdout back. The thread runs until every process holding the pipe
+    has closed it."""
 
     def __init__(self, keep: int = 2000):
         self.lines: collections.deque[str] = collections.deque(maxlen=keep)
@@ -224,6 +226,17 @@ class VllmOutput:
         if wait_s and self._thread is not None:
             self._thread.join(wait_s)
 
+    def started(self) -> None:
+        """The engine's processes are up (they hold the pipe as their stdout and stderr): this process's
+        stderr goes back to the real one (so a progress bar sees its terminal again) and its stdout there
+        too, until :meth:`stop`."""
+        if self._saved is None:
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(self._saved[1], 2)
+        os.dup2(self._saved[1], 1)
+
     def settle(self, quiet_s: float = 0.5, timeout_s: float = 5.0) -> None:
         """Wait until no line has come for ``quiet_s`` seconds (at most ``timeout_s``): what an engine
         process wrote before it exited has reached :attr:`lines`."""
@@ -278,6 +291,7 @@ def start_llm(memory: VllmMemory, output: VllmOutput, **engine_args: Any):
     finally:
         if saved_env is not None:
             os.environ[CPU_KV_ENV] = saved_env
+    output.started()
     return llm, settings
 
 

@@ -71,11 +71,17 @@ SCRIPT = textwrap.dedent("""
 
     print("before", flush=True)  # ours, before the engine: stays on stdout
     out = VllmOutput().start()
-    # an engine process inherits fds 1 and 2, and the parent's own prints go there too
-    subprocess.run(["sh", "-c", "echo engine-stdout; echo engine-stderr >&2"], check=True)
-    print("vllm-log-line")
+    # an engine process inherits fds 1 and 2, and the parent's own prints go there too while it starts
+    engine = subprocess.Popen(["sh", "-c", "echo engine-stdout; echo engine-stderr >&2; read x; echo engine-late"],
+                              stdin=subprocess.PIPE)
+    print("vllm-log-line", flush=True)
+    out.settle(quiet_s=0.5)
+    out.started()  # the engine is up: this process writes to the real stderr again, its stdout there too
+    print("parent-after-start", flush=True)
+    print("parent-log", file=sys.stderr, flush=True)
+    engine.communicate(b"go")  # the engine still writes into the pipe
     out.stop(wait_s=5)
-    print(json.dumps({"lines": [l for l in out.lines if not l.startswith("Triton")]}))
+    print(json.dumps({"lines": list(out.lines)}))
 """)
 
 
@@ -85,8 +91,9 @@ def test_vllm_output_keeps_every_engine_line_off_stdout_and_readable():
     assert proc.returncode == 0, proc.stderr
     first, rest = proc.stdout.split("\n", 1)
     assert first == "before"
-    assert json.loads(rest) == {"lines": ["engine-stdout", "engine-stderr", "vllm-log-line"]}
-    assert proc.stderr.splitlines() == ["engine-stdout", "engine-stderr", "vllm-log-line"]
+    assert sorted(json.loads(rest)["lines"]) == ["engine-late", "engine-stderr", "engine-stdout", "vllm-log-line"]
+    assert sorted(proc.stderr.splitlines()) == ["engine-late", "engine-stderr", "engine-stdout", "parent-after-start",
+                                                "parent-log", "vllm-log-line"]
 
 
 def test_the_serve_command_without_an_accelerator_is_the_module_form_the_cpu_build_runs():
