@@ -14,6 +14,7 @@ from peagle_data.extract.hf import HfEngine
 from peagle_data.extract.vllm import VllmEngine
 from peagle_data.prepare.shards import check_shard
 from stores.feature_schema import STORAGE_DTYPES
+from stores.vllm_runtime import VllmMemory
 
 __all__ = ["ATTN_IMPLEMENTATIONS", "CONTEXTS", "DEFAULT_MAX_CONTEXT", "ENGINES", "ExtractConfig"]
 
@@ -88,6 +89,12 @@ class ExtractConfig:
     """--server: this machine's path of the directory the server's hidden-states connector writes to."""
     concurrency: int = 16
     """--server: requests in flight."""
+    vllm_kv_cache_gib: float | None = None
+    """--engine vllm: vLLM's KV cache in GiB; default on CPU 2 (or $VLLM_CPU_KVCACHE_SPACE), on a GPU vLLM's
+    share of --vllm-gpu-memory-utilization. vLLM's CPU build without it reserves 0.92 of the machine's memory."""
+    vllm_gpu_memory_utilization: float | None = None
+    """--engine vllm on a GPU: the fraction of its memory vLLM may use (default vLLM's 0.92); not with
+    --vllm-kv-cache-gib."""
     context: str = "full"
     """Where a window's features come from: ``full`` (the default: each conversation runs once, whole, up to
     ``--max-context``, and windows read their features from it: what the verifier computes at that token when
@@ -131,10 +138,21 @@ class ExtractConfig:
             raise ValueError("--tensor-parallel-size, --pipeline-parallel-size and --concurrency must be ≥ 1")
         vllm_only = {"--tensor-parallel-size": self.tensor_parallel_size != 1,
                      "--pipeline-parallel-size": self.pipeline_parallel_size != 1,
-                     "--server": self.server is not None, "--shared-storage": self.shared_storage is not None}
+                     "--server": self.server is not None, "--shared-storage": self.shared_storage is not None,
+                     "--vllm-kv-cache-gib": self.vllm_kv_cache_gib is not None,
+                     "--vllm-gpu-memory-utilization": self.vllm_gpu_memory_utilization is not None}
         given = [flag for flag, set_ in vllm_only.items() if set_]
         if self.engine != "vllm" and given:
             raise ValueError(f"{given[0]} is an option of --engine vllm (the engine is {self.engine!r})")
         if self.server is not None and (self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1):
             raise ValueError("--server: the server's own vllm serve options set its parallelism; drop "
                              "--tensor-parallel-size/--pipeline-parallel-size")
+        if self.server is not None and (self.vllm_kv_cache_gib is not None or self.vllm_gpu_memory_utilization is not None):
+            raise ValueError("--server: the server's own vLLM options set its memory (its KV cache size or GPU "
+                             "memory share); drop --vllm-kv-cache-gib/--vllm-gpu-memory-utilization")
+        self.vllm_memory  # noqa: B018  the memory options' own checks (ValueError)
+
+    @property
+    def vllm_memory(self) -> VllmMemory:
+        """The local vLLM engine's memory (:class:`stores.vllm_runtime.VllmMemory`)."""
+        return VllmMemory(kv_cache_gib=self.vllm_kv_cache_gib, gpu_memory_utilization=self.vllm_gpu_memory_utilization)

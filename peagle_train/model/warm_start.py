@@ -11,8 +11,10 @@ Three layouts are read (:data:`INIT_FORMATS`):
 - ``vllm``: the native vLLM layout (a Llama or Qwen3 config with ``architectures`` an EAGLE-3 / P-EAGLE
   drafter of :data:`NATIVE_ARCHITECTURES`, the mask token as ``ptd_token_id`` or ``pard_token``, the aux layers as
   ``eagle_aux_hidden_state_layer_ids`` at the top or in ``eagle_config``), as the public gpt-oss P-EAGLE
-  drafters; ``midlayer.*`` is read as ``layers.0.*`` and a missing ``embed_tokens`` keeps the verifier's (as
-  vLLM then shares the verifier's embedding).
+  drafters; ``midlayer.*`` is read as ``layers.0.*``.
+
+In every layout a missing ``embed_tokens`` or ``lm_head`` is the verifier's (:data:`FROM_VERIFIER`: what vLLM
+serves then), recorded in ``peagle_training.init_from.from_verifier``.
 
 Both drafter layer types are read (``llama``, ``qwen3`` with its ``q_norm``/``k_norm`` tensors); the run's
 ``--drafter-layer`` must be the source's. Tensors are read under the peagle names
@@ -37,7 +39,7 @@ from peagle_train.model.config import DrafterConfig
 from peagle_train.model.drafter import PEagleDrafter
 from stores.errors import InputError, StoreFormatError
 
-__all__ = ["INIT_FORMATS", "INIT_LAYERS", "NATIVE_ARCHITECTURES", "InitSource", "read_init_source", "file_sha256",
+__all__ = ["INIT_FORMATS", "FROM_VERIFIER", "INIT_LAYERS", "NATIVE_ARCHITECTURES", "InitSource", "read_init_source", "file_sha256",
            "check_verifier_layers", "copy_verifier_layers", "COPYABLE_LAYERS",
            "load_init_weights"]
 
@@ -51,9 +53,16 @@ NATIVE_ARCHITECTURES = {"Eagle3LlamaForCausalLM": "llama", "LlamaForCausalLMEagl
 (vllm/model_executor/models/registry.py -> ``llama_eagle3.Eagle3LlamaForCausalLM`` or
 ``qwen3_eagle3.Eagle3Qwen3ForCausalLM``)."""
 
-_OPTIONAL = {"eagle3": ("mask_hidden", "embed_tokens.weight"), "vllm": ("embed_tokens.weight",), "peagle": ()}
-"""Tensors a layout may lack: then they keep this run's fresh initialisation (``mask_hidden``) or the
-verifier's rows (``embed_tokens``)."""
+FROM_VERIFIER = ("embed_tokens.weight", "lm_head.weight")
+"""Tensors any layout may lack: vLLM 0.32 then serves the drafter with the verifier's own module
+(``llm_base_proposer._maybe_share_embeddings`` / ``_maybe_share_lm_head``: "Sharing target model ... weights"),
+so the run keeps the verifier's: its embedding ``[V, H]``, and its whole lm_head ``[V, H]``, of whose logits
+vLLM's drafter keeps the first D (``LogitsProcessor(draft_vocab_size)``) and places draft id i's at token
+``i + d2t[i]``. With D < V that is row i for token ``i + d2t[i]``: refused unless ``d2t`` is all zero
+(:func:`_check_tensors`)."""
+
+_FRESH = {"eagle3": ("mask_hidden",), "vllm": (), "peagle": ()}
+"""Tensors a layout may lack that keep this run's fresh initialisation (EAGLE-3 has no ``mask_hidden``)."""
 
 
 @dataclass
@@ -72,6 +81,8 @@ class InitSource:
         t2d: ``[V] bool`` (None with D == V).
         weights_sha256: sha256 of ``model.safetensors``.
         config_sha256: sha256 of ``config.json``.
+        from_verifier: the tensors of :data:`FROM_VERIFIER` the file lacks: the run keeps the verifier's.
+        fresh: the tensors the file lacks that keep the run's fresh initialisation (EAGLE-3's ``mask_hidden``).
     """
 
     path: Path
@@ -85,11 +96,15 @@ class InitSource:
     t2d: torch.Tensor | None
     weights_sha256: str
     config_sha256: str
+    from_verifier: tuple[str, ...] = ()
+    fresh: tuple[str, ...] = ()
 
     def record(self) -> dict[str, Any]:
-        """What the run records (``peagle_training.init_from``)."""
+        """What the run records (``peagle_training.init_from``): also which tensors the file lacked, taken
+        from the verifier (``from_verifier``) or freshly initialised (``fresh``)."""
         return {"path": str(self.path), "format": self.format, "weights_sha256": self.weights_sha256,
-                "config_sha256": self.config_sha256}
+                "config_sha256": self.config_sha256, "from_verifier": list(self.from_verifier),
+                "fresh": list(self.fresh)}
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -232,7 +247,6 @@ def read_init_source(path: str | os.PathLike) -> InitSource:
         shapes = {k: tuple(f.get_slice(names[k]).get_shape()) for k in names}
         d2t = f.get_tensor(names["d2t"]) if "d2t" in names else None
         t2d = f.get_tensor(names["t2d"]) if "t2d" in names else None
-    _check_tensors(fmt, dc, shapes, directory)
     if dc.draft_vocab_size < V:
         if d2t is None:
             _refuse(directory, f"draft_vocab_size {dc.draft_vocab_size} < vocab_size {V} but d2t is missing: which "
@@ -244,9 +258,12 @@ def read_init_source(path: str | os.PathLike) -> InitSource:
         d2t, t2d = d2t.to(torch.int64), t2d.to(torch.bool)
     else:
         d2t = t2d = None
+    lacks = _check_tensors(fmt, dc, shapes, directory, d2t)
     return InitSource(path=directory.resolve(), format=fmt, config=dc, mask_token_id=mask,
                       num_depths=int(K) if K is not None else None, names=names, shapes=shapes, d2t=d2t, t2d=t2d,
-                      weights_sha256=file_sha256(w_path), config_sha256=hashlib.sha256(raw).hexdigest())
+                      weights_sha256=file_sha256(w_path), config_sha256=hashlib.sha256(raw).hexdigest(),
+                      from_verifier=tuple(n for n in lacks if n in FROM_VERIFIER),
+                      fresh=tuple(n for n in lacks if n not in FROM_VERIFIER))
 
 
 def _expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
@@ -256,27 +273,42 @@ def _expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def _check_tensors(fmt: str, cfg: DrafterConfig, shapes: dict[str, tuple[int, ...]], where: Path) -> None:
+def _check_tensors(fmt: str, cfg: DrafterConfig, shapes: dict[str, tuple[int, ...]], where: Path,
+                   d2t: torch.Tensor | None) -> list[str]:
     """The file's tensors are the drafter's of ``cfg``: no unknown one, none missing (but
-    :data:`_OPTIONAL`'s of its layout), each of its shape; ``mask_hidden`` of L·H values."""
+    :data:`FROM_VERIFIER` and :data:`_FRESH`'s of its layout), each of its shape; ``mask_hidden`` of L·H values.
+    Returns the drafter tensors the file lacks (sorted).
+
+    A missing ``lm_head`` with a reduced draft vocab (``d2t`` ``[D]``, D < V) is refused unless ``d2t`` is all
+    zero: vLLM then scores draft id i with the verifier's lm_head row i (the first D of its V logits) and
+    proposes token ``i + d2t[i]``, so each draft token would be scored by another token's row."""
     want = _expected_shapes(cfg)
     extra = sorted(set(shapes) - set(want) - {"d2t", "t2d"})
-    missing = sorted(set(want) - set(shapes) - set(_OPTIONAL[fmt]) - {"d2t", "t2d"})
+    lacks = sorted(set(want) - set(shapes) - {"d2t", "t2d"})
+    missing = [n for n in lacks if n not in FROM_VERIFIER and n not in _FRESH[fmt]]
     if extra or missing:
         _refuse(where, f"its tensors are not those of its config ({cfg.num_hidden_layers} layers): "
                        f"unknown {extra}, missing {missing}")
+    if "lm_head.weight" in lacks and d2t is not None and bool(d2t.any()):
+        i = int(torch.nonzero(d2t).flatten()[0])
+        _refuse(where, f"it has no lm_head.weight and a reduced draft vocab (draft_vocab_size {cfg.draft_vocab_size} "
+                       f"< vocab_size {cfg.vocab_size}): vLLM then shares the verifier's lm_head and keeps its first "
+                       f"{cfg.draft_vocab_size} logits, so draft id {i} is scored by verifier token {i}'s row but "
+                       f"proposes token {i + int(d2t[i])} (d2t); give the checkpoint its lm_head "
+                       f"[{cfg.draft_vocab_size}, {cfg.hidden_size}] or train a fresh drafter")
     for name, shape in shapes.items():
         if name == "mask_hidden":
             if int(torch.Size(shape).numel()) != cfg.num_aux_layers * cfg.hidden_size:
                 _refuse(where, f"mask_hidden {list(shape)} must hold {cfg.num_aux_layers} x {cfg.hidden_size} values")
         elif name in want and name not in ("d2t", "t2d") and shape != want[name]:
             _refuse(where, f"{name} is {list(shape)}, its config implies {list(want[name])}")
+    return lacks
 
 
 def load_init_weights(source: InitSource, model: PEagleDrafter) -> list[str]:
     """Copy ``source``'s weights into ``model`` (built with the same shape, its embedding and lm_head
-    from the verifier, its draft maps the source's); returns the tensors the layout lacks, which keep
-    the model's (:data:`_OPTIONAL`).
+    from the verifier, its draft maps the source's); returns the tensors the file lacks, which keep
+    the model's (:attr:`InitSource.from_verifier`, :attr:`InitSource.fresh`).
 
     Raises:
         InputError: ``model.safetensors`` changed since :func:`read_init_source` (its sha256).

@@ -24,7 +24,8 @@ EXACT = {
     ("data", "extract"): {"--verifier", "--output", "--layers", "--storage-dtype", "--compressor",
                           "--attn-implementation", "--resume", "--force", "--device", "--max-blocks", *SHARDS,
                           "--engine", "--tensor-parallel-size", "--pipeline-parallel-size", "--server",
-                          "--shared-storage", "--concurrency", "--context", "--max-context", *CONFIG_FILE},
+                          "--shared-storage", "--concurrency", "--vllm-kv-cache-gib", "--vllm-gpu-memory-utilization",
+                          "--context", "--max-context", *CONFIG_FILE},
     ("data", "regenerate"): {"--output", "--verifier", "--server", "--served-model", "--max-new-tokens",
                              "--temperature", "--turns", "--concurrency", "--batch-size", "--device", "--limit",
                              "--format", "--retries", "--timeout", "--seed", "--tokenizer", "--server-kind",
@@ -45,7 +46,8 @@ EXACT = {
                       "--force"} | CONFIG_FILE,
     ("eval", None): {"--drafter", "--verifier", "--prompts", "--store", "--output", "--force", "--max-new-tokens",
                      "--num-prompts", "--num-draft-tokens", "--max-blocks", "--temperature", "--seed", "--engine",
-                     "--concurrency", "--vllm-loading", "--measure-costs", "--no-measure-costs"} | CONFIG_FILE,
+                     "--concurrency", "--vllm-loading", "--vllm-kv-cache-gib", "--vllm-gpu-memory-utilization",
+                     "--measure-costs", "--no-measure-costs"} | CONFIG_FILE,
 }
 GROUPS = {"data": data_main, "train": train_main, "eval": eval_main}
 ACTIONS = {

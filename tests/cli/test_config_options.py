@@ -81,7 +81,7 @@ def _all_options() -> set[str]:
 FOREIGN = {"--no-deps", "--force-reinstall", "--help", "--num_processes", "--multi_gpu", "--cpu", "--option",
            "--data-parallel-size", "--kv-transfer-config", "--no-enable-prefix-caching", "--skip-tokenizer-init",
            "--speculative-config", "--dtype", "--kv-cache-dtype", "--hf-overrides", "--model-class-overrides",
-           "--disable-sliding-window", "--max-model-len"}
+           "--disable-sliding-window", "--max-model-len", "--model"}
 
 
 def test_every_option_the_code_names_exists():

@@ -158,6 +158,34 @@ def test_smollm2_vllm_equals_hf(tmp_path):
     assert_prenorm_layer(tmp_path / "vllm.zarr", model, 30, "smollm2")
 
 
+@pytest.mark.vllm
+@pytest.mark.slow  # one vLLM engine start, and one that fails after loading the model
+def test_extract_starts_vllm_as_documented_prints_only_json_and_names_vllms_root_cause(tmp_path):
+    """As a user runs it, without ``$VLLM_CPU_KVCACHE_SPACE``: vLLM's CPU build would reserve 0.92 of the
+    machine's memory and stop; extract gives it its 2 GiB KV cache and starts, and stdout is the summary
+    alone (vLLM's log on stderr). A KV cache larger than the machine is refused with vLLM's own reason,
+    not its "Engine core initialization failed. See root cause above"."""
+    model = save_family("llama31", tmp_path / "llama31", overrides=VLLM_CPU_SHAPE)
+    packed = write_packed(tmp_path / "packed", n_blocks=2, vocab=512)
+    env = {k: v for k, v in ENV.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    args = [sys.executable, "-m", "cli.data_extract", str(packed), "--verifier", str(model), "--layers", "1,2",
+            "--engine", "vllm", "--context", "window"]
+    res = subprocess.run([*args, "--output", str(tmp_path / "x.zarr")], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    summary = json.loads(res.stdout)  # nothing but peagle's JSON
+    assert summary["store"] == str(tmp_path / "x.zarr") and FeatureStore.open(tmp_path / "x.zarr").is_complete()
+    assert "{'kv_cache_memory_bytes': 2147483648}" in res.stderr and "INFO" in res.stderr
+    res = subprocess.run([*args, "--output", str(tmp_path / "y.zarr"), "--vllm-kv-cache-gib", "100000"], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 2 and res.stdout == ""
+    err = " ".join(res.stderr.split("Error: vLLM did not start", 1)[1].split())
+    assert err.startswith(f"on {model}: ValueError: Available memory on node 0 (") and (
+        "GiB) on kv cache allocation is less than requested memory for kv (100000.0 GiB)" in err), err
+    assert err.endswith("(peagle gave it {'kv_cache_memory_bytes': 107374182400000}; --vllm-kv-cache-gib and "
+                        "--vllm-gpu-memory-utilization set its memory)"), err
+
+
 VLLM_FAMILIES = ["llama31", "qwen3", "qwen3_moe", "mistral", "gpt_oss"]
 """The tiny families vLLM's CPU build extracts (head size 32: the CPU attention takes 32, 64, ...; not
 the matrix's 16). mistral: every layer sliding (window 4); gpt_oss: alternating sliding and full

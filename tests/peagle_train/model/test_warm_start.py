@@ -118,3 +118,91 @@ def test_vllm_reads_an_eagle3_checkpoint_without_norm_before_residual_as_true(tm
     assert SpeculatorsConfig.from_pretrained(str(tmp_path / "p")).norm_before_residual is True
     with pytest.raises(InputError, match=r"norm_before_residual is true \(vLLM reads it so when absent\)"):
         read_init_source(tmp_path / "p")
+
+
+def _without(path, *names):
+    """Drop ``names`` from the checkpoint's ``model.safetensors``."""
+    tensors = load_file(str(path / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if k not in names}, str(path / "model.safetensors"))
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["peagle", "native"])
+def test_a_drafter_without_lm_head_or_embed_tokens_takes_the_verifiers_whole_lm_head_as_vllm_does(tmp_path, fmt):
+    """vLLM serves an EAGLE drafter that ships no lm_head / embed_tokens with the verifier's modules
+    (llm_base_proposer._maybe_share_lm_head): with D == V the run keeps the verifier's whole lm_head and
+    embedding, and records which tensors it took."""
+    cfg = DrafterConfig(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, vocab_size=V, draft_vocab_size=V, aux_layer_ids=[1, 3], mask_token_id=7)
+    torch.manual_seed(0)
+    m = PEagleDrafter(cfg)
+    save_drafter(m, tmp_path / "p")
+    src = _native(tmp_path / "p", tmp_path / "n") if fmt == "native" else tmp_path / "p"
+    init = read_init_source(_without(src, "lm_head.weight", "embed_tokens.weight"))
+    assert init.from_verifier == ("embed_tokens.weight", "lm_head.weight") and init.fresh == ()
+    assert init.record()["from_verifier"] == ["embed_tokens.weight", "lm_head.weight"]
+    fresh = PEagleDrafter(init.config)
+    embed, head = torch.randn(V, H), torch.randn(V, H)
+    fresh.init_from_verifier(embed, head, init.d2t)
+    assert load_init_weights(init, fresh) == ["embed_tokens.weight", "lm_head.weight"]
+    assert torch.equal(fresh.lm_head.weight, head) and torch.equal(fresh.embed_tokens.weight, embed)
+    assert torch.equal(fresh.fc.weight, m.fc.weight)
+
+
+def test_a_reduced_vocab_drafter_without_lm_head_is_refused_unless_vllms_rows_are_its_tokens(tmp_path):
+    """With D < V vLLM keeps the first D of the verifier's V logits and places draft id i's at token
+    ``i + d2t[i]``: row i scores token 2i here (d2t = arange), refused; with d2t all zero (draft ids the
+    first D tokens) row i is token i's, and the run takes the verifier's rows [0, D)."""
+    _peagle(tmp_path / "p")  # d2t[i] = i
+    src = _without(_native(tmp_path / "p", tmp_path / "n"), "lm_head.weight")
+    with pytest.raises(InputError, match=r"it has no lm_head.weight and a reduced draft vocab \(draft_vocab_size 40 "
+                                         r"< vocab_size 100\): vLLM then shares the verifier's lm_head and keeps its "
+                                         r"first 40 logits, so draft id 1 is scored by verifier token 1's row but "
+                                         r"proposes token 2 \(d2t\); give the checkpoint its lm_head \[40, 32\]"):
+        read_init_source(src)
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors["d2t"], tensors["t2d"] = torch.zeros(D, dtype=torch.int64), torch.arange(V) < D
+    save_file(tensors, str(src / "model.safetensors"))
+    init = read_init_source(src)
+    assert init.from_verifier == ("embed_tokens.weight", "lm_head.weight")  # _native drops embed_tokens too
+    fresh = PEagleDrafter(init.config)
+    head = torch.randn(V, H)
+    fresh.init_from_verifier(torch.randn(V, H), head, init.d2t)
+    load_init_weights(init, fresh)
+    assert torch.equal(fresh.lm_head.weight, head[:D])  # the rows vLLM's logits [:D] come from
+
+
+@pytest.mark.vllm
+def test_vllm_scores_draft_id_i_of_a_drafter_without_lm_head_with_the_verifiers_row_i():
+    """Why a reduced-vocab drafter without lm_head is refused, in vLLM's own code: an EAGLE-3 drafter that
+    loaded no lm_head (``has_own_lm_head`` False, vLLM's default) gets the verifier's lm_head module
+    (``_maybe_share_lm_head``), its LogitsProcessor keeps the first D of the V logits, and
+    ``compute_logits`` places draft id i's at token ``i + d2t[i]``."""
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.models.interfaces import SupportsEagleBase
+    from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    Hs, Vs, Ds = 8, 12, 5
+    assert Eagle3LlamaForCausalLM.has_own_lm_head is SupportsEagleBase.has_own_lm_head is False
+    target, draft = torch.nn.Module(), torch.nn.Module()
+    target.lm_head, target.model = torch.nn.Linear(Hs, Vs, bias=False), torch.nn.Module()
+    draft.has_own_lm_head, draft.lm_head = False, torch.nn.Linear(Hs, Ds, bias=False)
+    proposer = SimpleNamespace(model=draft, use_local_argmax_reduction=False,
+                               vllm_config=SimpleNamespace(speculative_config=None))
+    SpecDecodeBaseProposer._maybe_share_lm_head(proposer, target)
+    assert draft.lm_head is target.lm_head  # the whole [V, H] head
+    head = target.lm_head
+    head.quant_method, head.tp_size = SimpleNamespace(apply=lambda layer, x, bias=None: x @ layer.weight.T), 1
+    with set_current_vllm_config(VllmConfig()):
+        processor = LogitsProcessor(Ds)  # Eagle3LlamaForCausalLM's: LogitsProcessor(draft_vocab_size)
+    d2t = torch.tensor([0, 1, 1, 2, 7])
+    drafter = SimpleNamespace(logits_processor=processor, lm_head=head, draft_id_to_target_id=d2t,
+                              config=SimpleNamespace(draft_vocab_size=Ds, vocab_size=Vs))
+    hidden = torch.randn(3, Hs)
+    want = torch.full((3, Vs), float("-inf"))
+    want[:, torch.arange(Ds) + d2t] = hidden @ head.weight[:Ds].T  # row i at token i + d2t[i]
+    assert torch.equal(Eagle3LlamaForCausalLM.compute_logits(drafter, hidden), want)

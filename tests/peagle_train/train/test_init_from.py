@@ -176,6 +176,34 @@ def _variant(x, dst, **changes):
     return dst
 
 
+def test_a_drafter_without_lm_head_trains_with_the_verifiers_as_vllm_serves_it_and_records_it(tmp_path, source,
+                                                                                            verifier_dir):
+    """vLLM serves a drafter that ships no lm_head with the verifier's (``_maybe_share_lm_head``): with
+    D == V the run's lm_head is the verifier's whole ``[V, H]`` head, recorded as ``from_verifier``; with a
+    reduced vocab whose d2t is not all zero (vLLM would score token ``i + d2t[i]`` with row i) it is refused
+    before the weights load."""
+    store, x = source
+    src = _variant(x, tmp_path / "ck", draft_vocab_size=256)  # D == V
+    tensors = load_file(str(src / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if k != "lm_head.weight"}, str(src / "model.safetensors"))
+    trainer = build_trainer(_cfg(store, tmp_path / "w", max_steps=1, init_from=str(src)))
+    verifier = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32)
+    assert torch.equal(trainer.unwrapped.lm_head.weight, verifier.get_output_embeddings().weight.detach())
+    assert torch.equal(trainer.unwrapped.fc.weight, tensors["fc.weight"])
+    assert trainer.run.info["init_from"]["from_verifier"] == ["lm_head.weight"]
+    trainer.train()
+    trainer.close()
+    record = json.loads((tmp_path / "w" / "final" / "config.json").read_text())["peagle_training"]["init_from"]
+    assert record["from_verifier"] == ["lm_head.weight"] and record["fresh"] == []
+    reduced = tmp_path / "reduced"
+    shutil.copytree(x / "final", reduced)
+    tensors = load_file(str(reduced / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if k != "lm_head.weight"}, str(reduced / "model.safetensors"))
+    with pytest.raises(InputError, match=rf"it has no lm_head.weight and a reduced draft vocab \(draft_vocab_size {D} "
+                                         r"< vocab_size 256\): vLLM then shares the verifier's lm_head"):
+        build_trainer(_cfg(store, tmp_path / "w2", max_steps=1, init_from=str(reduced)))
+
+
 REFUSALS = [
     ({"hidden_size": 32, "head_dim": 8}, {}, "--init-from",
      "the drafter's hidden_size is 32 but the store {store}'s is 64; train a fresh drafter"),

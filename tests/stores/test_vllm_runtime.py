@@ -1,0 +1,102 @@
+"""The one way peagle starts vLLM (stores/vllm_runtime.py): its memory arguments, its output kept off
+stdout, and the root cause read from its engine processes' log. No vLLM needed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from stores.vllm_runtime import DEFAULT_CPU_KV_CACHE_GIB, VllmMemory, root_cause, serve_prefix
+
+REPO = Path(__file__).resolve().parents[2]
+GiB = 2**30
+
+# vLLM 0.32's CPU build, started on a 24 GB machine without a KV cache size (stdout and stderr, trimmed):
+# its worker's ValueError is the cause; the engine core's and the parent's exceptions only point at it
+FAILED_START = """\
+(MainProcess pid=12339) INFO 12-02 06:48:20 [model.py:2152] Using max model len 256
+(EngineCore pid=12913) WARNING 12-02 06:48:36 [cpu.py:224] Triton is not installed. triton-cpu is expected on x86 CPUs.
+(VllmWorker-0 pid=13391) ERROR 12-02 06:49:15 [multiproc_executor.py:953] WorkerProc failed to start.
+(VllmWorker-0 pid=13391) ERROR 12-02 06:49:15 [multiproc_executor.py:953] Traceback (most recent call last):
+(VllmWorker-0 pid=13391) ERROR 12-02 06:49:15 [multiproc_executor.py:953]     raise ValueError(
+(VllmWorker-0 pid=13391) ERROR 12-02 06:49:15 [multiproc_executor.py:953] ValueError: Available memory on node 0 \
+(19.58/21.84 GiB) on startup is less than desired CPU memory utilization (0.92, 20.1 GiB).
+(EngineCore pid=12913) INFO 12-02 06:49:15 [multiproc_executor.py:479] [shutdown] Executor: waiting for worker exit
+(EngineCore pid=12913) ERROR 12-02 06:49:21 [core.py:1510] EngineCore failed to start.
+(EngineCore pid=12913) ERROR 12-02 06:49:21 [core.py:1510] Exception: WorkerProc initialization failed due to an \
+exception in a background process. See stack trace for root cause.
+Traceback (most recent call last):
+Exception: WorkerProc initialization failed due to an exception in a background process. See stack trace for root cause.
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
+"""
+
+
+def test_root_cause_is_the_workers_exception_not_vllms_pointers_to_it():
+    assert root_cause(FAILED_START.splitlines()) == (
+        "ValueError: Available memory on node 0 (19.58/21.84 GiB) on startup is less than desired CPU memory "
+        "utilization (0.92, 20.1 GiB).")
+    assert root_cause(FAILED_START.splitlines()[-3:]) is None  # only pointers: the caller names vLLM's own error
+    assert root_cause(["(EngineCore pid=1) INFO 12-02 06:48:20 [x.py:1] ImportError: optional, logged at INFO",
+                       "torch.OutOfMemoryError: CUDA out of memory."]) == "torch.OutOfMemoryError: CUDA out of memory."
+
+
+def test_memory_on_cpu_is_a_fixed_kv_cache_and_on_gpu_vllms_utilization():
+    assert DEFAULT_CPU_KV_CACHE_GIB == 2.0
+    assert VllmMemory().engine_args(on_cpu=True, env={}) == {"kv_cache_memory_bytes": 2 * GiB}
+    assert VllmMemory().engine_args(on_cpu=True, env={"VLLM_CPU_KVCACHE_SPACE": "4"}) == {"kv_cache_memory_bytes": 4 * GiB}
+    assert VllmMemory(kv_cache_gib=0.5).engine_args(True, env={"VLLM_CPU_KVCACHE_SPACE": "4"}) == {
+        "kv_cache_memory_bytes": GiB // 2}  # the option over the environment
+    assert VllmMemory().engine_args(on_cpu=False, env={}) == {}  # vLLM's gpu_memory_utilization 0.92
+    assert VllmMemory(gpu_memory_utilization=0.5).engine_args(False) == {"gpu_memory_utilization": 0.5}
+    assert VllmMemory(kv_cache_gib=8).engine_args(False) == {"kv_cache_memory_bytes": 8 * GiB}
+    with pytest.raises(ValueError, match="--vllm-gpu-memory-utilization is for a GPU; on CPU peagle gives vLLM a "
+                                         "fixed KV cache: set its size with --vllm-kv-cache-gib"):
+        VllmMemory(gpu_memory_utilization=0.5).engine_args(on_cpu=True, env={})
+    with pytest.raises(ValueError, match="give one of them"):
+        VllmMemory(kv_cache_gib=1, gpu_memory_utilization=0.5)
+    with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
+        VllmMemory(gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="whole GiB"):
+        VllmMemory().engine_args(on_cpu=True, env={"VLLM_CPU_KVCACHE_SPACE": "1.5"})
+
+
+SCRIPT = textwrap.dedent("""
+    import json, subprocess, sys
+    from stores.vllm_runtime import VllmOutput
+
+    print("before", flush=True)  # ours, before the engine: stays on stdout
+    out = VllmOutput().start()
+    # an engine process inherits fds 1 and 2, and the parent's own prints go there too while it starts
+    engine = subprocess.Popen(["sh", "-c", "echo engine-stdout; echo engine-stderr >&2; read x; echo engine-late"],
+                              stdin=subprocess.PIPE)
+    print("vllm-log-line", flush=True)
+    out.settle(quiet_s=0.5)
+    out.started()  # the engine is up: this process writes to the real stderr again, its stdout there too
+    print("parent-after-start", flush=True)
+    print("parent-log", file=sys.stderr, flush=True)
+    engine.communicate(b"go")  # the engine still writes into the pipe
+    out.stop(wait_s=5)
+    print(json.dumps({"lines": list(out.lines)}))
+""")
+
+
+def test_vllm_output_keeps_every_engine_line_off_stdout_and_readable():
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    first, rest = proc.stdout.split("\n", 1)
+    assert first == "before"
+    assert sorted(json.loads(rest)["lines"]) == ["engine-late", "engine-stderr", "engine-stdout", "vllm-log-line"]
+    assert sorted(proc.stderr.splitlines()) == ["engine-late", "engine-stderr", "engine-stdout", "parent-after-start",
+                                                "parent-log", "vllm-log-line"]
+
+
+def test_the_serve_command_without_an_accelerator_is_the_module_form_the_cpu_build_runs():
+    assert serve_prefix("drafter/final", accelerator=False) == [
+        "python", "-m", "vllm.entrypoints.openai.api_server", "--model", "drafter/final"]
+    assert serve_prefix("drafter/final", accelerator=True) == ["vllm", "serve", "drafter/final"]
