@@ -11,6 +11,7 @@ __all__ = [
     "InputError",
     "OutputExistsError",
     "StoreFormatError",
+    "ChunkDamageError",
     "StoreMismatchError",
     "MissingDependencyError",
     "ModelNotFoundError",
@@ -56,6 +57,11 @@ class DiskSpaceError(PeagleError, OSError):
 
 class StoreFormatError(PeagleError, ValueError):
     """A table or feature store is missing, corrupt, or of an unknown format version."""
+
+
+class ChunkDamageError(StoreFormatError):
+    """A feature store's chunk is missing, truncated, reads short or fails its crc32c checksum: its bytes
+    cannot be trusted (a read that feeds training or evaluation stops at it)."""
 
 
 class StoreMismatchError(PeagleError, ValueError):
