@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import sys
 from pathlib import Path
 
 import click
 
 from stores.errors import PeagleError
+from stores.files import strict_json
 
 __all__ = ["handle_errors", "echo_json", "config_error", "OutputPath"]
 
@@ -30,7 +30,9 @@ def handle_errors(fn):
 
 
 def echo_json(obj) -> None:
-    click.echo(json.dumps(obj, indent=2, default=str))
+    """Print ``obj`` on stdout as strict JSON (NonFiniteError, naming the keys, for a NaN or infinite value:
+    ``NaN`` is not JSON, and a NaN metric printed as a number would read as a result)."""
+    click.echo(strict_json(obj, "the command's JSON output", indent=2, default=str))
 
 
 @contextlib.contextmanager

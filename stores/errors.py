@@ -13,6 +13,7 @@ __all__ = [
     "StoreFormatError",
     "ChunkDamageError",
     "StoreMismatchError",
+    "NonFiniteError",
     "MissingDependencyError",
     "ModelNotFoundError",
     "DiskSpaceError",
@@ -66,6 +67,11 @@ class ChunkDamageError(StoreFormatError):
 
 class StoreMismatchError(PeagleError, ValueError):
     """A store does not match what the caller expects (verifier, layers, packed table)."""
+
+
+class NonFiniteError(PeagleError, ArithmeticError):
+    """A loss, metric or weight is NaN or Inf: the run stops, naming the step and the blocks, rather than
+    write it into a JSON file or a checkpoint."""
 
 
 class MissingDependencyError(PeagleError, ImportError):
