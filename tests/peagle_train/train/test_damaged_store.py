@@ -116,3 +116,19 @@ def test_a_drafter_with_nan_weights_is_not_saved(tmp_path):
     with pytest.raises(NonFiniteError, match=r"weights \['fc.weight'\] hold NaN or Inf"):
         save_drafter(model, tmp_path / "d")
     assert not (tmp_path / "d").exists()
+
+
+def test_an_unfinished_store_names_the_resume_command_that_finishes_it(tmp_path, verifier_dir):
+    """Issue 33, kind 9: "run `peagle-data extract` first" on an existing store would be refused (the output
+    exists); the message names the resume."""
+    from stores.errors import StoreFormatError
+
+    partial = _store(tmp_path / "p.zarr", verifier_dir, n_blocks=3, done={0, 2})
+    with pytest.raises(StoreFormatError, match=r"1 of 3 blocks are not done \(first: \[1\]\); `peagle-data extract "
+                                               r"PACKED --context window --resume --output .*p\.zarr` \(with the packed"):
+        run_train(_cfg(partial, tmp_path / "o1"))
+    empty = _store(tmp_path / "e.zarr", verifier_dir, n_blocks=2, done=set())
+    with pytest.raises(StoreFormatError, match=r"no block is done; `peagle-data extract PACKED --context window "
+                                               r"--resume --output .*e\.zarr`"):
+        run_train(_cfg(empty, tmp_path / "o2", allow_incomplete=True))
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
