@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                                  [plain_reader([r]) for r in rc])
 
     def full_first():
-        full._files._checked.clear()  # a reader that has checked nothing yet
+        full.contexts._files._checked.clear()  # the context blocks' reader has checked nothing yet
         return [full.read_block(i, via="file") for i in range(n)]
 
     readers = {
