@@ -65,11 +65,9 @@ def inspect_cmd(**options):
 def verify(**options):
     """Check a feature store: shapes, dtypes, done flags, chunk files, checksums, NaN/Inf, token ids.
 
-    Exit code 0: complete and intact; 1: damage found (or a table failed its checks); 3: unfinished (blocks
-    not extracted yet, none damaged: the message gives the resume command); 2: the store cannot be read.
-
     STORE may also be a token table: its totals and unique row sources / window ids, and for a
-    table made by `peagle-data merge` the union of its shards.
+    table made by `peagle-data merge` the union of its shards. Exit code 0: complete and intact; 1: damage
+    found (or a table failed its checks); 3: unfinished, no damage (the message gives the resume command).
     """
     with config_error():
         cfg = VerifyConfig(**options)
