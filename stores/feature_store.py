@@ -501,8 +501,8 @@ class FeatureStore:
         if self._use_file(via):
             return self._files.read_tokens(i)
         T = self.n_tokens_of(i)
-        cu = self.group[SEGMENTS.name][i]
-        out = {spec.name: np.array(self.group[spec.name][i][:T]) for spec in TOKEN_ARRAYS}
+        cu = self.zarr_chunk(SEGMENTS.name, i)
+        out = {spec.name: np.array(self.zarr_chunk(spec.name, i)[:T]) for spec in TOKEN_ARRAYS}
         out[SEGMENTS.name] = cu[: int(np.argmax(cu == cu[-1])) + 1]  # drop the padding repeats
         return out
 
@@ -539,7 +539,7 @@ class FeatureStore:
                 self.check_chunks_exist(i)
             tok = self.read_tokens(i, via="zarr")
             T = len(tok["input_ids"])
-            raw = {spec.name: self.group[spec.name][i, :T] for spec in hidden_arrays(self.storage_dtype)}
+            raw = {spec.name: self.zarr_chunk(spec.name, i)[:T] for spec in hidden_arrays(self.storage_dtype)}
         except ChunkDamageError as e:
             raise ChunkDamageError(self.damage_message(i, str(e))) from None
         except StoreFormatError:
@@ -548,6 +548,20 @@ class FeatureStore:
             raise ChunkDamageError(self.damage_message(i, f"a chunk is unreadable ({type(e).__name__}: {e})")) from None
         tensors = {k: torch.from_numpy(np.asarray(a, dtype=np.int64)) for k, a in tok.items()}
         return Block(**tensors, **decode_hidden(self.storage_dtype, raw))
+
+    def zarr_chunk(self, name: str, i: int) -> np.ndarray:
+        """Block ``i``'s chunk of array ``name`` through the zarr API, which checks its crc32c.
+
+        Raises:
+            ChunkDamageError: zarr cannot decode it (a checksum that does not match, undecodable or
+                unreadable bytes), naming the array and the chunk.
+        """
+        try:
+            return self.array(name)[i]
+        except (ValueError, OSError) as e:
+            path = self.chunk_path(name, i)
+            raise ChunkDamageError(f"{name} chunk {path if path is not None else i} is unreadable "
+                                   f"({type(e).__name__}: {e})") from None
 
     def damage_message(self, i: int, reason: str) -> str:
         """The error of block ``i`` whose chunk ``reason`` names cannot be trusted: the store, the block,
@@ -628,7 +642,10 @@ class FeatureStore:
             parts = []
             for m, s, n in runs:
                 if (spec.name, m) not in chunks:  # a compressed chunk decodes whole: once per block
-                    chunks[spec.name, m] = self.array(spec.name)[m]
+                    try:
+                        chunks[spec.name, m] = self.zarr_chunk(spec.name, m)
+                    except ChunkDamageError as e:
+                        raise ChunkDamageError(f"context block {m}: {e}") from None
                 parts.append(chunks[spec.name, m][s:s + n])
             shape = spec.block_shape(self.sizes())[1:]
             raw[spec.name] = np.concatenate(parts) if parts else np.zeros((0, *shape), dtype=spec.dtype)
