@@ -80,7 +80,7 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
             larger than the verifier's, or ``attention_backend="flex"`` without CUDA.
         MissingDependencyError: a ``report_to`` tracker whose package is not installed.
     """
-    claimed: list[Path] = []
+    claimed: list[tuple[Path, bool]] = []
     try:
         trainer = build_trainer(cfg, claimed)
         summary = trainer.train()
@@ -91,23 +91,32 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
     return summary
 
 
-def _discard_unsaved(claimed: list[Path]) -> None:
-    """A failed run removes the output directory it made (or emptied with ``--force``) when no checkpoint
-    reached it: a ``train_config.json`` or ``metrics.jsonl`` alone is neither a drafter nor a run that
-    ``--resume`` continues, and would make the next run need ``--force``."""
-    for out in claimed:
-        if out.is_dir() and latest_checkpoint(out) is None and not (out / "final").exists():
+def _discard_unsaved(claimed: list[tuple[Path, bool]]) -> None:
+    """A failed run removes what it wrote into its output directory when no checkpoint reached it: a
+    ``train_config.json`` or ``metrics.jsonl`` alone is neither a drafter nor a run that ``--resume``
+    continues, and would make the next run need ``--force``. ``claimed``: ``(directory, existed)``; a
+    directory that existed before the run (empty, or emptied by ``--force``) is emptied, not removed."""
+    for out, existed in claimed:
+        if not out.is_dir() or latest_checkpoint(out) is not None or (out / "final").exists():
+            continue
+        if not existed:
             shutil.rmtree(out, ignore_errors=True)
+            continue
+        for child in out.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
 
 
-def build_trainer(cfg: TrainConfig, claimed: list[Path] | None = None) -> Trainer:
+def build_trainer(cfg: TrainConfig, claimed: list[tuple[Path, bool]] | None = None) -> Trainer:
     """Everything a run needs, checked before the verifier's weights load (docs/design.md §2).
 
     Opens the store(s) and splits them, checks the options, the output and the verifier's config,
     checks that ``cfg.run.resume``'s latest checkpoint can be continued exactly on this launch, loads the
     verifier's heads, builds the drafter (seeded by ``cfg.run.seed``), prepares the output directory,
-    resumes from that checkpoint and starts the trackers. ``claimed`` (a list) gets the output directory
-    when this process made it or emptied it (main rank, not ``--resume``).
+    resumes from that checkpoint and starts the trackers. ``claimed`` (a list) gets ``(output directory,
+    whether it existed before)`` when this process made it or emptied it (main rank, not ``--resume``).
 
     Raises:
         see :func:`run_train`.
@@ -236,16 +245,17 @@ def _hparams(cfg: TrainConfig, trainer: Trainer, D: int, verifier_name: str, run
 
 
 def _start_run(cfg: TrainConfig, accelerator, store, sequence: BlockSequence, val_side: np.ndarray,
-               val_ids: np.ndarray, trackers, claimed: list[Path] | None = None) -> TrainRun:
+               val_ids: np.ndarray, trackers, claimed: list[tuple[Path, bool]] | None = None) -> TrainRun:
     """Warn about a large validation split, prepare the output directory (main rank), write
     ``train_config.json`` and find the checkpoint to resume from."""
     main = accelerator.is_main_process
     note = val_split_warning(store.n_blocks, len(val_side), cfg.data.val_fraction)
     if note and main:
         print(f"warning: {note}", file=sys.stderr)
+    existed = Path(cfg.run.output).exists()
     resume_from = prepare_output(cfg) if main else None
     if main and not cfg.run.resume and claimed is not None:
-        claimed.append(Path(cfg.run.output))  # made or emptied by this run: removed if it fails before a checkpoint
+        claimed.append((Path(cfg.run.output), existed))  # made or emptied by this run: cleared if it fails early
     accelerator.wait_for_everyone()
     if not main and cfg.run.resume:
         resume_from = latest_checkpoint(cfg.run.output)

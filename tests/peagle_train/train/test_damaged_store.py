@@ -132,3 +132,15 @@ def test_an_unfinished_store_names_the_resume_command_that_finishes_it(tmp_path,
                                                r"--resume --output .*e\.zarr`"):
         run_train(_cfg(empty, tmp_path / "o2", allow_incomplete=True))
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+def test_a_refused_run_into_an_existing_empty_directory_leaves_it_empty(tmp_path, verifier_dir):
+    """The directory the user made stays (a mount point, say); what the run wrote in it goes."""
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
+    _flip(_aux_chunk(store, 0), at=5)
+    _flip(_aux_chunk(store, 1), at=5)
+    out = tmp_path / "mine"
+    out.mkdir()
+    with pytest.raises(ChunkDamageError):
+        run_train(_cfg(store, out, max_steps=2))
+    assert out.is_dir() and list(out.iterdir()) == []
