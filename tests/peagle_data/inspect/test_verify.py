@@ -195,3 +195,30 @@ def test_an_unfinished_window_store_names_the_recorded_resume_command(tmp_path):
     assert (f"store {tmp_path / 's.zarr'} is unfinished: 2 of 3 blocks done; no damage found in the blocks done. "
             f"`peagle-data inspect {tmp_path / 's.zarr'} > store.json && peagle-data extract --config store.json "
             "--resume` extracts the rest") in r.output
+
+
+def test_the_resume_command_verify_names_finishes_the_store(tmp_path, tiny_verifier_dir):
+    """The command an unfinished store's message names, run as written (inspect into store.json, then
+    extract --config store.json --resume), completes the store."""
+    import re
+
+    from tests.peagle_data.extract.test_run import write_packed
+
+    packed = write_packed(tmp_path / "packed", n_blocks=3, block_size=32)
+    store = tmp_path / "s.zarr"
+    r = _invoke("extract", packed, "--verifier", tiny_verifier_dir, "--output", store, "--device", "cpu",
+                "--context", "window", "--layers", "1,2", "--max-blocks", "1")
+    assert r.exit_code == 0, r.output
+    r = _invoke("verify", store)
+    assert r.exit_code == 3 and "1 of 3 blocks done" in r.output, r.output
+    command = re.search(r"`(peagle-data inspect .*?)`", r.output).group(1)
+    inspect, extract = command.split(" && ")
+    assert inspect == f"peagle-data inspect {store} > store.json"
+    assert extract == "peagle-data extract --config store.json --resume"
+    shown = _invoke("inspect", store)
+    assert shown.exit_code == 0
+    (tmp_path / "store.json").write_text(shown.stdout)
+    r = _invoke("extract", "--config", tmp_path / "store.json", "--resume")
+    assert r.exit_code == 0, r.output
+    r = _invoke("verify", store)
+    assert r.exit_code == 0 and json.loads(r.output)["state"] == "complete"
