@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.metadata
-import json
 import os
 import shlex
 import sys
@@ -15,6 +14,7 @@ from typing import Any, Callable
 import click
 
 from stores.errors import PeagleError
+from stores.files import strict_json
 
 __all__ = ["peagle_version", "version_option", "handle_errors", "echo_json", "config_error", "OutputPath", "interrupted_message", "resume_command",
            "again_command", "nothing_kept", "INTERRUPTED_EXIT"]
@@ -116,7 +116,9 @@ def handle_errors(fn=None, *, kept: Kept | None = None):
 
 
 def echo_json(obj) -> None:
-    click.echo(json.dumps(obj, indent=2, default=str))
+    """Print ``obj`` on stdout as strict JSON (NonFiniteError, naming the keys, for a NaN or infinite value:
+    ``NaN`` is not JSON, and a NaN metric printed as a number would read as a result)."""
+    click.echo(strict_json(obj, "the command's JSON output", indent=2, default=str))
 
 
 @contextlib.contextmanager

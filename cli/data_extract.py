@@ -13,7 +13,7 @@ from cli.options import config_file_options, config_options, run_config
 from peagle_data.extract.config import ATTN_IMPLEMENTATIONS, CONTEXTS, ENGINES, ExtractConfig
 from peagle_data.extract.run import run_extract
 import peagle_data.inspect.verify
-from peagle_data.inspect.verify import InspectConfig, VerifyConfig
+from peagle_data.inspect.verify import EXIT_DAMAGED, EXIT_UNFINISHED, InspectConfig, VerifyConfig
 from stores.feature_schema import STORAGE_DTYPES
 from stores.feature_store import FeatureStore
 
@@ -77,7 +77,8 @@ def verify(**options):
     """Check a feature store: shapes, dtypes, done flags, chunk files, checksums, NaN/Inf, token ids.
 
     STORE may also be a token table: its totals and unique row sources / window ids, and for a
-    table made by `peagle-data merge` the union of its shards.
+    table made by `peagle-data merge` the union of its shards. Exit code 0: complete and intact; 1: damage
+    found (or a table failed its checks); 3: unfinished, no damage (the message gives the resume command).
     """
     with config_error():
         cfg = VerifyConfig(**options)
@@ -85,7 +86,7 @@ def verify(**options):
     echo_json(report)
     if failure is not None:
         click.echo(f"Error: {failure}", err=True)
-        sys.exit(1)
+        sys.exit(EXIT_UNFINISHED if report.get("state") == "unfinished" else EXIT_DAMAGED)
 
 
 if __name__ == "__main__":  # `python -m cli.data_extract` (used by accelerate launch -m in tests)

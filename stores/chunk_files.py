@@ -3,7 +3,9 @@
 With no compressor but zarr's crc32c checksum codec, each chunk file is ``raw little-endian bytes
 + 4 checksum bytes``: it is read straight into a result array with ``preadv`` (each array's chunk
 directory is opened once; a chunk costs openat + fstat + preadv + close) and its checksum is
-checked without zarr.
+checked without zarr: :meth:`ChunkFiles.read_checked` reads a whole chunk and its crc32c in one
+``preadv``, :meth:`ChunkFiles.check_crc` checks a chunk whose slots are read apart (cost measured in
+docs/benchmarks.md, "Checked reads").
 """
 
 from __future__ import annotations
@@ -12,14 +14,19 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import google_crc32c  # zarr's crc32c codec needs it: installed with zarr
 import numpy as np
 import zarr
 
-from stores.errors import StoreFormatError
+from stores.errors import ChunkDamageError
 
-__all__ = ["CHECKSUM_BYTES", "ChunkFiles", "raw_chunk_damage", "uncompressed"]
+__all__ = ["CHECKSUM_BYTES", "CHECKSUM_MISMATCH", "ChunkFiles", "raw_chunk_damage", "uncompressed"]
 
 CHECKSUM_BYTES = 4  # crc32c codec appends 4 bytes to each chunk
+CHECKSUM_MISMATCH = "its crc32c checksum does not match its data"
+"""The words of a chunk whose bytes changed after zarr wrote them (read path, ``verify`` and repair)."""
+_CRC_PIECE = 8 << 20
+"""Bytes :meth:`ChunkFiles.check_crc` reads at a time (bounds its memory on a large context chunk)."""
 
 
 def uncompressed(array: zarr.Array) -> bool:
@@ -31,15 +38,13 @@ def uncompressed(array: zarr.Array) -> bool:
 
 def raw_chunk_damage(path: Path, where: str) -> str | None:
     """Check a raw chunk file's trailing crc32c (little-endian, as zarr's codec writes it) against its data."""
-    import google_crc32c  # zarr's own crc32c dependency
-
     try:
         data = path.read_bytes()
     except OSError as e:
         return f"{where} is unreadable ({type(e).__name__}: {e})"
     body = np.frombuffer(data, dtype=np.uint8, count=len(data) - CHECKSUM_BYTES)
     if google_crc32c.extend(0, body) != int.from_bytes(data[-CHECKSUM_BYTES:], "little"):
-        return f"{where} is unreadable (its checksum does not match its data)"
+        return f"{where} is unreadable ({CHECKSUM_MISMATCH})"
     return None
 
 
@@ -65,28 +70,13 @@ class ChunkFiles:
         return os.open(key, os.O_RDONLY, dir_fd=self._dir_fd(name))
 
     @staticmethod
-    def read(fd: int, out: np.ndarray, chunk_bytes: int, where: Callable[[], Path]) -> None:
-        """Fill ``out`` (C-contiguous) from the start of the open chunk file ``fd`` (closed after);
-        ``where()`` is the file's path, called only for an error message (a ``Path`` costs more than
-        a whole small read).
-
-        Raises:
-            StoreFormatError: the file is not ``chunk_bytes`` + the checksum long, or reads short.
-        """
-        try:
-            ChunkFiles.check_size(fd, chunk_bytes, where)
-            ChunkFiles.read_at(fd, out, 0, where)
-        finally:
-            os.close(fd)
-
-    @staticmethod
     def check_size(fd: int, chunk_bytes: int, where: Callable[[], Path]) -> None:
-        """Raise StoreFormatError unless the open chunk file ``fd`` is ``chunk_bytes`` + the checksum
+        """Raise ChunkDamageError unless the open chunk file ``fd`` is ``chunk_bytes`` + the checksum
         long (``where()``: its path, for the message)."""
         size = os.fstat(fd).st_size
         if size != chunk_bytes + CHECKSUM_BYTES:
-            raise StoreFormatError(f"{where()}: {size} bytes, expected {chunk_bytes + CHECKSUM_BYTES} "
-                                   "(truncated or foreign chunk; run `peagle-data verify`)")
+            raise ChunkDamageError(f"{where()}: {size} bytes, expected {chunk_bytes + CHECKSUM_BYTES} "
+                                   "(truncated or foreign chunk)")
 
     @staticmethod
     def read_at(fd: int, out: np.ndarray, offset: int, where: Callable[[], Path]) -> None:
@@ -94,10 +84,57 @@ class ChunkFiles:
         ``where()``: its path, for the message).
 
         Raises:
-            StoreFormatError: a short read.
+            ChunkDamageError: a short read.
         """
         if out.nbytes and os.preadv(fd, [out], offset) != out.nbytes:
-            raise StoreFormatError(f"{where()}: short read at byte {offset} (file changed while read)")
+            raise ChunkDamageError(f"{where()}: short read at byte {offset} (file changed while read)")
+
+    @staticmethod
+    def read_checked(fd: int, out: np.ndarray, where: Callable[[], Path]) -> None:
+        """Fill ``out`` (C-contiguous, the whole chunk: its ``nbytes`` are the chunk's data bytes) from the
+        open chunk file ``fd`` (left open) with the 4 checksum bytes after it, in one ``preadv``, and
+        check the crc32c (little-endian, as zarr's codec writes it) of those bytes.
+
+        Raises:
+            ChunkDamageError: the file is not ``out.nbytes`` + the checksum long, reads short, or its
+                checksum does not match (:data:`CHECKSUM_MISMATCH`).
+        """
+        ChunkFiles.check_size(fd, out.nbytes, where)
+        stored = bytearray(CHECKSUM_BYTES)
+        if os.preadv(fd, [out, stored], 0) != out.nbytes + CHECKSUM_BYTES:
+            raise ChunkDamageError(f"{where()}: short read (file changed while read)")
+        if google_crc32c.value(out.reshape(-1).view(np.uint8)) != int.from_bytes(stored, "little"):
+            raise ChunkDamageError(f"{where()}: {CHECKSUM_MISMATCH}")
+
+    @staticmethod
+    def check_crc(fd: int, chunk_bytes: int, where: Callable[[], Path]) -> None:
+        """Check the crc32c of the open chunk file ``fd`` (``chunk_bytes`` of data + the checksum,
+        left open), read in pieces of at most 8 MiB.
+
+        Raises:
+            ChunkDamageError: the file is not ``chunk_bytes`` + the checksum long, reads short, or its
+                checksum does not match (:data:`CHECKSUM_MISMATCH`).
+        """
+        ChunkFiles.check_size(fd, chunk_bytes, where)
+        buf = np.empty(min(chunk_bytes, _CRC_PIECE), dtype=np.uint8)
+        crc, pos = 0, 0
+        while pos < chunk_bytes:
+            piece = buf[: min(len(buf), chunk_bytes - pos)]
+            ChunkFiles.read_at(fd, piece, pos, where)
+            crc = google_crc32c.extend(crc, piece)
+            pos += len(piece)
+        stored = os.pread(fd, CHECKSUM_BYTES, chunk_bytes)
+        if len(stored) != CHECKSUM_BYTES:
+            raise ChunkDamageError(f"{where()}: short read at byte {chunk_bytes} (file changed while read)")
+        if crc != int.from_bytes(stored, "little"):
+            raise ChunkDamageError(f"{where()}: {CHECKSUM_MISMATCH}")
+
+    @staticmethod
+    def identity(fd: int) -> tuple[int, ...]:
+        """What tells a chunk file's bytes apart over time: ``(device, inode, size, mtime ns, ctime ns)``
+        (any write or replacement of the file changes one of them)."""
+        st = os.fstat(fd)
+        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
     def close(self) -> None:
         """Close the chunk-directory descriptors."""

@@ -11,7 +11,9 @@ __all__ = [
     "InputError",
     "OutputExistsError",
     "StoreFormatError",
+    "ChunkDamageError",
     "StoreMismatchError",
+    "NonFiniteError",
     "MissingDependencyError",
     "ModelNotFoundError",
     "DiskSpaceError",
@@ -58,8 +60,18 @@ class StoreFormatError(PeagleError, ValueError):
     """A table or feature store is missing, corrupt, or of an unknown format version."""
 
 
+class ChunkDamageError(StoreFormatError):
+    """A feature store's chunk is missing, truncated, reads short or fails its crc32c checksum: its bytes
+    cannot be trusted (a read that feeds training or evaluation stops at it)."""
+
+
 class StoreMismatchError(PeagleError, ValueError):
     """A store does not match what the caller expects (verifier, layers, packed table)."""
+
+
+class NonFiniteError(PeagleError, ArithmeticError):
+    """A loss, metric or weight is NaN or Inf: the run stops, naming the step and the blocks, rather than
+    write it into a JSON file or a checkpoint."""
 
 
 class MissingDependencyError(PeagleError, ImportError):

@@ -25,7 +25,7 @@ import zarr
 import zarr.errors
 
 from stores.chunk_files import ChunkFiles, uncompressed
-from stores.errors import StoreFormatError
+from stores.errors import ChunkDamageError, StoreFormatError
 from stores.feature_schema import (
     SEGMENTS,
     STORAGE_DTYPES,
@@ -501,8 +501,8 @@ class FeatureStore:
         if self._use_file(via):
             return self._files.read_tokens(i)
         T = self.n_tokens_of(i)
-        cu = self.group[SEGMENTS.name][i]
-        out = {spec.name: np.array(self.group[spec.name][i][:T]) for spec in TOKEN_ARRAYS}
+        cu = self.zarr_chunk(SEGMENTS.name, i)
+        out = {spec.name: np.array(self.zarr_chunk(spec.name, i)[:T]) for spec in TOKEN_ARRAYS}
         out[SEGMENTS.name] = cu[: int(np.argmax(cu == cu[-1])) + 1]  # drop the padding repeats
         return out
 
@@ -520,23 +520,66 @@ class FeatureStore:
 
         Raises:
             IndexError: ``i`` out of range.
-            StoreFormatError: a chunk file is missing, of the wrong size, or short.
+            ChunkDamageError: a chunk the block reads (a full-context store: also the context blocks' chunks
+                it reads) is missing, of the wrong size, short or fails its crc32c checksum, naming the
+                block, the chunk and the repair command (:meth:`damage_message`).
+            StoreFormatError: a view that does not fit (full-context stores), a shard store.
         """
         if not 0 <= i < self.n_blocks:
             raise IndexError(f"block {i} out of range [0, {self.n_blocks})")
-        if self.layout == "windows":
-            tok = self.read_tokens(i, via)
-            hidden = self.contexts.read_runs(self.runs(i, tok[SEGMENTS.name]), via, pin_memory)
-            return Block(**{k: torch.from_numpy(np.asarray(v, dtype=np.int64)) for k, v in tok.items()}, **hidden)
-        if self._use_file(via):
-            return self._files.read_block(i, pin_memory)
-        if self._local_root is not None:
-            self.check_chunks_exist(i)
-        tok = self.read_tokens(i, via="zarr")
-        T = len(tok["input_ids"])
-        raw = {spec.name: self.group[spec.name][i, :T] for spec in hidden_arrays(self.storage_dtype)}
+        use_file = self._use_file(via)  # ValueError: an unknown via
+        try:
+            if self.layout == "windows":
+                tok = self.read_tokens(i, via)
+                hidden = self.contexts.read_runs(self.runs(i, tok[SEGMENTS.name]), via, pin_memory)
+                return Block(**{k: torch.from_numpy(np.asarray(v, dtype=np.int64)) for k, v in tok.items()}, **hidden)
+            if use_file:
+                return self._files.read_block(i, pin_memory)
+            if self._local_root is not None:
+                self.check_chunks_exist(i)
+            tok = self.read_tokens(i, via="zarr")
+            T = len(tok["input_ids"])
+            raw = {spec.name: self.zarr_chunk(spec.name, i)[:T] for spec in hidden_arrays(self.storage_dtype)}
+        except ChunkDamageError as e:
+            raise ChunkDamageError(self.damage_message(i, str(e))) from None
+        except StoreFormatError:
+            raise
+        except (ValueError, OSError) as e:  # zarr: a checksum that does not match, an undecodable chunk
+            raise ChunkDamageError(self.damage_message(i, f"a chunk is unreadable ({type(e).__name__}: {e})")) from None
         tensors = {k: torch.from_numpy(np.asarray(a, dtype=np.int64)) for k, a in tok.items()}
         return Block(**tensors, **decode_hidden(self.storage_dtype, raw))
+
+    def zarr_chunk(self, name: str, i: int) -> np.ndarray:
+        """Block ``i``'s chunk of array ``name`` through the zarr API, which checks its crc32c.
+
+        Raises:
+            ChunkDamageError: zarr cannot decode it (a checksum that does not match, undecodable or
+                unreadable bytes), naming the array and the chunk.
+        """
+        try:
+            return self.array(name)[i]
+        except (ValueError, OSError) as e:
+            path = self.chunk_path(name, i)
+            raise ChunkDamageError(f"{name} chunk {path if path is not None else i} is unreadable "
+                                   f"({type(e).__name__}: {e})") from None
+
+    def damage_message(self, i: int, reason: str) -> str:
+        """The error of block ``i`` whose chunk ``reason`` names cannot be trusted: the store, the block,
+        the reason and the command that re-extracts the damaged blocks (:meth:`repair_command`)."""
+        what = "training block" if self.layout == "windows" else "block"
+        return (f"{self.path}: {what} {i} cannot be trusted: {reason}. {self.repair_command()} re-extracts the "
+                f"damaged blocks (`peagle-data verify {self.path}` lists them all)")
+
+    def repair_command(self) -> str:
+        """The command that re-extracts this store's damaged and unfinished blocks, in backquotes:
+        ``extract --resume`` with the options recorded in the store (attribute ``config``, written by
+        ``peagle-data extract``), else the packed table and options the user must give again."""
+        if "config" in self.attrs:
+            return (f"`peagle-data inspect {self.path} > store.json && peagle-data extract --config store.json "
+                    "--resume`")
+        context = "full" if self.layout == "windows" else "window"
+        return (f"`peagle-data extract PACKED --context {context} --resume --output {self.path}` (with the "
+                "packed table, --verifier and --layers it was extracted with)")
 
     def runs(self, i: int, cu_seqlens) -> list[tuple[int, int, int]]:
         """Where training block ``i``'s tokens lie in the context blocks (full-context stores):
@@ -599,7 +642,10 @@ class FeatureStore:
             parts = []
             for m, s, n in runs:
                 if (spec.name, m) not in chunks:  # a compressed chunk decodes whole: once per block
-                    chunks[spec.name, m] = self.array(spec.name)[m]
+                    try:
+                        chunks[spec.name, m] = self.zarr_chunk(spec.name, m)
+                    except ChunkDamageError as e:
+                        raise ChunkDamageError(f"context block {m}: {e}") from None
                 parts.append(chunks[spec.name, m][s:s + n])
             shape = spec.block_shape(self.sizes())[1:]
             raw[spec.name] = np.concatenate(parts) if parts else np.zeros((0, *shape), dtype=spec.dtype)
@@ -645,9 +691,7 @@ class FeatureStore:
             return
         missing = [n for n in self.block_arrays() if not self.chunk_path(n, i).is_file()]
         if missing:
-            raise StoreFormatError(f"{self.path}: block {i} is marked done but its chunk files of "
-                                   f"{missing} are missing (`peagle-data extract --resume` re-extracts "
-                                   "damaged blocks; `peagle-data verify` lists them)")
+            raise ChunkDamageError(f"block {i} is marked done but its chunk files of {missing} are missing")
 
     def summary(self) -> dict[str, Any]:
         """Facts for ``peagle-data inspect`` (a full-context store's also under ``contexts``: its
@@ -730,39 +774,56 @@ class StoreFileReader:
         self.store = store
         self.files = ChunkFiles(store._local_root)
         self._layout: list[tuple[ArraySpec, tuple[int, ...], int]] | None = None
+        self._checked: dict[tuple[str, int], tuple[int, ...]] = {}
+        """``{(array, block): file identity}`` of the chunks :meth:`read_runs` checked whole."""
 
     def read_tokens(self, i: int) -> dict[str, np.ndarray]:
-        """Token arrays of block ``i`` from the chunk files: ``[T] int64`` each, ``cu_seqlens [S+1]``."""
+        """Token arrays of block ``i`` from the chunk files: ``[T] int64`` each, ``cu_seqlens [S+1]``
+        (each chunk read whole and its crc32c checked: :meth:`pread`)."""
         store = self.store
         T, C, width = store.n_tokens_of(i), store.block_size, int(store.attrs["max_segments"]) + 1
         out = {}
         for spec, n, full in [*((s, T, C) for s in TOKEN_ARRAYS), (SEGMENTS, width, width)]:
-            a = np.empty(n, dtype=spec.dtype)  # numpy, not torch: a torch op costs several times more here
-            self.pread(spec.name, i, 1, a, full * a.itemsize)
-            out[spec.name] = a.astype(np.int64)
+            a = np.empty(full, dtype=spec.dtype)  # numpy, not torch: a torch op costs several times more here
+            self.pread(spec.name, i, 1, a)  # the whole chunk: its crc32c covers every slot
+            out[spec.name] = a[:n].astype(np.int64)
         cu = out[SEGMENTS.name]
         out[SEGMENTS.name] = cu[: int(np.argmax(cu == cu[-1])) + 1]  # drop the padding repeats
         return out
 
     def read_block(self, i: int, pin_memory: bool) -> Block:
-        """Block ``i``; hidden states in page-locked memory with ``pin_memory`` (bf16 stores, CUDA present)."""
+        """Block ``i``; hidden states in page-locked memory with ``pin_memory`` (bf16 stores, CUDA present).
+
+        Every chunk is read whole (``C`` slots) and its crc32c checked before any of it is returned;
+        the hidden states are views of their first ``T`` slots."""
         tok = self.read_tokens(i)
         pin_memory = pin_memory and torch.cuda.is_available()
         T = len(tok["input_ids"])
         raw = {}
-        for spec, shape, chunk_bytes in self._hidden_layout():
+        for spec, shape, _ in self._hidden_layout():
             if pin_memory and spec.dtype == "uint16":
-                a = torch.empty((T, *shape[1:]), dtype=torch.uint16, pin_memory=True).numpy()
+                a = torch.empty(shape, dtype=torch.uint16, pin_memory=True).numpy()
             else:
-                a = np.empty((T, *shape[1:]), dtype=spec.dtype)
-            self.pread(spec.name, i, len(shape), a, chunk_bytes)
-            raw[spec.name] = a
+                a = np.empty(shape, dtype=spec.dtype)
+            self.pread(spec.name, i, len(shape), a)
+            raw[spec.name] = a[:T]
         hidden = decode_hidden(self.store.storage_dtype, raw, copy=False)  # bf16 bit patterns viewed in place
         return Block(**{k: torch.from_numpy(v) for k, v in tok.items()}, **hidden)
 
     def read_runs(self, runs: list[tuple[int, int, int]], pin_memory: bool) -> dict[str, torch.Tensor]:
         """:meth:`FeatureStore.read_runs` from the chunk files: each run one ``preadv`` at its slot's
-        byte offset (each block's chunk file opened once and its size checked)."""
+        byte offset (each block's chunk file opened once and its size checked).
+
+        A run reads a part of its chunk, and a crc32c covers the whole chunk: each chunk is checked
+        whole (:meth:`stores.chunk_files.ChunkFiles.check_crc`) the first time this reader reads it and
+        again whenever its file changes (:meth:`stores.chunk_files.ChunkFiles.identity`: inode, size,
+        mtime, ctime), so reading a context block for every training block that views it costs one
+        check per chunk, not one per view.
+
+        Raises:
+            StoreFormatError: a chunk file missing, of the wrong size, short, or failing its checksum,
+                naming the context block and the file.
+        """
         T = sum(n for _, _, n in runs)
         pin_memory = pin_memory and torch.cuda.is_available()
         raw = {}
@@ -782,8 +843,15 @@ class StoreFileReader:
                         try:
                             fds[m] = self.files.open(spec.name, m, len(shape))
                         except FileNotFoundError:
-                            raise StoreFormatError(f"{where()}: chunk file is missing (run `peagle-data verify`)") from None
-                        ChunkFiles.check_size(fds[m], chunk_bytes, where)
+                            raise ChunkDamageError(f"context block {m}: {where()}: chunk file is missing") from None
+                        try:
+                            ChunkFiles.check_size(fds[m], chunk_bytes, where)
+                            key, identity = (spec.name, m), ChunkFiles.identity(fds[m])
+                            if self._checked.get(key) != identity:
+                                ChunkFiles.check_crc(fds[m], chunk_bytes, where)
+                                self._checked[key] = identity
+                        except ChunkDamageError as e:
+                            raise ChunkDamageError(f"context block {m}: {e}") from None
                     ChunkFiles.read_at(fds[m], a[pos:pos + n], s * slot_bytes, where)
                     pos += n
             finally:
@@ -800,21 +868,24 @@ class StoreFileReader:
                             for s in hidden_arrays(self.store.storage_dtype)]
         return self._layout
 
-    def pread(self, name: str, i: int, ndim: int, out: np.ndarray, chunk_bytes: int) -> None:
-        """Fill ``out`` (C-contiguous) from the start of block ``i``'s chunk file of ``name``, an
-        array whose blocks have ``ndim`` dimensions.
+    def pread(self, name: str, i: int, ndim: int, out: np.ndarray) -> None:
+        """Fill ``out`` (C-contiguous, the whole chunk) from block ``i``'s chunk file of ``name``, an
+        array whose blocks have ``ndim`` dimensions, and check its crc32c
+        (:meth:`stores.chunk_files.ChunkFiles.read_checked`).
 
         Raises:
             StoreFormatError: the file is missing (a done block's missing chunk is damage), is not
-                ``chunk_bytes`` + the checksum long, or reads short.
+                ``out.nbytes`` + the checksum long, reads short or fails its checksum.
         """
         try:
             fd = self.files.open(name, i, ndim)
         except FileNotFoundError:
             self.store.check_chunks_exist(i)
-            raise StoreFormatError(f"{self.store.chunk_path(name, i)}: chunk file is missing "
-                                   "(run `peagle-data verify`)") from None
-        ChunkFiles.read(fd, out, chunk_bytes, lambda: self.store.chunk_path(name, i))
+            raise ChunkDamageError(f"{self.store.chunk_path(name, i)}: chunk file is missing") from None
+        try:
+            ChunkFiles.read_checked(fd, out, lambda: self.store.chunk_path(name, i))
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         """Close the chunk-directory descriptors (reopened on demand)."""

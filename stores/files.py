@@ -1,12 +1,46 @@
 """File-system helpers shared by the stores and their callers: permissions that follow the process umask,
-local paths (:func:`is_local`) and the zarr v3 probe (:func:`is_zarr_store`)."""
+local paths (:func:`is_local`), the zarr v3 probe (:func:`is_zarr_store`) and strict JSON
+(:func:`strict_json`: no NaN or Infinity, which are not JSON)."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from pathlib import Path
+from typing import Any
 
-__all__ = ["current_umask", "follow_umask", "is_local", "is_zarr_store"]
+from stores.errors import NonFiniteError
+
+__all__ = ["current_umask", "follow_umask", "is_local", "is_zarr_store", "nonfinite_paths", "strict_json"]
+
+
+def nonfinite_paths(obj: Any, prefix: str = "") -> list[str]:
+    """The keys (``a.b[2]``) of the NaN or infinite floats inside ``obj`` (dicts, lists, tuples, floats)."""
+    if isinstance(obj, float):
+        return [] if math.isfinite(obj) else [prefix or "the value"]
+    if isinstance(obj, dict):
+        return [p for k, v in obj.items() for p in nonfinite_paths(v, f"{prefix}.{k}" if prefix else str(k))]
+    if isinstance(obj, (list, tuple)):
+        return [p for i, v in enumerate(obj) for p in nonfinite_paths(v, f"{prefix}[{i}]")]
+    return []
+
+
+def strict_json(obj: Any, what: str, **kwargs: Any) -> str:
+    """``json.dumps(obj, allow_nan=False, **kwargs)``: Python's ``NaN``/``Infinity`` are not JSON, and a NaN
+    loss or metric written as a number would read as a result.
+
+    Raises:
+        NonFiniteError: naming ``what`` and the keys of the non-finite values.
+    """
+    try:
+        return json.dumps(obj, allow_nan=False, **kwargs)
+    except ValueError:
+        bad = nonfinite_paths(obj)
+        if not bad:
+            raise
+        raise NonFiniteError(f"{what}: {', '.join(bad)} {'is' if len(bad) == 1 else 'are'} NaN or infinite; "
+                             "not written") from None
 
 
 def is_local(path: str | os.PathLike) -> bool:

@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from stores.errors import InputError, StoreFormatError, StoreMismatchError
+from stores.errors import ChunkDamageError, InputError, StoreFormatError, StoreMismatchError
 from stores.feature_schema import hidden_arrays
 from stores.feature_store import FeatureStore
 from stores.staging import staged_output_dir
@@ -459,7 +459,12 @@ def _write_merged_windows(stores: list[FeatureStore], output, force: bool) -> di
 
 def _copy_blocks(stores: list[FeatureStore], out: FeatureStore, n: int) -> None:
     """Block k of ``stores[s]`` to block ``s + k*n`` of ``out`` (token arrays, hidden states, ``n_tokens``,
-    done), ``token_freq`` summed."""
+    done), ``token_freq`` summed.
+
+    Raises:
+        ChunkDamageError: a shard's chunk is missing, truncated or fails its crc32c checksum, naming the
+            shard, the block and the command that re-extracts it.
+    """
     n_tokens = np.zeros(out.n_blocks, dtype=np.int32)
     hidden = {spec.name: out.group[spec.name].with_config({"write_empty_chunks": True})
               for spec in hidden_arrays(out.storage_dtype)}
@@ -467,9 +472,12 @@ def _copy_blocks(stores: list[FeatureStore], out: FeatureStore, n: int) -> None:
         per_block = s.n_tokens_per_block()
         for k in range(s.n_blocks):
             g = s_index + k * n
-            out.write_token_row(g, s.read_tokens(k))
-            for name, arr in hidden.items():
-                arr[g] = s.group[name][k]
+            try:  # both reads check every chunk's crc32c: a damaged shard block is not copied
+                out.write_token_row(g, s.read_tokens(k))
+                for name, arr in hidden.items():
+                    arr[g] = s.zarr_chunk(name, k)
+            except ChunkDamageError as e:
+                raise ChunkDamageError(s.damage_message(k, str(e))) from None
             n_tokens[g] = per_block[k]
     out.write_all_n_tokens(n_tokens)
     out.set_token_freq(np.sum([s.token_freq() for s in stores], axis=0))

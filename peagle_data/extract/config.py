@@ -13,10 +13,11 @@ from peagle_data.extract.engine import VerifierEngine
 from peagle_data.extract.hf import HfEngine
 from peagle_data.extract.vllm import VllmEngine
 from peagle_data.prepare.shards import check_shard
+from stores.errors import InputError
 from stores.feature_schema import STORAGE_DTYPES
 from stores.vllm_runtime import VllmMemory
 
-__all__ = ["ATTN_IMPLEMENTATIONS", "CONTEXTS", "DEFAULT_MAX_CONTEXT", "ENGINES", "ExtractConfig"]
+__all__ = ["ATTN_IMPLEMENTATIONS", "CONTEXTS", "DEFAULT_MAX_CONTEXT", "ENGINES", "ExtractConfig", "check_layers"]
 
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2")
 """The verifier attention implementations ``--attn-implementation`` accepts."""
@@ -34,6 +35,33 @@ one module with one subclass and one entry here; the CLI's choices, the option c
 :func:`peagle_data.extract.run.run_extract` read this table."""
 
 
+def check_layers(layers: list[int], L: int) -> list[int]:
+    """``layers`` (``--layers``), checked against a verifier of ``L`` decoder layers: each in ``0..L`` (0 the
+    embedding output, L the last layer's output before the final norm, :data:`stores.feature_store.LAYER_CONVENTION`)
+    and strictly increasing, as vLLM captures them (``sorted(set(ids))``) and feeds the drafter's fc:
+    a store in another order would train fc on its inputs swapped (peagle-train refuses such a store too).
+
+    Raises:
+        InputError: naming the indices at fault and, where one exists, the ``--layers`` that fixes them all
+            (a negative index counted from the end of ``0..L``, as Python would: -1 is L; the order sorted).
+    """
+    layers = [int(x) for x in layers]
+    resolved = [x + L + 1 if x < 0 else x for x in layers]
+    fixed = sorted(resolved) if all(0 <= x <= L for x in resolved) and len(set(resolved)) == len(resolved) else None
+    give = f": give --layers {','.join(map(str, fixed))}" if fixed is not None else ""
+    bad = [x for x in layers if not 0 <= x <= L]
+    if bad:
+        negative = [x for x in bad if x < 0 and 0 <= x + L + 1]
+        why = (f" (indices count from 0, not from the end: {', '.join(f'{x} would be {x + L + 1}' for x in negative)})"
+               if negative else "")
+        raise InputError(f"layers {bad} out of range: the verifier has {L} layers, valid indices are 0..{L}{why}{give}",
+                         field="--layers")
+    if layers != sorted(layers):
+        raise InputError(f"--layers: {','.join(map(str, layers))} is not increasing; vLLM feeds the aux layers in "
+                         f"increasing order{give}", field="--layers")
+    return layers
+
+
 @dataclass(frozen=True, kw_only=True)
 class ExtractConfig:
     """Options of ``peagle-data extract``."""
@@ -46,7 +74,8 @@ class ExtractConfig:
     """Feature store path (zarr v3)."""
     layers: list[int] | None = None
     """Aux layer ids as vLLM's (= transformers' ``hidden_states[k]`` for k < L; L = the last decoder layer's
-    output before the final norm), e.g. 2,18,33; default EAGLE-3's ``[2, L//2, L-3]``."""
+    output before the final norm), e.g. 2,18,33: increasing, each in 0..L (no negative index; write the last
+    layer as L); default EAGLE-3's ``[2, L//2, L-3]``."""
     storage_dtype: str = "bf16"
     """``bf16`` (bit-exact) or ``fp8`` (float8_e4m3fn with a per-token, per-layer scale; half the bytes)."""
     compressor: str | None = None
@@ -114,11 +143,6 @@ class ExtractConfig:
             raise ValueError("--layers: give at least one layer index")
         if self.layers is not None and len(set(self.layers)) != len(self.layers):
             raise ValueError(f"--layers: repeated index in {self.layers}")
-        if self.layers is not None and list(self.layers) != sorted(self.layers):
-            # vLLM captures sorted(set(ids)) and feeds the drafter's fc in that order: a store in another
-            # order would train fc on its inputs swapped (peagle-train refuses such a store too)
-            raise ValueError(f"--layers: {','.join(map(str, self.layers))} is not increasing; vLLM feeds the "
-                             f"aux layers in increasing order: give --layers {','.join(map(str, sorted(self.layers)))}")
         if self.max_blocks is not None and self.max_blocks < 1:
             raise ValueError("--max-blocks must be ≥ 1")
         if self.storage_dtype not in STORAGE_DTYPES:

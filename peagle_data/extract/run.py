@@ -25,7 +25,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from peagle_data.extract.config import DEFAULT_MAX_CONTEXT, ENGINES, ExtractConfig
+from peagle_data.extract.config import DEFAULT_MAX_CONTEXT, ENGINES, ExtractConfig, check_layers
 from peagle_data.extract.contexts import ContextPlan, plan_contexts
 from peagle_data.extract.engine import PackedFacts, VerifierEngine
 from peagle_data.extract.hf_forward import check_packable, default_layers
@@ -92,10 +92,8 @@ def _check_before_weights(cfg: ExtractConfig, table, rows, device: str, plan: Co
         made = f"the context blocks (--context full) of {made}"
     check_token_ids(rows, made, cfg.verifier, vocab, cfg.shard_index, cfg.num_shards)
     L = int(text_config(config).num_hidden_layers)
-    bad = [layer for layer in (cfg.layers or []) if not 0 <= layer <= L]
-    if bad:
-        raise InputError(f"layers {bad} out of range: the verifier has {L} layers, valid indices are 0..{L}",
-                         field="--layers")
+    if cfg.layers is not None:
+        check_layers(cfg.layers, L)
     ENGINES[cfg.engine].check(cfg, config, list(cfg.layers) if cfg.layers is not None else default_layers(L))
     directory = resolve_model(cfg.verifier)
     if cfg.resume and is_local(cfg.output) and is_zarr_store(cfg.output):
@@ -202,15 +200,10 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
 
 def _layers_of(cfg: ExtractConfig, L: int | None = None) -> list[int]:
     """``cfg.layers`` or the default for the verifier's ``L`` language-model layers (default: its
-    config's), checked in ``0..L``."""
+    config's), checked in ``0..L`` and increasing (:func:`peagle_data.extract.config.check_layers`)."""
     if L is None:
         L = int(text_config(load_model_config(cfg.verifier)).num_hidden_layers)
-    layers = list(cfg.layers) if cfg.layers is not None else default_layers(L)
-    bad = [l for l in layers if not 0 <= l <= L]
-    if bad:
-        raise InputError(f"layers {bad} out of range: the verifier has {L} layers, valid indices are 0..{L}",
-                         field="--layers")
-    return layers
+    return check_layers(cfg.layers, L) if cfg.layers is not None else default_layers(L)
 
 
 def _offset_segment(rows, shard_index: int = 0, num_shards: int = 1) -> tuple[int, int] | None:

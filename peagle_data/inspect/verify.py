@@ -14,7 +14,8 @@ from stores.files import is_zarr_store
 from stores.merge import verify_table
 from stores.token_tables import TokenTable, manifest_sha256
 
-__all__ = ["InspectConfig", "VerifyConfig", "verify_output", "inspect_output"]
+__all__ = ["InspectConfig", "VerifyConfig", "verify_output", "inspect_output", "store_state", "EXIT_DAMAGED",
+           "EXIT_UNFINISHED"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,23 +61,52 @@ def _expected_tokens(store: str, packed: str):
     return lambda i: rows[i]["input_ids"]
 
 
+EXIT_DAMAGED = 1
+"""``peagle-data verify``'s exit code for a store with damage (or a table that failed its checks)."""
+EXIT_UNFINISHED = 3
+"""``peagle-data verify``'s exit code for a store with blocks not extracted yet and no damage."""
+
+
+def store_state(report: dict[str, Any]) -> str:
+    """``"complete"``, ``"unfinished"`` (blocks not done yet, no damage in the done ones) or ``"damaged"``
+    (a bad block, a damaged whole-store array; full-context stores: also of the context blocks)."""
+    parts = [report, report.get("contexts") or {}]
+    if any(r.get("bad_blocks") or r.get("damaged_arrays") for r in parts):
+        return "damaged"
+    return "complete" if report["ok"] else "unfinished"
+
+
+def _store_unfinished(path: str, report: dict[str, Any]) -> str:
+    """The line of an undamaged store with blocks still to extract: how many are done and the command that
+    extracts the rest."""
+    contexts = report.get("contexts")
+    if report["blocks_done"] is None:  # a full-context shard store: its training blocks are done once merged
+        done = "its training blocks are done once the shards are merged"
+    else:
+        done = f"{report['blocks_done']} of {report['n_blocks']} {'training ' if contexts else ''}blocks done"
+    if contexts is not None:
+        done += f" ({contexts['blocks_done']} of {contexts['n_blocks']} context blocks)"
+    command = FeatureStore.open(path).repair_command()
+    return (f"store {path} is unfinished: {done}; no damage found in the blocks done. {command} extracts the rest "
+            "(peagle-train trains on the blocks done with --allow-incomplete)")
+
+
 def _store_failure(store: str, report: dict[str, Any]) -> str:
     """The error line of a store that failed verification: the blocks at fault and how to redo them."""
     bad = sorted(set(report["not_done"]) | set(int(k) for k in report["bad_blocks"]))
     damaged = "; ".join(report["damaged_arrays"].values())
+    command = FeatureStore.open(store).repair_command()
     contexts = report.get("contexts")  # a full-context store: the verifier's blocks are its context blocks
     if contexts is not None:
         at_fault = sorted(set(contexts["not_done"]) | set(int(k) for k in contexts["bad_blocks"]))
         return (f"store {store} failed verification; training blocks at fault: {bad}; context blocks at fault: "
                 f"{at_fault}" + (f"; {damaged}" if damaged else "")
                 + ("; the done flags of those context blocks are cleared" if report["repaired"] else "")
-                + ". `peagle-data extract PACKED --context full --resume` (same --verifier, --layers and "
-                "--max-context) extracts them again and rewrites damaged training blocks")
+                + f". {command} extracts them again and rewrites damaged training blocks")
     return (f"store {store} failed verification; blocks at fault: {bad}"
             + (f"; {damaged}" if damaged else "")
             + ("; their done flags are cleared" if report["repaired"] else "")
-            + ". `peagle-data extract PACKED --context window --resume` (same --verifier and --layers) extracts "
-            "them again")
+            + f". {command} extracts them again")
 
 
 def verify_output(path: str | Path, packed: str | Path | None = None,
@@ -93,7 +123,8 @@ def verify_output(path: str | Path, packed: str | Path | None = None,
 
     Returns:
         ``(report, failure)``: the JSON-able report, and None when it passed, else one line naming
-        what is at fault.
+        what is at fault. A store's report has ``state`` (:func:`store_state`): ``"unfinished"`` (blocks
+        not done, no damage: the line says how many are done and the resume command) or ``"damaged"``.
 
     Raises:
         StoreMismatchError: ``packed`` is not the store's packed table.
@@ -104,6 +135,9 @@ def verify_output(path: str | Path, packed: str | Path | None = None,
         return report, (None if report["ok"] else f"table {path} failed verification: {'; '.join(report['problems'])}")
     expected = _expected_tokens(str(path), str(packed)) if packed is not None else None
     report = verify_store(path, expected_tokens=expected, repair=repair)
+    report["state"] = store_state(report)
+    if report["state"] == "unfinished":
+        return report, _store_unfinished(str(path), report)
     return report, (None if report["ok"] else _store_failure(str(path), report))
 
 

@@ -105,11 +105,10 @@ def check_store_ready(store, allow_incomplete: bool) -> np.ndarray:
     if missing.size and not allow_incomplete:
         raise StoreFormatError(
             f"{store.path}: {missing.size} of {done.size} blocks are not done (first: {missing[:5].tolist()}); "
-            "finish it with `peagle-data extract ... --resume`, or pass --allow-incomplete to train on the "
-            "done blocks only")
+            f"{store.repair_command()} finishes it, or pass --allow-incomplete to train on the done blocks only")
     ids = np.flatnonzero(done).astype(np.int64)
-    if ids.size == 0:
-        raise StoreFormatError(f"{store.path}: no block is done; run `peagle-data extract` first")
+    if ids.size == 0:  # the store exists: a plain extract would refuse it, a resume fills it
+        raise StoreFormatError(f"{store.path}: no block is done; {store.repair_command()} extracts them")
     return ids
 
 

@@ -263,7 +263,7 @@ def select_eval_blocks(store, drafter_config: dict[str, Any] | None = None,
     """
     done = np.flatnonzero(store.done_mask()).astype(np.int64)
     if done.size == 0:
-        raise StoreMismatchError(f"{store.path}: no block is done; run `peagle-data extract` first")
+        raise StoreMismatchError(f"{store.path}: no block is done; {store.repair_command()} extracts them")
     training = (drafter_config or {}).get("peagle_training") or {}
     warnings = [] if done.size == store.n_blocks else [
         f"{store.path} is an incomplete store: {done.size} of {store.n_blocks} blocks extracted; only those are scored"]

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from peagle_train.evaluate.cost_model import format_cost_model
+from stores.files import strict_json
 from stores.staging import write_text_atomic
 
 
 def write_json(report: dict[str, Any], path: str | Path) -> None:
+    """Write ``report`` to ``path`` atomically, as strict JSON.
+
+    Raises:
+        NonFiniteError: a NaN or infinite value in the report (named by its key); nothing is written.
+    """
     path = Path(path)
+    text = strict_json(report, f"the evaluation report {path}", indent=2, default=str) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, json.dumps(report, indent=2, default=str) + "\n")
+    write_text_atomic(path, text)
 
 
 def _fmt(x: Any) -> str:

@@ -30,8 +30,8 @@ from safetensors.torch import load_file, save_file
 
 from peagle_train.model.config import LAYER_TYPES, DrafterConfig
 from peagle_train.model.drafter import PEagleDrafter
-from stores.errors import InputError, StoreFormatError
-from stores.files import follow_umask
+from stores.errors import InputError, NonFiniteError, StoreFormatError
+from stores.files import follow_umask, strict_json
 from stores.model_cache import EMBEDDED_MODELS, peagle_home
 from stores.staging import atomic_file, replace_dir
 
@@ -202,10 +202,15 @@ def drafter_config_json(cfg: DrafterConfig, extra_config: dict[str, Any] | None 
 def _write_drafter(model: PEagleDrafter, directory: Path, extra_config: dict[str, Any] | None) -> None:
     config = drafter_config_json(model.config, extra_config, model.embed_tokens.weight.requires_grad)
     tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    bad = [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:  # a drafter that would serve NaN drafts: never saved
+        step = (config.get("peagle_training") or {}).get("step")
+        raise NonFiniteError(f"{directory}: weights {bad} hold NaN or Inf" + (f" at step {step}" if step is not None else "")
+                             + "; the drafter is not saved")
     if "d2t" in tensors:  # never write maps a reader would refuse
         check_vocab_maps(tensors["d2t"], tensors["t2d"], model.config.vocab_size, directory / WEIGHTS_FILE)
     check_servable(config, {k: tuple(v.shape) for k, v in tensors.items()}, str(directory))
-    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    (directory / CONFIG_FILE).write_text(strict_json(config, f"{directory / CONFIG_FILE}", indent=2))
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
     follow_umask(directory / WEIGHTS_FILE)  # safetensors creates it 0600
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from stores.errors import InputError, MissingDependencyError
+from stores.files import strict_json
 
 __all__ = ["TRACKERS", "TRACKER_PROJECT", "MetricsLog", "parse_report_to", "resolve_trackers", "tracker_values",
            "plot_metrics", "rolling_mean", "smoothing_window", "read_metrics", "write_metrics", "pooled_accuracy"]
@@ -104,10 +105,14 @@ def tracker_values(row: dict) -> dict[str, float]:
 
 
 def write_metrics(path: Path, rows: list[dict]) -> None:
-    """Append ``rows`` to ``path``, one JSON object per line."""
+    """Append ``rows`` to ``path``, one JSON object per line.
+
+    Raises:
+        NonFiniteError: a row holds a NaN or infinite value (strict JSON); nothing is written.
+    """
+    lines = [strict_json(r, f"{path}: the row of step {r.get('step')}") + "\n" for r in rows]
     with path.open("a") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+        f.writelines(lines)
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -173,7 +178,7 @@ class MetricsLog:
     def truncate(self, last_step: int) -> None:
         """Drop the rows after ``last_step`` (a resumed run writes them again)."""
         if self.path.is_file():
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in read_metrics(self.path)
+            self.path.write_text("".join(strict_json(r, str(self.path)) + "\n" for r in read_metrics(self.path)
                                          if r.get("step", 0) <= last_step))
 
     def last_row(self, split: str) -> dict | None:

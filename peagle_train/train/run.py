@@ -25,6 +25,7 @@ Output directory layout:
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ from peagle_train.train.setup import (build_draft_vocab, build_drafter_config, c
                                       val_split_warning)
 from peagle_train.train.trainer import Trainer, TrainRun
 from stores.errors import MissingDependencyError
+from stores.files import strict_json
 
 __all__ = ["run_train", "build_trainer"]
 
@@ -63,27 +65,58 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
         ``metrics``, ``plot``, ``tokens_per_second``, ``data_wait_fraction``, ``resumed_from``, ``rank``,
         ``world_size`` (data-parallel processes), ``mask_token``.
 
+    A run that fails (any error, a damaged block or a NaN loss among them) before its first checkpoint
+    removes the output directory it made, so nothing half-made is left; a resumed run's directory, or one
+    holding a checkpoint, is kept.
+
     Raises:
         StoreFormatError: missing or unfinished store (without ``allow_incomplete``).
+        ChunkDamageError: a block read for training or validation fails its crc32c checksum (or is
+            missing, truncated), naming the block and the repair command.
+        NonFiniteError: a NaN or infinite loss or gradient norm, naming the step and its blocks.
         StoreMismatchError: the verifier does not match the store.
         OutputExistsError: output exists without ``resume`` or ``force``.
         InputError: ``--resume`` with settings that differ from the saved run, or a draft vocab
             larger than the verifier's, or ``attention_backend="flex"`` without CUDA.
         MissingDependencyError: a ``report_to`` tracker whose package is not installed.
     """
-    trainer = build_trainer(cfg)
-    summary = trainer.train()
+    claimed: list[tuple[Path, bool]] = []
+    try:
+        trainer = build_trainer(cfg, claimed)
+        summary = trainer.train()
+    except BaseException:
+        _discard_unsaved(claimed)
+        raise
     trainer.close()
     return summary
 
 
-def build_trainer(cfg: TrainConfig) -> Trainer:
+def _discard_unsaved(claimed: list[tuple[Path, bool]]) -> None:
+    """A failed run removes what it wrote into its output directory when no checkpoint reached it: a
+    ``train_config.json`` or ``metrics.jsonl`` alone is neither a drafter nor a run that ``--resume``
+    continues, and would make the next run need ``--force``. ``claimed``: ``(directory, existed)``; a
+    directory that existed before the run (empty, or emptied by ``--force``) is emptied, not removed."""
+    for out, existed in claimed:
+        if not out.is_dir() or latest_checkpoint(out) is not None or (out / "final").exists():
+            continue
+        if not existed:
+            shutil.rmtree(out, ignore_errors=True)
+            continue
+        for child in out.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+
+
+def build_trainer(cfg: TrainConfig, claimed: list[tuple[Path, bool]] | None = None) -> Trainer:
     """Everything a run needs, checked before the verifier's weights load (docs/design.md §2).
 
     Opens the store(s) and splits them, checks the options, the output and the verifier's config,
     checks that ``cfg.run.resume``'s latest checkpoint can be continued exactly on this launch, loads the
     verifier's heads, builds the drafter (seeded by ``cfg.run.seed``), prepares the output directory,
-    resumes from that checkpoint and starts the trackers.
+    resumes from that checkpoint and starts the trackers. ``claimed`` (a list) gets ``(output directory,
+    whether it existed before)`` when this process made it or emptied it (main rank, not ``--resume``).
 
     Raises:
         see :func:`run_train`.
@@ -115,7 +148,7 @@ def build_trainer(cfg: TrainConfig) -> Trainer:
     else:
         d2t = build_draft_vocab(store.token_freq(), cfg.model.draft_vocab_size)
         D = int(d2t.numel()) if d2t is not None else store.vocab_size
-    run = _start_run(cfg, accelerator, store, sequence, val_side, val_ids, trackers)
+    run = _start_run(cfg, accelerator, store, sequence, val_side, val_ids, trackers, claimed)
     if run.resumed_from != resume_from:
         raise RuntimeError(f"the latest checkpoint in {cfg.run.output} changed while the run started "
                            f"({resume_from} -> {run.resumed_from}); is another run writing there?")
@@ -212,20 +245,23 @@ def _hparams(cfg: TrainConfig, trainer: Trainer, D: int, verifier_name: str, run
 
 
 def _start_run(cfg: TrainConfig, accelerator, store, sequence: BlockSequence, val_side: np.ndarray,
-               val_ids: np.ndarray, trackers) -> TrainRun:
+               val_ids: np.ndarray, trackers, claimed: list[tuple[Path, bool]] | None = None) -> TrainRun:
     """Warn about a large validation split, prepare the output directory (main rank), write
     ``train_config.json`` and find the checkpoint to resume from."""
     main = accelerator.is_main_process
     note = val_split_warning(store.n_blocks, len(val_side), cfg.data.val_fraction)
     if note and main:
         print(f"warning: {note}", file=sys.stderr)
+    existed = Path(cfg.run.output).exists()
     resume_from = prepare_output(cfg) if main else None
+    if main and not cfg.run.resume and claimed is not None:
+        claimed.append((Path(cfg.run.output), existed))  # made or emptied by this run: cleared if it fails early
     accelerator.wait_for_everyone()
     if not main and cfg.run.resume:
         resume_from = latest_checkpoint(cfg.run.output)
     out = Path(cfg.run.output)
     if main:
-        (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        (out / "train_config.json").write_text(strict_json(cfg.to_dict(), str(out / "train_config.json"), indent=2))
     # evaluation finds the held-out blocks by these: val_blocks is the whole validation side (global ids,
     # extracted or not), so a block extracted after the run started is known held out
     info = {"store": cfg.data.store, "stores": store_identities(store),

@@ -16,6 +16,7 @@ The output directory a run writes is described in :mod:`peagle_train.train.run`.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from peagle_train.train.optim import CosineWithWarmup, build_optimizer, clip_gra
 from peagle_train.train.step import (
     accumulate_step, add_sums, block_loss, block_to, cod_generator, gather_ids, sample_elements, summarise,
 )
+from stores.errors import NonFiniteError
 from stores.progress import progress
 
 __all__ = ["Trainer", "TrainRun"]
@@ -124,6 +126,11 @@ class Trainer:
         row: ``step``, ``loss`` (the pooled objective), ``acc [K]`` (None for a depth without
         weight), ``tokens_per_s``, ``lr`` (of this step), ``n_elements`` (all ranks'), ``blocks`` (every
         rank's ids), ``weight``, ``step_s``, ``grad_norm`` (before clipping).
+
+        Raises:
+            NonFiniteError: the pooled loss or the gradient norm is NaN or infinite, naming the step and
+                every rank's blocks; raised before the optimizer step, so the weights stay those of the
+                last step.
         """
         cfg, device = self.cfg, self.accelerator.device
         t0 = time.perf_counter()
@@ -140,6 +147,14 @@ class Trainer:
         sums = accumulate_step(self.accelerator, self.model, self.params, micro_batches(), cfg.optim.grad_accum,
                                self._loss)
         grad_norm = float(clip_grad_norm(self.params, cfg.optim.grad_clip))
+        loss, acc = summarise(sums)
+        blocks = gather_ids(self.accelerator, seen)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the same on every rank: pooled, all-reduced
+            raise NonFiniteError(
+                f"step {self.step + 1}: the loss is {loss} and the gradient norm {grad_norm} on blocks {blocks} "
+                "(every rank's); the run stops before this step's update, so no checkpoint or metrics row holds "
+                f"it. Check those blocks' features (`peagle-data verify {self.run.store.path if self.run else 'STORE'}`) "
+                "and the settings (--lr, --grad-clip)")
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -148,12 +163,11 @@ class Trainer:
         dt = time.perf_counter() - t0
         n_tokens, n_elements = self._all_ranks_sum([sum(t for t, _ in sizes), sum(e for _, e in sizes)])
         self.tokens_total += n_tokens
-        loss, acc = summarise(sums)
         pooled = {k: sums[k].detach().cpu() for k in ("correct", "counts")}
         self.recent = [*self.recent[-9:], {"step": self.step, **pooled}]
         self.last_row = {"split": "train", "step": self.step, "loss": loss, "acc": acc,
                          "tokens_per_s": n_tokens / dt, "lr": lr, "n_elements": n_elements,
-                         "blocks": gather_ids(self.accelerator, seen), "weight": float(sums["weight_sum"].sum()),
+                         "blocks": blocks, "weight": float(sums["weight_sum"].sum()),
                          "step_s": dt, "grad_norm": grad_norm}
         return self.last_row
 
@@ -174,19 +188,29 @@ class Trainer:
         """Loss and per-depth accuracy on the first ``cfg.data.val_max_blocks`` held-out blocks (by id),
         each COD-sampled with its fixed seed: ``{"val_loss", "val_acc", "blocks"}`` (``blocks``: the
         ids scored; a resume after more held-out blocks were extracted may score more), ``{}``
-        without held-out blocks."""
+        without held-out blocks.
+
+        Raises:
+            NonFiniteError: a block's loss is NaN or infinite, naming the step and those blocks.
+        """
         cfg, device, was_training = self.cfg, self.accelerator.device, self.model.training
         self.model.eval()
-        sums = None
+        sums, nonfinite = None, []
         scored = [int(b) for b in self.run.val_ids[: cfg.data.val_max_blocks]]
         for bid in scored:
             block = block_to(to_block(bid, self.run.store.read_block(bid)), device)
             el = sample_elements(block, cfg, torch.Generator().manual_seed(derive_seed(cfg.run.seed, 2, bid))).to(device)
             out = block_loss(self.unwrapped, self.unwrapped.lm_head.weight, self.verifier_head, block, el,
                              cfg.model.num_depths, cfg.optim.loss_chunk_size, self.attention, self.logit_transform)
+            if not bool(torch.isfinite(out.loss_sum).all()):
+                nonfinite.append(bid)
             sums = add_sums(sums, {"loss_sum": out.loss_sum.float().reshape(1), "weight_sum": out.weight_sum.reshape(1),
                                "correct": out.correct, "counts": out.counts})
         self.model.train(was_training)
+        if nonfinite:
+            raise NonFiniteError(
+                f"validation at step {self.step}: the loss of held-out blocks {nonfinite} is NaN or infinite; the "
+                f"run stops before writing it. Check those blocks' features (`peagle-data verify {self.run.store.path}`)")
         if sums is None:
             return {}
         loss, acc = summarise(sums)

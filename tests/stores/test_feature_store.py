@@ -268,3 +268,72 @@ def test_full_context_file_path_rejects_a_truncated_or_missing_context_chunk_wit
     chunk.unlink()
     with pytest.raises(StoreFormatError, match=r"contexts/aux_hidden/c/1/0/0/0: chunk file is missing"):
         store.read_block(0, via="file")
+
+
+def _flip(chunk, at=3):
+    """Overwrite byte ``at`` of a chunk file in place (same size: only its crc32c can tell)."""
+    data = bytearray(chunk.read_bytes())
+    data[at] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name", ["aux_hidden", "final_hidden", "input_ids", "loss_mask", "position_ids", "cu_seqlens"])
+def test_a_chunk_altered_in_place_is_refused_on_both_paths_naming_block_and_repair(tmp_path, name):
+    """A same-size overwrite of a done block's chunk (bytes past its n_tokens too: the crc32c covers the
+    whole chunk) is refused by every read, naming the block, the chunk file and the repair command."""
+    _three_done_blocks(tmp_path)
+    parts = {"aux_hidden": 3, "final_hidden": 2}.get(name, 1)
+    chunk = tmp_path / "s.zarr" / name / "c" / "1" / "/".join(["0"] * parts)
+    size = chunk.stat().st_size
+    _flip(chunk, at=size - 6)  # a padding slot (block_size 8, n_tokens 4) or the last data byte
+    store = FeatureStore.open(tmp_path / "s.zarr")
+    assert torch.equal(store.read_block(0).aux_hidden, torch.ones(4, 2, 4, dtype=torch.bfloat16))
+    for via in ("file", "zarr"):
+        with pytest.raises(StoreFormatError) as e:
+            store.read_block(1, via=via)
+        msg = str(e.value)
+        assert msg.startswith(f"{tmp_path / 's.zarr'}: block 1 cannot be trusted: ")
+        assert f"{name}/c/1/" in msg  # the chunk file, on both paths
+        assert ("crc32c checksum does not match" if via == "file" else "checksum do not match") in msg
+        assert "peagle-data extract PACKED --context window --resume --output" in msg
+        assert f"peagle-data verify {tmp_path / 's.zarr'}" in msg
+    assert sorted(verify_store(tmp_path / "s.zarr")["bad_blocks"]) == [1]
+
+
+def test_repair_command_uses_the_recorded_extract_options(tmp_path):
+    store = _three_done_blocks(tmp_path)
+    store.update_attrs(config={"packed": "p", "output": str(tmp_path / "s.zarr")})
+    _flip(tmp_path / "s.zarr" / "aux_hidden" / "c" / "2" / "0" / "0" / "0")
+    with pytest.raises(StoreFormatError, match=r"block 2 cannot be trusted: .*`peagle-data inspect .*s\.zarr > "
+                                               r"store\.json && peagle-data extract --config store\.json --resume`"):
+        FeatureStore.open(tmp_path / "s.zarr").read_block(2)
+
+
+@pytest.mark.parametrize("name", ["aux_hidden", "final_hidden"])
+def test_full_context_store_refuses_an_altered_context_chunk_also_after_a_first_read(tmp_path, name):
+    """A training block reads runs of slots of a context chunk; the chunk's crc32c is checked whole
+    (once per file state), so an overwrite of bytes no view reads, made after a first good read,
+    is still refused, naming the training block, the context block and its chunk file."""
+    store, rows, (aux, fin) = _tiny_full_context_store(tmp_path)
+    assert torch.equal(store.read_block(0, via="file").aux_hidden.view(torch.int16), aux.view(torch.int16))
+    parts = 3 if name == "aux_hidden" else 2
+    chunk = tmp_path / "w.zarr" / "contexts" / name / "c" / "1" / "/".join(["0"] * parts)
+    _flip(chunk, at=1)  # slot 0 of context block 1: outside every view (block 1 is read from slot 2)
+    for via in ("file", "zarr"):
+        with pytest.raises(StoreFormatError) as e:
+            store.read_block(0, via=via)
+        msg = str(e.value)
+        assert msg.startswith(f"{tmp_path / 'w.zarr'}: training block 0 cannot be trusted: ")
+        assert (f"context block 1: {chunk}: its crc32c checksum does not match its data" if via == "file" else
+                f"context block 1: {name} chunk {chunk} is unreadable (ValueError: Stored and computed checksum") in msg
+        assert "peagle-data extract PACKED --context full --resume --output" in msg
+    _flip(chunk, at=1)  # restored: the file changed again, so it is checked again and reads
+    assert torch.equal(store.read_block(0, via="file").final_hidden.view(torch.int16), fin.view(torch.int16))
+
+
+def test_full_context_store_refuses_an_altered_training_token_chunk(tmp_path):
+    store, _, _ = _tiny_full_context_store(tmp_path)
+    _flip(tmp_path / "w.zarr" / "loss_mask" / "c" / "0" / "0", at=0)
+    for via in ("file", "zarr"):
+        with pytest.raises(StoreFormatError, match="training block 0 cannot be trusted"):
+            store.read_block(0, via=via)

@@ -17,7 +17,7 @@ from peagle_data.extract.run import run_extract
 from peagle_data.prepare.config import PackConfig, PackRun, TokenizeConfig, TokenizeRun
 from peagle_data.prepare.pack import run_pack
 from peagle_data.prepare.tokenizing import run_tokenize
-from stores.errors import InputError, StoreMismatchError
+from stores.errors import InputError, StoreFormatError, StoreMismatchError
 from stores.feature_repair import verify_store
 from stores.feature_store import FeatureStore
 from stores.merge import merge_stores, merge_tables, verify_table
@@ -164,6 +164,12 @@ def test_extract_shards_merge_into_the_unsharded_store(tmp_path, tiny_verifier_d
                             "of other dtypes); a merged store's blocks come from one compute dtype: extract the "
                             "shards again with one")
     FeatureStore.open(parts[1], mode="r+").update_attrs(verifier=verifier)
+    chunk = FeatureStore.open(parts[0]).chunk_path("final_hidden", 1)
+    good = chunk.read_bytes()
+    chunk.write_bytes(good[:50] + bytes([good[50] ^ 0xFF]) + good[51:])  # same size: only the crc32c tells
+    with pytest.raises(StoreFormatError, match=r"s0\.zarr: block 1 cannot be trusted: .*final_hidden.*(checksum|crc32c)"):
+        merge_stores(parts, tmp_path / "d.zarr")  # issue 33: a damaged shard block is not copied into the union
+    chunk.write_bytes(good)
     with pytest.raises(InputError, match=r"missing shard index \[1\]"):
         merge_stores([parts[0]], tmp_path / "x.zarr")
     FeatureStore.open(parts[1], mode="r+").clear_done(0)

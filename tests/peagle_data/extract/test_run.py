@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from peagle_data.extract.config import ExtractConfig
+from peagle_data.extract.config import ExtractConfig, check_layers
 from peagle_data.extract.run import run_extract
 from peagle_data.prepare.config import PackConfig, PackRun
 from peagle_data.prepare.pack import run_pack
-from stores.errors import DiskSpaceError, OutputExistsError, StoreMismatchError
+from stores.errors import DiskSpaceError, InputError, OutputExistsError, StoreMismatchError
 from stores.feature_repair import verify_store
 from stores.feature_store import FeatureStore
 from stores.staging import prepare_output_dir
@@ -306,8 +306,29 @@ def test_real_smollm2_segments_equal_segments_alone():
 def test_layers_out_of_increasing_order_are_refused_naming_the_order_vllm_feeds():
     """vLLM captures the aux layers as sorted(set(ids)): a store of 15,2,27 would train the drafter's fc on
     inputs in another order than vLLM serves them."""
-    with pytest.raises(ValueError) as e:
-        ExtractConfig(packed="p", verifier="v", output="o", layers=[15, 2, 27])
-    assert str(e.value) == ("--layers: 15,2,27 is not increasing; vLLM feeds the aux layers in increasing order: "
-                            "give --layers 2,15,27")
-    assert ExtractConfig(packed="p", verifier="v", output="o", layers=[2, 15, 27]).layers == [2, 15, 27]
+    with pytest.raises(InputError) as e:
+        check_layers([15, 2, 27], 30)
+    assert str(e.value) == ("field '--layers': --layers: 15,2,27 is not increasing; vLLM feeds the aux layers in "
+                            "increasing order: give --layers 2,15,27")
+    assert check_layers([2, 15, 27], 30) == [2, 15, 27]
+
+
+@pytest.mark.parametrize("given, L, message", [
+    ([2, 15, -1], 30, "layers [-1] out of range: the verifier has 30 layers, valid indices are 0..30 (indices count "
+                      "from 0, not from the end: -1 would be 30): give --layers 2,15,30"),
+    ([-1, 2, 15], 30, "layers [-1] out of range: the verifier has 30 layers, valid indices are 0..30 (indices count "
+                      "from 0, not from the end: -1 would be 30): give --layers 2,15,30"),
+    ([2, 30, -1], 30, "layers [-1] out of range: the verifier has 30 layers, valid indices are 0..30 (indices count "
+                      "from 0, not from the end: -1 would be 30)"),  # 30 twice: no --layers fixes it for the user
+    ([40, 2], 30, "layers [40] out of range: the verifier has 30 layers, valid indices are 0..30"),
+    ([5, 2, -40], 30, "layers [-40] out of range: the verifier has 30 layers, valid indices are 0..30"),
+])
+def test_every_layers_suggestion_is_accepted(given, L, message):
+    """Issue 33, kind 9: ``--layers 2,15,-1`` once said "give --layers -1,2,15", which the range check then
+    refused. A message names a --layers only when that one passes every check."""
+    with pytest.raises(InputError) as e:
+        check_layers(given, L)
+    assert str(e.value) == f"field '--layers': {message}"
+    if "give --layers" in message:
+        assert check_layers([int(x) for x in message.rsplit(" ", 1)[1].split(",")], L)
+    assert ExtractConfig(packed="p", verifier="v", output="o", layers=given).layers == given  # checked once L is known

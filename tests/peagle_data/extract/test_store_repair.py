@@ -121,7 +121,8 @@ def test_verify_repair_then_resume_and_partial_resume_is_not_complete(tmp_path, 
     res = CliRunner().invoke(verify, [str(out), "--repair"])
     assert res.exit_code == 1
     assert "blocks at fault: [0, 3]" in res.output and "done flags are cleared" in res.output
-    assert "`peagle-data extract PACKED --context window --resume` (same --verifier and --layers)" in " ".join(res.output.split())
+    assert (f"`peagle-data extract PACKED --context window --resume --output {out}` (with the packed table, --verifier "
+            "and --layers it was extracted with) extracts them again") in " ".join(res.output.split())
     report = verify_store(out)
     assert report["not_done"] == [0, 3] and report["bad_blocks"] == {}
     summary = run_extract(_cfg(packed, tiny_verifier_dir, out, max_blocks=1), progress=False)

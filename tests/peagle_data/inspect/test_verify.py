@@ -148,3 +148,77 @@ def test_resume_alone_repairs_a_damaged_context_chunk_and_view(stores, tmp_path,
     assert any("block 3: window_views chunk" in m and "rewriting it" in m for m in logs)
     assert chunk_bytes(copy) == chunk_bytes(full)
     assert verify_store(copy)["ok"]
+
+
+def test_an_unfinished_undamaged_store_is_reported_unfinished_with_exit_3_and_the_resume_command(
+        stores, tmp_path, tiny_verifier_dir):
+    """Issue 33, kind 9: an unfinished store is not "failed verification; blocks at fault": it says how many
+    blocks are done and the command that extracts the rest, which then completes it."""
+    packed, full, _ = stores
+    copy = tmp_path / "f.zarr"
+    shutil.copytree(full, copy)
+    store = FeatureStore.open(copy, mode="r+")
+    store.contexts.clear_done(2)  # as a killed extraction leaves it: block 2 never written
+    not_done = np.flatnonzero(~store.done_mask()).tolist()
+    r = _invoke("verify", copy)
+    assert r.exit_code == 3, r.output
+    report = json.loads(r.output[:r.output.rindex("}") + 1])
+    assert report["state"] == "unfinished" and report["bad_blocks"] == {} and report["not_done"] == not_done
+    assert "failed verification" not in r.output and "at fault" not in r.output
+    M = store.contexts.n_blocks
+    assert (f"store {copy} is unfinished: {20 - len(not_done)} of 20 training blocks done ({M - 1} of {M} context "
+            "blocks); "
+            "no damage found in the blocks done. `peagle-data extract PACKED --context full --resume --output "
+            f"{copy}`") in r.output
+    s = run_extract(_cfg(packed, tiny_verifier_dir, copy, resume=True), progress=False, log=lambda m: None)
+    assert s["complete"]
+    r = _invoke("verify", copy)
+    assert r.exit_code == 0 and json.loads(r.output)["state"] == "complete"
+    _flip_byte(copy / "contexts/aux_hidden/c/2/0/0/0")
+    assert _invoke("verify", copy).exit_code == 1  # damage stays exit 1, "failed verification"
+
+
+def test_an_unfinished_window_store_names_the_recorded_resume_command(tmp_path):
+    import torch
+
+    store = FeatureStore.create(tmp_path / "s.zarr", n_blocks=3, block_size=8, max_segments=2, layers=[0, 1],
+                                hidden_size=4, vocab_size=16, verifier={"name_or_path": "tiny"})
+    store.write_all_n_tokens(np.array([4, 4, 4]))
+    for i in (0, 2):
+        store.write_tokens(i, [1, 2, 3, 4], [0, 1, 1, 1], [0, 1, 2, 3], [0, 4])
+        store.write_features(i, torch.ones(4, 2, 4, dtype=torch.bfloat16), torch.ones(4, 4, dtype=torch.bfloat16))
+        store.mark_done(i)
+    store.set_token_freq(np.zeros(16, dtype=np.int64))
+    store.update_attrs(config={"packed": "p", "output": str(tmp_path / "s.zarr")}, tokens_written=True)
+    r = _invoke("verify", tmp_path / "s.zarr")
+    assert r.exit_code == 3, r.output
+    assert (f"store {tmp_path / 's.zarr'} is unfinished: 2 of 3 blocks done; no damage found in the blocks done. "
+            f"`peagle-data inspect {tmp_path / 's.zarr'} > store.json && peagle-data extract --config store.json "
+            "--resume` extracts the rest") in r.output
+
+
+def test_the_resume_command_verify_names_finishes_the_store(tmp_path, tiny_verifier_dir):
+    """The command an unfinished store's message names, run as written (inspect into store.json, then
+    extract --config store.json --resume), completes the store."""
+    import re
+
+    from tests.peagle_data.extract.test_run import write_packed
+
+    packed = write_packed(tmp_path / "packed", n_blocks=3, block_size=32)
+    store = tmp_path / "s.zarr"
+    r = _invoke("extract", packed, "--verifier", tiny_verifier_dir, "--output", store, "--device", "cpu",
+                "--context", "window", "--layers", "1,2", "--max-blocks", "1")
+    assert r.exit_code == 0, r.output
+    r = _invoke("verify", store)
+    assert r.exit_code == 3 and "1 of 3 blocks done" in r.output, r.output
+    command = re.search(r"`(peagle-data inspect .*?)`", r.output).group(1)
+    inspect, extract = command.split(" && ")
+    assert inspect == f"peagle-data inspect {store} > store.json"
+    assert extract == "peagle-data extract --config store.json --resume"
+    shown = _invoke("inspect", store)
+    assert shown.exit_code == 0
+    (tmp_path / "store.json").write_text(shown.stdout)
+    r = _invoke("extract", "--config", tmp_path / "store.json", "--resume")
+    assert r.exit_code == 0, r.output
+    r = _invoke("verify", store)
+    assert r.exit_code == 0 and json.loads(r.output)["state"] == "complete"

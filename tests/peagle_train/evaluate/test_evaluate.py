@@ -645,3 +645,23 @@ def test_reports_carry_the_counts_behind_each_rate():
     report = evaluate_offline(RuleDrafter(wrong_depth=1), [worked_block(), worked_block(1)], torch.eye(V, H))
     assert report["per_position_reached"] == [9, 6, 0] and report["per_position_accepted"] == [9, 0, 0]
     assert report["per_position_acceptance"] == [1.0, 0.0, None]
+
+
+def test_cli_offline_refuses_a_chunk_altered_in_place_naming_the_block(tiny_verifier, tiny_verifier_dir, tmp_path):
+    """Issue 33: a same-size overwrite of a store's aux_hidden chunk once scored a lower acceptance length
+    with exit 0; now every read checks the chunk's crc32c: exit 2, the block and the repair command, no report."""
+    from click.testing import CliRunner
+
+    from cli.eval import main
+    from stores.feature_store import FeatureStore
+
+    store = saved_drafter_and_store(tiny_verifier, tiny_verifier_dir, tmp_path)
+    chunk = FeatureStore.open(store).chunk_path("aux_hidden", 0)
+    data = bytearray(chunk.read_bytes())
+    data[40] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    result = CliRunner().invoke(main, ["--drafter", str(tmp_path / "drafter"), "--store", store, "--no-measure-costs",
+                                       "--output", str(tmp_path / "eval.json")])
+    assert result.exit_code == 2, result.output
+    assert "block 0 cannot be trusted" in result.output and "crc32c checksum does not match" in result.output
+    assert "--resume" in result.output and not (tmp_path / "eval.json").exists()

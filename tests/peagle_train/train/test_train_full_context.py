@@ -144,3 +144,33 @@ def test_resume_on_the_same_windows_with_other_features_is_refused(tmp_path, sto
     config = json.loads((tmp_path / "out" / "final" / "config.json").read_text())
     chosen = select_eval_blocks(FeatureStore.open(path), config)
     assert chosen.split == "validation" and chosen.ids == sorted(config["peagle_training"]["val_blocks"])
+
+
+def test_an_altered_context_chunk_stops_training_and_evaluation_naming_the_block(tmp_path, stores):
+    """Issue 33, kind 1: a few hundred bytes overwritten inside a context block's aux_hidden chunk (same size,
+    only the crc32c tells) were trained on (loss 14 on that step, val_loss NaN) and scored by peagle-eval
+    with exit 0; now both stop at it, naming the training block, the context block, its chunk file and the
+    repair command, and the refused training run leaves no output."""
+    import shutil
+
+    store = tmp_path / "full.zarr"
+    shutil.copytree(stores["full"], store)
+    chunk = store / "contexts" / "aux_hidden" / "c" / "1" / "0" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[1000:1300] = bytes(300)
+    chunk.write_bytes(bytes(data))
+    readers = [i for i in range(16) if 1 in FeatureStore.open(store).view_row(i)[:, 0].tolist()]
+    assert readers
+    with pytest.raises(StoreFormatError, match=rf"training block ({'|'.join(map(str, readers))}) cannot be trusted: "
+                                               r"context block 1: .*contexts/aux_hidden/c/1/0/0/0: its crc32c "
+                                               r"checksum does not match its data\. `peagle-data extract PACKED "
+                                               r"--context full --resume --output"):
+        run_train(_cfg(str(store), tmp_path / "out", max_steps=16, val_fraction=0.0))
+    assert not (tmp_path / "out").exists()
+    summary = run_train(_cfg(stores["full"], tmp_path / "good", max_steps=1, val_fraction=0.0))
+    # no block held out: evaluation scores every done block, the readers of context block 1 among them
+    result = CliRunner().invoke(eval_main, ["--drafter", summary["checkpoint"], "--store", str(store),
+                                            "--output", str(tmp_path / "eval.json")])
+    assert result.exit_code == 2, result.output
+    assert "cannot be trusted: context block 1: " in result.output and "NaN" not in result.output
+    assert not (tmp_path / "eval.json").exists()
