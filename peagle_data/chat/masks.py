@@ -160,6 +160,8 @@ class RenderedRow:
         token_ids: ``(position in spans, message index, ids)`` of every supervised turn that carries
             the ids the verifier generated (``token_ids``, written by ``regenerate``): its span
             must tokenize to exactly them (:func:`tokenize_rendered`).
+        texts: per span, the supervised message's own text parts and reasoning (``""`` when none), to
+            tell a template that renders them otherwise from ids of another text.
     """
 
     text: str
@@ -170,6 +172,7 @@ class RenderedRow:
     dropped: tuple[str, ...] = ()
     cut: tuple[int, ...] = ()
     token_ids: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    texts: tuple[tuple[str, ...], ...] = ()
 
 
 _EMPTY_THINK = re.compile(r"<think>\s*</think>\s*")
@@ -346,10 +349,12 @@ def _checked_row(tokenizer, messages, tools, chat_template, text: str, spans: di
         kept_spans[k] = (kept_spans[k][0], _cut_end(messages[kept_indices[k]], text, *kept_spans[k]))
     generated = tuple((k, i, tuple(messages[i]["token_ids"])) for k, i in enumerate(kept_indices)
                       if messages[i].get("token_ids") is not None)
+    texts = tuple(tuple(content_texts(messages[i].get("content"))) + (str(messages[i].get("reasoning_content") or ""),)
+                  for i in kept_indices)
     return RenderedRow(text, tuple(kept_spans), _prefix_chars(tokenizer, messages, text, tools, chat_template),
                        turn, _empty_think(messages, kept_indices, text, kept_spans),
                        tuple(("tools" if i is None else f"{part} of message {i}") for i, part, _ in dropped), cut,
-                       generated)
+                       generated, texts)
 
 
 def _cut_end(msg: dict[str, Any], text: str, a: int, b: int) -> int:
@@ -361,12 +366,17 @@ def _cut_end(msg: dict[str, Any], text: str, a: int, b: int) -> int:
         ChatTemplateError: the reply has no text, or its end is not found in the render.
     """
     texts = [t for t in content_texts(msg.get("content")) if t.strip()]  # the last text part: a template may
-    last = texts[-1].rstrip() if texts else str(msg.get("reasoning_content") or "").rstrip()  # join parts its way
+    own = texts[-1] if texts else str(msg.get("reasoning_content") or "")  # join parts its way
+    last = own.rstrip()
     at = text.rfind(last[-16:], a, b) if last else -1
     if at < 0:
         raise ChatTemplateError("a reply cut at a token limit (finish_reason: length) whose text's end is not "
                                 "found in the render: the turn has no exact mask")
-    return at + len(last[-16:])
+    end = at + len(last[-16:])
+    # the reply's trailing whitespace ("...0];\n", a cut after " * ") is its own text where the template
+    # renders it (ChatML); a template that trims it renders none, and the span ends before it
+    tail = own[len(last):]
+    return end + _common_prefix_len(tail, text[end:b])
 
 
 def _no_prefix_reason(tokenizer, messages, i: int, text: str, tools, chat_template, detail: str) -> str:
@@ -627,8 +637,15 @@ def on_generated_ids(tokenizer, row: RenderedRow, ids: np.ndarray, offsets: np.n
       turn is trained on the generated ids, spliced in place of its tokens (what the verifier computed
       and what vLLM serves: the prompt, then the generated ids), counted; an earlier turn is a reject,
       since the next turn's context, as the verifier saw it, was the re-tokenized text;
-    - another text (a decode that cleaned up tokenization spaces, ``x!= y`` for ``x != y``; ids left
-      over from an edited text; another tokenizer): a reject;
+    - a reply cut at the token limit whose tokens are the generated ids but for its last generated ids,
+      whitespace the template does not render as generated (it trims the reply, or merges its last
+      whitespace with the text it renders after the reply): the turn supervises the tokens it shares
+      with the generated ids, each the verifier's own at its own position (an exact subset), and not the
+      whitespace;
+    - the ids decode to the message's own text but the template renders that text otherwise (it trims
+      the reply's whitespace): a reject naming where the render and the generated text part;
+    - the ids decode to another text than the message's (a decode that cleaned up tokenization spaces,
+      ``x!= y`` for ``x != y``; ids left over from an edited text; another tokenizer): a reject;
     - an id outside ``[0, len(tokenizer))``: a reject (it decodes to ``""``, so the text alone would match).
 
     Args:
@@ -637,7 +654,7 @@ def on_generated_ids(tokenizer, row: RenderedRow, ids: np.ndarray, offsets: np.n
 
     Returns:
         ``(input_ids, loss_mask, spliced, problem)``: the ids and mask (new arrays when a turn was
-        spliced), 1 when it was, and the reject reason or None.
+        spliced or shortened), 1 when a turn was spliced, and the reject reason or None.
     """
     starts, text = offsets[:, 0], row.text
     n_tokens = len(tokenizer)
@@ -655,18 +672,33 @@ def on_generated_ids(tokenizer, row: RenderedRow, ids: np.ndarray, offsets: np.n
         if got == list(generated):
             continue
         at = next((j for j, (x, y) in enumerate(zip(got, generated)) if x != y), min(len(got), len(generated)))
+        if k in row.cut and _unrendered_whitespace(tokenizer, generated[at:], text[int(starts[lo + at]):b]
+                                                   if lo + at < end else ""):
+            loss_mask = loss_mask.copy()
+            loss_mask[lo + at:end] = 0
+            continue
         name = [repr(tokenizer.convert_ids_to_tokens(int(seq[at]))) if at < len(seq) else "(end)"
                 for seq in (got, generated)]
         where = (f"assistant message {msg_index} re-tokenizes inside the chat template to {len(got)} ids, the "
                  f"verifier generated {len(generated)} (token_ids); first difference at token {at}: {name[0]} "
                  f"for the generated {name[1]}")
-        same_text = end > lo and tokenizer.decode(list(generated), clean_up_tokenization_spaces=False) == \
-            text[int(starts[lo]):int(offsets[end - 1, 1])]
-        if not same_text:
+        decoded = tokenizer.decode(list(generated), clean_up_tokenization_spaces=False)
+        rendered = text[int(starts[lo]):int(offsets[end - 1, 1])] if end > lo else ""
+        if decoded != rendered:
+            own = tokenizer.decode(list(generated), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            if all(part in own for part in row.texts[k] if part):
+                c = _common_prefix_len(decoded, rendered)
+                return ids, loss_mask, 0, (
+                    f"generated ids do not round-trip: {where}; they decode to the message's text, but the chat "
+                    f"template renders it otherwise: {rendered[c:c + 24]!r} in the render where the generated "
+                    f"text has {decoded[c:c + 24]!r} (after {decoded[max(0, c - 24):c]!r}; a template that trims "
+                    "the reply's whitespace does this), so the turn as rendered is not what the verifier generated; "
+                    "pass --chat-template FILE with a template that renders assistant content as it is")
             return ids, loss_mask, 0, (
-                f"generated ids do not round-trip: {where}, and they decode to another text. Its text was decoded "
-                "with clean_up_tokenization_spaces (peagle's regenerate never does), edited after regenerate, or "
-                "tokenize runs with another tokenizer than the one that generated the ids")
+                f"generated ids do not round-trip: {where}, and they decode to another text than the message's "
+                "content: the text was decoded with clean_up_tokenization_spaces (peagle's regenerate never does) "
+                "or edited after regenerate, or tokenize runs with another tokenizer than the one that generated "
+                "the ids")
         if k != len(row.spans) - 1 or any(a <= x < b for x, _ in row.empty_think):
             return ids, loss_mask, 0, (
                 f"generated ids do not round-trip: {where} (the same text, another tokenization); the verifier "
@@ -676,6 +708,15 @@ def on_generated_ids(tokenizer, row: RenderedRow, ids: np.ndarray, offsets: np.n
         new_mask = np.concatenate([loss_mask[:lo], np.ones(len(generated), dtype=loss_mask.dtype), loss_mask[end:]])
         return new_ids, new_mask, 1, None
     return ids, loss_mask, 0, None
+
+
+def _unrendered_whitespace(tokenizer, rest: Sequence[int], rendered: str) -> bool:
+    """Whether the last generated ids ``rest`` of a cut reply, which its rendered tokens do not hold, are
+    whitespace the template does not render as generated: ``rest`` decodes to whitespace only, and
+    the span's text from the first differing token on (``rendered``) is whitespace only too (none when
+    the template trims it, a token merging it with the text after the reply when it renders it so)."""
+    tail = tokenizer.decode(list(rest), clean_up_tokenization_spaces=False)
+    return bool(rest) and not tail.strip() and not rendered.strip()
 
 
 def _span_tokens(ids: np.ndarray, starts: np.ndarray, a: int, b: int, special: frozenset[int],

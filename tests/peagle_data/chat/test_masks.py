@@ -186,6 +186,52 @@ def test_a_cut_reply_is_supervised_up_to_its_own_text(smollm2_tokenizer):
     assert _cut_end({"content": "", "reasoning_content": "Two and "}, "<think>\nTwo and\n</think>", 0, 25) == 15
 
 
+# ChatML that trims message content, and a template that closes turns with plain text.
+TRIMMING = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+PLAIN_GLUE = ("{% for m in messages %}{{ m.role }}:{{ m.content }}\n{% endfor %}"
+              "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.mark.parametrize("template, text, supervised", [
+    (None, "x = [0];\n", 6),  # ChatML renders the trailing "\n": every generated id
+    (None, "echo $num * ", 5),
+    (TRIMMING, "x = [0];\n", 5),  # the template trims it: the generated ids but the whitespace
+    (TRIMMING, "echo $num * ", 4),
+    (PLAIN_GLUE, " a\n", 1),  # the reply's "\n" merges with the template's: " a" only
+])
+def test_a_cut_reply_ending_in_whitespace_trains_on_its_generated_ids(smollm2_tokenizer, template, text, supervised):
+    """Issue 33, kind 8: a reply cut at the token limit after a whitespace token was "generated ids do not
+    round-trip" (the cut span ended before the reply's trailing whitespace). The turn supervises exactly
+    its generated ids, or, where the template does not render the last whitespace as generated, those
+    before it, each at its own position."""
+    tok = smollm2_tokenizer
+    generated = tok(text, add_special_tokens=False)["input_ids"]
+    row = [{"role": "user", "content": "q"},
+           {"role": "assistant", "content": text, "finish_reason": "length", "token_ids": generated}]
+    out = tokenize_conversation(tok, row, chat_template=template)
+    assert out.input_ids[out.loss_mask == 1].tolist() == generated[:supervised]
+    assert out.input_ids.tolist() == reference_ids(tok, row, **({"chat_template": template} if template else {}))
+
+
+def test_a_template_that_renders_the_reply_otherwise_is_named_as_the_cause(smollm2_tokenizer):
+    """A finished reply (end-of-turn generated) whose trailing whitespace the template trims: the rendered
+    turn puts <|im_end|> where the verifier generated "\n", so no row trains the generated ids; the reason
+    names the template, not a clean-up decode, an edit or another tokenizer."""
+    tok = smollm2_tokenizer
+    generated = tok("x = [0];\n", add_special_tokens=False)["input_ids"] + [2]
+    row = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "x = [0];\n", "token_ids": generated}]
+    with pytest.raises(ChatTemplateError) as e:
+        tokenize_conversation(tok, row, chat_template=TRIMMING)
+    assert str(e.value) == (
+        "generated ids do not round-trip: assistant message 1 re-tokenizes inside the chat template to 6 ids, the "
+        "verifier generated 7 (token_ids); first difference at token 5: '<|im_end|>' for the generated 'Ċ'; they "
+        "decode to the message's text, but the chat template renders it otherwise: '<|im_end|>' in the render "
+        "where the generated text has '\\n<|im_end|>' (after 'x = [0];'; a template that trims the reply's "
+        "whitespace does this), so the turn as rendered is not what the verifier generated; pass --chat-template "
+        "FILE with a template that renders assistant content as it is")
+
+
 def test_generated_ids_outside_the_tokenizer_reject_the_row(smollm2_tokenizer):
     """An id past the tokenizer decodes to "" (the text still matches), so it would be spliced into the
     training ids unseen, and pass extract on a verifier whose embedding is padded past the tokenizer."""
