@@ -55,9 +55,9 @@ or the default system text a template injects): the common prefix of two renders
 conversation's system messages plus a first user turn with different sentinel contents, minus the
 user-turn header (what a second user turn adds before its content).
 
-Modules: :mod:`peagle_data.chat.template` (the template, rendering), this module (spans, rows, and
-tokenizing rendered rows into ids and masks), :mod:`peagle_data.chat.dropped` (content a template does
-not render).
+Modules: :mod:`stores.chat_template` (the template, rendering; shared with ``peagle-eval``), this module
+(spans, rows, and tokenizing rendered rows into ids and masks), :mod:`peagle_data.chat.dropped` (content a
+template does not render).
 """
 
 from __future__ import annotations
@@ -71,8 +71,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from peagle_data.chat.dropped import dropped_content, dropped_reason, thought_in
-from peagle_data.chat.template import ChatTemplateError, render, template_messages, template_tools
-from peagle_data.readers.normalize import content_text, content_texts, is_unsupervised
+from peagle_data.readers.normalize import is_unsupervised
+from stores.chat_template import (ChatTemplateError, content_text, content_texts, render, template_messages,
+                                 template_tools)
 from stores.errors import InputError
 
 __all__ = ["TokenizedConversation", "RenderedRow", "render_rows", "tokenize_rendered", "DROPPED", "straddling_token",

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from peagle_data.chat.masks import render_rows, tokenize_rendered
-from peagle_data.chat.template import ChatTemplateError, chat_template_sha256
+from stores.chat_template import ChatTemplateError, chat_template_sha256
 from peagle_data.prepare.config import CHUNK_CONVERSATIONS, TokenizeConfig, TokenizeRun
 from peagle_data.prepare.counts import Counts
 from peagle_data.prepare.dedup import Deduplicator, dedup_items, filter_reason

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stores.chat_template import prompt_ids
 from stores.errors import InputError
 
 
@@ -99,19 +100,30 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
     return prompts
 
 
-def render_turn(tokenizer, prompt: Prompt, turn: int, answers: Sequence[str]) -> list[int]:
-    """Token ids of turn ``turn`` of ``prompt`` with the chat template and a generation prompt.
-
-    Args:
-        answers: the verifier's answers to turns ``0..turn-1``.
-    """
+def turn_messages(prompt: Prompt, turn: int, answers: Sequence[str]) -> list[dict[str, str]]:
+    """The messages of turn ``turn`` of ``prompt``: its prefix, then user turns ``0..turn`` with the
+    verifier's answers to turns ``0..turn-1`` (``answers``) between them."""
     messages = list(prompt.prefix)
     for i in range(turn + 1):
         messages.append({"role": "user", "content": prompt.user_turns[i]})
         if i < turn:
             messages.append({"role": "assistant", "content": answers[i]})
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    return [int(t) for t in ids]
+    return messages
+
+
+def render_turn(tokenizer, prompt: Prompt, turn: int, answers: Sequence[str]) -> list[int]:
+    """Token ids of turn ``turn`` of ``prompt`` (:func:`turn_messages`) with the verifier's chat template
+    and a generation prompt, rendered as vLLM's chat endpoint renders the same messages and as
+    ``tokenize`` and ``regenerate`` render them (:func:`stores.chat_template.prompt_ids`: content as text
+    parts for a template that loops over content, developer messages as vLLM passes them).
+
+    Args:
+        answers: the verifier's answers to turns ``0..turn-1``.
+
+    Raises:
+        ChatTemplateError: the template fails on the messages (an InputError naming the error).
+    """
+    return prompt_ids(tokenizer, turn_messages(prompt, turn, answers))
 
 
 def eos_ids(tokenizer, verifier) -> list[int]:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from peagle_data.chat.masks import tokenize_conversation
-from peagle_data.chat.template import ChatTemplateError
+from stores.chat_template import ChatTemplateError
 
 DEFAULT_SYSTEM = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
                   "Hugging Face<|im_end|>\n")

@@ -822,7 +822,7 @@ def test_answers_are_decoded_without_cleaning_up_spaces(local, cleaning_tokenize
 
 def test_tokenize_trains_on_the_generated_ids_and_rejects_a_text_that_does_not_round_trip(local, cleaning_tokenizer):
     from peagle_data.chat.masks import tokenize_conversation, tokenize_turns
-    from peagle_data.chat.template import ChatTemplateError
+    from stores.chat_template import ChatTemplateError
 
     tok = local.tokenizer
     ids = tok(SPACED, add_special_tokens=False)["input_ids"] + [2]
