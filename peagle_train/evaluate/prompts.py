@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stores.chat_template import prompt_ids
+from stores.chat_template import prompt_ids, render
 from stores.errors import InputError
 
 
@@ -122,8 +122,18 @@ def render_turn(tokenizer, prompt: Prompt, turn: int, answers: Sequence[str]) ->
 
     Raises:
         ChatTemplateError: the template fails on the messages (an InputError naming the error).
+        InputError: the render does not hold a user turn's text: the template drops or rewrites it, so
+            the verifier would answer, and the drafter be measured on, another prompt than the file's.
     """
-    return prompt_ids(tokenizer, turn_messages(prompt, turn, answers))
+    messages = turn_messages(prompt, turn, answers)
+    text = render(tokenizer, messages, None, None, add_generation_prompt=True)
+    for i, m in enumerate(messages):
+        if m["role"] == "user" and m["content"].strip() and m["content"].strip() not in text:
+            raise InputError(f"prompt {prompt.prompt_id!r} turn {turn}: the verifier's chat template does not render "
+                             f"user message {i} ({m['content'].strip()[:40]!r}): its render of the prompt is "
+                             f"{text[:80]!r}; evaluate with a verifier whose template renders plain chat messages",
+                             field="--prompts")
+    return prompt_ids(tokenizer, messages)
 
 
 def eos_ids(tokenizer, verifier) -> list[int]:

@@ -91,3 +91,15 @@ def test_evaluation_prompt_ids_equal_vllms(vllm_model_config, smollm2_tokenizer,
         ids = render_turn(tok, prompt, turn, answers)
         assert ids == served
         assert len(ids) > 20  # the question is in it (the bug rendered 9 tokens)
+
+
+def test_a_template_that_does_not_render_the_question_is_refused(smollm2_tokenizer):
+    """Before, such a prompt was decoded from the bare generation prompt and reported identical_to_greedy."""
+    from stores.errors import InputError
+
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.chat_template = ("{% for m in messages %}{% if m.role == 'system' %}{{ m.content }}{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with pytest.raises(InputError, match="prompt '81' turn 0: the verifier's chat template does not render user "
+                                         "message 0 \\('Compose an engaging travel blog post abo'\\)"):
+        render_turn(tok, QUESTION, 0, [])
