@@ -76,8 +76,9 @@ from stores.chat_template import (ChatTemplateError, content_text, content_texts
                                  template_tools)
 from stores.errors import InputError
 
-__all__ = ["TokenizedConversation", "RenderedRow", "render_rows", "tokenize_rendered", "DROPPED", "straddling_token",
-           "on_generated_ids", "tokenize_conversation", "tokenize_turns", "system_prefix_text"]
+__all__ = ["TokenizedConversation", "RenderedRow", "render_rows", "tokenize_rendered", "DROPPED", "SPECIAL_TEXT",
+           "straddling_token", "on_generated_ids", "tokenize_conversation", "tokenize_turns", "system_prefix_text",
+           "special_token_text", "special_text_reason"]
 
 _SENTINELS = ("Q7Xz sentinel alpha", "K3Jw sentinel beta", "Z9qv sentinel gamma")
 
@@ -163,6 +164,8 @@ class RenderedRow:
             must tokenize to exactly them (:func:`tokenize_rendered`).
         texts: per span, the supervised message's own text parts and reasoning (``""`` when none), to
             tell a template that renders them otherwise from ids of another text.
+        special_text: special-token text the supervised replies write (``on_special_text="keep"``):
+            ``"'<|im_end|>' in the content of message <i>"``.
     """
 
     text: str
@@ -174,6 +177,7 @@ class RenderedRow:
     cut: tuple[int, ...] = ()
     token_ids: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
     texts: tuple[tuple[str, ...], ...] = ()
+    special_text: tuple[str, ...] = ()
 
 
 _EMPTY_THINK = re.compile(r"<think>\s*</think>\s*")
@@ -257,10 +261,13 @@ def _prefix_chars(tokenizer, messages, text, tools, chat_template) -> int:
 DROPPED = ("reject", "keep")
 """What :func:`render_rows` does with message content the template does not render."""
 
+SPECIAL_TEXT = ("reject", "keep")
+"""What :func:`render_rows` does with a supervised reply that writes a special token's text."""
+
 
 def render_rows(tokenizer, messages: Sequence[dict[str, Any]], tools: list | None = None,
                 chat_template: str | None = None, per_turn_fallback: bool = True,
-                on_dropped: str = "reject") -> list[RenderedRow]:
+                on_dropped: str = "reject", on_special_text: str = "reject") -> list[RenderedRow]:
     """Render one conversation and locate its assistant spans (no tokenization).
 
     The whole conversation is one row when every assistant turn's prefix renders are prefixes of
@@ -275,12 +282,20 @@ def render_rows(tokenizer, messages: Sequence[dict[str, Any]], tools: list | Non
     rendered supervises nothing (its span is only template glue); in the per-turn rows such a turn
     has no row, and its dropped parts are listed on the conversation's last row instead.
 
+    Every supervised reply is checked for special-token text (:func:`special_token_text`): with
+    ``on_special_text="reject"`` the first one raises; with ``"keep"`` the row is kept as the
+    tokenizer reads it (the text as control ids, as vLLM reads it) and the occurrences are listed in
+    ``RenderedRow.special_text``.
+
     Raises:
         ChatTemplateError: "template error"; "template rewrites history" or "generation prompt
-            mismatch" when no exact mask exists; "template drops <part>" (``on_dropped="reject"``).
+            mismatch" when no exact mask exists; "template drops <part>" (``on_dropped="reject"``);
+            "special-token text in a reply" (``on_special_text="reject"``).
     """
     if on_dropped not in DROPPED:
         raise ValueError(f"on_dropped must be one of {DROPPED}, got {on_dropped!r}")
+    if on_special_text not in SPECIAL_TEXT:
+        raise ValueError(f"on_special_text must be one of {SPECIAL_TEXT}, got {on_special_text!r}")
     messages = list(messages)
     text = render(tokenizer, messages, tools, chat_template)
     indices = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
@@ -293,17 +308,17 @@ def render_rows(tokenizer, messages: Sequence[dict[str, Any]], tools: list | Non
         spans.append(span)
     else:
         return [_checked_row(tokenizer, messages, tools, chat_template, text, dict(zip(indices, spans)),
-                             None, on_dropped)]
+                             None, on_dropped, on_special_text)]
     first_bad = indices[len(spans)]
     if not per_turn_fallback:
         raise ChatTemplateError(_no_prefix_reason(tokenizer, messages, first_bad, text, tools, chat_template,
                                                   "the render up to assistant turn {i} is not a prefix of the "
                                                   "whole conversation's render"))
-    return _per_turn_rows(tokenizer, messages, indices, tools, chat_template, on_dropped)
+    return _per_turn_rows(tokenizer, messages, indices, tools, chat_template, on_dropped, on_special_text)
 
 
 def _per_turn_rows(tokenizer, messages: list, indices: list[int], tools, chat_template,
-                   on_dropped: str) -> list[RenderedRow]:
+                   on_dropped: str, on_special_text: str = "reject") -> list[RenderedRow]:
     """One row per supervised assistant turn ``i`` (``indices``), rendered from ``messages[:i+1]``
     (see :func:`render_rows`); a turn of which nothing renders has no row, and its dropped parts are
     listed on the conversation's last row."""
@@ -318,7 +333,7 @@ def _per_turn_rows(tokenizer, messages: list, indices: list[int], tools, chat_te
             raise ChatTemplateError(_no_prefix_reason(
                 tokenizer, sub, i, sub_text, tools, chat_template,
                 "even rendered alone, the context of assistant turn {i} is not a prefix of its own render"))
-        row = _checked_row(tokenizer, sub, tools, chat_template, sub_text, {i: span}, i, on_dropped)
+        row = _checked_row(tokenizer, sub, tools, chat_template, sub_text, {i: span}, i, on_dropped, on_special_text)
         if row.spans:
             rows.append(row)
         else:  # nothing of the turn is rendered (on_dropped="keep"): no row, but its drops still count
@@ -332,7 +347,7 @@ def _per_turn_rows(tokenizer, messages: list, indices: list[int], tools, chat_te
 
 
 def _checked_row(tokenizer, messages, tools, chat_template, text: str, spans: dict[int, tuple[int, int]],
-                 turn: int | None, on_dropped: str) -> RenderedRow:
+                 turn: int | None, on_dropped: str, on_special_text: str = "reject") -> RenderedRow:
     """The row of ``messages`` rendered as ``text`` supervising ``spans`` (assistant index -> span),
     after the dropped-content check; raises ChatTemplateError on a drop with ``on_dropped="reject"``."""
     dropped = dropped_content(tokenizer, messages, text, spans, tools, chat_template)
@@ -345,6 +360,9 @@ def _checked_row(tokenizer, messages, tools, chat_template, text: str, spans: di
     kept_indices, kept_spans = [i for i, _ in kept], [span for _, span in kept]
     if not kept_spans and turn is None and dropped:
         raise ChatTemplateError("no supervised tokens: the template renders no content of any assistant turn")
+    special_text = special_token_text(tokenizer, messages, kept_indices)
+    if special_text and on_special_text == "reject":
+        raise ChatTemplateError(special_text_reason(tokenizer, special_text))
     cut = tuple(k for k, i in enumerate(kept_indices) if messages[i].get("finish_reason") == "length")
     for k in cut:  # a cut reply ends where its text ends: what the template renders after it was not generated
         kept_spans[k] = (kept_spans[k][0], _cut_end(messages[kept_indices[k]], text, *kept_spans[k]))
@@ -355,7 +373,81 @@ def _checked_row(tokenizer, messages, tools, chat_template, text: str, spans: di
     return RenderedRow(text, tuple(kept_spans), _prefix_chars(tokenizer, messages, text, tools, chat_template),
                        turn, _empty_think(messages, kept_indices, text, kept_spans),
                        tuple(("tools" if i is None else f"{part} of message {i}") for i, part, _ in dropped), cut,
-                       generated, texts)
+                       generated, texts,
+                       tuple(f"{token!r} in the {part} of message {i}" for i, part, token in special_text))
+
+
+def _special_texts(tokenizer) -> tuple[re.Pattern | None, dict[str, int]]:
+    """A pattern matching the text of every special token of ``tokenizer`` (``all_special_tokens`` and
+    the added tokens marked special), longest first, and each text's id; cached on the tokenizer, keyed
+    by its size."""
+    size = len(tokenizer)
+    cached = getattr(tokenizer, "_peagle_special_texts", None)
+    if cached is not None and cached[0] == size:
+        return cached[1]
+    ids: dict[str, int] = {}
+    read_as_text = getattr(tokenizer, "split_special_tokens", False)  # then special text tokenizes as text
+    for i, added in ([] if read_as_text else sorted(getattr(tokenizer, "added_tokens_decoder", {}).items())):
+        if getattr(added, "special", False) and str(added):
+            ids.setdefault(str(added), int(i))
+    for token in [] if read_as_text else getattr(tokenizer, "all_special_tokens", []) or []:
+        if token and token not in ids:
+            ids[token] = int(tokenizer.convert_tokens_to_ids(token))
+    pattern = re.compile("|".join(re.escape(t) for t in sorted(ids, key=len, reverse=True))) if ids else None
+    try:
+        tokenizer._peagle_special_texts = (size, (pattern, ids))
+    except AttributeError:
+        pass
+    return pattern, ids
+
+
+def special_token_text(tokenizer, messages, indices: Sequence[int]) -> list[tuple[int, str, str]]:
+    """Special-token text written inside the supervised replies ``indices`` of ``messages``.
+
+    Which text counts: the text of a special token of the tokenizer (``all_special_tokens``, added
+    tokens marked special: ``<|im_end|>``, ``<file_sep>``, ``<s>``) in an assistant message's own text,
+    its content parts, ``reasoning_content`` or tool calls (their JSON). The tokenizer reads such text
+    as the control id, not as characters (vLLM reads a prompt the same way), so a supervised reply
+    holding it would train the drafter on a control token inside an answer (an end-of-turn mid-reply),
+    where the verifier never generates one. Added tokens not marked special (``<think>``,
+    ``<tool_call>`` in Qwen's vocabulary) are markup models generate as ids: they do not count. A turn
+    that carries its generated ``token_ids`` is not checked: it is trained on the ids the verifier
+    generated (:func:`on_generated_ids`). Context turns (system, user, tool, unsupervised assistant
+    turns) are not checked: they render as vLLM renders them.
+
+    Returns:
+        ``[(message index, part, token text)]``, part ``content``, ``reasoning_content`` or ``tool_calls``.
+    """
+    pattern, _ = _special_texts(tokenizer)
+    if pattern is None:
+        return []
+    found = []
+    for i in indices:
+        msg = messages[i]
+        if msg.get("token_ids") is not None:
+            continue
+        parts = [("content", t) for t in content_texts(msg.get("content"))]
+        parts.append(("reasoning_content", str(msg.get("reasoning_content") or "")))
+        if msg.get("tool_calls"):
+            parts.append(("tool_calls", json.dumps(msg["tool_calls"], ensure_ascii=False)))
+        for part, text in parts:
+            m = pattern.search(text)
+            if m:
+                found.append((i, part, m.group(0)))
+                break
+    return found
+
+
+def special_text_reason(tokenizer, found: list[tuple[int, str, str]]) -> str:
+    """The reject reason of :func:`special_token_text`'s ``found`` (non-empty), naming the first."""
+    i, part, token = found[0]
+    _, ids = _special_texts(tokenizer)
+    more = f" ({len(found)} replies in this row)" if len(found) > 1 else ""
+    return (f"special-token text in a reply: the {part} of assistant message {i} writes {token!r}{more}, which the "
+            f"tokenizer reads as the special token id {ids.get(token)}, not as text, so the row would supervise a "
+            "control token inside the reply (the verifier never generates it there); pass --on-special-token-text "
+            "keep to keep such rows as the tokenizer reads them (counted as conversations_with_special_token_text), "
+            "or remove the text")
 
 
 def _cut_end(msg: dict[str, Any], text: str, a: int, b: int) -> int:
@@ -449,7 +541,8 @@ def _rewrite_cause(messages, i: int, prompt: str, through: str, text: str, syste
 
 
 def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]], tools: list | None = None,
-                          chat_template: str | None = None, on_dropped: str = "reject") -> TokenizedConversation:
+                          chat_template: str | None = None, on_dropped: str = "reject",
+                          on_special_text: str = "reject") -> TokenizedConversation:
     """Tokenize one conversation with its chat template and find its loss mask and system prefix.
 
     Args:
@@ -459,6 +552,8 @@ def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]], tools: 
         chat_template: template text overriding ``tokenizer.chat_template``, or None.
         on_dropped: ``reject`` or ``keep`` message content the template does not render (see
             :func:`render_rows`).
+        on_special_text: ``reject`` or ``keep`` a supervised reply that writes a special token's text
+            (see :func:`special_token_text`).
 
     Returns:
         A :class:`TokenizedConversation` (``input_ids`` int32 ``[T]``, ``loss_mask`` uint8 ``[T]``,
@@ -471,7 +566,8 @@ def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]], tools: 
             drops message content ("template drops <part>", with ``on_dropped="reject"``).
         InputError: the tokenizer has no chat template or is not a fast tokenizer.
     """
-    rows = render_rows(tokenizer, messages, tools, chat_template, per_turn_fallback=False, on_dropped=on_dropped)
+    rows = render_rows(tokenizer, messages, tools, chat_template, per_turn_fallback=False, on_dropped=on_dropped,
+                       on_special_text=on_special_text)
     out = tokenize_rendered(tokenizer, rows)[0]
     if out.problem:
         raise ChatTemplateError(out.problem)
@@ -480,10 +576,12 @@ def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]], tools: 
 
 def tokenize_turns(tokenizer, messages: Sequence[dict[str, Any]], tools: list | None = None,
                    chat_template: str | None = None,
-                   on_dropped: str = "reject") -> list[tuple[int | None, TokenizedConversation]]:
+                   on_dropped: str = "reject",
+                   on_special_text: str = "reject") -> list[tuple[int | None, TokenizedConversation]]:
     """Like :func:`tokenize_conversation`, but a template that rewrites history gives one row per
     assistant turn, ``(turn index, row)``; a conversation tokenized whole is ``[(None, row)]``."""
-    rows = render_rows(tokenizer, messages, tools, chat_template, per_turn_fallback=True, on_dropped=on_dropped)
+    rows = render_rows(tokenizer, messages, tools, chat_template, per_turn_fallback=True, on_dropped=on_dropped,
+                       on_special_text=on_special_text)
     out = [(r.turn, t) for r, t in zip(rows, tokenize_rendered(tokenizer, rows))]
     for _, t in out:
         if t.problem:

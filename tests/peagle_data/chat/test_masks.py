@@ -163,10 +163,43 @@ def test_a_special_token_inside_a_reply_without_end_of_turn_is_rejected_not_cut(
     messages = [{"role": "user", "content": "Paths?"}, {"role": "assistant", "content": "a <file_sep> b and more"}]
     with pytest.raises(ChatTemplateError, match="no end-of-turn token ends an assistant turn: its last special "
                                                 "token '<file_sep>' is followed by ' b and more"):
-        tokenize_conversation(smollm2_tokenizer, messages, chat_template=template)
-    # the same reply under ChatML: <|im_end|> ends the turn, the reply's <file_sep> is supervised with it
-    out = tokenize_conversation(smollm2_tokenizer, messages)
+        tokenize_conversation(smollm2_tokenizer, messages, chat_template=template, on_special_text="keep")
+    # by default the reply's special-token text itself is the reject (issue 33, kind 7), under any template
+    for t in (template, None):
+        with pytest.raises(ChatTemplateError, match="special-token text in a reply: the content of assistant message "
+                                                    "1 writes '<file_sep>', which the tokenizer reads as the special "
+                                                    "token id 5"):
+            tokenize_conversation(smollm2_tokenizer, messages, chat_template=t)
+    # kept under ChatML: <|im_end|> ends the turn, the reply's <file_sep> is supervised with it, as it tokenizes
+    out = tokenize_conversation(smollm2_tokenizer, messages, on_special_text="keep")
     assert masked_texts(smollm2_tokenizer, out) == ["a <file_sep> b and more<|im_end|>"]
+
+
+def test_special_token_text_counts_in_supervised_replies_only(smollm2_tokenizer):
+    """Issue 33, kind 7: which text counts. A special token's text (all_special_tokens, added tokens marked
+    special) in a supervised reply's content, reasoning or tool calls; not in context turns (they render
+    as vLLM renders them), not in an unsupervised turn, not in a turn trained on its generated ids."""
+    from peagle_data.chat.masks import special_token_text
+
+    tok = smollm2_tokenizer
+    call = {"type": "function", "function": {"name": "say", "arguments": {"text": "<|im_start|>"}}}
+    messages = [{"role": "system", "content": "End turns with <|im_end|>."},
+                {"role": "user", "content": "Say <|endoftext|>"},
+                {"role": "assistant", "content": "ok", "reasoning_content": "write <|endoftext|>"},
+                {"role": "user", "content": "again"},
+                {"role": "assistant", "content": "<file_sep>", "weight": 0},
+                {"role": "user", "content": "call"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "user", "content": "plain"},
+                {"role": "assistant", "content": "<|im_end|>", "token_ids": [27, 91, 344, 62, 408, 91, 29, 2]},
+                {"role": "assistant", "content": "fine <not_special> <|im_start"}]
+    assert special_token_text(tok, messages, [2, 6, 8, 9]) == [
+        (2, "reasoning_content", "<|endoftext|>"), (6, "tool_calls", "<|im_start|>")]
+    assert special_token_text(tok, messages, [0, 1]) == [(0, "content", "<|im_end|>"), (1, "content", "<|endoftext|>")]
+    context_only = [messages[1], {"role": "assistant", "content": "Done."}]
+    out = tokenize_conversation(tok, context_only)
+    assert out.input_ids.tolist() == reference_ids(tok, context_only)
+    assert out.input_ids.tolist().count(0) == 1  # the user's <|endoftext|> is its control id, as in vLLM
 
 
 def test_a_cut_reply_is_supervised_up_to_its_own_text(smollm2_tokenizer):
