@@ -741,8 +741,11 @@ def on_generated_ids(tokenizer, row: RenderedRow, ids: np.ndarray, offsets: np.n
       whitespace with the text it renders after the reply): the turn supervises the tokens it shares
       with the generated ids, each the verifier's own at its own position (an exact subset), and not the
       whitespace;
-    - the ids decode to the message's own text but the template renders that text otherwise (it trims
-      the reply's whitespace): a reject naming where the render and the generated text part;
+    - a template that trims the reply's leading or trailing whitespace (``content | trim``) renders the
+      generated text without it: the row's last supervised turn is trained on the generated ids,
+      spliced in place of its tokens, as for another tokenization; an earlier turn is a reject;
+    - the ids decode to the message's own text but the template renders that text otherwise: a reject
+      naming where the render and the generated text part;
     - the ids decode to another text than the message's (a decode that cleaned up tokenization spaces,
       ``x!= y`` for ``x != y``; ids left over from an edited text; another tokenizer): a reject;
     - an id outside ``[0, len(tokenizer))``: a reject (it decodes to ``""``, so the text alone would match).
@@ -783,30 +786,43 @@ def on_generated_ids(tokenizer, row: RenderedRow, ids: np.ndarray, offsets: np.n
                  f"for the generated {name[1]}")
         decoded = tokenizer.decode(list(generated), clean_up_tokenization_spaces=False)
         rendered = text[int(starts[lo]):int(offsets[end - 1, 1])] if end > lo else ""
-        if decoded != rendered:
+        trimmed = _trimmed_alike(tokenizer, generated, decoded, rendered, special)
+        if decoded != rendered and not trimmed:
             own = tokenizer.decode(list(generated), skip_special_tokens=True, clean_up_tokenization_spaces=False)
             if all(part in own for part in row.texts[k] if part):
                 c = _common_prefix_len(decoded, rendered)
                 return ids, loss_mask, 0, (
                     f"generated ids do not round-trip: {where}; they decode to the message's text, but the chat "
                     f"template renders it otherwise: {rendered[c:c + 24]!r} in the render where the generated "
-                    f"text has {decoded[c:c + 24]!r} (after {decoded[max(0, c - 24):c]!r}; a template that trims "
-                    "the reply's whitespace does this), so the turn as rendered is not what the verifier generated; "
-                    "pass --chat-template FILE with a template that renders assistant content as it is")
+                    f"text has {decoded[c:c + 24]!r} (after {decoded[max(0, c - 24):c]!r}), so the turn as "
+                    "rendered is not what the verifier generated; pass --chat-template FILE with a template that "
+                    "renders assistant content as it is")
             return ids, loss_mask, 0, (
                 f"generated ids do not round-trip: {where}, and they decode to another text than the message's "
                 "content: the text was decoded with clean_up_tokenization_spaces (peagle's regenerate never does) "
                 "or edited after regenerate, or tokenize runs with another tokenizer than the one that generated "
                 "the ids")
         if k != len(row.spans) - 1 or any(a <= x < b for x, _ in row.empty_think):
+            how = ("the template trims the reply's whitespace); the verifier saw the trimmed text" if trimmed else
+                   "the same text, another tokenization); the verifier saw the re-tokenized text")
             return ids, loss_mask, 0, (
-                f"generated ids do not round-trip: {where} (the same text, another tokenization); the verifier "
-                "saw the re-tokenized text as the context of the turns after it, so no tokenization trains both "
-                "exactly")
+                f"generated ids do not round-trip: {where} ({how} as the context of the turns after it, so no "
+                "tokenization trains both exactly")
         new_ids = np.concatenate([ids[:lo], np.asarray(generated, dtype=ids.dtype), ids[end:]])
         new_mask = np.concatenate([loss_mask[:lo], np.ones(len(generated), dtype=loss_mask.dtype), loss_mask[end:]])
         return new_ids, new_mask, 1, None
     return ids, loss_mask, 0, None
+
+
+def _trimmed_alike(tokenizer, generated: Sequence[int], decoded: str, rendered: str, special: frozenset[int]) -> bool:
+    """Whether the rendered turn (``rendered``) is the generated text (``decoded``) with its leading and/or
+    trailing whitespace trimmed, before a generated end-of-turn token both end with (a template that
+    renders ``content | trim``): then the generated ids are the verifier's own for the same text."""
+    tail = tokenizer.decode([generated[-1]], clean_up_tokenization_spaces=False) \
+        if generated and int(generated[-1]) in special else ""
+    if tail and decoded.endswith(tail) and rendered.endswith(tail):
+        decoded, rendered = decoded[:-len(tail)], rendered[:-len(tail)]
+    return decoded != rendered and rendered in (decoded.strip(), decoded.rstrip(), decoded.lstrip())
 
 
 def _unrendered_whitespace(tokenizer, rest: Sequence[int], rendered: str) -> bool:

@@ -247,22 +247,36 @@ def test_a_cut_reply_ending_in_whitespace_trains_on_its_generated_ids(smollm2_to
     assert out.input_ids.tolist() == reference_ids(tok, row, **({"chat_template": template} if template else {}))
 
 
-def test_a_template_that_renders_the_reply_otherwise_is_named_as_the_cause(smollm2_tokenizer):
+def test_a_finished_reply_whose_whitespace_the_template_trims(smollm2_tokenizer):
     """A finished reply (end-of-turn generated) whose trailing whitespace the template trims: the rendered
-    turn puts <|im_end|> where the verifier generated "\n", so no row trains the generated ids; the reason
-    names the template, not a clean-up decode, an edit or another tokenizer."""
+    turn puts <|im_end|> where the verifier generated "\n". The last turn trains on its generated ids
+    (spliced after the prompt, as the verifier computed them); an earlier one, whose trimmed text was the
+    next turn's context, is a reject naming the template; a template that changes the text otherwise is
+    named as the cause, not a clean-up decode, an edit or another tokenizer."""
     tok = smollm2_tokenizer
     generated = tok("x = [0];\n", add_special_tokens=False)["input_ids"] + [2]
     row = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "x = [0];\n", "token_ids": generated}]
+    out = tokenize_conversation(tok, row, chat_template=TRIMMING)
+    assert out.input_ids[out.loss_mask == 1].tolist() == generated and out.on_generated_ids == 1
+    prompt = tok.apply_chat_template(row[:1], chat_template=TRIMMING, add_generation_prompt=True, return_dict=False)
+    assert out.input_ids.tolist() == prompt + generated + [198]
     with pytest.raises(ChatTemplateError) as e:
-        tokenize_conversation(tok, row, chat_template=TRIMMING)
+        tokenize_conversation(tok, row + [{"role": "user", "content": "more"}, {"role": "assistant", "content": "ok"}],
+                              chat_template=TRIMMING)
     assert str(e.value) == (
         "generated ids do not round-trip: assistant message 1 re-tokenizes inside the chat template to 6 ids, the "
-        "verifier generated 7 (token_ids); first difference at token 5: '<|im_end|>' for the generated 'Ċ'; they "
-        "decode to the message's text, but the chat template renders it otherwise: '<|im_end|>' in the render "
-        "where the generated text has '\\n<|im_end|>' (after 'x = [0];'; a template that trims the reply's "
-        "whitespace does this), so the turn as rendered is not what the verifier generated; pass --chat-template "
-        "FILE with a template that renders assistant content as it is")
+        "verifier generated 7 (token_ids); first difference at token 5: '<|im_end|>' for the generated 'Ċ' (the "
+        "template trims the reply's whitespace); the verifier saw the trimmed text as the context of the turns after "
+        "it, so no tokenization trains both exactly")
+    signed = TRIMMING.replace("{{ m.content | trim }}", "{{ m.content }}--")  # it appends text to the reply
+    with pytest.raises(ChatTemplateError) as e:
+        tokenize_conversation(tok, row, chat_template=signed)
+    assert str(e.value).startswith(
+        "generated ids do not round-trip: assistant message 1 re-tokenizes inside the chat template to ")
+    assert str(e.value).endswith(
+        "they decode to the message's text, but the chat template renders it otherwise: '--<|im_end|>' in the render "
+        "where the generated text has '<|im_end|>' (after 'x = [0];\\n'), so the turn as rendered is not what the "
+        "verifier generated; pass --chat-template FILE with a template that renders assistant content as it is")
 
 
 def test_generated_ids_outside_the_tokenizer_reject_the_row(smollm2_tokenizer):
