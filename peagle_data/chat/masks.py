@@ -365,7 +365,8 @@ def _checked_row(tokenizer, messages, tools, chat_template, text: str, spans: di
         raise ChatTemplateError(special_text_reason(tokenizer, special_text))
     cut = tuple(k for k, i in enumerate(kept_indices) if messages[i].get("finish_reason") == "length")
     for k in cut:  # a cut reply ends where its text ends: what the template renders after it was not generated
-        kept_spans[k] = (kept_spans[k][0], _cut_end(messages[kept_indices[k]], text, *kept_spans[k]))
+        glue = _closing_text(tokenizer, messages, kept_indices[k], tools, chat_template)
+        kept_spans[k] = (kept_spans[k][0], _cut_end(messages[kept_indices[k]], text, *kept_spans[k], glue))
     generated = tuple((k, i, tuple(messages[i]["token_ids"])) for k, i in enumerate(kept_indices)
                       if messages[i].get("token_ids") is not None)
     texts = tuple(tuple(content_texts(messages[i].get("content"))) + (str(messages[i].get("reasoning_content") or ""),)
@@ -450,14 +451,35 @@ def special_text_reason(tokenizer, found: list[tuple[int, str, str]]) -> str:
             "or remove the text")
 
 
-def _cut_end(msg: dict[str, Any], text: str, a: int, b: int) -> int:
-    """The end (characters) of a cut reply's own text in its span ``[a, b)``: after the last occurrence
-    of the final characters of its content, else of its reasoning (a reply cut inside its think
-    block, whose closing ``</think>`` the template adds).
+def _closing_text(tokenizer, messages, i: int, tools, chat_template) -> str | None:
+    """What the template renders after assistant message ``i``'s own text to close the turn (``"</think>"``
+    for a reply cut in its reasoning, the end-of-turn token and glue): the text after a sentinel put in
+    place of the reply's content (else of its reasoning) in the render of ``messages[:i+1]``; None when
+    the sentinel is not rendered once."""
+    msg = dict(messages[i])
+    key = "content" if any(t.strip() for t in content_texts(msg.get("content"))) else "reasoning_content"
+    msg[key] = _SENTINELS[2]
+    try:
+        through = render(tokenizer, list(messages[:i]) + [msg], tools, chat_template)
+    except ChatTemplateError:
+        return None
+    if through.count(_SENTINELS[2]) != 1:
+        return None
+    return through[through.index(_SENTINELS[2]) + len(_SENTINELS[2]):]
+
+
+def _cut_end(msg: dict[str, Any], text: str, a: int, b: int, closing: str | None = None) -> int:
+    """The end (characters) of a cut reply's own text in its span ``[a, b)``: where the text the template
+    closes the turn with (``closing``, :func:`_closing_text`) begins, when the span ends with it; else
+    after the last occurrence of the final characters of its content, else of its reasoning (a reply cut
+    inside its think block, whose closing ``</think>`` the template adds), with the reply's trailing
+    whitespace where the template renders it.
 
     Raises:
         ChatTemplateError: the reply has no text, or its end is not found in the render.
     """
+    if closing is not None and text.endswith(closing, a, b) and text[a:b - len(closing)].strip():
+        return b - len(closing)  # exact: "<<" then "<|im_end|>" ends at the first "<<", not the overlapping one
     texts = [t for t in content_texts(msg.get("content")) if t.strip()]  # the last text part: a template may
     own = texts[-1] if texts else str(msg.get("reasoning_content") or "")  # join parts its way
     last = own.rstrip()
@@ -736,11 +758,11 @@ def on_generated_ids(tokenizer, row: RenderedRow, ids: np.ndarray, offsets: np.n
       turn is trained on the generated ids, spliced in place of its tokens (what the verifier computed
       and what vLLM serves: the prompt, then the generated ids), counted; an earlier turn is a reject,
       since the next turn's context, as the verifier saw it, was the re-tokenized text;
-    - a reply cut at the token limit whose tokens are the generated ids but for its last generated ids,
-      whitespace the template does not render as generated (it trims the reply, or merges its last
-      whitespace with the text it renders after the reply): the turn supervises the tokens it shares
-      with the generated ids, each the verifier's own at its own position (an exact subset), and not the
-      whitespace;
+    - an earlier reply cut at the token limit (or a last one whose text the template renders otherwise)
+      whose tokens are the generated ids but for its last generated ids, whitespace the template does not
+      render as generated (it trims the reply, or merges its last whitespace with the text it renders after
+      the reply): the turn supervises the tokens it shares with the generated ids, each the verifier's own
+      at its own position (an exact subset), and not the whitespace;
     - a template that trims the reply's leading or trailing whitespace (``content | trim``) renders the
       generated text without it: the row's last supervised turn is trained on the generated ids,
       spliced in place of its tokens, as for another tokenization; an earlier turn is a reject;
@@ -774,9 +796,18 @@ def on_generated_ids(tokenizer, row: RenderedRow, ids: np.ndarray, offsets: np.n
         if got == list(generated):
             continue
         at = next((j for j, (x, y) in enumerate(zip(got, generated)) if x != y), min(len(got), len(generated)))
+        decoded = tokenizer.decode(list(generated), clean_up_tokenization_spaces=False)
+        rendered = text[int(starts[lo]):int(offsets[end - 1, 1])] if end > lo else ""
+        trimmed = _trimmed_alike(tokenizer, generated, decoded, rendered, special)
+        last = k == len(row.spans) - 1 and not any(a <= x < b for x, _ in row.empty_think)
+        if last and (decoded == rendered or trimmed):  # the verifier's own ids for the same text: spliced in
+            new_ids = np.concatenate([ids[:lo], np.asarray(generated, dtype=ids.dtype), ids[end:]])
+            new_mask = np.concatenate([loss_mask[:lo], np.ones(len(generated), dtype=loss_mask.dtype),
+                                       loss_mask[end:]])
+            return new_ids, new_mask, 1, None
         if k in row.cut and _unrendered_whitespace(tokenizer, generated[at:], text[int(starts[lo + at]):b]
                                                    if lo + at < end else ""):
-            loss_mask = loss_mask.copy()
+            loss_mask = loss_mask.copy()  # the tokens it shares with the generated ids: an exact subset
             loss_mask[lo + at:end] = 0
             continue
         name = [repr(tokenizer.convert_ids_to_tokens(int(seq[at]))) if at < len(seq) else "(end)"
@@ -784,9 +815,6 @@ def on_generated_ids(tokenizer, row: RenderedRow, ids: np.ndarray, offsets: np.n
         where = (f"assistant message {msg_index} re-tokenizes inside the chat template to {len(got)} ids, the "
                  f"verifier generated {len(generated)} (token_ids); first difference at token {at}: {name[0]} "
                  f"for the generated {name[1]}")
-        decoded = tokenizer.decode(list(generated), clean_up_tokenization_spaces=False)
-        rendered = text[int(starts[lo]):int(offsets[end - 1, 1])] if end > lo else ""
-        trimmed = _trimmed_alike(tokenizer, generated, decoded, rendered, special)
         if decoded != rendered and not trimmed:
             own = tokenizer.decode(list(generated), skip_special_tokens=True, clean_up_tokenization_spaces=False)
             if all(part in own for part in row.texts[k] if part):
@@ -802,15 +830,11 @@ def on_generated_ids(tokenizer, row: RenderedRow, ids: np.ndarray, offsets: np.n
                 "content: the text was decoded with clean_up_tokenization_spaces (peagle's regenerate never does) "
                 "or edited after regenerate, or tokenize runs with another tokenizer than the one that generated "
                 "the ids")
-        if k != len(row.spans) - 1 or any(a <= x < b for x, _ in row.empty_think):
-            how = ("the template trims the reply's whitespace); the verifier saw the trimmed text" if trimmed else
-                   "the same text, another tokenization); the verifier saw the re-tokenized text")
-            return ids, loss_mask, 0, (
-                f"generated ids do not round-trip: {where} ({how} as the context of the turns after it, so no "
-                "tokenization trains both exactly")
-        new_ids = np.concatenate([ids[:lo], np.asarray(generated, dtype=ids.dtype), ids[end:]])
-        new_mask = np.concatenate([loss_mask[:lo], np.ones(len(generated), dtype=loss_mask.dtype), loss_mask[end:]])
-        return new_ids, new_mask, 1, None
+        how = ("the template trims the reply's whitespace); the verifier saw the trimmed text" if trimmed else
+               "the same text, another tokenization); the verifier saw the re-tokenized text")
+        return ids, loss_mask, 0, (
+            f"generated ids do not round-trip: {where} ({how} as the context of the turns after it, so no "
+            "tokenization trains both exactly")
     return ids, loss_mask, 0, None
 
 

@@ -229,22 +229,34 @@ PLAIN_GLUE = ("{% for m in messages %}{{ m.role }}:{{ m.content }}\n{% endfor %}
 @pytest.mark.parametrize("template, text, supervised", [
     (None, "x = [0];\n", 6),  # ChatML renders the trailing "\n": every generated id
     (None, "echo $num * ", 5),
-    (TRIMMING, "x = [0];\n", 5),  # the template trims it: the generated ids but the whitespace
-    (TRIMMING, "echo $num * ", 4),
+    (TRIMMING, "x = [0];\n", 6),  # the template trims it: the generated ids spliced in
+    (TRIMMING, "echo $num * ", 5),
     (PLAIN_GLUE, " a\n", 1),  # the reply's "\n" merges with the template's: " a" only
+    (None, "<<", 1),  # its end was found at the "<<" overlapping "<|im_end|>" ("a supervised token ends past")
 ])
 def test_a_cut_reply_ending_in_whitespace_trains_on_its_generated_ids(smollm2_tokenizer, template, text, supervised):
     """Issue 33, kind 8: a reply cut at the token limit after a whitespace token was "generated ids do not
     round-trip" (the cut span ended before the reply's trailing whitespace). The turn supervises exactly
-    its generated ids, or, where the template does not render the last whitespace as generated, those
-    before it, each at its own position."""
+    its generated ids (spliced after the prompt where the template trims the whitespace), or, where the
+    template merges the last whitespace with its own text, those before it, each at its own position."""
     tok = smollm2_tokenizer
     generated = tok(text, add_special_tokens=False)["input_ids"]
     row = [{"role": "user", "content": "q"},
            {"role": "assistant", "content": text, "finish_reason": "length", "token_ids": generated}]
     out = tokenize_conversation(tok, row, chat_template=template)
     assert out.input_ids[out.loss_mask == 1].tolist() == generated[:supervised]
-    assert out.input_ids.tolist() == reference_ids(tok, row, **({"chat_template": template} if template else {}))
+    reference = reference_ids(tok, row, **({"chat_template": template} if template else {}))
+    if template is TRIMMING:  # the prompt, the generated ids, then <|im_end|>\n (not supervised)
+        assert out.on_generated_ids == 1 and out.input_ids.tolist() == reference[:-(len(generated) + 1)] + \
+            generated + reference[-2:]
+    else:
+        assert out.on_generated_ids == 0 and out.input_ids.tolist() == reference
+    # an earlier cut turn: the tokens it shares with the generated ids, the next turn's context as rendered
+    two = row + [{"role": "user", "content": "go on"}, {"role": "assistant", "content": "ok"}]
+    out = tokenize_conversation(tok, two, chat_template=template)
+    first = runs(out.loss_mask)[0]
+    earlier = len(generated) - (template is TRIMMING)  # trimmed: all but its last whitespace
+    assert out.input_ids[first[0]:first[1]].tolist() == generated[:earlier]
 
 
 def test_a_finished_reply_whose_whitespace_the_template_trims(smollm2_tokenizer):
