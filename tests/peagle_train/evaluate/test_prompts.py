@@ -47,7 +47,8 @@ def test_a_parts_only_template_renders_the_question(parts_tokenizer):
     text = parts_tokenizer.decode(render_turn(parts_tokenizer, QUESTION, 1, ["Aloha! I went to Maui."]))
     assert text == ("<|im_start|>user\nCompose an engaging travel blog post about a recent trip to Hawaii.<|im_end|>\n"
                     "<|im_start|>assistant\nAloha! I went to Maui.<|im_end|>\n"
-                    "<|im_start|>user\nRewrite your previous response. Start every sentence with the letter A.<|im_end|>\n"
+                    "<|im_start|>user\nRewrite your previous response. Start every sentence with the letter A."
+                    "<|im_end|>\n"
                     "<|im_start|>assistant\n")
 
 
