@@ -50,6 +50,7 @@ import polars as pl
 
 from peagle_data.readers.conversations import read_conversations
 from peagle_data.readers.rows import SHAREGPT_ALIAS, Conversation
+from stores.chat_template import render as render_text
 from stores.model_cache import load_tokenizer, resolve_model
 
 HELD_OUT_BYTE = 32
@@ -75,8 +76,9 @@ def read_table(directory: str) -> pl.DataFrame:
 
 
 def render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
-    return [int(t) for t in tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
-                                                          tokenize=True, return_dict=False)]
+    """Token ids of ``messages`` as peagle-eval and vLLM render them (the one renderer of every stage)."""
+    text = render_text(tokenizer, messages, None, None, add_generation_prompt=generation_prompt)
+    return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
 def plain(messages: list[dict]) -> list[dict] | None:

@@ -13,6 +13,7 @@ from cli.options import FROM_CONFIG_FILE, config_file_options, config_options, r
 from peagle_data.prepare.config import (
     DROPPED_CONTENT,
     HISTORY_REWRITE,
+    SPECIAL_TOKEN_TEXT,
     PackConfig,
     PackRun,
     TokenizeConfig,
@@ -30,6 +31,7 @@ _TOKENIZE_OVERRIDES = {
     "chat_template": {"type": click.Path(dir_okay=False), "metavar": "FILE"},
     "on_history_rewrite": {"type": click.Choice(HISTORY_REWRITE)},
     "on_dropped_content": {"type": click.Choice(DROPPED_CONTENT)},
+    "on_special_token_text": {"type": click.Choice(SPECIAL_TOKEN_TEXT)},
     "dedup": {"decls": ["--dedup/--no-dedup"]},
 }
 """What TokenizeConfig's annotations cannot say: the choices (the library's own tuples), a path, a flag pair."""
@@ -89,6 +91,9 @@ def _echo_summary(summary: dict) -> None:
                           if k.startswith("dropped_") and k != "dropped_leading_assistant_turns" and v)
         click.echo(f"  kept without content the chat template drops (--on-dropped-content keep): "
                    f"{c['conversations_with_dropped_content']} conversations ({parts})")
+    if c.get("conversations_with_special_token_text"):
+        click.echo(f"  kept with special-token text in a supervised reply, read as control ids "
+                   f"(--on-special-token-text keep): {c['conversations_with_special_token_text']} conversations")
     for name, sc in (c.get("sources") or {}).items():  # a mixture: one line per source
         # sampled out and copies exist where weights were drawn (not in pack of a tokenize output)
         drawn = "".join(f"  {label} {sc[key]}" for key, label in (("sampled_out", "sampled out"), ("copies", "copies"))

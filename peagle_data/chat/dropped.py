@@ -7,8 +7,7 @@ import bisect
 import json
 from typing import Any, Sequence
 
-from peagle_data.chat.template import render
-from peagle_data.readers.normalize import content_texts
+from stores.chat_template import content_texts, render
 
 __all__ = ["dropped_content", "dropped_reason", "thought_in"]
 

@@ -55,9 +55,9 @@ or the default system text a template injects): the common prefix of two renders
 conversation's system messages plus a first user turn with different sentinel contents, minus the
 user-turn header (what a second user turn adds before its content).
 
-Modules: :mod:`peagle_data.chat.template` (the template, rendering), this module (spans, rows, and
-tokenizing rendered rows into ids and masks), :mod:`peagle_data.chat.dropped` (content a template does
-not render).
+Modules: :mod:`stores.chat_template` (the template, rendering; shared with ``peagle-eval``), this module
+(spans, rows, and tokenizing rendered rows into ids and masks), :mod:`peagle_data.chat.dropped` (content a
+template does not render).
 """
 
 from __future__ import annotations
@@ -71,12 +71,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from peagle_data.chat.dropped import dropped_content, dropped_reason, thought_in
-from peagle_data.chat.template import ChatTemplateError, render, template_messages, template_tools
-from peagle_data.readers.normalize import content_text, content_texts, is_unsupervised
+from peagle_data.readers.normalize import is_unsupervised
+from stores.chat_template import (ChatTemplateError, content_text, content_texts, render, template_messages,
+                                 template_tools)
 from stores.errors import InputError
 
-__all__ = ["TokenizedConversation", "RenderedRow", "render_rows", "tokenize_rendered", "DROPPED", "straddling_token",
-           "on_generated_ids", "tokenize_conversation", "tokenize_turns", "system_prefix_text"]
+__all__ = ["TokenizedConversation", "RenderedRow", "render_rows", "tokenize_rendered", "DROPPED", "SPECIAL_TEXT",
+           "straddling_token", "on_generated_ids", "tokenize_conversation", "tokenize_turns", "system_prefix_text",
+           "special_token_text", "special_text_reason"]
 
 _SENTINELS = ("Q7Xz sentinel alpha", "K3Jw sentinel beta", "Z9qv sentinel gamma")
 
@@ -160,6 +162,10 @@ class RenderedRow:
         token_ids: ``(position in spans, message index, ids)`` of every supervised turn that carries
             the ids the verifier generated (``token_ids``, written by ``regenerate``): its span
             must tokenize to exactly them (:func:`tokenize_rendered`).
+        texts: per span, the supervised message's own text parts and reasoning (``""`` when none), to
+            tell a template that renders them otherwise from ids of another text.
+        special_text: special-token text the supervised replies write (``on_special_text="keep"``):
+            ``"'<|im_end|>' in the content of message <i>"``.
     """
 
     text: str
@@ -170,6 +176,8 @@ class RenderedRow:
     dropped: tuple[str, ...] = ()
     cut: tuple[int, ...] = ()
     token_ids: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    texts: tuple[tuple[str, ...], ...] = ()
+    special_text: tuple[str, ...] = ()
 
 
 _EMPTY_THINK = re.compile(r"<think>\s*</think>\s*")
@@ -253,10 +261,13 @@ def _prefix_chars(tokenizer, messages, text, tools, chat_template) -> int:
 DROPPED = ("reject", "keep")
 """What :func:`render_rows` does with message content the template does not render."""
 
+SPECIAL_TEXT = ("reject", "keep")
+"""What :func:`render_rows` does with a supervised reply that writes a special token's text."""
+
 
 def render_rows(tokenizer, messages: Sequence[dict[str, Any]], tools: list | None = None,
                 chat_template: str | None = None, per_turn_fallback: bool = True,
-                on_dropped: str = "reject") -> list[RenderedRow]:
+                on_dropped: str = "reject", on_special_text: str = "reject") -> list[RenderedRow]:
     """Render one conversation and locate its assistant spans (no tokenization).
 
     The whole conversation is one row when every assistant turn's prefix renders are prefixes of
@@ -271,12 +282,20 @@ def render_rows(tokenizer, messages: Sequence[dict[str, Any]], tools: list | Non
     rendered supervises nothing (its span is only template glue); in the per-turn rows such a turn
     has no row, and its dropped parts are listed on the conversation's last row instead.
 
+    Every supervised reply is checked for special-token text (:func:`special_token_text`): with
+    ``on_special_text="reject"`` the first one raises; with ``"keep"`` the row is kept as the
+    tokenizer reads it (the text as control ids, as vLLM reads it) and the occurrences are listed in
+    ``RenderedRow.special_text``.
+
     Raises:
         ChatTemplateError: "template error"; "template rewrites history" or "generation prompt
-            mismatch" when no exact mask exists; "template drops <part>" (``on_dropped="reject"``).
+            mismatch" when no exact mask exists; "template drops <part>" (``on_dropped="reject"``);
+            "special-token text in a reply" (``on_special_text="reject"``).
     """
     if on_dropped not in DROPPED:
         raise ValueError(f"on_dropped must be one of {DROPPED}, got {on_dropped!r}")
+    if on_special_text not in SPECIAL_TEXT:
+        raise ValueError(f"on_special_text must be one of {SPECIAL_TEXT}, got {on_special_text!r}")
     messages = list(messages)
     text = render(tokenizer, messages, tools, chat_template)
     indices = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
@@ -289,17 +308,17 @@ def render_rows(tokenizer, messages: Sequence[dict[str, Any]], tools: list | Non
         spans.append(span)
     else:
         return [_checked_row(tokenizer, messages, tools, chat_template, text, dict(zip(indices, spans)),
-                             None, on_dropped)]
+                             None, on_dropped, on_special_text)]
     first_bad = indices[len(spans)]
     if not per_turn_fallback:
         raise ChatTemplateError(_no_prefix_reason(tokenizer, messages, first_bad, text, tools, chat_template,
                                                   "the render up to assistant turn {i} is not a prefix of the "
                                                   "whole conversation's render"))
-    return _per_turn_rows(tokenizer, messages, indices, tools, chat_template, on_dropped)
+    return _per_turn_rows(tokenizer, messages, indices, tools, chat_template, on_dropped, on_special_text)
 
 
 def _per_turn_rows(tokenizer, messages: list, indices: list[int], tools, chat_template,
-                   on_dropped: str) -> list[RenderedRow]:
+                   on_dropped: str, on_special_text: str = "reject") -> list[RenderedRow]:
     """One row per supervised assistant turn ``i`` (``indices``), rendered from ``messages[:i+1]``
     (see :func:`render_rows`); a turn of which nothing renders has no row, and its dropped parts are
     listed on the conversation's last row."""
@@ -314,7 +333,7 @@ def _per_turn_rows(tokenizer, messages: list, indices: list[int], tools, chat_te
             raise ChatTemplateError(_no_prefix_reason(
                 tokenizer, sub, i, sub_text, tools, chat_template,
                 "even rendered alone, the context of assistant turn {i} is not a prefix of its own render"))
-        row = _checked_row(tokenizer, sub, tools, chat_template, sub_text, {i: span}, i, on_dropped)
+        row = _checked_row(tokenizer, sub, tools, chat_template, sub_text, {i: span}, i, on_dropped, on_special_text)
         if row.spans:
             rows.append(row)
         else:  # nothing of the turn is rendered (on_dropped="keep"): no row, but its drops still count
@@ -328,7 +347,7 @@ def _per_turn_rows(tokenizer, messages: list, indices: list[int], tools, chat_te
 
 
 def _checked_row(tokenizer, messages, tools, chat_template, text: str, spans: dict[int, tuple[int, int]],
-                 turn: int | None, on_dropped: str) -> RenderedRow:
+                 turn: int | None, on_dropped: str, on_special_text: str = "reject") -> RenderedRow:
     """The row of ``messages`` rendered as ``text`` supervising ``spans`` (assistant index -> span),
     after the dropped-content check; raises ChatTemplateError on a drop with ``on_dropped="reject"``."""
     dropped = dropped_content(tokenizer, messages, text, spans, tools, chat_template)
@@ -341,32 +360,138 @@ def _checked_row(tokenizer, messages, tools, chat_template, text: str, spans: di
     kept_indices, kept_spans = [i for i, _ in kept], [span for _, span in kept]
     if not kept_spans and turn is None and dropped:
         raise ChatTemplateError("no supervised tokens: the template renders no content of any assistant turn")
+    special_text = special_token_text(tokenizer, messages, kept_indices)
+    if special_text and on_special_text == "reject":
+        raise ChatTemplateError(special_text_reason(tokenizer, special_text))
     cut = tuple(k for k, i in enumerate(kept_indices) if messages[i].get("finish_reason") == "length")
     for k in cut:  # a cut reply ends where its text ends: what the template renders after it was not generated
-        kept_spans[k] = (kept_spans[k][0], _cut_end(messages[kept_indices[k]], text, *kept_spans[k]))
+        glue = _closing_text(tokenizer, messages, kept_indices[k], tools, chat_template)
+        kept_spans[k] = (kept_spans[k][0], _cut_end(messages[kept_indices[k]], text, *kept_spans[k], glue))
     generated = tuple((k, i, tuple(messages[i]["token_ids"])) for k, i in enumerate(kept_indices)
                       if messages[i].get("token_ids") is not None)
+    texts = tuple(tuple(content_texts(messages[i].get("content"))) + (str(messages[i].get("reasoning_content") or ""),)
+                  for i in kept_indices)
     return RenderedRow(text, tuple(kept_spans), _prefix_chars(tokenizer, messages, text, tools, chat_template),
                        turn, _empty_think(messages, kept_indices, text, kept_spans),
                        tuple(("tools" if i is None else f"{part} of message {i}") for i, part, _ in dropped), cut,
-                       generated)
+                       generated, texts,
+                       tuple(f"{token!r} in the {part} of message {i}" for i, part, token in special_text))
 
 
-def _cut_end(msg: dict[str, Any], text: str, a: int, b: int) -> int:
-    """The end (characters) of a cut reply's own text in its span ``[a, b)``: after the last occurrence
-    of the final characters of its content, else of its reasoning (a reply cut inside its think
-    block, whose closing ``</think>`` the template adds).
+def _special_texts(tokenizer) -> tuple[re.Pattern | None, dict[str, int]]:
+    """A pattern matching the text of every special token of ``tokenizer`` (``all_special_tokens`` and
+    the added tokens marked special), longest first, and each text's id; cached on the tokenizer, keyed
+    by its size."""
+    size = len(tokenizer)
+    cached = getattr(tokenizer, "_peagle_special_texts", None)
+    if cached is not None and cached[0] == size:
+        return cached[1]
+    ids: dict[str, int] = {}
+    read_as_text = getattr(tokenizer, "split_special_tokens", False)  # then special text tokenizes as text
+    for i, added in ([] if read_as_text else sorted(getattr(tokenizer, "added_tokens_decoder", {}).items())):
+        if getattr(added, "special", False) and str(added):
+            ids.setdefault(str(added), int(i))
+    for token in [] if read_as_text else getattr(tokenizer, "all_special_tokens", []) or []:
+        if token and token not in ids:
+            ids[token] = int(tokenizer.convert_tokens_to_ids(token))
+    pattern = re.compile("|".join(re.escape(t) for t in sorted(ids, key=len, reverse=True))) if ids else None
+    try:
+        tokenizer._peagle_special_texts = (size, (pattern, ids))
+    except AttributeError:
+        pass
+    return pattern, ids
+
+
+def special_token_text(tokenizer, messages, indices: Sequence[int]) -> list[tuple[int, str, str]]:
+    """Special-token text written inside the supervised replies ``indices`` of ``messages``.
+
+    Which text counts: the text of a special token of the tokenizer (``all_special_tokens``, added
+    tokens marked special: ``<|im_end|>``, ``<file_sep>``, ``<s>``) in an assistant message's own text,
+    its content parts, ``reasoning_content`` or tool calls (their JSON). The tokenizer reads such text
+    as the control id, not as characters (vLLM reads a prompt the same way), so a supervised reply
+    holding it would train the drafter on a control token inside an answer (an end-of-turn mid-reply),
+    where the verifier never generates one. Added tokens not marked special (``<think>``,
+    ``<tool_call>`` in Qwen's vocabulary) are markup models generate as ids: they do not count. A turn
+    that carries its generated ``token_ids`` is not checked: it is trained on the ids the verifier
+    generated (:func:`on_generated_ids`). Context turns (system, user, tool, unsupervised assistant
+    turns) are not checked: they render as vLLM renders them.
+
+    Returns:
+        ``[(message index, part, token text)]``, part ``content``, ``reasoning_content`` or ``tool_calls``.
+    """
+    pattern, _ = _special_texts(tokenizer)
+    if pattern is None:
+        return []
+    found = []
+    for i in indices:
+        msg = messages[i]
+        if msg.get("token_ids") is not None:
+            continue
+        parts = [("content", t) for t in content_texts(msg.get("content"))]
+        parts.append(("reasoning_content", str(msg.get("reasoning_content") or "")))
+        if msg.get("tool_calls"):
+            parts.append(("tool_calls", json.dumps(msg["tool_calls"], ensure_ascii=False)))
+        for part, text in parts:
+            m = pattern.search(text)
+            if m:
+                found.append((i, part, m.group(0)))
+                break
+    return found
+
+
+def special_text_reason(tokenizer, found: list[tuple[int, str, str]]) -> str:
+    """The reject reason of :func:`special_token_text`'s ``found`` (non-empty), naming the first."""
+    i, part, token = found[0]
+    _, ids = _special_texts(tokenizer)
+    more = f" ({len(found)} replies in this row)" if len(found) > 1 else ""
+    return (f"special-token text in a reply: the {part} of assistant message {i} writes {token!r}{more}, which the "
+            f"tokenizer reads as the special token id {ids.get(token)}, not as text, so the row would supervise a "
+            "control token inside the reply (the verifier never generates it there); pass --on-special-token-text "
+            "keep to keep such rows as the tokenizer reads them (counted as conversations_with_special_token_text), "
+            "or remove the text")
+
+
+def _closing_text(tokenizer, messages, i: int, tools, chat_template) -> str | None:
+    """What the template renders after assistant message ``i``'s own text to close the turn (``"</think>"``
+    for a reply cut in its reasoning, the end-of-turn token and glue): the text after a sentinel put in
+    place of the reply's content (else of its reasoning) in the render of ``messages[:i+1]``; None when
+    the sentinel is not rendered once."""
+    msg = dict(messages[i])
+    key = "content" if any(t.strip() for t in content_texts(msg.get("content"))) else "reasoning_content"
+    msg[key] = _SENTINELS[2]
+    try:
+        through = render(tokenizer, list(messages[:i]) + [msg], tools, chat_template)
+    except ChatTemplateError:
+        return None
+    if through.count(_SENTINELS[2]) != 1:
+        return None
+    return through[through.index(_SENTINELS[2]) + len(_SENTINELS[2]):]
+
+
+def _cut_end(msg: dict[str, Any], text: str, a: int, b: int, closing: str | None = None) -> int:
+    """The end (characters) of a cut reply's own text in its span ``[a, b)``: where the text the template
+    closes the turn with (``closing``, :func:`_closing_text`) begins, when the span ends with it; else
+    after the last occurrence of the final characters of its content, else of its reasoning (a reply cut
+    inside its think block, whose closing ``</think>`` the template adds), with the reply's trailing
+    whitespace where the template renders it.
 
     Raises:
         ChatTemplateError: the reply has no text, or its end is not found in the render.
     """
+    if closing is not None and text.endswith(closing, a, b) and text[a:b - len(closing)].strip():
+        return b - len(closing)  # exact: "<<" then "<|im_end|>" ends at the first "<<", not the overlapping one
     texts = [t for t in content_texts(msg.get("content")) if t.strip()]  # the last text part: a template may
-    last = texts[-1].rstrip() if texts else str(msg.get("reasoning_content") or "").rstrip()  # join parts its way
+    own = texts[-1] if texts else str(msg.get("reasoning_content") or "")  # join parts its way
+    last = own.rstrip()
     at = text.rfind(last[-16:], a, b) if last else -1
     if at < 0:
         raise ChatTemplateError("a reply cut at a token limit (finish_reason: length) whose text's end is not "
                                 "found in the render: the turn has no exact mask")
-    return at + len(last[-16:])
+    end = at + len(last[-16:])
+    # the reply's trailing whitespace ("...0];\n", a cut after " * ") is its own text where the template
+    # renders it (ChatML); a template that trims it renders none, and the span ends before it
+    tail = own[len(last):]
+    return end + _common_prefix_len(tail, text[end:b])
 
 
 def _no_prefix_reason(tokenizer, messages, i: int, text: str, tools, chat_template, detail: str) -> str:
@@ -438,7 +563,8 @@ def _rewrite_cause(messages, i: int, prompt: str, through: str, text: str, syste
 
 
 def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]], tools: list | None = None,
-                          chat_template: str | None = None, on_dropped: str = "reject") -> TokenizedConversation:
+                          chat_template: str | None = None, on_dropped: str = "reject",
+                          on_special_text: str = "reject") -> TokenizedConversation:
     """Tokenize one conversation with its chat template and find its loss mask and system prefix.
 
     Args:
@@ -448,6 +574,8 @@ def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]], tools: 
         chat_template: template text overriding ``tokenizer.chat_template``, or None.
         on_dropped: ``reject`` or ``keep`` message content the template does not render (see
             :func:`render_rows`).
+        on_special_text: ``reject`` or ``keep`` a supervised reply that writes a special token's text
+            (see :func:`special_token_text`).
 
     Returns:
         A :class:`TokenizedConversation` (``input_ids`` int32 ``[T]``, ``loss_mask`` uint8 ``[T]``,
@@ -460,7 +588,8 @@ def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]], tools: 
             drops message content ("template drops <part>", with ``on_dropped="reject"``).
         InputError: the tokenizer has no chat template or is not a fast tokenizer.
     """
-    rows = render_rows(tokenizer, messages, tools, chat_template, per_turn_fallback=False, on_dropped=on_dropped)
+    rows = render_rows(tokenizer, messages, tools, chat_template, per_turn_fallback=False, on_dropped=on_dropped,
+                       on_special_text=on_special_text)
     out = tokenize_rendered(tokenizer, rows)[0]
     if out.problem:
         raise ChatTemplateError(out.problem)
@@ -469,10 +598,12 @@ def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]], tools: 
 
 def tokenize_turns(tokenizer, messages: Sequence[dict[str, Any]], tools: list | None = None,
                    chat_template: str | None = None,
-                   on_dropped: str = "reject") -> list[tuple[int | None, TokenizedConversation]]:
+                   on_dropped: str = "reject",
+                   on_special_text: str = "reject") -> list[tuple[int | None, TokenizedConversation]]:
     """Like :func:`tokenize_conversation`, but a template that rewrites history gives one row per
     assistant turn, ``(turn index, row)``; a conversation tokenized whole is ``[(None, row)]``."""
-    rows = render_rows(tokenizer, messages, tools, chat_template, per_turn_fallback=True, on_dropped=on_dropped)
+    rows = render_rows(tokenizer, messages, tools, chat_template, per_turn_fallback=True, on_dropped=on_dropped,
+                       on_special_text=on_special_text)
     out = [(r.turn, t) for r, t in zip(rows, tokenize_rendered(tokenizer, rows))]
     for _, t in out:
         if t.problem:
@@ -627,8 +758,18 @@ def on_generated_ids(tokenizer, row: RenderedRow, ids: np.ndarray, offsets: np.n
       turn is trained on the generated ids, spliced in place of its tokens (what the verifier computed
       and what vLLM serves: the prompt, then the generated ids), counted; an earlier turn is a reject,
       since the next turn's context, as the verifier saw it, was the re-tokenized text;
-    - another text (a decode that cleaned up tokenization spaces, ``x!= y`` for ``x != y``; ids left
-      over from an edited text; another tokenizer): a reject;
+    - an earlier reply cut at the token limit (or a last one whose text the template renders otherwise)
+      whose tokens are the generated ids but for its last generated ids, whitespace the template does not
+      render as generated (it trims the reply, or merges its last whitespace with the text it renders after
+      the reply): the turn supervises the tokens it shares with the generated ids, each the verifier's own
+      at its own position (an exact subset), and not the whitespace;
+    - a template that trims the reply's leading or trailing whitespace (``content | trim``) renders the
+      generated text without it: the row's last supervised turn is trained on the generated ids,
+      spliced in place of its tokens, as for another tokenization; an earlier turn is a reject;
+    - the ids decode to the message's own text but the template renders that text otherwise: a reject
+      naming where the render and the generated text part;
+    - the ids decode to another text than the message's (a decode that cleaned up tokenization spaces,
+      ``x!= y`` for ``x != y``; ids left over from an edited text; another tokenizer): a reject;
     - an id outside ``[0, len(tokenizer))``: a reject (it decodes to ``""``, so the text alone would match).
 
     Args:
@@ -637,7 +778,7 @@ def on_generated_ids(tokenizer, row: RenderedRow, ids: np.ndarray, offsets: np.n
 
     Returns:
         ``(input_ids, loss_mask, spliced, problem)``: the ids and mask (new arrays when a turn was
-        spliced), 1 when it was, and the reject reason or None.
+        spliced or shortened), 1 when a turn was spliced, and the reject reason or None.
     """
     starts, text = offsets[:, 0], row.text
     n_tokens = len(tokenizer)
@@ -655,27 +796,66 @@ def on_generated_ids(tokenizer, row: RenderedRow, ids: np.ndarray, offsets: np.n
         if got == list(generated):
             continue
         at = next((j for j, (x, y) in enumerate(zip(got, generated)) if x != y), min(len(got), len(generated)))
+        decoded = tokenizer.decode(list(generated), clean_up_tokenization_spaces=False)
+        rendered = text[int(starts[lo]):int(offsets[end - 1, 1])] if end > lo else ""
+        trimmed = _trimmed_alike(tokenizer, generated, decoded, rendered, special)
+        last = k == len(row.spans) - 1 and not any(a <= x < b for x, _ in row.empty_think)
+        if last and (decoded == rendered or trimmed):  # the verifier's own ids for the same text: spliced in
+            new_ids = np.concatenate([ids[:lo], np.asarray(generated, dtype=ids.dtype), ids[end:]])
+            new_mask = np.concatenate([loss_mask[:lo], np.ones(len(generated), dtype=loss_mask.dtype),
+                                       loss_mask[end:]])
+            return new_ids, new_mask, 1, None
+        if k in row.cut and _unrendered_whitespace(tokenizer, generated[at:], text[int(starts[lo + at]):b]
+                                                   if lo + at < end else ""):
+            loss_mask = loss_mask.copy()  # the tokens it shares with the generated ids: an exact subset
+            loss_mask[lo + at:end] = 0
+            continue
         name = [repr(tokenizer.convert_ids_to_tokens(int(seq[at]))) if at < len(seq) else "(end)"
                 for seq in (got, generated)]
         where = (f"assistant message {msg_index} re-tokenizes inside the chat template to {len(got)} ids, the "
                  f"verifier generated {len(generated)} (token_ids); first difference at token {at}: {name[0]} "
                  f"for the generated {name[1]}")
-        same_text = end > lo and tokenizer.decode(list(generated), clean_up_tokenization_spaces=False) == \
-            text[int(starts[lo]):int(offsets[end - 1, 1])]
-        if not same_text:
+        if decoded != rendered and not trimmed:
+            own = tokenizer.decode(list(generated), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            if all(part in own for part in row.texts[k] if part):
+                c = _common_prefix_len(decoded, rendered)
+                return ids, loss_mask, 0, (
+                    f"generated ids do not round-trip: {where}; they decode to the message's text, but the chat "
+                    f"template renders it otherwise: {rendered[c:c + 24]!r} in the render where the generated "
+                    f"text has {decoded[c:c + 24]!r} (after {decoded[max(0, c - 24):c]!r}), so the turn as "
+                    "rendered is not what the verifier generated; pass --chat-template FILE with a template that "
+                    "renders assistant content as it is")
             return ids, loss_mask, 0, (
-                f"generated ids do not round-trip: {where}, and they decode to another text. Its text was decoded "
-                "with clean_up_tokenization_spaces (peagle's regenerate never does), edited after regenerate, or "
-                "tokenize runs with another tokenizer than the one that generated the ids")
-        if k != len(row.spans) - 1 or any(a <= x < b for x, _ in row.empty_think):
-            return ids, loss_mask, 0, (
-                f"generated ids do not round-trip: {where} (the same text, another tokenization); the verifier "
-                "saw the re-tokenized text as the context of the turns after it, so no tokenization trains both "
-                "exactly")
-        new_ids = np.concatenate([ids[:lo], np.asarray(generated, dtype=ids.dtype), ids[end:]])
-        new_mask = np.concatenate([loss_mask[:lo], np.ones(len(generated), dtype=loss_mask.dtype), loss_mask[end:]])
-        return new_ids, new_mask, 1, None
+                f"generated ids do not round-trip: {where}, and they decode to another text than the message's "
+                "content: the text was decoded with clean_up_tokenization_spaces (peagle's regenerate never does) "
+                "or edited after regenerate, or tokenize runs with another tokenizer than the one that generated "
+                "the ids")
+        how = ("the template trims the reply's whitespace); the verifier saw the trimmed text" if trimmed else
+               "the same text, another tokenization); the verifier saw the re-tokenized text")
+        return ids, loss_mask, 0, (
+            f"generated ids do not round-trip: {where} ({how} as the context of the turns after it, so no "
+            "tokenization trains both exactly")
     return ids, loss_mask, 0, None
+
+
+def _trimmed_alike(tokenizer, generated: Sequence[int], decoded: str, rendered: str, special: frozenset[int]) -> bool:
+    """Whether the rendered turn (``rendered``) is the generated text (``decoded``) with its leading and/or
+    trailing whitespace trimmed, before a generated end-of-turn token both end with (a template that
+    renders ``content | trim``): then the generated ids are the verifier's own for the same text."""
+    tail = tokenizer.decode([generated[-1]], clean_up_tokenization_spaces=False) \
+        if generated and int(generated[-1]) in special else ""
+    if tail and decoded.endswith(tail) and rendered.endswith(tail):
+        decoded, rendered = decoded[:-len(tail)], rendered[:-len(tail)]
+    return decoded != rendered and rendered in (decoded.strip(), decoded.rstrip(), decoded.lstrip())
+
+
+def _unrendered_whitespace(tokenizer, rest: Sequence[int], rendered: str) -> bool:
+    """Whether the last generated ids ``rest`` of a cut reply, which its rendered tokens do not hold, are
+    whitespace the template does not render as generated: ``rest`` decodes to whitespace only, and
+    the span's text from the first differing token on (``rendered``) is whitespace only too (none when
+    the template trims it, a token merging it with the text after the reply when it renders it so)."""
+    tail = tokenizer.decode(list(rest), clean_up_tokenization_spaces=False)
+    return bool(rest) and not tail.strip() and not rendered.strip()
 
 
 def _span_tokens(ids: np.ndarray, starts: np.ndarray, a: int, b: int, special: frozenset[int],

@@ -11,16 +11,17 @@ from peagle_data.prepare.windows import OVERLAP_LOSS
 from peagle_data.readers.rows import FORMATS
 
 __all__ = ["TokenizeConfig", "PackConfig", "TokenizeRun", "PackRun", "CHUNK_CONVERSATIONS", "HISTORY_REWRITE", "DROPPED_CONTENT",
-           "TOKENIZE_ONLY"]
+           "SPECIAL_TOKEN_TEXT", "TOKENIZE_ONLY"]
 
 CHUNK_CONVERSATIONS = 64
 """Conversations rendered and tokenized together (one batched tokenizer call, one worker task)."""
 
 HISTORY_REWRITE = ("split", "reject")
 DROPPED_CONTENT = ("reject", "keep")
+SPECIAL_TOKEN_TEXT = ("reject", "keep")
 
 TOKENIZE_ONLY = {"format": "--format", "num_workers": "--num-workers", "on_history_rewrite": "--on-history-rewrite",
-                 "on_dropped_content": "--on-dropped-content"}
+                 "on_dropped_content": "--on-dropped-content", "on_special_token_text": "--on-special-token-text"}
 """``TokenizeConfig`` fields (and their options) that only shape tokenizing raw conversations: ``pack``
 of a tokenize output ignores them (``limit``, ``strict`` and ``chat_template`` still apply)."""
 
@@ -54,6 +55,11 @@ class TokenizeConfig:
     """reject: reject a conversation with content the chat template does not render (tool calls,
     tool results, reasoning, a system message, tools, content parts of unsupported types); keep:
     keep it without that content, counted in the manifest (--on-dropped-content)."""
+    on_special_token_text: str = "reject"
+    """reject: reject a conversation whose supervised assistant reply writes a special token's text
+    (<|im_end|>, <file_sep>), which the tokenizer reads as the control id, so the drafter would learn
+    a control token inside an answer; keep: keep it as the tokenizer (and vLLM) reads it, counted in
+    the manifest as conversations_with_special_token_text (--on-special-token-text)."""
     num_shards: int = 1
     """Split the run into this many shards by conversation content (--num-shards; :mod:`peagle_data.prepare.shards`)."""
     shard_index: int = 0
@@ -72,6 +78,9 @@ class TokenizeConfig:
         if self.on_dropped_content not in DROPPED_CONTENT:
             raise ValueError(f"--on-dropped-content must be one of {', '.join(DROPPED_CONTENT)}, "
                              f"got {self.on_dropped_content!r}")
+        if self.on_special_token_text not in SPECIAL_TOKEN_TEXT:
+            raise ValueError(f"--on-special-token-text must be one of {', '.join(SPECIAL_TOKEN_TEXT)}, "
+                             f"got {self.on_special_token_text!r}")
         if self.format not in FORMATS:
             raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}")
         if self.limit is not None and self.limit < 1:

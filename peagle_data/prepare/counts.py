@@ -34,6 +34,9 @@ class Counts:
     """Tool schemas given as JSON strings and decoded."""
     conversations_with_dropped_content: int = 0
     """Conversations kept without content the chat template drops (``--on-dropped-content keep``)."""
+    conversations_with_special_token_text: int | None = None
+    """Conversations kept whose supervised replies write a special token's text, read as its control
+    id (``--on-special-token-text keep``; counted only then)."""
     tool_calls_wrapped: int | None = None
     """Flat tool calls ``{"name", "arguments"}`` wrapped as ``{"type": "function", "function": ...}``."""
     tool_schemas_wrapped: int | None = None

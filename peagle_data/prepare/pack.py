@@ -53,7 +53,7 @@ from typing import Any, Collection, Iterator
 
 import numpy as np
 
-from peagle_data.chat.template import chat_template_sha256
+from stores.chat_template import chat_template_sha256
 from peagle_data.prepare.config import TOKENIZE_ONLY, PackConfig, PackRun, TokenizeConfig
 from peagle_data.prepare.counts import Counts
 from peagle_data.prepare.dedup import Deduplicator, copy_key, duplicate_reject, filter_reason, rows_key

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from peagle_data.chat.masks import render_rows, tokenize_rendered
-from peagle_data.chat.template import ChatTemplateError, chat_template_sha256
+from stores.chat_template import ChatTemplateError, chat_template_sha256
 from peagle_data.prepare.config import CHUNK_CONVERSATIONS, TokenizeConfig, TokenizeRun
 from peagle_data.prepare.counts import Counts
 from peagle_data.prepare.dedup import Deduplicator, dedup_items, filter_reason
@@ -140,11 +140,12 @@ def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: Tokenize
         if cfg.num_workers > 1:
             ctx = multiprocessing.get_context("fork")
             pool = ctx.Pool(cfg.num_workers, initializer=_init_worker,
-                            initargs=(tokenizer, template, cfg.on_history_rewrite == "split", cfg.on_dropped_content))
+                            initargs=(tokenizer, template, cfg.on_history_rewrite == "split", cfg.on_dropped_content,
+                                      cfg.on_special_token_text))
             results = pool.imap(_worker_chunk, chunks)
         else:
             results = (_tokenize_chunk(tokenizer, chunk, template, cfg.on_history_rewrite == "split",
-                                       cfg.on_dropped_content) for chunk in chunks)
+                                       cfg.on_dropped_content, cfg.on_special_token_text) for chunk in chunks)
         for outcomes in results:
             for item, outcome in outcomes:
                 bar.update(1)
@@ -169,10 +170,10 @@ def _outcome_rows(item: Conversation | Reject, outcome, cfg: TokenizeConfig, rej
         write_reject(rejects, counts, item.source, item.reason, conversation_id=item.conversation_id,
                 field=item.field, duplicate_of=duplicate_of)
         return None
-    if not isinstance(outcome, str) and not any(tok.loss_mask.any() for _, tok, _ in outcome):
+    if not isinstance(outcome, str) and not any(tok.loss_mask.any() for _, tok, *_ in outcome):
         outcome = "no supervised tokens: the template renders no assistant token"
     filtered = None if isinstance(outcome, str) else filter_reason(
-        max(len(t.input_ids) for _, t, _ in outcome), sum(int(t.loss_mask.sum()) for _, t, _ in outcome),
+        max(len(t.input_ids) for _, t, *_ in outcome), sum(int(t.loss_mask.sum()) for _, t, *_ in outcome),
         cfg.max_tokens, cfg.min_loss_tokens)
     if filtered is not None:  # a filter, not a bad row: rejected also with --strict
         write_reject(rejects, counts, item.source, filtered, conversation_id=item.conversation_id)
@@ -183,26 +184,30 @@ def _outcome_rows(item: Conversation | Reject, outcome, cfg: TokenizeConfig, rej
             raise InputError(outcome, file=file, row=row, field="messages")
         write_reject(rejects, counts, item.source, outcome, conversation_id=item.conversation_id)
         return None
+    if cfg.on_special_token_text == "keep":
+        counts.bump("conversations_with_special_token_text", any(special for *_, special in outcome))
     return _rows_of(item, outcome, counts)
 
 
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer, template, split, on_dropped) -> None:
+def _init_worker(tokenizer, template, split, on_dropped, on_special_text) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    _WORKER.update(tokenizer=tokenizer, template=template, split=split, on_dropped=on_dropped)
+    _WORKER.update(tokenizer=tokenizer, template=template, split=split, on_dropped=on_dropped,
+                   on_special_text=on_special_text)
 
 
 def _worker_chunk(chunk):
     return _tokenize_chunk(_WORKER["tokenizer"], chunk, _WORKER["template"], _WORKER["split"],
-                           _WORKER["on_dropped"])
+                           _WORKER["on_dropped"], _WORKER["on_special_text"])
 
 
 def _tokenize_chunk(tokenizer, chunk: list[Conversation | Reject], template, split: bool,
-                    on_dropped: str = "reject") -> list[tuple]:
-    """``[(item, outcome)]``: outcome is ``[(turn, TokenizedConversation, dropped parts)]``, a reject
-    reason, or None for a reader reject. Rows of the whole chunk are tokenized in one batched call."""
+                    on_dropped: str = "reject", on_special_text: str = "reject") -> list[tuple]:
+    """``[(item, outcome)]``: outcome is ``[(turn, TokenizedConversation, dropped parts, special-token
+    text)]``, a reject reason, or None for a reader reject. Rows of the whole chunk are tokenized in one
+    batched call."""
     rendered: list[tuple[int, list]] = []
     outcomes: list[Any] = []
     for item in chunk:
@@ -211,7 +216,7 @@ def _tokenize_chunk(tokenizer, chunk: list[Conversation | Reject], template, spl
             continue
         try:
             rows = render_rows(tokenizer, item.messages, item.tools, template, per_turn_fallback=split,
-                               on_dropped=on_dropped)
+                               on_dropped=on_dropped, on_special_text=on_special_text)
         except ChatTemplateError as e:
             outcomes.append(str(e))
             continue
@@ -220,8 +225,8 @@ def _tokenize_chunk(tokenizer, chunk: list[Conversation | Reject], template, spl
     flat = [r for _, rows in rendered for r in rows]
     tokenized = iter(tokenize_rendered(tokenizer, flat))
     for at, rows in rendered:
-        outcomes[at] = [(r.turn, next(tokenized), r.dropped) for r in rows]
-        problem = next((t.problem for _, t, _ in outcomes[at] if t.problem), None)
+        outcomes[at] = [(r.turn, next(tokenized), r.dropped, r.special_text) for r in rows]
+        problem = next((t.problem for _, t, *_ in outcomes[at] if t.problem), None)
         if problem:  # no exact mask for one of its rows: the conversation is a reject
             outcomes[at] = problem
     return list(zip(chunk, outcomes))
@@ -234,12 +239,12 @@ def _rows_of(conv: Conversation, outcome: list[tuple], counts: Counts) -> list[T
     counts.bump("empty_assistant_turns", conv.empty_assistant_turns)
     for key, n in conv.counts.items():
         counts.bump(key, n)
-    dropped = {part for _, _, parts in outcome for part in parts}  # per-turn rows repeat context parts
+    dropped = {part for _, _, parts, _ in outcome for part in parts}  # per-turn rows repeat context parts
     counts.conversations_with_dropped_content += bool(dropped) or bool(conv.counts.get("dropped_content_parts"))
     for part in sorted(dropped):
         counts.drop(part.split(' of ')[0])
     if any(m.get("token_ids") is not None for m in conv.messages):  # regenerate's output: its ids are counted
-        counts.bump("turns_on_generated_ids", sum(tok.on_generated_ids for _, tok, _ in outcome))
+        counts.bump("turns_on_generated_ids", sum(tok.on_generated_ids for _, tok, *_ in outcome))
     per_turn = outcome[0][0] is not None
     counts.bump("history_rewrite_conversations", per_turn)
     counts.bump("history_rewrite_rows", len(outcome) if per_turn else 0)
@@ -247,7 +252,7 @@ def _rows_of(conv: Conversation, outcome: list[tuple], counts: Counts) -> list[T
                          source=conv.source, input_ids=tok.input_ids, loss_mask=tok.loss_mask,
                          system_len=tok.system_len, n_tokens=int(tok.input_ids.shape[0]),
                          n_loss_tokens=int(tok.loss_mask.sum()))
-            for turn, tok, _ in outcome]
+            for turn, tok, *_ in outcome]
 
 
 def check_output_not_input(output, inputs) -> None:

@@ -10,9 +10,9 @@ import json
 from typing import Any
 
 from peagle_data.readers.rows import FORMATS, RowError
+from stores.chat_template import content_text, content_texts
 
-__all__ = ["normalize_record", "drop_arrow_nulls", "is_empty_assistant", "is_unsupervised", "content_text",
-           "content_texts", "ROW_COUNTS"]
+__all__ = ["normalize_record", "drop_arrow_nulls", "is_empty_assistant", "is_unsupervised", "ROW_COUNTS"]
 
 _SHAREGPT_ROLES = {
     "human": "user", "user": "user",
@@ -139,21 +139,6 @@ _TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "ref
 """Content-part types that are text (vLLM's text parts, but ``thinking``) -> the key holding the text."""
 
 
-def content_texts(content: Any) -> list[str]:
-    """The text parts of normalised content: a string is one part, None none, a list its parts' texts."""
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [content]
-    return [part["text"] for part in content]
-
-
-def content_text(content: Any) -> str:
-    """Normalised content as one string: its text parts joined with ``"\n"``, as vLLM joins them for a
-    string-content template (None: ``""``)."""
-    return "\n".join(content_texts(content))
-
-
 def _parts_content(texts: list[str]) -> str | list[dict[str, str]]:
     """Normalised content of a list of text parts: one part is its string (vLLM renders both alike in
     either content format), more stay a list of ``{"type": "text", "text"}`` parts (none: ``[]``)."""
@@ -169,7 +154,7 @@ def _openai_content(msg: dict[str, Any], where: str,
     Content is None (null), a string, or, for a list of parts, its text parts (``text``,
     ``input_text``, ``output_text``, ``refusal``, bare strings) as :func:`_parts_content` keeps them:
     the chat template gets them as vLLM passes them (joined with ``"\n"``, or the list;
-    :func:`peagle_data.chat.template.template_messages`). ``reasoning``/``thinking`` parts become the
+    :func:`stores.chat_template.template_messages`). ``reasoning``/``thinking`` parts become the
     reasoning, ``tool_call``/``function_call`` parts tool calls. A part of another type (image, audio,
     file) rejects the row, or, when ``stats`` has the key ``dropped_content_parts`` (``keep_dropped``),
     is left out and counted there.

@@ -45,7 +45,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from peagle_data.chat.template import template_messages, template_tools
+from stores.chat_template import prompt_ids
 from stores.errors import InputError, MissingDependencyError
 from stores.model_cache import load_tokenizer, load_verifier, model_fingerprint, resolve_model
 
@@ -132,12 +132,8 @@ class Answer:
 
 def prompt_tokens(tokenizer, request: Request) -> list[int]:
     """The token ids of ``request`` rendered with ``tokenizer``'s chat template and generation prompt, the
-    content passed as vLLM passes it (:func:`peagle_data.chat.template.template_messages`)."""
-    template = tokenizer.get_chat_template(None, request.tools)
-    enc = tokenizer.apply_chat_template(template_messages(request.messages, template),
-                                        tools=template_tools(request.tools),
-                                        add_generation_prompt=True, tokenize=True, return_dict=True)
-    return list(enc["input_ids"])
+    content passed as vLLM passes it (:func:`stores.chat_template.prompt_ids`, the renderer of every stage)."""
+    return prompt_ids(tokenizer, request.messages, request.tools)
 
 
 def server_base_url(url: str) -> str:

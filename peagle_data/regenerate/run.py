@@ -61,7 +61,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from peagle_data.chat.dropped import dropped_reason, dropped_content
-from peagle_data.chat.template import ChatTemplateError, render
+from stores.chat_template import ChatTemplateError, render
 from peagle_data.readers.conversations import read_conversations
 from peagle_data.readers.inputs import resolve_inputs
 from peagle_data.readers.rows import FORMATS, Conversation, Reject

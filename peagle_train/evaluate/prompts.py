@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stores.chat_template import prompt_ids, render
 from stores.errors import InputError
 
 
@@ -99,19 +100,40 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
     return prompts
 
 
-def render_turn(tokenizer, prompt: Prompt, turn: int, answers: Sequence[str]) -> list[int]:
-    """Token ids of turn ``turn`` of ``prompt`` with the chat template and a generation prompt.
-
-    Args:
-        answers: the verifier's answers to turns ``0..turn-1``.
-    """
+def turn_messages(prompt: Prompt, turn: int, answers: Sequence[str]) -> list[dict[str, str]]:
+    """The messages of turn ``turn`` of ``prompt``: its prefix, then user turns ``0..turn`` with the
+    verifier's answers to turns ``0..turn-1`` (``answers``) between them."""
     messages = list(prompt.prefix)
     for i in range(turn + 1):
         messages.append({"role": "user", "content": prompt.user_turns[i]})
         if i < turn:
             messages.append({"role": "assistant", "content": answers[i]})
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    return [int(t) for t in ids]
+    return messages
+
+
+def render_turn(tokenizer, prompt: Prompt, turn: int, answers: Sequence[str]) -> list[int]:
+    """Token ids of turn ``turn`` of ``prompt`` (:func:`turn_messages`) with the verifier's chat template
+    and a generation prompt, rendered as vLLM's chat endpoint renders the same messages and as
+    ``tokenize`` and ``regenerate`` render them (:func:`stores.chat_template.prompt_ids`: content as text
+    parts for a template that loops over content, developer messages as vLLM passes them).
+
+    Args:
+        answers: the verifier's answers to turns ``0..turn-1``.
+
+    Raises:
+        ChatTemplateError: the template fails on the messages (an InputError naming the error).
+        InputError: the render does not hold a user turn's text: the template drops or rewrites it, so
+            the verifier would answer, and the drafter be measured on, another prompt than the file's.
+    """
+    messages = turn_messages(prompt, turn, answers)
+    text = render(tokenizer, messages, None, None, add_generation_prompt=True)
+    for i, m in enumerate(messages):
+        if m["role"] == "user" and m["content"].strip() and m["content"].strip() not in text:
+            raise InputError(f"prompt {prompt.prompt_id!r} turn {turn}: the verifier's chat template does not render "
+                             f"user message {i} ({m['content'].strip()[:40]!r}): its render of the prompt is "
+                             f"{text[:80]!r}; evaluate with a verifier whose template renders plain chat messages",
+                             field="--prompts")
+    return prompt_ids(tokenizer, messages)
 
 
 def eos_ids(tokenizer, verifier) -> list[int]:

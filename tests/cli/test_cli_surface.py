@@ -17,7 +17,7 @@ CONFIG_FILE = {"--config", "--print-config", "--version"}
 SHARDS = {"--num-shards", "--shard-index"}
 TOKENIZE = {"--tokenizer", "--output", "--chat-template", "--limit", "--format", "--strict", "--num-workers",
             "--on-history-rewrite", "--dedup", "--no-dedup", "--max-tokens", "--min-loss-tokens",
-            "--on-dropped-content", *SHARDS, "--force", *CONFIG_FILE}
+            "--on-dropped-content", "--on-special-token-text", *SHARDS, "--force", *CONFIG_FILE}
 EXACT = {
     ("data", "tokenize"): TOKENIZE,
     ("data", "pack"): TOKENIZE | {"--max-seq-len", "--block-size", "--overlap", "--overlap-loss", "--max-windows"},

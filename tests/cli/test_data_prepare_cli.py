@@ -248,6 +248,27 @@ def test_dropped_content_kept_is_summarised(tmp_path, tok_name):
             "(tool_calls 1)") in kept.stdout
 
 
+def test_special_token_text_in_a_reply_is_a_visible_decision(tmp_path, tok_name):
+    """Issue 33, kind 7: "read 3 used 3 rejected 0" for replies that write out <|im_end|>."""
+    rows = [{"messages": [{"role": "user", "content": f"Q{k}"},
+                          {"role": "assistant", "content": f"A turn ends with <|im_end|> ({k})."}]} for k in range(3)]
+    path = tmp_path / "chatml.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rejected = invoke(tokenize, [path, "--tokenizer", tok_name, "--output", tmp_path / "r"])
+    assert rejected.exit_code == 1
+    assert rejected.stdout.splitlines()[:2] == [
+        "read 3  used 0  rejected 3",
+        f"  rejected by reason: special-token text in a reply 3; each rejected row is a line of {tmp_path / 'r'}/"
+        "rejects.jsonl (its FILE:N source and the reason)"]
+    kept = invoke(tokenize, [path, "--tokenizer", tok_name, "--output", tmp_path / "k", "--on-special-token-text",
+                             "keep"])
+    assert kept.exit_code == 0, kept.output
+    assert kept.stdout.splitlines()[:2] == [
+        "read 3  used 3  rejected 0",
+        "  kept with special-token text in a supervised reply, read as control ids (--on-special-token-text keep): "
+        "3 conversations"]
+
+
 def test_inspect_prints_json(tmp_path, convs, tok_name):
     from cli.data import main
 

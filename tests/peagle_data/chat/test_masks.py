@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from peagle_data.chat.masks import tokenize_conversation
-from peagle_data.chat.template import ChatTemplateError
+from stores.chat_template import ChatTemplateError
 
 DEFAULT_SYSTEM = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
                   "Hugging Face<|im_end|>\n")
@@ -163,10 +163,43 @@ def test_a_special_token_inside_a_reply_without_end_of_turn_is_rejected_not_cut(
     messages = [{"role": "user", "content": "Paths?"}, {"role": "assistant", "content": "a <file_sep> b and more"}]
     with pytest.raises(ChatTemplateError, match="no end-of-turn token ends an assistant turn: its last special "
                                                 "token '<file_sep>' is followed by ' b and more"):
-        tokenize_conversation(smollm2_tokenizer, messages, chat_template=template)
-    # the same reply under ChatML: <|im_end|> ends the turn, the reply's <file_sep> is supervised with it
-    out = tokenize_conversation(smollm2_tokenizer, messages)
+        tokenize_conversation(smollm2_tokenizer, messages, chat_template=template, on_special_text="keep")
+    # by default the reply's special-token text itself is the reject (issue 33, kind 7), under any template
+    for t in (template, None):
+        with pytest.raises(ChatTemplateError, match="special-token text in a reply: the content of assistant message "
+                                                    "1 writes '<file_sep>', which the tokenizer reads as the special "
+                                                    "token id 5"):
+            tokenize_conversation(smollm2_tokenizer, messages, chat_template=t)
+    # kept under ChatML: <|im_end|> ends the turn, the reply's <file_sep> is supervised with it, as it tokenizes
+    out = tokenize_conversation(smollm2_tokenizer, messages, on_special_text="keep")
     assert masked_texts(smollm2_tokenizer, out) == ["a <file_sep> b and more<|im_end|>"]
+
+
+def test_special_token_text_counts_in_supervised_replies_only(smollm2_tokenizer):
+    """Issue 33, kind 7: which text counts. A special token's text (all_special_tokens, added tokens marked
+    special) in a supervised reply's content, reasoning or tool calls; not in context turns (they render
+    as vLLM renders them), not in an unsupervised turn, not in a turn trained on its generated ids."""
+    from peagle_data.chat.masks import special_token_text
+
+    tok = smollm2_tokenizer
+    call = {"type": "function", "function": {"name": "say", "arguments": {"text": "<|im_start|>"}}}
+    messages = [{"role": "system", "content": "End turns with <|im_end|>."},
+                {"role": "user", "content": "Say <|endoftext|>"},
+                {"role": "assistant", "content": "ok", "reasoning_content": "write <|endoftext|>"},
+                {"role": "user", "content": "again"},
+                {"role": "assistant", "content": "<file_sep>", "weight": 0},
+                {"role": "user", "content": "call"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "user", "content": "plain"},
+                {"role": "assistant", "content": "<|im_end|>", "token_ids": [27, 91, 344, 62, 408, 91, 29, 2]},
+                {"role": "assistant", "content": "fine <not_special> <|im_start"}]
+    assert special_token_text(tok, messages, [2, 6, 8, 9]) == [
+        (2, "reasoning_content", "<|endoftext|>"), (6, "tool_calls", "<|im_start|>")]
+    assert special_token_text(tok, messages, [0, 1]) == [(0, "content", "<|im_end|>"), (1, "content", "<|endoftext|>")]
+    context_only = [messages[1], {"role": "assistant", "content": "Done."}]
+    out = tokenize_conversation(tok, context_only)
+    assert out.input_ids.tolist() == reference_ids(tok, context_only)
+    assert out.input_ids.tolist().count(0) == 1  # the user's <|endoftext|> is its control id, as in vLLM
 
 
 def test_a_cut_reply_is_supervised_up_to_its_own_text(smollm2_tokenizer):
@@ -184,6 +217,78 @@ def test_a_cut_reply_is_supervised_up_to_its_own_text(smollm2_tokenizer):
     with pytest.raises(ChatTemplateError, match="a reply cut at a token limit .* whose text's end is not found"):
         _cut_end(cut[1], "assistant: 2+2 IS 4.\n", 11, 21)
     assert _cut_end({"content": "", "reasoning_content": "Two and "}, "<think>\nTwo and\n</think>", 0, 25) == 15
+
+
+# ChatML that trims message content, and a template that closes turns with plain text.
+TRIMMING = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+PLAIN_GLUE = ("{% for m in messages %}{{ m.role }}:{{ m.content }}\n{% endfor %}"
+              "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.mark.parametrize("template, text, supervised", [
+    (None, "x = [0];\n", 6),  # ChatML renders the trailing "\n": every generated id
+    (None, "echo $num * ", 5),
+    (TRIMMING, "x = [0];\n", 6),  # the template trims it: the generated ids spliced in
+    (TRIMMING, "echo $num * ", 5),
+    (PLAIN_GLUE, " a\n", 1),  # the reply's "\n" merges with the template's: " a" only
+    (None, "<<", 1),  # its end was found at the "<<" overlapping "<|im_end|>" ("a supervised token ends past")
+])
+def test_a_cut_reply_ending_in_whitespace_trains_on_its_generated_ids(smollm2_tokenizer, template, text, supervised):
+    """Issue 33, kind 8: a reply cut at the token limit after a whitespace token was "generated ids do not
+    round-trip" (the cut span ended before the reply's trailing whitespace). The turn supervises exactly
+    its generated ids (spliced after the prompt where the template trims the whitespace), or, where the
+    template merges the last whitespace with its own text, those before it, each at its own position."""
+    tok = smollm2_tokenizer
+    generated = tok(text, add_special_tokens=False)["input_ids"]
+    row = [{"role": "user", "content": "q"},
+           {"role": "assistant", "content": text, "finish_reason": "length", "token_ids": generated}]
+    out = tokenize_conversation(tok, row, chat_template=template)
+    assert out.input_ids[out.loss_mask == 1].tolist() == generated[:supervised]
+    reference = reference_ids(tok, row, **({"chat_template": template} if template else {}))
+    if template is TRIMMING:  # the prompt, the generated ids, then <|im_end|>\n (not supervised)
+        assert out.on_generated_ids == 1 and out.input_ids.tolist() == reference[:-(len(generated) + 1)] + \
+            generated + reference[-2:]
+    else:
+        assert out.on_generated_ids == 0 and out.input_ids.tolist() == reference
+    # an earlier cut turn: the tokens it shares with the generated ids, the next turn's context as rendered
+    two = row + [{"role": "user", "content": "go on"}, {"role": "assistant", "content": "ok"}]
+    out = tokenize_conversation(tok, two, chat_template=template)
+    first = runs(out.loss_mask)[0]
+    earlier = len(generated) - (template is TRIMMING)  # trimmed: all but its last whitespace
+    assert out.input_ids[first[0]:first[1]].tolist() == generated[:earlier]
+
+
+def test_a_finished_reply_whose_whitespace_the_template_trims(smollm2_tokenizer):
+    """A finished reply (end-of-turn generated) whose trailing whitespace the template trims: the rendered
+    turn puts <|im_end|> where the verifier generated "\n". The last turn trains on its generated ids
+    (spliced after the prompt, as the verifier computed them); an earlier one, whose trimmed text was the
+    next turn's context, is a reject naming the template; a template that changes the text otherwise is
+    named as the cause, not a clean-up decode, an edit or another tokenizer."""
+    tok = smollm2_tokenizer
+    generated = tok("x = [0];\n", add_special_tokens=False)["input_ids"] + [2]
+    row = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "x = [0];\n", "token_ids": generated}]
+    out = tokenize_conversation(tok, row, chat_template=TRIMMING)
+    assert out.input_ids[out.loss_mask == 1].tolist() == generated and out.on_generated_ids == 1
+    prompt = tok.apply_chat_template(row[:1], chat_template=TRIMMING, add_generation_prompt=True, return_dict=False)
+    assert out.input_ids.tolist() == prompt + generated + [198]
+    with pytest.raises(ChatTemplateError) as e:
+        tokenize_conversation(tok, row + [{"role": "user", "content": "more"}, {"role": "assistant", "content": "ok"}],
+                              chat_template=TRIMMING)
+    assert str(e.value) == (
+        "generated ids do not round-trip: assistant message 1 re-tokenizes inside the chat template to 6 ids, the "
+        "verifier generated 7 (token_ids); first difference at token 5: '<|im_end|>' for the generated 'Ċ' (the "
+        "template trims the reply's whitespace); the verifier saw the trimmed text as the context of the turns after "
+        "it, so no tokenization trains both exactly")
+    signed = TRIMMING.replace("{{ m.content | trim }}", "{{ m.content }}--")  # it appends text to the reply
+    with pytest.raises(ChatTemplateError) as e:
+        tokenize_conversation(tok, row, chat_template=signed)
+    assert str(e.value).startswith(
+        "generated ids do not round-trip: assistant message 1 re-tokenizes inside the chat template to ")
+    assert str(e.value).endswith(
+        "they decode to the message's text, but the chat template renders it otherwise: '--<|im_end|>' in the render "
+        "where the generated text has '<|im_end|>' (after 'x = [0];\\n'), so the turn as rendered is not what the "
+        "verifier generated; pass --chat-template FILE with a template that renders assistant content as it is")
 
 
 def test_generated_ids_outside_the_tokenizer_reject_the_row(smollm2_tokenizer):

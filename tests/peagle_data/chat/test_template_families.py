@@ -14,7 +14,7 @@ import json
 import pytest
 
 from peagle_data.chat.masks import render_rows, tokenize_conversation, tokenize_turns
-from peagle_data.chat.template import ChatTemplateError
+from stores.chat_template import ChatTemplateError
 from tests.peagle_data.chat.test_masks import masked_texts, runs
 
 # --------------------------------------------------------------------------------------------

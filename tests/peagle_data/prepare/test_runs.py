@@ -380,6 +380,50 @@ def test_dropped_content_rejects_or_is_kept_and_counted(tmp_path, smollm2_tokeni
     assert [smollm2_tokenizer.decode(ids[mask == 1])] == ["3 degrees.<|im_end|>"]  # no bare <|im_end|>
 
 
+def test_special_token_text_in_a_reply_is_rejected_or_kept_and_counted(tmp_path, smollm2_tokenizer):
+    """Issue 33, kind 7: a reply that writes out <|im_end|> (explaining ChatML) or <file_sep> was tokenized
+    with that text as one control id and supervised mid-reply ("read 3 used 3 rejected 0")."""
+    tok = smollm2_tokenizer
+    rows = [OK,
+            {"messages": [{"role": "user", "content": "How does ChatML end a turn?"},
+                          {"role": "assistant", "content": "Each turn ends with <|im_end|> and a newline."}]},
+            {"messages": [{"role": "user", "content": "Join the files"},
+                          {"role": "assistant", "content": "a.py<file_sep>b.py"}]},
+            # a user turn holding the text: rendered as vLLM renders it (a control id there too), not a reject
+            {"messages": [{"role": "user", "content": "What does <|im_end|> mean?"},
+                          {"role": "assistant", "content": "It ends a turn."}]}]
+    src = write_rows(tmp_path / "special.jsonl", rows)
+    summary = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "rej",
+                                       settings=TokenizeConfig()), tokenizer=tok)
+    assert (summary["counts"]["read"], summary["counts"]["used"], summary["counts"]["rejected"]) == (4, 2, 2)
+    assert "conversations_with_special_token_text" not in summary["counts"]
+    rejects = rejects_of(tmp_path / "rej")
+    assert [(r["source"].rsplit("/", 1)[-1], r["reason"]) for r in rejects] == [
+        ("special.jsonl:2", "special-token text in a reply: the content of assistant message 1 writes '<|im_end|>', "
+         "which the tokenizer reads as the special token id 2, not as text, so the row would supervise a control "
+         "token inside the reply (the verifier never generates it there); pass --on-special-token-text keep to keep "
+         "such rows as the tokenizer reads them (counted as conversations_with_special_token_text), or remove the "
+         "text"),
+        ("special.jsonl:3", "special-token text in a reply: the content of assistant message 1 writes '<file_sep>', "
+         "which the tokenizer reads as the special token id 5, not as text, so the row would supervise a control "
+         "token inside the reply (the verifier never generates it there); pass --on-special-token-text keep to keep "
+         "such rows as the tokenizer reads them (counted as conversations_with_special_token_text), or remove the "
+         "text")]
+    assert summary["counts"]["rejected_by_reason"] == {"special-token text in a reply": 2}
+    table = {r["conversation_id"]: r for r in TokenTable.open(tmp_path / "rej").iter_rows()}
+    user_row = table["special:4"]
+    assert user_row["input_ids"].tolist() == tok.apply_chat_template(rows[3]["messages"], tokenize=True,
+                                                                      return_dict=False)
+    assert list(user_row["input_ids"]).count(2) == 4  # the user's <|im_end|> text is the control id, as in vLLM
+    kept = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "keep",
+                                    settings=TokenizeConfig(on_special_token_text="keep")), tokenizer=tok)["counts"]
+    assert (kept["used"], kept["rejected"], kept["conversations_with_special_token_text"]) == (4, 0, 2)
+    table = {r["conversation_id"]: r for r in TokenTable.open(tmp_path / "keep").iter_rows()}
+    ids, mask = table["special:2"]["input_ids"], table["special:2"]["loss_mask"]
+    assert tok.decode(ids[mask == 1]) == "Each turn ends with <|im_end|> and a newline.<|im_end|>"
+    assert list(ids[mask == 1]).count(2) == 2
+
+
 def test_parquet_null_keys_are_counted_in_the_manifest(tmp_path, smollm2_tokenizer):
     rows = [{"id": f"r{k}", "messages": [{"role": "user", "content": [{"type": "text", "text": f"Hi {k}"}]},
                                          {"role": "assistant", "content": [{"type": "text", "text": "Yo"}]}]}

@@ -822,7 +822,7 @@ def test_answers_are_decoded_without_cleaning_up_spaces(local, cleaning_tokenize
 
 def test_tokenize_trains_on_the_generated_ids_and_rejects_a_text_that_does_not_round_trip(local, cleaning_tokenizer):
     from peagle_data.chat.masks import tokenize_conversation, tokenize_turns
-    from peagle_data.chat.template import ChatTemplateError
+    from stores.chat_template import ChatTemplateError
 
     tok = local.tokenizer
     ids = tok(SPACED, add_special_tokens=False)["input_ids"] + [2]
@@ -836,9 +836,9 @@ def test_tokenize_trains_on_the_generated_ids_and_rejects_a_text_that_does_not_r
     assert str(e.value) == (
         f"generated ids do not round-trip: assistant message 1 re-tokenizes inside the chat template to "
         f"{len(ids) - 1} ids, the verifier generated {len(ids)} (token_ids); first difference at token 2: '!=' for "
-        "the generated 'Ġ!=', and they decode to another text. Its text was decoded with "
-        "clean_up_tokenization_spaces (peagle's regenerate never does), edited after regenerate, or tokenize runs "
-        "with another tokenizer than the one that generated the ids")
+        "the generated 'Ġ!=', and they decode to another text than the message's content: the text was decoded "
+        "with clean_up_tokenization_spaces (peagle's regenerate never does) or edited after regenerate, or tokenize "
+        "runs with another tokenizer than the one that generated the ids")
     # without token_ids the cleaned text trains, as before: nothing to check it against
     t = tokenize_conversation(tok, [user, {k: v for k, v in cleaned[1].items() if k != "token_ids"}])
     assert t.loss_mask.sum() == len(ids) - 1
@@ -869,6 +869,25 @@ def test_tokenize_trains_on_the_generated_ids_and_rejects_a_text_that_does_not_r
                      + [2]}]
     with pytest.raises(ChatTemplateError, match="assistant message 3 re-tokenizes.*decode to another text"):
         tokenize_turns(tok, stale)
+
+
+@pytest.mark.parametrize("text", ["def f(x):\n    return [0];\n", "echo $num * "])
+def test_an_answer_cut_after_whitespace_trains_on_its_generated_ids(local, text):
+    """Issue 33, kind 8: an answer cut at --max-new-tokens whose last generated token is whitespace
+    (``...0];\n``, ``... $num * ``) was refused by tokenize/pack as "generated ids do not round-trip"."""
+    from peagle_data.chat.masks import tokenize_conversation
+
+    tok = local.tokenizer
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.convert_ids_to_tokens(ids[-1:])[0] in ("Ċ", "Ġ")
+    prompt = local.prompt_ids(Request(messages=[{"role": "user", "content": "Code?"}]))
+    answer = local.answer_of(ids, prompt)  # no end-of-sequence id: cut at the token limit
+    assert (answer.content, answer.token_ids, answer.finish_reason) == (text, ids, "length")
+    row = [{"role": "user", "content": "Code?"},
+           {"role": "assistant", "content": answer.content, "finish_reason": "length", "token_ids": answer.token_ids}]
+    t = tokenize_conversation(tok, row)
+    assert t.input_ids[t.loss_mask == 1].tolist() == ids and t.on_generated_ids == 0
+    assert t.input_ids.tolist() == prompt + ids + tok.convert_tokens_to_ids(["<|im_end|>", "Ċ"])
 
 
 def test_readers_keep_token_ids_and_reject_malformed_ones(tmp_path):

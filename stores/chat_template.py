@@ -11,6 +11,12 @@ vLLM does, from the template's syntax tree; :func:`template_messages` converts t
 ``developer`` message reaches a template that names that role as it is, any other template as a
 system message (vLLM's ``safe_apply_chat_template``); tool definitions reach it as vLLM's request
 model dumps them (:func:`template_tools`).
+
+This is the one renderer of every stage: ``tokenize``/``pack`` (training rows), ``regenerate`` (the
+prompts the verifier answers) and ``peagle-eval`` (the prompts it decodes, :func:`prompt_ids`), so a
+prompt has the same ids in each, and the ids vLLM's chat endpoint renders for the same messages. It
+lives in ``stores`` (beside the tokenizer match) because ``peagle_train`` may not import ``peagle_data``
+(docs/design.md §2).
 """
 
 from __future__ import annotations
@@ -21,14 +27,29 @@ from typing import Any
 
 import jinja2.nodes as jn
 
-from peagle_data.readers.normalize import content_text, content_texts
 from stores.errors import InputError
 
 __all__ = ["ChatTemplateError", "CONTENT_FORMATS", "effective_chat_template", "chat_template_sha256",
-           "content_format", "supports_developer_role", "template_messages", "template_tools", "render"]
+           "content_format", "supports_developer_role", "template_messages", "template_tools", "render",
+           "prompt_ids", "content_texts", "content_text"]
 
 CONTENT_FORMATS = ("string", "openai")
 """How message content is passed to a chat template: joined text, or a list of text parts."""
+
+
+def content_texts(content: Any) -> list[str]:
+    """The text parts of normalised content: a string is one part, None none, a list its parts' texts."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
+    return [part["text"] for part in content]
+
+
+def content_text(content: Any) -> str:
+    """Normalised content as one string: its text parts joined with ``"\n"``, as vLLM joins them for a
+    string-content template (None: ``""``)."""
+    return "\n".join(content_texts(content))
 
 
 class ChatTemplateError(InputError):
@@ -143,7 +164,8 @@ def _as_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """vLLM's handling of ``developer`` messages under a template without that role: they become
     ``system`` messages, and when a system message is then not first, or not alone, all of them are
     merged into one first system message, their texts (parts joined with ``"\n"``) joined with
-    ``"\n\n"``, empty ones left out."""
+    ``"\n\n"``, empty ones left out. vLLM does this to messages already in the template's content
+    format, and the merged content is a string in either format (``_consolidate_system_messages``)."""
     out = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
     systems = [k for k, m in enumerate(out) if m["role"] == "system"]
     if systems in ([], [0]):
@@ -163,9 +185,6 @@ def template_messages(messages, template: str) -> list[dict[str, Any]]:
     (:func:`_as_system_messages`).
     """
     fmt = content_format(template)
-    messages = list(messages)
-    if any(m.get("role") == "developer" for m in messages) and not supports_developer_role(template):
-        messages = _as_system_messages(messages)
     out = []
     for msg in messages:
         texts = content_texts(msg.get("content"))
@@ -176,6 +195,8 @@ def template_messages(messages, template: str) -> list[dict[str, Any]]:
         out.append({**msg, "content": content})
         if msg.get("role") == "assistant" and msg.get("reasoning_content") is not None:
             out[-1]["reasoning"] = msg["reasoning_content"]  # vLLM passes both names
+    if any(m.get("role") == "developer" for m in out) and not supports_developer_role(template):
+        out = _as_system_messages(out)  # after the content: vLLM merges parsed messages, into a string
     return out
 
 
@@ -224,3 +245,19 @@ def render(tokenizer, messages, tools, chat_template, add_generation_prompt=Fals
             template_messages(messages, tokenizer.get_chat_template(chat_template, tools)), **kwargs)
     except Exception as e:  # jinja errors, raise_exception() in templates, type errors on content
         raise ChatTemplateError(f"template error: {type(e).__name__}: {e}") from None
+
+
+def prompt_ids(tokenizer, messages, tools=None, chat_template: str | None = None) -> list[int]:
+    """Token ids of ``messages`` (and ``tools``) rendered with the generation prompt, as vLLM's chat
+    endpoint builds a prompt: :func:`render` (content passed as vLLM passes it), then the text tokenized
+    without adding special tokens (``apply_chat_template(tokenize=True)`` does the same), so special-token
+    text in a message becomes its control id, as in vLLM.
+
+    Returns:
+        int token ids ``[T]``.
+
+    Raises:
+        ChatTemplateError: the template fails on these messages (names the error).
+    """
+    text = render(tokenizer, messages, tools, chat_template, add_generation_prompt=True)
+    return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]

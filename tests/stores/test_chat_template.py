@@ -1,4 +1,4 @@
-"""Content parts reach the chat template as vLLM passes them (peagle_data/chat/template.py).
+"""Content parts reach the chat template as vLLM passes them (stores/chat_template.py).
 
 vLLM detects whether a template loops over a message's content ("openai" format: every content is a
 list of text parts) or not ("string" format: text parts joined with "\\n"). The tests marked ``vllm``
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from peagle_data.chat.masks import tokenize_conversation, tokenize_turns
-from peagle_data.chat.template import content_format, render, template_messages, template_tools
+from stores.chat_template import content_format, render, template_messages, template_tools
 from peagle_data.readers.normalize import normalize_record
 from peagle_data.regenerate.backends import Request, prompt_tokens
 from tests.peagle_data.chat.test_masks import masked_texts
@@ -111,6 +111,10 @@ def test_developer_messages_as_vllm_passes_them():
                                                    {"role": "user", "content": "Hi"}]
     alone = [{"role": "developer", "content": "Terse."}] + msgs[2:]
     assert template_messages(alone, LLAMA3)[0] == {"role": "system", "content": "Terse."}
+    # a list-content template: vLLM merges the messages it already parsed into parts, into a string
+    assert template_messages(msgs, PARTS)[:2] == [{"role": "system", "content": "Be brief.\n\nAnswer in French."},
+                                                  {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    assert template_messages(alone, PARTS)[0] == {"role": "system", "content": [{"type": "text", "text": "Terse."}]}
 
 
 def test_tools_as_vllm_dumps_them(smollm2_tokenizer):
@@ -181,7 +185,7 @@ def test_content_format_equals_vllms(vllm_model_config, smollm2_tokenizer, name)
 @pytest.mark.vllm
 @pytest.mark.parametrize("name, request_messages, tools", [
     ("smollm2", NO_TOOLS, None), ("parts", REQUEST, None), ("smollm2", DEV_REQUEST, None),
-    ("developer", DEV_REQUEST, None), ("qwen3", REQUEST, ODD_TOOLS)])
+    ("developer", DEV_REQUEST, None), ("qwen3", REQUEST, ODD_TOOLS), ("parts", DEV_REQUEST, None)])
 def test_ids_equal_vllms_rendering_of_the_same_request(vllm_model_config, smollm2_tokenizer, name,
                                                        request_messages, tools):
     tok = smollm2_tokenizer

@@ -1,0 +1,106 @@
+"""Evaluation prompts render as vLLM renders the same messages (issue 33, kind 3).
+
+``peagle-eval`` rendered plain ``{"role", "content": str}`` dicts with ``apply_chat_template``; a template
+that reads content only as a list of parts then rendered every prompt empty (9 tokens for a whole
+question) and the run still reported ``identical_to_greedy: true``. It now renders with the renderer of
+every stage (``stores/chat_template.py``). The tests marked ``vllm`` compare its ids with vLLM's own
+message parsing and template application.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from peagle_train.evaluate.prompts import Prompt, render_turn, turn_messages
+
+# A template that reads message content only as a list of text parts (vLLM's "openai" content format):
+# a plain string is iterated character by character, and renders nothing.
+PARTS_ONLY = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
+              "{% for p in m.content %}{% if p.type == 'text' %}{{ p.text }}{% endif %}{% endfor %}"
+              "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+QUESTION = Prompt("81", ["Compose an engaging travel blog post about a recent trip to Hawaii.",
+                         "Rewrite your previous response. Start every sentence with the letter A."])
+WITH_PREFIX = Prompt("7", ["And in French?"], prefix=[
+    {"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Answer in one line."},
+    {"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "Hello!"}])
+
+
+@pytest.fixture(scope="module")
+def parts_tokenizer(smollm2_tokenizer, tmp_path_factory):
+    """SmolLM2's tokenizer with :data:`PARTS_ONLY` as its chat template, saved and loaded back (a verifier
+    directory of its own, as peagle-eval and vLLM load it)."""
+    from transformers import AutoTokenizer
+
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.chat_template = PARTS_ONLY
+    directory = tmp_path_factory.mktemp("parts_only_tokenizer")
+    tok.save_pretrained(directory)
+    loaded = AutoTokenizer.from_pretrained(directory)
+    assert loaded.chat_template == PARTS_ONLY
+    return loaded
+
+
+def test_a_parts_only_template_renders_the_question(parts_tokenizer):
+    text = parts_tokenizer.decode(render_turn(parts_tokenizer, QUESTION, 1, ["Aloha! I went to Maui."]))
+    assert text == ("<|im_start|>user\nCompose an engaging travel blog post about a recent trip to Hawaii.<|im_end|>\n"
+                    "<|im_start|>assistant\nAloha! I went to Maui.<|im_end|>\n"
+                    "<|im_start|>user\nRewrite your previous response. Start every sentence with the letter A."
+                    "<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+
+
+def test_developer_messages_reach_a_template_without_the_role_as_vllm_passes_them(smollm2_tokenizer):
+    text = smollm2_tokenizer.decode(render_turn(smollm2_tokenizer, WITH_PREFIX, 0, []))
+    assert text.startswith("<|im_start|>system\nBe brief.\n\nAnswer in one line.<|im_end|>\n<|im_start|>user\n"
+                           "Say hello.<|im_end|>\n")
+
+
+# --------------------------------------------------------------------------------------------
+# Against vLLM's own rendering (vllm/renderers: parse_chat_messages, safe_apply_chat_template)
+
+
+@pytest.fixture(scope="module")
+def vllm_model_config(smollm2_tokenizer_dir):
+    from vllm.config import ModelConfig
+
+    return ModelConfig(model=str(smollm2_tokenizer_dir), tokenizer=str(smollm2_tokenizer_dir), dtype="float32")
+
+
+def _vllm_prompt_ids(model_config, tokenizer, messages) -> tuple[str, list[int]]:
+    """The content format vLLM detects for ``tokenizer``'s template and the prompt ids its chat endpoint
+    renders for ``messages`` (``HfRenderer.render_messages``: parse, then apply the template)."""
+    from vllm.renderers.chat_utils import parse_chat_messages
+    from vllm.renderers.hf import resolve_chat_template_content_format, safe_apply_chat_template
+
+    fmt = resolve_chat_template_content_format(None, None, "auto", tokenizer, model_config=model_config)
+    conversation, _, _ = parse_chat_messages(messages, model_config, fmt)
+    return fmt, list(safe_apply_chat_template(model_config, tokenizer, conversation, tokenize=True,
+                                              add_generation_prompt=True))
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("template", ["smollm2", "parts_only"])
+def test_evaluation_prompt_ids_equal_vllms(vllm_model_config, smollm2_tokenizer, parts_tokenizer, template):
+    tok = smollm2_tokenizer if template == "smollm2" else parts_tokenizer
+    cases = [(QUESTION, 0, []), (QUESTION, 1, ["Aloha! I went to Maui.\n\nIt was  warm."]), (WITH_PREFIX, 0, [])]
+    for prompt, turn, answers in cases:
+        fmt, served = _vllm_prompt_ids(vllm_model_config, tok, turn_messages(prompt, turn, answers))
+        assert fmt == {"smollm2": "string", "parts_only": "openai"}[template]
+        ids = render_turn(tok, prompt, turn, answers)
+        assert ids == served
+        assert len(ids) > 20  # the question is in it (the bug rendered 9 tokens)
+
+
+def test_a_template_that_does_not_render_the_question_is_refused(smollm2_tokenizer):
+    """Before, such a prompt was decoded from the bare generation prompt and reported identical_to_greedy."""
+    from stores.errors import InputError
+
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.chat_template = ("{% for m in messages %}{% if m.role == 'system' %}{{ m.content }}{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with pytest.raises(InputError, match="prompt '81' turn 0: the verifier's chat template does not render user "
+                                         "message 0 \\('Compose an engaging travel blog post abo'\\)"):
+        render_turn(tok, QUESTION, 0, [])
