@@ -42,6 +42,7 @@ __all__ = [
     "VIEW_FIELDS",
     "WINDOW_VIEWS",
     "WINDOW_ARRAYS",
+    "SEGMENT_KEYS",
     "Block",
     "store_arrays",
     "block_arrays",
@@ -144,6 +145,14 @@ WINDOW_ARRAYS: tuple[ArraySpec, ...] = (
 """The arrays at the root of a full-context store (``layout: "windows"``): the training blocks' token
 arrays and their views into the ``contexts`` sub-store, which holds :data:`ARRAYS` for the context
 blocks the verifier ran."""
+
+
+SEGMENT_KEYS = ArraySpec("segment_keys", "int64", ("N", "S"), "whole", "shared")
+"""``[N, S_max]``: the content key of each training segment's conversation (the packed table's
+``segment_keys``, docs/design.md §6), a short row padded by repeating its last key; one chunk, written
+with the token arrays from the packed rows. Training groups blocks that share a key on one side of the
+validation split (§8). Made at the root of every store since peagle recorded it (attribute
+``segment_keys: true`` once written); absent from older stores and from a ``contexts`` sub-store."""
 
 
 def store_arrays(storage_dtype: str) -> tuple[ArraySpec, ...]:

@@ -47,6 +47,12 @@ PACKED_COLUMNS = [*(s.name for s in TOKEN_ARRAYS), SEGMENTS.name, "n_tokens"]
 """The packed-table columns extraction reads: the store's per-token arrays, ``cu_seqlens``, ``n_tokens``."""
 
 
+def _keys_column(table) -> list[str]:
+    """``["segment_keys"]`` when the packed table records its segments' conversation content keys (the store
+    keeps them for the validation split, docs/design.md §8), else none (a table packed before)."""
+    return ["segment_keys"] if "segment_keys" in table.columns() else []
+
+
 def _check_device(device: str | None) -> None:
     """Raise InputError for a device this torch cannot use (before anything heavy runs)."""
     if device is None:
@@ -158,7 +164,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
             f"({plan.counts['conversations_split']:,} longer than --max-context {cfg.max_context}, split), "
             f"{plan.counts['tokens_extracted']:,} tokens in {len(rows):,} context blocks of {plan.context_size}")
     else:
-        rows = list(table.iter_rows(PACKED_COLUMNS))
+        rows = list(table.iter_rows(PACKED_COLUMNS + _keys_column(table)))
     rows = rows[cfg.shard_index::cfg.num_shards]  # this shard's blocks (all of them unsharded)
     device = cfg.device or (str(state.device) if state.device.type == "cuda" else "cpu")
     directory = _check_before_weights(cfg, table, rows, device, plan)
@@ -331,7 +337,7 @@ def _plan(cfg: ExtractConfig, table, conversations) -> ContextPlan:
                                      "mixture-copy (ID*k) id in a sharded pack does this: give those input rows other "
                                      "ids, or pack unsharded (pack renames it ~k), and pack the table again")
     where = ["segment_ids", "segment_prefix_lens", "segment_starts"]
-    training = list(table.iter_rows(PACKED_COLUMNS + where))
+    training = list(table.iter_rows(PACKED_COLUMNS + where + _keys_column(table)))
     block_size = int(table.manifest.get("parameters", {}).get("block_size") or 0)
     return plan_contexts(training, by_id, int(cfg.max_context), block_size, str(cfg.packed))
 

@@ -77,7 +77,7 @@ from peagle_data.readers.inputs import UniqueIds
 from stores.errors import InputError, StoreMismatchError
 from stores.progress import progress
 from stores.staging import staged_output_dir
-from stores.token_rows import TokenizedRow
+from stores.token_rows import TokenizedRow, content_key
 from stores.token_tables import (
     MANIFEST,
     RejectsWriter,
@@ -306,6 +306,8 @@ class _WindowSpill:
         self.offsets: list[int] = []
         self.datasets: list[str | None] = []
         """Each window's mixture source (None outside mixtures)."""
+        self.keys: list[int] = []
+        """Each window's conversation content key (:func:`stores.token_rows.content_key`)."""
         self._end = 0
         self._dirty = False
 
@@ -383,13 +385,15 @@ def _collect_windows(groups: Iterator[list[TokenizedRow]], cfg: PackConfig, reje
         counts.used += 1
         counts.bump("windows", len(segments))
         counts.bump("conversations_split", candidates > len(group))
+        used = {sid.rpartition("#")[0] for sid, _ in segments}
+        kept = [row for row in group if row.conversation_id in used]
+        key = content_key(rows_key(kept))  # the same for every copy of the conversation (docs/design.md §8)
         for segment in segments:
             spill.append(*segment)
             spill.datasets.append(group[0].dataset)
-        used = {sid.rpartition("#")[0] for sid, _ in segments}
-        for row in group:
-            if row.conversation_id in used:
-                conversations.write(row)
+            spill.keys.append(key)
+        for row in kept:
+            conversations.write(row)
 
 
 def _write_blocks(out: Path, spill: _WindowSpill, block_size: int, vocab_size: int,
@@ -406,6 +410,7 @@ def _write_blocks(out: Path, spill: _WindowSpill, block_size: int, vocab_size: i
             row.segment_prefix_lens = [spill.prefix_lens[i] for i in members]
             # a trimmed window lost leading body tokens: it continues that much later in its conversation
             row.segment_starts = [spill.body_starts[i] + spill.lengths[i] - used_lengths[i] for i in members]
+            row.segment_keys = [spill.keys[i] for i in members]
             if mixed:  # per-window sources and supervised tokens (peagle-data stats per source)
                 row.segment_datasets = [spill.datasets[i] for i in members]
                 row.segment_loss_tokens = [int(m.sum()) for _, _, m in segments]

@@ -132,10 +132,13 @@ class BlockSequence:
         ValueError: ``usable`` holds an id that is not on the train side.
     """
 
-    def __init__(self, train_side: np.ndarray, usable: np.ndarray, seed: int, where: str = "the store"):
+    def __init__(self, train_side: np.ndarray, usable: np.ndarray, seed: int, where: str = "the store",
+                 split_rule: int = 2):
         self.train_side = np.unique(np.asarray(train_side, dtype=np.int64))
         self.usable = np.unique(np.asarray(usable, dtype=np.int64))
         self.seed = int(seed)
+        self.split_rule = int(split_rule)
+        """The validation split rule that gave ``train_side`` (:data:`peagle_train.data.split.SPLIT_RULES`)."""
         if self.usable.size == 0:
             raise StoreFormatError(f"{where}: no training blocks left after the validation split (every extracted "
                                    "block is held out); extract more blocks, or lower --val-fraction")
@@ -172,10 +175,11 @@ def data_state(sequence: BlockSequence, cursor: int, world_size: int, grad_accum
     """The ``data`` entry of ``training_state.pt``: ``format`` (:data:`DATA_STATE_FORMAT`), ``cursor``
     (the sequence cursor after the last step, over all ranks), ``blocks_per_step`` (``grad_accum *
     world_size``), ``world_size``, ``grad_accum``, ``seed``, ``sequence_length`` (n) and ``usable``
-    (the train-side block ids the run could read, a sorted list)."""
+    (the train-side block ids the run could read, a sorted list) and ``split`` (the validation split rule,
+    ``sequence.split_rule``; a state without it was split by rule 1, blocks alone)."""
     return {"format": DATA_STATE_FORMAT, "cursor": int(cursor), "blocks_per_step": int(grad_accum * world_size),
             "world_size": int(world_size), "grad_accum": int(grad_accum), "seed": sequence.seed,
-            "sequence_length": len(sequence), "usable": sequence.usable.tolist()}
+            "sequence_length": len(sequence), "usable": sequence.usable.tolist(), "split": sequence.split_rule}
 
 
 def resume_cursor(saved: dict[str, Any], sequence: BlockSequence, world_size: int, grad_accum: int,

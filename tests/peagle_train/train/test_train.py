@@ -23,8 +23,9 @@ def verifier_dir(tmp_path_factory, make_tiny_llama):
     return make_tiny_llama(tmp_path_factory.mktemp("verifier"), hidden=H, vocab=V)
 
 
-def _store(path, verifier_dir, n_blocks=1, done=None, seed=0):
-    """A store of random blocks; block b is arithmetic in b so every block differs."""
+def _store(path, verifier_dir, n_blocks=1, done=None, seed=0, keys=None):
+    """A store of random blocks; block b is arithmetic in b so every block differs. ``keys[b]``: block b's
+    segment content keys (default: every segment its own conversation, unique over stores)."""
     from stores.feature_store import FeatureStore
 
     store = FeatureStore.create(
@@ -49,6 +50,9 @@ def _store(path, verifier_dir, n_blocks=1, done=None, seed=0):
         if done is None or b in done:
             store.mark_done(b)
     store.write_all_n_tokens(np.array(n_tokens))
+    base = int.from_bytes(os.path.basename(str(path)).encode()[:4].ljust(4, b"\0"), "little") << 20
+    store.write_segment_keys(keys if keys is not None else
+                             [[base + 4 * b + k for k in range(len(lens[b % 3]))] for b in range(n_blocks)])
     freq = np.arange(V)[::-1].copy()
     freq[3] = 0  # the tiny verifier's pad token (it has no tokenizer): never supervised, the mask token
     store.set_token_freq(freq)
