@@ -174,7 +174,7 @@ def block_arrays(storage_dtype: str) -> list[str]:
 
 def array_ndim(name: str) -> int:
     """Dimensions of array ``name`` (chunk keys are ``c/i/0/...``); the same for every storage dtype."""
-    return next(len(s.dims) for s in (*ARRAYS, WINDOW_VIEWS) if s.name == name)
+    return next(len(s.dims) for s in (*ARRAYS, WINDOW_VIEWS, SEGMENT_KEYS) if s.name == name)
 
 
 def dim_sizes(n_blocks: int, block_size: int, max_segments: int, n_layers: int, hidden_size: int,

@@ -396,10 +396,53 @@ def _collect_windows(groups: Iterator[list[TokenizedRow]], cfg: PackConfig, reje
             conversations.write(row)
 
 
+def _copies_of_windows(spill: _WindowSpill) -> list[list[list[int]]]:
+    """The spilled windows by number of copies: entry k-1 lists, for every window of a conversation whose
+    content (``spill.keys``) is in the table k times, the k windows at the same place in each copy (one
+    list per window of the first copy, in spill order). Copies of one content have the same windows: the
+    same tokens give the same cuts."""
+    by_key: dict[int, dict[str, list[int]]] = {}
+    for i, (sid, key) in enumerate(zip(spill.segment_ids, spill.keys)):
+        by_key.setdefault(key, {}).setdefault(sid.rpartition("#")[0], []).append(i)
+    classes: dict[int, list[list[int]]] = {}
+    for convs in by_key.values():
+        copies = list(convs.values())
+        if any(len(c) != len(copies[0]) or [spill.lengths[i] for i in c] != [spill.lengths[i] for i in copies[0]]
+               for c in copies):  # not copies after all (a key collision): packed as conversations of their own
+            copies = [[i] for c in copies for i in c]
+            classes.setdefault(1, []).extend(copies)
+            continue
+        classes.setdefault(len(copies), []).extend([list(w) for w in zip(*copies)])
+    return [sorted(classes[k]) for k in sorted(classes)]
+
+
+def _pack_with_copies(spill: _WindowSpill, block_size: int) -> tuple[list[list[int]], list[int]]:
+    """``(blocks, used_lengths)`` as :func:`pack_blocks_flexible` returns them, copies placed alike: the windows
+    of conversations in the table once are packed by best-fit decreasing (so a table without copies is packed
+    exactly as before); those of a content in the table k > 1 times (a mixture weight above 1, ``--no-dedup``)
+    are packed once, among the windows of contents with as many copies, and every such block is written k times,
+    the j-th time with the windows of copy j (trimmed alike). Copies of a conversation thus share their blocks'
+    fate instead of linking many blocks, which keeps the groups of the validation split small
+    (docs/design.md §5, §8)."""
+    blocks: list[list[int]] = []
+    used = list(spill.lengths)
+    for windows in _copies_of_windows(spill):
+        first = [w[0] for w in windows]
+        packed, lengths = pack_blocks_flexible([spill.lengths[i] for i in first],
+                                               [spill.min_lengths[i] for i in first], block_size)
+        for w, n in zip(windows, lengths):
+            for i in w:
+                used[i] = n
+        for members in packed:
+            blocks += [[windows[m][j] for m in members] for j in range(len(windows[members[0]]))]
+    return blocks, used
+
+
 def _write_blocks(out: Path, spill: _WindowSpill, block_size: int, vocab_size: int,
                   counts: Counts) -> np.ndarray:
-    """Pack the spilled windows, write the packed table; returns token_freq int64 [vocab_size]."""
-    blocks, used_lengths = pack_blocks_flexible(spill.lengths, spill.min_lengths, block_size)
+    """Pack the spilled windows (:func:`_pack_with_copies`), write the packed table; returns token_freq int64
+    [vocab_size]."""
+    blocks, used_lengths = _pack_with_copies(spill, block_size)
     token_freq = TokenFreq(vocab_size)
     n_tokens = n_loss = 0
     mixed = any(d is not None for d in spill.datasets)

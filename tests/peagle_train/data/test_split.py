@@ -76,7 +76,7 @@ def _leaks(content: list[set[bytes]], train, val) -> int:
 @pytest.fixture(scope="module")
 def twice(tmp_path_factory, tiny_verifier_dir):
     """A weight-2 mixture (the README's "repeats it twice") of six long conversations and eight short ones,
-    packed at --max-seq-len 64 into blocks of 128 and extracted by the tiny verifier (full context)."""
+    packed at --max-seq-len 64 into blocks of 64 and extracted by the tiny verifier (full context)."""
     root = tmp_path_factory.mktemp("twice")
     short = [{"id": f"s{i}", "messages": [{"role": "user", "content": f"Say {i}."},
                                           {"role": "assistant", "content": f"{i} " * (1 + i)}]} for i in range(8)]
@@ -84,7 +84,7 @@ def twice(tmp_path_factory, tiny_verifier_dir):
     (root / "mix.yaml").write_text("sources:\n  - {name: twice, path: c.jsonl, weight: 2}\n")
     result = CliRunner().invoke(data_main, ["pack", str(root / "mix.yaml"), "--tokenizer", str(tiny_verifier_dir),
                                             "--output", str(root / "packed"), "--max-seq-len", "64",
-                                            "--block-size", "128"], catch_exceptions=False)
+                                            "--block-size", "64"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     run_extract(ExtractConfig(packed=str(root / "packed"), verifier=str(tiny_verifier_dir), output=str(root / "s.zarr"),
                               layers=[1, 2, 4], device="cpu", max_context=256), progress=False)
@@ -95,16 +95,16 @@ def test_a_weight_2_mixture_keeps_every_copy_and_window_on_one_side(twice):
     packed, path = twice
     content = _packed_content(packed)
     store = FeatureStore.open(path)
-    assert store.n_blocks == len(content) == 36 and store.segment_keys().shape == (36, 3)
-    groups = block_groups(store.segment_keys())
-    assert sorted(np.unique(groups, return_counts=True)[1].tolist()) == [1, 2, 7, 7, 19]
+    assert store.n_blocks == len(content) == 76 and store.segment_keys().shape == (76, 2)
+    groups = block_groups(store.segment_keys())  # a short conversation's 2 copies, a long one's windows of both
+    assert sorted(np.unique(groups, return_counts=True)[1].tolist()) == [2] * 8 + [4, 8, 12, 16, 20]
     for seed in range(6):
         train, val = split_per_store(open_stores(str(path)), seed, 0.25)
-        assert 5 <= val.size <= 9 and sorted(train.tolist() + val.tolist()) == list(range(36))  # 9 asked
+        assert 10 <= val.size <= 19 and sorted(train.tolist() + val.tolist()) == list(range(76))  # 19 asked
         assert _leaks(content, train, val) == 0
-    # the block rule (peagle before) holds out copies of conversations that training reads
-    assert [_leaks(content, *split_blocks(np.arange(36), seed, 0.25)) for seed in range(3)] == [8, 9, 9]  # of 9 held out
-    assert split_per_store(open_stores(str(path)), 0, 0.25)[1].tolist() == [4, 5, 6, 7, 8, 25, 27, 28]
+    # the block rule (peagle before) holds out copies and windows of conversations that training reads
+    assert [_leaks(content, *split_blocks(np.arange(76), seed, 0.25)) for seed in range(3)] == [19, 19, 17]  # of 19
+    assert split_per_store(open_stores(str(path)), 0, 0.25)[1].tolist() == [*range(18, 32), 58, 59, 74, 75]
 
 
 def test_training_records_the_split_and_eval_holds_out_the_same_blocks(twice, tmp_path):
@@ -119,7 +119,7 @@ def test_training_records_the_split_and_eval_holds_out_the_same_blocks(twice, tm
     assert selection.split == "validation" and selection.ids == val and not selection.warnings
     # a checkpoint of a run split over blocks alone (an earlier peagle): eval counts the leaking blocks
     training.pop("split")
-    leaky = [int(b) for b in split_blocks(np.arange(36), 2, 0.25)[1]]
+    leaky = [int(b) for b in split_blocks(np.arange(76), 2, 0.25)[1]]
     training["val_blocks"] = leaky
     warned = select_eval_blocks(FeatureStore.open(path), config).warnings
     assert len(warned) == 1 and "drew its validation split" in warned[0] and "share a conversation" in warned[0]
