@@ -202,7 +202,7 @@ def resolve_drafter_layer(cfg: TrainConfig, verifier_name: str, init: InitSource
 def val_split_warning(n_blocks: int, n_val: int, val_fraction: float) -> str | None:
     """A warning when the validation split holds out more than twice ``val_fraction`` of the blocks.
 
-    :func:`peagle_train.data.loader.split_blocks` holds out at least one block of a store with two or more
+    :func:`peagle_train.data.split.split_store` holds out at least one block of a store with two or more
     (1 of 2 blocks is 50% for ``--val-fraction 0.05``); that is kept, and said. None otherwise.
     """
     if n_val == 0 or n_val <= 2 * val_fraction * n_blocks:
