@@ -308,6 +308,8 @@ class _WindowSpill:
         """Each window's mixture source (None outside mixtures)."""
         self.keys: list[int] = []
         """Each window's conversation content key (:func:`stores.token_rows.content_key`)."""
+        self.conversations: list[int] = []
+        """Each window's conversation, numbered in input order (its per-turn rows are one conversation)."""
         self._end = 0
         self._dirty = False
 
@@ -392,6 +394,7 @@ def _collect_windows(groups: Iterator[list[TokenizedRow]], cfg: PackConfig, reje
             spill.append(*segment)
             spill.datasets.append(group[0].dataset)
             spill.keys.append(key)
+            spill.conversations.append(counts.used)
         for row in kept:
             conversations.write(row)
 
@@ -401,14 +404,17 @@ def _copies_of_windows(spill: _WindowSpill) -> list[list[list[int]]]:
     content (``spill.keys``) is in the table k times, the k windows at the same place in each copy (one
     list per window of the first copy, in spill order). Copies of one content have the same windows: the
     same tokens give the same cuts."""
-    by_key: dict[int, dict[str, list[int]]] = {}
-    for i, (sid, key) in enumerate(zip(spill.segment_ids, spill.keys)):
-        by_key.setdefault(key, {}).setdefault(sid.rpartition("#")[0], []).append(i)
+    by_key: dict[int, dict[int, list[int]]] = {}
+    for i, (conv, key) in enumerate(zip(spill.conversations, spill.keys)):
+        by_key.setdefault(key, {}).setdefault(conv, []).append(i)
+
+    def shape(c: list[int]) -> list[tuple[int, int]]:
+        return [(spill.lengths[i], spill.min_lengths[i]) for i in c]
+
     classes: dict[int, list[list[int]]] = {}
     for convs in by_key.values():
         copies = list(convs.values())
-        if any(len(c) != len(copies[0]) or [spill.lengths[i] for i in c] != [spill.lengths[i] for i in copies[0]]
-               for c in copies):  # not copies after all (a key collision): packed as conversations of their own
+        if any(shape(c) != shape(copies[0]) for c in copies):  # a key collision: conversations of their own
             copies = [[i] for c in copies for i in c]
             classes.setdefault(1, []).extend(copies)
             continue

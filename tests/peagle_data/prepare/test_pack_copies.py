@@ -54,3 +54,27 @@ def test_copies_fill_repeated_blocks_and_share_their_content_key(tmp_path, tiny_
     g1 = np.unique(block_groups(_keys(once)), return_counts=True)[1]
     g2 = np.unique(block_groups(_keys(twice)), return_counts=True)[1]
     assert sorted(g1.tolist()) == [1, 8, 9] and sorted(g2.tolist()) == [2, 16, 18]
+
+
+def test_the_per_turn_rows_of_a_conversation_and_their_copies_share_one_key(tmp_path, smollm2_tokenizer):
+    """Under a template that rewrites history, conversation ``q`` gives rows ``q@1`` and ``q@3``: one
+    conversation, one key, also for the copy a weight of 2 draws; the copy's rows fill a repeat of the blocks."""
+    from peagle_data.prepare.config import PackConfig, PackRun, TokenizeConfig
+    from peagle_data.prepare.pack import run_pack
+    from tests.peagle_data.prepare.test_runs import QWEN3
+
+    (tmp_path / "qwen3.jinja").write_text(QWEN3)
+    q = {"id": "q", "messages": [
+        {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4.", "reasoning_content": "Add."},
+        {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6.", "reasoning_content": "Add."}]}
+    other = {"id": "o", "messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]}
+    (tmp_path / "q.jsonl").write_text(json.dumps(q) + "\n" + json.dumps(other) + "\n")
+    (tmp_path / "m.yaml").write_text("sources:\n  - {name: q, path: q.jsonl, weight: 2}\n")
+    run_pack(PackRun(inputs=[tmp_path / "m.yaml"], tokenizer="smollm2-135m", output=tmp_path / "p",
+                     settings=PackConfig(max_seq_len=64, tokenize=TokenizeConfig(chat_template=str(tmp_path / "qwen3.jinja")))),
+             tokenizer=smollm2_tokenizer)
+    rows = list(TokenTable.open(tmp_path / "p").iter_rows())
+    assert [r["segment_ids"] for r in rows] == [["q@3#0"], ["q*2@3#0"], ["q@1#0", "o#0"], ["q*2@1#0", "o*2#0"]]
+    q_key, o_key = rows[2]["segment_keys"].tolist()
+    assert [r["segment_keys"].tolist() for r in rows] == [[q_key], [q_key], [q_key, o_key], [q_key, o_key]]
+    assert q_key != o_key and all(np.array_equal(rows[b]["input_ids"], rows[b + 1]["input_ids"]) for b in (0, 2))
