@@ -34,7 +34,7 @@ import torch
 
 from peagle_train.data.loader import BlockSequence, resume_cursor
 from peagle_train.data.multistore import open_stores, split_per_store, store_identities, usable_blocks
-from peagle_train.data.split import SPLIT_BLOCKS, SPLIT_CONVERSATIONS, SPLIT_RULES
+from peagle_train.data.split import SPLIT_BLOCKS, SPLIT_CONVERSATIONS, SPLIT_RULES, validation_size
 from peagle_train.model.attention import resolve_attention_backend
 from peagle_train.model.checkpoint import latest_checkpoint, load_drafter, load_training_state
 from peagle_train.model.drafter import PEagleDrafter
@@ -235,7 +235,8 @@ def _start_run(cfg: TrainConfig, accelerator, store, sequence: BlockSequence, va
     """Warn about a large validation split, prepare the output directory (main rank), write
     ``train_config.json`` and find the checkpoint to resume from."""
     main = accelerator.is_main_process
-    note = val_split_warning(store.n_blocks, len(val_side), cfg.data.val_fraction)
+    asked = sum(validation_size(s.n_blocks, cfg.data.val_fraction) for s in getattr(store, "stores", [store]))
+    note = val_split_warning(store.n_blocks, len(val_side), cfg.data.val_fraction, asked)
     if note and main:
         print(f"warning: {note}", file=sys.stderr)
     resume_from = prepare_output(cfg) if main else None
