@@ -23,7 +23,9 @@ windows of long conversations are all W tokens (the last one is aligned to the b
 :mod:`peagle_data.prepare.windows`); with ``skip``, that last window may also be cut back (dropping
 leading loss-0 context tokens, never below the unaligned layout's start) to fill the largest gap
 a shorter conversation left in a block. Every supervised token is still trained exactly once;
-``windows_trimmed`` counts the windows packed shorter.
+``windows_trimmed`` counts the windows packed shorter. The copies of a conversation (same content key,
+``segment_keys``: a mixture weight above 1, ``--no-dedup``) are packed once and their blocks written once per
+copy (:func:`_pack_with_copies`), so that copies do not link many blocks into one validation group.
 
 Counts in every manifest satisfy ``used + rejected == read``; each rejected row is one line in
 ``rejects.jsonl``. A conversation that yields no supervised token is rejected ("no supervised
