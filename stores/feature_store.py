@@ -450,14 +450,18 @@ class FeatureStore:
         ``segment_keys``) into :data:`~stores.feature_schema.SEGMENT_KEYS`, a short row padded by
         repeating its last key, and set the ``segment_keys`` attribute.
 
+        A store made before peagle recorded them gets the array first (``extract --resume`` records the keys
+        of such a store from a packed table that has them).
+
         Raises:
-            StoreFormatError: the store has no ``segment_keys`` array (made before peagle recorded it), a
-                block with no key or more keys than ``max_segments``, or another number of blocks.
+            StoreFormatError: a ``contexts`` sub-store, a block with no key or more keys than ``max_segments``,
+                or another number of blocks.
         """
-        if SEGMENT_KEYS.name not in self.group.array_keys():
-            raise StoreFormatError(f"{self.path}: the store has no {SEGMENT_KEYS.name} array (made before peagle "
-                                   "recorded it)")
+        if self.layout == "contexts":
+            raise StoreFormatError(f"{self.path}: a contexts sub-store holds conversations, not segments")
         width = int(self.attrs["max_segments"])
+        if SEGMENT_KEYS.name not in self.group.array_keys():
+            create_arrays(self.group, (SEGMENT_KEYS,), {"N": self.n_blocks, "S": width}, self.attrs.get("compressor"))
         if len(keys) != self.n_blocks:
             raise StoreFormatError(f"{self.path}: {len(keys)} rows of segment keys for {self.n_blocks} blocks")
         out = np.zeros((self.n_blocks, width), dtype=np.int64)

@@ -156,8 +156,8 @@ def split_store(store, seed: int, val_fraction: float, rule: int = SPLIT_CONVERS
 
     Raises:
         StoreFormatError: rule 2 with ``val_fraction > 0`` on a store without segment keys (made before
-            peagle recorded them, or from a packed table packed before): which blocks share a conversation
-            is unknown.
+            peagle recorded them: ``extract --resume`` records them; or from a packed table without a
+            ``conversations/`` sub-table): which blocks share a conversation is unknown.
         InputError: see :func:`split_by_groups`.
     """
     if rule == SPLIT_BLOCKS:
@@ -171,7 +171,9 @@ def split_store(store, seed: int, val_fraction: float, rule: int = SPLIT_CONVERS
     if keys is None:
         raise StoreFormatError(
             f"{store.path}: the store does not record which conversation each segment comes from (extracted by a "
-            "peagle before the store kept segment_keys, or from a packed table packed before), so a validation "
-            "split cannot keep the copies and windows of one conversation on one side. Pack the data again and "
-            "extract it again, or train with --val-fraction 0")
+            "peagle before the store kept segment_keys, or from a packed table without a conversations/ "
+            "sub-table), so a validation split cannot keep the copies and windows of one conversation on one "
+            "side. Record them with `peagle-data extract PACKED --output STORE ... --resume` (the store's own "
+            "options; nothing is extracted again), or for a table without conversations/ pack the data again "
+            "and extract it again, or train with --val-fraction 0")
     return split_by_groups(block_groups(keys), seed, val_fraction, str(store.path))

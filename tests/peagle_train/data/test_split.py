@@ -129,8 +129,8 @@ def test_a_store_without_segment_keys_is_refused_unless_nothing_is_held_out(tmp_
     path = _store(tmp_path / "old.zarr", verifier_dir, n_blocks=4)
     store = FeatureStore.open(path, mode="r+")
     store._set_own_attr(segment_keys=False)  # as a store extracted before peagle recorded them
-    with pytest.raises(StoreFormatError, match="Pack the data again and extract it again, or train with "
-                                               "--val-fraction 0"):
+    with pytest.raises(StoreFormatError, match=r"Record them with `peagle-data extract PACKED --output STORE \.\.\. "
+                                               r"--resume`.*or train with --val-fraction 0"):
         split_store(FeatureStore.open(path), 0, 0.25)
     assert split_store(FeatureStore.open(path), 0, 0.0)[1].tolist() == []
     assert split_store(FeatureStore.open(path), 0, 0.25, rule=1)[1].tolist() == \
