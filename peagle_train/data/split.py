@@ -21,7 +21,9 @@ same sides.
 
 If whole groups cannot hold out at least half the blocks asked (a group larger than the split: a weight-2
 mixture of short conversations packed into large blocks can link most blocks into one group), the split is
-refused with the group sizes and the fixes, never cut through a group.
+refused with the group sizes and the fixes, never cut through a group; except that a small store asked for
+one block (the "at least one block" of the block rule) holds out its smallest group (the first of them in the
+walk) when it leaves a training block, more than asked, as training then says.
 """
 
 from __future__ import annotations
@@ -130,6 +132,15 @@ def split_by_groups(groups: np.ndarray, seed: int, val_fraction: float, where: s
             taken += int(sizes[k])
             if taken == n_val:
                 break
+    if taken == 0 and n_val == 1:  # "at least one block" of a small store: at least its smallest group
+        walked = [group_of[b] for b in perm[::-1]]
+        first = {}
+        for k in walked:
+            first.setdefault(k, len(first))
+        k = min((int(sizes[k]), first[k], k) for k in first if sizes[k] < n)[2] if (sizes < n).any() else None
+        if k is not None:
+            held[k] = True
+            taken = int(sizes[k])
     if 2 * taken < n_val:
         largest = np.sort(sizes)[::-1][:5].tolist()
         raise InputError(

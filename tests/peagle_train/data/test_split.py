@@ -54,8 +54,8 @@ def test_groups_are_held_out_whole_in_the_seeded_order():
     assert val.tolist() == [2, 8, 9] and train.tolist() == [0, 1, 3, 4, 5, 6, 7]
     assert split_by_groups(groups, 3, 0.3)[1].tolist() == val.tolist()  # a pure function of the seed
     assert split_by_groups(groups, 1, 0.3)[1].tolist() == [3, 4, 5]  # seed 1 starts at block 4: its whole group
-    with pytest.raises(InputError, match=r"--val-fraction.*hold out 1 of its 4 blocks.*largest holding \[2, 2\]"):
-        split_by_groups(np.array([0, 0, 2, 2]), 0, 0.25)
+    with pytest.raises(InputError, match=r"--val-fraction.*hold out 2 of its 8 blocks.*largest holding \[4, 4\]"):
+        split_by_groups(np.array([0, 0, 0, 0, 4, 4, 4, 4]), 0, 0.25)
 
 
 def _packed_content(packed) -> list[set[bytes]]:
@@ -165,3 +165,13 @@ def test_a_resumed_run_keeps_the_split_it_started_with(capsys):
     assert resumed_split_rule({"data": {"format": 2, "split": 2}}, 0.05, "ckpt") == 2
     assert resumed_split_rule({"data": {"format": 2}}, 0.05, "ckpt-7") == 1
     assert "ckpt-7 was started by a peagle that drew the validation split over blocks alone" in capsys.readouterr().err
+
+
+def test_a_small_store_asked_for_one_block_holds_out_its_smallest_group():
+    groups = np.array([0, 0, 2, 2, 2, 5, 5])  # groups of 2, 3, 2; 5% of 7 blocks asks 1
+    train, val = split_by_groups(groups, 0, 0.05)
+    assert val.tolist() == [0, 1] and train.tolist() == [2, 3, 4, 5, 6]
+    # the smallest groups (0-1 and 5-6), the one the seed's walk meets first
+    assert [split_by_groups(groups, s, 0.05)[1].tolist() for s in range(4)] == [[0, 1], [5, 6], [0, 1], [0, 1]]
+    with pytest.raises(InputError, match="whole groups hold out only 0"):
+        split_by_groups(np.array([0, 0, 0]), 0, 0.05)  # one group: none can be held out
