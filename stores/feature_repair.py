@@ -64,6 +64,7 @@ def shared_damage(store: FeatureStore) -> dict[str, str]:
     """``{array: reason}`` for the whole-store arrays ``n_tokens`` and ``token_freq`` (one chunk each;
     ``token_freq`` only once extraction has written it, attribute ``tokens_written``)."""
     names = ["n_tokens"] + (["token_freq"] if store.attrs.get("tokens_written") else [])  # both set by extract
+    names += ["segment_keys"] if store.attrs.get("segment_keys") else []
     found = {name: chunk_damage(store, name, 0) for name in names}
     store.forget_n_tokens()
     return {name: reason for name, reason in found.items() if reason is not None}
@@ -269,7 +270,8 @@ def check_compatible(store: FeatureStore, *, verifier: dict[str, Any], layers: l
 
 
 def write_shared(store: FeatureStore, rows) -> None:
-    """Write the whole-store arrays ``n_tokens [N]`` and ``token_freq [V]`` from the packed rows."""
+    """Write the whole-store arrays ``n_tokens [N]`` and ``token_freq [V]`` from the packed rows, and
+    ``segment_keys [N, S_max]`` when the rows have them (not in a ``contexts`` sub-store)."""
     V = store.vocab_size
     freq = np.zeros(V, dtype=np.int64)
     for i, r in enumerate(rows):
@@ -281,6 +283,8 @@ def write_shared(store: FeatureStore, rows) -> None:
         freq += np.bincount(ids, minlength=V)
     store.write_all_n_tokens(np.array([int(r["n_tokens"]) for r in rows], dtype=np.int32))
     store.set_token_freq(freq)
+    if store.attrs.get("layout") != "contexts" and rows and all(r.get("segment_keys") is not None for r in rows):
+        store.write_segment_keys([r["segment_keys"] for r in rows])  # packed tables since peagle recorded them
 
 
 def repair_shared(store: FeatureStore, rows, log: Callable[[str], None]) -> dict[str, str]:

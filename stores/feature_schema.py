@@ -42,6 +42,7 @@ __all__ = [
     "VIEW_FIELDS",
     "WINDOW_VIEWS",
     "WINDOW_ARRAYS",
+    "SEGMENT_KEYS",
     "Block",
     "store_arrays",
     "block_arrays",
@@ -146,6 +147,14 @@ arrays and their views into the ``contexts`` sub-store, which holds :data:`ARRAY
 blocks the verifier ran."""
 
 
+SEGMENT_KEYS = ArraySpec("segment_keys", "int64", ("N", "S"), "whole", "shared")
+"""``[N, S_max]``: the content key of each training segment's conversation (the packed table's
+``segment_keys``, docs/design.md §6), a short row padded by repeating its last key; one chunk, written
+with the token arrays from the packed rows. Training groups blocks that share a key on one side of the
+validation split (§8). Made at the root of every store since peagle recorded it (attribute
+``segment_keys: true`` once written); absent from older stores and from a ``contexts`` sub-store."""
+
+
 def store_arrays(storage_dtype: str) -> tuple[ArraySpec, ...]:
     """The arrays of a store with ``storage_dtype``, in creation order."""
     if storage_dtype not in STORAGE_DTYPES:
@@ -165,7 +174,7 @@ def block_arrays(storage_dtype: str) -> list[str]:
 
 def array_ndim(name: str) -> int:
     """Dimensions of array ``name`` (chunk keys are ``c/i/0/...``); the same for every storage dtype."""
-    return next(len(s.dims) for s in (*ARRAYS, WINDOW_VIEWS) if s.name == name)
+    return next(len(s.dims) for s in (*ARRAYS, WINDOW_VIEWS, SEGMENT_KEYS) if s.name == name)
 
 
 def dim_sizes(n_blocks: int, block_size: int, max_segments: int, n_layers: int, hidden_size: int,

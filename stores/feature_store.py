@@ -27,6 +27,7 @@ import zarr.errors
 from stores.chunk_files import ChunkFiles, uncompressed
 from stores.errors import ChunkDamageError, StoreFormatError
 from stores.feature_schema import (
+    SEGMENT_KEYS,
     SEGMENTS,
     STORAGE_DTYPES,
     TOKEN_ARRAYS,
@@ -258,7 +259,7 @@ class FeatureStore:
             raise ValueError(f"--compressor {compressor!r}: expected zstd or none")
         group = new_group(str(path), force)
         sizes = dim_sizes(n_blocks, block_size, max_segments, len(layers), hidden_size, vocab_size)
-        create_arrays(group, specs, sizes, compressor)
+        create_arrays(group, (*specs, SEGMENT_KEYS), sizes, compressor)
         group.attrs["peagle"] = _store_attrs(
             FORMAT_VERSION, "blocks", verifier=verifier, layers=layers, hidden_size=hidden_size,
             vocab_size=vocab_size, storage_dtype=storage_dtype, compressor=compressor, block_size=block_size,
@@ -307,8 +308,8 @@ class FeatureStore:
             raise ValueError(f"--compressor {compressor!r}: expected zstd or none")
         group = new_group(str(path), force)
         L = len(layers)
-        create_arrays(group, WINDOW_ARRAYS, dim_sizes(n_blocks, block_size, max_segments, L, hidden_size, vocab_size),
-                      compressor)
+        create_arrays(group, (*WINDOW_ARRAYS, SEGMENT_KEYS),
+                      dim_sizes(n_blocks, block_size, max_segments, L, hidden_size, vocab_size), compressor)
         sub = group.create_group(CONTEXTS)
         create_arrays(sub, specs, dim_sizes(n_context_blocks, context_size, context_segments, L, hidden_size,
                                             vocab_size), compressor)
@@ -443,6 +444,48 @@ class FeatureStore:
                 elif path.exists() or path.is_symlink():
                     path.unlink()
         self.group["done"][i] = 0
+
+    def write_segment_keys(self, keys: list[np.ndarray]) -> None:
+        """Write every block's segment content keys (``keys[i]``: ``[S_i] int64``, the packed row's
+        ``segment_keys``) into :data:`~stores.feature_schema.SEGMENT_KEYS`, a short row padded by
+        repeating its last key, and set the ``segment_keys`` attribute.
+
+        A store made before peagle recorded them gets the array first (``extract --resume`` records the keys
+        of such a store from a packed table that has them).
+
+        Raises:
+            StoreFormatError: a ``contexts`` sub-store, a block with no key or more keys than ``max_segments``,
+                or another number of blocks.
+        """
+        if self.layout == "contexts":
+            raise StoreFormatError(f"{self.path}: a contexts sub-store holds conversations, not segments")
+        width = int(self.attrs["max_segments"])
+        if SEGMENT_KEYS.name not in self.group.array_keys():
+            create_arrays(self.group, (SEGMENT_KEYS,), {"N": self.n_blocks, "S": width}, self.attrs.get("compressor"))
+        if len(keys) != self.n_blocks:
+            raise StoreFormatError(f"{self.path}: {len(keys)} rows of segment keys for {self.n_blocks} blocks")
+        out = np.zeros((self.n_blocks, width), dtype=np.int64)
+        for i, k in enumerate(keys):
+            k = np.asarray(k, dtype=np.int64)
+            if not 1 <= k.size <= width:
+                raise StoreFormatError(f"{self.path}: block {i} has {k.size} segment keys (1..{width} expected)")
+            out[i, : k.size] = k
+            out[i, k.size:] = k[-1]
+        self._writable(SEGMENT_KEYS.name)[:] = out
+        self._set_own_attr(segment_keys=True)  # not a contexts sub-store's: its blocks are conversations
+
+    def _set_own_attr(self, **values: Any) -> None:
+        """Merge values into this group's ``peagle`` attributes only (not a sub-store's)."""
+        self.attrs = {**self.attrs, **values}
+        self.group.attrs["peagle"] = self.attrs
+
+    def segment_keys(self) -> np.ndarray | None:
+        """``[N, S_max] int64``: each block's segment content keys, short rows padded by repeating their last
+        key (:data:`~stores.feature_schema.SEGMENT_KEYS`); None for a store made before peagle recorded them or
+        from a packed table without them (attribute ``segment_keys`` unset)."""
+        if not self.attrs.get("segment_keys") or SEGMENT_KEYS.name not in self.group.array_keys():
+            return None
+        return np.asarray(self.group[SEGMENT_KEYS.name][:], dtype=np.int64)
 
     def set_token_freq(self, token_freq: np.ndarray) -> None:
         """Write ``token_freq [V] int64``."""

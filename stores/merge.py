@@ -452,6 +452,9 @@ def _write_merged_windows(stores: list[FeatureStore], output, force: bool) -> di
         out.write_views(i, views[i])  # padded with -1 as written
     out.write_all_n_tokens(first.n_tokens_per_block())
     out.set_token_freq(first.token_freq())
+    keys = first.segment_keys()
+    if keys is not None:  # the root is every shard's; a store made before peagle recorded keys has none
+        out.write_segment_keys(list(keys))
     _copy_blocks(grids, out.contexts, n)
     out.update_attrs(tokens_written=True)
     return out.summary()
@@ -481,6 +484,13 @@ def _copy_blocks(stores: list[FeatureStore], out: FeatureStore, n: int) -> None:
             n_tokens[g] = per_block[k]
     out.write_all_n_tokens(n_tokens)
     out.set_token_freq(np.sum([s.token_freq() for s in stores], axis=0))
+    keys = [s.segment_keys() for s in stores]
+    if out.attrs.get("layout") != "contexts" and all(k is not None for k in keys):  # every shard recorded them
+        rows: list = [None] * out.n_blocks
+        for s_index, k in enumerate(keys):
+            for j, row in enumerate(k):
+                rows[s_index + j * n] = row  # padded rows: their repeats add no key
+        out.write_segment_keys(rows)
     for g in range(out.n_blocks):
         out.mark_done(g)
 

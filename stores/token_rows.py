@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["TokenizedRow", "PackedRow", "arrow_schema", "optional_columns"]
+__all__ = ["TokenizedRow", "PackedRow", "arrow_schema", "optional_columns", "content_key"]
 
 
 def _col(arrow_type: pa.DataType, **kw: Any) -> Any:
@@ -75,10 +75,22 @@ class PackedRow:
     ``conversations`` sub-table, named by the window id before ``#``): window token
     ``j < prefix_len`` is conversation token ``j``, token ``j >= prefix_len`` is conversation token
     ``segment_starts + j - prefix_len``; None in older tables (docs/design.md §6)."""
+    segment_keys: list[int] | None = _col(pa.list_(pa.int64()), default=None)
+    """``[S]`` the content key of each window's conversation: the first 8 bytes, little-endian signed, of
+    the BLAKE2b digest of the token ids and loss masks of the conversation's rows that have a window in
+    the table (:func:`stores.token_rows.content_key`). Equal for every window of one conversation and for
+    every copy of it (same tokens), so training keeps them on one side of the validation split
+    (docs/design.md §8); None in tables packed before peagle recorded it."""
 
     def as_dict(self) -> dict[str, Any]:
         """The row as :class:`stores.token_tables.TableWriter` writes it (no copies)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def content_key(digest: bytes) -> int:
+    """A conversation's content key (``PackedRow.segment_keys``): the first 8 bytes of its 16-byte content
+    digest read as a little-endian signed int64."""
+    return int.from_bytes(digest[:8], "little", signed=True)
 
 
 def arrow_schema(row_type: type) -> pa.Schema:

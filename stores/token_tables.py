@@ -79,17 +79,19 @@ PACKED_SCHEMA = pa.schema([
     ("segment_loss_tokens", pa.list_(pa.int32())),
     ("segment_prefix_lens", pa.list_(pa.int32())),
     ("segment_starts", pa.list_(pa.int64())),
+    ("segment_keys", pa.list_(pa.int64())),
 ])
 
 SCHEMAS = {"tokenized": TOKENIZED_SCHEMA, "packed": PACKED_SCHEMA}
 
 OPTIONAL_COLUMNS = frozenset({"dataset", "segment_datasets", "segment_loss_tokens", "segment_prefix_lens",
-                              "segment_starts"})
+                              "segment_starts", "segment_keys"})
 """Columns a row may leave out (written as nulls) and a table may lack (tables of older runs):
 the mixture source of a tokenized row (``dataset``), and of each window of a packed row with its
 supervised tokens (``segment_datasets``, ``segment_loss_tokens``; null outside mixtures); where each
 window of a packed row comes from in its conversation (``segment_prefix_lens``, ``segment_starts``;
-absent from tables packed before peagle recorded it)."""
+absent from tables packed before peagle recorded it); each window's conversation content key
+(``segment_keys``, docs/design.md §8; absent from older tables)."""
 
 CONVERSATIONS = "conversations"
 """The sub-table of a packed table that holds the tokenized rows its windows were cut from (a

@@ -19,6 +19,7 @@ Legend: T tokens in a block, L aux layers, H hidden size, S segments.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,6 +31,7 @@ from peagle_data.extract.contexts import ContextPlan, plan_contexts
 from peagle_data.extract.engine import PackedFacts, VerifierEngine
 from peagle_data.extract.hf_forward import check_packable, default_layers
 from peagle_data.extract.store import BlockWriter, check_resumable, check_same_plan, open_or_create, open_packed
+from peagle_data.prepare.dedup import rows_key
 from stores.errors import InputError, OutputExistsError, StoreFormatError, StoreMismatchError
 from stores.feature_repair import repair_blocks, repair_shared, repair_windows
 from stores.feature_schema import SEGMENTS, TOKEN_ARRAYS
@@ -37,6 +39,7 @@ from stores.feature_store import FeatureStore
 from stores.files import is_local, is_zarr_store
 from stores.model_cache import model_fingerprint, resolve_model
 from stores.model_config import load_model_config, text_config
+from stores.token_rows import TokenizedRow, content_key
 from stores.token_tables import CONVERSATIONS, MANIFEST
 from stores.progress import progress as progress_bar
 from stores.verifier_match import check_token_ids, check_verifier_tokenizer
@@ -45,6 +48,35 @@ __all__ = ["PACKED_COLUMNS", "run_extract"]
 
 PACKED_COLUMNS = [*(s.name for s in TOKEN_ARRAYS), SEGMENTS.name, "n_tokens"]
 """The packed-table columns extraction reads: the store's per-token arrays, ``cu_seqlens``, ``n_tokens``."""
+
+
+def _keys_column(table) -> list[str]:
+    """``["segment_keys"]`` when the packed table records its segments' conversation content keys (the store
+    keeps them for the validation split, docs/design.md §8), else ``["segment_ids"]`` to compute them from its
+    ``conversations/`` sub-table (:func:`_attach_segment_keys`)."""
+    return ["segment_keys"] if "segment_keys" in table.columns() else ["segment_ids"]
+
+
+def _attach_segment_keys(table, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` (packed rows) with ``segment_keys``: the table's column, or for a table packed before peagle
+    recorded it, the keys ``pack`` would have written, from its ``conversations/`` sub-table (each
+    conversation's rows, consecutive with one ``source``, keyed by :func:`rows_key` of their token ids and
+    loss masks, as :func:`peagle_data.prepare.pack.run_pack` does). A table without the sub-table, or one that
+    lacks a window's row, gives no keys (training then refuses a validation split of the store)."""
+    if not rows or all(r.get("segment_keys") is not None for r in rows):
+        return rows
+    conversations = table.conversations() if "segment_ids" in rows[0] else None
+    if conversations is None:
+        return rows
+    key_of: dict[str, int] = {}
+    for _, group in itertools.groupby((TokenizedRow(**r) for r in conversations.iter_rows()), key=lambda r: r.source):
+        group = list(group)
+        key = content_key(rows_key(group))
+        key_of.update((r.conversation_id, key) for r in group)
+    cids = [[sid.rpartition("#")[0] for sid in r["segment_ids"]] for r in rows]
+    if any(c not in key_of for row in cids for c in row):
+        return rows
+    return [{**r, "segment_keys": [key_of[c] for c in row]} for r, row in zip(rows, cids)]
 
 
 def _check_device(device: str | None) -> None:
@@ -156,7 +188,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
             f"({plan.counts['conversations_split']:,} longer than --max-context {cfg.max_context}, split), "
             f"{plan.counts['tokens_extracted']:,} tokens in {len(rows):,} context blocks of {plan.context_size}")
     else:
-        rows = list(table.iter_rows(PACKED_COLUMNS))
+        rows = _attach_segment_keys(table, list(table.iter_rows(PACKED_COLUMNS + _keys_column(table))))
     rows = rows[cfg.shard_index::cfg.num_shards]  # this shard's blocks (all of them unsharded)
     device = cfg.device or (str(state.device) if state.device.type == "cuda" else "cpu")
     directory = _check_before_weights(cfg, table, rows, device, plan)
@@ -254,6 +286,7 @@ def _store_on_every_rank(state, cfg: ExtractConfig, rows, table, engine: Verifie
                 repair_windows(root, plan.training_rows, plan.views, log)
                 repair_shared(root, plan.training_rows, log)
             repair_shared(root.contexts if plan is not None else root, rows, log)
+            _record_segment_keys(root, plan.training_rows if plan is not None else rows, log)
     state.wait_for_everyone()
     if not state.is_main_process:
         root = FeatureStore.open(cfg.output, mode="r+")
@@ -261,6 +294,14 @@ def _store_on_every_rank(state, cfg: ExtractConfig, rows, table, engine: Verifie
     repaired = repair_blocks(store, rows, state.process_index, state.num_processes, log) if cfg.resume else {}
     state.wait_for_everyone()
     return root, repaired
+
+
+def _record_segment_keys(root: FeatureStore, rows, log: Callable[[str], None]) -> None:
+    """On ``--resume`` of a store made before peagle recorded ``segment_keys``: write them from the packed rows
+    when these have them (docs/design.md §7), so that training can split it by conversation (§8)."""
+    if root.segment_keys() is None and rows and all(r.get("segment_keys") is not None for r in rows):
+        root.write_segment_keys([r["segment_keys"] for r in rows])
+        log(f"{root.path}: recorded each segment's conversation content key (segment_keys) from the packed table")
 
 
 def _max_context(cfg: ExtractConfig) -> int:
@@ -324,7 +365,8 @@ def _plan(cfg: ExtractConfig, table, conversations) -> ContextPlan:
                                      "mixture-copy (ID*k) id in a sharded pack does this: give those input rows other "
                                      "ids, or pack unsharded (pack renames it ~k), and pack the table again")
     where = ["segment_ids", "segment_prefix_lens", "segment_starts"]
-    training = list(table.iter_rows(PACKED_COLUMNS + where))
+    training = _attach_segment_keys(table, list(table.iter_rows(
+        PACKED_COLUMNS + where + [c for c in _keys_column(table) if c not in where])))
     block_size = int(table.manifest.get("parameters", {}).get("block_size") or 0)
     return plan_contexts(training, by_id, int(cfg.max_context), block_size, str(cfg.packed))
 

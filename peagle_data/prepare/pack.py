@@ -23,7 +23,9 @@ windows of long conversations are all W tokens (the last one is aligned to the b
 :mod:`peagle_data.prepare.windows`); with ``skip``, that last window may also be cut back (dropping
 leading loss-0 context tokens, never below the unaligned layout's start) to fill the largest gap
 a shorter conversation left in a block. Every supervised token is still trained exactly once;
-``windows_trimmed`` counts the windows packed shorter.
+``windows_trimmed`` counts the windows packed shorter. The copies of a conversation (same content key,
+``segment_keys``: a mixture weight above 1, ``--no-dedup``) are packed once and their blocks written once per
+copy (:func:`_pack_with_copies`), so that copies do not link many blocks into one validation group.
 
 Counts in every manifest satisfy ``used + rejected == read``; each rejected row is one line in
 ``rejects.jsonl``. A conversation that yields no supervised token is rejected ("no supervised
@@ -77,7 +79,7 @@ from peagle_data.readers.inputs import UniqueIds
 from stores.errors import InputError, StoreMismatchError
 from stores.progress import progress
 from stores.staging import staged_output_dir
-from stores.token_rows import TokenizedRow
+from stores.token_rows import TokenizedRow, content_key
 from stores.token_tables import (
     MANIFEST,
     RejectsWriter,
@@ -306,6 +308,10 @@ class _WindowSpill:
         self.offsets: list[int] = []
         self.datasets: list[str | None] = []
         """Each window's mixture source (None outside mixtures)."""
+        self.keys: list[int] = []
+        """Each window's conversation content key (:func:`stores.token_rows.content_key`)."""
+        self.conversations: list[int] = []
+        """Each window's conversation, numbered in input order (its per-turn rows are one conversation)."""
         self._end = 0
         self._dirty = False
 
@@ -383,19 +389,68 @@ def _collect_windows(groups: Iterator[list[TokenizedRow]], cfg: PackConfig, reje
         counts.used += 1
         counts.bump("windows", len(segments))
         counts.bump("conversations_split", candidates > len(group))
+        used = {sid.rpartition("#")[0] for sid, _ in segments}
+        kept = [row for row in group if row.conversation_id in used]
+        key = content_key(rows_key(kept))  # the same for every copy of the conversation (docs/design.md §8)
         for segment in segments:
             spill.append(*segment)
             spill.datasets.append(group[0].dataset)
-        used = {sid.rpartition("#")[0] for sid, _ in segments}
-        for row in group:
-            if row.conversation_id in used:
-                conversations.write(row)
+            spill.keys.append(key)
+            spill.conversations.append(counts.used)
+        for row in kept:
+            conversations.write(row)
+
+
+def _copies_of_windows(spill: _WindowSpill) -> list[list[list[int]]]:
+    """The spilled windows by number of copies: entry k-1 lists, for every window of a conversation whose
+    content (``spill.keys``) is in the table k times, the k windows at the same place in each copy (one
+    list per window of the first copy, in spill order). Copies of one content have the same windows: the
+    same tokens give the same cuts."""
+    by_key: dict[int, dict[int, list[int]]] = {}
+    for i, (conv, key) in enumerate(zip(spill.conversations, spill.keys)):
+        by_key.setdefault(key, {}).setdefault(conv, []).append(i)
+
+    def shape(c: list[int]) -> list[tuple[int, int]]:
+        return [(spill.lengths[i], spill.min_lengths[i]) for i in c]
+
+    classes: dict[int, list[list[int]]] = {}
+    for convs in by_key.values():
+        copies = list(convs.values())
+        if any(shape(c) != shape(copies[0]) for c in copies):  # a key collision: conversations of their own
+            copies = [[i] for c in copies for i in c]
+            classes.setdefault(1, []).extend(copies)
+            continue
+        classes.setdefault(len(copies), []).extend([list(w) for w in zip(*copies)])
+    return [sorted(classes[k]) for k in sorted(classes)]
+
+
+def _pack_with_copies(spill: _WindowSpill, block_size: int) -> tuple[list[list[int]], list[int]]:
+    """``(blocks, used_lengths)`` as :func:`pack_blocks_flexible` returns them, copies placed alike: the windows
+    of conversations in the table once are packed by best-fit decreasing (so a table without copies is packed
+    exactly as before); those of a content in the table k > 1 times (a mixture weight above 1, ``--no-dedup``)
+    are packed once, among the windows of contents with as many copies, and every such block is written k times,
+    the j-th time with the windows of copy j (trimmed alike). Copies of a conversation thus share their blocks'
+    fate instead of linking many blocks, which keeps the groups of the validation split small
+    (docs/design.md §5, §8)."""
+    blocks: list[list[int]] = []
+    used = list(spill.lengths)
+    for windows in _copies_of_windows(spill):
+        first = [w[0] for w in windows]
+        packed, lengths = pack_blocks_flexible([spill.lengths[i] for i in first],
+                                               [spill.min_lengths[i] for i in first], block_size)
+        for w, n in zip(windows, lengths):
+            for i in w:
+                used[i] = n
+        for members in packed:
+            blocks += [[windows[m][j] for m in members] for j in range(len(windows[members[0]]))]
+    return blocks, used
 
 
 def _write_blocks(out: Path, spill: _WindowSpill, block_size: int, vocab_size: int,
                   counts: Counts) -> np.ndarray:
-    """Pack the spilled windows, write the packed table; returns token_freq int64 [vocab_size]."""
-    blocks, used_lengths = pack_blocks_flexible(spill.lengths, spill.min_lengths, block_size)
+    """Pack the spilled windows (:func:`_pack_with_copies`), write the packed table; returns token_freq int64
+    [vocab_size]."""
+    blocks, used_lengths = _pack_with_copies(spill, block_size)
     token_freq = TokenFreq(vocab_size)
     n_tokens = n_loss = 0
     mixed = any(d is not None for d in spill.datasets)
@@ -406,6 +461,7 @@ def _write_blocks(out: Path, spill: _WindowSpill, block_size: int, vocab_size: i
             row.segment_prefix_lens = [spill.prefix_lens[i] for i in members]
             # a trimmed window lost leading body tokens: it continues that much later in its conversation
             row.segment_starts = [spill.body_starts[i] + spill.lengths[i] - used_lengths[i] for i in members]
+            row.segment_keys = [spill.keys[i] for i in members]
             if mixed:  # per-window sources and supervised tokens (peagle-data stats per source)
                 row.segment_datasets = [spill.datasets[i] for i in members]
                 row.segment_loss_tokens = [int(m.sum()) for _, _, m in segments]

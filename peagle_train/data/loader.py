@@ -5,8 +5,9 @@ ranks, G ``grad_accum``.
 
 The split and the order are decided over every block id of the store(s), extracted or not (a
 store's block count is fixed when ``extract`` creates it), so neither moves when more blocks
-become done (``--allow-incomplete``, then the extraction finishes): :func:`split_blocks` of all ids
-gives the train side and the validation side, and a :class:`BlockSequence` lists the train side
+become done (``--allow-incomplete``, then the extraction finishes): :mod:`peagle_train.data.split` of all
+ids gives the train side and the validation side (whole groups of blocks sharing a conversation; the block
+rule :func:`split_blocks` only for runs started before it), and a :class:`BlockSequence` lists the train side
 in ``epoch_order(train side, seed, e)`` for epochs e = 0, 1, ..., skipping the blocks that are not
 usable (not extracted) when the process starts. Entry i of epoch e has the cursor ``e * n + i``.
 
@@ -56,12 +57,13 @@ def derive_seed(*parts: int) -> int:
 
 
 def split_blocks(block_ids: np.ndarray, seed: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """Split blocks into train and validation by a seeded permutation.
+    """Split blocks into train and validation by a seeded permutation, each block alone (split rule 1).
 
     The last ``ceil(val_fraction * n)`` blocks of the permutation are validation (at least 1 when
-    ``val_fraction > 0`` and n >= 2; none when n < 2 or ``val_fraction == 0``). Training passes
-    every block id of a store, ``arange(n_blocks)``, extracted or not, so the split of a store is
-    fixed by ``(n_blocks, seed, val_fraction)`` (see :func:`peagle_train.data.multistore.split_per_store`).
+    ``val_fraction > 0`` and n >= 2; none when n < 2 or ``val_fraction == 0``). Blocks that share a
+    conversation (its windows, its copies) may fall on both sides: new runs split by whole groups of such
+    blocks (:func:`peagle_train.data.split.split_by_groups`, which walks the same permutation); this rule
+    remains for resuming a run started with it and for checkpoints that record no ``val_blocks``.
 
     Args:
         block_ids: ``[n] int64`` block ids.
@@ -131,10 +133,13 @@ class BlockSequence:
         ValueError: ``usable`` holds an id that is not on the train side.
     """
 
-    def __init__(self, train_side: np.ndarray, usable: np.ndarray, seed: int, where: str = "the store"):
+    def __init__(self, train_side: np.ndarray, usable: np.ndarray, seed: int, where: str = "the store",
+                 split_rule: int = 2):
         self.train_side = np.unique(np.asarray(train_side, dtype=np.int64))
         self.usable = np.unique(np.asarray(usable, dtype=np.int64))
         self.seed = int(seed)
+        self.split_rule = int(split_rule)
+        """The validation split rule that gave ``train_side`` (:data:`peagle_train.data.split.SPLIT_RULES`)."""
         if self.usable.size == 0:
             raise StoreFormatError(f"{where}: no training blocks left after the validation split (every extracted "
                                    "block is held out); extract more blocks, or lower --val-fraction")
@@ -171,10 +176,11 @@ def data_state(sequence: BlockSequence, cursor: int, world_size: int, grad_accum
     """The ``data`` entry of ``training_state.pt``: ``format`` (:data:`DATA_STATE_FORMAT`), ``cursor``
     (the sequence cursor after the last step, over all ranks), ``blocks_per_step`` (``grad_accum *
     world_size``), ``world_size``, ``grad_accum``, ``seed``, ``sequence_length`` (n) and ``usable``
-    (the train-side block ids the run could read, a sorted list)."""
+    (the train-side block ids the run could read, a sorted list) and ``split`` (the validation split rule,
+    ``sequence.split_rule``; a state without it was split by rule 1, blocks alone)."""
     return {"format": DATA_STATE_FORMAT, "cursor": int(cursor), "blocks_per_step": int(grad_accum * world_size),
             "world_size": int(world_size), "grad_accum": int(grad_accum), "seed": sequence.seed,
-            "sequence_length": len(sequence), "usable": sequence.usable.tolist()}
+            "sequence_length": len(sequence), "usable": sequence.usable.tolist(), "split": sequence.split_rule}
 
 
 def resume_cursor(saved: dict[str, Any], sequence: BlockSequence, world_size: int, grad_accum: int,

@@ -3,8 +3,9 @@
 :class:`StoreSet` shows the stores to the trainer as one store: block ``offset_j + k`` is block k of
 store j (stores in the order given), ``token_freq`` is the sum of theirs (so the draft vocab comes
 from the summed frequencies), and ``done_mask`` the concatenation. :func:`split_per_store` holds
-out each store's own validation blocks (``split_blocks`` of all that store's block ids with the
-run's seed, extracted or not), so every source is represented in validation, adding a store does
+out each store's own validation blocks (:func:`peagle_train.data.split.split_store` of all that store's
+block ids with the run's seed, extracted or not: whole groups of blocks that share a conversation; no
+conversation is held out in one store and trained on in another), so every source is represented in validation, adding a store does
 not move the split of the others, and finishing an extraction moves no block between the sides.
 The run's block sequence (:class:`peagle_train.data.loader.BlockSequence`) is a pure function of the seed,
 the epoch and the train side, so ``--resume`` with the same stores in the same order restores the
@@ -24,7 +25,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from peagle_train.data.loader import check_store_ready, split_blocks
+from peagle_train.data.loader import check_store_ready
+from peagle_train.data.split import SPLIT_CONVERSATIONS, split_store
 from stores.errors import InputError, StoreMismatchError
 from stores.feature_store import FeatureStore
 from stores.files import is_local
@@ -244,17 +246,48 @@ def usable_blocks(store, allow_incomplete: bool) -> np.ndarray:
                            for j, s in enumerate(store.stores)])
 
 
-def split_per_store(store, seed: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+def split_per_store(store, seed: int, val_fraction: float, rule: int = SPLIT_CONVERSATIONS
+                    ) -> tuple[np.ndarray, np.ndarray]:
     """The train side and the validation side of every block id, extracted or not (global ids, sorted):
-    :func:`split_blocks` of ``arange(n_blocks)`` of each store of a :class:`StoreSet` (offset to global
-    ids), else of the store. A store's block count is fixed when ``extract`` creates it, so a block's side
-    never changes as the extraction finishes, and adding a store does not move the others'; training
-    reads the sides' extracted blocks (``np.intersect1d`` with :func:`usable_blocks`)."""
+    :func:`peagle_train.data.split.split_store` of each store of a :class:`StoreSet` (offset to global ids),
+    else of the store, by ``rule`` (whole groups of blocks that share a conversation; rule 1, blocks alone,
+    only for a resumed run that started with it). A store's block count and segment keys are fixed when
+    ``extract`` creates it, so a block's side never changes as the extraction finishes, and adding a store
+    does not move the others'; training reads the sides' extracted blocks (``np.intersect1d`` with
+    :func:`usable_blocks`).
+
+    Raises:
+        StoreFormatError, InputError: see :func:`peagle_train.data.split.split_store`; with several stores
+            also a conversation held out in one store that another store trains on (same content key).
+    """
     if not isinstance(store, StoreSet):
-        return split_blocks(np.arange(store.n_blocks, dtype=np.int64), seed, val_fraction)
+        return split_store(store, seed, val_fraction, rule)
     train, val = [], []
     for j, s in enumerate(store.stores):
-        t, v = split_blocks(np.arange(s.n_blocks, dtype=np.int64), seed, val_fraction)
+        t, v = split_store(s, seed, val_fraction, rule)
         train.append(t + store.offsets[j])
         val.append(v + store.offsets[j])
-    return np.concatenate(train), np.concatenate(val)
+    train, val = np.concatenate(train), np.concatenate(val)
+    if rule == SPLIT_CONVERSATIONS and val.size:
+        _check_no_shared_conversation(store, train, val)
+    return train, val
+
+
+def _check_no_shared_conversation(store: StoreSet, train: np.ndarray, val: np.ndarray) -> None:
+    """Raise unless no conversation content key of a validation block is in a training block of another store
+    (one store's groups never cross its sides; two stores of overlapping data can)."""
+    keys = [s.segment_keys() for s in store.stores]
+    if any(k is None for k in keys):
+        return  # split_store refused a store without keys already, unless nothing is held out
+    owner = np.concatenate([np.full(k.shape[0], j) for j, k in enumerate(keys)])
+    width = max(k.shape[1] for k in keys)
+    rows = np.concatenate([np.pad(k, ((0, 0), (0, width - k.shape[1])), mode="edge") for k in keys])
+    shared = np.intersect1d(rows[val].reshape(-1), rows[train].reshape(-1))
+    if shared.size:
+        b = int(val[np.isin(rows[val], shared).any(axis=1)][0])
+        t = int(train[np.isin(rows[train], shared).any(axis=1)][0])
+        raise StoreMismatchError(
+            f"{store.stores[owner[b]].path} holds out {shared.size} conversation(s) that "
+            f"{store.stores[owner[t]].path} trains on (same tokens; global validation block {b}, training block "
+            f"{t}): validation would score memorisation. Pack the overlapping data into one store (or drop the "
+            "repeats from one of them), or pass --val-fraction 0")

@@ -14,6 +14,7 @@ import torch
 from peagle_train.data.cod import CodElements, element_inputs
 from peagle_train.data.loader import split_blocks
 from peagle_train.data.multistore import store_identity
+from peagle_train.data.split import SPLIT_CONVERSATIONS
 from peagle_train.evaluate.checks import check_store_fits, check_verifier_config
 from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.prompts import eos_ids
@@ -248,6 +249,26 @@ def _held_out(done, n_blocks: int, first: int, training: dict[str, Any]):
     return done[:0]
 
 
+def _split_leak_warning(store, held: np.ndarray, val_side: np.ndarray, training: dict[str, Any]) -> str | None:
+    """A warning for a drafter whose validation split was drawn over blocks alone (a checkpoint without
+    ``peagle_training.split`` version 2, docs/design.md §8): its held-out blocks may share conversations
+    (windows, mixture copies) with its training blocks. With the store's segment keys it counts the scored
+    ``held`` blocks that share one with a block outside the run's whole validation side ``val_side``."""
+    if int((training.get("split") or {}).get("version", 1)) >= SPLIT_CONVERSATIONS or held.size == 0:
+        return None
+    why = (f"the training run drew its validation split of {store.path} over blocks alone (an earlier peagle), so "
+           "its held-out blocks may share conversations (windows, mixture copies) with its training blocks")
+    keys = store.segment_keys() if isinstance(store, FeatureStore) else None
+    if keys is None:
+        return why + "; the 'validation' scores may include memorised conversations"
+    rest = np.setdiff1d(np.arange(store.n_blocks, dtype=np.int64), val_side)
+    shared = np.isin(keys[held], keys[rest]).any(axis=1)
+    if not shared.any():
+        return None
+    return (f"{why}: {int(shared.sum())} of the {held.size} held-out blocks scored share a conversation with a "
+            f"training block (first: {held[shared][:5].tolist()}); their scores include memorised conversations")
+
+
 def select_eval_blocks(store, drafter_config: dict[str, Any] | None = None,
                        max_blocks: int | None = None) -> BlockSelection:
     """The blocks offline evaluation scores: the training run's validation blocks of this very store.
@@ -273,6 +294,10 @@ def select_eval_blocks(store, drafter_config: dict[str, Any] | None = None,
         ids, split = done, ("other_store" if training.get("stores") or training.get("store") else "all")
     else:
         ids, split = _held_out(done, store.n_blocks, first, training), "validation"
+        leak = _split_leak_warning(store, ids, _held_out(np.arange(store.n_blocks, dtype=np.int64), store.n_blocks,
+                                                           first, training), training)
+        if leak:
+            warnings.append(leak)
         if ids.size == 0:
             held = _held_out(np.arange(store.n_blocks, dtype=np.int64), store.n_blocks, first, training)
             ids, split = done, "training"

@@ -35,6 +35,7 @@ import torch
 
 from peagle_train.data.loader import BlockSequence, resume_cursor
 from peagle_train.data.multistore import open_stores, split_per_store, store_identities, usable_blocks
+from peagle_train.data.split import SPLIT_BLOCKS, SPLIT_CONVERSATIONS, SPLIT_RULES, validation_size
 from peagle_train.model.attention import resolve_attention_backend
 from peagle_train.model.checkpoint import latest_checkpoint, load_drafter, load_training_state
 from peagle_train.model.drafter import PEagleDrafter
@@ -133,11 +134,12 @@ def build_trainer(cfg: TrainConfig, claimed: list[tuple[Path, bool]] | None = No
     mask = resolve_mask_token(verifier_name, store, mask_id)  # InputError before the weights load
     accelerator = _accelerator(cfg, trackers)
     usable = _rank0_blocks(accelerator, usable)
-    train_side, val_side = split_per_store(store, cfg.run.seed, cfg.data.val_fraction)  # over every block id
-    sequence = BlockSequence(train_side, np.intersect1d(train_side, usable), cfg.run.seed, str(store.path))
-    val_ids = np.intersect1d(val_side, usable)
     resume_from = latest_checkpoint(cfg.run.output) if cfg.run.resume else None
     state = load_training_state(resume_from) if resume_from is not None else None
+    rule = resumed_split_rule(state, cfg.data.val_fraction, str(resume_from))  # a resumed run keeps its split
+    train_side, val_side = split_per_store(store, cfg.run.seed, cfg.data.val_fraction, rule)  # every block id
+    sequence = BlockSequence(train_side, np.intersect1d(train_side, usable), cfg.run.seed, str(store.path), rule)
+    val_ids = np.intersect1d(val_side, usable)
     if state is not None:  # refused here, before the weights load, unless it continues exactly
         resume_cursor(state.get("data") or {}, sequence, accelerator.num_processes, cfg.optim.grad_accum, str(resume_from))
     # --init-layers verifier (checked before the weights); a resume takes its layers from the checkpoint
@@ -244,12 +246,30 @@ def _hparams(cfg: TrainConfig, trainer: Trainer, D: int, verifier_name: str, run
     return hparams
 
 
+def resumed_split_rule(state: dict | None, val_fraction: float, checkpoint: str) -> int:
+    """The validation split rule of the run: :data:`SPLIT_CONVERSATIONS` for a new run and for the resume of a
+    run that started with it; :data:`SPLIT_BLOCKS` for the resume of a run saved before peagle split by
+    conversation (its ``training_state.pt`` has no ``split``), which keeps its held-out blocks (changing them
+    mid-run would move blocks between the sides) and says on stderr that they may share conversations with
+    its training blocks."""
+    if state is None:
+        return SPLIT_CONVERSATIONS
+    rule = int((state.get("data") or {}).get("split", SPLIT_BLOCKS))
+    if rule == SPLIT_BLOCKS and val_fraction > 0:
+        print(f"warning: {checkpoint} was started by a peagle that drew the validation split over blocks alone; the "
+              "resumed run keeps that split, so its held-out blocks may share conversations (windows, mixture "
+              "copies) with its training blocks and val_loss may score memorisation. A new run splits by "
+              "conversation", file=sys.stderr)
+    return rule
+
+
 def _start_run(cfg: TrainConfig, accelerator, store, sequence: BlockSequence, val_side: np.ndarray,
                val_ids: np.ndarray, trackers, claimed: list[tuple[Path, bool]] | None = None) -> TrainRun:
     """Warn about a large validation split, prepare the output directory (main rank), write
     ``train_config.json`` and find the checkpoint to resume from."""
     main = accelerator.is_main_process
-    note = val_split_warning(store.n_blocks, len(val_side), cfg.data.val_fraction)
+    asked = sum(validation_size(s.n_blocks, cfg.data.val_fraction) for s in getattr(store, "stores", [store]))
+    note = val_split_warning(store.n_blocks, len(val_side), cfg.data.val_fraction, asked)
     if note and main:
         print(f"warning: {note}", file=sys.stderr)
     existed = Path(cfg.run.output).exists()
@@ -268,6 +288,7 @@ def _start_run(cfg: TrainConfig, accelerator, store, sequence: BlockSequence, va
             "tokenizer": store.attrs.get("tokenizer") or {},  # what the drafter's token ids mean (peagle-eval checks it)
             "seed": cfg.run.seed, "val_fraction": cfg.data.val_fraction, "num_depths": cfg.model.num_depths,
             "max_anchors": cfg.data.max_anchors, "down_sample_ratio": cfg.data.down_sample_ratio,
-            "down_sample_ratio_min": cfg.data.down_sample_ratio_min, "val_blocks": [int(i) for i in val_side]}
+            "down_sample_ratio_min": cfg.data.down_sample_ratio_min, "val_blocks": [int(i) for i in val_side],
+            "split": {"rule": SPLIT_RULES[sequence.split_rule], "version": sequence.split_rule}}
     return TrainRun(store=store, sequence=sequence, val_ids=val_ids, output=out, info=info, summary={},
                     metrics=MetricsLog(out / "metrics.jsonl", accelerator, trackers), resumed_from=resume_from)

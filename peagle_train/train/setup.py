@@ -199,12 +199,19 @@ def resolve_drafter_layer(cfg: TrainConfig, verifier_name: str, init: InitSource
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, drafter_layer=layer))
 
 
-def val_split_warning(n_blocks: int, n_val: int, val_fraction: float) -> str | None:
-    """A warning when the validation split holds out more than twice ``val_fraction`` of the blocks.
+def val_split_warning(n_blocks: int, n_val: int, val_fraction: float, n_asked: int | None = None) -> str | None:
+    """A warning when the validation split holds out more than twice ``val_fraction`` of the blocks, or fewer
+    than the ``n_asked`` blocks ``val_fraction`` asks.
 
-    :func:`peagle_train.data.loader.split_blocks` holds out at least one block of a store with two or more
-    (1 of 2 blocks is 50% for ``--val-fraction 0.05``); that is kept, and said. None otherwise.
+    :func:`peagle_train.data.split.split_store` holds out at least one block of a store with two or more
+    (1 of 2 blocks is 50% for ``--val-fraction 0.05``); that is kept, and said. It holds out whole groups of
+    blocks that share a conversation, so it may hold out fewer than asked (at least half); that is said too.
+    None otherwise.
     """
+    if n_asked is not None and n_val < n_asked:
+        return (f"holding out {n_val} of {n_blocks} blocks ({100 * n_val / n_blocks:.1f}%) for validation, fewer "
+                f"than the {n_asked} --val-fraction {val_fraction:g} asks: validation takes whole groups of blocks "
+                "that share a conversation (its windows, its copies), none of which fitted in the rest")
     if n_val == 0 or n_val <= 2 * val_fraction * n_blocks:
         return None
     return (f"holding out {n_val} of {n_blocks} blocks ({100 * n_val / n_blocks:.0f}%) for validation, more than "

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from stores.feature_schema import ARRAYS, TOKEN_ARRAYS, Block, block_arrays, bytes_per_token, store_arrays
+from stores.feature_schema import (ARRAYS, SEGMENT_KEYS, TOKEN_ARRAYS, Block, block_arrays, bytes_per_token,
+                                   store_arrays)
 from stores.feature_store import FeatureStore
 
 
@@ -13,8 +14,8 @@ def test_create_makes_exactly_the_arrays_of_the_table(tmp_path, storage_dtype):
     store = FeatureStore.create(tmp_path / "s.zarr", n_blocks=3, block_size=8, max_segments=2, layers=[0, 2],
                                 hidden_size=4, vocab_size=16, verifier={"name_or_path": "tiny"},
                                 storage_dtype=storage_dtype)
-    sizes = {"N": 3, "C": 8, "W": 3, "L": 2, "H": 4, "V": 16}
-    specs = store_arrays(storage_dtype)
+    sizes = {"N": 3, "C": 8, "W": 3, "S": 2, "L": 2, "H": 4, "V": 16}
+    specs = (*store_arrays(storage_dtype), SEGMENT_KEYS)  # segment keys: at the root, since peagle recorded them
     assert sorted(name for name, _ in store.group.arrays()) == sorted(s.name for s in specs)
     for spec in specs:
         arr = store.group[spec.name]
@@ -22,6 +23,9 @@ def test_create_makes_exactly_the_arrays_of_the_table(tmp_path, storage_dtype):
             (spec.shape(sizes), spec.chunks(sizes), spec.dtype), spec.name
     assert store.group["aux_hidden"].shape == (3, 8, 2, 4) and store.group["aux_hidden"].chunks == (1, 8, 2, 4)
     assert store.group["n_tokens"].chunks == (3,) and store.group["token_freq"].chunks == (16,)
+    assert store.group["segment_keys"].chunks == (3, 2) and store.segment_keys() is None  # not written yet
+    store.write_segment_keys([[7, -9], [5], [-9, 4]])  # a short row repeats its last key
+    assert store.segment_keys().tolist() == [[7, -9], [5, 5], [-9, 4]] and store.attrs["segment_keys"] is True
     assert store.block_arrays() == block_arrays(storage_dtype)
 
 

@@ -146,8 +146,9 @@ def test_extract_shards_merge_into_the_unsharded_store(tmp_path, tiny_verifier_d
     full, merged = FeatureStore.open(tmp_path / "full.zarr"), FeatureStore.open(tmp_path / "m.zarr")
     assert merged.n_blocks == 5 and merged.n_tokens == full.n_tokens
     for name in ("input_ids", "loss_mask", "position_ids", "cu_seqlens", "aux_hidden", "final_hidden", "n_tokens",
-                 "token_freq", "done"):
+                 "token_freq", "done", "segment_keys"):
         assert np.array_equal(merged.group[name][:], full.group[name][:]), name
+    assert merged.segment_keys()[:, 0].tolist() == [0, 10, 20, 30, 40]  # interleaved back into packed order
     assert verify_store(tmp_path / "m.zarr")["ok"]
     r = CliRunner().invoke(main, ["verify", str(tmp_path / "m.zarr"), "--packed", str(packed)])
     assert r.exit_code == 0, r.output

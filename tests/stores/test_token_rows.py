@@ -27,4 +27,4 @@ def test_typed_rows_write_as_their_dicts(tmp_path):
     assert rows[0] == rows[1] == {"block_id": 3, "input_ids": [5, 6, 7], "loss_mask": [0, 1, 1],
                                   "position_ids": [0, 1, 0], "cu_seqlens": [0, 2, 3], "segment_ids": ["a#0", "b#0"],
                                   "n_tokens": 3, "segment_datasets": None, "segment_loss_tokens": None,
-                                  "segment_prefix_lens": None, "segment_starts": None}
+                                  "segment_prefix_lens": None, "segment_starts": None, "segment_keys": None}

@@ -29,8 +29,8 @@ from processes import kill_runs  # noqa: E402
 
 
 def write_packed(directory: Path, n_blocks: int, block_size: int, seed: int = 0) -> Path:
-    """A packed table of random blocks (2-3 segments each) written through stores.token_tables, without a
-    conversations sub-table: extract it with ``--context window`` (format 1; the default, full, refuses it)."""
+    """A packed table of random blocks (2-3 segments each, each its own conversation key) written through
+    stores.token_tables, without a conversations sub-table: extract it with ``--context window`` (format 1; the default, full, refuses it)."""
     rng = np.random.default_rng(seed)
     prepare_output_dir(directory, force=True)
     with TableWriter(directory, "packed") as w:
@@ -42,7 +42,8 @@ def write_packed(directory: Path, n_blocks: int, block_size: int, seed: int = 0)
             cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
             w.write({"block_id": b, "input_ids": ids, "loss_mask": mask, "position_ids": pos,
                      "cu_seqlens": cu, "segment_ids": [f"c{b}#{k}" for k in range(len(lengths))],
-                     "n_tokens": int(lengths.sum())})
+                     "n_tokens": int(lengths.sum()),
+                     "segment_keys": [1000 * seed + 10 * b + k for k in range(len(lengths))]})
     write_manifest(directory, {"kind": "packed", "inputs": [f"random-seed-{seed}"],
                                "parameters": {"block_size": block_size},
                                "tokenizer": {"name_or_path": "smollm2-135m"}})

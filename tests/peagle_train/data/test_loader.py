@@ -147,7 +147,7 @@ def test_each_rank_takes_a_contiguous_slice_of_every_step_of_the_global_sequence
             assert loader.cursor == flat[7][0] + 1  # after the second step: the same on every rank
             assert loader.state_dict() == {"format": 2, "cursor": flat[7][0] + 1, "blocks_per_step": 4,
                                            "world_size": world, "grad_accum": accum, "seed": 5,
-                                           "sequence_length": 6, "usable": [0, 1, 2, 4, 5]}
+                                           "sequence_length": 6, "usable": [0, 1, 2, 4, 5], "split": 2}
             resumed = BlockLoader(store, seq, cursor=loader.cursor, rank=r, world_size=world, grad_accum=accum,
                                   prefetch=False)
             c, b = next(iter(resumed))

@@ -401,7 +401,9 @@ def test_select_eval_blocks_uses_the_recorded_split_of_this_store_only(tmp_path)
         [1, 1, 0, 1, 1, 1, 1, 1, 1, 1], dtype=bool), attrs={"source": "sha", "verifier": {"fingerprint": "f"}})
     entry = {"path": "/elsewhere/s.zarr", **store_identity(store), "first_block": 4}  # a copy, 2nd of two stores
     incomplete = f"{path} is an incomplete store: 9 of 10 blocks extracted; only those are scored"
-    chosen = select_eval_blocks(store, {"peagle_training": {"stores": [entry], "val_blocks": [1, 6, 7, 11, 14]}})
+    v2 = {"rule": "conversation_groups", "version": 2}  # split by conversation (docs/design.md §8)
+    chosen = select_eval_blocks(store, {"peagle_training": {"stores": [entry], "val_blocks": [1, 6, 7, 11, 14],
+                                                            "split": v2}})
     assert (chosen.ids, chosen.split, chosen.warnings) == ([3, 7], "validation", [incomplete])  # 6 is block 2: not done
     assert chosen.report() == {"split": "validation", "blocks": [3, 7], "store_blocks_done": 9,
                                "store_blocks_total": 10, "warnings": [incomplete]}
@@ -424,6 +426,10 @@ def test_select_eval_blocks_uses_the_recorded_split_of_this_store_only(tmp_path)
     _, val = split_blocks(np.array([0, 1, 3, 4, 5, 6, 7, 8, 9]), 5, 0.3)
     chosen = select_eval_blocks(store, {"peagle_training": {"store": path, "seed": 5, "val_fraction": 0.3}})
     assert (chosen.ids, chosen.split) == (val.tolist(), "validation")
+    assert chosen.warnings[1] == (f"the training run drew its validation split of {path} over blocks alone (an "
+                                  "earlier peagle), so its held-out blocks may share conversations (windows, mixture "
+                                  "copies) with its training blocks; the 'validation' scores may include memorised "
+                                  "conversations")
     chosen = select_eval_blocks(store, {"peagle_training": {"store": "other.zarr", "val_blocks": [3]}})
     assert (chosen.ids, chosen.split) == ([0, 1, 3, 4, 5, 6, 7, 8, 9], "other_store")
     assert chosen.warnings[1] == (f"{path} is not the store this drafter was trained on (other.zarr): every done "

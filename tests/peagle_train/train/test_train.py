@@ -23,8 +23,9 @@ def verifier_dir(tmp_path_factory, make_tiny_llama):
     return make_tiny_llama(tmp_path_factory.mktemp("verifier"), hidden=H, vocab=V)
 
 
-def _store(path, verifier_dir, n_blocks=1, done=None, seed=0):
-    """A store of random blocks; block b is arithmetic in b so every block differs."""
+def _store(path, verifier_dir, n_blocks=1, done=None, seed=0, keys=None):
+    """A store of random blocks; block b is arithmetic in b so every block differs. ``keys[b]``: block b's
+    segment content keys (default: every segment its own conversation, unique over stores)."""
     from stores.feature_store import FeatureStore
 
     store = FeatureStore.create(
@@ -49,6 +50,9 @@ def _store(path, verifier_dir, n_blocks=1, done=None, seed=0):
         if done is None or b in done:
             store.mark_done(b)
     store.write_all_n_tokens(np.array(n_tokens))
+    base = int.from_bytes(os.path.basename(str(path)).encode()[:4].ljust(4, b"\0"), "little") << 20
+    store.write_segment_keys(keys if keys is not None else
+                             [[base + 4 * b + k for k in range(len(lens[b % 3]))] for b in range(n_blocks)])
     freq = np.arange(V)[::-1].copy()
     freq[3] = 0  # the tiny verifier's pad token (it has no tokenizer): never supervised, the mask token
     store.set_token_freq(freq)
@@ -551,12 +555,15 @@ def test_save_total_limit_keeps_the_newest_checkpoints_and_final_and_resumes(tmp
     (10, 1, 0.05, None),  # 10% == twice 5%: as asked, within rounding
     (20, 1, 0.05, None),
     (2, 0, 0.0, None),
+    (36, 8, 0.25, "holding out 8 of 36 blocks (22.2%) for validation, fewer than the 9 --val-fraction 0.25 asks: "
+                  "validation takes whole groups of blocks that share a conversation"),
 ])
 def test_val_split_warning(n_blocks, n_val, fraction, warned):
     from peagle_train.train.setup import val_split_warning
 
-    assert split_blocks(np.arange(n_blocks), 0, fraction)[1].size == n_val
-    note = val_split_warning(n_blocks, n_val, fraction)
+    asked = split_blocks(np.arange(n_blocks), 0, fraction)[1].size
+    assert asked == n_val or n_val < asked  # whole groups may hold out fewer
+    note = val_split_warning(n_blocks, n_val, fraction, asked)
     assert note is None if warned is None else note.startswith(warned)
 
 

@@ -21,7 +21,7 @@ from peagle_train.data.multistore import open_stores
 from peagle_train.evaluate.offline import select_eval_blocks
 from peagle_train.train.config import TrainConfig
 from peagle_train.train.run import run_train
-from stores.errors import StoreFormatError, StoreMismatchError
+from stores.errors import InputError, StoreFormatError, StoreMismatchError
 from stores.feature_store import FeatureStore
 from tests.long_conversations import pack_long
 
@@ -87,7 +87,12 @@ def test_training_on_a_full_context_store_alone_and_beside_a_window_store(tmp_pa
     assert summary["last_step"] == 4 and np.isfinite(summary["last_step_loss"])
     config = json.loads((tmp_path / "one" / "final" / "config.json").read_text())
     assert [(s["n_blocks"], s["context"]) for s in config["peagle_training"]["stores"]] == [(16, "full")]
-    mixed = run_train(_cfg([stores["window"], stores["full"]], tmp_path / "two", max_steps=6))
+    # the window store packs the same conversations again (at --max-seq-len 48 into blocks of 96, so its windows
+    # link all its blocks into one group): no validation split can keep them apart from the full store's
+    with pytest.raises(InputError, match=r"holding \[23\] blocks"):
+        run_train(_cfg([stores["window"], stores["full"]], tmp_path / "two", max_steps=6))
+    mixed = run_train(_cfg([stores["window"], stores["full"]], tmp_path / "two", max_steps=6, val_fraction=0.0,
+                           force=True))
     assert mixed["last_step"] == 6 and np.isfinite(mixed["last_step_loss"])
     config = json.loads((tmp_path / "two" / "final" / "config.json").read_text())
     n = FeatureStore.open(stores["window"]).n_blocks
@@ -99,7 +104,8 @@ def test_training_on_a_full_context_store_alone_and_beside_a_window_store(tmp_pa
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     val = json.loads((tmp_path / "one" / "final" / "config.json").read_text())["peagle_training"]["val_blocks"]
-    assert report["split"] == "validation" and report["blocks"] == sorted(val) and len(val) == 4  # 16 * 0.25
+    # 16 * 0.25 = 4 asked; whole groups of blocks sharing a conversation hold out 3
+    assert report["split"] == "validation" and report["blocks"] == sorted(val) == [0, 1, 13]
     assert report["store_blocks_done"] == report["store_blocks_total"] == 16 and report["positions_scored"] > 0
 
 
