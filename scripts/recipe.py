@@ -129,7 +129,9 @@ def file_identity(path: str) -> dict | str:
 def check_inputs(args: argparse.Namespace) -> dict:
     """Every check that needs no stage: returns the settings a re-run compares. Raises RecipeError."""
     from peagle_train.evaluate.prompts import read_prompts
-    from stores.model_cache import resolve_model
+    from transformers import AutoConfig
+
+    from stores.model_cache import load_tokenizer, resolve_model
 
     if args.data != "sharegpt" and not Path(args.data).is_file():
         raise RecipeError(f"--data {args.data}: no such file")
@@ -139,10 +141,16 @@ def check_inputs(args: argparse.Namespace) -> dict:
         read_prompts(args.eval_prompts, args.num_prompts)
     except Exception as e:  # the reason peagle-eval would give, hours later
         raise RecipeError(f"--eval-prompts {args.eval_prompts}: {e}") from None
-    try:
+    try:  # the files every stage reads first: a model directory (or name) with a config and a chat template
         resolve_model(args.verifier, need_weights=False)
+        AutoConfig.from_pretrained(resolve_model(args.verifier, need_weights=False))
+        template = load_tokenizer(args.verifier).chat_template
     except Exception as e:
-        raise RecipeError(f"--verifier {args.verifier}: {e}") from None
+        raise RecipeError(f"--verifier {args.verifier}: {' '.join(str(e).split())}") from None
+    if not template:
+        raise RecipeError(f"--verifier {args.verifier}: its tokenizer has no chat template; pack renders "
+                          "conversations with the verifier's template (pack --chat-template FILE is not "
+                          "passed by this recipe)")
     regen_opts = [o for o in ("regen_turns", "regen_max_new_tokens", "regen_batch_size") if getattr(args, o)]
     if regen_opts and not args.regenerate:
         raise RecipeError(f"--{regen_opts[0].replace('_', '-')} needs --regenerate")
@@ -259,8 +267,8 @@ def report(out: Path, args: argparse.Namespace, state: dict, skipped: list[str],
     """The run's JSON report from the stages' outputs."""
     ev = json.loads((out / "eval.json").read_text())
     vl = json.loads((out / "eval_vllm.json").read_text()) if "eval_vllm" in state["done"] else None
-    if vl is None and "eval_vllm" not in state["done"] and vllm_status == "ran":
-        vllm_status = "not run"
+    if vl is not None:
+        vllm_status = "ran"
     offline = ev.get("offline", {})
     return {
         "verifier": args.verifier,

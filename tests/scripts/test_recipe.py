@@ -1,0 +1,131 @@
+"""scripts/recipe.py: inputs and sizes checked before any stage runs; a tiny non-Llama verifier end to end
+(regenerate -> pack -> extract -> train -> peagle-eval), its JSON report, and a re-run that resumes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "recipe.py"
+spec = importlib.util.spec_from_file_location("recipe", SCRIPT)
+recipe = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(recipe)
+PROMPTS = REPO / "examples" / "prompts.jsonl"
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    """A verifier (SmolLM2's config and tokenizer: the checks before any stage read no weights), conversations,
+    the recipe's arguments."""
+    (tmp_path / "convs.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                                   {"role": "assistant", "content": "hello"}]}) + "\n")
+    return ["--verifier", "smollm2-135m", "--data", str(tmp_path / "convs.jsonl"),
+            "--eval-prompts", str(PROMPTS), "--out", str(tmp_path / "run"), "--no-vllm"]
+
+
+def replace(args: list[str], flag: str, value: str) -> list[str]:
+    i = args.index(flag)
+    return [*args[:i + 1], value, *args[i + 2:]]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--steps", "0"], "argument --steps: '0': expected a positive integer"),
+    (["--num-prompts", "2.5"], "argument --num-prompts: '2.5': expected a positive integer"),
+    (["--lr", "0.0"], "argument --lr: '0.0': expected a positive number such as 1e-3"),
+    (["--lr", "fast"], "argument --lr: 'fast': expected a positive number such as 1e-3"),
+    (["--regen-turns", "some"], "argument --regen-turns: invalid choice: 'some'"),
+])
+def test_a_bad_size_stops_before_any_stage_naming_it(inputs, tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as e:
+        recipe.main([*inputs, *extra])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda a, t: replace(a, "--data", str(t / "none.jsonl")), "--data {t}/none.jsonl: no such file"),
+    (lambda a, t: replace(a, "--eval-prompts", str(t / "p.jsonl")), "--eval-prompts {t}/p.jsonl: no such file"),
+    (lambda a, t: replace(a, "--verifier", str(t / "convs.jsonl")), "--verifier {t}/convs.jsonl: model "),
+    (lambda a, t: [*a, "--regen-max-new-tokens", "8"], "--regen-max-new-tokens needs --regenerate"),
+    (lambda a, t: replace(a, "--out", str(t / "convs.jsonl")), "--out {t}/convs.jsonl: exists and is not a directory"),
+    (lambda a, t: replace(a, "--out", str(t / "no" / "run")), "--out {t}/no/run: its parent directory"),
+    (lambda a, t: replace(a, "--out", str(t)), "--out {t}: a non-empty directory that no recipe run made"),
+    (lambda a, t: [*a[:-1], "--vllm-python", str(t / "nopython")], "--vllm-python {t}/nopython: no such executable"),
+    (lambda a, t: replace(a, "--verifier", str(t)), "--verifier {t}: "),
+])
+def test_a_bad_input_stops_before_any_stage_naming_it(inputs, tmp_path, capsys, edit, message):
+    assert recipe.main(edit(inputs, tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("recipe.py: " + message.format(t=tmp_path)) and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_eval_prompt_file_peagle_eval_would_refuse_stops_before_any_stage(inputs, tmp_path, capsys):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}) + "\n")
+    assert recipe.main(replace(inputs, "--eval-prompts", str(bad))) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"recipe.py: --eval-prompts {bad}: ") and "content" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_rerun_with_other_settings_or_inputs_is_refused_naming_them(inputs, tmp_path, capsys):
+    args = recipe.parser().parse_args([*inputs, "--steps", "4"])
+    (tmp_path / "run").mkdir()
+    state = {"settings": recipe.check_inputs(args), "done": {"pack": 1.0}}
+    (tmp_path / "run" / "recipe_state.json").write_text(json.dumps(state))
+    assert recipe.main([*inputs, "--steps", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a run of other settings or inputs (steps: 4 there, 8 now)" in err and "--force" in err
+    (tmp_path / "convs.jsonl").write_text((tmp_path / "convs.jsonl").read_text() * 2)  # the data changed
+    assert recipe.main([*inputs, "--steps", "4"]) == 2
+    assert "(data: " in capsys.readouterr().err
+    assert json.loads((tmp_path / "run" / "recipe_state.json").read_text()) == state  # untouched
+
+
+@pytest.mark.slow
+def test_own_qwen3_verifier_end_to_end_then_a_rerun_skips_the_stages_done(tmp_path, smollm2_tokenizer_dir):
+    sys.path.insert(0, str(REPO / "tests"))
+    from families import save_family
+
+    verifier = save_family("qwen3", tmp_path / "qwen3", tokenizer_dir=smollm2_tokenizer_dir, vocab_size=49152)
+    convs = tmp_path / "convs.jsonl"
+    convs.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"Tell me about the number {i}."},
+        {"role": "assistant", "content": f"The number {i} is small. " * 5}]}) + "\n" for i in range(8)))
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(SCRIPT), "--verifier", str(verifier), "--data", str(convs), "--eval-prompts",
+           str(PROMPTS), "--out", str(out), "--regenerate", "--regen-max-new-tokens", "12", "--max-seq-len", "64",
+           "--steps", "4", "--num-depths", "2", "--draft-vocab-size", "64", "--num-prompts", "1",
+           "--max-new-tokens", "8", "--no-vllm"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    report = json.loads(first.stdout)
+    assert report == json.loads((out / "report.json").read_text())
+    assert list(report["stage_seconds"]) == ["regenerate", "pack", "extract", "train", "eval"]
+    assert report["skipped_stages_done_earlier"] == [] and report["vllm"] == "skipped: --no-vllm"
+    ev = json.loads((out / "eval.json").read_text())
+    assert report["acceptance_length"] == {"online": ev["acceptance_length"], "vllm": None,
+                                           "offline": ev["offline"]["simulated_acceptance_length"]}
+    assert report["acceptance_length"]["online"] >= 1.0 and report["offline_split"] == "validation"
+    assert report["identical_to_greedy"] == {"online": True, "vllm": None} and report["num_draft_tokens"] == 2
+    assert report["speedup"]["online"] == ev["speedup"] > 0
+    for name, path in report["artifacts"].items():
+        assert name == "stage_outputs" or Path(path).exists(), name
+    rows = [json.loads(line) for line in (out / "regenerated.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 and all(r["messages"][1]["content"] != "The number 0 is small. " * 5 for r in rows)
+    assert json.loads((out / "train.json").read_text())["steps"] == 4
+    assert "acceptance length: offline" in first.stderr and f"  drafter           {out}/drafter/final" in first.stderr
+
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads(again.stdout) == {**report, "skipped_stages_done_earlier": list(report["stage_seconds"])}
+    assert again.stderr.count("done by an earlier run, skipped") == 5
