@@ -1,7 +1,10 @@
 """The recipe for one's own verifier: one command from conversations to an evaluated drafter.
 
-    python scripts/recipe.py --verifier MODEL --data convs.jsonl --eval-prompts prompts.jsonl --out runs/x \\
+    bash scripts/recipe.sh --verifier MODEL --data convs.jsonl --eval-prompts prompts.jsonl --out runs/x \\
         [--regenerate] [--steps N] ...
+
+(``scripts/recipe.sh`` sets up ``.venv`` and runs this file with it; ``python scripts/recipe.py ...`` in an
+environment with peagle installed does the same without the set-up)
 
 runs, with the peagle commands (it calls them; ``--help`` of each says what they do):
 
@@ -254,7 +257,12 @@ def run_stages(cmds: dict, out: Path, state: dict) -> list[str]:
         print(f"== {i}/{len(cmds)} {stage}: {' '.join(argv)}", file=sys.stderr, flush=True)
         t0 = time.monotonic()
         with open(out / f"{stage}.json", "w") as stdout:
-            rc = subprocess.call(argv, stdout=stdout, env=env)
+            try:
+                rc = subprocess.call(argv, stdout=stdout, env=env)
+            except KeyboardInterrupt:  # the stage said what it kept; the recipe continues from it
+                print(f"recipe.py: interrupted in stage {stage}; run the same command again to continue "
+                      "from this stage", file=sys.stderr)
+                raise SystemExit(130) from None
         if rc != 0:
             raise SystemExit(f"recipe.py: stage {stage} failed (exit status {rc}; its output above); "
                              f"fix the cause and run the same command again to continue from this stage")

@@ -90,6 +90,23 @@ def test_a_rerun_with_other_settings_or_inputs_is_refused_naming_them(inputs, tm
     assert json.loads((tmp_path / "run" / "recipe_state.json").read_text()) == state  # untouched
 
 
+def test_each_stage_resumes_or_starts_over_as_its_command_allows(inputs, tmp_path):
+    args = recipe.parser().parse_args([*inputs, "--regenerate", "--limit", "5"])
+    out = tmp_path / "run"
+    fresh = recipe.stage_commands(args, out, {"extract": False, "train": False}, None)
+    assert list(fresh) == ["regenerate", "pack", "extract", "train", "eval"]
+    assert fresh["regenerate"][-1] == "--resume" and fresh["regenerate"][-3:-1] == ["--limit", "5"]
+    assert fresh["pack"][fresh["pack"].index("pack") + 1] == str(out / "regenerated.jsonl")
+    assert "--limit" not in fresh["pack"] and fresh["pack"][-1] == "--force"
+    assert "--resume" not in fresh["extract"] + fresh["train"] and "--force" not in fresh["extract"] + fresh["train"]
+    again = recipe.stage_commands(args, out, {"extract": True, "train": True}, "/opt/vllm/bin/python")
+    assert again["extract"][-1] == again["train"][-1] == "--resume"
+    assert again["eval_vllm"][:3] == ["/opt/vllm/bin/python", "-m", "cli.eval"] and "vllm" in again["eval_vllm"]
+    forced = recipe.stage_commands(recipe.parser().parse_args([*inputs, "--regenerate", "--force"]), out,
+                                   {"extract": True, "train": True}, None)
+    assert all(argv.count("--force") == 1 and "--resume" not in argv for argv in forced.values())
+
+
 @pytest.mark.slow
 def test_own_qwen3_verifier_end_to_end_then_a_rerun_skips_the_stages_done(tmp_path, smollm2_tokenizer_dir):
     sys.path.insert(0, str(REPO / "tests"))
