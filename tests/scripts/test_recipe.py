@@ -146,3 +146,46 @@ def test_own_qwen3_verifier_end_to_end_then_a_rerun_skips_the_stages_done(tmp_pa
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads(again.stdout) == {**report, "skipped_stages_done_earlier": list(report["stage_seconds"])}
     assert again.stderr.count("done by an earlier run, skipped") == 5
+
+
+def test_the_vllm_environment_is_found_or_the_report_says_why_not(inputs, tmp_path, monkeypatch):
+    parse = recipe.parser().parse_args
+    assert recipe.vllm_python(parse(inputs)) == (None, "skipped: --no-vllm")
+    assert recipe.vllm_python(parse([*inputs[:-1], "--vllm-python", sys.executable])) == (sys.executable, "ran")
+    monkeypatch.setattr(recipe, "REPO", tmp_path)  # a checkout with .venv-vllm
+    (tmp_path / ".venv-vllm" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv-vllm" / "bin" / "python").write_text("")
+    assert recipe.vllm_python(parse(inputs[:-1])) == (str(tmp_path / ".venv-vllm" / "bin" / "python"), "ran")
+    (tmp_path / ".venv-vllm" / "bin" / "python").unlink()  # none, and no vllm in this interpreter
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    py, why = recipe.vllm_python(parse(inputs[:-1]))
+    assert py is None and why.startswith("skipped: no vLLM environment (PEAGLE_VLLM=1 bash scripts/setup_env.sh")
+
+
+def test_the_report_takes_each_figure_from_its_evaluation(inputs, tmp_path):
+    """eval.json (peagle's engine, offline under ``offline``) and eval_vllm.json (peagle-eval --engine vllm)
+    as those commands write them (the keys the report reads), into the report's fields."""
+    (tmp_path / "eval.json").write_text(json.dumps({
+        "acceptance_length": 1.25, "speedup": 0.8, "tokens_per_second": 8.0, "baseline_tokens_per_second": 10.0,
+        "identical_to_greedy": True, "num_draft_tokens": 3,
+        "offline": {"simulated_acceptance_length": 1.5, "split": "validation"}}))
+    (tmp_path / "eval_vllm.json").write_text(json.dumps({
+        "acceptance_length": 1.75, "speedup": 1.1, "tokens_per_second": 22.0, "baseline_tokens_per_second": 20.0,
+        "identical_to_greedy": True, "throughput": {"1": {"plain": 20.0, "speculative": 22.0, "speedup": 1.1},
+                                                    "8": {"plain": 80.0, "speculative": 60.0, "speedup": 0.75}}}))
+    args = recipe.parser().parse_args(inputs)
+    state = {"done": {"pack": 1.0, "extract": 2.0, "train": 3.0, "eval": 4.0, "eval_vllm": 5.0}}
+    r = recipe.report(tmp_path, args, state, ["pack"], "skipped: no vLLM environment")
+    assert r["acceptance_length"] == {"offline": 1.5, "online": 1.25, "vllm": 1.75}
+    assert r["speedup"] == {"online": 0.8, "vllm": 1.1, "vllm_by_concurrency": {"1": 1.1, "8": 0.75}}
+    assert r["tokens_per_second"] == {"online": {"speculative": 8.0, "plain": 10.0},
+                                      "vllm": {"speculative": 22.0, "plain": 20.0}}
+    assert r["identical_to_greedy"] == {"online": True, "vllm": True} and r["num_draft_tokens"] == 3
+    assert r["vllm"] == "ran" and r["offline_split"] == "validation" and r["skipped_stages_done_earlier"] == ["pack"]
+    assert r["artifacts"]["eval_vllm"] == str(tmp_path / "eval_vllm.json") and "regenerated" not in r["artifacts"]
+    text = recipe.summary(r)
+    assert "acceptance length: offline 1.500 (held-out blocks, simulated), online 1.250 (peagle), vLLM 1.750" in text
+    assert "speedup over plain decoding: peagle 0.80x (8.0 vs 10.0 tok/s), vLLM 1.10x at concurrency 1" in text
+    del state["done"]["eval_vllm"]  # an eval_vllm.json of an earlier run is not this run's
+    r = recipe.report(tmp_path, args, state, [], "skipped: --no-vllm")
+    assert r["acceptance_length"]["vllm"] is None and r["vllm"] == "skipped: --no-vllm" and "eval_vllm" not in r["artifacts"]
