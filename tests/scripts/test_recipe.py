@@ -142,9 +142,20 @@ def test_own_qwen3_verifier_end_to_end_then_a_rerun_skips_the_stages_done(tmp_pa
     assert json.loads((out / "train.json").read_text())["steps"] == 4
     assert "acceptance length: offline" in first.stderr and f"  drafter           {out}/drafter/final" in first.stderr
 
+    # killed in training (after its last checkpoint): the same command continues it with --resume
+    state = json.loads((out / "recipe_state.json").read_text())
+    del state["done"]["train"], state["done"]["eval"]
+    (out / "recipe_state.json").write_text(json.dumps(state))
+    resumed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads(resumed.stdout)["skipped_stages_done_earlier"] == ["regenerate", "pack", "extract"]
+    assert f"--output {out}/drafter --max-steps 4 --num-depths 2 --draft-vocab-size 64 --resume\n" in resumed.stderr
+    assert json.loads(resumed.stdout)["acceptance_length"]["offline"] == report["acceptance_length"]["offline"]
+
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert json.loads(again.stdout) == {**report, "skipped_stages_done_earlier": list(report["stage_seconds"])}
+    done = json.loads(again.stdout)
+    assert done["skipped_stages_done_earlier"] == list(report["stage_seconds"]) == list(done["stage_seconds"])
     assert again.stderr.count("done by an earlier run, skipped") == 5
 
 
