@@ -90,7 +90,7 @@ def parser() -> argparse.ArgumentParser:
                "resumes (the stages done are skipped); --force starts over. JSON report on stdout and in "
                "OUT/report.json, summary on stderr.")
     p.add_argument("--verifier", required=True, metavar="MODEL",
-                   help="the verifier: a local model directory, a Hugging Face id in the cache, or smollm2-135m")
+                   help="the verifier: a local model directory, a Hugging Face id, or smollm2-135m")
     p.add_argument("--data", required=True, metavar="FILE",
                    help="conversations (.jsonl/.json/.parquet of OpenAI messages or ShareGPT rows) or 'sharegpt'; "
                         "with --regenerate, prompts whose assistant turns the verifier answers")
@@ -160,8 +160,9 @@ def check_inputs(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise RecipeError(f"--out {out}: exists and is not a directory")
-    if not out.parent.is_dir():
-        raise RecipeError(f"--out {out}: its parent directory {out.parent} does not exist")
+    above = next((p for p in out.absolute().parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise RecipeError(f"--out {out}: {above} is not a directory")
     if out.is_dir() and any(out.iterdir()) and not (out / STATE).is_file() and not args.force:
         raise RecipeError(f"--out {out}: a non-empty directory that no recipe run made (no {STATE}); "
                           "choose another --out, or pass --force to write the recipe's outputs into it")
@@ -335,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"recipe.py: {e}", file=sys.stderr)
         return 2
     vllm_py, vllm_status = vllm_python(args)
-    out.mkdir(exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     out = out.resolve()
     (out / STATE).write_text(json.dumps(state, indent=1) + "\n")
     resume = {"extract": (out / "features.zarr").exists(), "train": (out / "drafter").exists()}

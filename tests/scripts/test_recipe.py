@@ -55,7 +55,8 @@ def test_a_bad_size_stops_before_any_stage_naming_it(inputs, tmp_path, capsys, e
     (lambda a, t: replace(a, "--verifier", str(t / "convs.jsonl")), "--verifier {t}/convs.jsonl: model "),
     (lambda a, t: [*a, "--regen-max-new-tokens", "8"], "--regen-max-new-tokens needs --regenerate"),
     (lambda a, t: replace(a, "--out", str(t / "convs.jsonl")), "--out {t}/convs.jsonl: exists and is not a directory"),
-    (lambda a, t: replace(a, "--out", str(t / "no" / "run")), "--out {t}/no/run: its parent directory"),
+    (lambda a, t: replace(a, "--out", str(t / "convs.jsonl" / "run")),
+     "--out {t}/convs.jsonl/run: {t}/convs.jsonl is not a directory"),
     (lambda a, t: replace(a, "--out", str(t)), "--out {t}: a non-empty directory that no recipe run made"),
     (lambda a, t: [*a[:-1], "--vllm-python", str(t / "nopython")], "--vllm-python {t}/nopython: no such executable"),
     (lambda a, t: replace(a, "--verifier", str(t)), "--verifier {t}: "),
@@ -117,7 +118,7 @@ def test_own_qwen3_verifier_end_to_end_then_a_rerun_skips_the_stages_done(tmp_pa
     convs.write_text("".join(json.dumps({"messages": [
         {"role": "user", "content": f"Tell me about the number {i}."},
         {"role": "assistant", "content": f"The number {i} is small. " * 5}]}) + "\n" for i in range(8)))
-    out = tmp_path / "run"
+    out = tmp_path / "runs" / "x"  # its parent is created too
     cmd = [sys.executable, str(SCRIPT), "--verifier", str(verifier), "--data", str(convs), "--eval-prompts",
            str(PROMPTS), "--out", str(out), "--regenerate", "--regen-max-new-tokens", "12", "--max-seq-len", "64",
            "--steps", "4", "--num-depths", "2", "--draft-vocab-size", "64", "--num-prompts", "1",
