@@ -38,6 +38,7 @@ other settings, or changed input files (size or modification time), is refused n
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -48,6 +49,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout: the peagle packages beside this script
+
+from peagle_train.evaluate.prompts import read_prompts  # noqa: E402 (after the path above)
+from stores.model_cache import load_tokenizer, resolve_model  # noqa: E402
 
 STATE = "recipe_state.json"
 STAGES = ("regenerate", "pack", "extract", "train", "eval", "eval_vllm")
@@ -131,10 +135,7 @@ def file_identity(path: str) -> dict | str:
 
 def check_inputs(args: argparse.Namespace) -> dict:
     """Every check that needs no stage: returns the settings a re-run compares. Raises RecipeError."""
-    from peagle_train.evaluate.prompts import read_prompts
-    from transformers import AutoConfig
-
-    from stores.model_cache import load_tokenizer, resolve_model
+    from transformers import AutoConfig  # heavy: imported when the checks run, not for --help
 
     if args.data != "sharegpt" and not Path(args.data).is_file():
         raise RecipeError(f"--data {args.data}: no such file")
@@ -145,7 +146,6 @@ def check_inputs(args: argparse.Namespace) -> dict:
     except Exception as e:  # the reason peagle-eval would give, hours later
         raise RecipeError(f"--eval-prompts {args.eval_prompts}: {e}") from None
     try:  # the files every stage reads first: a model directory (or name) with a config and a chat template
-        resolve_model(args.verifier, need_weights=False)
         AutoConfig.from_pretrained(resolve_model(args.verifier, need_weights=False))
         template = load_tokenizer(args.verifier).chat_template
     except Exception as e:
@@ -199,8 +199,6 @@ def vllm_python(args: argparse.Namespace) -> tuple[str | None, str]:
     venv = REPO / ".venv-vllm" / "bin" / "python"
     if venv.is_file():
         return str(venv), "ran"
-    import importlib.util
-
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable, "ran"
     return None, ("skipped: no vLLM environment (PEAGLE_VLLM=1 bash scripts/setup_env.sh makes .venv-vllm; "
