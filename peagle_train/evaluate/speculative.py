@@ -32,7 +32,7 @@ the output is the verifier's own greedy output token for token.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +50,9 @@ __all__ = [
     "aux_features",
     "check_compatible",
     "draft_tokens",
+    "eos_set",
+    "prompt_tensor",
+    "record_step",
     "greedy_generate",
     "plain_generate",
     "propose_drafts",
@@ -383,7 +386,8 @@ def _checked_settings(verifier, drafter, num_draft_tokens: int | None, temperatu
 @torch.no_grad()
 def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num_draft_tokens: int | None = None,
                          eos_token_id: int | Iterable[int] | None = None, temperature: float = 0.0,
-                         generator: torch.Generator | None = None) -> GenerationResult:
+                         generator: torch.Generator | None = None,
+                         on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
     """Speculative decoding: the drafter drafts K tokens, the verifier checks them in one pass.
 
     Near the end a step drafts only ``min(K, max_new_tokens - generated - 1)`` tokens, so no token
@@ -399,6 +403,7 @@ def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num
         temperature: 0 = greedy (output identical to :func:`greedy_generate`); T > 0 = speculative
             sampling, distributed exactly as :func:`plain_generate` at T.
         generator: the randomness at T > 0.
+        on_tokens: called with the new tokens of the prefill and of each step, as they are emitted (streaming).
 
     Returns:
         :class:`GenerationResult` with the tokens and per-step drafted/accepted counts.
@@ -420,6 +425,8 @@ def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num
         session = DrafterSession(drafter)
         logits, hs = verifier_pass(verifier, ids, cache, want_hidden=True, last_only=True)
         result.tokens.append(_pick(logits[-1], temperature, generator))
+        if on_tokens is not None:
+            on_tokens(result.tokens[:])
         read = ids.numel()  # tokens in the verifier cache: x_0..x_t
         # depth-0 elements not yet given to the drafter: tokens x_{a+1} and features g_a
         new_tokens = torch.cat([ids[1:], torch.tensor(result.tokens)])  # [t+1]: x_1..x_{t+1}
@@ -438,6 +445,15 @@ def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num
             crop_cache(cache, read)
             if k > 0:
                 new_tokens, new_aux = emitted, aux_features(hs, last, layers)[:n + 1]  # anchors t+1..t+n+1
+            before = len(result.tokens)
             _record_step(result, emitted.tolist(), k, eos)
+            if on_tokens is not None:
+                on_tokens(result.tokens[before:])
     result.wall_time_s = time.perf_counter() - start
     return result
+
+
+# Public names of the helpers above, for the other decoders of this package (tree.py)
+eos_set = _eos_set
+prompt_tensor = _prompt_tensor
+record_step = _record_step
