@@ -34,8 +34,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from peagle_train.evaluate.config import VLLM_LOADINGS, EvalConfig
-from peagle_train.evaluate.online import answer_text, turn_text
-from peagle_train.evaluate.prompts import Prompt, eos_ids, read_prompts, render_turn
+from peagle_train.evaluate.prompts import Prompt, answer_text, eos_ids, read_prompts, render_turn, turn_text
 from peagle_train.evaluate.speculative import checked_num_draft_tokens
 from peagle_train.model.checkpoint import find_drafter, load_drafter
 from stores.errors import InputError, MissingDependencyError, ModelNotFoundError
@@ -257,7 +256,7 @@ def next_turn_prompts(tokenizer, prompts: Sequence[Prompt], eos: Iterable[int], 
         prompts: the prompts read; eos: ids that end a turn (dropped from the history).
         order: ``(prompt index, turn)`` of each request so far; the new requests are appended.
         answers: per prompt, the answer texts so far; ``outputs``' decodings are appended (decoded as
-            peagle's own engine does, :func:`~peagle_train.evaluate.online.answer_text`: special
+            peagle's own engine does, :func:`~peagle_train.evaluate.prompts.answer_text`: special
             tokens skipped, never cleaned up, so ``x != y`` stays ``x != y`` in the next prompt).
         outputs: per request of the previous turn (the last ``len(outputs)`` of ``order``), the
             generated token ids; None: the first turn.
