@@ -1,0 +1,137 @@
+"""The Python inference API: the README's example runs as written, and a result's counts mean what they say."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from peagle_train.evaluate.inference import PEAGLEInference, acceptance_summary
+from peagle_train.evaluate.speculative import greedy_generate
+from peagle_train.model.checkpoint import save_drafter
+from peagle_train.model.config import DrafterConfig
+from peagle_train.model.drafter import PEagleDrafter
+from stores.errors import InputError
+from tests.peagle_train.evaluate.test_tree import RankOracle
+
+README = Path(__file__).resolve().parents[3] / "README.md"
+
+
+def smollm2_drafter(directory: Path) -> Path:
+    """A random 1-layer drafter for the embedded SmolLM2-135M (bf16 on disk, a 1024-token draft vocab)."""
+    cfg = DrafterConfig(hidden_size=576, intermediate_size=256, num_attention_heads=9, num_key_value_heads=3,
+                        head_dim=64, vocab_size=49152, draft_vocab_size=1024, aux_layer_ids=[1, 15, 29],
+                        num_depths=4, rope_theta=100000.0, verifier_name_or_path="smollm2-135m")
+    torch.manual_seed(0)
+    drafter = PEagleDrafter(cfg).eval()
+    drafter.init_from_verifier(torch.randn(49152, 576) * 0.02, torch.randn(49152, 576) * 0.02,
+                               d2t=torch.zeros(1024, dtype=torch.long))
+    save_drafter(drafter.to(torch.bfloat16), directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def smollm2_checkpoints(tmp_path_factory) -> Path:
+    """A working directory holding ``checkpoints/best_model``, the README example's drafter."""
+    root = tmp_path_factory.mktemp("readme")
+    smollm2_drafter(root / "checkpoints" / "best_model")
+    return root
+
+
+def readme_example() -> str:
+    section = README.read_text().split("### Inference from Python", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_readme_example_runs_as_written(smollm2_checkpoints, monkeypatch, capsys, one_thread):
+    code = readme_example()
+    assert 'target_model="smollm2-135m"' in code and "result.speedup" in code
+    monkeypatch.chdir(smollm2_checkpoints)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 (the README's own example)
+    out = capsys.readouterr().out
+    assert re.fullmatch(r"Speedup: \d+\.\d\dx\nAcceptance rate: \d+\.\d%\n", out), out
+    result = scope["result"]
+    assert result.identical_to_plain is True and result.finish_reason in ("stop", "length")
+    assert len(result.token_ids) <= 20 and result.text
+    assert result.speedup == pytest.approx(result.tokens_per_second / result.baseline_tokens_per_second)
+    assert result.acceptance_rate == result.accepted / result.drafted
+    engine = scope["engine"]  # messages render with the chat template, as every stage renders them
+    messages = [{"role": "user", "content": "Name a colour."}]
+    assert engine.encode(messages) == engine.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert engine.encode("Explain quantum computing:") == engine.tokenizer("Explain quantum computing:")["input_ids"]
+
+
+def test_counts_mean_what_the_docs_say(tiny_verifier, smollm2_tokenizer):
+    """An oracle right at depths 0 and 1 only: AL, acceptance rate and per-position acceptance are the counts
+    of the steps; speedup is the ratio of the two tokens/s measured in the call; a tree keeps more."""
+    prompt = [1, 504, 3458, 282, 260, 1115, 30]
+    greedy = greedy_generate(tiny_verifier, prompt, 12)
+    oracle = RankOracle(tiny_verifier.config, prompt + greedy.tokens, num_depths=3, second={2})
+    chain = PEAGLEInference.from_models(tiny_verifier, oracle, smollm2_tokenizer, speculation_depth=3)
+    r = chain.generate(prompt, max_new_tokens=12, measure_speedup=True)
+    assert r.token_ids == greedy.tokens and r.identical_to_plain is True
+    spec = r.speculative
+    steps = [(n, k) for n, k in zip(spec.accepted_per_step, spec.drafted_per_step) if k > 0]
+    assert r.num_drafts == len(steps) and r.accepted == sum(n for n, _ in steps)
+    assert r.acceptance_length == pytest.approx(sum(n + 1 for n, _ in steps) / len(steps))  # tokens per step
+    assert r.acceptance_rate == pytest.approx(r.accepted / r.drafted)
+    assert r.per_position_acceptance[:2] == [1.0, 1.0] and r.per_position_acceptance[2] == 0.0
+    assert r.tokens_per_second == pytest.approx(len(r.token_ids) / r.wall_time_s)
+    assert r.speedup == pytest.approx(r.tokens_per_second / r.baseline_tokens_per_second)
+    tree = PEAGLEInference.from_models(tiny_verifier, oracle, smollm2_tokenizer, tree={"topk": [1, 1, 2]})
+    t = tree.generate(prompt, max_new_tokens=12)
+    assert t.token_ids == greedy.tokens and t.acceptance_length > r.acceptance_length
+    assert t.tree_nodes == sum(t.speculative.nodes_per_step) and t.speedup is None
+    assert acceptance_summary([spec], 3)["acceptance_length"] == r.acceptance_length
+
+
+def test_stream_and_batch_give_generates_tokens(tiny_verifier, smollm2_tokenizer):
+    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+
+    engine = PEAGLEInference.from_models(tiny_verifier, tiny_drafter(tiny_verifier), smollm2_tokenizer)
+    prompts = ["Hello there", [{"role": "user", "content": "Name a colour."}]]
+    whole = [engine.generate(p, max_new_tokens=9) for p in prompts]
+    assert [b.token_ids for b in engine.generate_batch(prompts, max_new_tokens=9)] == [w.token_ids for w in whole]
+    chunks = list(engine.stream(prompts[1], max_new_tokens=9))
+    assert chunks[-1].result is not None and chunks[-1].result.token_ids == whole[1].token_ids
+    assert sum((c.token_ids for c in chunks), []) == whole[1].token_ids
+    assert "".join(c.text for c in chunks) == whole[1].text
+    assert len(chunks) - 1 == 1 + whole[1].speculative.verifier_steps  # the prefill's token, then one per step
+
+
+def test_refusals_say_why(tiny_verifier, smollm2_tokenizer):
+    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+
+    drafter = tiny_drafter(tiny_verifier)
+    tree = PEAGLEInference.from_models(tiny_verifier, drafter, smollm2_tokenizer, tree={"nodes": 8})
+    with pytest.raises(InputError, match="greedy only"):
+        tree.generate("Hi", max_new_tokens=4, temperature=0.8)
+    with pytest.raises(InputError, match="exceeds the drafter's trained num_depths 4"):
+        PEAGLEInference.from_models(tiny_verifier, drafter, smollm2_tokenizer, speculation_depth=5)
+    with pytest.raises(InputError, match="tool calls"):
+        tree.encode([{"role": "tool", "content": "x"}])
+
+
+def test_eval_cli_tree_equals_greedy(tiny_verifier, tiny_verifier_dir, tmp_path):
+    """``peagle-eval --tree-topk`` reaches the tree through the API; T > 0 with a tree is refused."""
+    from click.testing import CliRunner
+
+    from cli.eval import main
+    from tests.peagle_train.evaluate.test_evaluate import saved_drafter_and_store, write_lines
+
+    saved_drafter_and_store(tiny_verifier, tiny_verifier_dir, tmp_path)
+    prompts = write_lines(tmp_path / "p.jsonl", [{"question_id": 7, "turns": ["Hi", "Again"]}])
+    result = CliRunner().invoke(main, ["--drafter", str(tmp_path / "drafter"), "--prompts", prompts,
+                                       "--max-new-tokens", "6", "--tree-topk", "2,2,1,1"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["identical_to_greedy"] is True and report["tree"] == {"topk": [2, 2, 1, 1], "max_nodes": 14}
+    assert report["tree_nodes_verified"] > 0 and "skipped" in report["cost_model"]
+    refused = CliRunner().invoke(main, ["--drafter", str(tmp_path / "drafter"), "--prompts", prompts,
+                                        "--tree-nodes", "8", "--temperature", "0.7"])
+    assert refused.exit_code == 2 and "greedy only" in refused.output
