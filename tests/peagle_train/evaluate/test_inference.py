@@ -132,6 +132,7 @@ def test_eval_cli_tree_equals_greedy(tiny_verifier, tiny_verifier_dir, tmp_path)
     report = json.loads(result.stdout)
     assert report["identical_to_greedy"] is True and report["tree"] == {"topk": [2, 2, 1, 1], "max_nodes": 14}
     assert report["tree_nodes_verified"] > 0 and "skipped" in report["cost_model"]
+    assert "tree {'topk': [2, 2, 1, 1], 'max_nodes': 14}" in result.stderr
     refused = CliRunner().invoke(main, ["--drafter", str(tmp_path / "drafter"), "--prompts", prompts,
                                         "--tree-nodes", "8", "--temperature", "0.7"])
     assert refused.exit_code == 2 and "greedy only" in refused.output
@@ -187,3 +188,31 @@ def test_engine_vllm_generates_through_vllm(smollm2_checkpoints, tmp_path):
         assert c["num_drafts"] == len(drafted) and c["num_accepted_tokens"] == sum(accepted) == r["accepted"]
         assert c["num_draft_tokens"] == sum(drafted) == r["drafted"] == 3 * len(drafted)
         assert r["acceptance_length"] == pytest.approx(1 + r["accepted"] / r["num_drafts"])
+
+
+def test_a_native_vllm_drafter_loads_as_its_peagle_checkpoint(tiny_verifier, tmp_path):
+    """The native vLLM layout (no embed_tokens, no recorded K) loads with the verifier's embedding and the given
+    depth, tensor for tensor the peagle checkpoint it came from; one without mask_hidden is refused."""
+    from safetensors.torch import load_file, save_file
+
+    from peagle_train.evaluate.inference import load_any_drafter
+    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+    from tests.peagle_train.model.test_warm_start import _native
+
+    drafter = tiny_drafter(tiny_verifier, num_depths=3)
+    drafter.config.mask_token_id = 7
+    drafter.init_from_verifier(tiny_verifier.model.embed_tokens.weight.detach(), tiny_verifier.lm_head.weight.detach())
+    save_drafter(drafter, tmp_path / "p")
+    native = _native(tmp_path / "p", tmp_path / "n")
+    with pytest.raises(InputError, match="records no trained number of depths"):
+        load_any_drafter(native, None)
+    _, loaded, finish = load_any_drafter(native, 3)
+    finish(tiny_verifier)
+    assert loaded.config.num_depths == 3 and loaded.config.mask_token_id == 7
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    weights = load_file(str(native / "model.safetensors"))
+    del weights["mask_hidden"]
+    save_file(weights, str(native / "model.safetensors"))
+    with pytest.raises(InputError, match=r"missing \['mask_hidden'\]"):  # no trained input for depths >= 1
+        load_any_drafter(native, 3)
