@@ -139,8 +139,8 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
         answers: list[str] = []
         for turn in range(len(prompt.user_turns)):
             ids = render_turn(tokenizer, prompt, turn, answers)
-            spec, base = engine.generate_ids(ids, config.max_new_tokens, T, seed=_turn_seed(config.seed, len(per_prompt)),
-                                             measure_speedup=True)
+            seed = _turn_seed(config.seed, len(per_prompt))
+            spec, base = engine.generate_ids(ids, config.max_new_tokens, T, seed=seed, measure_speedup=True)
             totals.add(base, spec)
             same = spec.tokens == base.tokens if T == 0 else None  # samples differ by design at T > 0
             if same is False and prompt.prompt_id not in mismatches:
