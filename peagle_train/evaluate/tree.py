@@ -230,6 +230,9 @@ def _layer_kinds(text_config) -> list[tuple[str, int | None]]:
     Raises:
         InputError: a layer type whose mask this module does not build.
     """
+    if getattr(text_config, "use_bidirectional_attention", False):
+        raise InputError("the verifier's config sets use_bidirectional_attention: its tokens see later ones, so a "
+                         "causal tree mask would not compute it", field="--verifier")
     types = getattr(text_config, "layer_types", None)
     if types is None:
         if getattr(text_config, "attention_chunk_size", None):

@@ -174,6 +174,16 @@ def test_tree_refuses_sampling_and_masks_it_cannot_pass(tiny_verifier):
             check_tree_supported(tiny_verifier, 0.0)
     finally:
         tiny_verifier.config._attn_implementation = "sdpa"
+    from types import SimpleNamespace
+
+    from transformers import Gemma3TextConfig, Qwen3NextConfig
+
+    for config, match in ((Gemma3TextConfig(use_bidirectional_attention=True), "use_bidirectional_attention"),
+                          (Qwen3NextConfig(num_hidden_layers=4), "'linear_attention' layers")):
+        fake = SimpleNamespace(config=config)
+        config._attn_implementation = "sdpa"
+        with pytest.raises(InputError, match=match):
+            check_tree_supported(fake, 0.0)
     with pytest.raises(InputError, match="exactly one"):
         TreeSpec()
     with pytest.raises(InputError, match=">= 1"):
