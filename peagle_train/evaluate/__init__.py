@@ -22,14 +22,16 @@ within the draft vocab and is therefore higher when the draft vocab is reduced.)
 - per-position conditional acceptance: P(depth i accepted | depths < i accepted, (a, i) exists);
 - simulated acceptance length: ``1 + mean accepted`` (bonus token counted).
 
-Online (:func:`.online.evaluate_prompts`, :func:`.online.run_online_eval`): per prompt turn, plain greedy decoding and
-greedy speculative decoding (:mod:`peagle_train.evaluate.speculative`) with the same verifier, compared token
+Online (:func:`.online.evaluate_prompts`, :func:`.online.run_online_eval`, generating through
+:class:`.inference.PEAGLEInference`): per prompt turn, plain greedy decoding and greedy speculative decoding
+(:mod:`peagle_train.evaluate.speculative`, or with a tree :mod:`.tree`) with the same verifier, compared token
 for token; with ``temperature > 0`` plain sampling and speculative sampling (rejection sampling, seeded
 per prompt turn), which are not compared token for token. Acceptance length, rate and per-position acceptance are counted as vLLM reports them:
 ``AL = 1 + accepted / steps`` over verifier steps that checked at least one draft.
 
 Modules: :mod:`.config` (``EvalConfig``), :mod:`.prompts`, :mod:`.checks` (before weights load),
-:mod:`.online`, :mod:`.offline`, :mod:`.report`, :mod:`.run` (one ``peagle-eval`` run), :mod:`.speculative`
-and :mod:`.verifier` (speculative decoding and the verifier's passes), :mod:`.vllm_engine` (``--engine vllm``;
+:mod:`.online`, :mod:`.offline`, :mod:`.report`, :mod:`.run` (one ``peagle-eval`` run), :mod:`.speculative`,
+:mod:`.tree` and :mod:`.verifier` (speculative decoding, tree verification and the verifier's passes),
+:mod:`.inference` (the Python API: ``PEAGLEInference``), :mod:`.vllm_engine` (``--engine vllm``;
 imports vLLM only when run). Callers import from these modules; this package re-exports nothing.
 """

@@ -53,6 +53,13 @@ class EvalConfig:
     """--engine vllm on a GPU: the fraction of its memory vLLM may use (default vLLM's 0.92); not with
     --vllm-kv-cache-gib."""
 
+    tree_topk: list[int] | None = None
+    """Online, peagle's engine: verify a fixed draft tree, ``k_d`` candidates per node at depth d (--tree-topk 2,2,1,1:
+    its length is the drafted depth); greedy only. None: the chain."""
+    tree_nodes: int | None = None
+    """Online, peagle's engine: verify a dynamic draft tree of the N most probable paths (product of the per-depth
+    draft probabilities) up to depth K (--tree-nodes N); greedy only. None: the chain."""
+
     measure_costs: bool = True
     """Time a greedy step and, for every K <= num_depths, a drafter pass and a verifier pass over K+1 tokens on
     this machine, and report the expected speedup per K and the best K from the measured acceptance
@@ -84,6 +91,24 @@ class EvalConfig:
         self.vllm_memory  # noqa: B018  the memory options' own checks (ValueError)
         if self.engine != "vllm" and (self.vllm_kv_cache_gib is not None or self.vllm_gpu_memory_utilization is not None):
             raise ValueError("--vllm-kv-cache-gib and --vllm-gpu-memory-utilization are options of --engine vllm")
+        tree = self.tree_topk is not None or self.tree_nodes is not None
+        if self.tree_topk is not None and self.tree_nodes is not None:
+            raise ValueError("give --tree-topk (a fixed tree) or --tree-nodes (a dynamic one), not both")
+        if self.tree_topk is not None and (not self.tree_topk or min(self.tree_topk) < 1):
+            raise ValueError(f"--tree-topk needs one count >= 1 per depth, got {list(self.tree_topk)}")
+        if self.tree_nodes is not None and self.tree_nodes < 1:
+            raise ValueError(f"--tree-nodes must be >= 1, got {self.tree_nodes}")
+        if tree and self.temperature != 0:
+            raise ValueError("tree verification is greedy only (its candidates are each depth's top-k, not samples, "
+                             "so no rejection rule over them keeps the verifier's distribution exactly): give "
+                             "--temperature 0 or drop the tree")
+        if tree and self.engine == "vllm":
+            raise ValueError("--engine vllm verifies P-EAGLE drafts as a chain (vLLM removed its tree attention, "
+                             "PR #42121): drop --tree-topk/--tree-nodes or use --engine peagle")
+        if tree and self.tree_topk is not None and self.num_draft_tokens is not None \
+                and len(self.tree_topk) != self.num_draft_tokens:
+            raise ValueError(f"--tree-topk has {len(self.tree_topk)} depths but --num-draft-tokens is "
+                             f"{self.num_draft_tokens}: give one or make them agree")
         if self.engine == "vllm" and self.temperature != 0:
             raise ValueError("--engine vllm measures greedy decoding only: give --temperature 0 (peagle's own "
                              "engine checks T > 0)")

@@ -8,29 +8,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from peagle_train.evaluate.checks import check_drafter_tokenizer, check_verifier_config
 from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.cost_model import cost_model_report, measure_trusted_costs
-from peagle_train.evaluate.prompts import Prompt, eos_ids, read_prompts, render_turn
+from peagle_train.evaluate.prompts import Prompt, answer_text, read_prompts, render_turn, turn_text
 from peagle_train.evaluate.report import write_json
-from peagle_train.evaluate.speculative import (
-    GenerationResult,
-    check_compatible,
-    checked_num_draft_tokens,
-    greedy_generate,
-    plain_generate,
-    speculative_generate,
-)
+from peagle_train.evaluate.inference import PEAGLEInference, load_for_decoding
+from peagle_train.evaluate.speculative import GenerationResult
+from peagle_train.evaluate.tree import TreeGenerationResult, TreeSpec
 from peagle_train.model.checkpoint import load_drafter
 from stores.errors import InputError
-from stores.model_cache import load_tokenizer, load_verifier
+from stores.model_cache import load_tokenizer
 
 
-def _turn_generator(seed: int, turn_index: int) -> torch.Generator:
-    """The sampling randomness of one prompt turn: a function of ``(seed, turn_index)`` only."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + turn_index)
+def _turn_seed(seed: int, turn_index: int) -> int:
+    """The sampling seed of one prompt turn: a function of ``(seed, turn_index)`` only."""
+    return seed * 1_000_003 + turn_index
+
+
+def tree_spec(config: EvalConfig) -> TreeSpec | None:
+    """The tree of ``--tree-topk`` / ``--tree-nodes``, None for the chain."""
+    if config.tree_topk is None and config.tree_nodes is None:
+        return None
+    return TreeSpec(topk=tuple(config.tree_topk) if config.tree_topk is not None else None, nodes=config.tree_nodes)
 
 
 @dataclass
@@ -87,21 +88,6 @@ class _OnlineTotals:
         }
 
 
-def answer_text(tokenizer, tokens: Sequence[int], eos: Iterable[int]) -> str:
-    """The text of generated ``tokens`` without EOS ids and special tokens, not cleaned up (it is
-    rendered into the next turn's prompt and re-tokenized: ``x != y`` must stay ``x != y``)."""
-    eos = set(eos)
-    return tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True,
-                            clean_up_tokenization_spaces=False)
-
-
-def turn_text(tokenizer, tokens: Sequence[int], eos: Iterable[int]) -> str:
-    """A generated turn's text: its tokens decoded with special tokens kept (a template token in the
-    output stays visible), without the EOS that ends the turn (``finish_reason`` says it was there)."""
-    cut = list(tokens[:-1]) if tokens and tokens[-1] in set(eos) else list(tokens)
-    return tokenizer.decode(cut, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
 def _turn_record(tokenizer, prompt: Prompt, turn: int, prompt_tokens: int, base: GenerationResult,
                  spec: GenerationResult, same: bool | None, eos: Iterable[int]) -> dict[str, Any]:
     """One ``per_prompt`` entry: counts, the user turn, the speculative output (``text``) and the
@@ -118,6 +104,7 @@ def _turn_record(tokenizer, prompt: Prompt, turn: int, prompt_tokens: int, base:
         "text": turn_text(tokenizer, spec.tokens, eos),
         "reference_text": turn_text(tokenizer, base.tokens, eos),
         "finish_reason": "stop" if spec.tokens and spec.tokens[-1] in eos else "length",
+        **({"tree_nodes": sum(spec.nodes_per_step)} if isinstance(spec, TreeGenerationResult) else {}),
     }
 
 
@@ -147,13 +134,10 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
     Raises:
         InputError: the drafter does not match the verifier; ``num_draft_tokens`` exceeds its ``num_depths``.
     """
-    check_compatible(verifier, drafter)
-    K = checked_num_draft_tokens(config.num_draft_tokens, drafter)
-    eos = eos_ids(tokenizer, verifier)
+    engine = PEAGLEInference.from_models(verifier, drafter, tokenizer, config.num_draft_tokens, tree_spec(config))
+    K, eos = engine.K, engine.eos
     if config.warmup:
-        warm = render_turn(tokenizer, prompts[0], 0, [])
-        greedy_generate(verifier, warm, 2, eos)
-        speculative_generate(verifier, drafter, warm, 2, K, eos)
+        engine.warm_up(render_turn(tokenizer, prompts[0], 0, []))
     totals = _OnlineTotals(K)
     per_prompt: list[dict[str, Any]] = []
     mismatches: list[str] = []
@@ -163,10 +147,9 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
         answers: list[str] = []
         for turn in range(len(prompt.user_turns)):
             ids = render_turn(tokenizer, prompt, turn, answers)
-            gens = [_turn_generator(config.seed, len(per_prompt)) if T > 0 else None for _ in range(2)]
-            base = plain_generate(verifier, ids, config.max_new_tokens, eos, T, gens[0], on_tokens=progress)
-            spec = speculative_generate(verifier, drafter, ids, config.max_new_tokens, K, eos, T, gens[1],
-                                        on_tokens=progress)
+            seed = _turn_seed(config.seed, len(per_prompt))
+            spec, base = engine.generate_ids(ids, config.max_new_tokens, T, seed=seed, measure_speedup=True,
+                                             on_progress=progress)
             totals.add(base, spec)
             same = spec.tokens == base.tokens if T == 0 else None  # samples differ by design at T > 0
             if same is False and prompt.prompt_id not in mismatches:
@@ -187,6 +170,8 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
         "num_prompts": len(prompts),
         "num_turns": len(per_prompt),
         "max_new_tokens": config.max_new_tokens,
+        "tree": engine.tree.describe() if engine.tree is not None else None,
+        **({"tree_nodes_verified": sum(t["tree_nodes"] for t in per_prompt)} if engine.tree is not None else {}),
         **({"cost_model": online_cost_model(verifier, drafter, render_turn(tokenizer, prompts[0], 0, []), report,
                                             config)} if config.measure_costs else {}),
         "per_prompt": per_prompt,
@@ -198,6 +183,9 @@ def online_cost_model(verifier, drafter, context_ids: Sequence[int], online: dic
     """The ``cost_model`` of an online report (:mod:`.cost_model`): the steps timed with a KV cache of
     ``context_ids`` (the first prompt turn) for K = 1..num_depths, the acceptance of ``online``'s counts;
     ``{"skipped": reason}`` at temperature > 0 (the model is greedy verification's) or with no scored draft."""
+    if config.tree_topk is not None or config.tree_nodes is not None:
+        return {"skipped": "tree verification: the cost model times chain steps (a verifier pass over K + 1 tokens); "
+                           "bench/bench_tree.py times tree passes"}
     if config.temperature > 0:
         return {"skipped": f"temperature {config.temperature}: the cost model predicts greedy decoding; run at "
                            "--temperature 0 for the table"}
@@ -207,24 +195,12 @@ def online_cost_model(verifier, drafter, context_ids: Sequence[int], online: dic
     return cost_model_report(costs, online)
 
 
-def load_for_decoding(drafter, verifier_name: str):
-    """The verifier, and ``drafter`` (a loaded ``PEagleDrafter``) moved to it, as online decoding runs them:
-    float32, on the verifier's device. float32
-    everywhere: a K+1-token verify pass and one-token decoding then agree to ~1e-6, so near-ties cannot flip
-    an argmax the way they do in bf16. The caller runs the checks first (:func:`run_online_eval`).
-
-    Returns:
-        ``(verifier, drafter)``.
-    """
-    verifier = load_verifier(verifier_name, dtype=torch.float32)
-    return verifier, drafter.eval().to(next(verifier.parameters()).device, torch.float32)
-
-
 def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_file: str | Path,
                     max_new_tokens: int = 128, num_prompts: int | None = None,
                     num_draft_tokens: int | None = None, output: str | Path | None = None,
                     progress_factory: Callable[[int], Any] | None = None, temperature: float = 0.0,
-                    seed: int = 0, measure_costs: bool = True) -> dict[str, Any]:
+                    seed: int = 0, measure_costs: bool = True, tree_topk: list[int] | None = None,
+                    tree_nodes: int | None = None) -> dict[str, Any]:
     """Online evaluation of a drafter checkpoint on a prompts file (docs/design.md §9).
 
     Args:
@@ -232,7 +208,8 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
         verifier_name: MODEL (``smollm2-135m``, a directory, a hub id); None = the verifier named in
             the drafter's config.
         prompts_file: MT-Bench or OpenAI-messages JSONL (see :func:`read_prompts`).
-        max_new_tokens, num_prompts, num_draft_tokens, temperature, seed, measure_costs: see :class:`EvalConfig`.
+        max_new_tokens, num_prompts, num_draft_tokens, temperature, seed, measure_costs, tree_topk, tree_nodes:
+            see :class:`EvalConfig`.
         output: also write the JSON report there.
         progress_factory: ``total -> bar`` with ``update(n)`` and ``close()`` (:func:`stores.progress.progress`):
             its total is in tokens (:func:`progress_total`), so it advances within a turn.
@@ -251,7 +228,8 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
         StoreFormatError: not a drafter checkpoint. ModelNotFoundError: unknown verifier.
     """
     config = EvalConfig(max_new_tokens=max_new_tokens, num_prompts=num_prompts, num_draft_tokens=num_draft_tokens,
-                        temperature=temperature, seed=seed, measure_costs=measure_costs)
+                        temperature=temperature, seed=seed, measure_costs=measure_costs, tree_topk=tree_topk,
+                        tree_nodes=tree_nodes)
     prompts = read_prompts(prompts_file, config.num_prompts)
     drafter = load_drafter(drafter_dir)
     name = verifier_name or drafter.config.verifier_name_or_path

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,3 +145,35 @@ def eos_ids(tokenizer, verifier) -> list[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(int(v) for v in value)
     return sorted(ids)
+
+
+def answer_text(tokenizer, tokens: Sequence[int], eos: Iterable[int]) -> str:
+    """The text of generated ``tokens`` without EOS ids and special tokens, not cleaned up (it is
+    rendered into the next turn's prompt and re-tokenized: ``x != y`` must stay ``x != y``)."""
+    eos = set(eos)
+    return tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True,
+                            clean_up_tokenization_spaces=False)
+
+
+def turn_text(tokenizer, tokens: Sequence[int], eos: Iterable[int]) -> str:
+    """A generated turn's text: its tokens decoded with special tokens kept (a template token in the
+    output stays visible), without the EOS that ends the turn (``finish_reason`` says it was there)."""
+    cut = list(tokens[:-1]) if tokens and tokens[-1] in set(eos) else list(tokens)
+    return tokenizer.decode(cut, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def render_messages(tokenizer, messages: Any, chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Token ids of chat ``messages`` with the chat template and a generation prompt, as :func:`render_turn`
+    renders an evaluation turn; ``chat_template_kwargs`` are the template's variables (vLLM's
+    ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``).
+
+    Raises:
+        InputError: messages that are not plain ``{"role": str, "content": str}`` (tool calls, tool results,
+            content-part lists), or none at all.
+    """
+    _check_messages(messages, None, None)
+    if not messages:
+        raise InputError("no messages to render", field="messages")
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False,
+                                        **(chat_template_kwargs or {}))
+    return [int(t) for t in ids]

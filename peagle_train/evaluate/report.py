@@ -32,7 +32,9 @@ def format_report(report: dict[str, Any]) -> str:
     lines: list[str] = []
     if "acceptance_length" in report:
         lines += [
-            f"online: {report['num_prompts']} prompts, {report['num_turns']} turns, K={report['num_draft_tokens']}",
+            f"online: {report['num_prompts']} prompts, {report['num_turns']} turns, K={report['num_draft_tokens']}"
+            + (f", tree {report['tree']} ({report.get('tree_nodes_verified')} nodes verified)" if report.get("tree")
+               else ""),
             f"  acceptance length  {_fmt(report['acceptance_length'])}",
             f"  acceptance rate    {_fmt(report['acceptance_rate'])}  "
             f"({report['accepted']}/{report['drafted']})",

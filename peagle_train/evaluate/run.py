@@ -12,7 +12,8 @@ from peagle_train.evaluate.checks import check_before_weights
 from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.cost_model import cost_model_report, first_prompt_ids, measure_trusted_costs
 from peagle_train.evaluate.offline import run_offline_eval
-from peagle_train.evaluate.online import load_for_decoding, run_online_eval
+from peagle_train.evaluate.inference import load_for_decoding
+from peagle_train.evaluate.online import run_online_eval
 from peagle_train.evaluate.report import write_acceptance_plot, write_json
 from peagle_train.evaluate.vllm_engine import import_vllm, run_vllm_eval
 from peagle_train.model.checkpoint import find_drafter, load_drafter
@@ -79,7 +80,8 @@ def _evaluate(run: EvalRun, drafter: str, log: Callable[[str], None]) -> dict[st
         online = run_online_eval(drafter, run.verifier, run.prompts, max_new_tokens=s.max_new_tokens,
                                  num_prompts=s.num_prompts, num_draft_tokens=s.num_draft_tokens,
                                  progress_factory=_progress("online eval (plain + speculative)", "tok"), temperature=s.temperature,
-                                 seed=s.seed, measure_costs=s.measure_costs)
+                                 seed=s.seed, measure_costs=s.measure_costs, tree_topk=s.tree_topk,
+                                 tree_nodes=s.tree_nodes)
     if s.measure_costs and offline is not None and (online is None or s.engine == "vllm"):
         offline = {**offline, "cost_model": _offline_cost_model(drafter, run.store, offline, s.cost_rounds)}
     if online is None:

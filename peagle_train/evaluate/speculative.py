@@ -50,6 +50,9 @@ __all__ = [
     "aux_features",
     "check_compatible",
     "draft_tokens",
+    "eos_set",
+    "prompt_tensor",
+    "record_step",
     "greedy_generate",
     "plain_generate",
     "propose_drafts",
@@ -300,7 +303,7 @@ def _check_temperature(temperature: float) -> float:
 @torch.no_grad()
 def plain_generate(verifier, prompt_ids, max_new_tokens: int, eos_token_id: int | Iterable[int] | None = None,
                    temperature: float = 0.0, generator: torch.Generator | None = None,
-                   on_tokens: Callable[[int], None] | None = None) -> GenerationResult:
+                   on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
     """Plain decoding with a KV cache, one verifier pass per token (the baseline).
 
     Args:
@@ -309,7 +312,7 @@ def plain_generate(verifier, prompt_ids, max_new_tokens: int, eos_token_id: int 
         max_new_tokens: most tokens generated; generation also stops after an EOS token.
         eos_token_id: one id, several, or None.
         temperature: 0 = greedy; T > 0 samples ``softmax(z / T)`` with ``generator``.
-        on_tokens: called with 1 after each generated token (progress).
+        on_tokens: called with each new token, as a one-element list, as it is emitted (streaming, progress).
 
     Returns:
         :class:`GenerationResult` with ``tokens`` only.
@@ -324,12 +327,12 @@ def plain_generate(verifier, prompt_ids, max_new_tokens: int, eos_token_id: int 
         logits, _ = verifier_pass(verifier, ids, cache, want_hidden=False, last_only=True)
         tokens.append(_pick(logits[-1], temperature, generator))
         if on_tokens is not None:
-            on_tokens(1)
+            on_tokens(tokens[-1:])
         while len(tokens) < max_new_tokens and tokens[-1] not in eos:
             logits, _ = verifier_pass(verifier, torch.tensor([tokens[-1]]), cache, want_hidden=False)
             tokens.append(_pick(logits[-1], temperature, generator))
             if on_tokens is not None:
-                on_tokens(1)
+                on_tokens(tokens[-1:])
     return GenerationResult(tokens=tokens, wall_time_s=time.perf_counter() - start)
 
 
@@ -390,7 +393,7 @@ def _checked_settings(verifier, drafter, num_draft_tokens: int | None, temperatu
 def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num_draft_tokens: int | None = None,
                          eos_token_id: int | Iterable[int] | None = None, temperature: float = 0.0,
                          generator: torch.Generator | None = None,
-                         on_tokens: Callable[[int], None] | None = None) -> GenerationResult:
+                         on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
     """Speculative decoding: the drafter drafts K tokens, the verifier checks them in one pass.
 
     Near the end a step drafts only ``min(K, max_new_tokens - generated - 1)`` tokens, so no token
@@ -406,8 +409,7 @@ def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num
         temperature: 0 = greedy (output identical to :func:`greedy_generate`); T > 0 = speculative
             sampling, distributed exactly as :func:`plain_generate` at T.
         generator: the randomness at T > 0.
-        on_tokens: called after the first token and after each verifier step with the number of tokens
-            it added (progress).
+        on_tokens: called with the new tokens of the prefill and of each step, as they are emitted (streaming).
 
     Returns:
         :class:`GenerationResult` with the tokens and per-step drafted/accepted counts.
@@ -430,7 +432,7 @@ def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num
         logits, hs = verifier_pass(verifier, ids, cache, want_hidden=True, last_only=True)
         result.tokens.append(_pick(logits[-1], temperature, generator))
         if on_tokens is not None:
-            on_tokens(1)
+            on_tokens(result.tokens[:])
         read = ids.numel()  # tokens in the verifier cache: x_0..x_t
         # depth-0 elements not yet given to the drafter: tokens x_{a+1} and features g_a
         new_tokens = torch.cat([ids[1:], torch.tensor(result.tokens)])  # [t+1]: x_1..x_{t+1}
@@ -452,6 +454,12 @@ def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num
             before = len(result.tokens)
             _record_step(result, emitted.tolist(), k, eos)
             if on_tokens is not None:
-                on_tokens(len(result.tokens) - before)
+                on_tokens(result.tokens[before:])
     result.wall_time_s = time.perf_counter() - start
     return result
+
+
+# Public names of the helpers above, for the other decoders of this package (tree.py)
+eos_set = _eos_set
+prompt_tensor = _prompt_tensor
+record_step = _record_step

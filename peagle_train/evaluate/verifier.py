@@ -88,8 +88,10 @@ def crop_cache(cache, keep_tokens: int) -> None:
         cache.crop(-remove)
 
 
-def verifier_pass(verifier, ids: torch.Tensor, cache, want_hidden: bool, last_only: bool = False):
-    """Feed ``ids [n]`` after the cached tokens.
+def verifier_pass(verifier, ids: torch.Tensor, cache, want_hidden: bool, last_only: bool = False,
+                  extra: dict | None = None):
+    """Feed ``ids [n]`` after the cached tokens; ``extra``: more keyword arguments of the model's forward
+    (tree verification's ``attention_mask`` and ``position_ids``, :mod:`peagle_train.evaluate.tree`).
 
     Returns:
         (logits ``[n, V]`` float on CPU, or ``[1, V]`` with ``last_only``; hidden_states or None).
@@ -98,13 +100,14 @@ def verifier_pass(verifier, ids: torch.Tensor, cache, want_hidden: bool, last_on
     kwargs = {cache_kwarg(verifier): cache}
     if last_only and "logits_to_keep" in inspect.signature(verifier.forward).parameters:
         kwargs["logits_to_keep"] = 1  # a prefill needs one row of the V-wide lm_head, not P
-    out = verifier(input_ids=ids.to(device)[None], use_cache=True, output_hidden_states=want_hidden, **kwargs)
+    out = verifier(input_ids=ids.to(device)[None], use_cache=True, output_hidden_states=want_hidden, **kwargs,
+                   **(extra or {}))
     logits = out.logits[0, -1:] if last_only else out.logits[0]
     return logits.float().cpu(), (out.hidden_states if want_hidden else None)
 
 
-def verifier_body_pass(verifier, ids: torch.Tensor, cache):
-    """Feed ``ids [n]`` through the verifier without its lm_head.
+def verifier_body_pass(verifier, ids: torch.Tensor, cache, extra: dict | None = None):
+    """Feed ``ids [n]`` through the verifier without its lm_head (``extra``: as :func:`verifier_pass`).
 
     Returns:
         (logits ``[n, V]`` float32 on CPU from :func:`lm_head_logits`, hidden_states); falls back
@@ -113,11 +116,11 @@ def verifier_body_pass(verifier, ids: torch.Tensor, cache):
     lm_head = verifier.get_output_embeddings()
     body = getattr(verifier, "base_model", None)
     if lm_head is None or body is None or body is verifier or not LogitTransform.from_config(verifier.config.get_text_config()).identity:
-        logits, hs = verifier_pass(verifier, ids, cache, want_hidden=True)
+        logits, hs = verifier_pass(verifier, ids, cache, want_hidden=True, extra=extra)
         return logits, hs
     device = next(verifier.parameters()).device
     out = body(input_ids=ids.to(device)[None], use_cache=True, output_hidden_states=True,
-               **{cache_kwarg(body): cache})
+               **{cache_kwarg(body): cache}, **(extra or {}))
     return lm_head_logits(lm_head, out.last_hidden_state[0]), out.hidden_states
 
 

@@ -33,8 +33,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from peagle_train.evaluate.config import VLLM_LOADINGS, EvalConfig
-from peagle_train.evaluate.online import answer_text, turn_text
-from peagle_train.evaluate.prompts import Prompt, eos_ids, read_prompts, render_turn
+from peagle_train.evaluate.prompts import Prompt, answer_text, eos_ids, read_prompts, render_turn, turn_text
 from peagle_train.evaluate.speculative import checked_num_draft_tokens
 from peagle_train.model.checkpoint import find_drafter, load_drafter
 from stores.errors import InputError, ModelNotFoundError
@@ -45,7 +44,7 @@ from stores.vllm_runtime import import_vllm as import_vllm_module
 
 __all__ = ["VLLM_SETUP", "SPEC_METRICS", "VllmRun", "VllmReference", "import_vllm", "vllm_generate",
            "engine_settings", "check_full_length", "next_turn_prompts", "per_position_counts",
-           "check_speculators_verifier", "vllm_reference", "vllm_speculative", "run_vllm_eval"]
+           "check_speculators_verifier", "vllm_reference", "vllm_speculative", "run_vllm_eval", "VllmSpeculativeEngine"]
 
 
 SPEC_METRICS = {
@@ -245,6 +244,62 @@ def _run_engine(vllm, llm, prompts, max_new_tokens, stop_token_ids, concurrency,
     return run
 
 
+class VllmSpeculativeEngine:
+    """One vLLM engine serving the verifier with the drafter (``speculative_config`` loading, greedy), kept for
+    many requests: the Python API's ``engine="vllm"`` (:class:`~peagle_train.evaluate.inference.PEAGLEInference`).
+    Settings as :func:`vllm_generate`'s (:func:`engine_settings`, seed 0, ``generation_config="vllm"``,
+    per-request spec-decode metrics); vLLM is imported here.
+
+    Raises:
+        MissingDependencyError: no vLLM (names the set-up command).
+    """
+
+    def __init__(self, verifier_name: str, drafter_dir: str | Path, K: int, tokenizer, max_model_len: int = 4096,
+                 max_num_seqs: int = 8, memory: VllmMemory | None = None):
+        vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        self.vllm, self.K, self.max_model_len = vllm, int(K), max_model_len
+        self.directory = str(resolve_model(verifier_name))
+        self.eos = sorted(set(eos_ids(tokenizer, SimpleNamespace(generation_config=_generation_config(
+            self.directory)))))
+        self.settings = engine_settings(current_platform.is_cpu())
+        # started as every vLLM engine of peagle is (stores.vllm_runtime): memory, its log off stdout, its root cause
+        self.output = VllmOutput()
+        self.llm, mem = start_llm(memory or VllmMemory(), self.output, model=self.directory, **self.settings, seed=0,
+                                  max_model_len=max_model_len, max_num_seqs=max_num_seqs, disable_log_stats=False,
+                                  generation_config="vllm",
+                                  speculative_config={"model": str(drafter_dir), "method": "eagle3",
+                                                      "parallel_drafting": True, "num_speculative_tokens": self.K},
+                                  per_request_spec_decode_metrics="detailed")
+        self.settings = {**self.settings, **mem}
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], dict[str, list[int]], float,
+                                                                            dict[str, Any]]:
+        """One greedy request alone (concurrency 1).
+
+        Returns:
+            ``(tokens, {"accepted": [...], "drafted": [...]} per step, wall seconds, the change of vLLM's
+            spec-decode counters)``.
+        """
+        params = self.vllm.SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=self.eos)
+        before = _counters(self.llm)
+        outs, seconds = _generate(self.llm, [prompt_ids], params)
+        tokens = list(outs[0].outputs[0].token_ids)
+        check_full_length(len(prompt_ids), tokens, max_new_tokens, self.eos, self.max_model_len)
+        return tokens, _step_counts(outs[0]) or {"accepted": [], "drafted": []}, seconds, \
+            _delta(_counters(self.llm), before)
+
+    def close(self) -> None:
+        """Stop the engine's processes."""
+        if getattr(self, "llm", None) is not None:
+            _shutdown(self.llm)
+            self.llm = None
+        if getattr(self, "output", None) is not None:
+            self.output.stop(wait_s=2.0)
+            self.output = None
+
+
 def _shutdown(llm) -> None:
     """Stop the engine's processes, so the next engine gets the memory and cores."""
     engine = getattr(llm, "llm_engine", None)
@@ -273,7 +328,7 @@ def next_turn_prompts(tokenizer, prompts: Sequence[Prompt], eos: Iterable[int], 
         prompts: the prompts read; eos: ids that end a turn (dropped from the history).
         order: ``(prompt index, turn)`` of each request so far; the new requests are appended.
         answers: per prompt, the answer texts so far; ``outputs``' decodings are appended (decoded as
-            peagle's own engine does, :func:`~peagle_train.evaluate.online.answer_text`: special
+            peagle's own engine does, :func:`~peagle_train.evaluate.prompts.answer_text`: special
             tokens skipped, never cleaned up, so ``x != y`` stays ``x != y`` in the next prompt).
         outputs: per request of the previous turn (the last ``len(outputs)`` of ``order``), the
             generated token ids; None: the first turn.
