@@ -13,10 +13,12 @@ import torch
 from peagle_train.evaluate.checks import check_drafter_tokenizer, check_verifier_config
 from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.cost_model import cost_model_report, measure_step_costs
+from peagle_train.evaluate.identity import EXACT_DTYPES, TIE_ULPS, compare_to_greedy, dtype_name
 from peagle_train.evaluate.prompts import Prompt, eos_ids, read_prompts, render_turn
 from peagle_train.evaluate.report import write_json
 from peagle_train.evaluate.speculative import (
     GenerationResult,
+    acceptance_scheme,
     check_compatible,
     checked_num_draft_tokens,
     greedy_generate,
@@ -102,18 +104,41 @@ def turn_text(tokenizer, tokens: Sequence[int], eos: Iterable[int]) -> str:
     return tokenizer.decode(cut, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
+def greedy_check_summary(dtype, checks: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The top-level identity keys of a T = 0 report from each turn's ``(prompt id,``
+    :func:`~peagle_train.evaluate.identity.compare_to_greedy` ``result)``.
+
+    Returns:
+        ``identical_to_greedy`` (every turn token for token), ``near_tie_divergences`` (turns that differ
+        at a near tie only, accepted), ``near_tie_prompts``, ``mismatches`` (prompt ids with any other
+        difference: ``peagle-eval`` exits 1), ``greedy_check`` (the dtype and the rule applied).
+    """
+    name = dtype_name(dtype)
+    mismatches = list(dict.fromkeys(pid for pid, c in checks if not c["consistent"]))
+    near = [(pid, c) for pid, c in checks if c["consistent"] and not c["identical"]]
+    rule = ("exact: every token equal" if name in EXACT_DTYPES else
+            "exact, but a turn's first difference is accepted (a near-tie divergence) where the speculative token "
+            "is the reference's second-best and the reference's top-2 logit margin z1 - z2 is at most "
+            f"{TIE_ULPS} ulps of {name} at |z1| (peagle_train/evaluate/identity.py)")
+    return {"identical_to_greedy": all(c["identical"] for _, c in checks), "near_tie_divergences": len(near),
+            "near_tie_prompts": list(dict.fromkeys(pid for pid, _ in near)), "mismatches": mismatches,
+            "greedy_check": {"dtype": name, "rule": rule}}
+
+
 def _turn_record(tokenizer, prompt: Prompt, turn: int, prompt_tokens: int, base: GenerationResult,
-                 spec: GenerationResult, same: bool | None, eos: Iterable[int]) -> dict[str, Any]:
+                 spec: GenerationResult, check: dict[str, Any] | None, eos: Iterable[int]) -> dict[str, Any]:
     """One ``per_prompt`` entry: counts, the user turn, the speculative output (``text``) and the
     plain decoding's (``reference_text``: greedy at T = 0, a plain sample at T > 0), each without the
-    EOS that ends it (:func:`turn_text`), and ``finish_reason`` (``stop``: it ended with an EOS;
-    ``length``: at ``max_new_tokens``)."""
+    EOS that ends it (:func:`turn_text`), ``finish_reason`` (``stop``: it ended with an EOS;
+    ``length``: at ``max_new_tokens``), and at T = 0 the identity ``check``
+    (:func:`~peagle_train.evaluate.identity.compare_to_greedy`: ``identical_to_greedy``, ``divergence``)."""
     eos = set(eos)
     return {
         "prompt_id": prompt.prompt_id, "turn": turn, "prompt_tokens": prompt_tokens,
         "new_tokens": len(base.tokens), "spec_new_tokens": len(spec.tokens),
         "verifier_steps": spec.verifier_steps, "accepted": spec.accepted, "drafted": spec.drafted,
-        "identical_to_greedy": same,
+        "identical_to_greedy": None if check is None else check["identical"],
+        "divergence": None if check is None else check["divergence"],
         "user": prompt.user_turns[turn],
         "text": turn_text(tokenizer, spec.tokens, eos),
         "reference_text": turn_text(tokenizer, base.tokens, eos),
@@ -130,7 +155,8 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
         drafter: a ``PEagleDrafter`` for ``verifier``, on the verifier's device.
         tokenizer: the verifier's tokenizer (with a chat template).
         prompts: from :func:`read_prompts`.
-        config: ``max_new_tokens`` and ``num_draft_tokens`` are used.
+        config: ``max_new_tokens``, ``num_draft_tokens``, ``temperature``, ``seed``, ``draft_sample_method``,
+            ``warmup``, ``measure_costs`` are used.
         progress: called with 1 after each prompt turn.
 
     Returns:
@@ -148,32 +174,40 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
         speculative_generate(verifier, drafter, warm, 2, K, eos)
     totals = _OnlineTotals(K)
     per_prompt: list[dict[str, Any]] = []
-    mismatches: list[str] = []
+    checks: list[tuple[str, dict[str, Any]]] = []
     start = time.perf_counter()
     T = config.temperature
+    dtype = next(verifier.parameters()).dtype
+    tops = dtype_name(dtype) not in EXACT_DTYPES  # the near-tie rule needs the reference's top-2 logits
     for prompt in prompts:
         answers: list[str] = []
         for turn in range(len(prompt.user_turns)):
             ids = render_turn(tokenizer, prompt, turn, answers)
             gens = [_turn_generator(config.seed, len(per_prompt)) if T > 0 else None for _ in range(2)]
-            base = plain_generate(verifier, ids, config.max_new_tokens, eos, T, gens[0])
-            spec = speculative_generate(verifier, drafter, ids, config.max_new_tokens, K, eos, T, gens[1])
+            base = plain_generate(verifier, ids, config.max_new_tokens, eos, T, gens[0], top_logits=tops)
+            spec = speculative_generate(verifier, drafter, ids, config.max_new_tokens, K, eos, T, gens[1],
+                                        draft_sample_method=config.draft_sample_method)
             totals.add(base, spec)
-            same = spec.tokens == base.tokens if T == 0 else None  # samples differ by design at T > 0
-            if same is False and prompt.prompt_id not in mismatches:
-                mismatches.append(prompt.prompt_id)
-            per_prompt.append(_turn_record(tokenizer, prompt, turn, len(ids), base, spec, same, eos))
+            check = None  # samples differ by design at T > 0
+            if T == 0:
+                check = compare_to_greedy(spec.tokens, base.tokens, base.top_logits if tops else None, dtype)
+                checks.append((prompt.prompt_id, check))
+            per_prompt.append(_turn_record(tokenizer, prompt, turn, len(ids), base, spec, check, eos))
             answers.append(answer_text(tokenizer, base.tokens, eos))
             if progress is not None:
                 progress(1)
     wall_time_s = time.perf_counter() - start
     report = totals.report()
+    identity = greedy_check_summary(dtype, checks) if T == 0 else {
+        "identical_to_greedy": None, "near_tie_divergences": None, "near_tie_prompts": [], "mismatches": [],
+        "greedy_check": None}
     return {
         **report,
-        "identical_to_greedy": not mismatches if T == 0 else None,
+        **identity,
         "temperature": T,
         "seed": config.seed if T > 0 else None,
-        "mismatches": mismatches,
+        "draft_sample_method": config.draft_sample_method if T > 0 else None,
+        "acceptance_scheme": acceptance_scheme(T, config.draft_sample_method),
         "wall_time_s": wall_time_s,
         "num_prompts": len(prompts),
         "num_turns": len(per_prompt),
@@ -215,7 +249,7 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
                     max_new_tokens: int = 128, num_prompts: int | None = None,
                     num_draft_tokens: int | None = None, output: str | Path | None = None,
                     progress_factory: Callable[[int], Any] | None = None, temperature: float = 0.0,
-                    seed: int = 0, measure_costs: bool = True) -> dict[str, Any]:
+                    seed: int = 0, measure_costs: bool = True, draft_sample_method: str = "greedy") -> dict[str, Any]:
     """Online evaluation of a drafter checkpoint on a prompts file (docs/design.md §9).
 
     Args:
@@ -223,13 +257,17 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
         verifier_name: MODEL (``smollm2-135m``, a directory, a hub id); None = the verifier named in
             the drafter's config.
         prompts_file: MT-Bench or OpenAI-messages JSONL (see :func:`read_prompts`).
-        max_new_tokens, num_prompts, num_draft_tokens, temperature, seed, measure_costs: see :class:`EvalConfig`.
+        max_new_tokens, num_prompts, num_draft_tokens, temperature, seed, measure_costs, draft_sample_method:
+            see :class:`EvalConfig`.
         output: also write the JSON report there.
         progress_factory: ``total -> bar`` with ``update(n)`` and ``close()`` (e.g. ``tqdm``).
 
     Returns:
         A dict with ``acceptance_length``, ``acceptance_rate``, ``per_position_acceptance`` (K
-        fractions), ``drafted``, ``accepted``, ``identical_to_greedy`` (None at T > 0), ``mismatches`` (prompt ids),
+        fractions), ``drafted``, ``accepted``, ``identical_to_greedy`` (None at T > 0), ``mismatches`` (prompt
+        ids that differ from greedy decoding other than at a near tie), ``near_tie_divergences`` /
+        ``near_tie_prompts`` / ``greedy_check`` (:func:`greedy_check_summary`), ``draft_sample_method`` (T > 0)
+        and ``acceptance_scheme``,
         ``tokens_per_second``, ``baseline_tokens_per_second``, ``speedup``, ``wall_time_s``,
         ``num_prompts``, ``per_prompt`` (per turn: counts, ``user``, the speculative ``text`` and the
         plain decoding's ``reference_text``), with ``measure_costs`` the ``cost_model``
@@ -241,7 +279,8 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
         StoreFormatError: not a drafter checkpoint. ModelNotFoundError: unknown verifier.
     """
     config = EvalConfig(max_new_tokens=max_new_tokens, num_prompts=num_prompts, num_draft_tokens=num_draft_tokens,
-                        temperature=temperature, seed=seed, measure_costs=measure_costs)
+                        temperature=temperature, seed=seed, measure_costs=measure_costs,
+                        draft_sample_method=draft_sample_method)
     prompts = read_prompts(prompts_file, config.num_prompts)
     drafter = load_drafter(drafter_dir)
     name = verifier_name or drafter.config.verifier_name_or_path

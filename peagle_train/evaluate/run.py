@@ -79,7 +79,8 @@ def _evaluate(run: EvalRun, drafter: str, log: Callable[[str], None]) -> dict[st
         online = run_online_eval(drafter, run.verifier, run.prompts, max_new_tokens=s.max_new_tokens,
                                  num_prompts=s.num_prompts, num_draft_tokens=s.num_draft_tokens,
                                  progress_factory=_progress("prompt turns"), temperature=s.temperature,
-                                 seed=s.seed, measure_costs=s.measure_costs)
+                                 seed=s.seed, measure_costs=s.measure_costs,
+                                 draft_sample_method=s.draft_sample_method)
     if s.measure_costs and offline is not None and (online is None or s.engine == "vllm"):
         offline = {**offline, "cost_model": _offline_cost_model(drafter, run.store, offline, s.cost_rounds)}
     if online is None:

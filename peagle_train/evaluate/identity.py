@@ -1,0 +1,88 @@
+"""Is speculative decoding's greedy output the verifier's greedy output? Decided as the dtype allows.
+
+Speculative decoding verifies K + 1 tokens in one pass; plain decoding reads one token per pass. The two
+compute the same logits with different kernels and accumulation orders, so in bfloat16 (8 significant
+bits: a logit of magnitude 16 is held to 2^4 * 2^-7 = 0.125) two candidates whose logits are that close
+can swap places between the two passes (vLLM RFC #54506: batch-invariant numerics). A correct drafter
+would then fail an exact check on every GPU serving bf16. In float32 (24 significant bits) the two
+passes agree to ~1e-6 and the check stays exact.
+
+The rule (:func:`compare_to_greedy`), per prompt turn, at the first position ``j`` where the outputs
+differ (after it they continue from different prefixes and are not compared):
+- float32 or float64 (:data:`EXACT_DTYPES`): any difference fails;
+- otherwise the difference is a **near-tie divergence**, accepted and counted, only when the speculative
+  token is the reference's second-best token at ``j`` and the reference's top-2 logit margin
+  ``z1 - z2`` is at most :func:`tie_tolerance` = :data:`TIE_ULPS` units in the last place of the dtype
+  at ``|z1|`` (``ulp(z) = 2^floor(log2 |z|) * eps``, ``eps = torch.finfo(dtype).eps``, 2^-7 for bf16);
+  any other difference fails.
+The logits are the reference's own (plain decoding's, the dtype's values read as float32).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["EXACT_DTYPES", "TIE_ULPS", "dtype_name", "logit_ulp", "tie_tolerance", "compare_to_greedy"]
+
+EXACT_DTYPES = ("float32", "float64")
+"""Dtypes in which speculative decoding's greedy output must equal plain greedy decoding's token for token."""
+
+TIE_ULPS = 4
+"""Near-tie width in units in the last place of the dtype at the top logit (:func:`tie_tolerance`)."""
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """``torch.bfloat16`` or ``"bfloat16"`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def logit_ulp(z: float, dtype: torch.dtype | str) -> float:
+    """The spacing of ``dtype``'s numbers at ``|z|``: ``2^floor(log2 |z|) * finfo(dtype).eps`` (``eps``
+    below 1: a logit smaller than 1 in magnitude is held to at least that)."""
+    eps = torch.finfo(getattr(torch, dtype_name(dtype))).eps
+    return eps * 2.0 ** math.floor(math.log2(max(abs(z), 1.0)))
+
+
+def tie_tolerance(z1: float, dtype: torch.dtype | str) -> float:
+    """The widest top-2 logit margin at which ``dtype``'s numerics may swap the two tokens: 0 for
+    :data:`EXACT_DTYPES`, else :data:`TIE_ULPS` ``* logit_ulp(z1, dtype)`` (bf16 at ``z1 = 20``: 0.5)."""
+    return 0.0 if dtype_name(dtype) in EXACT_DTYPES else TIE_ULPS * logit_ulp(z1, dtype)
+
+
+def compare_to_greedy(tokens: Sequence[int], reference: Sequence[int],
+                      reference_top_logits: Sequence[tuple[float, float, int]] | None,
+                      dtype: torch.dtype | str) -> dict[str, Any]:
+    """Compare one turn's speculative ``tokens`` with plain greedy decoding's ``reference`` (module rule).
+
+    Args:
+        tokens, reference: generated token ids of the turn.
+        reference_top_logits: per reference token, ``(z1, z2, id of the second)`` of the reference's logits
+            there; None when not recorded (then every difference fails).
+        dtype: the dtype both decodings ran in.
+
+    Returns:
+        ``{"identical": bool, "consistent": bool, "divergence": None | {...}}``: ``identical`` token for
+        token; ``consistent`` identical or a near-tie divergence; ``divergence`` at the first difference:
+        ``position``, ``reference_token``, ``token`` (None when one output is a prefix of the other),
+        ``margin`` (``z1 - z2``), ``tolerance``, ``near_tie``.
+    """
+    tokens, reference = list(tokens), list(reference)
+    if tokens == reference:
+        return {"identical": True, "consistent": True, "divergence": None}
+    j = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+    token = tokens[j] if j < len(tokens) else None
+    ref_token = reference[j] if j < len(reference) else None
+    top = reference_top_logits[j] if reference_top_logits is not None and j < len(reference_top_logits) else None
+    margin = tolerance = None
+    near = False
+    if top is not None and token is not None and ref_token is not None:
+        z1, z2, second = top
+        margin, tolerance = z1 - z2, tie_tolerance(z1, dtype)
+        near = token == second and margin <= tolerance
+    return {"identical": False, "consistent": near,
+            "divergence": {"position": j, "reference_token": ref_token, "token": token, "margin": margin,
+                           "tolerance": tolerance, "near_tie": near}}
