@@ -45,7 +45,8 @@ EXACT = {
                       "--force"} | CONFIG_FILE,
     ("eval", None): {"--drafter", "--verifier", "--prompts", "--store", "--output", "--force", "--max-new-tokens",
                      "--num-prompts", "--num-draft-tokens", "--max-blocks", "--temperature", "--seed", "--engine",
-                     "--concurrency", "--vllm-loading", "--measure-costs", "--no-measure-costs"} | CONFIG_FILE,
+                     "--concurrency", "--vllm-loading", "--measure-costs", "--no-measure-costs",
+                     "--draft-sample-method"} | CONFIG_FILE,
 }
 GROUPS = {"data": data_main, "train": train_main, "eval": eval_main}
 ACTIONS = {
