@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
 
@@ -70,6 +71,7 @@ def main() -> None:
         rows = []
         for p in prompts:
             rows += margin_shifts(verifier, render_turn(tok, p, 0, []), args.max_new_tokens, args.K, dtype)
+            print(name, p.prompt_id, max(r["shift_ulps"] for r in rows), file=sys.stderr, flush=True)
         shifts = sorted(r["shift_ulps"] for r in rows)
         report[name] = {"positions": len(rows), "max_shift_ulps": shifts[-1],
                         "p99_shift_ulps": shifts[int(0.99 * (len(shifts) - 1))],

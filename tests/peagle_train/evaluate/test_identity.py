@@ -79,25 +79,68 @@ def _turns(n: int) -> list[Prompt]:
     return read_prompts(shared_file("mt_bench_question.jsonl"), n)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_tiny_model_in_bf16_passes_the_check_and_float32_stays_exact(tiny_verifier, smollm2_tokenizer, dtype):
-    """peagle's decoders on CPU on the tiny random Llama: in bf16 any difference from plain greedy decoding is
-    a near tie (none is a mismatch); in float32 the outputs are identical."""
+def _decode_checks(verifier, drafter, dtype, prompts: int = 6, new_tokens: int = 24):
+    """peagle's plain greedy and speculative decoding (K = 3) of ``prompts`` random prompts in ``dtype`` on CPU:
+    each turn's :func:`compare_to_greedy` result."""
+    from peagle_train.evaluate.speculative import plain_generate, speculative_generate
+
+    verifier, drafter = verifier.to(dtype), drafter.to(dtype)
+    vocab = verifier.config.get_text_config().vocab_size
+    checks = []
+    for s in range(prompts):
+        prompt = torch.randint(3, vocab, (12,), generator=torch.Generator().manual_seed(s)).tolist()
+        base = plain_generate(verifier, prompt, new_tokens, top_logits=True)
+        spec = speculative_generate(verifier, drafter, prompt, new_tokens, 3)
+        checks.append((str(s), compare_to_greedy(spec.tokens, base.tokens, base.top_logits, dtype)))
+    return checks
+
+
+def _near_tie_llama():
+    """A tiny random Llama (vocab 512, untied head) whose tokens 5 and 7 have nearly equal head rows (a near tie
+    wherever they lead), and a random drafter for it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     from tests.peagle_train.evaluate.test_speculative import tiny_drafter
 
-    verifier = tiny_verifier.to(dtype)
-    try:
-        drafter = tiny_drafter(verifier).to(dtype)
-        report = evaluate_prompts(verifier, drafter, smollm2_tokenizer, _turns(3),
-                                  EvalConfig(max_new_tokens=24, num_draft_tokens=3, warmup=False, measure_costs=False))
-    finally:
-        tiny_verifier.to(torch.float32)
-    assert report["mismatches"] == []
-    assert report["greedy_check"]["dtype"] == str(dtype).removeprefix("torch.")
-    if dtype == torch.float32:
-        assert report["identical_to_greedy"] is True and report["near_tie_divergences"] == 0
-    for row in report["per_prompt"]:
-        assert row["identical_to_greedy"] or row["divergence"]["near_tie"], row["divergence"]
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    verifier = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        verifier.lm_head.weight[7] = verifier.lm_head.weight[5] + 1e-3 * torch.randn(64)
+    return verifier, tiny_drafter(verifier, num_depths=3)
+
+
+def test_tiny_model_in_bf16_diverges_only_at_near_ties_and_float32_stays_exact(one_thread):
+    """The issue's failure on a tiny model: in bf16 on CPU, speculative decoding's output differs from plain greedy
+    decoding on some random prompts (the exact check failed them), each time at a near tie of the reference's top-2
+    logits: counted, no mismatch. In float32 every output is identical."""
+    verifier, drafter = _near_tie_llama()
+    bf16 = greedy_check_summary(torch.bfloat16, _decode_checks(verifier, drafter, torch.bfloat16))
+    assert bf16["mismatches"] == [] and bf16["near_tie_divergences"] >= 1 and bf16["identical_to_greedy"] is False
+    fp32 = greedy_check_summary(torch.float32, _decode_checks(verifier, drafter, torch.float32))
+    assert fp32["identical_to_greedy"] is True and fp32["mismatches"] == []
+
+
+@pytest.mark.parametrize("family", ["llama31", "qwen3", "gemma2", "mistral"])
+def test_family_matrix_in_bf16_has_no_false_mismatch(family, one_thread):
+    """Tiny models of several families (soft-capping, sliding windows) in bf16: whatever differs from plain greedy
+    decoding is a near tie; in float32 nothing differs."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from families import build_family
+
+    verifier = build_family(family)
+    text = verifier.config.get_text_config()
+    drafter = PEagleDrafter(DrafterConfig(hidden_size=text.hidden_size, intermediate_size=128, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=16, vocab_size=text.vocab_size,
+                                          draft_vocab_size=text.vocab_size, aux_layer_ids=[1, 2], num_depths=3)).eval()
+    bf16 = greedy_check_summary(torch.bfloat16, _decode_checks(verifier, drafter, torch.bfloat16, 4, 16))
+    assert bf16["mismatches"] == []
+    fp32 = greedy_check_summary(torch.float32, _decode_checks(verifier, drafter, torch.float32, 4, 16))
+    assert fp32["identical_to_greedy"] is True
 
 
 @pytest.mark.slow
