@@ -3,8 +3,11 @@
 vLLM is imported only here, and only when this engine runs (it pins its own transformers, so it lives
 in its own environment: ``PEAGLE_VLLM=1 bash scripts/setup_env.sh`` makes ``.venv-vllm``).
 
-One engine without the drafter gives the reference: each prompt turn's greedy token ids (later turns
-take the reference answers as history, as peagle's own engine does). One engine with the drafter
+One engine without the drafter gives the reference: each prompt turn's greedy token ids with their top-2
+raw logits (for the near-tie rule of :mod:`peagle_train.evaluate.identity`: bf16 on an accelerator), or
+at ``--temperature T > 0`` a seeded sample (later turns take the reference answers as history, as
+peagle's own engine does). The engine with the drafter runs at the same temperature, with vLLM's
+``draft_sample_method`` set to ``--draft-sample-method`` (vLLM's default ``greedy`` unless asked). One engine with the drafter
 (vLLM's P-EAGLE: ``method eagle3`` with ``parallel_drafting``) then runs the same token-id prompts:
 - one request at a time, counted: vLLM's spec-decode counters (``llm.get_metrics()``: drafts, draft
   tokens, accepted tokens, accepted per position; their change over this pass) and its per-request
