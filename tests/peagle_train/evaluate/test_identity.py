@@ -13,25 +13,25 @@ from peagle_train.model.config import DrafterConfig
 from peagle_train.model.drafter import PEagleDrafter
 
 
-def test_tie_tolerance_is_four_ulps_of_the_dtype_at_the_top_logit_and_zero_in_float32():
+def test_tie_tolerance_is_eight_ulps_of_the_dtype_at_the_top_logit_and_zero_in_float32():
     assert logit_ulp(20.0, "bfloat16") == 16 * 2 ** -7  # 20 = 1.25 * 2^4; bf16 keeps 7 fraction bits
-    assert tie_tolerance(20.0, torch.bfloat16) == 0.5
-    assert tie_tolerance(-20.0, "bfloat16") == 0.5
-    assert tie_tolerance(0.3, "bfloat16") == 4 * 2 ** -7  # below 1: held to at least eps
-    assert tie_tolerance(20.0, "float16") == 4 * 16 * 2 ** -10
+    assert tie_tolerance(20.0, torch.bfloat16) == 1.0
+    assert tie_tolerance(-20.0, "bfloat16") == 1.0
+    assert tie_tolerance(0.3, "bfloat16") == 8 * 2 ** -7  # below 1: held to at least eps
+    assert tie_tolerance(20.0, "float16") == 8 * 16 * 2 ** -10
     assert tie_tolerance(20.0, "float32") == 0.0 and tie_tolerance(20.0, torch.float64) == 0.0
 
 
-TOPS = [(20.0, 18.0, 9), (20.0, 19.75, 7), (20.0, 19.0, 8)]  # (z1, z2, second id) per reference token
+TOPS = [(20.0, 17.0, 9), (20.0, 19.5, 7), (20.0, 18.0, 8)]  # (z1, z2, second id) per reference token
 
 
 @pytest.mark.parametrize("tokens,dtype,consistent,near", [
     ([1, 2, 3], "bfloat16", True, None),  # identical
-    ([1, 7, 5], "bfloat16", True, True),  # the second-best at margin 0.25 <= 0.5: a near tie, accepted
+    ([1, 7, 5], "bfloat16", True, True),  # the second-best at margin 0.5 <= 1.0: a near tie, accepted
     ([1, 7, 5], "float32", False, False),  # float32: exact, the same difference fails
     ([1, 6, 5], "bfloat16", False, False),  # not the second-best token
-    ([1, 2, 8], "bfloat16", False, False),  # the second-best, but margin 1.0 > 0.5
-    ([9, 2, 3], "bfloat16", False, False),  # margin 2.0
+    ([1, 2, 8], "bfloat16", False, False),  # the second-best, but margin 2.0 > 1.0
+    ([9, 2, 3], "bfloat16", False, False),  # margin 3.0
     ([1, 2], "bfloat16", False, False),  # shorter: no token to weigh
 ])
 def test_compare_to_greedy_accepts_only_a_first_difference_at_a_near_tie(tokens, dtype, consistent, near):
@@ -43,8 +43,8 @@ def test_compare_to_greedy_accepts_only_a_first_difference_at_a_near_tie(tokens,
     else:
         assert got["divergence"]["near_tie"] is near
     if tokens == [1, 7, 5]:
-        assert got["divergence"] == {"position": 1, "reference_token": 2, "token": 7, "margin": 0.25,
-                                     "tolerance": 0.0 if dtype == "float32" else 0.5, "near_tie": near}
+        assert got["divergence"] == {"position": 1, "reference_token": 2, "token": 7, "margin": 0.5,
+                                     "tolerance": 0.0 if dtype == "float32" else 1.0, "near_tie": near}
 
 
 def test_without_the_references_logits_every_difference_fails():
@@ -59,7 +59,7 @@ def test_summary_counts_near_ties_and_lists_only_other_differences():
     assert got["identical_to_greedy"] is False
     assert got["near_tie_divergences"] == 1 and got["near_tie_prompts"] == ["a"]
     assert got["mismatches"] == ["c"]
-    assert got["greedy_check"]["dtype"] == "bfloat16" and "4 ulps of bfloat16" in got["greedy_check"]["rule"]
+    assert got["greedy_check"]["dtype"] == "bfloat16" and "8 ulps of bfloat16" in got["greedy_check"]["rule"]
     assert greedy_check_summary(torch.float32, checks[1:2])["greedy_check"]["rule"] == "exact: every token equal"
 
 

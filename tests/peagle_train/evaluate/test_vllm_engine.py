@@ -111,7 +111,7 @@ def _fake_ref_and_spec(dtype: str, temperature: float = 0.0):
 
     tok = SimpleNamespace(decode=lambda ids, **kw: " ".join(map(str, ids)))
     plain = VllmRun(tokens=[[5, 6, 7], [5, 6, 7]], tokens_per_second={1: 10.0},
-                    top_logits=[[(20.0, 19.0, 9), (20.0, 19.75, 8), (20.0, 18.0, 3)]] * 2)
+                    top_logits=[[(20.0, 18.0, 9), (20.0, 19.5, 8), (20.0, 17.0, 3)]] * 2)
     counters = {"num_drafts": 2, "num_draft_tokens": 6, "num_accepted_tokens": 2, "accepted_per_pos": [2]}
     spec = VllmRun(tokens=[[5, 6, 7], [5, 8, 4]], counters=counters, tokens_per_second={1: 12.0},
                    per_request=[{"accepted": [1], "drafted": [3]}] * 2, num_speculative_tokens=3,
@@ -123,8 +123,8 @@ def _fake_ref_and_spec(dtype: str, temperature: float = 0.0):
 
 
 def test_vllm_report_in_bf16_counts_a_near_tie_and_float32_stays_exact():
-    """vLLM on an accelerator runs bf16: prompt b's second token is the reference's second-best at margin 0.25
-    (<= 4 ulps of bf16 at 20 = 0.5): a near-tie divergence, not a mismatch; the same outputs in float32 fail."""
+    """vLLM on an accelerator runs bf16: prompt b's second token is the reference's second-best at margin 0.5
+    (<= 8 ulps of bf16 at 20 = 1.0): a near-tie divergence, not a mismatch; the same outputs in float32 fail."""
     from peagle_train.evaluate.config import EvalConfig
     from peagle_train.evaluate.vllm_engine import vllm_report
 
@@ -132,8 +132,8 @@ def test_vllm_report_in_bf16_counts_a_near_tie_and_float32_stays_exact():
     report = vllm_report("d", ref, spec, EvalConfig(engine="vllm"), "0.32.0")
     assert report["mismatches"] == [] and report["near_tie_divergences"] == 1 and report["near_tie_prompts"] == ["b"]
     assert report["identical_to_greedy"] is False
-    assert report["per_prompt"][1]["divergence"] == {"position": 1, "reference_token": 6, "token": 8, "margin": 0.25,
-                                                     "tolerance": 0.5, "near_tie": True}
+    assert report["per_prompt"][1]["divergence"] == {"position": 1, "reference_token": 6, "token": 8, "margin": 0.5,
+                                                     "tolerance": 1.0, "near_tie": True}
     assert report["acceptance_scheme"] == "greedy verification (T=0)"
     ref, spec = _fake_ref_and_spec("float32")
     report = vllm_report("d", ref, spec, EvalConfig(engine="vllm"), "0.32.0")
