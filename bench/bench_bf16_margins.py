@@ -71,7 +71,9 @@ def main() -> None:
         rows = []
         for p in prompts:
             rows += margin_shifts(verifier, render_turn(tok, p, 0, []), args.max_new_tokens, args.K, dtype)
-            print(name, p.prompt_id, max(r["shift_ulps"] for r in rows), file=sys.stderr, flush=True)
+            print(f"{name} prompt {p.prompt_id}: max shift so far {max(r['shift_ulps'] for r in rows):g} ulps over "
+                  f"{len(rows)} positions; swaps at margins (ulps) "
+                  f"{[round(r['margin_ulps'], 2) for r in rows if r['argmax_swapped']]}", file=sys.stderr, flush=True)
         shifts = sorted(r["shift_ulps"] for r in rows)
         report[name] = {"positions": len(rows), "max_shift_ulps": shifts[-1],
                         "p99_shift_ulps": shifts[int(0.99 * (len(shifts) - 1))],
