@@ -11,10 +11,11 @@ The rule (:func:`compare_to_greedy`), per prompt turn, at the first position ``j
 differ (after it they continue from different prefixes and are not compared):
 - float32 or float64 (:data:`EXACT_DTYPES`): any difference fails;
 - otherwise the difference is a **near-tie divergence**, accepted and counted, only when the speculative
-  token is the reference's second-best token at ``j`` and the reference's top-2 logit margin
-  ``z1 - z2`` is at most :func:`tie_tolerance` = :data:`TIE_ULPS` units in the last place of the dtype
-  at ``|z1|`` (``ulp(z) = 2^floor(log2 |z|) * eps``, ``eps = torch.finfo(dtype).eps``, 2^-7 for bf16);
-  any other difference fails.
+  token is among the reference's :data:`TOP_K` best at ``j`` and its logit there is below the reference's
+  top logit ``z1`` by at most :func:`tie_tolerance` = :data:`TIE_ULPS` units in the last place of the
+  dtype at ``|z1|`` (``ulp(z) = 2^floor(log2 |z|) * eps``, ``eps = torch.finfo(dtype).eps``, 2^-7 for
+  bf16); any other difference fails. (Not only the second-best: bf16 logits are quantized, so several
+  tokens often share the top value; on SmolLM2 a tie of margin 0 swapped the top token for the third.)
 The logits are the reference's own (plain decoding's, the dtype's values read as float32).
 """
 
@@ -26,10 +27,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["EXACT_DTYPES", "TIE_ULPS", "dtype_name", "logit_ulp", "tie_tolerance", "compare_to_greedy"]
+__all__ = ["EXACT_DTYPES", "TIE_ULPS", "TOP_K", "dtype_name", "logit_ulp", "tie_tolerance", "compare_to_greedy"]
 
 EXACT_DTYPES = ("float32", "float64")
 """Dtypes in which speculative decoding's greedy output must equal plain greedy decoding's token for token."""
+
+TOP_K = 20
+"""How many of the reference's best logits are kept per token for the near-tie rule (vLLM's default
+``max_logprobs``)."""
 
 TIE_ULPS = 8
 """Near-tie width in units in the last place of the dtype at the top logit (:func:`tie_tolerance`): twice the
@@ -50,27 +55,28 @@ def logit_ulp(z: float, dtype: torch.dtype | str) -> float:
 
 
 def tie_tolerance(z1: float, dtype: torch.dtype | str) -> float:
-    """The widest top-2 logit margin at which ``dtype``'s numerics may swap the two tokens: 0 for
+    """The widest logit gap below the top at which ``dtype``'s numerics may swap two tokens: 0 for
     :data:`EXACT_DTYPES`, else :data:`TIE_ULPS` ``* logit_ulp(z1, dtype)`` (bf16 at ``z1 = 20``: 1.0)."""
     return 0.0 if dtype_name(dtype) in EXACT_DTYPES else TIE_ULPS * logit_ulp(z1, dtype)
 
 
 def compare_to_greedy(tokens: Sequence[int], reference: Sequence[int],
-                      reference_top_logits: Sequence[tuple[float, float, int]] | None,
+                      reference_top_logits: Sequence[dict[int, float]] | None,
                       dtype: torch.dtype | str) -> dict[str, Any]:
     """Compare one turn's speculative ``tokens`` with plain greedy decoding's ``reference`` (module rule).
 
     Args:
         tokens, reference: generated token ids of the turn.
-        reference_top_logits: per reference token, ``(z1, z2, id of the second)`` of the reference's logits
-            there; None when not recorded (then every difference fails).
+        reference_top_logits: per reference token, ``{token id: logit}`` of the reference's :data:`TOP_K`
+            best logits there; None when not recorded (then every difference fails).
         dtype: the dtype both decodings ran in.
 
     Returns:
         ``{"identical": bool, "consistent": bool, "divergence": None | {...}}``: ``identical`` token for
         token; ``consistent`` identical or a near-tie divergence; ``divergence`` at the first difference:
         ``position``, ``reference_token``, ``token`` (None when one output is a prefix of the other),
-        ``margin`` (``z1 - z2``), ``tolerance``, ``near_tie``.
+        ``margin`` (``z1`` minus the reference's logit of ``token``; None when ``token`` is not among its
+        best), ``tolerance``, ``near_tie``.
     """
     tokens, reference = list(tokens), list(reference)
     if tokens == reference:
@@ -81,10 +87,12 @@ def compare_to_greedy(tokens: Sequence[int], reference: Sequence[int],
     top = reference_top_logits[j] if reference_top_logits is not None and j < len(reference_top_logits) else None
     margin = tolerance = None
     near = False
-    if top is not None and token is not None and ref_token is not None:
-        z1, z2, second = top
-        margin, tolerance = z1 - z2, tie_tolerance(z1, dtype)
-        near = token == second and margin <= tolerance
+    if top and token is not None and ref_token is not None:
+        z1 = max(top.values())
+        tolerance = tie_tolerance(z1, dtype)
+        if token in top:
+            margin = z1 - top[token]
+            near = margin <= tolerance
     return {"identical": False, "consistent": near,
             "divergence": {"position": j, "reference_token": ref_token, "token": token, "margin": margin,
                            "tolerance": tolerance, "near_tie": near}}

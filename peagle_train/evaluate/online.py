@@ -117,9 +117,9 @@ def greedy_check_summary(dtype, checks: Sequence[tuple[str, dict[str, Any]]]) ->
     mismatches = list(dict.fromkeys(pid for pid, c in checks if not c["consistent"]))
     near = [(pid, c) for pid, c in checks if c["consistent"] and not c["identical"]]
     rule = ("exact: every token equal" if name in EXACT_DTYPES else
-            "exact, but a turn's first difference is accepted (a near-tie divergence) where the speculative token "
-            "is the reference's second-best and the reference's top-2 logit margin z1 - z2 is at most "
-            f"{TIE_ULPS} ulps of {name} at |z1| (peagle_train/evaluate/identity.py)")
+            "exact, but a turn's first difference is accepted (a near-tie divergence) where the reference's logit "
+            f"of the speculative token is below its top logit z1 by at most {TIE_ULPS} ulps of {name} at |z1| "
+            "(peagle_train/evaluate/identity.py)")
     return {"identical_to_greedy": all(c["identical"] for _, c in checks), "near_tie_divergences": len(near),
             "near_tie_prompts": list(dict.fromkeys(pid for pid, _ in near)), "mismatches": mismatches,
             "greedy_check": {"dtype": name, "rule": rule}}
@@ -178,7 +178,7 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
     start = time.perf_counter()
     T = config.temperature
     dtype = next(verifier.parameters()).dtype
-    tops = dtype_name(dtype) not in EXACT_DTYPES  # the near-tie rule needs the reference's top-2 logits
+    tops = dtype_name(dtype) not in EXACT_DTYPES  # the near-tie rule needs the reference's top logits
     for prompt in prompts:
         answers: list[str] = []
         for turn in range(len(prompt.user_turns)):

@@ -35,7 +35,7 @@ def format_report(report: dict[str, Any]) -> str:
             *([f"  acceptance         {report['acceptance_scheme']}"] if report.get("acceptance_scheme") else []),
             f"  identical to greedy {report['identical_to_greedy']}"
             + (f"  (temperature {report['temperature']}: sampled, not compared)" if report.get("temperature") else "")
-            + (f"  ({report['near_tie_divergences']} turns diverge at a near tie of the verifier's top-2 logits in "
+            + (f"  ({report['near_tie_divergences']} turns diverge at a near tie of the verifier's top logits in "
                f"{(report.get('greedy_check') or {}).get('dtype')}: accepted)" if report.get("near_tie_divergences")
                else ""),
             f"  wall time          {_fmt(report.get('wall_time_s'))} s, {report.get('generated_tokens', '-')} tokens "

