@@ -9,6 +9,11 @@ from stores.vllm_runtime import VllmMemory
 ENGINES = ("peagle", "vllm")
 """Online engines of ``peagle-eval --engine``: peagle's own speculative decoder (transformers), or vLLM."""
 
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+"""How drafts are picked at temperature > 0: vLLM's ``SpeculativeConfig.draft_sample_method`` values
+(vLLM 0.32's default ``greedy``: the drafter's argmax, taken as certain, q one-hot, in rejection sampling;
+``probabilistic``: a sample of the drafter's ``softmax(logits / T)``, accepted with ``min(1, p/q)``)."""
+
 VLLM_LOADINGS = ("speculative_config", "speculators")
 """How ``--engine vllm`` gives vLLM the drafter: ``speculative_config`` (``LLM(model=VERIFIER,
 speculative_config={"model": DRAFTER, "method": "eagle3", "parallel_drafting": True, ...})``) or
@@ -36,10 +41,14 @@ class EvalConfig:
     """Online: 0 = greedy (checked token for token); T > 0 = sampling at T, with rejection sampling (--temperature)."""
     seed: int = 0
     """Online, T > 0: prompt turn i samples with generators seeded ``(seed, i)`` (--seed)."""
+    draft_sample_method: str = "greedy"
+    """Online, T > 0: how drafts are picked, as vLLM's speculative config field: greedy (vLLM's default:
+    the drafter's argmax, kept with probability p(draft)) or probabilistic (sampled from the drafter's
+    softmax(logits / T), kept with probability min(1, p/q)); both keep the verifier's distribution."""
     engine: str = "peagle"
     """Online engine (--engine): ``peagle`` (its own speculative decoder on transformers; checks T > 0 too)
     or ``vllm`` (vLLM with and without the drafter: its acceptance counters, token identity with its own
-    greedy output, and tokens/s at concurrency 1 and --concurrency; greedy only; needs vLLM installed)."""
+    greedy output at T = 0, and tokens/s at concurrency 1 and --concurrency; needs vLLM installed)."""
     concurrency: int = 8
     """--engine vllm: the higher concurrency tokens/s is also measured at (requests running together)."""
     vllm_loading: str = "speculative_config"
@@ -109,9 +118,9 @@ class EvalConfig:
                 and len(self.tree_topk) != self.num_draft_tokens:
             raise ValueError(f"--tree-topk has {len(self.tree_topk)} depths but --num-draft-tokens is "
                              f"{self.num_draft_tokens}: give one or make them agree")
-        if self.engine == "vllm" and self.temperature != 0:
-            raise ValueError("--engine vllm measures greedy decoding only: give --temperature 0 (peagle's own "
-                             "engine checks T > 0)")
+        if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
+            raise ValueError(f"--draft-sample-method must be one of {', '.join(DRAFT_SAMPLE_METHODS)}, got "
+                             f"{self.draft_sample_method!r}")
 
     @property
     def vllm_memory(self) -> VllmMemory:

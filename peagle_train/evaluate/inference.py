@@ -300,12 +300,13 @@ class PEAGLEInference:
 
     # ------------------------------------------------------------------------------------ generation
     def _speculative(self, ids: list[int], max_new_tokens: int, temperature: float, generator,
-                     on_tokens: Callable[[list[int]], None] | None) -> GenerationResult:
+                     on_tokens: Callable[[list[int]], None] | None,
+                     draft_sample_method: str = "greedy") -> GenerationResult:
         if self.tree is not None:
             return tree_generate(self.verifier, self.drafter, ids, max_new_tokens, self.tree, self.K, self.eos,
                                  temperature, on_tokens=on_tokens)
         return speculative_generate(self.verifier, self.drafter, ids, max_new_tokens, self.K, self.eos, temperature,
-                                    generator, on_tokens=on_tokens)
+                                    generator, draft_sample_method=draft_sample_method, on_tokens=on_tokens)
 
     def warm_up(self, ids: list[int]) -> None:
         """Two-token untimed generations, plain and speculative, so one-time costs do not count in tokens/s."""
@@ -315,12 +316,16 @@ class PEAGLEInference:
     def generate_ids(self, ids: list[int], max_new_tokens: int, temperature: float = 0.0,
                      seed: int | None = None, measure_speedup: bool = False,
                      on_tokens: Callable[[list[int]], None] | None = None,
-                     on_progress: Callable[[int], None] | None = None
+                     on_progress: Callable[[int], None] | None = None, top_logits: bool = False,
+                     draft_sample_method: str = "greedy"
                      ) -> tuple[GenerationResult, GenerationResult | None]:
         """Speculative decoding of ``ids`` and, with ``measure_speedup``, plain decoding of the same ids first
         (each at ``temperature``, each with its own generator seeded ``seed``). ``on_tokens`` gets the
         speculative decoding's new token ids as they are emitted (streaming); ``on_progress`` the number of
-        new tokens of both decodings (a progress bar).
+        new tokens of both decodings (a progress bar). ``top_logits``: at T = 0 the plain decoding also records
+        each step's largest logits (the near-tie rule of :mod:`~peagle_train.evaluate.identity`).
+        ``draft_sample_method``: at T > 0, how drafts are picked (``greedy``, vLLM's default, or ``probabilistic``;
+        :func:`~peagle_train.evaluate.speculative.speculative_generate`).
 
         Returns:
             ``(speculative, plain or None)`` records.
@@ -334,7 +339,7 @@ class PEAGLEInference:
                 for _ in range(2)]
         counted = (lambda tokens: on_progress(len(tokens))) if on_progress is not None else None
         plain = plain_generate(self.verifier, ids, max_new_tokens, self.eos, temperature, gens[0],
-                               on_tokens=counted) if measure_speedup else None
+                               top_logits=top_logits, on_tokens=counted) if measure_speedup else None
 
         def emitted(tokens: list[int]) -> None:
             if on_tokens is not None:
@@ -343,12 +348,14 @@ class PEAGLEInference:
                 counted(tokens)
 
         spec = self._speculative(ids, max_new_tokens, temperature, gens[1],
-                                 emitted if (on_tokens is not None or counted is not None) else None)
+                                 emitted if (on_tokens is not None or counted is not None) else None,
+                                 draft_sample_method)
         return spec, plain
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, *,
                  max_tokens: int | None = None, seed: int | None = 0, measure_speedup: bool = False,
-                 on_tokens: Callable[[list[int]], None] | None = None) -> InferenceResult:
+                 on_tokens: Callable[[list[int]], None] | None = None,
+                 draft_sample_method: str = "greedy") -> InferenceResult:
         """Generate a continuation of ``prompt`` with speculative decoding.
 
         Args:
@@ -359,6 +366,9 @@ class PEAGLEInference:
             seed: the sampling generator's seed at T > 0 (None: torch's global randomness).
             measure_speedup: also run plain decoding of the same prompt and report ``speedup`` (costs that run).
             on_tokens: called with each verifier step's new token ids (streaming; see :meth:`stream`).
+            draft_sample_method: at T > 0, how drafts are picked: ``greedy`` (vLLM's default: the drafter's argmax,
+                accepted with probability p(draft)) or ``probabilistic`` (sampled from the drafter, accepted with
+                min(1, p/q)); both keep the verifier's distribution.
 
         Returns:
             :class:`InferenceResult`.
@@ -370,7 +380,8 @@ class PEAGLEInference:
         ids = self.encode(prompt)
         if self.engine == "vllm":
             return self._vllm_generate(ids, n, temperature, measure_speedup)
-        spec, plain = self.generate_ids(ids, n, temperature, seed, measure_speedup, on_tokens)
+        spec, plain = self.generate_ids(ids, n, temperature, seed, measure_speedup, on_tokens,
+                                        draft_sample_method=draft_sample_method)
         return self._result(ids, spec, plain, temperature)
 
     def generate_batch(self, prompts: Sequence[Prompt], max_new_tokens: int = 128, temperature: float = 0.0, *,

@@ -12,10 +12,11 @@ from typing import Any
 from peagle_train.evaluate.checks import check_drafter_tokenizer, check_verifier_config
 from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.cost_model import cost_model_report, measure_trusted_costs
+from peagle_train.evaluate.identity import EXACT_DTYPES, compare_to_greedy, dtype_name, greedy_check_summary
 from peagle_train.evaluate.prompts import Prompt, answer_text, read_prompts, render_turn, turn_text
 from peagle_train.evaluate.report import write_json
 from peagle_train.evaluate.inference import PEAGLEInference, load_for_decoding
-from peagle_train.evaluate.speculative import GenerationResult
+from peagle_train.evaluate.speculative import GenerationResult, acceptance_scheme
 from peagle_train.evaluate.tree import TreeGenerationResult, TreeSpec
 from peagle_train.model.checkpoint import load_drafter
 from stores.errors import InputError
@@ -89,17 +90,19 @@ class _OnlineTotals:
 
 
 def _turn_record(tokenizer, prompt: Prompt, turn: int, prompt_tokens: int, base: GenerationResult,
-                 spec: GenerationResult, same: bool | None, eos: Iterable[int]) -> dict[str, Any]:
+                 spec: GenerationResult, check: dict[str, Any] | None, eos: Iterable[int]) -> dict[str, Any]:
     """One ``per_prompt`` entry: counts, the user turn, the speculative output (``text``) and the
     plain decoding's (``reference_text``: greedy at T = 0, a plain sample at T > 0), each without the
-    EOS that ends it (:func:`turn_text`), and ``finish_reason`` (``stop``: it ended with an EOS;
-    ``length``: at ``max_new_tokens``)."""
+    EOS that ends it (:func:`turn_text`), ``finish_reason`` (``stop``: it ended with an EOS;
+    ``length``: at ``max_new_tokens``), and at T = 0 the identity ``check``
+    (:func:`~peagle_train.evaluate.identity.compare_to_greedy`: ``identical_to_greedy``, ``divergence``)."""
     eos = set(eos)
     return {
         "prompt_id": prompt.prompt_id, "turn": turn, "prompt_tokens": prompt_tokens,
         "new_tokens": len(base.tokens), "spec_new_tokens": len(spec.tokens),
         "verifier_steps": spec.verifier_steps, "accepted": spec.accepted, "drafted": spec.drafted,
-        "identical_to_greedy": same,
+        "identical_to_greedy": None if check is None else check["identical"],
+        "divergence": None if check is None else check["divergence"],
         "user": prompt.user_turns[turn],
         "text": turn_text(tokenizer, spec.tokens, eos),
         "reference_text": turn_text(tokenizer, base.tokens, eos),
@@ -123,7 +126,8 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
         drafter: a ``PEagleDrafter`` for ``verifier``, on the verifier's device.
         tokenizer: the verifier's tokenizer (with a chat template).
         prompts: from :func:`read_prompts`.
-        config: ``max_new_tokens`` and ``num_draft_tokens`` are used.
+        config: ``max_new_tokens``, ``num_draft_tokens``, ``temperature``, ``seed``, ``draft_sample_method``,
+            ``warmup``, ``measure_costs``, the tree options are used.
         progress: called with each decoding step's new tokens, of the plain decoding and of speculative
             decoding, and at a turn's end with both decodings' unused ``max_new_tokens``: a bar of total
             ``2 * max_new_tokens * turns`` tokens (:func:`progress_total`) advances within a turn.
@@ -140,32 +144,40 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
         engine.warm_up(render_turn(tokenizer, prompts[0], 0, []))
     totals = _OnlineTotals(K)
     per_prompt: list[dict[str, Any]] = []
-    mismatches: list[str] = []
+    checks: list[tuple[str, dict[str, Any]]] = []
     start = time.perf_counter()
     T = config.temperature
+    dtype = next(verifier.parameters()).dtype
+    tops = dtype_name(dtype) not in EXACT_DTYPES  # the near-tie rule needs the reference's top logits
     for prompt in prompts:
         answers: list[str] = []
         for turn in range(len(prompt.user_turns)):
             ids = render_turn(tokenizer, prompt, turn, answers)
             seed = _turn_seed(config.seed, len(per_prompt))
             spec, base = engine.generate_ids(ids, config.max_new_tokens, T, seed=seed, measure_speedup=True,
-                                             on_progress=progress)
+                                             on_progress=progress, top_logits=tops,
+                                             draft_sample_method=config.draft_sample_method)
             totals.add(base, spec)
-            same = spec.tokens == base.tokens if T == 0 else None  # samples differ by design at T > 0
-            if same is False and prompt.prompt_id not in mismatches:
-                mismatches.append(prompt.prompt_id)
-            per_prompt.append(_turn_record(tokenizer, prompt, turn, len(ids), base, spec, same, eos))
+            check = None  # samples differ by design at T > 0
+            if T == 0:
+                check = compare_to_greedy(spec.tokens, base.tokens, base.top_logits if tops else None, dtype)
+                checks.append((prompt.prompt_id, check))
+            per_prompt.append(_turn_record(tokenizer, prompt, turn, len(ids), base, spec, check, eos))
             answers.append(answer_text(tokenizer, base.tokens, eos))
             if progress is not None:  # a turn that stopped early (EOS) completes its share of the total
                 progress(2 * config.max_new_tokens - len(base.tokens) - len(spec.tokens))
     wall_time_s = time.perf_counter() - start
     report = totals.report()
+    identity = greedy_check_summary(dtype, checks) if T == 0 else {
+        "identical_to_greedy": None, "near_tie_divergences": None, "near_tie_prompts": [], "mismatches": [],
+        "greedy_check": None}
     return {
         **report,
-        "identical_to_greedy": not mismatches if T == 0 else None,
+        **identity,
         "temperature": T,
         "seed": config.seed if T > 0 else None,
-        "mismatches": mismatches,
+        "draft_sample_method": config.draft_sample_method if T > 0 else None,
+        "acceptance_scheme": acceptance_scheme(T, config.draft_sample_method),
         "wall_time_s": wall_time_s,
         "num_prompts": len(prompts),
         "num_turns": len(per_prompt),
@@ -200,7 +212,7 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
                     num_draft_tokens: int | None = None, output: str | Path | None = None,
                     progress_factory: Callable[[int], Any] | None = None, temperature: float = 0.0,
                     seed: int = 0, measure_costs: bool = True, tree_topk: list[int] | None = None,
-                    tree_nodes: int | None = None) -> dict[str, Any]:
+                    tree_nodes: int | None = None, draft_sample_method: str = "greedy") -> dict[str, Any]:
     """Online evaluation of a drafter checkpoint on a prompts file (docs/design.md §9).
 
     Args:
@@ -208,7 +220,8 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
         verifier_name: MODEL (``smollm2-135m``, a directory, a hub id); None = the verifier named in
             the drafter's config.
         prompts_file: MT-Bench or OpenAI-messages JSONL (see :func:`read_prompts`).
-        max_new_tokens, num_prompts, num_draft_tokens, temperature, seed, measure_costs, tree_topk, tree_nodes:
+        max_new_tokens, num_prompts, num_draft_tokens, temperature, seed, measure_costs, tree_topk, tree_nodes,
+            draft_sample_method:
             see :class:`EvalConfig`.
         output: also write the JSON report there.
         progress_factory: ``total -> bar`` with ``update(n)`` and ``close()`` (:func:`stores.progress.progress`):
@@ -216,7 +229,10 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
 
     Returns:
         A dict with ``acceptance_length``, ``acceptance_rate``, ``per_position_acceptance`` (K
-        fractions), ``drafted``, ``accepted``, ``identical_to_greedy`` (None at T > 0), ``mismatches`` (prompt ids),
+        fractions), ``drafted``, ``accepted``, ``identical_to_greedy`` (None at T > 0), ``mismatches`` (prompt
+        ids that differ from greedy decoding other than at a near tie), ``near_tie_divergences`` /
+        ``near_tie_prompts`` / ``greedy_check`` (:func:`greedy_check_summary`), ``draft_sample_method`` (T > 0)
+        and ``acceptance_scheme``,
         ``tokens_per_second``, ``baseline_tokens_per_second``, ``speedup``, ``wall_time_s``,
         ``num_prompts``, ``per_prompt`` (per turn: counts, ``user``, the speculative ``text`` and the
         plain decoding's ``reference_text``), with ``measure_costs`` the ``cost_model``
@@ -229,7 +245,7 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
     """
     config = EvalConfig(max_new_tokens=max_new_tokens, num_prompts=num_prompts, num_draft_tokens=num_draft_tokens,
                         temperature=temperature, seed=seed, measure_costs=measure_costs, tree_topk=tree_topk,
-                        tree_nodes=tree_nodes)
+                        tree_nodes=tree_nodes, draft_sample_method=draft_sample_method)
     prompts = read_prompts(prompts_file, config.num_prompts)
     drafter = load_drafter(drafter_dir)
     name = verifier_name or drafter.config.verifier_name_or_path

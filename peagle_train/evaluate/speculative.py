@@ -21,9 +21,15 @@ cache) and has emitted ``x_{t+1}``.
 3. :func:`accept_drafts`: greedy (temperature 0) keeps the longest prefix of drafts equal to the
    verifier's argmax plus the verifier's argmax after it (the bonus token); with temperature T > 0
    draft i is kept with probability ``min(1, p_i(x)/q_i(x))`` and the first rejected one is replaced
-   by a sample of ``norm(max(0, p_i - q_i))``, which keeps the verifier's distribution exactly. The
-   verifier cache (full keys/values also for sliding-window layers, masked by the window) is cut
-   back to the accepted tokens and their aux features feed the drafter.
+   by a sample of ``norm(max(0, p_i - q_i))``, which keeps the verifier's distribution exactly
+   (``p_i = softmax(z_i / T)``). ``q_i`` depends on how drafts are picked (``draft_sample_method``,
+   vLLM's ``SpeculativeConfig`` field and values): ``greedy`` (vLLM's default, so what users serve)
+   drafts the drafter's argmax and takes ``q_i`` one-hot, so draft x is kept with probability
+   ``p_i(x)`` and a rejection samples ``p_i`` with x's mass removed (vLLM 0.32
+   ``rejection_sampler.py``, ``NO_DRAFT_PROBS``); ``probabilistic`` samples x from
+   ``q_i = softmax(drafter logits / T)`` (0 outside the draft vocab). The verifier cache (full
+   keys/values also for sliding-window layers, masked by the window) is cut back to the accepted
+   tokens and their aux features feed the drafter.
 
 Under greedy decoding every token emitted is the verifier's argmax given the tokens before it, so
 the output is the verifier's own greedy output token for token.
@@ -37,6 +43,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from peagle_train.evaluate.config import DRAFT_SAMPLE_METHODS
+from peagle_train.evaluate.identity import TOP_K
 from peagle_train.evaluate.verifier import (aux_hidden_states, crop_cache, new_cache, rollback_cache,
                                             verifier_body_pass, verifier_pass)
 from peagle_train.model.attention import DenseAttention
@@ -47,8 +55,10 @@ __all__ = [
     "GenerationResult",
     "DrafterSession",
     "accept_drafts",
+    "acceptance_scheme",
     "aux_features",
     "check_compatible",
+    "check_draft_sample_method",
     "draft_tokens",
     "eos_set",
     "prompt_tensor",
@@ -79,6 +89,10 @@ class GenerationResult:
     ends at an EOS, the drafts before the EOS (the EOS position and later ones are not scored)."""
     wall_time_s: float = 0.0
     """Seconds from the prefill to the last token."""
+    top_logits: list[dict[int, float]] = field(default_factory=list)
+    """Plain greedy decoding with ``top_logits=True``: per generated token, the verifier's
+    :data:`~peagle_train.evaluate.identity.TOP_K` largest logits there, ``{token id: logit}``, for
+    :func:`peagle_train.evaluate.identity.compare_to_greedy`; empty otherwise."""
 
     @property
     def drafted(self) -> int:
@@ -232,14 +246,16 @@ def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator |
 
 
 def propose_drafts(draft_logits: torch.Tensor, draft_ids: torch.Tensor, vocab_size: int, temperature: float,
-                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   generator: torch.Generator | None,
+                   draft_sample_method: str = "greedy") -> tuple[torch.Tensor, torch.Tensor | None]:
     """Drafts ``[k]`` (verifier ids) from ``draft_logits [k, D]``, and their distributions ``q [k, V]``.
 
-    Temperature 0: the argmax, ``q`` None. Otherwise one sample per depth from
-    ``softmax(logits / T)`` over the draft vocab, placed on the verifier vocab (0 outside it).
+    ``greedy`` (any temperature) or temperature 0: the argmax, ``q`` None (one-hot at the draft, as
+    vLLM's ``draft_sample_method="greedy"`` treats it). ``probabilistic`` at T > 0: one sample per
+    depth from ``softmax(logits / T)`` over the draft vocab, placed on the verifier vocab (0 outside it).
     """
     ids = draft_ids.cpu()
-    if temperature == 0:
+    if temperature == 0 or draft_sample_method == "greedy":
         return ids[draft_logits.argmax(-1).cpu()], None
     q_draft = torch.softmax(draft_logits.float().cpu() / temperature, -1)  # [k, D]
     picks = torch.multinomial(q_draft, 1, generator=generator)[:, 0]  # [k] draft ids
@@ -259,17 +275,21 @@ def accept_drafts(drafts: torch.Tensor, target_logits, temperature: float = 0.0,
         drafts: ``[k] int64`` verifier ids.
         target_logits: ``[k+1, V]`` (a tensor, or anything whose ``[i]`` gives row i): the
             verifier's logits after ``x_{t+1}`` and after each draft.
-        temperature: 0 for greedy verification; T > 0 for rejection sampling of ``softmax(z / T)``.
-        draft_probs: ``[k, V]`` the distributions the drafts were sampled from (T > 0 only).
+        temperature: 0 for greedy verification; T > 0 for rejection sampling of ``p = softmax(z / T)``.
+        draft_probs: ``[k, V]`` the distributions the drafts were sampled from (T > 0,
+            ``probabilistic``), or None: each draft taken as certain (q one-hot; ``greedy`` drafting).
         generator: the randomness (T > 0 only).
 
     Returns:
         ``(n, emitted [n+1])``: the first n drafts, then the bonus token (greedy: the verifier's
-        argmax; sampling: a sample of the residual ``norm(max(0, p_n - q_n))`` after a rejection, or
-        of ``p_k`` when all k were kept).
+        argmax; sampling: a sample of the residual ``norm(max(0, p_n - q_n))`` after a rejection, which
+        for a one-hot ``q_n`` is ``p_n`` without the rejected draft, or of ``p_k`` when all k were kept).
+        Draft i is kept when ``u * q_i(x) < p_i(x)``, ``u ~ U[0, 1)``: with probability
+        ``min(1, p_i(x) / q_i(x))``, which is ``p_i(x)`` for a one-hot q (vLLM 0.32 keeps it when
+        ``p / q >= u``, the same up to a measure-zero event).
     """
     k = drafts.numel()
-    assert temperature == 0 or k == 0 or (draft_probs is not None and draft_probs.shape[0] == k)
+    assert temperature == 0 or draft_probs is None or draft_probs.shape[0] == k
     for i in range(k):
         x = int(drafts[i])
         if temperature == 0:
@@ -278,13 +298,28 @@ def accept_drafts(drafts: torch.Tensor, target_logits, temperature: float = 0.0,
                 continue
             return i, torch.cat([drafts[:i], torch.tensor([best])])
         p = torch.softmax(target_logits[i].float().cpu() / temperature, -1)  # [V]
-        if float(torch.rand((), generator=generator)) * float(draft_probs[i, x]) < float(p[x]):
+        q_x = 1.0 if draft_probs is None else float(draft_probs[i, x])
+        if float(torch.rand((), generator=generator)) * q_x < float(p[x]):
             continue  # kept with probability min(1, p/q)
-        residual = (p - draft_probs[i]).clamp_min(0)  # [V]
+        if draft_probs is None:  # one-hot q: max(0, p - q) is p without the draft
+            residual = p.clone()
+            residual[x] = 0.0
+        else:
+            residual = (p - draft_probs[i]).clamp_min(0)  # [V]
         if float(residual.sum()) <= 0:  # p == q up to rounding: any sample of p is right
             residual = p
         return i, torch.cat([drafts[:i], torch.tensor([_sample(residual, generator)])])
     return k, torch.cat([drafts, torch.tensor([_pick(target_logits[k], temperature, generator)])])
+
+
+def acceptance_scheme(temperature: float, draft_sample_method: str) -> str:
+    """How a run's drafts were accepted, in words, for reports and plots: greedy verification at T = 0,
+    else rejection sampling at T with vLLM's ``draft_sample_method`` (:func:`accept_drafts`)."""
+    if temperature == 0:
+        return "greedy verification (T=0)"
+    how = ("argmax draft, q one-hot: kept with prob. p" if draft_sample_method == "greedy"
+           else "draft sampled from q: kept with prob. min(1, p/q)")
+    return f"rejection sampling at T={temperature:g}, draft_sample_method={draft_sample_method} ({how})"
 
 
 def _prompt_tensor(prompt_ids) -> torch.Tensor:
@@ -303,6 +338,7 @@ def _check_temperature(temperature: float) -> float:
 @torch.no_grad()
 def plain_generate(verifier, prompt_ids, max_new_tokens: int, eos_token_id: int | Iterable[int] | None = None,
                    temperature: float = 0.0, generator: torch.Generator | None = None,
+                   top_logits: bool = False,
                    on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
     """Plain decoding with a KV cache, one verifier pass per token (the baseline).
 
@@ -312,28 +348,33 @@ def plain_generate(verifier, prompt_ids, max_new_tokens: int, eos_token_id: int 
         max_new_tokens: most tokens generated; generation also stops after an EOS token.
         eos_token_id: one id, several, or None.
         temperature: 0 = greedy; T > 0 samples ``softmax(z / T)`` with ``generator``.
+        top_logits: at T = 0, also record each step's largest logits (``GenerationResult.top_logits``).
         on_tokens: called with each new token, as a one-element list, as it is emitted (streaming, progress).
 
     Returns:
-        :class:`GenerationResult` with ``tokens`` only.
+        :class:`GenerationResult` with ``tokens`` (and ``top_logits``).
     """
     temperature = _check_temperature(temperature)
     ids = _prompt_tensor(prompt_ids)
     eos = _eos_set(eos_token_id)
     start = time.perf_counter()
     tokens: list[int] = []
+    tops: list[dict[int, float]] = []
+    record = top_logits and temperature == 0
     if max_new_tokens > 0:
         cache = new_cache(verifier)
         logits, _ = verifier_pass(verifier, ids, cache, want_hidden=False, last_only=True)
-        tokens.append(_pick(logits[-1], temperature, generator))
-        if on_tokens is not None:
-            on_tokens(tokens[-1:])
-        while len(tokens) < max_new_tokens and tokens[-1] not in eos:
-            logits, _ = verifier_pass(verifier, torch.tensor([tokens[-1]]), cache, want_hidden=False)
+        while True:
             tokens.append(_pick(logits[-1], temperature, generator))
+            if record:
+                top = torch.topk(logits[-1], min(TOP_K, logits.shape[-1]))
+                tops.append(dict(zip(top.indices.tolist(), top.values.tolist())))
             if on_tokens is not None:
                 on_tokens(tokens[-1:])
-    return GenerationResult(tokens=tokens, wall_time_s=time.perf_counter() - start)
+            if len(tokens) >= max_new_tokens or tokens[-1] in eos:
+                break
+            logits, _ = verifier_pass(verifier, torch.tensor([tokens[-1]]), cache, want_hidden=False)
+    return GenerationResult(tokens=tokens, wall_time_s=time.perf_counter() - start, top_logits=tops)
 
 
 def greedy_generate(verifier, prompt_ids, max_new_tokens: int,
@@ -380,6 +421,18 @@ def checked_num_draft_tokens(num_draft_tokens: int | None, drafter) -> int:
     return K
 
 
+def check_draft_sample_method(draft_sample_method: str) -> str:
+    """``draft_sample_method`` if it is one of vLLM's values (:data:`~peagle_train.evaluate.config.DRAFT_SAMPLE_METHODS`).
+
+    Raises:
+        InputError: another value.
+    """
+    if draft_sample_method not in DRAFT_SAMPLE_METHODS:
+        raise InputError(f"the draft sample method must be one of {', '.join(DRAFT_SAMPLE_METHODS)} (vLLM's "
+                         f"draft_sample_method), got {draft_sample_method!r}", field="--draft-sample-method")
+    return draft_sample_method
+
+
 def _checked_settings(verifier, drafter, num_draft_tokens: int | None, temperature: float) -> tuple[int, float]:
     """``(K, temperature)`` of :func:`speculative_generate`, checked (1 ≤ K ≤ num_depths, T ≥ 0, the
     drafter fits)."""
@@ -393,6 +446,7 @@ def _checked_settings(verifier, drafter, num_draft_tokens: int | None, temperatu
 def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num_draft_tokens: int | None = None,
                          eos_token_id: int | Iterable[int] | None = None, temperature: float = 0.0,
                          generator: torch.Generator | None = None,
+                         draft_sample_method: str = "greedy",
                          on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
     """Speculative decoding: the drafter drafts K tokens, the verifier checks them in one pass.
 
@@ -409,15 +463,21 @@ def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num
         temperature: 0 = greedy (output identical to :func:`greedy_generate`); T > 0 = speculative
             sampling, distributed exactly as :func:`plain_generate` at T.
         generator: the randomness at T > 0.
+        draft_sample_method: at T > 0, how drafts are picked, as vLLM's ``SpeculativeConfig`` field:
+            ``greedy`` (vLLM's default: the drafter's argmax, q one-hot) or ``probabilistic`` (sampled
+            from the drafter's ``softmax(logits / T)``); both keep the verifier's distribution, their
+            acceptance differs (:func:`accept_drafts`). Ignored at T = 0.
         on_tokens: called with the new tokens of the prefill and of each step, as they are emitted (streaming).
 
     Returns:
         :class:`GenerationResult` with the tokens and per-step drafted/accepted counts.
 
     Raises:
-        InputError: empty prompt, K < 1, T < 0, or a drafter that does not match the verifier.
+        InputError: empty prompt, K < 1, T < 0, an unknown ``draft_sample_method``, or a drafter that does
+            not match the verifier.
     """
     K, temperature = _checked_settings(verifier, drafter, num_draft_tokens, temperature)
+    check_draft_sample_method(draft_sample_method)
     ids = _prompt_tensor(prompt_ids)
     eos = _eos_set(eos_token_id)
     layers = drafter.config.aux_layer_ids
@@ -442,7 +502,8 @@ def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num
             drafts, q = torch.zeros(0, dtype=torch.long), None
             if k > 0:
                 draft_logits = session.draft(new_tokens, new_aux, k)  # [k, D]
-                drafts, q = propose_drafts(draft_logits, drafter.draft_ids, vocab, temperature, generator)
+                drafts, q = propose_drafts(draft_logits, drafter.draft_ids, vocab, temperature, generator,
+                                            draft_sample_method)
             verify_in = torch.cat([torch.tensor(result.tokens[-1:]), drafts])  # [k+1]: x_{t+1}, drafts
             logits, hs = verifier_body_pass(verifier, verify_in, cache)  # [k+1, V]
             n, emitted = accept_drafts(drafts, logits, temperature, q, generator)  # [n+1]

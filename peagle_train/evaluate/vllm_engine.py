@@ -3,8 +3,11 @@
 vLLM is imported only here, and only when this engine runs (it pins its own transformers, so it lives
 in its own environment: ``PEAGLE_VLLM=1 bash scripts/setup_env.sh`` makes ``.venv-vllm``).
 
-One engine without the drafter gives the reference: each prompt turn's greedy token ids (later turns
-take the reference answers as history, as peagle's own engine does). One engine with the drafter
+One engine without the drafter gives the reference: each prompt turn's greedy token ids with their 20
+largest raw logits (for the near-tie rule of :mod:`peagle_train.evaluate.identity`: bf16 on an accelerator), or
+at ``--temperature T > 0`` a seeded sample (later turns take the reference answers as history, as
+peagle's own engine does). The engine with the drafter runs at the same temperature, with vLLM's
+``draft_sample_method`` set to ``--draft-sample-method`` (vLLM's default ``greedy`` unless asked). One engine with the drafter
 (vLLM's P-EAGLE: ``method eagle3`` with ``parallel_drafting``) then runs the same token-id prompts:
 - one request at a time, counted: vLLM's spec-decode counters (``llm.get_metrics()``: drafts, draft
   tokens, accepted tokens, accepted per position; their change over this pass) and its per-request
@@ -33,8 +36,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from peagle_train.evaluate.config import VLLM_LOADINGS, EvalConfig
+from peagle_train.evaluate.identity import TOP_K, compare_to_greedy, greedy_check_summary
 from peagle_train.evaluate.prompts import Prompt, answer_text, eos_ids, read_prompts, render_turn, turn_text
-from peagle_train.evaluate.speculative import checked_num_draft_tokens
+from peagle_train.evaluate.speculative import acceptance_scheme, check_draft_sample_method, checked_num_draft_tokens
 from peagle_train.model.checkpoint import find_drafter, load_drafter
 from stores.errors import InputError, ModelNotFoundError
 from stores.model_cache import load_tokenizer, model_fingerprint, resolve_model
@@ -43,8 +47,9 @@ from stores.vllm_runtime import VLLM_SETUP, VllmMemory, VllmOutput, start_llm
 from stores.vllm_runtime import import_vllm as import_vllm_module
 
 __all__ = ["VLLM_SETUP", "SPEC_METRICS", "VllmRun", "VllmReference", "import_vllm", "vllm_generate",
-           "engine_settings", "check_full_length", "next_turn_prompts", "per_position_counts",
-           "check_speculators_verifier", "vllm_reference", "vllm_speculative", "run_vllm_eval", "VllmSpeculativeEngine"]
+           "engine_settings", "check_full_length", "request_seed", "top_logits_of", "vllm_report", "next_turn_prompts",
+           "per_position_counts", "check_speculators_verifier", "vllm_reference", "vllm_speculative", "run_vllm_eval",
+           "VllmSpeculativeEngine"]
 
 
 SPEC_METRICS = {
@@ -77,6 +82,9 @@ class VllmRun:
         start_s: seconds to start the engine; num_speculative_tokens: K (None without a drafter).
         engine_settings: the engine's ``dtype`` and ``enforce_eager`` (:func:`engine_settings`), and the
             memory arguments it got (``kv_cache_memory_bytes`` / ``gpu_memory_utilization``, when given).
+        top_logits: with ``top_logits=True`` at T = 0, per request, per generated token ``{token id: logit}``
+            of vLLM's :data:`~peagle_train.evaluate.identity.TOP_K` largest raw logits
+            (``logprobs_mode="raw_logits"``), else None.
     """
 
     tokens: list[list[int]]
@@ -86,6 +94,19 @@ class VllmRun:
     start_s: float = 0.0
     num_speculative_tokens: int | None = None
     engine_settings: dict[str, Any] = field(default_factory=dict)
+    top_logits: list[list[dict[int, float]]] | None = None
+
+
+def top_logits_of(output) -> list[dict[int, float]]:
+    """Per generated token of one request output: ``{token id: logit}`` from its logprobs entries (raw logits
+    with ``logprobs_mode="raw_logits"``; the sampled token's entry is among them)."""
+    return [{int(tok): float(lp.logprob) for tok, lp in entry.items()} for entry in output.outputs[0].logprobs or []]
+
+
+def request_seed(seed: int, index: int) -> int:
+    """The seed of request ``index`` (counted pass order) at T > 0: a function of ``(seed, index)`` only, as
+    peagle's own engine seeds prompt turn ``index``."""
+    return seed * 1_000_003 + index
 
 
 def _counters(llm) -> dict[str, Any]:
@@ -156,16 +177,17 @@ def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int,
                   speculative_config: dict[str, Any] | None = None, concurrency: int = 8,
                   turns: Callable[[list[list[int]]], list[list[int]]] | None = None,
                   max_model_len: int = 4096, timed: bool = True, log: Callable[[str], None] | None = None,
-                  memory: VllmMemory = VllmMemory()) -> VllmRun:
-    """Start one vLLM engine on ``model`` (:func:`engine_settings`, seed 0, ``memory``), run ``prompts``
-    greedily, stop it. The engine starts as :func:`stores.vllm_runtime.start_llm` starts it: its output on
+                  memory: VllmMemory = VllmMemory(), temperature: float = 0.0, seed: int = 0,
+                  top_logits: bool = False) -> VllmRun:
+    """Start one vLLM engine on ``model`` (:func:`engine_settings`, seed 0, ``memory``), run ``prompts``,
+    stop it. The engine starts as :func:`stores.vllm_runtime.start_llm` starts it: its output on
     stderr while it runs (stdout stays peagle's), its root cause raised when it does not start.
 
     Args:
         model: the verifier directory or hub id, or (``speculators`` loading) the drafter directory.
         prompts: token-id prompts, one per request.
-        max_new_tokens: ``max_tokens`` of each request (greedy: temperature 0, vLLM's defaults from the
-            model's ``generation_config.json`` not applied: ``generation_config="vllm"``).
+        max_new_tokens: ``max_tokens`` of each request (at ``temperature``, no top-k / top-p: vLLM's defaults
+            from the model's ``generation_config.json`` not applied, ``generation_config="vllm"``).
         stop_token_ids: EOS ids that end a request besides the tokenizer's (peagle's engine's set).
         speculative_config: vLLM's ``speculative_config`` (None: none, or whatever ``model``'s config sets).
         concurrency: C of the second timed pass (and the engine's ``max_num_seqs``).
@@ -173,6 +195,8 @@ def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int,
             prompt turns that take earlier answers as history), until it returns an empty list.
         timed: also run the concurrency-C pass (the counted pass is always timed as concurrency 1).
         memory: the engine's KV cache size / GPU memory share (:class:`stores.vllm_runtime.VllmMemory`).
+        temperature: 0 greedy; T > 0 samples, request i of the counted pass seeded :func:`request_seed`.
+        top_logits: at T = 0, record the largest raw logits of every generated token (``VllmRun.top_logits``).
 
     Returns:
         a :class:`VllmRun`.
@@ -185,6 +209,9 @@ def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int,
     start = time.perf_counter()
     kwargs = ({"speculative_config": speculative_config, "per_request_spec_decode_metrics": "detailed"}
               if speculative_config else {})
+    tops = top_logits and temperature == 0
+    if tops:
+        kwargs["logprobs_mode"] = "raw_logits"
     from vllm.platforms import current_platform
 
     settings = engine_settings(current_platform.is_cpu())
@@ -195,23 +222,32 @@ def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int,
         try:
             return _run_engine(vllm, llm, prompts, max_new_tokens, stop_token_ids, concurrency, turns,
                                max_model_len, timed, log, model, VllmRun(tokens=[], start_s=time.perf_counter() - start,
-                                                                        engine_settings={**settings, **mem}))
+                                                                        engine_settings={**settings, **mem}),
+                               temperature=temperature, seed=seed, tops=tops)
         finally:
             _shutdown(llm)
 
 
 def _run_engine(vllm, llm, prompts, max_new_tokens, stop_token_ids, concurrency, turns, max_model_len, timed, log,
-                model, run: VllmRun) -> VllmRun:
-    """The passes of :func:`vllm_generate` on the started engine ``llm``, filling ``run``."""
+                model, run: VllmRun, *, temperature: float, seed: int, tops: bool) -> VllmRun:
+    """The passes of :func:`vllm_generate` on the started engine ``llm``, filling ``run`` (``tops``: record the
+    top raw logits of every generated token)."""
     spec = llm.llm_engine.vllm_config.speculative_config
     run.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else None
     log(f"vLLM engine on {model} started in {run.start_s:.0f} s"
         + (f" (drafter {spec.model}, K={spec.num_speculative_tokens})" if spec is not None else ""))
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=list(stop_token_ids))
+
+    def params(index: int | None):  # request index of the counted pass (its seed at T > 0), None: unseeded
+        return vllm.SamplingParams(temperature=temperature, max_tokens=max_new_tokens,
+                                   stop_token_ids=list(stop_token_ids), logprobs=TOP_K if tops else None,
+                                   seed=request_seed(seed, index) if temperature > 0 and index is not None else None)
+
+    if tops:
+        run.top_logits = []
     # later turns are built from the answers: the total is unknown until the last turn (stores.progress)
     bar = progress(desc=f"vLLM {'speculative' if spec is not None else 'plain'} requests", unit="request")
     try:
-        _generate(llm, [prompts[0]], vllm.SamplingParams(temperature=0.0, max_tokens=4))  # warm-up, untimed
+        _generate(llm, [prompts[0]], vllm.SamplingParams(temperature=temperature, max_tokens=4))  # warm-up, untimed
         before = _counters(llm) if spec is not None else None
         all_prompts, elapsed, generated = [], 0.0, 0
         per_request: list[dict[str, list[int]]] = []
@@ -219,13 +255,15 @@ def _run_engine(vllm, llm, prompts, max_new_tokens, stop_token_ids, concurrency,
         while batch:
             outs = []
             for p in batch:  # one request at a time: concurrency 1
-                o, s = _generate(llm, [p], params)
+                o, s = _generate(llm, [p], params(len(run.tokens) + len(outs)))
                 check_full_length(len(p), o[0].outputs[0].token_ids, max_new_tokens, stop_token_ids, max_model_len)
                 outs += o
                 elapsed += s
                 bar.update(1)
             all_prompts += batch
             run.tokens += [list(o.outputs[0].token_ids) for o in outs]
+            if tops:
+                run.top_logits += [top_logits_of(o) for o in outs]
             per_request += [_step_counts(o) or {} for o in outs]
             generated += sum(len(o.outputs[0].token_ids) for o in outs)
             batch = turns([list(o.outputs[0].token_ids) for o in outs]) if turns else []
@@ -237,7 +275,7 @@ def _run_engine(vllm, llm, prompts, max_new_tokens, stop_token_ids, concurrency,
         if timed and concurrency > 1:
             n = -(-max(len(all_prompts), concurrency) // concurrency) * concurrency
             many = [all_prompts[i % len(all_prompts)] for i in range(n)]
-            outs, s = _generate(llm, many, params)
+            outs, s = _generate(llm, many, params(None))
             run.tokens_per_second[concurrency] = sum(len(o.outputs[0].token_ids) for o in outs) / s
     finally:
         bar.close()
@@ -373,8 +411,10 @@ class VllmReference:
 def vllm_reference(verifier_name: str, prompts_file: str | Path, config: EvalConfig,
                    log: Callable[[str], None] = print) -> VllmReference:
     """Run every prompt turn through vLLM without a drafter (turn by turn, each later turn with the
-    greedy answers before it as history, as peagle's own engine does), timed at concurrency 1 and
-    ``config.concurrency``.
+    answers before it as history, as peagle's own engine does), timed at concurrency 1 and
+    ``config.concurrency``; at ``config.temperature`` (T > 0: sampled, seeded per request from
+    ``config.seed``); at T = 0 with each token's largest logits (the near-tie rule of
+    :mod:`peagle_train.evaluate.identity`).
 
     Raises:
         MissingDependencyError: no vLLM. ModelNotFoundError: unknown verifier. InputError: bad prompts.
@@ -390,7 +430,8 @@ def vllm_reference(verifier_name: str, prompts_file: str | Path, config: EvalCon
         return next_turn_prompts(tokenizer, prompts, eos, order, answers, outputs)
 
     plain = vllm_generate(directory, next_turns(None), config.max_new_tokens, sorted(eos),
-                          concurrency=config.concurrency, turns=next_turns, log=log, memory=config.vllm_memory)
+                          concurrency=config.concurrency, turns=next_turns, log=log, memory=config.vllm_memory,
+                          temperature=config.temperature, seed=config.seed, top_logits=True)
     requests = [render_turn(tokenizer, prompts[i], t, answers[i][:t]) for i, t in order]
     return VllmReference(name=str(verifier_name), directory=directory, tokenizer=tokenizer, eos=eos,
                          prompts_file=str(prompts_file), prompts=prompts, order=order, requests=requests, plain=plain)
@@ -399,24 +440,28 @@ def vllm_reference(verifier_name: str, prompts_file: str | Path, config: EvalCon
 def vllm_speculative(ref: VllmReference, drafter_dir: str | Path, config: EvalConfig,
                      log: Callable[[str], None] = print) -> dict[str, Any]:
     """The requests of ``ref`` through vLLM with the drafter (loaded the ``config.vllm_loading`` way, K
-    = ``config.num_draft_tokens`` or the drafter's ``num_depths``): the report of :func:`run_vllm_eval`.
+    = ``config.num_draft_tokens`` or the drafter's ``num_depths``, at ``config.temperature`` with vLLM's
+    ``draft_sample_method`` = ``config.draft_sample_method``): the report of :func:`run_vllm_eval`.
 
     Raises:
-        InputError: K above the drafter's ``num_depths``.
+        InputError: K above the drafter's ``num_depths``; an unknown draft sample method.
     """
     vllm = import_vllm()
     drafter = load_drafter(drafter_dir)
     K = checked_num_draft_tokens(config.num_draft_tokens, drafter)
     del drafter
-    common = dict(stop_token_ids=sorted(ref.eos), concurrency=config.concurrency, log=log, memory=config.vllm_memory)
+    method = check_draft_sample_method(config.draft_sample_method)
+    common = dict(stop_token_ids=sorted(ref.eos), concurrency=config.concurrency, log=log, memory=config.vllm_memory,
+                  temperature=config.temperature, seed=config.seed)
     if config.vllm_loading == "speculative_config":
         spec = vllm_generate(ref.directory, ref.requests, config.max_new_tokens, **common,
                              speculative_config={"model": str(drafter_dir), "method": "eagle3",
-                                                 "parallel_drafting": True, "num_speculative_tokens": K})
+                                                 "parallel_drafting": True, "num_speculative_tokens": K,
+                                                 "draft_sample_method": method})
     else:  # vLLM reads speculators_config of the drafter and loads the verifier it names
         spec = vllm_generate(str(drafter_dir), ref.requests, config.max_new_tokens, **common,
-                             speculative_config={"num_speculative_tokens": K})
-    return _report(drafter_dir, ref, spec, config, vllm.__version__)
+                             speculative_config={"num_speculative_tokens": K, "draft_sample_method": method})
+    return vllm_report(drafter_dir, ref, spec, config, vllm.__version__)
 
 
 def check_speculators_verifier(drafter_dir: str | Path, verifier_name: str) -> None:
@@ -457,23 +502,26 @@ def run_vllm_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_fi
         drafter_dir: a drafter checkpoint (or a peagle-train output).
         verifier_name: MODEL; None: the drafter's verifier.
         config: ``max_new_tokens``, ``num_prompts``, ``num_draft_tokens`` (K; default the drafter's
-            ``num_depths``), ``temperature`` (only 0), ``concurrency`` (C of the second throughput
-            measurement), ``vllm_loading`` (:data:`~peagle_train.evaluate.config.VLLM_LOADINGS`).
+            ``num_depths``), ``temperature`` and ``seed`` (T > 0: every request seeded, :func:`request_seed`),
+            ``draft_sample_method`` (vLLM's speculative config field), ``concurrency`` (C of the second
+            throughput measurement), ``vllm_loading`` (:data:`~peagle_train.evaluate.config.VLLM_LOADINGS`).
 
     Returns:
         ``acceptance_length``, ``acceptance_rate``, ``per_position_acceptance`` / ``_accepted`` /
         ``_reached``, ``num_drafts``, ``drafted``, ``accepted``, ``identical_to_greedy``,
-        ``mismatches``, ``tokens_per_second`` / ``baseline_tokens_per_second`` / ``speedup`` (concurrency 1),
+        ``mismatches``, ``near_tie_divergences`` / ``near_tie_prompts`` / ``greedy_check`` (T = 0: token
+        identity decided as the engine's dtype allows, :mod:`peagle_train.evaluate.identity`; None / empty at
+        T > 0), ``draft_sample_method``, ``acceptance_scheme``,
+        ``tokens_per_second`` / ``baseline_tokens_per_second`` / ``speedup`` (concurrency 1),
         ``throughput`` (per concurrency: ``plain``, ``speculative`` tokens/s and ``speedup``),
         ``vllm_counters`` (vLLM's own names), ``per_prompt`` (per turn: ``text``, ``reference_text``,
         vLLM's per-step ``accepted`` / ``drafted``), ``engine: "vllm"``, ``vllm_version``, ``loading``.
 
     Raises:
-        MissingDependencyError: no vLLM (names the set-up command). InputError: T > 0, an unknown
-        loading, K above the drafter's ``num_depths``.
+        MissingDependencyError: no vLLM (names the set-up command). InputError: an unknown loading or draft
+        sample method, K above the drafter's ``num_depths``.
     """
-    if config.temperature != 0:
-        raise InputError("--engine vllm measures greedy decoding only (--temperature 0)", field="--temperature")
+    check_draft_sample_method(config.draft_sample_method)
     if config.vllm_loading not in VLLM_LOADINGS:
         raise InputError(f"{config.vllm_loading!r}: expected one of {VLLM_LOADINGS}", field="--vllm-loading")
     import_vllm()
@@ -505,29 +553,39 @@ def per_position_counts(counters: dict[str, Any], K: int) -> tuple[list[int], li
     return (counters["accepted_per_pos"] + [0] * K)[:K], [drafts] * K
 
 
-def _report(found, ref: VllmReference, spec: VllmRun, config: EvalConfig, version: str) -> dict[str, Any]:
+def vllm_report(found, ref: VllmReference, spec: VllmRun, config: EvalConfig, version: str) -> dict[str, Any]:
+    """The report of :func:`run_vllm_eval` from the reference run ``ref`` and the run with the drafter ``spec``
+    (T = 0: each turn compared with :func:`~peagle_train.evaluate.identity.compare_to_greedy` in the
+    engine's dtype, from the reference's top logits)."""
     prompts, plain, tokenizer, eos = ref.prompts, ref.plain, ref.tokenizer, ref.eos
     c = spec.counters
     K = spec.num_speculative_tokens
     drafts = c["num_drafts"]
     counts = per_position_counts(c, K)
     per_pos, reached = counts if counts is not None else (None, None)
-    mismatches: list[str] = []
+    T = config.temperature
+    dtype = spec.engine_settings.get("dtype", "float32")
+    checks: list[tuple[str, dict[str, Any]]] = []
     per_prompt = []
-    rows = sorted(zip(ref.order, ref.requests, plain.tokens, spec.tokens, spec.per_request), key=lambda r: r[0])
-    for (i, t), ids, base, got, steps in rows:  # prompt by prompt, turn by turn, as peagle's own report
-        same = base == got
-        if not same and prompts[i].prompt_id not in mismatches:
-            mismatches.append(prompts[i].prompt_id)
+    tops = plain.top_logits or [None] * len(plain.tokens)
+    rows = sorted(zip(ref.order, ref.requests, plain.tokens, spec.tokens, spec.per_request, tops), key=lambda r: r[0])
+    for (i, t), ids, base, got, steps, top in rows:  # prompt by prompt, turn by turn, as peagle's own report
+        check = compare_to_greedy(got, base, top, dtype) if T == 0 else None  # samples differ at T > 0
+        if check is not None:
+            checks.append((prompts[i].prompt_id, check))
         per_prompt.append({
             "prompt_id": prompts[i].prompt_id, "turn": t, "prompt_tokens": len(ids), "new_tokens": len(base),
             "spec_new_tokens": len(got), "verifier_steps": len(steps.get("accepted", [])),
             "accepted": sum(steps.get("accepted", [])), "drafted": sum(steps.get("drafted", [])),
-            "identical_to_greedy": same, "user": prompts[i].user_turns[t],
+            "identical_to_greedy": None if check is None else check["identical"],
+            "divergence": None if check is None else check["divergence"], "user": prompts[i].user_turns[t],
             "text": turn_text(tokenizer, got, eos), "reference_text": turn_text(tokenizer, base, eos),
             "finish_reason": "stop" if got and got[-1] in eos else "length",
             "vllm_steps": steps,
         })
+    identity = greedy_check_summary(dtype, checks) if T == 0 else {
+        "identical_to_greedy": None, "near_tie_divergences": None, "near_tie_prompts": [], "mismatches": [],
+        "greedy_check": None}
 
     def ratio(a, b):
         return a / b if b else None
@@ -562,10 +620,11 @@ def _report(found, ref: VllmReference, spec: VllmRun, config: EvalConfig, versio
         "concurrency": [int(n) for n in throughput],
         "engine_start_s": {"plain": plain.start_s, "speculative": spec.start_s},
         "vllm_counters": {SPEC_METRICS[k]: v for k, v in c.items()},
-        "identical_to_greedy": not mismatches,
-        "temperature": 0.0,
-        "seed": None,
-        "mismatches": mismatches,
+        **identity,
+        "temperature": T,
+        "seed": config.seed if T > 0 else None,
+        "draft_sample_method": config.draft_sample_method if T > 0 else None,
+        "acceptance_scheme": acceptance_scheme(T, config.draft_sample_method),
         "num_prompts": len(prompts),
         "num_turns": len(per_prompt),
         "max_new_tokens": config.max_new_tokens,

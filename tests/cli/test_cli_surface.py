@@ -47,7 +47,8 @@ EXACT = {
     ("eval", None): {"--drafter", "--verifier", "--prompts", "--store", "--output", "--force", "--max-new-tokens",
                      "--num-prompts", "--num-draft-tokens", "--max-blocks", "--temperature", "--seed", "--engine",
                      "--concurrency", "--vllm-loading", "--vllm-kv-cache-gib", "--vllm-gpu-memory-utilization",
-                     "--tree-topk", "--tree-nodes", "--measure-costs", "--no-measure-costs"} | CONFIG_FILE,
+                     "--tree-topk", "--tree-nodes", "--measure-costs", "--no-measure-costs",
+                     "--draft-sample-method"} | CONFIG_FILE,
 }
 GROUPS = {"data": data_main, "train": train_main, "eval": eval_main}
 ACTIONS = {

@@ -484,6 +484,53 @@ def test_cli_fails_on_a_mismatch_naming_the_prompt(monkeypatch, tmp_path):
     assert "prompts 81, x" in result.stderr
 
 
+def test_cli_exits_0_when_every_difference_is_a_near_tie(monkeypatch, tmp_path):
+    """bf16 greedy runs that differ only at near ties of the verifier's top-2 logits (counted) are not failures."""
+    from click.testing import CliRunner
+
+    import peagle_train.evaluate.run as ev
+    from cli.eval import main
+
+    fake = {"acceptance_length": 1.0, "acceptance_rate": 0.0, "per_position_acceptance": [0.0], "num_prompts": 2,
+            "num_turns": 2, "num_draft_tokens": 1, "accepted": 0, "drafted": 3, "tokens_per_second": 1.0,
+            "baseline_tokens_per_second": 1.0, "speedup": 1.0, "identical_to_greedy": False, "mismatches": [],
+            "near_tie_divergences": 2, "near_tie_prompts": ["81"], "greedy_check": {"dtype": "bfloat16", "rule": "r"}}
+    monkeypatch.setattr(ev, "run_online_eval", lambda *a, **k: dict(fake))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / "d" / name).write_text("{}")
+    monkeypatch.setattr(ev, "check_before_weights", lambda *a, **k: None)
+    result = CliRunner().invoke(main, ["--drafter", "d", "--prompts", "p.jsonl"])
+    assert result.exit_code == 0, result.stderr
+    assert "2 turns diverge at a near tie of the verifier's top logits in bfloat16: accepted" in result.stderr
+
+
+@pytest.mark.parametrize("method", ["greedy", "probabilistic"])
+def test_report_and_plot_name_the_acceptance_scheme(tiny_verifier, smollm2_tokenizer, tmp_path, monkeypatch, method):
+    """At T > 0 the scheme decides the acceptance: the JSON, the text summary, the plot title and legend name it."""
+    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+    from peagle_train.evaluate.report import write_acceptance_plot
+
+    cfg = EvalConfig(max_new_tokens=5, num_draft_tokens=2, temperature=0.7, seed=3, warmup=False,
+                     measure_costs=False, draft_sample_method=method)
+    report = evaluate_prompts(tiny_verifier, tiny_drafter(tiny_verifier), smollm2_tokenizer,
+                              [Prompt("a", ["Hello there"])], cfg)
+    scheme = report["acceptance_scheme"]
+    assert report["draft_sample_method"] == method
+    assert scheme.startswith(f"rejection sampling at T=0.7, draft_sample_method={method} (")
+    assert scheme in format_report(report)
+    figs = _captured_figures(monkeypatch)
+    write_acceptance_plot(report, tmp_path / "eval.png")
+    assert scheme in figs[0].axes[0].get_title()
+    assert [t.get_text() for t in figs[0].legends[0].get_texts()] == [
+        f"online: share of verifier steps accepting draft i (vLLM), T=0.7, {method} drafts"]
+    greedy = evaluate_prompts(tiny_verifier, tiny_drafter(tiny_verifier), smollm2_tokenizer,
+                              [Prompt("a", ["Hello there"])], EvalConfig(max_new_tokens=3, warmup=False,
+                                                                          measure_costs=False))
+    assert greedy["acceptance_scheme"] == "greedy verification (T=0)" and greedy["draft_sample_method"] is None
+
+
 def test_online_report_with_temperature(tiny_verifier, smollm2_tokenizer):
     from tests.peagle_train.evaluate.test_speculative import tiny_drafter
 

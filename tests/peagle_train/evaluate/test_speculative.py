@@ -233,6 +233,73 @@ def test_accept_drafts_one_position_keeps_p():
     assert kept / N == pytest.approx(float(torch.minimum(p, q[0]).sum()), abs=0.04)  # sum min(p, q) = 0.3 kept
 
 
+def test_greedy_drafting_keeps_a_draft_with_probability_p_and_resamples_p_without_it():
+    """vLLM's default ``draft_sample_method="greedy"``: the draft is taken as certain (q one-hot, no
+    ``draft_probs``): kept with probability p(x) (not min(1, p/q) for a sampled q), and a rejection samples p
+    with x removed, so the first emitted token is still distributed as p."""
+    from peagle_train.evaluate.speculative import accept_drafts
+
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    logits = torch.log(torch.stack([p, torch.full((4,), 0.25)]))  # [2, V]
+    g = torch.Generator().manual_seed(0)
+    N = 2000
+    first, kept = torch.zeros(4), 0
+    for _ in range(N):
+        n, emitted = accept_drafts(torch.tensor([1]), logits, 1.0, None, g)  # the argmax draft 1, p(1) = 0.3
+        first[int(emitted[0])] += 1
+        kept += n
+        assert n == 1 or int(emitted[0]) != 1  # a rejected draft is never the replacement
+    assert kept / N == pytest.approx(0.3, abs=0.035)  # binomial SE 0.010
+    assert float((first / N - p).abs().sum()) / 2 < 0.04
+
+
+@pytest.mark.parametrize("method", ["greedy", "probabilistic"])
+def test_propose_drafts_at_temperature_as_vllms_draft_sample_method(method):
+    """At T > 0 ``greedy`` drafts the argmax with no q (one-hot); ``probabilistic`` samples q = softmax(z / T)."""
+    from peagle_train.evaluate.speculative import propose_drafts
+
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 0.0]])  # [k=2, D=3]
+    draft_ids = torch.tensor([4, 1, 7])
+    g = torch.Generator().manual_seed(0)
+    runs = [propose_drafts(logits, draft_ids, 9, 1.0, g, method) for _ in range(200)]
+    if method == "greedy":
+        assert all(d.tolist() == [1, 4] and q is None for d, q in runs)
+    else:
+        q = runs[0][1]
+        torch.testing.assert_close(q[:, [4, 1, 7]], torch.softmax(logits, -1))
+        assert float(q[:, [0, 2, 3, 5, 6, 8]].abs().sum()) == 0.0
+        assert {tuple(d.tolist()) for d, _ in runs} > {(1, 4)}  # samples, not only the argmax
+
+
+@pytest.mark.parametrize("method", ["greedy", "probabilistic"])
+def test_both_draft_sample_methods_keep_the_joint_distribution(method):
+    """One speculative step over a table-defined 3-token model with two parallel drafts: greedy drafts are the
+    argmax of fixed q1, q2 (q one-hot), probabilistic ones samples of them; the joint of (x1, x2, x3) is the
+    model's either way (chi-square, 0.999 quantile). Accepting a greedy draft with min(1, p/q) of its soft q,
+    or resampling p without removing it, fails."""
+    from peagle_train.evaluate.speculative import accept_drafts, propose_drafts
+
+    V = 3
+    g = torch.Generator().manual_seed(1)
+    P = torch.softmax(torch.randn(V, V, V, V, generator=g), -1)
+    p1 = torch.tensor([0.5, 0.3, 0.2])
+    p2, p3 = P[:, 0, 0], P[:, :, 1]
+    exact = p1[:, None, None] * p2[:, :, None] * p3
+    draft_logits = torch.tensor([[0.1, 0.2, 0.7], [0.6, 0.3, 0.1]]).log()
+    counts = torch.zeros(V, V, V)
+    for _ in range(3000):
+        x1 = int(torch.multinomial(p1, 1, generator=g))
+        drafts, q = propose_drafts(draft_logits, torch.arange(V), V, 1.0, g, method)
+        rows = torch.stack([p2[x1], p3[x1, drafts[0]], P[x1, drafts[0], drafts[1]]]).log()
+        _, emitted = accept_drafts(drafts, rows, 1.0, q, g)
+        seq = [x1] + emitted.tolist()
+        if len(seq) < 3:
+            seq.append(int(torch.multinomial(p3[seq[0], seq[1]], 1, generator=g)))
+        counts[tuple(seq[:3])] += 1
+    stat, crit = chi_square_ok(counts, exact)
+    assert stat < crit, (stat, crit)
+
+
 def tiny_vocab_models(V: int = 3):
     """A 2-layer Llama verifier and a random drafter over a 3-token vocabulary (distinct, non-uniform p and q)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -306,7 +373,7 @@ def test_rejection_sampling_two_depths_keeps_the_joint_distribution():
     assert stat < crit, (stat, crit)
 
 
-def sample_first_tokens(verifier, drafter, prompt, T, seeds, plain: bool = False):
+def sample_first_tokens(verifier, drafter, prompt, T, seeds, plain: bool = False, method: str = "probabilistic"):
     """Counts ``[3, 3, 3]`` of the first three tokens over ``seeds``, and (accepted, drafted)."""
     from peagle_train.evaluate.speculative import plain_generate
 
@@ -314,7 +381,8 @@ def sample_first_tokens(verifier, drafter, prompt, T, seeds, plain: bool = False
     for seed in seeds:
         g = torch.Generator().manual_seed(seed)
         out = plain_generate(verifier, prompt, 3, temperature=T, generator=g) if plain else \
-            speculative_generate(verifier, drafter, prompt, 4, 2, temperature=T, generator=g)
+            speculative_generate(verifier, drafter, prompt, 4, 2, temperature=T, generator=g,
+                                 draft_sample_method=method)
         counts[tuple(out.tokens[:3])] += 1
         acc, dra = acc + out.accepted, dra + out.drafted
     return counts, acc, dra
@@ -332,14 +400,16 @@ def test_speculative_sampling_end_to_end_is_seeded_and_mixes():
 
 
 @pytest.mark.slow
-def test_speculative_sampling_keeps_the_verifier_distribution():
+@pytest.mark.parametrize("method", ["greedy", "probabilistic"])
+def test_speculative_sampling_keeps_the_verifier_distribution(method):
     """End to end on a tiny Llama: the first three tokens of speculative sampling (K = 2, so x2 and
     x3 come from drafts, rejections and bonus tokens) follow plain sampling's exact joint
-    distribution at T = 0.8 (chi-square, 0.999 quantile); so do plain samples."""
+    distribution at T = 0.8 (chi-square, 0.999 quantile), with either draft sample method; so do plain
+    samples."""
     verifier, drafter = tiny_vocab_models()
     prompt, T = [1, 2, 0, 1, 2], 0.8
     exact = exact_first_tokens(verifier, prompt, T)  # [3, 3, 3]
-    spec, acc, dra = sample_first_tokens(verifier, drafter, prompt, T, range(600))
+    spec, acc, dra = sample_first_tokens(verifier, drafter, prompt, T, range(600), method=method)
     stat, crit = chi_square_ok(spec, exact)
     assert stat < crit, (stat, crit)
     assert 0.1 < acc / dra < 0.9  # rejections and acceptances both exercised

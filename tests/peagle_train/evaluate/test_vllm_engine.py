@@ -134,3 +134,64 @@ def test_vllm_generate_reports_progress_per_request_with_a_final_line(monkeypatc
     assert run.tokens == [[7, 7, 7]] * 4 and set(run.tokens_per_second) == {1, 2}
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("vLLM")]
     assert len(lines) == 1 and lines[0].startswith("vLLM plain requests: done: 4 request in "), lines
+
+
+def _fake_ref_and_spec(dtype: str, temperature: float = 0.0):
+    from types import SimpleNamespace
+
+    from peagle_train.evaluate.vllm_engine import VllmReference, VllmRun
+
+    tok = SimpleNamespace(decode=lambda ids, **kw: " ".join(map(str, ids)))
+    plain = VllmRun(tokens=[[5, 6, 7], [5, 6, 7]], tokens_per_second={1: 10.0},
+                    top_logits=[[{5: 20.0, 9: 18.0}, {6: 20.0, 8: 19.5}, {7: 20.0, 3: 17.0}]] * 2)
+    counters = {"num_drafts": 2, "num_draft_tokens": 6, "num_accepted_tokens": 2, "accepted_per_pos": [2]}
+    spec = VllmRun(tokens=[[5, 6, 7], [5, 8, 4]], counters=counters, tokens_per_second={1: 12.0},
+                   per_request=[{"accepted": [1], "drafted": [3]}] * 2, num_speculative_tokens=3,
+                   engine_settings={"dtype": dtype, "enforce_eager": False})
+    ref = VllmReference(name="v", directory="v", tokenizer=tok, eos={2}, prompts_file="p",
+                        prompts=[Prompt("a", ["x"]), Prompt("b", ["y"])], order=[(0, 0), (1, 0)],
+                        requests=[[1], [1]], plain=plain)
+    return ref, spec
+
+
+def test_vllm_report_in_bf16_counts_a_near_tie_and_float32_stays_exact():
+    """vLLM on an accelerator runs bf16: prompt b's second token is 0.5 below the reference's top logit
+    (<= 8 ulps of bf16 at 20 = 1.0): a near-tie divergence, not a mismatch; the same outputs in float32 fail."""
+    from peagle_train.evaluate.config import EvalConfig
+    from peagle_train.evaluate.vllm_engine import vllm_report
+
+    ref, spec = _fake_ref_and_spec("bfloat16")
+    report = vllm_report("d", ref, spec, EvalConfig(engine="vllm"), "0.32.0")
+    assert report["mismatches"] == [] and report["near_tie_divergences"] == 1 and report["near_tie_prompts"] == ["b"]
+    assert report["identical_to_greedy"] is False
+    assert report["per_prompt"][1]["divergence"] == {"position": 1, "reference_token": 6, "token": 8, "margin": 0.5,
+                                                     "tolerance": 1.0, "near_tie": True}
+    assert report["acceptance_scheme"] == "greedy verification (T=0)"
+    ref, spec = _fake_ref_and_spec("float32")
+    report = vllm_report("d", ref, spec, EvalConfig(engine="vllm"), "0.32.0")
+    assert report["mismatches"] == ["b"] and report["near_tie_divergences"] == 0
+
+
+def test_vllm_report_at_temperature_names_the_scheme_and_compares_nothing():
+    from peagle_train.evaluate.config import EvalConfig
+    from peagle_train.evaluate.vllm_engine import vllm_report
+
+    ref, spec = _fake_ref_and_spec("float32", 1.0)
+    cfg = EvalConfig(engine="vllm", temperature=1.0, seed=4, draft_sample_method="probabilistic")
+    report = vllm_report("d", ref, spec, cfg, "0.32.0")
+    assert report["identical_to_greedy"] is None and report["mismatches"] == [] and report["seed"] == 4
+    assert report["draft_sample_method"] == "probabilistic"
+    assert report["acceptance_scheme"].startswith("rejection sampling at T=1, draft_sample_method=probabilistic")
+
+
+def test_top_logits_of_read_vllms_raw_logits():
+    from types import SimpleNamespace
+
+    from peagle_train.evaluate.vllm_engine import request_seed, top_logits_of
+
+    lp = SimpleNamespace
+    out = SimpleNamespace(outputs=[SimpleNamespace(logprobs=[
+        {7: lp(logprob=12.5, rank=1), 3: lp(logprob=12.25, rank=2)},
+        {4: lp(logprob=3.0, rank=2), 9: lp(logprob=3.5, rank=1)}])])
+    assert top_logits_of(out) == [{7: 12.5, 3: 12.25}, {4: 3.0, 9: 3.5}]
+    assert request_seed(2, 5) == 2 * 1_000_003 + 5

