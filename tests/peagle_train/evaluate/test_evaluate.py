@@ -524,7 +524,7 @@ def test_report_and_plot_name_the_acceptance_scheme(tiny_verifier, smollm2_token
     write_acceptance_plot(report, tmp_path / "eval.png")
     assert scheme in figs[0].axes[0].get_title()
     assert [t.get_text() for t in figs[0].legends[0].get_texts()] == [
-        f"online: share of verifier steps accepting draft i (vLLM), T=0.7, {method} drafts"]
+        f"online (peagle): share of verifier steps accepting draft i, T=0.7, {method} drafts"]
     greedy = evaluate_prompts(tiny_verifier, tiny_drafter(tiny_verifier), smollm2_tokenizer,
                               [Prompt("a", ["Hello there"])], EvalConfig(max_new_tokens=3, warmup=False,
                                                                           measure_costs=False))
