@@ -78,7 +78,8 @@ def verify(**options):
 
     STORE may also be a token table: its totals and unique row sources / window ids, and for a
     table made by `peagle-data merge` the union of its shards. Exit code 0: complete and intact; 1: damage
-    found (or a table failed its checks); 3: unfinished, no damage (the message gives the resume command).
+    found (or a table failed its checks); 2: not readable (no such path, or neither a store nor a table);
+    3: unfinished, no damage (the message gives the resume command).
     """
     with config_error():
         cfg = VerifyConfig(**options)
