@@ -41,7 +41,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow,
+              # about 27 minutes (a drafter trained, vLLM run twice, every step replayed): beyond CI's time budget
+              # while its two comparisons are an open investigation (xfail below); run it by hand
+              pytest.mark.skipif(os.environ.get("PEAGLE_LONG_VLLM") != "1",
+                                 reason="vLLM T > 0 investigation (~27 min): set PEAGLE_LONG_VLLM=1 to run it")]
 
 VLLM_CPU_T_GT_0 = pytest.mark.xfail(
     strict=False, reason="vLLM 0.32 CPU accepts far fewer drafts at T > 0 than Leviathan's rule on peagle's replay "
