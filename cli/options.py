@@ -49,7 +49,7 @@ from click.core import ParameterSource
 
 from cli.common import version_option
 
-__all__ = ["FROM_CONFIG_FILE", "ActionOption", "is_action", "field_docs", "plain_text", "config_options",
+__all__ = ["FROM_CONFIG_FILE", "ActionOption", "is_action", "example_key", "ConfigFileOption", "field_docs", "plain_text", "config_options",
            "config_file_options", "resolved_config", "run_config", "IntList", "load_config_file", "config_fields"]
 
 
@@ -417,6 +417,29 @@ def run_config() -> dict[str, Any]:
     return resolved_config(click.get_current_context())
 
 
+def example_key(command: click.Command) -> str:
+    """The config-file key ``--config``'s help shows for ``command`` (as ``--print-config`` writes it): its
+    first option that takes a value, is no action and has a two-word key (it shows that a key is written with
+    ``_``), else its first such option, else its first argument (``inspect`` has only ``path``). A command with
+    none of them has nothing to put in a file: ``output`` is shown."""
+    keys = _print_keys(command)
+    options = [keys[p.name] for p in command.params if isinstance(p, click.Option) and not p.is_flag
+               and p.name in keys]
+    arguments = [keys[p.name] for p in command.params if isinstance(p, click.Argument) and p.name in keys]
+    return next((k for k in options if "_" in k), None) or next(iter(options + arguments), "output")
+
+
+class ConfigFileOption(click.Option):
+    """``--config``: its help names a key of the command it belongs to (:func:`example_key`), filled in when
+    ``--help`` is shown, since the option is made before the command's other options."""
+
+    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
+        record = super().get_help_record(ctx)
+        if record is None:
+            return None
+        return record[0], record[1].replace("{key}", example_key(ctx.command))
+
+
 def config_file_options(fn):
     """Add ``--config FILE``, ``--print-config`` and ``--version`` to a command function (apply below
     ``@click.command``).
@@ -440,9 +463,9 @@ def config_file_options(fn):
         version_option(),
         click.Option(["--print-config"], is_flag=True,
                      help="Print the resolved options as YAML (a --config file) and exit without running."),
-        click.Option(["--config"], metavar="FILE", type=click.Path(exists=True, dir_okay=False), is_eager=True,
+        ConfigFileOption(["--config"], metavar="FILE", type=click.Path(exists=True, dir_okay=False), is_eager=True,
                      expose_value=False, callback=_load_into_context,
-                     help="YAML, TOML or JSON file of option values (keys as the options, e.g. max_seq_len), "
+                     help="YAML, TOML or JSON file of option values (keys as the options, e.g. {key}), "
                           "or the config section a run recorded in its output; options on the command line "
                           "override it."),
         *getattr(fn, "__click_params__", []),

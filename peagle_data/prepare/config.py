@@ -46,7 +46,7 @@ class TokenizeConfig:
     conversation (--on-history-rewrite)."""
     dedup: bool = True
     """Reject exact duplicates (same normalised messages; for tokenize outputs, same tokens and
-    mask) after their first occurrence across all inputs (--dedup/--no-dedup; :mod:`peagle_data.prepare.dedup`)."""
+    mask) after their first occurrence across all inputs; rejects.jsonl names the kept row (--dedup/--no-dedup)."""
     max_tokens: int | None = None
     """Reject conversations of more tokens than this (--max-tokens, tokens; None: no limit)."""
     min_loss_tokens: int | None = None
@@ -61,7 +61,9 @@ class TokenizeConfig:
     a control token inside an answer; keep: keep it as the tokenizer (and vLLM) reads it, counted in
     the manifest as conversations_with_special_token_text (--on-special-token-text)."""
     num_shards: int = 1
-    """Split the run into this many shards by conversation content (--num-shards; :mod:`peagle_data.prepare.shards`)."""
+    """Split the run into this many shards by conversation content (--num-shards): a conversation's shard is its
+    content digest modulo N, so duplicates and a weight's copies stay together and the N outputs hold exactly
+    the rows of the unsharded run."""
     shard_index: int = 0
     """The shard this run writes, in [0, num_shards) (--shard-index)."""
 

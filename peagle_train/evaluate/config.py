@@ -72,7 +72,8 @@ class EvalConfig:
     measure_costs: bool = True
     """Time a greedy step and, for every K <= num_depths, a drafter pass and a verifier pass over K+1 tokens on
     this machine, and report the expected speedup per K and the best K from the measured acceptance
-    (``cost_model``; a few seconds; --measure-costs/--no-measure-costs)."""
+    (``cost_model``; seconds on an idle machine, minutes on a loaded one, with its own progress line;
+    --measure-costs/--no-measure-costs)."""
     cost_rounds: int = 15
     """Timed rounds of the cost measurement (medians), after 2 untimed ones."""
 

@@ -35,7 +35,7 @@ class DataConfig:
     store: str | list[str]
     """Feature store written by ``peagle-data extract`` (``--store``); repeat it (``--store A --store B``)
     or give a file listing one store per line to train on several stores of one verifier and layer
-    set as one (:mod:`peagle_train.data.multistore`)."""
+    set as one (one draft vocab from their summed counts, each store holding out its own validation blocks)."""
     down_sample_ratio: float = 0.5
     """COD keep ratio r per depth, in (0, 1] (``--down-sample-ratio``). The default 0.5 is measured:
     the same held-out acceptance as 0.7 in 18% less time, as the P-EAGLE ablations found for a
@@ -80,7 +80,7 @@ class ModelConfig:
     init_from: str | None = None
     """Start from this drafter instead of a fresh one (``--init-from``): a peagle checkpoint (or training
     output: its ``final/``, else its newest ``checkpoint-N/``), a speculators P-EAGLE or EAGLE-3 checkpoint, or
-    a native vLLM-layout one (:mod:`peagle_train.model.warm_start`). Checked against the store and the
+    a native vLLM-layout one (as the public gpt-oss P-EAGLE drafters). Checked against the store and the
     verifier before any weights load; its draft vocab and mask token are the run's. Not a resume: a new
     optimizer and schedule from step 0. A run records the checkpoint directory here."""
     init_from_sha256: str | None = None
@@ -90,18 +90,18 @@ class ModelConfig:
     """The drafter's decoder layer (``--drafter-layer``): ``llama``, or ``qwen3`` (llama plus a per-head RMSNorm
     of q and k before RoPE), the two layers vLLM serves a P-EAGLE drafter with. None: the ``--init-from``
     drafter's, else the verifier's own family when it is Qwen3 (``model_type`` qwen3 or qwen3_moe), else
-    llama (:func:`peagle_train.train.setup.resolve_drafter_layer`); the run records the layer it chose."""
+    llama; the run records the layer it chose."""
     init_layers: str = "random"
-    """How a fresh drafter's decoder layers start (``--init-layers``, :data:`peagle_train.model.warm_start.INIT_LAYERS`):
+    """How a fresh drafter's decoder layers start (``--init-layers``):
     ``random`` (normal, std 0.02) or ``verifier``, copies of the verifier's last ``--num-layers`` decoder
-    layers and their norms (:func:`peagle_train.model.warm_start.copy_verifier_layers`; the embedding and
+    layers and their norms (the embedding and
     lm_head come from the verifier either way). Not with ``--init-from``, whose drafter's layers are the start.
     The default is measured on SmolLM2-135M: ``verifier`` reached no higher held-out acceptance in 100-400 steps."""
     attention_backend: str = "auto"
-    """Drafter attention backend (``--attention-backend``), a name of
-    :data:`peagle_train.model.attention.ATTENTION_BACKENDS` (``sdpa``: dense mask; ``flex``: flex_attention
-    BlockMasks, CUDA only; ``split``: no element×element tensor) or ``auto`` (flex on CUDA, split
-    otherwise: :data:`peagle_train.model.attention.AUTO_BACKEND`)."""
+    """Drafter attention backend (``--attention-backend``): ``sdpa`` (a dense element×element mask), ``flex``
+    (flex_attention block masks, CUDA only), ``split`` (depth 0 and the chain keys attended apart and merged: no
+    element×element tensor) or ``auto`` (flex on CUDA, split otherwise); all give the same loss and gradients
+    up to rounding."""
 
     def __post_init__(self) -> None:
         _need(self.num_depths >= 1, "--num-depths", ">= 1", self.num_depths)
