@@ -59,6 +59,10 @@ NOT_COMPARED = ("device", "vllm_python", "no_vllm", "force")
 """Options that may change on a re-run: where things run, not what they compute."""
 
 
+PROG = os.environ.get("PEAGLE_RECIPE_PROG") or "recipe.py"
+"""The command the user ran, in usage and messages: ``scripts/recipe.sh`` sets it to itself as invoked."""
+
+
 class RecipeError(Exception):
     """A bad input or setting, found before any stage runs (exit status 2)."""
 
@@ -87,7 +91,7 @@ def positive_float(text: str) -> float:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="recipe.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train and evaluate a P-EAGLE drafter for your own verifier in one command: "
                     "[regenerate] -> pack -> extract -> train -> evaluate (peagle, and vLLM when present).",
         epilog="Unset sizes take the peagle command's default (see its --help). A re-run of the same command "
@@ -260,11 +264,11 @@ def run_stages(cmds: dict, out: Path, state: dict) -> list[str]:
             try:
                 rc = subprocess.call(argv, stdout=stdout, env=env)
             except KeyboardInterrupt:  # the stage said what it kept; the recipe continues from it
-                print(f"recipe.py: interrupted in stage {stage}; run the same command again to continue "
+                print(f"{PROG}: interrupted in stage {stage}; run the same command again to continue "
                       "from this stage", file=sys.stderr)
                 raise SystemExit(130) from None
         if rc != 0:
-            raise SystemExit(f"recipe.py: stage {stage} failed (exit status {rc}; its output above); "
+            raise SystemExit(f"{PROG}: stage {stage} failed (exit status {rc}; its output above); "
                              f"fix the cause and run the same command again to continue from this stage")
         state["done"][stage] = round(time.monotonic() - t0, 1)
         (out / STATE).write_text(json.dumps(state, indent=1) + "\n")
@@ -332,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         state = load_state(out, settings, args.force)
     except RecipeError as e:
-        print(f"recipe.py: {e}", file=sys.stderr)
+        print(f"{PROG}: {e}", file=sys.stderr)
         return 2
     vllm_py, vllm_status = vllm_python(args)
     out.mkdir(parents=True, exist_ok=True)

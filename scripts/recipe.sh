@@ -5,4 +5,5 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 bash "$here/setup_env.sh" >&2
-exec "$here/../.venv/bin/python" "$here/recipe.py" "$@"
+# usage and messages name this script as you ran it, not recipe.py
+PEAGLE_RECIPE_PROG="$0" exec "$here/../.venv/bin/python" "$here/recipe.py" "$@"

@@ -12,7 +12,7 @@ import numpy as np
 from peagle_data.inspect.stats import FRACTION_BINS
 from stores.errors import InputError, OutputExistsError
 
-__all__ = ["PLOT_SUFFIXES", "check_plot_output", "plot_stats", "panels"]
+__all__ = ["PLOT_SUFFIXES", "KIND_NAMES", "check_plot_output", "plot_stats", "plot_title", "panels"]
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 """The file types :func:`plot_stats` writes (matplotlib picks the format from the extension)."""
@@ -58,16 +58,27 @@ def plot_stats(stats: dict[str, Any], png: str | os.PathLike, force: bool = Fals
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.4 * rows + 0.4 * bool(notes)), dpi=80, squeeze=False)
     for ax, draw in zip(axes.flat, drawn):
         draw(ax, stats)
-    t = stats["totals"]
-    title = (f"{Path(stats['path']).name} ({stats['kind']}): {t['rows']:,} "
-             f"{'conversations' if stats['kind'] == 'tokenized' else 'blocks'}, {t['tokens']:,} tokens, "
-             f"{t['supervised_fraction']:.1%} supervised")
+    title = plot_title(stats)
     fig.suptitle("\n".join([title, "; ".join(notes)] if notes else [title]), fontsize=11)
     fig.tight_layout()
     png = Path(png)
     fig.savefig(png)
     plt.close(fig)
     return png
+
+
+KIND_NAMES = {"tokenized": "tokenize output", "packed": "pack output", "store": "feature store"}
+"""What a ``stats['kind']`` is, in the plot's title (the directory's own name is often the kind's: ``packed``)."""
+
+
+def plot_title(stats: dict[str, Any]) -> str:
+    """The plot's title: ``NAME (WHAT): N conversations|blocks, T tokens, F supervised`` (``packed (pack output):
+    90 blocks, ...``), WHAT from :data:`KIND_NAMES`, so a directory named after its kind repeats no word."""
+    t = stats["totals"]
+    what = KIND_NAMES.get(stats["kind"], stats["kind"])
+    return (f"{Path(stats['path']).name} ({what}): {t['rows']:,} "
+            f"{'conversations' if stats['kind'] == 'tokenized' else 'blocks'}, {t['tokens']:,} tokens, "
+            f"{t['supervised_fraction']:.1%} supervised")
 
 
 def panels(stats: dict[str, Any]) -> tuple[list, list[str]]:

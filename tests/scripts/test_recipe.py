@@ -202,3 +202,22 @@ def test_the_report_takes_each_figure_from_its_evaluation(inputs, tmp_path):
     r = recipe.report(tmp_path, args, state, [], "skipped: --no-vllm")
     assert r["acceptance_length"]["vllm"] is None and r["vllm"] == "skipped: --no-vllm"
     assert "eval_vllm" not in r["artifacts"]
+
+
+def test_recipe_sh_names_itself_in_usage_and_errors(tmp_path):
+    """``bash scripts/recipe.sh --help`` (and its errors) name the script the user ran, not ``recipe.py``: the
+    checkout's recipe.sh run beside a no-op set-up and a ``.venv/bin/python`` that is this interpreter."""
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "recipe.sh").write_text((REPO / "scripts" / "recipe.sh").read_text())
+    (scripts / "setup_env.sh").write_text("true\n")
+    (scripts / "recipe.py").symlink_to(SCRIPT)  # resolves to the checkout: its packages import
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "python").symlink_to(sys.executable)
+    help_ = subprocess.run(["bash", "scripts/recipe.sh", "--help"], cwd=tmp_path, capture_output=True, text=True)
+    assert help_.returncode == 0, help_.stderr
+    assert help_.stdout.startswith("usage: scripts/recipe.sh [-h] --verifier MODEL") and "recipe.py" not in help_.stdout
+    bad = subprocess.run(["bash", "scripts/recipe.sh", "--verifier", "smollm2-135m"], cwd=tmp_path,
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.splitlines()[-1].startswith("scripts/recipe.sh: error: the following "
+                                                                          "arguments are required")

@@ -142,6 +142,16 @@ def test_stats_plot_draws_no_empty_or_one_bar_panel(tmp_path, monkeypatch):
     assert [ax.get_title() for ax in figs[-1].axes][2:] == ["windows", "sources"]
 
 
+def test_stats_plot_title_repeats_no_word(tmp_path):
+    # a new user's pack output named "packed" was titled "packed (packed)"
+    from peagle_data.inspect.stats_plot import plot_title
+
+    s = collect_stats(_tokenized_table(tmp_path / "tokenized", [("a.jsonl:1", 4, 2, 0), ("a.jsonl:2", 6, 3, 0)]))
+    assert plot_title(s) == "tokenized (tokenize output): 2 conversations, 10 tokens, 50.0% supervised"
+    assert plot_title({**s, "path": str(tmp_path / "packed"), "kind": "packed"}).startswith(
+        "packed (pack output): 2 blocks, ")
+
+
 def test_per_turn_rows_of_a_split_conversation_are_one_conversation(tmp_path):
     # A history-rewriting template's per-turn rows (source a.jsonl:1 twice) each hold the history:
     # one conversation of 30 tokens (its longest row) supervising 4 + 6 tokens, not two conversations.
