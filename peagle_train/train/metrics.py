@@ -19,6 +19,7 @@ import torch
 
 from stores.errors import InputError, MissingDependencyError
 from stores.files import strict_json
+from stores.staging import write_text_atomic
 
 __all__ = ["TRACKERS", "TRACKER_PROJECT", "MetricsLog", "parse_report_to", "resolve_trackers", "tracker_values",
            "plot_metrics", "rolling_mean", "smoothing_window", "read_metrics", "write_metrics", "pooled_accuracy"]
@@ -175,11 +176,18 @@ class MetricsLog:
             except Exception:  # the original error matters more
                 pass
 
-    def truncate(self, last_step: int) -> None:
-        """Drop the rows after ``last_step`` (a resumed run writes them again)."""
-        if self.path.is_file():
-            self.path.write_text("".join(strict_json(r, str(self.path)) + "\n" for r in read_metrics(self.path)
-                                         if r.get("step", 0) <= last_step))
+    def truncate(self, last_step: int) -> int:
+        """Drop the rows after ``last_step`` (a resumed run computes those steps again), so the file keeps one
+        row a step; the file is replaced atomically (a kill leaves the old file or the new one, never half).
+
+        Returns:
+            The number of rows removed (0 when there is no file).
+        """
+        rows = read_metrics(self.path)
+        kept = [r for r in rows if r.get("step", 0) <= last_step]
+        if len(kept) < len(rows):
+            write_text_atomic(self.path, "".join(strict_json(r, str(self.path)) + "\n" for r in kept))
+        return len(rows) - len(kept)
 
     def last_row(self, split: str) -> dict | None:
         """The last row of ``split`` (None when there is none)."""
@@ -211,12 +219,15 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> Path | None:
 
     Each training curve is drawn faint step by step and as its trailing mean over
     :func:`smoothing_window` logged steps (one step's loss is one block's: noise); the validation rows
-    (``--val-every`` and the end) are points joined by a line, the accuracy's in each depth's colour.
+    (``--val-every`` and the end) are points joined by a line, the accuracy's in each depth's colour. The
+    accuracy panel has two legends: the colours (one per depth) and the line styles (train each step, train
+    smoothed, validation), which hold for every depth.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     from matplotlib.ticker import MaxNLocator
 
     rows = read_metrics(metrics_path)
@@ -244,14 +255,21 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> Path | None:
         ax2.plot(steps, rolling_mean(ys, window), color=f"C{d}", label=f"depth {d}")
         vals = [(r["step"], r["val_acc"][d]) for r in val if d < len(r.get("val_acc") or []) and r["val_acc"][d] is not None]
         if vals:
-            ax2.plot(*zip(*vals), "o--", color=f"C{d}", markersize=4, linewidth=0.8,
-                     label="validation" if d == 0 else None)
+            ax2.plot(*zip(*vals), "o--", color=f"C{d}", markersize=4, linewidth=0.8)
     top = max([a for r in train for a in r["acc"] if a is not None]
               + [a for r in val for a in (r.get("val_acc") or []) if a is not None] or [0.0])
     # the axis follows the data (small accuracies early in training stay readable), never past 1
     ax2.set(xlabel="step", ylabel="weighted argmax agreement", title=f"per-depth accuracy (train: {smoothed})",
             ylim=(0, min(1.0, max(0.02, 1.15 * top))))
-    ax2.legend(fontsize=7)
+    # two legends: the colour is the depth, the line style what the line is (every depth's validation alike)
+    depths = ax2.legend(fontsize=7, loc="upper left", title="colour", title_fontsize=7)
+    ax2.add_artist(depths)
+    styles = [Line2D([], [], color="0.3", alpha=0.25, linewidth=0.8, label="train, each step")] if window > 1 else []
+    styles.append(Line2D([], [], color="0.3", label=f"train, {smoothed}"))
+    if val:
+        styles.append(Line2D([], [], color="0.3", marker="o", linestyle="--", markersize=4, linewidth=0.8,
+                             label=f"validation ({len(val)} points)"))
+    ax2.legend(handles=styles, fontsize=7, loc="upper right", title="line (every depth)", title_fontsize=7)
     for ax in (ax1, ax2):  # steps are integers: no 0.5 ticks on a short run
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()

@@ -51,7 +51,7 @@ from peagle_train.train.trainer import Trainer, TrainRun
 from stores.errors import MissingDependencyError
 from stores.files import strict_json
 
-__all__ = ["run_train", "build_trainer"]
+__all__ = ["run_train", "build_trainer", "resumed_message"]
 
 
 def run_train(cfg: TrainConfig) -> dict[str, Any]:
@@ -63,7 +63,8 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
         last given as ``per_depth_accuracy_steps``: Σ weighted correct / Σ weight per depth; [] and
         None when this run took no step),
         ``val_loss``, ``val_per_depth_accuracy``, ``checkpoint`` (the ``final/`` directory),
-        ``metrics``, ``plot``, ``tokens_per_second``, ``data_wait_fraction``, ``resumed_from``, ``rank``,
+        ``metrics``, ``plot``, ``tokens_per_second``, ``data_wait_fraction``, ``resumed_from`` and
+        ``resumed_step`` (the checkpoint a ``--resume`` continued from and its step; None for a new run), ``rank``,
         ``world_size`` (data-parallel processes), ``mask_token``.
 
     A run that fails (any error, a damaged block or a NaN loss among them) before its first checkpoint
@@ -175,12 +176,25 @@ def build_trainer(cfg: TrainConfig, claimed: list[tuple[Path, bool]] | None = No
     if state is not None:
         trainer.load_state_dict(state)
         if trainer.main:
-            run.metrics.truncate(trainer.step)
-    elif trainer.main and run.metrics.path.exists():
-        run.metrics.path.unlink()
+            removed = run.metrics.truncate(trainer.step)
+            print(resumed_message(resume_from, trainer.step, max_steps, removed), file=sys.stderr)
+    elif trainer.main:
+        if cfg.run.resume:
+            print(f"peagle-train: --resume: no checkpoint in {cfg.run.output} yet; starting at step 0",
+                  file=sys.stderr)
+        if run.metrics.path.exists():
+            run.metrics.path.unlink()
     if trainer.main:
         run.metrics.start(_hparams(cfg, trainer, D, verifier_name, run), trainer.step, cfg.run.resume)
     return trainer
+
+
+def resumed_message(checkpoint: Path, step: int, max_steps: int, removed_rows: int) -> str:
+    """The stderr line of a resumed run: the checkpoint and step it continues from, and the ``metrics.jsonl`` rows
+    of later steps removed (the killed run logged them; the resumed run computes those steps again)."""
+    dropped = (f"; metrics.jsonl: {removed_rows} row{'s' if removed_rows != 1 else ''} after step {step} removed "
+               "(those steps run again)") if removed_rows else ""
+    return f"peagle-train: resumed from {checkpoint} at step {step} of {max_steps}{dropped}"
 
 
 def _rank0_blocks(accelerator, usable: np.ndarray) -> np.ndarray:

@@ -113,6 +113,7 @@ class Trainer:
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
         self.unwrapped = accelerator.unwrap_model(self.model)
         self.step, self.tokens_total = 0, 0
+        self.resumed_step: int | None = None  # the step of the checkpoint a resumed run continues from
         self.cursor = 0  # the run's block-sequence cursor after the last step (all ranks)
         self.loader: BlockLoader | None = None
         self.recent: list[dict[str, torch.Tensor]] = []  # the last 10 steps' sums, for the pooled accuracy
@@ -245,7 +246,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"]["torch"])
-        self.step = int(state["step"])
+        self.step = self.resumed_step = int(state["step"])
 
     def training_info(self) -> dict[str, Any]:
         """Recorded in config.json so evaluation can find the held-out split."""
@@ -312,7 +313,8 @@ class Trainer:
     def _finish(self, t_start: float, wait0: float) -> dict[str, Any]:
         self.accelerator.wait_for_everyone()
         summary: dict[str, Any] = {"steps": self.step, "rank": self.rank, "world_size": self.world,
-                                   "resumed_from": str(self.run.resumed_from) if self.run.resumed_from else None}
+                                   "resumed_from": str(self.run.resumed_from) if self.run.resumed_from else None,
+                                   "resumed_step": self.resumed_step}
         if self.main:
             try:
                 summary.update(self._final_outputs(t_start, wait0))

@@ -153,6 +153,34 @@ def test_resume_of_a_run_saved_with_a_flat_train_config(tmp_path, verifier_dir):
     assert run_train(_cfg(store, out, max_steps=4, save_every=2, resume=True))["resumed_from"].endswith("checkpoint-2")
 
 
+def test_resume_says_where_it_resumed_and_keeps_one_metrics_row_a_step(tmp_path, verifier_dir, capsys):
+    """A killed run logged steps 4 and 5 after its checkpoint-3: the resume names the checkpoint and step on stderr
+    and in its summary, removes those rows (it computes the steps again) and the file ends with one row a step."""
+    import shutil
+
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=5)
+    out = tmp_path / "out"
+    run_train(_cfg(store, out, max_steps=6, save_every=3, val_fraction=0.2, val_every=2))
+    shutil.rmtree(out / "checkpoint-6")
+    shutil.rmtree(out / "final")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= 5))  # killed at 5
+    later = sum(1 for r in rows if 3 < r["step"] <= 5)  # train rows 4, 5 and the validation of step 4
+    assert later == 3
+    capsys.readouterr()
+    summary = run_train(_cfg(store, out, max_steps=6, save_every=3, val_fraction=0.2, val_every=2, resume=True))
+    err = capsys.readouterr().err
+    assert f"peagle-train: resumed from {out / 'checkpoint-3'} at step 3 of 6; metrics.jsonl: 3 rows after step 3 " \
+           "removed (those steps run again)" in err
+    assert summary["resumed_from"] == str(out / "checkpoint-3") and summary["resumed_step"] == 3
+    assert [r["step"] for r in _rows(out)] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in _rows(out, "val")] == [2, 4, 6]
+    assert not (out / "metrics.jsonl.tmp").exists()
+    fresh = run_train(_cfg(store, tmp_path / "new", max_steps=1, val_fraction=0.2, resume=True))  # nothing saved yet
+    assert fresh["resumed_from"] is None and fresh["resumed_step"] is None
+    assert f"--resume: no checkpoint in {tmp_path / 'new'} yet; starting at step 0" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["same", "resumed-with-gradient-checkpointing"])
 def test_resume_continues_exactly(tmp_path, verifier_dir, checkpointing):
     """Also when the resume adds ``--gradient-checkpointing`` (an option that may change on resume: the
@@ -630,7 +658,15 @@ def test_training_plot_smooths_the_steps_and_shows_validation_along_the_way(tmp_
     assert list(val.get_xdata()) == [50, 100] and val.get_label() == "validation (2 points)"
     assert [t.get_text() for t in loss_ax.get_legend().get_texts()] == [
         "train, each step", "train, mean of 5 logged steps", "validation (2 points)"]
-    assert "validation" in [t.get_text() for t in acc_ax.get_legend().get_texts()]
+    # the accuracy panel says what every line is: colour = depth, style = train (raw, smoothed) or validation
+    # (it had one "validation" entry in depth 0's colour for the validation points of every depth)
+    legends = [a for a in acc_ax.get_children() if isinstance(a, matplotlib.legend.Legend)]
+    assert {lg.get_title().get_text(): [t.get_text() for t in lg.get_texts()] for lg in legends} == {
+        "colour": ["depth 0", "depth 1"],
+        "line (every depth)": ["train, each step", "train, mean of 5 logged steps", "validation (2 points)"]}
+    val_lines = [ln for ln in acc_ax.get_lines() if ln.get_marker() == "o"]
+    assert [ln.get_color() for ln in val_lines] == ["C0", "C1"] and not any(
+        ln.get_label().startswith("validation") for ln in val_lines)
     assert acc_ax.get_title() == "per-depth accuracy (train: mean of 5 logged steps)"
 
 
