@@ -57,7 +57,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -67,6 +67,7 @@ from peagle_train.evaluate.speculative import DrafterSession, aux_features, prop
 from peagle_train.evaluate.verifier import (aux_hidden_states, crop_cache, new_cache, rollback_cache,
                                             verifier_body_pass, verifier_pass)
 from stores.errors import InputError
+from stores.progress import progress
 
 __all__ = ["ASSUMPTIONS", "MONOTONE_TOLERANCE", "SPREAD_LIMIT", "PREDICTION_TOLERANCE", "StepCosts",
            "measure_step_costs", "measure_trusted_costs", "cost_problems", "load_average", "usable_cpus",
@@ -157,7 +158,8 @@ def _sync(device: torch.device) -> None:
 
 @torch.no_grad()
 def measure_step_costs(verifier, drafter, context_ids: Sequence[int] | torch.Tensor, max_draft_tokens: int,
-                       rounds: int = 15, warmup_rounds: int = 2) -> StepCosts:
+                       rounds: int = 15, warmup_rounds: int = 2,
+                       on_round: Callable[[], None] | None = None) -> StepCosts:
     """Time a greedy step and, for every K = 1..``max_draft_tokens``, a speculative step's drafter pass and
     verifier pass, as :func:`~peagle_train.evaluate.speculative.speculative_generate` runs them.
 
@@ -176,6 +178,7 @@ def measure_step_costs(verifier, drafter, context_ids: Sequence[int] | torch.Ten
         max_draft_tokens: the largest K timed (≥ 1).
         rounds: timed rounds (≥ 1); the medians are reported.
         warmup_rounds: untimed rounds first (one-time allocations, kernel selection).
+        on_round: called after each round, warm-up ones included (a progress bar's update).
 
     Returns:
         :class:`StepCosts`.
@@ -230,6 +233,8 @@ def measure_step_costs(verifier, drafter, context_ids: Sequence[int] | torch.Ten
                 if timed:
                     t_draft[K - 1].append(t1 - t0)
                     t_verify[K - 1].append(t2 - t1)
+            if on_round is not None:
+                on_round()
     load_after = load_average()
     return StepCosts(verify_1_s=statistics.median(t_greedy), verify_s=[statistics.median(t) for t in t_verify],
                      draft_s=[statistics.median(t) for t in t_draft], context_tokens=P, rounds=rounds,
@@ -266,12 +271,21 @@ def cost_problems(costs: StepCosts) -> list[str]:
 
 
 def measure_trusted_costs(verifier, drafter, context_ids: Sequence[int] | torch.Tensor, max_draft_tokens: int,
-                          rounds: int = 15, warmup_rounds: int = 2, attempts: int = 2) -> StepCosts:
+                          rounds: int = 15, warmup_rounds: int = 2, attempts: int = 2,
+                          show_progress: bool = True) -> StepCosts:
     """:func:`measure_step_costs`, measured again (up to ``attempts`` times in all) while :func:`cost_problems`
     finds the timings to be noise; returns the last measurement, its ``attempts`` set (the report then
-    states the problems that remain)."""
+    states the problems that remain).
+
+    With ``show_progress`` each measurement has its progress on stderr (:func:`stores.progress.progress`:
+    ``cost model timing: done: 17/17 round in ...``, a line every 30 s when stderr is no terminal), since a
+    measurement takes seconds on an idle machine and minutes on a loaded one."""
     for attempt in range(1, attempts + 1):
-        costs = measure_step_costs(verifier, drafter, context_ids, max_draft_tokens, rounds, warmup_rounds)
+        desc = "cost model timing" + (f" (again: attempt {attempt} of {attempts})" if attempt > 1 else "")
+        with progress(total=warmup_rounds + rounds, desc=desc, unit="round", disable=not show_progress,
+                      dynamic_ncols=True) as bar:
+            costs = measure_step_costs(verifier, drafter, context_ids, max_draft_tokens, rounds, warmup_rounds,
+                                       on_round=lambda: bar.update(1))
         if not cost_problems(costs):
             break
     return StepCosts(**{**asdict(costs), "attempts": attempt})

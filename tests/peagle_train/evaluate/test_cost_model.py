@@ -4,6 +4,7 @@ Llama, and the ``cost_model`` entry of online, offline and CLI reports."""
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +21,7 @@ from peagle_train.evaluate.cost_model import (
     format_cost_model,
     first_prompt_ids,
     measure_step_costs,
+    measure_trusted_costs,
     predict_speedups,
 )
 from peagle_train.evaluate.online import evaluate_prompts
@@ -109,6 +111,23 @@ def test_timing_on_the_tiny_llama_gives_one_row_per_k(tiny_verifier, smollm2_tok
     assert c.threads == 1 and c.device == "cpu"  # the one_thread fixture of tests/peagle_train/conftest.py
     with pytest.raises(InputError, match="empty"):
         measure_step_costs(tiny_verifier, drafter, [], 3)
+
+
+def test_the_timing_shows_its_progress(tiny_verifier, smollm2_tokenizer, capsys):
+    """Minutes under load with no line was a new user's finding: each measurement has a progress line on stderr
+    (a final ``done:`` line off a terminal), one update per round, warm-up included."""
+    drafter = tiny_drafter(tiny_verifier, num_depths=2)
+    ids = render_turn(smollm2_tokenizer, Prompt("a", ["Hello there"]), 0, [])
+    rounds = []
+    measure_step_costs(tiny_verifier, drafter, ids, 2, rounds=3, warmup_rounds=1, on_round=lambda: rounds.append(1))
+    assert len(rounds) == 4
+    capsys.readouterr()
+    costs = measure_trusted_costs(tiny_verifier, drafter, ids, 2, rounds=3, warmup_rounds=1, attempts=1)
+    err = capsys.readouterr().err  # captured: not a terminal, so plain lines
+    assert re.search(r"^cost model timing: done: 4/4 round in [0-9.]+s ", err, re.M), err
+    assert costs.attempts == 1
+    measure_trusted_costs(tiny_verifier, drafter, ids, 2, rounds=3, warmup_rounds=1, attempts=1, show_progress=False)
+    assert "cost model timing" not in capsys.readouterr().err
 
 
 def test_online_report_has_the_table(tiny_verifier, smollm2_tokenizer):
