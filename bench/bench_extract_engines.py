@@ -61,8 +61,8 @@ def child(args) -> dict:
     summary = run_extract(cfg, progress=False, log=lambda m: stamps.append((time.perf_counter(), m)))
     end = time.perf_counter()
     opened = next(t for t, m in stamps if m.startswith("projected store size"))
-    tokens = summary["tokens_this_run"]
-    return {"engine": args.engine, "blocks": summary["blocks_done_this_run"], "tokens": tokens,
+    tokens = summary["verifier_tokens_this_run"]
+    return {"engine": args.engine, "blocks": summary["training_blocks_done_this_run"], "tokens": tokens,
             "startup_s": round(opened - t0, 1), "extract_s": round(end - opened, 1),
             "tokens_per_s": round(tokens / (end - opened), 1), "store_bytes": summary["stored_bytes"],
             "peak_rss_gib": round(peak[0] / 2**30, 2)}

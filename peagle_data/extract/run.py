@@ -157,8 +157,16 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
     ``config`` attribute, so that ``--config`` can repeat the run.
 
     Returns:
-        A summary: store path, this process's ``rank`` among ``world_size``, blocks done in this run
-        (this rank), blocks done in all, layers, bytes.
+        A summary: ``store``, this process's ``rank`` among ``world_size``, ``context`` (a full-context store's
+        counts: conversations, contexts, tokens extracted, ``max_context``, ...; None with ``--context window``);
+        the training blocks (the packed blocks the drafter trains on) ``training_blocks``, ``training_blocks_done``
+        (None for a full-context shard store: its training blocks read other shards' contexts) and
+        ``training_blocks_done_this_run`` (this rank; None for a full-context shard), ``training_tokens``; the
+        context blocks the verifier ran (``--context full``; all None with ``--context window``, where the
+        verifier runs the training blocks themselves) ``context_blocks``, ``context_blocks_done``,
+        ``context_blocks_done_this_run`` (this rank); ``verifier_tokens_this_run`` (tokens of the blocks the
+        verifier ran, this rank), ``layers``, ``storage_dtype``, ``repaired_blocks``, ``nonfinite_blocks``
+        (ids of the blocks the verifier runs), ``complete``, ``stored_bytes``.
 
     Raises:
         InputError: the packed path is not a packed table, or (``--context full``, the default) one without
@@ -206,6 +214,8 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
         root, repaired = _store_on_every_rank(state, cfg, rows, table, engine, layers, log, config, plan)
         store = root.contexts if root.layout == "windows" else root  # the blocks the verifier runs
         todo = store.missing_blocks()
+        views = root.layout == "windows" and not root.attrs.get("shard")  # training blocks done as views
+        training_before = int(root.done_mask().sum()) if views else None
         state.wait_for_everyone()  # every rank reads the same list before any rank writes
         todo = todo[state.process_index::state.num_processes]
         if cfg.max_blocks is not None:
@@ -219,11 +229,14 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
             "they are left not done")
     state.wait_for_everyone()
     summary = _summary(cfg, state, store, todo, tokens, layers, repaired, nonfinite)
-    if root.layout == "windows":
-        summary.update(context=root.attrs.get("context"), n_blocks=root.n_blocks, n_tokens=root.n_tokens,
-                       context_blocks=store.n_blocks, context_blocks_done=summary["blocks_done"],
+    if root.layout == "windows":  # the verifier ran context blocks; the training blocks are views of them
+        training_done = int(root.done_mask().sum()) if views else None
+        summary.update(context=root.attrs.get("context"), training_blocks=root.n_blocks,
+                       training_blocks_done=training_done,
+                       training_blocks_done_this_run=None if training_done is None else training_done - training_before,
+                       training_tokens=root.n_tokens, context_blocks=store.n_blocks,
+                       context_blocks_done=int(store.done_mask().sum()), context_blocks_done_this_run=len(todo),
                        stored_bytes=root.summary()["stored_bytes"] if not root.attrs.get("shard") else None)
-        summary["blocks_done"] = None if root.attrs.get("shard") else int(root.done_mask().sum())
     # a rank that exits with its gloo/NCCL group alive can abort in the group's threads (SIGABRT,
     # "terminate called without an active exception") and fail the launch
     state.destroy_process_group()
@@ -253,15 +266,21 @@ def _offset_segment(rows, shard_index: int = 0, num_shards: int = 1) -> tuple[in
 
 def _summary(cfg: ExtractConfig, state, store: FeatureStore, todo: list[int], tokens: int, layers: list[int],
              repaired: dict[int, str], nonfinite: list[int]) -> dict[str, Any]:
+    """The summary of a store whose blocks the verifier runs itself (``--context window``: the training blocks;
+    :func:`run_extract` rewrites the block counts of a full-context store)."""
     return {
         "store": str(cfg.output),
         "rank": state.process_index,
         "world_size": state.num_processes,
-        "blocks_done_this_run": len(todo),
-        "tokens_this_run": tokens,
-        "blocks_done": int(store.done_mask().sum()),
-        "n_blocks": store.n_blocks,
-        "n_tokens": store.n_tokens,
+        "context": None,
+        "training_blocks": store.n_blocks,
+        "training_blocks_done": int(store.done_mask().sum()),
+        "training_blocks_done_this_run": len(todo),
+        "training_tokens": store.n_tokens,
+        "context_blocks": None,
+        "context_blocks_done": None,
+        "context_blocks_done_this_run": None,
+        "verifier_tokens_this_run": tokens,
         "layers": layers,
         "storage_dtype": store.storage_dtype,
         "repaired_blocks": {int(i): reason for i, reason in sorted(repaired.items())},

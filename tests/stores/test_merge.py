@@ -137,7 +137,7 @@ def test_extract_shards_merge_into_the_unsharded_store(tmp_path, tiny_verifier_d
     for i in range(2):
         out = tmp_path / f"s{i}.zarr"
         s = run_extract(ExtractConfig(**cfg, output=str(out), num_shards=2, shard_index=i), progress=False)
-        assert s["complete"] and s["n_blocks"] == (3, 2)[i]
+        assert s["complete"] and s["training_blocks"] == (3, 2)[i]
         parts.append(out)
         r = CliRunner().invoke(main, ["verify", str(out), "--packed", str(packed)])  # a shard checks its blocks
         assert r.exit_code == 0, r.output
@@ -197,7 +197,7 @@ def test_full_context_shards_merge_into_the_unsharded_store(tmp_path, smollm2_to
     parts = [tmp_path / f"s{i}.zarr" for i in range(2)]
     for i, out in enumerate(parts):
         s = run_extract(ExtractConfig(**cfg, output=str(out), num_shards=2, shard_index=i), **quiet)
-        assert s["complete"] and (s["context_blocks"], s["n_blocks"]) == ((4, 3)[i], 20)
+        assert s["complete"] and (s["context_blocks"], s["training_blocks"]) == ((4, 3)[i], 20)
         shard = FeatureStore.open(out)
         # the whole root in every shard, context blocks i, i+2, ... below
         assert np.array_equal(shard.views(), full.views())
@@ -248,7 +248,7 @@ def test_merge_refuses_full_context_shards_of_other_runs_or_unfinished(tmp_path,
     logs = []
     s = run_extract(ExtractConfig(**cfg, output=str(s1), shard_index=1, context="full", max_context=128,
                                   resume=True), progress=False, log=logs.append)
-    assert s["complete"] and s["blocks_done_this_run"] == 2
+    assert s["complete"] and s["context_blocks_done_this_run"] == 2
     assert not [m for m in logs if "rewriting" in m or "again" in m], logs  # an undamaged shard: nothing repaired
     with pytest.raises(StoreMismatchError, match="4 context blocks, shard 0 of 2 of a plan of 9 context blocks "
                                                  "holds 5"):

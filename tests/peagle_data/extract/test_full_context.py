@@ -132,6 +132,13 @@ def test_every_token_equals_its_whole_conversation_forward(tmp_path, family):
     assert summary["complete"] and summary["context"]["conversations_split"] == 0
     assert summary["context"]["tokens_extracted"] == sum(len(r.input_ids) for r in rows)  # each token once
     store = FeatureStore.open(tmp_path / "f.zarr")
+    # training and context blocks counted apart, each under its own name (issue 34: the JSON mixed them)
+    assert (summary["training_blocks"], summary["training_blocks_done"], summary["training_blocks_done_this_run"]) \
+        == (store.n_blocks,) * 3
+    assert (summary["context_blocks"], summary["context_blocks_done"], summary["context_blocks_done_this_run"]) \
+        == (store.contexts.n_blocks,) * 3
+    assert summary["verifier_tokens_this_run"] == summary["context"]["tokens_extracted"]
+    assert summary["training_tokens"] == store.n_tokens
     assert store.layout == "windows" and store.attrs["format_version"] == 2
     worst = worst_against_full_forward(store, packed, build_family(family), rows)
     assert worst < 4e-3, f"{family}: worst relative difference {worst:.4f} (bf16 rounding is ≤ 2^-8 = 3.9e-3)"
@@ -319,7 +326,7 @@ def test_resume_keeps_context_and_max_context(tmp_path, tiny_verifier_dir):
         run_extract(ExtractConfig(**base, context="window", resume=True), progress=False, log=lambda m: None)
     s = run_extract(ExtractConfig(**base, context="full", max_context=48, resume=True), progress=False,
                     log=lambda m: None)
-    assert s["complete"] and s["blocks_done"] == s["n_blocks"]
+    assert s["complete"] and s["training_blocks_done"] == s["training_blocks"]
 
 
 def test_resume_after_the_packed_manifest_changed_is_refused(tmp_path, tiny_verifier_dir):
@@ -362,7 +369,7 @@ def test_sigkill_then_resume_is_byte_identical(tmp_path, tiny_verifier_dir):
     done_before = int(FeatureStore.open(out).contexts.done_mask().sum()) if (out / "zarr.json").exists() else 0
     assert done_before < n_contexts
     res = subprocess.run([*cmd, "--output", str(out), "--resume"], check=True, env=env, capture_output=True, text=True)
-    assert f'"blocks_done_this_run": {n_contexts - done_before}' in res.stdout
+    assert f'"context_blocks_done_this_run": {n_contexts - done_before}' in res.stdout
     assert _chunk_bytes(out) == _chunk_bytes(ref)
     assert verify_store(out)["ok"]
 

@@ -90,7 +90,13 @@ def test_store_matches_packed_table_and_verifies(tmp_path, tiny_verifier_dir, ti
     packed = write_packed(tmp_path / "packed", n_blocks=3, block_size=48)
     summary = run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), context="window",
                                         output=str(tmp_path / "f.zarr"), layers=[1, 2, 3]), progress=False)
-    assert summary["complete"] and summary["blocks_done_this_run"] == 3
+    assert summary["complete"] and summary["training_blocks_done_this_run"] == 3
+    # the verifier ran the training blocks themselves: no context block counts (issue 34 finding: the JSON mixed them)
+    assert {k: summary[k] for k in ("context", "training_blocks", "training_blocks_done", "context_blocks",
+                                    "context_blocks_done", "context_blocks_done_this_run")} == {
+        "context": None, "training_blocks": 3, "training_blocks_done": 3, "context_blocks": None,
+        "context_blocks_done": None, "context_blocks_done_this_run": None}
+    assert summary["verifier_tokens_this_run"] == summary["training_tokens"] > 0
     store = FeatureStore.open(tmp_path / "f.zarr")
     assert store.layers == [1, 2, 3] and store.attrs["layer_convention"] == "vllm_aux"
     assert store.attrs["verifier"]["num_hidden_layers"] == 4
@@ -122,7 +128,7 @@ def test_resume_refuses_other_layers_or_table(tmp_path, tiny_verifier_dir):
                                   resume=True, context="window"), progress=False)
     s = run_extract(ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), output=out, layers=[1, 2],
                                   resume=True, context="window"), progress=False)
-    assert s["blocks_done_this_run"] == 1 and s["complete"]  # the done block is not recomputed
+    assert s["training_blocks_done_this_run"] == 1 and s["complete"]  # the done block is not recomputed
 
 
 def test_resume_keeps_every_option_the_store_fixes(tmp_path, tiny_verifier_dir):
@@ -142,7 +148,7 @@ def test_resume_keeps_every_option_the_store_fixes(tmp_path, tiny_verifier_dir):
                     log=lambda m: None)
     assert "which a resume cannot change: --compressor: the store's zstd, given none." in str(e.value)
     s = run_extract(ExtractConfig(**base, output=out, resume=True, max_blocks=5), progress=False, log=lambda m: None)
-    assert s["blocks_done_this_run"] == 2 and s["complete"]
+    assert s["training_blocks_done_this_run"] == 2 and s["complete"]
     a, b = FeatureStore.open(out), FeatureStore.open(tmp_path / "whole.zarr")
     assert a.attrs["compressor"] == "zstd" and not a.raw_chunks
     for i in range(3):
@@ -171,7 +177,7 @@ def test_sigkill_then_resume_is_byte_identical(tmp_path, tiny_verifier_dir):
     res = subprocess.run(_extract_cmd(packed, tiny_verifier_dir, out, "--context", "window", "--resume"), check=True,
                          env=env,
                          capture_output=True, text=True)
-    assert f'"blocks_done_this_run": {40 - done_before}' in res.stdout
+    assert f'"training_blocks_done_this_run": {40 - done_before}' in res.stdout
     assert chunk_bytes(out) == chunk_bytes(ref)
     assert verify_store(out)["ok"]
 
@@ -212,7 +218,7 @@ def _without_config(store: Path) -> dict[str, bytes]:
 def test_two_cpu_ranks_equal_one_process(tmp_path, tiny_verifier_dir):
     packed = write_packed(tmp_path / "packed", n_blocks=6, block_size=64)
     summaries = _one_and_two_ranks(tmp_path, packed, tiny_verifier_dir, "--context", "window")
-    assert [s["blocks_done_this_run"] for s in summaries] == [3, 3]  # round-robin: 0, 2, 4 and 1, 3, 5
+    assert [s["training_blocks_done_this_run"] for s in summaries] == [3, 3]  # round-robin: 0, 2, 4 and 1, 3, 5
     assert chunk_bytes(tmp_path / "two.zarr") == chunk_bytes(tmp_path / "one.zarr")
 
 
@@ -222,8 +228,8 @@ def test_two_cpu_ranks_of_a_full_context_extraction_equal_one_process(tmp_path, 
     """Rank 0 creates the full-context store; the ranks split its 7 context blocks round-robin."""
     packed = pack_conversations(tmp_path, smollm2_tokenizer)
     summaries = _one_and_two_ranks(tmp_path, packed, tiny_verifier_dir, "--max-context", "128")  # the default: full
-    assert [s["blocks_done_this_run"] for s in summaries] == [4, 3]  # context blocks 0, 2, 4, 6 and 1, 3, 5
-    assert [(s["context_blocks"], s["blocks_done"], s["n_blocks"]) for s in summaries] == [(7, 20, 20)] * 2
+    assert [s["context_blocks_done_this_run"] for s in summaries] == [4, 3]  # context blocks 0, 2, 4, 6 and 1, 3, 5
+    assert [(s["context_blocks"], s["training_blocks_done"], s["training_blocks"]) for s in summaries] == [(7, 20, 20)] * 2
     assert _without_config(tmp_path / "two.zarr") == _without_config(tmp_path / "one.zarr")
     assert verify_store(tmp_path / "two.zarr")["ok"]
 

@@ -74,6 +74,6 @@ def test_resume_records_the_keys_of_a_store_made_before(packed, tmp_path, tiny_v
     with pytest.raises(StoreFormatError, match="does not record which conversation each segment comes from"):
         split_store(FeatureStore.open(path), 0, 0.1)
     summary = _extract(new, path, tiny_verifier_dir, resume=True)
-    assert summary["complete"] and summary["blocks_done_this_run"] == 0
+    assert summary["complete"] and summary["training_blocks_done_this_run"] == 0
     assert FeatureStore.open(path).segment_keys().tolist() == want and verify_store(path)["ok"]
     assert split_store(FeatureStore.open(path), 0, 0.1)[1].size > 0

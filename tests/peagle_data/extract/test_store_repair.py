@@ -77,7 +77,7 @@ def test_resume_repairs_exactly_the_damaged_block(tmp_path, finished, tiny_verif
     if words is not None:
         assert words in report["bad_blocks"][2] and "block 2" in report["bad_blocks"][2]
     summary = run_extract(_cfg(packed, tiny_verifier_dir, out), progress=False)
-    assert summary["blocks_done_this_run"] == 1  # exactly the damaged block
+    assert summary["training_blocks_done_this_run"] == 1  # exactly the damaged block
     assert list(summary["repaired_blocks"]) == ([2] if words is not None else [])
     assert summary["complete"] and verify_store(out)["ok"]
     assert chunk_bytes(out) == chunk_bytes(ref)
@@ -105,7 +105,7 @@ def test_resume_rewrites_damaged_store_wide_arrays(tmp_path, finished, tiny_veri
     report = verify_store(out)
     assert not report["ok"] and "0 bytes" in report["damaged_arrays"][array]
     summary = run_extract(_cfg(packed, tiny_verifier_dir, out), progress=False)
-    assert summary["blocks_done_this_run"] == 0 and summary["complete"] and verify_store(out)["ok"]
+    assert summary["training_blocks_done_this_run"] == 0 and summary["complete"] and verify_store(out)["ok"]
     assert chunk_bytes(out) == chunk_bytes(ref)
 
 
@@ -126,10 +126,10 @@ def test_verify_repair_then_resume_and_partial_resume_is_not_complete(tmp_path, 
     report = verify_store(out)
     assert report["not_done"] == [0, 3] and report["bad_blocks"] == {}
     summary = run_extract(_cfg(packed, tiny_verifier_dir, out, max_blocks=1), progress=False)
-    assert summary["blocks_done_this_run"] == 1 and not summary["complete"]
+    assert summary["training_blocks_done_this_run"] == 1 and not summary["complete"]
     assert summary["complete"] == verify_store(out)["ok"]
     summary = run_extract(_cfg(packed, tiny_verifier_dir, out), progress=False)
-    assert summary["blocks_done_this_run"] == 1 and summary["complete"] and summary["repaired_blocks"] == {}
+    assert summary["training_blocks_done_this_run"] == 1 and summary["complete"] and summary["repaired_blocks"] == {}
     assert chunk_bytes(out) == chunk_bytes(ref)
 
 
@@ -151,6 +151,6 @@ def test_repair_of_compressed_and_fp8_stores(tmp_path, tiny_verifier_dir, storag
     assert sorted(report["bad_blocks"]) == [0, 1]
     assert damaged.split("/")[0] in report["bad_blocks"][1] and "position_ids" in report["bad_blocks"][0]
     summary = run_extract(dataclasses.replace(cfg, output=str(out), resume=True), progress=False)
-    assert sorted(summary["repaired_blocks"]) == [0, 1] and summary["blocks_done_this_run"] == 2
+    assert sorted(summary["repaired_blocks"]) == [0, 1] and summary["training_blocks_done_this_run"] == 2
     assert summary["complete"] and verify_store(out)["ok"]
     assert chunk_bytes(out) == chunk_bytes(ref)

@@ -228,7 +228,7 @@ def test_kill_then_resume_is_byte_identical(tmp_path):
     done_before = int(FeatureStore.open(out).done_mask().sum())
     assert 0 < done_before < 150
     res = extract_cli(packed, model, out, [1, 2], "--context", "window", "--resume")
-    assert f'"blocks_done_this_run": {150 - done_before},' in res.stdout  # vLLM logs to stdout too
+    assert f'"training_blocks_done_this_run": {150 - done_before},' in res.stdout
     assert chunk_bytes(out) == chunk_bytes(ref)
     assert verify_store(out)["ok"]
 

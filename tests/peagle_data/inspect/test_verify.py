@@ -126,7 +126,7 @@ def test_damaged_context_chunk_found_by_verify_and_repaired_by_resume(stores, tm
     assert store.contexts.missing_blocks() == [2]
     assert np.flatnonzero(~store.done_mask()).tolist() == readers
     s = run_extract(_cfg(packed, tiny_verifier_dir, copy, resume=True), progress=False, log=lambda m: None)
-    assert s["complete"] and s["blocks_done_this_run"] == 1 and s["blocks_done"] == 20
+    assert s["complete"] and s["context_blocks_done_this_run"] == 1 and s["training_blocks_done"] == 20
     assert chunk_bytes(copy) == chunk_bytes(full)
     assert verify_store(copy)["ok"]
 
@@ -144,7 +144,7 @@ def test_resume_alone_repairs_a_damaged_context_chunk_and_view(stores, tmp_path,
     assert report["bad_blocks"][3].startswith("block 3: window_views chunk")
     logs = []
     s = run_extract(_cfg(packed, tiny_verifier_dir, copy, resume=True), progress=False, log=logs.append)
-    assert s["complete"] and s["blocks_done_this_run"] == 1 and s["repaired_blocks"].keys() == {5}
+    assert s["complete"] and s["context_blocks_done_this_run"] == 1 and s["repaired_blocks"].keys() == {5}
     assert any("block 3: window_views chunk" in m and "rewriting it" in m for m in logs)
     assert chunk_bytes(copy) == chunk_bytes(full)
     assert verify_store(copy)["ok"]
