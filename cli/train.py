@@ -35,8 +35,9 @@ OVERRIDES = {
 
 
 def kept_checkpoint(program: str, args: list[str], params: dict[str, Any]) -> tuple[str, str]:
-    """After Ctrl-C (cli.common.handle_errors): the newest checkpoint and the README's short resume form
-    (``--config OUTPUT/train_config.json --resume``), or, with no checkpoint yet, the command again with ``--force``."""
+    """After Ctrl-C (cli.common.handle_errors): the newest checkpoint and the short resume form
+    (``--config OUTPUT/train_config.json --resume``, docs/guide-training.md), or, with no checkpoint yet, the command
+    again with ``--force``."""
     output = params.get("output")
     checkpoint = latest_checkpoint(output) if output else None
     config = Path(output or ".") / "train_config.json"

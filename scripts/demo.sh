@@ -2,7 +2,7 @@
 # The main job on the embedded defaults, end to end on a CPU:
 #   ShareGPT conversations -> pack -> extract (SmolLM2-135M) -> train a drafter -> evaluate.
 # Sizes are chosen for a few minutes per stage on 2 CPU cores (measured wall times, with the
-# machine load, are in README.md; yours depend on your machine). Override them with the environment
+# machine load, are in docs/guide-setup.md; yours depend on your machine). Override them with the environment
 # variables below (checked before anything runs: a bad value stops the script naming the variable).
 # Re-running over an existing DEMO_DIR replaces its outputs: every stage passes --force on purpose,
 # so the demo can be repeated with other settings; do not point DEMO_DIR at results you want to keep.
@@ -67,11 +67,11 @@ if ratio < 1:
           f"(acceptance length {r['acceptance_length']:.2f}), while this run's own figures put the "
           f"break-even at an acceptance length of about {r['acceptance_length'] / ratio:.1f} "
           "(acceptance length / speed ratio; about 2 on an idle CPU, docs/benchmarks.md); a drafter "
-          "worth using needs far more data and steps (README, 'A drafter that pays? The quality recipe').")
+          "worth using needs far more data and steps (docs/guide-training.md, 'A drafter that pays? The quality "
+          "recipe').")
 else:
     print(f"In plain words: speculative decoding was {ratio:.1f}x faster than plain decoding here, with "
-          "the same output; more data and steps give a better drafter (README, 'Using your own verifier "
-          "and data').")
+          "the same output; more data and steps give a better drafter (README, 'Your own verifier and data').")
 if "offline" in r:
     print(f"acceptance length (offline, simulated on held-out blocks): {r['offline']['simulated_acceptance_length']:.3f}")
 print("artifacts:")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The quality recipe (README, "A drafter that pays"): a drafter trained on the verifier's own answers,
+# The quality recipe (docs/guide-training.md, "A drafter that pays"): a drafter trained on the verifier's own answers,
 # evaluated on prompts it never saw, on the embedded defaults, in about an hour on 2 CPU cores.
 #
 #   1. regenerate  the first turn of QUALITY_ROWS ShareGPT conversations, answered by SmolLM2 itself
@@ -15,7 +15,7 @@
 # Stage 1 resumes (re-running continues an unfinished regeneration; with other QUALITY_ROWS or
 # QUALITY_MAX_NEW_TOKENS use a new QUALITY_DIR); the others start over (--force). Relative paths in
 # QUALITY_DIR and QUALITY_MT_BENCH are taken from the repository root.
-# Measured wall times and results are in README.md and docs/benchmarks.md. Override the sizes with the
+# Measured wall times and results are in docs/guide-training.md and docs/benchmarks.md. Override the sizes with the
 # environment variables below (checked before anything runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."

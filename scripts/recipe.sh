@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The recipe for your own verifier (README, "Your own verifier and data: one command"): sets up .venv
+# The recipe for your own verifier (README, "Your own verifier and data"; docs/guide-training.md): sets up .venv
 # (scripts/setup_env.sh, its output on stderr) and runs scripts/recipe.py with it; every argument goes to
 # recipe.py (--help lists them). Relative paths are taken from the directory you run it in.
 set -euo pipefail

@@ -116,7 +116,7 @@ def test_the_wheel_installs_into_a_clean_virtualenv_and_runs_the_pipeline(wheel,
     timings, start = {}, _clock()
     py, bin_dir = venv / "bin" / "python", venv / "bin"
     t = _clock()
-    for what in ("torch==2.13.0", wheel):  # torch first: the CPU wheel (README, "Disk space and the torch wheel")
+    for what in ("torch==2.13.0", wheel):  # torch first: the CPU wheel (docs/guide-setup.md, "Disk space and the torch wheel")
         _run([py, "-m", "pip", "install", "-q", what], env=BUILD_ENV, cwd=tmp_path, timeout=900)
     timings["install"] = _since(t)
 

@@ -1,4 +1,5 @@
-"""The Python inference API: the README's example runs as written, and a result's counts mean what they say."""
+"""The Python inference API: the documented example (docs/guide-evaluation.md) runs as written, and a result's
+counts mean what they say."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from peagle_train.model.drafter import PEagleDrafter
 from stores.errors import InputError
 from tests.peagle_train.evaluate.test_tree import RankOracle
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+GUIDE = Path(__file__).resolve().parents[3] / "docs" / "guide-evaluation.md"
+"""Where the inference example lives (the README links it)."""
 
 
 def smollm2_drafter(directory: Path) -> Path:
@@ -35,23 +37,24 @@ def smollm2_drafter(directory: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def smollm2_checkpoints(tmp_path_factory) -> Path:
-    """A working directory holding ``checkpoints/best_model``, the README example's drafter."""
+    """A working directory holding ``checkpoints/best_model``, the documented example's drafter."""
     root = tmp_path_factory.mktemp("readme")
     smollm2_drafter(root / "checkpoints" / "best_model")
     return root
 
 
-def readme_example() -> str:
-    section = README.read_text().split("### Inference from Python", 1)[1]
+def documented_example() -> str:
+    """The first python block of the guide's "Inference from Python" section."""
+    section = GUIDE.read_text().split("\n## Inference from Python", 1)[1]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
-def test_readme_example_runs_as_written(smollm2_checkpoints, monkeypatch, capsys, one_thread):
-    code = readme_example()
+def test_documented_example_runs_as_written(smollm2_checkpoints, monkeypatch, capsys, one_thread):
+    code = documented_example()
     assert 'target_model="smollm2-135m"' in code and "result.speedup" in code
     monkeypatch.chdir(smollm2_checkpoints)
     scope: dict = {}
-    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 (the README's own example)
+    exec(compile(code, str(GUIDE), "exec"), scope)  # noqa: S102 (the guide's own example)
     out = capsys.readouterr().out
     assert re.fullmatch(r"Speedup: \d+\.\d\dx\nAcceptance rate: \d+\.\d%\n", out), out
     result = scope["result"]

@@ -65,8 +65,8 @@ def _readme_block(containing: str) -> str:
     """The README's bash block of "Serving the drafter with vLLM" that holds ``containing``, its
     continuation lines joined."""
     text = (REPO / "README.md").read_text()
-    section = text[text.index("### Serving the drafter with vLLM"):]
-    section = section[:section.index("\n### ")]
+    section = text[text.index("\n## Serving the drafter with vLLM\n"):]
+    section = section[:section.index("\n## ", 1)]
     blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
     found = [b for b in blocks if containing in b]
     assert len(found) == 1, f"{containing!r} in {len(found)} bash blocks of the serving section"
