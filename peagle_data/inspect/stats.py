@@ -43,7 +43,7 @@ from stores.feature_store import FeatureStore
 from stores.files import is_zarr_store
 from stores.token_tables import TokenTable
 
-__all__ = ["PERCENTILES", "StatsConfig", "collect_stats", "format_stats", "percentiles_from_counts"]
+__all__ = ["KIND_NAMES", "PERCENTILES", "StatsConfig", "collect_stats", "format_stats", "percentiles_from_counts"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +70,9 @@ class StatsConfig:
             raise ValueError(f"--overlap must be in [0, 1), got {self.overlap}")
 
 PERCENTILES = (1, 5, 10, 25, 50, 75, 90, 95, 99)
+KIND_NAMES = {"tokenized": "tokenize output", "packed": "pack output", "store": "feature store"}
+"""What a ``stats['kind']`` is, in words, for the text and the plot's title (a directory is often named after its
+kind: ``packed (packed)`` said nothing)."""
 FRACTION_BINS = 50
 """Supervised-fraction histograms have this many equal bins over [0, 1]."""
 
@@ -363,7 +366,7 @@ def format_stats(stats: dict[str, Any]) -> str:
     row_name = "conversations" if stats["kind"] == "tokenized" else "blocks"
     split = (f" (in {t['table_rows']:,} per-turn rows of a history-rewriting template; a conversation is as "
              "long as its longest row)") if "table_rows" in t else ""
-    lines = [f"{stats['path']}  ({stats['kind']})",
+    lines = [f"{stats['path']}  ({KIND_NAMES.get(stats['kind'], stats['kind'])})",
              f"{row_name} {t['rows']:,}  tokens {t['tokens']:,}  supervised tokens {t['loss_tokens']:,}  "
              f"supervised fraction {t['supervised_fraction']:.4f}{split}"]
     mc = stats.get("manifest_counts") or {}

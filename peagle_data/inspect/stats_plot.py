@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from peagle_data.inspect.stats import FRACTION_BINS
+from peagle_data.inspect.stats import FRACTION_BINS, KIND_NAMES
 from stores.errors import InputError, OutputExistsError
 
-__all__ = ["PLOT_SUFFIXES", "KIND_NAMES", "check_plot_output", "plot_stats", "plot_title", "panels"]
+__all__ = ["PLOT_SUFFIXES", "check_plot_output", "plot_stats", "plot_title", "panels"]
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 """The file types :func:`plot_stats` writes (matplotlib picks the format from the extension)."""
@@ -65,10 +65,6 @@ def plot_stats(stats: dict[str, Any], png: str | os.PathLike, force: bool = Fals
     fig.savefig(png)
     plt.close(fig)
     return png
-
-
-KIND_NAMES = {"tokenized": "tokenize output", "packed": "pack output", "store": "feature store"}
-"""What a ``stats['kind']`` is, in the plot's title (the directory's own name is often the kind's: ``packed``)."""
 
 
 def plot_title(stats: dict[str, Any]) -> str:

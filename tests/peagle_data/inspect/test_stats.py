@@ -150,6 +150,7 @@ def test_stats_plot_title_repeats_no_word(tmp_path):
     assert plot_title(s) == "tokenized (tokenize output): 2 conversations, 10 tokens, 50.0% supervised"
     assert plot_title({**s, "path": str(tmp_path / "packed"), "kind": "packed"}).startswith(
         "packed (pack output): 2 blocks, ")
+    assert format_stats(s).splitlines()[0] == f"{tmp_path / 'tokenized'}  (tokenize output)"  # the text alike
 
 
 def test_per_turn_rows_of_a_split_conversation_are_one_conversation(tmp_path):
