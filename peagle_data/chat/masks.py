@@ -72,8 +72,8 @@ import numpy as np
 
 from peagle_data.chat.dropped import dropped_content, dropped_reason, thought_in
 from peagle_data.readers.normalize import is_unsupervised
-from stores.chat_template import (ChatTemplateError, content_text, content_texts, render, template_messages,
-                                 template_tools)
+from stores.chat_template import (ChatTemplate, ChatTemplateError, as_chat_template, content_text, content_texts,
+                                 render, template_messages, template_tools)
 from stores.errors import InputError
 
 __all__ = ["TokenizedConversation", "RenderedRow", "render_rows", "tokenize_rendered", "DROPPED", "SPECIAL_TEXT",
@@ -92,7 +92,7 @@ def _common_prefix_len(a: str, b: str) -> int:
 
 
 def system_prefix_text(tokenizer, system_messages: Sequence[dict[str, Any]], tools=None,
-                       chat_template: str | None = None) -> str:
+                       chat_template: str | ChatTemplate | None = None) -> str:
     """Text of the system prefix the template renders for these leading system messages.
 
     Returns the common prefix of ``render(system + [user S1])`` and ``render(system + [user S2])``
@@ -137,7 +137,7 @@ def _cached_system_prefix(tokenizer, system_messages, tools, chat_template) -> s
             tokenizer._peagle_prefix_cache = cache
         except AttributeError:
             pass
-    key = json.dumps([system_messages, tools, chat_template], sort_keys=True, default=str)
+    key = json.dumps([system_messages, tools, as_chat_template(chat_template).key()], sort_keys=True, default=str)
     if key not in cache:
         if len(cache) >= _PREFIX_CACHE_MAX:
             cache.clear()
@@ -202,11 +202,12 @@ class _PrefixRenderer:
 
             if tools is not None and not all(isinstance(t, dict) for t in tools):
                 return
-            template = tokenizer.get_chat_template(chat_template, tools)
+            spec = as_chat_template(chat_template)
+            template = tokenizer.get_chat_template(spec.text, tools)
             self._compiled = _compile_jinja_template(template)
             self._chat = _alias_reasoning_fields(_plain_template_data(template_messages(messages, template)))
             self._tools = _plain_template_data(template_tools(tools))
-            self._kwargs = _plain_template_data(dict(tokenizer.special_tokens_map))
+            self._kwargs = _plain_template_data({**tokenizer.special_tokens_map, **spec.kwargs})
         except Exception:  # noqa: BLE001 - any private-API mismatch means: use the public path
             self._compiled = None
 
@@ -266,7 +267,7 @@ SPECIAL_TEXT = ("reject", "keep")
 
 
 def render_rows(tokenizer, messages: Sequence[dict[str, Any]], tools: list | None = None,
-                chat_template: str | None = None, per_turn_fallback: bool = True,
+                chat_template: str | ChatTemplate | None = None, per_turn_fallback: bool = True,
                 on_dropped: str = "reject", on_special_text: str = "reject") -> list[RenderedRow]:
     """Render one conversation and locate its assistant spans (no tokenization).
 
@@ -563,7 +564,7 @@ def _rewrite_cause(messages, i: int, prompt: str, through: str, text: str, syste
 
 
 def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]], tools: list | None = None,
-                          chat_template: str | None = None, on_dropped: str = "reject",
+                          chat_template: str | ChatTemplate | None = None, on_dropped: str = "reject",
                           on_special_text: str = "reject") -> TokenizedConversation:
     """Tokenize one conversation with its chat template and find its loss mask and system prefix.
 
@@ -571,7 +572,8 @@ def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]], tools: 
         tokenizer: a fast Hugging Face tokenizer (offsets are needed).
         messages: OpenAI messages (``role`` in system/user/assistant/tool), at least one assistant.
         tools: tool definitions passed to the template, or None.
-        chat_template: template text overriding ``tokenizer.chat_template``, or None.
+        chat_template: template text overriding ``tokenizer.chat_template``, or None; or a
+            :class:`~stores.chat_template.ChatTemplate` (the text and its variables, --chat-template-kwargs).
         on_dropped: ``reject`` or ``keep`` message content the template does not render (see
             :func:`render_rows`).
         on_special_text: ``reject`` or ``keep`` a supervised reply that writes a special token's text
@@ -597,7 +599,7 @@ def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]], tools: 
 
 
 def tokenize_turns(tokenizer, messages: Sequence[dict[str, Any]], tools: list | None = None,
-                   chat_template: str | None = None,
+                   chat_template: str | ChatTemplate | None = None,
                    on_dropped: str = "reject",
                    on_special_text: str = "reject") -> list[tuple[int | None, TokenizedConversation]]:
     """Like :func:`tokenize_conversation`, but a template that rewrites history gives one row per

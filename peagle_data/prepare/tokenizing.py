@@ -19,7 +19,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from peagle_data.chat.masks import render_rows, tokenize_rendered
-from stores.chat_template import ChatTemplateError, chat_template_sha256
+from stores.chat_template import ChatTemplate, ChatTemplateError, chat_template_kwargs_record, chat_template_sha256
 from peagle_data.prepare.config import CHUNK_CONVERSATIONS, TokenizeConfig, TokenizeRun
 from peagle_data.prepare.counts import Counts
 from peagle_data.prepare.dedup import Deduplicator, dedup_items, filter_reason
@@ -75,11 +75,15 @@ def read_template(path: str | None) -> str | None:
     return text
 
 
-def tokenizer_record(tokenizer_name, tokenizer, template_path: str | None, template: str | None) -> dict:
-    """The manifest's ``tokenizer`` record: name, vocabulary size, fingerprint and chat template."""
+def tokenizer_record(tokenizer_name, tokenizer, template_path: str | None, template: str | None,
+                     template_kwargs: dict[str, Any] | None = None) -> dict:
+    """The manifest's ``tokenizer`` record: name, vocabulary size, fingerprint, chat template and its
+    variables (``chat_template_kwargs``, --chat-template-kwargs; ``{}`` for none). ``extract`` copies the
+    record into the store and ``peagle-train`` into the checkpoint, so each later stage can check it."""
     return {"name": str(tokenizer_name), "vocab_size": len(tokenizer), "fingerprint": tokenizer_fingerprint(tokenizer),
             "chat_template_file": template_path,
-            "chat_template_sha256": chat_template_sha256(tokenizer, template)}
+            "chat_template_sha256": chat_template_sha256(tokenizer, template),
+            "chat_template_kwargs": chat_template_kwargs_record(template_kwargs)}
 
 
 def split_source(source: str) -> tuple[str, int | None]:
@@ -123,7 +127,7 @@ def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: Tokenize
     Raises:
         InputError: with ``cfg.strict``, the first bad row (file, row and field where known).
     """
-    template = read_template(cfg.chat_template)
+    template = ChatTemplate(read_template(cfg.chat_template), cfg.chat_template_kwargs)
     bar = progress(total=cfg.limit, desc="tokenize", unit="conv")
     if dedup is None and cfg.dedup:
         dedup = Deduplicator()
@@ -322,7 +326,8 @@ def run_tokenize(run: TokenizeRun, tokenizer=None, config: dict[str, Any] | None
             "files": [str(f) for f in files],
             "parameters": dataclasses.asdict(cfg),
             **({"config": config} if config is not None else {}),
-            "tokenizer": tokenizer_record(tokenizer_name, tokenizer, cfg.chat_template, template),
+            "tokenizer": tokenizer_record(tokenizer_name, tokenizer, cfg.chat_template, template,
+                                          cfg.chat_template_kwargs),
             "counts": counts.to_manifest(),
             **({"mixture": mixture.record()} if mixture is not None else {}),
             **shard_record(cfg),
