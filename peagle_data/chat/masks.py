@@ -73,7 +73,7 @@ import numpy as np
 from peagle_data.chat.dropped import dropped_content, dropped_reason, thought_in
 from peagle_data.readers.normalize import is_unsupervised
 from stores.chat_template import (ChatTemplate, ChatTemplateError, as_chat_template, content_text, content_texts,
-                                 render, template_messages, template_tools)
+                                 describe_kwargs, render, template_messages, template_tools)
 from stores.errors import InputError
 
 __all__ = ["TokenizedConversation", "RenderedRow", "render_rows", "tokenize_rendered", "DROPPED", "SPECIAL_TEXT",
@@ -520,13 +520,42 @@ def _no_prefix_reason(tokenizer, messages, i: int, text: str, tools, chat_templa
         added, turn = prompt[len(history):], text[len(history):]
         thought = ((messages[i].get("reasoning_content") or "").strip()
                    or thought_in(content_text(messages[i].get("content"))))
+        mode = _thinking_mode_reason(added, i, bool(thought), chat_template)
+        if mode:
+            return mode
         stripped = (f", and it drops the reasoning of assistant turn {i} (rendered turns keep only the text after "
                     "</think>, as R1-Distill templates do)") if thought and thought not in turn else ""
         return (f"generation prompt mismatch: the template's generation prompt adds {added!r} after the history, "
                 f"but assistant turn {i} renders as {turn[:len(added) + 24]!r}...{stripped}; no exact mask exists. "
                 "Pass --chat-template FILE with a training template that keeps the reasoning: each assistant turn "
-                "rendered as the generation prompt followed by its reasoning and answer")
+                "rendered as the generation prompt followed by its reasoning and answer"
+                + _open_think_hint(added, chat_template))
     return default + _rewrite_cause(messages, i, prompt, through, text, system)
+
+
+_OPEN_THINK_END = re.compile(r"<think>\s*$")
+
+
+def _thinking_mode_reason(added: str, i: int, has_reasoning: bool, chat_template) -> str | None:
+    """The reason of a generation prompt mismatch where the generation prompt closes an empty think block
+    (a hybrid template with thinking off, e.g. ``enable_thinking: false``: the verifier answers without
+    reasoning) and turn ``i`` has reasoning, so it was not generated in this mode; else None."""
+    if not (_EMPTY_THINK.search(added) and has_reasoning):
+        return None
+    return (f"generation prompt mismatch: the generation prompt closes an empty think block ({added!r}, chat "
+            f"template kwargs {describe_kwargs(as_chat_template(chat_template).kwargs)}), so the verifier answers "
+            f"without reasoning in this mode, but assistant turn {i} has reasoning; no exact mask exists. Tokenize in "
+            "the mode the answers were generated in (--chat-template-kwargs), or regenerate them in this mode")
+
+
+def _open_think_hint(added: str, chat_template) -> str:
+    """A sentence for a generation prompt that ends inside an open think block (thinking on: the verifier
+    reasons first), naming the template variables in effect; ``""`` for any other prompt."""
+    if not _OPEN_THINK_END.search(added):
+        return ""
+    return (f". The generation prompt opens a think block (chat template kwargs "
+            f"{describe_kwargs(as_chat_template(chat_template).kwargs)}), so the verifier reasons first: if it is "
+            "served with thinking off, say so with --chat-template-kwargs (e.g. '{\"enable_thinking\": false}')")
 
 
 def _system_text(messages) -> str:
