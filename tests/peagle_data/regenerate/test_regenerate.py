@@ -20,7 +20,9 @@ from click.testing import CliRunner
 from cli.data import main as data_main
 from peagle_data.readers.rows import Conversation
 from peagle_data.regenerate.run import RegenerateConfig, RegenerateRun, Regeneration, prompt_drops, run_regenerate
-from peagle_data.regenerate.backends import Answer, LocalBackend, Request, ServerBackend, _answer_of, split_reasoning
+from peagle_data.regenerate.backends import (Answer, LocalBackend, Request, ServerBackend, _answer_of, prompt_tokens,
+                                            split_reasoning)
+from tests.chat_templates import qwen_tokenizer, template
 from stores.errors import InputError, OutputExistsError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -935,3 +937,49 @@ def test_a_closing_think_tag_in_an_answer_the_prompt_did_not_open_is_content(loc
     opened = tok.encode("<|im_start|>assistant\n<think>\n", add_special_tokens=False)
     answer = local.answer_of(generated, opened)
     assert (answer.content, answer.reasoning) == ("closes it.", "The tag")
+
+
+# --------------------------------------------------------------------------------------------
+# Template variables (--chat-template-kwargs): the local prompt in the mode, servers told them
+
+
+def test_every_request_of_a_row_carries_the_template_kwargs(smollm2_tokenizer):
+    off = {"enable_thinking": False}
+    job = Regeneration(conv([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"},
+                             {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "y"}]),
+                       "all", "keep", off)
+    seen = []
+    while (req := job.next_request()) is not None:
+        seen.append(req.chat_template_kwargs)
+        job.feed(Answer(content="A", completion_tokens=1))
+    assert seen == [off, off]
+    tok = qwen_tokenizer(smollm2_tokenizer)
+    tok.chat_template = template("qwen3_hybrid")
+    messages = [{"role": "user", "content": "Hi"}]
+    on_ids = prompt_tokens(tok, Request(messages=messages))
+    off_ids = prompt_tokens(tok, Request(messages=messages, chat_template_kwargs=off))
+    assert tok.decode(off_ids) == tok.decode(on_ids) + "<think>\n\n</think>\n\n"
+    assert prompt_drops(tok, Request(messages=messages, chat_template_kwargs=off)) is None
+    with pytest.raises(ValueError, match="may not set 'chat_template'"):
+        RegenerateConfig(chat_template_kwargs={"chat_template": "x"})
+
+
+def test_servers_are_sent_the_template_kwargs_as_vllm_takes_them():
+    """vLLM's (and SGLang's) request field ``chat_template_kwargs``, beside the sampling fields."""
+    from types import SimpleNamespace as NS
+
+    sent = []
+
+    def create(**kwargs):
+        sent.append(kwargs)
+        return _completion("ok", "stop")
+
+    backend = ServerBackend(["http://127.0.0.1:1"], "m", max_new_tokens=4, temperature=0.0, kind="vllm")
+    backend.clients = {b: NS(chat=NS(completions=NS(create=create))) for b in backend.bases}
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert backend.answer(Request(messages=msgs, chat_template_kwargs={"reasoning_effort": "high"})).content == "ok"
+    assert backend.answer(Request(messages=msgs)).content == "ok"
+    assert sent[0]["extra_body"] == {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "return_token_ids": True,
+                                     "chat_template_kwargs": {"reasoning_effort": "high"}}
+    assert "chat_template_kwargs" not in sent[1]["extra_body"]  # none given: none sent
+    assert backend.params["extra_body"] == sent[1]["extra_body"]  # the shared parameters are not changed
