@@ -337,8 +337,8 @@ def _check_resume(manifest: dict[str, Any] | None, settings: dict[str, Any], out
         if key == "model" and isinstance(old, dict):  # RESUME_MAY_CHANGE
             old, new = ({k: v for k, v in d.items() if k not in ("device", "concurrency", "servers", "retries")}
                         for d in (old, new))
-        if key == "generation" and isinstance(old, dict):  # a setting added since, left unset
-            new = {k: v for k, v in new.items() if k in old or v is not None}
+        if key == "generation" and isinstance(old, dict):  # a setting added since, left unset (None, or {}: no
+            new = {k: v for k, v in new.items() if k in old or v not in (None, {})}  # template variables)
         if old == new:
             continue
         option, was, now = {"inputs": "INPUT", "files": "INPUT (the files it names)"}.get(key, key), old, new
