@@ -192,3 +192,19 @@ def test_harmony_multi_turn_rows_drop_earlier_analysis(harmony_tok):
     assert "Greet." not in harmony_tok.decode(last.input_ids)  # earlier analysis is not history
     for turn, row in rows:
         _context_is_the_served_prompt(harmony_tok, TWO_TURNS, turn, row, spec)
+
+
+def test_qwen35_regenerated_turns_train_on_the_generated_ids_in_each_mode(qwen_tok):
+    """A turn regenerated in the mode (``token_ids``: what the verifier generated after the served prompt)
+    is trained on exactly those ids: in thinking mode the reasoning, ``</think>`` and the answer after the
+    prompt's ``<think>\\n``; thinking off, the answer after the prompt's empty think block."""
+    text = template("qwen35_open_think")
+    for kwargs, generated, message in (
+            ({}, "Greet.\n</think>\n\nHello!<|im_end|>", {"content": "Hello!", "reasoning_content": "Greet."}),
+            (OFF, "Hello!<|im_end|>", {"content": "Hello!"})):
+        ids = qwen_tok(generated, add_special_tokens=False)["input_ids"]
+        messages = [PLAIN[0], {"role": "assistant", **message, "token_ids": ids}]
+        [(turn, row)] = tokenize_turns(qwen_tok, messages, chat_template=ChatTemplate(text, kwargs))
+        assert turn is None and row.on_generated_ids == 0
+        first = runs(row.loss_mask)[0][0]
+        assert row.input_ids[first:first + len(ids)].tolist() == ids and int(row.loss_mask.sum()) == len(ids)
