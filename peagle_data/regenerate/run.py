@@ -403,7 +403,8 @@ def _skip_done(items: Iterator[Conversation | Reject], done: list[str], output) 
 
 def _generate_chunk(chunk: list[Conversation | Reject], cfg: RegenerateConfig, backend, pool) -> list:
     """Regenerate the conversations of one chunk; readers' rejects pass through."""
-    jobs = [item if isinstance(item, Reject) else Regeneration(item, cfg.turns, cfg.on_truncated, cfg.chat_template_kwargs) for item in chunk]
+    jobs = [item if isinstance(item, Reject) else Regeneration(item, cfg.turns, cfg.on_truncated, cfg.chat_template_kwargs)
+            for item in chunk]
     live = [j for j in jobs if isinstance(j, Regeneration)]
     if pool is None:
         _run_local(live, backend, cfg)

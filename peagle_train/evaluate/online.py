@@ -184,7 +184,8 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
         "max_new_tokens": config.max_new_tokens,
         "tree": engine.tree.describe() if engine.tree is not None else None,
         **({"tree_nodes_verified": sum(t["tree_nodes"] for t in per_prompt)} if engine.tree is not None else {}),
-        **({"cost_model": online_cost_model(verifier, drafter, render_turn(tokenizer, prompts[0], 0, [], config.chat_template_kwargs), report,
+        **({"cost_model": online_cost_model(verifier, drafter, render_turn(tokenizer, prompts[0], 0, [],
+                                                                       config.chat_template_kwargs), report,
                                             config)} if config.measure_costs else {}),
         "per_prompt": per_prompt,
     }

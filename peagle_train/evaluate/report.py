@@ -75,7 +75,8 @@ def _template_mode_lines(mode: dict[str, Any] | None) -> list[str]:
     --allow-template-mode-mismatch, named."""
     if not mode:
         return []
-    used = json.dumps(mode["chat_template_kwargs"]) if mode["chat_template_kwargs"] else "none (the template's defaults)"
+    kwargs = mode["chat_template_kwargs"]
+    used = json.dumps(kwargs) if kwargs else "none (the template's defaults)"
     lines = [f"template mode: chat template kwargs {used}"]
     lines += [f"  WARNING: another mode than the drafter's (--allow-template-mode-mismatch): {m}"
               for m in mode.get("mismatches") or []]
