@@ -65,6 +65,7 @@ from peagle_data.prepare.sources import input_files, iter_source_groups, mixture
 from peagle_data.prepare.tokenizing import (
     TokenFreq,
     check_output_not_input,
+    check_regenerated_mode,
     iter_tokenized,
     read_template,
     resolve_tokenizer,
@@ -213,7 +214,7 @@ def run_pack(run: PackRun, tokenizer=None, explicit: Collection[str] | None = No
     Raises:
         OutputExistsError: ``run.output`` exists and ``run.force`` is false.
         InputError: bad inputs, mixed raw and tokenized inputs; with strict, the first bad row.
-        StoreMismatchError: a tokenize output made with another chat template, its variables
+        StoreMismatchError: a tokenize output (or a regenerate output) made with another chat template, its variables
             (--chat-template-kwargs) or tokenizer.
     """
     inputs, tokenizer_name, output, cfg = run.inputs, run.tokenizer, run.output, run.settings
@@ -231,6 +232,7 @@ def run_pack(run: PackRun, tokenizer=None, explicit: Collection[str] | None = No
         files = [str(t.directory) for t in tables]
     else:
         files = input_files(inputs, mixture)
+        check_regenerated_mode(files, cfg.tokenize.chat_template_kwargs)
     with staged_output_dir(output, run.force) as out:
         with RejectsWriter(out) as rejects:
             rows = (_filter_table_groups(_iter_table_rows(tables, counts, cfg.tokenize.limit), cfg.tokenize,

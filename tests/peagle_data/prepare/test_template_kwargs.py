@@ -101,3 +101,32 @@ def test_the_option_takes_a_json_object(tmp_path):
                                          "--chat-template-kwargs", json.dumps({"add_generation_prompt": True})])
     assert reserved.exit_code == 2
     assert "--chat-template-kwargs may not set 'add_generation_prompt'" in reserved.output
+
+
+def test_a_regenerate_output_of_another_mode_is_refused(tmp_path, qwen_tok):
+    """Answers regenerated from prompts in one mode are not tokenized in another."""
+    src = write_rows(tmp_path / "regen.jsonl", ROWS[:1])
+    manifest = {"generation": {"temperature": 0.0, "chat_template_kwargs": {"enable_thinking": False}},
+                "model": {"backend": "local"}}
+    (tmp_path / "regen.manifest.json").write_text(json.dumps(manifest))
+    settings = TokenizeConfig(chat_template=str(template_path("qwen3_hybrid")))
+    for run in (lambda: run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "t",
+                                                 settings=settings), tokenizer=qwen_tok),
+                lambda: run_pack(PackRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "p",
+                                         settings=PackConfig(tokenize=settings)), tokenizer=qwen_tok)):
+        with pytest.raises(StoreMismatchError) as info:
+            run()
+        assert str(info.value) == (
+            f"{src} (a regenerate output: the prompts its answers were generated from) was rendered with chat "
+            "template kwargs {\"enable_thinking\": false}, but --chat-template-kwargs gives none (the template's "
+            "defaults): the verifier answers another prompt in each mode; pass the --chat-template-kwargs it was "
+            "regenerated with, or regenerate it in this mode")
+    assert not (tmp_path / "t").exists() and not (tmp_path / "p").exists()
+    ok = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "t", settings=TokenizeConfig(
+        chat_template=str(template_path("qwen3_hybrid")), chat_template_kwargs={"enable_thinking": False})),
+        tokenizer=qwen_tok)
+    assert ok["counts"]["used"] == 1
+    manifest["generation"].pop("chat_template_kwargs")  # regenerated before peagle recorded them: none
+    (tmp_path / "regen.manifest.json").write_text(json.dumps(manifest))
+    assert run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "t2", settings=settings),
+                        tokenizer=qwen_tok)["counts"]["used"] == 1
