@@ -144,6 +144,7 @@ def check_chat_template_kwargs(recorded: Mapping[str, Any], made: str, kwargs: M
             f"{describe_kwargs(want)}: the verifier answers another prompt in each mode; "
             + (fix or f"pass --chat-template-kwargs '{json.dumps(have)}', or make the input again in this mode"))
 
+
 CONTENT_FORMATS = ("string", "openai")
 """How message content is passed to a chat template: joined text, or a list of text parts."""
 
