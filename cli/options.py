@@ -51,8 +51,7 @@ from click.core import ParameterSource
 from cli.common import version_option
 
 __all__ = ["FROM_CONFIG_FILE", "ActionOption", "is_action", "field_docs", "plain_text", "config_options",
-           "config_file_options", "resolved_config", "run_config", "IntList", "JsonObject", "load_config_file",
-           "config_fields"]
+           "config_file_options", "resolved_config", "run_config", "IntList", "load_config_file", "config_fields"]
 
 
 def is_action(f: dataclasses.Field) -> bool:
