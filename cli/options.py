@@ -36,6 +36,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import json
 import re
 import textwrap
 import tomllib
@@ -130,6 +131,24 @@ class IntList(click.ParamType):
             self.fail(f"expected comma-separated integers such as 2,18,33, got {value!r}", param, ctx)
 
 
+class JsonObject(click.ParamType):
+    """``'{"enable_thinking": false}'`` (or a mapping, from a config file) -> a dict; a JSON object only."""
+
+    name = "JSON"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, dict):
+            return dict(value)
+        try:
+            parsed = json.loads(str(value))
+        except json.JSONDecodeError as e:
+            self.fail(f"expected a JSON object such as '{{\"enable_thinking\": false}}', got {value!r} "
+                      f"({e.msg} at character {e.pos})", param, ctx)
+        if not isinstance(parsed, dict):
+            self.fail(f"expected a JSON object such as '{{\"enable_thinking\": false}}', got {value!r}", param, ctx)
+        return parsed
+
+
 def _unwrap_optional(tp) -> tuple[Any, bool]:
     """``T | None`` -> ``(T, True)``; anything else -> ``(tp, False)``."""
     args = typing.get_args(tp)
@@ -177,6 +196,8 @@ def _click_kwargs(tp, default) -> dict[str, Any]:
         return {"type": tp}
     if typing.get_origin(tp) is list and typing.get_args(tp) == (int,):
         return {"type": IntList()}
+    if typing.get_origin(tp) is dict and typing.get_args(tp)[:1] == (str,):
+        return {"type": JsonObject()}
     if typing.get_args(tp) and str in typing.get_args(tp):  # str | list[str]: a repeatable option
         return {"multiple": True, "type": str}
     raise TypeError(f"no click option for a field of type {tp!r}; give its type in the overrides")

@@ -17,21 +17,133 @@ prompts the verifier answers) and ``peagle-eval`` (the prompts it decodes, :func
 prompt has the same ids in each, and the ids vLLM's chat endpoint renders for the same messages. It
 lives in ``stores`` (beside the tokenizer match) because ``peagle_train`` may not import ``peagle_data``
 (docs/design.md §2).
+
+**Template variables** (vLLM's ``chat_template_kwargs``, e.g. ``{"enable_thinking": false}``,
+``{"reasoning_effort": "high"}``): every stage takes them as ``--chat-template-kwargs JSON``
+(:func:`parse_chat_template_kwargs`) and renders with a :class:`ChatTemplate`, the template text and its
+variables together; they reach the template as vLLM passes them (``apply_chat_template(**kwargs)``, over
+the tokenizer's special tokens). Each output records them (:func:`chat_template_kwargs_record`) and a
+later stage whose variables differ from its input's is refused (:func:`check_chat_template_kwargs`,
+docs/design.md §6).
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import jinja2.nodes as jn
 
-from stores.errors import InputError
+from stores.errors import InputError, StoreMismatchError
 
 __all__ = ["ChatTemplateError", "CONTENT_FORMATS", "effective_chat_template", "chat_template_sha256",
            "content_format", "supports_developer_role", "template_messages", "template_tools", "render",
-           "prompt_ids", "content_texts", "content_text"]
+           "prompt_ids", "content_texts", "content_text", "ChatTemplate", "as_chat_template", "RESERVED_KWARGS",
+           "parse_chat_template_kwargs", "check_kwargs_names", "chat_template_kwargs_record",
+           "check_chat_template_kwargs", "describe_kwargs"]
+
+RESERVED_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+"""Names ``--chat-template-kwargs`` may not set: ``apply_chat_template``'s own arguments, which each
+render sets itself (vLLM refuses ``chat_template`` and ``tokenize`` in a request's kwargs and sets the
+others from the request)."""
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A chat template as a stage renders it: the template text and the variables it is rendered with.
+
+    Every renderer function takes one (or, as before, the template text alone: no variables)."""
+
+    text: str | None = None
+    """The template text replacing the tokenizer's own (--chat-template), or None: the tokenizer's."""
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """The template's variables, vLLM's ``chat_template_kwargs`` (--chat-template-kwargs); JSON values."""
+
+    def key(self) -> str:
+        """A canonical string of the text and variables (a cache key)."""
+        return json.dumps([self.text, self.kwargs], sort_keys=True)
+
+
+def as_chat_template(chat_template: "str | ChatTemplate | None") -> ChatTemplate:
+    """``chat_template`` as a :class:`ChatTemplate` (a text or None: that text, no variables)."""
+    return chat_template if isinstance(chat_template, ChatTemplate) else ChatTemplate(chat_template)
+
+
+def check_kwargs_names(kwargs: Mapping[str, Any], option: str = "--chat-template-kwargs") -> dict[str, Any]:
+    """``kwargs`` as a plain dict, checked: string keys, none of :data:`RESERVED_KWARGS`, JSON values.
+
+    Raises:
+        ValueError: a non-object, a reserved name, or a value JSON cannot hold (names ``option``).
+    """
+    if not isinstance(kwargs, Mapping):
+        raise ValueError(f"{option} must be a JSON object such as '{{\"enable_thinking\": false}}', "
+                         f"got {type(kwargs).__name__}")
+    reserved = sorted(k for k in kwargs if k in RESERVED_KWARGS)
+    if reserved:
+        raise ValueError(f"{option} may not set {', '.join(map(repr, reserved))}: each stage sets "
+                         f"{'it' if len(reserved) == 1 else 'them'} per render (vLLM refuses or overrides "
+                         "these names too); give only the template's own variables")
+    bad = [k for k in kwargs if not isinstance(k, str) or not k.isidentifier()]
+    if bad:
+        raise ValueError(f"{option}: {bad[0]!r} is not a template variable name")
+    try:
+        return json.loads(json.dumps(dict(kwargs)))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{option}: the values must be JSON ({e})") from None
+
+
+def parse_chat_template_kwargs(text: str | None, option: str = "--chat-template-kwargs") -> dict[str, Any]:
+    """The template variables of a ``--chat-template-kwargs`` value: a JSON object, as vLLM's option
+    and request field take it (``'{"enable_thinking": false}'``); None or ``""``: none (``{}``).
+
+    Raises:
+        ValueError: not JSON, not an object, or a reserved name (:func:`check_kwargs_names`).
+    """
+    if text is None or not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{option} is not JSON ({e.msg} at character {e.pos}): {text!r}") from None
+    return check_kwargs_names(value, option)
+
+
+def chat_template_kwargs_record(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The variables as recorded in manifests and store attributes: a dict with sorted keys ({} for none)."""
+    return {k: kwargs[k] for k in sorted(kwargs or {})}
+
+
+def describe_kwargs(kwargs: Mapping[str, Any] | None) -> str:
+    """``kwargs`` for a message: their JSON, or ``none (the template's defaults)``."""
+    return json.dumps(chat_template_kwargs_record(kwargs)) if kwargs else "none (the template's defaults)"
+
+
+def check_chat_template_kwargs(recorded: Mapping[str, Any], made: str, kwargs: Mapping[str, Any] | None,
+                               label: str = "--chat-template-kwargs", fix: str = "") -> None:
+    """Raise unless ``kwargs`` equal the variables ``recorded`` (a manifest's or store's ``tokenizer``
+    record, whose ``chat_template_kwargs`` is absent in outputs made before peagle recorded them: none).
+
+    Args:
+        made: what was made with the recorded variables, e.g. ``the tokenize output PATH``.
+        label: where ``kwargs`` come from, e.g. ``--chat-template-kwargs``.
+        fix: the sentence that says what to do (a default names both ways out).
+
+    Raises:
+        StoreMismatchError: ``{made} was rendered with chat template kwargs A, but {label} gives B; FIX``.
+    """
+    have = chat_template_kwargs_record(recorded.get("chat_template_kwargs"))
+    want = chat_template_kwargs_record(kwargs)
+    if have != want:
+        raise StoreMismatchError(
+            f"{made} was rendered with chat template kwargs {describe_kwargs(have)}, but {label} gives "
+            f"{describe_kwargs(want)}: the verifier answers another prompt in each mode; "
+            + (fix or f"pass --chat-template-kwargs '{json.dumps(have)}', or make the input again in this mode"))
+
 
 CONTENT_FORMATS = ("string", "openai")
 """How message content is passed to a chat template: joined text, or a list of text parts."""
@@ -220,34 +332,37 @@ def template_tools(tools: list | None) -> list | None:
     return out
 
 
-def render(tokenizer, messages, tools, chat_template, add_generation_prompt=False) -> str:
-    """``messages`` (and ``tools``) rendered as text by ``chat_template`` (None: the tokenizer's own),
-    passed as vLLM passes them (:func:`template_messages`).
+def render(tokenizer, messages, tools, chat_template: "str | ChatTemplate | None",
+           add_generation_prompt=False) -> str:
+    """``messages`` (and ``tools``) rendered as text by ``chat_template`` (a :class:`ChatTemplate`: its
+    text, None the tokenizer's own, with its variables; a plain text: no variables), passed as vLLM
+    passes them (:func:`template_messages`; the variables over the tokenizer's special tokens).
 
     Raises:
         ChatTemplateError: the template fails on this conversation (names the error).
     """
-    kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
+    spec = as_chat_template(chat_template)
+    kwargs: dict[str, Any] = {**spec.kwargs, "tokenize": False, "add_generation_prompt": add_generation_prompt}
     tools = template_tools(tools)
     if tools is not None:
         kwargs["tools"] = tools
-    if chat_template is not None:
-        kwargs["chat_template"] = chat_template
+    if spec.text is not None:
+        kwargs["chat_template"] = spec.text
     try:
         if not messages:  # apply_chat_template refuses an empty history; the renderer does not
             from transformers.utils.chat_template_utils import render_jinja_template
 
             rendered, _ = render_jinja_template(
-                conversations=[[]], tools=tools, chat_template=tokenizer.get_chat_template(chat_template, tools),
-                add_generation_prompt=add_generation_prompt, **tokenizer.special_tokens_map)
+                conversations=[[]], tools=tools, chat_template=tokenizer.get_chat_template(spec.text, tools),
+                add_generation_prompt=add_generation_prompt, **{**tokenizer.special_tokens_map, **spec.kwargs})
             return rendered[0]
         return tokenizer.apply_chat_template(
-            template_messages(messages, tokenizer.get_chat_template(chat_template, tools)), **kwargs)
+            template_messages(messages, tokenizer.get_chat_template(spec.text, tools)), **kwargs)
     except Exception as e:  # jinja errors, raise_exception() in templates, type errors on content
         raise ChatTemplateError(f"template error: {type(e).__name__}: {e}") from None
 
 
-def prompt_ids(tokenizer, messages, tools=None, chat_template: str | None = None) -> list[int]:
+def prompt_ids(tokenizer, messages, tools=None, chat_template: "str | ChatTemplate | None" = None) -> list[int]:
     """Token ids of ``messages`` (and ``tools``) rendered with the generation prompt, as vLLM's chat
     endpoint builds a prompt: :func:`render` (content passed as vLLM passes it), then the text tokenized
     without adding special tokens (``apply_chat_template(tokenize=True)`` does the same), so special-token

@@ -7,7 +7,7 @@ import bisect
 import json
 from typing import Any, Sequence
 
-from stores.chat_template import content_texts, render
+from stores.chat_template import ChatTemplate, content_texts, render
 
 __all__ = ["dropped_content", "dropped_reason", "thought_in"]
 
@@ -85,7 +85,7 @@ def _message_parts(msg: dict[str, Any], supervised: bool) -> list[tuple[str, lis
 
 
 def dropped_content(tokenizer, messages: Sequence[dict[str, Any]], text: str, spans: dict[int, tuple[int, int]],
-                    tools: list | None = None, chat_template: str | None = None,
+                    tools: list | None = None, chat_template: str | ChatTemplate | None = None,
                     ) -> list[tuple[int | None, str, bool]]:
     """Message content that the chat template does not render.
 

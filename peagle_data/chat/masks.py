@@ -72,8 +72,8 @@ import numpy as np
 
 from peagle_data.chat.dropped import dropped_content, dropped_reason, thought_in
 from peagle_data.readers.normalize import is_unsupervised
-from stores.chat_template import (ChatTemplateError, content_text, content_texts, render, template_messages,
-                                 template_tools)
+from stores.chat_template import (ChatTemplate, ChatTemplateError, as_chat_template, content_text, content_texts,
+                                 describe_kwargs, render, template_messages, template_tools)
 from stores.errors import InputError
 
 __all__ = ["TokenizedConversation", "RenderedRow", "render_rows", "tokenize_rendered", "DROPPED", "SPECIAL_TEXT",
@@ -92,7 +92,7 @@ def _common_prefix_len(a: str, b: str) -> int:
 
 
 def system_prefix_text(tokenizer, system_messages: Sequence[dict[str, Any]], tools=None,
-                       chat_template: str | None = None) -> str:
+                       chat_template: str | ChatTemplate | None = None) -> str:
     """Text of the system prefix the template renders for these leading system messages.
 
     Returns the common prefix of ``render(system + [user S1])`` and ``render(system + [user S2])``
@@ -137,7 +137,7 @@ def _cached_system_prefix(tokenizer, system_messages, tools, chat_template) -> s
             tokenizer._peagle_prefix_cache = cache
         except AttributeError:
             pass
-    key = json.dumps([system_messages, tools, chat_template], sort_keys=True, default=str)
+    key = json.dumps([system_messages, tools, as_chat_template(chat_template).key()], sort_keys=True, default=str)
     if key not in cache:
         if len(cache) >= _PREFIX_CACHE_MAX:
             cache.clear()
@@ -202,11 +202,12 @@ class _PrefixRenderer:
 
             if tools is not None and not all(isinstance(t, dict) for t in tools):
                 return
-            template = tokenizer.get_chat_template(chat_template, tools)
+            spec = as_chat_template(chat_template)
+            template = tokenizer.get_chat_template(spec.text, tools)
             self._compiled = _compile_jinja_template(template)
             self._chat = _alias_reasoning_fields(_plain_template_data(template_messages(messages, template)))
             self._tools = _plain_template_data(template_tools(tools))
-            self._kwargs = _plain_template_data(dict(tokenizer.special_tokens_map))
+            self._kwargs = _plain_template_data({**tokenizer.special_tokens_map, **spec.kwargs})
         except Exception:  # noqa: BLE001 - any private-API mismatch means: use the public path
             self._compiled = None
 
@@ -266,7 +267,7 @@ SPECIAL_TEXT = ("reject", "keep")
 
 
 def render_rows(tokenizer, messages: Sequence[dict[str, Any]], tools: list | None = None,
-                chat_template: str | None = None, per_turn_fallback: bool = True,
+                chat_template: str | ChatTemplate | None = None, per_turn_fallback: bool = True,
                 on_dropped: str = "reject", on_special_text: str = "reject") -> list[RenderedRow]:
     """Render one conversation and locate its assistant spans (no tokenization).
 
@@ -519,13 +520,42 @@ def _no_prefix_reason(tokenizer, messages, i: int, text: str, tools, chat_templa
         added, turn = prompt[len(history):], text[len(history):]
         thought = ((messages[i].get("reasoning_content") or "").strip()
                    or thought_in(content_text(messages[i].get("content"))))
+        mode = _thinking_mode_reason(added, i, bool(thought), chat_template)
+        if mode:
+            return mode
         stripped = (f", and it drops the reasoning of assistant turn {i} (rendered turns keep only the text after "
                     "</think>, as R1-Distill templates do)") if thought and thought not in turn else ""
         return (f"generation prompt mismatch: the template's generation prompt adds {added!r} after the history, "
                 f"but assistant turn {i} renders as {turn[:len(added) + 24]!r}...{stripped}; no exact mask exists. "
                 "Pass --chat-template FILE with a training template that keeps the reasoning: each assistant turn "
-                "rendered as the generation prompt followed by its reasoning and answer")
+                "rendered as the generation prompt followed by its reasoning and answer"
+                + _open_think_hint(added, chat_template))
     return default + _rewrite_cause(messages, i, prompt, through, text, system)
+
+
+_OPEN_THINK_END = re.compile(r"<think>\s*$")
+
+
+def _thinking_mode_reason(added: str, i: int, has_reasoning: bool, chat_template) -> str | None:
+    """The reason of a generation prompt mismatch where the generation prompt closes an empty think block
+    (a hybrid template with thinking off, e.g. ``enable_thinking: false``: the verifier answers without
+    reasoning) and turn ``i`` has reasoning, so it was not generated in this mode; else None."""
+    if not (_EMPTY_THINK.search(added) and has_reasoning):
+        return None
+    return (f"generation prompt mismatch: the generation prompt closes an empty think block ({added!r}, chat "
+            f"template kwargs {describe_kwargs(as_chat_template(chat_template).kwargs)}), so the verifier answers "
+            f"without reasoning in this mode, but assistant turn {i} has reasoning; no exact mask exists. Tokenize in "
+            "the mode the answers were generated in (--chat-template-kwargs), or regenerate them in this mode")
+
+
+def _open_think_hint(added: str, chat_template) -> str:
+    """A sentence for a generation prompt that ends inside an open think block (thinking on: the verifier
+    reasons first), naming the template variables in effect; ``""`` for any other prompt."""
+    if not _OPEN_THINK_END.search(added):
+        return ""
+    return (f". The generation prompt opens a think block (chat template kwargs "
+            f"{describe_kwargs(as_chat_template(chat_template).kwargs)}), so the verifier reasons first: if it is "
+            "served with thinking off, say so with --chat-template-kwargs (e.g. '{\"enable_thinking\": false}')")
 
 
 def _system_text(messages) -> str:
@@ -563,7 +593,7 @@ def _rewrite_cause(messages, i: int, prompt: str, through: str, text: str, syste
 
 
 def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]], tools: list | None = None,
-                          chat_template: str | None = None, on_dropped: str = "reject",
+                          chat_template: str | ChatTemplate | None = None, on_dropped: str = "reject",
                           on_special_text: str = "reject") -> TokenizedConversation:
     """Tokenize one conversation with its chat template and find its loss mask and system prefix.
 
@@ -571,7 +601,8 @@ def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]], tools: 
         tokenizer: a fast Hugging Face tokenizer (offsets are needed).
         messages: OpenAI messages (``role`` in system/user/assistant/tool), at least one assistant.
         tools: tool definitions passed to the template, or None.
-        chat_template: template text overriding ``tokenizer.chat_template``, or None.
+        chat_template: template text overriding ``tokenizer.chat_template``, or None; or a
+            :class:`~stores.chat_template.ChatTemplate` (the text and its variables, --chat-template-kwargs).
         on_dropped: ``reject`` or ``keep`` message content the template does not render (see
             :func:`render_rows`).
         on_special_text: ``reject`` or ``keep`` a supervised reply that writes a special token's text
@@ -597,7 +628,7 @@ def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]], tools: 
 
 
 def tokenize_turns(tokenizer, messages: Sequence[dict[str, Any]], tools: list | None = None,
-                   chat_template: str | None = None,
+                   chat_template: str | ChatTemplate | None = None,
                    on_dropped: str = "reject",
                    on_special_text: str = "reject") -> list[tuple[int | None, TokenizedConversation]]:
     """Like :func:`tokenize_conversation`, but a template that rewrites history gives one row per

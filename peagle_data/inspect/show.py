@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from stores.chat_template import describe_kwargs
 from stores.errors import InputError, OutputExistsError
 from stores.model_cache import load_tokenizer
 from stores.staging import write_text_atomic
@@ -249,7 +250,8 @@ def show(path: str, row: int | None = None, block: int | None = None, item_id: s
          tokenizer_name: str | None = None, color: bool = False, html_file: str | None = None,
          force: bool = False) -> str:
     """``peagle-data show``: the text of the chosen rows or blocks of the table at ``path`` (row 0
-    when nothing is chosen); with ``html_file`` also an HTML page of them.
+    when nothing is chosen), after a line naming the chat template variables the rows were rendered with
+    when the manifest records some (``--chat-template-kwargs``); with ``html_file`` also an HTML page of them.
 
     Args:
         path: a tokenized or packed table. row, block, item_id: at most one of them (see
@@ -280,4 +282,6 @@ def show(path: str, row: int | None = None, block: int | None = None, item_id: s
                     "pass the tokenizer it was made with (--tokenizer), or none to use the recorded one")
     if html_file is not None:
         write_text_atomic(html_file, render_html(items, tokenizer), encoding="utf-8")
-    return "\n\n".join(render_text(item, tokenizer, color) for item in items)
+    mode = recorded.get("chat_template_kwargs")
+    header = [f"rendered with chat template kwargs {describe_kwargs(mode)}"] if mode else []
+    return "\n\n".join(header + [render_text(item, tokenizer, color) for item in items])

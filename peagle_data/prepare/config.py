@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 from pathlib import Path
 
 from peagle_data.prepare.shards import check_shard
 from peagle_data.prepare.windows import OVERLAP_LOSS
 from peagle_data.readers.rows import FORMATS
+from stores.chat_template import check_kwargs_names
 
 __all__ = ["TokenizeConfig", "PackConfig", "TokenizeRun", "PackRun", "CHUNK_CONVERSATIONS", "HISTORY_REWRITE", "DROPPED_CONTENT",
            "SPECIAL_TOKEN_TEXT", "TOKENIZE_ONLY"]
@@ -23,7 +24,8 @@ SPECIAL_TOKEN_TEXT = ("reject", "keep")
 TOKENIZE_ONLY = {"format": "--format", "num_workers": "--num-workers", "on_history_rewrite": "--on-history-rewrite",
                  "on_dropped_content": "--on-dropped-content", "on_special_token_text": "--on-special-token-text"}
 """``TokenizeConfig`` fields (and their options) that only shape tokenizing raw conversations: ``pack``
-of a tokenize output ignores them (``limit``, ``strict`` and ``chat_template`` still apply)."""
+of a tokenize output ignores them (``limit``, ``strict``, ``chat_template`` and ``chat_template_kwargs`` still
+apply: the last two must match the table's)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +41,10 @@ class TokenizeConfig:
     """Stop with an error at the first bad row instead of writing it to rejects.jsonl (--strict)."""
     chat_template: str | None = None
     """Path of a Jinja chat template file replacing the tokenizer's own (--chat-template)."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """The chat template's variables, as vLLM's ``chat_template_kwargs`` (--chat-template-kwargs, a JSON
+    object such as ``{"enable_thinking": false}``): the mode the verifier is served in. Recorded in the
+    manifest; ``pack`` of a tokenize output made with other variables is refused."""
     num_workers: int = 1
     """Processes that render and tokenize; the output is the same for any number (--num-workers)."""
     on_history_rewrite: str = "split"
@@ -69,6 +75,7 @@ class TokenizeConfig:
 
     def __post_init__(self) -> None:
         check_shard(self.num_shards, self.shard_index)
+        object.__setattr__(self, "chat_template_kwargs", check_kwargs_names(self.chat_template_kwargs or {}))
         for name, option in (("max_tokens", "--max-tokens"), ("min_loss_tokens", "--min-loss-tokens")):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{option} must be >= 1 tokens, got {getattr(self, name)}")
@@ -109,7 +116,7 @@ class PackConfig:
     ``windows_capped`` (--max-windows; None keeps all). Bounds the share of very long conversations."""
     tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
     """How raw conversations are read and tokenized (for a tokenize output only ``limit``,
-    ``strict`` and ``chat_template``, which must match the table's, apply)."""
+    ``strict``, ``chat_template`` and ``chat_template_kwargs``, the last two matching the table's, apply)."""
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 2:

@@ -55,7 +55,7 @@ from typing import Any, Collection, Iterator
 
 import numpy as np
 
-from stores.chat_template import chat_template_sha256
+from stores.chat_template import chat_template_sha256, check_chat_template_kwargs
 from peagle_data.prepare.config import TOKENIZE_ONLY, PackConfig, PackRun, TokenizeConfig
 from peagle_data.prepare.counts import Counts
 from peagle_data.prepare.dedup import Deduplicator, copy_key, duplicate_reject, filter_reason, rows_key
@@ -65,6 +65,7 @@ from peagle_data.prepare.sources import input_files, iter_source_groups, mixture
 from peagle_data.prepare.tokenizing import (
     TokenFreq,
     check_output_not_input,
+    check_regenerated_mode,
     iter_tokenized,
     read_template,
     resolve_tokenizer,
@@ -170,7 +171,7 @@ def _filter_table_groups(groups: Iterator[list[TokenizedRow]], cfg: TokenizeConf
         yield group
 
 
-def _open_tables(inputs, tokenizer, template, tokenizer_name) -> list[TokenTable]:
+def _open_tables(inputs, tokenizer, template, tokenizer_name, template_kwargs=None) -> list[TokenTable]:
     tables = []
     want = chat_template_sha256(tokenizer, template)
     for path in inputs:
@@ -182,6 +183,9 @@ def _open_tables(inputs, tokenizer, template, tokenizer_name) -> list[TokenTable
             raise StoreMismatchError(
                 f"{path} was tokenized with chat template sha256 {have}, but --tokenizer/--chat-template "
                 f"give {want}; pass the same tokenizer and template, or re-run tokenize")
+        check_chat_template_kwargs(table.manifest.get("tokenizer", {}), f"the tokenize output {path}", template_kwargs,
+                                   fix="pass the --chat-template-kwargs it was tokenized with, or re-run tokenize "
+                                       "in this mode")
         check_tokenizer(table.manifest.get("tokenizer", {}), f"the tokenize output {path}", tokenizer,
                         f"--tokenizer {tokenizer_name or tokenizer.name_or_path}", "pass the tokenizer it was tokenized with, or re-run tokenize")
         tables.append(table)
@@ -210,7 +214,8 @@ def run_pack(run: PackRun, tokenizer=None, explicit: Collection[str] | None = No
     Raises:
         OutputExistsError: ``run.output`` exists and ``run.force`` is false.
         InputError: bad inputs, mixed raw and tokenized inputs; with strict, the first bad row.
-        StoreMismatchError: a tokenize output made with another chat template or tokenizer.
+        StoreMismatchError: a tokenize output (or a regenerate output) made with another chat template, its variables
+            (--chat-template-kwargs) or tokenizer.
     """
     inputs, tokenizer_name, output, cfg = run.inputs, run.tokenizer, run.output, run.settings
     mixture, tables = _check_pack_inputs(inputs, output)
@@ -218,7 +223,8 @@ def run_pack(run: PackRun, tokenizer=None, explicit: Collection[str] | None = No
     tokenizer = resolve_tokenizer(tokenizer_name, tokenizer)
     counts = Counts()
     if tables is not None:
-        tables = _open_tables(inputs, tokenizer, template, tokenizer_name)  # refuses packed tables and mismatches first
+        tables = _open_tables(inputs, tokenizer, template, tokenizer_name,  # refuses packed tables and mismatches first
+                              cfg.tokenize.chat_template_kwargs)
         ignored = ignored_tokenize_options(cfg.tokenize, explicit)
         if ignored:
             print(f"WARNING: ignoring {', '.join(ignored)}: the INPUT is a tokenize output, already tokenized "
@@ -226,6 +232,7 @@ def run_pack(run: PackRun, tokenizer=None, explicit: Collection[str] | None = No
         files = [str(t.directory) for t in tables]
     else:
         files = input_files(inputs, mixture)
+        check_regenerated_mode(files, cfg.tokenize.chat_template_kwargs)
     with staged_output_dir(output, run.force) as out:
         with RejectsWriter(out) as rejects:
             rows = (_filter_table_groups(_iter_table_rows(tables, counts, cfg.tokenize.limit), cfg.tokenize,
@@ -274,7 +281,8 @@ def _pack_manifest(inputs, files: list, cfg: PackConfig, tokenizer_name, tokeniz
         "files": files,
         "parameters": {**dataclasses.asdict(cfg), "block_size": cfg.block_size_tokens},
         **({"config": config} if config is not None else {}),
-        "tokenizer": tokenizer_record(tokenizer_name, tokenizer, cfg.tokenize.chat_template, template),
+        "tokenizer": tokenizer_record(tokenizer_name, tokenizer, cfg.tokenize.chat_template, template,
+                                      cfg.tokenize.chat_template_kwargs),
         "counts": counts.to_manifest(),
     }
     if tables is not None:

@@ -19,7 +19,9 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from peagle_data.chat.masks import render_rows, tokenize_rendered
-from stores.chat_template import ChatTemplateError, chat_template_sha256
+from stores.chat_template import (ChatTemplate, ChatTemplateError, chat_template_kwargs_record, chat_template_sha256,
+                                  check_chat_template_kwargs)
+from stores.conversation_files import read_regenerate_manifest
 from peagle_data.prepare.config import CHUNK_CONVERSATIONS, TokenizeConfig, TokenizeRun
 from peagle_data.prepare.counts import Counts
 from peagle_data.prepare.dedup import Deduplicator, dedup_items, filter_reason
@@ -36,7 +38,7 @@ from stores.token_rows import TokenizedRow
 from stores.token_tables import RejectsWriter, TableWriter, write_manifest, write_token_freq
 from stores.verifier_match import tokenizer_fingerprint
 
-__all__ = ["iter_tokenized", "run_tokenize", "TokenFreq", "check_output_not_input", "read_template", "resolve_tokenizer",
+__all__ = ["iter_tokenized", "run_tokenize", "TokenFreq", "check_output_not_input", "check_regenerated_mode", "read_template", "resolve_tokenizer",
            "run_shard_filter", "shard_record", "split_source", "tokenizer_record", "write_reject"]
 
 
@@ -75,11 +77,37 @@ def read_template(path: str | None) -> str | None:
     return text
 
 
-def tokenizer_record(tokenizer_name, tokenizer, template_path: str | None, template: str | None) -> dict:
-    """The manifest's ``tokenizer`` record: name, vocabulary size, fingerprint and chat template."""
+def tokenizer_record(tokenizer_name, tokenizer, template_path: str | None, template: str | None,
+                     template_kwargs: dict[str, Any] | None = None) -> dict:
+    """The manifest's ``tokenizer`` record: name, vocabulary size, fingerprint, chat template and its
+    variables (``chat_template_kwargs``, --chat-template-kwargs; ``{}`` for none). ``extract`` copies the
+    record into the store and ``peagle-train`` into the checkpoint, so each later stage can check it."""
     return {"name": str(tokenizer_name), "vocab_size": len(tokenizer), "fingerprint": tokenizer_fingerprint(tokenizer),
             "chat_template_file": template_path,
-            "chat_template_sha256": chat_template_sha256(tokenizer, template)}
+            "chat_template_sha256": chat_template_sha256(tokenizer, template),
+            "chat_template_kwargs": chat_template_kwargs_record(template_kwargs)}
+
+
+def check_regenerated_mode(files: Sequence[str | os.PathLike], template_kwargs: dict[str, Any] | None) -> None:
+    """Refuse an input conversation file that is a ``regenerate`` output (``NAME.manifest.json`` beside
+    ``NAME.jsonl`` with its ``generation`` settings) whose answers were generated from prompts rendered with
+    other chat template variables than ``template_kwargs`` (rows rendered in another mode would train the
+    drafter on answers to prompts the verifier is not served).
+
+    Raises:
+        StoreMismatchError: the variables differ (names both).
+    """
+    for f in files:
+        if not str(f).endswith(".jsonl"):
+            continue
+        manifest = read_regenerate_manifest(f) or {}
+        generation = manifest.get("generation")
+        if "model" not in manifest or not isinstance(generation, dict):
+            continue
+        check_chat_template_kwargs({"chat_template_kwargs": generation.get("chat_template_kwargs")},
+                                   f"{f} (a regenerate output: the prompts its answers were generated from)",
+                                   template_kwargs, fix="pass the --chat-template-kwargs it was regenerated with, or "
+                                                        "regenerate it in this mode")
 
 
 def split_source(source: str) -> tuple[str, int | None]:
@@ -123,7 +151,7 @@ def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: Tokenize
     Raises:
         InputError: with ``cfg.strict``, the first bad row (file, row and field where known).
     """
-    template = read_template(cfg.chat_template)
+    template = ChatTemplate(read_template(cfg.chat_template), cfg.chat_template_kwargs)
     bar = progress(total=cfg.limit, desc="tokenize", unit="conv")
     if dedup is None and cfg.dedup:
         dedup = Deduplicator()
@@ -292,11 +320,14 @@ def run_tokenize(run: TokenizeRun, tokenizer=None, config: dict[str, Any] | None
         OutputExistsError: ``run.output`` exists and ``run.force`` is false.
         InputError: bad inputs; with ``settings.strict`` the first bad row.
         ModelNotFoundError, MissingDependencyError: the tokenizer cannot be loaded.
+        StoreMismatchError: a regenerate output whose prompts had other template variables
+            (:func:`check_regenerated_mode`).
     """
     inputs, tokenizer_name, output, cfg = run.inputs, run.tokenizer, run.output, run.settings
     mixture = mixture_of(inputs)
     files = input_files(inputs, mixture)  # fail on bad arguments before touching the output
     check_output_not_input(output, files)
+    check_regenerated_mode(files, cfg.chat_template_kwargs)
     template = read_template(cfg.chat_template)
     with staged_output_dir(output, run.force) as out:
         tokenizer = resolve_tokenizer(tokenizer_name, tokenizer)
@@ -322,7 +353,8 @@ def run_tokenize(run: TokenizeRun, tokenizer=None, config: dict[str, Any] | None
             "files": [str(f) for f in files],
             "parameters": dataclasses.asdict(cfg),
             **({"config": config} if config is not None else {}),
-            "tokenizer": tokenizer_record(tokenizer_name, tokenizer, cfg.chat_template, template),
+            "tokenizer": tokenizer_record(tokenizer_name, tokenizer, cfg.chat_template, template,
+                                          cfg.chat_template_kwargs),
             "counts": counts.to_manifest(),
             **({"mixture": mixture.record()} if mixture is not None else {}),
             **shard_record(cfg),

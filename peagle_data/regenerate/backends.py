@@ -42,10 +42,10 @@ from __future__ import annotations
 import json
 import queue
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from stores.chat_template import prompt_ids
+from stores.chat_template import ChatTemplate, prompt_ids
 from stores.errors import InputError, MissingDependencyError
 from stores.model_cache import load_tokenizer, load_verifier, model_fingerprint, resolve_model
 
@@ -96,10 +96,13 @@ def _neutral_generation_config(temperature: float, max_new_tokens: int) -> dict[
 
 @dataclass
 class Request:
-    """One assistant turn to generate: the conversation so far (OpenAI messages) and the tools."""
+    """One assistant turn to generate: the conversation so far (OpenAI messages), the tools, and the
+    chat template's variables it is asked with (vLLM's ``chat_template_kwargs``: rendered into the
+    local prompt, sent to servers as that request field)."""
 
     messages: list[dict[str, Any]]
     tools: list[Any] | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -132,8 +135,9 @@ class Answer:
 
 def prompt_tokens(tokenizer, request: Request) -> list[int]:
     """The token ids of ``request`` rendered with ``tokenizer``'s chat template and generation prompt, the
-    content passed as vLLM passes it (:func:`stores.chat_template.prompt_ids`, the renderer of every stage)."""
-    return prompt_ids(tokenizer, request.messages, request.tools)
+    content passed as vLLM passes it (:func:`stores.chat_template.prompt_ids`, the renderer of every stage),
+    with the request's template variables."""
+    return prompt_ids(tokenizer, request.messages, request.tools, ChatTemplate(None, request.chat_template_kwargs))
 
 
 def server_base_url(url: str) -> str:
@@ -444,8 +448,9 @@ class ServerBackend:
         base = self.slots.get()
         try:
             kwargs = {"tools": request.tools} if request.tools else {}
+            params = _with_template_kwargs(self.params, request.chat_template_kwargs)
             resp = self.clients[base].chat.completions.create(
-                model=self.model, messages=_wire_messages(request.messages), **self.params, **kwargs)
+                model=self.model, messages=_wire_messages(request.messages), **params, **kwargs)
         except openai.BadRequestError as e:
             text = str(e)
             key = "prompt too long" if re.search(r"context|too long|maximum", text, re.I) else "server error"
@@ -469,6 +474,14 @@ class ServerBackend:
             elif answer.cut_partial_char:
                 answer.token_ids = None
         return answer
+
+
+def _with_template_kwargs(params: dict[str, Any], template_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``params`` with the chat template's variables as the request field ``chat_template_kwargs`` (vLLM's
+    and SGLang's name; the ``openai`` client sends it in ``extra_body``); unchanged when there are none."""
+    if not template_kwargs:
+        return params
+    return {**params, "extra_body": {**params.get("extra_body", {}), "chat_template_kwargs": dict(template_kwargs)}}
 
 
 def _request_params(kind: str, temperature: float, max_new_tokens: int) -> dict[str, Any]:

@@ -61,7 +61,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from peagle_data.chat.dropped import dropped_reason, dropped_content
-from stores.chat_template import ChatTemplateError, render
+from stores.chat_template import ChatTemplate, ChatTemplateError, check_kwargs_names, render
 from peagle_data.readers.conversations import read_conversations
 from peagle_data.readers.inputs import resolve_inputs
 from peagle_data.readers.rows import FORMATS, Conversation, Reject
@@ -106,8 +106,14 @@ class RegenerateConfig:
     max_prompt_tokens: int | None = None
     """Reject a row (``prompt too long``) whose rendered prompt has more tokens; None: no limit but the
     verifier's context (``--max-prompt-tokens``; with ``--server`` it needs ``--tokenizer`` to count)."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """The chat template's variables the verifier is asked with, as vLLM's ``chat_template_kwargs``
+    (``--chat-template-kwargs``, a JSON object such as ``{"enable_thinking": false}``): rendered into the
+    local verifier's prompts and the prompts checked with ``--tokenizer``, sent to servers as the request's
+    ``chat_template_kwargs``. Pass the same to ``tokenize``/``pack`` of the output."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "chat_template_kwargs", check_kwargs_names(self.chat_template_kwargs or {}))
         if self.turns not in TURNS:
             raise ValueError(f"--turns must be one of {TURNS}, got {self.turns!r}")
         if self.format not in FORMATS:
@@ -155,14 +161,17 @@ class Regeneration:
         conv: the normalised conversation.
         turns: ``all``, ``last`` or ``first`` (the conversation ends after the first assistant turn).
         on_truncated: ``keep`` an answer cut at the token limit, or ``drop`` (reject) its row.
+        chat_template_kwargs: the template variables every request of the row is asked with.
 
     Use: while :meth:`next_request` returns a request, answer it and pass the answer to
     :meth:`feed`; then :attr:`reject` is None and :meth:`row` is the output row, or
     :attr:`reject` is the reason.
     """
 
-    def __init__(self, conv: Conversation, turns: str, on_truncated: str = "keep"):
+    def __init__(self, conv: Conversation, turns: str, on_truncated: str = "keep",
+                 chat_template_kwargs: dict[str, Any] | None = None):
         self.conv, self.on_truncated = conv, on_truncated
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.dropped_content = False  # a prompt had content the template drops (--on-dropped-content keep)
         msgs = conv.messages
         assistants = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
@@ -185,7 +194,7 @@ class Regeneration:
         turn = self.todo[0]
         self.out.extend(self.conv.messages[self.pos:turn])
         self.pos = turn
-        return Request(messages=list(self.out), tools=self.conv.tools)
+        return Request(messages=list(self.out), tools=self.conv.tools, chat_template_kwargs=self.chat_template_kwargs)
 
     def feed(self, answer: Answer) -> None:
         """Take the answer to the request :meth:`next_request` returned."""
@@ -238,8 +247,9 @@ def prompt_drops(tokenizer, request: Request) -> str | None:
         None, or the reject reason (``template drops <part>: ...``, ``template error: ...``).
     """
     try:
-        text = render(tokenizer, request.messages, request.tools, None)
-        dropped = dropped_content(tokenizer, request.messages, text, {}, request.tools, None)
+        template = ChatTemplate(None, request.chat_template_kwargs)
+        text = render(tokenizer, request.messages, request.tools, template)
+        dropped = dropped_content(tokenizer, request.messages, text, {}, request.tools, template)
     except ChatTemplateError as e:
         return str(e)
     if not dropped:
@@ -327,8 +337,8 @@ def _check_resume(manifest: dict[str, Any] | None, settings: dict[str, Any], out
         if key == "model" and isinstance(old, dict):  # RESUME_MAY_CHANGE
             old, new = ({k: v for k, v in d.items() if k not in ("device", "concurrency", "servers", "retries")}
                         for d in (old, new))
-        if key == "generation" and isinstance(old, dict):  # a setting added since, left unset
-            new = {k: v for k, v in new.items() if k in old or v is not None}
+        if key == "generation" and isinstance(old, dict):  # a setting added since, left unset (None, or {}: no
+            new = {k: v for k, v in new.items() if k in old or v not in (None, {})}  # template variables)
         if old == new:
             continue
         option, was, now = {"inputs": "INPUT", "files": "INPUT (the files it names)"}.get(key, key), old, new
@@ -393,7 +403,8 @@ def _skip_done(items: Iterator[Conversation | Reject], done: list[str], output) 
 
 def _generate_chunk(chunk: list[Conversation | Reject], cfg: RegenerateConfig, backend, pool) -> list:
     """Regenerate the conversations of one chunk; readers' rejects pass through."""
-    jobs = [item if isinstance(item, Reject) else Regeneration(item, cfg.turns, cfg.on_truncated) for item in chunk]
+    jobs = [item if isinstance(item, Reject) else Regeneration(item, cfg.turns, cfg.on_truncated, cfg.chat_template_kwargs)
+            for item in chunk]
     live = [j for j in jobs if isinstance(j, Regeneration)]
     if pool is None:
         _run_local(live, backend, cfg)

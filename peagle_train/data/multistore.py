@@ -27,6 +27,7 @@ import numpy as np
 
 from peagle_train.data.loader import check_store_ready
 from peagle_train.data.split import SPLIT_CONVERSATIONS, split_store
+from stores.chat_template import chat_template_kwargs_record, describe_kwargs
 from stores.errors import InputError, StoreMismatchError
 from stores.feature_store import FeatureStore
 from stores.files import is_local
@@ -152,6 +153,13 @@ def _check_same_features(stores) -> None:
         if list(s.layers) != list(first.layers):
             raise StoreMismatchError(f"{s.path} holds aux layers {s.layers}, {first.path} holds {first.layers}; "
                                      "extract every store with the same --layers")
+        mode, first_mode = (chat_template_kwargs_record((x.attrs.get("tokenizer") or {}).get("chat_template_kwargs"))
+                            for x in (s, first))
+        if mode != first_mode:  # the checkpoint records one mode (peagle_training.tokenizer), peagle-eval checks it
+            raise StoreMismatchError(
+                f"{s.path} holds data rendered with chat template kwargs {describe_kwargs(mode)}, {first.path} with "
+                f"{describe_kwargs(first_mode)}; one drafter trains in the mode its verifier is served in: pack every "
+                "store's data with the same --chat-template-kwargs")
         for key in ("final",):  # layer_convention: stores.feature_store.check_layer_convention, per store
             if s.attrs.get(key) != first.attrs.get(key):
                 raise StoreMismatchError(f"{s.path}: {key} {s.attrs.get(key)!r} differs from {first.path}'s "

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from peagle_train.evaluate.prompts import read_prompts
 from peagle_train.evaluate.speculative import check_compatible, checked_num_draft_tokens
 from peagle_train.model.checkpoint import check_servable_checkpoint, load_drafter
+from stores.chat_template import chat_template_kwargs_record, describe_kwargs
 from stores.errors import StoreMismatchError
 from stores.feature_store import check_layer_convention, FeatureStore
 from stores.model_config import load_model_config, text_config
@@ -86,3 +87,56 @@ def check_store_fits(store, drafter) -> None:
             f"{store.path}: store layers {store.layers}, hidden {store.hidden_size}, vocab {store.vocab_size}; "
             f"the drafter wants layers {cfg.aux_layer_ids}, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}. "
             "Evaluate on a store extracted from the drafter's verifier with its layers")
+
+
+def trained_template_kwargs(drafter_dir: str | Path) -> dict | None:
+    """The chat template variables the drafter's training data was rendered with (``config.json``'s
+    ``peagle_training.tokenizer.chat_template_kwargs``; ``{}`` when its record predates them), or None for
+    a checkpoint without peagle's tokenizer record (another tool's: nothing to check)."""
+    config = json.loads((Path(drafter_dir) / "config.json").read_text())
+    recorded = (config.get("peagle_training") or {}).get("tokenizer")
+    if not recorded:
+        return None
+    return chat_template_kwargs_record(recorded.get("chat_template_kwargs"))
+
+
+def template_mode(drafter_dir: str | Path, requested: dict | None, allow_mismatch: bool = False,
+                  store: str | Path | None = None) -> dict:
+    """The chat template variables a ``peagle-eval`` run renders its prompts with, checked against the mode
+    the drafter was trained in and the one the STORE was made in (docs/design.md §9).
+
+    Args:
+        requested: ``--chat-template-kwargs``; None: the drafter's own (none for a checkpoint that
+            records none).
+        allow_mismatch: ``--allow-template-mode-mismatch``: report a mismatch instead of refusing it.
+        store: the offline STORE, whose ``tokenizer`` record holds the variables its data was rendered with.
+
+    Returns:
+        The report's ``template_mode``: ``chat_template_kwargs`` (used), ``trained_chat_template_kwargs``
+        (None: not recorded), ``store_chat_template_kwargs`` (with a store), ``mismatches`` (sentences;
+        empty when all agree) and ``mismatch_allowed``.
+
+    Raises:
+        StoreMismatchError: the modes differ and ``allow_mismatch`` is false (names both).
+    """
+    trained = trained_template_kwargs(drafter_dir)
+    used = chat_template_kwargs_record(requested if requested is not None else (trained or {}))
+    mismatches = []
+    if trained is not None and used != trained:
+        mismatches.append(f"the drafter {drafter_dir} was trained on data rendered with chat template kwargs "
+                          f"{describe_kwargs(trained)}, but --chat-template-kwargs gives {describe_kwargs(used)}")
+    out = {"chat_template_kwargs": used, "trained_chat_template_kwargs": trained}
+    if store is not None:
+        recorded = FeatureStore.open(store).attrs.get("tokenizer") or {}
+        made = chat_template_kwargs_record(recorded.get("chat_template_kwargs")) if recorded else None
+        out["store_chat_template_kwargs"] = made
+        if made is not None and trained is not None and made != trained:
+            mismatches.append(f"the store {store} holds data rendered with chat template kwargs "
+                              f"{describe_kwargs(made)}, but the drafter was trained with {describe_kwargs(trained)}")
+    if mismatches and not allow_mismatch:
+        raise StoreMismatchError(
+            "; ".join(mismatches) + ": a drafter's acceptance holds for the mode it was trained in (the verifier "
+            "answers another prompt in each). Evaluate in the drafter's mode (omit --chat-template-kwargs, or pass "
+            "the recorded one; a STORE extracted from data in that mode), or pass --allow-template-mode-mismatch "
+            "to measure it in another mode (the report's template_mode says so)")
+    return {**out, "mismatches": mismatches, "mismatch_allowed": bool(mismatches)}

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from stores.chat_template import check_kwargs_names
 from stores.vllm_runtime import VllmMemory
 
 ENGINES = ("peagle", "vllm")
@@ -76,8 +78,19 @@ class EvalConfig:
     --measure-costs/--no-measure-costs)."""
     cost_rounds: int = 15
     """Timed rounds of the cost measurement (medians), after 2 untimed ones."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """The chat template's variables the prompts are rendered with, as vLLM's ``chat_template_kwargs``
+    (--chat-template-kwargs, a JSON object such as {"enable_thinking": false}): the mode the verifier is
+    served in. None: the mode the drafter was trained in (recorded in its checkpoint). A mode other than the
+    drafter's, or a STORE made in another, is refused unless --allow-template-mode-mismatch."""
+    allow_template_mode_mismatch: bool = False
+    """Evaluate even when --chat-template-kwargs, the drafter's training data and the STORE were rendered
+    with different chat template variables; the report's template_mode names each
+    (--allow-template-mode-mismatch)."""
 
     def __post_init__(self) -> None:
+        if self.chat_template_kwargs is not None:
+            object.__setattr__(self, "chat_template_kwargs", check_kwargs_names(self.chat_template_kwargs))
         if self.cost_rounds < 1:
             raise ValueError(f"cost_rounds must be >= 1, got {self.cost_rounds}")
         if self.max_new_tokens < 1:

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from peagle_train.evaluate.checks import check_drafter_tokenizer, check_verifier_config
+from peagle_train.evaluate.checks import check_drafter_tokenizer, check_verifier_config, trained_template_kwargs
 from peagle_train.evaluate.prompts import eos_ids, render_messages, turn_text
 from peagle_train.evaluate.speculative import (GenerationResult, check_compatible, checked_num_draft_tokens,
                                                plain_generate, speculative_generate)
@@ -210,7 +210,8 @@ class PEAGLEInference:
             ``speculative_config`` loading; greedy, chain, no streaming, no speedup: plain decoding would need a
             second engine, ``peagle-eval --engine vllm`` runs both; :meth:`close` stops it).
         chat_template_kwargs: the chat template's variables for message prompts (e.g. ``{"enable_thinking":
-            False}``), as vLLM's ``chat_template_kwargs``.
+            False}``), as vLLM's ``chat_template_kwargs``; None: the mode the drafter was trained in (its
+            checkpoint's record, :func:`~peagle_train.evaluate.checks.trained_template_kwargs`; none if unrecorded).
         warmup: run one short untimed generation now, so one-time costs do not count in tokens/s.
 
     Raises:
@@ -235,6 +236,8 @@ class PEAGLEInference:
             checked_num_draft_tokens(speculation_depth, drafter)
         check_verifier_config(name, drafter)  # before the weights load
         check_drafter_tokenizer(directory, name)
+        if chat_template_kwargs is None:
+            chat_template_kwargs = trained_template_kwargs(directory)
         self.drafter_dir, self.verifier_name, self.engine = directory, str(name), engine
         self.tokenizer = load_tokenizer(name)
         self._vllm = None

@@ -141,7 +141,7 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
     engine = PEAGLEInference.from_models(verifier, drafter, tokenizer, config.num_draft_tokens, tree_spec(config))
     K, eos = engine.K, engine.eos
     if config.warmup:
-        engine.warm_up(render_turn(tokenizer, prompts[0], 0, []))
+        engine.warm_up(render_turn(tokenizer, prompts[0], 0, [], config.chat_template_kwargs))
     totals = _OnlineTotals(K)
     per_prompt: list[dict[str, Any]] = []
     checks: list[tuple[str, dict[str, Any]]] = []
@@ -152,7 +152,7 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
     for prompt in prompts:
         answers: list[str] = []
         for turn in range(len(prompt.user_turns)):
-            ids = render_turn(tokenizer, prompt, turn, answers)
+            ids = render_turn(tokenizer, prompt, turn, answers, config.chat_template_kwargs)
             seed = _turn_seed(config.seed, len(per_prompt))
             spec, base = engine.generate_ids(ids, config.max_new_tokens, T, seed=seed, measure_speedup=True,
                                              on_progress=progress, top_logits=tops,
@@ -184,7 +184,8 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
         "max_new_tokens": config.max_new_tokens,
         "tree": engine.tree.describe() if engine.tree is not None else None,
         **({"tree_nodes_verified": sum(t["tree_nodes"] for t in per_prompt)} if engine.tree is not None else {}),
-        **({"cost_model": online_cost_model(verifier, drafter, render_turn(tokenizer, prompts[0], 0, []), report,
+        **({"cost_model": online_cost_model(verifier, drafter, render_turn(tokenizer, prompts[0], 0, [],
+                                                                       config.chat_template_kwargs), report,
                                             config)} if config.measure_costs else {}),
         "per_prompt": per_prompt,
     }
@@ -212,7 +213,8 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
                     num_draft_tokens: int | None = None, output: str | Path | None = None,
                     progress_factory: Callable[[int], Any] | None = None, temperature: float = 0.0,
                     seed: int = 0, measure_costs: bool = True, tree_topk: list[int] | None = None,
-                    tree_nodes: int | None = None, draft_sample_method: str = "greedy") -> dict[str, Any]:
+                    tree_nodes: int | None = None, draft_sample_method: str = "greedy",
+                    chat_template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     """Online evaluation of a drafter checkpoint on a prompts file (docs/design.md §9).
 
     Args:
@@ -221,8 +223,8 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
             the drafter's config.
         prompts_file: MT-Bench or OpenAI-messages JSONL (see :func:`read_prompts`).
         max_new_tokens, num_prompts, num_draft_tokens, temperature, seed, measure_costs, tree_topk, tree_nodes,
-            draft_sample_method:
-            see :class:`EvalConfig`.
+            draft_sample_method, chat_template_kwargs:
+            see :class:`EvalConfig` (here None: none, the template's defaults).
         output: also write the JSON report there.
         progress_factory: ``total -> bar`` with ``update(n)`` and ``close()`` (:func:`stores.progress.progress`):
             its total is in tokens (:func:`progress_total`), so it advances within a turn.
@@ -245,7 +247,8 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
     """
     config = EvalConfig(max_new_tokens=max_new_tokens, num_prompts=num_prompts, num_draft_tokens=num_draft_tokens,
                         temperature=temperature, seed=seed, measure_costs=measure_costs, tree_topk=tree_topk,
-                        tree_nodes=tree_nodes, draft_sample_method=draft_sample_method)
+                        tree_nodes=tree_nodes, draft_sample_method=draft_sample_method,
+                        chat_template_kwargs=dict(chat_template_kwargs or {}))
     prompts = read_prompts(prompts_file, config.num_prompts)
     drafter = load_drafter(drafter_dir)
     name = verifier_name or drafter.config.verifier_name_or_path

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stores.chat_template import prompt_ids, render
+from stores.chat_template import ChatTemplate, prompt_ids, render
 from stores.errors import InputError
 
 
@@ -111,7 +111,8 @@ def turn_messages(prompt: Prompt, turn: int, answers: Sequence[str]) -> list[dic
     return messages
 
 
-def render_turn(tokenizer, prompt: Prompt, turn: int, answers: Sequence[str]) -> list[int]:
+def render_turn(tokenizer, prompt: Prompt, turn: int, answers: Sequence[str],
+                chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of turn ``turn`` of ``prompt`` (:func:`turn_messages`) with the verifier's chat template
     and a generation prompt, rendered as vLLM's chat endpoint renders the same messages and as
     ``tokenize`` and ``regenerate`` render them (:func:`stores.chat_template.prompt_ids`: content as text
@@ -119,6 +120,7 @@ def render_turn(tokenizer, prompt: Prompt, turn: int, answers: Sequence[str]) ->
 
     Args:
         answers: the verifier's answers to turns ``0..turn-1``.
+        chat_template_kwargs: the template's variables (vLLM's ``chat_template_kwargs``, --chat-template-kwargs).
 
     Raises:
         ChatTemplateError: the template fails on the messages (an InputError naming the error).
@@ -126,14 +128,15 @@ def render_turn(tokenizer, prompt: Prompt, turn: int, answers: Sequence[str]) ->
             the verifier would answer, and the drafter be measured on, another prompt than the file's.
     """
     messages = turn_messages(prompt, turn, answers)
-    text = render(tokenizer, messages, None, None, add_generation_prompt=True)
+    template = ChatTemplate(None, dict(chat_template_kwargs or {}))
+    text = render(tokenizer, messages, None, template, add_generation_prompt=True)
     for i, m in enumerate(messages):
         if m["role"] == "user" and m["content"].strip() and m["content"].strip() not in text:
             raise InputError(f"prompt {prompt.prompt_id!r} turn {turn}: the verifier's chat template does not render "
                              f"user message {i} ({m['content'].strip()[:40]!r}): its render of the prompt is "
                              f"{text[:80]!r}; evaluate with a verifier whose template renders plain chat messages",
                              field="--prompts")
-    return prompt_ids(tokenizer, messages)
+    return prompt_ids(tokenizer, messages, None, template)
 
 
 def eos_ids(tokenizer, verifier) -> list[int]:
@@ -174,6 +177,4 @@ def render_messages(tokenizer, messages: Any, chat_template_kwargs: dict[str, An
     _check_messages(messages, None, None)
     if not messages:
         raise InputError("no messages to render", field="messages")
-    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False,
-                                        **(chat_template_kwargs or {}))
-    return [int(t) for t in ids]
+    return prompt_ids(tokenizer, list(messages), None, ChatTemplate(None, dict(chat_template_kwargs or {})))

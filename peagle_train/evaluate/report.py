@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,21 @@ def format_report(report: dict[str, Any]) -> str:
             "  cond.acc  " + " ".join(f"{_fmt(x):>6s}" for x in off["per_position_acceptance"]),
         ]
         lines += _cost_lines(off)
+    lines += _template_mode_lines(report.get("template_mode"))
     return "\n".join(lines)
+
+
+def _template_mode_lines(mode: dict[str, Any] | None) -> list[str]:
+    """The chat template variables the prompts were rendered with; a mismatch allowed by
+    --allow-template-mode-mismatch, named."""
+    if not mode:
+        return []
+    kwargs = mode["chat_template_kwargs"]
+    used = json.dumps(kwargs) if kwargs else "none (the template's defaults)"
+    lines = [f"template mode: chat template kwargs {used}"]
+    lines += [f"  WARNING: another mode than the drafter's (--allow-template-mode-mismatch): {m}"
+              for m in mode.get("mismatches") or []]
+    return lines
 
 
 def engine_name(report: dict[str, Any]) -> str:

@@ -4,11 +4,12 @@ JSON and PNG (docs/design.md §9). The command line only builds an :class:`EvalR
 from __future__ import annotations
 
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peagle_train.evaluate.checks import check_before_weights
+from peagle_train.evaluate.checks import check_before_weights, template_mode
 from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.cost_model import cost_model_report, first_prompt_ids, measure_trusted_costs
 from peagle_train.evaluate.offline import run_offline_eval
@@ -81,7 +82,8 @@ def _evaluate(run: EvalRun, drafter: str, log: Callable[[str], None]) -> dict[st
                                  num_prompts=s.num_prompts, num_draft_tokens=s.num_draft_tokens,
                                  progress_factory=_progress("online eval (plain + speculative)", "tok"), temperature=s.temperature,
                                  seed=s.seed, measure_costs=s.measure_costs, tree_topk=s.tree_topk,
-                                 tree_nodes=s.tree_nodes, draft_sample_method=s.draft_sample_method)
+                                 tree_nodes=s.tree_nodes, draft_sample_method=s.draft_sample_method,
+                                 chat_template_kwargs=s.chat_template_kwargs)
     if s.measure_costs and offline is not None and (online is None or s.engine == "vllm"):
         offline = {**offline, "cost_model": _offline_cost_model(drafter, run.store, offline, s.cost_rounds)}
     if online is None:
@@ -129,7 +131,14 @@ def run_eval(run: EvalRun, log: Callable[[str], None] = print, config: dict[str,
         import_vllm()  # MissingDependencyError naming the set-up command, before any work
     check_before_weights(drafter, run.verifier, run.prompts, run.store, run.settings.num_prompts,
                          run.settings.num_draft_tokens)
-    report = _evaluate(run, drafter, log)
+    mode = template_mode(drafter, run.settings.chat_template_kwargs, run.settings.allow_template_mode_mismatch,
+                         run.store)
+    if mode["mismatches"]:
+        log("WARNING: evaluating in another template mode (--allow-template-mode-mismatch): "
+            + "; ".join(mode["mismatches"]))
+    run = dataclasses.replace(run, settings=dataclasses.replace(run.settings,
+                                                                chat_template_kwargs=mode["chat_template_kwargs"]))
+    report = {**_evaluate(run, drafter, log), "template_mode": mode}
     if config is not None:
         report = {**report, "config": config}
     if run.output is not None:

@@ -359,7 +359,8 @@ def _generation_config(directory: str):
 
 
 def next_turn_prompts(tokenizer, prompts: Sequence[Prompt], eos: Iterable[int], order: list[tuple[int, int]],
-                      answers: list[list[str]], outputs: list[list[int]] | None) -> list[list[int]]:
+                      answers: list[list[str]], outputs: list[list[int]] | None,
+                      chat_template_kwargs: dict[str, Any] | None = None) -> list[list[int]]:
     """The next turn's token-id prompts, given the greedy answers of the previous turn's requests.
 
     Args:
@@ -370,6 +371,7 @@ def next_turn_prompts(tokenizer, prompts: Sequence[Prompt], eos: Iterable[int], 
             tokens skipped, never cleaned up, so ``x != y`` stays ``x != y`` in the next prompt).
         outputs: per request of the previous turn (the last ``len(outputs)`` of ``order``), the
             generated token ids; None: the first turn.
+        chat_template_kwargs: the template's variables (vLLM's ``chat_template_kwargs``; None: none).
 
     Returns:
         per prompt that has one more user turn, its rendered prompt token ids (empty: no turn left).
@@ -383,7 +385,7 @@ def next_turn_prompts(tokenizer, prompts: Sequence[Prompt], eos: Iterable[int], 
     for i, p in enumerate(prompts):
         if turn < len(p.user_turns):
             order.append((i, turn))
-            batch.append(render_turn(tokenizer, p, turn, answers[i]))
+            batch.append(render_turn(tokenizer, p, turn, answers[i], chat_template_kwargs))
     return batch
 
 
@@ -427,12 +429,12 @@ def vllm_reference(verifier_name: str, prompts_file: str | Path, config: EvalCon
     answers: list[list[str]] = [[] for _ in prompts]
 
     def next_turns(outputs: list[list[int]] | None) -> list[list[int]]:
-        return next_turn_prompts(tokenizer, prompts, eos, order, answers, outputs)
+        return next_turn_prompts(tokenizer, prompts, eos, order, answers, outputs, config.chat_template_kwargs)
 
     plain = vllm_generate(directory, next_turns(None), config.max_new_tokens, sorted(eos),
                           concurrency=config.concurrency, turns=next_turns, log=log, memory=config.vllm_memory,
                           temperature=config.temperature, seed=config.seed, top_logits=True)
-    requests = [render_turn(tokenizer, prompts[i], t, answers[i][:t]) for i, t in order]
+    requests = [render_turn(tokenizer, prompts[i], t, answers[i][:t], config.chat_template_kwargs) for i, t in order]
     return VllmReference(name=str(verifier_name), directory=directory, tokenizer=tokenizer, eos=eos,
                          prompts_file=str(prompts_file), prompts=prompts, order=order, requests=requests, plain=plain)
 

@@ -15,7 +15,7 @@ from cli.train import main as train_main
 CONFIG_FILE = {"--config", "--print-config", "--version"}
 """cli/options.py: on every command."""
 SHARDS = {"--num-shards", "--shard-index"}
-TOKENIZE = {"--tokenizer", "--output", "--chat-template", "--limit", "--format", "--strict", "--num-workers",
+TOKENIZE = {"--tokenizer", "--output", "--chat-template", "--chat-template-kwargs", "--limit", "--format", "--strict", "--num-workers",
             "--on-history-rewrite", "--dedup", "--no-dedup", "--max-tokens", "--min-loss-tokens",
             "--on-dropped-content", "--on-special-token-text", *SHARDS, "--force", *CONFIG_FILE}
 EXACT = {
@@ -30,7 +30,8 @@ EXACT = {
                              "--temperature", "--turns", "--concurrency", "--batch-size", "--device", "--limit",
                              "--format", "--retries", "--timeout", "--seed", "--tokenizer", "--server-kind",
                              "--on-dropped-content",
-                             "--on-truncated", "--max-prompt-tokens", "--resume", "--force", *CONFIG_FILE},
+                             "--on-truncated", "--max-prompt-tokens", "--chat-template-kwargs", "--resume", "--force",
+                             *CONFIG_FILE},
     ("data", "inspect"): CONFIG_FILE,
     ("data", "verify"): {"--packed", "--repair"} | CONFIG_FILE,
     ("data", "stats"): {"--json", "--png", "--max-seq-len", "--overlap", "--force"} | CONFIG_FILE,
@@ -48,7 +49,7 @@ EXACT = {
                      "--num-prompts", "--num-draft-tokens", "--max-blocks", "--temperature", "--seed", "--engine",
                      "--concurrency", "--vllm-loading", "--vllm-kv-cache-gib", "--vllm-gpu-memory-utilization",
                      "--tree-topk", "--tree-nodes", "--measure-costs", "--no-measure-costs",
-                     "--draft-sample-method"} | CONFIG_FILE,
+                     "--draft-sample-method", "--chat-template-kwargs", "--allow-template-mode-mismatch"} | CONFIG_FILE,
 }
 GROUPS = {"data": data_main, "train": train_main, "eval": eval_main}
 ACTIONS = {
@@ -221,7 +222,7 @@ def test_every_command_has_version(group, sub):
     assert result.output == f"{prog}{' ' + sub if sub else ''}, version {version('peagle')}\n"
 
 
-METAVARS = {"N", "X", "TEXT", "PATH", "DIR", "FILE", "MODEL", "DEVICE", "URL", "NAME", "ID", "HEX", "N,N,..."}
+METAVARS = {"N", "X", "TEXT", "PATH", "DIR", "FILE", "MODEL", "DEVICE", "URL", "NAME", "ID", "HEX", "N,N,...", "JSON"}
 """cli/options.py METAVARS / FIELD_METAVARS: one style (issue 34: INTEGER beside N, TEXT beside MODEL)."""
 
 

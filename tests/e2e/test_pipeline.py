@@ -43,8 +43,11 @@ def test_cli_pipeline_end_to_end(tmp_path, tiny_verifier_dir):
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     model = str(tiny_verifier_dir)
 
+    # a template variable (the served mode): SmolLM2's template reads none, so the rows are the same; every
+    # stage records it and peagle-eval renders in it
+    mode = {"reasoning_effort": "low"}
     out = _run(data_main, ["pack", data, "--tokenizer", model, "--output", tmp_path / "packed",
-                           "--max-seq-len", 128])
+                           "--max-seq-len", 128, "--chat-template-kwargs", json.dumps(mode)])
     assert "used 11" in out
     manifest = json.loads((tmp_path / "packed" / "manifest.json").read_text())
     assert manifest["kind"] == "packed"
@@ -62,6 +65,12 @@ def test_cli_pipeline_end_to_end(tmp_path, tiny_verifier_dir):
     assert len(summary["per_depth_accuracy_last_steps"]) == 3
     config = json.loads((final / "config.json").read_text())
     assert config["architectures"] == ["PEagleSpeculator"] and config["draft_vocab_size"] == 64
+    assert manifest["tokenizer"]["chat_template_kwargs"] == mode  # packed -> store -> checkpoint
+    assert config["peagle_training"]["tokenizer"]["chat_template_kwargs"] == mode
+    other = CliRunner().invoke(eval_main, ["--drafter", final, "--verifier", model, "--prompts", prompts,
+                                           "--chat-template-kwargs", "{}"])
+    assert other.exit_code == 2 and "was trained on data rendered with chat template kwargs " \
+        '{"reasoning_effort": "low"}, but --chat-template-kwargs gives none' in " ".join(other.output.split())
 
     report_path = tmp_path / "eval.json"
     report = json.loads(_run(eval_main, ["--drafter", final, "--verifier", model, "--prompts", prompts,
@@ -74,4 +83,6 @@ def test_cli_pipeline_end_to_end(tmp_path, tiny_verifier_dir):
     assert 1.0 <= report["acceptance_length"] <= 4.0
     assert len(report["per_position_acceptance"]) == 3
     assert report["offline"]["positions_scored"] > 0
+    assert report["template_mode"] == {"chat_template_kwargs": mode, "trained_chat_template_kwargs": mode,
+                                       "store_chat_template_kwargs": mode, "mismatches": [], "mismatch_allowed": False}
     assert json.loads(report_path.read_text())["acceptance_length"] == report["acceptance_length"]

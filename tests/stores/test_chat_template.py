@@ -10,7 +10,10 @@ from __future__ import annotations
 import pytest
 
 from peagle_data.chat.masks import tokenize_conversation, tokenize_turns
-from stores.chat_template import content_format, render, template_messages, template_tools
+from stores.chat_template import (ChatTemplate, chat_template_kwargs_record, check_chat_template_kwargs, content_format,
+                                  parse_chat_template_kwargs, prompt_ids, render, template_messages, template_tools)
+from stores.errors import StoreMismatchError
+from tests.chat_templates import harmony_tokenizer, qwen_tokenizer, template
 from peagle_data.readers.normalize import normalize_record
 from peagle_data.regenerate.backends import Request, prompt_tokens
 from tests.peagle_data.chat.test_masks import masked_texts
@@ -246,3 +249,97 @@ def test_a_template_reading_message_reasoning_renders_as_vllm_renders_it(vllm_mo
     _, reference = _vllm_ids(vllm_model_config, tok, request, REASONING_TEMPLATE, False)
     assert out.input_ids.tolist() == reference
     assert masked_texts(tok, out) == ["[2 and 2.]4.<|im_end|>"]
+
+
+# --------------------------------------------------------------------------------------------
+# Template variables (--chat-template-kwargs): parsed as vLLM takes them, checked, recorded
+
+
+def test_chat_template_kwargs_parse_as_a_json_object():
+    assert parse_chat_template_kwargs('{"enable_thinking": false}') == {"enable_thinking": False}
+    assert parse_chat_template_kwargs('{"reasoning_effort": "high", "n": [1, 2]}') == {"reasoning_effort": "high",
+                                                                                       "n": [1, 2]}
+    assert parse_chat_template_kwargs(None) == {} and parse_chat_template_kwargs("  ") == {}
+    with pytest.raises(ValueError, match=r"^--chat-template-kwargs is not JSON \(Expecting value at character 0\)"):
+        parse_chat_template_kwargs("enable_thinking=false")
+    with pytest.raises(ValueError, match="^--chat-template-kwargs must be a JSON object .* got list$"):
+        parse_chat_template_kwargs("[1]")
+    with pytest.raises(ValueError, match="^--chat-template-kwargs may not set 'add_generation_prompt', 'tokenize': "
+                                         "each stage sets them per render"):
+        parse_chat_template_kwargs('{"tokenize": true, "add_generation_prompt": false}')
+    with pytest.raises(ValueError, match="'bad name' is not a template variable name"):
+        parse_chat_template_kwargs('{"bad name": 1}')
+
+
+def test_rendering_passes_the_variables_over_the_special_tokens(smollm2_tokenizer):
+    tpl = "{{ bos_token }}|{{ effort | default('medium') }}|{% for m in messages %}{{ m.content }}{% endfor %}"
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert render(smollm2_tokenizer, msgs, None, ChatTemplate(tpl, {})) == "<|im_start|>|medium|Hi"
+    assert render(smollm2_tokenizer, msgs, None, ChatTemplate(tpl, {"effort": "low"})) == "<|im_start|>|low|Hi"
+    assert render(smollm2_tokenizer, msgs, None, ChatTemplate(tpl, {"bos_token": "B"})) == "B|medium|Hi"
+    assert render(smollm2_tokenizer, [], None, ChatTemplate(tpl, {"effort": "low"})) == "<|im_start|>|low|"
+    assert render(smollm2_tokenizer, msgs, None, tpl) == render(smollm2_tokenizer, msgs, None, ChatTemplate(tpl))
+
+
+def test_a_stage_of_another_mode_is_refused_naming_both():
+    check_chat_template_kwargs({"chat_template_kwargs": {"enable_thinking": False}}, "the tokenize output T",
+                               {"enable_thinking": False})
+    check_chat_template_kwargs({}, "an old table", {})  # recorded before peagle recorded them: none
+    with pytest.raises(StoreMismatchError) as info:
+        check_chat_template_kwargs({"chat_template_kwargs": {"enable_thinking": False}}, "the tokenize output T", {})
+    assert str(info.value) == (
+        "the tokenize output T was rendered with chat template kwargs {\"enable_thinking\": false}, but "
+        "--chat-template-kwargs gives none (the template's defaults): the verifier answers another prompt in each "
+        "mode; pass --chat-template-kwargs '{\"enable_thinking\": false}', or make the input again in this mode")
+    assert chat_template_kwargs_record({"b": 1, "a": 2}) == {"a": 2, "b": 1}
+    assert list(chat_template_kwargs_record({"b": 1, "a": 2})) == ["a", "b"]
+
+
+def _vllm_request_ids(model_config, tokenizer, messages, template, chat_template_kwargs, add_generation_prompt=True):
+    """Token ids vLLM's chat endpoint renders for a request with ``chat_template_kwargs``: the request model
+    builds its chat parameters (``build_chat_params``: the kwargs merged with the request's own fields),
+    then its message parsing and ``safe_apply_chat_template`` (which keeps the variables the template
+    reads, ``resolve_chat_template_kwargs``)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.renderers.chat_utils import parse_chat_messages
+    from vllm.renderers.hf import resolve_chat_template_content_format, safe_apply_chat_template
+
+    request = ChatCompletionRequest(model="m", messages=messages, chat_template_kwargs=chat_template_kwargs or None,
+                                    add_generation_prompt=add_generation_prompt)
+    kwargs = request.build_chat_params(template, "auto").get_apply_chat_template_kwargs()
+    fmt = resolve_chat_template_content_format(template, None, "auto", tokenizer, model_config=model_config)
+    conversation, _, _ = parse_chat_messages(messages, model_config, fmt)
+    return list(safe_apply_chat_template(model_config, tokenizer, conversation, tools=None, tokenize=True, **kwargs))
+
+
+REASONING_CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": "Hello!", "reasoning": "Greet."},
+                  {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye!", "reasoning": "Part."}]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name, chat_template_kwargs", [
+    ("qwen3_hybrid", {}), ("qwen3_hybrid", {"enable_thinking": False}), ("qwen3_hybrid", {"enable_thinking": True}),
+    ("qwen35_open_think", {}), ("qwen35_open_think", {"enable_thinking": False}),
+    ("harmony", {}), ("harmony", {"reasoning_effort": "high"}), ("harmony", {"reasoning_effort": "low"})])
+def test_prompt_ids_equal_vllms_with_the_same_template_kwargs(vllm_model_config, smollm2_tokenizer, name,
+                                                              chat_template_kwargs):
+    """peagle's prompt of every assistant turn (regenerate's, peagle-eval's) is vLLM's for the same
+    messages and ``chat_template_kwargs``; the modes give different prompts."""
+    tok = (harmony_tokenizer if name == "harmony" else qwen_tokenizer)(smollm2_tokenizer)
+    text = template(name)
+    messages = normalize_record({"messages": REASONING_CHAT})[0]
+    for i in (2, 4):
+        served = _vllm_request_ids(vllm_model_config, tok, REASONING_CHAT[:i], text, chat_template_kwargs)
+        assert prompt_ids(tok, messages[:i], None, ChatTemplate(text, chat_template_kwargs)) == served
+        if name == "qwen3_hybrid" and chat_template_kwargs.get("enable_thinking") is False:
+            assert tok.decode(served).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        if name == "qwen35_open_think" and not chat_template_kwargs:
+            assert tok.decode(served).endswith("<|im_start|>assistant\n<think>\n")
+        if name == "harmony":
+            assert f"Reasoning: {chat_template_kwargs.get('reasoning_effort', 'medium')}\n" in tok.decode(served)
+    # the training rows (one per assistant turn: each template drops earlier reasoning) are vLLM's renders
+    if chat_template_kwargs.get("enable_thinking") is not False:  # reasoning turns have no row in thinking-off mode
+        for turn, row in tokenize_turns(tok, messages, chat_template=ChatTemplate(text, chat_template_kwargs)):
+            assert row.input_ids.tolist() == _vllm_request_ids(vllm_model_config, tok, REASONING_CHAT[:turn + 1], text,
+                                                               chat_template_kwargs, add_generation_prompt=False)

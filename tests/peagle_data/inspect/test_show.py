@@ -92,3 +92,14 @@ def test_show_of_an_empty_table_says_it_is_empty(tmp_path):
     write_manifest(tmp_path / "empty", {"kind": "tokenized", "counts": {"read": 1, "used": 0, "rejected": 1}})
     out = CliRunner().invoke(main, ["show", str(tmp_path / "empty")])
     assert out.exit_code == 2 and "the table has no rows (see its rejects.jsonl for why)" in out.output
+
+
+def test_show_names_the_template_mode_the_rows_were_rendered_in(tmp_path, smollm2_tokenizer):
+    src = tmp_path / "c.jsonl"
+    src.write_text(json.dumps(ROWS[0]) + "\n")
+    run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "tok",
+                             settings=TokenizeConfig(chat_template_kwargs={"reasoning_effort": "low"})),
+                 tokenizer=smollm2_tokenizer)
+    result = CliRunner().invoke(main, ["show", str(tmp_path / "tok")])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith('rendered with chat template kwargs {"reasoning_effort": "low"}\n\nrow 0: a (')

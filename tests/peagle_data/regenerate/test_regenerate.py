@@ -20,7 +20,9 @@ from click.testing import CliRunner
 from cli.data import main as data_main
 from peagle_data.readers.rows import Conversation
 from peagle_data.regenerate.run import RegenerateConfig, RegenerateRun, Regeneration, prompt_drops, run_regenerate
-from peagle_data.regenerate.backends import Answer, LocalBackend, Request, ServerBackend, _answer_of, split_reasoning
+from peagle_data.regenerate.backends import (Answer, LocalBackend, Request, ServerBackend, _answer_of, prompt_tokens,
+                                            split_reasoning)
+from tests.chat_templates import qwen_tokenizer, template
 from stores.errors import InputError, OutputExistsError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -268,7 +270,7 @@ def test_local_answers_equal_one_prompt_generate(local_run, local):
     assert [m["role"] for m in first] == ["system", "user", "assistant", "user", "assistant"]
     assert first[:2] == ROWS[0]["messages"][:2] and first[3] == ROWS[0]["messages"][3]
     # turn 2 of row 1 equals a direct greedy generate on its prompt (batch of one, no padding)
-    ids = local.prompt_ids(type("R", (), {"messages": first[:4], "tools": None})())
+    ids = local.prompt_ids(Request(messages=first[:4]))
     gen = local.model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
     gen = gen[:gen.index(2) + 1] if 2 in gen else gen
     assert first[4]["content"] == local.tokenizer.decode(gen, skip_special_tokens=True) != "old 2"
@@ -615,7 +617,7 @@ QWEN_LIKE_TEMPLATE = {  # the shape of transformers serve's Qwen response templa
 
 def test_local_answer_parsing(local, monkeypatch):
     tok = local.tokenizer
-    prompt = local.prompt_ids(type("R", (), {"messages": [{"role": "user", "content": "hi"}], "tools": None})())
+    prompt = local.prompt_ids(Request(messages=[{"role": "user", "content": "hi"}]))
 
     def ids(text):
         return tok(text, add_special_tokens=False)["input_ids"]
@@ -639,7 +641,7 @@ def test_local_answer_parsing(local, monkeypatch):
 
 def test_local_answer_cut_inside_a_character_ends_before_it(local):
     tok = local.tokenizer
-    prompt = local.prompt_ids(type("R", (), {"messages": [{"role": "user", "content": "hi"}], "tools": None})())
+    prompt = local.prompt_ids(Request(messages=[{"role": "user", "content": "hi"}]))
     ids = tok("Bonjour, je m'appelle l'Américan. 😀 ok", add_special_tokens=False)["input_ids"]
     emoji = ids.index(40303)  # 'ĠðŁĺ': a space and 3 of the emoji's 4 bytes; the next id ends it
     cut = local.answer_of(ids[:emoji + 1], prompt)
@@ -935,3 +937,49 @@ def test_a_closing_think_tag_in_an_answer_the_prompt_did_not_open_is_content(loc
     opened = tok.encode("<|im_start|>assistant\n<think>\n", add_special_tokens=False)
     answer = local.answer_of(generated, opened)
     assert (answer.content, answer.reasoning) == ("closes it.", "The tag")
+
+
+# --------------------------------------------------------------------------------------------
+# Template variables (--chat-template-kwargs): the local prompt in the mode, servers told them
+
+
+def test_every_request_of_a_row_carries_the_template_kwargs(smollm2_tokenizer):
+    off = {"enable_thinking": False}
+    job = Regeneration(conv([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"},
+                             {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "y"}]),
+                       "all", "keep", off)
+    seen = []
+    while (req := job.next_request()) is not None:
+        seen.append(req.chat_template_kwargs)
+        job.feed(Answer(content="A", completion_tokens=1))
+    assert seen == [off, off]
+    tok = qwen_tokenizer(smollm2_tokenizer)
+    tok.chat_template = template("qwen3_hybrid")
+    messages = [{"role": "user", "content": "Hi"}]
+    on_ids = prompt_tokens(tok, Request(messages=messages))
+    off_ids = prompt_tokens(tok, Request(messages=messages, chat_template_kwargs=off))
+    assert tok.decode(off_ids) == tok.decode(on_ids) + "<think>\n\n</think>\n\n"
+    assert prompt_drops(tok, Request(messages=messages, chat_template_kwargs=off)) is None
+    with pytest.raises(ValueError, match="may not set 'chat_template'"):
+        RegenerateConfig(chat_template_kwargs={"chat_template": "x"})
+
+
+def test_servers_are_sent_the_template_kwargs_as_vllm_takes_them():
+    """vLLM's (and SGLang's) request field ``chat_template_kwargs``, beside the sampling fields."""
+    from types import SimpleNamespace as NS
+
+    sent = []
+
+    def create(**kwargs):
+        sent.append(kwargs)
+        return _completion("ok", "stop")
+
+    backend = ServerBackend(["http://127.0.0.1:1"], "m", max_new_tokens=4, temperature=0.0, kind="vllm")
+    backend.clients = {b: NS(chat=NS(completions=NS(create=create))) for b in backend.bases}
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert backend.answer(Request(messages=msgs, chat_template_kwargs={"reasoning_effort": "high"})).content == "ok"
+    assert backend.answer(Request(messages=msgs)).content == "ok"
+    assert sent[0]["extra_body"] == {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "return_token_ids": True,
+                                     "chat_template_kwargs": {"reasoning_effort": "high"}}
+    assert "chat_template_kwargs" not in sent[1]["extra_body"]  # none given: none sent
+    assert backend.params["extra_body"] == sent[1]["extra_body"]  # the shared parameters are not changed

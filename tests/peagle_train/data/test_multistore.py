@@ -83,6 +83,19 @@ def test_stores_of_other_verifiers_or_layers_are_refused(tmp_path, verifier_dir,
         open_stores([a, str(tmp_path / "." / "a.zarr") + "/"])
 
 
+def test_stores_of_other_template_modes_are_refused(tmp_path, verifier_dir):
+    """The checkpoint records one mode (``--chat-template-kwargs``), which peagle-eval checks."""
+    a = _store(tmp_path / "a.zarr", verifier_dir, n_blocks=2)
+    off = FeatureStore.open(_store(tmp_path / "off.zarr", verifier_dir, n_blocks=2), mode="r+")
+    off.update_attrs(tokenizer={**(off.attrs.get("tokenizer") or {}), "chat_template_kwargs": {"enable_thinking": False}})
+    with pytest.raises(StoreMismatchError) as info:
+        open_stores([a, str(tmp_path / "off.zarr")])
+    assert str(info.value) == (
+        f"{tmp_path / 'off.zarr'} holds data rendered with chat template kwargs {{\"enable_thinking\": false}}, {a} "
+        "with none (the template's defaults); one drafter trains in the mode its verifier is served in: pack every "
+        "store's data with the same --chat-template-kwargs")
+
+
 def test_stores_holding_the_same_packed_blocks_are_refused(tmp_path, verifier_dir):
     # A copy of a store, a merged store beside one of its shards, the same shard twice: the same
     # features would train twice and validate on training blocks.

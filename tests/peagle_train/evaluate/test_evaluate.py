@@ -576,6 +576,7 @@ def test_cli_drafter_given_a_training_output_uses_final_else_the_newest_checkpoi
     monkeypatch.setattr(ev, "run_offline_eval", lambda drafter, *a, **k: used.append(drafter) or {"blocks": []})
     monkeypatch.setattr(cli.eval, "format_report", lambda report: "")
     monkeypatch.setattr(ev, "check_before_weights", lambda *a, **k: None)  # the fake checkpoints hold "{}"
+    monkeypatch.setattr(ev, "template_mode", lambda *a, **k: {"chat_template_kwargs": {}, "mismatches": []})
     out = tmp_path / "run"
     for sub in ("checkpoint-2", "checkpoint-10", "final"):
         (out / sub).mkdir(parents=True)

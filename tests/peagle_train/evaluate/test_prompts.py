@@ -13,7 +13,8 @@ import copy
 
 import pytest
 
-from peagle_train.evaluate.prompts import Prompt, render_turn, turn_messages
+from peagle_train.evaluate.prompts import Prompt, render_messages, render_turn, turn_messages
+from tests.chat_templates import qwen_tokenizer, template
 
 # A template that reads message content only as a list of text parts (vLLM's "openai" content format):
 # a plain string is iterated character by character, and renders nothing.
@@ -104,3 +105,39 @@ def test_a_template_that_does_not_render_the_question_is_refused(smollm2_tokeniz
     with pytest.raises(InputError, match="prompt '81' turn 0: the verifier's chat template does not render user "
                                          "message 0 \\('Compose an engaging travel blog post abo'\\)"):
         render_turn(tok, QUESTION, 0, [])
+
+
+# --------------------------------------------------------------------------------------------
+# Template variables (--chat-template-kwargs): the evaluation prompt in the served mode, both engines
+
+
+@pytest.fixture(scope="module")
+def hybrid_tokenizer(smollm2_tokenizer):
+    """SmolLM2's tokenizer with Qwen's think tokens and a Qwen3-style hybrid-thinking template."""
+    tok = qwen_tokenizer(smollm2_tokenizer)
+    tok.chat_template = template("qwen3_hybrid")
+    return tok
+
+
+def test_evaluation_turns_render_in_the_mode(hybrid_tokenizer):
+    tok = hybrid_tokenizer
+    on = tok.decode(render_turn(tok, QUESTION, 1, ["Aloha!"]))
+    off = tok.decode(render_turn(tok, QUESTION, 1, ["Aloha!"], {"enable_thinking": False}))
+    assert on.endswith("<|im_start|>user\n" + QUESTION.user_turns[1] + "<|im_end|>\n<|im_start|>assistant\n")
+    assert off == on + "<think>\n\n</think>\n\n"
+    # the engine's own prompt for chat messages (PEAGLEInference): the same renderer
+    messages = turn_messages(QUESTION, 0, [])
+    assert render_messages(tok, messages, {"enable_thinking": False}) == render_turn(
+        tok, QUESTION, 0, [], {"enable_thinking": False})
+
+
+@pytest.mark.vllm
+def test_evaluation_prompt_ids_in_a_mode_equal_vllms(vllm_model_config, hybrid_tokenizer):
+    """What a client of ``vllm serve`` sends with ``chat_template_kwargs`` is what both engines decode."""
+    from tests.stores.test_chat_template import _vllm_request_ids
+
+    for kwargs in ({}, {"enable_thinking": False}):
+        for turn, answers in ((0, []), (1, ["Aloha!"])):
+            served = _vllm_request_ids(vllm_model_config, hybrid_tokenizer, turn_messages(QUESTION, turn, answers),
+                                       None, kwargs)
+            assert render_turn(hybrid_tokenizer, QUESTION, turn, answers, kwargs) == served

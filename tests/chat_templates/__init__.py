@@ -1,0 +1,49 @@
+"""Chat templates of reasoning verifiers, written for peagle's tests (not shipped in the package).
+
+- ``qwen3_hybrid.jinja``: Qwen3-style hybrid thinking; ``enable_thinking`` false closes an empty
+  think block after the generation prompt (``<think>\\n\\n</think>\\n\\n``), true or unset adds nothing.
+- ``qwen35_open_think.jinja``: Qwen3.5-style; the generation prompt opens ``<think>\\n`` by default,
+  ``enable_thinking`` false closes an empty block instead.
+- ``harmony.jinja``: Harmony-style (gpt-oss); ``reasoning_effort`` (default ``medium``) in the system
+  message, reasoning as the analysis channel, content as the final channel.
+
+:func:`template` reads one; :func:`qwen_tokenizer` / :func:`harmony_tokenizer` copy a tokenizer with the
+markup tokens each family ships (Qwen's ``<think>`` tokens are added, not special; Harmony's are special).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+__all__ = ["TEMPLATES_DIR", "template", "template_path", "qwen_tokenizer", "harmony_tokenizer", "QWEN_ADDED",
+           "HARMONY_SPECIAL"]
+
+TEMPLATES_DIR = Path(__file__).parent
+
+QWEN_ADDED = ["<think>", "</think>"]
+HARMONY_SPECIAL = ["<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|return|>"]
+
+
+def template_path(name: str) -> Path:
+    """The file of template ``name`` (``qwen3_hybrid``, ``qwen35_open_think``, ``harmony``)."""
+    return TEMPLATES_DIR / f"{name}.jinja"
+
+
+def template(name: str) -> str:
+    """The text of template ``name``."""
+    return template_path(name).read_text(encoding="utf-8")
+
+
+def qwen_tokenizer(tok):
+    """A copy of ``tok`` with Qwen's think tokens added (not special, as Qwen ships them)."""
+    out = copy.deepcopy(tok)
+    out.add_tokens(list(QWEN_ADDED))
+    return out
+
+
+def harmony_tokenizer(tok):
+    """A copy of ``tok`` with Harmony's control tokens added as special tokens (as gpt-oss ships them)."""
+    out = copy.deepcopy(tok)
+    out.add_special_tokens({"additional_special_tokens": list(HARMONY_SPECIAL)})
+    return out

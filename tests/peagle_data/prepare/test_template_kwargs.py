@@ -1,0 +1,132 @@
+"""tokenize / pack with chat template variables (``--chat-template-kwargs``): rows in the mode, the
+variables recorded in each manifest, a pack of a tokenize output made in another mode refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from cli.data_prepare import pack, tokenize
+from peagle_data.prepare.config import PackConfig, PackRun, TokenizeConfig, TokenizeRun
+from peagle_data.prepare.pack import run_pack
+from peagle_data.prepare.tokenizing import run_tokenize
+from stores.errors import StoreMismatchError
+from stores.token_tables import TokenTable
+from tests.chat_templates import qwen_tokenizer, template_path
+from tests.peagle_data.prepare.test_runs import rejects_of, write_rows
+
+ROWS = [
+    {"id": "plain", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]},
+    {"id": "reasoned", "messages": [{"role": "user", "content": "2+2?"},
+                                    {"role": "assistant", "content": "4.", "reasoning_content": "Add."}]},
+]
+OFF = {"enable_thinking": False}
+
+
+@pytest.fixture(scope="module")
+def qwen_tok(smollm2_tokenizer):
+    return qwen_tokenizer(smollm2_tokenizer)
+
+
+def _supervised(tok, table) -> dict[str, str]:
+    """Per row id, the decoded supervised tokens."""
+    out = {}
+    for part in table.iter_batches():
+        for cid, ids, mask in zip(part.column("conversation_id").to_pylist(), part.column("input_ids").to_pylist(),
+                                  part.column("loss_mask").to_pylist()):
+            out[cid] = tok.decode([i for i, m in zip(ids, mask) if m])
+    return out
+
+
+def _tokenize(tmp_path, tok, name, kwargs, out="tok"):
+    src = write_rows(tmp_path / "rows.jsonl", ROWS)
+    settings = TokenizeConfig(chat_template=str(template_path(name)), chat_template_kwargs=kwargs)
+    summary = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / out,
+                                       settings=settings), tokenizer=tok)
+    return summary, TokenTable.open(tmp_path / out)
+
+
+def test_tokenize_rows_in_each_mode_and_the_variables_recorded(tmp_path, qwen_tok):
+    _, on = _tokenize(tmp_path, qwen_tok, "qwen35_open_think", {}, "on")
+    assert _supervised(qwen_tok, on) == {"plain": "</think>\n\nHello!<|im_end|>",
+                                         "reasoned": "Add.\n</think>\n\n4.<|im_end|>"}
+    assert on.manifest["tokenizer"]["chat_template_kwargs"] == {}
+    summary, off = _tokenize(tmp_path, qwen_tok, "qwen35_open_think", OFF, "off")
+    assert _supervised(qwen_tok, off) == {"plain": "Hello!<|im_end|>"}
+    assert off.manifest["tokenizer"]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert off.manifest["parameters"]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert summary["counts"]["rejected_by_reason"] == {"generation prompt mismatch": 1}
+    [reject] = rejects_of(tmp_path / "off")
+    assert reject["conversation_id"] == "reasoned"
+    assert "closes an empty think block" in reject["reason"] and '{"enable_thinking": false}' in reject["reason"]
+
+
+def test_pack_records_the_variables_and_refuses_a_tokenize_output_of_another_mode(tmp_path, qwen_tok):
+    _tokenize(tmp_path, qwen_tok, "qwen3_hybrid", OFF)
+    template = str(template_path("qwen3_hybrid"))
+    with pytest.raises(StoreMismatchError) as info:
+        run_pack(PackRun(inputs=[tmp_path / "tok"], tokenizer="smollm2-135m", output=tmp_path / "p",
+                         settings=PackConfig(tokenize=TokenizeConfig(chat_template=template))), tokenizer=qwen_tok)
+    assert str(info.value) == (
+        f"the tokenize output {tmp_path / 'tok'} was rendered with chat template kwargs {{\"enable_thinking\": false}}, "
+        "but --chat-template-kwargs gives none (the template's defaults): the verifier answers another prompt in "
+        "each mode; pass the --chat-template-kwargs it was tokenized with, or re-run tokenize in this mode")
+    assert not (tmp_path / "p").exists()
+    run_pack(PackRun(inputs=[tmp_path / "tok"], tokenizer="smollm2-135m", output=tmp_path / "p",
+                     settings=PackConfig(tokenize=TokenizeConfig(chat_template=template, chat_template_kwargs=OFF))),
+             tokenizer=qwen_tok)
+    assert TokenTable.open(tmp_path / "p").manifest["tokenizer"]["chat_template_kwargs"] == {"enable_thinking": False}
+    # raw conversations packed in a mode: the same record
+    run_pack(PackRun(inputs=[tmp_path / "rows.jsonl"], tokenizer="smollm2-135m", output=tmp_path / "raw",
+                     settings=PackConfig(tokenize=TokenizeConfig(chat_template=template, chat_template_kwargs=OFF))),
+             tokenizer=qwen_tok)
+    raw = TokenTable.open(tmp_path / "raw")
+    assert raw.manifest["tokenizer"]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert raw.manifest["counts"]["used"] == 1
+
+
+def test_the_option_takes_a_json_object(tmp_path):
+    src = write_rows(tmp_path / "rows.jsonl", ROWS[:1])
+    ok = CliRunner().invoke(tokenize, [str(src), "--tokenizer", "smollm2-135m", "--output", str(tmp_path / "t"),
+                                       "--chat-template-kwargs", '{"enable_thinking": false}'])
+    assert ok.exit_code == 0, ok.output
+    assert TokenTable.open(tmp_path / "t").manifest["tokenizer"]["chat_template_kwargs"] == {"enable_thinking": False}
+    bad = CliRunner().invoke(pack, [str(src), "--tokenizer", "smollm2-135m", "--output", str(tmp_path / "p"),
+                                    "--chat-template-kwargs", "enable_thinking=false"])
+    assert bad.exit_code == 2
+    assert "expected a JSON object such as '{\"enable_thinking\": false}', got 'enable_thinking=false'" in bad.output
+    reserved = CliRunner().invoke(pack, [str(src), "--tokenizer", "smollm2-135m", "--output", str(tmp_path / "p"),
+                                         "--chat-template-kwargs", json.dumps({"add_generation_prompt": True})])
+    assert reserved.exit_code == 2
+    assert "--chat-template-kwargs may not set 'add_generation_prompt'" in reserved.output
+
+
+def test_a_regenerate_output_of_another_mode_is_refused(tmp_path, qwen_tok):
+    """Answers regenerated from prompts in one mode are not tokenized in another."""
+    src = write_rows(tmp_path / "regen.jsonl", ROWS[:1])
+    manifest = {"generation": {"temperature": 0.0, "chat_template_kwargs": {"enable_thinking": False}},
+                "model": {"backend": "local"}}
+    (tmp_path / "regen.manifest.json").write_text(json.dumps(manifest))
+    settings = TokenizeConfig(chat_template=str(template_path("qwen3_hybrid")))
+    for run in (lambda: run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "t",
+                                                 settings=settings), tokenizer=qwen_tok),
+                lambda: run_pack(PackRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "p",
+                                         settings=PackConfig(tokenize=settings)), tokenizer=qwen_tok)):
+        with pytest.raises(StoreMismatchError) as info:
+            run()
+        assert str(info.value) == (
+            f"{src} (a regenerate output: the prompts its answers were generated from) was rendered with chat "
+            "template kwargs {\"enable_thinking\": false}, but --chat-template-kwargs gives none (the template's "
+            "defaults): the verifier answers another prompt in each mode; pass the --chat-template-kwargs it was "
+            "regenerated with, or regenerate it in this mode")
+    assert not (tmp_path / "t").exists() and not (tmp_path / "p").exists()
+    ok = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "t", settings=TokenizeConfig(
+        chat_template=str(template_path("qwen3_hybrid")), chat_template_kwargs={"enable_thinking": False})),
+        tokenizer=qwen_tok)
+    assert ok["counts"]["used"] == 1
+    manifest["generation"].pop("chat_template_kwargs")  # regenerated before peagle recorded them: none
+    (tmp_path / "regen.manifest.json").write_text(json.dumps(manifest))
+    assert run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "t2", settings=settings),
+                        tokenizer=qwen_tok)["counts"]["used"] == 1
