@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stores.answer_parsing import AnswerFormatError, answer_message, parse_answer
 from stores.chat_template import prompt_ids, render
 from stores.errors import InputError
 
@@ -100,25 +101,27 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
     return prompts
 
 
-def turn_messages(prompt: Prompt, turn: int, answers: Sequence[str]) -> list[dict[str, str]]:
+def turn_messages(prompt: Prompt, turn: int, answers: Sequence[str | dict[str, Any]]) -> list[dict[str, Any]]:
     """The messages of turn ``turn`` of ``prompt``: its prefix, then user turns ``0..turn`` with the
-    verifier's answers to turns ``0..turn-1`` (``answers``) between them."""
+    verifier's answers to turns ``0..turn-1`` (``answers``: assistant messages as :func:`history_message`
+    makes them, or plain texts) between them."""
     messages = list(prompt.prefix)
     for i in range(turn + 1):
         messages.append({"role": "user", "content": prompt.user_turns[i]})
         if i < turn:
-            messages.append({"role": "assistant", "content": answers[i]})
+            answer = answers[i]
+            messages.append(dict(answer) if isinstance(answer, dict) else {"role": "assistant", "content": answer})
     return messages
 
 
-def render_turn(tokenizer, prompt: Prompt, turn: int, answers: Sequence[str]) -> list[int]:
+def render_turn(tokenizer, prompt: Prompt, turn: int, answers: Sequence[str | dict[str, Any]]) -> list[int]:
     """Token ids of turn ``turn`` of ``prompt`` (:func:`turn_messages`) with the verifier's chat template
     and a generation prompt, rendered as vLLM's chat endpoint renders the same messages and as
     ``tokenize`` and ``regenerate`` render them (:func:`stores.chat_template.prompt_ids`: content as text
     parts for a template that loops over content, developer messages as vLLM passes them).
 
     Args:
-        answers: the verifier's answers to turns ``0..turn-1``.
+        answers: the verifier's answers to turns ``0..turn-1`` (:func:`history_message`, or texts).
 
     Raises:
         ChatTemplateError: the template fails on the messages (an InputError naming the error).
@@ -153,6 +156,36 @@ def answer_text(tokenizer, tokens: Sequence[int], eos: Iterable[int]) -> str:
     eos = set(eos)
     return tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True,
                             clean_up_tokenization_spaces=False)
+
+
+def history_message(tokenizer, tokens: Sequence[int], eos: Iterable[int], reasoning_parser: str | None = None,
+                    chat_template_kwargs: dict[str, Any] | None = None, where: str = "") -> dict[str, Any]:
+    """The assistant message a client of ``vllm serve --reasoning-parser reasoning_parser`` sends back for
+    generated ``tokens``: the parser's content, and its reasoning as ``reasoning_content`` (rendered only
+    where the chat template renders earlier reasoning) (:func:`stores.answer_parsing.parse_answer`; no
+    parser: the ``skip_special_tokens`` decode, as :func:`answer_text`, vLLM without a reasoning parser).
+
+    Args:
+        tokens: int ids ``[N]`` the verifier generated (EOS and what follows it left out).
+        chat_template_kwargs: the template variables the turn was rendered with (``qwen3`` and
+            ``deepseek_v3`` read ``enable_thinking``/``thinking``, as vLLM's parsers do).
+        where: the prompt and turn, for the error message.
+
+    Raises:
+        InputError: the answer cannot be parsed exactly (Harmony channels without ``--reasoning-parser
+            openai_gptoss``, a Harmony answer cut in a header...), or it calls a tool (evaluation prompts
+            are plain chat).
+    """
+    try:
+        parsed = parse_answer(tokenizer, list(tokens), reasoning_parser, eos, chat_template_kwargs)
+    except AnswerFormatError as e:
+        raise InputError(f"{where}: the verifier's answer cannot become the next turn's history: {e}",
+                         field="--reasoning-parser") from None
+    if parsed.tool_calls:
+        raise InputError(f"{where}: the verifier answered with a tool call "
+                         f"({parsed.tool_calls[0]['function']['name']}); evaluation prompts are plain chat and "
+                         "a later turn would need its result", field="--prompts")
+    return answer_message(parsed)
 
 
 def turn_text(tokenizer, tokens: Sequence[int], eos: Iterable[int]) -> str:

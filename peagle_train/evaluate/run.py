@@ -81,7 +81,8 @@ def _evaluate(run: EvalRun, drafter: str, log: Callable[[str], None]) -> dict[st
                                  num_prompts=s.num_prompts, num_draft_tokens=s.num_draft_tokens,
                                  progress_factory=_progress("online eval (plain + speculative)", "tok"), temperature=s.temperature,
                                  seed=s.seed, measure_costs=s.measure_costs, tree_topk=s.tree_topk,
-                                 tree_nodes=s.tree_nodes, draft_sample_method=s.draft_sample_method)
+                                 tree_nodes=s.tree_nodes, draft_sample_method=s.draft_sample_method,
+                                 reasoning_parser=s.reasoning_parser)
     if s.measure_costs and offline is not None and (online is None or s.engine == "vllm"):
         offline = {**offline, "cost_model": _offline_cost_model(drafter, run.store, offline, s.cost_rounds)}
     if online is None:

@@ -48,7 +48,7 @@ EXACT = {
                      "--num-prompts", "--num-draft-tokens", "--max-blocks", "--temperature", "--seed", "--engine",
                      "--concurrency", "--vllm-loading", "--vllm-kv-cache-gib", "--vllm-gpu-memory-utilization",
                      "--tree-topk", "--tree-nodes", "--measure-costs", "--no-measure-costs",
-                     "--draft-sample-method"} | CONFIG_FILE,
+                     "--draft-sample-method", "--reasoning-parser"} | CONFIG_FILE,
 }
 GROUPS = {"data": data_main, "train": train_main, "eval": eval_main}
 ACTIONS = {

@@ -20,12 +20,12 @@ def test_later_turns_take_the_answers_without_cleaning_up_spaces(smollm2_tokeniz
     eos = {tok.convert_tokens_to_ids("<|im_end|>")}
     prompts = [Prompt("a", ["first", "second"]), Prompt("b", ["only"])]
     order: list[tuple[int, int]] = []
-    answers: list[list[str]] = [[], []]
+    answers: list[list[dict]] = [[], []]
     first = next_turn_prompts(tok, prompts, eos, order, answers, None)
     assert first == [render_turn(tok, prompts[0], 0, []), render_turn(tok, prompts[1], 0, [])]
     assert order == [(0, 0), (1, 0)]
     second = next_turn_prompts(tok, prompts, eos, order, answers, [ids + sorted(eos), [5, 6]])
-    assert answers[0] == [SPACED]
+    assert answers[0] == [{"role": "assistant", "content": SPACED}]
     assert second == [render_turn(tok, prompts[0], 1, [SPACED])]
     assert order == [(0, 0), (1, 0), (0, 1)]
     assert SPACED in tok.decode(second[0], clean_up_tokenization_spaces=False)
@@ -195,3 +195,19 @@ def test_top_logits_of_read_vllms_raw_logits():
         {4: lp(logprob=3.0, rank=2), 9: lp(logprob=3.5, rank=1)}])])
     assert top_logits_of(out) == [{7: 12.5, 3: 12.25}, {4: 3.0, 9: 3.5}]
     assert request_seed(2, 5) == 2 * 1_000_003 + 5
+
+
+def test_later_turns_take_the_harmony_final_channel(smollm2_tokenizer):
+    """--engine vllm builds turn 2 from the parser's content, as peagle's engine does (issue 32)."""
+    from tests.reasoning_templates import harmony_tokenizer
+
+    tok = harmony_tokenizer(smollm2_tokenizer)
+    ret = tok.convert_tokens_to_ids("<|return|>")
+    answer = tok("<|channel|>analysis<|message|>Plan.<|end|><|start|>assistant<|channel|>final<|message|>Done."
+                 "<|return|>", add_special_tokens=False)["input_ids"]
+    prompts, order, answers = [Prompt("a", ["first", "second"])], [], [[]]
+    next_turn_prompts(tok, prompts, {ret}, order, answers, None, "openai_gptoss")
+    second = next_turn_prompts(tok, prompts, {ret}, order, answers, [answer], "openai_gptoss")
+    assert answers == [[{"role": "assistant", "content": "Done.", "reasoning_content": "Plan."}]]
+    assert tok.decode(second[0]).endswith("<|start|>assistant<|channel|>final<|message|>Done.<|end|>"
+                                          "<|start|>user<|message|>second<|end|><|start|>assistant")
