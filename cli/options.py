@@ -231,7 +231,8 @@ def config_options(cls: type, *, skip: tuple[str, ...] = (), overrides: dict[str
         if group is not None:
             groups[f.name] = group
         default = f.default if f.default is not dataclasses.MISSING else None
-        kwargs = {**_click_kwargs(hints[f.name], default), **overrides.get(f.name, {})}
+        given = overrides.get(f.name, {})  # a type given there replaces the annotation's (a union of types)
+        kwargs = {**(_click_kwargs(hints[f.name], default) if "type" not in given else {}), **given}
         decls = kwargs.pop("decls", None)
         if f.name in arguments:  # a list field is one nargs=-1 argument (overrides), not a repeated option
             kwargs.pop("multiple", None)

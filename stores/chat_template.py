@@ -220,14 +220,17 @@ def template_tools(tools: list | None) -> list | None:
     return out
 
 
-def render(tokenizer, messages, tools, chat_template, add_generation_prompt=False) -> str:
+def render(tokenizer, messages, tools, chat_template, add_generation_prompt=False,
+           chat_template_kwargs: dict[str, Any] | None = None) -> str:
     """``messages`` (and ``tools``) rendered as text by ``chat_template`` (None: the tokenizer's own),
-    passed as vLLM passes them (:func:`template_messages`).
+    passed as vLLM passes them (:func:`template_messages`), with the template variables
+    ``chat_template_kwargs`` (vLLM's request field: ``enable_thinking``, ``reasoning_effort``...).
 
     Raises:
         ChatTemplateError: the template fails on this conversation (names the error).
     """
-    kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
+    kwargs: dict[str, Any] = {**(chat_template_kwargs or {}), "tokenize": False,
+                              "add_generation_prompt": add_generation_prompt}
     tools = template_tools(tools)
     if tools is not None:
         kwargs["tools"] = tools
@@ -239,7 +242,8 @@ def render(tokenizer, messages, tools, chat_template, add_generation_prompt=Fals
 
             rendered, _ = render_jinja_template(
                 conversations=[[]], tools=tools, chat_template=tokenizer.get_chat_template(chat_template, tools),
-                add_generation_prompt=add_generation_prompt, **tokenizer.special_tokens_map)
+                add_generation_prompt=add_generation_prompt,
+                **{**tokenizer.special_tokens_map, **(chat_template_kwargs or {})})
             return rendered[0]
         return tokenizer.apply_chat_template(
             template_messages(messages, tokenizer.get_chat_template(chat_template, tools)), **kwargs)
@@ -247,9 +251,11 @@ def render(tokenizer, messages, tools, chat_template, add_generation_prompt=Fals
         raise ChatTemplateError(f"template error: {type(e).__name__}: {e}") from None
 
 
-def prompt_ids(tokenizer, messages, tools=None, chat_template: str | None = None) -> list[int]:
+def prompt_ids(tokenizer, messages, tools=None, chat_template: str | None = None,
+               chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of ``messages`` (and ``tools``) rendered with the generation prompt, as vLLM's chat
-    endpoint builds a prompt: :func:`render` (content passed as vLLM passes it), then the text tokenized
+    endpoint builds a prompt: :func:`render` (content passed as vLLM passes it, the template variables
+    ``chat_template_kwargs``), then the text tokenized
     without adding special tokens (``apply_chat_template(tokenize=True)`` does the same), so special-token
     text in a message becomes its control id, as in vLLM.
 
@@ -259,5 +265,6 @@ def prompt_ids(tokenizer, messages, tools=None, chat_template: str | None = None
     Raises:
         ChatTemplateError: the template fails on these messages (names the error).
     """
-    text = render(tokenizer, messages, tools, chat_template, add_generation_prompt=True)
+    text = render(tokenizer, messages, tools, chat_template, add_generation_prompt=True,
+                  chat_template_kwargs=chat_template_kwargs)
     return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]

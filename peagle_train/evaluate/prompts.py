@@ -11,6 +11,7 @@ from typing import Any
 from stores.answer_parsing import AnswerFormatError, answer_message, parse_answer
 from stores.chat_template import prompt_ids, render
 from stores.errors import InputError
+from stores.question_rows import QUESTION_FIELDS, QuestionRowError, question_id, question_turns
 
 
 @dataclass(frozen=True)
@@ -49,12 +50,12 @@ def _check_messages(msgs: Any, file: str, row: int) -> None:
 def _parse_prompt(obj: Any, file: str, row: int) -> Prompt:
     if not isinstance(obj, dict):
         raise InputError(f"expected a JSON object, got {type(obj).__name__}", file=file, row=row)
-    pid = str(obj.get("question_id", obj.get("id", row)))
-    if "turns" in obj:
-        turns = obj["turns"]
-        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
-            raise InputError("expected a non-empty list of strings", file=file, row=row, field="turns")
-        return Prompt(pid, list(turns))
+    pid = question_id(obj) or str(row)
+    if "turns" in obj or ("messages" not in obj and any(k in obj for k in QUESTION_FIELDS)):
+        try:
+            return Prompt(pid, question_turns(obj) or [])
+        except QuestionRowError as e:
+            raise InputError(e.reason, file=file, row=row, field=e.field) from None
     if "messages" in obj:
         msgs = obj["messages"]
         _check_messages(msgs, file, row)
@@ -64,15 +65,16 @@ def _parse_prompt(obj: Any, file: str, row: int) -> Prompt:
         last = users[-1]
         prefix = [{"role": m["role"], "content": m["content"]} for m in msgs[:last]]
         return Prompt(pid, [msgs[last]["content"]], prefix)
-    raise InputError("expected an MT-Bench line with 'turns' or an OpenAI line with 'messages'",
-                     file=file, row=row)
+    raise InputError("expected an MT-Bench line with 'turns', a 'prompt' or 'question' line, or an OpenAI line "
+                     "with 'messages'", file=file, row=row)
 
 
 def read_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
     """Read prompts from a JSONL file (blank lines skipped).
 
-    Lines are MT-Bench ``{"question_id", "turns": [str, ...]}`` (every turn is evaluated, with the
-    verifier's earlier answers as history) or OpenAI ``{"messages": [...]}``: only the last user turn
+    Lines are question rows (:mod:`stores.question_rows`, as ``regenerate`` reads them): MT-Bench
+    ``{"question_id", "turns": [str, ...]}`` (every turn is evaluated, with the verifier's earlier answers
+    as history), ``{"prompt": str}`` or ``{"question": str}``; or OpenAI ``{"messages": [...]}``: only the last user turn
     is evaluated, with the messages before it (their assistant turns as written, not the verifier's)
     as history; messages after it (a reference answer) are not used. Messages are plain
     ``{"role", "content": str}``: tool calls, tool results and content-part lists are refused. The id

@@ -30,7 +30,8 @@ EXACT = {
                              "--temperature", "--turns", "--concurrency", "--batch-size", "--device", "--limit",
                              "--format", "--retries", "--timeout", "--seed", "--tokenizer", "--server-kind",
                              "--on-dropped-content",
-                             "--on-truncated", "--max-prompt-tokens", "--resume", "--force", *CONFIG_FILE},
+                             "--on-truncated", "--max-prompt-tokens", "--reasoning-effort", "--enable-thinking",
+                             "--template-mixture", "--reasoning-parser", "--resume", "--force", *CONFIG_FILE},
     ("data", "inspect"): CONFIG_FILE,
     ("data", "verify"): {"--packed", "--repair"} | CONFIG_FILE,
     ("data", "stats"): {"--json", "--png", "--max-seq-len", "--overlap", "--force"} | CONFIG_FILE,
@@ -220,7 +221,8 @@ def test_every_command_has_version(group, sub):
     assert result.output == f"{prog}{' ' + sub if sub else ''}, version {version('peagle')}\n"
 
 
-METAVARS = {"N", "X", "TEXT", "PATH", "DIR", "FILE", "MODEL", "DEVICE", "URL", "NAME", "ID", "HEX", "N,N,..."}
+METAVARS = {"N", "X", "TEXT", "PATH", "DIR", "FILE", "MODEL", "DEVICE", "URL", "NAME", "ID", "HEX", "N,N,...", "X|JSON",
+            "JSON"}
 """cli/options.py METAVARS / FIELD_METAVARS: one style (issue 34: INTEGER beside N, TEXT beside MODEL)."""
 
 

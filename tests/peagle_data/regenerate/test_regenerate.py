@@ -268,7 +268,7 @@ def test_local_answers_equal_one_prompt_generate(local_run, local):
     assert [m["role"] for m in first] == ["system", "user", "assistant", "user", "assistant"]
     assert first[:2] == ROWS[0]["messages"][:2] and first[3] == ROWS[0]["messages"][3]
     # turn 2 of row 1 equals a direct greedy generate on its prompt (batch of one, no padding)
-    ids = local.prompt_ids(type("R", (), {"messages": first[:4], "tools": None})())
+    ids = local.prompt_ids(Request(messages=first[:4]))
     gen = local.model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
     gen = gen[:gen.index(2) + 1] if 2 in gen else gen
     assert first[4]["content"] == local.tokenizer.decode(gen, skip_special_tokens=True) != "old 2"
@@ -615,7 +615,7 @@ QWEN_LIKE_TEMPLATE = {  # the shape of transformers serve's Qwen response templa
 
 def test_local_answer_parsing(local, monkeypatch):
     tok = local.tokenizer
-    prompt = local.prompt_ids(type("R", (), {"messages": [{"role": "user", "content": "hi"}], "tools": None})())
+    prompt = local.prompt_ids(Request(messages=[{"role": "user", "content": "hi"}]))
 
     def ids(text):
         return tok(text, add_special_tokens=False)["input_ids"]
@@ -639,7 +639,7 @@ def test_local_answer_parsing(local, monkeypatch):
 
 def test_local_answer_cut_inside_a_character_ends_before_it(local):
     tok = local.tokenizer
-    prompt = local.prompt_ids(type("R", (), {"messages": [{"role": "user", "content": "hi"}], "tools": None})())
+    prompt = local.prompt_ids(Request(messages=[{"role": "user", "content": "hi"}]))
     ids = tok("Bonjour, je m'appelle l'Américan. 😀 ok", add_special_tokens=False)["input_ids"]
     emoji = ids.index(40303)  # 'ĠðŁĺ': a space and 3 of the emoji's 4 bytes; the next id ends it
     cut = local.answer_of(ids[:emoji + 1], prompt)
