@@ -391,7 +391,8 @@ class LocalBackend:
             names = ", ".join(self.tokenizer.convert_ids_to_tokens(odd))
             return Answer(error=f"unparsed answer format: the answer holds special tokens ({names}) that a plain "
                                 "decode drops, and the tokenizer declares no response_template to parse them; "
-                                "use a --server that parses this model's output", **done)
+                                "pass --reasoning-parser NAME (openai_gptoss for Harmony channels) or use a --server "
+                                "that parses this model's output", **done)
         opened = prompt_opens_think(self.tokenizer.decode(prompt, clean_up_tokenization_spaces=False))
         content, reasoning = split_reasoning(self.tokenizer.decode(kept, skip_special_tokens=True,
                                                                    clean_up_tokenization_spaces=False), opened)

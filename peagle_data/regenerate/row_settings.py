@@ -33,13 +33,13 @@ class Mixture:
     values: dict[str, Any]
 
 
-def _loads(text: Any) -> Any:
+def _loads(text: Any, option: str) -> Any:
     """A JSON mixture given as text (``'{"a": 1}'``) as a dict; anything else unchanged."""
     if isinstance(text, str) and text.strip().startswith("{"):
         try:
             return json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"invalid JSON ({e.msg} at character {e.pos})") from None
+            raise ValueError(f"{option}: invalid JSON ({e.msg} at character {e.pos})") from None
     return text
 
 
@@ -55,7 +55,7 @@ def parse_mixture(value: Any, option: str, cast: Callable[[Any], Any]) -> Any | 
     Raises:
         ValueError: bad JSON, a bad key or weight, two keys of one value, an empty mixture (names ``option``).
     """
-    value = _loads(value)
+    value = _loads(value, option)
     if not isinstance(value, dict):
         try:
             return cast(value)

@@ -148,8 +148,6 @@ class RegenerateConfig:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.chunk_rows < 1:
             raise ValueError(f"chunk_rows must be >= 1, got {self.chunk_rows}")
-        if self.temperature < 0:
-            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
         if self.on_dropped_content not in ON_DROPPED:
             raise ValueError(f"--on-dropped-content must be one of {ON_DROPPED}, got {self.on_dropped_content!r}")
         if self.on_truncated not in ON_TRUNCATED:
