@@ -126,3 +126,42 @@ def test_answer_message_is_what_a_client_sends_back():
     assert answer_message(ParsedAnswer("4.", "Two and two.")) == {"role": "assistant", "content": "4.",
                                                                  "reasoning_content": "Two and two."}
     assert answer_message(ParsedAnswer("4.")) == {"role": "assistant", "content": "4."}
+
+
+# --------------------------------------------------------------------------------------------
+# Against vLLM's own parsers (vllm/parser: the composed Parser ``vllm serve --reasoning-parser NAME`` uses)
+
+CORPUS = ["<think>\nTwo and  two.\n</think>\n\nx != 4", "plan\n</think>\n\nAnswer", "no tags at all",
+          "<think>cut short", "<think></think>", "x</think>y</think>z", "pre<think>a</think>b", "<think>\n\n</think>\n\nHi",
+          " <think>a</think>\n"]
+KWARGS = [None, {"enable_thinking": False}, {"enable_thinking": True}, {"thinking": True}]
+
+
+def _vllm_parse(tok, name, kwargs, prompt_ids, text, ids):
+    """(reasoning, content) of vLLM's composed parser, as its chat endpoint calls it for a finished request."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.parser.parser_manager import ParserManager
+
+    cls = ParserManager.get_parser(reasoning_parser_name=name, tokenizer=tok)
+    parser = cls(tok, None, chat_template_kwargs=kwargs)
+    parser.set_prompt_token_ids(prompt_ids)
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], model="m",
+                                    chat_template_kwargs=kwargs)
+    reasoning, content, _ = parser.parse(text, request, model_output_token_ids=ids)
+    return reasoning, content
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", ["deepseek_r1", "deepseek_v3", "qwen3"])
+def test_think_parsing_equals_vllms_parsers(think_tok, name):
+    from stores.chat_template import prompt_ids
+
+    eos = think_tok.convert_tokens_to_ids("<|im_end|>")
+    for kwargs in KWARGS:
+        prompt = prompt_ids(think_tok, [{"role": "user", "content": "Hi"}], chat_template_kwargs=kwargs)
+        for text in CORPUS:
+            out = ids(think_tok, text) + [eos]
+            served = think_tok.decode(out[:-1], skip_special_tokens=True)  # vLLM's detokenized text
+            reasoning, content = _vllm_parse(think_tok, name, kwargs, prompt, served, out)
+            assert parse_answer(think_tok, out, name, [eos], kwargs) == ParsedAnswer(content or "", reasoning), \
+                (name, kwargs, text)
