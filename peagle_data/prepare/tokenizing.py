@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import multiprocessing
 import os
 from pathlib import Path
@@ -37,7 +38,7 @@ from stores.token_tables import RejectsWriter, TableWriter, write_manifest, writ
 from stores.verifier_match import tokenizer_fingerprint
 
 __all__ = ["iter_tokenized", "run_tokenize", "TokenFreq", "check_output_not_input", "read_template", "resolve_tokenizer",
-           "run_shard_filter", "shard_record", "split_source", "tokenizer_record", "write_reject"]
+           "row_kwargs_reason", "run_shard_filter", "shard_record", "split_source", "tokenizer_record", "write_reject"]
 
 
 def resolve_tokenizer(tokenizer_name, tokenizer):
@@ -214,6 +215,9 @@ def _tokenize_chunk(tokenizer, chunk: list[Conversation | Reject], template, spl
         if isinstance(item, Reject):
             outcomes.append(None)
             continue
+        if item.chat_template_kwargs:  # regenerate's per-row template variables
+            outcomes.append(row_kwargs_reason(item.chat_template_kwargs))
+            continue
         try:
             rows = render_rows(tokenizer, item.messages, item.tools, template, per_turn_fallback=split,
                                on_dropped=on_dropped, on_special_text=on_special_text)
@@ -230,6 +234,15 @@ def _tokenize_chunk(tokenizer, chunk: list[Conversation | Reject], template, spl
         if problem:  # no exact mask for one of its rows: the conversation is a reject
             outcomes[at] = problem
     return list(zip(chunk, outcomes))
+
+
+def row_kwargs_reason(kwargs: dict[str, Any]) -> str:
+    """The reject reason of a row that records the chat-template variables it was answered with
+    (``regenerate``'s per-row ``chat_template_kwargs``): ``tokenize`` renders every row with the template's
+    defaults, which would train it on a prompt the verifier did not answer."""
+    return (f"template variables: the row was answered with chat_template_kwargs {json.dumps(kwargs, sort_keys=True)} "
+            "(regenerate's per-row settings) and tokenize renders every row with the template's defaults; its "
+            "training prompt would not be the one the verifier answered")
 
 
 def _rows_of(conv: Conversation, outcome: list[tuple], counts: Counts) -> list[TokenizedRow]:

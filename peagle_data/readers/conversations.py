@@ -147,6 +147,10 @@ def read_conversations(inputs: Sequence[str | os.PathLike], fmt: str = "auto", s
                     yield conv
                     continue
                 messages, tools, counts = normalize_record(record, fmt, keep_dropped)
+                kwargs = record.get("chat_template_kwargs")
+                if kwargs is not None and not isinstance(kwargs, dict):
+                    raise RowError(f"bad chat_template_kwargs: expected a JSON object, got {type(kwargs).__name__}",
+                                   "chat_template_kwargs")
             except RowError as bad:
                 if strict:
                     raise InputError(bad.reason, file=str(path), row=row, field=bad.field) from None
@@ -155,7 +159,8 @@ def read_conversations(inputs: Sequence[str | os.PathLike], fmt: str = "auto", s
                 continue
             row_counts = {**counts["row"], **({"null_keys_dropped_rows": 1} if nulls else {})}
             yield Conversation(conversation_id=cid, source=source, messages=messages, tools=tools,
-                               duplicate_id_renamed=int(renamed), counts=row_counts, **counts["tidy"])
+                               duplicate_id_renamed=int(renamed), counts=row_counts, chat_template_kwargs=kwargs or None,
+                               **counts["tidy"])
 
 
 def _is_conversation(record: dict[str, Any]) -> bool:

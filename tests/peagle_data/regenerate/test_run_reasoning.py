@@ -183,3 +183,22 @@ def test_server_content_split_by_the_named_parser_when_the_server_did_not():
     assert _answer_of(_completion("Hi!"), None, "deepseek_r1").reasoning == "Hi!"  # vLLM: no </think>, all reasoning
     kept = _answer_of(_completion("Hi!", reasoning="Plan."), None, "deepseek_r1")  # the server's own split is kept
     assert (kept.content, kept.reasoning) == ("Hi!", "Plan.")
+
+
+def test_tokenize_refuses_rows_answered_with_template_variables_it_does_not_render(tmp_path):
+    """A row regenerated with per-row chat_template_kwargs is not rendered with the template's defaults silently."""
+    from peagle_data.prepare.config import TokenizeRun
+    from peagle_data.prepare.tokenizing import run_tokenize
+
+    inp = write(tmp_path / "q.jsonl", [{"prompt": "Question?"}])
+    run_regenerate(RegenerateRun(inputs=[str(inp)], output=tmp_path / "r.jsonl",
+                                 settings=RegenerateConfig(reasoning_effort="high")), make_backend=Recording)
+    write(tmp_path / "plain.jsonl", [{"messages": [{"role": "user", "content": "Hi"},
+                                                   {"role": "assistant", "content": "Hello."}]}])
+    c = run_tokenize(TokenizeRun(inputs=[str(tmp_path / "r.jsonl"), str(tmp_path / "plain.jsonl")],
+                                 tokenizer="smollm2-135m", output=tmp_path / "tok"))["counts"]
+    rejects = lines(tmp_path / "tok" / "rejects.jsonl")
+    assert [r["reason"].split(":")[0] for r in rejects] == ["template variables"]
+    assert 'chat_template_kwargs {"reasoning_effort": "high"}' in rejects[0]["reason"]
+    assert (c["read"], c["used"], c["rejected"]) == (2, 1, 1)
+    assert c["rejected_by_reason"] == {"template variables": 1}
