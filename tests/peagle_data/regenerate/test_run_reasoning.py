@@ -202,3 +202,29 @@ def test_tokenize_refuses_rows_answered_with_template_variables_it_does_not_rend
     assert 'chat_template_kwargs {"reasoning_effort": "high"}' in rejects[0]["reason"]
     assert (c["read"], c["used"], c["rejected"]) == (2, 1, 1)
     assert c["rejected_by_reason"] == {"template variables": 1}
+
+
+def test_server_requests_carry_the_rows_temperature_and_template_variables():
+    """Each request states its row's drawn temperature and sends its template variables as vLLM's
+    ``chat_template_kwargs`` request field."""
+    import queue
+    from types import SimpleNamespace
+
+    from peagle_data.regenerate.backends import ServerBackend
+
+    sent = []
+
+    def create(**kwargs):
+        sent.append(kwargs)
+        return _completion("Hi!")
+
+    backend = object.__new__(ServerBackend)
+    backend.clients = {"u": SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=create)))}
+    backend.slots, backend.kind, backend.max_new_tokens, backend.model = queue.Queue(), "vllm", 16, "m"
+    backend.slots.put("u")
+    backend.params, backend.tokenizer, backend.reasoning_parser = None, None, None
+    answer = backend.answer(Request(messages=[{"role": "user", "content": "Hi"}], temperature=0.6,
+                                    chat_template_kwargs={"enable_thinking": False}))
+    assert answer.content == "Hi!" and sent[0]["temperature"] == 0.6
+    assert sent[0]["extra_body"]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert sent[0]["extra_body"]["top_k"] == 0 and sent[0]["max_tokens"] == 16
