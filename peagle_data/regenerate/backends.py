@@ -29,9 +29,12 @@ generated (``Answer.token_ids``, end-of-sequence id included); ``regenerate`` wr
 the text (``token_ids`` of the assistant message) and ``tokenize`` trains on exactly those ids
 (:func:`peagle_data.chat.masks.on_generated_ids`).
 
-Reasoning: a server's ``reasoning_content`` (vLLM, SGLang and ``transformers serve`` parse it) is
-kept; locally, a tokenizer's ``response_template`` parses content, reasoning and tool calls
-(``tokenizer.parse_response``). Otherwise a think block in the text (``<think>...</think>``, or a
+Reasoning: with ``--reasoning-parser NAME`` a local answer is the message ``vllm serve
+--reasoning-parser NAME`` returns (:mod:`stores.answer_parsing`: think blocks, Harmony channels; what it
+cannot parse exactly is a reject), and a server's content is split by that parser when the server
+returned no reasoning of its own. A server's ``reasoning_content`` (vLLM, SGLang and ``transformers
+serve`` parse it) is kept; locally, without a parser, a tokenizer's ``response_template`` parses
+content, reasoning and tool calls (``tokenizer.parse_response``). Otherwise a think block in the text (``<think>...</think>``, or a
 text that ends one whose opening tag was in the prompt) is split off into ``reasoning_content``, and
 a local answer holding special tokens that a plain decode would drop is refused (``unparsed answer
 format``), never written with its structure lost.

@@ -159,9 +159,11 @@ def test_think_parsing_equals_vllms_parsers(think_tok, name):
     eos = think_tok.convert_tokens_to_ids("<|im_end|>")
     for kwargs in KWARGS:
         prompt = prompt_ids(think_tok, [{"role": "user", "content": "Hi"}], chat_template_kwargs=kwargs)
-        for text in CORPUS:
-            out = ids(think_tok, text) + [eos]
-            served = think_tok.decode(out[:-1], skip_special_tokens=True)  # vLLM's detokenized text
-            reasoning, content = _vllm_parse(think_tok, name, kwargs, prompt, served, out)
-            assert parse_answer(think_tok, out, name, [eos], kwargs) == ParsedAnswer(content or "", reasoning), \
-                (name, kwargs, text)
+        # the template's prompt, and one that opens the think block (Qwen3.5 / DeepSeek-R1 style)
+        for prompt_ids_ in (prompt, prompt + ids(think_tok, "<think>\n")):
+            for text in CORPUS:
+                out = ids(think_tok, text) + [eos]
+                served = think_tok.decode(out[:-1], skip_special_tokens=True)  # vLLM's detokenized text
+                reasoning, content = _vllm_parse(think_tok, name, kwargs, prompt_ids_, served, out)
+                assert parse_answer(think_tok, out, name, [eos], kwargs) == ParsedAnswer(content or "", reasoning), \
+                    (name, kwargs, text)
