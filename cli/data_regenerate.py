@@ -75,6 +75,8 @@ def _echo_summary(summary: dict, output: str, max_new_tokens: int) -> None:
     click.echo(f"turns regenerated {c['turns_regenerated']} ({c['turns_truncated']} cut at --max-new-tokens "
                f"{max_new_tokens}" + (f", {mid} of them inside a character, dropped" if mid else "") + ")  "
                f"prompt tokens {c['prompt_tokens']}  completion tokens {c['completion_tokens']}")
+    for name, drawn in (c.get("row_settings") or {}).items():
+        click.echo(f"  {name} per row: " + ", ".join(f"{value} {rows}" for value, rows in drawn.items()))
     if c.get("conversations_with_dropped_content"):
         click.echo(f"  regenerated with content the chat template drops (--on-dropped-content keep): "
                    f"{c['conversations_with_dropped_content']} conversations")

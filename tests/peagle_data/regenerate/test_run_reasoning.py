@@ -228,3 +228,54 @@ def test_server_requests_carry_the_rows_temperature_and_template_variables():
     assert answer.content == "Hi!" and sent[0]["temperature"] == 0.6
     assert sent[0]["extra_body"]["chat_template_kwargs"] == {"enable_thinking": False}
     assert sent[0]["extra_body"]["top_k"] == 0 and sent[0]["max_tokens"] == 16
+
+
+@pytest.fixture(scope="module")
+def think_verifier_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
+    """A random 2-layer Llama saved with the think-style tokenizer and template (tests/reasoning_templates.py)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = think_tokenizer(smollm2_tokenizer)
+    out = tmp_path_factory.mktemp("think_verifier")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                                 initializer_range=0.5)).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_cli_regenerates_questions_in_a_mode_mixture_parsed_as_served(tmp_path, think_verifier_dir):
+    """The CLI end to end with the local back end: per-row enable_thinking rendered into the prompts and
+    read by the qwen3 parser (a block-less answer is all reasoning when thinking, all content when not)."""
+    from click.testing import CliRunner
+
+    from cli.data import main as data_main
+
+    inp, out = write(tmp_path / "q.jsonl", [{"prompt": f"Question {i}?"} for i in range(6)]), tmp_path / "o.jsonl"
+    res = CliRunner().invoke(data_main, [
+        "regenerate", str(inp), "--output", str(out), "--verifier", str(think_verifier_dir), "--device", "cpu",
+        "--max-new-tokens", "5", "--seed", "3", "--temperature", '{"0": 1, "0.7": 1}',
+        "--enable-thinking", '{"true": 1, "false": 1}', "--reasoning-parser", "qwen3"])
+    assert res.exit_code == 0, res.output
+    rows = lines(out)
+    assert len(rows) == 6 and {r["temperature"] for r in rows} == {0.0, 0.7}
+    n = sum(r["temperature"] == 0.0 for r in rows)
+    assert f"  temperature per row: 0.0 {n}, 0.7 {6 - n}" in res.output or \
+        f"  temperature per row: 0.7 {6 - n}, 0.0 {n}" in res.output
+    modes = {r["chat_template_kwargs"]["enable_thinking"] for r in rows}
+    assert modes == {True, False}
+    for r in rows:
+        answer = r["messages"][1]
+        text = answer.get("reasoning_content", "") + answer["content"]
+        assert text  # the verifier said something
+        if r["chat_template_kwargs"]["enable_thinking"]:
+            assert "</think>" in text or answer["content"] == ""  # no closing tag: all reasoning (vLLM's qwen3)
+        else:
+            assert "reasoning_content" not in answer  # thinking off: all content
+    manifest = json.loads(out.with_name("o.manifest.json").read_text())
+    assert manifest["generation"]["reasoning_parser"] == "qwen3"
+    assert manifest["model"]["sampling"]["temperature"] == {"0": 0.5, "0.7": 0.5}
+    assert sum(manifest["counts"]["row_settings"]["enable_thinking"].values()) == 6
