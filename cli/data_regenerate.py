@@ -18,6 +18,7 @@ from cli.options import config_file_options, config_options, run_config
 from peagle_data.readers.rows import FORMATS
 from peagle_data.regenerate.backends import SERVER_KINDS, BackendConfig
 from peagle_data.regenerate.run import ON_DROPPED, ON_TRUNCATED, TURNS, RegenerateConfig, RegenerateRun, run_regenerate
+from stores.answer_parsing import REASONING_PARSERS
 from stores.conversation_files import read_regenerate_manifest, regenerate_paths
 
 __all__ = ["regenerate", "kept_rows"]
@@ -36,7 +37,23 @@ _IO_OVERRIDES = {
     "inputs": {"metavar": "INPUT...", "nargs": -1, "required": True},
     "output": {"type": OutputPath(suffixes=(".jsonl",))},
 }
+class ValueOrMixture(click.ParamType):
+    """A plain value or a JSON mixture ``{value: weight}`` as text; a config file's number, boolean or mapping
+    passes as it is (the library parses and checks it: RegenerateConfig)."""
+
+    name = "value_or_mixture"
+
+    def convert(self, value, param, ctx):
+        return value if isinstance(value, (dict, bool, int, float)) else str(value)
+
+
+_MIXTURE = {"type": ValueOrMixture(), "multiple": False}  # one value or one JSON mixture, not a repeated option
 _RUN_OVERRIDES = {
+    "temperature": {**_MIXTURE, "metavar": "X|JSON"},
+    "reasoning_effort": {**_MIXTURE, "metavar": "X|JSON"},
+    "enable_thinking": {**_MIXTURE, "metavar": "X|JSON"},
+    "template_mixture": {**_MIXTURE, "metavar": "JSON"},
+    "reasoning_parser": {"type": click.Choice(REASONING_PARSERS), "metavar": "NAME"},
     "max_new_tokens": {"metavar": "N"},
     "turns": {"type": click.Choice(TURNS)},
     "limit": {"metavar": "N"},
@@ -58,6 +75,8 @@ def _echo_summary(summary: dict, output: str, max_new_tokens: int) -> None:
     click.echo(f"turns regenerated {c['turns_regenerated']} ({c['turns_truncated']} cut at --max-new-tokens "
                f"{max_new_tokens}" + (f", {mid} of them inside a character, dropped" if mid else "") + ")  "
                f"prompt tokens {c['prompt_tokens']}  completion tokens {c['completion_tokens']}")
+    for name, drawn in (c.get("row_settings") or {}).items():
+        click.echo(f"  {name} per row: " + ", ".join(f"{value} {rows}" for value, rows in drawn.items()))
     if c.get("conversations_with_dropped_content"):
         click.echo(f"  regenerated with content the chat template drops (--on-dropped-content keep): "
                    f"{c['conversations_with_dropped_content']} conversations")
@@ -96,8 +115,9 @@ def kept_rows(program: str, args: list[str], params: dict[str, Any]) -> tuple[st
 def regenerate(inputs, output, resume, force, **options):
     """Rewrite the assistant turns of conversations with the verifier's own answers.
 
-    INPUT: .jsonl, .json or .parquet conversation files (globs allowed) or 'sharegpt'. System, user
-    and tool messages and tools are kept; tool-calling assistant turns are kept as they are. Rows
+    INPUT: .jsonl, .json or .parquet conversation files (globs allowed) or 'sharegpt', or question
+    files (MT-Bench 'turns', 'prompt' or 'question' rows, as peagle-eval --prompts reads them). System,
+    user and tool messages and tools are kept; tool-calling assistant turns are kept as they are. Rows
     that cannot be regenerated go to OUT.rejects.jsonl with the reason. Exits 1 when no row is written.
     """
     with config_error():

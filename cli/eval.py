@@ -15,6 +15,7 @@ from cli.options import config_file_options, config_options, run_config
 from peagle_train.evaluate.config import DRAFT_SAMPLE_METHODS, ENGINES, VLLM_LOADINGS, EvalConfig
 from peagle_train.evaluate.report import format_report
 from peagle_train.evaluate.run import EvalRun, run_eval
+from stores.answer_parsing import REASONING_PARSERS
 
 _PATH = {"type": click.Path()}
 
@@ -26,7 +27,8 @@ _PATH = {"type": click.Path()}
                 overrides={"engine": {"type": click.Choice(ENGINES)},
                            "measure_costs": {"decls": ["--measure-costs/--no-measure-costs"]},
                            "vllm_loading": {"type": click.Choice(VLLM_LOADINGS)},
-                           "draft_sample_method": {"type": click.Choice(DRAFT_SAMPLE_METHODS)}})
+                           "draft_sample_method": {"type": click.Choice(DRAFT_SAMPLE_METHODS)},
+                           "reasoning_parser": {"type": click.Choice(REASONING_PARSERS), "metavar": "NAME"}})
 @config_file_options
 @handle_errors
 def main(drafter, verifier, prompts, store, output, force, **settings) -> None:

@@ -252,7 +252,13 @@ def config_options(cls: type, *, skip: tuple[str, ...] = (), overrides: dict[str
         if group is not None:
             groups[f.name] = group
         default = f.default if f.default is not dataclasses.MISSING else None
-        kwargs = {**_click_kwargs(hints[f.name], default), **overrides.get(f.name, {})}
+        given = overrides.get(f.name, {})
+        try:
+            kwargs = {**_click_kwargs(hints[f.name], default), **given}
+        except TypeError:
+            if "type" not in given:
+                raise
+            kwargs = dict(given)  # a type with no click mapping (a union of types), given there
         decls = kwargs.pop("decls", None)
         if f.name in arguments:  # a list field is one nargs=-1 argument (overrides), not a repeated option
             kwargs.pop("multiple", None)

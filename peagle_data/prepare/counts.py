@@ -10,6 +10,7 @@ same keys as the run touched.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +105,12 @@ class Counts:
     """Windows packed shorter than cut (pack)."""
     sources: dict[str, dict[str, int]] | None = None
     """Per-source counts of a mixture: ``{name: {read, used, rejected, duplicates, ...}}``."""
+    conversations_with_own_template_kwargs: int | None = None
+    """Conversations rendered with the chat-template variables they record (``chat_template_kwargs``:
+    ``regenerate``'s per-row settings, a mixture of modes) on top of --chat-template-kwargs."""
+    template_modes: dict[str, int] = field(default_factory=dict)
+    """Conversations kept per chat-template variables they were rendered with: ``{JSON of the variables:
+    n}``; written only when some conversation records its own (the table is a mixture of modes)."""
 
     def bump(self, name: str, n: int = 1) -> None:
         """Add ``n`` (an int or a bool) to the counter ``name``, counting it from 0 if it never was.
@@ -133,6 +140,13 @@ class Counts:
                 self.bump(name, getattr(other, name))
         for part, n in other.dropped.items():
             self.dropped[part] = self.dropped.get(part, 0) + n
+        for mode, n in other.template_modes.items():
+            self.template_modes[mode] = self.template_modes.get(mode, 0) + n
+
+    def mode(self, kwargs: dict[str, Any]) -> None:
+        """Count one conversation kept, rendered with the template variables ``kwargs``."""
+        key = json.dumps(kwargs, sort_keys=True)
+        self.template_modes[key] = self.template_modes.get(key, 0) + 1
 
     def to_manifest(self) -> dict[str, Any]:
         """The manifest's ``counts``: the counted fields in field order, ``dropped`` as ``dropped_<part>``
@@ -142,6 +156,9 @@ class Counts:
             value = getattr(self, f.name)
             if f.name == "dropped":
                 out.update({f"dropped_{part}": n for part, n in value.items()})
+            elif f.name == "template_modes":
+                if self.conversations_with_own_template_kwargs:
+                    out[f.name] = dict(sorted(value.items()))
             elif value is not None:
                 out[f.name] = dict(value) if isinstance(value, dict) else value
         if self.sources is not None:
@@ -150,4 +167,5 @@ class Counts:
 
 
 _COUNTERS = frozenset(f.name for f in dataclasses.fields(Counts)
-                      if f.name not in ("dropped", "rejected_by_reason", "sources", "packing_efficiency"))
+                      if f.name not in ("dropped", "rejected_by_reason", "sources", "packing_efficiency",
+                                    "template_modes"))

@@ -1,7 +1,7 @@
 """Exact deduplication and length filters for ``peagle-data tokenize`` and ``pack``.
 
 Deduplication keys a conversation by a 16-byte BLAKE2b digest of its normalised messages and
-tools (:class:`peagle_data.readers.rows.Conversation` after the reader's normalisation: roles mapped,
+tools (and the chat-template variables a row records, ``regenerate``'s per-row mode) (:class:`peagle_data.readers.rows.Conversation` after the reader's normalisation: roles mapped,
 user turns merged, leading assistant turns dropped), serialised as canonical JSON (sorted keys,
 no whitespace). The first occurrence in input order is kept; every later one is rejected as
 ``duplicate: ...`` with ``duplicate_of`` naming the kept row's ``file:N``. Tokenize outputs given
@@ -47,9 +47,12 @@ class Duplicate(Reject):
 
 
 def conversation_key(conv: Conversation) -> bytes:
-    """16-byte digest of a conversation's normalised messages and tools (canonical JSON)."""
-    text = json.dumps({"messages": conv.messages, "tools": conv.tools}, sort_keys=True, ensure_ascii=False,
-                      separators=(",", ":"), default=str)
+    """16-byte digest of a conversation's normalised messages and tools (canonical JSON), and of the
+    chat-template variables it records (``chat_template_kwargs``, only when it records some: the same
+    messages in another mode render another training row, so they are no duplicate)."""
+    record = {"messages": conv.messages, "tools": conv.tools,
+              **({"chat_template_kwargs": conv.chat_template_kwargs} if conv.chat_template_kwargs else {})}
+    text = json.dumps(record, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
     return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import multiprocessing
 import os
 from pathlib import Path
@@ -38,8 +39,9 @@ from stores.token_rows import TokenizedRow
 from stores.token_tables import RejectsWriter, TableWriter, write_manifest, write_token_freq
 from stores.verifier_match import tokenizer_fingerprint
 
-__all__ = ["iter_tokenized", "run_tokenize", "TokenFreq", "check_output_not_input", "check_regenerated_mode", "read_template", "resolve_tokenizer",
-           "run_shard_filter", "shard_record", "split_source", "tokenizer_record", "write_reject"]
+__all__ = ["iter_tokenized", "run_tokenize", "TokenFreq", "check_output_not_input", "check_regenerated_mode",
+           "read_template", "resolve_tokenizer", "row_template", "run_shard_filter", "shard_record", "split_source",
+           "tokenizer_record", "write_reject"]
 
 
 def resolve_tokenizer(tokenizer_name, tokenizer):
@@ -91,11 +93,15 @@ def tokenizer_record(tokenizer_name, tokenizer, template_path: str | None, templ
 def check_regenerated_mode(files: Sequence[str | os.PathLike], template_kwargs: dict[str, Any] | None) -> None:
     """Refuse an input conversation file that is a ``regenerate`` output (``NAME.manifest.json`` beside
     ``NAME.jsonl`` with its ``generation`` settings) whose answers were generated from prompts rendered with
-    other chat template variables than ``template_kwargs`` (rows rendered in another mode would train the
-    drafter on answers to prompts the verifier is not served).
+    other fixed chat template variables (its ``--chat-template-kwargs``) than ``template_kwargs`` (rows
+    rendered in another mode would train the drafter on answers to prompts the verifier is not served).
+
+    A regenerate output of a mixture of modes (``--reasoning-effort``, ``--enable-thinking``,
+    ``--template-mixture``: ``generation`` records them) passes with its fixed variables: each of its rows
+    records all the variables it was answered with and is rendered with them (:func:`row_template`).
 
     Raises:
-        StoreMismatchError: the variables differ (names both).
+        StoreMismatchError: the fixed variables differ (names both, and the mixture when there is one).
     """
     for f in files:
         if not str(f).endswith(".jsonl"):
@@ -104,10 +110,17 @@ def check_regenerated_mode(files: Sequence[str | os.PathLike], template_kwargs: 
         generation = manifest.get("generation")
         if "model" not in manifest or not isinstance(generation, dict):
             continue
+        drawn = {k: generation[k] for k in _MIXTURE_SETTINGS if generation.get(k) is not None}
+        mixture = (f" (its rows also record the variables drawn per row from {json.dumps(drawn, sort_keys=True)}, "
+                   "and each row is rendered with its own)") if drawn else ""
         check_chat_template_kwargs({"chat_template_kwargs": generation.get("chat_template_kwargs")},
-                                   f"{f} (a regenerate output: the prompts its answers were generated from)",
+                                   f"{f} (a regenerate output: the prompts its answers were generated from{mixture})",
                                    template_kwargs, fix="pass the --chat-template-kwargs it was regenerated with, or "
                                                         "regenerate it in this mode")
+
+
+_MIXTURE_SETTINGS = ("reasoning_effort", "enable_thinking", "template_mixture")
+"""The ``generation`` settings of a regenerate manifest that draw template variables per row (recorded in each row)."""
 
 
 def split_source(source: str) -> tuple[str, int | None]:
@@ -214,7 +227,7 @@ def _outcome_rows(item: Conversation | Reject, outcome, cfg: TokenizeConfig, rej
         return None
     if cfg.on_special_token_text == "keep":
         counts.bump("conversations_with_special_token_text", any(special for *_, special in outcome))
-    return _rows_of(item, outcome, counts)
+    return _rows_of(item, outcome, counts, cfg.chat_template_kwargs)
 
 
 _WORKER: dict[str, Any] = {}
@@ -242,8 +255,12 @@ def _tokenize_chunk(tokenizer, chunk: list[Conversation | Reject], template, spl
         if isinstance(item, Reject):
             outcomes.append(None)
             continue
+        row = row_template(template, item.chat_template_kwargs)
+        if isinstance(row, str):
+            outcomes.append(row)
+            continue
         try:
-            rows = render_rows(tokenizer, item.messages, item.tools, template, per_turn_fallback=split,
+            rows = render_rows(tokenizer, item.messages, item.tools, row, per_turn_fallback=split,
                                on_dropped=on_dropped, on_special_text=on_special_text)
         except ChatTemplateError as e:
             outcomes.append(str(e))
@@ -260,7 +277,32 @@ def _tokenize_chunk(tokenizer, chunk: list[Conversation | Reject], template, spl
     return list(zip(chunk, outcomes))
 
 
-def _rows_of(conv: Conversation, outcome: list[tuple], counts: Counts) -> list[TokenizedRow]:
+def row_template(template: ChatTemplate, row_kwargs: dict[str, Any] | None) -> ChatTemplate | str:
+    """The template a row is rendered with: ``template`` (the run's text and ``--chat-template-kwargs``) with
+    the variables the row records it was answered with (``chat_template_kwargs``: ``regenerate``'s per-row
+    settings, a mixture of modes) on top, so each row trains on the prompt the verifier answered.
+
+    Returns:
+        The :class:`ChatTemplate`, or the reject reason (``template variables: ...``) of a row that records
+        a variable with another value than ``--chat-template-kwargs`` gives (the verifier answered another
+        prompt than the one the run says it serves).
+    """
+    if not row_kwargs:
+        return template
+    clash = sorted(k for k in row_kwargs if k in template.kwargs and template.kwargs[k] != row_kwargs[k])
+    if clash:
+        return (f"template variables: the row was answered with chat_template_kwargs "
+                f"{json.dumps(chat_template_kwargs_record(row_kwargs))} and --chat-template-kwargs gives "
+                f"{json.dumps(chat_template_kwargs_record(template.kwargs))} ({', '.join(clash)} differ); pass the "
+                "fixed variables the rows were regenerated with")
+    return ChatTemplate(template.text, {**template.kwargs, **row_kwargs})
+
+
+def _rows_of(conv: Conversation, outcome: list[tuple], counts: Counts,
+             template_kwargs: dict[str, Any] | None = None) -> list[TokenizedRow]:
+    if conv.chat_template_kwargs:
+        counts.bump("conversations_with_own_template_kwargs")
+    counts.mode({**(template_kwargs or {}), **(conv.chat_template_kwargs or {})})
     counts.bump("dropped_leading_assistant_turns", conv.dropped_leading_assistant)
     counts.bump("conversations_with_dropped_leading_assistant", conv.dropped_leading_assistant > 0)
     counts.bump("merged_user_turns", conv.merged_user_turns)

@@ -79,20 +79,22 @@ messages), this module (:func:`read_conversations`, the stream of all of them).
 from __future__ import annotations
 
 import os
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from peagle_data.readers.formats import iter_records
 from peagle_data.readers.inputs import UniqueIds, id_stems, resolve_inputs
 from peagle_data.readers.normalize import drop_arrow_nulls, normalize_record
 from peagle_data.readers.rows import FORMATS, Conversation, Reject, RowError
+from stores.chat_template import check_kwargs_names
 from stores.errors import InputError
+from stores.question_rows import QuestionRowError, question_id, question_turns
 
 __all__ = ["read_conversations"]
 
 
 def read_conversations(inputs: Sequence[str | os.PathLike], fmt: str = "auto", strict: bool = False,
                        limit: int | None = None, keep_dropped: bool = False,
-                       ids: UniqueIds | None = None) -> Iterator[Conversation | Reject]:
+                       ids: UniqueIds | None = None, questions: bool = False) -> Iterator[Conversation | Reject]:
     """Stream normalised conversations (and rejects) from INPUT arguments, in input order.
 
     Args:
@@ -104,6 +106,10 @@ def read_conversations(inputs: Sequence[str | os.PathLike], fmt: str = "auto", s
             rejecting the row (``--on-dropped-content keep``).
         ids: the ids already given in this run (the sources of a mixture share one, so an id two sources
             use is renamed too); None starts afresh.
+        questions: also read question rows (:mod:`stores.question_rows`: MT-Bench ``turns``, ``prompt``,
+            ``question``; a row with ``messages`` or ``conversations`` is a conversation): each becomes a
+            :class:`Conversation` with ``question`` set, a user message per turn each followed by an empty
+            assistant message (``regenerate`` answers them); their id is ``question_id``, else ``id``.
 
     Yields:
         One :class:`Conversation` or :class:`Reject` per input row. A Parquet row's null keys
@@ -126,8 +132,11 @@ def read_conversations(inputs: Sequence[str | os.PathLike], fmt: str = "auto", s
             n += 1
             source = f"{path}:{row}"
             cid = f"{name}:{row}"
+            asks = questions and isinstance(record, dict) and not _is_conversation(record)
             if isinstance(record, dict) and record.get("id") is not None:
                 cid = str(record["id"])
+            if asks and question_id(record) is not None:
+                cid = question_id(record)
             cid, renamed = ids.unique(cid)
             try:
                 if isinstance(record, RowError):
@@ -135,7 +144,16 @@ def read_conversations(inputs: Sequence[str | os.PathLike], fmt: str = "auto", s
                 nulls = 0
                 if path.suffix.lower() == ".parquet":
                     record, nulls = drop_arrow_nulls(record)
+                if asks and (conv := _question(record, cid, source, int(renamed))) is not None:
+                    yield conv
+                    continue
                 messages, tools, counts = normalize_record(record, fmt, keep_dropped)
+                kwargs = record.get("chat_template_kwargs")
+                if kwargs is not None:
+                    try:
+                        kwargs = check_kwargs_names(kwargs, "chat_template_kwargs")
+                    except ValueError as e:
+                        raise RowError(f"bad chat_template_kwargs: {e}", "chat_template_kwargs") from None
             except RowError as bad:
                 if strict:
                     raise InputError(bad.reason, file=str(path), row=row, field=bad.field) from None
@@ -144,4 +162,30 @@ def read_conversations(inputs: Sequence[str | os.PathLike], fmt: str = "auto", s
                 continue
             row_counts = {**counts["row"], **({"null_keys_dropped_rows": 1} if nulls else {})}
             yield Conversation(conversation_id=cid, source=source, messages=messages, tools=tools,
-                               duplicate_id_renamed=int(renamed), counts=row_counts, **counts["tidy"])
+                               duplicate_id_renamed=int(renamed), counts=row_counts, chat_template_kwargs=kwargs or None,
+                               **counts["tidy"])
+
+
+def _is_conversation(record: dict[str, Any]) -> bool:
+    """Whether a row holds a conversation (``messages`` or ``conversations``), not a question."""
+    return record.get("messages") is not None or record.get("conversations") is not None
+
+
+def _question(record: dict[str, Any], cid: str, source: str, renamed: int) -> Conversation | None:
+    """The :class:`Conversation` of a question row (user turns, each followed by an empty assistant
+    turn), or None when ``record`` has no question field.
+
+    Raises:
+        RowError: a question field of the wrong shape.
+    """
+    try:
+        turns = question_turns(record)
+    except QuestionRowError as e:
+        raise RowError(f"bad question row: {e.reason}", e.field) from None
+    if turns is None:
+        return None
+    messages: list[dict[str, Any]] = []
+    for turn in turns:
+        messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": ""}]
+    return Conversation(conversation_id=cid, source=source, messages=messages, duplicate_id_renamed=renamed,
+                        question=True)

@@ -27,6 +27,10 @@ class Conversation:
         merged_user_turns: user turns merged into the preceding user turn.
         empty_assistant_turns: assistant turns with empty content (no supervised tokens).
         duplicate_id_renamed: 1 when ``conversation_id`` got a ``~k`` suffix, else 0.
+        question: a question row (``read_conversations(questions=True)``): its assistant turns are
+            empty places for the answers, after each user turn.
+        chat_template_kwargs: the chat-template variables the row records it was answered with
+            (``regenerate``'s per-row settings, its ``chat_template_kwargs`` key), or None.
         counts: other non-zero per-row counts, summed into the manifest: ``tool_arguments_decoded``
             (JSON-string tool-call arguments decoded), ``tool_calls_wrapped``, ``tool_schemas_decoded``,
             ``tool_schemas_wrapped``, ``sharegpt_function_calls``, ``sharegpt_observations``,
@@ -45,6 +49,8 @@ class Conversation:
     empty_assistant_turns: int = 0
     duplicate_id_renamed: int = 0
     counts: dict[str, int] = field(default_factory=dict)
+    question: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 @dataclass

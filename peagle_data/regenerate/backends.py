@@ -29,9 +29,12 @@ generated (``Answer.token_ids``, end-of-sequence id included); ``regenerate`` wr
 the text (``token_ids`` of the assistant message) and ``tokenize`` trains on exactly those ids
 (:func:`peagle_data.chat.masks.on_generated_ids`).
 
-Reasoning: a server's ``reasoning_content`` (vLLM, SGLang and ``transformers serve`` parse it) is
-kept; locally, a tokenizer's ``response_template`` parses content, reasoning and tool calls
-(``tokenizer.parse_response``). Otherwise a think block in the text (``<think>...</think>``, or a
+Reasoning: with ``--reasoning-parser NAME`` a local answer is the message ``vllm serve
+--reasoning-parser NAME`` returns (:mod:`stores.answer_parsing`: think blocks, Harmony channels; what it
+cannot parse exactly is a reject), and a server's content is split by that parser when the server
+returned no reasoning of its own. A server's ``reasoning_content`` (vLLM, SGLang and ``transformers
+serve`` parse it) is kept; locally, without a parser, a tokenizer's ``response_template`` parses
+content, reasoning and tool calls (``tokenizer.parse_response``). Otherwise a think block in the text (``<think>...</think>``, or a
 text that ends one whose opening tag was in the prompt) is split off into ``reasoning_content``, and
 a local answer holding special tokens that a plain decode would drop is refused (``unparsed answer
 format``), never written with its structure lost.
@@ -45,13 +48,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from stores.answer_parsing import AnswerFormatError, check_reasoning_parser, parse_answer, parse_think
 from stores.chat_template import ChatTemplate, prompt_ids
 from stores.errors import InputError, MissingDependencyError
 from stores.model_cache import load_tokenizer, load_verifier, model_fingerprint, resolve_model
 
 __all__ = ["Request", "Answer", "BackendConfig", "LocalBackend", "ServerBackend", "split_reasoning", "server_base_url",
            "complete_prefix", "prompt_opens_think", "REPLACEMENT", "prompt_tokens", "sampling_parameters",
-           "SERVER_KINDS"]
+           "sampling_record", "SERVER_KINDS"]
 
 SERVER_KINDS = ("auto", "vllm", "transformers", "openai")
 """What a ``--server`` is told: ``vllm`` (OpenAI fields plus vLLM's ``top_k``, ``min_p``,
@@ -79,6 +83,14 @@ def sampling_parameters(temperature: float) -> dict[str, Any]:
             "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
+def sampling_record(temperature: float | dict[str, float]) -> dict[str, Any]:
+    """The manifest's ``sampling``: :func:`sampling_parameters`, with a temperature mixture (``{"0.6":
+    0.3, ...}``, drawn per row) as its ``temperature``."""
+    if isinstance(temperature, dict):
+        return {**sampling_parameters(1.0), "temperature": dict(temperature)}
+    return sampling_parameters(temperature)
+
+
 def _neutral_generation_config(temperature: float, max_new_tokens: int) -> dict[str, Any]:
     """transformers ``GenerationConfig`` fields for :func:`sampling_parameters`: every logits
     processor a model's generation config can switch on, set to its neutral value (the sampling
@@ -96,13 +108,14 @@ def _neutral_generation_config(temperature: float, max_new_tokens: int) -> dict[
 
 @dataclass
 class Request:
-    """One assistant turn to generate: the conversation so far (OpenAI messages), the tools, and the
-    chat template's variables it is asked with (vLLM's ``chat_template_kwargs``: rendered into the
-    local prompt, sent to servers as that request field)."""
+    """One assistant turn to generate: the conversation so far (OpenAI messages), the tools, the chat
+    template's variables it is asked with (vLLM's ``chat_template_kwargs``: rendered into the local
+    prompt, sent to servers as that request field) and its sampling ``temperature`` (None: the back end's)."""
 
     messages: list[dict[str, Any]]
     tools: list[Any] | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    temperature: float | None = None
 
 
 @dataclass
@@ -213,17 +226,20 @@ class BackendConfig:
             if not value >= least:
                 raise ValueError(f"{name} must be >= {least}, got {value}")
 
-    def make(self, max_new_tokens: int, temperature: float) -> LocalBackend | ServerBackend:
-        """The back end (loads the local verifier, or connects to the servers)."""
+    def make(self, max_new_tokens: int, temperature: float | dict[str, float],
+             reasoning_parser: str | None = None) -> LocalBackend | ServerBackend:
+        """The back end (loads the local verifier, or connects to the servers); ``temperature`` a float or
+        a mixture (each request then states its own); ``reasoning_parser``: how answers are parsed
+        (:mod:`stores.answer_parsing`)."""
         if self.verifier:
             return LocalBackend(self.verifier, max_new_tokens, temperature, batch_size=self.batch_size,
-                                device=self.device)
+                                device=self.device, reasoning_parser=reasoning_parser)
         tokenizer = None
         if self.tokenizer:
             tokenizer = load_tokenizer(self.tokenizer)
         backend = ServerBackend(list(self.servers), self.served_model, max_new_tokens, temperature,
                                 concurrency=self.concurrency, retries=self.retries, timeout=self.timeout,
-                                tokenizer=tokenizer, kind=self.server_kind)
+                                tokenizer=tokenizer, kind=self.server_kind, reasoning_parser=reasoning_parser)
         if self.tokenizer:
             backend.record["tokenizer"] = self.tokenizer
         return backend
@@ -236,16 +252,21 @@ class LocalBackend:
         verifier: MODEL (``smollm2-135m``, a directory or a hub id).
         max_new_tokens: most tokens per answer.
         temperature: 0 for greedy decoding, else sampling at this temperature.
-        batch_size: requests per ``generate`` call (a wave is sorted by prompt length first).
+        batch_size: requests per ``generate`` call (a wave is sorted by temperature and prompt length first).
         device: ``cpu``, ``cuda``...; default ``cuda`` when available.
+        reasoning_parser: vLLM's ``--reasoning-parser`` name the answers are parsed with
+            (:func:`stores.answer_parsing.parse_answer`); None: see :meth:`answer_of`.
 
     Raises:
         ModelNotFoundError, MissingDependencyError: the verifier cannot be loaded.
     """
 
-    def __init__(self, verifier: str, max_new_tokens: int, temperature: float, batch_size: int = 16,
-                 device: str | None = None):
+    def __init__(self, verifier: str, max_new_tokens: int, temperature: float | dict[str, float], batch_size: int = 16,
+                 device: str | None = None, reasoning_parser: str | None = None):
         from transformers import GenerationConfig
+
+        check_reasoning_parser(reasoning_parser)
+        self.reasoning_parser = reasoning_parser
 
         self.tokenizer = load_tokenizer(verifier)
         self.model = load_verifier(verifier, device=device)
@@ -260,7 +281,7 @@ class LocalBackend:
                        "verifier_fingerprint": model_fingerprint(resolve_model(verifier)),
                        "device": str(self.model.device), "dtype": str(self.model.dtype).replace("torch.", ""),
                        "batch_size": batch_size,  # batches are padded: a resumed greedy run needs the same
-                       "sampling": sampling_parameters(temperature), "not_sent": [],
+                       "sampling": sampling_record(temperature), "not_sent": [],
                        "verifier_generation_config_ignored": ignored, "token_ids": True}
         cfg = self.model.config.get_text_config()
         self.max_positions = getattr(cfg, "max_position_embeddings", None)
@@ -273,8 +294,15 @@ class LocalBackend:
         """The token ids of a request rendered with the chat template and the generation prompt."""
         return prompt_tokens(self.tokenizer, request)
 
+    def _temperature(self, request: Request) -> float:
+        if request.temperature is not None:
+            return float(request.temperature)
+        if isinstance(self.temperature, dict):
+            raise ValueError("a temperature mixture needs each request's temperature")
+        return float(self.temperature)
+
     def generate(self, requests: list[Request]) -> list[Answer]:
-        """Answers to ``requests`` in their order (batched by prompt length)."""
+        """Answers to ``requests`` in their order (batched by temperature, then prompt length)."""
         prompts = [self.prompt_ids(r) for r in requests]
         answers: list[Answer | None] = [None] * len(requests)
         todo = []
@@ -285,23 +313,28 @@ class LocalBackend:
                                     prompt_tokens=len(ids))
             else:
                 todo.append(i)
-        todo.sort(key=lambda i: (len(prompts[i]), i))
-        for start in range(0, len(todo), self.batch_size):
-            batch = todo[start:start + self.batch_size]
-            for i, answer in zip(batch, self._generate_batch([prompts[i] for i in batch],
-                                                             [requests[i].tools for i in batch])):
-                answers[i] = answer
+        temps = [self._temperature(r) for r in requests]
+        todo.sort(key=lambda i: (temps[i], len(prompts[i]), i))
+        for t in sorted({temps[i] for i in todo}):
+            group = [i for i in todo if temps[i] == t]
+            for start in range(0, len(group), self.batch_size):
+                batch = group[start:start + self.batch_size]
+                for i, answer in zip(batch, self._generate_batch([prompts[i] for i in batch], [requests[i] for i in batch],
+                                                                 t)):
+                    answers[i] = answer
         return answers
 
-    def _generation_config(self, pad: int):
-        """The generation config of :func:`sampling_parameters` at this run's temperature and token
-        limit, stopping at the verifier's end-of-sequence ids (none of its own sampling settings)."""
+    def _generation_config(self, pad: int, temperature: float | None = None):
+        """The generation config of :func:`sampling_parameters` at ``temperature`` (None: this run's) and this
+        run's token limit, stopping at the verifier's end-of-sequence ids (none of its own sampling settings)."""
         from transformers import GenerationConfig
 
-        return GenerationConfig(**_neutral_generation_config(self.temperature, self.max_new_tokens),
+        if temperature is None:
+            temperature = self._temperature(Request(messages=[]))
+        return GenerationConfig(**_neutral_generation_config(temperature, self.max_new_tokens),
                                 pad_token_id=pad, eos_token_id=sorted(self.eos_ids))
 
-    def _generate_batch(self, prompts: list[list[int]], tools: list) -> list[Answer]:
+    def _generate_batch(self, prompts: list[list[int]], requests: list[Request], temperature: float) -> list[Answer]:
         """One left-padded ``generate`` call; each row cut at its first end-of-sequence token."""
         import torch
 
@@ -315,13 +348,18 @@ class LocalBackend:
             mask[row, width - len(p):] = 1
         with torch.no_grad():
             out = self.model.generate(input_ids=ids.to(self.model.device), attention_mask=mask.to(self.model.device),
-                                      generation_config=self._generation_config(pad))
-        return [self.answer_of(out[row, width:].tolist(), p, t) for row, (p, t) in enumerate(zip(prompts, tools))]
+                                      generation_config=self._generation_config(pad, temperature))
+        return [self.answer_of(out[row, width:].tolist(), p, r.tools, r.chat_template_kwargs)
+                for row, (p, r) in enumerate(zip(prompts, requests))]
 
-    def answer_of(self, generated: list[int], prompt: list[int], tools: list | None = None) -> Answer:
+    def answer_of(self, generated: list[int], prompt: list[int], tools: list | None = None,
+                  chat_template_kwargs: dict[str, Any] | None = None) -> Answer:
         """The :class:`Answer` of ``generated`` ids (cut after the first end-of-sequence id).
 
-        With a tokenizer that declares a ``response_template``, ``tokenizer.parse_response`` splits
+        With ``reasoning_parser``, the answer as ``vllm serve --reasoning-parser NAME`` returns it
+        (:func:`stores.answer_parsing.parse_answer`, with the request's ``chat_template_kwargs``); an
+        answer it cannot parse exactly is an error (``unparsed answer format``), as is, for a think
+        parser, one holding other special tokens than the tags. Else, with a tokenizer that declares a ``response_template``, ``tokenizer.parse_response`` splits
         content, reasoning and tool calls (what ``transformers serve`` does). Otherwise the text is
         the ``skip_special_tokens`` decode with a think block split off (:func:`split_reasoning`; text
         before a ``</think>`` is reasoning only when the answer or the prompt opened the block);
@@ -339,6 +377,8 @@ class LocalBackend:
             return Answer(error=error, **done)
         done["cut_partial_char"], kept = n < len(kept), kept[:n]
         done["token_ids"] = list(kept)
+        if self.reasoning_parser is not None:
+            return self._parsed(kept, chat_template_kwargs, done)
         if getattr(self.tokenizer, "response_template", None) is not None:
             # decoded here: parse_response's own decode of ids would clean up tokenization spaces
             parsed = self.tokenizer.parse_response(
@@ -355,11 +395,29 @@ class LocalBackend:
             names = ", ".join(self.tokenizer.convert_ids_to_tokens(odd))
             return Answer(error=f"unparsed answer format: the answer holds special tokens ({names}) that a plain "
                                 "decode drops, and the tokenizer declares no response_template to parse them; "
-                                "use a --server that parses this model's output", **done)
+                                "pass --reasoning-parser NAME (openai_gptoss for Harmony channels) or use a --server "
+                                "that parses this model's output", **done)
         opened = prompt_opens_think(self.tokenizer.decode(prompt, clean_up_tokenization_spaces=False))
         content, reasoning = split_reasoning(self.tokenizer.decode(kept, skip_special_tokens=True,
                                                                    clean_up_tokenization_spaces=False), opened)
         return Answer(content=content, reasoning=reasoning, **done)
+
+    def _parsed(self, kept: list[int], chat_template_kwargs: dict[str, Any] | None, done: dict[str, Any]) -> Answer:
+        """The answer of the kept ids through ``self.reasoning_parser`` (:meth:`answer_of`)."""
+        if self.reasoning_parser != "openai_gptoss":
+            special = set(self.tokenizer.all_special_ids) - self.eos_ids
+            odd = sorted({t for t in kept if t in special})
+            if odd:
+                names = ", ".join(self.tokenizer.convert_ids_to_tokens(odd))
+                return Answer(error=f"unparsed answer format: the answer holds special tokens ({names}) that "
+                                    f"--reasoning-parser {self.reasoning_parser}'s decode drops", **done)
+        try:
+            parsed = parse_answer(self.tokenizer, kept, self.reasoning_parser, self.eos_ids, chat_template_kwargs)
+        except AnswerFormatError as e:
+            return Answer(error=str(e), **done)
+        calls = parsed.tool_calls
+        return Answer(content=parsed.content, reasoning=parsed.reasoning, tool_calls=calls,
+                      **{**done, **({"finish_reason": "tool_calls"} if calls and done["finish_reason"] == "stop" else {})})
 
 
 _SPECIAL_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
@@ -382,6 +440,10 @@ class ServerBackend:
             (content the template does not render); None: the servers' templates are trusted.
         kind: one of :data:`SERVER_KINDS`: which fields state :func:`sampling_parameters` (and
             ask for the generated token ids) in each request.
+        reasoning_parser: a think parser (:data:`stores.answer_parsing.THINK_PARSERS`) splitting the
+            content of a server that returned no reasoning of its own (one started without
+            ``--reasoning-parser``), as vLLM's parser of that name would; None: :func:`split_reasoning`.
+            ``openai_gptoss`` is refused: a server's text has no Harmony tokens left to parse.
 
     Raises:
         MissingDependencyError: the ``openai`` package is missing.
@@ -389,15 +451,20 @@ class ServerBackend:
             and the models cannot be listed.
     """
 
-    def __init__(self, urls: list[str], model: str | None, max_new_tokens: int, temperature: float,
+    def __init__(self, urls: list[str], model: str | None, max_new_tokens: int, temperature: float | dict[str, float],
                  concurrency: int = 8, retries: int = 5, timeout: float = 600.0, tokenizer=None,
-                 kind: str = "auto"):
+                 kind: str = "auto", reasoning_parser: str | None = None):
         try:
             import openai
         except ImportError as e:  # pragma: no cover - a dependency of peagle
             raise MissingDependencyError("the server back end needs `pip install openai`") from e
         if kind not in SERVER_KINDS:
             raise ValueError(f"--server-kind must be one of {SERVER_KINDS}, got {kind!r}")
+        check_reasoning_parser(reasoning_parser)
+        if reasoning_parser == "openai_gptoss":
+            raise ValueError("--reasoning-parser openai_gptoss goes with --verifier: a server's answer text has no "
+                             "Harmony tokens left; serve gpt-oss with vLLM, which returns its channels parsed")
+        self.reasoning_parser = reasoning_parser
         self.bases = [server_base_url(u) for u in urls]
         self.clients = {b: openai.OpenAI(base_url=b, api_key="EMPTY", max_retries=retries, timeout=timeout)
                         for b in self.bases}
@@ -413,10 +480,10 @@ class ServerBackend:
             owners = {getattr(m, "owned_by", None) for m in listed}
             kind = "vllm" if owners == {"vllm"} else "openai"
         self.kind = kind
-        self.params = _request_params(kind, temperature, max_new_tokens)
+        self.params = None if isinstance(temperature, dict) else _request_params(kind, temperature, max_new_tokens)
         self.record = {"backend": "server", "servers": self.bases, "model": self.model,
                        "concurrency": concurrency, "retries": retries, "server_kind": kind,
-                       "sampling": sampling_parameters(temperature), "not_sent": list(_NOT_SENT[kind]),
+                       "sampling": sampling_record(temperature), "not_sent": list(_NOT_SENT[kind]),
                        "token_ids": kind == "vllm"}
 
     def _models(self, required: bool) -> list:
@@ -448,7 +515,9 @@ class ServerBackend:
         base = self.slots.get()
         try:
             kwargs = {"tools": request.tools} if request.tools else {}
-            params = _with_template_kwargs(self.params, request.chat_template_kwargs)
+            params = self.params if request.temperature is None else _request_params(
+                self.kind, request.temperature, self.max_new_tokens)
+            params = _with_template_kwargs(params, request.chat_template_kwargs)
             resp = self.clients[base].chat.completions.create(
                 model=self.model, messages=_wire_messages(request.messages), **params, **kwargs)
         except openai.BadRequestError as e:
@@ -463,7 +532,7 @@ class ServerBackend:
         if self.tokenizer is not None:
             opened = prompt_opens_think(self.tokenizer.decode(prompt_tokens(self.tokenizer, request),
                                                               clean_up_tokenization_spaces=False))
-        answer = _answer_of(resp, opened)
+        answer = _answer_of(resp, opened, self.reasoning_parser, request.chat_template_kwargs)
         if answer.token_ids is not None and answer.finish_reason == "length":
             # a cut character's bytes left the text: its ids go too (counted with the tokenizer; none
             # can be kept without one)
@@ -501,7 +570,8 @@ def _request_params(kind: str, temperature: float, max_new_tokens: int) -> dict[
     return params
 
 
-def _answer_of(resp, prompt_opened: bool | None = None) -> Answer:
+def _answer_of(resp, prompt_opened: bool | None = None, reasoning_parser: str | None = None,
+               chat_template_kwargs: dict[str, Any] | None = None) -> Answer:
     """An :class:`Answer` from an ``openai`` ChatCompletion.
 
     An answer cut at ``max_tokens`` (``finish_reason == "length"``) drops the U+FFFD its text ends
@@ -509,14 +579,19 @@ def _answer_of(resp, prompt_opened: bool | None = None) -> Answer:
     any other U+FFFD makes it an error (``undecodable answer``): a server's text cannot be checked
     against the tokens it came from. ``token_ids``: the choice's ``token_ids`` (vLLM's
     ``return_token_ids``), else None. ``prompt_opened``: whether the prompt ends inside an open think
-    block (:func:`split_reasoning`; None: unknown).
+    block (:func:`split_reasoning`; None: unknown). A server that returned no reasoning field has its
+    content split by ``reasoning_parser`` (a think parser, as vLLM's of that name) when given, else by
+    :func:`split_reasoning`.
     """
     choice = resp.choices[0]
     msg = choice.message
     extra = msg.model_extra or {}
     reasoning = extra.get("reasoning_content") or extra.get("reasoning")
     content = msg.content or ""
-    if reasoning is None:
+    if reasoning is None and reasoning_parser is not None:
+        reasoning, parsed = parse_think(content, reasoning_parser, chat_template_kwargs)
+        content = parsed or ""
+    elif reasoning is None:
         content, reasoning = split_reasoning(content, prompt_opened)
     finish, usage = choice.finish_reason or "stop", resp.usage
     calls = [{"type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}

@@ -55,6 +55,7 @@ but not reproducible across batch shapes, so a resumed sampled run is a valid ru
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -66,6 +67,8 @@ from peagle_data.readers.conversations import read_conversations
 from peagle_data.readers.inputs import resolve_inputs
 from peagle_data.readers.rows import FORMATS, Conversation, Reject
 from peagle_data.regenerate.backends import Answer, BackendConfig, Request, prompt_tokens
+from peagle_data.regenerate.row_settings import Mixture, RowSettings, parse_mixture, row_settings, template_value
+from stores.answer_parsing import check_reasoning_parser
 from stores.conversation_files import ConversationWriter, check_output, read_regenerate_manifest
 from stores.errors import InputError
 from stores.progress import progress
@@ -84,8 +87,10 @@ class RegenerateConfig:
 
     max_new_tokens: int = 512
     """Most tokens per answer; an answer cut there is kept and counted (``--max-new-tokens``)."""
-    temperature: float = 0.0
-    """0 is greedy (reproducible, resumable to the same file); else sampling (``--temperature``)."""
+    temperature: float | dict[str, float] = 0.0
+    """0 is greedy (reproducible, resumable to the same file); else sampling; or a mixture, a JSON object
+    ``{"0.6": 0.3, "1.0": 0.7}``: each row draws one from --seed and its id (weights normalised; recorded
+    per row) (``--temperature``)."""
     turns: str = "all"
     """Regenerate every assistant turn (given the regenerated history), only the last one, or only the
     first one, ending the conversation after it (``--turns``)."""
@@ -108,12 +113,46 @@ class RegenerateConfig:
     verifier's context (``--max-prompt-tokens``; with ``--server`` it needs ``--tokenizer`` to count)."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """The chat template's variables the verifier is asked with, as vLLM's ``chat_template_kwargs``
-    (``--chat-template-kwargs``, a JSON object such as ``{"enable_thinking": false}``): rendered into the
-    local verifier's prompts and the prompts checked with ``--tokenizer``, sent to servers as the request's
-    ``chat_template_kwargs``. Pass the same to ``tokenize``/``pack`` of the output."""
+    (``--chat-template-kwargs``, a JSON object such as ``{"enable_thinking": false}``): the fixed mode of every
+    row, rendered into the local verifier's prompts and the prompts checked with ``--tokenizer``, sent to servers
+    as the request's ``chat_template_kwargs``; recorded in the manifest. Pass the same to ``tokenize``/``pack`` of
+    the output. A row's drawn variables (``--reasoning-effort``, ``--enable-thinking``, ``--template-mixture``)
+    go on top of them; a variable given both ways is refused."""
+    reasoning_effort: str | dict[str, float] | None = None
+    """The chat template's ``reasoning_effort`` (gpt-oss: low, medium, high), or a mixture ``{"low": 0.2,
+    "high": 0.8}`` drawn per row and recorded in the row; None: not drawn (``--reasoning-effort``)."""
+    enable_thinking: bool | str | dict[str, float] | None = None
+    """The chat template's ``enable_thinking`` (Qwen3 hybrid thinking: true/false), or a mixture ``{"true":
+    0.5, "false": 0.5}`` drawn per row and recorded in the row; None: not drawn (``--enable-thinking``)."""
+    template_mixture: dict[str, Any] | str | None = None
+    """Other chat-template variables, each a value or a mixture drawn per row and recorded in the row: a JSON
+    object ``{"thinking": {"true": 0.7, "false": 0.3}}`` (``--template-mixture``)."""
+    reasoning_parser: str | None = None
+    """How an answer becomes the row's assistant message, as ``vllm serve --reasoning-parser NAME`` returns
+    it: deepseek_r1, deepseek_v3, qwen3 (think blocks), openai_gptoss (Harmony channels, --verifier only);
+    content as ``content``, reasoning as ``reasoning_content``; an answer it cannot parse exactly is a
+    reject. None: a think block is split off, other special tokens refused (``--reasoning-parser``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "chat_template_kwargs", check_kwargs_names(self.chat_template_kwargs or {}))
+        temperature = parse_mixture(self.temperature, "--temperature", _temperature)
+        object.__setattr__(self, "temperature", temperature.weights if isinstance(temperature, Mixture) else temperature)
+        for name, cast in (("reasoning_effort", _effort), ("enable_thinking", _thinking)):
+            value = getattr(self, name)
+            if value is not None:
+                value = parse_mixture(value, "--" + name.replace("_", "-"), cast)
+                object.__setattr__(self, name, value.weights if isinstance(value, Mixture) else value)
+        if self.template_mixture is not None:
+            object.__setattr__(self, "template_mixture", _template_mixture(self.template_mixture))
+            twice = sorted({"reasoning_effort", "enable_thinking"} & set(self.template_mixture))
+            if twice and any(getattr(self, k) is not None for k in twice):
+                raise ValueError(f"--template-mixture sets {', '.join(twice)}, given by its own option too: give it once")
+        both = sorted(set(self.chat_template_kwargs) & set(self.settings_of()[1]))
+        if both:
+            raise ValueError(f"{', '.join(both)} given both by --chat-template-kwargs (every row's fixed variables) "
+                             "and as a per-row setting (--reasoning-effort, --enable-thinking, --template-mixture): "
+                             "give each variable one way")
+        check_reasoning_parser(self.reasoning_parser)
         if self.turns not in TURNS:
             raise ValueError(f"--turns must be one of {TURNS}, got {self.turns!r}")
         if self.format not in FORMATS:
@@ -122,8 +161,6 @@ class RegenerateConfig:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.chunk_rows < 1:
             raise ValueError(f"chunk_rows must be >= 1, got {self.chunk_rows}")
-        if self.temperature < 0:
-            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
         if self.on_dropped_content not in ON_DROPPED:
             raise ValueError(f"--on-dropped-content must be one of {ON_DROPPED}, got {self.on_dropped_content!r}")
         if self.on_truncated not in ON_TRUNCATED:
@@ -132,6 +169,64 @@ class RegenerateConfig:
             raise ValueError(f"--limit must be >= 1 rows, got {self.limit}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError(f"--max-prompt-tokens must be >= 1, got {self.max_prompt_tokens}")
+
+    def settings_of(self) -> tuple[float | Mixture, dict[str, Any]]:
+        """``(temperature, template variables)``, each a value or a :class:`Mixture` (for :func:`row_settings`)."""
+        def setting(value: Any, cast) -> Any:
+            return parse_mixture(value, "", cast) if isinstance(value, dict) else value
+
+        variables = {"reasoning_effort": setting(self.reasoning_effort, _effort),
+                     "enable_thinking": setting(self.enable_thinking, _thinking)}
+        for name, value in (self.template_mixture or {}).items():
+            variables[name] = setting(value, template_value)
+        return setting(self.temperature, _temperature), {k: v for k, v in variables.items() if v is not None}
+
+    @property
+    def per_row(self) -> bool:
+        """Whether rows record their drawn settings: a mixture or a template variable is given."""
+        temperature, variables = self.settings_of()
+        return isinstance(temperature, Mixture) or bool(variables)
+
+
+def _temperature(value: Any) -> float:
+    t = float(value)
+    if not (t >= 0 and t != float("inf")):
+        raise ValueError(f"a temperature must be a finite number >= 0, got {value!r}")
+    return t
+
+
+def _effort(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"expected a name such as low, medium, high, got {value!r}")
+    return value
+
+
+def _thinking(value: Any) -> bool:
+    value = template_value(value)
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
+def _template_mixture(value: Any) -> dict[str, Any]:
+    """--template-mixture as ``{variable: value or normalised {key: weight}}``.
+
+    Raises:
+        ValueError: not a JSON object of variables (names the option).
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--template-mixture: invalid JSON ({e.msg})") from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k.isidentifier() for k in value):
+        raise ValueError("--template-mixture: expected a JSON object {variable: value or {value: weight}}, "
+                         f"got {value!r}")
+    out = {}
+    for name, spec in value.items():
+        parsed = parse_mixture(spec, f"--template-mixture {name}", template_value)
+        out[name] = parsed.weights if isinstance(parsed, Mixture) else parsed
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,17 +256,23 @@ class Regeneration:
         conv: the normalised conversation.
         turns: ``all``, ``last`` or ``first`` (the conversation ends after the first assistant turn).
         on_truncated: ``keep`` an answer cut at the token limit, or ``drop`` (reject) its row.
-        chat_template_kwargs: the template variables every request of the row is asked with.
+        settings: the row's drawn temperature and chat-template variables, the run's fixed ones under them
+            (its requests carry them, its row records them all); None: the back end's temperature, the fixed
+            ``chat_template_kwargs``, nothing recorded in the row.
+        chat_template_kwargs: the run's fixed template variables (--chat-template-kwargs).
+
+    A question row (``conv.question``) has empty assistant turns to fill: ``--turns all`` answers every
+    question in order, ``first`` the first; ``last`` is a reject (there are no earlier answers to keep).
 
     Use: while :meth:`next_request` returns a request, answer it and pass the answer to
     :meth:`feed`; then :attr:`reject` is None and :meth:`row` is the output row, or
     :attr:`reject` is the reason.
     """
 
-    def __init__(self, conv: Conversation, turns: str, on_truncated: str = "keep",
+    def __init__(self, conv: Conversation, turns: str, on_truncated: str = "keep", settings: RowSettings | None = None,
                  chat_template_kwargs: dict[str, Any] | None = None):
-        self.conv, self.on_truncated = conv, on_truncated
-        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.conv, self.on_truncated, self.settings = conv, on_truncated, settings
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})  # with settings: settings.template_kwargs()
         self.dropped_content = False  # a prompt had content the template drops (--on-dropped-content keep)
         msgs = conv.messages
         assistants = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
@@ -186,6 +287,9 @@ class Regeneration:
         if not self.todo:
             self.reject = ("nothing to regenerate: every assistant turn calls tools" if turns == "all"
                            else f"nothing to regenerate: the {turns} assistant turn calls tools")
+        if conv.question and turns == "last" and len(assistants) > 1:
+            self.reject = ("nothing to regenerate: --turns last keeps the earlier answers, and a question row has "
+                           "none; use --turns all (or first) for question files")
 
     def next_request(self) -> Request | None:
         """The next turn to generate, or None when the conversation is finished (or rejected)."""
@@ -194,7 +298,10 @@ class Regeneration:
         turn = self.todo[0]
         self.out.extend(self.conv.messages[self.pos:turn])
         self.pos = turn
-        return Request(messages=list(self.out), tools=self.conv.tools, chat_template_kwargs=self.chat_template_kwargs)
+        if self.settings is None:
+            return Request(messages=list(self.out), tools=self.conv.tools, chat_template_kwargs=self.chat_template_kwargs)
+        return Request(messages=list(self.out), tools=self.conv.tools,
+                       chat_template_kwargs=self.settings.template_kwargs(), temperature=self.settings.temperature)
 
     def feed(self, answer: Answer) -> None:
         """Take the answer to the request :meth:`next_request` returned."""
@@ -224,12 +331,14 @@ class Regeneration:
         self.pos = turn + 1
 
     def row(self) -> dict[str, Any]:
-        """The output row ``{"id", "messages", "tools"?}`` of a finished, not rejected conversation."""
+        """The output row ``{"id", "messages", "tools"?, "temperature"?, "chat_template_kwargs"?}`` of a finished,
+        not rejected conversation (the last two: its drawn settings, with per-row settings)."""
         assert self.reject is None and self.next_request() is None
         ended = self.ended_at_tool_call or self.end_after_scope
         messages = self.out if ended else self.out + self.conv.messages[self.pos:]
         return {"id": self.conv.conversation_id, "messages": messages,
-                **({"tools": self.conv.tools} if self.conv.tools is not None else {})}
+                **({"tools": self.conv.tools} if self.conv.tools is not None else {}),
+                **(self.settings.record() if self.settings is not None else {})}
 
 
 _ADVICE = ("the verifier would answer without seeing it; regenerate with a verifier whose template renders it, "
@@ -380,6 +489,11 @@ def _record(job: Regeneration | Reject, writer: ConversationWriter, counts: dict
         key = reason.split(":")[0]
         counts["rejected_by_reason"][key] = counts["rejected_by_reason"].get(key, 0) + 1
         return
+    if job.settings is not None:  # the drawn settings of the rows written: {setting: {value (JSON): rows}}
+        drawn = counts.setdefault("row_settings", {})
+        for name, value in {"temperature": job.settings.temperature, **job.settings.drawn}.items():
+            per_value = drawn.setdefault(name, {})
+            per_value[json.dumps(value)] = per_value.get(json.dumps(value), 0) + 1
     counts["ended_at_verifier_tool_call"] += job.ended_at_tool_call
     counts["conversations_with_dropped_content"] += job.dropped_content
     writer.write_row(job.row())
@@ -403,8 +517,15 @@ def _skip_done(items: Iterator[Conversation | Reject], done: list[str], output) 
 
 def _generate_chunk(chunk: list[Conversation | Reject], cfg: RegenerateConfig, backend, pool) -> list:
     """Regenerate the conversations of one chunk; readers' rejects pass through."""
-    jobs = [item if isinstance(item, Reject) else Regeneration(item, cfg.turns, cfg.on_truncated, cfg.chat_template_kwargs)
-            for item in chunk]
+    temperature, variables = cfg.settings_of()
+    per_row = cfg.per_row
+
+    def job(conv: Conversation) -> Regeneration:
+        settings = (row_settings(temperature, variables, cfg.seed, conv.conversation_id, cfg.chat_template_kwargs)
+                    if per_row else None)
+        return Regeneration(conv, cfg.turns, cfg.on_truncated, settings, cfg.chat_template_kwargs)
+
+    jobs = [item if isinstance(item, Reject) else job(item) for item in chunk]
     live = [j for j in jobs if isinstance(j, Regeneration)]
     if pool is None:
         _run_local(live, backend, cfg)
@@ -442,7 +563,8 @@ def run_regenerate(run: RegenerateRun, make_backend: Callable[[], Any] | None = 
     check_output(output, force, resume)
     if make_backend is None and run.backend is None:
         raise ValueError("run_regenerate needs run.backend or make_backend")
-    backend = make_backend() if make_backend is not None else run.backend.make(cfg.max_new_tokens, cfg.temperature)
+    backend = make_backend() if make_backend is not None else run.backend.make(cfg.max_new_tokens, cfg.temperature,
+                                                                                cfg.reasoning_parser)
     if cfg.max_prompt_tokens is not None and getattr(backend, "tokenizer", None) is None:
         raise InputError("--max-prompt-tokens needs a tokenizer to count prompt tokens: with --server, "
                          "pass --tokenizer MODEL (the servers' model)")
@@ -469,7 +591,7 @@ def _regenerate_into(writer: ConversationWriter, inputs, cfg: RegenerateConfig, 
     import torch
 
     torch.manual_seed(cfg.seed)
-    items = read_conversations(inputs, fmt=cfg.format, limit=cfg.limit)
+    items = read_conversations(inputs, fmt=cfg.format, limit=cfg.limit, questions=True)
     pool = ThreadPoolExecutor(backend.workers) if hasattr(backend, "answer") else None
     start, tokens0 = time.monotonic(), counts["completion_tokens"]
     writer.open()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from stores.answer_parsing import check_reasoning_parser
 from stores.chat_template import check_kwargs_names
 from stores.vllm_runtime import VllmMemory
 
@@ -71,6 +72,13 @@ class EvalConfig:
     """Online, peagle's engine: verify a dynamic draft tree of the N most probable paths (product of the per-depth
     draft probabilities) up to depth K (--tree-nodes N); greedy only. None: the chain."""
 
+    reasoning_parser: str | None = None
+    """Online, multi-turn prompts: how the verifier's answer becomes the next turn's history, as a client of
+    ``vllm serve --reasoning-parser NAME`` sends it back: the parser's content, its reasoning as
+    ``reasoning_content`` (rendered where the template renders it): deepseek_r1, deepseek_v3, qwen3 (think
+    blocks), openai_gptoss (Harmony channels). None: the whole decoded answer (vLLM without a reasoning parser);
+    an answer holding Harmony channels is then refused (--reasoning-parser)."""
+
     measure_costs: bool = True
     """Time a greedy step and, for every K <= num_depths, a drafter pass and a verifier pass over K+1 tokens on
     this machine, and report the expected speedup per K and the best K from the measured acceptance
@@ -132,6 +140,7 @@ class EvalConfig:
                 and len(self.tree_topk) != self.num_draft_tokens:
             raise ValueError(f"--tree-topk has {len(self.tree_topk)} depths but --num-draft-tokens is "
                              f"{self.num_draft_tokens}: give one or make them agree")
+        check_reasoning_parser(self.reasoning_parser)
         if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
             raise ValueError(f"--draft-sample-method must be one of {', '.join(DRAFT_SAMPLE_METHODS)}, got "
                              f"{self.draft_sample_method!r}")

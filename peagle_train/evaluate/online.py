@@ -13,7 +13,7 @@ from peagle_train.evaluate.checks import check_drafter_tokenizer, check_verifier
 from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.cost_model import cost_model_report, measure_trusted_costs
 from peagle_train.evaluate.identity import EXACT_DTYPES, compare_to_greedy, dtype_name, greedy_check_summary
-from peagle_train.evaluate.prompts import Prompt, answer_text, read_prompts, render_turn, turn_text
+from peagle_train.evaluate.prompts import Prompt, history_message, read_prompts, render_turn, turn_text
 from peagle_train.evaluate.report import write_json
 from peagle_train.evaluate.inference import PEAGLEInference, load_for_decoding
 from peagle_train.evaluate.speculative import GenerationResult, acceptance_scheme
@@ -127,7 +127,9 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
         tokenizer: the verifier's tokenizer (with a chat template).
         prompts: from :func:`read_prompts`.
         config: ``max_new_tokens``, ``num_draft_tokens``, ``temperature``, ``seed``, ``draft_sample_method``,
-            ``warmup``, ``measure_costs``, the tree options are used.
+            ``warmup``, ``measure_costs``, the tree options, ``chat_template_kwargs`` (the prompts' template
+            variables, also given to the reasoning parser) and ``reasoning_parser`` (how an answer becomes
+            the next turn's history, :func:`~peagle_train.evaluate.prompts.history_message`) are used.
         progress: called with each decoding step's new tokens, of the plain decoding and of speculative
             decoding, and at a turn's end with both decodings' unused ``max_new_tokens``: a bar of total
             ``2 * max_new_tokens * turns`` tokens (:func:`progress_total`) advances within a turn.
@@ -150,7 +152,7 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
     dtype = next(verifier.parameters()).dtype
     tops = dtype_name(dtype) not in EXACT_DTYPES  # the near-tie rule needs the reference's top logits
     for prompt in prompts:
-        answers: list[str] = []
+        answers: list[dict[str, Any]] = []
         for turn in range(len(prompt.user_turns)):
             ids = render_turn(tokenizer, prompt, turn, answers, config.chat_template_kwargs)
             seed = _turn_seed(config.seed, len(per_prompt))
@@ -163,7 +165,10 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
                 check = compare_to_greedy(spec.tokens, base.tokens, base.top_logits if tops else None, dtype)
                 checks.append((prompt.prompt_id, check))
             per_prompt.append(_turn_record(tokenizer, prompt, turn, len(ids), base, spec, check, eos))
-            answers.append(answer_text(tokenizer, base.tokens, eos))
+            if turn + 1 < len(prompt.user_turns):  # the answer as served becomes the next turn's history
+                answers.append(history_message(tokenizer, base.tokens, eos, config.reasoning_parser,
+                                               config.chat_template_kwargs,
+                                               where=f"prompt {prompt.prompt_id!r} turn {turn}"))
             if progress is not None:  # a turn that stopped early (EOS) completes its share of the total
                 progress(2 * config.max_new_tokens - len(base.tokens) - len(spec.tokens))
     wall_time_s = time.perf_counter() - start
@@ -214,7 +219,8 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
                     progress_factory: Callable[[int], Any] | None = None, temperature: float = 0.0,
                     seed: int = 0, measure_costs: bool = True, tree_topk: list[int] | None = None,
                     tree_nodes: int | None = None, draft_sample_method: str = "greedy",
-                    chat_template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+                    chat_template_kwargs: dict[str, Any] | None = None,
+                    reasoning_parser: str | None = None) -> dict[str, Any]:
     """Online evaluation of a drafter checkpoint on a prompts file (docs/design.md §9).
 
     Args:
@@ -223,8 +229,8 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
             the drafter's config.
         prompts_file: MT-Bench or OpenAI-messages JSONL (see :func:`read_prompts`).
         max_new_tokens, num_prompts, num_draft_tokens, temperature, seed, measure_costs, tree_topk, tree_nodes,
-            draft_sample_method, chat_template_kwargs:
-            see :class:`EvalConfig` (here None: none, the template's defaults).
+            draft_sample_method, chat_template_kwargs, reasoning_parser:
+            see :class:`EvalConfig` (here chat_template_kwargs None: none, the template's defaults).
         output: also write the JSON report there.
         progress_factory: ``total -> bar`` with ``update(n)`` and ``close()`` (:func:`stores.progress.progress`):
             its total is in tokens (:func:`progress_total`), so it advances within a turn.
@@ -248,7 +254,7 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
     config = EvalConfig(max_new_tokens=max_new_tokens, num_prompts=num_prompts, num_draft_tokens=num_draft_tokens,
                         temperature=temperature, seed=seed, measure_costs=measure_costs, tree_topk=tree_topk,
                         tree_nodes=tree_nodes, draft_sample_method=draft_sample_method,
-                        chat_template_kwargs=dict(chat_template_kwargs or {}))
+                        chat_template_kwargs=dict(chat_template_kwargs or {}), reasoning_parser=reasoning_parser)
     prompts = read_prompts(prompts_file, config.num_prompts)
     drafter = load_drafter(drafter_dir)
     name = verifier_name or drafter.config.verifier_name_or_path

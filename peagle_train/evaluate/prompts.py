@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stores.answer_parsing import AnswerFormatError, answer_message, parse_answer
 from stores.chat_template import ChatTemplate, prompt_ids, render
 from stores.errors import InputError
+from stores.question_rows import QUESTION_FIELDS, QuestionRowError, question_id, question_turns
 
 
 @dataclass(frozen=True)
@@ -48,12 +50,12 @@ def _check_messages(msgs: Any, file: str, row: int) -> None:
 def _parse_prompt(obj: Any, file: str, row: int) -> Prompt:
     if not isinstance(obj, dict):
         raise InputError(f"expected a JSON object, got {type(obj).__name__}", file=file, row=row)
-    pid = str(obj.get("question_id", obj.get("id", row)))
-    if "turns" in obj:
-        turns = obj["turns"]
-        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
-            raise InputError("expected a non-empty list of strings", file=file, row=row, field="turns")
-        return Prompt(pid, list(turns))
+    pid = question_id(obj) or str(row)
+    if "turns" in obj or ("messages" not in obj and any(k in obj for k in QUESTION_FIELDS)):
+        try:
+            return Prompt(pid, question_turns(obj) or [])
+        except QuestionRowError as e:
+            raise InputError(e.reason, file=file, row=row, field=e.field) from None
     if "messages" in obj:
         msgs = obj["messages"]
         _check_messages(msgs, file, row)
@@ -63,15 +65,16 @@ def _parse_prompt(obj: Any, file: str, row: int) -> Prompt:
         last = users[-1]
         prefix = [{"role": m["role"], "content": m["content"]} for m in msgs[:last]]
         return Prompt(pid, [msgs[last]["content"]], prefix)
-    raise InputError("expected an MT-Bench line with 'turns' or an OpenAI line with 'messages'",
-                     file=file, row=row)
+    raise InputError("expected an MT-Bench line with 'turns', a 'prompt' or 'question' line, or an OpenAI line "
+                     "with 'messages'", file=file, row=row)
 
 
 def read_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
     """Read prompts from a JSONL file (blank lines skipped).
 
-    Lines are MT-Bench ``{"question_id", "turns": [str, ...]}`` (every turn is evaluated, with the
-    verifier's earlier answers as history) or OpenAI ``{"messages": [...]}``: only the last user turn
+    Lines are question rows (:mod:`stores.question_rows`, as ``regenerate`` reads them): MT-Bench
+    ``{"question_id", "turns": [str, ...]}`` (every turn is evaluated, with the verifier's earlier answers
+    as history), ``{"prompt": str}`` or ``{"question": str}``; or OpenAI ``{"messages": [...]}``: only the last user turn
     is evaluated, with the messages before it (their assistant turns as written, not the verifier's)
     as history; messages after it (a reference answer) are not used. Messages are plain
     ``{"role", "content": str}``: tool calls, tool results and content-part lists are refused. The id
@@ -100,18 +103,20 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
     return prompts
 
 
-def turn_messages(prompt: Prompt, turn: int, answers: Sequence[str]) -> list[dict[str, str]]:
+def turn_messages(prompt: Prompt, turn: int, answers: Sequence[str | dict[str, Any]]) -> list[dict[str, Any]]:
     """The messages of turn ``turn`` of ``prompt``: its prefix, then user turns ``0..turn`` with the
-    verifier's answers to turns ``0..turn-1`` (``answers``) between them."""
+    verifier's answers to turns ``0..turn-1`` (``answers``: assistant messages as :func:`history_message`
+    makes them, or plain texts) between them."""
     messages = list(prompt.prefix)
     for i in range(turn + 1):
         messages.append({"role": "user", "content": prompt.user_turns[i]})
         if i < turn:
-            messages.append({"role": "assistant", "content": answers[i]})
+            answer = answers[i]
+            messages.append(dict(answer) if isinstance(answer, dict) else {"role": "assistant", "content": answer})
     return messages
 
 
-def render_turn(tokenizer, prompt: Prompt, turn: int, answers: Sequence[str],
+def render_turn(tokenizer, prompt: Prompt, turn: int, answers: Sequence[str | dict[str, Any]],
                 chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of turn ``turn`` of ``prompt`` (:func:`turn_messages`) with the verifier's chat template
     and a generation prompt, rendered as vLLM's chat endpoint renders the same messages and as
@@ -119,7 +124,7 @@ def render_turn(tokenizer, prompt: Prompt, turn: int, answers: Sequence[str],
     parts for a template that loops over content, developer messages as vLLM passes them).
 
     Args:
-        answers: the verifier's answers to turns ``0..turn-1``.
+        answers: the verifier's answers to turns ``0..turn-1`` (:func:`history_message`, or texts).
         chat_template_kwargs: the template's variables (vLLM's ``chat_template_kwargs``, --chat-template-kwargs).
 
     Raises:
@@ -156,6 +161,36 @@ def answer_text(tokenizer, tokens: Sequence[int], eos: Iterable[int]) -> str:
     eos = set(eos)
     return tokenizer.decode([t for t in tokens if t not in eos], skip_special_tokens=True,
                             clean_up_tokenization_spaces=False)
+
+
+def history_message(tokenizer, tokens: Sequence[int], eos: Iterable[int], reasoning_parser: str | None = None,
+                    chat_template_kwargs: dict[str, Any] | None = None, where: str = "") -> dict[str, Any]:
+    """The assistant message a client of ``vllm serve --reasoning-parser reasoning_parser`` sends back for
+    generated ``tokens``: the parser's content, and its reasoning as ``reasoning_content`` (rendered only
+    where the chat template renders earlier reasoning) (:func:`stores.answer_parsing.parse_answer`; no
+    parser: the ``skip_special_tokens`` decode, as :func:`answer_text`, vLLM without a reasoning parser).
+
+    Args:
+        tokens: int ids ``[N]`` the verifier generated (EOS and what follows it left out).
+        chat_template_kwargs: the template variables the turn was rendered with (``qwen3`` and
+            ``deepseek_v3`` read ``enable_thinking``/``thinking``, as vLLM's parsers do).
+        where: the prompt and turn, for the error message.
+
+    Raises:
+        InputError: the answer cannot be parsed exactly (Harmony channels without ``--reasoning-parser
+            openai_gptoss``, a Harmony answer cut in a header...), or it calls a tool (evaluation prompts
+            are plain chat).
+    """
+    try:
+        parsed = parse_answer(tokenizer, list(tokens), reasoning_parser, eos, chat_template_kwargs)
+    except AnswerFormatError as e:
+        raise InputError(f"{where}: the verifier's answer cannot become the next turn's history: {e}",
+                         field="--reasoning-parser") from None
+    if parsed.tool_calls:
+        raise InputError(f"{where}: the verifier answered with a tool call "
+                         f"({parsed.tool_calls[0]['function']['name']}); evaluation prompts are plain chat and "
+                         "a later turn would need its result", field="--prompts")
+    return answer_message(parsed)
 
 
 def turn_text(tokenizer, tokens: Sequence[int], eos: Iterable[int]) -> str:

@@ -83,7 +83,7 @@ def _evaluate(run: EvalRun, drafter: str, log: Callable[[str], None]) -> dict[st
                                  progress_factory=_progress("online eval (plain + speculative)", "tok"), temperature=s.temperature,
                                  seed=s.seed, measure_costs=s.measure_costs, tree_topk=s.tree_topk,
                                  tree_nodes=s.tree_nodes, draft_sample_method=s.draft_sample_method,
-                                 chat_template_kwargs=s.chat_template_kwargs)
+                                 chat_template_kwargs=s.chat_template_kwargs, reasoning_parser=s.reasoning_parser)
     if s.measure_costs and offline is not None and (online is None or s.engine == "vllm"):
         offline = {**offline, "cost_model": _offline_cost_model(drafter, run.store, offline, s.cost_rounds)}
     if online is None:

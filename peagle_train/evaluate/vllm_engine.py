@@ -37,7 +37,7 @@ from typing import Any
 
 from peagle_train.evaluate.config import VLLM_LOADINGS, EvalConfig
 from peagle_train.evaluate.identity import TOP_K, compare_to_greedy, greedy_check_summary
-from peagle_train.evaluate.prompts import Prompt, answer_text, eos_ids, read_prompts, render_turn, turn_text
+from peagle_train.evaluate.prompts import Prompt, eos_ids, history_message, read_prompts, render_turn, turn_text
 from peagle_train.evaluate.speculative import acceptance_scheme, check_draft_sample_method, checked_num_draft_tokens
 from peagle_train.model.checkpoint import find_drafter, load_drafter
 from stores.errors import InputError, ModelNotFoundError
@@ -359,27 +359,33 @@ def _generation_config(directory: str):
 
 
 def next_turn_prompts(tokenizer, prompts: Sequence[Prompt], eos: Iterable[int], order: list[tuple[int, int]],
-                      answers: list[list[str]], outputs: list[list[int]] | None,
-                      chat_template_kwargs: dict[str, Any] | None = None) -> list[list[int]]:
+                      answers: list[list[dict[str, Any]]], outputs: list[list[int]] | None,
+                      chat_template_kwargs: dict[str, Any] | None = None,
+                      reasoning_parser: str | None = None) -> list[list[int]]:
     """The next turn's token-id prompts, given the greedy answers of the previous turn's requests.
 
     Args:
         prompts: the prompts read; eos: ids that end a turn (dropped from the history).
         order: ``(prompt index, turn)`` of each request so far; the new requests are appended.
-        answers: per prompt, the answer texts so far; ``outputs``' decodings are appended (decoded as
-            peagle's own engine does, :func:`~peagle_train.evaluate.prompts.answer_text`: special
-            tokens skipped, never cleaned up, so ``x != y`` stays ``x != y`` in the next prompt).
+        answers: per prompt, the answers so far; ``outputs``' are appended as the assistant messages a
+            client of ``vllm serve --reasoning-parser reasoning_parser`` sends back, as peagle's own engine
+            makes them (:func:`~peagle_train.evaluate.prompts.history_message`: never cleaned up, so
+            ``x != y`` stays ``x != y`` in the next prompt).
         outputs: per request of the previous turn (the last ``len(outputs)`` of ``order``), the
             generated token ids; None: the first turn.
-        chat_template_kwargs: the template's variables (vLLM's ``chat_template_kwargs``; None: none).
+        chat_template_kwargs: the template's variables (vLLM's ``chat_template_kwargs``; None: none): the
+            prompts are rendered with them and the reasoning parser reads them (``enable_thinking``, ``thinking``).
+        reasoning_parser: vLLM's ``--reasoning-parser`` name the answers are parsed with (None: none).
 
     Returns:
         per prompt that has one more user turn, its rendered prompt token ids (empty: no turn left).
     """
     turn = 0
     if outputs is not None:
-        for (i, _), tokens in zip(order[-len(outputs):], outputs):
-            answers[i].append(answer_text(tokenizer, tokens, eos))
+        for (i, t), tokens in zip(order[-len(outputs):], outputs):
+            if t + 1 < len(prompts[i].user_turns):
+                answers[i].append(history_message(tokenizer, tokens, eos, reasoning_parser, chat_template_kwargs,
+                                                  where=f"prompt {prompts[i].prompt_id!r} turn {t}"))
         turn = order[-1][1] + 1
     batch = []
     for i, p in enumerate(prompts):
@@ -426,10 +432,11 @@ def vllm_reference(verifier_name: str, prompts_file: str | Path, config: EvalCon
     eos = set(eos_ids(tokenizer, SimpleNamespace(generation_config=_generation_config(directory))))
     prompts = read_prompts(prompts_file, config.num_prompts)
     order: list[tuple[int, int]] = []
-    answers: list[list[str]] = [[] for _ in prompts]
+    answers: list[list[dict[str, Any]]] = [[] for _ in prompts]
 
     def next_turns(outputs: list[list[int]] | None) -> list[list[int]]:
-        return next_turn_prompts(tokenizer, prompts, eos, order, answers, outputs, config.chat_template_kwargs)
+        return next_turn_prompts(tokenizer, prompts, eos, order, answers, outputs, config.chat_template_kwargs,
+                                 config.reasoning_parser)
 
     plain = vllm_generate(directory, next_turns(None), config.max_new_tokens, sorted(eos),
                           concurrency=config.concurrency, turns=next_turns, log=log, memory=config.vllm_memory,

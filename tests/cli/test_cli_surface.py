@@ -30,7 +30,8 @@ EXACT = {
                              "--temperature", "--turns", "--concurrency", "--batch-size", "--device", "--limit",
                              "--format", "--retries", "--timeout", "--seed", "--tokenizer", "--server-kind",
                              "--on-dropped-content",
-                             "--on-truncated", "--max-prompt-tokens", "--chat-template-kwargs", "--resume", "--force",
+                             "--on-truncated", "--max-prompt-tokens", "--chat-template-kwargs", "--reasoning-effort",
+                             "--enable-thinking", "--template-mixture", "--reasoning-parser", "--resume", "--force",
                              *CONFIG_FILE},
     ("data", "inspect"): CONFIG_FILE,
     ("data", "verify"): {"--packed", "--repair"} | CONFIG_FILE,
@@ -49,7 +50,8 @@ EXACT = {
                      "--num-prompts", "--num-draft-tokens", "--max-blocks", "--temperature", "--seed", "--engine",
                      "--concurrency", "--vllm-loading", "--vllm-kv-cache-gib", "--vllm-gpu-memory-utilization",
                      "--tree-topk", "--tree-nodes", "--measure-costs", "--no-measure-costs",
-                     "--draft-sample-method", "--chat-template-kwargs", "--allow-template-mode-mismatch"} | CONFIG_FILE,
+                     "--draft-sample-method", "--chat-template-kwargs", "--allow-template-mode-mismatch",
+                     "--reasoning-parser"} | CONFIG_FILE,
 }
 GROUPS = {"data": data_main, "train": train_main, "eval": eval_main}
 ACTIONS = {
@@ -222,7 +224,8 @@ def test_every_command_has_version(group, sub):
     assert result.output == f"{prog}{' ' + sub if sub else ''}, version {version('peagle')}\n"
 
 
-METAVARS = {"N", "X", "TEXT", "PATH", "DIR", "FILE", "MODEL", "DEVICE", "URL", "NAME", "ID", "HEX", "N,N,...", "JSON"}
+METAVARS = {"N", "X", "TEXT", "PATH", "DIR", "FILE", "MODEL", "DEVICE", "URL", "NAME", "ID", "HEX", "N,N,...", "X|JSON",
+            "JSON"}
 """cli/options.py METAVARS / FIELD_METAVARS: one style (issue 34: INTEGER beside N, TEXT beside MODEL)."""
 
 

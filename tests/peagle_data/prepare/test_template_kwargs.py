@@ -130,3 +130,58 @@ def test_a_regenerate_output_of_another_mode_is_refused(tmp_path, qwen_tok):
     (tmp_path / "regen.manifest.json").write_text(json.dumps(manifest))
     assert run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "t2", settings=settings),
                         tokenizer=qwen_tok)["counts"]["used"] == 1
+
+
+MIXED = [
+    {"id": "on", "chat_template_kwargs": {"enable_thinking": True, "style": "terse"},
+     "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]},
+    {"id": "off", "chat_template_kwargs": {"enable_thinking": False, "style": "terse"},
+     "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]},
+    {"id": "fixed", "messages": [{"role": "user", "content": "Hey"}, {"role": "assistant", "content": "Yo!"}]},
+]
+
+
+def test_rows_of_a_mode_mixture_render_each_in_its_recorded_mode(tmp_path, qwen_tok):
+    """regenerate's per-row variables (a mixture): each row trains on the prompt the verifier answered, the
+    fixed --chat-template-kwargs under them; the manifest says the table is a mixture and counts each mode."""
+    src = write_rows(tmp_path / "regen.jsonl", MIXED)
+    manifest = {"generation": {"temperature": 0.0, "chat_template_kwargs": {"style": "terse"},
+                               "enable_thinking": {"true": 0.5, "false": 0.5}}, "model": {"backend": "local"}}
+    (tmp_path / "regen.manifest.json").write_text(json.dumps(manifest))
+    settings = TokenizeConfig(chat_template=str(template_path("qwen35_open_think")),
+                              chat_template_kwargs={"style": "terse"})
+    summary = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "t",
+                                       settings=settings), tokenizer=qwen_tok)
+    table = TokenTable.open(tmp_path / "t")
+    assert _supervised(qwen_tok, table) == {"on": "</think>\n\nHello!<|im_end|>", "off": "Hello!<|im_end|>",
+                                            "fixed": "</think>\n\nYo!<|im_end|>"}
+    counts = summary["counts"]
+    assert (counts["used"], counts["conversations_with_own_template_kwargs"]) == (3, 2)
+    assert counts["template_modes"] == {'{"enable_thinking": false, "style": "terse"}': 1,
+                                        '{"enable_thinking": true, "style": "terse"}': 1, '{"style": "terse"}': 1}
+    assert table.manifest["tokenizer"]["chat_template_kwargs"] == {"style": "terse"}  # the fixed ones
+    # the regenerate manifest's fixed variables are still checked, naming the mixture
+    with pytest.raises(StoreMismatchError) as info:
+        run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "t2", settings=TokenizeConfig(
+            chat_template=str(template_path("qwen35_open_think")))), tokenizer=qwen_tok)
+    assert "its rows also record the variables drawn per row from" in str(info.value)
+    assert '{"enable_thinking": {"false": 0.5, "true": 0.5}}' in str(info.value)
+    # a plain table (no row records variables) has no template_modes
+    _, plain = _tokenize(tmp_path, qwen_tok, "qwen3_hybrid", OFF, "plain")
+    assert "template_modes" not in plain.manifest["counts"]
+
+
+def test_a_row_recording_a_variable_the_run_fixes_otherwise_is_a_reject(tmp_path, qwen_tok):
+    src = write_rows(tmp_path / "rows.jsonl", MIXED)
+    settings = TokenizeConfig(chat_template=str(template_path("qwen35_open_think")), chat_template_kwargs=OFF)
+    summary = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "t",
+                                       settings=settings), tokenizer=qwen_tok)
+    assert summary["counts"]["rejected_by_reason"] == {"template variables": 1}
+    [reject] = rejects_of(tmp_path / "t")
+    assert reject["conversation_id"] == "on"
+    assert reject["reason"] == (
+        'template variables: the row was answered with chat_template_kwargs {"enable_thinking": true, "style": '
+        '"terse"} and --chat-template-kwargs gives {"enable_thinking": false} (enable_thinking differ); pass the '
+        "fixed variables the rows were regenerated with")
+    assert _supervised(qwen_tok, TokenTable.open(tmp_path / "t")) == {"off": "Hello!<|im_end|>",
+                                                                      "fixed": "Yo!<|im_end|>"}

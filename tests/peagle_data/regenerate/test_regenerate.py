@@ -947,7 +947,7 @@ def test_every_request_of_a_row_carries_the_template_kwargs(smollm2_tokenizer):
     off = {"enable_thinking": False}
     job = Regeneration(conv([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"},
                              {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "y"}]),
-                       "all", "keep", off)
+                       "all", "keep", chat_template_kwargs=off)
     seen = []
     while (req := job.next_request()) is not None:
         seen.append(req.chat_template_kwargs)

@@ -213,7 +213,9 @@ def test_read_prompts_mt_bench_and_openai(tmp_path):
     ("{not json", "row 1: invalid JSON"),
     ({"turns": []}, "field 'turns'"),
     ({"messages": [{"role": "assistant", "content": "x"}]}, "no user message"),
-    ({"prompt": "x"}, "'turns' or an OpenAI line"),
+    ({"text": "x"}, "'turns', a 'prompt' or 'question' line, or an OpenAI line"),
+    ({"prompt": [{"role": "user", "content": "x"}]},
+     r"field 'prompt': expected a non-empty string, got list \(a list of messages goes in 'messages'\)$"),
     ({"messages": "hi"}, "field 'messages': expected a list of {'role': str, 'content': str}, got str$"),
     ({"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [
         {"type": "function", "function": {"name": "get", "arguments": "{}"}}]}, {"role": "user", "content": "ok"}]},
@@ -230,6 +232,12 @@ def test_read_prompts_errors(tmp_path, line, match):
     f = write_lines(tmp_path / "bad.jsonl", [line])
     with pytest.raises(InputError, match=match):
         read_prompts(f)
+
+
+def test_read_prompts_takes_prompt_and_question_rows(tmp_path):
+    """The question rows regenerate reads (stores/question_rows.py): one user turn each."""
+    f = write_lines(tmp_path / "q.jsonl", [{"prompt": "Name a colour."}, {"question": "2+2?", "id": "q2"}])
+    assert read_prompts(f) == [Prompt("1", ["Name a colour."]), Prompt("q2", ["2+2?"])]
 
 
 def test_render_second_turn_feeds_the_answer_back(smollm2_tokenizer):

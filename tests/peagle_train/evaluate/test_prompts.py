@@ -141,3 +141,38 @@ def test_evaluation_prompt_ids_in_a_mode_equal_vllms(vllm_model_config, hybrid_t
             served = _vllm_request_ids(vllm_model_config, hybrid_tokenizer, turn_messages(QUESTION, turn, answers),
                                        None, kwargs)
             assert render_turn(hybrid_tokenizer, QUESTION, turn, answers, kwargs) == served
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+def test_turn_2_prompt_is_what_a_client_of_vllm_serve_reasoning_parser_sends(vllm_model_config, smollm2_tokenizer,
+                                                                              parser):
+    """Issue 32: turn 2's history is the reasoning parser's content of the turn-1 answer, rendered as vLLM renders
+    the client's next request (a client sends the content back; the template drops earlier reasoning)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.parser.parser_manager import ParserManager
+
+    from peagle_train.evaluate.prompts import history_message
+    from tests.reasoning_templates import think_tokenizer
+
+    tok = think_tokenizer(smollm2_tokenizer)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    prompt = Prompt("q", ["What is 2+2?", "And 3+3?"])
+    answer = tok("<think>\nTwo and two.\n</think>\n\nIt is  4.", add_special_tokens=False)["input_ids"] + [eos]
+    parser_cls = ParserManager.get_parser(reasoning_parser_name=parser, tokenizer=tok)
+    request = ChatCompletionRequest(messages=turn_messages(prompt, 0, []), model="m")
+    reasoning, content, _ = parser_cls(tok, None).parse(tok.decode(answer[:-1], skip_special_tokens=True), request,
+                                                        model_output_token_ids=answer)
+    assert (reasoning, content) == ("\nTwo and two.\n", "\n\nIt is  4.")
+    client = [*turn_messages(prompt, 0, []), {"role": "assistant", "content": content},
+              {"role": "user", "content": "And 3+3?"}]
+    _, served = _vllm_prompt_ids(vllm_model_config, tok, client)
+    ours = render_turn(tok, prompt, 1, [history_message(tok, answer, [eos], parser)])
+    assert ours == served
+    assert "Two and two" not in tok.decode(ours)
+    # the old history, the flat decode, under a template that does not strip think blocks from content (SmolLM2's):
+    # the reasoning stays in the prompt, which no served client sends
+    flat = render_turn(smollm2_tokenizer, prompt, 1, [tok.decode(answer[:-1], skip_special_tokens=True)])
+    _, smol_served = _vllm_prompt_ids(vllm_model_config, smollm2_tokenizer, client)
+    assert "Two and two" in smollm2_tokenizer.decode(flat) and flat != smol_served
+    assert render_turn(smollm2_tokenizer, prompt, 1, [history_message(tok, answer, [eos], parser)]) == smol_served

@@ -20,12 +20,12 @@ def test_later_turns_take_the_answers_without_cleaning_up_spaces(smollm2_tokeniz
     eos = {tok.convert_tokens_to_ids("<|im_end|>")}
     prompts = [Prompt("a", ["first", "second"]), Prompt("b", ["only"])]
     order: list[tuple[int, int]] = []
-    answers: list[list[str]] = [[], []]
+    answers: list[list[dict]] = [[], []]
     first = next_turn_prompts(tok, prompts, eos, order, answers, None)
     assert first == [render_turn(tok, prompts[0], 0, []), render_turn(tok, prompts[1], 0, [])]
     assert order == [(0, 0), (1, 0)]
     second = next_turn_prompts(tok, prompts, eos, order, answers, [ids + sorted(eos), [5, 6]])
-    assert answers[0] == [SPACED]
+    assert answers[0] == [{"role": "assistant", "content": SPACED}]
     assert second == [render_turn(tok, prompts[0], 1, [SPACED])]
     assert order == [(0, 0), (1, 0), (0, 1)]
     assert SPACED in tok.decode(second[0], clean_up_tokenization_spaces=False)
@@ -195,3 +195,40 @@ def test_top_logits_of_read_vllms_raw_logits():
         {4: lp(logprob=3.0, rank=2), 9: lp(logprob=3.5, rank=1)}])])
     assert top_logits_of(out) == [{7: 12.5, 3: 12.25}, {4: 3.0, 9: 3.5}]
     assert request_seed(2, 5) == 2 * 1_000_003 + 5
+
+
+def test_later_turns_take_the_harmony_final_channel(smollm2_tokenizer):
+    """--engine vllm builds turn 2 from the parser's content, as peagle's engine does (issue 32)."""
+    from tests.reasoning_templates import harmony_tokenizer
+
+    tok = harmony_tokenizer(smollm2_tokenizer)
+    ret = tok.convert_tokens_to_ids("<|return|>")
+    answer = tok("<|channel|>analysis<|message|>Plan.<|end|><|start|>assistant<|channel|>final<|message|>Done."
+                 "<|return|>", add_special_tokens=False)["input_ids"]
+    prompts, order, answers = [Prompt("a", ["first", "second"])], [], [[]]
+    next_turn_prompts(tok, prompts, {ret}, order, answers, None, reasoning_parser="openai_gptoss")
+    second = next_turn_prompts(tok, prompts, {ret}, order, answers, [answer], reasoning_parser="openai_gptoss")
+    assert answers == [[{"role": "assistant", "content": "Done.", "reasoning_content": "Plan."}]]
+    assert tok.decode(second[0]).endswith("<|start|>assistant<|channel|>final<|message|>Done.<|end|>"
+                                          "<|start|>user<|message|>second<|end|><|start|>assistant")
+
+
+def test_the_reasoning_parser_reads_the_runs_template_variables(smollm2_tokenizer):
+    """peagle-eval's --chat-template-kwargs reach the parser (qwen3 with enable_thinking false: all content, as
+    vLLM's parser reads the request's variables) and render the prompts (the empty think block)."""
+    from tests.reasoning_templates import think_tokenizer
+
+    tok = think_tokenizer(smollm2_tokenizer)
+    eos = {tok.convert_tokens_to_ids("<|im_end|>")}
+    answer = tok("Plan.</think>\n\nHi!", add_special_tokens=False)["input_ids"]
+    off = {"enable_thinking": False}
+    histories = {}
+    for name, kwargs in (("on", None), ("off", off)):
+        prompts, order, answers = [Prompt("a", ["first", "second"])], [], [[]]
+        first = next_turn_prompts(tok, prompts, eos, order, answers, None, kwargs, "qwen3")
+        second = next_turn_prompts(tok, prompts, eos, order, answers, [answer], kwargs, "qwen3")
+        histories[name] = answers[0][0]
+        assert tok.decode(first[0]).endswith("assistant\n" + ("<think>\n\n</think>\n\n" if kwargs else ""))
+        assert second[0] == render_turn(tok, prompts[0], 1, answers[0], kwargs)
+    assert histories["on"] == {"role": "assistant", "content": "\n\nHi!", "reasoning_content": "Plan."}
+    assert histories["off"] == {"role": "assistant", "content": "Plan.</think>\n\nHi!"}

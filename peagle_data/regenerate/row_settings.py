@@ -1,0 +1,149 @@
+"""Per-row generation settings of ``regenerate`` drawn from mixtures: the temperature and chat-template variables.
+
+Users serve a reasoning verifier in a mixture of modes (some requests at temperature 0.6, some at 1.0;
+reasoning effort low or high; thinking on or off), so its drafter should be trained on answers in the
+same mixture (speculators' ``regenerate-responses`` draws ``--temperature`` and ``--reasoning-effort``
+per conversation from weighted choices). A mixture is a JSON object ``{value: weight}``, e.g.
+``{"0.6": 0.3, "1.0": 0.7}``; its weights are normalised to sum to 1.
+
+Each row draws each mixed setting independently and reproducibly: ``u = sha256(f"{seed}/{row id}/{name}")``
+read as a number in ``[0, 1)`` (its first 8 bytes / 2**64) picks the first value whose cumulative weight,
+in the order written, exceeds ``u``. The draw depends only on ``--seed``, the row's id and the setting's
+name, not on batching, threads or ``--resume`` (a resumed run draws what the first run drew), and two
+settings of one row are independent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+__all__ = ["Mixture", "parse_mixture", "template_value", "draw_key", "RowSettings", "row_settings"]
+
+
+@dataclass(frozen=True)
+class Mixture:
+    """A weighted choice: ``weights`` maps each value's key (as written, e.g. ``"0.6"``) to its weight,
+    normalised to sum to 1, in the order written; ``values`` maps the key to the value it stands for."""
+
+    weights: dict[str, float]
+    values: dict[str, Any]
+
+
+def _loads(text: Any, option: str) -> Any:
+    """A JSON mixture given as text (``'{"a": 1}'``) as a dict; anything else unchanged."""
+    if isinstance(text, str) and text.strip().startswith("{"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{option}: invalid JSON ({e.msg} at character {e.pos})") from None
+    return text
+
+
+def parse_mixture(value: Any, option: str, cast: Callable[[Any], Any]) -> Any | Mixture:
+    """A fixed value (``cast(value)``) or a :class:`Mixture` from an option's value.
+
+    Args:
+        value: a plain value, a JSON object as text, or a dict (a config file's); a mixture's keys are
+            ``cast`` to the values they stand for, its weights must be finite numbers >= 0, not all 0.
+        option: the option's name, for the errors.
+        cast: the key (or plain value) to a value; raises ValueError or TypeError for a bad one.
+
+    Raises:
+        ValueError: bad JSON, a bad key or weight, two keys of one value, an empty mixture (names ``option``).
+    """
+    value = _loads(value, option)
+    if not isinstance(value, dict):
+        try:
+            return cast(value)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{option}: {e}") from None
+    if not value:
+        raise ValueError(f"{option}: an empty mixture; give a value or {{value: weight, ...}}")
+    values, weights = {}, {}
+    for key, weight in value.items():
+        try:
+            values[str(key)] = cast(key)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{option}: mixture key {key!r}: {e}") from None
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+            raise ValueError(f"{option}: the weight of {key!r} must be a finite number >= 0, got {weight!r}")
+        weights[str(key)] = float(weight)
+    seen: dict[str, str] = {}
+    for key, v in values.items():
+        other = seen.setdefault(json.dumps(v, sort_keys=True), key)
+        if other != key:
+            raise ValueError(f"{option}: keys {other!r} and {key!r} are the same value {v!r}")
+    total = sum(weights.values())
+    if total <= 0:
+        raise ValueError(f"{option}: the weights sum to 0")
+    return Mixture({k: w / total for k, w in weights.items()}, values)
+
+
+def template_value(key: Any) -> Any:
+    """A chat-template variable's value from a mixture key or plain value: JSON where it parses
+    (``"true"`` -> True, ``"2"`` -> 2), else the text itself (``"low"``)."""
+    if not isinstance(key, str):
+        return key
+    try:
+        return json.loads(key)
+    except json.JSONDecodeError:
+        return key
+
+
+def draw_key(mixture: Mixture, seed: int, row_id: str, name: str) -> str:
+    """The key ``row_id`` draws from ``mixture`` for the setting ``name`` (module docstring)."""
+    digest = hashlib.sha256(f"{seed}/{row_id}/{name}".encode("utf-8")).digest()
+    u = int.from_bytes(digest[:8], "big") / 2.0 ** 64
+    acc = 0.0
+    keys = [k for k, w in mixture.weights.items() if w > 0]
+    for key in keys:
+        acc += mixture.weights[key]
+        if u < acc:
+            return key
+    return keys[-1]  # u within rounding of 1
+
+
+@dataclass(frozen=True)
+class RowSettings:
+    """One row's settings: its ``temperature``, the chat-template variables drawn for it (``drawn``) and the
+    run's fixed ones (``fixed``, ``--chat-template-kwargs``) under them."""
+
+    temperature: float
+    drawn: dict[str, Any]
+    fixed: dict[str, Any] = field(default_factory=dict)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Every variable the row's prompts are rendered with: the fixed ones, the drawn ones on top (a
+        variable is never both: ``RegenerateConfig`` refuses it)."""
+        return {**self.fixed, **self.drawn}
+
+    def record(self) -> dict[str, Any]:
+        """The row's record of them (``{"temperature", "chat_template_kwargs"}``: all its variables, so
+        ``tokenize`` renders the row in the mode it was answered in)."""
+        return {"temperature": self.temperature, "chat_template_kwargs": self.template_kwargs()}
+
+
+def row_settings(temperature: float | Mixture, variables: dict[str, Any], seed: int, row_id: str,
+                 fixed: dict[str, Any] | None = None) -> RowSettings:
+    """The settings of row ``row_id``: a fixed temperature or variable as it is, a mixture's draw (:func:`draw_key`).
+
+    Args:
+        temperature: a float or a :class:`Mixture` of floats.
+        variables: ``{template variable: value or Mixture}`` (None values left out).
+        fixed: the run's fixed template variables (``--chat-template-kwargs``), none of ``variables``' names.
+
+    Raises:
+        ValueError: a variable both fixed and in ``variables``.
+    """
+    def pick(name: str, setting: Any) -> Any:
+        return setting.values[draw_key(setting, seed, row_id, name)] if isinstance(setting, Mixture) else setting
+
+    drawn = {name: pick(name, v) for name, v in variables.items() if v is not None}
+    both = sorted(set(drawn) & set(fixed or {}))
+    if both:
+        raise ValueError(f"template variables {', '.join(both)} are both fixed and drawn per row: give each one way")
+    return RowSettings(float(pick("temperature", temperature)), drawn, dict(fixed or {}))
