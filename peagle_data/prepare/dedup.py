@@ -1,8 +1,9 @@
 """Exact deduplication and length filters for ``peagle-data tokenize`` and ``pack``.
 
 Deduplication keys a conversation by a 16-byte BLAKE2b digest of its normalised messages and
-tools (and the chat-template variables a row records, ``regenerate``'s per-row mode) (:class:`peagle_data.readers.rows.Conversation` after the reader's normalisation: roles mapped,
-user turns merged, leading assistant turns dropped), serialised as canonical JSON (sorted keys,
+tools (:class:`peagle_data.readers.rows.Conversation` after the reader's normalisation: roles mapped,
+user turns merged, leading assistant turns dropped; with the chat-template variables a row records,
+``regenerate``'s per-row mode), serialised as canonical JSON (sorted keys,
 no whitespace). The first occurrence in input order is kept; every later one is rejected as
 ``duplicate: ...`` with ``duplicate_of`` naming the kept row's ``file:N``. Tokenize outputs given
 to ``pack`` are keyed by their rows' token ids and loss masks instead. Memory: one digest and one

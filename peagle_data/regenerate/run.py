@@ -299,7 +299,8 @@ class Regeneration:
         self.out.extend(self.conv.messages[self.pos:turn])
         self.pos = turn
         if self.settings is None:
-            return Request(messages=list(self.out), tools=self.conv.tools, chat_template_kwargs=self.chat_template_kwargs)
+            return Request(messages=list(self.out), tools=self.conv.tools,
+                           chat_template_kwargs=self.chat_template_kwargs)
         return Request(messages=list(self.out), tools=self.conv.tools,
                        chat_template_kwargs=self.settings.template_kwargs(), temperature=self.settings.temperature)
 

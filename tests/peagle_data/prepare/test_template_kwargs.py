@@ -162,8 +162,9 @@ def test_rows_of_a_mode_mixture_render_each_in_its_recorded_mode(tmp_path, qwen_
     assert table.manifest["tokenizer"]["chat_template_kwargs"] == {"style": "terse"}  # the fixed ones
     # the regenerate manifest's fixed variables are still checked, naming the mixture
     with pytest.raises(StoreMismatchError) as info:
-        run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "t2", settings=TokenizeConfig(
-            chat_template=str(template_path("qwen35_open_think")))), tokenizer=qwen_tok)
+        run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "t2",
+                                 settings=TokenizeConfig(chat_template=str(template_path("qwen35_open_think")))),
+                     tokenizer=qwen_tok)
     assert "its rows also record the variables drawn per row from" in str(info.value)
     assert '{"enable_thinking": {"false": 0.5, "true": 0.5}}' in str(info.value)
     # a plain table (no row records variables) has no template_modes
