@@ -158,7 +158,7 @@ def test_think_parsing_equals_vllms_parsers(think_tok, name):
 
     eos = think_tok.convert_tokens_to_ids("<|im_end|>")
     for kwargs in KWARGS:
-        prompt = prompt_ids(think_tok, [{"role": "user", "content": "Hi"}], None, ChatTemplate(None, kwargs))
+        prompt = prompt_ids(think_tok, [{"role": "user", "content": "Hi"}], None, ChatTemplate(None, kwargs or {}))
         # the template's prompt, and one that opens the think block (Qwen3.5 / DeepSeek-R1 style)
         for prompt_ids_ in (prompt, prompt + ids(think_tok, "<think>\n")):
             for text in CORPUS:
