@@ -8,7 +8,9 @@
   message, reasoning as the analysis channel, content as the final channel.
 
 :func:`template` reads one; :func:`qwen_tokenizer` / :func:`harmony_tokenizer` copy a tokenizer with the
-markup tokens each family ships (Qwen's ``<think>`` tokens are added, not special; Harmony's are special).
+markup tokens each family ships (Qwen's ``<think>`` tokens are added, not special; Harmony's are special,
+:data:`stores.answer_parsing.HARMONY_TOKENS`); :func:`think_tokenizer` is the Qwen copy with
+``qwen3_hybrid`` as its template, :func:`harmony_tokenizer`'s has ``harmony`` (the reasoning-parser tests).
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-__all__ = ["TEMPLATES_DIR", "template", "template_path", "qwen_tokenizer", "harmony_tokenizer", "QWEN_ADDED",
-           "HARMONY_SPECIAL"]
+from stores.answer_parsing import HARMONY_TOKENS
+
+__all__ = ["TEMPLATES_DIR", "template", "template_path", "qwen_tokenizer", "think_tokenizer", "harmony_tokenizer",
+           "QWEN_ADDED", "HARMONY_SPECIAL"]
 
 TEMPLATES_DIR = Path(__file__).parent
 
 QWEN_ADDED = ["<think>", "</think>"]
-HARMONY_SPECIAL = ["<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|return|>"]
+HARMONY_SPECIAL = list(HARMONY_TOKENS)
 
 
 def template_path(name: str) -> Path:
@@ -42,8 +46,17 @@ def qwen_tokenizer(tok):
     return out
 
 
+def think_tokenizer(tok):
+    """:func:`qwen_tokenizer` with the ``qwen3_hybrid`` template as its own."""
+    out = qwen_tokenizer(tok)
+    out.chat_template = template("qwen3_hybrid")
+    return out
+
+
 def harmony_tokenizer(tok):
-    """A copy of ``tok`` with Harmony's control tokens added as special tokens (as gpt-oss ships them)."""
+    """A copy of ``tok`` with Harmony's control tokens added as special tokens (as gpt-oss ships them) and the
+    ``harmony`` template as its own."""
     out = copy.deepcopy(tok)
     out.add_special_tokens({"additional_special_tokens": list(HARMONY_SPECIAL)})
+    out.chat_template = template("harmony")
     return out

@@ -9,7 +9,7 @@ import pytest
 
 from stores.answer_parsing import (AnswerFormatError, ParsedAnswer, answer_message, harmony_messages, parse_answer,
                                    parse_think)
-from tests.reasoning_templates import harmony_tokenizer, think_tokenizer
+from tests.chat_templates import harmony_tokenizer, think_tokenizer
 
 # (text, parser, chat_template_kwargs) -> (reasoning, content): the values vLLM 0.32's parsers return
 # (read off DeepSeekR1ReasoningParser / Qwen3ParserReasoningAdapter / DeepSeekV3ReasoningParser, and

@@ -12,7 +12,7 @@ from peagle_data.regenerate.backends import Answer, LocalBackend, Request, _answ
 from peagle_data.regenerate.row_settings import row_settings
 from peagle_data.regenerate.run import RegenerateConfig, RegenerateRun, run_regenerate
 from stores.errors import InputError
-from tests.reasoning_templates import harmony_tokenizer, think_tokenizer
+from tests.chat_templates import harmony_tokenizer, think_tokenizer
 
 
 def lines(path: Path) -> list[dict]:
@@ -247,7 +247,7 @@ def test_server_requests_carry_the_rows_temperature_and_template_variables():
 
 @pytest.fixture(scope="module")
 def think_verifier_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
-    """A random 2-layer Llama saved with the think-style tokenizer and template (tests/reasoning_templates.py)."""
+    """A random 2-layer Llama saved with the think-style tokenizer and template (tests/chat_templates)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

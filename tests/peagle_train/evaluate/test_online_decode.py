@@ -14,7 +14,7 @@ from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.prompts import Prompt, answer_text, history_message
 from peagle_train.evaluate.speculative import GenerationResult
 from stores.errors import InputError
-from tests.reasoning_templates import harmony_tokenizer, think_tokenizer
+from tests.chat_templates import harmony_tokenizer, think_tokenizer
 
 SPACED = "if x != y: print('social' .)"
 
@@ -77,5 +77,8 @@ def test_peagle_engine_turn_2_takes_the_think_parsers_content(smollm2_tokenizer,
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     answer = tok("<think>\nGreet back.\n</think>\n\nHi!", add_special_tokens=False)["input_ids"] + [eos]
     prompts, _ = run_scripted(monkeypatch, tok, [answer, answer], {eos}, "qwen3")
-    assert tok.decode(prompts[1]).endswith("<|im_start|>assistant\nHi!<|im_end|>\n"
+    # the parser's content ("\n\nHi!", whitespace kept); Qwen3's template renders an earlier turn's content as
+    # it is and drops its reasoning
+    assert tok.decode(prompts[1]).endswith("<|im_start|>assistant\n\n\nHi!<|im_end|>\n"
                                            "<|im_start|>user\nAgain, shorter.<|im_end|>\n<|im_start|>assistant\n")
+    assert "Greet back" not in tok.decode(prompts[1])

@@ -153,7 +153,7 @@ def test_turn_2_prompt_is_what_a_client_of_vllm_serve_reasoning_parser_sends(vll
     from vllm.parser.parser_manager import ParserManager
 
     from peagle_train.evaluate.prompts import history_message
-    from tests.reasoning_templates import think_tokenizer
+    from tests.chat_templates import think_tokenizer
 
     tok = think_tokenizer(smollm2_tokenizer)
     eos = tok.convert_tokens_to_ids("<|im_end|>")

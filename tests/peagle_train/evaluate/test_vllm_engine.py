@@ -199,7 +199,7 @@ def test_top_logits_of_read_vllms_raw_logits():
 
 def test_later_turns_take_the_harmony_final_channel(smollm2_tokenizer):
     """--engine vllm builds turn 2 from the parser's content, as peagle's engine does (issue 32)."""
-    from tests.reasoning_templates import harmony_tokenizer
+    from tests.chat_templates import harmony_tokenizer
 
     tok = harmony_tokenizer(smollm2_tokenizer)
     ret = tok.convert_tokens_to_ids("<|return|>")
@@ -216,7 +216,7 @@ def test_later_turns_take_the_harmony_final_channel(smollm2_tokenizer):
 def test_the_reasoning_parser_reads_the_runs_template_variables(smollm2_tokenizer):
     """peagle-eval's --chat-template-kwargs reach the parser (qwen3 with enable_thinking false: all content, as
     vLLM's parser reads the request's variables) and render the prompts (the empty think block)."""
-    from tests.reasoning_templates import think_tokenizer
+    from tests.chat_templates import think_tokenizer
 
     tok = think_tokenizer(smollm2_tokenizer)
     eos = {tok.convert_tokens_to_ids("<|im_end|>")}
