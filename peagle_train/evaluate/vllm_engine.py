@@ -22,6 +22,10 @@ acceptance ``accepted_per_pos[i] / num_drafts``. vLLM drafts K tokens at every s
 steps of a turn where fewer tokens are left (peagle drafts ``min(K, left - 1)`` there), and counts
 the accepted drafts the output then cuts at ``max_new_tokens`` or an EOS; so on the same tokens its
 counts can exceed peagle's at each turn's last step.
+
+At T > 0 on CPU the run is refused, before any engine starts, while vLLM's CPU rejection sampler gives draft tokens
+uninitialized memory as their temperature (:func:`check_vllm_sampling`, :data:`VLLM_CPU_EXPAND_BUG`: vLLM 0.32,
+issue #55005): a child Python probes vLLM's ``expand_batch_to_tokens`` as vLLM's worker runs it.
 """
 
 from __future__ import annotations
@@ -53,8 +57,8 @@ from stores.vllm_runtime import import_vllm as import_vllm_module
 __all__ = ["VLLM_SETUP", "SPEC_METRICS", "VllmRun", "VllmReference", "import_vllm", "vllm_generate",
            "engine_settings", "check_full_length", "request_seed", "top_logits_of", "vllm_report", "next_turn_prompts",
            "per_position_counts", "check_speculators_verifier", "VLLM_EXPAND_PROBE", "VLLM_EXPAND_EXPECTED",
-           "VLLM_CPU_EXPAND_BUG", "probe_vllm_expand", "check_vllm_sampling", "vllm_on_cpu", "vllm_reference", "vllm_speculative", "run_vllm_eval",
-           "VllmSpeculativeEngine"]
+           "VLLM_CPU_EXPAND_BUG", "probe_vllm_expand", "check_vllm_sampling", "vllm_on_cpu", "vllm_reference",
+           "vllm_speculative", "run_vllm_eval", "VllmSpeculativeEngine"]
 
 
 SPEC_METRICS = {
