@@ -5,9 +5,10 @@ vLLM runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so its function
 ``p = softmax(logits / T)`` computed here from the raw logits vLLM got (at each draft, its argmax), the draft
 probabilities q vLLM kept (``probabilistic``), and the tokens it emitted; every call of
 ``sample_recovered_tokens`` logs the target probabilities vLLM itself used (after ``apply_sampling_constraints``)
-at the token it recovered. Printed (JSON, one line): draft positions reached, drafts accepted (emitted tokens of a step but
-one, as vLLM counts; its counters beside), the acceptance the rejection rule expects from this p (``Σ p(d)`` for ``greedy``,
-``Σ min(p, q)`` for ``probabilistic``), and how many recovered tokens vLLM drew from a target row that is NaN.
+at the token it recovered. Printed (JSON, one line): draft positions reached, drafts accepted (a step's emitted
+tokens but one, as vLLM counts; its counters beside), the acceptance the rejection rule expects from this p
+(``Σ a`` with ``a = p(d)`` for ``greedy``, ``Σ min(p, q)`` for ``probabilistic``), ``z = (accepted - expected) /
+sqrt(Σ a (1 - a))``, and how many recovered tokens vLLM drew from a target row that is NaN.
 
 ``--fix-cpu-expand`` replaces vLLM 0.32's CPU ``expand_kernel`` shim (vllm/utils/cpu_triton_utils.py), which
 leaves draft tokens' temperatures uninitialized (vLLM issue #55005), by PR #55006's semantics, to see the rest of
@@ -79,7 +80,7 @@ def expand_fixed(output, input_val, cu_num_tokens, replace_from, replace_to, MAX
 def summary(method: str, counters: dict) -> dict:
     """Reached / accepted draft positions of the traced steps and the acceptance the rule expects from p."""
     reached = accepted = 0
-    expected = 0.0
+    expected = variance = 0.0
     for s in STEPS:
         if not s["draft"]:
             continue
@@ -87,10 +88,12 @@ def summary(method: str, counters: dict) -> dict:
         accepted += kept
         for i in range(min(kept + 1, len(s["draft"]))):  # positions reached
             reached += 1
-            expected += s["p_draft"][i] if method == "greedy" else s["overlap"][i]
+            a = s["p_draft"][i] if method == "greedy" else s["overlap"][i]  # the rule's acceptance probability
+            expected, variance = expected + a, variance + a * (1 - a)
     rows = [x for r in RECOVERED for x in r["p_recovered"]]
     return {"draft_sample_method": method, "steps": sum(1 for s in STEPS if s["draft"]), "reached": reached,
-            "accepted": accepted, "expected": round(expected, 2), "vllm_counters": counters,
+            "accepted": accepted, "expected": round(expected, 2),
+            "z": round((accepted - expected) / variance ** 0.5, 2) if variance else None, "vllm_counters": counters,
             "recovered_rows": len(rows), "recovered_from_nan_rows": sum(1 for x in rows if x != x)}
 
 
