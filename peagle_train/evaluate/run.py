@@ -16,7 +16,7 @@ from peagle_train.evaluate.offline import run_offline_eval
 from peagle_train.evaluate.inference import load_for_decoding
 from peagle_train.evaluate.online import run_online_eval
 from peagle_train.evaluate.report import write_acceptance_plot, write_json
-from peagle_train.evaluate.vllm_engine import import_vllm, run_vllm_eval
+from peagle_train.evaluate.vllm_engine import check_vllm_sampling, import_vllm, run_vllm_eval, vllm_on_cpu
 from peagle_train.model.checkpoint import find_drafter, load_drafter
 from stores.errors import OutputExistsError
 from stores.feature_store import FeatureStore
@@ -120,7 +120,9 @@ def run_eval(run: EvalRun, log: Callable[[str], None] = print, config: dict[str,
     Raises:
         OutputExistsError: ``run.output`` or its PNG exists and ``run.force`` is not set.
         MissingDependencyError: ``--engine vllm`` without vLLM installed (names the set-up command).
-        InputError, StoreFormatError, StoreMismatchError, ModelNotFoundError: from the checks.
+        InputError: also ``--engine vllm`` at T > 0 where vLLM's rejection sampler does not get the verifier's
+        distribution (:func:`~peagle_train.evaluate.vllm_engine.check_vllm_sampling`).
+        StoreFormatError, StoreMismatchError, ModelNotFoundError: from the checks.
     """
     found, note = find_drafter(run.drafter)  # a training output directory means its final/ checkpoint
     if note:
@@ -129,6 +131,7 @@ def run_eval(run: EvalRun, log: Callable[[str], None] = print, config: dict[str,
     _check_output(run)
     if run.prompts is not None and run.settings.engine == "vllm":
         import_vllm()  # MissingDependencyError naming the set-up command, before any work
+        check_vllm_sampling(run.settings.temperature, vllm_on_cpu())  # T > 0 where vLLM samples wrongly: refused
     check_before_weights(drafter, run.verifier, run.prompts, run.store, run.settings.num_prompts,
                          run.settings.num_draft_tokens)
     mode = template_mode(drafter, run.settings.chat_template_kwargs, run.settings.allow_template_mode_mismatch,

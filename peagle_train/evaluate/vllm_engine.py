@@ -22,12 +22,20 @@ acceptance ``accepted_per_pos[i] / num_drafts``. vLLM drafts K tokens at every s
 steps of a turn where fewer tokens are left (peagle drafts ``min(K, left - 1)`` there), and counts
 the accepted drafts the output then cuts at ``max_new_tokens`` or an EOS; so on the same tokens its
 counts can exceed peagle's at each turn's last step.
+
+At T > 0 on CPU the run is refused, before any engine starts, while vLLM's CPU rejection sampler gives draft tokens
+uninitialized memory as their temperature (:func:`check_vllm_sampling`, :data:`VLLM_CPU_EXPAND_BUG`: vLLM 0.32,
+issue #55005): a child Python probes vLLM's ``expand_batch_to_tokens`` as vLLM's worker runs it.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -43,13 +51,14 @@ from peagle_train.model.checkpoint import find_drafter, load_drafter
 from stores.errors import InputError, ModelNotFoundError
 from stores.model_cache import load_tokenizer, model_fingerprint, resolve_model
 from stores.progress import progress
-from stores.vllm_runtime import VLLM_SETUP, VllmMemory, VllmOutput, start_llm
+from stores.vllm_runtime import VLLM_SETUP, VllmMemory, VllmOutput, VllmStartError, start_llm
 from stores.vllm_runtime import import_vllm as import_vllm_module
 
 __all__ = ["VLLM_SETUP", "SPEC_METRICS", "VllmRun", "VllmReference", "import_vllm", "vllm_generate",
            "engine_settings", "check_full_length", "request_seed", "top_logits_of", "vllm_report", "next_turn_prompts",
-           "per_position_counts", "check_speculators_verifier", "vllm_reference", "vllm_speculative", "run_vllm_eval",
-           "VllmSpeculativeEngine"]
+           "per_position_counts", "check_speculators_verifier", "VLLM_EXPAND_PROBE", "VLLM_EXPAND_EXPECTED",
+           "VLLM_CPU_EXPAND_BUG", "probe_vllm_expand", "check_vllm_sampling", "vllm_on_cpu", "vllm_reference",
+           "vllm_speculative", "run_vllm_eval", "VllmSpeculativeEngine"]
 
 
 SPEC_METRICS = {
@@ -157,6 +166,93 @@ def engine_settings(on_cpu: bool) -> dict[str, Any]:
         ``{"dtype": "float32" | "bfloat16", "enforce_eager": bool}``.
     """
     return {"dtype": "float32", "enforce_eager": True} if on_cpu else {"dtype": "bfloat16", "enforce_eager": False}
+
+
+VLLM_EXPAND_PROBE = """
+import json, os
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+import torch
+from vllm.platforms import current_platform
+current_platform.register_triton_kernel_overrides()  # as vLLM's worker does before any kernel runs
+from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+cu = torch.tensor([2, 5], dtype=torch.int32)  # 2 requests: 2 and 3 draft tokens
+temperature = expand_batch_to_tokens(torch.tensor([0.75, 1.25]), cu, 5, replace_from=0, replace_to=1)
+top_k = expand_batch_to_tokens(torch.tensor([5, 9], dtype=torch.int32), cu, 5)
+print(json.dumps({"temperature": temperature.tolist(), "top_k": top_k.tolist()}))
+"""
+"""What :func:`probe_vllm_expand` runs in a child Python: vLLM's ``expand_batch_to_tokens`` (which gives every
+draft token its request's temperature / top-k / top-p in the rejection sampler) with the platform's kernel
+overrides registered, as vLLM's worker registers them."""
+
+VLLM_EXPAND_EXPECTED = {"temperature": [0.75, 0.75, 1.25, 1.25, 1.25], "top_k": [5, 5, 9, 9, 9]}
+"""The probe's exact answer: each request's value repeated once per draft token."""
+
+VLLM_CPU_EXPAND_BUG = (
+    "vLLM's CPU rejection sampler gives the draft tokens of a T > 0 request uninitialized memory as their "
+    "temperature: its CPU shim of expand_kernel (vllm/utils/cpu_triton_utils.py, _expand_kernel_impl) lets the "
+    "C++ kernel fill an int64 copy of the output (_ensure_int64) and never writes the float32 buffer that "
+    "expand_batch_to_tokens (vllm/v1/sample/rejection_sampler.py) returns, so apply_sampling_constraints divides "
+    "the verifier's logits by garbage and the target probabilities p are NaN, one-hot or flat: vLLM's acceptance "
+    "counts and its sampled outputs at T > 0 are not the verifier's distribution (vLLM issue #55005, fix in PR "
+    "#55006)")
+"""Why vLLM's CPU speculative decoding at T > 0 is refused while :func:`probe_vllm_expand` is not exact."""
+
+
+def vllm_on_cpu() -> bool:
+    """Whether vLLM runs on its CPU platform here (imports vLLM: :func:`import_vllm`)."""
+    import_vllm()
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+@functools.lru_cache(maxsize=1)
+def probe_vllm_expand(timeout_s: float = 600.0) -> dict[str, list]:
+    """Run :data:`VLLM_EXPAND_PROBE` in a child Python (this interpreter, vLLM's platform overrides kept out of
+    this process); once per process.
+
+    Returns:
+        ``{"temperature": [5] floats, "top_k": [5] ints}``, to compare with :data:`VLLM_EXPAND_EXPECTED`.
+
+    Raises:
+        VllmStartError: the probe did not run (its last output lines).
+    """
+    env = {**os.environ, "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
+    proc = subprocess.run([sys.executable, "-c", VLLM_EXPAND_PROBE], capture_output=True, text=True,
+                          timeout=timeout_s, env=env)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise VllmStartError("could not check vLLM's rejection sampler at T > 0 (vLLM's expand_batch_to_tokens "
+                             f"in a child Python, exit code {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def check_vllm_sampling(temperature: float, on_cpu: bool) -> str:
+    """Whether vLLM's speculative decoding at ``temperature`` verifies drafts against the verifier's distribution
+    on this platform. At T = 0 vLLM compares drafts with the verifier's argmax (no temperature is expanded);
+    on an accelerator vLLM's Triton ``expand_kernel`` runs; on CPU its C++ shim does, which vLLM 0.32 gets
+    wrong (:data:`VLLM_CPU_EXPAND_BUG`), so there :func:`probe_vllm_expand` decides.
+
+    Returns:
+        the check done, in words, for the report (``vllm_sampling_check``).
+
+    Raises:
+        InputError: T > 0 on a vLLM whose CPU probe is not exact (field ``--temperature``): the reason, and
+            which numbers to trust instead. VllmStartError: the probe did not run.
+    """
+    if temperature == 0:
+        return "not needed at T=0: greedy verification compares drafts with the verifier's argmax"
+    if not on_cpu:
+        return "not probed: on an accelerator vLLM's Triton expand_kernel gives draft tokens their temperature"
+    got = probe_vllm_expand()
+    if got != VLLM_EXPAND_EXPECTED:
+        raise InputError(
+            f"--engine vllm at --temperature {temperature:g} on CPU: {VLLM_CPU_EXPAND_BUG}. Probe: "
+            f"expand_batch_to_tokens gave {got}, expected {VLLM_EXPAND_EXPECTED}. Trust peagle's own engine at "
+            "T > 0 (--engine peagle: rejection sampling on the verifier's exact softmax, with the same "
+            "--draft-sample-method), or measure vLLM at --temperature 0, or on an accelerator, or with a vLLM that "
+            "has the fix", field="--temperature")
+    return "vLLM's expand_batch_to_tokens probed on CPU: exact (vLLM issue #55005 fixed in this vLLM)"
 
 
 def check_full_length(prompt_len: int, tokens: Sequence[int], max_new_tokens: int, eos: Iterable[int],
@@ -453,9 +549,11 @@ def vllm_speculative(ref: VllmReference, drafter_dir: str | Path, config: EvalCo
     ``draft_sample_method`` = ``config.draft_sample_method``): the report of :func:`run_vllm_eval`.
 
     Raises:
-        InputError: K above the drafter's ``num_depths``; an unknown draft sample method.
+        InputError: K above the drafter's ``num_depths``; an unknown draft sample method; T > 0 where vLLM's
+        rejection sampler does not get the verifier's distribution (:func:`check_vllm_sampling`).
     """
     vllm = import_vllm()
+    sampling_check = check_vllm_sampling(config.temperature, vllm_on_cpu())
     drafter = load_drafter(drafter_dir)
     K = checked_num_draft_tokens(config.num_draft_tokens, drafter)
     del drafter
@@ -470,7 +568,7 @@ def vllm_speculative(ref: VllmReference, drafter_dir: str | Path, config: EvalCo
     else:  # vLLM reads speculators_config of the drafter and loads the verifier it names
         spec = vllm_generate(str(drafter_dir), ref.requests, config.max_new_tokens, **common,
                              speculative_config={"num_speculative_tokens": K, "draft_sample_method": method})
-    return vllm_report(drafter_dir, ref, spec, config, vllm.__version__)
+    return {**vllm_report(drafter_dir, ref, spec, config, vllm.__version__), "vllm_sampling_check": sampling_check}
 
 
 def check_speculators_verifier(drafter_dir: str | Path, verifier_name: str) -> None:
@@ -524,16 +622,18 @@ def run_vllm_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_fi
         ``tokens_per_second`` / ``baseline_tokens_per_second`` / ``speedup`` (concurrency 1),
         ``throughput`` (per concurrency: ``plain``, ``speculative`` tokens/s and ``speedup``),
         ``vllm_counters`` (vLLM's own names), ``per_prompt`` (per turn: ``text``, ``reference_text``,
-        vLLM's per-step ``accepted`` / ``drafted``), ``engine: "vllm"``, ``vllm_version``, ``loading``.
+        vLLM's per-step ``accepted`` / ``drafted``), ``engine: "vllm"``, ``vllm_version``, ``loading``,
+        ``vllm_sampling_check`` (:func:`check_vllm_sampling`).
 
     Raises:
         MissingDependencyError: no vLLM (names the set-up command). InputError: an unknown loading or draft
-        sample method, K above the drafter's ``num_depths``.
+        sample method, K above the drafter's ``num_depths``, T > 0 where vLLM's rejection sampler does not get
+        the verifier's distribution (:func:`check_vllm_sampling`, before any engine starts).
     """
     check_draft_sample_method(config.draft_sample_method)
     if config.vllm_loading not in VLLM_LOADINGS:
         raise InputError(f"{config.vllm_loading!r}: expected one of {VLLM_LOADINGS}", field="--vllm-loading")
-    import_vllm()
+    check_vllm_sampling(config.temperature, vllm_on_cpu())
     found, note = find_drafter(drafter_dir)
     if note:
         log(note)
