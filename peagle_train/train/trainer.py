@@ -181,7 +181,8 @@ class Trainer:
     def _loss(self, item: tuple[Block, CodElements]) -> LossOutput:
         with self.accelerator.autocast():
             return block_loss(self.model, self.unwrapped.lm_head.weight, self.verifier_head, *item,
-                              self.cfg.model.num_depths, self.cfg.optim.loss_chunk_size, self.attention, self.logit_transform)
+                              self.cfg.model.num_depths, self.cfg.optim.loss_chunk_size, self.attention, self.logit_transform,
+                              self.cfg.optim.loss, self.cfg.depth_weights)
 
     @torch.no_grad()
     def validate(self) -> dict[str, Any]:
@@ -201,7 +202,8 @@ class Trainer:
             block = block_to(to_block(bid, self.run.store.read_block(bid)), device)
             el = sample_elements(block, cfg, torch.Generator().manual_seed(derive_seed(cfg.run.seed, 2, bid))).to(device)
             out = block_loss(self.unwrapped, self.unwrapped.lm_head.weight, self.verifier_head, block, el,
-                             cfg.model.num_depths, cfg.optim.loss_chunk_size, self.attention, self.logit_transform)
+                             cfg.model.num_depths, cfg.optim.loss_chunk_size, self.attention, self.logit_transform,
+                             cfg.optim.loss, cfg.depth_weights)
             if not bool(torch.isfinite(out.loss_sum).all()):
                 nonfinite.append(bid)
             sums = add_sums(sums, {"loss_sum": out.loss_sum.float().reshape(1), "weight_sum": out.weight_sum.reshape(1),
