@@ -125,7 +125,8 @@ class Trainer:
         Blocks may be on the CPU (moved to the device here). Returns the step's ``metrics.jsonl``
         row: ``step``, ``loss`` (the pooled objective), ``acc [K]`` (None for a depth without
         weight), ``tokens_per_s``, ``lr`` (of this step), ``n_elements`` (all ranks'), ``blocks`` (every
-        rank's ids), ``weight``, ``step_s``, ``grad_norm`` (before clipping).
+        rank's ids), ``weight`` (``Σ λ_d m``), ``depth_elements [K]`` (the supervised elements of each depth,
+        ``Σ m``: what COD fed each depth), ``step_s``, ``grad_norm`` (before clipping).
 
         Raises:
             NonFiniteError: the pooled loss or the gradient norm is NaN or infinite, naming the step and
@@ -168,6 +169,7 @@ class Trainer:
         self.last_row = {"split": "train", "step": self.step, "loss": loss, "acc": acc,
                          "tokens_per_s": n_tokens / dt, "lr": lr, "n_elements": n_elements,
                          "blocks": blocks, "weight": float(sums["weight_sum"].sum()),
+                         "depth_elements": [int(c) for c in sums["counts"].tolist()],
                          "step_s": dt, "grad_norm": grad_norm}
         return self.last_row
 

@@ -81,6 +81,8 @@ def test_loss_decreases_on_a_repeated_block(tmp_path, verifier_dir, capsys):
     assert len(rows) == 12 and all(np.isfinite(losses))
     assert np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3])
     assert len(rows[0]["acc"]) == 4
+    fed = [r["depth_elements"] for r in rows]  # COD feeds each depth fewer elements: r = 0.5, r_min = 0.2
+    assert all(len(f) == 4 and f[0] > f[1] > f[2] >= f[3] > 0 for f in fed), fed
     assert summary["last_step_loss"] == losses[-1] and summary["draft_vocab_size"] == 100
     assert summary["last_step"] == 12 and summary["per_depth_accuracy_steps"] == [3, 12]  # the window pooled
     assert "final_loss" not in summary and "per_depth_accuracy" not in summary
