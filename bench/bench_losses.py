@@ -1,6 +1,7 @@
 """Each training lever of issue 36 against peagle's defaults, a reduced bench: the same store, steps and
-seeds, judged offline (per-depth acceptance on each run's held-out blocks, T = 0) and online by peagle's own
-speculative decoder at T = 0 and T = 1 (greedy draft scheme, vLLM's default), paired by seed and by prompt turn.
+seeds, judged offline (simulated AL and per-depth accuracy against the verifier's argmax on each run's
+held-out blocks, T = 0) and online by peagle's own speculative decoder at T = 0 and T = 1 (greedy draft
+scheme, vLLM's default), paired by seed and by prompt turn.
 
 Levers (:data:`LEVERS`, each alone, everything else the defaults): the losses of ``--loss`` (``tv``,
 ``lk_hybrid`` (KL + TV), ``nla``, ``ce``), per-depth loss weights (``--depth-weights 1,2,4,5``: the inverse of
@@ -133,8 +134,8 @@ def table(out: Path, levers: list[str], seeds: list[int]) -> str:
         p = out / f"{lever}-s{seed}" / name
         return json.loads(p.read_text()) if p.exists() else None
 
-    lines = ["| lever | seeds | offline AL (T=0) | offline per-depth acceptance (cond.) | online AL T=0 | online AL T=1 "
-             "| Δ offline AL | Δ online T=0 | Δ online T=1 | train s |",
+    lines = ["| lever | seeds | offline AL (T=0) | offline per-depth accuracy (T=0) | online AL T=0 | online AL T=1 "
+             "| Δ offline AL | Δ online T=0 | Δ online T=1 | train wall s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for lever in levers:
         rows = [(s, load(lever, s, "offline.json"), load(lever, s, "online-T0.json"), load(lever, s, "online-T1.json"),
@@ -143,7 +144,7 @@ def table(out: Path, levers: list[str], seeds: list[int]) -> str:
         if not rows:
             continue
         off = [r[1]["simulated_acceptance_length"] for r in rows]
-        depth = [[r[1]["per_position_acceptance"][d] or 0.0 for r in rows] for d in range(4)]
+        depth = [[r[1]["per_depth_accuracy"][d] or 0.0 for r in rows] for d in range(4)]
         cells = [lever, str(len(rows)), fmt(off), " / ".join(f"{statistics.fmean(d):.3f}" for d in depth)]
         for key in ("online-T0.json", "online-T1.json"):
             vals = [load(lever, s, key) for s, *_ in rows]
@@ -176,6 +177,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--stages", default="train,offline,online")
+    ap.add_argument("--temperatures", default="0,1", help="online: the temperatures judged")
     ap.add_argument("--table", action="store_true", help="only print the table of the saved reports")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -196,7 +198,7 @@ def main() -> None:
             if "online" in stages:
                 contexts = greedy_contexts(args.verifier, run / "final", args.prompts, args.num_prompts,
                                            args.max_new_tokens, args.out)
-                for temperature in (0.0, 1.0):
+                for temperature in (float(t) for t in args.temperatures.split(",")):
                     online(args.verifier, run, contexts, args.max_new_tokens, temperature)
             print(f"done {run.name}", file=sys.stderr)
     text = table(args.out, levers, seeds)

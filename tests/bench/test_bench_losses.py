@@ -20,7 +20,7 @@ def _write(out: Path, lever: str, seed: int, offline_al: float, turn_als: list[f
     run = out / f"{lever}-s{seed}"
     run.mkdir(parents=True)
     (run / "offline.json").write_text(json.dumps({"simulated_acceptance_length": offline_al,
-                                                  "per_position_acceptance": [0.4, 0.2, None, 0.1]}))
+                                                  "per_depth_accuracy": [0.4, 0.2, None, 0.1]}))
     for t in (0, 1):
         turns = [{"al": a + t, "steps": 10, "accepted": round(10 * (a + t - 1))} for a in turn_als]
         (run / f"online-T{t}.json").write_text(json.dumps({"acceptance_length": sum(turn_als) / len(turn_als) + t,
@@ -43,7 +43,7 @@ def test_table_pairs_each_lever_with_the_default_of_its_seed_and_turn(tmp_path):
     tv = next(line for line in text.splitlines() if line.startswith("| tv "))
     cells = [c.strip() for c in tv.strip("|").split("|")]
     assert cells[1] == "2" and cells[2] == "1.280 ± 0.030"
-    assert cells[3] == "0.400 / 0.200 / 0.000 / 0.100"  # None (no chain reached the depth) counts 0
+    assert cells[3] == "0.400 / 0.200 / 0.000 / 0.100"  # None (no element at the depth) counts 0
     assert cells[6] == "0.030 ± 0.020"  # offline: 0.05 and 0.01 paired by seed
     # online: turn differences 0.1, 0.0, 0.2, 0.0 -> mean 0.075, sd 0.0957, se 0.0479
     assert cells[7] == "0.075 ± 0.048 (n=4)" and cells[8] == cells[7]
