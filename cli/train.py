@@ -19,6 +19,7 @@ from peagle_train.model.checkpoint import latest_checkpoint
 from peagle_train.model.config import LAYER_TYPES
 from peagle_train.model.warm_start import INIT_LAYERS
 from peagle_train.train.config import TrainConfig
+from peagle_train.train.loss import LOSSES
 from peagle_train.train.run import run_train
 
 OVERRIDES = {
@@ -30,6 +31,7 @@ OVERRIDES = {
     "drafter_layer": {"type": click.Choice(LAYER_TYPES)},
     "init_from": {"type": click.Path(file_okay=False)},
     "init_layers": {"type": click.Choice(INIT_LAYERS)},
+    "loss": {"type": click.Choice(LOSSES)},
 }
 """What the field annotations cannot say: paths, the secondary flag, the choices."""
 

@@ -24,10 +24,11 @@ class SplitAttention(torch.autograd.Function):
         # o_proj is then a view, not a second copy kept for the backward
         out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device).transpose(0, 1)
         lse = torch.empty(q.shape[:2], dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
-        for sel in order.split(chunk):
-            c = _SplitChunk(q, k, v, sel, lo[sel], p[sel], chain[sel])
-            out[:, sel] = c.out.reshape(out.shape[0], -1, out.shape[2]).to(out.dtype)
-            lse[:, sel] = c.lse.reshape(lse.shape[0], -1)
+        with torch.autocast(q.device.type, enabled=False):  # the kernel computes in float32 under bf16 autocast too
+            for sel in order.split(chunk):
+                c = _SplitChunk(q, k, v, sel, lo[sel], p[sel], chain[sel])
+                out[:, sel] = c.out.reshape(out.shape[0], -1, out.shape[2]).to(out.dtype)
+                lse[:, sel] = c.lse.reshape(lse.shape[0], -1)
         ctx.save_for_backward(q, k, v, lo, p, chain, order, out, lse)
         ctx.chunk = chunk
         return out
@@ -38,9 +39,10 @@ class SplitAttention(torch.autograd.Function):
         dt = lse.dtype
         dq, dk, dv = (torch.zeros(t.shape, dtype=dt, device=t.device) for t in (q, k, v))
         delta = (dout.to(dt) * out.to(dt)).sum(-1)  # [nh, R] rowsum(dO * O)
-        for sel in order.split(ctx.chunk):
-            c = _SplitChunk(q, k, v, sel, lo[sel], p[sel], chain[sel], lse=lse[:, sel])
-            dq[:, sel] = c.backward(dout[:, sel], delta[:, sel], dk, dv).reshape(dq.shape[0], -1, dq.shape[2])
+        with torch.autocast(q.device.type, enabled=False):
+            for sel in order.split(ctx.chunk):
+                c = _SplitChunk(q, k, v, sel, lo[sel], p[sel], chain[sel], lse=lse[:, sel])
+                dq[:, sel] = c.backward(dout[:, sel], delta[:, sel], dk, dv).reshape(dq.shape[0], -1, dq.shape[2])
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 

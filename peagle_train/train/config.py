@@ -10,15 +10,17 @@ and the flat form of the files written before the grouping alike.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from peagle_train.model.attention import ATTENTION_CHOICES
 from peagle_train.model.config import LAYER_TYPES
 from peagle_train.model.warm_start import INIT_LAYERS
+from peagle_train.train.loss import LOSSES
 from peagle_train.train.metrics import parse_report_to
 
-__all__ = ["DataConfig", "ModelConfig", "OptimConfig", "RunConfig", "TrainConfig", "GROUPS", "FIELD_DEFAULTS",
+__all__ = ["depth_weight_values", "DataConfig", "ModelConfig", "OptimConfig", "RunConfig", "TrainConfig", "GROUPS", "FIELD_DEFAULTS",
            "flat_settings"]
 
 
@@ -26,6 +28,42 @@ def _need(ok: bool, option: str, rule: str, value: Any) -> None:
     """ValueError naming the option unless ``ok``."""
     if not ok:
         raise ValueError(f"{option} must be {rule}, got {value!r}")
+
+
+def depth_weight_values(spec: str | None, num_depths: int) -> tuple[float, ...] | None:
+    """The per-depth loss weights λ_0..λ_{K-1} of ``--depth-weights``.
+
+    Args:
+        spec: None (every depth 1: returns None); ``K`` comma-separated numbers (``1,0.8,0.6,0.4``); or
+            ``exp:G``, ``λ_d = G**d`` (``speculators``' ``fixed-exp-decay`` rule, ``gamma ** pos_idx``).
+        num_depths: K.
+
+    Returns:
+        ``K`` floats, each finite and >= 0, at least one > 0; or None.
+
+    Raises:
+        ValueError: naming ``--depth-weights``: not numbers, not K of them, a negative or non-finite one,
+            all zero, or ``G`` outside (0, inf).
+    """
+    if spec is None:
+        return None
+    text = str(spec).strip()
+    try:
+        if text.startswith("exp:"):
+            gamma = float(text[4:])
+            _need(math.isfinite(gamma) and gamma > 0, "--depth-weights exp:G", "a rule with G > 0", spec)
+            values = tuple(gamma ** d for d in range(num_depths))
+        else:
+            values = tuple(float(v) for v in text.split(","))
+    except ValueError as err:
+        if "--depth-weights" in str(err):
+            raise
+        raise ValueError(f"--depth-weights must be {num_depths} comma-separated numbers (one per depth, "
+                         f"--num-depths) or exp:G, got {spec!r}") from None
+    _need(len(values) == num_depths, "--depth-weights", f"{num_depths} numbers, one per depth (--num-depths)", spec)
+    _need(all(math.isfinite(v) and v >= 0 for v in values), "--depth-weights", "finite numbers >= 0", spec)
+    _need(any(v > 0 for v in values), "--depth-weights", "not all zero", spec)
+    return values
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,6 +179,16 @@ class OptimConfig:
     grad_accum: int = 1
     """Blocks per optimizer step and rank (``--grad-accum``); the step's loss pools their elements. A
     ``--resume`` on another number of processes keeps ``grad_accum`` × processes, the blocks of one step."""
+    loss: str = "kl_div"
+    """The per-element loss (``--loss``), by the names of ``speculators``' ``--loss-fn``
+    (:data:`peagle_train.train.loss.LOSSES`): ``kl_div`` forward KL to the verifier (EAGLE-3, P-EAGLE);
+    ``tv`` total variation, 1 minus the acceptance probability of a sampled draft; ``nla`` its negative log
+    (LK^α, arXiv:2602.23881); ``lk_hybrid`` the same paper's KL/TV blend; ``ce`` cross-entropy to the
+    verifier's argmax, the T = 0 surrogate. The default stays forward KL: on SmolLM2-135M no other loss
+    beat it beyond two standard errors (the benchmarks' "Acceptance-targeted losses")."""
+    depth_weights: str | None = None
+    """Per-depth loss weights λ_d (``--depth-weights``): K comma-separated numbers (``1,1,1.5,2``) or
+    ``exp:G`` for ``G**d``; the loss is ``Σ λ_d m ℓ / Σ λ_d m``. None: every depth 1."""
     loss_chunk_size: int = 2048
     """Elements per logits chunk in the loss (``--loss-chunk-size``)."""
     gradient_checkpointing: bool = False
@@ -161,6 +209,7 @@ class OptimConfig:
         _need(self.grad_clip > 0, "--grad-clip", "> 0", self.grad_clip)
         _need(self.grad_accum >= 1, "--grad-accum", ">= 1", self.grad_accum)
         _need(self.loss_chunk_size >= 1, "--loss-chunk-size", ">= 1", self.loss_chunk_size)
+        _need(self.loss in LOSSES, "--loss", f"one of {', '.join(LOSSES)}", self.loss)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,6 +285,14 @@ class TrainConfig:
         for name, value in settings.items():
             parts[_GROUP_OF[name]][name] = value
         return cls(**{g: GROUPS[g](**kw) for g, kw in parts.items()})
+
+    def __post_init__(self) -> None:
+        depth_weight_values(self.optim.depth_weights, self.model.num_depths)  # ValueError naming --depth-weights
+
+    @property
+    def depth_weights(self) -> tuple[float, ...] | None:
+        """The per-depth loss weights of ``--depth-weights`` (:func:`depth_weight_values`), None: all 1."""
+        return depth_weight_values(self.optim.depth_weights, self.model.num_depths)
 
     def to_dict(self) -> dict[str, Any]:
         """The run's settings as written to ``train_config.json`` (and ``training_state.pt``), by group:

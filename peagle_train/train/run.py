@@ -302,7 +302,9 @@ def _start_run(cfg: TrainConfig, accelerator, store, sequence: BlockSequence, va
             "tokenizer": store.attrs.get("tokenizer") or {},  # what the drafter's token ids mean (peagle-eval checks it)
             "seed": cfg.run.seed, "val_fraction": cfg.data.val_fraction, "num_depths": cfg.model.num_depths,
             "max_anchors": cfg.data.max_anchors, "down_sample_ratio": cfg.data.down_sample_ratio,
-            "down_sample_ratio_min": cfg.data.down_sample_ratio_min, "val_blocks": [int(i) for i in val_side],
+            "down_sample_ratio_min": cfg.data.down_sample_ratio_min, "loss": cfg.optim.loss,
+            "depth_weights": list(cfg.depth_weights) if cfg.depth_weights is not None else None,
+            "val_blocks": [int(i) for i in val_side],
             "split": {"rule": SPLIT_RULES[sequence.split_rule], "version": sequence.split_rule}}
     return TrainRun(store=store, sequence=sequence, val_ids=val_ids, output=out, info=info, summary={},
                     metrics=MetricsLog(out / "metrics.jsonl", accelerator, trackers), resumed_from=resume_from)

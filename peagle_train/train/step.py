@@ -14,7 +14,7 @@ import torch
 from peagle_train.data.cod import CodElements, element_inputs, sample_cod_elements
 from peagle_train.data.loader import Block, derive_seed
 from peagle_train.model.attention import element_attention
-from peagle_train.train.loss import LogitTransform, LossOutput, kl_loss_and_accuracy
+from peagle_train.train.loss import LogitTransform, LossOutput, loss_and_accuracy
 
 __all__ = ["cod_generator", "block_loss", "block_hidden", "accumulate_step", "block_to", "sample_elements",
            "summarise", "add_sums", "gather_ids"]
@@ -30,8 +30,9 @@ def cod_generator(seed: int, cursor: int) -> torch.Generator:
 
 def block_loss(model, draft_head: torch.Tensor, verifier_head: torch.Tensor, block: Block,
                elements: CodElements, num_depths: int, chunk_size: int,
-               attention_backend: str = "sdpa", logit_transform: LogitTransform | None = None) -> LossOutput:
-    """Drafter forward over ``elements`` of ``block`` and the weighted KL to the verifier.
+               attention_backend: str = "sdpa", logit_transform: LogitTransform | None = None,
+               loss: str = "kl_div", depth_weights: tuple[float, ...] | None = None) -> LossOutput:
+    """Drafter forward over ``elements`` of ``block`` and the weighted loss to the verifier.
 
     Args:
         model: the (possibly wrapped) :class:`PEagleDrafter`.
@@ -42,11 +43,13 @@ def block_loss(model, draft_head: torch.Tensor, verifier_head: torch.Tensor, blo
         attention_backend: a key of :data:`peagle_train.model.attention.ATTENTION_BACKENDS` (resolved:
             see :func:`peagle_train.model.attention.resolve_attention_backend`).
         logit_transform: the verifier's :class:`peagle_train.train.loss.LogitTransform` (None: identity).
+        loss: the per-element loss, a name of :data:`peagle_train.train.loss.LOSSES`.
+        depth_weights: ``[K]`` per-depth loss weights (None: all 1).
     """
     hidden, rows, target_index = block_hidden(model, draft_head.dtype, block, elements, attention_backend)
-    return kl_loss_and_accuracy(hidden, draft_head, block.final_hidden, verifier_head, elements.weight[rows],
-                                elements.depth[rows], num_depths, chunk_size, target_index=target_index,
-                                logit_transform=logit_transform)
+    return loss_and_accuracy(hidden, draft_head, block.final_hidden, verifier_head, elements.weight[rows],
+                             elements.depth[rows], num_depths, chunk_size, target_index=target_index,
+                             logit_transform=logit_transform, loss=loss, depth_weights=depth_weights)
 
 
 def block_hidden(model, dtype: torch.dtype, block: Block, elements: CodElements,
@@ -69,9 +72,10 @@ def block_hidden(model, dtype: torch.dtype, block: Block, elements: CodElements,
 def accumulate_step(accelerator, model, params: list[torch.nn.Parameter], micro_batches,
                     n_micro: int, loss_fn) -> dict[str, torch.Tensor]:
     """Accumulate one optimizer step's gradient: that of the pooled objective over every micro-batch
-    and data-parallel rank, ``Σ w·KL / Σ w`` (sums over all the step's elements on all ranks).
+    and data-parallel rank, ``Σ w·ℓ / Σ w`` (sums over all the step's elements on all ranks; ``w`` the
+    element weight times its depth's weight, ℓ the run's loss).
 
-    Each micro-batch backpropagates its unnormalised ``Σ w·KL`` (under ``no_sync`` but the last);
+    Each micro-batch backpropagates its unnormalised ``Σ w·ℓ`` (under ``no_sync`` but the last);
     the accumulated, all-reduced gradient is then scaled by ``world / W`` with ``W`` the step's
     global weight sum (DDP averages over the ``world`` ranks). A block with 4 weighted elements thus
     counts 4/(4+293) of a step shared with a 293-element block, not 1/2 as a mean of block means.

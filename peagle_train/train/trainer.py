@@ -126,7 +126,8 @@ class Trainer:
         Blocks may be on the CPU (moved to the device here). Returns the step's ``metrics.jsonl``
         row: ``step``, ``loss`` (the pooled objective), ``acc [K]`` (None for a depth without
         weight), ``tokens_per_s``, ``lr`` (of this step), ``n_elements`` (all ranks'), ``blocks`` (every
-        rank's ids), ``weight``, ``step_s``, ``grad_norm`` (before clipping).
+        rank's ids), ``weight`` (``Σ λ_d m``), ``depth_elements [K]`` (the supervised elements of each depth,
+        ``Σ m``: what COD fed each depth), ``step_s``, ``grad_norm`` (before clipping).
 
         Raises:
             NonFiniteError: the pooled loss or the gradient norm is NaN or infinite, naming the step and
@@ -169,6 +170,7 @@ class Trainer:
         self.last_row = {"split": "train", "step": self.step, "loss": loss, "acc": acc,
                          "tokens_per_s": n_tokens / dt, "lr": lr, "n_elements": n_elements,
                          "blocks": blocks, "weight": float(sums["weight_sum"].sum()),
+                         "depth_elements": [int(c) for c in sums["counts"].tolist()],
                          "step_s": dt, "grad_norm": grad_norm}
         return self.last_row
 
@@ -182,7 +184,8 @@ class Trainer:
     def _loss(self, item: tuple[Block, CodElements]) -> LossOutput:
         with self.accelerator.autocast():
             return block_loss(self.model, self.unwrapped.lm_head.weight, self.verifier_head, *item,
-                              self.cfg.model.num_depths, self.cfg.optim.loss_chunk_size, self.attention, self.logit_transform)
+                              self.cfg.model.num_depths, self.cfg.optim.loss_chunk_size, self.attention, self.logit_transform,
+                              self.cfg.optim.loss, self.cfg.depth_weights)
 
     @torch.no_grad()
     def validate(self) -> dict[str, Any]:
@@ -202,7 +205,8 @@ class Trainer:
             block = block_to(to_block(bid, self.run.store.read_block(bid)), device)
             el = sample_elements(block, cfg, torch.Generator().manual_seed(derive_seed(cfg.run.seed, 2, bid))).to(device)
             out = block_loss(self.unwrapped, self.unwrapped.lm_head.weight, self.verifier_head, block, el,
-                             cfg.model.num_depths, cfg.optim.loss_chunk_size, self.attention, self.logit_transform)
+                             cfg.model.num_depths, cfg.optim.loss_chunk_size, self.attention, self.logit_transform,
+                             cfg.optim.loss, cfg.depth_weights)
             if not bool(torch.isfinite(out.loss_sum).all()):
                 nonfinite.append(bid)
             sums = add_sums(sums, {"loss_sum": out.loss_sum.float().reshape(1), "weight_sum": out.weight_sum.reshape(1),

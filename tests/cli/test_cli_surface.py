@@ -42,7 +42,7 @@ EXACT = {
                       "--down-sample-ratio", "--down-sample-ratio-min", "--draft-vocab-size", "--num-layers", "--lr",
                       "--warmup-steps", "--weight-decay", "--grad-clip", "--grad-accum", "--save-every",
                       "--save-total-limit", "--val-fraction", "--val-max-blocks", "--val-every", "--log-every", "--mask-token-id",
-                      "--loss-chunk-size", "--gradient-checkpointing", "--lazy-embedding", "--dense-embedding",
+                      "--loss-chunk-size", "--loss", "--depth-weights", "--gradient-checkpointing", "--lazy-embedding", "--dense-embedding",
                       "--train-embedding", "--freeze-embedding", "--seed", "--attention-backend", "--drafter-layer",
                       "--init-from", "--init-from-sha256", "--init-layers", "--report-to", "--resume", "--allow-incomplete",
                       "--force"} | CONFIG_FILE,

@@ -1,7 +1,7 @@
 """One optimizer step optimises the pooled objective Σ w·KL / Σ w over all its blocks and ranks.
 
 The accumulated gradient of :func:`accumulate_step` must equal the gradient of a single
-:func:`kl_loss_and_accuracy` over the concatenated elements of every block (one process with
+:func:`loss_and_accuracy` over the concatenated elements of every block (one process with
 ``--grad-accum 2``; two real gloo ranks with two blocks each), and the logged loss must be that
 pooled value, with and without gradient checkpointing. Blocks of very different weight make a mean of
 block means differ from it.
@@ -20,7 +20,7 @@ from peagle_train.data.cod import sample_cod_elements
 from peagle_train.data.loader import Block
 from peagle_train.model.config import DrafterConfig
 from peagle_train.model.drafter import PEagleDrafter
-from peagle_train.train.loss import kl_loss_and_accuracy
+from peagle_train.train.loss import loss_and_accuracy
 from peagle_train.train.step import accumulate_step, block_hidden, block_loss
 
 H, V, L, K, CHUNK = 32, 64, 2, 3, 16
@@ -70,7 +70,7 @@ def pooled_reference(model, vhead, blocks) -> tuple[float, dict[str, torch.Tenso
         target.append(tidx + offset)
         finals.append(block.final_hidden)
         offset += block.n_tokens
-    out = kl_loss_and_accuracy(torch.cat(hidden), model.lm_head.weight, torch.cat(finals), vhead,
+    out = loss_and_accuracy(torch.cat(hidden), model.lm_head.weight, torch.cat(finals), vhead,
                                torch.cat(weight), torch.cat(depth), K, CHUNK, target_index=torch.cat(target))
     out.loss.backward()
     return float(out.loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

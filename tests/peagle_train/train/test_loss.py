@@ -1,10 +1,12 @@
 """Chunked weighted KL equals the unchunked one, in value and gradients; Σw = 0 gives 0."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from peagle_train.train.loss import kl_loss_and_accuracy
+from peagle_train.train.loss import LOSSES, loss_and_accuracy
 
 E, H, D, K = 37, 16, 50, 4
 
@@ -31,7 +33,7 @@ def test_chunked_equals_unchunked_value_and_grads():
     results = []
     for chunk in (None, 5, 16, 1000):
         hidden, head, target, vhead, w, depth = _inputs()
-        out = kl_loss_and_accuracy(hidden, head, target, vhead, w, depth, K, chunk_size=chunk)
+        out = loss_and_accuracy(hidden, head, target, vhead, w, depth, K, chunk_size=chunk)
         out.loss.backward()
         results.append((out.loss.detach(), hidden.grad.clone(), head.grad.clone(), out.correct, out.counts))
     for r in results[1:]:
@@ -43,7 +45,7 @@ def test_chunked_equals_unchunked_value_and_grads():
 
 def test_accuracy_is_weighted_argmax_agreement_per_depth():
     hidden, head, target, vhead, w, depth = _inputs(1)
-    out = kl_loss_and_accuracy(hidden, head, target, vhead, w, depth, K, chunk_size=7)
+    out = loss_and_accuracy(hidden, head, target, vhead, w, depth, K, chunk_size=7)
     agree = ((hidden @ head.T).argmax(-1) == (target.float() @ vhead.T).argmax(-1)).float()
     for d in range(K):
         sel = depth == d
@@ -53,7 +55,7 @@ def test_accuracy_is_weighted_argmax_agreement_per_depth():
 
 def test_zero_weight_gives_zero_loss_and_finite_grads():
     hidden, head, target, vhead, w, depth = _inputs(2, zero_weight=True)
-    out = kl_loss_and_accuracy(hidden, head, target, vhead, w, depth, K, chunk_size=8)
+    out = loss_and_accuracy(hidden, head, target, vhead, w, depth, K, chunk_size=8)
     out.loss.backward()
     assert float(out.loss.detach()) == 0.0
     assert torch.isfinite(hidden.grad).all() and torch.isfinite(head.grad).all()
@@ -61,7 +63,7 @@ def test_zero_weight_gives_zero_loss_and_finite_grads():
 
 def test_kl_is_zero_when_drafter_matches_verifier():
     hidden, head, target, vhead, w, depth = _inputs(3)
-    out = kl_loss_and_accuracy(target.float(), vhead, target, vhead, w, depth, K, chunk_size=10)
+    out = loss_and_accuracy(target.float(), vhead, target, vhead, w, depth, K, chunk_size=10)
     assert abs(float(out.loss.detach())) < 1e-5
     assert torch.equal(out.correct, out.counts)
 
@@ -71,11 +73,11 @@ def test_target_index_rows_equal_gathered_targets_value_and_grads():
     hidden, head, target, vhead, w, depth = _inputs(4)
     rows = torch.randint(0, 9, (E,), generator=torch.Generator().manual_seed(5))  # many repeats
     block = torch.randn(9, H, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
-    a = kl_loss_and_accuracy(hidden, head, block[rows], vhead, w, depth, K, chunk_size=None)
+    a = loss_and_accuracy(hidden, head, block[rows], vhead, w, depth, K, chunk_size=None)
     a.loss.backward()
     ga = (hidden.grad.clone(), head.grad.clone())
     hidden.grad, head.grad = None, None
-    b = kl_loss_and_accuracy(hidden, head, block, vhead, w, depth, K, chunk_size=6, target_index=rows)
+    b = loss_and_accuracy(hidden, head, block, vhead, w, depth, K, chunk_size=6, target_index=rows)
     b.loss.backward()
     torch.testing.assert_close(a.loss, b.loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ga[0], hidden.grad, rtol=1e-5, atol=1e-6)
@@ -88,7 +90,7 @@ def test_analytic_gradient_equals_autograd_of_the_naive_loss():
     _naive(hidden, head, target, vhead, w).backward()
     expect = (hidden.grad.clone(), head.grad.clone())
     hidden.grad, head.grad = None, None
-    kl_loss_and_accuracy(hidden, head, target, vhead, w, depth, K, chunk_size=5).loss.backward()
+    loss_and_accuracy(hidden, head, target, vhead, w, depth, K, chunk_size=5).loss.backward()
     torch.testing.assert_close(hidden.grad, expect[0], rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(head.grad, expect[1], rtol=1e-4, atol=1e-6)
 
@@ -128,10 +130,93 @@ def test_kl_targets_are_the_verifiers_transformed_distribution():
     target, vhead = torch.randn(E, H, generator=g) * 3, torch.randn(D, H, generator=g)
     weight, depth = torch.rand(E, generator=g), torch.arange(E) % 2
     cap = LogitTransform(softcap=2.0)
-    out = kl_loss_and_accuracy(hidden, draft_head, target, vhead, weight, depth, 2, chunk_size=3, logit_transform=cap)
+    out = loss_and_accuracy(hidden, draft_head, target, vhead, weight, depth, 2, chunk_size=3, logit_transform=cap)
     p = torch.softmax(2.0 * torch.tanh(target @ vhead.T / 2.0), -1)
     logq = torch.log_softmax(hidden @ draft_head.T, -1)
     want = (weight * (p * (p.log() - logq)).sum(-1)).sum() / weight.sum()
     torch.testing.assert_close(out.loss, want, rtol=1e-5, atol=1e-6)
-    plain = kl_loss_and_accuracy(hidden, draft_head, target, vhead, weight, depth, 2, chunk_size=3)
+    plain = loss_and_accuracy(hidden, draft_head, target, vhead, weight, depth, 2, chunk_size=3)
     assert abs(float(plain.loss) - float(want)) > 1e-2  # without the transform the target differs
+
+
+# ---------------------------------------------------------------------------- the acceptance-targeted losses
+def _reference_elementwise(name, z, target_logits):
+    """speculators 0.9's eager definitions (speculators/losses/eager.py), written out with autograd."""
+    q = torch.softmax(z, -1)
+    p = torch.softmax(target_logits, -1)
+    logq = torch.log_softmax(z, -1)
+    kl = (p * (torch.log_softmax(target_logits, -1) - logq)).sum(-1)
+    alpha = torch.minimum(p, q).sum(-1)
+    if name == "kl_div":
+        return kl
+    if name == "tv":
+        return 1.0 - alpha
+    if name == "nla":
+        return -torch.log(alpha.clamp_min(1e-5))
+    if name == "lk_hybrid":
+        lam = torch.exp(-3.0 * alpha.detach())
+        return lam * kl + (1.0 - lam) * (1.0 - alpha)
+    if name == "ce":
+        return F.cross_entropy(z, target_logits.argmax(-1), reduction="none")
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_each_loss_and_its_analytic_gradient_equal_autograd_of_the_definition(name, chunk):
+    """Value and the in-chunk gradients (w.r.t. hidden and the draft head) equal autograd through the
+    definition in float32, with weights, depth weights and repeated target rows."""
+    g = torch.Generator().manual_seed(11)
+    n, h, d, k = 23, 8, 12, 3
+    hidden = (2 * torch.randn(n, h, generator=g)).requires_grad_()
+    head = torch.randn(d, h, generator=g).requires_grad_()
+    block = 2 * torch.randn(7, h, generator=g)
+    vhead = torch.randn(d, h, generator=g)
+    rows = torch.randint(0, 7, (n,), generator=g)
+    w = (torch.rand(n, generator=g) < 0.8).float()
+    depth = torch.randint(0, k, (n,), generator=g)
+    lam = [1.0, 0.5, 2.0]
+    out = loss_and_accuracy(hidden, head, block, vhead, w, depth, k, chunk, target_index=rows, loss=name,
+                            depth_weights=lam)
+    out.loss.backward()
+    got = (out.loss.detach(), hidden.grad.clone(), head.grad.clone())
+    hidden.grad = head.grad = None
+    z = hidden @ head.T
+    lw = w * torch.tensor(lam)[depth]
+    ref = (_reference_elementwise(name, z, block[rows] @ vhead.T) * lw).sum() / lw.sum()
+    ref.backward()
+    torch.testing.assert_close(got[0], ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], hidden.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(got[2], head.grad, rtol=1e-4, atol=1e-6)
+    assert float(got[1].abs().max()) > 1e-3  # a gradient that could have been wrong
+
+
+def test_tv_is_half_the_l1_distance_and_nla_minus_log_overlap():
+    """On a hand case: p = (0.5, 0.5, 0), q = softmax(z) with z = log(0.2, 0.2, 0.6): α = 0.4, TV = 0.6."""
+    vhead = torch.eye(3)
+    target = torch.log(torch.tensor([[0.5, 0.5, 1e-30]]))  # final hidden = logits with an identity head
+    hidden = torch.log(torch.tensor([[0.2, 0.2, 0.6]]))
+    w, depth = torch.ones(1), torch.zeros(1, dtype=torch.long)
+    tv = loss_and_accuracy(hidden, vhead, target, vhead, w, depth, 1, loss="tv").loss
+    nla = loss_and_accuracy(hidden, vhead, target, vhead, w, depth, 1, loss="nla").loss
+    ce = loss_and_accuracy(hidden, vhead, target, vhead, w, depth, 1, loss="ce").loss
+    assert abs(float(tv) - 0.6) < 1e-6
+    assert abs(float(nla) + math.log(0.4)) < 1e-5
+    assert abs(float(ce) + math.log(0.2)) < 1e-5  # y = argmax p = 0 (the first of a tie)
+
+
+def test_depth_weights_weigh_the_loss_not_the_accuracy_and_are_checked():
+    hidden, head, target, vhead, w, depth = _inputs(7)
+    plain = loss_and_accuracy(hidden, head, target, vhead, w, depth, K, chunk_size=5)
+    only0 = loss_and_accuracy(hidden, head, target, vhead, w, depth, K, chunk_size=5, depth_weights=[1, 0, 0, 0])
+    sel = (depth == 0) & (w > 0)
+    ref0 = loss_and_accuracy(hidden[sel], head, target[sel], vhead, w[sel], depth[sel], K, chunk_size=5)
+    torch.testing.assert_close(only0.loss, ref0.loss, rtol=1e-5, atol=1e-6)
+    assert torch.equal(only0.correct, plain.correct) and torch.equal(only0.counts, plain.counts)
+    assert float(only0.weight_sum) == float(w[depth == 0].sum())
+    with pytest.raises(ValueError, match="depth_weights must be 4"):
+        loss_and_accuracy(hidden, head, target, vhead, w, depth, K, depth_weights=[1, 1])
+    with pytest.raises(ValueError, match="depth_weights must be 4"):
+        loss_and_accuracy(hidden, head, target, vhead, w, depth, K, depth_weights=[1, -1, 1, 1])
+    with pytest.raises(ValueError, match="loss must be one of"):
+        loss_and_accuracy(hidden, head, target, vhead, w, depth, K, loss="kl")

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from peagle_train.data.loader import epoch_order, split_blocks
 from peagle_train.model.checkpoint import load_drafter
-from peagle_train.train.config import TrainConfig, flat_settings
+from peagle_train.train.config import TrainConfig, depth_weight_values, flat_settings
 from peagle_train.train.run import run_train
 from peagle_train.train.setup import build_draft_vocab
 from stores.errors import InputError, StoreFormatError, StoreMismatchError
@@ -81,6 +81,8 @@ def test_loss_decreases_on_a_repeated_block(tmp_path, verifier_dir, capsys):
     assert len(rows) == 12 and all(np.isfinite(losses))
     assert np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3])
     assert len(rows[0]["acc"]) == 4
+    fed = [r["depth_elements"] for r in rows]  # COD feeds each depth fewer elements: r = 0.5, r_min = 0.2
+    assert all(len(f) == 4 and f[0] > f[1] > f[2] >= f[3] > 0 for f in fed), fed
     assert summary["last_step_loss"] == losses[-1] and summary["draft_vocab_size"] == 100
     assert summary["last_step"] == 12 and summary["per_depth_accuracy_steps"] == [3, 12]  # the window pooled
     assert "final_loss" not in summary and "per_depth_accuracy" not in summary
@@ -328,10 +330,37 @@ def test_draft_vocab_takes_most_frequent_ties_by_id():
     (dict(down_sample_ratio_min=1.5), "--down-sample-ratio-min"), (dict(max_anchors=0), "--max-anchors"),
     (dict(max_steps=0), "--max-steps"), (dict(val_fraction=1.0), "--val-fraction"),
     (dict(init_from_sha256="00ff"), "--init-from-sha256 must be given with --init-from"),
+    (dict(loss="kl"), "--loss must be one of kl_div, tv, nla, lk_hybrid, ce"),
+    (dict(depth_weights="1,1"), "--depth-weights must be 4 numbers, one per depth"),
+    (dict(depth_weights="1,-1,1,1"), "--depth-weights must be finite numbers >= 0"),
+    (dict(depth_weights="0,0,0,0"), "--depth-weights must be not all zero"),
+    (dict(depth_weights="exp:0"), "--depth-weights exp:G must be a rule with G > 0"),
+    (dict(depth_weights="one,two"), "--depth-weights must be 4 comma-separated numbers"),
 ])
 def test_bad_config_names_the_option(kw, option):
     with pytest.raises(ValueError, match=option):
         TrainConfig.from_flat(store="s", output="o", **kw)
+
+
+def test_depth_weights_lists_and_the_exponential_rule():
+    assert depth_weight_values(None, 4) is None
+    assert depth_weight_values("1, 1, 1.5,2", 4) == (1.0, 1.0, 1.5, 2.0)
+    assert depth_weight_values("exp:0.5", 3) == (1.0, 0.5, 0.25)
+    assert TrainConfig.from_flat(store="s", output="o", num_depths=2, depth_weights="exp:2").depth_weights == (1.0, 2.0)
+
+
+def test_loss_and_depth_weights_are_recorded_and_kept_on_resume(tmp_path, verifier_dir):
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
+    out = tmp_path / "out"
+    summary = run_train(_cfg(store, out, max_steps=2, loss="lk_hybrid", depth_weights="exp:0.5"))
+    info = json.loads((out / "final" / "config.json").read_text())["peagle_training"]
+    assert info["loss"] == "lk_hybrid" and info["depth_weights"] == [1.0, 0.5, 0.25, 0.125]
+    assert (info["down_sample_ratio"], info["down_sample_ratio_min"]) == (0.5, 0.2)
+    saved = json.loads((out / "train_config.json").read_text())["optim"]
+    assert (saved["loss"], saved["depth_weights"]) == ("lk_hybrid", "exp:0.5")
+    assert np.isfinite(summary["last_step_loss"])
+    with pytest.raises(InputError, match="--loss: saved 'lk_hybrid', given 'kl_div'"):
+        run_train(_cfg(store, out, max_steps=2, depth_weights="exp:0.5", resume=True))
 
 
 def test_bad_stores_fail_before_training(tmp_path, verifier_dir, make_tiny_llama):
