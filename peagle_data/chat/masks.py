@@ -77,7 +77,7 @@ from stores.chat_template import (ChatTemplate, ChatTemplateError, as_chat_templ
 from stores.errors import InputError
 
 __all__ = ["TokenizedConversation", "RenderedRow", "render_rows", "tokenize_rendered", "DROPPED", "SPECIAL_TEXT",
-           "straddling_token", "on_generated_ids", "tokenize_conversation", "tokenize_turns", "system_prefix_text",
+           "straddling_token", "served_prompt_mismatch", "on_generated_ids", "tokenize_conversation", "tokenize_turns", "system_prefix_text",
            "special_token_text", "special_text_reason"]
 
 _SENTINELS = ("Q7Xz sentinel alpha", "K3Jw sentinel beta", "Z9qv sentinel gamma")
@@ -699,9 +699,12 @@ def tokenize_rendered(tokenizer, rows: Sequence[RenderedRow]) -> list[TokenizedC
     if not getattr(tokenizer, "is_fast", False):
         raise InputError("loss masks need a fast tokenizer (offset mapping); this one is not")
     enc = tokenizer([r.text for r in rows], add_special_tokens=False, return_offsets_mapping=True)
+    prompts = [r.text[:a] for r in rows for a, _ in r.spans]  # every supervised turn's served prompt P_i
+    served = iter(tokenizer(prompts, add_special_tokens=False)["input_ids"] if prompts else [])
     special = _special_ids(tokenizer)
     out = []
     for row, row_ids, row_offsets in zip(rows, enc["input_ids"], enc["offset_mapping"]):
+        row_served = list(itertools.islice(served, len(row.spans)))
         ids = np.fromiter(row_ids, dtype=np.int32, count=len(row_ids))
         offsets = np.fromiter(itertools.chain.from_iterable(row_offsets), dtype=np.int64,
                               count=2 * len(row_offsets)).reshape(-1, 2)  # [T, 2] chars
@@ -712,7 +715,8 @@ def tokenize_rendered(tokenizer, rows: Sequence[RenderedRow]) -> list[TokenizedC
         supervised = np.flatnonzero(loss_mask)
         if supervised.size:
             system_len = min(system_len, int(supervised[0]))
-        problem = straddling_token(row, offsets, loss_mask) or _unclear_end_of_turn(row, ids, offsets, special)
+        problem = (straddling_token(row, offsets, loss_mask) or _unclear_end_of_turn(row, ids, offsets, special)
+                   or served_prompt_mismatch(tokenizer, row, ids, offsets, row_served))
         spliced = 0
         if problem is None and row.token_ids:
             ids, loss_mask, spliced, problem = on_generated_ids(tokenizer, row, ids, offsets, loss_mask, special)
@@ -753,6 +757,47 @@ def straddling_token(row: RenderedRow, offsets: np.ndarray, loss_mask: np.ndarra
             return (f"a supervised token ends past its assistant turn: {text[int(starts[t]):int(ends[t])]!r} "
                     f"holds {text[b:int(ends[t])]!r} of what follows the turn, so the turn has no exact mask; pass "
                     "--chat-template FILE with a template that ends assistant turns with an end-of-turn token")
+    return None
+
+
+def served_prompt_mismatch(tokenizer, row: RenderedRow, ids: np.ndarray, offsets: np.ndarray,
+                           served: Sequence[Sequence[int]]) -> str | None:
+    """Why a supervised turn of ``row`` is trained on another context than the verifier is served, or None.
+
+    vLLM serves the generation prompt ``P_i`` (``row.text[:a]`` for the span ``(a, b)``) tokenized alone,
+    and the verifier generates after those ids; the row is the whole render tokenized once. Where the
+    reply's first characters change how the prompt's last characters tokenize (SmolLM2's byte-level BPE
+    keeps ``"</think>\n\n"``'s newline run one token at the end of a text but splits it in two before
+    ``"Hello"``), no token straddles the span, yet the row's tokens before the turn differ from the served
+    ids: the drafter would be trained on verifier features of a context the verifier never sees. The
+    check: the row's tokens before the span's first token (those starting before ``a``) equal the
+    served ids of ``P_i`` exactly. A turn trained on its generated ids (:func:`on_generated_ids`) is then
+    exact by construction: the served prompt ids, then the generated ids.
+
+    Args:
+        ids: int32 ``[T]`` of ``row.text``; offsets: int64 ``[T, 2]`` their characters.
+        served: per span of ``row``, the ids of ``P_i`` tokenized alone (``add_special_tokens=False``,
+            as the row's ids are made), from one batched call in :func:`tokenize_rendered`.
+    """
+    starts = offsets[:, 0]
+    for k, ((a, _), prompt) in enumerate(zip(row.spans, served)):
+        lo = int(np.searchsorted(starts, a, side="left"))  # tokens [0, lo) start before the turn
+        if lo == len(prompt) and np.array_equal(ids[:lo], np.asarray(prompt, dtype=ids.dtype)):
+            continue
+        trained, prompt = [int(t) for t in ids[:lo]], [int(t) for t in prompt]
+        at = next((j for j, (x, y) in enumerate(zip(trained, prompt)) if x != y), min(len(trained), len(prompt)))
+        at = max(0, min(at, len(trained) - 1, len(prompt) - 1))  # show at least the last token of each
+        shown = [[tokenizer.decode([t], clean_up_tokenization_spaces=False) for t in seq[at:at + 8]]
+                 for seq in (prompt, trained)]
+        which = f"assistant message {row.turn}" if row.turn is not None else \
+            f"supervised reply {k + 1} of {len(row.spans)}"
+        return (f"the prompt's last tokens change when the reply follows: served {shown[0]} vs trained "
+                f"{shown[1]} before {which} (from token {at}): vLLM tokenizes the generation prompt alone "
+                f"and the verifier generates after those ids, but tokenized with the reply "
+                f"({row.text[a:a + 16]!r}...) the prompt's last characters form other tokens, so the row's "
+                "context is not the served one; pass --chat-template FILE with a generation prompt that ends "
+                "where a token ends whatever follows it (a special token, or text the tokenizer never merges "
+                "across), or use the tokenizer the verifier is served with")
     return None
 
 
