@@ -27,9 +27,18 @@ import numpy as np
 from bench.bench_prepare import load_conversations
 from peagle_data.chat.masks import render_rows, tokenize_rendered
 from peagle_data.prepare.config import CHUNK_CONVERSATIONS
+from stores.chat_template import ChatTemplateError
 from stores.model_cache import load_tokenizer
 
 REASON = "the prompt's last tokens change when the reply follows"
+
+
+def rendered(tok, conv) -> list:
+    """The conversation's rendered rows, none for a render reject (counted by tokenize, not timed here)."""
+    try:
+        return render_rows(tok, conv.messages, conv.tools)
+    except ChatTemplateError:
+        return []
 
 
 def best(fn, repeat: int) -> float:
@@ -49,7 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     tok = load_tokenizer(args.tokenizer)
     convs = load_conversations(args.limit)
-    chunks = [[r for c in convs[k:k + CHUNK_CONVERSATIONS] for r in render_rows(tok, c.messages, c.tools)]
+    chunks = [[r for c in convs[k:k + CHUNK_CONVERSATIONS] for r in rendered(tok, c)]
               for k in range(0, len(convs), CHUNK_CONVERSATIONS)]
     tok(["warm up"], add_special_tokens=False)
     outs = [tokenize_rendered(tok, rows) for rows in chunks]

@@ -87,7 +87,8 @@ from stores.chat_template import (ChatTemplate, ChatTemplateError, as_chat_templ
 from stores.errors import InputError
 
 __all__ = ["TokenizedConversation", "RenderedRow", "render_rows", "tokenize_rendered", "DROPPED", "SPECIAL_TEXT",
-           "straddling_token", "served_prompt_mismatch", "on_generated_ids", "tokenize_conversation", "tokenize_turns", "system_prefix_text",
+           "straddling_token", "served_prompt_mismatch", "on_generated_ids", "tokenize_conversation", "tokenize_turns",
+           "system_prefix_text",
            "special_token_text", "special_text_reason"]
 
 _SENTINELS = ("Q7Xz sentinel alpha", "K3Jw sentinel beta", "Z9qv sentinel gamma")

@@ -22,7 +22,8 @@ from tokenizers import Regex, pre_tokenizers
 
 from stores.answer_parsing import HARMONY_TOKENS
 
-__all__ = ["TEMPLATES_DIR", "template", "template_path", "newline_runs_whole", "NEWLINE_RUNS_PATTERN", "qwen_tokenizer", "think_tokenizer", "harmony_tokenizer",
+__all__ = ["TEMPLATES_DIR", "template", "template_path", "newline_runs_whole", "NEWLINE_RUNS_PATTERN", "qwen_tokenizer",
+           "think_tokenizer", "harmony_tokenizer",
            "QWEN_ADDED", "HARMONY_SPECIAL"]
 
 TEMPLATES_DIR = Path(__file__).parent

@@ -116,8 +116,8 @@ def _with_tokens(tok, special=(), added=()):
 
 @pytest.fixture(scope="module")
 def llama3_tok(smollm2_tokenizer):  # Llama 3's own split keeps the header's "\n\n" whole before the reply
-    return _with_tokens(newline_runs_whole(smollm2_tokenizer), ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                                            "<|eot_id|>"])
+    return _with_tokens(newline_runs_whole(smollm2_tokenizer),
+                        ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"])
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +132,9 @@ def mistral_tok(smollm2_tokenizer):
 
 @pytest.fixture(scope="module")
 def qwen3_tok(smollm2_tokenizer):
-    return _with_tokens(newline_runs_whole(smollm2_tokenizer), added=["<think>", "</think>", "<tool_call>", "</tool_call>",
-                                                  "<tool_response>", "</tool_response>"])
+    return _with_tokens(newline_runs_whole(smollm2_tokenizer),
+                        added=["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
+                               "</tool_response>"])
 
 
 # --------------------------------------------------------------------------------------------
