@@ -812,8 +812,8 @@ def served_prompt_mismatch(tokenizer, row: RenderedRow, ids: np.ndarray, offsets
     Cost: ``P_i`` is tokenized from its last added token on (:func:`_prompt_anchors`), not whole (the
     prompts of a long conversation sum to about twice its text; the tails are a few tokens). Exact for
     the fast tokenizers peagle accepts: a Hugging Face fast tokenizer cuts the text at added tokens
-    (leftmost-longest, before normalization) and normalizes, pre-tokenizes and encodes each piece on its
-    own, so the tokens before an added token that both texts hold at the same place are the same
+    (leftmost-longest, before normalization: ``AddedVocabulary::extract_and_normalize`` in ``tokenizers``)
+    and normalizes, pre-tokenizes and encodes each piece on its own, so the tokens before an added token that both texts hold at the same place are the same
     (``P_i`` is a prefix of the row's text; an added-token match the longer text extends past ``a`` is
     not an anchor, since the anchor ends by ``a``). The tail starts with the anchor itself, so the piece
     after it is not the text's first (Metaspace's ``prepend_scheme="first"``). With no added token
