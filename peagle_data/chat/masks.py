@@ -32,7 +32,7 @@ Method, for one conversation of T tokens:
    carries the verifier's generated ``token_ids``, another tokenization of its text, holds those ids
    (:func:`on_generated_ids`).
 
-Three more checks keep a mask from being silently wrong:
+Four more checks keep a mask from being silently wrong:
 
 - a template whose generation prompt adds text the rendered assistant turn does not start with
   (R1-Distill: the prompt ends with ``<think>\n``, rendered turns keep only the text after
@@ -48,7 +48,17 @@ Three more checks keep a mask from being silently wrong:
   next one) rejects the row ("reply starts inside a token", "a supervised token ends past its
   assistant turn") instead of dropping the reply's first token or training the next turn's text;
   likewise a last special token followed by more of the reply (a template without an end-of-turn
-  token, a reply holding an added token): "no end-of-turn token ends an assistant turn".
+  token, a reply holding an added token): "no end-of-turn token ends an assistant turn";
+- the row's tokens before every supervised turn i must be the generation prompt ``P_i`` tokenized
+  alone (:func:`served_prompt_mismatch`), what vLLM serves before the verifier generates: a reply
+  can change how the prompt's last characters tokenize without any token straddling the span
+  (SmolLM2's GPT-2 split makes ``"</think>\n\n"``'s newline run one token alone, two before
+  ``"Hello"``), which would train the drafter on a context the verifier never sees: "the prompt's
+  last tokens change when the reply follows: served [...] vs trained [...]". ``P_i`` is tokenized
+  from its last added token on, one batched call per :func:`tokenize_rendered` (exact: a fast
+  tokenizer encodes the pieces between added tokens independently). It runs before
+  :func:`on_generated_ids`, so a turn trained on its generated ids is the served prompt's ids, then
+  the generated ids.
 
 ``system_len`` is the number of leading tokens that form the system prefix (BOS, the system turn,
 or the default system text a template injects): the common prefix of two renders of the
@@ -77,7 +87,8 @@ from stores.chat_template import (ChatTemplate, ChatTemplateError, as_chat_templ
 from stores.errors import InputError
 
 __all__ = ["TokenizedConversation", "RenderedRow", "render_rows", "tokenize_rendered", "DROPPED", "SPECIAL_TEXT",
-           "straddling_token", "on_generated_ids", "tokenize_conversation", "tokenize_turns", "system_prefix_text",
+           "straddling_token", "served_prompt_mismatch", "on_generated_ids", "tokenize_conversation", "tokenize_turns",
+           "system_prefix_text",
            "special_token_text", "special_text_reason"]
 
 _SENTINELS = ("Q7Xz sentinel alpha", "K3Jw sentinel beta", "Z9qv sentinel gamma")
@@ -645,7 +656,8 @@ def tokenize_turns(tokenizer, messages: Sequence[dict[str, Any]], tools: list | 
 # Rendered rows -> token ids and loss masks (docs/design.md §3, step 3): one batched tokenizer call
 # with offsets; a token is supervised when it starts inside its turn's span, up to the span's end-of-turn
 # token; a token across a span's boundary (straddling_token), a last special token that is followed by
-# more of the reply (_unclear_end_of_turn), or a turn that cannot be trained on the ids the verifier
+# more of the reply (_unclear_end_of_turn), tokens before a turn that are not its generation prompt
+# tokenized alone (served_prompt_mismatch), or a turn that cannot be trained on the ids the verifier
 # generated (on_generated_ids), makes the row a reject.
 
 @dataclass(frozen=True)
@@ -658,7 +670,8 @@ class TokenizedConversation:
         loss_mask: uint8 ``[T]``, 1 on assistant tokens as rendered and their end-of-turn token.
         system_len: leading tokens that form the system prefix (loss 0), ``0 <= system_len <= T``.
         problem: why no exact mask exists (a token that straddles a supervised span's boundary, see
-            :func:`straddling_token`), or None; such a row is a reject.
+            :func:`straddling_token`; a context that is not the served prompt's tokens, see
+            :func:`served_prompt_mismatch`), or None; such a row is a reject.
         on_generated_ids: 1 when the row's last turn holds the verifier's generated ids in place of
             the re-tokenization of its text (the same text, another tokenization), else 0.
     """
@@ -690,6 +703,8 @@ def tokenize_rendered(tokenizer, rows: Sequence[RenderedRow]) -> list[TokenizedC
 
     The ids equal ``apply_chat_template(messages, tokenize=True)``: that call tokenizes the same
     render with ``add_special_tokens=False``, as here (the tests check it on every template family).
+    A second batched call tokenizes every supervised turn's generation prompt from its last added token
+    on (:func:`served_prompt_mismatch`).
 
     Raises:
         InputError: the tokenizer is not a fast tokenizer (offsets are needed).
@@ -700,11 +715,19 @@ def tokenize_rendered(tokenizer, rows: Sequence[RenderedRow]) -> list[TokenizedC
         raise InputError("loss masks need a fast tokenizer (offset mapping); this one is not")
     enc = tokenizer([r.text for r in rows], add_special_tokens=False, return_offsets_mapping=True)
     special = _special_ids(tokenizer)
-    out = []
+    added = np.fromiter(getattr(tokenizer, "added_tokens_decoder", {}).keys(), dtype=np.int64)
+    tokenized, tails = [], []
     for row, row_ids, row_offsets in zip(rows, enc["input_ids"], enc["offset_mapping"]):
         ids = np.fromiter(row_ids, dtype=np.int32, count=len(row_ids))
         offsets = np.fromiter(itertools.chain.from_iterable(row_offsets), dtype=np.int64,
                               count=2 * len(row_offsets)).reshape(-1, 2)  # [T, 2] chars
+        anchors = _prompt_anchors(row, ids, offsets, added)
+        tokenized.append((ids, offsets, anchors))
+        tails += [row.text[int(offsets[t, 0]) if t else 0:a] for t, (a, _) in zip(anchors, row.spans)]
+    served = iter(tokenizer(tails, add_special_tokens=False)["input_ids"] if tails else [])  # one batched call
+    out = []
+    for row, (ids, offsets, anchors) in zip(rows, tokenized):
+        row_served = [(t, next(served)) for t in anchors]
         loss_mask = _mask_from_spans(ids, offsets[:, 0], list(row.spans), special, frozenset(row.cut))
         if row.empty_think:
             loss_mask[_mask_from_spans(ids, offsets[:, 0], list(row.empty_think), frozenset()) == 1] = 0
@@ -712,7 +735,8 @@ def tokenize_rendered(tokenizer, rows: Sequence[RenderedRow]) -> list[TokenizedC
         supervised = np.flatnonzero(loss_mask)
         if supervised.size:
             system_len = min(system_len, int(supervised[0]))
-        problem = straddling_token(row, offsets, loss_mask) or _unclear_end_of_turn(row, ids, offsets, special)
+        problem = (straddling_token(row, offsets, loss_mask) or _unclear_end_of_turn(row, ids, offsets, special)
+                   or served_prompt_mismatch(tokenizer, row, ids, offsets, row_served))
         spliced = 0
         if problem is None and row.token_ids:
             ids, loss_mask, spliced, problem = on_generated_ids(tokenizer, row, ids, offsets, loss_mask, special)
@@ -753,6 +777,73 @@ def straddling_token(row: RenderedRow, offsets: np.ndarray, loss_mask: np.ndarra
             return (f"a supervised token ends past its assistant turn: {text[int(starts[t]):int(ends[t])]!r} "
                     f"holds {text[b:int(ends[t])]!r} of what follows the turn, so the turn has no exact mask; pass "
                     "--chat-template FILE with a template that ends assistant turns with an end-of-turn token")
+    return None
+
+
+def _prompt_anchors(row: RenderedRow, ids: np.ndarray, offsets: np.ndarray, added: np.ndarray) -> list[int]:
+    """Per span ``(a, b)`` of ``row``, the last token of the row that is an added token (``added``: ids of
+    ``tokenizer.added_tokens_decoder``) and ends by ``a`` (0 when there is none, or it is the first token:
+    then the whole ``P_i`` from character 0): where the served prompt's tokenization is compared from
+    (:func:`served_prompt_mismatch`)."""
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    is_added = np.isin(ids, added) if added.size else np.zeros(len(ids), dtype=bool)
+    out = []
+    for a, _ in row.spans:
+        lo = int(np.searchsorted(starts, a, side="left"))
+        cand = np.flatnonzero(is_added[:lo] & (ends[:lo] <= a))
+        out.append(int(cand[-1]) if cand.size else 0)
+    return out
+
+
+def served_prompt_mismatch(tokenizer, row: RenderedRow, ids: np.ndarray, offsets: np.ndarray,
+                           served: Sequence[tuple[int, Sequence[int]]]) -> str | None:
+    """Why a supervised turn of ``row`` is trained on another context than the verifier is served, or None.
+
+    vLLM serves the generation prompt ``P_i`` (``row.text[:a]`` for the span ``(a, b)``) tokenized alone,
+    and the verifier generates after those ids; the row is the whole render tokenized once. Where the
+    reply's first characters change how the prompt's last characters tokenize (SmolLM2's byte-level BPE
+    keeps ``"</think>\n\n"``'s newline run one token at the end of a text but splits it in two before
+    ``"Hello"``), no token straddles the span, yet the row's tokens before the turn differ from the served
+    ids: the drafter would be trained on verifier features of a context the verifier never sees. The
+    check: the row's tokens before the span's first token (those starting before ``a``) equal the
+    served ids of ``P_i``. A turn trained on its generated ids (:func:`on_generated_ids`) is then exact
+    by construction: the served prompt ids, then the generated ids.
+
+    Cost: ``P_i`` is tokenized from its last added token on (:func:`_prompt_anchors`), not whole (the
+    prompts of a long conversation sum to about twice its text; the tails are a few tokens). Exact for
+    the fast tokenizers peagle accepts: a Hugging Face fast tokenizer cuts the text at added tokens
+    (leftmost-longest, before normalization: ``AddedVocabulary::extract_and_normalize`` in ``tokenizers``)
+    and normalizes, pre-tokenizes and encodes each piece on its own, so the tokens before an added token that both texts hold at the same place are the same
+    (``P_i`` is a prefix of the row's text; an added-token match the longer text extends past ``a`` is
+    not an anchor, since the anchor ends by ``a``). The tail starts with the anchor itself, so the piece
+    after it is not the text's first (Metaspace's ``prepend_scheme="first"``). With no added token
+    before ``a`` the whole ``P_i`` is tokenized.
+
+    Args:
+        ids: int32 ``[T]`` of ``row.text``; offsets: int64 ``[T, 2]`` their characters.
+        served: per span of ``row``, ``(first, tail ids)``: the row's token ``first`` (the anchor) and the
+            ids of ``P_i`` from that token's start on, tokenized alone (``add_special_tokens=False``, as
+            the row's ids are made), from one batched call in :func:`tokenize_rendered`.
+    """
+    starts = offsets[:, 0]
+    for k, ((a, _), (first, prompt)) in enumerate(zip(row.spans, served)):
+        lo = int(np.searchsorted(starts, a, side="left"))  # tokens [0, lo) start before the turn
+        if lo - first == len(prompt) and np.array_equal(ids[first:lo], np.asarray(prompt, dtype=ids.dtype)):
+            continue
+        trained, prompt = [int(t) for t in ids[first:lo]], [int(t) for t in prompt]
+        at = next((j for j, (x, y) in enumerate(zip(trained, prompt)) if x != y), min(len(trained), len(prompt)))
+        at = max(0, min(at, len(trained) - 1, len(prompt) - 1))  # show at least the last token of each
+        shown = [[tokenizer.decode([t], clean_up_tokenization_spaces=False) for t in seq[at:at + 8]]
+                 for seq in (prompt, trained)]
+        which = f"assistant message {row.turn}" if row.turn is not None else \
+            f"supervised reply {k + 1} of {len(row.spans)}"
+        return (f"the prompt's last tokens change when the reply follows: served {shown[0]} vs trained "
+                f"{shown[1]} before {which} (from token {first + at}): vLLM tokenizes the generation prompt alone "
+                f"and the verifier generates after those ids, but tokenized with the reply "
+                f"({row.text[a:a + 16]!r}...) the prompt's last characters form other tokens, so the row's "
+                "context is not the served one; pass --chat-template FILE with a generation prompt that ends "
+                "where a token ends whatever follows it (a special token, or text the tokenizer never merges "
+                "across), or use the tokenizer the verifier is served with")
     return None
 
 

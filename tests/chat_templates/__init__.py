@@ -18,9 +18,12 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+from tokenizers import Regex, pre_tokenizers
+
 from stores.answer_parsing import HARMONY_TOKENS
 
-__all__ = ["TEMPLATES_DIR", "template", "template_path", "qwen_tokenizer", "think_tokenizer", "harmony_tokenizer",
+__all__ = ["TEMPLATES_DIR", "template", "template_path", "newline_runs_whole", "NEWLINE_RUNS_PATTERN", "qwen_tokenizer",
+           "think_tokenizer", "harmony_tokenizer",
            "QWEN_ADDED", "HARMONY_SPECIAL"]
 
 TEMPLATES_DIR = Path(__file__).parent
@@ -39,9 +42,28 @@ def template(name: str) -> str:
     return template_path(name).read_text(encoding="utf-8")
 
 
-def qwen_tokenizer(tok):
-    """A copy of ``tok`` with Qwen's think tokens added (not special, as Qwen ships them)."""
+NEWLINE_RUNS_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                        r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+"""The pre-tokenizer split of Qwen2/Qwen3 and Llama 3 (Llama 3 groups digits by three): a newline run is one
+pre-token whatever follows it, where SmolLM2's GPT-2 split ends it one newline before a letter."""
+
+
+def newline_runs_whole(tok):
+    """A copy of the fast tokenizer ``tok`` with the pre-tokenizer Qwen and Llama 3 ship
+    (:data:`NEWLINE_RUNS_PATTERN`, then byte-level without its own split), so a generation prompt ending in
+    ``"\n\n"`` tokenizes to the same ids alone and before the reply, as with those families' own
+    tokenizers (SmolLM2's vocabulary, another split)."""
     out = copy.deepcopy(tok)
+    out.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(NEWLINE_RUNS_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    return out
+
+
+def qwen_tokenizer(tok):
+    """A copy of ``tok`` with Qwen's pre-tokenizer (:func:`newline_runs_whole`) and think tokens added (not
+    special, as Qwen ships them)."""
+    out = newline_runs_whole(tok)
     out.add_tokens(list(QWEN_ADDED))
     return out
 

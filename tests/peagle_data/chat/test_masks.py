@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from peagle_data.chat.masks import tokenize_conversation
+from peagle_data.chat.masks import render_rows, tokenize_conversation, tokenize_rendered
 from stores.chat_template import ChatTemplateError
 
 DEFAULT_SYSTEM = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
@@ -304,3 +304,36 @@ def test_generated_ids_outside_the_tokenizer_reject_the_row(smollm2_tokenizer):
     assert str(e.value) == ("generated ids outside the tokenizer: assistant message 1 token_ids[2] is 49157, but "
                             "the tokenizer has 49152 tokens (ids 0..49151): the ids come from another tokenizer or "
                             "were edited; tokenize with the tokenizer of the verifier that generated them")
+
+
+# --------------------------------------------------------------------------------------------
+# The served prompt's tokens (served_prompt_mismatch): the tail form agrees with P_i tokenized whole
+
+PLAIN_TEXT = ("{% for m in messages %}{{ m.role | capitalize }}: {{ m.content }}\n\n{% endfor %}"
+              "{% if add_generation_prompt %}Assistant:{% endif %}")  # no added token at all: P_i tokenized whole
+NEWLINE_PROMPT = ("{% for m in messages %}<|im_start|>{{ m.role }}\n\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n\n{% endif %}")  # ends "\n\n" before the reply
+
+
+@pytest.mark.parametrize("template, messages, rejected", [
+    (None, MULTI_TURN, False),
+    (PLAIN_TEXT, MULTI_TURN, False),
+    (PLAIN_TEXT, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " Hello"}], False),
+    (NEWLINE_PROMPT, MULTI_TURN, True),
+    (NEWLINE_PROMPT, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "\n\nHello"}], True),
+    (NEWLINE_PROMPT, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<|im_end|>"}], False),
+])
+def test_served_prompt_check_agrees_with_the_whole_prompt_tokenized(smollm2_tokenizer, template, messages, rejected):
+    """For every supervised turn: rejected exactly when the row's tokens before the turn differ from
+    ``P_i`` tokenized whole (the check tokenizes only ``P_i``'s tail after its last added token)."""
+    tok = smollm2_tokenizer
+    rows = render_rows(tok, messages, None, template, on_special_text="keep")
+    outs = tokenize_rendered(tok, rows)
+    for row, out in zip(rows, outs):
+        enc = tok(row.text, add_special_tokens=False, return_offsets_mapping=True)
+        differs = False
+        for a, _ in row.spans:
+            lo = sum(1 for s, _ in enc["offset_mapping"] if s < a)
+            differs |= tok(row.text[:a], add_special_tokens=False)["input_ids"] != enc["input_ids"][:lo]
+        got = bool(out.problem) and out.problem.startswith("the prompt's last tokens change when the reply follows")
+        assert differs == rejected and got == rejected, out.problem

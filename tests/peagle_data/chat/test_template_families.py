@@ -15,6 +15,7 @@ import pytest
 
 from peagle_data.chat.masks import render_rows, tokenize_conversation, tokenize_turns
 from stores.chat_template import ChatTemplateError
+from tests.chat_templates import newline_runs_whole
 from tests.peagle_data.chat.test_masks import masked_texts, runs
 
 # --------------------------------------------------------------------------------------------
@@ -114,9 +115,9 @@ def _with_tokens(tok, special=(), added=()):
 
 
 @pytest.fixture(scope="module")
-def llama3_tok(smollm2_tokenizer):
-    return _with_tokens(smollm2_tokenizer, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                                            "<|eot_id|>"])
+def llama3_tok(smollm2_tokenizer):  # Llama 3's own split keeps the header's "\n\n" whole before the reply
+    return _with_tokens(newline_runs_whole(smollm2_tokenizer),
+                        ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"])
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +132,9 @@ def mistral_tok(smollm2_tokenizer):
 
 @pytest.fixture(scope="module")
 def qwen3_tok(smollm2_tokenizer):
-    return _with_tokens(smollm2_tokenizer, added=["<think>", "</think>", "<tool_call>", "</tool_call>",
-                                                  "<tool_response>", "</tool_response>"])
+    return _with_tokens(newline_runs_whole(smollm2_tokenizer),
+                        added=["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
+                               "</tool_response>"])
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ it generates after that prompt, and the ids equal ``apply_chat_template`` with t
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from peagle_data.chat.masks import tokenize_conversation, tokenize_turns
@@ -35,21 +37,12 @@ def harmony_tok(smollm2_tokenizer):
 
 def _context_is_the_served_prompt(tok, messages, turn, out, spec: ChatTemplate) -> None:
     """The row's tokens before its first supervised token are the prompt of ``messages[:turn]`` in this
-    mode: as text, and as ids but for a trailing whitespace run, which SmolLM2's GPT-2 pre-tokenizer splits
-    before a letter (two newline tokens) and keeps whole at the end of a text (Qwen's own pre-tokenizer
-    keeps a newline run one token in both)."""
+    mode, as text and as the served ids exactly (the Qwen test tokenizer keeps a newline run one token, as
+    Qwen's own pre-tokenizer does, so the prompt's ``"\\n\\n"`` is one token alone and before the reply)."""
     first = runs(out.loss_mask)[0][0]
     served = prompt_ids(tok, messages[:turn], None, spec)
     assert tok.decode(out.input_ids[:first]) == render(tok, messages[:turn], None, spec, add_generation_prompt=True)
-
-    def stripped(ids):
-        ids = list(ids)
-        while ids and tok.decode(ids[-1:]).isspace():
-            ids.pop()
-        return ids
-
-    assert stripped(out.input_ids[:first].tolist()) == stripped(served)
-    assert len(stripped(served)) >= len(served) - 1
+    assert out.input_ids[:first].tolist() == list(served)
 
 
 # --------------------------------------------------------------------------------------------
@@ -208,3 +201,63 @@ def test_qwen35_regenerated_turns_train_on_the_generated_ids_in_each_mode(qwen_t
         assert turn is None and row.on_generated_ids == 0
         first = runs(row.loss_mask)[0][0]
         assert row.input_ids[first:first + len(ids)].tolist() == ids and int(row.loss_mask.sum()) == len(ids)
+
+
+# --------------------------------------------------------------------------------------------
+# The served prompt's tokens: a tokenizer that splits the prompt's last newline run before the reply
+
+
+GPT2_SPLIT_REASON = (
+    "the prompt's last tokens change when the reply follows: served ['\\n\\n'] vs trained ['\\n', '\\n'] before "
+    "{which} (from token {at}): vLLM tokenizes the generation prompt alone and the verifier generates after those "
+    "ids, but tokenized with the reply ('Hello!<|im_end|>'...) the prompt's last characters form other tokens, so "
+    "the row's context is not the served one; pass --chat-template FILE with a generation prompt that ends where a "
+    "token ends whatever follows it (a special token, or text the tokenizer never merges across), or use the "
+    "tokenizer the verifier is served with")
+
+
+@pytest.fixture(scope="module")
+def gpt2_split_tok(smollm2_tokenizer):
+    """SmolLM2's own GPT-2 split with Qwen's think tokens: ``"</think>\\n\\n"`` ends in one ``"\\n\\n"`` token
+    alone, but ``"\\n"``, ``"\\n"`` before ``"Hello"``."""
+    out = copy.deepcopy(smollm2_tokenizer)
+    out.add_tokens(["<think>", "</think>"])
+    return out
+
+
+def test_a_prompt_whose_last_tokens_change_before_the_reply_is_refused_naming_the_tokens(gpt2_split_tok):
+    spec = ChatTemplate(template("qwen3_hybrid"), OFF)
+    prompt = render(gpt2_split_tok, PLAIN[:1], None, spec, add_generation_prompt=True)
+    served = prompt_ids(gpt2_split_tok, PLAIN[:1], None, spec)
+    whole = gpt2_split_tok(prompt + "Hello!", add_special_tokens=False)["input_ids"]
+    assert whole[:len(served) - 1] == served[:-1]
+    assert [gpt2_split_tok.decode([t]) for t in whole[len(served) - 1:len(served) + 1]] == ["\n", "\n"]
+    assert gpt2_split_tok.decode(served[-1:]) == "\n\n"  # no token straddles the span: only this check sees it
+    at = len(served) - 1
+    with pytest.raises(ChatTemplateError) as info:
+        tokenize_conversation(gpt2_split_tok, PLAIN, chat_template=spec)
+    assert str(info.value) == GPT2_SPLIT_REASON.format(which="supervised reply 1 of 1", at=at)
+    with pytest.raises(ChatTemplateError) as info:
+        tokenize_turns(gpt2_split_tok, PLAIN, chat_template=spec)
+    assert str(info.value) == GPT2_SPLIT_REASON.format(which="supervised reply 1 of 1", at=at)
+    # thinking on: the prompt ends "assistant\n" before the injected "<think>" (an added token): exact
+    out = tokenize_conversation(gpt2_split_tok, REASONED, chat_template=ChatTemplate(template("qwen3_hybrid"), {}))
+    _context_is_the_served_prompt(gpt2_split_tok, REASONED, 1, out, ChatTemplate(template("qwen3_hybrid"), {}))
+
+
+def test_generated_ids_do_not_hide_a_changed_prompt(gpt2_split_tok, qwen_tok):
+    """A turn carrying its generated ids is trained on the served prompt's ids then those ids: exact when the
+    row's context is the served prompt (Qwen's split), a reject when the reply changes the prompt's last
+    tokens (the generated ids are spliced after the row's own context, not the served one)."""
+    spec = ChatTemplate(template("qwen3_hybrid"), OFF)
+    for tok in (qwen_tok, gpt2_split_tok):
+        ids = tok("Hello!<|im_end|>", add_special_tokens=False)["input_ids"]
+        messages = [PLAIN[0], {"role": "assistant", "content": "Hello!", "token_ids": ids}]
+        if tok is gpt2_split_tok:
+            with pytest.raises(ChatTemplateError, match="^the prompt's last tokens change when the reply follows: "
+                                                        "served \\['\\\\n\\\\n'\\] vs trained"):
+                tokenize_turns(tok, messages, chat_template=spec)
+            continue
+        [(_, row)] = tokenize_turns(tok, messages, chat_template=spec)
+        first = runs(row.loss_mask)[0][0]
+        assert row.input_ids.tolist()[:first + len(ids)] == prompt_ids(tok, PLAIN[:1], None, spec) + ids

@@ -49,9 +49,15 @@ def _tokenize(tmp_path, tok, name, kwargs, out="tok"):
 
 
 def test_tokenize_rows_in_each_mode_and_the_variables_recorded(tmp_path, qwen_tok):
-    _, on = _tokenize(tmp_path, qwen_tok, "qwen35_open_think", {}, "on")
-    assert _supervised(qwen_tok, on) == {"plain": "</think>\n\nHello!<|im_end|>",
-                                         "reasoned": "Add.\n</think>\n\n4.<|im_end|>"}
+    summary, on = _tokenize(tmp_path, qwen_tok, "qwen35_open_think", {}, "on")
+    assert _supervised(qwen_tok, on) == {"reasoned": "Add.\n</think>\n\n4.<|im_end|>"}
+    # a reply without reasoning after the served "<think>\n": its "\n</think>" merges the prompt's last newline
+    # into "\n\n", so the row's context is not the served prompt: a reject, counted under its reason
+    assert summary["counts"]["rejected_by_reason"] == {"the prompt's last tokens change when the reply follows": 1}
+    [reject] = rejects_of(tmp_path / "on")
+    assert reject["conversation_id"] == "plain"
+    assert reject["reason"].startswith("the prompt's last tokens change when the reply follows: served ['\\n'] vs "
+                                       "trained ['\\n\\n'] before supervised reply 1 of 1")
     assert on.manifest["tokenizer"]["chat_template_kwargs"] == {}
     summary, off = _tokenize(tmp_path, qwen_tok, "qwen35_open_think", OFF, "off")
     assert _supervised(qwen_tok, off) == {"plain": "Hello!<|im_end|>"}
@@ -134,17 +140,21 @@ def test_a_regenerate_output_of_another_mode_is_refused(tmp_path, qwen_tok):
 
 MIXED = [
     {"id": "on", "chat_template_kwargs": {"enable_thinking": True, "style": "terse"},
-     "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]},
+     "messages": [{"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet."}]},
     {"id": "off", "chat_template_kwargs": {"enable_thinking": False, "style": "terse"},
      "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]},
     {"id": "fixed", "messages": [{"role": "user", "content": "Hey"}, {"role": "assistant", "content": "Yo!"}]},
 ]
+# the row without variables is rendered with the template's default (thinking on, an open think block): it reasons
+MIXED_REASONED = MIXED[:2] + [{"id": "fixed", "messages": [
+    {"role": "user", "content": "Hey"}, {"role": "assistant", "content": "Yo!", "reasoning_content": "Reply."}]}]
 
 
 def test_rows_of_a_mode_mixture_render_each_in_its_recorded_mode(tmp_path, qwen_tok):
     """regenerate's per-row variables (a mixture): each row trains on the prompt the verifier answered, the
     fixed --chat-template-kwargs under them; the manifest says the table is a mixture and counts each mode."""
-    src = write_rows(tmp_path / "regen.jsonl", MIXED)
+    src = write_rows(tmp_path / "regen.jsonl", MIXED_REASONED)
     manifest = {"generation": {"temperature": 0.0, "chat_template_kwargs": {"style": "terse"},
                                "enable_thinking": {"true": 0.5, "false": 0.5}}, "model": {"backend": "local"}}
     (tmp_path / "regen.manifest.json").write_text(json.dumps(manifest))
@@ -153,8 +163,8 @@ def test_rows_of_a_mode_mixture_render_each_in_its_recorded_mode(tmp_path, qwen_
     summary = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "t",
                                        settings=settings), tokenizer=qwen_tok)
     table = TokenTable.open(tmp_path / "t")
-    assert _supervised(qwen_tok, table) == {"on": "</think>\n\nHello!<|im_end|>", "off": "Hello!<|im_end|>",
-                                            "fixed": "</think>\n\nYo!<|im_end|>"}
+    assert _supervised(qwen_tok, table) == {"on": "Greet.\n</think>\n\nHello!<|im_end|>", "off": "Hello!<|im_end|>",
+                                            "fixed": "Reply.\n</think>\n\nYo!<|im_end|>"}
     counts = summary["counts"]
     assert (counts["used"], counts["conversations_with_own_template_kwargs"]) == (3, 2)
     assert counts["template_modes"] == {'{"enable_thinking": false, "style": "terse"}': 1,
