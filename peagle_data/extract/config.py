@@ -136,6 +136,15 @@ class ExtractConfig:
     conversations_split). Default: the verifier's max_position_embeddings (less the one token ``--engine vllm``
     generates after a request), at most 32768."""
 
+    stream: bool = False
+    """Extract for a streaming run (docs/design.md §7, "Streaming"): create or continue the store, wait for the
+    stream plan ``peagle-train --max-store-bytes`` writes into it, then extract its validation blocks and its
+    entries in training order, at most its window ahead of what the trainer has durably consumed, evicting
+    (policy ``reextract``) the blocks it no longer needs. Needs ``--context window`` and one process."""
+    stream_timeout_s: float = 3600.0
+    """--stream: seconds to wait for the plan, or for the trainer's consumed cursor to move, before stopping
+    (naming what it waited for)."""
+
     def __post_init__(self) -> None:
         if self.resume and self.force:
             raise ValueError("--resume and --force contradict each other: choose one")
@@ -156,6 +165,16 @@ class ExtractConfig:
             raise ValueError(f"--context: expected one of {CONTEXTS}, got {self.context!r}")
         if self.max_context is not None and (self.context != "full" or self.max_context < 1):
             raise ValueError("--max-context is an option of --context full, and must be ≥ 1")
+        if self.stream and self.context != "window":
+            raise ValueError("--stream needs --context window: a full-context store's context blocks are shared by "
+                             "training blocks of every epoch position, and streaming them (evicting a context block "
+                             "only when no unconsumed training block reads it) is not implemented; extract with "
+                             "--context window, or extract the whole store first")
+        if self.stream and (self.num_shards != 1 or self.max_blocks is not None):
+            raise ValueError("--stream follows the run's plan over every block: drop --num-shards/--shard-index and "
+                             "--max-blocks")
+        if self.stream_timeout_s <= 0:
+            raise ValueError("--stream-timeout-s must be > 0")
         if self.engine not in ENGINES:
             raise ValueError(f"--engine: expected one of {sorted(ENGINES)}, got {self.engine!r}")
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1 or self.concurrency < 1:
