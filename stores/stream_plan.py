@@ -67,8 +67,6 @@ CONSUMED_FILE = "consumed.json"
 """The consumed cursor's file in the ``stream`` sub-group."""
 CRC_BYTES = 4
 """The crc32c each chunk file ends with."""
-METADATA_SLACK_BYTES = 32 * 1024
-"""Allowance for the store's metadata files (``zarr.json`` of each array, the plan) in :func:`fixed_bytes_estimate`."""
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10 ** 3, "kb": 10 ** 3, "m": 10 ** 6, "mb": 10 ** 6, "g": 10 ** 9, "gb": 10 ** 9,
@@ -79,10 +77,10 @@ _UNITS = {"": 1, "b": 1, "k": 10 ** 3, "kb": 10 ** 3, "m": 10 ** 6, "mb": 10 ** 
 
 def parse_size(text: str | int, option: str = "--max-store-bytes") -> int:
     """Bytes of a size: plain bytes (``1048576``), SI (``20GB`` = 20·10⁹, ``500M``) or binary units
-    (``512MiB`` = 512·2²⁰, ``1GiB``), case-insensitive.
+    (``512MiB`` = 512·2²⁰, ``1GiB``), case-insensitive; a fraction of a byte is dropped (``1.5KB`` = 1500).
 
     Raises:
-        InputError: not a size, or not a positive whole number of bytes (field ``option``).
+        InputError: not a size, or less than one byte (field ``option``).
     """
     if isinstance(text, int) and not isinstance(text, bool):
         value = text
@@ -91,10 +89,7 @@ def parse_size(text: str | int, option: str = "--max-store-bytes") -> int:
         if not m or m.group(2) is not None and m.group(2).lower() not in _UNITS:
             raise InputError(f"{option} {text!r} is not a size: give bytes (1048576), SI units (20GB, 500MB) or "
                              "binary units (512MiB, 1GiB)", field=option)
-        value = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
-        if value != int(value):
-            raise InputError(f"{option} {text!r} is not a whole number of bytes", field=option)
-        value = int(value)
+        value = math.floor(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])  # at most: whole bytes, rounded down
     if value <= 0:
         raise InputError(f"{option} must be positive, got {text!r}", field=option)
     return value
@@ -117,12 +112,11 @@ def block_feature_bytes(block_size: int, n_layers: int, hidden_size: int, storag
 
 
 def fixed_bytes_estimate(n_blocks: int, block_size: int, max_segments: int, vocab_size: int) -> int:
-    """An upper bound of a format-1 store's bytes without any feature chunk: the token arrays, ``cu_seqlens``,
-    ``n_tokens``, ``segment_keys``, ``token_freq``, the done flags (with their checksums) and the metadata
-    (:data:`METADATA_SLACK_BYTES`)."""
-    per_block = block_size * 9 + 3 * CRC_BYTES + (max_segments + 1) * 4 + CRC_BYTES + (1 + CRC_BYTES)
-    return (n_blocks * (per_block + 4 + max_segments * 8) + vocab_size * 8 + 3 * CRC_BYTES
-            + METADATA_SLACK_BYTES)
+    """A lower bound of a format-1 store's bytes without any feature chunk: its token arrays
+    (``input_ids``, ``loss_mask``, ``position_ids``: 9 bytes a slot), ``cu_seqlens``, ``segment_keys`` and
+    ``token_freq``; the checksums and metadata files come on top (the measured value,
+    ``peagle_train.data.stream.fixed_store_bytes``, counts them)."""
+    return n_blocks * (block_size * 9 + (max_segments + 1) * 4 + max_segments * 8) + vocab_size * 8
 
 
 def window_for_budget(max_store_bytes: int, fixed_bytes: int, block_bytes: int, n_val: int) -> int:

@@ -86,9 +86,11 @@ def check_free_disk(store: str, budget: int) -> None:
 
 
 def _estimated_smallest(cfg: TrainConfig, packed: str) -> int:
-    """The smallest budget that can work, estimated from the packed table and the verifier's config (no
-    weights): the fixed arrays, at most ``--val-max-blocks`` validation blocks and one step's blocks
-    (``reextract``) or every block (``keep``)."""
+    """A lower bound of the smallest budget that can work, from the packed table and the verifier's config (no
+    weights): the token arrays and ``token_freq`` (:func:`stores.stream_plan.fixed_bytes_estimate`), at most
+    ``--val-max-blocks`` validation blocks and one step's blocks (``reextract``) or every training block
+    (``keep``). A budget below it is refused before the extraction starts; the exact check follows on the
+    created store (:func:`peagle_train.data.stream.make_plan`)."""
     table = TokenTable.open(packed)
     n, C, S = 0, int(table.manifest.get("parameters", {}).get("block_size") or 0), 1
     for r in table.iter_rows(["n_tokens", "cu_seqlens"]):
@@ -97,9 +99,10 @@ def _estimated_smallest(cfg: TrainConfig, packed: str) -> int:
     L = int(text.num_hidden_layers)
     n_aux = len(cfg.stream.layers) if cfg.stream.layers else len({min(2, L), L // 2, max(L - 3, 0)})  # EAGLE-3's default
     block = block_feature_bytes(C, n_aux, int(text.hidden_size), cfg.stream.storage_dtype)
-    n_val = min(cfg.data.val_max_blocks, validation_size(n, cfg.data.val_fraction))
+    held_out = validation_size(n, cfg.data.val_fraction)
+    n_val = min(cfg.data.val_max_blocks, held_out)
     per_step = cfg.optim.grad_accum * world_size_from_env()
-    need = n if cfg.stream.epoch_policy == "keep" else per_step
+    need = n - held_out if cfg.stream.epoch_policy == "keep" else per_step
     return fixed_bytes_estimate(n, C, S, int(text.vocab_size)) + (n_val + need) * block
 
 
@@ -126,7 +129,7 @@ def check_stream_start(cfg: TrainConfig) -> int:
     if s.extract_from is not None:
         smallest = _estimated_smallest(cfg, s.extract_from)
         if budget < smallest:
-            raise InputError(f"--max-store-bytes {budget:,} is too small for this run: about {smallest:,} bytes are "
+            raise InputError(f"--max-store-bytes {budget:,} is too small for this run: at least {smallest:,} bytes are "
                              f"needed (--max-store-bytes {format_size(smallest)}): the token arrays, the validation "
                              "blocks kept all run and "
                              + ("every block (--epoch-policy keep)" if s.epoch_policy == "keep"
