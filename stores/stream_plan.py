@@ -53,7 +53,7 @@ from stores.feature_schema import hidden_arrays
 from stores.files import is_local
 
 __all__ = ["STREAM_GROUP", "STREAM_FORMAT", "POLICIES", "CONSUMED_FILE", "parse_size", "format_size",
-           "block_feature_bytes", "fixed_bytes_estimate", "StreamPlan", "write_plan", "read_plan", "remove_plan", "has_plan",
+           "block_feature_bytes", "fixed_bytes_estimate", "StreamPlan", "write_plan", "read_plan", "remove_plan", "has_plan", "plan_identity",
            "read_consumed", "write_consumed", "fsync_tree", "apparent_bytes", "window_for_budget"]
 
 STREAM_GROUP = "stream"
@@ -194,9 +194,10 @@ class StreamPlan:
                 "order_sha256": _order_digest(self.order)}
 
     def same_run(self, other: "StreamPlan") -> bool:
-        """Whether ``other`` plans the same reads (identity, policy, window, blocks and order)."""
+        """Whether ``other`` plans the same reads (identity, policy, blocks and order); its budget and window
+        may differ (they set the pace, not what is read)."""
         a, b = self.record(), other.record()
-        return all(a[k] == b[k] for k in ("run", "policy", "window", "val_blocks", "n_entries", "order_sha256"))
+        return all(a[k] == b[k] for k in ("run", "policy", "val_blocks", "n_entries", "order_sha256"))
 
 
 def _order_digest(order: np.ndarray) -> str:
@@ -214,15 +215,17 @@ def has_plan(store) -> bool:
     return (Path(store.path) / STREAM_GROUP / "zarr.json").is_file()
 
 
-def write_plan(store, plan: StreamPlan) -> None:
+def write_plan(store, plan: StreamPlan, keep_consumed: bool = False) -> None:
     """Write ``plan`` into ``store``'s ``stream`` sub-group (replacing one there) and set the consumed cursor
-    to 0; the attributes last, so a reader never sees a plan without its order."""
+    to 0, or with ``keep_consumed`` (the same run with another budget) keep it; the attributes last, so a
+    reader never sees a plan without its order."""
+    consumed = read_consumed(store) if keep_consumed else 0
     path = _stream_dir(store)
     group = zarr.open_group(str(path), mode="w")
     order = np.ascontiguousarray(plan.order, dtype=np.int64)
     arr = group.create_array("order", shape=order.shape, dtype="int64", chunks=(max(1, order.size),))
     arr[:] = order
-    write_consumed(store, 0)
+    write_consumed(store, consumed)
     group.attrs["peagle_stream"] = plan.record()
 
 
@@ -255,6 +258,16 @@ def read_plan(store) -> StreamPlan | None:
     return StreamPlan(run=rec["run"], policy=rec["policy"], max_store_bytes=int(rec["max_store_bytes"]),
                       fixed_bytes=int(rec["fixed_bytes"]), block_bytes=int(rec["block_bytes"]),
                       window=int(rec["window"]), val_blocks=tuple(int(b) for b in rec["val_blocks"]), order=order)
+
+
+def plan_identity(store) -> tuple[Any, Any] | None:
+    """``(run, order_sha256)`` of ``store``'s plan as written now (None: no plan), read from its metadata file
+    alone: cheap enough for an extraction to check before each block that its plan was not replaced."""
+    try:
+        rec = json.loads((_stream_dir(store) / "zarr.json").read_text())["attributes"]["peagle_stream"]
+    except (FileNotFoundError, KeyError, json.JSONDecodeError):
+        return None
+    return rec.get("run"), rec.get("order_sha256")
 
 
 def read_consumed(store) -> int:

@@ -137,7 +137,7 @@ class ExtractConfig:
     generates after a request), at most 32768."""
 
     stream: bool = False
-    """Extract for a streaming run (docs/design.md §7, "Streaming"): create or continue the store, wait for the
+    """Extract for a streaming run (training while extracting): create or continue the store, wait for the
     stream plan ``peagle-train --max-store-bytes`` writes into it, then extract its validation blocks and its
     entries in training order, at most its window ahead of what the trainer has durably consumed, evicting
     (policy ``reextract``) the blocks it no longer needs. Needs ``--context window`` and one process."""

@@ -26,7 +26,7 @@ from peagle_data.extract.store import BlockWriter
 from stores.errors import InputError, StoreFormatError
 from stores.feature_store import FeatureStore
 from stores.progress import progress as progress_bar
-from stores.stream_plan import StreamPlan, apparent_bytes, read_consumed, read_plan
+from stores.stream_plan import StreamPlan, apparent_bytes, plan_identity, read_consumed, read_plan
 
 __all__ = ["wait_for_plan", "stream_entries", "extract_stream", "POLL_S"]
 
@@ -84,10 +84,14 @@ def stream_entries(store: FeatureStore, plan: StreamPlan, present: set[int], sta
             present.add(b)
             yield b
     consumed = read_consumed(store)
+    identity = (plan.run, plan.record()["order_sha256"])
     for c in range(plan.n_entries):
         b = int(plan.order[c])
         if c < consumed:  # consumed already (a resumed extraction): no need to write it
             continue
+        if plan_identity(store) != identity:
+            raise InputError(f"{store.path}: its stream plan was replaced (a new peagle-train run started on this "
+                             "store); start the extraction again to follow the new plan", field="--stream")
         if not plan.may_write(c, consumed):
             t0 = time.monotonic()
             stats["waits"] += 1

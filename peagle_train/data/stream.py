@@ -30,11 +30,16 @@ from peagle_train.data.loader import BlockSequence
 from stores.errors import InputError, StoreFormatError
 from stores.feature_schema import hidden_arrays
 from stores.feature_store import FeatureStore
-from stores.stream_plan import (POLICIES, StreamPlan, apparent_bytes, block_feature_bytes, format_size,
+from stores.stream_plan import (POLICIES, STREAM_GROUP, StreamPlan, apparent_bytes, block_feature_bytes, format_size,
                                 fsync_tree, read_consumed, read_plan, window_for_budget, write_consumed)
 
-__all__ = ["plan_entries", "make_plan", "fixed_store_bytes", "StreamingStore", "stream_save_due", "mark_consumed",
+__all__ = ["PLAN_ALLOWANCE_BYTES", "plan_entries", "make_plan", "fixed_store_bytes", "StreamingStore", "stream_save_due", "mark_consumed",
            "evict_after_run", "ExtractionDied"]
+
+
+PLAN_ALLOWANCE_BYTES = 8192
+"""Bytes allowed for the plan's files besides its order (``stream/zarr.json``, ``stream/order/zarr.json``, the
+order chunk's checksum, ``consumed.json`` and its temporary twin)."""
 
 
 class ExtractionDied(StoreFormatError):
@@ -57,12 +62,13 @@ def fixed_store_bytes(store: FeatureStore, n_entries: int) -> int:
     hidden = {s.name for s in hidden_arrays(store.storage_dtype)}
     total = 0
     for child in root.iterdir():
-        if child.name in hidden or child.name == "stream":
-            if child.is_dir():
-                total += sum(p.stat().st_size for p in child.glob("*.json"))
+        if child.name == STREAM_GROUP:  # counted below, the same whether the plan is written yet or not
+            continue
+        if child.name in hidden:
+            total += sum(p.stat().st_size for p in child.glob("*.json"))
             continue
         total += apparent_bytes(child) if child.is_dir() else child.stat().st_size
-    return total + 8 * n_entries + 8192
+    return total + 8 * n_entries + PLAN_ALLOWANCE_BYTES
 
 
 def make_plan(store: FeatureStore, sequence: BlockSequence, val_side: np.ndarray, *, max_steps: int,

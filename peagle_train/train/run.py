@@ -36,7 +36,7 @@ import torch
 from peagle_train.data.loader import BlockSequence, resume_cursor
 from peagle_train.data.multistore import open_stores, split_per_store, store_identities, usable_blocks
 from peagle_train.data.split import SPLIT_BLOCKS, SPLIT_CONVERSATIONS, SPLIT_RULES, validation_size
-from peagle_train.data.stream import StreamingStore, make_plan
+from peagle_train.data.stream import StreamingStore, make_plan, mark_consumed
 from peagle_train.model.attention import resolve_attention_backend
 from peagle_train.model.checkpoint import latest_checkpoint, load_drafter, load_training_state
 from peagle_train.model.drafter import PEagleDrafter
@@ -251,15 +251,21 @@ def _stream_plan(cfg: TrainConfig, accelerator, store: FeatureStore, sequence: B
             raise InputError(f"{store.path}: its stream plan is not this run's ({saved.record()['run']} against "
                              f"{plan.run}, policy {saved.policy} against {plan.policy}); resume with the saved run's "
                              "options, or start over with --force", field="--resume")
-    if accelerator.is_main_process and (saved is None or not saved.same_run(plan)):
-        write_plan(store, plan)
-    accelerator.wait_for_everyone()
     cursor = int((state or {}).get("data", {}).get("cursor", 0)) if state is not None else 0
-    consumed = read_consumed(store)
-    if consumed > cursor:
+    resumed = state is not None and saved is not None  # (same_run: checked above)
+    consumed = read_consumed(store) if resumed else 0
+    if resumed and consumed > cursor:
         raise InputError(f"{resume_from}: its training state is at entry {cursor} but {store.path} records {consumed} "
-                         "entries consumed (a later checkpoint was removed?): blocks this checkpoint reads next may be "
-                         "evicted already; resume from the latest checkpoint", field="--resume")
+                         "entries consumed (a later checkpoint was removed?): blocks this run reads next may be evicted "
+                         "already; resume from the latest checkpoint, or start over with --force", field="--resume")
+    if accelerator.is_main_process:
+        if not resumed:  # a new run (or a resume whose store lost its plan): the cursor starts at 0
+            write_plan(store, plan)
+        elif saved.record() != plan.record():  # the same run with another budget: its cursor stays
+            write_plan(store, plan, keep_consumed=True)
+        if resumed and cursor > consumed:  # saved, but killed before its cursor was written
+            mark_consumed(store, resume_from, cursor)
+    accelerator.wait_for_everyone()
     print(f"stream: {plan.n_entries} entries, policy {plan.policy}, window {plan.window} blocks of "
           f"{plan.block_bytes:,} bytes, {len(plan.val_blocks)} validation blocks, budget {plan.max_store_bytes:,} "
           f"bytes; {plan.extractions()} block extractions planned", file=sys.stderr)

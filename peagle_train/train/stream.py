@@ -13,6 +13,7 @@ config against the smallest that can work. The exact check, on the created store
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -148,6 +149,17 @@ def _plan_output(store: str) -> str | None:
     return plan.run.get("output") if plan is not None else None
 
 
+PR_SET_PDEATHSIG = 1
+"""Linux prctl option: the signal a process gets when its parent exits."""
+
+
+def _die_with_parent() -> None:
+    """In the extraction subprocess before it starts (Linux): SIGKILL it when peagle-train exits, also by a
+    kill -9, so that no orphaned extraction goes on writing the store next to the one a ``--resume`` starts."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 class Extraction:
     """The extraction subprocess of a one-command streaming run.
 
@@ -167,7 +179,7 @@ class Extraction:
         self._log.write(f"$ {' '.join(self.cmd)}\n".encode())
         self._log.flush()
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_die_with_parent)
 
     def stopped(self) -> str | None:
         """None while it runs; else how it ended (``exit code N``)."""
