@@ -1,7 +1,7 @@
 """One command that extracts and trains (``peagle-train --extract-from PACKED --max-store-bytes SIZE``,
 docs/design.md §7 "Streaming").
 
-The extraction runs as a subprocess (``python -m cli.data extract PACKED --output STORE --stream ...``), so
+The extraction runs as a subprocess (``python -m cli.data_extract PACKED --output STORE --stream ...``), so
 a kill of either side is a real case; its output goes to ``STORE.extract.log``, named in every error about
 it. peagle_train never imports peagle_data: it starts the command, as a user would on another machine.
 
@@ -57,9 +57,10 @@ def extraction_log(store: str) -> Path:
 
 
 def extract_command(cfg: TrainConfig) -> list[str]:
-    """The ``peagle-data extract ... --stream`` command of the run (``python -m cli.data extract``)."""
+    """The ``peagle-data extract ... --stream`` command of the run (``python -m cli.data_extract``, whose
+    ``__main__`` guard the engine processes vLLM spawns need)."""
     s = cfg.stream
-    cmd = [sys.executable, "-m", "cli.data", "extract", s.extract_from, "--output", str(cfg.data.store),
+    cmd = [sys.executable, "-m", "cli.data_extract", s.extract_from, "--output", str(cfg.data.store),
            "--verifier", cfg.model.verifier, "--context", s.context, "--engine", s.engine,
            "--storage-dtype", s.storage_dtype, "--stream", "--stream-timeout-s", str(s.stream_timeout_s)]
     if s.layers is not None:

@@ -49,7 +49,7 @@ def _env(**extra) -> dict:
 def _args(store: Path, out: Path, packed_dir: Path, verifier: Path, budget: int, policy: str) -> list[str]:
     args = ["--store", str(store), "--output", str(out), "--verifier", str(verifier), "--extract-from",
             str(packed_dir), "--max-store-bytes", str(budget), "--epoch-policy", policy, "--device", "cpu",
-            "--max-steps", str(STEPS)]
+            "--max-steps", str(STEPS), "--save-every", "3"]  # keep saves only these; reextract also for the stream
     for k, v in OPTS.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
     return args
@@ -83,7 +83,7 @@ def _extraction_pids(store: Path) -> list[int]:
             cmd = (d / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"extract" in cmd and b"--stream" in cmd and str(store).encode() in cmd:
+        if b"cli.data_extract" in cmd and b"--stream" in cmd and str(store).encode() in cmd:
             pids.append(int(d.name))
     return pids
 
