@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from peagle_data.inspect.verify import verify_output
 from peagle_train.train.config import TrainConfig
 from peagle_train.train.run import run_train
 from stores.errors import InputError, OutputExistsError, StoreFormatError
@@ -146,6 +147,18 @@ def test_a_store_streamed_for_another_run_is_refused(tmp_path, packed, offline_s
     run_train(TrainConfig.from_flat(store=str(store), output=str(tmp_path / "first"), verifier=str(tiny_verifier_dir),
                                     max_steps=2, extract_from=str(packed), max_store_bytes=budget, device="cpu",
                                     **OPTS))
+    # verify: the evicted training blocks are no damage; a damaged kept (validation) block is
+    report, failure = verify_output(store)
+    assert failure is None and report["state"] == "streaming" and report["ok"]
+    assert report["stream"]["consumed"] == 2 and report["stream"]["pending"] == []
+    assert report["stream"]["consumed_blocks"] + len(report["stream"]["unused"]) == N_BLOCKS - 2
+    val = read_plan(FeatureStore.open(store)).val_blocks[0]
+    chunk = FeatureStore.open(store).chunk_path("aux_hidden", val)
+    data = bytearray(chunk.read_bytes())
+    data[10] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    report, failure = verify_output(store)
+    assert report["state"] == "damaged" and str(val) in failure
     with pytest.raises(StoreFormatError, match="being streamed for the run .*first"):
         run_train(TrainConfig.from_flat(store=str(store), output=str(tmp_path / "second"),
                                         verifier=str(tiny_verifier_dir), max_steps=2, extract_from=str(packed),

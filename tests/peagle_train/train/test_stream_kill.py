@@ -88,7 +88,7 @@ def _extraction_pids(store: Path) -> list[int]:
     return pids
 
 
-@pytest.mark.parametrize("kill_at", [2, 7])
+@pytest.mark.parametrize("kill_at", [4, 7])  # after checkpoint-3, and in epoch 2 after checkpoint-6
 @pytest.mark.parametrize("policy", ["reextract", "keep"])
 def test_trainer_killed_then_resumed_equals_offline(tmp_path, packed, offline_store, tiny_verifier_dir, policy, kill_at):
     store, out = tmp_path / "stream.zarr", tmp_path / "stream"
@@ -128,7 +128,7 @@ def test_extraction_killed_then_resumed_equals_offline(tmp_path, packed, offline
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 1, err[-3000:]
+    assert proc.returncode not in (0, None), err[-3000:]
     assert "extraction" in err and f"{store}.extract.log" in err  # the trainer names the extraction's log
     res = subprocess.run([sys.executable, "-m", "cli.train", *args, "--resume"], cwd=REPO, env=_env(),
                          capture_output=True, text=True, timeout=600)
