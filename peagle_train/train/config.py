@@ -261,6 +261,8 @@ class StreamConfig:
         given = [k for k, v in extract_only.items() if v]
         _need(not given or self.extract_from is not None, given[0] if given else "--layers",
               "given only with --extract-from (an option of the extraction this command starts)", "set")
+        _need(self.engine != "vllm" or self.device is None, "--device", "left out with --engine vllm (vLLM runs on its "
+              "platform's devices; CUDA_VISIBLE_DEVICES chooses GPUs)", self.device)
         _need(self.context != "full", "--context", "window for a streaming run: a full-context store's context "
               "blocks are read by training blocks all over each epoch, and evicting one only when no unconsumed "
               "training block reads it is not implemented (extract the full-context store first, then train)",

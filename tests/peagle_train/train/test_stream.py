@@ -137,6 +137,8 @@ def test_refusals_of_the_options(tmp_path):
         TrainConfig.from_flat(**base, max_store_bytes="12XB")
     with pytest.raises(ValueError, match="--extract-from"):
         TrainConfig.from_flat(**base, extract_from="p", verifier="m")
+    with pytest.raises(ValueError, match="--device must be left out with --engine vllm"):
+        TrainConfig.from_flat(**base, max_store_bytes="1GB", extract_from="p", verifier="m", engine="vllm", device="cpu")
     with pytest.raises(ValueError, match="--layers must be given only with --extract-from"):
         TrainConfig.from_flat(**base, max_store_bytes="1GB", layers=[1, 2])
 
