@@ -136,12 +136,13 @@ class ExtractConfig:
     conversations_split). Default: the verifier's max_position_embeddings (less the one token ``--engine vllm``
     generates after a request), at most 32768."""
 
-    stream: bool = False
+    stream: bool = field(default=False, metadata={"action": True})
     """Extract for a streaming run (training while extracting): create or continue the store, wait for the
-    stream plan ``peagle-train --max-store-bytes`` writes into it, then extract its validation blocks and its
-    entries in training order, at most its window ahead of what the trainer has durably consumed, evicting
-    (policy ``reextract``) the blocks it no longer needs. Needs ``--context window`` and one process."""
-    stream_timeout_s: float = 3600.0
+    stream plan that ``peagle-train`` writes into it when given a store budget, then extract its validation
+    blocks and its entries in training order, at most its window ahead of what the trainer has durably consumed,
+    evicting (policy ``reextract``) the blocks it no longer needs. Needs ``--context window`` and one process.
+    An action of this invocation (the store's blocks are the same): not recorded in the store's config."""
+    stream_timeout_s: float = field(default=3600.0, metadata={"action": True})
     """--stream: seconds to wait for the plan, or for the trainer's consumed cursor to move, before stopping
     (naming what it waited for)."""
 

@@ -223,7 +223,7 @@ class StreamConfig:
     max_store_bytes: str | None = None
     """Train while the store is extracted and keep it within this size (``--max-store-bytes``): ``20GB``,
     ``512MiB`` or bytes. With ``--extract-from`` this command starts the extraction; without it, extraction
-    runs elsewhere (``peagle-data extract ... --stream``) on the same store. None: train on a finished store."""
+    runs elsewhere (``peagle-data extract`` in its streaming mode) on the same store. None: train on a finished store."""
     epoch_policy: str = "reextract"
     """With --max-store-bytes: ``reextract`` (stay within the budget: each block's features are deleted once a
     saved checkpoint is past it, and extracted again for a later epoch) or ``keep`` (every block stays once

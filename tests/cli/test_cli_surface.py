@@ -53,7 +53,8 @@ EXACT = {
 }
 GROUPS = {"data": data_main, "train": train_main, "eval": eval_main}
 ACTIONS = {
-    ("data", "tokenize"): {"force"}, ("data", "pack"): {"force"}, ("data", "extract"): {"resume", "force", "max_blocks"},
+    ("data", "tokenize"): {"force"}, ("data", "pack"): {"force"}, ("data", "extract"): {"resume", "force", "max_blocks", "stream",
+                                                                                          "stream_timeout_s"},
     ("data", "regenerate"): {"resume", "force"}, ("data", "inspect"): set(), ("data", "verify"): {"repair"},
     ("data", "stats"): {"force"}, ("data", "show"): {"force"}, ("data", "merge"): {"force"},
     ("train", None): {"resume", "force"}, ("eval", None): {"force"},
