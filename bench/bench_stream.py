@@ -147,6 +147,7 @@ def main() -> None:
                 "extraction_wait_s": ext_summary.get("stream", {}).get("wait_s"),
                 "train_read_wait_s": r["summary"].get("stream", {}).get("read_wait_s"),
                 "weights_equal_offline": same_weights(out, work / f"offline-{e}ep")})
+            (work / "report.json").write_text(json.dumps(report, indent=2))  # kept if a later run is cut short
     print(json.dumps(report, indent=2))
 
 
