@@ -164,8 +164,9 @@ METAVARS = {int: "N", float: "X", str: "TEXT"}
 the same style (``URL``, ``NAME``, ``ID``)."""
 
 FIELD_METAVARS = {"verifier": "MODEL", "tokenizer": "MODEL", "device": "DEVICE", "init_from_sha256": "HEX",
-                  "report_to": "NAME"}
-"""Fields whose text is of a kind: a model (an alias, a directory or a hub id), a torch device, a digest, a name."""
+                  "report_to": "NAME", "max_store_bytes": "SIZE"}
+"""Fields whose text is of a kind: a model (an alias, a directory or a hub id), a torch device, a digest, a name,
+a size in bytes (``20GB``, ``512MiB``)."""
 
 
 def metavar_of(name: str, kwargs: dict[str, Any]) -> str | None:

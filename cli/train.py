@@ -18,9 +18,11 @@ from peagle_train.model.attention import ATTENTION_CHOICES
 from peagle_train.model.checkpoint import latest_checkpoint
 from peagle_train.model.config import LAYER_TYPES
 from peagle_train.model.warm_start import INIT_LAYERS
-from peagle_train.train.config import TrainConfig
+from peagle_data.extract.config import ENGINES
+from peagle_train.train.config import STREAM_CONTEXTS, STREAM_POLICIES, TrainConfig
 from peagle_train.train.loss import LOSSES
 from peagle_train.train.run import run_train
+from stores.feature_schema import STORAGE_DTYPES
 
 OVERRIDES = {
     "store": {"type": click.Path()},
@@ -32,6 +34,11 @@ OVERRIDES = {
     "init_from": {"type": click.Path(file_okay=False)},
     "init_layers": {"type": click.Choice(INIT_LAYERS)},
     "loss": {"type": click.Choice(LOSSES)},
+    "epoch_policy": {"type": click.Choice(STREAM_POLICIES)},
+    "extract_from": {"type": click.Path(exists=True, file_okay=False)},
+    "engine": {"type": click.Choice(list(ENGINES))},
+    "context": {"type": click.Choice(STREAM_CONTEXTS)},
+    "storage_dtype": {"type": click.Choice(STORAGE_DTYPES)},
 }
 """What the field annotations cannot say: paths, the secondary flag, the choices."""
 

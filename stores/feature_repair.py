@@ -20,8 +20,10 @@ from stores.chunk_files import CHECKSUM_BYTES, raw_chunk_damage
 from stores.errors import StoreFormatError, StoreMismatchError
 from stores.feature_schema import WINDOW_ARRAYS, store_arrays
 from stores.feature_store import LAYER_CONVENTION, FeatureStore
+from stores.files import is_local
+from stores.stream_plan import has_plan, read_consumed, read_plan
 
-__all__ = ["chunk_damage", "block_damage", "shared_damage", "read_done_flags", "check_block", "verify_store",
+__all__ = ["chunk_damage", "block_damage", "shared_damage", "read_done_flags", "check_block", "verify_store", "stream_report",
            "check_compatible", "write_shared", "repair_shared", "windows_damage", "repair_windows", "repair_blocks"]
 
 
@@ -136,7 +138,28 @@ def verify_store(path: str | os.PathLike, expected_tokens=None, repair: bool = F
     store = FeatureStore.open(path, mode="r+" if repair else "r")
     if store.layout == "windows":
         return _verify_windows(store, path, expected_tokens, repair)
-    return _verify_blocks(store, path, expected_tokens, repair)
+    report = _verify_blocks(store, path, expected_tokens, repair)
+    plan = read_plan(store) if store.layout == "blocks" and is_local(str(path)) and has_plan(store) else None
+    if plan is not None:  # a streamed store: blocks not done are evicted or not extracted yet, not damage
+        report["stream"] = stream_report(store, plan, report["not_done"])
+        report["ok"] = not report["bad_blocks"] and not report["damaged_arrays"]
+    return report
+
+
+def stream_report(store: FeatureStore, plan, not_done: list[int]) -> dict[str, Any]:
+    """What ``verify`` says of a streamed store's blocks that are not done (docs/design.md §7 "Streaming"):
+    the plan's ``policy``, ``consumed`` of ``n_entries``, and the not-done blocks by why: ``consumed`` (every
+    entry reading them is consumed: evicted, or a block the run no longer reads), ``pending`` (an unconsumed
+    entry reads them: extraction writes them when the window reaches them), ``unused`` (the plan never reads
+    them: validation blocks past ``--val-max-blocks``, or past the run's steps)."""
+    consumed = read_consumed(store)
+    ahead = set(plan.order[consumed:].tolist()) | set(plan.val_blocks)
+    ever = set(plan.order.tolist()) | set(plan.val_blocks)
+    pending = sorted(b for b in not_done if b in ahead)
+    unused = sorted(b for b in not_done if b not in ever)
+    return {"policy": plan.policy, "consumed": consumed, "n_entries": plan.n_entries, "window": plan.window,
+            "output": plan.run.get("output"), "pending": pending, "unused": unused,
+            "consumed_blocks": len(not_done) - len(pending) - len(unused)}
 
 
 def _verify_windows(store: FeatureStore, path, expected_tokens, repair: bool) -> dict[str, Any]:

@@ -445,6 +445,33 @@ class FeatureStore:
                     path.unlink()
         self.group["done"][i] = 0
 
+    def is_done(self, i: int) -> bool:
+        """Block ``i``'s done flag, read now from the store (not cached: another process may set or clear it)."""
+        return bool(self.group["done"][i])
+
+    def feature_chunk_paths(self, i: int) -> list[Path]:
+        """Local paths of block ``i``'s feature chunk files (hidden states, fp8 scales), present or not."""
+        if self._local_root is None:
+            raise StoreFormatError(f"{self.path}: chunk files of a remote store cannot be listed")
+        return [self.chunk_path(s.name, i) for s in hidden_arrays(self.storage_dtype)]
+
+    def evict_block(self, i: int) -> None:
+        """Delete block ``i``'s features (a streaming run, docs/design.md §7): its done flag cleared first, then
+        its feature chunk files removed; the token arrays stay, so extracting it again makes it done again.
+
+        Raises:
+            StoreFormatError: a remote store or a full-context one.
+        """
+        if self.layout != "blocks":
+            raise StoreFormatError(f"{self.path}: only a format-1 (--context window) store evicts blocks")
+        paths = self.feature_chunk_paths(i)
+        self._writable("done")[i] = 0
+        for path in paths:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+
     def write_segment_keys(self, keys: list[np.ndarray]) -> None:
         """Write every block's segment content keys (``keys[i]``: ``[S_i] int64``, the packed row's
         ``segment_keys``) into :data:`~stores.feature_schema.SEGMENT_KEYS`, a short row padded by

@@ -136,6 +136,16 @@ class ExtractConfig:
     conversations_split). Default: the verifier's max_position_embeddings (less the one token ``--engine vllm``
     generates after a request), at most 32768."""
 
+    stream: bool = field(default=False, metadata={"action": True})
+    """Extract for a streaming run (training while extracting): create or continue the store, wait for the
+    stream plan that ``peagle-train`` writes into it when given a store budget, then extract its validation
+    blocks and its entries in training order, at most its window ahead of what the trainer has durably consumed,
+    evicting (policy ``reextract``) the blocks it no longer needs. Needs ``--context window`` and one process.
+    An action of this invocation (the store's blocks are the same): not recorded in the store's config."""
+    stream_timeout_s: float = field(default=3600.0, metadata={"action": True})
+    """--stream: seconds to wait for the plan, or for the trainer's consumed cursor to move, before stopping
+    (naming what it waited for)."""
+
     def __post_init__(self) -> None:
         if self.resume and self.force:
             raise ValueError("--resume and --force contradict each other: choose one")
@@ -156,6 +166,16 @@ class ExtractConfig:
             raise ValueError(f"--context: expected one of {CONTEXTS}, got {self.context!r}")
         if self.max_context is not None and (self.context != "full" or self.max_context < 1):
             raise ValueError("--max-context is an option of --context full, and must be ≥ 1")
+        if self.stream and self.context != "window":
+            raise ValueError("--stream needs --context window: a full-context store's context blocks are shared by "
+                             "training blocks of every epoch position, and streaming them (evicting a context block "
+                             "only when no unconsumed training block reads it) is not implemented; extract with "
+                             "--context window, or extract the whole store first")
+        if self.stream and (self.num_shards != 1 or self.max_blocks is not None):
+            raise ValueError("--stream follows the run's plan over every block: drop --num-shards/--shard-index and "
+                             "--max-blocks")
+        if self.stream_timeout_s <= 0:
+            raise ValueError("--stream-timeout-s must be > 0")
         if self.engine not in ENGINES:
             raise ValueError(f"--engine: expected one of {sorted(ENGINES)}, got {self.engine!r}")
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1 or self.concurrency < 1:

@@ -31,6 +31,7 @@ from peagle_data.extract.contexts import ContextPlan, plan_contexts
 from peagle_data.extract.engine import PackedFacts, VerifierEngine
 from peagle_data.extract.hf_forward import check_packable, default_layers
 from peagle_data.extract.store import BlockWriter, check_resumable, check_same_plan, open_or_create, open_packed
+from peagle_data.extract.stream import extract_stream
 from peagle_data.prepare.dedup import rows_key
 from stores.errors import InputError, OutputExistsError, StoreFormatError, StoreMismatchError
 from stores.feature_repair import repair_blocks, repair_shared, repair_windows
@@ -182,7 +183,12 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
     from accelerate import PartialState
 
     _check_device(cfg.device)
+    if cfg.stream and not cfg.force:  # a streaming extraction creates the store, or continues it
+        cfg = dataclasses.replace(cfg, resume=True)
     state = PartialState(cpu=cfg.device == "cpu")
+    if cfg.stream and state.num_processes > 1:
+        raise InputError("--stream runs in one process per store (it follows the run's plan entry by entry): drop "
+                         "accelerate launch", field="--stream")
     table = open_packed(cfg.packed)
     if is_local(cfg.output) and Path(cfg.output).exists() and not (cfg.resume or cfg.force):
         raise OutputExistsError(cfg.output, "pass --resume to continue it or --force to overwrite it")
@@ -221,7 +227,13 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
         if cfg.max_blocks is not None:
             todo = todo[: cfg.max_blocks]
         label = f"extract[{state.process_index}]" if state.num_processes > 1 else "extract"
-        tokens, nonfinite = _extract_blocks(engine, store, rows, todo, cfg, label, progress)
+        stream = None
+        if cfg.stream:
+            tokens, nonfinite, stream = extract_stream(engine, store, rows, cfg.stream_timeout_s, label, progress,
+                                                       log, cfg.writer_queue)
+            todo = [None] * stream["extractions"]
+        else:
+            tokens, nonfinite = _extract_blocks(engine, store, rows, todo, cfg, label, progress)
     finally:
         engine.close()
     if nonfinite:
@@ -229,6 +241,8 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
             "they are left not done")
     state.wait_for_everyone()
     summary = _summary(cfg, state, store, todo, tokens, layers, repaired, nonfinite)
+    if stream is not None:
+        summary["stream"] = {k: v for k, v in stream.items() if k != "plan"}
     if root.layout == "windows":  # the verifier ran context blocks; the training blocks are views of them
         training_done = int(root.done_mask().sum()) if views else None
         summary.update(context=root.attrs.get("context"), training_blocks=root.n_blocks,

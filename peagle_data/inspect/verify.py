@@ -68,11 +68,14 @@ EXIT_UNFINISHED = 3
 
 
 def store_state(report: dict[str, Any]) -> str:
-    """``"complete"``, ``"unfinished"`` (blocks not done yet, no damage in the done ones) or ``"damaged"``
+    """``"complete"``, ``"unfinished"`` (blocks not done yet, no damage in the done ones), ``"streaming"`` (a
+    streamed store, docs/design.md §7: its blocks not done are evicted or still to come, no damage) or ``"damaged"``
     (a bad block, a damaged whole-store array; full-context stores: also of the context blocks)."""
     parts = [report, report.get("contexts") or {}]
     if any(r.get("bad_blocks") or r.get("damaged_arrays") for r in parts):
         return "damaged"
+    if report.get("stream") is not None and report["not_done"]:
+        return "streaming"  # blocks evicted or not extracted yet by a streaming run: no damage
     return "complete" if report["ok"] else "unfinished"
 
 

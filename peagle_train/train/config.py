@@ -19,8 +19,10 @@ from peagle_train.model.config import LAYER_TYPES
 from peagle_train.model.warm_start import INIT_LAYERS
 from peagle_train.train.loss import LOSSES
 from peagle_train.train.metrics import parse_report_to
+from stores.stream_plan import parse_size
 
-__all__ = ["depth_weight_values", "DataConfig", "ModelConfig", "OptimConfig", "RunConfig", "TrainConfig", "GROUPS", "FIELD_DEFAULTS",
+__all__ = ["depth_weight_values", "DataConfig", "ModelConfig", "OptimConfig", "RunConfig", "StreamConfig", "STREAM_POLICIES",
+           "STREAM_CONTEXTS", "TrainConfig", "GROUPS", "FIELD_DEFAULTS",
            "flat_settings"]
 
 
@@ -256,6 +258,66 @@ class RunConfig:
         parse_report_to(self.report_to)  # InputError (a ValueError) naming --report-to
 
 
+STREAM_POLICIES = ("reextract", "keep")
+"""``--epoch-policy`` choices (:data:`stores.stream_plan.POLICIES`)."""
+STREAM_CONTEXTS = ("window", "full")
+"""``--context`` choices of a streaming run; ``full`` is refused (docs/design.md §7 "Streaming")."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamConfig:
+    """Training while the store is extracted, within a byte budget (docs/design.md §7 "Streaming"). Unset
+    ``max_store_bytes``: the store is complete before training (the offline run)."""
+
+    max_store_bytes: str | None = None
+    """Train while the store is extracted and keep it within this size (``--max-store-bytes``): ``20GB``,
+    ``512MiB`` or bytes. With ``--extract-from`` this command starts the extraction; without it, extraction
+    runs elsewhere (``peagle-data extract`` in its streaming mode) on the same store. None: train on a finished store."""
+    epoch_policy: str = "reextract"
+    """With --max-store-bytes: ``reextract`` (stay within the budget: each block's features are deleted once a
+    saved checkpoint is past it, and extracted again for a later epoch) or ``keep`` (every block stays once
+    extracted; the budget must hold them all)."""
+    extract_from: str | None = None
+    """Packed table to extract from while training (``--extract-from``; needs --max-store-bytes and
+    --verifier); the extraction runs as a subprocess, its log beside the store (``STORE.extract.log``)."""
+    layers: list[int] | None = None
+    """--extract-from: the aux layers to extract (``peagle-data extract --layers``); default EAGLE-3's."""
+    engine: str = "hf"
+    """--extract-from: the extraction engine (``peagle-data extract --engine``): ``hf`` or ``vllm``."""
+    context: str = "window"
+    """--extract-from: ``window`` (each packed block as it is). ``full`` is refused: streaming a full-context
+    store is not implemented."""
+    device: str | None = None
+    """--extract-from: the device extraction runs on (``peagle-data extract --device``)."""
+    storage_dtype: str = "bf16"
+    """--extract-from: ``bf16`` or ``fp8`` (``peagle-data extract --storage-dtype``)."""
+    stream_timeout_s: float = 600.0
+    """With --max-store-bytes: seconds a read waits with no block extracted meanwhile before the run stops
+    (``--stream-timeout-s``), naming the extraction's log."""
+
+    def __post_init__(self) -> None:
+        if self.max_store_bytes is not None:
+            parse_size(self.max_store_bytes)  # InputError (a ValueError) naming --max-store-bytes
+        _need(self.epoch_policy in STREAM_POLICIES, "--epoch-policy", f"one of {', '.join(STREAM_POLICIES)}",
+              self.epoch_policy)
+        _need(self.context in STREAM_CONTEXTS, "--context", f"one of {', '.join(STREAM_CONTEXTS)}", self.context)
+        _need(self.stream_timeout_s > 0, "--stream-timeout-s", "> 0", self.stream_timeout_s)
+        _need(self.extract_from is None or self.max_store_bytes is not None, "--extract-from",
+              "given with --max-store-bytes (the budget of the store it fills)", self.extract_from)
+        extract_only = {"--layers": self.layers is not None, "--engine": self.engine != "hf",
+                        "--context": self.context != "window", "--device": self.device is not None,
+                        "--storage-dtype": self.storage_dtype != "bf16"}
+        given = [k for k, v in extract_only.items() if v]
+        _need(not given or self.extract_from is not None, given[0] if given else "--layers",
+              "given only with --extract-from (an option of the extraction this command starts)", "set")
+        _need(self.engine != "vllm" or self.device is None, "--device", "left out with --engine vllm (vLLM runs on its "
+              "platform's devices; CUDA_VISIBLE_DEVICES chooses GPUs)", self.device)
+        _need(self.context != "full", "--context", "window for a streaming run: a full-context store's context "
+              "blocks are read by training blocks all over each epoch, and evicting one only when no unconsumed "
+              "training block reads it is not implemented (extract the full-context store first, then train)",
+              self.context)
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Everything ``peagle-train`` needs, by group; runtime handles (store, model) are built by
@@ -269,6 +331,17 @@ class TrainConfig:
     """The optimisation."""
     run: RunConfig
     """The output and the run's bookkeeping."""
+    stream: StreamConfig = dataclasses.field(default_factory=StreamConfig)
+    """Training while the store is extracted."""
+
+    def __post_init__(self) -> None:
+        _need(self.stream.max_store_bytes is None or not self.data.allow_incomplete, "--allow-incomplete",
+              "left out with --max-store-bytes (a streaming run waits for every block it reads; it never trains "
+              "on part of the store)", True)
+        _need(self.stream.max_store_bytes is None or isinstance(self.data.store, str), "--store",
+              "one store with --max-store-bytes", self.data.store)
+        _need(self.stream.extract_from is None or self.model.verifier is not None, "--verifier",
+              "given with --extract-from (the verifier the extraction runs)", None)
 
     @classmethod
     def from_flat(cls, **settings: Any) -> TrainConfig:
@@ -307,7 +380,8 @@ class TrainConfig:
         return {f.name: getattr(getattr(self, g), f.name) for g in GROUPS for f in dataclasses.fields(GROUPS[g])}
 
 
-GROUPS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "run": RunConfig}
+GROUPS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "run": RunConfig,
+                           "stream": StreamConfig}
 """The groups of :class:`TrainConfig`, by field name, in order."""
 
 _GROUP_OF = {f.name: g for g, klass in GROUPS.items() for f in dataclasses.fields(klass)}

@@ -36,6 +36,7 @@ import torch
 from peagle_train.data.loader import BlockSequence, resume_cursor
 from peagle_train.data.multistore import open_stores, split_per_store, store_identities, usable_blocks
 from peagle_train.data.split import SPLIT_BLOCKS, SPLIT_CONVERSATIONS, SPLIT_RULES, validation_size
+from peagle_train.data.stream import StreamingStore, make_plan, mark_consumed
 from peagle_train.model.attention import resolve_attention_backend
 from peagle_train.model.checkpoint import latest_checkpoint, load_drafter, load_training_state
 from peagle_train.model.drafter import PEagleDrafter
@@ -47,9 +48,13 @@ from peagle_train.train.metrics import MetricsLog, resolve_trackers
 from peagle_train.train.setup import (build_draft_vocab, build_drafter_config, check_before_weights,
                                       load_verifier_heads, prepare_output, resolve_drafter_layer, resolve_init_from,
                                       val_split_warning)
-from peagle_train.train.trainer import Trainer, TrainRun
-from stores.errors import MissingDependencyError
-from stores.files import strict_json
+from peagle_train.train.stream import (Extraction, check_stream_start, plan_run_identity, rank_from_env,
+                                       wait_for_store)
+from peagle_train.train.trainer import StreamRun, Trainer, TrainRun
+from stores.errors import InputError, MissingDependencyError, StoreFormatError
+from stores.feature_store import FeatureStore
+from stores.files import is_zarr_store, strict_json
+from stores.stream_plan import has_plan, parse_size, read_consumed, read_plan, remove_plan, write_plan
 
 __all__ = ["run_train", "build_trainer", "resumed_message"]
 
@@ -83,14 +88,37 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
         MissingDependencyError: a ``report_to`` tracker whose package is not installed.
     """
     claimed: list[tuple[Path, bool]] = []
+    extraction = None
     try:
-        trainer = build_trainer(cfg, claimed)
+        if cfg.stream.max_store_bytes is not None:
+            check_stream_start(cfg)  # before anything starts or loads
+            if cfg.stream.extract_from is not None and rank_from_env() == 0:
+                extraction = _start_extraction(cfg)
+        trainer = build_trainer(cfg, claimed, extraction)
         summary = trainer.train()
+        if extraction is not None:
+            extraction.finish(cfg.stream.stream_timeout_s)
+            summary["extraction_log"] = str(extraction.log_path)
     except BaseException:
+        if extraction is not None:
+            extraction.stop()
         _discard_unsaved(claimed)
         raise
     trainer.close()
     return summary
+
+
+def _start_extraction(cfg: TrainConfig) -> Extraction:
+    """Start the extraction subprocess of a one-command streaming run; a new run (not ``--resume``) of the
+    output that the store's plan names replaces that plan first, so the extraction never follows the old one."""
+    if not cfg.run.resume and is_zarr_store(str(cfg.data.store)):
+        try:
+            old = FeatureStore.open(str(cfg.data.store), mode="r+")
+        except StoreFormatError:
+            old = None
+        if old is not None and has_plan(old):
+            remove_plan(old)
+    return Extraction(cfg)
 
 
 def _discard_unsaved(claimed: list[tuple[Path, bool]]) -> None:
@@ -111,7 +139,8 @@ def _discard_unsaved(claimed: list[tuple[Path, bool]]) -> None:
                 child.unlink(missing_ok=True)
 
 
-def build_trainer(cfg: TrainConfig, claimed: list[tuple[Path, bool]] | None = None) -> Trainer:
+def build_trainer(cfg: TrainConfig, claimed: list[tuple[Path, bool]] | None = None,
+                  extraction: Extraction | None = None) -> Trainer:
     """Everything a run needs, checked before the verifier's weights load (docs/design.md §2).
 
     Opens the store(s) and splits them, checks the options, the output and the verifier's config,
@@ -125,8 +154,18 @@ def build_trainer(cfg: TrainConfig, claimed: list[tuple[Path, bool]] | None = No
     """
     trackers = resolve_trackers(cfg.run.report_to)  # before anything is read or written
     attention = resolve_attention_backend(cfg.model.attention_backend)  # InputError before any work
-    store = open_stores(cfg.data.store)  # several stores: one StoreSet, a validation split per store
-    usable = usable_blocks(store, cfg.data.allow_incomplete)
+    streamed = None
+    if cfg.stream.max_store_bytes is not None:  # a store being extracted: every block will be there when read
+        streamed = wait_for_store(str(cfg.data.store), cfg.stream.stream_timeout_s, extraction)
+        if streamed.layout != "blocks":
+            raise StoreFormatError(f"{streamed.path} is a full-context store: a streaming run trains on a format-1 "
+                                   "store (extract --context window); train on a finished full-context store instead")
+        store = StreamingStore(streamed, cfg.stream.stream_timeout_s, extraction.stopped if extraction else None,
+                               str(extraction.log_path) if extraction else None)
+        usable = np.arange(streamed.n_blocks, dtype=np.int64)
+    else:
+        store = open_stores(cfg.data.store)  # several stores: one StoreSet, a validation split per store
+        usable = usable_blocks(store, cfg.data.allow_incomplete)
     verifier_name = cfg.model.verifier or store.attrs["verifier"]["name_or_path"]
     cfg, init = resolve_init_from(cfg)  # the --init-from drafter's config and maps, no weights
     cfg = resolve_drafter_layer(cfg, verifier_name, init)  # recorded in train_config.json
@@ -143,6 +182,15 @@ def build_trainer(cfg: TrainConfig, claimed: list[tuple[Path, bool]] | None = No
     val_ids = np.intersect1d(val_side, usable)
     if state is not None:  # refused here, before the weights load, unless it continues exactly
         resume_cursor(state.get("data") or {}, sequence, accelerator.num_processes, cfg.optim.grad_accum, str(resume_from))
+    if state is not None:
+        max_steps = int(state["max_steps"])  # the schedule's length, as the saved run computed it
+    else:
+        per_epoch = max(1, len(sequence.usable) // (cfg.optim.grad_accum * accelerator.num_processes))
+        max_steps = cfg.optim.max_steps if cfg.optim.max_steps is not None else per_epoch
+    stream = None
+    if streamed is not None:  # the plan, checked and written before the weights load
+        stream = _stream_plan(cfg, accelerator, streamed, sequence, val_side, max_steps, state, resume_from)
+        val_ids = val_side  # every one will be extracted; validation scores the first --val-max-blocks
     # --init-layers verifier (checked before the weights); a resume takes its layers from the checkpoint
     last_layers = cfg.model.num_layers if cfg.model.init_layers == "verifier" and state is None else 0
     heads = load_verifier_heads(verifier_name, store, mask.id, last_layers)
@@ -152,6 +200,7 @@ def build_trainer(cfg: TrainConfig, claimed: list[tuple[Path, bool]] | None = No
         d2t = build_draft_vocab(store.token_freq(), cfg.model.draft_vocab_size)
         D = int(d2t.numel()) if d2t is not None else store.vocab_size
     run = _start_run(cfg, accelerator, store, sequence, val_side, val_ids, trackers, claimed)
+    run.stream = stream
     if run.resumed_from != resume_from:
         raise RuntimeError(f"the latest checkpoint in {cfg.run.output} changed while the run started "
                            f"({resume_from} -> {run.resumed_from}); is another run writing there?")
@@ -167,10 +216,6 @@ def build_trainer(cfg: TrainConfig, claimed: list[tuple[Path, bool]] | None = No
     del heads
     if state is not None:
         model.load_state_dict(load_drafter(resume_from).state_dict())
-        max_steps = int(state["max_steps"])  # the schedule's length, as the saved run computed it
-    else:
-        per_epoch = max(1, len(sequence.usable) // (cfg.optim.grad_accum * accelerator.num_processes))
-        max_steps = cfg.optim.max_steps if cfg.optim.max_steps is not None else per_epoch
     trainer = Trainer(cfg, model, verifier_head, accelerator=accelerator, attention=attention, max_steps=max_steps,
                       warmup=cfg.optim.warmup_steps, run=run, logit_transform=None if transform.identity else transform)
     if state is not None:
@@ -195,6 +240,50 @@ def resumed_message(checkpoint: Path, step: int, max_steps: int, removed_rows: i
     dropped = (f"; metrics.jsonl: {removed_rows} row{'s' if removed_rows != 1 else ''} after step {step} removed "
                "(those steps run again)") if removed_rows else ""
     return f"peagle-train: resumed from {checkpoint} at step {step} of {max_steps}{dropped}"
+
+
+def _stream_plan(cfg: TrainConfig, accelerator, store: FeatureStore, sequence: BlockSequence, val_side: np.ndarray,
+                 max_steps: int, state: dict | None, resume_from: Path | None) -> StreamRun:
+    """The run's stream plan (:func:`peagle_train.data.stream.make_plan`), written into the store by the main
+    process unless the store holds the same one (a resume, or the same run again).
+
+    Raises:
+        InputError: a budget too small (naming the smallest that works); ``--resume`` of a run whose plan is
+            not the store's, or whose checkpoint is older than what the store has already evicted.
+        StoreFormatError: the store holds another run's plan (another output).
+    """
+    per_step = cfg.optim.grad_accum * accelerator.num_processes
+    plan = make_plan(store, sequence, val_side, max_steps=max_steps, blocks_per_step=per_step,
+                     val_max_blocks=cfg.data.val_max_blocks, max_store_bytes=parse_size(cfg.stream.max_store_bytes),
+                     policy=cfg.stream.epoch_policy, run=plan_run_identity(cfg, max_steps, per_step))
+    saved = read_plan(store)
+    if saved is not None and not saved.same_run(plan):
+        if saved.run.get("output") != plan.run["output"]:
+            raise StoreFormatError(f"{store.path} is being streamed for the run {saved.run.get('output')} (its stream "
+                                   "plan): give this run another --store, or continue that run")
+        if state is not None:
+            raise InputError(f"{store.path}: its stream plan is not this run's ({saved.record()['run']} against "
+                             f"{plan.run}, policy {saved.policy} against {plan.policy}); resume with the saved run's "
+                             "options, or start over with --force", field="--resume")
+    cursor = int((state or {}).get("data", {}).get("cursor", 0)) if state is not None else 0
+    resumed = state is not None and saved is not None  # (same_run: checked above)
+    consumed = read_consumed(store) if resumed else 0
+    if resumed and consumed > cursor:
+        raise InputError(f"{resume_from}: its training state is at entry {cursor} but {store.path} records {consumed} "
+                         "entries consumed (a later checkpoint was removed?): blocks this run reads next may be evicted "
+                         "already; resume from the latest checkpoint, or start over with --force", field="--resume")
+    if accelerator.is_main_process:
+        if not resumed:  # a new run (or a resume whose store lost its plan): the cursor starts at 0
+            write_plan(store, plan)
+        elif saved.record() != plan.record():  # the same run with another budget: its cursor stays
+            write_plan(store, plan, keep_consumed=True)
+        if resumed and cursor > consumed:  # saved, but killed before its cursor was written
+            mark_consumed(store, resume_from, cursor)
+    accelerator.wait_for_everyone()
+    print(f"stream: {plan.n_entries} entries, policy {plan.policy}, window {plan.window} blocks of "
+          f"{plan.block_bytes:,} bytes, {len(plan.val_blocks)} validation blocks, budget {plan.max_store_bytes:,} "
+          f"bytes; {plan.extractions()} block extractions planned", file=sys.stderr)
+    return StreamRun(store=store, plan=plan, saved_cursor=cursor)
 
 
 def _rank0_blocks(accelerator, usable: np.ndarray) -> np.ndarray:

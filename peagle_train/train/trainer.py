@@ -17,6 +17,7 @@ The output directory a run writes is described in :mod:`peagle_train.train.run`.
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ import torch
 
 from peagle_train.data.cod import CodElements
 from peagle_train.data.loader import Block, BlockLoader, BlockSequence, data_state, derive_seed, resume_cursor, to_block
+from peagle_train.data.stream import evict_after_run, mark_consumed, stream_save_due
 from peagle_train.model.checkpoint import prune_checkpoints, save_checkpoint, save_drafter
 from peagle_train.model.drafter import PEagleDrafter
 from peagle_train.train.config import TrainConfig
@@ -38,8 +40,27 @@ from peagle_train.train.step import (
 )
 from stores.errors import NonFiniteError
 from stores.progress import progress
+from stores.stream_plan import StreamPlan
 
-__all__ = ["Trainer", "TrainRun"]
+__all__ = ["Trainer", "TrainRun", "StreamRun"]
+
+
+@dataclass
+class StreamRun:
+    """A streaming run's state in the trainer (docs/design.md §7 "Streaming").
+
+    Attributes:
+        store: the store being extracted (opened r+: the trainer writes the consumed cursor and evicts at the end).
+        plan: its stream plan.
+        saved_cursor: the cursor of the last checkpoint saved (and marked consumed).
+        stream_checkpoint: the last checkpoint saved only for the stream (not a ``--save-every`` one), which
+            the next such save replaces.
+    """
+
+    store: Any
+    plan: StreamPlan
+    saved_cursor: int = 0
+    stream_checkpoint: Path | None = None
 
 
 @dataclass
@@ -66,6 +87,8 @@ class TrainRun:
     info: dict[str, Any]
     summary: dict[str, Any]
     resumed_from: Path | None = None
+    stream: StreamRun | None = None
+    """A streaming run's plan and cursor; None: the store is complete."""
 
     @property
     def train_ids(self) -> np.ndarray:
@@ -271,8 +294,10 @@ class Trainer:
         trackers are finished and the error re-raised.
         """
         run, acc = self.run, self.accelerator
+        # a streaming run reads one block per request: a request never waits on a block past the plan's window
         self.loader = BlockLoader(run.store, run.sequence, cursor=self.cursor, rank=self.rank, world_size=self.world,
-                                  grad_accum=self.cfg.optim.grad_accum, pin_memory=acc.device.type == "cuda")
+                                  grad_accum=self.cfg.optim.grad_accum, pin_memory=acc.device.type == "cuda",
+                                  blocks_per_read=1 if run.stream is not None else None)
         batches = iter(self.loader)
         bar = progress(total=self.max_steps, initial=self.step, disable=not self.main, desc="peagle-train",
                        unit="step", dynamic_ncols=True)
@@ -309,10 +334,30 @@ class Trainer:
         if cfg.run.save_every and step % cfg.run.save_every == 0 and step < self.max_steps:
             self.accelerator.wait_for_everyone()
             if self.main:
-                self.save(f"checkpoint-{step}")
+                self._mark_consumed(self.save(f"checkpoint-{step}"), stream_only=False)
+            if self.run.stream is not None:
+                self.run.stream.saved_cursor = self.loader.cursor
+        elif self.run.stream is not None and stream_save_due(step, self.world * cfg.optim.grad_accum,
+                                                             self.run.stream.saved_cursor, self.run.stream.plan):
+            self.accelerator.wait_for_everyone()  # a save for the extraction to go on: changes no weight
+            if self.main:
+                self._mark_consumed(self.save(f"checkpoint-{step}"), stream_only=True)
+            self.run.stream.saved_cursor = self.loader.cursor
         if self.main and step % cfg.run.val_interval(self.max_steps) == 0 and step < self.max_steps \
                 and len(self.run.val_ids):
             self.run.metrics.record({"split": "val", "step": step, **self.validate()})
+
+    def _mark_consumed(self, checkpoint: Path, stream_only: bool) -> None:
+        """Main rank, a streaming run, after ``checkpoint`` was saved: fsync it and write the durable consumed
+        cursor (:func:`peagle_train.data.stream.mark_consumed`); the previous stream-only checkpoint is removed
+        once this one is on disk (``--save-every`` ones and ``--save-total-limit`` are the user's)."""
+        stream = self.run.stream
+        if stream is None:
+            return
+        mark_consumed(stream.store, checkpoint, self.loader.cursor)
+        old, stream.stream_checkpoint = stream.stream_checkpoint, checkpoint if stream_only else None
+        if old is not None and old != checkpoint and old.is_dir():
+            shutil.rmtree(old)
 
     def _finish(self, t_start: float, wait0: float) -> dict[str, Any]:
         self.accelerator.wait_for_everyone()
@@ -331,7 +376,13 @@ class Trainer:
     def _final_outputs(self, t_start: float, wait0: float) -> dict[str, Any]:
         """Main rank: the last checkpoint, ``final/``, the last validation, the plot; summary entries."""
         run, step = self.run, self.step
-        self.save(f"checkpoint-{step}")
+        self._mark_consumed(self.save(f"checkpoint-{step}"), stream_only=False)
+        if run.stream is not None:
+            evicted = evict_after_run(run.stream.store, run.stream.plan)
+            run.summary["stream"] = {"policy": run.stream.plan.policy, "window": run.stream.plan.window,
+                                     "entries": run.stream.plan.n_entries,
+                                     "planned_extractions": run.stream.plan.extractions(),
+                                     "read_wait_s": round(run.store.wait_s, 3), "evicted_at_end": evicted}
         final = save_drafter(self.unwrapped, run.output / "final", self.training_info())
         val = self.validate() if len(run.val_ids) else {}
         if val and not (run.resumed_from is not None and run.metrics.has_row("val", step)):

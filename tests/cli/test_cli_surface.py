@@ -25,7 +25,7 @@ EXACT = {
                           "--attn-implementation", "--resume", "--force", "--device", "--max-blocks", *SHARDS,
                           "--engine", "--tensor-parallel-size", "--pipeline-parallel-size", "--server",
                           "--shared-storage", "--concurrency", "--vllm-kv-cache-gib", "--vllm-gpu-memory-utilization",
-                          "--context", "--max-context", *CONFIG_FILE},
+                          "--context", "--max-context", "--stream", "--stream-timeout-s", *CONFIG_FILE},
     ("data", "regenerate"): {"--output", "--verifier", "--server", "--served-model", "--max-new-tokens",
                              "--temperature", "--turns", "--concurrency", "--batch-size", "--device", "--limit",
                              "--format", "--retries", "--timeout", "--seed", "--tokenizer", "--server-kind",
@@ -45,7 +45,8 @@ EXACT = {
                       "--loss-chunk-size", "--loss", "--depth-weights", "--gradient-checkpointing", "--lazy-embedding", "--dense-embedding",
                       "--train-embedding", "--freeze-embedding", "--seed", "--attention-backend", "--drafter-layer",
                       "--init-from", "--init-from-sha256", "--init-layers", "--report-to", "--resume", "--allow-incomplete",
-                      "--force"} | CONFIG_FILE,
+                      "--force", "--max-store-bytes", "--epoch-policy", "--extract-from", "--layers", "--engine",
+                      "--context", "--device", "--storage-dtype", "--stream-timeout-s"} | CONFIG_FILE,
     ("eval", None): {"--drafter", "--verifier", "--prompts", "--store", "--output", "--force", "--max-new-tokens",
                      "--num-prompts", "--num-draft-tokens", "--max-blocks", "--temperature", "--seed", "--engine",
                      "--concurrency", "--vllm-loading", "--vllm-kv-cache-gib", "--vllm-gpu-memory-utilization",
@@ -55,7 +56,8 @@ EXACT = {
 }
 GROUPS = {"data": data_main, "train": train_main, "eval": eval_main}
 ACTIONS = {
-    ("data", "tokenize"): {"force"}, ("data", "pack"): {"force"}, ("data", "extract"): {"resume", "force", "max_blocks"},
+    ("data", "tokenize"): {"force"}, ("data", "pack"): {"force"}, ("data", "extract"): {"resume", "force", "max_blocks", "stream",
+                                                                                          "stream_timeout_s"},
     ("data", "regenerate"): {"resume", "force"}, ("data", "inspect"): set(), ("data", "verify"): {"repair"},
     ("data", "stats"): {"force"}, ("data", "show"): {"force"}, ("data", "merge"): {"force"},
     ("train", None): {"resume", "force"}, ("eval", None): {"force"},
@@ -109,7 +111,7 @@ def _required_args(tmp_path) -> dict:
 
 
 def _by_key(printed: dict, group: str) -> dict:
-    """--print-config's values by key: peagle-train prints them by TrainConfig group (data, model, optim, run)."""
+    """--print-config's values by key: peagle-train prints them by TrainConfig group (data, model, optim, run, stream)."""
     return {k: v for values in printed.values() for k, v in values.items()} if group == "train" else printed
 
 
@@ -224,7 +226,7 @@ def test_every_command_has_version(group, sub):
     assert result.output == f"{prog}{' ' + sub if sub else ''}, version {version('peagle')}\n"
 
 
-METAVARS = {"N", "X", "TEXT", "PATH", "DIR", "FILE", "MODEL", "DEVICE", "URL", "NAME", "ID", "HEX", "N,N,...", "X|JSON",
+METAVARS = {"N", "X", "TEXT", "PATH", "DIR", "FILE", "MODEL", "DEVICE", "URL", "NAME", "ID", "HEX", "SIZE", "N,N,...", "X|JSON",
             "JSON"}
 """cli/options.py METAVARS / FIELD_METAVARS: one style (issue 34: INTEGER beside N, TEXT beside MODEL)."""
 

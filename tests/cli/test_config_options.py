@@ -22,15 +22,15 @@ from peagle_data.inspect.verify import InspectConfig, VerifyConfig
 from peagle_data.regenerate.backends import BackendConfig
 from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.run import EvalRun
-from peagle_train.train.config import DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+from peagle_train.train.config import DataConfig, ModelConfig, OptimConfig, RunConfig, StreamConfig, TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
 # command -> (config classes, click parameter -> field where the names differ,
 #             parameters that are no config field, fields that are no option (and why))
 COMMANDS = {
-    "train": (train_main, [TrainConfig, DataConfig, ModelConfig, OptimConfig, RunConfig], {}, set(),
-              {"data", "model", "optim", "run"}),  # the groups
+    "train": (train_main, [TrainConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, StreamConfig], {}, set(),
+              {"data", "model", "optim", "run", "stream"}),  # the groups
     "eval": (eval_main, [EvalRun, EvalConfig], {}, set(),
              {"settings",  # the nested EvalConfig
               "chunk_anchors", "warmup", "cost_rounds"}),  # memory bound, timing: library knobs, never named as options

@@ -135,7 +135,7 @@ def test_resume_of_a_run_saved_with_a_flat_train_config(tmp_path, verifier_dir):
     flat = {k: v for k, v in _cfg(store, out, max_steps=4, save_every=2).flat().items() if k not in ("resume", "force")}
     flat["drafter_layer"] = "llama"  # the run records the layer it chose (a Llama verifier's default)
     saved = json.loads((out / "train_config.json").read_text())
-    assert set(saved) == {"data", "model", "optim", "run"} and flat_settings(saved) == flat
+    assert set(saved) == {"data", "model", "optim", "run", "stream"} and flat_settings(saved) == flat
     (out / "train_config.json").write_text(json.dumps(flat))  # as written before the grouping
     shutil.rmtree(out / "checkpoint-4")
     shutil.rmtree(out / "final")
@@ -762,7 +762,8 @@ def test_cli_resume_with_other_settings_says_the_working_command_and_why_max_ste
         f"Error: field '--resume': --resume continues the run saved in {out} with its own settings, and these "
         f"differ from it: --max-steps: saved 5, given 8. Resume it with: peagle-train --config {saved} --resume "
         "(adding only options that may change on resume: --val-max-blocks, --allow-incomplete, --attention-backend, "
-        "--loss-chunk-size, --gradient-checkpointing, --save-every, --save-total-limit, --log-every, --val-every, --report-to, --grad-accum (keeping "
+        "--loss-chunk-size, --gradient-checkpointing, --save-every, --save-total-limit, --log-every, --val-every, --report-to, --max-store-bytes, --epoch-policy, --extract-from, --layers, --engine, "
+        "--context, --device, --storage-dtype, --stream-timeout-s, --grad-accum (keeping "
         "--grad-accum × processes)). --max-steps cannot "
         "change on resume: it is the length of the cosine learning-rate schedule, so the resumed run would no "
         "longer be the saved run continued; to train longer, start a new run (a new --output, or --force)").split())

@@ -1,0 +1,156 @@
+"""Extraction for a streaming run (``extract --stream``, docs/design.md §7 "Streaming").
+
+Legend: T entries of the run, B the plan's window, K the consumed cursor.
+
+The store is created (or continued) as for any extraction; then this side waits for the stream plan the
+trainer writes into it (:mod:`stores.stream_plan`) and follows it: the validation blocks first, then entry
+``c = 0 .. T-1`` (block ``order[c]``) once ``c < K + B``, skipping a block that is present (done, or queued
+for the writer), after evicting the blocks the window no longer reads (policy ``reextract``). The evictions
+happen here, on the extraction side, right before a write, so the store's bytes never exceed the budget;
+the trainer evicts once more at the end of its run (:mod:`peagle_train.data.stream`).
+
+A killed extractor continues with ``--resume``: the done blocks are checked (``repair_blocks``), leftover
+feature files of blocks that are not done are deleted, and the walk starts again from entry 0, skipping
+what is present and what was consumed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from peagle_data.extract.engine import VerifierEngine
+from peagle_data.extract.store import BlockWriter
+from stores.errors import InputError, StoreFormatError
+from stores.feature_store import FeatureStore
+from stores.progress import progress as progress_bar
+from stores.stream_plan import StreamPlan, apparent_bytes, plan_identity, read_consumed, read_plan
+
+__all__ = ["wait_for_plan", "stream_entries", "extract_stream", "POLL_S"]
+
+POLL_S = 0.2
+"""Seconds between two reads of the plan or of the consumed cursor while waiting."""
+
+
+def wait_for_plan(store: FeatureStore, timeout_s: float, log: Callable[[str], None]) -> StreamPlan:
+    """The store's stream plan, waiting up to ``timeout_s`` for ``peagle-train`` to write it.
+
+    Raises:
+        InputError: no plan after ``timeout_s`` (field ``--stream``), naming the command that writes it.
+    """
+    t0, told = time.monotonic(), False
+    while True:
+        plan = read_plan(store)
+        if plan is not None:
+            return plan
+        if not told:
+            log(f"{store.path}: waiting for the stream plan (`peagle-train --store {store.path} --max-store-bytes "
+                "SIZE ...` writes it)")
+            told = True
+        if time.monotonic() - t0 > timeout_s:
+            raise InputError(f"{store.path}: no stream plan after {timeout_s:g} s: start `peagle-train --store "
+                             f"{store.path} --max-store-bytes SIZE ...`, which writes it", field="--stream")
+        time.sleep(POLL_S)
+
+
+def _clear_leftovers(store: FeatureStore, log: Callable[[str], None]) -> int:
+    """Delete the feature files of blocks that are not done (a killed extraction's block in flight, an
+    eviction cut short): they would count against the budget. Returns how many blocks had some."""
+    n = 0
+    done = store.done_mask()
+    for i in np.flatnonzero(~done).tolist():
+        if any(p.exists() for p in store.feature_chunk_paths(i)):
+            store.evict_block(i)
+            n += 1
+    if n:
+        log(f"{store.path}: deleted the feature files of {n} block(s) that were not done")
+    return n
+
+
+def stream_entries(store: FeatureStore, plan: StreamPlan, present: set[int], stats: dict[str, Any],
+                   timeout_s: float, log: Callable[[str], None]) -> Iterator[int]:
+    """The blocks to extract, in plan order, each when the plan allows it (see the module doc); evicts as it
+    goes. ``present``: the blocks with features now (updated here); ``stats`` gets ``evicted``,
+    ``waits``, ``wait_s``, ``peak_store_bytes`` (sampled before each write).
+
+    Raises:
+        InputError: the consumed cursor did not move for ``timeout_s`` while a write waited on it (the
+            trainer died or stopped), naming the entry and the cursor.
+    """
+    for b in plan.val_blocks:
+        if b not in present:
+            present.add(b)
+            yield b
+    consumed = read_consumed(store)
+    identity = (plan.run, plan.record()["order_sha256"])
+    for c in range(plan.n_entries):
+        b = int(plan.order[c])
+        if c < consumed:  # consumed already (a resumed extraction): no need to write it
+            continue
+        if plan_identity(store) != identity:
+            raise InputError(f"{store.path}: its stream plan was replaced (a new peagle-train run started on this "
+                             "store); start the extraction again to follow the new plan", field="--stream")
+        if not plan.may_write(c, consumed):
+            t0 = time.monotonic()
+            stats["waits"] += 1
+            while not plan.may_write(c, consumed := read_consumed(store)):
+                if time.monotonic() - t0 > timeout_s:
+                    raise InputError(f"{store.path}: entry {c} (block {b}) waited {timeout_s:g} s for the trainer to "
+                                     f"consume entries (cursor {consumed}, window {plan.window}); is peagle-train "
+                                     "still running?", field="--stream-timeout-s")
+                time.sleep(POLL_S)
+            stats["wait_s"] += time.monotonic() - t0
+        for e in plan.evictable(present, consumed):
+            store.evict_block(e)
+            present.discard(e)
+            stats["evicted"] += 1
+        if b in present:
+            continue
+        stats["peak_store_bytes"] = max(stats["peak_store_bytes"], apparent_bytes(store.path))
+        present.add(b)
+        yield b
+
+
+def extract_stream(engine: VerifierEngine, store: FeatureStore, rows, timeout_s: float, label: str,
+                   progress: bool, log: Callable[[str], None], writer_queue: int) -> tuple[int, list[int], dict]:
+    """Extract ``store``'s blocks as its stream plan says (see the module doc).
+
+    Returns:
+        ``(tokens extracted, blocks left not done for NaN/Inf hidden states, stats)``; ``stats``:
+        ``extractions`` (blocks extracted by this process), ``evicted``, ``waits``, ``wait_s``,
+        ``peak_store_bytes`` (the store's bytes sampled before each write), ``plan`` (its record).
+
+    Raises:
+        StoreFormatError: a store that is not format 1 (``--context window``).
+        InputError: see :func:`wait_for_plan`, :func:`stream_entries`.
+    """
+    if store.layout != "blocks":
+        raise StoreFormatError(f"{store.path}: --stream extracts a format-1 store (--context window)")
+    plan = wait_for_plan(store, timeout_s, log)
+    if max(plan.order.max(initial=-1), max(plan.val_blocks, default=-1)) >= store.n_blocks:
+        raise StoreFormatError(f"{store.path}: its stream plan reads blocks past its {store.n_blocks}; the plan "
+                               "belongs to another store")
+    _clear_leftovers(store, log)
+    present = set(np.flatnonzero(store.done_mask()).tolist())
+    stats: dict[str, Any] = {"extractions": 0, "evicted": 0, "waits": 0, "wait_s": 0.0, "peak_store_bytes": 0,
+                             "plan": plan.record()}
+    log(f"{store.path}: streaming {plan.n_entries} entries (policy {plan.policy}, window {plan.window} blocks, "
+        f"budget {plan.max_store_bytes:,} bytes), {len(plan.val_blocks)} validation blocks first")
+    writer = BlockWriter(store, writer_queue)
+    tokens = 0
+    bar = progress_bar(total=plan.extractions(), desc=label, unit="block", disable=not progress)
+    try:
+        for i, aux, final in engine.features((i, rows[i]) for i in stream_entries(store, plan, present, stats,
+                                                                                  timeout_s, log)):
+            writer.put(i, aux, final)
+            tokens += int(rows[i]["n_tokens"])
+            stats["extractions"] += 1
+            bar.update(1)
+            bar.set_postfix(tokens=f"{tokens:,}")
+    finally:
+        writer.close()
+        bar.close()
+    stats["peak_store_bytes"] = max(stats["peak_store_bytes"], apparent_bytes(store.path))
+    return tokens, sorted(writer.nonfinite), stats

@@ -1,0 +1,215 @@
+"""The training side of a streaming run (docs/design.md §7 "Streaming", §8): the plan, waiting reads, the
+checkpoints that let extraction move on.
+
+Legend: T entries of the run (``max_steps * P``), P blocks per optimizer step (``grad_accum * world``), B the
+plan's window, K the consumed cursor, V validation blocks.
+
+- :func:`make_plan`: the run's :class:`stores.stream_plan.StreamPlan` from its block sequence (the split and
+  every epoch's order are pure functions of ``(seed, n_blocks, val_fraction)`` and the store's segment keys,
+  so the plan is made before any feature exists), its budget and its policy; refuses a budget smaller than
+  the smallest that works, naming it.
+- :class:`StreamingStore`: the store as the loader and validation read it, except that a read waits for the
+  block's done flag (then checks its crc32c as every read does); a wait that sees no progress for
+  ``timeout_s``, or an extraction process that exited, stops the run naming the extraction's log.
+- :func:`stream_save_due`: after which steps the trainer saves a checkpoint so that extraction may write
+  further (deterministic: the window and P decide it, never timing): when the next step's entries would pass
+  the window of the last saved cursor, or half the window has been consumed since. Saving changes no weight.
+- :func:`mark_consumed`: after such a save is on disk (fsync'd), the durable consumed cursor; at the end of
+  the run the trainer evicts what the window no longer needs.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from peagle_train.data.loader import BlockSequence
+from stores.errors import InputError, StoreFormatError
+from stores.feature_schema import hidden_arrays
+from stores.feature_store import FeatureStore
+from stores.stream_plan import (POLICIES, STREAM_GROUP, StreamPlan, apparent_bytes, block_feature_bytes, format_size,
+                                fsync_tree, read_consumed, read_plan, window_for_budget, write_consumed)
+
+__all__ = ["PLAN_ALLOWANCE_BYTES", "plan_entries", "make_plan", "fixed_store_bytes", "StreamingStore", "stream_save_due", "mark_consumed",
+           "evict_after_run", "ExtractionDied"]
+
+
+PLAN_ALLOWANCE_BYTES = 8192
+"""Bytes allowed for the plan's files besides its order (``stream/zarr.json``, ``stream/order/zarr.json``, the
+order chunk's checksum, ``consumed.json`` and its temporary twin)."""
+
+
+class ExtractionDied(StoreFormatError):
+    """The extraction a streaming run waits for stopped (exited, or made no progress in the timeout)."""
+
+
+def plan_entries(sequence: BlockSequence, n_entries: int) -> np.ndarray:
+    """``[n_entries] int64``: the blocks of the sequence's first ``n_entries`` entries (cursor order), every
+    train-side block usable."""
+    out = np.empty(n_entries, dtype=np.int64)
+    for k, (_, block) in zip(range(n_entries), sequence.entries(0)):
+        out[k] = block
+    return out
+
+
+def fixed_store_bytes(store: FeatureStore, n_entries: int) -> int:
+    """The store's bytes without its feature chunks, measured now (its token arrays, flags and metadata), plus
+    the plan's own (``order`` ``[T] int64`` and its metadata)."""
+    root = Path(store.path)
+    hidden = {s.name for s in hidden_arrays(store.storage_dtype)}
+    total = 0
+    for child in root.iterdir():
+        if child.name == STREAM_GROUP:  # counted below, the same whether the plan is written yet or not
+            continue
+        if child.name in hidden:
+            total += sum(p.stat().st_size for p in child.glob("*.json"))
+            continue
+        total += apparent_bytes(child) if child.is_dir() else child.stat().st_size
+    return total + 8 * n_entries + PLAN_ALLOWANCE_BYTES
+
+
+def make_plan(store: FeatureStore, sequence: BlockSequence, val_side: np.ndarray, *, max_steps: int,
+              blocks_per_step: int, val_max_blocks: int, max_store_bytes: int, policy: str,
+              run: dict[str, Any]) -> StreamPlan:
+    """The stream plan of a run (see the module doc).
+
+    Args:
+        store: the run's store (format 1, local), token arrays written.
+        sequence: the run's block sequence (every train-side block usable).
+        val_side: ``[m] int64`` the validation side (sorted); the first ``val_max_blocks`` are scored and kept.
+        max_steps, blocks_per_step: T = their product.
+        max_store_bytes: the budget; policy: one of :data:`stores.stream_plan.POLICIES`.
+        run: the run's identity (output, seed, val_fraction, ...).
+
+    Raises:
+        InputError: the budget is smaller than the smallest that works (field ``--max-store-bytes``), naming it:
+            the fixed arrays, the validation blocks and one step's blocks (``reextract``), or every block the run
+            reads (``keep``).
+    """
+    if policy not in POLICIES:
+        raise InputError(f"--epoch-policy {policy!r}: expected one of {', '.join(POLICIES)}", field="--epoch-policy")
+    T = max_steps * blocks_per_step
+    order = plan_entries(sequence, T)
+    val = tuple(int(b) for b in np.asarray(val_side)[:val_max_blocks])
+    block_bytes = block_feature_bytes(store.block_size, len(store.layers), store.hidden_size, store.storage_dtype)
+    fixed = fixed_store_bytes(store, T)
+    window = window_for_budget(max_store_bytes, fixed, block_bytes, len(val))
+    distinct = int(np.unique(order).size)
+    need = distinct if policy == "keep" else blocks_per_step
+    if window < need:
+        smallest = fixed + (len(val) + need) * block_bytes
+        what = (f"every one of the {distinct} blocks the run reads (--epoch-policy keep keeps them all)" if policy == "keep"
+                else f"the {blocks_per_step} block(s) of one optimizer step")
+        raise InputError(
+            f"--max-store-bytes {max_store_bytes:,} is too small for this run: the store needs {fixed:,} bytes for its "
+            f"token arrays, {len(val)} validation block(s) of {block_bytes:,} bytes kept all run, and room for {what}; "
+            f"the smallest budget that works is {smallest:,} bytes (--max-store-bytes {format_size(smallest)})"
+            + ("; or --epoch-policy reextract, which stays within a smaller budget" if policy == "keep" else ""),
+            field="--max-store-bytes")
+    if policy == "keep":
+        window = T
+    return StreamPlan(run=run, policy=policy, max_store_bytes=int(max_store_bytes), fixed_bytes=int(fixed),
+                      block_bytes=int(block_bytes), window=int(min(window, max(T, 1))), val_blocks=val, order=order)
+
+
+def stream_save_due(step: int, blocks_per_step: int, saved_cursor: int, plan: StreamPlan) -> bool:
+    """Whether the trainer saves after ``step`` (cursor ``step * P``) so that extraction can go on: the next
+    step's entries would pass the window of the last saved cursor, or half the window has been consumed since
+    it. Never with policy ``keep`` (nothing waits on the cursor) or after the run's last entry."""
+    cursor = step * blocks_per_step
+    if plan.policy == "keep" or cursor >= plan.n_entries:
+        return False
+    return cursor + blocks_per_step > saved_cursor + plan.window or cursor - saved_cursor >= max(
+        blocks_per_step, plan.window // 2)
+
+
+def mark_consumed(store: FeatureStore, checkpoint: Path, cursor: int) -> None:
+    """After ``checkpoint`` (holding the training state at ``cursor``) was saved: fsync it, then write the
+    durable consumed cursor (:func:`stores.stream_plan.write_consumed`); never lowers the cursor."""
+    fsync_tree(checkpoint)
+    if cursor > read_consumed(store):
+        write_consumed(store, cursor)
+
+
+def evict_after_run(store: FeatureStore, plan: StreamPlan) -> int:
+    """At the end of a run whose last checkpoint is saved and consumed cursor written: evict the blocks the
+    plan no longer needs (``reextract``: every training block; the validation blocks stay). Returns how many."""
+    consumed = read_consumed(store)
+    present = np.flatnonzero(store.done_mask()).tolist()
+    gone = plan.evictable(present, consumed)
+    for b in gone:
+        store.evict_block(b)
+    return len(gone)
+
+
+class StreamingStore:
+    """A store being extracted, read as the run reads it: each read waits for the block's done flag.
+
+    Everything but :meth:`read_block`/:meth:`read_blocks` is the wrapped store's.
+
+    Args:
+        store: the open ``FeatureStore`` (r+: the trainer writes the cursor and evicts at the end).
+        timeout_s: seconds without any new done block (while waiting) before giving up.
+        extraction_alive: returns None while the extraction runs, else why it stopped (its exit code);
+            None: extraction runs elsewhere (split roles), only the timeout applies.
+        log_path: the extraction's log, named in the errors.
+
+    Raises (on read):
+        ExtractionDied: the extraction exited, or nothing new was done for ``timeout_s``.
+    """
+
+    def __init__(self, store: FeatureStore, timeout_s: float, extraction_alive: Callable[[], str | None] | None = None,
+                 log_path: str | None = None, poll_s: float = 0.05):
+        self.store, self.timeout_s, self.alive, self.log_path, self.poll_s = store, timeout_s, extraction_alive, log_path, poll_s
+        self.wait_s = 0.0
+        """Seconds spent waiting for blocks to be extracted."""
+
+    def __getattr__(self, name: str):
+        return getattr(self.store, name)
+
+    def _where(self) -> str:
+        return f"; its log: {self.log_path}" if self.log_path else ""
+
+    def wait_done(self, i: int) -> None:
+        """Return once block ``i`` is done.
+
+        Raises:
+            ExtractionDied: see the class doc.
+        """
+        if self.store.is_done(i):
+            return
+        t0 = last_progress = time.monotonic()
+        seen = int(self.store.done_mask().sum())
+        while not self.store.is_done(i):
+            why = self.alive() if self.alive is not None else None
+            if why is not None and not self.store.is_done(i):
+                raise ExtractionDied(f"{self.store.path}: block {i} is not extracted and the extraction stopped "
+                                     f"({why}){self._where()}")
+            now = time.monotonic()
+            if now - last_progress > 1.0:
+                done = int(self.store.done_mask().sum())
+                if done != seen:
+                    seen, last_progress = done, now
+                elif now - last_progress > self.timeout_s:
+                    raise ExtractionDied(
+                        f"{self.store.path}: waited {self.timeout_s:g} s for block {i} with no block extracted "
+                        f"meanwhile (consumed cursor {read_consumed(self.store)}): is the extraction (`peagle-data "
+                        f"extract ... --stream --output {self.store.path}`) running?{self._where()}")
+            time.sleep(self.poll_s)
+        self.wait_s += time.monotonic() - t0
+
+    def read_block(self, i: int, via: str = "auto", pin_memory: bool = False):
+        """:meth:`FeatureStore.read_block` once block ``i`` is done (its crc32c checked by the read)."""
+        self.wait_done(int(i))
+        return self.store.read_block(int(i), via=via, pin_memory=pin_memory)
+
+    def read_blocks(self, ids, via: str = "auto", pin_memory: bool = False):
+        """:meth:`read_block` of each id, in order."""
+        return [self.read_block(int(i), via=via, pin_memory=pin_memory) for i in ids]
+
+    def plan(self) -> StreamPlan | None:
+        """The store's stream plan."""
+        return read_plan(self.store)

@@ -1,0 +1,261 @@
+"""One command that extracts and trains (``peagle-train --extract-from PACKED --max-store-bytes SIZE``,
+docs/design.md §7 "Streaming").
+
+The extraction runs as a subprocess (``python -m cli.data_extract PACKED --output STORE --stream ...``), so
+a kill of either side is a real case; its output goes to ``STORE.extract.log``, named in every error about
+it. peagle_train never imports peagle_data: it starts the command, as a user would on another machine.
+
+Before anything starts (and before any weights load): the options, the output, the store (another run's
+plan), the free disk against the budget, and a budget estimated from the packed table and the verifier's
+config against the smallest that can work. The exact check, on the created store, follows in
+:func:`peagle_train.data.stream.make_plan`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from peagle_train.data.split import validation_size
+from peagle_train.train.config import TrainConfig
+from stores.errors import InputError, OutputExistsError, StoreFormatError
+from stores.feature_store import FeatureStore
+from stores.files import is_zarr_store
+from stores.model_config import load_model_config, text_config
+from stores.stream_plan import (apparent_bytes, block_feature_bytes, fixed_bytes_estimate, format_size, has_plan,
+                                parse_size, read_plan)
+from stores.token_tables import TokenTable
+
+__all__ = ["Extraction", "extraction_log", "extract_command", "check_stream_start", "check_free_disk",
+           "wait_for_store", "world_size_from_env", "rank_from_env", "plan_run_identity"]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+"""The directory holding the ``cli`` package (put on the subprocess's PYTHONPATH)."""
+
+
+def world_size_from_env() -> int:
+    """Processes of this launch (``WORLD_SIZE`` of torchrun / accelerate launch; 1 alone)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank_from_env() -> int:
+    """This process's rank (``RANK``; 0 alone): only rank 0 starts the extraction."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def extraction_log(store: str) -> Path:
+    """Where the extraction subprocess writes its output: ``STORE.extract.log`` beside the store."""
+    path = Path(store)
+    return path.parent / f"{path.name}.extract.log"
+
+
+def extract_command(cfg: TrainConfig) -> list[str]:
+    """The ``peagle-data extract ... --stream`` command of the run (``python -m cli.data_extract``, whose
+    ``__main__`` guard the engine processes vLLM spawns need)."""
+    s = cfg.stream
+    cmd = [sys.executable, "-m", "cli.data_extract", s.extract_from, "--output", str(cfg.data.store),
+           "--verifier", cfg.model.verifier, "--context", s.context, "--engine", s.engine,
+           "--storage-dtype", s.storage_dtype, "--stream", "--stream-timeout-s", str(s.stream_timeout_s)]
+    if s.layers is not None:
+        cmd += ["--layers", ",".join(map(str, s.layers))]
+    if s.device is not None:
+        cmd += ["--device", s.device]
+    return cmd
+
+
+def check_free_disk(store: str, budget: int) -> None:
+    """The store's file system must have room for the budget: free bytes plus what the store holds now.
+
+    Raises:
+        InputError: less room than ``budget`` (field ``--max-store-bytes``), naming both.
+    """
+    probe = Path(store)
+    held = apparent_bytes(probe) if probe.exists() else 0
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free + held < budget:
+        raise InputError(f"--max-store-bytes {budget:,}: the file system of {store} has {free:,} bytes free "
+                         f"({held:,} more held by the store), less than the budget; free disk or give a smaller "
+                         f"budget (at most {format_size(free + held)})", field="--max-store-bytes")
+
+
+def _estimated_smallest(cfg: TrainConfig, packed: str) -> int:
+    """A lower bound of the smallest budget that can work, from the packed table and the verifier's config (no
+    weights): the token arrays and ``token_freq`` (:func:`stores.stream_plan.fixed_bytes_estimate`), at most
+    ``--val-max-blocks`` validation blocks and one step's blocks (``reextract``) or every training block
+    (``keep``). A budget below it is refused before the extraction starts; the exact check follows on the
+    created store (:func:`peagle_train.data.stream.make_plan`)."""
+    table = TokenTable.open(packed)
+    n, C, S = 0, int(table.manifest.get("parameters", {}).get("block_size") or 0), 1
+    for r in table.iter_rows(["n_tokens", "cu_seqlens"]):
+        n, C, S = n + 1, max(C, int(r["n_tokens"])), max(S, len(r["cu_seqlens"]) - 1)
+    text = text_config(load_model_config(cfg.model.verifier))
+    L = int(text.num_hidden_layers)
+    n_aux = len(cfg.stream.layers) if cfg.stream.layers else len({min(2, L), L // 2, max(L - 3, 0)})  # EAGLE-3's default
+    block = block_feature_bytes(C, n_aux, int(text.hidden_size), cfg.stream.storage_dtype)
+    held_out = validation_size(n, cfg.data.val_fraction)
+    n_val = min(cfg.data.val_max_blocks, held_out)
+    per_step = cfg.optim.grad_accum * world_size_from_env()
+    need = n - held_out if cfg.stream.epoch_policy == "keep" else per_step
+    return fixed_bytes_estimate(n, C, S, int(text.vocab_size)) + (n_val + need) * block
+
+
+def check_stream_start(cfg: TrainConfig) -> int:
+    """Checks before the extraction starts (no weights read); returns the budget in bytes.
+
+    Raises:
+        InputError: a budget that is no size, smaller than the smallest that can work (named), or larger
+            than the free disk; ``--extract-from`` that is no packed table.
+        OutputExistsError: ``--output`` holds files without ``--resume``/``--force``.
+        StoreFormatError: the store streams for another run (its plan names another output).
+    """
+    s = cfg.stream
+    budget = parse_size(s.max_store_bytes)
+    out = Path(cfg.run.output)
+    if out.exists() and any(out.iterdir()) and not (cfg.run.resume or cfg.run.force):
+        raise OutputExistsError(str(out), "pass --resume to continue it or --force to overwrite it")
+    store = str(cfg.data.store)
+    if is_zarr_store(store):
+        other = _plan_output(store)
+        if other is not None and other != str(out.resolve()):
+            raise StoreFormatError(f"{store} is being streamed for the run {other} (its stream plan): give this run "
+                                   "another --store, or continue that run")
+    if s.extract_from is not None:
+        smallest = _estimated_smallest(cfg, s.extract_from)
+        if budget < smallest:
+            raise InputError(f"--max-store-bytes {budget:,} is too small for this run: at least {smallest:,} bytes are "
+                             f"needed (--max-store-bytes {format_size(smallest)}): the token arrays, the validation "
+                             "blocks kept all run and "
+                             + ("every block (--epoch-policy keep)" if s.epoch_policy == "keep"
+                                else "one optimizer step's blocks"), field="--max-store-bytes")
+    check_free_disk(store, budget)
+    return budget
+
+
+def _plan_output(store: str) -> str | None:
+    """The output directory the store's stream plan belongs to, or None (no plan, or not a store yet)."""
+    try:
+        opened = FeatureStore.open(store)
+    except StoreFormatError:
+        return None
+    plan = read_plan(opened) if has_plan(opened) else None
+    return plan.run.get("output") if plan is not None else None
+
+
+PR_SET_PDEATHSIG = 1
+"""Linux prctl option: the signal a process gets when its parent exits."""
+
+
+def _die_with_parent() -> None:
+    """In the extraction subprocess before it starts (Linux): SIGKILL it when peagle-train exits, also by a
+    kill -9, so that no orphaned extraction goes on writing the store next to the one a ``--resume`` starts."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class Extraction:
+    """The extraction subprocess of a one-command streaming run.
+
+    Args:
+        cfg: the run's config (``stream.extract_from`` set).
+    """
+
+    def __init__(self, cfg: TrainConfig):
+        self.cmd = extract_command(cfg)
+        self.log_path = extraction_log(str(cfg.data.store))
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(key, None)  # one process of its own, not a rank of the training launch
+        self._log = open(self.log_path, "ab")
+        self._log.write(f"$ {' '.join(self.cmd)}\n".encode())
+        self._log.flush()
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True, preexec_fn=_die_with_parent)
+
+    def stopped(self) -> str | None:
+        """None while it runs; else how it ended (``exit code N``)."""
+        rc = self.proc.poll()
+        return None if rc is None else f"exit code {rc}"
+
+    def tail(self, n: int = 20) -> str:
+        """The last ``n`` lines of its log."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def finish(self, timeout_s: float) -> int:
+        """Wait for it to exit (it ends after the run's last entry); returns its exit code.
+
+        Raises:
+            StoreFormatError: it failed, naming its log.
+        """
+        try:
+            rc = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise StoreFormatError(f"the extraction did not exit {timeout_s:g} s after training ended; its log: "
+                                   f"{self.log_path}") from None
+        finally:
+            self._log.close()
+        if rc != 0:
+            raise StoreFormatError(f"the extraction exited with code {rc}; its log: {self.log_path}\n{self.tail()}")
+        return rc
+
+    def stop(self) -> None:
+        """End it (SIGTERM to its process group, then SIGKILL after 10 s)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if not self._log.closed:
+            self._log.close()
+
+
+def wait_for_store(store: str, timeout_s: float, extraction: Extraction | None = None) -> FeatureStore:
+    """The store once its token arrays are written (the extraction creates it after loading the verifier),
+    opened r+.
+
+    Raises:
+        StoreFormatError: the extraction exited first (with its log's last lines), or no store after
+            ``timeout_s``.
+    """
+    t0 = time.monotonic()
+    while True:
+        if is_zarr_store(store):
+            try:
+                opened = FeatureStore.open(store, mode="r+")
+                if opened.attrs.get("tokens_written"):
+                    return opened
+            except StoreFormatError:
+                pass
+        why = extraction.stopped() if extraction is not None else None
+        if why is not None:
+            raise StoreFormatError(f"the extraction stopped ({why}) before it made the store {store}; its log: "
+                                   f"{extraction.log_path}\n{extraction.tail()}")
+        if time.monotonic() - t0 > timeout_s:
+            where = f"; its log: {extraction.log_path}" if extraction is not None else (
+                " (start `peagle-data extract PACKED --output STORE --context window --stream`)")
+            raise StoreFormatError(f"no feature store at {store} after {timeout_s:g} s{where}")
+        time.sleep(0.2)
+
+
+def plan_run_identity(cfg: TrainConfig, max_steps: int, blocks_per_step: int) -> dict[str, Any]:
+    """The run identity a stream plan records: two runs of one identity read the same blocks in one order."""
+    return {"output": str(Path(cfg.run.output).resolve()), "seed": cfg.run.seed, "val_fraction": cfg.data.val_fraction,
+            "val_max_blocks": cfg.data.val_max_blocks, "max_steps": int(max_steps),
+            "blocks_per_step": int(blocks_per_step)}
+

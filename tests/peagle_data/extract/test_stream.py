@@ -1,0 +1,108 @@
+"""The extraction side of a streaming run (peagle_data/extract/stream.py): the order, the window, eviction, a
+replaced plan, a trainer that stopped."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from peagle_data.extract.stream import stream_entries
+from stores.errors import InputError
+from stores.feature_store import FeatureStore
+from stores.stream_plan import StreamPlan, write_consumed, write_plan
+
+C, H = 4, 8
+
+
+def _store(path, n=6):
+    store = FeatureStore.create(path, n_blocks=n, block_size=C, max_segments=1, layers=[1], hidden_size=H,
+                                vocab_size=16, verifier={"name_or_path": "v", "hidden_size": H, "vocab_size": 16})
+    for i in range(n):
+        store.write_tokens(i, np.arange(C), np.ones(C), np.arange(C), np.array([0, C]))
+    store.write_all_n_tokens(np.full(n, C))
+    return FeatureStore.open(path, mode="r+")
+
+
+def _write(store, i):
+    store.write_features(i, torch.ones(C, 1, H, dtype=torch.bfloat16), torch.ones(C, H, dtype=torch.bfloat16))
+    store.mark_done(i)
+
+
+def _plan(order, window, policy="reextract", val=(5,)):
+    return StreamPlan(run={"output": "/o"}, policy=policy, max_store_bytes=1, fixed_bytes=0, block_bytes=1,
+                      window=window, val_blocks=tuple(val), order=np.asarray(order, dtype=np.int64))
+
+
+def _stats():
+    return {"extractions": 0, "evicted": 0, "waits": 0, "wait_s": 0.0, "peak_store_bytes": 0}
+
+
+def test_entries_in_order_within_the_window_evicting_what_it_no_longer_reads(tmp_path):
+    store = _store(tmp_path / "s.zarr")
+    order = [0, 1, 2, 3, 1, 4, 0, 2]
+    plan = _plan(order, window=3)
+    write_plan(store, plan)
+    present, stats, got = set(), _stats(), []
+    stop = threading.Event()
+
+    def trainer():  # consumes an entry every 50 ms once the first two training blocks are there
+        k = 0
+        while not stop.is_set() and k < len(order):
+            if store.is_done(order[k]):
+                k += 1
+                write_consumed(store, k)
+            stop.wait(0.05)
+
+    thread = threading.Thread(target=trainer, daemon=True)
+    thread.start()
+    try:
+        for b in stream_entries(store, plan, present, stats, timeout_s=30, log=print):
+            training = set(np.flatnonzero(store.done_mask()).tolist()) - {5}
+            assert len(training) <= 2  # with the one about to be written: at most the window's 3
+            _write(store, b)
+            got.append(b)
+    finally:
+        stop.set()
+        thread.join()
+    assert got[:5] == [5, 0, 1, 2, 3]  # the validation block first, then the plan's order
+    assert got[5:] in ([4, 0, 2], [1, 4, 0, 2])  # entry 4's block 1 is re-extracted only if evicted meanwhile
+    assert stats["evicted"] >= 2 and stats["waits"] >= 1
+
+
+def test_keep_extracts_each_block_once_and_never_evicts(tmp_path):
+    store = _store(tmp_path / "s.zarr")
+    plan = _plan([0, 1, 2, 3, 1, 4, 0, 2], window=8, policy="keep")
+    write_plan(store, plan)
+    present, stats = set(), _stats()
+    got = []
+    for b in stream_entries(store, plan, present, stats, timeout_s=30, log=print):
+        _write(store, b)
+        got.append(b)
+    assert got == [5, 0, 1, 2, 3, 4] and stats["evicted"] == 0
+
+
+def test_a_resumed_extraction_skips_consumed_entries(tmp_path):
+    store = _store(tmp_path / "s.zarr")
+    plan = _plan([0, 1, 2, 3], window=2, val=())
+    write_plan(store, plan)
+    write_consumed(store, 2)
+    got = list(stream_entries(store, plan, set(), _stats(), timeout_s=30, log=print))
+    assert got == [2, 3]
+
+
+def test_a_stopped_trainer_and_a_replaced_plan_stop_the_extraction(tmp_path):
+    store = _store(tmp_path / "s.zarr")
+    plan = _plan([0, 1, 2, 3], window=1, val=())
+    write_plan(store, plan)
+    entries = stream_entries(store, plan, set(), _stats(), timeout_s=0.3, log=print)
+    assert next(entries) == 0
+    with pytest.raises(InputError, match="entry 1 \\(block 1\\) waited 0.3 s for the trainer"):
+        next(entries)
+    entries = stream_entries(store, plan, set(), _stats(), timeout_s=30, log=print)
+    assert next(entries) == 0
+    write_plan(store, _plan([3, 2, 1, 0], window=1, val=()))
+    with pytest.raises(InputError, match="stream plan was replaced"):
+        next(entries)

@@ -1,0 +1,110 @@
+"""The training side of a streaming run (peagle_train/data/stream.py): the plan from the block sequence, the
+budget refusal, the deterministic saves, waiting reads that stop when the extraction stops."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from peagle_train.data.loader import BlockSequence, epoch_order
+from peagle_train.data.stream import (ExtractionDied, StreamingStore, fixed_store_bytes, make_plan, plan_entries,
+                                      stream_save_due)
+from stores.errors import InputError
+from stores.feature_store import FeatureStore
+from stores.stream_plan import StreamPlan, block_feature_bytes
+
+C, L, H = 8, 2, 16
+
+
+def _store(path, n=6, done=()):
+    store = FeatureStore.create(path, n_blocks=n, block_size=C, max_segments=1, layers=[1, 2], hidden_size=H,
+                                vocab_size=32, verifier={"name_or_path": "v", "hidden_size": H, "vocab_size": 32})
+    for i in range(n):
+        store.write_tokens(i, np.arange(C), np.ones(C), np.arange(C), np.array([0, C]))
+    store.write_all_n_tokens(np.full(n, C))
+    for i in done:
+        _extract(store, i)
+    return FeatureStore.open(path, mode="r+")
+
+
+def _extract(store, i):
+    store.write_features(i, torch.full((C, L, H), float(i), dtype=torch.bfloat16),
+                         torch.full((C, H), float(i), dtype=torch.bfloat16))
+    store.mark_done(i)
+
+
+def test_plan_entries_follow_the_epoch_orders():
+    seq = BlockSequence(np.array([0, 2, 3, 5]), np.array([0, 2, 3, 5]), seed=4)
+    order = plan_entries(seq, 10)
+    assert order[:4].tolist() == epoch_order(np.array([0, 2, 3, 5]), 4, 0).tolist()
+    assert order[4:8].tolist() == epoch_order(np.array([0, 2, 3, 5]), 4, 1).tolist()
+    assert order[8:].tolist() == epoch_order(np.array([0, 2, 3, 5]), 4, 2)[:2].tolist()
+
+
+def test_make_plan_window_and_refusal(tmp_path):
+    store = _store(tmp_path / "s.zarr")
+    seq = BlockSequence(np.arange(5), np.arange(5), seed=0)
+    block = block_feature_bytes(C, L, H, "bf16")
+    fixed = fixed_store_bytes(store, 10)
+    plan = make_plan(store, seq, np.array([5]), max_steps=5, blocks_per_step=2, val_max_blocks=4,
+                     max_store_bytes=fixed + 4 * block + 10, policy="reextract", run={"output": "/o"})
+    assert plan.window == 3 and plan.val_blocks == (5,) and plan.n_entries == 10 and plan.block_bytes == block
+    with pytest.raises(InputError, match=f"smallest budget that works is {fixed + 3 * block:,} bytes"):
+        make_plan(store, seq, np.array([5]), max_steps=5, blocks_per_step=2, val_max_blocks=4,
+                  max_store_bytes=fixed + 3 * block - 1, policy="reextract", run={"output": "/o"})
+    with pytest.raises(InputError, match=f"smallest budget that works is {fixed + 6 * block:,} bytes"):
+        make_plan(store, seq, np.array([5]), max_steps=5, blocks_per_step=2, val_max_blocks=4,
+                  max_store_bytes=fixed + 4 * block, policy="keep", run={"output": "/o"})
+
+
+def _plan(window, policy="reextract", n=12):
+    return StreamPlan(run={}, policy=policy, max_store_bytes=1, fixed_bytes=0, block_bytes=1, window=window,
+                      val_blocks=(), order=np.zeros(n, dtype=np.int64))
+
+
+def test_saves_are_due_before_the_window_runs_out():
+    plan = _plan(window=4)  # P = 1: saves when half the window (2 entries) is consumed since the last save
+    saved, due = 0, []
+    for step in range(1, 12):
+        if stream_save_due(step, 1, saved, plan):
+            due.append(step)
+            saved = step
+    assert due == [2, 4, 6, 8, 10]
+    # P = 2, window 3: the next step's 2 entries would pass the window after every step
+    assert [s for s in range(1, 6) if stream_save_due(s, 2, 2 * (s - 1), _plan(window=3))] == [1, 2, 3, 4, 5]
+    assert not stream_save_due(12, 1, 0, plan)  # the run's end: the final checkpoint follows anyway
+    assert not any(stream_save_due(s, 1, 0, _plan(window=2, policy="keep")) for s in range(1, 12))
+
+
+def test_a_read_waits_for_the_block(tmp_path):
+    store = _store(tmp_path / "s.zarr", done=[0])
+    reader = StreamingStore(store, timeout_s=30, poll_s=0.01)
+    assert reader.read_block(0).aux_hidden.float().mean().item() == 0.0
+    writer = FeatureStore.open(tmp_path / "s.zarr", mode="r+")
+    threading.Timer(0.3, _extract, (writer, 3)).start()
+    t0 = time.monotonic()
+    block = reader.read_block(3)
+    assert time.monotonic() - t0 >= 0.25 and block.aux_hidden.float().mean().item() == 3.0
+    assert reader.n_blocks == 6  # everything else is the store's
+
+
+def test_a_read_stops_when_the_extraction_stopped(tmp_path):
+    store = _store(tmp_path / "s.zarr")
+    reader = StreamingStore(store, timeout_s=30, extraction_alive=lambda: "exit code 1", log_path="/x/s.extract.log",
+                            poll_s=0.01)
+    with pytest.raises(ExtractionDied, match=r"block 2 is not extracted and the extraction stopped \(exit code 1\); "
+                                             r"its log: /x/s.extract.log"):
+        reader.read_block(2)
+
+
+def test_a_read_stops_after_the_timeout_without_progress(tmp_path):
+    store = _store(tmp_path / "s.zarr")
+    reader = StreamingStore(store, timeout_s=0.5, poll_s=0.05)
+    t0 = time.monotonic()
+    with pytest.raises(ExtractionDied, match="waited 0.5 s for block 1 with no block extracted"):
+        reader.read_block(1)
+    assert time.monotonic() - t0 < 5

@@ -1,0 +1,171 @@
+"""Training while extracting on a bounded store (``peagle-train --extract-from --max-store-bytes``): the final
+weights equal an offline run's (extract everything, then train) bit for bit, for 1 and 2 epochs under both
+epoch policies, and the store never passes its budget; bad input is refused before anything loads.
+
+Tiny packed table (8 blocks of 48 token slots, random ids), the tiny Llama verifier (hidden 64, 4 layers),
+hf engine on CPU; the extraction runs as the subprocess the command starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from peagle_data.inspect.verify import verify_output
+from peagle_train.train.config import TrainConfig
+from peagle_train.train.run import run_train
+from stores.errors import InputError, OutputExistsError, StoreFormatError
+from stores.feature_store import FeatureStore
+from stores.stream_plan import block_feature_bytes, read_consumed, read_plan
+from tests.peagle_data.extract.test_run import write_packed
+
+REPO = Path(__file__).resolve().parents[3]
+N_BLOCKS, C = 8, 48
+OPTS = dict(num_depths=2, lr=3e-3, warmup_steps=1, val_fraction=0.25, val_max_blocks=2, draft_vocab_size=64,
+            loss_chunk_size=64, seed=3)
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> Path:
+    return write_packed(tmp_path_factory.mktemp("packed") / "packed", n_blocks=N_BLOCKS, block_size=C)
+
+
+@pytest.fixture(scope="module")
+def offline_store(tmp_path_factory, packed, tiny_verifier_dir) -> str:
+    """The whole store, extracted first (as a user would: the command, in its own process)."""
+    out = tmp_path_factory.mktemp("offline") / "s.zarr"
+    res = subprocess.run([sys.executable, "-m", "cli.data", "extract", str(packed), "--output", str(out),
+                          "--verifier", str(tiny_verifier_dir), "--context", "window", "--device", "cpu"],
+                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return str(out)
+
+
+def _weights(out: Path) -> dict[str, np.ndarray]:
+    return load_file(str(out / "final" / "model.safetensors"))
+
+
+def _budget(offline_store: str, window: int, n_val: int = 2) -> int:
+    """The budget of a window of ``window`` blocks: the offline store's bytes less its features, the plan's
+    allowance (``fixed_store_bytes``) and the validation blocks."""
+    store = FeatureStore.open(offline_store)
+    block = block_feature_bytes(C, len(store.layers), store.hidden_size, "bf16")
+    total = sum(p.stat().st_size for p in Path(offline_store).rglob("*") if p.is_file())
+    fixed = total - N_BLOCKS * block
+    return fixed + 8 * 64 + 8192 + (n_val + window) * block
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+@pytest.mark.parametrize("policy", ["reextract", "keep"])
+def test_streaming_weights_equal_offline_weights(tmp_path, packed, offline_store, tiny_verifier_dir, policy, epochs,
+                                                 one_thread):
+    steps = 6 * epochs  # 6 training blocks (2 held out), one per step
+    offline = run_train(TrainConfig.from_flat(store=offline_store, output=str(tmp_path / "offline"),
+                                              verifier=str(tiny_verifier_dir), max_steps=steps, **OPTS))
+    store = tmp_path / "stream.zarr"
+    budget = _budget(offline_store, window=3 if policy == "reextract" else 6)
+    summary = run_train(TrainConfig.from_flat(
+        store=str(store), output=str(tmp_path / "stream"), verifier=str(tiny_verifier_dir), max_steps=steps,
+        extract_from=str(packed), max_store_bytes=str(budget), epoch_policy=policy, device="cpu", **OPTS))
+
+    a, b = _weights(tmp_path / "offline"), _weights(tmp_path / "stream")
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].tobytes() == b[name].tobytes(), name
+    assert summary["val_loss"] == offline["val_loss"]
+
+    opened = FeatureStore.open(store)
+    plan = read_plan(opened)
+    assert plan.policy == policy and plan.n_entries == steps and read_consumed(opened) == steps
+    done = set(np.flatnonzero(opened.done_mask()).tolist())
+    if policy == "reextract":  # the training blocks are evicted at the end, the scored validation blocks stay
+        assert done == set(plan.val_blocks) and len(plan.val_blocks) == 2
+    else:
+        assert done == set(plan.order.tolist()) | set(plan.val_blocks)
+    log = Path(summary["extraction_log"]).read_text()
+    extract_summary = json.loads(log[log.index("{"):])
+    stream = extract_summary["stream"]
+    assert stream["peak_store_bytes"] <= budget
+    # extraction work: keep extracts every block once; reextract each block once per epoch, less those a window
+    # of 3 still holds across an epoch's end (at most 2)
+    if policy == "keep":
+        assert stream["extractions"] == summary["stream"]["planned_extractions"] == 8
+    else:
+        assert 2 + 6 * epochs - 2 * (epochs - 1) <= stream["extractions"] <= 2 + 6 * epochs
+
+
+def test_a_budget_too_small_names_the_smallest_that_works(tmp_path, packed, offline_store, tiny_verifier_dir):
+    with pytest.raises(InputError, match=r"smallest budget that works is [\d,]+ bytes \(--max-store-bytes") as e:
+        run_train(TrainConfig.from_flat(
+            store=str(tmp_path / "s.zarr"), output=str(tmp_path / "o"), verifier=str(tiny_verifier_dir),
+            extract_from=str(packed), max_store_bytes=str(_budget(offline_store, window=1) - 4000), device="cpu",
+            **OPTS))  # above the estimate checked before the extraction starts, below the exact smallest
+    assert not (tmp_path / "o").exists()  # nothing half-made is left
+    smallest = int(str(e.value).split("smallest budget that works is ")[1].split(" bytes")[0].replace(",", ""))
+    assert smallest == pytest.approx(_budget(offline_store, window=1), abs=1000)
+
+
+def test_estimated_budget_refused_before_the_extraction_starts(tmp_path, packed, tiny_verifier_dir):
+    with pytest.raises(InputError, match="at least [\\d,]+ bytes are needed"):
+        run_train(TrainConfig.from_flat(store=str(tmp_path / "s.zarr"), output=str(tmp_path / "o"),
+                                        verifier=str(tiny_verifier_dir), extract_from=str(packed),
+                                        max_store_bytes="10KiB", **OPTS))
+    assert not (tmp_path / "s.zarr").exists() and not (tmp_path / "s.zarr.extract.log").exists()
+
+
+def test_free_disk_below_the_budget_is_refused(tmp_path, packed, tiny_verifier_dir):
+    with pytest.raises(InputError, match="bytes free"):
+        run_train(TrainConfig.from_flat(store=str(tmp_path / "s.zarr"), output=str(tmp_path / "o"),
+                                        verifier=str(tiny_verifier_dir), extract_from=str(packed),
+                                        max_store_bytes="1PiB", **OPTS))
+
+
+def test_refusals_of_the_options(tmp_path):
+    base = dict(store=str(tmp_path / "s.zarr"), output=str(tmp_path / "o"))
+    with pytest.raises(ValueError, match="--allow-incomplete"):
+        TrainConfig.from_flat(**base, max_store_bytes="1GB", allow_incomplete=True)
+    with pytest.raises(ValueError, match="--context.*full-context"):
+        TrainConfig.from_flat(**base, max_store_bytes="1GB", extract_from="p", verifier="m", context="full")
+    with pytest.raises(ValueError, match="--max-store-bytes '12XB' is not a size"):
+        TrainConfig.from_flat(**base, max_store_bytes="12XB")
+    with pytest.raises(ValueError, match="--extract-from"):
+        TrainConfig.from_flat(**base, extract_from="p", verifier="m")
+    with pytest.raises(ValueError, match="--device must be left out with --engine vllm"):
+        TrainConfig.from_flat(**base, max_store_bytes="1GB", extract_from="p", verifier="m", engine="vllm", device="cpu")
+    with pytest.raises(ValueError, match="--layers must be given only with --extract-from"):
+        TrainConfig.from_flat(**base, max_store_bytes="1GB", layers=[1, 2])
+
+
+def test_a_store_streamed_for_another_run_is_refused(tmp_path, packed, offline_store, tiny_verifier_dir, one_thread):
+    store = tmp_path / "stream.zarr"
+    budget = str(_budget(offline_store, window=3))
+    run_train(TrainConfig.from_flat(store=str(store), output=str(tmp_path / "first"), verifier=str(tiny_verifier_dir),
+                                    max_steps=2, extract_from=str(packed), max_store_bytes=budget, device="cpu",
+                                    **OPTS))
+    # verify: the evicted training blocks are no damage; a damaged kept (validation) block is
+    report, failure = verify_output(store)
+    assert failure is None and report["state"] == "streaming" and report["ok"]
+    assert report["stream"]["consumed"] == 2 and report["stream"]["pending"] == []
+    assert report["stream"]["consumed_blocks"] + len(report["stream"]["unused"]) == N_BLOCKS - 2
+    val = read_plan(FeatureStore.open(store)).val_blocks[0]
+    chunk = FeatureStore.open(store).chunk_path("aux_hidden", val)
+    data = bytearray(chunk.read_bytes())
+    data[10] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    report, failure = verify_output(store)
+    assert report["state"] == "damaged" and str(val) in failure
+    with pytest.raises(StoreFormatError, match="being streamed for the run .*first"):
+        run_train(TrainConfig.from_flat(store=str(store), output=str(tmp_path / "second"),
+                                        verifier=str(tiny_verifier_dir), max_steps=2, extract_from=str(packed),
+                                        max_store_bytes=budget, device="cpu", **OPTS))
+    with pytest.raises(OutputExistsError):  # the output of a finished run, without --resume or --force
+        run_train(TrainConfig.from_flat(store=str(store), output=str(tmp_path / "first"),
+                                        verifier=str(tiny_verifier_dir), max_steps=2, extract_from=str(packed),
+                                        max_store_bytes=budget, device="cpu", **OPTS))
