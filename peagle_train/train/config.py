@@ -182,8 +182,8 @@ class OptimConfig:
     """Blocks per optimizer step and rank (``--grad-accum``); the step's loss pools their elements. A
     ``--resume`` on another number of processes keeps ``grad_accum`` × processes, the blocks of one step."""
     loss: str = "kl_div"
-    """The per-element loss (``--loss``), by the names of ``speculators``' ``--loss-fn``
-    (:data:`peagle_train.train.loss.LOSSES`): ``kl_div`` forward KL to the verifier (EAGLE-3, P-EAGLE);
+    """The per-element loss (``--loss``), by speculators' own loss names:
+    ``kl_div`` forward KL to the verifier (EAGLE-3, P-EAGLE);
     ``tv`` total variation, 1 minus the acceptance probability of a sampled draft; ``nla`` its negative log
     (LK^α, arXiv:2602.23881); ``lk_hybrid`` the same paper's KL/TV blend; ``ce`` cross-entropy to the
     verifier's argmax, the T = 0 surrogate. The default stays forward KL: on SmolLM2-135M no other loss
@@ -342,6 +342,7 @@ class TrainConfig:
               "one store with --max-store-bytes", self.data.store)
         _need(self.stream.extract_from is None or self.model.verifier is not None, "--verifier",
               "given with --extract-from (the verifier the extraction runs)", None)
+        depth_weight_values(self.optim.depth_weights, self.model.num_depths)  # ValueError naming --depth-weights
 
     @classmethod
     def from_flat(cls, **settings: Any) -> TrainConfig:
@@ -358,9 +359,6 @@ class TrainConfig:
         for name, value in settings.items():
             parts[_GROUP_OF[name]][name] = value
         return cls(**{g: GROUPS[g](**kw) for g, kw in parts.items()})
-
-    def __post_init__(self) -> None:
-        depth_weight_values(self.optim.depth_weights, self.model.num_depths)  # ValueError naming --depth-weights
 
     @property
     def depth_weights(self) -> tuple[float, ...] | None:

@@ -10,7 +10,7 @@ Granite's scaling; the identity for most models), so ``p`` is the verifier's rea
 restricted to the draft vocab; the drafter's prediction is ``q = softmax(z)``, ``z = h @ W_d.T``. The
 loss is ``Σ_e λ_{d_e} m_e ℓ(p_e, q_e) / Σ_e λ_{d_e} m_e`` (0 when the denominator is 0), ``m`` the
 element weight (loss mask), ``λ`` the per-depth weights (``--depth-weights``, default all 1), and
-ℓ one of :data:`LOSSES`, named as the ``speculators`` trainer names them (``--loss-fn``;
+ℓ one of :data:`LOSSES`, named as the ``speculators`` trainer names them (its loss-fn option;
 ``speculators/losses/eager.py`` 0.9), with ``α = Σ_v min(p_v, q_v)`` the acceptance probability of a
 token drafted from q and verified by rejection sampling against p (Leviathan et al. 2023):
 
