@@ -236,8 +236,8 @@ class RunConfig:
     """Steps between metrics.jsonl lines (``--log-every``)."""
     val_every: int | None = None
     """Steps between validations on the held-out blocks (``--val-every``), each written as a row with
-    ``"split": "val"`` in metrics.jsonl and a point of training.png, besides the one at the end; None: every ``--save-every``
-    steps when set, else every max(50, max_steps // 10) steps. May change on ``--resume``."""
+    ``"split": "val"`` in metrics.jsonl and a point of training.png, besides the one at the end; None: every
+    ``--save-every`` steps when set, else every max(50, max_steps // 10) steps. May change on ``--resume``."""
     report_to: str | None = None
     """Accelerate trackers fed the metrics.jsonl rows, comma-separated: tensorboard, wandb, all installed
     (``--report-to``); files under OUTPUT/trackers; wandb runs offline with WANDB_MODE=offline. None:
