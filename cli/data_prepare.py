@@ -23,6 +23,7 @@ from peagle_data.prepare.pack import run_pack
 from peagle_data.prepare.tokenizing import run_tokenize
 from peagle_data.prepare.windows import OVERLAP_LOSS
 from peagle_data.readers.rows import FORMATS
+from stores.token_tables import read_first_reject
 
 __all__ = ["tokenize", "pack"]
 
@@ -122,6 +123,9 @@ def _exit_if_useless(summary: dict) -> None:
     what = (f"0 of {c['read']} input rows used" if c["used"] == 0
             else "no supervised token" if c.get("loss_tokens", 1) == 0 else "0 packed blocks")
     reasons = f" (rejected: {c['rejected_by_reason']})" if c.get("rejected_by_reason") else ""
+    first = read_first_reject(summary["output"]) if c["rejected"] else None
+    if first is not None:
+        reasons += f"; the first reject: {first.get('source')}: {first.get('reason')}"
     click.echo(f"WARNING: the output holds no training data: {what}{reasons}. See "
                f"{summary['output']}/rejects.jsonl; check the input files, --format, --max-seq-len "
                "and --chat-template.", err=True)

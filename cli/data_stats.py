@@ -29,8 +29,8 @@ def stats(**options):
     """Statistics of a tokenize output, a pack output or a feature store.
 
     Totals, token and supervised token counts, length percentiles, supervised fraction, windows per
-    conversation, per-source breakdown, packing efficiency. Streams the Parquet files (polars lazy
-    scans), so memory stays flat however many rows there are.
+    conversation, per-source breakdown, packing efficiency. Reads the table in a stream, so memory stays flat however
+    many rows there are.
     """
     with config_error():
         cfg = StatsConfig(**options)

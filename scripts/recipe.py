@@ -33,6 +33,8 @@ skips the stages done and continues the interrupted one (``regenerate --resume``
 ``peagle-train --resume`` from its newest checkpoint; pack and evaluation start over); a re-run with
 other settings, or changed input files (size or modification time), is refused naming them: pass
 ``--force`` to start over in OUT (every stage runs again with ``--force``), or use another ``--out``.
+So after a failed stage: fix the cause and run the same command again; if the fix changed an input file
+or a setting, add ``--force``.
 """
 
 from __future__ import annotations
@@ -120,6 +122,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=positive_int, metavar="N",
                    help="evaluation prompts used, from the top; unset: all")
     p.add_argument("--max-new-tokens", type=positive_int, metavar="N", help="peagle-eval --max-new-tokens")
+    p.add_argument("--no-measure-costs", action="store_true",
+                   help="peagle-eval --no-measure-costs: skip timing the drafter and verifier steps (the expected "
+                        "speedup per K); at tiny sizes that timing is most of the evaluation and its figures noise")
     p.add_argument("--device", metavar="DEVICE", help="regenerate/extract --device (cpu, cuda, cuda:1)")
     p.add_argument("--vllm-python", metavar="PYTHON",
                    help="python of a vLLM environment with peagle installed for the vLLM evaluation; unset: "
@@ -221,7 +226,8 @@ def stage_commands(args: argparse.Namespace, out: Path, resume: dict[str, bool],
     packed_input = str(out / "regenerated.jsonl") if args.regenerate else args.data
     prompts = [*opt("--num-prompts", args.num_prompts), *opt("--max-new-tokens", args.max_new_tokens)]
     eval_args = ["--drafter", str(out / "drafter" / "final"), "--verifier", args.verifier,
-                 "--prompts", args.eval_prompts, *prompts, "--force"]
+                 "--prompts", args.eval_prompts, *prompts, *(["--no-measure-costs"] if args.no_measure_costs else []),
+                 "--force"]
     cmds = {
         "regenerate": [*py, "cli.data", "regenerate", args.data, "--verifier", args.verifier,
                        "--output", str(out / "regenerated.jsonl"), *opt("--limit", args.limit),
@@ -268,8 +274,9 @@ def run_stages(cmds: dict, out: Path, state: dict) -> list[str]:
                       "from this stage", file=sys.stderr)
                 raise SystemExit(130) from None
         if rc != 0:
-            raise SystemExit(f"{PROG}: stage {stage} failed (exit status {rc}; its output above); "
-                             f"fix the cause and run the same command again to continue from this stage")
+            raise SystemExit(f"{PROG}: stage {stage} failed (exit status {rc}; its output above). Fix the cause, "
+                             "then run the same command again to continue from this stage; if the fix changed "
+                             "an input file or a setting, add --force (it starts over: every stage runs again)")
         state["done"][stage] = round(time.monotonic() - t0, 1)
         (out / STATE).write_text(json.dumps(state, indent=1) + "\n")
     return skipped

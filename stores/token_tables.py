@@ -38,6 +38,7 @@ __all__ = [
     "CONVERSATIONS",
     "conversations_record",
     "REJECTS",
+    "read_first_reject",
     "TOKEN_FREQ",
     "TableWriter",
     "RejectsWriter",
@@ -289,6 +290,29 @@ class RejectsWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def read_first_reject(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """The first line of ``rejects.jsonl`` in ``directory`` (``{"source", "reason", ...}``), or None when
+    the file is absent or empty.
+
+    Raises:
+        StoreFormatError: the first line is not a JSON object.
+    """
+    path = Path(directory) / REJECTS
+    if not path.is_file():
+        return None
+    with path.open(encoding="utf-8") as f:
+        line = f.readline()
+    if not line.strip():
+        return None
+    try:
+        first = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise StoreFormatError(f"{path}: line 1 is not JSON ({e})") from e
+    if not isinstance(first, dict):
+        raise StoreFormatError(f"{path}: line 1 is not a JSON object")
+    return first
 
 
 def write_token_freq(directory: str | os.PathLike, token_freq: np.ndarray) -> None:

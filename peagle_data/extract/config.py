@@ -73,7 +73,8 @@ class ExtractConfig:
     output: str
     """Feature store path (zarr v3)."""
     layers: list[int] | None = None
-    """Aux layer ids as vLLM's (= transformers' ``hidden_states[k]`` for k < L; L = the last decoder layer's
+    """The verifier layers whose hidden states the drafter reads (auxiliary layers), numbered as vLLM's
+    (= transformers' ``hidden_states[k]`` for k < L; L = the last decoder layer's
     output before the final norm), e.g. 2,18,33: increasing, each in 0..L (no negative index; write the last
     layer as L); default EAGLE-3's ``[2, L//2, L-3]``."""
     storage_dtype: str = "bf16"
@@ -127,9 +128,9 @@ class ExtractConfig:
     context: str = "full"
     """Where a window's features come from: ``full`` (the default: each conversation runs once, whole, up to
     ``--max-context``, and windows read their features from it: what the verifier computes at that token when
-    it serves; a format-2 store; needs a table packed by this peagle, which keeps the conversations) or
-    ``window`` (each packed block runs as it is: a later window of a long conversation is seen without the
-    tokens before it; a format-1 store, for tables packed without their conversations)."""
+    it serves; writes a full-context store; needs a table packed by this peagle, which keeps the conversations)
+    or ``window`` (each packed block runs as it is: a later window of a long conversation is seen without the
+    tokens before it; writes a window store, for tables packed without their conversations)."""
     max_context: int | None = None
     """--context full: the most tokens the verifier runs at once; a longer conversation is cut into pieces
     of this length (overlap 0.5) and each window reads the first piece that holds it (counted as
@@ -137,14 +138,16 @@ class ExtractConfig:
     generates after a request), at most 32768."""
 
     stream: bool = field(default=False, metadata={"action": True})
-    """Extract for a streaming run (training while extracting): create or continue the store, wait for the
-    stream plan that ``peagle-train`` writes into it when given a store budget, then extract its validation
-    blocks and its entries in training order, at most its window ahead of what the trainer has durably consumed,
-    evicting (policy ``reextract``) the blocks it no longer needs. Needs ``--context window`` and one process.
-    An action of this invocation (the store's blocks are the same): not recorded in the store's config."""
+    """Extract while ``peagle-train`` trains on the store, within the byte budget it was given: create or continue
+    the store, wait for the training run to write into it which blocks it will read in which order, then extract the
+    validation blocks and the training blocks in that order, at most as many blocks ahead of training as the budget
+    holds, and, unless training keeps every block (its epoch policy ``keep``), delete the blocks training has
+    finished with, as saved in a checkpoint (they are extracted again if a later epoch reads them). Requires
+    ``--context window`` (the default is full) and one process. An action of this invocation (the store's blocks are
+    the same): not recorded in the store's config."""
     stream_timeout_s: float = field(default=3600.0, metadata={"action": True})
-    """--stream: seconds to wait for the plan, or for the trainer's consumed cursor to move, before stopping
-    (naming what it waited for)."""
+    """--stream: seconds to wait for the training run to write its block order, or for it to finish with more
+    blocks, before stopping (naming what it waited for)."""
 
     def __post_init__(self) -> None:
         if self.resume and self.force:

@@ -68,8 +68,9 @@ class TokenizeConfig:
     the manifest as conversations_with_special_token_text (--on-special-token-text)."""
     num_shards: int = 1
     """Split the run into this many shards by conversation content (--num-shards): a conversation's shard is its
-    content digest modulo N, so duplicates and a weight's copies stay together and the N outputs hold exactly
-    the rows of the unsharded run."""
+    content digest modulo N, so duplicates stay together, as do the copies of a row that a mixture source's weight
+    above 1 draws (a mixture file's ``weight``: the expected copies of each of the source's rows); the N outputs
+    hold exactly the rows of the unsharded run."""
     shard_index: int = 0
     """The shard this run writes, in [0, num_shards) (--shard-index)."""
 

@@ -5,7 +5,7 @@ Legend: T tokens in a block, S segments, E drafter elements, K ``num_depths``.
 An element ``(a, d)`` (``a`` a row index, ``0 <= d < K``) stands for position ``a + 1 + d``: it takes
 the input token ``x_{a+1}`` (depth 0) or the mask token (depth > 0), predicts ``x_{a+d+2}`` with the
 soft target ``softmax(z_{a+d+1})`` and has weight ``m_{a+d+2}``. It exists iff ``a + d + 2`` is
-inside the segment of ``a``. COD (conditional-on-distribution) sampling keeps every depth-0 element
+inside the segment of ``a``. COD (conditional drop-token, PARD arXiv:2504.18583) sampling keeps every depth-0 element
 and geometrically thins the deeper ones along nested chains (P-EAGLE, arXiv:2602.01469; the
 ``generate_cod_sample_indices`` of the ``speculators`` P-EAGLE trainer).
 """

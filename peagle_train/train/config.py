@@ -77,13 +77,17 @@ class DataConfig:
     or give a file listing one store per line to train on several stores of one verifier and layer
     set as one (one draft vocab from their summed counts, each store holding out its own validation blocks)."""
     down_sample_ratio: float = 0.5
-    """COD keep ratio r per depth, in (0, 1] (``--down-sample-ratio``). The default 0.5 is measured:
+    """Keep ratio r of COD sampling (conditional drop-token, from PARD: which drafter positions a training step
+    trains; every one at depth 0 and, at each depth d >= 1, about a share max(r^d, r_min) of the block's seeds,
+    the positions with a supervised token at depth 1, drawn among those trained at depth d-1), in (0, 1]
+    (``--down-sample-ratio``). The default 0.5 is measured:
     the same held-out acceptance as 0.7 in 18% less time, as the P-EAGLE ablations found for a
     1-layer drafter."""
     down_sample_ratio_min: float = 0.2
-    """Floor of the COD keep ratio, in (0, 1] (``--down-sample-ratio-min``)."""
+    """Floor r_min of the COD keep ratio (see --down-sample-ratio), in (0, 1] (``--down-sample-ratio-min``)."""
     max_anchors: int | None = None
-    """Cap on COD seeds per block (``--max-anchors``); None: no cap."""
+    """Cap on COD seeds per block (see --down-sample-ratio): a block with more keeps a random subset of this
+    many (``--max-anchors``); None: no cap."""
     val_fraction: float = 0.05
     """Fraction of blocks held out for validation, in [0, 1) (``--val-fraction``)."""
     val_max_blocks: int = 16
@@ -231,9 +235,9 @@ class RunConfig:
     log_every: int = 1
     """Steps between metrics.jsonl lines (``--log-every``)."""
     val_every: int | None = None
-    """Steps between validations on the held-out blocks (``--val-every``), each a ``split: val`` row in
-    metrics.jsonl and a point of training.png, besides the one at the end; None: every ``--save-every``
-    steps when set, else every max(50, max_steps // 10) steps. May change on ``--resume``."""
+    """Steps between validations on the held-out blocks (``--val-every``), each written as a row with
+    ``"split": "val"`` in metrics.jsonl and a point of training.png, besides the one at the end; None: every
+    ``--save-every`` steps when set, else every max(50, max_steps // 10) steps. May change on ``--resume``."""
     report_to: str | None = None
     """Accelerate trackers fed the metrics.jsonl rows, comma-separated: tensorboard, wandb, all installed
     (``--report-to``); files under OUTPUT/trackers; wandb runs offline with WANDB_MODE=offline. None:
@@ -260,8 +264,8 @@ class RunConfig:
 
 STREAM_POLICIES = ("reextract", "keep")
 """``--epoch-policy`` choices (:data:`stores.stream_plan.POLICIES`)."""
-STREAM_CONTEXTS = ("window", "full")
-"""``--context`` choices of a streaming run; ``full`` is refused (docs/design.md §7 "Streaming")."""
+STREAM_CONTEXTS = ("window",)
+"""``--context`` values of a streaming run; ``full`` is refused with its reason (docs/design.md §7 "Streaming")."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -285,8 +289,8 @@ class StreamConfig:
     engine: str = "hf"
     """--extract-from: the extraction engine (``peagle-data extract --engine``): ``hf`` or ``vllm``."""
     context: str = "window"
-    """--extract-from: ``window`` (each packed block as it is). ``full`` is refused: streaming a full-context
-    store is not implemented."""
+    """--extract-from: ``window`` (each packed block as it is), the only value: streaming a full-context store
+    (``peagle-data extract --context full``) is not implemented; extract it first, then train."""
     device: str | None = None
     """--extract-from: the device extraction runs on (``peagle-data extract --device``)."""
     storage_dtype: str = "bf16"
@@ -300,6 +304,10 @@ class StreamConfig:
             parse_size(self.max_store_bytes)  # InputError (a ValueError) naming --max-store-bytes
         _need(self.epoch_policy in STREAM_POLICIES, "--epoch-policy", f"one of {', '.join(STREAM_POLICIES)}",
               self.epoch_policy)
+        _need(self.context != "full", "--context", "window for a streaming run: a full-context store's context "
+              "blocks are read by training blocks all over each epoch, and evicting one only when no unconsumed "
+              "training block reads it is not implemented (extract the full-context store first, then train)",
+              self.context)
         _need(self.context in STREAM_CONTEXTS, "--context", f"one of {', '.join(STREAM_CONTEXTS)}", self.context)
         _need(self.stream_timeout_s > 0, "--stream-timeout-s", "> 0", self.stream_timeout_s)
         _need(self.extract_from is None or self.max_store_bytes is not None, "--extract-from",
@@ -312,10 +320,6 @@ class StreamConfig:
               "given only with --extract-from (an option of the extraction this command starts)", "set")
         _need(self.engine != "vllm" or self.device is None, "--device", "left out with --engine vllm (vLLM runs on its "
               "platform's devices; CUDA_VISIBLE_DEVICES chooses GPUs)", self.device)
-        _need(self.context != "full", "--context", "window for a streaming run: a full-context store's context "
-              "blocks are read by training blocks all over each epoch, and evicting one only when no unconsumed "
-              "training block reads it is not implemented (extract the full-context store first, then train)",
-              self.context)
 
 
 @dataclass(frozen=True, kw_only=True)

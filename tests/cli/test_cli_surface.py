@@ -202,6 +202,27 @@ def test_plain_text_turns_sphinx_markup_and_none_into_typable_help():
     assert _help("Cap (None keeps all).", ["--cap"]) == "Cap (unset keeps all)."
 
 
+@pytest.mark.parametrize("command,says,never", [
+    (("data", "extract"),
+     ["--layers N,N,... The verifier layers whose hidden states the drafter reads (auxiliary layers)",
+      "writes a full-context store", "writes a window store", "Requires --context window (the default is full)"],
+     ["format-1", "format-2", "stream plan", "consumed cursor", "Aux layer", "evicting", "Needs --context"]),
+    (("train", None),
+     ["COD sampling (conditional drop-token, from PARD", "--context [window] --extract-from: window",
+      'each written as a row with "split": "val" in metrics.jsonl'],
+     ["[window|full]", "each a split"]),
+    (("data", "pack"), ["the copies of a row that a mixture source's weight above 1 draws"],
+     ["a weight's copies"]),
+    (("data", "stats"), ["Reads the table in a stream"], ["polars"]),
+])
+def test_help_words_a_new_user_can_read(command, says, never):
+    """Issue 34: the --help texts a new user could not decode, in plain words."""
+    group, sub = command
+    text = " ".join(CliRunner().invoke(GROUPS[group], [*([sub] if sub else []), "--help"],
+                                       terminal_width=200).output.split())
+    assert [s for s in says if s not in text] == [] and [s for s in never if s in text] == []
+
+
 @pytest.mark.parametrize("group,sub", sorted(EXACT, key=str) + [("data", None)])
 def test_help_has_no_sphinx_markup_and_no_python_none(group, sub):
     """Every command's --help (options and the command's own text) is plain: no roles, no

@@ -177,6 +177,13 @@ def test_nothing_used_warns_and_exits_1(tmp_path, convs, tok_name):
     _assert_useless(result, tmp_path / "f")
     assert "0 of 1 input rows used" in result.stderr and "missing field" in result.stderr
 
+    unknown = tmp_path / "unknown.jsonl"
+    unknown.write_text('{"foo": 1}\n{"foo": 2}\n')
+    result = invoke(pack, [unknown, "--tokenizer", tok_name, "--output", tmp_path / "u"])
+    _assert_useless(result, tmp_path / "u")
+    assert (f"(rejected: {{'unknown format': 2}}); the first reject: {unknown}:1: unknown format: the row has "
+            "neither 'messages' nor 'conversations'. See") in result.stderr
+
     result = invoke(pack, [convs, "--tokenizer", tok_name, "--max-seq-len", 5, "--output", tmp_path / "short"])
     _assert_useless(result, tmp_path / "short")
     counts = TokenTable.open(tmp_path / "short").manifest["counts"]

@@ -106,6 +106,23 @@ def test_each_stage_resumes_or_starts_over_as_its_command_allows(inputs, tmp_pat
     forced = recipe.stage_commands(recipe.parser().parse_args([*inputs, "--regenerate", "--force"]), out,
                                    {"extract": True, "train": True}, None)
     assert all(argv.count("--force") == 1 and "--resume" not in argv for argv in forced.values())
+    assert "--no-measure-costs" not in fresh["eval"]  # peagle-eval's default: the costs are measured
+    quick = recipe.stage_commands(recipe.parser().parse_args([*inputs, "--no-measure-costs"]), out,
+                                  {"extract": False, "train": False}, "/opt/vllm/bin/python")
+    assert [stage for stage, argv in quick.items() if "--no-measure-costs" in argv] == ["eval", "eval_vllm"]
+
+
+def test_a_failed_stage_says_how_to_continue_and_when_force_is_needed(tmp_path):
+    (tmp_path / "run").mkdir()
+    cmds = {"pack": [sys.executable, "-c", "raise SystemExit(3)"], "train": [sys.executable, "-c", "pass"]}
+    state = {"settings": {}, "done": {}}
+    with pytest.raises(SystemExit) as e:
+        recipe.run_stages(cmds, tmp_path / "run", state)
+    assert str(e.value) == (
+        "recipe.py: stage pack failed (exit status 3; its output above). Fix the cause, then run the same command "
+        "again to continue from this stage; if the fix changed an input file or a setting, add --force (it starts "
+        "over: every stage runs again)")
+    assert state["done"] == {} and not (tmp_path / "run" / "recipe_state.json").exists()
 
 
 @pytest.mark.slow

@@ -12,8 +12,16 @@ import pytest
 
 from peagle_data.prepare.config import PackConfig, PackRun
 from peagle_data.prepare.pack import run_pack
-from stores.errors import StoreMismatchError
-from stores.token_tables import CONVERSATIONS, TableWriter, TokenTable, conversations_record, write_manifest
+from stores.errors import StoreFormatError, StoreMismatchError
+from stores.token_tables import (
+    CONVERSATIONS,
+    RejectsWriter,
+    TableWriter,
+    TokenTable,
+    conversations_record,
+    read_first_reject,
+    write_manifest,
+)
 from tests.long_conversations import long_conversations
 
 
@@ -64,3 +72,18 @@ def test_a_sub_table_of_another_pack_run_is_refused(tmp_path, smollm2_tokenizer)
     shutil.copytree(other / CONVERSATIONS, packed / CONVERSATIONS)
     with pytest.raises(StoreMismatchError, match="edited or copied from another pack run"):
         TokenTable.open(packed).conversations()
+
+
+def test_read_first_reject(tmp_path):
+    assert read_first_reject(tmp_path) is None  # no rejects.jsonl
+    with RejectsWriter(tmp_path):
+        pass
+    assert read_first_reject(tmp_path) is None  # empty
+    with RejectsWriter(tmp_path) as rejects:
+        rejects.write("a.jsonl:3", "unknown format: the row has neither", field="messages")
+        rejects.write("a.jsonl:4", "too long: 9 tokens")
+    assert read_first_reject(tmp_path) == {"source": "a.jsonl:3", "reason": "unknown format: the row has neither",
+                                           "field": "messages"}
+    (tmp_path / "rejects.jsonl").write_text("[1]\n")
+    with pytest.raises(StoreFormatError, match="line 1 is not a JSON object"):
+        read_first_reject(tmp_path)
