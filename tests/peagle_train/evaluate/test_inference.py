@@ -1,4 +1,4 @@
-"""The Python inference API: the documented example (docs/guide-evaluation.md) runs as written, and a result's
+"""The Python inference API: the README's example ("From Python") runs as written, and a result's
 counts mean what they say."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from peagle_train.model.drafter import PEagleDrafter
 from stores.errors import InputError
 from tests.peagle_train.evaluate.test_tree import RankOracle
 
-GUIDE = Path(__file__).resolve().parents[3] / "docs" / "guide-evaluation.md"
-"""Where the inference example lives (the README links it)."""
+README = Path(__file__).resolve().parents[3] / "README.md"
+"""Where the inference example lives."""
 
 
 def smollm2_drafter(directory: Path) -> Path:
@@ -44,8 +44,8 @@ def smollm2_checkpoints(tmp_path_factory) -> Path:
 
 
 def documented_example() -> str:
-    """The first python block of the guide's "Inference from Python" section."""
-    section = GUIDE.read_text().split("\n## Inference from Python", 1)[1]
+    """The first python block of the README's "From Python" section."""
+    section = README.read_text().split("\n## From Python", 1)[1]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
@@ -54,7 +54,7 @@ def test_documented_example_runs_as_written(smollm2_checkpoints, monkeypatch, ca
     assert 'target_model="smollm2-135m"' in code and "result.speedup" in code
     monkeypatch.chdir(smollm2_checkpoints)
     scope: dict = {}
-    exec(compile(code, str(GUIDE), "exec"), scope)  # noqa: S102 (the guide's own example)
+    exec(compile(code, str(README), "exec"), scope)  # noqa: S102 (the README's own example)
     out = capsys.readouterr().out
     assert re.fullmatch(r"Speedup: \d+\.\d\dx\nAcceptance rate: \d+\.\d%\n", out), out
     result = scope["result"]
