@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from cli.common import OutputPath, again_command, config_error, handle_errors, resume_command
-from cli.options import config_file_options, config_options, run_config
+from cli.options import MIXTURE, config_file_options, config_options, run_config
 from peagle_data.readers.rows import FORMATS
 from peagle_data.regenerate.backends import SERVER_KINDS, BackendConfig
 from peagle_data.regenerate.run import ON_DROPPED, ON_TRUNCATED, TURNS, RegenerateConfig, RegenerateRun, run_regenerate
@@ -37,17 +37,7 @@ _IO_OVERRIDES = {
     "inputs": {"metavar": "INPUT...", "nargs": -1, "required": True},
     "output": {"type": OutputPath(suffixes=(".jsonl",))},
 }
-class ValueOrMixture(click.ParamType):
-    """A plain value or a JSON mixture ``{value: weight}`` as text; a config file's number, boolean or mapping
-    passes as it is (the library parses and checks it: RegenerateConfig)."""
-
-    name = "value_or_mixture"
-
-    def convert(self, value, param, ctx):
-        return value if isinstance(value, (dict, bool, int, float)) else str(value)
-
-
-_MIXTURE = {"type": ValueOrMixture(), "multiple": False}  # one value or one JSON mixture, not a repeated option
+_MIXTURE = MIXTURE
 _RUN_OVERRIDES = {
     "temperature": {**_MIXTURE, "metavar": "X|JSON"},
     "reasoning_effort": {**_MIXTURE, "metavar": "X|JSON"},

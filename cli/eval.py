@@ -11,7 +11,7 @@ import sys
 import click
 
 from cli.common import OutputPath, config_error, echo_json, handle_errors
-from cli.options import config_file_options, config_options, run_config
+from cli.options import MIXTURE, config_file_options, config_options, run_config
 from peagle_train.evaluate.config import DRAFT_SAMPLE_METHODS, ENGINES, VLLM_LOADINGS, EvalConfig
 from peagle_train.evaluate.report import format_report
 from peagle_train.evaluate.run import EvalRun, run_eval
@@ -28,7 +28,10 @@ _PATH = {"type": click.Path()}
                            "measure_costs": {"decls": ["--measure-costs/--no-measure-costs"]},
                            "vllm_loading": {"type": click.Choice(VLLM_LOADINGS)},
                            "draft_sample_method": {"type": click.Choice(DRAFT_SAMPLE_METHODS)},
-                           "reasoning_parser": {"type": click.Choice(REASONING_PARSERS), "metavar": "NAME"}})
+                           "reasoning_parser": {"type": click.Choice(REASONING_PARSERS), "metavar": "NAME"},
+                           "reasoning_effort": {**MIXTURE, "metavar": "X|JSON"},
+                           "enable_thinking": {**MIXTURE, "metavar": "X|JSON"},
+                           "template_mixture": {**MIXTURE, "metavar": "JSON"}})
 @config_file_options
 @handle_errors
 def main(drafter, verifier, prompts, store, output, force, **settings) -> None:

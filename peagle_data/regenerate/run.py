@@ -67,7 +67,9 @@ from peagle_data.readers.conversations import read_conversations
 from peagle_data.readers.inputs import resolve_inputs
 from peagle_data.readers.rows import FORMATS, Conversation, Reject
 from peagle_data.regenerate.backends import Answer, BackendConfig, Request, prompt_tokens
-from peagle_data.regenerate.row_settings import Mixture, RowSettings, parse_mixture, row_settings, template_value
+from stores.setting_mixtures import (Mixture, RowSettings, effort_value, normalised, parse_mixture,
+                                     parse_template_mixture, row_settings, temperature_value, template_variables,
+                                     thinking_value)
 from stores.answer_parsing import check_reasoning_parser
 from stores.conversation_files import ConversationWriter, check_output, read_regenerate_manifest
 from stores.errors import InputError
@@ -135,23 +137,15 @@ class RegenerateConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "chat_template_kwargs", check_kwargs_names(self.chat_template_kwargs or {}))
-        temperature = parse_mixture(self.temperature, "--temperature", _temperature)
-        object.__setattr__(self, "temperature", temperature.weights if isinstance(temperature, Mixture) else temperature)
-        for name, cast in (("reasoning_effort", _effort), ("enable_thinking", _thinking)):
+        object.__setattr__(self, "temperature", normalised(self.temperature, "--temperature", temperature_value))
+        for name, cast in (("reasoning_effort", effort_value), ("enable_thinking", thinking_value)):
             value = getattr(self, name)
             if value is not None:
-                value = parse_mixture(value, "--" + name.replace("_", "-"), cast)
-                object.__setattr__(self, name, value.weights if isinstance(value, Mixture) else value)
+                object.__setattr__(self, name, normalised(value, "--" + name.replace("_", "-"), cast))
         if self.template_mixture is not None:
-            object.__setattr__(self, "template_mixture", _template_mixture(self.template_mixture))
-            twice = sorted({"reasoning_effort", "enable_thinking"} & set(self.template_mixture))
-            if twice and any(getattr(self, k) is not None for k in twice):
-                raise ValueError(f"--template-mixture sets {', '.join(twice)}, given by its own option too: give it once")
-        both = sorted(set(self.chat_template_kwargs) & set(self.settings_of()[1]))
-        if both:
-            raise ValueError(f"{', '.join(both)} given both by --chat-template-kwargs (every row's fixed variables) "
-                             "and as a per-row setting (--reasoning-effort, --enable-thinking, --template-mixture): "
-                             "give each variable one way")
+            object.__setattr__(self, "template_mixture", parse_template_mixture(self.template_mixture))
+        template_variables(self.reasoning_effort, self.enable_thinking, self.template_mixture,
+                           self.chat_template_kwargs)  # ValueError: a variable given twice
         check_reasoning_parser(self.reasoning_parser)
         if self.turns not in TURNS:
             raise ValueError(f"--turns must be one of {TURNS}, got {self.turns!r}")
@@ -172,61 +166,16 @@ class RegenerateConfig:
 
     def settings_of(self) -> tuple[float | Mixture, dict[str, Any]]:
         """``(temperature, template variables)``, each a value or a :class:`Mixture` (for :func:`row_settings`)."""
-        def setting(value: Any, cast) -> Any:
-            return parse_mixture(value, "", cast) if isinstance(value, dict) else value
-
-        variables = {"reasoning_effort": setting(self.reasoning_effort, _effort),
-                     "enable_thinking": setting(self.enable_thinking, _thinking)}
-        for name, value in (self.template_mixture or {}).items():
-            variables[name] = setting(value, template_value)
-        return setting(self.temperature, _temperature), {k: v for k, v in variables.items() if v is not None}
+        temperature = self.temperature
+        if isinstance(temperature, dict):
+            temperature = parse_mixture(temperature, "", temperature_value)
+        return temperature, template_variables(self.reasoning_effort, self.enable_thinking, self.template_mixture)
 
     @property
     def per_row(self) -> bool:
         """Whether rows record their drawn settings: a mixture or a template variable is given."""
         temperature, variables = self.settings_of()
         return isinstance(temperature, Mixture) or bool(variables)
-
-
-def _temperature(value: Any) -> float:
-    t = float(value)
-    if not (t >= 0 and t != float("inf")):
-        raise ValueError(f"a temperature must be a finite number >= 0, got {value!r}")
-    return t
-
-
-def _effort(value: Any) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"expected a name such as low, medium, high, got {value!r}")
-    return value
-
-
-def _thinking(value: Any) -> bool:
-    value = template_value(value)
-    if not isinstance(value, bool):
-        raise ValueError(f"expected true or false, got {value!r}")
-    return value
-
-
-def _template_mixture(value: Any) -> dict[str, Any]:
-    """--template-mixture as ``{variable: value or normalised {key: weight}}``.
-
-    Raises:
-        ValueError: not a JSON object of variables (names the option).
-    """
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--template-mixture: invalid JSON ({e.msg})") from None
-    if not isinstance(value, dict) or not all(isinstance(k, str) and k.isidentifier() for k in value):
-        raise ValueError("--template-mixture: expected a JSON object {variable: value or {value: weight}}, "
-                         f"got {value!r}")
-    out = {}
-    for name, spec in value.items():
-        parsed = parse_mixture(spec, f"--template-mixture {name}", template_value)
-        out[name] = parsed.weights if isinstance(parsed, Mixture) else parsed
-    return out
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 from peagle_train.evaluate.prompts import read_prompts
 from peagle_train.evaluate.speculative import check_compatible, checked_num_draft_tokens
@@ -13,6 +14,7 @@ from stores.chat_template import chat_template_kwargs_record, describe_kwargs
 from stores.errors import StoreMismatchError
 from stores.feature_store import check_layer_convention, FeatureStore
 from stores.model_config import load_model_config, text_config
+from stores.setting_mixtures import Mixture
 from stores.verifier_match import check_store_verifier, check_verifier_tokenizer
 
 
@@ -101,7 +103,8 @@ def trained_template_kwargs(drafter_dir: str | Path) -> dict | None:
 
 
 def template_mode(drafter_dir: str | Path, requested: dict | None, allow_mismatch: bool = False,
-                  store: str | Path | None = None) -> dict:
+                  store: str | Path | None = None, variables: dict[str, Any] | None = None,
+                  seed: int | None = None) -> dict:
     """The chat template variables a ``peagle-eval`` run renders its prompts with, checked against the mode
     the drafter was trained in and the one the STORE was made in (docs/design.md §9).
 
@@ -110,11 +113,17 @@ def template_mode(drafter_dir: str | Path, requested: dict | None, allow_mismatc
             records none).
         allow_mismatch: ``--allow-template-mode-mismatch``: report a mismatch instead of refusing it.
         store: the offline STORE, whose ``tokenizer`` record holds the variables its data was rendered with.
+        variables: the variables each prompt draws (``EvalConfig.mode_variables``: a value or a
+            :class:`~stores.setting_mixtures.Mixture` each): a drawn value other than the one the drafter's
+            data fixes is a mismatch; the checkpoint records only the fixed variables, so drawn ones it
+            does not fix are not checked (the training mixture is in the tokenize/pack manifests).
+        seed: the seed the prompts draw with (recorded).
 
     Returns:
-        The report's ``template_mode``: ``chat_template_kwargs`` (used), ``trained_chat_template_kwargs``
-        (None: not recorded), ``store_chat_template_kwargs`` (with a store), ``mismatches`` (sentences;
-        empty when all agree) and ``mismatch_allowed``.
+        The report's ``template_mode``: ``chat_template_kwargs`` (used: the fixed variables, without the
+        drawn ones), ``trained_chat_template_kwargs`` (None: not recorded), ``store_chat_template_kwargs``
+        (with a store), with a mixture ``mixture`` (``{variable: value or {value: weight}}``) and ``seed``,
+        ``mismatches`` (sentences; empty when all agree) and ``mismatch_allowed``.
 
     Raises:
         StoreMismatchError: the modes differ and ``allow_mismatch`` is false (names both).
@@ -125,7 +134,20 @@ def template_mode(drafter_dir: str | Path, requested: dict | None, allow_mismatc
     if trained is not None and used != trained:
         mismatches.append(f"the drafter {drafter_dir} was trained on data rendered with chat template kwargs "
                           f"{describe_kwargs(trained)}, but --chat-template-kwargs gives {describe_kwargs(used)}")
+    variables = variables or {}
+    for name, setting in variables.items():
+        values = [setting.values[k] for k, w in setting.weights.items() if w > 0] \
+            if isinstance(setting, Mixture) else [setting]
+        if trained is not None and name in trained and any(v != trained[name] for v in values):
+            mismatches.append(f"the drafter {drafter_dir} was trained on data rendered with {name} "
+                              f"{json.dumps(trained[name])} (chat template kwargs {describe_kwargs(trained)}), but "
+                              f"the mixture draws {name} from {json.dumps(values)}")
+    used = {k: v for k, v in used.items() if k not in variables}
     out = {"chat_template_kwargs": used, "trained_chat_template_kwargs": trained}
+    if variables:
+        out["mixture"] = {name: setting.weights if isinstance(setting, Mixture) else setting
+                          for name, setting in variables.items()}
+        out["seed"] = seed
     if store is not None:
         recorded = FeatureStore.open(store).attrs.get("tokenizer") or {}
         made = chat_template_kwargs_record(recorded.get("chat_template_kwargs")) if recorded else None

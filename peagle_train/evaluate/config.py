@@ -7,6 +7,7 @@ from typing import Any
 
 from stores.answer_parsing import check_reasoning_parser
 from stores.chat_template import check_kwargs_names
+from stores.setting_mixtures import effort_value, normalised, parse_template_mixture, template_variables, thinking_value
 from stores.vllm_runtime import VllmMemory
 
 ENGINES = ("peagle", "vllm")
@@ -43,7 +44,8 @@ class EvalConfig:
     temperature: float = 0.0
     """Online: 0 = greedy (checked token for token); T > 0 = sampling at T, with rejection sampling (--temperature)."""
     seed: int = 0
-    """Online, T > 0: prompt turn i samples with generators seeded ``(seed, i)`` (--seed)."""
+    """Online, T > 0: prompt turn i samples with generators seeded ``(seed, i)``; with a mode mixture
+    (--reasoning-effort, --enable-thinking, --template-mixture) also each prompt's draw (--seed)."""
     draft_sample_method: str = "greedy"
     """Online, T > 0: how drafts are picked, as vLLM's speculative config field: greedy (vLLM's default:
     the drafter's argmax, kept with probability p(draft)) or probabilistic (sampled from the drafter's
@@ -91,6 +93,16 @@ class EvalConfig:
     (--chat-template-kwargs, a JSON object such as {"enable_thinking": false}): the mode the verifier is
     served in. None: the mode the drafter was trained in (recorded in its checkpoint). A mode other than the
     drafter's, or a STORE made in another, is refused unless --allow-template-mode-mismatch."""
+    reasoning_effort: str | dict[str, float] | None = None
+    """Online: the chat template's ``reasoning_effort`` (gpt-oss: low, medium, high), or a mixture ``{"low": 0.2,
+    "high": 0.8}`` drawn per prompt, as ``regenerate`` draws it per row (from --seed and the prompt id); the
+    report gives each prompt's mode and the acceptance per mode; None: not drawn (--reasoning-effort)."""
+    enable_thinking: bool | str | dict[str, float] | None = None
+    """Online: the chat template's ``enable_thinking`` (true/false), or a mixture ``{"true": 0.8, "false": 0.2}``
+    drawn per prompt (as --reasoning-effort); None: not drawn (--enable-thinking)."""
+    template_mixture: dict[str, Any] | str | None = None
+    """Online: other chat-template variables, each a value or a mixture drawn per prompt: a JSON object
+    ``{"thinking": {"true": 0.7, "false": 0.3}}`` (--template-mixture)."""
     allow_template_mode_mismatch: bool = False
     """Evaluate even when --chat-template-kwargs, the drafter's training data and the STORE were rendered
     with different chat template variables; the report's template_mode names each
@@ -99,6 +111,13 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if self.chat_template_kwargs is not None:
             object.__setattr__(self, "chat_template_kwargs", check_kwargs_names(self.chat_template_kwargs))
+        for name, cast in (("reasoning_effort", effort_value), ("enable_thinking", thinking_value)):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, normalised(value, "--" + name.replace("_", "-"), cast))
+        if self.template_mixture is not None:
+            object.__setattr__(self, "template_mixture", parse_template_mixture(self.template_mixture))
+        self.mode_variables()  # ValueError: a variable given twice
         if self.cost_rounds < 1:
             raise ValueError(f"cost_rounds must be >= 1, got {self.cost_rounds}")
         if self.max_new_tokens < 1:
@@ -144,6 +163,17 @@ class EvalConfig:
         if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
             raise ValueError(f"--draft-sample-method must be one of {', '.join(DRAFT_SAMPLE_METHODS)}, got "
                              f"{self.draft_sample_method!r}")
+
+    def mode_variables(self) -> dict[str, Any]:
+        """The template variables drawn per prompt, ``{name: value or Mixture}``
+        (:func:`stores.setting_mixtures.template_variables`); ``{}``: every prompt in the fixed mode.
+
+        Raises:
+            ValueError: a variable given twice (by --template-mixture and its own option, or also by
+                --chat-template-kwargs).
+        """
+        return template_variables(self.reasoning_effort, self.enable_thinking, self.template_mixture,
+                                  self.chat_template_kwargs)
 
     @property
     def vllm_memory(self) -> VllmMemory:

@@ -13,8 +13,8 @@ from peagle_train.evaluate.checks import check_drafter_tokenizer, check_verifier
 from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.cost_model import cost_model_report, measure_trusted_costs
 from peagle_train.evaluate.identity import EXACT_DTYPES, compare_to_greedy, dtype_name, greedy_check_summary
-from peagle_train.evaluate.prompts import Prompt, history_message, read_prompts, render_turn, turn_text
-from peagle_train.evaluate.report import write_json
+from peagle_train.evaluate.prompts import Prompt, history_message, prompt_modes, read_prompts, render_turn, turn_text
+from peagle_train.evaluate.report import per_mode_report, write_json
 from peagle_train.evaluate.inference import PEAGLEInference, load_for_decoding
 from peagle_train.evaluate.speculative import GenerationResult, acceptance_scheme
 from peagle_train.evaluate.tree import TreeGenerationResult, TreeSpec
@@ -90,8 +90,10 @@ class _OnlineTotals:
 
 
 def _turn_record(tokenizer, prompt: Prompt, turn: int, prompt_tokens: int, base: GenerationResult,
-                 spec: GenerationResult, check: dict[str, Any] | None, eos: Iterable[int]) -> dict[str, Any]:
-    """One ``per_prompt`` entry: counts, the user turn, the speculative output (``text``) and the
+                 spec: GenerationResult, check: dict[str, Any] | None, eos: Iterable[int],
+                 mode: dict[str, Any]) -> dict[str, Any]:
+    """One ``per_prompt`` entry: counts (``num_drafts``: verifier steps that checked >= 1 draft), the
+    prompt's template variables (``chat_template_kwargs``, ``mode``), the user turn, the speculative output (``text``) and the
     plain decoding's (``reference_text``: greedy at T = 0, a plain sample at T > 0), each without the
     EOS that ends it (:func:`turn_text`), ``finish_reason`` (``stop``: it ended with an EOS;
     ``length``: at ``max_new_tokens``), and at T = 0 the identity ``check``
@@ -101,6 +103,7 @@ def _turn_record(tokenizer, prompt: Prompt, turn: int, prompt_tokens: int, base:
         "prompt_id": prompt.prompt_id, "turn": turn, "prompt_tokens": prompt_tokens,
         "new_tokens": len(base.tokens), "spec_new_tokens": len(spec.tokens),
         "verifier_steps": spec.verifier_steps, "accepted": spec.accepted, "drafted": spec.drafted,
+        "num_drafts": sum(1 for k in spec.drafted_per_step if k > 0), "chat_template_kwargs": dict(mode),
         "identical_to_greedy": None if check is None else check["identical"],
         "divergence": None if check is None else check["divergence"],
         "user": prompt.user_turns[turn],
@@ -128,8 +131,10 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
         prompts: from :func:`read_prompts`.
         config: ``max_new_tokens``, ``num_draft_tokens``, ``temperature``, ``seed``, ``draft_sample_method``,
             ``warmup``, ``measure_costs``, the tree options, ``chat_template_kwargs`` (the prompts' template
-            variables, also given to the reasoning parser) and ``reasoning_parser`` (how an answer becomes
-            the next turn's history, :func:`~peagle_train.evaluate.prompts.history_message`) are used.
+            variables, also given to the reasoning parser), the mode mixture (``mode_variables``: each prompt
+            draws its variables, :func:`~peagle_train.evaluate.prompts.prompt_modes`) and ``reasoning_parser``
+            (how an answer becomes the next turn's history, :func:`~peagle_train.evaluate.prompts.history_message`)
+            are used.
         progress: called with each decoding step's new tokens, of the plain decoding and of speculative
             decoding, and at a turn's end with both decodings' unused ``max_new_tokens``: a bar of total
             ``2 * max_new_tokens * turns`` tokens (:func:`progress_total`) advances within a turn.
@@ -142,8 +147,10 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
     """
     engine = PEAGLEInference.from_models(verifier, drafter, tokenizer, config.num_draft_tokens, tree_spec(config))
     K, eos = engine.K, engine.eos
+    variables = config.mode_variables()
+    modes = prompt_modes(prompts, config.chat_template_kwargs, variables, config.seed)
     if config.warmup:
-        engine.warm_up(render_turn(tokenizer, prompts[0], 0, [], config.chat_template_kwargs))
+        engine.warm_up(render_turn(tokenizer, prompts[0], 0, [], modes[0]))
     totals = _OnlineTotals(K)
     per_prompt: list[dict[str, Any]] = []
     checks: list[tuple[str, dict[str, Any]]] = []
@@ -151,10 +158,10 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
     T = config.temperature
     dtype = next(verifier.parameters()).dtype
     tops = dtype_name(dtype) not in EXACT_DTYPES  # the near-tie rule needs the reference's top logits
-    for prompt in prompts:
+    for prompt, mode in zip(prompts, modes):
         answers: list[dict[str, Any]] = []
         for turn in range(len(prompt.user_turns)):
-            ids = render_turn(tokenizer, prompt, turn, answers, config.chat_template_kwargs)
+            ids = render_turn(tokenizer, prompt, turn, answers, mode)
             seed = _turn_seed(config.seed, len(per_prompt))
             spec, base = engine.generate_ids(ids, config.max_new_tokens, T, seed=seed, measure_speedup=True,
                                              on_progress=progress, top_logits=tops,
@@ -164,10 +171,9 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
             if T == 0:
                 check = compare_to_greedy(spec.tokens, base.tokens, base.top_logits if tops else None, dtype)
                 checks.append((prompt.prompt_id, check))
-            per_prompt.append(_turn_record(tokenizer, prompt, turn, len(ids), base, spec, check, eos))
+            per_prompt.append(_turn_record(tokenizer, prompt, turn, len(ids), base, spec, check, eos, mode))
             if turn + 1 < len(prompt.user_turns):  # the answer as served becomes the next turn's history
-                answers.append(history_message(tokenizer, base.tokens, eos, config.reasoning_parser,
-                                               config.chat_template_kwargs,
+                answers.append(history_message(tokenizer, base.tokens, eos, config.reasoning_parser, mode,
                                                where=f"prompt {prompt.prompt_id!r} turn {turn}"))
             if progress is not None:  # a turn that stopped early (EOS) completes its share of the total
                 progress(2 * config.max_new_tokens - len(base.tokens) - len(spec.tokens))
@@ -189,9 +195,9 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
         "max_new_tokens": config.max_new_tokens,
         "tree": engine.tree.describe() if engine.tree is not None else None,
         **({"tree_nodes_verified": sum(t["tree_nodes"] for t in per_prompt)} if engine.tree is not None else {}),
-        **({"cost_model": online_cost_model(verifier, drafter, render_turn(tokenizer, prompts[0], 0, [],
-                                                                       config.chat_template_kwargs), report,
-                                            config)} if config.measure_costs else {}),
+        **({"cost_model": online_cost_model(verifier, drafter, render_turn(tokenizer, prompts[0], 0, [], modes[0]),
+                                            report, config)} if config.measure_costs else {}),
+        **({"per_mode": per_mode_report(per_prompt)} if variables else {}),
         "per_prompt": per_prompt,
     }
 
@@ -220,7 +226,7 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
                     seed: int = 0, measure_costs: bool = True, tree_topk: list[int] | None = None,
                     tree_nodes: int | None = None, draft_sample_method: str = "greedy",
                     chat_template_kwargs: dict[str, Any] | None = None,
-                    reasoning_parser: str | None = None) -> dict[str, Any]:
+                    reasoning_parser: str | None = None, mixture: dict[str, Any] | None = None) -> dict[str, Any]:
     """Online evaluation of a drafter checkpoint on a prompts file (docs/design.md §9).
 
     Args:
@@ -231,6 +237,8 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
         max_new_tokens, num_prompts, num_draft_tokens, temperature, seed, measure_costs, tree_topk, tree_nodes,
             draft_sample_method, chat_template_kwargs, reasoning_parser:
             see :class:`EvalConfig` (here chat_template_kwargs None: none, the template's defaults).
+        mixture: the mode mixture, :class:`EvalConfig`'s ``reasoning_effort``, ``enable_thinking`` and
+            ``template_mixture`` by name (None: every prompt in the fixed mode).
         output: also write the JSON report there.
         progress_factory: ``total -> bar`` with ``update(n)`` and ``close()`` (:func:`stores.progress.progress`):
             its total is in tokens (:func:`progress_total`), so it advances within a turn.
@@ -254,7 +262,8 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
     config = EvalConfig(max_new_tokens=max_new_tokens, num_prompts=num_prompts, num_draft_tokens=num_draft_tokens,
                         temperature=temperature, seed=seed, measure_costs=measure_costs, tree_topk=tree_topk,
                         tree_nodes=tree_nodes, draft_sample_method=draft_sample_method,
-                        chat_template_kwargs=dict(chat_template_kwargs or {}), reasoning_parser=reasoning_parser)
+                        chat_template_kwargs=dict(chat_template_kwargs or {}), reasoning_parser=reasoning_parser,
+                        **(mixture or {}))
     prompts = read_prompts(prompts_file, config.num_prompts)
     drafter = load_drafter(drafter_dir)
     name = verifier_name or drafter.config.verifier_name_or_path

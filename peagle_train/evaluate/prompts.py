@@ -12,6 +12,7 @@ from stores.answer_parsing import AnswerFormatError, answer_message, parse_answe
 from stores.chat_template import ChatTemplate, prompt_ids, render
 from stores.errors import InputError
 from stores.question_rows import QUESTION_FIELDS, QuestionRowError, question_id, question_turns
+from stores.setting_mixtures import row_settings
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,20 @@ def render_turn(tokenizer, prompt: Prompt, turn: int, answers: Sequence[str | di
                              f"{text[:80]!r}; evaluate with a verifier whose template renders plain chat messages",
                              field="--prompts")
     return prompt_ids(tokenizer, messages, None, template)
+
+
+def prompt_modes(prompts: Sequence[Prompt], fixed: dict[str, Any] | None, variables: dict[str, Any] | None,
+                 seed: int) -> list[dict[str, Any]]:
+    """Each prompt's chat template variables: the run's ``fixed`` ones (the mode, ``--chat-template-kwargs``
+    or the drafter's) with the ones it draws from ``variables`` (``EvalConfig.mode_variables``: a value or a
+    :class:`~stores.setting_mixtures.Mixture` each) on top, drawn as ``regenerate`` draws a row's
+    (:func:`stores.setting_mixtures.row_settings`, from ``seed`` and the prompt id; a variable of both is
+    the drawn one's). Every turn of a prompt is rendered, and its answers parsed, in the prompt's mode."""
+    fixed = dict(fixed or {})
+    if not variables:
+        return [dict(fixed) for _ in prompts]
+    kept = {k: v for k, v in fixed.items() if k not in variables}
+    return [row_settings(0.0, variables, seed, p.prompt_id, kept).template_kwargs() for p in prompts]
 
 
 def eos_ids(tokenizer, verifier) -> list[int]:

@@ -23,6 +23,34 @@ def write_json(report: dict[str, Any], path: str | Path) -> None:
     write_text_atomic(path, text)
 
 
+def mode_name(kwargs: dict[str, Any]) -> str:
+    """A template mode's name in reports: its variables as sorted JSON (``{}``: the template's defaults)."""
+    return json.dumps(kwargs, sort_keys=True)
+
+
+def per_mode_report(per_prompt: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The acceptance per template mode of an online report's ``per_prompt`` turns (each with
+    ``chat_template_kwargs``, ``accepted``, ``drafted``, ``num_drafts``): ``{mode name: {"chat_template_kwargs",
+    "prompts", "turns", "num_drafts", "drafted", "accepted", "acceptance_length" (1 + accepted / num_drafts),
+    "acceptance_rate" (accepted / drafted, None without drafts)}}``, modes in order of first use. The counts
+    are the per-request ones (for vLLM its per-step counts of each request), summed."""
+    out: dict[str, dict[str, Any]] = {}
+    prompts: dict[str, set] = {}
+    for t in per_prompt:
+        name = mode_name(t["chat_template_kwargs"])
+        m = out.setdefault(name, {"chat_template_kwargs": t["chat_template_kwargs"], "prompts": 0, "turns": 0,
+                                  "num_drafts": 0, "drafted": 0, "accepted": 0})
+        prompts.setdefault(name, set()).add(t["prompt_id"])
+        m["prompts"] = len(prompts[name])
+        m["turns"] += 1
+        for key in ("num_drafts", "drafted", "accepted"):
+            m[key] += t[key]
+    for m in out.values():
+        m["acceptance_length"] = 1.0 + (m["accepted"] / m["num_drafts"] if m["num_drafts"] else 0.0)
+        m["acceptance_rate"] = m["accepted"] / m["drafted"] if m["drafted"] else None
+    return out
+
+
 def _fmt(x: Any) -> str:
     return "-" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)
 
@@ -53,6 +81,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines += ([f"  per position       {report.get('per_position_note')}"] if per_pos is None else [
             "  position  " + " ".join(f"{i:>6d}" for i in range(len(per_pos))),
             "  accepted  " + " ".join(f"{_fmt(x):>6s}" for x in per_pos)])
+        lines += _per_mode_lines(report.get("per_mode"))
         lines += _cost_lines(report)
     off = report.get("offline", report if "simulated_acceptance_length" in report else None)
     if off:
@@ -70,6 +99,15 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _per_mode_lines(per_mode: dict[str, Any] | None) -> list[str]:
+    """One line per template mode of a mixture: its prompts, turns and acceptance."""
+    if not per_mode:
+        return []
+    return ["  per template mode (the mixture, drawn per prompt)"] + [
+        f"    {name}: {m['prompts']} prompts, {m['turns']} turns, acceptance length {_fmt(m['acceptance_length'])}, "
+        f"rate {_fmt(m['acceptance_rate'])} ({m['accepted']}/{m['drafted']})" for name, m in per_mode.items()]
+
+
 def _template_mode_lines(mode: dict[str, Any] | None) -> list[str]:
     """The chat template variables the prompts were rendered with; a mismatch allowed by
     --allow-template-mode-mismatch, named."""
@@ -78,6 +116,8 @@ def _template_mode_lines(mode: dict[str, Any] | None) -> list[str]:
     kwargs = mode["chat_template_kwargs"]
     used = json.dumps(kwargs) if kwargs else "none (the template's defaults)"
     lines = [f"template mode: chat template kwargs {used}"]
+    if mode.get("mixture"):
+        lines.append(f"  drawn per prompt from --seed {mode.get('seed')}: {json.dumps(mode['mixture'])}")
     lines += [f"  WARNING: another mode than the drafter's (--allow-template-mode-mismatch): {m}"
               for m in mode.get("mismatches") or []]
     return lines

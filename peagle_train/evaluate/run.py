@@ -51,6 +51,9 @@ class EvalRun:
     def __post_init__(self) -> None:
         if self.prompts is None and self.store is None:
             raise ValueError("give --prompts (online), --store (offline), or both")
+        if self.prompts is None and self.settings.mode_variables():
+            raise ValueError("--reasoning-effort, --enable-thinking and --template-mixture draw each online prompt's "
+                             "mode: give --prompts, or evaluate the store in one mode (--chat-template-kwargs)")
 
 
 def _progress(desc: str, unit: str) -> Callable[[int], Any]:
@@ -83,7 +86,9 @@ def _evaluate(run: EvalRun, drafter: str, log: Callable[[str], None]) -> dict[st
                                  progress_factory=_progress("online eval (plain + speculative)", "tok"), temperature=s.temperature,
                                  seed=s.seed, measure_costs=s.measure_costs, tree_topk=s.tree_topk,
                                  tree_nodes=s.tree_nodes, draft_sample_method=s.draft_sample_method,
-                                 chat_template_kwargs=s.chat_template_kwargs, reasoning_parser=s.reasoning_parser)
+                                 chat_template_kwargs=s.chat_template_kwargs, reasoning_parser=s.reasoning_parser,
+                                 mixture={"reasoning_effort": s.reasoning_effort, "enable_thinking": s.enable_thinking,
+                                          "template_mixture": s.template_mixture})
     if s.measure_costs and offline is not None and (online is None or s.engine == "vllm"):
         offline = {**offline, "cost_model": _offline_cost_model(drafter, run.store, offline, s.cost_rounds)}
     if online is None:
@@ -135,7 +140,8 @@ def run_eval(run: EvalRun, log: Callable[[str], None] = print, config: dict[str,
     check_before_weights(drafter, run.verifier, run.prompts, run.store, run.settings.num_prompts,
                          run.settings.num_draft_tokens)
     mode = template_mode(drafter, run.settings.chat_template_kwargs, run.settings.allow_template_mode_mismatch,
-                         run.store)
+                         run.store, run.settings.mode_variables() if run.prompts is not None else None,
+                         run.settings.seed)
     if mode["mismatches"]:
         log("WARNING: evaluating in another template mode (--allow-template-mode-mismatch): "
             + "; ".join(mode["mismatches"]))

@@ -45,7 +45,9 @@ from typing import Any
 
 from peagle_train.evaluate.config import VLLM_LOADINGS, EvalConfig
 from peagle_train.evaluate.identity import TOP_K, compare_to_greedy, greedy_check_summary
-from peagle_train.evaluate.prompts import Prompt, eos_ids, history_message, read_prompts, render_turn, turn_text
+from peagle_train.evaluate.prompts import (Prompt, eos_ids, history_message, prompt_modes, read_prompts, render_turn,
+                                          turn_text)
+from peagle_train.evaluate.report import per_mode_report
 from peagle_train.evaluate.speculative import acceptance_scheme, check_draft_sample_method, checked_num_draft_tokens
 from peagle_train.model.checkpoint import find_drafter, load_drafter
 from stores.errors import InputError, ModelNotFoundError
@@ -456,7 +458,7 @@ def _generation_config(directory: str):
 
 def next_turn_prompts(tokenizer, prompts: Sequence[Prompt], eos: Iterable[int], order: list[tuple[int, int]],
                       answers: list[list[dict[str, Any]]], outputs: list[list[int]] | None,
-                      chat_template_kwargs: dict[str, Any] | None = None,
+                      modes: Sequence[dict[str, Any]] | None = None,
                       reasoning_parser: str | None = None) -> list[list[int]]:
     """The next turn's token-id prompts, given the greedy answers of the previous turn's requests.
 
@@ -469,8 +471,9 @@ def next_turn_prompts(tokenizer, prompts: Sequence[Prompt], eos: Iterable[int], 
             ``x != y`` stays ``x != y`` in the next prompt).
         outputs: per request of the previous turn (the last ``len(outputs)`` of ``order``), the
             generated token ids; None: the first turn.
-        chat_template_kwargs: the template's variables (vLLM's ``chat_template_kwargs``; None: none): the
-            prompts are rendered with them and the reasoning parser reads them (``enable_thinking``, ``thinking``).
+        modes: per prompt, the template's variables (vLLM's ``chat_template_kwargs``,
+            :func:`~peagle_train.evaluate.prompts.prompt_modes`; None: none): each prompt's turns are rendered
+            with its own and the reasoning parser reads them (``enable_thinking``, ``thinking``).
         reasoning_parser: vLLM's ``--reasoning-parser`` name the answers are parsed with (None: none).
 
     Returns:
@@ -480,14 +483,14 @@ def next_turn_prompts(tokenizer, prompts: Sequence[Prompt], eos: Iterable[int], 
     if outputs is not None:
         for (i, t), tokens in zip(order[-len(outputs):], outputs):
             if t + 1 < len(prompts[i].user_turns):
-                answers[i].append(history_message(tokenizer, tokens, eos, reasoning_parser, chat_template_kwargs,
+                answers[i].append(history_message(tokenizer, tokens, eos, reasoning_parser, modes[i] if modes else None,
                                                   where=f"prompt {prompts[i].prompt_id!r} turn {t}"))
         turn = order[-1][1] + 1
     batch = []
     for i, p in enumerate(prompts):
         if turn < len(p.user_turns):
             order.append((i, turn))
-            batch.append(render_turn(tokenizer, p, turn, answers[i], chat_template_kwargs))
+            batch.append(render_turn(tokenizer, p, turn, answers[i], modes[i] if modes else None))
     return batch
 
 
@@ -498,7 +501,8 @@ class VllmReference:
     Attributes:
         name: the verifier MODEL; directory: what vLLM loads; tokenizer; eos: ids that end a turn.
         prompts: the prompts read; order: ``(prompt index, turn)`` of each request; requests: their
-            token ids (later turns with the reference answers as history); plain: the engine's run.
+            token ids (later turns with the reference answers as history); plain: the engine's run; modes: per
+            prompt, its template variables (:func:`~peagle_train.evaluate.prompts.prompt_modes`).
     """
 
     name: str
@@ -510,6 +514,7 @@ class VllmReference:
     order: list[tuple[int, int]]
     requests: list[list[int]]
     plain: VllmRun
+    modes: list[dict[str, Any]] = field(default_factory=list)
 
 
 def vllm_reference(verifier_name: str, prompts_file: str | Path, config: EvalConfig,
@@ -529,17 +534,19 @@ def vllm_reference(verifier_name: str, prompts_file: str | Path, config: EvalCon
     prompts = read_prompts(prompts_file, config.num_prompts)
     order: list[tuple[int, int]] = []
     answers: list[list[dict[str, Any]]] = [[] for _ in prompts]
+    modes = prompt_modes(prompts, config.chat_template_kwargs, config.mode_variables(), config.seed)
 
     def next_turns(outputs: list[list[int]] | None) -> list[list[int]]:
-        return next_turn_prompts(tokenizer, prompts, eos, order, answers, outputs, config.chat_template_kwargs,
+        return next_turn_prompts(tokenizer, prompts, eos, order, answers, outputs, modes,
                                  config.reasoning_parser)
 
     plain = vllm_generate(directory, next_turns(None), config.max_new_tokens, sorted(eos),
                           concurrency=config.concurrency, turns=next_turns, log=log, memory=config.vllm_memory,
                           temperature=config.temperature, seed=config.seed, top_logits=True)
-    requests = [render_turn(tokenizer, prompts[i], t, answers[i][:t], config.chat_template_kwargs) for i, t in order]
+    requests = [render_turn(tokenizer, prompts[i], t, answers[i][:t], modes[i]) for i, t in order]
     return VllmReference(name=str(verifier_name), directory=directory, tokenizer=tokenizer, eos=eos,
-                         prompts_file=str(prompts_file), prompts=prompts, order=order, requests=requests, plain=plain)
+                         prompts_file=str(prompts_file), prompts=prompts, order=order, requests=requests, plain=plain,
+                         modes=modes)
 
 
 def vllm_speculative(ref: VllmReference, drafter_dir: str | Path, config: EvalConfig,
@@ -686,6 +693,8 @@ def vllm_report(found, ref: VllmReference, spec: VllmRun, config: EvalConfig, ve
             "prompt_id": prompts[i].prompt_id, "turn": t, "prompt_tokens": len(ids), "new_tokens": len(base),
             "spec_new_tokens": len(got), "verifier_steps": len(steps.get("accepted", [])),
             "accepted": sum(steps.get("accepted", [])), "drafted": sum(steps.get("drafted", [])),
+            "num_drafts": sum(1 for k in steps.get("drafted", []) if k > 0),
+            "chat_template_kwargs": dict(ref.modes[i]) if ref.modes else dict(config.chat_template_kwargs or {}),
             "identical_to_greedy": None if check is None else check["identical"],
             "divergence": None if check is None else check["divergence"], "user": prompts[i].user_turns[t],
             "text": turn_text(tokenizer, got, eos), "reference_text": turn_text(tokenizer, base, eos),
@@ -737,5 +746,6 @@ def vllm_report(found, ref: VllmReference, spec: VllmRun, config: EvalConfig, ve
         "num_prompts": len(prompts),
         "num_turns": len(per_prompt),
         "max_new_tokens": config.max_new_tokens,
+        **({"per_mode": per_mode_report(per_prompt)} if config.mode_variables() else {}),
         "per_prompt": per_prompt,
     }

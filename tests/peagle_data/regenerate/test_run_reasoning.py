@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from peagle_data.regenerate.backends import Answer, LocalBackend, Request, _answer_of, prompt_tokens
-from peagle_data.regenerate.row_settings import row_settings
+from stores.setting_mixtures import row_settings
 from peagle_data.regenerate.run import RegenerateConfig, RegenerateRun, run_regenerate
 from stores.errors import InputError
 from tests.chat_templates import harmony_tokenizer, think_tokenizer
@@ -294,3 +294,131 @@ def test_cli_regenerates_questions_in_a_mode_mixture_parsed_as_served(tmp_path, 
     assert manifest["generation"]["reasoning_parser"] == "qwen3"
     assert manifest["model"]["sampling"]["temperature"] == {"0": 0.5, "0.7": 0.5}
     assert sum(manifest["counts"]["row_settings"]["enable_thinking"].values()) == 6
+
+
+# --------------------------------------------------------------------------------------------
+# Harmony rows regenerated in a reasoning-effort mixture, through tokenize and pack (issue 32)
+
+HARMONY_QUESTIONS = [{"question_id": 1, "turns": ["Name a colour.", "And another?"]},
+                     *({"prompt": f"Question {i}?"} for i in range(2, 8))]
+
+
+@pytest.fixture(scope="module")
+def harmony_verifier_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
+    """A random 2-layer Llama saved with the Harmony tokenizer and template (tests/chat_templates), stopping at
+    ``<|return|>`` and ``<|call|>`` as gpt-oss's generation config does."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = harmony_tokenizer(smollm2_tokenizer)
+    stops = tok.convert_tokens_to_ids(["<|return|>", "<|call|>"])
+    out = tmp_path_factory.mktemp("harmony_verifier")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         max_position_embeddings=512, bos_token_id=1, eos_token_id=stops,
+                                         pad_token_id=2))
+    model.generation_config.eos_token_id = stops
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def harmony_answer(prompt_text: str) -> str:
+    """What the scripted verifier generates after a Harmony prompt: at ``low`` effort the final channel only,
+    else an analysis naming the effort and the question, then the final channel; the stop id ``<|return|>``."""
+    import re
+
+    effort = re.search(r"Reasoning: (\w+)", prompt_text).group(1)
+    question = prompt_text.rsplit("<|start|>user<|message|>", 1)[1].split("<|end|>")[0]
+    final = f"<|channel|>final<|message|>Answer to {question} at {effort}.<|return|>"
+    return final if effort == "low" else f"<|channel|>analysis<|message|>{effort}: {question}<|end|><|start|>assistant" \
+                                         + final
+
+
+def scripted_generate(tok, seen: list[str]):
+    """A ``generate`` for the verifier: each row's prompt followed by :func:`harmony_answer`'s ids (a random
+    model does not write Harmony channels); pads with the pad id after the answer. Records the prompts."""
+    import torch
+
+    def generate(input_ids, attention_mask, generation_config):
+        rows = []
+        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist()):
+            prompt = tok.decode([t for t, m in zip(ids, mask) if m])
+            seen.append(prompt)
+            rows.append(ids + tok(harmony_answer(prompt), add_special_tokens=False)["input_ids"])
+        width = max(len(r) for r in rows)
+        return torch.tensor([r + [generation_config.pad_token_id] * (width - len(r)) for r in rows])
+
+    return generate
+
+
+def test_harmony_rows_regenerated_in_an_effort_mixture_train_on_what_the_verifier_generated(
+        tmp_path, harmony_verifier_dir):
+    """regenerate (local back end, Harmony template, --reasoning-effort mixture, --reasoning-parser openai_gptoss),
+    then tokenize and pack: each row's loss mask covers exactly the ids the verifier generated after the prompt of
+    its drawn effort (the analysis and final channels up to ``<|return|>``, turn by turn), and each row's context
+    is that served prompt's ids."""
+    from peagle_data.prepare.config import PackConfig, PackRun, TokenizeConfig, TokenizeRun
+    from peagle_data.prepare.pack import run_pack
+    from peagle_data.prepare.tokenizing import run_tokenize
+    from stores.token_tables import TokenTable
+
+    inp, out = write(tmp_path / "q.jsonl", HARMONY_QUESTIONS), tmp_path / "regen.jsonl"
+    backend = LocalBackend(str(harmony_verifier_dir), max_new_tokens=64, temperature=0.0, batch_size=3,
+                           device="cpu", reasoning_parser="openai_gptoss")
+    tok, seen = backend.tokenizer, []
+    backend.model.generate = scripted_generate(tok, seen)
+    settings = RegenerateConfig(reasoning_effort={"low": 1, "high": 1}, seed=4, reasoning_parser="openai_gptoss")
+    summary = run_regenerate(RegenerateRun(inputs=[str(inp)], output=out, settings=settings),
+                             make_backend=lambda: backend)
+    rows = lines(out)
+    assert len(rows) == 7 and summary["counts"]["written"] == 7
+    efforts = {r["id"]: r["chat_template_kwargs"]["reasoning_effort"] for r in rows}
+    assert set(efforts.values()) == {"low", "high"}
+    served = {}  # (row id, assistant turn index) -> (served prompt ids, generated ids)
+    for row in rows:
+        effort, msgs = efforts[row["id"]], row["messages"]
+        for k, msg in enumerate(msgs):
+            if msg["role"] != "assistant":
+                continue
+            question = msgs[k - 1]["content"]
+            # the parser's content and reasoning, and the generated ids the row keeps
+            assert msg["content"] == f"Answer to {question} at {effort}."
+            assert msg.get("reasoning_content") == (None if effort == "low" else f"{effort}: {question}")
+            prompt = prompt_tokens(tok, Request(messages=msgs[:k], chat_template_kwargs={"reasoning_effort": effort}))
+            assert msg["token_ids"] == tok(harmony_answer(tok.decode(prompt)), add_special_tokens=False)["input_ids"]
+            served[(row["id"], k)] = (prompt, msg["token_ids"])
+    # turn 2 of the question was asked with turn 1's final answer as history, its analysis dropped
+    [turn2] = [p for p in seen if "And another?" in p]
+    assert "Answer to Name a colour." in turn2 and f"{efforts['1']}: Name a colour." not in turn2
+    assert len(seen) == 8
+
+    tok_dir, pack_dir = tmp_path / "tok", tmp_path / "packed"
+    counts = run_tokenize(TokenizeRun(inputs=[str(out)], tokenizer=str(harmony_verifier_dir), output=tok_dir,
+                                      settings=TokenizeConfig()), tokenizer=tok)["counts"]
+    assert (counts["read"], counts["used"], counts.get("rejected", 0)) == (7, 7, 0), counts
+    assert counts["template_modes"] == {json.dumps({"reasoning_effort": e}): list(efforts.values()).count(e)
+                                        for e in ("high", "low")}
+    table_rows = [r for part in TokenTable.open(tok_dir).iter_batches() for r in part.to_pylist()]
+    assert len(table_rows) == 8  # the two-turn question: one row per turn (the template drops earlier analysis)
+    trained = []
+    for r in table_rows:
+        first = r["loss_mask"].index(1)
+        masked = [t for t, m in zip(r["input_ids"], r["loss_mask"]) if m]
+        trained.append((r["input_ids"][:first], masked))
+        assert r["input_ids"][first:] == masked  # one supervised span, the row's end
+    assert sorted(trained) == sorted(served.values())
+    assert any(tok.decode(m).startswith("<|channel|>analysis<|message|>high: ") for _, m in trained)
+    assert any(tok.decode(m).startswith("<|channel|>final<|message|>") for _, m in trained)
+
+    packed = run_pack(PackRun(inputs=[tok_dir], tokenizer=str(harmony_verifier_dir), output=pack_dir,
+                              settings=PackConfig(max_seq_len=256)), tokenizer=tok)
+    assert packed["counts"]["used"] == 7  # conversations; their 8 rows become the windows below
+    windows = []
+    for part in TokenTable.open(pack_dir).iter_batches():
+        for r in part.to_pylist():
+            cu = r["cu_seqlens"]
+            for a, b in zip(cu[:-1], cu[1:]):
+                windows.append([t for t, m in zip(r["input_ids"][a:b], r["loss_mask"][a:b]) if m])
+    assert sorted(windows) == sorted(m for _, m in served.values())

@@ -4,6 +4,7 @@ with, the drafter's by default; another mode, or a STORE made in another, refuse
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -82,3 +83,47 @@ def test_the_options_are_checked():
     assert EvalConfig().chat_template_kwargs is None
     with pytest.raises(ValueError, match="may not set 'tokenize'"):
         EvalConfig(chat_template_kwargs={"tokenize": False})
+
+
+def test_a_mode_mixture_is_recorded_and_checked_against_the_drafters_fixed_variables(tmp_path):
+    """--reasoning-effort / --enable-thinking / --template-mixture draw each prompt's mode: the mixture and seed are
+    recorded; a drawn value the drafter's data fixed otherwise is a mismatch (refused unless allowed), the drawn
+    variable then leaving the fixed ones; drawn variables the checkpoint does not fix are not checked."""
+    from stores.setting_mixtures import parse_mixture, template_value
+
+    efforts = {"reasoning_effort": parse_mixture({"low": 1, "high": 3}, "", template_value)}
+    free = _drafter(tmp_path / "free", {"name": "v", "chat_template_kwargs": {"persona": "terse"}})
+    mode = template_mode(free, None, variables=efforts, seed=7)
+    assert mode == {"chat_template_kwargs": {"persona": "terse"}, "trained_chat_template_kwargs": {"persona": "terse"},
+                    "mixture": {"reasoning_effort": {"low": 0.25, "high": 0.75}}, "seed": 7, "mismatches": [],
+                    "mismatch_allowed": False}
+    assert format_report({"template_mode": mode}).splitlines()[1] == (
+        '  drawn per prompt from --seed 7: {"reasoning_effort": {"low": 0.25, "high": 0.75}}')
+    high = _drafter(tmp_path / "high", {"name": "v", "chat_template_kwargs": {"reasoning_effort": "high"}})
+    with pytest.raises(StoreMismatchError, match=re.escape(
+            f"the drafter {high} was trained on data rendered with reasoning_effort \"high\" (chat template kwargs "
+            "{\"reasoning_effort\": \"high\"}), but the mixture draws reasoning_effort from [\"low\", \"high\"]")):
+        template_mode(high, None, variables=efforts)
+    allowed = template_mode(high, None, allow_mismatch=True, variables=efforts)
+    assert allowed["chat_template_kwargs"] == {} and allowed["mismatch_allowed"] is True
+    only_high = {"reasoning_effort": parse_mixture({"high": 1}, "", template_value)}
+    assert template_mode(high, None, variables=only_high)["mismatches"] == []
+
+
+def test_the_mixture_options_are_checked():
+    cfg = EvalConfig(reasoning_effort='{"low": 1, "high": 1}', enable_thinking="true",
+                     template_mixture='{"thinking": {"true": 3, "false": 1}}')
+    assert (cfg.reasoning_effort, cfg.enable_thinking) == ({"low": 0.5, "high": 0.5}, True)
+    assert cfg.template_mixture == {"thinking": {"true": 0.75, "false": 0.25}}
+    assert set(cfg.mode_variables()) == {"reasoning_effort", "enable_thinking", "thinking"}
+    assert EvalConfig().mode_variables() == {}
+    with pytest.raises(ValueError, match="reasoning_effort given both by --chat-template-kwargs"):
+        EvalConfig(chat_template_kwargs={"reasoning_effort": "high"}, reasoning_effort='{"low": 1}')
+    with pytest.raises(ValueError, match="--enable-thinking: mixture key 'maybe': expected true or false"):
+        EvalConfig(enable_thinking='{"maybe": 1}')
+    with pytest.raises(ValueError, match="--template-mixture sets enable_thinking, given by its own option too"):
+        EvalConfig(enable_thinking="true", template_mixture={"enable_thinking": "false"})
+    from peagle_train.evaluate.run import EvalRun
+
+    with pytest.raises(ValueError, match="draw each online prompt's mode: give --prompts"):
+        EvalRun(drafter="d", store="s.zarr", settings=EvalConfig(reasoning_effort="high"))

@@ -727,3 +727,99 @@ def test_cli_offline_refuses_a_chunk_altered_in_place_naming_the_block(tiny_veri
     assert result.exit_code == 2, result.output
     assert "block 0 cannot be trusted" in result.output and "crc32c checksum does not match" in result.output
     assert "--resume" in result.output and not (tmp_path / "eval.json").exists()
+
+
+# ------------------------------------------------------------------ a served mixture of template modes (issue 32)
+MIXED_PROMPTS = [{"question_id": 1, "turns": ["Hi", "Again"]}, *({"question_id": i, "turns": [f"Question {i}?"]}
+                                                                   for i in range(2, 8))]
+
+
+def _harmony_template_drafter(tiny_verifier, tiny_verifier_dir, tmp_path, trained_kwargs) -> tuple[str, object]:
+    """The tiny verifier with the Harmony-style template (reasoning_effort in its system message) and a tiny
+    drafter saved for it, whose checkpoint records the template variables its data was rendered with."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from peagle_train.model.checkpoint import save_drafter
+    from tests.chat_templates import template
+    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+
+    verifier = tmp_path / "verifier"
+    shutil.copytree(tiny_verifier_dir, verifier)
+    tok = AutoTokenizer.from_pretrained(verifier)
+    tok.chat_template = template("harmony")
+    tok.save_pretrained(verifier)
+    drafter = tiny_drafter(tiny_verifier)
+    drafter.config.verifier_name_or_path = str(verifier)
+    save_drafter(drafter, tmp_path / "drafter")
+    config_file = tmp_path / "drafter" / "config.json"
+    config = json.loads(config_file.read_text())
+    config["peagle_training"] = {**config.get("peagle_training", {}),
+                                 "tokenizer": {"name_or_path": str(verifier), "chat_template_kwargs": trained_kwargs}}
+    config_file.write_text(json.dumps(config))
+    return str(tmp_path / "drafter"), tok
+
+
+def test_cli_measures_a_reasoning_effort_mixture_per_prompt_and_per_mode(tiny_verifier, tiny_verifier_dir, tmp_path):
+    """peagle-eval --reasoning-effort '{"low": 1, "high": 1}': each prompt draws its effort from --seed and its id
+    (as regenerate draws a row's), all its turns are rendered in it, and the report gives each turn's mode and
+    the acceptance per mode, whose counts add up to the run's."""
+    from click.testing import CliRunner
+
+    from cli.eval import main
+    from peagle_train.evaluate.prompts import prompt_modes
+    from stores.setting_mixtures import parse_mixture, template_value
+
+    drafter, tok = _harmony_template_drafter(tiny_verifier, tiny_verifier_dir, tmp_path, {})
+    prompts_file = write_lines(tmp_path / "p.jsonl", MIXED_PROMPTS)
+    result = CliRunner().invoke(main, ["--drafter", drafter, "--prompts", prompts_file, "--max-new-tokens", "4",
+                                       "--no-measure-costs", "--seed", "3",
+                                       "--reasoning-effort", '{"low": 1, "high": 1}'])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    prompts = read_prompts(prompts_file)
+    expected = prompt_modes(prompts, {}, {"reasoning_effort": parse_mixture({"low": 1, "high": 1}, "",
+                                                                            template_value)}, 3)
+    by_id = {p.prompt_id: m for p, m in zip(prompts, expected)}
+    assert [t["chat_template_kwargs"] for t in report["per_prompt"]] == [by_id[t["prompt_id"]]
+                                                                         for t in report["per_prompt"]]
+    assert {m["reasoning_effort"] for m in expected} == {"low", "high"}
+    for t in report["per_prompt"]:  # each turn's prompt is its mode's render
+        prompt = next(p for p in prompts if p.prompt_id == t["prompt_id"])
+        if t["turn"] == 0:
+            assert t["prompt_tokens"] == len(render_turn(tok, prompt, 0, [], t["chat_template_kwargs"]))
+    assert report["per_prompt"][1]["chat_template_kwargs"] == report["per_prompt"][0]["chat_template_kwargs"]
+    per_mode = report["per_mode"]
+    assert set(per_mode) == {'{"reasoning_effort": "low"}', '{"reasoning_effort": "high"}'}
+    for key in ("accepted", "drafted", "num_drafts"):
+        assert sum(m[key] for m in per_mode.values()) == report[key]
+    assert sum(m["prompts"] for m in per_mode.values()) == 7 and sum(m["turns"] for m in per_mode.values()) == 8
+    for m in per_mode.values():
+        assert m["acceptance_length"] == 1 + m["accepted"] / m["num_drafts"]
+    assert report["template_mode"]["mixture"] == {"reasoning_effort": {"low": 0.5, "high": 0.5}}
+    assert report["template_mode"]["seed"] == 3 and report["identical_to_greedy"] is True
+    assert "per template mode (the mixture, drawn per prompt)" in result.stderr
+    assert '    {"reasoning_effort": "low"}: ' in result.stderr
+
+
+def test_cli_refuses_a_mixture_outside_the_drafters_fixed_mode_unless_allowed(tiny_verifier, tiny_verifier_dir,
+                                                                               tmp_path):
+    from click.testing import CliRunner
+
+    from cli.eval import main
+
+    drafter, _ = _harmony_template_drafter(tiny_verifier, tiny_verifier_dir, tmp_path, {"reasoning_effort": "high"})
+    prompts_file = write_lines(tmp_path / "p.jsonl", MIXED_PROMPTS[1:3])
+    args = ["--drafter", drafter, "--prompts", prompts_file, "--max-new-tokens", "2", "--no-measure-costs",
+            "--reasoning-effort", '{"low": 1, "high": 1}']
+    refused = CliRunner().invoke(main, args)
+    assert refused.exit_code == 2, refused.output
+    assert 'was trained on data rendered with reasoning_effort "high"' in refused.output
+    allowed = CliRunner().invoke(main, [*args, "--allow-template-mode-mismatch"])
+    assert allowed.exit_code == 0, allowed.output
+    report = json.loads(allowed.stdout)
+    assert report["template_mode"]["mismatch_allowed"] is True and report["template_mode"]["chat_template_kwargs"] == {}
+    assert {t["chat_template_kwargs"]["reasoning_effort"] for t in report["per_prompt"]} <= {"low", "high"}
+    twice = CliRunner().invoke(main, [*args, "--chat-template-kwargs", '{"reasoning_effort": "high"}'])
+    assert twice.exit_code == 2 and "reasoning_effort given both by --chat-template-kwargs" in twice.output

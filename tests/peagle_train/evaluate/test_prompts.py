@@ -176,3 +176,24 @@ def test_turn_2_prompt_is_what_a_client_of_vllm_serve_reasoning_parser_sends(vll
     _, smol_served = _vllm_prompt_ids(vllm_model_config, smollm2_tokenizer, client)
     assert "Two and two" in smollm2_tokenizer.decode(flat) and flat != smol_served
     assert render_turn(smollm2_tokenizer, prompt, 1, [history_message(tok, answer, [eos], parser)]) == smol_served
+
+
+def test_prompt_modes_draw_as_regenerate_draws_rows():
+    """Each prompt's mode: the fixed variables with its draws on top, the draw regenerate makes for a row of the
+    same id and seed (stores.setting_mixtures.row_settings), so a drafter trained on a regenerated mixture is
+    measured on the same kind of mixture."""
+    from peagle_train.evaluate.prompts import prompt_modes
+    from stores.setting_mixtures import parse_mixture, row_settings, template_value
+
+    prompts = [Prompt(str(i), ["Hi"]) for i in range(40)]
+    variables = {"reasoning_effort": parse_mixture({"low": 1, "high": 1}, "", template_value)}
+    modes = prompt_modes(prompts, {"persona": "terse"}, variables, 3)
+    assert modes == [row_settings(0.0, variables, 3, p.prompt_id, {"persona": "terse"}).template_kwargs()
+                     for p in prompts]
+    assert {m["reasoning_effort"] for m in modes} == {"low", "high"} and all(m["persona"] == "terse" for m in modes)
+    assert modes == prompt_modes(prompts, {"persona": "terse"}, variables, 3)  # reproducible
+    assert modes != prompt_modes(prompts, {"persona": "terse"}, variables, 4)
+    assert prompt_modes(prompts[:2], {"a": 1}, {}, 3) == [{"a": 1}, {"a": 1}]
+    # a drawn variable replaces a fixed one of the same name (a mismatch peagle-eval allowed)
+    assert {m["reasoning_effort"] for m in prompt_modes(prompts, {"reasoning_effort": "medium"}, variables, 3)} == \
+        {"low", "high"}

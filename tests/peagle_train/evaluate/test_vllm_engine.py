@@ -214,7 +214,7 @@ def test_later_turns_take_the_harmony_final_channel(smollm2_tokenizer):
 
 
 def test_the_reasoning_parser_reads_the_runs_template_variables(smollm2_tokenizer):
-    """peagle-eval's --chat-template-kwargs reach the parser (qwen3 with enable_thinking false: all content, as
+    """peagle-eval's --chat-template-kwargs (each prompt's mode) reach the parser (qwen3 with enable_thinking false: all content, as
     vLLM's parser reads the request's variables) and render the prompts (the empty think block)."""
     from tests.chat_templates import think_tokenizer
 
@@ -225,10 +225,32 @@ def test_the_reasoning_parser_reads_the_runs_template_variables(smollm2_tokenize
     histories = {}
     for name, kwargs in (("on", None), ("off", off)):
         prompts, order, answers = [Prompt("a", ["first", "second"])], [], [[]]
-        first = next_turn_prompts(tok, prompts, eos, order, answers, None, kwargs, "qwen3")
-        second = next_turn_prompts(tok, prompts, eos, order, answers, [answer], kwargs, "qwen3")
+        first = next_turn_prompts(tok, prompts, eos, order, answers, None, [kwargs], "qwen3")
+        second = next_turn_prompts(tok, prompts, eos, order, answers, [answer], [kwargs], "qwen3")
         histories[name] = answers[0][0]
         assert tok.decode(first[0]).endswith("assistant\n" + ("<think>\n\n</think>\n\n" if kwargs else ""))
         assert second[0] == render_turn(tok, prompts[0], 1, answers[0], kwargs)
     assert histories["on"] == {"role": "assistant", "content": "\n\nHi!", "reasoning_content": "Plan."}
     assert histories["off"] == {"role": "assistant", "content": "Plan.</think>\n\nHi!"}
+
+
+def test_vllm_report_gives_each_turns_mode_and_the_acceptance_per_mode():
+    """A mode mixture under --engine vllm: each turn records its prompt's template variables and the steps that
+    drafted; per_mode sums vLLM's per-request counts by mode."""
+    import dataclasses
+
+    from peagle_train.evaluate.config import EvalConfig
+    from peagle_train.evaluate.vllm_engine import vllm_report
+
+    ref, spec = _fake_ref_and_spec("float32")
+    ref = dataclasses.replace(ref, modes=[{"reasoning_effort": "low"}, {"reasoning_effort": "high"}])
+    spec = dataclasses.replace(spec, per_request=[{"accepted": [1, 0, 2], "drafted": [3, 3, 0]},
+                                                  {"accepted": [3], "drafted": [3]}])
+    cfg = EvalConfig(engine="vllm", reasoning_effort={"low": 1, "high": 1})
+    report = vllm_report("d", ref, spec, cfg, "0.32.0")
+    assert [(t["chat_template_kwargs"], t["num_drafts"], t["accepted"]) for t in report["per_prompt"]] == [
+        ({"reasoning_effort": "low"}, 2, 3), ({"reasoning_effort": "high"}, 1, 3)]
+    low, high = report["per_mode"]['{"reasoning_effort": "low"}'], report["per_mode"]['{"reasoning_effort": "high"}']
+    assert (low["acceptance_length"], low["acceptance_rate"], low["prompts"]) == (2.5, 0.5, 1)
+    assert (high["acceptance_length"], high["acceptance_rate"], high["turns"]) == (4.0, 1.0, 1)
+    assert "per_mode" not in vllm_report("d", ref, spec, EvalConfig(engine="vllm"), "0.32.0")

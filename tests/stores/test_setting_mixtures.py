@@ -1,11 +1,11 @@
-"""Per-row settings of regenerate (peagle_data/regenerate/row_settings.py): mixtures parsed and
+"""Per-row settings of regenerate (stores/setting_mixtures.py): mixtures parsed and
 normalised, draws reproducible from (seed, row id, setting) and in proportion to the weights."""
 
 from __future__ import annotations
 
 import pytest
 
-from peagle_data.regenerate.row_settings import Mixture, draw_key, parse_mixture, row_settings, template_value
+from stores.setting_mixtures import Mixture, draw_key, parse_mixture, row_settings, template_value
 from peagle_data.regenerate.run import RegenerateConfig
 
 

@@ -1,4 +1,5 @@
-"""Per-row generation settings of ``regenerate`` drawn from mixtures: the temperature and chat-template variables.
+"""Settings drawn per row from mixtures: the temperature and chat-template variables of ``regenerate``'s rows
+and of ``peagle-eval``'s prompts (shared here: ``peagle_train`` does not import ``peagle_data``).
 
 Users serve a reasoning verifier in a mixture of modes (some requests at temperature 0.6, some at 1.0;
 reasoning effort low or high; thinking on or off), so its drafter should be trained on answers in the
@@ -21,7 +22,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["Mixture", "parse_mixture", "template_value", "draw_key", "RowSettings", "row_settings"]
+__all__ = ["Mixture", "parse_mixture", "template_value", "draw_key", "RowSettings", "row_settings",
+           "temperature_value", "effort_value", "thinking_value", "parse_template_mixture", "normalised",
+           "template_variables", "MIXED_VARIABLE_OPTIONS"]
+
+MIXED_VARIABLE_OPTIONS = ("reasoning_effort", "enable_thinking", "template_mixture")
+"""The options that draw chat-template variables per row (``--reasoning-effort``, ``--enable-thinking``,
+``--template-mixture``), in ``regenerate`` and ``peagle-eval``."""
 
 
 @dataclass(frozen=True)
@@ -147,3 +154,83 @@ def row_settings(temperature: float | Mixture, variables: dict[str, Any], seed: 
     if both:
         raise ValueError(f"template variables {', '.join(both)} are both fixed and drawn per row: give each one way")
     return RowSettings(float(pick("temperature", temperature)), drawn, dict(fixed or {}))
+
+
+def temperature_value(value: Any) -> float:
+    """A temperature from a mixture key or plain value: a finite number >= 0 (ValueError otherwise)."""
+    t = float(value)
+    if not (t >= 0 and t != float("inf")):
+        raise ValueError(f"a temperature must be a finite number >= 0, got {value!r}")
+    return t
+
+
+def effort_value(value: Any) -> str:
+    """A ``reasoning_effort`` (gpt-oss: low, medium, high): a non-empty name (ValueError otherwise)."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"expected a name such as low, medium, high, got {value!r}")
+    return value
+
+
+def thinking_value(value: Any) -> bool:
+    """An ``enable_thinking``: true or false, as a bool or JSON text (ValueError otherwise)."""
+    value = template_value(value)
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
+def normalised(value: Any, option: str, cast: Callable[[Any], Any]) -> Any:
+    """An option's value as a config keeps it: the plain value cast, or a mixture's normalised weights
+    ``{key: weight}`` (:func:`parse_mixture`; ValueError naming ``option``)."""
+    parsed = parse_mixture(value, option, cast)
+    return parsed.weights if isinstance(parsed, Mixture) else parsed
+
+
+def parse_template_mixture(value: Any) -> dict[str, Any]:
+    """``--template-mixture`` as ``{variable: value or normalised {key: weight}}``.
+
+    Raises:
+        ValueError: not a JSON object of variables (names the option).
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--template-mixture: invalid JSON ({e.msg})") from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k.isidentifier() for k in value):
+        raise ValueError("--template-mixture: expected a JSON object {variable: value or {value: weight}}, "
+                         f"got {value!r}")
+    return {name: normalised(spec, f"--template-mixture {name}", template_value) for name, spec in value.items()}
+
+
+def template_variables(reasoning_effort: Any = None, enable_thinking: Any = None,
+                       template_mixture: dict[str, Any] | None = None,
+                       fixed: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The chat-template variables drawn per row, ``{name: value or Mixture}`` (for :func:`row_settings`), from
+    the options as a config keeps them (:func:`normalised`, :func:`parse_template_mixture`); None: not given.
+
+    Raises:
+        ValueError: ``--template-mixture`` sets ``reasoning_effort``/``enable_thinking`` given by their own
+            option too, or a drawn variable is also one of ``fixed`` (``--chat-template-kwargs``): each
+            variable is given one way.
+    """
+    def setting(value: Any, cast) -> Any:
+        return parse_mixture(value, "", cast) if isinstance(value, dict) else value
+
+    twice = sorted({"reasoning_effort", "enable_thinking"} & set(template_mixture or {}))
+    if twice and any(v is not None for v in (reasoning_effort, enable_thinking)):
+        given = [k for k, v in (("reasoning_effort", reasoning_effort), ("enable_thinking", enable_thinking))
+                 if v is not None and k in twice]
+        if given:
+            raise ValueError(f"--template-mixture sets {', '.join(given)}, given by its own option too: give it once")
+    variables = {"reasoning_effort": setting(reasoning_effort, effort_value),
+                 "enable_thinking": setting(enable_thinking, thinking_value)}
+    for name, value in (template_mixture or {}).items():
+        variables[name] = setting(value, template_value)
+    variables = {k: v for k, v in variables.items() if v is not None}
+    both = sorted(set(fixed or {}) & set(variables))
+    if both:
+        raise ValueError(f"{', '.join(both)} given both by --chat-template-kwargs (every row's fixed variables) "
+                         "and as a per-row setting (--reasoning-effort, --enable-thinking, --template-mixture): "
+                         "give each variable one way")
+    return variables
