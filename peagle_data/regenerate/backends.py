@@ -509,15 +509,20 @@ class ServerBackend:
 
         Errors become ``Answer.error``: ``prompt too long: <server message>`` for a 400 that speaks of
         the context length, ``server error: ...`` for anything else once the retries are spent.
+
+        Raises:
+            InputError: :func:`check_effort_field` (a vLLM server, before anything is sent).
         """
         import openai
 
+        if self.kind == "vllm":
+            check_effort_field(self.tokenizer, request.chat_template_kwargs)
         base = self.slots.get()
         try:
             kwargs = {"tools": request.tools} if request.tools else {}
             params = self.params if request.temperature is None else _request_params(
                 self.kind, request.temperature, self.max_new_tokens)
-            params = _with_template_kwargs(params, request.chat_template_kwargs)
+            params = _with_template_kwargs(params, request.chat_template_kwargs, self.kind)
             resp = self.clients[base].chat.completions.create(
                 model=self.model, messages=_wire_messages(request.messages), **params, **kwargs)
         except openai.BadRequestError as e:
@@ -545,12 +550,48 @@ class ServerBackend:
         return answer
 
 
-def _with_template_kwargs(params: dict[str, Any], template_kwargs: dict[str, Any]) -> dict[str, Any]:
+def _with_template_kwargs(params: dict[str, Any], template_kwargs: dict[str, Any], kind: str) -> dict[str, Any]:
     """``params`` with the chat template's variables as the request field ``chat_template_kwargs`` (vLLM's
-    and SGLang's name; the ``openai`` client sends it in ``extra_body``); unchanged when there are none."""
+    and SGLang's name; the ``openai`` client sends it in ``extra_body``); unchanged when there are none.
+
+    To a ``vllm`` server a ``reasoning_effort`` variable also goes as the request's own ``reasoning_effort``
+    field: vLLM 0.32 renders a gpt-oss model's requests with openai_harmony, which reads only that field
+    (``_make_request_with_harmony``), while for a chat template it passes the field on as the same variable
+    (``ChatCompletionRequest.build_chat_params``), so both paths render the row's effort. vLLM then also
+    sets ``enable_thinking = effort != "none"`` unless the variables give it; :func:`check_effort_field`
+    refuses the templates that read it.
+    """
     if not template_kwargs:
         return params
-    return {**params, "extra_body": {**params.get("extra_body", {}), "chat_template_kwargs": dict(template_kwargs)}}
+    extra = {**params.get("extra_body", {}), "chat_template_kwargs": dict(template_kwargs)}
+    if kind == "vllm" and "reasoning_effort" in template_kwargs:
+        extra["reasoning_effort"] = template_kwargs["reasoning_effort"]
+    return {**params, "extra_body": extra}
+
+
+def check_effort_field(tokenizer, template_kwargs: dict[str, Any]) -> None:
+    """Refuse a ``reasoning_effort`` sent to a vLLM server with a chat template that reads ``enable_thinking``
+    while the variables do not set it: vLLM would render ``enable_thinking = effort != "none"``
+    (``build_chat_params``), a prompt the row's recorded variables do not give to ``tokenize``.
+
+    Args:
+        tokenizer: the ``--tokenizer`` of the run (its chat template is searched); None: not checked (the
+            servers' templates are trusted, as for every other check of a server run).
+        template_kwargs: one row's template variables.
+
+    Raises:
+        InputError: the case above, naming the fix.
+    """
+    if tokenizer is None or "reasoning_effort" not in template_kwargs or "enable_thinking" in template_kwargs:
+        return
+    template = getattr(tokenizer, "chat_template", None) or ""
+    sources = template.values() if isinstance(template, dict) else [template]
+    if any("enable_thinking" in t for t in sources):
+        raise InputError(
+            "reasoning_effort sent to a vLLM server with a chat template that reads enable_thinking: vLLM sets "
+            f"enable_thinking = (reasoning_effort != 'none') for it, which the row's variables "
+            f"{json.dumps(template_kwargs, sort_keys=True)} do not say; give enable_thinking in "
+            "--chat-template-kwargs (or --enable-thinking) too")
 
 
 def _request_params(kind: str, temperature: float, max_new_tokens: int) -> dict[str, Any]:

@@ -20,8 +20,8 @@ from click.testing import CliRunner
 from cli.data import main as data_main
 from peagle_data.readers.rows import Conversation
 from peagle_data.regenerate.run import RegenerateConfig, RegenerateRun, Regeneration, prompt_drops, run_regenerate
-from peagle_data.regenerate.backends import (Answer, LocalBackend, Request, ServerBackend, _answer_of, prompt_tokens,
-                                            split_reasoning)
+from peagle_data.regenerate.backends import (Answer, LocalBackend, Request, ServerBackend, _answer_of,
+                                            _with_template_kwargs, check_effort_field, prompt_tokens, split_reasoning)
 from tests.chat_templates import qwen_tokenizer, template
 from stores.errors import InputError, OutputExistsError
 
@@ -980,6 +980,31 @@ def test_servers_are_sent_the_template_kwargs_as_vllm_takes_them():
     assert backend.answer(Request(messages=msgs, chat_template_kwargs={"reasoning_effort": "high"})).content == "ok"
     assert backend.answer(Request(messages=msgs)).content == "ok"
     assert sent[0]["extra_body"] == {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "return_token_ids": True,
-                                     "chat_template_kwargs": {"reasoning_effort": "high"}}
+                                     "chat_template_kwargs": {"reasoning_effort": "high"},
+                                     "reasoning_effort": "high"}  # vLLM's gpt-oss path reads only this field
     assert "chat_template_kwargs" not in sent[1]["extra_body"]  # none given: none sent
     assert backend.params["extra_body"] == sent[1]["extra_body"]  # the shared parameters are not changed
+
+
+def test_reasoning_effort_to_vllm_refused_where_vllm_would_derive_enable_thinking(smollm2_tokenizer):
+    """vLLM sets ``enable_thinking = effort != "none"`` for a request with a ``reasoning_effort`` field; a template
+    reading it renders a prompt the row's variables do not say, so such a row is refused before it is sent."""
+    from types import SimpleNamespace as NS
+
+    sent = []
+    tok = qwen_tokenizer(smollm2_tokenizer)
+    tok.chat_template = template("qwen3_hybrid")  # reads enable_thinking
+    backend = ServerBackend(["http://127.0.0.1:1"], "m", max_new_tokens=4, temperature=0.0, kind="vllm",
+                            tokenizer=tok)
+    backend.clients = {b: NS(chat=NS(completions=NS(create=lambda **kw: sent.append(kw) or _completion("ok", "stop"))))
+                       for b in backend.bases}
+    msgs = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(InputError, match="reads enable_thinking.*give enable_thinking"):
+        backend.answer(Request(messages=msgs, chat_template_kwargs={"reasoning_effort": "low"}))
+    assert sent == []
+    both = {"reasoning_effort": "low", "enable_thinking": True}  # said explicitly: sent, as vLLM renders it
+    assert backend.answer(Request(messages=msgs, chat_template_kwargs=both)).content == "ok"
+    assert sent[0]["extra_body"]["reasoning_effort"] == "low"
+    check_effort_field(smollm2_tokenizer, {"reasoning_effort": "low"})  # ChatML reads no enable_thinking: fine
+    params = {"max_tokens": 4, "extra_body": {}}
+    assert "reasoning_effort" not in _with_template_kwargs(params, {"reasoning_effort": "low"}, "openai")["extra_body"]
