@@ -42,6 +42,7 @@ import re
 import shutil
 import time
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -68,7 +69,7 @@ CONSUMED_FILE = "consumed.json"
 CRC_BYTES = 4
 """The crc32c each chunk file ends with."""
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE | re.ASCII)
 _UNITS = {"": 1, "b": 1, "k": 10 ** 3, "kb": 10 ** 3, "m": 10 ** 6, "mb": 10 ** 6, "g": 10 ** 9, "gb": 10 ** 9,
           "t": 10 ** 12, "tb": 10 ** 12, "p": 10 ** 15, "pb": 10 ** 15, "kib": 2 ** 10, "mib": 2 ** 20,
           "gib": 2 ** 30, "tib": 2 ** 40, "pib": 2 ** 50, "ki": 2 ** 10, "mi": 2 ** 20, "gi": 2 ** 30,
@@ -77,7 +78,9 @@ _UNITS = {"": 1, "b": 1, "k": 10 ** 3, "kb": 10 ** 3, "m": 10 ** 6, "mb": 10 ** 
 
 def parse_size(text: str | int, option: str = "--max-store-bytes") -> int:
     """Bytes of a size: plain bytes (``1048576``), SI (``20GB`` = 20·10⁹, ``500M``) or binary units
-    (``512MiB`` = 512·2²⁰, ``1GiB``), case-insensitive; a fraction of a byte is dropped (``1.5KB`` = 1500).
+    (``512MiB`` = 512·2²⁰, ``1GiB``), case-insensitive, computed exactly in decimal (``2.01GB`` =
+    2,010,000,000, not the float product's 2,009,999,999); a fraction of a byte is dropped (``1.5KiB`` = 1536,
+    ``0.001KiB`` = 1).
 
     Raises:
         InputError: not a size, or less than one byte (field ``option``).
@@ -89,7 +92,7 @@ def parse_size(text: str | int, option: str = "--max-store-bytes") -> int:
         if not m or m.group(2) is not None and m.group(2).lower() not in _UNITS:
             raise InputError(f"{option} {text!r} is not a size: give bytes (1048576), SI units (20GB, 500MB) or "
                              "binary units (512MiB, 1GiB)", field=option)
-        value = math.floor(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])  # at most: whole bytes, rounded down
+        value = math.floor(Fraction(m.group(1)) * _UNITS[(m.group(2) or "").lower()])  # exact: whole bytes, rounded down
     if value <= 0:
         raise InputError(f"{option} must be positive, got {text!r}", field=option)
     return value
