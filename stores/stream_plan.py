@@ -218,11 +218,12 @@ def has_plan(store) -> bool:
     return (Path(store.path) / STREAM_GROUP / "zarr.json").is_file()
 
 
-def write_plan(store, plan: StreamPlan, keep_consumed: bool = False) -> None:
+def write_plan(store, plan: StreamPlan, keep_consumed: bool = False, consumed: int = 0) -> None:
     """Write ``plan`` into ``store``'s ``stream`` sub-group (replacing one there) and set the consumed cursor
-    to 0, or with ``keep_consumed`` (the same run with another budget) keep it; the attributes last, so a
-    reader never sees a plan without its order."""
-    consumed = read_consumed(store) if keep_consumed else 0
+    to ``consumed`` (0: a new run; a resumed run whose store has no plan: its checkpoint's cursor, once that
+    checkpoint is on disk), or with ``keep_consumed`` (the same run with another budget) keep it; the
+    attributes last, so a reader never sees a plan without its order and cursor."""
+    consumed = read_consumed(store) if keep_consumed else consumed
     path = _stream_dir(store)
     group = zarr.open_group(str(path), mode="w")
     order = np.ascontiguousarray(plan.order, dtype=np.int64)
