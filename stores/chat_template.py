@@ -45,7 +45,8 @@ __all__ = ["ChatTemplateError", "CONTENT_FORMATS", "effective_chat_template", "c
            "content_format", "supports_developer_role", "template_messages", "template_tools", "render",
            "prompt_ids", "content_texts", "content_text", "ChatTemplate", "as_chat_template", "RESERVED_KWARGS",
            "parse_chat_template_kwargs", "check_kwargs_names", "chat_template_kwargs_record",
-           "check_chat_template_kwargs", "describe_kwargs", "template_variables", "check_kwargs_read"]
+           "check_chat_template_kwargs", "describe_kwargs", "template_variables", "check_kwargs_read",
+           "loads_unique"]
 
 RESERVED_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -100,19 +101,40 @@ def check_kwargs_names(kwargs: Mapping[str, Any], option: str = "--chat-template
         raise ValueError(f"{option}: the values must be JSON ({e})") from None
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} is given twice (JSON keeps the last silently)")
+        out[key] = value
+    return out
+
+
+def loads_unique(text: str) -> Any:
+    """``json.loads(text)``, refusing an object that gives a key twice (``{"a": 1, "a": 2}``, which ``json``
+    reads as ``{"a": 2}``: the first value dropped without a word).
+
+    Raises:
+        json.JSONDecodeError: not JSON. ValueError: a key given twice (names it).
+    """
+    return json.loads(text, object_pairs_hook=_unique_keys)
+
+
 def parse_chat_template_kwargs(text: str | None, option: str = "--chat-template-kwargs") -> dict[str, Any]:
     """The template variables of a ``--chat-template-kwargs`` value: a JSON object, as vLLM's option
     and request field take it (``'{"enable_thinking": false}'``); None or ``""``: none (``{}``).
 
     Raises:
-        ValueError: not JSON, not an object, or a reserved name (:func:`check_kwargs_names`).
+        ValueError: not JSON, a key given twice, not an object, or a reserved name (:func:`check_kwargs_names`).
     """
     if text is None or not text.strip():
         return {}
     try:
-        value = json.loads(text)
+        value = loads_unique(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{option} is not JSON ({e.msg} at character {e.pos}): {text!r}") from None
+    except ValueError as e:
+        raise ValueError(f"{option}: {e}") from None
     return check_kwargs_names(value, option)
 
 

@@ -50,11 +50,11 @@ import numpy as np
 import zarr
 
 from stores.errors import InputError, StoreFormatError
-from stores.feature_schema import hidden_arrays
+from stores.feature_schema import ARRAYS, hidden_arrays
 from stores.files import is_local
 
 __all__ = ["STREAM_GROUP", "STREAM_FORMAT", "POLICIES", "CONSUMED_FILE", "parse_size", "format_size",
-           "block_feature_bytes", "fixed_bytes_estimate", "StreamPlan", "write_plan", "read_plan", "remove_plan", "has_plan", "plan_identity",
+           "block_feature_bytes", "flag_bytes", "fixed_bytes_estimate", "StreamPlan", "write_plan", "read_plan", "remove_plan", "has_plan", "plan_identity",
            "read_consumed", "write_consumed", "fsync_tree", "apparent_bytes", "window_for_budget"]
 
 STREAM_GROUP = "stream"
@@ -114,12 +114,19 @@ def block_feature_bytes(block_size: int, n_layers: int, hidden_size: int, storag
                for s in hidden_arrays(storage_dtype))
 
 
+def flag_bytes(n_blocks: int) -> int:
+    """Apparent bytes of the chunk files of the ``done`` flags of ``n_blocks`` blocks (one file per block, its flag
+    and crc32c). A block's file appears when it is first done and stays when it is evicted (flag 0), so a store's
+    bytes grow by these as it is extracted: the budget counts them for every block from the start."""
+    return n_blocks * sum(np.dtype(s.dtype).itemsize + CRC_BYTES for s in ARRAYS if s.role == "flag")
+
+
 def fixed_bytes_estimate(n_blocks: int, block_size: int, max_segments: int, vocab_size: int) -> int:
     """A lower bound of a format-1 store's bytes without any feature chunk: its token arrays
     (``input_ids``, ``loss_mask``, ``position_ids``: 9 bytes a slot), ``cu_seqlens``, ``segment_keys`` and
-    ``token_freq``; the checksums and metadata files come on top (the measured value,
+    ``token_freq`` and the done flags (:func:`flag_bytes`); the checksums and metadata files come on top (the measured value,
     ``peagle_train.data.stream.fixed_store_bytes``, counts them)."""
-    return n_blocks * (block_size * 9 + (max_segments + 1) * 4 + max_segments * 8) + vocab_size * 8
+    return n_blocks * (block_size * 9 + (max_segments + 1) * 4 + max_segments * 8) + vocab_size * 8 + flag_bytes(n_blocks)
 
 
 def window_for_budget(max_store_bytes: int, fixed_bytes: int, block_bytes: int, n_val: int) -> int:

@@ -21,6 +21,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from stores.chat_template import loads_unique
+
 __all__ = ["Mixture", "parse_mixture", "template_value", "draw_key", "RowSettings", "row_settings"]
 
 
@@ -37,9 +39,11 @@ def _loads(text: Any, option: str) -> Any:
     """A JSON mixture given as text (``'{"a": 1}'``) as a dict; anything else unchanged."""
     if isinstance(text, str) and text.strip().startswith("{"):
         try:
-            return json.loads(text)
+            return loads_unique(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"{option}: invalid JSON ({e.msg} at character {e.pos})") from None
+        except ValueError as e:  # a key given twice
+            raise ValueError(f"{option}: {e}") from None
     return text
 
 

@@ -62,7 +62,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from peagle_data.chat.dropped import dropped_reason, dropped_content
-from stores.chat_template import ChatTemplate, ChatTemplateError, check_kwargs_names, render
+from stores.chat_template import ChatTemplate, ChatTemplateError, check_kwargs_names, loads_unique, render
 from peagle_data.readers.conversations import read_conversations
 from peagle_data.readers.inputs import resolve_inputs
 from peagle_data.readers.rows import FORMATS, Conversation, Reject
@@ -216,9 +216,11 @@ def _template_mixture(value: Any) -> dict[str, Any]:
     """
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = loads_unique(value)
         except json.JSONDecodeError as e:
             raise ValueError(f"--template-mixture: invalid JSON ({e.msg})") from None
+        except ValueError as e:  # a key given twice
+            raise ValueError(f"--template-mixture: {e}") from None
     if not isinstance(value, dict) or not all(isinstance(k, str) and k.isidentifier() for k in value):
         raise ValueError("--template-mixture: expected a JSON object {variable: value or {value: weight}}, "
                          f"got {value!r}")
