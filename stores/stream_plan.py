@@ -54,8 +54,9 @@ from stores.feature_schema import ARRAYS, hidden_arrays
 from stores.files import is_local
 
 __all__ = ["STREAM_GROUP", "STREAM_FORMAT", "POLICIES", "CONSUMED_FILE", "parse_size", "format_size",
-           "block_feature_bytes", "flag_bytes", "fixed_bytes_estimate", "StreamPlan", "write_plan", "read_plan", "remove_plan", "has_plan", "plan_identity",
-           "read_consumed", "write_consumed", "fsync_tree", "apparent_bytes", "window_for_budget"]
+           "block_feature_bytes", "flag_bytes", "fixed_bytes_estimate", "StreamPlan", "write_plan", "read_plan",
+           "remove_plan", "has_plan", "plan_identity", "read_consumed", "write_consumed", "fsync_tree",
+           "apparent_bytes", "window_for_budget"]
 
 STREAM_GROUP = "stream"
 """The store's sub-group holding the plan and the consumed cursor."""
@@ -92,7 +93,7 @@ def parse_size(text: str | int, option: str = "--max-store-bytes") -> int:
         if not m or m.group(2) is not None and m.group(2).lower() not in _UNITS:
             raise InputError(f"{option} {text!r} is not a size: give bytes (1048576), SI units (20GB, 500MB) or "
                              "binary units (512MiB, 1GiB)", field=option)
-        value = math.floor(Fraction(m.group(1)) * _UNITS[(m.group(2) or "").lower()])  # exact: whole bytes, rounded down
+        value = math.floor(Fraction(m.group(1)) * _UNITS[(m.group(2) or "").lower()])  # exact, whole bytes
     if value <= 0:
         raise InputError(f"{option} must be positive, got {text!r}", field=option)
     return value
@@ -123,10 +124,11 @@ def flag_bytes(n_blocks: int) -> int:
 
 def fixed_bytes_estimate(n_blocks: int, block_size: int, max_segments: int, vocab_size: int) -> int:
     """A lower bound of a format-1 store's bytes without any feature chunk: its token arrays
-    (``input_ids``, ``loss_mask``, ``position_ids``: 9 bytes a slot), ``cu_seqlens``, ``segment_keys`` and
-    ``token_freq`` and the done flags (:func:`flag_bytes`); the checksums and metadata files come on top (the measured value,
-    ``peagle_train.data.stream.fixed_store_bytes``, counts them)."""
-    return n_blocks * (block_size * 9 + (max_segments + 1) * 4 + max_segments * 8) + vocab_size * 8 + flag_bytes(n_blocks)
+    (``input_ids``, ``loss_mask``, ``position_ids``: 9 bytes a slot), ``cu_seqlens``, ``segment_keys``,
+    ``token_freq`` and the done flags (:func:`flag_bytes`); the checksums and metadata files come on top (the
+    measured value, ``peagle_train.data.stream.fixed_store_bytes``, counts them)."""
+    return (n_blocks * (block_size * 9 + (max_segments + 1) * 4 + max_segments * 8) + vocab_size * 8
+            + flag_bytes(n_blocks))
 
 
 def window_for_budget(max_store_bytes: int, fixed_bytes: int, block_bytes: int, n_val: int) -> int:

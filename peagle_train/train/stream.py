@@ -166,7 +166,8 @@ def _check_store_source(store: str, packed: str, storage_dtype: str) -> None:
                                  "packed again or its manifest changed); give this run another --store, or the table "
                                  "the store was made from")
     if opened.storage_dtype != storage_dtype:
-        raise StoreMismatchError(f"{store} holds {opened.storage_dtype} features, --storage-dtype gives {storage_dtype}; "
+        raise StoreMismatchError(f"{store} holds {opened.storage_dtype} features, --storage-dtype gives "
+                                 f"{storage_dtype}; "
                                  f"pass --storage-dtype {opened.storage_dtype}, or give this run another --store")
 
 

@@ -115,6 +115,14 @@ def test_the_option_takes_a_json_object(tmp_path):
     assert "--chat-template-kwargs may not set 'add_generation_prompt'" in reserved.output
 
 
+def _tokenize_and_pack(tmp_path, src, settings: TokenizeConfig, tok):
+    """``tokenize`` (into ``tmp_path/t``) and ``pack`` (into ``tmp_path/p``) of ``src`` with ``settings``, to call."""
+    return (lambda: run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "t",
+                                             settings=settings), tokenizer=tok),
+            lambda: run_pack(PackRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "p",
+                                     settings=PackConfig(tokenize=settings)), tokenizer=tok))
+
+
 def test_a_regenerate_output_of_another_mode_is_refused(tmp_path, qwen_tok):
     """Answers regenerated from prompts in one mode are not tokenized in another."""
     src = write_rows(tmp_path / "regen.jsonl", ROWS[:1])
@@ -122,10 +130,7 @@ def test_a_regenerate_output_of_another_mode_is_refused(tmp_path, qwen_tok):
                 "model": {"backend": "local"}}
     (tmp_path / "regen.manifest.json").write_text(json.dumps(manifest))
     settings = TokenizeConfig(chat_template=str(template_path("qwen3_hybrid")))
-    for run in (lambda: run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "t",
-                                                 settings=settings), tokenizer=qwen_tok),
-                lambda: run_pack(PackRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "p",
-                                         settings=PackConfig(tokenize=settings)), tokenizer=qwen_tok)):
+    for run in _tokenize_and_pack(tmp_path, src, settings, qwen_tok):
         with pytest.raises(StoreMismatchError) as info:
             run()
         assert str(info.value) == (
@@ -220,14 +225,11 @@ def test_a_variable_the_template_never_reads_is_refused(tmp_path, qwen_tok, name
     src = write_rows(tmp_path / "rows.jsonl", ROWS)
     settings = TokenizeConfig(chat_template=str(template_path(name)) if name else None,
                               chat_template_kwargs=kwargs)
-    for run in (lambda: run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "t",
-                                                 settings=settings), tokenizer=qwen_tok),
-                lambda: run_pack(PackRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "p",
-                                         settings=PackConfig(tokenize=settings)), tokenizer=qwen_tok)):
+    for run in _tokenize_and_pack(tmp_path, src, settings, qwen_tok):
         with pytest.raises(ChatTemplateError) as info:
             run()
-        assert str(info.value).startswith(f"--chat-template-kwargs: the chat template never reads '{next(iter(kwargs))}', so it "
-                                          "would change no prompt")
+        assert str(info.value).startswith(f"--chat-template-kwargs: the chat template never reads "
+                                          f"'{next(iter(kwargs))}', so it would change no prompt")
         assert reads in str(info.value)
     assert not (tmp_path / "t").exists() and not (tmp_path / "p").exists()
 

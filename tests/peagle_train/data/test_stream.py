@@ -73,8 +73,8 @@ def test_fixed_bytes_stay_the_same_as_blocks_are_done_and_evicted(tmp_path):
     assert fixed_store_bytes(store, 10) == before
     assert flag_bytes(6) == 6 * 5
     # what the files hold now: everything fixed but the flags of the 3 blocks never done and the plan, + 2 blocks
-    assert apparent_bytes(store.path) == before - flag_bytes(3) - 8 * 10 - PLAN_ALLOWANCE_BYTES + 2 * block_feature_bytes(
-        C, L, H, "bf16")
+    features = 2 * block_feature_bytes(C, L, H, "bf16")
+    assert apparent_bytes(store.path) == before - flag_bytes(3) - 8 * 10 - PLAN_ALLOWANCE_BYTES + features
 
 
 def _plan(window, policy="reextract", n=12):
