@@ -55,7 +55,7 @@ from stores.files import is_local
 
 __all__ = ["STREAM_GROUP", "STREAM_FORMAT", "POLICIES", "CONSUMED_FILE", "parse_size", "format_size",
            "block_feature_bytes", "flag_bytes", "fixed_bytes_estimate", "StreamPlan", "write_plan", "read_plan",
-           "remove_plan", "has_plan", "plan_identity", "read_consumed", "write_consumed", "fsync_tree",
+           "remove_plan", "has_plan", "plan_record", "read_consumed", "write_consumed", "fsync_tree",
            "apparent_bytes", "window_for_budget"]
 
 STREAM_GROUP = "stream"
@@ -273,14 +273,14 @@ def read_plan(store) -> StreamPlan | None:
                       window=int(rec["window"]), val_blocks=tuple(int(b) for b in rec["val_blocks"]), order=order)
 
 
-def plan_identity(store) -> tuple[Any, Any] | None:
-    """``(run, order_sha256)`` of ``store``'s plan as written now (None: no plan), read from its metadata file
-    alone: cheap enough for an extraction to check before each block that its plan was not replaced."""
+def plan_record(store) -> dict[str, Any] | None:
+    """The attributes of ``store``'s plan as written now (:meth:`StreamPlan.record`; None: no plan, or one being
+    written), read from its metadata file alone: cheap enough for an extraction to check before each block that
+    its plan was not rewritten."""
     try:
-        rec = json.loads((_stream_dir(store) / "zarr.json").read_text())["attributes"]["peagle_stream"]
+        return json.loads((_stream_dir(store) / "zarr.json").read_text())["attributes"]["peagle_stream"]
     except (FileNotFoundError, KeyError, json.JSONDecodeError):
         return None
-    return rec.get("run"), rec.get("order_sha256")
 
 
 def read_consumed(store) -> int:
