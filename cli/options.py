@@ -49,6 +49,7 @@ import click
 from click.core import ParameterSource
 
 from cli.common import version_option
+from stores.chat_template import loads_unique
 
 __all__ = ["FROM_CONFIG_FILE", "ActionOption", "is_action", "example_key", "ConfigFileOption", "field_docs", "plain_text", "config_options",
            "config_file_options", "resolved_config", "run_config", "IntList", "load_config_file", "config_fields",
@@ -141,10 +142,12 @@ class JsonObject(click.ParamType):
         if isinstance(value, dict):
             return dict(value)
         try:
-            parsed = json.loads(str(value))
+            parsed = loads_unique(str(value))
         except json.JSONDecodeError as e:
             self.fail(f"expected a JSON object such as '{{\"enable_thinking\": false}}', got {value!r} "
                       f"({e.msg} at character {e.pos})", param, ctx)
+        except ValueError as e:  # a key given twice
+            self.fail(f"{value!r}: {e}", param, ctx)
         if not isinstance(parsed, dict):
             self.fail(f"expected a JSON object such as '{{\"enable_thinking\": false}}', got {value!r}", param, ctx)
         return parsed

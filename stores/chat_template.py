@@ -34,7 +34,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import jinja2.ext
+import jinja2.meta
 import jinja2.nodes as jn
+import jinja2.sandbox
 
 from stores.errors import InputError, StoreMismatchError
 
@@ -42,7 +45,8 @@ __all__ = ["ChatTemplateError", "CONTENT_FORMATS", "effective_chat_template", "c
            "content_format", "supports_developer_role", "template_messages", "template_tools", "render",
            "prompt_ids", "content_texts", "content_text", "ChatTemplate", "as_chat_template", "RESERVED_KWARGS",
            "parse_chat_template_kwargs", "check_kwargs_names", "chat_template_kwargs_record",
-           "check_chat_template_kwargs", "describe_kwargs"]
+           "check_chat_template_kwargs", "describe_kwargs", "template_variables", "check_kwargs_read",
+           "loads_unique"]
 
 RESERVED_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -97,19 +101,40 @@ def check_kwargs_names(kwargs: Mapping[str, Any], option: str = "--chat-template
         raise ValueError(f"{option}: the values must be JSON ({e})") from None
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} is given twice (JSON keeps the last silently)")
+        out[key] = value
+    return out
+
+
+def loads_unique(text: str) -> Any:
+    """``json.loads(text)``, refusing an object that gives a key twice (``{"a": 1, "a": 2}``, which ``json``
+    reads as ``{"a": 2}``: the first value dropped without a word).
+
+    Raises:
+        json.JSONDecodeError: not JSON. ValueError: a key given twice (names it).
+    """
+    return json.loads(text, object_pairs_hook=_unique_keys)
+
+
 def parse_chat_template_kwargs(text: str | None, option: str = "--chat-template-kwargs") -> dict[str, Any]:
     """The template variables of a ``--chat-template-kwargs`` value: a JSON object, as vLLM's option
     and request field take it (``'{"enable_thinking": false}'``); None or ``""``: none (``{}``).
 
     Raises:
-        ValueError: not JSON, not an object, or a reserved name (:func:`check_kwargs_names`).
+        ValueError: not JSON, a key given twice, not an object, or a reserved name (:func:`check_kwargs_names`).
     """
     if text is None or not text.strip():
         return {}
     try:
-        value = json.loads(text)
+        value = loads_unique(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{option} is not JSON ({e.msg} at character {e.pos}): {text!r}") from None
+    except ValueError as e:
+        raise ValueError(f"{option}: {e}") from None
     return check_kwargs_names(value, option)
 
 
@@ -143,6 +168,50 @@ def check_chat_template_kwargs(recorded: Mapping[str, Any], made: str, kwargs: M
             f"{made} was rendered with chat template kwargs {describe_kwargs(have)}, but {label} gives "
             f"{describe_kwargs(want)}: the verifier answers another prompt in each mode; "
             + (fix or f"pass --chat-template-kwargs '{json.dumps(have)}', or make the input again in this mode"))
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Parses the ``{% generation %}`` blocks some templates hold (transformers' ``AssistantTracker``), so that
+    such a template's variables can be listed; never rendered."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jn.CallBlock(self.call_method("_generation"), [], [], body).set_lineno(lineno)
+
+
+@functools.lru_cache(maxsize=64)
+def template_variables(template: str) -> frozenset[str] | None:
+    """The variables a chat template's text reads (jinja2's undeclared variables), listed as vLLM lists them
+    to decide which ``chat_template_kwargs`` reach the template (``vllm/renderers/hf.py``,
+    ``_resolve_chat_template_kwargs``: a variable the template does not read is dropped). None: the text does
+    not parse (rendering it fails with its own error)."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(template)))
+    except jinja2.TemplateSyntaxError:
+        return None
+
+
+def check_kwargs_read(template: str, kwargs: Mapping[str, Any] | None, option: str = "--chat-template-kwargs") -> None:
+    """Refuse template variables the template's text never reads: they change no prompt (vLLM drops them
+    from a request too), so a misspelt mode (``enable_thinkng``) would render, record and train the template's
+    default mode under the name of another.
+
+    Raises:
+        ChatTemplateError: naming the unread variables and those the template reads (``option``).
+    """
+    names = template_variables(template)
+    unread = sorted(k for k in (kwargs or {}) if names is not None and k not in names)
+    if unread:
+        reads = sorted(n for n in names if n not in RESERVED_KWARGS and n != "messages")
+        raise ChatTemplateError(
+            f"{option}: the chat template never reads {', '.join(map(repr, unread))}, so it would change no "
+            f"prompt (vLLM drops it too) and the rows would be rendered in the template's default mode; the "
+            f"template reads {', '.join(reads) or 'no variables'}: check the name, or leave it out")
 
 
 CONTENT_FORMATS = ("string", "openai")
@@ -339,9 +408,12 @@ def render(tokenizer, messages, tools, chat_template: "str | ChatTemplate | None
     passes them (:func:`template_messages`; the variables over the tokenizer's special tokens).
 
     Raises:
-        ChatTemplateError: the template fails on this conversation (names the error).
+        ChatTemplateError: the template fails on this conversation (names the error), or a variable it never
+            reads (:func:`check_kwargs_read`).
     """
     spec = as_chat_template(chat_template)
+    if spec.kwargs:
+        check_kwargs_read(tokenizer.get_chat_template(spec.text, template_tools(tools)), spec.kwargs)
     kwargs: dict[str, Any] = {**spec.kwargs, "tokenize": False, "add_generation_prompt": add_generation_prompt}
     tools = template_tools(tools)
     if tools is not None:

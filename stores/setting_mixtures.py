@@ -22,6 +22,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from stores.chat_template import loads_unique
+
 __all__ = ["Mixture", "parse_mixture", "template_value", "draw_key", "RowSettings", "row_settings",
            "temperature_value", "effort_value", "thinking_value", "parse_template_mixture", "normalised",
            "template_variables", "MIXED_VARIABLE_OPTIONS"]
@@ -44,9 +46,11 @@ def _loads(text: Any, option: str) -> Any:
     """A JSON mixture given as text (``'{"a": 1}'``) as a dict; anything else unchanged."""
     if isinstance(text, str) and text.strip().startswith("{"):
         try:
-            return json.loads(text)
+            return loads_unique(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"{option}: invalid JSON ({e.msg} at character {e.pos})") from None
+        except ValueError as e:  # a key given twice
+            raise ValueError(f"{option}: {e}") from None
     return text
 
 
@@ -194,9 +198,11 @@ def parse_template_mixture(value: Any) -> dict[str, Any]:
     """
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = loads_unique(value)
         except json.JSONDecodeError as e:
             raise ValueError(f"--template-mixture: invalid JSON ({e.msg})") from None
+        except ValueError as e:  # a key given twice
+            raise ValueError(f"--template-mixture: {e}") from None
     if not isinstance(value, dict) or not all(isinstance(k, str) and k.isidentifier() for k in value):
         raise ValueError("--template-mixture: expected a JSON object {variable: value or {value: weight}}, "
                          f"got {value!r}")

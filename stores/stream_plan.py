@@ -42,6 +42,7 @@ import re
 import shutil
 import time
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -49,12 +50,13 @@ import numpy as np
 import zarr
 
 from stores.errors import InputError, StoreFormatError
-from stores.feature_schema import hidden_arrays
+from stores.feature_schema import ARRAYS, hidden_arrays
 from stores.files import is_local
 
 __all__ = ["STREAM_GROUP", "STREAM_FORMAT", "POLICIES", "CONSUMED_FILE", "parse_size", "format_size",
-           "block_feature_bytes", "fixed_bytes_estimate", "StreamPlan", "write_plan", "read_plan", "remove_plan", "has_plan", "plan_identity",
-           "read_consumed", "write_consumed", "fsync_tree", "apparent_bytes", "window_for_budget"]
+           "block_feature_bytes", "flag_bytes", "fixed_bytes_estimate", "StreamPlan", "write_plan", "read_plan",
+           "remove_plan", "has_plan", "plan_record", "read_consumed", "write_consumed", "fsync_tree",
+           "apparent_bytes", "window_for_budget"]
 
 STREAM_GROUP = "stream"
 """The store's sub-group holding the plan and the consumed cursor."""
@@ -68,7 +70,7 @@ CONSUMED_FILE = "consumed.json"
 CRC_BYTES = 4
 """The crc32c each chunk file ends with."""
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE | re.ASCII)
 _UNITS = {"": 1, "b": 1, "k": 10 ** 3, "kb": 10 ** 3, "m": 10 ** 6, "mb": 10 ** 6, "g": 10 ** 9, "gb": 10 ** 9,
           "t": 10 ** 12, "tb": 10 ** 12, "p": 10 ** 15, "pb": 10 ** 15, "kib": 2 ** 10, "mib": 2 ** 20,
           "gib": 2 ** 30, "tib": 2 ** 40, "pib": 2 ** 50, "ki": 2 ** 10, "mi": 2 ** 20, "gi": 2 ** 30,
@@ -77,7 +79,9 @@ _UNITS = {"": 1, "b": 1, "k": 10 ** 3, "kb": 10 ** 3, "m": 10 ** 6, "mb": 10 ** 
 
 def parse_size(text: str | int, option: str = "--max-store-bytes") -> int:
     """Bytes of a size: plain bytes (``1048576``), SI (``20GB`` = 20·10⁹, ``500M``) or binary units
-    (``512MiB`` = 512·2²⁰, ``1GiB``), case-insensitive; a fraction of a byte is dropped (``1.5KB`` = 1500).
+    (``512MiB`` = 512·2²⁰, ``1GiB``), case-insensitive, computed exactly in decimal (``2.01GB`` =
+    2,010,000,000, not the float product's 2,009,999,999); a fraction of a byte is dropped (``1.5KiB`` = 1536,
+    ``0.001KiB`` = 1).
 
     Raises:
         InputError: not a size, or less than one byte (field ``option``).
@@ -89,7 +93,7 @@ def parse_size(text: str | int, option: str = "--max-store-bytes") -> int:
         if not m or m.group(2) is not None and m.group(2).lower() not in _UNITS:
             raise InputError(f"{option} {text!r} is not a size: give bytes (1048576), SI units (20GB, 500MB) or "
                              "binary units (512MiB, 1GiB)", field=option)
-        value = math.floor(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])  # at most: whole bytes, rounded down
+        value = math.floor(Fraction(m.group(1)) * _UNITS[(m.group(2) or "").lower()])  # exact, whole bytes
     if value <= 0:
         raise InputError(f"{option} must be positive, got {text!r}", field=option)
     return value
@@ -111,12 +115,20 @@ def block_feature_bytes(block_size: int, n_layers: int, hidden_size: int, storag
                for s in hidden_arrays(storage_dtype))
 
 
+def flag_bytes(n_blocks: int) -> int:
+    """Apparent bytes of the chunk files of the ``done`` flags of ``n_blocks`` blocks (one file per block, its flag
+    and crc32c). A block's file appears when it is first done and stays when it is evicted (flag 0), so a store's
+    bytes grow by these as it is extracted: the budget counts them for every block from the start."""
+    return n_blocks * sum(np.dtype(s.dtype).itemsize + CRC_BYTES for s in ARRAYS if s.role == "flag")
+
+
 def fixed_bytes_estimate(n_blocks: int, block_size: int, max_segments: int, vocab_size: int) -> int:
     """A lower bound of a format-1 store's bytes without any feature chunk: its token arrays
-    (``input_ids``, ``loss_mask``, ``position_ids``: 9 bytes a slot), ``cu_seqlens``, ``segment_keys`` and
-    ``token_freq``; the checksums and metadata files come on top (the measured value,
-    ``peagle_train.data.stream.fixed_store_bytes``, counts them)."""
-    return n_blocks * (block_size * 9 + (max_segments + 1) * 4 + max_segments * 8) + vocab_size * 8
+    (``input_ids``, ``loss_mask``, ``position_ids``: 9 bytes a slot), ``cu_seqlens``, ``segment_keys``,
+    ``token_freq`` and the done flags (:func:`flag_bytes`); the checksums and metadata files come on top (the
+    measured value, ``peagle_train.data.stream.fixed_store_bytes``, counts them)."""
+    return (n_blocks * (block_size * 9 + (max_segments + 1) * 4 + max_segments * 8) + vocab_size * 8
+            + flag_bytes(n_blocks))
 
 
 def window_for_budget(max_store_bytes: int, fixed_bytes: int, block_bytes: int, n_val: int) -> int:
@@ -215,11 +227,12 @@ def has_plan(store) -> bool:
     return (Path(store.path) / STREAM_GROUP / "zarr.json").is_file()
 
 
-def write_plan(store, plan: StreamPlan, keep_consumed: bool = False) -> None:
+def write_plan(store, plan: StreamPlan, keep_consumed: bool = False, consumed: int = 0) -> None:
     """Write ``plan`` into ``store``'s ``stream`` sub-group (replacing one there) and set the consumed cursor
-    to 0, or with ``keep_consumed`` (the same run with another budget) keep it; the attributes last, so a
-    reader never sees a plan without its order."""
-    consumed = read_consumed(store) if keep_consumed else 0
+    to ``consumed`` (0: a new run; a resumed run whose store has no plan: its checkpoint's cursor, once that
+    checkpoint is on disk), or with ``keep_consumed`` (the same run with another budget) keep it; the
+    attributes last, so a reader never sees a plan without its order and cursor."""
+    consumed = read_consumed(store) if keep_consumed else consumed
     path = _stream_dir(store)
     group = zarr.open_group(str(path), mode="w")
     order = np.ascontiguousarray(plan.order, dtype=np.int64)
@@ -260,14 +273,14 @@ def read_plan(store) -> StreamPlan | None:
                       window=int(rec["window"]), val_blocks=tuple(int(b) for b in rec["val_blocks"]), order=order)
 
 
-def plan_identity(store) -> tuple[Any, Any] | None:
-    """``(run, order_sha256)`` of ``store``'s plan as written now (None: no plan), read from its metadata file
-    alone: cheap enough for an extraction to check before each block that its plan was not replaced."""
+def plan_record(store) -> dict[str, Any] | None:
+    """The attributes of ``store``'s plan as written now (:meth:`StreamPlan.record`; None: no plan, or one being
+    written), read from its metadata file alone: cheap enough for an extraction to check before each block that
+    its plan was not rewritten."""
     try:
-        rec = json.loads((_stream_dir(store) / "zarr.json").read_text())["attributes"]["peagle_stream"]
+        return json.loads((_stream_dir(store) / "zarr.json").read_text())["attributes"]["peagle_stream"]
     except (FileNotFoundError, KeyError, json.JSONDecodeError):
         return None
-    return rec.get("run"), rec.get("order_sha256")
 
 
 def read_consumed(store) -> int:

@@ -26,9 +26,9 @@ from peagle_data.extract.store import BlockWriter
 from stores.errors import InputError, StoreFormatError
 from stores.feature_store import FeatureStore
 from stores.progress import progress as progress_bar
-from stores.stream_plan import StreamPlan, apparent_bytes, plan_identity, read_consumed, read_plan
+from stores.stream_plan import StreamPlan, apparent_bytes, plan_record, read_consumed, read_plan
 
-__all__ = ["wait_for_plan", "stream_entries", "extract_stream", "POLL_S"]
+__all__ = ["wait_for_plan", "followed_plan", "stream_entries", "extract_stream", "POLL_S"]
 
 POLL_S = 0.2
 """Seconds between two reads of the plan or of the consumed cursor while waiting."""
@@ -69,6 +69,35 @@ def _clear_leftovers(store: FeatureStore, log: Callable[[str], None]) -> int:
     return n
 
 
+def followed_plan(store: FeatureStore, plan: StreamPlan, timeout_s: float, log: Callable[[str], None]) -> StreamPlan:
+    """The plan to follow from the next entry on: ``plan``, or the same run's plan as the trainer rewrote it with
+    another budget (a ``--resume`` with another ``--max-store-bytes``: its window is followed from here, so the
+    store stays within the new budget; it was once followed with the old window). A rewrite in progress (no
+    plan attributes for a moment) is waited out.
+
+    Raises:
+        InputError: the plan was replaced by another run's (a new ``peagle-train`` run on this store), or stays
+            missing for ``timeout_s`` (field ``--stream``).
+    """
+    t0 = time.monotonic()
+    while True:
+        record = plan_record(store)
+        if record == plan.record():
+            return plan
+        new = read_plan(store) if record is not None else None
+        if new is not None and not new.same_run(plan):
+            raise InputError(f"{store.path}: its stream plan was replaced (a new peagle-train run started on this "
+                             "store); start the extraction again to follow the new plan", field="--stream")
+        if new is not None:
+            log(f"{store.path}: the stream plan was rewritten for another budget ({new.max_store_bytes:,} bytes, "
+                f"window {new.window} blocks); following it")
+            return new
+        if time.monotonic() - t0 > timeout_s:
+            raise InputError(f"{store.path}: its stream plan was removed and not written again in {timeout_s:g} s; "
+                             "start the extraction again with the run", field="--stream")
+        time.sleep(POLL_S)
+
+
 def stream_entries(store: FeatureStore, plan: StreamPlan, present: set[int], stats: dict[str, Any],
                    timeout_s: float, log: Callable[[str], None]) -> Iterator[int]:
     """The blocks to extract, in plan order, each when the plan allows it (see the module doc); evicts as it
@@ -84,14 +113,11 @@ def stream_entries(store: FeatureStore, plan: StreamPlan, present: set[int], sta
             present.add(b)
             yield b
     consumed = read_consumed(store)
-    identity = (plan.run, plan.record()["order_sha256"])
     for c in range(plan.n_entries):
         b = int(plan.order[c])
         if c < consumed:  # consumed already (a resumed extraction): no need to write it
             continue
-        if plan_identity(store) != identity:
-            raise InputError(f"{store.path}: its stream plan was replaced (a new peagle-train run started on this "
-                             "store); start the extraction again to follow the new plan", field="--stream")
+        plan = followed_plan(store, plan, timeout_s, log)
         if not plan.may_write(c, consumed):
             t0 = time.monotonic()
             stats["waits"] += 1

@@ -95,9 +95,19 @@ def _store_unfinished(path: str, report: dict[str, Any]) -> str:
 
 
 def _store_failure(store: str, report: dict[str, Any]) -> str:
-    """The error line of a store that failed verification: the blocks at fault and how to redo them."""
-    bad = sorted(set(report["not_done"]) | set(int(k) for k in report["bad_blocks"]))
+    """The error line of a store that failed verification: the blocks at fault and how to redo them. A streamed
+    store's blocks not done are evicted or still to come, not at fault, and the way to redo the damaged ones is
+    the streaming run's resume (``repair_command``'s full extraction would write every block, past the budget)."""
     damaged = "; ".join(report["damaged_arrays"].values())
+    if report.get("stream") is not None:
+        bad = sorted(int(k) for k in report["bad_blocks"])
+        return (f"store {store} failed verification; damaged blocks: {bad}" + (f"; {damaged}" if damaged else "")
+                + ("; their done flags are cleared" if report["repaired"] else
+                   f"; stop the streaming run and run `peagle-data verify {store} --repair` to clear their done flags")
+                + "; then resume the run (`peagle-train ... --resume`, or `peagle-data extract ... --stream` again): "
+                "its extraction writes them again before the trainer reads them (blocks not done are evicted or "
+                "still to come, not damage)")
+    bad = sorted(set(report["not_done"]) | set(int(k) for k in report["bad_blocks"]))
     command = FeatureStore.open(store).repair_command()
     contexts = report.get("contexts")  # a full-context store: the verifier's blocks are its context blocks
     if contexts is not None:

@@ -21,7 +21,7 @@ import numpy as np
 
 from peagle_data.chat.masks import render_rows, tokenize_rendered
 from stores.chat_template import (ChatTemplate, ChatTemplateError, chat_template_kwargs_record, chat_template_sha256,
-                                  check_chat_template_kwargs)
+                                  check_chat_template_kwargs, check_kwargs_read, effective_chat_template)
 from stores.conversation_files import read_regenerate_manifest
 from peagle_data.prepare.config import CHUNK_CONVERSATIONS, TokenizeConfig, TokenizeRun
 from peagle_data.prepare.counts import Counts
@@ -165,6 +165,7 @@ def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: Tokenize
         InputError: with ``cfg.strict``, the first bad row (file, row and field where known).
     """
     template = ChatTemplate(read_template(cfg.chat_template), cfg.chat_template_kwargs)
+    check_kwargs_read(effective_chat_template(tokenizer, template.text), template.kwargs)  # before any row
     bar = progress(total=cfg.limit, desc="tokenize", unit="conv")
     if dedup is None and cfg.dedup:
         dedup = Deduplicator()

@@ -62,7 +62,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from peagle_data.chat.dropped import dropped_reason, dropped_content
-from stores.chat_template import ChatTemplate, ChatTemplateError, check_kwargs_names, render
+from stores.chat_template import ChatTemplate, ChatTemplateError, check_kwargs_names, loads_unique, render
 from peagle_data.readers.conversations import read_conversations
 from peagle_data.readers.inputs import resolve_inputs
 from peagle_data.readers.rows import FORMATS, Conversation, Reject

@@ -28,10 +28,10 @@ import numpy as np
 
 from peagle_train.data.loader import BlockSequence
 from stores.errors import InputError, StoreFormatError
-from stores.feature_schema import hidden_arrays
+from stores.feature_schema import ARRAYS, hidden_arrays
 from stores.feature_store import FeatureStore
-from stores.stream_plan import (POLICIES, STREAM_GROUP, StreamPlan, apparent_bytes, block_feature_bytes, format_size,
-                                fsync_tree, read_consumed, read_plan, window_for_budget, write_consumed)
+from stores.stream_plan import (POLICIES, STREAM_GROUP, StreamPlan, apparent_bytes, block_feature_bytes, flag_bytes,
+                                format_size, fsync_tree, read_consumed, read_plan, window_for_budget, write_consumed)
 
 __all__ = ["PLAN_ALLOWANCE_BYTES", "plan_entries", "make_plan", "fixed_store_bytes", "StreamingStore", "stream_save_due", "mark_consumed",
            "evict_after_run", "ExtractionDied"]
@@ -56,16 +56,20 @@ def plan_entries(sequence: BlockSequence, n_entries: int) -> np.ndarray:
 
 
 def fixed_store_bytes(store: FeatureStore, n_entries: int) -> int:
-    """The store's bytes without its feature chunks, measured now (its token arrays, flags and metadata), plus
-    the plan's own (``order`` ``[T] int64`` and its metadata)."""
+    """The store's bytes without its feature chunks, measured now (its token arrays and metadata), plus the done
+    flags of every block (:func:`stores.stream_plan.flag_bytes`: their files appear as blocks are done, so a
+    measure of the files alone grew during the run, and a resume with the budget that started it was refused)
+    and the plan's own (``order`` ``[T] int64`` and its metadata): the same at any point of the run."""
     root = Path(store.path)
     hidden = {s.name for s in hidden_arrays(store.storage_dtype)}
+    flags = {s.name for s in ARRAYS if s.role == "flag"}
     total = 0
     for child in root.iterdir():
         if child.name == STREAM_GROUP:  # counted below, the same whether the plan is written yet or not
             continue
-        if child.name in hidden:
+        if child.name in hidden or child.name in flags:
             total += sum(p.stat().st_size for p in child.glob("*.json"))
+            total += flag_bytes(store.n_blocks) if child.name in flags else 0
             continue
         total += apparent_bytes(child) if child.is_dir() else child.stat().st_size
     return total + 8 * n_entries + PLAN_ALLOWANCE_BYTES

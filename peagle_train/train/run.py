@@ -54,7 +54,8 @@ from peagle_train.train.trainer import StreamRun, Trainer, TrainRun
 from stores.errors import InputError, MissingDependencyError, StoreFormatError
 from stores.feature_store import FeatureStore
 from stores.files import is_zarr_store, strict_json
-from stores.stream_plan import has_plan, parse_size, read_consumed, read_plan, remove_plan, write_plan
+from stores.stream_plan import (fsync_tree, has_plan, parse_size, read_consumed, read_plan, remove_plan,
+                                write_plan)
 
 __all__ = ["run_train", "build_trainer", "resumed_message"]
 
@@ -273,8 +274,10 @@ def _stream_plan(cfg: TrainConfig, accelerator, store: FeatureStore, sequence: B
                          "entries consumed (a later checkpoint was removed?): blocks this run reads next may be evicted "
                          "already; resume from the latest checkpoint, or start over with --force", field="--resume")
     if accelerator.is_main_process:
-        if not resumed:  # a new run (or a resume whose store lost its plan): the cursor starts at 0
-            write_plan(store, plan)
+        if not resumed:  # a new run: the cursor starts at 0; a resume whose store has no plan: at its checkpoint's
+            if state is not None:  # (else the extraction would wait for entries before it, the trainer for after)
+                fsync_tree(resume_from)
+            write_plan(store, plan, consumed=cursor)
         elif saved.record() != plan.record():  # the same run with another budget: its cursor stays
             write_plan(store, plan, keep_consumed=True)
         if resumed and cursor > consumed:  # saved, but killed before its cursor was written

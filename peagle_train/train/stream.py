@@ -25,13 +25,13 @@ from typing import Any
 
 from peagle_train.data.split import validation_size
 from peagle_train.train.config import TrainConfig
-from stores.errors import InputError, OutputExistsError, StoreFormatError
+from stores.errors import InputError, OutputExistsError, StoreFormatError, StoreMismatchError
 from stores.feature_store import FeatureStore
 from stores.files import is_zarr_store
 from stores.model_config import load_model_config, text_config
 from stores.stream_plan import (apparent_bytes, block_feature_bytes, fixed_bytes_estimate, format_size, has_plan,
                                 parse_size, read_plan)
-from stores.token_tables import TokenTable
+from stores.token_tables import TokenTable, manifest_sha256
 
 __all__ = ["Extraction", "extraction_log", "extract_command", "check_stream_start", "check_free_disk",
            "wait_for_store", "world_size_from_env", "rank_from_env", "plan_run_identity"]
@@ -116,6 +116,7 @@ def check_stream_start(cfg: TrainConfig) -> int:
             than the free disk; ``--extract-from`` that is no packed table.
         OutputExistsError: ``--output`` holds files without ``--resume``/``--force``.
         StoreFormatError: the store streams for another run (its plan names another output).
+        StoreMismatchError: the store was extracted from another packed table or in another storage dtype.
     """
     s = cfg.stream
     budget = parse_size(s.max_store_bytes)
@@ -129,7 +130,8 @@ def check_stream_start(cfg: TrainConfig) -> int:
             raise StoreFormatError(f"{store} is being streamed for the run {other} (its stream plan): give this run "
                                    "another --store, or continue that run")
     if s.extract_from is not None:
-        smallest = _estimated_smallest(cfg, s.extract_from)
+        smallest = _estimated_smallest(cfg, s.extract_from)  # (opens the table: InputError if it is none)
+        _check_store_source(store, s.extract_from, s.storage_dtype)
         if budget < smallest:
             raise InputError(f"--max-store-bytes {budget:,} is too small for this run: at least {smallest:,} bytes are "
                              f"needed (--max-store-bytes {format_size(smallest)}): the token arrays, the validation "
@@ -138,6 +140,35 @@ def check_stream_start(cfg: TrainConfig) -> int:
                                 else "one optimizer step's blocks"), field="--max-store-bytes")
     check_free_disk(store, budget)
     return budget
+
+
+def _check_store_source(store: str, packed: str, storage_dtype: str) -> None:
+    """The extraction continues a store already there (``--stream`` implies ``--resume``) and refuses one made
+    from another packed table or in another storage dtype, but only in its log, after the trainer has loaded
+    the weights: refuse it here, before anything starts (a half-made store, without its token arrays, is
+    made again by the extraction).
+
+    Raises:
+        StoreMismatchError: naming the store, both and the way out.
+    """
+    if not is_zarr_store(store):
+        return
+    try:
+        opened = FeatureStore.open(store)
+    except StoreFormatError:
+        return
+    if not opened.attrs.get("tokens_written"):
+        return
+    source = manifest_sha256(packed)
+    if opened.attrs.get("source") != source:
+        raise StoreMismatchError(f"{store} was extracted from another packed table than --extract-from {packed} "
+                                 f"(manifest sha256 {opened.attrs.get('source')!r}, now {source!r}: the table was "
+                                 "packed again or its manifest changed); give this run another --store, or the table "
+                                 "the store was made from")
+    if opened.storage_dtype != storage_dtype:
+        raise StoreMismatchError(f"{store} holds {opened.storage_dtype} features, --storage-dtype gives "
+                                 f"{storage_dtype}; "
+                                 f"pass --storage-dtype {opened.storage_dtype}, or give this run another --store")
 
 
 def _plan_output(store: str) -> str | None:

@@ -4,6 +4,7 @@ random Llama (4 layers, hidden 64) with the real SmolLM2 tokenizer."""
 from __future__ import annotations
 
 import json
+import shutil
 
 from click.testing import CliRunner
 
@@ -41,11 +42,18 @@ def test_cli_pipeline_end_to_end(tmp_path, tiny_verifier_dir):
     data.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    model = str(tiny_verifier_dir)
-
-    # a template variable (the served mode): SmolLM2's template reads none, so the rows are the same; every
-    # stage records it and peagle-eval renders in it
+    # a template variable (the served mode), which this copy of the verifier's template reads (it renders
+    # nothing more: the rows are the same); every stage records it and peagle-eval renders in it. SmolLM2's own
+    # template reads no variable: a variable it never reads is refused (it would record a mode never rendered)
+    model = tmp_path / "verifier"
+    shutil.copytree(tiny_verifier_dir, model)
+    template = model / "chat_template.jinja"
+    template.write_text("{%- if reasoning_effort == 'max' %}{%- endif %}" + template.read_text())
+    model = str(model)
     mode = {"reasoning_effort": "low"}
+    refused = CliRunner().invoke(data_main, ["pack", str(data), "--tokenizer", str(tiny_verifier_dir), "--output",
+                                             str(tmp_path / "refused"), "--chat-template-kwargs", json.dumps(mode)])
+    assert refused.exit_code != 0 and "the chat template never reads 'reasoning_effort'" in refused.output
     out = _run(data_main, ["pack", data, "--tokenizer", model, "--output", tmp_path / "packed",
                            "--max-seq-len", 128, "--chat-template-kwargs", json.dumps(mode)])
     assert "used 11" in out

@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 
 from peagle_data.chat.masks import tokenize_conversation, tokenize_turns
-from stores.chat_template import (ChatTemplate, chat_template_kwargs_record, check_chat_template_kwargs, content_format,
-                                  parse_chat_template_kwargs, prompt_ids, render, template_messages, template_tools)
+from stores.chat_template import (ChatTemplate, ChatTemplateError, chat_template_kwargs_record,
+                                  check_chat_template_kwargs, check_kwargs_read, content_format, parse_chat_template_kwargs, prompt_ids, render,
+                                  template_messages, template_tools, template_variables)
 from stores.errors import StoreMismatchError
 from tests.chat_templates import harmony_tokenizer, qwen_tokenizer, template
 from peagle_data.readers.normalize import normalize_record
@@ -293,6 +294,22 @@ def test_a_stage_of_another_mode_is_refused_naming_both():
         "mode; pass --chat-template-kwargs '{\"enable_thinking\": false}', or make the input again in this mode")
     assert chat_template_kwargs_record({"b": 1, "a": 2}) == {"a": 2, "b": 1}
     assert list(chat_template_kwargs_record({"b": 1, "a": 2})) == ["a", "b"]
+
+
+def test_a_variable_the_template_never_reads_is_refused_naming_those_it_reads():
+    text = ("{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"
+            "{% if add_generation_prompt %}{% if enable_thinking is false %}<think></think>{% endif %}{% endif %}")
+    assert template_variables(text) == {"messages", "add_generation_prompt", "enable_thinking"}
+    check_kwargs_read(text, {"enable_thinking": False})
+    check_kwargs_read(text, {})
+    with pytest.raises(ChatTemplateError) as info:
+        check_kwargs_read(text, {"enable_thinkng": False, "enable_thinking": True})
+    assert str(info.value) == (
+        "--chat-template-kwargs: the chat template never reads 'enable_thinkng', so it would change no prompt (vLLM "
+        "drops it too) and the rows would be rendered in the template's default mode; the template reads "
+        "enable_thinking: check the name, or leave it out")
+    assert template_variables("{% if %}") is None  # does not parse: rendering it fails with its own error
+    check_kwargs_read("{% if %}", {"x": 1})
 
 
 def _vllm_request_ids(model_config, tokenizer, messages, template, chat_template_kwargs, add_generation_prompt=True):

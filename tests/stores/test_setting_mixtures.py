@@ -7,6 +7,7 @@ import pytest
 
 from stores.setting_mixtures import Mixture, draw_key, parse_mixture, row_settings, template_value
 from peagle_data.regenerate.run import RegenerateConfig
+from stores.chat_template import parse_chat_template_kwargs
 
 
 def test_a_mixture_is_normalised_and_a_plain_value_is_cast():
@@ -21,6 +22,8 @@ def test_a_mixture_is_normalised_and_a_plain_value_is_cast():
     ('{"0.6": 0.3, ', "invalid JSON"), ("{}", "an empty mixture"), ('{"0.6": -1}', "finite number >= 0"),
     ('{"0.6": 0, "1.0": 0}', "sum to 0"), ('{"hot": 1}', "mixture key 'hot'"),
     ('{"1": 0.5, "1.0": 0.5}', "keys '1' and '1.0' are the same value"), ('{"0.6": true}', "finite number"),
+    # JSON keeps the last of a key given twice: {"0.6": 1} here, the 0.3 dropped without a word
+    ('{"0.6": 0.3, "1.0": 0.7, "0.6": 1}', "the key '0.6' is given twice (JSON keeps the last silently)"),
 ])
 def test_bad_mixtures_are_refused_naming_the_option(spec, message):
     with pytest.raises(ValueError, match="--temperature") as e:
@@ -61,3 +64,8 @@ def test_regenerate_config_normalises_and_refuses():
         RegenerateConfig(reasoning_effort="low", template_mixture={"reasoning_effort": "high"})
     with pytest.raises(ValueError, match="--reasoning-parser must be one of"):
         RegenerateConfig(reasoning_parser="qwen")
+    with pytest.raises(ValueError, match="^--template-mixture: the key 'thinking' is given twice"):
+        RegenerateConfig(template_mixture='{"thinking": {"true": 1}, "thinking": false}')
+    with pytest.raises(ValueError, match="^--chat-template-kwargs: the key 'enable_thinking' is given twice"):
+        RegenerateConfig(chat_template_kwargs=parse_chat_template_kwargs(
+            '{"enable_thinking": true, "enable_thinking": false}'))

@@ -13,12 +13,15 @@ from stores.stream_plan import (StreamPlan, block_feature_bytes, format_size, pa
 
 
 @pytest.mark.parametrize("text, value", [("1048576", 2 ** 20), ("20GB", 20 * 10 ** 9), ("512MiB", 512 * 2 ** 20),
-                                         ("1.5KiB", 1536), ("3g", 3 * 10 ** 9), (" 7 TiB ", 7 * 2 ** 40), (5, 5)])
+                                         ("1.5KiB", 1536), ("3g", 3 * 10 ** 9), (" 7 TiB ", 7 * 2 ** 40), (5, 5),
+                                         ("20 GB", 20 * 10 ** 9), ("0.5GiB", 2 ** 29),
+                                         # decimal, exactly: the float products are 2,009,999,999 and 1,000
+                                         ("2.01GB", 2_010_000_000), ("1.001KB", 1001)])
 def test_parse_size(text, value):
     assert parse_size(text) == value
 
 
-@pytest.mark.parametrize("text", ["", "GB", "12XB", "-5", "0", "0.5"])
+@pytest.mark.parametrize("text", ["", "GB", "12XB", "-5", "-1", "0", "0.5", "1e9", "nan", "\uff11\uff12"])
 def test_parse_size_refuses(text):
     with pytest.raises(InputError, match="--max-store-bytes"):
         parse_size(text)

@@ -106,3 +106,26 @@ def test_a_stopped_trainer_and_a_replaced_plan_stop_the_extraction(tmp_path):
     write_plan(store, _plan([3, 2, 1, 0], window=1, val=()))
     with pytest.raises(InputError, match="stream plan was replaced"):
         next(entries)
+
+
+def test_the_same_run_rewritten_with_another_budget_is_followed(tmp_path):
+    """A ``--resume`` with a smaller ``--max-store-bytes`` rewrites the plan (same run, smaller window); an
+    extraction that read the old plan follows the new window from its next entry, so the store keeps to the new
+    budget (it once kept the old window, the run's identity being unchanged)."""
+    store = _store(tmp_path / "s.zarr")
+    plan = _plan([0, 1, 2, 3], window=3, val=())
+    write_plan(store, plan)
+    present = set()
+    entries = stream_entries(store, plan, present, _stats(), timeout_s=0.3, log=print)
+    for want in (0, 1):
+        b = next(entries)
+        assert b == want
+        _write(store, b)
+    write_plan(store, _plan([0, 1, 2, 3], window=1, val=()), keep_consumed=True)  # cursor 0, window 1
+    with pytest.raises(InputError, match="entry 2 \\(block 2\\) waited 0.3 s for the trainer .*window 1"):
+        next(entries)  # under the old window of 3 it was written at once
+    write_consumed(store, 2)
+    entries = stream_entries(store, _plan([0, 1, 2, 3], window=3, val=()), present, _stats(), timeout_s=30,
+                             log=print)
+    assert next(entries) == 2 and present == {2}  # the new window [2, 3): blocks 0 and 1 evicted first
+    assert not store.is_done(0) and not store.is_done(1)

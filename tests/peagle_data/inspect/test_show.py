@@ -97,8 +97,11 @@ def test_show_of_an_empty_table_says_it_is_empty(tmp_path):
 def test_show_names_the_template_mode_the_rows_were_rendered_in(tmp_path, smollm2_tokenizer):
     src = tmp_path / "c.jsonl"
     src.write_text(json.dumps(ROWS[0]) + "\n")
+    reads = tmp_path / "reads.jinja"  # SmolLM2's template, reading the variable (tokenize refuses an unread one)
+    reads.write_text("{%- if reasoning_effort == 'max' %}{%- endif %}" + smollm2_tokenizer.chat_template)
     run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "tok",
-                             settings=TokenizeConfig(chat_template_kwargs={"reasoning_effort": "low"})),
+                             settings=TokenizeConfig(chat_template=str(reads),
+                                                     chat_template_kwargs={"reasoning_effort": "low"})),
                  tokenizer=smollm2_tokenizer)
     result = CliRunner().invoke(main, ["show", str(tmp_path / "tok")])
     assert result.exit_code == 0, result.output

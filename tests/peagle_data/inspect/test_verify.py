@@ -222,3 +222,41 @@ def test_the_resume_command_verify_names_finishes_the_store(tmp_path, tiny_verif
     assert r.exit_code == 0, r.output
     r = _invoke("verify", store)
     assert r.exit_code == 0 and json.loads(r.output)["state"] == "complete"
+
+
+def test_a_damaged_block_of_a_streamed_store_names_only_it_and_the_streaming_resume(tmp_path):
+    """A streamed store (docs/design.md §7): a block still to come (pending) and an evicted one are no damage; the
+    line names the damaged done block alone and the run's resume, not the full extraction ``repair_command``
+    names (which would write every block, past the budget)."""
+    import torch
+
+    from stores.stream_plan import StreamPlan, write_consumed, write_plan
+
+    path = tmp_path / "s.zarr"
+    store = FeatureStore.create(path, n_blocks=4, block_size=8, max_segments=2, layers=[0, 1], hidden_size=4,
+                                vocab_size=16, verifier={"name_or_path": "tiny"})
+    store.write_all_n_tokens(np.array([4, 4, 4, 4]))
+    for i in range(4):
+        store.write_tokens(i, [1, 2, 3, 4], [0, 1, 1, 1], [0, 1, 2, 3], [0, 4])
+    for i in (0, 2, 3):
+        store.write_features(i, torch.ones(4, 2, 4, dtype=torch.bfloat16), torch.ones(4, 4, dtype=torch.bfloat16))
+        store.mark_done(i)
+    store.set_token_freq(np.zeros(16, dtype=np.int64))
+    store.update_attrs(config={"packed": "p", "output": str(path)}, tokens_written=True)
+    store = FeatureStore.open(path, mode="r+")
+    store.evict_block(0)  # entry 0, consumed
+    write_plan(store, StreamPlan(run={"output": "/o"}, policy="reextract", max_store_bytes=1, fixed_bytes=0,
+                                 block_bytes=1, window=3, val_blocks=(3,), order=np.array([0, 1, 2], dtype=np.int64)))
+    write_consumed(store, 1)
+    _flip_byte(store.chunk_path("final_hidden", 2))
+    r = _invoke("verify", path)
+    assert r.exit_code == 1
+    line = " ".join(r.output.split())
+    assert (f"store {path} failed verification; damaged blocks: [2]; stop the streaming run and run `peagle-data "
+            f"verify {path} --repair` to clear their done flags; then resume the run") in line
+    assert "extract --config" not in line
+    report = json.loads(r.stdout[r.stdout.index("{"):])
+    assert report["stream"]["pending"] == [1] and report["stream"]["consumed_blocks"] == 1
+    r = _invoke("verify", path, "--repair")
+    assert "damaged blocks: [2]; their done flags are cleared; then resume the run" in " ".join(r.output.split())
+    assert not FeatureStore.open(path).is_done(2) and FeatureStore.open(path).is_done(3)

@@ -12,9 +12,10 @@ from cli.data_prepare import pack, tokenize
 from peagle_data.prepare.config import PackConfig, PackRun, TokenizeConfig, TokenizeRun
 from peagle_data.prepare.pack import run_pack
 from peagle_data.prepare.tokenizing import run_tokenize
+from stores.chat_template import ChatTemplateError
 from stores.errors import StoreMismatchError
 from stores.token_tables import TokenTable
-from tests.chat_templates import qwen_tokenizer, template_path
+from tests.chat_templates import qwen_tokenizer, template, template_path
 from tests.peagle_data.prepare.test_runs import rejects_of, write_rows
 
 ROWS = [
@@ -95,7 +96,12 @@ def test_pack_records_the_variables_and_refuses_a_tokenize_output_of_another_mod
 
 def test_the_option_takes_a_json_object(tmp_path):
     src = write_rows(tmp_path / "rows.jsonl", ROWS[:1])
+    mode_line = tmp_path / "mode_line.jinja"  # a system line in one mode; the rest as SmolLM2's template
+    mode_line.write_text("{% if enable_thinking is false %}<|im_start|>system\nno thinking<|im_end|>\n{% endif %}"
+                         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     ok = CliRunner().invoke(tokenize, [str(src), "--tokenizer", "smollm2-135m", "--output", str(tmp_path / "t"),
+                                       "--chat-template", str(mode_line),
                                        "--chat-template-kwargs", '{"enable_thinking": false}'])
     assert ok.exit_code == 0, ok.output
     assert TokenTable.open(tmp_path / "t").manifest["tokenizer"]["chat_template_kwargs"] == {"enable_thinking": False}
@@ -109,6 +115,14 @@ def test_the_option_takes_a_json_object(tmp_path):
     assert "--chat-template-kwargs may not set 'add_generation_prompt'" in reserved.output
 
 
+def _tokenize_and_pack(tmp_path, src, settings: TokenizeConfig, tok):
+    """``tokenize`` (into ``tmp_path/t``) and ``pack`` (into ``tmp_path/p``) of ``src`` with ``settings``, to call."""
+    return (lambda: run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "t",
+                                             settings=settings), tokenizer=tok),
+            lambda: run_pack(PackRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "p",
+                                     settings=PackConfig(tokenize=settings)), tokenizer=tok))
+
+
 def test_a_regenerate_output_of_another_mode_is_refused(tmp_path, qwen_tok):
     """Answers regenerated from prompts in one mode are not tokenized in another."""
     src = write_rows(tmp_path / "regen.jsonl", ROWS[:1])
@@ -116,10 +130,7 @@ def test_a_regenerate_output_of_another_mode_is_refused(tmp_path, qwen_tok):
                 "model": {"backend": "local"}}
     (tmp_path / "regen.manifest.json").write_text(json.dumps(manifest))
     settings = TokenizeConfig(chat_template=str(template_path("qwen3_hybrid")))
-    for run in (lambda: run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "t",
-                                                 settings=settings), tokenizer=qwen_tok),
-                lambda: run_pack(PackRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "p",
-                                         settings=PackConfig(tokenize=settings)), tokenizer=qwen_tok)):
+    for run in _tokenize_and_pack(tmp_path, src, settings, qwen_tok):
         with pytest.raises(StoreMismatchError) as info:
             run()
         assert str(info.value) == (
@@ -146,6 +157,13 @@ MIXED = [
      "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]},
     {"id": "fixed", "messages": [{"role": "user", "content": "Hey"}, {"role": "assistant", "content": "Yo!"}]},
 ]
+
+
+def _styled(tmp_path):
+    """qwen35_open_think with a ``style`` variable of its own (read; it renders nothing more)."""
+    path = tmp_path / "styled.jinja"
+    path.write_text("{%- if style is defined and style == 'verbose' %}{%- endif %}" + template("qwen35_open_think"))
+    return str(path)
 # the row without variables is rendered with the template's default (thinking on, an open think block): it reasons
 MIXED_REASONED = MIXED[:2] + [{"id": "fixed", "messages": [
     {"role": "user", "content": "Hey"}, {"role": "assistant", "content": "Yo!", "reasoning_content": "Reply."}]}]
@@ -158,8 +176,7 @@ def test_rows_of_a_mode_mixture_render_each_in_its_recorded_mode(tmp_path, qwen_
     manifest = {"generation": {"temperature": 0.0, "chat_template_kwargs": {"style": "terse"},
                                "enable_thinking": {"true": 0.5, "false": 0.5}}, "model": {"backend": "local"}}
     (tmp_path / "regen.manifest.json").write_text(json.dumps(manifest))
-    settings = TokenizeConfig(chat_template=str(template_path("qwen35_open_think")),
-                              chat_template_kwargs={"style": "terse"})
+    settings = TokenizeConfig(chat_template=_styled(tmp_path), chat_template_kwargs={"style": "terse"})
     summary = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "t",
                                        settings=settings), tokenizer=qwen_tok)
     table = TokenTable.open(tmp_path / "t")
@@ -184,7 +201,7 @@ def test_rows_of_a_mode_mixture_render_each_in_its_recorded_mode(tmp_path, qwen_
 
 def test_a_row_recording_a_variable_the_run_fixes_otherwise_is_a_reject(tmp_path, qwen_tok):
     src = write_rows(tmp_path / "rows.jsonl", MIXED)
-    settings = TokenizeConfig(chat_template=str(template_path("qwen35_open_think")), chat_template_kwargs=OFF)
+    settings = TokenizeConfig(chat_template=_styled(tmp_path), chat_template_kwargs=OFF)
     summary = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "t",
                                        settings=settings), tokenizer=qwen_tok)
     assert summary["counts"]["rejected_by_reason"] == {"template variables": 1}
@@ -196,3 +213,34 @@ def test_a_row_recording_a_variable_the_run_fixes_otherwise_is_a_reject(tmp_path
         "fixed variables the rows were regenerated with")
     assert _supervised(qwen_tok, TokenTable.open(tmp_path / "t")) == {"off": "Hello!<|im_end|>",
                                                                       "fixed": "Yo!<|im_end|>"}
+
+
+@pytest.mark.parametrize("name, kwargs, reads", [
+    ("qwen3_hybrid", {"enable_thinkng": False}, "the template reads enable_thinking, reasoning_content"),
+    (None, {"enable_thinking": False}, "the template reads no variables"),  # SmolLM2's own template has no mode
+])
+def test_a_variable_the_template_never_reads_is_refused(tmp_path, qwen_tok, name, kwargs, reads):
+    """A misspelt (or foreign) variable changes no prompt: vLLM drops it, the template renders its default mode, and
+    the run would record a mode it never rendered. Refused before any row is read, for tokenize and pack alike."""
+    src = write_rows(tmp_path / "rows.jsonl", ROWS)
+    settings = TokenizeConfig(chat_template=str(template_path(name)) if name else None,
+                              chat_template_kwargs=kwargs)
+    for run in _tokenize_and_pack(tmp_path, src, settings, qwen_tok):
+        with pytest.raises(ChatTemplateError) as info:
+            run()
+        assert str(info.value).startswith(f"--chat-template-kwargs: the chat template never reads "
+                                          f"'{next(iter(kwargs))}', so it would change no prompt")
+        assert reads in str(info.value)
+    assert not (tmp_path / "t").exists() and not (tmp_path / "p").exists()
+
+
+def test_a_row_recording_a_variable_the_template_never_reads_is_a_reject(tmp_path, qwen_tok):
+    """A regenerated row's own variables (a mixture) are checked as the option's are: that row is a reject."""
+    rows = [ROWS[0], {**ROWS[1], "chat_template_kwargs": {"enable_thinkng": False}}]
+    src = write_rows(tmp_path / "rows.jsonl", rows)
+    settings = TokenizeConfig(chat_template=str(template_path("qwen3_hybrid")))
+    summary = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "t",
+                                       settings=settings), tokenizer=qwen_tok)
+    assert summary["counts"]["used"] == 1
+    [reject] = rejects_of(tmp_path / "t")
+    assert reject["conversation_id"] == "reasoned" and "never reads 'enable_thinkng'" in reject["reason"]

@@ -185,7 +185,7 @@ def test_server_content_split_by_the_named_parser_when_the_server_did_not():
     assert (kept.content, kept.reasoning) == ("Hi!", "Plan.")
 
 
-def test_fixed_template_variables_under_a_mixture_recorded_and_tokenized_per_row(tmp_path):
+def test_fixed_template_variables_under_a_mixture_recorded_and_tokenized_per_row(tmp_path, smollm2_tokenizer):
     """--chat-template-kwargs (fixed, in the manifest) with a drawn --reasoning-effort: each request and row
     carries both; tokenize with the fixed variables renders each row in its mode and counts the modes; a
     variable given both ways is refused when the settings are read (before any back end is made)."""
@@ -209,8 +209,12 @@ def test_fixed_template_variables_under_a_mixture_recorded_and_tokenized_per_row
     manifest = json.loads((tmp_path / "r.manifest.json").read_text())["generation"]
     assert (manifest["chat_template_kwargs"], manifest["reasoning_effort"]) == ({"enable_thinking": False},
                                                                               {"low": 0.5, "high": 0.5})
+    reads = tmp_path / "reads.jinja"  # SmolLM2's template, reading both variables (tokenize refuses unread ones)
+    reads.write_text("{%- if enable_thinking is false and reasoning_effort == 'max' %}{%- endif %}"
+                     + smollm2_tokenizer.chat_template)
     c = run_tokenize(TokenizeRun(inputs=[str(tmp_path / "r.jsonl")], tokenizer="smollm2-135m", output=tmp_path / "tok",
-                                 settings=TokenizeConfig(chat_template_kwargs={"enable_thinking": False})))["counts"]
+                                 settings=TokenizeConfig(chat_template=str(reads),
+                                                         chat_template_kwargs={"enable_thinking": False})))["counts"]
     assert (c["read"], c["used"], c["conversations_with_own_template_kwargs"]) == (8, 8, 8)
     assert c["template_modes"] == {json.dumps({"enable_thinking": False, "reasoning_effort": e}): efforts.count(e)
                                    for e in ("high", "low")}

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from peagle_train.data.loader import BlockSequence, epoch_order
-from peagle_train.data.stream import (ExtractionDied, StreamingStore, fixed_store_bytes, make_plan, plan_entries,
-                                      stream_save_due)
+from peagle_train.data.stream import (PLAN_ALLOWANCE_BYTES, ExtractionDied, StreamingStore, fixed_store_bytes,
+                                      make_plan, plan_entries, stream_save_due)
 from stores.errors import InputError
 from stores.feature_store import FeatureStore
-from stores.stream_plan import StreamPlan, block_feature_bytes
+from stores.stream_plan import StreamPlan, apparent_bytes, block_feature_bytes, flag_bytes
 
 C, L, H = 8, 2, 16
 
@@ -59,6 +59,22 @@ def test_make_plan_window_and_refusal(tmp_path):
     with pytest.raises(InputError, match=f"smallest budget that works is {fixed + 6 * block:,} bytes"):
         make_plan(store, seq, np.array([5]), max_steps=5, blocks_per_step=2, val_max_blocks=4,
                   max_store_bytes=fixed + 4 * block, policy="keep", run={"output": "/o"})
+
+
+def test_fixed_bytes_stay_the_same_as_blocks_are_done_and_evicted(tmp_path):
+    """The done flags' chunk files appear as blocks are done (5 bytes each, flag and crc32c): counted for every
+    block from the start, the fixed bytes a resume measures equal those the run started with (a measure of the
+    files alone grew, and the resume of a run at its smallest budget was refused as too small)."""
+    store = _store(tmp_path / "s.zarr")
+    before = fixed_store_bytes(store, 10)
+    for i in range(3):
+        _extract(store, i)
+    store.evict_block(1)
+    assert fixed_store_bytes(store, 10) == before
+    assert flag_bytes(6) == 6 * 5
+    # what the files hold now: everything fixed but the flags of the 3 blocks never done and the plan, + 2 blocks
+    features = 2 * block_feature_bytes(C, L, H, "bf16")
+    assert apparent_bytes(store.path) == before - flag_bytes(3) - 8 * 10 - PLAN_ALLOWANCE_BYTES + features
 
 
 def _plan(window, policy="reextract", n=12):

@@ -20,7 +20,7 @@ from safetensors.numpy import load_file
 from peagle_data.inspect.verify import verify_output
 from peagle_train.train.config import TrainConfig
 from peagle_train.train.run import run_train
-from stores.errors import InputError, OutputExistsError, StoreFormatError
+from stores.errors import InputError, OutputExistsError, StoreFormatError, StoreMismatchError
 from stores.feature_store import FeatureStore
 from stores.stream_plan import block_feature_bytes, read_consumed, read_plan
 from tests.peagle_data.extract.test_run import write_packed
@@ -169,3 +169,17 @@ def test_a_store_streamed_for_another_run_is_refused(tmp_path, packed, offline_s
         run_train(TrainConfig.from_flat(store=str(store), output=str(tmp_path / "first"),
                                         verifier=str(tiny_verifier_dir), max_steps=2, extract_from=str(packed),
                                         max_store_bytes=budget, device="cpu", **OPTS))
+
+
+def test_a_store_of_another_packed_table_or_dtype_is_refused_before_anything_starts(tmp_path, packed, offline_store,
+                                                                                   tiny_verifier_dir):
+    """The extraction would refuse to continue it, but only in its log after the trainer loaded the weights."""
+    other = write_packed(tmp_path / "other", n_blocks=N_BLOCKS, block_size=C, seed=1)  # packed again, other rows
+    base = dict(store=offline_store, output=str(tmp_path / "o"), verifier=str(tiny_verifier_dir),
+                max_store_bytes="10MB", **OPTS)
+    with pytest.raises(StoreMismatchError, match=r"was extracted from another packed table than --extract-from "
+                                                 rf"{other} \(manifest sha256"):
+        run_train(TrainConfig.from_flat(**base, extract_from=str(other)))
+    with pytest.raises(StoreMismatchError, match="holds bf16 features, --storage-dtype gives fp8"):
+        run_train(TrainConfig.from_flat(**base, extract_from=str(packed), storage_dtype="fp8"))
+    assert not Path(f"{offline_store}.extract.log").exists() and not (tmp_path / "o").exists()

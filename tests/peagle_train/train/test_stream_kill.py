@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -145,3 +146,28 @@ def test_a_resume_keeps_the_plan_and_refuses_another(tmp_path, packed, offline_s
     run_train(TrainConfig.from_flat(**cfg))
     with pytest.raises(InputError, match="epoch_policy|stream plan is not this run's"):
         run_train(TrainConfig.from_flat(**{**cfg, "epoch_policy": "keep"}, resume=True))
+
+
+def test_a_resume_onto_a_store_without_its_plan_starts_at_the_checkpoint(tmp_path, packed, offline_store,
+                                                                         tiny_verifier_dir, one_thread):
+    """``--resume`` of a run whose store lost its plan (deleted and extracted again, or killed while the plan was
+    rewritten): the new plan's consumed cursor is the checkpoint's, so the extraction writes the entries the
+    trainer reads next. It once restarted at 0: the extraction filled the window with entries already trained
+    and waited for the trainer, which waited for its next block, until both timed out."""
+    store, out = tmp_path / "stream.zarr", tmp_path / "stream"
+    cfg = dict(store=str(store), output=str(out), verifier=str(tiny_verifier_dir), max_steps=6, save_every=3,
+               extract_from=str(packed), max_store_bytes=str(_budget(offline_store, window=3)), device="cpu",
+               stream_timeout_s=20, **OPTS)
+    run_train(TrainConfig.from_flat(**cfg))
+    shutil.rmtree(out / "final")
+    shutil.rmtree(out / "checkpoint-6")  # latest: checkpoint-3, cursor 3, a whole window past entry 0
+    shutil.rmtree(store)
+    Path(f"{store}.extract.log").unlink()
+    summary = run_train(TrainConfig.from_flat(**cfg, resume=True))
+    assert summary["resumed_step"] == 3 and summary["steps"] == 6
+    run_train(TrainConfig.from_flat(store=offline_store, output=str(tmp_path / "offline"),
+                                    verifier=str(tiny_verifier_dir), max_steps=6, **OPTS))
+    _assert_same(_weights(tmp_path / "offline"), _weights(out))
+    assert read_consumed(FeatureStore.open(store)) == 6
+    log = Path(summary["extraction_log"]).read_text()
+    assert json.loads(log[log.index("{"):])["stream"]["extractions"] == 2 + 3  # the validation blocks, entries 3..5
