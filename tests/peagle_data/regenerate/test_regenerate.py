@@ -993,7 +993,7 @@ def test_reasoning_effort_to_vllm_refused_where_vllm_would_derive_enable_thinkin
 
     sent = []
     tok = qwen_tokenizer(smollm2_tokenizer)
-    tok.chat_template = template("qwen3_hybrid")  # reads enable_thinking
+    tok.chat_template = template("qwen3_hybrid") + "{%- if reasoning_effort is defined %}{% endif %}"  # reads both
     backend = ServerBackend(["http://127.0.0.1:1"], "m", max_new_tokens=4, temperature=0.0, kind="vllm",
                             tokenizer=tok)
     backend.clients = {b: NS(chat=NS(completions=NS(create=lambda **kw: sent.append(kw) or _completion("ok", "stop"))))
