@@ -260,11 +260,16 @@ def wait_for_store(store: str, timeout_s: float, extraction: Extraction | None =
     """The store once its token arrays are written (the extraction creates it after loading the verifier),
     opened r+.
 
+    With the run's own ``extraction``, ``timeout_s`` counts from the last change of its log (loading a large
+    verifier takes long, but writes its progress there), so only an extraction silent for ``timeout_s`` is
+    given up on; without one (split roles), from the call.
+
     Raises:
         StoreFormatError: the extraction exited first (with its log's last lines), or no store after
-            ``timeout_s``.
+            ``timeout_s`` (of a silent log).
     """
     t0 = time.monotonic()
+    log_size = -1
     while True:
         if is_zarr_store(store):
             try:
@@ -277,10 +282,15 @@ def wait_for_store(store: str, timeout_s: float, extraction: Extraction | None =
         if why is not None:
             raise StoreFormatError(f"the extraction stopped ({why}) before it made the store {store}; its log: "
                                    f"{extraction.log_path}\n{extraction.tail()}")
+        if extraction is not None:
+            size = Path(extraction.log_path).stat().st_size if Path(extraction.log_path).exists() else 0
+            if size != log_size:  # the extraction is still saying something: its wait starts again
+                log_size, t0 = size, time.monotonic()
         if time.monotonic() - t0 > timeout_s:
             where = f"; its log: {extraction.log_path}" if extraction is not None else (
                 " (start `peagle-data extract PACKED --output STORE --context window --stream`)")
-            raise StoreFormatError(f"no feature store at {store} after {timeout_s:g} s{where}")
+            raise StoreFormatError(f"no feature store at {store} after {timeout_s:g} s" + (
+                " with nothing new in the extraction's log" if extraction is not None else "") + where)
         time.sleep(0.2)
 
 

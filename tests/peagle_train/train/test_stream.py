@@ -11,7 +11,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,6 +23,7 @@ from safetensors.numpy import load_file
 from peagle_data.inspect.verify import verify_output
 from peagle_train.train.config import TrainConfig
 from peagle_train.train.run import run_train
+from peagle_train.train.stream import wait_for_store
 from stores.errors import InputError, OutputExistsError, StoreFormatError, StoreMismatchError
 from stores.feature_store import FeatureStore
 from stores.stream_plan import block_feature_bytes, read_consumed, read_plan
@@ -183,3 +187,25 @@ def test_a_store_of_another_packed_table_or_dtype_is_refused_before_anything_sta
     with pytest.raises(StoreMismatchError, match="holds bf16 features, --storage-dtype gives fp8"):
         run_train(TrainConfig.from_flat(**base, extract_from=str(packed), storage_dtype="fp8"))
     assert not Path(f"{offline_store}.extract.log").exists() and not (tmp_path / "o").exists()
+
+
+def test_store_wait_counts_from_the_extraction_logs_last_change(tmp_path):
+    """A verifier that loads for longer than the timeout, writing its progress, is waited for; an extraction
+    whose log stays silent for the timeout is given up on, naming its log."""
+    log = tmp_path / "store.zarr.extract.log"
+    log.write_text("loading\n")
+    extraction = SimpleNamespace(log_path=log, stopped=lambda: None, tail=lambda: "")
+    speaking = threading.Event()
+
+    def talk():
+        for _ in range(12):
+            time.sleep(0.1)
+            with open(log, "a") as f:
+                f.write("Loading weights: shard\n")
+        speaking.set()
+
+    threading.Thread(target=talk, daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(StoreFormatError, match="after 0.5 s with nothing new in the extraction's log; its log: "):
+        wait_for_store(str(tmp_path / "store.zarr"), 0.5, extraction)
+    assert speaking.is_set() and time.monotonic() - t0 >= 1.2 + 0.5  # waited while it talked, then 0.5 s
