@@ -142,8 +142,9 @@ class ExtractConfig:
     the store, wait for the training run to write into it which blocks it will read in which order, then extract the
     validation blocks and the training blocks in that order, at most as many blocks ahead of training as the budget
     holds, and, unless training keeps every block (its epoch policy ``keep``), delete the blocks training has
-    finished with, as saved in a checkpoint (they are extracted again if a later epoch reads them). Requires
-    ``--context window`` (the default is full) and one process. An action of this invocation (the store's blocks are
+    finished with, as saved in a checkpoint (they are extracted again if a later epoch reads them). With
+    ``--context full`` (the default) the blocks extracted and deleted are the context blocks the training blocks
+    read, each kept while a training block of the budget's window reads it. One process. An action of this invocation (the store's blocks are
     the same): not recorded in the store's config."""
     stream_timeout_s: float = field(default=3600.0, metadata={"action": True})
     """--stream: seconds to wait for the training run to write its block order, or for it to finish with more
@@ -169,11 +170,6 @@ class ExtractConfig:
             raise ValueError(f"--context: expected one of {CONTEXTS}, got {self.context!r}")
         if self.max_context is not None and (self.context != "full" or self.max_context < 1):
             raise ValueError("--max-context is an option of --context full, and must be ≥ 1")
-        if self.stream and self.context != "window":
-            raise ValueError("--stream needs --context window: a full-context store's context blocks are shared by "
-                             "training blocks of every epoch position, and streaming them (evicting a context block "
-                             "only when no unconsumed training block reads it) is not implemented; extract with "
-                             "--context window, or extract the whole store first")
         if self.stream and (self.num_shards != 1 or self.max_blocks is not None):
             raise ValueError("--stream follows the run's plan over every block: drop --num-shards/--shard-index and "
                              "--max-blocks")
