@@ -275,8 +275,11 @@ class StreamPlan:
 
     def extraction_counts(self) -> dict[int, int]:
         """Unit -> how many times the plan extracts it from an empty store (validation units included), when
-        every window is written before it is consumed: ``keep`` once each; ``reextract`` once, plus once per
-        entry reading it whose previous reader is B or more entries before (evicted meanwhile)."""
+        the extraction runs as far ahead as the window lets it: ``keep`` once each; ``reextract`` once, plus once
+        per entry reading it whose previous reader is more than B entries before. (A unit read again at most B
+        entries later is never evicted in between: every cursor the extraction evicts at has the earlier or
+        the later reader in its window. One read more than B entries later is evicted when the extraction is
+        that far ahead; a slower extraction may still find it.)"""
         kept = set(self.val_units)  # never evicted
         counts = dict.fromkeys(self.val_units, 1)
         last: dict[int, int] = {}
@@ -284,7 +287,7 @@ class StreamPlan:
             for u in self.units_of(b):
                 if u not in counts:
                     counts[u] = 1
-                elif self.policy == "reextract" and u not in kept and c - last[u] >= self.window:
+                elif self.policy == "reextract" and u not in kept and c - last[u] > self.window:
                     counts[u] += 1
                 last[u] = c
         return counts

@@ -143,8 +143,8 @@ class ExtractConfig:
     validation blocks and the training blocks in that order, at most as many blocks ahead of training as the budget
     holds, and, unless training keeps every block (its epoch policy ``keep``), delete the blocks training has
     finished with, as saved in a checkpoint (they are extracted again if a later epoch reads them). With
-    ``--context full`` (the default) the blocks extracted and deleted are the context blocks the training blocks
-    read, each kept while a training block of the budget's window reads it. One process. An action of this invocation (the store's blocks are
+    ``--context full`` (the default) the blocks extracted and deleted are the whole conversations the training
+    blocks read, each kept while a training block the budget holds ahead still reads it. One process. An action of this invocation (the store's blocks are
     the same): not recorded in the store's config."""
     stream_timeout_s: float = field(default=3600.0, metadata={"action": True})
     """--stream: seconds to wait for the training run to write its block order, or for it to finish with more

@@ -289,9 +289,9 @@ class StreamConfig:
     engine: str = "hf"
     """--extract-from: the extraction engine (``peagle-data extract --engine``): ``hf`` or ``vllm``."""
     context: str = "window"
-    """--extract-from: ``window`` (each packed block as it is, a format-1 store) or ``full`` (each conversation
-    run whole, a full-context store: ``peagle-data extract --context full``; the packed table must keep its
-    conversations). With ``full`` the extraction writes and deletes context blocks."""
+    """--extract-from: ``window`` (each packed block as it is) or ``full`` (each conversation run whole, as
+    ``peagle-data extract --context full`` does; the packed table must keep its conversations, as ``peagle-data
+    pack`` does). With ``full`` the extraction writes and deletes the conversations' blocks."""
     device: str | None = None
     """--extract-from: the device extraction runs on (``peagle-data extract --device``)."""
     storage_dtype: str = "bf16"

@@ -131,8 +131,10 @@ def test_refusals_of_the_options(tmp_path):
     base = dict(store=str(tmp_path / "s.zarr"), output=str(tmp_path / "o"))
     with pytest.raises(ValueError, match="--allow-incomplete"):
         TrainConfig.from_flat(**base, max_store_bytes="1GB", allow_incomplete=True)
-    with pytest.raises(ValueError, match="--context.*full-context"):
-        TrainConfig.from_flat(**base, max_store_bytes="1GB", extract_from="p", verifier="m", context="full")
+    with pytest.raises(ValueError, match="--context must be one of window, full"):
+        TrainConfig.from_flat(**base, max_store_bytes="1GB", extract_from="p", verifier="m", context="whole")
+    assert TrainConfig.from_flat(**base, max_store_bytes="1GB", extract_from="p", verifier="m",
+                                 context="full").stream.context == "full"
     with pytest.raises(ValueError, match="--max-store-bytes '12XB' is not a size"):
         TrainConfig.from_flat(**base, max_store_bytes="12XB")
     with pytest.raises(ValueError, match="--extract-from"):
