@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from peagle_data.extract.contexts import PACKINGS
 from peagle_data.extract.engine import VerifierEngine
 from peagle_data.extract.hf import HfEngine
 from peagle_data.extract.vllm import VllmEngine
@@ -136,6 +137,12 @@ class ExtractConfig:
     of this length (overlap 0.5) and each window reads the first piece that holds it (counted as
     conversations_split). Default: the verifier's max_position_embeddings (less the one token ``--engine vllm``
     generates after a request), at most 32768."""
+    context_packing: str | None = None
+    """--context full: how whole conversations are grouped into the blocks the verifier runs: ``best_fit`` (as
+    few, as full blocks as fit: the smallest store) or ``training_blocks`` (the conversations each training block
+    reads first, in blocks of their own: more, emptier blocks, but a streaming run extracts each about once per
+    epoch). Default: ``training_blocks`` with --stream, else ``best_fit``; a resumed store keeps its own. A
+    streaming run's features equal an offline store's only when both were grouped alike."""
 
     stream: bool = field(default=False, metadata={"action": True})
     """Extract while ``peagle-train`` trains on the store, within the byte budget it was given: create or continue
@@ -170,6 +177,8 @@ class ExtractConfig:
             raise ValueError(f"--context: expected one of {CONTEXTS}, got {self.context!r}")
         if self.max_context is not None and (self.context != "full" or self.max_context < 1):
             raise ValueError("--max-context is an option of --context full, and must be ≥ 1")
+        if self.context_packing is not None and (self.context != "full" or self.context_packing not in PACKINGS):
+            raise ValueError(f"--context-packing is an option of --context full: one of {', '.join(PACKINGS)}")
         if self.stream and (self.num_shards != 1 or self.max_blocks is not None):
             raise ValueError("--stream follows the run's plan over every block: drop --num-shards/--shard-index and "
                              "--max-blocks")

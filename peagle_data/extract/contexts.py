@@ -142,7 +142,7 @@ def _pieces(n_tokens: int, system_len: int, max_context: int, windows: list[_Win
 
 def plan_contexts(packed_rows: list[Mapping[str, Any]], conversations: Mapping[str, Mapping[str, Any]],
                   max_context: int, block_size: int, packed: str = "the packed table",
-                  packing: str = "training_blocks") -> ContextPlan:
+                  packing: str = "best_fit") -> ContextPlan:
     """The plan of full-context extraction for a packed table (module docstring).
 
     Args:

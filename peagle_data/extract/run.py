@@ -405,16 +405,26 @@ def _plan(cfg: ExtractConfig, table, conversations) -> ContextPlan:
 
 
 def _packing(cfg: ExtractConfig) -> str:
-    """How the plan packs contexts (:data:`peagle_data.extract.contexts.PACKINGS`): a resumed store's (one made
-    before packings were recorded: ``best_fit``), else ``training_blocks``."""
+    """How the plan packs contexts (:data:`peagle_data.extract.contexts.PACKINGS`): a resumed store's (recorded as
+    ``packing`` in its ``context`` counts; none: ``best_fit``), else ``--context-packing``, else ``training_blocks``
+    with ``--stream`` and ``best_fit`` without.
+
+    Raises:
+        InputError: a ``--context-packing`` other than the resumed store's.
+    """
     if cfg.resume and is_local(cfg.output) and is_zarr_store(cfg.output):
         try:
             made = FeatureStore.open(cfg.output).attrs.get("context")
         except StoreFormatError:
             made = None  # interrupted creation: the store is made again
         if isinstance(made, dict):
-            return str(made.get("packing", "best_fit"))
-    return "training_blocks"
+            packing = str(made.get("packing", "best_fit"))
+            if cfg.context_packing not in (None, packing):
+                raise InputError(f"--context-packing: the store's {packing}, given {cfg.context_packing}; a resume "
+                                 "keeps the store's (drop the option, or start over with --force)",
+                                 field="--context-packing")
+            return packing
+    return cfg.context_packing or ("training_blocks" if cfg.stream else "best_fit")
 
 
 def _extract_blocks(engine: VerifierEngine, store: FeatureStore, rows, todo: list[int], cfg: ExtractConfig,

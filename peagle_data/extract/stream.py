@@ -91,6 +91,7 @@ def stream_entries(store: FeatureStore, plan: StreamPlan, present: set[int], sta
             yield u
     consumed = read_consumed(store)
     identity = (plan.run, plan.record()["order_sha256"])
+    evicted_at = None  # the cursor of the last eviction: at the same cursor, nothing more is evictable
     for c in range(plan.n_entries):
         b = int(plan.order[c])
         if c < consumed:  # consumed already (a resumed extraction): no need to write it
@@ -108,10 +109,12 @@ def stream_entries(store: FeatureStore, plan: StreamPlan, present: set[int], sta
                                      "still running?", field="--stream-timeout-s")
                 time.sleep(POLL_S)
             stats["wait_s"] += time.monotonic() - t0
-        for e in plan.evictable(present, consumed):
-            units.evict_block(e)
-            present.discard(e)
-            stats["evicted"] += 1
+        if consumed != evicted_at:  # (units added since were read by the window)
+            for e in plan.evictable(present, consumed):
+                units.evict_block(e)
+                present.discard(e)
+                stats["evicted"] += 1
+            evicted_at = consumed
         for u in plan.units_of(b):
             if u in present:
                 continue

@@ -251,7 +251,7 @@ def wait_for_store(store: str, timeout_s: float, extraction: Extraction | None =
                                    f"{extraction.log_path}\n{extraction.tail()}")
         if time.monotonic() - t0 > timeout_s:
             where = f"; its log: {extraction.log_path}" if extraction is not None else (
-                " (start `peagle-data extract PACKED --output STORE --context window --stream`)")
+                " (start `peagle-data extract PACKED --output STORE --stream`)")
             raise StoreFormatError(f"no feature store at {store} after {timeout_s:g} s{where}")
         time.sleep(0.2)
 

@@ -25,7 +25,7 @@ EXACT = {
                           "--attn-implementation", "--resume", "--force", "--device", "--max-blocks", *SHARDS,
                           "--engine", "--tensor-parallel-size", "--pipeline-parallel-size", "--server",
                           "--shared-storage", "--concurrency", "--vllm-kv-cache-gib", "--vllm-gpu-memory-utilization",
-                          "--context", "--max-context", "--stream", "--stream-timeout-s", *CONFIG_FILE},
+                          "--context", "--max-context", "--context-packing", "--stream", "--stream-timeout-s", *CONFIG_FILE},
     ("data", "regenerate"): {"--output", "--verifier", "--server", "--served-model", "--max-new-tokens",
                              "--temperature", "--turns", "--concurrency", "--batch-size", "--device", "--limit",
                              "--format", "--retries", "--timeout", "--seed", "--tokenizer", "--server-kind",

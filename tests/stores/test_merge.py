@@ -191,14 +191,13 @@ def test_full_context_shards_merge_into_the_unsharded_store(tmp_path, smollm2_to
     quiet = dict(progress=False, log=lambda m: None)
     run_extract(ExtractConfig(**cfg, output=str(tmp_path / "full.zarr")), **quiet)
     full = FeatureStore.open(tmp_path / "full.zarr")
-    # 8 conversations in 9 contexts (the one of 145 tokens is cut in two) in 9 context blocks of 128 slots (grouped
-    # by the training block that reads them first)
-    assert (full.n_blocks, full.contexts.n_blocks, full.contexts.block_size) == (20, 9, 128)
+    # 8 conversations in 9 contexts (the one of 145 tokens is cut in two) in 7 context blocks of 128 slots
+    assert (full.n_blocks, full.contexts.n_blocks, full.contexts.block_size) == (20, 7, 128)
     assert full.attrs["context"]["conversations_split"] == 1
     parts = [tmp_path / f"s{i}.zarr" for i in range(2)]
     for i, out in enumerate(parts):
         s = run_extract(ExtractConfig(**cfg, output=str(out), num_shards=2, shard_index=i), **quiet)
-        assert s["complete"] and (s["context_blocks"], s["training_blocks"]) == ((5, 4)[i], 20)
+        assert s["complete"] and (s["context_blocks"], s["training_blocks"]) == ((4, 3)[i], 20)
         shard = FeatureStore.open(out)
         # the whole root in every shard, context blocks i, i+2, ... below
         assert np.array_equal(shard.views(), full.views())
@@ -206,7 +205,7 @@ def test_full_context_shards_merge_into_the_unsharded_store(tmp_path, smollm2_to
         assert np.array_equal(shard.contexts.group["aux_hidden"][:], full.contexts.group["aux_hidden"][i::2])
     r = CliRunner().invoke(main, ["merge", str(parts[1]), str(parts[0]), "--output", str(tmp_path / "m.zarr")])
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output)["contexts"]["n_blocks"] == 9
+    assert json.loads(r.output)["contexts"]["n_blocks"] == 7
     merged = FeatureStore.open(tmp_path / "m.zarr")
     assert _files(tmp_path / "m.zarr") == _files(tmp_path / "full.zarr")  # every chunk, byte for byte
     for a, b in ((merged, full), (merged.contexts, full.contexts)):
@@ -236,7 +235,7 @@ def test_merge_refuses_full_context_shards_of_other_runs_or_unfinished(tmp_path,
     run_extract(ExtractConfig(**cfg, output=str(wide), shard_index=1, context="full", max_context=160), **quiet)
     with pytest.raises(InputError) as e:
         merge_stores([s0, s1], tmp_path / "m.zarr")
-    assert str(e.value) == (f"{s1}: 3 context blocks not done; finish it with `peagle-data extract --resume` first")
+    assert str(e.value) == (f"{s1}: 2 context blocks not done; finish it with `peagle-data extract --resume` first")
     with pytest.raises(StoreMismatchError) as e:
         merge_stores([s0, window], tmp_path / "m.zarr")
     assert str(e.value) == (f"{window} was extracted with --context window, {s0} with --context full: shards of one "
@@ -245,14 +244,14 @@ def test_merge_refuses_full_context_shards_of_other_runs_or_unfinished(tmp_path,
         merge_stores([s0, wide], tmp_path / "m.zarr")
     assert str(e.value) == (f"{wide}: extracted with --max-context 160, {s0} with --max-context 128; shards of one "
                             "run share --max-context: extract the odd ones again")
-    FeatureStore.open(s0, mode="r+").update_attrs(shard={**FeatureStore.open(s0).attrs["shard"], "context_blocks": 11})
+    FeatureStore.open(s0, mode="r+").update_attrs(shard={**FeatureStore.open(s0).attrs["shard"], "context_blocks": 9})
     logs = []
     s = run_extract(ExtractConfig(**cfg, output=str(s1), shard_index=1, context="full", max_context=128,
                                   resume=True), progress=False, log=logs.append)
-    assert s["complete"] and s["context_blocks_done_this_run"] == 3
+    assert s["complete"] and s["context_blocks_done_this_run"] == 2
     assert not [m for m in logs if "rewriting" in m or "again" in m], logs  # an undamaged shard: nothing repaired
-    with pytest.raises(StoreMismatchError, match="5 context blocks, shard 0 of 2 of a plan of 11 context blocks "
-                                                 "holds 6"):
+    with pytest.raises(StoreMismatchError, match="4 context blocks, shard 0 of 2 of a plan of 9 context blocks "
+                                                 "holds 5"):
         merge_stores([s1, s0], tmp_path / "m.zarr")
     assert not (tmp_path / "m.zarr").exists()
 

@@ -32,7 +32,7 @@ def _context_blocks_of(plan) -> list[set[str]]:
 
 def test_contexts_are_grouped_by_the_training_block_that_reads_them_first(table):
     training, by_id = table
-    plan = plan_contexts(training, by_id, 48, 32)
+    plan = plan_contexts(training, by_id, 48, 32, packing="training_blocks")
     assert plan.counts["packing"] == "training_blocks"
     first = {}  # conversation -> the first training block reading it
     for b, r in enumerate(training):
@@ -44,8 +44,8 @@ def test_contexts_are_grouped_by_the_training_block_that_reads_them_first(table)
     order = [o.pop() for o in owners]
     assert order == sorted(order) and set(order) == set(first.values())
     assert len(set(first.values())) < len(first)  # some training block reads several conversations first
-    # the same tokens are run whatever the packing; best fit (the stores made before) packs them fuller
-    old = plan_contexts(training, by_id, 48, 32, packing="best_fit")
+    # the same tokens are run whatever the packing; best fit (the default) packs them fuller
+    old = plan_contexts(training, by_id, 48, 32)
     assert "packing" not in old.counts and old.counts["tokens_extracted"] == plan.counts["tokens_extracted"]
     assert old.counts["context_blocks"] <= plan.counts["context_blocks"]
     for r, v_new, v_old in zip(training, plan.views, old.views):  # every window reads its own tokens in both

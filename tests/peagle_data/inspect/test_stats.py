@@ -195,18 +195,18 @@ def test_full_context_store_stats_report_the_context_part(tmp_path, smollm2_toke
     assert (s["totals"]["rows"], s["totals"]["tokens"], s["totals"]["loss_tokens"], s["totals"]["blocks_done"]) == \
         (counts["n_blocks"], counts["tokens"], counts["loss_tokens"], counts["n_blocks"])  # the training blocks
     assert s["contexts"] == {
-        "blocks": 9, "blocks_done": 9, "block_size": 128, "tokens_extracted": extracted,
+        "blocks": 7, "blocks_done": 7, "block_size": 128, "tokens_extracted": extracted,
         "tokens_extracted_per_supervised_token": round(extracted / counts["loss_tokens"], 6),
-        "packing_efficiency": round(extracted / (9 * 128), 6), "max_context": 128, "conversations": 8,
+        "packing_efficiency": round(extracted / (7 * 128), 6), "max_context": 128, "conversations": 8,
         "conversations_split": 1}
     r = CliRunner().invoke(main, ["stats", str(tmp_path / "f.zarr")])
     assert r.exit_code == 0 and (
-        f"full context: 9 context blocks x 128 (9 done)  tokens extracted {extracted:,} "
+        f"full context: 7 context blocks x 128 (7 done)  tokens extracted {extracted:,} "
         f"({round(extracted / counts['loss_tokens'], 6)} per supervised token)  conversations 8 (1 longer than "
         "--max-context 128, split)") in r.output, r.output
     s = collect_stats(tmp_path / "s1.zarr")
     assert s["totals"]["blocks_done"] is None and s["totals"]["tokens"] == counts["tokens"]
-    assert s["contexts"]["shard"] == {"num_shards": 2, "shard_index": 1, "context_blocks": 9}
-    assert (s["contexts"]["blocks"], s["contexts"]["tokens_extracted_per_supervised_token"]) == (4, None)
+    assert s["contexts"]["shard"] == {"num_shards": 2, "shard_index": 1, "context_blocks": 7}
+    assert (s["contexts"]["blocks"], s["contexts"]["tokens_extracted_per_supervised_token"]) == (3, None)
     assert s["contexts"]["tokens_extracted"] == int(FeatureStore.open(tmp_path / "s1.zarr").contexts.n_tokens)
-    assert "4 context blocks x 128 (4 done; shard 1 of 2, 9 in the run)" in format_stats(s)
+    assert "3 context blocks x 128 (3 done; shard 1 of 2, 7 in the run)" in format_stats(s)

@@ -67,15 +67,15 @@ def test_inspect_reports_the_context_part_of_a_store_and_its_shards(stores):
         ("windows", 2, 20, 20, 100.0)
     assert s["n_tokens"] == TokenTable.open(packed).manifest["counts"]["tokens"] == 1229
     assert {k: s["contexts"][k] for k in ("block_size", "n_blocks", "n_tokens", "blocks_done")} == \
-        {"block_size": MAX_CONTEXT, "n_blocks": 9, "n_tokens": _tokens_extracted(packed), "blocks_done": 9}
+        {"block_size": MAX_CONTEXT, "n_blocks": 7, "n_tokens": _tokens_extracted(packed), "blocks_done": 7}
     assert (s["context"]["conversations"], s["context"]["conversations_split"], s["context"]["max_context"]) == \
         (8, 1, MAX_CONTEXT)
     per_shard = []
     for i, shard in enumerate(shards):
         s = json.loads(_invoke("inspect", shard).output)
-        assert s["shard"]["shard_index"] == i and s["shard"]["context_blocks"] == 9
+        assert s["shard"]["shard_index"] == i and s["shard"]["context_blocks"] == 7
         assert s["blocks_done"] is None and s["n_blocks"] == 20  # training blocks done once merged
-        assert (s["contexts"]["n_blocks"], s["contexts"]["blocks_done"]) == ((5, 4)[i],) * 2
+        assert (s["contexts"]["n_blocks"], s["contexts"]["blocks_done"]) == ((4, 3)[i],) * 2
         per_shard.append(s["contexts"]["n_tokens"])
     assert sum(per_shard) == _tokens_extracted(packed)
 

@@ -190,10 +190,12 @@ def packed_full(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def offline_full(tmp_path_factory, packed_full, tiny_verifier_dir) -> str:
-    """The whole full-context store, extracted first (the command, in its own process)."""
+    """The whole full-context store, extracted first (the command, in its own process), its conversations grouped
+    as a streaming extraction groups them (its default, --context-packing training_blocks)."""
     out = tmp_path_factory.mktemp("offline_full") / "s.zarr"
     res = subprocess.run([sys.executable, "-m", "cli.data", "extract", str(packed_full), "--output", str(out),
-                          "--verifier", str(tiny_verifier_dir), "--context", "full", "--device", "cpu"],
+                          "--verifier", str(tiny_verifier_dir), "--context", "full", "--context-packing",
+                          "training_blocks", "--device", "cpu"],
                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -233,6 +235,8 @@ def test_full_context_streaming_weights_equal_offline_weights(tmp_path, packed_f
     assert summary["val_loss"] == offline["val_loss"] and offline["steps"] == steps
 
     opened = FeatureStore.open(store)
+    assert opened.attrs["context"] == offline_store.attrs["context"]  # the same plan, packing training_blocks
+    assert opened.attrs["context"]["packing"] == "training_blocks"
     plan = read_plan(opened)
     assert plan.reads is not None and plan.record()["format"] == 2 and read_consumed(opened) == steps
     assert plan.n_entries == steps and len(plan.val_blocks) == 2

@@ -64,7 +64,7 @@ def _same(a, b) -> bool:
 
 def test_the_loader_yields_the_full_context_stores_blocks(stores):
     full = FeatureStore.open(stores["full"])
-    assert full.layout == "windows" and full.n_blocks == 16 and full.contexts.n_blocks == 6
+    assert full.layout == "windows" and full.n_blocks == 16 and full.contexts.n_blocks == 5
     seq = BlockSequence(np.arange(16), np.arange(16), seed=1)
     loader = BlockLoader(full, seq, blocks_per_read=3)
     got = list(itertools.islice(iter(loader), 20))  # past one epoch
