@@ -3,7 +3,8 @@ weights equal an offline run's (extract everything, then train) bit for bit, for
 epoch policies, and the store never passes its budget; bad input is refused before anything loads.
 
 Tiny packed table (8 blocks of 48 token slots, random ids), the tiny Llama verifier (hidden 64, 4 layers),
-hf engine on CPU; the extraction runs as the subprocess the command starts."""
+hf engine on CPU; the extraction runs as the subprocess the command starts. The same for a full-context store
+(``--context full``): 12 synthetic conversations whose windows share context blocks across training blocks."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from peagle_train.train.run import run_train
 from stores.errors import InputError, OutputExistsError, StoreFormatError
 from stores.feature_store import FeatureStore
 from stores.stream_plan import block_feature_bytes, read_consumed, read_plan
+from tests.peagle_data.extract.test_full_context import synthetic_conversations, write_packed_conversations
 from tests.peagle_data.extract.test_run import write_packed
 
 REPO = Path(__file__).resolve().parents[3]
@@ -182,8 +184,6 @@ FULL_OPTS = {**OPTS, "val_fraction": 0.2}
 
 @pytest.fixture(scope="module")
 def packed_full(tmp_path_factory) -> Path:
-    from tests.peagle_data.extract.test_full_context import synthetic_conversations, write_packed_conversations
-
     return write_packed_conversations(tmp_path_factory.mktemp("packed_full") / "packed",
                                       synthetic_conversations(49152, shapes=FULL_SHAPES), 16, 32, "smollm2-135m")
 
