@@ -158,6 +158,9 @@ def main() -> None:
     ap.add_argument("--plan-only", action="store_true")
     ap.add_argument("--plan-windows", default="2,4,8,16")
     ap.add_argument("--context-packing", choices=["training_blocks", "best_fit"], default="training_blocks")
+    ap.add_argument("--verifier", default="smollm2-135m",
+                    help="the verifier (plan-only: any model of SmolLM2's tokenizer and max_position_embeddings plans "
+                         "the same contexts, e.g. a tiny random one, which runs its one block at once)")
     args = ap.parse_args()
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -170,7 +173,7 @@ def main() -> None:
 
     offline_store = work / "offline.zarr"
     log("offline extraction" + (" (token arrays and views only: --max-blocks 1)" if args.plan_only else ""))
-    ext = run(["cli.data", "extract", str(packed), "--verifier", "smollm2-135m", "--output", str(offline_store),
+    ext = run(["cli.data", "extract", str(packed), "--verifier", args.verifier, "--output", str(offline_store),
                "--context", args.context, "--device", "cpu", "--force",
                *(["--context-packing", args.context_packing] if args.context == "full" else []),
                *(["--max-blocks", "1"] if args.plan_only else [])], watch_store=offline_store)

@@ -251,6 +251,8 @@ def test_full_context_streaming_weights_equal_offline_weights(tmp_path, packed_f
     else:  # a window of a few context blocks: shared ones are evicted and extracted again; at the end only the
         # validation blocks' context blocks stay
         assert plan.window < steps and stream["evicted"] > 0 and stream["extractions"] > len(read)
+        # the plan's count assumes the extraction as far ahead as the window lets it: the most it can take
+        assert stream["extractions"] <= summary["stream"]["planned_extractions"]
         assert done == set(plan.val_units)
         report, failure = verify_output(store)
         assert failure is None and report["state"] == "streaming" and report["ok"]
