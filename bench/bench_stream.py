@@ -16,8 +16,24 @@ of its files' lengths, sampled every 0.05 s by this script, and by the extractio
 extracted (the extraction's ``verifier_tokens_this_run``) against the offline extraction's; whether the final weights
 equal the offline run's, bit for bit.
 
+``--context full`` does the same with full-context stores (``extract --context full --context-packing
+training_blocks``, as the streaming runs' ``--context full`` extraction groups the conversations by default, so that
+the weights can be compared): the units extracted and evicted are then context blocks, and ``--window-blocks``
+counts context blocks beside those of the validation blocks. ``--context-packing best_fit`` (plan-only) shows what
+a store grouped as ``extract`` does by default would cost a streaming run.
+
+``--plan-only`` (either context) measures no run: it makes the store's token arrays and views (``extract
+--max-blocks 1``: one block's forward), then, for each window of ``--plan-windows`` units and each epoch count,
+the stream plan a ``peagle-train --max-store-bytes`` run makes (the same split, order and rules:
+``make_plan``), and reports its planned extraction tokens (``planned_tokens``: each unit's tokens times the
+times the plan extracts it, when the extraction runs as far ahead as the window lets it) against the offline
+extraction's (every unit once). ``--max-windows`` sets ``pack --max-windows`` (the demo's 1; 0 keeps every
+window, so long conversations are read by several training blocks).
+
 Usage (from the repository root, inside .venv):
     python bench/bench_stream.py --work /tmp/bench_stream --conversations 40 > stream.json
+    python bench/bench_stream.py --work /tmp/bench_full --context full --policies reextract --epochs 1,2
+    python bench/bench_stream.py --work /tmp/plan_full --context full --plan-only --max-windows 0
 """
 
 from __future__ import annotations
@@ -33,11 +49,17 @@ from pathlib import Path
 
 from safetensors.numpy import load_file
 
+from peagle_train.data.loader import BlockSequence
+from peagle_train.data.split import split_store
+from peagle_train.data.stream import make_plan, planned_tokens
+from stores.errors import InputError
 from stores.feature_store import FeatureStore
-from stores.stream_plan import apparent_bytes, block_feature_bytes
+from stores.stream_plan import apparent_bytes, block_feature_bytes, unit_store
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = ["--draft-vocab-size", "4096", "--num-depths", "4", "--lr", "1e-3", "--seed", "0"]
+SEED, VAL_FRACTION, VAL_MAX_BLOCKS = 0, 0.05, 16
+"""The runs' seed and peagle-train's validation defaults (the plan-only figures use them)."""
 
 
 def log(msg: str) -> None:
@@ -77,6 +99,53 @@ def same_weights(a: Path, b: Path) -> bool:
     return sorted(x) == sorted(y) and all(x[k].tobytes() == y[k].tobytes() for k in x)
 
 
+def validation_units(store: FeatureStore) -> int:
+    """The units the scored validation blocks of a run with the bench's seed and validation defaults read."""
+    train_side, val_side = split_store(store, SEED, VAL_FRACTION)
+    plan = make_plan(store, BlockSequence(train_side, train_side, SEED), val_side, max_steps=1, blocks_per_step=1,
+                     val_max_blocks=VAL_MAX_BLOCKS, max_store_bytes=10 ** 15, policy="reextract",
+                     run={"output": "bench"})
+    return len(plan.val_units)
+
+
+def plan_figures(store_path: Path, windows: list[int], epochs: list[int], policies: list[str]) -> dict:
+    """The stream plans of runs on ``store_path`` (token arrays and views written; features not needed) for a
+    budget of each window of ``windows`` units beside the validation blocks' and each epoch count: the window
+    in entries, the planned extraction tokens, and per epoch against the offline extraction's."""
+    store = FeatureStore.open(store_path)
+    units = unit_store(store)
+    offline_tokens = int(units.n_tokens_per_block().sum())
+    unit_bytes = block_feature_bytes(units.block_size, len(store.layers), store.hidden_size, store.storage_dtype)
+    train_side, val_side = split_store(store, SEED, VAL_FRACTION)
+    sequence = BlockSequence(train_side, train_side, SEED, str(store_path))
+    per_epoch = len(train_side)
+    out = {"units": "context_blocks" if store.layout == "windows" else "blocks", "n_units": units.n_blocks,
+           "unit_bytes": unit_bytes, "training_blocks": store.n_blocks, "train_side": per_epoch,
+           "offline_tokens": offline_tokens, "feature_bytes_all_units": units.n_blocks * unit_bytes, "plans": []}
+    for policy in policies:
+        for e in epochs:
+            for w in windows if policy == "reextract" else [units.n_blocks]:
+                def plan_for(budget):
+                    return make_plan(store, sequence, val_side, max_steps=per_epoch * e, blocks_per_step=1,
+                                     val_max_blocks=VAL_MAX_BLOCKS, max_store_bytes=budget, policy=policy,
+                                     run={"output": "bench"})
+                probe = plan_for(10 ** 15)  # the fixed bytes and the validation units of this run
+                budget = probe.fixed_bytes + (len(probe.val_units) + w) * unit_bytes
+                try:
+                    plan = plan_for(budget)
+                except InputError as err:  # a window smaller than one step's units
+                    out["plans"].append({"policy": policy, "epochs": e, "window_units": w, "refused": str(err)})
+                    continue
+                tokens = planned_tokens(store, plan)
+                val_tokens = sum(int(units.n_tokens_of(u)) for u in plan.val_units)
+                out["plans"].append({
+                    "policy": policy, "epochs": e, "window_units": w, "budget_bytes": budget,
+                    "window_entries": plan.window, "planned_extractions": plan.extractions(),
+                    "planned_tokens": tokens,
+                    "tokens_per_epoch_vs_offline": round((tokens - val_tokens) / e / (offline_tokens - val_tokens), 4)})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, required=True)
@@ -84,25 +153,46 @@ def main() -> None:
     ap.add_argument("--epochs", default="1,2")
     ap.add_argument("--policies", default="reextract,keep")
     ap.add_argument("--window-blocks", type=int, default=8)
+    ap.add_argument("--context", choices=["window", "full"], default="window")
+    ap.add_argument("--max-windows", type=int, default=1, help="pack --max-windows (0: every window)")
+    ap.add_argument("--plan-only", action="store_true")
+    ap.add_argument("--plan-windows", default="2,4,8,16")
+    ap.add_argument("--context-packing", choices=["training_blocks", "best_fit"], default="training_blocks")
+    ap.add_argument("--verifier", default="smollm2-135m",
+                    help="the verifier (plan-only: any model of SmolLM2's tokenizer and max_position_embeddings plans "
+                         "the same contexts, e.g. a tiny random one, which runs its one block at once)")
     args = ap.parse_args()
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     epochs = [int(e) for e in args.epochs.split(",")]
     packed = work / "packed"
     log(f"pack {args.conversations} conversations")
+    windows = ["--max-windows", str(args.max_windows)] if args.max_windows else []
     run(["cli.data", "pack", "sharegpt", "--tokenizer", "smollm2-135m", "--output", str(packed), "--limit",
-         str(args.conversations), "--max-seq-len", "512", "--max-windows", "1", "--force"])
+         str(args.conversations), "--max-seq-len", "512", *windows, "--force"])
 
     offline_store = work / "offline.zarr"
-    log("offline extraction")
-    ext = run(["cli.data", "extract", str(packed), "--verifier", "smollm2-135m", "--output", str(offline_store),
-               "--context", "window", "--device", "cpu", "--force"], watch_store=offline_store)
+    log("offline extraction" + (" (token arrays and views only: --max-blocks 1)" if args.plan_only else ""))
+    ext = run(["cli.data", "extract", str(packed), "--verifier", args.verifier, "--output", str(offline_store),
+               "--context", args.context, "--device", "cpu", "--force",
+               *(["--context-packing", args.context_packing] if args.context == "full" else []),
+               *(["--max-blocks", "1"] if args.plan_only else [])], watch_store=offline_store)
+    if args.plan_only:
+        report = {"conversations": args.conversations, "context": args.context, "max_windows": args.max_windows,
+                  "context_packing": args.context_packing if args.context == "full" else None,
+                  **plan_figures(offline_store, [int(w) for w in args.plan_windows.split(",")], epochs,
+                                 args.policies.split(","))}
+        print(json.dumps(report, indent=2))
+        return
     store = FeatureStore.open(offline_store)
+    units = unit_store(store)
     offline_bytes = apparent_bytes(offline_store)
-    block = block_feature_bytes(store.block_size, len(store.layers), store.hidden_size, store.storage_dtype)
-    fixed = offline_bytes - store.n_blocks * block
-    report = {"conversations": args.conversations, "n_blocks": store.n_blocks, "block_size": store.block_size,
-              "n_tokens": store.n_tokens, "block_feature_bytes": block, "offline_store_bytes": offline_bytes,
+    block = block_feature_bytes(units.block_size, len(store.layers), store.hidden_size, store.storage_dtype)
+    fixed = offline_bytes - units.n_blocks * block
+    report = {"conversations": args.conversations, "context": args.context, "n_blocks": store.n_blocks,
+              "block_size": store.block_size, "n_tokens": store.n_tokens,
+              "units": "context_blocks" if store.layout == "windows" else "blocks", "n_units": units.n_blocks,
+              "unit_tokens": units.n_tokens, "block_feature_bytes": block, "offline_store_bytes": offline_bytes,
               "offline_extract": {"wall_s": ext["wall_s"], "tokens": ext["summary"]["verifier_tokens_this_run"]},
               "runs": []}
 
@@ -115,12 +205,12 @@ def main() -> None:
                  *TRAIN, *steps, "--force"], metrics=out / "metrics.jsonl")
         if per_epoch is None:
             per_epoch = int(r["summary"]["steps"]) // e
-        n_val = int(r["summary"]["val_blocks"])
         report["runs"].append({"mode": "offline", "epochs": e, "steps": r["summary"]["steps"],
                                "train_wall_s": r["wall_s"], "wall_s": round(ext["wall_s"] + r["wall_s"], 2),
                                "first_step_s": round(ext["wall_s"] + r["first_step_s"], 2),
                                "peak_store_bytes": offline_bytes, "tokens_extracted": ext["summary"]["verifier_tokens_this_run"]})
-    budget = fixed + 8 * per_epoch * max(epochs) + 8192 + (min(16, n_val) + args.window_blocks) * block
+    val_units = validation_units(store)  # with --context window, the validation blocks themselves
+    budget = fixed + 8 * per_epoch * max(epochs) + 8192 + (val_units + args.window_blocks) * block
     report["budget_bytes"] = budget
     report["window_blocks"] = args.window_blocks
     for policy in args.policies.split(","):
@@ -130,8 +220,8 @@ def main() -> None:
             log(f"streaming, policy {policy}, {e} epoch(s), budget {size:,} bytes")
             r = run(["cli.train", "--store", str(st), "--output", str(out), "--verifier", "smollm2-135m", *TRAIN,
                      "--max-steps", str(per_epoch * e), "--extract-from", str(packed), "--max-store-bytes", str(size),
-                     "--epoch-policy", policy, "--device", "cpu", "--force"], watch_store=st,
-                    metrics=out / "metrics.jsonl")
+                     "--epoch-policy", policy, "--context", args.context, "--device", "cpu", "--force"],
+                    watch_store=st, metrics=out / "metrics.jsonl")
             text = Path(r["summary"]["extraction_log"]).read_text()
             ext_summary = json.loads(text[text.rindex('{\n  "store"'):]) if '{\n  "store"' in text else {}
             report["runs"].append({
@@ -143,6 +233,7 @@ def main() -> None:
                 "tokens_extracted_per_epoch_vs_offline": round(ext_summary.get("verifier_tokens_this_run", 0) / e
                                                                / report["offline_extract"]["tokens"], 3),
                 "extractions": ext_summary.get("stream", {}).get("extractions"),
+                "planned_extraction_tokens": r["summary"].get("stream", {}).get("planned_extraction_tokens"),
                 "extraction_waits": ext_summary.get("stream", {}).get("waits"),
                 "extraction_wait_s": ext_summary.get("stream", {}).get("wait_s"),
                 "train_read_wait_s": r["summary"].get("stream", {}).get("read_wait_s"),

@@ -11,6 +11,7 @@ import click
 from cli.common import OutputPath, again_command, config_error, echo_json, handle_errors, resume_command
 from cli.options import config_file_options, config_options, run_config
 from peagle_data.extract.config import ATTN_IMPLEMENTATIONS, CONTEXTS, ENGINES, ExtractConfig
+from peagle_data.extract.contexts import PACKINGS
 from peagle_data.extract.run import run_extract
 import peagle_data.inspect.verify
 from peagle_data.inspect.verify import EXIT_DAMAGED, EXIT_UNFINISHED, InspectConfig, VerifyConfig
@@ -31,6 +32,7 @@ _EXTRACT_OVERRIDES = {
     "server": {"metavar": "URL"},
     "shared_storage": {"type": click.Path(file_okay=False), "metavar": "DIR"},
     "context": {"type": click.Choice(CONTEXTS)},
+    "context_packing": {"type": click.Choice(PACKINGS)},
 }
 """What ExtractConfig's annotations cannot say: paths, choices (the library's tuples), ``none`` for no compressor."""
 

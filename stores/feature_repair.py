@@ -137,29 +137,43 @@ def verify_store(path: str | os.PathLike, expected_tokens=None, repair: bool = F
     """
     store = FeatureStore.open(path, mode="r+" if repair else "r")
     if store.layout == "windows":
-        return _verify_windows(store, path, expected_tokens, repair)
-    report = _verify_blocks(store, path, expected_tokens, repair)
-    plan = read_plan(store) if store.layout == "blocks" and is_local(str(path)) and has_plan(store) else None
+        report = _verify_windows(store, path, expected_tokens, repair)
+    else:
+        report = _verify_blocks(store, path, expected_tokens, repair)
+    plan = read_plan(store) if is_local(str(path)) and has_plan(store) else None
     if plan is not None:  # a streamed store: blocks not done are evicted or not extracted yet, not damage
-        report["stream"] = stream_report(store, plan, report["not_done"])
-        report["ok"] = not report["bad_blocks"] and not report["damaged_arrays"]
+        grid = report.get("contexts") or {}
+        report["stream"] = stream_report(store, plan, report["not_done"], grid.get("not_done"))
+        report["ok"] = not any(r.get("bad_blocks") or r.get("damaged_arrays") for r in (report, grid))
     return report
 
 
-def stream_report(store: FeatureStore, plan, not_done: list[int]) -> dict[str, Any]:
+def stream_report(store: FeatureStore, plan, not_done: list[int], contexts_not_done: list[int] | None = None
+                  ) -> dict[str, Any]:
     """What ``verify`` says of a streamed store's blocks that are not done (docs/design.md §7 "Streaming"):
     the plan's ``policy``, ``consumed`` of ``n_entries``, and the not-done blocks by why: ``consumed`` (every
     entry reading them is consumed: evicted, or a block the run no longer reads), ``pending`` (an unconsumed
     entry reads them: extraction writes them when the window reaches them), ``unused`` (the plan never reads
-    them: validation blocks past ``--val-max-blocks``, or past the run's steps)."""
+    them: validation blocks past ``--val-max-blocks``, or past the run's steps). A full-context store's
+    ``not_done`` are training blocks (a context block they read is not done), and ``contexts`` sorts its context
+    blocks that are not done, ``contexts_not_done``, the same way (``pending``: read by the training block of an
+    unconsumed entry or by a validation block)."""
     consumed = read_consumed(store)
     ahead = set(plan.order[consumed:].tolist()) | set(plan.val_blocks)
     ever = set(plan.order.tolist()) | set(plan.val_blocks)
+    report = {"policy": plan.policy, "consumed": consumed, "n_entries": plan.n_entries, "window": plan.window,
+              "output": plan.run.get("output"), **_sort_not_done(not_done, ahead, ever)}
+    if plan.reads is not None:
+        report["contexts"] = _sort_not_done(contexts_not_done or [], {u for b in ahead for u in plan.units_of(b)},
+                                            {u for b in ever for u in plan.units_of(b)})
+    return report
+
+
+def _sort_not_done(not_done: list[int], ahead: set[int], ever: set[int]) -> dict[str, Any]:
+    """``pending`` (in ``ahead``), ``unused`` (not in ``ever``) and the count of the others, ``consumed_blocks``."""
     pending = sorted(b for b in not_done if b in ahead)
     unused = sorted(b for b in not_done if b not in ever)
-    return {"policy": plan.policy, "consumed": consumed, "n_entries": plan.n_entries, "window": plan.window,
-            "output": plan.run.get("output"), "pending": pending, "unused": unused,
-            "consumed_blocks": len(not_done) - len(pending) - len(unused)}
+    return {"pending": pending, "unused": unused, "consumed_blocks": len(not_done) - len(pending) - len(unused)}
 
 
 def _verify_windows(store: FeatureStore, path, expected_tokens, repair: bool) -> dict[str, Any]:

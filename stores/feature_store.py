@@ -446,7 +446,12 @@ class FeatureStore:
         self.group["done"][i] = 0
 
     def is_done(self, i: int) -> bool:
-        """Block ``i``'s done flag, read now from the store (not cached: another process may set or clear it)."""
+        """Block ``i``'s done flag, read now from the store (not cached: another process may set or clear it); a
+        full-context store's training block: whether every context block its views read is done."""
+        if self.layout == "windows":
+            self._refuse_shard()
+            m = self.view_row(i)[:, 0]
+            return all(self.contexts.is_done(int(u)) for u in np.unique(m[m >= 0]))
         return bool(self.group["done"][i])
 
     def feature_chunk_paths(self, i: int) -> list[Path]:
@@ -457,13 +462,15 @@ class FeatureStore:
 
     def evict_block(self, i: int) -> None:
         """Delete block ``i``'s features (a streaming run, docs/design.md §7): its done flag cleared first, then
-        its feature chunk files removed; the token arrays stay, so extracting it again makes it done again.
+        its feature chunk files removed; the token arrays stay, so extracting it again makes it done again. A
+        full-context store evicts context blocks (its ``contexts`` sub-store's), never its training blocks.
 
         Raises:
-            StoreFormatError: a remote store or a full-context one.
+            StoreFormatError: a remote store or a full-context store's root.
         """
-        if self.layout != "blocks":
-            raise StoreFormatError(f"{self.path}: only a format-1 (--context window) store evicts blocks")
+        if self.layout == "windows":
+            raise StoreFormatError(f"{self.path}: a full-context store's training blocks are views; evict its context "
+                                   "blocks (store.contexts)")
         paths = self.feature_chunk_paths(i)
         self._writable("done")[i] = 0
         for path in paths:

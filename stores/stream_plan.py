@@ -1,7 +1,9 @@
 """The stream plan of a feature store trained while it is extracted (docs/design.md §7, "Streaming").
 
-Legend: N blocks of the store, T entries of the run (``max_steps * blocks_per_step``), B the window
-(train blocks the budget holds at once), V validation blocks kept for the whole run.
+Legend: N training blocks of the store, T entries of the run (``max_steps * blocks_per_step``), B the window
+(entries the budget holds at once), V validation blocks kept for the whole run, P blocks per optimizer step. A
+**unit** is what the extraction writes and evicts: a block of a format-1 store (``--context window``), or a
+context block of a full-context store (``--context full``, whose training blocks are views of context blocks).
 
 A streaming run (``peagle-train --max-store-bytes``) trains on a store whose features are extracted while it
 trains, in the order it reads them, and stays within a byte budget. This module is the one place that knows
@@ -10,26 +12,30 @@ the two records of such a run inside the store, in the sub-group ``stream`` of t
 - the **plan** (``stream/zarr.json`` attributes ``peagle_stream``, and the array ``stream/order``
   ``[T] int64``): written once by the trainer (rank 0) when the run starts, read by every extraction
   process: the run's identity (its output directory, seed, split, steps), the epoch ``policy``
-  (:data:`POLICIES`), the budget, the bytes of one block's features, the window ``B`` and the validation
-  blocks, and ``order``: entry ``c`` of the run reads block ``order[c]``;
+  (:data:`POLICIES`), the budget, the bytes of one unit's features, the window ``B`` and the validation
+  blocks, and ``order``: entry ``c`` of the run reads training block ``order[c]``. Format 1 is a format-1
+  store's plan; format 2 a full-context store's (``layout: "windows"``): the units training block ``i`` reads
+  are the context blocks of its views (:func:`context_reads`, read from the store, their digest recorded);
 - the **consumed cursor** (``stream/consumed.json``): the number of entries the trainer has durably
   consumed, written (fsync'd, renamed) only after the checkpoint that holds the training state past them
-  is itself on disk (:func:`fsync_tree`). A crash can therefore never leave the trainer needing a block that
+  is itself on disk (:func:`fsync_tree`). A crash can therefore never leave the trainer needing a unit that
   was deleted: deletion follows the cursor, the cursor follows a saved state.
 
 The rules both sides follow (pure functions of the plan and the cursor ``K``):
 
-- extraction writes entry ``c`` only when ``c < K + B`` (:meth:`StreamPlan.may_write`); the validation
-  blocks first;
-- with policy ``reextract``, a present training block that no entry of ``[K, K + B)`` reads is evicted
-  (:meth:`StreamPlan.evictable`): its done flag cleared, then its feature chunk files deleted
-  (:meth:`stores.feature_store.FeatureStore.evict_block`); it is extracted again when a later epoch reads
-  it. With ``keep`` nothing is evicted (each block is extracted once, at its first entry; the budget must
-  hold every block the run reads).
+- extraction writes entry ``c`` (the units of its training block not present, in their order) only when
+  ``c < K + B`` (:meth:`StreamPlan.may_write`); the units of the validation blocks first;
+- with policy ``reextract``, a present unit that no entry of ``[K, K + B)`` reads and no validation block
+  reads is evicted (:meth:`StreamPlan.evictable`): its done flag cleared, then its feature chunk files
+  deleted (:meth:`stores.feature_store.FeatureStore.evict_block`); it is extracted again when a later entry
+  reads it. A context block shared by training blocks within one window is so extracted once. With ``keep``
+  nothing is evicted (each unit is extracted once; the budget must hold every unit the run reads).
 
-So the store holds at most the fixed arrays, the V validation blocks and the B distinct blocks of one window:
-``fixed_bytes + (V + B) * block_bytes <= max_store_bytes``, the budget; sizes are apparent file sizes (the
-sum of the files' lengths, chunk checksums included).
+So the store holds at most the fixed arrays and the units of the validation blocks and of one window:
+``fixed_bytes + |units(val) ∪ units(order[K:K+B])| * unit_bytes <= max_store_bytes`` for every cursor ``K``
+(a multiple of P); for a format-1 store that is ``fixed_bytes + (V + B) * block_bytes`` (:func:`window_for_budget`),
+for a full-context one B is the largest window that holds it at every K (:func:`window_for_reads`); sizes are
+apparent file sizes (the sum of the files' lengths, chunk checksums included).
 """
 
 from __future__ import annotations
@@ -53,15 +59,18 @@ from stores.errors import InputError, StoreFormatError
 from stores.feature_schema import ARRAYS, hidden_arrays
 from stores.files import is_local
 
-__all__ = ["STREAM_GROUP", "STREAM_FORMAT", "POLICIES", "CONSUMED_FILE", "parse_size", "format_size",
-           "block_feature_bytes", "flag_bytes", "fixed_bytes_estimate", "StreamPlan", "write_plan", "read_plan",
-           "remove_plan", "has_plan", "plan_record", "read_consumed", "write_consumed", "fsync_tree",
-           "apparent_bytes", "window_for_budget"]
+__all__ = ["STREAM_GROUP", "STREAM_FORMAT", "WINDOWS_STREAM_FORMAT", "POLICIES", "CONSUMED_FILE", "parse_size",
+           "format_size", "block_feature_bytes", "flag_bytes", "fixed_bytes_estimate", "StreamPlan", "write_plan",
+           "read_plan", "remove_plan", "has_plan", "plan_record", "read_consumed", "write_consumed", "fsync_tree",
+           "apparent_bytes", "window_for_budget", "window_for_reads", "step_units", "context_reads", "unit_store"]
 
 STREAM_GROUP = "stream"
 """The store's sub-group holding the plan and the consumed cursor."""
 STREAM_FORMAT = 1
-"""Version of the plan record; a reader refuses another."""
+"""Version of the plan record of a format-1 store (``--context window``: every training block is one unit)."""
+WINDOWS_STREAM_FORMAT = 2
+"""Version of the plan record of a full-context store (``--context full``: the units are context blocks, read
+through the training blocks' views). A reader refuses a format it does not know."""
 POLICIES = ("reextract", "keep")
 """Epoch policies: ``reextract`` (stay within the budget; a later epoch extracts its blocks again) and ``keep``
 (every block stays once extracted: today's store, but training starts on the first block)."""
@@ -137,6 +146,85 @@ def window_for_budget(max_store_bytes: int, fixed_bytes: int, block_bytes: int, 
     return (max_store_bytes - fixed_bytes) // block_bytes - n_val
 
 
+def _window_units(order: np.ndarray, reads: tuple[tuple[int, ...], ...], val_units: set[int], width: int,
+                  step: int) -> int:
+    """The most units outside ``val_units`` that the entries ``[K, K + width)`` read, over every cursor K that
+    is a multiple of ``step`` (a sliding count: each entry's units added and removed once)."""
+    T = int(order.size)
+    counts: dict[int, int] = {}
+    distinct = most = 0
+
+    def add(c: int, d: int) -> None:
+        nonlocal distinct
+        for u in reads[int(order[c])]:
+            if u in val_units:
+                continue
+            n = counts.get(u, 0) + d
+            counts[u] = n
+            distinct += (n == 1 and d == 1) - (n == 0 and d == -1)
+
+    for c in range(min(width, T)):
+        add(c, 1)
+    for K in range(T):
+        if K % step == 0:
+            most = max(most, distinct)
+        if K + width < T:
+            add(K + width, 1)
+        add(K, -1)
+    return most
+
+
+def step_units(order: np.ndarray, reads: tuple[tuple[int, ...], ...], val_units: Iterable[int], step: int) -> int:
+    """The most units (outside the validation blocks' ``val_units``) one optimizer step's ``step`` entries read:
+    what a full-context run's budget must hold beside the fixed arrays and the validation units."""
+    return _window_units(np.asarray(order), reads, set(val_units), step, step)
+
+
+def window_for_reads(order: np.ndarray, reads: tuple[tuple[int, ...], ...], val_units: Iterable[int],
+                     capacity: int, step: int) -> int:
+    """B of a full-context store: the largest window (entries) such that, at every cursor K that is a multiple
+    of ``step``, the units of ``order[K:K+B]`` not among ``val_units`` are at most ``capacity`` (the units the
+    budget holds beside the fixed arrays and the validation units); at most T. 0 when not even one entry fits.
+
+    Args:
+        order: ``[T] int64`` the training block of each entry; reads: per training block, the units it reads.
+    """
+    order, val = np.asarray(order), set(val_units)
+    lo, hi = 0, int(order.size)  # lo fits (0 entries read nothing), find the largest that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _window_units(order, reads, val, mid, step) <= capacity:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def context_reads(store) -> tuple[tuple[int, ...], ...]:
+    """Per training block of a full-context store (``layout: "windows"``), the context blocks its views read,
+    ascending (its units in a stream plan).
+
+    Raises:
+        StoreFormatError: another layout, or a shard store (its views read other shards' context blocks).
+    """
+    if store.layout != "windows" or store.attrs.get("shard"):
+        raise StoreFormatError(f"{store.path}: context blocks are read through the views of a whole full-context store")
+    m = store.views()[..., 0]  # [N, S_max] context block per segment, -1 past the segments
+    return tuple(tuple(sorted({int(u) for u in row if u >= 0})) for row in m)
+
+
+def unit_store(store):
+    """The store whose blocks are a streaming run's units: a full-context store's ``contexts`` sub-store, else
+    the store itself."""
+    return store.contexts if store.layout == "windows" else store
+
+
+def _reads_digest(reads: tuple[tuple[int, ...], ...] | None) -> str | None:
+    if reads is None:
+        return None
+    return hashlib.sha256(json.dumps([list(r) for r in reads], separators=(",", ":")).encode()).hexdigest()
+
+
 @dataclass(frozen=True)
 class StreamPlan:
     """A streaming run's plan (see the module doc).
@@ -147,10 +235,13 @@ class StreamPlan:
         policy: one of :data:`POLICIES`.
         max_store_bytes: the budget (bytes).
         fixed_bytes: the store's bytes without feature chunks (measured after its creation, or estimated).
-        block_bytes: one block's feature bytes (:func:`block_feature_bytes`).
+        block_bytes: one unit's feature bytes (:func:`block_feature_bytes`; a full-context store's: of a
+            context block).
         window: B, the entries extraction may run ahead of the consumed cursor (``keep``: every entry).
         val_blocks: the validation blocks the run scores, extracted first and kept.
-        order: ``[T] int64`` entry c reads block ``order[c]``.
+        order: ``[T] int64`` entry c reads training block ``order[c]``.
+        reads: a full-context store's units per training block (:func:`context_reads`); None for a format-1
+            store, whose training block ``i`` is unit ``i``.
     """
 
     run: dict[str, Any]
@@ -161,55 +252,79 @@ class StreamPlan:
     window: int
     val_blocks: tuple[int, ...]
     order: np.ndarray = field(repr=False)
+    reads: tuple[tuple[int, ...], ...] | None = field(default=None, repr=False)
 
     @property
     def n_entries(self) -> int:
         """T, the entries of the run."""
         return int(self.order.size)
 
+    def units_of(self, block: int) -> tuple[int, ...]:
+        """The units training block ``block`` reads (its context blocks; a format-1 store's: itself)."""
+        return (int(block),) if self.reads is None else self.reads[int(block)]
+
+    @property
+    def val_units(self) -> tuple[int, ...]:
+        """The units the validation blocks read, in their order, each once: extracted first, never evicted."""
+        return tuple(dict.fromkeys(u for b in self.val_blocks for u in self.units_of(b)))
+
     def may_write(self, entry: int, consumed: int) -> bool:
         """Whether extraction may write entry ``entry`` with ``consumed`` entries durably consumed."""
         return self.policy == "keep" or entry < consumed + self.window
 
     def needed(self, consumed: int) -> set[int]:
-        """The blocks read by the entries of the window ``[consumed, consumed + B)``."""
-        return set(self.order[consumed: consumed + self.window].tolist())
+        """The units read by the entries of the window ``[consumed, consumed + B)``."""
+        return {u for b in self.order[consumed: consumed + self.window].tolist() for u in self.units_of(b)}
 
     def evictable(self, present: Iterable[int], consumed: int) -> list[int]:
-        """The present blocks to evict at cursor ``consumed``: with ``reextract``, training blocks no entry of
-        the window reads (never a validation block); with ``keep``, none. Sorted."""
+        """The present units to evict at cursor ``consumed``: with ``reextract``, those no entry of the window
+        reads and no validation block reads; with ``keep``, none. Sorted."""
         if self.policy == "keep":
             return []
-        keep = self.needed(consumed) | set(self.val_blocks)
-        return sorted(b for b in present if b not in keep)
+        keep = self.needed(consumed) | set(self.val_units)
+        return sorted(u for u in present if u not in keep)
+
+    def extraction_counts(self) -> dict[int, int]:
+        """Unit -> how many times the plan extracts it from an empty store (validation units included), when
+        the extraction runs as far ahead as the window lets it: ``keep`` once each; ``reextract`` once, plus once
+        per entry reading it whose previous reader is more than B entries before. (A unit read again at most B
+        entries later is never evicted in between: every cursor the extraction evicts at has the earlier or
+        the later reader in its window. One read more than B entries later is evicted when the extraction is
+        that far ahead; a slower extraction may still find it.)"""
+        kept = set(self.val_units)  # never evicted
+        counts = dict.fromkeys(self.val_units, 1)
+        last: dict[int, int] = {}
+        for c, b in enumerate(self.order.tolist()):
+            for u in self.units_of(b):
+                if u not in counts:
+                    counts[u] = 1
+                elif self.policy == "reextract" and u not in kept and c - last[u] > self.window:
+                    counts[u] += 1
+                last[u] = c
+        return counts
 
     def extractions(self) -> int:
-        """Block extractions the plan makes from an empty store (validation blocks included), when every
-        window is written before it is consumed: what the run costs in verifier work."""
-        if self.policy == "keep":
-            return len(set(self.order.tolist()) | set(self.val_blocks))
-        # an entry re-extracts its block unless the entry before with the same block is in its window
-        last: dict[int, int] = {}
-        n = 0
-        for c, b in enumerate(self.order.tolist()):
-            if b not in last or c - last[b] >= self.window:
-                n += 1
-            last[b] = c
-        return n + len(self.val_blocks)
+        """Unit extractions the plan makes from an empty store (:meth:`extraction_counts`): what the run costs
+        in verifier work."""
+        return sum(self.extraction_counts().values())
 
     def record(self) -> dict[str, Any]:
         """The plan's attributes as stored (everything but ``order``)."""
-        return {"format": STREAM_FORMAT, "run": self.run, "policy": self.policy,
-                "max_store_bytes": int(self.max_store_bytes), "fixed_bytes": int(self.fixed_bytes),
-                "block_bytes": int(self.block_bytes), "window": int(self.window),
-                "val_blocks": [int(b) for b in self.val_blocks], "n_entries": self.n_entries,
-                "order_sha256": _order_digest(self.order)}
+        rec = {"format": STREAM_FORMAT if self.reads is None else WINDOWS_STREAM_FORMAT, "run": self.run,
+               "policy": self.policy, "max_store_bytes": int(self.max_store_bytes), "fixed_bytes": int(self.fixed_bytes),
+               "block_bytes": int(self.block_bytes), "window": int(self.window),
+               "val_blocks": [int(b) for b in self.val_blocks], "n_entries": self.n_entries,
+               "order_sha256": _order_digest(self.order)}
+        if self.reads is not None:
+            rec.update(layout="windows", units="context_blocks", reads_sha256=_reads_digest(self.reads))
+        return rec
 
     def same_run(self, other: "StreamPlan") -> bool:
-        """Whether ``other`` plans the same reads (identity, policy, blocks and order); its budget and window
-        may differ (they set the pace, not what is read)."""
+        """Whether ``other`` plans the same reads (identity, policy, blocks, order and units); its budget and
+        window may differ (they set the pace, not what is read)."""
         a, b = self.record(), other.record()
-        return all(a[k] == b[k] for k in ("run", "policy", "val_blocks", "n_entries", "order_sha256"))
+        return all(a.get(k) == b.get(k) for k in ("format", "run", "policy", "val_blocks", "n_entries",
+                                                  "order_sha256", "reads_sha256"))
 
 
 def _order_digest(order: np.ndarray) -> str:
@@ -251,10 +366,11 @@ def remove_plan(store) -> None:
 
 
 def read_plan(store) -> StreamPlan | None:
-    """The stream plan of ``store``, or None when it has none (yet).
+    """The stream plan of ``store`` (the root of a full-context store), or None when it has none (yet).
 
     Raises:
-        StoreFormatError: a plan of another format, or whose order does not match its digest.
+        StoreFormatError: a plan of a format this peagle does not read, one of the other store layout, or
+            whose order or units (a full-context store's views) do not match their digests.
     """
     if not has_plan(store):
         return None
@@ -262,15 +378,24 @@ def read_plan(store) -> StreamPlan | None:
     rec = dict(group.attrs).get("peagle_stream")
     if rec is None:  # the attributes come last: a plan being written
         return None
-    if rec.get("format") != STREAM_FORMAT:
-        raise StoreFormatError(f"{store.path}: stream plan format {rec.get('format')!r}; this peagle reads "
-                               f"{STREAM_FORMAT} (made by a newer peagle?)")
+    fmt = rec.get("format")
+    if fmt not in (STREAM_FORMAT, WINDOWS_STREAM_FORMAT):
+        raise StoreFormatError(f"{store.path}: stream plan format {fmt!r}; this peagle reads {STREAM_FORMAT} "
+                               f"(--context window) and {WINDOWS_STREAM_FORMAT} (--context full): made by a newer peagle?")
+    if (fmt == WINDOWS_STREAM_FORMAT) != (store.layout == "windows"):
+        raise StoreFormatError(f"{store.path}: a stream plan of format {fmt} in a {store.layout} store (format "
+                               f"{WINDOWS_STREAM_FORMAT} plans a full-context store, {STREAM_FORMAT} a format-1 one)")
     order = np.asarray(group["order"][:], dtype=np.int64)
     if _order_digest(order) != rec["order_sha256"]:
         raise StoreFormatError(f"{store.path}/{STREAM_GROUP}: the plan's order does not match its digest (damaged)")
+    reads = context_reads(store) if fmt == WINDOWS_STREAM_FORMAT else None
+    if reads is not None and _reads_digest(reads) != rec.get("reads_sha256"):
+        raise StoreFormatError(f"{store.path}/{STREAM_GROUP}: the context blocks the store's views read do not match "
+                               "its stream plan's (another store's plan, or damaged views: run `peagle-data verify`)")
     return StreamPlan(run=rec["run"], policy=rec["policy"], max_store_bytes=int(rec["max_store_bytes"]),
                       fixed_bytes=int(rec["fixed_bytes"]), block_bytes=int(rec["block_bytes"]),
-                      window=int(rec["window"]), val_blocks=tuple(int(b) for b in rec["val_blocks"]), order=order)
+                      window=int(rec["window"]), val_blocks=tuple(int(b) for b in rec["val_blocks"]), order=order,
+                      reads=reads)
 
 
 def plan_record(store) -> dict[str, Any] | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from peagle_data.extract.contexts import PACKINGS
 from peagle_data.extract.engine import VerifierEngine
 from peagle_data.extract.hf import HfEngine
 from peagle_data.extract.vllm import VllmEngine
@@ -136,14 +137,21 @@ class ExtractConfig:
     of this length (overlap 0.5) and each window reads the first piece that holds it (counted as
     conversations_split). Default: the verifier's max_position_embeddings (less the one token ``--engine vllm``
     generates after a request), at most 32768."""
+    context_packing: str | None = None
+    """--context full: how whole conversations are grouped into the blocks the verifier runs: ``best_fit`` (as
+    few, as full blocks as fit: the smallest store) or ``training_blocks`` (the conversations each training block
+    reads first, in blocks of their own: more, emptier blocks, but a streaming run extracts each about once per
+    epoch). Default: ``training_blocks`` with --stream, else ``best_fit``; a resumed store keeps its own. A
+    streaming run's features equal an offline store's only when both were grouped alike."""
 
     stream: bool = field(default=False, metadata={"action": True})
     """Extract while ``peagle-train`` trains on the store, within the byte budget it was given: create or continue
     the store, wait for the training run to write into it which blocks it will read in which order, then extract the
     validation blocks and the training blocks in that order, at most as many blocks ahead of training as the budget
     holds, and, unless training keeps every block (its epoch policy ``keep``), delete the blocks training has
-    finished with, as saved in a checkpoint (they are extracted again if a later epoch reads them). Requires
-    ``--context window`` (the default is full) and one process. An action of this invocation (the store's blocks are
+    finished with, as saved in a checkpoint (they are extracted again if a later epoch reads them). With
+    ``--context full`` (the default) the blocks extracted and deleted are the whole conversations the training
+    blocks read, each kept while a training block the budget holds ahead still reads it. One process. An action of this invocation (the store's blocks are
     the same): not recorded in the store's config."""
     stream_timeout_s: float = field(default=3600.0, metadata={"action": True})
     """--stream: seconds to wait for the training run to write its block order, or for it to finish with more
@@ -169,11 +177,8 @@ class ExtractConfig:
             raise ValueError(f"--context: expected one of {CONTEXTS}, got {self.context!r}")
         if self.max_context is not None and (self.context != "full" or self.max_context < 1):
             raise ValueError("--max-context is an option of --context full, and must be ≥ 1")
-        if self.stream and self.context != "window":
-            raise ValueError("--stream needs --context window: a full-context store's context blocks are shared by "
-                             "training blocks of every epoch position, and streaming them (evicting a context block "
-                             "only when no unconsumed training block reads it) is not implemented; extract with "
-                             "--context window, or extract the whole store first")
+        if self.context_packing is not None and (self.context != "full" or self.context_packing not in PACKINGS):
+            raise ValueError(f"--context-packing is an option of --context full: one of {', '.join(PACKINGS)}")
         if self.stream and (self.num_shards != 1 or self.max_blocks is not None):
             raise ValueError("--stream follows the run's plan over every block: drop --num-shards/--shard-index and "
                              "--max-blocks")

@@ -23,8 +23,15 @@ body continues at (the packed table's ``segment_starts``).
   counted (``conversations_split``), and their windows' features have the piece's context, not the
   whole conversation's.
 - Contexts are packed into context blocks of ``context_size`` slots (``min(X, max(C, longest
-  context))``, C the packed ``block_size``) by best-fit decreasing (:func:`peagle_data.prepare.packing.pack_blocks`):
-  deterministic for a packed table and X, so a resumed or sharded run makes the same blocks.
+  context))``, C the packed ``block_size``) **grouped by the training block that reads them first**
+  (packing ``"training_blocks"``, :data:`PACKINGS`): the contexts first read by training block 0 are packed
+  by best-fit decreasing (:func:`peagle_data.prepare.packing.pack_blocks`) into context blocks of their
+  own, then those of block 1, and so on. A context block is then read by the training block it was made
+  for (and by the later windows of its long conversations): a streaming run (docs/design.md §7
+  "Streaming") extracts, for each training block it reads, about that block's tokens, whatever the order.
+  Stores made before hold packing ``"best_fit"`` (every context of the table packed at once, fewer and
+  fuller context blocks, each read by training blocks all over an epoch); a resume keeps the store's.
+  Either is deterministic for a packed table and X, so a resumed or sharded run makes the same blocks.
 """
 
 from __future__ import annotations
@@ -38,10 +45,14 @@ from peagle_data.prepare.packing import make_packed_row, pack_blocks
 from peagle_data.prepare.windows import window_starts
 from stores.errors import InputError, StoreMismatchError
 
-__all__ = ["ContextPlan", "plan_contexts", "CONTEXT_OVERLAP"]
+__all__ = ["ContextPlan", "plan_contexts", "CONTEXT_OVERLAP", "PACKINGS"]
 
 CONTEXT_OVERLAP = 0.5
 """The overlap of the pieces of a conversation longer than ``--max-context`` (as ``pack``'s default)."""
+PACKINGS = ("training_blocks", "best_fit")
+"""How contexts are packed into context blocks (module doc): ``training_blocks`` (grouped by the training block
+that reads them first; stores made now, recorded in the ``context`` counts as ``packing``) or ``best_fit`` (all
+at once; stores made before, whose counts have no ``packing``)."""
 
 
 @dataclass
@@ -56,7 +67,8 @@ class ContextPlan:
         context_size: slots of a context block.
         training_rows: the packed table's blocks the plan was made for.
         counts: ``conversations``, ``conversations_split``, ``contexts``, ``tokens_extracted``,
-            ``context_blocks``, ``context_packing_efficiency``, ``max_context``.
+            ``context_blocks``, ``context_packing_efficiency``, ``max_context``, ``packing`` (absent for
+            ``best_fit``, as in the stores made before it existed).
     """
 
     rows: list[dict[str, Any]]
@@ -129,7 +141,8 @@ def _pieces(n_tokens: int, system_len: int, max_context: int, windows: list[_Win
 
 
 def plan_contexts(packed_rows: list[Mapping[str, Any]], conversations: Mapping[str, Mapping[str, Any]],
-                  max_context: int, block_size: int, packed: str = "the packed table") -> ContextPlan:
+                  max_context: int, block_size: int, packed: str = "the packed table",
+                  packing: str = "best_fit") -> ContextPlan:
     """The plan of full-context extraction for a packed table (module docstring).
 
     Args:
@@ -140,18 +153,23 @@ def plan_contexts(packed_rows: list[Mapping[str, Any]], conversations: Mapping[s
         max_context: X, the most tokens the verifier runs at once.
         block_size: C, the packed table's block size (at most X).
         packed: the table's path, for messages.
+        packing: one of :data:`PACKINGS`.
 
     Raises:
+        ValueError: an unknown ``packing``.
         InputError: ``max_context`` below the packed table's windows, or a table packed before peagle
             recorded where windows come from.
         StoreMismatchError: a window that is not the tokens of its conversation it says it is.
     """
+    if packing not in PACKINGS:
+        raise ValueError(f"packing {packing!r}: expected one of {PACKINGS}")
     longest_window = max((int(np.diff(np.asarray(r["cu_seqlens"])).max()) for r in packed_rows), default=1)
     if max_context < longest_window:
         raise InputError(f"--max-context {max_context} is shorter than the longest window of {packed} "
                          f"({longest_window} tokens): give at least that", field="--max-context")
     by_conversation = _windows_of(packed_rows, conversations, packed)
     contexts: list[tuple[np.ndarray, np.ndarray]] = []  # (input_ids, loss_mask) per context
+    first_reader: list[int] = []  # per context: the first training block reading it
     placement: dict[tuple[int, int], tuple[int, int, int, int]] = {}  # (block, segment) -> (context, prefix, body)
     split = 0
     for cid, windows in by_conversation.items():
@@ -163,6 +181,7 @@ def plan_contexts(packed_rows: list[Mapping[str, Any]], conversations: Mapping[s
         if T <= max_context:
             c = len(contexts)
             contexts.append((ids, mask))
+            first_reader.append(min(w.block for w in windows))
             for w in windows:
                 placement[w.block, w.segment] = (c, 0, w.prefix_len, w.start)
             continue
@@ -176,11 +195,12 @@ def plan_contexts(packed_rows: list[Mapping[str, Any]], conversations: Mapping[s
             c = len(contexts)
             keep = np.r_[0:P, s:min(s + max_context - P, T)]
             contexts.append((ids[keep], mask[keep]))
+            first_reader.append(min(w.block for w in members))
             for w in members:  # conversation token s is piece slot P
                 placement[w.block, w.segment] = (c, 0, w.prefix_len, P + w.start - s)
     lengths = [len(ids) for ids, _ in contexts]
     context_size = min(max_context, max([block_size, *lengths]))
-    blocks = pack_blocks(lengths, context_size)
+    blocks = _pack_contexts(lengths, first_reader, context_size, packing)
     where: dict[int, tuple[int, int]] = {}  # context -> (context block, first slot)
     rows = []
     for m, members in enumerate(blocks):
@@ -201,4 +221,21 @@ def plan_contexts(packed_rows: list[Mapping[str, Any]], conversations: Mapping[s
     counts = {"max_context": max_context, "conversations": len(by_conversation), "conversations_split": split,
               "contexts": len(contexts), "tokens_extracted": extracted, "context_blocks": len(blocks),
               "context_packing_efficiency": round(extracted / (len(blocks) * context_size), 6) if blocks else 0.0}
+    if packing != "best_fit":  # a store made before packings existed records none: best_fit
+        counts["packing"] = packing
     return ContextPlan(rows, views, context_size, list(packed_rows), counts)
+
+
+def _pack_contexts(lengths: list[int], first_reader: list[int], context_size: int, packing: str) -> list[list[int]]:
+    """Context blocks as lists of context indices (module doc): ``best_fit`` packs every context at once;
+    ``training_blocks`` packs, training block by training block (ascending), the contexts it reads first."""
+    if packing == "best_fit":
+        return pack_blocks(lengths, context_size)
+    groups: dict[int, list[int]] = {}
+    for c, b in enumerate(first_reader):
+        groups.setdefault(b, []).append(c)
+    blocks: list[list[int]] = []
+    for b in sorted(groups):
+        members = groups[b]
+        blocks += [[members[k] for k in block] for block in pack_blocks([lengths[c] for c in members], context_size)]
+    return blocks

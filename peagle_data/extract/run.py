@@ -229,7 +229,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
         label = f"extract[{state.process_index}]" if state.num_processes > 1 else "extract"
         stream = None
         if cfg.stream:
-            tokens, nonfinite, stream = extract_stream(engine, store, rows, cfg.stream_timeout_s, label, progress,
+            tokens, nonfinite, stream = extract_stream(engine, root, rows, cfg.stream_timeout_s, label, progress,
                                                        log, cfg.writer_queue)
             todo = [None] * stream["extractions"]
         else:
@@ -401,7 +401,30 @@ def _plan(cfg: ExtractConfig, table, conversations) -> ContextPlan:
     training = _attach_segment_keys(table, list(table.iter_rows(
         PACKED_COLUMNS + where + [c for c in _keys_column(table) if c not in where])))
     block_size = int(table.manifest.get("parameters", {}).get("block_size") or 0)
-    return plan_contexts(training, by_id, int(cfg.max_context), block_size, str(cfg.packed))
+    return plan_contexts(training, by_id, int(cfg.max_context), block_size, str(cfg.packed), _packing(cfg))
+
+
+def _packing(cfg: ExtractConfig) -> str:
+    """How the plan packs contexts (:data:`peagle_data.extract.contexts.PACKINGS`): a resumed store's (recorded as
+    ``packing`` in its ``context`` counts; none: ``best_fit``), else ``--context-packing``, else ``training_blocks``
+    with ``--stream`` and ``best_fit`` without.
+
+    Raises:
+        InputError: a ``--context-packing`` other than the resumed store's.
+    """
+    if cfg.resume and is_local(cfg.output) and is_zarr_store(cfg.output):
+        try:
+            made = FeatureStore.open(cfg.output).attrs.get("context")
+        except StoreFormatError:
+            made = None  # interrupted creation: the store is made again
+        if isinstance(made, dict):
+            packing = str(made.get("packing", "best_fit"))
+            if cfg.context_packing not in (None, packing):
+                raise InputError(f"--context-packing: the store's {packing}, given {cfg.context_packing}; a resume "
+                                 "keeps the store's (drop the option, or start over with --force)",
+                                 field="--context-packing")
+            return packing
+    return cfg.context_packing or ("training_blocks" if cfg.stream else "best_fit")
 
 
 def _extract_blocks(engine: VerifierEngine, store: FeatureStore, rows, todo: list[int], cfg: ExtractConfig,

@@ -1,16 +1,19 @@
 """Extraction for a streaming run (``extract --stream``, docs/design.md §7 "Streaming").
 
-Legend: T entries of the run, B the plan's window, K the consumed cursor.
+Legend: T entries of the run, B the plan's window, K the consumed cursor. A unit is a block the verifier
+runs: a training block of a format-1 store (``--context window``), a context block of a full-context store
+(``--context full``), whose training blocks are views of context blocks.
 
 The store is created (or continued) as for any extraction; then this side waits for the stream plan the
-trainer writes into it (:mod:`stores.stream_plan`) and follows it: the validation blocks first, then entry
-``c = 0 .. T-1`` (block ``order[c]``) once ``c < K + B``, skipping a block that is present (done, or queued
-for the writer), after evicting the blocks the window no longer reads (policy ``reextract``). The evictions
-happen here, on the extraction side, right before a write, so the store's bytes never exceed the budget;
-the trainer evicts once more at the end of its run (:mod:`peagle_train.data.stream`).
+trainer writes into it (:mod:`stores.stream_plan`) and follows it: the validation blocks' units first, then
+entry ``c = 0 .. T-1`` (training block ``order[c]``) once ``c < K + B``: its units, in order, skipping a unit
+that is present (done, or queued for the writer), after evicting the units the window no longer reads (policy
+``reextract``). A context block read by several training blocks of one window is so extracted once. The
+evictions happen here, on the extraction side, right before a write, so the store's bytes never exceed the
+budget; the trainer evicts once more at the end of its run (:mod:`peagle_train.data.stream`).
 
-A killed extractor continues with ``--resume``: the done blocks are checked (``repair_blocks``), leftover
-feature files of blocks that are not done are deleted, and the walk starts again from entry 0, skipping
+A killed extractor continues with ``--resume``: the done units are checked (``repair_blocks``), leftover
+feature files of units that are not done are deleted, and the walk starts again from entry 0, skipping
 what is present and what was consumed.
 """
 
@@ -26,7 +29,7 @@ from peagle_data.extract.store import BlockWriter
 from stores.errors import InputError, StoreFormatError
 from stores.feature_store import FeatureStore
 from stores.progress import progress as progress_bar
-from stores.stream_plan import StreamPlan, apparent_bytes, plan_record, read_consumed, read_plan
+from stores.stream_plan import StreamPlan, apparent_bytes, plan_record, read_consumed, read_plan, unit_store
 
 __all__ = ["wait_for_plan", "followed_plan", "stream_entries", "extract_stream", "POLL_S"]
 
@@ -56,8 +59,9 @@ def wait_for_plan(store: FeatureStore, timeout_s: float, log: Callable[[str], No
 
 
 def _clear_leftovers(store: FeatureStore, log: Callable[[str], None]) -> int:
-    """Delete the feature files of blocks that are not done (a killed extraction's block in flight, an
-    eviction cut short): they would count against the budget. Returns how many blocks had some."""
+    """Delete the feature files of units that are not done (a killed extraction's unit in flight, an
+    eviction cut short; ``store``: the units' store): they would count against the budget. Returns how many
+    units had some."""
     n = 0
     done = store.done_mask()
     for i in np.flatnonzero(~done).tolist():
@@ -100,24 +104,29 @@ def followed_plan(store: FeatureStore, plan: StreamPlan, timeout_s: float, log: 
 
 def stream_entries(store: FeatureStore, plan: StreamPlan, present: set[int], stats: dict[str, Any],
                    timeout_s: float, log: Callable[[str], None]) -> Iterator[int]:
-    """The blocks to extract, in plan order, each when the plan allows it (see the module doc); evicts as it
-    goes. ``present``: the blocks with features now (updated here); ``stats`` gets ``evicted``,
-    ``waits``, ``wait_s``, ``peak_store_bytes`` (sampled before each write).
+    """The units to extract, in plan order, each when the plan allows it (see the module doc); evicts as it
+    goes. ``store``: the store the plan is in (a full-context store's root); ``present``: the units with
+    features now (updated here); ``stats`` gets ``evicted``, ``waits``, ``wait_s``, ``peak_store_bytes``
+    (sampled before each write).
 
     Raises:
         InputError: the consumed cursor did not move for ``timeout_s`` while a write waited on it (the
             trainer died or stopped), naming the entry and the cursor.
     """
-    for b in plan.val_blocks:
-        if b not in present:
-            present.add(b)
-            yield b
+    units = unit_store(store)
+    for u in plan.val_units:
+        if u not in present:
+            present.add(u)
+            yield u
     consumed = read_consumed(store)
+    evicted_at = None  # the cursor of the last eviction: at the same cursor, nothing more is evictable
     for c in range(plan.n_entries):
         b = int(plan.order[c])
         if c < consumed:  # consumed already (a resumed extraction): no need to write it
             continue
-        plan = followed_plan(store, plan, timeout_s, log)
+        followed = followed_plan(store, plan, timeout_s, log)
+        if followed is not plan:  # another budget: its window may evict more at the same cursor
+            plan, evicted_at = followed, None
         if not plan.may_write(c, consumed):
             t0 = time.monotonic()
             stats["waits"] += 1
@@ -128,43 +137,55 @@ def stream_entries(store: FeatureStore, plan: StreamPlan, present: set[int], sta
                                      "still running?", field="--stream-timeout-s")
                 time.sleep(POLL_S)
             stats["wait_s"] += time.monotonic() - t0
-        for e in plan.evictable(present, consumed):
-            store.evict_block(e)
-            present.discard(e)
-            stats["evicted"] += 1
-        if b in present:
-            continue
-        stats["peak_store_bytes"] = max(stats["peak_store_bytes"], apparent_bytes(store.path))
-        present.add(b)
-        yield b
+        if consumed != evicted_at:  # (units added since were read by the window)
+            for e in plan.evictable(present, consumed):
+                units.evict_block(e)
+                present.discard(e)
+                stats["evicted"] += 1
+            evicted_at = consumed
+        for u in plan.units_of(b):
+            if u in present:
+                continue
+            stats["peak_store_bytes"] = max(stats["peak_store_bytes"], apparent_bytes(store.path))
+            present.add(u)
+            yield u
 
 
 def extract_stream(engine: VerifierEngine, store: FeatureStore, rows, timeout_s: float, label: str,
                    progress: bool, log: Callable[[str], None], writer_queue: int) -> tuple[int, list[int], dict]:
-    """Extract ``store``'s blocks as its stream plan says (see the module doc).
+    """Extract ``store``'s units as its stream plan says (see the module doc).
+
+    Args:
+        store: the store (a full-context store's root, whose ``contexts`` sub-store gets the features).
+        rows: the units' packed rows (a full-context store's: its context blocks').
 
     Returns:
-        ``(tokens extracted, blocks left not done for NaN/Inf hidden states, stats)``; ``stats``:
-        ``extractions`` (blocks extracted by this process), ``evicted``, ``waits``, ``wait_s``,
+        ``(tokens extracted, units left not done for NaN/Inf hidden states, stats)``; ``stats``:
+        ``extractions`` (units extracted by this process), ``evicted``, ``waits``, ``wait_s``,
         ``peak_store_bytes`` (the store's bytes sampled before each write), ``plan`` (its record).
 
     Raises:
-        StoreFormatError: a store that is not format 1 (``--context window``).
+        StoreFormatError: a full-context shard store (its training blocks read other shards' context blocks),
+            a plan that reads blocks past the store's.
         InputError: see :func:`wait_for_plan`, :func:`stream_entries`.
     """
-    if store.layout != "blocks":
-        raise StoreFormatError(f"{store.path}: --stream extracts a format-1 store (--context window)")
+    if store.layout == "windows" and store.attrs.get("shard"):
+        raise StoreFormatError(f"{store.path}: --stream extracts a whole store, not a shard")
+    units = unit_store(store)
     plan = wait_for_plan(store, timeout_s, log)
-    if max(plan.order.max(initial=-1), max(plan.val_blocks, default=-1)) >= store.n_blocks:
+    if max(plan.order.max(initial=-1), max(plan.val_blocks, default=-1)) >= store.n_blocks or max(
+            (max(r, default=-1) for r in plan.reads or ()), default=-1) >= units.n_blocks:
         raise StoreFormatError(f"{store.path}: its stream plan reads blocks past its {store.n_blocks}; the plan "
                                "belongs to another store")
-    _clear_leftovers(store, log)
-    present = set(np.flatnonzero(store.done_mask()).tolist())
+    _clear_leftovers(units, log)
+    present = set(np.flatnonzero(units.done_mask()).tolist())
     stats: dict[str, Any] = {"extractions": 0, "evicted": 0, "waits": 0, "wait_s": 0.0, "peak_store_bytes": 0,
                              "plan": plan.record()}
-    log(f"{store.path}: streaming {plan.n_entries} entries (policy {plan.policy}, window {plan.window} blocks, "
-        f"budget {plan.max_store_bytes:,} bytes), {len(plan.val_blocks)} validation blocks first")
-    writer = BlockWriter(store, writer_queue)
+    what = "context blocks" if plan.reads is not None else "blocks"
+    log(f"{store.path}: streaming {plan.n_entries} entries (policy {plan.policy}, window {plan.window} entries, "
+        f"{what} of {plan.block_bytes:,} bytes, budget {plan.max_store_bytes:,} bytes), the {len(plan.val_units)} "
+        f"{what} of {len(plan.val_blocks)} validation blocks first")
+    writer = BlockWriter(units, writer_queue)
     tokens = 0
     bar = progress_bar(total=plan.extractions(), desc=label, unit="block", disable=not progress)
     try:

@@ -2,7 +2,8 @@
 checkpoints that let extraction move on.
 
 Legend: T entries of the run (``max_steps * P``), P blocks per optimizer step (``grad_accum * world``), B the
-plan's window, K the consumed cursor, V validation blocks.
+plan's window, K the consumed cursor, V validation blocks. A unit is what the extraction writes and evicts: a
+format-1 store's block, a full-context store's context block (:mod:`stores.stream_plan`).
 
 - :func:`make_plan`: the run's :class:`stores.stream_plan.StreamPlan` from its block sequence (the split and
   every epoch's order are pure functions of ``(seed, n_blocks, val_fraction)`` and the store's segment keys,
@@ -29,12 +30,13 @@ import numpy as np
 from peagle_train.data.loader import BlockSequence
 from stores.errors import InputError, StoreFormatError
 from stores.feature_schema import ARRAYS, hidden_arrays
-from stores.feature_store import FeatureStore
-from stores.stream_plan import (POLICIES, STREAM_GROUP, StreamPlan, apparent_bytes, block_feature_bytes, flag_bytes,
-                                format_size, fsync_tree, read_consumed, read_plan, window_for_budget, write_consumed)
+from stores.feature_store import CONTEXTS, FeatureStore
+from stores.stream_plan import (POLICIES, STREAM_GROUP, StreamPlan, apparent_bytes, block_feature_bytes, context_reads,
+                                flag_bytes, format_size, fsync_tree, read_consumed, read_plan, step_units, unit_store,
+                                window_for_budget, window_for_reads, write_consumed)
 
 __all__ = ["PLAN_ALLOWANCE_BYTES", "plan_entries", "make_plan", "fixed_store_bytes", "StreamingStore", "stream_save_due", "mark_consumed",
-           "evict_after_run", "ExtractionDied"]
+           "evict_after_run", "planned_tokens", "ExtractionDied"]
 
 
 PLAN_ALLOWANCE_BYTES = 8192
@@ -55,33 +57,45 @@ def plan_entries(sequence: BlockSequence, n_entries: int) -> np.ndarray:
     return out
 
 
-def fixed_store_bytes(store: FeatureStore, n_entries: int) -> int:
-    """The store's bytes without its feature chunks, measured now (its token arrays and metadata), plus the done
-    flags of every block (:func:`stores.stream_plan.flag_bytes`: their files appear as blocks are done, so a
-    measure of the files alone grew during the run, and a resume with the budget that started it was refused)
-    and the plan's own (``order`` ``[T] int64`` and its metadata): the same at any point of the run."""
-    root = Path(store.path)
-    hidden = {s.name for s in hidden_arrays(store.storage_dtype)}
+def _bytes_without_features(directory: Path, hidden: set[str], skip: set[str], n_blocks: int) -> int:
+    """The bytes of a store group's files but its feature chunks (a feature array's metadata counts), its done
+    flags counted for all its ``n_blocks`` blocks (:func:`stores.stream_plan.flag_bytes`: their files appear as
+    blocks are done, so a measure of the files alone grew during the run, and a resume with the budget that
+    started it was refused)."""
     flags = {s.name for s in ARRAYS if s.role == "flag"}
     total = 0
-    for child in root.iterdir():
-        if child.name == STREAM_GROUP:  # counted below, the same whether the plan is written yet or not
+    for child in directory.iterdir():
+        if child.name in skip:
             continue
         if child.name in hidden or child.name in flags:
             total += sum(p.stat().st_size for p in child.glob("*.json"))
-            total += flag_bytes(store.n_blocks) if child.name in flags else 0
+            total += flag_bytes(n_blocks) if child.name in flags else 0
             continue
         total += apparent_bytes(child) if child.is_dir() else child.stat().st_size
+    return total
+
+
+def fixed_store_bytes(store: FeatureStore, n_entries: int) -> int:
+    """The store's bytes without its feature chunks, measured now (its token arrays, every block's done flag and
+    metadata; a full-context store's: also its ``contexts`` sub-store's), plus the plan's own (``order``
+    ``[T] int64`` and its metadata)."""
+    hidden = {s.name for s in hidden_arrays(store.storage_dtype)}
+    # the plan is counted below, the same whether it is written yet or not
+    total = _bytes_without_features(Path(store.path), hidden, {STREAM_GROUP, CONTEXTS}, store.n_blocks)
+    if store.layout == "windows":
+        total += _bytes_without_features(Path(store.path) / CONTEXTS, hidden, set(), unit_store(store).n_blocks)
     return total + 8 * n_entries + PLAN_ALLOWANCE_BYTES
 
 
 def make_plan(store: FeatureStore, sequence: BlockSequence, val_side: np.ndarray, *, max_steps: int,
               blocks_per_step: int, val_max_blocks: int, max_store_bytes: int, policy: str,
               run: dict[str, Any]) -> StreamPlan:
-    """The stream plan of a run (see the module doc).
+    """The stream plan of a run (see the module doc). A full-context store's plan counts context blocks: the
+    window B is the largest whose entries' context blocks, beside the validation blocks' and the fixed arrays,
+    fit the budget at every cursor (:func:`stores.stream_plan.window_for_reads`).
 
     Args:
-        store: the run's store (format 1, local), token arrays written.
+        store: the run's store (local, token arrays written; a full-context store: not a shard).
         sequence: the run's block sequence (every train-side block usable).
         val_side: ``[m] int64`` the validation side (sorted); the first ``val_max_blocks`` are scored and kept.
         max_steps, blocks_per_step: T = their product.
@@ -91,13 +105,16 @@ def make_plan(store: FeatureStore, sequence: BlockSequence, val_side: np.ndarray
     Raises:
         InputError: the budget is smaller than the smallest that works (field ``--max-store-bytes``), naming it:
             the fixed arrays, the validation blocks and one step's blocks (``reextract``), or every block the run
-            reads (``keep``).
+            reads (``keep``); a full-context store's: their context blocks.
     """
     if policy not in POLICIES:
         raise InputError(f"--epoch-policy {policy!r}: expected one of {', '.join(POLICIES)}", field="--epoch-policy")
     T = max_steps * blocks_per_step
     order = plan_entries(sequence, T)
     val = tuple(int(b) for b in np.asarray(val_side)[:val_max_blocks])
+    if store.layout == "windows":
+        return _windows_plan(store, order, val, blocks_per_step=blocks_per_step, max_store_bytes=max_store_bytes,
+                             policy=policy, run=run)
     block_bytes = block_feature_bytes(store.block_size, len(store.layers), store.hidden_size, store.storage_dtype)
     fixed = fixed_store_bytes(store, T)
     window = window_for_budget(max_store_bytes, fixed, block_bytes, len(val))
@@ -117,6 +134,36 @@ def make_plan(store: FeatureStore, sequence: BlockSequence, val_side: np.ndarray
         window = T
     return StreamPlan(run=run, policy=policy, max_store_bytes=int(max_store_bytes), fixed_bytes=int(fixed),
                       block_bytes=int(block_bytes), window=int(min(window, max(T, 1))), val_blocks=val, order=order)
+
+
+def _windows_plan(store: FeatureStore, order: np.ndarray, val: tuple[int, ...], *, blocks_per_step: int,
+                  max_store_bytes: int, policy: str, run: dict[str, Any]) -> StreamPlan:
+    """:func:`make_plan` of a full-context store: units are its context blocks (see there)."""
+    T = int(order.size)
+    reads = context_reads(store)
+    ctx = store.contexts
+    unit_bytes = block_feature_bytes(ctx.block_size, len(ctx.layers), ctx.hidden_size, ctx.storage_dtype)
+    fixed = fixed_store_bytes(store, T)
+    val_units = tuple(dict.fromkeys(u for b in val for u in reads[b]))
+    capacity = (max_store_bytes - fixed) // unit_bytes - len(val_units)  # units beside the validation ones
+    read = {u for b in np.unique(order).tolist() for u in reads[b]} - set(val_units)
+    need = len(read) if policy == "keep" else step_units(order, reads, val_units, blocks_per_step)
+    if capacity < need:
+        smallest = fixed + (len(val_units) + need) * unit_bytes
+        what = (f"every one of the {len(read)} context blocks the run reads (--epoch-policy keep keeps them all)"
+                if policy == "keep" else f"the {need} context block(s) the {blocks_per_step} training block(s) of "
+                "one optimizer step read (at the step that reads the most)")
+        raise InputError(
+            f"--max-store-bytes {max_store_bytes:,} is too small for this run: the store needs {fixed:,} bytes for its "
+            f"token arrays and views, the {len(val_units)} context block(s) of {unit_bytes:,} bytes its validation "
+            f"blocks read, kept all run, and room for {what}; the smallest budget that works is {smallest:,} bytes "
+            f"(--max-store-bytes {format_size(smallest)})"
+            + ("; or --epoch-policy reextract, which stays within a smaller budget" if policy == "keep" else ""),
+            field="--max-store-bytes")
+    window = T if policy == "keep" else window_for_reads(order, reads, val_units, capacity, blocks_per_step)
+    return StreamPlan(run=run, policy=policy, max_store_bytes=int(max_store_bytes), fixed_bytes=int(fixed),
+                      block_bytes=int(unit_bytes), window=int(max(1, min(window, T))), val_blocks=val, order=order,
+                      reads=reads)
 
 
 def stream_save_due(step: int, blocks_per_step: int, saved_cursor: int, plan: StreamPlan) -> bool:
@@ -139,14 +186,22 @@ def mark_consumed(store: FeatureStore, checkpoint: Path, cursor: int) -> None:
 
 
 def evict_after_run(store: FeatureStore, plan: StreamPlan) -> int:
-    """At the end of a run whose last checkpoint is saved and consumed cursor written: evict the blocks the
-    plan no longer needs (``reextract``: every training block; the validation blocks stay). Returns how many."""
+    """At the end of a run whose last checkpoint is saved and consumed cursor written: evict the units the
+    plan no longer needs (``reextract``: every training block's; the validation blocks' stay). Returns how many."""
     consumed = read_consumed(store)
-    present = np.flatnonzero(store.done_mask()).tolist()
+    units = unit_store(store)
+    present = np.flatnonzero(units.done_mask()).tolist()
     gone = plan.evictable(present, consumed)
-    for b in gone:
-        store.evict_block(b)
+    for u in gone:
+        units.evict_block(u)
     return len(gone)
+
+
+def planned_tokens(store: FeatureStore, plan: StreamPlan) -> int:
+    """Tokens the verifier runs for the plan's extractions (:meth:`StreamPlan.extraction_counts`, each unit's
+    ``n_tokens``): the run's extraction work, to set against an offline extraction's (the units' tokens once)."""
+    n_tokens = unit_store(store).n_tokens_per_block()
+    return int(sum(k * int(n_tokens[u]) for u, k in plan.extraction_counts().items()))
 
 
 class StreamingStore:
@@ -186,7 +241,8 @@ class StreamingStore:
         if self.store.is_done(i):
             return
         t0 = last_progress = time.monotonic()
-        seen = int(self.store.done_mask().sum())
+        units = unit_store(self.store)  # progress: any unit done (a context block of a full-context store)
+        seen = int(units.done_mask().sum())
         while not self.store.is_done(i):
             why = self.alive() if self.alive is not None else None
             if why is not None and not self.store.is_done(i):
@@ -194,7 +250,7 @@ class StreamingStore:
                                      f"({why}){self._where()}")
             now = time.monotonic()
             if now - last_progress > 1.0:
-                done = int(self.store.done_mask().sum())
+                done = int(units.done_mask().sum())
                 if done != seen:
                     seen, last_progress = done, now
                 elif now - last_progress > self.timeout_s:

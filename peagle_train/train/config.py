@@ -264,8 +264,8 @@ class RunConfig:
 
 STREAM_POLICIES = ("reextract", "keep")
 """``--epoch-policy`` choices (:data:`stores.stream_plan.POLICIES`)."""
-STREAM_CONTEXTS = ("window",)
-"""``--context`` values of a streaming run; ``full`` is refused with its reason (docs/design.md §7 "Streaming")."""
+STREAM_CONTEXTS = ("window", "full")
+"""``--context`` values of a streaming run (docs/design.md §7 "Streaming")."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -289,8 +289,9 @@ class StreamConfig:
     engine: str = "hf"
     """--extract-from: the extraction engine (``peagle-data extract --engine``): ``hf`` or ``vllm``."""
     context: str = "window"
-    """--extract-from: ``window`` (each packed block as it is), the only value: streaming a full-context store
-    (``peagle-data extract --context full``) is not implemented; extract it first, then train."""
+    """--extract-from: ``window`` (each packed block as it is) or ``full`` (each conversation run whole, as
+    ``peagle-data extract --context full`` does; the packed table must keep its conversations, as ``peagle-data
+    pack`` does). With ``full`` the extraction writes and deletes the conversations' blocks."""
     device: str | None = None
     """--extract-from: the device extraction runs on (``peagle-data extract --device``)."""
     storage_dtype: str = "bf16"
@@ -304,10 +305,6 @@ class StreamConfig:
             parse_size(self.max_store_bytes)  # InputError (a ValueError) naming --max-store-bytes
         _need(self.epoch_policy in STREAM_POLICIES, "--epoch-policy", f"one of {', '.join(STREAM_POLICIES)}",
               self.epoch_policy)
-        _need(self.context != "full", "--context", "window for a streaming run: a full-context store's context "
-              "blocks are read by training blocks all over each epoch, and evicting one only when no unconsumed "
-              "training block reads it is not implemented (extract the full-context store first, then train)",
-              self.context)
         _need(self.context in STREAM_CONTEXTS, "--context", f"one of {', '.join(STREAM_CONTEXTS)}", self.context)
         _need(self.stream_timeout_s > 0, "--stream-timeout-s", "> 0", self.stream_timeout_s)
         _need(self.extract_from is None or self.max_store_bytes is not None, "--extract-from",

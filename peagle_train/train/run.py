@@ -158,9 +158,8 @@ def build_trainer(cfg: TrainConfig, claimed: list[tuple[Path, bool]] | None = No
     streamed = None
     if cfg.stream.max_store_bytes is not None:  # a store being extracted: every block will be there when read
         streamed = wait_for_store(str(cfg.data.store), cfg.stream.stream_timeout_s, extraction)
-        if streamed.layout != "blocks":
-            raise StoreFormatError(f"{streamed.path} is a full-context store: a streaming run trains on a format-1 "
-                                   "store (extract --context window); train on a finished full-context store instead")
+        if streamed.attrs.get("shard"):
+            raise StoreFormatError(f"{streamed.path} is a shard store: a streaming run trains on a whole store")
         store = StreamingStore(streamed, cfg.stream.stream_timeout_s, extraction.stopped if extraction else None,
                                str(extraction.log_path) if extraction else None)
         usable = np.arange(streamed.n_blocks, dtype=np.int64)
@@ -283,9 +282,10 @@ def _stream_plan(cfg: TrainConfig, accelerator, store: FeatureStore, sequence: B
         if resumed and cursor > consumed:  # saved, but killed before its cursor was written
             mark_consumed(store, resume_from, cursor)
     accelerator.wait_for_everyone()
-    print(f"stream: {plan.n_entries} entries, policy {plan.policy}, window {plan.window} blocks of "
+    unit = "context block" if plan.reads is not None else "block"
+    print(f"stream: {plan.n_entries} entries, policy {plan.policy}, window {plan.window} entries, {unit}s of "
           f"{plan.block_bytes:,} bytes, {len(plan.val_blocks)} validation blocks, budget {plan.max_store_bytes:,} "
-          f"bytes; {plan.extractions()} block extractions planned", file=sys.stderr)
+          f"bytes; {plan.extractions()} {unit} extractions planned", file=sys.stderr)
     return StreamRun(store=store, plan=plan, saved_cursor=cursor)
 
 

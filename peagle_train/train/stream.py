@@ -91,7 +91,8 @@ def _estimated_smallest(cfg: TrainConfig, packed: str) -> int:
     """A lower bound of the smallest budget that can work, from the packed table and the verifier's config (no
     weights): the token arrays and ``token_freq`` (:func:`stores.stream_plan.fixed_bytes_estimate`), at most
     ``--val-max-blocks`` validation blocks and one step's blocks (``reextract``) or every training block
-    (``keep``). A budget below it is refused before the extraction starts; the exact check follows on the
+    (``keep``); with ``--context full``, whose context blocks are planned only when the store is made, one
+    block for the validation blocks and one for the run. A budget below it is refused before the extraction starts; the exact check follows on the
     created store (:func:`peagle_train.data.stream.make_plan`)."""
     table = TokenTable.open(packed)
     n, C, S = 0, int(table.manifest.get("parameters", {}).get("block_size") or 0), 1
@@ -105,6 +106,8 @@ def _estimated_smallest(cfg: TrainConfig, packed: str) -> int:
     n_val = min(cfg.data.val_max_blocks, held_out)
     per_step = cfg.optim.grad_accum * world_size_from_env()
     need = n - held_out if cfg.stream.epoch_policy == "keep" else per_step
+    if cfg.stream.context == "full":  # context blocks (of at least C slots) are unknown until the store is made:
+        n_val, need = min(n_val, 1), 1  # at least one for the validation blocks, one for a step
     return fixed_bytes_estimate(n, C, S, int(text.vocab_size)) + (n_val + need) * block
 
 
@@ -288,7 +291,7 @@ def wait_for_store(store: str, timeout_s: float, extraction: Extraction | None =
                 log_size, t0 = size, time.monotonic()
         if time.monotonic() - t0 > timeout_s:
             where = f"; its log: {extraction.log_path}" if extraction is not None else (
-                " (start `peagle-data extract PACKED --output STORE --context window --stream`)")
+                " (start `peagle-data extract PACKED --output STORE --stream`)")
             raise StoreFormatError(f"no feature store at {store} after {timeout_s:g} s" + (
                 " with nothing new in the extraction's log" if extraction is not None else "") + where)
         time.sleep(0.2)

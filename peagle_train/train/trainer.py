@@ -28,7 +28,7 @@ import torch
 
 from peagle_train.data.cod import CodElements
 from peagle_train.data.loader import Block, BlockLoader, BlockSequence, data_state, derive_seed, resume_cursor, to_block
-from peagle_train.data.stream import evict_after_run, mark_consumed, stream_save_due
+from peagle_train.data.stream import evict_after_run, mark_consumed, planned_tokens, stream_save_due
 from peagle_train.model.checkpoint import prune_checkpoints, save_checkpoint, save_drafter
 from peagle_train.model.drafter import PEagleDrafter
 from peagle_train.train.config import TrainConfig
@@ -381,7 +381,9 @@ class Trainer:
             evicted = evict_after_run(run.stream.store, run.stream.plan)
             run.summary["stream"] = {"policy": run.stream.plan.policy, "window": run.stream.plan.window,
                                      "entries": run.stream.plan.n_entries,
+                                     "units": "context_blocks" if run.stream.plan.reads is not None else "blocks",
                                      "planned_extractions": run.stream.plan.extractions(),
+                                     "planned_extraction_tokens": planned_tokens(run.store, run.stream.plan),
                                      "read_wait_s": round(run.store.wait_s, 3), "evicted_at_end": evicted}
         final = save_drafter(self.unwrapped, run.output / "final", self.training_info())
         val = self.validate() if len(run.val_ids) else {}

@@ -25,7 +25,7 @@ EXACT = {
                           "--attn-implementation", "--resume", "--force", "--device", "--max-blocks", *SHARDS,
                           "--engine", "--tensor-parallel-size", "--pipeline-parallel-size", "--server",
                           "--shared-storage", "--concurrency", "--vllm-kv-cache-gib", "--vllm-gpu-memory-utilization",
-                          "--context", "--max-context", "--stream", "--stream-timeout-s", *CONFIG_FILE},
+                          "--context", "--max-context", "--context-packing", "--stream", "--stream-timeout-s", *CONFIG_FILE},
     ("data", "regenerate"): {"--output", "--verifier", "--server", "--served-model", "--max-new-tokens",
                              "--temperature", "--turns", "--concurrency", "--batch-size", "--device", "--limit",
                              "--format", "--retries", "--timeout", "--seed", "--tokenizer", "--server-kind",
@@ -205,12 +205,14 @@ def test_plain_text_turns_sphinx_markup_and_none_into_typable_help():
 @pytest.mark.parametrize("command,says,never", [
     (("data", "extract"),
      ["--layers N,N,... The verifier layers whose hidden states the drafter reads (auxiliary layers)",
-      "writes a full-context store", "writes a window store", "Requires --context window (the default is full)"],
+      "writes a full-context store", "writes a window store", "With --context full (the default) the blocks extracted "
+      "and deleted are the whole conversations"],
      ["format-1", "format-2", "stream plan", "consumed cursor", "Aux layer", "evicting", "Needs --context"]),
     (("train", None),
-     ["COD sampling (conditional drop-token, from PARD", "--context [window] --extract-from: window",
+     ["COD sampling (conditional drop-token, from PARD", "--context [window|full] --extract-from: window (each "
+      "packed block as it is) or full (each conversation run whole",
       'each written as a row with "split": "val" in metrics.jsonl'],
-     ["[window|full]", "each a split"]),
+     ["format-1", "each a split"]),
     (("data", "pack"), ["the copies of a row that a mixture source's weight above 1 draws"],
      ["a weight's copies"]),
     (("data", "stats"), ["Reads the table in a stream"], ["polars"]),

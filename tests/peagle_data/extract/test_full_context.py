@@ -329,6 +329,20 @@ def test_resume_keeps_context_and_max_context(tmp_path, tiny_verifier_dir):
     assert s["complete"] and s["training_blocks_done"] == s["training_blocks"]
 
 
+def test_resume_keeps_the_stores_context_packing(tmp_path, tiny_verifier_dir):
+    packed = write_packed_conversations(tmp_path / "packed", synthetic_conversations(49152), 16, 32, "smollm2-135m")
+    base = dict(packed=str(packed), verifier=str(tiny_verifier_dir), output=str(tmp_path / "f.zarr"), layers=[1, 2],
+                device="cpu", context="full", max_context=48)
+    run_extract(ExtractConfig(**base, context_packing="training_blocks", max_blocks=1), progress=False,
+                log=lambda m: None)
+    with pytest.raises(InputError, match="--context-packing: the store's training_blocks, given best_fit"):
+        run_extract(ExtractConfig(**base, context_packing="best_fit", resume=True), progress=False, log=lambda m: None)
+    s = run_extract(ExtractConfig(**base, resume=True), progress=False, log=lambda m: None)  # keeps training_blocks
+    assert s["complete"] and s["context"]["packing"] == "training_blocks"
+    with pytest.raises(ValueError, match="--context-packing is an option of --context full"):
+        ExtractConfig(**{**base, "context": "window", "max_context": None}, context_packing="best_fit")
+
+
 def test_resume_after_the_packed_manifest_changed_is_refused(tmp_path, tiny_verifier_dir):
     packed = write_packed_conversations(tmp_path / "packed", synthetic_conversations(49152), 16, 32, "smollm2-135m")
     base = dict(packed=str(packed), verifier=str(tiny_verifier_dir), output=str(tmp_path / "f.zarr"), layers=[1, 2],

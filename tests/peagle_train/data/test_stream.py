@@ -124,3 +124,36 @@ def test_a_read_stops_after_the_timeout_without_progress(tmp_path):
     with pytest.raises(ExtractionDied, match="waited 0.5 s for block 1 with no block extracted"):
         reader.read_block(1)
     assert time.monotonic() - t0 < 5
+
+
+def _windows_store(path):
+    """A full-context store of 4 training blocks viewing 3 context blocks of 2·C slots: block 0 reads context 0,
+    block 1 contexts 0 and 1 (two segments), block 2 context 1, block 3 (validation) context 2."""
+    store = FeatureStore.create_windows(path, n_blocks=4, block_size=C, max_segments=2, n_context_blocks=3,
+                                        context_size=2 * C, context_segments=2, layers=[1, 2], hidden_size=H,
+                                        vocab_size=32, verifier={"name_or_path": "v", "hidden_size": H,
+                                                                 "vocab_size": 32})
+    for i, views in enumerate([[(0, 0, 0, 0)], [(0, 0, 0, 4), (1, 0, 0, 0)], [(1, 0, 0, 4)], [(2, 0, 0, 0)]]):
+        store.write_views(i, views)
+    return FeatureStore.open(path, mode="r+")
+
+
+def test_a_full_context_plan_counts_context_blocks(tmp_path):
+    store = _windows_store(tmp_path / "w.zarr")
+    seq = BlockSequence(np.arange(3), np.arange(3), seed=0)
+    unit = block_feature_bytes(2 * C, L, H, "bf16")  # a context block's features
+    fixed = fixed_store_bytes(store, 6)
+    plan = make_plan(store, seq, np.array([3]), max_steps=6, blocks_per_step=1, val_max_blocks=4,
+                     max_store_bytes=fixed + 3 * unit, policy="reextract", run={"output": "/o"})
+    assert plan.reads == ((0,), (0, 1), (1,), (2,)) and plan.val_units == (2,) and plan.block_bytes == unit
+    assert plan.record()["format"] == 2
+    # room for 2 context blocks beside the validation one: every window of this run reads at most units 0 and 1,
+    # so the whole run is one window
+    assert plan.window == 6
+    # the smallest budget holds the validation block's context block and training block 1's two
+    with pytest.raises(InputError, match=f"the 2 context block\\(s\\) the 1 training block\\(s\\) of one optimizer step "
+                                         f"read .* smallest budget that works is {fixed + 3 * unit:,} bytes"):
+        make_plan(store, seq, np.array([3]), max_steps=6, blocks_per_step=1, val_max_blocks=4,
+                  max_store_bytes=fixed + 3 * unit - 1, policy="reextract", run={"output": "/o"})
+    assert make_plan(store, seq, np.array([3]), max_steps=6, blocks_per_step=1, val_max_blocks=4,
+                     max_store_bytes=fixed + 3 * unit, policy="keep", run={"output": "/o"}).window == 6

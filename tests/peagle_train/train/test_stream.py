@@ -3,7 +3,8 @@ weights equal an offline run's (extract everything, then train) bit for bit, for
 epoch policies, and the store never passes its budget; bad input is refused before anything loads.
 
 Tiny packed table (8 blocks of 48 token slots, random ids), the tiny Llama verifier (hidden 64, 4 layers),
-hf engine on CPU; the extraction runs as the subprocess the command starts."""
+hf engine on CPU; the extraction runs as the subprocess the command starts. The same for a full-context store
+(``--context full``): 12 synthetic conversations whose windows share context blocks across training blocks."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from peagle_train.train.stream import wait_for_store
 from stores.errors import InputError, OutputExistsError, StoreFormatError, StoreMismatchError
 from stores.feature_store import FeatureStore
 from stores.stream_plan import block_feature_bytes, read_consumed, read_plan
+from tests.peagle_data.extract.test_full_context import synthetic_conversations, write_packed_conversations
 from tests.peagle_data.extract.test_run import write_packed
 
 REPO = Path(__file__).resolve().parents[3]
@@ -135,8 +137,10 @@ def test_refusals_of_the_options(tmp_path):
     base = dict(store=str(tmp_path / "s.zarr"), output=str(tmp_path / "o"))
     with pytest.raises(ValueError, match="--allow-incomplete"):
         TrainConfig.from_flat(**base, max_store_bytes="1GB", allow_incomplete=True)
-    with pytest.raises(ValueError, match="--context.*full-context"):
-        TrainConfig.from_flat(**base, max_store_bytes="1GB", extract_from="p", verifier="m", context="full")
+    with pytest.raises(ValueError, match="--context must be one of window, full"):
+        TrainConfig.from_flat(**base, max_store_bytes="1GB", extract_from="p", verifier="m", context="whole")
+    assert TrainConfig.from_flat(**base, max_store_bytes="1GB", extract_from="p", verifier="m",
+                                 context="full").stream.context == "full"
     with pytest.raises(ValueError, match="--max-store-bytes '12XB' is not a size"):
         TrainConfig.from_flat(**base, max_store_bytes="12XB")
     with pytest.raises(ValueError, match="--extract-from"):
@@ -209,3 +213,88 @@ def test_store_wait_counts_from_the_extraction_logs_last_change(tmp_path):
     with pytest.raises(StoreFormatError, match="after 0.5 s with nothing new in the extraction's log; its log: "):
         wait_for_store(str(tmp_path / "store.zarr"), 0.5, extraction)
     assert speaking.is_set() and time.monotonic() - t0 >= 1.2 + 0.5  # waited while it talked, then 0.5 s
+
+
+# ------------------------------------------------------------------ a full-context store (--context full)
+# 12 synthetic conversations, 5 of them cut into windows of 16 tokens that land in several of the 17 training
+# blocks of 32 slots: context blocks shared by training blocks all over an epoch, evicted and extracted again.
+FULL_SHAPES = [(10, 3), (40, 3), (70, 4), (14, 0), (30, 0), (12, 2), (20, 0), (9, 0), (25, 3), (16, 0), (45, 2), (11, 0)]
+FULL_OPTS = {**OPTS, "val_fraction": 0.2}
+
+
+@pytest.fixture(scope="module")
+def packed_full(tmp_path_factory) -> Path:
+    return write_packed_conversations(tmp_path_factory.mktemp("packed_full") / "packed",
+                                      synthetic_conversations(49152, shapes=FULL_SHAPES), 16, 32, "smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def offline_full(tmp_path_factory, packed_full, tiny_verifier_dir) -> str:
+    """The whole full-context store, extracted first (the command, in its own process), its conversations grouped
+    as a streaming extraction groups them (its default, --context-packing training_blocks)."""
+    out = tmp_path_factory.mktemp("offline_full") / "s.zarr"
+    res = subprocess.run([sys.executable, "-m", "cli.data", "extract", str(packed_full), "--output", str(out),
+                          "--verifier", str(tiny_verifier_dir), "--context", "full", "--context-packing",
+                          "training_blocks", "--device", "cpu"],
+                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return str(out)
+
+
+def _full_budget(offline: str, units: int, entries: int) -> int:
+    """A full-context store's budget for ``units`` context blocks: the offline store's bytes less its context
+    blocks' features, plus the plan's order and allowance."""
+    store = FeatureStore.open(offline)
+    unit = block_feature_bytes(store.contexts.block_size, len(store.layers), store.hidden_size, "bf16")
+    total = sum(p.stat().st_size for p in Path(offline).rglob("*") if p.is_file())
+    return total - store.contexts.n_blocks * unit + 8 * entries + 8192 + units * unit
+
+
+@pytest.mark.parametrize("policy, epochs", [("reextract", 2), ("keep", 1),  # ~30 s each on a busy 2-core box
+                                            pytest.param("reextract", 1, marks=pytest.mark.slow),
+                                            pytest.param("keep", 2, marks=pytest.mark.slow)])
+def test_full_context_streaming_weights_equal_offline_weights(tmp_path, packed_full, offline_full, tiny_verifier_dir,
+                                                              policy, epochs, one_thread):
+    offline_store = FeatureStore.open(offline_full)
+    n_units = offline_store.contexts.n_blocks
+    steps = 13 * epochs  # 13 training blocks (4 held out), one per step
+    offline = run_train(TrainConfig.from_flat(store=offline_full, output=str(tmp_path / "offline"),
+                                              verifier=str(tiny_verifier_dir), max_steps=steps, **FULL_OPTS))
+    store = tmp_path / "stream.zarr"
+    budget = _full_budget(offline_full, 6 if policy == "reextract" else n_units, steps)
+    summary = run_train(TrainConfig.from_flat(
+        store=str(store), output=str(tmp_path / "stream"), verifier=str(tiny_verifier_dir), max_steps=steps,
+        extract_from=str(packed_full), max_store_bytes=str(budget), epoch_policy=policy, context="full",
+        device="cpu", **FULL_OPTS))
+
+    a, b = _weights(tmp_path / "offline"), _weights(tmp_path / "stream")
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].tobytes() == b[name].tobytes(), name
+    assert summary["val_loss"] == offline["val_loss"] and offline["steps"] == steps
+
+    opened = FeatureStore.open(store)
+    assert opened.attrs["context"] == offline_store.attrs["context"]  # the same plan, packing training_blocks
+    assert opened.attrs["context"]["packing"] == "training_blocks"
+    plan = read_plan(opened)
+    assert plan.reads is not None and plan.record()["format"] == 2 and read_consumed(opened) == steps
+    assert plan.n_entries == steps and len(plan.val_blocks) == 2
+    log = Path(summary["extraction_log"]).read_text()
+    stream = json.loads(log[log.index("{"):])["stream"]
+    assert stream["peak_store_bytes"] <= budget
+    read = {u for blk in plan.order.tolist() for u in plan.units_of(blk)} | set(plan.val_units)
+    done = set(np.flatnonzero(opened.contexts.done_mask()).tolist())
+    if policy == "keep":  # each context block once, all kept
+        assert stream["extractions"] == summary["stream"]["planned_extractions"] == len(read)
+        assert done == read and stream["evicted"] == 0
+    else:  # a window of a few context blocks: shared ones are evicted and extracted again; at the end only the
+        # validation blocks' context blocks stay
+        assert plan.window < steps and stream["evicted"] > 0 and stream["extractions"] > len(read)
+        # the plan's count assumes the extraction as far ahead as the window lets it: the most it can take
+        assert stream["extractions"] <= summary["stream"]["planned_extractions"]
+        assert done == set(plan.val_units)
+        report, failure = verify_output(store)
+        assert failure is None and report["state"] == "streaming" and report["ok"]
+        assert report["stream"]["contexts"]["pending"] == []
+        assert report["stream"]["contexts"]["consumed_blocks"] == len(read - set(plan.val_units))

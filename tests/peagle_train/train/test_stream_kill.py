@@ -21,7 +21,8 @@ from peagle_train.train.run import run_train
 from stores.errors import InputError
 from stores.feature_store import FeatureStore
 from stores.stream_plan import read_consumed
-from tests.peagle_train.train.test_stream import OPTS, _budget, _weights, offline_store, packed  # noqa: F401
+from tests.peagle_train.train.test_stream import (FULL_OPTS, OPTS, _budget, _full_budget, _weights,  # noqa: F401
+                                                  offline_full, offline_store, packed, packed_full)
 
 REPO = Path(__file__).resolve().parents[3]
 STEPS = 12  # two epochs of 6 training blocks
@@ -171,3 +172,35 @@ def test_a_resume_onto_a_store_without_its_plan_starts_at_the_checkpoint(tmp_pat
     assert read_consumed(FeatureStore.open(store)) == 6
     log = Path(summary["extraction_log"]).read_text()
     assert json.loads(log[log.index("{"):])["stream"]["extractions"] == 2 + 3  # the validation blocks, entries 3..5
+
+
+def test_full_context_trainer_killed_then_resumed_equals_offline(tmp_path, packed_full, offline_full,
+                                                                 tiny_verifier_dir):
+    """--context full, reextract, a window of a few context blocks: killed after step 9 of 2 epochs of 13 (context
+    blocks evicted and some extracted again by then), resumed: the offline run's weights."""
+    steps = 26
+    store, out = tmp_path / "stream.zarr", tmp_path / "stream"
+    args = ["--store", str(store), "--output", str(out), "--verifier", str(tiny_verifier_dir), "--extract-from",
+            str(packed_full), "--max-store-bytes", str(_full_budget(offline_full, 6, steps)), "--context", "full",
+            "--device", "cpu", "--max-steps", str(steps), "--save-every", "4"]
+    offline_args = ["--store", offline_full, "--output", str(tmp_path / "offline"), "--verifier",
+                    str(tiny_verifier_dir), "--max-steps", str(steps)]
+    for k, v in FULL_OPTS.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+        offline_args += [f"--{k.replace('_', '-')}", str(v)]
+    res = subprocess.run([sys.executable, "-c", KILLED_CLI, *args], cwd=REPO, env=_env(KILL_AT="9"),
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == -signal.SIGKILL, res.stderr[-3000:]
+    deadline = time.monotonic() + 30
+    while _extraction_pids(store) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _extraction_pids(store)
+    res = subprocess.run([sys.executable, "-m", "cli.train", *args, "--resume"], cwd=REPO, env=_env(),
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(res.stdout[res.stdout.index("{"):])["resumed_from"] is not None
+    res = subprocess.run([sys.executable, "-m", "cli.train", *offline_args], cwd=REPO, env=_env(), capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    _assert_same(_weights(tmp_path / "offline"), _weights(out))
+    assert read_consumed(FeatureStore.open(store)) == steps
