@@ -1,8 +1,9 @@
 """Streaming (``peagle-train --extract-from --max-store-bytes``) against offline (extract, then train), on the
-demo data (issue 31).
+demo data or another packed table, such as the quality recipe's (issue 31).
 
 Packs ``--conversations`` ShareGPT conversations as ``scripts/demo.sh`` does (``--max-seq-len 512 --max-windows 1``,
-SmolLM2-135M's tokenizer), then, each as the commands a user runs (separate processes):
+SmolLM2-135M's tokenizer), or, with ``--packed DIR``, takes that packed table's first ``--max-blocks`` blocks (a
+copy under ``--work``: the table itself is only read), then, each as the commands a user runs (separate processes):
 
 - offline: ``peagle-data extract --context window`` (timed, its store's size measured), then ``peagle-train`` for
   each of ``--epochs`` epochs (``--max-steps`` = epochs × one epoch's steps);
@@ -34,6 +35,7 @@ Usage (from the repository root, inside .venv):
     python bench/bench_stream.py --work /tmp/bench_stream --conversations 40 > stream.json
     python bench/bench_stream.py --work /tmp/bench_full --context full --policies reextract --epochs 1,2
     python bench/bench_stream.py --work /tmp/plan_full --context full --plan-only --max-windows 0
+    python bench/bench_stream.py --work /tmp/bench_stream_q --packed quality/packed --max-blocks 24 > stream_q.json
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from peagle_train.data.stream import make_plan, planned_tokens
 from stores.errors import InputError
 from stores.feature_store import FeatureStore
 from stores.stream_plan import apparent_bytes, block_feature_bytes, unit_store
+from stores.token_tables import TableWriter, TokenTable, write_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = ["--draft-vocab-size", "4096", "--num-depths", "4", "--lr", "1e-3", "--seed", "0"]
@@ -92,6 +95,24 @@ def run(cmd: list[str], watch_store: Path | None = None, metrics: Path | None = 
     out = res.stdout[res.stdout.index("{"):] if "{" in res.stdout else "{}"
     return {"wall_s": round(wall, 2), "first_step_s": None if first[0] is None else round(first[0], 2),
             "peak_store_bytes_sampled": peak[0], "summary": json.loads(out)}
+
+
+def copy_packed(source: Path, dest: Path, max_blocks: int) -> int:
+    """Write the first ``max_blocks`` blocks (rows) of the packed table ``source`` as a packed table ``dest``
+    (every column as it is, the manifest with ``subset_of``); returns the blocks copied."""
+    table = TokenTable.open(source)
+    if table.kind != "packed":
+        raise SystemExit(f"--packed {source}: a {table.kind} table, expected a packed one (peagle-data pack)")
+    n = 0
+    dest.mkdir(parents=True, exist_ok=True)
+    with TableWriter(dest, "packed") as w:
+        for row in table.iter_rows():
+            if n == max_blocks:
+                break
+            w.write(row)
+            n += 1
+    write_manifest(dest, {**table.manifest, "subset_of": {"path": str(source), "first_blocks": n}})
+    return n
 
 
 def same_weights(a: Path, b: Path) -> bool:
@@ -161,15 +182,22 @@ def main() -> None:
     ap.add_argument("--verifier", default="smollm2-135m",
                     help="the verifier (plan-only: any model of SmolLM2's tokenizer and max_position_embeddings plans "
                          "the same contexts, e.g. a tiny random one, which runs its one block at once)")
+    ap.add_argument("--packed", type=Path, help="a packed table to take blocks from instead of packing ShareGPT "
+                    "(read only; its first --max-blocks blocks are copied under --work)")
+    ap.add_argument("--max-blocks", type=int, default=None, help="with --packed: blocks to take (default: all)")
     args = ap.parse_args()
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     epochs = [int(e) for e in args.epochs.split(",")]
     packed = work / "packed"
-    log(f"pack {args.conversations} conversations")
-    windows = ["--max-windows", str(args.max_windows)] if args.max_windows else []
-    run(["cli.data", "pack", "sharegpt", "--tokenizer", "smollm2-135m", "--output", str(packed), "--limit",
-         str(args.conversations), "--max-seq-len", "512", *windows, "--force"])
+    if args.packed is not None:
+        n = copy_packed(args.packed.resolve(), packed, args.max_blocks if args.max_blocks is not None else 2 ** 62)
+        log(f"{n} blocks of {args.packed} copied to {packed}")
+    else:
+        log(f"pack {args.conversations} conversations")
+        windows = ["--max-windows", str(args.max_windows)] if args.max_windows else []
+        run(["cli.data", "pack", "sharegpt", "--tokenizer", "smollm2-135m", "--output", str(packed), "--limit",
+             str(args.conversations), "--max-seq-len", "512", *windows, "--force"])
 
     offline_store = work / "offline.zarr"
     log("offline extraction" + (" (token arrays and views only: --max-blocks 1)" if args.plan_only else ""))
@@ -189,7 +217,8 @@ def main() -> None:
     offline_bytes = apparent_bytes(offline_store)
     block = block_feature_bytes(units.block_size, len(store.layers), store.hidden_size, store.storage_dtype)
     fixed = offline_bytes - units.n_blocks * block
-    report = {"conversations": args.conversations, "context": args.context, "n_blocks": store.n_blocks,
+    report = {"packed": str(args.packed) if args.packed else f"sharegpt, {args.conversations} conversations",
+              "load_average_start": os.getloadavg(), "context": args.context, "n_blocks": store.n_blocks,
               "block_size": store.block_size, "n_tokens": store.n_tokens,
               "units": "context_blocks" if store.layout == "windows" else "blocks", "n_units": units.n_blocks,
               "unit_tokens": units.n_tokens, "block_feature_bytes": block, "offline_store_bytes": offline_bytes,
@@ -208,7 +237,9 @@ def main() -> None:
         report["runs"].append({"mode": "offline", "epochs": e, "steps": r["summary"]["steps"],
                                "train_wall_s": r["wall_s"], "wall_s": round(ext["wall_s"] + r["wall_s"], 2),
                                "first_step_s": round(ext["wall_s"] + r["first_step_s"], 2),
-                               "peak_store_bytes": offline_bytes, "tokens_extracted": ext["summary"]["verifier_tokens_this_run"]})
+                               "peak_store_bytes": offline_bytes, "tokens_extracted": ext["summary"]["verifier_tokens_this_run"],
+                               "load_average_end": os.getloadavg()})
+        (work / "report.json").write_text(json.dumps(report, indent=2))
     val_units = validation_units(store)  # with --context window, the validation blocks themselves
     budget = fixed + 8 * per_epoch * max(epochs) + 8192 + (val_units + args.window_blocks) * block
     report["budget_bytes"] = budget
@@ -238,6 +269,7 @@ def main() -> None:
                 "extraction_wait_s": ext_summary.get("stream", {}).get("wait_s"),
                 "train_read_wait_s": r["summary"].get("stream", {}).get("read_wait_s"),
                 "weights_equal_offline": same_weights(out, work / f"offline-{e}ep")})
+            report["runs"][-1]["load_average_end"] = os.getloadavg()
             (work / "report.json").write_text(json.dumps(report, indent=2))  # kept if a later run is cut short
     print(json.dumps(report, indent=2))
 

@@ -22,6 +22,7 @@ in mosaicml/streaming.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
@@ -248,6 +249,9 @@ class BlockLoader:
         blocks_per_read: blocks per store request; None: as many as fit in
             :data:`READ_REQUEST_BYTES` (at least 1, at most 8).
         pin_memory: read hidden states into page-locked memory (for asynchronous copies to CUDA).
+        n_steps: the steps to read from ``cursor`` (the run's steps left), then the iteration ends; None:
+            endless. Bounded, the prefetch never asks for a block past the run's last step (a streaming run's
+            store never gets one: a read of it would wait until its timeout, keeping the process alive).
 
     Raises:
         ValueError: ``blocks_per_read`` < 1.
@@ -255,8 +259,8 @@ class BlockLoader:
 
     def __init__(self, store, sequence: BlockSequence, cursor: int = 0, rank: int = 0, world_size: int = 1,
                  grad_accum: int = 1, prefetch: bool = True, blocks_per_read: int | None = None,
-                 pin_memory: bool = False):
-        self.store, self.sequence, self.cursor = store, sequence, int(cursor)
+                 pin_memory: bool = False, n_steps: int | None = None):
+        self.store, self.sequence, self.cursor, self.n_steps = store, sequence, int(cursor), n_steps
         self.rank, self.world_size, self.grad_accum = rank, world_size, grad_accum
         if blocks_per_read is None:
             block_bytes = max(1, store.block_size * store.bytes_per_token())
@@ -270,10 +274,11 @@ class BlockLoader:
 
     def steps(self, cursor: int | None = None) -> Iterator[tuple[list[tuple[int, int]], int]]:
         """``(the step's (cursor, block id) entries [grad_accum * world_size], cursor after the step)``
-        of every step from ``cursor`` (default: the loader's), all ranks' blocks in sequence order."""
+        of every step from ``cursor`` (default: the loader's), all ranks' blocks in sequence order; ``n_steps``
+        of them, or endless."""
         per_step = self.grad_accum * self.world_size
         entries = self.sequence.entries(self.cursor if cursor is None else cursor)
-        while True:
+        for _ in range(self.n_steps) if self.n_steps is not None else itertools.count():
             step = [next(entries) for _ in range(per_step)]
             yield step, step[-1][0] + 1
 
@@ -294,12 +299,12 @@ class BlockLoader:
         items = self._mine()
 
         def take() -> tuple[list[tuple[int, int, int | None]], Any]:
-            batch = [next(items) for _ in range(self.blocks_per_read)]
+            batch = list(itertools.islice(items, self.blocks_per_read))  # fewer (none) at the end of n_steps
             ids = [bid for _, bid, _ in batch]
-            return batch, (self._pool.submit(self._read, ids) if self._pool else ids)
+            return batch, (self._pool.submit(self._read, ids) if self._pool and ids else ids)
 
         batch, pending = take()
-        while True:
+        while batch:
             t0 = time.perf_counter()
             blocks = pending.result() if self._pool else self._read(pending)
             self.wait_s += time.perf_counter() - t0

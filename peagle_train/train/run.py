@@ -272,6 +272,7 @@ def _stream_plan(cfg: TrainConfig, accelerator, store: FeatureStore, sequence: B
         raise InputError(f"{resume_from}: its training state is at entry {cursor} but {store.path} records {consumed} "
                          "entries consumed (a later checkpoint was removed?): blocks this run reads next may be evicted "
                          "already; resume from the latest checkpoint, or start over with --force", field="--resume")
+    accelerator.wait_for_everyone()  # every rank has read the saved plan and cursor before the main one rewrites them
     if accelerator.is_main_process:
         if not resumed:  # a new run: the cursor starts at 0; a resume whose store has no plan: at its checkpoint's
             if state is not None:  # (else the extraction would wait for entries before it, the trainer for after)
@@ -283,9 +284,10 @@ def _stream_plan(cfg: TrainConfig, accelerator, store: FeatureStore, sequence: B
             mark_consumed(store, resume_from, cursor)
     accelerator.wait_for_everyone()
     unit = "context block" if plan.reads is not None else "block"
-    print(f"stream: {plan.n_entries} entries, policy {plan.policy}, window {plan.window} entries, {unit}s of "
-          f"{plan.block_bytes:,} bytes, {len(plan.val_blocks)} validation blocks, budget {plan.max_store_bytes:,} "
-          f"bytes; {plan.extractions()} {unit} extractions planned", file=sys.stderr)
+    if accelerator.is_main_process:  # one line per run, not one per rank
+        print(f"stream: {plan.n_entries} entries, policy {plan.policy}, window {plan.window} entries, {unit}s of "
+              f"{plan.block_bytes:,} bytes, {len(plan.val_blocks)} validation blocks, budget "
+              f"{plan.max_store_bytes:,} bytes; {plan.extractions()} {unit} extractions planned", file=sys.stderr)
     return StreamRun(store=store, plan=plan, saved_cursor=cursor)
 
 

@@ -294,10 +294,12 @@ class Trainer:
         trackers are finished and the error re-raised.
         """
         run, acc = self.run, self.accelerator
-        # a streaming run reads one block per request: a request never waits on a block past the plan's window
+        # a streaming run reads one block per request: a request never waits on a block past the plan's window;
+        # the loader stops at the last step: no prefetch of a block past the run (which a plan never extracts)
         self.loader = BlockLoader(run.store, run.sequence, cursor=self.cursor, rank=self.rank, world_size=self.world,
                                   grad_accum=self.cfg.optim.grad_accum, pin_memory=acc.device.type == "cuda",
-                                  blocks_per_read=1 if run.stream is not None else None)
+                                  blocks_per_read=1 if run.stream is not None else None,
+                                  n_steps=max(0, self.max_steps - self.step))
         batches = iter(self.loader)
         bar = progress(total=self.max_steps, initial=self.step, disable=not self.main, desc="peagle-train",
                        unit="step", dynamic_ncols=True)

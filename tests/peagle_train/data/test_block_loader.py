@@ -3,6 +3,7 @@
 import itertools
 
 import numpy as np
+import pytest
 import torch
 
 from peagle_train.data.loader import BlockLoader, BlockSequence
@@ -47,3 +48,34 @@ def test_blocks_per_read_defaults_to_a_byte_budget(tmp_path):
     store = _store(tmp_path)
     seq = BlockSequence(np.arange(5), np.arange(5), seed=0)
     assert BlockLoader(store, seq, prefetch=False).blocks_per_read == 8  # tiny blocks
+
+
+class _Recording:
+    """A store that records the ids each read asks for."""
+
+    def __init__(self, store):
+        self.store, self.asked = store, []
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def read_blocks(self, ids, pin_memory=False):
+        self.asked += list(ids)
+        return self.store.read_blocks(ids, pin_memory=pin_memory)
+
+
+@pytest.mark.parametrize("blocks_per_read", [1, 3])
+def test_n_steps_ends_the_iteration_and_reads_no_block_past_it(tmp_path, blocks_per_read):
+    """Rank 1 of 2, two blocks per rank and step, 3 steps from cursor 4: entries 4..15 of the sequence, this
+    rank's 6, 7, 10, 11, 14, 15; the prefetch asks for none past them (a streaming store never extracts
+    them: the read would wait until its timeout)."""
+    store = _Recording(_store(tmp_path))
+    seq = BlockSequence(np.arange(5), np.arange(5), seed=3)
+    blocks = [b for _, b in itertools.islice(seq.entries(0), 16)]  # the first 4 steps' entries, 4 a step
+    loader = BlockLoader(store, seq, cursor=4, rank=1, world_size=2, grad_accum=2, blocks_per_read=blocks_per_read,
+                         n_steps=3)
+    got = list(loader)
+    loader.close()
+    assert [c for c, _ in got] == [6, 7, 10, 11, 14, 15]
+    assert [b.block_id for _, b in got] == [blocks[c] for c in (6, 7, 10, 11, 14, 15)]
+    assert store.asked == [blocks[c] for c in (6, 7, 10, 11, 14, 15)] and loader.cursor == 16
