@@ -35,17 +35,52 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
+import psutil
 import torch
 
 from stores.feature_store import FeatureStore
 from stores.token_tables import TokenTable
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+class CpuMeter:
+    """CPU seconds (user + system) of this process and every process it started (vLLM's engine core and
+    workers), sampled every ``every_s`` by a daemon thread; a process that ended counts with its last
+    sample. CPU time, unlike wall time, does not grow when other jobs take the shared cores."""
+
+    def __init__(self, every_s: float = 0.1):
+        self.me = psutil.Process()
+        self.last: dict[int, float] = {}
+        self.lock = threading.Lock()
+        self.every_s = every_s
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _sample(self) -> None:
+        for p in [self.me, *self.me.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+                with self.lock:
+                    self.last[(p.pid, p.create_time())] = t.user + t.system
+            except psutil.Error:  # ended between the listing and the read
+                pass
+
+    def _run(self) -> None:
+        while True:
+            self._sample()
+            time.sleep(self.every_s)
+
+    def total(self) -> float:
+        """CPU seconds so far of every process seen (a fresh sample of the living ones)."""
+        self._sample()
+        with self.lock:
+            return sum(self.last.values())
 
 
 def segment_prompts(row: Mapping[str, Any]) -> list[list[int]]:
@@ -106,8 +141,8 @@ def connector_costs(lengths: list[int], k: int, h: int, dtype, repeats: int = 3)
     """µs per token of the hidden-states connector's two steps on requests of ``lengths`` tokens (``[T, K, H]``
     of ``dtype``), as :class:`peagle_data.extract.vllm_connector.CpuHiddenStatesConnector` runs them: the
     gather out of a paged cache (vLLM's ``extract_from_kv_cache``, blocks of 16 slots, plus the clone) and
-    the safetensors file write (with peagle's metadata), then the client's read and removal of it; best of
-    ``repeats``."""
+    the safetensors file write (with peagle's metadata), then the client's read and removal of it; CPU time of
+    this thread (``time.thread_time``: other jobs on the shared cores do not count), best of ``repeats``."""
     from safetensors.torch import load_file, save_file
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import extract_from_kv_cache
 
@@ -125,16 +160,16 @@ def connector_costs(lengths: list[int], k: int, h: int, dtype, repeats: int = 3)
                 nb = -(-t // block)
                 ids = torch.arange(start, start + nb)
                 start += nb
-                t0 = time.perf_counter()
+                t0 = time.thread_time()
                 slots = (torch.arange(block)[None, :] + ids[:, None] * block).flatten()
                 rows = extract_from_kv_cache(cache, slots, t).clone()
-                t1 = time.perf_counter()
+                t1 = time.thread_time()
                 path = str(tmp / f"{j}.safetensors")
                 save_file({"hidden_states": rows, "token_ids": torch.zeros(t, dtype=torch.long)}, path, metadata=meta)
-                t2 = time.perf_counter()
+                t2 = time.thread_time()
                 load_file(path)
                 os.remove(path)
-                t3 = time.perf_counter()
+                t3 = time.thread_time()
                 spent["gather"] += t1 - t0
                 spent["write"] += t2 - t1
                 spent["read"] += t3 - t2
@@ -145,7 +180,39 @@ def connector_costs(lengths: list[int], k: int, h: int, dtype, repeats: int = 3)
     return {key: round(v * 1e6 / n, 2) for key, v in best.items()}
 
 
-def run_prefill(packed: str, verifier: str, kv_cache_gib: float | None) -> dict[str, Any]:
+def assemble_cost(lengths: list[int], k: int, h: int, dtype, repeats: int = 3) -> float:
+    """CPU µs per token (``time.thread_time``, best of ``repeats``) of the ``vllm`` engine's assembly of one
+    block from requests of ``lengths`` tokens (``[T, K, H]`` of ``dtype``): the concatenation, an RMS final
+    norm of the last slot in ``dtype`` (transformers' Llama norm: float32 variance), the bf16 casts."""
+    parts = [torch.randn(t, k, h).to(dtype) for t in lengths]
+    weight = torch.ones(h, dtype=dtype)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        hs = torch.cat(parts)
+        x = hs[:, -1].float()
+        final = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype) * weight
+        hs[:, : k - 1].to(torch.bfloat16), final.to(torch.bfloat16)
+        best = min(best, time.thread_time() - t0)
+    return round(best * 1e6 / sum(lengths), 2)
+
+
+def store_write_cost(path: Path) -> float:
+    """CPU µs per token (``time.thread_time``) of writing every block of the store at ``path`` again as the
+    extraction's writer thread does (``FeatureStore.write_features``: bf16 encoding, chunks with their
+    crc32c); the store is left as it was (the same features)."""
+    store = FeatureStore.open(path, mode="r+")
+    spent, tokens = 0.0, 0
+    for i in range(store.n_blocks):
+        blk = store.read_block(i)
+        t0 = time.thread_time()
+        store.write_features(i, blk.aux_hidden, blk.final_hidden)
+        spent += time.thread_time() - t0
+        tokens += int(blk.input_ids.shape[0])
+    return round(spent * 1e6 / tokens, 2)
+
+
+def run_prefill(packed: str, verifier: str, kv_cache_gib: float | None, meter: CpuMeter) -> dict[str, Any]:
     """vLLM's prefill of the table's requests, no capture: start, per-block ``generate`` calls, one ``generate``."""
     from vllm import SamplingParams, TokensPrompt
     from vllm.platforms import current_platform
@@ -165,40 +232,54 @@ def run_prefill(packed: str, verifier: str, kv_cache_gib: float | None) -> dict[
     start_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     try:
-        t0 = time.perf_counter()
+        c0, t0 = meter.total(), time.perf_counter()
         for prompts in blocks:
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
             assert len(outs) == len(prompts) and all(len(o.outputs[0].token_ids) == 1 for o in outs)
-        prefill_s = time.perf_counter() - t0
+        prefill_s, prefill_cpu = time.perf_counter() - t0, meter.total() - c0
         every = [TokensPrompt(prompt_token_ids=p) for b in blocks for p in b]
         t0 = time.perf_counter()
         llm.generate(every, params, use_tqdm=False)
         one_batch_s = time.perf_counter() - t0
     finally:
+        c0 = meter.total()
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
         output.stop(wait_s=2.0)
+        shutdown_cpu = meter.total() - c0
     tokens = sum(len(p) for b in blocks for p in b)
     return {"run": "prefill", "tokens": tokens, "requests": sum(len(b) for b in blocks), "start_s": round(start_s, 2),
             "prefill_s": round(prefill_s, 2), "one_batch_s": round(one_batch_s, 2),
-            "tokens_per_s": round(tokens / prefill_s, 1), "one_batch_tokens_per_s": round(tokens / one_batch_s, 1)}
+            "tokens_per_s": round(tokens / prefill_s, 1), "one_batch_tokens_per_s": round(tokens / one_batch_s, 1),
+            "cpu_s": round(prefill_cpu + shutdown_cpu, 2), "shutdown_cpu_s": round(shutdown_cpu, 2)}
 
 
-def run_extraction(packed: str, verifier: str, output: str, kv_cache_gib: float | None) -> dict[str, Any]:
-    """``peagle-data extract --engine vllm --context window`` of the table into a new store: its timings."""
+def run_extraction(packed: str, verifier: str, output: str, kv_cache_gib: float | None,
+                   meter: CpuMeter) -> dict[str, Any]:
+    """``peagle-data extract --engine vllm --context window`` of the table into a new store: its timings, and
+    the CPU seconds from the store's creation (logged right after the engine opened) to the end (the blocks,
+    then the engine's shutdown)."""
     from peagle_data.extract.config import ExtractConfig
     from peagle_data.extract.run import run_extract
 
     cfg = ExtractConfig(packed=packed, verifier=verifier, output=output, engine="vllm", context="window", force=True,
                         vllm_kv_cache_gib=kv_cache_gib)
+    opened: list[float] = []
+
+    def log(message: str) -> None:
+        if message.startswith("projected store size") and not opened:
+            opened.append(meter.total())
+        print(message, file=sys.stderr, flush=True)
+
     t0 = time.perf_counter()
-    summary = run_extract(cfg, progress=False)
-    wall = time.perf_counter() - t0
+    summary = run_extract(cfg, progress=False, log=log)
+    wall, cpu = time.perf_counter() - t0, meter.total() - opened[0]
     t = summary["timings"]
     tokens = summary["verifier_tokens_this_run"]
     return {"run": "extract", "tokens": tokens, "wall_s": round(wall, 2), "timings": t,
-            "stored_bytes": summary["stored_bytes"], "tokens_per_s": round(tokens / t["blocks_s"], 1)}
+            "stored_bytes": summary["stored_bytes"], "tokens_per_s": round(tokens / t["blocks_s"], 1),
+            "cpu_s": round(cpu, 2)}
 
 
 def main() -> None:
@@ -219,14 +300,15 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "cli.data", "pack", "sharegpt", "--tokenizer", args.verifier, "--output",
                         packed, "--limit", "40", "--max-seq-len", "512", "--max-windows", "1", "--force"],
                        check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)})
+    meter = CpuMeter()
     load = [os.getloadavg()[0]]
     runs: list[dict[str, Any]] = []
     for what in abba(args.rounds):
         print(f"[bench] {what} (load average {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
         if what == "prefill":
-            runs.append(run_prefill(packed, args.verifier, args.kv_cache_gib))
+            runs.append(run_prefill(packed, args.verifier, args.kv_cache_gib, meter))
         else:
-            runs.append(run_extraction(packed, args.verifier, str(work / "store.zarr"), args.kv_cache_gib))
+            runs.append(run_extraction(packed, args.verifier, str(work / "store.zarr"), args.kv_cache_gib, meter))
         load.append(os.getloadavg()[0])
         print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
     pre = [r for r in runs if r["run"] == "prefill"]
@@ -245,7 +327,11 @@ def main() -> None:
               "tokens_per_s": {"prefill": [r["tokens_per_s"] for r in pre], "extract": [r["tokens_per_s"] for r in ext],
                                "prefill_one_batch": [r["one_batch_tokens_per_s"] for r in pre]},
               "extract_over_prefill": [round(e["tokens_per_s"] / p_["tokens_per_s"], 3) for p_, e in zip(pre, ext)],
-              "us_per_token": per_round, "connector_us_per_token": conn,
+              "cpu_us_per_token": {"prefill": [round(r["cpu_s"] * 1e6 / tokens, 1) for r in pre],
+                                   "extract": [round(r["cpu_s"] * 1e6 / tokens, 1) for r in ext]},
+              "us_per_token": per_round, "connector_cpu_us_per_token": conn,
+              "store_write_cpu_us_per_token": store_write_cost(work / "store.zarr"),
+              "assemble_cpu_us_per_token": assemble_cost(lengths, k, store.hidden_size, torch.float32),
               "client_ceiling_tokens_per_s": [round(ceiling(0.0, client_us(b)), 1) for b in per_round],
               "capture_ids": k,
               "hidden_size": store.hidden_size}

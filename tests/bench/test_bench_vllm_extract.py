@@ -4,6 +4,7 @@ breakdown of an extraction's timings against the prefill of the same requests.""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -51,3 +52,14 @@ def test_breakdown_splits_the_extra_time_per_token():
 def test_ceiling_is_the_serial_rate():
     assert bench.ceiling(2000.0, 500.0) == pytest.approx(400.0)
     assert bench.ceiling(0.0, 250.0) == pytest.approx(4000.0)
+
+
+def test_cpu_meter_counts_a_child_that_ended():
+    """A child that burns CPU and exits still counts (its last sample): the extraction's engine process ends
+    inside ``run_extract``, before the bench reads the meter."""
+    meter = bench.CpuMeter(every_s=0.02)
+    before = meter.total()
+    child = subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                            "while time.process_time() - t < 0.5: pass\ntime.sleep(0.1)"], timeout=60)
+    assert child.returncode == 0
+    assert meter.total() - before >= 0.4  # the child's 0.5 s, less at most one sampling interval

@@ -662,7 +662,7 @@ def test_stream_through_a_server_feeds_a_trainer(tmp_path, vllm_server):
     extract_cli(packed, model, tmp_path / "offline.zarr", [1, 2], *server)
     store, out = tmp_path / "stream.zarr", tmp_path / "run"
     train = [sys.executable, "-m", "cli.train", "--store", str(store), "--output", str(out), "--verifier", str(model),
-             "--max-store-bytes", "64MiB", "--epoch-policy", "keep", "--max-steps", str(steps), "--device", "cpu",
+             "--max-store-bytes", "64MiB", "--epoch-policy", "keep", "--max-steps", str(steps),
              "--num-depths", "2", "--draft-vocab-size", "64", "--loss-chunk-size", "64", "--val-fraction", "0.25",
              "--stream-timeout-s", "300"]
     extract = [sys.executable, "-m", "cli.data_extract", str(packed), "--verifier", str(model), "--output", str(store),
@@ -671,6 +671,8 @@ def test_stream_through_a_server_feeds_a_trainer(tmp_path, vllm_server):
     extractor = subprocess.Popen(extract, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         t_out, t_err = trainer.communicate(timeout=600)
+        if trainer.returncode != 0:
+            extractor.kill()  # it would wait --stream-timeout-s for a plan
         e_out, e_err = extractor.communicate(timeout=600)
     finally:
         for proc in (trainer, extractor):
