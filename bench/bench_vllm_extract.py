@@ -290,6 +290,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="vLLM's OpenMP threads, bound to cores 0..N-1")
     p.add_argument("--kv-cache-gib", type=float, default=2.0)
+    p.add_argument("--project-hidden", type=int, default=4096,
+                   help="the host costs also at this hidden size in bf16 (a GPU verifier's: 4096 for Qwen3-8B)")
     args = p.parse_args()
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.threads - 1}"  # both engines, before either starts
     work = Path(args.work)
@@ -321,6 +323,14 @@ def main() -> None:
     per_round = [breakdown(tokens, p_["prefill_s"], e["timings"]) for p_, e in zip(pre, ext)]
     k = len(store.attrs["engine"]["capture_ids"])
     conn = connector_costs(lengths, k, store.hidden_size, torch.float32)
+    write_us = store_write_cost(work / "store.zarr")
+    big = connector_costs(lengths[:10], k, args.project_hidden, torch.bfloat16)
+    projection = {"hidden_size": args.project_hidden, "dtype": "bfloat16", "connector_cpu_us_per_token": big,
+                  "assemble_cpu_us_per_token": assemble_cost(lengths[:10], k, args.project_hidden, torch.bfloat16),
+                  "store_write_cpu_us_per_token": round(write_us * args.project_hidden / store.hidden_size, 2)}
+    serial = big["write"] + big["read"] + projection["assemble_cpu_us_per_token"]  # in series with the forward
+    projection["serial_host_us_per_token"] = round(serial, 2)
+    projection["serial_host_ceiling_tokens_per_s"] = round(ceiling(0.0, projection["serial_host_us_per_token"]), 0)
     report = {"verifier": args.verifier, "packed": packed, "blocks": store.n_blocks, "tokens": tokens,
               "requests": pre[0]["requests"], "threads": args.threads, "load_average": [round(x, 1) for x in load],
               "runs": runs,
@@ -330,8 +340,9 @@ def main() -> None:
               "cpu_us_per_token": {"prefill": [round(r["cpu_s"] * 1e6 / tokens, 1) for r in pre],
                                    "extract": [round(r["cpu_s"] * 1e6 / tokens, 1) for r in ext]},
               "us_per_token": per_round, "connector_cpu_us_per_token": conn,
-              "store_write_cpu_us_per_token": store_write_cost(work / "store.zarr"),
+              "store_write_cpu_us_per_token": write_us,
               "assemble_cpu_us_per_token": assemble_cost(lengths, k, store.hidden_size, torch.float32),
+              "projection": projection,
               "client_ceiling_tokens_per_s": [round(ceiling(0.0, client_us(b)), 1) for b in per_round],
               "capture_ids": k,
               "hidden_size": store.hidden_size}
