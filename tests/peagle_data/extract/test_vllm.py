@@ -654,7 +654,8 @@ def test_stream_through_a_server_feeds_a_trainer(tmp_path, vllm_server):
     """Split roles on one store (docs/guide-streaming.md, "A cluster"): ``peagle-train --max-store-bytes`` without
     ``--extract-from`` and ``peagle-data extract --stream --engine vllm --server URL``, started together. The streamed
     store (policy keep: every block stays) holds every block of an offline ``--server`` extraction of the table
-    within bf16 rounding, and the trainer consumed every entry of its plan, which reads every block."""
+    within bf16 rounding, and the trainer consumed every entry of its plan, which reads every block once (the
+    random table has no conversations to split by: --val-fraction 0)."""
     url, storage, model = vllm_server
     n_blocks, steps = 6, 6
     packed = write_packed(tmp_path / "packed", n_blocks=n_blocks, vocab=49152, seed=5)
@@ -663,7 +664,7 @@ def test_stream_through_a_server_feeds_a_trainer(tmp_path, vllm_server):
     store, out = tmp_path / "stream.zarr", tmp_path / "run"
     train = [sys.executable, "-m", "cli.train", "--store", str(store), "--output", str(out), "--verifier", str(model),
              "--max-store-bytes", "64MiB", "--epoch-policy", "keep", "--max-steps", str(steps),
-             "--num-depths", "2", "--draft-vocab-size", "64", "--loss-chunk-size", "64", "--val-fraction", "0.25",
+             "--num-depths", "2", "--draft-vocab-size", "64", "--loss-chunk-size", "64", "--val-fraction", "0",
              "--stream-timeout-s", "300"]
     extract = [sys.executable, "-m", "cli.data_extract", str(packed), "--verifier", str(model), "--output", str(store),
                "--layers", "1,2", "--engine", "vllm", "--stream", "--stream-timeout-s", "300", *server]
@@ -683,9 +684,9 @@ def test_stream_through_a_server_feeds_a_trainer(tmp_path, vllm_server):
     trained, extracted = json.loads(t_out), json.loads(e_out)
     opened = FeatureStore.open(store)
     plan = read_plan(opened)
-    assert trained["steps"] == steps and plan.policy == "keep" and len(plan.val_blocks) > 0
+    assert trained["steps"] == steps and plan.policy == "keep" and len(plan.val_blocks) == 0
     assert read_consumed(opened) == plan.n_entries == steps  # one block per step: every entry trained
-    assert sorted(set(plan.order.tolist()) | set(plan.val_blocks)) == list(range(n_blocks))  # no block left out
+    assert sorted(plan.order.tolist()) == list(range(n_blocks))  # one epoch: every block once, none left out
     assert extracted["stream"]["extractions"] == n_blocks and extracted["complete"]
     assert opened.attrs["engine"]["server"] == url and opened.is_complete()
     a = FeatureStore.open(tmp_path / "offline.zarr")
