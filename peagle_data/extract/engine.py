@@ -17,6 +17,7 @@ in ``1..L-1`` the output of decoder layer ``k-1`` (transformers' ``hidden_states
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping
 
 import torch
 
-__all__ = ["PackedFacts", "VerifierEngine"]
+__all__ = ["PackedFacts", "VerifierEngine", "timed"]
 
 
 @dataclass(frozen=True)
@@ -92,5 +93,26 @@ class VerifierEngine(ABC):
         ``cu_seqlens [S+1]``), yielded in order as ``(i, aux [T, L, H] bf16, final [T, H] bf16)``
         (CPU or the verifier's device), each segment as if run alone."""
 
+    def timings(self) -> dict[str, float]:
+        """Seconds this engine spent so far per phase of :meth:`features`, by phase name (``*_s``; the
+        ``vllm`` engine: ``requests_s``, ``files_s``, ``check_s``, ``assemble_s``); empty for an engine
+        that does not split its time (``hf``: its forward is the whole of it)."""
+        return {}
+
     def close(self) -> None:
         """Release the engine (processes, temporary files)."""
+
+
+def timed(items: Iterable, totals: dict[str, float], key: str) -> Iterator:
+    """``items`` unchanged, adding to ``totals[key]`` the seconds (``time.perf_counter``) each ``next`` took:
+    the time the consumer waited on the producer (e.g. an engine's :meth:`VerifierEngine.features`)."""
+    it = iter(items)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            item = next(it)
+        except StopIteration:
+            totals[key] = totals.get(key, 0.0) + time.perf_counter() - t0
+            return
+        totals[key] = totals.get(key, 0.0) + time.perf_counter() - t0
+        yield item

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,7 +29,7 @@ import torch
 
 from peagle_data.extract.config import DEFAULT_MAX_CONTEXT, ENGINES, ExtractConfig, check_layers
 from peagle_data.extract.contexts import ContextPlan, plan_contexts
-from peagle_data.extract.engine import PackedFacts, VerifierEngine
+from peagle_data.extract.engine import PackedFacts, VerifierEngine, timed
 from peagle_data.extract.hf_forward import check_packable, default_layers
 from peagle_data.extract.store import BlockWriter, check_resumable, check_same_plan, open_or_create, open_packed
 from peagle_data.extract.stream import extract_stream
@@ -167,7 +168,13 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
         verifier runs the training blocks themselves) ``context_blocks``, ``context_blocks_done``,
         ``context_blocks_done_this_run`` (this rank); ``verifier_tokens_this_run`` (tokens of the blocks the
         verifier ran, this rank), ``layers``, ``storage_dtype``, ``repaired_blocks``, ``nonfinite_blocks``
-        (ids of the blocks the verifier runs), ``complete``, ``stored_bytes``.
+        (ids of the blocks the verifier runs), ``complete``, ``stored_bytes``; ``timings``, this process's seconds
+        (wall, ``time.perf_counter``): ``engine_open_s`` (weights load, vLLM's start or the server checks),
+        ``store_open_s`` (create, or resume and check), ``blocks_s`` (the blocks, up to the last write), within it
+        ``engine_s`` (waiting on the engine's features; ``--stream``: and on the trainer) and ``writer_wait_s``
+        (held by a full writer queue and the last writes); ``store_write_s`` (the writer thread: features with
+        their crc32c and done flags, overlapping ``engine_s``); and the engine's own phases
+        (:meth:`VerifierEngine.timings`).
 
     Raises:
         InputError: the packed path is not a packed table, or (``--context full``, the default) one without
@@ -214,10 +221,14 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
                         offset_segment=_offset_segment(rows, cfg.shard_index, cfg.num_shards),
                         group_tokens=None if plan is None else int(
                             table.manifest.get("parameters", {}).get("block_size") or plan.context_size))
+    t_open = time.perf_counter()
     engine = ENGINES[cfg.engine].open(cfg, directory, _layers_of(cfg), log, device, facts)
+    seconds = {"engine_open_s": time.perf_counter() - t_open}
     try:
         layers = _layers_of(cfg, engine.desc["num_hidden_layers"])
+        t_store = time.perf_counter()
         root, repaired = _store_on_every_rank(state, cfg, rows, table, engine, layers, log, config, plan)
+        seconds["store_open_s"] = time.perf_counter() - t_store
         store = root.contexts if root.layout == "windows" else root  # the blocks the verifier runs
         todo = store.missing_blocks()
         views = root.layout == "windows" and not root.attrs.get("shard")  # training blocks done as views
@@ -228,12 +239,15 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
             todo = todo[: cfg.max_blocks]
         label = f"extract[{state.process_index}]" if state.num_processes > 1 else "extract"
         stream = None
+        t_blocks = time.perf_counter()
         if cfg.stream:
             tokens, nonfinite, stream = extract_stream(engine, root, rows, cfg.stream_timeout_s, label, progress,
-                                                       log, cfg.writer_queue)
+                                                       log, cfg.writer_queue, seconds)
             todo = [None] * stream["extractions"]
         else:
-            tokens, nonfinite = _extract_blocks(engine, store, rows, todo, cfg, label, progress)
+            tokens, nonfinite = _extract_blocks(engine, store, rows, todo, cfg, label, progress, seconds)
+        seconds["blocks_s"] = time.perf_counter() - t_blocks
+        seconds.update(engine.timings())
     finally:
         engine.close()
     if nonfinite:
@@ -241,6 +255,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
             "they are left not done")
     state.wait_for_everyone()
     summary = _summary(cfg, state, store, todo, tokens, layers, repaired, nonfinite)
+    summary["timings"] = {k: round(v, 3) for k, v in seconds.items()}
     if stream is not None:
         summary["stream"] = {k: v for k, v in stream.items() if k != "plan"}
     if root.layout == "windows":  # the verifier ran context blocks; the training blocks are views of them
@@ -428,8 +443,10 @@ def _packing(cfg: ExtractConfig) -> str:
 
 
 def _extract_blocks(engine: VerifierEngine, store: FeatureStore, rows, todo: list[int], cfg: ExtractConfig,
-                    label: str, progress: bool) -> tuple[int, list[int]]:
-    """Run ``engine`` over blocks ``todo`` and write them (writer thread).
+                    label: str, progress: bool, seconds: dict[str, float]) -> tuple[int, list[int]]:
+    """Run ``engine`` over blocks ``todo`` and write them (writer thread); adds to ``seconds`` ``engine_s`` (waiting
+    on the engine's features), ``store_write_s`` and ``writer_wait_s`` (:class:`BlockWriter`'s ``write_s``,
+    ``put_s``).
 
     Returns:
         ``(tokens extracted, sorted blocks left not done for NaN/Inf hidden states)``.
@@ -438,10 +455,11 @@ def _extract_blocks(engine: VerifierEngine, store: FeatureStore, rows, todo: lis
     tokens = 0
     bar = progress_bar(todo, desc=label, unit="block", disable=not progress)
     try:
-        for i, aux, final in engine.features((i, rows[i]) for i in bar):
+        for i, aux, final in timed(engine.features((i, rows[i]) for i in bar), seconds, "engine_s"):
             writer.put(i, aux, final)
             tokens += int(rows[i]["n_tokens"])
             bar.set_postfix(tokens=f"{tokens:,}")  # a string: tqdm prints numbers as 2e+4
     finally:
         writer.close()
+        seconds.update(store_write_s=writer.write_s, writer_wait_s=writer.put_s)
     return tokens, sorted(writer.nonfinite)

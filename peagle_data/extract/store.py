@@ -14,6 +14,7 @@ import dataclasses
 import queue
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -73,6 +74,10 @@ class BlockWriter:
         self.copy_stream = None  # a CUDA side stream for device-to-host copies, made on first use
         self.error: BaseException | None = None
         self.nonfinite: list[int] = []  # blocks left not done: NaN/Inf hidden states
+        self.write_s = 0.0
+        """Seconds the writer thread spent writing blocks (features with their crc32c, done flags)."""
+        self.put_s = 0.0
+        """Seconds :meth:`put` and :meth:`close` held the caller (a full queue, the last writes)."""
         self.thread = threading.Thread(target=self._run, name="peagle-store-writer", daemon=True)
         self.thread.start()
 
@@ -89,11 +94,13 @@ class BlockWriter:
                 if copied is not None:
                     copied.synchronize()  # the device-to-host copy into pinned memory is done
                 device_refs = None  # the device tensors may now return to the allocator
+                t0 = time.perf_counter()
                 self.store.write_features(i, aux, final)
                 if torch.isfinite(aux).all() and torch.isfinite(final).all():
                     self.store.mark_done(i)
                 else:  # verify would reject it: never mark it done
                     self.nonfinite.append(i)
+                self.write_s += time.perf_counter() - t0
             except BaseException as e:  # reported on the main thread
                 self.error = e
 
@@ -121,11 +128,15 @@ class BlockWriter:
                 copied.record(self.copy_stream)
             device_refs = (aux, final)
             aux, final = aux_h, final_h
+        t0 = time.perf_counter()
         self.queue.put((i, aux, final, copied, device_refs))
+        self.put_s += time.perf_counter() - t0
 
     def close(self) -> None:
+        t0 = time.perf_counter()
         self.queue.put(None)
         self.thread.join()
+        self.put_s += time.perf_counter() - t0
         self._raise()
 
     def _raise(self) -> None:

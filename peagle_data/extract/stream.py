@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from peagle_data.extract.engine import VerifierEngine
+from peagle_data.extract.engine import VerifierEngine, timed
 from peagle_data.extract.store import BlockWriter
 from stores.errors import InputError, StoreFormatError
 from stores.feature_store import FeatureStore
@@ -152,8 +152,11 @@ def stream_entries(store: FeatureStore, plan: StreamPlan, present: set[int], sta
 
 
 def extract_stream(engine: VerifierEngine, store: FeatureStore, rows, timeout_s: float, label: str,
-                   progress: bool, log: Callable[[str], None], writer_queue: int) -> tuple[int, list[int], dict]:
-    """Extract ``store``'s units as its stream plan says (see the module doc).
+                   progress: bool, log: Callable[[str], None], writer_queue: int,
+                   seconds: dict[str, float]) -> tuple[int, list[int], dict]:
+    """Extract ``store``'s units as its stream plan says (see the module doc); adds to ``seconds`` ``engine_s``
+    (waiting on the engine's features and, through the plan, on the trainer: ``stats["wait_s"]``),
+    ``store_write_s`` and ``writer_wait_s`` (:class:`BlockWriter`'s ``write_s``, ``put_s``).
 
     Args:
         store: the store (a full-context store's root, whose ``contexts`` sub-store gets the features).
@@ -189,8 +192,8 @@ def extract_stream(engine: VerifierEngine, store: FeatureStore, rows, timeout_s:
     tokens = 0
     bar = progress_bar(total=plan.extractions(), desc=label, unit="block", disable=not progress)
     try:
-        for i, aux, final in engine.features((i, rows[i]) for i in stream_entries(store, plan, present, stats,
-                                                                                  timeout_s, log)):
+        entries = stream_entries(store, plan, present, stats, timeout_s, log)
+        for i, aux, final in timed(engine.features((i, rows[i]) for i in entries), seconds, "engine_s"):
             writer.put(i, aux, final)
             tokens += int(rows[i]["n_tokens"])
             stats["extractions"] += 1
@@ -199,5 +202,6 @@ def extract_stream(engine: VerifierEngine, store: FeatureStore, rows, timeout_s:
     finally:
         writer.close()
         bar.close()
+        seconds.update(store_write_s=writer.write_s, writer_wait_s=writer.put_s)
     stats["peak_store_bytes"] = max(stats["peak_store_bytes"], apparent_bytes(store.path))
     return tokens, sorted(writer.nonfinite), stats

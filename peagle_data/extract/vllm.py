@@ -37,6 +37,7 @@ import json
 import shlex
 import shutil
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -211,6 +212,8 @@ class VllmEngine(VerifierEngine):
         self.server_storage: str | None = None
         self.quantized = False
         """Whether the verifier's checkpoint is quantized (else a server must not quantize it at load)."""
+        self.seconds = {"requests_s": 0.0, "files_s": 0.0, "check_s": 0.0, "assemble_s": 0.0}
+        """:meth:`timings`' totals."""
         self.output = VllmOutput()
         """vLLM's output (this process's stdout and stderr, on stderr) while the local engine runs."""
         self.record = {"name": self.name, "vllm": _vllm_version(), "capture_ids": self.ids,
@@ -333,14 +336,18 @@ class VllmEngine(VerifierEngine):
                 or shape ``[T, K, H]`` are not the request's.
         """
         H = self.desc["hidden_size"]
+        sec = self.seconds
         for i, r in rows:
             ids = np.asarray(r["input_ids"], dtype=np.int64)
             spans = _segments(r)
             prompts = [ids[lo:hi].tolist() for lo, hi in spans]
+            t0 = time.perf_counter()
             paths = self.server.serve(prompts) if self.server else self._generate(prompts)
+            sec["requests_s"] += (t1 := time.perf_counter()) - t0
             parts = []
             for (lo, hi), path in zip(spans, paths):
                 data = _take_file(path)
+                sec["files_s"] += (t2 := time.perf_counter()) - t1
                 self.check_file(path, data, prompts[len(parts)], f"block {i}")
                 hs, got = data["hidden_states"], data["token_ids"]
                 if tuple(hs.shape) != (hi - lo, len(self.ids), H) or got.tolist() != prompts[len(parts)]:
@@ -348,10 +355,21 @@ class VllmEngine(VerifierEngine):
                                      f"{hi - lo} tokens, expected ({hi - lo}, {len(self.ids)}, {H}) for layer ids "
                                      f"{self.ids} (is the server capturing these ids?)", field="--server")
                 parts.append(hs)
+                sec["check_s"] += (t1 := time.perf_counter()) - t2
             hs = torch.cat(parts)  # [T, K, H] in the engine's dtype
             with torch.no_grad():
                 final = self.norm(hs[:, self.last].to(self.dtype))
-            yield i, hs[:, self.pick].to(torch.bfloat16), final.to(torch.bfloat16)
+            aux, final = hs[:, self.pick].to(torch.bfloat16), final.to(torch.bfloat16)
+            sec["assemble_s"] += time.perf_counter() - t1
+            yield i, aux, final
+
+    def timings(self) -> dict[str, float]:
+        """Seconds spent so far in :meth:`features`: ``requests_s`` (vLLM's ``generate``, or the server's
+        requests, until every request of a block finished: the verifier's forward, the hidden-states
+        capture and the connector's copy out of the cache), ``files_s`` (waiting for each request's file
+        to be written, reading and removing it), ``check_s`` (:meth:`check_file` and the shape check),
+        ``assemble_s`` (a block's rows concatenated, the final norm, the bf16 casts)."""
+        return dict(self.seconds)
 
     def check_file(self, path: str, data: Mapping[str, torch.Tensor], prompt: list[int], what: str) -> None:
         """Refuse a hidden-states file that is not exactly this extraction's: written by peagle's connector

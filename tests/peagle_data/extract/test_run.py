@@ -97,6 +97,10 @@ def test_store_matches_packed_table_and_verifies(tmp_path, tiny_verifier_dir, ti
         "context": None, "training_blocks": 3, "training_blocks_done": 3, "context_blocks": None,
         "context_blocks_done": None, "context_blocks_done_this_run": None}
     assert summary["verifier_tokens_this_run"] == summary["training_tokens"] > 0
+    t = summary["timings"]  # the hf engine splits nothing of its own
+    assert set(t) == {"engine_open_s", "store_open_s", "blocks_s", "engine_s", "store_write_s", "writer_wait_s"}
+    assert t["engine_open_s"] > 0 and t["store_write_s"] > 0 and t["engine_s"] > 0
+    assert t["engine_s"] + t["writer_wait_s"] <= t["blocks_s"] + 1e-3  # both within the blocks' time (rounding)
     store = FeatureStore.open(tmp_path / "f.zarr")
     assert store.layers == [1, 2, 3] and store.attrs["layer_convention"] == "vllm_aux"
     assert store.attrs["verifier"]["num_hidden_layers"] == 4

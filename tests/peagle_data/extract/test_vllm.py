@@ -26,6 +26,7 @@ from stores.errors import InputError
 from stores.feature_repair import verify_store
 from stores.feature_store import FeatureStore
 from stores.staging import prepare_output_dir
+from stores.stream_plan import read_consumed, read_plan
 from stores.token_tables import TableWriter, write_manifest
 from tests.peagle_data.extract.test_run import chunk_bytes
 
@@ -645,3 +646,54 @@ def test_server_resume_takes_the_stores_dtype_not_this_machines(tmp_path):
     with pytest.raises(InputError) as e:
         run_extract(cfg, progress=False)
     assert str(e.value).startswith("field '--server': --server http://127.0.0.1:9/v1/models: ")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # shares the server fixture's start; three CLI processes (~40 s)
+def test_stream_through_a_server_feeds_a_trainer(tmp_path, vllm_server):
+    """Split roles on one store (docs/guide-streaming.md, "A cluster"): ``peagle-train --max-store-bytes`` without
+    ``--extract-from`` and ``peagle-data extract --stream --engine vllm --server URL``, started together. The streamed
+    store (policy keep: every block stays) holds every block of an offline ``--server`` extraction of the table
+    within bf16 rounding, and the trainer consumed every entry of its plan, which reads every block once (the
+    random table has no conversations to split by: --val-fraction 0)."""
+    url, storage, model = vllm_server
+    n_blocks, steps = 6, 6
+    packed = write_packed(tmp_path / "packed", n_blocks=n_blocks, vocab=49152, seed=5)
+    server = ["--context", "window", "--server", url, "--shared-storage", str(storage)]
+    extract_cli(packed, model, tmp_path / "offline.zarr", [1, 2], *server)
+    store, out = tmp_path / "stream.zarr", tmp_path / "run"
+    train = [sys.executable, "-m", "cli.train", "--store", str(store), "--output", str(out), "--verifier", str(model),
+             "--max-store-bytes", "64MiB", "--epoch-policy", "keep", "--max-steps", str(steps),
+             "--num-depths", "2", "--draft-vocab-size", "64", "--loss-chunk-size", "64", "--val-fraction", "0",
+             "--stream-timeout-s", "300"]
+    extract = [sys.executable, "-m", "cli.data_extract", str(packed), "--verifier", str(model), "--output", str(store),
+               "--layers", "1,2", "--engine", "vllm", "--stream", "--stream-timeout-s", "300", *server]
+    trainer = subprocess.Popen(train, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    extractor = subprocess.Popen(extract, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        t_out, t_err = trainer.communicate(timeout=600)
+        if trainer.returncode != 0:
+            extractor.kill()  # it would wait --stream-timeout-s for a plan
+        e_out, e_err = extractor.communicate(timeout=600)
+    finally:
+        for proc in (trainer, extractor):
+            if proc.poll() is None:
+                proc.kill()
+    assert trainer.returncode == 0, t_err[-4000:]
+    assert extractor.returncode == 0, e_err[-4000:]
+    trained, extracted = json.loads(t_out), json.loads(e_out)
+    opened = FeatureStore.open(store)
+    plan = read_plan(opened)
+    assert trained["steps"] == steps and plan.policy == "keep" and len(plan.val_blocks) == 0
+    assert read_consumed(opened) == plan.n_entries == steps  # one block per step: every entry trained
+    assert sorted(plan.order.tolist()) == list(range(n_blocks))  # one epoch: every block once, none left out
+    assert extracted["stream"]["extractions"] == n_blocks and extracted["complete"]
+    assert opened.attrs["engine"]["server"] == url and opened.is_complete()
+    a = FeatureStore.open(tmp_path / "offline.zarr")
+    for i in range(n_blocks):
+        x, y = a.read_block(i), opened.read_block(i)
+        assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.cu_seqlens, y.cu_seqlens)
+        for k in range(2):
+            assert_within_rounding(x.aux_hidden[:, k], y.aux_hidden[:, k], f"streamed block {i} layer {k + 1}")
+        assert_within_rounding(x.final_hidden, y.final_hidden, f"streamed block {i} final")
+    assert not list(storage.iterdir())  # every hidden-states file and lock read and removed
