@@ -7,7 +7,9 @@ vLLM's reference (the verifier alone: greedy at T = 0, at T > 0 request i sample
 engine after the other, K = the drafter's ``num_depths``, vLLM's default draft scheme (``greedy``), concurrency 1.
 Each report is ``peagle-eval --engine vllm``'s (:func:`peagle_train.evaluate.vllm_engine.vllm_report`), plus
 ``judge_wall_s`` (this drafter's engine start and requests, seconds), ``reference_wall_s`` (the reference,
-shared) and ``cpu_expand_fix``.
+shared), ``cpu_expand_fix`` and ``judge_env`` (vLLM's CPU thread and KV-cache variables: on a CPU shared with
+other jobs ``VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1`` keeps vLLM's OpenMP threads from waiting on
+each other).
 
 vLLM runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). At T > 0 on a CPU build where vLLM's
 ``expand_batch_to_tokens`` is wrong (vLLM 0.32, issue #55005: draft tokens get uninitialised memory as their
@@ -48,6 +50,10 @@ CPU_FIX = ("vLLM's CPU expand_kernel shim (vllm/utils/cpu_triton_utils.py, _expa
            "judge's process by vLLM PR #55006's semantics (bench/trace_vllm_rejection.py expand_fixed; issue "
            "#55005); expand_batch_to_tokens then probed in that process: exact")
 """The sampling check recorded in a report judged with the in-process CPU fix."""
+
+
+JUDGE_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE")
+"""Environment variables that set vLLM's CPU threads and KV cache, recorded in every report (``judge_env``)."""
 
 
 def probe_in_process() -> dict:
@@ -104,7 +110,8 @@ def main() -> None:
     for drafter, path in zip(a.drafters, a.reports):
         t0 = time.perf_counter()
         report = vllm_speculative(ref, drafter, config, log, sampling_check=check)
-        report.update(judge_wall_s=time.perf_counter() - t0, reference_wall_s=reference_s, cpu_expand_fix=fixed)
+        report.update(judge_wall_s=time.perf_counter() - t0, reference_wall_s=reference_s, cpu_expand_fix=fixed,
+                      judge_env={k: os.environ.get(k) for k in JUDGE_ENV})
         Path(path).write_text(json.dumps(report, indent=1))
         print(f"vllm_judge: {drafter} T={a.temperature:g}: AL {report['acceptance_length']:.3f} "
               f"({report['num_drafts']} drafts) in {report['judge_wall_s']:.0f} s", file=sys.stderr)
