@@ -227,10 +227,15 @@ def judge_vllm(runs: list[Path], temperature: float, prompts: str, n: int, max_n
     :mod:`vllm_judge` in ``python`` (the vLLM environment): one process, vLLM's reference once, then each drafter.
 
     Raises:
-        subprocess.CalledProcessError: the judge failed (its output is on stderr).
+        SystemExit: a run without a drafter yet. subprocess.CalledProcessError: the judge failed (its output is on
+        stderr).
     """
     name = f"vllm-T{temperature:g}.json"
     pending = [r for r in runs if not (r / name).exists()]
+    untrained = [r.name for r in pending if final_checkpoint(r) is None]
+    if untrained:
+        raise SystemExit(f"the vllm stage judges trained drafters; {', '.join(untrained)} have none yet (run the "
+                         "train stage first)")
     if not pending:
         return
     cmd = [python, str(BENCH / "vllm_judge.py"), "--temperature", f"{temperature:g}", "--prompts", prompts,
@@ -401,6 +406,9 @@ def main() -> None:
         ap.error(f"unknown stages {sorted(bad)}")
     if {"online", "vllm"} & stages and not args.prompts:
         ap.error("the online and vllm stages need --prompts")
+    if "vllm" in stages and not Path(args.vllm_python).is_file():
+        ap.error(f"the vllm stage runs {args.vllm_python}, which is missing: give --vllm-python (or "
+                 "PEAGLE_VLLM_PYTHON), the Python of the vLLM environment (PEAGLE_VLLM=1 bash scripts/setup_env.sh)")
     for lv in levers:
         if lv in WARM_START and "train" in stages and levers.index(WARM_START[lv]) > levers.index(lv):
             ap.error(f"{lv} starts from {WARM_START[lv]}'s checkpoint: list {WARM_START[lv]} before it")

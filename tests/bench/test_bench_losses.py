@@ -138,3 +138,14 @@ def test_a_bench_that_cannot_run_as_asked_is_refused(flags, message, monkeypatch
     with pytest.raises(SystemExit) as e:
         bench.main()
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_vllm_stage_refuses_a_missing_vllm_python_and_an_untrained_run(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(sys, "argv", ["bench", "--out", str(tmp_path / "o"), "--levers", "default", "--stages",
+                                      "vllm", "--prompts", "p.jsonl", "--vllm-python", str(tmp_path / "nope")])
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    assert e.value.code == 2 and "--vllm-python" in capsys.readouterr().err
+    (tmp_path / "default-s0").mkdir()
+    with pytest.raises(SystemExit, match="default-s0 have none yet"):
+        bench.judge_vllm([tmp_path / "default-s0"], 0.0, "p.jsonl", 1, 8, "smollm2-135m", sys.executable)
