@@ -317,7 +317,8 @@ def table(out: Path, levers: list[str], seeds: list[int], baseline: str) -> str:
         cells = [lever, str(len(got))]
         for _, name, _ in shown:
             vals = [_value(r) for r in (load(out, lever, s, name) for s in got) if r]
-            cells.append(fmt(vals) if vals else "-")
+            cells.append((fmt(vals) + (f" ({len(vals)} seed{'s' if len(vals) > 1 else ''})" if len(vals) < len(got)
+                                       else "")) if vals else "-")
         offs = [r for r in (load(out, lever, s, "offline.json") for s in got) if r]
         K = len(offs[0]["per_depth_accuracy"]) if offs else 0
         cells.append(" / ".join(f"{statistics.fmean(r['per_depth_accuracy'][d] or 0.0 for r in offs):.3f}"

@@ -149,3 +149,10 @@ def test_the_vllm_stage_refuses_a_missing_vllm_python_and_an_untrained_run(monke
     (tmp_path / "default-s0").mkdir()
     with pytest.raises(SystemExit, match="default-s0 have none yet"):
         bench.judge_vllm([tmp_path / "default-s0"], 0.0, "p.jsonl", 1, 8, "smollm2-135m", sys.executable)
+
+
+def test_a_column_with_fewer_seeds_than_its_row_says_how_many(tmp_path):
+    _write(tmp_path, "default", 0, 1.2, [1.2], vllm_als=[1.3, 1.4])
+    _write(tmp_path, "default", 1, 1.3, [1.2])
+    cells = _row(bench.table(tmp_path, ["default"], [0, 1], "default"), "default")
+    assert cells[1] == "2" and cells[2] == "1.250 ± 0.050" and "1.350 ± 0.000 (1 seed)" in cells
