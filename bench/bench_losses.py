@@ -136,7 +136,8 @@ def train_speculators(cfg: TrainConfig, run: Path, steps: int, save_every: int |
     finally:
         loader.close()
         trainer.close()
-    return {"trainer": SPECULATORS, "steps": steps, "held_out_blocks": [int(b) for b in trainer.run.val_ids], "rows": rows}
+    return {"trainer": SPECULATORS, "steps": steps, "held_out_blocks": [int(b) for b in trainer.run.val_ids],
+            "rows": rows}
 
 
 def train(store: str, out: Path, lever: str, seed: int, steps: int, save_every: int | None = None) -> None:

@@ -41,9 +41,9 @@ import trace_vllm_rejection  # noqa: E402  (imports vLLM in this process)
 from vllm.utils import cpu_triton_utils  # noqa: E402
 
 from peagle_train.evaluate.config import EvalConfig  # noqa: E402
-from peagle_train.evaluate.vllm_engine import (VLLM_CPU_EXPAND_BUG, VLLM_EXPAND_EXPECTED, VLLM_EXPAND_PROBE,  # noqa: E402
-                                               check_speculators_verifier, check_vllm_sampling, vllm_on_cpu,
-                                               vllm_reference, vllm_speculative)
+from peagle_train.evaluate.vllm_engine import (  # noqa: E402
+    VLLM_CPU_EXPAND_BUG, VLLM_EXPAND_EXPECTED, VLLM_EXPAND_PROBE, check_speculators_verifier, check_vllm_sampling,
+    vllm_on_cpu, vllm_reference, vllm_speculative)
 from stores.errors import InputError  # noqa: E402
 
 CPU_FIX = ("vLLM's CPU expand_kernel shim (vllm/utils/cpu_triton_utils.py, _expand_kernel_impl) replaced in the "
