@@ -181,6 +181,19 @@ class SpeculatorsTrainer:
         self.model.save_pretrained(str(path))
 
 
+def speculators_trainer_for(trainer, cfg: TrainConfig) -> SpeculatorsTrainer:
+    """speculators' drafter and loss set up as peagle's ``trainer`` (built from ``cfg`` by
+    :func:`~peagle_train.train.run.build_trainer`): its verifier, aux layers, ``num_layers``, draft vocab
+    (peagle's d2t), mask token, steps and warm-up; it then trains on the same block sequence."""
+    model, run = trainer.unwrapped, trainer.run
+    reduced = model.config.draft_vocab_size != model.config.vocab_size
+    return SpeculatorsTrainer(speculators_ref.speculators_peagle(),
+                              str(resolve_model(run.store.attrs["verifier"]["name_or_path"])),
+                              list(model.config.aux_layer_ids), cfg.model.num_layers,
+                              model.d2t.clone() if reduced else None, model.config.vocab_size,
+                              int(model.config.mask_token_id), cfg, trainer.max_steps, trainer.warmup)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--store", required=True)
@@ -227,14 +240,8 @@ def main() -> None:
         with torch.no_grad():
             model.mask_hidden.normal_(0.0, args.peagle_mask_hidden_std,
                                       generator=torch.Generator().manual_seed(args.seed))
-    reduced = model.config.draft_vocab_size != model.config.vocab_size
-    verifier_dir = str(resolve_model(run.store.attrs["verifier"]["name_or_path"]))
     layers = list(model.config.aux_layer_ids)
-    spec = None
-    if "speculators" in trainers:
-        spec = SpeculatorsTrainer(speculators_ref.speculators_peagle(), verifier_dir, layers, n,
-                                  model.d2t.clone() if reduced else None, model.config.vocab_size, mask_id, cfg,
-                                  trainer.max_steps, trainer.warmup)
+    spec = speculators_trainer_for(trainer, cfg) if "speculators" in trainers else None
     spec_dir = args.out / f"speculators-L{n}"
     loader = BlockLoader(run.store, run.sequence, cursor=0, grad_accum=1)
     batches = iter(loader)

@@ -550,17 +550,22 @@ def vllm_reference(verifier_name: str, prompts_file: str | Path, config: EvalCon
 
 
 def vllm_speculative(ref: VllmReference, drafter_dir: str | Path, config: EvalConfig,
-                     log: Callable[[str], None] = print) -> dict[str, Any]:
+                     log: Callable[[str], None] = print, sampling_check: str | None = None) -> dict[str, Any]:
     """The requests of ``ref`` through vLLM with the drafter (loaded the ``config.vllm_loading`` way, K
     = ``config.num_draft_tokens`` or the drafter's ``num_depths``, at ``config.temperature`` with vLLM's
     ``draft_sample_method`` = ``config.draft_sample_method``): the report of :func:`run_vllm_eval`.
+
+    Args:
+        sampling_check: the caller's own check that vLLM samples exactly at ``config.temperature``, in words, for
+            the report (a benchmark that fixes vLLM in its own process); None: :func:`check_vllm_sampling`.
 
     Raises:
         InputError: K above the drafter's ``num_depths``; an unknown draft sample method; T > 0 where vLLM's
         rejection sampler does not get the verifier's distribution (:func:`check_vllm_sampling`).
     """
     vllm = import_vllm()
-    sampling_check = check_vllm_sampling(config.temperature, vllm_on_cpu())
+    if sampling_check is None:
+        sampling_check = check_vllm_sampling(config.temperature, vllm_on_cpu())
     drafter = load_drafter(drafter_dir)
     K = checked_num_draft_tokens(config.num_draft_tokens, drafter)
     del drafter
