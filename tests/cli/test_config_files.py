@@ -115,7 +115,7 @@ def test_extract_config_round_trip_with_its_converted_options(tmp_path, monkeypa
         "attn_implementation": "auto", "num_shards": 1, "shard_index": 0, "engine": "hf",
         "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "server": None, "shared_storage": None,
         "concurrency": 16, "vllm_kv_cache_gib": None, "vllm_gpu_memory_utilization": None, "context": "full",
-        "max_context": None}
+        "max_context": None, "context_packing": None}
     (tmp_path / "x.yaml").write_text(first.stdout)
     assert invoke(data_main, ["extract", "--config", tmp_path / "x.yaml", "--print-config"]).stdout == first.stdout
     seen = []
