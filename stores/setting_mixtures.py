@@ -26,7 +26,7 @@ from stores.chat_template import loads_unique
 
 __all__ = ["Mixture", "parse_mixture", "template_value", "draw_key", "RowSettings", "row_settings",
            "temperature_value", "effort_value", "thinking_value", "parse_template_mixture", "normalised",
-           "template_variables", "MIXED_VARIABLE_OPTIONS"]
+           "template_variables", "MIXED_VARIABLE_OPTIONS", "mode_options"]
 
 MIXED_VARIABLE_OPTIONS = ("reasoning_effort", "enable_thinking", "template_mixture")
 """The options that draw chat-template variables per row (``--reasoning-effort``, ``--enable-thinking``,
@@ -240,3 +240,17 @@ def template_variables(reasoning_effort: Any = None, enable_thinking: Any = None
                          "and as a per-row setting (--reasoning-effort, --enable-thinking, --template-mixture): "
                          "give each variable one way")
     return variables
+
+
+def mode_options(reasoning_effort: Any, enable_thinking: Any, template_mixture: Any) -> tuple[Any, Any, Any]:
+    """``--reasoning-effort``, ``--enable-thinking`` and ``--template-mixture`` as given (text, a value or a
+    mixture; None: not given) -> each normalised: a value, or a normalised ``{key: weight}`` mixture
+    (:func:`normalised`, :func:`parse_template_mixture`), as ``regenerate`` and ``peagle-eval`` take them.
+
+    Raises:
+        ValueError: a bad value or mixture, naming the option.
+    """
+    effort = None if reasoning_effort is None else normalised(reasoning_effort, "--reasoning-effort", effort_value)
+    thinking = None if enable_thinking is None else normalised(enable_thinking, "--enable-thinking", thinking_value)
+    mixture = None if template_mixture is None else parse_template_mixture(template_mixture)
+    return effort, thinking, mixture

@@ -1,10 +1,13 @@
-"""Killing a long command part-way, for the kill-and-resume tests of extraction."""
+"""Processes for the tests: killing a long command part-way (the kill-and-resume tests of extraction), and
+`peagle-train` launched on two CPU ranks."""
 
 from __future__ import annotations
 
 import random
 import signal
+import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,3 +32,17 @@ def kill_runs(command: Callable[[bool], list[str]], env: dict[str, str], started
             kills += 1
         proc.wait()
     return kills
+
+
+def launch_two_ranks(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    """``accelerate launch --multi_gpu --num_processes 2 -m cli.train ARGS`` on a free port (accelerate's default
+    29500 is shared with any other launch). ``--cpu`` would make accelerate start a single process;
+    ``--multi_gpu`` starts two through torchrun, and run_train's ``Accelerator(cpu=True)`` puts them on gloo when
+    there is no CUDA. Times out after 300 s."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+           "1", "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "cli.train",
+           *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)

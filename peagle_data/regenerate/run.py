@@ -67,9 +67,8 @@ from peagle_data.readers.conversations import read_conversations
 from peagle_data.readers.inputs import resolve_inputs
 from peagle_data.readers.rows import FORMATS, Conversation, Reject
 from peagle_data.regenerate.backends import Answer, BackendConfig, Request, prompt_tokens
-from stores.setting_mixtures import (Mixture, RowSettings, effort_value, normalised, parse_mixture,
-                                     parse_template_mixture, row_settings, temperature_value, template_variables,
-                                     thinking_value)
+from stores.setting_mixtures import (Mixture, RowSettings, mode_options, normalised, parse_mixture, row_settings,
+                                     temperature_value, template_variables)
 from stores.answer_parsing import check_reasoning_parser
 from stores.conversation_files import ConversationWriter, check_output, read_regenerate_manifest
 from stores.errors import InputError
@@ -138,12 +137,9 @@ class RegenerateConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "chat_template_kwargs", check_kwargs_names(self.chat_template_kwargs or {}))
         object.__setattr__(self, "temperature", normalised(self.temperature, "--temperature", temperature_value))
-        for name, cast in (("reasoning_effort", effort_value), ("enable_thinking", thinking_value)):
-            value = getattr(self, name)
-            if value is not None:
-                object.__setattr__(self, name, normalised(value, "--" + name.replace("_", "-"), cast))
-        if self.template_mixture is not None:
-            object.__setattr__(self, "template_mixture", parse_template_mixture(self.template_mixture))
+        for name, value in zip(("reasoning_effort", "enable_thinking", "template_mixture"),
+                               mode_options(self.reasoning_effort, self.enable_thinking, self.template_mixture)):
+            object.__setattr__(self, name, value)
         template_variables(self.reasoning_effort, self.enable_thinking, self.template_mixture,
                            self.chat_template_kwargs)  # ValueError: a variable given twice
         check_reasoning_parser(self.reasoning_parser)

@@ -7,7 +7,7 @@ from typing import Any
 
 from stores.answer_parsing import check_reasoning_parser
 from stores.chat_template import check_kwargs_names
-from stores.setting_mixtures import effort_value, normalised, parse_template_mixture, template_variables, thinking_value
+from stores.setting_mixtures import mode_options, template_variables
 from stores.vllm_runtime import VllmMemory
 
 ENGINES = ("peagle", "vllm")
@@ -111,12 +111,9 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if self.chat_template_kwargs is not None:
             object.__setattr__(self, "chat_template_kwargs", check_kwargs_names(self.chat_template_kwargs))
-        for name, cast in (("reasoning_effort", effort_value), ("enable_thinking", thinking_value)):
-            value = getattr(self, name)
-            if value is not None:
-                object.__setattr__(self, name, normalised(value, "--" + name.replace("_", "-"), cast))
-        if self.template_mixture is not None:
-            object.__setattr__(self, "template_mixture", parse_template_mixture(self.template_mixture))
+        for name, value in zip(("reasoning_effort", "enable_thinking", "template_mixture"),
+                               mode_options(self.reasoning_effort, self.enable_thinking, self.template_mixture)):
+            object.__setattr__(self, name, value)
         self.mode_variables()  # ValueError: a variable given twice
         if self.cost_rounds < 1:
             raise ValueError(f"cost_rounds must be >= 1, got {self.cost_rounds}")

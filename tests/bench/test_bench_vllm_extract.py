@@ -3,26 +3,15 @@ breakdown of an extraction's timings against the prefill of the same requests.""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.bench.bench_modules import load_bench
 
 
-bench = _load("bench_vllm_extract")
+bench = load_bench("bench_vllm_extract")
 
 
 def test_segment_prompts_are_the_rows_segments_without_empty_ones():

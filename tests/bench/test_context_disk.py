@@ -4,8 +4,6 @@ exactly the bytes ``read_block`` returns."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,20 +12,11 @@ import torch
 
 from peagle_data.extract.contexts import plan_contexts
 from stores.feature_schema import SEGMENTS
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.bench.bench_modules import load_bench
 
 
-disk = _load("bench_context_disk")
-read = _load("bench_window_store_read")
+disk = load_bench("bench_context_disk")
+read = load_bench("bench_window_store_read")
 
 C, X, SYSTEM_LEN, LAYERS, H, V = 32, 48, 3, [0, 1], 4, 64
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ import pytest
 from stores.feature_store import FeatureStore
 from stores.stream_plan import apparent_bytes, read_consumed, read_plan
 from tests.peagle_train.train.test_stream import OPTS, _budget, _weights, offline_store, packed  # noqa: F401
+from tests.processes import launch_two_ranks
 
 REPO = Path(__file__).resolve().parents[3]
 STEPS = 6  # two epochs: 6 training blocks (2 held out), two per step (one per rank)
@@ -42,13 +42,7 @@ def _train_args(store: str, out: Path, verifier: Path, *extra: str) -> list[str]
 def _two_ranks(args: list[str]) -> dict:
     """``accelerate launch --multi_gpu --num_processes 2 -m cli.train ARGS`` (the guide's form; gloo on CPU);
     returns rank 0's summary."""
-    with socket.socket() as s:  # a free port: accelerate's default 29500 is shared with any other launch
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
-           "1", "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "cli.train",
-           *args]
-    res = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    res = launch_two_ranks(args, _env(), REPO)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout[res.stdout.index("{"):])
 

@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from peagle_train.train.config import TrainConfig
 from peagle_train.train.run import run_train
 from stores.errors import InputError
+from tests.processes import launch_two_ranks
 
 REPO = Path(__file__).resolve().parents[3]
 H, V, LAYERS, C = 64, 256, [1, 2], 48
@@ -132,17 +133,7 @@ def test_sigkill_in_epoch_2_then_resume_equals_an_uninterrupted_run(tmp_path, ve
 def test_two_data_parallel_cpu_ranks(tmp_path, verifier_dir):
     store = _store(tmp_path / "s.zarr", verifier_dir, 8)
     out = tmp_path / "ddp"
-    # `--cpu` would make accelerate start a single process; `--multi_gpu` starts two through torchrun,
-    # and run_train's Accelerator(cpu=True) puts them on gloo when there is no CUDA
-    import socket
-
-    with socket.socket() as s:  # a free port: accelerate's default 29500 is shared with any other launch
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
-           "1", "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "cli.train",
-           *_args(store, out, max_steps=4, save_every=2)]
-    res = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    res = launch_two_ranks(_args(store, out, max_steps=4, save_every=2), _env(), REPO)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout[res.stdout.index("{"):])
     assert summary["steps"] == 4 and summary["train_blocks"] == 8
@@ -168,19 +159,6 @@ def test_two_data_parallel_cpu_ranks(tmp_path, verifier_dir):
     a, b = load_drafter(out / "final").state_dict(), load_drafter(tmp_path / "one" / "final").state_dict()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=k)
-
-
-def _launch_two_ranks(args: list[str]) -> subprocess.CompletedProcess:
-    """``peagle-train ARGS`` on two data-parallel CPU ranks (gloo), as in test_two_data_parallel_cpu_ranks."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
-           "1", "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "cli.train",
-           *args]
-    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
 
 
 def _stopped_at(full: Path, dest: Path, step: int) -> Path:
@@ -226,7 +204,7 @@ def test_resume_on_another_number_of_ranks_trains_exactly_the_uninterrupted_epoc
 
     # 1 -> 2: two ranks of one block each continue the one-process run of two blocks per step
     two = _stopped_at(tmp_path / "ref", tmp_path / "two", 4)
-    res = _launch_two_ranks([*_args(store, two, **{**opts, "grad_accum": 1}), "--resume"])
+    res = launch_two_ranks([*_args(store, two, **{**opts, "grad_accum": 1}), "--resume"], _env(), REPO)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout[res.stdout.index("{"):])
     assert summary["resumed_from"].endswith("checkpoint-4") and (summary["world_size"], summary["steps"]) == (2, 8)
