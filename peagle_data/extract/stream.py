@@ -137,6 +137,8 @@ def stream_entries(store: FeatureStore, plan: StreamPlan, present: set[int], sta
                                      "still running?", field="--stream-timeout-s")
                 time.sleep(POLL_S)
             stats["wait_s"] += time.monotonic() - t0
+            if c < consumed:  # the trainer consumed it meanwhile (its units were present): nothing to write, and
+                continue  # what the window evicts now must not come back for it
         if consumed != evicted_at:  # (units added since were read by the window)
             for e in plan.evictable(present, consumed):
                 units.evict_block(e)

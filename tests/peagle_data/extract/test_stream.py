@@ -93,6 +93,22 @@ def test_a_resumed_extraction_skips_consumed_entries(tmp_path):
     assert got == [2, 3]
 
 
+def test_entries_the_trainer_consumed_while_the_extraction_waited_are_not_extracted_again(tmp_path):
+    """Entries 1 and 2 read block 0, present since entry 0: the trainer consumes them while the extraction waits
+    at entry 1 for the window (B = 1), and the cursor jumps to 3. The window [3, 4) evicts block 0; entry 1 is
+    consumed, so it must not bring block 0 back (CI found 14 extractions where the plan counts 13)."""
+    store = _store(tmp_path / "s.zarr")
+    plan = _plan([0, 0, 0, 1], window=1, val=())
+    write_plan(store, plan)
+    present, stats = set(), _stats()
+    entries = stream_entries(store, plan, present, stats, timeout_s=30, log=print)
+    assert next(entries) == 0
+    _write(store, 0)
+    write_consumed(store, 3)  # (before the extraction reads the cursor again: it is waiting at entry 1)
+    assert next(entries) == 1 and present == {1} and not store.is_done(0)
+    assert list(entries) == [] and stats["evicted"] == 1 and plan.extractions() == 2
+
+
 def test_a_stopped_trainer_and_a_replaced_plan_stop_the_extraction(tmp_path):
     store = _store(tmp_path / "s.zarr")
     plan = _plan([0, 1, 2, 3], window=1, val=())
