@@ -52,6 +52,7 @@ from pathlib import Path
 from safetensors.numpy import load_file
 
 from peagle_train.data.loader import BlockSequence
+from peagle_train.data.multistore import conversation_groups
 from peagle_train.data.split import split_store
 from peagle_train.data.stream import make_plan, planned_tokens
 from stores.errors import InputError
@@ -129,18 +130,21 @@ def validation_units(store: FeatureStore) -> int:
     return len(plan.val_units)
 
 
-def plan_figures(store_path: Path, windows: list[int], epochs: list[int], policies: list[str]) -> dict:
+def plan_figures(store_path: Path, windows: list[int], epochs: list[int], policies: list[str],
+                 epoch_order: str = "blocks") -> dict:
     """The stream plans of runs on ``store_path`` (token arrays and views written; features not needed) for a
-    budget of each window of ``windows`` units beside the validation blocks' and each epoch count: the window
-    in entries, the planned extraction tokens, and per epoch against the offline extraction's."""
+    budget of each window of ``windows`` units beside the validation blocks' and each epoch count, the epochs
+    ordered by ``epoch_order`` (``--epoch-order``): the window in entries, the planned extraction tokens, and
+    per epoch against the offline extraction's."""
     store = FeatureStore.open(store_path)
     units = unit_store(store)
     offline_tokens = int(units.n_tokens_per_block().sum())
     unit_bytes = block_feature_bytes(units.block_size, len(store.layers), store.hidden_size, store.storage_dtype)
     train_side, val_side = split_store(store, SEED, VAL_FRACTION)
-    sequence = BlockSequence(train_side, train_side, SEED, str(store_path))
+    groups = conversation_groups(store) if epoch_order == "conversations" else None
+    sequence = BlockSequence(train_side, train_side, SEED, str(store_path), block_group=groups)
     per_epoch = len(train_side)
-    out = {"units": "context_blocks" if store.layout == "windows" else "blocks", "n_units": units.n_blocks,
+    out = {"epoch_order": epoch_order, "units": "context_blocks" if store.layout == "windows" else "blocks", "n_units": units.n_blocks,
            "unit_bytes": unit_bytes, "training_blocks": store.n_blocks, "train_side": per_epoch,
            "offline_tokens": offline_tokens, "feature_bytes_all_units": units.n_blocks * unit_bytes, "plans": []}
     for policy in policies:
@@ -149,7 +153,7 @@ def plan_figures(store_path: Path, windows: list[int], epochs: list[int], polici
                 def plan_for(budget):
                     return make_plan(store, sequence, val_side, max_steps=per_epoch * e, blocks_per_step=1,
                                      val_max_blocks=VAL_MAX_BLOCKS, max_store_bytes=budget, policy=policy,
-                                     run={"output": "bench"})
+                                     run={"output": "bench", "epoch_order": epoch_order})
                 probe = plan_for(10 ** 15)  # the fixed bytes and the validation units of this run
                 budget = probe.fixed_bytes + (len(probe.val_units) + w) * unit_bytes
                 try:
@@ -179,6 +183,8 @@ def main() -> None:
     ap.add_argument("--plan-only", action="store_true")
     ap.add_argument("--plan-windows", default="2,4,8,16")
     ap.add_argument("--context-packing", choices=["training_blocks", "best_fit"], default="training_blocks")
+    ap.add_argument("--epoch-order", choices=["blocks", "conversations"], default="blocks",
+                    help="peagle-train --epoch-order of every run (offline and streaming)")
     ap.add_argument("--verifier", default="smollm2-135m",
                     help="the verifier (plan-only: any model of SmolLM2's tokenizer and max_position_embeddings plans "
                          "the same contexts, e.g. a tiny random one, which runs its one block at once)")
@@ -209,7 +215,7 @@ def main() -> None:
         report = {"conversations": args.conversations, "context": args.context, "max_windows": args.max_windows,
                   "context_packing": args.context_packing if args.context == "full" else None,
                   **plan_figures(offline_store, [int(w) for w in args.plan_windows.split(",")], epochs,
-                                 args.policies.split(","))}
+                                 args.policies.split(","), args.epoch_order)}
         print(json.dumps(report, indent=2))
         return
     store = FeatureStore.open(offline_store)
@@ -231,7 +237,7 @@ def main() -> None:
         log(f"offline training, {e} epoch(s)")
         steps = [] if per_epoch is None else ["--max-steps", str(per_epoch * e)]
         r = run(["cli.train", "--store", str(offline_store), "--output", str(out), "--verifier", "smollm2-135m",
-                 *TRAIN, *steps, "--force"], metrics=out / "metrics.jsonl")
+                 *TRAIN, "--epoch-order", args.epoch_order, *steps, "--force"], metrics=out / "metrics.jsonl")
         if per_epoch is None:
             per_epoch = int(r["summary"]["steps"]) // e
         report["runs"].append({"mode": "offline", "epochs": e, "steps": r["summary"]["steps"],
@@ -250,7 +256,7 @@ def main() -> None:
             size = budget if policy == "reextract" else offline_bytes + 8 * per_epoch * e + 8192
             log(f"streaming, policy {policy}, {e} epoch(s), budget {size:,} bytes")
             r = run(["cli.train", "--store", str(st), "--output", str(out), "--verifier", "smollm2-135m", *TRAIN,
-                     "--max-steps", str(per_epoch * e), "--extract-from", str(packed), "--max-store-bytes", str(size),
+                     "--epoch-order", args.epoch_order, "--max-steps", str(per_epoch * e), "--extract-from", str(packed), "--max-store-bytes", str(size),
                      "--epoch-policy", policy, "--context", args.context, "--device", "cpu", "--force"],
                     watch_store=st, metrics=out / "metrics.jsonl")
             text = Path(r["summary"]["extraction_log"]).read_text()

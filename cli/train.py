@@ -13,6 +13,7 @@ import click
 
 from cli.common import OutputPath, again_command, config_error, echo_json, handle_errors
 from cli.options import config_file_options, config_options
+from peagle_train.data.loader import EPOCH_ORDERS
 from peagle_train.data.multistore import expand_store_args
 from peagle_train.model.attention import ATTENTION_CHOICES
 from peagle_train.model.checkpoint import latest_checkpoint
@@ -35,6 +36,7 @@ OVERRIDES = {
     "init_layers": {"type": click.Choice(INIT_LAYERS)},
     "loss": {"type": click.Choice(LOSSES)},
     "epoch_policy": {"type": click.Choice(STREAM_POLICIES)},
+    "epoch_order": {"type": click.Choice(EPOCH_ORDERS)},
     "extract_from": {"type": click.Path(exists=True, file_okay=False)},
     "engine": {"type": click.Choice(list(ENGINES))},
     "context": {"type": click.Choice(STREAM_CONTEXTS)},

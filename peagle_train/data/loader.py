@@ -9,7 +9,9 @@ become done (``--allow-incomplete``, then the extraction finishes): :mod:`peagle
 ids gives the train side and the validation side (whole groups of blocks sharing a conversation; the block
 rule :func:`split_blocks` only for runs started before it), and a :class:`BlockSequence` lists the train side
 in ``epoch_order(train side, seed, e)`` for epochs e = 0, 1, ..., skipping the blocks that are not
-usable (not extracted) when the process starts. Entry i of epoch e has the cursor ``e * n + i``.
+usable (not extracted) when the process starts. Entry i of epoch e has the cursor ``e * n + i``. With
+``--epoch-order conversations`` an epoch permutes the groups of blocks that share a conversation instead, each
+group's blocks one after another (:func:`epoch_order`).
 
 One optimizer step takes the next ``G * W`` usable entries of the sequence (the step's blocks, in
 sequence order); rank r trains entries ``r*G .. r*G + G - 1`` of them. The loader's state is the
@@ -34,7 +36,12 @@ from stores.errors import InputError, StoreFormatError
 from stores.feature_schema import Block
 
 __all__ = ["Block", "derive_seed", "split_blocks", "epoch_order", "check_store_ready", "BlockSequence",
-           "BlockLoader", "to_block", "data_state", "resume_cursor", "READ_REQUEST_BYTES", "DATA_STATE_FORMAT"]
+           "BlockLoader", "to_block", "data_state", "resume_cursor", "READ_REQUEST_BYTES", "DATA_STATE_FORMAT",
+           "EPOCH_ORDERS"]
+
+EPOCH_ORDERS = ("blocks", "conversations")
+"""``--epoch-order``: each epoch a seeded permutation of the train-side blocks, or of their conversation groups
+(each group's blocks one after another): :func:`epoch_order`."""
 
 READ_REQUEST_BYTES = 16 * 2 ** 20
 """Bytes of stored blocks the loader asks the store for at once (small blocks are read several at a time)."""
@@ -87,10 +94,30 @@ def split_blocks(block_ids: np.ndarray, seed: int, val_fraction: float) -> tuple
     return np.sort(perm[: n - n_val]), np.sort(perm[n - n_val:])
 
 
-def epoch_order(train_ids: np.ndarray, seed: int, epoch: int) -> np.ndarray:
-    """The order of ``train_ids`` in ``epoch``: a pure function of ``(seed, epoch)``; ``[n] int64``."""
+def epoch_order(train_ids: np.ndarray, seed: int, epoch: int, groups: np.ndarray | None = None,
+                leads: np.ndarray | None = None) -> np.ndarray:
+    """The order of ``train_ids`` in ``epoch``: a pure function of ``(seed, epoch)`` (and ``groups``, ``leads``);
+    ``[n] int64``.
+
+    Args:
+        train_ids: ``[n] int64`` the train-side block ids.
+        groups: None (``--epoch-order blocks``): the blocks in a seeded permutation, each alone. Else ``[n]
+            int64`` each id's group (:func:`peagle_train.data.split.block_groups`: blocks that share a
+            conversation, its windows or its copies) (``--epoch-order conversations``): the groups in a seeded
+            permutation, each group's blocks one after another by ``leads`` (``[n] int64``,
+            :func:`peagle_train.data.split.block_leads`; None: all 0), then id. A conversation's windows are then
+            trained together, as a trainer that takes a whole conversation as one sample trains it, and a
+            streaming run over a full-context store extracts each context about once an epoch at any budget.
+    """
+    ids = np.asarray(train_ids, dtype=np.int64)
     g = torch.Generator().manual_seed(derive_seed(seed, epoch))
-    return np.asarray(train_ids, dtype=np.int64)[torch.randperm(len(train_ids), generator=g).numpy()]
+    if groups is None:
+        return ids[torch.randperm(len(ids), generator=g).numpy()]
+    names, group_of = np.unique(np.asarray(groups, dtype=np.int64), return_inverse=True)
+    place = np.empty(names.size, dtype=np.int64)
+    place[torch.randperm(names.size, generator=g).numpy()] = np.arange(names.size)
+    lead = np.zeros(ids.size, dtype=np.int64) if leads is None else np.asarray(leads, dtype=np.int64)
+    return ids[np.lexsort((ids, lead, place[group_of]))]
 
 
 def check_store_ready(store, allow_incomplete: bool) -> np.ndarray:
@@ -118,7 +145,7 @@ def check_store_ready(store, allow_incomplete: bool) -> np.ndarray:
 class BlockSequence:
     """The run's endless sequence of training blocks (see the module doc).
 
-    Entry i of epoch e is ``epoch_order(train_side, seed, e)[i]``, at cursor ``e * n + i``; entries
+    Entry i of epoch e is ``epoch_order(train_side, seed, e, groups, leads)[i]``, at cursor ``e * n + i``; entries
     whose block is not in ``usable`` are skipped. A block that becomes usable later (a resume after
     the extraction went on) takes its fixed place: in the current epoch if the run's cursor has not
     passed it, else from the next epoch on. No block is trained twice in an epoch.
@@ -128,6 +155,10 @@ class BlockSequence:
         usable: ``[m] int64`` the train-side blocks this run may read (extracted), a subset.
         seed: the run's seed.
         where: the store(s), for the message.
+        split_rule: the validation split rule that gave ``train_side``.
+        block_group: None (``--epoch-order blocks``), or ``(groups, leads)``, each ``[N] int64`` over every
+            block id of the store(s) (``--epoch-order conversations``: :func:`epoch_order`,
+            :func:`peagle_train.data.multistore.conversation_groups`).
 
     Raises:
         StoreFormatError: ``usable`` is empty.
@@ -135,8 +166,13 @@ class BlockSequence:
     """
 
     def __init__(self, train_side: np.ndarray, usable: np.ndarray, seed: int, where: str = "the store",
-                 split_rule: int = 2):
+                 split_rule: int = 2, block_group: tuple[np.ndarray, np.ndarray] | None = None):
         self.train_side = np.unique(np.asarray(train_side, dtype=np.int64))
+        self.groups = self.leads = None
+        """``[n] int64`` each train-side block's group and lead (``--epoch-order conversations``), or None."""
+        if block_group is not None:
+            self.groups = np.asarray(block_group[0], dtype=np.int64)[self.train_side]
+            self.leads = np.asarray(block_group[1], dtype=np.int64)[self.train_side]
         self.usable = np.unique(np.asarray(usable, dtype=np.int64))
         self.seed = int(seed)
         self.split_rule = int(split_rule)
@@ -150,6 +186,11 @@ class BlockSequence:
         self._epoch: int | None = None
         self._order = self._keep = np.zeros(0, dtype=np.int64)
 
+    @property
+    def order_rule(self) -> str:
+        """The epoch order (``--epoch-order``), one of :data:`EPOCH_ORDERS`."""
+        return "blocks" if self.groups is None else "conversations"
+
     def __len__(self) -> int:
         """n, the entries of one epoch (usable or not)."""
         return int(self.train_side.size)
@@ -157,7 +198,7 @@ class BlockSequence:
     def _epoch_entries(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(order ``[n]``, indices ``[m]`` of its usable entries) of ``epoch``."""
         if epoch != self._epoch:
-            order = epoch_order(self.train_side, self.seed, epoch)
+            order = epoch_order(self.train_side, self.seed, epoch, self.groups, self.leads)
             self._epoch, self._order = epoch, order
             self._keep = np.flatnonzero(np.isin(order, self.usable))
         return self._order, self._keep
@@ -178,10 +219,12 @@ def data_state(sequence: BlockSequence, cursor: int, world_size: int, grad_accum
     (the sequence cursor after the last step, over all ranks), ``blocks_per_step`` (``grad_accum *
     world_size``), ``world_size``, ``grad_accum``, ``seed``, ``sequence_length`` (n) and ``usable``
     (the train-side block ids the run could read, a sorted list) and ``split`` (the validation split rule,
-    ``sequence.split_rule``; a state without it was split by rule 1, blocks alone)."""
+    ``sequence.split_rule``; a state without it was split by rule 1, blocks alone) and ``order`` (the epoch
+    order, ``sequence.order_rule``; a state without it ordered blocks alone)."""
     return {"format": DATA_STATE_FORMAT, "cursor": int(cursor), "blocks_per_step": int(grad_accum * world_size),
             "world_size": int(world_size), "grad_accum": int(grad_accum), "seed": sequence.seed,
-            "sequence_length": len(sequence), "usable": sequence.usable.tolist(), "split": sequence.split_rule}
+            "sequence_length": len(sequence), "usable": sequence.usable.tolist(), "split": sequence.split_rule,
+            "order": sequence.order_rule}
 
 
 def resume_cursor(saved: dict[str, Any], sequence: BlockSequence, world_size: int, grad_accum: int,
@@ -198,7 +241,8 @@ def resume_cursor(saved: dict[str, Any], sequence: BlockSequence, world_size: in
         InputError: a state written before :data:`DATA_STATE_FORMAT` (field ``--resume``); another
             number of blocks per optimizer step (``grad_accum * world_size``), naming both world sizes
             and the ``--grad-accum`` that keeps it, or saying that no ``--grad-accum`` can (field
-            ``--grad-accum``); another seed or sequence length (field ``--resume``).
+            ``--grad-accum``); another seed or sequence length (field ``--resume``); another epoch order
+            (field ``--epoch-order``).
         StoreFormatError: blocks the saved run could read are not done now.
     """
     if saved.get("format") != DATA_STATE_FORMAT:
@@ -226,6 +270,11 @@ def resume_cursor(saved: dict[str, Any], sequence: BlockSequence, world_size: in
             f"{checkpoint} ordered {saved['sequence_length']} train-side blocks with seed {saved['seed']}, this run "
             f"{len(sequence)} with seed {sequence.seed}: the stores or the split differ from the saved run's",
             field="--resume")
+    saved_order = saved.get("order", "blocks")
+    if saved_order != sequence.order_rule:
+        raise InputError(f"{checkpoint} ordered its epochs by {saved_order}, this run by {sequence.order_rule}: the "
+                         f"resumed run would read other blocks next; resume with --epoch-order {saved_order}",
+                         field="--epoch-order")
     gone = np.setdiff1d(np.asarray(saved["usable"], dtype=np.int64), sequence.usable)
     if gone.size:
         raise StoreFormatError(

@@ -26,14 +26,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from peagle_train.data.loader import check_store_ready
-from peagle_train.data.split import SPLIT_CONVERSATIONS, split_store
+from peagle_train.data.split import SPLIT_CONVERSATIONS, block_groups, block_leads, split_store
 from stores.chat_template import chat_template_kwargs_record, describe_kwargs
-from stores.errors import InputError, StoreMismatchError
+from stores.errors import InputError, StoreFormatError, StoreMismatchError
 from stores.feature_store import FeatureStore
 from stores.files import is_local
 
 __all__ = ["expand_store_args", "open_stores", "StoreSet", "split_per_store", "store_identities", "store_identity",
-           "usable_blocks"]
+           "usable_blocks", "conversation_groups"]
 
 
 def expand_store_args(values: Sequence[str]) -> str | list[str]:
@@ -281,6 +281,35 @@ def split_per_store(store, seed: int, val_fraction: float, rule: int = SPLIT_CON
     return train, val
 
 
+def conversation_groups(store) -> tuple[np.ndarray, np.ndarray]:
+    """``(groups [N] int64, leads [N] int64)`` of every block id (global over a :class:`StoreSet`): blocks that
+    share a conversation, directly or through others, in one store or across stores, are one group
+    (:func:`peagle_train.data.split.block_groups`); a block's lead orders it within its group
+    (:func:`peagle_train.data.split.block_leads`). What ``--epoch-order conversations`` shuffles.
+
+    Raises:
+        StoreFormatError: a store without segment keys (which conversation each segment comes from is unknown).
+    """
+    stores = store.stores if isinstance(store, StoreSet) else [store]
+    keys = [s.segment_keys() for s in stores]
+    for s, k in zip(stores, keys):
+        if k is None:
+            raise StoreFormatError(
+                f"{s.path}: the store does not record which conversation each segment comes from, so "
+                "--epoch-order conversations cannot group its blocks. Record them with `peagle-data extract PACKED "
+                "--output STORE ... --resume` (the store's own options; nothing is extracted again), or train with "
+                "--epoch-order blocks")
+    rows = _padded_keys(keys)
+    return block_groups(rows), block_leads(rows)
+
+
+def _padded_keys(keys: list[np.ndarray]) -> np.ndarray:
+    """``[N, S] int64`` the stores' segment keys in global block order, a short row padded with its own last key
+    (padding adds no link)."""
+    width = max(k.shape[1] for k in keys)
+    return np.concatenate([np.pad(k, ((0, 0), (0, width - k.shape[1])), mode="edge") for k in keys])
+
+
 def _check_no_shared_conversation(store: StoreSet, train: np.ndarray, val: np.ndarray) -> None:
     """Raise unless no conversation content key of a validation block is in a training block of another store
     (one store's groups never cross its sides; two stores of overlapping data can)."""
@@ -288,8 +317,7 @@ def _check_no_shared_conversation(store: StoreSet, train: np.ndarray, val: np.nd
     if any(k is None for k in keys):
         return  # split_store refused a store without keys already, unless nothing is held out
     owner = np.concatenate([np.full(k.shape[0], j) for j, k in enumerate(keys)])
-    width = max(k.shape[1] for k in keys)
-    rows = np.concatenate([np.pad(k, ((0, 0), (0, width - k.shape[1])), mode="edge") for k in keys])
+    rows = _padded_keys(keys)
     shared = np.intersect1d(rows[val].reshape(-1), rows[train].reshape(-1))
     if shared.size:
         b = int(val[np.isin(rows[val], shared).any(axis=1)][0])

@@ -34,7 +34,7 @@ import torch
 from peagle_train.data.loader import derive_seed, split_blocks
 from stores.errors import InputError, StoreFormatError
 
-__all__ = ["SPLIT_BLOCKS", "SPLIT_CONVERSATIONS", "SPLIT_RULES", "block_groups", "split_by_groups", "split_store",
+__all__ = ["SPLIT_BLOCKS", "SPLIT_CONVERSATIONS", "SPLIT_RULES", "block_groups", "block_leads", "split_by_groups", "split_store",
            "validation_size"]
 
 SPLIT_BLOCKS = 1
@@ -91,6 +91,28 @@ def block_groups(keys: np.ndarray) -> np.ndarray:
         if np.array_equal(new, label):
             return label
         label = new
+
+
+def block_leads(keys: np.ndarray) -> np.ndarray:
+    """The lead of every block: the first block (smallest id) of the earliest of its conversations, i.e. the
+    smallest first-block id over its segment keys (at most its own id). Ordering a group's blocks by lead, then
+    id, puts the blocks that hold the later windows of a conversation (packed beside other conversations' windows)
+    next to that conversation's first ones (``--epoch-order conversations``).
+
+    Args:
+        keys: ``[N, S] int64`` each block's segment content keys (padded as for :func:`block_groups`).
+
+    Returns:
+        ``[N] int64``.
+    """
+    keys = np.asarray(keys, dtype=np.int64)
+    if keys.shape[0] == 0:
+        return np.zeros(0, dtype=np.int64)
+    _, key_index = np.unique(keys.reshape(-1), return_inverse=True)
+    key_index = key_index.reshape(keys.shape)
+    first = np.full(int(key_index.max()) + 1, keys.shape[0], dtype=np.int64)
+    np.minimum.at(first, key_index.reshape(-1), np.repeat(np.arange(keys.shape[0], dtype=np.int64), keys.shape[1]))
+    return first[key_index].min(axis=1)
 
 
 def split_by_groups(groups: np.ndarray, seed: int, val_fraction: float, where: str = "the store"

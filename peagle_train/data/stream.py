@@ -36,7 +36,7 @@ from stores.stream_plan import (POLICIES, STREAM_GROUP, StreamPlan, apparent_byt
                                 window_for_budget, window_for_reads, write_consumed)
 
 __all__ = ["PLAN_ALLOWANCE_BYTES", "plan_entries", "make_plan", "fixed_store_bytes", "StreamingStore", "stream_save_due", "mark_consumed",
-           "evict_after_run", "planned_tokens", "ExtractionDied"]
+           "evict_after_run", "planned_tokens", "rerun_note", "ExtractionDied"]
 
 
 PLAN_ALLOWANCE_BYTES = 8192
@@ -202,6 +202,28 @@ def planned_tokens(store: FeatureStore, plan: StreamPlan) -> int:
     ``n_tokens``): the run's extraction work, to set against an offline extraction's (the units' tokens once)."""
     n_tokens = unit_store(store).n_tokens_per_block()
     return int(sum(k * int(n_tokens[u]) for u, k in plan.extraction_counts().items()))
+
+
+def rerun_note(store: FeatureStore, plan: StreamPlan, epoch_entries: int, epoch_order: str) -> str | None:
+    """A note when a full-context plan runs the verifier over more than 1.1x the offline extraction's tokens per
+    epoch (its units' tokens once; epochs: ``T / epoch_entries``): with ``--epoch-order blocks`` the shuffle puts
+    a long conversation's windows far apart, and each context block read again past the window is extracted
+    again; the note names the factor and the order that avoids it. None otherwise (a format-1 store's block is
+    read once an epoch)."""
+    if plan.reads is None or plan.policy != "reextract" or epoch_entries < 1:
+        return None
+    n_tokens = unit_store(store).n_tokens_per_block()
+    once = sum(int(n_tokens[u]) for u in plan.extraction_counts())
+    epochs = max(1.0, plan.n_entries / epoch_entries)
+    factor = planned_tokens(store, plan) / max(1, once) / epochs
+    if factor <= 1.1:
+        return None
+    fix = ("; --epoch-order conversations (a conversation's windows trained one after another, in both the "
+           "offline and the streaming run) extracts each once an epoch at this budget" if epoch_order == "blocks"
+           else "; a larger --max-store-bytes or --epoch-policy keep lowers it")
+    return (f"this plan runs the verifier over {factor:.2f}x the tokens of one extraction of what it reads, per "
+            f"epoch: context blocks read again further apart than the window ({plan.window} entries) are "
+            f"extracted again{fix}")
 
 
 class StreamingStore:

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from peagle_train.data.loader import EPOCH_ORDERS
 from peagle_train.model.attention import ATTENTION_CHOICES
 from peagle_train.model.config import LAYER_TYPES
 from peagle_train.model.warm_start import INIT_LAYERS
@@ -94,6 +95,13 @@ class DataConfig:
     """Validation reads at most this many held-out blocks (``--val-max-blocks``)."""
     allow_incomplete: bool = False
     """Train on the done blocks of an unfinished store (``--allow-incomplete``)."""
+    epoch_order: str = "blocks"
+    """Each epoch's order (``--epoch-order``): ``blocks``, a seeded shuffle of the training blocks;
+    ``conversations``, a seeded shuffle of the groups of blocks that share a conversation, each group's blocks one
+    after another (a long conversation's windows trained together). With ``--context full`` streaming,
+    ``conversations`` extracts each conversation once per epoch at any budget, where ``blocks`` extracts a
+    long conversation again for windows that the shuffle puts far apart (the run's summary gives the planned
+    extraction tokens)."""
 
     def __post_init__(self) -> None:
         _need(0.0 < self.down_sample_ratio <= 1.0, "--down-sample-ratio", "in (0, 1]", self.down_sample_ratio)
@@ -102,6 +110,8 @@ class DataConfig:
         _need(self.max_anchors is None or self.max_anchors >= 1, "--max-anchors", ">= 1 when set", self.max_anchors)
         _need(0.0 <= self.val_fraction < 1.0, "--val-fraction", "in [0, 1)", self.val_fraction)
         _need(self.val_max_blocks >= 0, "--val-max-blocks", ">= 0", self.val_max_blocks)
+        _need(self.epoch_order in EPOCH_ORDERS, "--epoch-order", f"one of {', '.join(EPOCH_ORDERS)}",
+              self.epoch_order)
 
 
 @dataclass(frozen=True, kw_only=True)

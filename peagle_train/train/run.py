@@ -34,9 +34,10 @@ import numpy as np
 import torch
 
 from peagle_train.data.loader import BlockSequence, resume_cursor
-from peagle_train.data.multistore import open_stores, split_per_store, store_identities, usable_blocks
+from peagle_train.data.multistore import (conversation_groups, open_stores, split_per_store, store_identities,
+                                         usable_blocks)
 from peagle_train.data.split import SPLIT_BLOCKS, SPLIT_CONVERSATIONS, SPLIT_RULES, validation_size
-from peagle_train.data.stream import StreamingStore, make_plan, mark_consumed
+from peagle_train.data.stream import StreamingStore, make_plan, mark_consumed, rerun_note
 from peagle_train.model.attention import resolve_attention_backend
 from peagle_train.model.checkpoint import latest_checkpoint, load_drafter, load_training_state
 from peagle_train.model.drafter import PEagleDrafter
@@ -178,7 +179,9 @@ def build_trainer(cfg: TrainConfig, claimed: list[tuple[Path, bool]] | None = No
     state = load_training_state(resume_from) if resume_from is not None else None
     rule = resumed_split_rule(state, cfg.data.val_fraction, str(resume_from))  # a resumed run keeps its split
     train_side, val_side = split_per_store(store, cfg.run.seed, cfg.data.val_fraction, rule)  # every block id
-    sequence = BlockSequence(train_side, np.intersect1d(train_side, usable), cfg.run.seed, str(store.path), rule)
+    groups = conversation_groups(store) if cfg.data.epoch_order == "conversations" else None
+    sequence = BlockSequence(train_side, np.intersect1d(train_side, usable), cfg.run.seed, str(store.path), rule,
+                             groups)
     val_ids = np.intersect1d(val_side, usable)
     if state is not None:  # refused here, before the weights load, unless it continues exactly
         resume_cursor(state.get("data") or {}, sequence, accelerator.num_processes, cfg.optim.grad_accum, str(resume_from))
@@ -288,6 +291,9 @@ def _stream_plan(cfg: TrainConfig, accelerator, store: FeatureStore, sequence: B
         print(f"stream: {plan.n_entries} entries, policy {plan.policy}, window {plan.window} entries, {unit}s of "
               f"{plan.block_bytes:,} bytes, {len(plan.val_blocks)} validation blocks, budget "
               f"{plan.max_store_bytes:,} bytes; {plan.extractions()} {unit} extractions planned", file=sys.stderr)
+        note = rerun_note(store, plan, len(sequence), sequence.order_rule)
+        if note:
+            print(f"note: {note}", file=sys.stderr)
     return StreamRun(store=store, plan=plan, saved_cursor=cursor)
 
 
@@ -399,6 +405,7 @@ def _start_run(cfg: TrainConfig, accelerator, store, sequence: BlockSequence, va
             "down_sample_ratio_min": cfg.data.down_sample_ratio_min, "loss": cfg.optim.loss,
             "depth_weights": list(cfg.depth_weights) if cfg.depth_weights is not None else None,
             "val_blocks": [int(i) for i in val_side],
-            "split": {"rule": SPLIT_RULES[sequence.split_rule], "version": sequence.split_rule}}
+            "split": {"rule": SPLIT_RULES[sequence.split_rule], "version": sequence.split_rule},
+            "epoch_order": sequence.order_rule}
     return TrainRun(store=store, sequence=sequence, val_ids=val_ids, output=out, info=info, summary={},
                     metrics=MetricsLog(out / "metrics.jsonl", accelerator, trackers), resumed_from=resume_from)

@@ -298,8 +298,10 @@ def wait_for_store(store: str, timeout_s: float, extraction: Extraction | None =
 
 
 def plan_run_identity(cfg: TrainConfig, max_steps: int, blocks_per_step: int) -> dict[str, Any]:
-    """The run identity a stream plan records: two runs of one identity read the same blocks in one order."""
-    return {"output": str(Path(cfg.run.output).resolve()), "seed": cfg.run.seed, "val_fraction": cfg.data.val_fraction,
-            "val_max_blocks": cfg.data.val_max_blocks, "max_steps": int(max_steps),
-            "blocks_per_step": int(blocks_per_step)}
+    """The run identity a stream plan records: two runs of one identity read the same blocks in one order
+    (``epoch_order`` only when not ``blocks``, so a plan written before the option stays the same run's)."""
+    run = {"output": str(Path(cfg.run.output).resolve()), "seed": cfg.run.seed, "val_fraction": cfg.data.val_fraction,
+           "val_max_blocks": cfg.data.val_max_blocks, "max_steps": int(max_steps),
+           "blocks_per_step": int(blocks_per_step)}
+    return run if cfg.data.epoch_order == "blocks" else {**run, "epoch_order": cfg.data.epoch_order}
 

@@ -55,6 +55,37 @@ def test_epoch_order_is_a_pinned_permutation_per_seed_and_epoch():
     assert epoch_order(ids, 1, 1).tolist() != epoch_order(ids, 1, 0).tolist()
 
 
+def test_epoch_order_by_conversations_shuffles_whole_groups_each_by_lead_then_id():
+    ids = np.array([3, 4, 5, 7, 8, 9, 11])
+    groups = np.array([3, 3, 5, 3, 8, 8, 11])  # (the smallest id of each group names it)
+    leads = np.array([3, 4, 5, 3, 8, 8, 11])  # block 7 holds a later window of block 3's conversation
+    for epoch in range(4):
+        order = epoch_order(ids, 2, epoch, groups, leads)
+        assert sorted(order.tolist()) == ids.tolist()
+        runs = [list(g) for _, g in itertools.groupby(order.tolist(), key=lambda b: groups[ids.tolist().index(b)])]
+        assert sorted(map(tuple, runs)) == [(3, 7, 4), (5,), (8, 9), (11,)]  # each group once, by lead then id
+    orders = {tuple(epoch_order(ids, 2, e, groups).tolist()) for e in range(6)}
+    assert len(orders) > 1 and epoch_order(ids, 2, 1, groups).tolist() == epoch_order(ids, 2, 1, groups).tolist()
+    assert [b for b in epoch_order(ids, 2, 0, groups) if groups[ids.tolist().index(b)] == 3] == [3, 4, 7]  # no leads
+    assert epoch_order(ids, 1, 0, None).tolist() == epoch_order(ids, 1, 0).tolist()  # blocks: as before
+    every = np.arange(12)
+    seq = BlockSequence(ids, ids, seed=2, block_group=(every // 4 * 4, every))  # groups [3], [4-7], [8-11]
+    assert seq.order_rule == "conversations" and seq.groups.tolist() == [0, 4, 4, 4, 8, 8, 8]
+    first = [b for _, b in itertools.islice(seq.entries(), 7)]
+    assert first == epoch_order(ids, 2, 0, seq.groups, seq.leads).tolist()
+
+
+def test_resume_refuses_another_epoch_order():
+    ids = np.arange(8)
+    blocks, conv = BlockSequence(ids, ids, seed=0), BlockSequence(ids, ids, seed=0, block_group=(ids // 2, ids))
+    assert data_state(conv, 3, 1, 1)["order"] == "conversations"
+    assert resume_cursor(data_state(conv, 3, 1, 1), conv, 1, 1) == 3
+    assert resume_cursor({k: v for k, v in data_state(blocks, 2, 1, 1).items() if k != "order"}, blocks, 1, 1) == 2
+    with pytest.raises(InputError, match=r"field '--epoch-order': ckpt ordered its epochs by blocks, this run by "
+                                         r"conversations: .*resume with --epoch-order blocks"):
+        resume_cursor(data_state(blocks, 2, 1, 1), conv, 1, 1, checkpoint="ckpt")
+
+
 def test_to_block_concatenates_the_layers_per_token():
     from peagle_train.data.loader import Block
 
@@ -147,7 +178,8 @@ def test_each_rank_takes_a_contiguous_slice_of_every_step_of_the_global_sequence
             assert loader.cursor == flat[7][0] + 1  # after the second step: the same on every rank
             assert loader.state_dict() == {"format": 2, "cursor": flat[7][0] + 1, "blocks_per_step": 4,
                                            "world_size": world, "grad_accum": accum, "seed": 5,
-                                           "sequence_length": 6, "usable": [0, 1, 2, 4, 5], "split": 2}
+                                           "sequence_length": 6, "usable": [0, 1, 2, 4, 5], "split": 2,
+                                           "order": "blocks"}
             resumed = BlockLoader(store, seq, cursor=loader.cursor, rank=r, world_size=world, grad_accum=accum,
                                   prefetch=False)
             c, b = next(iter(resumed))

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from peagle_train.data.loader import split_blocks
-from peagle_train.data.multistore import StoreSet, expand_store_args, open_stores, split_per_store, usable_blocks
+from peagle_train.data.multistore import (StoreSet, conversation_groups, expand_store_args, open_stores,
+                                         split_per_store, usable_blocks)
 from peagle_train.model.checkpoint import load_drafter
 from peagle_train.train.run import run_train
 from peagle_train.train.setup import build_draft_vocab
@@ -207,3 +208,25 @@ def test_a_store_without_blocks_is_named_as_such(tmp_path, verifier_dir):
                                                r"with fewer blocks than --num-shards, or of an empty table\); leave it "
                                                r"out of --store"):
         usable_blocks(open_stores([a, empty]), allow_incomplete=False)
+
+
+def test_conversation_groups_join_blocks_sharing_a_conversation_also_across_stores(tmp_path, verifier_dir):
+    a = _store(tmp_path / "a.zarr", verifier_dir, n_blocks=4, keys=[[1, 2], [3], [2, 9, 10], [11, 12]])
+    b = _store(tmp_path / "b.zarr", verifier_dir, n_blocks=3, seed=2, keys=[[20, 21], [12], [30, 31, 32]])
+    groups, leads = conversation_groups(FeatureStore.open(a))
+    assert groups.tolist() == [0, 1, 0, 3] and leads.tolist() == [0, 1, 0, 3]
+    groups, leads = conversation_groups(open_stores([a, b]))
+    assert groups.tolist() == [0, 1, 0, 3, 4, 3, 6]  # key 12 in both stores
+    assert leads.tolist() == [0, 1, 0, 3, 4, 3, 6]  # block 5's conversation 12 starts at block 3
+
+
+def test_epoch_order_conversations_needs_segment_keys_and_is_refused_before_training(tmp_path, verifier_dir):
+    path = _store(tmp_path / "old.zarr", verifier_dir, n_blocks=4)
+    FeatureStore.open(path, mode="r+")._set_own_attr(segment_keys=False)  # as an old extraction left it
+    with pytest.raises(StoreFormatError, match=r"old.zarr: the store does not record which conversation .* "
+                                               r"--epoch-order conversations cannot group its blocks.*--epoch-order "
+                                               r"blocks$"):
+        run_train(_cfg(path, tmp_path / "out", epoch_order="conversations"))
+    assert not (tmp_path / "out" / "final").exists()
+    with pytest.raises(ValueError, match=r"--epoch-order must be one of blocks, conversations, got 'groups'"):
+        _cfg(path, tmp_path / "out", epoch_order="groups")

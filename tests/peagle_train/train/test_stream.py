@@ -22,6 +22,10 @@ import pytest
 from safetensors.numpy import load_file
 
 from peagle_data.inspect.verify import verify_output
+from peagle_train.data.loader import BlockSequence
+from peagle_train.data.multistore import conversation_groups
+from peagle_train.data.split import split_store
+from peagle_train.data.stream import make_plan, planned_tokens, rerun_note
 from peagle_train.train.config import TrainConfig
 from peagle_train.train.run import run_train
 from peagle_train.train.stream import wait_for_store
@@ -298,3 +302,50 @@ def test_full_context_streaming_weights_equal_offline_weights(tmp_path, packed_f
         assert failure is None and report["state"] == "streaming" and report["ok"]
         assert report["stream"]["contexts"]["pending"] == []
         assert report["stream"]["contexts"]["consumed_blocks"] == len(read - set(plan.val_units))
+
+
+def test_a_plan_that_extracts_contexts_again_says_so_and_names_the_order_that_does_not(offline_full):
+    store = FeatureStore.open(offline_full)
+    train, val = split_store(store, FULL_OPTS["seed"], FULL_OPTS["val_fraction"])
+    n_tokens = store.contexts.n_tokens_per_block()
+    budget = _full_budget(offline_full, 4, 26)  # 2 validation context blocks, a window of 2
+    plans = {}
+    for order, groups in (("blocks", None), ("conversations", conversation_groups(store))):
+        plans[order] = make_plan(store, BlockSequence(train, train, FULL_OPTS["seed"], block_group=groups), val,
+                                 max_steps=26, blocks_per_step=1, val_max_blocks=2, max_store_bytes=budget,
+                                 policy="reextract", run={"output": "o"})
+    once = sum(int(n_tokens[u]) for u in plans["blocks"].extraction_counts())
+    factor = planned_tokens(store, plans["blocks"]) / once / 2  # 2 epochs of 13 entries
+    note = rerun_note(store, plans["blocks"], 13, "blocks")
+    assert factor > 1.1 and note.startswith(f"this plan runs the verifier over {factor:.2f}x the tokens")
+    assert "--epoch-order conversations" in note
+    # by conversation: each context block once an epoch (a window across the epochs' boundary may spare one)
+    assert 0.9 <= planned_tokens(store, plans["conversations"]) / once / 2 <= 1.0
+    assert rerun_note(store, plans["conversations"], 13, "conversations") is None
+
+
+def test_full_context_streaming_by_conversation_extracts_each_context_once_and_trains_the_offline_weights(
+        tmp_path, packed_full, offline_full, tiny_verifier_dir, one_thread):
+    """--epoch-order conversations (a conversation's windows trained one after another): at the budget of 5
+    context blocks (3 beside the validation blocks'), where the block order extracts contexts again (1.9x), each
+    is extracted once an epoch, and the weights equal an offline run's with the same order, bit for bit."""
+    opts = {**FULL_OPTS, "epoch_order": "conversations"}
+    steps = 13
+    offline = run_train(TrainConfig.from_flat(store=offline_full, output=str(tmp_path / "offline"),
+                                              verifier=str(tiny_verifier_dir), max_steps=steps, **opts))
+    budget = _full_budget(offline_full, 5, steps)  # 2 validation context blocks, 3 more
+    summary = run_train(TrainConfig.from_flat(
+        store=str(tmp_path / "stream.zarr"), output=str(tmp_path / "stream"), verifier=str(tiny_verifier_dir),
+        max_steps=steps, extract_from=str(packed_full), max_store_bytes=str(budget), epoch_policy="reextract",
+        context="full", device="cpu", **opts))
+    a, b = _weights(tmp_path / "offline"), _weights(tmp_path / "stream")
+    assert sorted(a) == sorted(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
+    assert summary["val_loss"] == offline["val_loss"]
+    plan = read_plan(FeatureStore.open(tmp_path / "stream.zarr"))
+    read = {u for blk in plan.order.tolist() for u in plan.units_of(blk)} | set(plan.val_units)
+    log = Path(summary["extraction_log"]).read_text()
+    stream = json.loads(log[log.index("{"):])["stream"]
+    assert plan.run["epoch_order"] == "conversations" and stream["peak_store_bytes"] <= budget
+    assert stream["extractions"] == summary["stream"]["planned_extractions"] == len(read)  # each context once
+    assert json.loads((tmp_path / "stream" / "final" / "config.json").read_text())["peagle_training"][
+        "epoch_order"] == "conversations"
