@@ -57,7 +57,7 @@ __all__ = [
 _RESUME_FIELDS = ("store", "max_steps", "num_depths", "down_sample_ratio", "down_sample_ratio_min",
                   "max_anchors", "lr", "warmup_steps", "weight_decay", "seed",
                   "draft_vocab_size", "num_layers", "drafter_layer", "val_fraction", "lazy_embedding", "grad_clip",
-                  "mask_token_id", "train_embedding", "init_layers", "loss", "depth_weights")
+                  "mask_token_id", "train_embedding", "init_layers", "loss", "depth_weights", "epoch_order")
 
 
 _BEFORE_FIELD = {"drafter_layer": "llama"}

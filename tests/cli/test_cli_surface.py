@@ -44,7 +44,7 @@ EXACT = {
                       "--save-total-limit", "--val-fraction", "--val-max-blocks", "--val-every", "--log-every", "--mask-token-id",
                       "--loss-chunk-size", "--loss", "--depth-weights", "--gradient-checkpointing", "--lazy-embedding", "--dense-embedding",
                       "--train-embedding", "--freeze-embedding", "--seed", "--attention-backend", "--drafter-layer",
-                      "--init-from", "--init-from-sha256", "--init-layers", "--report-to", "--resume", "--allow-incomplete",
+                      "--init-from", "--init-from-sha256", "--init-layers", "--report-to", "--resume", "--allow-incomplete", "--epoch-order",
                       "--force", "--max-store-bytes", "--epoch-policy", "--extract-from", "--layers", "--engine",
                       "--context", "--device", "--storage-dtype", "--stream-timeout-s"} | CONFIG_FILE,
     ("eval", None): {"--drafter", "--verifier", "--prompts", "--store", "--output", "--force", "--max-new-tokens",
