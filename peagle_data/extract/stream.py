@@ -118,11 +118,11 @@ def stream_entries(store: FeatureStore, plan: StreamPlan, present: set[int], sta
         if u not in present:
             present.add(u)
             yield u
-    consumed = read_consumed(store)
     evicted_at = None  # the cursor of the last eviction: at the same cursor, nothing more is evictable
     for c in range(plan.n_entries):
         b = int(plan.order[c])
-        if c < consumed:  # consumed already (a resumed extraction): no need to write it
+        consumed = read_consumed(store)  # read at every entry: evictions follow the trainer's latest cursor
+        if c < consumed:  # consumed already (a resumed extraction, or by the trainer meanwhile): nothing to write
             continue
         followed = followed_plan(store, plan, timeout_s, log)
         if followed is not plan:  # another budget: its window may evict more at the same cursor

@@ -37,7 +37,7 @@ from stores.feature_schema import Block
 
 __all__ = ["Block", "derive_seed", "split_blocks", "epoch_order", "check_store_ready", "BlockSequence",
            "BlockLoader", "to_block", "data_state", "resume_cursor", "READ_REQUEST_BYTES", "DATA_STATE_FORMAT",
-           "EPOCH_ORDERS"]
+           "EPOCH_ORDERS", "order_warning", "LARGE_GROUP_SHARE"]
 
 EPOCH_ORDERS = ("blocks", "conversations")
 """``--epoch-order``: each epoch a seeded permutation of the train-side blocks, or of their conversation groups
@@ -212,6 +212,28 @@ class BlockSequence:
             for i in keep[np.searchsorted(keep, start):]:
                 yield epoch * n + int(i), int(order[i])
             epoch, start = epoch + 1, 0
+
+
+LARGE_GROUP_SHARE = 0.2
+"""``--epoch-order conversations`` warns when one group holds more than this share of the train side."""
+
+
+def order_warning(sequence: BlockSequence) -> str | None:
+    """With ``--epoch-order conversations``, a warning when one group of blocks holds more than
+    :data:`LARGE_GROUP_SHARE` of the train side (packing chains conversations: a block holding windows of
+    several conversations links them all into one group): its blocks are trained in the same order every epoch,
+    only the groups' order changes. None otherwise."""
+    if sequence.groups is None or len(sequence) < 5:
+        return None
+    sizes = np.unique(sequence.groups, return_counts=True)[1]
+    largest = int(sizes.max())
+    if largest <= LARGE_GROUP_SHARE * len(sequence):
+        return None
+    return (f"--epoch-order conversations: {largest} of the {len(sequence)} train-side blocks "
+            f"({100 * largest / len(sequence):.0f}%) are one group (blocks linked by the conversations they share: "
+            "a block holding windows of several conversations links them), trained in the same order every epoch; "
+            f"only the order of the {sizes.size} groups changes. Packing with --block-size equal to --max-seq-len "
+            "links fewer; --epoch-order blocks shuffles every block")
 
 
 def data_state(sequence: BlockSequence, cursor: int, world_size: int, grad_accum: int) -> dict[str, Any]:

@@ -297,7 +297,8 @@ def conversation_groups(store) -> tuple[np.ndarray, np.ndarray]:
             raise StoreFormatError(
                 f"{s.path}: the store does not record which conversation each segment comes from, so "
                 "--epoch-order conversations cannot group its blocks. Record them with `peagle-data extract PACKED "
-                "--output STORE ... --resume` (the store's own options; nothing is extracted again), or train with "
+                "--output STORE ... --resume` (the store's own options; nothing is extracted again; a packed table "
+                "without a conversations/ sub-table must be packed and extracted again), or train with "
                 "--epoch-order blocks")
     rows = _padded_keys(keys)
     return block_groups(rows), block_leads(rows)

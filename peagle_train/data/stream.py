@@ -28,14 +28,14 @@ from typing import Any, Callable
 import numpy as np
 
 from peagle_train.data.loader import BlockSequence
-from stores.errors import InputError, StoreFormatError
+from stores.errors import ChunkDamageError, InputError, StoreFormatError
 from stores.feature_schema import ARRAYS, hidden_arrays
 from stores.feature_store import CONTEXTS, FeatureStore
 from stores.stream_plan import (POLICIES, STREAM_GROUP, StreamPlan, apparent_bytes, block_feature_bytes, context_reads,
                                 flag_bytes, format_size, fsync_tree, read_consumed, read_plan, step_units, unit_store,
                                 window_for_budget, window_for_reads, write_consumed)
 
-__all__ = ["PLAN_ALLOWANCE_BYTES", "plan_entries", "make_plan", "fixed_store_bytes", "StreamingStore", "stream_save_due", "mark_consumed",
+__all__ = ["PLAN_ALLOWANCE_BYTES", "READ_TRIES", "plan_entries", "make_plan", "fixed_store_bytes", "StreamingStore", "stream_save_due", "mark_consumed",
            "evict_after_run", "planned_tokens", "rerun_note", "ExtractionDied"]
 
 
@@ -206,24 +206,32 @@ def planned_tokens(store: FeatureStore, plan: StreamPlan) -> int:
 
 def rerun_note(store: FeatureStore, plan: StreamPlan, epoch_entries: int, epoch_order: str) -> str | None:
     """A note when a full-context plan runs the verifier over more than 1.1x the offline extraction's tokens per
-    epoch (its units' tokens once; epochs: ``T / epoch_entries``): with ``--epoch-order blocks`` the shuffle puts
-    a long conversation's windows far apart, and each context block read again past the window is extracted
-    again; the note names the factor and the order that avoids it. None otherwise (a format-1 store's block is
+    epoch, counted over the training side's context blocks (the scored validation blocks' are extracted once a
+    run and left out; epochs: ``T / epoch_entries``): a context block read again further apart than the window is
+    extracted again. The note names the factor and what lowers it. None otherwise (a format-1 store's block is
     read once an epoch)."""
     if plan.reads is None or plan.policy != "reextract" or epoch_entries < 1:
         return None
     n_tokens = unit_store(store).n_tokens_per_block()
-    once = sum(int(n_tokens[u]) for u in plan.extraction_counts())
+    val = set(plan.val_units)
+    counts = {u: k for u, k in plan.extraction_counts().items() if u not in val}
+    once = sum(int(n_tokens[u]) for u in counts)
     epochs = max(1.0, plan.n_entries / epoch_entries)
-    factor = planned_tokens(store, plan) / max(1, once) / epochs
+    factor = sum(k * int(n_tokens[u]) for u, k in counts.items()) / max(1, once) / epochs
     if factor <= 1.1:
         return None
-    fix = ("; --epoch-order conversations (a conversation's windows trained one after another, in both the "
-           "offline and the streaming run) extracts each once an epoch at this budget" if epoch_order == "blocks"
+    fix = ("; --epoch-order conversations (a conversation's windows trained one after another, in the offline run "
+           "you compare with too) keeps the training blocks that read a context block together, which brings it "
+           "to about 1x at small budgets when context blocks are grouped by training block (--context-packing "
+           "training_blocks); or a larger --max-store-bytes, or --epoch-policy keep" if epoch_order == "blocks"
            else "; a larger --max-store-bytes or --epoch-policy keep lowers it")
-    return (f"this plan runs the verifier over {factor:.2f}x the tokens of one extraction of what it reads, per "
-            f"epoch: context blocks read again further apart than the window ({plan.window} entries) are "
-            f"extracted again{fix}")
+    return (f"this plan runs the verifier over {factor:.2f}x the tokens of one extraction of the training blocks' "
+            f"context blocks, per epoch: context blocks read again further apart than the window ({plan.window} "
+            f"entries) are extracted again{fix}")
+
+
+READ_TRIES = 3
+"""Reads of a streamed block before its chunk error is raised (:meth:`StreamingStore.read_block`)."""
 
 
 class StreamingStore:
@@ -284,9 +292,25 @@ class StreamingStore:
         self.wait_s += time.monotonic() - t0
 
     def read_block(self, i: int, via: str = "auto", pin_memory: bool = False):
-        """:meth:`FeatureStore.read_block` once block ``i`` is done (its crc32c checked by the read)."""
-        self.wait_done(int(i))
-        return self.store.read_block(int(i), via=via, pin_memory=pin_memory)
+        """:meth:`FeatureStore.read_block` once block ``i`` is done (its crc32c checked by the read).
+
+        A unit the extraction evicts between the done flag and the read (it evicts by the consumed cursor it read
+        last, which the trainer may have moved past meanwhile) makes the read fail as a missing chunk; the read is
+        then waited for and tried again, at most :data:`READ_TRIES` times in all: a chunk that is damaged fails
+        every time and is raised.
+
+        Raises:
+            ChunkDamageError: the block's chunks fail :data:`READ_TRIES` reads.
+            ExtractionDied: see :meth:`wait_done`.
+        """
+        for attempt in range(READ_TRIES):
+            self.wait_done(int(i))
+            try:
+                return self.store.read_block(int(i), via=via, pin_memory=pin_memory)
+            except ChunkDamageError:
+                if attempt == READ_TRIES - 1:
+                    raise
+                time.sleep(self.poll_s)
 
     def read_blocks(self, ids, via: str = "auto", pin_memory: bool = False):
         """:meth:`read_block` of each id, in order."""

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from peagle_train.data.loader import BlockSequence, resume_cursor
+from peagle_train.data.loader import BlockSequence, order_warning, resume_cursor
 from peagle_train.data.multistore import (conversation_groups, open_stores, split_per_store, store_identities,
                                          usable_blocks)
 from peagle_train.data.split import SPLIT_BLOCKS, SPLIT_CONVERSATIONS, SPLIT_RULES, validation_size
@@ -183,6 +183,9 @@ def build_trainer(cfg: TrainConfig, claimed: list[tuple[Path, bool]] | None = No
     sequence = BlockSequence(train_side, np.intersect1d(train_side, usable), cfg.run.seed, str(store.path), rule,
                              groups)
     val_ids = np.intersect1d(val_side, usable)
+    warning = order_warning(sequence)
+    if warning and accelerator.is_main_process:
+        print(f"warning: {warning}", file=sys.stderr)
     if state is not None:  # refused here, before the weights load, unless it continues exactly
         resume_cursor(state.get("data") or {}, sequence, accelerator.num_processes, cfg.optim.grad_accum, str(resume_from))
     if state is not None:

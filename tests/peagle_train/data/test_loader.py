@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from peagle_train.data.loader import (
-    BlockLoader, BlockSequence, check_store_ready, data_state, derive_seed, epoch_order, resume_cursor, split_blocks,
-    to_block,
+    BlockLoader, BlockSequence, check_store_ready, data_state, derive_seed, epoch_order, order_warning, resume_cursor,
+    split_blocks, to_block,
 )
 from stores.errors import InputError, StoreFormatError
 from stores.feature_store import FeatureStore
@@ -73,6 +73,18 @@ def test_epoch_order_by_conversations_shuffles_whole_groups_each_by_lead_then_id
     assert seq.order_rule == "conversations" and seq.groups.tolist() == [0, 4, 4, 4, 8, 8, 8]
     first = [b for _, b in itertools.islice(seq.entries(), 7)]
     assert first == epoch_order(ids, 2, 0, seq.groups, seq.leads).tolist()
+
+
+def test_one_group_holding_much_of_the_train_side_is_warned_about():
+    ids = np.arange(20)
+    chained = (np.where(ids < 5, 0, ids), ids)  # blocks 0-4 one group: 25% of 20
+    assert order_warning(BlockSequence(ids, ids, seed=0, block_group=chained)) == (
+        "--epoch-order conversations: 5 of the 20 train-side blocks (25%) are one group (blocks linked by the "
+        "conversations they share: a block holding windows of several conversations links them), trained in the "
+        "same order every epoch; only the order of the 16 groups changes. Packing with --block-size equal to "
+        "--max-seq-len links fewer; --epoch-order blocks shuffles every block")
+    assert order_warning(BlockSequence(ids, ids, seed=0, block_group=(np.where(ids < 4, 0, ids), ids))) is None
+    assert order_warning(BlockSequence(ids, ids, seed=0)) is None
 
 
 def test_resume_refuses_another_epoch_order():

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from peagle_train.data.loader import BlockSequence, epoch_order
-from peagle_train.data.stream import (PLAN_ALLOWANCE_BYTES, ExtractionDied, StreamingStore, fixed_store_bytes,
-                                      make_plan, plan_entries, stream_save_due)
-from stores.errors import InputError
+from peagle_train.data.stream import (PLAN_ALLOWANCE_BYTES, READ_TRIES, ExtractionDied, StreamingStore,
+                                      fixed_store_bytes, make_plan, plan_entries, stream_save_due)
+from stores.errors import ChunkDamageError, InputError
 from stores.feature_store import FeatureStore
 from stores.stream_plan import StreamPlan, apparent_bytes, block_feature_bytes, flag_bytes
 
@@ -106,6 +106,30 @@ def test_a_read_waits_for_the_block(tmp_path):
     block = reader.read_block(3)
     assert time.monotonic() - t0 >= 0.25 and block.aux_hidden.float().mean().item() == 3.0
     assert reader.n_blocks == 6  # everything else is the store's
+
+
+def test_a_block_evicted_between_its_done_flag_and_the_read_is_waited_for_again_damage_is_raised(tmp_path):
+    store = _store(tmp_path / "s.zarr", done=[3, 4])
+    reader = StreamingStore(store, timeout_s=30, poll_s=0.01)
+    read, calls = store.read_block, []
+
+    def evicted_first(i, **kw):  # the extraction evicts it right after the reader saw its done flag
+        calls.append(i)
+        if calls == [3]:
+            store.evict_block(i)
+            threading.Timer(0.2, _extract, (FeatureStore.open(tmp_path / "s.zarr", mode="r+"), i)).start()
+        return read(i, **kw)
+
+    store.read_block = evicted_first
+    assert reader.read_block(3).aux_hidden.float().mean().item() == 3.0 and calls == [3, 3]
+    path = store.feature_chunk_paths(4)[0]
+    data = bytearray(path.read_bytes())
+    data[5] ^= 0x10
+    path.write_bytes(bytes(data))  # damaged, still done: raised, not retried away
+    calls.clear()
+    with pytest.raises(ChunkDamageError):
+        reader.read_block(4)
+    assert calls == [4] * READ_TRIES
 
 
 def test_a_read_stops_when_the_extraction_stopped(tmp_path):
