@@ -404,9 +404,10 @@ def repair_blocks(store: FeatureStore, rows, rank: int, world: int, log: Callabl
     A done block is damaged when :func:`check_block` finds a chunk missing,
     truncated, empty, unreadable or failing its checksum, non-finite hidden states, or ``input_ids``
     other than the packed row's (this reads every done block of the share once). A damaged done
-    flag chunk counts as not done. Damaged blocks get their flag cleared, and every not-done block
-    of the share gets its token arrays rewritten from the packed row, so the extraction that
-    follows makes the store byte-identical to an undamaged one.
+    flag chunk counts as not done. Damaged blocks get their flag cleared, every not-done block of the
+    share loses the temporary chunk files of writes a killed run left (``FeatureStore.write_leftovers``)
+    and gets its token arrays rewritten from the packed row, so the extraction that follows makes the
+    store byte-identical to an undamaged one.
 
     Returns:
         ``{block: reason}`` of the damaged blocks found by this rank.
@@ -422,6 +423,12 @@ def repair_blocks(store: FeatureStore, rows, rank: int, world: int, log: Callabl
         log(f"{store.path}: {reason}; extracting block {i} again")
         store.clear_done(i)
         done[i] = False
+    leftovers = store.write_leftovers(i for i in mine if not done[i])
+    for path in leftovers:
+        path.unlink(missing_ok=True)
+    if leftovers:
+        log(f"{store.path}: removed {len(leftovers)} temporary chunk file{'s' if len(leftovers) > 1 else ''} of "
+            f"writes a killed run left (e.g. {leftovers[0]})")
     for i in (i for i in mine if not done[i]):
         r = rows[i]
         store.write_token_row(i, r)

@@ -14,7 +14,9 @@ zarr API. Both paths return identical tensors.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Mapping
@@ -84,6 +86,9 @@ last layer's output **before** the final norm, as vLLM captures it for EAGLE-3 d
 "post_norm"``). Stores made before had ``"hf_hidden_states"``, where layer L was the normed state."""
 
 _LEGACY_CONVENTION = "hf_hidden_states"
+_ZARR_TEMP = re.compile(r"\.[0-9a-f]{32}\.partial")
+"""The tail zarr's local store gives a file while it writes it (``NAME.<uuid4 hex>.partial``, renamed to ``NAME``
+when the write ends; zarr 3.1 ``storage/_local.py``): a write killed by SIGKILL leaves it behind."""
 
 
 def check_layer_convention(attrs: Mapping[str, Any], path: str) -> None:
@@ -453,6 +458,30 @@ class FeatureStore:
             m = self.view_row(i)[:, 0]
             return all(self.contexts.is_done(int(u)) for u in np.unique(m[m >= 0]))
         return bool(self.group["done"][i])
+
+    def write_leftovers(self, blocks) -> list[Path]:
+        """zarr's temporary files of the chunks of ``blocks`` (every per-block array and the done flags) that a
+        killed write left behind (:data:`_ZARR_TEMP`); none for a remote store. Only the writer of a block may
+        remove them, and only while the block is not done: a live write of the flag of a done block (a trainer
+        evicting it) has its temporary file while the flag still reads done. Lists each block's chunk directory
+        and the flags' directory once."""
+        if self._local_root is None:
+            return []
+        blocks = {int(i) for i in blocks}
+        found = []
+        for name in self.block_arrays():
+            for i in blocks:
+                path = self.chunk_path(name, i)
+                if path.parent.is_dir():
+                    found += [p for p in path.parent.glob(f"{path.name}.*.partial")
+                              if _ZARR_TEMP.fullmatch(p.name[len(path.name):])]
+        flags = self._local_root / "done" / "c"
+        with os.scandir(flags) if flags.is_dir() else contextlib.nullcontext([]) as entries:
+            for e in entries:
+                head, _, tail = e.name.partition(".")
+                if head.isdigit() and int(head) in blocks and _ZARR_TEMP.fullmatch(f".{tail}"):
+                    found.append(Path(e.path))
+        return found
 
     def feature_chunk_paths(self, i: int) -> list[Path]:
         """Local paths of block ``i``'s feature chunk files (hidden states, fp8 scales), present or not."""

@@ -1,11 +1,13 @@
 """Feature store round trips: bf16 bits, mmap == zarr API, done flags, verify."""
 
+import uuid
+
 import numpy as np
 import pytest
 import torch
 
 from stores.errors import OutputExistsError, StoreFormatError
-from stores.feature_repair import verify_store
+from stores.feature_repair import repair_blocks, verify_store
 from stores.feature_store import FeatureStore
 
 
@@ -62,6 +64,30 @@ def _three_done_blocks(tmp_path) -> FeatureStore:
         store.write_features(i, torch.ones(4, 2, 4, dtype=torch.bfloat16), torch.ones(4, 4, dtype=torch.bfloat16))
         store.mark_done(i)
     return store
+
+
+def test_resume_removes_the_temporary_files_of_a_killed_write_of_its_not_done_blocks_only(tmp_path):
+    """A SIGKILL inside zarr's chunk write leaves ``NAME.<uuid4 hex>.partial`` beside the chunk (zarr 3.1
+    ``storage/_local.py``, the name made as zarr makes it); --resume's repair removes those of the blocks it
+    will write again, never those of a done block (a trainer evicting it writes its flag) nor other files."""
+    store = _three_done_blocks(tmp_path)
+    store.clear_done(1)  # block 1: killed while being written
+    root = tmp_path / "s.zarr"
+    leftovers = [(root / "aux_hidden/c/1/0/0/0").with_suffix(f".{uuid.uuid4().hex}.partial"),
+                 (root / "done/c/1").with_suffix(f".{uuid.uuid4().hex}.partial")]
+    kept = [(root / "done/c/0").with_suffix(f".{uuid.uuid4().hex}.partial"),
+            (root / "aux_hidden/c/0/0/0/0").with_suffix(f".{uuid.uuid4().hex}.partial"),
+            root / "aux_hidden/c/1/0/0/notes.partial"]
+    (root / "aux_hidden/c/1/0/0").mkdir(parents=True, exist_ok=True)
+    for path in leftovers + kept:
+        path.write_bytes(b"\x00" * 8)
+    assert sorted(store.write_leftovers([1])) == sorted(leftovers)
+    said = []
+    rows = [{"input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1], "position_ids": [0, 1, 2, 3], "cu_seqlens": [0, 4]}] * 3
+    assert repair_blocks(store, rows, 0, 1, said.append) == {}
+    assert [p.exists() for p in leftovers] == [False, False] and all(p.exists() for p in kept)
+    assert said == [f"{store.path}: removed 2 temporary chunk files of writes a killed run left (e.g. {leftovers[0]})"] \
+        or said == [f"{store.path}: removed 2 temporary chunk files of writes a killed run left (e.g. {leftovers[1]})"]
 
 
 def test_verify_detects_corrupt_and_truncated_chunks(tmp_path):
