@@ -14,7 +14,6 @@ zarr API. Both paths return identical tensors.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
@@ -476,11 +475,12 @@ class FeatureStore:
                     found += [p for p in path.parent.glob(f"{path.name}.*.partial")
                               if _ZARR_TEMP.fullmatch(p.name[len(path.name):])]
         flags = self._local_root / "done" / "c"
-        with os.scandir(flags) if flags.is_dir() else contextlib.nullcontext([]) as entries:
-            for e in entries:
-                head, _, tail = e.name.partition(".")
-                if head.isdigit() and int(head) in blocks and _ZARR_TEMP.fullmatch(f".{tail}"):
-                    found.append(Path(e.path))
+        if flags.is_dir():
+            with os.scandir(flags) as entries:
+                for e in entries:
+                    head, _, tail = e.name.partition(".")
+                    if head.isdigit() and int(head) in blocks and _ZARR_TEMP.fullmatch(f".{tail}"):
+                        found.append(Path(e.path))
         return found
 
     def feature_chunk_paths(self, i: int) -> list[Path]:
