@@ -15,6 +15,15 @@ attention past its window, or across segments, would differ from the segment run
   model is a Qwen2 with M-RoPE, sliding from layer 1 on);
 - ``llama4``: Llama-4 text (chunked attention in chunks of ``WINDOW`` tokens, then a full layer
   without RoPE; MoE).
+
+Hybrid verifiers (:data:`HYBRID`), whose non-attention layers carry a recurrent state from token to token:
+
+- ``qwen3_5``: ``Qwen3_5ForConditionalGeneration`` (a 1-block vision tower) around a language model of gated
+  DeltaNet (``linear_attention``) and gated full-attention layers, partial M-RoPE;
+- ``qwen3_next``: gated DeltaNet and full attention, MoE (4 experts, top 2, a shared expert);
+- ``nemotron_h``: Nemotron-H (Mamba-2, attention, MoE and MLP blocks, one each);
+- ``granitemoehybrid``: Granite-4 hybrid (Mamba-2 and attention layers, MoE);
+- ``olmo_hybrid``: OLMo hybrid (gated DeltaNet and attention layers).
 """
 
 from __future__ import annotations
@@ -29,7 +38,18 @@ WINDOW = 4
 
 FAMILIES = ["llama31", "qwen3", "qwen3_moe", "mistral", "qwen2", "gemma2", "gemma3_text", "gpt_oss", "phi3",
             "gemma3_mm", "qwen2_5_vl", "llama4"]
-"""Every family of the matrix, in the order the tests run them."""
+"""Every attention-only family of the matrix, in the order the tests run them."""
+
+HYBRID = ["qwen3_5", "qwen3_next", "nemotron_h", "granitemoehybrid", "olmo_hybrid"]
+"""The hybrid families: linear-attention (gated DeltaNet) or state-space (Mamba-2) layers between attention
+layers, 4 decoder layers each; their state starts from zero at each sequence."""
+
+MULTIMODAL = {"gemma3_mm", "qwen2_5_vl", "qwen3_5"}
+"""Families built as a multimodal wrapper (``AutoModelForImageTextToText``) around their language model."""
+
+_LINEAR = dict(linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+               linear_num_value_heads=4)
+_HYBRID_LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 
 SLIDING = {"mistral", "qwen2", "gemma2", "gemma3_text", "gpt_oss", "phi3", "gemma3_mm", "qwen2_5_vl", "llama4"}
 """Families with sliding-window (or chunked: llama4) layers."""
@@ -100,7 +120,37 @@ def family_config(name: str, vocab_size: int = 512):
         return tf.Llama4TextConfig(**s, num_hidden_layers=2, attention_chunk_size=WINDOW, intermediate_size_mlp=128,
                                    num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=1,
                                    no_rope_layers=[1, 0])
-    raise KeyError(f"unknown family {name!r}; known: {FAMILIES}")
+    if name in HYBRID:
+        return _hybrid_config(name, s)
+    raise KeyError(f"unknown family {name!r}; known: {FAMILIES + HYBRID}")
+
+
+def _hybrid_config(name: str, s: dict):
+    import transformers as tf
+
+    v = s["vocab_size"]
+    if name == "qwen3_5":
+        text = {**s, **_LINEAR, "num_hidden_layers": 4, "layer_types": _HYBRID_LAYERS,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25,
+                                    "mrope_section": [1, 1, 0], "mrope_interleaved": True}}
+        vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
+        return tf.Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=v - 1, video_token_id=v - 2,
+                                vision_start_token_id=v - 3, vision_end_token_id=v - 4, pad_token_id=0,
+                                bos_token_id=1, eos_token_id=2)
+    if name == "qwen3_next":
+        return tf.Qwen3NextConfig(**s, **_LINEAR, num_hidden_layers=4, layer_types=_HYBRID_LAYERS, num_experts=4,
+                                  num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    if name == "nemotron_h":
+        return tf.NemotronHConfig(**s, layers_block_type=["linear_attention", "full_attention", "moe", "mlp"],
+                                  ssm_state_size=16, mamba_num_heads=4, mamba_head_dim=16, n_groups=2, conv_kernel=4,
+                                  expand=1, chunk_size=8, n_routed_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=32, moe_shared_expert_intermediate_size=32)
+    if name == "granitemoehybrid":
+        return tf.GraniteMoeHybridConfig(**s, num_hidden_layers=4, layer_types=["mamba", "attention"] * 2,
+                                         num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32,
+                                         mamba_n_heads=4, mamba_n_groups=1, mamba_d_state=16, mamba_d_head=16,
+                                         mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=8)
+    return tf.OlmoHybridConfig(**s, **_LINEAR, num_hidden_layers=4, layer_types=_HYBRID_LAYERS)
 
 
 VLLM_CPU_SHAPE = {"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32}
@@ -119,7 +169,7 @@ def build_family(name: str, vocab_size: int = 512, seed: int = 0, attn_implement
     for key, value in (overrides or {}).items():
         setattr(cfg.get_text_config(), key, value)
     torch.manual_seed(seed)
-    auto = AutoModelForImageTextToText if name in ("gemma3_mm", "qwen2_5_vl") else AutoModelForCausalLM
+    auto = AutoModelForImageTextToText if name in MULTIMODAL else AutoModelForCausalLM
     model = auto.from_config(cfg, dtype=torch.float32,
                              **({"attn_implementation": attn_implementation} if attn_implementation else {}))
     with torch.no_grad():  # random weights large enough that layers and windows matter
