@@ -8,6 +8,9 @@ Legend: T tokens in a block, L aux layers, H hidden size, S segments.
   (:mod:`peagle_data.extract.vllm`, the serving engine's hidden states); the store side (create,
   resume, the writer thread) is :mod:`peagle_data.extract.store`, the same for every engine, and the
   store's damage checks and repair are :mod:`stores.feature_repair`.
+- :func:`run_extract` is a list of stages: :func:`plan_extract` runs every check that needs no weights and
+  returns an :class:`ExtractPlan` (the rows, the context plan, the device, the verifier's directory), then the
+  engine opens (the weights load), the store is created or resumed, the blocks run, the summary is made.
 - A multimodal wrapper runs its language model: layers, layer convention and final norm are the
   language model's (recorded in the store's ``verifier`` attributes).
 - Writes run on a background thread behind a bounded queue, so the next forward overlaps the
@@ -21,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,11 +46,11 @@ from stores.files import is_local, is_zarr_store
 from stores.model_cache import model_fingerprint, resolve_model
 from stores.model_config import load_model_config, text_config
 from stores.token_rows import TokenizedRow, content_key
-from stores.token_tables import CONVERSATIONS, MANIFEST
+from stores.token_tables import CONVERSATIONS, MANIFEST, TokenTable
 from stores.progress import progress as progress_bar
 from stores.verifier_match import check_token_ids, check_verifier_tokenizer
 
-__all__ = ["PACKED_COLUMNS", "run_extract"]
+__all__ = ["PACKED_COLUMNS", "ExtractPlan", "plan_extract", "run_extract"]
 
 PACKED_COLUMNS = [*(s.name for s in TOKEN_ARRAYS), SEGMENTS.name, "n_tokens"]
 """The packed-table columns extraction reads: the store's per-token arrays, ``cu_seqlens``, ``n_tokens``."""
@@ -146,46 +150,40 @@ def _check_before_weights(cfg: ExtractConfig, table, rows, device: str, plan: Co
     return directory
 
 
-def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], None] = print,
-                config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Run the verifier over every not-done block of a packed table and write the store.
+@dataclass(frozen=True)
+class ExtractPlan:
+    """An extraction that passed every check needing no weights (:func:`plan_extract`), and what its later
+    stages need (docs/design.md §2 "Checks before weights")."""
 
-    Under a launch of N processes (``accelerate launch --multi_gpu --num_processes N``; on CPU too,
-    where ``--cpu`` alone would start a single process) each rank takes every N-th not-done block. With
-    ``resume`` every done block is checked first (:func:`repair_blocks`) and damaged ones are
-    extracted again, so ``complete`` is true only for a store that ``verify_store`` accepts. A block
-    whose hidden states are not finite is left not done and listed in ``nonfinite_blocks``.
-    ``config``, the command's resolved options (``--print-config``), is recorded in the store's
-    ``config`` attribute, so that ``--config`` can repeat the run.
+    cfg: ExtractConfig
+    """The run's options as run: ``resume`` set by ``--stream`` (without ``--force``), ``max_context`` resolved
+    (``--context full``: :func:`_max_context`)."""
+    state: Any
+    """The launch (``accelerate.PartialState``): this process's ``process_index`` among ``num_processes``."""
+    table: TokenTable
+    """The packed table."""
+    rows: list[dict[str, Any]]
+    """This shard's blocks the verifier runs (row k is block ``shard_index + k * num_shards``): the packed blocks
+    (``--context window``) or the context blocks (``--context full``)."""
+    contexts: ContextPlan | None
+    """``--context full``: the full-context plan (:func:`plan_contexts`); None with ``--context window``."""
+    device: str
+    """Where the verifier runs (``cpu`` or ``cuda[:k]``; it decides the dtype: bfloat16 on CUDA, float32 on CPU)."""
+    verifier_dir: Path
+    """The verifier's directory (:func:`resolve_model`)."""
+    facts: PackedFacts
+    """What the engine needs to know of the packed table before it opens."""
 
-    Returns:
-        A summary: ``store``, this process's ``rank`` among ``world_size``, ``context`` (a full-context store's
-        counts: conversations, contexts, tokens extracted, ``max_context``, ...; None with ``--context window``);
-        the training blocks (the packed blocks the drafter trains on) ``training_blocks``, ``training_blocks_done``
-        (None for a full-context shard store: its training blocks read other shards' contexts) and
-        ``training_blocks_done_this_run`` (this rank; None for a full-context shard), ``training_tokens``; the
-        context blocks the verifier ran (``--context full``; all None with ``--context window``, where the
-        verifier runs the training blocks themselves) ``context_blocks``, ``context_blocks_done``,
-        ``context_blocks_done_this_run`` (this rank); ``verifier_tokens_this_run`` (tokens of the blocks the
-        verifier ran, this rank), ``layers``, ``storage_dtype``, ``repaired_blocks``, ``nonfinite_blocks``
-        (ids of the blocks the verifier runs), ``complete``, ``stored_bytes``; ``timings``, this process's seconds
-        (wall, ``time.perf_counter``): ``engine_open_s`` (weights load, vLLM's start or the server checks),
-        ``store_open_s`` (create, or resume and check), ``blocks_s`` (the blocks, up to the last write), within it
-        ``engine_s`` (waiting on the engine's features; ``--stream``: and on the trainer) and ``writer_wait_s``
-        (held by a full writer queue and the last writes); ``store_write_s`` (the writer thread: features with
-        their crc32c and done flags, overlapping ``engine_s``); and the engine's own phases
-        (:meth:`VerifierEngine.timings`).
+
+def plan_extract(cfg: ExtractConfig, log: Callable[[str], None] = print) -> ExtractPlan:
+    """Every check of ``peagle-data extract`` that needs no weights, in the order a user meets them (docs/design.md
+    §2): the device, the launch, the packed table, the output, the full-context plan (``--context full``), the
+    verifier's config and tokenizer against the table (:func:`_check_before_weights`), the engine's process model.
+    Reads the options, the table's manifest and rows, the verifier's config and files (never its weights) and a
+    resumed store's attributes; writes nothing.
 
     Raises:
-        InputError: the packed path is not a packed table, or (``--context full``, the default) one without
-            its conversations sub-table (before the verifier is read), a layer index is out of range, or
-            the ``--engine`` refuses the verifier or an option (before weights load).
-        MissingDependencyError: ``--engine vllm`` without vLLM installed.
-        OutputExistsError: the store exists without ``resume``/``force``.
-        DiskSpaceError: the disk is short (without ``force``).
-        StoreMismatchError: a packed table made with another tokenizer than the verifier's (fingerprint or
-            vocab size) or holding a token id past the verifier's embedding (before any weights load);
-            resuming with another verifier, other layers or another packed table.
+        see :func:`run_extract` (every error it names as coming before the weights load).
     """
     from accelerate import PartialState
 
@@ -221,54 +219,167 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
                         offset_segment=_offset_segment(rows, cfg.shard_index, cfg.num_shards),
                         group_tokens=None if plan is None else int(
                             table.manifest.get("parameters", {}).get("block_size") or plan.context_size))
+    return ExtractPlan(cfg=cfg, state=state, table=table, rows=rows, contexts=plan, device=device,
+                       verifier_dir=directory, facts=facts)
+
+
+def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], None] = print,
+                config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run the verifier over every not-done block of a packed table and write the store.
+
+    Under a launch of N processes (``accelerate launch --multi_gpu --num_processes N``; on CPU too,
+    where ``--cpu`` alone would start a single process) each rank takes every N-th not-done block. With
+    ``resume`` every done block is checked first (:func:`repair_blocks`) and damaged ones are
+    extracted again, so ``complete`` is true only for a store that ``verify_store`` accepts. A block
+    whose hidden states are not finite is left not done and listed in ``nonfinite_blocks``.
+    ``config``, the command's resolved options (``--print-config``), is recorded in the store's
+    ``config`` attribute, so that ``--config`` can repeat the run.
+
+    Stages: :func:`plan_extract` (every check that needs no weights), the engine opened (the weights load,
+    or vLLM starts), the store created or resumed on every rank (:func:`_open_store`), the blocks run and
+    written (:func:`_run_blocks`), the summary (:func:`_summarise`).
+
+    Returns:
+        A summary: ``store``, this process's ``rank`` among ``world_size``, ``context`` (a full-context store's
+        counts: conversations, contexts, tokens extracted, ``max_context``, ...; None with ``--context window``);
+        the training blocks (the packed blocks the drafter trains on) ``training_blocks``, ``training_blocks_done``
+        (None for a full-context shard store: its training blocks read other shards' contexts) and
+        ``training_blocks_done_this_run`` (this rank; None for a full-context shard), ``training_tokens``; the
+        context blocks the verifier ran (``--context full``; all None with ``--context window``, where the
+        verifier runs the training blocks themselves) ``context_blocks``, ``context_blocks_done``,
+        ``context_blocks_done_this_run`` (this rank); ``verifier_tokens_this_run`` (tokens of the blocks the
+        verifier ran, this rank), ``layers``, ``storage_dtype``, ``repaired_blocks``, ``nonfinite_blocks``
+        (ids of the blocks the verifier runs), ``complete``, ``stored_bytes``; ``timings``, this process's seconds
+        (wall, ``time.perf_counter``): ``engine_open_s`` (weights load, vLLM's start or the server checks),
+        ``store_open_s`` (create, or resume and check), ``blocks_s`` (the blocks, up to the last write), within it
+        ``engine_s`` (waiting on the engine's features; ``--stream``: and on the trainer) and ``writer_wait_s``
+        (held by a full writer queue and the last writes); ``store_write_s`` (the writer thread: features with
+        their crc32c and done flags, overlapping ``engine_s``); and the engine's own phases
+        (:meth:`VerifierEngine.timings`).
+
+    Raises:
+        InputError: the packed path is not a packed table, or (``--context full``, the default) one without
+            its conversations sub-table (before the verifier is read), a layer index is out of range, or
+            the ``--engine`` refuses the verifier or an option (before weights load).
+        MissingDependencyError: ``--engine vllm`` without vLLM installed.
+        OutputExistsError: the store exists without ``resume``/``force``.
+        DiskSpaceError: the disk is short (without ``force``).
+        StoreMismatchError: a packed table made with another tokenizer than the verifier's (fingerprint or
+            vocab size) or holding a token id past the verifier's embedding (before any weights load);
+            resuming with another verifier, other layers or another packed table.
+    """
+    plan = plan_extract(cfg, log)
     t_open = time.perf_counter()
-    engine = ENGINES[cfg.engine].open(cfg, directory, _layers_of(cfg), log, device, facts)
+    engine = ENGINES[plan.cfg.engine].open(plan.cfg, plan.verifier_dir, _layers_of(plan.cfg), log, plan.device,
+                                           plan.facts)
     seconds = {"engine_open_s": time.perf_counter() - t_open}
     try:
-        layers = _layers_of(cfg, engine.desc["num_hidden_layers"])
-        t_store = time.perf_counter()
-        root, repaired = _store_on_every_rank(state, cfg, rows, table, engine, layers, log, config, plan)
-        seconds["store_open_s"] = time.perf_counter() - t_store
-        store = root.contexts if root.layout == "windows" else root  # the blocks the verifier runs
-        todo = store.missing_blocks()
-        views = root.layout == "windows" and not root.attrs.get("shard")  # training blocks done as views
-        training_before = int(root.done_mask().sum()) if views else None
-        state.wait_for_everyone()  # every rank reads the same list before any rank writes
-        todo = todo[state.process_index::state.num_processes]
-        if cfg.max_blocks is not None:
-            todo = todo[: cfg.max_blocks]
-        label = f"extract[{state.process_index}]" if state.num_processes > 1 else "extract"
-        stream = None
-        t_blocks = time.perf_counter()
-        if cfg.stream:
-            tokens, nonfinite, stream = extract_stream(engine, root, rows, cfg.stream_timeout_s, label, progress,
-                                                       log, cfg.writer_queue, seconds)
-            todo = [None] * stream["extractions"]
-        else:
-            tokens, nonfinite = _extract_blocks(engine, store, rows, todo, cfg, label, progress, seconds)
-        seconds["blocks_s"] = time.perf_counter() - t_blocks
+        work = _open_store(plan, engine, log, config, seconds)
+        ran = _run_blocks(plan, engine, work, progress, log, seconds)
         seconds.update(engine.timings())
     finally:
         engine.close()
-    if nonfinite:
-        log(f"{cfg.output}: blocks {nonfinite} have NaN or Inf hidden states (verifier overflow?); "
-            "they are left not done")
-    state.wait_for_everyone()
-    summary = _summary(cfg, state, store, todo, tokens, layers, repaired, nonfinite)
-    summary["timings"] = {k: round(v, 3) for k, v in seconds.items()}
-    if stream is not None:
-        summary["stream"] = {k: v for k, v in stream.items() if k != "plan"}
-    if root.layout == "windows":  # the verifier ran context blocks; the training blocks are views of them
-        training_done = int(root.done_mask().sum()) if views else None
-        summary.update(context=root.attrs.get("context"), training_blocks=root.n_blocks,
-                       training_blocks_done=training_done,
-                       training_blocks_done_this_run=None if training_done is None else training_done - training_before,
-                       training_tokens=root.n_tokens, context_blocks=store.n_blocks,
-                       context_blocks_done=int(store.done_mask().sum()), context_blocks_done_this_run=len(todo),
-                       stored_bytes=root.summary()["stored_bytes"] if not root.attrs.get("shard") else None)
+    summary = _summarise(plan, work, ran, seconds, log)
     # a rank that exits with its gloo/NCCL group alive can abort in the group's threads (SIGABRT,
     # "terminate called without an active exception") and fail the launch
-    state.destroy_process_group()
+    plan.state.destroy_process_group()
+    return summary
+
+
+@dataclass
+class _Work:
+    """The store of a run, opened on every rank (:func:`_open_store`), and this rank's blocks to run."""
+
+    root: FeatureStore
+    """The store (a full-context store: its training blocks, views of ``store``'s)."""
+    store: FeatureStore
+    """The blocks the verifier runs: ``root.contexts`` of a full-context store, else ``root``."""
+    layers: list[int]
+    repaired: dict[int, str]
+    todo: list[int]
+    """This rank's not-done blocks of ``store`` (at most ``--max-blocks``)."""
+    training_before: int | None
+    """A whole full-context store's training blocks done before the run (None: not counted)."""
+
+
+
+def _open_store(plan: ExtractPlan, engine: VerifierEngine, log: Callable[[str], None], config: dict[str, Any] | None,
+                seconds: dict[str, float]) -> _Work:
+    """The store created or resumed on every rank (:func:`_store_on_every_rank`; with ``--resume`` its blocks
+    checked and repaired) and this rank's share of its not-done blocks; adds ``store_open_s`` to ``seconds``."""
+    cfg, state = plan.cfg, plan.state
+    layers = _layers_of(cfg, engine.desc["num_hidden_layers"])
+    t_store = time.perf_counter()
+    root, repaired = _store_on_every_rank(state, cfg, plan.rows, plan.table, engine, layers, log, config,
+                                          plan.contexts)
+    seconds["store_open_s"] = time.perf_counter() - t_store
+    store = root.contexts if root.layout == "windows" else root  # the blocks the verifier runs
+    todo = store.missing_blocks()
+    views = root.layout == "windows" and not root.attrs.get("shard")  # training blocks done as views
+    training_before = int(root.done_mask().sum()) if views else None
+    state.wait_for_everyone()  # every rank reads the same list before any rank writes
+    todo = todo[state.process_index::state.num_processes]
+    if cfg.max_blocks is not None:
+        todo = todo[: cfg.max_blocks]
+    return _Work(root=root, store=store, layers=layers, repaired=repaired, todo=todo, training_before=training_before)
+
+
+@dataclass(frozen=True)
+class _Ran:
+    """What this rank's blocks stage did (:func:`_run_blocks`)."""
+
+    tokens: int
+    """Tokens of the blocks the verifier ran."""
+    nonfinite: list[int]
+    """Blocks left not done for NaN/Inf hidden states."""
+    blocks: int
+    """Blocks the verifier ran (``--stream``: the extractions)."""
+    stream: dict[str, Any] | None
+    """``--stream``: the stream's counts (:func:`extract_stream`); None otherwise."""
+
+
+def _run_blocks(plan: ExtractPlan, engine: VerifierEngine, work: _Work, progress: bool, log: Callable[[str], None],
+                seconds: dict[str, float]) -> _Ran:
+    """Run the verifier over this rank's blocks and write them: ``work.todo`` (:func:`_extract_blocks`), or with
+    ``--stream`` the entries of the training run's plan as it reaches them (:func:`extract_stream`); adds
+    ``blocks_s`` and the stage's own timings to ``seconds``."""
+    cfg, state = plan.cfg, plan.state
+    label = f"extract[{state.process_index}]" if state.num_processes > 1 else "extract"
+    t_blocks = time.perf_counter()
+    if cfg.stream:
+        tokens, nonfinite, stream = extract_stream(engine, work.root, plan.rows, cfg.stream_timeout_s, label, progress,
+                                                   log, cfg.writer_queue, seconds)
+        blocks = stream["extractions"]
+    else:
+        tokens, nonfinite = _extract_blocks(engine, work.store, plan.rows, work.todo, cfg, label, progress, seconds)
+        blocks, stream = len(work.todo), None
+    seconds["blocks_s"] = time.perf_counter() - t_blocks
+    return _Ran(tokens=tokens, nonfinite=nonfinite, blocks=blocks, stream=stream)
+
+
+def _summarise(plan: ExtractPlan, work: _Work, ran: _Ran, seconds: dict[str, float],
+               log: Callable[[str], None]) -> dict[str, Any]:
+    """The run's summary (:func:`run_extract`), once every rank is done: :func:`_summary`, the timings, a streaming
+    run's counts, and a full-context store's block counts (its training blocks are views of the context blocks
+    the verifier ran)."""
+    cfg, state, root, store = plan.cfg, plan.state, work.root, work.store
+    if ran.nonfinite:
+        log(f"{cfg.output}: blocks {ran.nonfinite} have NaN or Inf hidden states (verifier overflow?); "
+            "they are left not done")
+    state.wait_for_everyone()
+    summary = _summary(cfg, state, store, ran.blocks, ran.tokens, work.layers, work.repaired, ran.nonfinite)
+    summary["timings"] = {k: round(v, 3) for k, v in seconds.items()}
+    if ran.stream is not None:
+        summary["stream"] = {k: v for k, v in ran.stream.items() if k != "plan"}
+    if root.layout == "windows":  # the verifier ran context blocks; the training blocks are views of them
+        training_done = int(root.done_mask().sum()) if work.training_before is not None else None
+        summary.update(context=root.attrs.get("context"), training_blocks=root.n_blocks,
+                       training_blocks_done=training_done,
+                       training_blocks_done_this_run=None if training_done is None
+                       else training_done - work.training_before,
+                       training_tokens=root.n_tokens, context_blocks=store.n_blocks,
+                       context_blocks_done=int(store.done_mask().sum()), context_blocks_done_this_run=ran.blocks,
+                       stored_bytes=root.summary()["stored_bytes"] if not root.attrs.get("shard") else None)
     return summary
 
 
@@ -293,7 +404,7 @@ def _offset_segment(rows, shard_index: int = 0, num_shards: int = 1) -> tuple[in
     return None
 
 
-def _summary(cfg: ExtractConfig, state, store: FeatureStore, todo: list[int], tokens: int, layers: list[int],
+def _summary(cfg: ExtractConfig, state, store: FeatureStore, blocks_run: int, tokens: int, layers: list[int],
              repaired: dict[int, str], nonfinite: list[int]) -> dict[str, Any]:
     """The summary of a store whose blocks the verifier runs itself (``--context window``: the training blocks;
     :func:`run_extract` rewrites the block counts of a full-context store)."""
@@ -304,7 +415,7 @@ def _summary(cfg: ExtractConfig, state, store: FeatureStore, todo: list[int], to
         "context": None,
         "training_blocks": store.n_blocks,
         "training_blocks_done": int(store.done_mask().sum()),
-        "training_blocks_done_this_run": len(todo),
+        "training_blocks_done_this_run": blocks_run,
         "training_tokens": store.n_tokens,
         "context_blocks": None,
         "context_blocks_done": None,

@@ -2,9 +2,11 @@
 
 Legend: H hidden size, D draft vocab, K ``num_depths``.
 
-:func:`build_trainer` opens the stores, runs the checks before the weights and the set-up of
-:mod:`peagle_train.train.setup`, and builds the :class:`peagle_train.train.trainer.Trainer` of the run;
-:func:`run_train` trains it. The step, validation and checkpoints live in the Trainer,
+:func:`run_train` is a list of stages: a streaming run's start checks and its extraction started,
+:func:`plan_train` (opens the stores and runs every check that needs no weights, the set-up of
+:mod:`peagle_train.train.setup` among them, into a :class:`TrainPlan`), :func:`load_trainer` (the verifier's
+heads load, the drafter and the :class:`peagle_train.train.trainer.Trainer` are built), the training, the
+extraction finished. :func:`build_trainer` is the plan and the load together. The step, validation and checkpoints live in the Trainer,
 ``metrics.jsonl``, trackers and the plot in :mod:`peagle_train.train.metrics`.
 
 Output directory layout:
@@ -27,6 +29,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +44,7 @@ from peagle_train.data.stream import StreamingStore, make_plan, mark_consumed, r
 from peagle_train.model.attention import resolve_attention_backend
 from peagle_train.model.checkpoint import latest_checkpoint, load_drafter, load_training_state
 from peagle_train.model.drafter import PEagleDrafter
-from peagle_train.model.mask_token import resolve_mask_token
+from peagle_train.model.mask_token import MaskToken, resolve_mask_token
 from peagle_train.model.warm_start import InitSource, copy_verifier_layers, load_init_weights
 from peagle_train.train.config import TrainConfig
 from peagle_train.train.loss import LogitTransform
@@ -58,7 +61,8 @@ from stores.files import is_zarr_store, strict_json
 from stores.stream_plan import (fsync_tree, has_plan, parse_size, read_consumed, read_plan, remove_plan,
                                 write_plan)
 
-__all__ = ["run_train", "build_trainer", "resumed_message"]
+__all__ = ["run_train", "TrainPlan", "plan_train", "load_trainer", "build_trainer", "resumed_message",
+           "resumed_split_rule"]
 
 
 def run_train(cfg: TrainConfig) -> dict[str, Any]:
@@ -73,6 +77,10 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
         ``metrics``, ``plot``, ``tokens_per_second``, ``data_wait_fraction``, ``resumed_from`` and
         ``resumed_step`` (the checkpoint a ``--resume`` continued from and its step; None for a new run), ``rank``,
         ``world_size`` (data-parallel processes), ``mask_token``.
+
+    Stages: a streaming run's start checks (:func:`check_stream_start`) and its extraction started (rank 0 of
+    ``--extract-from``), :func:`plan_train` (every check that needs no weights), :func:`load_trainer` (the
+    weights load), :meth:`Trainer.train`, the extraction finished.
 
     A run that fails (any error, a damaged block or a NaN loss among them) before its first checkpoint
     removes the output directory it made, so nothing half-made is left; a resumed run's directory, or one
@@ -96,7 +104,8 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
             check_stream_start(cfg)  # before anything starts or loads
             if cfg.stream.extract_from is not None and rank_from_env() == 0:
                 extraction = _start_extraction(cfg)
-        trainer = build_trainer(cfg, claimed, extraction)
+        plan = plan_train(cfg, extraction)  # every check that needs no weights
+        trainer = load_trainer(plan, claimed)  # the weights load
         summary = trainer.train()
         if extraction is not None:
             extraction.finish(cfg.stream.stream_timeout_s)
@@ -141,18 +150,60 @@ def _discard_unsaved(claimed: list[tuple[Path, bool]]) -> None:
                 child.unlink(missing_ok=True)
 
 
-def build_trainer(cfg: TrainConfig, claimed: list[tuple[Path, bool]] | None = None,
-                  extraction: Extraction | None = None) -> Trainer:
-    """Everything a run needs, checked before the verifier's weights load (docs/design.md §2).
+@dataclass
+class TrainPlan:
+    """A training run that passed every check needing no weights (:func:`plan_train`), and what the weights
+    stage (:func:`load_trainer`) needs (docs/design.md §2 "Checks before weights", §8)."""
 
-    Opens the store(s) and splits them, checks the options, the output and the verifier's config,
-    checks that ``cfg.run.resume``'s latest checkpoint can be continued exactly on this launch, loads the
-    verifier's heads, builds the drafter (seeded by ``cfg.run.seed``), prepares the output directory,
-    resumes from that checkpoint and starts the trackers. ``claimed`` (a list) gets ``(output directory,
-    whether it existed before)`` when this process made it or emptied it (main rank, not ``--resume``).
+    cfg: TrainConfig
+    """The run's options as run: the ``--init-from`` record and the drafter layer resolved (recorded in
+    ``train_config.json``)."""
+    trackers: list[str]
+    """The ``--report-to`` trackers (:func:`resolve_trackers`)."""
+    attention: str
+    """The attention backend the drafter runs (:func:`resolve_attention_backend`)."""
+    store: Any
+    """The training data: a ``FeatureStore``, several stores as one ``StoreSet``, or (streaming) a
+    ``StreamingStore`` whose reads wait for the extraction."""
+    verifier_name: str
+    """``--verifier``, else the store's verifier."""
+    init: InitSource | None
+    """The ``--init-from`` drafter, read without its weights; None for a fresh drafter."""
+    mask: MaskToken
+    """The mask token fed at depth > 0 (chosen from the tokenizer files and the store's ``token_freq``)."""
+    accelerator: Any
+    """The run's ``accelerate.Accelerator`` (:func:`_accelerator`)."""
+    resume_from: Path | None
+    """``--resume``: the latest checkpoint, None when there is none (or for a new run)."""
+    training_state: dict[str, Any] | None
+    """That checkpoint's ``training_state.pt``, its block cursor checked against this launch; None: no resume."""
+    sequence: BlockSequence
+    """The training blocks in the run's order (rank 0's usable ones on every rank)."""
+    val_side: np.ndarray
+    """``[n] int64`` the validation side of the split (every block id, extracted or not)."""
+    val_ids: np.ndarray
+    """``[m] int64`` the validation blocks scored (streaming: the whole side, every one will be extracted)."""
+    max_steps: int
+    """The length of the learning-rate schedule (a resume: the saved run's)."""
+    stream: StreamRun | None
+    """A streaming run's plan, checked and written into the store; None: the store is complete."""
+    last_layers: int
+    """``--init-layers verifier`` of a new run: the verifier's last decoder layers the drafter's start from; else 0."""
+
+
+def plan_train(cfg: TrainConfig, extraction: Extraction | None = None) -> TrainPlan:
+    """Every check of ``peagle-train`` that needs no weights, in one place (docs/design.md §2): the trackers, the
+    attention backend, the store(s) (streaming: waited for while ``extraction`` creates it), the ``--init-from``
+    drafter, the output, ``--resume``'s settings, verifier and stores, the verifier's config and tokenizer against
+    the store (:func:`check_before_weights`), the mask token, the split and block order, ``--resume``'s block
+    cursor against this launch (:func:`resume_cursor`), and a streaming run's plan (checked, and written into the
+    store by the main process). Reads options, stores, tokenizer files, the verifier's config and a resumed run's
+    ``training_state.pt``; never the verifier's weights. A streaming run's start checks
+    (:func:`check_stream_start`) come before this: they decide whether the extraction starts, whose store this
+    waits for.
 
     Raises:
-        see :func:`run_train`.
+        see :func:`run_train` (every error it names except a damaged block and a NaN loss).
     """
     trackers = resolve_trackers(cfg.run.report_to)  # before anything is read or written
     attention = resolve_attention_backend(cfg.model.attention_backend)  # InputError before any work
@@ -177,6 +228,29 @@ def build_trainer(cfg: TrainConfig, claimed: list[tuple[Path, bool]] | None = No
     usable = _rank0_blocks(accelerator, usable)
     resume_from = latest_checkpoint(cfg.run.output) if cfg.run.resume else None
     state = load_training_state(resume_from) if resume_from is not None else None
+    sequence, val_side, val_ids, max_steps = _block_order(cfg, accelerator, store, usable, state, resume_from)
+    stream = None
+    if streamed is not None:  # the plan, checked and written before the weights load
+        stream = _stream_plan(cfg, accelerator, streamed, sequence, val_side, max_steps, state, resume_from)
+        val_ids = val_side  # every one will be extracted; validation scores the first --val-max-blocks
+    # --init-layers verifier (checked before the weights); a resume takes its layers from the checkpoint
+    last_layers = cfg.model.num_layers if cfg.model.init_layers == "verifier" and state is None else 0
+    return TrainPlan(cfg=cfg, trackers=trackers, attention=attention, store=store, verifier_name=verifier_name,
+                     init=init, mask=mask, accelerator=accelerator, resume_from=resume_from, training_state=state,
+                     sequence=sequence, val_side=val_side, val_ids=val_ids, max_steps=max_steps, stream=stream,
+                     last_layers=last_layers)
+
+
+def _block_order(cfg: TrainConfig, accelerator, store, usable: np.ndarray, state: dict | None,
+                 resume_from: Path | None) -> tuple[BlockSequence, np.ndarray, np.ndarray, int]:
+    """The run's data: the validation split (a resumed run keeps its rule: :func:`resumed_split_rule`), the
+    training blocks in order (:class:`BlockSequence`), a resume's block cursor checked against this launch
+    (refused here, before the weights load, unless it continues exactly), and the schedule's length.
+
+    Returns:
+        ``(sequence, val_side, val_ids, max_steps)``: ``val_side`` every block id of the validation side,
+        ``val_ids`` its usable ones (``[m] int64``, sorted).
+    """
     rule = resumed_split_rule(state, cfg.data.val_fraction, str(resume_from))  # a resumed run keeps its split
     train_side, val_side = split_per_store(store, cfg.run.seed, cfg.data.val_fraction, rule)  # every block id
     groups = conversation_groups(store) if cfg.data.epoch_order == "conversations" else None
@@ -193,20 +267,30 @@ def build_trainer(cfg: TrainConfig, claimed: list[tuple[Path, bool]] | None = No
     else:
         per_epoch = max(1, len(sequence.usable) // (cfg.optim.grad_accum * accelerator.num_processes))
         max_steps = cfg.optim.max_steps if cfg.optim.max_steps is not None else per_epoch
-    stream = None
-    if streamed is not None:  # the plan, checked and written before the weights load
-        stream = _stream_plan(cfg, accelerator, streamed, sequence, val_side, max_steps, state, resume_from)
-        val_ids = val_side  # every one will be extracted; validation scores the first --val-max-blocks
-    # --init-layers verifier (checked before the weights); a resume takes its layers from the checkpoint
-    last_layers = cfg.model.num_layers if cfg.model.init_layers == "verifier" and state is None else 0
-    heads = load_verifier_heads(verifier_name, store, mask.id, last_layers)
+    return sequence, val_side, val_ids, max_steps
+
+
+def load_trainer(plan: TrainPlan, claimed: list[tuple[Path, bool]] | None = None) -> Trainer:
+    """The weights stage of a planned run (:func:`plan_train`): loads the verifier's heads (checked against the
+    store), builds the draft vocab and the drafter (seeded by ``cfg.run.seed``; ``--init-from``'s weights),
+    prepares the output directory (``--force`` empties it only now, every check passed), resumes from the plan's
+    checkpoint and starts the metrics log and trackers. ``claimed`` (a list) gets ``(output directory, whether it
+    existed before)`` when this process made it or emptied it (main rank, not ``--resume``).
+
+    Raises:
+        StoreMismatchError: the verifier's weights are not the store's (:func:`load_verifier_heads`).
+        RuntimeError: the latest checkpoint changed while the run started (another run writing there?).
+    """
+    cfg, store, init, mask, resume_from, state = (plan.cfg, plan.store, plan.init, plan.mask, plan.resume_from,
+                                                  plan.training_state)
+    heads = load_verifier_heads(plan.verifier_name, store, mask.id, plan.last_layers)
     if init is not None:  # the drafter's draft vocab (check_init_source: --draft-vocab-size agrees with it)
         d2t, D = init.d2t, init.config.draft_vocab_size
     else:
         d2t = build_draft_vocab(store.token_freq(), cfg.model.draft_vocab_size)
         D = int(d2t.numel()) if d2t is not None else store.vocab_size
-    run = _start_run(cfg, accelerator, store, sequence, val_side, val_ids, trackers, claimed)
-    run.stream = stream
+    run = _start_run(cfg, plan.accelerator, store, plan.sequence, plan.val_side, plan.val_ids, plan.trackers, claimed)
+    run.stream = plan.stream
     if run.resumed_from != resume_from:
         raise RuntimeError(f"the latest checkpoint in {cfg.run.output} changed while the run started "
                            f"({resume_from} -> {run.resumed_from}); is another run writing there?")
@@ -216,19 +300,20 @@ def build_trainer(cfg: TrainConfig, claimed: list[tuple[Path, bool]] | None = No
         record = _saved_init_record(resume_from) if resume_from is not None else init.record()
         run.info.update(init_from=record)
         run.summary.update(init_from=record)
-    model, verifier_head = _drafter(cfg, heads, store, d2t, D, accelerator.device, init)
+    model, verifier_head = _drafter(cfg, heads, store, d2t, D, plan.accelerator.device, init)
     transform = LogitTransform.from_config(heads.config)
     run.info.update(verifier_logit_transform={"scale": transform.scale, "softcap": transform.softcap})
     del heads
     if state is not None:
         model.load_state_dict(load_drafter(resume_from).state_dict())
-    trainer = Trainer(cfg, model, verifier_head, accelerator=accelerator, attention=attention, max_steps=max_steps,
-                      warmup=cfg.optim.warmup_steps, run=run, logit_transform=None if transform.identity else transform)
+    trainer = Trainer(cfg, model, verifier_head, accelerator=plan.accelerator, attention=plan.attention,
+                      max_steps=plan.max_steps, warmup=cfg.optim.warmup_steps, run=run,
+                      logit_transform=None if transform.identity else transform)
     if state is not None:
         trainer.load_state_dict(state)
         if trainer.main:
             removed = run.metrics.truncate(trainer.step)
-            print(resumed_message(resume_from, trainer.step, max_steps, removed), file=sys.stderr)
+            print(resumed_message(resume_from, trainer.step, plan.max_steps, removed), file=sys.stderr)
     elif trainer.main:
         if cfg.run.resume:
             print(f"peagle-train: --resume: no checkpoint in {cfg.run.output} yet; starting at step 0",
@@ -236,8 +321,19 @@ def build_trainer(cfg: TrainConfig, claimed: list[tuple[Path, bool]] | None = No
         if run.metrics.path.exists():
             run.metrics.path.unlink()
     if trainer.main:
-        run.metrics.start(_hparams(cfg, trainer, D, verifier_name, run), trainer.step, cfg.run.resume)
+        run.metrics.start(_hparams(cfg, trainer, D, plan.verifier_name, run), trainer.step, cfg.run.resume)
     return trainer
+
+
+def build_trainer(cfg: TrainConfig, claimed: list[tuple[Path, bool]] | None = None,
+                  extraction: Extraction | None = None) -> Trainer:
+    """The run's :class:`Trainer`: :func:`plan_train` (every check before the verifier's weights load), then
+    :func:`load_trainer`. ``claimed``: see :func:`load_trainer`; ``extraction``: see :func:`plan_train`.
+
+    Raises:
+        see :func:`run_train`.
+    """
+    return load_trainer(plan_train(cfg, extraction), claimed)
 
 
 def resumed_message(checkpoint: Path, step: int, max_steps: int, removed_rows: int) -> str:

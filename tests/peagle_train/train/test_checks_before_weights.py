@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+
+from stores.errors import InputError
 from .test_train import LAYERS, _store
 
 
@@ -463,3 +466,40 @@ def test_eval_engine_vllm_without_vllm_names_the_set_up(tmp_path, drafter_dir, n
     assert res.exit_code != 0 and "--engine vllm needs vLLM" in res.output, res.output
     res = _eval(["--drafter", str(drafter_dir), "--prompts", str(prompts), "--draft-sample-method", "argmax"])
     assert res.exit_code == 2 and "'argmax' is not one of 'greedy', 'probabilistic'" in res.output, res.output
+
+
+def test_plan_train_runs_the_checks_without_weights_or_output(tmp_path, verifier_dir, no_weights):
+    """``plan_train`` alone: every check, nothing of the run written; the weights load in ``load_trainer``."""
+    from peagle_train.train.run import load_trainer, plan_train
+    from .test_train import _cfg
+
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=4)
+    out = tmp_path / "out"
+    plan = plan_train(_cfg(store, out, max_steps=None, val_fraction=0.25, draft_vocab_size=100))
+    assert not out.exists()  # no output directory before the weights
+    assert (plan.max_steps, len(plan.sequence.usable), plan.val_ids.tolist()) == (3, 3, plan.val_side.tolist())
+    assert plan.verifier_name == str(verifier_dir) and plan.resume_from is None and plan.stream is None
+    with pytest.raises(WeightsLoaded):
+        load_trainer(plan)
+    with pytest.raises(InputError, match="--draft-vocab-size 1000 exceeds"):
+        plan_train(_cfg(store, out, draft_vocab_size=1000))
+
+
+def test_plan_extract_runs_the_checks_without_weights_or_output(tmp_path, tiny_verifier_dir, no_weights):
+    from peagle_data.extract.config import ExtractConfig
+    from peagle_data.extract.run import plan_extract, run_extract
+    from tests.peagle_data.extract.test_run import write_packed
+
+    packed = write_packed(tmp_path / "packed", n_blocks=3, block_size=32)
+    cfg = ExtractConfig(packed=str(packed), verifier=str(tiny_verifier_dir), output=str(tmp_path / "f.zarr"),
+                        device="cpu", context="window", layers=[1, 2], num_shards=2, shard_index=1)
+    lines = []
+    plan = plan_extract(cfg, lines.append)
+    assert not (tmp_path / "f.zarr").exists() and lines == []
+    assert len(plan.rows) == 1 and plan.contexts is None and plan.device == "cpu"  # shard 1 of 2: block 1
+    row, block_1 = plan.rows[0], list(plan.table.iter_rows(["input_ids"]))[1]
+    assert np.array_equal(np.asarray(row["input_ids"]), np.asarray(block_1["input_ids"]))
+    assert list(row["segment_keys"]) == [10 + k for k in range(len(row["segment_keys"]))]  # write_packed's keys
+    assert plan.facts.longest_segment == int(np.diff(np.asarray(row["cu_seqlens"])).max())
+    with pytest.raises(WeightsLoaded):
+        run_extract(cfg, progress=False, log=lines.append)
