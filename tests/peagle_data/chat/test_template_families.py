@@ -372,6 +372,7 @@ def test_reply_ending_in_whitespace_chatml(smollm2_tokenizer, reply):
     check(smollm2_tokenizer, messages, None, [reply + "<|im_end|>"])
 
 
+@pytest.mark.shared_data
 def test_sharegpt_tool_call_rows_on_chatml_from_glaive(smollm2_tokenizer):
     # SmolLM2's ChatML has no tool support: the tools list and every tool call are dropped by it, so such
     # rows are rejected saying so; kept on request, a tool-call turn supervises nothing.
@@ -505,6 +506,7 @@ def test_sharegpt_function_calls_render_like_the_openai_form(tmp_path, family, q
     assert '"name": "search_recipes"' in rendered.split("I have chicken")[0 if family == "qwen3" else 1]  # tools
 
 
+@pytest.mark.shared_data
 @pytest.mark.parametrize("family", ["qwen3", "llama31"])
 def test_glaive_sharegpt_and_openai_forms_give_identical_ids_and_masks(tmp_path, family, qwen3_tok, llama3_tok):
     from tests.conftest import shared_file

@@ -254,6 +254,7 @@ def test_missing_input_is_an_input_error(tmp_path):
         read_all(tmp_path / "nope*.jsonl")
 
 
+@pytest.mark.shared_data
 def test_glaive_tool_calling_set():
     from tests.conftest import shared_file
 

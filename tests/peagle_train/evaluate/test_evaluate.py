@@ -249,6 +249,7 @@ def test_render_second_turn_feeds_the_answer_back(smollm2_tokenizer):
     assert ids[:len(render_turn(smollm2_tokenizer, prompt, 0, []))] != []
 
 
+@pytest.mark.shared_data
 def test_real_mt_bench_file_reads():
     from tests.conftest import shared_file
 

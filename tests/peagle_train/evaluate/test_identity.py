@@ -145,6 +145,7 @@ def test_family_matrix_in_bf16_has_no_false_mismatch(family, one_thread):
     assert fp32["identical_to_greedy"] is True
 
 
+@pytest.mark.shared_data
 @pytest.mark.slow
 def test_smollm2_in_bf16_diverges_only_at_near_ties():
     """SmolLM2-135M in bf16 on CPU with peagle's decoders (the issue's case: turns differ from plain greedy
