@@ -146,9 +146,8 @@ class EvalConfig:
         if self.tree_nodes is not None and self.tree_nodes < 1:
             raise ValueError(f"--tree-nodes must be >= 1, got {self.tree_nodes}")
         if tree and self.temperature != 0:
-            raise ValueError("tree verification is greedy only (its candidates are each depth's top-k, not samples, "
-                             "so no rejection rule over them keeps the verifier's distribution exactly): give "
-                             "--temperature 0 or drop the tree")
+            raise ValueError("tree verification is greedy only (peagle walks a tree by the verifier's argmax; "
+                             "sampling over a tree is not implemented): give --temperature 0 or drop the tree")
         if tree and self.engine == "vllm":
             raise ValueError("--engine vllm verifies P-EAGLE drafts as a chain (vLLM removed its tree attention, "
                              "PR #42121): drop --tree-topk/--tree-nodes or use --engine peagle")
