@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 
 from peagle_data.extract.engine import PackedFacts, VerifierEngine
-from peagle_data.extract.hf_forward import language_model, verifier_features
+from peagle_data.extract.hf_forward import hybrid_kind, language_model, verifier_features
 from peagle_data.extract.store import verifier_desc
 from stores.errors import InputError
 from stores.model_cache import load_verifier
@@ -67,7 +67,8 @@ class HfEngine(VerifierEngine):
         self.desc, self.layers = desc, layers
         self.record = {"name": self.name}
         varlen = getattr(self.decoder.config, "_attn_implementation", None) == "flash_attention_2"
-        self.group_tokens = None if varlen else group_tokens  # varlen attention wastes nothing on a long block
+        # varlen attention wastes nothing on a long block; a hybrid batches a whole block's segments by length
+        self.group_tokens = None if varlen or hybrid_kind(self.decoder.config) else group_tokens
 
     @classmethod
     def check(cls, cfg, config, layers: list[int]) -> None:

@@ -10,8 +10,11 @@ Legend: T tokens in a block, L aux layers, H hidden size, S segments.
   chunked, sinks, soft-capping): position ids restart in every segment and the model builds its
   per-layer-type masks from them (transformers' packed sequences), or FlashAttention's varlen kernel
   gets ``cu_seqlens``; so a segment's hidden states equal those of the segment run alone.
-- Models with recurrent, state-space or linear-attention layers (state would flow across segments)
-  are refused before their weights load (:func:`check_packable`).
+- Hybrid verifiers (:data:`HYBRID_MODEL_TYPES`: gated DeltaNet or Mamba-2 layers between attention
+  layers), whose state would flow from one packed segment into the next, never pack: each segment
+  is its own row of a right-padded batch (:func:`segments_padded`), so its state starts from zero and
+  the padding after its last token cannot change it (causal). Other models with recurrent,
+  state-space or linear-attention layers are refused before their weights load (:func:`check_packable`).
 - A multimodal wrapper runs its language model (:func:`language_model`).
 - Only the decoder stack runs (no lm_head): full-vocabulary logits are never computed, and
   forward hooks keep only the chosen layers instead of all ``output_hidden_states``.
@@ -33,7 +36,8 @@ import torch
 from stores.errors import InputError
 
 __all__ = ["default_layers", "language_model", "layer_types", "packs_like_transformers", "check_packable",
-           "segment_masks", "verifier_features", "segments_alone"]
+           "hybrid_kind", "HYBRID_MODEL_TYPES", "padded_batches", "segment_masks", "verifier_features",
+           "segments_alone", "segments_padded"]
 
 
 def default_layers(num_hidden_layers: int) -> list[int]:
@@ -109,27 +113,49 @@ def packs_like_transformers(position_ids: torch.Tensor, cu_seqlens: torch.Tensor
 PACKABLE_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 #: model types with recurrent, state-space or linear-attention layers: their state would flow from
-#: one packed segment into the next, so peagle refuses them (docs/design.md §7)
+#: one packed segment into the next (docs/design.md §7); refused unless in :data:`HYBRID_MODEL_TYPES`
 RECURRENT_MODEL_TYPES = {
     "mamba": "mamba", "mamba2": "mamba2", "falcon_mamba": "mamba", "falcon_h1": "mamba (hybrid)",
     "jamba": "mamba (hybrid)", "bamba": "mamba2 (hybrid)", "zamba": "mamba (hybrid)",
-    "zamba2": "mamba2 (hybrid)", "nemotron_h": "mamba2 (hybrid)", "granitemoehybrid": "mamba2 (hybrid)",
-    "rwkv": "rwkv recurrence", "recurrent_gemma": "recurrent (RG-LRU)", "xlstm": "xLSTM recurrence",
-    "qwen3_next": "linear_attention (gated DeltaNet)", "lfm2": "short convolution", "lfm2_moe": "short convolution",
+    "zamba2": "mamba2 (hybrid)", "rwkv": "rwkv recurrence", "recurrent_gemma": "recurrent (RG-LRU)",
+    "xlstm": "xLSTM recurrence", "lfm2": "short convolution", "lfm2_moe": "short convolution",
     "minimax": "linear_attention (lightning)", "plamo2": "mamba (hybrid)",
+    "qwen3_5_moe_text": "linear_attention (gated DeltaNet)",
+}
+
+#: hybrid model types (of the text config) that extraction runs one segment per batch row, the state of
+#: every recurrent layer from zero (:func:`segments_padded`): each is checked against the segment run alone
+#: on a tiny model (tests/families.py ``HYBRID``, tests/peagle_data/extract/test_families.py)
+HYBRID_MODEL_TYPES = {
+    "qwen3_5_text": "linear_attention (gated DeltaNet)", "qwen3_next": "linear_attention (gated DeltaNet)",
+    "olmo_hybrid": "linear_attention (gated DeltaNet)", "nemotron_h": "mamba2 (hybrid)",
+    "granitemoehybrid": "mamba2 (hybrid)",
 }
 
 
+def hybrid_kind(config) -> str | None:
+    """The recurrent layer kind of a verified hybrid verifier (:data:`HYBRID_MODEL_TYPES`), else None.
+
+    ``config`` may be a multimodal wrapper's (``Qwen3_5Config``): its text config is read.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return HYBRID_MODEL_TYPES.get(getattr(text, "model_type", ""))
+
+
 def check_packable(config) -> None:
-    """Refuse verifiers whose layers carry state across tokens other than attention.
+    """Refuse verifiers whose layers carry state across tokens other than attention, unless a verified hybrid.
 
     Reads only the config (call it before the weights load). ``config`` may be a multimodal
-    wrapper's; its text config is checked.
+    wrapper's; its text config is checked. A hybrid of :data:`HYBRID_MODEL_TYPES` passes: it is
+    extracted one segment per sequence (:func:`segments_padded`), never packed.
 
     Raises:
         InputError: naming the model type and layer type (a recurrent, state-space, linear-attention
-            or convolution layer, or a ``layer_types`` entry that is not full, sliding or chunked attention).
+            or convolution layer, or a ``layer_types`` entry that is not full, sliding or chunked
+            attention) of a model that is not a verified hybrid.
     """
+    if hybrid_kind(config) is not None:
+        return
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for c in {id(config): config, id(text): text}.values():
         kind = RECURRENT_MODEL_TYPES.get(getattr(c, "model_type", ""))
@@ -139,7 +165,8 @@ def check_packable(config) -> None:
             raise InputError(
                 f"verifier model type {c.model_type!r} has {kind or sorted(set(kinds))[0]!r} layers, whose state "
                 "would flow from one packed segment into the next: peagle cannot extract exact features for "
-                "it (supported: models whose layers are all full, sliding-window or chunked attention)",
+                "it (supported: models whose layers are all full, sliding-window or chunked attention, and the "
+                f"hybrids it runs one segment per sequence and has verified: {', '.join(sorted(HYBRID_MODEL_TYPES))})",
                 field="--verifier")
 
 
@@ -222,14 +249,17 @@ def verifier_features(base_model: torch.nn.Module, input_ids: torch.Tensor, posi
     window and soft-cap). With SDPA/eager each layer gets the model's own mask of its layer type
     built for the packed segments (:func:`segment_masks`: block-diagonal ∧ causal ∧ window). When the
     positions would not tell the segments apart (:func:`packs_like_transformers`), each segment runs
-    alone (:func:`segments_alone`).
+    alone (:func:`segments_alone`). A hybrid verifier (:func:`hybrid_kind`) runs its segments as the rows of
+    right-padded batches (:func:`segments_padded`), whatever its attention backend.
 
     Returns:
         ``aux_hidden [T, L, H] bf16`` (layer ``L`` before the final norm) and ``final_hidden [T, H]
         bf16`` (after it).
     """
     param = next(base_model.parameters())
-    if getattr(base_model.config, "_attn_implementation", None) == "flash_attention_2":
+    if hybrid_kind(base_model.config) is not None:  # never packed: one segment per row of a padded batch
+        aux, final = segments_padded(base_model, input_ids, position_ids, cu_seqlens, layers)
+    elif getattr(base_model.config, "_attn_implementation", None) == "flash_attention_2":
         cu = cu_seqlens.to(param.device, torch.int32)
         longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         attn = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
@@ -270,3 +300,62 @@ def segments_alone(decoder: torch.nn.Module, input_ids: torch.Tensor, position_i
     outs = [_run(decoder, input_ids[lo:hi], position_ids[lo:hi], layers, {})
             for lo, hi in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()) if hi > lo]
     return torch.cat([a for a, _ in outs]), torch.cat([f for _, f in outs])
+
+
+def padded_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Segments (indices into ``lengths``) in batches of at most ``budget`` padded slots each (a longer
+    segment alone): longest first, each batch padded to its first segment's length, so that segments
+    of like length share a batch. Every index is in exactly one batch.
+
+    The padding waste of a block is ``sum(len(b) * lengths[b[0]]) - sum(lengths)`` slots.
+    """
+    order = sorted(range(len(lengths)), key=lambda k: (-lengths[k], k))
+    batches: list[list[int]] = []
+    for k in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget:
+            batches[-1].append(k)
+        else:
+            batches.append([k])
+    return batches
+
+
+@torch.no_grad()
+def segments_padded(decoder: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                    cu_seqlens: torch.Tensor, layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every segment as one row of a right-padded batch (:func:`padded_batches`, at most ``T`` slots a batch),
+    for models whose layers carry a state from token to token (hybrids, :data:`HYBRID_MODEL_TYPES`).
+
+    Each row's recurrent, convolution and linear-attention state starts from zero, as when the segment
+    runs alone; the padding comes after a row's last token, so a causal layer's outputs at the row's
+    tokens cannot depend on it (attention is causal, a scan and a causal convolution read only earlier
+    tokens, an MoE routes each token alone), and no attention mask is passed. A padded slot gets token 0
+    and the row's positions continued; its outputs are dropped.
+
+    Same arguments and results as :func:`verifier_features` (tensors on the verifier's device).
+    """
+    cu = cu_seqlens.tolist()
+    lengths = [hi - lo for lo, hi in zip(cu[:-1], cu[1:])]
+    T = cu[-1]
+    param = next(decoder.parameters())
+    H = decoder.config.hidden_size
+    aux = torch.zeros(T, len(layers), H, dtype=torch.bfloat16, device=param.device)
+    final = torch.zeros(T, H, dtype=torch.bfloat16, device=param.device)
+    nonempty = [k for k, n in enumerate(lengths) if n]
+    for group in padded_batches([lengths[k] for k in nonempty], max(T, 1)):
+        batch = [nonempty[g] for g in group]
+        width = lengths[batch[0]]
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        pos = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, k in enumerate(batch):
+            lo, n = cu[k], lengths[k]
+            ids[row, :n] = input_ids[lo:lo + n]
+            pos[row, :n] = position_ids[lo:lo + n]
+            pos[row, n:] = torch.arange(1, width - n + 1) + pos[row, n - 1]
+        with _capture_layers(decoder, layers) as captured:
+            out = decoder(input_ids=ids.to(param.device), position_ids=pos.to(param.device), use_cache=False)
+        for row, k in enumerate(batch):
+            lo, n = cu[k], lengths[k]
+            final[lo:lo + n] = out.last_hidden_state[row, :n]
+            for j, l in enumerate(layers):
+                aux[lo:lo + n, j] = captured[l][row, :n]
+    return aux, final

@@ -77,6 +77,8 @@ class VerifierHeads:
         mask_token_id: token fed at depth > 0.
         layers: the state dicts (``float32``, transformers names) of the verifier decoder layers the
             drafter's layers start from (``--init-layers verifier``), in the drafter's order; empty otherwise.
+        architectures: the verifier's own ``architectures`` from its ``config.json`` (a multimodal
+            wrapper's, e.g. ``Qwen3_5ForConditionalGeneration``, not its text config's, which has none).
     """
 
     name_or_path: str
@@ -85,6 +87,7 @@ class VerifierHeads:
     lm_head: torch.Tensor
     mask_token_id: int
     layers: list[dict[str, torch.Tensor]] = dataclasses.field(default_factory=list)
+    architectures: list[str] = dataclasses.field(default_factory=list)
 
 
 def load_verifier_heads(name: str, store, mask_token_id: int, last_layers: int = 0) -> VerifierHeads:
@@ -115,9 +118,11 @@ def load_verifier_heads(name: str, store, mask_token_id: int, last_layers: int =
                              field="--init-layers")
         layers = [{k: v.detach().float().clone() for k, v in layer.state_dict().items()}
                   for layer in decoder_layers[len(decoder_layers) - last_layers:]]
+    # config.json's: a wrapper loaded as its causal LM (Qwen3_5ForCausalLM) holds only the text config
+    architectures = list(getattr(load_model_config(name), "architectures", None) or [type(model).__name__])
     del model
     return VerifierHeads(name_or_path=str(name), config=cfg, embed=embed, lm_head=lm_head,
-                         mask_token_id=int(mask_token_id), layers=layers)
+                         mask_token_id=int(mask_token_id), layers=layers, architectures=architectures)
 
 
 def build_draft_vocab(token_freq: np.ndarray, draft_vocab_size: int | None) -> torch.Tensor | None:
@@ -172,7 +177,8 @@ def build_drafter_config(heads: VerifierHeads, store, cfg: TrainConfig, draft_vo
         layer_type=cfg.model.drafter_layer or default_drafter_layer(vc),
         hidden_act="silu",  # the MLP trains from scratch; vLLM's EAGLE-3 drafter MLP computes only silu
         verifier_name_or_path=heads.name_or_path,
-        verifier_architectures=list(getattr(heads.config, "architectures", None) or ["LlamaForCausalLM"]),
+        verifier_architectures=list(getattr(heads, "architectures", None) or getattr(heads.config, "architectures", None)
+                                    or ["LlamaForCausalLM"]),
     )
 
 

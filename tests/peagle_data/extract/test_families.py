@@ -26,7 +26,8 @@ from stores.staging import prepare_output_dir
 from stores.token_tables import TableWriter, write_manifest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from families import FAMILIES, SLIDING, build_family, family_config, hidden_states_as_stored, save_family  # noqa: E402
+from families import (FAMILIES, HYBRID, SLIDING, build_family, family_config, hidden_states_as_stored,  # noqa: E402
+                      save_family)
 
 LENGTHS = [9, 3, 12]  # two segments longer than the window, one shorter
 
@@ -148,25 +149,101 @@ def test_explicit_sdpa_on_a_model_without_it_is_a_clear_error(tmp_path):
                     log=lambda m: None)
 
 
+def _cosine_and_abs(model, aux, final, layers):
+    """Worst per-token cosine and largest absolute difference (float32) of ``aux``/``final`` against each
+    segment of :func:`_block` run alone (the model's own forward of that segment, no cache)."""
+    segs, _, _, cu = _block()
+    cos, diff = 1.0, 0.0
+    for k, seg in enumerate(segs):
+        alone, out = hidden_states_as_stored(model, input_ids=seg[None])
+        lo, hi = int(cu[k]), int(cu[k + 1])
+        pairs = [(aux[lo:hi, j].float(), alone[layer][0].float()) for j, layer in enumerate(layers)]
+        pairs.append((final[lo:hi].float(), out.hidden_states[-1][0].float()))
+        for got, ref in pairs:
+            cos = min(cos, float(torch.nn.functional.cosine_similarity(got, ref, dim=-1).min()))
+            diff = max(diff, float((got - ref).abs().max()))
+    return cos, diff
+
+
+@pytest.fixture(scope="module", params=HYBRID)
+def hybrid(request):
+    return request.param, build_family(request.param)
+
+
+def test_hybrid_features_equal_each_conversation_alone(hybrid):
+    """A hybrid's segments (9, 3 and 12 tokens; Mamba-2 chunks of 8) run as rows of a right-padded batch: every
+    stored layer of each equals the segment run alone, its recurrent state started from zero."""
+    family, model = hybrid
+    decoder = language_model(model)
+    layers = list(range(len(decoder.layers) + 1))
+    _, ids, pos, cu = _block()
+    aux, final = verifier_features(decoder, ids, pos, cu, layers)
+    cos, diff = _cosine_and_abs(model, aux, final, layers)
+    assert cos >= 0.999, f"{family}: worst cosine {cos:.6f}"
+    scale = max(float(final.float().abs().max()), float(aux.float().abs().max()))
+    assert diff <= scale * 2 ** -7, f"{family}: max abs diff {diff:.3g} over bf16 rounding of {scale:.3g}"
+    assert worst_relative_difference(model, layers) < 4e-3
+
+
+def test_hybrid_state_would_leak_if_packed(hybrid):
+    """Control: the block run as one packed sequence (positions restarting) carries the recurrent state of segment
+    0 into segment 1, so its features differ from segment 1 alone: the padded batch is what makes them equal."""
+    family, model = hybrid
+    decoder = language_model(model)
+    L = len(decoder.layers)
+    segs, ids, pos, cu = _block()
+    with torch.no_grad():
+        packed = decoder(input_ids=ids[None], position_ids=pos[None], use_cache=False).last_hidden_state[0]
+    _, out = hidden_states_as_stored(model, input_ids=segs[1][None])
+    lo, hi = int(cu[1]), int(cu[2])
+    ref = out.hidden_states[L][0]
+    rel = (packed[lo:hi] - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert float(rel.max()) > 0.05, f"{family}: packing did not change segment 1 ({float(rel.max()):.4f})"
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_run_extract_of_a_hybrid_stores_each_window_alone(tmp_path, family):
+    """`--context window` on a hybrid (Qwen3.5 wrapper: its language model; Nemotron-H): the store holds each window's
+    features as run alone."""
+    verifier = save_family(family, tmp_path / "verifier")
+    packed = _write_packed(tmp_path / "packed", 2, 512)
+    run_extract(ExtractConfig(packed=str(packed), verifier=str(verifier), output=str(tmp_path / "f.zarr"),
+                              layers=[0, 1, 4], device="cpu", context="window"), progress=False, log=lambda m: None)
+    store = FeatureStore.open(tmp_path / "f.zarr")
+    desc = store.attrs["verifier"]
+    assert desc["language_model"] == {"qwen3_5": "Qwen3_5TextModel", "nemotron_h": "NemotronHModel"}[family]
+    assert desc["num_hidden_layers"] == 4
+    model = build_family(family)
+    b = store.read_block(1)
+    segs, ids, pos, cu = _block(seed=1)
+    aux, final = b.aux_hidden[: ids.numel()], b.final_hidden[: ids.numel()]
+    for k, seg in enumerate(segs):
+        alone, out = hidden_states_as_stored(model, input_ids=seg[None])
+        lo, hi = int(cu[k]), int(cu[k + 1])
+        for j, layer in enumerate([0, 1, 4]):
+            cos = torch.nn.functional.cosine_similarity(aux[lo:hi, j].float(), alone[layer][0], dim=-1)
+            assert float(cos.min()) >= 0.999, (family, k, layer)
+
+
 def _recurrent_configs():
     import transformers as tf
 
     return {
-        "qwen3_next": (tf.Qwen3NextConfig(num_hidden_layers=4), "linear_attention"),
+        "bamba": (tf.BambaConfig(num_hidden_layers=4), "mamba2"),
         "jamba": (tf.JambaConfig(num_hidden_layers=4), "mamba"),
         "falcon_h1": (tf.FalconH1Config(num_hidden_layers=2), "mamba"),
         "mamba": (tf.MambaConfig(num_hidden_layers=2), "mamba"),
     }
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "jamba", "falcon_h1", "mamba"])
+@pytest.mark.parametrize("name", ["bamba", "jamba", "falcon_h1", "mamba"])
 def test_recurrent_layers_are_refused_naming_the_layer_type(name):
     config, kind = _recurrent_configs()[name]
     with pytest.raises(InputError, match=kind):
         check_packable(config)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + HYBRID)
 def test_every_family_of_the_matrix_is_packable(family):
     check_packable(family_config(family))  # raises for none of them
 
@@ -174,9 +251,9 @@ def test_every_family_of_the_matrix_is_packable(family):
 def test_refused_before_any_weights_load(tmp_path):
     verifier = tmp_path / "next"
     verifier.mkdir()
-    (verifier / "config.json").write_text(json.dumps(_recurrent_configs()["qwen3_next"][0].to_dict()))
+    (verifier / "config.json").write_text(json.dumps(_recurrent_configs()["jamba"][0].to_dict()))
     packed = _write_packed(tmp_path / "packed", 1, 512)
-    with pytest.raises(InputError, match="linear_attention"):  # no weights in the directory at all
+    with pytest.raises(InputError, match="mamba"):  # no weights in the directory at all
         run_extract(ExtractConfig(packed=str(packed), verifier=str(verifier), output=str(tmp_path / "f.zarr"),
                                   device="cpu", context="window"), progress=False, log=lambda m: None)
 

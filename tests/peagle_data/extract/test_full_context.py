@@ -35,7 +35,7 @@ from stores.token_tables import CONVERSATIONS, TableWriter, TokenTable, conversa
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests"))
-from families import FAMILIES, build_family, hidden_states_as_stored, save_family  # noqa: E402
+from families import FAMILIES, HYBRID, build_family, hidden_states_as_stored, save_family  # noqa: E402
 from processes import kill_runs  # noqa: E402
 
 from .test_run import window_ends  # noqa: E402
@@ -121,7 +121,7 @@ def worst_against_full_forward(store: FeatureStore, packed: Path, model, rows: l
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + HYBRID)  # a hybrid: each context of a context block its own row
 def test_every_token_equals_its_whole_conversation_forward(tmp_path, family):
     rows = synthetic_conversations(512)
     packed = write_packed_conversations(tmp_path / "packed", rows, max_seq_len=16, block_size=32)

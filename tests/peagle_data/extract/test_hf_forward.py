@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from peagle_data.extract.hf_forward import default_layers, packs_like_transformers, segment_masks, verifier_features
+from peagle_data.extract.hf_forward import (default_layers, packs_like_transformers, padded_batches, segment_masks,
+                                            verifier_features)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from families import WINDOW, build_family, hidden_states_as_stored  # noqa: E402
@@ -16,6 +17,15 @@ from families import WINDOW, build_family, hidden_states_as_stored  # noqa: E402
 def test_default_layers_follow_eagle3():
     assert default_layers(36) == [2, 18, 33]
     assert default_layers(30) == [2, 15, 27]
+
+
+def test_padded_batches_group_like_lengths_within_the_budget():
+    lengths = [3, 12, 9, 12, 2, 30]
+    batches = padded_batches(lengths, 30)
+    assert batches == [[5], [1, 3], [2, 0, 4]]  # 30 alone; 2 x 12 = 24; 3 x 9 = 27 slots
+    assert sorted(k for b in batches for k in b) == list(range(len(lengths)))
+    assert all(len(b) * lengths[b[0]] <= 30 for b in batches)
+    assert padded_batches([40, 5], 30) == [[0], [1]]  # a segment longer than the budget runs alone
 
 
 def _expected_mask(lengths, window=None):
