@@ -162,7 +162,7 @@ def build_trainer(cfg: TrainConfig, claimed: list[tuple[Path, bool]] | None = No
         if streamed.attrs.get("shard"):
             raise StoreFormatError(f"{streamed.path} is a shard store: a streaming run trains on a whole store")
         store = StreamingStore(streamed, cfg.stream.stream_timeout_s, extraction.stopped if extraction else None,
-                               str(extraction.log_path) if extraction else None)
+                               str(extraction.log_path) if extraction else None, heartbeat=rank_from_env() == 0)
         usable = np.arange(streamed.n_blocks, dtype=np.int64)
     else:
         store = open_stores(cfg.data.store)  # several stores: one StoreSet, a validation split per store
