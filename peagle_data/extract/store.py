@@ -10,6 +10,7 @@ here: that module imports the engines, which import this one).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import queue
 import shutil
@@ -68,8 +69,12 @@ def _check_disk(path: Path, needed_bytes: int, force: bool) -> None:
 class BlockWriter:
     """A background thread that writes blocks and then their done flags, behind a bounded queue."""
 
-    def __init__(self, store: FeatureStore, maxsize: int):
+    def __init__(self, store: FeatureStore, maxsize: int, lock: threading.Lock | None = None,
+                 after_write: Callable[[int], None] | None = None):
+        """``lock``: held around each block's write and ``after_write(i)`` (a streaming extraction's eviction
+        holds it too, so its measure after a write sees the store as the write left it)."""
         self.store = store
+        self.lock, self.after_write = lock or contextlib.nullcontext(), after_write
         self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
         self.copy_stream = None  # a CUDA side stream for device-to-host copies, made on first use
         self.error: BaseException | None = None
@@ -95,11 +100,14 @@ class BlockWriter:
                     copied.synchronize()  # the device-to-host copy into pinned memory is done
                 device_refs = None  # the device tensors may now return to the allocator
                 t0 = time.perf_counter()
-                self.store.write_features(i, aux, final)
-                if torch.isfinite(aux).all() and torch.isfinite(final).all():
-                    self.store.mark_done(i)
-                else:  # verify would reject it: never mark it done
-                    self.nonfinite.append(i)
+                with self.lock:
+                    self.store.write_features(i, aux, final)
+                    if torch.isfinite(aux).all() and torch.isfinite(final).all():
+                        self.store.mark_done(i)
+                    else:  # verify would reject it: never mark it done
+                        self.nonfinite.append(i)
+                    if self.after_write is not None:
+                        self.after_write(i)
                 self.write_s += time.perf_counter() - t0
             except BaseException as e:  # reported on the main thread
                 self.error = e

@@ -19,6 +19,8 @@ what is present and what was consumed.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -29,21 +31,25 @@ from peagle_data.extract.store import BlockWriter
 from stores.errors import InputError, StoreFormatError
 from stores.feature_store import FeatureStore
 from stores.progress import progress as progress_bar
+from stores.stream_heartbeat import Heartbeat, PeerWatch
 from stores.stream_plan import StreamPlan, apparent_bytes, plan_record, read_consumed, read_plan, unit_store
 
-__all__ = ["wait_for_plan", "followed_plan", "stream_entries", "extract_stream", "POLL_S"]
+__all__ = ["wait_for_plan", "followed_plan", "StorePeak", "stream_entries", "extract_stream", "POLL_S"]
 
 POLL_S = 0.2
 """Seconds between two reads of the plan or of the consumed cursor while waiting."""
 
 
 def wait_for_plan(store: FeatureStore, timeout_s: float, log: Callable[[str], None]) -> StreamPlan:
-    """The store's stream plan, waiting up to ``timeout_s`` for ``peagle-train`` to write it.
+    """The store's stream plan, waiting for ``peagle-train`` to write it while its heartbeat beats (a trainer
+    loading or checking for long is waited for), up to ``timeout_s`` without it
+    (:class:`stores.stream_heartbeat.PeerWatch`).
 
     Raises:
-        InputError: no plan after ``timeout_s`` (field ``--stream``), naming the command that writes it.
+        InputError: no plan and the trainer dead or never seen for ``timeout_s`` (field ``--stream``), naming the
+            command that writes it.
     """
-    t0, told = time.monotonic(), False
+    watch, told = PeerWatch(store.path, "trainer", timeout_s), False
     while True:
         plan = read_plan(store)
         if plan is not None:
@@ -52,9 +58,11 @@ def wait_for_plan(store: FeatureStore, timeout_s: float, log: Callable[[str], No
             log(f"{store.path}: waiting for the stream plan (`peagle-train --store {store.path} --max-store-bytes "
                 "SIZE ...` writes it)")
             told = True
-        if time.monotonic() - t0 > timeout_s:
-            raise InputError(f"{store.path}: no stream plan after {timeout_s:g} s: start `peagle-train --store "
-                             f"{store.path} --max-store-bytes SIZE ...`, which writes it", field="--stream")
+        why = watch.dead()
+        if why is not None:
+            raise InputError(f"{store.path}: no stream plan, and peagle-train is not running ({why}): start "
+                             f"`peagle-train --store {store.path} --max-store-bytes SIZE ...`, which writes it",
+                             field="--stream")
         time.sleep(POLL_S)
 
 
@@ -81,9 +89,9 @@ def followed_plan(store: FeatureStore, plan: StreamPlan, timeout_s: float, log: 
 
     Raises:
         InputError: the plan was replaced by another run's (a new ``peagle-train`` run on this store), or stays
-            missing for ``timeout_s`` (field ``--stream``).
+            missing while the trainer is dead for ``timeout_s`` (field ``--stream``).
     """
-    t0 = time.monotonic()
+    watch = None
     while True:
         record = plan_record(store)
         if record == plan.record():
@@ -96,22 +104,45 @@ def followed_plan(store: FeatureStore, plan: StreamPlan, timeout_s: float, log: 
             log(f"{store.path}: the stream plan was rewritten for another budget ({new.max_store_bytes:,} bytes, "
                 f"window {new.window} blocks); following it")
             return new
-        if time.monotonic() - t0 > timeout_s:
-            raise InputError(f"{store.path}: its stream plan was removed and not written again in {timeout_s:g} s; "
-                             "start the extraction again with the run", field="--stream")
+        watch = watch or PeerWatch(store.path, "trainer", timeout_s)
+        why = watch.dead()
+        if why is not None:
+            raise InputError(f"{store.path}: its stream plan was removed and not written again, and peagle-train is "
+                             f"not running ({why}); start the extraction again with the run", field="--stream")
         time.sleep(POLL_S)
 
 
+class StorePeak:
+    """The true peak of a streaming store's bytes (:func:`stores.stream_plan.apparent_bytes`): measured right
+    after each unit's write (its features and done flag), under :attr:`lock`, which evictions hold too, so no
+    eviction falls between a write and its measure. The store grows only by writes (the plan's own and
+    heartbeat files aside, within the plan's allowance), so its largest size is one of these measures.
+    ``peak`` starts at the store's bytes when made."""
+
+    def __init__(self, store: FeatureStore):
+        self.path, self.lock = store.path, threading.Lock()
+        self.peak = apparent_bytes(store.path)
+
+    def measure(self, _unit: int | None = None) -> int:
+        """Measure now (call with :attr:`lock` held); returns the peak so far."""
+        self.peak = max(self.peak, apparent_bytes(self.path))
+        return self.peak
+
+
 def stream_entries(store: FeatureStore, plan: StreamPlan, present: set[int], stats: dict[str, Any],
-                   timeout_s: float, log: Callable[[str], None]) -> Iterator[int]:
+                   timeout_s: float, log: Callable[[str], None], lock=None) -> Iterator[int]:
     """The units to extract, in plan order, each when the plan allows it (see the module doc); evicts as it
     goes. ``store``: the store the plan is in (a full-context store's root); ``present``: the units with
-    features now (updated here); ``stats`` gets ``evicted``, ``waits``, ``wait_s``, ``peak_store_bytes``
-    (sampled before each write).
+    features now (updated here); ``stats`` gets ``evicted``, ``waits``, ``wait_s``; ``lock``: held around
+    evictions (:class:`StorePeak`'s).
+
+    A wait for the trainer's cursor lasts as long as the trainer lives: it stops when the trainer's heartbeat
+    (:mod:`stores.stream_heartbeat`) and its cursor both stood still for ``timeout_s``, or at once when the
+    trainer's process on this machine is gone; a slow trainer is waited for.
 
     Raises:
-        InputError: the consumed cursor did not move for ``timeout_s`` while a write waited on it (the
-            trainer died or stopped), naming the entry and the cursor.
+        InputError: a write waited on the cursor and the trainer is dead (see above), naming the entry and the
+            cursor.
     """
     units = unit_store(store)
     for u in plan.val_units:
@@ -130,25 +161,30 @@ def stream_entries(store: FeatureStore, plan: StreamPlan, present: set[int], sta
         if not plan.may_write(c, consumed):
             t0 = time.monotonic()
             stats["waits"] += 1
+            watch, seen = PeerWatch(store.path, "trainer", timeout_s), consumed
             while not plan.may_write(c, consumed := read_consumed(store)):
-                if time.monotonic() - t0 > timeout_s:
-                    raise InputError(f"{store.path}: entry {c} (block {b}) waited {timeout_s:g} s for the trainer to "
-                                     f"consume entries (cursor {consumed}, window {plan.window}); is peagle-train "
-                                     "still running?", field="--stream-timeout-s")
+                if consumed != seen:
+                    watch.progressed()
+                    seen = consumed
+                why = watch.dead()
+                if why is not None:
+                    raise InputError(f"{store.path}: entry {c} (block {b}) waits for the trainer to consume entries "
+                                     f"(cursor {consumed}, window {plan.window}), and peagle-train is not running: "
+                                     f"{why}", field="--stream-timeout-s")
                 time.sleep(POLL_S)
             stats["wait_s"] += time.monotonic() - t0
             if c < consumed:  # the trainer consumed it meanwhile (its units were present): nothing to write, and
                 continue  # what the window evicts now must not come back for it
         if consumed != evicted_at:  # (units added since were read by the window)
-            for e in plan.evictable(present, consumed):
-                units.evict_block(e)
-                present.discard(e)
-                stats["evicted"] += 1
+            with lock or contextlib.nullcontext():
+                for e in plan.evictable(present, consumed):
+                    units.evict_block(e)
+                    present.discard(e)
+                    stats["evicted"] += 1
             evicted_at = consumed
         for u in plan.units_of(b):
             if u in present:
                 continue
-            stats["peak_store_bytes"] = max(stats["peak_store_bytes"], apparent_bytes(store.path))
             present.add(u)
             yield u
 
@@ -167,7 +203,8 @@ def extract_stream(engine: VerifierEngine, store: FeatureStore, rows, timeout_s:
     Returns:
         ``(tokens extracted, units left not done for NaN/Inf hidden states, stats)``; ``stats``:
         ``extractions`` (units extracted by this process), ``evicted``, ``waits``, ``wait_s``,
-        ``peak_store_bytes`` (the store's bytes sampled before each write), ``plan`` (its record).
+        ``peak_store_bytes`` (the store's true peak: measured after each write, :class:`StorePeak`), ``plan``
+        (its record).
 
     Raises:
         StoreFormatError: a full-context shard store (its training blocks read other shards' context blocks),
@@ -190,20 +227,27 @@ def extract_stream(engine: VerifierEngine, store: FeatureStore, rows, timeout_s:
     log(f"{store.path}: streaming {plan.n_entries} entries (policy {plan.policy}, window {plan.window} entries, "
         f"{what} of {plan.block_bytes:,} bytes, budget {plan.max_store_bytes:,} bytes), the {len(plan.val_units)} "
         f"{what} of {len(plan.val_blocks)} validation blocks first")
-    writer = BlockWriter(units, writer_queue)
+    peak = StorePeak(store)
+    writer = BlockWriter(units, writer_queue, lock=peak.lock, after_write=peak.measure)
     tokens = 0
     bar = progress_bar(total=plan.extractions(), desc=label, unit="block", disable=not progress)
+    heartbeat = Heartbeat(store.path, "extraction")  # the trainer waits on it, not on progress
     try:
-        entries = stream_entries(store, plan, present, stats, timeout_s, log)
+        entries = stream_entries(store, plan, present, stats, timeout_s, log, lock=peak.lock)
         for i, aux, final in timed(engine.features((i, rows[i]) for i in entries), seconds, "engine_s"):
             writer.put(i, aux, final)
             tokens += int(rows[i]["n_tokens"])
             stats["extractions"] += 1
+            heartbeat.progress(stats["extractions"])
             bar.update(1)
             bar.set_postfix(tokens=f"{tokens:,}")
     finally:
-        writer.close()
-        bar.close()
-        seconds.update(store_write_s=writer.write_s, writer_wait_s=writer.put_s)
-    stats["peak_store_bytes"] = max(stats["peak_store_bytes"], apparent_bytes(store.path))
+        try:
+            writer.close()
+        finally:
+            heartbeat.stop()
+            bar.close()
+            seconds.update(store_write_s=writer.write_s, writer_wait_s=writer.put_s)
+    with peak.lock:
+        stats["peak_store_bytes"] = peak.measure()
     return tokens, sorted(writer.nonfinite), stats

@@ -10,8 +10,10 @@ format-1 store's block, a full-context store's context block (:mod:`stores.strea
   so the plan is made before any feature exists), its budget and its policy; refuses a budget smaller than
   the smallest that works, naming it.
 - :class:`StreamingStore`: the store as the loader and validation read it, except that a read waits for the
-  block's done flag (then checks its crc32c as every read does); a wait that sees no progress for
-  ``timeout_s``, or an extraction process that exited, stops the run naming the extraction's log.
+  block's done flag (then checks its crc32c as every read does); a wait stops the run, naming the extraction's
+  log, only when the extraction is dead: its process exited (the one-command form), its process on this machine
+  is gone, or neither its heartbeat nor any unit moved for ``timeout_s`` (:mod:`stores.stream_heartbeat`); a slow
+  extraction is waited for. The main rank's store beats the trainer's heartbeat, which the extraction waits on.
 - :func:`stream_save_due`: after which steps the trainer saves a checkpoint so that extraction may write
   further (deterministic: the window and P decide it, never timing): when the next step's entries would pass
   the window of the last saved cursor, or half the window has been consumed since. Saving changes no weight.
@@ -31,6 +33,7 @@ from peagle_train.data.loader import BlockSequence
 from stores.errors import ChunkDamageError, InputError, StoreFormatError
 from stores.feature_schema import ARRAYS, hidden_arrays
 from stores.feature_store import CONTEXTS, FeatureStore
+from stores.stream_heartbeat import HEARTBEAT_DIR, Heartbeat, PeerWatch
 from stores.stream_plan import (POLICIES, STREAM_GROUP, StreamPlan, apparent_bytes, block_feature_bytes, context_reads,
                                 flag_bytes, format_size, fsync_tree, read_consumed, read_plan, step_units, unit_store,
                                 window_for_budget, window_for_reads, write_consumed)
@@ -41,7 +44,8 @@ __all__ = ["PLAN_ALLOWANCE_BYTES", "READ_TRIES", "plan_entries", "make_plan", "f
 
 PLAN_ALLOWANCE_BYTES = 8192
 """Bytes allowed for the plan's files besides its order (``stream/zarr.json``, ``stream/order/zarr.json``, the
-order chunk's checksum, ``consumed.json`` and its temporary twin)."""
+order chunk's checksum, ``consumed.json`` and its temporary twin) and for the two sides' heartbeat files
+(``stream_heartbeat/``, :mod:`stores.stream_heartbeat`, with their temporary twins)."""
 
 
 class ExtractionDied(StoreFormatError):
@@ -81,7 +85,7 @@ def fixed_store_bytes(store: FeatureStore, n_entries: int) -> int:
     ``[T] int64`` and its metadata)."""
     hidden = {s.name for s in hidden_arrays(store.storage_dtype)}
     # the plan is counted below, the same whether it is written yet or not
-    total = _bytes_without_features(Path(store.path), hidden, {STREAM_GROUP, CONTEXTS}, store.n_blocks)
+    total = _bytes_without_features(Path(store.path), hidden, {STREAM_GROUP, CONTEXTS, HEARTBEAT_DIR}, store.n_blocks)
     if store.layout == "windows":
         total += _bytes_without_features(Path(store.path) / CONTEXTS, hidden, set(), unit_store(store).n_blocks)
     return total + 8 * n_entries + PLAN_ALLOWANCE_BYTES
@@ -241,20 +245,33 @@ class StreamingStore:
 
     Args:
         store: the open ``FeatureStore`` (r+: the trainer writes the cursor and evicts at the end).
-        timeout_s: seconds without any new done block (while waiting) before giving up.
+        timeout_s: seconds without the extraction's heartbeat and without any new done block (while waiting)
+            before giving up (:class:`stores.stream_heartbeat.PeerWatch`).
         extraction_alive: returns None while the extraction runs, else why it stopped (its exit code);
-            None: extraction runs elsewhere (split roles), only the timeout applies.
+            None: extraction runs elsewhere (split roles), its heartbeat alone tells.
         log_path: the extraction's log, named in the errors.
+        heartbeat: beat the trainer's heartbeat from now until :meth:`close` (the main rank of a run).
 
     Raises (on read):
-        ExtractionDied: the extraction exited, or nothing new was done for ``timeout_s``.
+        ExtractionDied: the extraction exited or is dead (see the module doc).
     """
 
     def __init__(self, store: FeatureStore, timeout_s: float, extraction_alive: Callable[[], str | None] | None = None,
-                 log_path: str | None = None, poll_s: float = 0.05):
+                 log_path: str | None = None, poll_s: float = 0.05, heartbeat: bool = False):
         self.store, self.timeout_s, self.alive, self.log_path, self.poll_s = store, timeout_s, extraction_alive, log_path, poll_s
         self.wait_s = 0.0
         """Seconds spent waiting for blocks to be extracted."""
+        self.heartbeat = Heartbeat(store.path, "trainer") if heartbeat else None
+
+    def progress(self, step: int) -> None:
+        """Record the trainer's step in its heartbeat (shown in the extraction's messages)."""
+        if self.heartbeat is not None:
+            self.heartbeat.progress(step)
+
+    def close(self) -> None:
+        """Stop the trainer's heartbeat (the run's reads are over)."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
 
     def __getattr__(self, name: str):
         return getattr(self.store, name)
@@ -270,24 +287,27 @@ class StreamingStore:
         """
         if self.store.is_done(i):
             return
-        t0 = last_progress = time.monotonic()
+        t0 = checked = time.monotonic()
         units = unit_store(self.store)  # progress: any unit done (a context block of a full-context store)
         seen = int(units.done_mask().sum())
+        watch = PeerWatch(self.store.path, "extraction", self.timeout_s)
         while not self.store.is_done(i):
             why = self.alive() if self.alive is not None else None
             if why is not None and not self.store.is_done(i):
                 raise ExtractionDied(f"{self.store.path}: block {i} is not extracted and the extraction stopped "
                                      f"({why}){self._where()}")
             now = time.monotonic()
-            if now - last_progress > 1.0:
-                done = int(units.done_mask().sum())
+            if now - checked > 1.0:  # (the done flags and the heartbeat file: read once a second)
+                checked, done = now, int(units.done_mask().sum())
                 if done != seen:
-                    seen, last_progress = done, now
-                elif now - last_progress > self.timeout_s:
+                    seen = done
+                    watch.progressed()
+                dead = watch.dead()
+                if dead is not None and not self.store.is_done(i):
                     raise ExtractionDied(
-                        f"{self.store.path}: waited {self.timeout_s:g} s for block {i} with no block extracted "
-                        f"meanwhile (consumed cursor {read_consumed(self.store)}): is the extraction (`peagle-data "
-                        f"extract ... --stream --output {self.store.path}`) running?{self._where()}")
+                        f"{self.store.path}: block {i} is not extracted and the extraction (`peagle-data extract ... "
+                        f"--stream --output {self.store.path}`) is not running: {dead} (consumed cursor "
+                        f"{read_consumed(self.store)}){self._where()}")
             time.sleep(self.poll_s)
         self.wait_s += time.monotonic() - t0
 

@@ -213,7 +213,7 @@ def plan_train(cfg: TrainConfig, extraction: Extraction | None = None) -> TrainP
         if streamed.attrs.get("shard"):
             raise StoreFormatError(f"{streamed.path} is a shard store: a streaming run trains on a whole store")
         store = StreamingStore(streamed, cfg.stream.stream_timeout_s, extraction.stopped if extraction else None,
-                               str(extraction.log_path) if extraction else None)
+                               str(extraction.log_path) if extraction else None, heartbeat=rank_from_env() == 0)
         usable = np.arange(streamed.n_blocks, dtype=np.int64)
     else:
         store = open_stores(cfg.data.store)  # several stores: one StoreSet, a validation split per store

@@ -314,6 +314,8 @@ class Trainer:
         finally:
             bar.close()
             self.loader.close()
+            if run.stream is not None:
+                run.store.close()  # the trainer's heartbeat: every read of the run is done
         return self._finish(t_start, wait0)
 
     def _micro_batches(self, batches: Iterator[tuple[int, Block]]) -> Iterator[tuple[Block, torch.Generator]]:
@@ -326,6 +328,8 @@ class Trainer:
         """Log the step (every ``log_every`` and the last), save every ``save_every``, validate every
         ``val_every`` (:meth:`RunConfig.val_interval`); the last step's are :meth:`_final_outputs`'."""
         cfg, step = self.cfg, self.step
+        if self.run.stream is not None:
+            self.run.store.progress(step)  # shown in the extraction's messages (its heartbeat beats regardless)
         if self.main:
             if step % cfg.run.log_every == 0 or step == self.max_steps:
                 self.run.metrics.record(row)

@@ -3,6 +3,8 @@ budget refusal, the deterministic saves, waiting reads that stop when the extrac
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -15,7 +17,9 @@ from peagle_train.data.stream import (PLAN_ALLOWANCE_BYTES, READ_TRIES, Extracti
                                       fixed_store_bytes, make_plan, plan_entries, stream_save_due)
 from stores.errors import ChunkDamageError, InputError
 from stores.feature_store import FeatureStore
+from stores.stream_heartbeat import read_heartbeat
 from stores.stream_plan import StreamPlan, apparent_bytes, block_feature_bytes, flag_bytes
+from tests.stores.test_stream_heartbeat import beating_process
 
 C, L, H = 8, 2, 16
 
@@ -145,9 +149,35 @@ def test_a_read_stops_after_the_timeout_without_progress(tmp_path):
     store = _store(tmp_path / "s.zarr")
     reader = StreamingStore(store, timeout_s=0.5, poll_s=0.05)
     t0 = time.monotonic()
-    with pytest.raises(ExtractionDied, match="waited 0.5 s for block 1 with no block extracted"):
+    with pytest.raises(ExtractionDied, match=r"block 1 is not extracted and the extraction .* is not running: no "
+                                             r"heartbeat of it appeared for 0.5 s, nor did it make progress"):
         reader.read_block(1)
     assert time.monotonic() - t0 < 5
+
+
+def test_a_slow_extraction_is_waited_for_and_a_killed_one_stops_the_read_at_once(tmp_path):
+    """An extraction whose heartbeat beats is waited for past the timeout (a long unit); one killed during a wait is
+    seen gone at once (split roles: no subprocess to poll). The reading store beats the trainer's heartbeat."""
+    store = _store(tmp_path / "s.zarr")
+    extraction = beating_process(store.path, "extraction")
+    reader = StreamingStore(store, timeout_s=0.5, poll_s=0.02, heartbeat=True)
+    try:
+        threading.Timer(2.5, _extract, (store, 1)).start()
+        t0 = time.monotonic()
+        assert reader.read_block(1).aux_hidden.float().mean().item() == 1.0
+        assert time.monotonic() - t0 >= 2.4
+        assert read_heartbeat(store.path, "trainer")["pid"] == os.getpid()
+        reader.timeout_s = 60
+        threading.Timer(1.5, os.kill, (extraction.pid, signal.SIGKILL)).start()
+        t0 = time.monotonic()
+        with pytest.raises(ExtractionDied, match=f"block 2 is not extracted and the extraction .* is not running: its "
+                                                 f"process {extraction.pid} on this machine is gone"):
+            reader.read_block(2)
+        assert time.monotonic() - t0 < 5
+    finally:
+        reader.close()
+        extraction.kill()
+        extraction.wait()
 
 
 def _windows_store(path):

@@ -27,7 +27,9 @@ from peagle_train.data.multistore import conversation_groups
 from peagle_train.data.split import split_store
 from peagle_train.data.stream import make_plan, rerun_note
 from peagle_train.train.config import TrainConfig
+from peagle_train.train import run as train_run
 from peagle_train.train.run import run_train
+from peagle_train.train.trainer import Trainer
 from peagle_train.train.stream import wait_for_store
 from stores.errors import InputError, OutputExistsError, StoreFormatError, StoreMismatchError
 from stores.feature_store import FeatureStore
@@ -217,6 +219,32 @@ def test_store_wait_counts_from_the_extraction_logs_last_change(tmp_path):
     with pytest.raises(StoreFormatError, match="after 0.5 s with nothing new in the extraction's log; its log: "):
         wait_for_store(str(tmp_path / "store.zarr"), 0.5, extraction)
     assert speaking.is_set() and time.monotonic() - t0 >= 1.2 + 0.5  # waited while it talked, then 0.5 s
+
+
+def test_a_slow_trainer_is_not_killed_by_the_extractions_timeout(tmp_path, packed, offline_store, tiny_verifier_dir,
+                                                                  one_thread, monkeypatch):
+    """The issue's case scaled down: a window of 1 block, so the extraction waits on the cursor at every entry,
+    which moves once a step; each step takes 4 s against a --stream-timeout-s of 3 s (passed on to the
+    extraction). The trainer's heartbeat keeps the extraction waiting: the run trains every step. (Before, the
+    extraction gave up after 3 s without a cursor move and the run stopped.)"""
+    train_step = Trainer.train_step
+
+    def slow_step(self, batches):
+        row = train_step(self, batches)
+        time.sleep(4.0)
+        return row
+
+    monkeypatch.setattr(Trainer, "train_step", slow_step)
+    # the wait for the store while the extraction starts (imports, the verifier) is not this test's
+    monkeypatch.setattr(train_run, "wait_for_store", lambda store, _t, extraction: wait_for_store(store, 300, extraction))
+    summary = run_train(TrainConfig.from_flat(
+        store=str(tmp_path / "stream.zarr"), output=str(tmp_path / "stream"), verifier=str(tiny_verifier_dir),
+        max_steps=3, extract_from=str(packed), max_store_bytes=str(_budget(offline_store, window=1)), device="cpu",
+        context="window", stream_timeout_s=3, **OPTS))
+    assert summary["steps"] == 3 and summary["stream"]["window"] == 1
+    log = Path(summary["extraction_log"]).read_text()
+    stream = json.loads(log[log.index("{"):])["stream"]
+    assert stream["waits"] >= 2 and stream["wait_s"] > 3  # it waited longer than the timeout, and went on
 
 
 # ------------------------------------------------------------------ a full-context store (--context full)
