@@ -13,10 +13,10 @@ from typing import Any, Callable
 
 import click
 
-from stores.errors import PeagleError
-from stores.files import strict_json
+from stores.errors import DiskFullError, PeagleError
+from stores.files import disk_full_error, is_disk_full, strict_json
 
-__all__ = ["peagle_version", "version_option", "handle_errors", "echo_json", "config_error", "OutputPath", "interrupted_message", "resume_command",
+__all__ = ["peagle_version", "version_option", "handle_errors", "disk_full_message", "echo_json", "config_error", "OutputPath", "interrupted_message", "resume_command",
            "again_command", "nothing_kept", "INTERRUPTED_EXIT"]
 
 def peagle_version() -> str:
@@ -77,6 +77,18 @@ def interrupted_message(program: str, args: list[str], params: dict[str, Any], k
     return f"Interrupted (Ctrl-C): {program}\n  kept: {what}\n  {verb}: {command}"
 
 
+def disk_full_message(error: DiskFullError, program: str, args: list[str], params: dict[str, Any],
+                      kept: Kept | None = None) -> str:
+    """What a full disk prints (:func:`handle_errors`), one line: the disk (mount point, free bytes, the file being
+    written), what the output keeps and the exact command to run once space is freed."""
+    try:
+        what, command = (kept or nothing_kept)(program, args, params)
+    except Exception as e:  # the output could not be read: say so rather than guess
+        what, command = f"unknown: could not read the output ({type(e).__name__}: {e})", again_command(program, args)
+    verb = "resume with" if "--resume" in shlex.split(command) else "run it again with"
+    return f"Error: {error}; kept: {what}; free space on {error.mount}, then {verb}: {command}"
+
+
 def _invocation(ctx: click.Context | None) -> tuple[str, list[str], dict[str, Any]]:
     """``(command path, the command's own arguments, its resolved params)`` of the running command."""
     if ctx is None:
@@ -92,7 +104,9 @@ def handle_errors(fn=None, *, kept: Kept | None = None):
     """Turn a PeagleError into ``Error: ...`` on stderr and exit code 2 (no traceback), and Ctrl-C
     (KeyboardInterrupt) into what was kept and the exact command to run next (:func:`interrupted_message`;
     ``kept`` describes the command's output, default :func:`nothing_kept`) on stderr and exit code 130,
-    instead of click's bare ``Aborted!``.
+    instead of click's bare ``Aborted!``. A full disk (:class:`~stores.errors.DiskFullError`, or any
+    ``OSError`` of ``ENOSPC``/``EDQUOT``, :func:`stores.files.is_disk_full`) is one line naming the disk and the
+    command to run once space is freed (:func:`disk_full_message`), exit code 2.
 
     Use as ``@handle_errors`` or ``@handle_errors(kept=describe)``.
     """
@@ -103,6 +117,16 @@ def handle_errors(fn=None, *, kept: Kept | None = None):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except (DiskFullError, OSError) as e:
+            if not is_disk_full(e):
+                if isinstance(e, PeagleError):
+                    click.echo(f"Error: {e}", err=True)
+                    sys.exit(2)
+                raise
+            program, argv, params = _invocation(click.get_current_context(silent=True))
+            full = disk_full_error(e, params.get("output") or params.get("store") or ".")
+            click.echo(disk_full_message(full, program, argv, params, kept), err=True)
+            sys.exit(2)
         except PeagleError as e:
             click.echo(f"Error: {e}", err=True)
             sys.exit(2)

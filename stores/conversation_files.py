@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stores.errors import InputError, OutputExistsError, StoreFormatError
+from stores.errors import ForeignFilesError, InputError, OutputExistsError, StoreFormatError
 from stores.staging import write_text_atomic
 
-__all__ = ["ConversationWriter", "check_output", "regenerate_paths", "read_regenerate_manifest"]
+__all__ = ["ConversationWriter", "check_output", "foreign_files", "regenerate_paths", "read_regenerate_manifest"]
 
 
 def regenerate_paths(output: str | os.PathLike) -> dict[str, Path]:
@@ -88,12 +88,35 @@ def _keep_lines(path: Path, n: int) -> list[dict[str, Any]]:
         raise StoreFormatError(f"{path}: not a file this command wrote ({e}); rerun with --force") from None
 
 
+def foreign_files(output: str | os.PathLike) -> list[Path]:
+    """The files of ``output`` (:func:`regenerate_paths`) that this command did not write: without a manifest
+    of ``kind: regenerated``, ``OUT.jsonl``, ``OUT.rejects.jsonl`` and ``OUT.manifest.json`` are a user's
+    (``OUT.jsonl.partial`` is this command's name alone)."""
+    paths = regenerate_paths(output)
+    try:
+        ours = (read_regenerate_manifest(output) or {}).get("kind") == "regenerated"
+    except StoreFormatError:
+        ours = False
+    if ours:
+        return []
+    return [p for name, p in paths.items() if name != "partial" and (p.exists() or p.is_symlink())]
+
+
 def check_output(output: str | os.PathLike, force: bool, resume: bool) -> None:
-    """Raise OutputExistsError when a file of ``output`` exists and neither ``force`` nor ``resume``
-    is set (InputError for a name that is not ``.jsonl``)."""
+    """The check before a run writes ``output``: its files may be replaced (``force``) or continued
+    (``resume``) only when they are this command's (:func:`foreign_files`).
+
+    Raises:
+        OutputExistsError: a file of ``output`` exists and neither ``force`` nor ``resume`` is set.
+        ForeignFilesError: ``force`` or ``resume`` with files this command did not write (named).
+        InputError: ``output`` is not a ``.jsonl`` name.
+    """
     existing = [p for p in regenerate_paths(output).values() if p.exists()]
     if existing and not (force or resume):
         raise OutputExistsError(str(existing[0]), "pass --resume to continue it or --force to overwrite it")
+    foreign = foreign_files(output)
+    if existing and foreign:
+        raise ForeignFilesError(str(output), [str(p) for p in foreign], "--output", ["regenerated conversations"])
 
 
 class ConversationWriter:
@@ -106,6 +129,7 @@ class ConversationWriter:
 
     Raises:
         OutputExistsError: a file of the output exists and neither ``force`` nor ``resume`` is set.
+        ForeignFilesError: files of the output that this command did not write (:func:`check_output`).
     """
 
     def __init__(self, output: str | os.PathLike, force: bool = False, resume: bool = False):

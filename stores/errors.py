@@ -6,10 +6,13 @@ internal invariants; user input always raises one of these.
 
 from __future__ import annotations
 
+import os
+
 __all__ = [
     "PeagleError",
     "InputError",
     "OutputExistsError",
+    "ForeignFilesError",
     "StoreFormatError",
     "ChunkDamageError",
     "StoreMismatchError",
@@ -17,6 +20,7 @@ __all__ = [
     "MissingDependencyError",
     "ModelNotFoundError",
     "DiskSpaceError",
+    "DiskFullError",
 ]
 
 
@@ -52,8 +56,48 @@ class OutputExistsError(PeagleError, FileExistsError):
         super().__init__(f"output {path} already exists; {hint}")
 
 
+class ForeignFilesError(OutputExistsError):
+    """An output that ``--force`` would replace holds files peagle did not write: nothing is removed.
+
+    Attributes:
+        path: the output.
+        foreign: the entries peagle did not write (paths).
+    """
+
+    def __init__(self, path: str, foreign: list[str], option: str = "--output", kinds: list[str] | None = None):
+        self.path, self.foreign = path, list(foreign)
+        inside = path.rstrip(os.sep) + os.sep
+        names = [os.path.relpath(f, path) if f.startswith(inside) else f for f in self.foreign]
+        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+        what = ", ".join(kinds or ["peagle output"])
+        found = ("was not written by peagle" if self.foreign == [path]
+                 else f"holds {len(names)} file{'s' if len(names) > 1 else ''} peagle did not write: {shown}")
+        PeagleError.__init__(self, f"output {path} already exists and {found}; --force replaces only peagle's own "
+                                   f"output ({what}), never other files: move them away, or give another {option}")
+
+
 class DiskSpaceError(PeagleError, OSError):
     """An output would not fit on its disk (``--force`` writes it anyway)."""
+
+
+class DiskFullError(DiskSpaceError):
+    """A write found its disk full (``ENOSPC``, or a quota: ``EDQUOT``) in the middle of a run; the writer removed
+    what it had half written (:func:`stores.files.disk_full_error` makes one from the ``OSError``).
+
+    Attributes:
+        path: the file or output being written.
+        mount: the mount point of the disk holding ``path``.
+        free_bytes: the bytes free on it when the error was made (None: unknown).
+    """
+
+    def __init__(self, path: str, mount: str, free_bytes: int | None, quota: bool = False):
+        self.path, self.mount, self.free_bytes = path, mount, free_bytes
+        free = f"{free_bytes:,} bytes free" if free_bytes is not None else "free bytes unknown"
+        full = "the disk quota is exceeded" if quota else "no space left"
+        super().__init__(28, f"disk full: {full} on {mount} ({free}) while writing {path}")
+
+    def __str__(self) -> str:
+        return self.args[1]
 
 
 class StoreFormatError(PeagleError, ValueError):

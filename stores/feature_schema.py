@@ -33,6 +33,7 @@ from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
 
 from stores.errors import OutputExistsError
 from stores.files import is_local
+from stores.staging import check_replaceable
 
 __all__ = [
     "STORAGE_DTYPES",
@@ -196,15 +197,16 @@ def create_arrays(group: zarr.Group, specs: tuple[ArraySpec, ...], sizes: dict[s
 
 
 def new_group(path: str, force: bool) -> zarr.Group:
-    """An empty zarr group at ``path``: an existing local store is removed with ``force``.
+    """An empty zarr group at ``path``: an existing local store is removed with ``force`` when it is peagle's
+    (:func:`stores.staging.check_replaceable`).
 
     Raises:
         OutputExistsError: ``path`` exists and ``force`` is false.
+        ForeignFilesError: ``path`` holds files peagle did not write (also with ``force``).
     """
     if is_local(path) and Path(path).exists():
-        if not force:
-            raise OutputExistsError(path, "pass --resume to continue it or --force to overwrite it")
-        shutil.rmtree(path)
+        if check_replaceable(path, force, "pass --resume to continue it or --force to overwrite it"):
+            shutil.rmtree(path) if Path(path).is_dir() and not Path(path).is_symlink() else Path(path).unlink()
     try:
         return zarr.open_group(path, mode="w" if force or is_local(path) else "w-")
     except (FileExistsError, zarr.errors.ContainsGroupError, zarr.errors.ContainsArrayError) as e:

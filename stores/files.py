@@ -4,15 +4,49 @@ local paths (:func:`is_local`), the zarr v3 probe (:func:`is_zarr_store`) and st
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
-from stores.errors import NonFiniteError
+from stores.errors import DiskFullError, NonFiniteError
 
-__all__ = ["current_umask", "follow_umask", "is_local", "is_zarr_store", "nonfinite_paths", "strict_json"]
+__all__ = ["current_umask", "follow_umask", "is_local", "is_zarr_store", "nonfinite_paths", "strict_json",
+           "is_disk_full", "disk_full_error"]
+
+_DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded")
+"""What libraries that drop the errno say (pyarrow's ``OSError``: "... error: No space left on device")."""
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Whether ``e`` is an ``OSError`` of a full disk or an exceeded quota (``ENOSPC``/``EDQUOT``, or a library's
+    message saying so without the errno)."""
+    if not isinstance(e, OSError):
+        return False
+    return e.errno in (errno.ENOSPC, errno.EDQUOT) or any(t in str(e) for t in _DISK_FULL_TEXT)
+
+
+def disk_full_error(e: OSError, path: str | os.PathLike) -> DiskFullError:
+    """The :class:`~stores.errors.DiskFullError` of ``e`` (see :func:`is_disk_full`): the file it names, else
+    ``path`` (the output being written), with the mount point and free bytes of the disk that holds it."""
+    if isinstance(e, DiskFullError):
+        return e
+    where = Path(os.path.abspath(e.filename if isinstance(e.filename, str) else path))
+    probe = where
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    mount = probe
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        free = None
+    quota = e.errno == errno.EDQUOT or "quota" in str(e).lower()
+    return DiskFullError(str(where), str(mount), free, quota)
 
 
 def nonfinite_paths(obj: Any, prefix: str = "") -> list[str]:

@@ -9,11 +9,20 @@
   directory (the model cache, filled in two steps).
 - :func:`atomic_file` / :func:`write_text_atomic`: one file written as ``NAME.tmp`` then renamed
   (manifests, reports, training state).
+
+``--force`` replaces only peagle's own output (issue 44 item 1): :func:`check_replaceable` is the one check
+every writer makes before it removes or replaces an existing output. A directory is peagle's when the file
+that marks its kind (:data:`OUTPUT_KINDS`: a token table's ``manifest.json``, a feature store's
+``zarr.json``, a training run's ``train_config.json``) says so and every entry in it is one that kind
+writes; anything else (a user's ``notes.txt``) is foreign, and the run is refused naming it
+(:class:`~stores.errors.ForeignFilesError`), whatever ``--force`` says.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+import json
 import os
 import re
 import shutil
@@ -22,11 +31,16 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-from stores.errors import InputError, OutputExistsError
+from stores.errors import ForeignFilesError, InputError, OutputExistsError
 
 __all__ = [
+    "OutputKind",
+    "OUTPUT_KINDS",
+    "foreign_entries",
+    "check_replaceable",
     "prepare_output_dir",
     "staged_output_dir",
     "remove_stale_partials",
@@ -38,17 +52,107 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True)
+class OutputKind:
+    """One kind of output directory peagle writes: the file that marks it and the names of its entries."""
+
+    name: str
+    """What the kind is called in messages (``token table``)."""
+    marker: str
+    """The file that says peagle wrote the directory (a JSON object, see :meth:`marks`)."""
+    marker_keys: tuple[str, ...]
+    """Keys of which the marker (a JSON object) holds at least one; empty: any JSON object."""
+    entries: tuple[str, ...]
+    """``fnmatch`` patterns of the names this kind writes at the directory's top level."""
+    zarr_nodes: bool = False
+    """Sub-directories holding a ``zarr.json`` (zarr arrays and groups) are this kind's too."""
+
+    def marks(self, directory: Path) -> bool:
+        """Whether ``directory``'s marker file is this kind's (readable JSON object with one of the keys)."""
+        try:
+            record = json.loads((directory / self.marker).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            return False
+        if self.marker == "zarr.json" and isinstance(record, dict):  # a group peagle made (or began to make)
+            record = record.get("attributes", {}) or {"peagle": "being created"}
+        return isinstance(record, dict) and (not self.marker_keys or any(k in record for k in self.marker_keys))
+
+    def owns(self, entry: Path) -> bool:
+        """Whether ``entry`` (a child of a directory this kind marks) is one this kind writes."""
+        if any(fnmatch.fnmatchcase(entry.name, p) for p in self.entries):
+            return True
+        return self.zarr_nodes and entry.is_dir() and not entry.is_symlink() and (entry / "zarr.json").is_file()
+
+
+OUTPUT_KINDS = (
+    # stores/token_tables.py: part files, manifest.json (last), rejects.jsonl, token_freq.npy, conversations/
+    OutputKind("token table", "manifest.json", ("kind",),
+               ("manifest.json", "manifest.json.tmp", "part-*.parquet", "rejects.jsonl", "token_freq.npy",
+                "conversations")),
+    # stores/feature_schema.py: a zarr v3 group whose attributes are peagle's (empty while being created)
+    OutputKind("feature store", "zarr.json", ("peagle", "peagle_stream"), ("zarr.json",), zarr_nodes=True),
+    # peagle_train/train: train_config.json first, then metrics, checkpoints (replace_dir: .NAME.tmp/.old), final/
+    OutputKind("training run", "train_config.json", (),
+               ("train_config.json", "metrics.jsonl", "metrics.jsonl.tmp", "checkpoint-*", "final", "training.png",
+                "trackers", ".checkpoint-*.tmp", ".checkpoint-*.old", ".final.tmp", ".final.old")),
+)
+"""Every kind of output directory peagle writes (the kinds ``--force`` may replace)."""
+
+
+def foreign_entries(path: str | os.PathLike, kinds: tuple[OutputKind, ...] = OUTPUT_KINDS) -> list[Path]:
+    """The entries of ``path`` that peagle did not write, sorted: none for a missing or empty directory;
+    ``[path]`` for a file (or link); in a directory, every entry when no kind of ``kinds`` marks it, else
+    the entries the marking kind does not write."""
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        return []
+    if path.is_symlink() or not path.is_dir():
+        return [path]
+    entries = sorted(path.iterdir())
+    for kind in kinds:
+        if kind.marks(path):
+            return [e for e in entries if not kind.owns(e)]
+    return entries
+
+
+def check_replaceable(path: str | os.PathLike, force: bool,
+                      hint: str = "pass --force to overwrite it",
+                      kinds: tuple[OutputKind, ...] = OUTPUT_KINDS, option: str = "--output") -> bool:
+    """The check before a writer removes or replaces an existing output ``path`` (docs/design.md §6).
+
+    Returns:
+        True when ``path`` holds something to replace (a non-empty directory or a file), False when it is
+        missing or an empty directory.
+
+    Raises:
+        OutputExistsError: ``path`` holds something and ``force`` is false (message ``hint``).
+        ForeignFilesError: ``force`` is true but ``path`` holds entries peagle did not write
+            (:func:`foreign_entries`): they are named, and nothing is removed.
+    """
+    path = Path(path)
+    exists = path.is_symlink() or (path.exists() and (not path.is_dir() or any(path.iterdir())))
+    if not exists:
+        return False
+    if not force:
+        raise OutputExistsError(str(path), hint)
+    foreign = foreign_entries(path, kinds)
+    if foreign:
+        raise ForeignFilesError(str(path), [str(p) for p in foreign], option,
+                                [f"a {k.name} with its {k.marker}" for k in kinds])
+    return True
+
+
 def prepare_output_dir(path: str | os.PathLike, force: bool) -> Path:
-    """Create an empty output directory; refuse an existing non-empty one unless ``force``.
+    """Create an empty output directory; refuse an existing non-empty one unless ``force``, and one that
+    holds files peagle did not write even with ``force`` (:func:`check_replaceable`).
 
     Raises:
         OutputExistsError: ``path`` exists, is not empty, and ``force`` is false.
+        ForeignFilesError: ``path`` holds files peagle did not write.
     """
     path = Path(path)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        if not force:
-            raise OutputExistsError(str(path))
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    if check_replaceable(path, force):
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -170,6 +274,8 @@ def staged_output_dir(path: str | os.PathLike, force: bool) -> Iterator[Path]:
     Raises:
         OutputExistsError: ``path`` exists, is not an empty directory, and ``force`` is false
             (checked before the block runs).
+        ForeignFilesError: ``path`` holds files peagle did not write (:func:`check_replaceable`), also
+            with ``force``.
         InputError: ``path`` is the current directory or one of its parents.
     """
     path = Path(os.path.abspath(path))  # "out/" names its directory; links are not followed
@@ -178,8 +284,7 @@ def staged_output_dir(path: str | os.PathLike, force: bool) -> Iterator[Path]:
         raise InputError(f"{path} is the current directory or contains it; the output is replaced by a "
                          "renamed directory, so name a new directory (e.g. ./out)", field="--output")
     restore_replaced_output(path)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())) and not force:
-        raise OutputExistsError(str(path))
+    check_replaceable(path, force)
     path.parent.mkdir(parents=True, exist_ok=True)
     removed = remove_stale_partials(path)
     if removed:

@@ -38,7 +38,7 @@ from peagle_data.extract.hf_forward import check_packable, default_layers
 from peagle_data.extract.store import BlockWriter, check_resumable, check_same_plan, open_or_create, open_packed
 from peagle_data.extract.stream import extract_stream
 from peagle_data.prepare.dedup import rows_key
-from stores.errors import InputError, OutputExistsError, StoreFormatError, StoreMismatchError
+from stores.errors import InputError, StoreFormatError, StoreMismatchError
 from stores.feature_repair import repair_blocks, repair_shared, repair_windows
 from stores.feature_schema import SEGMENTS, TOKEN_ARRAYS
 from stores.feature_store import FeatureStore
@@ -48,6 +48,7 @@ from stores.model_config import load_model_config, text_config
 from stores.token_rows import TokenizedRow, content_key
 from stores.token_tables import CONVERSATIONS, MANIFEST, TokenTable
 from stores.progress import progress as progress_bar
+from stores.staging import check_replaceable
 from stores.verifier_match import check_token_ids, check_verifier_tokenizer
 
 __all__ = ["PACKED_COLUMNS", "ExtractPlan", "plan_extract", "run_extract"]
@@ -195,8 +196,8 @@ def plan_extract(cfg: ExtractConfig, log: Callable[[str], None] = print) -> Extr
         raise InputError("--stream runs in one process per store (it follows the run's plan entry by entry): drop "
                          "accelerate launch", field="--stream")
     table = open_packed(cfg.packed)
-    if is_local(cfg.output) and Path(cfg.output).exists() and not (cfg.resume or cfg.force):
-        raise OutputExistsError(cfg.output, "pass --resume to continue it or --force to overwrite it")
+    if is_local(cfg.output) and not cfg.resume:  # --force replaces only a store of peagle's (before any work)
+        check_replaceable(cfg.output, cfg.force, "pass --resume to continue it or --force to overwrite it")
     plan = None
     if cfg.context == "full":
         conversations = _conversations(cfg, table)  # an older table is refused before the verifier is read

@@ -27,11 +27,12 @@ from stores.errors import DiskSpaceError, InputError, OutputExistsError, StoreFo
 from stores.feature_repair import check_compatible, write_shared
 from stores.feature_schema import bytes_per_token
 from stores.feature_store import FeatureStore
-from stores.files import is_local
+from stores.files import disk_full_error, is_disk_full, is_local
 from stores.model_cache import model_fingerprint
+from stores.staging import check_replaceable
 from stores.token_tables import TokenTable, manifest_sha256
 
-__all__ = ["BlockWriter", "verifier_desc", "open_packed", "open_or_create", "resumed_dtype", "check_resumable",
+__all__ = ["BlockWriter", "discard_block", "verifier_desc", "open_packed", "open_or_create", "resumed_dtype", "check_resumable",
            "RESUME_MAY_CHANGE", "check_same_plan"]
 
 
@@ -110,6 +111,9 @@ class BlockWriter:
                         self.after_write(i)
                 self.write_s += time.perf_counter() - t0
             except BaseException as e:  # reported on the main thread
+                if is_disk_full(e):  # one line naming the disk (cli.common.handle_errors), no half-written block
+                    discard_block(self.store, i)
+                    e = disk_full_error(e, self.store.path)
                 self.error = e
 
     def put(self, i: int, aux: torch.Tensor, final: torch.Tensor) -> None:
@@ -150,6 +154,31 @@ class BlockWriter:
     def _raise(self) -> None:
         if self.error is not None:
             raise self.error
+
+
+def discard_block(store: FeatureStore, i: int) -> list[Path]:
+    """Remove what a failed write (a full disk) left of block ``i``, which is not done: its feature chunk files,
+    zarr's temporary files of its chunks (:meth:`FeatureStore.write_leftovers`) and the chunk directories left
+    empty; ``--resume`` extracts the block again. Writes nothing (the disk may be full). A remote store: ``[]``.
+
+    Returns:
+        The paths removed.
+    """
+    if not is_local(store.path) or store.is_done(i):
+        return []
+    removed = []
+    for path in [*store.write_leftovers([i]), *store.feature_chunk_paths(i)]:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    root = Path(store.path).resolve()
+    for name in store.block_arrays():
+        parent = store.chunk_path(name, i).parent
+        while parent.resolve() != root and parent.name != "c" and parent.is_dir() and not any(parent.iterdir()):
+            parent.rmdir()
+            removed.append(parent)
+            parent = parent.parent
+    return removed
 
 
 def open_packed(path: str) -> TokenTable:
@@ -265,10 +294,17 @@ def open_or_create(cfg, rows, table, desc, layers, log, engine: dict[str, Any], 
             log(f"{cfg.output}: creation was interrupted; creating it again")
             cfg = dataclasses.replace(cfg, force=True, resume=False)
             if is_local(cfg.output):
+                check_replaceable(out, True)  # a directory of another's files is no store being created
                 shutil.rmtree(out)
-    if plan is not None:
-        return _create_windows_store(cfg, rows, plan, table, desc, layers, log, engine)
-    return _create_store(cfg, rows, table, desc, layers, log, engine)
+    try:
+        if plan is not None:
+            return _create_windows_store(cfg, rows, plan, table, desc, layers, log, engine)
+        return _create_store(cfg, rows, table, desc, layers, log, engine)
+    except OSError as e:
+        if not (is_disk_full(e) and is_local(cfg.output)):
+            raise
+        shutil.rmtree(out, ignore_errors=True)  # a store this run began to create: nothing of it is kept
+        raise disk_full_error(e, cfg.output) from None
 
 
 def check_same_plan(store: FeatureStore, plan, packed: str) -> None:

@@ -23,6 +23,23 @@ def write_json(report: dict[str, Any], path: str | Path) -> None:
     write_text_atomic(path, text)
 
 
+REPORT_KEYS = ("template_mode", "offline", "identical_to_greedy", "positions_scored")
+"""Keys of which every report of peagle-eval holds at least one (how ``--force`` tells a report of its own)."""
+
+
+def foreign_report_files(path: str | Path) -> list[Path]:
+    """The files of the report ``path`` and its plot (``.png`` beside it) that peagle-eval did not write: both
+    when ``path`` is no JSON object with one of :data:`REPORT_KEYS` (the plot is a report's only beside it)."""
+    path = Path(path)
+    existing = [p for p in (path, path.with_suffix(".png")) if p.exists() or p.is_symlink()]
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        report = None
+    ours = isinstance(report, dict) and any(k in report for k in REPORT_KEYS)
+    return [] if ours else existing
+
+
 def mode_name(kwargs: dict[str, Any]) -> str:
     """A template mode's name in reports: its variables as sorted JSON (``{}``: the template's defaults)."""
     return json.dumps(kwargs, sort_keys=True)

@@ -15,10 +15,10 @@ from peagle_train.evaluate.cost_model import cost_model_report, first_prompt_ids
 from peagle_train.evaluate.offline import run_offline_eval
 from peagle_train.evaluate.inference import load_for_decoding
 from peagle_train.evaluate.online import run_online_eval
-from peagle_train.evaluate.report import write_acceptance_plot, write_json
+from peagle_train.evaluate.report import foreign_report_files, write_acceptance_plot, write_json
 from peagle_train.evaluate.vllm_engine import check_vllm_sampling, import_vllm, run_vllm_eval, vllm_on_cpu
 from peagle_train.model.checkpoint import find_drafter, load_drafter
-from stores.errors import OutputExistsError
+from stores.errors import ForeignFilesError, OutputExistsError
 from stores.feature_store import FeatureStore
 from stores.progress import progress
 
@@ -62,12 +62,16 @@ def _progress(desc: str, unit: str) -> Callable[[int], Any]:
 
 
 def _check_output(run: EvalRun) -> None:
-    """Raise OutputExistsError when the report or its PNG exists and ``force`` is not set."""
-    if run.output is None or run.force:
+    """Raise OutputExistsError when the report or its PNG exists and ``force`` is not set, ForeignFilesError when
+    ``force`` would replace files that are no report of peagle-eval's (:func:`foreign_report_files`)."""
+    if run.output is None:
         return
     for existing in (Path(run.output), Path(run.output).with_suffix(".png")):
-        if existing.exists():
+        if existing.exists() and not run.force:
             raise OutputExistsError(str(existing))
+    foreign = foreign_report_files(run.output)
+    if foreign:
+        raise ForeignFilesError(str(run.output), [str(p) for p in foreign], "--output", ["an evaluation report"])
 
 
 def _evaluate(run: EvalRun, drafter: str, log: Callable[[str], None]) -> dict[str, Any]:

@@ -27,10 +27,11 @@ from peagle_train.model.checkpoint import (CONFIG_FILE, check_servable, drafter_
 from peagle_train.model.config import ROPE_TYPES, DrafterConfig
 from peagle_train.model.warm_start import InitSource, check_verifier_layers, read_init_source
 from peagle_train.train.config import FIELD_DEFAULTS, TrainConfig, flat_settings
-from stores.errors import InputError, OutputExistsError, PeagleError, StoreMismatchError
+from stores.errors import InputError, PeagleError, StoreMismatchError
 from stores.feature_store import check_layer_convention
 from stores.model_cache import load_verifier, model_fingerprint, resolve_model
 from stores.model_config import load_model_config, text_config
+from stores.staging import check_replaceable
 from stores.verifier_match import check_store_verifier
 
 __all__ = [
@@ -324,10 +325,8 @@ def prepare_output(cfg: TrainConfig) -> Path | None:
         ckpt = _check_resume_settings(cfg)
         out.mkdir(parents=True, exist_ok=True)
         return ckpt
-    if out.exists() and any(out.iterdir()):
-        if not cfg.run.force:
-            raise OutputExistsError(str(out), "pass --resume to continue it or --force to overwrite it")
-        shutil.rmtree(out)
+    if check_replaceable(out, cfg.run.force, "pass --resume to continue it or --force to overwrite it"):
+        shutil.rmtree(out)  # a training run's output only (check_replaceable refuses other files)
     out.mkdir(parents=True, exist_ok=True)
     return None
 
@@ -356,8 +355,8 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str, init: Init
             drafter's cannot copy (:func:`peagle_train.model.warm_start.check_verifier_layers`).
     """
     out = Path(cfg.run.output)
-    if not (cfg.run.resume or cfg.run.force) and out.exists() and any(out.iterdir()):
-        raise OutputExistsError(str(out), "pass --resume to continue it or --force to overwrite it")
+    if not cfg.run.resume:
+        check_replaceable(out, cfg.run.force, "pass --resume to continue it or --force to overwrite it")
     if cfg.run.resume:
         _check_resume_settings(cfg)
         _check_resume_verifier(cfg, store, verifier_name)

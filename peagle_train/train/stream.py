@@ -25,10 +25,11 @@ from typing import Any
 
 from peagle_train.data.split import validation_size
 from peagle_train.train.config import TrainConfig
-from stores.errors import InputError, OutputExistsError, StoreFormatError, StoreMismatchError
+from stores.errors import InputError, StoreFormatError, StoreMismatchError
 from stores.feature_store import FeatureStore
 from stores.files import is_zarr_store
 from stores.model_config import load_model_config, text_config
+from stores.staging import check_replaceable
 from stores.stream_plan import (apparent_bytes, block_feature_bytes, fixed_bytes_estimate, format_size, has_plan,
                                 parse_size, read_plan)
 from stores.token_tables import TokenTable, manifest_sha256
@@ -124,8 +125,8 @@ def check_stream_start(cfg: TrainConfig) -> int:
     s = cfg.stream
     budget = parse_size(s.max_store_bytes)
     out = Path(cfg.run.output)
-    if out.exists() and any(out.iterdir()) and not (cfg.run.resume or cfg.run.force):
-        raise OutputExistsError(str(out), "pass --resume to continue it or --force to overwrite it")
+    if not cfg.run.resume:
+        check_replaceable(out, cfg.run.force, "pass --resume to continue it or --force to overwrite it")
     store = str(cfg.data.store)
     if is_zarr_store(store):
         other = _plan_output(store)

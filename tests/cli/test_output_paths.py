@@ -125,3 +125,43 @@ def test_a_config_file_output_path_is_checked_like_the_option(tmp_path, monkeypa
     result = invoke(stats, [tmp_path, "--config", tmp_path / "c.yaml"])
     assert result.exit_code == 2
     assert f"nodir/x.png: the parent directory {tmp_path / 'nodir'} does not exist" in result.output, result.output
+
+
+@pytest.mark.parametrize("cmd", ["tokenize", "pack", "merge", "extract", "regenerate"])
+def test_force_never_deletes_a_users_file(tmp_path, packed, cmd):
+    """Issue 44 item 1: ``pack --force``/``tokenize --force`` into a directory holding only a user's notes.txt
+    deleted it (exit 0). Every command refuses instead, naming the file, before any work; nothing is removed."""
+    convs = tmp_path / "convs.jsonl"
+    out = tmp_path / ("out.jsonl" if cmd == "regenerate" else "out")
+    if cmd == "regenerate":  # the output file itself is a user's (no manifest of regenerate beside it)
+        out.write_text('{"mine": true}\n')
+        mine = out
+    else:
+        out.mkdir()
+        mine = out / "notes.txt"
+        mine.write_text("mine")
+    args = {"tokenize": lambda: (tokenize, [convs, "--tokenizer", "smollm2-135m"]),
+            "pack": lambda: (pack, [convs, "--tokenizer", "smollm2-135m", "--max-seq-len", 64]),
+            "merge": lambda: (merge, [_shard(tmp_path, 0), _shard(tmp_path, 1)]),
+            "extract": lambda: (extract, [packed, "--verifier", tmp_path / "no-verifier", "--context", "window"]),
+            "regenerate": lambda: (regenerate, [convs, "--verifier", tmp_path / "no-verifier"])}[cmd]()
+    result = invoke(args[0], [*args[1], "--output", out, "--force"])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    found = "was not written by peagle" if cmd == "regenerate" else "holds 1 file peagle did not write: notes.txt"
+    assert f"Error: output {out} already exists and {found}; --force replaces only peagle's own output (" \
+        in result.output, result.output
+    assert mine.read_text() in ("mine", '{"mine": true}\n')
+    shards = ["shard0", "shard1", "many.jsonl"] if cmd == "merge" else []
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["convs.jsonl", "packed", out.name, *shards]), \
+        "nothing staged is left behind"
+
+
+def _shard(tmp_path, index: int):
+    """Shard ``index`` of 2 of a pack of 12 tiny conversations."""
+    convs, out = tmp_path / "many.jsonl", tmp_path / f"shard{index}"
+    convs.write_text("".join(json.dumps({"id": f"c{i}", "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": f"Hello {i}!"}]}) + "\n" for i in range(12)))
+    result = invoke(pack, [convs, "--tokenizer", "smollm2-135m", "--output", out, "--max-seq-len", 64,
+                           "--num-shards", 2, "--shard-index", index])
+    assert result.exit_code == 0, result.output
+    return out

@@ -93,10 +93,11 @@ def test_tokenize_pack_and_extract_started_with_force_are_repeated_and_resumed_f
     for kind in ("tokenize", "pack"):
         out = tmp_path / kind
         out.mkdir()
-        (out / "stale.txt").write_text("x")  # an output to overwrite
+        (out / "manifest.json").write_text('{"kind": "tokenized"}')  # an earlier output of peagle's to overwrite
+        (out / "part-00001.parquet").write_bytes(b"stale")
         _run(data_main, [kind, data, "--tokenizer", model, "--output", out, "--max-tokens", 1000, "--force"]
              + (["--max-seq-len", 128] if kind == "pack" else []))
-        assert not (out / "stale.txt").exists()
+        assert not (out / "part-00001.parquet").exists()
         manifest = (out / "manifest.json").read_text()
         assert not ACTIONS & set(json.loads(manifest)["config"])
         again = _invoke(data_main, [kind, "--config", out / "manifest.json"])
@@ -135,11 +136,11 @@ def test_a_run_started_with_force_resumes_from_its_train_config_and_eval_repeats
     model, store, out = str(tiny_verifier_dir), tmp_path / "s.zarr", tmp_path / "drafter"
     _run(data_main, ["pack", data, "--tokenizer", model, "--output", tmp_path / "p", "--max-seq-len", 128])
     _run(data_main, ["extract", tmp_path / "p", "--verifier", model, "--output", store, "--layers", "1,3"])
-    out.mkdir()
-    (out / "stale.txt").write_text("x")
+    (out / "checkpoint-9").mkdir(parents=True)  # an earlier training run's output (--force replaces only peagle's)
+    (out / "train_config.json").write_text("{}")
     first = json.loads(_run(train_main, ["--store", store, "--output", out, "--max-steps", 4, "--save-every", 2,
                                          "--num-depths", 2, "--draft-vocab-size", 32, "--val-fraction", 0, "--force"]))
-    assert first["steps"] == 4 and not (out / "stale.txt").exists()
+    assert first["steps"] == 4 and not (out / "checkpoint-9").exists()
     saved = out / "train_config.json"
     record = json.loads(saved.read_text())
     assert not ACTIONS & set(record["run"]) and record["optim"]["max_steps"] == 4
@@ -160,7 +161,7 @@ def test_a_run_started_with_force_resumes_from_its_train_config_and_eval_repeats
         assert json.loads(saved.read_text()) == record  # rewritten without the actions
 
     report = tmp_path / "eval.json"
-    report.write_text("{}")
+    report.write_text('{"template_mode": {}}')  # an earlier report of peagle-eval's
     _run(eval_main, ["--drafter", out, "--store", store, "--output", report, "--max-blocks", 2, "--force"])
     assert not (ACTIONS - {"max_blocks"}) & set(json.loads(report.read_text())["config"])
     assert json.loads(report.read_text())["config"]["max_blocks"] == 2
@@ -175,7 +176,8 @@ def test_regenerate_started_with_force_resumes_from_its_manifest(tmp_path, tiny_
     data = tmp_path / "convs.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
     out = tmp_path / "r.jsonl"
-    out.write_text("stale\n")
+    out.write_text("stale\n")  # an earlier output of regenerate's (its manifest says so)
+    (tmp_path / "r.manifest.json").write_text('{"kind": "regenerated"}')
     _run(data_main, ["regenerate", data, "--verifier", tiny_verifier_dir, "--output", out, "--max-new-tokens", 3,
                      "--limit", 2, "--turns", "last", "--force"])
     manifest = tmp_path / "r.manifest.json"

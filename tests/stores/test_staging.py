@@ -21,10 +21,11 @@ def dead_pid() -> int:
 
 
 def make_staging(parent: Path, output: str, kind: str, owner: str, suffix: str = "abc_12") -> Path:
-    """A staging directory ``.OUTPUT.KIND-OWNER-SUFFIX`` with a file in it, as a killed run leaves it."""
+    """A staging directory ``.OUTPUT.KIND-OWNER-SUFFIX`` with a token table's files in it, as a killed run leaves it."""
     d = parent / f".{output}.{kind}-{owner}-{suffix}"
     d.mkdir()
     (d / "part-00000.parquet").write_bytes(b"half written")
+    (d / "manifest.json").write_text('{"kind": "packed"}')
     return d
 
 
@@ -51,13 +52,13 @@ def test_stale_staging_of_dead_pids_removed_live_and_foreign_kept(tmp_path, caps
     ]
     (tmp_path / "out").mkdir()  # an empty output: the stale .old is then a leftover, not the only copy
     with staged_output_dir(tmp_path / "out", force=False) as tmp:
-        (tmp / "x").write_text("1")
+        (tmp / "manifest.json").write_text('{"kind": "packed"}')
     assert not any(p.exists() for p in stale)
     assert all(p.is_dir() for p in kept)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("removed 2 stale partial outputs of killed runs")
     assert all(str(p) in err[0] for p in stale)
-    assert (tmp_path / "out" / "x").read_text() == "1"
+    assert (tmp_path / "out" / "manifest.json").read_text() == '{"kind": "packed"}'
 
     assert remove_stale_partials(tmp_path / "out") == []  # nothing left to remove; no line then
     with staged_output_dir(tmp_path / "out", force=True):
@@ -133,3 +134,62 @@ def test_output_dot_is_refused_and_trailing_slash_names_the_directory(tmp_path, 
         assert tmp.parent == tmp_path / "here" and tmp.name.startswith(".sub.partial-")
         (tmp / "x").write_text("1")
     assert (tmp_path / "here" / "sub" / "x").read_text() == "1"
+
+
+def test_force_replaces_only_peagles_own_output_and_names_the_foreign_files(tmp_path):
+    """Issue 44 item 1: ``--force`` into a directory holding a user's notes.txt deleted it. Only a directory that
+    a kind's marker file says is peagle's, holding only that kind's entries, is replaced; else nothing is
+    removed and the error names the foreign files."""
+    from stores.errors import ForeignFilesError
+    from stores.staging import check_replaceable, foreign_entries, prepare_output_dir
+
+    users = tmp_path / "users"
+    users.mkdir()
+    (users / "notes.txt").write_text("mine")
+    with pytest.raises(ForeignFilesError) as e:
+        with staged_output_dir(users, force=True):
+            pass
+    assert (users / "notes.txt").read_text() == "mine" and e.value.foreign == [str(users / "notes.txt")]
+    assert str(e.value).startswith(f"output {users} already exists and holds 1 file peagle did not write: notes.txt; "
+                                   "--force replaces only peagle's own output (a token table with its manifest.json, ")
+    assert str(e.value).endswith("never other files: move them away, or give another --output")
+    with pytest.raises(ForeignFilesError):
+        prepare_output_dir(users, force=True)
+    assert (users / "notes.txt").read_text() == "mine"
+    with pytest.raises(OutputExistsError) as plain:  # without --force: the usual message
+        check_replaceable(users, force=False)
+    assert str(plain.value) == f"output {users} already exists; pass --force to overwrite it"
+
+    table = tmp_path / "table"  # a token table of peagle's, with a user's file put into it
+    table.mkdir()
+    (table / "manifest.json").write_text('{"kind": "packed", "format_version": 1}')
+    (table / "part-00000.parquet").write_bytes(b"p")
+    (table / "notes.txt").write_text("mine")
+    assert foreign_entries(table) == [table / "notes.txt"]
+    (table / "notes.txt").unlink()
+    assert foreign_entries(table) == [] and check_replaceable(table, force=True)
+    with staged_output_dir(table, force=True) as tmp:
+        (tmp / "manifest.json").write_text('{"kind": "packed"}')
+    assert sorted(p.name for p in table.iterdir()) == ["manifest.json"]
+
+    fake = tmp_path / "fake"  # a manifest.json that is not a peagle manifest marks nothing
+    fake.mkdir()
+    (fake / "manifest.json").write_text('{"name": "my web app"}')
+    assert foreign_entries(fake) == [fake / "manifest.json"]
+    store = tmp_path / "s.zarr"  # a feature store: zarr.json with peagle's attributes, arrays below it
+    (store / "hidden").mkdir(parents=True)
+    (store / "zarr.json").write_text('{"node_type": "group", "attributes": {"peagle": {}}}')
+    (store / "hidden" / "zarr.json").write_text('{"node_type": "array"}')
+    (store / "plots").mkdir()
+    assert foreign_entries(store) == [store / "plots"]
+    run = tmp_path / "run"  # a training run
+    (run / "checkpoint-4").mkdir(parents=True)
+    (run / "train_config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("")
+    assert foreign_entries(run) == []
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine")
+    with pytest.raises(ForeignFilesError, match="was not written by peagle"):
+        prepare_output_dir(a_file, force=True)
+    assert a_file.read_text() == "mine"
+    assert not check_replaceable(tmp_path / "new", force=False) and foreign_entries(tmp_path / "new") == []

@@ -47,8 +47,9 @@ def _train(args):
 def test_train_checks_come_before_the_weights(tmp_path, verifier_dir, make_tiny_llama, no_weights):
     store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "something").write_text("x")
+    out.mkdir()  # an earlier training run's output (--force may replace it)
+    (out / "train_config.json").write_text("{}")
+    (out / "metrics.jsonl").write_text("x")
     base = ["--store", store, "--output", str(out), "--max-steps", "1", "--num-depths", "2"]
     res = _train(base)
     assert res.exit_code == 2 and "already exists" in res.output and "--resume" in res.output, res.output
@@ -57,7 +58,36 @@ def test_train_checks_come_before_the_weights(tmp_path, verifier_dir, make_tiny_
     other = make_tiny_llama(tmp_path / "other", hidden=32)
     res = _train([*base, "--force", "--verifier", str(other)])
     assert res.exit_code == 2 and "hidden_size 32" in res.output, res.output
-    assert (out / "something").exists()  # --force deletes nothing before the checks pass
+    assert (out / "metrics.jsonl").exists()  # --force deletes nothing before the checks pass
+
+
+def test_train_and_eval_force_never_delete_a_users_file(tmp_path, verifier_dir, drafter_dir, no_weights):
+    """Issue 44 item 1: --force replaces only peagle's own output. A training --output holding a user's file,
+    an eval report that is a user's JSON (and its .png beside it) are refused before any weights, naming them."""
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    res = _train(["--store", store, "--output", str(out), "--max-steps", "1", "--num-depths", "2", "--force"])
+    assert res.exit_code == 2, res.output
+    assert (f"Error: output {out} already exists and holds 1 file peagle did not write: notes.txt; --force replaces "
+            "only peagle's own output (") in res.output, res.output
+    assert (out / "notes.txt").read_text() == "mine"
+    (out / "train_config.json").write_text("{}")  # a training run's marker does not make notes.txt peagle's
+    res = _train(["--store", store, "--output", str(out), "--max-steps", "1", "--num-depths", "2", "--force"])
+    assert res.exit_code == 2 and "peagle did not write: notes.txt;" in res.output, res.output
+    report = tmp_path / "results.json"
+    report.write_text('{"my": "results"}')
+    (tmp_path / "results.png").write_bytes(b"my plot")
+    res = _eval(["--drafter", str(drafter_dir), "--store", store, "--output", str(report), "--force"])
+    assert res.exit_code == 2, res.output
+    assert (f"Error: output {report} already exists and holds 2 files peagle did not write: {report}, "
+            f"{tmp_path / 'results.png'}; --force replaces only peagle's own output (an evaluation report)") \
+        in res.output, res.output
+    assert report.read_text() == '{"my": "results"}' and (tmp_path / "results.png").read_bytes() == b"my plot"
+    report.write_text('{"template_mode": {}, "offline": {}}')  # a report of peagle-eval's: --force goes on
+    res = _eval(["--drafter", str(drafter_dir), "--store", store, "--output", str(report), "--force"])
+    assert isinstance(res.exception, WeightsLoaded), res.output
 
 
 def test_train_resume_with_changed_settings_is_refused_before_the_weights(tmp_path, verifier_dir, monkeypatch):
