@@ -45,7 +45,8 @@ class EvalConfig:
     """Online: 0 = greedy (checked token for token); T > 0 = sampling at T, with rejection sampling (--temperature)."""
     seed: int = 0
     """Online, T > 0: prompt turn i samples with generators seeded ``(seed, i)``; with a mode mixture
-    (--reasoning-effort, --enable-thinking, --template-mixture) also each prompt's draw (--seed)."""
+    (--reasoning-effort, --enable-thinking, --template-mixture) also each prompt's draw (--seed). Fixed by
+    default (0) and recorded in the report, so a run repeats; another seed, another draw."""
     draft_sample_method: str = "greedy"
     """Online, T > 0: how drafts are picked, as vLLM's speculative config field: greedy (vLLM's default:
     the drafter's argmax, kept with probability p(draft)) or probabilistic (sampled from the drafter's
