@@ -103,7 +103,9 @@ class RegenerateConfig:
     """Rows generated together before they are written (a local wave holds one request per
     unfinished row of the chunk)."""
     seed: int = 0
-    """Torch seed of sampling, with ``--temperature`` > 0 (``--seed``)."""
+    """Torch seed of the local back end's sampling with ``--temperature`` > 0, and of the per-row draws of a
+    mixture (``--seed``; recorded in the manifest: another seed, another draw). A server samples each request
+    itself (no seed is sent)."""
     on_dropped_content: str = "reject"
     """A prompt with content the verifier's chat template does not render (tools, a tool call):
     reject the row, or keep regenerating it, counted (``--on-dropped-content``, as ``tokenize``)."""

@@ -45,7 +45,8 @@ class EvalConfig:
     """Online: 0 = greedy (checked token for token); T > 0 = sampling at T, with rejection sampling (--temperature)."""
     seed: int = 0
     """Online, T > 0: prompt turn i samples with generators seeded ``(seed, i)``; with a mode mixture
-    (--reasoning-effort, --enable-thinking, --template-mixture) also each prompt's draw (--seed)."""
+    (--reasoning-effort, --enable-thinking, --template-mixture) also each prompt's draw (--seed). Fixed by
+    default (0) and recorded in the report, so a run repeats; another seed, another draw."""
     draft_sample_method: str = "greedy"
     """Online, T > 0: how drafts are picked, as vLLM's speculative config field: greedy (vLLM's default:
     the drafter's argmax, kept with probability p(draft)) or probabilistic (sampled from the drafter's
@@ -81,11 +82,12 @@ class EvalConfig:
     blocks), openai_gptoss (Harmony channels). None: the whole decoded answer (vLLM without a reasoning parser);
     an answer holding Harmony channels is then refused (--reasoning-parser)."""
 
-    measure_costs: bool = True
+    measure_costs: bool | None = None
     """Time a greedy step and, for every K <= num_depths, a drafter pass and a verifier pass over K+1 tokens on
     this machine, and report the expected speedup per K and the best K from the measured acceptance
-    (``cost_model``; seconds on an idle machine, minutes on a loaded one, with its own progress line;
-    --measure-costs/--no-measure-costs)."""
+    (``cost_model``; seconds on an idle machine, minutes on a loaded one, with a line saying so and its own
+    progress line; --measure-costs/--no-measure-costs). Unset: only where the run decodes online with peagle's
+    engine (--prompts); offline judging (--store alone) and --engine vllm time no decoding unless asked."""
     cost_rounds: int = 15
     """Timed rounds of the cost measurement (medians), after 2 untimed ones."""
     chat_template_kwargs: dict[str, Any] | None = None
@@ -107,6 +109,11 @@ class EvalConfig:
     """Evaluate even when --chat-template-kwargs, the drafter's training data and the STORE were rendered
     with different chat template variables; the report's template_mode names each
     (--allow-template-mode-mismatch)."""
+
+    def costs_measured(self, online_peagle: bool) -> bool:
+        """Whether the cost model is timed: ``measure_costs`` when given, else ``online_peagle`` (the run decodes
+        online with peagle's own engine, so timing its steps is part of judging it)."""
+        return online_peagle if self.measure_costs is None else self.measure_costs
 
     def __post_init__(self) -> None:
         if self.chat_template_kwargs is not None:

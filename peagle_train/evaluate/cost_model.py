@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -72,7 +73,7 @@ from stores.progress import progress
 __all__ = ["ASSUMPTIONS", "MONOTONE_TOLERANCE", "SPREAD_LIMIT", "PREDICTION_TOLERANCE", "StepCosts",
            "measure_step_costs", "measure_trusted_costs", "cost_problems", "load_average", "usable_cpus",
            "first_prompt_ids", "acceptance_shares", "expected_acceptance_length", "predict_speedups",
-           "cost_model_report", "format_cost_model"]
+           "cost_model_report", "format_cost_model", "timing_notice"]
 
 MONOTONE_TOLERANCE = 0.10
 """A verifier pass over more tokens measured more than this fraction cheaper than one over fewer is noise."""
@@ -277,9 +278,12 @@ def measure_trusted_costs(verifier, drafter, context_ids: Sequence[int] | torch.
     finds the timings to be noise; returns the last measurement, its ``attempts`` set (the report then
     states the problems that remain).
 
-    With ``show_progress`` each measurement has its progress on stderr (:func:`stores.progress.progress`:
-    ``cost model timing: done: 17/17 round in ...``, a line every 30 s when stderr is no terminal), since a
-    measurement takes seconds on an idle machine and minutes on a loaded one."""
+    With ``show_progress`` a line on stderr first says what is timed and how to skip it (:func:`timing_notice`),
+    and each measurement has its progress there (:func:`stores.progress.progress`: ``cost model timing: done:
+    17/17 round in ...``, a line every 30 s when stderr is no terminal), since a measurement takes seconds on an
+    idle machine and minutes on a loaded one."""
+    if show_progress:
+        print(timing_notice(max_draft_tokens, rounds, warmup_rounds), file=sys.stderr, flush=True)
     for attempt in range(1, attempts + 1):
         desc = "cost model timing" + (f" (again: attempt {attempt} of {attempts})" if attempt > 1 else "")
         with progress(total=warmup_rounds + rounds, desc=desc, unit="round", disable=not show_progress,
@@ -289,6 +293,16 @@ def measure_trusted_costs(verifier, drafter, context_ids: Sequence[int] | torch.
         if not cost_problems(costs):
             break
     return StepCosts(**{**asdict(costs), "attempts": attempt})
+
+
+def timing_notice(max_draft_tokens: int, rounds: int, warmup_rounds: int) -> str:
+    """The line ``peagle-eval`` prints before the cost timing: what it times, how long that can take (with the
+    load average now) and the option that skips it."""
+    load = load_average()
+    now = f"; load {load:.1f} on {usable_cpus()} CPUs now" if load is not None else ""
+    return (f"cost model: timing a greedy step and, for K = 1..{max_draft_tokens}, a drafter pass and a verifier "
+            f"pass over K + 1 tokens on this machine, {warmup_rounds} + {rounds} rounds, to predict the speedup per "
+            f"K (seconds on an idle machine, minutes on a loaded one{now}); --no-measure-costs skips it")
 
 
 def first_prompt_ids(block) -> torch.Tensor:

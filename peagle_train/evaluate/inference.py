@@ -27,6 +27,7 @@ Counts, as vLLM reports them and ``peagle-eval`` does (docs/design.md §3, §9):
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -195,6 +196,49 @@ def load_any_drafter(path: str | Path, speculation_depth: int | None):
     return directory, drafter, finish
 
 
+class _StreamClosed(Exception):
+    """Raised in :meth:`PEAGLEInference.stream`'s worker thread when its reader has closed the stream."""
+
+
+class _Handoff:
+    """A stream's decoding thread and its reader, one verifier step at a time: the thread hands each step's
+    tokens over and waits (:meth:`hand_over`) until the reader asks for more (:meth:`more`); after
+    :meth:`close` that wait raises :class:`_StreamClosed`, so the decoding unwinds before its next step."""
+
+    def __init__(self) -> None:
+        self._items: queue.Queue = queue.Queue()
+        self._more = threading.Semaphore(0)
+        self._closed = threading.Event()
+
+    def hand_over(self, tokens: list[int]) -> None:
+        """The decoding thread's ``on_tokens``: hand ``tokens`` to the reader and wait for its next read.
+
+        Raises:
+            _StreamClosed: the reader closed the stream.
+        """
+        self._items.put(list(tokens))
+        self._more.acquire()
+        if self._closed.is_set():
+            raise _StreamClosed
+
+    def finish(self, outcome: InferenceResult | BaseException) -> None:
+        """The decoding thread's last item: the result, or the error to raise in the reader."""
+        self._items.put(outcome)
+
+    def take(self) -> list[int] | InferenceResult | BaseException:
+        """The next item for the reader (waits for it)."""
+        return self._items.get()
+
+    def more(self) -> None:
+        """The reader wants the next step."""
+        self._more.release()
+
+    def close(self) -> None:
+        """The reader is gone: the decoding thread's wait ends in :class:`_StreamClosed`."""
+        self._closed.set()
+        self._more.release()
+
+
 class PEAGLEInference:
     """A P-EAGLE drafter and its verifier, loaded once, for generation from Python (module docstring).
 
@@ -356,7 +400,7 @@ class PEAGLEInference:
         return spec, plain
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, *,
-                 max_tokens: int | None = None, seed: int | None = 0, measure_speedup: bool = False,
+                 max_tokens: int | None = None, seed: int | None = None, measure_speedup: bool = False,
                  on_tokens: Callable[[list[int]], None] | None = None,
                  draft_sample_method: str = "greedy") -> InferenceResult:
         """Generate a continuation of ``prompt`` with speculative decoding.
@@ -366,7 +410,9 @@ class PEAGLEInference:
             max_new_tokens: most tokens generated (``max_tokens`` is the same, vLLM's name).
             temperature: 0 = greedy (the verifier's own greedy output); T > 0 = speculative sampling, distributed
                 exactly as the verifier sampled at T (chain only).
-            seed: the sampling generator's seed at T > 0 (None: torch's global randomness).
+            seed: the sampling generator's seed at T > 0: the same seed, the same sample. None (the default): a
+                fresh draw each call, from torch's global random generator (as transformers' ``generate``;
+                ``torch.manual_seed`` before the calls makes a sequence of unseeded calls repeatable).
             measure_speedup: also run plain decoding of the same prompt and report ``speedup`` (costs that run).
             on_tokens: called with each verifier step's new token ids (streaming; see :meth:`stream`).
             draft_sample_method: at T > 0, how drafts are picked: ``greedy`` (vLLM's default: the drafter's argmax,
@@ -388,54 +434,69 @@ class PEAGLEInference:
         return self._result(ids, spec, plain, temperature)
 
     def generate_batch(self, prompts: Sequence[Prompt], max_new_tokens: int = 128, temperature: float = 0.0, *,
-                       max_tokens: int | None = None, seed: int | None = 0,
+                       max_tokens: int | None = None, seed: int | None = None,
                        measure_speedup: bool = False) -> list[InferenceResult]:
         """:meth:`generate` for each of ``prompts``, one after another (peagle's engine decodes one sequence at a
         time; through vLLM each request runs alone too, so its tokens/s is its own). Sampling: prompt i uses seed
-        ``seed + i``."""
+        ``seed + i``; unseeded (None), a fresh draw for each prompt."""
         n = _max_new(max_new_tokens, max_tokens)
         return [self.generate(p, n, temperature, seed=None if seed is None else seed + i,
                               measure_speedup=measure_speedup) for i, p in enumerate(prompts)]
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, *,
-               max_tokens: int | None = None, seed: int | None = 0) -> Iterator[StreamChunk]:
+               max_tokens: int | None = None, seed: int | None = None) -> Iterator[StreamChunk]:
         """Generate as :meth:`generate` does, yielding each verifier step's tokens as they are emitted; the last
         chunk has no tokens and carries the :class:`InferenceResult`. Errors are raised from the iterator.
 
-        The generation runs in a worker thread; leaving the loop early lets it finish in the background.
+        The decoding runs in a worker thread one verifier step ahead of the reader at most (it waits for the next
+        read before its next step). Closing the iterator (``close()``, leaving a ``for`` loop, garbage
+        collection) stops the decoding within that step and joins the thread; at interpreter exit an unclosed
+        iterator's thread is left waiting outside any computation, so the program exits cleanly.
         """
         if self.engine == "vllm":
             raise InputError("stream() runs peagle's engine only; with engine='vllm' use generate()", field="engine")
         n = _max_new(max_new_tokens, max_tokens)
         ids = self.encode(prompt)
-        chunks: queue.Queue = queue.Queue()
-        done = object()
+        handoff = _Handoff()
 
         def work() -> None:
             try:
-                spec, plain = self.generate_ids(ids, n, temperature, seed, False, on_tokens=chunks.put)
-                chunks.put((done, self._result(ids, spec, plain, temperature)))
-            except BaseException as e:  # noqa: BLE001 (handed to the consumer)
-                chunks.put((done, e))
+                spec, plain = self.generate_ids(ids, n, temperature, seed, False, on_tokens=handoff.hand_over)
+                handoff.finish(self._result(ids, spec, plain, temperature))
+            except _StreamClosed:
+                return
+            except BaseException as e:  # noqa: BLE001 (handed to the reader)
+                handoff.finish(e)
 
-        threading.Thread(target=work, daemon=True).start()
+        worker = threading.Thread(target=work, name="peagle-stream", daemon=True)
+        worker.start()
+        try:
+            yield from self._chunks(handoff)
+        finally:
+            if not sys.is_finalizing():  # at interpreter exit the thread may not run again: leave it waiting
+                handoff.close()
+                worker.join()
+
+    def _chunks(self, handoff: _Handoff) -> Iterator[StreamChunk]:
+        """The reader's side of :meth:`stream`: each step's tokens and their new text, then the result."""
         emitted: list[int] = []
         shown = ""
         while True:
-            item = chunks.get()
-            if isinstance(item, tuple) and item and item[0] is done:
-                if isinstance(item[1], BaseException):
-                    raise item[1]
-                yield StreamChunk([], item[1].text[len(shown):] if item[1].text.startswith(shown) else "", item[1])
+            item = handoff.take()
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, InferenceResult):
+                yield StreamChunk([], item.text[len(shown):] if item.text.startswith(shown) else "", item)
                 return
             emitted.extend(item)
             text = turn_text(self.tokenizer, emitted, self.eos)
             if text.endswith("\ufffd"):  # a multi-byte character not complete yet
                 yield StreamChunk(list(item), "")
-                continue
-            delta = text[len(shown):] if text.startswith(shown) else text
-            shown = text
-            yield StreamChunk(list(item), delta)
+            else:
+                delta = text[len(shown):] if text.startswith(shown) else text
+                shown = text
+                yield StreamChunk(list(item), delta)
+            handoff.more()
 
     def _vllm_generate(self, ids: list[int], n: int, temperature: float, measure_speedup: bool) -> InferenceResult:
         """One request through the vLLM engine: vLLM's tokens, its per-step counts (it drafts K at every step, also

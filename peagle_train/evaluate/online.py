@@ -196,7 +196,7 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
         "tree": engine.tree.describe() if engine.tree is not None else None,
         **({"tree_nodes_verified": sum(t["tree_nodes"] for t in per_prompt)} if engine.tree is not None else {}),
         **({"cost_model": online_cost_model(verifier, drafter, render_turn(tokenizer, prompts[0], 0, [], modes[0]),
-                                            report, config)} if config.measure_costs else {}),
+                                            report, config)} if config.costs_measured(online_peagle=True) else {}),
         **({"per_mode": per_mode_report(per_prompt)} if variables else {}),
         "per_prompt": per_prompt,
     }
@@ -223,7 +223,7 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
                     max_new_tokens: int = 128, num_prompts: int | None = None,
                     num_draft_tokens: int | None = None, output: str | Path | None = None,
                     progress_factory: Callable[[int], Any] | None = None, temperature: float = 0.0,
-                    seed: int = 0, measure_costs: bool = True, tree_topk: list[int] | None = None,
+                    seed: int = 0, measure_costs: bool | None = True, tree_topk: list[int] | None = None,
                     tree_nodes: int | None = None, draft_sample_method: str = "greedy",
                     chat_template_kwargs: dict[str, Any] | None = None,
                     reasoning_parser: str | None = None, mixture: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -22,11 +22,13 @@ from stores.errors import ForeignFilesError, OutputExistsError
 from stores.feature_store import FeatureStore
 from stores.progress import progress
 
-__all__ = ["EvalRun", "run_eval", "VLLM_COSTS_SKIPPED"]
+__all__ = ["EvalRun", "run_eval", "VLLM_COSTS_SKIPPED", "OFFLINE_COSTS_NOT_ASKED"]
 
 VLLM_COSTS_SKIPPED = ("--engine vllm: the cost model times peagle's own decoder (transformers), not vLLM, so it is "
-                      "not applied to vLLM's acceptance; with --store the offline report holds the table for "
-                      "peagle's decoder")
+                      "not applied to vLLM's acceptance; with --store and --measure-costs the offline report holds "
+                      "the table for peagle's decoder")
+OFFLINE_COSTS_NOT_ASKED = ("not asked: offline judging times no decoding; --measure-costs times peagle's decoding "
+                           "steps on this machine for the table (seconds idle, minutes on a loaded machine)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,11 +95,14 @@ def _evaluate(run: EvalRun, drafter: str, log: Callable[[str], None]) -> dict[st
                                  chat_template_kwargs=s.chat_template_kwargs, reasoning_parser=s.reasoning_parser,
                                  mixture={"reasoning_effort": s.reasoning_effort, "enable_thinking": s.enable_thinking,
                                           "template_mixture": s.template_mixture})
-    if s.measure_costs and offline is not None and (online is None or s.engine == "vllm"):
-        offline = {**offline, "cost_model": _offline_cost_model(drafter, run.store, offline, s.cost_rounds)}
+    if offline is not None and (online is None or s.engine == "vllm"):  # no online run of peagle's decoder
+        if s.costs_measured(online_peagle=False):
+            offline = {**offline, "cost_model": _offline_cost_model(drafter, run.store, offline, s.cost_rounds)}
+        elif s.measure_costs is None:
+            offline = {**offline, "cost_model": {"skipped": OFFLINE_COSTS_NOT_ASKED}}
     if online is None:
         return offline
-    if s.measure_costs and s.engine == "vllm":
+    if s.measure_costs is not False and s.engine == "vllm":
         online = {**online, "cost_model": {"skipped": VLLM_COSTS_SKIPPED}}
     return online if offline is None else {**online, "offline": offline}
 

@@ -27,6 +27,7 @@ from peagle_train.evaluate.cost_model import (
 from peagle_train.evaluate.online import evaluate_prompts
 from peagle_train.evaluate.prompts import Prompt, render_turn
 from peagle_train.evaluate.report import format_report
+from peagle_train.evaluate.run import OFFLINE_COSTS_NOT_ASKED
 from stores.errors import InputError
 from tests.peagle_train.evaluate.test_evaluate import saved_drafter_and_store, write_lines
 from tests.peagle_train.evaluate.test_speculative import tiny_drafter
@@ -157,15 +158,25 @@ def test_online_report_has_the_table(tiny_verifier, smollm2_tokenizer):
     assert "cost_model" not in off
 
 
-def test_cli_offline_writes_the_table_and_no_measure_costs_turns_it_off(tiny_verifier, tiny_verifier_dir, tmp_path):
+def test_cli_offline_times_nothing_unless_asked(tiny_verifier, tiny_verifier_dir, tmp_path):
+    """Issue 44 item 6: an offline-only run finished scoring, then timed 17 rounds of decoding steps (12 minutes
+    under load, nothing said). Offline judging times no decoding unless --measure-costs asks; then a line says
+    what is timed and how to skip it; --no-measure-costs leaves the entry out."""
     from click.testing import CliRunner
 
     from cli.eval import main
 
     store = saved_drafter_and_store(tiny_verifier, tiny_verifier_dir, tmp_path)
     args = ["--drafter", str(tmp_path / "drafter"), "--store", store]
-    result = CliRunner().invoke(main, args + ["--output", str(tmp_path / "eval.json")])
+    plain = CliRunner().invoke(main, args)
+    assert plain.exit_code == 0, plain.output
+    report = json.loads(plain.stdout)
+    assert report["cost_model"] == {"skipped": OFFLINE_COSTS_NOT_ASKED} and report["config"]["measure_costs"] is None
+    assert "cost model" not in plain.stderr and "--measure-costs times" in plain.stderr
+    result = CliRunner().invoke(main, args + ["--measure-costs", "--output", str(tmp_path / "eval.json")])
     assert result.exit_code == 0, result.output
+    assert re.search(r"^cost model: timing a greedy step and, for K = 1\.\.4, .* 2 \+ 15 rounds, .*"
+                     r"--no-measure-costs skips it$", result.stderr, re.M), result.stderr
     report = json.loads(result.stdout)
     cm = report["cost_model"]
     assert cm["acceptance_source"] == "offline" and [r["K"] for r in cm["rows"]] == [1, 2, 3, 4]

@@ -107,6 +107,94 @@ def test_stream_and_batch_give_generates_tokens(tiny_verifier, smollm2_tokenizer
     assert len(chunks) - 1 == 1 + whole[1].speculative.verifier_steps  # the prefill's token, then one per step
 
 
+def test_unseeded_sampling_draws_afresh_and_a_seed_repeats(tiny_verifier, smollm2_tokenizer, one_thread):
+    """At T = 1 four unseeded calls give four samples (a fresh draw each call, as transformers and vLLM); the same
+    seed gives the same sample, in generate, stream and generate_batch alike."""
+    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+
+    engine = PEAGLEInference.from_models(tiny_verifier, tiny_drafter(tiny_verifier), smollm2_tokenizer)
+    unseeded = [tuple(engine.generate("Hello there", max_new_tokens=6, temperature=1.0).token_ids)
+                for _ in range(4)]
+    assert len(set(unseeded)) == 4, unseeded  # a random tiny verifier: about uniform over 49152 tokens
+    streamed = [tuple(sum((c.token_ids for c in engine.stream("Hello there", max_new_tokens=6, temperature=1.0)),
+                          [])) for _ in range(2)]
+    assert len(set(streamed + unseeded)) == 6
+    batch = [tuple(r.token_ids) for r in engine.generate_batch(["Hello there"] * 2, max_new_tokens=6,
+                                                               temperature=1.0)]
+    assert len(set(batch + unseeded)) == 6
+    seeded = engine.generate("Hello there", max_new_tokens=6, temperature=1.0, seed=7).token_ids
+    assert engine.generate("Hello there", max_new_tokens=6, temperature=1.0, seed=7).token_ids == seeded
+    assert sum((c.token_ids for c in engine.stream("Hello there", max_new_tokens=6, temperature=1.0, seed=7)),
+               []) == seeded
+    assert engine.generate_batch(["Hi", "Hello there"], max_new_tokens=6, temperature=1.0,
+                                 seed=6)[1].token_ids == seeded  # prompt i: seed + i
+
+
+def test_closing_a_stream_stops_its_decoding(tiny_verifier, smollm2_tokenizer, one_thread):
+    """``close()``, leaving a ``for`` loop and garbage collection each stop the decoding at once: no thread is
+    left running a 5000-token generation; a closed stream still decodes exactly what it yielded."""
+    import gc
+    import threading
+    import time
+
+    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+
+    engine = PEAGLEInference.from_models(tiny_verifier, tiny_drafter(tiny_verifier), smollm2_tokenizer)
+    whole = engine.generate("Hello there", max_new_tokens=12).token_ids
+    threads = threading.active_count()
+    start = time.monotonic()
+    gen = engine.stream("Hello there", max_new_tokens=5000)
+    first = next(gen).token_ids + next(gen).token_ids
+    assert first == whole[:len(first)]
+    gen.close()
+    assert threading.active_count() == threads
+    for i, _ in enumerate(engine.stream("Hello there", max_new_tokens=5000)):
+        if i == 2:
+            break
+    assert threading.active_count() == threads
+    abandoned = engine.stream("Hello there", max_new_tokens=5000)
+    next(abandoned)
+    del abandoned
+    gc.collect()
+    assert threading.active_count() == threads
+    assert time.monotonic() - start < 60  # 3 x 5000 tokens would take minutes
+
+
+STREAM_EXIT_SCRIPT = '''
+import sys
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from peagle_train.evaluate.inference import PEAGLEInference
+from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+
+verifier = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+engine = PEAGLEInference.from_models(verifier, tiny_drafter(verifier), AutoTokenizer.from_pretrained(sys.argv[1]))
+stream = engine.stream("Hello there", max_new_tokens=5000)
+for i, chunk in enumerate(stream):
+    if i == 2:
+        break
+print("stopped reading", flush=True)
+'''
+
+
+@pytest.mark.slow
+def test_a_program_that_stops_reading_a_stream_exits_cleanly(tiny_verifier_dir, tmp_path):
+    """A program that leaves its stream loop early and exits (the iterator still referenced) exits 0, three times
+    of three: no "terminate called without an active exception" abort (exit 134)."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", STREAM_EXIT_SCRIPT, str(tiny_verifier_dir)], env=env,
+                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]  # together: one process's start-up time for the three
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert (proc.returncode, out) == (0, "stopped reading\n"), err[-3000:]
+        assert "terminate called" not in err
+
+
 def test_refusals_say_why(tiny_verifier, smollm2_tokenizer):
     from tests.peagle_train.evaluate.test_speculative import tiny_drafter
 
