@@ -40,12 +40,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from peagle_train.evaluate.config import DRAFT_SAMPLE_METHODS
 from peagle_train.evaluate.identity import TOP_K
-from peagle_train.evaluate.verifier import (aux_hidden_states, crop_cache, new_cache, rollback_cache,
+from peagle_train.evaluate.verifier import (aux_hidden_states, keep_fed, new_cache, rollback_cache, snapshot_state,
                                             verifier_body_pass, verifier_pass)
 from peagle_train.model.attention import DenseAttention
 from peagle_train.model.drafter import DrafterCache
@@ -53,6 +54,7 @@ from stores.errors import InputError
 
 __all__ = [
     "GenerationResult",
+    "DecodeContext",
     "DrafterSession",
     "accept_drafts",
     "acceptance_scheme",
@@ -66,6 +68,7 @@ __all__ = [
     "greedy_generate",
     "plain_generate",
     "propose_drafts",
+    "run_decoder",
     "speculative_generate",
 ]
 
@@ -93,6 +96,11 @@ class GenerationResult:
     """Plain greedy decoding with ``top_logits=True``: per generated token, the verifier's
     :data:`~peagle_train.evaluate.identity.TOP_K` largest logits there, ``{token id: logit}``, for
     :func:`peagle_train.evaluate.identity.compare_to_greedy`; empty otherwise."""
+    recomputed_steps: int = 0
+    """Steps after which the kept tokens were fed to the verifier again: a verifier with recurrent layers (linear
+    attention, state space) whose step rejected a draft has its state put back to the snapshot taken before the
+    step and re-reads the kept tokens (:func:`~peagle_train.evaluate.verifier.keep_fed`); 0 for attention-only
+    verifiers, whose keys and values are cut back instead."""
 
     @property
     def drafted(self) -> int:
@@ -442,6 +450,73 @@ def _checked_settings(verifier, drafter, num_draft_tokens: int | None, temperatu
     return K, temperature
 
 
+@dataclass
+class DecodeContext:
+    """What the chain and tree decoders share between steps (:func:`run_decoder`): the verifier's cache, the
+    drafter's session and the depth-0 elements not yet given to it."""
+
+    verifier: Any
+    drafter: Any
+    cache: Any
+    """The verifier's :func:`~peagle_train.evaluate.verifier.rollback_cache`."""
+    session: DrafterSession
+    hook: dict[str, torch.Tensor]
+    """:func:`~peagle_train.evaluate.verifier.aux_hidden_states`' output: the last decoder layer's output."""
+    past: int
+    """Tokens in the verifier's cache: ``x_0..x_t`` (P = t + 1)."""
+    new_tokens: torch.Tensor
+    """``[n] int64`` tokens ``x_{a+1}`` of the depth-0 elements not yet given to the drafter."""
+    new_aux: torch.Tensor
+    """``[n, L*H]`` their features ``g_a``."""
+
+    def features(self, hidden_states) -> torch.Tensor:
+        """``[n, L*H]`` aux features of the newest verifier pass (:func:`aux_features`)."""
+        return aux_features(hidden_states, self.hook, self.drafter.config.aux_layer_ids)
+
+
+Step = Callable[[DecodeContext, int, int], tuple[list[int], int]]
+"""One decoder step: ``(context, x_{t+1}, k) -> (emitted tokens, drafted count)``; it drafts at most k ≥ 0 tokens,
+verifies them, leaves the cache holding ``x_0..x_{t+1}`` and the kept tokens, and updates the context."""
+
+
+def run_decoder(verifier, drafter, prompt_ids, max_new_tokens: int, K: int, eos_token_id, result: GenerationResult,
+                pick: Callable[[torch.Tensor], int], step: Step,
+                on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+    """The set-up and loop the chain (:func:`speculative_generate`) and tree
+    (:func:`~peagle_train.evaluate.tree.tree_generate`) decoders share: the prefill (its last logits ``[V]`` go
+    to ``pick`` for the first token), then ``step`` with ``k = min(K, max_new_tokens - generated - 1)`` until
+    ``max_new_tokens`` tokens or an EOS; each step's tokens are recorded (:func:`record_step`) and streamed to
+    ``on_tokens``. Fills ``result`` (tokens, counts, ``wall_time_s``) and returns it.
+
+    Raises:
+        InputError: an empty prompt.
+    """
+    ids = _prompt_tensor(prompt_ids)
+    eos = _eos_set(eos_token_id)
+    start = time.perf_counter()
+    if max_new_tokens <= 0:
+        return result
+    with aux_hidden_states(verifier) as hook:
+        cache = rollback_cache(verifier)
+        logits, hs = verifier_pass(verifier, ids, cache, want_hidden=True, last_only=True)
+        result.tokens.append(pick(logits[-1]))
+        if on_tokens is not None:
+            on_tokens(result.tokens[:])
+        # depth-0 elements for the drafter: tokens x_1..x_{t+1} and features g_0..g_t
+        ctx = DecodeContext(verifier, drafter, cache, DrafterSession(drafter), hook, past=ids.numel(),
+                            new_tokens=torch.cat([ids[1:], torch.tensor(result.tokens)]), new_aux=torch.empty(0))
+        ctx.new_aux = ctx.features(hs)
+        while len(result.tokens) < max_new_tokens and result.tokens[-1] not in eos:
+            k = min(K, max_new_tokens - len(result.tokens) - 1)
+            emitted, drafted = step(ctx, result.tokens[-1], k)
+            before = len(result.tokens)
+            _record_step(result, emitted, drafted, eos)
+            if on_tokens is not None:
+                on_tokens(result.tokens[before:])
+    result.wall_time_s = time.perf_counter() - start
+    return result
+
+
 @torch.no_grad()
 def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num_draft_tokens: int | None = None,
                          eos_token_id: int | Iterable[int] | None = None, temperature: float = 0.0,
@@ -451,7 +526,9 @@ def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num
     """Speculative decoding: the drafter drafts K tokens, the verifier checks them in one pass.
 
     Near the end a step drafts only ``min(K, max_new_tokens - generated - 1)`` tokens, so no token
-    beyond ``max_new_tokens`` is ever computed or emitted; tokens after an EOS are dropped.
+    beyond ``max_new_tokens`` is ever computed or emitted; tokens after an EOS are dropped. A verifier with
+    recurrent layers (linear attention, state space) has its state put back to the snapshot taken before a
+    step that rejected a draft and fed the kept tokens again (``GenerationResult.recomputed_steps``).
 
     Args:
         verifier: a transformers causal LM (batch 1) that returns ``hidden_states``.
@@ -478,46 +555,29 @@ def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num
     """
     K, temperature = _checked_settings(verifier, drafter, num_draft_tokens, temperature)
     check_draft_sample_method(draft_sample_method)
-    ids = _prompt_tensor(prompt_ids)
-    eos = _eos_set(eos_token_id)
-    layers = drafter.config.aux_layer_ids
     vocab = verifier.config.get_text_config().vocab_size
     result = GenerationResult(tokens=[])
-    start = time.perf_counter()
-    if max_new_tokens <= 0:
-        return result
-    with aux_hidden_states(verifier) as last:
-        cache = rollback_cache(verifier)
-        session = DrafterSession(drafter)
-        logits, hs = verifier_pass(verifier, ids, cache, want_hidden=True, last_only=True)
-        result.tokens.append(_pick(logits[-1], temperature, generator))
-        if on_tokens is not None:
-            on_tokens(result.tokens[:])
-        read = ids.numel()  # tokens in the verifier cache: x_0..x_t
-        # depth-0 elements not yet given to the drafter: tokens x_{a+1} and features g_a
-        new_tokens = torch.cat([ids[1:], torch.tensor(result.tokens)])  # [t+1]: x_1..x_{t+1}
-        new_aux = aux_features(hs, last, layers)  # [t+1, L*H]: g_0..g_t
-        while len(result.tokens) < max_new_tokens and result.tokens[-1] not in eos:
-            k = min(K, max_new_tokens - len(result.tokens) - 1)
-            drafts, q = torch.zeros(0, dtype=torch.long), None
-            if k > 0:
-                draft_logits = session.draft(new_tokens, new_aux, k)  # [k, D]
-                drafts, q = propose_drafts(draft_logits, drafter.draft_ids, vocab, temperature, generator,
-                                            draft_sample_method)
-            verify_in = torch.cat([torch.tensor(result.tokens[-1:]), drafts])  # [k+1]: x_{t+1}, drafts
-            logits, hs = verifier_body_pass(verifier, verify_in, cache)  # [k+1, V]
-            n, emitted = accept_drafts(drafts, logits, temperature, q, generator)  # [n+1]
-            # x_{t+1} and the n accepted drafts are now read; the rest of the pass is discarded.
-            read += n + 1
-            crop_cache(cache, read)
-            if k > 0:
-                new_tokens, new_aux = emitted, aux_features(hs, last, layers)[:n + 1]  # anchors t+1..t+n+1
-            before = len(result.tokens)
-            _record_step(result, emitted.tolist(), k, eos)
-            if on_tokens is not None:
-                on_tokens(result.tokens[before:])
-    result.wall_time_s = time.perf_counter() - start
-    return result
+
+    def step(ctx: DecodeContext, root: int, k: int) -> tuple[list[int], int]:
+        drafts, q = torch.zeros(0, dtype=torch.long), None
+        if k > 0:
+            draft_logits = ctx.session.draft(ctx.new_tokens, ctx.new_aux, k)  # [k, D]
+            drafts, q = propose_drafts(draft_logits, drafter.draft_ids, vocab, temperature, generator,
+                                       draft_sample_method)
+        fed = torch.cat([torch.tensor([root]), drafts])  # [k+1]: x_{t+1}, drafts
+        snapshot = snapshot_state(ctx.cache, ctx.past)
+        logits, hs = verifier_body_pass(verifier, fed, ctx.cache)  # [k+1, V]
+        n, emitted = accept_drafts(drafts, logits, temperature, q, generator)  # [n+1]
+        features = ctx.features(hs)[:n + 1]  # anchors t+1..t+n+1; before a recompute pass replaces the hook's output
+        # x_{t+1} and the n accepted drafts are now read; the rest of the pass is discarded.
+        result.recomputed_steps += keep_fed(verifier, ctx.cache, fed, n + 1, snapshot)
+        ctx.past += n + 1
+        if k > 0:
+            ctx.new_tokens, ctx.new_aux = emitted, features
+        return emitted.tolist(), k
+
+    return run_decoder(verifier, drafter, prompt_ids, max_new_tokens, K, eos_token_id, result,
+                       lambda logits: _pick(logits, temperature, generator), step, on_tokens)
 
 
 # Public names of the helpers above, for the other decoders of this package (tree.py)

@@ -35,20 +35,19 @@ drafter's distribution, so no rejection rule over them keeps the verifier's dist
 from __future__ import annotations
 
 import heapq
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from peagle_train.evaluate.speculative import (DrafterSession, GenerationResult, aux_features, check_compatible,
-                                               checked_num_draft_tokens, eos_set, prompt_tensor, record_step)
-from peagle_train.evaluate.verifier import aux_hidden_states, rollback_cache, verifier_body_pass, verifier_pass
+from peagle_train.evaluate.speculative import (DecodeContext, GenerationResult, check_compatible,
+                                               checked_num_draft_tokens, run_decoder)
+from peagle_train.evaluate.verifier import config_recurrent_layers, verifier_body_pass
 from stores.errors import InputError
 
 __all__ = ["TreeSpec", "DraftTree", "TreeGenerationResult", "build_tree", "tree_attention_mask",
            "compact_cache", "walk_greedy", "check_tree_supported", "tree_depth", "tree_generate",
-           "TREE_ATTENTION", "TREE_SAMPLING_REFUSED"]
+           "check_tree_config", "TREE_ATTENTION", "TREE_SAMPLING_REFUSED", "TREE_RECURRENT_REFUSED"]
 
 TREE_ATTENTION = ("eager", "sdpa")
 """Verifier attention implementations that take the tree's additive 4D mask as it is."""
@@ -57,6 +56,14 @@ TREE_SAMPLING_REFUSED = (
     "tree verification is greedy only: the tree's candidates are the top-k tokens of each depth, not samples "
     "of the drafter's distribution, so no rejection rule over them keeps the verifier's distribution exactly "
     "(multi-draft speculative sampling needs sampled candidates); use the chain (no tree) at temperature > 0")
+
+
+TREE_RECURRENT_REFUSED = (
+    "tree verification is for attention-only verifiers: the verifier's layers {layers} carry a recurrent state "
+    "(linear attention or state space), which reads the tree's nodes in one pass as one sequence, so a node's state "
+    "would include its siblings' tokens; an exact tree needs a state per branch (a verifier pass per path), which "
+    "peagle does not run. Use the chain (no tree): it is exact with this verifier (its state is put back to a "
+    "snapshot and the kept tokens fed again after a rejected draft)")
 
 
 @dataclass(frozen=True)
@@ -255,9 +262,24 @@ def _layer_kinds(text_config) -> list[tuple[str, int | None]]:
     return kinds
 
 
+def check_tree_config(config) -> None:
+    """The checks of :func:`check_tree_supported` that need only the verifier's config (a model config, no
+    weights): layers with a recurrent state (:data:`TREE_RECURRENT_REFUSED`; which ones, transformers' cache for
+    the config says: :func:`~peagle_train.evaluate.verifier.config_recurrent_layers`), layer types without a mask
+    here.
+
+    Raises:
+        InputError: with the reason.
+    """
+    recurrent = config_recurrent_layers(config)
+    if recurrent:
+        raise InputError(TREE_RECURRENT_REFUSED.format(layers=recurrent), field="--verifier")
+    _layer_kinds(config.get_text_config())
+
+
 def check_tree_supported(verifier, temperature: float) -> None:
     """Refuse a tree where it would not be exact: T > 0 (:data:`TREE_SAMPLING_REFUSED`), an attention
-    implementation that does not take an additive 4D mask (flash, flex), layer types without a mask here.
+    implementation that does not take an additive 4D mask (flash, flex), :func:`check_tree_config`.
 
     Raises:
         InputError: with the reason.
@@ -265,11 +287,11 @@ def check_tree_supported(verifier, temperature: float) -> None:
     if temperature != 0:
         raise InputError(TREE_SAMPLING_REFUSED, field="--temperature")
     text = verifier.config.get_text_config()
+    check_tree_config(verifier.config)
     impl = getattr(text, "_attn_implementation", None) or getattr(verifier.config, "_attn_implementation", None)
     if impl not in TREE_ATTENTION:
         raise InputError(f"the verifier runs {impl!r} attention, which does not take the tree's 4D attention mask "
                          f"as it is; tree verification needs one of {', '.join(TREE_ATTENTION)}", field="--verifier")
-    _layer_kinds(text)
 
 
 def tree_attention_mask(verifier, tree: DraftTree, past: int, dtype: torch.dtype, device) -> tuple:
@@ -388,41 +410,23 @@ def tree_generate(verifier, drafter, prompt_ids, max_new_tokens: int, spec: Tree
     check_tree_supported(verifier, temperature)
     K = tree_depth(spec, num_draft_tokens, drafter)
     check_compatible(verifier, drafter)
-    ids = prompt_tensor(prompt_ids)
-    eos = eos_set(eos_token_id)
-    layers = drafter.config.aux_layer_ids
     result = TreeGenerationResult(tokens=[])
-    start = time.perf_counter()
-    if max_new_tokens <= 0:
-        return result
-    with aux_hidden_states(verifier) as last:
-        cache = rollback_cache(verifier)
-        session = DrafterSession(drafter)
-        logits, hs = verifier_pass(verifier, ids, cache, want_hidden=True, last_only=True)
-        result.tokens.append(int(logits[-1].argmax()))
-        if on_tokens is not None:
-            on_tokens(result.tokens[:])
-        past = ids.numel()  # tokens in the verifier cache: x_0..x_t
-        new_tokens = torch.cat([ids[1:], torch.tensor(result.tokens)])  # x_1..x_{t+1}
-        new_aux = aux_features(hs, last, layers)  # g_0..g_t
-        while len(result.tokens) < max_new_tokens and result.tokens[-1] not in eos:
-            k = min(K, max_new_tokens - len(result.tokens) - 1)
-            if k > 0:
-                draft_logits = session.draft(new_tokens, new_aux, k)  # [k, D]
-                tree = build_tree(draft_logits, drafter.draft_ids, spec, k)
-            else:
-                tree = DraftTree(*(torch.zeros(0, dtype=torch.long) for _ in range(3)))
-            logits, hs = _tree_pass(verifier, tree, result.tokens[-1], cache, past)  # [N+1, V]
-            path, emitted = walk_greedy(tree, logits)
-            compact_cache(cache, past, path)
-            past += 1 + len(path)
-            if k > 0:
-                new_tokens = torch.tensor(emitted)
-                new_aux = aux_features(hs, last, layers)[[0] + path]  # anchors: root, then the path
-            before = len(result.tokens)
-            record_step(result, emitted, tree.depth, eos)
-            result.nodes_per_step.append(tree.size)
-            if on_tokens is not None:
-                on_tokens(result.tokens[before:])
-    result.wall_time_s = time.perf_counter() - start
-    return result
+
+    def step(ctx: DecodeContext, root: int, k: int) -> tuple[list[int], int]:
+        if k > 0:
+            draft_logits = ctx.session.draft(ctx.new_tokens, ctx.new_aux, k)  # [k, D]
+            tree = build_tree(draft_logits, drafter.draft_ids, spec, k)
+        else:
+            tree = DraftTree(*(torch.zeros(0, dtype=torch.long) for _ in range(3)))
+        logits, hs = _tree_pass(verifier, tree, root, ctx.cache, ctx.past)  # [N+1, V]
+        path, emitted = walk_greedy(tree, logits)
+        compact_cache(ctx.cache, ctx.past, path)
+        ctx.past += 1 + len(path)
+        if k > 0:
+            ctx.new_tokens = torch.tensor(emitted)
+            ctx.new_aux = ctx.features(hs)[[0] + path]  # anchors: root, then the path
+        result.nodes_per_step.append(tree.size)
+        return emitted, tree.depth
+
+    return run_decoder(verifier, drafter, prompt_ids, max_new_tokens, K, eos_token_id, result,
+                       lambda logits: int(logits.argmax()), step, on_tokens)

@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import inspect
 from contextlib import contextmanager
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin,
+                                      LinearAttentionLayer)
 
 from peagle_train.train.loss import LogitTransform
 from stores.errors import InputError
 
-__all__ = ["new_cache", "rollback_cache", "crop_cache", "verifier_pass", "verifier_body_pass", "lm_head_logits",
+__all__ = ["new_cache", "rollback_cache", "crop_cache", "recurrent_layers", "config_recurrent_layers",
+           "StateSnapshot", "snapshot_state", "keep_fed", "state_pass", "verifier_pass", "verifier_body_pass", "lm_head_logits",
            "decoder_layers", "aux_hidden_states"]
 
 
@@ -39,12 +44,27 @@ def lm_head_logits(lm_head, hidden: torch.Tensor) -> torch.Tensor:
 
 def new_cache(verifier):
     """The verifier's own KV cache (sliding-window layers keep only their window): plain decoding."""
-    from transformers import DynamicCache
-
     try:
         return DynamicCache(config=verifier.config)
     except TypeError:  # older transformers
         return DynamicCache()
+
+
+def recurrent_layers(cache) -> list[int]:
+    """Indices of ``cache``'s layers that carry a recurrent state (gated DeltaNet, Mamba-2, ...: transformers'
+    ``LinearAttentionLayer``) from token to token instead of one key and value per token."""
+    return [i for i, layer in enumerate(getattr(cache, "layers", None) or [])
+            if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
+def config_recurrent_layers(config) -> list[int]:
+    """:func:`recurrent_layers` of the cache transformers builds for ``config`` (a model config, no weights
+    needed): which layers of a verifier carry a recurrent state, known before its weights load."""
+    try:
+        cache = DynamicCache(config=config)
+    except TypeError:  # older transformers: no per-layer cache from a config, and no hybrid layers in it
+        return []
+    return recurrent_layers(cache)
 
 
 def rollback_cache(verifier):
@@ -54,25 +74,71 @@ def rollback_cache(verifier):
     those layers then keep all keys and values, and the model still masks them by its window (its
     masks are built from positions over the full key length), so the outputs equal the model's own
     and a rejected draft's keys can be dropped (a sliding layer that has shifted its window cannot
-    give back the keys it evicted).
+    give back the keys it evicted). Layers with a recurrent state (linear attention, state-space:
+    :func:`recurrent_layers`) stay as they are: their state cannot be cut back to an earlier token,
+    so a decoder snapshots it before a pass (:func:`snapshot_state`) and restores it
+    (:func:`keep_fed`).
 
     Raises:
-        InputError: a cache layer holding recurrent state (linear attention, state-space, convolution),
-            which cannot be cut back to an earlier token.
+        InputError: another cache layer (one that mixes a recurrent state and attention in one layer, or
+            a kind this module does not know), which could not be cut back exactly.
     """
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-
     cache = new_cache(verifier)
     layers = getattr(cache, "layers", None) or []
     for i, layer in enumerate(layers):
-        if isinstance(layer, DynamicSlidingWindowLayer):
+        if isinstance(layer, DynamicSlidingWindowLayer) and not isinstance(layer, LinearAttentionCacheLayerMixin):
             layers[i] = DynamicLayer()
-        elif type(layer) is not DynamicLayer and "Dummy" not in type(layer).__name__:
+        elif type(layer) not in (DynamicLayer, LinearAttentionLayer) and "Dummy" not in type(layer).__name__:
             raise InputError(f"the verifier's cache layer {i} is a {type(layer).__name__}: its state cannot be cut "
                              "back after a rejected draft, so speculative decoding would not be exact; peagle "
-                             "supports verifiers whose layers are full, sliding-window or chunked attention",
-                             field="--verifier")
+                             "supports verifiers whose layers are full, sliding-window or chunked attention, or "
+                             "linear-attention / state-space layers with a state of their own", field="--verifier")
     return cache
+
+
+@dataclass(frozen=True)
+class StateSnapshot:
+    """The recurrent state of a cache's linear-attention / state-space layers after ``tokens`` tokens."""
+
+    tokens: int
+    """Tokens the cache had read when the snapshot was taken."""
+    layers: dict[int, dict[str, Any]]
+    """Per recurrent layer index: copies of its ``conv_states``, ``recurrent_states`` (``{state index: tensor or
+    None}``), ``has_previous_state`` and token count (``cumulative_length_linear``, transformers ≥ 5.2x)."""
+
+
+def snapshot_state(cache, tokens: int) -> StateSnapshot | None:
+    """Copies of ``cache``'s recurrent states (a few ``[1, heads, d_k, d_v]`` and ``[1, channels, kernel]``
+    tensors per layer, independent of the context length), taken when it has read ``tokens`` tokens; None for a
+    cache without recurrent layers (attention only: :func:`crop_cache` needs no snapshot)."""
+    layers = {}
+    for i in recurrent_layers(cache):
+        layer = cache.layers[i]
+        clone = lambda states: {k: (v.clone() if isinstance(v, torch.Tensor) else v)  # noqa: E731
+                                for k, v in states.items()}
+        count = getattr(layer, "cumulative_length_linear", None)
+        layers[i] = {"conv_states": clone(layer.conv_states), "recurrent_states": clone(layer.recurrent_states),
+                     "has_previous_state": dict(layer.has_previous_state),
+                     "count": count.clone() if isinstance(count, torch.Tensor) else count}
+    return StateSnapshot(tokens=int(tokens), layers=layers) if layers else None
+
+
+def _restore_state(cache, snapshot: StateSnapshot) -> None:
+    """Put ``snapshot``'s states back into ``cache``'s recurrent layers (copied in place where the shapes agree)."""
+    for i, saved in snapshot.layers.items():
+        layer = cache.layers[i]
+        for name in ("conv_states", "recurrent_states"):
+            states = getattr(layer, name)
+            for k, value in saved[name].items():
+                current = states.get(k)
+                if isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor) \
+                        and current.shape == value.shape:
+                    current.copy_(value)
+                else:
+                    states[k] = value.clone() if isinstance(value, torch.Tensor) else value
+        layer.has_previous_state.update(saved["has_previous_state"])
+        if isinstance(saved["count"], torch.Tensor):
+            layer.cumulative_length_linear.copy_(saved["count"])
 
 
 def cache_kwarg(verifier) -> str:
@@ -80,12 +146,80 @@ def cache_kwarg(verifier) -> str:
     return "cache" if "cache" in inspect.signature(verifier.forward).parameters else "past_key_values"
 
 
-def crop_cache(cache, keep_tokens: int) -> None:
-    """Cut ``cache`` back to its first ``keep_tokens`` tokens (negative ``crop`` = tokens to remove)."""
-    remove = cache.get_seq_length() - keep_tokens
-    assert remove >= 0, (cache.get_seq_length(), keep_tokens)
+def _attention_length(cache) -> int:
+    """Tokens in the attention layers of ``cache`` (its first layer holding keys; 0 when none does)."""
+    for layer in getattr(cache, "layers", None) or []:
+        if not isinstance(layer, LinearAttentionCacheLayerMixin) and isinstance(getattr(layer, "keys", None), torch.Tensor):
+            return int(layer.get_seq_length())
+    return 0
+
+
+def crop_cache(cache, keep_tokens: int, snapshot: StateSnapshot | None = None) -> None:
+    """Cut ``cache`` back to its first ``keep_tokens`` tokens (negative ``crop`` = tokens to remove).
+
+    A cache with recurrent layers (:func:`recurrent_layers`) is cut back only to where ``snapshot`` was taken:
+    its attention layers are cropped and its recurrent layers get the snapshot's state.
+
+    Raises:
+        ValueError: a cache with recurrent layers and no snapshot, or one taken at another length.
+    """
+    recurrent = recurrent_layers(cache)
+    if not recurrent:
+        remove = cache.get_seq_length() - keep_tokens
+        assert remove >= 0, (cache.get_seq_length(), keep_tokens)
+        if remove > 0:
+            cache.crop(-remove)
+        return
+    if snapshot is None or snapshot.tokens != keep_tokens:
+        raise ValueError(f"the cache's layers {recurrent} carry a recurrent state, which can only be put back to a "
+                         f"snapshot of it: cutting back to {keep_tokens} tokens needs a snapshot taken there (got "
+                         f"{None if snapshot is None else snapshot.tokens})")
+    remove = _attention_length(cache) - keep_tokens
+    assert remove >= 0, (_attention_length(cache), keep_tokens)
+    _restore_state(cache, snapshot)
     if remove > 0:
-        cache.crop(-remove)
+        for i, layer in enumerate(cache.layers):
+            if i not in recurrent and isinstance(getattr(layer, "keys", None), torch.Tensor):
+                layer.crop(-remove)
+
+
+def keep_fed(verifier, cache, fed: torch.Tensor, keep: int, snapshot: StateSnapshot | None) -> bool:
+    """After a pass that fed ``fed [m]`` tokens onto a cache of ``P`` tokens, keep only the first ``keep`` of them.
+
+    Attention-only caches are cropped to ``P + keep``. A cache with recurrent layers, whose state after the pass
+    has read all m tokens, is put back to ``snapshot`` (taken at P, before the pass) and the ``keep`` tokens are
+    fed again from there (:func:`state_pass`): the state is then the state after those tokens only, exactly
+    (snapshot and recompute). Nothing changes when all m are kept.
+
+    Returns:
+        Whether the kept tokens were fed again.
+
+    Raises:
+        ValueError: a cache with recurrent layers and no snapshot.
+    """
+    m = int(fed.numel())
+    assert 0 <= keep <= m, (keep, m)
+    if keep == m:
+        return False
+    if snapshot is None:
+        if recurrent_layers(cache):
+            raise ValueError("a cache with recurrent layers needs the snapshot taken before the pass")
+        crop_cache(cache, cache.get_seq_length() - (m - keep))
+        return False
+    crop_cache(cache, snapshot.tokens, snapshot)
+    if keep > 0:
+        state_pass(verifier, fed[:keep], cache)
+    return True
+
+
+def state_pass(verifier, ids: torch.Tensor, cache) -> None:
+    """Feed ``ids [n]`` after the cached tokens only to advance the cache (no lm_head, no hidden states kept)."""
+    device = next(verifier.parameters()).device
+    body = getattr(verifier, "base_model", None)
+    if body is None or body is verifier:
+        verifier_pass(verifier, ids, cache, want_hidden=False, last_only=True)
+        return
+    body(input_ids=ids.to(device)[None], use_cache=True, **{cache_kwarg(body): cache})
 
 
 def verifier_pass(verifier, ids: torch.Tensor, cache, want_hidden: bool, last_only: bool = False,

@@ -26,6 +26,7 @@ from tests.chat_templates import qwen_tokenizer, template
 from stores.errors import InputError, OutputExistsError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from families import HYBRID, save_family  # noqa: E402
 from servers import free_port, stop, wait_until_up  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -293,6 +294,37 @@ def test_local_answers_equal_one_prompt_generate(local_run, local):
                                              "frequency_penalty": 0.0}
     assert manifest["model"]["verifier_generation_config_ignored"] == {"repetition_penalty": REPETITION_PENALTY}
     assert manifest["model"]["not_sent"] == [] and c["turns_with_token_ids"] == 4
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_local_back_end_with_a_hybrid_verifier_is_its_greedy_output(family, tmp_path, smollm2_tokenizer_dir,
+                                                                    monkeypatch):
+    """A hybrid verifier (recurrent layers) answers a left-padded batch exactly: each answer's generated ids are
+    the argmax of a full forward over the prompt alone and the tokens before it (the pads are masked out of the
+    state). The ids are read as generated (a random model's answer may be rejected for a cut character)."""
+    import torch
+
+    d = save_family(family, tmp_path / family, tokenizer_dir=smollm2_tokenizer_dir, vocab_size=49152)
+    local = LocalBackend(str(d), max_new_tokens=5, temperature=0.0, batch_size=2, device="cpu")
+    generated = {}
+    answer_of = local.answer_of
+    monkeypatch.setattr(local, "answer_of", lambda gen, prompt, *a: generated.setdefault(len(prompt), gen)
+                        and answer_of(gen, prompt, *a))
+    requests = [Request(messages=[{"role": "user", "content": "Hi"}]),
+                Request(messages=[{"role": "system", "content": "Be brief and kind."},
+                                  {"role": "user", "content": "What is the capital of France, and why?"}])]
+    answers = local.generate(requests)
+    for request, answer in zip(requests, answers):
+        ids = local.prompt_ids(request)
+        want = []
+        with torch.no_grad():
+            while len(want) < 5 and (not want or want[-1] not in local.eos_ids):
+                want.append(int(local.model(input_ids=torch.tensor([ids + want])).logits[0, -1].argmax()))
+        got = generated[len(ids)]
+        end = next((i + 1 for i, t in enumerate(got) if t in local.eos_ids), len(got))  # pads after an EOS
+        assert got[:end] == want
+        assert answer.prompt_tokens == len(ids)
+    assert len(generated) == 2  # two prompt lengths: the shorter one was padded
 
 
 @pytest.fixture(scope="module")

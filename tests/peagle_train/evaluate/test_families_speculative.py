@@ -1,7 +1,9 @@
-"""The family matrix on online decoding: speculative output equals greedy past the sliding window.
+"""The family matrix on online decoding: speculative output equals greedy past the sliding window, and with the
+hybrid verifiers (recurrent linear-attention / state-space layers) after every rejected draft.
 
 Each step drafts K = 3 tokens and the verifier keeps 2 of them (an oracle drafter wrong from depth 2),
-so the verifier's KV cache is cut back after every step, long after the 4-token windows have slid.
+so the verifier's KV cache is cut back after every step, long after the 4-token windows have slid; a hybrid
+verifier's recurrent state is put back to its snapshot and the kept tokens fed again at every step.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import torch
 from torch import nn
 
 from peagle_train.evaluate.speculative import greedy_generate, speculative_generate
-from peagle_train.evaluate.verifier import crop_cache, new_cache, rollback_cache, verifier_pass
+from peagle_train.evaluate.tree import TreeSpec, check_tree_config, tree_generate
+from peagle_train.evaluate.verifier import (crop_cache, keep_fed, new_cache, recurrent_layers, rollback_cache,
+                                            snapshot_state, verifier_pass)
 from peagle_train.model.config import DrafterConfig
 from peagle_train.model.drafter import PEagleDrafter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from families import FAMILIES, WINDOW, build_family  # noqa: E402
+from families import FAMILIES, HYBRID, WINDOW, build_family, family_config  # noqa: E402
 
 PROMPT = [1, 17, 230, 45, 99, 310, 7, 58, 402, 11]  # longer than the window
 
@@ -88,15 +92,135 @@ def test_cut_back_cache_gives_the_models_own_logits(family):
     torch.testing.assert_close(got, want[-3:], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("config_name", ["Qwen3NextConfig", "JambaConfig", "FalconH1Config"])
-def test_recurrent_cache_layers_are_refused(config_name):
-    """Linear-attention / state-space cache layers cannot be cut back to an earlier token: refused."""
+def test_a_layer_mixing_state_and_attention_is_refused():
+    """Falcon-H1 runs Mamba-2 and attention side by side in one layer (transformers'
+    ``LinearAttentionAndFullAttentionLayer``): not a layer kind peagle cuts back, so refused with the reason."""
     from types import SimpleNamespace
 
-    import transformers
+    from transformers import FalconH1Config
 
     from stores.errors import InputError
 
-    verifier = SimpleNamespace(config=getattr(transformers, config_name)(num_hidden_layers=4))
-    with pytest.raises(InputError, match="LinearAttention.*cannot be cut back"):
-        rollback_cache(verifier)
+    with pytest.raises(InputError, match="LinearAttentionAndFullAttentionLayer.*cannot be cut back"):
+        rollback_cache(SimpleNamespace(config=FalconH1Config(num_hidden_layers=4)))
+
+
+# ------------------------------------------------------------------------------------------ hybrid verifiers
+def _full_forward_greedy(verifier, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding without a cache: each token the argmax of a full forward over everything before it."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(verifier(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def hybrids():
+    """The hybrid verifiers, built once for this module."""
+    return {name: build_family(name) for name in HYBRID}
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_hybrid_speculative_equals_greedy_after_every_rejection(family, hybrids):
+    """Every step rejects the third draft: the recurrent state is put back and the kept tokens fed again
+    (4 recomputed steps), and the output is the verifier's greedy output, which is a full forward's argmax."""
+    verifier = hybrids[family]
+    assert recurrent_layers(rollback_cache(verifier))  # the rollback cache keeps the recurrent layers
+    greedy = greedy_generate(verifier, PROMPT, 14)
+    assert greedy.tokens == _full_forward_greedy(verifier, PROMPT, 14)
+    oracle = Oracle(verifier.config.get_text_config(), PROMPT + greedy.tokens, num_depths=3, wrong_from=2)
+    spec = speculative_generate(verifier, oracle, PROMPT, 14)
+    assert spec.tokens == greedy.tokens
+    assert spec.accepted_per_step == [2, 2, 2, 2, 0] and spec.drafted_per_step == [3, 3, 3, 3, 0]
+    assert spec.recomputed_steps == 4  # the last step drafted nothing: nothing to put back
+    full = Oracle(verifier.config.get_text_config(), PROMPT + greedy.tokens, num_depths=3, wrong_from=9)
+    right = speculative_generate(verifier, full, PROMPT, 14)  # every draft kept: the state is already right
+    assert right.tokens == greedy.tokens and right.recomputed_steps == 0 and right.accepted_per_step[0] == 3
+
+
+class CoinOracle(Oracle):
+    """Right or wrong by a fixed coin per (position, depth): steps keep 0, 1, 2 or all 3 drafts."""
+
+    def logits(self, hidden):
+        out = torch.zeros(hidden.shape[0], self.config.draft_vocab_size)
+        for i, (pos, depth) in enumerate(hidden.tolist()):
+            tok = self.full[pos + 1] if pos + 1 < len(self.full) else 0
+            wrong = (5 * pos + 2 * depth) % 9 < 3
+            out[i, (tok + 1) % out.shape[1] if wrong else tok] = 1.0
+        return out
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_hybrid_mixed_acceptance_and_random_drafter_equal_greedy(family, hybrids):
+    """Steps keeping 0..3 drafts (the state put back to each length), and an untrained P-EAGLE drafter (its
+    cached session fed the hybrid's aux features, almost every draft rejected): both identical to greedy."""
+    verifier = hybrids[family]
+    text = verifier.config.get_text_config()
+    greedy = greedy_generate(verifier, PROMPT, 16)
+    coin = speculative_generate(verifier, CoinOracle(text, PROMPT + greedy.tokens, 3, 0), PROMPT, 16)
+    assert coin.tokens == greedy.tokens
+    assert {0, 1, 2, 3} <= set(coin.accepted_per_step), coin.accepted_per_step
+    assert coin.recomputed_steps == sum(n < k for n, k in zip(coin.accepted_per_step, coin.drafted_per_step))
+    torch.manual_seed(0)
+    drafter = PEagleDrafter(DrafterConfig(hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=16, vocab_size=text.vocab_size,
+                                          draft_vocab_size=text.vocab_size, aux_layer_ids=[1, 3],
+                                          num_depths=3)).eval()
+    spec = speculative_generate(verifier, drafter, PROMPT, 16)
+    assert spec.tokens == greedy.tokens and spec.recomputed_steps >= 1
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_hybrid_cut_back_gives_the_models_own_logits(family, hybrids):
+    """After 4 drafts of which 1 is kept, the logits of the next tokens are a fresh forward's (so sampling at
+    T > 0, which reads the whole distribution, keeps it); without putting the state back they are not."""
+    verifier = hybrids[family]
+    want, _ = verifier_pass(verifier, torch.tensor(PROMPT + [5, 9, 10, 11]), new_cache(verifier), want_hidden=False)
+    for restore in (True, False):
+        cache = rollback_cache(verifier)
+        verifier_pass(verifier, torch.tensor(PROMPT), cache, want_hidden=False)
+        snapshot = snapshot_state(cache, len(PROMPT))
+        fed = torch.tensor([5, 6, 7, 8])
+        verifier_pass(verifier, fed, cache, want_hidden=False)  # root and 3 drafts
+        if restore:
+            assert keep_fed(verifier, cache, fed, 1, snapshot)
+        else:  # attention keys cut back, the recurrent state as the pass left it
+            for i, layer in enumerate(cache.layers):
+                if i not in recurrent_layers(cache) and isinstance(getattr(layer, "keys", None), torch.Tensor):
+                    layer.crop(-3)
+                elif hasattr(layer, "cumulative_length_linear"):
+                    layer.cumulative_length_linear.sub_(3)
+        got, _ = verifier_pass(verifier, torch.tensor([9, 10, 11]), cache, want_hidden=False)
+        if restore:
+            torch.testing.assert_close(got, want[-3:], atol=1e-4, rtol=1e-4)
+        else:
+            assert (got - want[-3:]).abs().max() > 1e-2
+
+
+def test_hybrid_cache_is_cut_back_only_to_its_snapshot(hybrids):
+    verifier = hybrids["qwen3_next"]
+    cache = rollback_cache(verifier)
+    verifier_pass(verifier, torch.tensor(PROMPT), cache, want_hidden=False)
+    snapshot = snapshot_state(cache, len(PROMPT))
+    verifier_pass(verifier, torch.tensor([5, 6]), cache, want_hidden=False)
+    with pytest.raises(ValueError, match="recurrent state.*snapshot"):
+        crop_cache(cache, len(PROMPT) + 1)
+    with pytest.raises(ValueError, match="snapshot taken there"):
+        crop_cache(cache, len(PROMPT) + 1, snapshot)
+    assert snapshot_state(rollback_cache(build_family("qwen3")), 0) is None  # attention only: nothing to keep
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_tree_with_a_hybrid_verifier_is_refused(family, hybrids):
+    """A tree's nodes go through a recurrent layer as one sequence: refused with the reason, from the config alone
+    (before weights load) and by the decoder."""
+    from stores.errors import InputError
+
+    with pytest.raises(InputError, match=r"recurrent state.*state per branch.*Use the chain"):
+        check_tree_config(family_config(family))
+    verifier = hybrids[family]
+    oracle = Oracle(verifier.config.get_text_config(), PROMPT * 3, num_depths=3, wrong_from=2)
+    with pytest.raises(InputError, match="recurrent state"):
+        tree_generate(verifier, oracle, PROMPT, 6, TreeSpec(topk=(2, 1, 1)))
+    check_tree_config(family_config("gemma3_text"))  # attention-only: allowed

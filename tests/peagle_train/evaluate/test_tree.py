@@ -179,7 +179,7 @@ def test_tree_refuses_sampling_and_masks_it_cannot_pass(tiny_verifier):
     from transformers import Gemma3TextConfig, Qwen3NextConfig
 
     for config, match in ((Gemma3TextConfig(use_bidirectional_attention=True), "use_bidirectional_attention"),
-                          (Qwen3NextConfig(num_hidden_layers=4), "'linear_attention' layers")):
+                          (Qwen3NextConfig(num_hidden_layers=4), r"layers \[0, 1, 2\] carry a recurrent state")):
         fake = SimpleNamespace(config=config)
         config._attn_implementation = "sdpa"
         with pytest.raises(InputError, match=match):
