@@ -18,6 +18,7 @@ from peagle_train.data.split import SPLIT_CONVERSATIONS
 from peagle_train.evaluate.checks import check_store_fits, check_verifier_config
 from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.prompts import eos_ids
+from peagle_train.evaluate.replay import TurnReplay
 from peagle_train.evaluate.speculative import checked_num_draft_tokens
 from peagle_train.model.attention import element_attention
 from peagle_train.model.checkpoint import load_drafter
@@ -138,7 +139,8 @@ class _OfflineTotals:
 
 def evaluate_offline(drafter, blocks: Iterable, lm_head_weight: torch.Tensor, num_depths: int | None = None,
                      chunk_anchors: int = 256, progress: Callable[[int], None] | None = None,
-                     eos_token_ids: Iterable[int] = ()) -> dict[str, Any]:
+                     eos_token_ids: Iterable[int] = (), replay: TurnReplay | None = None,
+                     conversation: Callable[[int, int], int] | None = None) -> dict[str, Any]:
     """Offline acceptance of ``drafter`` on stored blocks (see the module docstring for definitions).
 
     Args:
@@ -153,6 +155,10 @@ def evaluate_offline(drafter, blocks: Iterable, lm_head_weight: torch.Tensor, nu
         progress: called with 1 after each block.
         eos_token_ids: ids that end generation; a chain stops before an element whose target is one
             of them, as online decoding does (see :meth:`_OfflineTotals.add`).
+        replay: also walk every segment's assistant turns as online decoding would, with the same drafts
+            (:class:`~peagle_train.evaluate.replay.TurnReplay`, filled in place).
+        conversation: ``(j, k) -> key`` of the j-th block's segment k (the replay's bootstrap unit); default
+            every segment its own conversation.
 
     Returns:
         ``per_depth_accuracy`` (K, None where no weight), ``per_depth_correct``,
@@ -165,10 +171,10 @@ def evaluate_offline(drafter, blocks: Iterable, lm_head_weight: torch.Tensor, nu
     totals = _OfflineTotals(K)
     eos = torch.tensor(sorted({int(e) for e in eos_token_ids}), dtype=torch.long)
     drafter.eval()
-    for block in blocks:
+    for j, block in enumerate(blocks):
         cu = block.cu_seqlens.tolist()
         m = block.loss_mask.long()
-        for start, end in zip(cu[:-1], cu[1:]):
+        for k, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
             n = end - start
             if n < 3:
                 continue
@@ -187,6 +193,10 @@ def evaluate_offline(drafter, blocks: Iterable, lm_head_weight: torch.Tensor, nu
             correct = weight & (drafted == target[label - 1])  # target of (a, d) is argmax z_{a+d+1}
             ends = exists & torch.isin(block.input_ids[start + label], eos)  # [A, K] target is an EOS
             totals.add(correct, weight, ends)
+            if replay is not None:
+                key = conversation(j, k) if conversation is not None else (j << 20) + k
+                replay.add_segment(key, block.input_ids[start:end].numpy(), seg_m.numpy(), drafted.numpy(),
+                                   f"block {getattr(block, 'block_id', j)} segment {k}")
         if progress is not None:
             progress(1)
     return totals.report()
@@ -313,8 +323,10 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
                      blocks: Sequence[int] | None = None, verifier_name: str | None = None,
                      num_depths: int | None = None, chunk_anchors: int = 256,
                      progress_factory: Callable[[int], Any] | None = None,
-                     log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
-    """Offline evaluation of a drafter checkpoint on a feature store (docs/design.md §9).
+                     log: Callable[[str], None] = lambda m: None, max_new_tokens: int = 128,
+                     seed: int = 0) -> dict[str, Any]:
+    """Offline evaluation of a drafter checkpoint on a feature store (docs/design.md §9): the replayed
+    acceptance (``replay``, the primary figure on a judge store) and the all-anchor diagnostic.
 
     Args:
         drafter_dir: a drafter checkpoint directory.
@@ -326,9 +338,13 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
         num_depths: chain length K; default the drafter's.
         chunk_anchors, progress_factory: see :func:`evaluate_offline` / :func:`run_online_eval`.
         log: called with each warning of the block selection (another store, an incomplete one).
+        max_new_tokens: the most tokens per turn the store's continuations were generated with (the replay walks
+            a turn only where decoding with this limit stops where the turn ends).
+        seed: the replay's bootstrap seed.
 
     Returns:
-        The :func:`evaluate_offline` report plus :meth:`BlockSelection.report` (``split``, ``blocks``,
+        The :func:`evaluate_offline` report (its ``simulated_acceptance_length`` is the all-anchor mean, a
+        diagnostic), ``replay`` (:meth:`~peagle_train.evaluate.replay.TurnReplay.report`), plus :meth:`BlockSelection.report` (``split``, ``blocks``,
         ``store_blocks_done``, ``store_blocks_total``, ``warnings``), ``store``, ``drafter``, ``verifier``.
 
     Raises:
@@ -357,12 +373,20 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
     verifier = load_verifier(name, device="cpu")
     lm_head = verifier.lm_head.weight.detach()  # [V, H]
     eos = eos_ids(load_tokenizer(name), verifier)
+    replay = TurnReplay(checked_num_draft_tokens(num_depths, drafter), max_new_tokens, frozenset(eos), seed)
+    keys = fs.segment_keys()
+    conversation = None if keys is None else (lambda j, k: int(keys[ids[j], k]))
     bar = progress_factory(len(ids)) if progress_factory else None
     try:
         report = evaluate_offline(drafter, (fs.read_block(i) for i in ids), lm_head, num_depths,
                                   chunk_anchors, progress=bar.update if bar is not None else None,
-                                  eos_token_ids=eos)
+                                  eos_token_ids=eos, replay=replay, conversation=conversation)
     finally:
         if bar is not None:
             bar.close()
-    return {"drafter": str(drafter_dir), "store": str(store), "verifier": str(name), **chosen.report(), **report}
+    replayed = replay.report()
+    if replay.refused:
+        log(f"warning: replay: {sum(replay.refused.values())} assistant turn(s) not walked, as online decoding would "
+            f"not produce them: {replay.refused}; first: {list(replay.first_refusal.values())[0]}")
+    return {"drafter": str(drafter_dir), "store": str(store), "verifier": str(name), **chosen.report(), **report,
+            "replay": replayed}

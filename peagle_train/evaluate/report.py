@@ -106,7 +106,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines += [
             f"offline: {len(off.get('blocks', []))} blocks ({off.get('split', '-')}{_store_state(off)}), "
             f"{off['positions_scored']} positions",
-            f"  simulated acceptance length {_fmt(off['simulated_acceptance_length'])}",
+            *_replay_lines(off.get("replay")),
+            f"  all-anchor acceptance length (diagnostic) {_fmt(off['simulated_acceptance_length'])}",
             "  depth     " + " ".join(f"{i:>6d}" for i in range(K)),
             "  accuracy  " + " ".join(f"{_fmt(x):>6s}" for x in off["per_depth_accuracy"]),
             "  cond.acc  " + " ".join(f"{_fmt(x):>6s}" for x in off["per_position_acceptance"]),
@@ -169,6 +170,25 @@ def _cost_lines(report: dict[str, Any]) -> list[str]:
     if "skipped" in cm:
         return [f"K from measured costs: skipped ({cm['skipped']})"]
     return format_cost_model(cm)
+
+
+def _replay_lines(replay: dict[str, Any] | None) -> list[str]:
+    """The replayed acceptance of an offline report (``replay``), the primary figure of a judge store."""
+    if not replay:
+        return []
+    if "skipped" in replay:
+        return [f"  replayed acceptance length: skipped ({replay['skipped']})"]
+    se = f" ± {replay['se']:.3f} (SE, bootstrap over {replay['conversations']} conversations)" if replay["se"] else ""
+    lines = [f"  replayed acceptance length {replay['acceptance_length']:.3f}{se}, {replay['turns']} turns, "
+             f"{replay['num_drafts']} steps with drafts",
+             "  replayed  " + " ".join(f"{_fmt(x):>6s}" for x in replay["per_position_acceptance"])]
+    for b in replay["by_context_length"]:
+        span = f"[{b['from']}, {b['to']})" if b["to"] is not None else f"[{b['from']}, ...)"
+        bse = f" ± {b['se']:.3f}" if b["se"] else ""
+        lines.append(f"    context {span:>16s}: AL {b['acceptance_length']:.3f}{bse} ({b['num_drafts']} steps)")
+    if replay.get("refused_turns"):
+        lines.append(f"  turns not walked (not what decoding produces): {replay['refused_turns']}")
+    return lines
 
 
 def _store_state(off: dict) -> str:

@@ -83,7 +83,8 @@ def _evaluate(run: EvalRun, drafter: str, log: Callable[[str], None]) -> dict[st
     if run.store is not None:
         offline = run_offline_eval(drafter, run.store, max_blocks=s.max_blocks, verifier_name=run.verifier,
                                    num_depths=s.num_draft_tokens, chunk_anchors=s.chunk_anchors,
-                                   progress_factory=_progress("offline eval", "block"), log=log)
+                                   progress_factory=_progress("offline eval", "block"), log=log,
+                                   max_new_tokens=s.max_new_tokens, seed=s.seed)
     if run.prompts is not None and s.engine == "vllm":
         online = run_vllm_eval(drafter, run.verifier, run.prompts, s, log=log)
     elif run.prompts is not None:

@@ -314,8 +314,9 @@ def test_turn_text_drops_only_the_eos_that_ends_the_turn(smollm2_tokenizer):
 
 
 # ------------------------------------------------------------------ end to end through the CLI
-def make_store(path, verifier, verifier_dir, segments: list[list[int]]):
-    """A one-block feature store of ``segments`` with the verifier's real features (layers 1, 2, 3)."""
+def make_store(path, verifier, verifier_dir, segments: list[list[int]], loss_mask: list[int] | None = None):
+    """A one-block feature store of ``segments`` with the verifier's real features (layers 1, 2, 3); loss mask 0 on
+    the first two tokens and 1 after them unless given."""
     from stores.feature_store import FeatureStore
 
     aux, final = [], []
@@ -331,7 +332,7 @@ def make_store(path, verifier, verifier_dir, segments: list[list[int]]):
     cu = [0]
     for seg in segments:
         cu.append(cu[-1] + len(seg))
-    store.write_tokens(0, sum(segments, []), [0, 0] + [1] * (T - 2),
+    store.write_tokens(0, sum(segments, []), [0, 0] + [1] * (T - 2) if loss_mask is None else loss_mask,
                        [p for seg in segments for p in range(len(seg))], cu)
     store.write_features(0, torch.cat(aux).bfloat16(), torch.cat(final).bfloat16())
     store.write_all_n_tokens([T])
