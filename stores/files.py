@@ -23,7 +23,7 @@ _DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded")
 
 def is_disk_full(e: BaseException) -> bool:
     """Whether ``e`` is an ``OSError`` of a full disk or an exceeded quota (``ENOSPC``/``EDQUOT``, or a library's
-    message saying so without the errno)."""
+    message saying so without the errno, as pyarrow's)."""
     if not isinstance(e, OSError):
         return False
     return e.errno in (errno.ENOSPC, errno.EDQUOT) or any(t in str(e) for t in _DISK_FULL_TEXT)

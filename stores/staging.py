@@ -320,14 +320,18 @@ def replace_dir(directory: str | os.PathLike, write: Callable[[Path], None]) -> 
 
     An existing ``directory`` is renamed to ``.NAME.old`` for the swap and then deleted; leftovers of
     an earlier interrupted call under those names are removed first. When ``write`` raises,
-    ``directory`` is left as it was.
+    ``directory`` is left as it was and ``.NAME.tmp`` is removed.
     """
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.parent / f".{directory.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    write(tmp)
+    try:
+        write(tmp)
+    except BaseException:  # a full disk, a NaN refused: no half-written copy left beside the output
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if directory.exists():
         old = directory.parent / f".{directory.name}.old"
         shutil.rmtree(old, ignore_errors=True)
@@ -353,10 +357,16 @@ def fill_dir(target: str | os.PathLike, write: Callable[[Path], None]) -> None:
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
     """Yield ``NAME.tmp`` beside ``path`` to write; rename it to ``path`` when the block finishes
-    (the parent directory must exist). A block that raises leaves ``path`` as it was."""
+    (the parent directory must exist). A block that raises (a full disk) leaves ``path`` as it was and removes
+    ``NAME.tmp``."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    yield tmp
+    try:
+        yield tmp
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
     os.replace(tmp, path)
 
 

@@ -165,3 +165,27 @@ def _shard(tmp_path, index: int):
                            "--num-shards", 2, "--shard-index", index])
     assert result.exit_code == 0, result.output
     return out
+
+
+def test_a_full_disk_while_packing_is_one_line_and_leaves_nothing(tmp_path, packed, monkeypatch):
+    """Issue 44 item 9 in the Parquet writer: pyarrow says a full disk without an errno ("... No space left on
+    device"). One error line naming the disk and the command to run again, exit code 2, no staging directory."""
+    import sys
+
+    import pyarrow.parquet as pq
+
+    def full(self, *a, **k):
+        raise OSError("IOError: Failed to write: No space left on device")
+
+    monkeypatch.setattr(pq.ParquetWriter, "write_batch", full)
+    convs, out = tmp_path / "convs.jsonl", tmp_path / "again"
+    args = [str(convs), "--tokenizer", "smollm2-135m", "--output", str(out), "--max-seq-len", "64"]
+    monkeypatch.setattr(sys, "argv", ["peagle-data pack", *args])
+    result = CliRunner().invoke(pack, args, prog_name="peagle-data pack")
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1 and errors[0].startswith("Error: disk full: no space left on "), errors
+    assert errors[0].endswith("; kept: nothing: this command writes its output only when it finishes; free space on "
+                              f"{errors[0].split(' on ')[1].split(' (')[0]}, then run it again with: peagle-data pack "
+                              f"{convs} --tokenizer smollm2-135m --output {out} --max-seq-len 64"), errors[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["convs.jsonl", "packed"]  # no staging directory left
