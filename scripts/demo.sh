@@ -20,6 +20,7 @@ NUM_DEPTHS=${DEMO_NUM_DEPTHS:-4}
 PROMPTS=${DEMO_PROMPTS:-examples/prompts.jsonl}
 NUM_PROMPTS=${DEMO_NUM_PROMPTS:-2}
 MAX_NEW_TOKENS=${DEMO_MAX_NEW_TOKENS:-32}
+MEASURE_COSTS=${DEMO_MEASURE_COSTS:-1}   # 0: skip the cost model's timing after the online eval (--no-measure-costs)
 
 PREFIX=demo.sh; . scripts/checks.sh
 check_positive_ints DEMO_CONVERSATIONS DEMO_MAX_SEQ_LEN DEMO_MAX_WINDOWS DEMO_STEPS DEMO_DRAFT_VOCAB \
@@ -27,6 +28,8 @@ check_positive_ints DEMO_CONVERSATIONS DEMO_MAX_SEQ_LEN DEMO_MAX_WINDOWS DEMO_ST
 check_positive_number DEMO_LR "$LR"
 (( MAX_SEQ_LEN >= 2 )) || bad "DEMO_MAX_SEQ_LEN=$MAX_SEQ_LEN: expected at least 2 tokens"
 [[ -f $PROMPTS ]] || bad "DEMO_PROMPTS=$PROMPTS: no such file"
+[[ $MEASURE_COSTS == 0 || $MEASURE_COSTS == 1 ]] || bad "DEMO_MEASURE_COSTS=$MEASURE_COSTS: expected 0 or 1"
+COSTS=--measure-costs; [[ $MEASURE_COSTS == 1 ]] || COSTS=--no-measure-costs
 [[ ! -e $OUT || -d $OUT ]] || bad "DEMO_DIR=$OUT: exists and is not a directory"
 
 bash scripts/setup_env.sh
@@ -49,6 +52,7 @@ peagle-train --store "$OUT/features.zarr" --output "$OUT/drafter" --max-steps "$
 echo "== 4/4 evaluate offline (held-out blocks) and online (speculative decoding, $NUM_PROMPTS prompts of $PROMPTS)"
 peagle-eval --drafter "$OUT/drafter/final" --verifier smollm2-135m --store "$OUT/features.zarr" \
   --prompts "$PROMPTS" --num-prompts "$NUM_PROMPTS" --max-new-tokens "$MAX_NEW_TOKENS" \
+  "$COSTS" \
   --output "$OUT/eval.json" --force > /dev/null
 
 python - "$OUT" "$t0" <<'PY'

@@ -15,7 +15,7 @@ from typing import Any
 from stores.errors import DiskFullError, NonFiniteError
 
 __all__ = ["current_umask", "follow_umask", "is_local", "is_zarr_store", "nonfinite_paths", "strict_json",
-           "is_disk_full", "disk_full_error"]
+           "is_disk_full", "disk_full_error", "json_error_text", "json_line_problem"]
 
 _DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded")
 """What libraries that drop the errno say (pyarrow's ``OSError``: "... error: No space left on device")."""
@@ -23,7 +23,7 @@ _DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded")
 
 def is_disk_full(e: BaseException) -> bool:
     """Whether ``e`` is an ``OSError`` of a full disk or an exceeded quota (``ENOSPC``/``EDQUOT``, or a library's
-    message saying so without the errno)."""
+    message saying so without the errno, as pyarrow's)."""
     if not isinstance(e, OSError):
         return False
     return e.errno in (errno.ENOSPC, errno.EDQUOT) or any(t in str(e) for t in _DISK_FULL_TEXT)
@@ -75,6 +75,25 @@ def strict_json(obj: Any, what: str, **kwargs: Any) -> str:
             raise
         raise NonFiniteError(f"{what}: {', '.join(bad)} {'is' if len(bad) == 1 else 'are'} NaN or infinite; "
                              "not written") from None
+
+
+def json_error_text(e: json.JSONDecodeError) -> str:
+    """``e``'s message without the ``at`` some of Python's messages end in ("Invalid control character at"),
+    which a caller adds with the position: never "at at"."""
+    return e.msg[:-3] if e.msg.endswith(" at") else e.msg
+
+
+def json_line_problem(line: str, e: json.JSONDecodeError, row: int) -> str:
+    """Why JSON-lines line ``row`` (``line``, its text) failed to parse (``e``), as a reject reason: ``truncated
+    JSON: line N is cut short ...`` when the record is still open where the line ends (an unterminated string, or
+    the error at the line's end: a file cut mid-line, a line broken in two), else ``invalid JSON: MESSAGE at line
+    N column C``."""
+    content = line.rstrip()
+    if e.msg.startswith("Unterminated") or e.pos >= len(content):
+        detail = f"; {json_error_text(e)} at column {e.colno}" if e.pos < len(content) else ""
+        return (f"truncated JSON: line {row} is cut short: its record is still open where the line ends "
+                f"(column {len(content) + 1}{detail})")
+    return f"invalid JSON: {json_error_text(e)} at line {row} column {e.colno}"
 
 
 def is_local(path: str | os.PathLike) -> bool:

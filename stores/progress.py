@@ -1,9 +1,12 @@
 """Progress of every long loop (tokenize, pack, regenerate, extract, train, eval): one place, one convention.
 
 On a terminal a bar is tqdm's usual in-place bar. Written anywhere else (a log file, a pipe, a
-notebook's captured stderr) :func:`progress` prints plain ASCII lines instead (:class:`LogLines`):
-the first after :data:`LOG_INTERVAL_S` seconds, then at most one per :data:`LOG_INTERVAL_S` (whatever
-the loop updates in between: a step, a postfix), and always one final line when the loop ends,
+notebook's captured stderr) :func:`progress` prints plain ASCII lines instead (:class:`LogLines`), bounded:
+a line needs both :data:`LOG_INTERVAL_S` seconds since the last one and, when the total is known, another
+``1/`` :data:`MAX_LOG_LINES` of it done (a line every 4% at most), so a loop prints at most :data:`MAX_LOG_LINES` lines
+however slow its items (40 training steps of 40 s each printed 41 lines, one a step; now 20). With no total
+the interval doubles after each :data:`MAX_LOG_LINES` lines. Whatever the loop updates in between (a step, a
+postfix) prints nothing by itself. One final line always ends the loop,
 ``DESC: done: N/TOTAL UNIT in ELAPSED (RATE UNIT/s), POSTFIX`` (``stopped:`` instead of ``done:`` when
 an exception, Ctrl-C included, ends it), also for a loop shorter than the interval.
 """
@@ -14,10 +17,13 @@ import sys
 import time
 from typing import Any, Iterable, Iterator, TextIO
 
-__all__ = ["LOG_INTERVAL_S", "LogLines", "progress"]
+__all__ = ["LOG_INTERVAL_S", "MAX_LOG_LINES", "LogLines", "progress"]
 
 LOG_INTERVAL_S = 30.0
-"""Seconds between two progress lines when the bar's stream is not a terminal."""
+"""Seconds between two progress lines (at least) when the bar's stream is not a terminal."""
+MAX_LOG_LINES = 25
+"""The most progress lines of one loop of known total on a stream that is not a terminal, besides its final line
+(a line every ``100 / MAX_LOG_LINES`` = 4% of the total at most)."""
 
 
 def _duration(seconds: float) -> str:
@@ -44,18 +50,23 @@ class LogLines:
         initial: items already done (a resumed run).
         unit: the items' unit (``block``, ``step``, ``tok``).
         disable: True: no output at all.
-        interval: seconds between two lines (default :data:`LOG_INTERVAL_S`).
+        interval: seconds between two lines at least (default :data:`LOG_INTERVAL_S`; doubled after every
+            :data:`MAX_LOG_LINES` lines of a loop with no total).
+        max_lines: the most lines before the final one for a known total (default :data:`MAX_LOG_LINES`).
     """
 
     def __init__(self, iterable: Iterable | None = None, *, file: TextIO, desc: str = "", total: int | None = None,
                  initial: int = 0, unit: str = "it", disable: bool = False, interval: float | None = None,
-                 **_ignored: Any):
+                 max_lines: int | None = None, **_ignored: Any):
         if total is None and iterable is not None and hasattr(iterable, "__len__"):
             total = len(iterable)
         self.iterable, self.file, self.desc, self.total, self.unit = iterable, file, desc, total, unit
         self.n = self.initial = int(initial)
         self.disable = bool(disable)
         self.interval = LOG_INTERVAL_S if interval is None else float(interval)
+        self.max_lines = MAX_LOG_LINES if max_lines is None else max(1, int(max_lines))
+        self.lines = 0
+        self.last_n = self.n
         self.postfix = ""
         self.start = self.last = time.monotonic()
         self.closed = False
@@ -76,12 +87,22 @@ class LogLines:
         self.close()
 
     def update(self, n: int = 1) -> None:
-        """Count ``n`` more items; print a line when :attr:`interval` has passed since the last one."""
+        """Count ``n`` more items; print a line when :meth:`_due` (the interval has passed, and the next
+        ``1/max_lines`` of a known total is done)."""
         self.n += int(n)
         now = time.monotonic()
-        if not self.disable and now - self.last >= self.interval:
-            self.last = now
+        if not self.disable and self._due(now):
+            self.last, self.last_n, self.lines = now, self.n, self.lines + 1
             self._write(self._line(now))
+
+    def _due(self, now: float) -> bool:
+        """Whether a progress line is due: :attr:`interval` seconds since the last line (doubled after every
+        :attr:`max_lines` lines of a loop with no total), and with a total,
+        ``ceil((total - initial) / max_lines)`` more items done since the last line."""
+        if self.total is None:
+            return now - self.last >= self.interval * 2 ** (self.lines // self.max_lines)
+        step = max(1, -(-(self.total - self.initial) // self.max_lines))
+        return now - self.last >= self.interval and self.n - self.last_n >= step
 
     def set_postfix(self, ordered_dict: dict | None = None, refresh: bool = True, **kwargs: Any) -> None:
         """Show ``key=value`` pairs at the end of the next line (no line by itself)."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from stores.chat_template import loads_unique
+from stores.files import json_error_text
 
 __all__ = ["Mixture", "parse_mixture", "template_value", "draw_key", "RowSettings", "row_settings",
            "temperature_value", "effort_value", "thinking_value", "parse_template_mixture", "normalised",
@@ -48,7 +49,7 @@ def _loads(text: Any, option: str) -> Any:
         try:
             return loads_unique(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{option}: invalid JSON ({e.msg} at character {e.pos})") from None
+            raise ValueError(f"{option}: invalid JSON ({json_error_text(e)} at character {e.pos})") from None
         except ValueError as e:  # a key given twice
             raise ValueError(f"{option}: {e}") from None
     return text
@@ -200,7 +201,7 @@ def parse_template_mixture(value: Any) -> dict[str, Any]:
         try:
             value = loads_unique(value)
         except json.JSONDecodeError as e:
-            raise ValueError(f"--template-mixture: invalid JSON ({e.msg})") from None
+            raise ValueError(f"--template-mixture: invalid JSON ({json_error_text(e)} at character {e.pos})") from None
         except ValueError as e:  # a key given twice
             raise ValueError(f"--template-mixture: {e}") from None
     if not isinstance(value, dict) or not all(isinstance(k, str) and k.isidentifier() for k in value):

@@ -41,6 +41,7 @@ __all__ = [
     "OUTPUT_KINDS",
     "foreign_entries",
     "check_replaceable",
+    "check_replaceable_file",
     "prepare_output_dir",
     "staged_output_dir",
     "remove_stale_partials",
@@ -140,6 +141,38 @@ def check_replaceable(path: str | os.PathLike, force: bool,
         raise ForeignFilesError(str(path), [str(p) for p in foreign], option,
                                 [f"a {k.name} with its {k.marker}" for k in kinds])
     return True
+
+
+_MARKER_SCAN_BYTES = 1 << 20
+"""How much of the start and of the end of a file :func:`check_replaceable_file` reads for its marker."""
+
+
+def check_replaceable_file(path: str | os.PathLike, force: bool, marker: bytes, what: str, option: str,
+                           hint: str = "pass --force to overwrite it") -> None:
+    """The check before a command replaces the one file it writes (a plot, a page): it may replace only a file of
+    its own, one holding ``marker`` (in its first or last MiB: a PNG's ``tEXt`` chunk, a PDF's ``/Creator``,
+    an SVG's or HTML page's header).
+
+    Raises:
+        OutputExistsError: ``path`` exists and ``force`` is false (message ``hint``, the path shown as
+            ``OPTION PATH``).
+        ForeignFilesError: ``force`` with a ``path`` that lacks ``marker`` (a user's file, a link, a directory):
+            nothing is removed.
+    """
+    path = Path(path)
+    if not (path.exists() or path.is_symlink()):
+        return
+    if not force:
+        raise OutputExistsError(f"{option} {path}", hint)
+    ours = False
+    if path.is_file() and not path.is_symlink():
+        with path.open("rb") as f:
+            head = f.read(_MARKER_SCAN_BYTES)
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(size - _MARKER_SCAN_BYTES, len(head)))
+            ours = marker in head or marker in f.read()
+    if not ours:
+        raise ForeignFilesError(str(path), [str(path)], option, [what])
 
 
 def prepare_output_dir(path: str | os.PathLike, force: bool) -> Path:
@@ -320,14 +353,18 @@ def replace_dir(directory: str | os.PathLike, write: Callable[[Path], None]) -> 
 
     An existing ``directory`` is renamed to ``.NAME.old`` for the swap and then deleted; leftovers of
     an earlier interrupted call under those names are removed first. When ``write`` raises,
-    ``directory`` is left as it was.
+    ``directory`` is left as it was and ``.NAME.tmp`` is removed.
     """
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.parent / f".{directory.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    write(tmp)
+    try:
+        write(tmp)
+    except BaseException:  # a full disk, a NaN refused: no half-written copy left beside the output
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if directory.exists():
         old = directory.parent / f".{directory.name}.old"
         shutil.rmtree(old, ignore_errors=True)
@@ -353,10 +390,16 @@ def fill_dir(target: str | os.PathLike, write: Callable[[Path], None]) -> None:
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
     """Yield ``NAME.tmp`` beside ``path`` to write; rename it to ``path`` when the block finishes
-    (the parent directory must exist). A block that raises leaves ``path`` as it was."""
+    (the parent directory must exist). A block that raises (a full disk) leaves ``path`` as it was and removes
+    ``NAME.tmp``."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    yield tmp
+    try:
+        yield tmp
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
     os.replace(tmp, path)
 
 

@@ -55,8 +55,9 @@ def check_layers(layers: list[int], L: int) -> list[int]:
         negative = [x for x in bad if x < 0 and 0 <= x + L + 1]
         why = (f" (indices count from 0, not from the end: {', '.join(f'{x} would be {x + L + 1}' for x in negative)})"
                if negative else "")
-        raise InputError(f"layers {bad} out of range: the verifier has {L} layers, valid indices are 0..{L}{why}{give}",
-                         field="--layers")
+        raise InputError(f"layers {bad} out of range: the verifier has {L} decoder layers, valid indices are 0..{L} "
+                         f"(0 the embedding output, the first decoder layer's input; k the output of decoder layer k "
+                         f"counted from 1, so {L} the last one's, before the final norm){why}{give}", field="--layers")
     if layers != sorted(layers):
         raise InputError(f"--layers: {','.join(map(str, layers))} is not increasing; vLLM feeds the aux layers in "
                          f"increasing order{give}", field="--layers")

@@ -20,9 +20,9 @@ from typing import Any, Iterator
 import numpy as np
 
 from stores.chat_template import describe_kwargs
-from stores.errors import InputError, OutputExistsError
+from stores.errors import InputError
 from stores.model_cache import load_tokenizer
-from stores.staging import write_text_atomic
+from stores.staging import check_replaceable_file, write_text_atomic
 from stores.token_tables import TokenTable
 from stores.verifier_match import check_tokenizer
 
@@ -213,6 +213,10 @@ def render_text(item: ShownItem, tokenizer, color: bool = False) -> str:
     return "\n".join(lines)
 
 
+PAGE_TITLE = "<title>peagle-data show: "
+"""The start of every page's title: how ``--force`` tells a page of its own from another file
+(:func:`stores.staging.check_replaceable_file`)."""
+
 _PAGE = """<!doctype html>
 <html><head><meta charset="utf-8"><title>peagle-data show: {title}</title>
 <style>
@@ -265,13 +269,14 @@ def show(path: str, row: int | None = None, block: int | None = None, item_id: s
             no such row, block or id.
         StoreMismatchError: a tokenizer other than the table's (fingerprint or vocab size).
         OutputExistsError: ``html_file`` exists and ``force`` is not set.
+        ForeignFilesError: ``force`` with an ``html_file`` that is no page of this command's (:data:`PAGE_TITLE`).
     """
     if sum(x is not None for x in (row, block, item_id)) > 1:
         raise InputError("give at most one of --row, --block and --id")
     if html_file is not None and not Path(html_file).absolute().parent.is_dir():
         raise InputError(f"--html {html_file}: the directory {Path(html_file).absolute().parent} does not exist")
-    if html_file is not None and Path(html_file).exists() and not force:
-        raise OutputExistsError(f"--html {html_file}")  # "output --html F already exists; pass --force ..."
+    if html_file is not None:  # "output --html F already exists; pass --force ..."; a page of another's: refused
+        check_replaceable_file(html_file, force, PAGE_TITLE.encode(), "a page of peagle-data show", "--html")
     table = TokenTable.open(path)
     if block is not None and table.kind != "packed":
         raise InputError(f"--block needs a packed table; {path} is a {table.kind} table (use --row)")

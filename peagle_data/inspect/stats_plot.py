@@ -10,12 +10,16 @@ from typing import Any
 import numpy as np
 
 from peagle_data.inspect.stats import FRACTION_BINS, KIND_NAMES
-from stores.errors import InputError, OutputExistsError
+from stores.errors import InputError
+from stores.staging import check_replaceable_file
 
 __all__ = ["PLOT_SUFFIXES", "check_plot_output", "plot_stats", "plot_title", "panels"]
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 """The file types :func:`plot_stats` writes (matplotlib picks the format from the extension)."""
+PLOT_CREATOR = "peagle-data stats"
+"""The plot's creator in its metadata (PNG ``Software``, SVG and PDF ``Creator``): how ``--force`` tells a plot of
+its own from another file (:func:`stores.staging.check_replaceable_file`)."""
 
 
 def check_plot_output(png: str | os.PathLike, force: bool = False) -> None:
@@ -24,14 +28,14 @@ def check_plot_output(png: str | os.PathLike, force: bool = False) -> None:
     Raises:
         InputError: the extension is not one of :data:`PLOT_SUFFIXES`, or the directory is missing.
         OutputExistsError: ``png`` exists and ``force`` is false.
+        ForeignFilesError: ``force`` with a ``png`` that is no plot of this command's (:data:`PLOT_CREATOR`).
     """
     png = Path(png)
     if png.suffix.lower() not in PLOT_SUFFIXES:
         raise InputError(f"--png {png}: a plot is {', '.join(PLOT_SUFFIXES)}, not {png.suffix or 'a name without extension'!r}")
     if not png.absolute().parent.is_dir():
         raise InputError(f"--png {png}: the directory {png.absolute().parent} does not exist")
-    if png.exists() and not force:
-        raise OutputExistsError(str(png))
+    check_replaceable_file(png, force, PLOT_CREATOR.encode(), "a plot of peagle-data stats", "--png")
 
 
 def plot_stats(stats: dict[str, Any], png: str | os.PathLike, force: bool = False) -> Path:
@@ -45,7 +49,7 @@ def plot_stats(stats: dict[str, Any], png: str | os.PathLike, force: bool = Fals
         The PNG path.
 
     Raises:
-        InputError, OutputExistsError: see :func:`check_plot_output` (checked before drawing).
+        InputError, OutputExistsError, ForeignFilesError: see :func:`check_plot_output` (checked before drawing).
     """
     check_plot_output(png, force)
     import matplotlib
@@ -62,7 +66,7 @@ def plot_stats(stats: dict[str, Any], png: str | os.PathLike, force: bool = Fals
     fig.suptitle("\n".join([title, "; ".join(notes)] if notes else [title]), fontsize=11)
     fig.tight_layout()
     png = Path(png)
-    fig.savefig(png)
+    fig.savefig(png, metadata={"Software" if png.suffix.lower() == ".png" else "Creator": PLOT_CREATOR})
     plt.close(fig)
     return png
 

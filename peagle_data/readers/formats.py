@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 from peagle_data.readers.rows import RowError
 from stores.errors import InputError
+from stores.files import json_error_text, json_line_problem
 
 __all__ = ["iter_records"]
 
@@ -57,7 +58,7 @@ def _iter_jsonl(path: Path):
             try:
                 record = json.loads(text)
             except json.JSONDecodeError as e:  # the line is the row; the column counts characters from 1
-                yield row, RowError(f"invalid JSON: {e.msg} at line {row} column {e.colno}")
+                yield row, RowError(json_line_problem(text, e, row))
                 continue
             yield row, record if isinstance(record, dict) else RowError(
                 f"not a JSON object: a {type(record).__name__}")
@@ -120,7 +121,7 @@ class _JsonStream:
                 if not more:
                     truncated = e.msg.startswith("Unterminated") or not self.buf[e.pos:].strip()
                     reason = ("truncated JSON: the file ends mid-record" if truncated
-                              else f"invalid JSON: {e.msg} at {self.where.at(self.buf, e.pos)}")
+                              else f"invalid JSON: {json_error_text(e)} at {self.where.at(self.buf, e.pos)}")
                     return RowError(f"{reason}; the rest of the file is not read")
                 self.where.advance(self.buf[:self.pos])
                 self.buf, self.pos = self.buf[self.pos:] + more, 0
@@ -159,7 +160,7 @@ def _single_object(s: _JsonStream):
     try:
         record = json.loads(rest[s.pos:])
     except json.JSONDecodeError as e:
-        yield 1, RowError(f"invalid JSON: {e.msg} at {s.where.at(rest, s.pos + e.pos)}")
+        yield 1, RowError(f"invalid JSON: {json_error_text(e)} at {s.where.at(rest, s.pos + e.pos)}")
         return
     yield 1, record
 

@@ -11,6 +11,7 @@ from typing import Any
 from stores.answer_parsing import AnswerFormatError, answer_message, parse_answer
 from stores.chat_template import ChatTemplate, prompt_ids, render
 from stores.errors import InputError
+from stores.files import json_line_problem
 from stores.question_rows import QUESTION_FIELDS, QuestionRowError, question_id, question_turns
 from stores.setting_mixtures import row_settings
 
@@ -97,7 +98,7 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise InputError(f"invalid JSON ({e.msg})", file=str(path), row=row) from None
+                raise InputError(json_line_problem(line, e, row), file=str(path), row=row) from None
             prompts.append(_parse_prompt(obj, str(path), row))
     if not prompts:
         raise InputError("no prompts in the file", file=str(path), field="--prompts")

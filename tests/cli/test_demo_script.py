@@ -20,6 +20,7 @@ DEMO = Path(__file__).resolve().parents[2] / "scripts" / "demo.sh"
     ("DEMO_LR", "0.0", "DEMO_LR=0.0: expected a positive number such as 1e-3"),
     ("DEMO_MAX_SEQ_LEN", "1", "DEMO_MAX_SEQ_LEN=1: expected at least 2 tokens"),
     ("DEMO_PROMPTS", "no/such.jsonl", "DEMO_PROMPTS=no/such.jsonl: no such file"),
+    ("DEMO_MEASURE_COSTS", "no", "DEMO_MEASURE_COSTS=no: expected 0 or 1"),
 ])
 def test_a_bad_demo_variable_stops_before_any_stage_naming_it(tmp_path, var, value, message):
     env = {**os.environ, "DEMO_DIR": str(tmp_path / "demo"), var: value}

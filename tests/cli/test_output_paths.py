@@ -84,11 +84,20 @@ def test_stats_png_is_not_overwritten_without_force(tmp_path, packed):
     png.write_bytes(b"mine")
     refused = invoke(stats, [packed, "--png", png])
     assert refused.exit_code == 2
-    assert refused.output == f"Error: output {png} already exists; pass --force to overwrite it\n"
+    assert refused.output == f"Error: output --png {png} already exists; pass --force to overwrite it\n"
     assert png.read_bytes() == b"mine"
-    forced = invoke(stats, [packed, "--png", png, "--force"])
-    assert forced.exit_code == 0, forced.output
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"plot: {png}" in forced.output
+    forced = invoke(stats, [packed, "--png", png, "--force"])  # issue 44 item 1: not a plot of stats: kept
+    assert forced.exit_code == 2 and forced.output == (
+        f"Error: output {png} already exists and was not written by peagle; --force replaces only peagle's own "
+        "output (a plot of peagle-data stats), never other files: move them away, or give another --png\n")
+    assert png.read_bytes() == b"mine"
+    png.unlink()
+    for name in ("plot.png", "plot.svg", "plot.pdf"):  # a plot of its own (its metadata says so) is replaced
+        first = invoke(stats, [packed, "--png", tmp_path / name, "--force"])
+        assert first.exit_code == 0, first.output
+        forced = invoke(stats, [packed, "--png", tmp_path / name, "--force"])
+        assert forced.exit_code == 0 and f"plot: {tmp_path / name}" in forced.output, forced.output
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_show_html_overwrite_message_says_it_once(tmp_path, packed):
@@ -98,6 +107,12 @@ def test_show_html_overwrite_message_says_it_once(tmp_path, packed):
     assert refused.exit_code == 2
     assert refused.output == f"Error: output --html {page} already exists; pass --force to overwrite it\n"
     assert page.read_text() == "mine"
+    forced = invoke(show, [packed, "--html", page, "--color", "never", "--force"])  # not a page of show's: kept
+    assert forced.exit_code == 2 and "was not written by peagle" in forced.output and page.read_text() == "mine"
+    page.unlink()
+    for _ in range(2):  # a page of its own is replaced
+        result = invoke(show, [packed, "--html", page, "--color", "never", "--force"])
+        assert result.exit_code == 0 and page.read_text().startswith("<!doctype html>"), result.output
 
 
 def test_the_library_checks_the_plot_and_page_paths_too(tmp_path, packed):
@@ -165,3 +180,27 @@ def _shard(tmp_path, index: int):
                            "--num-shards", 2, "--shard-index", index])
     assert result.exit_code == 0, result.output
     return out
+
+
+def test_a_full_disk_while_packing_is_one_line_and_leaves_nothing(tmp_path, packed, monkeypatch):
+    """Issue 44 item 9 in the Parquet writer: pyarrow says a full disk without an errno ("... No space left on
+    device"). One error line naming the disk and the command to run again, exit code 2, no staging directory."""
+    import sys
+
+    import pyarrow.parquet as pq
+
+    def full(self, *a, **k):
+        raise OSError("IOError: Failed to write: No space left on device")
+
+    monkeypatch.setattr(pq.ParquetWriter, "write_batch", full)
+    convs, out = tmp_path / "convs.jsonl", tmp_path / "again"
+    args = [str(convs), "--tokenizer", "smollm2-135m", "--output", str(out), "--max-seq-len", "64"]
+    monkeypatch.setattr(sys, "argv", ["peagle-data pack", *args])
+    result = CliRunner().invoke(pack, args, prog_name="peagle-data pack")
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1 and errors[0].startswith("Error: disk full: no space left on "), errors
+    assert errors[0].endswith("; kept: nothing: this command writes its output only when it finishes; free space on "
+                              f"{errors[0].split(' on ')[1].split(' (')[0]}, then run it again with: peagle-data pack "
+                              f"{convs} --tokenizer smollm2-135m --output {out} --max-seq-len 64"), errors[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["convs.jsonl", "packed"]  # no staging directory left

@@ -109,3 +109,36 @@ def test_no_module_uses_tqdm_but_the_helper():
     users = sorted(str(p.relative_to(ROOT)) for pkg in ("peagle_data", "peagle_train", "stores", "cli")
                    for p in (ROOT / pkg).rglob("*.py") if re.search(r"^\s*(from|import) tqdm", p.read_text(), re.M))
     assert users == ["stores/progress.py"]
+
+
+def test_slow_steps_in_a_log_get_a_line_every_few_percent_not_one_a_step(clock):
+    """Issue 44 item 10: 40 training steps written to a file printed 45 lines (steps slower than the interval:
+    a line each). A loop of known total prints at most MAX_LOG_LINES lines (one per 4% mark) and its final line."""
+    assert stores.progress.MAX_LOG_LINES == 25
+    lines = _run(io.StringIO(), clock, n=40, step_s=45.0, postfix=True).splitlines()
+    counts = [int(re.match(r"pack: (\d+)/40 block", line).group(1)) for line in lines[:-1]]
+    assert counts == list(range(2, 41, 2)), counts  # 40 steps: every second step is past the next 4% mark
+    assert lines[-1] == "pack: done: 40/40 block in 30m00s (0.0222 block/s), loss 0.025"
+    for n in (10, 1000, 12345):  # any total: at most 25 lines and the final one
+        lines = _run(io.StringIO(), clock, n=n, step_s=3600.0 / n + 31.0).splitlines()
+        assert min(n, 20) <= len(lines) - 1 <= 25 and lines[-1].startswith(f"pack: done: {n}/{n} block"), (n, len(lines))
+    resumed = io.StringIO()  # a resumed loop: the marks of what is left to do
+    with progress(total=100, initial=90, desc="peagle-train", unit="step", file=resumed) as bar:
+        for _ in range(10):
+            clock[0] += 60
+            bar.update(1)
+    assert len(resumed.getvalue().splitlines()) == 10 + 1
+
+
+def test_a_log_of_unknown_total_gets_ever_fewer_lines(monkeypatch, clock):
+    """No total (regenerate without --limit): the interval doubles after each 25 lines, so the lines grow as the
+    log of the run's time (30 s interval: 25 lines in 12.5 min, 25 more in 25 min, ...)."""
+    stream = io.StringIO()
+    bar = progress(desc="regenerate", unit="row", file=stream)
+    for _ in range(24 * 3600):
+        clock[0] += 1.0
+        bar.update(1)
+    bar.close()
+    # 25 lines 30 s apart, 25 at 60 s, ... 25 at 960 s (47,250 s in all), then 20 at 1,920 s in the day's rest
+    assert sum(25 * 30 * 2 ** k for k in range(6)) == 47250 and (86400 - 47250) // 1920 == 20
+    assert len(stream.getvalue().splitlines()) == 6 * 25 + 20 + 1

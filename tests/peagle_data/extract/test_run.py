@@ -324,15 +324,20 @@ def test_layers_out_of_increasing_order_are_refused_naming_the_order_vllm_feeds(
     assert check_layers([2, 15, 27], 30) == [2, 15, 27]
 
 
+WHAT = (" (0 the embedding output, the first decoder layer's input; k the output of decoder layer k counted from 1, "
+        "so 30 the last one's, before the final norm)")
+"""What the indices mean (docs/design.md "Layers"; issue 44 item 11: the message once gave 0..30 alone)."""
+
+
 @pytest.mark.parametrize("given, L, message", [
-    ([2, 15, -1], 30, "layers [-1] out of range: the verifier has 30 layers, valid indices are 0..30 (indices count "
+    ([2, 15, -1], 30, "layers [-1] out of range: the verifier has 30 decoder layers, valid indices are 0..30" + WHAT + " (indices count "
                       "from 0, not from the end: -1 would be 30): give --layers 2,15,30"),
-    ([-1, 2, 15], 30, "layers [-1] out of range: the verifier has 30 layers, valid indices are 0..30 (indices count "
+    ([-1, 2, 15], 30, "layers [-1] out of range: the verifier has 30 decoder layers, valid indices are 0..30" + WHAT + " (indices count "
                       "from 0, not from the end: -1 would be 30): give --layers 2,15,30"),
-    ([2, 30, -1], 30, "layers [-1] out of range: the verifier has 30 layers, valid indices are 0..30 (indices count "
+    ([2, 30, -1], 30, "layers [-1] out of range: the verifier has 30 decoder layers, valid indices are 0..30" + WHAT + " (indices count "
                       "from 0, not from the end: -1 would be 30)"),  # 30 twice: no --layers fixes it for the user
-    ([40, 2], 30, "layers [40] out of range: the verifier has 30 layers, valid indices are 0..30"),
-    ([5, 2, -40], 30, "layers [-40] out of range: the verifier has 30 layers, valid indices are 0..30"),
+    ([40, 2], 30, "layers [40] out of range: the verifier has 30 decoder layers, valid indices are 0..30" + WHAT),
+    ([5, 2, -40], 30, "layers [-40] out of range: the verifier has 30 decoder layers, valid indices are 0..30" + WHAT),
 ])
 def test_every_layers_suggestion_is_accepted(given, L, message):
     """Issue 33, kind 9: ``--layers 2,15,-1`` once said "give --layers -1,2,15", which the range check then

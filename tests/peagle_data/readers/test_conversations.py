@@ -638,3 +638,23 @@ def test_sharegpt_turns_keep_token_ids_like_openai_turns(tmp_path):
     good, bad = read_all(write_jsonl(tmp_path / "s.jsonl", rows))
     assert good.messages[1] == {"role": "assistant", "content": "a", "token_ids": [64, 2]}
     assert bad.reason == "invalid token_ids: conversations[1].token_ids must be a list of token ids (ints >= 0)"
+
+
+def test_a_truncated_jsonl_line_is_said_to_be_cut_short(tmp_path):
+    """Issue 44 item 11: a line cut short was rejected as "invalid JSON: Invalid control character at at line 3"
+    (Python's message ends in "at"; the newline ended the line inside a string). A line whose record is still open
+    where it ends is "truncated JSON" (its own reject key), and no message says "at at"."""
+    whole = json.dumps(OPENAI_ROW)
+    write_jsonl(tmp_path / "cut.jsonl", [OPENAI_ROW, OPENAI_ROW, whole[:40].encode() + b"\n",
+                                         whole[:14].encode() + b"\n", b'{"messages": [{"role": "user",, "x": 1}]}\n',
+                                         b'{"a": "tab\there"}\n'])
+    items = read_all(tmp_path / "cut.jsonl")
+    assert [type(i) for i in items] == [Conversation, Conversation, Reject, Reject, Reject, Reject]
+    assert items[2].reason == "truncated JSON: line 3 is cut short: its record is still open where the line ends (column 41)"
+    assert items[3].reason == "truncated JSON: line 4 is cut short: its record is still open where the line ends (column 15)"
+    assert items[4].reason == "invalid JSON: Expecting property name enclosed in double quotes at line 5 column 31"
+    assert items[5].reason == "invalid JSON: Invalid control character at line 6 column 11"  # a raw tab: not "at at"
+    (tmp_path / "end.jsonl").write_bytes(whole.encode() + b"\n" + whole[:40].encode())  # cut at the file's end
+    assert read_all(tmp_path / "end.jsonl")[1].reason == (
+        "truncated JSON: line 2 is cut short: its record is still open where the line ends (column 41; "
+        "Unterminated string starting at column 36)")  # the string "user

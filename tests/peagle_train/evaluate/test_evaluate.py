@@ -210,7 +210,9 @@ def test_read_prompts_mt_bench_and_openai(tmp_path):
 
 
 @pytest.mark.parametrize("line,match", [
-    ("{not json", "row 1: invalid JSON"),
+    ("{not json", "row 1: invalid JSON: Expecting property name enclosed in double quotes at line 1 column 2$"),
+    ('{"turns": ["Hi', r"row 1: truncated JSON: line 1 is cut short: its record is still open where the line ends "
+                      r"\(column 15\)$"),  # issue 44 item 11: was "invalid JSON (Invalid control character at)"
     ({"turns": []}, "field 'turns'"),
     ({"messages": [{"role": "assistant", "content": "x"}]}, "no user message"),
     ({"text": "x"}, "'turns', a 'prompt' or 'question' line, or an OpenAI line"),

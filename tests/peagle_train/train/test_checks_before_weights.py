@@ -207,7 +207,8 @@ def test_extract_checks_come_before_the_weights(tmp_path, tiny_verifier_dir, mon
     monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(fail))
     res = CliRunner().invoke(extract, [*base.copy()[:4], str(tmp_path / "new.zarr"), "--layers", "1,5", "--context",
                                        "window"])
-    assert res.exit_code == 2 and "layers [5] out of range: the verifier has 4 layers" in res.output, res.output
+    assert res.exit_code == 2 and ("layers [5] out of range: the verifier has 4 decoder layers, valid indices are 0..4 "
+                                   "(0 the embedding output") in res.output, res.output
     res = CliRunner().invoke(extract, [*base.copy()[:4], str(tmp_path / "new.zarr"), "--layers", "2,-1,1", "--context",
                                        "window"])  # issue 33: the fix it names is one that passes (was "-1,1,2")
     assert res.exit_code == 2 and "-1 would be 4): give --layers 1,2,4" in res.output, res.output
