@@ -53,12 +53,15 @@ Four more checks keep a mask from being silently wrong:
   alone (:func:`served_prompt_mismatch`), what vLLM serves before the verifier generates: a reply
   can change how the prompt's last characters tokenize without any token straddling the span
   (SmolLM2's GPT-2 split makes ``"</think>\n\n"``'s newline run one token alone, two before
-  ``"Hello"``), which would train the drafter on a context the verifier never sees: "the prompt's
-  last tokens change when the reply follows: served [...] vs trained [...]". ``P_i`` is tokenized
+  ``"Hello"``), which would train the drafter on a context the verifier never sees. ``P_i`` is tokenized
   from its last added token on, one batched call per :func:`tokenize_rendered` (exact: a fast
-  tokenizer encodes the pieces between added tokens independently). It runs before
-  :func:`on_generated_ids`, so a turn trained on its generated ids is the served prompt's ids, then
-  the generated ids.
+  tokenizer encodes the pieces between added tokens independently). Where they differ the row is built
+  as served (:func:`served_pieces`: the text cut at each supervised turn's start, each piece tokenized
+  alone, counted ``served_prompt_rows``); a conversation that no one such sequence serves exactly
+  (:func:`needs_turn_rows`) gets one row per turn (:func:`served_turn_rows`); a row whose pieces are not
+  exact either is a reject, "the prompt's last tokens change when the reply follows: served [...] vs
+  trained [...]; ...". It runs before :func:`on_generated_ids`, so a turn trained on its generated ids
+  is the served prompt's ids, then the generated ids.
 
 ``system_len`` is the number of leading tokens that form the system prefix (BOS, the system turn,
 or the default system text a template injects): the common prefix of two renders of the
@@ -87,7 +90,9 @@ from stores.chat_template import (ChatTemplate, ChatTemplateError, as_chat_templ
 from stores.errors import InputError
 
 __all__ = ["TokenizedConversation", "RenderedRow", "render_rows", "tokenize_rendered", "DROPPED", "SPECIAL_TEXT",
-           "straddling_token", "served_prompt_mismatch", "on_generated_ids", "tokenize_conversation", "tokenize_turns",
+           "straddling_token", "served_prompt_mismatch", "served_pieces", "SERVED_PROMPT_CHANGED", "needs_turn_rows",
+           "served_turn_rows",
+           "on_generated_ids", "tokenize_conversation", "tokenize_turns",
            "system_prefix_text",
            "special_token_text", "special_text_reason"]
 
@@ -647,6 +652,9 @@ def tokenize_turns(tokenizer, messages: Sequence[dict[str, Any]], tools: list | 
     rows = render_rows(tokenizer, messages, tools, chat_template, per_turn_fallback=True, on_dropped=on_dropped,
                        on_special_text=on_special_text)
     out = [(r.turn, t) for r, t in zip(rows, tokenize_rendered(tokenizer, rows))]
+    if any(needs_turn_rows(t.problem) for _, t in out):
+        rows = served_turn_rows(tokenizer, messages, tools, chat_template, on_dropped, on_special_text)
+        out = [(r.turn, replace(t, served_turn_row=1)) for r, t in zip(rows, tokenize_rendered(tokenizer, rows))]
     for _, t in out:
         if t.problem:
             raise ChatTemplateError(t.problem)
@@ -674,6 +682,10 @@ class TokenizedConversation:
             :func:`served_prompt_mismatch`), or None; such a row is a reject.
         on_generated_ids: 1 when the row's last turn holds the verifier's generated ids in place of
             the re-tokenization of its text (the same text, another tokenization), else 0.
+        served_pieces: 1 when the row is tokenized as served (:func:`served_pieces`: its generation prompt
+            alone, then its reply), since tokenized whole its reply changed the prompt's last tokens; else 0.
+        served_turn_row: 1 when the row is one of a conversation's per-turn rows made because no one sequence
+            served all its turns exactly (:func:`served_turn_rows`); else 0.
     """
 
     input_ids: np.ndarray
@@ -681,6 +693,8 @@ class TokenizedConversation:
     system_len: int
     problem: str | None = None
     on_generated_ids: int = 0
+    served_pieces: int = 0
+    served_turn_row: int = 0
 
 
 def _special_ids(tokenizer) -> frozenset[int]:
@@ -725,24 +739,112 @@ def tokenize_rendered(tokenizer, rows: Sequence[RenderedRow]) -> list[TokenizedC
         tokenized.append((ids, offsets, anchors))
         tails += [row.text[int(offsets[t, 0]) if t else 0:a] for t, (a, _) in zip(anchors, row.spans)]
     served = iter(tokenizer(tails, add_special_tokens=False)["input_ids"] if tails else [])  # one batched call
-    out = []
-    for row, (ids, offsets, anchors) in zip(rows, tokenized):
-        row_served = [(t, next(served)) for t in anchors]
-        loss_mask = _mask_from_spans(ids, offsets[:, 0], list(row.spans), special, frozenset(row.cut))
-        if row.empty_think:
-            loss_mask[_mask_from_spans(ids, offsets[:, 0], list(row.empty_think), frozenset()) == 1] = 0
-        system_len = int(np.searchsorted(offsets[:, 1], row.prefix_chars, side="right"))
-        supervised = np.flatnonzero(loss_mask)
-        if supervised.size:
-            system_len = min(system_len, int(supervised[0]))
-        problem = (straddling_token(row, offsets, loss_mask) or _unclear_end_of_turn(row, ids, offsets, special)
-                   or served_prompt_mismatch(tokenizer, row, ids, offsets, row_served))
-        spliced = 0
-        if problem is None and row.token_ids:
-            ids, loss_mask, spliced, problem = on_generated_ids(tokenizer, row, ids, offsets, loss_mask, special)
-        out.append(TokenizedConversation(input_ids=ids, loss_mask=loss_mask, system_len=system_len,
-                                         problem=problem, on_generated_ids=spliced))
-    return out
+    return [_tokenized_row(tokenizer, row, ids, offsets, [(t, next(served)) for t in anchors], special)
+            for row, (ids, offsets, anchors) in zip(rows, tokenized)]
+
+
+def _row_masks(row: RenderedRow, ids: np.ndarray, offsets: np.ndarray,
+               special: frozenset[int]) -> tuple[np.ndarray, int]:
+    """``(loss_mask uint8 [T], system_len)`` of ``row`` tokenized as ``ids`` / ``offsets`` (step 3)."""
+    loss_mask = _mask_from_spans(ids, offsets[:, 0], list(row.spans), special, frozenset(row.cut))
+    if row.empty_think:
+        loss_mask[_mask_from_spans(ids, offsets[:, 0], list(row.empty_think), frozenset()) == 1] = 0
+    system_len = int(np.searchsorted(offsets[:, 1], row.prefix_chars, side="right"))
+    supervised = np.flatnonzero(loss_mask)
+    if supervised.size:
+        system_len = min(system_len, int(supervised[0]))
+    return loss_mask, system_len
+
+
+def _tokenized_row(tokenizer, row: RenderedRow, ids: np.ndarray, offsets: np.ndarray,
+                   served: list[tuple[int, Sequence[int]]], special: frozenset[int]) -> TokenizedConversation:
+    """One row's ids, mask and problem from its whole-text tokenization (:func:`tokenize_rendered`); a row
+    whose reply changes how its prompt's last characters tokenize (:func:`served_prompt_mismatch`) is
+    tokenized as served instead (:func:`served_pieces`), or, when that is not exact either, a reject."""
+    loss_mask, system_len = _row_masks(row, ids, offsets, special)
+    problem = straddling_token(row, offsets, loss_mask) or _unclear_end_of_turn(row, ids, offsets, special)
+    pieces = 0
+    if problem is None:
+        problem = served_prompt_mismatch(tokenizer, row, ids, offsets, served)
+    if problem is not None and problem.startswith(SERVED_PROMPT_CHANGED):
+        split = served_pieces(tokenizer, row, ids)
+        if split is None:
+            problem += _PIECES_NOT_EXACT
+        else:  # each turn's context checked against its whole prompt tokenized alone (the pieces cut the
+            ids, offsets = split  # pieces between added tokens, so the tails of _prompt_anchors do not apply)
+            loss_mask, system_len = _row_masks(row, ids, offsets, special)
+            prompts = tokenizer([row.text[:a] for a, _ in row.spans], add_special_tokens=False)["input_ids"]
+            again = (straddling_token(row, offsets, loss_mask) or _unclear_end_of_turn(row, ids, offsets, special)
+                     or served_prompt_mismatch(tokenizer, row, ids, offsets, [(0, p) for p in prompts]))
+            problem, pieces = (problem + _ONE_SEQUENCE_NOT_EXACT, 0) if again else (None, 1)
+    spliced = 0
+    if problem is None and row.token_ids:
+        ids, loss_mask, spliced, problem = on_generated_ids(tokenizer, row, ids, offsets, loss_mask, special)
+    return TokenizedConversation(input_ids=ids, loss_mask=loss_mask, system_len=system_len, problem=problem,
+                                 on_generated_ids=spliced, served_pieces=pieces if problem is None else 0)
+
+
+SERVED_PROMPT_CHANGED = "the prompt's last tokens change when the reply follows"
+"""How :func:`served_prompt_mismatch`'s reason begins."""
+
+_PIECES_NOT_EXACT = ("; tokenized in pieces (each generation prompt alone, then its reply) the row is not the same "
+                     "text (the tokenizer marks a piece's start, e.g. a SentencePiece prefix space), so no row is "
+                     "exact")
+_ONE_SEQUENCE_NOT_EXACT = ("; tokenized in pieces (each generation prompt alone, then its reply) a later turn's "
+                           "prompt tokenized alone is still not the earlier turns' ids, so no one sequence holds "
+                           "every turn as served: per-turn rows (--on-history-rewrite split, the default) give each "
+                           "turn its served prompt and reply")
+
+
+def needs_turn_rows(problem: str | None) -> bool:
+    """Whether ``problem`` (a :class:`TokenizedConversation`'s) says that no one sequence serves every turn of the
+    row exactly, while each turn alone can be (:func:`served_turn_rows`)."""
+    return bool(problem) and problem.endswith(_ONE_SEQUENCE_NOT_EXACT)
+
+
+def served_turn_rows(tokenizer, messages: Sequence[dict[str, Any]], tools: list | None = None,
+                     chat_template: str | ChatTemplate | None = None, on_dropped: str = "reject",
+                     on_special_text: str = "reject") -> list[RenderedRow]:
+    """One row per supervised assistant turn ``i``, rendered from ``messages[:i+1]`` as for a template that
+    rewrites history (:func:`render_rows`), for a conversation whose turns no one sequence serves exactly
+    (:func:`needs_turn_rows`): each row is then its turn's served prompt, tokenized alone, and the reply.
+
+    Raises:
+        ChatTemplateError: as :func:`render_rows`.
+    """
+    messages = list(messages)
+    indices = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    return _per_turn_rows(tokenizer, messages, indices, tools, chat_template, on_dropped, on_special_text)
+
+
+def served_pieces(tokenizer, row: RenderedRow, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``row.text`` tokenized as vLLM serves its turns: cut at every supervised span's start ``a`` (the
+    generation prompt ``P_i = text[:a]`` ends there), each piece tokenized alone (``add_special_tokens=False``),
+    so the tokens before the first turn are its served prompt's ids and each reply's ids are its text's own
+    tokenization, generated after them. Exact for a row with one supervised turn (a one-turn conversation, a
+    per-turn row); a row of several turns is exact only when each later prompt, tokenized alone, is the
+    pieces before it (:func:`served_prompt_mismatch` checks it again).
+
+    Args:
+        ids: int32 ``[T]``, the whole text tokenized at once (compared as decoded text).
+
+    Returns:
+        ``(ids int32 [T'], offsets int64 [T', 2])`` in ``row.text``'s characters, or None when the pieces do not
+        decode to the text the whole tokenization decodes to (a tokenizer that marks a text's start, such as
+        SentencePiece's prefix space, would add characters).
+    """
+    text = row.text
+    cuts = sorted({0, len(text), *(a for a, _ in row.spans)})
+    starts = [c for c in cuts[:-1]]
+    enc = tokenizer([text[c:d] for c, d in zip(cuts[:-1], cuts[1:])], add_special_tokens=False,
+                    return_offsets_mapping=True)
+    new_ids = np.fromiter(itertools.chain.from_iterable(enc["input_ids"]), dtype=np.int32)
+    new_offsets = np.asarray([(c + x, c + y) for c, offs in zip(starts, enc["offset_mapping"]) for x, y in offs],
+                             dtype=np.int64).reshape(-1, 2)
+    whole = tokenizer.decode(ids.tolist(), clean_up_tokenization_spaces=False)
+    if tokenizer.decode(new_ids.tolist(), clean_up_tokenization_spaces=False) != whole:
+        return None
+    return new_ids, new_offsets
 
 
 def straddling_token(row: RenderedRow, offsets: np.ndarray, loss_mask: np.ndarray) -> str | None:
