@@ -46,7 +46,9 @@ Four more checks keep a mask from being silently wrong:
 - a token across a span's boundary (:func:`straddling_token`: a generation prompt ending in a space
   makes ``" Hello"`` start in the prompt; a turn without an end-of-turn token can merge into the
   next one) rejects the row ("reply starts inside a token", "a supervised token ends past its
-  assistant turn") instead of dropping the reply's first token or training the next turn's text;
+  assistant turn") instead of dropping the reply's first token or training the next turn's text; a
+  token across a turn's start is not a reject where the row can be built as served (the prompt
+  tokenized alone, then the reply: :func:`served_pieces`, below);
   likewise a last special token followed by more of the reply (a template without an end-of-turn
   token, a reply holding an added token): "no end-of-turn token ends an assistant turn";
 - the row's tokens before every supervised turn i must be the generation prompt ``P_i`` tokenized
@@ -90,7 +92,7 @@ from stores.chat_template import (ChatTemplate, ChatTemplateError, as_chat_templ
 from stores.errors import InputError
 
 __all__ = ["TokenizedConversation", "RenderedRow", "render_rows", "tokenize_rendered", "DROPPED", "SPECIAL_TEXT",
-           "straddling_token", "served_prompt_mismatch", "served_pieces", "SERVED_PROMPT_CHANGED", "needs_turn_rows",
+           "straddling_token", "served_prompt_mismatch", "served_pieces", "SERVED_PROMPT_CHANGED", "REPLY_STARTS_INSIDE", "needs_turn_rows",
            "served_turn_rows",
            "on_generated_ids", "tokenize_conversation", "tokenize_turns",
            "system_prefix_text",
@@ -766,7 +768,7 @@ def _tokenized_row(tokenizer, row: RenderedRow, ids: np.ndarray, offsets: np.nda
     pieces = 0
     if problem is None:
         problem = served_prompt_mismatch(tokenizer, row, ids, offsets, served)
-    if problem is not None and problem.startswith(SERVED_PROMPT_CHANGED):
+    if problem is not None and problem.startswith((SERVED_PROMPT_CHANGED, REPLY_STARTS_INSIDE)):
         split = served_pieces(tokenizer, row, ids)
         if split is None:
             problem += _PIECES_NOT_EXACT
@@ -786,6 +788,9 @@ def _tokenized_row(tokenizer, row: RenderedRow, ids: np.ndarray, offsets: np.nda
 
 SERVED_PROMPT_CHANGED = "the prompt's last tokens change when the reply follows"
 """How :func:`served_prompt_mismatch`'s reason begins."""
+REPLY_STARTS_INSIDE = "reply starts inside a token"
+"""How :func:`straddling_token`'s reason begins for a token across a turn's start (served, the prompt ends
+before it: the row is built in pieces, :func:`served_pieces`)."""
 
 _PIECES_NOT_EXACT = ("; tokenized in pieces (each generation prompt alone, then its reply) the row is not the same "
                      "text (the tokenizer marks a piece's start, e.g. a SentencePiece prefix space), so no row is "
@@ -867,7 +872,7 @@ def straddling_token(row: RenderedRow, offsets: np.ndarray, loss_mask: np.ndarra
     for a, b in row.spans:
         i = int(np.searchsorted(starts, a, side="left")) - 1  # the last token starting before the span
         if i >= 0 and ends[i] > a and text[a:min(int(ends[i]), b)].strip():
-            return (f"reply starts inside a token: {text[int(starts[i]):int(ends[i])]!r} holds "
+            return (f"{REPLY_STARTS_INSIDE}: {text[int(starts[i]):int(ends[i])]!r} holds "
                     f"{text[int(starts[i]):a]!r} rendered before an assistant reply (the generation prompt's end or "
                     f"the previous message's) and {text[a:int(ends[i])]!r} of the reply, so the reply's first token "
                     "has no exact mask (a generation prompt that ends in a space does this); pass --chat-template "
