@@ -741,8 +741,26 @@ def tokenize_rendered(tokenizer, rows: Sequence[RenderedRow]) -> list[TokenizedC
         tokenized.append((ids, offsets, anchors))
         tails += [row.text[int(offsets[t, 0]) if t else 0:a] for t, (a, _) in zip(anchors, row.spans)]
     served = iter(tokenizer(tails, add_special_tokens=False)["input_ids"] if tails else [])  # one batched call
-    return [_tokenized_row(tokenizer, row, ids, offsets, [(t, next(served)) for t in anchors], special)
-            for row, (ids, offsets, anchors) in zip(rows, tokenized)]
+    drafts = [_whole_row(tokenizer, row, ids, offsets, [(t, next(served)) for t in anchors], special)
+              for row, (ids, offsets, anchors) in zip(rows, tokenized)]
+    redo = [k for k, d in enumerate(drafts) if d.problem and d.problem.startswith((SERVED_PROMPT_CHANGED,
+                                                                                  REPLY_STARTS_INSIDE))]
+    for k, draft in zip(redo, _as_served(tokenizer, [rows[k] for k in redo], [drafts[k] for k in redo], special)):
+        drafts[k] = draft
+    return [_finished(tokenizer, row, d, special) for row, d in zip(rows, drafts)]
+
+
+@dataclass
+class _Draft:
+    """A row tokenized, before :func:`on_generated_ids`: ids int32 ``[T]``, offsets int64 ``[T, 2]``, loss_mask
+    uint8 ``[T]``, the system prefix's tokens, the reject reason or None, and whether it is cut in pieces."""
+
+    ids: np.ndarray
+    offsets: np.ndarray
+    loss_mask: np.ndarray
+    system_len: int
+    problem: str | None
+    pieces: int = 0
 
 
 def _row_masks(row: RenderedRow, ids: np.ndarray, offsets: np.ndarray,
@@ -758,32 +776,50 @@ def _row_masks(row: RenderedRow, ids: np.ndarray, offsets: np.ndarray,
     return loss_mask, system_len
 
 
-def _tokenized_row(tokenizer, row: RenderedRow, ids: np.ndarray, offsets: np.ndarray,
-                   served: list[tuple[int, Sequence[int]]], special: frozenset[int]) -> TokenizedConversation:
-    """One row's ids, mask and problem from its whole-text tokenization (:func:`tokenize_rendered`); a row
-    whose reply changes how its prompt's last characters tokenize (:func:`served_prompt_mismatch`) is
-    tokenized as served instead (:func:`served_pieces`), or, when that is not exact either, a reject."""
+def _whole_row(tokenizer, row: RenderedRow, ids: np.ndarray, offsets: np.ndarray,
+               served: list[tuple[int, Sequence[int]]], special: frozenset[int]) -> _Draft:
+    """``row`` tokenized whole: its mask and the first reason it has no exact one (the checks of
+    :func:`tokenize_rendered`; ``served`` as :func:`served_prompt_mismatch` takes it)."""
     loss_mask, system_len = _row_masks(row, ids, offsets, special)
-    problem = straddling_token(row, offsets, loss_mask) or _unclear_end_of_turn(row, ids, offsets, special)
-    pieces = 0
-    if problem is None:
-        problem = served_prompt_mismatch(tokenizer, row, ids, offsets, served)
-    if problem is not None and problem.startswith((SERVED_PROMPT_CHANGED, REPLY_STARTS_INSIDE)):
-        split = served_pieces(tokenizer, row, ids)
-        if split is None:
-            problem += _PIECES_NOT_EXACT
-        else:  # each turn's context checked against its whole prompt tokenized alone (the pieces cut the
-            ids, offsets = split  # pieces between added tokens, so the tails of _prompt_anchors do not apply)
-            loss_mask, system_len = _row_masks(row, ids, offsets, special)
-            prompts = tokenizer([row.text[:a] for a, _ in row.spans], add_special_tokens=False)["input_ids"]
-            again = (straddling_token(row, offsets, loss_mask) or _unclear_end_of_turn(row, ids, offsets, special)
-                     or served_prompt_mismatch(tokenizer, row, ids, offsets, [(0, p) for p in prompts]))
-            problem, pieces = (problem + _ONE_SEQUENCE_NOT_EXACT, 0) if again else (None, 1)
-    spliced = 0
+    problem = (straddling_token(row, offsets, loss_mask) or _unclear_end_of_turn(row, ids, offsets, special)
+               or served_prompt_mismatch(tokenizer, row, ids, offsets, served))
+    return _Draft(ids, offsets, loss_mask, system_len, problem)
+
+
+def _as_served(tokenizer, rows: Sequence[RenderedRow], drafts: Sequence[_Draft],
+               special: frozenset[int]) -> list[_Draft]:
+    """``rows``, whose replies change how their prompts' last characters tokenize (``drafts``: tokenized whole),
+    tokenized as served (:func:`served_pieces`), each checked again: every turn's context against its whole
+    prompt tokenized alone (the pieces cut the text between added tokens, so the tails of :func:`_prompt_anchors`
+    do not apply; the first turn's is its first piece by construction). Two batched calls: the pieces, and the
+    prompts of the turns after the first. A row not exact in pieces keeps its reason, with why."""
+    split = served_pieces(tokenizer, rows, [d.ids for d in drafts])
+    prompts = [r.text[:a] for r, cut in zip(rows, split) if cut is not None for a, _ in r.spans[1:]]
+    later = iter(tokenizer(prompts, add_special_tokens=False)["input_ids"] if prompts else [])
+    out = []
+    for row, draft, cut in zip(rows, drafts, split):
+        if cut is None:
+            out.append(replace(draft, problem=draft.problem + _PIECES_NOT_EXACT))
+            continue
+        ids, offsets = cut
+        loss_mask, system_len = _row_masks(row, ids, offsets, special)
+        first = int(np.searchsorted(offsets[:, 0], row.spans[0][0], side="left"))
+        served = [(0, ids[:first].tolist())] + [(0, next(later)) for _ in row.spans[1:]]
+        again = (straddling_token(row, offsets, loss_mask) or _unclear_end_of_turn(row, ids, offsets, special)
+                 or served_prompt_mismatch(tokenizer, row, ids, offsets, served))
+        out.append(replace(draft, problem=draft.problem + _ONE_SEQUENCE_NOT_EXACT) if again else
+                   _Draft(ids, offsets, loss_mask, system_len, None, pieces=1))
+    return out
+
+
+def _finished(tokenizer, row: RenderedRow, draft: _Draft, special: frozenset[int]) -> TokenizedConversation:
+    """The row's :class:`TokenizedConversation`: ``draft`` trained on its generated ids (:func:`on_generated_ids`)
+    where it carries them."""
+    ids, loss_mask, spliced, problem = draft.ids, draft.loss_mask, 0, draft.problem
     if problem is None and row.token_ids:
-        ids, loss_mask, spliced, problem = on_generated_ids(tokenizer, row, ids, offsets, loss_mask, special)
-    return TokenizedConversation(input_ids=ids, loss_mask=loss_mask, system_len=system_len, problem=problem,
-                                 on_generated_ids=spliced, served_pieces=pieces if problem is None else 0)
+        ids, loss_mask, spliced, problem = on_generated_ids(tokenizer, row, ids, draft.offsets, loss_mask, special)
+    return TokenizedConversation(input_ids=ids, loss_mask=loss_mask, system_len=draft.system_len, problem=problem,
+                                 on_generated_ids=spliced, served_pieces=draft.pieces if problem is None else 0)
 
 
 SERVED_PROMPT_CHANGED = "the prompt's last tokens change when the reply follows"
@@ -822,34 +858,36 @@ def served_turn_rows(tokenizer, messages: Sequence[dict[str, Any]], tools: list 
     return _per_turn_rows(tokenizer, messages, indices, tools, chat_template, on_dropped, on_special_text)
 
 
-def served_pieces(tokenizer, row: RenderedRow, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """``row.text`` tokenized as vLLM serves its turns: cut at every supervised span's start ``a`` (the
-    generation prompt ``P_i = text[:a]`` ends there), each piece tokenized alone (``add_special_tokens=False``),
-    so the tokens before the first turn are its served prompt's ids and each reply's ids are its text's own
-    tokenization, generated after them. Exact for a row with one supervised turn (a one-turn conversation, a
-    per-turn row); a row of several turns is exact only when each later prompt, tokenized alone, is the
-    pieces before it (:func:`served_prompt_mismatch` checks it again).
+def served_pieces(tokenizer, rows: Sequence[RenderedRow],
+                  whole: Sequence[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray] | None]:
+    """Each row's text tokenized as vLLM serves its turns: cut at every supervised span's start ``a`` (the
+    generation prompt ``P_i = text[:a]`` ends there), each piece tokenized alone (``add_special_tokens=False``;
+    all pieces of all rows in one batched call), so the tokens before the first turn are its served prompt's ids
+    and each reply's ids are its text's own tokenization, generated after them. Exact for a row with one
+    supervised turn (a one-turn conversation, a per-turn row); a row of several turns is exact only when each
+    later prompt, tokenized alone, is the pieces before it (:func:`served_prompt_mismatch` checks it again).
 
     Args:
-        ids: int32 ``[T]``, the whole text tokenized at once (compared as decoded text).
+        rows: the rows to cut; whole: per row, its text tokenized at once (int32 ``[T]``), compared as decoded text.
 
     Returns:
-        ``(ids int32 [T'], offsets int64 [T', 2])`` in ``row.text``'s characters, or None when the pieces do not
-        decode to the text the whole tokenization decodes to (a tokenizer that marks a text's start, such as
-        SentencePiece's prefix space, would add characters).
+        Per row, ``(ids int32 [T'], offsets int64 [T', 2])`` in ``row.text``'s characters, or None when the pieces
+        do not decode to the text the whole tokenization decodes to (a tokenizer that marks a text's start, such
+        as SentencePiece's prefix space, would add characters).
     """
-    text = row.text
-    cuts = sorted({0, len(text), *(a for a, _ in row.spans)})
-    starts = [c for c in cuts[:-1]]
-    enc = tokenizer([text[c:d] for c, d in zip(cuts[:-1], cuts[1:])], add_special_tokens=False,
-                    return_offsets_mapping=True)
-    new_ids = np.fromiter(itertools.chain.from_iterable(enc["input_ids"]), dtype=np.int32)
-    new_offsets = np.asarray([(c + x, c + y) for c, offs in zip(starts, enc["offset_mapping"]) for x, y in offs],
-                             dtype=np.int64).reshape(-1, 2)
-    whole = tokenizer.decode(ids.tolist(), clean_up_tokenization_spaces=False)
-    if tokenizer.decode(new_ids.tolist(), clean_up_tokenization_spaces=False) != whole:
-        return None
-    return new_ids, new_offsets
+    cuts = [sorted({0, len(r.text), *(a for a, _ in r.spans)}) for r in rows]
+    pieces = [(k, c, r.text[c:d]) for k, (r, row_cuts) in enumerate(zip(rows, cuts))
+              for c, d in zip(row_cuts[:-1], row_cuts[1:])]
+    enc = tokenizer([p for *_, p in pieces], add_special_tokens=False, return_offsets_mapping=True) if pieces \
+        else {"input_ids": [], "offset_mapping": []}
+    ids: list[list[int]] = [[] for _ in rows]
+    offsets: list[list[tuple[int, int]]] = [[] for _ in rows]
+    for (k, c, _), piece_ids, piece_offsets in zip(pieces, enc["input_ids"], enc["offset_mapping"]):
+        ids[k] += piece_ids
+        offsets[k] += [(c + x, c + y) for x, y in piece_offsets]
+    decoded = tokenizer.batch_decode(ids + [w.tolist() for w in whole], clean_up_tokenization_spaces=False)
+    return [(np.asarray(i, dtype=np.int32), np.asarray(o, dtype=np.int64).reshape(-1, 2))
+            if decoded[k] == decoded[len(rows) + k] else None for k, (i, o) in enumerate(zip(ids, offsets))]
 
 
 def straddling_token(row: RenderedRow, offsets: np.ndarray, loss_mask: np.ndarray) -> str | None:
