@@ -9,8 +9,9 @@ On the first ``--limit`` usable ShareGPT conversations, rendered once (``render_
 2. **whole prompts**: every ``P_i`` tokenized whole in one batched call per chunk (the check's plain form,
    which would add this time to 1).
 
-Then, per supervised turn, the verdict of the tail form (the row's reject reason) against the whole
-``P_i`` tokenized alone and compared with the row's tokens before the turn: ``disagreements`` must be 0.
+Then, per supervised turn, the verdict of the tail form (the row built as served, ``served_pieces``, or its reject
+reason) against the whole ``P_i`` tokenized alone and compared with the row's tokens before the turn:
+``disagreements`` must be 0.
 
 Usage (from the repository root, inside .venv):
     OMP_NUM_THREADS=1 python bench/bench_served_prompt.py --limit 300
@@ -66,7 +67,7 @@ def main() -> None:
     t_rendered = best(lambda: [tokenize_rendered(tok, rows) for rows in chunks], args.repeat)
     t_whole = best(lambda: [tok([r.text[:a] for r in rows for a, _ in r.spans], add_special_tokens=False)
                             for rows in chunks], args.repeat)
-    disagreements, turns, rejects = 0, 0, 0
+    disagreements, turns, rejects, pieces = 0, 0, 0, 0
     for rows, out in zip(chunks, outs):
         enc = tok([r.text for r in rows], add_special_tokens=False, return_offsets_mapping=True)
         for row, tokenized, ids, offsets in zip(rows, out, enc["input_ids"], enc["offset_mapping"]):
@@ -76,9 +77,11 @@ def main() -> None:
                 lo = int(np.searchsorted(starts, a, side="left"))
                 differs |= tok(row.text[:a], add_special_tokens=False)["input_ids"] != ids[:lo]
                 turns += 1
+            served = bool(tokenized.served_pieces)  # built as served: the prompt alone, then the reply
             rejected = bool(tokenized.problem) and tokenized.problem.startswith(REASON)
             rejects += rejected
-            disagreements += differs != rejected and not (tokenized.problem and not rejected)
+            pieces += served
+            disagreements += differs != (served or rejected) and not (tokenized.problem and not rejected)
     n_tokens = sum(len(t.input_ids) for out in outs for t in out)
     print(json.dumps({
         "conversations": len(convs), "rows": sum(map(len, chunks)), "supervised_turns": turns, "tokens": n_tokens,
@@ -86,7 +89,8 @@ def main() -> None:
         "text_chars": sum(len(r.text) for rows in chunks for r in rows),
         "seconds": {"tokenize_rendered_with_check": round(t_rendered, 3), "whole_prompts_call": round(t_whole, 3)},
         "whole_prompts_over_tokenize_rendered": round(t_whole / t_rendered, 3),
-        "rejects_served_prompt": rejects, "disagreements": disagreements}, indent=2))
+        "rejects_served_prompt": rejects, "rows_built_as_served": pieces, "disagreements": disagreements},
+        indent=2))
 
 
 if __name__ == "__main__":

@@ -46,19 +46,24 @@ Four more checks keep a mask from being silently wrong:
 - a token across a span's boundary (:func:`straddling_token`: a generation prompt ending in a space
   makes ``" Hello"`` start in the prompt; a turn without an end-of-turn token can merge into the
   next one) rejects the row ("reply starts inside a token", "a supervised token ends past its
-  assistant turn") instead of dropping the reply's first token or training the next turn's text;
+  assistant turn") instead of dropping the reply's first token or training the next turn's text; a
+  token across a turn's start is not a reject where the row can be built as served (the prompt
+  tokenized alone, then the reply: :func:`served_pieces`, below);
   likewise a last special token followed by more of the reply (a template without an end-of-turn
   token, a reply holding an added token): "no end-of-turn token ends an assistant turn";
 - the row's tokens before every supervised turn i must be the generation prompt ``P_i`` tokenized
   alone (:func:`served_prompt_mismatch`), what vLLM serves before the verifier generates: a reply
   can change how the prompt's last characters tokenize without any token straddling the span
   (SmolLM2's GPT-2 split makes ``"</think>\n\n"``'s newline run one token alone, two before
-  ``"Hello"``), which would train the drafter on a context the verifier never sees: "the prompt's
-  last tokens change when the reply follows: served [...] vs trained [...]". ``P_i`` is tokenized
+  ``"Hello"``), which would train the drafter on a context the verifier never sees. ``P_i`` is tokenized
   from its last added token on, one batched call per :func:`tokenize_rendered` (exact: a fast
-  tokenizer encodes the pieces between added tokens independently). It runs before
-  :func:`on_generated_ids`, so a turn trained on its generated ids is the served prompt's ids, then
-  the generated ids.
+  tokenizer encodes the pieces between added tokens independently). Where they differ the row is built
+  as served (:func:`served_pieces`: the text cut at each supervised turn's start, each piece tokenized
+  alone, counted ``served_prompt_rows``); a conversation that no one such sequence serves exactly
+  (:func:`needs_turn_rows`) gets one row per turn (:func:`served_turn_rows`); a row whose pieces are not
+  exact either is a reject, "the prompt's last tokens change when the reply follows: served [...] vs
+  trained [...]; ...". It runs before :func:`on_generated_ids`, so a turn trained on its generated ids
+  is the served prompt's ids, then the generated ids.
 
 ``system_len`` is the number of leading tokens that form the system prefix (BOS, the system turn,
 or the default system text a template injects): the common prefix of two renders of the
@@ -87,7 +92,9 @@ from stores.chat_template import (ChatTemplate, ChatTemplateError, as_chat_templ
 from stores.errors import InputError
 
 __all__ = ["TokenizedConversation", "RenderedRow", "render_rows", "tokenize_rendered", "DROPPED", "SPECIAL_TEXT",
-           "straddling_token", "served_prompt_mismatch", "on_generated_ids", "tokenize_conversation", "tokenize_turns",
+           "straddling_token", "served_prompt_mismatch", "served_pieces", "SERVED_PROMPT_CHANGED", "REPLY_STARTS_INSIDE", "needs_turn_rows",
+           "served_turn_rows",
+           "on_generated_ids", "tokenize_conversation", "tokenize_turns",
            "system_prefix_text",
            "special_token_text", "special_text_reason"]
 
@@ -647,6 +654,9 @@ def tokenize_turns(tokenizer, messages: Sequence[dict[str, Any]], tools: list | 
     rows = render_rows(tokenizer, messages, tools, chat_template, per_turn_fallback=True, on_dropped=on_dropped,
                        on_special_text=on_special_text)
     out = [(r.turn, t) for r, t in zip(rows, tokenize_rendered(tokenizer, rows))]
+    if any(needs_turn_rows(t.problem) for _, t in out):
+        rows = served_turn_rows(tokenizer, messages, tools, chat_template, on_dropped, on_special_text)
+        out = [(r.turn, replace(t, served_turn_row=1)) for r, t in zip(rows, tokenize_rendered(tokenizer, rows))]
     for _, t in out:
         if t.problem:
             raise ChatTemplateError(t.problem)
@@ -674,6 +684,10 @@ class TokenizedConversation:
             :func:`served_prompt_mismatch`), or None; such a row is a reject.
         on_generated_ids: 1 when the row's last turn holds the verifier's generated ids in place of
             the re-tokenization of its text (the same text, another tokenization), else 0.
+        served_pieces: 1 when the row is tokenized as served (:func:`served_pieces`: its generation prompt
+            alone, then its reply), since tokenized whole its reply changed the prompt's last tokens; else 0.
+        served_turn_row: 1 when the row is one of a conversation's per-turn rows made because no one sequence
+            served all its turns exactly (:func:`served_turn_rows`); else 0.
     """
 
     input_ids: np.ndarray
@@ -681,6 +695,8 @@ class TokenizedConversation:
     system_len: int
     problem: str | None = None
     on_generated_ids: int = 0
+    served_pieces: int = 0
+    served_turn_row: int = 0
 
 
 def _special_ids(tokenizer) -> frozenset[int]:
@@ -725,24 +741,153 @@ def tokenize_rendered(tokenizer, rows: Sequence[RenderedRow]) -> list[TokenizedC
         tokenized.append((ids, offsets, anchors))
         tails += [row.text[int(offsets[t, 0]) if t else 0:a] for t, (a, _) in zip(anchors, row.spans)]
     served = iter(tokenizer(tails, add_special_tokens=False)["input_ids"] if tails else [])  # one batched call
+    drafts = [_whole_row(tokenizer, row, ids, offsets, [(t, next(served)) for t in anchors], special)
+              for row, (ids, offsets, anchors) in zip(rows, tokenized)]
+    redo = [k for k, d in enumerate(drafts) if d.problem and d.problem.startswith((SERVED_PROMPT_CHANGED,
+                                                                                  REPLY_STARTS_INSIDE))]
+    for k, draft in zip(redo, _as_served(tokenizer, [rows[k] for k in redo], [drafts[k] for k in redo], special)):
+        drafts[k] = draft
+    return [_finished(tokenizer, row, d, special) for row, d in zip(rows, drafts)]
+
+
+@dataclass
+class _Draft:
+    """A row tokenized, before :func:`on_generated_ids`: ids int32 ``[T]``, offsets int64 ``[T, 2]``, loss_mask
+    uint8 ``[T]``, the system prefix's tokens, the reject reason or None, and whether it is cut in pieces."""
+
+    ids: np.ndarray
+    offsets: np.ndarray
+    loss_mask: np.ndarray
+    system_len: int
+    problem: str | None
+    pieces: int = 0
+
+
+def _row_masks(row: RenderedRow, ids: np.ndarray, offsets: np.ndarray,
+               special: frozenset[int]) -> tuple[np.ndarray, int]:
+    """``(loss_mask uint8 [T], system_len)`` of ``row`` tokenized as ``ids`` / ``offsets`` (step 3)."""
+    loss_mask = _mask_from_spans(ids, offsets[:, 0], list(row.spans), special, frozenset(row.cut))
+    if row.empty_think:
+        loss_mask[_mask_from_spans(ids, offsets[:, 0], list(row.empty_think), frozenset()) == 1] = 0
+    system_len = int(np.searchsorted(offsets[:, 1], row.prefix_chars, side="right"))
+    supervised = np.flatnonzero(loss_mask)
+    if supervised.size:
+        system_len = min(system_len, int(supervised[0]))
+    return loss_mask, system_len
+
+
+def _whole_row(tokenizer, row: RenderedRow, ids: np.ndarray, offsets: np.ndarray,
+               served: list[tuple[int, Sequence[int]]], special: frozenset[int]) -> _Draft:
+    """``row`` tokenized whole: its mask and the first reason it has no exact one (the checks of
+    :func:`tokenize_rendered`; ``served`` as :func:`served_prompt_mismatch` takes it)."""
+    loss_mask, system_len = _row_masks(row, ids, offsets, special)
+    problem = (straddling_token(row, offsets, loss_mask) or _unclear_end_of_turn(row, ids, offsets, special)
+               or served_prompt_mismatch(tokenizer, row, ids, offsets, served))
+    return _Draft(ids, offsets, loss_mask, system_len, problem)
+
+
+def _as_served(tokenizer, rows: Sequence[RenderedRow], drafts: Sequence[_Draft],
+               special: frozenset[int]) -> list[_Draft]:
+    """``rows``, whose replies change how their prompts' last characters tokenize (``drafts``: tokenized whole),
+    tokenized as served (:func:`served_pieces`), each checked again: every turn's context against its whole
+    prompt tokenized alone (the pieces cut the text between added tokens, so the tails of :func:`_prompt_anchors`
+    do not apply; the first turn's is its first piece by construction). Two batched calls: the pieces, and the
+    prompts of the turns after the first. A row not exact in pieces keeps its reason, with why."""
+    split = served_pieces(tokenizer, rows, [d.ids for d in drafts])
+    prompts = [r.text[:a] for r, cut in zip(rows, split) if cut is not None for a, _ in r.spans[1:]]
+    later = iter(tokenizer(prompts, add_special_tokens=False)["input_ids"] if prompts else [])
     out = []
-    for row, (ids, offsets, anchors) in zip(rows, tokenized):
-        row_served = [(t, next(served)) for t in anchors]
-        loss_mask = _mask_from_spans(ids, offsets[:, 0], list(row.spans), special, frozenset(row.cut))
-        if row.empty_think:
-            loss_mask[_mask_from_spans(ids, offsets[:, 0], list(row.empty_think), frozenset()) == 1] = 0
-        system_len = int(np.searchsorted(offsets[:, 1], row.prefix_chars, side="right"))
-        supervised = np.flatnonzero(loss_mask)
-        if supervised.size:
-            system_len = min(system_len, int(supervised[0]))
-        problem = (straddling_token(row, offsets, loss_mask) or _unclear_end_of_turn(row, ids, offsets, special)
-                   or served_prompt_mismatch(tokenizer, row, ids, offsets, row_served))
-        spliced = 0
-        if problem is None and row.token_ids:
-            ids, loss_mask, spliced, problem = on_generated_ids(tokenizer, row, ids, offsets, loss_mask, special)
-        out.append(TokenizedConversation(input_ids=ids, loss_mask=loss_mask, system_len=system_len,
-                                         problem=problem, on_generated_ids=spliced))
+    for row, draft, cut in zip(rows, drafts, split):
+        if cut is None:
+            out.append(replace(draft, problem=draft.problem + _PIECES_NOT_EXACT))
+            continue
+        ids, offsets = cut
+        loss_mask, system_len = _row_masks(row, ids, offsets, special)
+        first = int(np.searchsorted(offsets[:, 0], row.spans[0][0], side="left"))
+        served = [(0, ids[:first].tolist())] + [(0, next(later)) for _ in row.spans[1:]]
+        again = (straddling_token(row, offsets, loss_mask) or _unclear_end_of_turn(row, ids, offsets, special)
+                 or served_prompt_mismatch(tokenizer, row, ids, offsets, served))
+        out.append(replace(draft, problem=draft.problem + _ONE_SEQUENCE_NOT_EXACT) if again else
+                   _Draft(ids, offsets, loss_mask, system_len, None, pieces=1))
     return out
+
+
+def _finished(tokenizer, row: RenderedRow, draft: _Draft, special: frozenset[int]) -> TokenizedConversation:
+    """The row's :class:`TokenizedConversation`: ``draft`` trained on its generated ids (:func:`on_generated_ids`)
+    where it carries them."""
+    ids, loss_mask, spliced, problem = draft.ids, draft.loss_mask, 0, draft.problem
+    if problem is None and row.token_ids:
+        ids, loss_mask, spliced, problem = on_generated_ids(tokenizer, row, ids, draft.offsets, loss_mask, special)
+    return TokenizedConversation(input_ids=ids, loss_mask=loss_mask, system_len=draft.system_len, problem=problem,
+                                 on_generated_ids=spliced, served_pieces=draft.pieces if problem is None else 0)
+
+
+SERVED_PROMPT_CHANGED = "the prompt's last tokens change when the reply follows"
+"""How :func:`served_prompt_mismatch`'s reason begins."""
+REPLY_STARTS_INSIDE = "reply starts inside a token"
+"""How :func:`straddling_token`'s reason begins for a token across a turn's start (served, the prompt ends
+before it: the row is built in pieces, :func:`served_pieces`)."""
+
+_PIECES_NOT_EXACT = ("; tokenized in pieces (each generation prompt alone, then its reply) the row is not the same "
+                     "text (the tokenizer marks a piece's start, e.g. a SentencePiece prefix space), so no row is "
+                     "exact")
+_ONE_SEQUENCE_NOT_EXACT = ("; tokenized in pieces (each generation prompt alone, then its reply) a later turn's "
+                           "prompt tokenized alone is still not the earlier turns' ids, so no one sequence holds "
+                           "every turn as served: per-turn rows (--on-history-rewrite split, the default) give each "
+                           "turn its served prompt and reply")
+
+
+def needs_turn_rows(problem: str | None) -> bool:
+    """Whether ``problem`` (a :class:`TokenizedConversation`'s) says that no one sequence serves every turn of the
+    row exactly, while each turn alone can be (:func:`served_turn_rows`)."""
+    return bool(problem) and problem.endswith(_ONE_SEQUENCE_NOT_EXACT)
+
+
+def served_turn_rows(tokenizer, messages: Sequence[dict[str, Any]], tools: list | None = None,
+                     chat_template: str | ChatTemplate | None = None, on_dropped: str = "reject",
+                     on_special_text: str = "reject") -> list[RenderedRow]:
+    """One row per supervised assistant turn ``i``, rendered from ``messages[:i+1]`` as for a template that
+    rewrites history (:func:`render_rows`), for a conversation whose turns no one sequence serves exactly
+    (:func:`needs_turn_rows`): each row is then its turn's served prompt, tokenized alone, and the reply.
+
+    Raises:
+        ChatTemplateError: as :func:`render_rows`.
+    """
+    messages = list(messages)
+    indices = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    return _per_turn_rows(tokenizer, messages, indices, tools, chat_template, on_dropped, on_special_text)
+
+
+def served_pieces(tokenizer, rows: Sequence[RenderedRow],
+                  whole: Sequence[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray] | None]:
+    """Each row's text tokenized as vLLM serves its turns: cut at every supervised span's start ``a`` (the
+    generation prompt ``P_i = text[:a]`` ends there), each piece tokenized alone (``add_special_tokens=False``;
+    all pieces of all rows in one batched call), so the tokens before the first turn are its served prompt's ids
+    and each reply's ids are its text's own tokenization, generated after them. Exact for a row with one
+    supervised turn (a one-turn conversation, a per-turn row); a row of several turns is exact only when each
+    later prompt, tokenized alone, is the pieces before it (:func:`served_prompt_mismatch` checks it again).
+
+    Args:
+        rows: the rows to cut; whole: per row, its text tokenized at once (int32 ``[T]``), compared as decoded text.
+
+    Returns:
+        Per row, ``(ids int32 [T'], offsets int64 [T', 2])`` in ``row.text``'s characters, or None when the pieces
+        do not decode to the text the whole tokenization decodes to (a tokenizer that marks a text's start, such
+        as SentencePiece's prefix space, would add characters).
+    """
+    cuts = [sorted({0, len(r.text), *(a for a, _ in r.spans)}) for r in rows]
+    pieces = [(k, c, r.text[c:d]) for k, (r, row_cuts) in enumerate(zip(rows, cuts))
+              for c, d in zip(row_cuts[:-1], row_cuts[1:])]
+    enc = tokenizer([p for *_, p in pieces], add_special_tokens=False, return_offsets_mapping=True) if pieces \
+        else {"input_ids": [], "offset_mapping": []}
+    ids: list[list[int]] = [[] for _ in rows]
+    offsets: list[list[tuple[int, int]]] = [[] for _ in rows]
+    for (k, c, _), piece_ids, piece_offsets in zip(pieces, enc["input_ids"], enc["offset_mapping"]):
+        ids[k] += piece_ids
+        offsets[k] += [(c + x, c + y) for x, y in piece_offsets]
+    decoded = tokenizer.batch_decode(ids + [w.tolist() for w in whole], clean_up_tokenization_spaces=False)
+    return [(np.asarray(i, dtype=np.int32), np.asarray(o, dtype=np.int64).reshape(-1, 2))
+            if decoded[k] == decoded[len(rows) + k] else None for k, (i, o) in enumerate(zip(ids, offsets))]
 
 
 def straddling_token(row: RenderedRow, offsets: np.ndarray, loss_mask: np.ndarray) -> str | None:
@@ -765,7 +910,7 @@ def straddling_token(row: RenderedRow, offsets: np.ndarray, loss_mask: np.ndarra
     for a, b in row.spans:
         i = int(np.searchsorted(starts, a, side="left")) - 1  # the last token starting before the span
         if i >= 0 and ends[i] > a and text[a:min(int(ends[i]), b)].strip():
-            return (f"reply starts inside a token: {text[int(starts[i]):int(ends[i])]!r} holds "
+            return (f"{REPLY_STARTS_INSIDE}: {text[int(starts[i]):int(ends[i])]!r} holds "
                     f"{text[int(starts[i]):a]!r} rendered before an assistant reply (the generation prompt's end or "
                     f"the previous message's) and {text[a:int(ends[i])]!r} of the reply, so the reply's first token "
                     "has no exact mask (a generation prompt that ends in a space does this); pass --chat-template "

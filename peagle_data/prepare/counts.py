@@ -71,6 +71,15 @@ class Counts:
     dropped: dict[str, int] = field(default_factory=dict)
     """Conversations kept without each kind of content the template drops: ``{part: n}``, written
     as ``dropped_<part>`` keys (``dropped_tools``, ``dropped_reasoning``, ...)."""
+    served_prompt_rows: int | None = None
+    """Rows tokenized as served, the generation prompt alone and then the reply, since tokenized whole the
+    reply changed the prompt's last tokens (``peagle_data.chat.masks.served_pieces``: a prompt ending in
+    ``</think>\n\n`` under a tokenizer that splits a newline run before a letter)."""
+    served_turn_conversations: int | None = None
+    """Conversations split into one row per assistant turn because no one sequence holds every turn's served
+    prompt (each tokenized alone) and reply (``peagle_data.chat.masks.served_turn_rows``)."""
+    served_turn_rows: int | None = None
+    """The rows of those conversations."""
     history_rewrite_conversations: int | None = None
     """Conversations split into one row per assistant turn (the template rewrites history)."""
     history_rewrite_rows: int | None = None

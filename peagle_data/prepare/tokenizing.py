@@ -19,7 +19,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from peagle_data.chat.masks import render_rows, tokenize_rendered
+from peagle_data.chat.masks import needs_turn_rows, render_rows, served_turn_rows, tokenize_rendered
 from stores.chat_template import (ChatTemplate, ChatTemplateError, chat_template_kwargs_record, chat_template_sha256,
                                   check_chat_template_kwargs, check_kwargs_read, effective_chat_template)
 from stores.conversation_files import read_regenerate_manifest
@@ -149,7 +149,7 @@ def iter_tokenized(inputs: Sequence[str | os.PathLike], tokenizer, cfg: Tokenize
 
     Rejected rows are written to ``rejects`` and counted; ``counts`` gains ``read``, ``rejected``,
     ``dropped_leading_assistant_turns``, ``merged_user_turns``, ``empty_assistant_turns``,
-    ``history_rewrite_conversations``, ``history_rewrite_rows``, the per-row reader counts
+    ``history_rewrite_conversations``, ``history_rewrite_rows``, ``served_prompt_rows``, the per-row reader counts
     (``null_keys_dropped_rows``, ``tool_arguments_decoded``, ``tool_calls_wrapped``,
     ``tool_schemas_decoded``, ``tool_schemas_wrapped``, ``sharegpt_function_calls``,
     ``sharegpt_observations``, ``dropped_content_parts``) and, with ``on_dropped_content="keep"``,
@@ -272,6 +272,16 @@ def _tokenize_chunk(tokenizer, chunk: list[Conversation | Reject], template, spl
     tokenized = iter(tokenize_rendered(tokenizer, flat))
     for at, rows in rendered:
         outcomes[at] = [(r.turn, next(tokenized), r.dropped, r.special_text) for r in rows]
+        if split and any(needs_turn_rows(t.problem) for _, t, *_ in outcomes[at]):  # one row per turn, as served
+            item = chunk[at]
+            try:
+                rows = served_turn_rows(tokenizer, item.messages, item.tools,
+                                        row_template(template, item.chat_template_kwargs), on_dropped, on_special_text)
+            except ChatTemplateError as e:
+                outcomes[at] = str(e)
+                continue
+            outcomes[at] = [(r.turn, dataclasses.replace(t, served_turn_row=1), r.dropped, r.special_text)
+                            for r, t in zip(rows, tokenize_rendered(tokenizer, rows))]
         problem = next((t.problem for _, t, *_ in outcomes[at] if t.problem), None)
         if problem:  # no exact mask for one of its rows: the conversation is a reject
             outcomes[at] = problem
@@ -316,7 +326,11 @@ def _rows_of(conv: Conversation, outcome: list[tuple], counts: Counts,
         counts.drop(part.split(' of ')[0])
     if any(m.get("token_ids") is not None for m in conv.messages):  # regenerate's output: its ids are counted
         counts.bump("turns_on_generated_ids", sum(tok.on_generated_ids for _, tok, *_ in outcome))
-    per_turn = outcome[0][0] is not None
+    counts.bump("served_prompt_rows", sum(tok.served_pieces for _, tok, *_ in outcome))
+    served_turns = any(tok.served_turn_row for _, tok, *_ in outcome)
+    counts.bump("served_turn_conversations", served_turns)
+    counts.bump("served_turn_rows", len(outcome) if served_turns else 0)
+    per_turn = outcome[0][0] is not None and not served_turns
     counts.bump("history_rewrite_conversations", per_turn)
     counts.bump("history_rewrite_rows", len(outcome) if per_turn else 0)
     return [TokenizedRow(conversation_id=conv.conversation_id if turn is None else f"{conv.conversation_id}@{turn}",

@@ -11,10 +11,11 @@ from __future__ import annotations
 import copy
 import json
 
+import numpy as np
 import pytest
 
 from peagle_data.chat.masks import render_rows, tokenize_conversation, tokenize_turns
-from stores.chat_template import ChatTemplateError
+from stores.chat_template import ChatTemplateError, prompt_ids
 from tests.chat_templates import newline_runs_whole
 from tests.peagle_data.chat.test_masks import masked_texts, runs
 
@@ -535,23 +536,35 @@ VICUNA_TURNS = [{"role": "user", "content": "Hi"}, {"role": "assistant", "conten
                 {"role": "user", "content": "Again"}, {"role": "assistant", "content": "Sure thing"}]
 
 
-def test_a_generation_prompt_ending_in_a_space_is_refused_not_masked_without_the_first_word(smollm2_tokenizer):
-    # "ASSISTANT: " + "Hello" tokenizes as ":" " Hello": the reply's first token starts in the prompt.
-    # Masked by "starts inside the span", every reply silently lost its first word (" there</s>").
+def test_a_generation_prompt_ending_in_a_space_is_built_as_served(smollm2_tokenizer):
+    # "ASSISTANT: " + "Hello" tokenizes as ":" " Hello": the reply's first token starts in the prompt. Masked by
+    # "starts inside the span", every reply silently lost its first word (" there</s>"); it was a reject. vLLM
+    # serves the prompt tokenized alone (ending in " ") and the verifier generates after it: the row is that,
+    # the prompt's ids then the reply's ("Hello" " there"), one row per turn (the history merges " Hello").
     tok = smollm2_tokenizer
     with pytest.raises(ChatTemplateError) as info:
         tokenize_conversation(tok, VICUNA_TURNS, chat_template=VICUNA)
-    assert str(info.value) == (
+    assert str(info.value).startswith(
         "reply starts inside a token: ' Hello' holds ' ' rendered before an assistant reply (the generation "
         "prompt's end or the previous message's) and 'Hello' of the reply, so the reply's first token has no exact "
         "mask (a generation prompt that ends in a space does this); pass --chat-template FILE with a generation "
-        "prompt that ends where a token ends")
-    with pytest.raises(ChatTemplateError, match="^reply starts inside a token: "):
-        tokenize_turns(tok, VICUNA_TURNS, chat_template=VICUNA)
+        "prompt that ends where a token ends; tokenized in pieces")
+    assert str(info.value).endswith("no one sequence holds every turn as served: per-turn rows "
+                                    "(--on-history-rewrite split, the default) give each turn its served prompt "
+                                    "and reply")
+    rows = tokenize_turns(tok, VICUNA_TURNS, chat_template=VICUNA)
+    assert [t for t, _ in rows] == [1, 3] and all(r.served_pieces and r.served_turn_row for _, r in rows)
+    assert [masked_texts(tok, r) for _, r in rows] == [["Hello there</s>"], ["Sure thing</s>"]]
+    for turn, row in rows:
+        first = int(np.flatnonzero(row.loss_mask)[0])
+        assert row.input_ids[:first].tolist() == prompt_ids(tok, VICUNA_TURNS[:turn], None, VICUNA)
+        assert tok.decode(row.input_ids[first:first + 1]) == ("Hello" if turn == 1 else "Sure")
+    one = tokenize_conversation(tok, VICUNA_TURNS[:2], chat_template=VICUNA)  # one turn: one row, in pieces
+    assert one.served_pieces == 1 and masked_texts(tok, one) == ["Hello there</s>"]
     fixed = VICUNA.replace("{% if add_generation_prompt %}ASSISTANT: {% endif %}",
                            "{% if add_generation_prompt %}ASSISTANT:{% endif %}")  # DeepSeek-LLM's way
     out = tokenize_conversation(tok, VICUNA_TURNS, chat_template=fixed)
-    assert masked_texts(tok, out) == [" Hello there</s>", " Sure thing</s>"]
+    assert masked_texts(tok, out) == [" Hello there</s>", " Sure thing</s>"] and out.served_pieces == 0
 
 
 def test_a_supervised_token_that_runs_into_the_next_turn_is_refused(smollm2_tokenizer):
@@ -569,7 +582,7 @@ def test_a_supervised_token_that_runs_into_the_next_turn_is_refused(smollm2_toke
         "Good", "."]
 
 
-def test_a_straddling_token_rejects_the_row_in_tokenize(tmp_path, smollm2_tokenizer):
+def test_a_reply_starting_inside_a_token_is_served_per_turn_in_tokenize(tmp_path, smollm2_tokenizer):
     import json
 
     from peagle_data.prepare.config import TokenizeConfig, TokenizeRun
@@ -582,8 +595,8 @@ def test_a_straddling_token_rejects_the_row_in_tokenize(tmp_path, smollm2_tokeni
     counts = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "t",
                                       settings=TokenizeConfig(chat_template=str(template))),
                                       tokenizer=smollm2_tokenizer)["counts"]
-    assert (counts["used"], counts["rejected"]) == (0, 1)
-    assert counts["rejected_by_reason"] == {"reply starts inside a token": 1}
+    assert (counts["used"], counts["rejected"], counts["served_prompt_rows"]) == (1, 0, 2)
+    assert (counts["served_turn_conversations"], counts["served_turn_rows"]) == (1, 2)
 
 
 def test_a_cut_turn_in_a_per_turn_row_ends_before_its_end_of_turn(qwen3_tok):

@@ -51,14 +51,11 @@ def _tokenize(tmp_path, tok, name, kwargs, out="tok"):
 
 def test_tokenize_rows_in_each_mode_and_the_variables_recorded(tmp_path, qwen_tok):
     summary, on = _tokenize(tmp_path, qwen_tok, "qwen35_open_think", {}, "on")
-    assert _supervised(qwen_tok, on) == {"reasoned": "Add.\n</think>\n\n4.<|im_end|>"}
-    # a reply without reasoning after the served "<think>\n": its "\n</think>" merges the prompt's last newline
-    # into "\n\n", so the row's context is not the served prompt: a reject, counted under its reason
-    assert summary["counts"]["rejected_by_reason"] == {"the prompt's last tokens change when the reply follows": 1}
-    [reject] = rejects_of(tmp_path / "on")
-    assert reject["conversation_id"] == "plain"
-    assert reject["reason"].startswith("the prompt's last tokens change when the reply follows: served ['\\n'] vs "
-                                       "trained ['\\n\\n'] before supervised reply 1 of 1")
+    # a reply without reasoning after the served "<think>\n": tokenized whole, its "\n</think>" would merge the
+    # prompt's last newline into "\n\n"; built as served (the prompt alone, then the reply), counted
+    assert _supervised(qwen_tok, on) == {"reasoned": "Add.\n</think>\n\n4.<|im_end|>",
+                                         "plain": "\n</think>\n\nHello!<|im_end|>"}
+    assert summary["counts"]["served_prompt_rows"] == 1 and summary["counts"]["rejected"] == 0
     assert on.manifest["tokenizer"]["chat_template_kwargs"] == {}
     summary, off = _tokenize(tmp_path, qwen_tok, "qwen35_open_think", OFF, "off")
     assert _supervised(qwen_tok, off) == {"plain": "Hello!<|im_end|>"}
@@ -244,3 +241,37 @@ def test_a_row_recording_a_variable_the_template_never_reads_is_a_reject(tmp_pat
     assert summary["counts"]["used"] == 1
     [reject] = rejects_of(tmp_path / "t")
     assert reject["conversation_id"] == "reasoned" and "never reads 'enable_thinkng'" in reject["reason"]
+
+
+def test_thinking_off_rows_are_built_as_served_and_counted(tmp_path, smollm2_tokenizer):
+    """Issue 44 item 5: thinking off (``</think>\\n\\n`` ends the prompt) with SmolLM2's split, which cuts a newline
+    run before a letter, rejected every plain row. Each row is now its served prompt tokenized alone, then the
+    reply (``served_prompt_rows``); a conversation no one sequence serves exactly has a row per turn
+    (``served_turn_conversations`` / ``served_turn_rows``), each turn's context its prompt tokenized alone."""
+    import copy
+
+    from tests.peagle_data.chat.test_masks import MULTI_TURN, NEWLINE_PROMPT
+
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.add_tokens(["<think>", "</think>"])
+    plain = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"Question {i}?"},
+                                          {"role": "assistant", "content": f"Answer {i}."}]} for i in range(3)]
+    src = write_rows(tmp_path / "plain.jsonl", plain)
+    settings = TokenizeConfig(chat_template=str(template_path("qwen3_hybrid")), chat_template_kwargs=OFF)
+    summary = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "off",
+                                       settings=settings), tokenizer=tok)
+    counts = summary["counts"]
+    assert (counts["used"], counts["rejected"], counts["served_prompt_rows"]) == (3, 0, 3)
+    table = TokenTable.open(tmp_path / "off")
+    assert table.manifest["counts"]["served_prompt_rows"] == 3
+    assert _supervised(tok, table) == {f"r{i}": f"Answer {i}.<|im_end|>" for i in range(3)}
+    (tmp_path / "newline.jinja").write_text(NEWLINE_PROMPT)
+    src = write_rows(tmp_path / "multi.jsonl", [{"id": "m", "messages": MULTI_TURN}])
+    summary = run_tokenize(TokenizeRun(inputs=[src], tokenizer="smollm2-135m", output=tmp_path / "multi",
+                                       settings=TokenizeConfig(chat_template=str(tmp_path / "newline.jinja"))),
+                           tokenizer=smollm2_tokenizer)
+    counts = summary["counts"]
+    assert (counts["used"], counts["served_turn_conversations"], counts["served_turn_rows"]) == (1, 1, 2)
+    assert counts.get("history_rewrite_conversations") in (None, 0)
+    assert _supervised(smollm2_tokenizer, TokenTable.open(tmp_path / "multi")) == {
+        "m@1": "2+2 is 4.<|im_end|>", "m@3": "It is 6.<|im_end|>"}
