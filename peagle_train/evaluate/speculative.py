@@ -29,7 +29,13 @@ cache) and has emitted ``x_{t+1}``.
    ``rejection_sampler.py``, ``NO_DRAFT_PROBS``); ``probabilistic`` samples x from
    ``q_i = softmax(drafter logits / T)`` (0 outside the draft vocab). The verifier cache (full
    keys/values also for sliding-window layers, masked by the window) is cut back to the accepted
-   tokens and their aux features feed the drafter.
+   tokens and their aux features feed the drafter. A hybrid verifier's recurrent state (gated DeltaNet,
+   Mamba-2) cannot be cut back: it is copied before the pass and, after a rejection, put back and fed
+   the accepted tokens again (snapshot and recompute,
+   :func:`~peagle_train.evaluate.verifier.keep_fed`), so it is the state after exactly those tokens.
+
+The chain (:func:`speculative_generate`) and the tree (:func:`peagle_train.evaluate.tree.tree_generate`)
+share their set-up and loop (:func:`run_decoder`); each brings its step.
 
 Under greedy decoding every token emitted is the verifier's argmax given the tokens before it, so
 the output is the verifier's own greedy output token for token.
