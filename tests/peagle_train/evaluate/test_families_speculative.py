@@ -171,6 +171,63 @@ def test_hybrid_mixed_acceptance_and_random_drafter_equal_greedy(family, hybrids
     assert spec.tokens == greedy.tokens and spec.recomputed_steps >= 1
 
 
+class SelfDrafter(Oracle):
+    """Drafts the verifier's own greedy continuation of the context it is given (a full forward per draft), wrong
+    by :class:`CoinOracle`'s coin: at T > 0 drafts are kept and rejected wherever the samples go."""
+
+    def __init__(self, verifier, first_token: int, num_depths: int):
+        super().__init__(verifier.config.get_text_config(), [], num_depths, 0)
+        self.verifier = [verifier]  # not a submodule: the drafter's parameters stay its own
+        self.first = first_token
+
+    def forward(self, input_ids, aux_hidden, is_mask, position_ids, attn_mask):
+        context = [self.first] + input_ids[~is_mask].tolist()
+        self.continuation = []
+        with torch.no_grad():
+            for _ in range(int(is_mask.sum()) + 1):
+                ids = torch.tensor([context + self.continuation])
+                self.continuation.append(int(self.verifier[0](input_ids=ids).logits[0, -1].argmax()))
+        return super().forward(input_ids, aux_hidden, is_mask, position_ids, attn_mask)
+
+    def logits(self, hidden):
+        out = torch.zeros(hidden.shape[0], self.config.draft_vocab_size)
+        for i, (pos, depth) in enumerate(hidden.tolist()):
+            tok = self.continuation[depth]
+            out[i, (tok + 1) % out.shape[1] if (5 * pos + 2 * depth) % 9 < 3 else tok] = 1.0
+        return out
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_hybrid_sampling_reads_the_models_own_distributions(family, hybrids, monkeypatch):
+    """At T > 0 the acceptance rule is the chain's; what keeps the verifier's distribution is that every row of
+    logits it reads is the model's own after the tokens before it. Each step's rows, across rejections (the
+    state put back and fed again), equal a full forward's over the prompt, the tokens emitted so far and the
+    drafts."""
+    import peagle_train.evaluate.speculative as speculative
+
+    verifier = hybrids[family]
+    steps = []
+    accept = speculative.accept_drafts
+
+    def recorded(drafts, logits, *args, **kwargs):
+        n, emitted = accept(drafts, logits, *args, **kwargs)
+        steps.append((drafts.clone(), logits[:n + 1].clone(), n))
+        return n, emitted
+
+    monkeypatch.setattr(speculative, "accept_drafts", recorded)
+    spec = speculative_generate(verifier, SelfDrafter(verifier, PROMPT[0], 3), PROMPT, 16,
+                                temperature=0.3, generator=torch.Generator().manual_seed(0))
+    assert spec.accepted >= 1 and spec.recomputed_steps >= 1, spec.accepted_per_step  # kept and rejected drafts
+    done = 1  # tokens emitted before the step (the prefill's)
+    with torch.no_grad():
+        for (drafts, rows, n), emitted in zip(steps, spec.accepted_per_step):
+            ids = PROMPT + spec.tokens[:done] + drafts.tolist()
+            full = verifier(input_ids=torch.tensor([ids])).logits[0].float()
+            start = len(PROMPT) + done - 1  # the row after x_{t+1}
+            torch.testing.assert_close(rows, full[start:start + n + 1], atol=1e-4, rtol=1e-4)
+            done += emitted + 1
+
+
 @pytest.mark.parametrize("family", HYBRID)
 def test_hybrid_cut_back_gives_the_models_own_logits(family, hybrids):
     """After 4 drafts of which 1 is kept, the logits of the next tokens are a fresh forward's (so sampling at
