@@ -12,7 +12,7 @@ from typing import Any
 from peagle_train.evaluate.checks import check_drafter_tokenizer, check_tree_verifier, check_verifier_config
 from peagle_train.evaluate.verifier import config_recurrent_layers
 from peagle_train.evaluate.config import EvalConfig
-from peagle_train.evaluate.cost_model import cost_model_report, measure_trusted_costs
+from peagle_train.evaluate.cost_model import HYBRID_COSTS_SKIPPED, cost_model_report, measure_trusted_costs
 from peagle_train.evaluate.identity import EXACT_DTYPES, compare_to_greedy, dtype_name, greedy_check_summary
 from peagle_train.evaluate.prompts import Prompt, history_message, prompt_modes, read_prompts, render_turn, turn_text
 from peagle_train.evaluate.report import per_mode_report, write_json
@@ -217,9 +217,7 @@ def online_cost_model(verifier, drafter, context_ids: Sequence[int], online: dic
     if not online["num_drafts"]:
         return {"skipped": "no verifier step checked a draft: no acceptance to predict from"}
     if config_recurrent_layers(verifier.config):
-        return {"skipped": "hybrid verifier (recurrent layers): a step that rejects a draft also feeds the kept tokens "
-                           "again from the state's snapshot, a cost the model's t_v(K + 1) does not hold; the run's "
-                           "measured speedup counts it"}
+        return {"skipped": HYBRID_COSTS_SKIPPED}
     costs = measure_trusted_costs(verifier, drafter, context_ids, int(drafter.config.num_depths), config.cost_rounds)
     return cost_model_report(costs, online)
 
