@@ -75,9 +75,9 @@ __all__ = ["ASSUMPTIONS", "MONOTONE_TOLERANCE", "SPREAD_LIMIT", "PREDICTION_TOLE
            "cost_model_report", "format_cost_model", "HYBRID_COSTS_SKIPPED"]
 
 HYBRID_COSTS_SKIPPED = (
-    "hybrid verifier (recurrent layers): a step that rejects a draft also feeds the kept tokens again from the "
-    "state's snapshot (docs/design.md §9, \"Hybrid verifiers\"), a cost the model's t_v(K + 1) does not hold; the "
-    "online run's measured speedup counts it")
+    "hybrid verifier (recurrent layers): its steps record per-token states or, where transformers cannot, feed "
+    "the kept tokens again after a rejected draft (docs/design.md §9, \"Hybrid verifiers\"), costs the timed "
+    "t_v(K + 1) does not hold; the online run's measured speedup counts them")
 """Why the cost model is not applied to a verifier with recurrent layers (:func:`measure_step_costs` refuses one)."""
 
 MONOTONE_TOLERANCE = 0.10
