@@ -7,7 +7,9 @@ checks the local back end against ``transformers serve`` and vLLM's server):
 
 - :class:`LocalBackend` renders each request with the verifier's chat template
   (``add_generation_prompt``), sorts a wave of requests by prompt length, and generates in
-  left-padded batches with transformers' ``generate`` (KV cache), on CPU or GPU. The answer text is
+  left-padded batches with transformers' ``generate`` (KV cache), on CPU or GPU (hybrid verifiers too:
+  their linear-attention / state-space layers mask the pads out of the recurrent state, so a padded
+  prompt's answer is its answer alone; tested on the five hybrid families). The answer text is
   the ``skip_special_tokens`` decode up to the first end-of-sequence token, as servers return it,
   never with ``clean_up_tokenization_spaces`` (which rewrites ``x != y`` as ``x!= y``: a text that
   re-tokenizes to other ids than the verifier generated).

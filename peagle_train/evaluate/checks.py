@@ -9,6 +9,7 @@ from typing import Any
 
 from peagle_train.evaluate.prompts import read_prompts
 from peagle_train.evaluate.speculative import check_compatible, checked_num_draft_tokens
+from peagle_train.evaluate.tree import check_tree_config
 from peagle_train.model.checkpoint import check_servable_checkpoint, load_drafter
 from stores.chat_template import chat_template_kwargs_record, describe_kwargs
 from stores.errors import StoreMismatchError
@@ -27,6 +28,16 @@ def check_verifier_config(name: str, drafter) -> None:
     """
 
     check_compatible(SimpleNamespace(config=text_config(load_model_config(name))), drafter)
+
+
+def check_tree_verifier(name: str) -> None:
+    """:func:`~peagle_train.evaluate.tree.check_tree_config` on MODEL ``name``'s config alone, before its weights
+    load: a tree is refused for a verifier with recurrent layers (a hybrid) or layer types without a tree mask.
+
+    Raises:
+        InputError: with the reason. ModelNotFoundError: unknown MODEL.
+    """
+    check_tree_config(load_model_config(name))
 
 
 def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = None,

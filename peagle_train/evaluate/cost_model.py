@@ -65,15 +65,21 @@ from typing import Any
 import torch
 
 from peagle_train.evaluate.speculative import DrafterSession, aux_features, propose_drafts
-from peagle_train.evaluate.verifier import (aux_hidden_states, crop_cache, new_cache, rollback_cache,
-                                            verifier_body_pass, verifier_pass)
+from peagle_train.evaluate.verifier import (aux_hidden_states, config_recurrent_layers, crop_cache, new_cache,
+                                            rollback_cache, verifier_body_pass, verifier_pass)
 from stores.errors import InputError
 from stores.progress import progress
 
 __all__ = ["ASSUMPTIONS", "MONOTONE_TOLERANCE", "SPREAD_LIMIT", "PREDICTION_TOLERANCE", "StepCosts",
            "measure_step_costs", "measure_trusted_costs", "cost_problems", "load_average", "usable_cpus",
            "first_prompt_ids", "acceptance_shares", "expected_acceptance_length", "predict_speedups",
-           "cost_model_report", "format_cost_model", "timing_notice"]
+           "cost_model_report", "format_cost_model", "timing_notice", "HYBRID_COSTS_SKIPPED"]
+
+HYBRID_COSTS_SKIPPED = (
+    "hybrid verifier (recurrent layers): its steps record per-token states or, where transformers cannot, feed "
+    "the kept tokens again after a rejected draft (docs/design.md §9, \"Hybrid verifiers\"), costs the timed "
+    "t_v(K + 1) does not hold; the online run's measured speedup counts them")
+"""Why the cost model is not applied to a verifier with recurrent layers (:func:`measure_step_costs` refuses one)."""
 
 MONOTONE_TOLERANCE = 0.10
 """A verifier pass over more tokens measured more than this fraction cheaper than one over fewer is noise."""
@@ -185,11 +191,14 @@ def measure_step_costs(verifier, drafter, context_ids: Sequence[int] | torch.Ten
         :class:`StepCosts`.
 
     Raises:
-        InputError: an empty context, ``max_draft_tokens < 1`` or ``rounds < 1``.
+        InputError: an empty context, ``max_draft_tokens < 1`` or ``rounds < 1``; a verifier with recurrent
+            layers (:data:`HYBRID_COSTS_SKIPPED`).
     """
     ids = torch.as_tensor(context_ids, dtype=torch.long).flatten().cpu()
     if ids.numel() == 0:
         raise InputError("the context for timing the decoding steps is empty (0 tokens)")
+    if config_recurrent_layers(verifier.config):
+        raise InputError(HYBRID_COSTS_SKIPPED + "; skip the cost model (--no-measure-costs)", field="--measure-costs")
     if max_draft_tokens < 1 or rounds < 1 or warmup_rounds < 0:
         raise InputError(f"cost timing needs max_draft_tokens >= 1, rounds >= 1, warmup_rounds >= 0; got "
                          f"{max_draft_tokens}, {rounds}, {warmup_rounds}")

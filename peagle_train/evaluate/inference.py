@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from peagle_train.evaluate.checks import check_drafter_tokenizer, check_verifier_config, trained_template_kwargs
+from peagle_train.evaluate.checks import (check_drafter_tokenizer, check_tree_verifier, check_verifier_config,
+                                          trained_template_kwargs)
 from peagle_train.evaluate.prompts import eos_ids, render_messages, turn_text
 from peagle_train.evaluate.speculative import (GenerationResult, check_compatible, checked_num_draft_tokens,
                                                plain_generate, speculative_generate)
@@ -279,6 +280,8 @@ class PEAGLEInference:
         K = tree_depth(tree, speculation_depth, drafter) if tree is not None else \
             checked_num_draft_tokens(speculation_depth, drafter)
         check_verifier_config(name, drafter)  # before the weights load
+        if tree is not None:
+            check_tree_verifier(name)  # a hybrid verifier's tree: refused before its weights load
         check_drafter_tokenizer(directory, name)
         if chat_template_kwargs is None:
             chat_template_kwargs = trained_template_kwargs(directory)

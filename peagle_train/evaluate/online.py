@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 
-from peagle_train.evaluate.checks import check_drafter_tokenizer, check_verifier_config
+from peagle_train.evaluate.checks import check_drafter_tokenizer, check_tree_verifier, check_verifier_config
+from peagle_train.evaluate.verifier import config_recurrent_layers
 from peagle_train.evaluate.config import EvalConfig
-from peagle_train.evaluate.cost_model import cost_model_report, measure_trusted_costs
+from peagle_train.evaluate.cost_model import HYBRID_COSTS_SKIPPED, cost_model_report, measure_trusted_costs
 from peagle_train.evaluate.identity import EXACT_DTYPES, compare_to_greedy, dtype_name, greedy_check_summary
 from peagle_train.evaluate.prompts import Prompt, history_message, prompt_modes, read_prompts, render_turn, turn_text
 from peagle_train.evaluate.report import per_mode_report, write_json
@@ -215,6 +216,8 @@ def online_cost_model(verifier, drafter, context_ids: Sequence[int], online: dic
                            "--temperature 0 for the table"}
     if not online["num_drafts"]:
         return {"skipped": "no verifier step checked a draft: no acceptance to predict from"}
+    if config_recurrent_layers(verifier.config):
+        return {"skipped": HYBRID_COSTS_SKIPPED}
     costs = measure_trusted_costs(verifier, drafter, context_ids, int(drafter.config.num_depths), config.cost_rounds)
     return cost_model_report(costs, online)
 
@@ -270,6 +273,8 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
     if not name:
         raise InputError("the drafter's config names no verifier; pass one", field="--verifier")
     check_verifier_config(name, drafter)  # before the weights load
+    if config.tree_topk is not None or config.tree_nodes is not None:
+        check_tree_verifier(name)
     check_drafter_tokenizer(drafter_dir, name)
     verifier, drafter = load_for_decoding(drafter, name)
     tokenizer = load_tokenizer(name)

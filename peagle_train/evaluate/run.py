@@ -11,15 +11,18 @@ from typing import Any
 
 from peagle_train.evaluate.checks import check_before_weights, template_mode
 from peagle_train.evaluate.config import EvalConfig
-from peagle_train.evaluate.cost_model import cost_model_report, first_prompt_ids, measure_trusted_costs
+from peagle_train.evaluate.cost_model import (HYBRID_COSTS_SKIPPED, cost_model_report, first_prompt_ids,
+                                              measure_trusted_costs)
 from peagle_train.evaluate.offline import run_offline_eval
 from peagle_train.evaluate.inference import load_for_decoding
 from peagle_train.evaluate.online import run_online_eval
+from peagle_train.evaluate.verifier import config_recurrent_layers
 from peagle_train.evaluate.report import foreign_report_files, write_acceptance_plot, write_json
 from peagle_train.evaluate.vllm_engine import check_vllm_sampling, import_vllm, run_vllm_eval, vllm_on_cpu
 from peagle_train.model.checkpoint import find_drafter, load_drafter
 from stores.errors import ForeignFilesError, OutputExistsError
 from stores.feature_store import FeatureStore
+from stores.model_config import load_model_config
 from stores.progress import progress
 
 __all__ = ["EvalRun", "run_eval", "VLLM_COSTS_SKIPPED", "OFFLINE_COSTS_NOT_ASKED"]
@@ -114,6 +117,8 @@ def _offline_cost_model(drafter: str, store: str, offline: dict[str, Any], round
     reason}`` when no anchor was scored."""
     if not offline["positions_scored"]:
         return {"skipped": "the offline evaluation scored no anchor: no acceptance to predict from"}
+    if config_recurrent_layers(load_model_config(offline["verifier"])):
+        return {"skipped": HYBRID_COSTS_SKIPPED}
     context = first_prompt_ids(FeatureStore.open(store).read_block(offline["blocks"][0]))
     # the verifier's config was checked before any weights (check_before_weights); the timing needs no
     # tokenizer check: token ids do not change a step's cost

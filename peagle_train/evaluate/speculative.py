@@ -29,7 +29,13 @@ cache) and has emitted ``x_{t+1}``.
    ``rejection_sampler.py``, ``NO_DRAFT_PROBS``); ``probabilistic`` samples x from
    ``q_i = softmax(drafter logits / T)`` (0 outside the draft vocab). The verifier cache (full
    keys/values also for sliding-window layers, masked by the window) is cut back to the accepted
-   tokens and their aux features feed the drafter.
+   tokens and their aux features feed the drafter. A hybrid verifier's recurrent state (gated DeltaNet,
+   Mamba-2) cannot be cut back: it is put back to the state after the accepted tokens from the per-token
+   states transformers records in the pass where it does (5.25), else from a copy taken before the pass,
+   fed the accepted tokens again (snapshot and recompute, 5.19; :func:`~peagle_train.evaluate.verifier.keep_fed`).
+
+The chain (:func:`speculative_generate`) and the tree (:func:`peagle_train.evaluate.tree.tree_generate`)
+share their set-up and loop (:func:`run_decoder`); each brings its step.
 
 Under greedy decoding every token emitted is the verifier's argmax given the tokens before it, so
 the output is the verifier's own greedy output token for token.
@@ -46,8 +52,9 @@ import torch
 
 from peagle_train.evaluate.config import DRAFT_SAMPLE_METHODS
 from peagle_train.evaluate.identity import TOP_K
-from peagle_train.evaluate.verifier import (aux_hidden_states, keep_fed, new_cache, rollback_cache, snapshot_state,
-                                            verifier_body_pass, verifier_pass)
+from peagle_train.evaluate.verifier import (aux_hidden_states, keep_fed, new_cache, record_token_states,
+                                            recurrent_layers, rollback_cache, snapshot_state, verifier_body_pass,
+                                            verifier_pass)
 from peagle_train.model.attention import DenseAttention
 from peagle_train.model.drafter import DrafterCache
 from stores.errors import InputError
@@ -96,11 +103,14 @@ class GenerationResult:
     """Plain greedy decoding with ``top_logits=True``: per generated token, the verifier's
     :data:`~peagle_train.evaluate.identity.TOP_K` largest logits there, ``{token id: logit}``, for
     :func:`peagle_train.evaluate.identity.compare_to_greedy`; empty otherwise."""
+    restored_steps: int = 0
+    """Steps after which a verifier with recurrent layers (linear attention, state space) had its state put back
+    to the kept tokens, because the step rejected a draft (:func:`~peagle_train.evaluate.verifier.keep_fed`); 0
+    for attention-only verifiers, whose keys and values are cut back instead."""
     recomputed_steps: int = 0
-    """Steps after which the kept tokens were fed to the verifier again: a verifier with recurrent layers (linear
-    attention, state space) whose step rejected a draft has its state put back to the snapshot taken before the
-    step and re-reads the kept tokens (:func:`~peagle_train.evaluate.verifier.keep_fed`); 0 for attention-only
-    verifiers, whose keys and values are cut back instead."""
+    """Of :attr:`restored_steps`, those whose state was put back to the snapshot taken before the step and fed
+    the kept tokens again (one more verifier pass); the others used the per-token states transformers recorded
+    (:func:`~peagle_train.evaluate.verifier.record_token_states`)."""
 
     @property
     def drafted(self) -> int:
@@ -460,6 +470,8 @@ class DecodeContext:
     cache: Any
     """The verifier's :func:`~peagle_train.evaluate.verifier.rollback_cache`."""
     session: DrafterSession
+    recurrent: bool
+    """The verifier has recurrent layers (:func:`~peagle_train.evaluate.verifier.recurrent_layers`)."""
     hook: dict[str, torch.Tensor]
     """:func:`~peagle_train.evaluate.verifier.aux_hidden_states`' output: the last decoder layer's output."""
     past: int
@@ -503,7 +515,10 @@ def run_decoder(verifier, drafter, prompt_ids, max_new_tokens: int, K: int, eos_
         if on_tokens is not None:
             on_tokens(result.tokens[:])
         # depth-0 elements for the drafter: tokens x_1..x_{t+1} and features g_0..g_t
-        ctx = DecodeContext(verifier, drafter, cache, DrafterSession(drafter), hook, past=ids.numel(),
+        recurrent = bool(recurrent_layers(cache))
+        if recurrent:  # per-token states from here on, where transformers records them (not for the prefill)
+            record_token_states(cache, K + 1)
+        ctx = DecodeContext(verifier, drafter, cache, DrafterSession(drafter), recurrent, hook, past=ids.numel(),
                             new_tokens=torch.cat([ids[1:], torch.tensor(result.tokens)]), new_aux=torch.empty(0))
         ctx.new_aux = ctx.features(hs)
         while len(result.tokens) < max_new_tokens and result.tokens[-1] not in eos:
@@ -527,8 +542,8 @@ def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num
 
     Near the end a step drafts only ``min(K, max_new_tokens - generated - 1)`` tokens, so no token
     beyond ``max_new_tokens`` is ever computed or emitted; tokens after an EOS are dropped. A verifier with
-    recurrent layers (linear attention, state space) has its state put back to the snapshot taken before a
-    step that rejected a draft and fed the kept tokens again (``GenerationResult.recomputed_steps``).
+    recurrent layers (linear attention, state space) has its state put back to the kept tokens after a step
+    that rejected a draft (``GenerationResult.restored_steps``; ``recomputed_steps`` those that fed them again).
 
     Args:
         verifier: a transformers causal LM (batch 1) that returns ``hidden_states``.
@@ -571,6 +586,7 @@ def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num
         features = ctx.features(hs)[:n + 1]  # anchors t+1..t+n+1; before a recompute pass replaces the hook's output
         # x_{t+1} and the n accepted drafts are now read; the rest of the pass is discarded.
         result.recomputed_steps += keep_fed(verifier, ctx.cache, fed, n + 1, snapshot)
+        result.restored_steps += ctx.recurrent and n < k
         ctx.past += n + 1
         if k > 0:
             ctx.new_tokens, ctx.new_aux = emitted, features

@@ -27,7 +27,8 @@ Every emitted token is the verifier's argmax after the tokens before it, so the 
 decoding token for token. A tree of one candidate per depth is the chain of
 :func:`~peagle_train.evaluate.speculative.speculative_generate`, with the same tokens and counts.
 
-Sampling (T > 0) is refused: the tree's candidates are the top-k of each depth, not samples of the
+Verifiers with recurrent layers (hybrids) are refused (:data:`TREE_RECURRENT_REFUSED`): a recurrent layer
+reads the tree's nodes as one sequence. Sampling (T > 0) is refused: the tree's candidates are the top-k of each depth, not samples of the
 drafter's distribution, so no rejection rule over them keeps the verifier's distribution exactly
 (multi-draft speculative sampling needs sampled candidates); the chain samples exactly.
 """

@@ -20,7 +20,7 @@ from peagle_train.train.loss import LogitTransform
 from stores.errors import InputError
 
 __all__ = ["new_cache", "rollback_cache", "crop_cache", "recurrent_layers", "config_recurrent_layers",
-           "StateSnapshot", "snapshot_state", "keep_fed", "state_pass", "verifier_pass", "verifier_body_pass", "lm_head_logits",
+           "StateSnapshot", "snapshot_state", "keep_fed", "state_pass", "TOKEN_STATES", "record_token_states", "verifier_pass", "verifier_body_pass", "lm_head_logits",
            "decoder_layers", "aux_hidden_states"]
 
 
@@ -183,32 +183,91 @@ def crop_cache(cache, keep_tokens: int, snapshot: StateSnapshot | None = None) -
                 layer.crop(-remove)
 
 
+TOKEN_STATES = "recurrent_states_to_keep" in inspect.signature(LinearAttentionLayer.activate_past_recording).parameters
+"""Whether this transformers records a recurrent layer's state after each token of a pass (5.25 does:
+``activate_past_recording(recurrent_states_to_keep=N)``; 5.19's ``crop`` puts back the convolution state only)."""
+
+
+def record_token_states(cache, tokens_per_pass: int) -> bool:
+    """Have ``cache``'s recurrent layers keep their state after each of the last ``tokens_per_pass`` tokens of a
+    pass (:data:`TOKEN_STATES`), so :func:`keep_fed` can put a layer back to any kept length without feeding the
+    tokens again. Call it after the prefill (a prefill longer than ``tokens_per_pass`` would not be recorded
+    whole). Returns whether the cache records them (False: no recurrent layers, or a transformers without it)."""
+    recurrent = recurrent_layers(cache)
+    if not recurrent or not TOKEN_STATES:
+        return False
+    for i in recurrent:
+        cache.layers[i].activate_past_recording(recurrent_states_to_keep=tokens_per_pass)
+    return True
+
+
+def _recorded_layers(cache, fed: int) -> list | None:
+    """The recurrent layers of ``cache`` that hold a state per token of the last pass of ``fed`` tokens (their
+    history and convolution window complete), or None when any layer does not (then the snapshot is used)."""
+    layers = []
+    for i in recurrent_layers(cache):
+        layer = cache.layers[i]
+        if not getattr(layer, "record_past", False):
+            return None
+        for k in range(layer.number_of_states):
+            conv = layer.conv_states.get(k)
+            history = getattr(layer, "recurrent_states_history", {}).get(k)
+            if conv is not None and conv.shape[-1] != layer.conv_kernel_size[k] + fed:
+                return None
+            if layer.is_recurrent_states_initialized.get(k) and (history is None or len(history) != fed):
+                return None
+        layers.append(layer)
+    return layers
+
+
+def _trim_records(cache) -> None:
+    """Drop what recording layers keep of the last pass beyond their current state (``crop(0)``: the convolution
+    window back to its kernel, the per-token history emptied)."""
+    for i in recurrent_layers(cache):
+        layer = cache.layers[i]
+        if getattr(layer, "record_past", False) and all(layer.is_conv_states_initialized.values()):
+            layer.crop(0)
+
+
 def keep_fed(verifier, cache, fed: torch.Tensor, keep: int, snapshot: StateSnapshot | None) -> bool:
     """After a pass that fed ``fed [m]`` tokens onto a cache of ``P`` tokens, keep only the first ``keep`` of them.
 
     Attention-only caches are cropped to ``P + keep``. A cache with recurrent layers, whose state after the pass
-    has read all m tokens, is put back to ``snapshot`` (taken at P, before the pass) and the ``keep`` tokens are
-    fed again from there (:func:`state_pass`): the state is then the state after those tokens only, exactly
-    (snapshot and recompute). Nothing changes when all m are kept.
+    has read all m tokens, is put back to the state after the ``keep`` tokens: from the per-token states the
+    layers recorded in the pass (:func:`record_token_states`; each layer's own ``crop``), else to ``snapshot``
+    (taken at P, before the pass) and the ``keep`` tokens fed again from there (:func:`state_pass`: snapshot and
+    recompute). Either way the state is the state after exactly those tokens.
 
     Returns:
         Whether the kept tokens were fed again.
 
     Raises:
-        ValueError: a cache with recurrent layers and no snapshot.
+        ValueError: a cache with recurrent layers, no per-token states and no snapshot.
     """
     m = int(fed.numel())
     assert 0 <= keep <= m, (keep, m)
-    if keep == m:
+    remove = m - keep
+    recorded = _recorded_layers(cache, m) if recurrent_layers(cache) else None
+    if recorded is not None:
+        for layer in recorded:
+            layer.crop(-remove)  # the state after token keep; crop(0) trims the records of the pass
+        if remove:
+            for i, layer in enumerate(cache.layers):
+                if i not in recurrent_layers(cache) and isinstance(getattr(layer, "keys", None), torch.Tensor):
+                    layer.crop(-remove)
+        return False
+    if remove == 0:
+        _trim_records(cache)
         return False
     if snapshot is None:
         if recurrent_layers(cache):
             raise ValueError("a cache with recurrent layers needs the snapshot taken before the pass")
-        crop_cache(cache, cache.get_seq_length() - (m - keep))
+        crop_cache(cache, cache.get_seq_length() - remove)
         return False
     crop_cache(cache, snapshot.tokens, snapshot)
     if keep > 0:
         state_pass(verifier, fed[:keep], cache)
+    _trim_records(cache)
     return True
 
 

@@ -245,3 +245,16 @@ def test_noisy_timings_are_measured_again(monkeypatch):
     assert again.verify_s == [0.06, 0.07] and again.attempts == 2
     monkeypatch.setattr(cost_model, "measure_step_costs", lambda *a, **kw: bad)
     assert cost_model.measure_trusted_costs(None, None, [1, 2, 3], 2, attempts=3).attempts == 3
+
+
+def test_a_hybrid_verifier_is_not_timed():
+    """A hybrid verifier's rejecting steps also feed the kept tokens again, which the model does not time: refused
+    with the reason, before any pass."""
+    import peagle_train.evaluate.cost_model as cost_model
+    from peagle_train.evaluate.verifier import config_recurrent_layers
+    from tests.families import family_config
+
+    config = family_config("qwen3_next")
+    assert config_recurrent_layers(config) == [0, 2]
+    with pytest.raises(InputError, match="hybrid verifier.*--no-measure-costs"):
+        cost_model.measure_step_costs(SimpleNamespace(config=config), None, [1, 2, 3], 2)

@@ -17,8 +17,8 @@ from torch import nn
 
 from peagle_train.evaluate.speculative import greedy_generate, speculative_generate
 from peagle_train.evaluate.tree import TreeSpec, check_tree_config, tree_generate
-from peagle_train.evaluate.verifier import (crop_cache, keep_fed, new_cache, recurrent_layers, rollback_cache,
-                                            snapshot_state, verifier_pass)
+from peagle_train.evaluate.verifier import (TOKEN_STATES, crop_cache, keep_fed, new_cache, record_token_states,
+                                            recurrent_layers, rollback_cache, snapshot_state, verifier_pass)
 from peagle_train.model.config import DrafterConfig
 from peagle_train.model.drafter import PEagleDrafter
 
@@ -121,10 +121,16 @@ def hybrids():
     return {name: build_family(name) for name in HYBRID}
 
 
+@pytest.mark.parametrize("token_states", [True, False], ids=["token_states", "snapshot"])
 @pytest.mark.parametrize("family", HYBRID)
-def test_hybrid_speculative_equals_greedy_after_every_rejection(family, hybrids):
-    """Every step rejects the third draft: the recurrent state is put back and the kept tokens fed again
-    (4 recomputed steps), and the output is the verifier's greedy output, which is a full forward's argmax."""
+def test_hybrid_speculative_equals_greedy_after_every_rejection(family, token_states, hybrids, monkeypatch):
+    """Every step rejects the third draft: the recurrent state is put back to the kept tokens (4 steps), from
+    the per-token states transformers records (5.25) or from the snapshot, the kept tokens fed again (5.19,
+    and 5.25 told not to record), and the output is the verifier's greedy output, a full forward's argmax."""
+    import peagle_train.evaluate.speculative as speculative
+
+    if not token_states:
+        monkeypatch.setattr(speculative, "record_token_states", lambda cache, n: False)
     verifier = hybrids[family]
     assert recurrent_layers(rollback_cache(verifier))  # the rollback cache keeps the recurrent layers
     greedy = greedy_generate(verifier, PROMPT, 14)
@@ -133,10 +139,11 @@ def test_hybrid_speculative_equals_greedy_after_every_rejection(family, hybrids)
     spec = speculative_generate(verifier, oracle, PROMPT, 14)
     assert spec.tokens == greedy.tokens
     assert spec.accepted_per_step == [2, 2, 2, 2, 0] and spec.drafted_per_step == [3, 3, 3, 3, 0]
-    assert spec.recomputed_steps == 4  # the last step drafted nothing: nothing to put back
+    assert spec.restored_steps == 4  # the last step drafted nothing: nothing to put back
+    assert spec.recomputed_steps == (0 if token_states and TOKEN_STATES else 4)
     full = Oracle(verifier.config.get_text_config(), PROMPT + greedy.tokens, num_depths=3, wrong_from=9)
     right = speculative_generate(verifier, full, PROMPT, 14)  # every draft kept: the state is already right
-    assert right.tokens == greedy.tokens and right.recomputed_steps == 0 and right.accepted_per_step[0] == 3
+    assert right.tokens == greedy.tokens and right.restored_steps == 0 and right.accepted_per_step[0] == 3
 
 
 class CoinOracle(Oracle):
@@ -161,30 +168,92 @@ def test_hybrid_mixed_acceptance_and_random_drafter_equal_greedy(family, hybrids
     coin = speculative_generate(verifier, CoinOracle(text, PROMPT + greedy.tokens, 3, 0), PROMPT, 16)
     assert coin.tokens == greedy.tokens
     assert {0, 1, 2, 3} <= set(coin.accepted_per_step), coin.accepted_per_step
-    assert coin.recomputed_steps == sum(n < k for n, k in zip(coin.accepted_per_step, coin.drafted_per_step))
+    assert coin.restored_steps == sum(n < k for n, k in zip(coin.accepted_per_step, coin.drafted_per_step))
     torch.manual_seed(0)
     drafter = PEagleDrafter(DrafterConfig(hidden_size=64, intermediate_size=64, num_attention_heads=4,
                                           num_key_value_heads=2, head_dim=16, vocab_size=text.vocab_size,
                                           draft_vocab_size=text.vocab_size, aux_layer_ids=[1, 3],
                                           num_depths=3)).eval()
     spec = speculative_generate(verifier, drafter, PROMPT, 16)
-    assert spec.tokens == greedy.tokens and spec.recomputed_steps >= 1
+    assert spec.tokens == greedy.tokens and spec.restored_steps >= 1
+
+
+class SelfDrafter(Oracle):
+    """Drafts the verifier's own greedy continuation of the context it is given (a full forward per draft), wrong
+    by :class:`CoinOracle`'s coin: at T > 0 drafts are kept and rejected wherever the samples go."""
+
+    def __init__(self, verifier, first_token: int, num_depths: int):
+        super().__init__(verifier.config.get_text_config(), [], num_depths, 0)
+        self.verifier = [verifier]  # not a submodule: the drafter's parameters stay its own
+        self.first = first_token
+
+    def forward(self, input_ids, aux_hidden, is_mask, position_ids, attn_mask):
+        context = [self.first] + input_ids[~is_mask].tolist()
+        self.continuation = []
+        with torch.no_grad():
+            for _ in range(int(is_mask.sum()) + 1):
+                ids = torch.tensor([context + self.continuation])
+                self.continuation.append(int(self.verifier[0](input_ids=ids).logits[0, -1].argmax()))
+        return super().forward(input_ids, aux_hidden, is_mask, position_ids, attn_mask)
+
+    def logits(self, hidden):
+        out = torch.zeros(hidden.shape[0], self.config.draft_vocab_size)
+        for i, (pos, depth) in enumerate(hidden.tolist()):
+            tok = self.continuation[depth]
+            out[i, (tok + 1) % out.shape[1] if (5 * pos + 2 * depth) % 9 < 3 else tok] = 1.0
+        return out
 
 
 @pytest.mark.parametrize("family", HYBRID)
-def test_hybrid_cut_back_gives_the_models_own_logits(family, hybrids):
+def test_hybrid_sampling_reads_the_models_own_distributions(family, hybrids, monkeypatch):
+    """At T > 0 the acceptance rule is the chain's; what keeps the verifier's distribution is that every row of
+    logits it reads is the model's own after the tokens before it. Each step's rows, across rejections (the
+    state put back and fed again), equal a full forward's over the prompt, the tokens emitted so far and the
+    drafts."""
+    import peagle_train.evaluate.speculative as speculative
+
+    verifier = hybrids[family]
+    steps = []
+    accept = speculative.accept_drafts
+
+    def recorded(drafts, logits, *args, **kwargs):
+        n, emitted = accept(drafts, logits, *args, **kwargs)
+        steps.append((drafts.clone(), logits[:n + 1].clone(), n))
+        return n, emitted
+
+    monkeypatch.setattr(speculative, "accept_drafts", recorded)
+    spec = speculative_generate(verifier, SelfDrafter(verifier, PROMPT[0], 3), PROMPT, 16,
+                                temperature=0.3, generator=torch.Generator().manual_seed(0))
+    assert spec.accepted >= 1 and spec.restored_steps >= 1, spec.accepted_per_step  # kept and rejected drafts
+    done = 1  # tokens emitted before the step (the prefill's)
+    with torch.no_grad():
+        for (drafts, rows, n), emitted in zip(steps, spec.accepted_per_step):
+            ids = PROMPT + spec.tokens[:done] + drafts.tolist()
+            full = verifier(input_ids=torch.tensor([ids])).logits[0].float()
+            start = len(PROMPT) + done - 1  # the row after x_{t+1}
+            torch.testing.assert_close(rows, full[start:start + n + 1], atol=1e-4, rtol=1e-4)
+            done += emitted + 1
+
+
+@pytest.mark.parametrize("token_states", [True, False], ids=["token_states", "snapshot"])
+@pytest.mark.parametrize("family", HYBRID)
+def test_hybrid_cut_back_gives_the_models_own_logits(family, token_states, hybrids):
     """After 4 drafts of which 1 is kept, the logits of the next tokens are a fresh forward's (so sampling at
     T > 0, which reads the whole distribution, keeps it); without putting the state back they are not."""
+    if token_states and not TOKEN_STATES:
+        pytest.skip("this transformers records no per-token states (5.19): the snapshot is the only way")
     verifier = hybrids[family]
     want, _ = verifier_pass(verifier, torch.tensor(PROMPT + [5, 9, 10, 11]), new_cache(verifier), want_hidden=False)
     for restore in (True, False):
         cache = rollback_cache(verifier)
         verifier_pass(verifier, torch.tensor(PROMPT), cache, want_hidden=False)
+        if token_states:
+            assert record_token_states(cache, 4)
         snapshot = snapshot_state(cache, len(PROMPT))
         fed = torch.tensor([5, 6, 7, 8])
         verifier_pass(verifier, fed, cache, want_hidden=False)  # root and 3 drafts
         if restore:
-            assert keep_fed(verifier, cache, fed, 1, snapshot)
+            assert keep_fed(verifier, cache, fed, 1, snapshot) is not token_states  # fed again: snapshot only
         else:  # attention keys cut back, the recurrent state as the pass left it
             for i, layer in enumerate(cache.layers):
                 if i not in recurrent_layers(cache) and isinstance(getattr(layer, "keys", None), torch.Tensor):
@@ -196,6 +265,26 @@ def test_hybrid_cut_back_gives_the_models_own_logits(family, hybrids):
             torch.testing.assert_close(got, want[-3:], atol=1e-4, rtol=1e-4)
         else:
             assert (got - want[-3:]).abs().max() > 1e-2
+
+
+@pytest.mark.skipif(not TOKEN_STATES, reason="this transformers records no per-token states (5.19)")
+def test_incomplete_per_token_states_fall_back_to_the_snapshot(hybrids):
+    """A recording layer whose pass left fewer states than tokens (a model that does not record them) is not
+    trusted: the state is put back to the snapshot and the kept tokens fed again, still exact."""
+    verifier = hybrids["olmo_hybrid"]
+    want, _ = verifier_pass(verifier, torch.tensor(PROMPT + [5, 6, 9]), new_cache(verifier), want_hidden=False)
+    cache = rollback_cache(verifier)
+    verifier_pass(verifier, torch.tensor(PROMPT), cache, want_hidden=False)
+    assert record_token_states(cache, 4)
+    snapshot = snapshot_state(cache, len(PROMPT))
+    fed = torch.tensor([5, 6, 7, 8])
+    verifier_pass(verifier, fed, cache, want_hidden=False)
+    layer = cache.layers[recurrent_layers(cache)[0]]
+    layer.recurrent_states_history[0] = layer.recurrent_states_history[0][:1]  # as a non-recording model leaves it
+    assert keep_fed(verifier, cache, fed, 2, snapshot)  # fed again from the snapshot
+    got, _ = verifier_pass(verifier, torch.tensor([9]), cache, want_hidden=False)
+    torch.testing.assert_close(got, want[-1:], atol=1e-4, rtol=1e-4)
+    assert layer.conv_states[0].shape[-1] == layer.conv_kernel_size[0] + 1  # the records of the new pass only
 
 
 def test_hybrid_cache_is_cut_back_only_to_its_snapshot(hybrids):

@@ -16,6 +16,7 @@ from peagle_train.model.checkpoint import save_drafter
 from peagle_train.model.config import DrafterConfig
 from peagle_train.model.drafter import PEagleDrafter
 from stores.errors import InputError
+from tests.families import save_family
 from tests.peagle_train.evaluate.test_tree import RankOracle
 
 README = Path(__file__).resolve().parents[3] / "README.md"
@@ -206,6 +207,67 @@ def test_refusals_say_why(tiny_verifier, smollm2_tokenizer):
         PEAGLEInference.from_models(tiny_verifier, drafter, smollm2_tokenizer, speculation_depth=5)
     with pytest.raises(InputError, match="tool calls"):
         tree.encode([{"role": "tool", "content": "x"}])
+
+
+@pytest.fixture(scope="module")
+def hybrid_checkpoint(tmp_path_factory, copy_smollm2_tokenizer) -> tuple[Path, Path]:
+    """A Qwen3.5 hybrid verifier (the multimodal wrapper; gated DeltaNet and attention layers, the SmolLM2 vocab
+    and tokenizer) and a random drafter checkpoint for it: ``(verifier_dir, drafter_dir)``."""
+    root = tmp_path_factory.mktemp("hybrid")
+    verifier_dir = save_family("qwen3_5", root / "verifier", vocab_size=49152)
+    copy_smollm2_tokenizer(verifier_dir)
+    cfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, vocab_size=49152, draft_vocab_size=1024, aux_layer_ids=[1, 2, 4],
+                        num_depths=3, verifier_name_or_path=str(verifier_dir))
+    torch.manual_seed(0)
+    drafter = PEagleDrafter(cfg).eval()
+    drafter.init_from_verifier(torch.randn(49152, 64) * 0.02, torch.randn(49152, 64) * 0.02,
+                               d2t=torch.zeros(1024, dtype=torch.long))
+    save_drafter(drafter, root / "drafter")
+    return verifier_dir, root / "drafter"
+
+
+def test_a_hybrid_verifier_generates_its_greedy_output_and_refuses_a_tree(hybrid_checkpoint, monkeypatch):
+    """PEAGLEInference on a hybrid verifier: greedy output equals plain decoding and a full forward's argmax loop,
+    streaming gives the same tokens, seeded sampling repeats; a tree is refused before the weights load."""
+    import peagle_train.evaluate.inference as inference
+
+    verifier_dir, drafter_dir = hybrid_checkpoint
+    engine = PEAGLEInference(drafter_dir, target_model=str(verifier_dir), warmup=False)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    r = engine.generate(messages, max_new_tokens=10, measure_speedup=True)
+    ids = engine.encode(messages)
+    want = []
+    with torch.no_grad():
+        while len(want) < 10 and (not want or want[-1] not in engine.eos):
+            want.append(int(engine.verifier(input_ids=torch.tensor([ids + want])).logits[0, -1].argmax()))
+    assert r.token_ids == want and r.identical_to_plain is True and r.drafted > 0
+    assert sum((c.token_ids for c in engine.stream(messages, max_new_tokens=10)), []) == want
+    sampled = [engine.generate(messages, max_new_tokens=8, temperature=0.8, seed=3).token_ids for _ in range(2)]
+    assert sampled[0] == sampled[1] and len(sampled[0]) >= 1
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the verifier's weights were loaded")
+
+    monkeypatch.setattr(inference, "load_for_decoding", no_weights)
+    with pytest.raises(InputError, match="recurrent state.*Use the chain"):
+        PEAGLEInference(drafter_dir, target_model=str(verifier_dir), tree={"topk": [2, 1]}, warmup=False)
+
+
+def test_peagle_eval_online_with_a_hybrid_verifier(hybrid_checkpoint, tmp_path, monkeypatch):
+    """``peagle-eval``'s online run on a hybrid: identical to greedy, the cost model skipped with the reason (it
+    does not time the recompute pass); a tree refused before the weights load."""
+    import peagle_train.evaluate.online as online
+
+    verifier_dir, drafter_dir = hybrid_checkpoint
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Name a colour."}) + "\n")
+    report = online.run_online_eval(drafter_dir, str(verifier_dir), prompts, max_new_tokens=6)
+    assert report["identical_to_greedy"] is True and report["num_prompts"] == 1
+    assert "hybrid verifier" in report["cost_model"]["skipped"]
+    monkeypatch.setattr(online, "load_for_decoding", None)  # a tree must be refused before this is reached
+    with pytest.raises(InputError, match="recurrent state"):
+        online.run_online_eval(drafter_dir, str(verifier_dir), prompts, max_new_tokens=6, tree_topk=[2, 1])
 
 
 def test_eval_cli_tree_equals_greedy(tiny_verifier, tiny_verifier_dir, tmp_path):
