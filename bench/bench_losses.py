@@ -21,7 +21,8 @@ Trainers and levers (:data:`LEVERS`, each alone, everything else the defaults):
   new optimizer and schedule), so the same steps in all;
 - per-depth loss weights (``--depth-weights 1,2,4,5``: the inverse of the COD keep ratios at r = 0.5, r_min =
   0.2, so every depth carries about the same total weight) and COD feeding the deep depths
-  (``--down-sample-ratio-min 0.5``: every depth past 0 keeps half its anchors, 2.5x depth 3's elements).
+  (``--down-sample-ratio-min 0.5``: every depth past 0 keeps half its anchors, 2.5x depth 3's elements);
+- ``two_layers``: a second drafter decoder layer (``--num-layers 2``) at equal data and steps.
 
 Online (peagle's engine), every drafter decodes the same contexts: turn 2 of a question follows the verifier's
 greedy answer to turn 1 (computed once), at both temperatures, so drafters differ only in their drafts; at T = 1
@@ -91,6 +92,7 @@ LEVERS: dict[str, dict] = {
     "ce": {"loss": "ce"},
     "depth_weights": {"depth_weights": "1,2,4,5"},
     "rmin_0.5": {"down_sample_ratio_min": 0.5},
+    "two_layers": {"num_layers": 2},
 }
 """Lever name -> the ``peagle-train`` settings it changes (``speculators``: its own trainer, same settings)."""
 
@@ -326,22 +328,22 @@ METRICS: list[tuple[str, str]] = [
 
 def judge_stores(judge: Path) -> dict[str, list[Path]]:
     """The finished stores of a ``scripts/judge_set.py`` output by temperature: ``{"0": [SUITE-T0.zarr, ...],
-    "1": [SUITE-T1-seedS.zarr, ...]}`` (a store counts once its ``.done`` is written)."""
-    done = sorted(p.parent for p in judge.glob("*.zarr/.done"))
+    "1": [SUITE-T1-seedS.zarr, ...]}`` (a store counts once its ``SUITE-RUN.done.json`` is written)."""
+    done = sorted(p.with_name(p.name[:-len(".done.json")] + ".zarr") for p in judge.glob("*.done.json"))
     return {t: [p for p in done if f"-T{t}" in p.name] for t in ("0", "1")}
 
 
 def replay(run: Path, judge: Path) -> None:
     """The replayed AL of ``run``'s last drafter on every judge store (``peagle-eval --store``'s ``replay``), per
     temperature pooled over the suites and samples: ``run/replay-T{0,1}.json`` with each store's report under
-    ``per_store``; each store walked with the ``max_new_tokens`` it was generated with (its ``.done``)."""
+    ``per_store``; each store walked with the ``max_new_tokens`` it was generated with (its ``.done.json``)."""
     for t, stores in judge_stores(judge).items():
         path = run / f"replay-T{t}.json"
         if path.exists() or not stores:
             continue
         per = {}
         for store in stores:
-            made = json.loads((store / ".done").read_text())
+            made = json.loads(store.with_name(store.name[:-len(".zarr")] + ".done.json").read_text())
             rep = run_offline_eval(final_checkpoint(run), store, max_new_tokens=int(made["max_new_tokens"]))
             per[store.name] = {**rep["replay"], "all_anchor_acceptance_length": rep["simulated_acceptance_length"]}
         accepted = sum(r.get("accepted", 0) for r in per.values())

@@ -19,7 +19,8 @@ Per suite and run (``T0``, ``T1-seed1`` .. ``T1-seedS``), the peagle commands th
      conversation longer than X is rejected, never windowed: every segment is a whole conversation)
   3. ``peagle-data extract --context full``  -> ``OUT/SUITE-RUN.zarr``
 
-Resumable run by run: a run whose store exists (``OUT/SUITE-RUN.zarr/.done``) is skipped; a run interrupted
+Resumable run by run: a finished run (``OUT/SUITE-RUN.done.json`` beside its store, with its temperature, seed and
+``max_new_tokens``) is skipped; a run interrupted
 mid-way is redone from its first stage whose output is missing. Then judge every drafter on every store with
 ``bench/judge_replay.py`` (or one with ``peagle-eval --drafter D --store OUT/SUITE-RUN.zarr --max-new-tokens M``),
 giving the same ``--max-new-tokens`` M.
@@ -86,7 +87,7 @@ def make_run(a: argparse.Namespace, prompts: Path, stem: Path, temperature: floa
     """Run the stages of one run whose outputs are missing (a stage redone also redoes the ones after it);
     ``done`` or ``made``."""
     stages = stage_commands(a, prompts, stem, temperature, seed)
-    if (stem.with_suffix(".zarr") / ".done").exists():
+    if stem.with_suffix(".done.json").exists():
         return "done"
     redo = False
     for output, argv in stages:
@@ -95,8 +96,9 @@ def make_run(a: argparse.Namespace, prompts: Path, stem: Path, temperature: floa
             print(f"judge_set: {' '.join(argv[2:])}", file=sys.stderr)
             # each command's JSON to stderr: this script's stdout is its own JSON alone
             subprocess.run(argv + (["--force"] if output.exists() else []), check=True, cwd=REPO, stdout=sys.stderr)
-    (stem.with_suffix(".zarr") / ".done").write_text(json.dumps({"temperature": temperature, "seed": seed,
-                                                                 "max_new_tokens": a.max_new_tokens}))
+    stem.with_suffix(".done.json").write_text(json.dumps({"store": str(stem.with_suffix(".zarr")), "temperature":
+                                                          temperature, "seed": seed,
+                                                          "max_new_tokens": a.max_new_tokens}))
     return "made"
 
 

@@ -121,7 +121,7 @@ def test_replay_reports_pool_each_temperatures_stores(tmp_path, monkeypatch):
     judge = tmp_path / "judge"
     for name in ("mtbench-T0", "humaneval-T0", "mtbench-T1-seed1", "mtbench-T1-seed2", "humaneval-T1-seed1"):
         (judge / f"{name}.zarr").mkdir(parents=True)
-        (judge / f"{name}.zarr" / ".done").write_text(json.dumps({"max_new_tokens": 64}))
+        (judge / f"{name}.done.json").write_text(json.dumps({"max_new_tokens": 64}))
     (judge / "late-T0.zarr").mkdir()  # not finished: not judged
     stores = bench.judge_stores(judge)
     assert [p.name for p in stores["0"]] == ["humaneval-T0.zarr", "mtbench-T0.zarr"] and len(stores["1"]) == 3
@@ -178,6 +178,7 @@ def test_the_last_drafter_is_final_else_the_last_checkpoint(tmp_path):
     (["--levers", "default,tv", "--baseline", "speculators"], "--baseline speculators is not among"),
     (["--levers", "default", "--stages", "vllm"], "need --prompts"),
     (["--levers", "nope"], "unknown levers ['nope']"),
+    (["--levers", "default", "--stages", "replay"], "the replay stage needs --judge DIR"),
 ])
 def test_a_bench_that_cannot_run_as_asked_is_refused(flags, message, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(sys, "argv", ["bench", "--store", "S", "--out", str(tmp_path / "o"), *flags])
