@@ -1,8 +1,15 @@
 """Each training lever of issue 36 against peagle's defaults and speculators' trainer: the same store, steps and
-seeds, judged offline (simulated AL and per-depth accuracy against the verifier's argmax on each seed's
-held-out blocks, T = 0, at every saved checkpoint: the learning curves), online by peagle's own speculative
-decoder (stage ``online``) and by vLLM (stage ``vllm``, :mod:`vllm_judge` in the vLLM environment) at T = 0 and
-T = 1 under vLLM's default draft scheme (``greedy``), paired by seed and by prompt turn.
+seeds, judged by replay (stage ``replay``: the replayed AL of ``peagle-eval --store`` on a judge set of the
+verifier's own answers at T = 0 and T = 1, ``scripts/judge_set.py``; seconds per drafter), offline (the all-anchor
+mean, a diagnostic, and per-depth accuracy on each seed's held-out blocks at every saved checkpoint: the learning
+curves), online by peagle's own speculative decoder (stage ``online``) and by vLLM (stage ``vllm``,
+:mod:`vllm_judge` in the vLLM environment: to confirm the replay's winner on a subset) at T = 0 and T = 1 under
+vLLM's default draft scheme (``greedy``).
+
+Statistics: every report gives one figure per training seed (its AL over all its turns or conversations); the
+table shows mean ± standard error over seeds and each lever's differences against the baseline paired by seed,
+with the paired t-test over seeds (df = seeds - 1, two-sided p; ``*`` at p < 0.05). Prompt turns are never pooled
+across seeds as if independent: the training seed is the unit of replication.
 
 Trainers and levers (:data:`LEVERS`, each alone, everything else the defaults):
 - ``speculators``: speculators 0.9.0's P-EAGLE model, COD sampling and KL loss
@@ -14,7 +21,8 @@ Trainers and levers (:data:`LEVERS`, each alone, everything else the defaults):
   new optimizer and schedule), so the same steps in all;
 - per-depth loss weights (``--depth-weights 1,2,4,5``: the inverse of the COD keep ratios at r = 0.5, r_min =
   0.2, so every depth carries about the same total weight) and COD feeding the deep depths
-  (``--down-sample-ratio-min 0.5``: every depth past 0 keeps half its anchors, 2.5x depth 3's elements).
+  (``--down-sample-ratio-min 0.5``: every depth past 0 keeps half its anchors, 2.5x depth 3's elements);
+- ``two_layers``: a second drafter decoder layer (``--num-layers 2``) at equal data and steps.
 
 Online (peagle's engine), every drafter decodes the same contexts: turn 2 of a question follows the verifier's
 greedy answer to turn 1 (computed once), at both temperatures, so drafters differ only in their drafts; at T = 1
@@ -26,15 +34,22 @@ rejection sampler is broken (vLLM issue #55005) the judge applies PR #55006's fi
 in every report (``cpu_expand_fix``).
 
 Usage (repository root, the main venv; the vLLM stage runs ``PEAGLE_VLLM_PYTHON``, default ``.venv-vllm``):
+    python scripts/judge_set.py --verifier smollm2-135m --out judge --max-new-tokens 256   # once per verifier
     nice -n 19 python bench/bench_losses.py --store features.zarr --out runs --steps 200 --save-every 50 \
-        --seeds 0,1 --levers speculators,default,lk_hybrid_warm,rmin_0.5 --stages train,offline,vllm \
+        --seeds 0,1 --levers speculators,default,lk_hybrid_warm,rmin_0.5 --stages train,offline,replay --judge judge
+    nice -n 19 python bench/bench_losses.py --out runs --seeds 0,1 --levers speculators,WINNER --stages vllm \
         --prompts ../shared/data/mt_bench_question.jsonl --num-prompts 10 --max-new-tokens 128
-    python bench/bench_losses.py --out runs --seeds 0,1 --levers ... --table   # the tables from the saved reports
+    python bench/bench_losses.py --out runs --table   # the tables from the saved reports of every run in OUT
+
+Every run writes into the one ``--out`` (``OUT/LEVER-sSEED/``; seeds may run as separate processes into it), and
+every stage skips what is done (a run's ``summary.json``, each report file), so the same command resumes run by run
+after a stop; ``--table`` alone reads the levers and seeds it finds in OUT.
 
 Writes ``OUT/LEVER-sSEED/`` (the ``peagle-train`` output, or speculators' checkpoints), ``.../offline.json`` (the
-last checkpoint's) and ``.../checkpoint-N/offline.json``, ``.../online-T{0,1}.json``, ``.../vllm-T{0,1}.json``;
-prints the table (mean ± standard error over seeds, paired differences against ``--baseline``: speculators when it
-is among the levers, else the default) and the learning curves, and writes them to ``OUT/table.md``.
+last checkpoint's) and ``.../checkpoint-N/offline.json``, ``.../replay-T{0,1}.json``, ``.../online-T{0,1}.json``,
+``.../vllm-T{0,1}.json``; prints the table (mean ± standard error over seeds, differences paired by seed against
+``--baseline``: speculators when it is among the levers, else the default) and the learning curves, and writes
+them to ``OUT/table.md``.
 """
 
 from __future__ import annotations
@@ -77,6 +92,7 @@ LEVERS: dict[str, dict] = {
     "ce": {"loss": "ce"},
     "depth_weights": {"depth_weights": "1,2,4,5"},
     "rmin_0.5": {"down_sample_ratio_min": 0.5},
+    "two_layers": {"num_layers": 2},
 }
 """Lever name -> the ``peagle-train`` settings it changes (``speculators``: its own trainer, same settings)."""
 
@@ -91,6 +107,57 @@ def mean_se(xs: list[float]) -> tuple[float, float]:
     """Mean and standard error (sample sd / sqrt(n); 0 for one value)."""
     m = statistics.fmean(xs)
     return m, (statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0)
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """The continued fraction of the regularized incomplete beta function (modified Lentz; Numerical Recipes
+    §6.4, ``betacf``)."""
+    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        m2 = 2 * m
+        for aa in (m * (b - m) * x / ((qam + m2) * (a + m2)), -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
+            d = 1.0 + aa * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + aa / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return h
+
+
+def t_two_sided_p(t: float, df: int) -> float:
+    """Two-sided p-value of Student's t with ``df`` degrees of freedom: ``I_{df/(df+t^2)}(df/2, 1/2)``."""
+    if math.isinf(t):
+        return 0.0
+    if t == 0.0:
+        return 1.0
+    x, a, b = df / (df + t * t), df / 2.0, 0.5
+    if x <= 0.0:
+        return 0.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1.0) / (a + b + 2.0):
+        return front * _betacf(a, b, x) / a
+    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
+
+
+def paired_seed_test(diffs: list[float]) -> dict[str, float | int | None]:
+    """The paired t-test over seeds of per-seed differences ``lever - baseline`` (one per seed: the training seed
+    is the unit of replication, never a prompt turn): ``mean``, ``se`` (sd / sqrt(n)), ``t``, ``df`` (n - 1) and
+    the two-sided ``p``; ``t``/``p`` None below 2 seeds (no test), ``t`` infinite and ``p`` 0 when every seed
+    differs by the same nonzero amount."""
+    n = len(diffs)
+    m, se = mean_se(diffs)
+    if n < 2:
+        return {"mean": m, "se": None, "t": None, "df": 0, "p": None, "n": n}
+    if se == 0.0:
+        t = 0.0 if m == 0.0 else math.copysign(math.inf, m)
+    else:
+        t = m / se
+    return {"mean": m, "se": se, "t": t, "df": n - 1, "p": t_two_sided_p(t, n - 1), "n": n}
 
 
 def fmt(xs: list[float], digits: int = 3) -> str:
@@ -247,42 +314,57 @@ def judge_vllm(runs: list[Path], temperature: float, prompts: str, n: int, max_n
     subprocess.run(cmd, check=True, env=env)
 
 
-def turn_als(report: dict) -> dict[tuple, float]:
-    """Per prompt turn, its acceptance length, keyed for pairing: peagle's engine (``turns``: key = index, AL =
-    tokens per verifier step) or vLLM (``per_prompt``: key = (prompt id, turn), AL = 1 + accepted / drafts).
-    Turns without a verifier step are left out."""
-    if "per_prompt" in report:
-        return {(p["prompt_id"], p["turn"]): 1.0 + p["accepted"] / p["verifier_steps"]
-                for p in report["per_prompt"] if p["verifier_steps"]}
-    return {(i,): t["al"] for i, t in enumerate(report["turns"]) if t["al"]}
-
-
-METRICS: list[tuple[str, str, bool]] = [
-    ("offline AL (T=0)", "offline.json", False),
-    ("peagle engine AL T=0", "online-T0.json", True),
-    ("peagle engine AL T=1", "online-T1.json", True),
-    ("vLLM AL T=0", "vllm-T0.json", True),
-    ("vLLM AL T=1", "vllm-T1.json", True),
+METRICS: list[tuple[str, str]] = [
+    ("replay AL T=0", "replay-T0.json"),
+    ("replay AL T=1", "replay-T1.json"),
+    ("offline all-anchor AL (T=0, diagnostic)", "offline.json"),
+    ("peagle engine AL T=0", "online-T0.json"),
+    ("peagle engine AL T=1", "online-T1.json"),
+    ("vLLM AL T=0", "vllm-T0.json"),
+    ("vLLM AL T=1", "vllm-T1.json"),
 ]
-"""Column name, report file, paired by prompt turn (else by seed only)."""
+"""Column name and report file; each report gives one figure per seed (:func:`_value`)."""
+
+
+def judge_stores(judge: Path) -> dict[str, list[Path]]:
+    """The finished stores of a ``scripts/judge_set.py`` output by temperature: ``{"0": [SUITE-T0.zarr, ...],
+    "1": [SUITE-T1-seedS.zarr, ...]}`` (a store counts once its ``SUITE-RUN.done.json`` is written)."""
+    done = sorted(p.with_name(p.name[:-len(".done.json")] + ".zarr") for p in judge.glob("*.done.json"))
+    return {t: [p for p in done if f"-T{t}" in p.name] for t in ("0", "1")}
+
+
+def replay(run: Path, judge: Path) -> None:
+    """The replayed AL of ``run``'s last drafter on every judge store (``peagle-eval --store``'s ``replay``), per
+    temperature pooled over the suites and samples: ``run/replay-T{0,1}.json`` with each store's report under
+    ``per_store``; each store walked with the ``max_new_tokens`` it was generated with (its ``.done.json``)."""
+    for t, stores in judge_stores(judge).items():
+        path = run / f"replay-T{t}.json"
+        if path.exists() or not stores:
+            continue
+        per = {}
+        for store in stores:
+            made = json.loads(store.with_name(store.name[:-len(".zarr")] + ".done.json").read_text())
+            rep = run_offline_eval(final_checkpoint(run), store, max_new_tokens=int(made["max_new_tokens"]))
+            per[store.name] = {**rep["replay"], "all_anchor_acceptance_length": rep["simulated_acceptance_length"]}
+        accepted = sum(r.get("accepted", 0) for r in per.values())
+        drafts = sum(r.get("num_drafts", 0) for r in per.values())
+        path.write_text(json.dumps({"temperature": float(t), "acceptance_length": 1.0 + (accepted / drafts if drafts
+                                    else 0.0), "accepted": accepted, "num_drafts": drafts, "per_store": per},
+                                   indent=1))
 
 
 def _value(report: dict) -> float:
+    """A report's one figure: its AL over all its turns (``acceptance_length``), or offline the all-anchor mean."""
     return report.get("simulated_acceptance_length", report.get("acceptance_length"))
 
 
-def paired(out: Path, lever: str, base: str, seeds: list[int], name: str, by_turn: bool) -> list[float]:
-    """Differences ``lever - base``: one per seed (``by_turn`` False) or one per seed and prompt turn that both
-    reports have."""
+def paired(out: Path, lever: str, base: str, seeds: list[int], name: str) -> list[float]:
+    """Per-seed differences ``lever - base`` of the seed's figure in report ``name`` (each seed's own mean over its
+    prompt turns or conversations: the training seed is the unit of replication), for the seeds both have."""
     diffs = []
     for s in seeds:
         a, b = load(out, lever, s, name), load(out, base, s, name)
-        if a is None or b is None:
-            continue
-        if by_turn:
-            ta, tb = turn_als(a), turn_als(b)
-            diffs += [ta[k] - tb[k] for k in ta if k in tb]
-        else:
+        if a is not None and b is not None:
             diffs.append(_value(a) - _value(b))
     return diffs
 
@@ -292,31 +374,33 @@ def load(out: Path, lever: str, seed: int, name: str) -> dict | None:
     return json.loads(p.read_text()) if p.exists() else None
 
 
-def delta_cell(diffs: list[float], base_mean: float | None, by_turn: bool) -> str:
-    """``Δ ± SE (+x.x%, n=N)``, with ``*`` when |Δ| exceeds two standard errors."""
+def delta_cell(diffs: list[float], base_mean: float | None) -> str:
+    """``Δ ± SE (+x.x%, n=N seeds, t(df)=T, p=P)`` of per-seed differences (:func:`paired_seed_test`), with ``*``
+    when the paired t over seeds gives p < 0.05 (two-sided); one seed: no SE, no test."""
     if not diffs:
         return ""
-    m, se = mean_se(diffs)
-    pct = f"{100 * m / base_mean:+.1f}%, " if base_mean else ""
-    star = " *" if len(diffs) > 1 and abs(m) > 2 * se else ""
-    return f"{m:+.3f} ± {se:.3f} ({pct}n={len(diffs)}){star}"
+    r = paired_seed_test(diffs)
+    pct = f"{100 * r['mean'] / base_mean:+.1f}%, " if base_mean else ""
+    if r["se"] is None:
+        return f"{r['mean']:+.3f} ({pct}n=1 seed, no test)"
+    star = " *" if r["p"] < 0.05 else ""
+    return f"{r['mean']:+.3f} ± {r['se']:.3f} ({pct}n={r['n']} seeds, t({r['df']})={r['t']:.2f}, p={r['p']:.3f}){star}"
 
 
 def table(out: Path, levers: list[str], seeds: list[int], baseline: str) -> str:
-    """The markdown table of every lever with reports (mean ± SE over seeds; Δ paired against ``baseline``: by
-    seed offline, by seed and prompt turn online), the per-depth accuracy, the wall times, then the learning
+    """The markdown table of every lever with reports (mean ± SE over seeds of each seed's figure; Δ paired against
+    ``baseline`` by seed, with the paired t over seeds: :func:`delta_cell`), the per-depth accuracy, the wall times, then the learning
     curves (offline AL of every checkpoint, mean over the seeds, by the step counted from the run's start)."""
-    shown = [(col, name, by_turn) for col, name, by_turn in METRICS
-             if any(load(out, lv, s, name) for lv in levers for s in seeds)]
-    head = ["lever", "seeds", *[c for c, _, _ in shown], "offline per-depth accuracy (T=0)",
-            *[f"Δ {c} vs {baseline}" for c, _, _ in shown], "train wall s", "vLLM judge wall s (T=0 / T=1)"]
+    shown = [(col, name) for col, name in METRICS if any(load(out, lv, s, name) for lv in levers for s in seeds)]
+    head = ["lever", "seeds", *[c for c, _ in shown], "offline per-depth accuracy (T=0)",
+            *[f"Δ {c} vs {baseline}" for c, _ in shown], "train wall s", "vLLM judge wall s (T=0 / T=1)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for lever in levers:
         got = [s for s in seeds if load(out, lever, s, "summary.json")]
         if not got:
             continue
         cells = [lever, str(len(got))]
-        for _, name, _ in shown:
+        for _, name in shown:
             vals = [_value(r) for r in (load(out, lever, s, name) for s in got) if r]
             cells.append((fmt(vals) + (f" ({len(vals)} seed{'s' if len(vals) > 1 else ''})" if len(vals) < len(got)
                                        else "")) if vals else "-")
@@ -324,11 +408,10 @@ def table(out: Path, levers: list[str], seeds: list[int], baseline: str) -> str:
         K = len(offs[0]["per_depth_accuracy"]) if offs else 0
         cells.append(" / ".join(f"{statistics.fmean(r['per_depth_accuracy'][d] or 0.0 for r in offs):.3f}"
                                 for d in range(K)) or "-")
-        for _, name, by_turn in shown:
+        for _, name in shown:
             base_vals = [_value(r) for r in (load(out, baseline, s, name) for s in got) if r]
             cells.append("" if lever == baseline else delta_cell(
-                paired(out, lever, baseline, got, name, by_turn), statistics.fmean(base_vals) if base_vals else None,
-                by_turn))
+                paired(out, lever, baseline, got, name), statistics.fmean(base_vals) if base_vals else None))
         walls = [load(out, lever, s, "summary.json").get("train_wall_s") for s in got]
         cells.append(f"{statistics.fmean(walls):.0f}" if all(w is not None for w in walls) else "-")
         judge = []
@@ -374,28 +457,37 @@ def curves(out: Path, levers: list[str], seeds: list[int]) -> str:
     return "\n".join(lines)
 
 
+def found_runs(out: Path) -> tuple[list[str], list[int]]:
+    """The levers (in :data:`LEVERS` order) and seeds that have a run directory ``OUT/LEVER-sSEED``."""
+    pairs = [d.name.rsplit("-s", 1) for d in out.glob("*-s*") if d.is_dir()]
+    pairs = [(lv, int(s)) for lv, s in pairs if lv in LEVERS and s.isdigit()]
+    return [lv for lv in LEVERS if any(p[0] == lv for p in pairs)], sorted({s for _, s in pairs})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--store")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--save-every", type=int, default=None, help="checkpoint every N steps (the learning curves)")
-    ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--levers", default=",".join(LEVERS))
+    ap.add_argument("--seeds", default=None, help="default 0,1,2; with --table those found in OUT")
+    ap.add_argument("--levers", default=None, help="default all; with --table those found in OUT")
+    ap.add_argument("--judge", type=Path, default=None, help="the replay stage: a scripts/judge_set.py output")
     ap.add_argument("--baseline", default=None, help="the lever differences are paired against (default: "
                     "speculators when among --levers, else default)")
     ap.add_argument("--verifier", default="smollm2-135m")
     ap.add_argument("--prompts")
     ap.add_argument("--num-prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--stages", default="train,offline,online", help="any of train,offline,online,vllm")
+    ap.add_argument("--stages", default="train,offline,online", help="any of train,offline,replay,online,vllm")
     ap.add_argument("--temperatures", default="0,1", help="online and vllm: the temperatures judged")
     ap.add_argument("--vllm-python", default=os.environ.get("PEAGLE_VLLM_PYTHON", str(BENCH.parent / ".venv-vllm"
                                                                                          / "bin" / "python")))
     ap.add_argument("--table", action="store_true", help="only print the tables of the saved reports")
     args = ap.parse_args()
-    seeds = [int(s) for s in args.seeds.split(",")]
-    levers = args.levers.split(",")
+    found_levers, found_seeds = found_runs(args.out) if args.table else ([], [])
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else (found_seeds or [0, 1, 2])
+    levers = args.levers.split(",") if args.levers else (found_levers or list(LEVERS))
     unknown = [lv for lv in levers if lv not in LEVERS]
     if unknown:
         ap.error(f"unknown levers {unknown}; known: {', '.join(LEVERS)}")
@@ -403,9 +495,11 @@ def main() -> None:
     if baseline not in levers:
         ap.error(f"--baseline {baseline} is not among --levers {args.levers}")
     stages = set(args.stages.split(",")) if not args.table else set()
-    bad = stages - {"train", "offline", "online", "vllm"}
+    bad = stages - {"train", "offline", "replay", "online", "vllm"}
     if bad:
         ap.error(f"unknown stages {sorted(bad)}")
+    if "replay" in stages and (args.judge is None or not any(judge_stores(args.judge).values())):
+        ap.error("the replay stage needs --judge DIR with finished judge stores (scripts/judge_set.py)")
     if {"online", "vllm"} & stages and not args.prompts:
         ap.error("the online and vllm stages need --prompts")
     if "vllm" in stages and not Path(args.vllm_python).is_file():
@@ -424,6 +518,8 @@ def main() -> None:
                 train(args.store, args.out, lever, seed, args.steps, args.save_every)
             if "offline" in stages:
                 offline(args.store, run)
+            if "replay" in stages:
+                replay(run, args.judge)
             if "online" in stages:
                 contexts = greedy_contexts(args.verifier, final_checkpoint(run), args.prompts, args.num_prompts,
                                            args.max_new_tokens, args.out)

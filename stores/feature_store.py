@@ -728,6 +728,31 @@ class FeatureStore:
                 out.append((m, body_slot, n - prefix_len))
         return out
 
+    def whole_conversations(self, i: int, cu_seqlens) -> np.ndarray | None:
+        """Full-context stores: ``[S] bool``, whether segment k of training block ``i`` is a whole conversation
+        the verifier ran (no prefix, one run from its first token to its last, not a window of it); None for a
+        ``blocks`` store, whose segments' conversations are not recorded.
+
+        Raises:
+            StoreFormatError: a view that does not fit (:meth:`runs`), a shard store.
+        """
+        if self.layout != "windows":
+            return None
+        self.runs(i, cu_seqlens)  # the views fit (StoreFormatError otherwise); a shard store refused
+        views, lengths = self.view_row(i), np.diff(np.asarray(cu_seqlens, dtype=np.int64))
+        out = np.zeros(lengths.size, dtype=bool)
+        starts: dict[int, np.ndarray] = {}
+        for k, n in enumerate(lengths.tolist()):
+            m, _, prefix_len, body = (int(x) for x in views[k][:4])
+            if prefix_len:
+                continue
+            if m not in starts:
+                starts[m] = np.asarray(self.contexts.read_tokens(m)[SEGMENTS.name], dtype=np.int64)
+            cu = starts[m]
+            j = int(np.searchsorted(cu, body))
+            out[k] = j + 1 < cu.size and cu[j] == body and cu[j + 1] - cu[j] == n
+        return out
+
     def _refuse_shard(self) -> None:
         shard = self.attrs.get("shard")
         if shard:

@@ -140,7 +140,8 @@ class _OfflineTotals:
 def evaluate_offline(drafter, blocks: Iterable, lm_head_weight: torch.Tensor, num_depths: int | None = None,
                      chunk_anchors: int = 256, progress: Callable[[int], None] | None = None,
                      eos_token_ids: Iterable[int] = (), replay: TurnReplay | None = None,
-                     conversation: Callable[[int, int], int] | None = None) -> dict[str, Any]:
+                     conversation: Callable[[int, int], int] | None = None,
+                     whole: Callable[[int, int], bool | None] | None = None) -> dict[str, Any]:
     """Offline acceptance of ``drafter`` on stored blocks (see the module docstring for definitions).
 
     Args:
@@ -159,6 +160,7 @@ def evaluate_offline(drafter, blocks: Iterable, lm_head_weight: torch.Tensor, nu
             (:class:`~peagle_train.evaluate.replay.TurnReplay`, filled in place).
         conversation: ``(j, k) -> key`` of the j-th block's segment k (the replay's bootstrap unit); default
             every segment its own conversation.
+        whole: ``(j, k) ->`` whether that segment is a whole conversation (None: not known); default True.
 
     Returns:
         ``per_depth_accuracy`` (K, None where no weight), ``per_depth_correct``,
@@ -196,7 +198,8 @@ def evaluate_offline(drafter, blocks: Iterable, lm_head_weight: torch.Tensor, nu
             if replay is not None:
                 key = conversation(j, k) if conversation is not None else (j << 20) + k
                 replay.add_segment(key, block.input_ids[start:end].numpy(), seg_m.numpy(), drafted.numpy(),
-                                   f"block {getattr(block, 'block_id', j)} segment {k}")
+                                   f"block {getattr(block, 'block_id', j)} segment {k}",
+                                   whole(j, k) if whole is not None else True)
         if progress is not None:
             progress(1)
     return totals.report()
@@ -376,15 +379,26 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
     replay = TurnReplay(checked_num_draft_tokens(num_depths, drafter), max_new_tokens, frozenset(eos), seed)
     keys = fs.segment_keys()
     conversation = None if keys is None else (lambda j, k: int(keys[ids[j], k]))
+    wholes: dict[int, Any] = {}
+
+    def whole(j: int, k: int) -> bool | None:  # the store's record of block ids[j]'s segments, read once per block
+        if j not in wholes:
+            wholes[j] = fs.whole_conversations(ids[j], fs.read_tokens(ids[j])["cu_seqlens"])
+        return None if wholes[j] is None else bool(wholes[j][k])
+
     bar = progress_factory(len(ids)) if progress_factory else None
     try:
         report = evaluate_offline(drafter, (fs.read_block(i) for i in ids), lm_head, num_depths,
                                   chunk_anchors, progress=bar.update if bar is not None else None,
-                                  eos_token_ids=eos, replay=replay, conversation=conversation)
+                                  eos_token_ids=eos, replay=replay, conversation=conversation, whole=whole)
     finally:
         if bar is not None:
             bar.close()
     replayed = replay.report()
+    if replay.unchecked:
+        log(f"warning: replay: {fs.path} is a --context window store, which does not record whether its {replay.unchecked} "
+            "segment(s) are whole conversations: the replay is exact only where each is one (judge sets: "
+            "scripts/judge_set.py, extract --context full)")
     if replay.refused:
         log(f"warning: replay: {sum(replay.refused.values())} assistant turn(s) not walked, as online decoding would "
             f"not produce them: {replay.refused}; first: {list(replay.first_refusal.values())[0]}")

@@ -267,11 +267,12 @@ class TurnReplay:
     eos: frozenset[int]
     seed: int = 0
     turns: list[ReplayedTurn] = field(default_factory=list)
+    unchecked: int = 0
     refused: dict[str, int] = field(default_factory=dict)
     first_refusal: dict[str, str] = field(default_factory=dict)
 
     def add_segment(self, conversation: int, tokens: np.ndarray, loss_mask: np.ndarray, pred: np.ndarray,
-                    where: str) -> None:
+                    where: str, whole: bool | None = True) -> None:
         """Walk every assistant turn (run of ``loss_mask == 1``) of one segment.
 
         Args:
@@ -280,13 +281,25 @@ class TurnReplay:
             pred: ``[max(n-2, 0), K'] int64`` verifier ids drafted per element, -1 where none (``segment_predictions``
                 mapped through ``draft_ids``).
             where: names the segment in a refusal (``block 3 segment 1``).
+            whole: the segment is a whole conversation (True), a window of one (False: its turns are not walked,
+                since online decoding's drafter sees the conversation from its start), or not known (None: a
+                ``--context window`` store; walked and counted in ``segments_unchecked``).
 
         A turn that online decoding would not produce (:class:`TurnNotDecodable`) is not counted; its reason
         is counted in :meth:`report`'s ``refused_turns``, the first one named in full.
         """
         if pred.shape[0] == 0:
             pred = np.full((1, self.num_drafts), -1, np.int64)
-        for start, end in turn_spans(loss_mask):
+        spans = turn_spans(loss_mask)
+        if whole is False:
+            if spans:
+                reason = "in a window, not a whole conversation"
+                self.refused[reason] = self.refused.get(reason, 0) + len(spans)
+                self.first_refusal.setdefault(reason, f"{where}: a window of a longer conversation (its drafter "
+                                                      "context online starts at the conversation's first token)")
+            return
+        self.unchecked += whole is None
+        for start, end in spans:
             try:
                 acc, dr, pos = walk_turn(pred, tokens, start, end, self.num_drafts, self.max_new_tokens, self.eos)
             except TurnNotDecodable as e:
@@ -318,4 +331,5 @@ class TurnReplay:
                 "max_new_tokens": self.max_new_tokens, "num_draft_tokens": self.num_drafts,
                 "bootstrap": {"unit": "conversation", "samples": BOOTSTRAP_SAMPLES, "seed": self.seed},
                 "refused_turns": dict(self.refused), "refused_examples": dict(self.first_refusal),
+                "segments_unchecked": self.unchecked,
                 "per_conversation": self.per_conversation()}

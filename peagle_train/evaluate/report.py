@@ -178,13 +178,13 @@ def _replay_lines(replay: dict[str, Any] | None) -> list[str]:
         return []
     if "skipped" in replay:
         return [f"  replayed acceptance length: skipped ({replay['skipped']})"]
-    se = f" ± {replay['se']:.3f} (SE, bootstrap over {replay['conversations']} conversations)" if replay["se"] else ""
+    se = f" ± {replay['se']:.3f} (SE, bootstrap over {replay['conversations']} conversations)" if replay["se"] is not None else ""
     lines = [f"  replayed acceptance length {replay['acceptance_length']:.3f}{se}, {replay['turns']} turns, "
              f"{replay['num_drafts']} steps with drafts",
              "  replayed  " + " ".join(f"{_fmt(x):>6s}" for x in replay["per_position_acceptance"])]
     for b in replay["by_context_length"]:
         span = f"[{b['from']}, {b['to']})" if b["to"] is not None else f"[{b['from']}, ...)"
-        bse = f" ± {b['se']:.3f}" if b["se"] else ""
+        bse = f" ± {b['se']:.3f}" if b["se"] is not None else ""
         lines.append(f"    context {span:>16s}: AL {b['acceptance_length']:.3f}{bse} ({b['num_drafts']} steps)")
     if replay.get("refused_turns"):
         lines.append(f"  turns not walked (not what decoding produces): {replay['refused_turns']}")

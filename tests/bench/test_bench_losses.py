@@ -1,6 +1,7 @@
-"""bench/bench_losses.py: mean ± standard error over seeds; differences paired against the baseline by seed
-(offline) and by seed and prompt turn (peagle's engine, vLLM); the learning curves, a warm start's steps counted
-from its start's; the wall-time columns; the refusals of its command line."""
+"""bench/bench_losses.py: mean ± standard error over seeds of each seed's figure; differences paired against the
+baseline by seed with the paired t over seeds (never pooled over prompt turns); Student's t p-values; the table
+rebuilt from one OUT; the replay stage's pooling; the learning curves, a warm start's steps counted from its
+start's; the wall-time columns; the refusals of its command line."""
 
 from __future__ import annotations
 
@@ -51,27 +52,29 @@ def test_mean_se():
     assert bench.mean_se([5.0]) == (5.0, 0.0)
 
 
-def test_table_pairs_each_lever_with_the_baseline_of_its_seed_and_turn(tmp_path):
+def test_table_pairs_each_lever_with_the_baseline_by_seed_with_the_t_test(tmp_path):
     _write(tmp_path, "default", 0, 1.20, [1.1, 1.3])
     _write(tmp_path, "default", 1, 1.30, [1.2, 1.4])
     _write(tmp_path, "tv", 0, 1.25, [1.2, 1.3], wall=200.0)
     _write(tmp_path, "tv", 1, 1.31, [1.4, 1.4], wall=300.0)
     text = bench.table(tmp_path, ["default", "tv"], [0, 1], "default")
     head = [c.strip() for c in text.splitlines()[0].strip("|").split("|")]
-    assert head[:5] == ["lever", "seeds", "offline AL (T=0)", "peagle engine AL T=0", "peagle engine AL T=1"]
+    assert head[:5] == ["lever", "seeds", "offline all-anchor AL (T=0, diagnostic)", "peagle engine AL T=0",
+                        "peagle engine AL T=1"]
     cells = _row(text, "tv")
     assert cells[1] == "2" and cells[2] == "1.280 ± 0.030"
     assert cells[5] == "0.400 / 0.200 / 0.000 / 0.100"  # None (no element at the depth) counts 0
-    # offline: 0.05 and 0.01 paired by seed; 2.4 % of the default's mean 1.25; within 2 SE: no star
-    assert cells[6] == "+0.030 ± 0.020 (+2.4%, n=2)"
-    # online: turn differences 0.1, 0.0, 0.2, 0.0 -> mean 0.075, sd 0.0957, se 0.0479 (not beyond 2 SE)
-    assert cells[7] == "+0.075 ± 0.048 (+6.0%, n=4)"  # the default's T=0 mean AL is 1.25
-    assert cells[8] == "+0.075 ± 0.048 (+3.3%, n=4)"  # T=1: 2.25
+    # offline: 0.05 and 0.01, one per seed: mean 0.03, se 0.02, t(1) = 1.5, p = 1 - 2 atan(1.5) / pi = 0.374
+    assert cells[6] == "+0.030 ± 0.020 (+2.4%, n=2 seeds, t(1)=1.50, p=0.374)"
+    # online: each seed's AL over its turns: 1.25 - 1.2 and 1.4 - 1.3 -> 0.075 ± 0.025, t(1) = 3, p = 0.205; the
+    # four turn differences (0.1, 0, 0.2, 0) are not pooled as if independent
+    assert cells[7] == "+0.075 ± 0.025 (+6.0%, n=2 seeds, t(1)=3.00, p=0.205)"
+    assert cells[8] == "+0.075 ± 0.025 (+3.3%, n=2 seeds, t(1)=3.00, p=0.205)"  # T=1: the default's mean 2.25
     assert cells[9] == "250" and cells[10] == "- / -"
     assert _row(text, "default")[6:9] == ["", "", ""]
 
 
-def test_vllm_turns_are_paired_by_prompt_and_turn_and_the_judge_time_shown(tmp_path):
+def test_vllm_figures_are_each_seeds_al_and_one_seed_has_no_test(tmp_path):
     _write(tmp_path, "speculators", 0, 1.2, [1.2], vllm_als=[1.2, 1.4, 1.3, 1.1])
     _write(tmp_path, "default", 0, 1.2, [1.2], vllm_als=[1.3, 1.4, 1.5, 1.1], judge_s=(50.0, 70.0))
     text = bench.table(tmp_path, ["speculators", "default"], [0], "speculators")
@@ -79,23 +82,65 @@ def test_vllm_turns_are_paired_by_prompt_and_turn_and_the_judge_time_shown(tmp_p
     i = head.index("Δ vLLM AL T=0 vs speculators")
     cells = _row(text, "default")
     assert cells[head.index("vLLM AL T=0")] == "1.325 ± 0.000"
-    # turn differences 0.1, 0, 0.2, 0 -> +0.075 ± 0.048; the baseline's AL 1.25
-    assert cells[i] == "+0.075 ± 0.048 (+6.0%, n=4)"
+    assert cells[i] == "+0.075 (+6.0%, n=1 seed, no test)"  # 1.325 - 1.25 of the one seed
     assert cells[-1] == "50 / 70"
 
 
-def test_a_difference_beyond_two_standard_errors_is_starred():
-    assert bench.delta_cell([0.10, 0.12, 0.11], 1.0, True) == "+0.110 ± 0.006 (+11.0%, n=3) *"
-    assert bench.delta_cell([0.1, -0.1], 1.0, True) == "+0.000 ± 0.100 (+0.0%, n=2)"
-    assert bench.delta_cell([], 1.0, True) == ""
+def test_student_t_p_values_are_the_tables():
+    for t, df in ((12.7062, 1), (4.3027, 2), (2.7764, 4), (2.2281, 10), (2.0423, 30)):  # two-sided 5 % points
+        assert bench.t_two_sided_p(t, df) == pytest.approx(0.05, abs=2e-5), df
+    assert bench.t_two_sided_p(1.5, 1) == pytest.approx(1 - 2 * math.atan(1.5) / math.pi, abs=1e-12)  # Cauchy
+    assert bench.t_two_sided_p(0.0, 3) == pytest.approx(1.0) and bench.t_two_sided_p(math.inf, 3) == 0.0
 
 
-def test_turn_als_of_both_engines():
-    vllm = {"per_prompt": [{"prompt_id": "81", "turn": 0, "verifier_steps": 4, "accepted": 3},
-                           {"prompt_id": "81", "turn": 1, "verifier_steps": 0, "accepted": 0}]}
-    assert bench.turn_als(vllm) == {("81", 0): 1.75}  # a turn with no drafting step is left out
-    own = {"turns": [{"al": 1.5}, {"al": None}, {"al": 1.25}]}
-    assert bench.turn_als(own) == {(0,): 1.5, (2,): 1.25}
+def test_paired_seed_test_and_the_star():
+    r = bench.paired_seed_test([0.10, 0.12, 0.11])
+    assert (r["n"], r["df"]) == (3, 2) and r["mean"] == pytest.approx(0.11) and r["se"] == pytest.approx(0.01 / 3 ** 0.5)
+    assert r["t"] == pytest.approx(0.11 / (0.01 / 3 ** 0.5)) and r["p"] < 0.01
+    assert bench.delta_cell([0.10, 0.12, 0.11], 1.0).endswith(" *")
+    assert bench.delta_cell([0.1, -0.1], 1.0) == "+0.000 ± 0.100 (+0.0%, n=2 seeds, t(1)=0.00, p=1.000)"
+    assert bench.paired_seed_test([0.2])["p"] is None and bench.delta_cell([], 1.0) == ""
+    assert bench.paired_seed_test([0.1, 0.1])["p"] == 0.0  # the same nonzero difference at every seed
+
+
+def test_table_alone_reads_every_run_in_one_out(tmp_path, monkeypatch, capsys):
+    _write(tmp_path, "default", 0, 1.2, [1.2])
+    _write(tmp_path, "default", 3, 1.3, [1.2])
+    _write(tmp_path, "tv", 3, 1.1, [1.2])
+    (tmp_path / "contexts-2-48.json").write_text("[]")  # not a run
+    assert bench.found_runs(tmp_path) == (["default", "tv"], [0, 3])
+    monkeypatch.setattr(sys, "argv", ["bench", "--out", str(tmp_path), "--table"])
+    bench.main()
+    printed = capsys.readouterr().out
+    assert printed == (tmp_path / "table.md").read_text()  # printed and written, the same table
+    assert _row(printed, "default")[1] == "2" and _row(printed, "tv")[6].startswith("-0.200 (")
+
+
+def test_replay_reports_pool_each_temperatures_stores(tmp_path, monkeypatch):
+    judge = tmp_path / "judge"
+    for name in ("mtbench-T0", "humaneval-T0", "mtbench-T1-seed1", "mtbench-T1-seed2", "humaneval-T1-seed1"):
+        (judge / f"{name}.zarr").mkdir(parents=True)
+        (judge / f"{name}.done.json").write_text(json.dumps({"max_new_tokens": 64}))
+    (judge / "late-T0.zarr").mkdir()  # not finished: not judged
+    stores = bench.judge_stores(judge)
+    assert [p.name for p in stores["0"]] == ["humaneval-T0.zarr", "mtbench-T0.zarr"] and len(stores["1"]) == 3
+    calls = []
+
+    def fake(drafter, store, max_new_tokens):
+        calls.append((Path(store).name, max_new_tokens))
+        n = 10 if "T0" in Path(store).name else 5
+        return {"replay": {"accepted": n, "num_drafts": 10}, "simulated_acceptance_length": 1.5}
+
+    monkeypatch.setattr(bench, "run_offline_eval", fake)
+    run = tmp_path / "default-s0"
+    (run / "final").mkdir(parents=True)
+    bench.replay(run, judge)
+    t0, t1 = (json.loads((run / f"replay-T{t}.json").read_text()) for t in (0, 1))
+    assert (t0["acceptance_length"], t0["num_drafts"]) == (2.0, 20) and t1["acceptance_length"] == 1.5
+    assert set(t1["per_store"]) == {"mtbench-T1-seed1.zarr", "mtbench-T1-seed2.zarr", "humaneval-T1-seed1.zarr"}
+    assert all(m == 64 for _, m in calls) and len(calls) == 5
+    bench.replay(run, judge)  # done: nothing judged again
+    assert len(calls) == 5
 
 
 def _ckpt(run: Path, step: int, al: float) -> None:
@@ -132,6 +177,7 @@ def test_the_last_drafter_is_final_else_the_last_checkpoint(tmp_path):
     (["--levers", "default,tv", "--baseline", "speculators"], "--baseline speculators is not among"),
     (["--levers", "default", "--stages", "vllm"], "need --prompts"),
     (["--levers", "nope"], "unknown levers ['nope']"),
+    (["--levers", "default", "--stages", "replay"], "the replay stage needs --judge DIR"),
 ])
 def test_a_bench_that_cannot_run_as_asked_is_refused(flags, message, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(sys, "argv", ["bench", "--store", "S", "--out", str(tmp_path / "o"), *flags])

@@ -362,3 +362,22 @@ def test_full_context_store_refuses_an_altered_training_token_chunk(tmp_path):
     for via in ("file", "zarr"):
         with pytest.raises(StoreFormatError, match="training block 0 cannot be trusted"):
             store.read_block(0, via=via)
+
+
+def test_whole_conversations_tells_a_whole_conversation_from_a_window(tmp_path):
+    """Segment 0 has a prefix (a later window of a long conversation); segment 1 is context block 1's second
+    conversation, slots 2..4, whole; the same 3 tokens from slot 3 would be a window; a blocks store: unknown."""
+    store = FeatureStore.create_windows(tmp_path / "w.zarr", n_blocks=1, block_size=8, max_segments=2,
+                                        n_context_blocks=2, context_size=10, context_segments=3,
+                                        layers=[0, 1], hidden_size=4, vocab_size=16, verifier={"name_or_path": "tiny"})
+    store.write_all_n_tokens(np.array([8]))
+    store.write_tokens(0, list(range(8)), [1] * 8, [0, 1, 2, 3, 4, 0, 1, 2], [0, 5, 8])
+    store.write_views(0, [[0, 0, 2, 4], [1, 0, 0, 2]])
+    ctx = store.contexts
+    ctx.write_all_n_tokens(np.array([10, 10]))
+    for m in range(2):
+        ctx.write_tokens(m, list(range(10)), [1] * 10, list(range(10)), [0, 10] if m == 0 else [0, 2, 5, 10])
+    assert store.whole_conversations(0, [0, 5, 8]).tolist() == [False, True]
+    store.write_views(0, [[0, 0, 2, 4], [1, 0, 0, 3]])
+    assert store.whole_conversations(0, [0, 5, 8]).tolist() == [False, False]
+    assert _make(tmp_path / "b").whole_conversations(0, [0, 8]) is None

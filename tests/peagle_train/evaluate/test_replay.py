@@ -104,7 +104,13 @@ def test_turn_replay_counts_refusals_and_reports_paired_inputs():
     assert r["refused_turns"] == {"no prompt before it": 1}
     assert r["refused_examples"]["no prompt before it"].startswith("block 0 segment 1: turn [0, 2)")
     assert r["per_conversation"] == {"conversation": [7], "accepted": [2], "num_drafts": [1]}
+    assert r["segments_unchecked"] == 0
     assert "skipped" in TurnReplay(2, 10, frozenset({EOS})).report()
+    replay.add_segment(9, tokens, np.array([0, 0, 1, 1, 1, 1, 1]), pred, "block 1 segment 0", whole=False)
+    replay.add_segment(10, tokens, np.array([0, 0, 1, 1, 1, 1, 1]), pred, "block 2 segment 0", whole=None)
+    r = replay.report()
+    assert r["refused_turns"] == {"no prompt before it": 1, "in a window, not a whole conversation": 1}
+    assert (r["turns"], r["segments_unchecked"]) == (2, 1)  # unknown: walked, and counted
 
 
 # ------------------------------------------------------------------ against peagle's own engine
@@ -221,3 +227,4 @@ def test_cli_store_reports_the_replayed_al(tiny_verifier, tiny_verifier_dir, tmp
     assert (replay["turns"], replay["conversations"], replay["refused_turns"]) == (2, 2, {})
     assert "replayed acceptance length" in result.stderr and "all-anchor acceptance length (diagnostic)" in \
         result.stderr
+    assert replay["segments_unchecked"] == 2 and "is a --context window store" in result.stderr

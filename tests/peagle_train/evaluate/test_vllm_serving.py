@@ -23,6 +23,11 @@ by step: vLLM drafts K at every step and counts acceptances the output then cuts
 peagle's accepted count of each step is ``min(vLLM's, peagle's drafted)``; and vLLM's global counters
 (``llm.get_metrics()``) are the sums of its per-step counts.
 
+(c) vLLM's own outputs, walked by the replay judge (``peagle_train/evaluate/replay.py``) with peagle's float32
+features of them, give vLLM's per-step counts (the same ``min`` rule): at T = 0 for every case, and at T = 1 for
+the ``3aux-reduced`` drafter, which one more engine serves at T = 1 (``greedy`` draft scheme, seeded requests,
+vLLM in the child's process with the CPU fix of vLLM #55005 that ``bench/vllm_judge.py`` applies).
+
 vLLM's drafter loader skips tensors it has no parameter for and leaves parameters no tensor fills at
 their init, without an error, and these briefly trained drafters accept few drafts, so equal counts alone
 would not show that vLLM computes every part of them. For the ``qwen3-layer`` and ``2-layer`` drafters the
@@ -41,6 +46,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -127,6 +133,7 @@ if __name__ == "__main__":  # vLLM spawns its engine process: the script must be
     t0 = time.perf_counter()
     ref = vllm_reference("smollm2-135m", job["prompts"], EvalConfig(**settings))
     out = {"requests": ref.requests, "keys": [[ref.prompts[i].prompt_id, t] for i, t in ref.order],
+           "directory": ref.directory,
            "plain": ref.plain.tokens, "plain_start_s": ref.plain.start_s,
            "reference_s": time.perf_counter() - t0, "cases": {}}
     for name, (drafter, loading) in job["cases"].items():
@@ -184,6 +191,40 @@ def served(tmp_path_factory):
     return work, drafters, json.loads((work / "out.json").read_text())
 
 
+SCRIPT_T1 = '''
+import json, sys
+import vllm_judge  # vLLM in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the CPU fix reaches its sampler
+from peagle_train.evaluate.vllm_engine import vllm_generate
+
+job = json.load(open(sys.argv[1]))
+check, fixed = vllm_judge.sampling_check(1.0)  # vLLM #55005 on CPU: PR #55006's shim, probed exact in this process
+run = vllm_generate(job["directory"], job["requests"], job["max_new_tokens"], stop_token_ids=job["eos"],
+                    speculative_config={"model": job["drafter"], "method": "eagle3", "parallel_drafting": True,
+                                        "num_speculative_tokens": job["K"], "draft_sample_method": "greedy"},
+                    concurrency=1, timed=False, temperature=1.0, seed=job["seed"])
+json.dump({"tokens": run.tokens, "per_request": run.per_request, "check": check, "fixed": fixed}, open(sys.argv[2], "w"))
+'''
+
+
+@pytest.fixture(scope="module")
+def sampled_t1(served, verifier):
+    """The ``3aux-reduced`` drafter served by vLLM at T = 1 (``greedy`` draft scheme, requests seeded) on the same
+    requests, in a child Python with vLLM in its process and, on vLLM 0.32's CPU build, the fix of vLLM #55005
+    (bench/vllm_judge.py): the suite's one engine start for the replay judge at T = 1."""
+    work, drafters, out = served
+    _, eos = verifier
+    job = {"directory": out["directory"], "requests": out["requests"], "max_new_tokens": MAX_NEW_TOKENS,
+           "eos": sorted(eos), "drafter": str(drafters["3aux-reduced"]), "K": K, "seed": 0}
+    (work / "job_t1.json").write_text(json.dumps(job))
+    (work / "sample_t1.py").write_text(SCRIPT_T1)
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'bench'}", "VLLM_CPU_KVCACHE_SPACE": "2",
+           "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(work / "sample_t1.py"), str(work / "job_t1.json"),
+                           str(work / "out_t1.json")], env=env, cwd=work, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return drafters["3aux-reduced"], out["requests"], json.loads((work / "out_t1.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def verifier():
     """The SmolLM2 verifier in float32 on the CPU and its EOS ids, loaded once for every case."""
@@ -202,6 +243,32 @@ def _peagle_steps(drafter_dir, requests, verifier):
     model, eos = verifier
     drafter = load_drafter(drafter_dir).eval()
     return [speculative_generate(model, drafter, ids, MAX_NEW_TOKENS, K, eos) for ids in requests]
+
+
+def _replayed_steps(drafter_dir, requests, outputs, verifier):
+    """Each request's vLLM output walked by the replay judge (:func:`~peagle_train.evaluate.replay.walk_turn`):
+    the verifier's float32 aux features of ``prompt + output`` (a stored segment's), the drafter's offline chains;
+    ``[(accepted per step, drafted per step)]``."""
+    from peagle_train.evaluate.offline import segment_predictions
+    from peagle_train.evaluate.replay import walk_turn
+    from peagle_train.evaluate.speculative import aux_features
+    from peagle_train.evaluate.verifier import aux_hidden_states
+    from peagle_train.model.checkpoint import load_drafter
+
+    model, eos = verifier
+    drafter = load_drafter(drafter_dir).eval()
+    out = []
+    for prompt, tokens in zip(requests, outputs):
+        x = torch.tensor(list(prompt) + list(tokens))
+        with torch.no_grad(), aux_hidden_states(model) as last:  # layer L before the final norm, as stored
+            hs = model(input_ids=x[None], output_hidden_states=True).hidden_states
+        block = SimpleNamespace(input_ids=x, position_ids=torch.arange(len(x)),
+                                aux_hidden=aux_features(hs, last, drafter.config.aux_layer_ids))
+        pred = segment_predictions(drafter, block, 0, len(x), K)
+        drafted = torch.where(pred >= 0, drafter.draft_ids[pred.clamp_min(0)], -1).numpy()
+        acc, dr, _ = walk_turn(drafted, x.numpy(), len(prompt), len(x), K, MAX_NEW_TOKENS, set(eos))
+        out.append((acc, dr))
+    return out
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -231,6 +298,12 @@ def test_vllm_serves_the_drafter_exactly(served, verifier, case):
         assert mine.tokens == plain, r  # transformers and vLLM agree on the greedy output
         assert len(mine.accepted_per_step) == len(theirs["accepted"]), r
         assert mine.accepted_per_step == [min(a, k) for a, k in zip(theirs["accepted"], mine.drafted_per_step)], r
+    # (c) the replay of vLLM's own outputs (peagle's features of them, the drafter's offline chains) counts the same
+    # as vLLM step by step: the judge's exactness at T = 0 (docs/design.md §9, replayed acceptance)
+    replayed = _replayed_steps(drafters[case], out["requests"], out["plain"], verifier)
+    for r, ((acc, dr), theirs) in enumerate(zip(replayed, steps)):
+        assert len(acc) == len(theirs["accepted"]), r  # vLLM's num_drafts: every verifier step
+        assert acc == [min(a, k) for a, k in zip(theirs["accepted"], dr)], r
     drafting = sum(1 for m in ours for k in m.drafted_per_step if k > 0)  # peagle's num_drafts
     if case == "3aux-reduced":  # peagle-eval itself (its own plain answers as turn-2 history) counts the same (one
         # case: its counting does not depend on the drafter's layers, which the other cases vary)
@@ -283,3 +356,20 @@ def test_peagle_eval_engine_vllm_reports_vllms_figures(served):
         assert t["plain"] > 0 and t["speculative"] > 0 and t["speedup"] == t["speculative"] / t["plain"]
     assert all("<|im_end|>" not in p["text"] for p in report["per_prompt"])
     assert report["cost_model"] == {"skipped": VLLM_COSTS_SKIPPED}  # peagle's costs are not applied to vLLM
+
+
+def test_replay_of_vllms_t1_samples_counts_as_vllm(sampled_t1, verifier):
+    """The replay judge at T = 1: vLLM's own samples (greedy draft scheme, CPU sampler fixed) walked with peagle's
+    features of them: a draft is kept exactly when it equals the emitted token, so every step's counts are vLLM's
+    (``min(vLLM accepted, drafted)``, as at T = 0) on every request whose drafts agree; a request where they do
+    not is counted (numerics: vLLM's features and peagle's, both float32, can flip a near-tied drafter argmax)."""
+    drafter, requests, got = sampled_t1
+    assert got["fixed"] is False or "PR #55006" in got["check"]  # the sampler was exact at T = 1
+    replayed = _replayed_steps(drafter, requests, got["tokens"], verifier)
+    agree = 0
+    for r, ((acc, dr), theirs) in enumerate(zip(replayed, got["per_request"])):
+        # the same steps (the emitted tokens decide them) and the same counts in each
+        agree += len(acc) == len(theirs["accepted"]) and acc == [min(a, k) for a, k in zip(theirs["accepted"], dr)]
+    print(f"T=1: {agree} of {len(requests)} requests count as vLLM step by step; vLLM accepted "
+          f"{sum(sum(t['accepted']) for t in got['per_request'])} drafts")
+    assert agree == len(requests)  # none differed on this CPU (float32 both); a difference fails here to be explained

@@ -1,0 +1,112 @@
+"""Several drafters judged side by side by replay on one judge set (``scripts/judge_set.py``): each drafter's
+replayed AL per suite and temperature with its bootstrap SE over conversations, and its paired difference against
+the first drafter (the same conversations resampled for both; docs/guide-evaluation.md, "Judging drafters by
+replay").
+
+    python bench/judge_replay.py --judge judge --drafters RUN_A/final RUN_B/final [--output judge.json]
+
+Each store is walked with the ``max_new_tokens`` it was generated with (its ``SUITE-RUN.done.json``); T = 1's seeded samples of a
+suite are pooled (each sample its own conversations). Prints a markdown table on stdout (and the JSON to
+``--output``); progress on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from peagle_train.evaluate.offline import run_offline_eval
+from peagle_train.evaluate.replay import bootstrap_al, paired_al_difference
+
+
+def judge_groups(judge: Path) -> dict[str, list[Path]]:
+    """``{"SUITE T=t": [stores]}`` of the finished stores (``SUITE-T0.zarr``, ``SUITE-T1-seedS.zarr``)."""
+    groups: dict[str, list[Path]] = {}
+    for done in sorted(judge.glob("*.done.json")):
+        store = done.with_name(done.name[:-len(".done.json")] + ".zarr")
+        suite, run = store.name[:-len(".zarr")].split("-T", 1)
+        groups.setdefault(f"{suite} T={run.split('-')[0]}", []).append(store)
+    return groups
+
+
+def pooled(reports: list[tuple[str, dict]]) -> dict[str, np.ndarray]:
+    """Per-conversation counts of several stores' replay reports, keys ``STORE:conversation``, sorted."""
+    rows = sorted((f"{name}:{c}", a, d) for name, r in reports
+                  for c, a, d in zip(r["per_conversation"]["conversation"], r["per_conversation"]["accepted"],
+                                     r["per_conversation"]["num_drafts"]))
+    return {"keys": np.array([k for k, _, _ in rows]), "accepted": np.array([a for _, a, _ in rows], np.int64),
+            "num_drafts": np.array([d for _, _, d in rows], np.int64)}
+
+
+def judge(drafters: list[str], groups: dict[str, list[Path]], seed: int) -> dict:
+    """Every drafter's replayed AL per group, and its paired difference against ``drafters[0]``.
+
+    Raises:
+        SystemExit: a store with no walkable turn, or two drafters whose conversations differ (not the same set).
+    """
+    out = {}
+    for group, stores in groups.items():
+        per = {}
+        for d in drafters:
+            reports = []
+            for store in stores:
+                made = json.loads(store.with_name(store.name[:-len(".zarr")] + ".done.json").read_text())
+                rep = run_offline_eval(d, store, max_new_tokens=int(made["max_new_tokens"]), seed=seed)["replay"]
+                if "skipped" in rep:
+                    raise SystemExit(f"judge_replay: {store}: {rep['skipped']}")
+                reports.append((store.name, rep))
+            per[d] = pooled(reports)
+            print(f"judge_replay: {group}: {d} done", file=sys.stderr)
+        base = per[drafters[0]]
+        rows = {}
+        for d, p in per.items():
+            if not np.array_equal(p["keys"], base["keys"]):
+                raise SystemExit(f"judge_replay: {group}: {d} walked other conversations than {drafters[0]}")
+            al, se = bootstrap_al(p["accepted"], p["num_drafts"], seed=seed)
+            rows[d] = {"acceptance_length": al, "se": se, "conversations": int(p["keys"].size),
+                       "vs_first": None if d == drafters[0] else paired_al_difference(
+                           base["accepted"], base["num_drafts"], p["accepted"], p["num_drafts"], seed=seed)}
+        out[group] = rows
+    return out
+
+
+def table(result: dict, drafters: list[str]) -> str:
+    """Markdown: one row per drafter, per group its AL ± SE and the paired Δ against the first drafter."""
+    groups = list(result)
+    head = ["drafter", *[f"{g} AL" for g in groups], *[f"Δ {g} vs first" for g in groups]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for d in drafters:
+        cells = [d]
+        for g in groups:
+            r = result[g][d]
+            cells.append(f"{r['acceptance_length']:.3f}" + (f" ± {r['se']:.3f}" if r["se"] is not None else ""))
+        for g in groups:
+            v = result[g][d]["vs_first"]
+            cells.append("" if v is None else f"{v['difference']:+.3f}" + (
+                f" ± {v['se']:.3f}" if v["se"] is not None else "") + f" (n={v['conversations']})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--judge", type=Path, required=True)
+    ap.add_argument("--drafters", nargs="+", required=True)
+    ap.add_argument("--seed", type=int, default=0, help="the bootstrap's seed")
+    ap.add_argument("--output", type=Path, default=None)
+    a = ap.parse_args()
+    groups = judge_groups(a.judge)
+    if not groups:
+        ap.error(f"{a.judge} holds no finished judge store (SUITE-T0.done.json): run scripts/judge_set.py")
+    result = judge(a.drafters, groups, a.seed)
+    if a.output:
+        a.output.write_text(json.dumps(result, indent=1))
+    print(table(result, a.drafters))
+
+
+if __name__ == "__main__":
+    main()
