@@ -311,8 +311,9 @@ class StreamConfig:
     storage_dtype: str = "bf16"
     """--extract-from: ``bf16`` or ``fp8`` (``peagle-data extract --storage-dtype``)."""
     stream_timeout_s: float = 600.0
-    """With --max-store-bytes: seconds a read waits with no block extracted meanwhile before the run stops
-    (``--stream-timeout-s``), naming the extraction's log."""
+    """With --max-store-bytes: seconds a read waits, with neither a block extracted nor the extraction's heartbeat
+    meanwhile (a dead extraction; a slow one is waited for), before the run stops naming the extraction's log
+    (``--stream-timeout-s``); with --extract-from, also the extraction's own time-out."""
 
     def __post_init__(self) -> None:
         if self.max_store_bytes is not None:
