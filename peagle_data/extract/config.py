@@ -155,8 +155,9 @@ class ExtractConfig:
     blocks read, each kept while a training block the budget holds ahead still reads it. One process. An action of this invocation (the store's blocks are
     the same): not recorded in the store's config."""
     stream_timeout_s: float = field(default=3600.0, metadata={"action": True})
-    """--stream: seconds to wait for the training run to write its block order, or for it to finish with more
-    blocks, before stopping (naming what it waited for)."""
+    """--stream: seconds to wait, with neither the training run's heartbeat nor its progress meanwhile (a dead
+    training run; a slow one is waited for), for it to write its block order or to finish with more blocks,
+    before stopping (naming what it waited for)."""
 
     def __post_init__(self) -> None:
         if self.resume and self.force:

@@ -95,13 +95,15 @@ class DataConfig:
     """Validation reads at most this many held-out blocks (``--val-max-blocks``)."""
     allow_incomplete: bool = False
     """Train on the done blocks of an unfinished store (``--allow-incomplete``)."""
-    epoch_order: str = "blocks"
+    epoch_order: str | None = None
     """Each epoch's order (``--epoch-order``): ``blocks``, a seeded shuffle of the training blocks;
     ``conversations``, a seeded shuffle of the groups of blocks that share a conversation, each group's blocks one
     after another (a long conversation's windows trained together). With ``--context full`` streaming,
     ``conversations`` extracts each conversation once per epoch at any budget, where ``blocks`` extracts a
     long conversation again for windows that the shuffle puts far apart (the run's summary gives the planned
-    extraction tokens)."""
+    extraction tokens). Unset: a resumed run's own (``blocks`` for a run saved before this default), else
+    ``conversations`` on full-context stores that record their segment keys (``peagle-data extract``'s default
+    store, and a streaming run's: both commands' defaults so train the same order), else ``blocks``."""
 
     def __post_init__(self) -> None:
         _need(0.0 < self.down_sample_ratio <= 1.0, "--down-sample-ratio", "in (0, 1]", self.down_sample_ratio)
@@ -110,7 +112,7 @@ class DataConfig:
         _need(self.max_anchors is None or self.max_anchors >= 1, "--max-anchors", ">= 1 when set", self.max_anchors)
         _need(0.0 <= self.val_fraction < 1.0, "--val-fraction", "in [0, 1)", self.val_fraction)
         _need(self.val_max_blocks >= 0, "--val-max-blocks", ">= 0", self.val_max_blocks)
-        _need(self.epoch_order in EPOCH_ORDERS, "--epoch-order", f"one of {', '.join(EPOCH_ORDERS)}",
+        _need(self.epoch_order is None or self.epoch_order in EPOCH_ORDERS, "--epoch-order", f"one of {', '.join(EPOCH_ORDERS)}",
               self.epoch_order)
 
 
@@ -298,29 +300,33 @@ class StreamConfig:
     """--extract-from: the aux layers to extract (``peagle-data extract --layers``); default EAGLE-3's."""
     engine: str = "hf"
     """--extract-from: the extraction engine (``peagle-data extract --engine``): ``hf`` or ``vllm``."""
-    context: str = "window"
-    """--extract-from: ``window`` (each packed block as it is) or ``full`` (each conversation run whole, as
-    ``peagle-data extract --context full`` does; the packed table must keep its conversations, as ``peagle-data
-    pack`` does). With ``full`` the extraction writes and deletes the conversations' blocks."""
+    context: str | None = None
+    """--extract-from: ``full`` (each conversation run whole, as the verifier serves it, as ``peagle-data extract``
+    does by default; the packed table must keep its conversations, as ``peagle-data pack`` does; the extraction
+    writes and deletes the conversations' blocks) or ``window`` (each packed block as it is: a later window of a
+    long conversation is seen without the tokens before it). Unset: ``full``, or with ``--resume`` the store's own
+    (a run started when ``window`` was this command's default continues as it started)."""
     device: str | None = None
     """--extract-from: the device extraction runs on (``peagle-data extract --device``)."""
     storage_dtype: str = "bf16"
     """--extract-from: ``bf16`` or ``fp8`` (``peagle-data extract --storage-dtype``)."""
     stream_timeout_s: float = 600.0
-    """With --max-store-bytes: seconds a read waits with no block extracted meanwhile before the run stops
-    (``--stream-timeout-s``), naming the extraction's log."""
+    """With --max-store-bytes: seconds a read waits, with neither a block extracted nor the extraction's heartbeat
+    meanwhile (a dead extraction; a slow one is waited for), before the run stops naming the extraction's log
+    (``--stream-timeout-s``); with --extract-from, also the extraction's own time-out."""
 
     def __post_init__(self) -> None:
         if self.max_store_bytes is not None:
             parse_size(self.max_store_bytes)  # InputError (a ValueError) naming --max-store-bytes
         _need(self.epoch_policy in STREAM_POLICIES, "--epoch-policy", f"one of {', '.join(STREAM_POLICIES)}",
               self.epoch_policy)
-        _need(self.context in STREAM_CONTEXTS, "--context", f"one of {', '.join(STREAM_CONTEXTS)}", self.context)
+        _need(self.context is None or self.context in STREAM_CONTEXTS, "--context",
+              f"one of {', '.join(STREAM_CONTEXTS)}", self.context)
         _need(self.stream_timeout_s > 0, "--stream-timeout-s", "> 0", self.stream_timeout_s)
         _need(self.extract_from is None or self.max_store_bytes is not None, "--extract-from",
               "given with --max-store-bytes (the budget of the store it fills)", self.extract_from)
         extract_only = {"--layers": self.layers is not None, "--engine": self.engine != "hf",
-                        "--context": self.context != "window", "--device": self.device is not None,
+                        "--context": self.context is not None, "--device": self.device is not None,
                         "--storage-dtype": self.storage_dtype != "bf16"}
         given = [k for k, v in extract_only.items() if v]
         _need(not given or self.extract_from is not None, given[0] if given else "--layers",

@@ -50,10 +50,10 @@ from peagle_train.train.config import TrainConfig
 from peagle_train.train.loss import LogitTransform
 from peagle_train.train.metrics import MetricsLog, resolve_trackers
 from peagle_train.train.setup import (build_draft_vocab, build_drafter_config, check_before_weights,
-                                      load_verifier_heads, prepare_output, resolve_drafter_layer, resolve_init_from,
-                                      val_split_warning)
+                                      load_verifier_heads, prepare_output, resolve_drafter_layer, resolve_epoch_order,
+                                      resolve_init_from, val_split_warning)
 from peagle_train.train.stream import (Extraction, check_stream_start, plan_run_identity, rank_from_env,
-                                       wait_for_store)
+                                       resolve_stream_context, wait_for_store)
 from peagle_train.train.trainer import StreamRun, Trainer, TrainRun
 from stores.errors import InputError, MissingDependencyError, StoreFormatError
 from stores.feature_store import FeatureStore
@@ -101,6 +101,7 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
     extraction = None
     try:
         if cfg.stream.max_store_bytes is not None:
+            cfg = resolve_stream_context(cfg)  # (unset: full, or a resumed store's own)
             check_stream_start(cfg)  # before anything starts or loads
             if cfg.stream.extract_from is not None and rank_from_env() == 0:
                 extraction = _start_extraction(cfg)
@@ -221,6 +222,7 @@ def plan_train(cfg: TrainConfig, extraction: Extraction | None = None) -> TrainP
     verifier_name = cfg.model.verifier or store.attrs["verifier"]["name_or_path"]
     cfg, init = resolve_init_from(cfg)  # the --init-from drafter's config and maps, no weights
     cfg = resolve_drafter_layer(cfg, verifier_name, init)  # recorded in train_config.json
+    cfg = resolve_epoch_order(cfg, store)  # (unset: the resumed run's, conversations on full-context stores)
     check_before_weights(cfg, store, verifier_name, init)
     mask_id = init.mask_token_id if init is not None and init.mask_token_id is not None else cfg.model.mask_token_id
     mask = resolve_mask_token(verifier_name, store, mask_id)  # InputError before the weights load

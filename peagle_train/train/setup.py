@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from peagle_train.data.multistore import store_identities
+from peagle_train.data.multistore import StoreSet, store_identities
 from peagle_train.model.checkpoint import (CONFIG_FILE, check_servable, drafter_config_json, latest_checkpoint,
                                            load_training_state, rope_from_layer_config)
 from peagle_train.model.config import ROPE_TYPES, DrafterConfig
@@ -49,6 +49,7 @@ __all__ = [
     "check_init_source",
     "prepare_output",
     "resume_mismatch_message",
+    "resolve_epoch_order",
 ]
 
 
@@ -61,7 +62,7 @@ _RESUME_FIELDS = ("store", "max_steps", "num_depths", "down_sample_ratio", "down
                   "mask_token_id", "train_embedding", "init_layers", "loss", "depth_weights", "epoch_order")
 
 
-_BEFORE_FIELD = {"drafter_layer": "llama"}
+_BEFORE_FIELD = {"drafter_layer": "llama", "epoch_order": "blocks"}
 """What a run saved before a field existed trained with, where that is not the field's default."""
 
 
@@ -242,6 +243,30 @@ def _saved_settings(cfg: TrainConfig) -> tuple[Path | None, Path, dict[str, Any]
         raise InputError(f"--resume: {saved} is missing and {ckpt} records no settings, so this run cannot be "
                          "checked against the saved one; start over with --force", field="--resume")
     return ckpt, saved, flat_settings(old)
+
+
+def resolve_epoch_order(cfg: TrainConfig, store) -> TrainConfig:
+    """``cfg`` with ``--epoch-order`` set when it was left unset: with ``--resume`` of a saved run, that run's
+    (``blocks`` for a run saved before the option or before this default), so a resumed run never changes order;
+    else ``conversations`` when every store is a full-context store (``layout: "windows"``, what ``peagle-data
+    extract`` and ``peagle-train --extract-from`` make by default) recording its segment keys: a conversation's
+    windows trained one after another, which a streaming run extracts about once an epoch, and the same order in
+    the offline run, so both commands' defaults train the same weights; else ``blocks``.
+
+    Args:
+        store: the run's store(s) (``FeatureStore``, ``StoreSet`` or a streaming run's ``StreamingStore``).
+    """
+    if cfg.data.epoch_order is not None:
+        return cfg
+    order = None
+    if cfg.run.resume:
+        _, _, old = _saved_settings(cfg)
+        order = None if old is None else old.get("epoch_order") or "blocks"
+    if order is None:
+        stores = store.stores if isinstance(store, StoreSet) else [store]
+        full = all(s.layout == "windows" and s.segment_keys() is not None for s in stores)
+        order = "conversations" if full else "blocks"
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, epoch_order=order))
 
 
 def _check_resume_settings(cfg: TrainConfig) -> Path | None:

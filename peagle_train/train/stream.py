@@ -14,6 +14,7 @@ config against the smallest that can work. The exact check, on the created store
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import shutil
 import signal
@@ -34,7 +35,8 @@ from stores.stream_plan import (apparent_bytes, block_feature_bytes, fixed_bytes
                                 parse_size, read_plan)
 from stores.token_tables import TokenTable, manifest_sha256
 
-__all__ = ["Extraction", "extraction_log", "extract_command", "check_stream_start", "check_free_disk",
+__all__ = ["Extraction", "extraction_log", "extract_command", "resolve_stream_context", "check_stream_start",
+           "check_free_disk",
            "wait_for_store", "world_size_from_env", "rank_from_env", "plan_run_identity"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -69,6 +71,30 @@ def extract_command(cfg: TrainConfig) -> list[str]:
     if s.device is not None:
         cmd += ["--device", s.device]
     return cmd
+
+
+def _opened_store(store: str) -> FeatureStore | None:
+    """The store at ``store`` once its token arrays are written (what the extraction continues), else None."""
+    if not is_zarr_store(store):
+        return None
+    try:
+        opened = FeatureStore.open(store)
+    except StoreFormatError:
+        return None
+    return opened if opened.attrs.get("tokens_written") else None
+
+
+def resolve_stream_context(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with ``--context`` set when ``--extract-from`` left it unset: ``full`` (the verifier's served
+    context, ``peagle-data extract``'s default), except with ``--resume`` of a store already made, whose own
+    context it keeps (a run started when this command defaulted to ``window`` continues as it started; its
+    recorded settings and the store's identity are compared on resume)."""
+    s = cfg.stream
+    if s.extract_from is None or s.context is not None:
+        return cfg
+    opened = _opened_store(str(cfg.data.store)) if cfg.run.resume else None
+    context = "full" if opened is None or opened.layout == "windows" else "window"
+    return dataclasses.replace(cfg, stream=dataclasses.replace(s, context=context))
 
 
 def check_free_disk(store: str, budget: int) -> None:
@@ -135,7 +161,7 @@ def check_stream_start(cfg: TrainConfig) -> int:
                                    "another --store, or continue that run")
     if s.extract_from is not None:
         smallest = _estimated_smallest(cfg, s.extract_from)  # (opens the table: InputError if it is none)
-        _check_store_source(store, s.extract_from, s.storage_dtype)
+        _check_store_source(store, s.extract_from, s.storage_dtype, s.context)
         if budget < smallest:
             raise InputError(f"--max-store-bytes {budget:,} is too small for this run: at least {smallest:,} bytes are "
                              f"needed (--max-store-bytes {format_size(smallest)}): the token arrays, the validation "
@@ -146,22 +172,17 @@ def check_stream_start(cfg: TrainConfig) -> int:
     return budget
 
 
-def _check_store_source(store: str, packed: str, storage_dtype: str) -> None:
+def _check_store_source(store: str, packed: str, storage_dtype: str, context: str) -> None:
     """The extraction continues a store already there (``--stream`` implies ``--resume``) and refuses one made
-    from another packed table or in another storage dtype, but only in its log, after the trainer has loaded
-    the weights: refuse it here, before anything starts (a half-made store, without its token arrays, is
-    made again by the extraction).
+    from another packed table, in another storage dtype or with the other ``--context``, but only in its log,
+    after the trainer has loaded the weights: refuse it here, before anything starts (a half-made store, without
+    its token arrays, is made again by the extraction).
 
     Raises:
         StoreMismatchError: naming the store, both and the way out.
     """
-    if not is_zarr_store(store):
-        return
-    try:
-        opened = FeatureStore.open(store)
-    except StoreFormatError:
-        return
-    if not opened.attrs.get("tokens_written"):
+    opened = _opened_store(store)
+    if opened is None:
         return
     source = manifest_sha256(packed)
     if opened.attrs.get("source") != source:
@@ -173,6 +194,11 @@ def _check_store_source(store: str, packed: str, storage_dtype: str) -> None:
         raise StoreMismatchError(f"{store} holds {opened.storage_dtype} features, --storage-dtype gives "
                                  f"{storage_dtype}; "
                                  f"pass --storage-dtype {opened.storage_dtype}, or give this run another --store")
+    made = "full" if opened.layout == "windows" else "window"
+    if made != context:
+        raise StoreMismatchError(f"{store} holds --context {made} features, this run extracts --context {context}"
+                                 + (" (this command's default: the served context)" if made == "window" else "")
+                                 + f"; pass --context {made} to continue it, or give this run another --store")
 
 
 def _plan_output(store: str) -> str | None:

@@ -209,8 +209,8 @@ def test_plain_text_turns_sphinx_markup_and_none_into_typable_help():
       "and deleted are the whole conversations"],
      ["format-1", "format-2", "stream plan", "consumed cursor", "Aux layer", "evicting", "Needs --context"]),
     (("train", None),
-     ["COD sampling (conditional drop-token, from PARD", "--context [window|full] --extract-from: window (each "
-      "packed block as it is) or full (each conversation run whole",
+     ["COD sampling (conditional drop-token, from PARD", "--context [window|full] --extract-from: full (each "
+      "conversation run whole, as the verifier serves it",
       'each written as a row with "split": "val" in metrics.jsonl'],
      ["format-1", "each a split"]),
     (("data", "pack"), ["the copies of a row that a mixture source's weight above 1 draws"],

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from peagle_data.extract.stream import stream_entries
+from peagle_data.extract.stream import extract_stream, stream_entries
 from stores.errors import InputError
 from stores.feature_store import FeatureStore
-from stores.stream_plan import StreamPlan, write_consumed, write_plan
+from stores.stream_heartbeat import Heartbeat
+from stores.stream_plan import StreamPlan, apparent_bytes, block_feature_bytes, write_consumed, write_plan
 from tests.stores.test_stream_heartbeat import beating_process
 
 C, H = 4, 8
@@ -180,3 +181,58 @@ def test_a_slow_trainer_is_waited_for_and_a_killed_one_stops_the_extraction_at_o
     finally:
         trainer.kill()
         trainer.wait()
+
+
+class _Engine:
+    """Features of ``C2`` tokens per block (random, bf16): extraction without a verifier."""
+
+    def features(self, rows):
+        for i, _ in rows:
+            yield i, torch.randn(C2, 2, H2).to(torch.bfloat16), torch.randn(C2, H2).to(torch.bfloat16)
+
+
+C2, H2 = 16, 64
+
+
+def test_the_reported_peak_is_the_stores_largest_size_after_a_write(tmp_path):
+    """The store is largest right after a write fills the window (no eviction before the cursor moves): the
+    extraction's ``peak_store_bytes`` is that size, measured after each write. (Before, it was sampled before each
+    write and at the end: here a window's block less, the run ending with the trainer past the window.)"""
+    n = 8
+    store = FeatureStore.create(tmp_path / "s.zarr", n_blocks=n, block_size=C2, max_segments=1, layers=[1, 2],
+                                hidden_size=H2, vocab_size=16,
+                                verifier={"name_or_path": "v", "hidden_size": H2, "vocab_size": 16})
+    for i in range(n):
+        store.write_tokens(i, np.arange(C2), np.ones(C2), np.arange(C2), np.array([0, C2]))
+    store.write_all_n_tokens(np.full(n, C2))
+    store = FeatureStore.open(tmp_path / "s.zarr", mode="r+")
+    order, window = [0, 1, 2, 3, 4, 5, 5, 5], 3  # the last entries write nothing: the run ends evicting to block 5
+    plan = _plan(order, window=window, val=(7,))
+    write_plan(store, plan)
+    full = []
+
+    def trainer():  # consumes each entry once it is done; at entry 1 it first waits for the window to fill; it
+        # stops at cursor 6, so the extraction evicts there for entries 6 and 7 (else it skips them, consumed)
+        k, beat = 0, Heartbeat(store.path, "trainer", period_s=0.1)
+        while k < 6:
+            if all(store.is_done(order[c]) for c in range(k, min(k + (window if k == 1 else 1), len(order)))):
+                if k == 1:
+                    time.sleep(0.3)  # (the writer's last write and done flag are on disk)
+                    full.append(apparent_bytes(store.path))
+                k += 1
+                write_consumed(store, k)
+            time.sleep(0.02)
+        beat.stop()
+
+    thread = threading.Thread(target=trainer, daemon=True)
+    thread.start()
+    rows = [{"n_tokens": C2}] * n
+    _, nonfinite, stats = extract_stream(_Engine(), store, rows, timeout_s=30, label="x", progress=False, log=print,
+                                         writer_queue=2, seconds={})
+    thread.join()
+    block = block_feature_bytes(C2, 2, H2, "bf16")
+    assert nonfinite == [] and stats["extractions"] == 7 and len(full) == 1
+    held = sum(store.is_done(i) for i in range(n))
+    assert held <= 2 and apparent_bytes(store.path) < full[0] - block  # the run ends below its peak
+    # the peak: the window's 3 blocks and the validation block (the heartbeats' bytes change by a few as they beat)
+    assert abs(stats["peak_store_bytes"] - full[0]) < 256

@@ -30,7 +30,8 @@ from peagle_train.train.config import TrainConfig
 from peagle_train.train import run as train_run
 from peagle_train.train.run import run_train
 from peagle_train.train.trainer import Trainer
-from peagle_train.train.stream import wait_for_store
+from peagle_train.train.setup import resolve_epoch_order
+from peagle_train.train.stream import resolve_stream_context, wait_for_store
 from stores.errors import InputError, OutputExistsError, StoreFormatError, StoreMismatchError
 from stores.feature_store import FeatureStore
 from stores.stream_plan import block_feature_bytes, read_consumed, read_plan
@@ -85,7 +86,8 @@ def test_streaming_weights_equal_offline_weights(tmp_path, packed, offline_store
     budget = _budget(offline_store, window=3 if policy == "reextract" else 6)
     summary = run_train(TrainConfig.from_flat(
         store=str(store), output=str(tmp_path / "stream"), verifier=str(tiny_verifier_dir), max_steps=steps,
-        extract_from=str(packed), max_store_bytes=str(budget), epoch_policy=policy, device="cpu", **OPTS))
+        extract_from=str(packed), max_store_bytes=str(budget), epoch_policy=policy, device="cpu", context="window",
+        **OPTS))
 
     a, b = _weights(tmp_path / "offline"), _weights(tmp_path / "stream")
     assert sorted(a) == sorted(b)
@@ -118,7 +120,7 @@ def test_a_budget_too_small_names_the_smallest_that_works(tmp_path, packed, offl
         run_train(TrainConfig.from_flat(
             store=str(tmp_path / "s.zarr"), output=str(tmp_path / "o"), verifier=str(tiny_verifier_dir),
             extract_from=str(packed), max_store_bytes=str(_budget(offline_store, window=1) - 4000), device="cpu",
-            **OPTS))  # above the estimate checked before the extraction starts, below the exact smallest
+            context="window", **OPTS))  # above the estimate checked before the extraction starts, below the exact smallest
     assert not (tmp_path / "o").exists()  # nothing half-made is left
     smallest = int(str(e.value).split("smallest budget that works is ")[1].split(" bytes")[0].replace(",", ""))
     assert smallest == pytest.approx(_budget(offline_store, window=1), abs=1000)
@@ -128,7 +130,7 @@ def test_estimated_budget_refused_before_the_extraction_starts(tmp_path, packed,
     with pytest.raises(InputError, match="at least [\\d,]+ bytes are needed"):
         run_train(TrainConfig.from_flat(store=str(tmp_path / "s.zarr"), output=str(tmp_path / "o"),
                                         verifier=str(tiny_verifier_dir), extract_from=str(packed),
-                                        max_store_bytes="10KiB", **OPTS))
+                                        max_store_bytes="10KiB", context="window", **OPTS))
     assert not (tmp_path / "s.zarr").exists() and not (tmp_path / "s.zarr.extract.log").exists()
 
 
@@ -136,7 +138,7 @@ def test_free_disk_below_the_budget_is_refused(tmp_path, packed, tiny_verifier_d
     with pytest.raises(InputError, match="bytes free"):
         run_train(TrainConfig.from_flat(store=str(tmp_path / "s.zarr"), output=str(tmp_path / "o"),
                                         verifier=str(tiny_verifier_dir), extract_from=str(packed),
-                                        max_store_bytes="1PiB", **OPTS))
+                                        max_store_bytes="1PiB", context="window", **OPTS))
 
 
 def test_refusals_of_the_options(tmp_path):
@@ -162,7 +164,7 @@ def test_a_store_streamed_for_another_run_is_refused(tmp_path, packed, offline_s
     budget = str(_budget(offline_store, window=3))
     run_train(TrainConfig.from_flat(store=str(store), output=str(tmp_path / "first"), verifier=str(tiny_verifier_dir),
                                     max_steps=2, extract_from=str(packed), max_store_bytes=budget, device="cpu",
-                                    **OPTS))
+                                    context="window", **OPTS))
     # verify: the evicted training blocks are no damage; a damaged kept (validation) block is
     report, failure = verify_output(store)
     assert failure is None and report["state"] == "streaming" and report["ok"]
@@ -178,11 +180,11 @@ def test_a_store_streamed_for_another_run_is_refused(tmp_path, packed, offline_s
     with pytest.raises(StoreFormatError, match="being streamed for the run .*first"):
         run_train(TrainConfig.from_flat(store=str(store), output=str(tmp_path / "second"),
                                         verifier=str(tiny_verifier_dir), max_steps=2, extract_from=str(packed),
-                                        max_store_bytes=budget, device="cpu", **OPTS))
+                                        max_store_bytes=budget, device="cpu", context="window", **OPTS))
     with pytest.raises(OutputExistsError):  # the output of a finished run, without --resume or --force
         run_train(TrainConfig.from_flat(store=str(store), output=str(tmp_path / "first"),
                                         verifier=str(tiny_verifier_dir), max_steps=2, extract_from=str(packed),
-                                        max_store_bytes=budget, device="cpu", **OPTS))
+                                        max_store_bytes=budget, device="cpu", context="window", **OPTS))
 
 
 def test_a_store_of_another_packed_table_or_dtype_is_refused_before_anything_starts(tmp_path, packed, offline_store,
@@ -268,6 +270,18 @@ def offline_full(tmp_path_factory, packed_full, tiny_verifier_dir) -> str:
     res = subprocess.run([sys.executable, "-m", "cli.data", "extract", str(packed_full), "--output", str(out),
                           "--verifier", str(tiny_verifier_dir), "--context", "full", "--context-packing",
                           "training_blocks", "--device", "cpu"],
+                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def offline_full_defaults(tmp_path_factory, packed_full, tiny_verifier_dir) -> str:
+    """The whole store extracted with ``peagle-data extract``'s defaults (full context, best-fit packing)."""
+    out = tmp_path_factory.mktemp("offline_full_defaults") / "s.zarr"
+    res = subprocess.run([sys.executable, "-m", "cli.data", "extract", str(packed_full), "--output", str(out),
+                          "--verifier", str(tiny_verifier_dir), "--device", "cpu"],
                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -382,3 +396,56 @@ def test_full_context_streaming_by_conversation_extracts_each_context_once_and_t
     assert stream["extractions"] == summary["stream"]["planned_extractions"] == len(read)  # each context once
     assert json.loads((tmp_path / "stream" / "final" / "config.json").read_text())["peagle_training"][
         "epoch_order"] == "conversations"
+
+
+def test_streaming_defaults_train_the_weights_of_the_offline_defaults(tmp_path, packed_full, offline_full,
+                                                                      offline_full_defaults, tiny_verifier_dir,
+                                                                      one_thread):
+    """Both commands with their defaults: ``peagle-data extract`` then ``peagle-train``, against ``peagle-train
+    --extract-from`` (no --context, no --epoch-order): both full context (the served one) and the conversations
+    order, so the same weights, bit for bit; the stream extracts each context block once (a budget of 5 context
+    blocks). Before, streaming defaulted to --context window: other features, other weights."""
+    steps = 13
+    offline = run_train(TrainConfig.from_flat(store=offline_full_defaults, output=str(tmp_path / "offline"),
+                                              verifier=str(tiny_verifier_dir), max_steps=steps, **FULL_OPTS))
+    summary = run_train(TrainConfig.from_flat(
+        store=str(tmp_path / "stream.zarr"), output=str(tmp_path / "stream"), verifier=str(tiny_verifier_dir),
+        max_steps=steps, extract_from=str(packed_full), max_store_bytes=str(_full_budget(offline_full, 5, steps)),
+        device="cpu", **FULL_OPTS))
+    a, b = _weights(tmp_path / "offline"), _weights(tmp_path / "stream")
+    assert sorted(a) == sorted(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
+    assert summary["val_loss"] == offline["val_loss"]
+    streamed, extracted = FeatureStore.open(tmp_path / "stream.zarr"), FeatureStore.open(offline_full_defaults)
+    assert streamed.layout == extracted.layout == "windows"
+    for run in ("offline", "stream"):
+        assert json.loads((tmp_path / run / "train_config.json").read_text())["data"]["epoch_order"] == "conversations"
+    plan = read_plan(streamed)
+    read = {u for blk in plan.order.tolist() for u in plan.units_of(blk)} | set(plan.val_units)
+    log = Path(summary["extraction_log"]).read_text()
+    stream = json.loads(log[log.index("{"):])["stream"]
+    assert stream["extractions"] == len(read) and stream["peak_store_bytes"] <= plan.max_store_bytes
+
+
+def test_a_resumed_run_keeps_the_context_and_order_it_started_with(tmp_path, packed, offline_store, tiny_verifier_dir):
+    """A run started when ``--extract-from`` defaulted to ``--context window`` and ``--epoch-order`` to ``blocks``,
+    resumed without them: the store's context and the saved order, not the new defaults; a new run onto that store
+    is refused before anything starts, naming --context."""
+    base = dict(store=offline_store, output=str(tmp_path / "o"), verifier=str(tiny_verifier_dir),
+                extract_from=str(packed), max_store_bytes="10MB", **OPTS)
+    assert resolve_stream_context(TrainConfig.from_flat(**base, resume=True)).stream.context == "window"
+    assert resolve_stream_context(TrainConfig.from_flat(**base)).stream.context == "full"
+    with pytest.raises(StoreMismatchError, match="holds --context window features, this run extracts --context full"):
+        run_train(TrainConfig.from_flat(**base))
+    out = tmp_path / "saved"
+    (out / "checkpoint-2").mkdir(parents=True)
+    (out / "checkpoint-2" / "training_state.pt").write_bytes(b"")
+    saved = TrainConfig.from_flat(store=offline_store, output=str(out), **OPTS).to_dict()
+    del saved["data"]["epoch_order"]  # a run saved before the option
+    (out / "train_config.json").write_text(json.dumps(saved))
+    windows = SimpleNamespace(layout="windows", segment_keys=lambda: np.zeros((1, 1)))
+    resumed = TrainConfig.from_flat(store=offline_store, output=str(out), resume=True, **OPTS)
+    assert resolve_epoch_order(resumed, windows).data.epoch_order == "blocks"
+    assert resolve_epoch_order(TrainConfig.from_flat(store=offline_store, output=str(tmp_path / "new"), **OPTS),
+                               windows).data.epoch_order == "conversations"
+    assert resolve_epoch_order(TrainConfig.from_flat(store=offline_store, output=str(tmp_path / "new"), **OPTS),
+                               FeatureStore.open(offline_store)).data.epoch_order == "blocks"

@@ -51,6 +51,7 @@ def _env(**extra) -> dict:
 def _args(store: Path, out: Path, packed_dir: Path, verifier: Path, budget: int, policy: str) -> list[str]:
     args = ["--store", str(store), "--output", str(out), "--verifier", str(verifier), "--extract-from",
             str(packed_dir), "--max-store-bytes", str(budget), "--epoch-policy", policy, "--device", "cpu",
+            "--context", "window",
             "--max-steps", str(STEPS), "--save-every", "3"]  # keep saves only these; reextract also for the stream
     for k, v in OPTS.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
@@ -143,7 +144,7 @@ def test_a_resume_keeps_the_plan_and_refuses_another(tmp_path, packed, offline_s
     store, out = tmp_path / "stream.zarr", tmp_path / "stream"
     budget = str(_budget(offline_store, window=6))
     cfg = dict(store=str(store), output=str(out), verifier=str(tiny_verifier_dir), max_steps=2, extract_from=str(packed),
-               max_store_bytes=budget, device="cpu", **OPTS)
+               max_store_bytes=budget, device="cpu", context="window", **OPTS)
     run_train(TrainConfig.from_flat(**cfg))
     with pytest.raises(InputError, match="epoch_policy|stream plan is not this run's"):
         run_train(TrainConfig.from_flat(**{**cfg, "epoch_policy": "keep"}, resume=True))
@@ -158,7 +159,7 @@ def test_a_resume_onto_a_store_without_its_plan_starts_at_the_checkpoint(tmp_pat
     store, out = tmp_path / "stream.zarr", tmp_path / "stream"
     cfg = dict(store=str(store), output=str(out), verifier=str(tiny_verifier_dir), max_steps=6, save_every=3,
                extract_from=str(packed), max_store_bytes=str(_budget(offline_store, window=3)), device="cpu",
-               stream_timeout_s=20, **OPTS)
+               stream_timeout_s=20, context="window", **OPTS)
     run_train(TrainConfig.from_flat(**cfg))
     shutil.rmtree(out / "final")
     shutil.rmtree(out / "checkpoint-6")  # latest: checkpoint-3, cursor 3, a whole window past entry 0

@@ -31,7 +31,7 @@ def test_vllm_streaming_store_equals_hf_within_rounding(tmp_path, monkeypatch):
     store = tmp_path / "stream.zarr"
     summary = run_train(TrainConfig.from_flat(
         store=str(store), output=str(tmp_path / "run"), verifier=model, extract_from=str(packed), layers=layers,
-        engine="vllm", max_store_bytes="64MiB", epoch_policy="keep", val_fraction=0.0, num_depths=2,
+        engine="vllm", context="window", max_store_bytes="64MiB", epoch_policy="keep", val_fraction=0.0, num_depths=2,
         draft_vocab_size=256, loss_chunk_size=64))
     assert summary["steps"] == 4 and Path(summary["checkpoint"]).is_dir()
     opened = FeatureStore.open(store)
