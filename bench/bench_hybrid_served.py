@@ -20,7 +20,7 @@ Positions compared: as ``bench_window_context.py``, one per supervised token ``x
 
 Verifiers: the tiny random hybrid families of ``tests/families.py`` (no hybrid checkpoint is reachable here),
 float32 on CPU with transformers' PyTorch forms of the kernels; conversations are random tokens with supervised
-turns. On a GPU run it with a real checkpoint in bf16 (``--verifier`` and ``--dtype bfloat16``).
+turns. A real checkpoint in bf16 on a GPU (its CUDA kernels) is not measured by this script.
 
 Usage (from the repository root, inside .venv):
     python bench/bench_hybrid_served.py --conversations 8 --prompt-len 48 --chunk 16
