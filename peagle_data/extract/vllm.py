@@ -96,9 +96,16 @@ def connector_config(storage: str, accelerator: bool) -> dict[str, Any]:
             "kv_connector_extra_config": {"shared_storage_path": storage}}
 
 
-def engine_dtype(accelerator: bool) -> torch.dtype:
-    """The compute dtype of a vLLM extraction: bf16 on an accelerator, float32 on CPU (as ``hf`` loads)."""
-    return torch.bfloat16 if accelerator else torch.float32
+CPU_BF16_MODEL_TYPES = {"qwen3_next": "gated DeltaNet", "qwen3_5_text": "gated DeltaNet"}
+"""Text-config model types whose vLLM CPU kernels compute in bf16 only (vLLM 0.32's CPU gated DeltaNet op,
+``cpu_gdn_attention_core``, asserts BF16): a CPU extraction of them runs in bf16, as a GPU one does."""
+
+
+def engine_dtype(accelerator: bool, config=None) -> torch.dtype:
+    """The compute dtype of a vLLM extraction: bf16 on an accelerator, float32 on CPU (as ``hf`` loads), except
+    bf16 on CPU for a verifier of :data:`CPU_BF16_MODEL_TYPES` (``config``: its transformers config)."""
+    bf16_only = config is not None and getattr(text_config(config), "model_type", None) in CPU_BF16_MODEL_TYPES
+    return torch.bfloat16 if accelerator or bf16_only else torch.float32
 
 
 def speculative_config(ids: list[int]) -> dict[str, Any]:
@@ -288,7 +295,7 @@ class VllmEngine(VerifierEngine):
             dtype = getattr(torch, name)
         else:
             accelerator = _has_accelerator()
-            dtype = engine_dtype(accelerator)
+            dtype = engine_dtype(accelerator, skeleton.config)
         norm = load_submodule(directory, skeleton, norm_name, dtype)
         desc = verifier_desc(cfg.verifier, directory, skeleton, dtype)
         desc["attn_implementation"] = None  # vLLM's choice, not transformers'

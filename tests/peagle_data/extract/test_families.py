@@ -283,3 +283,30 @@ def test_cuda_packed_features_equal_segments_alone(family, attn):
             ref = alone[layer][0].float().cpu()
             rel = (aux[lo:hi, j].float() - ref).norm(dim=-1) / ref.norm(dim=-1)
             assert float(rel.max()) < 3e-2, (family, attn, k, layer)  # bf16 compute on both sides
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("attn", ["sdpa", "flash_attention_2"])
+@pytest.mark.parametrize("family", HYBRID)
+def test_cuda_hybrid_features_equal_each_conversation_alone(family, attn):
+    """bf16 on the GPU with the model's CUDA kernels (flash-linear-attention, mamba_ssm, causal-conv1d where
+    installed): the padded rows against each segment alone, both in bf16."""
+    import importlib.util
+
+    if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("flash-attn is not installed")
+    try:
+        model = build_family(family, attn_implementation=attn).to("cuda", torch.bfloat16)
+    except ValueError as e:  # the family does not support this backend
+        pytest.skip(str(e))
+    decoder = language_model(model)
+    segs, ids, pos, cu = _block()
+    layers = list(range(len(decoder.layers) + 1))
+    aux, _ = verifier_features(decoder, ids, pos, cu, layers)
+    for k, seg in enumerate(segs):
+        alone, _ = hidden_states_as_stored(model, input_ids=seg[None].cuda())
+        lo, hi = int(cu[k]), int(cu[k + 1])
+        for j, layer in enumerate(layers):
+            cos = torch.nn.functional.cosine_similarity(aux[lo:hi, j].float(), alone[layer][0].float().cpu(), dim=-1)
+            assert float(cos.min()) >= 0.99, (family, attn, k, layer)  # bf16 compute on both sides
