@@ -514,10 +514,10 @@ def run_decoder(verifier, drafter, prompt_ids, max_new_tokens: int, K: int, eos_
         result.tokens.append(pick(logits[-1]))
         if on_tokens is not None:
             on_tokens(result.tokens[:])
-        # depth-0 elements for the drafter: tokens x_1..x_{t+1} and features g_0..g_t
         recurrent = bool(recurrent_layers(cache))
         if recurrent:  # per-token states from here on, where transformers records them (not for the prefill)
             record_token_states(cache, K + 1)
+        # depth-0 elements for the drafter: tokens x_1..x_{t+1} and features g_0..g_t
         ctx = DecodeContext(verifier, drafter, cache, DrafterSession(drafter), recurrent, hook, past=ids.numel(),
                             new_tokens=torch.cat([ids[1:], torch.tensor(result.tokens)]), new_aux=torch.empty(0))
         ctx.new_aux = ctx.features(hs)

@@ -20,8 +20,8 @@ from peagle_train.train.loss import LogitTransform
 from stores.errors import InputError
 
 __all__ = ["new_cache", "rollback_cache", "crop_cache", "recurrent_layers", "config_recurrent_layers",
-           "StateSnapshot", "snapshot_state", "keep_fed", "state_pass", "TOKEN_STATES", "record_token_states", "verifier_pass", "verifier_body_pass", "lm_head_logits",
-           "decoder_layers", "aux_hidden_states"]
+           "StateSnapshot", "snapshot_state", "keep_fed", "state_pass", "TOKEN_STATES", "record_token_states",
+           "verifier_pass", "verifier_body_pass", "lm_head_logits", "decoder_layers", "aux_hidden_states"]
 
 
 def lm_head_logits(lm_head, hidden: torch.Tensor) -> torch.Tensor:
@@ -76,8 +76,8 @@ def rollback_cache(verifier):
     and a rejected draft's keys can be dropped (a sliding layer that has shifted its window cannot
     give back the keys it evicted). Layers with a recurrent state (linear attention, state-space:
     :func:`recurrent_layers`) stay as they are: their state cannot be cut back to an earlier token,
-    so a decoder snapshots it before a pass (:func:`snapshot_state`) and restores it
-    (:func:`keep_fed`).
+    so a decoder has them record per-token states (:func:`record_token_states`) or snapshots them
+    before a pass (:func:`snapshot_state`), and puts them back with :func:`keep_fed`.
 
     Raises:
         InputError: another cache layer (one that mixes a recurrent state and attention in one layer, or
@@ -104,7 +104,7 @@ class StateSnapshot:
     """Tokens the cache had read when the snapshot was taken."""
     layers: dict[int, dict[str, Any]]
     """Per recurrent layer index: copies of its ``conv_states``, ``recurrent_states`` (``{state index: tensor or
-    None}``), ``has_previous_state`` and token count (``cumulative_length_linear``, transformers ≥ 5.2x)."""
+    None}``), ``has_previous_state`` and token count (``cumulative_length_linear``: transformers 5.25 has one, 5.19 none)."""
 
 
 def snapshot_state(cache, tokens: int) -> StateSnapshot | None:
