@@ -28,9 +28,11 @@ decoding token for token. A tree of one candidate per depth is the chain of
 :func:`~peagle_train.evaluate.speculative.speculative_generate`, with the same tokens and counts.
 
 Verifiers with recurrent layers (hybrids) are refused (:data:`TREE_RECURRENT_REFUSED`): a recurrent layer
-reads the tree's nodes as one sequence. Sampling (T > 0) is refused: the tree's candidates are the top-k of each depth, not samples of the
-drafter's distribution, so no rejection rule over them keeps the verifier's distribution exactly
-(multi-draft speculative sampling needs sampled candidates); the chain samples exactly.
+reads the tree's nodes as one sequence. Sampling (T > 0) is refused: this walk is the greedy one. A rule that
+keeps the verifier's distribution over these fixed top-k candidates exists and is not implemented (at each node
+sample the next token from the verifier's p and follow the child that carries it, else emit the sample and end the
+step: SpecInfer's multi-step speculative sampling, arXiv:2305.09781, with every draft probability one); the chain
+samples exactly.
 """
 
 from __future__ import annotations
@@ -54,9 +56,9 @@ TREE_ATTENTION = ("eager", "sdpa")
 """Verifier attention implementations that take the tree's additive 4D mask as it is."""
 
 TREE_SAMPLING_REFUSED = (
-    "tree verification is greedy only: the tree's candidates are the top-k tokens of each depth, not samples "
-    "of the drafter's distribution, so no rejection rule over them keeps the verifier's distribution exactly "
-    "(multi-draft speculative sampling needs sampled candidates); use the chain (no tree) at temperature > 0")
+    "tree verification is greedy only: peagle's tree walk keeps the argmax path; the lossless rule for T > 0 "
+    "(sample from the verifier at each node, follow the child that carries the sample) is not implemented; "
+    "use the chain (no tree) at temperature > 0")
 
 
 TREE_RECURRENT_REFUSED = (

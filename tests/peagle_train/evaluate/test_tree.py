@@ -166,7 +166,7 @@ def test_top1_tree_is_the_chain(tiny_verifier):
 
 
 def test_tree_refuses_sampling_and_masks_it_cannot_pass(tiny_verifier):
-    with pytest.raises(InputError, match="greedy only.*multi-draft speculative sampling"):
+    with pytest.raises(InputError, match="greedy only.*follow the child that carries the sample"):
         check_tree_supported(tiny_verifier, 0.7)
     tiny_verifier.config._attn_implementation = "flash_attention_2"
     try:
