@@ -18,26 +18,45 @@ __all__ = ["current_umask", "follow_umask", "is_local", "is_zarr_store", "nonfin
            "is_disk_full", "disk_full_error", "json_error_text", "json_line_problem"]
 
 _DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded")
-"""What libraries that drop the errno say (pyarrow's ``OSError``: "... error: No space left on device")."""
+"""What libraries that drop the errno say (pyarrow's ``OSError``: "... error: No space left on device";
+safetensors' ``SafetensorError``: "I/O error: No space left on device (os error 28)")."""
+NEARLY_FULL_BYTES = 1 << 20
+"""Free bytes under which a failed write whose error says nothing of the disk counts as a full disk
+(``torch.save`` on a full disk raises ``RuntimeError: ... unexpected pos 576 vs 534``)."""
 
 
-def is_disk_full(e: BaseException) -> bool:
-    """Whether ``e`` is an ``OSError`` of a full disk or an exceeded quota (``ENOSPC``/``EDQUOT``, or a library's
-    message saying so without the errno, as pyarrow's)."""
-    if not isinstance(e, OSError):
+def _nearest(path: str | os.PathLike) -> Path:
+    """``path``, or its nearest parent that exists (absolute)."""
+    probe = Path(os.path.abspath(path))
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return probe
+
+
+def is_disk_full(e: BaseException, path: str | os.PathLike | None = None) -> bool:
+    """Whether ``e`` is the error of a full disk or an exceeded quota: an ``OSError`` of ``ENOSPC``/``EDQUOT``, an
+    error whose message says so without the errno (:data:`_DISK_FULL_TEXT`), or, given ``path`` (where the failed
+    write went), any ``OSError``/``RuntimeError`` while that disk has under :data:`NEARLY_FULL_BYTES` free."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if any(t in str(e) for t in _DISK_FULL_TEXT):
+        return True
+    if path is None or not isinstance(e, (OSError, RuntimeError)):
         return False
-    return e.errno in (errno.ENOSPC, errno.EDQUOT) or any(t in str(e) for t in _DISK_FULL_TEXT)
+    try:
+        return shutil.disk_usage(_nearest(path)).free < NEARLY_FULL_BYTES
+    except OSError:
+        return False
 
 
-def disk_full_error(e: OSError, path: str | os.PathLike) -> DiskFullError:
+def disk_full_error(e: BaseException, path: str | os.PathLike) -> DiskFullError:
     """The :class:`~stores.errors.DiskFullError` of ``e`` (see :func:`is_disk_full`): the file it names, else
     ``path`` (the output being written), with the mount point and free bytes of the disk that holds it."""
     if isinstance(e, DiskFullError):
         return e
-    where = Path(os.path.abspath(e.filename if isinstance(e.filename, str) else path))
-    probe = where
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
+    filename = getattr(e, "filename", None)
+    where = Path(os.path.abspath(filename if isinstance(filename, str) else path))
+    probe = _nearest(where)
     mount = probe
     while not os.path.ismount(mount) and mount != mount.parent:
         mount = mount.parent
@@ -45,7 +64,7 @@ def disk_full_error(e: OSError, path: str | os.PathLike) -> DiskFullError:
         free = shutil.disk_usage(probe).free
     except OSError:
         free = None
-    quota = e.errno == errno.EDQUOT or "quota" in str(e).lower()
+    quota = getattr(e, "errno", None) == errno.EDQUOT or "quota" in str(e).lower()
     return DiskFullError(str(where), str(mount), free, quota)
 
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stores.errors import ForeignFilesError, InputError, OutputExistsError
+from stores.files import disk_full_error, is_disk_full
 
 __all__ = [
     "OutputKind",
@@ -75,7 +76,9 @@ class OutputKind:
         except (OSError, UnicodeDecodeError, ValueError):
             return False
         if self.marker == "zarr.json" and isinstance(record, dict):  # a group peagle made (or began to make)
-            record = record.get("attributes", {}) or {"peagle": "being created"}
+            if record.get("node_type") != "group":
+                return False
+            record = record.get("attributes") or {"peagle": "being created"}
         return isinstance(record, dict) and (not self.marker_keys or any(k in record for k in self.marker_keys))
 
     def owns(self, entry: Path) -> bool:
@@ -362,8 +365,10 @@ def replace_dir(directory: str | os.PathLike, write: Callable[[Path], None]) -> 
     tmp.mkdir()
     try:
         write(tmp)
-    except BaseException:  # a full disk, a NaN refused: no half-written copy left beside the output
+    except BaseException as e:  # a full disk, a NaN refused: no half-written copy left beside the output
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(e, directory.parent):  # torch.save's and safetensors' errors made a DiskFullError
+            raise disk_full_error(e, directory) from e
         raise
     if directory.exists():
         old = directory.parent / f".{directory.name}.old"
@@ -396,9 +401,11 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
     tmp = path.with_name(path.name + ".tmp")
     try:
         yield tmp
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if is_disk_full(e, path.parent):
+            raise disk_full_error(e, path) from e
         raise
     os.replace(tmp, path)
 

@@ -214,3 +214,35 @@ def test_a_failed_atomic_write_leaves_no_temporary_file_or_directory(tmp_path):
         replace_dir(tmp_path / "ckpt", lambda d: ((d / "w").write_text("half"), full()))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "state.json"]
     assert (tmp_path / "state.json").read_text() == "old" and not any((tmp_path / "ckpt").iterdir())
+
+
+def test_a_checkpoint_write_on_a_full_disk_is_a_disk_full_error(tmp_path, monkeypatch):
+    """torch.save on a full disk says only "unexpected pos 576 vs 534" (a RuntimeError), safetensors "No space
+    left on device (os error 28)" (its own error type): replace_dir and atomic_file, which write checkpoints and
+    training state, make both the DiskFullError the commands print as one line (cli.common.handle_errors)."""
+    import collections
+    import shutil
+
+    from stores.errors import DiskFullError
+    from stores.staging import atomic_file, replace_dir
+
+    class SafetensorError(Exception):
+        pass
+
+    def torch_full(_):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+
+    with pytest.raises(RuntimeError, match="unexpected pos") as e:  # a disk with room: the error as it is
+        replace_dir(tmp_path / "checkpoint-4", torch_full)
+    assert type(e.value) is RuntimeError
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 512, 512))
+    with pytest.raises(DiskFullError) as e:
+        replace_dir(tmp_path / "checkpoint-4", torch_full)
+    assert str(e.value).startswith("disk full: no space left on ") and "(512 bytes free) while writing " in str(e.value)
+    assert str(e.value).endswith(str(tmp_path / "checkpoint-4"))
+    monkeypatch.undo()
+    with pytest.raises(DiskFullError, match="bytes free"):
+        with atomic_file(tmp_path / "training_state.pt"):
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
