@@ -19,8 +19,10 @@ too), or (b) on one machine, the process whose beat it saw change is gone (exite
 another process's): at once, not after the timeout.
 
 The files live beside the ``stream`` group, not in it: the plan's group is rewritten (``zarr`` mode ``w``
-removes the directory) while both sides beat. They count in the store's bytes within the plan's allowance
-(``peagle_train.data.stream.PLAN_ALLOWANCE_BYTES``: two records of about 160 bytes, and their temporary twins).
+removes the directory) while both sides beat. The directory holds an empty zarr group's ``zarr.json`` (zarr warns
+of a member it does not recognise whenever the store's arrays are listed). They count in the store's bytes within
+the plan's allowance (``peagle_train.data.stream.PLAN_ALLOWANCE_BYTES``: two records of about 160 bytes, their
+temporary twins and the group's metadata).
 """
 
 from __future__ import annotations
@@ -92,8 +94,16 @@ def _gone(pid: int, started: int | None) -> bool:
     return fields[0] in ("Z", "X") or (started is not None and int(fields[19]) != started)
 
 
+_GROUP_META = '{"zarr_format":3,"node_type":"group","attributes":{}}'
+"""The heartbeat directory's ``zarr.json``: an empty zarr group, so that listing the store's members (zarr warns
+of a directory it does not recognise) sees a group, not a stranger."""
+
+
 def _write(path: Path, rec: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
+    meta = path.parent / "zarr.json"
+    if not meta.exists():
+        meta.write_text(_GROUP_META)
     tmp = path.with_name(f".{path.name}.{rec['pid']}.tmp")
     tmp.write_text(json.dumps(rec, separators=(",", ":")))
     os.replace(tmp, path)

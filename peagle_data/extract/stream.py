@@ -10,7 +10,11 @@ entry ``c = 0 .. T-1`` (training block ``order[c]``) once ``c < K + B``: its uni
 that is present (done, or queued for the writer), after evicting the units the window no longer reads (policy
 ``reextract``). A context block read by several training blocks of one window is so extracted once. The
 evictions happen here, on the extraction side, right before a write, so the store's bytes never exceed the
-budget; the trainer evicts once more at the end of its run (:mod:`peagle_train.data.stream`).
+budget; the trainer evicts once more at the end of its run (:mod:`peagle_train.data.stream`). The store's
+true peak is measured after each write (:class:`StorePeak`).
+
+Waits on the trainer (for its plan, a rewritten plan, its cursor) last as long as the trainer lives: this side
+beats its own heartbeat and gives up only when the trainer's stopped (:mod:`stores.stream_heartbeat`).
 
 A killed extractor continues with ``--resume``: the done units are checked (``repair_blocks``), leftover
 feature files of units that are not done are deleted, and the walk starts again from entry 0, skipping

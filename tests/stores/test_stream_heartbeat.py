@@ -9,10 +9,13 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from stores.feature_store import FeatureStore
 from stores.stream_heartbeat import Heartbeat, PeerWatch, heartbeat_path, process_start, read_heartbeat
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,3 +92,18 @@ def test_a_stale_heartbeat_of_an_earlier_process_is_no_live_peer(tmp_path):
     assert watch.dead() is None
     clock[0] = 5.5
     assert "stopped for 5 s" in watch.dead()
+
+
+def test_the_heartbeats_directory_is_no_stranger_to_zarr(tmp_path):
+    """Listing the store's arrays (segment keys, every split) saw the directory as an unknown object and warned."""
+    store = FeatureStore.create(tmp_path / "s.zarr", n_blocks=1, block_size=4, max_segments=1, layers=[1],
+                                hidden_size=8, vocab_size=16, verifier={"name_or_path": "v", "hidden_size": 8,
+                                                                        "vocab_size": 16})
+    beat = Heartbeat(store.path, "extraction", period_s=0.05)
+    time.sleep(0.2)
+    beat.stop()
+    assert read_heartbeat(store.path, "extraction") is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        keys = list(FeatureStore.open(store.path).group.array_keys())
+    assert "done" in keys and not np.isin(["stream_heartbeat"], keys).any()
