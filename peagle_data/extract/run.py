@@ -50,6 +50,7 @@ from stores.token_tables import CONVERSATIONS, MANIFEST, TokenTable
 from stores.progress import progress as progress_bar
 from stores.staging import check_replaceable
 from stores.verifier_match import check_token_ids, check_verifier_tokenizer
+from stores.vllm_runtime import cpu_bf16_only
 
 __all__ = ["PACKED_COLUMNS", "ExtractPlan", "plan_extract", "run_extract"]
 
@@ -143,7 +144,9 @@ def _check_before_weights(cfg: ExtractConfig, table, rows, device: str, plan: Co
         if store.attrs.get("tokens_written"):
             layers = list(cfg.layers) if cfg.layers is not None else default_layers(L)
             # as load_verifier picks it; a --server extraction computes in the store's dtype (vllm.server_dtype)
-            dtype = None if cfg.server else "bfloat16" if device.startswith("cuda") else "float32"
+            # (vLLM on CPU: bf16 for a verifier its CPU kernels run in bf16 only, vllm.engine_dtype)
+            bf16 = device.startswith("cuda") or (cfg.engine == "vllm" and cpu_bf16_only(text_config(config)))
+            dtype = None if cfg.server else "bfloat16" if bf16 else "float32"
             check_resumable(store, cfg, {"name_or_path": cfg.verifier, "fingerprint": model_fingerprint(directory),
                                          "dtype": dtype}, layers)
             if plan is not None:

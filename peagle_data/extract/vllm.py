@@ -55,7 +55,7 @@ from peagle_data.regenerate.backends import server_base_url
 from stores.errors import InputError
 from stores.model_cache import load_submodule, load_tokenizer, verifier_skeleton
 from stores.model_config import text_config
-from stores.vllm_runtime import VLLM_SETUP, VllmOutput, import_vllm, serve_prefix, start_llm
+from stores.vllm_runtime import VLLM_SETUP, VllmOutput, cpu_bf16_only, import_vllm, serve_prefix, start_llm
 
 __all__ = ["VllmEngine", "VLLM_SETUP", "capture_ids", "connector_config", "serve_args", "serve_command",
            "server_dtype", "EXACT_SERVER"]
@@ -96,15 +96,11 @@ def connector_config(storage: str, accelerator: bool) -> dict[str, Any]:
             "kv_connector_extra_config": {"shared_storage_path": storage}}
 
 
-CPU_BF16_MODEL_TYPES = {"qwen3_next": "gated DeltaNet", "qwen3_5_text": "gated DeltaNet"}
-"""Text-config model types whose vLLM CPU kernels compute in bf16 only (vLLM 0.32's CPU gated DeltaNet op,
-``cpu_gdn_attention_core``, asserts BF16): a CPU extraction of them runs in bf16, as a GPU one does."""
-
-
 def engine_dtype(accelerator: bool, config=None) -> torch.dtype:
     """The compute dtype of a vLLM extraction: bf16 on an accelerator, float32 on CPU (as ``hf`` loads), except
-    bf16 on CPU for a verifier of :data:`CPU_BF16_MODEL_TYPES` (``config``: its transformers config)."""
-    bf16_only = config is not None and getattr(text_config(config), "model_type", None) in CPU_BF16_MODEL_TYPES
+    bf16 on CPU for a verifier vLLM's CPU build runs in bf16 only (:func:`stores.vllm_runtime.cpu_bf16_only` of
+    ``config``, its transformers config: Qwen3-Next, Qwen3.5)."""
+    bf16_only = config is not None and cpu_bf16_only(text_config(config))
     return torch.bfloat16 if accelerator or bf16_only else torch.float32
 
 
@@ -172,7 +168,11 @@ def _check_vllm_model(config, cfg) -> None:
     if arch not in ModelRegistry.get_supported_archs():
         raise InputError(f"vLLM does not know the verifier's architecture {arch}: use --engine hf", field="--engine")
     model_cls = ModelRegistry._try_load_model_cls(arch)  # vLLM has no public by-name lookup
-    if model_cls is None or not supports_eagle3(model_cls):
+    if model_cls is None:  # vLLM logged why (e.g. its qwen3_5.py imports torchvision)
+        raise InputError(f"vLLM knows the verifier's architecture {arch} but could not import its model class (the "
+                         "error vLLM logged above names the cause, e.g. a package this environment lacks): install "
+                         "it, or use --engine hf", field="--engine")
+    if not supports_eagle3(model_cls):
         raise InputError(f"vLLM's {arch} has no auxiliary hidden-state outputs (the EAGLE-3 interface "
                          "extract_hidden_states needs): use --engine hf", field="--engine")
     text = text_config(config)

@@ -50,10 +50,11 @@ from peagle_train.evaluate.prompts import (Prompt, eos_ids, history_message, pro
 from peagle_train.evaluate.report import per_mode_report
 from peagle_train.evaluate.speculative import acceptance_scheme, check_draft_sample_method, checked_num_draft_tokens
 from peagle_train.model.checkpoint import find_drafter, load_drafter
-from stores.errors import InputError, ModelNotFoundError
+from stores.errors import InputError, ModelNotFoundError, PeagleError
+from stores.model_config import load_model_config, text_config
 from stores.model_cache import load_tokenizer, model_fingerprint, resolve_model
 from stores.progress import progress
-from stores.vllm_runtime import VLLM_SETUP, VllmMemory, VllmOutput, VllmStartError, start_llm
+from stores.vllm_runtime import VLLM_SETUP, VllmMemory, VllmOutput, VllmStartError, cpu_bf16_only, start_llm
 from stores.vllm_runtime import import_vllm as import_vllm_module
 
 __all__ = ["VLLM_SETUP", "SPEC_METRICS", "VllmRun", "VllmReference", "import_vllm", "vllm_generate",
@@ -159,15 +160,31 @@ def _step_counts(output) -> dict[str, list[int]] | None:
     return {"accepted": list(m.per_step_accepted), "drafted": list(m.per_step_drafted)}
 
 
-def engine_settings(on_cpu: bool) -> dict[str, Any]:
+def engine_settings(on_cpu: bool, model: str | None = None) -> dict[str, Any]:
     """vLLM engine arguments as peagle measures: on CPU float32 and eager (exact, no graphs there); on
     an accelerator the verifier's serving dtype (bfloat16) with CUDA graphs, so AL, token identity and
-    throughput are those of the served engine.
+    throughput are those of the served engine. On CPU a verifier that vLLM's CPU build computes in bf16 only
+    (:func:`stores.vllm_runtime.cpu_bf16_only`: Qwen3-Next, Qwen3.5, whose gated DeltaNet kernel asserts bf16)
+    runs eager in bf16; ``model`` is the verifier's directory, or a drafter's (its verifier is read).
 
     Returns:
         ``{"dtype": "float32" | "bfloat16", "enforce_eager": bool}``.
     """
-    return {"dtype": "float32", "enforce_eager": True} if on_cpu else {"dtype": "bfloat16", "enforce_eager": False}
+    if not on_cpu:
+        return {"dtype": "bfloat16", "enforce_eager": False}
+    return {"dtype": "bfloat16" if model is not None and _cpu_bf16_only(model) else "float32", "enforce_eager": True}
+
+
+def _cpu_bf16_only(model: str) -> bool:
+    """:func:`cpu_bf16_only` of ``model``'s verifier (a drafter directory: the verifier its
+    ``speculators_config`` names); False when no config can be read there."""
+    path = Path(model) / "config.json"
+    raw = json.loads(path.read_text()) if path.is_file() else {}
+    verifier = (raw.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")
+    try:
+        return cpu_bf16_only(text_config(load_model_config(verifier or model)))
+    except (PeagleError, OSError, ValueError):
+        return False
 
 
 VLLM_EXPAND_PROBE = """
@@ -312,7 +329,7 @@ def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int,
         kwargs["logprobs_mode"] = "raw_logits"
     from vllm.platforms import current_platform
 
-    settings = engine_settings(current_platform.is_cpu())
+    settings = engine_settings(current_platform.is_cpu(), model)
     with VllmOutput() as output:
         llm, mem = start_llm(memory, output, model=model, **settings, seed=0, max_model_len=max_model_len,
                              max_num_seqs=max(concurrency, 1), disable_log_stats=False, generation_config="vllm",
@@ -399,7 +416,7 @@ class VllmSpeculativeEngine:
         self.directory = str(resolve_model(verifier_name))
         self.eos = sorted(set(eos_ids(tokenizer, SimpleNamespace(generation_config=_generation_config(
             self.directory)))))
-        self.settings = engine_settings(current_platform.is_cpu())
+        self.settings = engine_settings(current_platform.is_cpu(), self.directory)
         # started as every vLLM engine of peagle is (stores.vllm_runtime): memory, its log off stdout, its root cause
         self.output = VllmOutput()
         self.llm, mem = start_llm(memory or VllmMemory(), self.output, model=self.directory, **self.settings, seed=0,

@@ -179,8 +179,8 @@ def build_drafter_config(heads: VerifierHeads, store, cfg: TrainConfig, draft_vo
         layer_type=cfg.model.drafter_layer or default_drafter_layer(vc),
         hidden_act="silu",  # the MLP trains from scratch; vLLM's EAGLE-3 drafter MLP computes only silu
         verifier_name_or_path=heads.name_or_path,
-        verifier_architectures=list(getattr(heads, "architectures", None) or getattr(heads.config, "architectures", None)
-                                    or ["LlamaForCausalLM"]),
+        verifier_architectures=list(getattr(heads, "architectures", None)
+                                    or getattr(heads.config, "architectures", None) or ["LlamaForCausalLM"]),
     )
 
 

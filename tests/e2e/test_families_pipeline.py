@@ -26,7 +26,7 @@ from stores.token_tables import TokenTable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from e2e.test_pipeline import CONVERSATIONS, PROMPTS, _run  # noqa: E402
-from families import HYBRID, family_config, hidden_states_as_stored, save_family  # noqa: E402
+from families import HYBRID, VLLM_CPU_SHAPE, family_config, hidden_states_as_stored, save_family  # noqa: E402
 
 
 @pytest.mark.slow
@@ -128,3 +128,37 @@ def test_hybrid_family_through_the_cli(tmp_path, smollm2_tokenizer_dir, family):
         report = json.loads(_run(eval_main, ["--drafter", final, "--verifier", model, "--prompts", prompts,
                                              "--max-new-tokens", 12]))
         assert report["identical_to_greedy"] is True
+
+
+VLLM_CPU_SPEC_DECODE_HYBRID = (
+    "vLLM 0.32's CPU build cannot speculate on a hybrid verifier: its runner takes the GPU runner's Mamba/GDN spec-decode "
+    "path (vllm/v1/worker/mamba_utils.py preprocess_mamba -> run_fused_precopy), which launches the Triton kernel "
+    "precopy_mamba_align_fused_kernel, and the CPU build has no Triton ('function' object is not subscriptable); "
+    "the verifier alone runs (the reference engine starts and generates)")
+"""Why the vLLM-served hybrid drafter check runs on a GPU only (scripts/gpu_check.sh)."""
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # two vLLM engine starts
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=VLLM_CPU_SPEC_DECODE_HYBRID)
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_hybrid_drafter_served_by_vllm_is_greedy(tmp_path, smollm2_tokenizer_dir, family):
+    """A drafter trained on a hybrid verifier's store, served by vLLM (P-EAGLE, speculators loading): output identical
+    to vLLM's own greedy decoding. vLLM's AL against peagle-eval's own is left to peagle's online decoding of hybrids
+    (HYBRID_ONLINE_EVAL)."""
+    shape = {**VLLM_CPU_SHAPE, "linear_key_head_dim": 128, "linear_value_head_dim": 128}
+    model = str(save_family(family, tmp_path / "verifier", smollm2_tokenizer_dir, vocab_size=49152, overrides=shape))
+    data = tmp_path / "convs.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    _run(data_main, ["pack", data, "--tokenizer", model, "--output", tmp_path / "packed", "--max-seq-len", 128])
+    _run(data_main, ["extract", tmp_path / "packed", "--verifier", model, "--output", tmp_path / "f.zarr",
+                     "--layers", "1,2,4"])
+    _run(train_main, ["--store", tmp_path / "f.zarr", "--output", tmp_path / "drafter", "--max-steps", 20,
+                      "--num-depths", 3])
+    report = json.loads(_run(eval_main, ["--drafter", tmp_path / "drafter" / "final", "--verifier", model,
+                                         "--prompts", prompts, "--max-new-tokens", 24, "--engine", "vllm",
+                                         "--vllm-loading", "speculators", "--no-measure-costs"]))
+    assert report["engine"] == "vllm" and report["identical_to_greedy"] is True, report
+    assert report["acceptance_length"] >= 1.0

@@ -8,6 +8,7 @@ vLLM's spawned engine process needs). Figures are printed (``pytest -s``) for do
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -31,7 +32,7 @@ from stores.token_tables import TableWriter, write_manifest
 from tests.peagle_data.extract.test_run import chunk_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from families import VLLM_CPU_SHAPE, save_family  # noqa: E402
+from families import VLLM_CPU_SHAPE, family_config, save_family  # noqa: E402
 from servers import free_port, stop, wait_until_up  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
@@ -207,6 +208,76 @@ def test_family_vllm_equals_hf(tmp_path, family):
     extract_cli(packed, model, tmp_path / "vllm.zarr", layers, "--context", "window")
     compare_stores(tmp_path / "hf.zarr", tmp_path / "vllm.zarr", L, family)
     assert_prenorm_layer(tmp_path / "vllm.zarr", model, L, family)
+
+
+VLLM_HYBRID = ["qwen3_next"] + (["qwen3_5"] if importlib.util.find_spec("torchvision") else []) \
+    + (["nemotron_h"] if torch.cuda.is_available() else [])
+"""The hybrid families extracted through vLLM: on this CPU Qwen3-Next (Qwen3.5 too where torchvision is installed:
+vLLM's qwen3_5.py imports it; Nemotron-H, Mamba-2, on a GPU: scripts/gpu_check.sh). vLLM's CPU gated DeltaNet
+kernels compute in bf16 only (``cpu_gdn_attention_core`` asserts it) with linear head sizes of 64 or 128
+(``chunk_gated_delta_rule_cpu``): :data:`VLLM_CPU_HYBRID_SHAPE`. Each request is its own sequence, its state from
+zero."""
+
+VLLM_CPU_HYBRID_SHAPE = {**VLLM_CPU_SHAPE, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                         "num_experts_per_tok": 4}
+""":data:`families.VLLM_CPU_SHAPE` with vLLM's CPU linear head size; Qwen3-Next's MoE routes every token to all 4
+experts: in bf16 a top-2 router sends near-tie tokens to other experts than float32 does, which would hide a state
+error among routing flips (vLLM's Qwen3-Next needs an MoE layer, so ``mlp_only_layers`` cannot make it dense)."""
+
+
+def compare_bf16_compute(hf: Path, vllm: Path, label: str) -> dict:
+    """A float32 ``hf`` store against a ``vllm`` store computed in bf16 (vLLM's CPU gated DeltaNet): per layer, the
+    worst and median per-token relative difference and the share of tokens with cosine below 0.99. bf16 compute
+    through random layers differs by about 1-3% a token; an MoE (Qwen3-Next) may route a near-tie token to
+    other experts. Returns the figures (printed)."""
+    a, b = FeatureStore.open(hf), FeatureStore.open(vllm)
+    assert b.attrs["engine"]["dtype"] == "bfloat16" and b.is_complete() and verify_store(vllm)["ok"]
+    rel, cos = {}, {}
+    for i in range(a.n_blocks):
+        x, y = a.read_block(i), b.read_block(i)
+        assert torch.equal(x.input_ids, y.input_ids)
+        pairs = [(layer, x.aux_hidden[:, k], y.aux_hidden[:, k]) for k, layer in enumerate(a.layers)]
+        for layer, p, q in pairs + [("final", x.final_hidden, y.final_hidden)]:
+            p, q = p.float(), q.float()
+            rel.setdefault(layer, []).append((p - q).norm(dim=-1) / p.norm(dim=-1))
+            cos.setdefault(layer, []).append(torch.nn.functional.cosine_similarity(p, q, dim=-1))
+    out = {}
+    for layer in rel:
+        r, c = torch.cat(rel[layer]), torch.cat(cos[layer])
+        out[layer] = {"max_rel": round(float(r.max()), 4), "median_rel": round(float(r.median()), 4),
+                      "cos_below_0_99": round(float((c < 0.99).float().mean()), 4)}
+    print(f"{label}: hf (float32) vs vllm (bf16 compute): {out}")
+    return out
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # one vLLM engine start per family
+@pytest.mark.parametrize("family", VLLM_HYBRID)
+def test_hybrid_vllm_equals_hf_within_bf16_compute(tmp_path, family):
+    model = save_family(family, tmp_path / family, overrides=VLLM_CPU_HYBRID_SHAPE)
+    L = family_config(family).get_text_config().num_hidden_layers
+    packed = write_packed(tmp_path / "packed", n_blocks=3, vocab=512)
+    layers = list(range(L + 1))  # 1 and 3: the outputs of gated DeltaNet layers
+    run_extract(ExtractConfig(packed=str(packed), context="window", verifier=str(model), output=str(tmp_path / "hf.zarr"),
+                              layers=layers, device="cpu"), progress=False)
+    extract_cli(packed, model, tmp_path / "vllm.zarr", layers, "--context", "window")
+    figures = compare_bf16_compute(tmp_path / "hf.zarr", tmp_path / "vllm.zarr", family)
+    assert figures[0]["max_rel"] == 0.0  # the embeddings: the same rows
+    for layer, f in figures.items():  # a wrong state (carried over from another request) differs by the token's scale
+        assert f["max_rel"] < 0.1 and f["median_rel"] < 0.04 and f["cos_below_0_99"] == 0.0, (family, layer, f)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision is installed")
+def test_qwen3_5_without_torchvision_is_refused_naming_the_cause(tmp_path):
+    """vLLM's qwen3_5.py imports torchvision; without it vLLM cannot load the class, and extract says so (not that
+    the model lacks aux outputs), before any engine starts."""
+    model = save_family("qwen3_5", tmp_path / "qwen3_5", overrides=VLLM_CPU_HYBRID_SHAPE)
+    packed = write_packed(tmp_path / "packed", n_blocks=1, vocab=512)
+    with pytest.raises(InputError, match="could not import its model class"):
+        run_extract(ExtractConfig(packed=str(packed), context="window", verifier=str(model),
+                                  output=str(tmp_path / "f.zarr"), engine="vllm", layers=[1]), progress=False)
+    assert not (tmp_path / "f.zarr").exists()
 
 
 @pytest.mark.vllm

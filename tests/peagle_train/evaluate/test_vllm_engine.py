@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from peagle_train.evaluate.prompts import Prompt, render_turn
 from peagle_train.evaluate.vllm_engine import next_turn_prompts, per_position_counts
 
@@ -89,6 +91,28 @@ def test_engine_settings_are_exact_on_cpu_and_as_served_on_an_accelerator():
 
     assert engine_settings(True) == {"dtype": "float32", "enforce_eager": True}
     assert engine_settings(False) == {"dtype": "bfloat16", "enforce_eager": False}
+
+
+def test_engine_settings_on_cpu_are_bf16_for_a_gated_deltanet_verifier_and_its_drafter(tmp_path):
+    """vLLM's CPU gated DeltaNet kernel computes bf16 only: Qwen3-Next (and a drafter naming it) runs bf16 on CPU,
+    an attention-only verifier float32."""
+    import json
+    import sys
+
+    from peagle_train.evaluate.vllm_engine import engine_settings
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from families import family_config
+
+    for name in ("qwen3_next", "qwen3"):
+        family_config(name).save_pretrained(tmp_path / name)
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps(
+        {"speculators_config": {"verifier": {"name_or_path": str(tmp_path / "qwen3_next")}}}))
+    bf16 = {"dtype": "bfloat16", "enforce_eager": True}
+    assert engine_settings(True, str(tmp_path / "qwen3_next")) == bf16 == engine_settings(True, str(drafter))
+    assert engine_settings(True, str(tmp_path / "qwen3")) == {"dtype": "float32", "enforce_eager": True}
 
 
 def test_a_request_cut_by_max_model_len_is_refused():
