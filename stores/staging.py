@@ -68,6 +68,9 @@ class OutputKind:
     """``fnmatch`` patterns of the names this kind writes at the directory's top level."""
     zarr_nodes: bool = False
     """Sub-directories holding a ``zarr.json`` (zarr arrays and groups) are this kind's too."""
+    new_nodes: tuple[str, ...] = ()
+    """With :attr:`zarr_nodes`: while the marker's ``attributes`` are empty (a store being created, or any
+    user's zarr group), only the zarr nodes of these names are this kind's."""
 
     def marks(self, directory: Path) -> bool:
         """Whether ``directory``'s marker file is this kind's (readable JSON object with one of the keys)."""
@@ -81,11 +84,23 @@ class OutputKind:
             record = record.get("attributes") or {"peagle": "being created"}
         return isinstance(record, dict) and (not self.marker_keys or any(k in record for k in self.marker_keys))
 
-    def owns(self, entry: Path) -> bool:
-        """Whether ``entry`` (a child of a directory this kind marks) is one this kind writes."""
+    def owns(self, entry: Path, new: bool = False) -> bool:
+        """Whether ``entry`` (a child of a directory this kind marks) is one this kind writes; ``new``: the
+        directory's zarr group has no attributes yet (its zarr nodes are this kind's only by :attr:`new_nodes`)."""
         if any(fnmatch.fnmatchcase(entry.name, p) for p in self.entries):
             return True
-        return self.zarr_nodes and entry.is_dir() and not entry.is_symlink() and (entry / "zarr.json").is_file()
+        node = self.zarr_nodes and entry.is_dir() and not entry.is_symlink() and (entry / "zarr.json").is_file()
+        return node and (not new or entry.name in self.new_nodes)
+
+    def new(self, directory: Path) -> bool:
+        """Whether ``directory`` (one this kind marks) is a zarr group without attributes yet."""
+        if not self.zarr_nodes:
+            return False
+        try:
+            record = json.loads((directory / self.marker).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            return False
+        return isinstance(record, dict) and not record.get("attributes")
 
 
 OUTPUT_KINDS = (
@@ -94,7 +109,14 @@ OUTPUT_KINDS = (
                ("manifest.json", "manifest.json.tmp", "part-*.parquet", "rejects.jsonl", "token_freq.npy",
                 "conversations")),
     # stores/feature_schema.py: a zarr v3 group whose attributes are peagle's (empty while being created)
-    OutputKind("feature store", "zarr.json", ("peagle", "peagle_stream"), ("zarr.json",), zarr_nodes=True),
+    # and, streaming, stores/stream_heartbeat.py's stream_heartbeat/. A store being created (attributes not written
+    # yet) holds only stores/feature_schema.py's arrays and the contexts group (tests/stores/test_staging.py checks
+    # these names against the schema): a user's zarr group has no attributes either, and is never replaced.
+    OutputKind("feature store", "zarr.json", ("peagle", "peagle_stream"), ("zarr.json", "stream_heartbeat"),
+               zarr_nodes=True,
+               new_nodes=("input_ids", "loss_mask", "position_ids", "n_tokens", "cu_seqlens", "aux_hidden",
+                          "final_hidden", "aux_scale", "final_scale", "done", "token_freq", "window_views",
+                          "segment_keys", "contexts", "stream")),
     # peagle_train/train: train_config.json first, then metrics, checkpoints (replace_dir: .NAME.tmp/.old), final/
     OutputKind("training run", "train_config.json", (),
                ("train_config.json", "metrics.jsonl", "metrics.jsonl.tmp", "checkpoint-*", "final", "training.png",
@@ -115,7 +137,8 @@ def foreign_entries(path: str | os.PathLike, kinds: tuple[OutputKind, ...] = OUT
     entries = sorted(path.iterdir())
     for kind in kinds:
         if kind.marks(path):
-            return [e for e in entries if not kind.owns(e)]
+            new = kind.new(path)
+            return [e for e in entries if not kind.owns(e, new)]
     return entries
 
 

@@ -246,3 +246,43 @@ def test_a_checkpoint_write_on_a_full_disk_is_a_disk_full_error(tmp_path, monkey
         with atomic_file(tmp_path / "training_state.pt"):
             raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_force_never_replaces_a_users_zarr_group_and_replaces_a_streamed_store(tmp_path):
+    """A zarr group without attributes marked itself as a feature store being created, so ``extract --force`` deleted
+    a user's zarr data set (``temperature`` under a group with no attributes); and a streamed store's
+    ``stream_heartbeat/`` was foreign, so ``--force`` refused peagle's own store. A store being created holds only the
+    schema's arrays (the names checked against stores/feature_schema.py)."""
+    import zarr
+
+    from stores.errors import ForeignFilesError
+    from stores.feature_schema import ARRAYS, SEGMENT_KEYS, WINDOW_ARRAYS
+    from stores.feature_store import CONTEXTS
+    from stores.staging import OUTPUT_KINDS, check_replaceable, foreign_entries
+    from stores.stream_heartbeat import HEARTBEAT_DIR
+    from stores.stream_plan import STREAM_GROUP
+
+    users = tmp_path / "users.zarr"
+    group = zarr.open_group(str(users), mode="w")
+    group.create_array("temperature", shape=(3,), dtype="float32")
+    with pytest.raises(ForeignFilesError):
+        check_replaceable(users, force=True)
+    assert foreign_entries(users) == [users / "temperature"] and (users / "temperature" / "zarr.json").is_file()
+
+    being_created = tmp_path / "new.zarr"  # killed before its attributes: its arrays are peagle's
+    group = zarr.open_group(str(being_created), mode="w")
+    for name in ("input_ids", "done"):
+        group.create_array(name, shape=(3,), dtype="int32")
+    group.create_group(CONTEXTS)
+    assert foreign_entries(being_created) == [] and check_replaceable(being_created, force=True)
+
+    streamed = tmp_path / "streamed.zarr"
+    group = zarr.open_group(str(streamed), mode="w")
+    group.attrs["peagle"] = {"format_version": 2}
+    (streamed / HEARTBEAT_DIR).mkdir()
+    (streamed / HEARTBEAT_DIR / "trainer.json").write_text("{}")
+    assert foreign_entries(streamed) == [] and check_replaceable(streamed, force=True)
+
+    store_kind = next(k for k in OUTPUT_KINDS if k.marker == "zarr.json")
+    schema = {s.name for s in (*ARRAYS, *WINDOW_ARRAYS, SEGMENT_KEYS)} | {CONTEXTS, STREAM_GROUP}
+    assert set(store_kind.new_nodes) == schema and HEARTBEAT_DIR in store_kind.entries
