@@ -7,8 +7,8 @@
 #      hybrid verifiers (test_cuda_hybrid_features_equal_each_conversation_alone) with their CUDA kernels;
 #   2. bench/bench_extract.py on CUDA: whole extract vs the forward alone with features left on the
 #      GPU (the GPU's busy time), so extract_vs_on_device ~ 1.0 means the writer leaves it no idle time.
-#   3. where vLLM is installed: hybrid verifiers through `extract --engine vllm` against hf (Qwen3.5, Qwen3-Next,
-#      Nemotron-H; tests/peagle_data/extract/test_vllm.py -k hybrid), and a drafter trained on Qwen3-Next / Qwen3.5
+#   3. where vLLM is installed: hybrid verifiers through `extract --engine vllm` against hf (Qwen3-Next, and Qwen3.5
+#      where torchvision is installed; tests/peagle_data/extract/test_vllm.py -k hybrid), and a drafter trained on Qwen3-Next / Qwen3.5
 #      served by vLLM identical to greedy (tests/e2e/test_families_pipeline.py -k served_by_vllm; vLLM's CPU build
 #      cannot speculate on a hybrid: its Mamba/GDN spec-decode pre-copy is a Triton kernel).
 # Results go to ${OUT:-gpu_check}/ (pytest log and the benchmark's JSON).

@@ -123,7 +123,8 @@ class VllmMemory:
         return {} if self.gpu_memory_utilization is None else {"gpu_memory_utilization": self.gpu_memory_utilization}
 
 
-CPU_BF16_MODEL_TYPES = {"qwen3_next": "gated DeltaNet", "qwen3_5_text": "gated DeltaNet"}
+CPU_BF16_MODEL_TYPES = {"qwen3_next": "gated DeltaNet", "qwen3_5_text": "gated DeltaNet",
+                        "qwen3_5_moe_text": "gated DeltaNet"}
 """Text-config model types whose vLLM CPU kernels compute in bf16 only (vLLM 0.32's CPU gated DeltaNet op,
 ``cpu_gdn_attention_core``, asserts BF16): on CPU peagle runs them in bf16, as a GPU does."""
 

@@ -35,7 +35,7 @@ import torch
 
 from stores.errors import InputError
 
-__all__ = ["default_layers", "language_model", "layer_types", "packs_like_transformers", "check_packable",
+__all__ = ["default_layers", "final_norm", "language_model", "layer_types", "packs_like_transformers", "check_packable",
            "hybrid_kind", "HYBRID_MODEL_TYPES", "padded_batches", "segment_masks", "verifier_features",
            "segments_alone", "segments_padded"]
 
@@ -64,6 +64,19 @@ def language_model(verifier: torch.nn.Module) -> torch.nn.Module:
                      "from transformers decoder models", field="--verifier")
 
 
+
+
+FINAL_NORM_NAMES = ("norm", "norm_f")
+"""Attribute names of a decoder stack's final norm: ``norm`` (most models), ``norm_f`` (Nemotron-H)."""
+
+
+def final_norm(decoder: torch.nn.Module) -> torch.nn.Module | None:
+    """The final norm module of a decoder stack (:data:`FINAL_NORM_NAMES`), None if it has none."""
+    for name in FINAL_NORM_NAMES:
+        module = getattr(decoder, name, None)
+        if isinstance(module, torch.nn.Module):
+            return module
+    return None
 
 
 @contextmanager
@@ -120,14 +133,14 @@ RECURRENT_MODEL_TYPES = {
     "zamba2": "mamba2 (hybrid)", "rwkv": "rwkv recurrence", "recurrent_gemma": "recurrent (RG-LRU)",
     "xlstm": "xLSTM recurrence", "lfm2": "short convolution", "lfm2_moe": "short convolution",
     "minimax": "linear_attention (lightning)", "plamo2": "mamba (hybrid)",
-    "qwen3_5_moe_text": "linear_attention (gated DeltaNet)",
 }
 
 #: hybrid model types (of the text config) that extraction runs one segment per batch row, the state of
 #: every recurrent layer from zero (:func:`segments_padded`): each is checked against the segment run alone
 #: on a tiny model (tests/families.py ``HYBRID``, tests/peagle_data/extract/test_families.py)
 HYBRID_MODEL_TYPES = {
-    "qwen3_5_text": "linear_attention (gated DeltaNet)", "qwen3_next": "linear_attention (gated DeltaNet)",
+    "qwen3_5_text": "linear_attention (gated DeltaNet)", "qwen3_5_moe_text": "linear_attention (gated DeltaNet)",
+    "qwen3_next": "linear_attention (gated DeltaNet)",
     "olmo_hybrid": "linear_attention (gated DeltaNet)", "nemotron_h": "mamba2 (hybrid)",
     "granitemoehybrid": "mamba2 (hybrid)",
 }

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from peagle_data.extract.hf_forward import language_model, layer_types
+from peagle_data.extract.hf_forward import final_norm, language_model, layer_types
 from stores.errors import DiskSpaceError, InputError, OutputExistsError, StoreFormatError
 from stores.feature_repair import check_compatible, write_shared
 from stores.feature_schema import bytes_per_token
@@ -50,7 +50,7 @@ def verifier_desc(name: str, directory: Path, verifier, dtype: torch.dtype) -> d
         "hidden_size": text.hidden_size,
         "vocab_size": text.vocab_size,
         "layer_types": layer_types(decoder),
-        "final_norm": type(getattr(decoder, "norm", None)).__name__,
+        "final_norm": type(final_norm(decoder)).__name__,
         "attn_implementation": getattr(text, "_attn_implementation", None),
         "dtype": str(dtype).replace("torch.", ""),
     }

@@ -49,7 +49,7 @@ import torch
 from safetensors import safe_open
 
 from peagle_data.extract.engine import PackedFacts, VerifierEngine
-from peagle_data.extract.hf_forward import language_model
+from peagle_data.extract.hf_forward import final_norm, language_model
 from peagle_data.extract.store import resumed_dtype, verifier_desc
 from peagle_data.regenerate.backends import server_base_url
 from stores.errors import InputError
@@ -261,7 +261,7 @@ class VllmEngine(VerifierEngine):
                 ``max_model_len`` cannot hold with the generated token; a segment longer than the verifier's
                 ``max_position_embeddings`` less :attr:`positions_after_prompt` (``--context full``: a
                 context) or one whose positions do not start at 0; a language model
-                without a ``.norm`` module.
+                without a final norm module (``.norm``, ``.norm_f``).
             ModelNotFoundError: the final norm's weights are not in the checkpoint
                 (:func:`stores.model_cache.load_submodule`).
         """
@@ -271,10 +271,11 @@ class VllmEngine(VerifierEngine):
                              "starts every request at position 0: use --engine hf", file=cfg.packed)
         skeleton = verifier_skeleton(directory)
         decoder = language_model(skeleton)
-        if not isinstance(getattr(decoder, "norm", None), torch.nn.Module):
-            raise InputError(f"{type(decoder).__name__} has no final norm module (.norm) to compute the final slot "
-                             "from vLLM's pre-norm last layer: use --engine hf", field="--engine")
-        norm_name = next(n for n, m in skeleton.named_modules() if m is decoder.norm)
+        norm_module = final_norm(decoder)  # .norm, or Nemotron-H's .norm_f
+        if norm_module is None:
+            raise InputError(f"{type(decoder).__name__} has no final norm module (.norm, .norm_f) to compute the final "
+                             "slot from vLLM's pre-norm last layer: use --engine hf", field="--engine")
+        norm_name = next(n for n, m in skeleton.named_modules() if m is norm_module)
         limit = getattr(text_config(skeleton.config), "max_position_embeddings", None)
         if limit is not None and packed.longest_segment > int(limit) - cls.positions_after_prompt:
             raise InputError(f"a packed segment has {packed.longest_segment} tokens; vLLM runs at most the verifier's "

@@ -165,9 +165,39 @@ def _cosine_and_abs(model, aux, final, layers):
     return cos, diff
 
 
-@pytest.fixture(scope="module", params=HYBRID)
+def qwen3_5_moe():
+    """A tiny random Qwen3.5-MoE (Qwen3.6's architecture: the multimodal wrapper around gated DeltaNet and gated
+    attention layers with an MoE of 4 experts, top 2, and a shared expert), float32, eval; not in
+    tests/families.py's matrix, so built here as ``build_family`` builds ``qwen3_5``."""
+    import transformers as tf
+
+    v = 512
+    text = dict(vocab_size=v, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                linear_num_value_heads=4, num_hidden_layers=4,
+                layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [1, 1, 0], "mrope_interleaved": True})
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
+    cfg = tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision, image_token_id=v - 1, video_token_id=v - 2,
+                              vision_start_token_id=v - 3, vision_end_token_id=v - 4, pad_token_id=0, bos_token_id=1,
+                              eos_token_id=2)
+    torch.manual_seed(0)
+    model = tf.AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.ndim >= 2 and "norm" not in n:
+                p.normal_(0.0, 0.08)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=HYBRID + ["qwen3_5_moe"])
 def hybrid(request):
-    return request.param, build_family(request.param)
+    model = qwen3_5_moe() if request.param == "qwen3_5_moe" else build_family(request.param)
+    check_packable(model.config)  # a verified hybrid: never packed, not refused
+    return request.param, model
 
 
 def test_hybrid_features_equal_each_conversation_alone(hybrid):
@@ -212,7 +242,7 @@ def test_run_extract_of_a_hybrid_stores_each_window_alone(tmp_path, family):
     store = FeatureStore.open(tmp_path / "f.zarr")
     desc = store.attrs["verifier"]
     assert desc["language_model"] == {"qwen3_5": "Qwen3_5TextModel", "nemotron_h": "NemotronHModel"}[family]
-    assert desc["num_hidden_layers"] == 4
+    assert desc["num_hidden_layers"] == 4 and desc["final_norm"].endswith("RMSNorm")  # Nemotron-H's is .norm_f
     model = build_family(family)
     b = store.read_block(1)
     segs, ids, pos, cu = _block(seed=1)

@@ -210,10 +210,9 @@ def test_family_vllm_equals_hf(tmp_path, family):
     assert_prenorm_layer(tmp_path / "vllm.zarr", model, L, family)
 
 
-VLLM_HYBRID = ["qwen3_next"] + (["qwen3_5"] if importlib.util.find_spec("torchvision") else []) \
-    + (["nemotron_h"] if torch.cuda.is_available() else [])
+VLLM_HYBRID = ["qwen3_next"] + (["qwen3_5"] if importlib.util.find_spec("torchvision") else [])
 """The hybrid families extracted through vLLM: on this CPU Qwen3-Next (Qwen3.5 too where torchvision is installed:
-vLLM's qwen3_5.py imports it; Nemotron-H, Mamba-2, on a GPU: scripts/gpu_check.sh). vLLM's CPU gated DeltaNet
+vLLM's qwen3_5.py imports it; on a GPU both: scripts/gpu_check.sh). vLLM's CPU gated DeltaNet
 kernels compute in bf16 only (``cpu_gdn_attention_core`` asserts it) with linear head sizes of 64 or 128
 (``chunk_gated_delta_rule_cpu``): :data:`VLLM_CPU_HYBRID_SHAPE`. Each request is its own sequence, its state from
 zero."""

@@ -25,7 +25,7 @@ from stores.stream_plan import block_feature_bytes, read_consumed
 from tests.peagle_train.train.test_stream import C, N_BLOCKS, OPTS, _weights, packed  # noqa: F401
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from families import FAMILIES, SLIDING, save_family  # noqa: E402
+from families import FAMILIES, HYBRID, SLIDING, save_family  # noqa: E402
 
 STEPS = 12  # two epochs of 6 training blocks (2 held out), one per step
 FAST = ["qwen3_moe", "gpt_oss"]
@@ -50,7 +50,13 @@ def _budget(store: str, window: int, n_val: int = 2) -> int:
     return total - N_BLOCKS * block + 8 * STEPS + 8192 + (n_val + window) * block
 
 
-@pytest.mark.parametrize("family", FAST + [pytest.param(f, marks=pytest.mark.slow) for f in SLOW])
+HYBRID_FAST = ["qwen3_next"]
+"""A hybrid in the main suite (gated DeltaNet and MoE: each window its own row, its state from zero); the other
+hybrids slow-marked."""
+
+
+@pytest.mark.parametrize("family", FAST + HYBRID_FAST + [pytest.param(f, marks=pytest.mark.slow) for f in
+                                                         SLOW + [h for h in HYBRID if h not in HYBRID_FAST]])
 def test_streaming_weights_equal_offline_weights_per_family(tmp_path, packed, smollm2_tokenizer_dir, family,
                                                             one_thread):
     verifier = save_family(family, tmp_path / "verifier", smollm2_tokenizer_dir, vocab_size=49152)
