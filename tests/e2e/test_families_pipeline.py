@@ -71,17 +71,12 @@ def test_family_through_the_cli(tmp_path, smollm2_tokenizer_dir, family):
     assert report["identical_to_greedy"] is True
 
 
-#: hook for hydec's branch (issue 43, online decoding with hybrid verifiers in peagle's own engine): until
-#: peagle's speculative decoding cuts a recurrent state back exactly, the hybrid pipeline stops at offline
-#: evaluation; set this to True (and drop this note) when online evaluation runs hybrids
-HYBRID_ONLINE_EVAL = False
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family", HYBRID)
 def test_hybrid_family_through_the_cli(tmp_path, smollm2_tokenizer_dir, family):
     """A hybrid verifier: pack -> extract (full context: each conversation its own row, its state from zero)
-    -> train -> offline eval; the checkpoint names aux layers that are linear-attention / Mamba-2 layers and
+    -> train -> offline eval -> online eval (peagle's own speculative decoding, identical to greedy: the recurrent
+    state is put back after a rejected draft); the checkpoint names aux layers that are linear-attention / Mamba-2 layers and
     the verifier's text model shape."""
     model = str(save_family(family, tmp_path / "verifier", smollm2_tokenizer_dir, vocab_size=49152))
     data = tmp_path / "convs.jsonl"
@@ -118,16 +113,14 @@ def test_hybrid_family_through_the_cli(tmp_path, smollm2_tokenizer_dir, family):
     # the verifier's own architecture (Qwen3.5: its multimodal wrapper), not its text config's (none: llama)
     assert config["speculators_config"]["verifier"]["architectures"] \
         == json.loads((Path(model) / "config.json").read_text())["architectures"]
-    # offline only (the cost model times peagle's online decoding, which refuses hybrids until HYBRID_ONLINE_EVAL)
     report = json.loads(_run(eval_main, ["--drafter", final, "--store", tmp_path / "f.zarr", "--no-measure-costs",
                                          "--output", tmp_path / "eval.json"]))
     assert report["positions_scored"] > 0 and report["simulated_acceptance_length"] >= 1.0, report
-    if HYBRID_ONLINE_EVAL:
-        prompts = tmp_path / "prompts.jsonl"
-        prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-        report = json.loads(_run(eval_main, ["--drafter", final, "--verifier", model, "--prompts", prompts,
-                                             "--max-new-tokens", 12]))
-        assert report["identical_to_greedy"] is True
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    report = json.loads(_run(eval_main, ["--drafter", final, "--verifier", model, "--prompts", prompts,
+                                         "--max-new-tokens", 12]))
+    assert report["identical_to_greedy"] is True and report["cost_model"]["skipped"], report
 
 
 VLLM_CPU_SPEC_DECODE_HYBRID = (
@@ -144,8 +137,7 @@ VLLM_CPU_SPEC_DECODE_HYBRID = (
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
 def test_hybrid_drafter_served_by_vllm_is_greedy(tmp_path, smollm2_tokenizer_dir, family):
     """A drafter trained on a hybrid verifier's store, served by vLLM (P-EAGLE, speculators loading): output identical
-    to vLLM's own greedy decoding. vLLM's AL against peagle-eval's own is left to peagle's online decoding of hybrids
-    (HYBRID_ONLINE_EVAL)."""
+    to vLLM's own greedy decoding."""
     shape = {**VLLM_CPU_SHAPE, "linear_key_head_dim": 128, "linear_value_head_dim": 128}
     model = str(save_family(family, tmp_path / "verifier", smollm2_tokenizer_dir, vocab_size=49152, overrides=shape))
     data = tmp_path / "convs.jsonl"
