@@ -66,6 +66,8 @@ def test_pack_extract_and_train_repeat_from_their_outputs(tmp_path, tiny_verifie
     resolved = _printed(train_main, train_args)
     assert resolved["model"]["drafter_layer"] is None  # chosen by the run (the tiny Llama verifier's: llama)
     resolved["model"]["drafter_layer"] = "llama"
+    assert resolved["data"]["epoch_order"] is None  # chosen by the run (a full-context store: conversations)
+    resolved["data"]["epoch_order"] = "conversations"
     assert _printed(train_main, ["--config", tmp_path / "d1" / "train_config.json"]) == resolved
 
 

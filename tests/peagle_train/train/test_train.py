@@ -134,6 +134,7 @@ def test_resume_of_a_run_saved_with_a_flat_train_config(tmp_path, verifier_dir):
     run_train(_cfg(store, out, max_steps=4, save_every=2))
     flat = {k: v for k, v in _cfg(store, out, max_steps=4, save_every=2).flat().items() if k not in ("resume", "force")}
     flat["drafter_layer"] = "llama"  # the run records the layer it chose (a Llama verifier's default)
+    flat["epoch_order"] = "blocks"  # and the order it chose (a window store's default)
     saved = json.loads((out / "train_config.json").read_text())
     assert set(saved) == {"data", "model", "optim", "run", "stream"} and flat_settings(saved) == flat
     (out / "train_config.json").write_text(json.dumps(flat))  # as written before the grouping
