@@ -9,9 +9,6 @@ hf engine on CPU; the extraction runs as the subprocess the command starts. The 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -35,30 +32,14 @@ from peagle_train.train.stream import resolve_stream_context, wait_for_store
 from stores.errors import InputError, OutputExistsError, StoreFormatError, StoreMismatchError
 from stores.feature_store import FeatureStore
 from stores.stream_plan import block_feature_bytes, read_consumed, read_plan
-from tests.peagle_data.extract.test_full_context import synthetic_conversations, write_packed_conversations
 from tests.peagle_data.extract.test_run import write_packed
 
-REPO = Path(__file__).resolve().parents[3]
 N_BLOCKS, C = 8, 48
 OPTS = dict(num_depths=2, lr=3e-3, warmup_steps=1, val_fraction=0.25, val_max_blocks=2, draft_vocab_size=64,
             loss_chunk_size=64, seed=3)
 
 
-@pytest.fixture(scope="module")
-def packed(tmp_path_factory) -> Path:
-    return write_packed(tmp_path_factory.mktemp("packed") / "packed", n_blocks=N_BLOCKS, block_size=C)
-
-
-@pytest.fixture(scope="module")
-def offline_store(tmp_path_factory, packed, tiny_verifier_dir) -> str:
-    """The whole store, extracted first (as a user would: the command, in its own process)."""
-    out = tmp_path_factory.mktemp("offline") / "s.zarr"
-    res = subprocess.run([sys.executable, "-m", "cli.data", "extract", str(packed), "--output", str(out),
-                          "--verifier", str(tiny_verifier_dir), "--context", "window", "--device", "cpu"],
-                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return str(out)
+# packed, offline_store, packed_full, offline_full, offline_full_defaults, offline_run: session fixtures (tests/peagle_train/train/conftest.py)
 
 
 def _weights(out: Path) -> dict[str, np.ndarray]:
@@ -77,11 +58,10 @@ def _budget(offline_store: str, window: int, n_val: int = 2) -> int:
 
 @pytest.mark.parametrize("epochs", [1, 2])
 @pytest.mark.parametrize("policy", ["reextract", "keep"])
-def test_streaming_weights_equal_offline_weights(tmp_path, packed, offline_store, tiny_verifier_dir, policy, epochs,
-                                                 one_thread):
+def test_streaming_weights_equal_offline_weights(tmp_path, packed, offline_store, offline_run, tiny_verifier_dir,
+                                                 policy, epochs, one_thread):
     steps = 6 * epochs  # 6 training blocks (2 held out), one per step
-    offline = run_train(TrainConfig.from_flat(store=offline_store, output=str(tmp_path / "offline"),
-                                              verifier=str(tiny_verifier_dir), max_steps=steps, **OPTS))
+    offline, offline_out = offline_run(offline_store, steps, **OPTS)  # one run per step count for both policies
     store = tmp_path / "stream.zarr"
     budget = _budget(offline_store, window=3 if policy == "reextract" else 6)
     summary = run_train(TrainConfig.from_flat(
@@ -89,7 +69,7 @@ def test_streaming_weights_equal_offline_weights(tmp_path, packed, offline_store
         extract_from=str(packed), max_store_bytes=str(budget), epoch_policy=policy, device="cpu", context="window",
         **OPTS))
 
-    a, b = _weights(tmp_path / "offline"), _weights(tmp_path / "stream")
+    a, b = _weights(offline_out), _weights(tmp_path / "stream")
     assert sorted(a) == sorted(b)
     for name in a:
         assert a[name].tobytes() == b[name].tobytes(), name
@@ -256,38 +236,6 @@ FULL_SHAPES = [(10, 3), (40, 3), (70, 4), (14, 0), (30, 0), (12, 2), (20, 0), (9
 FULL_OPTS = {**OPTS, "val_fraction": 0.2}
 
 
-@pytest.fixture(scope="module")
-def packed_full(tmp_path_factory) -> Path:
-    return write_packed_conversations(tmp_path_factory.mktemp("packed_full") / "packed",
-                                      synthetic_conversations(49152, shapes=FULL_SHAPES), 16, 32, "smollm2-135m")
-
-
-@pytest.fixture(scope="module")
-def offline_full(tmp_path_factory, packed_full, tiny_verifier_dir) -> str:
-    """The whole full-context store, extracted first (the command, in its own process), its conversations grouped
-    as a streaming extraction groups them (its default, --context-packing training_blocks)."""
-    out = tmp_path_factory.mktemp("offline_full") / "s.zarr"
-    res = subprocess.run([sys.executable, "-m", "cli.data", "extract", str(packed_full), "--output", str(out),
-                          "--verifier", str(tiny_verifier_dir), "--context", "full", "--context-packing",
-                          "training_blocks", "--device", "cpu"],
-                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return str(out)
-
-
-@pytest.fixture(scope="module")
-def offline_full_defaults(tmp_path_factory, packed_full, tiny_verifier_dir) -> str:
-    """The whole store extracted with ``peagle-data extract``'s defaults (full context, best-fit packing)."""
-    out = tmp_path_factory.mktemp("offline_full_defaults") / "s.zarr"
-    res = subprocess.run([sys.executable, "-m", "cli.data", "extract", str(packed_full), "--output", str(out),
-                          "--verifier", str(tiny_verifier_dir), "--device", "cpu"],
-                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return str(out)
-
-
 def _full_budget(offline: str, units: int, entries: int) -> int:
     """A full-context store's budget for ``units`` context blocks: the offline store's bytes less its context
     blocks' features, plus the plan's order and allowance."""
@@ -300,13 +248,12 @@ def _full_budget(offline: str, units: int, entries: int) -> int:
 @pytest.mark.parametrize("policy, epochs", [("reextract", 2), ("keep", 1),  # ~30 s each on a busy 2-core box
                                             pytest.param("reextract", 1, marks=pytest.mark.slow),
                                             pytest.param("keep", 2, marks=pytest.mark.slow)])
-def test_full_context_streaming_weights_equal_offline_weights(tmp_path, packed_full, offline_full, tiny_verifier_dir,
-                                                              policy, epochs, one_thread):
+def test_full_context_streaming_weights_equal_offline_weights(tmp_path, packed_full, offline_full, offline_run,
+                                                              tiny_verifier_dir, policy, epochs, one_thread):
     offline_store = FeatureStore.open(offline_full)
     n_units = offline_store.contexts.n_blocks
     steps = 13 * epochs  # 13 training blocks (4 held out), one per step
-    offline = run_train(TrainConfig.from_flat(store=offline_full, output=str(tmp_path / "offline"),
-                                              verifier=str(tiny_verifier_dir), max_steps=steps, **FULL_OPTS))
+    offline, offline_out = offline_run(offline_full, steps, **FULL_OPTS)  # one run per step count for both policies
     store = tmp_path / "stream.zarr"
     budget = _full_budget(offline_full, 6 if policy == "reextract" else n_units, steps)
     summary = run_train(TrainConfig.from_flat(
@@ -314,7 +261,7 @@ def test_full_context_streaming_weights_equal_offline_weights(tmp_path, packed_f
         extract_from=str(packed_full), max_store_bytes=str(budget), epoch_policy=policy, context="full",
         device="cpu", **FULL_OPTS))
 
-    a, b = _weights(tmp_path / "offline"), _weights(tmp_path / "stream")
+    a, b = _weights(offline_out), _weights(tmp_path / "stream")
     assert sorted(a) == sorted(b)
     for name in a:
         assert a[name].tobytes() == b[name].tobytes(), name

@@ -20,7 +20,7 @@ import pytest
 
 from stores.feature_store import FeatureStore
 from stores.stream_plan import apparent_bytes, read_consumed, read_plan
-from tests.peagle_train.train.test_stream import OPTS, _budget, _weights, offline_store, packed  # noqa: F401
+from tests.peagle_train.train.test_stream import OPTS, _budget, _weights
 from tests.processes import launch_two_ranks
 
 REPO = Path(__file__).resolve().parents[3]

@@ -22,7 +22,7 @@ from peagle_train.train.config import TrainConfig
 from peagle_train.train.run import run_train
 from stores.feature_store import FeatureStore
 from stores.stream_plan import block_feature_bytes, read_consumed
-from tests.peagle_train.train.test_stream import C, N_BLOCKS, OPTS, _weights, packed  # noqa: F401
+from tests.peagle_train.train.test_stream import C, N_BLOCKS, OPTS, _weights
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from families import FAMILIES, HYBRID, SLIDING, save_family  # noqa: E402

@@ -21,8 +21,7 @@ from peagle_train.train.run import run_train
 from stores.errors import InputError
 from stores.feature_store import FeatureStore
 from stores.stream_plan import read_consumed
-from tests.peagle_train.train.test_stream import (FULL_OPTS, OPTS, _budget, _full_budget, _weights,  # noqa: F401
-                                                  offline_full, offline_store, packed, packed_full)
+from tests.peagle_train.train.test_stream import FULL_OPTS, OPTS, _budget, _full_budget, _weights
 
 REPO = Path(__file__).resolve().parents[3]
 STEPS = 12  # two epochs of 6 training blocks
@@ -70,6 +69,13 @@ def _offline(tmp_path: Path, offline_store: str, verifier: Path) -> dict:
     return _weights(out)
 
 
+@pytest.fixture(scope="module")
+def offline_weights(tmp_path_factory, offline_store, tiny_verifier_dir) -> dict:
+    """The offline run of STEPS steps (in a process like the streaming ones), trained once: the weights every
+    killed-then-resumed window-context run must end with."""
+    return _offline(tmp_path_factory.mktemp("offline_process"), offline_store, tiny_verifier_dir)
+
+
 def _assert_same(a: dict, b: dict) -> None:
     assert sorted(a) == sorted(b)
     for name in a:
@@ -91,9 +97,11 @@ def _extraction_pids(store: Path) -> list[int]:
     return pids
 
 
-@pytest.mark.parametrize("kill_at", [4, 7])  # after checkpoint-3, and in epoch 2 after checkpoint-6
-@pytest.mark.parametrize("policy", ["reextract", "keep"])
-def test_trainer_killed_then_resumed_equals_offline(tmp_path, packed, offline_store, tiny_verifier_dir, policy, kill_at):
+# the two policies crossed with the two kill points (after checkpoint-3; in epoch 2 after checkpoint-6), not the
+# full 2 x 2 grid: each policy and each point once, epoch 2 under re-extraction (two processes a case)
+@pytest.mark.parametrize("policy, kill_at", [("keep", 4), ("reextract", 7)])
+def test_trainer_killed_then_resumed_equals_offline(tmp_path, packed, offline_store, offline_weights, tiny_verifier_dir,
+                                                    policy, kill_at):
     store, out = tmp_path / "stream.zarr", tmp_path / "stream"
     args = _args(store, out, packed, tiny_verifier_dir, _budget(offline_store, window=3 if policy == "reextract" else 6),
                  policy)
@@ -109,11 +117,12 @@ def test_trainer_killed_then_resumed_equals_offline(tmp_path, packed, offline_st
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout[res.stdout.index("{"):])
     assert summary["resumed_from"] is not None and summary["steps"] == STEPS
-    _assert_same(_offline(tmp_path, offline_store, tiny_verifier_dir), _weights(out))
+    _assert_same(offline_weights, _weights(out))
     assert read_consumed(FeatureStore.open(store)) == STEPS
 
 
-def test_extraction_killed_then_resumed_equals_offline(tmp_path, packed, offline_store, tiny_verifier_dir):
+def test_extraction_killed_then_resumed_equals_offline(tmp_path, packed, offline_store, offline_weights,
+                                                       tiny_verifier_dir):
     store, out = tmp_path / "stream.zarr", tmp_path / "stream"
     args = _args(store, out, packed, tiny_verifier_dir, _budget(offline_store, window=3), "reextract")
     proc = subprocess.Popen([sys.executable, "-m", "cli.train", *args], cwd=REPO, env=_env(),
@@ -136,7 +145,7 @@ def test_extraction_killed_then_resumed_equals_offline(tmp_path, packed, offline
     res = subprocess.run([sys.executable, "-m", "cli.train", *args, "--resume"], cwd=REPO, env=_env(),
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    _assert_same(_offline(tmp_path, offline_store, tiny_verifier_dir), _weights(out))
+    _assert_same(offline_weights, _weights(out))
 
 
 def test_a_resume_keeps_the_plan_and_refuses_another(tmp_path, packed, offline_store, tiny_verifier_dir, one_thread):
