@@ -195,27 +195,6 @@ def test_force_replaces_only_peagles_own_output_and_names_the_foreign_files(tmp_
     assert not check_replaceable(tmp_path / "new", force=False) and foreign_entries(tmp_path / "new") == []
 
 
-def test_a_failed_atomic_write_leaves_no_temporary_file_or_directory(tmp_path):
-    """Issue 44 item 9: a write that fails (a full disk) leaves neither NAME.tmp nor .NAME.tmp beside the output."""
-    import errno
-
-    from stores.staging import atomic_file, replace_dir
-
-    def full(*_):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    (tmp_path / "state.json").write_text("old")
-    with pytest.raises(OSError):
-        with atomic_file(tmp_path / "state.json") as tmp:
-            tmp.write_text("half")
-            full()
-    (tmp_path / "ckpt").mkdir()
-    with pytest.raises(OSError):
-        replace_dir(tmp_path / "ckpt", lambda d: ((d / "w").write_text("half"), full()))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "state.json"]
-    assert (tmp_path / "state.json").read_text() == "old" and not any((tmp_path / "ckpt").iterdir())
-
-
 def test_force_never_replaces_a_users_zarr_group_and_replaces_a_streamed_store(tmp_path):
     """A zarr group without attributes marked itself as a feature store being created, so ``extract --force`` deleted
     a user's zarr data set (``temperature`` under a group with no attributes); and a streamed store's
@@ -275,3 +254,24 @@ def test_force_never_replaces_a_manifest_json_of_another_kind(tmp_path):
     assert foreign_entries(users) == [] and check_replaceable(users, force=True)
     table_kind = next(k for k in OUTPUT_KINDS if k.marker == "manifest.json")
     assert set(table_kind.kind_values) == set(SCHEMAS)
+
+
+def test_a_failed_atomic_write_leaves_no_temporary_file_or_directory(tmp_path):
+    """Issue 44 item 9: a write that fails (a full disk) leaves neither NAME.tmp nor .NAME.tmp beside the output."""
+    import errno
+
+    from stores.staging import atomic_file, replace_dir
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    (tmp_path / "state.json").write_text("old")
+    with pytest.raises(OSError):
+        with atomic_file(tmp_path / "state.json") as tmp:
+            tmp.write_text("half")
+            full()
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(OSError):
+        replace_dir(tmp_path / "ckpt", lambda d: ((d / "w").write_text("half"), full()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "state.json"]
+    assert (tmp_path / "state.json").read_text() == "old" and not any((tmp_path / "ckpt").iterdir())
