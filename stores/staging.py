@@ -71,6 +71,8 @@ class OutputKind:
     new_nodes: tuple[str, ...] = ()
     """With :attr:`zarr_nodes`: while the marker's ``attributes`` are empty (a store being created, or any
     user's zarr group), only the zarr nodes of these names are this kind's."""
+    kind_values: tuple[str, ...] = ()
+    """The values the marker's ``kind`` may have (empty: any; another tool's ``manifest.json`` has a ``kind`` too)."""
 
     def marks(self, directory: Path) -> bool:
         """Whether ``directory``'s marker file is this kind's (readable JSON object with one of the keys)."""
@@ -94,20 +96,28 @@ class OutputKind:
 
     def new(self, directory: Path) -> bool:
         """Whether ``directory`` (one this kind marks) is a zarr group without attributes yet."""
-        if not self.zarr_nodes:
-            return False
-        try:
-            record = json.loads((directory / self.marker).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError):
-            return False
+        record = _marker_record(directory / self.marker) if self.zarr_nodes else None
         return isinstance(record, dict) and not record.get("attributes")
+
+    def kind_ok(self, directory: Path) -> bool:
+        """Whether the marker of ``directory`` (one this kind marks) has a ``kind`` of :attr:`kind_values`."""
+        record = _marker_record(directory / self.marker) if self.kind_values else {}
+        return not self.kind_values or (isinstance(record, dict) and record.get("kind") in self.kind_values)
+
+
+def _marker_record(path: Path):
+    """The JSON value of the marker file ``path``, or None when it cannot be read."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
 
 
 OUTPUT_KINDS = (
     # stores/token_tables.py: part files, manifest.json (last), rejects.jsonl, token_freq.npy, conversations/
     OutputKind("token table", "manifest.json", ("kind",),
                ("manifest.json", "manifest.json.tmp", "part-*.parquet", "rejects.jsonl", "token_freq.npy",
-                "conversations")),
+                "conversations"), kind_values=("tokenized", "packed")),
     # stores/feature_schema.py: a zarr v3 group whose attributes are peagle's (empty while being created)
     # and, streaming, stores/stream_heartbeat.py's stream_heartbeat/. A store being created (attributes not written
     # yet) holds only stores/feature_schema.py's arrays and the contexts group (tests/stores/test_staging.py checks
@@ -136,7 +146,7 @@ def foreign_entries(path: str | os.PathLike, kinds: tuple[OutputKind, ...] = OUT
         return [path]
     entries = sorted(path.iterdir())
     for kind in kinds:
-        if kind.marks(path):
+        if kind.marks(path) and kind.kind_ok(path):
             new = kind.new(path)
             return [e for e in entries if not kind.owns(e, new)]
     return entries

@@ -248,6 +248,8 @@ def test_a_checkpoint_write_on_a_full_disk_is_a_disk_full_error(tmp_path, monkey
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+
+
 def test_force_never_replaces_a_users_zarr_group_and_replaces_a_streamed_store(tmp_path):
     """A zarr group without attributes marked itself as a feature store being created, so ``extract --force`` deleted
     a user's zarr data set (``temperature`` under a group with no attributes); and a streamed store's
@@ -286,3 +288,24 @@ def test_force_never_replaces_a_users_zarr_group_and_replaces_a_streamed_store(t
     store_kind = next(k for k in OUTPUT_KINDS if k.marker == "zarr.json")
     schema = {s.name for s in (*ARRAYS, *WINDOW_ARRAYS, SEGMENT_KEYS)} | {CONTEXTS, STREAM_GROUP}
     assert set(store_kind.new_nodes) == schema and HEARTBEAT_DIR in store_kind.entries
+
+
+def test_force_never_replaces_a_manifest_json_of_another_kind(tmp_path):
+    """Any ``manifest.json`` with a ``kind`` key marked a token table: ``tokenize --force`` into a user's directory
+    holding ``{"kind": "Deployment"}`` and a ``rejects.jsonl`` of theirs replaced both. Only peagle's table kinds
+    mark one (checked against stores/token_tables.py's schemas)."""
+    from stores.errors import ForeignFilesError
+    from stores.staging import OUTPUT_KINDS, check_replaceable, foreign_entries
+    from stores.token_tables import SCHEMAS
+
+    users = tmp_path / "users"
+    users.mkdir()
+    (users / "manifest.json").write_text('{"kind": "Deployment"}')
+    (users / "rejects.jsonl").write_text("mine\n")
+    with pytest.raises(ForeignFilesError):
+        check_replaceable(users, force=True)
+    assert foreign_entries(users) == [users / "manifest.json", users / "rejects.jsonl"]
+    (users / "manifest.json").write_text('{"kind": "packed"}')
+    assert foreign_entries(users) == [] and check_replaceable(users, force=True)
+    table_kind = next(k for k in OUTPUT_KINDS if k.marker == "manifest.json")
+    assert set(table_kind.kind_values) == set(SCHEMAS)
