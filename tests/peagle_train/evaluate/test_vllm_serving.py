@@ -26,10 +26,11 @@ peagle's accepted count of each step is ``min(vLLM's, peagle's drafted)``; and v
 vLLM's drafter loader skips tensors it has no parameter for and leaves parameters no tensor fills at
 their init, without an error, and these briefly trained drafters accept few drafts, so equal counts alone
 would not show that vLLM computes every part of them. For the ``qwen3-layer`` and ``2-layer`` drafters the
-script therefore also starts an engine and reads, in vLLM's worker (``collective_rpc``), the drafter vLLM
-built: its class (``Eagle3Qwen3ForCausalLM`` with ``Qwen3Attention``; ``Eagle3LlamaForCausalLM`` with 2
-layers), and every tensor of the checkpoint equal to the weight vLLM computes with (a linear layer whose
-weight vLLM's CPU backend repacked is applied to the identity), q_norm/k_norm and the second layer included,
+script therefore also reads, in vLLM's worker (``collective_rpc``) of the engine that served the case, before
+that engine stops (no engine of its own: a start took 130-165 s at load 11-14), the drafter vLLM built: its
+class (``Eagle3Qwen3ForCausalLM`` with ``Qwen3Attention``; ``Eagle3LlamaForCausalLM`` with 2 layers), and
+every tensor of the checkpoint equal to the weight vLLM computes with (a linear layer whose weight vLLM's CPU
+backend repacked is applied to the identity), q_norm/k_norm and the second layer included,
 none of vLLM's parameters left at its init but layer 1's ``hidden_norm``, which vLLM builds in every layer
 and its forward reads in layer 0 only (``llama_eagle3.py``).
 """
@@ -73,8 +74,22 @@ LOADED = {  # case: the drafter vLLM builds for it (class, decoder layers, atten
 
 SCRIPT = '''
 import json, sys, time
+import peagle_train.evaluate.vllm_engine as ve
 from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.vllm_engine import vllm_reference, vllm_speculative
+
+INSPECT = {}  # "path": the drafter to read in the running engine's worker before it stops; "loaded": what it read
+_shutdown = ve._shutdown
+
+
+def inspect_then_shutdown(llm):
+    """vllm_generate's engine stop, reading the drafter vLLM built first when INSPECT asks (one engine less)."""
+    if INSPECT.get("path"):
+        INSPECT["loaded"] = llm.collective_rpc(loaded_drafter, args=(INSPECT.pop("path"),))[0]
+    _shutdown(llm)
+
+
+ve._shutdown = inspect_then_shutdown
 
 
 def loaded_drafter(worker, path):
@@ -131,17 +146,12 @@ if __name__ == "__main__":  # vLLM spawns its engine process: the script must be
            "reference_s": time.perf_counter() - t0, "cases": {}}
     for name, (drafter, loading) in job["cases"].items():
         t = time.perf_counter()
+        if name in job["inspect"]:  # what vLLM built and loaded, read in the engine that served the case
+            INSPECT["path"] = drafter
         report = vllm_speculative(ref, drafter, EvalConfig(**settings, vllm_loading=loading))
         out["cases"][name] = {**report, "case_s": time.perf_counter() - t}
-    import vllm
-    for name in job["inspect"]:  # one more engine per drafter: what vLLM built and loaded
-        drafter = job["cases"][name][0]
-        llm = vllm.LLM(model=ref.directory, dtype="float32", enforce_eager=True, seed=0, max_model_len=1024,
-                       max_num_seqs=1, speculative_config={"model": drafter, "method": "eagle3",
-                                                           "parallel_drafting": True, "num_speculative_tokens": 3})
-        out["cases"][name]["loaded"] = llm.collective_rpc(loaded_drafter, args=(drafter,))[0]
-        llm.llm_engine.engine_core.shutdown()
-        del llm
+        if name in job["inspect"]:
+            out["cases"][name]["loaded"] = INSPECT.pop("loaded")
     json.dump(out, open(sys.argv[2], "w"), default=str)
 '''
 
