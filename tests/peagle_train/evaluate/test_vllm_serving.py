@@ -268,11 +268,14 @@ def test_vllm_serves_the_drafter_exactly(served, verifier, case):
           f"of {drafting}; engine start {report['engine_start_s']['speculative']:.0f} s, case {report['case_s']:.0f} s")
 
 
-def test_peagle_eval_engine_vllm_reports_vllms_figures(served):
-    """``peagle-eval --engine vllm`` (speculators loading, ``vllm serve final/``'s path) on the
-    3aux-reduced drafter: the report, plot and counters of the script's native-loading run."""
-    work, drafters, out = served
-    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
+@pytest.fixture(scope="module")
+def peagle_eval(served):
+    """``peagle-eval --engine vllm`` run once, as a user runs it (no ``$VLLM_CPU_KVCACHE_SPACE``), on the
+    3aux-reduced drafter with speculators loading (``vllm serve final/``'s path) at concurrency 2:
+    ``(completed process, the --output report)``."""
+    work, drafters, _ = served
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    env.update(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
     report_path = work / "eval.json"
     proc = subprocess.run(
         [sys.executable, "-m", "cli.eval", "--drafter", str(drafters["3aux-reduced"]), "--prompts",
@@ -280,7 +283,14 @@ def test_peagle_eval_engine_vllm_reports_vllms_figures(served):
          str(MAX_NEW_TOKENS), "--engine", "vllm", "--vllm-loading", "speculators", "--concurrency", "2",
          "--output", str(report_path)], env=env, cwd=work, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    report = json.loads(report_path.read_text())
+    return proc, json.loads(report_path.read_text())
+
+
+def test_peagle_eval_engine_vllm_reports_vllms_figures(served, peagle_eval):
+    """``peagle-eval --engine vllm`` (speculators loading, ``vllm serve final/``'s path) on the
+    3aux-reduced drafter: the report, plot and counters of the script's native-loading run."""
+    work, drafters, out = served
+    _, report = peagle_eval
     assert (work / "eval.png").stat().st_size > 0
     native = out["cases"]["3aux-reduced"]
     assert report["engine"] == "vllm" and report["loading"] == "speculators" and report["identical_to_greedy"]
@@ -293,3 +303,15 @@ def test_peagle_eval_engine_vllm_reports_vllms_figures(served):
         assert t["plain"] > 0 and t["speculative"] > 0 and t["speedup"] == t["speculative"] / t["plain"]
     assert all("<|im_end|>" not in p["text"] for p in report["per_prompt"])
     assert report["cost_model"] == {"skipped": VLLM_COSTS_SKIPPED}  # peagle's costs are not applied to vLLM
+
+
+def test_peagle_eval_engine_vllm_starts_without_the_environment_and_prints_only_json(peagle_eval):
+    """No ``$VLLM_CPU_KVCACHE_SPACE``: peagle gives vLLM its 2 GiB KV cache (recorded); stdout is the report.
+    (It was test_vllm_serve_documented.py's own peagle-eval run on an untrained drafter, two more engine
+    starts; the run above is started the same way.)"""
+    proc, report = peagle_eval
+    printed = json.loads(proc.stdout)  # nothing but the report
+    assert printed["engine"] == "vllm" and printed["identical_to_greedy"] is True
+    assert printed["acceptance_length"] == report["acceptance_length"]
+    assert printed["vllm_memory"] == report["vllm_memory"] == {"kv_cache_memory_bytes": 2 * 2**30}
+    assert "INFO" in proc.stderr  # vLLM's log went to stderr
