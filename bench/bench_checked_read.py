@@ -41,9 +41,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_window_store_read import build, plain_reader, time_passes  # noqa: E402
 
-from stores.chunk_files import CHECKSUM_BYTES  # noqa: E402
-from stores.feature_schema import SEGMENTS, TOKEN_ARRAYS, hidden_arrays  # noqa: E402
-from stores.feature_store import FeatureStore  # noqa: E402
+from stores.features.chunk_files import CHECKSUM_BYTES  # noqa: E402
+from stores.features.feature_schema import SEGMENTS, TOKEN_ARRAYS, hidden_arrays  # noqa: E402
+from stores.features.feature_store import FeatureStore  # noqa: E402
 
 
 def _chunk_bytes(store: FeatureStore, name: str) -> int:

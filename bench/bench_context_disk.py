@@ -6,12 +6,12 @@ per supervised token (the training blocks' ``loss_mask`` summed, the same tokens
 
 - **window context** (``extract --context window``, format 1): the verifier runs every training
   block; tokens extracted = the packed tokens (``n_tokens`` summed); stored slots = blocks × block
-  size (padding included); bytes = every array of :func:`stores.feature_schema.store_arrays` at the
+  size (padding included); bytes = every array of :func:`stores.features.feature_schema.store_arrays` at the
   sizes ``extract`` gives the store.
 - **full context** (``extract --context full --max-context X``, format 2): the plan of
   :func:`peagle_data.extract.contexts.plan_contexts` (the same function extraction calls); tokens
   extracted = the plan's ``tokens_extracted``; stored slots = context blocks × ``context_size``;
-  bytes = :data:`stores.feature_schema.WINDOW_ARRAYS` of the training blocks (token arrays,
+  bytes = :data:`stores.features.feature_schema.WINDOW_ARRAYS` of the training blocks (token arrays,
   ``cu_seqlens``, ``window_views``) + every array of the ``contexts`` sub-store.
 
 Bytes are the arrays' payloads plus their crc32c (4 bytes per chunk) with uncompressed chunks, as
@@ -38,16 +38,16 @@ import numpy as np
 from peagle_data.extract.config import DEFAULT_MAX_CONTEXT
 from peagle_data.extract.contexts import plan_contexts
 from peagle_data.extract.run import PACKED_COLUMNS
-from stores.feature_schema import WINDOW_ARRAYS, ArraySpec, bytes_per_token, dim_sizes, store_arrays
-from stores.model_config import load_model_config, text_config
-from stores.token_tables import TokenTable
+from stores.features.feature_schema import WINDOW_ARRAYS, ArraySpec, bytes_per_token, dim_sizes, store_arrays
+from stores.runtime.model_config import load_model_config, text_config
+from stores.tables.token_tables import TokenTable
 
 WHERE = ["segment_ids", "segment_prefix_lens", "segment_starts"]
 CRC_BYTES = 4
 
 
 def store_bytes(specs: tuple[ArraySpec, ...], sizes: Mapping[str, int]) -> int:
-    """Bytes on disk of ``specs`` at ``sizes`` (:func:`stores.feature_schema.dim_sizes`), every chunk
+    """Bytes on disk of ``specs`` at ``sizes`` (:func:`stores.features.feature_schema.dim_sizes`), every chunk
     written and uncompressed: payload + a crc32c per chunk (zarr.json files excluded)."""
     total = 0
     for spec in specs:

@@ -30,10 +30,10 @@ import torch
 from peagle_data.extract.config import ExtractConfig
 from peagle_data.extract.hf_forward import default_layers, language_model, verifier_features
 from peagle_data.extract.run import run_extract
-from stores.feature_store import FeatureStore
-from stores.model_cache import load_verifier
+from stores.features.feature_store import FeatureStore
+from stores.runtime.model_cache import load_verifier
 from stores.staging import prepare_output_dir
-from stores.token_tables import TableWriter, TokenTable, write_manifest
+from stores.tables.token_tables import TableWriter, TokenTable, write_manifest
 
 
 def subset_table(packed: Path, n_blocks: int, out: Path) -> Path:

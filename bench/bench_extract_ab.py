@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from peagle_data.extract.hf_forward import default_layers, language_model, verifier_features
-from stores.model_cache import load_verifier
-from stores.token_tables import TokenTable
+from stores.runtime.model_cache import load_verifier
+from stores.tables.token_tables import TokenTable
 
 
 def _load_old(old: Path):

@@ -70,7 +70,7 @@ def child(args) -> dict:
 
 def compare(hf: str, vllm: str) -> dict:
     """Worst per-token relative difference ``|a - b| / |a|`` per stored layer and the final slot."""
-    from stores.feature_store import FeatureStore
+    from stores.features.feature_store import FeatureStore
 
     a, b = FeatureStore.open(hf), FeatureStore.open(vllm)
     worst: dict[str, float] = {}

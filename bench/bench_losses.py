@@ -76,7 +76,7 @@ from peagle_train.evaluate.prompts import answer_text, read_prompts, render_turn
 from peagle_train.model.checkpoint import load_drafter  # noqa: E402
 from peagle_train.train.config import TrainConfig  # noqa: E402
 from peagle_train.train.run import build_trainer, run_train  # noqa: E402
-from stores.model_cache import load_tokenizer  # noqa: E402
+from stores.runtime.model_cache import load_tokenizer  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 SPECULATORS = "speculators"

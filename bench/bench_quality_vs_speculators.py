@@ -70,8 +70,8 @@ from peagle_train.train.config import TrainConfig  # noqa: E402
 from peagle_train.train.optim import CosineWithWarmup  # noqa: E402
 from peagle_train.train.run import build_trainer  # noqa: E402
 from peagle_train.train.step import cod_generator  # noqa: E402
-from stores.feature_schema import Block  # noqa: E402
-from stores.model_cache import resolve_model  # noqa: E402
+from stores.features.feature_schema import Block  # noqa: E402
+from stores.runtime.model_cache import resolve_model  # noqa: E402
 
 WARM_STEPS = 5
 """Steps left out of the time and memory medians (allocator and page-cache warm-up)."""

@@ -56,9 +56,9 @@ from peagle_train.data.multistore import conversation_groups
 from peagle_train.data.split import split_store
 from peagle_train.data.stream import make_plan, planned_tokens
 from stores.errors import InputError
-from stores.feature_store import FeatureStore
-from stores.stream_plan import apparent_bytes, block_feature_bytes, unit_store
-from stores.token_tables import TableWriter, TokenTable, write_manifest
+from stores.features.feature_store import FeatureStore
+from stores.features.stream_plan import apparent_bytes, block_feature_bytes, unit_store
+from stores.tables.token_tables import TableWriter, TokenTable, write_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = ["--draft-vocab-size", "4096", "--num-depths", "4", "--lr", "1e-3", "--seed", "0"]

@@ -1,7 +1,7 @@
 """Store verification speed (``peagle-data verify``, and the check ``extract --resume`` runs first),
 against a baseline measured in the same run.
 
-- ``verify``: :func:`stores.feature_repair.verify_store` as shipped: each raw chunk file read once,
+- ``verify``: :func:`stores.features.feature_repair.verify_store` as shipped: each raw chunk file read once,
   its crc32c computed with google_crc32c, NaN/Inf found from the bf16 exponent bits.
 - ``zarr baseline``: the same checks the straightforward way: every chunk of every done block read
   through the zarr API (which verifies the checksum), then the block read again and
@@ -22,8 +22,8 @@ import time
 import numpy as np
 import torch
 
-from stores.feature_repair import verify_store
-from stores.feature_store import FeatureStore
+from stores.features.feature_repair import verify_store
+from stores.features.feature_store import FeatureStore
 
 
 def zarr_baseline(path: str) -> bool:

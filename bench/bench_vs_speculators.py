@@ -159,7 +159,7 @@ def bench_attention(tokens: list[int], repeats: int) -> None:
 def _make_store(path: Path, C: int, n_blocks: int):
     import numpy as np
 
-    from stores.feature_store import FeatureStore
+    from stores.features.feature_store import FeatureStore
 
     store = FeatureStore.create(path, n_blocks=n_blocks, block_size=C, max_segments=4, layers=[2, 15, 27],
                                 hidden_size=576, vocab_size=49152, verifier={"name_or_path": "bench"}, force=True)

@@ -50,8 +50,8 @@ import torch
 from peagle_data.extract.contexts import plan_contexts
 from peagle_data.prepare.packing import make_packed_row, pack_blocks_flexible
 from peagle_data.prepare.windows import make_windows, trim_window
-from stores.feature_schema import SEGMENTS, TOKEN_ARRAYS, hidden_arrays
-from stores.feature_store import FeatureStore
+from stores.features.feature_schema import SEGMENTS, TOKEN_ARRAYS, hidden_arrays
+from stores.features.feature_store import FeatureStore
 
 H, V = 576, 49152
 LAYERS = [2, 15, 27]

@@ -15,8 +15,8 @@ from peagle_data.extract.contexts import PACKINGS
 from peagle_data.extract.run import run_extract
 import peagle_data.inspect.verify
 from peagle_data.inspect.verify import EXIT_DAMAGED, EXIT_UNFINISHED, InspectConfig, VerifyConfig
-from stores.feature_schema import STORAGE_DTYPES
-from stores.feature_store import FeatureStore
+from stores.features.feature_schema import STORAGE_DTYPES
+from stores.features.feature_store import FeatureStore
 
 __all__ = ["extract", "inspect_cmd", "verify", "kept_blocks"]
 

@@ -23,7 +23,7 @@ from peagle_data.prepare.pack import run_pack
 from peagle_data.prepare.tokenizing import run_tokenize
 from peagle_data.prepare.windows import OVERLAP_LOSS
 from peagle_data.readers.rows import FORMATS
-from stores.token_tables import read_first_reject
+from stores.tables.token_tables import read_first_reject
 
 __all__ = ["tokenize", "pack"]
 

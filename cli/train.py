@@ -23,7 +23,7 @@ from peagle_data.extract.config import ENGINES
 from peagle_train.train.config import STREAM_CONTEXTS, STREAM_POLICIES, TrainConfig
 from peagle_train.train.loss import LOSSES
 from peagle_train.train.run import run_train
-from stores.feature_schema import STORAGE_DTYPES
+from stores.features.feature_schema import STORAGE_DTYPES
 
 OVERRIDES = {
     "store": {"type": click.Path()},

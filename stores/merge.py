@@ -29,10 +29,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from stores.errors import ChunkDamageError, InputError, StoreFormatError, StoreMismatchError
-from stores.feature_schema import hidden_arrays
-from stores.feature_store import FeatureStore
+from stores.features.feature_schema import hidden_arrays
+from stores.features.feature_store import FeatureStore
 from stores.staging import staged_output_dir
-from stores.token_tables import (
+from stores.tables.token_tables import (
     CONVERSATIONS,
     REJECTS,
     TokenTable,
@@ -219,7 +219,7 @@ def merge_tables(paths: list[str | os.PathLike], output: str | os.PathLike, forc
 
 
 def _merge_conversations(tables: list[TokenTable], out: Path) -> None:
-    """The packed shards' :data:`~stores.token_tables.CONVERSATIONS` sub-tables joined in shard order
+    """The packed shards' :data:`~stores.tables.token_tables.CONVERSATIONS` sub-tables joined in shard order
     (part files linked); nothing when no shard has one.
 
     Raises:
@@ -272,7 +272,7 @@ def verify_table(path: str | os.PathLike) -> dict[str, Any]:
     a source) or window id (packed) occurs once; for a merged table, the parts
     per shard hold the rows its manifest records, and each shard directory that still exists has
     the manifest recorded (sha256); a packed table's conversations sub-table is the one its manifest
-    records (:func:`~stores.token_tables.conversations_record`).
+    records (:func:`~stores.tables.token_tables.conversations_record`).
 
     Returns:
         ``{"ok": bool, "kind", "rows", "problems": [str, ...]}``.

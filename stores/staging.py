@@ -114,13 +114,13 @@ def _marker_record(path: Path):
 
 
 OUTPUT_KINDS = (
-    # stores/token_tables.py: part files, manifest.json (last), rejects.jsonl, token_freq.npy, conversations/
+    # stores/tables/token_tables.py: part files, manifest.json (last), rejects.jsonl, token_freq.npy, conversations/
     OutputKind("token table", "manifest.json", ("kind",),
                ("manifest.json", "manifest.json.tmp", "part-*.parquet", "rejects.jsonl", "token_freq.npy",
                 "conversations"), kind_values=("tokenized", "packed")),
-    # stores/feature_schema.py: a zarr v3 group whose attributes are peagle's (empty while being created)
-    # and, streaming, stores/stream_heartbeat.py's stream_heartbeat/. A store being created (attributes not written
-    # yet) holds only stores/feature_schema.py's arrays and the contexts group (tests/stores/test_staging.py checks
+    # stores/features/feature_schema.py: a zarr v3 group whose attributes are peagle's (empty while being created)
+    # and, streaming, stores/features/stream_heartbeat.py's stream_heartbeat/. A store being created (attributes not written
+    # yet) holds only stores/features/feature_schema.py's arrays and the contexts group (tests/stores/test_staging.py checks
     # these names against the schema): a user's zarr group has no attributes either, and is never replaced.
     OutputKind("feature store", "zarr.json", ("peagle", "peagle_stream"), ("zarr.json", "stream_heartbeat"),
                zarr_nodes=True,

@@ -30,7 +30,7 @@ from click.testing import CliRunner
 
 from cli.data import COMMANDS
 from cli.data import main as data_main
-from stores.feature_store import FeatureStore
+from stores.features.feature_store import FeatureStore
 from tests.e2e.test_pipeline import CONVERSATIONS
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,8 +15,8 @@ from peagle_data.extract.hf import HfEngine
 from peagle_data.extract.vllm import VllmEngine
 from peagle_data.prepare.shards import check_shard
 from stores.errors import InputError
-from stores.feature_schema import STORAGE_DTYPES
-from stores.vllm_runtime import VllmMemory
+from stores.features.feature_schema import STORAGE_DTYPES
+from stores.runtime.vllm_runtime import VllmMemory
 
 __all__ = ["ATTN_IMPLEMENTATIONS", "CONTEXTS", "DEFAULT_MAX_CONTEXT", "ENGINES", "ExtractConfig", "check_layers"]
 
@@ -38,7 +38,7 @@ one module with one subclass and one entry here; the CLI's choices, the option c
 
 def check_layers(layers: list[int], L: int) -> list[int]:
     """``layers`` (``--layers``), checked against a verifier of ``L`` decoder layers: each in ``0..L`` (0 the
-    embedding output, L the last layer's output before the final norm, :data:`stores.feature_store.LAYER_CONVENTION`)
+    embedding output, L the last layer's output before the final norm, :data:`stores.features.feature_store.LAYER_CONVENTION`)
     and strictly increasing, as vLLM captures them (``sorted(set(ids))``) and feeds the drafter's fc:
     a store in another order would train fc on its inputs swapped (peagle-train refuses such a store too).
 
@@ -208,5 +208,5 @@ class ExtractConfig:
 
     @property
     def vllm_memory(self) -> VllmMemory:
-        """The local vLLM engine's memory (:class:`stores.vllm_runtime.VllmMemory`)."""
+        """The local vLLM engine's memory (:class:`stores.runtime.vllm_runtime.VllmMemory`)."""
         return VllmMemory(kv_cache_gib=self.vllm_kv_cache_gib, gpu_memory_utilization=self.vllm_gpu_memory_utilization)

@@ -63,7 +63,7 @@ class ContextPlan:
         rows: the context blocks as packed rows (``input_ids`` int32, ``loss_mask`` uint8 (the
             conversation's), ``position_ids`` int32 from 0 in every context, ``cu_seqlens`` int32,
             ``n_tokens``), the rows the engines extract.
-        views: per training block, ``[S, 4] int32`` (:data:`stores.feature_schema.VIEW_FIELDS`).
+        views: per training block, ``[S, 4] int32`` (:data:`stores.features.feature_schema.VIEW_FIELDS`).
         context_size: slots of a context block.
         training_rows: the packed table's blocks the plan was made for.
         counts: ``conversations``, ``conversations_split``, ``contexts``, ``tokens_extracted``,

@@ -23,7 +23,7 @@ Legend: T tokens in a block, L aux layers, H hidden size, S segments.
   so ``L`` is the last decoder layer's output **before** the final norm (Hugging Face's
   ``output_hidden_states[l]`` for ``l < L``; its ``[L]`` is normed and is not used). The final,
   post-norm state is returned separately (the KL target source). Store attribute
-  ``layer_convention: "vllm_aux"`` (:data:`stores.feature_store.LAYER_CONVENTION`).
+  ``layer_convention: "vllm_aux"`` (:data:`stores.features.feature_store.LAYER_CONVENTION`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Legend: T tokens in a block, L aux layers, H hidden size, S segments.
   transformers, the reference; its forward is :mod:`peagle_data.extract.hf_forward`) or ``vllm``
   (:mod:`peagle_data.extract.vllm`, the serving engine's hidden states); the store side (create,
   resume, the writer thread) is :mod:`peagle_data.extract.store`, the same for every engine, and the
-  store's damage checks and repair are :mod:`stores.feature_repair`.
+  store's damage checks and repair are :mod:`stores.features.feature_repair`.
 - :func:`run_extract` is a list of stages: :func:`plan_extract` runs every check that needs no weights and
   returns an :class:`ExtractPlan` (the rows, the context plan, the device, the verifier's directory), then the
   engine opens (the weights load), the store is created or resumed, the blocks run, the summary is made.
@@ -39,18 +39,18 @@ from peagle_data.extract.store import BlockWriter, check_resumable, check_same_p
 from peagle_data.extract.stream import extract_stream
 from peagle_data.prepare.dedup import rows_key
 from stores.errors import InputError, StoreFormatError, StoreMismatchError
-from stores.feature_repair import repair_blocks, repair_shared, repair_windows
-from stores.feature_schema import SEGMENTS, TOKEN_ARRAYS
-from stores.feature_store import FeatureStore
+from stores.features.feature_repair import repair_blocks, repair_shared, repair_windows
+from stores.features.feature_schema import SEGMENTS, TOKEN_ARRAYS
+from stores.features.feature_store import FeatureStore
 from stores.files import is_local, is_zarr_store
-from stores.model_cache import model_fingerprint, resolve_model
-from stores.model_config import load_model_config, text_config
-from stores.token_rows import TokenizedRow, content_key
-from stores.token_tables import CONVERSATIONS, MANIFEST, TokenTable
+from stores.runtime.model_cache import model_fingerprint, resolve_model
+from stores.runtime.model_config import load_model_config, text_config
+from stores.tables.token_rows import TokenizedRow, content_key
+from stores.tables.token_tables import CONVERSATIONS, MANIFEST, TokenTable
 from stores.progress import progress as progress_bar
 from stores.staging import check_replaceable
-from stores.verifier_match import check_token_ids, check_verifier_tokenizer
-from stores.vllm_runtime import cpu_bf16_only
+from stores.runtime.verifier_match import check_token_ids, check_verifier_tokenizer
+from stores.runtime.vllm_runtime import cpu_bf16_only
 
 __all__ = ["PACKED_COLUMNS", "ExtractPlan", "plan_extract", "run_extract"]
 

@@ -3,7 +3,7 @@
 Writes run on a background thread behind a bounded queue (:class:`BlockWriter`), so the next forward
 overlaps the store write; a block's ``done`` flag is written after its data. What is about the store's
 files (damage checks, repair on ``--resume``, the shared arrays written from the packed rows) is
-:mod:`stores.feature_repair`; here is what is about the extraction run (its options, the verifier's
+:mod:`stores.features.feature_repair`; here is what is about the extraction run (its options, the verifier's
 description). ``cfg`` is the run's :class:`peagle_data.extract.config.ExtractConfig` (not imported
 here: that module imports the engines, which import this one).
 """
@@ -24,13 +24,13 @@ import torch
 
 from peagle_data.extract.hf_forward import final_norm, language_model, layer_types
 from stores.errors import DiskSpaceError, InputError, OutputExistsError, StoreFormatError
-from stores.feature_repair import check_compatible, write_shared
-from stores.feature_schema import bytes_per_token
-from stores.feature_store import FeatureStore
+from stores.features.feature_repair import check_compatible, write_shared
+from stores.features.feature_schema import bytes_per_token
+from stores.features.feature_store import FeatureStore
 from stores.files import disk_full_error, is_disk_full, is_local
-from stores.model_cache import model_fingerprint
+from stores.runtime.model_cache import model_fingerprint
 from stores.staging import check_replaceable
-from stores.token_tables import TokenTable, manifest_sha256
+from stores.tables.token_tables import TokenTable, manifest_sha256
 
 __all__ = ["BlockWriter", "discard_block", "verifier_desc", "open_packed", "open_or_create", "resumed_dtype", "check_resumable",
            "RESUME_MAY_CHANGE", "check_same_plan"]

@@ -39,9 +39,9 @@ import numpy as np
 from peagle_data.prepare.packing import packing_efficiency
 from peagle_data.prepare.windows import SystemPrefixTooLongError, count_windows
 from stores.errors import InputError
-from stores.feature_store import FeatureStore
+from stores.features.feature_store import FeatureStore
 from stores.files import is_zarr_store
-from stores.token_tables import TokenTable
+from stores.tables.token_tables import TokenTable
 
 __all__ = ["KIND_NAMES", "PERCENTILES", "StatsConfig", "collect_stats", "format_stats", "percentiles_from_counts"]
 

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from stores.errors import StoreMismatchError
-from stores.feature_repair import verify_store
-from stores.feature_store import FeatureStore
+from stores.features.feature_repair import verify_store
+from stores.features.feature_store import FeatureStore
 from stores.files import is_zarr_store
 from stores.merge import verify_table
-from stores.token_tables import TokenTable, manifest_sha256
+from stores.tables.token_tables import TokenTable, manifest_sha256
 
 __all__ = ["InspectConfig", "VerifyConfig", "verify_output", "inspect_output", "store_state", "EXIT_DAMAGED",
            "EXIT_UNFINISHED"]

@@ -29,7 +29,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from peagle_data.readers.rows import Conversation, Reject
-from stores.token_rows import TokenizedRow
+from stores.tables.token_rows import TokenizedRow
 
 __all__ = ["DUPLICATE", "Duplicate", "Deduplicator", "conversation_key", "rows_key", "copy_key", "dedup_items",
            "filter_reason"]

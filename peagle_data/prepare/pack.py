@@ -55,7 +55,7 @@ from typing import Any, Collection, Iterator
 
 import numpy as np
 
-from stores.chat_template import chat_template_sha256, check_chat_template_kwargs
+from stores.chat.chat_template import chat_template_sha256, check_chat_template_kwargs
 from peagle_data.prepare.config import TOKENIZE_ONLY, PackConfig, PackRun, TokenizeConfig
 from peagle_data.prepare.counts import Counts
 from peagle_data.prepare.dedup import Deduplicator, copy_key, duplicate_reject, filter_reason, rows_key
@@ -80,8 +80,8 @@ from peagle_data.readers.inputs import UniqueIds
 from stores.errors import InputError, StoreMismatchError
 from stores.progress import progress
 from stores.staging import staged_output_dir
-from stores.token_rows import TokenizedRow, content_key
-from stores.token_tables import (
+from stores.tables.token_rows import TokenizedRow, content_key
+from stores.tables.token_tables import (
     MANIFEST,
     RejectsWriter,
     CONVERSATIONS,
@@ -92,7 +92,7 @@ from stores.token_tables import (
     write_manifest,
     write_token_freq,
 )
-from stores.verifier_match import check_tokenizer
+from stores.runtime.verifier_match import check_tokenizer
 
 __all__ = ["run_pack", "ignored_tokenize_options"]
 
@@ -317,7 +317,7 @@ class _WindowSpill:
         self.datasets: list[str | None] = []
         """Each window's mixture source (None outside mixtures)."""
         self.keys: list[int] = []
-        """Each window's conversation content key (:func:`stores.token_rows.content_key`)."""
+        """Each window's conversation content key (:func:`stores.tables.token_rows.content_key`)."""
         self.conversations: list[int] = []
         """Each window's conversation, numbered in input order (its per-turn rows are one conversation)."""
         self._end = 0
@@ -362,7 +362,7 @@ def _collect_windows(groups: Iterator[list[TokenizedRow]], cfg: PackConfig, reje
                      counts: Counts, spill: _WindowSpill, conversations: TableWriter) -> None:
     """Cut every conversation's rows into windows, spilled to ``spill``; conversations with none are
     rejected. Each row a kept window comes from is written to ``conversations`` (the packed table's
-    :data:`~stores.token_tables.CONVERSATIONS` sub-table, read by full-context extraction). A row id
+    :data:`~stores.tables.token_tables.CONVERSATIONS` sub-table, read by full-context extraction). A row id
     another row of the run already has (an input id equal to another conversation's per-turn ``ID@k`` or
     mixture-copy ``ID*k`` id) is renamed ``~k`` and counted in ``duplicate_ids_renamed``, so that a window
     id names one row (a sharded run cannot see the other shards' ids: full-context extraction refuses

@@ -10,7 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from stores.token_rows import PackedRow
+from stores.tables.token_rows import PackedRow
 
 __all__ = ["pack_blocks", "pack_blocks_flexible", "make_packed_row", "packing_efficiency"]
 
@@ -113,7 +113,7 @@ def make_packed_row(block_id: int, segments: Sequence[tuple[str, np.ndarray, np.
         segments: ``(segment_id, input_ids int [n_s], loss_mask 0/1 [n_s])`` per window, in order.
 
     Returns:
-        A :class:`~stores.token_rows.PackedRow`: ``input_ids`` int32 [n], ``loss_mask`` uint8 [n],
+        A :class:`~stores.tables.token_rows.PackedRow`: ``input_ids`` int32 [n], ``loss_mask`` uint8 [n],
         ``position_ids`` int32 [n] (restart at 0 in every segment), ``cu_seqlens`` int32 [S + 1]
         ([0, n_0, n_0+n_1, ..., n]), ``segment_ids`` list[str] [S], ``n_tokens``; no mixture columns.
 

@@ -25,7 +25,7 @@ from peagle_data.prepare.dedup import Deduplicator
 from peagle_data.prepare.mixtures import Mixture, is_mixture_file, load_mixture, sample_items
 from peagle_data.readers.inputs import UniqueIds, resolve_inputs
 from stores.errors import InputError
-from stores.token_rows import TokenizedRow
+from stores.tables.token_rows import TokenizedRow
 
 __all__ = ["mixture_of", "input_files", "iter_source_groups", "source_rejected", "source_bump"]
 

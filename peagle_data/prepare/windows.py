@@ -188,7 +188,7 @@ def conversation_windows(rows, max_seq_len: int, overlap: float = 0.5,
     """The windows of one conversation's tokenized rows (one row, or one per assistant turn).
 
     Args:
-        rows: :class:`~stores.token_rows.TokenizedRow` (``conversation_id``, ``input_ids``,
+        rows: :class:`~stores.tables.token_rows.TokenizedRow` (``conversation_id``, ``input_ids``,
             ``loss_mask``, ``system_len`` are read).
         max_seq_len, overlap, overlap_loss: as in :func:`make_windows`.
 

@@ -37,7 +37,7 @@ Normalisation rules (documented decisions):
   list of parts: text parts (``text``, ``input_text``, ``output_text``, ``refusal``, bare strings) are
   kept as parts (one part as its string; a tool message's parts joined with ``"\\n"``), and the chat
   template gets them as vLLM passes them: joined with ``"\\n"`` for a string-content template, as the
-  list for one that loops over content (:mod:`stores.chat_template`); ``reasoning`` parts become
+  list for one that loops over content (:mod:`stores.chat.chat_template`); ``reasoning`` parts become
   ``reasoning_content``, ``tool_call`` parts become ``tool_calls`` entries;
 - a bare tool schema ``{"name", "description", "parameters"}`` in ``tools`` is wrapped as
   ``{"type": "function", "function": ...}``, the form a client sends to vLLM (``tool_schemas_wrapped``);
@@ -85,9 +85,9 @@ from peagle_data.readers.formats import iter_records
 from peagle_data.readers.inputs import UniqueIds, id_stems, resolve_inputs
 from peagle_data.readers.normalize import drop_arrow_nulls, normalize_record
 from peagle_data.readers.rows import FORMATS, Conversation, Reject, RowError
-from stores.chat_template import check_kwargs_names
+from stores.chat.chat_template import check_kwargs_names
 from stores.errors import InputError
-from stores.question_rows import QuestionRowError, question_id, question_turns
+from stores.tables.question_rows import QuestionRowError, question_id, question_turns
 
 __all__ = ["read_conversations"]
 
@@ -106,7 +106,7 @@ def read_conversations(inputs: Sequence[str | os.PathLike], fmt: str = "auto", s
             rejecting the row (``--on-dropped-content keep``).
         ids: the ids already given in this run (the sources of a mixture share one, so an id two sources
             use is renamed too); None starts afresh.
-        questions: also read question rows (:mod:`stores.question_rows`: MT-Bench ``turns``, ``prompt``,
+        questions: also read question rows (:mod:`stores.tables.question_rows`: MT-Bench ``turns``, ``prompt``,
             ``question``; a row with ``messages`` or ``conversations`` is a conversation): each becomes a
             :class:`Conversation` with ``question`` set, a user message per turn each followed by an empty
             assistant message (``regenerate`` answers them); their id is ``question_id``, else ``id``.

@@ -47,7 +47,7 @@ reason, ``template drops <part>``, ``prompt too long``, ``server error`` (after 
 
 Rows are processed in chunks; a chunk's rows are written in input order when it is done, so the
 output does not depend on the back end's batching or concurrency. ``--resume`` skips the rows
-already on disk (a prefix of the input, see :mod:`stores.conversation_files`) and continues; with
+already on disk (a prefix of the input, see :mod:`stores.tables.conversation_files`) and continues; with
 greedy decoding the result equals an uninterrupted run. Sampling (``--temperature`` > 0) is seeded
 but not reproducible across batch shapes, so a resumed sampled run is a valid run, not the same one.
 """
@@ -62,15 +62,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from peagle_data.chat.dropped import dropped_reason, dropped_content
-from stores.chat_template import ChatTemplate, ChatTemplateError, check_kwargs_names, loads_unique, render
+from stores.chat.chat_template import ChatTemplate, ChatTemplateError, check_kwargs_names, loads_unique, render
 from peagle_data.readers.conversations import read_conversations
 from peagle_data.readers.inputs import resolve_inputs
 from peagle_data.readers.rows import FORMATS, Conversation, Reject
 from peagle_data.regenerate.backends import Answer, BackendConfig, Request, prompt_tokens
-from stores.setting_mixtures import (Mixture, RowSettings, mode_options, normalised, parse_mixture, row_settings,
+from stores.chat.setting_mixtures import (Mixture, RowSettings, mode_options, normalised, parse_mixture, row_settings,
                                      temperature_value, template_variables)
-from stores.answer_parsing import check_reasoning_parser
-from stores.conversation_files import ConversationWriter, check_output, read_regenerate_manifest
+from stores.chat.answer_parsing import check_reasoning_parser
+from stores.tables.conversation_files import ConversationWriter, check_output, read_regenerate_manifest
 from stores.errors import InputError
 from stores.progress import progress
 

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from stores.errors import InputError, StoreFormatError
-from stores.feature_schema import Block
+from stores.features.feature_schema import Block
 
 __all__ = ["Block", "derive_seed", "split_blocks", "epoch_order", "check_store_ready", "BlockSequence",
            "BlockLoader", "to_block", "data_state", "resume_cursor", "READ_REQUEST_BYTES", "DATA_STATE_FORMAT",

@@ -27,9 +27,9 @@ import numpy as np
 
 from peagle_train.data.loader import check_store_ready
 from peagle_train.data.split import SPLIT_CONVERSATIONS, block_groups, block_leads, split_store
-from stores.chat_template import chat_template_kwargs_record, describe_kwargs
+from stores.chat.chat_template import chat_template_kwargs_record, describe_kwargs
 from stores.errors import InputError, StoreFormatError, StoreMismatchError
-from stores.feature_store import FeatureStore
+from stores.features.feature_store import FeatureStore
 from stores.files import is_local
 
 __all__ = ["expand_store_args", "open_stores", "StoreSet", "split_per_store", "store_identities", "store_identity",
@@ -160,7 +160,7 @@ def _check_same_features(stores) -> None:
                 f"{s.path} holds data rendered with chat template kwargs {describe_kwargs(mode)}, {first.path} with "
                 f"{describe_kwargs(first_mode)}; one drafter trains in the mode its verifier is served in: pack every "
                 "store's data with the same --chat-template-kwargs")
-        for key in ("final",):  # layer_convention: stores.feature_store.check_layer_convention, per store
+        for key in ("final",):  # layer_convention: stores.features.feature_store.check_layer_convention, per store
             if s.attrs.get(key) != first.attrs.get(key):
                 raise StoreMismatchError(f"{s.path}: {key} {s.attrs.get(key)!r} differs from {first.path}'s "
                                          f"{first.attrs.get(key)!r}")

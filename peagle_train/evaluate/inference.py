@@ -47,7 +47,7 @@ from peagle_train.model.checkpoint import check_servable_checkpoint, find_drafte
 from peagle_train.model.drafter import PEagleDrafter
 from peagle_train.model.warm_start import load_init_weights, read_init_source
 from stores.errors import InputError
-from stores.model_cache import load_tokenizer, load_verifier
+from stores.runtime.model_cache import load_tokenizer, load_verifier
 
 __all__ = ["PEAGLEInference", "InferenceResult", "StreamChunk", "acceptance_summary", "load_for_decoding",
            "load_any_drafter"]

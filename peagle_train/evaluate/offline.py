@@ -23,9 +23,9 @@ from peagle_train.evaluate.speculative import checked_num_draft_tokens
 from peagle_train.model.attention import element_attention
 from peagle_train.model.checkpoint import load_drafter
 from stores.errors import StoreMismatchError
-from stores.feature_store import FeatureStore
-from stores.model_cache import load_tokenizer, load_verifier
-from stores.verifier_match import check_store_verifier
+from stores.features.feature_store import FeatureStore
+from stores.runtime.model_cache import load_tokenizer, load_verifier
+from stores.runtime.verifier_match import check_store_verifier
 
 
 def _argmax_chunked(x: torch.Tensor, head: torch.Tensor, rows: int = 1024) -> torch.Tensor:
@@ -353,7 +353,7 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
     Raises:
         StoreFormatError: not a feature store or not a drafter checkpoint.
         StoreMismatchError: the store's layers / sizes do not fit the drafter; no done block; the
-            verifier is not the store's (:func:`stores.verifier_match.check_store_verifier`).
+            verifier is not the store's (:func:`stores.runtime.verifier_match.check_store_verifier`).
     """
     EvalConfig(max_blocks=max_blocks, chunk_anchors=chunk_anchors, num_draft_tokens=num_depths)
     drafter = load_drafter(drafter_dir).eval()

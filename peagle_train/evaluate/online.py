@@ -21,7 +21,7 @@ from peagle_train.evaluate.speculative import GenerationResult, acceptance_schem
 from peagle_train.evaluate.tree import TreeGenerationResult, TreeSpec
 from peagle_train.model.checkpoint import load_drafter
 from stores.errors import InputError
-from stores.model_cache import load_tokenizer
+from stores.runtime.model_cache import load_tokenizer
 
 
 def _turn_seed(seed: int, turn_index: int) -> int:

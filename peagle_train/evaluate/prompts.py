@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stores.answer_parsing import AnswerFormatError, answer_message, parse_answer
-from stores.chat_template import ChatTemplate, prompt_ids, render
+from stores.chat.answer_parsing import AnswerFormatError, answer_message, parse_answer
+from stores.chat.chat_template import ChatTemplate, prompt_ids, render
 from stores.errors import InputError
 from stores.files import json_line_problem
-from stores.question_rows import QUESTION_FIELDS, QuestionRowError, question_id, question_turns
-from stores.setting_mixtures import row_settings
+from stores.tables.question_rows import QUESTION_FIELDS, QuestionRowError, question_id, question_turns
+from stores.chat.setting_mixtures import row_settings
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def _parse_prompt(obj: Any, file: str, row: int) -> Prompt:
 def read_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
     """Read prompts from a JSONL file (blank lines skipped).
 
-    Lines are question rows (:mod:`stores.question_rows`, as ``regenerate`` reads them): MT-Bench
+    Lines are question rows (:mod:`stores.tables.question_rows`, as ``regenerate`` reads them): MT-Bench
     ``{"question_id", "turns": [str, ...]}`` (every turn is evaluated, with the verifier's earlier answers
     as history), ``{"prompt": str}`` or ``{"question": str}``; or OpenAI ``{"messages": [...]}``: only the last user turn
     is evaluated, with the messages before it (their assistant turns as written, not the verifier's)
@@ -122,7 +122,7 @@ def render_turn(tokenizer, prompt: Prompt, turn: int, answers: Sequence[str | di
                 chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of turn ``turn`` of ``prompt`` (:func:`turn_messages`) with the verifier's chat template
     and a generation prompt, rendered as vLLM's chat endpoint renders the same messages and as
-    ``tokenize`` and ``regenerate`` render them (:func:`stores.chat_template.prompt_ids`: content as text
+    ``tokenize`` and ``regenerate`` render them (:func:`stores.chat.chat_template.prompt_ids`: content as text
     parts for a template that loops over content, developer messages as vLLM passes them).
 
     Args:
@@ -150,8 +150,8 @@ def prompt_modes(prompts: Sequence[Prompt], fixed: dict[str, Any] | None, variab
                  seed: int) -> list[dict[str, Any]]:
     """Each prompt's chat template variables: the run's ``fixed`` ones (the mode, ``--chat-template-kwargs``
     or the drafter's) with the ones it draws from ``variables`` (``EvalConfig.mode_variables``: a value or a
-    :class:`~stores.setting_mixtures.Mixture` each) on top, drawn as ``regenerate`` draws a row's
-    (:func:`stores.setting_mixtures.row_settings`, from ``seed`` and the prompt id; a variable of both is
+    :class:`~stores.chat.setting_mixtures.Mixture` each) on top, drawn as ``regenerate`` draws a row's
+    (:func:`stores.chat.setting_mixtures.row_settings`, from ``seed`` and the prompt id; a variable of both is
     the drawn one's). Every turn of a prompt is rendered, and its answers parsed, in the prompt's mode."""
     fixed = dict(fixed or {})
     if not variables:
@@ -183,7 +183,7 @@ def history_message(tokenizer, tokens: Sequence[int], eos: Iterable[int], reason
                     chat_template_kwargs: dict[str, Any] | None = None, where: str = "") -> dict[str, Any]:
     """The assistant message a client of ``vllm serve --reasoning-parser reasoning_parser`` sends back for
     generated ``tokens``: the parser's content, and its reasoning as ``reasoning_content`` (rendered only
-    where the chat template renders earlier reasoning) (:func:`stores.answer_parsing.parse_answer`; no
+    where the chat template renders earlier reasoning) (:func:`stores.chat.answer_parsing.parse_answer`; no
     parser: the ``skip_special_tokens`` decode, as :func:`answer_text`, vLLM without a reasoning parser).
 
     Args:

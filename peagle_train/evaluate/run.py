@@ -21,8 +21,8 @@ from peagle_train.evaluate.report import foreign_report_files, write_acceptance_
 from peagle_train.evaluate.vllm_engine import check_vllm_sampling, import_vllm, run_vllm_eval, vllm_on_cpu
 from peagle_train.model.checkpoint import find_drafter, load_drafter
 from stores.errors import ForeignFilesError, OutputExistsError
-from stores.feature_store import FeatureStore
-from stores.model_config import load_model_config
+from stores.features.feature_store import FeatureStore
+from stores.runtime.model_config import load_model_config
 from stores.progress import progress
 
 __all__ = ["EvalRun", "run_eval", "VLLM_COSTS_SKIPPED", "OFFLINE_COSTS_NOT_ASKED"]

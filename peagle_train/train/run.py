@@ -56,9 +56,9 @@ from peagle_train.train.stream import (Extraction, check_stream_start, plan_run_
                                        resolve_stream_context, wait_for_store)
 from peagle_train.train.trainer import StreamRun, Trainer, TrainRun
 from stores.errors import InputError, MissingDependencyError, StoreFormatError
-from stores.feature_store import FeatureStore
+from stores.features.feature_store import FeatureStore
 from stores.files import is_zarr_store, strict_json
-from stores.stream_plan import (fsync_tree, has_plan, parse_size, read_consumed, read_plan, remove_plan,
+from stores.features.stream_plan import (fsync_tree, has_plan, parse_size, read_consumed, read_plan, remove_plan,
                                 write_plan)
 
 __all__ = ["run_train", "TrainPlan", "plan_train", "load_trainer", "build_trainer", "resumed_message",

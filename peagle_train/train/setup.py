@@ -28,11 +28,11 @@ from peagle_train.model.config import ROPE_TYPES, DrafterConfig
 from peagle_train.model.warm_start import InitSource, check_verifier_layers, read_init_source
 from peagle_train.train.config import FIELD_DEFAULTS, TrainConfig, flat_settings
 from stores.errors import InputError, PeagleError, StoreMismatchError
-from stores.feature_store import check_layer_convention
-from stores.model_cache import load_verifier, model_fingerprint, resolve_model
-from stores.model_config import load_model_config, text_config
+from stores.features.feature_store import check_layer_convention
+from stores.runtime.model_cache import load_verifier, model_fingerprint, resolve_model
+from stores.runtime.model_config import load_model_config, text_config
 from stores.staging import check_replaceable
-from stores.verifier_match import check_store_verifier
+from stores.runtime.verifier_match import check_store_verifier
 
 __all__ = [
     "VerifierHeads",
@@ -102,8 +102,8 @@ def load_verifier_heads(name: str, store, mask_token_id: int, last_layers: int =
 
     Raises:
         StoreMismatchError: the verifier's content fingerprint, tokenizer, hidden size or vocab size
-            differs from the store's (:func:`stores.verifier_match.check_store_verifier`).
-        ModelNotFoundError / MissingDependencyError: from :func:`stores.model_cache.resolve_model`.
+            differs from the store's (:func:`stores.runtime.verifier_match.check_store_verifier`).
+        ModelNotFoundError / MissingDependencyError: from :func:`stores.runtime.model_cache.resolve_model`.
     """
     check_store_verifier(store, name)
     model = load_verifier(name, dtype=torch.float32, device="cpu")
@@ -369,12 +369,12 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str, init: Init
             (packed table, shard, block count, layers, verifier fingerprint or the features' context).
         StoreMismatchError: the verifier's config has another hidden or vocab size than the store, or
             the verifier is not the store's (content fingerprint, or the tokenizer the store's ids were
-            made with: :func:`stores.verifier_match.check_store_verifier`).
+            made with: :func:`stores.runtime.verifier_match.check_store_verifier`).
         InputError: a verifier RoPE the drafter cannot compute (``dynamic``, ``longrope``); a drafter
             vLLM could not serve as trained (:func:`peagle_train.model.checkpoint.vllm_problems`: aux layers
             not increasing, an activation other than silu, ...).
         StoreFormatError: a store whose aux layer L is the normed final state (extracted by an older
-            peagle: :func:`stores.feature_store.check_layer_convention`).
+            peagle: :func:`stores.features.feature_store.check_layer_convention`).
         InputError: an ``--init-from`` drafter (``init``) that does not fit the store, the verifier or the
             options (:func:`check_init_source`); ``--init-layers verifier`` with a verifier whose layers the
             drafter's cannot copy (:func:`peagle_train.model.warm_start.check_verifier_layers`).

@@ -40,7 +40,7 @@ from peagle_train.train.step import (
 )
 from stores.errors import NonFiniteError
 from stores.progress import progress
-from stores.stream_plan import StreamPlan
+from stores.features.stream_plan import StreamPlan
 
 __all__ = ["Trainer", "TrainRun", "StreamRun"]
 

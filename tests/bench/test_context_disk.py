@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from peagle_data.extract.contexts import plan_contexts
-from stores.feature_schema import SEGMENTS
+from stores.features.feature_schema import SEGMENTS
 from tests.bench.bench_modules import load_bench
 
 

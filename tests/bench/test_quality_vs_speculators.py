@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stores.feature_schema import Block
+from stores.features.feature_schema import Block
 
 REPO = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("bench_quality_vs_speculators",

@@ -9,15 +9,15 @@ import pytest
 from click.testing import CliRunner
 
 from cli.data_prepare import pack, tokenize
-from stores.token_tables import TokenTable
+from stores.tables.token_tables import TokenTable
 
 
 @pytest.fixture()
 def tok_name(monkeypatch, smollm2_tokenizer):
     """``--tokenizer`` value; loading it returns the session's SmolLM2 tokenizer (no reload)."""
-    import stores.model_cache
+    import stores.runtime.model_cache
 
-    monkeypatch.setattr(stores.model_cache, "load_tokenizer", lambda name: smollm2_tokenizer)
+    monkeypatch.setattr(stores.runtime.model_cache, "load_tokenizer", lambda name: smollm2_tokenizer)
     return "smollm2-135m"
 
 

@@ -13,7 +13,7 @@ STORE_HINT = ("is a feature store (zarr.json), not a token table: this command r
 
 
 def _store(path) -> str:
-    from stores.feature_store import FeatureStore
+    from stores.features.feature_store import FeatureStore
 
     FeatureStore.create(str(path), n_blocks=1, block_size=8, max_segments=1, layers=[1, 2, 3], hidden_size=64,
                         vocab_size=49152, verifier={"name_or_path": "tiny"})

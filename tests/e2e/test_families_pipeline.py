@@ -20,9 +20,9 @@ from cli.data import main as data_main
 from cli.eval import main as eval_main
 from cli.train import main as train_main
 from peagle_train.train.setup import verifier_rope
-from stores.feature_store import FeatureStore
-from stores.model_cache import load_verifier
-from stores.token_tables import TokenTable
+from stores.features.feature_store import FeatureStore
+from stores.runtime.model_cache import load_verifier
+from stores.tables.token_tables import TokenTable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from e2e.test_pipeline import CONVERSATIONS, PROMPTS, _run  # noqa: E402
@@ -44,7 +44,7 @@ def test_family_through_the_cli(tmp_path, smollm2_tokenizer_dir, family):
     store = FeatureStore.open(tmp_path / "f.zarr")
     text = family_config(family, 49152).get_text_config()
     assert store.attrs["verifier"]["num_hidden_layers"] == text.num_hidden_layers
-    from stores.model_cache import load_verifier
+    from stores.runtime.model_cache import load_verifier
 
     verifier = load_verifier(model, device="cpu")
     b = store.read_block(0)

@@ -17,7 +17,7 @@ from cli.data import main as data_main
 from cli.eval import main as eval_main
 from cli.train import main as train_main
 from peagle_train.train.config import flat_settings
-from stores.feature_store import FeatureStore
+from stores.features.feature_store import FeatureStore
 from tests.e2e.test_pipeline import CONVERSATIONS
 
 

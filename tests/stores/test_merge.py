@@ -18,10 +18,10 @@ from peagle_data.prepare.config import PackConfig, PackRun, TokenizeConfig, Toke
 from peagle_data.prepare.pack import run_pack
 from peagle_data.prepare.tokenizing import run_tokenize
 from stores.errors import InputError, StoreFormatError, StoreMismatchError
-from stores.feature_repair import verify_store
-from stores.feature_store import FeatureStore
+from stores.features.feature_repair import verify_store
+from stores.features.feature_store import FeatureStore
 from stores.merge import merge_stores, merge_tables, verify_table
-from stores.token_tables import CONVERSATIONS, TokenTable, conversations_record
+from stores.tables.token_tables import CONVERSATIONS, TokenTable, conversations_record
 
 from tests.long_conversations import long_conversations
 from tests.peagle_data.extract.test_run import pack_conversations, write_packed
@@ -103,7 +103,7 @@ def test_merge_refuses_incomplete_or_foreign_shards_and_verify_finds_overlaps(tm
 
 
 def test_merged_pack_shards_record_their_conversations_and_refuse_a_changed_one(tmp_path, smollm2_tokenizer):
-    from tests.stores.test_token_tables import _rewrite
+    from tests.stores.tables.test_token_tables import _rewrite
 
     src = tmp_path / "c.jsonl"
     src.write_text("".join(json.dumps(c) + "\n" for c in long_conversations(6)))

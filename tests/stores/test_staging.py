@@ -254,15 +254,15 @@ def test_force_never_replaces_a_users_zarr_group_and_replaces_a_streamed_store(t
     """A zarr group without attributes marked itself as a feature store being created, so ``extract --force`` deleted
     a user's zarr data set (``temperature`` under a group with no attributes); and a streamed store's
     ``stream_heartbeat/`` was foreign, so ``--force`` refused peagle's own store. A store being created holds only the
-    schema's arrays (the names checked against stores/feature_schema.py)."""
+    schema's arrays (the names checked against stores/features/feature_schema.py)."""
     import zarr
 
     from stores.errors import ForeignFilesError
-    from stores.feature_schema import ARRAYS, SEGMENT_KEYS, WINDOW_ARRAYS
-    from stores.feature_store import CONTEXTS
+    from stores.features.feature_schema import ARRAYS, SEGMENT_KEYS, WINDOW_ARRAYS
+    from stores.features.feature_store import CONTEXTS
     from stores.staging import OUTPUT_KINDS, check_replaceable, foreign_entries
-    from stores.stream_heartbeat import HEARTBEAT_DIR
-    from stores.stream_plan import STREAM_GROUP
+    from stores.features.stream_heartbeat import HEARTBEAT_DIR
+    from stores.features.stream_plan import STREAM_GROUP
 
     users = tmp_path / "users.zarr"
     group = zarr.open_group(str(users), mode="w")
@@ -293,10 +293,10 @@ def test_force_never_replaces_a_users_zarr_group_and_replaces_a_streamed_store(t
 def test_force_never_replaces_a_manifest_json_of_another_kind(tmp_path):
     """Any ``manifest.json`` with a ``kind`` key marked a token table: ``tokenize --force`` into a user's directory
     holding ``{"kind": "Deployment"}`` and a ``rejects.jsonl`` of theirs replaced both. Only peagle's table kinds
-    mark one (checked against stores/token_tables.py's schemas)."""
+    mark one (checked against stores/tables/token_tables.py's schemas)."""
     from stores.errors import ForeignFilesError
     from stores.staging import OUTPUT_KINDS, check_replaceable, foreign_entries
-    from stores.token_tables import SCHEMAS
+    from stores.tables.token_tables import SCHEMAS
 
     users = tmp_path / "users"
     users.mkdir()

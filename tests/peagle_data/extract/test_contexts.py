@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from peagle_data.extract.contexts import plan_contexts
-from stores.token_tables import TokenTable
+from stores.tables.token_tables import TokenTable
 from tests.peagle_data.extract.test_full_context import synthetic_conversations, write_packed_conversations
 
 SHAPES = [(10, 3), (40, 3), (14, 0), (30, 0), (12, 2), (9, 0), (11, 0)]

@@ -21,9 +21,9 @@ from peagle_data.extract.config import ExtractConfig
 from peagle_data.extract.hf_forward import check_packable, language_model, segments_alone, verifier_features
 from peagle_data.extract.run import run_extract
 from stores.errors import InputError
-from stores.feature_store import FeatureStore
+from stores.features.feature_store import FeatureStore
 from stores.staging import prepare_output_dir
-from stores.token_tables import TableWriter, write_manifest
+from stores.tables.token_tables import TableWriter, write_manifest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from families import (FAMILIES, HYBRID, SLIDING, build_family, family_config, hidden_states_as_stored,  # noqa: E402

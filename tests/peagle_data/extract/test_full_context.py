@@ -27,11 +27,11 @@ from peagle_data.extract.run import run_extract
 from peagle_data.prepare.packing import make_packed_row, pack_blocks_flexible
 from peagle_data.prepare.windows import make_windows, trim_window
 from stores.errors import InputError, StoreMismatchError
-from stores.feature_repair import verify_store
-from stores.feature_store import CONTEXTS, FeatureStore
+from stores.features.feature_repair import verify_store
+from stores.features.feature_store import CONTEXTS, FeatureStore
 from stores.staging import prepare_output_dir
-from stores.token_rows import TokenizedRow
-from stores.token_tables import CONVERSATIONS, TableWriter, TokenTable, conversations_record, write_manifest
+from stores.tables.token_rows import TokenizedRow
+from stores.tables.token_tables import CONVERSATIONS, TableWriter, TokenTable, conversations_record, write_manifest
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests"))
@@ -394,7 +394,7 @@ def test_smollm2_every_token_equals_its_whole_conversation_forward(tmp_path, smo
     from transformers import AutoModelForCausalLM
 
     from long_conversations import pack_long
-    from stores.model_cache import resolve_model
+    from stores.runtime.model_cache import resolve_model
 
     packed = pack_long(tmp_path / "p", smollm2_tokenizer_dir)
     layers = [2, 15, 30]  # 30: the last decoder layer's output before the final norm

@@ -16,10 +16,10 @@ from peagle_data.extract.run import run_extract
 from peagle_data.prepare.config import PackConfig, PackRun
 from peagle_data.prepare.pack import run_pack
 from stores.errors import DiskSpaceError, InputError, OutputExistsError, StoreMismatchError
-from stores.feature_repair import verify_store
-from stores.feature_store import FeatureStore
+from stores.features.feature_repair import verify_store
+from stores.features.feature_store import FeatureStore
 from stores.staging import prepare_output_dir
-from stores.token_tables import TableWriter, write_manifest
+from stores.tables.token_tables import TableWriter, write_manifest
 from tests.peagle_data.prepare.test_mixtures import conv, write_jsonl
 
 REPO = Path(__file__).resolve().parents[3]
@@ -30,7 +30,7 @@ from processes import kill_runs  # noqa: E402
 
 def write_packed(directory: Path, n_blocks: int, block_size: int, seed: int = 0) -> Path:
     """A packed table of random blocks (2-3 segments each, each its own conversation key) written through
-    stores.token_tables, without a conversations sub-table: extract it with ``--context window`` (format 1; the default, full, refuses it)."""
+    stores.tables.token_tables, without a conversations sub-table: extract it with ``--context window`` (format 1; the default, full, refuses it)."""
     rng = np.random.default_rng(seed)
     prepare_output_dir(directory, force=True)
     with TableWriter(directory, "packed") as w:
@@ -64,7 +64,7 @@ def pack_conversations(directory: Path, tokenizer, max_seq_len: int = 64) -> Pat
 def window_ends(packed: Path) -> dict[str, int]:
     """Conversation id -> the end of its windows' last token in it (``segment_starts + n - prefix_len``,
     the most over its windows): the tokens ``--context full`` runs of it."""
-    from stores.token_tables import TokenTable
+    from stores.tables.token_tables import TokenTable
 
     ends: dict[str, int] = {}
     for r in TokenTable.open(packed).iter_rows(["cu_seqlens", "segment_ids", "segment_prefix_lens", "segment_starts"]):
@@ -261,7 +261,7 @@ def test_bad_device_and_wrong_verify_table_are_clear_errors(tmp_path, tiny_verif
 def test_model_fingerprint_tells_same_shape_models_apart(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from stores.model_cache import model_fingerprint
+    from stores.runtime.model_cache import model_fingerprint
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1)
@@ -293,7 +293,7 @@ def test_refuses_when_disk_is_short_unless_forced(tmp_path, tiny_verifier_dir, m
 
 @pytest.mark.slow  # converts the real SmolLM2-135M once (~45 s) into the cache
 def test_real_smollm2_segments_equal_segments_alone():
-    from stores.model_cache import load_verifier
+    from stores.runtime.model_cache import load_verifier
 
     verifier = load_verifier("smollm2-135m", device="cpu")
     torch.manual_seed(0)

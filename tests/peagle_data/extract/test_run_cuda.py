@@ -16,8 +16,8 @@ from peagle_data.extract.config import ExtractConfig
 from peagle_data.extract.hf_forward import verifier_features
 from peagle_data.extract.run import run_extract
 from peagle_data.extract.store import BlockWriter
-from stores.feature_repair import verify_store
-from stores.feature_store import FeatureStore
+from stores.features.feature_repair import verify_store
+from stores.features.feature_store import FeatureStore
 from tests.peagle_data.extract.test_run import write_packed
 
 pytestmark = [pytest.mark.cuda,
@@ -31,7 +31,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _load(tiny_verifier_dir, attn: str):
-    from stores.model_cache import load_verifier
+    from stores.runtime.model_cache import load_verifier
 
     return load_verifier(str(tiny_verifier_dir), device="cuda", attn_implementation=attn)
 

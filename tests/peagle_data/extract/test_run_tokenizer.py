@@ -14,9 +14,9 @@ from click.testing import CliRunner
 from peagle_data.extract.config import ExtractConfig
 from peagle_data.extract.run import run_extract
 from stores.errors import StoreMismatchError
-from stores.feature_store import FeatureStore
-from stores.token_tables import TokenTable
-from stores.verifier_match import tokenizer_fingerprint
+from stores.features.feature_store import FeatureStore
+from stores.tables.token_tables import TokenTable
+from stores.runtime.verifier_match import tokenizer_fingerprint
 
 from .test_run import pack_conversations, write_packed
 

@@ -17,9 +17,9 @@ from peagle_data.extract.config import ExtractConfig
 from peagle_data.extract.run import run_extract
 from peagle_train.data.split import split_store
 from stores.errors import StoreFormatError
-from stores.feature_repair import verify_store
-from stores.feature_store import FeatureStore
-from stores.token_tables import TokenTable
+from stores.features.feature_repair import verify_store
+from stores.features.feature_store import FeatureStore
+from stores.tables.token_tables import TokenTable
 from tests.long_conversations import long_conversations
 
 

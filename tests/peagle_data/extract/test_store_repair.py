@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from peagle_data.extract.config import ExtractConfig
 from peagle_data.extract.run import run_extract
-from stores.feature_repair import verify_store
+from stores.features.feature_repair import verify_store
 
 from .test_run import chunk_bytes, write_packed
 

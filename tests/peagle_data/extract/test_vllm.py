@@ -25,11 +25,11 @@ import torch
 from peagle_data.extract.config import ExtractConfig
 from peagle_data.extract.run import run_extract
 from stores.errors import InputError
-from stores.feature_repair import verify_store
-from stores.feature_store import FeatureStore
+from stores.features.feature_repair import verify_store
+from stores.features.feature_store import FeatureStore
 from stores.staging import prepare_output_dir
-from stores.stream_plan import read_consumed, read_plan
-from stores.token_tables import TableWriter, write_manifest
+from stores.features.stream_plan import read_consumed, read_plan
+from stores.tables.token_tables import TableWriter, write_manifest
 from tests.peagle_data.extract.test_run import chunk_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -148,7 +148,7 @@ def assert_prenorm_layer(store: Path, model_dir, L: int, label: str) -> float:
 @pytest.mark.slow  # one vLLM engine start (~50 s)
 def test_smollm2_vllm_equals_hf(tmp_path):
     """SmolLM2-135M: layers 2, 15, 27 and the final slot equal the hf engine's; 30 is the pre-norm output."""
-    from stores.model_cache import resolve_model
+    from stores.runtime.model_cache import resolve_model
 
     model = resolve_model("smollm2-135m")
     packed = write_packed(tmp_path / "packed", n_blocks=3, vocab=49152, longest=40)

@@ -16,7 +16,7 @@ import torch
 from peagle_data.extract.config import ExtractConfig
 from peagle_data.extract.run import run_extract
 from stores.errors import InputError
-from stores.feature_store import FeatureStore
+from stores.features.feature_store import FeatureStore
 from tests.long_conversations import pack_long
 from tests.peagle_data.extract.test_vllm import assert_within_rounding, compare_stores, extract_cli
 

@@ -12,7 +12,7 @@ from peagle_data.prepare.config import PackConfig, PackRun, TokenizeConfig, Toke
 from peagle_data.prepare.pack import run_pack
 from peagle_data.prepare.tokenizing import run_tokenize
 from peagle_data.inspect.show import render_text, select_items, supervised_spans
-from stores.token_tables import TokenTable
+from stores.tables.token_tables import TokenTable
 
 ROWS = [
     {"id": "a", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]},
@@ -84,7 +84,7 @@ def test_colour_per_turn_ids_and_errors(tables):
 
 
 def test_show_of_an_empty_table_says_it_is_empty(tmp_path):
-    from stores.token_tables import TableWriter, write_manifest
+    from stores.tables.token_tables import TableWriter, write_manifest
 
     (tmp_path / "empty").mkdir()
     with TableWriter(tmp_path / "empty", "tokenized"):

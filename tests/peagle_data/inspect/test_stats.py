@@ -14,8 +14,8 @@ from peagle_data.extract.run import run_extract
 from peagle_data.prepare.packing import make_packed_row
 from peagle_data.inspect.stats import collect_stats, format_stats, percentiles_from_counts
 from peagle_data.inspect.stats_plot import plot_stats
-from stores.feature_store import FeatureStore
-from stores.token_tables import TableWriter, TokenTable, write_manifest
+from stores.features.feature_store import FeatureStore
+from stores.tables.token_tables import TableWriter, TokenTable, write_manifest
 
 from tests.peagle_data.extract.test_run import pack_conversations, window_ends
 

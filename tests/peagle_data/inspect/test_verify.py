@@ -14,9 +14,9 @@ from click.testing import CliRunner
 from cli.data import main
 from peagle_data.extract.config import ExtractConfig
 from peagle_data.extract.run import run_extract
-from stores.feature_repair import verify_store
-from stores.feature_store import FeatureStore
-from stores.token_tables import TokenTable
+from stores.features.feature_repair import verify_store
+from stores.features.feature_store import FeatureStore
+from stores.tables.token_tables import TokenTable
 
 from tests.peagle_data.extract.test_run import chunk_bytes, pack_conversations, window_ends
 from tests.peagle_data.extract.test_store_repair import _flip_byte
@@ -230,7 +230,7 @@ def test_a_damaged_block_of_a_streamed_store_names_only_it_and_the_streaming_res
     names (which would write every block, past the budget)."""
     import torch
 
-    from stores.stream_plan import StreamPlan, write_consumed, write_plan
+    from stores.features.stream_plan import StreamPlan, write_consumed, write_plan
 
     path = tmp_path / "s.zarr"
     store = FeatureStore.create(path, n_blocks=4, block_size=8, max_segments=2, layers=[0, 1], hidden_size=4,

@@ -12,7 +12,7 @@ from peagle_data.prepare.config import PackConfig, PackRun, TokenizeConfig, Toke
 from peagle_data.prepare.pack import run_pack
 from peagle_data.prepare.tokenizing import run_tokenize
 from peagle_data.readers.rows import Conversation
-from stores.token_tables import TokenTable
+from stores.tables.token_tables import TokenTable
 
 
 def _conv(user, answer, cid="x"):

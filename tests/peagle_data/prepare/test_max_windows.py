@@ -4,7 +4,7 @@ import json
 
 from peagle_data.prepare.config import PackConfig, PackRun
 from peagle_data.prepare.pack import run_pack
-from stores.token_tables import TokenTable
+from stores.tables.token_tables import TokenTable
 
 
 def test_max_windows_caps_and_counts(tmp_path, smollm2_tokenizer):

@@ -13,7 +13,7 @@ from peagle_data.prepare.pack import run_pack
 from peagle_data.prepare.tokenizing import run_tokenize
 from peagle_data.inspect.stats import collect_stats
 from stores.errors import InputError
-from stores.token_tables import TokenTable
+from stores.tables.token_tables import TokenTable
 
 
 def conv(i, prefix="q", answer=None):

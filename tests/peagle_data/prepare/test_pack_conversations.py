@@ -9,7 +9,7 @@ import numpy as np
 from peagle_data.prepare.config import PackConfig, PackRun, TokenizeConfig
 from peagle_data.prepare.pack import run_pack
 from stores.merge import merge_tables
-from stores.token_tables import TokenTable
+from stores.tables.token_tables import TokenTable
 
 
 def long_conversations(n: int = 6) -> list[dict]:

@@ -11,8 +11,8 @@ from click.testing import CliRunner
 from cli.data import main as data_main
 from peagle_data.prepare.dedup import rows_key
 from peagle_train.data.split import block_groups
-from stores.token_rows import TokenizedRow, content_key
-from stores.token_tables import TokenTable
+from stores.tables.token_rows import TokenizedRow, content_key
+from stores.tables.token_tables import TokenTable
 from tests.long_conversations import long_conversations
 
 
@@ -45,7 +45,7 @@ def test_copies_fill_repeated_blocks_and_share_their_content_key(tmp_path, tiny_
                                                                                            row["cu_seqlens"])
             assert other["segment_ids"] == [s if copy == 0 else s.replace("#", "*2#") for s in row["segment_ids"]]
             assert other["segment_keys"].tolist() == row["segment_keys"].tolist()
-    # a window's key is its conversation's content: its rows' token ids and loss masks (stores.token_rows)
+    # a window's key is its conversation's content: its rows' token ids and loss masks (stores.tables.token_rows)
     convs = {r["conversation_id"]: TokenizedRow(**r) for r in table.conversations().iter_rows()}
     for row in twice:
         for sid, key in zip(row["segment_ids"], row["segment_keys"].tolist()):

@@ -19,7 +19,7 @@ from peagle_data.prepare.pack import run_pack
 from peagle_data.prepare.tokenizing import run_tokenize
 from stores.errors import InputError
 from stores.staging import _host_tag
-from stores.token_tables import TokenTable
+from stores.tables.token_tables import TokenTable
 from tests.peagle_data.chat.test_template_families import QWEN3, qwen3_tok  # noqa: F401 - a fixture
 from tests.stores.test_staging import dead_pid, make_staging
 

@@ -11,7 +11,7 @@ from peagle_data.prepare.config import PackConfig, PackRun, TokenizeConfig, Toke
 from peagle_data.prepare.pack import run_pack
 from peagle_data.prepare.tokenizing import run_tokenize
 from peagle_data.prepare.shards import check_shard
-from stores.token_tables import TokenTable
+from stores.tables.token_tables import TokenTable
 
 from tests.peagle_data.prepare.test_mixtures import _three_sources, conv, write_jsonl
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from peagle_data.regenerate.backends import Answer, LocalBackend, Request, _answer_of, prompt_tokens
-from stores.setting_mixtures import row_settings
+from stores.chat.setting_mixtures import row_settings
 from peagle_data.regenerate.run import RegenerateConfig, RegenerateRun, run_regenerate
 from stores.errors import InputError
 from tests.chat_templates import harmony_tokenizer, think_tokenizer
@@ -366,7 +366,7 @@ def test_harmony_rows_regenerated_in_an_effort_mixture_train_on_what_the_verifie
     from peagle_data.prepare.config import PackConfig, PackRun, TokenizeConfig, TokenizeRun
     from peagle_data.prepare.pack import run_pack
     from peagle_data.prepare.tokenizing import run_tokenize
-    from stores.token_tables import TokenTable
+    from stores.tables.token_tables import TokenTable
 
     inp, out = write(tmp_path / "q.jsonl", HARMONY_QUESTIONS), tmp_path / "regen.jsonl"
     backend = LocalBackend(str(harmony_verifier_dir), max_new_tokens=64, temperature=0.0, batch_size=3,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from peagle_train.data.loader import BlockLoader, BlockSequence
-from stores.feature_store import FeatureStore
+from stores.features.feature_store import FeatureStore
 
 
 def _store(tmp_path, n_blocks=5, C=6, L=2, H=4):

@@ -15,7 +15,7 @@ from peagle_train.data.loader import (
     split_blocks, to_block,
 )
 from stores.errors import InputError, StoreFormatError
-from stores.feature_store import FeatureStore
+from stores.features.feature_store import FeatureStore
 
 
 def test_seeds_are_pinned_values():

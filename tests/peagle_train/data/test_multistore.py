@@ -15,7 +15,7 @@ from peagle_train.model.checkpoint import load_drafter
 from peagle_train.train.run import run_train
 from peagle_train.train.setup import build_draft_vocab
 from stores.errors import InputError, StoreFormatError, StoreMismatchError
-from stores.feature_store import FeatureStore
+from stores.features.feature_store import FeatureStore
 from tests.peagle_train.train.test_train import _cfg, _rows, _store, grown_run
 
 

@@ -18,8 +18,8 @@ from peagle_train.data.split import block_groups, split_by_groups, split_store
 from peagle_train.evaluate.offline import select_eval_blocks
 from peagle_train.train.run import resumed_split_rule, run_train
 from stores.errors import InputError, StoreFormatError, StoreMismatchError
-from stores.feature_store import FeatureStore
-from stores.token_tables import TokenTable
+from stores.features.feature_store import FeatureStore
+from stores.tables.token_tables import TokenTable
 from tests.long_conversations import long_conversations
 from tests.peagle_train.train.test_train import _cfg, _store
 

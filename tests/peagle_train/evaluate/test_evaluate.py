@@ -237,7 +237,7 @@ def test_read_prompts_errors(tmp_path, line, match):
 
 
 def test_read_prompts_takes_prompt_and_question_rows(tmp_path):
-    """The question rows regenerate reads (stores/question_rows.py): one user turn each."""
+    """The question rows regenerate reads (stores/tables/question_rows.py): one user turn each."""
     f = write_lines(tmp_path / "q.jsonl", [{"prompt": "Name a colour."}, {"question": "2+2?", "id": "q2"}])
     assert read_prompts(f) == [Prompt("1", ["Name a colour."]), Prompt("q2", ["2+2?"])]
 
@@ -319,7 +319,7 @@ def test_turn_text_drops_only_the_eos_that_ends_the_turn(smollm2_tokenizer):
 def make_store(path, verifier, verifier_dir, segments: list[list[int]], loss_mask: list[int] | None = None):
     """A one-block feature store of ``segments`` with the verifier's real features (layers 1, 2, 3); loss mask 0 on
     the first two tokens and 1 after them unless given."""
-    from stores.feature_store import FeatureStore
+    from stores.features.feature_store import FeatureStore
 
     aux, final = [], []
     with torch.no_grad():
@@ -719,7 +719,7 @@ def test_cli_offline_refuses_a_chunk_altered_in_place_naming_the_block(tiny_veri
     from click.testing import CliRunner
 
     from cli.eval import main
-    from stores.feature_store import FeatureStore
+    from stores.features.feature_store import FeatureStore
 
     store = saved_drafter_and_store(tiny_verifier, tiny_verifier_dir, tmp_path)
     chunk = FeatureStore.open(store).chunk_path("aux_hidden", 0)
@@ -773,7 +773,7 @@ def test_cli_measures_a_reasoning_effort_mixture_per_prompt_and_per_mode(tiny_ve
 
     from cli.eval import main
     from peagle_train.evaluate.prompts import prompt_modes
-    from stores.setting_mixtures import parse_mixture, template_value
+    from stores.chat.setting_mixtures import parse_mixture, template_value
 
     drafter, tok = _harmony_template_drafter(tiny_verifier, tiny_verifier_dir, tmp_path, {})
     prompts_file = write_lines(tmp_path / "p.jsonl", MIXED_PROMPTS)

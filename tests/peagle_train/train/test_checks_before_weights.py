@@ -109,7 +109,7 @@ def test_train_resume_with_changed_settings_is_refused_before_the_weights(tmp_pa
 def test_train_resume_that_cannot_continue_the_saved_blocks_is_refused_before_the_weights(tmp_path, verifier_dir,
                                                                                             monkeypatch):
     """Another number of blocks per step, a state of an earlier peagle, a trained block no longer extracted."""
-    from stores.feature_store import FeatureStore
+    from stores.features.feature_store import FeatureStore
 
     store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=4)
     out = tmp_path / "out"
@@ -229,7 +229,7 @@ def test_extract_checks_come_before_the_weights(tmp_path, tiny_verifier_dir, mon
             (["--attn-implementation", "eager"], "--attn-implementation: the store's sdpa, given eager")):
         res = CliRunner().invoke(extract, [*base, "--layers", "1,2", "--resume", *extra])
         assert res.exit_code == 2 and refused.format(conflicts) in " ".join(res.output.split()), (extra, res.output)
-    from stores.feature_store import FeatureStore
+    from stores.features.feature_store import FeatureStore
 
     store = FeatureStore.open(out, mode="r+")
     store.update_attrs(verifier={**store.attrs["verifier"], "dtype": "bfloat16"})  # as if made on CUDA
@@ -255,7 +255,7 @@ def _word_tokenizer(path, rename: int | None = None):
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
 
-    from stores.verifier_match import tokenizer_fingerprint
+    from stores.runtime.verifier_match import tokenizer_fingerprint
 
     vocab = {("u" if i == rename else "t") + str(i): i for i in range(256)}
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")))
@@ -282,7 +282,7 @@ def _other_tokenizer_message(store, fp_b, v, fp_a):
 
 def test_train_refuses_a_store_of_another_tokenizer_before_the_weights(tmp_path, verifier_with_tokenizer, no_weights):
     """Same vocab size, one token renamed: only the fingerprint tells them apart."""
-    from stores.feature_store import FeatureStore
+    from stores.features.feature_store import FeatureStore
 
     v, fp_a, fp_b = verifier_with_tokenizer
     store = _store(tmp_path / "s.zarr", v, n_blocks=2)
@@ -306,8 +306,8 @@ def test_eval_offline_refuses_another_verifier_or_tokenizer_than_the_store_s(tmp
                                                                              drafter_dir, no_weights):
     """Offline targets come from the verifier's lm_head over the stored final hidden states: a verifier
     other than the store's would score against another model's argmax."""
-    from stores.feature_store import FeatureStore
-    from stores.model_cache import model_fingerprint
+    from stores.features.feature_store import FeatureStore
+    from stores.runtime.model_cache import model_fingerprint
 
     v, fp_a, fp_b = verifier_with_tokenizer
     store = _store(tmp_path / "s.zarr", v, n_blocks=2)
@@ -364,7 +364,7 @@ def test_train_resume_refuses_a_store_extracted_anew_at_the_same_path(tmp_path, 
 
     import transformers
 
-    from stores.feature_store import FeatureStore
+    from stores.features.feature_store import FeatureStore
 
     store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
     out = tmp_path / "out"
@@ -423,7 +423,7 @@ def test_eval_online_refuses_a_verifier_of_another_tokenizer_than_the_training_d
 
 def _relabel(store, **attrs):
     """Rewrite a store's ``peagle`` attributes (a store made by an older peagle, or other layers)."""
-    from stores.feature_store import FeatureStore
+    from stores.features.feature_store import FeatureStore
 
     FeatureStore.open(store, mode="r+").update_attrs(**attrs)
     return store

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from peagle_train.train.run import run_train
 from stores.errors import ChunkDamageError, NonFiniteError
-from stores.feature_store import FeatureStore
+from stores.features.feature_store import FeatureStore
 from tests.peagle_train.train.test_train import _cfg, _store, verifier_dir  # noqa: F401 (fixture)
 
 

@@ -21,7 +21,7 @@ from peagle_train.model.drafter import PEagleDrafter
 from peagle_train.train.run import build_trainer, run_train
 from peagle_train.train.step import block_loss, cod_generator, sample_elements
 from stores.errors import InputError
-from stores.feature_store import FeatureStore
+from stores.features.feature_store import FeatureStore
 
 from .test_train import _cfg, _rows, _store
 

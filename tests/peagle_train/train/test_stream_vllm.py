@@ -12,15 +12,15 @@ from peagle_train.train.config import TrainConfig
 from peagle_train.train.run import run_train
 from peagle_data.extract.config import ExtractConfig
 from peagle_data.extract.run import run_extract
-from stores.feature_store import FeatureStore
-from stores.stream_plan import read_plan
+from stores.features.feature_store import FeatureStore
+from stores.features.stream_plan import read_plan
 from tests.peagle_data.extract.test_vllm import compare_stores, write_packed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # one vLLM engine start (~1 min on CPU)
 
 
 def test_vllm_streaming_store_equals_hf_within_rounding(tmp_path, monkeypatch):
-    from stores.model_cache import resolve_model
+    from stores.runtime.model_cache import resolve_model
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
     model = str(resolve_model("smollm2-135m"))

@@ -26,7 +26,7 @@ def verifier_dir(tmp_path_factory, make_tiny_llama):
 def _store(path, verifier_dir, n_blocks=1, done=None, seed=0, keys=None):
     """A store of random blocks; block b is arithmetic in b so every block differs. ``keys[b]``: block b's
     segment content keys (default: every segment its own conversation, unique over stores)."""
-    from stores.feature_store import FeatureStore
+    from stores.features.feature_store import FeatureStore
 
     store = FeatureStore.create(
         path, n_blocks=n_blocks, block_size=C, max_segments=3, layers=LAYERS, hidden_size=H, vocab_size=V,
@@ -255,7 +255,7 @@ def grown_run(tmp_path, verifier_dir, monkeypatch, sizes, done):
     from itertools import islice
 
     from peagle_train.evaluate.offline import select_eval_blocks
-    from stores.feature_store import FeatureStore
+    from stores.features.feature_store import FeatureStore
 
     paths = [_store(tmp_path / f"s{j}.zarr", verifier_dir, n_blocks=n, done=set(d), seed=j)
              for j, (n, d) in enumerate(zip(sizes, done))]
@@ -393,8 +393,8 @@ def test_cli_trains_and_refuses_existing_output(tmp_path, verifier_dir):
 
 
 def test_same_shape_but_other_verifier_is_refused(tmp_path, verifier_dir):
-    from stores.feature_store import FeatureStore
-    from stores.model_cache import model_fingerprint
+    from stores.features.feature_store import FeatureStore
+    from stores.runtime.model_cache import model_fingerprint
 
     store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
     fs = FeatureStore.open(store, mode="r+")
@@ -579,12 +579,12 @@ def test_mask_token_is_recorded_and_a_supervised_override_is_refused_before_the_
     assert cfg["peagle_training"]["mask_token"] == {"id": 255, "token": None, "source": "--mask-token-id"}
     assert load_drafter(tmp_path / "out" / "final").config.mask_token_id == 255
 
-    import stores.model_cache
+    import stores.runtime.model_cache
 
     def no_weights(*a, **k):
         raise AssertionError("the verifier weights were loaded before the mask token was checked")
 
-    monkeypatch.setattr(stores.model_cache, "load_verifier", no_weights)
+    monkeypatch.setattr(stores.runtime.model_cache, "load_verifier", no_weights)
     from stores.errors import InputError
 
     with pytest.raises(InputError, match=r"--mask-token-id.*token 5 \(None\) occurs 250 times as a supervised"):
@@ -720,7 +720,7 @@ def test_offline_eval_finds_the_held_out_blocks_of_each_training_store_and_names
     blocks of that very store (global ids mapped back), and scores any other store whole as "other_store"."""
     from peagle_train.evaluate.offline import select_eval_blocks
     from peagle_train.data.multistore import store_identity
-    from stores.feature_store import FeatureStore
+    from stores.features.feature_store import FeatureStore
 
     a, b = _store(tmp_path / "a.zarr", verifier_dir, n_blocks=3), _store(tmp_path / "b.zarr", verifier_dir, n_blocks=3)
     run_train(_cfg([a, b], tmp_path / "out", max_steps=1, val_fraction=0.3))

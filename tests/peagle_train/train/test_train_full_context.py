@@ -22,7 +22,7 @@ from peagle_train.evaluate.offline import select_eval_blocks
 from peagle_train.train.config import TrainConfig
 from peagle_train.train.run import run_train
 from stores.errors import InputError, StoreFormatError, StoreMismatchError
-from stores.feature_store import FeatureStore
+from stores.features.feature_store import FeatureStore
 from tests.long_conversations import pack_long
 
 LAYERS = [1, 2, 4]

@@ -29,7 +29,7 @@ def verifier_dir(tmp_path_factory, make_tiny_llama):
 
 def _store(path, verifier_dir, n_blocks, done=None):
     """Block b: random tokens and features from seed b; segments of 20 + 28 tokens, 3 unsupervised each."""
-    from stores.feature_store import FeatureStore
+    from stores.features.feature_store import FeatureStore
 
     store = FeatureStore.create(
         path, n_blocks=n_blocks, block_size=C, max_segments=2, layers=LAYERS, hidden_size=H, vocab_size=V,

@@ -16,12 +16,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from stores.chunk_files import CHECKSUM_BYTES, raw_chunk_damage
+from stores.features.chunk_files import CHECKSUM_BYTES, raw_chunk_damage
 from stores.errors import StoreFormatError, StoreMismatchError
-from stores.feature_schema import WINDOW_ARRAYS, store_arrays
-from stores.feature_store import LAYER_CONVENTION, FeatureStore
+from stores.features.feature_schema import WINDOW_ARRAYS, store_arrays
+from stores.features.feature_store import LAYER_CONVENTION, FeatureStore
 from stores.files import is_local
-from stores.stream_plan import has_plan, read_consumed, read_plan
+from stores.features.stream_plan import has_plan, read_consumed, read_plan
 
 __all__ = ["chunk_damage", "block_damage", "shared_damage", "read_done_flags", "check_block", "verify_store", "stream_report",
            "check_compatible", "write_shared", "repair_shared", "windows_damage", "repair_windows", "repair_blocks"]

@@ -3,12 +3,12 @@
 Legend: N blocks, C ``block_size`` (tokens), T a block's ``n_tokens`` (≤ C), L aux layers,
 H hidden size, S segments in a block.
 
-The arrays are those of the schema table :data:`stores.feature_schema.ARRAYS`; create, write,
-read and verify (:mod:`stores.feature_repair`) all iterate it. One block is one chunk row of every
+The arrays are those of the schema table :data:`stores.features.feature_schema.ARRAYS`; create, write,
+read and verify (:mod:`stores.features.feature_repair`) all iterate it. One block is one chunk row of every
 per-block array, so two writers never touch one chunk. A block's ``done`` flag is written only
 after its data. Hidden states have no compressor but a crc32c checksum codec, so each chunk file of
 a local store is read straight into the result tensors (the ``file`` path, :class:`StoreFileReader`
-over :class:`stores.chunk_files.ChunkFiles`); any other store (compressed, remote) is read through the
+over :class:`stores.features.chunk_files.ChunkFiles`); any other store (compressed, remote) is read through the
 zarr API. Both paths return identical tensors.
 """
 
@@ -25,9 +25,9 @@ import torch
 import zarr
 import zarr.errors
 
-from stores.chunk_files import ChunkFiles, uncompressed
+from stores.features.chunk_files import ChunkFiles, uncompressed
 from stores.errors import ChunkDamageError, StoreFormatError
-from stores.feature_schema import (
+from stores.features.feature_schema import (
     SEGMENT_KEYS,
     SEGMENTS,
     STORAGE_DTYPES,
@@ -49,7 +49,7 @@ from stores.feature_schema import (
     store_arrays,
 )
 from stores.files import is_local, is_zarr_store
-from stores.token_tables import not_a_store_hint
+from stores.tables.token_tables import not_a_store_hint
 
 __all__ = [
     "FORMAT_VERSION",
@@ -186,7 +186,7 @@ class FeatureStore:
         return str(self.attrs["storage_dtype"])
 
     def sizes(self) -> dict[str, int]:
-        """The sizes of the schema's dimension symbols (:class:`stores.feature_schema.ArraySpec`)."""
+        """The sizes of the schema's dimension symbols (:class:`stores.features.feature_schema.ArraySpec`)."""
         return dim_sizes(self.n_blocks, self.block_size, int(self.attrs["max_segments"]), len(self.layers),
                       self.hidden_size, self.vocab_size)
 
@@ -297,7 +297,7 @@ class FeatureStore:
     ) -> "FeatureStore":
         """Create an empty full-context store (docs/design.md §7, ``layout: "windows"``).
 
-        The root gets :data:`~stores.feature_schema.WINDOW_ARRAYS` for ``n_blocks`` training blocks of
+        The root gets :data:`~stores.features.feature_schema.WINDOW_ARRAYS` for ``n_blocks`` training blocks of
         ``block_size`` slots; the :data:`CONTEXTS` sub-store gets every array of :meth:`create` for
         ``n_context_blocks`` context blocks of ``context_size`` slots holding at most
         ``context_segments`` conversations each; every context block starts not done. ``extra``
@@ -336,7 +336,7 @@ class FeatureStore:
 
     def write_views(self, i: int, views) -> None:
         """Write training block ``i``'s segment views (full-context stores): ``views [S, 4]`` int
-        (:data:`~stores.feature_schema.VIEW_FIELDS`), padded to ``max_segments`` with -1."""
+        (:data:`~stores.features.feature_schema.VIEW_FIELDS`), padded to ``max_segments`` with -1."""
         v = np.asarray(views, dtype=np.int32).reshape(-1, len(VIEW_FIELDS))
         S = int(self.attrs["max_segments"])
         if len(v) > S:
@@ -390,7 +390,7 @@ class FeatureStore:
 
     def write_token_row(self, i: int, values: Mapping[str, Any]) -> None:
         """Write block ``i``'s token arrays, padded to C: ``values`` maps every per-token array of the
-        schema (:data:`~stores.feature_schema.TOKEN_ARRAYS`, ``[T]`` each) and ``cu_seqlens [S+1]``
+        schema (:data:`~stores.features.feature_schema.TOKEN_ARRAYS`, ``[T]`` each) and ``cu_seqlens [S+1]``
         (a packed row, or :meth:`read_tokens`)."""
         T = len(values[TOKEN_ARRAYS[0].name])
         C = self.block_size
@@ -510,7 +510,7 @@ class FeatureStore:
 
     def write_segment_keys(self, keys: list[np.ndarray]) -> None:
         """Write every block's segment content keys (``keys[i]``: ``[S_i] int64``, the packed row's
-        ``segment_keys``) into :data:`~stores.feature_schema.SEGMENT_KEYS`, a short row padded by
+        ``segment_keys``) into :data:`~stores.features.feature_schema.SEGMENT_KEYS`, a short row padded by
         repeating its last key, and set the ``segment_keys`` attribute.
 
         A store made before peagle recorded them gets the array first (``extract --resume`` records the keys
@@ -544,7 +544,7 @@ class FeatureStore:
 
     def segment_keys(self) -> np.ndarray | None:
         """``[N, S_max] int64``: each block's segment content keys, short rows padded by repeating their last
-        key (:data:`~stores.feature_schema.SEGMENT_KEYS`); None for a store made before peagle recorded them or
+        key (:data:`~stores.features.feature_schema.SEGMENT_KEYS`); None for a store made before peagle recorded them or
         from a packed table without them (attribute ``segment_keys`` unset)."""
         if not self.attrs.get("segment_keys") or SEGMENT_KEYS.name not in self.group.array_keys():
             return None
@@ -622,7 +622,7 @@ class FeatureStore:
                 copies to a CUDA device; ``file`` path of bf16 stores with CUDA present, else ignored).
 
         Returns:
-            :class:`~stores.feature_schema.Block` with ``aux_hidden [T, L, H]`` and ``final_hidden [T, H]`` in bf16.
+            :class:`~stores.features.feature_schema.Block` with ``aux_hidden [T, L, H]`` and ``final_hidden [T, H]`` in bf16.
 
         Raises:
             IndexError: ``i`` out of range.
@@ -898,7 +898,7 @@ def _created_by() -> str:
 
 
 class StoreFileReader:
-    """The ``file`` read path of a local uncompressed :class:`~stores.feature_store.FeatureStore`:
+    """The ``file`` read path of a local uncompressed :class:`~stores.features.feature_store.FeatureStore`:
     each block's chunk files read straight into freshly allocated arrays (first T rows)."""
 
     def __init__(self, store: FeatureStore):
@@ -946,8 +946,8 @@ class StoreFileReader:
         byte offset (each block's chunk file opened once and its size checked).
 
         A run reads a part of its chunk, and a crc32c covers the whole chunk: each chunk is checked
-        whole (:meth:`stores.chunk_files.ChunkFiles.check_crc`) the first time this reader reads it and
-        again whenever its file changes (:meth:`stores.chunk_files.ChunkFiles.identity`: inode, size,
+        whole (:meth:`stores.features.chunk_files.ChunkFiles.check_crc`) the first time this reader reads it and
+        again whenever its file changes (:meth:`stores.features.chunk_files.ChunkFiles.identity`: inode, size,
         mtime, ctime), so reading a context block for every training block that views it costs one
         check per chunk, not one per view.
 
@@ -1002,7 +1002,7 @@ class StoreFileReader:
     def pread(self, name: str, i: int, ndim: int, out: np.ndarray) -> None:
         """Fill ``out`` (C-contiguous, the whole chunk) from block ``i``'s chunk file of ``name``, an
         array whose blocks have ``ndim`` dimensions, and check its crc32c
-        (:meth:`stores.chunk_files.ChunkFiles.read_checked`).
+        (:meth:`stores.features.chunk_files.ChunkFiles.read_checked`).
 
         Raises:
             StoreFormatError: the file is missing (a done block's missing chunk is damage), is not

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from stores.errors import OutputExistsError, StoreFormatError
-from stores.feature_repair import repair_blocks, verify_store
-from stores.feature_store import FeatureStore
+from stores.features.feature_repair import repair_blocks, verify_store
+from stores.features.feature_store import FeatureStore
 
 
 def _make(tmp_path, n_blocks=3, C=8, L=2, H=4):

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from stores.feature_schema import (ARRAYS, SEGMENT_KEYS, TOKEN_ARRAYS, Block, block_arrays, bytes_per_token,
+from stores.features.feature_schema import (ARRAYS, SEGMENT_KEYS, TOKEN_ARRAYS, Block, block_arrays, bytes_per_token,
                                    store_arrays)
-from stores.feature_store import FeatureStore
+from stores.features.feature_store import FeatureStore
 
 
 @pytest.mark.parametrize("storage_dtype", ["bf16", "fp8"])

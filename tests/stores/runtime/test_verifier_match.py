@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stores.verifier_match import has_tokenizer, tokenizer_fingerprint
+from stores.runtime.verifier_match import has_tokenizer, tokenizer_fingerprint
 
 
 def test_the_fingerprint_follows_the_vocabulary(tmp_path, smollm2_tokenizer_dir):

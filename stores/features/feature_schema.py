@@ -4,11 +4,11 @@ Legend: N blocks, C ``block_size`` (tokens), T a block's ``n_tokens`` (≤ C), L
 size, W ``max_segments + 1`` (the ``cu_seqlens`` width), V verifier vocab, S segments in a block.
 
 :data:`ARRAYS` lists every array of a store once (zarr's metadata-as-frozen-dataclasses style):
-:meth:`stores.feature_store.FeatureStore.create` creates them, the writers pad and write them, the
+:meth:`stores.features.feature_store.FeatureStore.create` creates them, the writers pad and write them, the
 readers read them back into a :class:`Block`, and ``verify`` checks their shapes and dtypes, all by
 iterating this table. A new per-token array is one :class:`ArraySpec` entry with role ``"token"``
 plus its :class:`Block` field; extraction (``FeatureStore.write_token_row``) copies it from the packed row of the same name (a column
-of :data:`stores.token_tables.PACKED_SCHEMA` / :class:`stores.token_rows.PackedRow`, made by
+of :data:`stores.tables.token_tables.PACKED_SCHEMA` / :class:`stores.tables.token_rows.PackedRow`, made by
 :func:`peagle_data.prepare.packing.make_packed_row`).
 
 Hidden states are stored as the uint16 bit patterns of bf16 (zarr has no bfloat16) or, with

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from stores.errors import StoreFormatError, StoreMismatchError
 from stores.files import is_zarr_store
 from stores.staging import write_text_atomic
-from stores.token_rows import PackedRow, TokenizedRow
+from stores.tables.token_rows import PackedRow, TokenizedRow
 
 if TYPE_CHECKING:
     import polars as pl
@@ -212,7 +212,7 @@ class TableWriter:
         self.n_rows = 0
 
     def write(self, row: dict[str, Any] | TokenizedRow | PackedRow) -> None:
-        """Append one row: a :mod:`stores.token_rows` dataclass, or a dict with every column (lists
+        """Append one row: a :mod:`stores.tables.token_rows` dataclass, or a dict with every column (lists
         or 1-D numpy arrays for list columns)."""
         if not isinstance(row, dict):
             row = row.as_dict()

@@ -12,7 +12,7 @@ def test_converted_weights_follow_the_umask(tmp_path, monkeypatch, umask, mode):
     import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import stores.model_cache as mc
+    import stores.runtime.model_cache as mc
 
     monkeypatch.setenv("PEAGLE_HOME", str(tmp_path / "home"))
     target = tmp_path / "home" / "models" / "smollm2-135m"
@@ -38,7 +38,7 @@ def test_converted_weights_follow_the_umask(tmp_path, monkeypatch, umask, mode):
 
 
 def test_hub_id_of_the_embedded_alias():
-    from stores.model_cache import hub_id
+    from stores.runtime.model_cache import hub_id
 
     assert hub_id("smollm2-135m") == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert hub_id("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B" and hub_id("/models/x") == "/models/x"
@@ -55,9 +55,9 @@ def test_load_submodule_reads_only_the_final_norm(tmp_path, family):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from peagle_data.extract.hf_forward import language_model
-    from stores.model_cache import load_submodule, verifier_skeleton
+    from stores.runtime.model_cache import load_submodule, verifier_skeleton
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from families import save_family
 
     model_dir = save_family(family, tmp_path / family)

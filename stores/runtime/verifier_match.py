@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from stores.errors import StoreMismatchError
-from stores.model_cache import load_tokenizer, model_fingerprint, resolve_model
+from stores.runtime.model_cache import load_tokenizer, model_fingerprint, resolve_model
 
 __all__ = ["TOKENIZER_FILES", "tokenizer_fingerprint", "has_tokenizer", "check_tokenizer",
            "check_verifier_tokenizer", "check_token_ids", "check_store_verifier"]
@@ -75,7 +75,7 @@ def check_verifier_tokenizer(recorded: Mapping[str, Any], made: str, verifier: s
     Raises:
         StoreMismatchError: another tokenizer, or a recorded fingerprint and a verifier directory
             without tokenizer files to compare it with.
-        ModelNotFoundError / MissingDependencyError: from :func:`stores.model_cache.resolve_model`.
+        ModelNotFoundError / MissingDependencyError: from :func:`stores.runtime.model_cache.resolve_model`.
     """
     if recorded.get("fingerprint") is None and recorded.get("vocab_size") is None:
         return

@@ -1,4 +1,4 @@
-"""The one way peagle starts vLLM (stores/vllm_runtime.py): its memory arguments, its output kept off
+"""The one way peagle starts vLLM (stores/runtime/vllm_runtime.py): its memory arguments, its output kept off
 stdout, and the root cause read from its engine processes' log. No vLLM needed."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from stores.vllm_runtime import DEFAULT_CPU_KV_CACHE_GIB, VllmMemory, root_cause, serve_prefix
+from stores.runtime.vllm_runtime import DEFAULT_CPU_KV_CACHE_GIB, VllmMemory, root_cause, serve_prefix
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 GiB = 2**30
 
 # vLLM 0.32's CPU build, started on a 24 GB machine without a KV cache size (stdout and stderr, trimmed):
@@ -67,7 +67,7 @@ def test_memory_on_cpu_is_a_fixed_kv_cache_and_on_gpu_vllms_utilization():
 
 SCRIPT = textwrap.dedent("""
     import json, subprocess, sys
-    from stores.vllm_runtime import VllmOutput
+    from stores.runtime.vllm_runtime import VllmOutput
 
     print("before", flush=True)  # ours, before the engine: stays on stdout
     out = VllmOutput().start()

@@ -4,8 +4,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from stores.token_rows import PackedRow, TokenizedRow, arrow_schema, optional_columns
-from stores.token_tables import OPTIONAL_COLUMNS, PACKED_SCHEMA, SCHEMAS, TOKENIZED_SCHEMA, TableWriter
+from stores.tables.token_rows import PackedRow, TokenizedRow, arrow_schema, optional_columns
+from stores.tables.token_tables import OPTIONAL_COLUMNS, PACKED_SCHEMA, SCHEMAS, TOKENIZED_SCHEMA, TableWriter
 
 
 @pytest.mark.parametrize("row_type,schema", [(TokenizedRow, TOKENIZED_SCHEMA), (PackedRow, PACKED_SCHEMA)])

@@ -1,5 +1,5 @@
 """The packed table's record of its conversations sub-table (``conversations`` in its manifest,
-:func:`stores.token_tables.conversations_record`): a sub-table that is not the one ``pack`` wrote with
+:func:`stores.tables.token_tables.conversations_record`): a sub-table that is not the one ``pack`` wrote with
 the windows is refused, whatever its rows hold."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from peagle_data.prepare.config import PackConfig, PackRun
 from peagle_data.prepare.pack import run_pack
 from stores.errors import StoreFormatError, StoreMismatchError
-from stores.token_tables import (
+from stores.tables.token_tables import (
     CONVERSATIONS,
     RejectsWriter,
     TableWriter,

@@ -27,7 +27,7 @@ The rules both sides follow (pure functions of the plan and the cursor ``K``):
   ``c < K + B`` (:meth:`StreamPlan.may_write`); the units of the validation blocks first;
 - with policy ``reextract``, a present unit that no entry of ``[K, K + B)`` reads and no validation block
   reads is evicted (:meth:`StreamPlan.evictable`): its done flag cleared, then its feature chunk files
-  deleted (:meth:`stores.feature_store.FeatureStore.evict_block`); it is extracted again when a later entry
+  deleted (:meth:`stores.features.feature_store.FeatureStore.evict_block`); it is extracted again when a later entry
   reads it. A context block shared by training blocks within one window is so extracted once. With ``keep``
   nothing is evicted (each unit is extracted once; the budget must hold every unit the run reads).
 
@@ -56,7 +56,7 @@ import numpy as np
 import zarr
 
 from stores.errors import InputError, StoreFormatError
-from stores.feature_schema import ARRAYS, hidden_arrays
+from stores.features.feature_schema import ARRAYS, hidden_arrays
 from stores.files import is_local
 
 __all__ = ["STREAM_GROUP", "STREAM_FORMAT", "WINDOWS_STREAM_FORMAT", "POLICIES", "CONSUMED_FILE", "parse_size",

@@ -1,8 +1,8 @@
 """Typed rows of the token tables (docs/design.md §6): one dataclass per table kind.
 
 Each field carries its Arrow type (``metadata["arrow"]``); :func:`arrow_schema` builds the table
-schema from them, and ``tests/stores/test_token_rows.py`` checks it equals the schemas that
-:mod:`stores.token_tables` writes and reads. Fields with a default are the optional columns
+schema from them, and ``tests/stores/tables/test_token_rows.py`` checks it equals the schemas that
+:mod:`stores.tables.token_tables` writes and reads. Fields with a default are the optional columns
 (written as nulls, absent from tables of older runs).
 """
 
@@ -43,7 +43,7 @@ class TokenizedRow:
     """The mixture source; None outside mixtures."""
 
     def as_dict(self) -> dict[str, Any]:
-        """The row as :class:`stores.token_tables.TableWriter` writes it (no copies)."""
+        """The row as :class:`stores.tables.token_tables.TableWriter` writes it (no copies)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
@@ -78,12 +78,12 @@ class PackedRow:
     segment_keys: list[int] | None = _col(pa.list_(pa.int64()), default=None)
     """``[S]`` the content key of each window's conversation: the first 8 bytes, little-endian signed, of
     the BLAKE2b digest of the token ids and loss masks of the conversation's rows that have a window in
-    the table (:func:`stores.token_rows.content_key`). Equal for every window of one conversation and for
+    the table (:func:`stores.tables.token_rows.content_key`). Equal for every window of one conversation and for
     every copy of it (same tokens), so training keeps them on one side of the validation split
     (docs/design.md §8); None in tables packed before peagle recorded it."""
 
     def as_dict(self) -> dict[str, Any]:
-        """The row as :class:`stores.token_tables.TableWriter` writes it (no copies)."""
+        """The row as :class:`stores.tables.token_tables.TableWriter` writes it (no copies)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
