@@ -9,8 +9,8 @@
 #      GPU (the GPU's busy time), so extract_vs_on_device ~ 1.0 means the writer leaves it no idle time.
 #   3. where vLLM is installed: hybrid verifiers through `extract --engine vllm` against hf (Qwen3-Next, and Qwen3.5
 #      where torchvision is installed; tests/peagle_data/extract/test_vllm.py -k hybrid), and a drafter trained on Qwen3-Next / Qwen3.5
-#      served by vLLM identical to greedy (tests/e2e/test_families_pipeline.py -k served_by_vllm; vLLM's CPU build
-#      cannot speculate on a hybrid: its Mamba/GDN spec-decode pre-copy is a Triton kernel).
+#      served by vLLM identical to greedy (tests/e2e/test_families_pipeline.py -k served_by_vllm; on CPU it runs
+#      Qwen3-Next only, with prefix caching off, as Qwen3.5 needs torchvision there).
 # Results go to ${OUT:-gpu_check}/ (pytest log and the benchmark's JSON).
 # Run it with a Python that has a CUDA build of torch and peagle's dependencies (not the CPU .venv
 # that scripts/setup_env.sh makes): e.g. `pip install -e ".[test]"` into the GPU machine's Python,

@@ -54,7 +54,8 @@ from stores.errors import InputError, ModelNotFoundError, PeagleError
 from stores.runtime.model_config import load_model_config, text_config
 from stores.runtime.model_cache import load_tokenizer, model_fingerprint, resolve_model
 from stores.progress import progress
-from stores.runtime.vllm_runtime import VLLM_SETUP, VllmMemory, VllmOutput, VllmStartError, cpu_bf16_only, start_llm
+from stores.runtime.vllm_runtime import (CPU_HYBRID_PREFIX_CACHING, VLLM_SETUP, VllmMemory, VllmOutput,
+                                         VllmStartError, cpu_bf16_only, cpu_without_prefix_caching, start_llm)
 from stores.runtime.vllm_runtime import import_vllm as import_vllm_module
 
 __all__ = ["VLLM_SETUP", "SPEC_METRICS", "VllmRun", "VllmReference", "import_vllm", "vllm_generate",
@@ -165,26 +166,33 @@ def engine_settings(on_cpu: bool, model: str | None = None) -> dict[str, Any]:
     an accelerator the verifier's serving dtype (bfloat16) with CUDA graphs, so AL, token identity and
     throughput are those of the served engine. On CPU a verifier that vLLM's CPU build computes in bf16 only
     (:func:`stores.runtime.vllm_runtime.cpu_bf16_only`: Qwen3-Next, Qwen3.5, whose gated DeltaNet kernel asserts bf16)
-    runs eager in bf16; ``model`` is the verifier's directory, or a drafter's (its verifier is read).
+    runs eager in bf16, and a hybrid verifier (:func:`stores.runtime.vllm_runtime.cpu_without_prefix_caching`) without
+    prefix caching (:data:`stores.runtime.vllm_runtime.CPU_HYBRID_PREFIX_CACHING`); ``model`` is the verifier's
+    directory, or a drafter's (its verifier is read).
 
     Returns:
-        ``{"dtype": "float32" | "bfloat16", "enforce_eager": bool}``.
+        ``{"dtype": "float32" | "bfloat16", "enforce_eager": bool}``, with ``"enable_prefix_caching": False``
+        for a hybrid verifier on CPU.
     """
     if not on_cpu:
         return {"dtype": "bfloat16", "enforce_eager": False}
-    return {"dtype": "bfloat16" if model is not None and _cpu_bf16_only(model) else "float32", "enforce_eager": True}
+    text = _verifier_text_config(model) if model is not None else None
+    settings = {"dtype": "bfloat16" if text is not None and cpu_bf16_only(text) else "float32", "enforce_eager": True}
+    if text is not None and cpu_without_prefix_caching(text):
+        settings["enable_prefix_caching"] = False
+    return settings
 
 
-def _cpu_bf16_only(model: str) -> bool:
-    """:func:`cpu_bf16_only` of ``model``'s verifier (a drafter directory: the verifier its
-    ``speculators_config`` names); False when no config can be read there."""
+def _verifier_text_config(model: str):
+    """The text config of ``model``'s verifier (a drafter directory: the verifier its ``speculators_config``
+    names); None when no config can be read there."""
     path = Path(model) / "config.json"
     raw = json.loads(path.read_text()) if path.is_file() else {}
     verifier = (raw.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")
     try:
-        return cpu_bf16_only(text_config(load_model_config(verifier or model)))
+        return text_config(load_model_config(verifier or model))
     except (PeagleError, OSError, ValueError):
-        return False
+        return None
 
 
 VLLM_EXPAND_PROBE = """
@@ -330,6 +338,8 @@ def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int,
     from vllm.platforms import current_platform
 
     settings = engine_settings(current_platform.is_cpu(), model)
+    if settings.get("enable_prefix_caching") is False:
+        log(CPU_HYBRID_PREFIX_CACHING)
     with VllmOutput() as output:
         llm, mem = start_llm(memory, output, model=model, **settings, seed=0, max_model_len=max_model_len,
                              max_num_seqs=max(concurrency, 1), disable_log_stats=False, generation_config="vllm",

@@ -129,6 +129,26 @@ CPU_BF16_MODEL_TYPES = {"qwen3_next": "gated DeltaNet", "qwen3_5_text": "gated D
 ``cpu_gdn_attention_core``, asserts BF16): on CPU peagle runs them in bf16, as a GPU does."""
 
 
+CPU_NO_PREFIX_CACHING_MODEL_TYPES = {**CPU_BF16_MODEL_TYPES, "olmo_hybrid": "gated DeltaNet", "nemotron_h": "Mamba-2",
+                                     "granitemoehybrid": "Mamba-2"}
+"""Text-config model types of hybrid verifiers (a recurrent state besides attention) that vLLM's CPU build must
+start with prefix caching off to speculate on them (:data:`CPU_HYBRID_PREFIX_CACHING`)."""
+
+CPU_HYBRID_PREFIX_CACHING = (
+    "prefix caching off for a hybrid verifier on CPU: with it on, vLLM 0.32 sets mamba_cache_mode 'align' "
+    "(vllm/model_executor/models/config.py, MambaModelConfig), and its runner then copies recurrent states with "
+    "the Triton kernel precopy_mamba_align_fused_kernel (vllm/v1/worker/mamba_utils.py preprocess_mamba -> "
+    "run_fused_precopy), which the CPU build cannot run (no Triton); each request's state then starts from zero "
+    "and no prompt prefix is reused, which changes no token")
+"""Why peagle starts vLLM's CPU build without prefix caching for a hybrid verifier."""
+
+
+def cpu_without_prefix_caching(text_config) -> bool:
+    """Whether vLLM's CPU build must run the verifier of ``text_config`` (its language model's transformers
+    config) with prefix caching off (:data:`CPU_NO_PREFIX_CACHING_MODEL_TYPES`, :data:`CPU_HYBRID_PREFIX_CACHING`)."""
+    return getattr(text_config, "model_type", None) in CPU_NO_PREFIX_CACHING_MODEL_TYPES
+
+
 def cpu_bf16_only(text_config) -> bool:
     """Whether vLLM's CPU build computes the verifier of ``text_config`` (its language model's transformers
     config) in bf16 only (:data:`CPU_BF16_MODEL_TYPES`)."""

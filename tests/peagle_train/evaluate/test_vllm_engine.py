@@ -95,7 +95,7 @@ def test_engine_settings_are_exact_on_cpu_and_as_served_on_an_accelerator():
 
 def test_engine_settings_on_cpu_are_bf16_for_a_gated_deltanet_verifier_and_its_drafter(tmp_path):
     """vLLM's CPU gated DeltaNet kernel computes bf16 only: Qwen3-Next (and a drafter naming it) runs bf16 on CPU,
-    an attention-only verifier float32."""
+    without prefix caching (CPU_HYBRID_PREFIX_CACHING), an attention-only verifier float32."""
     import json
     import sys
 
@@ -110,9 +110,11 @@ def test_engine_settings_on_cpu_are_bf16_for_a_gated_deltanet_verifier_and_its_d
     drafter.mkdir()
     (drafter / "config.json").write_text(json.dumps(
         {"speculators_config": {"verifier": {"name_or_path": str(tmp_path / "qwen3_next")}}}))
-    bf16 = {"dtype": "bfloat16", "enforce_eager": True}
+    # a hybrid verifier without prefix caching on CPU: vLLM's 'align' state copies are a Triton kernel
+    bf16 = {"dtype": "bfloat16", "enforce_eager": True, "enable_prefix_caching": False}
     assert engine_settings(True, str(tmp_path / "qwen3_next")) == bf16 == engine_settings(True, str(drafter))
     assert engine_settings(True, str(tmp_path / "qwen3")) == {"dtype": "float32", "enforce_eager": True}
+    assert engine_settings(False, str(tmp_path / "qwen3_next")) == {"dtype": "bfloat16", "enforce_eager": False}
 
 
 def test_a_request_cut_by_max_model_len_is_refused():
