@@ -247,7 +247,10 @@ def _plot_title(report: dict[str, Any]) -> str:
             lines.append(report["acceptance_scheme"])
     off = report.get("offline")
     if off:
-        lines.append(f"offline: simulated acceptance length {off['simulated_acceptance_length']:.3f} "
+        replayed = (off.get("replay") or {}).get("acceptance_length")
+        if replayed is not None:
+            lines.append(f"offline: replayed acceptance length {replayed:.3f}")
+        lines.append(f"offline: all-anchor acceptance length (diagnostic) {off['simulated_acceptance_length']:.3f} "
                      f"({off['positions_scored']} positions, {len(off.get('blocks', []))} blocks)")
     return "\n".join(lines)
 

@@ -671,7 +671,7 @@ def test_acceptance_plot_has_integer_positions_title_and_counts(tmp_path, monkey
         assert {"n=6", "n=11", "n=0"} <= texts if report["per_position_reached"][0] == 6 else \
             {"n=50", "n=7", "n=2"} <= texts
     if "offline" in report:
-        assert "offline: simulated acceptance length 1.310 (2200 positions, 2 blocks)" in title
+        assert "offline: all-anchor acceptance length (diagnostic) 1.310 (2200 positions, 2 blocks)" in title
         assert {"n=2200", "n=600", "n=90"} <= texts
     from matplotlib.container import BarContainer
 
