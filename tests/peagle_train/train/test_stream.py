@@ -253,13 +253,16 @@ def test_full_context_streaming_weights_equal_offline_weights(tmp_path, packed_f
     offline_store = FeatureStore.open(offline_full)
     n_units = offline_store.contexts.n_blocks
     steps = 13 * epochs  # 13 training blocks (4 held out), one per step
-    offline, offline_out = offline_run(offline_full, steps, **FULL_OPTS)  # one run per step count for both policies
+    # the block order (the conversation order, the default on such a store, extracts each context block once:
+    # test_full_context_streaming_by_conversation_extracts_each_...), so that reextract's window re-extracts
+    opts = {**FULL_OPTS, "epoch_order": "blocks"}
+    offline, offline_out = offline_run(offline_full, steps, **opts)  # one run per step count for both policies
     store = tmp_path / "stream.zarr"
     budget = _full_budget(offline_full, 6 if policy == "reextract" else n_units, steps)
     summary = run_train(TrainConfig.from_flat(
         store=str(store), output=str(tmp_path / "stream"), verifier=str(tiny_verifier_dir), max_steps=steps,
         extract_from=str(packed_full), max_store_bytes=str(budget), epoch_policy=policy, context="full",
-        device="cpu", **FULL_OPTS))
+        device="cpu", **opts))
 
     a, b = _weights(offline_out), _weights(tmp_path / "stream")
     assert sorted(a) == sorted(b)
