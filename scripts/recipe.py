@@ -266,7 +266,11 @@ def run_stages(cmds: dict, out: Path, state: dict) -> list[str]:
             continue
         print(f"== {i}/{len(cmds)} {stage}: {' '.join(argv)}", file=sys.stderr, flush=True)
         t0 = time.monotonic()
-        with open(out / f"{stage}.json", "w") as stdout:
+        # a stage that writes its report as STAGE.json itself (eval, eval_vllm: --output, the JSON it also prints)
+        # keeps it: capturing its stdout there would put an empty file, no report of peagle-eval's, in --output's
+        # place, which peagle-eval --force refuses to replace
+        own = "--output" in argv and argv[argv.index("--output") + 1] == str(out / f"{stage}.json")
+        with open(os.devnull if own else out / f"{stage}.json", "w") as stdout:
             try:
                 rc = subprocess.call(argv, stdout=stdout, env=env)
             except KeyboardInterrupt:  # the stage said what it kept; the recipe continues from it
