@@ -66,14 +66,19 @@ def nothing_kept(program: str, args: list[str], params: dict[str, Any]) -> tuple
     return "nothing: this command writes its output only when it finishes", again_command(program, args)
 
 
-def interrupted_message(program: str, args: list[str], params: dict[str, Any], kept: Kept | None = None) -> str:
-    """What Ctrl-C prints (:func:`handle_errors`): the command interrupted, what its output keeps and the
-    exact command to run next (``resume with`` when it resumes, else ``run it again with``)."""
+def _continuation(program: str, args: list[str], params: dict[str, Any], kept: Kept | None) -> tuple[str, str, str]:
+    """``(what the output keeps, "resume with" | "run it again with", the exact command)`` of a stopped command."""
     try:
         what, command = (kept or nothing_kept)(program, args, params)
     except Exception as e:  # the output could not be read: say so rather than guess
         what, command = f"unknown: could not read the output ({type(e).__name__}: {e})", again_command(program, args)
-    verb = "resume with" if "--resume" in shlex.split(command) else "run it again with"
+    return what, ("resume with" if "--resume" in shlex.split(command) else "run it again with"), command
+
+
+def interrupted_message(program: str, args: list[str], params: dict[str, Any], kept: Kept | None = None) -> str:
+    """What Ctrl-C prints (:func:`handle_errors`): the command interrupted, what its output keeps and the
+    exact command to run next (``resume with`` when it resumes, else ``run it again with``)."""
+    what, verb, command = _continuation(program, args, params, kept)
     return f"Interrupted (Ctrl-C): {program}\n  kept: {what}\n  {verb}: {command}"
 
 
@@ -81,11 +86,7 @@ def disk_full_message(error: DiskFullError, program: str, args: list[str], param
                       kept: Kept | None = None) -> str:
     """What a full disk prints (:func:`handle_errors`), one line: the disk (mount point, free bytes, the file being
     written), what the output keeps and the exact command to run once space is freed."""
-    try:
-        what, command = (kept or nothing_kept)(program, args, params)
-    except Exception as e:  # the output could not be read: say so rather than guess
-        what, command = f"unknown: could not read the output ({type(e).__name__}: {e})", again_command(program, args)
-    verb = "resume with" if "--resume" in shlex.split(command) else "run it again with"
+    what, verb, command = _continuation(program, args, params, kept)
     return f"Error: {error}; kept: {what}; free space on {error.mount}, then {verb}: {command}"
 
 
