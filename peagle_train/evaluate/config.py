@@ -73,7 +73,7 @@ class EvalConfig:
     its length is the drafted depth); greedy only. None: the chain."""
     tree_nodes: int | None = None
     """Online, peagle's engine: verify a dynamic draft tree of the N most probable paths (product of the per-depth
-    draft probabilities) up to depth K (--tree-nodes N); greedy only. None: the chain."""
+    draft probabilities) up to depth K; greedy only. None: the chain."""
 
     reasoning_parser: str | None = None
     """Online, multi-turn prompts: how the verifier's answer becomes the next turn's history, as a client of

@@ -471,6 +471,9 @@ def find_drafter(path: str | os.PathLike) -> tuple[Path, str | None]:
     if latest is not None and _is_drafter(latest):
         return latest, (f"{path} is a training output without final/ (an unfinished run): using its newest "
                         f"checkpoint {latest}")
+    if (path / "train_config.json").is_file():  # a run that has not saved a checkpoint yet
+        raise StoreFormatError(f"{path} is a peagle-train output with no checkpoint yet: the run writes "
+                               "checkpoint-N/ every --save-every steps and final/ at its end; evaluate it then")
     raise StoreFormatError(f"{path} is not a drafter checkpoint ({CONFIG_FILE} and {WEIGHTS_FILE}) nor a "
                            "peagle-train output holding final/ or a checkpoint-N/")
 

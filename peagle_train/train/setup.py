@@ -211,11 +211,16 @@ def val_split_warning(n_blocks: int, n_val: int, val_fraction: float, n_asked: i
     """A warning when the validation split holds out more than twice ``val_fraction`` of the blocks, or fewer
     than the ``n_asked`` blocks ``val_fraction`` asks.
 
+    A store of one block holds none out: that is said (no validation figures follow).
     :func:`peagle_train.data.split.split_store` holds out at least one block of a store with two or more
     (1 of 2 blocks is 50% for ``--val-fraction 0.05``); that is kept, and said. It holds out whole groups of
     blocks that share a conversation, so it may hold out fewer than asked (at least half); that is said too.
     None otherwise.
     """
+    if n_val == 0 and val_fraction > 0 and n_blocks < 2:
+        return (f"no block held out for validation: --val-fraction {val_fraction:g} needs a store of two or more "
+                f"blocks, this one has {n_blocks}; training reports no validation loss or accuracy (more data, or "
+                "--val-fraction 0 to train without validation)")
     if n_asked is not None and n_val < n_asked:
         return (f"holding out {n_val} of {n_blocks} blocks ({100 * n_val / n_blocks:.1f}%) for validation, fewer "
                 f"than the {n_asked} --val-fraction {val_fraction:g} asks: validation takes whole groups of blocks "

@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 
 from peagle_train.model.checkpoint import (
-    latest_checkpoint, load_drafter, load_training_state, save_checkpoint, save_drafter,
+    find_drafter, latest_checkpoint, load_drafter, load_training_state, save_checkpoint, save_drafter,
 )
 from peagle_train.model.config import DrafterConfig
 from peagle_train.model.drafter import PEagleDrafter
@@ -88,6 +88,18 @@ def test_training_state_and_latest_checkpoint(tmp_path):
         load_training_state(tmp_path / "checkpoint-99")
     with pytest.raises(StoreFormatError):
         load_drafter(tmp_path / "checkpoint-99")
+    assert find_drafter(tmp_path) == (tmp_path / "checkpoint-10", f"{tmp_path} is a training output without "
+                                      f"final/ (an unfinished run): using its newest checkpoint {tmp_path / 'checkpoint-10'}")
+
+
+def test_a_run_with_no_checkpoint_yet_says_so(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "train_config.json").write_text("{}")
+    with pytest.raises(StoreFormatError, match="is a peagle-train output with no checkpoint yet: the run writes "
+                                               "checkpoint-N/ every --save-every steps"):
+        find_drafter(tmp_path / "run")
+    with pytest.raises(StoreFormatError, match="is not a drafter checkpoint .* nor a peagle-train output"):
+        find_drafter(tmp_path)  # not a run at all
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640), (0o002, 0o664)])

@@ -613,6 +613,9 @@ def test_save_total_limit_keeps_the_newest_checkpoints_and_final_and_resumes(tmp
     (10, 1, 0.05, None),  # 10% == twice 5%: as asked, within rounding
     (20, 1, 0.05, None),
     (2, 0, 0.0, None),
+    (1, 0, 0.05, "no block held out for validation: --val-fraction 0.05 needs a store of two or more blocks, this "
+                 "one has 1"),
+    (1, 0, 0.0, None),
     (36, 8, 0.25, "holding out 8 of 36 blocks (22.2%) for validation, fewer than the 9 --val-fraction 0.25 asks: "
                   "validation takes whole groups of blocks that share a conversation"),
 ])
