@@ -36,38 +36,58 @@ report() {
     "$rc" "$verdict" >&2
 }
 
-lower_bound_pid=""
-if [ "${PEAGLE_VLLM:-0}" = 1 ] && [ $# -eq 0 ]; then
+# In CI (PEAGLE_VLLM=1, no test arguments) the suites run side by side: each is about one core's work (the
+# tests hold one torch thread; a vLLM engine start is three Python processes importing vLLM one after another),
+# so on 2 cores the whole takes about the longest suite's time instead of their sum. The vLLM suite runs as two
+# pytest processes, split by module (VLLM_A: the serving modules; the rest), and the transformers-5.19 set beside
+# them. Each suite's output is printed after the main suite's, in this order, then its line.
+parallel=0
+if [ "${PEAGLE_VLLM:-0}" = 1 ] && [ $# -eq 0 ]; then parallel=1; fi
+VLLM_A=(tests/peagle_train/evaluate/test_vllm_serving.py tests/e2e/test_families_pipeline.py
+        tests/peagle_train/evaluate/test_inference.py tests/peagle_train/evaluate/test_vllm_serve_documented.py
+        tests/bench/test_vllm_judge.py tests/peagle_train/evaluate/test_vllm_sampling.py)
+logs=$(mktemp -d "${TMPDIR:-/tmp}/peagle-test.XXXXXX")
+pids=() names=()
+
+# beside NAME COMMAND...: run COMMAND in the background, its output and exit status and wall time under $logs
+beside() {
+  local name=$1 key=${#pids[@]}
+  shift
+  ( start=$SECONDS; "$@" > "$logs/$key.log" 2>&1; echo "$? $((SECONDS - start))" > "$logs/$key.rc" ) &
+  pids+=($!) names+=("$name")
+}
+
+if [ "$parallel" = 1 ]; then
+  # the embedded verifier is converted once, before the suites that read it start together
+  .venv/bin/python -c "from stores.runtime.model_cache import resolve_model; resolve_model('smollm2-135m')" \
+    || { echo "test.sh: converting the embedded verifier failed" >&2; exit 1; }
   # .venv-vllm holds transformers 5.19, pyproject's lower bound (.venv has 5.24): the code that calls
   # transformers' internals (packed-segment masks, the model families, chat templates) is tested on it too.
-  # A short CPU-bound set (about 25 s): it runs beside the main suite, whose tests hold one torch thread,
-  # and its output is printed after the main suite's.
-  lower_bound_log=$(mktemp "${TMPDIR:-/tmp}/peagle-lower-bound.XXXXXX")
-  (
-    start=$SECONDS
-    OMP_NUM_THREADS=1 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider -m "not vllm" \
-      tests/peagle_data/extract/test_hf_forward.py tests/peagle_data/extract/test_families.py \
-      tests/peagle_train/evaluate/test_families_speculative.py tests/peagle_data/chat/test_template_families.py \
-      tests/e2e/test_pipeline.py
-    rc=$?
-    echo "$rc $((SECONDS - start))" > "$lower_bound_log.rc"
-  ) > "$lower_bound_log" 2>&1 &
-  lower_bound_pid=$!
+  beside "transformers-5.19 set (.venv-vllm)" env OMP_NUM_THREADS=1 .venv-vllm/bin/python -m pytest -q \
+    -p no:cacheprovider -m "not vllm" tests/peagle_data/extract/test_hf_forward.py \
+    tests/peagle_data/extract/test_families.py tests/peagle_train/evaluate/test_families_speculative.py \
+    tests/peagle_data/chat/test_template_families.py tests/e2e/test_pipeline.py
+  ignore=()
+  for f in "${VLLM_A[@]}"; do ignore+=("--ignore=$f"); done
+  beside "vllm: serving modules (.venv-vllm)" env PEAGLE_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest -q \
+    -p no:cacheprovider -m vllm "${durations[@]}" "${VLLM_A[@]}"
+  beside "vllm: the other modules (.venv-vllm)" env PEAGLE_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest -q \
+    -p no:cacheprovider -m vllm "${durations[@]}" "${ignore[@]}" tests
 fi
 
 start=$SECONDS
 .venv/bin/python -m pytest -q "${durations[@]}" "$@"
 report "main (.venv)" $? "$start" 0
 
-if [ -n "$lower_bound_pid" ]; then
-  wait "$lower_bound_pid"
-  cat "$lower_bound_log"
-  read -r rc wall < "$lower_bound_log.rc" || { rc=1; wall=0; }
-  rm -f "$lower_bound_log" "$lower_bound_log.rc"
-  report "transformers-5.19 set (.venv-vllm, beside the main suite)" "$rc" $((SECONDS - wall)) 0
-fi
+for key in "${!pids[@]}"; do
+  wait "${pids[$key]}"
+  cat "$logs/$key.log"
+  read -r rc wall < "$logs/$key.rc" || { rc=1; wall=0; }
+  report "${names[$key]}, beside the main suite" "$rc" $((SECONDS - wall)) 0
+done
+rm -rf "$logs"
 
-if [ "${PEAGLE_VLLM:-0}" = 1 ]; then
+if [ "${PEAGLE_VLLM:-0}" = 1 ] && [ "$parallel" = 0 ]; then
   start=$SECONDS
   PEAGLE_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest -q -m vllm "${durations[@]}" "$@"
   report "vllm (.venv-vllm)" $? "$start" $(($# > 0))

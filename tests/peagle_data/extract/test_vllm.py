@@ -85,15 +85,25 @@ an element far smaller than its token's largest (SmolLM2 has values of 400 besid
 by more than its own bf16 step; a wrong layer, norm or position differs by the token's scale."""
 
 
+STRADDLING = 1e-4
+"""The share of elements allowed a second bf16 step: two engines' float32 values of an element that lies near a
+bf16 rounding boundary round apart (one step), and their own float32 difference, accumulated over 30 layers in
+other summation orders and batch shapes, can carry it just past that step (1 element of 54,720 in a streamed
+vLLM store, once in a loaded CI run). Never more than two steps: a wrong layer, norm or position differs by the
+token's scale on every element."""
+
+
 def assert_within_rounding(a: torch.Tensor, b: torch.Tensor, what: str) -> float:
     """Every element of bf16 ``a`` and ``b`` (``[..., H]``) within one bf16 step of the larger plus
-    :data:`FLOAT32_NOISE` times its token's largest |value|; returns the worst per-token relative
-    difference ``|a - b| / |a|`` (L2 over H)."""
+    :data:`FLOAT32_NOISE` times its token's largest |value|, but a share :data:`STRADDLING` within two; returns the
+    worst per-token relative difference ``|a - b| / |a|`` (L2 over H)."""
     a, b = a.float(), b.float()
     scale = torch.maximum(a.abs(), b.abs()).amax(dim=-1, keepdim=True)
     step = bf16_ulp(torch.maximum(a.abs(), b.abs())) + FLOAT32_NOISE * scale
-    bad = (a - b).abs() > step
-    assert not bad.any(), f"{what}: {int(bad.sum())} of {a.numel()} elements differ by more than one bf16 step"
+    diff = (a - b).abs()
+    bad, worse = int((diff > step).sum()), int((diff > 2 * step).sum())
+    assert worse == 0 and bad <= STRADDLING * a.numel(), \
+        f"{what}: {bad} of {a.numel()} elements differ by more than one bf16 step, {worse} by more than two"
     return float(((a - b).norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-30)).max())
 
 
