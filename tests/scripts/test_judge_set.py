@@ -42,7 +42,7 @@ def test_humaneval_comes_from_its_package_with_ids_kept(tmp_path, monkeypatch):
 
 def _args(tmp_path) -> argparse.Namespace:
     return argparse.Namespace(verifier="smollm2-135m", max_new_tokens=64, max_seq_len=2048, layers="2,15,27",
-                              out=tmp_path)
+                              out=tmp_path, batch_size=48)
 
 
 def test_runs_and_their_commands(tmp_path):
@@ -51,7 +51,8 @@ def test_runs_and_their_commands(tmp_path):
                                                                   tmp_path / "mtbench-T1-seed2", 1.0, 2)
     assert (regen.name, pack.name, store.name) == ("mtbench-T1-seed2.jsonl", "mtbench-T1-seed2.packed",
                                                    "mtbench-T1-seed2.zarr")
-    assert a[3:4] == ["regenerate"] and "--turns all --temperature 1.0 --seed 2 --max-new-tokens 64" in " ".join(a)
+    assert a[3:4] == ["regenerate"]
+    assert "--turns all --temperature 1.0 --seed 2 --max-new-tokens 64 --batch-size 48" in " ".join(a)
     assert "--max-seq-len 2048 --max-tokens 2048 --max-windows 1" in " ".join(b)  # whole conversations only
     assert "--context full --layers 2,15,27" in " ".join(c)
 
