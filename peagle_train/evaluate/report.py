@@ -68,6 +68,11 @@ def per_mode_report(per_prompt: list[dict[str, Any]]) -> dict[str, dict[str, Any
     return out
 
 
+def count_of(n: int, noun: str) -> str:
+    """``"1 block"``, ``"2 blocks"``: a count and its noun, plural unless the count is one (nouns taking -s)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _fmt(x: Any) -> str:
     return "-" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)
 
@@ -104,8 +109,8 @@ def format_report(report: dict[str, Any]) -> str:
     if off:
         K = off["num_depths"]
         lines += [
-            f"offline: {len(off.get('blocks', []))} blocks ({off.get('split', '-')}{_store_state(off)}), "
-            f"{off['positions_scored']} positions",
+            f"offline: {count_of(len(off.get('blocks', [])), 'block')} ({off.get('split', '-')}{_store_state(off)}), "
+            f"{count_of(off['positions_scored'], 'position')}",
             *_replay_lines(off.get("replay")),
             f"  all-anchor acceptance length (diagnostic) {_fmt(off['simulated_acceptance_length'])}",
             "  depth     " + " ".join(f"{i:>6d}" for i in range(K)),
@@ -251,7 +256,7 @@ def _plot_title(report: dict[str, Any]) -> str:
         if replayed is not None:
             lines.append(f"offline: replayed acceptance length {replayed:.3f}")
         lines.append(f"offline: all-anchor acceptance length (diagnostic) {off['simulated_acceptance_length']:.3f} "
-                     f"({off['positions_scored']} positions, {len(off.get('blocks', []))} blocks)")
+                     f"({count_of(off['positions_scored'], 'position')}, {count_of(len(off.get('blocks', [])), 'block')})")
     return "\n".join(lines)
 
 

@@ -431,6 +431,8 @@ def test_select_eval_blocks_uses_the_recorded_split_of_this_store_only(tmp_path)
     off = {**chosen.report(), "num_depths": 1, "positions_scored": 5, "simulated_acceptance_length": 1.5,
            "per_depth_accuracy": [0.5], "per_position_acceptance": [0.5]}
     assert "offline: 2 blocks (other_store; incomplete store: 9 of 10 blocks done), 5 positions" in format_report(off)
+    one = {**off, "blocks": [0], "positions_scored": 1}
+    assert "offline: 1 block (other_store; incomplete store: 9 of 10 blocks done), 1 position\n" in format_report(one)
     assert (chosen.ids, chosen.split) == ([0, 1], "other_store")
     assert chosen.warnings[1].startswith(f"{path} is not a store this drafter was trained on (it was trained on "
                                          "/elsewhere/s.zarr; ")
