@@ -98,7 +98,8 @@ def make_run(a: argparse.Namespace, prompts: Path, stem: Path, temperature: floa
             subprocess.run(argv + (["--force"] if output.exists() else []), check=True, cwd=REPO, stdout=sys.stderr)
     stem.with_suffix(".done.json").write_text(json.dumps({"store": str(stem.with_suffix(".zarr")), "temperature":
                                                           temperature, "seed": seed,
-                                                          "max_new_tokens": a.max_new_tokens}))
+                                                          "max_new_tokens": a.max_new_tokens,
+                                                          "batch_size": a.batch_size}))
     return "made"
 
 

@@ -2,6 +2,7 @@
 even when the tests passed; within it, the tests' exit status. Run on a copy with a stub ``scripts/test.sh``."""
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -26,8 +27,9 @@ def test_defaults_are_45_minutes():
 def test_over_budget_fails_though_the_tests_passed(tmp_path):
     r = _ci(tmp_path, "sleep 2; exit 0\n", PEAGLE_CI_BUDGET_S="1", PEAGLE_CI_FAIL_S="1")
     assert r.returncode == 1
-    assert "whole run 2 s" in r.stderr and "tests exit 0" in r.stderr
-    assert ".ci/run: OVER BUDGET" in r.stderr and ".ci/run: FAILED: the run took 0 min 02 s" in r.stderr
+    wall = int(re.search(r"whole run (\d+) s", r.stderr).group(1))  # 2, or 3 on a busy machine
+    assert wall in (2, 3) and "budget 1 s, tests exit 0" in r.stderr
+    assert ".ci/run: OVER BUDGET" in r.stderr and f".ci/run: FAILED: the run took 0 min {wall:02d} s" in r.stderr
 
 
 def test_within_budget_the_tests_exit_status_stands(tmp_path):

@@ -183,8 +183,10 @@ def _replay_lines(replay: dict[str, Any] | None) -> list[str]:
         return []
     if "skipped" in replay:
         return [f"  replayed acceptance length: skipped ({replay['skipped']})"]
-    se = f" ± {replay['se']:.3f} (SE, bootstrap over {replay['conversations']} conversations)" if replay["se"] is not None else ""
-    lines = [f"  replayed acceptance length {replay['acceptance_length']:.3f}{se}, {replay['turns']} turns, "
+    se = (f" ± {replay['se']:.3f} (SE, bootstrap over {count_of(replay['conversations'], 'conversation')})"
+          if replay["se"] is not None else "")
+    lines = [f"  replayed acceptance length {replay['acceptance_length']:.3f}{se}, "
+             f"{count_of(replay['turns'], 'turn')}, "
              f"{replay['num_drafts']} steps with drafts",
              "  replayed  " + " ".join(f"{_fmt(x):>6s}" for x in replay["per_position_acceptance"])]
     for b in replay["by_context_length"]:
@@ -256,7 +258,8 @@ def _plot_title(report: dict[str, Any]) -> str:
         if replayed is not None:
             lines.append(f"offline: replayed acceptance length {replayed:.3f}")
         lines.append(f"offline: all-anchor acceptance length (diagnostic) {off['simulated_acceptance_length']:.3f} "
-                     f"({count_of(off['positions_scored'], 'position')}, {count_of(len(off.get('blocks', [])), 'block')})")
+                     f"({count_of(off['positions_scored'], 'position')}, "
+                     f"{count_of(len(off.get('blocks', [])), 'block')})")
     return "\n".join(lines)
 
 
