@@ -157,6 +157,12 @@ VLLM_CPU_SHAPE = {"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim"
 """Overrides that make a family runnable by vLLM's CPU attention (head sizes 32, 64, ...; not 16), with
 head counts that split over 2 tensor-parallel ranks."""
 
+VLLM_CPU_DENSE = {"nemotron_h": {"layers_block_type": ["linear_attention", "full_attention", "mlp",
+                                                       "linear_attention"]}}
+"""Per-family overrides for vLLM's CPU build: Nemotron-H without its MoE block (vLLM's CPU build has no non-gated
+MoE: relu-squared experts raise ``is_act_and_mul=False is supported only for CUDA, XPU and ROCm``), i.e. the dense
+Nemotron-H (Mamba-2, attention and MLP blocks: Nemotron-H 8B/47B/56B); the MoE one (Nemotron-3 Nano) on a GPU."""
+
 
 def build_family(name: str, vocab_size: int = 512, seed: int = 0, attn_implementation: str | None = None,
                  overrides: dict | None = None, answer_tokens: list[int] | None = None):

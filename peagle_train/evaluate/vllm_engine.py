@@ -54,15 +54,17 @@ from stores.errors import InputError, ModelNotFoundError, PeagleError
 from stores.runtime.model_config import load_model_config, text_config
 from stores.runtime.model_cache import load_tokenizer, model_fingerprint, resolve_model
 from stores.progress import progress
-from stores.runtime.vllm_runtime import (CPU_HYBRID_PREFIX_CACHING, VLLM_SETUP, VllmMemory, VllmOutput,
-                                         VllmStartError, cpu_bf16_only, cpu_without_prefix_caching, start_llm)
+from stores.runtime.vllm_runtime import (CPU_HYBRID_PREFIX_CACHING, CPU_MAMBA2_SPECULATION, VLLM_SETUP, VllmMemory,
+                                         VllmOutput, VllmStartError, cpu_bf16_only, cpu_speculation_not_lossless,
+                                         cpu_without_prefix_caching, start_llm)
 from stores.runtime.vllm_runtime import import_vllm as import_vllm_module
 
 __all__ = ["VLLM_SETUP", "SPEC_METRICS", "VllmRun", "VllmReference", "import_vllm", "vllm_generate",
-           "engine_settings", "check_full_length", "request_seed", "top_logits_of", "vllm_report", "next_turn_prompts",
-           "per_position_counts", "check_speculators_verifier", "VLLM_EXPAND_PROBE", "VLLM_EXPAND_EXPECTED",
-           "VLLM_CPU_EXPAND_BUG", "probe_vllm_expand", "check_vllm_sampling", "vllm_on_cpu", "vllm_reference",
-           "vllm_speculative", "run_vllm_eval", "VllmSpeculativeEngine"]
+           "engine_settings", "check_full_length", "request_seed", "top_logits_of", "vllm_report",
+           "next_turn_prompts", "per_position_counts", "check_speculators_verifier", "VLLM_EXPAND_PROBE",
+           "VLLM_EXPAND_EXPECTED", "VLLM_CPU_EXPAND_BUG", "probe_vllm_expand", "check_vllm_sampling",
+           "check_vllm_verifier", "vllm_on_cpu", "vllm_reference", "vllm_speculative", "run_vllm_eval",
+           "VllmSpeculativeEngine"]
 
 
 SPEC_METRICS = {
@@ -640,6 +642,22 @@ def check_speculators_verifier(drafter_dir: str | Path, verifier_name: str) -> N
                          f"different model; {fix}", file=str(config_file), field="--verifier")
 
 
+def check_vllm_verifier(verifier_name: str, on_cpu: bool) -> None:
+    """Refuse a verifier whose speculative decoding this vLLM does not verify exactly on this platform: on CPU a
+    Mamba-2 hybrid (:data:`stores.runtime.vllm_runtime.CPU_MAMBA2_SPECULATION`), before any engine starts.
+
+    Raises:
+        InputError: field ``--engine``: the reason, and what to measure with instead.
+    """
+    text = _verifier_text_config(verifier_name) if on_cpu else None
+    kind = cpu_speculation_not_lossless(text) if text is not None else None
+    if kind is not None:
+        raise InputError(f"--engine vllm on CPU with a {kind} hybrid verifier ({text.model_type}): "
+                         f"{CPU_MAMBA2_SPECULATION}. Measure with peagle's own engine (--engine peagle: exact, the "
+                         "recurrent state put back after each rejected draft), or with vLLM on a GPU",
+                         field="--engine")
+
+
 def run_vllm_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_file: str | Path,
                   config: EvalConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """The online report of ``peagle-eval`` (same keys; docs/design.md §9), measured by vLLM.
@@ -667,7 +685,8 @@ def run_vllm_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_fi
     Raises:
         MissingDependencyError: no vLLM (names the set-up command). InputError: an unknown loading or draft
         sample method, K above the drafter's ``num_depths``, T > 0 where vLLM's rejection sampler does not get
-        the verifier's distribution (:func:`check_vllm_sampling`, before any engine starts).
+        the verifier's distribution (:func:`check_vllm_sampling`), a verifier whose drafts vLLM does not verify
+        exactly on this platform (:func:`check_vllm_verifier`), each before any engine starts.
     """
     check_draft_sample_method(config.draft_sample_method)
     if config.vllm_loading not in VLLM_LOADINGS:
@@ -679,6 +698,7 @@ def run_vllm_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_fi
     name = verifier_name or load_drafter(found).config.verifier_name_or_path
     if not name:
         raise InputError("the drafter's config names no verifier; pass one", field="--verifier")
+    check_vllm_verifier(name, vllm_on_cpu())
     if config.vllm_loading == "speculators":
         check_speculators_verifier(found, name)
     return vllm_speculative(vllm_reference(name, prompts_file, config, log), found, config, log)

@@ -212,8 +212,9 @@ def verifier_skeleton(name: str | os.PathLike):
 
 
 def _bare_key(key: str) -> tuple[str, ...]:
-    """A parameter name without the wrapper prefixes checkpoints differ in (``model.``, ``language_model.``)."""
-    return tuple(p for p in key.split(".") if p not in ("model", "language_model"))
+    """A parameter name without the wrapper prefixes checkpoints differ in (``model.``, ``language_model.``;
+    ``backbone.``: Nemotron-H's checkpoints, whose transformers modules are ``model.``)."""
+    return tuple(p for p in key.split(".") if p not in ("model", "language_model", "backbone"))
 
 
 def load_submodule(name: str | os.PathLike, skeleton, module_name: str, dtype) -> "torch.nn.Module":

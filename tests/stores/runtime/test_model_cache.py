@@ -44,17 +44,18 @@ def test_hub_id_of_the_embedded_alias():
     assert hub_id("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B" and hub_id("/models/x") == "/models/x"
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "gemma3_mm"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "gemma3_mm", "nemotron_h"])
 def test_load_submodule_reads_only_the_final_norm(tmp_path, family):
     """The final norm of a verifier from its checkpoint alone equals the fully loaded model's, for a
-    causal LM, Gemma's (1 + w) RMSNorm and a multimodal wrapper (checkpoint names differ from the module's)."""
+    causal LM, Gemma's (1 + w) RMSNorm, a multimodal wrapper and Nemotron-H (checkpoint names differ from the
+    module's: ``model.language_model.norm`` / ``model.norm``, ``backbone.norm_f`` / ``model.norm_f``)."""
     import sys
     from pathlib import Path
 
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from peagle_data.extract.hf_forward import language_model
+    from peagle_data.extract.hf_forward import final_norm, language_model
     from stores.runtime.model_cache import load_submodule, verifier_skeleton
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -64,13 +65,13 @@ def test_load_submodule_reads_only_the_final_norm(tmp_path, family):
     with torch.no_grad():  # a norm weight that is not its initial value
         auto = AutoModelForImageTextToText if family == "gemma3_mm" else AutoModelForCausalLM
         full = auto.from_pretrained(model_dir, dtype=torch.float32)
-        language_model(full).norm.weight.normal_()
+        final_norm(language_model(full)).weight.normal_()
         full.save_pretrained(model_dir)
     skeleton = verifier_skeleton(model_dir)
     assert next(skeleton.parameters()).device.type == "meta"
-    name = next(n for n, m in skeleton.named_modules() if m is language_model(skeleton).norm)
+    name = next(n for n, m in skeleton.named_modules() if m is final_norm(language_model(skeleton)))
     norm = load_submodule(model_dir, skeleton, name, torch.float32)
-    ref = language_model(auto.from_pretrained(model_dir, dtype=torch.float32)).norm
+    ref = final_norm(language_model(auto.from_pretrained(model_dir, dtype=torch.float32)))
     assert type(norm) is type(ref)
     x = torch.randn(5, ref.weight.shape[0])
     assert torch.equal(norm.weight, ref.weight) and torch.equal(norm(x), ref(x))
