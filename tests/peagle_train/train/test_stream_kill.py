@@ -168,7 +168,8 @@ def test_a_resume_onto_a_store_without_its_plan_starts_at_the_checkpoint(tmp_pat
     store, out = tmp_path / "stream.zarr", tmp_path / "stream"
     cfg = dict(store=str(store), output=str(out), verifier=str(tiny_verifier_dir), max_steps=6, save_every=3,
                extract_from=str(packed), max_store_bytes=str(_budget(offline_store, window=3)), device="cpu",
-               stream_timeout_s=20, context="window", **OPTS)
+               stream_timeout_s=120, context="window", **OPTS)  # the regression: both waited until timed out
+    # (120 s: the extraction child says nothing while it imports, which took over 20 s in a loaded CI run)
     run_train(TrainConfig.from_flat(**cfg))
     shutil.rmtree(out / "final")
     shutil.rmtree(out / "checkpoint-6")  # latest: checkpoint-3, cursor 3, a whole window past entry 0
