@@ -37,7 +37,7 @@ WINDOW = 4
 """Sliding window (tokens) of every sliding layer in the matrix."""
 
 FAMILIES = ["llama31", "qwen3", "qwen3_moe", "mistral", "qwen2", "gemma2", "gemma3_text", "gpt_oss", "phi3",
-            "gemma3_mm", "qwen2_5_vl", "llama4"]
+            "gemma3_mm", "qwen2_5_vl", "llama4", "deepseek_v3", "glm4_moe", "minimax_m2"]
 """Every attention-only family of the matrix, in the order the tests run them."""
 
 HYBRID = ["qwen3_5", "qwen3_next", "nemotron_h", "granitemoehybrid", "olmo_hybrid"]
@@ -116,6 +116,20 @@ def family_config(name: str, vocab_size: int = 512):
                                    video_token_id=vocab_size - 2, vision_start_token_id=vocab_size - 3,
                                    vision_end_token_id=vocab_size - 4, pad_token_id=0, bos_token_id=1,
                                    eos_token_id=2)
+    if name == "deepseek_v3":  # multi-head latent attention (low-rank q and kv, a decoupled rope part) and MoE
+        # its rope head dim is qk_rope_head_dim; MLA's keys and values are per head (no grouped-query sharing)
+        s = {**{k: v for k, v in s.items() if k != "head_dim"}, "num_key_value_heads": s["num_attention_heads"]}
+        return tf.DeepseekV3Config(**s, num_hidden_layers=2, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8,
+                                   qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                                   topk_group=1)
+    if name == "glm4_moe":  # GLM-4.5: partial rotary, q/k norms, a dense first layer, then sigmoid-routed MoE
+        return tf.Glm4MoeConfig(**s, num_hidden_layers=2, partial_rotary_factor=0.5, use_qk_norm=True,
+                                n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)
+    if name == "minimax_m2":  # MiniMax-M2: full attention with q/k norms, partial rotary, MoE in every layer
+        return tf.MiniMaxM2Config(**s, num_hidden_layers=2, rotary_dim=8, use_qk_norm=True, num_local_experts=4,
+                                  num_experts_per_tok=2)
     if name == "llama4":
         return tf.Llama4TextConfig(**s, num_hidden_layers=2, attention_chunk_size=WINDOW, intermediate_size_mlp=128,
                                    num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=1,

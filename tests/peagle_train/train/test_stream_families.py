@@ -30,7 +30,8 @@ from families import FAMILIES, HYBRID, SLIDING, save_family  # noqa: E402
 STEPS = 12  # two epochs of 6 training blocks (2 held out), one per step
 FAST = ["qwen3_moe", "gpt_oss"]
 """In the main suite (about 5 s of CPU each): MoE; alternating sliding/full layers with sinks and MoE (gpt-oss)."""
-SLOW = ["gemma2", "qwen3", "mistral", "qwen2", "gemma3_text", "phi3", "gemma3_mm", "qwen2_5_vl", "llama4"]
+SLOW = ["gemma2", "qwen3", "mistral", "qwen2", "gemma3_text", "phi3", "gemma3_mm", "qwen2_5_vl", "llama4", "deepseek_v3",
+        "glm4_moe", "minimax_m2"]
 """Every other family of the matrix but Llama, slow-marked."""
 assert sorted(FAST + SLOW + ["llama31"]) == sorted(FAMILIES) and {"gpt_oss", "gemma2"} <= SLIDING
 
