@@ -69,10 +69,15 @@ if [ "$parallel" = 1 ]; then
     tests/peagle_data/chat/test_template_families.py tests/e2e/test_pipeline.py
   ignore=()
   for f in "${VLLM_A[@]}"; do ignore+=("--ignore=$f"); done
-  beside "vllm: serving modules (.venv-vllm)" env PEAGLE_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest -q \
-    -p no:cacheprovider -m vllm "${durations[@]}" "${VLLM_A[@]}"
-  beside "vllm: the other modules (.venv-vllm)" env PEAGLE_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest -q \
-    -p no:cacheprovider -m vllm "${durations[@]}" "${ignore[@]}" tests
+  # vLLM's CPU worker binds its OpenMP threads by default ('auto') to every core of the node but the last, which
+  # it leaves to other processes: core 0 here, so the two vLLM processes' engines would all compute on core 0.
+  # Each process's engines get a core of their own (a test that sets the variable itself keeps its own).
+  bind_a=0 bind_b=0
+  if [ "$(nproc)" -ge 2 ]; then bind_b=1; fi
+  beside "vllm: serving modules (.venv-vllm)" env PEAGLE_REQUIRE_VLLM=1 VLLM_CPU_OMP_THREADS_BIND=$bind_a \
+    .venv-vllm/bin/python -m pytest -q -p no:cacheprovider -m vllm "${durations[@]}" "${VLLM_A[@]}"
+  beside "vllm: the other modules (.venv-vllm)" env PEAGLE_REQUIRE_VLLM=1 VLLM_CPU_OMP_THREADS_BIND=$bind_b \
+    .venv-vllm/bin/python -m pytest -q -p no:cacheprovider -m vllm "${durations[@]}" "${ignore[@]}" tests
 fi
 
 start=$SECONDS
