@@ -416,7 +416,8 @@ class VllmSpeculativeEngine:
     per-request spec-decode metrics); vLLM is imported here.
 
     Raises:
-        MissingDependencyError: no vLLM (names the set-up command).
+        MissingDependencyError: no vLLM (names the set-up command). InputError: a verifier whose drafts this vLLM
+        does not verify exactly on this platform (:func:`check_vllm_verifier`), before the engine starts.
     """
 
     def __init__(self, verifier_name: str, drafter_dir: str | Path, K: int, tokenizer, max_model_len: int = 4096,
@@ -424,6 +425,7 @@ class VllmSpeculativeEngine:
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
+        check_vllm_verifier(verifier_name, current_platform.is_cpu())
         self.vllm, self.K, self.max_model_len = vllm, int(K), max_model_len
         self.directory = str(resolve_model(verifier_name))
         self.eos = sorted(set(eos_ids(tokenizer, SimpleNamespace(generation_config=_generation_config(

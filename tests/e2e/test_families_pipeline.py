@@ -22,7 +22,9 @@ from transformers import AutoTokenizer
 from cli.data import main as data_main
 from cli.eval import main as eval_main
 from cli.train import main as train_main
+from peagle_train.evaluate.vllm_engine import VllmSpeculativeEngine
 from peagle_train.train.setup import verifier_rope
+from stores.errors import InputError
 from stores.features.feature_store import FeatureStore
 from stores.runtime.model_cache import load_verifier
 from stores.tables.token_tables import TokenTable
@@ -34,18 +36,23 @@ from families import (HYBRID, VLLM_CPU_DENSE, VLLM_CPU_SHAPE, family_config, hid
                       save_family)
 
 
+def _pack_and_extract(tmp_path: Path, model: str, layers: str) -> Path:
+    """The tests' conversations packed (``tmp_path/packed``, 128 tokens a block) and extracted with ``model``'s
+    ``layers`` on CPU (``tmp_path/f.zarr``); returns the prompts file written beside them."""
+    data, prompts = tmp_path / "convs.jsonl", tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    _run(data_main, ["pack", data, "--tokenizer", model, "--output", tmp_path / "packed", "--max-seq-len", 128])
+    _run(data_main, ["extract", tmp_path / "packed", "--verifier", model, "--output", tmp_path / "f.zarr",
+                     "--layers", layers, "--device", "cpu"])
+    return prompts
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt_oss", "gemma3_mm", "llama31", "gemma2"])
 def test_family_through_the_cli(tmp_path, smollm2_tokenizer_dir, family):
     model = str(save_family(family, tmp_path / "verifier", smollm2_tokenizer_dir, vocab_size=49152))
-    data = tmp_path / "convs.jsonl"
-    data.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-
-    _run(data_main, ["pack", data, "--tokenizer", model, "--output", tmp_path / "packed", "--max-seq-len", 128])
-    _run(data_main, ["extract", tmp_path / "packed", "--verifier", model, "--output", tmp_path / "f.zarr",
-                     "--layers", "0,1,2", "--device", "cpu"])
+    prompts = _pack_and_extract(tmp_path, model, "0,1,2")
     store = FeatureStore.open(tmp_path / "f.zarr")
     text = family_config(family, 49152).get_text_config()
     assert store.attrs["verifier"]["num_hidden_layers"] == text.num_hidden_layers
@@ -84,13 +91,8 @@ def test_hybrid_family_through_the_cli(tmp_path, smollm2_tokenizer_dir, family):
     state is put back after a rejected draft); the checkpoint names aux layers that are linear-attention / Mamba-2 layers and
     the verifier's text model shape."""
     model = str(save_family(family, tmp_path / "verifier", smollm2_tokenizer_dir, vocab_size=49152))
-    data = tmp_path / "convs.jsonl"
-    data.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
     layers = [1, 2, 4]  # 1 and (Qwen3.5, Qwen3-Next, Granite, OLMo) 3 are recurrent layers' outputs
-
-    _run(data_main, ["pack", data, "--tokenizer", model, "--output", tmp_path / "packed", "--max-seq-len", 128])
-    _run(data_main, ["extract", tmp_path / "packed", "--verifier", model, "--output", tmp_path / "f.zarr",
-                     "--layers", ",".join(map(str, layers)), "--device", "cpu"])
+    prompts = _pack_and_extract(tmp_path, model, ",".join(map(str, layers)))
     store = FeatureStore.open(tmp_path / "f.zarr")
     assert store.layout == "windows"  # full context: the contexts ran, the windows are views of them
     verifier = load_verifier(model, device="cpu")
@@ -121,8 +123,6 @@ def test_hybrid_family_through_the_cli(tmp_path, smollm2_tokenizer_dir, family):
     report = json.loads(_run(eval_main, ["--drafter", final, "--store", tmp_path / "f.zarr", "--no-measure-costs",
                                          "--output", tmp_path / "eval.json"]))
     assert report["positions_scored"] > 0 and report["simulated_acceptance_length"] >= 1.0, report
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     report = json.loads(_run(eval_main, ["--drafter", final, "--verifier", model, "--prompts", prompts,
                                          "--max-new-tokens", 12]))
     assert report["identical_to_greedy"] is True and report["cost_model"]["skipped"], report
@@ -264,13 +264,7 @@ def test_peagle_eval_refuses_a_mamba2_verifier_on_vllm_cpu_before_any_engine(tmp
     instead, before vLLM starts (peagle's own engine decodes Nemotron-H identically to greedy:
     tests/peagle_train/evaluate/test_families_speculative.py)."""
     model = _mamba2_verifier(tmp_path / "verifier", smollm2_tokenizer_dir)
-    data = tmp_path / "convs.jsonl"
-    data.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    _run(data_main, ["pack", data, "--tokenizer", model, "--output", tmp_path / "packed", "--max-seq-len", 128])
-    _run(data_main, ["extract", tmp_path / "packed", "--verifier", model, "--output", tmp_path / "f.zarr",
-                     "--layers", "1,2,4"])
+    prompts = _pack_and_extract(tmp_path, model, "1,2,4")
     _run(train_main, ["--store", tmp_path / "f.zarr", "--output", tmp_path / "drafter", "--max-steps", 2,
                       "--num-depths", 3])
     drafter = tmp_path / "drafter" / "final"
@@ -283,3 +277,5 @@ def test_peagle_eval_refuses_a_mamba2_verifier_on_vllm_cpu_before_any_engine(tmp
     assert "--engine vllm on CPU with a Mamba-2 hybrid verifier (nemotron_h): vLLM 0.32's CPU build does not " \
         "verify drafts exactly" in err and "Measure with peagle's own engine (--engine peagle" in err, err
     assert "EngineCore" not in res.stderr and "Resolved architecture" not in res.stderr, err
+    with pytest.raises(InputError, match="vLLM 0.32's CPU build does not verify drafts exactly"):  # the Python API's
+        VllmSpeculativeEngine(model, drafter, 3, AutoTokenizer.from_pretrained(model))  # engine="vllm" too
