@@ -68,11 +68,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_quality_vs_speculators as side_by_side  # noqa: E402
+import judge_replay  # noqa: E402
 
 from peagle_train.data.loader import BlockLoader  # noqa: E402
 from peagle_train.evaluate.inference import PEAGLEInference, load_for_decoding  # noqa: E402
 from peagle_train.evaluate.offline import run_offline_eval  # noqa: E402
 from peagle_train.evaluate.prompts import answer_text, read_prompts, render_turn  # noqa: E402
+from peagle_train.evaluate.replay import bootstrap_al  # noqa: E402
 from peagle_train.model.checkpoint import load_drafter  # noqa: E402
 from peagle_train.train.config import TrainConfig  # noqa: E402
 from peagle_train.train.run import build_trainer, run_train  # noqa: E402
@@ -101,6 +103,15 @@ WARM_START: dict[str, str] = {"lk_hybrid_warm": "default"}
 
 BASE = dict(num_depths=4, draft_vocab_size=4096, lr=1e-3, val_fraction=0.1, val_max_blocks=4, loss_chunk_size=2048)
 """What every run shares besides store, output, steps and seed (the demo's settings)."""
+
+
+def code_commit() -> dict:
+    """``{"commit", "dirty"}`` of the checkout the bench runs from (``git``; None outside a git checkout)."""
+    def git(*argv: str) -> str | None:
+        r = subprocess.run(["git", *argv], cwd=BENCH, capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else None
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
 
 
 def mean_se(xs: list[float]) -> tuple[float, float]:
@@ -333,10 +344,32 @@ def judge_stores(judge: Path) -> dict[str, list[Path]]:
     return {t: [p for p in done if f"-T{t}" in p.name] for t in ("0", "1")}
 
 
+def suite_figures(per: dict[str, dict]) -> dict[str, dict]:
+    """Per suite (a judge store's name before ``-T``): the replayed AL over its stores' turns (``1 + Σ accepted /
+    Σ num_drafts``), with its bootstrap SE over prompts where the reports carry their conversations (a prompt's
+    T = 1 samples, one per store, resampled together: :func:`judge_replay.pooled`), else ``se`` None."""
+    suites: dict[str, list[tuple[str, dict]]] = {}
+    for name, rep in per.items():
+        suites.setdefault(name.split("-T", 1)[0], []).append((name, rep))
+    out = {}
+    for suite, reps in sorted(suites.items()):
+        accepted = sum(int(r.get("accepted", 0)) for _, r in reps)
+        drafts = sum(int(r.get("num_drafts", 0)) for _, r in reps)
+        fig = {"acceptance_length": 1.0 + (accepted / drafts if drafts else 0.0), "accepted": accepted,
+               "num_drafts": drafts, "stores": len(reps), "se": None}
+        if all("per_conversation" in r for _, r in reps):
+            p = judge_replay.pooled(reps)
+            fig["se"] = bootstrap_al(p["accepted"], p["num_drafts"], clusters=p["prompts"])[1]
+            fig["conversations"], fig["prompts"] = int(p["keys"].size), int(len(set(p["prompts"].tolist())))
+        out[suite] = fig
+    return out
+
+
 def replay(run: Path, judge: Path) -> None:
     """The replayed AL of ``run``'s last drafter on every judge store (``peagle-eval --store``'s ``replay``), per
-    temperature pooled over the suites and samples: ``run/replay-T{0,1}.json`` with each store's report under
-    ``per_store``; each store walked with the ``max_new_tokens`` it was generated with (its ``.done.json``)."""
+    temperature pooled over the suites and samples, and per suite (:func:`suite_figures`):
+    ``run/replay-T{0,1}.json`` with each store's report under ``per_store``; each store walked with the
+    ``max_new_tokens`` it was generated with (its ``.done.json``)."""
     for t, stores in judge_stores(judge).items():
         path = run / f"replay-T{t}.json"
         if path.exists() or not stores:
@@ -348,9 +381,54 @@ def replay(run: Path, judge: Path) -> None:
             per[store.name] = {**rep["replay"], "all_anchor_acceptance_length": rep["simulated_acceptance_length"]}
         accepted = sum(r.get("accepted", 0) for r in per.values())
         drafts = sum(r.get("num_drafts", 0) for r in per.values())
-        path.write_text(json.dumps({"temperature": float(t), "acceptance_length": 1.0 + (accepted / drafts if drafts
-                                    else 0.0), "accepted": accepted, "num_drafts": drafts, "per_store": per},
-                                   indent=1))
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"temperature": float(t), "acceptance_length": 1.0 + (accepted / drafts if drafts
+                                   else 0.0), "accepted": accepted, "num_drafts": drafts,
+                                   "per_suite": suite_figures(per), "per_store": per}, indent=1))
+        tmp.replace(path)
+
+
+RESULT_REPORTS = ("summary.json", "offline.json", "replay-T0.json", "replay-T1.json")
+"""The reports a run needs before its results file is written (a run without all of them has no result)."""
+
+KEPT_SUMMARY = ("train_wall_s", "steps", "step_offset", "trainer")
+"""The keys of a run's ``summary.json`` its results file keeps (the rest is the trainer's log)."""
+
+
+def result_of(out: Path, lever: str, seed: int, provenance: dict) -> dict | None:
+    """A run's results-file content: its figures (``summary``, ``offline``, ``replay-T{0,1}`` with per-suite and
+    per-conversation counts, not ``by_context_length``), its learning curve and ``provenance`` (inputs' hashes,
+    commit); None while any of :data:`RESULT_REPORTS` is missing."""
+    reports = {name: load(out, lever, seed, name) for name in RESULT_REPORTS}
+    if any(r is None for r in reports.values()):
+        return None
+    reports["summary.json"] = {k: v for k, v in reports["summary.json"].items() if k in KEPT_SUMMARY}
+    reports["offline.json"] = {k: reports["offline.json"].get(k) for k in ("simulated_acceptance_length",
+                                                                          "per_depth_accuracy", "block_ids")}
+    for t in ("0", "1"):
+        rep = reports[f"replay-T{t}.json"]
+        rep["per_store"] = {name: {k: r.get(k) for k in ("acceptance_length", "accepted", "num_drafts", "se",
+                                                          "turns", "conversations", "refused_turns",
+                                                          "max_new_tokens", "per_conversation")}
+                            for name, r in rep["per_store"].items()}
+    return {"lever": lever, "seed": seed, **provenance, "reports": reports,
+            "curve": {str(k): v for k, v in sorted(curve_points(out, lever, seed).items())}}
+
+
+def export_result(out: Path, lever: str, seed: int, results: Path, provenance: dict) -> Path | None:
+    """Write ``results/LEVER-sSEED.json`` (:func:`result_of`) atomically once the run is complete; an existing
+    results file is kept (a finished run's figures never change). Returns the path, or None (not complete)."""
+    path = results / f"{lever}-s{seed}.json"
+    if path.exists():
+        return path
+    result = result_of(out, lever, seed, provenance)
+    if result is None:
+        return None
+    results.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(path)
+    return path
 
 
 def _value(report: dict) -> float:
@@ -370,8 +448,19 @@ def paired(out: Path, lever: str, base: str, seeds: list[int], name: str) -> lis
 
 
 def load(out: Path, lever: str, seed: int, name: str) -> dict | None:
-    p = out / f"{lever}-s{seed}" / name
-    return json.loads(p.read_text()) if p.exists() else None
+    """Report ``name`` of run ``LEVER-sSEED``: from its results file ``OUT/LEVER-sSEED.json`` (:func:`export_result`)
+    if there is one, else from the run directory ``OUT/LEVER-sSEED/NAME``; ``NAME#SUITE`` is that report's figure
+    for one suite (``per_suite``). None where absent."""
+    name, _, suite = name.partition("#")
+    result = out / f"{lever}-s{seed}.json"
+    if result.is_file():
+        rep = json.loads(result.read_text())["reports"].get(name)
+    else:
+        p = out / f"{lever}-s{seed}" / name
+        rep = json.loads(p.read_text()) if p.exists() else None
+    if rep is not None and suite:
+        return rep.get("per_suite", {}).get(suite)
+    return rep
 
 
 def delta_cell(diffs: list[float], base_mean: float | None) -> str:
@@ -387,11 +476,40 @@ def delta_cell(diffs: list[float], base_mean: float | None) -> str:
     return f"{r['mean']:+.3f} ± {r['se']:.3f} ({pct}n={r['n']} seeds, t({r['df']})={r['t']:.2f}, p={r['p']:.3f}){star}"
 
 
+def metrics(out: Path, levers: list[str], seeds: list[int]) -> list[tuple[str, str]]:
+    """:data:`METRICS` with, after the pooled replay columns, one per judge suite and temperature
+    (``replay-T{t}.json#SUITE``) for the suites the reports hold."""
+    suites = sorted({suite for lv in levers for s in seeds for t in ("0", "1")
+                     for suite in (load(out, lv, s, f"replay-T{t}.json") or {}).get("per_suite", {})})
+    per_suite = [(f"replay AL {suite} T={t}", f"replay-T{t}.json#{suite}") for suite in suites for t in ("0", "1")]
+    return METRICS[:2] + per_suite + METRICS[2:]
+
+
+def per_seed_table(out: Path, levers: list[str], seeds: list[int]) -> str:
+    """Markdown: every run's replayed AL per suite and temperature (± its bootstrap SE over prompts), one row per
+    lever and seed: the figures the means and paired differences of :func:`table` are made of."""
+    cols = [(c, n) for c, n in metrics(out, levers, seeds) if "#" in n]
+    if not cols:
+        return ""
+    lines = ["| lever | seed | " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * (len(cols) + 2)]
+    for lever in levers:
+        for s in seeds:
+            cells = []
+            for _, name in cols:
+                r = load(out, lever, s, name)
+                cells.append("-" if r is None else f"{r['acceptance_length']:.3f}" + (
+                    f" ± {r['se']:.3f}" if r.get("se") is not None else ""))
+            if any(c != "-" for c in cells):
+                lines.append(f"| {lever} | {s} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def table(out: Path, levers: list[str], seeds: list[int], baseline: str) -> str:
     """The markdown table of every lever with reports (mean ± SE over seeds of each seed's figure; Δ paired against
     ``baseline`` by seed, with the paired t over seeds: :func:`delta_cell`), the per-depth accuracy, the wall times, then the learning
     curves (offline AL of every checkpoint, mean over the seeds, by the step counted from the run's start)."""
-    shown = [(col, name) for col, name in METRICS if any(load(out, lv, s, name) for lv in levers for s in seeds)]
+    shown = [(col, name) for col, name in metrics(out, levers, seeds)
+             if any(load(out, lv, s, name) for lv in levers for s in seeds)]
     head = ["lever", "seeds", *[c for c, _ in shown], "offline per-depth accuracy (T=0)",
             *[f"Δ {c} vs {baseline}" for c, _ in shown], "train wall s", "vLLM judge wall s (T=0 / T=1)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -420,12 +538,15 @@ def table(out: Path, levers: list[str], seeds: list[int], baseline: str) -> str:
             judge.append(f"{statistics.fmean(w):.0f}" if w and all(x is not None for x in w) else "-")
         cells.append(" / ".join(judge))
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\n" + curves(out, levers, seeds)
+    seed_rows = per_seed_table(out, levers, seeds)
+    return "\n".join(lines) + "\n\n" + (seed_rows + "\n\n" if seed_rows else "") + curves(out, levers, seeds)
 
 
 def curve_points(out: Path, lever: str, seed: int) -> dict[int, float]:
     """Step (from the run's start; a warm start's own steps plus its start's) -> offline AL of that checkpoint."""
     run = out / f"{lever}-s{seed}"
+    if (out / f"{lever}-s{seed}.json").is_file():
+        return {int(k): v for k, v in json.loads((out / f"{lever}-s{seed}.json").read_text())["curve"].items()}
     summary = load(out, lever, seed, "summary.json") or {}
     offset = int(summary.get("step_offset") or 0)
     points = {}
@@ -458,8 +579,10 @@ def curves(out: Path, levers: list[str], seeds: list[int]) -> str:
 
 
 def found_runs(out: Path) -> tuple[list[str], list[int]]:
-    """The levers (in :data:`LEVERS` order) and seeds that have a run directory ``OUT/LEVER-sSEED``."""
-    pairs = [d.name.rsplit("-s", 1) for d in out.glob("*-s*") if d.is_dir()]
+    """The levers (in :data:`LEVERS` order) and seeds that have a run directory ``OUT/LEVER-sSEED`` or a results
+    file ``OUT/LEVER-sSEED.json``."""
+    pairs = [d.name.removesuffix(".json").rsplit("-s", 1) for d in out.glob("*-s*")
+             if d.is_dir() or d.name.endswith(".json")]
     pairs = [(lv, int(s)) for lv, s in pairs if lv in LEVERS and s.isdigit()]
     return [lv for lv in LEVERS if any(p[0] == lv for p in pairs)], sorted({s for _, s in pairs})
 
@@ -483,7 +606,12 @@ def main() -> None:
     ap.add_argument("--temperatures", default="0,1", help="online and vllm: the temperatures judged")
     ap.add_argument("--vllm-python", default=os.environ.get("PEAGLE_VLLM_PYTHON", str(BENCH.parent / ".venv-vllm"
                                                                                          / "bin" / "python")))
-    ap.add_argument("--table", action="store_true", help="only print the tables of the saved reports")
+    ap.add_argument("--table", action="store_true", help="only print the tables of the saved reports (OUT: a run "
+                    "directory or a --results directory)")
+    ap.add_argument("--results", type=Path, default=None, help="write each complete run's figures to "
+                    "RESULTS/LEVER-sSEED.json (export_result), from which --table --out RESULTS rebuilds the table")
+    ap.add_argument("--provenance", type=Path, default=None, help="a JSON object stored in every results file (the "
+                    "inputs' hashes: bench/quality_slices.py writes it)")
     args = ap.parse_args()
     found_levers, found_seeds = found_runs(args.out) if args.table else ([], [])
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else (found_seeds or [0, 1, 2])
@@ -510,6 +638,8 @@ def main() -> None:
             ap.error(f"{lv} starts from {WARM_START[lv]}'s checkpoint: list {WARM_START[lv]} before it")
     args.out.mkdir(parents=True, exist_ok=True)
     temperatures = [float(t) for t in args.temperatures.split(",")]
+    provenance = {"steps": args.steps, "commit": code_commit(),
+                  "inputs": json.loads(args.provenance.read_text()) if args.provenance else None}
     torch.set_num_threads(1)
     for seed in seeds:  # seed-major: a partial run still pairs every lever with the baseline
         for lever in levers:
@@ -525,6 +655,8 @@ def main() -> None:
                                            args.max_new_tokens, args.out)
                 for temperature in temperatures:
                     online(args.verifier, run, contexts, args.max_new_tokens, temperature)
+            if args.results and export_result(args.out, lever, seed, args.results, provenance):
+                print(f"results: {args.results / f'{lever}-s{seed}.json'}", file=sys.stderr)
             print(f"done {run.name}", file=sys.stderr)
     if "vllm" in stages:  # after every run is trained: one judge process per temperature
         runs = [args.out / f"{lv}-s{s}" for s in seeds for lv in levers]

@@ -1,6 +1,6 @@
 """Several drafters judged side by side by replay on one judge set (``scripts/judge_set.py``): each drafter's
-replayed AL per suite and temperature with its bootstrap SE over conversations, and its paired difference against
-the first drafter (the same conversations resampled for both; docs/guide-evaluation.md, "Judging drafters by
+replayed AL per suite and temperature with its bootstrap SE over prompts (a prompt's T = 1 samples resampled together),
+and its paired difference against the first drafter (the same prompts resampled for both; docs/guide-evaluation.md, "Judging drafters by
 replay").
 
     python bench/judge_replay.py --judge judge --drafters RUN_A/final RUN_B/final [--output judge.json]
@@ -34,12 +34,20 @@ def judge_groups(judge: Path) -> dict[str, list[Path]]:
 
 
 def pooled(reports: list[tuple[str, dict]]) -> dict[str, np.ndarray]:
-    """Per-conversation counts of several stores' replay reports, keys ``STORE:conversation``, sorted."""
-    rows = sorted((f"{name}:{c}", a, d) for name, r in reports
-                  for c, a, d in zip(r["per_conversation"]["conversation"], r["per_conversation"]["accepted"],
-                                     r["per_conversation"]["num_drafts"]))
-    return {"keys": np.array([k for k, _, _ in rows]), "accepted": np.array([a for _, a, _ in rows], np.int64),
-            "num_drafts": np.array([d for _, _, d in rows], np.int64)}
+    """Per-conversation counts of several stores' replay reports, keys ``STORE:conversation``, sorted, with each
+    conversation's prompt (``prompt``: the bootstrap's unit, so that the T = 1 samples of one prompt, each in its
+    own store, are resampled together; a report without prompt keys counts each conversation as its own prompt).
+    """
+    rows = []
+    for name, r in reports:
+        pc = r["per_conversation"]
+        prompts = pc.get("prompt") or [f"{name}:{c}" for c in pc["conversation"]]
+        rows += [(f"{name}:{c}", str(p), a, d) for c, p, a, d in zip(pc["conversation"], prompts, pc["accepted"],
+                                                                      pc["num_drafts"])]
+    rows.sort()
+    return {"keys": np.array([k for k, _, _, _ in rows]), "prompts": np.array([p for _, p, _, _ in rows]),
+            "accepted": np.array([a for _, _, a, _ in rows], np.int64),
+            "num_drafts": np.array([d for _, _, _, d in rows], np.int64)}
 
 
 def judge(drafters: list[str], groups: dict[str, list[Path]], seed: int) -> dict:
@@ -66,10 +74,12 @@ def judge(drafters: list[str], groups: dict[str, list[Path]], seed: int) -> dict
         for d, p in per.items():
             if not np.array_equal(p["keys"], base["keys"]):
                 raise SystemExit(f"judge_replay: {group}: {d} walked other conversations than {drafters[0]}")
-            al, se = bootstrap_al(p["accepted"], p["num_drafts"], seed=seed)
+            al, se = bootstrap_al(p["accepted"], p["num_drafts"], seed=seed, clusters=p["prompts"])
             rows[d] = {"acceptance_length": al, "se": se, "conversations": int(p["keys"].size),
+                       "prompts": int(np.unique(p["prompts"]).size),
                        "vs_first": None if d == drafters[0] else paired_al_difference(
-                           base["accepted"], base["num_drafts"], p["accepted"], p["num_drafts"], seed=seed)}
+                           base["accepted"], base["num_drafts"], p["accepted"], p["num_drafts"], seed=seed,
+                           clusters=base["prompts"])}
         out[group] = rows
     return out
 

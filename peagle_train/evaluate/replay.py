@@ -24,20 +24,22 @@ finds the turns of stored segments.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-__all__ = ["TurnNotDecodable", "ReplayedTurn", "walk_turn", "turn_spans", "acceptance_summary", "bootstrap_al", "paired_al_difference",
-           "by_context_length", "TurnReplay", "CONTEXT_BIN_EDGES", "BOOTSTRAP_SAMPLES"]
+__all__ = ["TurnNotDecodable", "ReplayedTurn", "walk_turn", "turn_spans", "acceptance_summary", "bootstrap_al",
+           "paired_al_difference", "prompt_key", "cluster_sums", "by_context_length", "TurnReplay",
+           "CONTEXT_BIN_EDGES", "BOOTSTRAP_SAMPLES"]
 
 CONTEXT_BIN_EDGES = (0, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 """Left edges of the context-length bins (the newest token's position at a step's start); the last is open."""
 
 BOOTSTRAP_SAMPLES = 1000
-"""Bootstrap resamples of the conversations for every standard error."""
+"""Bootstrap resamples of the prompts (or conversations) for every standard error."""
 
 
 class TurnNotDecodable(ValueError):
@@ -147,20 +149,43 @@ def _per_conversation(turns: Sequence[ReplayedTurn]) -> tuple[np.ndarray, np.nda
     return np.asarray(ids, np.int64), acc, drafts
 
 
+def prompt_key(tokens: np.ndarray, loss_mask: np.ndarray) -> int:
+    """The key of a conversation's prompt: the first 8 bytes (little-endian, signed) of the SHA-256 of its token ids
+    before its first supervised token (``[n] int64`` each). Every sample a verifier answered to one prompt (the T > 0
+    samples of a judge set, each seed its own store) has the same key; the bootstrap resamples them together."""
+    m = np.flatnonzero(np.asarray(loss_mask) == 1)
+    head = np.asarray(tokens, np.int64)[: int(m[0]) if m.size else len(tokens)]
+    return int(np.frombuffer(hashlib.sha256(head.tobytes()).digest()[:8], "<i8")[0])
+
+
+def cluster_sums(clusters: np.ndarray | None, *columns: np.ndarray) -> list[np.ndarray]:
+    """Each column summed within its cluster (``[C]`` labels; None: every row its own cluster), clusters in sorted
+    label order: the unit a bootstrap resamples when several rows (samples of one prompt) are not independent."""
+    if clusters is None:
+        return [np.asarray(c, np.int64) for c in columns]
+    labels, inverse = np.unique(np.asarray(clusters), return_inverse=True)
+    return [np.bincount(inverse, weights=np.asarray(c, np.float64), minlength=labels.size).astype(np.int64)
+            for c in columns]
+
+
 def bootstrap_al(accepted: np.ndarray, num_drafts: np.ndarray, samples: int = BOOTSTRAP_SAMPLES,
-                 seed: int = 0) -> tuple[float, float | None]:
-    """AL ``1 + Σ accepted / Σ num_drafts`` and its standard error from a bootstrap over conversations.
+                 seed: int = 0, clusters: np.ndarray | None = None) -> tuple[float, float | None]:
+    """AL ``1 + Σ accepted / Σ num_drafts`` and its standard error from a bootstrap over conversations, or over
+    prompts when ``clusters`` is given (the conversations of one prompt drawn together: the T > 0 samples of one
+    prompt are not independent, and resampling them apart makes the SE too small).
 
     Args:
         accepted, num_drafts: ``[C] int64`` per conversation.
-        samples, seed: resamples (conversations drawn with replacement) and the generator's seed.
+        samples, seed: resamples (units drawn with replacement) and the generator's seed.
+        clusters: ``[C]`` each conversation's prompt (:func:`prompt_key`), or None (every conversation its own).
 
     Returns:
-        ``(AL, SE)``; SE None with fewer than 2 conversations; a resample without drafts counts AL 1.
+        ``(AL, SE)``; SE None with fewer than 2 units; a resample without drafts counts AL 1.
     """
     accepted, num_drafts = np.asarray(accepted, np.int64), np.asarray(num_drafts, np.int64)
     total = int(num_drafts.sum())
     al = 1.0 + (int(accepted.sum()) / total if total else 0.0)
+    accepted, num_drafts = cluster_sums(clusters, accepted, num_drafts)
     if accepted.size < 2:
         return al, None
     idx = np.random.default_rng(seed).integers(0, accepted.size, size=(samples, accepted.size))
@@ -170,35 +195,40 @@ def bootstrap_al(accepted: np.ndarray, num_drafts: np.ndarray, samples: int = BO
 
 
 def paired_al_difference(accepted_a: np.ndarray, drafts_a: np.ndarray, accepted_b: np.ndarray,
-                         drafts_b: np.ndarray, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0) -> dict[str, Any]:
+                         drafts_b: np.ndarray, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0,
+                         clusters: np.ndarray | None = None) -> dict[str, Any]:
     """AL(b) - AL(a) of two drafters replayed on the same conversations, and its SE from a bootstrap that draws
-    the same conversations for both (paired).
+    the same conversations for both (paired), or the same prompts with all their conversations (``clusters``).
 
     Args:
         accepted_a, drafts_a, accepted_b, drafts_b: ``[C] int64`` per conversation, the same order for both.
+        clusters: ``[C]`` each conversation's prompt (:func:`prompt_key`), or None (every conversation its own).
 
     Returns:
-        ``{"difference", "se", "conversations"}`` (``se`` None with fewer than 2 conversations).
+        ``{"difference", "se", "conversations", "units"}`` (``se`` None with fewer than 2 units; ``units``: the
+        prompts or conversations resampled).
 
     Raises:
         ValueError: the arrays differ in length.
     """
     arrays = [np.asarray(x, np.int64) for x in (accepted_a, drafts_a, accepted_b, drafts_b)]
-    if len({a.size for a in arrays}) != 1:
+    if len({a.size for a in arrays} | ({np.asarray(clusters).size} if clusters is not None else set())) != 1:
         raise ValueError(f"paired conversations differ in number: {[a.size for a in arrays]}")
-    aa, da, ab, db = arrays
-    C = aa.size
+    C = arrays[0].size
 
     def al(acc: np.ndarray, d: np.ndarray) -> np.ndarray:
         n = d.sum(-1)
         return 1.0 + np.divide(acc.sum(-1), n, out=np.zeros(np.shape(n)), where=n > 0)
 
+    aa, da, ab, db = arrays
     diff = float(al(ab, db) - al(aa, da))
-    if C < 2:
-        return {"difference": diff, "se": None, "conversations": C}
-    idx = np.random.default_rng(seed).integers(0, C, size=(samples, C))
+    aa, da, ab, db = cluster_sums(clusters, aa, da, ab, db)
+    U = aa.size
+    if U < 2:
+        return {"difference": diff, "se": None, "conversations": C, "units": U}
+    idx = np.random.default_rng(seed).integers(0, U, size=(samples, U))
     boot = al(ab[idx], db[idx]) - al(aa[idx], da[idx])
-    return {"difference": diff, "se": float(boot.std(ddof=1)), "conversations": C}
+    return {"difference": diff, "se": float(boot.std(ddof=1)), "conversations": C, "units": U}
 
 
 def acceptance_summary(accepted: Sequence[int], drafted: Sequence[int], num_drafts: int) -> dict[str, Any]:
@@ -270,6 +300,7 @@ class TurnReplay:
     unchecked: int = 0
     refused: dict[str, int] = field(default_factory=dict)
     first_refusal: dict[str, str] = field(default_factory=dict)
+    prompts: dict[int, int] = field(default_factory=dict)
 
     def add_segment(self, conversation: int, tokens: np.ndarray, loss_mask: np.ndarray, pred: np.ndarray,
                     where: str, whole: bool | None = True) -> None:
@@ -299,6 +330,7 @@ class TurnReplay:
                                                       "context online starts at the conversation's first token)")
             return
         self.unchecked += whole is None
+        self.prompts.setdefault(int(conversation), prompt_key(tokens, loss_mask))
         for start, end in spans:
             try:
                 acc, dr, pos = walk_turn(pred, tokens, start, end, self.num_drafts, self.max_new_tokens, self.eos)
@@ -310,9 +342,11 @@ class TurnReplay:
             self.turns.append(ReplayedTurn(int(conversation), start, tuple(acc), tuple(dr), tuple(pos)))
 
     def per_conversation(self) -> dict[str, list[int]]:
-        """``{"conversation", "accepted", "num_drafts"}`` lists, conversations sorted (for paired differences)."""
+        """``{"conversation", "prompt", "accepted", "num_drafts"}`` lists, conversations sorted (for paired
+        differences); ``prompt`` is each conversation's :func:`prompt_key` (the bootstrap's unit)."""
         ids, acc, drafts = _per_conversation(self.turns)
-        return {"conversation": ids.tolist(), "accepted": acc.tolist(), "num_drafts": drafts.tolist()}
+        return {"conversation": ids.tolist(), "prompt": [self.prompts[int(c)] for c in ids], "accepted": acc.tolist(),
+                "num_drafts": drafts.tolist()}
 
     def report(self) -> dict[str, Any]:
         """The replayed figures: :func:`acceptance_summary` over every step, ``se`` (bootstrap over
@@ -324,12 +358,14 @@ class TurnReplay:
                     "refused_turns": dict(self.refused)}
         summary = acceptance_summary([a for t in self.turns for a in t.accepted],
                                      [d for t in self.turns for d in t.drafted], self.num_drafts)
-        _, acc, drafts = _per_conversation(self.turns)
-        _, se = bootstrap_al(acc, drafts, BOOTSTRAP_SAMPLES, self.seed)
+        ids, acc, drafts = _per_conversation(self.turns)
+        prompts = np.asarray([self.prompts[int(c)] for c in ids], np.int64)
+        _, se = bootstrap_al(acc, drafts, BOOTSTRAP_SAMPLES, self.seed, clusters=prompts)
         return {**summary, "se": se, "turns": len(self.turns), "conversations": int(acc.size),
                 "by_context_length": by_context_length(self.turns, seed=self.seed),
                 "max_new_tokens": self.max_new_tokens, "num_draft_tokens": self.num_drafts,
-                "bootstrap": {"unit": "conversation", "samples": BOOTSTRAP_SAMPLES, "seed": self.seed},
+                "prompts": int(np.unique(prompts).size),
+                "bootstrap": {"unit": "prompt", "samples": BOOTSTRAP_SAMPLES, "seed": self.seed},
                 "refused_turns": dict(self.refused), "refused_examples": dict(self.first_refusal),
                 "segments_unchecked": self.unchecked,
                 "per_conversation": self.per_conversation()}

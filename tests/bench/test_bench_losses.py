@@ -139,8 +139,53 @@ def test_replay_reports_pool_each_temperatures_stores(tmp_path, monkeypatch):
     assert (t0["acceptance_length"], t0["num_drafts"]) == (2.0, 20) and t1["acceptance_length"] == 1.5
     assert set(t1["per_store"]) == {"mtbench-T1-seed1.zarr", "mtbench-T1-seed2.zarr", "humaneval-T1-seed1.zarr"}
     assert all(m == 64 for _, m in calls) and len(calls) == 5
+    assert t1["per_suite"]["mtbench"]["acceptance_length"] == 1.5 and t1["per_suite"]["mtbench"]["stores"] == 2
+    assert t0["per_suite"]["humaneval"]["num_drafts"] == 10 and t0["per_suite"]["humaneval"]["se"] is None
     bench.replay(run, judge)  # done: nothing judged again
     assert len(calls) == 5
+
+
+def _replay_report(t: int, per_prompt: dict[int, list[int]]) -> dict:
+    """A replay-T{t}.json of one suite ``mtbench``: one store per sample, prompt -> accepted of 10 drafts each."""
+    per = {}
+    for k in range(len(next(iter(per_prompt.values())))):
+        accepted = [v[k] for v in per_prompt.values()]
+        per[f"mtbench-T{t}-seed{k}.zarr" if t else "mtbench-T0.zarr"] = {
+            "accepted": sum(accepted), "num_drafts": 10 * len(accepted),
+            "per_conversation": {"conversation": list(range(len(accepted))), "prompt": list(per_prompt),
+                                 "accepted": accepted, "num_drafts": [10] * len(accepted)}}
+    return {"temperature": float(t), "acceptance_length": 0.0, "per_suite": bench.suite_figures(per), "per_store": per}
+
+
+def test_results_files_rebuild_the_table_without_any_run(tmp_path):
+    out, results = tmp_path / "runs", tmp_path / "results"
+    for lever, seed, plus in (("speculators", 0, 0), ("default", 0, 2), ("speculators", 1, 1), ("default", 1, 2)):
+        run = _write(out, lever, seed, 1.2, [1.1])
+        _ckpt(run, 100, 1.1 + plus / 10)
+        for t in (0, 1):
+            prompts = {11: [3 + plus, 5 + plus], 22: [1 + plus, 1 + plus]} if t else {11: [4 + plus], 22: [2]}
+            (run / f"replay-T{t}.json").write_text(json.dumps(_replay_report(t, prompts)))
+        assert bench.export_result(out, lever, seed, results, {"commit": {"commit": "abc"}}) is not None
+    assert bench.export_result(out, "tv", 0, results, {}) is None  # no run: no result, no file
+    assert sorted(p.name for p in results.iterdir()) == ["default-s0.json", "default-s1.json",
+                                                        "speculators-s0.json", "speculators-s1.json"]
+    t1 = json.loads((results / "default-s0.json").read_text())["reports"]["replay-T1.json"]["per_suite"]["mtbench"]
+    # 2 prompts x 2 samples: AL 1 + (5 + 7 + 3 + 3) / 40; the SE resamples the 2 prompts, not 4 conversations
+    assert t1["acceptance_length"] == pytest.approx(1.45) and (t1["conversations"], t1["prompts"]) == (4, 2)
+    from_runs = bench.table(out, ["speculators", "default"], [0, 1], "speculators")
+    for run in out.iterdir():
+        for f in sorted(run.rglob("*"), reverse=True):
+            f.unlink() if f.is_file() else f.rmdir()
+        run.rmdir()
+    assert bench.found_runs(results) == (["speculators", "default"], [0, 1])
+    from_results = bench.table(results, ["speculators", "default"], [0, 1], "speculators")
+    assert "replay AL mtbench T=1" in from_results.splitlines()[0]
+    assert _row(from_results, "default")[:4] == [c for c in _row(from_runs, "default")[:4]]
+    assert "| default | 1 |" in from_results and "| 100 |" in from_results  # per-seed rows, the learning curve
+    # Δ replay mtbench T=0 of default vs speculators, paired by seed: +0.1 and +0.05 AL (2 and 1 more of 20)
+    delta = _row(from_results, "default")[from_results.splitlines()[0].strip("|").split("|").index(
+        " Δ replay AL mtbench T=0 vs speculators ")]
+    assert delta.startswith("+0.075 ± 0.025") and "t(1)=3.00" in delta
 
 
 def _ckpt(run: Path, step: int, al: float) -> None:

@@ -40,3 +40,22 @@ def test_drafters_side_by_side_are_paired_by_conversation(tmp_path, monkeypatch)
     assert text.splitlines()[0] == ("| drafter | mtbench T=0 AL | mtbench T=1 AL | Δ mtbench T=0 vs first | "
                                     "Δ mtbench T=1 vs first |")
     assert "+0.500 ± 0.000 (n=4)" in text.splitlines()[-1]
+
+
+def test_t1_samples_of_one_prompt_are_resampled_together(tmp_path, monkeypatch):
+    # two seeded samples of the same two prompts, each sample as its prompt's other sample: the SE over the 2 prompts
+    # is that of 2 units, larger than the SE of 4 conversations resampled as if independent
+    for name in ("mtbench-T1-seed1", "mtbench-T1-seed2"):
+        (tmp_path / f"{name}.done.json").write_text(json.dumps({"max_new_tokens": 32}))
+
+    def fake(drafter, store, max_new_tokens, seed):
+        return {"replay": {"per_conversation": {"conversation": [1, 2], "prompt": [111, 222], "accepted": [2, 8],
+                                                "num_drafts": [10, 10]}}}
+
+    monkeypatch.setattr(judge_replay, "run_offline_eval", fake)
+    t1 = judge_replay.judge(["A", "B"], judge_replay.judge_groups(tmp_path), seed=0)["mtbench T=1"]
+    assert (t1["A"]["conversations"], t1["A"]["prompts"]) == (4, 2)
+    independent = judge_replay.bootstrap_al(judge_replay.np.array([2, 8, 2, 8]), judge_replay.np.array([10] * 4),
+                                            seed=0)[1]
+    assert t1["A"]["se"] > 1.25 * independent
+    assert t1["B"]["vs_first"]["units"] == 2

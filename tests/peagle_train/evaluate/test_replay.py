@@ -15,7 +15,7 @@ from torch import nn
 from peagle_train.evaluate.offline import segment_predictions
 from peagle_train.evaluate.replay import (
     ReplayedTurn, TurnNotDecodable, TurnReplay, acceptance_summary, bootstrap_al, by_context_length,
-    paired_al_difference, turn_spans, walk_turn)
+    paired_al_difference, prompt_key, turn_spans, walk_turn)
 from peagle_train.evaluate.speculative import plain_generate, speculative_generate
 from peagle_train.model.config import DrafterConfig
 
@@ -85,6 +85,37 @@ def test_paired_difference_removes_the_conversations_spread():
         paired_al_difference(acc_a, drafts, acc_a[:3], drafts[:3])
 
 
+def _judge_draws(rng: np.random.Generator, prompts: int, samples: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A T = 1 judge set: ``samples`` answers per prompt, each with 20 drafting steps; a prompt's acceptance
+    probability is drawn once (easy and hard prompts), so its samples are correlated, as real ones are."""
+    p = np.repeat(rng.beta(2, 5, prompts), samples)
+    drafts = np.full(prompts * samples, 20)
+    return rng.binomial(drafts * 3, p), drafts, np.repeat(np.arange(prompts), samples)
+
+
+def test_bootstrap_over_prompts_matches_the_spread_of_new_judge_sets():
+    # 80 prompts x 3 samples: the SE that resamples a prompt's samples together matches the SD of the AL over
+    # independent judge sets; resampling the 240 samples as independent conversations is far too small
+    rng = np.random.default_rng(0)
+    truth = np.std([bootstrap_al(*_judge_draws(rng, 80, 3)[:2])[0] for _ in range(400)], ddof=1)
+    acc, drafts, prompts = _judge_draws(rng, 80, 3)
+    _, by_prompt = bootstrap_al(acc, drafts, seed=1, clusters=prompts)
+    _, by_conversation = bootstrap_al(acc, drafts, seed=1)
+    assert 0.8 < by_prompt / truth < 1.25
+    assert by_conversation / truth < 0.75
+    # paired: drafter B's per-prompt gain varies by prompt; its SE over prompts matches new judge sets' spread
+    acc_b = acc + rng.binomial(drafts, np.repeat(rng.uniform(0, 0.2, 80), 3))
+    d = paired_al_difference(acc, drafts, acc_b, drafts, seed=1, clusters=prompts)
+    assert (d["conversations"], d["units"]) == (240, 80)
+    assert d["se"] > 1.3 * paired_al_difference(acc, drafts, acc_b, drafts, seed=1)["se"]
+
+
+def test_prompt_key_is_the_tokens_before_the_first_answer():
+    a = prompt_key(np.array([P0, P1, A1, A2]), np.array([0, 0, 1, 1]))
+    assert a == prompt_key(np.array([P0, P1, A3, EOS]), np.array([0, 0, 1, 1]))  # another sample, same prompt
+    assert a != prompt_key(np.array([P1, P0, A1, A2]), np.array([0, 0, 1, 1]))
+
+
 def test_context_bins_split_steps_by_position():
     turns = [ReplayedTurn(0, 5, (1, 2, 0), (3, 3, 3), (5, 300, 600)), ReplayedTurn(1, 9, (3,), (3,), (10,))]
     bins = by_context_length(turns, edges=(0, 256, 512))
@@ -103,7 +134,8 @@ def test_turn_replay_counts_refusals_and_reports_paired_inputs():
     assert (r["acceptance_length"], r["turns"], r["conversations"], r["se"]) == (3.0, 1, 1, None)
     assert r["refused_turns"] == {"no prompt before it": 1}
     assert r["refused_examples"]["no prompt before it"].startswith("block 0 segment 1: turn [0, 2)")
-    assert r["per_conversation"] == {"conversation": [7], "accepted": [2], "num_drafts": [1]}
+    assert r["per_conversation"] == {"conversation": [7], "prompt": [prompt_key(tokens[:2], np.zeros(2))],
+                                     "accepted": [2], "num_drafts": [1]}
     assert r["segments_unchecked"] == 0
     assert "skipped" in TurnReplay(2, 10, frozenset({EOS})).report()
     replay.add_segment(9, tokens, np.array([0, 0, 1, 1, 1, 1, 1]), pred, "block 1 segment 0", whole=False)
