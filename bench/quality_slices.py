@@ -8,7 +8,7 @@ What one call does, each step skipped when done:
   1. the quality store (the quality recipe's data, scripts/quality.sh stages 1-3: 1,600 ShareGPT first turns
      answered by the embedded verifier, packed at 512, extracted) in the cache directory (``--cache``, default
      ``$PEAGLE_HOME/quality-2026-12``, outside the repository);
-  2. the judge set (``scripts/judge_set.py``: MT-Bench's 80 questions and HumanEval's 164 problems, T = 0 and three
+  2. the judge set (``scripts/judge_set.py``: MT-Bench's 80 questions and HumanEval's 164 problems, T = 0 and two
      seeded T = 1 samples, 256 new tokens) in ``CACHE/judge``;
   3. the runs of the slice, seed-major (``speculators`` then ``default`` at seed 0, then seed 1, ...), each by
      ``bench/bench_losses.py --stages train,offline,replay`` into ``CACHE/levers`` and, once complete, its figures
@@ -59,7 +59,7 @@ QUALITY_STAGES = [
 ]
 """``(output, peagle-data argv)`` of the quality store, scripts/quality.sh's stages 1-3."""
 
-JUDGE_ARGS = ["--verifier", "smollm2-135m", "--max-new-tokens", "256", "--samples", "3", "--batch-size", "16"]
+JUDGE_ARGS = ["--verifier", "smollm2-135m", "--max-new-tokens", "256", "--samples", "2", "--batch-size", "16"]
 """``scripts/judge_set.py``'s arguments (every prompt of both suites)."""
 
 
