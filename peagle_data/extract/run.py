@@ -43,7 +43,8 @@ from stores.features.feature_repair import repair_blocks, repair_shared, repair_
 from stores.features.feature_schema import SEGMENTS, TOKEN_ARRAYS
 from stores.features.feature_store import FeatureStore
 from stores.files import is_local, is_zarr_store
-from stores.runtime.model_cache import model_fingerprint, resolve_model
+from stores.runtime.model_cache import resolve_model
+from stores.runtime.model_identity import model_fingerprint
 from stores.runtime.model_config import load_model_config, text_config
 from stores.tables.token_rows import TokenizedRow, content_key
 from stores.tables.token_tables import CONVERSATIONS, MANIFEST, TokenTable

@@ -28,7 +28,7 @@ from stores.features.feature_repair import check_compatible, write_shared
 from stores.features.feature_schema import bytes_per_token
 from stores.features.feature_store import FeatureStore
 from stores.files import disk_full_error, is_disk_full, is_local
-from stores.runtime.model_cache import model_fingerprint
+from stores.runtime.model_identity import identity_fingerprint, model_identity
 from stores.staging import check_replaceable
 from stores.tables.token_tables import TokenTable, manifest_sha256
 
@@ -37,13 +37,16 @@ __all__ = ["BlockWriter", "discard_block", "verifier_desc", "open_packed", "open
 
 
 def verifier_desc(name: str, directory: Path, verifier, dtype: torch.dtype) -> dict[str, Any]:
-    """What the store records about the verifier: the language model's shape and layer convention."""
+    """What the store records about the verifier: its content fingerprint and identity by part
+    (:func:`stores.runtime.model_identity.model_identity`), the language model's shape and layer convention."""
+    identity = model_identity(directory)
     config = verifier.config
     text = config.get_text_config()
     decoder = language_model(verifier)
     return {
         "name_or_path": name,
-        "fingerprint": model_fingerprint(directory),
+        "fingerprint": identity_fingerprint(identity),
+        "identity": identity,
         "architecture": (config.architectures or [type(verifier).__name__])[0],
         "language_model": type(decoder).__name__,
         "num_hidden_layers": len(decoder.layers),

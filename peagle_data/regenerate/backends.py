@@ -53,7 +53,8 @@ from typing import Any
 from stores.chat.answer_parsing import AnswerFormatError, check_reasoning_parser, parse_answer, parse_think
 from stores.chat.chat_template import ChatTemplate, prompt_ids
 from stores.errors import InputError, MissingDependencyError
-from stores.runtime.model_cache import load_tokenizer, load_verifier, model_fingerprint, resolve_model
+from stores.runtime.model_cache import load_tokenizer, load_verifier, resolve_model
+from stores.runtime.model_identity import model_fingerprint
 
 __all__ = ["Request", "Answer", "BackendConfig", "LocalBackend", "ServerBackend", "split_reasoning", "server_base_url",
            "complete_prefix", "prompt_opens_think", "REPLACEMENT", "prompt_tokens", "sampling_parameters",

@@ -52,7 +52,8 @@ from peagle_train.evaluate.speculative import acceptance_scheme, check_draft_sam
 from peagle_train.model.checkpoint import find_drafter, load_drafter
 from stores.errors import InputError, ModelNotFoundError, PeagleError
 from stores.runtime.model_config import load_model_config, text_config
-from stores.runtime.model_cache import load_tokenizer, model_fingerprint, resolve_model
+from stores.runtime.model_cache import load_tokenizer, resolve_model
+from stores.runtime.model_identity import model_fingerprint
 from stores.progress import progress
 from stores.runtime.vllm_runtime import (CPU_HYBRID_PREFIX_CACHING, CPU_MAMBA2_SPECULATION, VLLM_SETUP, VllmMemory,
                                          VllmOutput, VllmStartError, cpu_bf16_only, cpu_speculation_not_lossless,

@@ -29,7 +29,8 @@ from peagle_train.model.warm_start import InitSource, check_verifier_layers, rea
 from peagle_train.train.config import FIELD_DEFAULTS, TrainConfig, flat_settings
 from stores.errors import InputError, PeagleError, StoreMismatchError
 from stores.features.feature_store import check_layer_convention
-from stores.runtime.model_cache import load_verifier, model_fingerprint, resolve_model
+from stores.runtime.model_cache import load_verifier, resolve_model
+from stores.runtime.model_identity import model_fingerprint
 from stores.runtime.model_config import load_model_config, text_config
 from stores.staging import check_replaceable
 from stores.runtime.verifier_match import check_store_verifier

@@ -7,17 +7,21 @@ A MODEL argument is one of
 - a Hugging Face hub id (needs network access to the hub, or the id in the local HF cache).
 
 The conversion writes the tokenizer and the weights separately, so tests that need only the real
-tokenizer pay ~10 s once instead of ~45 s.
+tokenizer pay ~10 s once instead of ~45 s. It writes the same bytes in every environment (the
+tokenizer's saved config holds no loader argument such as ``local_files_only``); a directory's
+identity is :func:`stores.runtime.model_identity.model_fingerprint`.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
 from stores.errors import MissingDependencyError, ModelNotFoundError
 from stores.files import follow_umask
+from stores.runtime.model_identity import strip_not_content
 from stores.staging import fill_dir
 
 __all__ = [
@@ -29,7 +33,6 @@ __all__ = [
     "load_verifier",
     "verifier_skeleton",
     "load_submodule",
-    "model_fingerprint",
     "EMBEDDED_HUB_IDS",
     "hub_id",
 ]
@@ -83,6 +86,14 @@ def gguf_path(name: str) -> Path:
     return path
 
 
+def _strip_loader_args(path: Path) -> None:
+    """Rewrite a saved JSON file without the loader's own arguments (``local_files_only`` follows
+    ``HF_HUB_OFFLINE``): a conversion writes the same bytes in every environment."""
+    if path.is_file():
+        data = strip_not_content(json.loads(path.read_text()))
+        path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
 def _convert_embedded(name: str, need_weights: bool) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
@@ -92,6 +103,7 @@ def _convert_embedded(name: str, need_weights: bool) -> Path:
         def write_tok(tmp: Path) -> None:
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             tok.save_pretrained(tmp)
+            _strip_loader_args(tmp / "tokenizer_config.json")
         fill_dir(target, write_tok)
         (target / _TOKENIZER_DONE).touch()
     if need_weights and not (target / _WEIGHTS_DONE).exists():
@@ -232,8 +244,6 @@ def load_submodule(name: str | os.PathLike, skeleton, module_name: str, dtype) -
         ModelNotFoundError: MODEL has no safetensors weights, or a parameter is in none of them
             (or in several under the loose match), or the module holds buffers a checkpoint lacks.
     """
-    import json
-
     import torch
     from safetensors import safe_open
 
@@ -264,33 +274,3 @@ def load_submodule(name: str | os.PathLike, skeleton, module_name: str, dtype) -
             state[pname] = h.get_tensor(keys[0])
     module.load_state_dict(state, strict=True)
     return module.to(dtype).eval()
-
-
-def model_fingerprint(directory: Path, sample_bytes: int = 1 << 20) -> str:
-    """A short content hash of a model directory (the verifier identity a store records).
-
-    Hashes the config, tokenizer and template files whole, and of each weight file its size plus
-    its first and last ``sample_bytes`` (the safetensors header and tensors at both ends), so two
-    models of one shape with different weights differ, without reading gigabytes.
-    """
-    import hashlib
-
-    h = hashlib.sha256()
-    for f in sorted(Path(directory).glob("*")):
-        if f.name.startswith(".") or not f.is_file():
-            continue
-        if f.suffix in (".json", ".jinja"):
-            if f.name in ("generation_config.json",):
-                continue
-            h.update(f.name.encode())
-            h.update(f.read_bytes())
-        elif f.suffix in (".safetensors", ".bin", ".pt"):
-            size = f.stat().st_size
-            h.update(f.name.encode())
-            h.update(str(size).encode())
-            with open(f, "rb") as fh:
-                h.update(fh.read(sample_bytes))
-                if size > 2 * sample_bytes:
-                    fh.seek(size - sample_bytes)
-                    h.update(fh.read(sample_bytes))
-    return h.hexdigest()[:16]

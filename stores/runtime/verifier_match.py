@@ -3,7 +3,8 @@
 
 A token table's manifest records the tokenizer that made its ids (``tokenizer``: ``name``,
 ``vocab_size`` = ``len(tokenizer)``, ``fingerprint`` = :func:`tokenizer_fingerprint`); a feature
-store copies that record (attribute ``tokenizer``) and records its verifier's content fingerprint.
+store copies that record (attribute ``tokenizer``) and records its verifier's content fingerprint and
+identity by part (:mod:`stores.runtime.model_identity`).
 These functions compare the records with a verifier before its weights load.
 """
 
@@ -11,16 +12,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
 from stores.errors import StoreMismatchError
-from stores.runtime.model_cache import load_tokenizer, model_fingerprint, resolve_model
+from stores.runtime.model_cache import load_tokenizer, resolve_model
+from stores.runtime.model_identity import compare_identity
 
 __all__ = ["TOKENIZER_FILES", "tokenizer_fingerprint", "has_tokenizer", "check_tokenizer",
            "check_verifier_tokenizer", "check_token_ids", "check_store_verifier"]
+
+_log = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 """Files of which a model directory needs one to have a tokenizer transformers can load."""
@@ -117,19 +122,26 @@ def check_token_ids(rows, made: str, verifier: str, vocab_size: int, first_block
 
 
 def check_store_verifier(store, verifier: str) -> None:
-    """The verifier MODEL is the one ``store`` was extracted with: the same content fingerprint (when the
-    store records one) and the tokenizer its ids were made with (:func:`check_verifier_tokenizer`).
+    """The verifier MODEL is the one ``store`` was extracted with: the same content (when the store records
+    a fingerprint; :func:`stores.runtime.model_identity.compare_identity`: by part when the store records
+    an identity, else by the whole-file fingerprint of older stores, which the log names) and the
+    tokenizer its ids were made with (:func:`check_verifier_tokenizer`).
 
     Raises:
-        StoreMismatchError: names the store, both verifiers and both fingerprints.
+        StoreMismatchError: names the store, both verifiers, the parts that differ (weights, config
+            fields, tokenizer, chat template) or, for an older store, the whole-file comparison, and
+            both fingerprints.
     """
-    recorded = store.attrs.get("verifier", {}).get("fingerprint")
-    if recorded is not None:
-        have = model_fingerprint(resolve_model(verifier))
-        if have != recorded:
+    recorded = store.attrs.get("verifier", {})
+    if recorded.get("fingerprint") is not None:
+        check = compare_identity(recorded, resolve_model(verifier))
+        if not check.same:
             raise StoreMismatchError(
-                f"verifier {verifier!r} is not the model the store {store.path} was extracted with (content "
-                f"fingerprint {have} vs the store's {recorded}, verifier "
-                f"{store.attrs['verifier'].get('name_or_path')!r}): its targets would come from another model; "
-                "pass --verifier with the extraction's model")
+                f"verifier {verifier!r} is not the model the store {store.path} was extracted with "
+                f"({check.describe()}; the store's verifier {recorded.get('name_or_path')!r}): its targets would "
+                "come from another model; pass --verifier with the extraction's model")
+        _log.log(logging.WARNING if check.comparison == "legacy" else logging.INFO,
+                 "verifier %r is the store %s's (%s fingerprint %s)", verifier, store.path,
+                 "whole-file, as an older store records it:" if check.comparison == "legacy" else "identity",
+                 check.have)
     check_verifier_tokenizer(store.attrs.get("tokenizer") or {}, f"the store {store.path}", verifier)

@@ -18,6 +18,7 @@ from peagle_data.prepare.pack import run_pack
 from stores.errors import DiskSpaceError, InputError, OutputExistsError, StoreMismatchError
 from stores.features.feature_repair import verify_store
 from stores.features.feature_store import FeatureStore
+from stores.runtime.model_identity import model_fingerprint, model_identity
 from stores.staging import prepare_output_dir
 from stores.tables.token_tables import TableWriter, write_manifest
 from tests.peagle_data.prepare.test_mixtures import conv, write_jsonl
@@ -104,6 +105,10 @@ def test_store_matches_packed_table_and_verifies(tmp_path, tiny_verifier_dir, ti
     store = FeatureStore.open(tmp_path / "f.zarr")
     assert store.layers == [1, 2, 3] and store.attrs["layer_convention"] == "vllm_aux"
     assert store.attrs["verifier"]["num_hidden_layers"] == 4
+    identity = model_identity(tiny_verifier_dir)  # the store records the verifier's identity by part
+    assert store.attrs["verifier"]["identity"] == identity and set(identity) == {"weights", "config", "tokenizer",
+                                                                              "chat_template"}
+    assert store.attrs["verifier"]["fingerprint"] == model_fingerprint(tiny_verifier_dir)
     b = store.read_block(1)
     with torch.no_grad():  # first segment alone through the verifier
         lo, hi = int(b.cu_seqlens[0]), int(b.cu_seqlens[1])
@@ -261,7 +266,7 @@ def test_bad_device_and_wrong_verify_table_are_clear_errors(tmp_path, tiny_verif
 def test_model_fingerprint_tells_same_shape_models_apart(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from stores.runtime.model_cache import model_fingerprint
+    from stores.runtime.model_identity import model_fingerprint
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1)

@@ -307,7 +307,7 @@ def test_eval_offline_refuses_another_verifier_or_tokenizer_than_the_store_s(tmp
     """Offline targets come from the verifier's lm_head over the stored final hidden states: a verifier
     other than the store's would score against another model's argmax."""
     from stores.features.feature_store import FeatureStore
-    from stores.runtime.model_cache import model_fingerprint
+    from stores.runtime.model_identity import legacy_model_fingerprint, model_fingerprint, model_identity
 
     v, fp_a, fp_b = verifier_with_tokenizer
     store = _store(tmp_path / "s.zarr", v, n_blocks=2)
@@ -320,10 +320,13 @@ def test_eval_offline_refuses_another_verifier_or_tokenizer_than_the_store_s(tmp
                     verifier={**fs.attrs["verifier"], "fingerprint": "0123456789abcdef"})
     res = _eval(["--drafter", str(drafter_dir), "--store", store])
     assert res.exit_code == 2 and (
-        f"Error: verifier {str(v)!r} is not the model the store {store} was extracted with (content fingerprint "
-        f"{model_fingerprint(v)} vs the store's 0123456789abcdef, verifier {str(v)!r}): its targets would come from "
-        "another model; pass --verifier with the extraction's model") in " ".join(res.output.split()), res.output
-    fs.update_attrs(verifier={**fs.attrs["verifier"], "fingerprint": model_fingerprint(v)})
+        f"Error: verifier {str(v)!r} is not the model the store {store} was extracted with (compared by the "
+        f"whole-file fingerprint the store recorded (an older store, with no identity by part): "
+        f"{legacy_model_fingerprint(v)} vs the store's 0123456789abcdef;") in " ".join(res.output.split()), res.output
+    assert (f"the store's verifier {str(v)!r}): its targets would come from another model; pass --verifier with the "
+            "extraction's model") in " ".join(res.output.split()), res.output
+    fs.update_attrs(verifier={**fs.attrs["verifier"], "fingerprint": model_fingerprint(v),
+                              "identity": model_identity(v)})
     res = _eval(["--drafter", str(drafter_dir), "--store", store])
     assert isinstance(res.exception, WeightsLoaded), res.output
 

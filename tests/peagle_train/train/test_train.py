@@ -394,17 +394,18 @@ def test_cli_trains_and_refuses_existing_output(tmp_path, verifier_dir):
 
 def test_same_shape_but_other_verifier_is_refused(tmp_path, verifier_dir):
     from stores.features.feature_store import FeatureStore
-    from stores.runtime.model_cache import model_fingerprint
+    from stores.runtime.model_identity import model_fingerprint, model_identity
 
     store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
     fs = FeatureStore.open(store, mode="r+")
-    fs.update_attrs(verifier={**fs.attrs["verifier"], "fingerprint": model_fingerprint(verifier_dir)})
+    fs.update_attrs(verifier={**fs.attrs["verifier"], "fingerprint": model_fingerprint(verifier_dir),
+                              "identity": model_identity(verifier_dir)})
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig.from_pretrained(verifier_dir)
     torch.manual_seed(123)  # same shape, other weights
     LlamaForCausalLM(cfg).save_pretrained(tmp_path / "twin")
-    with pytest.raises(StoreMismatchError, match="fingerprint"):
+    with pytest.raises(StoreMismatchError, match=r"differs in weights \(model.safetensors\)"):
         run_train(_cfg(store, tmp_path / "o", verifier=str(tmp_path / "twin")))
     run_train(_cfg(store, tmp_path / "o2", verifier=str(verifier_dir)))  # the right one trains
 
