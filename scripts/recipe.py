@@ -17,7 +17,8 @@ runs, with the peagle commands (it calls them; ``--help`` of each says what they
                                  on the evaluation prompts
   6. ``peagle-eval --engine vllm``  the same prompts through vLLM, when a vLLM environment is found
                                  (``--vllm-python``, default ``.venv-vllm/bin/python`` of this checkout,
-                                 else this interpreter when it imports vllm)
+                                 else this interpreter when it imports vllm); vLLM 0.32-0.33 only: a newer
+                                 one no longer serves P-EAGLE and is refused before any stage runs
 
 and prints one JSON report on stdout (acceptance lengths offline / online / vLLM, speedups, tokens/s,
 identity with greedy decoding, stage seconds, every artifact's path; also written to
@@ -54,6 +55,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout: the peagle packages beside
 
 from peagle_train.evaluate.prompts import read_prompts  # noqa: E402 (after the path above)
 from stores.runtime.model_cache import load_tokenizer, resolve_model  # noqa: E402
+from stores.runtime.vllm_runtime import peagle_vllm_refusal  # noqa: E402
 
 STATE = "recipe_state.json"
 STAGES = ("regenerate", "pack", "extract", "train", "eval", "eval_vllm")
@@ -214,6 +216,35 @@ def vllm_python(args: argparse.Namespace) -> tuple[str | None, str]:
                   "or pass --vllm-python)")
 
 
+_VERSION_OF = ("import sys; sys.path.insert(0, sys.argv[1]); "
+               "from stores.runtime.vllm_runtime import installed_vllm_version as v; print(v() or '')")
+
+
+def vllm_version_of(python: str) -> str | None:
+    """The vLLM version installed for ``python`` (its distribution's record; vLLM is not imported), or None.
+
+    Raises:
+        RecipeError: ``python`` cannot tell (it does not run, or peagle's ``stores`` does not import there).
+    """
+    try:
+        done = subprocess.run([python, "-c", _VERSION_OF, str(REPO)], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RecipeError(f"--vllm-python {python}: could not ask it for its vLLM version ({e})") from None
+    if done.returncode != 0:
+        raise RecipeError(f"--vllm-python {python}: could not ask it for its vLLM version "
+                          f"({(done.stderr.strip().splitlines() or ['no output'])[-1]})")
+    return done.stdout.strip() or None
+
+
+def check_vllm_python(python: str | None) -> None:
+    """Refuse, before any stage runs, a vLLM environment whose vLLM no longer serves P-EAGLE (from 0.34:
+    :func:`stores.runtime.vllm_runtime.peagle_vllm_refusal`); the reason names ``--no-vllm`` too."""
+    version = vllm_version_of(python) if python is not None else None
+    why = peagle_vllm_refusal(version) if version is not None else None
+    if why is not None:
+        raise RecipeError(f"the vLLM evaluation ({python}): {why}; or pass --no-vllm to run the recipe without it")
+
+
 def stage_commands(args: argparse.Namespace, out: Path, resume: dict[str, bool], vllm_py: str | None) -> dict:
     """Each stage's argv (peagle's commands run as ``python -m cli.*``)."""
     py = [sys.executable, "-m"]
@@ -346,10 +377,11 @@ def main(argv: list[str] | None = None) -> int:
         settings = check_inputs(args)
         out = Path(args.out)
         state = load_state(out, settings, args.force)
+        vllm_py, vllm_status = vllm_python(args)
+        check_vllm_python(vllm_py)
     except RecipeError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2
-    vllm_py, vllm_status = vllm_python(args)
     out.mkdir(parents=True, exist_ok=True)
     out = out.resolve()
     (out / STATE).write_text(json.dumps(state, indent=1) + "\n")

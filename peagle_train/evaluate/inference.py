@@ -48,6 +48,7 @@ from peagle_train.model.drafter import PEagleDrafter
 from peagle_train.model.warm_start import load_init_weights, read_init_source
 from stores.errors import InputError
 from stores.runtime.model_cache import load_tokenizer, load_verifier
+from stores.runtime.vllm_runtime import check_vllm_serves_peagle
 
 __all__ = ["PEAGLEInference", "InferenceResult", "StreamChunk", "acceptance_summary", "load_for_decoding",
            "load_any_drafter"]
@@ -253,7 +254,9 @@ class PEAGLEInference:
             [k_0, ...]}`` (fixed) or ``{"nodes": N}`` (dynamic); None = the chain.
         engine: ``peagle`` (transformers, float32, this process) or ``vllm`` (one vLLM engine with the drafter,
             ``speculative_config`` loading; greedy, chain, no streaming, no speedup: plain decoding would need a
-            second engine, ``peagle-eval --engine vllm`` runs both; :meth:`close` stops it).
+            second engine, ``peagle-eval --engine vllm`` runs both; :meth:`close` stops it). vLLM 0.32-0.33 only:
+            a newer vLLM no longer serves P-EAGLE and is refused before anything loads
+            (:func:`stores.runtime.vllm_runtime.check_vllm_serves_peagle`).
         chat_template_kwargs: the chat template's variables for message prompts (e.g. ``{"enable_thinking":
             False}``), as vLLM's ``chat_template_kwargs``; None: the mode the drafter was trained in (its
             checkpoint's record, :func:`~peagle_train.evaluate.checks.trained_template_kwargs`; none if unrecorded).
@@ -269,6 +272,8 @@ class PEAGLEInference:
                  chat_template_kwargs: dict[str, Any] | None = None, warmup: bool = True):
         if engine not in ("peagle", "vllm"):
             raise InputError(f"engine must be 'peagle' or 'vllm', got {engine!r}", field="engine")
+        if engine == "vllm":
+            check_vllm_serves_peagle("engine")  # a vLLM that no longer serves P-EAGLE (0.34 on), before any loading
         directory, drafter, finish = load_any_drafter(drafter_checkpoint, speculation_depth)
         name = target_model or drafter.config.verifier_name_or_path
         if not name:

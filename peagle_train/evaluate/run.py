@@ -22,8 +22,9 @@ from peagle_train.evaluate.vllm_engine import check_vllm_sampling, import_vllm, 
 from peagle_train.model.checkpoint import find_drafter, load_drafter
 from stores.errors import ForeignFilesError, OutputExistsError
 from stores.features.feature_store import FeatureStore
-from stores.runtime.model_config import load_model_config
 from stores.progress import progress
+from stores.runtime.model_config import load_model_config
+from stores.runtime.vllm_runtime import check_vllm_serves_peagle
 
 __all__ = ["EvalRun", "run_eval", "VLLM_COSTS_SKIPPED", "OFFLINE_COSTS_NOT_ASKED"]
 
@@ -140,7 +141,8 @@ def run_eval(run: EvalRun, log: Callable[[str], None] = print, config: dict[str,
     Raises:
         OutputExistsError: ``run.output`` or its PNG exists and ``run.force`` is not set.
         MissingDependencyError: ``--engine vllm`` without vLLM installed (names the set-up command).
-        InputError: also ``--engine vllm`` at T > 0 where vLLM's rejection sampler does not get the verifier's
+        InputError: also ``--engine vllm`` with a vLLM that no longer serves P-EAGLE (from 0.34:
+        :func:`stores.runtime.vllm_runtime.check_vllm_serves_peagle`), or at T > 0 where vLLM's rejection sampler does not get the verifier's
         distribution (:func:`~peagle_train.evaluate.vllm_engine.check_vllm_sampling`).
         StoreFormatError, StoreMismatchError, ModelNotFoundError: from the checks.
     """
@@ -150,6 +152,7 @@ def run_eval(run: EvalRun, log: Callable[[str], None] = print, config: dict[str,
     drafter = str(found)
     _check_output(run)
     if run.prompts is not None and run.settings.engine == "vllm":
+        check_vllm_serves_peagle()  # from vLLM 0.34 on, refused: it reads the version, imports no vLLM
         import_vllm()  # MissingDependencyError naming the set-up command, before any work
         check_vllm_sampling(run.settings.temperature, vllm_on_cpu())  # T > 0 where vLLM samples wrongly: refused
     check_before_weights(drafter, run.verifier, run.prompts, run.store, run.settings.num_prompts,

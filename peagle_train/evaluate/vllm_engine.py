@@ -53,11 +53,11 @@ from peagle_train.model.checkpoint import find_drafter, load_drafter
 from stores.errors import InputError, ModelNotFoundError, PeagleError
 from stores.runtime.model_config import load_model_config, text_config
 from stores.runtime.model_cache import load_tokenizer, resolve_model
-from stores.runtime.model_identity import model_fingerprint
 from stores.progress import progress
+from stores.runtime.model_identity import model_fingerprint
 from stores.runtime.vllm_runtime import (CPU_HYBRID_PREFIX_CACHING, CPU_MAMBA2_SPECULATION, VLLM_SETUP, VllmMemory,
-                                         VllmOutput, VllmStartError, cpu_bf16_only, cpu_speculation_not_lossless,
-                                         cpu_without_prefix_caching, start_llm)
+                                         VllmOutput, VllmStartError, check_vllm_serves_peagle, cpu_bf16_only,
+                                         cpu_speculation_not_lossless, cpu_without_prefix_caching, start_llm)
 from stores.runtime.vllm_runtime import import_vllm as import_vllm_module
 
 __all__ = ["VLLM_SETUP", "SPEC_METRICS", "VllmRun", "VllmReference", "import_vllm", "vllm_generate",
@@ -417,12 +417,15 @@ class VllmSpeculativeEngine:
     per-request spec-decode metrics); vLLM is imported here.
 
     Raises:
-        MissingDependencyError: no vLLM (names the set-up command). InputError: a verifier whose drafts this vLLM
-        does not verify exactly on this platform (:func:`check_vllm_verifier`), before the engine starts.
+        MissingDependencyError: no vLLM (names the set-up command). InputError: a vLLM that no longer serves
+        P-EAGLE (from 0.34: :func:`stores.runtime.vllm_runtime.check_vllm_serves_peagle`), a verifier whose
+        drafts this vLLM does not verify exactly on this platform (:func:`check_vllm_verifier`), before the
+        engine starts.
     """
 
     def __init__(self, verifier_name: str, drafter_dir: str | Path, K: int, tokenizer, max_model_len: int = 4096,
                  max_num_seqs: int = 8, memory: VllmMemory | None = None):
+        check_vllm_serves_peagle("engine")
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
@@ -686,11 +689,13 @@ def run_vllm_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_fi
         ``vllm_sampling_check`` (:func:`check_vllm_sampling`).
 
     Raises:
-        MissingDependencyError: no vLLM (names the set-up command). InputError: an unknown loading or draft
+        MissingDependencyError: no vLLM (names the set-up command). InputError: a vLLM that no longer serves
+        P-EAGLE (from 0.34: :func:`stores.runtime.vllm_runtime.check_vllm_serves_peagle`), an unknown loading or draft
         sample method, K above the drafter's ``num_depths``, T > 0 where vLLM's rejection sampler does not get
         the verifier's distribution (:func:`check_vllm_sampling`), a verifier whose drafts vLLM does not verify
         exactly on this platform (:func:`check_vllm_verifier`), each before any engine starts.
     """
+    check_vllm_serves_peagle()
     check_draft_sample_method(config.draft_sample_method)
     if config.vllm_loading not in VLLM_LOADINGS:
         raise InputError(f"{config.vllm_loading!r}: expected one of {VLLM_LOADINGS}", field="--vllm-loading")

