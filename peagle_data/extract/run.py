@@ -149,7 +149,7 @@ def _check_before_weights(cfg: ExtractConfig, table, rows, device: str, plan: Co
             bf16 = device.startswith("cuda") or (cfg.engine == "vllm" and cpu_bf16_only(text_config(config)))
             dtype = None if cfg.server else "bfloat16" if bf16 else "float32"
             check_resumable(store, cfg, {"name_or_path": cfg.verifier, "fingerprint": model_fingerprint(directory),
-                                         "dtype": dtype}, layers)
+                                         "dtype": dtype}, layers, directory)
             if plan is not None:
                 check_same_plan(store, plan, cfg.packed)
     return directory
@@ -316,7 +316,7 @@ def _open_store(plan: ExtractPlan, engine: VerifierEngine, log: Callable[[str], 
     layers = _layers_of(cfg, engine.desc["num_hidden_layers"])
     t_store = time.perf_counter()
     root, repaired = _store_on_every_rank(state, cfg, plan.rows, plan.table, engine, layers, log, config,
-                                          plan.contexts)
+                                          plan.contexts, plan.verifier_dir)
     seconds["store_open_s"] = time.perf_counter() - t_store
     store = root.contexts if root.layout == "windows" else root  # the blocks the verifier runs
     todo = store.missing_blocks()
@@ -437,12 +437,12 @@ def _summary(cfg: ExtractConfig, state, store: FeatureStore, blocks_run: int, to
 
 def _store_on_every_rank(state, cfg: ExtractConfig, rows, table, engine: VerifierEngine, layers: list[int],
                          log: Callable[[str], None], config: dict[str, Any] | None,
-                         plan: ContextPlan | None = None) -> tuple[FeatureStore, dict]:
+                         plan: ContextPlan | None = None, directory: Path | None = None) -> tuple[FeatureStore, dict]:
     """The store, created or resumed by the main process and then opened by the others; with
     ``resume``, each rank's share of the blocks checked and repaired (a full-context store's context
     blocks; its training blocks' arrays by the main process). Returns ``(store, {block: reason})``."""
     if state.is_main_process:
-        root = open_or_create(cfg, rows, table, engine.desc, layers, log, engine.record, plan)
+        root = open_or_create(cfg, rows, table, engine.desc, layers, log, engine.record, plan, directory)
         if config is not None:
             root.update_attrs(config=config)
         if cfg.resume:

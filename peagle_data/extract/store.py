@@ -277,8 +277,10 @@ def _shard_attrs(cfg, table: TokenTable, n_blocks: int | None = None) -> dict[st
                       "blocks": "packed block shard_index + k * num_shards is store block k"}}
 
 
-def open_or_create(cfg, rows, table, desc, layers, log, engine: dict[str, Any], plan=None) -> FeatureStore:
-    """The store of ``cfg.output``: resumed (checked by :func:`check_resumable`) or created with the
+def open_or_create(cfg, rows, table, desc, layers, log, engine: dict[str, Any], plan=None,
+                   directory: Path | None = None) -> FeatureStore:
+    """The store of ``cfg.output``: resumed (checked by :func:`check_resumable`, with the verifier's model
+    ``directory``) or created with the
     verifier ``desc`` and the ``engine`` attribute (:attr:`VerifierEngine.record`). With a full-context
     ``plan`` (:class:`peagle_data.extract.contexts.ContextPlan` with ``training_rows``), ``rows`` are
     this shard's context blocks and the store is a full-context one."""
@@ -289,7 +291,7 @@ def open_or_create(cfg, rows, table, desc, layers, log, engine: dict[str, Any], 
         except StoreFormatError:
             store = None  # killed before the attributes were written: start over
         if store is not None and store.attrs.get("tokens_written"):
-            check_resumable(store, cfg, desc, layers)
+            check_resumable(store, cfg, desc, layers, directory)
             if plan is not None:
                 check_same_plan(store, plan, cfg.packed)
             return store
@@ -397,7 +399,8 @@ def _resume_conflicts(store: FeatureStore, cfg, verifier: dict[str, Any]) -> lis
     return out
 
 
-def check_resumable(store: FeatureStore, cfg, verifier: dict[str, Any], layers: list[int]) -> None:
+def check_resumable(store: FeatureStore, cfg, verifier: dict[str, Any], layers: list[int],
+                    directory: Path | None = None) -> None:
     """``--resume`` of ``store``: every option a resume cannot change is the store's.
 
     Fixed by the store: the packed table, the verifier (name and content fingerprint), ``--layers``,
@@ -407,14 +410,15 @@ def check_resumable(store: FeatureStore, cfg, verifier: dict[str, Any], layers: 
     verifier computes in (``verifier["dtype"]``, which ``--device`` decides). A resume may change
     :data:`RESUME_MAY_CHANGE`. ``verifier`` is the store's ``verifier`` record of this run
     (:func:`verifier_desc`), or before the weights load its ``name_or_path``, ``fingerprint`` and
-    predicted ``dtype``.
+    predicted ``dtype``; ``directory``, the verifier's model directory, compares its content with the
+    store's record (by part, or an older store's whole-file fingerprint: :func:`check_compatible`).
 
     Raises:
         StoreMismatchError: another verifier, other layers or another packed table.
         InputError: other values of the options above; names every one with the store's value and
             the given one.
     """
-    check_compatible(store, verifier=verifier, layers=layers, source=manifest_sha256(cfg.packed))
+    check_compatible(store, verifier=verifier, layers=layers, source=manifest_sha256(cfg.packed), directory=directory)
     conflicts = _resume_conflicts(store, cfg, verifier)
     if conflicts:
         raise InputError(

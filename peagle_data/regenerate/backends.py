@@ -54,7 +54,7 @@ from stores.chat.answer_parsing import AnswerFormatError, check_reasoning_parser
 from stores.chat.chat_template import ChatTemplate, prompt_ids
 from stores.errors import InputError, MissingDependencyError
 from stores.runtime.model_cache import load_tokenizer, load_verifier, resolve_model
-from stores.runtime.model_identity import model_fingerprint
+from stores.runtime.model_identity import legacy_model_fingerprint, model_fingerprint
 
 __all__ = ["Request", "Answer", "BackendConfig", "LocalBackend", "ServerBackend", "split_reasoning", "server_base_url",
            "complete_prefix", "prompt_opens_think", "REPLACEMENT", "prompt_tokens", "sampling_parameters",
@@ -280,8 +280,11 @@ class LocalBackend:
         self.model.generation_config = GenerationConfig(**{k: getattr(own, k, None) for k in _SPECIAL_FIELDS})
         ignored = {k: v for k, v in own.to_diff_dict().items()
                    if k not in _SPECIAL_FIELDS and k not in _NOT_SAMPLING}
+        directory = resolve_model(verifier)
+        # the whole-file fingerprint an output begun before the verifier's identity was recorded holds
+        self.legacy_fingerprint = legacy_model_fingerprint(directory)
         self.record = {"backend": "local", "verifier": str(verifier),
-                       "verifier_fingerprint": model_fingerprint(resolve_model(verifier)),
+                       "verifier_fingerprint": model_fingerprint(directory),
                        "device": str(self.model.device), "dtype": str(self.model.dtype).replace("torch.", ""),
                        "batch_size": batch_size,  # batches are padded: a resumed greedy run needs the same
                        "sampling": sampling_record(temperature), "not_sent": [],

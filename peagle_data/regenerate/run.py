@@ -384,11 +384,18 @@ _MODEL_OPTIONS = {"backend": "--verifier/--server", "verifier": "--verifier", "v
 """The option behind each key of a back end's ``record``."""
 
 
-def _check_resume(manifest: dict[str, Any] | None, settings: dict[str, Any], output) -> None:
+def _check_resume(manifest: dict[str, Any] | None, settings: dict[str, Any], output,
+                  legacy_fingerprint: str | None = None) -> None:
     """Raise when the output to continue was written with other settings (names the first option that
-    differs, with its recorded and its given value)."""
+    differs, with its recorded and its given value). ``legacy_fingerprint``: the local verifier's
+    whole-file fingerprint (:func:`stores.runtime.model_identity.legacy_model_fingerprint`), which an
+    output begun before the verifier's identity was recorded holds as its ``verifier_fingerprint``."""
     if manifest is None:
         return
+    model = manifest.get("model")
+    if isinstance(model, dict) and legacy_fingerprint is not None \
+            and model.get("verifier_fingerprint") == legacy_fingerprint:
+        manifest = {**manifest, "model": {**model, "verifier_fingerprint": settings["model"].get("verifier_fingerprint")}}
     for key in ("inputs", "files", "generation", "model"):
         old, new = manifest.get(key), settings[key]
         if key == "model" and isinstance(old, dict):  # RESUME_MAY_CHANGE
@@ -518,7 +525,7 @@ def run_regenerate(run: RegenerateRun, make_backend: Callable[[], Any] | None = 
                          "pass --tokenizer MODEL (the servers' model)")
     settings = {**_settings(inputs, files, cfg, backend), **({"config": config} if config is not None else {})}
     manifest = read_regenerate_manifest(output) if resume and not force else None
-    _check_resume(manifest, settings, output)
+    _check_resume(manifest, settings, output, getattr(backend, "legacy_fingerprint", None))
     writer = ConversationWriter(output, force=force, resume=resume)
     if manifest is not None and manifest.get("complete") and writer.paths["rows"].exists():
         return {"output": str(output), "counts": manifest["counts"], "resumed_rows": manifest["counts"]["read"],

@@ -140,6 +140,29 @@ def test_resume_refuses_other_layers_or_table(tmp_path, tiny_verifier_dir):
     assert s["training_blocks_done_this_run"] == 1 and s["complete"]  # the done block is not recomputed
 
 
+def test_resume_compares_the_verifier_by_part_or_an_older_stores_whole_file_fingerprint(tmp_path, tiny_verifier_dir):
+    """A resume with the store's verifier name but other content is refused naming the part; a store that
+    records no identity (made before it was recorded) resumes with the directory it was extracted with."""
+    import shutil
+
+    from stores.runtime.model_identity import legacy_model_fingerprint
+
+    v = shutil.copytree(tiny_verifier_dir, tmp_path / "v")
+    packed = write_packed(tmp_path / "packed", n_blocks=2, block_size=32)
+    cfg = dict(packed=str(packed), verifier=str(v), output=str(tmp_path / "f.zarr"), layers=[1, 2], context="window")
+    run_extract(ExtractConfig(**cfg, max_blocks=1), progress=False)
+    template = (v / "chat_template.jinja").read_text()
+    (v / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    with pytest.raises(StoreMismatchError, match=r"another model than .* \(differs in chat template \(default\)"):
+        run_extract(ExtractConfig(**cfg, resume=True), progress=False)
+    (v / "chat_template.jinja").write_text(template)
+    store = FeatureStore.open(cfg["output"], mode="r+")
+    older = {k: x for k, x in store.attrs["verifier"].items() if k != "identity"}
+    store.update_attrs(verifier={**older, "fingerprint": legacy_model_fingerprint(v)})
+    s = run_extract(ExtractConfig(**cfg, resume=True), progress=False)
+    assert s["training_blocks_done_this_run"] == 1 and s["complete"]
+
+
 def test_resume_keeps_every_option_the_store_fixes(tmp_path, tiny_verifier_dir):
     """A zstd store resumes with --compressor zstd into the store an uninterrupted run writes; without
     it (the default, none) the resume is refused naming the option and both values, never continued

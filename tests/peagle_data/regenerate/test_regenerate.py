@@ -728,6 +728,10 @@ def test_resume_names_the_option_and_allows_only_those_that_change_no_answer():
                       {**settings, "model": {**local, "verifier_fingerprint": "b"}}, "o.jsonl")
     with pytest.raises(InputError, match="INPUT was \\['i'\\], now \\['j'\\] \\(inputs\\)"):
         _check_resume(settings, {**settings, "inputs": ["j"]}, "o.jsonl")
+    older = {**settings, "model": {**local, "verifier_fingerprint": "whole-file"}}  # begun before the identity
+    _check_resume(older, {**settings, "model": {**local, "verifier_fingerprint": "b"}}, "o.jsonl", "whole-file")
+    with pytest.raises(InputError, match="--verifier \\(its content fingerprint\\) was 'whole-file', now 'b'"):
+        _check_resume(older, {**settings, "model": {**local, "verifier_fingerprint": "b"}}, "o.jsonl", "other")
 
 
 # --------------------------------------------------------------------------------------------
