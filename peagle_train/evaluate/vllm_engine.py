@@ -621,7 +621,7 @@ def vllm_speculative(ref: VllmReference, drafter_dir: str | Path, config: EvalCo
 def check_speculators_verifier(drafter_dir: str | Path, verifier_name: str) -> None:
     """With ``--vllm-loading speculators`` vLLM loads the verifier the drafter's ``config.json`` names
     (``speculators_config.verifier.name_or_path``), while the plain reference runs on ``verifier_name``:
-    both must be the same model (:func:`~stores.runtime.model_cache.model_fingerprint` of the resolved
+    both must be the same model (:func:`~stores.runtime.model_identity.model_fingerprint` of the resolved
     directories). Reads configs and hashes files only; no engine starts.
 
     Raises:
