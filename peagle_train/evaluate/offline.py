@@ -377,6 +377,17 @@ def contamination(store: FeatureStore, ids: Sequence[int], drafter_dir: str | Pa
             "training_segments": int(recorded.size)}
 
 
+def contamination_line(found: dict[str, Any], drafter_dir: str | Path) -> str:
+    """The stderr line of a :func:`contamination` result: a warning when some segment was trained on."""
+    if "skipped" in found:
+        return f"contamination: not known: {found['skipped']}"
+    if found["in_training"]:
+        return (f"warning: contamination: {found['in_training']} of the {found['segments']} segments scored (whole "
+                f"conversations in a judge store) are among those {drafter_dir} was trained on")
+    return (f"contamination: none of the {found['segments']} segments scored is among the "
+            f"{found['training_segments']} {drafter_dir} was trained on")
+
+
 def judge_problems(report: dict[str, Any], allow_contaminated: bool = False,
                    allow_refused_turns: bool = False) -> list[str]:
     """Why a :func:`run_offline_eval` report cannot stand as a judge figure (``bench/judge_replay.py``,
@@ -452,9 +463,7 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
         log(f"warning: {note}")
     ids = chosen.ids
     contaminated = contamination(fs, ids, drafter_dir)
-    if contaminated.get("in_training"):
-        log(f"warning: contamination: {contaminated['in_training']} of the {contaminated['segments']} segments scored "
-            f"(whole conversations in a judge store) are among those {drafter_dir} was trained on")
+    log(contamination_line(contaminated, drafter_dir))
     name = verifier_name or fs.attrs.get("verifier", {}).get("name_or_path")
     if not name:
         raise StoreMismatchError(f"{store}: the store names no verifier; pass verifier_name")

@@ -428,6 +428,10 @@ def test_cli_offline_counts_the_conversations_the_drafter_was_trained_on(tiny_ve
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["contamination"] == {"segments": 2, "in_training": 2, "training_segments": 3}
     assert "warning: contamination: 2 of the 2 segments scored" in result.stderr
+    save_drafter(load_drafter(tmp_path / "drafter"), tmp_path / "drafter", training_segments=trained[-1:])
+    clean = CliRunner().invoke(main, args)
+    assert json.loads(clean.stdout)["contamination"] == {"segments": 2, "in_training": 0, "training_segments": 1}
+    assert "contamination: none of the 2 segments scored is among the 1 " in clean.stderr
 
 
 def test_cli_refuses_drafting_past_the_trained_depths(tiny_verifier, tmp_path):
