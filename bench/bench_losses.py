@@ -72,7 +72,7 @@ import judge_replay  # noqa: E402
 
 from peagle_train.data.loader import BlockLoader  # noqa: E402
 from peagle_train.evaluate.inference import PEAGLEInference, load_for_decoding  # noqa: E402
-from peagle_train.evaluate.offline import run_offline_eval  # noqa: E402
+from peagle_train.evaluate.offline import judge_problems, run_offline_eval  # noqa: E402
 from peagle_train.evaluate.prompts import answer_text, read_prompts, render_turn  # noqa: E402
 from peagle_train.evaluate.replay import bootstrap_al  # noqa: E402
 from peagle_train.model.checkpoint import load_drafter  # noqa: E402
@@ -365,11 +365,16 @@ def suite_figures(per: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
-def replay(run: Path, judge: Path) -> None:
+def replay(run: Path, judge: Path, allow_contaminated: bool = False) -> None:
     """The replayed AL of ``run``'s last drafter on every judge store (``peagle-eval --store``'s ``replay``), per
     temperature pooled over the suites and samples, and per suite (:func:`suite_figures`):
     ``run/replay-T{0,1}.json`` with each store's report under ``per_store``; each store walked with the
-    ``max_new_tokens`` it was generated with (its ``.done.json``)."""
+    ``max_new_tokens`` it was generated with (its ``.done.json``).
+
+    Raises:
+        SystemExit: a store that cannot stand as a judge figure (``judge_problems``: turns not walked, or
+        conversations the drafter was trained on unless ``allow_contaminated``); StoreMismatchError: an
+        incomplete store."""
     for t, stores in judge_stores(judge).items():
         path = run / f"replay-T{t}.json"
         if path.exists() or not stores:
@@ -378,6 +383,10 @@ def replay(run: Path, judge: Path) -> None:
         for store in stores:
             made = json.loads(store.with_name(store.name[:-len(".zarr")] + ".done.json").read_text())
             rep = run_offline_eval(final_checkpoint(run), store, max_new_tokens=int(made["max_new_tokens"]))
+            problems = judge_problems(rep, allow_contaminated)  # run_offline_eval refuses an incomplete store
+            if problems:
+                raise SystemExit(f"replay: {store} judging {final_checkpoint(run)}: {'; '.join(problems)} "
+                                 "(--allow-contaminated judges trained-on conversations anyway)")
             per[store.name] = {**rep["replay"], "all_anchor_acceptance_length": rep["simulated_acceptance_length"]}
         accepted = sum(r.get("accepted", 0) for r in per.values())
         drafts = sum(r.get("num_drafts", 0) for r in per.values())
@@ -596,6 +605,8 @@ def main() -> None:
     ap.add_argument("--seeds", default=None, help="default 0,1,2; with --table those found in OUT")
     ap.add_argument("--levers", default=None, help="default all; with --table those found in OUT")
     ap.add_argument("--judge", type=Path, default=None, help="the replay stage: a scripts/judge_set.py output")
+    ap.add_argument("--allow-contaminated", action="store_true",
+                    help="the replay stage: judge on conversations the drafter was trained on")
     ap.add_argument("--baseline", default=None, help="the lever differences are paired against (default: "
                     "speculators when among --levers, else default)")
     ap.add_argument("--verifier", default="smollm2-135m")
@@ -649,7 +660,7 @@ def main() -> None:
             if "offline" in stages:
                 offline(args.store, run)
             if "replay" in stages:
-                replay(run, args.judge)
+                replay(run, args.judge, args.allow_contaminated)
             if "online" in stages:
                 contexts = greedy_contexts(args.verifier, final_checkpoint(run), args.prompts, args.num_prompts,
                                            args.max_new_tokens, args.out)

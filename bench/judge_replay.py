@@ -7,7 +7,9 @@ replay").
 
 Each store is walked with the ``max_new_tokens`` it was generated with (its ``SUITE-RUN.done.json``); T = 1's seeded samples of a
 suite are pooled (each sample its own conversations). Prints a markdown table on stdout (and the JSON to
-``--output``); progress on stderr.
+``--output``); progress on stderr. Refused (exit 1, naming the store): an incomplete store, a store with turns
+the replay cannot walk (``--allow-refused-turns``), and a store holding conversations a drafter was trained on
+(``--allow-contaminated``; ``peagle_train.evaluate.offline.judge_problems``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from peagle_train.evaluate.offline import run_offline_eval
+from peagle_train.evaluate.offline import judge_problems, run_offline_eval
 from peagle_train.evaluate.replay import bootstrap_al, paired_al_difference
 
 
@@ -50,11 +52,13 @@ def pooled(reports: list[tuple[str, dict]]) -> dict[str, np.ndarray]:
             "num_drafts": np.array([d for _, _, _, d in rows], np.int64)}
 
 
-def judge(drafters: list[str], groups: dict[str, list[Path]], seed: int) -> dict:
+def judge(drafters: list[str], groups: dict[str, list[Path]], seed: int, allow_contaminated: bool = False,
+          allow_refused_turns: bool = False) -> dict:
     """Every drafter's replayed AL per group, and its paired difference against ``drafters[0]``.
 
     Raises:
-        SystemExit: a store with no walkable turn, or two drafters whose conversations differ (not the same set).
+        SystemExit: a store that cannot stand as a judge figure (:func:`judge_problems`: no walkable turn, turns
+        not walked, conversations the drafter was trained on), or two drafters whose conversations differ.
     """
     out = {}
     for group, stores in groups.items():
@@ -63,10 +67,12 @@ def judge(drafters: list[str], groups: dict[str, list[Path]], seed: int) -> dict
             reports = []
             for store in stores:
                 made = json.loads(store.with_name(store.name[:-len(".zarr")] + ".done.json").read_text())
-                rep = run_offline_eval(d, store, max_new_tokens=int(made["max_new_tokens"]), seed=seed)["replay"]
-                if "skipped" in rep:
-                    raise SystemExit(f"judge_replay: {store}: {rep['skipped']}")
-                reports.append((store.name, rep))
+                full = run_offline_eval(d, store, max_new_tokens=int(made["max_new_tokens"]), seed=seed)
+                problems = judge_problems(full, allow_contaminated, allow_refused_turns)
+                if problems:
+                    raise SystemExit(f"judge_replay: {store} judging {d}: {'; '.join(problems)} (to judge anyway: "
+                                     "--allow-refused-turns, --allow-contaminated)")
+                reports.append((store.name, full["replay"]))
             per[d] = pooled(reports)
             print(f"judge_replay: {group}: {d} done", file=sys.stderr)
         base = per[drafters[0]]
@@ -108,11 +114,15 @@ def main() -> None:
     ap.add_argument("--drafters", nargs="+", required=True)
     ap.add_argument("--seed", type=int, default=0, help="the bootstrap's seed")
     ap.add_argument("--output", type=Path, default=None)
+    ap.add_argument("--allow-contaminated", action="store_true",
+                    help="judge a drafter on conversations it was trained on (its AL there is of memorised data)")
+    ap.add_argument("--allow-refused-turns", action="store_true",
+                    help="judge on the walkable turns when the replay refuses some (their AL alone)")
     a = ap.parse_args()
     groups = judge_groups(a.judge)
     if not groups:
         ap.error(f"{a.judge} holds no finished judge store (SUITE-T0.done.json): run scripts/judge_set.py")
-    result = judge(a.drafters, groups, a.seed)
+    result = judge(a.drafters, groups, a.seed, a.allow_contaminated, a.allow_refused_turns)
     if a.output:
         a.output.write_text(json.dumps(result, indent=1))
     print(table(result, a.drafters))

@@ -25,18 +25,26 @@ speculative_config={"model": DRAFTER, "method": "eagle3", "parallel_drafting": T
 names, as ``vllm serve DRAFTER`` does)."""
 
 
+DEFAULT_MAX_NEW_TOKENS = 128
+"""Most tokens per prompt turn online, and offline on a store that records no limit of its own."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class EvalConfig:
     """What ``peagle-eval`` measures and on how much."""
 
-    max_new_tokens: int = 128
-    """Most tokens generated per prompt turn (--max-new-tokens)."""
+    max_new_tokens: int | None = None
+    """Most tokens generated per prompt turn (--max-new-tokens); None: 128 online, and offline the STORE's recorded
+    limit (a judge store records the one its turns were generated with; another one given is refused), else 128."""
     num_prompts: int | None = None
     """Prompts read from the file, from the top; None = all (--num-prompts)."""
     num_draft_tokens: int | None = None
     """K drafts per verifier step; None = the drafter's num_depths (--num-draft-tokens)."""
     max_blocks: int | None = None
     """Offline: most validation blocks scored; None = all."""
+    allow_partial: bool = False
+    """Offline: score an incomplete STORE's extracted blocks alone (default: an incomplete store is refused)
+    (--allow-partial)."""
     chunk_anchors: int = 256
     """Offline: anchors whose chains run through the drafter at once (bounds memory)."""
     warmup: bool = True
@@ -110,6 +118,10 @@ class EvalConfig:
     with different chat template variables; the report's template_mode names each
     (--allow-template-mode-mismatch)."""
 
+    def online_max_new_tokens(self) -> int:
+        """``max_new_tokens`` online: the given one, else :data:`DEFAULT_MAX_NEW_TOKENS`."""
+        return DEFAULT_MAX_NEW_TOKENS if self.max_new_tokens is None else self.max_new_tokens
+
     def costs_measured(self, online_peagle: bool) -> bool:
         """Whether the cost model is timed: ``measure_costs`` when given, else ``online_peagle`` (the run decodes
         online with peagle's own engine, so timing its steps is part of judging it)."""
@@ -124,7 +136,7 @@ class EvalConfig:
         self.mode_variables()  # ValueError: a variable given twice
         if self.cost_rounds < 1:
             raise ValueError(f"cost_rounds must be >= 1, got {self.cost_rounds}")
-        if self.max_new_tokens < 1:
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.num_prompts is not None and self.num_prompts < 1:
             raise ValueError(f"--num-prompts must be >= 1, got {self.num_prompts}")

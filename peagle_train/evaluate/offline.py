@@ -14,14 +14,15 @@ import torch
 from peagle_train.data.cod import CodElements, element_inputs
 from peagle_train.data.loader import split_blocks
 from peagle_train.data.multistore import store_identity
+from peagle_train.data.segment_hashes import count_in, segment_hashes
 from peagle_train.data.split import SPLIT_CONVERSATIONS
 from peagle_train.evaluate.checks import check_store_fits, check_verifier_config
-from peagle_train.evaluate.config import EvalConfig
+from peagle_train.evaluate.config import DEFAULT_MAX_NEW_TOKENS, EvalConfig
 from peagle_train.evaluate.prompts import eos_ids
 from peagle_train.evaluate.replay import TurnReplay
 from peagle_train.evaluate.speculative import checked_num_draft_tokens
 from peagle_train.model.attention import element_attention
-from peagle_train.model.checkpoint import load_drafter
+from peagle_train.model.checkpoint import TRAINING_SEGMENTS_FILE, load_drafter, read_training_segments
 from stores.errors import StoreMismatchError
 from stores.features.feature_store import FeatureStore
 from stores.runtime.model_cache import load_tokenizer, load_verifier
@@ -322,12 +323,97 @@ def select_eval_blocks(store, drafter_config: dict[str, Any] | None = None,
     return BlockSelection(ids[:max_blocks] if max_blocks else ids, split, int(done.size), int(store.n_blocks), warnings)
 
 
+def replay_max_new_tokens(store: FeatureStore, given: int | None) -> tuple[int, str]:
+    """The limit a replay walks ``store``'s turns with, and where it comes from: the store's recorded
+    ``max_new_tokens`` (:meth:`~stores.features.feature_store.FeatureStore.generation`, ``"store"``), else ``given``
+    (``"given"``), else :data:`~peagle_train.evaluate.config.DEFAULT_MAX_NEW_TOKENS` (``"default"``).
+
+    Raises:
+        StoreMismatchError: ``given`` differs from the store's recorded limit (another limit walks other turns:
+            another AL), naming both.
+    """
+    recorded = (store.generation() or {}).get("max_new_tokens")
+    if recorded is None:
+        return (int(given), "given") if given is not None else (DEFAULT_MAX_NEW_TOKENS, "default")
+    if given is not None and int(given) != int(recorded):
+        raise StoreMismatchError(f"{store.path}: its turns were generated with max_new_tokens {recorded}, but "
+                                 f"--max-new-tokens gives {given}: a replay with another limit walks other turns and "
+                                 f"gives another AL; omit --max-new-tokens (the store's {recorded} is used) or pass "
+                                 f"{recorded}")
+    return int(recorded), "store"
+
+
+def check_complete(store: FeatureStore, allow_partial: bool) -> None:
+    """Refuse an incomplete store unless ``allow_partial`` (its done blocks alone would be scored, a smaller
+    set than the one asked for).
+
+    Raises:
+        StoreMismatchError: some block is not extracted, with the count and the command that finishes it.
+    """
+    done = int(store.done_mask().sum())
+    if done < store.n_blocks and not allow_partial:
+        raise StoreMismatchError(f"{store.path} is an incomplete store: {done} of {store.n_blocks} blocks extracted; "
+                                 f"{store.repair_command()} finishes it, or pass --allow-partial to score the "
+                                 "extracted blocks alone")
+
+
+def contamination(store: FeatureStore, ids: Sequence[int], drafter_dir: str | Path) -> dict[str, Any]:
+    """How many segments of ``store``'s blocks ``ids`` the drafter was trained on: their token hashes
+    (:func:`~peagle_train.data.segment_hashes.segment_hashes`; a judge store's segments are whole conversations)
+    found among those its checkpoint records (:data:`~peagle_train.model.checkpoint.TRAINING_SEGMENTS_FILE`).
+
+    Returns:
+        ``{"segments", "in_training", "training_segments"}``, or ``{"skipped": why}`` when the checkpoint records
+        no training segments.
+    """
+    recorded = read_training_segments(drafter_dir)
+    if recorded is None:
+        return {"skipped": f"{drafter_dir} records no training segments ({TRAINING_SEGMENTS_FILE}, written by "
+                           "peagle-train): whether the drafter was trained on these conversations is not known"}
+    tokens = [store.read_tokens(int(i)) for i in ids]
+    hashes = np.concatenate([segment_hashes(t["input_ids"], t["cu_seqlens"]) for t in tokens] or
+                            [np.zeros(0, np.uint64)])
+    return {"segments": int(hashes.size), "in_training": count_in(hashes, recorded),
+            "training_segments": int(recorded.size)}
+
+
+def contamination_line(found: dict[str, Any], drafter_dir: str | Path) -> str:
+    """The stderr line of a :func:`contamination` result: a warning when some segment was trained on."""
+    if "skipped" in found:
+        return f"contamination: not known: {found['skipped']}"
+    if found["in_training"]:
+        return (f"warning: contamination: {found['in_training']} of the {found['segments']} segments scored (whole "
+                f"conversations in a judge store) are among those {drafter_dir} was trained on")
+    return (f"contamination: none of the {found['segments']} segments scored is among the "
+            f"{found['training_segments']} {drafter_dir} was trained on")
+
+
+def judge_problems(report: dict[str, Any], allow_contaminated: bool = False,
+                   allow_refused_turns: bool = False) -> list[str]:
+    """Why a :func:`run_offline_eval` report cannot stand as a judge figure (``bench/judge_replay.py``,
+    ``bench/bench_losses.py``'s replay): no walkable turn; turns not walked (the AL would be of the others alone)
+    unless ``allow_refused_turns``; conversations the drafter was trained on unless ``allow_contaminated``."""
+    replay, problems = report.get("replay") or {}, []
+    if "skipped" in replay:
+        problems.append(replay["skipped"])
+    refused = replay.get("refused_turns") or {}
+    if refused and not allow_refused_turns and "skipped" not in replay:
+        first = list((replay.get("refused_examples") or {}).values())[:1]
+        problems.append(f"{sum(refused.values())} assistant turn(s) not walked ({refused}; first: {first}): the AL "
+                        "would be of the other turns alone")
+    c = report.get("contamination") or {}
+    if c.get("in_training") and not allow_contaminated:
+        problems.append(f"{c['in_training']} of its {c['segments']} conversations are among the segments the drafter "
+                        "was trained on: its AL there is of memorised data, not of held-out data")
+    return problems
+
+
 def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int | None = None,
                      blocks: Sequence[int] | None = None, verifier_name: str | None = None,
                      num_depths: int | None = None, chunk_anchors: int = 256,
                      progress_factory: Callable[[int], Any] | None = None,
-                     log: Callable[[str], None] = lambda m: None, max_new_tokens: int = 128,
-                     seed: int = 0) -> dict[str, Any]:
+                     log: Callable[[str], None] = lambda m: None, max_new_tokens: int | None = None,
+                     seed: int = 0, allow_partial: bool = False) -> dict[str, Any]:
     """Offline evaluation of a drafter checkpoint on a feature store (docs/design.md §9): the replayed
     acceptance (``replay``, the primary figure on a judge store) and the all-anchor diagnostic.
 
@@ -342,23 +428,31 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
         chunk_anchors, progress_factory: see :func:`evaluate_offline` / :func:`run_online_eval`.
         log: called with each warning of the block selection (another store, an incomplete one).
         max_new_tokens: the most tokens per turn the store's continuations were generated with (the replay walks
-            a turn only where decoding with this limit stops where the turn ends).
+            a turn only where decoding with this limit stops where the turn ends); None: the store's recorded
+            limit, else :data:`~peagle_train.evaluate.config.DEFAULT_MAX_NEW_TOKENS` (:func:`replay_max_new_tokens`).
         seed: the replay's bootstrap seed.
+        allow_partial: score an incomplete store's extracted blocks (default: refused, :func:`check_complete`).
 
     Returns:
         The :func:`evaluate_offline` report (its ``simulated_acceptance_length`` is the all-anchor mean, a
         diagnostic), ``replay`` (:meth:`~peagle_train.evaluate.replay.TurnReplay.report`), plus :meth:`BlockSelection.report` (``split``, ``blocks``,
-        ``store_blocks_done``, ``store_blocks_total``, ``warnings``), ``store``, ``drafter``, ``verifier``.
+        ``store_blocks_done``, ``store_blocks_total``, ``warnings``), ``store``, ``drafter``, ``verifier``,
+        ``max_new_tokens`` and ``max_new_tokens_from`` (``store``, ``given`` or ``default``), ``contamination``
+        (:func:`contamination`).
 
     Raises:
         StoreFormatError: not a feature store or not a drafter checkpoint.
         StoreMismatchError: the store's layers / sizes do not fit the drafter; no done block; the
-            verifier is not the store's (:func:`stores.runtime.verifier_match.check_store_verifier`).
+            verifier is not the store's (:func:`stores.runtime.verifier_match.check_store_verifier`); an incomplete
+            store without ``allow_partial``; ``max_new_tokens`` other than the store's recorded limit.
     """
-    EvalConfig(max_blocks=max_blocks, chunk_anchors=chunk_anchors, num_draft_tokens=num_depths)
+    EvalConfig(max_blocks=max_blocks, chunk_anchors=chunk_anchors, num_draft_tokens=num_depths,
+               max_new_tokens=max_new_tokens)
     drafter = load_drafter(drafter_dir).eval()
     fs = FeatureStore.open(store)
     check_store_fits(fs, drafter)
+    check_complete(fs, allow_partial)
+    max_new_tokens, limit_from = replay_max_new_tokens(fs, max_new_tokens)
     if blocks is None:
         chosen = select_eval_blocks(fs, json.loads((Path(drafter_dir) / "config.json").read_text()), max_blocks)
     else:
@@ -368,6 +462,8 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
     for note in chosen.warnings:
         log(f"warning: {note}")
     ids = chosen.ids
+    contaminated = contamination(fs, ids, drafter_dir)
+    log(contamination_line(contaminated, drafter_dir))
     name = verifier_name or fs.attrs.get("verifier", {}).get("name_or_path")
     if not name:
         raise StoreMismatchError(f"{store}: the store names no verifier; pass verifier_name")
@@ -403,4 +499,5 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
         log(f"warning: replay: {sum(replay.refused.values())} assistant turn(s) not walked, as online decoding would "
             f"not produce them: {replay.refused}; first: {list(replay.first_refusal.values())[0]}")
     return {"drafter": str(drafter_dir), "store": str(store), "verifier": str(name), **chosen.report(), **report,
-            "replay": replayed}
+            "replay": replayed, "max_new_tokens": max_new_tokens, "max_new_tokens_from": limit_from,
+            "contamination": contaminated}

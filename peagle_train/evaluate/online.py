@@ -167,7 +167,7 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
         for turn in range(len(prompt.user_turns)):
             ids = render_turn(tokenizer, prompt, turn, answers, mode)
             seed = _turn_seed(config.seed, len(per_prompt))
-            spec, base = engine.generate_ids(ids, config.max_new_tokens, T, seed=seed, measure_speedup=True,
+            spec, base = engine.generate_ids(ids, config.online_max_new_tokens(), T, seed=seed, measure_speedup=True,
                                              on_progress=progress, top_logits=tops,
                                              draft_sample_method=config.draft_sample_method)
             totals.add(base, spec)
@@ -180,7 +180,7 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
                 answers.append(history_message(tokenizer, base.tokens, eos, config.reasoning_parser, mode,
                                                where=f"prompt {prompt.prompt_id!r} turn {turn}"))
             if progress is not None:  # a turn that stopped early (EOS) completes its share of the total
-                progress(2 * config.max_new_tokens - len(base.tokens) - len(spec.tokens))
+                progress(2 * config.online_max_new_tokens() - len(base.tokens) - len(spec.tokens))
     wall_time_s = time.perf_counter() - start
     report = totals.report()
     identity = greedy_check_summary(dtype, checks) if T == 0 else {
@@ -196,7 +196,7 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
         "wall_time_s": wall_time_s,
         "num_prompts": len(prompts),
         "num_turns": len(per_prompt),
-        "max_new_tokens": config.max_new_tokens,
+        "max_new_tokens": config.online_max_new_tokens(),
         "tree": engine.tree.describe() if engine.tree is not None else None,
         **({"tree_nodes_verified": sum(t["tree_nodes"] for t in per_prompt)} if engine.tree is not None else {}),
         **({"cost_model": online_cost_model(verifier, drafter, render_turn(tokenizer, prompts[0], 0, [], modes[0]),
@@ -281,7 +281,7 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
     check_drafter_tokenizer(drafter_dir, name)
     verifier, drafter = load_for_decoding(drafter, name)
     tokenizer = load_tokenizer(name)
-    bar = progress_factory(progress_total(prompts, config.max_new_tokens)) if progress_factory else None
+    bar = progress_factory(progress_total(prompts, config.online_max_new_tokens())) if progress_factory else None
     try:
         report = evaluate_prompts(verifier, drafter, tokenizer, prompts, config,
                                   progress=bar.update if bar is not None else None)

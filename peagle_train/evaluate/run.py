@@ -88,11 +88,11 @@ def _evaluate(run: EvalRun, drafter: str, log: Callable[[str], None]) -> dict[st
         offline = run_offline_eval(drafter, run.store, max_blocks=s.max_blocks, verifier_name=run.verifier,
                                    num_depths=s.num_draft_tokens, chunk_anchors=s.chunk_anchors,
                                    progress_factory=_progress("offline eval", "block"), log=log,
-                                   max_new_tokens=s.max_new_tokens, seed=s.seed)
+                                   max_new_tokens=s.max_new_tokens, seed=s.seed, allow_partial=s.allow_partial)
     if run.prompts is not None and s.engine == "vllm":
         online = run_vllm_eval(drafter, run.verifier, run.prompts, s, log=log)
     elif run.prompts is not None:
-        online = run_online_eval(drafter, run.verifier, run.prompts, max_new_tokens=s.max_new_tokens,
+        online = run_online_eval(drafter, run.verifier, run.prompts, max_new_tokens=s.online_max_new_tokens(),
                                  num_prompts=s.num_prompts, num_draft_tokens=s.num_draft_tokens,
                                  progress_factory=_progress("online eval (plain + speculative)", "tok"), temperature=s.temperature,
                                  seed=s.seed, measure_costs=s.measure_costs, tree_topk=s.tree_topk,

@@ -575,7 +575,7 @@ def vllm_reference(verifier_name: str, prompts_file: str | Path, config: EvalCon
         return next_turn_prompts(tokenizer, prompts, eos, order, answers, outputs, modes,
                                  config.reasoning_parser)
 
-    plain = vllm_generate(directory, next_turns(None), config.max_new_tokens, sorted(eos),
+    plain = vllm_generate(directory, next_turns(None), config.online_max_new_tokens(), sorted(eos),
                           concurrency=config.concurrency, turns=next_turns, log=log, memory=config.vllm_memory,
                           temperature=config.temperature, seed=config.seed, top_logits=True)
     requests = [render_turn(tokenizer, prompts[i], t, answers[i][:t], modes[i]) for i, t in order]
@@ -608,12 +608,12 @@ def vllm_speculative(ref: VllmReference, drafter_dir: str | Path, config: EvalCo
     common = dict(stop_token_ids=sorted(ref.eos), concurrency=config.concurrency, log=log, memory=config.vllm_memory,
                   temperature=config.temperature, seed=config.seed)
     if config.vllm_loading == "speculative_config":
-        spec = vllm_generate(ref.directory, ref.requests, config.max_new_tokens, **common,
+        spec = vllm_generate(ref.directory, ref.requests, config.online_max_new_tokens(), **common,
                              speculative_config={"model": str(drafter_dir), "method": "eagle3",
                                                  "parallel_drafting": True, "num_speculative_tokens": K,
                                                  "draft_sample_method": method})
     else:  # vLLM reads speculators_config of the drafter and loads the verifier it names
-        spec = vllm_generate(str(drafter_dir), ref.requests, config.max_new_tokens, **common,
+        spec = vllm_generate(str(drafter_dir), ref.requests, config.online_max_new_tokens(), **common,
                              speculative_config={"num_speculative_tokens": K, "draft_sample_method": method})
     return {**vllm_report(drafter_dir, ref, spec, config, vllm.__version__), "vllm_sampling_check": sampling_check}
 
@@ -805,7 +805,7 @@ def vllm_report(found, ref: VllmReference, spec: VllmRun, config: EvalConfig, ve
         "acceptance_scheme": acceptance_scheme(T, config.draft_sample_method),
         "num_prompts": len(prompts),
         "num_turns": len(per_prompt),
-        "max_new_tokens": config.max_new_tokens,
+        "max_new_tokens": config.online_max_new_tokens(),
         **({"per_mode": per_mode_report(per_prompt)} if config.mode_variables() else {}),
         "per_prompt": per_prompt,
     }

@@ -11,6 +11,9 @@ A checkpoint directory holds
   ``layers.N.*``, ``norm.weight [H]``, ``lm_head.weight [D, H]``; only with a reduced draft vocab
   (D < V) also ``d2t [D] int64`` and ``t2d [V] bool``, as speculators' ``PEagleDraftModel``);
   written with the umask's permissions (0644 under umask 022);
+- ``training_segments.npy`` (checkpoints of ``peagle-train``): ``[M] uint64`` sorted hashes of the training
+  side's segments (:mod:`peagle_train.data.segment_hashes`), against which ``peagle-eval --store`` counts the
+  judged conversations the drafter was trained on;
 - ``training_state.pt`` (training checkpoints only; written last, so its presence marks the
   checkpoint complete): optimizer, scheduler, RNG, data position, step.
 """
@@ -24,6 +27,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -39,6 +43,8 @@ __all__ = [
     "CONFIG_FILE",
     "WEIGHTS_FILE",
     "STATE_FILE",
+    "TRAINING_SEGMENTS_FILE",
+    "read_training_segments",
     "drafter_config_json",
     "rope_from_layer_config",
     "DEFAULT_ROPE_THETA",
@@ -62,6 +68,7 @@ __all__ = [
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 STATE_FILE = "training_state.pt"
+TRAINING_SEGMENTS_FILE = "training_segments.npy"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -199,7 +206,8 @@ def drafter_config_json(cfg: DrafterConfig, extra_config: dict[str, Any] | None 
     return out
 
 
-def _write_drafter(model: PEagleDrafter, directory: Path, extra_config: dict[str, Any] | None) -> None:
+def _write_drafter(model: PEagleDrafter, directory: Path, extra_config: dict[str, Any] | None,
+                   training_segments: np.ndarray | None = None) -> None:
     config = drafter_config_json(model.config, extra_config, model.embed_tokens.weight.requires_grad)
     tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     bad = [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
@@ -213,22 +221,45 @@ def _write_drafter(model: PEagleDrafter, directory: Path, extra_config: dict[str
     (directory / CONFIG_FILE).write_text(strict_json(config, f"{directory / CONFIG_FILE}", indent=2))
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
     follow_umask(directory / WEIGHTS_FILE)  # safetensors creates it 0600
+    if training_segments is not None:
+        np.save(directory / TRAINING_SEGMENTS_FILE, np.unique(np.asarray(training_segments, dtype=np.uint64)))
+
+
+def read_training_segments(directory: str | os.PathLike) -> np.ndarray | None:
+    """``[M] uint64`` the sorted segment hashes a checkpoint records (:data:`TRAINING_SEGMENTS_FILE`), or None
+    when it records none (not written by ``peagle-train``, or by an earlier one).
+
+    Raises:
+        StoreFormatError: the file is not a 1-D uint64 array.
+    """
+    path = Path(directory) / TRAINING_SEGMENTS_FILE
+    if not path.is_file():
+        return None
+    try:
+        hashes = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise StoreFormatError(f"{path}: unreadable ({e})") from None
+    if hashes.ndim != 1 or hashes.dtype != np.uint64:
+        raise StoreFormatError(f"{path}: expected a 1-D uint64 array, found {hashes.dtype} of shape {hashes.shape}")
+    return hashes
 
 
 def save_drafter(model: PEagleDrafter, directory: str | os.PathLike,
-                 extra_config: dict[str, Any] | None = None) -> Path:
+                 extra_config: dict[str, Any] | None = None, training_segments: np.ndarray | None = None) -> Path:
     """Write ``config.json`` and ``model.safetensors`` of ``model`` into ``directory`` (atomically).
 
     Args:
         model: the drafter (unwrapped from any DDP/accelerate wrapper).
         directory: created or replaced.
         extra_config: keys merged into ``config.json`` (e.g. training hyper-parameters).
+        training_segments: ``[M] uint64`` hashes of the training segments, written to
+            :data:`TRAINING_SEGMENTS_FILE` (None: none written).
 
     Returns:
         ``directory`` as a Path.
     """
     directory = Path(directory)
-    replace_dir(directory, lambda tmp: _write_drafter(model, tmp, extra_config))
+    replace_dir(directory, lambda tmp: _write_drafter(model, tmp, extra_config, training_segments))
     return directory
 
 
@@ -402,12 +433,13 @@ def load_training_state(directory: str | os.PathLike) -> dict[str, Any]:
 
 
 def save_checkpoint(model: PEagleDrafter, directory: str | os.PathLike, state: dict[str, Any],
-                    extra_config: dict[str, Any] | None = None) -> Path:
-    """Drafter files plus training state, in one atomic directory swap; state written last."""
+                    extra_config: dict[str, Any] | None = None, training_segments: np.ndarray | None = None) -> Path:
+    """Drafter files (``training_segments`` as :func:`save_drafter`) plus training state, in one atomic directory
+    swap; state written last."""
     directory = Path(directory)
 
     def write(tmp: Path) -> None:
-        _write_drafter(model, tmp, extra_config)
+        _write_drafter(model, tmp, extra_config, training_segments)
         save_training_state(tmp, state)
 
     replace_dir(directory, write)

@@ -39,6 +39,7 @@ import torch
 from peagle_train.data.loader import BlockSequence, order_warning, resume_cursor
 from peagle_train.data.multistore import (conversation_groups, open_stores, split_per_store, store_identities,
                                          usable_blocks)
+from peagle_train.data.segment_hashes import training_segment_hashes
 from peagle_train.data.split import SPLIT_BLOCKS, SPLIT_CONVERSATIONS, SPLIT_RULES, validation_size
 from peagle_train.data.stream import StreamingStore, make_plan, mark_consumed, rerun_note
 from peagle_train.model.attention import resolve_attention_backend
@@ -508,5 +509,8 @@ def _start_run(cfg: TrainConfig, accelerator, store, sequence: BlockSequence, va
             "val_blocks": [int(i) for i in val_side],
             "split": {"rule": SPLIT_RULES[sequence.split_rule], "version": sequence.split_rule},
             "epoch_order": sequence.order_rule}
+    # the segments trained on, so that peagle-eval can count a judge set's conversations found among them
+    hashes = training_segment_hashes(store, val_side) if main else None
     return TrainRun(store=store, sequence=sequence, val_ids=val_ids, output=out, info=info, summary={},
-                    metrics=MetricsLog(out / "metrics.jsonl", accelerator, trackers), resumed_from=resume_from)
+                    metrics=MetricsLog(out / "metrics.jsonl", accelerator, trackers), resumed_from=resume_from,
+                    training_segments=hashes)

@@ -89,6 +89,9 @@ class TrainRun:
     resumed_from: Path | None = None
     stream: StreamRun | None = None
     """A streaming run's plan and cursor; None: the store is complete."""
+    training_segments: np.ndarray | None = None
+    """``[M] uint64`` hashes of the training side's segments, written into every saved drafter
+    (:data:`~peagle_train.model.checkpoint.TRAINING_SEGMENTS_FILE`); None: not recorded."""
 
     @property
     def train_ids(self) -> np.ndarray:
@@ -281,7 +284,8 @@ class Trainer:
 
     def save(self, name: str) -> Path:
         """Save ``output/name`` (drafter and :meth:`state_dict`); prune old checkpoints (main rank)."""
-        path = save_checkpoint(self.unwrapped, self.run.output / name, self.state_dict(), self.training_info())
+        path = save_checkpoint(self.unwrapped, self.run.output / name, self.state_dict(), self.training_info(),
+                               self.run.training_segments)
         if self.cfg.run.save_total_limit is not None:
             prune_checkpoints(self.run.output, self.cfg.run.save_total_limit)
         return path
@@ -391,7 +395,7 @@ class Trainer:
                                      "planned_extractions": run.stream.plan.extractions(),
                                      "planned_extraction_tokens": planned_tokens(run.store, run.stream.plan),
                                      "read_wait_s": round(run.store.wait_s, 3), "evicted_at_end": evicted}
-        final = save_drafter(self.unwrapped, run.output / "final", self.training_info())
+        final = save_drafter(self.unwrapped, run.output / "final", self.training_info(), run.training_segments)
         val = self.validate() if len(run.val_ids) else {}
         if val and not (run.resumed_from is not None and run.metrics.has_row("val", step)):
             run.metrics.record({"split": "val", "step": step, **val})  # once, also when a finished run is resumed

@@ -542,6 +542,25 @@ class FeatureStore:
         self.attrs = {**self.attrs, **values}
         self.group.attrs["peagle"] = self.attrs
 
+    def record_generation(self, max_new_tokens: int, temperature: float, seed: int) -> None:
+        """Record how the store's assistant turns were generated (attribute ``generation``: ``max_new_tokens``,
+        ``temperature``, ``seed``), so a replay walks its turns with the same limit (``peagle-eval --store``).
+        The store must be open ``"r+"``; written by ``scripts/judge_set.py`` once the store is complete.
+
+        Raises:
+            ValueError: ``max_new_tokens < 1``.
+        """
+        if int(max_new_tokens) < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self._set_own_attr(generation={"max_new_tokens": int(max_new_tokens), "temperature": float(temperature),
+                                       "seed": int(seed)})
+
+    def generation(self) -> dict[str, Any] | None:
+        """``{"max_new_tokens", "temperature", "seed"}`` the assistant turns were generated with
+        (:meth:`record_generation`), or None when the store does not record it."""
+        recorded = self.attrs.get("generation")
+        return dict(recorded) if isinstance(recorded, dict) else None
+
     def segment_keys(self) -> np.ndarray | None:
         """``[N, S_max] int64``: each block's segment content keys, short rows padded by repeating their last
         key (:data:`~stores.features.feature_schema.SEGMENT_KEYS`); None for a store made before peagle recorded them or

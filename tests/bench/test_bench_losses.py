@@ -188,6 +188,23 @@ def test_results_files_rebuild_the_table_without_any_run(tmp_path):
     assert delta.startswith("+0.075 ± 0.025") and "t(1)=3.00" in delta
 
 
+@pytest.mark.parametrize("report, message", [
+    ({"contamination": {"segments": 4, "in_training": 4, "training_segments": 9}}, "4 of its 4 conversations"),
+    ({"replay": {"accepted": 1, "num_drafts": 2, "refused_turns": {"an EOS before its end": 1}}}, "1 assistant turn"),
+])
+def test_replay_refuses_a_store_that_cannot_stand_as_a_judge_figure(tmp_path, monkeypatch, report, message):
+    judge = tmp_path / "judge"
+    (judge / "mtbench-T0.zarr").mkdir(parents=True)
+    (judge / "mtbench-T0.done.json").write_text(json.dumps({"max_new_tokens": 64}))
+    full = {"replay": {"accepted": 1, "num_drafts": 2}, "simulated_acceptance_length": 1.5, **report}
+    monkeypatch.setattr(bench, "run_offline_eval", lambda drafter, store, max_new_tokens: full)
+    run = tmp_path / "default-s0"
+    (run / "final").mkdir(parents=True)
+    with pytest.raises(SystemExit, match=message):
+        bench.replay(run, judge)
+    assert not (run / "replay-T0.json").exists()
+
+
 def _ckpt(run: Path, step: int, al: float) -> None:
     (run / f"checkpoint-{step}").mkdir(parents=True)
     (run / f"checkpoint-{step}" / "offline.json").write_text(json.dumps({"simulated_acceptance_length": al}))

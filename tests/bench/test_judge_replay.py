@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,3 +60,56 @@ def test_t1_samples_of_one_prompt_are_resampled_together(tmp_path, monkeypatch):
                                             seed=0)[1]
     assert t1["A"]["se"] > 1.25 * independent
     assert t1["B"]["vs_first"]["units"] == 2
+
+
+def _judge_dir(tmp_path, tiny_verifier, tiny_verifier_dir, conversations, M):
+    """A judge set of one store (``mtbench-T0``) of ``conversations`` (prompt, answer), made with limit ``M``."""
+    from stores.features.feature_store import FeatureStore
+    from tests.peagle_train.evaluate.test_evaluate import make_store
+
+    judge = tmp_path / "judge"
+    judge.mkdir()
+    path = make_store(str(judge / "mtbench-T0.zarr"), tiny_verifier, tiny_verifier_dir, [p + a for p, a in conversations],
+                      loss_mask=[m for p, a in conversations for m in [0] * len(p) + [1] * len(a)])
+    FeatureStore.open(path, mode="r+").record_generation(M, 0.0, 0)
+    (judge / "mtbench-T0.done.json").write_text(json.dumps({"max_new_tokens": M}))
+    return judge
+
+
+def test_a_judge_set_of_the_training_conversations_is_refused(tiny_verifier, tiny_verifier_dir, tmp_path):
+    """A drafter trained on the very conversations of the judge set: every one of them counted (2 of 2) and the
+    judge refuses it unless --allow-contaminated."""
+    from peagle_train.data.segment_hashes import training_segment_hashes
+    from peagle_train.evaluate.speculative import speculative_generate
+    from peagle_train.model.checkpoint import save_drafter
+    from stores.features.feature_store import FeatureStore
+    from tests.peagle_train.evaluate.test_evaluate import make_store
+    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+
+    drafter = tiny_drafter(tiny_verifier, num_depths=3)
+    drafter.config.verifier_name_or_path = str(tiny_verifier_dir)
+    M, prompts = 9, [[1, 504, 3458, 282, 260, 1115, 30], [1, 42, 43, 44, 45]]
+    conversations = [(p, speculative_generate(tiny_verifier, drafter, p, M, 3, {2}).tokens) for p in prompts]
+    train = make_store(str(tmp_path / "train.zarr"), tiny_verifier, tiny_verifier_dir, [p + a for p, a in conversations])
+    trained = training_segment_hashes(FeatureStore.open(train), np.zeros(0, np.int64))
+    save_drafter(drafter, tmp_path / "drafter", training_segments=trained)
+    groups = judge_replay.judge_groups(_judge_dir(tmp_path, tiny_verifier, tiny_verifier_dir, conversations, M))
+    with pytest.raises(SystemExit, match="2 of its 2 conversations are among the segments the drafter was trained on"):
+        judge_replay.judge([str(tmp_path / "drafter")], groups, seed=0)
+    allowed = judge_replay.judge([str(tmp_path / "drafter")], groups, seed=0, allow_contaminated=True)
+    assert allowed["mtbench T=0"][str(tmp_path / "drafter")]["conversations"] == 2
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_turns_the_replay_refuses_are_an_error_unless_allowed(tmp_path, monkeypatch, allow):
+    (tmp_path / "mtbench-T0.done.json").write_text(json.dumps({"max_new_tokens": 32}))
+    report = {"replay": {"per_conversation": {"conversation": [1], "accepted": [3], "num_drafts": [4]},
+                         "refused_turns": {"longer than max_new_tokens": 2},
+                         "refused_examples": {"longer than max_new_tokens": "block 0 segment 1: turn [5, 50)"}}}
+    monkeypatch.setattr(judge_replay, "run_offline_eval", lambda *a, **k: report)
+    groups = judge_replay.judge_groups(tmp_path)
+    if allow:
+        assert judge_replay.judge(["A"], groups, 0, allow_refused_turns=True)["mtbench T=0"]["A"]["conversations"] == 1
+    else:
+        with pytest.raises(SystemExit, match="2 assistant turn.s. not walked .*--allow-refused-turns"):
+            judge_replay.judge(["A"], groups, 0)

@@ -52,7 +52,7 @@ EXACT = {
                      "--concurrency", "--vllm-loading", "--vllm-kv-cache-gib", "--vllm-gpu-memory-utilization",
                      "--tree-topk", "--tree-nodes", "--measure-costs", "--no-measure-costs",
                      "--draft-sample-method", "--chat-template-kwargs", "--allow-template-mode-mismatch",
-                     "--reasoning-parser", "--reasoning-effort", "--enable-thinking", "--template-mixture"} | CONFIG_FILE,
+                     "--allow-partial", "--reasoning-parser", "--reasoning-effort", "--enable-thinking", "--template-mixture"} | CONFIG_FILE,
 }
 GROUPS = {"data": data_main, "train": train_main, "eval": eval_main}
 ACTIONS = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -316,9 +317,10 @@ def test_turn_text_drops_only_the_eos_that_ends_the_turn(smollm2_tokenizer):
 
 
 # ------------------------------------------------------------------ end to end through the CLI
-def make_store(path, verifier, verifier_dir, segments: list[list[int]], loss_mask: list[int] | None = None):
+def make_store(path, verifier, verifier_dir, segments: list[list[int]], loss_mask: list[int] | None = None,
+               unextracted: int = 0):
     """A one-block feature store of ``segments`` with the verifier's real features (layers 1, 2, 3); loss mask 0 on
-    the first two tokens and 1 after them unless given."""
+    the first two tokens and 1 after them unless given; ``unextracted`` more blocks of the same tokens, not done."""
     from stores.features.feature_store import FeatureStore
 
     aux, final = [], []
@@ -328,16 +330,17 @@ def make_store(path, verifier, verifier_dir, segments: list[list[int]], loss_mas
             aux.append(torch.stack([out.hidden_states[layer][0] for layer in (1, 2, 3)], dim=1))  # [n, L, H]
             final.append(out.last_hidden_state[0])  # [n, H] post-norm
     T = sum(map(len, segments))
-    store = FeatureStore.create(path, n_blocks=1, block_size=T, max_segments=len(segments), layers=[1, 2, 3],
-                                hidden_size=64, vocab_size=49152,
+    store = FeatureStore.create(path, n_blocks=1 + unextracted, block_size=T, max_segments=len(segments),
+                                layers=[1, 2, 3], hidden_size=64, vocab_size=49152,
                                 verifier={"name_or_path": str(verifier_dir), "architecture": "LlamaForCausalLM"})
     cu = [0]
     for seg in segments:
         cu.append(cu[-1] + len(seg))
-    store.write_tokens(0, sum(segments, []), [0, 0] + [1] * (T - 2) if loss_mask is None else loss_mask,
-                       [p for seg in segments for p in range(len(seg))], cu)
+    for i in range(1 + unextracted):
+        store.write_tokens(i, sum(segments, []), [0, 0] + [1] * (T - 2) if loss_mask is None else loss_mask,
+                           [p for seg in segments for p in range(len(seg))], cu)
     store.write_features(0, torch.cat(aux).bfloat16(), torch.cat(final).bfloat16())
-    store.write_all_n_tokens([T])
+    store.write_all_n_tokens([T] * (1 + unextracted))
     store.mark_done(0)
     return path
 
@@ -382,6 +385,53 @@ def test_cli_offline_and_online(tiny_verifier, tiny_verifier_dir, tmp_path):
                                       "--output", str(tmp_path / "eval.json")])
     assert again.exit_code == 2 and "already exists" in again.output  # never overwritten without --force
     assert json.loads((tmp_path / "eval.json").read_text()) == report
+
+
+def test_cli_offline_refuses_an_incomplete_store_unless_allow_partial(tiny_verifier, tiny_verifier_dir, tmp_path):
+    """A store with blocks not extracted is an error: its done blocks alone would be scored (--allow-partial)."""
+    from click.testing import CliRunner
+
+    from cli.eval import main
+
+    saved_drafter_and_store(tiny_verifier, tiny_verifier_dir, tmp_path)
+    half = make_store(str(tmp_path / "half"), tiny_verifier, tiny_verifier_dir, [[1, 5, 9, 200, 300, 400, 7, 8]],
+                      unextracted=1)
+    args = ["--drafter", str(tmp_path / "drafter"), "--store", half, "--no-measure-costs", "--max-new-tokens", "6"]
+    refused = CliRunner().invoke(main, args)
+    assert refused.exit_code != 0
+    assert "is an incomplete store: 1 of 2 blocks extracted" in refused.output and "--allow-partial" in refused.output
+    allowed = CliRunner().invoke(main, args + ["--allow-partial"])
+    assert allowed.exit_code == 0, allowed.output
+    report = json.loads(allowed.stdout)
+    assert (report["blocks"], report["store_blocks_done"], report["store_blocks_total"]) == ([0], 1, 2)
+    assert "warning: " + half + " is an incomplete store" in allowed.stderr
+
+
+def test_cli_offline_counts_the_conversations_the_drafter_was_trained_on(tiny_verifier, tiny_verifier_dir, tmp_path):
+    """A drafter records the hashes of its training segments; the judged segments found there are counted (the
+    report's ``contamination`` and a warning), all of them when it was trained on the very conversations."""
+    from click.testing import CliRunner
+
+    from cli.eval import main
+    from peagle_train.data.segment_hashes import segment_hashes
+    from peagle_train.model.checkpoint import load_drafter, save_drafter
+    from stores.features.feature_store import FeatureStore
+
+    store = saved_drafter_and_store(tiny_verifier, tiny_verifier_dir, tmp_path)
+    args = ["--drafter", str(tmp_path / "drafter"), "--store", store, "--no-measure-costs", "--max-new-tokens", "6"]
+    unknown = json.loads(CliRunner().invoke(main, args).stdout)["contamination"]
+    assert "records no training segments" in unknown["skipped"]
+    tokens = FeatureStore.open(store).read_tokens(0)
+    trained = np.append(segment_hashes(tokens["input_ids"], tokens["cu_seqlens"]), np.uint64(12345))
+    save_drafter(load_drafter(tmp_path / "drafter"), tmp_path / "drafter", training_segments=trained)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["contamination"] == {"segments": 2, "in_training": 2, "training_segments": 3}
+    assert "warning: contamination: 2 of the 2 segments scored" in result.stderr
+    save_drafter(load_drafter(tmp_path / "drafter"), tmp_path / "drafter", training_segments=trained[-1:])
+    clean = CliRunner().invoke(main, args)
+    assert json.loads(clean.stdout)["contamination"] == {"segments": 2, "in_training": 0, "training_segments": 1}
+    assert "contamination: none of the 2 segments scored is among the 1 " in clean.stderr
 
 
 def test_cli_refuses_drafting_past_the_trained_depths(tiny_verifier, tmp_path):

@@ -260,3 +260,36 @@ def test_cli_store_reports_the_replayed_al(tiny_verifier, tiny_verifier_dir, tmp
     assert "replayed acceptance length" in result.stderr and "all-anchor acceptance length (diagnostic)" in \
         result.stderr
     assert replay["segments_unchecked"] == 2 and "is a --context window store" in result.stderr
+
+
+def test_cli_store_walks_its_turns_with_the_limit_the_store_records(tiny_verifier, tiny_verifier_dir, tmp_path):
+    """A judge store records the max_new_tokens its turns were generated with: ``peagle-eval --store`` walks them
+    with it (the default 128 would refuse every turn cut at 9 tokens), and refuses another one naming both."""
+    from click.testing import CliRunner
+
+    from cli.eval import main
+    from peagle_train.model.checkpoint import save_drafter
+    from stores.features.feature_store import FeatureStore
+    from tests.peagle_train.evaluate.test_evaluate import make_store
+    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+
+    drafter = tiny_drafter(tiny_verifier, num_depths=3)
+    drafter.config.verifier_name_or_path = str(tiny_verifier_dir)
+    save_drafter(drafter, tmp_path / "drafter")
+    M = 9
+    out = speculative_generate(tiny_verifier, drafter, PROMPT, M, 3, {2})
+    assert len(out.tokens) == M and 2 not in out.tokens  # cut by the limit, no EOS
+    path = make_store(str(tmp_path / "judge"), tiny_verifier, tiny_verifier_dir, [PROMPT + out.tokens],
+                      loss_mask=[0] * len(PROMPT) + [1] * M)
+    FeatureStore.open(path, mode="r+").record_generation(M, 0.0, 0)
+    args = ["--drafter", str(tmp_path / "drafter"), "--store", path, "--no-measure-costs"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert (report["max_new_tokens"], report["max_new_tokens_from"]) == (M, "store")
+    assert (report["replay"]["max_new_tokens"], report["replay"]["turns"], report["replay"]["refused_turns"]) == (M, 1, {})
+    assert report["replay"]["accepted"] == sum(out.accepted_per_step)
+    other = CliRunner().invoke(main, args + ["--max-new-tokens", "16"])
+    assert other.exit_code != 0
+    assert "generated with max_new_tokens 9, but --max-new-tokens gives 16" in other.output
+    assert CliRunner().invoke(main, args + ["--max-new-tokens", "9"]).exit_code == 0

@@ -718,6 +718,26 @@ def test_val_every_validates_along_the_way(tmp_path, verifier_dir):
     assert not list((tmp_path / "out").glob("checkpoint-[36]"))  # validation does not save
 
 
+def test_every_saved_drafter_records_the_hashes_of_its_training_segments(tmp_path, verifier_dir):
+    """``training_segments.npy`` in each checkpoint and final/: the segments of every block outside the validation
+    side (what peagle-eval --store counts a judge set's conversations against)."""
+    from peagle_train.data.segment_hashes import store_segment_hashes
+    from peagle_train.model.checkpoint import read_training_segments
+    from stores.features.feature_store import FeatureStore
+
+    a = _store(tmp_path / "a.zarr", verifier_dir, n_blocks=3)
+    b = _store(tmp_path / "b.zarr", verifier_dir, n_blocks=3, seed=1)
+    run_train(_cfg([a, b], tmp_path / "out", max_steps=2, val_fraction=0.3, save_every=1))
+    val = json.loads((tmp_path / "out" / "final" / "config.json").read_text())["peagle_training"]["val_blocks"]
+    want = np.unique(np.concatenate([store_segment_hashes(FeatureStore.open(s), [k for k in range(3) if k + first
+                                                                                 not in val])
+                                     for s, first in ((a, 0), (b, 3))]))
+    held = sum((2, 1, 3)[v % 3] for v in val)  # segments of the held-out blocks (blocks of 2, 1 and 3 segments)
+    assert len(val) == 2 and want.size == 12 - held
+    for saved in ("final", "checkpoint-1", "checkpoint-2"):
+        assert read_training_segments(tmp_path / "out" / saved).tolist() == want.tolist(), saved
+
+
 def test_offline_eval_finds_the_held_out_blocks_of_each_training_store_and_names_other_stores(tmp_path,
                                                                                                verifier_dir):
     """config.json records each training store's identity; evaluation labels "validation" only the held-out
