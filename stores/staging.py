@@ -145,12 +145,14 @@ OUTPUT_KINDS = (
     OutputKind("token table", "manifest.json", _is_table_manifest,
                (*_TABLE_FILES, *(f"conversations/{f}" for f in _TABLE_FILES)), kind_values=TABLE_KINDS),
     # stores/features/feature_schema.py: a zarr v3 group whose attributes are peagle's (empty while being created)
-    # and, streaming, stores/features/stream_heartbeat.py's stream_heartbeat/ (a group of ROLE.json files). A store
+    # and, streaming, stores/features/stream_heartbeat.py's stream_heartbeat/ (a group of ROLE.json files) and
+    # stores/features/stream_plan.py's consumed.json in its stream group. A store
     # being created (attributes not written yet) holds only stores/features/feature_schema.py's arrays and the
     # contexts group (tests/stores/test_staging.py checks these names against the schema): a user's zarr group has
     # no attributes either, and is never replaced.
     OutputKind("feature store", "zarr.json", _is_store_group,
-               ("stream_heartbeat/zarr.json", "stream_heartbeat/*.json", "stream_heartbeat/.*.tmp"),
+               ("stream_heartbeat/zarr.json", "stream_heartbeat/*.json", "stream_heartbeat/.*.tmp",
+                "stream/consumed.json", "stream/.consumed.json.*.tmp"),
                zarr_nodes=True,
                new_nodes=("input_ids", "loss_mask", "position_ids", "n_tokens", "cu_seqlens", "aux_hidden",
                           "final_hidden", "aux_scale", "final_scale", "done", "token_freq", "window_views",
@@ -211,23 +213,29 @@ def _foreign_in_chunks(directory: Path) -> list[Path]:
     return foreign
 
 
-def _foreign_in_zarr_node(directory: Path, names: tuple[str, ...] = ()) -> list[Path]:
-    """The entries below the zarr node ``directory`` that zarr did not write for it: a group holds its
-    ``zarr.json`` and child nodes (of ``names`` only, when given), an array its ``zarr.json`` and its chunks under
-    ``c/`` (a ``c`` file for a 0-d array); anything else, a link, or a node of another type is foreign."""
+def _foreign_in_zarr_node(root: Path, directory: Path, patterns: list[tuple[str, ...]],
+                          names: tuple[str, ...] = ()) -> list[Path]:
+    """The entries below the zarr node ``directory`` (of the store ``root``) that are not the store's: a group holds
+    its ``zarr.json`` and child nodes (of ``names`` only, when given), an array its ``zarr.json`` and its chunks
+    under ``c/`` (a ``c`` file for a 0-d array); besides, the files and directories ``patterns`` name (relative to
+    ``root``: the stream plan's cursor, the heartbeats). Anything else, a link, or a node of another type is
+    foreign."""
     record = _marker_record(directory / "zarr.json")
     node_type = record.get("node_type") if isinstance(record, dict) else None
     foreign = []
     for entry in sorted(directory.iterdir()):
+        rel = entry.relative_to(root).parts
         if entry.is_symlink():
             foreign.append(entry)
-        elif _ZARR_META.fullmatch(entry.name) and entry.is_file():
+        elif entry.is_file() and (_ZARR_META.fullmatch(entry.name) or any(_match(rel, p, False) for p in patterns)):
             continue
         elif node_type == "array" and entry.name == "c":
             foreign += _foreign_in_chunks(entry) if entry.is_dir() else []
         elif (node_type == "group" and entry.is_dir() and (entry / "zarr.json").is_file()
               and (not names or entry.name in names)):
-            foreign += _foreign_in_zarr_node(entry)
+            foreign += _foreign_in_zarr_node(root, entry, patterns)
+        elif entry.is_dir() and any(_match(rel, p, prefix=True) for p in patterns):
+            foreign += _foreign_by_patterns(root, rel, patterns)
         else:
             foreign.append(entry)
     return foreign
@@ -238,12 +246,7 @@ def _foreign_in_kind(path: Path, kind: OutputKind) -> list[Path]:
     patterns = [tuple(p.split("/")) for p in kind.files]
     if not kind.zarr_nodes:
         return _foreign_by_patterns(path, (), patterns)
-    names = kind.new_nodes if kind.new(path) else ()
-    own = {e.name for e in path.iterdir()  # the directories of kind.files (stream_heartbeat/), not zarr nodes
-           if not e.is_symlink() and e.is_dir() and any(_match((e.name,), p, prefix=True) for p in patterns)}
-    foreign = [f for name in own for f in _foreign_by_patterns(path, (name,), patterns)]
-    foreign += [f for f in _foreign_in_zarr_node(path, names) if f.relative_to(path).parts[0] not in own]
-    return sorted(foreign)
+    return sorted(_foreign_in_zarr_node(path, path, patterns, kind.new_nodes if kind.new(path) else ()))
 
 
 def foreign_entries(path: str | os.PathLike, kinds: tuple[OutputKind, ...] = OUTPUT_KINDS) -> list[Path]:

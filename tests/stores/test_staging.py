@@ -343,7 +343,8 @@ def _table_dir(tmp_path) -> Path:
 
 
 def _store_dir(tmp_path) -> Path:
-    """A feature store of peagle's: attributes, an array with chunks, the contexts group with an array."""
+    """A feature store of peagle's: attributes, an array with chunks, the contexts group with an array, a stream
+    plan (its order array and consumed cursor) and a heartbeat."""
     import numpy as np
     import zarr
 
@@ -352,11 +353,16 @@ def _store_dir(tmp_path) -> Path:
     group.attrs["peagle"] = {"format_version": 2}
     group.create_array("aux_hidden", shape=(4, 2), chunks=(2, 2), dtype="uint16")[:] = np.ones((4, 2), "uint16")
     group.create_group("contexts").create_array("input_ids", shape=(3,), dtype="int64")[:] = 7
+    group.create_group("stream").create_array("order", shape=(2,), dtype="int64")[:] = 1
+    (store / "stream" / "consumed.json").write_text('{"consumed": 1}')  # streamed: the cursor and a heartbeat
+    (store / "stream_heartbeat").mkdir()
+    (store / "stream_heartbeat" / "zarr.json").write_text('{"node_type": "group", "zarr_format": 3}')
+    (store / "stream_heartbeat" / "trainer.json").write_text("{}")
     return store
 
 
 @pytest.mark.parametrize("where", ["run final", "run checkpoint", "run trackers", "table conversations",
-                                   "store array", "store chunks", "store contexts"])
+                                   "store array", "store chunks", "store contexts", "store stream"])
 def test_force_refuses_a_users_file_nested_in_peagles_own_folders(tmp_path, where):
     """``--force`` checked only an output's top-level names: a user's RUN/final/README.md, a file in a checkpoint, in
     a table's conversations/ or in a store's array folders went with the rest. Every file below, at any depth, must
@@ -368,7 +374,8 @@ def test_force_refuses_a_users_file_nested_in_peagles_own_folders(tmp_path, wher
                   "run trackers": (_run_dir, "trackers/peagle/mine.txt"),
                   "table conversations": (_table_dir, "conversations/README.md"),
                   "store array": (_store_dir, "aux_hidden/notes.txt"), "store chunks": (_store_dir, "aux_hidden/c/x"),
-                  "store contexts": (_store_dir, "contexts/input_ids/mine.npy")}[where]
+                  "store contexts": (_store_dir, "contexts/input_ids/mine.npy"),
+                  "store stream": (_store_dir, "stream/notes.txt")}[where]
     out = build(tmp_path)
     if where != "run trackers":  # the trackers' own files are theirs: any file below trackers/
         assert foreign_entries(out) == [] and check_replaceable(out, force=True)
