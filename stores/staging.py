@@ -10,12 +10,13 @@
 - :func:`atomic_file` / :func:`write_text_atomic`: one file written as ``NAME.tmp`` then renamed
   (manifests, reports, training state).
 
-``--force`` replaces only peagle's own output (issue 44 item 1): :func:`check_replaceable` is the one check
-every writer makes before it removes or replaces an existing output. A directory is peagle's when the file
-that marks its kind (:data:`OUTPUT_KINDS`: a token table's ``manifest.json``, a feature store's
-``zarr.json``, a training run's ``train_config.json``) says so and every entry in it is one that kind
-writes; anything else (a user's ``notes.txt``) is foreign, and the run is refused naming it
-(:class:`~stores.errors.ForeignFilesError`), whatever ``--force`` says.
+``--force`` replaces only peagle's own output: :func:`check_replaceable` is the one check every writer makes
+before it removes or replaces an existing output. A directory is peagle's when the file that marks its kind
+(:data:`OUTPUT_KINDS`: a token table's ``manifest.json``, a feature store's ``zarr.json``, a training run's
+``train_config.json``) holds keys only peagle writes, and every file and directory below it, at any depth, is
+one that kind writes (:func:`foreign_entries`); anything else (a user's ``notes.txt``, a ``README.md`` put in
+``final/``) is foreign, and the run is refused naming it (:class:`~stores.errors.ForeignFilesError`), whatever
+``--force`` says. :func:`check_output_apart` refuses an output that is, contains or lies inside an input.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from stores.files import disk_full_error, is_disk_full
 __all__ = [
     "OutputKind",
     "OUTPUT_KINDS",
+    "TABLE_KINDS",
+    "RUN_CONFIG_KEYS",
     "foreign_entries",
     "check_replaceable",
     "check_replaceable_file",
