@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from stores.errors import OutputLockedError
+from stores.errors import InputError, OutputLockedError
 
 __all__ = ["lock_path", "read_lock", "hold_output_lock"]
 
@@ -65,9 +65,15 @@ def _open_locked(path: Path, output: Path) -> int:
 
     Raises:
         OutputLockedError: a live process holds the flock.
+        InputError: the lock file cannot be created (a parent directory this user may not write).
     """
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except PermissionError as e:
+            raise InputError(f"cannot create the lock file {path} ({e.strerror}): every writing command holds a lock "
+                             f"beside its output; give an output in a directory you may write",
+                             field="--output") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -98,6 +104,7 @@ def hold_output_lock(output: str | os.PathLike, command: str) -> Iterator[Path]:
 
     Raises:
         OutputLockedError: another live run holds it, or a lock file of another host is there.
+        InputError: the lock file cannot be created (a parent directory this user may not write).
     """
     output = Path(os.path.abspath(output))
     path = lock_path(output)

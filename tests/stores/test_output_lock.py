@@ -70,3 +70,23 @@ def test_a_lock_file_of_another_host_is_refused_naming_how_to_remove_it(tmp_path
     assert "in use by another run: pid 4242 on node-7, started 2026-12-07T10:00:00+0000 (peagle-train)" in str(e.value)
     assert str(e.value).endswith(f"once the run is known to be gone, remove {lock_path(out)} and run again")
     assert read_lock(out)["host"] == "node-7", "left as it was"
+
+
+def test_a_parent_directory_without_write_permission_is_one_line(tmp_path, monkeypatch):
+    """The lock file beside the output cannot be made (a directory this user may not write): an InputError naming
+    it, not a traceback."""
+    import errno
+
+    import stores.output_lock
+    from stores.errors import InputError
+
+    def denied(path, *_):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(stores.output_lock.os, "open", denied)
+    with pytest.raises(InputError) as e:
+        with hold_output_lock(tmp_path / "run", "peagle-train"):
+            pass
+    assert str(e.value) == (f"field '--output': cannot create the lock file {tmp_path / '.run.lock'} (Permission "
+                            "denied): every writing command holds a lock beside its output; give an output in a "
+                            "directory you may write")
