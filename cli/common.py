@@ -8,16 +8,19 @@ import importlib.metadata
 import os
 import shlex
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import click
 
 from stores.errors import DiskFullError, PeagleError
-from stores.files import disk_full_error, is_disk_full, strict_json
+from stores.files import disk_full_error, is_disk_full, is_local, strict_json
+from stores.output_lock import hold_output_lock
+from stores.staging import check_output_apart
 
 __all__ = ["peagle_version", "version_option", "handle_errors", "disk_full_message", "echo_json", "config_error", "OutputPath", "interrupted_message", "resume_command",
-           "again_command", "nothing_kept", "INTERRUPTED_EXIT"]
+           "again_command", "Writes", "claim_output", "nothing_kept", "INTERRUPTED_EXIT"]
 
 def peagle_version() -> str:
     """peagle's version from the installed package's metadata (``unknown (not installed)`` in a bare source tree)."""
@@ -101,7 +104,51 @@ def _invocation(ctx: click.Context | None) -> tuple[str, list[str], dict[str, An
     return ctx.command_path, sys.argv[1 + depth:], dict(ctx.params)
 
 
-def handle_errors(fn=None, *, kept: Kept | None = None):
+@dataclass(frozen=True)
+class Writes:
+    """What a writing command writes and reads (:func:`handle_errors`'s ``writes``), by its parameters' names."""
+
+    inputs: dict[str, str] = field(default_factory=dict)
+    """``{parameter: what messages call it}`` of the paths it reads (``{"store": "--store"}``); a value may be one
+    path, several or None."""
+    output: str = "output"
+    """The parameter holding its output path (None or a remote URL: nothing to claim)."""
+    directory: bool = True
+    """The output is a directory (a table, a store, a run), else one file (a report)."""
+
+
+def _paths(value) -> list[str]:
+    """A parameter's value as a list of paths (one path, several, or none)."""
+    if value is None or value == "":
+        return []
+    return [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+
+
+@contextlib.contextmanager
+def claim_output(writes: Writes, params: dict[str, Any], command: str):
+    """What every writing command does first, before it touches anything (docs/guide-setup.md): refuse an output
+    that is, contains or lies inside one of its inputs (:func:`stores.staging.check_output_apart`), then hold the
+    output's lock for the whole run (:func:`stores.output_lock.hold_output_lock`; in a multi-process launch, rank
+    0 holds it for all).
+
+    Raises:
+        InputError: the output overlaps an input.
+        OutputLockedError: another run holds the output.
+    """
+    output = params.get(writes.output)
+    if not output or not is_local(output):
+        yield None
+        return
+    check_output_apart(output, {label: _paths(params.get(name)) for name, label in writes.inputs.items()},
+                       directory=writes.directory)
+    if os.environ.get("RANK", "0") != "0":
+        yield None
+        return
+    with hold_output_lock(output, command) as lock:
+        yield lock
+
+
+def handle_errors(fn=None, *, kept: Kept | None = None, writes: Writes | None = None):
     """Turn a PeagleError into ``Error: ...`` on stderr and exit code 2 (no traceback), and Ctrl-C
     (KeyboardInterrupt) into what was kept and the exact command to run next (:func:`interrupted_message`;
     ``kept`` describes the command's output, default :func:`nothing_kept`) on stderr and exit code 130,
@@ -109,15 +156,22 @@ def handle_errors(fn=None, *, kept: Kept | None = None):
     ``OSError`` of ``ENOSPC``/``EDQUOT``, :func:`stores.files.is_disk_full`) is one line naming the disk and the
     command to run once space is freed (:func:`disk_full_message`), exit code 2.
 
-    Use as ``@handle_errors`` or ``@handle_errors(kept=describe)``.
+    A writing command names what it writes and reads (``writes``, :class:`Writes`): before it runs, its output is
+    claimed (:func:`claim_output`: the check that it is none of its inputs, and the lock held until it returns).
+
+    Use as ``@handle_errors`` or ``@handle_errors(kept=describe, writes=Writes(...))``.
     """
     if fn is None:
-        return functools.partial(handle_errors, kept=kept)
+        return functools.partial(handle_errors, kept=kept, writes=writes)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            if writes is None:
+                return fn(*args, **kwargs)
+            ctx = click.get_current_context(silent=True)
+            with claim_output(writes, kwargs, ctx.command_path if ctx else fn.__name__):
+                return fn(*args, **kwargs)
         except (DiskFullError, OSError) as e:
             if not is_disk_full(e):
                 if isinstance(e, PeagleError):

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from cli.common import OutputPath, again_command, config_error, echo_json, handle_errors, resume_command
+from cli.common import OutputPath, Writes, again_command, config_error, echo_json, handle_errors, resume_command
 from cli.options import config_file_options, config_options, run_config
 from peagle_data.extract.config import ATTN_IMPLEMENTATIONS, CONTEXTS, ENGINES, ExtractConfig
 from peagle_data.extract.contexts import PACKINGS
@@ -51,7 +51,7 @@ def kept_blocks(program: str, args: list[str], params: dict[str, Any]) -> tuple[
 @click.command()
 @config_options(ExtractConfig, skip=("writer_queue",), arguments=("packed",), overrides=_EXTRACT_OVERRIDES)
 @config_file_options
-@handle_errors(kept=kept_blocks)
+@handle_errors(kept=kept_blocks, writes=Writes({"packed": "PACKED", "verifier": "--verifier"}))
 def extract(**options):
     """Run the verifier over PACKED_DIR and write hidden states into a feature store."""
     with config_error():

@@ -8,7 +8,7 @@ from typing import Sequence
 import click
 
 import stores.merge
-from cli.common import OutputPath, config_error, echo_json, handle_errors
+from cli.common import OutputPath, Writes, config_error, echo_json, handle_errors
 from cli.options import config_file_options, config_options
 from stores.errors import InputError
 from stores.files import is_zarr_store
@@ -34,7 +34,7 @@ class MergeConfig:
     "shards": {"metavar": "SHARD...", "nargs": -1, "required": True, "type": click.Path(exists=True)},
     "output": {"type": OutputPath(directory=True)}})
 @config_file_options
-@handle_errors
+@handle_errors(writes=Writes({"shards": "SHARDS"}))
 def merge(**options):
     """Join the N shard outputs (--num-shards N, --shard-index 0..N-1) of one run into one.
 

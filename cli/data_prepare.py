@@ -8,7 +8,7 @@ import sys
 import click
 from click.core import ParameterSource
 
-from cli.common import OutputPath, config_error, handle_errors
+from cli.common import OutputPath, Writes, config_error, handle_errors
 from cli.options import FROM_CONFIG_FILE, config_file_options, config_options, run_config
 from peagle_data.prepare.config import (
     DROPPED_CONTENT,
@@ -136,7 +136,7 @@ def _exit_if_useless(summary: dict) -> None:
 @config_options(TokenizeRun, skip=("settings",), arguments=("inputs",), overrides=_RUN_OVERRIDES)
 @config_options(TokenizeConfig, overrides=_TOKENIZE_OVERRIDES)
 @config_file_options
-@handle_errors
+@handle_errors(writes=Writes({"inputs": "INPUTS", "tokenizer": "--tokenizer"}))
 def tokenize(**options):
     """Tokenize conversations with the chat template; write input_ids and assistant loss masks.
 
@@ -156,7 +156,7 @@ def tokenize(**options):
 @config_options(TokenizeConfig, overrides=_TOKENIZE_OVERRIDES)
 @config_options(PackConfig, skip=("tokenize",), overrides={"overlap_loss": {"type": click.Choice(OVERLAP_LOSS)}})
 @config_file_options
-@handle_errors
+@handle_errors(writes=Writes({"inputs": "INPUTS", "tokenizer": "--tokenizer"}))
 def pack(**options):
     """Cut conversations into windows and pack them into blocks with cu_seqlens.
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from cli.common import OutputPath, again_command, config_error, handle_errors, resume_command
+from cli.common import OutputPath, Writes, again_command, config_error, handle_errors, resume_command
 from cli.options import MIXTURE, config_file_options, config_options, run_config
 from peagle_data.readers.rows import FORMATS
 from peagle_data.regenerate.backends import SERVER_KINDS, BackendConfig
@@ -101,7 +101,7 @@ def kept_rows(program: str, args: list[str], params: dict[str, Any]) -> tuple[st
 @config_options(RegenerateConfig, skip=("chunk_rows",), overrides=_RUN_OVERRIDES)
 @config_options(RegenerateRun, skip=("inputs", "output", "settings", "backend"))
 @config_file_options
-@handle_errors(kept=kept_rows)
+@handle_errors(kept=kept_rows, writes=Writes({"inputs": "INPUTS"}, directory=False))
 def regenerate(inputs, output, resume, force, **options):
     """Rewrite the assistant turns of conversations with the verifier's own answers.
 

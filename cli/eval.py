@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from cli.common import OutputPath, config_error, echo_json, handle_errors
+from cli.common import OutputPath, Writes, config_error, echo_json, handle_errors
 from cli.options import MIXTURE, config_file_options, config_options, run_config
 from peagle_train.evaluate.config import DRAFT_SAMPLE_METHODS, ENGINES, VLLM_LOADINGS, EvalConfig
 from peagle_train.evaluate.report import format_report
@@ -33,7 +33,8 @@ _PATH = {"type": click.Path()}
                            "enable_thinking": {**MIXTURE, "metavar": "X|JSON"},
                            "template_mixture": {**MIXTURE, "metavar": "JSON"}})
 @config_file_options
-@handle_errors
+@handle_errors(writes=Writes({"drafter": "--drafter", "store": "--store", "prompts": "--prompts", "verifier": "--verifier"},
+                             directory=False))
 def main(drafter, verifier, prompts, store, output, force, **settings) -> None:
     """Evaluate a drafter: offline on STORE, online (speculative decoding) on PROMPTS; prints one JSON object.
 

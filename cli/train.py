@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from cli.common import OutputPath, again_command, config_error, echo_json, handle_errors
+from cli.common import OutputPath, Writes, again_command, config_error, echo_json, handle_errors
 from cli.options import config_file_options, config_options
 from peagle_train.data.loader import EPOCH_ORDERS
 from peagle_train.data.multistore import expand_store_args
@@ -63,7 +63,8 @@ def kept_checkpoint(program: str, args: list[str], params: dict[str, Any]) -> tu
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @config_options(TrainConfig, overrides=OVERRIDES)
 @config_file_options
-@handle_errors(kept=kept_checkpoint)
+@handle_errors(kept=kept_checkpoint, writes=Writes({"store": "--store", "extract_from": "--extract-from", "init_from": "--init-from",
+                                                   "verifier": "--verifier"}))
 def main(**options) -> None:
     """Train a P-EAGLE drafter on STORE and write checkpoints to OUTPUT; prints a JSON summary."""
     with config_error(click.BadParameter):

@@ -13,6 +13,7 @@ __all__ = [
     "InputError",
     "OutputExistsError",
     "ForeignFilesError",
+    "OutputLockedError",
     "StoreFormatError",
     "ChunkDamageError",
     "StoreMismatchError",
@@ -74,6 +75,23 @@ class ForeignFilesError(OutputExistsError):
                  else f"holds {len(names)} file{'s' if len(names) > 1 else ''} peagle did not write: {shown}")
         PeagleError.__init__(self, f"output {path} already exists and {found}; --force replaces only peagle's own "
                                    f"output ({what}), never other files: move them away, or give another {option}")
+
+
+class OutputLockedError(PeagleError):
+    """Another run holds the output's lock (:mod:`stores.output_lock`): a second run on one output would write
+    beside it (a ``--resume`` beside the live run truncated its ``metrics.jsonl``). Nothing was touched.
+
+    Attributes:
+        path: the output.
+        lock: the lock file.
+        holder: what the lock file records (``host``, ``pid``, ``started``, ``command``), or ``{}``.
+    """
+
+    def __init__(self, path: str, lock: str, holder: dict, remedy: str):
+        self.path, self.lock, self.holder = path, lock, dict(holder)
+        who = (f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}"
+               f" ({holder.get('command')})" if holder else "a run that has not written its name yet")
+        super().__init__(f"output {path} is in use by another run: {who}; lock {lock}; {remedy}")
 
 
 class DiskSpaceError(PeagleError, OSError):

@@ -10,12 +10,13 @@
 - :func:`atomic_file` / :func:`write_text_atomic`: one file written as ``NAME.tmp`` then renamed
   (manifests, reports, training state).
 
-``--force`` replaces only peagle's own output (issue 44 item 1): :func:`check_replaceable` is the one check
-every writer makes before it removes or replaces an existing output. A directory is peagle's when the file
-that marks its kind (:data:`OUTPUT_KINDS`: a token table's ``manifest.json``, a feature store's
-``zarr.json``, a training run's ``train_config.json``) says so and every entry in it is one that kind
-writes; anything else (a user's ``notes.txt``) is foreign, and the run is refused naming it
-(:class:`~stores.errors.ForeignFilesError`), whatever ``--force`` says.
+``--force`` replaces only peagle's own output: :func:`check_replaceable` is the one check every writer makes
+before it removes or replaces an existing output. A directory is peagle's when the file that marks its kind
+(:data:`OUTPUT_KINDS`: a token table's ``manifest.json``, a feature store's ``zarr.json``, a training run's
+``train_config.json``) holds keys only peagle writes, and every file and directory below it, at any depth, is
+one that kind writes (:func:`foreign_entries`); anything else (a user's ``notes.txt``, a ``README.md`` put in
+``final/``) is foreign, and the run is refused naming it (:class:`~stores.errors.ForeignFilesError`), whatever
+``--force`` says. :func:`check_output_apart` refuses an output that is, contains or lies inside an input.
 """
 
 from __future__ import annotations
@@ -40,9 +41,12 @@ from stores.files import disk_full_error, is_disk_full
 __all__ = [
     "OutputKind",
     "OUTPUT_KINDS",
+    "TABLE_KINDS",
+    "RUN_CONFIG_KEYS",
     "foreign_entries",
     "check_replaceable",
     "check_replaceable_file",
+    "check_output_apart",
     "prepare_output_dir",
     "staged_output_dir",
     "remove_stale_partials",
@@ -56,100 +60,212 @@ __all__ = [
 
 @dataclass(frozen=True)
 class OutputKind:
-    """One kind of output directory peagle writes: the file that marks it and the names of its entries."""
+    """One kind of output directory peagle writes: the file that marks it and every path it writes below it.
+
+    A directory is this kind's when its :attr:`marker` holds what only peagle writes there (:attr:`is_marker`);
+    ``--force`` may then remove it only when every file and directory below it, at any depth, is one this kind
+    writes (:func:`foreign_entries`)."""
 
     name: str
     """What the kind is called in messages (``token table``)."""
     marker: str
-    """The file that says peagle wrote the directory (a JSON object, see :meth:`marks`)."""
-    marker_keys: tuple[str, ...]
-    """Keys of which the marker (a JSON object) holds at least one; empty: any JSON object."""
-    entries: tuple[str, ...]
-    """``fnmatch`` patterns of the names this kind writes at the directory's top level."""
+    """The file (a JSON object) that says peagle wrote the directory."""
+    is_marker: Callable[[object], bool]
+    """Whether the marker's JSON value is peagle's (its own keys, not merely a file of that name)."""
+    files: tuple[str, ...]
+    """The paths this kind writes, relative to the directory, ``/``-separated; each part an ``fnmatch`` pattern
+    (``checkpoint-*/model.safetensors``); a last part ``**`` stands for anything below (trackers' own files)."""
     zarr_nodes: bool = False
-    """Sub-directories holding a ``zarr.json`` (zarr arrays and groups) are this kind's too."""
+    """The directory is a zarr v3 group: its sub-groups and arrays (a ``zarr.json`` each, an array's chunks under
+    ``c/``) are this kind's too (:func:`_foreign_in_zarr_node`)."""
     new_nodes: tuple[str, ...] = ()
-    """With :attr:`zarr_nodes`: while the marker's ``attributes`` are empty (a store being created, or any
-    user's zarr group), only the zarr nodes of these names are this kind's."""
+    """With :attr:`zarr_nodes`: while the group's ``attributes`` are empty (a store being created, or any user's
+    zarr group), only the top-level zarr nodes of these names are this kind's."""
     kind_values: tuple[str, ...] = ()
-    """The values the marker's ``kind`` may have (empty: any; another tool's ``manifest.json`` has a ``kind`` too)."""
+    """For the record: the marker's ``kind`` values :attr:`is_marker` accepts (empty: no ``kind`` key)."""
 
     def marks(self, directory: Path) -> bool:
-        """Whether ``directory``'s marker file is this kind's (readable JSON object with one of the keys)."""
-        try:
-            record = json.loads((directory / self.marker).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError):
-            return False
-        if self.marker == "zarr.json" and isinstance(record, dict):  # a group peagle made (or began to make)
-            if record.get("node_type") != "group":
-                return False
-            record = record.get("attributes") or {"peagle": "being created"}
-        return isinstance(record, dict) and (not self.marker_keys or any(k in record for k in self.marker_keys))
-
-    def owns(self, entry: Path, new: bool = False) -> bool:
-        """Whether ``entry`` (a child of a directory this kind marks) is one this kind writes; ``new``: the
-        directory's zarr group has no attributes yet (its zarr nodes are this kind's only by :attr:`new_nodes`)."""
-        if any(fnmatch.fnmatchcase(entry.name, p) for p in self.entries):
-            return True
-        node = self.zarr_nodes and entry.is_dir() and not entry.is_symlink() and (entry / "zarr.json").is_file()
-        return node and (not new or entry.name in self.new_nodes)
+        """Whether ``directory``'s :attr:`marker` is a readable JSON value that :attr:`is_marker` accepts."""
+        return self.is_marker(_marker_record(directory / self.marker))
 
     def new(self, directory: Path) -> bool:
         """Whether ``directory`` (one this kind marks) is a zarr group without attributes yet."""
         record = _marker_record(directory / self.marker) if self.zarr_nodes else None
         return isinstance(record, dict) and not record.get("attributes")
 
-    def kind_ok(self, directory: Path) -> bool:
-        """Whether the marker of ``directory`` (one this kind marks) has a ``kind`` of :attr:`kind_values`."""
-        record = _marker_record(directory / self.marker) if self.kind_values else {}
-        return not self.kind_values or (isinstance(record, dict) and record.get("kind") in self.kind_values)
-
 
 def _marker_record(path: Path):
-    """The JSON value of the marker file ``path``, or None when it cannot be read."""
+    """The JSON value of the marker file ``path``, or None when it cannot be read (or is a link)."""
+    if path.is_symlink():
+        return None
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
         return None
 
 
+TABLE_KINDS = ("tokenized", "packed")
+"""The ``kind`` of a token table's manifest (stores/tables/token_tables.py's schemas)."""
+
+
+def _is_table_manifest(record) -> bool:
+    """A token table's ``manifest.json``: ``kind`` one of :data:`TABLE_KINDS` (another tool's manifest has a ``kind``
+    too: ``Deployment``)."""
+    return isinstance(record, dict) and record.get("kind") in TABLE_KINDS
+
+
+def _is_store_group(record) -> bool:
+    """A feature store's ``zarr.json``: a zarr group whose attributes hold ``peagle`` or ``peagle_stream``, or have
+    none yet (a store being created; only the schema's arrays are then its, :attr:`OutputKind.new_nodes`)."""
+    if not isinstance(record, dict) or record.get("node_type") != "group":
+        return False
+    attributes = record.get("attributes") or {}
+    return isinstance(attributes, dict) and (not attributes or "peagle" in attributes or "peagle_stream" in attributes)
+
+
+RUN_CONFIG_KEYS = {"data": "store", "model": "num_depths", "run": "output"}
+"""A training run's ``train_config.json`` (peagle_train/train/config.py ``TrainConfig.to_dict``): these groups, each
+holding this field; the flat form of earlier peagle versions holds the fields at its top level."""
+
+
+def _is_run_config(record) -> bool:
+    """A training run's ``train_config.json``: the grouped settings of peagle-train (:data:`RUN_CONFIG_KEYS`) or
+    their flat form written by earlier versions (``store``, ``output``, ``num_depths`` at the top level)."""
+    if not isinstance(record, dict):
+        return False
+    grouped = all(isinstance(record.get(g), dict) and k in record[g] for g, k in RUN_CONFIG_KEYS.items())
+    return grouped or all(k in record for k in RUN_CONFIG_KEYS.values())
+
+
+_TABLE_FILES = ("manifest.json", "manifest.json.tmp", "part-*.parquet", "rejects.jsonl", "token_freq.npy",
+                ".windows-*.spill")
+_CHECKPOINT_FILES = ("config.json", "model.safetensors", "training_state.pt", "training_state.pt.tmp")
+_CHECKPOINT_DIRS = ("checkpoint-*", "final", ".checkpoint-*.tmp", ".checkpoint-*.old", ".final.tmp", ".final.old")
+
 OUTPUT_KINDS = (
-    # stores/tables/token_tables.py: part files, manifest.json (last), rejects.jsonl, token_freq.npy, conversations/
-    OutputKind("token table", "manifest.json", ("kind",),
-               ("manifest.json", "manifest.json.tmp", "part-*.parquet", "rejects.jsonl", "token_freq.npy",
-                "conversations"), kind_values=("tokenized", "packed")),
+    # stores/tables/token_tables.py: part files, manifest.json (last), rejects.jsonl, token_freq.npy, and pack's
+    # conversations/ sub-table (a tokenized table of the same files)
+    OutputKind("token table", "manifest.json", _is_table_manifest,
+               (*_TABLE_FILES, *(f"conversations/{f}" for f in _TABLE_FILES)), kind_values=TABLE_KINDS),
     # stores/features/feature_schema.py: a zarr v3 group whose attributes are peagle's (empty while being created)
-    # and, streaming, stores/features/stream_heartbeat.py's stream_heartbeat/. A store being created (attributes not written
-    # yet) holds only stores/features/feature_schema.py's arrays and the contexts group (tests/stores/test_staging.py checks
-    # these names against the schema): a user's zarr group has no attributes either, and is never replaced.
-    OutputKind("feature store", "zarr.json", ("peagle", "peagle_stream"), ("zarr.json", "stream_heartbeat"),
+    # and, streaming, stores/features/stream_heartbeat.py's stream_heartbeat/ (a group of ROLE.json files) and
+    # stores/features/stream_plan.py's consumed.json in its stream group. A store
+    # being created (attributes not written yet) holds only stores/features/feature_schema.py's arrays and the
+    # contexts group (tests/stores/test_staging.py checks these names against the schema): a user's zarr group has
+    # no attributes either, and is never replaced.
+    OutputKind("feature store", "zarr.json", _is_store_group,
+               ("stream_heartbeat/zarr.json", "stream_heartbeat/*.json", "stream_heartbeat/.*.tmp",
+                "stream/consumed.json", "stream/.consumed.json.*.tmp"),
                zarr_nodes=True,
                new_nodes=("input_ids", "loss_mask", "position_ids", "n_tokens", "cu_seqlens", "aux_hidden",
                           "final_hidden", "aux_scale", "final_scale", "done", "token_freq", "window_views",
                           "segment_keys", "contexts", "stream")),
-    # peagle_train/train: train_config.json first, then metrics, checkpoints (replace_dir: .NAME.tmp/.old), final/
-    OutputKind("training run", "train_config.json", (),
-               ("train_config.json", "metrics.jsonl", "metrics.jsonl.tmp", "checkpoint-*", "final", "training.png",
-                "trackers", ".checkpoint-*.tmp", ".checkpoint-*.old", ".final.tmp", ".final.old")),
+    # peagle_train/train: train_config.json first, then metrics, checkpoints (replace_dir: .NAME.tmp/.old, each
+    # peagle_train/model/checkpoint.py's config.json, model.safetensors, training_state.pt), final/, the plot and
+    # the trackers' own files under trackers/
+    OutputKind("training run", "train_config.json", _is_run_config,
+               ("train_config.json", "metrics.jsonl", "metrics.jsonl.tmp", "training.png", "trackers/**",
+                *(f"{d}/{f}" for d in _CHECKPOINT_DIRS for f in _CHECKPOINT_FILES))),
 )
 """Every kind of output directory peagle writes (the kinds ``--force`` may replace)."""
 
 
+def _match(parts: tuple[str, ...], pattern: tuple[str, ...], prefix: bool) -> bool:
+    """Whether ``parts`` (a path below the output) matches ``pattern`` part by part (``prefix``: is a directory on
+    the way to a path that matches); a ``**`` part matches one or more parts."""
+    for i, part in enumerate(parts):
+        if i < len(pattern) and pattern[i] == "**":
+            return True
+        if i >= len(pattern) or not fnmatch.fnmatchcase(part, pattern[i]):
+            return False
+    return len(parts) < len(pattern) if prefix else len(parts) == len(pattern)
+
+
+def _foreign_by_patterns(root: Path, rel: tuple[str, ...], patterns: list[tuple[str, ...]]) -> list[Path]:
+    """The entries below ``root / rel`` (a directory of the output) that none of ``patterns`` names: a link, a
+    file no pattern matches, a directory on the way to none (named once, not looked into)."""
+    foreign = []
+    for entry in sorted((root.joinpath(*rel)).iterdir()):
+        parts = (*rel, entry.name)
+        if entry.is_symlink():
+            foreign.append(entry)
+        elif entry.is_dir():
+            if any(_match(parts, p, prefix=True) for p in patterns):
+                foreign += _foreign_by_patterns(root, parts, patterns)
+            else:
+                foreign.append(entry)
+        elif not any(_match(parts, p, prefix=False) for p in patterns):
+            foreign.append(entry)
+    return foreign
+
+
+_CHUNK_NAME = re.compile(r"\d+(\.[0-9a-f]{32}\.partial)?")
+"""A zarr v3 chunk key part (``c/0/3``), or the temporary name zarr's local store writes it under."""
+_ZARR_META = re.compile(r"zarr(\.json|\.[0-9a-f]{32}\.partial)")
+"""A node's ``zarr.json``, or the temporary name zarr's local store writes it under."""
+
+
+def _foreign_in_chunks(directory: Path) -> list[Path]:
+    """The entries below an array's ``c/`` that are no chunk key (digits, any depth)."""
+    foreign = []
+    for entry in sorted(directory.iterdir()):
+        if entry.is_symlink() or not _CHUNK_NAME.fullmatch(entry.name):
+            foreign.append(entry)
+        elif entry.is_dir():
+            foreign += _foreign_in_chunks(entry)
+    return foreign
+
+
+def _foreign_in_zarr_node(root: Path, directory: Path, patterns: list[tuple[str, ...]],
+                          names: tuple[str, ...] = ()) -> list[Path]:
+    """The entries below the zarr node ``directory`` (of the store ``root``) that are not the store's: a group holds
+    its ``zarr.json`` and child nodes (of ``names`` only, when given), an array its ``zarr.json`` and its chunks
+    under ``c/`` (a ``c`` file for a 0-d array); besides, the files and directories ``patterns`` name (relative to
+    ``root``: the stream plan's cursor, the heartbeats). Anything else, a link, or a node of another type is
+    foreign."""
+    record = _marker_record(directory / "zarr.json")
+    node_type = record.get("node_type") if isinstance(record, dict) else None
+    foreign = []
+    for entry in sorted(directory.iterdir()):
+        rel = entry.relative_to(root).parts
+        if entry.is_symlink():
+            foreign.append(entry)
+        elif entry.is_file() and (_ZARR_META.fullmatch(entry.name) or any(_match(rel, p, False) for p in patterns)):
+            continue
+        elif node_type == "array" and entry.name == "c":
+            foreign += _foreign_in_chunks(entry) if entry.is_dir() else []
+        elif (node_type == "group" and entry.is_dir() and (entry / "zarr.json").is_file()
+              and (not names or entry.name in names)):
+            foreign += _foreign_in_zarr_node(root, entry, patterns)
+        elif entry.is_dir() and any(_match(rel, p, prefix=True) for p in patterns):
+            foreign += _foreign_by_patterns(root, rel, patterns)
+        else:
+            foreign.append(entry)
+    return foreign
+
+
+def _foreign_in_kind(path: Path, kind: OutputKind) -> list[Path]:
+    """The entries below ``path`` (a directory ``kind`` marks) that ``kind`` does not write, at any depth."""
+    patterns = [tuple(p.split("/")) for p in kind.files]
+    if not kind.zarr_nodes:
+        return _foreign_by_patterns(path, (), patterns)
+    return sorted(_foreign_in_zarr_node(path, path, patterns, kind.new_nodes if kind.new(path) else ()))
+
+
 def foreign_entries(path: str | os.PathLike, kinds: tuple[OutputKind, ...] = OUTPUT_KINDS) -> list[Path]:
-    """The entries of ``path`` that peagle did not write, sorted: none for a missing or empty directory;
-    ``[path]`` for a file (or link); in a directory, every entry when no kind of ``kinds`` marks it, else
-    the entries the marking kind does not write."""
+    """The paths under ``path`` that peagle did not write, sorted, at any depth: none for a missing or empty
+    directory; ``[path]`` for a file (or link); in a directory, every entry when no kind of ``kinds`` marks it,
+    else each file the marking kind does not write (``RUN/final/README.md``) and each directory on the way to
+    none of its files (named, not looked into)."""
     path = Path(path)
     if not path.exists() and not path.is_symlink():
         return []
     if path.is_symlink() or not path.is_dir():
         return [path]
-    entries = sorted(path.iterdir())
     for kind in kinds:
-        if kind.marks(path) and kind.kind_ok(path):
-            new = kind.new(path)
-            return [e for e in entries if not kind.owns(e, new)]
-    return entries
+        if kind.marks(path):
+            return _foreign_in_kind(path, kind)
+    return sorted(path.iterdir())
 
 
 def check_replaceable(path: str | os.PathLike, force: bool,
@@ -177,6 +293,35 @@ def check_replaceable(path: str | os.PathLike, force: bool,
         raise ForeignFilesError(str(path), [str(p) for p in foreign], option,
                                 [f"a {k.name} with its {k.marker}" for k in kinds])
     return True
+
+
+def check_output_apart(output: str | os.PathLike, inputs: dict[str, list[str]], option: str = "--output",
+                       directory: bool = True) -> None:
+    """Refuse an output that is, contains or lies inside one of the command's inputs, compared by real path (links
+    and ``..`` resolved): ``--force`` would remove the input, and a fresh run would write into it
+    (``extract P --output P --force`` replaced the packed table it read). Made before anything is touched.
+
+    Args:
+        output: the output path (local; it need not exist).
+        inputs: ``{option: [paths]}`` of what the command reads (``{"--store": [...]}``; a remote URL or a
+            path that does not exist, e.g. a model hub name, is skipped).
+        directory: the output is a directory; an output file (a report) is refused only when it is an input
+            (written inside an input directory, it removes nothing of it).
+
+    Raises:
+        InputError: naming the option, both paths and how they overlap.
+    """
+    out = Path(os.path.realpath(output))
+    for name, paths in inputs.items():
+        for given in paths:
+            if "://" in str(given) or not os.path.lexists(given):  # a URL, a hub name: nothing here to harm
+                continue
+            src = Path(os.path.realpath(given))
+            how = ("is the input {} itself" if out == src else "contains the input {}" if out in src.parents
+                   else "lies inside the input {}" if directory and src in out.parents else None)
+            if how is not None:
+                raise InputError(f"{output} {how.format(f'{name} {given}')}: the output would overwrite (with "
+                                 f"--force, remove) what the command reads; give another {option}", field=option)
 
 
 _MARKER_SCAN_BYTES = 1 << 20

@@ -169,7 +169,8 @@ def test_a_value_out_of_range_is_refused_by_its_config(tmp_path, command, args, 
     common = {"tokenize": ["in.jsonl", "--tokenizer", "m", "--output", tmp_path / "o"],
               "pack": ["in.jsonl", "--tokenizer", "m", "--output", tmp_path / "o"],
               "regenerate": ["in.jsonl", "--output", tmp_path / "o.jsonl"],
-              "extract": [tmp_path, "--verifier", "m", "--output", tmp_path / "s.zarr"]}[command]
+              "extract": [tmp_path / "packed", "--verifier", "m", "--output", tmp_path / "s.zarr"]}[command]
+    (tmp_path / "packed").mkdir()
     result = invoke(data_main, [command, *common, *args])
     assert result.exit_code == 2 and option in result.stderr, result.output
 

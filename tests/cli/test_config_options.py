@@ -169,7 +169,7 @@ def test_the_tool_commands_pass_their_config_to_the_library(tmp_path, monkeypatc
     (tmp_path / "v.yaml").write_text(f"store: {d}\npacked: {d}\n")
     (tmp_path / "s.yaml").write_text(f"path: {d}\nmax_seq_len: 64\noverlap: 0.25\njson: true\n")
     (tmp_path / "w.yaml").write_text(f"path: {d}\nid: c1\ntokenizer: tok\ncolor: always\nhtml: {d}/p.html\n")
-    (tmp_path / "m.yaml").write_text(f"shards: [{d}, {d}]\noutput: {d}/out\n")
+    (tmp_path / "m.yaml").write_text(f"shards: [{d}, {d}]\noutput: {d}-out\n")  # (an output apart from the inputs)
     for args in (["inspect", d], ["verify", "--config", tmp_path / "v.yaml", "--repair"],
                  ["stats", "--config", tmp_path / "s.yaml", "--overlap", "0.5"],
                  ["show", "--config", tmp_path / "w.yaml", "--force"], ["merge", "--config", tmp_path / "m.yaml"]):
@@ -177,7 +177,7 @@ def test_the_tool_commands_pass_their_config_to_the_library(tmp_path, monkeypatc
         assert result.exit_code == 0, result.output
     assert seen == {"inspect": d, "verify": (d, d, True), "stats": (d, 64, 0.5),
                     "show": (d, None, None, "c1", "tok", True, f"{d}/p.html", True),
-                    "merge": ([d, d], f"{d}/out", False)}
+                    "merge": ([d, d], f"{d}-out", False)}
 
 
 @pytest.mark.parametrize("args,message", [

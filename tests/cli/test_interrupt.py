@@ -61,7 +61,7 @@ def test_train_names_the_newest_checkpoint_and_the_short_resume_form(tmp_path, m
 
     monkeypatch.setattr(cli.train, "run_train", interrupted)
     result = _invoke(monkeypatch, train_main, "peagle-train",
-                     ["--store", str(tmp_path), "--output", str(out), "--max-steps", "60"])
+                     ["--store", str(tmp_path / "s.zarr"), "--output", str(out), "--max-steps", "60"])
     assert result.exit_code == INTERRUPTED_EXIT, result.output
     assert f"kept: {out / 'checkpoint-40'} (step 40" in result.output
     assert f"resume with: peagle-train --config {out / 'train_config.json'} --resume" in result.output
@@ -75,10 +75,10 @@ def test_train_without_a_checkpoint_says_so_and_repeats_with_force(tmp_path, mon
         raise KeyboardInterrupt
 
     monkeypatch.setattr(cli.train, "run_train", interrupted)
-    result = _invoke(monkeypatch, train_main, "peagle-train", ["--store", str(tmp_path), "--output", str(out)])
+    result = _invoke(monkeypatch, train_main, "peagle-train", ["--store", str(tmp_path / "s.zarr"), "--output", str(out)])
     assert result.exit_code == INTERRUPTED_EXIT
     assert f"kept: no checkpoint in {out} yet" in result.output
-    assert f"run it again with: peagle-train --store {tmp_path} --output {out} --force" in result.output
+    assert f"run it again with: peagle-train --store {tmp_path / 's.zarr'} --output {out} --force" in result.output
 
 
 def test_regenerate_names_the_rows_written(tmp_path, monkeypatch):

@@ -204,3 +204,56 @@ def test_a_full_disk_while_packing_is_one_line_and_leaves_nothing(tmp_path, pack
                               f"{errors[0].split(' on ')[1].split(' (')[0]}, then run it again with: peagle-data pack "
                               f"{convs} --tokenizer smollm2-135m --output {out} --max-seq-len 64"), errors[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["convs.jsonl", "packed"]  # no staging directory left
+
+
+def _listing(path) -> dict[str, bytes]:
+    """Every file under ``path`` with its bytes."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_an_output_that_is_the_commands_input_is_refused_and_the_input_kept(tmp_path, packed):
+    """``extract P --output P --force`` replaced the packed table with a store (exit 0), ``peagle-train --store S
+    --output S --force`` deleted the store, then died on a KeyError. Both are refused before anything is touched."""
+    import zarr
+
+    before = _listing(packed)
+    result = invoke(extract, [packed, "--verifier", tmp_path / "no-verifier", "--output", packed, "--force"])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert (f"Error: field '--output': {packed} is the input PACKED {packed} itself: the output would overwrite "
+            "(with --force, remove) what the command reads; give another --output") in result.output
+    assert _listing(packed) == before
+
+    store = tmp_path / "s.zarr"
+    zarr.open_group(str(store), mode="w").attrs["peagle"] = {"format_version": 2}
+    before = _listing(store)
+    for output in (store, store / "run"):
+        result = invoke(train_main, ["--store", store, "--output", output, "--force"])
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        assert f"the input --store {store}" in result.output and "give another --output" in result.output
+    assert _listing(store) == before
+
+
+def test_a_resume_beside_a_live_run_is_refused_and_proceeds_once_it_is_killed(tmp_path):
+    """A ``--resume`` started while the first run lived resumed beside it and truncated its metrics.jsonl. The
+    output's lock refuses it, naming the live run; after ``kill -9`` the next ``--resume`` goes on (the lock taken
+    over, one line saying so)."""
+    import signal
+
+    from tests.stores.test_output_lock import start_holder
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    child = start_holder(run)
+    try:
+        result = invoke(train_main, ["--store", tmp_path / "s.zarr", "--output", run, "--resume"])
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        assert f"Error: output {run} is in use by another run: pid {child.pid} on " in result.output
+        assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    result = invoke(train_main, ["--store", tmp_path / "s.zarr", "--output", run, "--resume"])
+    assert f"took over the lock of {run} left by a run that ended without releasing it (killed): pid {child.pid}" \
+        in result.output
+    assert "in use by another run" not in result.output and not (tmp_path / ".run.lock").exists()

@@ -20,6 +20,9 @@ from peagle_train.train.config import flat_settings
 from stores.features.feature_store import FeatureStore
 from tests.e2e.test_pipeline import CONVERSATIONS
 
+RUN_CONFIG = '{"data": {"store": "s.zarr"}, "model": {"num_depths": 2}, "run": {"output": "out"}}'
+"""A training run's train_config.json (peagle-train's settings, trimmed): it marks the folder as a run."""
+
 
 def _run(cmd, args) -> str:
     result = CliRunner().invoke(cmd, [str(a) for a in args], catch_exceptions=False)
@@ -139,7 +142,7 @@ def test_a_run_started_with_force_resumes_from_its_train_config_and_eval_repeats
     _run(data_main, ["pack", data, "--tokenizer", model, "--output", tmp_path / "p", "--max-seq-len", 128])
     _run(data_main, ["extract", tmp_path / "p", "--verifier", model, "--output", store, "--layers", "1,3"])
     (out / "checkpoint-9").mkdir(parents=True)  # an earlier training run's output (--force replaces only peagle's)
-    (out / "train_config.json").write_text("{}")
+    (out / "train_config.json").write_text(RUN_CONFIG)
     first = json.loads(_run(train_main, ["--store", store, "--output", out, "--max-steps", 4, "--save-every", 2,
                                          "--num-depths", 2, "--draft-vocab-size", 32, "--val-fraction", 0, "--force"]))
     assert first["steps"] == 4 and not (out / "checkpoint-9").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +12,11 @@ import pytest
 
 from stores.errors import OutputExistsError
 from stores.staging import _host_tag, remove_stale_partials, restore_replaced_output, staged_output_dir
+
+
+RUN_CONFIG = {"data": {"store": "s.zarr", "down_sample_ratio": 0.5}, "model": {"num_depths": 4},
+              "optim": {"lr": 3e-4}, "run": {"output": "run", "seed": 0}, "stream": {}}
+"""A training run's train_config.json, trimmed (peagle_train's TrainConfig.to_dict has every field)."""
 
 
 def dead_pid() -> int:
@@ -184,7 +190,7 @@ def test_force_replaces_only_peagles_own_output_and_names_the_foreign_files(tmp_
     assert foreign_entries(store) == [store / "plots"]
     run = tmp_path / "run"  # a training run
     (run / "checkpoint-4").mkdir(parents=True)
-    (run / "train_config.json").write_text("{}")
+    (run / "train_config.json").write_text(json.dumps(RUN_CONFIG))
     (run / "metrics.jsonl").write_text("")
     assert foreign_entries(run) == []
     a_file = tmp_path / "a_file"
@@ -287,7 +293,7 @@ def test_force_never_replaces_a_users_zarr_group_and_replaces_a_streamed_store(t
 
     store_kind = next(k for k in OUTPUT_KINDS if k.marker == "zarr.json")
     schema = {s.name for s in (*ARRAYS, *WINDOW_ARRAYS, SEGMENT_KEYS)} | {CONTEXTS, STREAM_GROUP}
-    assert set(store_kind.new_nodes) == schema and HEARTBEAT_DIR in store_kind.entries
+    assert set(store_kind.new_nodes) == schema and f"{HEARTBEAT_DIR}/zarr.json" in store_kind.files
 
 
 def test_force_never_replaces_a_manifest_json_of_another_kind(tmp_path):
@@ -309,3 +315,127 @@ def test_force_never_replaces_a_manifest_json_of_another_kind(tmp_path):
     assert foreign_entries(users) == [] and check_replaceable(users, force=True)
     table_kind = next(k for k in OUTPUT_KINDS if k.marker == "manifest.json")
     assert set(table_kind.kind_values) == set(SCHEMAS)
+
+
+def _run_dir(tmp_path) -> Path:
+    """A training run as peagle-train leaves it: settings, metrics, the plot, trackers, two checkpoints and final/."""
+    run = tmp_path / "run"
+    for d in ("checkpoint-4", "checkpoint-8", "final", "trackers/peagle"):
+        (run / d).mkdir(parents=True)
+    (run / "train_config.json").write_text(json.dumps(RUN_CONFIG))
+    for f in ("metrics.jsonl", "training.png", "trackers/peagle/events.out.tfevents.1.host"):
+        (run / f).write_text("x")
+    for d in ("checkpoint-4", "checkpoint-8", "final"):
+        for f in ("config.json", "model.safetensors") + (("training_state.pt",) if d != "final" else ()):
+            (run / d / f).write_text("x")
+    return run
+
+
+def _table_dir(tmp_path) -> Path:
+    """A packed token table with its conversations/ sub-table."""
+    table = tmp_path / "packed"
+    (table / "conversations").mkdir(parents=True)
+    for d in (table, table / "conversations"):
+        (d / "manifest.json").write_text('{"kind": "packed", "format_version": 1}')
+        (d / "part-00000.parquet").write_bytes(b"p")
+    (table / "token_freq.npy").write_bytes(b"n")
+    return table
+
+
+def _store_dir(tmp_path) -> Path:
+    """A feature store of peagle's: attributes, an array with chunks, the contexts group with an array, a stream
+    plan (its order array and consumed cursor) and a heartbeat."""
+    import numpy as np
+    import zarr
+
+    store = tmp_path / "s.zarr"
+    group = zarr.open_group(str(store), mode="w")
+    group.attrs["peagle"] = {"format_version": 2}
+    group.create_array("aux_hidden", shape=(4, 2), chunks=(2, 2), dtype="uint16")[:] = np.ones((4, 2), "uint16")
+    group.create_group("contexts").create_array("input_ids", shape=(3,), dtype="int64")[:] = 7
+    group.create_group("stream").create_array("order", shape=(2,), dtype="int64")[:] = 1
+    (store / "stream" / "consumed.json").write_text('{"consumed": 1}')  # streamed: the cursor and a heartbeat
+    (store / "stream_heartbeat").mkdir()
+    (store / "stream_heartbeat" / "zarr.json").write_text('{"node_type": "group", "zarr_format": 3}')
+    (store / "stream_heartbeat" / "trainer.json").write_text("{}")
+    return store
+
+
+@pytest.mark.parametrize("where", ["run final", "run checkpoint", "run trackers", "table conversations",
+                                   "store array", "store chunks", "store contexts", "store stream"])
+def test_force_refuses_a_users_file_nested_in_peagles_own_folders(tmp_path, where):
+    """``--force`` checked only an output's top-level names: a user's RUN/final/README.md, a file in a checkpoint, in
+    a table's conversations/ or in a store's array folders went with the rest. Every file below, at any depth, must
+    be one peagle writes; a user's is named (its path below the output) and nothing is removed."""
+    from stores.errors import ForeignFilesError
+    from stores.staging import check_replaceable, foreign_entries, prepare_output_dir, staged_output_dir
+
+    build, rel = {"run final": (_run_dir, "final/README.md"), "run checkpoint": (_run_dir, "checkpoint-8/notes.txt"),
+                  "run trackers": (_run_dir, "trackers/peagle/mine.txt"),
+                  "table conversations": (_table_dir, "conversations/README.md"),
+                  "store array": (_store_dir, "aux_hidden/notes.txt"), "store chunks": (_store_dir, "aux_hidden/c/x"),
+                  "store contexts": (_store_dir, "contexts/input_ids/mine.npy"),
+                  "store stream": (_store_dir, "stream/notes.txt")}[where]
+    out = build(tmp_path)
+    if where != "run trackers":  # the trackers' own files are theirs: any file below trackers/
+        assert foreign_entries(out) == [] and check_replaceable(out, force=True)
+    mine = out / rel
+    mine.write_text("mine")
+    if where == "run trackers":
+        assert foreign_entries(out) == []
+        return
+    assert foreign_entries(out) == [mine]
+    with pytest.raises(ForeignFilesError) as e:
+        if where.startswith("table"):
+            with staged_output_dir(out, force=True):
+                pass
+        else:
+            prepare_output_dir(out, force=True)
+    assert f"holds 1 file peagle did not write: {rel}; " in str(e.value) and mine.read_text() == "mine"
+    assert "move them away, or give another --output" in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name], "nothing staged or removed"
+
+
+def test_a_train_config_json_of_another_tool_marks_nothing(tmp_path):
+    """Any train_config.json marked a training run (``{}`` passed): another tool's train_config.json and its
+    checkpoint-500/ were replaced whole by ``peagle-train --force``. Only peagle-train's settings mark a run: the
+    grouped form it writes (checked against TrainConfig.to_dict) or the flat form of earlier versions."""
+    from peagle_train.train.config import TrainConfig
+    from stores.errors import ForeignFilesError
+    from stores.staging import RUN_CONFIG_KEYS, check_replaceable, foreign_entries
+
+    other = tmp_path / "other"
+    (other / "checkpoint-500").mkdir(parents=True)
+    (other / "checkpoint-500" / "pytorch_model.bin").write_bytes(b"w")
+    for config in ({}, {"learning_rate": 1e-4, "output_dir": "other"}, {"data": {}, "model": {}, "run": {}}):
+        (other / "train_config.json").write_text(json.dumps(config))
+        assert foreign_entries(other) == [other / "checkpoint-500", other / "train_config.json"]
+        with pytest.raises(ForeignFilesError):
+            check_replaceable(other, force=True)
+    assert (other / "checkpoint-500" / "pytorch_model.bin").read_bytes() == b"w"
+
+    run = _run_dir(tmp_path)
+    written = TrainConfig.from_flat(store="s.zarr", output=str(run)).to_dict()
+    assert all(k in written[g] for g, k in RUN_CONFIG_KEYS.items())
+    (run / "train_config.json").write_text(json.dumps(written, default=str))
+    assert foreign_entries(run) == []
+    flat = {"store": "s.zarr", "output": str(run), "num_depths": 8, "down_sample_ratio": 0.7, "lr": 3e-4}
+    (run / "train_config.json").write_text(json.dumps(flat))  # written by peagle before the settings were grouped
+    assert foreign_entries(run) == [] and check_replaceable(run, force=True)
+
+
+def test_output_apart_from_inputs_by_real_path(tmp_path):
+    """An output that is, contains or lies inside an input is refused (through links too); a report file may lie
+    inside an input directory; a model hub name is no path."""
+    from stores.errors import InputError
+    from stores.staging import check_output_apart
+
+    (tmp_path / "data" / "p").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "data" / "p")
+    for output, how in ((tmp_path / "link", "is the input PACKED"), (tmp_path / "data", "contains the input PACKED"),
+                        (tmp_path / "data" / "p" / "out", "lies inside the input PACKED")):
+        with pytest.raises(InputError, match=how):
+            check_output_apart(output, {"PACKED": [str(tmp_path / "data" / "p")]})
+    check_output_apart(tmp_path / "data" / "p" / "eval.json", {"--drafter": [str(tmp_path / "data" / "p")]},
+                       directory=False)
+    check_output_apart(tmp_path / "out", {"PACKED": [str(tmp_path / "data" / "p")], "--verifier": ["org/model"]})

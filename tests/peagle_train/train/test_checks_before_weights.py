@@ -17,6 +17,9 @@ from click.testing import CliRunner
 from stores.errors import InputError
 from .test_train import LAYERS, _store
 
+RUN_CONFIG = '{"data": {"store": "s.zarr"}, "model": {"num_depths": 2}, "run": {"output": "out"}}'
+"""A training run's train_config.json (peagle-train's settings, trimmed): it marks the folder as a run."""
+
 
 class WeightsLoaded(AssertionError):
     pass
@@ -48,7 +51,7 @@ def test_train_checks_come_before_the_weights(tmp_path, verifier_dir, make_tiny_
     store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
     out = tmp_path / "out"
     out.mkdir()  # an earlier training run's output (--force may replace it)
-    (out / "train_config.json").write_text("{}")
+    (out / "train_config.json").write_text(RUN_CONFIG)
     (out / "metrics.jsonl").write_text("x")
     base = ["--store", store, "--output", str(out), "--max-steps", "1", "--num-depths", "2"]
     res = _train(base)
@@ -73,7 +76,7 @@ def test_train_and_eval_force_never_delete_a_users_file(tmp_path, verifier_dir, 
     assert (f"Error: output {out} already exists and holds 1 file peagle did not write: notes.txt; --force replaces "
             "only peagle's own output (") in res.output, res.output
     assert (out / "notes.txt").read_text() == "mine"
-    (out / "train_config.json").write_text("{}")  # a training run's marker does not make notes.txt peagle's
+    (out / "train_config.json").write_text(RUN_CONFIG)  # a training run's marker does not make notes.txt peagle's
     res = _train(["--store", store, "--output", str(out), "--max-steps", "1", "--num-depths", "2", "--force"])
     assert res.exit_code == 2 and "peagle did not write: notes.txt;" in res.output, res.output
     report = tmp_path / "results.json"
