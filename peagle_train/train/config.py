@@ -94,7 +94,8 @@ class DataConfig:
     """Floor r_min of the COD keep ratio (see --down-sample-ratio), in (0, 1] (``--down-sample-ratio-min``)."""
     max_anchors: int | None = None
     """Cap on COD seeds per block (see --down-sample-ratio): a block with more keeps a random subset of this
-    many (``--max-anchors``); None: no cap."""
+    many (``--max-anchors``); None: no cap. With ``--method dflash``: the cap on DFlash blocks (anchors) per
+    packed row, None: 512 (speculators' default)."""
     val_fraction: float = 0.05
     """Fraction of blocks held out for validation, in [0, 1) (``--val-fraction``)."""
     val_max_blocks: int = 16
