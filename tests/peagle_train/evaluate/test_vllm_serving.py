@@ -422,14 +422,54 @@ def test_peagle_eval_engine_vllm_starts_without_the_environment_and_prints_only_
     assert "INFO" in proc.stderr  # vLLM's log went to stderr
 
 
-def test_vllm_serves_the_dflash_drafter_exactly(served):
+def _dflash_steps(drafter_dir, requests, outputs, verifier):
+    """peagle's DFlash drafter walked over each request's vLLM output as vLLM decodes it at T = 0: from the first
+    output token (the bonus of the prefill) as anchor, each step drafts K from the verifier's float32 aux features
+    of the rows before the anchor, accepts the drafts equal to the output, and anchors at the next bonus; the
+    accepted count of each step."""
+    from peagle_train.data.anchors import AnchorBlocks, block_inputs
+    from peagle_train.evaluate.speculative import aux_features
+    from peagle_train.evaluate.verifier import aux_hidden_states
+    from peagle_train.model.dflash_checkpoint import load_dflash
+
+    model, _ = verifier
+    drafter = load_dflash(drafter_dir).eval()
+    out = []
+    for prompt, tokens in zip(requests, outputs):
+        x = torch.tensor(list(prompt) + list(tokens))
+        n, T = len(x), len(x) + K + 1  # rows past the output: room for the last block's mask tokens
+        with torch.no_grad(), aux_hidden_states(model) as last:
+            g = aux_features(model(input_ids=x[None], output_hidden_states=True).hidden_states, last,
+                             drafter.config.aux_layer_ids)
+        g, ids = torch.cat([g, g.new_zeros(K + 1, g.shape[1])]), torch.cat([x, x.new_zeros(K + 1)])
+        p, accepted = len(prompt), []
+        while p < n:
+            inp = block_inputs(AnchorBlocks(torch.tensor([p]), K + 1), ids, torch.arange(T), torch.tensor([0, T]),
+                               torch.ones(T), drafter.config.mask_token_id)
+            with torch.no_grad():
+                hidden = drafter(g, torch.arange(T), inp.input_ids, inp.position_ids, inp.mask)
+            drafts = drafter.draft_ids[drafter.logits(hidden[1:]).argmax(-1)].tolist()
+            a = 0
+            while a < K and p + 1 + a < n and drafts[a] == int(x[p + 1 + a]):
+                a += 1
+            accepted.append(a)
+            p += a + 1
+        out.append(accepted)
+    return out
+
+
+def test_vllm_serves_the_dflash_drafter_exactly(served, verifier):
     """A DFlash drafter trained by ``peagle-train --method dflash`` and served by vLLM 0.32 (``method: dflash``,
     non-causal block attention as trained): vLLM's greedy output equals its output without a drafter, token for
-    token, and every step drafts K = block_size - 1 tokens."""
+    token; every step drafts K = block_size - 1 tokens; and each step's accepted count is what peagle's drafter
+    accepts at that step (:func:`_dflash_steps`; vLLM drafts no step after the last output token, and counts
+    acceptances of its last step that the output then cuts, so that step's count is at least peagle's)."""
     work, drafters, out = served
     config = json.loads((drafters["dflash"] / "config.json").read_text())
     assert config["speculators_model_type"] == "dflash" and config["block_size"] == K + 1
     assert out["dflash"]["tokens"] == out["plain"]
-    for counts in out["dflash"]["per_request"]:
-        assert set(counts["drafted"]) == {K} and all(0 <= a <= K for a in counts["accepted"])
-        assert len(counts["accepted"]) == len(counts["drafted"]) >= 1
+    ours = _dflash_steps(drafters["dflash"], out["requests"], out["dflash"]["tokens"], verifier)
+    for counts, mine in zip(out["dflash"]["per_request"], ours):
+        theirs = counts["accepted"]
+        assert set(counts["drafted"]) == {K} and len(theirs) == len(counts["drafted"]) >= 1
+        assert mine[:len(theirs) - 1] == theirs[:-1] and mine[len(theirs) - 1] <= theirs[-1], (mine, theirs)
