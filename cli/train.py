@@ -1,4 +1,4 @@
-"""``peagle-train``: train a P-EAGLE drafter on a feature store (docs/design.md §8).
+"""``peagle-train``: train a P-EAGLE or DFlash drafter on a feature store (docs/design.md §8, §8b).
 
 Every option is a field of a :class:`~peagle_train.train.config.TrainConfig` group (cli/options.py).
 """
@@ -66,7 +66,8 @@ def kept_checkpoint(program: str, args: list[str], params: dict[str, Any]) -> tu
 @handle_errors(kept=kept_checkpoint, writes=Writes({"store": "--store", "extract_from": "--extract-from", "init_from": "--init-from",
                                                    "verifier": "--verifier"}))
 def main(**options) -> None:
-    """Train a P-EAGLE drafter on STORE and write checkpoints to OUTPUT; prints a JSON summary."""
+    """Train a P-EAGLE (or, with --method dflash, a DFlash) drafter on STORE and write checkpoints to OUTPUT; prints
+    a JSON summary."""
     with config_error(click.BadParameter):
         cfg = TrainConfig.from_flat(**{**options, "store": expand_store_args(options["store"])})
     summary = run_train(cfg)

@@ -47,9 +47,11 @@ __all__ = [
     "read_training_segments",
     "drafter_config_json",
     "rope_from_layer_config",
+    "layer_config_json",
     "DEFAULT_ROPE_THETA",
     "layer_type_of",
     "save_drafter",
+    "write_drafter_files",
     "load_drafter",
     "check_vocab_maps",
     "save_training_state",
@@ -72,7 +74,7 @@ TRAINING_SEGMENTS_FILE = "training_segments.npy"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
-def _layer_config(cfg: DrafterConfig) -> dict[str, Any]:
+def layer_config_json(cfg: DrafterConfig) -> dict[str, Any]:
     """The drafter layer as a transformers config dict of its ``layer_type`` (``LlamaConfig`` or
     ``Qwen3Config``: ``model_type`` is what vLLM maps to its P-EAGLE drafter), with the verifier's RoPE in
     both layouts.
@@ -183,7 +185,7 @@ def drafter_config_json(cfg: DrafterConfig, extra_config: dict[str, Any] | None 
     out: dict[str, Any] = {
         "architectures": ["PEagleSpeculator"],
         "speculators_model_type": "peagle",
-        "transformer_layer_config": _layer_config(cfg),
+        "transformer_layer_config": layer_config_json(cfg),
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
@@ -209,6 +211,21 @@ def drafter_config_json(cfg: DrafterConfig, extra_config: dict[str, Any] | None 
 def _write_drafter(model: PEagleDrafter, directory: Path, extra_config: dict[str, Any] | None,
                    training_segments: np.ndarray | None = None) -> None:
     config = drafter_config_json(model.config, extra_config, model.embed_tokens.weight.requires_grad)
+    write_drafter_files(model, directory, config, check_servable, training_segments)
+
+
+def write_drafter_files(model, directory: Path, config: dict[str, Any], check,
+                        training_segments: np.ndarray | None = None) -> None:
+    """Write ``config`` as ``config.json`` and ``model``'s state dict as ``model.safetensors`` into ``directory``
+    (any drafter kind: ``check(config, shapes, where)`` is its vLLM rule, raising when vLLM would not serve it),
+    and ``training_segments`` (``[M] uint64`` hashes of the training segments; None: none) as
+    :data:`TRAINING_SEGMENTS_FILE`.
+
+    Raises:
+        NonFiniteError: a weight holds NaN or Inf (nothing is written).
+        StoreFormatError: ``d2t`` / ``t2d`` disagree (:func:`check_vocab_maps`).
+        InputError: from ``check``.
+    """
     tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     bad = [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad:  # a drafter that would serve NaN drafts: never saved
@@ -217,7 +234,7 @@ def _write_drafter(model: PEagleDrafter, directory: Path, extra_config: dict[str
                              + "; the drafter is not saved")
     if "d2t" in tensors:  # never write maps a reader would refuse
         check_vocab_maps(tensors["d2t"], tensors["t2d"], model.config.vocab_size, directory / WEIGHTS_FILE)
-    check_servable(config, {k: tuple(v.shape) for k, v in tensors.items()}, str(directory))
+    check(config, {k: tuple(v.shape) for k, v in tensors.items()}, str(directory))
     (directory / CONFIG_FILE).write_text(strict_json(config, f"{directory / CONFIG_FILE}", indent=2))
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
     follow_umask(directory / WEIGHTS_FILE)  # safetensors creates it 0600
@@ -398,6 +415,10 @@ def load_drafter(directory: str | os.PathLike, device: str | torch.device = "cpu
         raise StoreFormatError(f"{directory} is not a drafter checkpoint: expected {CONFIG_FILE} and "
                                f"{WEIGHTS_FILE}")
     cfg = json.loads(cfg_path.read_text())
+    if cfg.get("speculators_model_type") == "dflash":
+        raise StoreFormatError(f"{directory} is a DFlash drafter (speculators_model_type 'dflash'): peagle reads it "
+                               "with its DFlash kind (peagle_train.train.kinds), and decodes P-EAGLE drafters only; "
+                               "serve it with vLLM (speculative_config method 'dflash')")
     if cfg.get("speculators_model_type") != "peagle":
         raise StoreFormatError(f"{cfg_path}: speculators_model_type is "
                                f"{cfg.get('speculators_model_type')!r}, expected 'peagle'")

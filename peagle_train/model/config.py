@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["DrafterConfig", "LAYER_TYPES", "ROPE_TYPES"]
+__all__ = ["DrafterConfig", "LAYER_TYPES", "ROPE_TYPES", "DRAFTER_METHODS"]
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 """RoPE types whose frequencies are fixed (transformers' ``rope_type``); ``dynamic`` and ``longrope``
@@ -17,6 +17,11 @@ LAYER_TYPES = ("llama", "qwen3")
 vLLM 0.32 maps a P-EAGLE checkpoint to: ``PeagleLlamaForCausalLM``, ``PeagleQwen3ForCausalLM``).
 ``qwen3`` is ``llama`` plus a per-head RMSNorm over head_dim on q (``q_norm``) and k (``k_norm``)
 before RoPE, as vLLM's ``Qwen3Attention`` computes it."""
+
+DRAFTER_METHODS = ("peagle", "dflash")
+"""The drafter kinds peagle trains (``--method``), by speculators' algorithm names: ``peagle`` (P-EAGLE, one
+feature, K parallel depths) and ``dflash`` (DFlash, a block attending to the context's features); each is
+one entry of :data:`peagle_train.train.kinds.DRAFTER_KINDS`."""
 
 
 @dataclass(kw_only=True)

@@ -16,15 +16,21 @@ from typing import Any
 
 from peagle_train.data.loader import EPOCH_ORDERS
 from peagle_train.model.attention import ATTENTION_CHOICES
-from peagle_train.model.config import LAYER_TYPES
+from peagle_train.model.config import DRAFTER_METHODS, LAYER_TYPES
+from peagle_train.model.dflash import DFLASH_BLOCK_SIZE
 from peagle_train.model.warm_start import INIT_LAYERS
 from peagle_train.train.loss import LOSSES
 from peagle_train.train.metrics import parse_report_to
 from stores.features.stream_plan import parse_size
 
 __all__ = ["depth_weight_values", "DataConfig", "ModelConfig", "OptimConfig", "RunConfig", "StreamConfig", "STREAM_POLICIES",
-           "STREAM_CONTEXTS", "TrainConfig", "GROUPS", "FIELD_DEFAULTS",
+           "STREAM_CONTEXTS", "TrainConfig", "GROUPS", "FIELD_DEFAULTS", "DFLASH_DECAY_GAMMA",
            "flat_settings"]
+
+
+DFLASH_DECAY_GAMMA = 4.0
+"""γ of a DFlash drafter's per-position loss weights ``exp(-(j - 1) / γ)`` for block slot j >= 1 (the DFlash
+paper's decay; speculators' ``dflash_decay_gamma`` default, the paper's value for B = 8)."""
 
 
 def _need(ok: bool, option: str, rule: str, value: Any) -> None:
@@ -88,7 +94,8 @@ class DataConfig:
     """Floor r_min of the COD keep ratio (see --down-sample-ratio), in (0, 1] (``--down-sample-ratio-min``)."""
     max_anchors: int | None = None
     """Cap on COD seeds per block (see --down-sample-ratio): a block with more keeps a random subset of this
-    many (``--max-anchors``); None: no cap."""
+    many (``--max-anchors``); None: no cap. With ``--method dflash``: the cap on DFlash blocks (anchors) per
+    packed row, None: 512 (speculators' default)."""
     val_fraction: float = 0.05
     """Fraction of blocks held out for validation, in [0, 1) (``--val-fraction``)."""
     val_max_blocks: int = 16
@@ -120,11 +127,20 @@ class DataConfig:
 class ModelConfig:
     """The drafter: its verifier, depths, layers, draft vocab, mask token and attention backend."""
 
+    method: str = "peagle"
+    """The drafter kind (``--method``): ``peagle`` (P-EAGLE: K parallel depths from one feature) or ``dflash``
+    (DFlash: a block of the newest token and ``--block-size`` - 1 mask tokens attending to the context's
+    features, arXiv:2602.06036); recorded in the checkpoint's ``speculators_model_type``."""
     verifier: str | None = None
     """Verifier MODEL for embeddings and lm_head (``--verifier``); default: the store's verifier."""
-    num_depths: int = 4
-    """K, parallel draft depths (``--num-depths``). The default 4 is measured on SmolLM2-135M: K = 8 trained no better depth-for-depth in the same steps and took 31%
-    longer, and the P-EAGLE ablations find depths past ~5 add < 2% of accepted tokens."""
+    num_depths: int | None = None
+    """K, parallel draft depths (``--num-depths``); None: 4 for P-EAGLE, ``--block-size`` - 1 for DFlash (which
+    must be that when given). The default 4 is measured on SmolLM2-135M: K = 8 trained no better depth-for-depth
+    in the same steps and took 31% longer, and the P-EAGLE ablations find depths past ~5 add < 2% of accepted
+    tokens."""
+    block_size: int | None = None
+    """B, tokens in a DFlash block, the newest token and B-1 mask tokens (``--block-size``, ``--method dflash``
+    only); None: 8 with DFlash (speculators' default)."""
     draft_vocab_size: int | None = None
     """D, the most frequent loss-masked tokens (``--draft-vocab-size``); None: the verifier's vocab."""
     num_layers: int = 1
@@ -160,6 +176,13 @@ class ModelConfig:
     up to rounding."""
 
     def __post_init__(self) -> None:
+        _need(self.method in DRAFTER_METHODS, "--method", f"one of {', '.join(DRAFTER_METHODS)}", self.method)
+        if self.method == "dflash":
+            self._resolve_dflash()
+        else:
+            _need(self.block_size is None, "--block-size", "left out with --method peagle (a DFlash setting)",
+                  self.block_size)
+            object.__setattr__(self, "num_depths", 4 if self.num_depths is None else self.num_depths)
         _need(self.num_depths >= 1, "--num-depths", ">= 1", self.num_depths)
         _need(self.draft_vocab_size is None or self.draft_vocab_size >= 1, "--draft-vocab-size", ">= 1 when set",
               self.draft_vocab_size)
@@ -175,6 +198,21 @@ class ModelConfig:
               "left out with --init-from (that drafter's layers are the start)", self.init_from)
         _need(self.attention_backend in ATTENTION_CHOICES, "--attention-backend",
               f"one of {', '.join(ATTENTION_CHOICES)}", self.attention_backend)
+
+    def _resolve_dflash(self) -> None:
+        """``--method dflash``: the block size (default 8), K = B - 1, the qwen3 layer (vLLM's only DFlash layer);
+        refuses the P-EAGLE-only warm starts."""
+        B = DFLASH_BLOCK_SIZE if self.block_size is None else self.block_size
+        _need(B >= 2, "--block-size", ">= 2 (the newest token and at least one mask token)", B)
+        _need(self.num_depths in (None, B - 1), "--num-depths", f"left out or --block-size - 1 = {B - 1} with "
+              "--method dflash (a block drafts B - 1 tokens)", self.num_depths)
+        _need(self.drafter_layer in (None, "qwen3"), "--drafter-layer", "qwen3 or left out with --method dflash "
+              "(vLLM serves DFlash with Qwen3 layers only)", self.drafter_layer)
+        _need(self.init_from is None, "--init-from", "left out with --method dflash (a P-EAGLE warm start)",
+              self.init_from)
+        _need(self.init_layers == "random", "--init-layers", "random with --method dflash", self.init_layers)
+        for name, value in (("block_size", B), ("num_depths", B - 1), ("drafter_layer", "qwen3")):
+            object.__setattr__(self, name, value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,7 +244,8 @@ class OptimConfig:
     beat it beyond two standard errors (the benchmarks' "Acceptance-targeted losses")."""
     depth_weights: str | None = None
     """Per-depth loss weights λ_d (``--depth-weights``): K comma-separated numbers (``1,1,1.5,2``) or
-    ``exp:G`` for ``G**d``; the loss is ``Σ λ_d m ℓ / Σ λ_d m``. None: every depth 1."""
+    ``exp:G`` for ``G**d``; the loss is ``Σ λ_d m ℓ / Σ λ_d m``. None: every depth 1 for P-EAGLE; for DFlash
+    the DFlash paper's ``exp(-d / 4)`` (speculators' ``fixed-exp-decay`` with its ``dflash_decay_gamma`` 4)."""
     loss_chunk_size: int = 2048
     """Elements per logits chunk in the loss (``--loss-chunk-size``)."""
     gradient_checkpointing: bool = False
@@ -379,7 +418,10 @@ class TrainConfig:
 
     @property
     def depth_weights(self) -> tuple[float, ...] | None:
-        """The per-depth loss weights of ``--depth-weights`` (:func:`depth_weight_values`), None: all 1."""
+        """The per-depth loss weights of ``--depth-weights`` (:func:`depth_weight_values`), None: all 1; DFlash
+        unset: :data:`DFLASH_DECAY_GAMMA`'s ``exp(-d / γ)``."""
+        if self.optim.depth_weights is None and self.model.method == "dflash":
+            return tuple(math.exp(-d / DFLASH_DECAY_GAMMA) for d in range(self.model.num_depths))
         return depth_weight_values(self.optim.depth_weights, self.model.num_depths)
 
     def to_dict(self) -> dict[str, Any]:

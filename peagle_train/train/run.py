@@ -43,11 +43,11 @@ from peagle_train.data.segment_hashes import training_segment_hashes
 from peagle_train.data.split import SPLIT_BLOCKS, SPLIT_CONVERSATIONS, SPLIT_RULES, validation_size
 from peagle_train.data.stream import StreamingStore, make_plan, mark_consumed, rerun_note
 from peagle_train.model.attention import resolve_attention_backend
-from peagle_train.model.checkpoint import latest_checkpoint, load_drafter, load_training_state
-from peagle_train.model.drafter import PEagleDrafter
+from peagle_train.model.checkpoint import latest_checkpoint, load_training_state
 from peagle_train.model.mask_token import MaskToken, resolve_mask_token
 from peagle_train.model.warm_start import InitSource, copy_verifier_layers, load_init_weights
 from peagle_train.train.config import TrainConfig
+from peagle_train.train.kinds import drafter_kind
 from peagle_train.train.loss import LogitTransform
 from peagle_train.train.metrics import MetricsLog, resolve_trackers
 from peagle_train.train.setup import (build_draft_vocab, build_drafter_config, check_before_weights,
@@ -308,7 +308,7 @@ def load_trainer(plan: TrainPlan, claimed: list[tuple[Path, bool]] | None = None
     run.info.update(verifier_logit_transform={"scale": transform.scale, "softcap": transform.softcap})
     del heads
     if state is not None:
-        model.load_state_dict(load_drafter(resume_from).state_dict())
+        model.load_state_dict(drafter_kind(cfg.model.method).load(resume_from).state_dict())
     trainer = Trainer(cfg, model, verifier_head, accelerator=plan.accelerator, attention=plan.attention,
                       max_steps=plan.max_steps, warmup=cfg.optim.warmup_steps, run=run,
                       logit_transform=None if transform.identity else transform)
@@ -436,13 +436,13 @@ def _saved_init_record(checkpoint) -> dict[str, Any] | None:
 
 
 def _drafter(cfg: TrainConfig, heads, store, d2t: torch.Tensor | None, D: int,
-             device, init: InitSource | None = None) -> tuple[PEagleDrafter, torch.Tensor]:
-    """The drafter initialised from the verifier's heads (``torch.manual_seed(cfg.run.seed)`` first: the
+             device, init: InitSource | None = None) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The drafter of the run's kind (``--method``) initialised from the verifier's heads (``torch.manual_seed(cfg.run.seed)`` first: the
     init is the only draw of the global generator), then from the ``--init-from`` drafter's weights (those
     its layout lacks keep the fresh init: :func:`peagle_train.model.warm_start.load_init_weights`), and the
     verifier's ``[D, H]`` head rows on ``device``."""
     torch.manual_seed(cfg.run.seed)
-    model = PEagleDrafter(build_drafter_config(heads, store, cfg, D))
+    model = drafter_kind(cfg.model.method).new_drafter(build_drafter_config(heads, store, cfg, D), cfg)
     model.init_from_verifier(heads.embed, heads.lm_head, d2t)
     if init is not None:
         load_init_weights(init, model)
@@ -502,7 +502,8 @@ def _start_run(cfg: TrainConfig, accelerator, store, sequence: BlockSequence, va
     # extracted or not), so a block extracted after the run started is known held out
     info = {"store": cfg.data.store, "stores": store_identities(store),
             "tokenizer": store.attrs.get("tokenizer") or {},  # what the drafter's token ids mean (peagle-eval checks it)
-            "seed": cfg.run.seed, "val_fraction": cfg.data.val_fraction, "num_depths": cfg.model.num_depths,
+            "seed": cfg.run.seed, "val_fraction": cfg.data.val_fraction, "method": cfg.model.method,
+            "block_size": cfg.model.block_size, "num_depths": cfg.model.num_depths,
             "max_anchors": cfg.data.max_anchors, "down_sample_ratio": cfg.data.down_sample_ratio,
             "down_sample_ratio_min": cfg.data.down_sample_ratio_min, "loss": cfg.optim.loss,
             "depth_weights": list(cfg.depth_weights) if cfg.depth_weights is not None else None,

@@ -22,11 +22,12 @@ import numpy as np
 import torch
 
 from peagle_train.data.multistore import StoreSet, store_identities
-from peagle_train.model.checkpoint import (CONFIG_FILE, check_servable, drafter_config_json, latest_checkpoint,
+from peagle_train.model.checkpoint import (CONFIG_FILE, latest_checkpoint,
                                            load_training_state, rope_from_layer_config)
 from peagle_train.model.config import ROPE_TYPES, DrafterConfig
 from peagle_train.model.warm_start import InitSource, check_verifier_layers, read_init_source
 from peagle_train.train.config import FIELD_DEFAULTS, TrainConfig, flat_settings
+from peagle_train.train.kinds import drafter_kind
 from stores.errors import InputError, PeagleError, StoreMismatchError
 from stores.features.feature_store import check_layer_convention
 from stores.runtime.model_cache import load_verifier, resolve_model
@@ -57,7 +58,7 @@ __all__ = [
 #: fields that must equal the saved ones for ``--resume`` to reproduce an uninterrupted run
 #: (``grad_accum`` may change with the number of processes: their product, the blocks of one step, may
 #: not; :func:`peagle_train.data.loader.resume_cursor` checks it)
-_RESUME_FIELDS = ("store", "max_steps", "num_depths", "down_sample_ratio", "down_sample_ratio_min",
+_RESUME_FIELDS = ("store", "max_steps", "method", "block_size", "num_depths", "down_sample_ratio", "down_sample_ratio_min",
                   "max_anchors", "lr", "warmup_steps", "weight_decay", "seed",
                   "draft_vocab_size", "num_layers", "drafter_layer", "val_fraction", "lazy_embedding", "grad_clip",
                   "mask_token_id", "train_embedding", "init_layers", "loss", "depth_weights", "epoch_order")
@@ -415,8 +416,9 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str, init: Init
         check_init_source(init, planned, cfg, store)
     if cfg.model.init_layers == "verifier":
         check_verifier_layers(vc, planned, verifier_name)
-    check_servable(drafter_config_json(planned), None,
-                   f"peagle-train on {store.path} (layers {list(store.layers)}, verifier {verifier_name!r})")
+    kind = drafter_kind(cfg.model.method)
+    kind.check_servable(kind.config_json(kind.make_config(planned, cfg)), None,
+                        f"peagle-train on {store.path} (layers {list(store.layers)}, verifier {verifier_name!r})")
 
 
 def _check_verifier_shape(name: str, text_cfg, store) -> None:

@@ -29,15 +29,14 @@ import torch
 from peagle_train.data.cod import CodElements
 from peagle_train.data.loader import Block, BlockLoader, BlockSequence, data_state, derive_seed, resume_cursor, to_block
 from peagle_train.data.stream import evict_after_run, mark_consumed, planned_tokens, stream_save_due
-from peagle_train.model.checkpoint import prune_checkpoints, save_checkpoint, save_drafter
+from peagle_train.model.checkpoint import prune_checkpoints
 from peagle_train.model.drafter import PEagleDrafter
 from peagle_train.train.config import TrainConfig
+from peagle_train.train.kinds import drafter_kind
 from peagle_train.train.loss import LogitTransform, LossOutput
 from peagle_train.train.metrics import MetricsLog, plot_metrics, pooled_accuracy
 from peagle_train.train.optim import CosineWithWarmup, build_optimizer, clip_grad_norm
-from peagle_train.train.step import (
-    accumulate_step, add_sums, block_loss, block_to, cod_generator, gather_ids, sample_elements, summarise,
-)
+from peagle_train.train.step import accumulate_step, add_sums, block_to, cod_generator, gather_ids, summarise
 from stores.errors import NonFiniteError
 from stores.progress import progress
 from stores.features.stream_plan import StreamPlan
@@ -125,6 +124,7 @@ class Trainer:
 
             accelerator = Accelerator(cpu=True)
         self.cfg, self.accelerator, self.attention, self.run = cfg, accelerator, attention, run
+        self.kind = drafter_kind(cfg.model.method)  # samples, loss and checkpoint format of the drafter
         self.verifier_head, self.max_steps = verifier_head, max_steps
         self.logit_transform = logit_transform  # the verifier's soft-capping / logit scaling, None: identity
         self.warmup = warmup if warmup is not None else max_steps // 20
@@ -167,7 +167,7 @@ class Trainer:
         def micro_batches() -> Iterator[tuple[Block, CodElements]]:
             for block, gen in batches:
                 block = block_to(block, device)
-                elements = sample_elements(block, cfg, gen).to(device)
+                elements = self.kind.sample(block, cfg, gen).to(device)
                 seen.append(block.block_id)
                 sizes.append((block.n_tokens, len(elements)))
                 yield block, elements
@@ -209,9 +209,8 @@ class Trainer:
 
     def _loss(self, item: tuple[Block, CodElements]) -> LossOutput:
         with self.accelerator.autocast():
-            return block_loss(self.model, self.unwrapped.lm_head.weight, self.verifier_head, *item,
-                              self.cfg.model.num_depths, self.cfg.optim.loss_chunk_size, self.attention, self.logit_transform,
-                              self.cfg.optim.loss, self.cfg.depth_weights)
+            return self.kind.loss(self.model, self.unwrapped.lm_head.weight, self.verifier_head, *item, self.cfg,
+                                  self.attention, self.logit_transform)
 
     @torch.no_grad()
     def validate(self) -> dict[str, Any]:
@@ -229,10 +228,9 @@ class Trainer:
         scored = [int(b) for b in self.run.val_ids[: cfg.data.val_max_blocks]]
         for bid in scored:
             block = block_to(to_block(bid, self.run.store.read_block(bid)), device)
-            el = sample_elements(block, cfg, torch.Generator().manual_seed(derive_seed(cfg.run.seed, 2, bid))).to(device)
-            out = block_loss(self.unwrapped, self.unwrapped.lm_head.weight, self.verifier_head, block, el,
-                             cfg.model.num_depths, cfg.optim.loss_chunk_size, self.attention, self.logit_transform,
-                             cfg.optim.loss, cfg.depth_weights)
+            el = self.kind.sample(block, cfg, torch.Generator().manual_seed(derive_seed(cfg.run.seed, 2, bid))).to(device)
+            out = self.kind.loss(self.unwrapped, self.unwrapped.lm_head.weight, self.verifier_head, block, el, cfg,
+                                 self.attention, self.logit_transform)
             if not bool(torch.isfinite(out.loss_sum).all()):
                 nonfinite.append(bid)
             sums = add_sums(sums, {"loss_sum": out.loss_sum.float().reshape(1), "weight_sum": out.weight_sum.reshape(1),
@@ -284,8 +282,8 @@ class Trainer:
 
     def save(self, name: str) -> Path:
         """Save ``output/name`` (drafter and :meth:`state_dict`); prune old checkpoints (main rank)."""
-        path = save_checkpoint(self.unwrapped, self.run.output / name, self.state_dict(), self.training_info(),
-                               self.run.training_segments)
+        path = self.kind.save_checkpoint(self.unwrapped, self.run.output / name, self.state_dict(),
+                                         self.training_info(), self.run.training_segments)
         if self.cfg.run.save_total_limit is not None:
             prune_checkpoints(self.run.output, self.cfg.run.save_total_limit)
         return path
@@ -395,7 +393,7 @@ class Trainer:
                                      "planned_extractions": run.stream.plan.extractions(),
                                      "planned_extraction_tokens": planned_tokens(run.store, run.stream.plan),
                                      "read_wait_s": round(run.store.wait_s, 3), "evicted_at_end": evicted}
-        final = save_drafter(self.unwrapped, run.output / "final", self.training_info(), run.training_segments)
+        final = self.kind.save(self.unwrapped, run.output / "final", self.training_info(), run.training_segments)
         val = self.validate() if len(run.val_ids) else {}
         if val and not (run.resumed_from is not None and run.metrics.has_row("val", step)):
             run.metrics.record({"split": "val", "step": step, **val})  # once, also when a finished run is resumed

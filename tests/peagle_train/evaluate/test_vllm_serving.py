@@ -16,7 +16,11 @@ loading the drafter either way users do:
 | ``qwen3-layer`` | 2, 15, 27 | 2,048 | ``speculators`` (``--drafter-layer qwen3``: vLLM's ``PeagleQwen3ForCausalLM``) |
 | ``2-layer`` | 2, 15, 27 | 2,048 | ``speculative_config`` (``--num-layers 2``) |
 
-Each case asserts (a) vLLM's greedy output with the drafter equals its output without it, token for
+A DFlash drafter (``--method dflash --block-size K+1`` on the 3-aux store, draft vocab 2,048) is served too, in the
+same script with vLLM's ``method: dflash`` (one engine start more): its greedy output equals vLLM's without a drafter,
+every step drafting K.
+
+Each P-EAGLE case asserts (a) vLLM's greedy output with the drafter equals its output without it, token for
 token, and (b) vLLM's counters equal peagle's speculative decoding of the same request token ids, step
 by step: vLLM drafts K at every step and counts acceptances the output then cuts (at
 ``max_new_tokens`` or an EOS), peagle drafts ``min(K, left - 1)`` and counts only what is emitted, so
@@ -71,6 +75,9 @@ CASES = {  # name: (store, draft vocab or None for the full vocab, loading, more
     "2-layer": ("s3", 2048, "speculative_config", ["--num-layers", 2]),
 }
 STORES = {"s3": "2,15,27", "s2": "15,30", "s4": "2,15,27,30"}
+DFLASH = ("s3", 2048, ["--method", "dflash", "--block-size", K + 1])
+"""The DFlash drafter (``--method dflash``, blocks of K + 1: K drafts a step) served with vLLM's ``method: dflash``
+in the same script as the P-EAGLE cases (one engine start more)."""
 LOADED = {  # case: the drafter vLLM builds for it (class, decoder layers, attention), and its parameters no
     # checkpoint tensor fills (vLLM gives every layer a hidden_norm; its forward reads layer 0's only)
     "qwen3-layer": ("Eagle3Qwen3ForCausalLM", ["Qwen3Eagle3DecoderLayer"], "Qwen3Attention", []),
@@ -159,6 +166,11 @@ if __name__ == "__main__":  # vLLM spawns its engine process: the script must be
         out["cases"][name] = {**report, "case_s": time.perf_counter() - t}
         if name in job["inspect"]:
             out["cases"][name]["loaded"] = INSPECT.pop("loaded")
+    t = time.perf_counter()
+    run = ve.vllm_generate(ref.directory, ref.requests, job["max_new_tokens"], stop_token_ids=sorted(ref.eos),
+                           speculative_config={"model": job["dflash"], "method": "dflash",
+                                               "num_speculative_tokens": job["K"]}, concurrency=1, timed=False)
+    out["dflash"] = {"tokens": run.tokens, "per_request": run.per_request, "case_s": time.perf_counter() - t}
     json.dump(out, open(sys.argv[2], "w"), default=str)
 '''
 
@@ -188,9 +200,12 @@ def served(tmp_path_factory):
                           "--num-depths", K, "--val-fraction", 0, *(["--draft-vocab-size", vocab] if vocab else []),
                           *more])
         drafters[name] = work / name / "final"
+    _run(train_main, ["--store", work / f"{DFLASH[0]}.zarr", "--output", work / "dflash", "--max-steps", STEPS,
+                      "--val-fraction", 0, "--draft-vocab-size", DFLASH[1], *DFLASH[2]])
+    drafters["dflash"] = work / "dflash" / "final"
     job = {"prompts": str(REPO / "examples" / "prompts.jsonl"), "max_new_tokens": MAX_NEW_TOKENS,
            "num_prompts": NUM_PROMPTS, "cases": {n: [str(drafters[n]), CASES[n][2]] for n in CASES},
-           "inspect": list(LOADED)}
+           "inspect": list(LOADED), "dflash": str(drafters["dflash"]), "K": K}
     (work / "job.json").write_text(json.dumps(job))
     (work / "serve.py").write_text(SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",  # no hub
@@ -405,3 +420,56 @@ def test_peagle_eval_engine_vllm_starts_without_the_environment_and_prints_only_
     assert printed["acceptance_length"] == report["acceptance_length"]
     assert printed["vllm_memory"] == report["vllm_memory"] == {"kv_cache_memory_bytes": 2 * 2**30}
     assert "INFO" in proc.stderr  # vLLM's log went to stderr
+
+
+def _dflash_steps(drafter_dir, requests, outputs, verifier):
+    """peagle's DFlash drafter walked over each request's vLLM output as vLLM decodes it at T = 0: from the first
+    output token (the bonus of the prefill) as anchor, each step drafts K from the verifier's float32 aux features
+    of the rows before the anchor, accepts the drafts equal to the output, and anchors at the next bonus; the
+    accepted count of each step."""
+    from peagle_train.data.anchors import AnchorBlocks, block_inputs
+    from peagle_train.evaluate.speculative import aux_features
+    from peagle_train.evaluate.verifier import aux_hidden_states
+    from peagle_train.model.dflash_checkpoint import load_dflash
+
+    model, _ = verifier
+    drafter = load_dflash(drafter_dir).eval()
+    out = []
+    for prompt, tokens in zip(requests, outputs):
+        x = torch.tensor(list(prompt) + list(tokens))
+        n, T = len(x), len(x) + K + 1  # rows past the output: room for the last block's mask tokens
+        with torch.no_grad(), aux_hidden_states(model) as last:
+            g = aux_features(model(input_ids=x[None], output_hidden_states=True).hidden_states, last,
+                             drafter.config.aux_layer_ids)
+        g, ids = torch.cat([g, g.new_zeros(K + 1, g.shape[1])]), torch.cat([x, x.new_zeros(K + 1)])
+        p, accepted = len(prompt), []
+        while p < n:
+            inp = block_inputs(AnchorBlocks(torch.tensor([p]), K + 1), ids, torch.arange(T), torch.tensor([0, T]),
+                               torch.ones(T), drafter.config.mask_token_id)
+            with torch.no_grad():
+                hidden = drafter(g, torch.arange(T), inp.input_ids, inp.position_ids, inp.mask)
+            drafts = drafter.draft_ids[drafter.logits(hidden[1:]).argmax(-1)].tolist()
+            a = 0
+            while a < K and p + 1 + a < n and drafts[a] == int(x[p + 1 + a]):
+                a += 1
+            accepted.append(a)
+            p += a + 1
+        out.append(accepted)
+    return out
+
+
+def test_vllm_serves_the_dflash_drafter_exactly(served, verifier):
+    """A DFlash drafter trained by ``peagle-train --method dflash`` and served by vLLM 0.32 (``method: dflash``,
+    non-causal block attention as trained): vLLM's greedy output equals its output without a drafter, token for
+    token; every step drafts K = block_size - 1 tokens; and each step's accepted count is what peagle's drafter
+    accepts at that step (:func:`_dflash_steps`; vLLM drafts no step after the last output token, and counts
+    acceptances of its last step that the output then cuts, so that step's count is at least peagle's)."""
+    work, drafters, out = served
+    config = json.loads((drafters["dflash"] / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash" and config["block_size"] == K + 1
+    assert out["dflash"]["tokens"] == out["plain"]
+    ours = _dflash_steps(drafters["dflash"], out["requests"], out["dflash"]["tokens"], verifier)
+    for counts, mine in zip(out["dflash"]["per_request"], ours):
+        theirs = counts["accepted"]
+        assert set(counts["drafted"]) == {K} and len(theirs) == len(counts["drafted"]) >= 1
+        assert mine[:len(theirs) - 1] == theirs[:-1] and mine[len(theirs) - 1] <= theirs[-1], (mine, theirs)
