@@ -39,6 +39,12 @@ class EvalConfig:
     """Offline: most validation blocks scored; None = all."""
     chunk_anchors: int = 256
     """Offline: anchors whose chains run through the drafter at once (bounds memory)."""
+    all_anchor: bool = False
+    """Offline (--store): also score every chain of every supervised position against the verifier's argmax, the
+    all-anchor diagnostic (``simulated_acceptance_length``, ``per_depth_accuracy``...; reads the verifier's output
+    head, 1 GB in bf16 for an 8B verifier): the figure for a store whose turns are not the verifier's own answers,
+    such as a training store's held-out blocks. Without it the offline run replays the stored turns alone
+    (``replay``) and reads no verifier weights (--all-anchor)."""
     warmup: bool = True
     """Online: one short untimed generation first, so one-time costs do not count in tokens/s."""
     temperature: float = 0.0

@@ -87,7 +87,7 @@ def _evaluate(run: EvalRun, drafter: str, log: Callable[[str], None]) -> dict[st
         offline = run_offline_eval(drafter, run.store, max_blocks=s.max_blocks, verifier_name=run.verifier,
                                    num_depths=s.num_draft_tokens, chunk_anchors=s.chunk_anchors,
                                    progress_factory=_progress("offline eval", "block"), log=log,
-                                   max_new_tokens=s.max_new_tokens, seed=s.seed)
+                                   max_new_tokens=s.max_new_tokens, seed=s.seed, all_anchor=s.all_anchor)
     if run.prompts is not None and s.engine == "vllm":
         online = run_vllm_eval(drafter, run.verifier, run.prompts, s, log=log)
     elif run.prompts is not None:
@@ -115,6 +115,8 @@ def _offline_cost_model(drafter: str, store: str, offline: dict[str, Any], round
     """The ``cost_model`` from the offline acceptance (no acceptance of peagle's own decoder was measured), the
     steps timed with a KV cache of the first scored block's prompt (:func:`first_prompt_ids`); ``{"skipped":
     reason}`` when no anchor was scored."""
+    if "positions_scored" not in offline:
+        return {"skipped": "the offline cost model predicts from the all-anchor acceptance: give --all-anchor"}
     if not offline["positions_scored"]:
         return {"skipped": "the offline evaluation scored no anchor: no acceptance to predict from"}
     if config_recurrent_layers(load_model_config(offline["verifier"])):

@@ -47,7 +47,7 @@ EXACT = {
                       "--init-from", "--init-from-sha256", "--init-layers", "--report-to", "--resume", "--allow-incomplete", "--epoch-order",
                       "--force", "--max-store-bytes", "--epoch-policy", "--extract-from", "--layers", "--engine",
                       "--context", "--device", "--storage-dtype", "--stream-timeout-s"} | CONFIG_FILE,
-    ("eval", None): {"--drafter", "--verifier", "--prompts", "--store", "--output", "--force", "--max-new-tokens",
+    ("eval", None): {"--drafter", "--verifier", "--prompts", "--store", "--all-anchor", "--output", "--force", "--max-new-tokens",
                      "--num-prompts", "--num-draft-tokens", "--max-blocks", "--temperature", "--seed", "--engine",
                      "--concurrency", "--vllm-loading", "--vllm-kv-cache-gib", "--vllm-gpu-memory-utilization",
                      "--tree-topk", "--tree-nodes", "--measure-costs", "--no-measure-costs",
