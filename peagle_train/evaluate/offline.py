@@ -25,7 +25,7 @@ from peagle_train.model.checkpoint import load_drafter
 from stores.errors import StoreMismatchError
 from stores.features.feature_store import FeatureStore
 from stores.runtime.model_cache import load_output_head
-from stores.runtime.verifier_match import check_store_verifier, check_verifier_tokenizer
+from stores.runtime.verifier_match import check_store_verifier
 
 
 def _argmax_chunked(x: torch.Tensor, head: torch.Tensor, rows: int = 1024, vocab: int = 8192) -> torch.Tensor:
@@ -390,8 +390,8 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
     Raises:
         StoreFormatError: not a feature store or not a drafter checkpoint.
         StoreMismatchError: the store's layers / sizes do not fit the drafter; no done block; the
-            verifier's tokenizer is not the store's (:func:`stores.runtime.verifier_match.check_verifier_tokenizer`),
-            with ``all_anchor`` also its weights (:func:`stores.runtime.verifier_match.check_store_verifier`).
+            verifier is not the store's (:func:`stores.runtime.verifier_match.check_store_verifier`: its content
+            fingerprint, which reads 1 MB at both ends of each weight file, and its tokenizer).
     """
     EvalConfig(max_blocks=max_blocks, chunk_anchors=chunk_anchors, num_draft_tokens=num_depths)
     drafter = load_drafter(drafter_dir).eval()
@@ -410,10 +410,7 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
     if not name:
         raise StoreMismatchError(f"{store}: the store names no verifier; pass verifier_name")
     check_verifier_config(name, drafter)  # config alone
-    if all_anchor:
-        check_store_verifier(fs, name)  # the all-anchor targets come from this verifier's lm_head
-    else:
-        check_verifier_tokenizer(fs.attrs.get("tokenizer") or {}, f"the store {fs.path}", name)
+    check_store_verifier(fs, name)  # the store's turns are this verifier's answers (hashes its files, loads nothing)
     lm_head = load_output_head(name) if all_anchor else None  # [V, H] the verifier's dtype
     eos = verifier_eos_ids(name)
     replay = TurnReplay(checked_num_draft_tokens(num_depths, drafter), max_new_tokens, frozenset(eos), seed)
