@@ -381,6 +381,7 @@ def test_cli_offline_and_online(tiny_verifier, tiny_verifier_dir, tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["identical_to_greedy"] is True and report["num_prompts"] == 1
+    assert report["sampling"] == {"top_k": 0, "top_k_from": "off", "top_p": 1.0, "top_p_from": "off"}  # recorded
     assert report["offline"]["positions_scored"] == 8 + 4  # anchors a with m_{a+2} = 1: rows 2..15 are loss 1
     assert report["offline"]["blocks"] == [0] and report["offline"]["split"] == "all"
     no_record = ("the drafter's config.json records no training store: every done block is scored as split 'all'; "
