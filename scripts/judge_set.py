@@ -74,13 +74,22 @@ def stage_commands(a: argparse.Namespace, prompts: Path, stem: Path, temperature
     return [
         (answers, data + ["regenerate", str(prompts), "--verifier", a.verifier, "--output", str(answers),
                           "--turns", "all", "--temperature", str(temperature), "--seed", str(seed),
-                          "--max-new-tokens", str(a.max_new_tokens), "--batch-size", str(a.batch_size)]),
+                          "--max-new-tokens", str(a.max_new_tokens), "--batch-size", str(a.batch_size),
+                          *[x for name in ("top_k", "top_p") if getattr(a, name, None) is not None
+                            for x in (f"--{name.replace('_', '-')}", str(getattr(a, name)))]]),
         (packed, data + ["pack", str(answers), "--tokenizer", a.verifier, "--output", str(packed),
                          "--max-seq-len", str(a.max_seq_len), "--max-tokens", str(a.max_seq_len),
                          "--max-windows", "1"]),
         (store, data + ["extract", str(packed), "--verifier", a.verifier, "--output", str(store), "--context", "full",
                         *(["--layers", a.layers] if a.layers else [])]),
     ]
+
+
+def _sampling(stem: Path) -> dict | None:
+    """The sampling the run's answers were generated with (top-k / top-p and their source), from regenerate's
+    manifest."""
+    manifest = stem.with_suffix(".manifest.json")
+    return json.loads(manifest.read_text())["model"].get("sampling") if manifest.is_file() else None
 
 
 def make_run(a: argparse.Namespace, prompts: Path, stem: Path, temperature: float, seed: int) -> str:
@@ -99,7 +108,8 @@ def make_run(a: argparse.Namespace, prompts: Path, stem: Path, temperature: floa
     stem.with_suffix(".done.json").write_text(json.dumps({"store": str(stem.with_suffix(".zarr")), "temperature":
                                                           temperature, "seed": seed,
                                                           "max_new_tokens": a.max_new_tokens,
-                                                          "batch_size": a.batch_size}))
+                                                          "batch_size": a.batch_size,
+                                                          "sampling": _sampling(stem)}))
     return "made"
 
 
@@ -114,6 +124,9 @@ def main() -> None:
     ap.add_argument("--max-seq-len", type=int, default=4096)
     ap.add_argument("--batch-size", type=int, default=16, help="regenerate --batch-size (prompts per generate call)")
     ap.add_argument("--layers", default=None, help="extract --layers (default extract's)")
+    ap.add_argument("--top-k", type=int, default=None, help="regenerate --top-k (default: the verifier's "
+                    "generation_config.json, as vLLM serves it); recorded in each run's .done.json")
+    ap.add_argument("--top-p", type=float, default=None, help="regenerate --top-p (as --top-k)")
     ap.add_argument("--mtbench", type=Path, default=MTBENCH)
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     a = ap.parse_args()

@@ -74,3 +74,26 @@ def test_a_run_resumes_from_its_first_missing_stage(tmp_path, monkeypatch):
     (tmp_path / "humaneval-T0.packed").rmdir()  # interrupted: pack and everything after it again
     judge_set.make_run(_args(tmp_path), tmp_path / "p.jsonl", stem, 0.0, 0)
     assert ran[3:] == ["pack", "extract"]
+
+
+def test_top_k_and_top_p_pass_through_and_the_sampling_is_recorded(tmp_path, monkeypatch):
+    """--top-k / --top-p go to regenerate (unset: regenerate reads the verifier's generation config); each run's
+    .done.json records the sampling regenerate's manifest gives."""
+    a = _args(tmp_path)
+    a.top_k, a.top_p = 20, 0.95
+    (regen, argv), *_ = judge_set.stage_commands(a, tmp_path / "p.jsonl", tmp_path / "mtbench-T1-seed1", 1.0, 1)
+    assert argv[-4:] == ["--top-k", "20", "--top-p", "0.95"]
+    a.top_k = a.top_p = None
+    assert "--top-k" not in judge_set.stage_commands(a, tmp_path / "p.jsonl", tmp_path / "x", 1.0, 1)[0][1]
+    sampling = {"temperature": 1.0, "top_k": 20, "top_p": 0.95, "top_k_from": "generation_config"}
+
+    def fake_run(argv, **_):
+        out = Path(argv[argv.index("--output") + 1])
+        out.mkdir(exist_ok=True)
+        if argv[3] == "regenerate":
+            out.with_suffix(".manifest.json").write_text(json.dumps({"model": {"sampling": sampling}}))
+
+    monkeypatch.setattr(judge_set.subprocess, "run", fake_run)
+    stem = tmp_path / "mtbench-T1-seed1"
+    judge_set.make_run(a, tmp_path / "p.jsonl", stem, 1.0, 1)
+    assert json.loads(stem.with_suffix(".done.json").read_text())["sampling"] == sampling
