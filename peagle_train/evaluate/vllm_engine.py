@@ -352,15 +352,16 @@ def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int,
             return _run_engine(vllm, llm, prompts, max_new_tokens, stop_token_ids, concurrency, turns,
                                max_model_len, timed, log, model, VllmRun(tokens=[], start_s=time.perf_counter() - start,
                                                                         engine_settings={**settings, **mem}),
-                               temperature=temperature, seed=seed, tops=tops)
+                               temperature=temperature, seed=seed, tops=tops, truncation=truncation)
         finally:
             _shutdown(llm)
 
 
 def _run_engine(vllm, llm, prompts, max_new_tokens, stop_token_ids, concurrency, turns, max_model_len, timed, log,
-                model, run: VllmRun, *, temperature: float, seed: int, tops: bool) -> VllmRun:
+                model, run: VllmRun, *, temperature: float, seed: int, tops: bool,
+                truncation: Truncation = Truncation()) -> VllmRun:
     """The passes of :func:`vllm_generate` on the started engine ``llm``, filling ``run`` (``tops``: record the
-    top raw logits of every generated token)."""
+    top raw logits of every generated token; ``truncation``: each request's top-k / top-p)."""
     spec = llm.llm_engine.vllm_config.speculative_config
     run.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else None
     log(f"vLLM engine on {model} started in {run.start_s:.0f} s"
