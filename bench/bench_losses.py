@@ -244,7 +244,7 @@ def offline(store: str, run: Path) -> None:
     targets = [(d / "offline.json", d) for _, d in checkpoints(run)] + [(run / "offline.json", final_checkpoint(run))]
     for path, drafter in targets:
         if not path.exists():
-            rep = run_offline_eval(drafter, store, blocks=blocks)
+            rep = run_offline_eval(drafter, store, blocks=blocks, all_anchor=True)  # held-out training blocks
             rep["block_ids"] = rep.pop("blocks", None)
             path.write_text(json.dumps(rep, indent=1))
 
@@ -345,7 +345,7 @@ def replay(run: Path, judge: Path) -> None:
         for store in stores:
             made = json.loads(store.with_name(store.name[:-len(".zarr")] + ".done.json").read_text())
             rep = run_offline_eval(final_checkpoint(run), store, max_new_tokens=int(made["max_new_tokens"]))
-            per[store.name] = {**rep["replay"], "all_anchor_acceptance_length": rep["simulated_acceptance_length"]}
+            per[store.name] = {**rep["replay"], "all_anchor_acceptance_length": rep.get("simulated_acceptance_length")}
         accepted = sum(r.get("accepted", 0) for r in per.values())
         drafts = sum(r.get("num_drafts", 0) for r in per.values())
         path.write_text(json.dumps({"temperature": float(t), "acceptance_length": 1.0 + (accepted / drafts if drafts
