@@ -101,7 +101,7 @@ if has eval "$STAGES"; then
   for side in ${SIDES//,/ }; do
     d=$OUT/drafter_$side
     step "offline_$side" "$d/offline.json" peagle-eval --drafter "$d/final" --store "$OUT/held_full" \
-      --output "$d/offline.json" --no-measure-costs
+      --all-anchor --output "$d/offline.json" --no-measure-costs
     step "vllm_$side" "$d/vllm.json" env VLLM_CPU_KVCACHE_SPACE=2 "$VLLM_PY" -m cli.eval --drafter "$d/final" \
       --verifier smollm2-135m --prompts "$OUT/prompts.jsonl" --max-new-tokens 128 --engine vllm \
       --concurrency 1 --vllm-loading speculators --output "$d/vllm.json"

@@ -255,7 +255,7 @@ def offline(store: str, run: Path) -> None:
     targets = [(d / "offline.json", d) for _, d in checkpoints(run)] + [(run / "offline.json", final_checkpoint(run))]
     for path, drafter in targets:
         if not path.exists():
-            rep = run_offline_eval(drafter, store, blocks=blocks)
+            rep = run_offline_eval(drafter, store, blocks=blocks, all_anchor=True)  # held-out training blocks
             rep["block_ids"] = rep.pop("blocks", None)
             path.write_text(json.dumps(rep, indent=1))
 
@@ -387,7 +387,7 @@ def replay(run: Path, judge: Path, allow_contaminated: bool = False) -> None:
             if problems:
                 raise SystemExit(f"replay: {store} judging {final_checkpoint(run)}: {'; '.join(problems)} "
                                  "(--allow-contaminated judges trained-on conversations anyway)")
-            per[store.name] = {**rep["replay"], "all_anchor_acceptance_length": rep["simulated_acceptance_length"]}
+            per[store.name] = {**rep["replay"], "all_anchor_acceptance_length": rep.get("simulated_acceptance_length")}
         accepted = sum(r.get("accepted", 0) for r in per.values())
         drafts = sum(r.get("num_drafts", 0) for r in per.values())
         tmp = path.with_name(path.name + ".tmp")

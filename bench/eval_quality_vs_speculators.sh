@@ -23,7 +23,7 @@ for drafter in "$OUT"/*/; do
   last=$(cd "$drafter" && ls -d checkpoint-* | sed 's/^checkpoint-//' | sort -n | tail -1)
   if [[ ,$STAGES, == *,offline,* ]]; then
     for ckpt in "$drafter"/checkpoint-*; do
-      python -m cli.eval --drafter "$ckpt" --store "$HELD" --output "$ckpt/held_out.json" --force > /dev/null
+      python -m cli.eval --drafter "$ckpt" --store "$HELD" --all-anchor --output "$ckpt/held_out.json" --force > /dev/null
     done
   fi
   if [[ ,$STAGES, == *,online,* ]]; then

@@ -51,7 +51,7 @@ peagle-train --store "$OUT/features.zarr" --output "$OUT/drafter" --max-steps "$
   --num-depths "$NUM_DEPTHS" --draft-vocab-size "$DRAFT_VOCAB" --force > "$OUT/train_summary.json"
 
 echo "== 4/4 evaluate offline (held-out blocks) and online (speculative decoding, $NUM_PROMPTS prompts of $PROMPTS)"
-peagle-eval --drafter "$OUT/drafter/final" --verifier smollm2-135m --store "$OUT/features.zarr" \
+peagle-eval --drafter "$OUT/drafter/final" --verifier smollm2-135m --store "$OUT/features.zarr" --all-anchor \
   --prompts "$PROMPTS" --num-prompts "$NUM_PROMPTS" --max-new-tokens "$MAX_NEW_TOKENS" \
   "$COSTS" \
   --output "$OUT/eval.json" --force > /dev/null

@@ -57,7 +57,7 @@ HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{
 MANIFEST = "judge_set.json"
 """The judge set's parameters (:data:`RUN_PARAMETERS`, suites, samples, each suite's prompts SHA-256), in OUT."""
 RUN_PARAMETERS = ("verifier", "max_new_tokens", "batch_size", "max_seq_len", "layers", "num_prompts",
-                  "selection_seed")
+                  "selection_seed", "top_k", "top_p")
 """The options every run is made with, recorded in MANIFEST and in each run's ``.done.json``."""
 _MISSING = object()
 
@@ -119,13 +119,22 @@ def stage_commands(a: argparse.Namespace, prompts: Path, stem: Path, temperature
     return [
         (answers, data + ["regenerate", str(prompts), "--verifier", a.verifier, "--output", str(answers),
                           "--turns", "all", "--temperature", str(temperature), "--seed", str(seed),
-                          "--max-new-tokens", str(a.max_new_tokens), "--batch-size", str(a.batch_size)]),
+                          "--max-new-tokens", str(a.max_new_tokens), "--batch-size", str(a.batch_size),
+                          *[x for name in ("top_k", "top_p") if getattr(a, name, None) is not None
+                            for x in (f"--{name.replace('_', '-')}", str(getattr(a, name)))]]),
         (packed, data + ["pack", str(answers), "--tokenizer", a.verifier, "--output", str(packed),
                          "--max-seq-len", str(a.max_seq_len), "--max-tokens", str(a.max_seq_len),
                          "--max-windows", "1"]),
         (store, data + ["extract", str(packed), "--verifier", a.verifier, "--output", str(store), "--context", "full",
                         *(["--layers", a.layers] if a.layers else [])]),
     ]
+
+
+def answers_sampling(stem: Path) -> dict | None:
+    """The sampling the run's answers were generated with (top-k / top-p and their source), from regenerate's
+    manifest."""
+    manifest = stem.with_suffix(".manifest.json")
+    return json.loads(manifest.read_text())["model"].get("sampling") if manifest.is_file() else None
 
 
 def stage_state(output: Path) -> str:
@@ -190,7 +199,7 @@ def make_run(a: argparse.Namespace, prompts: Path, stem: Path, temperature: floa
             raise SystemExit(f"judge_set: {argv[3]} of {stem.name} left {output} incomplete; rerun to resume it")
         again = True
     FeatureStore.open(store, mode="r+").record_generation(a.max_new_tokens, temperature, seed)
-    write_text_atomic(done, json.dumps({"store": str(store), **record}, indent=1))
+    write_text_atomic(done, json.dumps({"store": str(store), **record, "sampling": answers_sampling(stem)}, indent=1))
     return "made"
 
 
@@ -305,6 +314,9 @@ def main() -> None:
     ap.add_argument("--max-seq-len", type=int, default=4096)
     ap.add_argument("--batch-size", type=int, default=16, help="regenerate --batch-size (prompts per generate call)")
     ap.add_argument("--layers", default=None, help="extract --layers (default extract's)")
+    ap.add_argument("--top-k", type=int, default=None, help="regenerate --top-k (default: the verifier's "
+                    "generation_config.json, as vLLM serves it); recorded in each run's .done.json")
+    ap.add_argument("--top-p", type=float, default=None, help="regenerate --top-p (as --top-k)")
     ap.add_argument("--mtbench", type=Path, default=MTBENCH)
     ap.add_argument("--redo", action="store_true",
                     help="redo the runs made with other parameters (default: such a rerun is refused)")

@@ -95,7 +95,7 @@ echo "== 6/6 evaluate: offline on the held-out store (each checkpoint), online o
 steps=$(cd "$OUT/drafter" && ls -d checkpoint-* | sed 's/^checkpoint-//' | sort -n)
 [[ -n $steps ]] || { echo "quality.sh: no checkpoint in $OUT/drafter" >&2; exit 1; }
 for step in $steps; do
-  peagle-eval --drafter "$OUT/drafter/checkpoint-$step" --store "$OUT/mt_bench.zarr" --num-draft-tokens "$DRAFT_TOKENS" \
+  peagle-eval --drafter "$OUT/drafter/checkpoint-$step" --store "$OUT/mt_bench.zarr" --all-anchor --num-draft-tokens "$DRAFT_TOKENS" \
     --output "$OUT/drafter/checkpoint-$step/held_out.json" --force > /dev/null
 done
 OMP_NUM_THREADS=1 peagle-eval --drafter "$OUT/drafter/final" --verifier smollm2-135m --prompts "$MT_BENCH" \

@@ -274,7 +274,7 @@ def stage_commands(args: argparse.Namespace, out: Path, resume: dict[str, bool],
                   *opt("--max-steps", args.steps), *opt("--lr", args.lr), *opt("--num-depths", args.num_depths),
                   *opt("--draft-vocab-size", args.draft_vocab_size),
                   *(force or (["--resume"] if resume["train"] else []))],
-        "eval": [*py, "cli.eval", *eval_args, "--store", str(out / "features.zarr"),
+        "eval": [*py, "cli.eval", *eval_args, "--store", str(out / "features.zarr"), "--all-anchor",
                  "--output", str(out / "eval.json")],
     }
     if vllm_py is not None:

@@ -17,14 +17,16 @@ checks the local back end against ``transformers serve`` and vLLM's server):
   with exponential backoff on connection errors, 408/409/429 and 5xx), at most ``concurrency``
   requests in flight per server, any free server taking the next request.
 
-Sampling means one thing in every back end (:func:`sampling_parameters`): ``softmax(z / T)`` over
-the whole vocabulary, argmax at T = 0, as ``peagle-eval``'s reference decoder
-(:func:`peagle_train.evaluate.speculative.plain_generate`): no top-k, top-p, min-p or repetition
-penalties. The verifier's ``generation_config.json`` (``repetition_penalty 1.3``, ``top_k 50``...)
-is not applied: the local back end generates with a generation config holding only the verifier's
-special token ids (the fields it ignored are recorded), and every request to a server states the
-neutral values (:data:`SERVER_KINDS`: vLLM applies the model's generation config to any field a
-request leaves out). What a server cannot be told is recorded in the manifest (``not_sent``).
+Sampling means one thing in every back end (:func:`sampling_parameters`): ``softmax(z / T)`` truncated by
+top-k and top-p as vLLM's sampler truncates it (``--top-k`` / ``--top-p``; locally unset: the verifier's
+``generation_config.json`` values, as a vLLM server applies them by default; off where neither sets them), argmax
+at T = 0, as ``peagle-eval``'s reference decoder (:func:`peagle_train.evaluate.speculative.plain_generate`): no
+min-p or repetition penalties. The rest of the verifier's ``generation_config.json`` (``repetition_penalty
+1.3``...) is not applied: the local back end generates with a generation config holding only the verifier's
+special token ids and the top-k / top-p (the fields it did not apply are recorded), and every request to a server
+states the values (:data:`SERVER_KINDS`: vLLM applies the model's generation config to any field a request leaves
+out). What a server cannot be told is recorded in the manifest (``not_sent``); a top-k it cannot be told is
+refused.
 
 Token ids: the local back end and vLLM (``return_token_ids``) return the ids the verifier
 generated (``Answer.token_ids``, end-of-sequence id included); ``regenerate`` writes them beside
@@ -53,7 +55,7 @@ from typing import Any
 from stores.chat.answer_parsing import AnswerFormatError, check_reasoning_parser, parse_answer, parse_think
 from stores.chat.chat_template import ChatTemplate, prompt_ids
 from stores.errors import InputError, MissingDependencyError
-from stores.runtime.model_cache import load_tokenizer, load_verifier, resolve_model
+from stores.runtime.model_cache import load_generation_config, load_tokenizer, load_verifier, resolve_model
 from stores.runtime.model_identity import legacy_model_fingerprint, model_fingerprint
 
 __all__ = ["Request", "Answer", "BackendConfig", "LocalBackend", "ServerBackend", "split_reasoning", "server_base_url",
@@ -77,35 +79,58 @@ _NOT_SENT = {
 null field of the sent ``generation_config`` from the model's file): the server's own defaults apply."""
 
 
-def sampling_parameters(temperature: float) -> dict[str, Any]:
+def sampling_parameters(temperature: float, top_k: int = 0, top_p: float = 1.0) -> dict[str, Any]:
     """The effective sampling parameters of every back end at ``temperature`` (recorded in the
-    manifest): ``softmax(z / T)`` over the whole vocabulary (greedy at 0), nothing else.
+    manifest): ``softmax(z / T)`` over the tokens top-k and top-p keep (vLLM's rule; greedy at 0), nothing else.
 
-    ``top_k`` 0 is off (vLLM's and transformers' value for it)."""
-    return {"temperature": float(temperature), "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
-            "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    ``top_k`` 0 is off (vLLM's and transformers' value for it), ``top_p`` 1 is off."""
+    return {"temperature": float(temperature), "top_p": float(top_p), "top_k": int(top_k), "min_p": 0.0,
+            "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
-def sampling_record(temperature: float | dict[str, float]) -> dict[str, Any]:
+def sampling_record(temperature: float | dict[str, float], top_k: int = 0, top_p: float = 1.0,
+                    sources: dict[str, str] | None = None) -> dict[str, Any]:
     """The manifest's ``sampling``: :func:`sampling_parameters`, with a temperature mixture (``{"0.6":
-    0.3, ...}``, drawn per row) as its ``temperature``."""
+    0.3, ...}``, drawn per row) as its ``temperature``, and where top-k and top-p came from (``sources``:
+    ``top_k_from`` / ``top_p_from``: ``option``, ``generation_config`` or ``off``)."""
+    out = sampling_parameters(1.0 if isinstance(temperature, dict) else temperature, top_k, top_p)
     if isinstance(temperature, dict):
-        return {**sampling_parameters(1.0), "temperature": dict(temperature)}
-    return sampling_parameters(temperature)
+        out["temperature"] = dict(temperature)
+    return {**out, **(sources or {})}
 
 
-def _neutral_generation_config(temperature: float, max_new_tokens: int) -> dict[str, Any]:
+def _truncation(given: dict[str, Any], served: dict[str, Any]) -> tuple[int, float, dict[str, str]]:
+    """``(top_k, top_p, sources)``: each given value (not None), else the ``served`` generation config's (its
+    non-default fields), else off; vLLM's top_k -1 is 0 (off).
+
+    Raises:
+        InputError: top_k < 0 or top_p outside (0, 1]."""
+    values, sources = {}, {}
+    for name, off in (("top_k", 0), ("top_p", 1.0)):
+        value, source = (given.get(name), "option") if given.get(name) is not None else \
+            (served.get(name), "generation_config") if served.get(name) is not None else (off, "off")
+        values[name], sources[f"{name}_from"] = value, source
+    raw_k, top_p = int(values["top_k"]), float(values["top_p"])
+    if raw_k < -1 or not 0 < top_p <= 1:
+        raise InputError(f"top_k {raw_k} / top_p {top_p}: top_k must be >= 0 (0: off) and top_p in (0, 1] (1: off)",
+                         field="--top-k" if raw_k < -1 else "--top-p")
+    return max(raw_k, 0), top_p, sources
+
+
+def _neutral_generation_config(temperature: float, max_new_tokens: int, top_k: int = 0,
+                               top_p: float = 1.0) -> dict[str, Any]:
     """transformers ``GenerationConfig`` fields for :func:`sampling_parameters`: every logits
-    processor a model's generation config can switch on, set to its neutral value (the sampling
-    warpers only at T > 0: greedy decoding does not use them)."""
+    processor a model's generation config can switch on, set to its neutral value but top-k / top-p (the sampling
+    warpers only at T > 0: greedy decoding does not use them; transformers' temperature, top-k and top-p warpers
+    apply vLLM's rule in vLLM's order)."""
     out: dict[str, Any] = {
         "do_sample": temperature > 0, "num_beams": 1, "num_beam_groups": 1, "diversity_penalty": 0.0,
         "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
         "encoder_no_repeat_ngram_size": 0, "length_penalty": 1.0, "min_new_tokens": 0, "renormalize_logits": False,
         "remove_invalid_values": False, "max_new_tokens": max_new_tokens}
     if temperature > 0:
-        out.update(temperature=float(temperature), top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, epsilon_cutoff=0.0,
-                   eta_cutoff=0.0)
+        out.update(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), min_p=0.0, typical_p=1.0,
+                   epsilon_cutoff=0.0, eta_cutoff=0.0)
     return out
 
 
@@ -230,19 +255,23 @@ class BackendConfig:
                 raise ValueError(f"{name} must be >= {least}, got {value}")
 
     def make(self, max_new_tokens: int, temperature: float | dict[str, float],
-             reasoning_parser: str | None = None) -> LocalBackend | ServerBackend:
+             reasoning_parser: str | None = None, top_k: int | None = None,
+             top_p: float | None = None) -> LocalBackend | ServerBackend:
         """The back end (loads the local verifier, or connects to the servers); ``temperature`` a float or
         a mixture (each request then states its own); ``reasoning_parser``: how answers are parsed
-        (:mod:`stores.chat.answer_parsing`)."""
+        (:mod:`stores.chat.answer_parsing`); ``top_k`` / ``top_p``: None: the local verifier's generation config
+        (with ``--tokenizer``, that MODEL's for servers), else off."""
         if self.verifier:
             return LocalBackend(self.verifier, max_new_tokens, temperature, batch_size=self.batch_size,
-                                device=self.device, reasoning_parser=reasoning_parser)
+                                device=self.device, reasoning_parser=reasoning_parser, top_k=top_k, top_p=top_p)
         tokenizer = None
         if self.tokenizer:
             tokenizer = load_tokenizer(self.tokenizer)
+        served = load_generation_config(self.tokenizer).to_diff_dict() if self.tokenizer else {}
         backend = ServerBackend(list(self.servers), self.served_model, max_new_tokens, temperature,
                                 concurrency=self.concurrency, retries=self.retries, timeout=self.timeout,
-                                tokenizer=tokenizer, kind=self.server_kind, reasoning_parser=reasoning_parser)
+                                tokenizer=tokenizer, kind=self.server_kind, reasoning_parser=reasoning_parser,
+                                truncation=_truncation({"top_k": top_k, "top_p": top_p}, served))
         if self.tokenizer:
             backend.record["tokenizer"] = self.tokenizer
         return backend
@@ -259,13 +288,17 @@ class LocalBackend:
         device: ``cpu``, ``cuda``...; default ``cuda`` when available.
         reasoning_parser: vLLM's ``--reasoning-parser`` name the answers are parsed with
             (:func:`stores.chat.answer_parsing.parse_answer`); None: see :meth:`answer_of`.
+        top_k, top_p: the truncation at T > 0 (vLLM's rule); None: the verifier's ``generation_config.json`` value,
+            as a vLLM server applies it by default, else off (recorded with its source).
 
     Raises:
         ModelNotFoundError, MissingDependencyError: the verifier cannot be loaded.
+        InputError: top_k / top_p out of range.
     """
 
     def __init__(self, verifier: str, max_new_tokens: int, temperature: float | dict[str, float], batch_size: int = 16,
-                 device: str | None = None, reasoning_parser: str | None = None):
+                 device: str | None = None, reasoning_parser: str | None = None, top_k: int | None = None,
+                 top_p: float | None = None):
         from transformers import GenerationConfig
 
         check_reasoning_parser(reasoning_parser)
@@ -275,11 +308,12 @@ class LocalBackend:
         self.model = load_verifier(verifier, device=device)
         self.max_new_tokens, self.temperature, self.batch_size = max_new_tokens, temperature, batch_size
         own = self.model.generation_config
+        self.top_k, self.top_p, sources = _truncation({"top_k": top_k, "top_p": top_p}, own.to_diff_dict())
         # generate() fills every field a call leaves unset from model.generation_config: keep only
-        # the verifier's special token ids there, so none of its sampling settings can apply
+        # the verifier's special token ids there, so none of its other sampling settings can apply
         self.model.generation_config = GenerationConfig(**{k: getattr(own, k, None) for k in _SPECIAL_FIELDS})
         ignored = {k: v for k, v in own.to_diff_dict().items()
-                   if k not in _SPECIAL_FIELDS and k not in _NOT_SAMPLING}
+                   if k not in _SPECIAL_FIELDS and k not in _NOT_SAMPLING and k not in ("top_k", "top_p")}
         directory = resolve_model(verifier)
         # the whole-file fingerprint an output begun before the verifier's identity was recorded holds
         self.legacy_fingerprint = legacy_model_fingerprint(directory)
@@ -287,7 +321,7 @@ class LocalBackend:
                        "verifier_fingerprint": model_fingerprint(directory),
                        "device": str(self.model.device), "dtype": str(self.model.dtype).replace("torch.", ""),
                        "batch_size": batch_size,  # batches are padded: a resumed greedy run needs the same
-                       "sampling": sampling_record(temperature), "not_sent": [],
+                       "sampling": sampling_record(temperature, self.top_k, self.top_p, sources), "not_sent": [],
                        "verifier_generation_config_ignored": ignored, "token_ids": True}
         cfg = self.model.config.get_text_config()
         self.max_positions = getattr(cfg, "max_position_embeddings", None)
@@ -337,7 +371,7 @@ class LocalBackend:
 
         if temperature is None:
             temperature = self._temperature(Request(messages=[]))
-        return GenerationConfig(**_neutral_generation_config(temperature, self.max_new_tokens),
+        return GenerationConfig(**_neutral_generation_config(temperature, self.max_new_tokens, self.top_k, self.top_p),
                                 pad_token_id=pad, eos_token_id=sorted(self.eos_ids))
 
     def _generate_batch(self, prompts: list[list[int]], requests: list[Request], temperature: float) -> list[Answer]:
@@ -450,6 +484,7 @@ class ServerBackend:
             content of a server that returned no reasoning of its own (one started without
             ``--reasoning-parser``), as vLLM's parser of that name would; None: :func:`split_reasoning`.
             ``openai_gptoss`` is refused: a server's text has no Harmony tokens left to parse.
+        truncation: ``(top_k, top_p, sources)`` stated in every request (:func:`sampling_parameters`).
 
     Raises:
         MissingDependencyError: the ``openai`` package is missing.
@@ -459,7 +494,8 @@ class ServerBackend:
 
     def __init__(self, urls: list[str], model: str | None, max_new_tokens: int, temperature: float | dict[str, float],
                  concurrency: int = 8, retries: int = 5, timeout: float = 600.0, tokenizer=None,
-                 kind: str = "auto", reasoning_parser: str | None = None):
+                 kind: str = "auto", reasoning_parser: str | None = None,
+                 truncation: tuple[int, float, dict[str, str]] = (0, 1.0, {})):
         try:
             import openai
         except ImportError as e:  # pragma: no cover - a dependency of peagle
@@ -486,10 +522,16 @@ class ServerBackend:
             owners = {getattr(m, "owned_by", None) for m in listed}
             kind = "vllm" if owners == {"vllm"} else "openai"
         self.kind = kind
-        self.params = None if isinstance(temperature, dict) else _request_params(kind, temperature, max_new_tokens)
+        self.top_k, self.top_p, sources = truncation
+        if kind == "openai" and self.top_k:
+            raise InputError(f"top_k {self.top_k} cannot be sent to an OpenAI-API server (the API has no top_k field): "
+                             "give --server-kind vllm or transformers, or --top-k 0", field="--top-k")
+        self.params = None if isinstance(temperature, dict) else _request_params(kind, temperature, max_new_tokens,
+                                                                                  self.top_k, self.top_p)
         self.record = {"backend": "server", "servers": self.bases, "model": self.model,
                        "concurrency": concurrency, "retries": retries, "server_kind": kind,
-                       "sampling": sampling_record(temperature), "not_sent": list(_NOT_SENT[kind]),
+                       "sampling": sampling_record(temperature, self.top_k, self.top_p, sources),
+                       "not_sent": list(_NOT_SENT[kind]),
                        "token_ids": kind == "vllm"}
 
     def _models(self, required: bool) -> list:
@@ -527,7 +569,7 @@ class ServerBackend:
         try:
             kwargs = {"tools": request.tools} if request.tools else {}
             params = self.params if request.temperature is None else _request_params(
-                self.kind, request.temperature, self.max_new_tokens)
+                self.kind, request.temperature, self.max_new_tokens, self.top_k, self.top_p)
             params = _with_template_kwargs(params, request.chat_template_kwargs, self.kind)
             resp = self.clients[base].chat.completions.create(
                 model=self.model, messages=_wire_messages(request.messages), **params, **kwargs)
@@ -600,18 +642,19 @@ def check_effort_field(tokenizer, template_kwargs: dict[str, Any]) -> None:
             "--chat-template-kwargs (or --enable-thinking) too")
 
 
-def _request_params(kind: str, temperature: float, max_new_tokens: int) -> dict[str, Any]:
+def _request_params(kind: str, temperature: float, max_new_tokens: int, top_k: int = 0,
+                    top_p: float = 1.0) -> dict[str, Any]:
     """The ``chat.completions.create`` arguments that state :func:`sampling_parameters` to a
     server of ``kind`` (fields beyond the OpenAI API go in ``extra_body``)."""
-    p = sampling_parameters(temperature)
+    p = sampling_parameters(temperature, top_k, top_p)
     params: dict[str, Any] = {"max_tokens": max_new_tokens, "temperature": p["temperature"], "top_p": p["top_p"]}
     if kind == "vllm":
         params.update(presence_penalty=p["presence_penalty"], frequency_penalty=p["frequency_penalty"],
                       extra_body={"top_k": p["top_k"], "min_p": p["min_p"],
                                   "repetition_penalty": p["repetition_penalty"], "return_token_ids": True})
     elif kind == "transformers":  # it refuses unknown fields, maps frequency_penalty onto repetition_penalty
-        params["extra_body"] = {"generation_config": json.dumps(_neutral_generation_config(temperature,
-                                                                                           max_new_tokens))}
+        params["extra_body"] = {"generation_config": json.dumps(_neutral_generation_config(temperature, max_new_tokens,
+                                                                                           top_k, top_p))}
     else:
         params.update(presence_penalty=p["presence_penalty"], frequency_penalty=p["frequency_penalty"])
     return params

@@ -92,6 +92,13 @@ class RegenerateConfig:
     """0 is greedy (reproducible, resumable to the same file); else sampling; or a mixture, a JSON object
     ``{"0.6": 0.3, "1.0": 0.7}``: each row draws one from --seed and its id (weights normalised; recorded
     per row) (``--temperature``)."""
+    top_k: int | None = None
+    """Sampling at T > 0: keep the verifier's k most likely tokens, as vLLM's ``top_k`` (0: off); None: the local
+    verifier's ``generation_config.json`` value (with --server, the --tokenizer MODEL's), as a vLLM server applies it
+    by default, else off; recorded in the manifest's ``sampling`` with its source (``--top-k``)."""
+    top_p: float | None = None
+    """Sampling at T > 0: keep the most likely tokens up to this probability mass, as vLLM's ``top_p`` (1: off);
+    None: as --top-k, from the generation config (``--top-p``)."""
     turns: str = "all"
     """Regenerate every assistant turn (given the regenerated history), only the last one, or only the
     first one, ending the conversation after it (``--turns``)."""
@@ -137,6 +144,10 @@ class RegenerateConfig:
     reject. None: a think block is split off, other special tokens refused (``--reasoning-parser``)."""
 
     def __post_init__(self) -> None:
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError(f"--top-k must be >= 0 (0: off), got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1] (1: off), got {self.top_p}")
         object.__setattr__(self, "chat_template_kwargs", check_kwargs_names(self.chat_template_kwargs or {}))
         object.__setattr__(self, "temperature", normalised(self.temperature, "--temperature", temperature_value))
         for name, value in zip(("reasoning_effort", "enable_thinking", "template_mixture"),
@@ -519,7 +530,7 @@ def run_regenerate(run: RegenerateRun, make_backend: Callable[[], Any] | None = 
     if make_backend is None and run.backend is None:
         raise ValueError("run_regenerate needs run.backend or make_backend")
     backend = make_backend() if make_backend is not None else run.backend.make(cfg.max_new_tokens, cfg.temperature,
-                                                                                cfg.reasoning_parser)
+                                                                                cfg.reasoning_parser, cfg.top_k, cfg.top_p)
     if cfg.max_prompt_tokens is not None and getattr(backend, "tokenizer", None) is None:
         raise InputError("--max-prompt-tokens needs a tokenizer to count prompt tokens: with --server, "
                          "pass --tokenizer MODEL (the servers' model)")

@@ -47,6 +47,12 @@ class EvalConfig:
     (--allow-partial)."""
     chunk_anchors: int = 256
     """Offline: anchors whose chains run through the drafter at once (bounds memory)."""
+    all_anchor: bool = False
+    """Offline (--store): also score every chain of every supervised position against the verifier's argmax, the
+    all-anchor diagnostic (``simulated_acceptance_length``, ``per_depth_accuracy``...; reads the verifier's output
+    head, 1 GB in bf16 for an 8B verifier): the figure for a store whose turns are not the verifier's own answers,
+    such as a training store's held-out blocks. Without it the offline run replays the stored turns alone
+    (``replay``) and reads no verifier weights (--all-anchor)."""
     warmup: bool = True
     """Online: one short untimed generation first, so one-time costs do not count in tokens/s."""
     temperature: float = 0.0
@@ -55,6 +61,12 @@ class EvalConfig:
     """Online, T > 0: prompt turn i samples with generators seeded ``(seed, i)``; with a mode mixture
     (--reasoning-effort, --enable-thinking, --template-mixture) also each prompt's draw (--seed). Fixed by
     default (0) and recorded in the report, so a run repeats; another seed, another draw."""
+    top_k: int | None = None
+    """Online, T > 0: keep the verifier's k most likely tokens before sampling, as vLLM's ``top_k`` (0: off);
+    None: the verifier's ``generation_config.json`` value, as a vLLM server applies it by default (--top-k)."""
+    top_p: float | None = None
+    """Online, T > 0: keep the most likely tokens up to this probability mass, as vLLM's ``top_p`` (1: off); None:
+    the verifier's ``generation_config.json`` value, as a vLLM server applies it by default (--top-p)."""
     draft_sample_method: str = "greedy"
     """Online, T > 0: how drafts are picked, as vLLM's speculative config field: greedy (vLLM's default:
     the drafter's argmax, kept with probability p(draft)) or probabilistic (sampled from the drafter's
@@ -148,6 +160,10 @@ class EvalConfig:
             raise ValueError(f"chunk_anchors must be >= 1, got {self.chunk_anchors}")
         if not self.temperature >= 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError(f"--top-k must be >= 0 (0: off), got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1] (1: off), got {self.top_p}")
         if self.engine not in ENGINES:
             raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.vllm_loading not in VLLM_LOADINGS:

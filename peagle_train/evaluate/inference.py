@@ -39,8 +39,8 @@ import torch
 from peagle_train.evaluate.checks import (check_drafter_tokenizer, check_tree_verifier, check_verifier_config,
                                           trained_template_kwargs)
 from peagle_train.evaluate.prompts import eos_ids, render_messages, turn_text
-from peagle_train.evaluate.speculative import (GenerationResult, check_compatible, checked_num_draft_tokens,
-                                               plain_generate, speculative_generate)
+from peagle_train.evaluate.speculative import (GenerationResult, Truncation, check_compatible,
+                                               checked_num_draft_tokens, plain_generate, speculative_generate)
 from peagle_train.evaluate.vllm_engine import VllmSpeculativeEngine
 from peagle_train.evaluate.tree import TreeGenerationResult, TreeSpec, check_tree_supported, tree_depth, tree_generate
 from peagle_train.model.checkpoint import check_servable_checkpoint, find_drafter, load_drafter
@@ -356,12 +356,13 @@ class PEAGLEInference:
     # ------------------------------------------------------------------------------------ generation
     def _speculative(self, ids: list[int], max_new_tokens: int, temperature: float, generator,
                      on_tokens: Callable[[list[int]], None] | None,
-                     draft_sample_method: str = "greedy") -> GenerationResult:
+                     draft_sample_method: str = "greedy", truncation: Truncation = Truncation()) -> GenerationResult:
         if self.tree is not None:
             return tree_generate(self.verifier, self.drafter, ids, max_new_tokens, self.tree, self.K, self.eos,
                                  temperature, on_tokens=on_tokens)
         return speculative_generate(self.verifier, self.drafter, ids, max_new_tokens, self.K, self.eos, temperature,
-                                    generator, draft_sample_method=draft_sample_method, on_tokens=on_tokens)
+                                    generator, draft_sample_method=draft_sample_method, on_tokens=on_tokens,
+                                    truncation=truncation)
 
     def warm_up(self, ids: list[int]) -> None:
         """Two-token untimed generations, plain and speculative, so one-time costs do not count in tokens/s."""
@@ -372,7 +373,7 @@ class PEAGLEInference:
                      seed: int | None = None, measure_speedup: bool = False,
                      on_tokens: Callable[[list[int]], None] | None = None,
                      on_progress: Callable[[int], None] | None = None, top_logits: bool = False,
-                     draft_sample_method: str = "greedy"
+                     draft_sample_method: str = "greedy", truncation: Truncation = Truncation()
                      ) -> tuple[GenerationResult, GenerationResult | None]:
         """Speculative decoding of ``ids`` and, with ``measure_speedup``, plain decoding of the same ids first
         (each at ``temperature``, each with its own generator seeded ``seed``). ``on_tokens`` gets the
@@ -380,7 +381,8 @@ class PEAGLEInference:
         new tokens of both decodings (a progress bar). ``top_logits``: at T = 0 the plain decoding also records
         each step's largest logits (the near-tie rule of :mod:`~peagle_train.evaluate.identity`).
         ``draft_sample_method``: at T > 0, how drafts are picked (``greedy``, vLLM's default, or ``probabilistic``;
-        :func:`~peagle_train.evaluate.speculative.speculative_generate`).
+        :func:`~peagle_train.evaluate.speculative.speculative_generate`). ``truncation``: at T > 0, the top-k / top-p
+        of the verifier's distribution, for both decodings (:func:`~peagle_train.evaluate.speculative.target_probs`).
 
         Returns:
             ``(speculative, plain or None)`` records.
@@ -394,7 +396,7 @@ class PEAGLEInference:
                 for _ in range(2)]
         counted = (lambda tokens: on_progress(len(tokens))) if on_progress is not None else None
         plain = plain_generate(self.verifier, ids, max_new_tokens, self.eos, temperature, gens[0],
-                               top_logits=top_logits, on_tokens=counted) if measure_speedup else None
+                               top_logits=top_logits, on_tokens=counted, truncation=truncation) if measure_speedup else None
 
         def emitted(tokens: list[int]) -> None:
             if on_tokens is not None:
@@ -404,7 +406,7 @@ class PEAGLEInference:
 
         spec = self._speculative(ids, max_new_tokens, temperature, gens[1],
                                  emitted if (on_tokens is not None or counted is not None) else None,
-                                 draft_sample_method)
+                                 draft_sample_method, truncation)
         return spec, plain
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, temperature: float = 0.0, *,

@@ -18,21 +18,37 @@ from peagle_train.data.segment_hashes import count_in, segment_hashes
 from peagle_train.data.split import SPLIT_CONVERSATIONS
 from peagle_train.evaluate.checks import check_store_fits, check_verifier_config
 from peagle_train.evaluate.config import DEFAULT_MAX_NEW_TOKENS, EvalConfig
-from peagle_train.evaluate.prompts import eos_ids
+from peagle_train.evaluate.prompts import verifier_eos_ids
 from peagle_train.evaluate.replay import TurnReplay
 from peagle_train.evaluate.speculative import checked_num_draft_tokens
 from peagle_train.model.attention import element_attention
 from peagle_train.model.checkpoint import TRAINING_SEGMENTS_FILE, load_drafter, read_training_segments
 from stores.errors import StoreMismatchError
 from stores.features.feature_store import FeatureStore
-from stores.runtime.model_cache import load_tokenizer, load_verifier
+from stores.runtime.model_cache import load_output_head
 from stores.runtime.verifier_match import check_store_verifier
 
 
-def _argmax_chunked(x: torch.Tensor, head: torch.Tensor, rows: int = 1024) -> torch.Tensor:
-    """``argmax(x @ head^T)`` row by row in chunks: ``[N, H], [D, H] -> [N] int64``."""
-    out = [(x[i:i + rows].float().to(head.device) @ head.T).argmax(-1).cpu() for i in range(0, x.shape[0], rows)]
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+def _argmax_chunked(x: torch.Tensor, head: torch.Tensor, rows: int = 1024, vocab: int = 8192) -> torch.Tensor:
+    """``argmax(x @ head^T)`` in float32, ``[N, H], [V, H] -> [N] int64``, without a float32 copy of ``head``.
+
+    ``head`` stays in its own dtype (the verifier's); each ``vocab`` slice of it is upcast in turn and ``rows``
+    rows of ``x`` are scored against it, so at most ``rows x vocab`` logits and one upcast slice are alive. Ties
+    go to the lowest id, as ``torch.argmax``.
+    """
+    N = x.shape[0]
+    best = torch.full((N,), float("-inf"))
+    arg = torch.zeros(N, dtype=torch.long)
+    for v0 in range(0, head.shape[0], vocab):
+        part = head[v0:v0 + vocab].float()  # [Vc, H]
+        for r0 in range(0, N, rows):
+            logits = x[r0:r0 + rows].float().to(part.device) @ part.T  # [rows, Vc]
+            top, where = logits.max(-1)
+            top, where = top.cpu(), where.cpu()
+            better = top > best[r0:r0 + rows]  # strict: an earlier slice keeps a tie
+            best[r0:r0 + rows] = torch.where(better, top, best[r0:r0 + rows])
+            arg[r0:r0 + rows] = torch.where(better, where + v0, arg[r0:r0 + rows])
+    return arg
 
 
 #: the attention backend offline evaluation runs (a key of ``peagle_train.model.attention.ATTENTION_BACKENDS``):
@@ -138,7 +154,7 @@ class _OfflineTotals:
         }
 
 
-def evaluate_offline(drafter, blocks: Iterable, lm_head_weight: torch.Tensor, num_depths: int | None = None,
+def evaluate_offline(drafter, blocks: Iterable, lm_head_weight: torch.Tensor | None, num_depths: int | None = None,
                      chunk_anchors: int = 256, progress: Callable[[int], None] | None = None,
                      eos_token_ids: Iterable[int] = (), replay: TurnReplay | None = None,
                      conversation: Callable[[int, int], int] | None = None,
@@ -150,7 +166,9 @@ def evaluate_offline(drafter, blocks: Iterable, lm_head_weight: torch.Tensor, nu
         blocks: objects with ``input_ids, loss_mask, position_ids [T] int64``, ``cu_seqlens [S+1]``,
             ``aux_hidden [T, L, H]`` or ``[T, L*H]`` (bf16/float) and ``final_hidden [T, H]``
             (e.g. ``FeatureStore.read_block`` results).
-        lm_head_weight: ``[V, H]`` the verifier's lm_head; the argmax over all V rows is the target.
+        lm_head_weight: ``[V, H]`` the verifier's lm_head (any float dtype; kept in it), whose float32 argmax over
+            all V rows is the all-anchor target; None: no all-anchor figures (the replay needs only the stored
+            tokens: the verifier's own answers).
         num_depths: K chain length scored; default the drafter's ``num_depths``.
         chunk_anchors: anchors per drafter pass; each pass runs ``T + chunk * K`` elements through the
             split attention (no element×element mask).
@@ -166,10 +184,11 @@ def evaluate_offline(drafter, blocks: Iterable, lm_head_weight: torch.Tensor, nu
     Returns:
         ``per_depth_accuracy`` (K, None where no weight), ``per_depth_correct``,
         ``per_depth_weight``, ``per_position_acceptance`` (K conditional rates),
-        ``simulated_acceptance_length``, ``mean_accepted``, ``positions_scored``, ``num_depths``.
+        ``simulated_acceptance_length``, ``mean_accepted``, ``positions_scored``, ``num_depths``;
+        ``{}`` when ``lm_head_weight`` is None.
     """
     K = checked_num_draft_tokens(num_depths, drafter)
-    head = lm_head_weight.detach().float()  # [V, H]
+    head = None if lm_head_weight is None else lm_head_weight.detach()  # [V, H], its own dtype
     draft_ids = drafter.draft_ids.cpu()  # [D] verifier id of each draft id
     totals = _OfflineTotals(K)
     eos = torch.tensor(sorted({int(e) for e in eos_token_ids}), dtype=torch.long)
@@ -182,20 +201,11 @@ def evaluate_offline(drafter, blocks: Iterable, lm_head_weight: torch.Tensor, nu
             if n < 3:
                 continue
             seg_m = m[start:end]  # [n]
-            # The verifier's full-vocab argmax z_r for the rows whose next token carries weight: the
-            # only targets that are ever scored (an element's target row is label - 1).
-            rows = torch.nonzero(seg_m[1:] == 1).flatten()  # [R] local rows r with m_{r+1} = 1
-            target = torch.full((n,), -1, dtype=torch.long)
-            target[rows] = _argmax_chunked(block.final_hidden[start + rows], head)  # verifier ids
             pred = segment_predictions(drafter, block, start, n, K, chunk_anchors)  # [A, K] draft ids
             exists = pred >= 0
             drafted = torch.where(exists, draft_ids[pred.clamp_min(0)], torch.full_like(pred, -1))  # [A, K]
-            label = torch.arange(n - 2)[:, None] + torch.arange(K)[None, :] + 2  # [A, K] local x index
-            label = torch.where(exists, label, torch.zeros_like(label))
-            weight = exists & (seg_m[label] == 1)  # [A, K] w = m_{a+d+2}
-            correct = weight & (drafted == target[label - 1])  # target of (a, d) is argmax z_{a+d+1}
-            ends = exists & torch.isin(block.input_ids[start + label], eos)  # [A, K] target is an EOS
-            totals.add(correct, weight, ends)
+            if head is not None:
+                _score_all_anchors(totals, block, start, seg_m, drafted, head, eos)
             if replay is not None:
                 key = conversation(j, k) if conversation is not None else (j << 20) + k
                 replay.add_segment(key, block.input_ids[start:end].numpy(), seg_m.numpy(), drafted.numpy(),
@@ -203,7 +213,26 @@ def evaluate_offline(drafter, blocks: Iterable, lm_head_weight: torch.Tensor, nu
                                    whole(j, k) if whole is not None else True)
         if progress is not None:
             progress(1)
-    return totals.report()
+    return {} if head is None else totals.report()
+
+
+def _score_all_anchors(totals: _OfflineTotals, block, start: int, seg_m: torch.Tensor, drafted: torch.Tensor,
+                       head: torch.Tensor, eos: torch.Tensor) -> None:
+    """Add one segment's chains to ``totals``: ``seg_m [n]`` its loss mask, ``drafted [A, K]`` verifier ids (-1:
+    no element), ``head [V, H]`` the verifier's lm_head, ``eos [E]`` int64."""
+    n, K = seg_m.shape[0], totals.K
+    exists = drafted >= 0
+    # The verifier's full-vocab argmax z_r for the rows whose next token carries weight: the
+    # only targets that are ever scored (an element's target row is label - 1).
+    rows = torch.nonzero(seg_m[1:] == 1).flatten()  # [R] local rows r with m_{r+1} = 1
+    target = torch.full((n,), -1, dtype=torch.long)
+    target[rows] = _argmax_chunked(block.final_hidden[start + rows], head)  # verifier ids
+    label = torch.arange(n - 2)[:, None] + torch.arange(K)[None, :] + 2  # [A, K] local x index
+    label = torch.where(exists, label, torch.zeros_like(label))
+    weight = exists & (seg_m[label] == 1)  # [A, K] w = m_{a+d+2}
+    correct = weight & (drafted == target[label - 1])  # target of (a, d) is argmax z_{a+d+1}
+    ends = exists & torch.isin(block.input_ids[start + label], eos)  # [A, K] target is an EOS
+    totals.add(correct, weight, ends)
 
 
 @dataclass(frozen=True)
@@ -413,17 +442,22 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
                      num_depths: int | None = None, chunk_anchors: int = 256,
                      progress_factory: Callable[[int], Any] | None = None,
                      log: Callable[[str], None] = lambda m: None, max_new_tokens: int | None = None,
-                     seed: int = 0, allow_partial: bool = False) -> dict[str, Any]:
+                     seed: int = 0, allow_partial: bool = False, all_anchor: bool = False) -> dict[str, Any]:
     """Offline evaluation of a drafter checkpoint on a feature store (docs/design.md §9): the replayed
-    acceptance (``replay``, the primary figure on a judge store) and the all-anchor diagnostic.
+    acceptance (``replay``, the primary figure on a judge store) and, when asked, the all-anchor diagnostic.
+
+    The replay reads the store's tokens and features, the drafter, and the verifier's tokenizer and generation
+    config (its EOS ids): never the verifier's weights. Only ``all_anchor`` reads one weight of it, the output head
+    ``[V, H]`` in its own dtype (:func:`stores.runtime.model_cache.load_output_head`), and scores it in float32
+    slices (:func:`_argmax_chunked`).
 
     Args:
         drafter_dir: a drafter checkpoint directory.
         store: a feature store path.
         max_blocks: score at most this many of the selected blocks.
         blocks: score exactly these block ids (default: :func:`select_eval_blocks`).
-        verifier_name: MODEL whose lm_head builds the targets; default the store's
-            ``verifier.name_or_path``.
+        verifier_name: the store's verifier MODEL (its EOS ids; with ``all_anchor`` its output head builds the
+            targets); default the store's ``verifier.name_or_path``.
         num_depths: chain length K; default the drafter's.
         chunk_anchors, progress_factory: see :func:`evaluate_offline` / :func:`run_online_eval`.
         log: called with each warning of the block selection (another store, an incomplete one).
@@ -432,18 +466,22 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
             limit, else :data:`~peagle_train.evaluate.config.DEFAULT_MAX_NEW_TOKENS` (:func:`replay_max_new_tokens`).
         seed: the replay's bootstrap seed.
         allow_partial: score an incomplete store's extracted blocks (default: refused, :func:`check_complete`).
+        all_anchor: also score every chain of every supervised position against the verifier's argmax
+            (``--all-anchor``; the figures of :func:`evaluate_offline`, a diagnostic, and the only figure on a
+            store whose turns are not the verifier's own answers, such as a training store's held-out blocks).
 
     Returns:
-        The :func:`evaluate_offline` report (its ``simulated_acceptance_length`` is the all-anchor mean, a
-        diagnostic), ``replay`` (:meth:`~peagle_train.evaluate.replay.TurnReplay.report`), plus :meth:`BlockSelection.report` (``split``, ``blocks``,
-        ``store_blocks_done``, ``store_blocks_total``, ``warnings``), ``store``, ``drafter``, ``verifier``,
-        ``max_new_tokens`` and ``max_new_tokens_from`` (``store``, ``given`` or ``default``), ``contamination``
-        (:func:`contamination`).
+        ``all_anchor`` (bool), with it the :func:`evaluate_offline` report (its ``simulated_acceptance_length``
+        is the all-anchor mean, a diagnostic), ``replay`` (:meth:`~peagle_train.evaluate.replay.TurnReplay.report`),
+        plus :meth:`BlockSelection.report` (``split``, ``blocks``, ``store_blocks_done``, ``store_blocks_total``,
+        ``warnings``), ``store``, ``drafter``, ``verifier``, ``max_new_tokens`` and ``max_new_tokens_from``
+        (``store``, ``given`` or ``default``), ``contamination`` (:func:`contamination`).
 
     Raises:
         StoreFormatError: not a feature store or not a drafter checkpoint.
         StoreMismatchError: the store's layers / sizes do not fit the drafter; no done block; the
-            verifier is not the store's (:func:`stores.runtime.verifier_match.check_store_verifier`); an incomplete
+            verifier is not the store's (:func:`stores.runtime.verifier_match.check_store_verifier`: its content
+            fingerprint, which reads 1 MB at both ends of each weight file, and its tokenizer); an incomplete
             store without ``allow_partial``; ``max_new_tokens`` other than the store's recorded limit.
     """
     EvalConfig(max_blocks=max_blocks, chunk_anchors=chunk_anchors, num_draft_tokens=num_depths,
@@ -467,11 +505,10 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
     name = verifier_name or fs.attrs.get("verifier", {}).get("name_or_path")
     if not name:
         raise StoreMismatchError(f"{store}: the store names no verifier; pass verifier_name")
-    check_verifier_config(name, drafter)  # before the weights load
-    check_store_verifier(fs, name)  # the store's targets come from this verifier's lm_head
-    verifier = load_verifier(name, device="cpu")
-    lm_head = verifier.lm_head.weight.detach()  # [V, H]
-    eos = eos_ids(load_tokenizer(name), verifier)
+    check_verifier_config(name, drafter)  # config alone
+    check_store_verifier(fs, name)  # the store's turns are this verifier's answers (hashes its files, loads nothing)
+    lm_head = load_output_head(name) if all_anchor else None  # [V, H] the verifier's dtype
+    eos = verifier_eos_ids(name)
     replay = TurnReplay(checked_num_draft_tokens(num_depths, drafter), max_new_tokens, frozenset(eos), seed)
     keys = fs.segment_keys()
     conversation = None if keys is None else (lambda j, k: int(keys[ids[j], k]))
@@ -499,5 +536,5 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
         log(f"warning: replay: {sum(replay.refused.values())} assistant turn(s) not walked, as online decoding would "
             f"not produce them: {replay.refused}; first: {list(replay.first_refusal.values())[0]}")
     return {"drafter": str(drafter_dir), "store": str(store), "verifier": str(name), **chosen.report(), **report,
-            "replay": replayed, "max_new_tokens": max_new_tokens, "max_new_tokens_from": limit_from,
-            "contamination": contaminated}
+            "all_anchor": all_anchor, "replay": replayed, "max_new_tokens": max_new_tokens,
+            "max_new_tokens_from": limit_from, "contamination": contaminated}

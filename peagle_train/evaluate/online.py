@@ -17,7 +17,7 @@ from peagle_train.evaluate.identity import EXACT_DTYPES, compare_to_greedy, dtyp
 from peagle_train.evaluate.prompts import Prompt, history_message, prompt_modes, read_prompts, render_turn, turn_text
 from peagle_train.evaluate.report import per_mode_report, write_json
 from peagle_train.evaluate.inference import PEAGLEInference, load_for_decoding
-from peagle_train.evaluate.speculative import GenerationResult, acceptance_scheme
+from peagle_train.evaluate.speculative import GenerationResult, Truncation, acceptance_scheme, served_truncation
 from peagle_train.evaluate.tree import TreeGenerationResult, TreeSpec
 from peagle_train.model.checkpoint import load_drafter
 from stores.errors import InputError
@@ -125,7 +125,8 @@ def progress_total(prompts: Sequence[Prompt], max_new_tokens: int) -> int:
 
 
 def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], config: EvalConfig,
-                     progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+                     progress: Callable[[int], None] | None = None, truncation: Truncation = Truncation(),
+                     sampling: dict[str, Any] | None = None) -> dict[str, Any]:
     """Greedy baseline and speculative decoding on every turn of ``prompts``; compare and measure.
 
     Args:
@@ -142,6 +143,8 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
         progress: called with each decoding step's new tokens, of the plain decoding and of speculative
             decoding, and at a turn's end with both decodings' unused ``max_new_tokens``: a bar of total
             ``2 * max_new_tokens * turns`` tokens (:func:`progress_total`) advances within a turn.
+        truncation: at T > 0, the top-k / top-p of the verifier's distribution, both decodings
+            (:func:`~peagle_train.evaluate.speculative.served_truncation`); ``sampling`` its record for the report.
 
     Returns:
         The report (see :func:`run_online_eval`).
@@ -169,7 +172,8 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
             seed = _turn_seed(config.seed, len(per_prompt))
             spec, base = engine.generate_ids(ids, config.online_max_new_tokens(), T, seed=seed, measure_speedup=True,
                                              on_progress=progress, top_logits=tops,
-                                             draft_sample_method=config.draft_sample_method)
+                                             draft_sample_method=config.draft_sample_method,
+                                             truncation=truncation)
             totals.add(base, spec)
             check = None  # samples differ by design at T > 0
             if T == 0:
@@ -190,6 +194,7 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
         **report,
         **identity,
         "temperature": T,
+        "sampling": sampling or {"top_k": truncation.top_k, "top_p": truncation.top_p},
         "seed": config.seed if T > 0 else None,
         "draft_sample_method": config.draft_sample_method if T > 0 else None,
         "acceptance_scheme": acceptance_scheme(T, config.draft_sample_method),
@@ -232,7 +237,8 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
                     seed: int = 0, measure_costs: bool | None = True, tree_topk: list[int] | None = None,
                     tree_nodes: int | None = None, draft_sample_method: str = "greedy",
                     chat_template_kwargs: dict[str, Any] | None = None,
-                    reasoning_parser: str | None = None, mixture: dict[str, Any] | None = None) -> dict[str, Any]:
+                    reasoning_parser: str | None = None, mixture: dict[str, Any] | None = None,
+                    top_k: int | None = None, top_p: float | None = None) -> dict[str, Any]:
     """Online evaluation of a drafter checkpoint on a prompts file (docs/design.md §9).
 
     Args:
@@ -241,8 +247,9 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
             the drafter's config.
         prompts_file: MT-Bench or OpenAI-messages JSONL (see :func:`read_prompts`).
         max_new_tokens, num_prompts, num_draft_tokens, temperature, seed, measure_costs, tree_topk, tree_nodes,
-            draft_sample_method, chat_template_kwargs, reasoning_parser:
-            see :class:`EvalConfig` (here chat_template_kwargs None: none, the template's defaults).
+            draft_sample_method, chat_template_kwargs, reasoning_parser, top_k, top_p:
+            see :class:`EvalConfig` (here chat_template_kwargs None: none, the template's defaults; top_k / top_p
+            None: the verifier's generation_config.json values, as vLLM serves them; recorded as ``sampling``).
         mixture: the mode mixture, :class:`EvalConfig`'s ``reasoning_effort``, ``enable_thinking`` and
             ``template_mixture`` by name (None: every prompt in the fixed mode).
         output: also write the JSON report there.
@@ -269,7 +276,7 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
                         temperature=temperature, seed=seed, measure_costs=measure_costs, tree_topk=tree_topk,
                         tree_nodes=tree_nodes, draft_sample_method=draft_sample_method,
                         chat_template_kwargs=dict(chat_template_kwargs or {}), reasoning_parser=reasoning_parser,
-                        **(mixture or {}))
+                        top_k=top_k, top_p=top_p, **(mixture or {}))
     prompts = read_prompts(prompts_file, config.num_prompts)
     drafter = load_drafter(drafter_dir)
     name = verifier_name or drafter.config.verifier_name_or_path
@@ -279,12 +286,14 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
     if config.tree_topk is not None or config.tree_nodes is not None:
         check_tree_verifier(name)
     check_drafter_tokenizer(drafter_dir, name)
+    truncation, sampling = served_truncation(name, config.top_k, config.top_p)
     verifier, drafter = load_for_decoding(drafter, name)
     tokenizer = load_tokenizer(name)
     bar = progress_factory(progress_total(prompts, config.online_max_new_tokens())) if progress_factory else None
     try:
         report = evaluate_prompts(verifier, drafter, tokenizer, prompts, config,
-                                  progress=bar.update if bar is not None else None)
+                                  progress=bar.update if bar is not None else None, truncation=truncation,
+                                  sampling=sampling)
     finally:
         if bar is not None:
             bar.close()

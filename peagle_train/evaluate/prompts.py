@@ -6,12 +6,14 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from stores.chat.answer_parsing import AnswerFormatError, answer_message, parse_answer
 from stores.chat.chat_template import ChatTemplate, prompt_ids, render
 from stores.errors import InputError
 from stores.files import json_line_problem
+from stores.runtime.model_cache import load_generation_config, load_tokenizer
 from stores.tables.question_rows import QUESTION_FIELDS, QuestionRowError, question_id, question_turns
 from stores.chat.setting_mixtures import row_settings
 
@@ -169,6 +171,12 @@ def eos_ids(tokenizer, verifier) -> list[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(int(v) for v in value)
     return sorted(ids)
+
+
+def verifier_eos_ids(name: str) -> list[int]:
+    """:func:`eos_ids` of MODEL ``name`` from its tokenizer and generation config alone (no weights): the ids a
+    loaded verifier's ``generate`` stops at."""
+    return eos_ids(load_tokenizer(name), SimpleNamespace(generation_config=load_generation_config(name)))
 
 
 def answer_text(tokenizer, tokens: Sequence[int], eos: Iterable[int]) -> str:

@@ -105,21 +105,26 @@ def format_report(report: dict[str, Any]) -> str:
             "  accepted  " + " ".join(f"{_fmt(x):>6s}" for x in per_pos)])
         lines += _per_mode_lines(report.get("per_mode"))
         lines += _cost_lines(report)
-    off = report.get("offline", report if "simulated_acceptance_length" in report else None)
+    off = report.get("offline", report if "simulated_acceptance_length" in report or "replay" in report else None)
     if off:
-        K = off["num_depths"]
-        lines += [
-            f"offline: {count_of(len(off.get('blocks', [])), 'block')} ({off.get('split', '-')}{_store_state(off)}), "
-            f"{count_of(off['positions_scored'], 'position')}",
-            *_replay_lines(off.get("replay")),
-            f"  all-anchor acceptance length (diagnostic) {_fmt(off['simulated_acceptance_length'])}",
-            "  depth     " + " ".join(f"{i:>6d}" for i in range(K)),
-            "  accuracy  " + " ".join(f"{_fmt(x):>6s}" for x in off["per_depth_accuracy"]),
-            "  cond.acc  " + " ".join(f"{_fmt(x):>6s}" for x in off["per_position_acceptance"]),
-        ]
+        lines += [f"offline: {count_of(len(off.get('blocks', [])), 'block')} ({off.get('split', '-')}{_store_state(off)})"
+                  + (f", {count_of(off['positions_scored'], 'position')}" if "positions_scored" in off else ""),
+                  *_replay_lines(off.get("replay")), *_all_anchor_lines(off)]
         lines += _cost_lines(off)
     lines += _template_mode_lines(report.get("template_mode"))
     return "\n".join(lines)
+
+
+def _all_anchor_lines(off: dict[str, Any]) -> list[str]:
+    """The all-anchor diagnostic's lines (acceptance length, per-depth accuracy and conditional acceptance), or the
+    line saying it was not asked for."""
+    if "simulated_acceptance_length" not in off:
+        return ["  all-anchor diagnostic: not computed (--all-anchor; it reads the verifier's output head)"]
+    K = off["num_depths"]
+    return [f"  all-anchor acceptance length (diagnostic) {_fmt(off['simulated_acceptance_length'])}",
+            "  depth     " + " ".join(f"{i:>6d}" for i in range(K)),
+            "  accuracy  " + " ".join(f"{_fmt(x):>6s}" for x in off["per_depth_accuracy"]),
+            "  cond.acc  " + " ".join(f"{_fmt(x):>6s}" for x in off["per_position_acceptance"])]
 
 
 def _per_mode_lines(per_mode: dict[str, Any] | None) -> list[str]:
@@ -257,9 +262,10 @@ def _plot_title(report: dict[str, Any]) -> str:
         replayed = (off.get("replay") or {}).get("acceptance_length")
         if replayed is not None:
             lines.append(f"offline: replayed acceptance length {replayed:.3f}")
-        lines.append(f"offline: all-anchor acceptance length (diagnostic) {off['simulated_acceptance_length']:.3f} "
-                     f"({count_of(off['positions_scored'], 'position')}, "
-                     f"{count_of(len(off.get('blocks', [])), 'block')})")
+        if "simulated_acceptance_length" in off:
+            lines.append(f"offline: all-anchor acceptance length (diagnostic) {off['simulated_acceptance_length']:.3f} "
+                         f"({count_of(off['positions_scored'], 'position')}, "
+                         f"{count_of(len(off.get('blocks', [])), 'block')})")
     return "\n".join(lines)
 
 

@@ -88,14 +88,15 @@ def _evaluate(run: EvalRun, drafter: str, log: Callable[[str], None]) -> dict[st
         offline = run_offline_eval(drafter, run.store, max_blocks=s.max_blocks, verifier_name=run.verifier,
                                    num_depths=s.num_draft_tokens, chunk_anchors=s.chunk_anchors,
                                    progress_factory=_progress("offline eval", "block"), log=log,
-                                   max_new_tokens=s.max_new_tokens, seed=s.seed, allow_partial=s.allow_partial)
+                                   max_new_tokens=s.max_new_tokens, seed=s.seed, allow_partial=s.allow_partial,
+                                   all_anchor=s.all_anchor)
     if run.prompts is not None and s.engine == "vllm":
         online = run_vllm_eval(drafter, run.verifier, run.prompts, s, log=log)
     elif run.prompts is not None:
         online = run_online_eval(drafter, run.verifier, run.prompts, max_new_tokens=s.online_max_new_tokens(),
                                  num_prompts=s.num_prompts, num_draft_tokens=s.num_draft_tokens,
                                  progress_factory=_progress("online eval (plain + speculative)", "tok"), temperature=s.temperature,
-                                 seed=s.seed, measure_costs=s.measure_costs, tree_topk=s.tree_topk,
+                                 seed=s.seed, measure_costs=s.measure_costs, tree_topk=s.tree_topk, top_k=s.top_k, top_p=s.top_p,
                                  tree_nodes=s.tree_nodes, draft_sample_method=s.draft_sample_method,
                                  chat_template_kwargs=s.chat_template_kwargs, reasoning_parser=s.reasoning_parser,
                                  mixture={"reasoning_effort": s.reasoning_effort, "enable_thinking": s.enable_thinking,
@@ -116,6 +117,8 @@ def _offline_cost_model(drafter: str, store: str, offline: dict[str, Any], round
     """The ``cost_model`` from the offline acceptance (no acceptance of peagle's own decoder was measured), the
     steps timed with a KV cache of the first scored block's prompt (:func:`first_prompt_ids`); ``{"skipped":
     reason}`` when no anchor was scored."""
+    if "positions_scored" not in offline:
+        return {"skipped": "the offline cost model predicts from the all-anchor acceptance: give --all-anchor"}
     if not offline["positions_scored"]:
         return {"skipped": "the offline evaluation scored no anchor: no acceptance to predict from"}
     if config_recurrent_layers(load_model_config(offline["verifier"])):

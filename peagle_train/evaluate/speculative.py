@@ -58,8 +58,13 @@ from peagle_train.evaluate.verifier import (aux_hidden_states, keep_fed, new_cac
 from peagle_train.model.attention import DenseAttention
 from peagle_train.model.drafter import DrafterCache
 from stores.errors import InputError
+from stores.runtime.model_cache import load_generation_config
 
 __all__ = [
+    "Truncation",
+    "truncate_logits",
+    "target_probs",
+    "served_truncation",
     "GenerationResult",
     "DecodeContext",
     "DrafterSession",
@@ -251,16 +256,98 @@ def draft_tokens(drafter, tokens: torch.Tensor, aux: torch.Tensor, num_draft_tok
 
 
 # ------------------------------------------------------------------------------------------ sampling
+@dataclass(frozen=True)
+class Truncation:
+    """The top-k / top-p truncation of the verifier's distribution at T > 0, as vLLM's sampler applies a request's
+    ``top_k`` / ``top_p`` (:func:`truncate_logits`); the defaults are off. Greedy decoding (T = 0) is unchanged by
+    it (the argmax is always kept).
+
+    Raises:
+        ValueError: ``top_k < 0`` or ``top_p`` outside ``(0, 1]``, naming the option.
+    """
+
+    top_k: int = 0
+    """Keep the tokens whose logit is at least the k-th largest (ties at the k-th kept); 0 = off (--top-k)."""
+    top_p: float = 1.0
+    """Keep the most probable tokens, after top-k, up to probability mass top_p (at least one); 1 = off (--top-p)."""
+
+    def __post_init__(self) -> None:
+        if int(self.top_k) != self.top_k or self.top_k < 0:
+            raise ValueError(f"--top-k must be an integer >= 0 (0: off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1] (1: off), got {self.top_p}")
+
+    @property
+    def off(self) -> bool:
+        return self.top_k == 0 and self.top_p == 1.0
+
+
+def truncate_logits(logits: torch.Tensor, truncation: Truncation) -> torch.Tensor:
+    """``logits [..., V]`` (already divided by T) with the tokens outside top-k / top-p set to ``-inf``: vLLM 0.32's
+    ``apply_top_k_top_p_pytorch`` (``vllm/v1/sample/ops/topk_topp_sampler.py``, the rule its rejection sampler
+    applies to the verifier's logits): sort ascending; top-k masks the logits below the k-th largest; top-p masks
+    the sorted tokens whose cumulative probability (after top-k) is ``<= 1 - top_p``, the largest always kept.
+    A ``top_k >= V`` is off. Returns a new float32 tensor."""
+    out = logits.float().clone()
+    if truncation.off:
+        return out
+    V = out.shape[-1]
+    flat = out.reshape(-1, V)  # [N, V]
+    ordered, index = flat.sort(dim=-1, descending=False)  # [N, V]
+    if 0 < truncation.top_k < V:
+        kth = ordered[:, V - truncation.top_k].unsqueeze(1)  # [N, 1] the k-th largest
+        ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    if truncation.top_p < 1.0:
+        cum = ordered.softmax(dim=-1).cumsum(dim=-1)  # [N, V]
+        drop = cum <= 1 - truncation.top_p
+        drop[:, -1] = False
+        ordered = ordered.masked_fill(drop, float("-inf"))
+    return flat.scatter(-1, index, ordered).reshape(out.shape)
+
+
+def target_probs(logits: torch.Tensor, temperature: float, truncation: Truncation = Truncation()) -> torch.Tensor:
+    """The verifier's distribution at ``temperature > 0``: ``softmax(truncate(logits / T))`` float32 on CPU, the
+    distribution vLLM samples from and verifies drafts against (``logits [V]`` or ``[N, V]``)."""
+    return torch.softmax(truncate_logits(logits.float().cpu() / temperature, truncation), -1)
+
+
+def served_truncation(verifier_name: str, top_k: int | None = None,
+                      top_p: float | None = None) -> tuple[Truncation, dict[str, Any]]:
+    """The top-k / top-p a vLLM server of MODEL ``verifier_name`` applies by default, with the given ones in their
+    place: vLLM 0.32 (``--generation-config auto``, ``ModelConfig.get_diff_sampling_param``) takes a request's unset
+    ``top_k`` / ``top_p`` from the model's ``generation_config.json`` (else the one its ``config.json`` implies).
+
+    Returns:
+        ``(truncation, record)``: the record gives ``top_k``, ``top_p`` and where each came from (``option``,
+        ``generation_config``, or ``off``: neither sets it), for reports and manifests.
+
+    Raises:
+        ValueError: a value out of range (:class:`Truncation`).
+    """
+    own = load_generation_config(verifier_name)
+    values, record = {}, {}
+    for name, given, off in (("top_k", top_k, 0), ("top_p", top_p, 1.0)):
+        served = own.to_diff_dict().get(name)  # the values the file sets, as vLLM reads them
+        value, source = (given, "option") if given is not None else (served, "generation_config") \
+            if served is not None else (off, "off")
+        if name == "top_k" and value is not None and value < 0:  # vLLM's -1: off
+            value = 0
+        values[name] = value
+        record.update({name: value, f"{name}_from": source})
+    return Truncation(int(values["top_k"]), float(values["top_p"])), record
+
+
 def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One id from ``probs [V]`` (need not sum to 1)."""
     return int(torch.multinomial(probs.float().cpu(), 1, generator=generator))
 
 
-def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
-    """The next token from verifier ``logits [V]``: argmax at temperature 0, else a sample."""
+def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None,
+          truncation: Truncation = Truncation()) -> int:
+    """The next token from verifier ``logits [V]``: argmax at temperature 0, else a sample of :func:`target_probs`."""
     if temperature == 0:
         return int(logits.argmax())
-    return _sample(torch.softmax(logits.float() / temperature, -1), generator)
+    return _sample(target_probs(logits, temperature, truncation), generator)
 
 
 def propose_drafts(draft_logits: torch.Tensor, draft_ids: torch.Tensor, vocab_size: int, temperature: float,
@@ -284,7 +371,8 @@ def propose_drafts(draft_logits: torch.Tensor, draft_ids: torch.Tensor, vocab_si
 
 def accept_drafts(drafts: torch.Tensor, target_logits, temperature: float = 0.0,
                   draft_probs: torch.Tensor | None = None,
-                  generator: torch.Generator | None = None) -> tuple[int, torch.Tensor]:
+                  generator: torch.Generator | None = None,
+                  truncation: Truncation = Truncation()) -> tuple[int, torch.Tensor]:
     """Verify ``k`` drafts against the verifier: how many are kept, and the tokens the step emits.
 
     Rows of ``target_logits`` are read in order and only up to the first rejection.
@@ -293,7 +381,8 @@ def accept_drafts(drafts: torch.Tensor, target_logits, temperature: float = 0.0,
         drafts: ``[k] int64`` verifier ids.
         target_logits: ``[k+1, V]`` (a tensor, or anything whose ``[i]`` gives row i): the
             verifier's logits after ``x_{t+1}`` and after each draft.
-        temperature: 0 for greedy verification; T > 0 for rejection sampling of ``p = softmax(z / T)``.
+        temperature: 0 for greedy verification; T > 0 for rejection sampling of ``p = softmax(z / T)``, truncated
+            by ``truncation`` (:func:`target_probs`, as vLLM; the drafts' ``q`` is not truncated, as vLLM's).
         draft_probs: ``[k, V]`` the distributions the drafts were sampled from (T > 0,
             ``probabilistic``), or None: each draft taken as certain (q one-hot; ``greedy`` drafting).
         generator: the randomness (T > 0 only).
@@ -315,7 +404,7 @@ def accept_drafts(drafts: torch.Tensor, target_logits, temperature: float = 0.0,
             if best == x:
                 continue
             return i, torch.cat([drafts[:i], torch.tensor([best])])
-        p = torch.softmax(target_logits[i].float().cpu() / temperature, -1)  # [V]
+        p = target_probs(target_logits[i], temperature, truncation)  # [V]
         q_x = 1.0 if draft_probs is None else float(draft_probs[i, x])
         if float(torch.rand((), generator=generator)) * q_x < float(p[x]):
             continue  # kept with probability min(1, p/q)
@@ -327,7 +416,7 @@ def accept_drafts(drafts: torch.Tensor, target_logits, temperature: float = 0.0,
         if float(residual.sum()) <= 0:  # p == q up to rounding: any sample of p is right
             residual = p
         return i, torch.cat([drafts[:i], torch.tensor([_sample(residual, generator)])])
-    return k, torch.cat([drafts, torch.tensor([_pick(target_logits[k], temperature, generator)])])
+    return k, torch.cat([drafts, torch.tensor([_pick(target_logits[k], temperature, generator, truncation)])])
 
 
 def acceptance_scheme(temperature: float, draft_sample_method: str) -> str:
@@ -357,7 +446,8 @@ def _check_temperature(temperature: float) -> float:
 def plain_generate(verifier, prompt_ids, max_new_tokens: int, eos_token_id: int | Iterable[int] | None = None,
                    temperature: float = 0.0, generator: torch.Generator | None = None,
                    top_logits: bool = False,
-                   on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+                   on_tokens: Callable[[list[int]], None] | None = None,
+                   truncation: Truncation = Truncation()) -> GenerationResult:
     """Plain decoding with a KV cache, one verifier pass per token (the baseline).
 
     Args:
@@ -365,7 +455,8 @@ def plain_generate(verifier, prompt_ids, max_new_tokens: int, eos_token_id: int 
         prompt_ids: ``[P]`` int token ids.
         max_new_tokens: most tokens generated; generation also stops after an EOS token.
         eos_token_id: one id, several, or None.
-        temperature: 0 = greedy; T > 0 samples ``softmax(z / T)`` with ``generator``.
+        temperature: 0 = greedy; T > 0 samples ``softmax(z / T)`` truncated by ``truncation`` (:func:`target_probs`)
+            with ``generator``.
         top_logits: at T = 0, also record each step's largest logits (``GenerationResult.top_logits``).
         on_tokens: called with each new token, as a one-element list, as it is emitted (streaming, progress).
 
@@ -383,7 +474,7 @@ def plain_generate(verifier, prompt_ids, max_new_tokens: int, eos_token_id: int 
         cache = new_cache(verifier)
         logits, _ = verifier_pass(verifier, ids, cache, want_hidden=False, last_only=True)
         while True:
-            tokens.append(_pick(logits[-1], temperature, generator))
+            tokens.append(_pick(logits[-1], temperature, generator, truncation))
             if record:
                 top = torch.topk(logits[-1], min(TOP_K, logits.shape[-1]))
                 tops.append(dict(zip(top.indices.tolist(), top.values.tolist())))
@@ -537,7 +628,8 @@ def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num
                          eos_token_id: int | Iterable[int] | None = None, temperature: float = 0.0,
                          generator: torch.Generator | None = None,
                          draft_sample_method: str = "greedy",
-                         on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+                         on_tokens: Callable[[list[int]], None] | None = None,
+                         truncation: Truncation = Truncation()) -> GenerationResult:
     """Speculative decoding: the drafter drafts K tokens, the verifier checks them in one pass.
 
     Near the end a step drafts only ``min(K, max_new_tokens - generated - 1)`` tokens, so no token
@@ -560,6 +652,7 @@ def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num
             from the drafter's ``softmax(logits / T)``); both keep the verifier's distribution, their
             acceptance differs (:func:`accept_drafts`). Ignored at T = 0.
         on_tokens: called with the new tokens of the prefill and of each step, as they are emitted (streaming).
+        truncation: at T > 0, vLLM's top-k / top-p of the verifier's distribution (:func:`target_probs`).
 
     Returns:
         :class:`GenerationResult` with the tokens and per-step drafted/accepted counts.
@@ -582,7 +675,7 @@ def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num
         fed = torch.cat([torch.tensor([root]), drafts])  # [k+1]: x_{t+1}, drafts
         snapshot = snapshot_state(ctx.cache, ctx.past)
         logits, hs = verifier_body_pass(verifier, fed, ctx.cache)  # [k+1, V]
-        n, emitted = accept_drafts(drafts, logits, temperature, q, generator)  # [n+1]
+        n, emitted = accept_drafts(drafts, logits, temperature, q, generator, truncation)  # [n+1]
         features = ctx.features(hs)[:n + 1]  # anchors t+1..t+n+1; before a recompute pass replaces the hook's output
         # x_{t+1} and the n accepted drafts are now read; the rest of the pass is discarded.
         result.recomputed_steps += keep_fed(verifier, ctx.cache, fed, n + 1, snapshot)
@@ -593,7 +686,7 @@ def speculative_generate(verifier, drafter, prompt_ids, max_new_tokens: int, num
         return emitted.tolist(), k
 
     return run_decoder(verifier, drafter, prompt_ids, max_new_tokens, K, eos_token_id, result,
-                       lambda logits: _pick(logits, temperature, generator), step, on_tokens)
+                       lambda logits: _pick(logits, temperature, generator, truncation), step, on_tokens)
 
 
 # Public names of the helpers above, for the other decoders of this package (tree.py)

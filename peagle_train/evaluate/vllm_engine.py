@@ -48,7 +48,8 @@ from peagle_train.evaluate.identity import TOP_K, compare_to_greedy, greedy_chec
 from peagle_train.evaluate.prompts import (Prompt, eos_ids, history_message, prompt_modes, read_prompts, render_turn,
                                           turn_text)
 from peagle_train.evaluate.report import per_mode_report
-from peagle_train.evaluate.speculative import acceptance_scheme, check_draft_sample_method, checked_num_draft_tokens
+from peagle_train.evaluate.speculative import (Truncation, acceptance_scheme, check_draft_sample_method,
+                                               checked_num_draft_tokens, served_truncation)
 from peagle_train.model.checkpoint import find_drafter, load_drafter
 from stores.errors import InputError, ModelNotFoundError, PeagleError
 from stores.runtime.model_config import load_model_config, text_config
@@ -304,7 +305,7 @@ def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int,
                   turns: Callable[[list[list[int]]], list[list[int]]] | None = None,
                   max_model_len: int = 4096, timed: bool = True, log: Callable[[str], None] | None = None,
                   memory: VllmMemory = VllmMemory(), temperature: float = 0.0, seed: int = 0,
-                  top_logits: bool = False) -> VllmRun:
+                  top_logits: bool = False, truncation: Truncation = Truncation()) -> VllmRun:
     """Start one vLLM engine on ``model`` (:func:`engine_settings`, seed 0, ``memory``), run ``prompts``,
     stop it. The engine starts as :func:`stores.runtime.vllm_runtime.start_llm` starts it: its output on
     stderr while it runs (stdout stays peagle's), its root cause raised when it does not start.
@@ -312,8 +313,9 @@ def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int,
     Args:
         model: the verifier directory or hub id, or (``speculators`` loading) the drafter directory.
         prompts: token-id prompts, one per request.
-        max_new_tokens: ``max_tokens`` of each request (at ``temperature``, no top-k / top-p: vLLM's defaults
-            from the model's ``generation_config.json`` not applied, ``generation_config="vllm"``).
+        max_new_tokens: ``max_tokens`` of each request (at ``temperature`` with ``truncation``'s top-k / top-p,
+            given in each request; vLLM's other defaults from the model's ``generation_config.json`` are not applied,
+            ``generation_config="vllm"``).
         stop_token_ids: EOS ids that end a request besides the tokenizer's (peagle's engine's set).
         speculative_config: vLLM's ``speculative_config`` (None: none, or whatever ``model``'s config sets).
         concurrency: C of the second timed pass (and the engine's ``max_num_seqs``).
@@ -351,22 +353,24 @@ def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int,
             return _run_engine(vllm, llm, prompts, max_new_tokens, stop_token_ids, concurrency, turns,
                                max_model_len, timed, log, model, VllmRun(tokens=[], start_s=time.perf_counter() - start,
                                                                         engine_settings={**settings, **mem}),
-                               temperature=temperature, seed=seed, tops=tops)
+                               temperature=temperature, seed=seed, tops=tops, truncation=truncation)
         finally:
             _shutdown(llm)
 
 
 def _run_engine(vllm, llm, prompts, max_new_tokens, stop_token_ids, concurrency, turns, max_model_len, timed, log,
-                model, run: VllmRun, *, temperature: float, seed: int, tops: bool) -> VllmRun:
+                model, run: VllmRun, *, temperature: float, seed: int, tops: bool,
+                truncation: Truncation = Truncation()) -> VllmRun:
     """The passes of :func:`vllm_generate` on the started engine ``llm``, filling ``run`` (``tops``: record the
-    top raw logits of every generated token)."""
+    top raw logits of every generated token; ``truncation``: each request's top-k / top-p)."""
     spec = llm.llm_engine.vllm_config.speculative_config
     run.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else None
     log(f"vLLM engine on {model} started in {run.start_s:.0f} s"
         + (f" (drafter {spec.model}, K={spec.num_speculative_tokens})" if spec is not None else ""))
 
     def params(index: int | None):  # request index of the counted pass (its seed at T > 0), None: unseeded
-        return vllm.SamplingParams(temperature=temperature, max_tokens=max_new_tokens,
+        return vllm.SamplingParams(temperature=temperature, max_tokens=max_new_tokens, top_k=truncation.top_k,
+                                   top_p=truncation.top_p,
                                    stop_token_ids=list(stop_token_ids), logprobs=TOP_K if tops else None,
                                    seed=request_seed(seed, index) if temperature > 0 and index is not None else None)
 
@@ -577,7 +581,8 @@ def vllm_reference(verifier_name: str, prompts_file: str | Path, config: EvalCon
 
     plain = vllm_generate(directory, next_turns(None), config.online_max_new_tokens(), sorted(eos),
                           concurrency=config.concurrency, turns=next_turns, log=log, memory=config.vllm_memory,
-                          temperature=config.temperature, seed=config.seed, top_logits=True)
+                          temperature=config.temperature, seed=config.seed, top_logits=True,
+                          truncation=served_truncation(verifier_name, config.top_k, config.top_p)[0])
     requests = [render_turn(tokenizer, prompts[i], t, answers[i][:t], modes[i]) for i, t in order]
     return VllmReference(name=str(verifier_name), directory=directory, tokenizer=tokenizer, eos=eos,
                          prompts_file=str(prompts_file), prompts=prompts, order=order, requests=requests, plain=plain,
@@ -605,8 +610,9 @@ def vllm_speculative(ref: VllmReference, drafter_dir: str | Path, config: EvalCo
     K = checked_num_draft_tokens(config.num_draft_tokens, drafter)
     del drafter
     method = check_draft_sample_method(config.draft_sample_method)
+    truncation, sampling = served_truncation(ref.name, config.top_k, config.top_p)
     common = dict(stop_token_ids=sorted(ref.eos), concurrency=config.concurrency, log=log, memory=config.vllm_memory,
-                  temperature=config.temperature, seed=config.seed)
+                  temperature=config.temperature, seed=config.seed, truncation=truncation)
     if config.vllm_loading == "speculative_config":
         spec = vllm_generate(ref.directory, ref.requests, config.online_max_new_tokens(), **common,
                              speculative_config={"model": str(drafter_dir), "method": "eagle3",
@@ -615,7 +621,8 @@ def vllm_speculative(ref: VllmReference, drafter_dir: str | Path, config: EvalCo
     else:  # vLLM reads speculators_config of the drafter and loads the verifier it names
         spec = vllm_generate(str(drafter_dir), ref.requests, config.online_max_new_tokens(), **common,
                              speculative_config={"num_speculative_tokens": K, "draft_sample_method": method})
-    return {**vllm_report(drafter_dir, ref, spec, config, vllm.__version__), "vllm_sampling_check": sampling_check}
+    return {**vllm_report(drafter_dir, ref, spec, config, vllm.__version__), "sampling": sampling,
+            "vllm_sampling_check": sampling_check}
 
 
 def check_speculators_verifier(drafter_dir: str | Path, verifier_name: str) -> None:

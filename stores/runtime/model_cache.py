@@ -33,6 +33,8 @@ __all__ = [
     "load_verifier",
     "verifier_skeleton",
     "load_submodule",
+    "load_output_head",
+    "load_generation_config",
     "EMBEDDED_HUB_IDS",
     "hub_id",
 ]
@@ -274,3 +276,46 @@ def load_submodule(name: str | os.PathLike, skeleton, module_name: str, dtype) -
             state[pname] = h.get_tensor(keys[0])
     module.load_state_dict(state, strict=True)
     return module.to(dtype).eval()
+
+
+def _config_dtype(config):
+    """The dtype MODEL's config declares (``dtype`` / ``torch_dtype``), float32 when it declares none."""
+    import torch
+
+    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(declared, str):
+        declared = getattr(torch, declared, None)
+    return declared if isinstance(declared, torch.dtype) else torch.float32
+
+
+def load_output_head(name: str | os.PathLike) -> "torch.Tensor":
+    """MODEL's output head weight ``[V, H]`` in the dtype its config declares (float32 when none), read alone from
+    its safetensors files (:func:`load_submodule`; the input embeddings where the config ties them): for an 8B
+    verifier about 1 GB in bf16, not the 32 GB of the whole model in float32.
+
+    Raises:
+        ModelNotFoundError: as :func:`load_submodule`, or a head that is not one plain weight (a bias, or a
+            quantized model whose head is not stored as one tensor).
+    """
+    skeleton = verifier_skeleton(name)
+    head = skeleton.get_output_embeddings()
+    if getattr(head, "bias", None) is not None or getattr(skeleton.config, "quantization_config", None) is not None:
+        raise ModelNotFoundError(f"{name}: its output head is not one plain weight (a bias, or quantized): "
+                                 "the head cannot be read alone")
+    text = skeleton.config.get_text_config() if hasattr(skeleton.config, "get_text_config") else skeleton.config
+    tied = bool(getattr(text, "tie_word_embeddings", False) or getattr(skeleton.config, "tie_word_embeddings", False))
+    module = skeleton.get_input_embeddings() if tied else head
+    module_name = next(n for n, m in skeleton.named_modules() if m is module)
+    return load_submodule(name, skeleton, module_name, _config_dtype(skeleton.config)).weight.detach()
+
+
+def load_generation_config(name: str | os.PathLike):
+    """MODEL's generation config as transformers gives a loaded model one: its ``generation_config.json``, else
+    the one its ``config.json`` implies (``GenerationConfig.from_model_config``); no weights are read or fetched."""
+    from transformers import AutoConfig, GenerationConfig
+
+    directory = resolve_model(name, need_weights=False)
+    try:
+        return GenerationConfig.from_pretrained(directory)
+    except OSError:
+        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(directory))

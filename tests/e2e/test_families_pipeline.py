@@ -121,7 +121,7 @@ def test_hybrid_family_through_the_cli(tmp_path, smollm2_tokenizer_dir, family):
     assert config["speculators_config"]["verifier"]["architectures"] \
         == json.loads((Path(model) / "config.json").read_text())["architectures"]
     report = json.loads(_run(eval_main, ["--drafter", final, "--store", tmp_path / "f.zarr", "--no-measure-costs",
-                                         "--output", tmp_path / "eval.json"]))
+                                         "--all-anchor", "--output", tmp_path / "eval.json"]))
     assert report["positions_scored"] > 0 and report["simulated_acceptance_length"] >= 1.0, report
     report = json.loads(_run(eval_main, ["--drafter", final, "--verifier", model, "--prompts", prompts,
                                          "--max-new-tokens", 12]))

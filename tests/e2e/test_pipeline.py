@@ -83,7 +83,7 @@ def test_cli_pipeline_end_to_end(tmp_path, tiny_verifier_dir):
     report_path = tmp_path / "eval.json"
     report = json.loads(_run(eval_main, ["--drafter", final, "--verifier", model, "--prompts", prompts,
                                          "--store", tmp_path / "f.zarr", "--max-new-tokens", 12,
-                                         "--output", report_path]))
+                                         "--all-anchor", "--output", report_path]))
     for key in ("acceptance_length", "acceptance_rate", "per_position_acceptance", "identical_to_greedy",
                 "tokens_per_second", "baseline_tokens_per_second"):
         assert key in report

@@ -48,7 +48,7 @@ def test_humaneval_comes_from_its_package_with_ids_kept(tmp_path, monkeypatch):
 def _args(tmp_path, **kw) -> argparse.Namespace:
     base = dict(verifier="smollm2-135m", max_new_tokens=64, max_seq_len=2048, layers="2,15,27", out=tmp_path,
                 batch_size=48, num_prompts=None, selection_seed=0, samples=1, suites="mtbench",
-                mtbench=tmp_path / "q.jsonl", redo=False, dry_run=False)
+                mtbench=tmp_path / "q.jsonl", redo=False, dry_run=False, top_k=None, top_p=None)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -174,3 +174,28 @@ def test_a_rerun_with_other_parameters_is_refused_unless_redo(tmp_path, monkeypa
     judge_set.make_judge_set(_args(tmp_path, num_prompts=2, max_new_tokens=128, samples=0, redo=True))
     assert not (tmp_path / "mtbench-T1-seed1.done.json").exists()  # no longer asked: not judged
     assert "mtbench-T1-seed1.done.json removed" in capsys.readouterr().err
+
+
+def test_top_k_and_top_p_pass_through_and_the_sampling_is_recorded(tmp_path, monkeypatch):
+    """--top-k / --top-p go to regenerate (unset: regenerate reads the verifier's generation config); each run's
+    .done.json records them and the sampling regenerate's manifest gives."""
+    a = _args(tmp_path, top_k=20, top_p=0.95)
+    (regen, argv), *_ = judge_set.stage_commands(a, tmp_path / "p.jsonl", tmp_path / "mtbench-T1-seed1", 1.0, 1)
+    assert argv[-4:] == ["--top-k", "20", "--top-p", "0.95"]
+    assert "--top-k" not in judge_set.stage_commands(_args(tmp_path), tmp_path / "p.jsonl", tmp_path / "x", 1.0,
+                                                     1)[0][1]
+    sampling = {"temperature": 1.0, "top_k": 20, "top_p": 0.95, "top_k_from": "generation_config"}
+    fake = FakeStages()
+
+    def stages(argv, **kw):
+        if argv[3] == "regenerate":
+            Path(argv[argv.index("--output") + 1]).with_suffix(".manifest.json").write_text(
+                json.dumps({"model": {"sampling": sampling}}))
+        return fake(argv, **kw)
+
+    monkeypatch.setattr(judge_set.subprocess, "run", stages)
+    stem, prompts = tmp_path / "mtbench-T1-seed1", tmp_path / "p.jsonl"
+    prompts.write_text("{}\n")
+    judge_set.make_run(a, prompts, stem, 1.0, 1)
+    done = json.loads(stem.with_suffix(".done.json").read_text())
+    assert done["sampling"] == sampling and (done["top_k"], done["top_p"]) == (20, 0.95)

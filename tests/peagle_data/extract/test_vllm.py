@@ -33,7 +33,7 @@ from tests.peagle_data.extract.test_run import chunk_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from families import VLLM_CPU_DENSE, VLLM_CPU_SHAPE, family_config, save_family  # noqa: E402
-from servers import free_port, stop, wait_until_up  # noqa: E402
+from servers import free_port, start, stop, wait_until_up  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
 ENV = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
@@ -337,8 +337,8 @@ def test_kill_then_resume_is_byte_identical(tmp_path):
     extract_cli(packed, model, ref, [1, 2], "--context", "window")
     args = [sys.executable, "-m", "cli.data_extract", str(packed), "--verifier", str(model), "--output", str(out),
             "--layers", "1,2", "--engine", "vllm", "--context", "window"]
-    proc = subprocess.Popen(args, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)  # its own group: the kill takes vLLM's engine process too
+    proc = start(args, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # its own group: the kill
+    # takes vLLM's engine process too
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None and len(list((out / "done").rglob("c/*"))) < 5:
         time.sleep(0.02)
@@ -378,7 +378,7 @@ def start_server(root: Path, model: Path, serve_options: list[str]):
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
             "--port", str(port), "--enforce-eager", "--max-model-len", "128", *serve_options]
     log = open(root / "server.log", "w")
-    proc = subprocess.Popen(args, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start(args, env=ENV, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_up(proc, url + "/v1/models", "vllm serve", lambda: (root / "server.log").read_text()[-3000:],

@@ -27,7 +27,7 @@ from stores.errors import InputError, OutputExistsError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from families import HYBRID, save_family  # noqa: E402
-from servers import free_port, stop, wait_until_up  # noqa: E402
+from servers import free_port, start, stop, wait_until_up  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -291,7 +291,7 @@ def test_local_answers_equal_one_prompt_generate(local_run, local):
     assert manifest["model"]["backend"] == "local" and not out.with_name("out.jsonl.partial").exists()
     assert manifest["model"]["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
                                              "repetition_penalty": 1.0, "presence_penalty": 0.0,
-                                             "frequency_penalty": 0.0}
+                                             "frequency_penalty": 0.0, "top_k_from": "off", "top_p_from": "off"}
     assert manifest["model"]["verifier_generation_config_ignored"] == {"repetition_penalty": REPETITION_PENALTY}
     assert manifest["model"]["not_sent"] == [] and c["turns_with_token_ids"] == 4
 
@@ -378,6 +378,41 @@ def test_sampling_is_softmax_over_the_whole_vocabulary(repeating_verifier_dir):
     processors = local.model._get_logits_processor(gc, input_ids_seq_length=3, encoder_input_ids=None,
                                                    prefix_allowed_tokens_fn=None, logits_processor=None)
     assert [type(p).__name__ for p in processors] == ["TemperatureLogitsWarper", "MinPLogitsWarper"]
+
+
+def test_top_k_and_top_p_come_from_the_generation_config_as_vllm_serves_them(tmp_path, repeating_verifier_dir):
+    """A verifier whose generation_config.json sets top_k 20 / top_p 0.95 (Qwen3's): at T > 0 the local back end
+    samples with them (transformers' temperature, top-k, top-p warpers: vLLM's rule and order) and records them
+    with their source; --top-k / --top-p take their place; top-k 1 at T = 1 is the greedy answer."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    from peagle_data.regenerate.backends import Request
+
+    d = tmp_path / "served"
+    shutil.copytree(repeating_verifier_dir, d)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2, do_sample=True, top_k=20, top_p=0.95,
+                     repetition_penalty=REPETITION_PENALTY).save_pretrained(d)
+    local = LocalBackend(str(d), max_new_tokens=4, temperature=0.7, batch_size=1, device="cpu")
+    gc, _ = local.model._prepare_generation_config(local._generation_config(2))
+    assert (gc.top_k, gc.top_p, gc.repetition_penalty) == (20, 0.95, 1.0)
+    processors = local.model._get_logits_processor(gc, input_ids_seq_length=3, encoder_input_ids=None,
+                                                   prefix_allowed_tokens_fn=None, logits_processor=None)
+    assert [type(p).__name__ for p in processors] == ["TemperatureLogitsWarper", "TopKLogitsWarper",
+                                                      "TopPLogitsWarper", "MinPLogitsWarper"]
+    sampling = local.record["sampling"]
+    assert (sampling["top_k"], sampling["top_p"], sampling["top_k_from"], sampling["top_p_from"]) == \
+        (20, 0.95, "generation_config", "generation_config")
+    assert local.record["verifier_generation_config_ignored"] == {"do_sample": True,
+                                                                  "repetition_penalty": REPETITION_PENALTY}
+    mine = LocalBackend(str(d), max_new_tokens=4, temperature=0.7, batch_size=1, device="cpu", top_k=5, top_p=1.0)
+    assert (mine.record["sampling"]["top_k"], mine.record["sampling"]["top_k_from"], mine.record["sampling"]["top_p"]) \
+        == (5, "option", 1.0)
+    request = [Request(messages=[{"role": "user", "content": "Tell me a story about a cat."}])]
+    greedy = LocalBackend(str(d), max_new_tokens=8, temperature=0.0, batch_size=1, device="cpu").generate(request)
+    one = LocalBackend(str(d), max_new_tokens=8, temperature=1.0, batch_size=1, device="cpu", top_k=1)
+    assert one.generate(request)[0].token_ids == greedy[0].token_ids
 
 
 TOOLS_DROPPED = ("template drops tools: the tools passed with the conversation do not appear in the render (the "
@@ -531,9 +566,8 @@ def transformers_serve(model_dir: Path):
     if exe is None:
         pytest.fail("the `transformers` command is not installed beside this Python")
     log = tempfile.TemporaryFile()
-    proc = subprocess.Popen([exe, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-                             "--device", "cpu"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+    proc = start([exe, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"],
+                 env=env, stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
 
     def tail() -> str:
@@ -762,10 +796,9 @@ def vllm_server(penalised_smollm2, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm_log") / "server.log"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                                 str(penalised_smollm2), "--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1",
-                                 "--port", str(port), "--max-model-len", "2048"],
-                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = start([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(penalised_smollm2),
+                      "--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1", "--port", str(port),
+                      "--max-model-len", "2048"], env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_up(proc, url + "/health", "vllm serve", lambda: log.read_text()[-3000:], timeout_s=480)

@@ -173,7 +173,7 @@ def test_cli_offline_times_nothing_unless_asked(tiny_verifier, tiny_verifier_dir
     report = json.loads(plain.stdout)
     assert report["cost_model"] == {"skipped": OFFLINE_COSTS_NOT_ASKED} and report["config"]["measure_costs"] is None
     assert "cost model" not in plain.stderr and "--measure-costs times" in plain.stderr
-    result = CliRunner().invoke(main, args + ["--measure-costs", "--output", str(tmp_path / "eval.json")])
+    result = CliRunner().invoke(main, args + ["--measure-costs", "--all-anchor", "--output", str(tmp_path / "eval.json")])
     assert result.exit_code == 0, result.output
     assert re.search(r"^cost model: timing a greedy step and, for K = 1\.\.4, .* 2 \+ 15 rounds, .*"
                      r"--no-measure-costs skips it$", result.stderr, re.M), result.stderr

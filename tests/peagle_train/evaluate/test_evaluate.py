@@ -12,6 +12,7 @@ import yaml
 from torch import nn
 
 from peagle_train.evaluate.config import EvalConfig
+import peagle_train.evaluate.offline as offline_module
 from peagle_train.evaluate.offline import evaluate_offline
 from peagle_train.evaluate.online import evaluate_prompts
 from peagle_train.evaluate.prompts import Prompt, read_prompts, render_turn
@@ -105,6 +106,18 @@ def test_offline_all_correct(chunk):
     assert report["per_depth_weight"] == [6, 6, 4]
     assert report["per_depth_accuracy"] == [1.0, 1.0, 1.0]
     assert report["per_position_acceptance"] == [1.0, 1.0, 1.0]
+
+
+def test_offline_all_anchor_in_the_heads_dtype_and_only_when_given_a_head():
+    """A bf16 head scores as its float32 values (sliced over the vocab, no float32 copy of it), ties to the lowest
+    id as ``argmax``; without a head the all-anchor figures are left out (the replay alone)."""
+    ref = evaluate_offline(RuleDrafter(wrong_depth=1), [worked_block()], torch.eye(V, H))
+    assert evaluate_offline(RuleDrafter(wrong_depth=1), [worked_block()], torch.eye(V, H).bfloat16()) == ref
+    assert evaluate_offline(RuleDrafter(wrong_depth=1), [worked_block()], None) == {}
+    x = torch.randn(37, 8)
+    head = torch.randn(50, 8).bfloat16()
+    head[45] = head[int((x @ head.float().T).argmax(-1)[0])]  # a tie across vocab slices: the lower id wins
+    assert torch.equal(offline_module._argmax_chunked(x, head, rows=5, vocab=7), (x @ head.float().T).argmax(-1))
 
 
 def test_offline_wrong_at_depth_one():
@@ -366,11 +379,12 @@ def test_cli_offline_and_online(tiny_verifier, tiny_verifier_dir, tmp_path):
     store = saved_drafter_and_store(tiny_verifier, tiny_verifier_dir, tmp_path)
     prompts = write_lines(tmp_path / "p.jsonl", [{"question_id": 7, "turns": ["Hi", "Again"]}])
     result = CliRunner().invoke(main, ["--drafter", str(tmp_path / "drafter"), "--store", store,
-                                       "--prompts", prompts, "--max-new-tokens", "6",
+                                       "--prompts", prompts, "--max-new-tokens", "6", "--all-anchor",
                                        "--output", str(tmp_path / "eval.json")])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["identical_to_greedy"] is True and report["num_prompts"] == 1
+    assert report["sampling"] == {"top_k": 0, "top_k_from": "off", "top_p": 1.0, "top_p_from": "off"}  # recorded
     assert report["offline"]["positions_scored"] == 8 + 4  # anchors a with m_{a+2} = 1: rows 2..15 are loss 1
     assert report["offline"]["blocks"] == [0] and report["offline"]["split"] == "all"
     no_record = ("the drafter's config.json records no training store: every done block is scored as split 'all'; "

@@ -222,44 +222,93 @@ def test_replay_equals_peagles_engine_at_t1_on_its_sampled_output(tiny_verifier)
     assert rejected > 0
 
 
+def repeating_drafter(verifier, token: int, num_depths: int):
+    """A real drafter (the tiny one, draft vocab every 7th id, its whole forward run) whose every draft is ``token``:
+    its final norm's weight is zero, so every logit is 0 and the argmax is draft id 0, which ``d2t`` maps to
+    ``token`` (the draft vocab: ``token .. token + 511``). The tiny verifier's greedy answers repeat a token, so its
+    drafts are kept along those runs and rejected where the answer moves on."""
+    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+
+    drafter = tiny_drafter(verifier, draft_vocab_size=512, num_depths=num_depths)
+    with torch.no_grad():
+        drafter.norm.weight.zero_()
+        drafter.d2t.fill_(token)
+        drafter.t2d.zero_()
+        drafter.t2d[token:token + 512] = True
+    return drafter
+
+
+def _most_common(tokens: list[int]) -> int:
+    return max(set(tokens), key=tokens.count)
+
+
 def test_replay_equals_peagles_engine_with_a_real_drafter(tiny_verifier):
     from tests.peagle_train.evaluate.test_speculative import tiny_drafter
 
-    drafter = tiny_drafter(tiny_verifier, draft_vocab_size=512, num_depths=3)
-    spec = speculative_generate(tiny_verifier, drafter, PROMPT, 16, 3, {2})
-    acc, dr, _ = _replayed(tiny_verifier, drafter, PROMPT, spec.tokens, 3, 16, {2})
-    assert (acc, dr) == (spec.accepted_per_step, spec.drafted_per_step)
+    random = tiny_drafter(tiny_verifier, draft_vocab_size=512, num_depths=3)
+    drafter = repeating_drafter(tiny_verifier, _most_common(plain_generate(tiny_verifier, PROMPT, 24).tokens), 3)
+    for d in (random, drafter):
+        spec = speculative_generate(tiny_verifier, d, PROMPT, 24, 3, {2})
+        acc, dr, _ = _replayed(tiny_verifier, d, PROMPT, spec.tokens, 3, 24, {2})
+        assert (acc, dr) == (spec.accepted_per_step, spec.drafted_per_step)
+    assert 0 < sum(acc) < sum(dr), (acc, dr)  # the repeating drafter: drafts kept and drafts rejected
 
 
-def test_cli_store_reports_the_replayed_al(tiny_verifier, tiny_verifier_dir, tmp_path):
-    """``peagle-eval --store JUDGE``: a store of the verifier's own greedy continuations (2 conversations) gives
-    the replayed AL of peagle's engine on the same prompts, with the all-anchor figure kept as a diagnostic."""
-    from click.testing import CliRunner
-
-    from cli.eval import main
+def _judge_store(tiny_verifier, tiny_verifier_dir, tmp_path, M: int):
+    """A saved repeating drafter and a store of the verifier's own greedy continuations of 2 prompts (its turns the
+    replay walks), with the engine's outputs: ``(store path, outputs)``."""
     from peagle_train.model.checkpoint import save_drafter
     from tests.peagle_train.evaluate.test_evaluate import make_store
-    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
 
-    drafter = tiny_drafter(tiny_verifier, num_depths=3)
+    prompts = [PROMPT, [1, 42, 43, 44, 45]]
+    drafter = repeating_drafter(tiny_verifier, _most_common(plain_generate(tiny_verifier, PROMPT, M).tokens), 3)
     drafter.config.verifier_name_or_path = str(tiny_verifier_dir)
     save_drafter(drafter, tmp_path / "drafter")
-    prompts, M = [PROMPT, [1, 42, 43, 44, 45]], 9
     outs = [speculative_generate(tiny_verifier, drafter, p, M, 3, {2}) for p in prompts]
     mask = [m for p, o in zip(prompts, outs) for m in [0] * len(p) + [1] * len(o.tokens)]  # the continuations
     path = make_store(str(tmp_path / "judge"), tiny_verifier, tiny_verifier_dir,
                       [p + o.tokens for p, o in zip(prompts, outs)], loss_mask=mask)
-    result = CliRunner().invoke(main, ["--drafter", str(tmp_path / "drafter"), "--store", path, "--max-new-tokens",
-                                       str(M), "--no-measure-costs"])
+    return path, outs
+
+
+def test_cli_store_reports_the_replayed_al(tiny_verifier, tiny_verifier_dir, tmp_path, monkeypatch):
+    """``peagle-eval --store JUDGE``: a store of the verifier's own greedy continuations (2 conversations) gives
+    the replayed AL of peagle's engine on the same prompts, drafts kept and rejected, without loading any weight
+    of the verifier; ``--all-anchor`` adds the all-anchor diagnostic (the verifier's output head alone) and leaves
+    the replay as it was."""
+    from click.testing import CliRunner
+    from transformers import AutoModelForCausalLM
+
+    import peagle_train.evaluate.offline as offline
+    from cli.eval import main
+
+    M = 9
+    path, outs = _judge_store(tiny_verifier, tiny_verifier_dir, tmp_path, M)
+    args = ["--drafter", str(tmp_path / "drafter"), "--store", path, "--max-new-tokens", str(M), "--no-measure-costs"]
+
+    def no_weights(*a, **k):
+        raise AssertionError("the replay loaded verifier weights")
+
+    with monkeypatch.context() as m:
+        m.setattr(AutoModelForCausalLM, "from_pretrained", no_weights)
+        m.setattr(offline, "load_output_head", no_weights, raising=False)
+        result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
-    replay = json.loads(result.stdout)["replay"]
+    report = json.loads(result.stdout)
+    replay = report["replay"]
     steps = [(a, d) for o in outs for a, d in zip(o.accepted_per_step, o.drafted_per_step)]
     assert replay["steps"] == len(steps) and replay["num_drafts"] == sum(1 for _, d in steps if d > 0)
     assert replay["accepted"] == sum(a for a, _ in steps) and replay["drafted"] == sum(d for _, d in steps)
+    assert 0 < replay["accepted"] < replay["drafted"], replay  # the equality is tested on kept drafts too
     assert (replay["turns"], replay["conversations"], replay["refused_turns"]) == (2, 2, {})
-    assert "replayed acceptance length" in result.stderr and "all-anchor acceptance length (diagnostic)" in \
-        result.stderr
+    assert "replayed acceptance length" in result.stderr and "all-anchor diagnostic: not computed" in result.stderr
+    assert report["all_anchor"] is False and "simulated_acceptance_length" not in report
     assert replay["segments_unchecked"] == 2 and "is a --context window store" in result.stderr
+    both = CliRunner().invoke(main, args + ["--all-anchor"])
+    assert both.exit_code == 0, both.output
+    full = json.loads(both.stdout)
+    assert full["all_anchor"] is True and full["replay"] == replay
+    assert full["positions_scored"] > 0 and "all-anchor acceptance length (diagnostic)" in both.stderr
 
 
 def test_cli_store_walks_its_turns_with_the_limit_the_store_records(tiny_verifier, tiny_verifier_dir, tmp_path):

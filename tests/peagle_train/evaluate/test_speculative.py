@@ -616,3 +616,85 @@ def test_online_layer_l_is_what_extraction_stores(tiny_verifier):
     assert torch.equal(last["last"][0].to(torch.bfloat16), stored[:, 0])
     assert torch.equal(hs[L][0].to(torch.bfloat16), final)  # transformers' entry L is the normed one
     assert not torch.allclose(stored[:, 0].float(), final.float(), atol=0.1)
+
+
+# ------------------------------------------------------------------------ top-k / top-p, as vLLM's sampler
+def test_truncate_logits_keeps_vllms_top_k_and_top_p():
+    from peagle_train.evaluate.speculative import Truncation, target_probs, truncate_logits
+
+    inf = float("-inf")
+    z = torch.tensor([3.0, 1.0, 2.0, 0.0])
+    assert truncate_logits(z, Truncation(top_k=2)).tolist() == [3.0, inf, 2.0, inf]
+    assert truncate_logits(torch.tensor([1.0, 1.0, 0.0]), Truncation(top_k=1)).tolist() == [1.0, 1.0, inf]  # ties kept
+    assert truncate_logits(z, Truncation(top_k=4)).tolist() == z.tolist()  # k >= V: off
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    # the fewest most likely tokens whose mass reaches top_p: 0.5 + 0.3 = 0.8 >= 0.75; 0.8 < 0.85 needs a third
+    assert torch.isinf(truncate_logits(p.log(), Truncation(top_p=0.75))).tolist() == [False, False, True, True]
+    assert torch.isinf(truncate_logits(p.log(), Truncation(top_p=0.85))).tolist() == [False, False, False, True]
+    assert torch.isinf(truncate_logits(p.log(), Truncation(top_p=0.01))).tolist() == [False, True, True, True]
+    assert torch.allclose(target_probs(p.log(), 1.0, Truncation(top_p=0.85)), torch.tensor([0.5, 0.3, 0.15, 0]) / 0.95)
+    # top-k first, then top-p over what it kept (0.5 / 0.8 = 0.625 < 0.7: both stay)
+    assert torch.allclose(target_probs(p.log(), 1.0, Truncation(top_k=2, top_p=0.7)), torch.tensor([0.625, 0.375, 0, 0]))
+    with pytest.raises(ValueError, match="--top-p"):
+        Truncation(top_p=0.0)
+    with pytest.raises(ValueError, match="--top-k"):
+        Truncation(top_k=-1)
+
+
+def test_sampling_with_top_p_draws_the_truncated_distribution():
+    """The bonus token of a step with no drafts and the token after a rejected draft (q one-hot, vLLM's greedy
+    draft scheme) are samples of the truncated, renormalised distribution: 4000 seeded draws each, within 4 SE of
+    the exact probabilities, and nothing outside the top-p set; a draft outside it is never kept."""
+    from peagle_train.evaluate.speculative import Truncation, accept_drafts, target_probs
+
+    trunc = Truncation(top_p=0.85)
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log() * 2.0  # at T = 2 the probabilities above
+    exact = target_probs(logits, 2.0, trunc)
+    assert torch.allclose(exact, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
+    n = 4000
+    for drafts in (torch.zeros(0, dtype=torch.long), torch.tensor([3])):
+        counts = torch.zeros(4)
+        for seed in range(n):
+            kept, emitted = accept_drafts(drafts, logits[None].repeat(2, 1), 2.0, None,
+                                          torch.Generator().manual_seed(seed), trunc)
+            assert kept == 0
+            counts[int(emitted[-1])] += 1
+        freq = counts / n
+        se = (exact * (1 - exact) / n).sqrt()
+        assert counts[3] == 0 and bool(((freq - exact).abs() <= 4 * se + 1e-9).all()), (freq, exact)
+
+
+def test_top_k_1_at_t1_is_greedy(tiny_verifier):
+    """top-k 1 keeps only the argmax: sampling at T = 1, plain and speculative, gives the greedy tokens."""
+    from peagle_train.evaluate.speculative import Truncation, plain_generate
+
+    greedy = greedy_generate(tiny_verifier, PROMPTS[0], 12).tokens
+    one = Truncation(top_k=1)
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed)
+        assert plain_generate(tiny_verifier, PROMPTS[0], 12, temperature=1.0, generator=gen, truncation=one).tokens \
+            == greedy
+        spec = speculative_generate(tiny_verifier, tiny_drafter(tiny_verifier, num_depths=3), PROMPTS[0], 12, 3,
+                                    temperature=1.0, generator=gen, truncation=one)
+        assert spec.tokens == greedy
+    sampled = plain_generate(tiny_verifier, PROMPTS[0], 12, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert sampled.tokens != greedy  # without it T = 1 samples: the test can fail
+
+
+def test_served_truncation_reads_the_generation_config_and_an_option_overrides(tmp_path):
+    """vLLM's default (``--generation-config auto``): a request's top_k / top_p from generation_config.json, as
+    Qwen3 ships them (20 / 0.95); an option takes their place; a file without them: off. Recorded with the source."""
+    import json
+
+    from peagle_train.evaluate.speculative import Truncation, served_truncation
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 64}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 20, "top_p": 0.95, "temperature": 0.6}))
+    truncation, record = served_truncation(str(tmp_path))
+    assert truncation == Truncation(20, 0.95)
+    assert record == {"top_k": 20, "top_k_from": "generation_config", "top_p": 0.95, "top_p_from": "generation_config"}
+    truncation, record = served_truncation(str(tmp_path), top_k=0, top_p=None)
+    assert truncation == Truncation(0, 0.95) and record["top_k_from"] == "option" and record["top_k"] == 0
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert served_truncation(str(tmp_path)) == (Truncation(), {"top_k": 0, "top_k_from": "off", "top_p": 1.0,
+                                                               "top_p_from": "off"})

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from peagle_train.evaluate.prompts import Prompt, render_turn
+from peagle_train.evaluate.speculative import Truncation
 from peagle_train.evaluate.vllm_engine import next_turn_prompts, per_position_counts
 
 SPACED = "if x != y: print('social' .)"
@@ -145,8 +146,10 @@ def test_vllm_generate_reports_progress_per_request_with_a_final_line(monkeypatc
             self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(speculative_config=None))
 
         def generate(self, prompts, params, use_tqdm):
+            sent.extend(params if isinstance(params, list) else [params])
             return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7] * params.max_tokens)]) for _ in prompts]
 
+    sent = []
     vllm = ModuleType("vllm")
     vllm.LLM = LLM
     vllm.SamplingParams = lambda **kw: SimpleNamespace(**kw)
@@ -158,8 +161,11 @@ def test_vllm_generate_reports_progress_per_request_with_a_final_line(monkeypatc
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
     monkeypatch.setattr(engine, "import_vllm", lambda: vllm)
     turns = iter([[[1, 2]], []])  # one later turn of one request, then none
-    run = engine.vllm_generate("m", [[1], [2], [3]], 3, concurrency=2, turns=lambda outs: next(turns))
+    run = engine.vllm_generate("m", [[1], [2], [3]], 3, concurrency=2, turns=lambda outs: next(turns),
+                               temperature=1.0, truncation=Truncation(20, 0.95))
     assert run.tokens == [[7, 7, 7]] * 4 and set(run.tokens_per_second) == {1, 2}
+    counted = [p for p in sent if p.max_tokens == 3]  # every request but the warm-up states the top-k / top-p
+    assert counted and all((p.top_k, p.top_p, p.temperature) == (20, 0.95, 1.0) for p in counted)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("vLLM")]
     assert len(lines) == 1 and lines[0].startswith("vLLM plain requests: done: 4 request in "), lines
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from servers import free_port, stop, wait_until_up  # noqa: E402
+from servers import free_port, start, stop, wait_until_up  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -99,8 +99,7 @@ def test_the_documented_serving_command_serves_the_drafter_and_reports_acceptanc
     serve[serve.index("--port") + 1] = str(port)
     log = drafter / "server.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen(serve, cwd=drafter, env=ENV, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = start(serve, cwd=drafter, env=ENV, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_up(proc, url + "/health", "the README's vLLM server", lambda: log.read_text()[-4000:],

@@ -99,8 +99,8 @@ def test_training_on_a_full_context_store_alone_and_beside_a_window_store(tmp_pa
     assert [(s["n_blocks"], s["first_block"]) for s in config["peagle_training"]["stores"]] == [(n, 0), (16, n)]
 
     # offline evaluation of the first drafter on its store: the run's validation blocks of it
-    result = CliRunner().invoke(eval_main, ["--drafter", str(tmp_path / "one" / "final"), "--store", stores["full"]],
-                                catch_exceptions=False)
+    result = CliRunner().invoke(eval_main, ["--drafter", str(tmp_path / "one" / "final"), "--store", stores["full"],
+                                            "--all-anchor"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     val = json.loads((tmp_path / "one" / "final" / "config.json").read_text())["peagle_training"]["val_blocks"]

@@ -75,3 +75,23 @@ def test_load_submodule_reads_only_the_final_norm(tmp_path, family):
     assert type(norm) is type(ref)
     x = torch.randn(5, ref.weight.shape[0])
     assert torch.equal(norm.weight, ref.weight) and torch.equal(norm(x), ref(x))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_load_output_head_reads_the_head_alone_in_the_models_dtype(tmp_path, tied):
+    """The output head ``[V, H]`` from the checkpoint alone, in the dtype the config declares: the loaded model's
+    ``lm_head`` weight (the input embeddings where the config ties them)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from stores.runtime.model_cache import load_output_head
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "m")
+    head = load_output_head(tmp_path / "m")
+    assert head.dtype == torch.bfloat16 and head.shape == (96, 16)
+    assert torch.equal(head, model.lm_head.weight.detach())
+    assert tied == torch.equal(head, model.model.embed_tokens.weight.detach())
