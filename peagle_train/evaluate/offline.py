@@ -444,12 +444,9 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
                      log: Callable[[str], None] = lambda m: None, max_new_tokens: int | None = None,
                      seed: int = 0, allow_partial: bool = False, all_anchor: bool = False) -> dict[str, Any]:
     """Offline evaluation of a drafter checkpoint on a feature store (docs/design.md §9): the replayed
-    acceptance (``replay``, the primary figure on a judge store) and, when asked, the all-anchor diagnostic.
-
-    The replay reads the store's tokens and features, the drafter, and the verifier's tokenizer and generation
-    config (its EOS ids): never the verifier's weights. Only ``all_anchor`` reads one weight of it, the output head
-    ``[V, H]`` in its own dtype (:func:`stores.runtime.model_cache.load_output_head`), and scores it in float32
-    slices (:func:`_argmax_chunked`).
+    acceptance (``replay``, the primary figure on a judge store) and, when asked, the all-anchor diagnostic. The
+    replay reads the store, the drafter and the verifier's tokenizer and generation config (its EOS ids), never the
+    verifier's weights; ``all_anchor`` reads its output head alone (:func:`stores.runtime.model_cache.load_output_head`).
 
     Args:
         drafter_dir: a drafter checkpoint directory.

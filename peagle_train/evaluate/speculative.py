@@ -314,7 +314,7 @@ def target_probs(logits: torch.Tensor, temperature: float, truncation: Truncatio
 def served_truncation(verifier_name: str, top_k: int | None = None,
                       top_p: float | None = None) -> tuple[Truncation, dict[str, Any]]:
     """The top-k / top-p a vLLM server of MODEL ``verifier_name`` applies by default, with the given ones in their
-    place: vLLM 0.32 (``--generation-config auto``, ``ModelConfig.get_diff_sampling_param``) takes a request's unset
+    place: vLLM 0.32 (its ``generation_config`` default ``auto``, ``ModelConfig.get_diff_sampling_param``) takes a request's unset
     ``top_k`` / ``top_p`` from the model's ``generation_config.json`` (else the one its ``config.json`` implies).
 
     Returns:

@@ -242,6 +242,7 @@ def test_server_requests_carry_the_rows_temperature_and_template_variables():
     backend.slots, backend.kind, backend.max_new_tokens, backend.model = queue.Queue(), "vllm", 16, "m"
     backend.slots.put("u")
     backend.params, backend.tokenizer, backend.reasoning_parser = None, None, None
+    backend.top_k, backend.top_p = 0, 1.0  # no truncation: the verifier's generation config sets neither
     answer = backend.answer(Request(messages=[{"role": "user", "content": "Hi"}], temperature=0.6,
                                     chat_template_kwargs={"enable_thinking": False}))
     assert answer.content == "Hi!" and sent[0]["temperature"] == 0.6
