@@ -19,7 +19,8 @@ from peagle_train.evaluate.online import run_online_eval
 from peagle_train.evaluate.verifier import config_recurrent_layers
 from peagle_train.evaluate.report import foreign_report_files, write_acceptance_plot, write_json
 from peagle_train.evaluate.vllm_engine import check_vllm_sampling, import_vllm, run_vllm_eval, vllm_on_cpu
-from peagle_train.model.checkpoint import find_drafter, load_drafter
+from peagle_train.model.checkpoint import find_drafter
+from peagle_train.train.kinds import load_drafter_of_kind
 from stores.errors import ForeignFilesError, OutputExistsError
 from stores.features.feature_store import FeatureStore
 from stores.progress import progress
@@ -123,7 +124,7 @@ def _offline_cost_model(drafter: str, store: str, offline: dict[str, Any], round
     context = first_prompt_ids(FeatureStore.open(store).read_block(offline["blocks"][0]))
     # the verifier's config was checked before any weights (check_before_weights); the timing needs no
     # tokenizer check: token ids do not change a step's cost
-    verifier, loaded = load_for_decoding(load_drafter(drafter), offline["verifier"])
+    verifier, loaded = load_for_decoding(load_drafter_of_kind(drafter), offline["verifier"])
     return cost_model_report(measure_trusted_costs(verifier, loaded, context, int(loaded.config.num_depths), rounds),
                              offline)
 
