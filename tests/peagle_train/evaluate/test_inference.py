@@ -369,3 +369,24 @@ def test_a_native_vllm_drafter_loads_as_its_peagle_checkpoint(tiny_verifier, tmp
     save_file(weights, str(native / "model.safetensors"))
     with pytest.raises(InputError, match=r"missing \['mask_hidden'\]"):  # no trained input for depths >= 1
         load_any_drafter(native, 3)
+
+
+def test_a_dflash_checkpoint_decodes_its_verifiers_greedy_output_and_refuses_a_tree(tiny_verifier, tiny_verifier_dir,
+                                                                                     tmp_path):
+    """``PEAGLEInference`` on a DFlash checkpoint (read by its kind): a chain of B - 1 drafts a step whose output
+    is the verifier's greedy output; a tree is refused with the reason."""
+    from peagle_train.evaluate.tree import DFLASH_TREE_REFUSED
+    from peagle_train.model.dflash_checkpoint import save_dflash
+    from tests.peagle_train.evaluate.test_speculative import tiny_dflash
+
+    drafter = tiny_dflash(tiny_verifier, block_size=3)
+    drafter.config.verifier_name_or_path = str(tiny_verifier_dir)
+    save_dflash(drafter, tmp_path / "dflash")
+    prompt = [1, 504, 3458, 282, 260, 1115, 30]
+    api = PEAGLEInference(str(tmp_path / "dflash"), warmup=False)
+    r = api.generate(prompt, max_new_tokens=12)
+    assert r.token_ids == greedy_generate(tiny_verifier, prompt, 12).tokens and api.K == 2
+    assert r.speculative.drafted_per_step[0] == 2
+    with pytest.raises(InputError) as e:
+        PEAGLEInference(str(tmp_path / "dflash"), tree={"topk": [1, 1]}, warmup=False)
+    assert DFLASH_TREE_REFUSED in str(e.value)
