@@ -390,3 +390,27 @@ def test_a_dflash_checkpoint_decodes_its_verifiers_greedy_output_and_refuses_a_t
     with pytest.raises(InputError) as e:
         PEAGLEInference(str(tmp_path / "dflash"), tree={"topk": [1, 1]}, warmup=False)
     assert DFLASH_TREE_REFUSED in str(e.value)
+
+
+def test_eval_cli_decodes_a_dflash_drafter_as_the_verifier_does(tiny_verifier, tiny_verifier_dir, tmp_path):
+    """``peagle-eval --prompts`` with a DFlash checkpoint: peagle's chain engine, B - 1 drafts a step, output
+    identical to greedy; ``--tree-topk`` is refused with the reason."""
+    from click.testing import CliRunner
+
+    from cli.eval import main
+    from peagle_train.model.dflash_checkpoint import save_dflash
+    from tests.peagle_train.evaluate.test_evaluate import write_lines
+    from tests.peagle_train.evaluate.test_speculative import tiny_dflash
+
+    drafter = tiny_dflash(tiny_verifier, block_size=4)
+    drafter.config.verifier_name_or_path = str(tiny_verifier_dir)
+    save_dflash(drafter, tmp_path / "dflash")
+    prompts = write_lines(tmp_path / "p.jsonl", [{"question_id": 7, "turns": ["Hi", "Again"]}])
+    result = CliRunner().invoke(main, ["--drafter", str(tmp_path / "dflash"), "--prompts", prompts,
+                                       "--max-new-tokens", "6", "--no-measure-costs"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["identical_to_greedy"] is True and report["num_draft_tokens"] == 3, report
+    refused = CliRunner().invoke(main, ["--drafter", str(tmp_path / "dflash"), "--prompts", prompts,
+                                        "--tree-topk", "2,1,1"])
+    assert refused.exit_code == 2 and "drafts one chain per step" in refused.output
