@@ -154,7 +154,7 @@ def evaluate_offline(drafter, blocks: Iterable, lm_head_weight: torch.Tensor, nu
     """Offline acceptance of ``drafter`` on stored blocks (see the module docstring for definitions).
 
     Args:
-        drafter: a ``PEagleDrafter``.
+        drafter: a ``PEagleDrafter`` or a ``DFlashDrafter`` (:func:`segment_predictions`).
         blocks: objects with ``input_ids, loss_mask, position_ids [T] int64``, ``cu_seqlens [S+1]``,
             ``aux_hidden [T, L, H]`` or ``[T, L*H]`` (bf16/float) and ``final_hidden [T, H]``
             (e.g. ``FeatureStore.read_block`` results).
