@@ -340,12 +340,14 @@ def test_dflash_replay_equals_peagles_engine_at_t0(tiny_verifier, M, eos_at):
     assert 0 < sum(acc) < sum(dr) and max(acc) == 3  # runs of several lengths, whole blocks too: the test can fail
 
 
-def test_dflash_replay_equals_peagles_engine_with_a_real_drafter(tiny_verifier):
+@pytest.mark.parametrize("K", [3, 2])
+def test_dflash_replay_equals_peagles_engine_with_a_real_drafter(tiny_verifier, K):
+    """Also with K < B - 1 drafts a step (blocks of K + 1, as vLLM runs them at num_speculative_tokens K)."""
     from tests.peagle_train.evaluate.test_speculative import tiny_dflash
 
     drafter = tiny_dflash(tiny_verifier, block_size=4)
-    spec = speculative_generate(tiny_verifier, drafter, PROMPT, 16, 3, {2})
-    acc, dr, _ = _replayed(tiny_verifier, drafter, PROMPT, spec.tokens, 3, 16, {2})
+    spec = speculative_generate(tiny_verifier, drafter, PROMPT, 16, K, {2})
+    acc, dr, _ = _replayed(tiny_verifier, drafter, PROMPT, spec.tokens, K, 16, {2})
     assert (acc, dr) == (spec.accepted_per_step, spec.drafted_per_step)
 
 

@@ -657,7 +657,7 @@ def test_dflash_session_drafts_the_block_anchored_at_the_newest_token(tiny_verif
     with torch.no_grad():
         hs = tiny_verifier.model(input_ids=x[None], output_hidden_states=True).hidden_states
     g = torch.cat([hs[layer][0] for layer in (1, 2, 3)], dim=-1)  # [n, L*H]
-    session = DFlashSession(drafter)
+    session = DFlashSession(drafter, 3)
     first = session.draft(x[1:7], g[:6], 3)  # prompt rows 0..5 read, newest token x_6
     second = session.draft(x[7:10], g[6:9], 2)  # rows 6..8 read, newest token x_9
     assert torch.equal(first, drafter.draft(g[:6], int(x[6]), 3))
