@@ -73,6 +73,15 @@ class DrafterKind:
     save: Callable
     save_checkpoint: Callable
     load: Callable
+    parallel_drafting: bool = False
+    """vLLM's ``speculative_config`` needs ``parallel_drafting`` (P-EAGLE served as ``eagle3``)."""
+
+    def speculative_config(self, model: str, num_drafts: int) -> dict[str, Any]:
+        """vLLM's ``speculative_config`` serving the drafter at ``model`` with ``num_drafts`` drafts a step:
+        ``model``, ``method`` (:attr:`vllm_method`), ``num_speculative_tokens`` and, for a kind that needs it,
+        ``parallel_drafting``."""
+        config = {"model": str(model), "method": self.vllm_method, "num_speculative_tokens": int(num_drafts)}
+        return {**config, "parallel_drafting": True} if self.parallel_drafting else config
 
     def new_drafter(self, base: DrafterConfig, cfg) -> nn.Module:
         """A fresh drafter of this kind for the verifier shapes of ``base`` and the run's ``cfg``."""
@@ -117,7 +126,7 @@ DRAFTER_KINDS: dict[str, DrafterKind] = {
         name="peagle", speculators_model_type="peagle", vllm_method="eagle3", model_class=PEagleDrafter,
         make_config=lambda base, cfg: base, sample=sample_elements, loss=_peagle_loss,
         config_json=drafter_config_json, check_servable=check_servable, save=save_drafter,
-        save_checkpoint=save_checkpoint, load=load_drafter),
+        save_checkpoint=save_checkpoint, load=load_drafter, parallel_drafting=True),
     "dflash": DrafterKind(
         name="dflash", speculators_model_type="dflash", vllm_method="dflash", model_class=DFlashDrafter,
         make_config=_dflash_config, sample=_dflash_sample, loss=dflash_block_loss,
