@@ -10,7 +10,7 @@ from typing import Any
 from peagle_train.evaluate.prompts import read_prompts
 from peagle_train.evaluate.speculative import check_compatible, checked_num_draft_tokens
 from peagle_train.evaluate.tree import check_tree_config
-from peagle_train.model.checkpoint import check_servable_checkpoint, load_drafter
+from peagle_train.train.kinds import check_any_servable, load_drafter_of_kind
 from stores.chat.chat_template import chat_template_kwargs_record, describe_kwargs
 from stores.errors import StoreMismatchError
 from stores.features.feature_store import check_layer_convention, FeatureStore
@@ -58,8 +58,8 @@ def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = No
     """
     if prompts_file is not None:
         read_prompts(prompts_file, num_prompts)
-    check_servable_checkpoint(drafter_dir)  # vLLM's rules, for a drafter of any origin
-    drafter = load_drafter(drafter_dir)
+    check_any_servable(drafter_dir)  # vLLM's rules for its kind, for a drafter of any origin
+    drafter = load_drafter_of_kind(drafter_dir)
     checked_num_draft_tokens(num_draft_tokens, drafter)
     names = []
     if prompts_file is not None:

@@ -44,11 +44,11 @@ from peagle_train.evaluate.speculative import (GenerationResult, Truncation, che
 from peagle_train.evaluate.vllm_engine import VllmSpeculativeEngine
 from peagle_train.evaluate.tree import TreeGenerationResult, TreeSpec, check_tree_supported, tree_depth, tree_generate
 from peagle_train.model.checkpoint import check_servable_checkpoint, find_drafter, load_drafter
+from peagle_train.train.kinds import DRAFTER_KINDS, check_any_servable, checkpoint_kind
 from peagle_train.model.drafter import PEagleDrafter
 from peagle_train.model.warm_start import load_init_weights, read_init_source
 from stores.errors import InputError
 from stores.runtime.model_cache import load_tokenizer, load_verifier
-from stores.runtime.vllm_runtime import check_vllm_serves_peagle
 
 __all__ = ["PEAGLEInference", "InferenceResult", "StreamChunk", "acceptance_summary", "load_for_decoding",
            "load_any_drafter"]
@@ -163,8 +163,8 @@ def load_for_decoding(drafter, verifier_name: str):
 def load_any_drafter(path: str | Path, speculation_depth: int | None):
     """A drafter checkpoint of any layout ``--init-from`` reads, without the verifier's rows yet.
 
-    A peagle checkpoint (or a ``peagle-train`` output: its ``final/``, else its newest ``checkpoint-N``) loads as
-    saved. A native vLLM P-EAGLE drafter (``PeagleLlamaForCausalLM``, ...) records no trained depth: give
+    A peagle checkpoint of either kind, P-EAGLE or DFlash (or a ``peagle-train`` output: its ``final/``, else its
+    newest ``checkpoint-N``) loads as saved. A native vLLM P-EAGLE drafter (``PeagleLlamaForCausalLM``, ...) records no trained depth: give
     ``speculation_depth``, taken as its ``num_depths``; its missing embedding is the verifier's
     (``finish(verifier)`` copies it). An EAGLE-3 drafter is refused: it has no trained mask hidden state, so
     its depths ≥ 1 would draft from an untrained input.
@@ -176,6 +176,10 @@ def load_any_drafter(path: str | Path, speculation_depth: int | None):
         StoreFormatError, InputError: not a drafter of those layouts, or one that cannot draft exactly.
     """
     directory, _ = find_drafter(path)
+    kind = checkpoint_kind(directory)
+    if kind is not DRAFTER_KINDS["peagle"]:  # another kind's checkpoint (DFlash) loads as saved
+        check_any_servable(directory)
+        return directory, kind.load(directory), lambda verifier: None
     source = read_init_source(directory)
     if source.format == "peagle":
         check_servable_checkpoint(directory)
@@ -272,8 +276,8 @@ class PEAGLEInference:
                  chat_template_kwargs: dict[str, Any] | None = None, warmup: bool = True):
         if engine not in ("peagle", "vllm"):
             raise InputError(f"engine must be 'peagle' or 'vllm', got {engine!r}", field="engine")
-        if engine == "vllm":
-            check_vllm_serves_peagle("engine")  # a vLLM that no longer serves P-EAGLE (0.34 on), before any loading
+        if engine == "vllm":  # a vLLM that no longer serves the drafter's kind (P-EAGLE from 0.34), before any loading
+            checkpoint_kind(find_drafter(drafter_checkpoint)[0]).check_installed_vllm("engine")
         directory, drafter, finish = load_any_drafter(drafter_checkpoint, speculation_depth)
         name = target_model or drafter.config.verifier_name_or_path
         if not name:

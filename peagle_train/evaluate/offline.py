@@ -22,7 +22,8 @@ from peagle_train.evaluate.prompts import verifier_eos_ids
 from peagle_train.evaluate.replay import TurnReplay
 from peagle_train.evaluate.speculative import checked_num_draft_tokens
 from peagle_train.model.attention import element_attention
-from peagle_train.model.checkpoint import TRAINING_SEGMENTS_FILE, load_drafter, read_training_segments
+from peagle_train.model.checkpoint import TRAINING_SEGMENTS_FILE, read_training_segments
+from peagle_train.train.kinds import load_drafter_of_kind
 from stores.errors import StoreMismatchError
 from stores.features.feature_store import FeatureStore
 from stores.runtime.model_cache import load_output_head
@@ -73,10 +74,17 @@ def segment_predictions(drafter, block, start: int, n: int, num_depths: int, chu
         chunk_anchors: anchors per drafter pass.
         attention_backend: the backend each pass builds for its elements (forward only).
 
+    A drafter kind whose drafts are not P-EAGLE's chains brings its own ``block_predictions`` in the same layout
+    (a DFlash drafter: :meth:`~peagle_train.model.dflash.DFlashDrafter.block_predictions`, the block anchored at
+    ``x_{a+1}``).
+
     Returns:
         ``[A, K] int64`` draft-vocab ids for the ``A = max(n - 2, 0)`` anchors; -1 where the element
         does not exist (``a + d + 2 > n - 1``).
     """
+    own = getattr(drafter, "block_predictions", None)
+    if own is not None:
+        return own(block, start, n, num_depths, chunk_anchors)
     K = num_depths
     A = max(n - 2, 0)
     pred = torch.full((A, K), -1, dtype=torch.long)
@@ -162,7 +170,7 @@ def evaluate_offline(drafter, blocks: Iterable, lm_head_weight: torch.Tensor | N
     """Offline acceptance of ``drafter`` on stored blocks (see the module docstring for definitions).
 
     Args:
-        drafter: a ``PEagleDrafter``.
+        drafter: a ``PEagleDrafter`` or a ``DFlashDrafter`` (:func:`segment_predictions`).
         blocks: objects with ``input_ids, loss_mask, position_ids [T] int64``, ``cu_seqlens [S+1]``,
             ``aux_hidden [T, L, H]`` or ``[T, L*H]`` (bf16/float) and ``final_hidden [T, H]``
             (e.g. ``FeatureStore.read_block`` results).
@@ -483,7 +491,7 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
     """
     EvalConfig(max_blocks=max_blocks, chunk_anchors=chunk_anchors, num_draft_tokens=num_depths,
                max_new_tokens=max_new_tokens)
-    drafter = load_drafter(drafter_dir).eval()
+    drafter = load_drafter_of_kind(drafter_dir).eval()
     fs = FeatureStore.open(store)
     check_store_fits(fs, drafter)
     check_complete(fs, allow_partial)

@@ -19,7 +19,7 @@ from peagle_train.evaluate.report import per_mode_report, write_json
 from peagle_train.evaluate.inference import PEAGLEInference, load_for_decoding
 from peagle_train.evaluate.speculative import GenerationResult, Truncation, acceptance_scheme, served_truncation
 from peagle_train.evaluate.tree import TreeGenerationResult, TreeSpec
-from peagle_train.model.checkpoint import load_drafter
+from peagle_train.train.kinds import load_drafter_of_kind
 from stores.errors import InputError
 from stores.runtime.model_cache import load_tokenizer
 
@@ -278,7 +278,7 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
                         chat_template_kwargs=dict(chat_template_kwargs or {}), reasoning_parser=reasoning_parser,
                         top_k=top_k, top_p=top_p, **(mixture or {}))
     prompts = read_prompts(prompts_file, config.num_prompts)
-    drafter = load_drafter(drafter_dir)
+    drafter = load_drafter_of_kind(drafter_dir)
     name = verifier_name or drafter.config.verifier_name_or_path
     if not name:
         raise InputError("the drafter's config names no verifier; pass one", field="--verifier")

@@ -19,12 +19,12 @@ from peagle_train.evaluate.online import run_online_eval
 from peagle_train.evaluate.verifier import config_recurrent_layers
 from peagle_train.evaluate.report import foreign_report_files, write_acceptance_plot, write_json
 from peagle_train.evaluate.vllm_engine import check_vllm_sampling, import_vllm, run_vllm_eval, vllm_on_cpu
-from peagle_train.model.checkpoint import find_drafter, load_drafter
+from peagle_train.model.checkpoint import find_drafter
+from peagle_train.train.kinds import checkpoint_kind, load_drafter_of_kind
 from stores.errors import ForeignFilesError, OutputExistsError
 from stores.features.feature_store import FeatureStore
 from stores.progress import progress
 from stores.runtime.model_config import load_model_config
-from stores.runtime.vllm_runtime import check_vllm_serves_peagle
 
 __all__ = ["EvalRun", "run_eval", "VLLM_COSTS_SKIPPED", "OFFLINE_COSTS_NOT_ASKED"]
 
@@ -126,7 +126,7 @@ def _offline_cost_model(drafter: str, store: str, offline: dict[str, Any], round
     context = first_prompt_ids(FeatureStore.open(store).read_block(offline["blocks"][0]))
     # the verifier's config was checked before any weights (check_before_weights); the timing needs no
     # tokenizer check: token ids do not change a step's cost
-    verifier, loaded = load_for_decoding(load_drafter(drafter), offline["verifier"])
+    verifier, loaded = load_for_decoding(load_drafter_of_kind(drafter), offline["verifier"])
     return cost_model_report(measure_trusted_costs(verifier, loaded, context, int(loaded.config.num_depths), rounds),
                              offline)
 
@@ -155,7 +155,7 @@ def run_eval(run: EvalRun, log: Callable[[str], None] = print, config: dict[str,
     drafter = str(found)
     _check_output(run)
     if run.prompts is not None and run.settings.engine == "vllm":
-        check_vllm_serves_peagle()  # from vLLM 0.34 on, refused: it reads the version, imports no vLLM
+        checkpoint_kind(drafter).check_installed_vllm()  # P-EAGLE from vLLM 0.34 on: refused, no vLLM imported
         import_vllm()  # MissingDependencyError naming the set-up command, before any work
         check_vllm_sampling(run.settings.temperature, vllm_on_cpu())  # T > 0 where vLLM samples wrongly: refused
     check_before_weights(drafter, run.verifier, run.prompts, run.store, run.settings.num_prompts,

@@ -56,6 +56,7 @@ from peagle_train.evaluate.verifier import (aux_hidden_states, keep_fed, new_cac
                                             recurrent_layers, rollback_cache, snapshot_state, verifier_body_pass,
                                             verifier_pass)
 from peagle_train.model.attention import DenseAttention
+from peagle_train.model.dflash import DFlashDrafter
 from peagle_train.model.drafter import DrafterCache
 from stores.errors import InputError
 from stores.runtime.model_cache import load_generation_config
@@ -68,6 +69,8 @@ __all__ = [
     "GenerationResult",
     "DecodeContext",
     "DrafterSession",
+    "DFlashSession",
+    "drafter_session",
     "accept_drafts",
     "acceptance_scheme",
     "aux_features",
@@ -235,6 +238,33 @@ class DrafterSession:
         # depth-0 by anchor then the chain: the §8 rule is causal after the N cached elements
         mask = torch.ones(E, N + E, dtype=torch.bool, device=self.device).tril(N)  # [E, N+E]
         return self.drafter(input_ids, g[:n], is_mask, position_ids, DenseAttention(mask=mask), cache=self.cache)
+
+
+class DFlashSession:
+    """Drafting for one sequence with a DFlash drafter (docs/design.md §8b), the :class:`DrafterSession` interface:
+    ``draft(new_tokens, new_aux, k)`` adds the verifier's features ``g_a`` of the rows it has now read
+    (``new_aux [n, L*H]``; ``new_tokens [n]`` are ``x_{a+1}``, the last of them the newest token ``x_{t+1}``) and
+    drafts k tokens from one block of the anchor ``x_{t+1}`` and K mask tokens (K the run's drafts per step, as
+    vLLM's block at ``num_speculative_tokens`` K) against the context ``g_0..g_t``. The drafter runs over the whole
+    context each step (no cache)."""
+
+    def __init__(self, drafter, num_drafts: int):
+        self.drafter, self.num_drafts = drafter, int(num_drafts)
+        self.aux: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def draft(self, new_tokens: torch.Tensor, new_aux: torch.Tensor, k: int) -> torch.Tensor:
+        """Add ``n >= 1`` rows and draft ``1 <= k <= K`` tokens: ``[k, D]`` draft-vocab logits."""
+        assert new_tokens.numel() >= 1 and new_aux.shape[0] == new_tokens.numel(), (tuple(new_tokens.shape),
+                                                                                    tuple(new_aux.shape))
+        self.aux.append(new_aux)
+        return self.drafter.draft(torch.cat(self.aux), int(new_tokens[-1]), k, self.num_drafts)
+
+
+def drafter_session(drafter, num_drafts: int) -> DrafterSession | DFlashSession:
+    """The decoding session of ``drafter``'s kind for K = ``num_drafts`` drafts a step: :class:`DFlashSession`
+    for a DFlash drafter (it drafts a block), else :class:`DrafterSession` (P-EAGLE's chains)."""
+    return DFlashSession(drafter, num_drafts) if isinstance(drafter, DFlashDrafter) else DrafterSession(drafter)
 
 
 @torch.no_grad()
@@ -560,7 +590,7 @@ class DecodeContext:
     drafter: Any
     cache: Any
     """The verifier's :func:`~peagle_train.evaluate.verifier.rollback_cache`."""
-    session: DrafterSession
+    session: DrafterSession | DFlashSession
     recurrent: bool
     """The verifier has recurrent layers (:func:`~peagle_train.evaluate.verifier.recurrent_layers`)."""
     hook: dict[str, torch.Tensor]
@@ -609,7 +639,7 @@ def run_decoder(verifier, drafter, prompt_ids, max_new_tokens: int, K: int, eos_
         if recurrent:  # per-token states from here on, where transformers records them (not for the prefill)
             record_token_states(cache, K + 1)
         # depth-0 elements for the drafter: tokens x_1..x_{t+1} and features g_0..g_t
-        ctx = DecodeContext(verifier, drafter, cache, DrafterSession(drafter), recurrent, hook, past=ids.numel(),
+        ctx = DecodeContext(verifier, drafter, cache, drafter_session(drafter, K), recurrent, hook, past=ids.numel(),
                             new_tokens=torch.cat([ids[1:], torch.tensor(result.tokens)]), new_aux=torch.empty(0))
         ctx.new_aux = ctx.features(hs)
         while len(result.tokens) < max_new_tokens and result.tokens[-1] not in eos:

@@ -46,10 +46,11 @@ import torch
 from peagle_train.evaluate.speculative import (DecodeContext, GenerationResult, check_compatible,
                                                checked_num_draft_tokens, run_decoder)
 from peagle_train.evaluate.verifier import config_recurrent_layers, verifier_body_pass
+from peagle_train.model.dflash import DFlashDrafter
 from stores.errors import InputError
 
 __all__ = ["TreeSpec", "DraftTree", "TreeGenerationResult", "build_tree", "tree_attention_mask",
-           "compact_cache", "walk_greedy", "check_tree_supported", "tree_depth", "tree_generate",
+           "compact_cache", "walk_greedy", "check_tree_supported", "tree_depth", "DFLASH_TREE_REFUSED", "tree_generate",
            "check_tree_config", "TREE_ATTENTION", "TREE_SAMPLING_REFUSED", "TREE_RECURRENT_REFUSED"]
 
 TREE_ATTENTION = ("eager", "sdpa")
@@ -154,13 +155,23 @@ class TreeGenerationResult(GenerationResult):
     """Tree nodes (the root excluded) the verifier checked in each step."""
 
 
+DFLASH_TREE_REFUSED = (
+    "a DFlash drafter drafts one chain per step (the argmax of each block slot), not a tree: its slots are drafted "
+    "together from the newest token, so a branch at depth d would not change the drafts after it, and vLLM serves "
+    "it as a chain; decode it without --tree-topk / --tree-budget")
+"""Why trees are refused for a DFlash drafter."""
+
+
 def tree_depth(spec: TreeSpec, num_draft_tokens: int | None, drafter) -> int:
     """The tree depth k: ``len(topk)`` for a fixed tree, K (``num_draft_tokens``, default ``num_depths``) for a
     dynamic one; at most the drafter's trained ``num_depths`` (docs/design.md §9).
 
     Raises:
-        InputError: a depth past ``num_depths``, or a fixed tree whose length differs from ``num_draft_tokens``.
+        InputError: a depth past ``num_depths``, a fixed tree whose length differs from ``num_draft_tokens``, or a
+            DFlash drafter (:data:`DFLASH_TREE_REFUSED`).
     """
+    if isinstance(drafter, DFlashDrafter):
+        raise InputError(DFLASH_TREE_REFUSED, field="--tree-topk")
     if spec.topk is None:
         return checked_num_draft_tokens(num_draft_tokens, drafter)
     k = len(spec.topk)

@@ -8,7 +8,8 @@ largest raw logits (for the near-tie rule of :mod:`peagle_train.evaluate.identit
 at ``--temperature T > 0`` a seeded sample (later turns take the reference answers as history, as
 peagle's own engine does). The engine with the drafter runs at the same temperature, with vLLM's
 ``draft_sample_method`` set to ``--draft-sample-method`` (vLLM's default ``greedy`` unless asked). One engine with the drafter
-(vLLM's P-EAGLE: ``method eagle3`` with ``parallel_drafting``) then runs the same token-id prompts:
+(vLLM's P-EAGLE: ``method eagle3`` with ``parallel_drafting``; a DFlash drafter: ``method dflash``, its
+kind's :meth:`~peagle_train.train.kinds.DrafterKind.speculative_config`) then runs the same token-id prompts:
 - one request at a time, counted: vLLM's spec-decode counters (``llm.get_metrics()``: drafts, draft
   tokens, accepted tokens, accepted per position; their change over this pass) and its per-request
   per-step counts (``per_request_spec_decode_metrics="detailed"``), and the token identity with the
@@ -50,14 +51,15 @@ from peagle_train.evaluate.prompts import (Prompt, eos_ids, history_message, pro
 from peagle_train.evaluate.report import per_mode_report
 from peagle_train.evaluate.speculative import (Truncation, acceptance_scheme, check_draft_sample_method,
                                                checked_num_draft_tokens, served_truncation)
-from peagle_train.model.checkpoint import find_drafter, load_drafter
+from peagle_train.model.checkpoint import find_drafter
+from peagle_train.train.kinds import checkpoint_kind, load_drafter_of_kind
 from stores.errors import InputError, ModelNotFoundError, PeagleError
 from stores.runtime.model_config import load_model_config, text_config
 from stores.runtime.model_cache import load_tokenizer, resolve_model
 from stores.progress import progress
 from stores.runtime.model_identity import model_fingerprint
 from stores.runtime.vllm_runtime import (CPU_HYBRID_PREFIX_CACHING, CPU_MAMBA2_SPECULATION, VLLM_SETUP, VllmMemory,
-                                         VllmOutput, VllmStartError, check_vllm_serves_peagle, cpu_bf16_only,
+                                         VllmOutput, VllmStartError, cpu_bf16_only,
                                          cpu_speculation_not_lossless, cpu_without_prefix_caching, start_llm)
 from stores.runtime.vllm_runtime import import_vllm as import_vllm_module
 
@@ -422,14 +424,14 @@ class VllmSpeculativeEngine:
 
     Raises:
         MissingDependencyError: no vLLM (names the set-up command). InputError: a vLLM that no longer serves
-        P-EAGLE (from 0.34: :func:`stores.runtime.vllm_runtime.check_vllm_serves_peagle`), a verifier whose
+        P-EAGLE (from 0.34: :meth:`~peagle_train.train.kinds.DrafterKind.check_installed_vllm`), a verifier whose
         drafts this vLLM does not verify exactly on this platform (:func:`check_vllm_verifier`), before the
         engine starts.
     """
 
     def __init__(self, verifier_name: str, drafter_dir: str | Path, K: int, tokenizer, max_model_len: int = 4096,
                  max_num_seqs: int = 8, memory: VllmMemory | None = None):
-        check_vllm_serves_peagle("engine")
+        checkpoint_kind(drafter_dir).check_installed_vllm("engine")  # P-EAGLE from vLLM 0.34: refused
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
@@ -444,8 +446,8 @@ class VllmSpeculativeEngine:
         self.llm, mem = start_llm(memory or VllmMemory(), self.output, model=self.directory, **self.settings, seed=0,
                                   max_model_len=max_model_len, max_num_seqs=max_num_seqs, disable_log_stats=False,
                                   generation_config="vllm",
-                                  speculative_config={"model": str(drafter_dir), "method": "eagle3",
-                                                      "parallel_drafting": True, "num_speculative_tokens": self.K},
+                                  speculative_config=checkpoint_kind(drafter_dir).speculative_config(
+                                      str(drafter_dir), self.K),
                                   per_request_spec_decode_metrics="detailed")
         self.settings = {**self.settings, **mem}
 
@@ -606,7 +608,8 @@ def vllm_speculative(ref: VllmReference, drafter_dir: str | Path, config: EvalCo
     vllm = import_vllm()
     if sampling_check is None:
         sampling_check = check_vllm_sampling(config.temperature, vllm_on_cpu())
-    drafter = load_drafter(drafter_dir)
+    kind = checkpoint_kind(drafter_dir)
+    drafter = kind.load(drafter_dir)
     K = checked_num_draft_tokens(config.num_draft_tokens, drafter)
     del drafter
     method = check_draft_sample_method(config.draft_sample_method)
@@ -615,8 +618,7 @@ def vllm_speculative(ref: VllmReference, drafter_dir: str | Path, config: EvalCo
                   temperature=config.temperature, seed=config.seed, truncation=truncation)
     if config.vllm_loading == "speculative_config":
         spec = vllm_generate(ref.directory, ref.requests, config.online_max_new_tokens(), **common,
-                             speculative_config={"model": str(drafter_dir), "method": "eagle3",
-                                                 "parallel_drafting": True, "num_speculative_tokens": K,
+                             speculative_config={**kind.speculative_config(str(drafter_dir), K),
                                                  "draft_sample_method": method})
     else:  # vLLM reads speculators_config of the drafter and loads the verifier it names
         spec = vllm_generate(str(drafter_dir), ref.requests, config.online_max_new_tokens(), **common,
@@ -697,20 +699,20 @@ def run_vllm_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_fi
 
     Raises:
         MissingDependencyError: no vLLM (names the set-up command). InputError: a vLLM that no longer serves
-        P-EAGLE (from 0.34: :func:`stores.runtime.vllm_runtime.check_vllm_serves_peagle`), an unknown loading or draft
+        P-EAGLE (from 0.34: :meth:`~peagle_train.train.kinds.DrafterKind.check_installed_vllm`), an unknown loading or draft
         sample method, K above the drafter's ``num_depths``, T > 0 where vLLM's rejection sampler does not get
         the verifier's distribution (:func:`check_vllm_sampling`), a verifier whose drafts vLLM does not verify
         exactly on this platform (:func:`check_vllm_verifier`), each before any engine starts.
     """
-    check_vllm_serves_peagle()
+    found, note = find_drafter(drafter_dir)
+    checkpoint_kind(found).check_installed_vllm()  # P-EAGLE from vLLM 0.34: refused
     check_draft_sample_method(config.draft_sample_method)
     if config.vllm_loading not in VLLM_LOADINGS:
         raise InputError(f"{config.vllm_loading!r}: expected one of {VLLM_LOADINGS}", field="--vllm-loading")
     check_vllm_sampling(config.temperature, vllm_on_cpu())
-    found, note = find_drafter(drafter_dir)
     if note:
         log(note)
-    name = verifier_name or load_drafter(found).config.verifier_name_or_path
+    name = verifier_name or load_drafter_of_kind(found).config.verifier_name_or_path
     if not name:
         raise InputError("the drafter's config names no verifier; pass one", field="--verifier")
     check_vllm_verifier(name, vllm_on_cpu())

@@ -417,8 +417,8 @@ def load_drafter(directory: str | os.PathLike, device: str | torch.device = "cpu
     cfg = json.loads(cfg_path.read_text())
     if cfg.get("speculators_model_type") == "dflash":
         raise StoreFormatError(f"{directory} is a DFlash drafter (speculators_model_type 'dflash'): peagle reads it "
-                               "with its DFlash kind (peagle_train.train.kinds), and decodes P-EAGLE drafters only; "
-                               "serve it with vLLM (speculative_config method 'dflash')")
+                               "with its DFlash kind (peagle_train.train.kinds.load_drafter_of_kind), as peagle-eval and the "
+                               "Python API do")
     if cfg.get("speculators_model_type") != "peagle":
         raise StoreFormatError(f"{cfg_path}: speculators_model_type is "
                                f"{cfg.get('speculators_model_type')!r}, expected 'peagle'")

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from peagle_train.data.anchors import AnchorBlocks, block_inputs
 from peagle_train.model.config import DrafterConfig
 from peagle_train.model.drafter import MLP, RMSNorm
 from peagle_train.model.rope import rope_cos_sin, rotate_half
@@ -169,6 +170,63 @@ class DFlashDrafter(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[Q, H] -> [Q, D]`` draft-vocab logits."""
         return self.lm_head(hidden)
+
+    @torch.no_grad()
+    def draft(self, context_aux: torch.Tensor, anchor_id: int, k: int, num_drafts: int | None = None) -> torch.Tensor:
+        """One decoding step's drafts: the block anchored at the newest token ``anchor_id`` (position T) against
+        the context features ``context_aux [T, L*H]`` of rows ``0..T-1`` (positions ``0..T-1``, T >= 1).
+
+        The block holds the anchor and ``num_drafts`` mask tokens (default ``block_size - 1``), as vLLM's DFlash
+        proposer runs one of ``num_speculative_tokens + 1`` tokens; the first ``k <= num_drafts`` slots are
+        returned (a step near ``max_new_tokens`` keeps fewer drafts of the same block).
+
+        Returns:
+            ``[k, D]`` draft-vocab logits of slots ``1..k``.
+        """
+        n_drafts = self.config.block_size - 1 if num_drafts is None else int(num_drafts)
+        B, T = n_drafts + 1, context_aux.shape[0]
+        assert 1 <= k <= n_drafts <= self.config.block_size - 1 and T >= 1, (k, n_drafts, T)
+        device = self.d2t.device
+        ids = torch.full((B,), self.config.mask_token_id, dtype=torch.long, device=device)
+        ids[0] = int(anchor_id)
+        mask = torch.ones(B, T + B, dtype=torch.bool, device=device)  # every context row, the whole block
+        hidden = self(context_aux.to(device), torch.arange(T, device=device), ids,
+                      torch.arange(T, T + B, device=device), mask)  # [B, H]
+        return self.logits(hidden[1:k + 1])
+
+    @torch.no_grad()
+    def block_predictions(self, block, start: int, n: int, num_depths: int, chunk_anchors: int = 256) -> torch.Tensor:
+        """The argmax drafts of the block anchored at every row of one stored segment ``[start, start+n)``, in
+        the layout of :func:`peagle_train.evaluate.offline.segment_predictions`: ``pred[t-1, d]`` is slot
+        ``d + 1`` of the block anchored at local row ``t`` (newest token ``x_t``, context the rows before it),
+        the draft of ``x_{t+d+1}`` at the decoding step whose newest token is ``x_t``. A block holds the anchor
+        and K mask tokens (:meth:`draft` with ``num_drafts = K``: vLLM's block at ``num_speculative_tokens`` K).
+
+        Args:
+            block: ``input_ids, position_ids [T] int64``, ``aux_hidden [T, L, H]`` or ``[T, L*H]``.
+            start, n: the segment's first row and length.
+            num_depths: K <= block_size - 1 drafts per step (blocks of K + 1).
+            chunk_anchors: anchors per drafter pass (a pass holds ``chunk * (K + 1)`` queries against the n rows).
+
+        Returns:
+            ``[max(n - 2, 0), K] int64`` draft-vocab ids; -1 where the draft's target is past the segment.
+        """
+        K, B = num_depths, num_depths + 1
+        assert 1 <= K <= self.config.block_size - 1, (K, self.config.block_size)
+        A = max(n - 2, 0)
+        pred = torch.full((A, K), -1, dtype=torch.long)
+        exists = (torch.arange(A)[:, None] + torch.arange(K)[None, :] + 2) <= n - 1  # [A, K]
+        device, dtype = self.d2t.device, self.fc.weight.dtype
+        aux = block.aux_hidden.reshape(block.aux_hidden.shape[0], -1)[start:start + n].to(device, dtype)  # [n, L*H]
+        ids = block.input_ids[start:start + n].to(device)
+        pos = block.position_ids[start:start + n].to(device)
+        cu, ones = torch.tensor([0, n], device=device), torch.ones(n, device=device)
+        for c0 in range(0, A, chunk_anchors):
+            anchors = torch.arange(c0, min(c0 + chunk_anchors, A)) + 1  # [N] local rows t = a + 1
+            inp = block_inputs(AnchorBlocks(anchors, B), ids, pos, cu, ones, self.config.mask_token_id)
+            hidden = self(aux, pos, inp.input_ids, inp.position_ids, inp.mask).unflatten(0, (-1, B))  # [N, B, H]
+            pred[anchors - 1] = self.logits(hidden[:, 1:].flatten(0, 1)).argmax(-1).view(-1, K).cpu()  # [N, K]
+        return torch.where(exists, pred, torch.full_like(pred, -1))
 
     def init_from_verifier(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
                            d2t: torch.Tensor | None = None, freeze_lm_head: bool = True) -> None:

@@ -13,17 +13,21 @@ Legend: T tokens in a block (packed row), H hidden size, D draft vocab, K drafts
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from peagle_train.data.anchors import AnchorBlocks, block_inputs, sample_anchors
 from peagle_train.data.cod import CodElements
 from peagle_train.data.loader import Block
-from peagle_train.model.checkpoint import (check_servable, drafter_config_json, load_drafter, save_checkpoint,
-                                           save_drafter)
+from peagle_train.model.checkpoint import (CONFIG_FILE, WEIGHTS_FILE, check_servable, check_servable_checkpoint,
+                                           drafter_config_json, load_drafter, save_checkpoint, save_drafter)
 from peagle_train.model.config import DRAFTER_METHODS, DrafterConfig
 from peagle_train.model.dflash import DFlashConfig, DFlashDrafter
 from peagle_train.model.dflash_checkpoint import (check_dflash_servable, dflash_config_json, load_dflash, save_dflash,
@@ -31,8 +35,11 @@ from peagle_train.model.dflash_checkpoint import (check_dflash_servable, dflash_
 from peagle_train.model.drafter import PEagleDrafter
 from peagle_train.train.loss import LogitTransform, LossOutput, loss_and_accuracy
 from peagle_train.train.step import block_loss, sample_elements
+from stores.errors import StoreFormatError
+from stores.runtime.vllm_runtime import LAST_PEAGLE_VLLM, check_vllm_serves_peagle
 
-__all__ = ["DrafterKind", "DRAFTER_KINDS", "drafter_kind", "dflash_block_loss"]
+__all__ = ["DrafterKind", "DRAFTER_KINDS", "drafter_kind", "dflash_block_loss", "load_drafter_of_kind", "checkpoint_kind",
+           "check_any_servable"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,28 @@ class DrafterKind:
     save: Callable
     save_checkpoint: Callable
     load: Callable
+    parallel_drafting: bool = False
+    """vLLM's ``speculative_config`` needs ``parallel_drafting`` (P-EAGLE served as ``eagle3``)."""
+    served_until_vllm: tuple[int, int] | None = None
+    """The last vLLM release (major, minor) that serves the kind; None: every vLLM from 0.32 on."""
+
+    def check_installed_vllm(self, field: str = "--engine") -> None:
+        """Refuse, before any engine starts, an installed vLLM newer than :attr:`served_until_vllm` (P-EAGLE after
+        0.33: :func:`stores.runtime.vllm_runtime.check_vllm_serves_peagle`, which reads the version without
+        importing vLLM); a kind every vLLM serves passes.
+
+        Raises:
+            InputError: ``field``: the reason and the way forward (``--method dflash``).
+        """
+        if self.served_until_vllm is not None:
+            check_vllm_serves_peagle(field)
+
+    def speculative_config(self, model: str, num_drafts: int) -> dict[str, Any]:
+        """vLLM's ``speculative_config`` serving the drafter at ``model`` with ``num_drafts`` drafts a step:
+        ``model``, ``method`` (:attr:`vllm_method`), ``num_speculative_tokens`` and, for a kind that needs it,
+        ``parallel_drafting``."""
+        config = {"model": str(model), "method": self.vllm_method, "num_speculative_tokens": int(num_drafts)}
+        return {**config, "parallel_drafting": True} if self.parallel_drafting else config
 
     def new_drafter(self, base: DrafterConfig, cfg) -> nn.Module:
         """A fresh drafter of this kind for the verifier shapes of ``base`` and the run's ``cfg``."""
@@ -111,7 +140,8 @@ DRAFTER_KINDS: dict[str, DrafterKind] = {
         name="peagle", speculators_model_type="peagle", vllm_method="eagle3", model_class=PEagleDrafter,
         make_config=lambda base, cfg: base, sample=sample_elements, loss=_peagle_loss,
         config_json=drafter_config_json, check_servable=check_servable, save=save_drafter,
-        save_checkpoint=save_checkpoint, load=load_drafter),
+        save_checkpoint=save_checkpoint, load=load_drafter, parallel_drafting=True,
+        served_until_vllm=LAST_PEAGLE_VLLM),
     "dflash": DrafterKind(
         name="dflash", speculators_model_type="dflash", vllm_method="dflash", model_class=DFlashDrafter,
         make_config=_dflash_config, sample=_dflash_sample, loss=dflash_block_loss,
@@ -132,3 +162,43 @@ def drafter_kind(name: str) -> DrafterKind:
     if name not in DRAFTER_KINDS:
         raise ValueError(f"--method must be one of {', '.join(DRAFTER_KINDS)}, got {name!r}")
     return DRAFTER_KINDS[name]
+
+
+def load_drafter_of_kind(directory: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Module:
+    """The drafter of checkpoint ``directory``, of whichever kind its ``config.json`` names
+    (``speculators_model_type``), loaded by that kind's ``load``; anything else goes to P-EAGLE's loader, which
+    names what is wrong.
+
+    Raises:
+        StoreFormatError: not a drafter checkpoint of a known kind, or its tensors do not fit its config.
+    """
+    return checkpoint_kind(directory).load(directory, device)
+
+
+def checkpoint_kind(directory: str | os.PathLike) -> DrafterKind:
+    """The kind whose ``speculators_model_type`` checkpoint ``directory``'s ``config.json`` names; P-EAGLE when
+    it names none of them or cannot be read (P-EAGLE's loader and checks then name what is wrong)."""
+    try:
+        model_type = json.loads((Path(directory) / "config.json").read_text()).get("speculators_model_type")
+    except (OSError, ValueError, AttributeError):
+        model_type = None
+    return next((k for k in DRAFTER_KINDS.values() if k.speculators_model_type == model_type), DRAFTER_KINDS["peagle"])
+
+
+def check_any_servable(directory: str | os.PathLike) -> None:
+    """Its kind's ``check_servable`` on checkpoint ``directory``'s ``config.json`` and tensor shapes (read from
+    the safetensors header, no weights loaded).
+
+    Raises:
+        InputError: vLLM would not serve it as trained. StoreFormatError: not a drafter checkpoint.
+    """
+    kind = checkpoint_kind(directory)
+    if kind.name == "peagle":
+        check_servable_checkpoint(directory)
+        return
+    cfg_path, w_path = Path(directory) / CONFIG_FILE, Path(directory) / WEIGHTS_FILE
+    if not cfg_path.is_file() or not w_path.is_file():
+        raise StoreFormatError(f"{directory} is not a drafter checkpoint: expected {CONFIG_FILE} and {WEIGHTS_FILE}")
+    with safe_open(str(w_path), framework="pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    kind.check_servable(json.loads(cfg_path.read_text()), shapes, str(directory))

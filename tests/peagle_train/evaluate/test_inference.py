@@ -369,3 +369,123 @@ def test_a_native_vllm_drafter_loads_as_its_peagle_checkpoint(tiny_verifier, tmp
     save_file(weights, str(native / "model.safetensors"))
     with pytest.raises(InputError, match=r"missing \['mask_hidden'\]"):  # no trained input for depths >= 1
         load_any_drafter(native, 3)
+
+
+def test_a_dflash_checkpoint_decodes_its_verifiers_greedy_output_and_refuses_a_tree(tiny_verifier, tiny_verifier_dir,
+                                                                                     tmp_path):
+    """``PEAGLEInference`` on a DFlash checkpoint (read by its kind): a chain of B - 1 drafts a step whose output
+    is the verifier's greedy output; a tree is refused with the reason."""
+    from peagle_train.evaluate.tree import DFLASH_TREE_REFUSED
+    from peagle_train.model.dflash_checkpoint import save_dflash
+    from tests.peagle_train.evaluate.test_speculative import tiny_dflash
+
+    drafter = tiny_dflash(tiny_verifier, block_size=3)
+    drafter.config.verifier_name_or_path = str(tiny_verifier_dir)
+    save_dflash(drafter, tmp_path / "dflash")
+    prompt = [1, 504, 3458, 282, 260, 1115, 30]
+    api = PEAGLEInference(str(tmp_path / "dflash"), warmup=False)
+    r = api.generate(prompt, max_new_tokens=12)
+    assert r.token_ids == greedy_generate(tiny_verifier, prompt, 12).tokens and api.K == 2
+    assert r.speculative.drafted_per_step[0] == 2
+    with pytest.raises(InputError) as e:
+        PEAGLEInference(str(tmp_path / "dflash"), tree={"topk": [1, 1]}, warmup=False)
+    assert DFLASH_TREE_REFUSED in str(e.value)
+
+
+def test_eval_cli_decodes_a_dflash_drafter_as_the_verifier_does(tiny_verifier, tiny_verifier_dir, tmp_path):
+    """``peagle-eval --prompts`` with a DFlash checkpoint: peagle's chain engine, B - 1 drafts a step, output
+    identical to greedy; ``--tree-topk`` is refused with the reason."""
+    from click.testing import CliRunner
+
+    from cli.eval import main
+    from peagle_train.model.dflash_checkpoint import save_dflash
+    from tests.peagle_train.evaluate.test_evaluate import write_lines
+    from tests.peagle_train.evaluate.test_speculative import tiny_dflash
+
+    drafter = tiny_dflash(tiny_verifier, block_size=4)
+    drafter.config.verifier_name_or_path = str(tiny_verifier_dir)
+    save_dflash(drafter, tmp_path / "dflash")
+    prompts = write_lines(tmp_path / "p.jsonl", [{"question_id": 7, "turns": ["Hi", "Again"]}])
+    result = CliRunner().invoke(main, ["--drafter", str(tmp_path / "dflash"), "--prompts", prompts,
+                                       "--max-new-tokens", "6", "--no-measure-costs"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["identical_to_greedy"] is True and report["num_draft_tokens"] == 3, report
+    refused = CliRunner().invoke(main, ["--drafter", str(tmp_path / "dflash"), "--prompts", prompts,
+                                        "--tree-topk", "2,1,1"])
+    assert refused.exit_code == 2 and "drafts one chain per step" in refused.output
+
+
+def smollm2_dflash(directory: Path) -> Path:
+    """A random 1-layer DFlash drafter (blocks of 4) for the embedded SmolLM2-135M (a 1024-token draft vocab)."""
+    from peagle_train.model.dflash import DFlashConfig, DFlashDrafter
+    from peagle_train.model.dflash_checkpoint import save_dflash
+
+    cfg = DFlashConfig(hidden_size=576, intermediate_size=256, num_attention_heads=9, num_key_value_heads=3,
+                       head_dim=64, vocab_size=49152, draft_vocab_size=1024, aux_layer_ids=[1, 15, 29],
+                       num_hidden_layers=1, mask_token_id=0, block_size=4, rope_theta=100000.0,
+                       verifier_name_or_path="smollm2-135m")
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg).eval()
+    drafter.init_from_verifier(torch.randn(49152, 576) * 0.02, torch.randn(49152, 576) * 0.02,
+                               d2t=torch.zeros(1024, dtype=torch.long))
+    save_dflash(drafter, directory)
+    return directory
+
+
+@pytest.mark.vllm
+def test_engine_vllm_serves_a_dflash_drafter_as_peagles_engine_decodes_it(tmp_path):
+    """``engine="vllm"`` with a DFlash checkpoint (vLLM ``method dflash``, K = B - 1): vLLM's greedy tokens are
+    those of peagle's engine, every step drafts K, and each step's accepted count is peagle's engine's (vLLM
+    counts acceptances of a turn's last step that the output then cuts, so there it is at least peagle's)."""
+    import os
+    import subprocess
+    import sys
+
+    smollm2_dflash(tmp_path / "dflash")
+    repo = Path(__file__).resolve().parents[3]
+    (tmp_path / "api.py").write_text(VLLM_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(repo), "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(tmp_path / "api.py"), str(tmp_path / "dflash"), str(tmp_path / "o.json")],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    out = json.loads((tmp_path / "o.json").read_text())
+    peagle = PEAGLEInference(drafter_checkpoint=tmp_path / "dflash", target_model="smollm2-135m", speculation_depth=3,
+                             warmup=False)
+    for r, ids in zip(out["results"], out["ids"]):
+        mine = peagle.generate(ids, max_new_tokens=12)
+        assert r["engine"] == "vllm" and r["token_ids"] == mine.token_ids
+        accepted, drafted = r["steps"]
+        assert set(drafted) == {3} and len(accepted) == len(mine.speculative.accepted_per_step)
+        ours = mine.speculative.accepted_per_step
+        assert accepted[:-1] == ours[:-1] and accepted[-1] >= ours[-1], (accepted, ours)
+
+
+@pytest.mark.vllm
+def test_peagle_eval_engine_vllm_counts_a_dflash_drafter_as_peagles_engine(tmp_path):
+    """``peagle-eval --engine vllm`` with a DFlash checkpoint (``method dflash``, K = B - 1) against
+    ``peagle-eval`` with peagle's engine on the same prompts: both greedy-identical, vLLM drafts K at every step,
+    and every turn's per-step accepted counts agree (vLLM's last step at least peagle's)."""
+    import os
+    import subprocess
+    import sys
+
+    smollm2_dflash(tmp_path / "dflash")
+    repo = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": str(repo), "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
+    reports = {}
+    for engine in ("vllm", "peagle"):
+        proc = subprocess.run([sys.executable, "-m", "cli.eval", "--drafter", str(tmp_path / "dflash"), "--prompts",
+                               str(repo / "examples" / "prompts.jsonl"), "--num-prompts", "2", "--max-new-tokens",
+                               "12", "--engine", engine, "--no-measure-costs", "--output",
+                               str(tmp_path / f"{engine}.json")],
+                              env=env, cwd=tmp_path, capture_output=True, text=True, timeout=1200)
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        reports[engine] = json.loads((tmp_path / f"{engine}.json").read_text())
+    theirs, ours = reports["vllm"], reports["peagle"]
+    assert theirs["engine"] == "vllm" and theirs["identical_to_greedy"] and ours["identical_to_greedy"]
+    assert theirs["drafted"] == 3 * theirs["num_drafts"] and len(theirs["per_prompt"]) == len(ours["per_prompt"])
+    for v, p in zip(theirs["per_prompt"], ours["per_prompt"]):
+        a, b = v["vllm_steps"]["accepted"], p["steps"]["accepted"]
+        assert set(v["vllm_steps"]["drafted"]) == {3} and len(a) == len(b)
+        assert a[:-1] == b[:-1] and a[-1] >= b[-1], (a, b)

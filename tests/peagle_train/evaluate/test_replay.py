@@ -18,6 +18,7 @@ from peagle_train.evaluate.replay import (
     paired_al_difference, prompt_key, turn_spans, walk_turn)
 from peagle_train.evaluate.speculative import plain_generate, speculative_generate
 from peagle_train.model.config import DrafterConfig
+from peagle_train.model.dflash import DFlashConfig, DFlashDrafter
 
 P0, P1, A1, A2, A3, A4, EOS = 10, 11, 21, 22, 23, 24, 2
 
@@ -342,3 +343,86 @@ def test_cli_store_walks_its_turns_with_the_limit_the_store_records(tiny_verifie
     assert other.exit_code != 0
     assert "generated with max_new_tokens 9, but --max-new-tokens gives 16" in other.output
     assert CliRunner().invoke(main, args + ["--max-new-tokens", "9"]).exit_code == 0
+
+
+# ------------------------------------------------------------------ DFlash drafters
+class DFlashOracle(DFlashDrafter):
+    """A DFlash drafter that drafts the known sequence ``full`` (slot j of the block anchored at position p drafts
+    ``full[p + j]``) only where it was given exactly the step's inputs: the anchor token ``full[p]``, the context
+    rows ``0..p-1`` at positions ``0..p-1``; wrong where ``(p + 2 j) % 5 == 0``: runs of several lengths."""
+
+    def __init__(self, verifier, full: list[int], block_size: int):
+        V = verifier.config.vocab_size
+        super().__init__(DFlashConfig(hidden_size=verifier.config.hidden_size, intermediate_size=8, num_attention_heads=1,
+                                      num_key_value_heads=1,
+                                      head_dim=8, vocab_size=V, draft_vocab_size=V, aux_layer_ids=[1, 2, 3],
+                                      num_hidden_layers=0, mask_token_id=5, block_size=block_size))
+        self.full = full
+
+    def forward(self, aux_hidden, context_positions, block_ids, block_positions, mask):
+        B, T = self.config.block_size, aux_hidden.shape[0]
+        q = torch.arange(block_ids.numel())
+        anchor = q - q % B
+        seen = mask[:, :T]
+        last = torch.where(seen, context_positions[None, :], -1).max(1).values  # [Q] newest context position seen
+        return torch.stack([block_positions, q % B, block_ids[anchor], seen.sum(1), last], dim=-1)  # [Q, 5]
+
+    def logits(self, hidden):
+        out = torch.zeros(hidden.shape[0], self.config.draft_vocab_size)
+        for i, (pos, j, anchor_id, n_ctx, last) in enumerate(hidden.tolist()):
+            p = pos - j
+            tok = self.full[pos] if pos < len(self.full) else 0
+            right = anchor_id == self.full[p] and n_ctx == p and last == p - 1 and (p + 2 * j) % 5 != 0
+            out[i, tok if right else (tok + 1) % out.shape[1]] = 1.0
+        return out
+
+
+@pytest.mark.parametrize("M, eos_at", [(20, None), (24, 18)])
+def test_dflash_replay_equals_peagles_engine_at_t0(tiny_verifier, M, eos_at):
+    free = plain_generate(tiny_verifier, PROMPT, 24).tokens
+    eos = {free[eos_at]} if eos_at is not None else {2}
+    oracle = DFlashOracle(tiny_verifier, PROMPT + free, block_size=4)
+    spec = speculative_generate(tiny_verifier, oracle, PROMPT, M, 3, eos)
+    assert spec.tokens == plain_generate(tiny_verifier, PROMPT, M, eos).tokens
+    acc, dr, _ = _replayed(tiny_verifier, oracle, PROMPT, spec.tokens, 3, M, eos)
+    assert (acc, dr) == (spec.accepted_per_step, spec.drafted_per_step)
+    assert 0 < sum(acc) < sum(dr) and max(acc) == 3  # runs of several lengths, whole blocks too: the test can fail
+
+
+@pytest.mark.parametrize("K", [3, 2])
+def test_dflash_replay_equals_peagles_engine_with_a_real_drafter(tiny_verifier, K):
+    """Also with K < B - 1 drafts a step (blocks of K + 1, as vLLM runs them at num_speculative_tokens K)."""
+    from tests.peagle_train.evaluate.test_speculative import tiny_dflash
+
+    drafter = tiny_dflash(tiny_verifier, block_size=4)
+    spec = speculative_generate(tiny_verifier, drafter, PROMPT, 16, K, {2})
+    acc, dr, _ = _replayed(tiny_verifier, drafter, PROMPT, spec.tokens, K, 16, {2})
+    assert (acc, dr) == (spec.accepted_per_step, spec.drafted_per_step)
+
+
+def test_cli_store_reports_the_replayed_al_of_a_dflash_drafter(tiny_verifier, tiny_verifier_dir, tmp_path):
+    """``peagle-eval --store JUDGE`` with a DFlash checkpoint: the replayed AL is the one peagle's engine decodes the
+    same prompts with, step for step (the oracle engine run anchor by anchor; the saved drafter is a real one)."""
+    from click.testing import CliRunner
+
+    from cli.eval import main
+    from peagle_train.model.dflash_checkpoint import save_dflash
+    from tests.peagle_train.evaluate.test_evaluate import make_store
+    from tests.peagle_train.evaluate.test_speculative import tiny_dflash
+
+    drafter = tiny_dflash(tiny_verifier, block_size=4)
+    drafter.config.verifier_name_or_path = str(tiny_verifier_dir)
+    save_dflash(drafter, tmp_path / "drafter")
+    prompts, M = [PROMPT, [1, 42, 43, 44, 45]], 9
+    outs = [speculative_generate(tiny_verifier, drafter, p, M, 3, {2}) for p in prompts]
+    mask = [m for p, o in zip(prompts, outs) for m in [0] * len(p) + [1] * len(o.tokens)]
+    path = make_store(str(tmp_path / "judge"), tiny_verifier, tiny_verifier_dir,
+                      [p + o.tokens for p, o in zip(prompts, outs)], loss_mask=mask)
+    result = CliRunner().invoke(main, ["--drafter", str(tmp_path / "drafter"), "--store", path, "--max-new-tokens",
+                                       str(M), "--no-measure-costs"])
+    assert result.exit_code == 0, result.output
+    replay = json.loads(result.stdout)["replay"]
+    steps = [(a, d) for o in outs for a, d in zip(o.accepted_per_step, o.drafted_per_step)]
+    assert replay["steps"] == len(steps) and replay["drafted"] == sum(d for _, d in steps)
+    assert replay["accepted"] == sum(a for a, _ in steps)
+    assert (replay["turns"], replay["conversations"], replay["refused_turns"]) == (2, 2, {})

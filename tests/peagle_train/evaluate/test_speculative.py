@@ -7,12 +7,14 @@ import torch
 from torch import nn
 
 from peagle_train.evaluate.speculative import (
+    DFlashSession,
     check_compatible,
     draft_tokens,
     greedy_generate,
     speculative_generate,
 )
 from peagle_train.model.config import DrafterConfig
+from peagle_train.model.dflash import DFlashConfig, DFlashDrafter
 from peagle_train.model.drafter import PEagleDrafter
 from stores.errors import InputError
 
@@ -698,3 +700,56 @@ def test_served_truncation_reads_the_generation_config_and_an_option_overrides(t
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
     assert served_truncation(str(tmp_path)) == (Truncation(), {"top_k": 0, "top_k_from": "off", "top_p": 1.0,
                                                                "top_p_from": "off"})
+
+
+# ------------------------------------------------------------------ DFlash drafters
+def tiny_dflash(verifier, block_size: int = 4, draft_vocab_size: int | None = 512, seed: int = 0) -> DFlashDrafter:
+    """A random DFlash drafter (2 layers, blocks of ``block_size``) for ``verifier`` (hidden 64) reading layers 1, 2,
+    3; draft vocab every 7th verifier id (None: the verifier's), the verifier's embeddings and lm_head rows."""
+    vcfg = verifier.config
+    cfg = DFlashConfig(hidden_size=vcfg.hidden_size, intermediate_size=128, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=vcfg.vocab_size,
+                       draft_vocab_size=draft_vocab_size or vcfg.vocab_size, aux_layer_ids=[1, 2, 3],
+                       num_hidden_layers=2, mask_token_id=5, block_size=block_size, rope_theta=10000.0,
+                       verifier_name_or_path="tiny")
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(cfg).eval()
+    d2t = None
+    if draft_vocab_size is not None:
+        d2t = torch.arange(draft_vocab_size) * 7 - torch.arange(draft_vocab_size)
+    drafter.init_from_verifier(verifier.model.embed_tokens.weight.detach(), verifier.lm_head.weight.detach(), d2t=d2t)
+    return drafter
+
+
+@pytest.mark.parametrize("block_size", [2, 4])
+def test_dflash_speculative_equals_greedy(tiny_verifier, block_size):
+    drafter = tiny_dflash(tiny_verifier, block_size)
+    for prompt in PROMPTS:
+        ref = greedy_generate(tiny_verifier, prompt, 20)
+        out = speculative_generate(tiny_verifier, drafter, prompt, 20)
+        assert out.tokens == ref.tokens
+        assert out.drafted_per_step[0] == max(out.drafted_per_step) == block_size - 1  # B - 1 drafts a step
+
+
+def test_dflash_session_drafts_the_block_anchored_at_the_newest_token(tiny_verifier):
+    """Each step's drafts are the block of the newest token against the features of every token before it: the
+    drafter run on the whole context from scratch gives the same logits."""
+    drafter = tiny_dflash(tiny_verifier, block_size=4)
+    x = torch.tensor(PROMPTS[0] + [77, 78, 79])
+    with torch.no_grad():
+        hs = tiny_verifier.model(input_ids=x[None], output_hidden_states=True).hidden_states
+    g = torch.cat([hs[layer][0] for layer in (1, 2, 3)], dim=-1)  # [n, L*H]
+    session = DFlashSession(drafter, 3)
+    first = session.draft(x[1:7], g[:6], 3)  # prompt rows 0..5 read, newest token x_6
+    second = session.draft(x[7:10], g[6:9], 2)  # rows 6..8 read, newest token x_9
+    assert torch.equal(first, drafter.draft(g[:6], int(x[6]), 3))
+    assert torch.equal(second, drafter.draft(g[:9], int(x[9]), 2))
+    assert not torch.equal(second, drafter.draft(g[:8], int(x[9]), 2))  # one context row less: other drafts
+
+
+def test_dflash_tree_is_refused_with_the_reason(tiny_verifier):
+    from peagle_train.evaluate.tree import DFLASH_TREE_REFUSED, TreeSpec, tree_generate
+
+    with pytest.raises(InputError, match="drafts one chain per step") as e:
+        tree_generate(tiny_verifier, tiny_dflash(tiny_verifier), PROMPTS[0], 8, TreeSpec(topk=[2, 1, 1]))
+    assert DFLASH_TREE_REFUSED in str(e.value)

@@ -338,15 +338,48 @@ def test_peagle_eval_engine_vllm_refuses_a_vllm_that_dropped_p_eagle(tmp_path, t
     assert all(part in str(e.value) for part in NEWER_VLLM), e.value
 
 
-def test_the_python_apis_vllm_engine_refuses_a_vllm_that_dropped_p_eagle(tmp_path, monkeypatch):
+def test_the_python_apis_vllm_engine_refuses_a_vllm_that_dropped_p_eagle(tmp_path, tiny_verifier, monkeypatch):
     from peagle_train.evaluate import inference
     from peagle_train.evaluate.vllm_engine import VllmSpeculativeEngine
+    from peagle_train.model.checkpoint import save_drafter
     from stores.errors import InputError
+    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
 
     _newer_vllm(monkeypatch)
+    save_drafter(tiny_drafter(tiny_verifier), tmp_path / "drafter")
     monkeypatch.setattr(inference, "load_any_drafter", lambda *a: pytest.fail("the drafter loaded"))
     with pytest.raises(InputError) as e:
         inference.PEAGLEInference(tmp_path / "drafter", "smollm2-135m", engine="vllm")
     assert str(e.value).startswith("field 'engine': ") and all(part in str(e.value) for part in NEWER_VLLM)
     with pytest.raises(InputError, match="no longer serves P-EAGLE"):
         VllmSpeculativeEngine("smollm2-135m", tmp_path / "drafter", 3, None)
+
+
+def test_a_dflash_drafter_is_not_refused_by_the_vllm_that_dropped_p_eagle(tmp_path, tiny_verifier, tiny_verifier_dir,
+                                                                          monkeypatch):
+    """vLLM 0.34 serves DFlash: the version check is the drafter kind's, so a DFlash checkpoint goes on to start vLLM
+    (here: reaches the patched import, which fails the test's stand-in) where a P-EAGLE one is refused."""
+    import json
+
+    from peagle_train.evaluate import inference
+    from peagle_train.evaluate.config import EvalConfig
+    from peagle_train.evaluate.vllm_engine import run_vllm_eval
+    from peagle_train.model.dflash_checkpoint import save_dflash
+    from peagle_train.train.kinds import DRAFTER_KINDS
+    from stores.errors import InputError
+    from tests.peagle_train.evaluate.test_speculative import tiny_dflash
+
+    _newer_vllm(monkeypatch)
+    with pytest.raises(InputError, match="no longer serves P-EAGLE"):
+        DRAFTER_KINDS["peagle"].check_installed_vllm()
+    DRAFTER_KINDS["dflash"].check_installed_vllm()  # served by every vLLM from 0.32: no refusal
+    drafter = tiny_dflash(tiny_verifier)
+    drafter.config.verifier_name_or_path = str(tiny_verifier_dir)
+    save_dflash(drafter, tmp_path / "dflash")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"turns": ["Hi"]}) + "\n")
+    with pytest.raises(AssertionError, match="vLLM was imported or an engine started"):
+        run_vllm_eval(tmp_path / "dflash", None, prompts, EvalConfig(engine="vllm"))
+    monkeypatch.setattr(inference, "load_any_drafter", lambda *a: pytest.fail("reached the loading: not refused"))
+    with pytest.raises(pytest.fail.Exception, match="not refused"):
+        inference.PEAGLEInference(tmp_path / "dflash", "smollm2-135m", engine="vllm")

@@ -153,3 +153,34 @@ def test_input_error_is_raised_for_an_unservable_save(tmp_path):
     model = DFlashDrafter(_config("v"))
     with pytest.raises(InputError, match="sample_from_anchor"):
         save_dflash(model, tmp_path / "ck", extra_config={"sample_from_anchor": True})
+
+
+def test_block_predictions_are_the_block_of_each_anchor_run_alone(trained):
+    """``block_predictions`` (every anchor of a segment in chunked passes) equals the drafter run anchor by anchor
+    on the rows before the anchor alone (positions of the store's rows: a segment at row 5 of a block starts at 0);
+    ``pred[t-1, d]`` is slot d + 1 of the block anchored at t, -1 past the segment."""
+    model, _ = trained
+    model.eval()
+    torch.manual_seed(1)
+    n, start, K = 11, 5, B - 1
+    ids = torch.randint(0, V, (start + n + 3,))
+    pos = torch.cat([torch.arange(start), torch.arange(n), torch.arange(3)])
+    blk = type("Blk", (), {"input_ids": ids, "position_ids": pos,
+                           "aux_hidden": torch.randn(ids.numel(), L, H)})()
+    pred = model.block_predictions(blk, start, n, K, chunk_anchors=3)
+    assert pred.shape == (n - 2, K)
+    aux = blk.aux_hidden.reshape(ids.numel(), -1)[start:start + n]
+    for t in range(1, n - 1):
+        block = torch.tensor([int(ids[start + t])] + [model.config.mask_token_id] * (B - 1))
+        with torch.no_grad():
+            hidden = model(aux[:t], torch.arange(t), block, torch.arange(t, t + B), torch.ones(B, t + B, dtype=torch.bool))
+        want = model.logits(hidden[1:]).argmax(-1)  # [B-1]
+        for d in range(K):
+            assert int(pred[t - 1, d]) == (int(want[d]) if t + d + 1 <= n - 1 else -1), (t, d)
+    assert len(set(pred[pred >= 0].tolist())) >= 3  # real, varied drafts
+    short = model.block_predictions(blk, start, n, 2)  # K < B - 1: blocks of K + 1 (vLLM's at K drafts a step)
+    for t in range(1, n - 1):
+        want = model.draft(aux[:t], int(ids[start + t]), 2, num_drafts=2).argmax(-1)
+        assert [int(v) for v in short[t - 1]] == [int(w) if t + d + 1 <= n - 1 else -1 for d, w in enumerate(want)]
+    assert not torch.allclose(model.draft(aux[:4], int(ids[start + 4]), 2, num_drafts=2),
+                              model.draft(aux[:4], int(ids[start + 4]), 2))  # a shorter block: other logits

@@ -80,3 +80,13 @@ def test_dflash_gradient_checkpointing_gives_the_same_gradients():
         dflash_block_loss(model, model.lm_head.weight, torch.randn(V, H), block, blocks, cfg).loss_sum.backward()
         grads.append(model.fc.weight.grad.clone())
     torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_each_kind_says_how_vllm_serves_it():
+    """vLLM's speculative_config of each kind: P-EAGLE as eagle3 with parallel_drafting, DFlash as dflash without."""
+    from peagle_train.train.kinds import DRAFTER_KINDS
+
+    assert DRAFTER_KINDS["peagle"].speculative_config("d", 4) == {
+        "model": "d", "method": "eagle3", "num_speculative_tokens": 4, "parallel_drafting": True}
+    assert DRAFTER_KINDS["dflash"].speculative_config("d", 7) == {
+        "model": "d", "method": "dflash", "num_speculative_tokens": 7}
