@@ -80,8 +80,18 @@ if [ "$parallel" = 1 ]; then
     .venv-vllm/bin/python -m pytest -q -p no:cacheprovider -m vllm "${durations[@]}" "${ignore[@]}" tests
 fi
 
+# In CI the main suite runs as two processes too, split by package (MAIN_B: training, evaluation, end to end and the
+# benches' tests; the rest in the first): one process left alone at the end kept a core idle for minutes.
+main_args=("$@")
+if [ "$parallel" = 1 ]; then
+  MAIN_B=(tests/peagle_train tests/e2e tests/bench)
+  beside "main, part 2: ${MAIN_B[*]} (.venv)" .venv/bin/python -m pytest -q -p no:cacheprovider "${durations[@]}" \
+    "${MAIN_B[@]}"
+  main_args=()
+  for f in "${MAIN_B[@]}"; do main_args+=("--ignore=$f"); done
+fi
 start=$SECONDS
-.venv/bin/python -m pytest -q "${durations[@]}" "$@"
+.venv/bin/python -m pytest -q "${durations[@]}" "${main_args[@]}"
 report "main (.venv)" $? "$start" 0
 
 for key in "${!pids[@]}"; do

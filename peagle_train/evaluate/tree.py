@@ -158,7 +158,7 @@ class TreeGenerationResult(GenerationResult):
 DFLASH_TREE_REFUSED = (
     "a DFlash drafter drafts one chain per step (the argmax of each block slot), not a tree: its slots are drafted "
     "together from the newest token, so a branch at depth d would not change the drafts after it, and vLLM serves "
-    "it as a chain; decode it without --tree-topk / --tree-budget")
+    "it as a chain; decode it without --tree-topk / --tree-nodes")
 """Why trees are refused for a DFlash drafter."""
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "TRAINING_SEGMENTS_FILE",
     "read_training_segments",
     "drafter_config_json",
+    "speculators_block",
     "rope_from_layer_config",
     "layer_config_json",
     "DEFAULT_ROPE_THETA",
@@ -178,6 +179,18 @@ def layer_type_of(layer: dict[str, Any]) -> str:
     return model_type
 
 
+def speculators_block(algorithm: str, speculative_tokens: int, cfg) -> dict[str, Any]:
+    """``config.json``'s ``speculators_config`` of a drafter kind: its algorithm, one greedy proposal method of
+    ``speculative_tokens`` drafts, and the verifier vLLM / speculators load (``vllm serve final/``): a local
+    directory for an embedded alias (which only peagle resolves; the alias stays in
+    ``peagle.drafter_config.verifier_name_or_path``)."""
+    return {"algorithm": algorithm,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens)}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": served_verifier_name(cfg.verifier_name_or_path),
+                         "architectures": list(cfg.verifier_architectures)}}
+
+
 def drafter_config_json(cfg: DrafterConfig, extra_config: dict[str, Any] | None = None,
                         embed_requires_grad: bool = True) -> dict[str, Any]:
     """The §8 ``config.json`` of a drafter with config ``cfg`` (``extra_config`` merged on top;
@@ -193,15 +206,7 @@ def drafter_config_json(cfg: DrafterConfig, extra_config: dict[str, Any] | None 
         "norm_before_residual": False,
         "embed_requires_grad": embed_requires_grad,
         "num_depths": cfg.num_depths,
-        "speculators_config": {
-            "algorithm": "peagle",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.num_depths}],
-            "default_proposal_method": "greedy",
-            # what vLLM / speculators load (vllm serve final/): a local directory for an embedded alias
-            # (which only peagle resolves); the alias stays in peagle.drafter_config.verifier_name_or_path
-            "verifier": {"name_or_path": served_verifier_name(cfg.verifier_name_or_path),
-                         "architectures": list(cfg.verifier_architectures)},
-        },
+        "speculators_config": speculators_block("peagle", cfg.num_depths, cfg),
         "peagle": {"drafter_config": cfg.to_dict()},
     }
     out.update(extra_config or {})

@@ -29,7 +29,7 @@ from torch import nn
 
 from peagle_train.data.anchors import AnchorBlocks, block_inputs
 from peagle_train.model.config import DrafterConfig
-from peagle_train.model.drafter import MLP, RMSNorm
+from peagle_train.model.drafter import MLP, RMSNorm, copy_verifier_rows
 from peagle_train.model.rope import rope_cos_sin, rotate_half
 
 __all__ = ["DFlashConfig", "DFlashDrafter", "DFLASH_BLOCK_SIZE"]
@@ -232,11 +232,4 @@ class DFlashDrafter(nn.Module):
                            d2t: torch.Tensor | None = None, freeze_lm_head: bool = True) -> None:
         """Copy the verifier's embeddings ``[V, H]`` and its lm_head rows ``[V, H]`` of the draft vocab
         (``d2t [D] int64`` offsets; None: the verifier's vocab)."""
-        with torch.no_grad():
-            self.embed_tokens.weight.copy_(embed_weight)
-            if d2t is not None:
-                self.d2t.copy_(d2t)
-                self.t2d.zero_()
-                self.t2d[self.draft_ids] = True
-            self.lm_head.weight.copy_(lm_head_weight[self.draft_ids])
-        self.lm_head.weight.requires_grad_(not freeze_lm_head)
+        copy_verifier_rows(self, embed_weight, lm_head_weight, d2t, freeze_lm_head)

@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file
 
 from peagle_train.model.checkpoint import (CONFIG_FILE, WEIGHTS_FILE, check_vocab_maps, layer_config_json,
-                                           save_training_state, served_verifier_name, write_drafter_files)
+                                           save_training_state, speculators_block, write_drafter_files)
 from peagle_train.model.dflash import DFlashConfig, DFlashDrafter
 from stores.errors import InputError, StoreFormatError
 from stores.staging import replace_dir
@@ -56,13 +56,7 @@ def dflash_config_json(cfg: DFlashConfig, extra_config: dict[str, Any] | None = 
         "sample_from_anchor": False,
         "sliding_window_non_causal": True,  # vLLM: dflash_config.causal = not this -> non-causal, as trained
         "embed_requires_grad": embed_requires_grad,
-        "speculators_config": {
-            "algorithm": "dflash",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": served_verifier_name(cfg.verifier_name_or_path),
-                         "architectures": list(cfg.verifier_architectures)},
-        },
+        "speculators_config": speculators_block("dflash", cfg.block_size - 1, cfg),
         "peagle": {"drafter_config": cfg.to_dict()},
     }
     out.update(extra_config or {})

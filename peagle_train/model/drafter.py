@@ -32,7 +32,7 @@ from peagle_train.model.attention import ElementAttention, as_element_attention
 from peagle_train.model.config import DrafterConfig
 from peagle_train.model.rope import rope_cos_sin, rotate_half
 
-__all__ = ["PEagleDrafter", "DrafterCache", "KVCache", "RMSNorm", "AttentionMask"]
+__all__ = ["PEagleDrafter", "copy_verifier_rows", "DrafterCache", "KVCache", "RMSNorm", "AttentionMask"]
 
 AttentionMask = Union[ElementAttention, torch.Tensor]
 """The §8 rule as the drafter takes it: an attention backend built for the elements, or a dense
@@ -193,6 +193,21 @@ class DecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+def copy_verifier_rows(model: nn.Module, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                       d2t: torch.Tensor | None = None, freeze_lm_head: bool = True) -> None:
+    """Copy the verifier's embeddings ``[V, H]`` into ``model.embed_tokens`` and its lm_head rows of the draft vocab
+    into ``model.lm_head`` (any drafter kind with ``d2t`` / ``t2d`` buffers and ``draft_ids``); ``d2t [D] int64``
+    offsets, None: the draft vocab is the verifier's."""
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(embed_weight)
+        if d2t is not None:
+            model.d2t.copy_(d2t)
+            model.t2d.zero_()
+            model.t2d[model.draft_ids] = True
+        model.lm_head.weight.copy_(lm_head_weight[model.draft_ids])
+    model.lm_head.weight.requires_grad_(not freeze_lm_head)
+
+
 class PEagleDrafter(nn.Module):
     """P-EAGLE drafter: parallel drafting of K tokens from one verifier feature.
 
@@ -317,14 +332,7 @@ class PEagleDrafter(nn.Module):
         Args:
             d2t: ``[D] int64`` offsets; None means the draft vocab is the verifier's.
         """
-        with torch.no_grad():
-            self.embed_tokens.weight.copy_(embed_weight)
-            if d2t is not None:
-                self.d2t.copy_(d2t)
-                self.t2d.zero_()
-                self.t2d[self.draft_ids] = True
-            self.lm_head.weight.copy_(lm_head_weight[self.draft_ids])
-        self.lm_head.weight.requires_grad_(not freeze_lm_head)
+        copy_verifier_rows(self, embed_weight, lm_head_weight, d2t, freeze_lm_head)
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
