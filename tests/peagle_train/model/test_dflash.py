@@ -43,9 +43,15 @@ def trained(tmp_path):
 
 
 def _speculators_model(directory):
-    for name in ("datasets", "hs_connectors"):  # training-data dependencies of speculators, unused by its models
-        sys.modules.setdefault(name, mock.MagicMock(name=name))
-    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+    # training-data dependencies of speculators, unused by its models: stubbed while it imports, then removed (a
+    # stub left in sys.modules would break a later real import, or bench/speculators_ref.py's own placeholders)
+    added = [name for name in ("datasets", "hs_connectors") if name not in sys.modules]
+    sys.modules.update({name: mock.MagicMock(name=name) for name in added})
+    try:
+        from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+    finally:
+        for name in added:
+            sys.modules.pop(name, None)
 
     config = DFlashSpeculatorConfig.from_pretrained(str(directory))
     config.transformer_layer_config._attn_implementation = "eager"  # flex attention needs torch.compile
