@@ -25,7 +25,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -47,6 +47,7 @@ __all__ = [
     "read_training_segments",
     "drafter_config_json",
     "speculators_block",
+    "save_with_state",
     "rope_from_layer_config",
     "layer_config_json",
     "DEFAULT_ROPE_THETA",
@@ -462,10 +463,16 @@ def save_checkpoint(model: PEagleDrafter, directory: str | os.PathLike, state: d
                     extra_config: dict[str, Any] | None = None, training_segments: np.ndarray | None = None) -> Path:
     """Drafter files (``training_segments`` as :func:`save_drafter`) plus training state, in one atomic directory
     swap; state written last."""
+    return save_with_state(directory, lambda tmp: _write_drafter(model, tmp, extra_config, training_segments), state)
+
+
+def save_with_state(directory: str | os.PathLike, write_files: Callable[[Path], None], state: dict[str, Any]) -> Path:
+    """A checkpoint of any drafter kind: ``write_files(tmp)`` (its drafter files), then ``training_state.pt``
+    (:func:`save_training_state`, written last), in one atomic directory swap of ``directory``."""
     directory = Path(directory)
 
     def write(tmp: Path) -> None:
-        _write_drafter(model, tmp, extra_config, training_segments)
+        write_files(tmp)
         save_training_state(tmp, state)
 
     replace_dir(directory, write)

@@ -29,7 +29,7 @@ from torch import nn
 
 from peagle_train.data.anchors import AnchorBlocks, block_inputs
 from peagle_train.model.config import DrafterConfig
-from peagle_train.model.drafter import MLP, RMSNorm, copy_verifier_rows
+from peagle_train.model.drafter import MLP, RMSNorm, copy_verifier_rows, register_vocab_maps
 from peagle_train.model.rope import rope_cos_sin, rotate_half
 
 __all__ = ["DFlashConfig", "DFlashDrafter", "DFLASH_BLOCK_SIZE"]
@@ -123,10 +123,7 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList([DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
-        reduced = cfg.draft_vocab_size != cfg.vocab_size
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long), persistent=reduced)
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool) if reduced
-                             else torch.ones(cfg.vocab_size, dtype=torch.bool), persistent=reduced)
+        register_vocab_maps(self, cfg.vocab_size, cfg.draft_vocab_size)
         self.gradient_checkpointing = False
         """Recompute each layer's activations in the backward (``--gradient-checkpointing``; not saved)."""
         for m in self.modules():

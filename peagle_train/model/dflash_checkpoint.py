@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file
 
 from peagle_train.model.checkpoint import (CONFIG_FILE, WEIGHTS_FILE, check_vocab_maps, layer_config_json,
-                                           save_training_state, speculators_block, write_drafter_files)
+                                           save_with_state, speculators_block, write_drafter_files)
 from peagle_train.model.dflash import DFlashConfig, DFlashDrafter
 from stores.errors import InputError, StoreFormatError
 from stores.staging import replace_dir
@@ -164,14 +164,7 @@ def save_dflash_checkpoint(model: DFlashDrafter, directory: str | os.PathLike, s
                            extra_config: dict[str, Any] | None = None,
                            training_segments: np.ndarray | None = None) -> Path:
     """Drafter files plus ``training_state.pt`` (written last), in one atomic directory swap."""
-    directory = Path(directory)
-
-    def write(tmp: Path) -> None:
-        _write(model, tmp, extra_config, training_segments)
-        save_training_state(tmp, state)
-
-    replace_dir(directory, write)
-    return directory
+    return save_with_state(directory, lambda tmp: _write(model, tmp, extra_config, training_segments), state)
 
 
 def load_dflash(directory: str | os.PathLike, device: str | torch.device = "cpu") -> DFlashDrafter:

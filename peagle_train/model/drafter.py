@@ -32,7 +32,7 @@ from peagle_train.model.attention import ElementAttention, as_element_attention
 from peagle_train.model.config import DrafterConfig
 from peagle_train.model.rope import rope_cos_sin, rotate_half
 
-__all__ = ["PEagleDrafter", "copy_verifier_rows", "DrafterCache", "KVCache", "RMSNorm", "AttentionMask"]
+__all__ = ["PEagleDrafter", "copy_verifier_rows", "register_vocab_maps", "DrafterCache", "KVCache", "RMSNorm", "AttentionMask"]
 
 AttentionMask = Union[ElementAttention, torch.Tensor]
 """The §8 rule as the drafter takes it: an attention backend built for the elements, or a dense
@@ -193,6 +193,16 @@ class DecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+def register_vocab_maps(model: nn.Module, vocab_size: int, draft_vocab_size: int) -> None:
+    """Register ``d2t [D] int64`` (zeros) and ``t2d [V] bool`` on ``model`` (any drafter kind): saved
+    (persistent) only for a reduced draft vocab, as speculators 0.9's DraftVocabMixin, which has no d2t/t2d at all
+    when D == V; kept as identity maps either way (``t2d`` all True)."""
+    reduced = draft_vocab_size != vocab_size
+    model.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long), persistent=reduced)
+    model.register_buffer("t2d", torch.zeros(vocab_size, dtype=torch.bool) if reduced
+                          else torch.ones(vocab_size, dtype=torch.bool), persistent=reduced)
+
+
 def copy_verifier_rows(model: nn.Module, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
                        d2t: torch.Tensor | None = None, freeze_lm_head: bool = True) -> None:
     """Copy the verifier's embeddings ``[V, H]`` into ``model.embed_tokens`` and its lm_head rows of the draft vocab
@@ -228,12 +238,7 @@ class PEagleDrafter(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg, first=(i == 0)) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
-        # saved (persistent) only for a reduced draft vocab, as speculators 0.9's DraftVocabMixin,
-        # which has no d2t/t2d at all when D == V; kept here as identity maps either way
-        reduced = cfg.draft_vocab_size != cfg.vocab_size
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long), persistent=reduced)
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool) if reduced
-                             else torch.ones(cfg.vocab_size, dtype=torch.bool), persistent=reduced)
+        register_vocab_maps(self, cfg.vocab_size, cfg.draft_vocab_size)
         self.gradient_checkpointing = False
         """Recompute each decoder layer's activations in the backward instead of keeping them
         (``--gradient-checkpointing``, set by the trainer; not saved with the weights): see :meth:`forward`."""

@@ -81,9 +81,8 @@ def _flatten(value: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _sampled(path: Path, sample_bytes: int) -> str:
-    """Size plus the first and last ``sample_bytes`` of a weight file."""
-    h = hashlib.sha256()
+def _feed_sampled(h, path: Path, sample_bytes: int) -> None:
+    """Feed ``h`` a weight file's size, then its first and last ``sample_bytes``."""
     size = path.stat().st_size
     h.update(str(size).encode())
     with open(path, "rb") as fh:
@@ -91,6 +90,12 @@ def _sampled(path: Path, sample_bytes: int) -> str:
         if size > 2 * sample_bytes:
             fh.seek(size - sample_bytes)
             h.update(fh.read(sample_bytes))
+
+
+def _sampled(path: Path, sample_bytes: int) -> str:
+    """Size plus the first and last ``sample_bytes`` of a weight file."""
+    h = hashlib.sha256()
+    _feed_sampled(h, path, sample_bytes)
     return h.hexdigest()[:16]
 
 
@@ -199,14 +204,8 @@ def legacy_model_fingerprint(directory: str | Path, sample_bytes: int = 1 << 20)
             h.update(f.name.encode())
             h.update(f.read_bytes())
         elif f.suffix in _WEIGHT_SUFFIXES:
-            size = f.stat().st_size
             h.update(f.name.encode())
-            h.update(str(size).encode())
-            with open(f, "rb") as fh:
-                h.update(fh.read(sample_bytes))
-                if size > 2 * sample_bytes:
-                    fh.seek(size - sample_bytes)
-                    h.update(fh.read(sample_bytes))
+            _feed_sampled(h, f, sample_bytes)
     return h.hexdigest()[:16]
 
 
