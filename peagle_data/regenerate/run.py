@@ -412,6 +412,7 @@ def _check_resume(manifest: dict[str, Any] | None, settings: dict[str, Any], out
         if key == "model" and isinstance(old, dict):  # RESUME_MAY_CHANGE
             old, new = ({k: v for k, v in d.items() if k not in ("device", "concurrency", "servers", "retries")}
                         for d in (old, new))
+            new = _without_unrecorded_sources(old, new)
         if key == "generation" and isinstance(old, dict):  # a setting added since, left unset (None, or {}: no
             new = {k: v for k, v in new.items() if k in old or v not in (None, {})}  # template variables)
         if old == new:
@@ -424,6 +425,15 @@ def _check_resume(manifest: dict[str, Any] | None, settings: dict[str, Any], out
         raise InputError(f"--resume: {output} was written with other settings: {option} was {was!r}, now {now!r} "
                          f"({key}); rerun with the same settings, or with --force to start over (a resume may "
                          f"change only {', '.join(RESUME_MAY_CHANGE)})")
+
+
+def _without_unrecorded_sources(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``new`` without the sampling keys an output begun before they were recorded lacks (``top_k_from`` /
+    ``top_p_from``, which only say where equal ``top_k`` / ``top_p`` values came from)."""
+    was, now = old.get("sampling"), new.get("sampling")
+    if not isinstance(was, dict) or not isinstance(now, dict):
+        return new
+    return {**new, "sampling": {k: v for k, v in now.items() if k in was or k not in ("top_k_from", "top_p_from")}}
 
 
 def _base_counts() -> dict[str, Any]:

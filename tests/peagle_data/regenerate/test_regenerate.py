@@ -766,6 +766,17 @@ def test_resume_names_the_option_and_allows_only_those_that_change_no_answer():
     _check_resume(older, {**settings, "model": {**local, "verifier_fingerprint": "b"}}, "o.jsonl", "whole-file")
     with pytest.raises(InputError, match="--verifier \\(its content fingerprint\\) was 'whole-file', now 'b'"):
         _check_resume(older, {**settings, "model": {**local, "verifier_fingerprint": "b"}}, "o.jsonl", "other")
+    plain = {"temperature": 0.0, "top_k": 0, "top_p": 1.0}  # begun before top_k_from / top_p_from were recorded
+    sourced = {**plain, "top_k_from": "off", "top_p_from": "off"}
+    _check_resume({**settings, "model": {**local, "sampling": plain}},
+                  {**settings, "model": {**local, "sampling": sourced}}, "o.jsonl")
+    with pytest.raises(InputError, match="sampling was .*'top_k': 0.*now .*'top_k': 20"):
+        _check_resume({**settings, "model": {**local, "sampling": plain}},
+                      {**settings, "model": {**local, "sampling": {**sourced, "top_k": 20,
+                                                                   "top_k_from": "generation_config"}}}, "o.jsonl")
+    with pytest.raises(InputError, match="sampling was"):  # a recorded source is compared
+        _check_resume({**settings, "model": {**local, "sampling": sourced}},
+                      {**settings, "model": {**local, "sampling": {**sourced, "top_k_from": "option"}}}, "o.jsonl")
 
 
 # --------------------------------------------------------------------------------------------
