@@ -22,7 +22,7 @@ import torch
 from peagle_train.evaluate.identity import logit_ulp
 from peagle_train.evaluate.prompts import read_prompts, render_turn
 from peagle_train.evaluate.verifier import new_cache, rollback_cache, verifier_pass
-from stores.runtime.model_cache import load_tokenizer, load_verifier
+from runtime.model_cache import load_tokenizer, load_verifier
 
 
 @torch.no_grad()

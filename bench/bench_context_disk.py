@@ -39,7 +39,7 @@ from peagle_data.extract.config import DEFAULT_MAX_CONTEXT
 from peagle_data.extract.contexts import plan_contexts
 from peagle_data.extract.run import PACKED_COLUMNS
 from stores.features.feature_schema import WINDOW_ARRAYS, ArraySpec, bytes_per_token, dim_sizes, store_arrays
-from stores.runtime.model_config import load_model_config, text_config
+from runtime.model_config import load_model_config, text_config
 from stores.tables.token_tables import TokenTable
 
 WHERE = ["segment_ids", "segment_prefix_lens", "segment_starts"]

@@ -31,7 +31,7 @@ from peagle_data.extract.config import ExtractConfig
 from peagle_data.extract.hf_forward import default_layers, language_model, verifier_features
 from peagle_data.extract.run import run_extract
 from stores.features.feature_store import FeatureStore
-from stores.runtime.model_cache import load_verifier
+from runtime.model_cache import load_verifier
 from stores.staging import prepare_output_dir
 from stores.tables.token_tables import TableWriter, TokenTable, write_manifest
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from peagle_data.extract.hf_forward import default_layers, language_model, verifier_features
-from stores.runtime.model_cache import load_verifier
+from runtime.model_cache import load_verifier
 from stores.tables.token_tables import TokenTable
 
 

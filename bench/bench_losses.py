@@ -78,7 +78,7 @@ from peagle_train.evaluate.replay import bootstrap_al  # noqa: E402
 from peagle_train.model.checkpoint import load_drafter  # noqa: E402
 from peagle_train.train.config import TrainConfig  # noqa: E402
 from peagle_train.train.run import build_trainer, run_train  # noqa: E402
-from stores.runtime.model_cache import load_tokenizer  # noqa: E402
+from runtime.model_cache import load_tokenizer  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 SPECULATORS = "speculators"

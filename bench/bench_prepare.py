@@ -29,7 +29,7 @@ from peagle_data.chat.masks import render_rows, tokenize_rendered
 from peagle_data.prepare.config import CHUNK_CONVERSATIONS
 from peagle_data.readers.conversations import read_conversations
 from peagle_data.readers.rows import Conversation
-from stores.runtime.model_cache import load_tokenizer
+from runtime.model_cache import load_tokenizer
 
 
 def load_conversations(limit: int) -> list[Conversation]:

@@ -71,7 +71,7 @@ from peagle_train.train.optim import CosineWithWarmup  # noqa: E402
 from peagle_train.train.run import build_trainer  # noqa: E402
 from peagle_train.train.step import cod_generator  # noqa: E402
 from stores.features.feature_schema import Block  # noqa: E402
-from stores.runtime.model_cache import resolve_model  # noqa: E402
+from runtime.model_cache import resolve_model  # noqa: E402
 
 WARM_STEPS = 5
 """Steps left out of the time and memory medians (allocator and page-cache warm-up)."""

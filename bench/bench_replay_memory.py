@@ -45,7 +45,7 @@ from peagle_train.model.checkpoint import save_drafter  # noqa: E402
 from peagle_train.model.config import DrafterConfig  # noqa: E402
 from peagle_train.model.drafter import PEagleDrafter  # noqa: E402
 from stores.features.feature_store import FeatureStore  # noqa: E402
-from stores.runtime.model_cache import load_verifier, resolve_model  # noqa: E402
+from runtime.model_cache import load_verifier, resolve_model  # noqa: E402
 
 EOS = 2
 AUX = [2, 16, 29]

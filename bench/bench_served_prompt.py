@@ -28,8 +28,8 @@ import numpy as np
 from bench.bench_prepare import load_conversations
 from peagle_data.chat.masks import render_rows, tokenize_rendered
 from peagle_data.prepare.config import CHUNK_CONVERSATIONS
-from stores.chat.chat_template import ChatTemplateError
-from stores.runtime.model_cache import load_tokenizer
+from runtime.chat.chat_template import ChatTemplateError
+from runtime.model_cache import load_tokenizer
 
 REASON = "the prompt's last tokens change when the reply follows"
 

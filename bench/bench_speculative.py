@@ -29,7 +29,7 @@ import peagle_train.evaluate.speculative as spec
 import peagle_train.evaluate.verifier as verifier_mod  # its verifier passes call lm_head_logits: patched here
 from peagle_train.evaluate.prompts import read_prompts, render_turn
 from peagle_train.model.checkpoint import load_drafter
-from stores.runtime.model_cache import load_tokenizer, load_verifier
+from runtime.model_cache import load_tokenizer, load_verifier
 
 
 def oracle_run(verifier, drafter, ids, full, max_new, K, wrong_from):

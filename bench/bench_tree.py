@@ -35,7 +35,7 @@ from peagle_train.evaluate.tree import TreeSpec, build_tree, compact_cache, tree
 from peagle_train.evaluate.verifier import (aux_hidden_states, crop_cache, new_cache, rollback_cache,
                                             verifier_body_pass, verifier_pass)
 from peagle_train.model.checkpoint import find_drafter, load_drafter
-from stores.runtime.model_cache import load_tokenizer
+from runtime.model_cache import load_tokenizer
 
 CASES = [("chain K=4", None),
          ("fixed 2,1,1,1", TreeSpec(topk=(2, 1, 1, 1))), ("fixed 4,1,1,1", TreeSpec(topk=(4, 1, 1, 1))),

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from stores.runtime.model_cache import load_verifier
+from runtime.model_cache import load_verifier
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ Legend: T tokens of a request (one packed segment), K layer ids vLLM captures, H
 Every round runs both, in alternating order (ABBA: round r runs them as round r-1 did, reversed), so load
 drift on the shared machine hits both:
 
-- **prefill**: ``vllm.LLM`` started as the extraction starts it (:func:`stores.runtime.vllm_runtime.start_llm`,
+- **prefill**: ``vllm.LLM`` started as the extraction starts it (:func:`runtime.vllm_runtime.start_llm`,
   the same dtype, eager mode, seed, no prefix caching, ``max_model_len``, KV cache and threads) but without
   the ``extract_hidden_states`` speculative config and the hidden-states connector; every packed block's
   segments as token-id prompts with ``max_tokens=1``, one ``generate`` per block as the extraction batches
@@ -218,8 +218,8 @@ def run_prefill(packed: str, verifier: str, kv_cache_gib: float | None, meter: C
     from vllm.platforms import current_platform
 
     from peagle_data.extract.vllm import engine_dtype
-    from stores.runtime.model_cache import resolve_model
-    from stores.runtime.vllm_runtime import VllmMemory, VllmOutput, start_llm
+    from runtime.model_cache import resolve_model
+    from runtime.vllm_runtime import VllmMemory, VllmOutput, start_llm
 
     blocks = [segment_prompts(r) for r in TokenTable.open(packed).iter_rows(["input_ids", "cu_seqlens"])]
     longest = max(len(p) for b in blocks for p in b)

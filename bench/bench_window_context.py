@@ -64,7 +64,7 @@ from peagle_data.prepare.config import PackConfig, TokenizeConfig
 from peagle_data.prepare.counts import Counts
 from peagle_data.prepare.tokenizing import iter_tokenized
 from peagle_data.prepare.windows import Window, make_windows
-from stores.runtime.model_cache import load_tokenizer, load_verifier
+from runtime.model_cache import load_tokenizer, load_verifier
 from stores.tables.token_tables import RejectsWriter
 
 SAMPLE_RATE = 0.25

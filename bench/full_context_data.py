@@ -50,8 +50,8 @@ import polars as pl
 
 from peagle_data.readers.conversations import read_conversations
 from peagle_data.readers.rows import SHAREGPT_ALIAS, Conversation
-from stores.chat.chat_template import render as render_text
-from stores.runtime.model_cache import load_tokenizer, resolve_model
+from runtime.chat.chat_template import render as render_text
+from runtime.model_cache import load_tokenizer, resolve_model
 
 HELD_OUT_BYTE = 32
 """A BASE id is held out when ``sha256(BASE)[0] < HELD_OUT_BYTE`` (32 / 256 = 1/8)."""

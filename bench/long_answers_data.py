@@ -39,7 +39,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
-    from stores.runtime.model_cache import resolve_model
+    from runtime.model_cache import resolve_model
 
     tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m", need_weights=False))
     rng = random.Random(args.seed)

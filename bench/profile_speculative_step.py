@@ -28,7 +28,7 @@ from peagle_train.evaluate.prompts import read_prompts, render_turn
 from peagle_train.evaluate.verifier import (aux_hidden_states, crop_cache, new_cache, rollback_cache,
                                             verifier_body_pass, verifier_pass)
 from peagle_train.model.checkpoint import load_drafter
-from stores.runtime.model_cache import load_tokenizer, load_verifier
+from runtime.model_cache import load_tokenizer, load_verifier
 
 
 def greedy_steps(verifier, ids, n, times):

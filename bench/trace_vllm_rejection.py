@@ -36,7 +36,7 @@ from vllm.utils import cpu_triton_utils  # noqa: E402
 from vllm.v1.sample import rejection_sampler  # noqa: E402
 
 from peagle_train.evaluate.prompts import eos_ids, read_prompts, render_turn  # noqa: E402
-from stores.runtime.model_cache import load_tokenizer, resolve_model  # noqa: E402
+from runtime.model_cache import load_tokenizer, resolve_model  # noqa: E402
 
 STEPS: list[dict] = []
 RECOVERED: list[dict] = []

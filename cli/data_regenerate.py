@@ -18,7 +18,7 @@ from cli.options import MIXTURE, config_file_options, config_options, run_config
 from peagle_data.readers.rows import FORMATS
 from peagle_data.regenerate.backends import SERVER_KINDS, BackendConfig
 from peagle_data.regenerate.run import ON_DROPPED, ON_TRUNCATED, TURNS, RegenerateConfig, RegenerateRun, run_regenerate
-from stores.chat.answer_parsing import REASONING_PARSERS
+from runtime.chat.answer_parsing import REASONING_PARSERS
 from stores.tables.conversation_files import read_regenerate_manifest, regenerate_paths
 
 __all__ = ["regenerate", "kept_rows"]

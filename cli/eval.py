@@ -15,7 +15,7 @@ from cli.options import MIXTURE, config_file_options, config_options, run_config
 from peagle_train.evaluate.config import DRAFT_SAMPLE_METHODS, ENGINES, VLLM_LOADINGS, EvalConfig
 from peagle_train.evaluate.report import format_report
 from peagle_train.evaluate.run import EvalRun, run_eval
-from stores.chat.answer_parsing import REASONING_PARSERS
+from runtime.chat.answer_parsing import REASONING_PARSERS
 
 _PATH = {"type": click.Path()}
 

@@ -49,7 +49,7 @@ import click
 from click.core import ParameterSource
 
 from cli.common import version_option
-from stores.chat.chat_template import loads_unique
+from runtime.chat.chat_template import loads_unique
 
 __all__ = ["FROM_CONFIG_FILE", "ActionOption", "is_action", "example_key", "ConfigFileOption", "field_docs", "plain_text", "config_options",
            "config_file_options", "resolved_config", "run_config", "IntList", "load_config_file", "config_fields",

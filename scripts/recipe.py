@@ -54,8 +54,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout: the peagle packages beside this script
 
 from peagle_train.evaluate.prompts import read_prompts  # noqa: E402 (after the path above)
-from stores.runtime.model_cache import load_tokenizer, resolve_model  # noqa: E402
-from stores.runtime.vllm_runtime import peagle_vllm_refusal  # noqa: E402
+from runtime.model_cache import load_tokenizer, resolve_model  # noqa: E402
+from runtime.vllm_runtime import peagle_vllm_refusal  # noqa: E402
 
 STATE = "recipe_state.json"
 STAGES = ("regenerate", "pack", "extract", "train", "eval", "eval_vllm")
@@ -217,7 +217,7 @@ def vllm_python(args: argparse.Namespace) -> tuple[str | None, str]:
 
 
 _VERSION_OF = ("import sys; sys.path.insert(0, sys.argv[1]); "
-               "from stores.runtime.vllm_runtime import installed_vllm_version as v; print(v() or '')")
+               "from runtime.vllm_runtime import installed_vllm_version as v; print(v() or '')")
 
 
 def vllm_version_of(python: str) -> str | None:
@@ -238,7 +238,7 @@ def vllm_version_of(python: str) -> str | None:
 
 def check_vllm_python(python: str | None) -> None:
     """Refuse, before any stage runs, a vLLM environment whose vLLM no longer serves P-EAGLE (from 0.34:
-    :func:`stores.runtime.vllm_runtime.peagle_vllm_refusal`); the reason names ``--no-vllm`` too."""
+    :func:`runtime.vllm_runtime.peagle_vllm_refusal`); the reason names ``--no-vllm`` too."""
     version = vllm_version_of(python) if python is not None else None
     why = peagle_vllm_refusal(version) if version is not None else None
     if why is not None:

@@ -59,7 +59,7 @@ beside() {
 
 if [ "$parallel" = 1 ]; then
   # the embedded verifier is converted once, before the suites that read it start together
-  .venv/bin/python -c "from stores.runtime.model_cache import resolve_model; resolve_model('smollm2-135m')" \
+  .venv/bin/python -c "from runtime.model_cache import resolve_model; resolve_model('smollm2-135m')" \
     || { echo "test.sh: converting the embedded verifier failed" >&2; exit 1; }
   # .venv-vllm holds transformers 5.19, pyproject's lower bound (.venv has 5.24): the code that calls
   # transformers' internals (packed-segment masks, the model families, chat templates) is tested on it too.

@@ -91,7 +91,7 @@ def shared_file(name: str) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_tokenizer_dir() -> Path:
     """Directory of the real SmolLM2-135M-Instruct tokenizer (converted once into the cache)."""
-    from stores.runtime.model_cache import resolve_model
+    from runtime.model_cache import resolve_model
 
     return resolve_model("smollm2-135m", need_weights=False)
 

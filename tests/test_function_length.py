@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("cli", "peagle_data", "peagle_train", "stores")
+PACKAGES = ("cli", "peagle_data", "peagle_train", "runtime", "stores")
 LIMIT = 100
 
 

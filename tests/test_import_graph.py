@@ -1,13 +1,13 @@
 """The import graph of the library (docs/design.md §2): one-way imports, enforced.
 
-Over every module of ``cli``, ``peagle_data``, ``peagle_train`` and ``stores`` (read as source, nothing
+Over every module of ``cli``, ``peagle_data``, ``peagle_train``, ``runtime`` and ``stores`` (read as source, nothing
 is imported):
 - no import cycle between modules, counting every import of our modules (module top, inside a
   function, under ``TYPE_CHECKING``);
 - no private name (``_name``) imported from another module;
 - our own modules are imported at module top, never inside a function (only heavy optional
   third-party dependencies, such as vLLM or matplotlib, are imported lazily);
-- the package arrows: ``cli -> {peagle_data, peagle_train} -> stores``; ``peagle_train`` never imports
+- the package arrows: ``cli -> {peagle_data, peagle_train} -> runtime -> stores``; ``peagle_train`` never imports
   ``peagle_data``; nothing imports ``cli``;
 - a package's ``__init__.py`` re-exports nothing.
 
@@ -23,11 +23,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PACKAGES = ("cli", "peagle_data", "peagle_train", "stores")
+PACKAGES = ("cli", "peagle_data", "peagle_train", "runtime", "stores")
 ALLOWED_ARROWS = {
-    "cli": {"cli", "peagle_data", "peagle_train", "stores"},
-    "peagle_data": {"peagle_data", "stores"},
-    "peagle_train": {"peagle_train", "stores"},
+    "cli": {"cli", "peagle_data", "peagle_train", "runtime", "stores"},
+    "peagle_data": {"peagle_data", "runtime", "stores"},
+    "peagle_train": {"peagle_train", "runtime", "stores"},
+    "runtime": {"runtime", "stores"},
     "stores": {"stores"},
 }
 

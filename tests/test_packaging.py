@@ -51,8 +51,8 @@ def source_modules() -> set[str]:
 
 
 def test_the_packages_are_the_library_and_not_the_tests():
-    """The source tree's packages are the four the wheel ships; tests, bench and scripts are none."""
-    assert source_packages() == ["cli", "peagle_data", "peagle_train", "stores"]
+    """The source tree's packages are the five the wheel ships; tests, bench and scripts are none."""
+    assert source_packages() == ["cli", "peagle_data", "peagle_train", "runtime", "stores"]
     assert {"peagle_data/readers/__init__.py", "peagle_train/evaluate/__init__.py"} <= source_modules()
 
 

@@ -7,7 +7,7 @@ import bisect
 import json
 from typing import Any, Sequence
 
-from stores.chat.chat_template import ChatTemplate, content_texts, render
+from runtime.chat.chat_template import ChatTemplate, content_texts, render
 
 __all__ = ["dropped_content", "dropped_reason", "thought_in"]
 

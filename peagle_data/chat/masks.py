@@ -70,7 +70,7 @@ or the default system text a template injects): the common prefix of two renders
 conversation's system messages plus a first user turn with different sentinel contents, minus the
 user-turn header (what a second user turn adds before its content).
 
-Modules: :mod:`stores.chat.chat_template` (the template, rendering; shared with ``peagle-eval``), this module
+Modules: :mod:`runtime.chat.chat_template` (the template, rendering; shared with ``peagle-eval``), this module
 (spans, rows, and tokenizing rendered rows into ids and masks), :mod:`peagle_data.chat.dropped` (content a
 template does not render).
 """
@@ -87,7 +87,7 @@ import numpy as np
 
 from peagle_data.chat.dropped import dropped_content, dropped_reason, thought_in
 from peagle_data.readers.normalize import is_unsupervised
-from stores.chat.chat_template import (ChatTemplate, ChatTemplateError, as_chat_template, content_text, content_texts,
+from runtime.chat.chat_template import (ChatTemplate, ChatTemplateError, as_chat_template, content_text, content_texts,
                                  describe_kwargs, render, template_messages, template_tools)
 from stores.errors import InputError
 
@@ -620,7 +620,7 @@ def tokenize_conversation(tokenizer, messages: Sequence[dict[str, Any]], tools: 
         messages: OpenAI messages (``role`` in system/user/assistant/tool), at least one assistant.
         tools: tool definitions passed to the template, or None.
         chat_template: template text overriding ``tokenizer.chat_template``, or None; or a
-            :class:`~stores.chat.chat_template.ChatTemplate` (the text and its variables, --chat-template-kwargs).
+            :class:`~runtime.chat.chat_template.ChatTemplate` (the text and its variables, --chat-template-kwargs).
         on_dropped: ``reject`` or ``keep`` message content the template does not render (see
             :func:`render_rows`).
         on_special_text: ``reject`` or ``keep`` a supervised reply that writes a special token's text

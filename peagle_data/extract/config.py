@@ -16,7 +16,7 @@ from peagle_data.extract.vllm import VllmEngine
 from peagle_data.prepare.shards import check_shard
 from stores.errors import InputError
 from stores.features.feature_schema import STORAGE_DTYPES
-from stores.runtime.vllm_runtime import VllmMemory
+from runtime.vllm_runtime import VllmMemory
 
 __all__ = ["ATTN_IMPLEMENTATIONS", "CONTEXTS", "DEFAULT_MAX_CONTEXT", "ENGINES", "ExtractConfig", "check_layers"]
 
@@ -208,5 +208,5 @@ class ExtractConfig:
 
     @property
     def vllm_memory(self) -> VllmMemory:
-        """The local vLLM engine's memory (:class:`stores.runtime.vllm_runtime.VllmMemory`)."""
+        """The local vLLM engine's memory (:class:`runtime.vllm_runtime.VllmMemory`)."""
         return VllmMemory(kv_cache_gib=self.vllm_kv_cache_gib, gpu_memory_utilization=self.vllm_gpu_memory_utilization)

@@ -20,7 +20,7 @@ from peagle_data.extract.engine import PackedFacts, VerifierEngine
 from peagle_data.extract.hf_forward import hybrid_kind, language_model, verifier_features
 from peagle_data.extract.store import verifier_desc
 from stores.errors import InputError
-from stores.runtime.model_cache import load_verifier
+from runtime.model_cache import load_verifier
 
 __all__ = ["HfEngine", "has_flash_attn", "segment_groups"]
 

@@ -43,15 +43,15 @@ from stores.features.feature_repair import repair_blocks, repair_shared, repair_
 from stores.features.feature_schema import SEGMENTS, TOKEN_ARRAYS
 from stores.features.feature_store import FeatureStore
 from stores.files import is_local, is_zarr_store
-from stores.runtime.model_cache import resolve_model
-from stores.runtime.model_identity import model_fingerprint
-from stores.runtime.model_config import load_model_config, text_config
+from runtime.model_cache import resolve_model
+from runtime.model_identity import model_fingerprint
+from runtime.model_config import load_model_config, text_config
 from stores.tables.token_rows import TokenizedRow, content_key
 from stores.tables.token_tables import CONVERSATIONS, MANIFEST, TokenTable
-from stores.progress import progress as progress_bar
+from runtime.progress import progress as progress_bar
 from stores.staging import check_replaceable
-from stores.runtime.verifier_match import check_token_ids, check_verifier_tokenizer
-from stores.runtime.vllm_runtime import cpu_bf16_only
+from runtime.verifier_match import check_token_ids, check_verifier_tokenizer
+from runtime.vllm_runtime import cpu_bf16_only
 
 __all__ = ["PACKED_COLUMNS", "ExtractPlan", "plan_extract", "run_extract"]
 

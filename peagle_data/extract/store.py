@@ -28,7 +28,7 @@ from stores.features.feature_repair import check_compatible, write_shared
 from stores.features.feature_schema import bytes_per_token
 from stores.features.feature_store import FeatureStore
 from stores.files import disk_full_error, is_disk_full, is_local
-from stores.runtime.model_identity import identity_fingerprint, model_identity
+from runtime.model_identity import compare_identity, identity_fingerprint, model_identity
 from stores.staging import check_replaceable
 from stores.tables.token_tables import TokenTable, manifest_sha256
 
@@ -36,9 +36,16 @@ __all__ = ["BlockWriter", "discard_block", "verifier_desc", "open_packed", "open
            "RESUME_MAY_CHANGE", "check_same_plan"]
 
 
+def _identity_differs(recorded: dict[str, Any], directory: Path) -> str | None:
+    """What of the model in ``directory`` differs from a store's ``verifier`` record (by part, or by an older
+    store's whole-file fingerprint: :func:`runtime.model_identity.compare_identity`), None when it is the same."""
+    check = compare_identity(recorded, directory)
+    return None if check.same else check.describe()
+
+
 def verifier_desc(name: str, directory: Path, verifier, dtype: torch.dtype) -> dict[str, Any]:
     """What the store records about the verifier: its content fingerprint and identity by part
-    (:func:`stores.runtime.model_identity.model_identity`), the language model's shape and layer convention."""
+    (:func:`runtime.model_identity.model_identity`), the language model's shape and layer convention."""
     identity = model_identity(directory)
     config = verifier.config
     text = config.get_text_config()
@@ -418,7 +425,9 @@ def check_resumable(store: FeatureStore, cfg, verifier: dict[str, Any], layers: 
         InputError: other values of the options above; names every one with the store's value and
             the given one.
     """
-    check_compatible(store, verifier=verifier, layers=layers, source=manifest_sha256(cfg.packed), directory=directory)
+    check_compatible(store, verifier=verifier, layers=layers, source=manifest_sha256(cfg.packed),
+                     content_differs=None if directory is None else (
+                         lambda recorded: _identity_differs(recorded, directory)))
     conflicts = _resume_conflicts(store, cfg, verifier)
     if conflicts:
         raise InputError(

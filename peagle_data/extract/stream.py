@@ -34,7 +34,7 @@ from peagle_data.extract.engine import VerifierEngine, timed
 from peagle_data.extract.store import BlockWriter
 from stores.errors import InputError, StoreFormatError
 from stores.features.feature_store import FeatureStore
-from stores.progress import progress as progress_bar
+from runtime.progress import progress as progress_bar
 from stores.features.stream_heartbeat import Heartbeat, PeerWatch
 from stores.features.stream_plan import StreamPlan, apparent_bytes, plan_record, read_consumed, read_plan, unit_store
 

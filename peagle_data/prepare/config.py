@@ -9,7 +9,7 @@ from pathlib import Path
 from peagle_data.prepare.shards import check_shard
 from peagle_data.prepare.windows import OVERLAP_LOSS
 from peagle_data.readers.rows import FORMATS
-from stores.chat.chat_template import check_kwargs_names
+from runtime.chat.chat_template import check_kwargs_names
 
 __all__ = ["TokenizeConfig", "PackConfig", "TokenizeRun", "PackRun", "CHUNK_CONVERSATIONS", "HISTORY_REWRITE", "DROPPED_CONTENT",
            "SPECIAL_TOKEN_TEXT", "TOKENIZE_ONLY"]

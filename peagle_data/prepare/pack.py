@@ -55,7 +55,7 @@ from typing import Any, Collection, Iterator
 
 import numpy as np
 
-from stores.chat.chat_template import chat_template_sha256, check_chat_template_kwargs
+from runtime.chat.chat_template import chat_template_sha256, check_chat_template_kwargs
 from peagle_data.prepare.config import TOKENIZE_ONLY, PackConfig, PackRun, TokenizeConfig
 from peagle_data.prepare.counts import Counts
 from peagle_data.prepare.dedup import Deduplicator, copy_key, duplicate_reject, filter_reason, rows_key
@@ -78,7 +78,7 @@ from peagle_data.prepare.tokenizing import (
 from peagle_data.prepare.windows import SystemPrefixTooLongError, Window, conversation_windows, trim_window
 from peagle_data.readers.inputs import UniqueIds
 from stores.errors import InputError, StoreMismatchError
-from stores.progress import progress
+from runtime.progress import progress
 from stores.staging import staged_output_dir
 from stores.tables.token_rows import TokenizedRow, content_key
 from stores.tables.token_tables import (
@@ -92,7 +92,7 @@ from stores.tables.token_tables import (
     write_manifest,
     write_token_freq,
 )
-from stores.runtime.verifier_match import check_tokenizer
+from runtime.verifier_match import check_tokenizer
 
 __all__ = ["run_pack", "ignored_tokenize_options"]
 

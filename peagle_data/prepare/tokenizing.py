@@ -20,7 +20,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from peagle_data.chat.masks import needs_turn_rows, render_rows, served_turn_rows, tokenize_rendered
-from stores.chat.chat_template import (ChatTemplate, ChatTemplateError, chat_template_kwargs_record, chat_template_sha256,
+from runtime.chat.chat_template import (ChatTemplate, ChatTemplateError, chat_template_kwargs_record, chat_template_sha256,
                                   check_chat_template_kwargs, check_kwargs_read, effective_chat_template)
 from stores.tables.conversation_files import read_regenerate_manifest
 from peagle_data.prepare.config import CHUNK_CONVERSATIONS, TokenizeConfig, TokenizeRun
@@ -32,12 +32,12 @@ from peagle_data.readers.conversations import read_conversations
 from peagle_data.readers.inputs import UniqueIds
 from peagle_data.readers.rows import Conversation, Reject
 from stores.errors import InputError
-from stores.runtime.model_cache import load_tokenizer
-from stores.progress import progress
+from runtime.model_cache import load_tokenizer
+from runtime.progress import progress
 from stores.staging import staged_output_dir
 from stores.tables.token_rows import TokenizedRow
 from stores.tables.token_tables import RejectsWriter, TableWriter, write_manifest, write_token_freq
-from stores.runtime.verifier_match import tokenizer_fingerprint
+from runtime.verifier_match import tokenizer_fingerprint
 
 __all__ = ["iter_tokenized", "run_tokenize", "TokenFreq", "check_output_not_input", "check_regenerated_mode",
            "read_template", "resolve_tokenizer", "row_template", "run_shard_filter", "shard_record", "split_source",

@@ -37,7 +37,7 @@ Normalisation rules (documented decisions):
   list of parts: text parts (``text``, ``input_text``, ``output_text``, ``refusal``, bare strings) are
   kept as parts (one part as its string; a tool message's parts joined with ``"\\n"``), and the chat
   template gets them as vLLM passes them: joined with ``"\\n"`` for a string-content template, as the
-  list for one that loops over content (:mod:`stores.chat.chat_template`); ``reasoning`` parts become
+  list for one that loops over content (:mod:`runtime.chat.chat_template`); ``reasoning`` parts become
   ``reasoning_content``, ``tool_call`` parts become ``tool_calls`` entries;
 - a bare tool schema ``{"name", "description", "parameters"}`` in ``tools`` is wrapped as
   ``{"type": "function", "function": ...}``, the form a client sends to vLLM (``tool_schemas_wrapped``);
@@ -85,7 +85,7 @@ from peagle_data.readers.formats import iter_records
 from peagle_data.readers.inputs import UniqueIds, id_stems, resolve_inputs
 from peagle_data.readers.normalize import drop_arrow_nulls, normalize_record
 from peagle_data.readers.rows import FORMATS, Conversation, Reject, RowError
-from stores.chat.chat_template import check_kwargs_names
+from runtime.chat.chat_template import check_kwargs_names
 from stores.errors import InputError
 from stores.tables.question_rows import QuestionRowError, question_id, question_turns
 

@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from peagle_data.readers.rows import FORMATS, RowError
-from stores.chat.chat_template import content_text, content_texts
+from runtime.chat.chat_template import content_text, content_texts
 
 __all__ = ["normalize_record", "drop_arrow_nulls", "is_empty_assistant", "is_unsupervised", "ROW_COUNTS"]
 
@@ -154,7 +154,7 @@ def _openai_content(msg: dict[str, Any], where: str,
     Content is None (null), a string, or, for a list of parts, its text parts (``text``,
     ``input_text``, ``output_text``, ``refusal``, bare strings) as :func:`_parts_content` keeps them:
     the chat template gets them as vLLM passes them (joined with ``"\n"``, or the list;
-    :func:`stores.chat.chat_template.template_messages`). ``reasoning``/``thinking`` parts become the
+    :func:`runtime.chat.chat_template.template_messages`). ``reasoning``/``thinking`` parts become the
     reasoning, ``tool_call``/``function_call`` parts tool calls. A part of another type (image, audio,
     file) rejects the row, or, when ``stats`` has the key ``dropped_content_parts`` (``keep_dropped``),
     is left out and counted there.

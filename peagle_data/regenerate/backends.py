@@ -34,7 +34,7 @@ the text (``token_ids`` of the assistant message) and ``tokenize`` trains on exa
 (:func:`peagle_data.chat.masks.on_generated_ids`).
 
 Reasoning: with ``--reasoning-parser NAME`` a local answer is the message ``vllm serve
---reasoning-parser NAME`` returns (:mod:`stores.chat.answer_parsing`: think blocks, Harmony channels; what it
+--reasoning-parser NAME`` returns (:mod:`runtime.chat.answer_parsing`: think blocks, Harmony channels; what it
 cannot parse exactly is a reject), and a server's content is split by that parser when the server
 returned no reasoning of its own. A server's ``reasoning_content`` (vLLM, SGLang and ``transformers
 serve`` parse it) is kept; locally, without a parser, a tokenizer's ``response_template`` parses
@@ -52,11 +52,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from stores.chat.answer_parsing import AnswerFormatError, check_reasoning_parser, parse_answer, parse_think
-from stores.chat.chat_template import ChatTemplate, prompt_ids
+from runtime.chat.answer_parsing import AnswerFormatError, check_reasoning_parser, parse_answer, parse_think
+from runtime.chat.chat_template import ChatTemplate, prompt_ids
 from stores.errors import InputError, MissingDependencyError
-from stores.runtime.model_cache import load_generation_config, load_tokenizer, load_verifier, resolve_model
-from stores.runtime.model_identity import legacy_model_fingerprint, model_fingerprint
+from runtime.model_cache import load_generation_config, load_tokenizer, load_verifier, resolve_model
+from runtime.model_identity import legacy_model_fingerprint, model_fingerprint
 
 __all__ = ["Request", "Answer", "BackendConfig", "LocalBackend", "ServerBackend", "split_reasoning", "server_base_url",
            "complete_prefix", "prompt_opens_think", "REPLACEMENT", "prompt_tokens", "sampling_parameters",
@@ -176,7 +176,7 @@ class Answer:
 
 def prompt_tokens(tokenizer, request: Request) -> list[int]:
     """The token ids of ``request`` rendered with ``tokenizer``'s chat template and generation prompt, the
-    content passed as vLLM passes it (:func:`stores.chat.chat_template.prompt_ids`, the renderer of every stage),
+    content passed as vLLM passes it (:func:`runtime.chat.chat_template.prompt_ids`, the renderer of every stage),
     with the request's template variables."""
     return prompt_ids(tokenizer, request.messages, request.tools, ChatTemplate(None, request.chat_template_kwargs))
 
@@ -259,7 +259,7 @@ class BackendConfig:
              top_p: float | None = None) -> LocalBackend | ServerBackend:
         """The back end (loads the local verifier, or connects to the servers); ``temperature`` a float or
         a mixture (each request then states its own); ``reasoning_parser``: how answers are parsed
-        (:mod:`stores.chat.answer_parsing`); ``top_k`` / ``top_p``: None: the local verifier's generation config
+        (:mod:`runtime.chat.answer_parsing`); ``top_k`` / ``top_p``: None: the local verifier's generation config
         (with ``--tokenizer``, that MODEL's for servers), else off."""
         if self.verifier:
             return LocalBackend(self.verifier, max_new_tokens, temperature, batch_size=self.batch_size,
@@ -287,7 +287,7 @@ class LocalBackend:
         batch_size: requests per ``generate`` call (a wave is sorted by temperature and prompt length first).
         device: ``cpu``, ``cuda``...; default ``cuda`` when available.
         reasoning_parser: vLLM's ``--reasoning-parser`` name the answers are parsed with
-            (:func:`stores.chat.answer_parsing.parse_answer`); None: see :meth:`answer_of`.
+            (:func:`runtime.chat.answer_parsing.parse_answer`); None: see :meth:`answer_of`.
         top_k, top_p: the truncation at T > 0 (vLLM's rule); None: the verifier's ``generation_config.json`` value,
             as a vLLM server applies it by default, else off (recorded with its source).
 
@@ -397,7 +397,7 @@ class LocalBackend:
         """The :class:`Answer` of ``generated`` ids (cut after the first end-of-sequence id).
 
         With ``reasoning_parser``, the answer as ``vllm serve --reasoning-parser NAME`` returns it
-        (:func:`stores.chat.answer_parsing.parse_answer`, with the request's ``chat_template_kwargs``); an
+        (:func:`runtime.chat.answer_parsing.parse_answer`, with the request's ``chat_template_kwargs``); an
         answer it cannot parse exactly is an error (``unparsed answer format``), as is, for a think
         parser, one holding other special tokens than the tags. Else, with a tokenizer that declares a ``response_template``, ``tokenizer.parse_response`` splits
         content, reasoning and tool calls (what ``transformers serve`` does). Otherwise the text is
@@ -480,7 +480,7 @@ class ServerBackend:
             (content the template does not render); None: the servers' templates are trusted.
         kind: one of :data:`SERVER_KINDS`: which fields state :func:`sampling_parameters` (and
             ask for the generated token ids) in each request.
-        reasoning_parser: a think parser (:data:`stores.chat.answer_parsing.THINK_PARSERS`) splitting the
+        reasoning_parser: a think parser (:data:`runtime.chat.answer_parsing.THINK_PARSERS`) splitting the
             content of a server that returned no reasoning of its own (one started without
             ``--reasoning-parser``), as vLLM's parser of that name would; None: :func:`split_reasoning`.
             ``openai_gptoss`` is refused: a server's text has no Harmony tokens left to parse.

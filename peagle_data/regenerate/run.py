@@ -62,17 +62,17 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from peagle_data.chat.dropped import dropped_reason, dropped_content
-from stores.chat.chat_template import ChatTemplate, ChatTemplateError, check_kwargs_names, loads_unique, render
+from runtime.chat.chat_template import ChatTemplate, ChatTemplateError, check_kwargs_names, loads_unique, render
 from peagle_data.readers.conversations import read_conversations
 from peagle_data.readers.inputs import resolve_inputs
 from peagle_data.readers.rows import FORMATS, Conversation, Reject
 from peagle_data.regenerate.backends import Answer, BackendConfig, Request, prompt_tokens
-from stores.chat.setting_mixtures import (Mixture, RowSettings, mode_options, normalised, parse_mixture, row_settings,
+from runtime.chat.setting_mixtures import (Mixture, RowSettings, mode_options, normalised, parse_mixture, row_settings,
                                      temperature_value, template_variables)
-from stores.chat.answer_parsing import check_reasoning_parser
+from runtime.chat.answer_parsing import check_reasoning_parser
 from stores.tables.conversation_files import ConversationWriter, check_output, read_regenerate_manifest
 from stores.errors import InputError
-from stores.progress import progress
+from runtime.progress import progress
 
 __all__ = ["RegenerateConfig", "RegenerateRun", "TURNS", "ON_DROPPED", "ON_TRUNCATED", "Regeneration",
            "prompt_drops", "run_regenerate"]
@@ -399,7 +399,7 @@ def _check_resume(manifest: dict[str, Any] | None, settings: dict[str, Any], out
                   legacy_fingerprint: str | None = None) -> None:
     """Raise when the output to continue was written with other settings (names the first option that
     differs, with its recorded and its given value). ``legacy_fingerprint``: the local verifier's
-    whole-file fingerprint (:func:`stores.runtime.model_identity.legacy_model_fingerprint`), which an
+    whole-file fingerprint (:func:`runtime.model_identity.legacy_model_fingerprint`), which an
     output begun before the verifier's identity was recorded holds as its ``verifier_fingerprint``."""
     if manifest is None:
         return

@@ -27,7 +27,7 @@ import numpy as np
 
 from peagle_train.data.loader import check_store_ready
 from peagle_train.data.split import SPLIT_CONVERSATIONS, block_groups, block_leads, split_store
-from stores.chat.chat_template import chat_template_kwargs_record, describe_kwargs
+from runtime.chat.chat_template import chat_template_kwargs_record, describe_kwargs
 from stores.errors import InputError, StoreFormatError, StoreMismatchError
 from stores.features.feature_store import FeatureStore
 from stores.files import is_local

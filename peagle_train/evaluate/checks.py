@@ -11,12 +11,12 @@ from peagle_train.evaluate.prompts import read_prompts
 from peagle_train.evaluate.speculative import check_compatible, checked_num_draft_tokens
 from peagle_train.evaluate.tree import check_tree_config
 from peagle_train.train.kinds import check_any_servable, load_drafter_of_kind
-from stores.chat.chat_template import chat_template_kwargs_record, describe_kwargs
+from runtime.chat.chat_template import chat_template_kwargs_record, describe_kwargs
 from stores.errors import StoreMismatchError
 from stores.features.feature_store import check_layer_convention, FeatureStore
-from stores.runtime.model_config import load_model_config, text_config
-from stores.chat.setting_mixtures import Mixture
-from stores.runtime.verifier_match import check_store_verifier, check_verifier_tokenizer
+from runtime.model_config import load_model_config, text_config
+from runtime.chat.setting_mixtures import Mixture
+from runtime.verifier_match import check_store_verifier, check_verifier_tokenizer
 
 
 def check_verifier_config(name: str, drafter) -> None:
@@ -48,7 +48,7 @@ def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = No
     ``num_draft_tokens`` against its trained ``num_depths``, the
     store against the drafter, the online verifier's tokenizer against the drafter's training data
     (:func:`check_drafter_tokenizer`), the offline verifier against the store (content fingerprint and the
-    tokenizer of its ids: :func:`stores.runtime.verifier_match.check_store_verifier`), and each verifier's config
+    tokenizer of its ids: :func:`runtime.verifier_match.check_store_verifier`), and each verifier's config
     (online: ``verifier_name`` or the drafter's; offline: ``verifier_name`` or the store's).
 
     Raises:
@@ -85,7 +85,7 @@ def check_drafter_tokenizer(drafter_dir: str | Path, verifier_name: str) -> None
     ``d2t`` mean that tokenizer's tokens.
 
     Raises:
-        StoreMismatchError: another tokenizer (:func:`stores.runtime.verifier_match.check_tokenizer`).
+        StoreMismatchError: another tokenizer (:func:`runtime.verifier_match.check_tokenizer`).
     """
     config = json.loads((Path(drafter_dir) / "config.json").read_text())
     recorded = (config.get("peagle_training") or {}).get("tokenizer") or {}
@@ -125,7 +125,7 @@ def template_mode(drafter_dir: str | Path, requested: dict | None, allow_mismatc
         allow_mismatch: ``--allow-template-mode-mismatch``: report a mismatch instead of refusing it.
         store: the offline STORE, whose ``tokenizer`` record holds the variables its data was rendered with.
         variables: the variables each prompt draws (``EvalConfig.mode_variables``: a value or a
-            :class:`~stores.chat.setting_mixtures.Mixture` each): a drawn value other than the one the drafter's
+            :class:`~runtime.chat.setting_mixtures.Mixture` each): a drawn value other than the one the drafter's
             data fixes is a mismatch; the checkpoint records only the fixed variables, so drawn ones it
             does not fix are not checked (the training mixture is in the tokenize/pack manifests).
         seed: the seed the prompts draw with (recorded).

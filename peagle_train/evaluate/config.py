@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from stores.chat.answer_parsing import check_reasoning_parser
-from stores.chat.chat_template import check_kwargs_names
-from stores.chat.setting_mixtures import mode_options, template_variables
-from stores.runtime.vllm_runtime import VllmMemory
+from runtime.chat.answer_parsing import check_reasoning_parser
+from runtime.chat.chat_template import check_kwargs_names
+from runtime.chat.setting_mixtures import mode_options, template_variables
+from runtime.vllm_runtime import VllmMemory
 
 ENGINES = ("peagle", "vllm")
 """Online engines of ``peagle-eval --engine``: peagle's own speculative decoder (transformers), or vLLM."""
@@ -197,7 +197,7 @@ class EvalConfig:
 
     def mode_variables(self) -> dict[str, Any]:
         """The template variables drawn per prompt, ``{name: value or Mixture}``
-        (:func:`stores.chat.setting_mixtures.template_variables`); ``{}``: every prompt in the fixed mode.
+        (:func:`runtime.chat.setting_mixtures.template_variables`); ``{}``: every prompt in the fixed mode.
 
         Raises:
             ValueError: a variable given twice (by --template-mixture and its own option, or also by
@@ -208,5 +208,5 @@ class EvalConfig:
 
     @property
     def vllm_memory(self) -> VllmMemory:
-        """The vLLM engines' memory (:class:`stores.runtime.vllm_runtime.VllmMemory`)."""
+        """The vLLM engines' memory (:class:`runtime.vllm_runtime.VllmMemory`)."""
         return VllmMemory(kv_cache_gib=self.vllm_kv_cache_gib, gpu_memory_utilization=self.vllm_gpu_memory_utilization)

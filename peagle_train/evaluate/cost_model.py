@@ -68,7 +68,7 @@ from peagle_train.evaluate.speculative import DrafterSession, aux_features, prop
 from peagle_train.evaluate.verifier import (aux_hidden_states, config_recurrent_layers, crop_cache, new_cache,
                                             rollback_cache, verifier_body_pass, verifier_pass)
 from stores.errors import InputError
-from stores.progress import progress
+from runtime.progress import progress
 
 __all__ = ["ASSUMPTIONS", "MONOTONE_TOLERANCE", "SPREAD_LIMIT", "PREDICTION_TOLERANCE", "StepCosts",
            "measure_step_costs", "measure_trusted_costs", "cost_problems", "load_average", "usable_cpus",
@@ -288,7 +288,7 @@ def measure_trusted_costs(verifier, drafter, context_ids: Sequence[int] | torch.
     states the problems that remain).
 
     With ``show_progress`` a line on stderr first says what is timed and how to skip it (:func:`timing_notice`),
-    and each measurement has its progress there (:func:`stores.progress.progress`: ``cost model timing: done:
+    and each measurement has its progress there (:func:`runtime.progress.progress`: ``cost model timing: done:
     17/17 round in ...``, a line every 30 s when stderr is no terminal), since a measurement takes seconds on an
     idle machine and minutes on a loaded one."""
     if show_progress:

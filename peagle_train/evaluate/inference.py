@@ -48,7 +48,7 @@ from peagle_train.train.kinds import DRAFTER_KINDS, check_any_servable, checkpoi
 from peagle_train.model.drafter import PEagleDrafter
 from peagle_train.model.warm_start import load_init_weights, read_init_source
 from stores.errors import InputError
-from stores.runtime.model_cache import load_tokenizer, load_verifier
+from runtime.model_cache import load_tokenizer, load_verifier
 
 __all__ = ["PEAGLEInference", "InferenceResult", "StreamChunk", "acceptance_summary", "load_for_decoding",
            "load_any_drafter"]
@@ -260,7 +260,7 @@ class PEAGLEInference:
             ``speculative_config`` loading; greedy, chain, no streaming, no speedup: plain decoding would need a
             second engine, ``peagle-eval --engine vllm`` runs both; :meth:`close` stops it). vLLM 0.32-0.33 only:
             a newer vLLM no longer serves P-EAGLE and is refused before anything loads
-            (:func:`stores.runtime.vllm_runtime.check_vllm_serves_peagle`).
+            (:func:`runtime.vllm_runtime.check_vllm_serves_peagle`).
         chat_template_kwargs: the chat template's variables for message prompts (e.g. ``{"enable_thinking":
             False}``), as vLLM's ``chat_template_kwargs``; None: the mode the drafter was trained in (its
             checkpoint's record, :func:`~peagle_train.evaluate.checks.trained_template_kwargs`; none if unrecorded).

@@ -26,8 +26,8 @@ from peagle_train.model.checkpoint import TRAINING_SEGMENTS_FILE, read_training_
 from peagle_train.train.kinds import load_drafter_of_kind
 from stores.errors import StoreMismatchError
 from stores.features.feature_store import FeatureStore
-from stores.runtime.model_cache import load_output_head
-from stores.runtime.verifier_match import check_store_verifier
+from runtime.model_cache import load_output_head
+from runtime.verifier_match import check_store_verifier
 
 
 def _argmax_chunked(x: torch.Tensor, head: torch.Tensor, rows: int = 1024, vocab: int = 8192) -> torch.Tensor:
@@ -454,7 +454,7 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
     """Offline evaluation of a drafter checkpoint on a feature store (docs/design.md §9): the replayed
     acceptance (``replay``, the primary figure on a judge store) and, when asked, the all-anchor diagnostic. The
     replay reads the store, the drafter and the verifier's tokenizer and generation config (its EOS ids), never the
-    verifier's weights; ``all_anchor`` reads its output head alone (:func:`stores.runtime.model_cache.load_output_head`).
+    verifier's weights; ``all_anchor`` reads its output head alone (:func:`runtime.model_cache.load_output_head`).
 
     Args:
         drafter_dir: a drafter checkpoint directory.
@@ -485,7 +485,7 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
     Raises:
         StoreFormatError: not a feature store or not a drafter checkpoint.
         StoreMismatchError: the store's layers / sizes do not fit the drafter; no done block; the
-            verifier is not the store's (:func:`stores.runtime.verifier_match.check_store_verifier`: its content
+            verifier is not the store's (:func:`runtime.verifier_match.check_store_verifier`: its content
             fingerprint, which reads 1 MB at both ends of each weight file, and its tokenizer); an incomplete
             store without ``allow_partial``; ``max_new_tokens`` other than the store's recorded limit.
     """

@@ -21,7 +21,7 @@ from peagle_train.evaluate.speculative import GenerationResult, Truncation, acce
 from peagle_train.evaluate.tree import TreeGenerationResult, TreeSpec
 from peagle_train.train.kinds import load_drafter_of_kind
 from stores.errors import InputError
-from stores.runtime.model_cache import load_tokenizer
+from runtime.model_cache import load_tokenizer
 
 
 def _turn_seed(seed: int, turn_index: int) -> int:
@@ -253,7 +253,7 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
         mixture: the mode mixture, :class:`EvalConfig`'s ``reasoning_effort``, ``enable_thinking`` and
             ``template_mixture`` by name (None: every prompt in the fixed mode).
         output: also write the JSON report there.
-        progress_factory: ``total -> bar`` with ``update(n)`` and ``close()`` (:func:`stores.progress.progress`):
+        progress_factory: ``total -> bar`` with ``update(n)`` and ``close()`` (:func:`runtime.progress.progress`):
             its total is in tokens (:func:`progress_total`), so it advances within a turn.
 
     Returns:

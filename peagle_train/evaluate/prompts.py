@@ -9,13 +9,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from stores.chat.answer_parsing import AnswerFormatError, answer_message, parse_answer
-from stores.chat.chat_template import ChatTemplate, prompt_ids, render
+from runtime.chat.answer_parsing import AnswerFormatError, answer_message, parse_answer
+from runtime.chat.chat_template import ChatTemplate, prompt_ids, render
 from stores.errors import InputError
 from stores.files import json_line_problem
-from stores.runtime.model_cache import load_generation_config, load_tokenizer
+from runtime.model_cache import load_generation_config, load_tokenizer
 from stores.tables.question_rows import QUESTION_FIELDS, QuestionRowError, question_id, question_turns
-from stores.chat.setting_mixtures import row_settings
+from runtime.chat.setting_mixtures import row_settings
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def render_turn(tokenizer, prompt: Prompt, turn: int, answers: Sequence[str | di
                 chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of turn ``turn`` of ``prompt`` (:func:`turn_messages`) with the verifier's chat template
     and a generation prompt, rendered as vLLM's chat endpoint renders the same messages and as
-    ``tokenize`` and ``regenerate`` render them (:func:`stores.chat.chat_template.prompt_ids`: content as text
+    ``tokenize`` and ``regenerate`` render them (:func:`runtime.chat.chat_template.prompt_ids`: content as text
     parts for a template that loops over content, developer messages as vLLM passes them).
 
     Args:
@@ -152,8 +152,8 @@ def prompt_modes(prompts: Sequence[Prompt], fixed: dict[str, Any] | None, variab
                  seed: int) -> list[dict[str, Any]]:
     """Each prompt's chat template variables: the run's ``fixed`` ones (the mode, ``--chat-template-kwargs``
     or the drafter's) with the ones it draws from ``variables`` (``EvalConfig.mode_variables``: a value or a
-    :class:`~stores.chat.setting_mixtures.Mixture` each) on top, drawn as ``regenerate`` draws a row's
-    (:func:`stores.chat.setting_mixtures.row_settings`, from ``seed`` and the prompt id; a variable of both is
+    :class:`~runtime.chat.setting_mixtures.Mixture` each) on top, drawn as ``regenerate`` draws a row's
+    (:func:`runtime.chat.setting_mixtures.row_settings`, from ``seed`` and the prompt id; a variable of both is
     the drawn one's). Every turn of a prompt is rendered, and its answers parsed, in the prompt's mode."""
     fixed = dict(fixed or {})
     if not variables:
@@ -191,7 +191,7 @@ def history_message(tokenizer, tokens: Sequence[int], eos: Iterable[int], reason
                     chat_template_kwargs: dict[str, Any] | None = None, where: str = "") -> dict[str, Any]:
     """The assistant message a client of ``vllm serve --reasoning-parser reasoning_parser`` sends back for
     generated ``tokens``: the parser's content, and its reasoning as ``reasoning_content`` (rendered only
-    where the chat template renders earlier reasoning) (:func:`stores.chat.answer_parsing.parse_answer`; no
+    where the chat template renders earlier reasoning) (:func:`runtime.chat.answer_parsing.parse_answer`; no
     parser: the ``skip_special_tokens`` decode, as :func:`answer_text`, vLLM without a reasoning parser).
 
     Args:

@@ -23,8 +23,8 @@ from peagle_train.model.checkpoint import find_drafter
 from peagle_train.train.kinds import checkpoint_kind, load_drafter_of_kind
 from stores.errors import ForeignFilesError, OutputExistsError
 from stores.features.feature_store import FeatureStore
-from stores.progress import progress
-from stores.runtime.model_config import load_model_config
+from runtime.progress import progress
+from runtime.model_config import load_model_config
 
 __all__ = ["EvalRun", "run_eval", "VLLM_COSTS_SKIPPED", "OFFLINE_COSTS_NOT_ASKED"]
 
@@ -63,7 +63,7 @@ class EvalRun:
 
 
 def _progress(desc: str, unit: str) -> Callable[[int], Any]:
-    """A ``total -> bar`` factory writing to stderr (:func:`stores.progress.progress`)."""
+    """A ``total -> bar`` factory writing to stderr (:func:`runtime.progress.progress`)."""
     return lambda total: progress(total=total, desc=desc, unit=unit, dynamic_ncols=True)
 
 
@@ -145,7 +145,7 @@ def run_eval(run: EvalRun, log: Callable[[str], None] = print, config: dict[str,
         OutputExistsError: ``run.output`` or its PNG exists and ``run.force`` is not set.
         MissingDependencyError: ``--engine vllm`` without vLLM installed (names the set-up command).
         InputError: also ``--engine vllm`` with a vLLM that no longer serves P-EAGLE (from 0.34:
-        :func:`stores.runtime.vllm_runtime.check_vllm_serves_peagle`), or at T > 0 where vLLM's rejection sampler does not get the verifier's
+        :func:`runtime.vllm_runtime.check_vllm_serves_peagle`), or at T > 0 where vLLM's rejection sampler does not get the verifier's
         distribution (:func:`~peagle_train.evaluate.vllm_engine.check_vllm_sampling`).
         StoreFormatError, StoreMismatchError, ModelNotFoundError: from the checks.
     """

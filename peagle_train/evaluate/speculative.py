@@ -59,7 +59,7 @@ from peagle_train.model.attention import DenseAttention
 from peagle_train.model.dflash import DFlashDrafter
 from peagle_train.model.drafter import DrafterCache
 from stores.errors import InputError
-from stores.runtime.model_cache import load_generation_config
+from runtime.model_cache import load_generation_config
 
 __all__ = [
     "Truncation",

@@ -54,14 +54,14 @@ from peagle_train.evaluate.speculative import (Truncation, acceptance_scheme, ch
 from peagle_train.model.checkpoint import find_drafter
 from peagle_train.train.kinds import checkpoint_kind, load_drafter_of_kind
 from stores.errors import InputError, ModelNotFoundError, PeagleError
-from stores.runtime.model_config import load_model_config, text_config
-from stores.runtime.model_cache import load_tokenizer, resolve_model
-from stores.progress import progress
-from stores.runtime.model_identity import model_fingerprint
-from stores.runtime.vllm_runtime import (CPU_HYBRID_PREFIX_CACHING, CPU_MAMBA2_SPECULATION, VLLM_SETUP, VllmMemory,
+from runtime.model_config import load_model_config, text_config
+from runtime.model_cache import load_tokenizer, resolve_model
+from runtime.progress import progress
+from runtime.model_identity import model_fingerprint
+from runtime.vllm_runtime import (CPU_HYBRID_PREFIX_CACHING, CPU_MAMBA2_SPECULATION, VLLM_SETUP, VllmMemory,
                                          VllmOutput, VllmStartError, cpu_bf16_only,
                                          cpu_speculation_not_lossless, cpu_without_prefix_caching, start_llm)
-from stores.runtime.vllm_runtime import import_vllm as import_vllm_module
+from runtime.vllm_runtime import import_vllm as import_vllm_module
 
 __all__ = ["VLLM_SETUP", "SPEC_METRICS", "VllmRun", "VllmReference", "import_vllm", "vllm_generate",
            "engine_settings", "check_full_length", "request_seed", "top_logits_of", "vllm_report",
@@ -81,7 +81,7 @@ SPEC_METRICS = {
 
 
 def import_vllm():
-    """The ``vllm`` module, its logs on stderr (:func:`stores.runtime.vllm_runtime.import_vllm`).
+    """The ``vllm`` module, its logs on stderr (:func:`runtime.vllm_runtime.import_vllm`).
 
     Raises:
         MissingDependencyError: vLLM is not installed here; names the set-up command.
@@ -171,9 +171,9 @@ def engine_settings(on_cpu: bool, model: str | None = None) -> dict[str, Any]:
     """vLLM engine arguments as peagle measures: on CPU float32 and eager (exact, no graphs there); on
     an accelerator the verifier's serving dtype (bfloat16) with CUDA graphs, so AL, token identity and
     throughput are those of the served engine. On CPU a verifier that vLLM's CPU build computes in bf16 only
-    (:func:`stores.runtime.vllm_runtime.cpu_bf16_only`: Qwen3-Next, Qwen3.5, whose gated DeltaNet kernel asserts bf16)
-    runs eager in bf16, and a hybrid verifier (:func:`stores.runtime.vllm_runtime.cpu_without_prefix_caching`) without
-    prefix caching (:data:`stores.runtime.vllm_runtime.CPU_HYBRID_PREFIX_CACHING`); ``model`` is the verifier's
+    (:func:`runtime.vllm_runtime.cpu_bf16_only`: Qwen3-Next, Qwen3.5, whose gated DeltaNet kernel asserts bf16)
+    runs eager in bf16, and a hybrid verifier (:func:`runtime.vllm_runtime.cpu_without_prefix_caching`) without
+    prefix caching (:data:`runtime.vllm_runtime.CPU_HYBRID_PREFIX_CACHING`); ``model`` is the verifier's
     directory, or a drafter's (its verifier is read).
 
     Returns:
@@ -309,7 +309,7 @@ def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int,
                   memory: VllmMemory = VllmMemory(), temperature: float = 0.0, seed: int = 0,
                   top_logits: bool = False, truncation: Truncation = Truncation()) -> VllmRun:
     """Start one vLLM engine on ``model`` (:func:`engine_settings`, seed 0, ``memory``), run ``prompts``,
-    stop it. The engine starts as :func:`stores.runtime.vllm_runtime.start_llm` starts it: its output on
+    stop it. The engine starts as :func:`runtime.vllm_runtime.start_llm` starts it: its output on
     stderr while it runs (stdout stays peagle's), its root cause raised when it does not start.
 
     Args:
@@ -324,7 +324,7 @@ def vllm_generate(model: str, prompts: Sequence[list[int]], max_new_tokens: int,
         turns: when given, called with the outputs of the counted pass to build the next prompts (later
             prompt turns that take earlier answers as history), until it returns an empty list.
         timed: also run the concurrency-C pass (the counted pass is always timed as concurrency 1).
-        memory: the engine's KV cache size / GPU memory share (:class:`stores.runtime.vllm_runtime.VllmMemory`).
+        memory: the engine's KV cache size / GPU memory share (:class:`runtime.vllm_runtime.VllmMemory`).
         temperature: 0 greedy; T > 0 samples, request i of the counted pass seeded :func:`request_seed`.
         top_logits: at T = 0, record the largest raw logits of every generated token (``VllmRun.top_logits``).
 
@@ -378,7 +378,7 @@ def _run_engine(vllm, llm, prompts, max_new_tokens, stop_token_ids, concurrency,
 
     if tops:
         run.top_logits = []
-    # later turns are built from the answers: the total is unknown until the last turn (stores.progress)
+    # later turns are built from the answers: the total is unknown until the last turn (runtime.progress)
     bar = progress(desc=f"vLLM {'speculative' if spec is not None else 'plain'} requests", unit="request")
     try:
         _generate(llm, [prompts[0]], vllm.SamplingParams(temperature=temperature, max_tokens=4))  # warm-up, untimed
@@ -441,7 +441,7 @@ class VllmSpeculativeEngine:
         self.eos = sorted(set(eos_ids(tokenizer, SimpleNamespace(generation_config=_generation_config(
             self.directory)))))
         self.settings = engine_settings(current_platform.is_cpu(), self.directory)
-        # started as every vLLM engine of peagle is (stores.runtime.vllm_runtime): memory, its log off stdout, its root cause
+        # started as every vLLM engine of peagle is (runtime.vllm_runtime): memory, its log off stdout, its root cause
         self.output = VllmOutput()
         self.llm, mem = start_llm(memory or VllmMemory(), self.output, model=self.directory, **self.settings, seed=0,
                                   max_model_len=max_model_len, max_num_seqs=max_num_seqs, disable_log_stats=False,
@@ -630,7 +630,7 @@ def vllm_speculative(ref: VllmReference, drafter_dir: str | Path, config: EvalCo
 def check_speculators_verifier(drafter_dir: str | Path, verifier_name: str) -> None:
     """With ``--vllm-loading speculators`` vLLM loads the verifier the drafter's ``config.json`` names
     (``speculators_config.verifier.name_or_path``), while the plain reference runs on ``verifier_name``:
-    both must be the same model (:func:`~stores.runtime.model_identity.model_fingerprint` of the resolved
+    both must be the same model (:func:`~runtime.model_identity.model_fingerprint` of the resolved
     directories). Reads configs and hashes files only; no engine starts.
 
     Raises:
@@ -659,7 +659,7 @@ def check_speculators_verifier(drafter_dir: str | Path, verifier_name: str) -> N
 
 def check_vllm_verifier(verifier_name: str, on_cpu: bool) -> None:
     """Refuse a verifier whose speculative decoding this vLLM does not verify exactly on this platform: on CPU a
-    Mamba-2 hybrid (:data:`stores.runtime.vllm_runtime.CPU_MAMBA2_SPECULATION`), before any engine starts.
+    Mamba-2 hybrid (:data:`runtime.vllm_runtime.CPU_MAMBA2_SPECULATION`), before any engine starts.
 
     Raises:
         InputError: field ``--engine``: the reason, and what to measure with instead.

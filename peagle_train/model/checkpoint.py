@@ -36,7 +36,7 @@ from peagle_train.model.config import LAYER_TYPES, DrafterConfig
 from peagle_train.model.drafter import PEagleDrafter
 from stores.errors import InputError, NonFiniteError, StoreFormatError
 from stores.files import follow_umask, strict_json
-from stores.runtime.model_cache import EMBEDDED_MODELS, peagle_home
+from runtime.model_cache import EMBEDDED_MODELS, peagle_home
 from stores.staging import atomic_file, replace_dir
 
 __all__ = [

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from stores.errors import InputError
-from stores.runtime.model_cache import resolve_model
+from runtime.model_cache import resolve_model
 
 __all__ = ["MaskToken", "mask_token_candidates", "choose_mask_token", "resolve_mask_token", "load_tokenizer_or_none"]
 
@@ -128,7 +128,7 @@ def resolve_mask_token(verifier: str, store, override: int | None = None) -> Mas
 
     Raises:
         InputError: see :func:`choose_mask_token`.
-        ModelNotFoundError / MissingDependencyError: from :func:`stores.runtime.model_cache.resolve_model`.
+        ModelNotFoundError / MissingDependencyError: from :func:`runtime.model_cache.resolve_model`.
     """
     model_dir = resolve_model(verifier, need_weights=False)
     tokenizer = load_tokenizer_or_none(model_dir)

@@ -36,7 +36,7 @@ from peagle_train.model.drafter import PEagleDrafter
 from peagle_train.train.loss import LogitTransform, LossOutput, loss_and_accuracy
 from peagle_train.train.step import block_loss, sample_elements
 from stores.errors import StoreFormatError
-from stores.runtime.vllm_runtime import LAST_PEAGLE_VLLM, check_vllm_serves_peagle
+from runtime.vllm_runtime import LAST_PEAGLE_VLLM, check_vllm_serves_peagle
 
 __all__ = ["DrafterKind", "DRAFTER_KINDS", "drafter_kind", "dflash_block_loss", "load_drafter_of_kind", "checkpoint_kind",
            "check_any_servable"]
@@ -81,7 +81,7 @@ class DrafterKind:
 
     def check_installed_vllm(self, field: str = "--engine") -> None:
         """Refuse, before any engine starts, an installed vLLM newer than :attr:`served_until_vllm` (P-EAGLE after
-        0.33: :func:`stores.runtime.vllm_runtime.check_vllm_serves_peagle`, which reads the version without
+        0.33: :func:`runtime.vllm_runtime.check_vllm_serves_peagle`, which reads the version without
         importing vLLM); a kind every vLLM serves passes.
 
         Raises:

@@ -30,11 +30,11 @@ from peagle_train.train.config import FIELD_DEFAULTS, TrainConfig, flat_settings
 from peagle_train.train.kinds import drafter_kind
 from stores.errors import InputError, PeagleError, StoreMismatchError
 from stores.features.feature_store import check_layer_convention
-from stores.runtime.model_cache import load_verifier, resolve_model
-from stores.runtime.model_identity import model_fingerprint
-from stores.runtime.model_config import load_model_config, text_config
+from runtime.model_cache import load_verifier, resolve_model
+from runtime.model_identity import model_fingerprint
+from runtime.model_config import load_model_config, text_config
 from stores.staging import check_replaceable
-from stores.runtime.verifier_match import check_store_verifier
+from runtime.verifier_match import check_store_verifier
 
 __all__ = [
     "VerifierHeads",
@@ -104,8 +104,8 @@ def load_verifier_heads(name: str, store, mask_token_id: int, last_layers: int =
 
     Raises:
         StoreMismatchError: the verifier's content fingerprint, tokenizer, hidden size or vocab size
-            differs from the store's (:func:`stores.runtime.verifier_match.check_store_verifier`).
-        ModelNotFoundError / MissingDependencyError: from :func:`stores.runtime.model_cache.resolve_model`.
+            differs from the store's (:func:`runtime.verifier_match.check_store_verifier`).
+        ModelNotFoundError / MissingDependencyError: from :func:`runtime.model_cache.resolve_model`.
     """
     check_store_verifier(store, name)
     model = load_verifier(name, dtype=torch.float32, device="cpu")
@@ -376,7 +376,7 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str, init: Init
             (packed table, shard, block count, layers, verifier fingerprint or the features' context).
         StoreMismatchError: the verifier's config has another hidden or vocab size than the store, or
             the verifier is not the store's (content fingerprint, or the tokenizer the store's ids were
-            made with: :func:`stores.runtime.verifier_match.check_store_verifier`).
+            made with: :func:`runtime.verifier_match.check_store_verifier`).
         InputError: a verifier RoPE the drafter cannot compute (``dynamic``, ``longrope``); a drafter
             vLLM could not serve as trained (:func:`peagle_train.model.checkpoint.vllm_problems`: aux layers
             not increasing, an activation other than silu, ...).

@@ -29,7 +29,7 @@ from peagle_train.train.config import TrainConfig
 from stores.errors import InputError, StoreFormatError, StoreMismatchError
 from stores.features.feature_store import FeatureStore
 from stores.files import is_zarr_store
-from stores.runtime.model_config import load_model_config, text_config
+from runtime.model_config import load_model_config, text_config
 from stores.staging import check_replaceable
 from stores.features.stream_plan import (apparent_bytes, block_feature_bytes, fixed_bytes_estimate, format_size, has_plan,
                                 parse_size, read_plan)

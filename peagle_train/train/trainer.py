@@ -38,7 +38,7 @@ from peagle_train.train.metrics import MetricsLog, plot_metrics, pooled_accuracy
 from peagle_train.train.optim import CosineWithWarmup, build_optimizer, clip_grad_norm
 from peagle_train.train.step import accumulate_step, add_sums, block_to, cod_generator, gather_ids, summarise
 from stores.errors import NonFiniteError
-from stores.progress import progress
+from runtime.progress import progress
 from stores.features.stream_plan import StreamPlan
 
 __all__ = ["Trainer", "TrainRun", "StreamRun"]

@@ -23,7 +23,6 @@ from stores.features.feature_schema import WINDOW_ARRAYS, store_arrays
 from stores.features.feature_store import LAYER_CONVENTION, FeatureStore
 from stores.files import is_local
 from stores.features.stream_plan import has_plan, read_consumed, read_plan
-from stores.runtime.model_identity import compare_identity
 
 __all__ = ["chunk_damage", "block_damage", "shared_damage", "read_done_flags", "check_block", "verify_store", "stream_report",
            "check_compatible", "write_shared", "repair_shared", "windows_damage", "repair_windows", "repair_blocks"]
@@ -287,12 +286,12 @@ def _check_arrays(store: FeatureStore, path) -> None:
 
 
 def check_compatible(store: FeatureStore, *, verifier: dict[str, Any], layers: list[int], source: str,
-                     directory: Path | None = None) -> None:
+                     content_differs: Callable[[dict[str, Any]], str | None] | None = None) -> None:
     """Raise :class:`StoreMismatchError` when resuming ``store`` with another verifier, layers or table.
 
-    The verifier: its ``name_or_path``, and its content, by the verifier's model ``directory`` where given
-    (:func:`stores.runtime.model_identity.compare_identity`: by part, or by an older store's whole-file
-    fingerprint; the message names what differs), else by ``verifier["fingerprint"]``."""
+    The verifier: its ``name_or_path``, and its content: by ``content_differs`` where given (called with the
+    store's ``verifier`` record, returns what differs, e.g. "config fields (num_hidden_layers)", or None when the
+    content is the same), else by ``verifier["fingerprint"]``."""
     have = store.attrs
     if have.get("layer_convention") != LAYER_CONVENTION:
         raise StoreMismatchError(f"{store.path}: store has layer_convention {have.get('layer_convention')!r}, "
@@ -301,12 +300,11 @@ def check_compatible(store: FeatureStore, *, verifier: dict[str, Any], layers: l
     if list(have["layers"]) != list(layers):
         raise StoreMismatchError(f"{store.path}: store has layers {have['layers']}, asked for {layers}")
     recorded = have["verifier"]
-    if directory is not None and recorded.get("fingerprint") is not None:
-        check = compare_identity(recorded, directory)
-        if not check.same:
-            raise StoreMismatchError(f"{store.path}: store was made with verifier {recorded.get('name_or_path')!r}, "
-                                     f"another model than {verifier.get('name_or_path')!r} ({check.describe()})")
-    for key in ("name_or_path",) if directory is not None else ("name_or_path", "fingerprint"):
+    differs = content_differs(recorded) if content_differs is not None and recorded.get("fingerprint") else None
+    if differs is not None:
+        raise StoreMismatchError(f"{store.path}: store was made with verifier {recorded.get('name_or_path')!r}, "
+                                 f"another model than {verifier.get('name_or_path')!r} ({differs})")
+    for key in ("name_or_path",) if content_differs is not None else ("name_or_path", "fingerprint"):
         if have["verifier"].get(key) != verifier.get(key):
             raise StoreMismatchError(
                 f"{store.path}: store was made with verifier {have['verifier'].get(key)!r} ({key}), "

@@ -9,7 +9,7 @@
 
 :func:`template` reads one; :func:`qwen_tokenizer` / :func:`harmony_tokenizer` copy a tokenizer with the
 markup tokens each family ships (Qwen's ``<think>`` tokens are added, not special; Harmony's are special,
-:data:`stores.chat.answer_parsing.HARMONY_TOKENS`); :func:`think_tokenizer` is the Qwen copy with
+:data:`runtime.chat.answer_parsing.HARMONY_TOKENS`); :func:`think_tokenizer` is the Qwen copy with
 ``qwen3_hybrid`` as its template, :func:`harmony_tokenizer`'s has ``harmony`` (the reasoning-parser tests).
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tokenizers import Regex, pre_tokenizers
 
-from stores.chat.answer_parsing import HARMONY_TOKENS
+from runtime.chat.answer_parsing import HARMONY_TOKENS
 
 __all__ = ["TEMPLATES_DIR", "template", "template_path", "newline_runs_whole", "NEWLINE_RUNS_PATTERN", "qwen_tokenizer",
            "think_tokenizer", "harmony_tokenizer",

@@ -15,9 +15,9 @@ from stores.tables.token_tables import TokenTable
 @pytest.fixture()
 def tok_name(monkeypatch, smollm2_tokenizer):
     """``--tokenizer`` value; loading it returns the session's SmolLM2 tokenizer (no reload)."""
-    import stores.runtime.model_cache
+    import runtime.model_cache
 
-    monkeypatch.setattr(stores.runtime.model_cache, "load_tokenizer", lambda name: smollm2_tokenizer)
+    monkeypatch.setattr(runtime.model_cache, "load_tokenizer", lambda name: smollm2_tokenizer)
     return "smollm2-135m"
 
 

@@ -25,9 +25,9 @@ def invoke(cmd, args):
 @pytest.fixture()
 def packed(tmp_path, monkeypatch, smollm2_tokenizer):
     """A pack output of two tiny conversations (the session's SmolLM2 tokenizer, no reload)."""
-    import stores.runtime.model_cache
+    import runtime.model_cache
 
-    monkeypatch.setattr(stores.runtime.model_cache, "load_tokenizer", lambda name: smollm2_tokenizer)
+    monkeypatch.setattr(runtime.model_cache, "load_tokenizer", lambda name: smollm2_tokenizer)
     convs = tmp_path / "convs.jsonl"
     convs.write_text("".join(json.dumps({"id": f"c{i}", "messages": [
         {"role": "user", "content": "Hi"}, {"role": "assistant", "content": f"Hello {i}!"}]}) + "\n" for i in range(2)))

@@ -26,7 +26,7 @@ from peagle_train.evaluate.vllm_engine import VllmSpeculativeEngine
 from peagle_train.train.setup import verifier_rope
 from stores.errors import InputError
 from stores.features.feature_store import FeatureStore
-from stores.runtime.model_cache import load_verifier
+from runtime.model_cache import load_verifier
 from stores.tables.token_tables import TokenTable
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,7 +56,7 @@ def test_family_through_the_cli(tmp_path, smollm2_tokenizer_dir, family):
     store = FeatureStore.open(tmp_path / "f.zarr")
     text = family_config(family, 49152).get_text_config()
     assert store.attrs["verifier"]["num_hidden_layers"] == text.num_hidden_layers
-    from stores.runtime.model_cache import load_verifier
+    from runtime.model_cache import load_verifier
 
     verifier = load_verifier(model, device="cpu")
     b = store.read_block(0)
@@ -148,8 +148,8 @@ def peagle_counts(vllm_accepted: list[int], drafted: list[int]) -> list[int]:
     "PEAGLE_LONG_VLLM=1 to run it; Qwen3-Next, served the same way, runs in CI"))])
 def test_hybrid_drafter_served_by_vllm_is_greedy(tmp_path, smollm2_tokenizer_dir, family):
     """A drafter trained on a hybrid verifier's store, served by vLLM (P-EAGLE, speculators loading; on CPU without
-    prefix caching, stores.runtime.vllm_runtime.CPU_HYBRID_PREFIX_CACHING; Qwen3.5, a vision-language wrapper, in
-    vLLM's text-only mode, stores.runtime.vllm_runtime.TEXT_ONLY): output identical to vLLM's own greedy decoding
+    prefix caching, runtime.vllm_runtime.CPU_HYBRID_PREFIX_CACHING; Qwen3.5, a vision-language wrapper, in
+    vLLM's text-only mode, runtime.vllm_runtime.TEXT_ONLY): output identical to vLLM's own greedy decoding
     (bf16 on CPU: a turn may differ only at a near tie, identity.py's rule), and vLLM's accepted drafts those of
     peagle-eval's own engine step by step on every turn where both produced the same tokens, with drafts accepted
     and rejected: the verifier answers in 17 words (``answer_tokens``), the drafter learns its regenerated answers
@@ -229,7 +229,7 @@ def _mamba2_verifier(directory: Path, tokenizer_dir: Path) -> str:
 @pytest.mark.slow  # one vLLM engine start
 def test_vllm_cpu_speculation_on_mamba2_is_not_greedy(tmp_path, smollm2_tokenizer_dir):
     """The reason peagle-eval --engine vllm refuses a Mamba-2 hybrid on CPU
-    (stores.runtime.vllm_runtime.CPU_MAMBA2_SPECULATION), measured without any peagle code in the engine: vLLM's own
+    (runtime.vllm_runtime.CPU_MAMBA2_SPECULATION), measured without any peagle code in the engine: vLLM's own
     n-gram speculative decoding on a float32 Nemotron-H differs from greedy decoding (transformers' float32 argmax
     loop, which vLLM's plain greedy decoding of this model equals) beyond a near tie. When a vLLM fixes it, this
     fails: lift the refusal (CPU_SPECULATION_NOT_LOSSLESS) and serve Nemotron-H drafters in the test above."""

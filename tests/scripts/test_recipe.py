@@ -256,7 +256,7 @@ def test_a_vllm_that_dropped_p_eagle_stops_before_any_stage(inputs, tmp_path, ca
 
 def test_the_vllm_version_is_read_in_the_vllm_python():
     """This python's vLLM, read by a child of it (None where none is installed), as the check reads it."""
-    from stores.runtime.vllm_runtime import installed_vllm_version
+    from runtime.vllm_runtime import installed_vllm_version
 
     assert recipe.vllm_version_of(sys.executable) == installed_vllm_version()
     assert recipe.peagle_vllm_refusal("0.33.2") is None

@@ -13,7 +13,7 @@ import pytest
 
 from peagle_data.chat.dropped import dropped_content
 from peagle_data.chat.masks import render_rows, tokenize_conversation, tokenize_turns
-from stores.chat.chat_template import ChatTemplateError
+from runtime.chat.chat_template import ChatTemplateError
 from peagle_data.readers.conversations import read_conversations
 from tests.peagle_data.chat.test_masks import masked_texts, reference_ids, runs
 from tests.peagle_data.chat.test_template_families import (  # noqa: F401 - fixtures

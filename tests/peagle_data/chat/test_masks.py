@@ -9,7 +9,7 @@ import pytest
 
 from peagle_data.chat.masks import (SERVED_PROMPT_CHANGED, needs_turn_rows, render_rows, tokenize_conversation,
                                     tokenize_rendered, tokenize_turns)
-from stores.chat.chat_template import ChatTemplateError
+from runtime.chat.chat_template import ChatTemplateError
 
 DEFAULT_SYSTEM = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
                   "Hugging Face<|im_end|>\n")

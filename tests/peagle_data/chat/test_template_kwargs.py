@@ -2,7 +2,7 @@
 
 Templates: tests/chat_templates (Qwen3-style hybrid thinking, Qwen3.5-style open think, Harmony). For
 every row the context before a supervised turn is exactly the prompt the verifier is served in that
-mode (:func:`stores.chat.chat_template.prompt_ids` with the same variables), the supervised tokens are what
+mode (:func:`runtime.chat.chat_template.prompt_ids` with the same variables), the supervised tokens are what
 it generates after that prompt, and the ids equal ``apply_chat_template`` with the same variables.
 """
 
@@ -13,7 +13,7 @@ import copy
 import pytest
 
 from peagle_data.chat.masks import tokenize_conversation, tokenize_turns
-from stores.chat.chat_template import ChatTemplate, ChatTemplateError, prompt_ids, render
+from runtime.chat.chat_template import ChatTemplate, ChatTemplateError, prompt_ids, render
 from tests.chat_templates import harmony_tokenizer, qwen_tokenizer, template
 from tests.peagle_data.chat.test_masks import masked_texts, reference_ids, runs
 

@@ -394,7 +394,7 @@ def test_smollm2_every_token_equals_its_whole_conversation_forward(tmp_path, smo
     from transformers import AutoModelForCausalLM
 
     from long_conversations import pack_long
-    from stores.runtime.model_cache import resolve_model
+    from runtime.model_cache import resolve_model
 
     packed = pack_long(tmp_path / "p", smollm2_tokenizer_dir)
     layers = [2, 15, 30]  # 30: the last decoder layer's output before the final norm

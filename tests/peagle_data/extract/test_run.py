@@ -18,7 +18,7 @@ from peagle_data.prepare.pack import run_pack
 from stores.errors import DiskSpaceError, InputError, OutputExistsError, StoreMismatchError
 from stores.features.feature_repair import verify_store
 from stores.features.feature_store import FeatureStore
-from stores.runtime.model_identity import model_fingerprint, model_identity
+from runtime.model_identity import model_fingerprint, model_identity
 from stores.staging import prepare_output_dir
 from stores.tables.token_tables import TableWriter, write_manifest
 from tests.peagle_data.prepare.test_mixtures import conv, write_jsonl
@@ -145,7 +145,7 @@ def test_resume_compares_the_verifier_by_part_or_an_older_stores_whole_file_fing
     records no identity (made before it was recorded) resumes with the directory it was extracted with."""
     import shutil
 
-    from stores.runtime.model_identity import legacy_model_fingerprint
+    from runtime.model_identity import legacy_model_fingerprint
 
     v = shutil.copytree(tiny_verifier_dir, tmp_path / "v")
     packed = write_packed(tmp_path / "packed", n_blocks=2, block_size=32)
@@ -289,7 +289,7 @@ def test_bad_device_and_wrong_verify_table_are_clear_errors(tmp_path, tiny_verif
 def test_model_fingerprint_tells_same_shape_models_apart(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from stores.runtime.model_identity import model_fingerprint
+    from runtime.model_identity import model_fingerprint
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1)
@@ -321,7 +321,7 @@ def test_refuses_when_disk_is_short_unless_forced(tmp_path, tiny_verifier_dir, m
 
 @pytest.mark.slow  # converts the real SmolLM2-135M once (~45 s) into the cache
 def test_real_smollm2_segments_equal_segments_alone():
-    from stores.runtime.model_cache import load_verifier
+    from runtime.model_cache import load_verifier
 
     verifier = load_verifier("smollm2-135m", device="cpu")
     torch.manual_seed(0)

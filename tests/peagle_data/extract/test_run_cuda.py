@@ -31,7 +31,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _load(tiny_verifier_dir, attn: str):
-    from stores.runtime.model_cache import load_verifier
+    from runtime.model_cache import load_verifier
 
     return load_verifier(str(tiny_verifier_dir), device="cuda", attn_implementation=attn)
 

@@ -16,7 +16,7 @@ from peagle_data.extract.run import run_extract
 from stores.errors import StoreMismatchError
 from stores.features.feature_store import FeatureStore
 from stores.tables.token_tables import TokenTable
-from stores.runtime.verifier_match import tokenizer_fingerprint
+from runtime.verifier_match import tokenizer_fingerprint
 
 from .test_run import pack_conversations, write_packed
 

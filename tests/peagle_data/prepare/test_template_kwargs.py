@@ -12,7 +12,7 @@ from cli.data_prepare import pack, tokenize
 from peagle_data.prepare.config import PackConfig, PackRun, TokenizeConfig, TokenizeRun
 from peagle_data.prepare.pack import run_pack
 from peagle_data.prepare.tokenizing import run_tokenize
-from stores.chat.chat_template import ChatTemplateError
+from runtime.chat.chat_template import ChatTemplateError
 from stores.errors import StoreMismatchError
 from stores.tables.token_tables import TokenTable
 from tests.chat_templates import qwen_tokenizer, template, template_path

@@ -161,7 +161,7 @@ def test_openai_content_parts_and_tool_calls(tmp_path):
         {"role": "assistant", "content": [{"type": "reasoning", "text": "think"}, {"type": "text", "value": "ok"}]},
     ]}
     (c,) = read_all(write_jsonl(tmp_path / "p.jsonl", [row]))
-    # two text parts stay parts (the template gets them as vLLM passes them: stores/chat/chat_template.py), one is its string
+    # two text parts stay parts (the template gets them as vLLM passes them: runtime/chat/chat_template.py), one is its string
     assert c.messages[0]["content"] == [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     assert c.messages[1]["content"] is None and c.messages[1]["tool_calls"][0]["function"]["name"] == "f"
     assert c.messages[3] == {"role": "assistant", "content": "ok", "reasoning_content": "think"}

@@ -339,7 +339,7 @@ def test_greedy_is_peagle_evals_argmax_not_the_verifiers_generation_config(tmp_p
     import torch
 
     from peagle_train.evaluate.speculative import greedy_generate
-    from stores.runtime.model_cache import load_tokenizer, load_verifier
+    from runtime.model_cache import load_tokenizer, load_verifier
 
     d = str(repeating_verifier_dir)
     inp = write_rows(tmp_path / "in.jsonl", [ROWS[0], ROWS[1], ROWS[4]])
@@ -444,7 +444,7 @@ def test_the_output_tokenizes(local_run, local, tmp_path, verifier_dir):
     from peagle_data.prepare.tokenizing import run_tokenize
 
     from peagle_data.chat.masks import tokenize_conversation
-    from stores.runtime.model_cache import load_tokenizer
+    from runtime.model_cache import load_tokenizer
 
     _, out, _ = local_run
     summary = run_tokenize(TokenizeRun(inputs=[str(out)], tokenizer=str(verifier_dir), output=tmp_path / "tok",
@@ -787,7 +787,7 @@ def test_resume_names_the_option_and_allows_only_those_that_change_no_answer():
 def penalised_smollm2(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     """The real SmolLM2 verifier (weights linked) whose generation_config.json sets repetition_penalty
     1.3: vLLM's server, like transformers, applies it to any request that does not say otherwise."""
-    from stores.runtime.model_cache import resolve_model
+    from runtime.model_cache import resolve_model
 
     src = resolve_model("smollm2-135m")
     out = tmp_path_factory.mktemp("smollm2_penalised")
@@ -827,7 +827,7 @@ def test_regenerate_through_vllm_serve_equals_the_local_back_end(vllm_server, pe
     import openai
 
     from peagle_data.chat.masks import tokenize_conversation
-    from stores.runtime.model_cache import load_tokenizer
+    from runtime.model_cache import load_tokenizer
 
     rows = [ROWS[0], ROWS[1], ROWS[4], {"messages": [{"role": "user", "content": "In Python, what does x != y do?"},
                                                     {"role": "assistant", "content": "old"}]}]
@@ -904,7 +904,7 @@ def test_answers_are_decoded_without_cleaning_up_spaces(local, cleaning_tokenize
 
 def test_tokenize_trains_on_the_generated_ids_and_rejects_a_text_that_does_not_round_trip(local, cleaning_tokenizer):
     from peagle_data.chat.masks import tokenize_conversation, tokenize_turns
-    from stores.chat.chat_template import ChatTemplateError
+    from runtime.chat.chat_template import ChatTemplateError
 
     tok = local.tokenizer
     ids = tok(SPACED, add_special_tokens=False)["input_ids"] + [2]

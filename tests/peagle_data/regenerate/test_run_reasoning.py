@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from peagle_data.regenerate.backends import Answer, LocalBackend, Request, _answer_of, prompt_tokens
-from stores.chat.setting_mixtures import row_settings
+from runtime.chat.setting_mixtures import row_settings
 from peagle_data.regenerate.run import RegenerateConfig, RegenerateRun, run_regenerate
 from stores.errors import InputError
 from tests.chat_templates import harmony_tokenizer, think_tokenizer

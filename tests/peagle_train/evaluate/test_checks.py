@@ -89,7 +89,7 @@ def test_a_mode_mixture_is_recorded_and_checked_against_the_drafters_fixed_varia
     """--reasoning-effort / --enable-thinking / --template-mixture draw each prompt's mode: the mixture and seed are
     recorded; a drawn value the drafter's data fixed otherwise is a mismatch (refused unless allowed), the drawn
     variable then leaving the fixed ones; drawn variables the checkpoint does not fix are not checked."""
-    from stores.chat.setting_mixtures import parse_mixture, template_value
+    from runtime.chat.setting_mixtures import parse_mixture, template_value
 
     efforts = {"reasoning_effort": parse_mixture({"low": 1, "high": 3}, "", template_value)}
     free = _drafter(tmp_path / "free", {"name": "v", "chat_template_kwargs": {"persona": "terse"}})

@@ -839,7 +839,7 @@ def test_cli_measures_a_reasoning_effort_mixture_per_prompt_and_per_mode(tiny_ve
 
     from cli.eval import main
     from peagle_train.evaluate.prompts import prompt_modes
-    from stores.chat.setting_mixtures import parse_mixture, template_value
+    from runtime.chat.setting_mixtures import parse_mixture, template_value
 
     drafter, tok = _harmony_template_drafter(tiny_verifier, tiny_verifier_dir, tmp_path, {})
     prompts_file = write_lines(tmp_path / "p.jsonl", MIXED_PROMPTS)

@@ -151,7 +151,7 @@ def test_smollm2_in_bf16_diverges_only_at_near_ties():
     """SmolLM2-135M in bf16 on CPU with peagle's decoders (the issue's case: turns differ from plain greedy
     decoding): every difference is a near tie, so no prompt is a mismatch and peagle-eval exits 0; the same run in
     float32 is identical token for token. Three first turns of MT-Bench, 32 tokens (bf16 is slow on a CPU)."""
-    from stores.runtime.model_cache import load_tokenizer, load_verifier
+    from runtime.model_cache import load_tokenizer, load_verifier
 
     tok = load_tokenizer("smollm2-135m")
     prompts = [Prompt(p.prompt_id, p.user_turns[:1]) for p in _turns(3)]

@@ -3,7 +3,7 @@
 ``peagle-eval`` rendered plain ``{"role", "content": str}`` dicts with ``apply_chat_template``; a template
 that reads content only as a list of parts then rendered every prompt empty (9 tokens for a whole
 question) and the run still reported ``identical_to_greedy: true``. It now renders with the renderer of
-every stage (``stores/chat/chat_template.py``). The tests marked ``vllm`` compare its ids with vLLM's own
+every stage (``runtime/chat/chat_template.py``). The tests marked ``vllm`` compare its ids with vLLM's own
 message parsing and template application.
 """
 
@@ -134,7 +134,7 @@ def test_evaluation_turns_render_in_the_mode(hybrid_tokenizer):
 @pytest.mark.vllm
 def test_evaluation_prompt_ids_in_a_mode_equal_vllms(vllm_model_config, hybrid_tokenizer):
     """What a client of ``vllm serve`` sends with ``chat_template_kwargs`` is what both engines decode."""
-    from tests.stores.chat.test_chat_template import _vllm_request_ids
+    from tests.runtime.chat.test_chat_template import _vllm_request_ids
 
     for kwargs in ({}, {"enable_thinking": False}):
         for turn, answers in ((0, []), (1, ["Aloha!"])):
@@ -180,10 +180,10 @@ def test_turn_2_prompt_is_what_a_client_of_vllm_serve_reasoning_parser_sends(vll
 
 def test_prompt_modes_draw_as_regenerate_draws_rows():
     """Each prompt's mode: the fixed variables with its draws on top, the draw regenerate makes for a row of the
-    same id and seed (stores.chat.setting_mixtures.row_settings), so a drafter trained on a regenerated mixture is
+    same id and seed (runtime.chat.setting_mixtures.row_settings), so a drafter trained on a regenerated mixture is
     measured on the same kind of mixture."""
     from peagle_train.evaluate.prompts import prompt_modes
-    from stores.chat.setting_mixtures import parse_mixture, row_settings, template_value
+    from runtime.chat.setting_mixtures import parse_mixture, row_settings, template_value
 
     prompts = [Prompt(str(i), ["Hi"]) for i in range(40)]
     variables = {"reasoning_effort": parse_mixture({"low": 1, "high": 1}, "", template_value)}

@@ -293,7 +293,7 @@ def test_vllm_report_gives_each_turns_mode_and_the_acceptance_per_mode():
 def _newer_vllm(monkeypatch):
     """vLLM 0.34.0 installed (as its distribution says), and every way peagle starts or imports vLLM failing the
     test if reached."""
-    import stores.runtime.vllm_runtime as vr
+    import runtime.vllm_runtime as vr
     from peagle_train.evaluate import run, vllm_engine
 
     def reached(*args, **kwargs):

@@ -194,7 +194,7 @@ def sampled(tmp_path_factory):
 @pytest.fixture(scope="module")
 def models(sampled):
     from peagle_train.model.checkpoint import load_drafter
-    from stores.runtime.model_cache import load_verifier
+    from runtime.model_cache import load_verifier
 
     return load_verifier("smollm2-135m", dtype=torch.float32, device="cpu"), load_drafter(sampled[0]).eval()
 

@@ -41,7 +41,7 @@ def drafter(tmp_path_factory) -> Path:
     from peagle_train.model.checkpoint import save_drafter
     from peagle_train.model.config import DrafterConfig
     from peagle_train.model.drafter import PEagleDrafter
-    from stores.runtime.model_cache import resolve_model
+    from runtime.model_cache import resolve_model
 
     verifier = resolve_model("smollm2-135m")
     v = json.loads((verifier / "config.json").read_text())

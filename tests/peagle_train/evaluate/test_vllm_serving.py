@@ -254,7 +254,7 @@ def sampled_t1(served, verifier):
 def verifier():
     """The SmolLM2 verifier in float32 on the CPU and its EOS ids, loaded once for every case."""
     from peagle_train.evaluate.prompts import eos_ids
-    from stores.runtime.model_cache import load_tokenizer, load_verifier
+    from runtime.model_cache import load_tokenizer, load_verifier
 
     model = load_verifier("smollm2-135m", dtype=torch.float32, device="cpu")
     return model, eos_ids(load_tokenizer("smollm2-135m"), model)

@@ -119,7 +119,7 @@ def test_weights_and_state_follow_the_umask(tmp_path, umask, mode):
 
 
 def test_speculators_verifier_is_a_name_vllm_resolves_offline(tmp_path, monkeypatch):
-    from stores.runtime.model_cache import peagle_home
+    from runtime.model_cache import peagle_home
 
     m = _model(1)
     m.config.verifier_name_or_path = "smollm2-135m"

@@ -259,7 +259,7 @@ def _word_tokenizer(path, rename: int | None = None):
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
 
-    from stores.runtime.verifier_match import tokenizer_fingerprint
+    from runtime.verifier_match import tokenizer_fingerprint
 
     vocab = {("u" if i == rename else "t") + str(i): i for i in range(256)}
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")))
@@ -313,7 +313,7 @@ def test_eval_offline_refuses_another_verifier_or_tokenizer_than_the_store_s(tmp
     fingerprint hashes its files; no weights are loaded), and with it the run goes on (--all-anchor: its output head
     alone)."""
     from stores.features.feature_store import FeatureStore
-    from stores.runtime.model_identity import legacy_model_fingerprint, model_fingerprint, model_identity
+    from runtime.model_identity import legacy_model_fingerprint, model_fingerprint, model_identity
 
     v, fp_a, fp_b = verifier_with_tokenizer
     store = _store(tmp_path / "s.zarr", v, n_blocks=2)

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # one vLLM engine start (~1 m
 
 
 def test_vllm_streaming_store_equals_hf_within_rounding(tmp_path, monkeypatch):
-    from stores.runtime.model_cache import resolve_model
+    from runtime.model_cache import resolve_model
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
     model = str(resolve_model("smollm2-135m"))

@@ -394,7 +394,7 @@ def test_cli_trains_and_refuses_existing_output(tmp_path, verifier_dir):
 
 def test_same_shape_but_other_verifier_is_refused(tmp_path, verifier_dir):
     from stores.features.feature_store import FeatureStore
-    from stores.runtime.model_identity import model_fingerprint, model_identity
+    from runtime.model_identity import model_fingerprint, model_identity
 
     store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=2)
     fs = FeatureStore.open(store, mode="r+")
@@ -580,12 +580,12 @@ def test_mask_token_is_recorded_and_a_supervised_override_is_refused_before_the_
     assert cfg["peagle_training"]["mask_token"] == {"id": 255, "token": None, "source": "--mask-token-id"}
     assert load_drafter(tmp_path / "out" / "final").config.mask_token_id == 255
 
-    import stores.runtime.model_cache
+    import runtime.model_cache
 
     def no_weights(*a, **k):
         raise AssertionError("the verifier weights were loaded before the mask token was checked")
 
-    monkeypatch.setattr(stores.runtime.model_cache, "load_verifier", no_weights)
+    monkeypatch.setattr(runtime.model_cache, "load_verifier", no_weights)
     from stores.errors import InputError
 
     with pytest.raises(InputError, match=r"--mask-token-id.*token 5 \(None\) occurs 250 times as a supervised"):

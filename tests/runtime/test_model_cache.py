@@ -12,7 +12,7 @@ def test_converted_weights_follow_the_umask(tmp_path, monkeypatch, umask, mode):
     import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import stores.runtime.model_cache as mc
+    import runtime.model_cache as mc
 
     monkeypatch.setenv("PEAGLE_HOME", str(tmp_path / "home"))
     target = tmp_path / "home" / "models" / "smollm2-135m"
@@ -38,7 +38,7 @@ def test_converted_weights_follow_the_umask(tmp_path, monkeypatch, umask, mode):
 
 
 def test_hub_id_of_the_embedded_alias():
-    from stores.runtime.model_cache import hub_id
+    from runtime.model_cache import hub_id
 
     assert hub_id("smollm2-135m") == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert hub_id("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B" and hub_id("/models/x") == "/models/x"
@@ -56,7 +56,7 @@ def test_load_submodule_reads_only_the_final_norm(tmp_path, family):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from peagle_data.extract.hf_forward import final_norm, language_model
-    from stores.runtime.model_cache import load_submodule, verifier_skeleton
+    from runtime.model_cache import load_submodule, verifier_skeleton
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from families import save_family
@@ -84,7 +84,7 @@ def test_load_output_head_reads_the_head_alone_in_the_models_dtype(tmp_path, tie
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from stores.runtime.model_cache import load_output_head
+    from runtime.model_cache import load_output_head
 
     cfg = LlamaConfig(vocab_size=96, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=8, tie_word_embeddings=tied)

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from stores.chat.chat_template import loads_unique
+from runtime.chat.chat_template import loads_unique
 from stores.files import json_error_text
 
 __all__ = ["Mixture", "parse_mixture", "template_value", "draw_key", "RowSettings", "row_settings",

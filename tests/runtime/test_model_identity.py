@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from stores.runtime.model_cache import resolve_model
-from stores.runtime.model_identity import (compare_identity, identity_differences, legacy_model_fingerprint,
+from runtime.model_cache import resolve_model
+from runtime.model_identity import (compare_identity, identity_differences, legacy_model_fingerprint,
                                            model_fingerprint, model_identity)
 
 ROOT = Path(__file__).resolve().parents[3]
-_CONVERT = "from stores.runtime.model_cache import resolve_model; resolve_model('smollm2-135m', need_weights={})"
+_CONVERT = "from runtime.model_cache import resolve_model; resolve_model('smollm2-135m', need_weights={})"
 
 
 def _convert(home: Path, offline: bool, need_weights: bool = False) -> Path:

@@ -1,4 +1,4 @@
-"""stores.progress: one convention for every loop: a tqdm bar on a terminal; in a log at most one plain
+"""runtime.progress: one convention for every loop: a tqdm bar on a terminal; in a log at most one plain
 line per interval and always a final ``done:`` line (issue 34 item 6)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import stores.progress
-from stores.progress import progress
+import runtime.progress
+from runtime.progress import progress
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,7 @@ def clock(monkeypatch):
     """A fake clock for both tqdm and the log lines: no sleeping, no dependence on the machine's load."""
     now = [1000.0]
     monkeypatch.setattr("tqdm.std.time", lambda: now[0])
-    monkeypatch.setattr(stores.progress.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(runtime.progress.time, "monotonic", lambda: now[0])
     return now
 
 
@@ -43,7 +43,7 @@ def _run(stream, clock, n=12, step_s=0.25, postfix=False, **kwargs):
 
 
 def test_a_log_gets_one_plain_line_per_interval_and_a_final_line(monkeypatch, clock):
-    monkeypatch.setattr(stores.progress, "LOG_INTERVAL_S", 1.0)
+    monkeypatch.setattr(runtime.progress, "LOG_INTERVAL_S", 1.0)
     text = _run(io.StringIO(), clock)
     assert "\r" not in text
     lines = text.splitlines()
@@ -55,7 +55,7 @@ def test_a_log_gets_one_plain_line_per_interval_and_a_final_line(monkeypatch, cl
 def test_a_postfix_every_step_does_not_print_a_line_every_step(monkeypatch, clock):
     # the trainer sets its loss every step: tqdm's set_postfix refreshed the line each time (301 lines for
     # 300 steps), and its close then printed nothing (a log ending at 299/300)
-    monkeypatch.setattr(stores.progress, "LOG_INTERVAL_S", 30.0)
+    monkeypatch.setattr(runtime.progress, "LOG_INTERVAL_S", 30.0)
     lines = _run(io.StringIO(), clock, n=300, step_s=0.5, postfix=True).splitlines()
     assert len(lines) == 5 + 1, lines  # 150 s: one line per 30 s, and the final one
     assert lines[-1] == "pack: done: 300/300 block in 2m30s (2 block/s), loss 0.003"
@@ -100,21 +100,21 @@ def test_a_terminal_gets_the_usual_in_place_bar(clock):
 
 
 def test_disabled_prints_nothing_anywhere(monkeypatch, clock):
-    monkeypatch.setattr(stores.progress, "LOG_INTERVAL_S", 0.0)
+    monkeypatch.setattr(runtime.progress, "LOG_INTERVAL_S", 0.0)
     assert _run(io.StringIO(), clock, n=3, disable=True) == ""
     assert _run(_Terminal(), clock, n=3, disable=True) == ""
 
 
 def test_no_module_uses_tqdm_but_the_helper():
-    users = sorted(str(p.relative_to(ROOT)) for pkg in ("peagle_data", "peagle_train", "stores", "cli")
+    users = sorted(str(p.relative_to(ROOT)) for pkg in ("peagle_data", "peagle_train", "runtime", "stores", "cli")
                    for p in (ROOT / pkg).rglob("*.py") if re.search(r"^\s*(from|import) tqdm", p.read_text(), re.M))
-    assert users == ["stores/progress.py"]
+    assert users == ["runtime/progress.py"]
 
 
 def test_slow_steps_in_a_log_get_a_line_every_few_percent_not_one_a_step(clock):
     """Issue 44 item 10: 40 training steps written to a file printed 45 lines (steps slower than the interval:
     a line each). A loop of known total prints at most MAX_LOG_LINES lines (one per 4% mark) and its final line."""
-    assert stores.progress.MAX_LOG_LINES == 25
+    assert runtime.progress.MAX_LOG_LINES == 25
     lines = _run(io.StringIO(), clock, n=40, step_s=45.0, postfix=True).splitlines()
     counts = [int(re.match(r"pack: (\d+)/40 block", line).group(1)) for line in lines[:-1]]
     assert counts == list(range(2, 41, 2)), counts  # 40 steps: every second step is past the next 4% mark

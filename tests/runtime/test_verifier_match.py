@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from stores.errors import StoreMismatchError
-from stores.runtime.verifier_match import check_store_verifier, has_tokenizer, tokenizer_fingerprint
+from runtime.verifier_match import check_store_verifier, has_tokenizer, tokenizer_fingerprint
 
 
 def test_the_fingerprint_follows_the_vocabulary(tmp_path, smollm2_tokenizer_dir):
@@ -27,7 +27,7 @@ def _store(verifier_dir, identity: bool = True):
     the whole-file fingerprint alone)."""
     from types import SimpleNamespace
 
-    from stores.runtime.model_identity import legacy_model_fingerprint, model_fingerprint, model_identity
+    from runtime.model_identity import legacy_model_fingerprint, model_fingerprint, model_identity
 
     record = ({"fingerprint": model_fingerprint(verifier_dir), "identity": model_identity(verifier_dir)} if identity
               else {"fingerprint": legacy_model_fingerprint(verifier_dir)})
@@ -38,9 +38,9 @@ def test_a_store_opens_with_a_resaved_copy_of_its_verifier(tmp_path, tiny_verifi
     """Loader arguments, paths, versions and where the chat template is kept are no part of the verifier."""
     import logging
 
-    from tests.stores.runtime.test_model_identity import resaved
+    from tests.runtime.test_model_identity import resaved
 
-    with caplog.at_level(logging.INFO, logger="stores.runtime.verifier_match"):
+    with caplog.at_level(logging.INFO, logger="runtime.verifier_match"):
         check_store_verifier(_store(tiny_verifier_dir), str(resaved(tiny_verifier_dir, tmp_path / "copy")))
     assert "(identity fingerprint" in caplog.text
 
@@ -67,10 +67,10 @@ def test_an_older_store_is_compared_by_its_whole_file_fingerprint(tmp_path, tiny
     comparison), and a copy that differs in a loader argument is refused naming the comparison."""
     import logging
 
-    from tests.stores.runtime.test_model_identity import resaved
+    from tests.runtime.test_model_identity import resaved
 
     old = _store(tiny_verifier_dir, identity=False)
-    with caplog.at_level(logging.INFO, logger="stores.runtime.verifier_match"):
+    with caplog.at_level(logging.INFO, logger="runtime.verifier_match"):
         check_store_verifier(old, str(tiny_verifier_dir))
     assert "(whole-file, as an older store records it: fingerprint" in caplog.text
     with pytest.raises(StoreMismatchError, match="compared by the whole-file fingerprint the store recorded"):

@@ -1,4 +1,4 @@
-"""Content parts reach the chat template as vLLM passes them (stores/chat/chat_template.py).
+"""Content parts reach the chat template as vLLM passes them (runtime/chat/chat_template.py).
 
 vLLM detects whether a template loops over a message's content ("openai" format: every content is a
 list of text parts) or not ("string" format: text parts joined with "\\n"). The tests marked ``vllm``
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from peagle_data.chat.masks import tokenize_conversation, tokenize_turns
-from stores.chat.chat_template import (ChatTemplate, ChatTemplateError, chat_template_kwargs_record,
+from runtime.chat.chat_template import (ChatTemplate, ChatTemplateError, chat_template_kwargs_record,
                                   check_chat_template_kwargs, check_kwargs_read, content_format, parse_chat_template_kwargs, prompt_ids, render,
                                   template_messages, template_tools, template_variables)
 from stores.errors import StoreMismatchError

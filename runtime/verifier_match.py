@@ -4,7 +4,7 @@
 A token table's manifest records the tokenizer that made its ids (``tokenizer``: ``name``,
 ``vocab_size`` = ``len(tokenizer)``, ``fingerprint`` = :func:`tokenizer_fingerprint`); a feature
 store copies that record (attribute ``tokenizer``) and records its verifier's content fingerprint and
-identity by part (:mod:`stores.runtime.model_identity`).
+identity by part (:mod:`runtime.model_identity`).
 These functions compare the records with a verifier before its weights load.
 """
 
@@ -19,8 +19,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from stores.errors import StoreMismatchError
-from stores.runtime.model_cache import load_tokenizer, resolve_model
-from stores.runtime.model_identity import compare_identity
+from runtime.model_cache import load_tokenizer, resolve_model
+from runtime.model_identity import compare_identity
 
 __all__ = ["TOKENIZER_FILES", "tokenizer_fingerprint", "has_tokenizer", "check_tokenizer",
            "check_verifier_tokenizer", "check_token_ids", "check_store_verifier"]
@@ -80,7 +80,7 @@ def check_verifier_tokenizer(recorded: Mapping[str, Any], made: str, verifier: s
     Raises:
         StoreMismatchError: another tokenizer, or a recorded fingerprint and a verifier directory
             without tokenizer files to compare it with.
-        ModelNotFoundError / MissingDependencyError: from :func:`stores.runtime.model_cache.resolve_model`.
+        ModelNotFoundError / MissingDependencyError: from :func:`runtime.model_cache.resolve_model`.
     """
     if recorded.get("fingerprint") is None and recorded.get("vocab_size") is None:
         return
@@ -123,7 +123,7 @@ def check_token_ids(rows, made: str, verifier: str, vocab_size: int, first_block
 
 def check_store_verifier(store, verifier: str) -> None:
     """The verifier MODEL is the one ``store`` was extracted with: the same content (when the store records
-    a fingerprint; :func:`stores.runtime.model_identity.compare_identity`: by part when the store records
+    a fingerprint; :func:`runtime.model_identity.compare_identity`: by part when the store records
     an identity, else by the whole-file fingerprint of older stores, which the log names) and the
     tokenizer its ids were made with (:func:`check_verifier_tokenizer`).
 

