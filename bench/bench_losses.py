@@ -95,8 +95,10 @@ LEVERS: dict[str, dict] = {
     "depth_weights": {"depth_weights": "1,2,4,5"},
     "rmin_0.5": {"down_sample_ratio_min": 0.5},
     "two_layers": {"num_layers": 2},
+    "dflash": {"method": "dflash", "block_size": 5},
 }
-"""Lever name -> the ``peagle-train`` settings it changes (``speculators``: its own trainer, same settings)."""
+"""Lever name -> the ``peagle-train`` settings it changes (``speculators``: its own trainer, same settings;
+``dflash``: a DFlash drafter of blocks of 5, drafting the same 4 tokens a step as the P-EAGLE runs' 4 depths)."""
 
 WARM_START: dict[str, str] = {"lk_hybrid_warm": "default"}
 """Lever -> the lever whose checkpoint at half the steps it starts from (then trains the other half)."""

@@ -43,8 +43,9 @@ MTBENCH = REPO.parent / "shared" / "data" / "mt_bench_question.jsonl"
 STEPS, SAVE_EVERY = 2400, 600
 """The quality recipe's steps (scripts/quality.sh) and the learning curve's checkpoints."""
 
-SLICES = {1: ["speculators", "default"], 2: ["lk_hybrid_warm", "depth_weights", "two_layers"]}
-"""Slice -> its levers (bench/bench_losses.py ``LEVERS``); slice 2 is paired with slice 1's ``speculators``."""
+SLICES = {1: ["speculators", "default"], 2: ["lk_hybrid_warm", "depth_weights", "two_layers"], 3: ["dflash"]}
+"""Slice -> its levers (bench/bench_losses.py ``LEVERS``); slice 2 is paired with slice 1's ``speculators``, slice 3
+(a DFlash drafter on the same store and judge) with slice 1's ``default`` P-EAGLE runs."""
 
 SEEDS = (0, 1, 2, 3, 4)
 
@@ -164,7 +165,7 @@ def main() -> None:
     ap.add_argument("--cache", type=Path, default=Path(os.environ.get("PEAGLE_HOME", Path.home() / ".cache" / "peagle"))
                     / "quality-2026-12")
     ap.add_argument("--results", type=Path, default=RESULTS)
-    ap.add_argument("--slice", default="1", help="comma-separated slices (1: speculators and default; 2: levers)")
+    ap.add_argument("--slice", default="1", help="comma-separated slices (1: speculators and default; 2: levers; 3: DFlash)")
     ap.add_argument("--max-runs", type=int, default=None, help="stop after this many runs")
     ap.add_argument("--until", default=None, help="HH:MM (local time): start no run after it")
     ap.add_argument("--inputs-only", action="store_true", help="build and check the inputs, train nothing")
