@@ -49,7 +49,8 @@ from pathlib import Path
 from stores.errors import StoreFormatError
 from stores.features.feature_store import FeatureStore
 from stores.staging import write_text_atomic
-from stores.tables.conversation_files import regenerate_paths
+from stores.tables.conversation_files import read_regenerate_manifest, regenerate_paths
+from stores.tables.token_tables import read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 MTBENCH = REPO.parent / "shared" / "data" / "mt_bench_question.jsonl"
@@ -169,6 +170,49 @@ def differing(recorded: dict, wanted: dict) -> list[str]:
             for k, v in wanted.items() if recorded.get(k, _MISSING) != v]
 
 
+def recorded_by_files(stem: Path) -> dict:
+    """The run parameters that a run's own files record, for a ``.done.json`` written before it held them all: the
+    verifier (regenerate's manifest), ``max_seq_len`` (the packed table's manifest), ``layers`` as given (the store's
+    config), ``top_k`` / ``top_p`` as given (None where regenerate's sampling has them off and from no option) and
+    ``prompts_sha256`` (the prompts file's, only when the file is older than the answers: the file they were made
+    from). ``num_prompts`` and ``selection_seed`` are not recorded but decide the prompts, so the prompts' hash stands
+    for them: where it matches, they are taken as asked. A key the files do not settle is left out (the run is then
+    refused as not recorded)."""
+    out: dict = {}
+    answers = read_regenerate_manifest(stem.with_suffix(".jsonl"))
+    if answers is not None:
+        out["verifier"] = answers.get("config", {}).get("verifier")
+        sampling = answers.get("model", {}).get("sampling") or {}
+        for name, off in (("top_k", 0), ("top_p", 1.0)):
+            if sampling.get(f"{name}_from", "off") == "off" and sampling.get(name) == off:
+                out[name] = None
+        prompts = [Path(f) for f in answers.get("files", [])]
+        if len(prompts) == 1 and prompts[0].is_file() and prompts[0].stat().st_mtime <= \
+                stem.with_suffix(".manifest.json").stat().st_mtime:
+            out["prompts_sha256"] = hashlib.sha256(prompts[0].read_bytes()).hexdigest()
+    try:
+        out["max_seq_len"] = read_manifest(stem.with_suffix(".packed")).get("config", {}).get("max_seq_len")
+    except StoreFormatError:  # no packed table (or not one): not settled
+        pass
+    if stage_state(stem.with_suffix(".zarr")) == "complete":
+        out["layers"] = FeatureStore.open(stem.with_suffix(".zarr")).attrs.get("config", {}).get("layers")
+    return out
+
+
+def adopted_record(done: dict, stem: Path, wanted: dict) -> dict:
+    """``done`` (a run's ``.done.json``) completed by :func:`recorded_by_files` for the keys it lacks; where the
+    prompts' hash is recorded either way and equals ``wanted``'s, the selection's ``num_prompts`` and
+    ``selection_seed`` are ``wanted``'s."""
+    missing = [k for k in wanted if k not in done]
+    if not missing:
+        return done
+    found = recorded_by_files(stem)
+    full = {**{k: found[k] for k in missing if k in found}, **done}
+    if full.get("prompts_sha256") == wanted.get("prompts_sha256"):
+        full = {**{k: wanted[k] for k in ("num_prompts", "selection_seed") if k in wanted}, **full}
+    return full
+
+
 def make_run(a: argparse.Namespace, prompts: Path, stem: Path, temperature: float, seed: int,
              redo: bool = False) -> str:
     """Make one run, resumably: a stage whose output is complete is kept, a partial one resumed (``--resume``),
@@ -239,9 +283,16 @@ def check_runs(a: argparse.Namespace, plan: list[tuple], redo: bool) -> set[str]
     for _, text, stem, temperature, seed in plan:
         done = stem.with_suffix(".done.json")
         if done.exists():
-            diff = differing(json.loads(done.read_text()), run_record(a, sha256(text), temperature, seed))
+            wanted = run_record(a, sha256(text), temperature, seed)
+            recorded = json.loads(done.read_text())
+            full = adopted_record(recorded, stem, wanted)
+            diff = differing(full, wanted)
             if diff:
                 bad[stem.name] = f"{stem.name}: {'; '.join(diff)}"
+            elif full != recorded and not a.dry_run:  # an older run whose files record the same: recorded now
+                write_text_atomic(done, json.dumps(full, indent=1))
+                print(f"judge_set: {stem.name}: parameters its .done.json lacked read from its files "
+                      f"({', '.join(sorted(set(full) - set(recorded)))}), recorded", file=sys.stderr)
     if bad and not redo:
         raise SystemExit("judge_set: runs made with other parameters (pass --redo to redo them, or another --out): "
                          + " | ".join(bad.values()))

@@ -7,6 +7,7 @@ import argparse
 import gzip
 import importlib.util
 import json
+import os
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from stores.features.feature_store import FeatureStore
+from stores.tables.token_tables import write_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("judge_set", REPO / "scripts" / "judge_set.py")
@@ -174,6 +176,46 @@ def test_a_rerun_with_other_parameters_is_refused_unless_redo(tmp_path, monkeypa
     judge_set.make_judge_set(_args(tmp_path, num_prompts=2, max_new_tokens=128, samples=0, redo=True))
     assert not (tmp_path / "mtbench-T1-seed1.done.json").exists()  # no longer asked: not judged
     assert "mtbench-T1-seed1.done.json removed" in capsys.readouterr().err
+
+
+def test_an_older_run_whose_files_record_the_same_parameters_is_adopted(tmp_path, monkeypatch, capsys):
+    """A run made before its .done.json recorded every parameter (only store, temperature, seed, max_new_tokens,
+    batch_size) is kept when its own files record the same (regenerate's manifest: verifier, sampling off, its
+    prompts file, older than the answers; the packed table's max_seq_len; the store's layers as given), and its
+    .done.json completed; a value its files record otherwise is refused; one they do not record is refused."""
+    monkeypatch.setattr(judge_set.subprocess, "run", FakeStages())
+    rows = [{"question_id": i, "category": "math", "turns": ["q"]} for i in range(3)]
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    a = _args(tmp_path, samples=0)
+    judge_set.make_judge_set(a)
+    stem = tmp_path / "mtbench-T0"
+    full = json.loads(stem.with_suffix(".done.json").read_text())
+    older = {k: full[k] for k in ("store", "temperature", "seed", "max_new_tokens", "batch_size")}
+
+    def make_older(verifier="smollm2-135m", max_seq_len=2048, layers="2,15,27"):
+        stem.with_suffix(".done.json").write_text(json.dumps(older))
+        stem.with_suffix(".manifest.json").write_text(json.dumps({"config": {"verifier": verifier}, "files": [
+            str(tmp_path / "mtbench.prompts.jsonl")], "model": {"sampling": {"temperature": 0.0, "top_k": 0,
+                                                                             "top_p": 1.0}}}))
+        write_manifest(stem.with_suffix(".packed"), {"config": {"max_seq_len": max_seq_len}})
+        FeatureStore.open(stem.with_suffix(".zarr"), mode="r+").update_attrs(config={"layers": layers})
+
+    make_older()
+    assert judge_set.check_runs(a, judge_set.suite_plan(a)[0], redo=False) == set()
+    adopted = json.loads(stem.with_suffix(".done.json").read_text())
+    assert {k: adopted[k] for k in full if k != "sampling"} == {k: full[k] for k in full if k != "sampling"}
+    assert "parameters its .done.json lacked read from its files" in capsys.readouterr().err
+    for change, message in (({"max_seq_len": 4096}, "max_seq_len was 4096, now 2048"),
+                            ({"verifier": "other"}, "verifier was 'other', now 'smollm2-135m'"),
+                            ({"layers": None}, "layers was None, now '2,15,27'")):
+        make_older(**change)
+        with pytest.raises(SystemExit, match=message):
+            judge_set.check_runs(a, judge_set.suite_plan(a)[0], redo=False)
+    make_older()
+    (tmp_path / "mtbench.prompts.jsonl").touch()  # newer than the answers: not the file they were made from
+    os.utime(stem.with_suffix(".manifest.json"), (1, 1))
+    with pytest.raises(SystemExit, match="prompts_sha256 not recorded"):
+        judge_set.check_runs(a, judge_set.suite_plan(a)[0], redo=False)
 
 
 def test_top_k_and_top_p_pass_through_and_the_sampling_is_recorded(tmp_path, monkeypatch):
