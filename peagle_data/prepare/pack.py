@@ -4,7 +4,7 @@ Modules: :mod:`peagle_data.prepare.config` (the typed options), :mod:`peagle_dat
 (reading, rendering and tokenizing rows in chunks, ``run_tokenize``), this module (``run_pack``:
 windows, spill, packing, the packed table) and :mod:`peagle_data.prepare.windows` (the window and trim policy).
 
-A template that rewrites history (see :mod:`peagle_data.chat.masks`) turns a conversation into one
+A template that rewrites history (see :mod:`peagle_data.chat.render`) turns a conversation into one
 row per assistant turn, ids ``conversation_id@turn``; with ``--on-history-rewrite reject`` the
 conversation is rejected instead. Counts are per input conversation.
 

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from peagle_data.chat.dropped import dropped_content
-from peagle_data.chat.masks import render_rows, tokenize_conversation, tokenize_turns
+from peagle_data.chat.render import render_rows, tokenize_conversation, tokenize_turns
 from runtime.chat.chat_template import ChatTemplateError
 from peagle_data.readers.conversations import read_conversations
 from tests.peagle_data.chat.test_masks import masked_texts, reference_ids, runs

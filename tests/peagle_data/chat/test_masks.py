@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from peagle_data.chat.masks import (SERVED_PROMPT_CHANGED, needs_turn_rows, render_rows, tokenize_conversation,
+from peagle_data.chat.render import (SERVED_PROMPT_CHANGED, needs_turn_rows, render_rows, tokenize_conversation,
                                     tokenize_rendered, tokenize_turns)
 from runtime.chat.chat_template import ChatTemplateError
 
@@ -182,7 +182,7 @@ def test_special_token_text_counts_in_supervised_replies_only(smollm2_tokenizer)
     """Issue 33, kind 7: which text counts. A special token's text (all_special_tokens, added tokens marked
     special) in a supervised reply's content, reasoning or tool calls; not in context turns (they render
     as vLLM renders them), not in an unsupervised turn, not in a turn trained on its generated ids."""
-    from peagle_data.chat.masks import special_token_text
+    from peagle_data.chat.render import special_token_text
 
     tok = smollm2_tokenizer
     call = {"type": "function", "function": {"name": "say", "arguments": {"text": "<|im_start|>"}}}
@@ -215,7 +215,7 @@ def test_a_cut_reply_is_supervised_up_to_its_own_text(smollm2_tokenizer):
     out = tokenize_conversation(smollm2_tokenizer, cut, chat_template=template)
     assert masked_texts(smollm2_tokenizer, out) == [" 2+2 is 4."]
     # a render without the reply's text (the dropped-content check rejects such rows first): no guess
-    from peagle_data.chat.masks import _cut_end
+    from peagle_data.chat.render import _cut_end
 
     with pytest.raises(ChatTemplateError, match="a reply cut at a token limit .* whose text's end is not found"):
         _cut_end(cut[1], "assistant: 2+2 IS 4.\n", 11, 21)

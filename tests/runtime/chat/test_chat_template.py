@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from peagle_data.chat.masks import tokenize_conversation, tokenize_turns
+from peagle_data.chat.render import tokenize_conversation, tokenize_turns
 from runtime.chat.chat_template import (ChatTemplate, ChatTemplateError, chat_template_kwargs_record,
                                   check_chat_template_kwargs, check_kwargs_read, content_format, parse_chat_template_kwargs, prompt_ids, render,
                                   template_messages, template_tools, template_variables)
