@@ -73,7 +73,7 @@ class Counts:
     as ``dropped_<part>`` keys (``dropped_tools``, ``dropped_reasoning``, ...)."""
     served_prompt_rows: int | None = None
     """Rows tokenized as served, the generation prompt alone and then the reply, since tokenized whole the
-    reply changed the prompt's last tokens (``peagle_data.chat.render.served_pieces``: a prompt ending in
+    reply changed the prompt's last tokens (``peagle_data.chat.served.served_pieces``: a prompt ending in
     ``</think>\n\n`` under a tokenizer that splits a newline run before a letter)."""
     served_turn_conversations: int | None = None
     """Conversations split into one row per assistant turn because no one sequence holds every turn's served

@@ -31,7 +31,7 @@ refused.
 Token ids: the local back end and vLLM (``return_token_ids``) return the ids the verifier
 generated (``Answer.token_ids``, end-of-sequence id included); ``regenerate`` writes them beside
 the text (``token_ids`` of the assistant message) and ``tokenize`` trains on exactly those ids
-(:func:`peagle_data.chat.render.on_generated_ids`).
+(:func:`peagle_data.chat.generated_ids.on_generated_ids`).
 
 Reasoning: with ``--reasoning-parser NAME`` a local answer is the message ``vllm serve
 --reasoning-parser NAME`` returns (:mod:`runtime.chat.answer_parsing`: think blocks, Harmony channels; what it

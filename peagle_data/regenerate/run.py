@@ -21,7 +21,7 @@ Per conversation (read and normalised by :mod:`peagle_data.readers`, so every in
   :mod:`peagle_data.regenerate.backends`); messages after the last regenerated turn are kept;
 - a regenerated turn carries ``token_ids``, the ids the verifier generated (end-of-sequence id
   included), when the back end returns them (local, vLLM; counted as ``turns_with_token_ids``):
-  ``tokenize`` trains on exactly them (:func:`peagle_data.chat.render.on_generated_ids`).
+  ``tokenize`` trains on exactly them (:func:`peagle_data.chat.generated_ids.on_generated_ids`).
 
 Greedy means argmax, as ``peagle-eval``'s reference: no back end applies the verifier's
 ``generation_config.json`` (see :func:`~peagle_data.regenerate.backends.sampling_parameters`); the
