@@ -2,8 +2,7 @@
 its memory settings, its output, and the root cause when it does not start.
 
 vLLM is an optional dependency (its own virtualenv: ``PEAGLE_VLLM=1 bash scripts/setup_env.sh``), imported
-here only when an engine starts (:func:`import_vllm`). Both stages import this module (``peagle_train`` may
-not import ``peagle_data``), so the engine starts the same way wherever it runs:
+here only when an engine starts (:func:`import_vllm`). Both stages start it here, the same way:
 
 - memory (:class:`VllmMemory`): on CPU vLLM's KV cache is ``kv_cache_memory_bytes`` (default 2 GiB, or
   ``$VLLM_CPU_KVCACHE_SPACE`` GiB when set); without it vLLM 0.32's CPU worker reserves

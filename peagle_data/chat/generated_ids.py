@@ -16,27 +16,13 @@ def on_generated_ids(tokenizer, row: RenderedRow, ids: np.ndarray, offsets: np.n
                      special: frozenset[int]) -> tuple[np.ndarray, np.ndarray, int, str | None]:
     """The row trained on the ids the verifier generated for its turns that carry them (``row.token_ids``).
 
-    A turn's tokens (:func:`~peagle_data.chat.loss_mask.span_tokens`, up to its end-of-turn token) usually are
-    exactly its generated ids. When they are not:
-
-    - the generated ids decode (no clean-up) to the same text, another tokenization of it (a verifier
-      generates ``"\n\n"`` as one token where its tokenizer makes two): the row's last supervised
-      turn is trained on the generated ids, spliced in place of its tokens (what the verifier computed
-      and what vLLM serves: the prompt, then the generated ids), counted; an earlier turn is a reject,
-      since the next turn's context, as the verifier saw it, was the re-tokenized text;
-    - an earlier reply cut at the token limit (or a last one whose text the template renders otherwise)
-      whose tokens are the generated ids but for its last generated ids, whitespace the template does not
-      render as generated (it trims the reply, or merges its last whitespace with the text it renders after
-      the reply): the turn supervises the tokens it shares with the generated ids, each the verifier's own
-      at its own position (an exact subset), and not the whitespace;
-    - a template that trims the reply's leading or trailing whitespace (``content | trim``) renders the
-      generated text without it: the row's last supervised turn is trained on the generated ids,
-      spliced in place of its tokens, as for another tokenization; an earlier turn is a reject;
-    - the ids decode to the message's own text but the template renders that text otherwise: a reject
-      naming where the render and the generated text part;
-    - the ids decode to another text than the message's (a decode that cleaned up tokenization spaces,
-      ``x!= y`` for ``x != y``; ids left over from an edited text; another tokenizer): a reject;
-    - an id outside ``[0, len(tokenizer))``: a reject (it decodes to ``""``, so the text alone would match).
+    A turn's tokens (:func:`~peagle_data.chat.loss_mask.span_tokens`, up to its end-of-turn token) equal its
+    generated ids, or (docs/design.md §3): the row's last supervised turn gets them spliced in place of its tokens
+    where they decode to the same text (another tokenization, or a template that trims the reply's whitespace);
+    an earlier cut turn whose last generated ids are whitespace the template does not render as generated
+    supervises the tokens it shares with them; anything else is a reject (``generated ids do not round-trip``,
+    naming where the render and the generated text part; ``generated ids outside the tokenizer`` for an id
+    outside ``[0, len(tokenizer))``).
 
     Args:
         ids: int32 ``[T]`` of ``row.text``; offsets: int64 ``[T, 2]`` their characters;

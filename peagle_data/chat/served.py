@@ -86,27 +86,11 @@ def served_prompt_mismatch(tokenizer, row: RenderedRow, ids: np.ndarray, offsets
                            served: Sequence[tuple[int, Sequence[int]]]) -> str | None:
     """Why a supervised turn of ``row`` is trained on another context than the verifier is served, or None.
 
-    vLLM serves the generation prompt ``P_i`` (``row.text[:a]`` for the span ``(a, b)``) tokenized alone,
-    and the verifier generates after those ids; the row is the whole render tokenized once. Where the
-    reply's first characters change how the prompt's last characters tokenize (SmolLM2's byte-level BPE
-    keeps ``"</think>\n\n"``'s newline run one token at the end of a text but splits it in two before
-    ``"Hello"``), no token straddles the span, yet the row's tokens before the turn differ from the served
-    ids: the drafter would be trained on verifier features of a context the verifier never sees. The
-    check: the row's tokens before the span's first token (those starting before ``a``) equal the
-    served ids of ``P_i``. A turn trained on its generated ids
-    (:func:`~peagle_data.chat.generated_ids.on_generated_ids`) is then exact by construction: the served prompt
-    ids, then the generated ids.
-
-    Cost: ``P_i`` is tokenized from its last added token on (:func:`prompt_anchors`), not whole (the
-    prompts of a long conversation sum to about twice its text; the tails are a few tokens). Exact for
-    the fast tokenizers peagle accepts: a Hugging Face fast tokenizer cuts the text at added tokens
-    (leftmost-longest, before normalization: ``AddedVocabulary::extract_and_normalize`` in ``tokenizers``)
-    and normalizes, pre-tokenizes and encodes each piece on its own, so the tokens before an added token that
-    both texts hold at the same place are the same
-    (``P_i`` is a prefix of the row's text; an added-token match the longer text extends past ``a`` is
-    not an anchor, since the anchor ends by ``a``). The tail starts with the anchor itself, so the piece
-    after it is not the text's first (Metaspace's ``prepend_scheme="first"``). With no added token
-    before ``a`` the whole ``P_i`` is tokenized.
+    vLLM serves the generation prompt ``P_i`` (``row.text[:a]`` for the span ``(a, b)``) tokenized alone, and the
+    verifier generates after those ids; the row's tokens before the span's first token must equal them
+    (docs/design.md §3, "The served prompt's tokens"). ``P_i`` is compared from its last added token on
+    (:func:`prompt_anchors`; whole when there is none): exact for a Hugging Face fast tokenizer, which encodes
+    the text between added tokens piece by piece.
 
     Args:
         ids: int32 ``[T]`` of ``row.text``; offsets: int64 ``[T, 2]`` their characters.

@@ -1,9 +1,7 @@
 """A generated answer parsed as the serving stack parses it: content, reasoning, tool calls (docs/design.md §3).
 
-When the verifier's answer becomes history (``peagle-eval``'s later turns) or training text
-(``regenerate``'s rows), it must be the message a client of ``vllm serve --reasoning-parser NAME``
-receives and sends back, not the flat decode of the tokens. This module is the one parser of both
-stages (``peagle_train`` may not import ``peagle_data``: it lives in ``stores`` beside the renderer).
+The one parser of ``peagle-eval``'s later turns and ``regenerate``'s rows: an answer becomes the message a client
+of ``vllm serve --reasoning-parser NAME`` receives and sends back, not the flat decode of the tokens.
 
 The parsers, by vLLM's ``--reasoning-parser`` names (:data:`REASONING_PARSERS`; vLLM 0.32,
 ``vllm/reasoning/__init__.py``), applied to the text vLLM parses (the answer's ids without the
@@ -34,9 +32,8 @@ would answer with the flat decode of something it cannot parse (a Harmony answer
 header, a message to a built-in tool that it ignores), this module refuses with the reason
 (:class:`AnswerFormatError`): such an answer must not become history or training text.
 
-Two vLLM details are deliberately matched, not "fixed": ``deepseek_r1`` makes a block-less answer all
-reasoning, and reasoning and content keep their whitespace (``"\nplan\n"``, ``"\n\nAnswer"``):
-the chat template strips what it strips when the message is rendered back.
+As in vLLM, ``deepseek_r1`` makes a block-less answer all reasoning, and reasoning and content keep their
+whitespace (``"\nplan\n"``, ``"\n\nAnswer"``).
 """
 
 from __future__ import annotations
