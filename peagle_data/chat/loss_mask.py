@@ -68,13 +68,10 @@ def row_masks(row: RenderedRow, ids: np.ndarray, offsets: np.ndarray,
 def straddling_token(row: RenderedRow, offsets: np.ndarray, loss_mask: np.ndarray) -> str | None:
     """Why a supervised span of ``row`` has no exact mask, or None.
 
-    A token that starts before a span and ends inside it holds the generation prompt's last
-    characters (or the previous message's) and the reply's first ones (a generation prompt ending in a
-    space, ``"ASSISTANT: "``, gives ``" Hello"``): the rule "supervised when it starts inside the span"
-    would silently drop the reply's first word, and supervising it would train the prompt's text. Likewise a supervised
-    token that ends past its span holds text of the next turn. Only straddles whose part on the
-    other side of the boundary holds non-whitespace count: a merged whitespace run (``"\n\n"``)
-    loses or adds only whitespace.
+    A token that starts before a span and ends inside it (a generation prompt ending in a space,
+    ``"ASSISTANT: "``, gives ``" Hello"``; reason :data:`REPLY_STARTS_INSIDE`), or a supervised token that ends
+    past its span, has no exact mask. Only straddles whose part across the boundary holds non-whitespace
+    count (a merged ``"\n\n"`` loses or adds only whitespace).
 
     Args:
         offsets: int64 ``[T, 2]`` character ``[start, end)`` of every token in ``row.text``.
@@ -102,10 +99,9 @@ def straddling_token(row: RenderedRow, offsets: np.ndarray, loss_mask: np.ndarra
 
 def unclear_end_of_turn(row: RenderedRow, ids: np.ndarray, offsets: np.ndarray,
                          special: frozenset[int]) -> str | None:
-    """Why a supervised span has no exact end, or None: its last special/added token (the one
-    :func:`_mask_from_spans` ends the mask at) is followed by more than whitespace inside the span, so
-    it is a token of the reply itself (``"a <file_sep> b"``, an inline ``</think>``) under a template
-    that ends turns without one; masking up to it would silently drop the reply's rest."""
+    """Why a supervised span has no exact end, or None: its last special/added token (where
+    :func:`_mask_from_spans` ends the mask) is followed by more than whitespace inside the span, so it is a
+    token of the reply itself (``"a <file_sep> b"``) under a template that ends turns without one."""
     starts, ends = offsets[:, 0], offsets[:, 1]
     text = row.text
     for k, (a, b) in enumerate(row.spans):

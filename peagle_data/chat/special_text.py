@@ -38,16 +38,11 @@ def _special_texts(tokenizer) -> tuple[re.Pattern | None, dict[str, int]]:
 def special_token_text(tokenizer, messages, indices: Sequence[int]) -> list[tuple[int, str, str]]:
     """Special-token text written inside the supervised replies ``indices`` of ``messages``.
 
-    Which text counts: the text of a special token of the tokenizer (``all_special_tokens``, added
-    tokens marked special: ``<|im_end|>``, ``<file_sep>``, ``<s>``) in an assistant message's own text,
-    its content parts, ``reasoning_content`` or tool calls (their JSON). The tokenizer reads such text
-    as the control id, not as characters (vLLM reads a prompt the same way), so a supervised reply
-    holding it would train the drafter on a control token inside an answer (an end-of-turn mid-reply),
-    where the verifier never generates one. Added tokens not marked special (``<think>``,
-    ``<tool_call>`` in Qwen's vocabulary) are markup models generate as ids: they do not count. A turn
-    that carries its generated ``token_ids`` is not checked: it is trained on the ids the verifier
-    generated (:func:`~peagle_data.chat.generated_ids.on_generated_ids`). Context turns (system, user, tool,
-    unsupervised assistant turns) are not checked: they render as vLLM renders them.
+    Which text counts (docs/design.md §3): the text of a special token of the tokenizer (``all_special_tokens``,
+    added tokens marked special: ``<|im_end|>``, ``<file_sep>``, ``<s>``; not ``<think>``, ``<tool_call>``) in an
+    assistant message's content parts, ``reasoning_content`` or tool calls (their JSON), which the tokenizer reads
+    as the control id. A turn that carries its generated ``token_ids`` is not checked
+    (:func:`~peagle_data.chat.generated_ids.on_generated_ids` checks it).
 
     Returns:
         ``[(message index, part, token text)]``, part ``content``, ``reasoning_content`` or ``tool_calls``.

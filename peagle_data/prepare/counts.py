@@ -1,8 +1,7 @@
 """The counts of one ``tokenize`` or ``pack`` run (the manifest's ``counts``; docs/design.md §6).
 
-One typed record instead of a dict of ~25 string keys: a fixed field per fixed counter, a mapping
-for the counters named by the data (``dropped_<part>``), the per-source entries of a mixture and
-the rejects by reason. A counter that is None was never counted in the run and is left out of
+A fixed field per fixed counter, a mapping for the counters named by the data (``dropped_<part>``),
+the per-source entries of a mixture and the rejects by reason. A counter that is None was never counted in the run and is left out of
 :meth:`Counts.to_manifest` (a counter counted zero times is written as 0), so a manifest holds the
 same keys as the run touched.
 """
