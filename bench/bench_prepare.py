@@ -25,7 +25,8 @@ import itertools
 import json
 import time
 
-from peagle_data.chat.masks import render_rows, tokenize_rendered
+from peagle_data.chat.render import render_rows
+from peagle_data.chat.tokens import tokenize_rendered
 from peagle_data.prepare.config import CHUNK_CONVERSATIONS
 from peagle_data.readers.conversations import read_conversations
 from peagle_data.readers.rows import Conversation

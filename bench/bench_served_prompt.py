@@ -26,7 +26,8 @@ import time
 import numpy as np
 
 from bench.bench_prepare import load_conversations
-from peagle_data.chat.masks import render_rows, tokenize_rendered
+from peagle_data.chat.render import render_rows
+from peagle_data.chat.tokens import tokenize_rendered
 from peagle_data.prepare.config import CHUNK_CONVERSATIONS
 from runtime.chat.chat_template import ChatTemplateError
 from runtime.model_cache import load_tokenizer

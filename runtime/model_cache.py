@@ -6,10 +6,9 @@ A MODEL argument is one of
 - a local directory with ``config.json`` and/or a tokenizer;
 - a Hugging Face hub id (needs network access to the hub, or the id in the local HF cache).
 
-The conversion writes the tokenizer and the weights separately, so tests that need only the real
-tokenizer pay ~10 s once instead of ~45 s. It writes the same bytes in every environment (the
-tokenizer's saved config holds no loader argument such as ``local_files_only``); a directory's
-identity is :func:`runtime.model_identity.model_fingerprint`.
+The conversion writes the tokenizer and the weights separately (a tokenizer-only load converts only the
+tokenizer), the same bytes in every environment; a directory's identity is
+:func:`runtime.model_identity.model_fingerprint`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """A model's transformers config, read without loading (or downloading) its weights.
 
-Every command checks its options against the verifier's config before the weights load
-(docs/design.md §2: checks that need no weights run first), so a wrong ``--layers`` or a drafter
-built for another model is reported in seconds instead of after minutes of loading.
+Every command checks its options against the verifier's config with it before the weights load
+(docs/design.md §2: checks that need no weights run first).
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ starts with ``_``; also the config's ``dtype`` / ``torch_dtype``, since the weig
 tensor's dtype (the safetensors header) and transformers writes the field under either name.
 ``generation_config.json`` (sampling defaults) and processor files are no part of it.
 
-:func:`model_fingerprint` hashes the identity into 16 hex digits; :func:`legacy_model_fingerprint` is
-the whole-file hash stores recorded before (docs/design.md §2, "The verifier's identity"), which
-:func:`compare_identity` uses for a store that records no identity.
+:func:`model_fingerprint` hashes the identity into 16 hex digits; :func:`legacy_model_fingerprint` is the
+whole-file hash that :func:`compare_identity` uses for a store that records no identity (docs/design.md §2,
+"The verifier's identity").
 """
 
 from __future__ import annotations

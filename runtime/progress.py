@@ -4,7 +4,7 @@ On a terminal a bar is tqdm's usual in-place bar. Written anywhere else (a log f
 notebook's captured stderr) :func:`progress` prints plain ASCII lines instead (:class:`LogLines`), bounded:
 a line needs both :data:`LOG_INTERVAL_S` seconds since the last one and, when the total is known, another
 ``1/`` :data:`MAX_LOG_LINES` of it done (a line every 4% at most), so a loop prints at most :data:`MAX_LOG_LINES` lines
-however slow its items (40 training steps of 40 s each printed 41 lines, one a step; now 20). With no total
+however slow its items. With no total
 the interval doubles after each :data:`MAX_LOG_LINES` lines. Whatever the loop updates in between (a step, a
 postfix) prints nothing by itself. One final line always ends the loop,
 ``DESC: done: N/TOTAL UNIT in ELAPSED (RATE UNIT/s), POSTFIX`` (``stopped:`` instead of ``done:`` when

@@ -2,19 +2,16 @@
 its memory settings, its output, and the root cause when it does not start.
 
 vLLM is an optional dependency (its own virtualenv: ``PEAGLE_VLLM=1 bash scripts/setup_env.sh``), imported
-here only when an engine starts (:func:`import_vllm`). Both stages import this module (``peagle_train`` may
-not import ``peagle_data``), so the engine starts the same way wherever it runs:
+here only when an engine starts (:func:`import_vllm`). Both stages start it here, the same way:
 
 - memory (:class:`VllmMemory`): on CPU vLLM's KV cache is ``kv_cache_memory_bytes`` (default 2 GiB, or
   ``$VLLM_CPU_KVCACHE_SPACE`` GiB when set); without it vLLM 0.32's CPU worker reserves
   ``gpu_memory_utilization`` (0.92) of the machine's memory and stops when that much is not free
   (``vllm/v1/worker/cpu_worker.py``). On a GPU ``gpu_memory_utilization`` (vLLM's default 0.92) or a
   fixed KV cache size;
-- output (:class:`VllmOutput`): vLLM logs to stdout by default (``VLLM_LOGGING_STREAM``), from its engine
-  processes too. peagle sends its log to stderr, and while an engine starts file descriptors 1 and 2 of
-  this process, which the engine's processes inherit, go to a pipe that a thread copies to stderr, keeping
-  the last lines; once the engine is up this process writes to the real stderr again (stdout there too
-  until the engine stops). So stdout holds only peagle's JSON, and
+- output (:class:`VllmOutput`): vLLM's log (stdout by default, from its engine processes too) goes to stderr:
+  while an engine starts, file descriptors 1 and 2, which its processes inherit, go to a pipe copied to stderr
+  (the last lines kept); stdout holds only peagle's JSON;
 - a start that fails (vLLM raises ``Engine core initialization failed. See root cause above``, the cause
   only in its engine processes' log) is raised as :class:`VllmStartError` with the root cause read from
   those lines (:func:`root_cause`).

@@ -1,8 +1,7 @@
 """The counts of one ``tokenize`` or ``pack`` run (the manifest's ``counts``; docs/design.md §6).
 
-One typed record instead of a dict of ~25 string keys: a fixed field per fixed counter, a mapping
-for the counters named by the data (``dropped_<part>``), the per-source entries of a mixture and
-the rejects by reason. A counter that is None was never counted in the run and is left out of
+A fixed field per fixed counter, a mapping for the counters named by the data (``dropped_<part>``),
+the per-source entries of a mixture and the rejects by reason. A counter that is None was never counted in the run and is left out of
 :meth:`Counts.to_manifest` (a counter counted zero times is written as 0), so a manifest holds the
 same keys as the run touched.
 """
@@ -73,11 +72,11 @@ class Counts:
     as ``dropped_<part>`` keys (``dropped_tools``, ``dropped_reasoning``, ...)."""
     served_prompt_rows: int | None = None
     """Rows tokenized as served, the generation prompt alone and then the reply, since tokenized whole the
-    reply changed the prompt's last tokens (``peagle_data.chat.masks.served_pieces``: a prompt ending in
+    reply changed the prompt's last tokens (``peagle_data.chat.served.served_pieces``: a prompt ending in
     ``</think>\n\n`` under a tokenizer that splits a newline run before a letter)."""
     served_turn_conversations: int | None = None
     """Conversations split into one row per assistant turn because no one sequence holds every turn's served
-    prompt (each tokenized alone) and reply (``peagle_data.chat.masks.served_turn_rows``)."""
+    prompt (each tokenized alone) and reply (``peagle_data.chat.render.served_turn_rows``)."""
     served_turn_rows: int | None = None
     """The rows of those conversations."""
     history_rewrite_conversations: int | None = None

@@ -16,15 +16,10 @@ A mixture file names its sources in order::
 Relative paths are taken from the mixture file's directory. TOML writes the same keys as
 ``[[sources]]`` tables.
 
-**Weights** are sampling rates, decided per row and independent of every other row: a weight
-``w`` keeps ``floor(w)`` copies of a row plus one more with probability ``w - floor(w)``, so
-``0.25`` keeps about a quarter of a source and ``2`` repeats each row twice. The draw for row ``r``
-of source ``name`` is a fixed function of ``(seed, name, r)`` (BLAKE2b), so a run is
-deterministic for a seed, and sharded runs (:mod:`peagle_data.prepare.shards`) draw the same rows as the
-unsharded one. Copies after the first get the id ``ID*k`` (k >= 2) and the source ``file:N*k``.
-Deduplication follows sampling: a row of a later source is a duplicate only of a copy an earlier
-source drew (copy k of copy k), so a conversation in two sources is kept as many times as the
-larger draw gives, and a draw of 0 in the first source does not remove it from the second.
+**Weights** are sampling rates (docs/guide-data.md, "Mixtures"): a weight ``w`` keeps ``floor(w)`` copies of a
+row plus one more with probability ``w - floor(w)``, drawn from ``(seed, name, r)`` (BLAKE2b) for row ``r`` of
+source ``name``, so sharded runs draw the same rows. Copies after the first get the id ``ID*k`` (k >= 2) and the
+source ``file:N*k``; a row of a later source is a duplicate only of copy k of an earlier one.
 """
 
 from __future__ import annotations

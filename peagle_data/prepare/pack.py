@@ -1,45 +1,15 @@
-"""``peagle-data tokenize`` and ``pack``: the I/O around readers, chat masks, windows and packing.
+"""``peagle-data pack``: a tokenize output or conversations -> windows, best-fit packing, the packed table.
 
 Modules: :mod:`peagle_data.prepare.config` (the typed options), :mod:`peagle_data.prepare.tokenizing`
 (reading, rendering and tokenizing rows in chunks, ``run_tokenize``), this module (``run_pack``:
 windows, spill, packing, the packed table) and :mod:`peagle_data.prepare.windows` (the window and trim policy).
 
-A template that rewrites history (see :mod:`peagle_data.chat.masks`) turns a conversation into one
-row per assistant turn, ids ``conversation_id@turn``; with ``--on-history-rewrite reject`` the
-conversation is rejected instead. Counts are per input conversation.
-
-Message content that the chat template does not render (tool calls, tool results, reasoning, a
-system message, the tools list, content parts of unsupported types) rejects the conversation
-("template drops tool_calls: ..."); with ``--on-dropped-content keep`` it is kept without that
-content and counted (``conversations_with_dropped_content``, ``dropped_<part>``), and an assistant
-turn of which nothing is rendered supervises nothing.
-
-``pack`` holds only window lengths, offsets and ids in memory: window tokens are spilled to a
-temporary file in the output directory (5 bytes per token) and read back block by block after
-best-fit decreasing has placed them, so peak memory does not grow with the token count.
-
-Packing (docs/design.md §5 best-fit decreasing, :func:`peagle_data.prepare.packing.pack_blocks_flexible`):
-windows of long conversations are all W tokens (the last one is aligned to the body's end, see
-:mod:`peagle_data.prepare.windows`); with ``skip``, that last window may also be cut back (dropping
-leading loss-0 context tokens, never below the unaligned layout's start) to fill the largest gap
-a shorter conversation left in a block. Every supervised token is still trained exactly once;
-``windows_trimmed`` counts the windows packed shorter. The copies of a conversation (same content key,
-``segment_keys``: a mixture weight above 1, ``--no-dedup``) are packed once and their blocks written once per
-copy (:func:`_pack_with_copies`), so that copies do not link many blocks into one validation group.
-
-Counts in every manifest satisfy ``used + rejected == read``; each rejected row is one line in
-``rejects.jsonl``. A conversation that yields no supervised token is rejected ("no supervised
-tokens"), so every written row has ``n_loss_tokens >= 1``. Ids repeated across or within inputs
-are renamed ``id~k`` and counted (``duplicate_ids_renamed``).
-
-Outputs are written into a hidden sibling directory and renamed into place at the end
-(:func:`stores.staging.staged_output_dir`): a run that fails (``--strict``, a bad file)
-leaves no partial output, and the staging directory of a killed run is removed by the next run
-writing the same output. A run that uses no row still writes its manifest and rejects; the CLI
-then warns and exits 1.
-
-``pack`` of a tokenize output ignores the tokenize-only options (:data:`TOKENIZE_ONLY`); it says
-so in one line on stderr when the caller set one of them to a non-default value.
+Rows, rejects and counts: docs/design.md §5 (windows and packing, ``used + rejected == read``) and §6 (per-turn
+rows of a template that rewrites history, dropped content). ``pack`` holds only window lengths, offsets and ids in
+memory: window tokens are spilled to a temporary file in the output directory (5 bytes per token) and read back
+block by block, so peak memory does not grow with the token count. Outputs are staged
+(:func:`stores.staging.staged_output_dir`): a failed run leaves no partial output. ``pack`` of a tokenize output
+ignores the tokenize-only options (:data:`TOKENIZE_ONLY`), saying so on stderr for one set to a non-default value.
 """
 
 from __future__ import annotations

@@ -19,7 +19,9 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from peagle_data.chat.masks import needs_turn_rows, render_rows, served_turn_rows, tokenize_rendered
+from peagle_data.chat.render import render_rows, served_turn_rows
+from peagle_data.chat.served import needs_turn_rows
+from peagle_data.chat.tokens import tokenize_rendered
 from runtime.chat.chat_template import (ChatTemplate, ChatTemplateError, chat_template_kwargs_record, chat_template_sha256,
                                   check_chat_template_kwargs, check_kwargs_read, effective_chat_template)
 from stores.tables.conversation_files import read_regenerate_manifest

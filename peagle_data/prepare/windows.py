@@ -2,28 +2,12 @@
 
 Pure functions over arrays. Legend: ``T`` tokens in the conversation, ``W`` = ``max_seq_len``,
 ``P`` the system prefix (the first ``system_len`` tokens), ``B = W - len(P)`` body tokens per window.
-
-- ``T <= W``: one window, the whole conversation.
-- ``T > W``: the body (tokens after P) is cut into pieces of B tokens starting every
-  ``ceil(B * (1 - overlap))`` tokens (rounded up), and the LAST piece is aligned to end at the
-  body's end: it starts at ``len(body) - B`` instead of after the previous piece, so every window
-  of a long conversation is exactly W tokens long and packs into a block of W without a gap
-  (packing efficiency). Its overlap with the previous piece grows by up to a stride: with
-  ``skip`` those already-supervised tokens get loss 0 (each token still supervised once), with
-  ``keep`` they are supervised once more, so at overlap 0.5 a body token is in at most 3 windows
-  (2 everywhere but the tail). Each window is ``P + piece`` with P's loss set to 0 after the first.
-  With ``skip`` that last window is ``trimmable``: the packer may drop up to ``Window.trimmable``
-  leading body tokens (loss-0 context an earlier window supervised), keeping at least
-  ``MIN_TAIL_CONTEXT_FRACTION * B`` tokens of context, to fill a block exactly.
-- ``overlap_loss="skip"``: a body token an earlier window already covered gets loss 0, so every
-  supervised token is trained exactly once; ``"keep"``: it keeps its loss (trained again).
-- A window with no supervised token is dropped (the caller counts
-  ``count_windows(...) - len(windows)``); ``Window.index`` is the window's place among all
-  candidate windows, so ids ``conversation_id#index`` are stable.
-- Position ids restart at 0 in every window.
-- Trimming (:func:`trim_window`, applied by ``pack`` after best-fit decreasing chose a window's
-  length, :func:`peagle_data.prepare.packing.pack_blocks_flexible`): keep the prefix P, drop leading body
-  tokens, never below ``n_tokens - trimmable``.
+``T <= W``: one window. ``T > W``: every window is ``P + piece`` of exactly W tokens, pieces starting every
+``ceil(B * (1 - overlap))`` body tokens and the last aligned to the body's end; ``overlap_loss="skip"`` gives a
+token an earlier window covered loss 0, and makes the last window trimmable (:func:`trim_window`, used by
+:func:`peagle_data.prepare.packing.pack_blocks_flexible`). A window with no supervised token is dropped
+(the caller counts ``count_windows(...) - len(windows)``); ``Window.index`` counts all candidate windows, so ids
+``conversation_id#index`` are stable. Position ids restart at 0 in every window.
 """
 
 from __future__ import annotations

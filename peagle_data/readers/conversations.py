@@ -19,57 +19,9 @@ Conversation ids are unique within one run: a row's own ``id``, else ``<file>:<N
 inputs. An id seen before (the same file given twice, a repeated explicit ``id``) gets the suffix
 ``~2``, ``~3``, ... and is counted (``duplicate_ids_renamed`` in the manifest).
 
-Normalisation rules (documented decisions):
-- the format is detected per row (``messages`` -> OpenAI, ``conversations`` -> ShareGPT) unless
-  ``fmt`` forces one;
-- OpenAI roles: ``developer`` stays ``developer`` (the template gets it as vLLM gives it: as is when
-  the template names the role, else merged into the first system message), ``function`` and
-  ``ipython`` -> tool;
-- ShareGPT ``from``: ``human``/``user`` -> user, ``gpt``/``assistant`` -> assistant, ``system`` ->
-  system, ``function_call`` (Glaive, LLaMA-Factory: the value is ``{"name", "arguments"}`` JSON, or a
-  list of them) -> an assistant message with content null and those ``tool_calls``
-  (``sharegpt_function_calls``), ``observation``/``tool``/``function`` -> a tool message
-  (``sharegpt_observations``): the verifier's own template renders them, exactly as it renders the
-  same conversation in OpenAI form (a template without tool support rejects the row: "template drops
-  tool_calls"); a value that is not such JSON rejects the row; a top-level ``system`` string becomes
-  a leading system message, a top-level ``tools`` (JSON string or list) is passed on;
-- OpenAI ``content`` may be a string, ``null`` (an assistant turn with ``tool_calls``; kept null) or a
-  list of parts: text parts (``text``, ``input_text``, ``output_text``, ``refusal``, bare strings) are
-  kept as parts (one part as its string; a tool message's parts joined with ``"\\n"``), and the chat
-  template gets them as vLLM passes them: joined with ``"\\n"`` for a string-content template, as the
-  list for one that loops over content (:mod:`runtime.chat.chat_template`); ``reasoning`` parts become
-  ``reasoning_content``, ``tool_call`` parts become ``tool_calls`` entries;
-- a bare tool schema ``{"name", "description", "parameters"}`` in ``tools`` is wrapped as
-  ``{"type": "function", "function": ...}``, the form a client sends to vLLM (``tool_schemas_wrapped``);
-- tool-call ``arguments`` (and a tool's ``parameters``, or a whole ``tools`` entry) given as a
-  string that parses as a JSON object (the OpenAI wire form) are decoded into that object, so
-  both forms render and mask identically; no arguments are ``{}``; arguments that are no JSON
-  object (text or not) reject the row (vLLM renders them as ``{}``); a flat call ``{"name",
-  "arguments"}`` is wrapped as ``{"type": "function", "function": ...}`` (``tool_calls_wrapped``); an
-  assistant's legacy ``function_call`` becomes a ``tool_calls`` entry; a null field counts as absent
-  wherever two keys are alternatives (``text``/``value``, ``from``/``role``);
-- Parquet rows: Arrow's schema unification gives every struct the keys of all rows, null where a
-  row had none, and Arrow cannot tell absent from null; so every null key inside ``tools``,
-  ``tool_calls``, ``function_call`` and content-part lists is dropped (rows touched are counted,
-  ``null_keys_dropped_rows``). JSON/JSONL rows keep an explicit null;
-- a content part of an unsupported type (image, audio, file) rejects the row, or with
-  ``keep_dropped`` is left out and counted (``dropped_content_parts``);
-- leading assistant turns (before any user turn) are dropped and counted, the rest is kept;
-- two (or more) user turns in a row are merged into one, joined by ``"\\n\\n"`` (lists of text
-  parts: the first's last part and the second's first part), and counted;
-- an assistant turn with empty content (no text, reasoning or tool calls) yields no supervised
-  token at all, not even its end-of-turn token; it is kept as context and counted; a
-  conversation whose assistant turns are all empty is rejected ("no supervised tokens");
-- an assistant turn with ``"weight": 0`` (the OpenAI fine-tuning format; axolotl's ShareGPT turns)
-  is context only: it supervises nothing and is counted (``weight_zero_turns``); a weight other
-  than 0 or 1 rejects the row;
-- an assistant turn with ``"finish_reason": "length"`` (OpenAI's name; ``regenerate`` writes it on a
-  reply cut at ``--max-new-tokens``) supervises its own text but nothing the template renders after
-  it (a closing ``</think>``, the end-of-turn token: the verifier did not end the turn there); counted
-  (``cut_assistant_turns``); ``stop``, ``tool_calls``, ``function_call`` are complete turns; another
-  finish_reason rejects the row;
-- a conversation whose only assistant turns were leading ones is rejected ("only a leading
-  assistant turn (dropped)").
+Normalisation (roles, ShareGPT turns, content parts, tool arguments, Parquet nulls, leading assistant
+turns, merged user turns, ``weight``, ``finish_reason``; each counted in the manifest): docs/design.md §6,
+"Normalisation rules".
 
 Modules of :mod:`peagle_data.readers`: :mod:`.rows` (what a row becomes), :mod:`.inputs` (INPUT
 arguments, ids), :mod:`.formats` (one reader per file format), :mod:`.normalize` (OpenAI/ShareGPT ->

@@ -1,6 +1,6 @@
 """The adapter: one input record (OpenAI or ShareGPT) -> normalised OpenAI messages and tools.
 
-The rules are those listed in :mod:`peagle_data.readers.conversations`. A row that cannot be used raises
+The rules: docs/design.md §6, "Normalisation rules". A row that cannot be used raises
 :class:`~peagle_data.readers.rows.RowError`.
 """
 

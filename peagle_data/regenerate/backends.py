@@ -1,47 +1,21 @@
 """Who answers for ``peagle-data regenerate``: the verifier in this process, or OpenAI-compatible servers.
 
-Both back ends take chat requests (OpenAI messages and tools, the history up to an assistant turn)
-and return :class:`Answer` objects with the same fields, so the output does not depend on which
-one ran (for greedy decoding the texts are equal; ``tests/peagle_data/regenerate/test_regenerate.py``
-checks the local back end against ``transformers serve`` and vLLM's server):
+Both back ends take chat requests (OpenAI messages and tools, the history up to an assistant turn) and return
+:class:`Answer` objects with the same fields (greedy texts are equal; the tests compare the local back end with
+``transformers serve`` and vLLM's server):
 
-- :class:`LocalBackend` renders each request with the verifier's chat template
-  (``add_generation_prompt``), sorts a wave of requests by prompt length, and generates in
-  left-padded batches with transformers' ``generate`` (KV cache), on CPU or GPU (hybrid verifiers too:
-  their linear-attention / state-space layers mask the pads out of the recurrent state, so a padded
-  prompt's answer is its answer alone; tested on the five hybrid families). The answer text is
-  the ``skip_special_tokens`` decode up to the first end-of-sequence token, as servers return it,
-  never with ``clean_up_tokenization_spaces`` (which rewrites ``x != y`` as ``x!= y``: a text that
-  re-tokenizes to other ids than the verifier generated).
-- :class:`ServerBackend` posts ``/v1/chat/completions`` with the ``openai`` client (its retries
-  with exponential backoff on connection errors, 408/409/429 and 5xx), at most ``concurrency``
-  requests in flight per server, any free server taking the next request.
+- :class:`LocalBackend` renders each request with the verifier's chat template (``add_generation_prompt``) and
+  generates in left-padded batches sorted by prompt length (transformers' ``generate``, CPU or GPU, hybrid
+  verifiers too); the text is the ``skip_special_tokens`` decode up to the first end-of-sequence token, never
+  with ``clean_up_tokenization_spaces``.
+- :class:`ServerBackend` posts ``/v1/chat/completions`` with the ``openai`` client (retries with exponential
+  backoff on connection errors, 408/409/429 and 5xx), at most ``concurrency`` requests in flight per server.
 
-Sampling means one thing in every back end (:func:`sampling_parameters`): ``softmax(z / T)`` truncated by
-top-k and top-p as vLLM's sampler truncates it (``--top-k`` / ``--top-p``; locally unset: the verifier's
-``generation_config.json`` values, as a vLLM server applies them by default; off where neither sets them), argmax
-at T = 0, as ``peagle-eval``'s reference decoder (:func:`peagle_train.evaluate.speculative.plain_generate`): no
-min-p or repetition penalties. The rest of the verifier's ``generation_config.json`` (``repetition_penalty
-1.3``...) is not applied: the local back end generates with a generation config holding only the verifier's
-special token ids and the top-k / top-p (the fields it did not apply are recorded), and every request to a server
-states the values (:data:`SERVER_KINDS`: vLLM applies the model's generation config to any field a request leaves
-out). What a server cannot be told is recorded in the manifest (``not_sent``); a top-k it cannot be told is
-refused.
-
-Token ids: the local back end and vLLM (``return_token_ids``) return the ids the verifier
-generated (``Answer.token_ids``, end-of-sequence id included); ``regenerate`` writes them beside
-the text (``token_ids`` of the assistant message) and ``tokenize`` trains on exactly those ids
-(:func:`peagle_data.chat.masks.on_generated_ids`).
-
-Reasoning: with ``--reasoning-parser NAME`` a local answer is the message ``vllm serve
---reasoning-parser NAME`` returns (:mod:`runtime.chat.answer_parsing`: think blocks, Harmony channels; what it
-cannot parse exactly is a reject), and a server's content is split by that parser when the server
-returned no reasoning of its own. A server's ``reasoning_content`` (vLLM, SGLang and ``transformers
-serve`` parse it) is kept; locally, without a parser, a tokenizer's ``response_template`` parses
-content, reasoning and tool calls (``tokenizer.parse_response``). Otherwise a think block in the text (``<think>...</think>``, or a
-text that ends one whose opening tag was in the prompt) is split off into ``reasoning_content``, and
-a local answer holding special tokens that a plain decode would drop is refused (``unparsed answer
-format``), never written with its structure lost.
+Sampling: :func:`sampling_parameters` (docs/design.md §1, §9); what a server cannot be told is the manifest's
+``not_sent``. Token ids: the local back end and vLLM return the generated ids (``Answer.token_ids``,
+end-of-sequence id included). Reasoning: the answer is split as ``vllm serve --reasoning-parser NAME`` returns it
+(docs/design.md §1, "regenerate"); a local answer whose structure a plain decode would lose is refused
+(``unparsed answer format``).
 """
 
 from __future__ import annotations

@@ -1,55 +1,17 @@
-"""``peagle-data regenerate``: the verifier rewrites the assistant turns of a conversation set.
+"""``peagle-data regenerate``: the verifier rewrites the assistant turns of a conversation set (docs/design.md §1,
+"regenerate").
 
-Training a drafter on what the verifier itself says, not on another model's answers, is what lifts
-acceptance (EAGLE-3; SpecForge's ``regenerate_train_data.py``; speculators' response
-regeneration); it runs before ``tokenize``/``pack`` in the pipeline of docs/design.md §1.
+Per conversation (read by :mod:`peagle_data.readers`): ``--turns all`` replaces every assistant turn, in order,
+by the verifier's answer to the regenerated history before it; ``last`` only the last turn, given the original
+history; ``first`` only the first, and the conversation ends after it. Tool-calling turns are kept; an answer
+that calls a tool ends the conversation (``ended_at_verifier_tool_call``). A regenerated turn carries
+``token_ids`` where the back end returns them (``turns_with_token_ids``), which ``tokenize`` trains on
+(:func:`peagle_data.chat.generated_ids.on_generated_ids`).
 
-Per conversation (read and normalised by :mod:`peagle_data.readers`, so every input format of
-``tokenize`` works):
-
-- system, user and tool messages and the tools list are kept as they are;
-- ``--turns all`` (default): every assistant turn is replaced, in order, by the verifier's answer
-  to the *regenerated* history before it; ``--turns last``: only the last assistant turn is,
-  given the original history; ``--turns first``: only the first one is, and the conversation ends
-  after it (the cheapest: one short prompt a row; later turns answered something else);
-- an assistant turn that calls tools is kept as it is (with the tool results after it): the
-  verifier's own call could not be given a result; the turns after it are regenerated. When the
-  verifier answers a regenerated turn with a tool call, that answer is kept and the conversation
-  ends there (later turns answered something the verifier did not say; counted as
-  ``ended_at_verifier_tool_call``);
-- the verifier's reasoning is kept as ``reasoning_content`` (see
-  :mod:`peagle_data.regenerate.backends`); messages after the last regenerated turn are kept;
-- a regenerated turn carries ``token_ids``, the ids the verifier generated (end-of-sequence id
-  included), when the back end returns them (local, vLLM; counted as ``turns_with_token_ids``):
-  ``tokenize`` trains on exactly them (:func:`peagle_data.chat.masks.on_generated_ids`).
-
-Greedy means argmax, as ``peagle-eval``'s reference: no back end applies the verifier's
-``generation_config.json`` (see :func:`~peagle_data.regenerate.backends.sampling_parameters`); the
-manifest's ``model`` records the effective ``sampling``, what a server could not be told
-(``not_sent``) and, locally, the verifier's settings that were not applied.
-
-Each prompt is checked, before it is sent, for content the verifier's chat template does not render
-(the check of ``tokenize``, :func:`peagle_data.chat.dropped.dropped_content`): a verifier that never
-saw the tools or a tool call must not answer as if it had. The local back end checks with its own
-template; the server back end with ``--tokenizer``'s, else the servers' templates are trusted.
-``--on-dropped-content keep`` regenerates such rows anyway (counted).
-
-An answer cut at ``--max-new-tokens`` is kept (``--on-truncated keep``, counted as ``turns_truncated``),
-marked ``finish_reason: length`` (``tokenize`` then supervises no end-of-turn token after it), without
-the incomplete character the cut may leave (``turns_cut_mid_character``), or rejects its row
-(``--on-truncated drop``). A prompt over ``--max-prompt-tokens`` is a reject (``prompt too long``).
-
-A row that cannot be regenerated is a line of ``OUT.rejects.jsonl`` with its reason: the reader's
-reason, ``template drops <part>``, ``prompt too long``, ``server error`` (after the retries),
-``empty answer`` (no text, reasoning or tool call), ``truncated answer`` (``--on-truncated drop``),
-``invalid UTF-8`` / ``undecodable answer`` (see :mod:`peagle_data.regenerate.backends`), or
-``nothing to regenerate`` (every assistant turn in scope calls tools).
-
-Rows are processed in chunks; a chunk's rows are written in input order when it is done, so the
-output does not depend on the back end's batching or concurrency. ``--resume`` skips the rows
-already on disk (a prefix of the input, see :mod:`stores.tables.conversation_files`) and continues; with
-greedy decoding the result equals an uninterrupted run. Sampling (``--temperature`` > 0) is seeded
-but not reproducible across batch shapes, so a resumed sampled run is a valid run, not the same one.
+Rejects (``OUT.rejects.jsonl``): the reader's reason, ``template drops <part>``, ``prompt too long``, ``server
+error``, ``empty answer``, ``truncated answer`` (``--on-truncated drop``), ``invalid UTF-8`` / ``undecodable
+answer``, ``nothing to regenerate``. Rows are written in input order per chunk; ``--resume`` continues after the
+rows on disk (:mod:`stores.tables.conversation_files`).
 """
 
 from __future__ import annotations

@@ -1,42 +1,15 @@
-"""A generated answer parsed as the serving stack parses it: content, reasoning, tool calls (docs/design.md §3).
+"""A generated answer parsed as the serving stack parses it: content, reasoning, tool calls (docs/design.md §6,
+"Answers parsed as served", which gives each parser's rules).
 
-When the verifier's answer becomes history (``peagle-eval``'s later turns) or training text
-(``regenerate``'s rows), it must be the message a client of ``vllm serve --reasoning-parser NAME``
-receives and sends back, not the flat decode of the tokens. This module is the one parser of both
-stages (``peagle_train`` may not import ``peagle_data``: it lives in ``stores`` beside the renderer).
-
-The parsers, by vLLM's ``--reasoning-parser`` names (:data:`REASONING_PARSERS`; vLLM 0.32,
-``vllm/reasoning/__init__.py``), applied to the text vLLM parses (the answer's ids without the
-end-of-sequence id, decoded with ``skip_special_tokens`` and without cleaning up spaces):
-
-- ``deepseek_r1`` (``DeepSeekR1ReasoningParser.extract_reasoning``): the text after the first
-  ``<think>`` (the whole text when there is none); no ``</think>`` in it: all of it is reasoning
-  (an answer cut before the block closed, or a model that skipped the block); else the text before
-  the first ``</think>`` is the reasoning and the rest, as it is, the content (None when empty).
-- ``deepseek_v3`` (``DeepSeekV3ReasoningParser``): ``deepseek_r1`` when the template variables
-  (``chat_template_kwargs``) set ``thinking`` or ``enable_thinking``, else the whole text is content.
-- ``qwen3`` (``Qwen3Parser``, vLLM's parser engine): with ``enable_thinking`` not False (its default),
-  the text starts in the reasoning; every ``<think>`` is dropped; the first ``</think>`` ends the
-  reasoning, later ``</think>`` are dropped from the content; an empty reasoning or content is None.
-  With ``enable_thinking: false`` the whole text is content.
-- ``openai_gptoss``: Harmony messages (``vllm/parser/harmony.py``, ``HarmonyParser.parse``), read
-  from the ids (the Harmony markers are special tokens a text decode drops): each message is a
-  header (``<|start|>`` role, ``<|channel|>`` channel, ``to=`` recipient, ``<|constrain|>`` content
-  type; the first message's role is the prompt's ``<|start|>assistant``), ``<|message|>``, its text,
-  and ``<|end|>``, ``<|return|>`` or ``<|call|>``. The ``analysis`` channel is reasoning; ``final``,
-  and ``commentary`` without a recipient, content; a ``functions.NAME`` recipient a tool call (its
-  arguments re-dumped as JSON when they parse); parts of one kind are joined with ``"\n"``. A last
-  message cut at the token limit in its text counts with the text it has (Harmony's ``process_eos``).
-
-Without a parser (vLLM without ``--reasoning-parser``) the content is the whole decoded text; an
-answer holding Harmony markers is refused then (a plain decode would drop its channels). Where vLLM
-would answer with the flat decode of something it cannot parse (a Harmony answer cut inside a
-header, a message to a built-in tool that it ignores), this module refuses with the reason
-(:class:`AnswerFormatError`): such an answer must not become history or training text.
-
-Two vLLM details are deliberately matched, not "fixed": ``deepseek_r1`` makes a block-less answer all
-reasoning, and reasoning and content keep their whitespace (``"\nplan\n"``, ``"\n\nAnswer"``):
-the chat template strips what it strips when the message is rendered back.
+The one parser of ``peagle-eval``'s later turns and ``regenerate``'s rows: an answer becomes the message a client
+of ``vllm serve --reasoning-parser NAME`` receives and sends back, not the flat decode of the tokens. The parsers
+(:data:`REASONING_PARSERS`, vLLM 0.32's names) read the text vLLM parses (the answer's ids without the
+end-of-sequence id, decoded with ``skip_special_tokens`` and without cleaning up spaces): ``deepseek_r1``,
+``deepseek_v3``, ``qwen3`` (think blocks; reasoning and content keep their whitespace, a block-less
+``deepseek_r1`` answer is all reasoning) and ``openai_gptoss`` (Harmony messages, read from the ids). Without a
+parser the content is the whole decoded text. Where vLLM would fall back to the flat decode (a Harmony answer cut
+inside a header, a message to a built-in tool, Harmony markers without a parser) this module raises
+:class:`AnswerFormatError` with the reason.
 """
 
 from __future__ import annotations

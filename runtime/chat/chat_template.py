@@ -1,30 +1,17 @@
-"""The effective chat template and one render of a conversation through it (docs/design.md §3).
+"""The effective chat template and one render of a conversation through it (docs/design.md §3, §6 "Message
+content as vLLM passes it").
 
-Message content reaches the template as vLLM passes it (``vllm/renderers/chat_utils.py``,
-``_parse_chat_message_content``; the format is detected in ``vllm/renderers/hf.py``,
-``_detect_content_format``): a template that loops over a message's content (``{% for part in
-message.content %}``) has the **openai** content format and gets every message's content as a list of
-``{"type": "text", "text": ...}`` parts (a string is one part, no content an empty list); any other
-template has the **string** format and gets the text parts joined with ``"\n"``. Tool messages get a
-string in both formats (vLLM joins their text parts too). :func:`content_format` detects the format as
-vLLM does, from the template's syntax tree; :func:`template_messages` converts the messages. A
-``developer`` message reaches a template that names that role as it is, any other template as a
-system message (vLLM's ``safe_apply_chat_template``); tool definitions reach it as vLLM's request
-model dumps them (:func:`template_tools`).
+The one renderer of every stage (``tokenize``/``pack``, ``regenerate``, ``peagle-eval``'s :func:`prompt_ids`): a
+prompt has the same ids in each, and the ids vLLM's chat endpoint renders. :func:`content_format` detects the
+template's content format as vLLM does (``vllm/renderers/hf.py``, ``_detect_content_format``): **openai** (the
+template loops over ``message.content``: every content a list of ``{"type": "text", "text"}`` parts) or
+**string** (text parts joined with ``"\n"``); :func:`template_messages` converts the messages
+(``vllm/renderers/chat_utils.py``: tool messages a string in both, ``developer`` kept only where the template
+names the role), :func:`template_tools` the tools as vLLM's request model dumps them.
 
-This is the one renderer of every stage: ``tokenize``/``pack`` (training rows), ``regenerate`` (the
-prompts the verifier answers) and ``peagle-eval`` (the prompts it decodes, :func:`prompt_ids`), so a
-prompt has the same ids in each, and the ids vLLM's chat endpoint renders for the same messages. It
-lives in ``stores`` (beside the tokenizer match) because ``peagle_train`` may not import ``peagle_data``
-(docs/design.md §2).
-
-**Template variables** (vLLM's ``chat_template_kwargs``, e.g. ``{"enable_thinking": false}``,
-``{"reasoning_effort": "high"}``): every stage takes them as ``--chat-template-kwargs JSON``
-(:func:`parse_chat_template_kwargs`) and renders with a :class:`ChatTemplate`, the template text and its
-variables together; they reach the template as vLLM passes them (``apply_chat_template(**kwargs)``, over
-the tokenizer's special tokens). Each output records them (:func:`chat_template_kwargs_record`) and a
-later stage whose variables differ from its input's is refused (:func:`check_chat_template_kwargs`,
-docs/design.md §6).
+Template variables (``--chat-template-kwargs JSON``, :func:`parse_chat_template_kwargs`) travel with the text in a
+:class:`ChatTemplate`; each output records them (:func:`chat_template_kwargs_record`) and a later stage whose
+variables differ from its input's is refused (:func:`check_chat_template_kwargs`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
 """Settings drawn per row from mixtures: the temperature and chat-template variables of ``regenerate``'s rows
-and of ``peagle-eval``'s prompts (shared here: ``peagle_train`` does not import ``peagle_data``).
-
-Users serve a reasoning verifier in a mixture of modes (some requests at temperature 0.6, some at 1.0;
-reasoning effort low or high; thinking on or off), so its drafter should be trained on answers in the
-same mixture (speculators' ``regenerate-responses`` draws ``--temperature`` and ``--reasoning-effort``
-per conversation from weighted choices). A mixture is a JSON object ``{value: weight}``, e.g.
+and of ``peagle-eval``'s prompts (docs/design.md §1). A mixture is a JSON object ``{value: weight}``, e.g.
 ``{"0.6": 0.3, "1.0": 0.7}``; its weights are normalised to sum to 1.
 
 Each row draws each mixed setting independently and reproducibly: ``u = sha256(f"{seed}/{row id}/{name}")``

@@ -58,7 +58,7 @@ def test_load_submodule_reads_only_the_final_norm(tmp_path, family):
     from peagle_data.extract.hf_forward import final_norm, language_model
     from runtime.model_cache import load_submodule, verifier_skeleton
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from families import save_family
 
     model_dir = save_family(family, tmp_path / family)

@@ -12,10 +12,11 @@ import json
 import pytest
 
 from peagle_data.chat.dropped import dropped_content
-from peagle_data.chat.masks import render_rows, tokenize_conversation, tokenize_turns
+from peagle_data.chat.render import render_rows
+from peagle_data.chat.tokens import tokenize_conversation, tokenize_turns
 from runtime.chat.chat_template import ChatTemplateError
 from peagle_data.readers.conversations import read_conversations
-from tests.peagle_data.chat.test_masks import masked_texts, reference_ids, runs
+from tests.peagle_data.chat.test_tokens import masked_texts, reference_ids, runs
 from tests.peagle_data.chat.test_template_families import (  # noqa: F401 - fixtures
     GEMMA, LLAMA3, MISTRAL, QWEN3, _with_tokens, gemma_tok, llama3_tok, mistral_tok, qwen3_tok)
 

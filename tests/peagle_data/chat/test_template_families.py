@@ -14,10 +14,11 @@ import json
 import numpy as np
 import pytest
 
-from peagle_data.chat.masks import render_rows, tokenize_conversation, tokenize_turns
+from peagle_data.chat.render import render_rows
+from peagle_data.chat.tokens import tokenize_conversation, tokenize_turns
 from runtime.chat.chat_template import ChatTemplateError, prompt_ids
 from tests.chat_templates import newline_runs_whole
-from tests.peagle_data.chat.test_masks import masked_texts, runs
+from tests.peagle_data.chat.test_tokens import masked_texts, runs
 
 # --------------------------------------------------------------------------------------------
 # Templates

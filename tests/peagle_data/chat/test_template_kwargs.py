@@ -12,10 +12,10 @@ import copy
 
 import pytest
 
-from peagle_data.chat.masks import tokenize_conversation, tokenize_turns
+from peagle_data.chat.tokens import tokenize_conversation, tokenize_turns
 from runtime.chat.chat_template import ChatTemplate, ChatTemplateError, prompt_ids, render
 from tests.chat_templates import harmony_tokenizer, qwen_tokenizer, template
-from tests.peagle_data.chat.test_masks import masked_texts, reference_ids, runs
+from tests.peagle_data.chat.test_tokens import masked_texts, reference_ids, runs
 
 PLAIN = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
 REASONED = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet."}]

@@ -250,7 +250,8 @@ def test_thinking_off_rows_are_built_as_served_and_counted(tmp_path, smollm2_tok
     (``served_turn_conversations`` / ``served_turn_rows``), each turn's context its prompt tokenized alone."""
     import copy
 
-    from tests.peagle_data.chat.test_masks import MULTI_TURN, NEWLINE_PROMPT
+    from tests.peagle_data.chat.test_served import NEWLINE_PROMPT
+    from tests.peagle_data.chat.test_tokens import MULTI_TURN
 
     tok = copy.deepcopy(smollm2_tokenizer)
     tok.add_tokens(["<think>", "</think>"])

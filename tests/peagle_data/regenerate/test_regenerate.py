@@ -443,7 +443,7 @@ def test_the_output_tokenizes(local_run, local, tmp_path, verifier_dir):
     from peagle_data.prepare.config import TokenizeConfig, TokenizeRun
     from peagle_data.prepare.tokenizing import run_tokenize
 
-    from peagle_data.chat.masks import tokenize_conversation
+    from peagle_data.chat.tokens import tokenize_conversation
     from runtime.model_cache import load_tokenizer
 
     _, out, _ = local_run
@@ -826,7 +826,7 @@ def test_regenerate_through_vllm_serve_equals_the_local_back_end(vllm_server, pe
     request that leaves it out; tokenize trains on exactly the ids vLLM generated."""
     import openai
 
-    from peagle_data.chat.masks import tokenize_conversation
+    from peagle_data.chat.tokens import tokenize_conversation
     from runtime.model_cache import load_tokenizer
 
     rows = [ROWS[0], ROWS[1], ROWS[4], {"messages": [{"role": "user", "content": "In Python, what does x != y do?"},
@@ -903,7 +903,7 @@ def test_answers_are_decoded_without_cleaning_up_spaces(local, cleaning_tokenize
 
 
 def test_tokenize_trains_on_the_generated_ids_and_rejects_a_text_that_does_not_round_trip(local, cleaning_tokenizer):
-    from peagle_data.chat.masks import tokenize_conversation, tokenize_turns
+    from peagle_data.chat.tokens import tokenize_conversation, tokenize_turns
     from runtime.chat.chat_template import ChatTemplateError
 
     tok = local.tokenizer
@@ -957,7 +957,7 @@ def test_tokenize_trains_on_the_generated_ids_and_rejects_a_text_that_does_not_r
 def test_an_answer_cut_after_whitespace_trains_on_its_generated_ids(local, text):
     """Issue 33, kind 8: an answer cut at --max-new-tokens whose last generated token is whitespace
     (``...0];\n``, ``... $num * ``) was refused by tokenize/pack as "generated ids do not round-trip"."""
-    from peagle_data.chat.masks import tokenize_conversation
+    from peagle_data.chat.tokens import tokenize_conversation
 
     tok = local.tokenizer
     ids = tok(text, add_special_tokens=False)["input_ids"]

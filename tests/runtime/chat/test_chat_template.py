@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from peagle_data.chat.masks import tokenize_conversation, tokenize_turns
+from peagle_data.chat.tokens import tokenize_conversation, tokenize_turns
 from runtime.chat.chat_template import (ChatTemplate, ChatTemplateError, chat_template_kwargs_record,
                                   check_chat_template_kwargs, check_kwargs_read, content_format, parse_chat_template_kwargs, prompt_ids, render,
                                   template_messages, template_tools, template_variables)
@@ -17,7 +17,7 @@ from stores.errors import StoreMismatchError
 from tests.chat_templates import harmony_tokenizer, qwen_tokenizer, template
 from peagle_data.readers.normalize import normalize_record
 from peagle_data.regenerate.backends import Request, prompt_tokens
-from tests.peagle_data.chat.test_masks import masked_texts
+from tests.peagle_data.chat.test_tokens import masked_texts
 from tests.peagle_data.chat.test_template_families import GEMMA, LLAMA3, LLAMA31_TOOLS, MISTRAL, OPEN_THINK, QWEN3, VICUNA
 
 # A list-content template (Llama-4 / Gemma-3 style): a string is rendered as is, a list of parts each
