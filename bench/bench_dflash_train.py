@@ -92,13 +92,13 @@ DIFFERENCES = [
 
 
 def train_config(args: argparse.Namespace, output: Path) -> TrainConfig:
-    """The peagle run both trainers follow: ``--method dflash`` with the bench's settings, embedding frozen."""
+    """The peagle run both trainers follow: ``--method dflash`` with the bench's settings, embedding frozen, every
+    block a training block (``--val-fraction 0``: no validation runs)."""
     return TrainConfig.from_flat(
         store=args.store, output=str(output), method="dflash", block_size=args.block_size,
         max_anchors=args.max_anchors, num_layers=args.num_layers, draft_vocab_size=args.draft_vocab_size,
         lr=args.lr, seed=args.seed, max_steps=args.warmup + args.steps, train_embedding=False, val_fraction=0.0,
-        save_every=None,
-        force=True)
+        save_every=None, force=True)
 
 
 def speculators_inputs(block: Block, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -83,6 +83,11 @@ def _tiny_store(tmp_path):
         store.write_features(b, torch.randn(T, 2, 64, generator=g).to(torch.bfloat16),
                              (3 * torch.randn(T, 64, generator=g)).to(torch.bfloat16))
         store.mark_done(b)
+    store.write_all_n_tokens(np.array([48, 48]))
+    store.write_segment_keys([[1, 2], [3]])
+    freq = np.arange(V)[::-1].copy()
+    freq[3] = 0  # the tiny verifier's pad token (it has no tokenizer): never supervised, the mask token
+    store.set_token_freq(freq)
     return tmp_path / "s.zarr"
 
 
