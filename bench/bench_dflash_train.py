@@ -160,7 +160,7 @@ class SpeculatorsDFlash:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
 
 def worker(name: str, args: argparse.Namespace) -> None:
