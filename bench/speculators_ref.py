@@ -1,4 +1,4 @@
-"""speculators' own P-EAGLE functions, loaded from the installed release for benchmarks only.
+"""speculators' own P-EAGLE and DFlash functions, loaded from the installed release for benchmarks only.
 
 The reference is the released ``speculators`` 0.9.0 wheel, installed without its dependencies
 (``pip install --no-deps "speculators==0.9.0"``, or ``PEAGLE_BENCH=1 bash scripts/setup_env.sh``).
@@ -6,8 +6,8 @@ Its package ``__init__`` imports training services (openai, datasets, hs_connect
 torch-only modules used here (``models/peagle/data.py``, ``models/peagle/attention.py``) are loaded
 by file from the installed distribution; nothing of theirs is copied into this repository.
 
-:func:`speculators_peagle` imports the package itself (its P-EAGLE model, config and loss, for the
-side-by-side training bench). Its ``__init__`` chain reaches ``speculators.train.data``, which imports
+:func:`speculators_peagle` and :func:`speculators_dflash` import the package itself (its P-EAGLE or DFlash
+model, config and loss, for the side-by-side training benches). Its ``__init__`` chain reaches ``speculators.train.data``, which imports
 ``openai``, ``datasets`` and ``hs_connectors`` at module top for its data services (vLLM clients,
 Arrow datasets, hidden-state transfer); the model, its loss and its factory never call them. Those
 three are the dependencies ``--no-deps`` leaves out, so they are given as empty placeholder modules
@@ -18,6 +18,7 @@ an empty class, which fails loudly if speculators ever calls one.
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
@@ -58,23 +59,40 @@ class _AbsentServices(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def speculators_peagle() -> SimpleNamespace:
-    """speculators' ``PEagleDraftModel`` (with ``from_training_args``) and ``resolve_loss_config``,
-    imported from the installed package (see the module docstring for the placeholder services)."""
+def _import_speculators(names: dict[str, str]) -> SimpleNamespace:
+    """``{attribute: "module:name"}`` imported from the installed package, with speculators' data-service
+    dependencies given as placeholders while it imports (see the module docstring)."""
     _check_installed()
     finder = None
     if any(importlib.util.find_spec(r) is None for r in _AbsentServices.ROOTS):
         finder = _AbsentServices()
         sys.meta_path.append(finder)
     try:
-        from speculators.losses import resolve_loss_config
-        from speculators.models.peagle import PEagleDraftModel
+        found = {}
+        for attr, where in names.items():
+            module, name = where.split(":")
+            found[attr] = getattr(importlib.import_module(module), name)
     finally:
         if finder is not None:
             sys.meta_path.remove(finder)
             for name in [n for n, m in sys.modules.items() if getattr(getattr(m, "__spec__", None), "loader", None) is finder]:
                 del sys.modules[name]  # speculators keeps what it bound; an ``import openai`` later is the real one
-    return SimpleNamespace(PEagleDraftModel=PEagleDraftModel, resolve_loss_config=resolve_loss_config)
+    return SimpleNamespace(**found)
+
+
+def speculators_peagle() -> SimpleNamespace:
+    """speculators' ``PEagleDraftModel`` (with ``from_training_args``) and ``resolve_loss_config``,
+    imported from the installed package (see the module docstring for the placeholder services)."""
+    return _import_speculators({"PEagleDraftModel": "speculators.models.peagle:PEagleDraftModel",
+                                "resolve_loss_config": "speculators.losses:resolve_loss_config"})
+
+
+def speculators_dflash() -> SimpleNamespace:
+    """speculators' ``DFlashDraftModel`` (with ``from_training_args``, ``get_trainer_kwargs`` and its ``forward``:
+    anchor selection, block mask, drafter, loss) and ``resolve_loss_config``, imported from the installed
+    package as :func:`speculators_peagle` does."""
+    return _import_speculators({"DFlashDraftModel": "speculators.models.dflash:DFlashDraftModel",
+                                "resolve_loss_config": "speculators.losses:resolve_loss_config"})
 
 
 def _load(relpath: str, name: str) -> ModuleType:

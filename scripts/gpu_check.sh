@@ -11,7 +11,12 @@
 #      tests/peagle_data/extract/test_vllm.py -k hybrid), and a drafter trained on Qwen3-Next / Qwen3.5 served by
 #      vLLM identical to greedy with vLLM's accepted drafts peagle's step by step (tests/e2e/test_families_pipeline.py
 #      -k served_by_vllm; the CPU suite runs both too, in bf16 and with prefix caching off).
-# Results go to ${OUT:-gpu_check}/ (pytest log and the benchmark's JSON).
+#   4. where vLLM is installed: DFlash (vLLM's `method: dflash`, the parallel drafter every vLLM from 0.32 serves,
+#      P-EAGLE included only up to 0.33): a store extracted on the GPU from the packed data, a DFlash drafter trained
+#      on it for a few steps on the GPU (`peagle-train --method dflash`), served by this GPU's vLLM through
+#      `peagle-eval --engine vllm` at T = 0; its output must be identical to vLLM's greedy decoding without the
+#      drafter (peagle-eval exits 1 on a mismatch; the check below also requires `identical_to_greedy` true).
+# Results go to ${OUT:-gpu_check}/ (pytest logs, the benchmark's JSON, the DFlash drafter and its vLLM report).
 # Run it with a Python that has a CUDA build of torch and peagle's dependencies (not the CPU .venv
 # that scripts/setup_env.sh makes): e.g. `pip install -e ".[test]"` into the GPU machine's Python,
 # or PYTHONPATH pointing at them. PYTHON picks the interpreter (default python3).
@@ -31,4 +36,20 @@ $PY bench/bench_extract.py --packed "${PACKED:-demo/packed}" --blocks 64 --repea
 if $PY -c "import vllm" 2>/dev/null; then
   PEAGLE_REQUIRE_VLLM=1 PEAGLE_SLOW_TESTS=1 $PY -m pytest -m vllm -v -s -k "hybrid or served_by_vllm" \
     tests/peagle_data/extract/test_vllm.py tests/e2e/test_families_pipeline.py 2>&1 | tee "$OUT/pytest_vllm_hybrid.log"
+fi
+if $PY -c "import vllm" 2>/dev/null; then
+  D="$OUT/dflash"; mkdir -p "$D"
+  $PY -m cli.data extract "${PACKED:-demo/packed}" --verifier smollm2-135m --output "$D/features.zarr" --force \
+    > "$D.extract.json"
+  $PY -m cli.train --store "$D/features.zarr" --output "$D/drafter" --method dflash --block-size 5 \
+    --draft-vocab-size 4096 --max-steps 60 --force 2>&1 | tail -n 5
+  $PY -m cli.eval --drafter "$D/drafter/final" --prompts examples/prompts.jsonl --num-prompts 8 --max-new-tokens 128 \
+    --engine vllm > "$OUT/dflash_vllm.json"
+  $PY - "$OUT/dflash_vllm.json" <<'PYEOF'
+import json, sys
+report = json.load(open(sys.argv[1]))
+print(f"DFlash served by vLLM {report.get('vllm_version')}: identical to greedy {report['identical_to_greedy']}, "
+      f"AL {report.get('acceptance_length')}")
+assert report["identical_to_greedy"] is True, f"DFlash output differs from greedy: {report.get('mismatches')}"
+PYEOF
 fi
