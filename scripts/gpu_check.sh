@@ -10,7 +10,8 @@
 #   3. where vLLM is installed: hybrid verifiers through `extract --engine vllm` against hf (Qwen3-Next and Qwen3.5;
 #      tests/peagle_data/extract/test_vllm.py -k hybrid), and a drafter trained on Qwen3-Next / Qwen3.5 served by
 #      vLLM identical to greedy with vLLM's accepted drafts peagle's step by step (tests/e2e/test_families_pipeline.py
-#      -k served_by_vllm; the CPU suite runs both too, in bf16 and with prefix caching off).
+#      -k served_by_vllm; the CPU suite runs both too, in bf16 and with prefix caching off); the served P-EAGLE
+#      drafters only where the installed vLLM serves P-EAGLE (up to 0.33).
 #   4. where vLLM is installed: DFlash (vLLM's `method: dflash`, the parallel drafter every vLLM from 0.32 serves,
 #      P-EAGLE included only up to 0.33): a store extracted on the GPU from the packed data, a DFlash drafter trained
 #      on it for a few steps on the GPU (`peagle-train --method dflash`), served by this GPU's vLLM through
@@ -34,7 +35,14 @@ fi
 $PY bench/bench_extract.py --packed "${PACKED:-demo/packed}" --blocks 64 --repeats 3 --device cuda \
   | tee "$OUT/bench_extract_cuda.json"
 if $PY -c "import vllm" 2>/dev/null; then
-  PEAGLE_REQUIRE_VLLM=1 PEAGLE_SLOW_TESTS=1 $PY -m pytest -m vllm -v -s -k "hybrid or served_by_vllm" \
+  # the served P-EAGLE drafters only where this vLLM serves P-EAGLE (up to 0.33; from 0.34 peagle refuses them)
+  select="hybrid or served_by_vllm"
+  if ! $PY -c "import sys; from runtime.vllm_runtime import installed_vllm_version, peagle_vllm_refusal; \
+sys.exit(1 if peagle_vllm_refusal(installed_vllm_version()) else 0)"; then
+    select="hybrid and not served_by_vllm"
+    echo "gpu_check: this vLLM does not serve P-EAGLE drafters: the served hybrid drafters are skipped" >&2
+  fi
+  PEAGLE_REQUIRE_VLLM=1 PEAGLE_SLOW_TESTS=1 $PY -m pytest -m vllm -v -s -k "$select" \
     tests/peagle_data/extract/test_vllm.py tests/e2e/test_families_pipeline.py 2>&1 | tee "$OUT/pytest_vllm_hybrid.log"
 fi
 if $PY -c "import vllm" 2>/dev/null; then
