@@ -20,7 +20,7 @@ checks the local back end against ``transformers serve`` and vLLM's server):
 Sampling means one thing in every back end (:func:`sampling_parameters`): ``softmax(z / T)`` truncated by
 top-k and top-p as vLLM's sampler truncates it (``--top-k`` / ``--top-p``; locally unset: the verifier's
 ``generation_config.json`` values, as a vLLM server applies them by default; off where neither sets them), argmax
-at T = 0, as ``peagle-eval``'s reference decoder (:func:`peagle_train.evaluate.speculative.plain_generate`): no
+at T = 0, as ``peagle-eval``'s reference decoder (:func:`peagle_train.generate.speculative.plain_generate`): no
 min-p or repetition penalties. The rest of the verifier's ``generation_config.json`` (``repetition_penalty
 1.3``...) is not applied: the local back end generates with a generation config holding only the verifier's
 special token ids and the top-k / top-p (the fields it did not apply are recorded), and every request to a server

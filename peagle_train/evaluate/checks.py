@@ -4,40 +4,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from peagle_train.evaluate.prompts import read_prompts
-from peagle_train.evaluate.speculative import check_compatible, checked_num_draft_tokens
-from peagle_train.evaluate.tree import check_tree_config
+from peagle_train.generate.checks import check_drafter_tokenizer, check_verifier_config, trained_template_kwargs
+from peagle_train.generate.speculative import checked_num_draft_tokens
 from peagle_train.train.kinds import check_any_servable, load_drafter_of_kind
 from runtime.chat.chat_template import chat_template_kwargs_record, describe_kwargs
 from stores.errors import StoreMismatchError
 from stores.features.feature_store import check_layer_convention, FeatureStore
-from runtime.model_config import load_model_config, text_config
 from runtime.chat.setting_mixtures import Mixture
-from runtime.verifier_match import check_store_verifier, check_verifier_tokenizer
-
-
-def check_verifier_config(name: str, drafter) -> None:
-    """:func:`~peagle_train.evaluate.speculative.check_compatible` on MODEL ``name``'s config alone, before its
-    weights load.
-
-    Raises:
-        InputError: the drafter does not fit the verifier. ModelNotFoundError: unknown MODEL.
-    """
-
-    check_compatible(SimpleNamespace(config=text_config(load_model_config(name))), drafter)
-
-
-def check_tree_verifier(name: str) -> None:
-    """:func:`~peagle_train.evaluate.tree.check_tree_config` on MODEL ``name``'s config alone, before its weights
-    load: a tree is refused for a verifier with recurrent layers (a hybrid) or layer types without a tree mask.
-
-    Raises:
-        InputError: with the reason. ModelNotFoundError: unknown MODEL.
-    """
-    check_tree_config(load_model_config(name))
+from runtime.verifier_match import check_store_verifier
 
 
 def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = None,
@@ -78,20 +55,6 @@ def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = No
         check_verifier_config(name, drafter)
 
 
-def check_drafter_tokenizer(drafter_dir: str | Path, verifier_name: str) -> None:
-    """The verifier's tokenizer is the one the drafter's training data was tokenized with (the store's
-    ``tokenizer`` record, which ``peagle-train`` keeps in ``config.json`` as ``peagle_training.tokenizer``;
-    a checkpoint without it, e.g. another tool's, is not checked): the drafter's embedding rows and
-    ``d2t`` mean that tokenizer's tokens.
-
-    Raises:
-        StoreMismatchError: another tokenizer (:func:`runtime.verifier_match.check_tokenizer`).
-    """
-    config = json.loads((Path(drafter_dir) / "config.json").read_text())
-    recorded = (config.get("peagle_training") or {}).get("tokenizer") or {}
-    check_verifier_tokenizer(recorded, f"the training data of the drafter {drafter_dir}", verifier_name)
-
-
 def check_store_fits(store, drafter) -> None:
     cfg = drafter.config
     if list(store.layers) != list(cfg.aux_layer_ids) or store.hidden_size != cfg.hidden_size \
@@ -100,17 +63,6 @@ def check_store_fits(store, drafter) -> None:
             f"{store.path}: store layers {store.layers}, hidden {store.hidden_size}, vocab {store.vocab_size}; "
             f"the drafter wants layers {cfg.aux_layer_ids}, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}. "
             "Evaluate on a store extracted from the drafter's verifier with its layers")
-
-
-def trained_template_kwargs(drafter_dir: str | Path) -> dict | None:
-    """The chat template variables the drafter's training data was rendered with (``config.json``'s
-    ``peagle_training.tokenizer.chat_template_kwargs``; ``{}`` when its record predates them), or None for
-    a checkpoint without peagle's tokenizer record (another tool's: nothing to check)."""
-    config = json.loads((Path(drafter_dir) / "config.json").read_text())
-    recorded = (config.get("peagle_training") or {}).get("tokenizer")
-    if not recorded:
-        return None
-    return chat_template_kwargs_record(recorded.get("chat_template_kwargs"))
 
 
 def template_mode(drafter_dir: str | Path, requested: dict | None, allow_mismatch: bool = False,

@@ -16,11 +16,12 @@ from peagle_train.data.loader import split_blocks
 from peagle_train.data.multistore import store_identity
 from peagle_train.data.segment_hashes import count_in, segment_hashes
 from peagle_train.data.split import SPLIT_CONVERSATIONS
-from peagle_train.evaluate.checks import check_store_fits, check_verifier_config
+from peagle_train.evaluate.checks import check_store_fits
+from peagle_train.generate.checks import check_verifier_config
 from peagle_train.evaluate.config import DEFAULT_MAX_NEW_TOKENS, EvalConfig
-from peagle_train.evaluate.prompts import verifier_eos_ids
+from peagle_train.generate.render import verifier_eos_ids
 from peagle_train.evaluate.replay import TurnReplay
-from peagle_train.evaluate.speculative import checked_num_draft_tokens
+from peagle_train.generate.speculative import checked_num_draft_tokens
 from peagle_train.model.attention import element_attention
 from peagle_train.model.checkpoint import TRAINING_SEGMENTS_FILE, read_training_segments
 from peagle_train.train.kinds import load_drafter_of_kind

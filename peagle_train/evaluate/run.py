@@ -14,11 +14,12 @@ from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.cost_model import (HYBRID_COSTS_SKIPPED, cost_model_report, first_prompt_ids,
                                               measure_trusted_costs)
 from peagle_train.evaluate.offline import run_offline_eval
-from peagle_train.evaluate.inference import load_for_decoding
+from peagle_train.generate.inference import load_for_decoding
 from peagle_train.evaluate.online import run_online_eval
-from peagle_train.evaluate.verifier import config_recurrent_layers
+from peagle_train.generate.verifier import config_recurrent_layers
 from peagle_train.evaluate.report import foreign_report_files, write_acceptance_plot, write_json
-from peagle_train.evaluate.vllm_engine import check_vllm_sampling, import_vllm, run_vllm_eval, vllm_on_cpu
+from peagle_train.generate.vllm_engine import check_vllm_sampling, import_vllm, vllm_on_cpu
+from peagle_train.evaluate.vllm_eval import run_vllm_eval
 from peagle_train.model.checkpoint import find_drafter
 from peagle_train.train.kinds import checkpoint_kind, load_drafter_of_kind
 from stores.errors import ForeignFilesError, OutputExistsError
@@ -146,7 +147,7 @@ def run_eval(run: EvalRun, log: Callable[[str], None] = print, config: dict[str,
         MissingDependencyError: ``--engine vllm`` without vLLM installed (names the set-up command).
         InputError: also ``--engine vllm`` with a vLLM that no longer serves P-EAGLE (from 0.34:
         :func:`runtime.vllm_runtime.check_vllm_serves_peagle`), or at T > 0 where vLLM's rejection sampler does not get the verifier's
-        distribution (:func:`~peagle_train.evaluate.vllm_engine.check_vllm_sampling`).
+        distribution (:func:`~peagle_train.generate.vllm_engine.check_vllm_sampling`).
         StoreFormatError, StoreMismatchError, ModelNotFoundError: from the checks.
     """
     found, note = find_drafter(run.drafter)  # a training output directory means its final/ checkpoint
