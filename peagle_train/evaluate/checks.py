@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from peagle_train.evaluate.prompts import read_prompts
+from peagle_train.evaluate.prompts import Prompt, read_prompts
 from peagle_train.generate.checks import check_drafter_tokenizer, check_verifier_config, trained_template_kwargs
 from peagle_train.generate.speculative import checked_num_draft_tokens
 from peagle_train.train.kinds import check_any_servable, load_drafter_of_kind
@@ -17,9 +18,26 @@ from runtime.chat.setting_mixtures import Mixture
 from runtime.verifier_match import check_store_verifier
 
 
+@dataclass(frozen=True)
+class CheckedInputs:
+    """What :func:`check_before_weights` read and resolved.
+
+    Attributes:
+        prompts: the prompts read (``num_prompts`` of them), None without a prompts file.
+        online_verifier: the online verifier MODEL (given, else the drafter's), None without a prompts file.
+        store: the offline store opened, None without one.
+        offline_verifier: the offline verifier MODEL (given, else the store's; None: the store names none).
+    """
+
+    prompts: list[Prompt] | None
+    online_verifier: str | None
+    store: FeatureStore | None
+    offline_verifier: str | None
+
+
 def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = None,
                          prompts_file: str | Path | None = None, store: str | Path | None = None,
-                         num_prompts: int | None = None, num_draft_tokens: int | None = None) -> None:
+                         num_prompts: int | None = None, num_draft_tokens: int | None = None) -> CheckedInputs:
     """Every check of a ``peagle-eval`` run that needs no verifier weights (docs/design.md §2): the
     prompts file, the drafter checkpoint (vLLM's rules: :func:`peagle_train.model.checkpoint.vllm_problems`),
     ``num_draft_tokens`` against its trained ``num_depths``, the
@@ -28,17 +46,19 @@ def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = No
     tokenizer of its ids: :func:`runtime.verifier_match.check_store_verifier`), and each verifier's config
     (online: ``verifier_name`` or the drafter's; offline: ``verifier_name`` or the store's).
 
+    Returns:
+        What the checks resolved (:class:`CheckedInputs`), for the run to take instead of resolving it again.
+
     Raises:
         InputError, StoreFormatError, StoreMismatchError, ModelNotFoundError: as the run would, later;
         InputError for a drafter vLLM would not serve as trained; StoreFormatError for a store whose aux
         layer L is the normed final state (an older peagle's).
     """
-    if prompts_file is not None:
-        read_prompts(prompts_file, num_prompts)
+    prompts = read_prompts(prompts_file, num_prompts) if prompts_file is not None else None
     check_any_servable(drafter_dir)  # vLLM's rules for its kind, for a drafter of any origin
     drafter = load_drafter_of_kind(drafter_dir)
     checked_num_draft_tokens(num_draft_tokens, drafter)
-    names = []
+    names, online, fs, offline = [], None, None, None
     if prompts_file is not None:
         online = verifier_name or drafter.config.verifier_name_or_path
         check_drafter_tokenizer(drafter_dir, online)
@@ -53,6 +73,7 @@ def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = No
         names.append(offline)
     for name in dict.fromkeys(n for n in names if n):
         check_verifier_config(name, drafter)
+    return CheckedInputs(prompts=prompts, online_verifier=online, store=fs, offline_verifier=offline)
 
 
 def check_store_fits(store, drafter) -> None:

@@ -288,17 +288,25 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
         check_tree_verifier(name)
     check_drafter_tokenizer(drafter_dir, name)
     truncation, sampling = served_truncation(name, config.top_k, config.top_p)
-    verifier, drafter = load_for_decoding(drafter, name)
-    tokenizer = load_tokenizer(name)
-    bar = progress_factory(progress_total(prompts, config.online_max_new_tokens())) if progress_factory else None
-    try:
-        report = evaluate_prompts(verifier, drafter, tokenizer, prompts, config,
-                                  progress=bar.update if bar is not None else None, truncation=truncation,
-                                  sampling=sampling)
-    finally:
-        if bar is not None:
-            bar.close()
+    report = online_report(drafter, name, prompts, config, truncation, sampling, progress_factory)
     report = {"drafter": str(drafter_dir), "verifier": str(name), "prompts": str(prompts_file), **report}
     if output is not None:
         write_json(report, output)
     return report
+
+
+def online_report(drafter, name: str, prompts: Sequence[Prompt], config: EvalConfig, truncation: Truncation,
+                  sampling: dict[str, Any], progress_factory: Callable[[int], Any] | None = None) -> dict[str, Any]:
+    """:func:`evaluate_prompts` of the ``drafter`` (a loaded checkpoint, checked against verifier MODEL ``name``
+    before any weights) on the read ``prompts``: loads the verifier's weights and tokenizer, then decodes with
+    ``truncation`` (``sampling``: where its top-k / top-p came from, :func:`served_truncation`)."""
+    verifier, drafter = load_for_decoding(drafter, name)
+    tokenizer = load_tokenizer(name)
+    bar = progress_factory(progress_total(prompts, config.online_max_new_tokens())) if progress_factory else None
+    try:
+        return evaluate_prompts(verifier, drafter, tokenizer, prompts, config,
+                                progress=bar.update if bar is not None else None, truncation=truncation,
+                                sampling=sampling)
+    finally:
+        if bar is not None:
+            bar.close()

@@ -40,7 +40,7 @@ from peagle_train.evaluate.prompts import Prompt, history_message, prompt_modes,
 from peagle_train.evaluate.report import per_mode_report
 from peagle_train.generate.identity import compare_to_greedy, greedy_check_summary
 from peagle_train.generate.render import eos_ids, turn_text
-from peagle_train.generate.speculative import (acceptance_scheme, check_draft_sample_method,
+from peagle_train.generate.speculative import (Truncation, acceptance_scheme, check_draft_sample_method,
                                                checked_num_draft_tokens, served_truncation)
 from peagle_train.generate.vllm_engine import (SPEC_METRICS, VllmRun, check_vllm_sampling, check_vllm_verifier,
                                                import_vllm, verifier_generation_config, vllm_generate, vllm_on_cpu)
@@ -100,7 +100,8 @@ class VllmReference:
         name: the verifier MODEL; directory: what vLLM loads; tokenizer; eos: ids that end a turn.
         prompts: the prompts read; order: ``(prompt index, turn)`` of each request; requests: their
             token ids (later turns with the reference answers as history); plain: the engine's run; modes: per
-            prompt, its template variables (:func:`~peagle_train.evaluate.prompts.prompt_modes`).
+            prompt, its template variables (:func:`~peagle_train.evaluate.prompts.prompt_modes`); served: the
+            verifier's top-k / top-p at T > 0 and where they came from (:func:`served_truncation`), None: not read.
     """
 
     name: str
@@ -113,23 +114,30 @@ class VllmReference:
     requests: list[list[int]]
     plain: VllmRun
     modes: list[dict[str, Any]] = field(default_factory=list)
+    served: tuple[Truncation, dict[str, Any]] | None = None
 
 
 def vllm_reference(verifier_name: str, prompts_file: str | Path, config: EvalConfig,
-                   log: Callable[[str], None] = print) -> VllmReference:
+                   log: Callable[[str], None] = print, prompts: list[Prompt] | None = None,
+                   served: tuple[Truncation, dict[str, Any]] | None = None) -> VllmReference:
     """Run every prompt turn through vLLM without a drafter (turn by turn, each later turn with the
     answers before it as history, as peagle's own engine does), timed at concurrency 1 and
     ``config.concurrency``; at ``config.temperature`` (T > 0: sampled, seeded per request from
     ``config.seed``); at T = 0 with each token's largest logits (the near-tie rule of
     :mod:`peagle_train.generate.identity`).
 
+    Args:
+        prompts: the prompts of ``prompts_file`` already read (``config.num_prompts`` of them); None: read here.
+        served: :func:`served_truncation` of the verifier and ``config``, already read; None: read here.
+
     Raises:
         MissingDependencyError: no vLLM. ModelNotFoundError: unknown verifier. InputError: bad prompts.
     """
+    served = served_truncation(verifier_name, config.top_k, config.top_p) if served is None else served
     directory = str(resolve_model(verifier_name))
     tokenizer = load_tokenizer(verifier_name)
     eos = set(eos_ids(tokenizer, SimpleNamespace(generation_config=verifier_generation_config(directory))))
-    prompts = read_prompts(prompts_file, config.num_prompts)
+    prompts = read_prompts(prompts_file, config.num_prompts) if prompts is None else prompts
     order: list[tuple[int, int]] = []
     answers: list[list[dict[str, Any]]] = [[] for _ in prompts]
     modes = prompt_modes(prompts, config.chat_template_kwargs, config.mode_variables(), config.seed)
@@ -141,10 +149,11 @@ def vllm_reference(verifier_name: str, prompts_file: str | Path, config: EvalCon
     plain = vllm_generate(directory, next_turns(None), config.online_max_new_tokens(), sorted(eos),
                           concurrency=config.concurrency, turns=next_turns, log=log, memory=config.vllm_memory,
                           temperature=config.temperature, seed=config.seed, top_logits=True,
-                          truncation=served_truncation(verifier_name, config.top_k, config.top_p)[0])
+                          truncation=served[0])
     requests = [render_turn(tokenizer, prompts[i], t, answers[i][:t], modes[i]) for i, t in order]
     return VllmReference(name=str(verifier_name), directory=directory, tokenizer=tokenizer, eos=eos,
                          prompts_file=str(prompts_file), prompts=prompts, order=order, requests=requests, plain=plain,
+                         served=served,
                          modes=modes)
 
 
@@ -170,7 +179,7 @@ def vllm_speculative(ref: VllmReference, drafter_dir: str | Path, config: EvalCo
     K = checked_num_draft_tokens(config.num_draft_tokens, drafter)
     del drafter
     method = check_draft_sample_method(config.draft_sample_method)
-    truncation, sampling = served_truncation(ref.name, config.top_k, config.top_p)
+    truncation, sampling = ref.served or served_truncation(ref.name, config.top_k, config.top_p)
     common = dict(stop_token_ids=sorted(ref.eos), concurrency=config.concurrency, log=log, memory=config.vllm_memory,
                   temperature=config.temperature, seed=config.seed, truncation=truncation)
     if config.vllm_loading == "speculative_config":

@@ -541,6 +541,20 @@ def test_offline_chains_are_the_online_drafts(tiny_verifier, layer_type, num_lay
         assert bool((pred[t, k:] == -1).all())
 
 
+def _fake_checks(monkeypatch, ev):
+    """``plan_eval``'s checks of the inputs stood in for (a fake checkpoint, prompts file and store): the verifier
+    ``v``, the store's replay limit 128."""
+    from peagle_train.evaluate.checks import CheckedInputs
+    from peagle_train.generate.speculative import Truncation
+
+    monkeypatch.setattr(ev, "check_before_weights", lambda drafter, verifier, prompts, store, *a: CheckedInputs(
+        prompts=[] if prompts else None, online_verifier="v" if prompts else None, store=store,
+        offline_verifier="v" if store else None))
+    monkeypatch.setattr(ev, "served_truncation", lambda *a: (Truncation(), {}))
+    monkeypatch.setattr(ev, "check_complete", lambda *a: None)
+    monkeypatch.setattr(ev, "replay_max_new_tokens", lambda store, given: (128, "default"))
+
+
 def test_cli_fails_on_a_mismatch_naming_the_prompt(monkeypatch, tmp_path):
     from click.testing import CliRunner
 
@@ -550,12 +564,12 @@ def test_cli_fails_on_a_mismatch_naming_the_prompt(monkeypatch, tmp_path):
     fake = {"acceptance_length": 1.0, "acceptance_rate": 0.0, "per_position_acceptance": [0.0], "num_prompts": 2,
             "num_turns": 2, "num_draft_tokens": 1, "accepted": 0, "drafted": 3, "tokens_per_second": 1.0,
             "baseline_tokens_per_second": 1.0, "speedup": 1.0, "identical_to_greedy": False, "mismatches": ["81", "x"]}
-    monkeypatch.setattr(ev, "run_online_eval", lambda *a, **k: dict(fake))
+    monkeypatch.setattr(ev, "plan_online_report", lambda plan, log: dict(fake))
     monkeypatch.chdir(tmp_path)
     (tmp_path / "d").mkdir()
     for name in ("config.json", "model.safetensors"):  # looks like a checkpoint; never loaded here
         (tmp_path / "d" / name).write_text("{}")
-    monkeypatch.setattr(ev, "check_before_weights", lambda *a, **k: None)
+    _fake_checks(monkeypatch, ev)
     result = CliRunner().invoke(main, ["--drafter", "d", "--prompts", "p.jsonl"])
     assert result.exit_code == 1
     assert json.loads(result.stdout)["mismatches"] == ["81", "x"]
@@ -573,12 +587,12 @@ def test_cli_exits_0_when_every_difference_is_a_near_tie(monkeypatch, tmp_path):
             "num_turns": 2, "num_draft_tokens": 1, "accepted": 0, "drafted": 3, "tokens_per_second": 1.0,
             "baseline_tokens_per_second": 1.0, "speedup": 1.0, "identical_to_greedy": False, "mismatches": [],
             "near_tie_divergences": 2, "near_tie_prompts": ["81"], "greedy_check": {"dtype": "bfloat16", "rule": "r"}}
-    monkeypatch.setattr(ev, "run_online_eval", lambda *a, **k: dict(fake))
+    monkeypatch.setattr(ev, "plan_online_report", lambda plan, log: dict(fake))
     monkeypatch.chdir(tmp_path)
     (tmp_path / "d").mkdir()
     for name in ("config.json", "model.safetensors"):
         (tmp_path / "d" / name).write_text("{}")
-    monkeypatch.setattr(ev, "check_before_weights", lambda *a, **k: None)
+    _fake_checks(monkeypatch, ev)
     result = CliRunner().invoke(main, ["--drafter", "d", "--prompts", "p.jsonl"])
     assert result.exit_code == 0, result.stderr
     assert "2 turns diverge at a near tie of the verifier's top logits in bfloat16: accepted" in result.stderr
@@ -651,9 +665,9 @@ def test_cli_drafter_given_a_training_output_uses_final_else_the_newest_checkpoi
     from cli.eval import main
 
     used = []  # the fake offline report holds no acceptance: --no-measure-costs below
-    monkeypatch.setattr(ev, "run_offline_eval", lambda drafter, *a, **k: used.append(drafter) or {"blocks": []})
+    monkeypatch.setattr(ev, "plan_offline_report", lambda plan, log: used.append(plan.drafter) or {"blocks": []})
     monkeypatch.setattr(cli.eval, "format_report", lambda report: "")
-    monkeypatch.setattr(ev, "check_before_weights", lambda *a, **k: None)  # the fake checkpoints hold "{}"
+    _fake_checks(monkeypatch, ev)  # the fake checkpoints hold "{}"
     monkeypatch.setattr(ev, "template_mode", lambda *a, **k: {"chat_template_kwargs": {}, "mismatches": []})
     out = tmp_path / "run"
     for sub in ("checkpoint-2", "checkpoint-10", "final"):
