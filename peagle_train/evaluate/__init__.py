@@ -30,9 +30,9 @@ for token; with ``temperature > 0`` plain sampling and speculative sampling (rej
 per prompt turn), which are not compared token for token. Acceptance length, rate and per-position acceptance are counted as vLLM reports them:
 ``AL = 1 + accepted / steps`` over verifier steps that checked at least one draft.
 
-Modules: :mod:`.config` (``EvalConfig``), :mod:`.plan` (``EvalPlan``: what one run resolved before any weights),
-:mod:`.prompts` (reading evaluation prompts), :mod:`.checks` (before weights load), :mod:`.online`,
-:mod:`.offline`, :mod:`.replay`, :mod:`.cost_model`, :mod:`.report`, :mod:`.run` (one ``peagle-eval`` run),
-:mod:`.vllm_eval` (``--engine vllm``). Decoding and the Python API are :mod:`peagle_train.generate`'s, which
+Modules: :mod:`.config` (``EvalConfig``), :mod:`.prompts` (reading evaluation prompts), :mod:`.checks` (before
+weights load), :mod:`.online`, :mod:`.offline`, :mod:`.replay`, :mod:`.cost_model`, :mod:`.report`, :mod:`.run`
+(one ``peagle-eval`` run: ``plan_eval`` into an ``EvalPlan``, what it resolved before any weights, then
+``evaluate_plan``), :mod:`.vllm_eval` (``--engine vllm``). Decoding and the Python API are :mod:`peagle_train.generate`'s, which
 imports nothing of this package. Callers import from these modules; this package re-exports nothing.
 """
