@@ -43,8 +43,8 @@ def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = No
     ``num_draft_tokens`` against its trained ``num_depths``, the
     store against the drafter, the online verifier's tokenizer against the drafter's training data
     (:func:`~peagle_train.generate.checks.check_drafter_tokenizer`), the offline verifier against the store
-    (content fingerprint and the tokenizer of its ids: :func:`runtime.verifier_match.check_store_verifier`), and each verifier's config
-    (online: ``verifier_name`` or the drafter's; offline: ``verifier_name`` or the store's).
+    (content fingerprint and the tokenizer of its ids: :func:`runtime.verifier_match.check_store_verifier`), and each
+    verifier's config (online: ``verifier_name`` or the drafter's; offline: ``verifier_name`` or the store's).
 
     Returns:
         What the checks resolved (:class:`CheckedInputs`), for the run to take instead of resolving it again.
