@@ -1,6 +1,6 @@
 """How far a (K+1)-token verification pass moves the verifier's top-2 logit margin from one-token decoding.
 
-The near-tie rule of ``peagle_train/evaluate/identity.py`` accepts a greedy divergence only where the
+The near-tie rule of ``peagle_train/generate/identity.py`` accepts a greedy divergence only where the
 reference's top-2 margin is within ``TIE_ULPS`` units in the last place (ulp) of the dtype at the top
 logit. This measures, per dtype, on every generated position of the prompts' first turns: the plain
 greedy decoding (prefill, then one token per pass) and the same tokens read in blocks of K+1 after a
@@ -19,9 +19,9 @@ import sys
 
 import torch
 
-from peagle_train.evaluate.identity import logit_ulp
+from peagle_train.generate.identity import logit_ulp
 from peagle_train.evaluate.prompts import read_prompts, render_turn
-from peagle_train.evaluate.verifier import new_cache, rollback_cache, verifier_pass
+from peagle_train.generate.verifier import new_cache, rollback_cache, verifier_pass
 from runtime.model_cache import load_tokenizer, load_verifier
 
 

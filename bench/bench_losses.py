@@ -71,7 +71,7 @@ import bench_quality_vs_speculators as side_by_side  # noqa: E402
 import judge_replay  # noqa: E402
 
 from peagle_train.data.loader import BlockLoader  # noqa: E402
-from peagle_train.evaluate.inference import PEAGLEInference, load_for_decoding  # noqa: E402
+from peagle_train.generate.inference import PEAGLEInference, load_for_decoding  # noqa: E402
 from peagle_train.evaluate.offline import judge_problems, run_offline_eval  # noqa: E402
 from peagle_train.evaluate.prompts import answer_text, read_prompts, render_turn  # noqa: E402
 from peagle_train.evaluate.replay import bootstrap_al  # noqa: E402

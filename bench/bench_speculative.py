@@ -25,8 +25,8 @@ import time
 
 import torch
 
-import peagle_train.evaluate.speculative as spec
-import peagle_train.evaluate.verifier as verifier_mod  # its verifier passes call lm_head_logits: patched here
+import peagle_train.generate.speculative as spec
+import peagle_train.generate.verifier as verifier_mod  # its verifier passes call lm_head_logits: patched here
 from peagle_train.evaluate.prompts import read_prompts, render_turn
 from peagle_train.model.checkpoint import load_drafter
 from runtime.model_cache import load_tokenizer, load_verifier

@@ -27,12 +27,12 @@ import time
 
 import torch
 
-from peagle_train.evaluate.inference import PEAGLEInference, acceptance_summary, load_for_decoding
+from peagle_train.generate.inference import PEAGLEInference, acceptance_summary, load_for_decoding
 from peagle_train.evaluate.prompts import read_prompts, render_turn
-from peagle_train.evaluate.speculative import DrafterSession, aux_features, plain_generate
+from peagle_train.generate.speculative import DrafterSession, aux_features, plain_generate
 from peagle_train.evaluate.cost_model import measure_step_costs
-from peagle_train.evaluate.tree import TreeSpec, build_tree, compact_cache, tree_attention_mask
-from peagle_train.evaluate.verifier import (aux_hidden_states, crop_cache, new_cache, rollback_cache,
+from peagle_train.generate.tree import TreeSpec, build_tree, compact_cache, tree_attention_mask
+from peagle_train.generate.verifier import (aux_hidden_states, crop_cache, new_cache, rollback_cache,
                                             verifier_body_pass, verifier_pass)
 from peagle_train.model.checkpoint import find_drafter, load_drafter
 from runtime.model_cache import load_tokenizer

@@ -22,10 +22,10 @@ import time
 import torch
 from bench_speculative import RowByRowLogits  # noqa: E402  (bench/ is on sys.path when run as a script)
 
-import peagle_train.evaluate.speculative as spec
-import peagle_train.evaluate.verifier as verifier_mod  # its verifier passes call lm_head_logits: patched here
+import peagle_train.generate.speculative as spec
+import peagle_train.generate.verifier as verifier_mod  # its verifier passes call lm_head_logits: patched here
 from peagle_train.evaluate.prompts import read_prompts, render_turn
-from peagle_train.evaluate.verifier import (aux_hidden_states, crop_cache, new_cache, rollback_cache,
+from peagle_train.generate.verifier import (aux_hidden_states, crop_cache, new_cache, rollback_cache,
                                             verifier_body_pass, verifier_pass)
 from peagle_train.model.checkpoint import load_drafter
 from runtime.model_cache import load_tokenizer, load_verifier

@@ -35,7 +35,8 @@ from transformers import GenerationConfig  # noqa: E402
 from vllm.utils import cpu_triton_utils  # noqa: E402
 from vllm.v1.sample import rejection_sampler  # noqa: E402
 
-from peagle_train.evaluate.prompts import eos_ids, read_prompts, render_turn  # noqa: E402
+from peagle_train.generate.render import eos_ids
+from peagle_train.evaluate.prompts import read_prompts, render_turn  # noqa: E402
 from runtime.model_cache import load_tokenizer, resolve_model  # noqa: E402
 
 STEPS: list[dict] = []

@@ -5,7 +5,7 @@ vLLM's reference (the verifier alone: greedy at T = 0, at T > 0 request i sample
 ``peagle-eval --engine vllm`` gives it) is run once; every drafter is then served by vLLM on its requests
 (``--vllm-loading speculators``: vLLM reads the checkpoint's own config, as ``vllm serve DRAFTER`` does), one
 engine after the other, K = the drafter's ``num_depths``, vLLM's default draft scheme (``greedy``), concurrency 1.
-Each report is ``peagle-eval --engine vllm``'s (:func:`peagle_train.evaluate.vllm_engine.vllm_report`), plus
+Each report is ``peagle-eval --engine vllm``'s (:func:`peagle_train.evaluate.vllm_eval.vllm_report`), plus
 ``judge_wall_s`` (this drafter's engine start and requests, seconds), ``reference_wall_s`` (the reference,
 shared), ``cpu_expand_fix`` and ``judge_env`` (vLLM's CPU thread and KV-cache variables: on a CPU shared with
 other jobs ``VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1`` keeps vLLM's OpenMP threads from waiting on
@@ -13,7 +13,7 @@ each other).
 
 vLLM runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). At T > 0 on a CPU build where vLLM's
 ``expand_batch_to_tokens`` is wrong (vLLM 0.32, issue #55005: draft tokens get uninitialised memory as their
-temperature; :func:`~peagle_train.evaluate.vllm_engine.check_vllm_sampling` refuses it), the CPU shim is replaced
+temperature; :func:`~peagle_train.generate.vllm_engine.check_vllm_sampling` refuses it), the CPU shim is replaced
 in this process by PR #55006's semantics (:func:`trace_vllm_rejection.expand_fixed`), the expansion is probed
 again in this process and must be exact, and every report says so (``cpu_expand_fix: true`` and
 ``vllm_sampling_check``). On an accelerator, or a CPU build with the fix, nothing is replaced.
@@ -41,9 +41,10 @@ import trace_vllm_rejection  # noqa: E402  (imports vLLM in this process)
 from vllm.utils import cpu_triton_utils  # noqa: E402
 
 from peagle_train.evaluate.config import EvalConfig  # noqa: E402
-from peagle_train.evaluate.vllm_engine import (  # noqa: E402
-    VLLM_CPU_EXPAND_BUG, VLLM_EXPAND_EXPECTED, VLLM_EXPAND_PROBE, check_speculators_verifier, check_vllm_sampling,
-    vllm_on_cpu, vllm_reference, vllm_speculative)
+from peagle_train.evaluate.vllm_eval import (  # noqa: E402
+    check_speculators_verifier, vllm_reference, vllm_speculative)
+from peagle_train.generate.vllm_engine import (  # noqa: E402
+    VLLM_CPU_EXPAND_BUG, VLLM_EXPAND_EXPECTED, VLLM_EXPAND_PROBE, check_vllm_sampling, vllm_on_cpu)
 from stores.errors import InputError  # noqa: E402
 
 CPU_FIX = ("vLLM's CPU expand_kernel shim (vllm/utils/cpu_triton_utils.py, _expand_kernel_impl) replaced in the "
@@ -57,7 +58,7 @@ JUDGE_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_S
 
 
 def probe_in_process() -> dict:
-    """:data:`~peagle_train.evaluate.vllm_engine.VLLM_EXPAND_PROBE` run in this process (after the fix)."""
+    """:data:`~peagle_train.generate.vllm_engine.VLLM_EXPAND_PROBE` run in this process (after the fix)."""
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         exec(VLLM_EXPAND_PROBE, {})  # noqa: S102  peagle's own probe text

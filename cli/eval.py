@@ -12,7 +12,8 @@ import click
 
 from cli.common import OutputPath, Writes, config_error, echo_json, handle_errors
 from cli.options import MIXTURE, config_file_options, config_options, run_config
-from peagle_train.evaluate.config import DRAFT_SAMPLE_METHODS, ENGINES, VLLM_LOADINGS, EvalConfig
+from peagle_train.generate.speculative import DRAFT_SAMPLE_METHODS
+from peagle_train.evaluate.config import ENGINES, VLLM_LOADINGS, EvalConfig
 from peagle_train.evaluate.report import format_report
 from peagle_train.evaluate.run import EvalRun, run_eval
 from runtime.chat.answer_parsing import REASONING_PARSERS
@@ -52,7 +53,7 @@ def main(drafter, verifier, prompts, store, output, force, **settings) -> None:
 
 def _exit_if_not_greedy(online: dict) -> None:
     """Exit 1 naming the prompts where greedy speculative decoding differed from greedy decoding other than at
-    a near tie the dtype allows (``mismatches``; peagle_train/evaluate/identity.py)."""
+    a near tie the dtype allows (``mismatches``; peagle_train/generate/identity.py)."""
     if online.get("mismatches"):
         click.echo(f"Error: speculative decoding differs from greedy decoding on prompts "
                    f"{', '.join(online['mismatches'])} ({(online.get('greedy_check') or {}).get('rule', 'exact')})",

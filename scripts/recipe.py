@@ -53,7 +53,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout: the peagle packages beside this script
 
-from peagle_train.evaluate.prompts import read_prompts  # noqa: E402 (after the path above)
+from peagle_train.evaluate.prompts import read_prompts  # noqa: E402 (after the path above
 from runtime.model_cache import load_tokenizer, resolve_model  # noqa: E402
 from runtime.vllm_runtime import peagle_vllm_refusal  # noqa: E402
 

@@ -44,8 +44,8 @@ report() {
 parallel=0
 if [ "${PEAGLE_VLLM:-0}" = 1 ] && [ $# -eq 0 ]; then parallel=1; fi
 VLLM_A=(tests/peagle_train/evaluate/test_vllm_serving.py
-        tests/peagle_train/evaluate/test_inference.py tests/peagle_train/evaluate/test_vllm_serve_documented.py
-        tests/bench/test_vllm_judge.py tests/peagle_train/evaluate/test_vllm_sampling.py)
+        tests/peagle_train/generate/test_inference.py tests/peagle_train/evaluate/test_vllm_serve_documented.py
+        tests/bench/test_vllm_judge.py tests/peagle_train/generate/test_vllm_sampling.py)
 logs=$(mktemp -d "${TMPDIR:-/tmp}/peagle-test.XXXXXX")
 pids=() names=()
 
@@ -65,7 +65,7 @@ if [ "$parallel" = 1 ]; then
   # transformers' internals (packed-segment masks, the model families, chat templates) is tested on it too.
   beside "transformers-5.19 set (.venv-vllm)" env OMP_NUM_THREADS=1 .venv-vllm/bin/python -m pytest -q \
     -p no:cacheprovider -m "not vllm" tests/peagle_data/extract/test_hf_forward.py \
-    tests/peagle_data/extract/test_families.py tests/peagle_train/evaluate/test_families_speculative.py \
+    tests/peagle_data/extract/test_families.py tests/peagle_train/generate/test_families_speculative.py \
     tests/peagle_data/chat/test_template_families.py tests/e2e/test_pipeline.py
   ignore=()
   for f in "${VLLM_A[@]}"; do ignore+=("--ignore=$f"); done

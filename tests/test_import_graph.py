@@ -31,6 +31,9 @@ ALLOWED_ARROWS = {
     "runtime": {"runtime", "stores"},
     "stores": {"stores"},
 }
+FORBIDDEN_FOLDER_ARROWS = {"peagle_train.generate": ("peagle_train.evaluate",)}
+"""Inside a package, folders that must not import another: decoding and the Python API never import evaluation
+(evaluation imports decoding)."""
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,12 @@ def wrong_arrows(graph: Graph) -> list[str]:
             if i.target.split(".")[0] not in ALLOWED_ARROWS[i.source.split(".")[0]]]
 
 
+def wrong_folder_arrows(graph: Graph) -> list[str]:
+    return [f"{i.source}:{i.line} imports {i.target}" for i in graph.imports
+            for folder, banned in FORBIDDEN_FOLDER_ARROWS.items()
+            if i.source.startswith(folder + ".") and i.target.startswith(tuple(b + "." for b in banned))]
+
+
 def reexports(graph: Graph) -> list[str]:
     """``__init__.py`` files that import our modules without defining anything themselves."""
     out = []
@@ -195,6 +204,10 @@ def test_package_arrows_point_down():
     assert wrong_arrows(read_graph(REPO)) == []
 
 
+def test_decoding_never_imports_evaluation():
+    assert wrong_folder_arrows(read_graph(REPO)) == []
+
+
 def test_no_reexport_facades():
     assert reexports(read_graph(REPO)) == []
 
@@ -229,7 +242,8 @@ if __name__ == "__main__":
     print(f"modules: {len(g.modules)}")
     for title, items in (("import cycles", cycles(g)), ("private cross-module imports", private_imports(g)),
                          ("imports of our modules inside functions", imports_in_functions(g)),
-                         ("arrows against the package order", wrong_arrows(g)), ("re-export facades", reexports(g))):
+                         ("arrows against the package order", wrong_arrows(g)),
+                         ("arrows against the folder order", wrong_folder_arrows(g)), ("re-export facades", reexports(g))):
         print(f"{title}: {len(items)}")
         for item in items:
             print(f"  {item}")

@@ -23,15 +23,16 @@ within the draft vocab and is therefore higher when the draft vocab is reduced.)
 - simulated acceptance length: ``1 + mean accepted`` (bonus token counted).
 
 Online (:func:`.online.evaluate_prompts`, :func:`.online.run_online_eval`, generating through
-:class:`.inference.PEAGLEInference`): per prompt turn, plain greedy decoding and greedy speculative decoding
-(:mod:`peagle_train.evaluate.speculative`, or with a tree :mod:`.tree`) with the same verifier, compared token
+:class:`peagle_train.generate.inference.PEAGLEInference`): per prompt turn, plain greedy decoding and greedy
+speculative decoding (:mod:`peagle_train.generate.speculative`, or with a tree :mod:`peagle_train.generate.tree`) with
+the same verifier, compared token
 for token; with ``temperature > 0`` plain sampling and speculative sampling (rejection sampling, seeded
 per prompt turn), which are not compared token for token. Acceptance length, rate and per-position acceptance are counted as vLLM reports them:
 ``AL = 1 + accepted / steps`` over verifier steps that checked at least one draft.
 
-Modules: :mod:`.config` (``EvalConfig``), :mod:`.prompts`, :mod:`.checks` (before weights load),
-:mod:`.online`, :mod:`.offline`, :mod:`.report`, :mod:`.run` (one ``peagle-eval`` run), :mod:`.speculative`,
-:mod:`.tree` and :mod:`.verifier` (speculative decoding, tree verification and the verifier's passes),
-:mod:`.inference` (the Python API: ``PEAGLEInference``), :mod:`.vllm_engine` (``--engine vllm``;
-imports vLLM only when run). Callers import from these modules; this package re-exports nothing.
+Modules: :mod:`.config` (``EvalConfig``), :mod:`.prompts` (reading evaluation prompts), :mod:`.checks` (before
+weights load), :mod:`.online`, :mod:`.offline`, :mod:`.replay`, :mod:`.cost_model`, :mod:`.report`, :mod:`.run`
+(one ``peagle-eval`` run: ``plan_eval`` into an ``EvalPlan``, what it resolved before any weights, then
+``evaluate_plan``), :mod:`.vllm_eval` (``--engine vllm``). Decoding and the Python API are :mod:`peagle_train.generate`'s, which
+imports nothing of this package. Callers import from these modules; this package re-exports nothing.
 """

@@ -3,65 +3,62 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
-from peagle_train.evaluate.prompts import read_prompts
-from peagle_train.evaluate.speculative import check_compatible, checked_num_draft_tokens
-from peagle_train.evaluate.tree import check_tree_config
+from peagle_train.evaluate.prompts import Prompt, read_prompts
+from peagle_train.generate.checks import check_drafter_tokenizer, check_verifier_config, trained_template_kwargs
+from peagle_train.generate.speculative import checked_num_draft_tokens
 from peagle_train.train.kinds import check_any_servable, load_drafter_of_kind
 from runtime.chat.chat_template import chat_template_kwargs_record, describe_kwargs
 from stores.errors import StoreMismatchError
 from stores.features.feature_store import check_layer_convention, FeatureStore
-from runtime.model_config import load_model_config, text_config
 from runtime.chat.setting_mixtures import Mixture
-from runtime.verifier_match import check_store_verifier, check_verifier_tokenizer
+from runtime.verifier_match import check_store_verifier
 
 
-def check_verifier_config(name: str, drafter) -> None:
-    """:func:`~peagle_train.evaluate.speculative.check_compatible` on MODEL ``name``'s config alone, before its
-    weights load.
+@dataclass(frozen=True)
+class CheckedInputs:
+    """What :func:`check_before_weights` read and resolved.
 
-    Raises:
-        InputError: the drafter does not fit the verifier. ModelNotFoundError: unknown MODEL.
+    Attributes:
+        prompts: the prompts read (``num_prompts`` of them), None without a prompts file.
+        online_verifier: the online verifier MODEL (given, else the drafter's), None without a prompts file.
+        store: the offline store opened, None without one.
+        offline_verifier: the offline verifier MODEL (given, else the store's; None: the store names none).
     """
 
-    check_compatible(SimpleNamespace(config=text_config(load_model_config(name))), drafter)
-
-
-def check_tree_verifier(name: str) -> None:
-    """:func:`~peagle_train.evaluate.tree.check_tree_config` on MODEL ``name``'s config alone, before its weights
-    load: a tree is refused for a verifier with recurrent layers (a hybrid) or layer types without a tree mask.
-
-    Raises:
-        InputError: with the reason. ModelNotFoundError: unknown MODEL.
-    """
-    check_tree_config(load_model_config(name))
+    prompts: list[Prompt] | None
+    online_verifier: str | None
+    store: FeatureStore | None
+    offline_verifier: str | None
 
 
 def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = None,
                          prompts_file: str | Path | None = None, store: str | Path | None = None,
-                         num_prompts: int | None = None, num_draft_tokens: int | None = None) -> None:
+                         num_prompts: int | None = None, num_draft_tokens: int | None = None) -> CheckedInputs:
     """Every check of a ``peagle-eval`` run that needs no verifier weights (docs/design.md §2): the
     prompts file, the drafter checkpoint (vLLM's rules: :func:`peagle_train.model.checkpoint.vllm_problems`),
     ``num_draft_tokens`` against its trained ``num_depths``, the
     store against the drafter, the online verifier's tokenizer against the drafter's training data
-    (:func:`check_drafter_tokenizer`), the offline verifier against the store (content fingerprint and the
-    tokenizer of its ids: :func:`runtime.verifier_match.check_store_verifier`), and each verifier's config
-    (online: ``verifier_name`` or the drafter's; offline: ``verifier_name`` or the store's).
+    (:func:`~peagle_train.generate.checks.check_drafter_tokenizer`), the offline verifier against the store
+    (content fingerprint and the tokenizer of its ids: :func:`runtime.verifier_match.check_store_verifier`), and each
+    verifier's config (online: ``verifier_name`` or the drafter's; offline: ``verifier_name`` or the store's).
+
+    Returns:
+        What the checks resolved (:class:`CheckedInputs`), for the run to take instead of resolving it again.
 
     Raises:
         InputError, StoreFormatError, StoreMismatchError, ModelNotFoundError: as the run would, later;
         InputError for a drafter vLLM would not serve as trained; StoreFormatError for a store whose aux
         layer L is the normed final state (an older peagle's).
     """
-    if prompts_file is not None:
-        read_prompts(prompts_file, num_prompts)
+    prompts = read_prompts(prompts_file, num_prompts) if prompts_file is not None else None
     check_any_servable(drafter_dir)  # vLLM's rules for its kind, for a drafter of any origin
     drafter = load_drafter_of_kind(drafter_dir)
     checked_num_draft_tokens(num_draft_tokens, drafter)
-    names = []
+    names, online, fs, offline = [], None, None, None
     if prompts_file is not None:
         online = verifier_name or drafter.config.verifier_name_or_path
         check_drafter_tokenizer(drafter_dir, online)
@@ -76,20 +73,7 @@ def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = No
         names.append(offline)
     for name in dict.fromkeys(n for n in names if n):
         check_verifier_config(name, drafter)
-
-
-def check_drafter_tokenizer(drafter_dir: str | Path, verifier_name: str) -> None:
-    """The verifier's tokenizer is the one the drafter's training data was tokenized with (the store's
-    ``tokenizer`` record, which ``peagle-train`` keeps in ``config.json`` as ``peagle_training.tokenizer``;
-    a checkpoint without it, e.g. another tool's, is not checked): the drafter's embedding rows and
-    ``d2t`` mean that tokenizer's tokens.
-
-    Raises:
-        StoreMismatchError: another tokenizer (:func:`runtime.verifier_match.check_tokenizer`).
-    """
-    config = json.loads((Path(drafter_dir) / "config.json").read_text())
-    recorded = (config.get("peagle_training") or {}).get("tokenizer") or {}
-    check_verifier_tokenizer(recorded, f"the training data of the drafter {drafter_dir}", verifier_name)
+    return CheckedInputs(prompts=prompts, online_verifier=online, store=fs, offline_verifier=offline)
 
 
 def check_store_fits(store, drafter) -> None:
@@ -100,17 +84,6 @@ def check_store_fits(store, drafter) -> None:
             f"{store.path}: store layers {store.layers}, hidden {store.hidden_size}, vocab {store.vocab_size}; "
             f"the drafter wants layers {cfg.aux_layer_ids}, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}. "
             "Evaluate on a store extracted from the drafter's verifier with its layers")
-
-
-def trained_template_kwargs(drafter_dir: str | Path) -> dict | None:
-    """The chat template variables the drafter's training data was rendered with (``config.json``'s
-    ``peagle_training.tokenizer.chat_template_kwargs``; ``{}`` when its record predates them), or None for
-    a checkpoint without peagle's tokenizer record (another tool's: nothing to check)."""
-    config = json.loads((Path(drafter_dir) / "config.json").read_text())
-    recorded = (config.get("peagle_training") or {}).get("tokenizer")
-    if not recorded:
-        return None
-    return chat_template_kwargs_record(recorded.get("chat_template_kwargs"))
 
 
 def template_mode(drafter_dir: str | Path, requested: dict | None, allow_mismatch: bool = False,

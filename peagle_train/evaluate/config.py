@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from peagle_train.generate.speculative import DRAFT_SAMPLE_METHODS
 from runtime.chat.answer_parsing import check_reasoning_parser
 from runtime.chat.chat_template import check_kwargs_names
 from runtime.chat.setting_mixtures import mode_options, template_variables
@@ -13,10 +14,6 @@ from runtime.vllm_runtime import VllmMemory
 ENGINES = ("peagle", "vllm")
 """Online engines of ``peagle-eval --engine``: peagle's own speculative decoder (transformers), or vLLM."""
 
-DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
-"""How drafts are picked at temperature > 0: vLLM's ``SpeculativeConfig.draft_sample_method`` values
-(vLLM 0.32's default ``greedy``: the drafter's argmax, taken as certain, q one-hot, in rejection sampling;
-``probabilistic``: a sample of the drafter's ``softmax(logits / T)``, accepted with ``min(1, p/q)``)."""
 
 VLLM_LOADINGS = ("speculative_config", "speculators")
 """How ``--engine vllm`` gives vLLM the drafter: ``speculative_config`` (``LLM(model=VERIFIER,

@@ -64,8 +64,8 @@ from typing import Any
 
 import torch
 
-from peagle_train.evaluate.speculative import DrafterSession, aux_features, propose_drafts
-from peagle_train.evaluate.verifier import (aux_hidden_states, config_recurrent_layers, crop_cache, new_cache,
+from peagle_train.generate.speculative import DrafterSession, aux_features, propose_drafts
+from peagle_train.generate.verifier import (aux_hidden_states, config_recurrent_layers, crop_cache, new_cache,
                                             rollback_cache, verifier_body_pass, verifier_pass)
 from stores.errors import InputError
 from runtime.progress import progress
@@ -168,7 +168,7 @@ def measure_step_costs(verifier, drafter, context_ids: Sequence[int] | torch.Ten
                        rounds: int = 15, warmup_rounds: int = 2,
                        on_round: Callable[[], None] | None = None) -> StepCosts:
     """Time a greedy step and, for every K = 1..``max_draft_tokens``, a speculative step's drafter pass and
-    verifier pass, as :func:`~peagle_train.evaluate.speculative.speculative_generate` runs them.
+    verifier pass, as :func:`~peagle_train.generate.speculative.speculative_generate` runs them.
 
     After a prefill of ``context_ids`` (P tokens) each round times, interleaved so that a change of load
     hits all of them alike: one greedy one-token pass (``verifier_pass`` with the plain KV cache, which

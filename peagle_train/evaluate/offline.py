@@ -16,11 +16,12 @@ from peagle_train.data.loader import split_blocks
 from peagle_train.data.multistore import store_identity
 from peagle_train.data.segment_hashes import count_in, segment_hashes
 from peagle_train.data.split import SPLIT_CONVERSATIONS
-from peagle_train.evaluate.checks import check_store_fits, check_verifier_config
+from peagle_train.evaluate.checks import check_store_fits
+from peagle_train.generate.checks import check_verifier_config
 from peagle_train.evaluate.config import DEFAULT_MAX_NEW_TOKENS, EvalConfig
-from peagle_train.evaluate.prompts import verifier_eos_ids
+from peagle_train.generate.render import verifier_eos_ids
 from peagle_train.evaluate.replay import TurnReplay
-from peagle_train.evaluate.speculative import checked_num_draft_tokens
+from peagle_train.generate.speculative import checked_num_draft_tokens
 from peagle_train.model.attention import element_attention
 from peagle_train.model.checkpoint import TRAINING_SEGMENTS_FILE, read_training_segments
 from peagle_train.train.kinds import load_drafter_of_kind
@@ -496,6 +497,21 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
     check_store_fits(fs, drafter)
     check_complete(fs, allow_partial)
     max_new_tokens, limit_from = replay_max_new_tokens(fs, max_new_tokens)
+    chosen, contaminated = choose_blocks(fs, drafter_dir, blocks, max_blocks, log)
+    name = verifier_name or fs.attrs.get("verifier", {}).get("name_or_path")
+    if not name:
+        raise StoreMismatchError(f"{store}: the store names no verifier; pass verifier_name")
+    check_verifier_config(name, drafter)  # config alone
+    check_store_verifier(fs, name)  # the store's turns are this verifier's answers (hashes its files, loads nothing)
+    return score_store(drafter, fs, name, chosen, contaminated, max_new_tokens, limit_from, drafter_dir=drafter_dir,
+                       store=store, num_depths=num_depths, chunk_anchors=chunk_anchors,
+                       progress_factory=progress_factory, log=log, seed=seed, all_anchor=all_anchor)
+
+
+def choose_blocks(fs: FeatureStore, drafter_dir: str | Path, blocks: Sequence[int] | None, max_blocks: int | None,
+                  log: Callable[[str], None]) -> tuple[BlockSelection, dict[str, Any]]:
+    """The blocks an offline run scores (``blocks``, else :func:`select_eval_blocks`), each selection warning and
+    the contamination line logged; ``(selection, contamination(...))``."""
     if blocks is None:
         chosen = select_eval_blocks(fs, json.loads((Path(drafter_dir) / "config.json").read_text()), max_blocks)
     else:
@@ -504,14 +520,20 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
                                 fs.n_blocks, [])
     for note in chosen.warnings:
         log(f"warning: {note}")
-    ids = chosen.ids
-    contaminated = contamination(fs, ids, drafter_dir)
+    contaminated = contamination(fs, chosen.ids, drafter_dir)
     log(contamination_line(contaminated, drafter_dir))
-    name = verifier_name or fs.attrs.get("verifier", {}).get("name_or_path")
-    if not name:
-        raise StoreMismatchError(f"{store}: the store names no verifier; pass verifier_name")
-    check_verifier_config(name, drafter)  # config alone
-    check_store_verifier(fs, name)  # the store's turns are this verifier's answers (hashes its files, loads nothing)
+    return chosen, contaminated
+
+
+def score_store(drafter, fs: FeatureStore, name: str, chosen: BlockSelection, contaminated: dict[str, Any],
+                max_new_tokens: int, limit_from: str, *, drafter_dir: str | Path, store: str | Path,
+                num_depths: int | None = None, chunk_anchors: int = 256,
+                progress_factory: Callable[[int], Any] | None = None, log: Callable[[str], None] = lambda m: None,
+                seed: int = 0, all_anchor: bool = False) -> dict[str, Any]:
+    """The report of :func:`run_offline_eval` on the checked store ``fs`` and verifier MODEL ``name``: the
+    ``chosen`` blocks scored by the loaded ``drafter``, replayed with ``max_new_tokens`` (recorded as from
+    ``limit_from``); reads the verifier's tokenizer and generation config, with ``all_anchor`` its output head."""
+    ids = chosen.ids
     lm_head = load_output_head(name) if all_anchor else None  # [V, H] the verifier's dtype
     eos = verifier_eos_ids(name)
     replay = TurnReplay(checked_num_draft_tokens(num_depths, drafter), max_new_tokens, frozenset(eos), seed)

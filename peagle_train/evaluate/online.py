@@ -9,16 +9,17 @@ from pathlib import Path
 from typing import Any
 
 
-from peagle_train.evaluate.checks import check_drafter_tokenizer, check_tree_verifier, check_verifier_config
-from peagle_train.evaluate.verifier import config_recurrent_layers
+from peagle_train.generate.checks import check_drafter_tokenizer, check_tree_verifier, check_verifier_config
+from peagle_train.generate.verifier import config_recurrent_layers
 from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.cost_model import HYBRID_COSTS_SKIPPED, cost_model_report, measure_trusted_costs
-from peagle_train.evaluate.identity import EXACT_DTYPES, compare_to_greedy, dtype_name, greedy_check_summary
-from peagle_train.evaluate.prompts import Prompt, history_message, prompt_modes, read_prompts, render_turn, turn_text
+from peagle_train.generate.identity import EXACT_DTYPES, compare_to_greedy, dtype_name, greedy_check_summary
+from peagle_train.evaluate.prompts import Prompt, history_message, prompt_modes, read_prompts, render_turn
+from peagle_train.generate.render import turn_text
 from peagle_train.evaluate.report import per_mode_report, write_json
-from peagle_train.evaluate.inference import PEAGLEInference, load_for_decoding
-from peagle_train.evaluate.speculative import GenerationResult, Truncation, acceptance_scheme, served_truncation
-from peagle_train.evaluate.tree import TreeGenerationResult, TreeSpec
+from peagle_train.generate.inference import PEAGLEInference, load_for_decoding
+from peagle_train.generate.speculative import GenerationResult, Truncation, acceptance_scheme, served_truncation
+from peagle_train.generate.tree import TreeGenerationResult, TreeSpec
 from peagle_train.train.kinds import load_drafter_of_kind
 from stores.errors import InputError
 from runtime.model_cache import load_tokenizer
@@ -99,7 +100,7 @@ def _turn_record(tokenizer, prompt: Prompt, turn: int, prompt_tokens: int, base:
     plain decoding's (``reference_text``: greedy at T = 0, a plain sample at T > 0), each without the
     EOS that ends it (:func:`turn_text`), ``finish_reason`` (``stop``: it ended with an EOS;
     ``length``: at ``max_new_tokens``), and at T = 0 the identity ``check``
-    (:func:`~peagle_train.evaluate.identity.compare_to_greedy`: ``identical_to_greedy``, ``divergence``)."""
+    (:func:`~peagle_train.generate.identity.compare_to_greedy`: ``identical_to_greedy``, ``divergence``)."""
     eos = set(eos)
     return {
         "prompt_id": prompt.prompt_id, "turn": turn, "prompt_tokens": prompt_tokens,
@@ -144,7 +145,7 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
             decoding, and at a turn's end with both decodings' unused ``max_new_tokens``: a bar of total
             ``2 * max_new_tokens * turns`` tokens (:func:`progress_total`) advances within a turn.
         truncation: at T > 0, the top-k / top-p of the verifier's distribution, both decodings
-            (:func:`~peagle_train.evaluate.speculative.served_truncation`); ``sampling`` its record for the report.
+            (:func:`~peagle_train.generate.speculative.served_truncation`); ``sampling`` its record for the report.
 
     Returns:
         The report (see :func:`run_online_eval`).
@@ -287,17 +288,25 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
         check_tree_verifier(name)
     check_drafter_tokenizer(drafter_dir, name)
     truncation, sampling = served_truncation(name, config.top_k, config.top_p)
-    verifier, drafter = load_for_decoding(drafter, name)
-    tokenizer = load_tokenizer(name)
-    bar = progress_factory(progress_total(prompts, config.online_max_new_tokens())) if progress_factory else None
-    try:
-        report = evaluate_prompts(verifier, drafter, tokenizer, prompts, config,
-                                  progress=bar.update if bar is not None else None, truncation=truncation,
-                                  sampling=sampling)
-    finally:
-        if bar is not None:
-            bar.close()
+    report = online_report(drafter, name, prompts, config, truncation, sampling, progress_factory)
     report = {"drafter": str(drafter_dir), "verifier": str(name), "prompts": str(prompts_file), **report}
     if output is not None:
         write_json(report, output)
     return report
+
+
+def online_report(drafter, name: str, prompts: Sequence[Prompt], config: EvalConfig, truncation: Truncation,
+                  sampling: dict[str, Any], progress_factory: Callable[[int], Any] | None = None) -> dict[str, Any]:
+    """:func:`evaluate_prompts` of the ``drafter`` (a loaded checkpoint, checked against verifier MODEL ``name``
+    before any weights) on the read ``prompts``: loads the verifier's weights and tokenizer, then decodes with
+    ``truncation`` (``sampling``: where its top-k / top-p came from, :func:`served_truncation`)."""
+    verifier, drafter = load_for_decoding(drafter, name)
+    tokenizer = load_tokenizer(name)
+    bar = progress_factory(progress_total(prompts, config.online_max_new_tokens())) if progress_factory else None
+    try:
+        return evaluate_prompts(verifier, drafter, tokenizer, prompts, config,
+                                progress=bar.update if bar is not None else None, truncation=truncation,
+                                sampling=sampling)
+    finally:
+        if bar is not None:
+            bar.close()

@@ -6,14 +6,13 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
+from peagle_train.generate.render import check_messages
 from runtime.chat.answer_parsing import AnswerFormatError, answer_message, parse_answer
 from runtime.chat.chat_template import ChatTemplate, prompt_ids, render
 from stores.errors import InputError
 from stores.files import json_line_problem
-from runtime.model_cache import load_generation_config, load_tokenizer
 from stores.tables.question_rows import QUESTION_FIELDS, QuestionRowError, question_id, question_turns
 from runtime.chat.setting_mixtures import row_settings
 
@@ -31,26 +30,6 @@ class Prompt:
     prefix: list[dict[str, str]] = field(default_factory=list)
 
 
-def _check_messages(msgs: Any, file: str, row: int) -> None:
-    """Raise InputError unless ``msgs`` is a list of ``{"role": str, "content": str}`` without tool calls,
-    naming the first message that is not (docs/design.md §9: evaluation prompts are plain chat)."""
-    def bad(message: str):
-        return InputError(message, file=file, row=row, field="messages")
-
-    if not isinstance(msgs, list):
-        raise bad(f"expected a list of {{'role': str, 'content': str}}, got {type(msgs).__name__}")
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad(f"message {i}: expected {{'role': str, 'content': str}}")
-        if m["role"] == "tool" or m.get("tool_calls") or m.get("function_call"):
-            raise bad(f"message {i} ({m['role']}): tool calls and tool results are not supported in evaluation "
-                      "prompts, which are plain system/user/assistant messages with string content; drop the "
-                      "row or its tool turns")
-        if not isinstance(m.get("content"), str):
-            raise bad(f"message {i} ({m['role']}): content must be a string, got "
-                      f"{type(m.get('content')).__name__} (lists of content parts are not supported)")
-
-
 def _parse_prompt(obj: Any, file: str, row: int) -> Prompt:
     if not isinstance(obj, dict):
         raise InputError(f"expected a JSON object, got {type(obj).__name__}", file=file, row=row)
@@ -62,7 +41,7 @@ def _parse_prompt(obj: Any, file: str, row: int) -> Prompt:
             raise InputError(e.reason, file=file, row=row, field=e.field) from None
     if "messages" in obj:
         msgs = obj["messages"]
-        _check_messages(msgs, file, row)
+        check_messages(msgs, file, row)
         users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
         if not users:
             raise InputError("no user message to answer", file=file, row=row, field="messages")
@@ -162,23 +141,6 @@ def prompt_modes(prompts: Sequence[Prompt], fixed: dict[str, Any] | None, variab
     return [row_settings(0.0, variables, seed, p.prompt_id, kept).template_kwargs() for p in prompts]
 
 
-def eos_ids(tokenizer, verifier) -> list[int]:
-    ids: set[int] = set()
-    for value in (getattr(tokenizer, "eos_token_id", None),
-                  getattr(getattr(verifier, "generation_config", None), "eos_token_id", None)):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    return sorted(ids)
-
-
-def verifier_eos_ids(name: str) -> list[int]:
-    """:func:`eos_ids` of MODEL ``name`` from its tokenizer and generation config alone (no weights): the ids a
-    loaded verifier's ``generate`` stops at."""
-    return eos_ids(load_tokenizer(name), SimpleNamespace(generation_config=load_generation_config(name)))
-
-
 def answer_text(tokenizer, tokens: Sequence[int], eos: Iterable[int]) -> str:
     """The text of generated ``tokens`` without EOS ids and special tokens, not cleaned up (it is
     rendered into the next turn's prompt and re-tokenized: ``x != y`` must stay ``x != y``)."""
@@ -217,23 +179,3 @@ def history_message(tokenizer, tokens: Sequence[int], eos: Iterable[int], reason
     return answer_message(parsed)
 
 
-def turn_text(tokenizer, tokens: Sequence[int], eos: Iterable[int]) -> str:
-    """A generated turn's text: its tokens decoded with special tokens kept (a template token in the
-    output stays visible), without the EOS that ends the turn (``finish_reason`` says it was there)."""
-    cut = list(tokens[:-1]) if tokens and tokens[-1] in set(eos) else list(tokens)
-    return tokenizer.decode(cut, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
-def render_messages(tokenizer, messages: Any, chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """Token ids of chat ``messages`` with the chat template and a generation prompt, as :func:`render_turn`
-    renders an evaluation turn; ``chat_template_kwargs`` are the template's variables (vLLM's
-    ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``).
-
-    Raises:
-        InputError: messages that are not plain ``{"role": str, "content": str}`` (tool calls, tool results,
-            content-part lists), or none at all.
-    """
-    _check_messages(messages, None, None)
-    if not messages:
-        raise InputError("no messages to render", field="messages")
-    return prompt_ids(tokenizer, list(messages), None, ChatTemplate(None, dict(chat_template_kwargs or {})))

@@ -1,5 +1,6 @@
-"""One ``peagle-eval`` run: the checks, offline and/or online evaluation, the merged report, its
-JSON and PNG (docs/design.md §9). The command line only builds an :class:`EvalRun` and prints."""
+"""One ``peagle-eval`` run: :func:`plan_eval` (every check before the weights, into an :class:`EvalPlan` that keeps
+what it resolved), then offline and/or online evaluation on the plan, the merged report, its JSON and PNG
+(docs/design.md §9). The command line only builds an :class:`EvalRun` and prints."""
 
 from __future__ import annotations
 
@@ -9,24 +10,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peagle_train.evaluate.checks import check_before_weights, template_mode
+from peagle_train.evaluate.checks import CheckedInputs, check_before_weights, template_mode
 from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.cost_model import (HYBRID_COSTS_SKIPPED, cost_model_report, first_prompt_ids,
                                               measure_trusted_costs)
-from peagle_train.evaluate.offline import run_offline_eval
-from peagle_train.evaluate.inference import load_for_decoding
-from peagle_train.evaluate.online import run_online_eval
-from peagle_train.evaluate.verifier import config_recurrent_layers
+from peagle_train.evaluate.offline import check_complete, choose_blocks, replay_max_new_tokens, score_store
+from peagle_train.evaluate.online import online_report
+from peagle_train.evaluate.prompts import Prompt
 from peagle_train.evaluate.report import foreign_report_files, write_acceptance_plot, write_json
-from peagle_train.evaluate.vllm_engine import check_vllm_sampling, import_vllm, run_vllm_eval, vllm_on_cpu
+from peagle_train.evaluate.vllm_eval import check_speculators_verifier, vllm_reference, vllm_speculative
+from peagle_train.generate.checks import check_tree_verifier
+from peagle_train.generate.inference import load_for_decoding
+from peagle_train.generate.speculative import Truncation, check_draft_sample_method, served_truncation
+from peagle_train.generate.verifier import config_recurrent_layers
+from peagle_train.generate.vllm_engine import check_vllm_sampling, check_vllm_verifier, import_vllm, vllm_on_cpu
 from peagle_train.model.checkpoint import find_drafter
 from peagle_train.train.kinds import checkpoint_kind, load_drafter_of_kind
-from stores.errors import ForeignFilesError, OutputExistsError
+from stores.errors import ForeignFilesError, InputError, OutputExistsError, StoreMismatchError
 from stores.features.feature_store import FeatureStore
 from runtime.progress import progress
 from runtime.model_config import load_model_config
 
-__all__ = ["EvalRun", "run_eval", "VLLM_COSTS_SKIPPED", "OFFLINE_COSTS_NOT_ASKED"]
+__all__ = ["EvalRun", "EvalPlan", "OnlinePlan", "OfflinePlan", "plan_eval", "evaluate_plan", "plan_offline_report", "plan_online_report", "run_eval", "VLLM_COSTS_SKIPPED", "OFFLINE_COSTS_NOT_ASKED"]
 
 VLLM_COSTS_SKIPPED = ("--engine vllm: the cost model times peagle's own decoder (transformers), not vLLM, so it is "
                       "not applied to vLLM's acceptance; with --store and --measure-costs the offline report holds "
@@ -62,48 +67,168 @@ class EvalRun:
                              "mode: give --prompts, or evaluate the store in one mode (--chat-template-kwargs)")
 
 
-def _progress(desc: str, unit: str) -> Callable[[int], Any]:
-    """A ``total -> bar`` factory writing to stderr (:func:`runtime.progress.progress`)."""
-    return lambda total: progress(total=total, desc=desc, unit=unit, dynamic_ncols=True)
-
-
-def _check_output(run: EvalRun) -> None:
-    """Raise OutputExistsError when the report or its PNG exists and ``force`` is not set, ForeignFilesError when
-    ``force`` would replace files that are no report of peagle-eval's (:func:`foreign_report_files`)."""
+def _check_output(run: EvalRun) -> Path | None:
+    """The report's path (None: none asked). Raises OutputExistsError when the report or its PNG exists and ``force``
+    is not set, ForeignFilesError when ``force`` would replace files that are no report of peagle-eval's
+    (:func:`foreign_report_files`)."""
     if run.output is None:
-        return
+        return None
     for existing in (Path(run.output), Path(run.output).with_suffix(".png")):
         if existing.exists() and not run.force:
             raise OutputExistsError(str(existing))
     foreign = foreign_report_files(run.output)
     if foreign:
         raise ForeignFilesError(str(run.output), [str(p) for p in foreign], "--output", ["an evaluation report"])
+    return Path(run.output)
 
 
-def _evaluate(run: EvalRun, drafter: str, log: Callable[[str], None]) -> dict[str, Any]:
+@dataclass(frozen=True, kw_only=True)
+class OnlinePlan:
+    """The online half of an :class:`EvalPlan`: what the prompts are decoded with."""
+
+    verifier: str
+    """Verifier MODEL (``--verifier``, else the drafter's), its config and tokenizer checked against the drafter."""
+    prompts_file: str
+    prompts: list[Prompt]
+    """The prompts read (``--num-prompts`` of them)."""
+    truncation: Truncation
+    """The verifier's top-k / top-p at T > 0 (:func:`served_truncation`)."""
+    sampling: dict[str, Any]
+    """Where ``truncation`` came from, for the report."""
+    vllm_sampling_check: str | None = None
+    """``--engine vllm``: :func:`check_vllm_sampling`'s words, for the report; None with peagle's engine."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OfflinePlan:
+    """The offline half of an :class:`EvalPlan`: the store scored and its limits."""
+
+    store: FeatureStore
+    """The STORE opened, its layers and sizes checked against the drafter, complete (or ``--allow-partial``)."""
+    verifier: str | None
+    """Verifier MODEL (``--verifier``, else the store's), checked against the store; None: the store names none
+    (refused when the evaluation reaches it)."""
+    max_new_tokens: int
+    """The replay's limit per turn (:func:`replay_max_new_tokens`), and ``max_new_tokens_from`` where it came from."""
+    max_new_tokens_from: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalPlan:
+    """One ``peagle-eval`` run after every check that needs no verifier weights (:func:`plan_eval`): what it
+    resolved, so that the evaluation takes the plan instead of resolving again."""
+
+    run: EvalRun
+    """The run, its ``settings.chat_template_kwargs`` the template mode's (``template_mode``)."""
+    drafter: str
+    """The drafter checkpoint directory (a training output's final/ or newest checkpoint-N/)."""
+    output: Path | None
+    """The report's path, checked (a PNG beside it), or None."""
+    template_mode: dict[str, Any]
+    """The report's ``template_mode`` (:func:`template_mode`)."""
+    online: OnlinePlan | None
+    """With ``--prompts``."""
+    offline: OfflinePlan | None
+    """With ``--store``."""
+
+
+def _progress(desc: str, unit: str) -> Callable[[int], Any]:
+    """A ``total -> bar`` factory writing to stderr (:func:`runtime.progress.progress`)."""
+    return lambda total: progress(total=total, desc=desc, unit=unit, dynamic_ncols=True)
+
+
+def _vllm_checks(drafter: str, settings: EvalConfig) -> str:
+    """``--engine vllm``'s checks before any work: a vLLM that serves the drafter's kind, vLLM installed, and exact
+    sampling at ``settings.temperature``; returns :func:`check_vllm_sampling`'s words."""
+    checkpoint_kind(drafter).check_installed_vllm()  # P-EAGLE from vLLM 0.34 on: refused, no vLLM imported
+    import_vllm()  # MissingDependencyError naming the set-up command, before any work
+    return check_vllm_sampling(settings.temperature, vllm_on_cpu())  # T > 0 where vLLM samples wrongly: refused
+
+
+def _online_plan(drafter: str, run: EvalRun, checked: CheckedInputs, sampling_check: str | None) -> OnlinePlan:
+    """The online half: with peagle's engine the tree checked against the verifier's config and the verifier's
+    top-k / top-p read; with vLLM the draft sample method, the loading and the verifier checked."""
+    s, name = run.settings, checked.online_verifier
+    if not name:
+        raise InputError("the drafter's config names no verifier; pass one", field="--verifier")
+    if s.engine == "vllm":
+        check_draft_sample_method(s.draft_sample_method)
+        check_vllm_verifier(name, vllm_on_cpu())
+        if s.vllm_loading == "speculators":
+            check_speculators_verifier(drafter, name)
+    elif s.tree_topk is not None or s.tree_nodes is not None:
+        check_tree_verifier(name)
+    truncation, sampling = served_truncation(name, s.top_k, s.top_p)
+    return OnlinePlan(verifier=name, prompts_file=str(run.prompts), prompts=checked.prompts, truncation=truncation,
+                      sampling=sampling, vllm_sampling_check=sampling_check)
+
+
+def plan_eval(run: EvalRun, log: Callable[[str], None] = print) -> EvalPlan:
+    """Every check of a ``peagle-eval`` run that needs no verifier weights, in one pass: the drafter found, the
+    output, vLLM (``--engine vllm``), the prompts, drafter, store and verifiers (:func:`check_before_weights`),
+    the template mode, the store's completeness and replay limit, the online engine's own checks.
+
+    Raises:
+        OutputExistsError, ForeignFilesError: the output. MissingDependencyError: ``--engine vllm`` without vLLM.
+        InputError, StoreFormatError, StoreMismatchError, ModelNotFoundError: from the checks.
+    """
+    found, note = find_drafter(run.drafter)  # a training output directory means its final/ checkpoint
+    if note:
+        log(note)
+    drafter, s = str(found), run.settings
+    output = _check_output(run)
+    vllm_online = run.prompts is not None and s.engine == "vllm"
+    sampling_check = _vllm_checks(drafter, s) if vllm_online else None
+    checked = check_before_weights(drafter, run.verifier, run.prompts, run.store, s.num_prompts, s.num_draft_tokens)
+    mode = template_mode(drafter, s.chat_template_kwargs, s.allow_template_mode_mismatch, run.store,
+                         s.mode_variables() if run.prompts is not None else None, s.seed)
+    if mode["mismatches"]:
+        log("WARNING: evaluating in another template mode (--allow-template-mode-mismatch): "
+            + "; ".join(mode["mismatches"]))
+    run = dataclasses.replace(run, settings=dataclasses.replace(s, chat_template_kwargs=mode["chat_template_kwargs"]))
+    offline = None
+    if checked.store is not None:
+        check_complete(checked.store, s.allow_partial)
+        limit, limit_from = replay_max_new_tokens(checked.store, s.max_new_tokens)
+        offline = OfflinePlan(store=checked.store, verifier=checked.offline_verifier, max_new_tokens=limit,
+                              max_new_tokens_from=limit_from)
+    online = _online_plan(drafter, run, checked, sampling_check) if run.prompts is not None else None
+    return EvalPlan(run=run, drafter=drafter, output=output, template_mode=mode, online=online, offline=offline)
+
+
+def plan_offline_report(plan: EvalPlan, log: Callable[[str], None]) -> dict[str, Any]:
+    """The offline report of the plan's store (:func:`score_store`; its checks are the plan's)."""
+    s, off = plan.run.settings, plan.offline
+    chosen, contaminated = choose_blocks(off.store, plan.drafter, None, s.max_blocks, log)
+    if not off.verifier:
+        raise StoreMismatchError(f"{plan.run.store}: the store names no verifier; pass verifier_name")
+    return score_store(load_drafter_of_kind(plan.drafter).eval(), off.store, off.verifier, chosen, contaminated,
+                       off.max_new_tokens, off.max_new_tokens_from, drafter_dir=plan.drafter, store=plan.run.store,
+                       num_depths=s.num_draft_tokens, chunk_anchors=s.chunk_anchors,
+                       progress_factory=_progress("offline eval", "block"), log=log, seed=s.seed,
+                       all_anchor=s.all_anchor)
+
+
+def plan_online_report(plan: EvalPlan, log: Callable[[str], None]) -> dict[str, Any]:
+    """The online report: vLLM's (:func:`vllm_speculative`) or peagle's own decoder's (:func:`online_report`)."""
+    s, on = plan.run.settings, plan.online
+    if s.engine == "vllm":
+        return vllm_speculative(vllm_reference(on.verifier, on.prompts_file, s, log, prompts=on.prompts,
+                                               served=(on.truncation, on.sampling)),
+                                plan.drafter, s, log, sampling_check=on.vllm_sampling_check)
+    report = online_report(load_drafter_of_kind(plan.drafter), on.verifier, on.prompts, s, on.truncation, on.sampling,
+                           _progress("online eval (plain + speculative)", "tok"))
+    return {"drafter": plan.drafter, "verifier": on.verifier, "prompts": on.prompts_file, **report}
+
+
+def evaluate_plan(plan: EvalPlan, log: Callable[[str], None] = print) -> dict[str, Any]:
     """The online report with the offline one under ``offline``, or the offline report alone."""
-    s = run.settings
-    offline = online = None
-    if run.store is not None:
-        offline = run_offline_eval(drafter, run.store, max_blocks=s.max_blocks, verifier_name=run.verifier,
-                                   num_depths=s.num_draft_tokens, chunk_anchors=s.chunk_anchors,
-                                   progress_factory=_progress("offline eval", "block"), log=log,
-                                   max_new_tokens=s.max_new_tokens, seed=s.seed, allow_partial=s.allow_partial,
-                                   all_anchor=s.all_anchor)
-    if run.prompts is not None and s.engine == "vllm":
-        online = run_vllm_eval(drafter, run.verifier, run.prompts, s, log=log)
-    elif run.prompts is not None:
-        online = run_online_eval(drafter, run.verifier, run.prompts, max_new_tokens=s.online_max_new_tokens(),
-                                 num_prompts=s.num_prompts, num_draft_tokens=s.num_draft_tokens,
-                                 progress_factory=_progress("online eval (plain + speculative)", "tok"), temperature=s.temperature,
-                                 seed=s.seed, measure_costs=s.measure_costs, tree_topk=s.tree_topk, top_k=s.top_k, top_p=s.top_p,
-                                 tree_nodes=s.tree_nodes, draft_sample_method=s.draft_sample_method,
-                                 chat_template_kwargs=s.chat_template_kwargs, reasoning_parser=s.reasoning_parser,
-                                 mixture={"reasoning_effort": s.reasoning_effort, "enable_thinking": s.enable_thinking,
-                                          "template_mixture": s.template_mixture})
+    s = plan.run.settings
+    offline = plan_offline_report(plan, log) if plan.offline is not None else None
+    online = plan_online_report(plan, log) if plan.online is not None else None
     if offline is not None and (online is None or s.engine == "vllm"):  # no online run of peagle's decoder
         if s.costs_measured(online_peagle=False):
-            offline = {**offline, "cost_model": _offline_cost_model(drafter, run.store, offline, s.cost_rounds)}
+            offline = {**offline, "cost_model": _offline_cost_model(plan, offline)}
         elif s.measure_costs is None:
             offline = {**offline, "cost_model": {"skipped": OFFLINE_COSTS_NOT_ASKED}}
     if online is None:
@@ -113,7 +238,7 @@ def _evaluate(run: EvalRun, drafter: str, log: Callable[[str], None]) -> dict[st
     return online if offline is None else {**online, "offline": offline}
 
 
-def _offline_cost_model(drafter: str, store: str, offline: dict[str, Any], rounds: int) -> dict[str, Any]:
+def _offline_cost_model(plan: EvalPlan, offline: dict[str, Any]) -> dict[str, Any]:
     """The ``cost_model`` from the offline acceptance (no acceptance of peagle's own decoder was measured), the
     steps timed with a KV cache of the first scored block's prompt (:func:`first_prompt_ids`); ``{"skipped":
     reason}`` when no anchor was scored."""
@@ -123,17 +248,18 @@ def _offline_cost_model(drafter: str, store: str, offline: dict[str, Any], round
         return {"skipped": "the offline evaluation scored no anchor: no acceptance to predict from"}
     if config_recurrent_layers(load_model_config(offline["verifier"])):
         return {"skipped": HYBRID_COSTS_SKIPPED}
-    context = first_prompt_ids(FeatureStore.open(store).read_block(offline["blocks"][0]))
-    # the verifier's config was checked before any weights (check_before_weights); the timing needs no
+    context = first_prompt_ids(plan.offline.store.read_block(offline["blocks"][0]))
+    # the verifier's config was checked before any weights (plan_eval); the timing needs no
     # tokenizer check: token ids do not change a step's cost
-    verifier, loaded = load_for_decoding(load_drafter_of_kind(drafter), offline["verifier"])
-    return cost_model_report(measure_trusted_costs(verifier, loaded, context, int(loaded.config.num_depths), rounds),
-                             offline)
+    verifier, loaded = load_for_decoding(load_drafter_of_kind(plan.drafter), offline["verifier"])
+    return cost_model_report(measure_trusted_costs(verifier, loaded, context, int(loaded.config.num_depths),
+                                                   plan.run.settings.cost_rounds), offline)
 
 
 def run_eval(run: EvalRun, log: Callable[[str], None] = print, config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Evaluate a drafter: every check that needs no weights first, then offline on ``run.store``
-    and online (speculative decoding) on ``run.prompts``; write the report atomically and its plot.
+    """Evaluate a drafter: every check that needs no weights first (:func:`plan_eval`), then offline on
+    ``run.store`` and online (speculative decoding) on ``run.prompts`` (:func:`evaluate_plan`); write the report
+    atomically and its plot.
 
     Returns:
         The report: the online report (``identical_to_greedy``, ``mismatches``, acceptance, speed)
@@ -146,33 +272,15 @@ def run_eval(run: EvalRun, log: Callable[[str], None] = print, config: dict[str,
         MissingDependencyError: ``--engine vllm`` without vLLM installed (names the set-up command).
         InputError: also ``--engine vllm`` with a vLLM that no longer serves P-EAGLE (from 0.34:
         :func:`runtime.vllm_runtime.check_vllm_serves_peagle`), or at T > 0 where vLLM's rejection sampler does not get the verifier's
-        distribution (:func:`~peagle_train.evaluate.vllm_engine.check_vllm_sampling`).
+        distribution (:func:`~peagle_train.generate.vllm_engine.check_vllm_sampling`).
         StoreFormatError, StoreMismatchError, ModelNotFoundError: from the checks.
     """
-    found, note = find_drafter(run.drafter)  # a training output directory means its final/ checkpoint
-    if note:
-        log(note)
-    drafter = str(found)
-    _check_output(run)
-    if run.prompts is not None and run.settings.engine == "vllm":
-        checkpoint_kind(drafter).check_installed_vllm()  # P-EAGLE from vLLM 0.34 on: refused, no vLLM imported
-        import_vllm()  # MissingDependencyError naming the set-up command, before any work
-        check_vllm_sampling(run.settings.temperature, vllm_on_cpu())  # T > 0 where vLLM samples wrongly: refused
-    check_before_weights(drafter, run.verifier, run.prompts, run.store, run.settings.num_prompts,
-                         run.settings.num_draft_tokens)
-    mode = template_mode(drafter, run.settings.chat_template_kwargs, run.settings.allow_template_mode_mismatch,
-                         run.store, run.settings.mode_variables() if run.prompts is not None else None,
-                         run.settings.seed)
-    if mode["mismatches"]:
-        log("WARNING: evaluating in another template mode (--allow-template-mode-mismatch): "
-            + "; ".join(mode["mismatches"]))
-    run = dataclasses.replace(run, settings=dataclasses.replace(run.settings,
-                                                                chat_template_kwargs=mode["chat_template_kwargs"]))
-    report = {**_evaluate(run, drafter, log), "template_mode": mode}
+    plan = plan_eval(run, log)
+    report = {**evaluate_plan(plan, log), "template_mode": plan.template_mode}
     if config is not None:
         report = {**report, "config": config}
-    if run.output is not None:
-        write_json(report, run.output)  # atomic (stores.staging)
-        write_acceptance_plot(report if run.prompts is not None else {"offline": report},
-                              Path(run.output).with_suffix(".png"))
+    if plan.output is not None:
+        write_json(report, plan.output)  # atomic (stores.staging)
+        write_acceptance_plot(report if plan.online is not None else {"offline": report},
+                              plan.output.with_suffix(".png"))
     return report

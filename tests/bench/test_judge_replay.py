@@ -80,11 +80,11 @@ def test_a_judge_set_of_the_training_conversations_is_refused(tiny_verifier, tin
     """A drafter trained on the very conversations of the judge set: every one of them counted (2 of 2) and the
     judge refuses it unless --allow-contaminated."""
     from peagle_train.data.segment_hashes import training_segment_hashes
-    from peagle_train.evaluate.speculative import speculative_generate
+    from peagle_train.generate.speculative import speculative_generate
     from peagle_train.model.checkpoint import save_drafter
     from stores.features.feature_store import FeatureStore
     from tests.peagle_train.evaluate.test_evaluate import make_store
-    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+    from tests.peagle_train.generate.test_speculative import tiny_drafter
 
     drafter = tiny_drafter(tiny_verifier, num_depths=3)
     drafter.config.verifier_name_or_path = str(tiny_verifier_dir)

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.vllm
 
 def test_at_t1_a_broken_cpu_build_is_fixed_in_process_and_said_so_and_at_t0_nothing_is_replaced():
     code = ("import json, vllm_judge\n"
-            "from peagle_train.evaluate.vllm_engine import VLLM_EXPAND_EXPECTED, probe_vllm_expand, vllm_on_cpu\n"
+            "from peagle_train.generate.vllm_engine import VLLM_EXPAND_EXPECTED, probe_vllm_expand, vllm_on_cpu\n"
             "shipped = (not vllm_on_cpu()) or probe_vllm_expand() == VLLM_EXPAND_EXPECTED\n"
             "print(json.dumps([vllm_judge.sampling_check(0.0), vllm_judge.sampling_check(1.0), vllm_judge.CPU_FIX, "
             "shipped]))")  # T = 0 first: it must replace nothing

@@ -41,7 +41,7 @@ def test_a_packed_table_where_a_store_is_read_points_to_extract(tmp_path, tiny_v
     from cli.eval import main as eval_main
     from cli.train import main as train_main
     from peagle_train.model.checkpoint import save_drafter
-    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+    from tests.peagle_train.generate.test_speculative import tiny_drafter
 
     packed = str(write_packed(tmp_path / "packed", n_blocks=1, block_size=24))
     hint = (f"{packed} is a packed token table (manifest.json), not a feature store: extract its features first "

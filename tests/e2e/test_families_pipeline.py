@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from cli.data import main as data_main
 from cli.eval import main as eval_main
 from cli.train import main as train_main
-from peagle_train.evaluate.vllm_engine import VllmSpeculativeEngine
+from peagle_train.generate.vllm_engine import VllmSpeculativeEngine
 from peagle_train.train.setup import verifier_rope
 from stores.errors import InputError
 from stores.features.feature_store import FeatureStore
@@ -137,7 +137,7 @@ SERVED_PROMPTS = [{"question_id": i, "turns": [f"Count from {i} to 9."]} for i i
 def peagle_counts(vllm_accepted: list[int], drafted: list[int]) -> list[int]:
     """Each step's accepted drafts as peagle counts them, from vLLM's on the same tokens: vLLM drafts K at every
     step, also where fewer tokens are left (peagle drafts ``min(K, left - 1)``, ``drafted``), and counts the
-    acceptances the output then cuts (peagle_train/evaluate/vllm_engine.py's docstring)."""
+    acceptances the output then cuts (peagle_train/generate/vllm_engine.py's docstring)."""
     return [min(a, k) for a, k in zip(vllm_accepted, drafted)]
 
 
@@ -264,7 +264,7 @@ def test_vllm_cpu_speculation_on_mamba2_is_not_greedy(tmp_path, smollm2_tokenize
 def test_peagle_eval_refuses_a_mamba2_verifier_on_vllm_cpu_before_any_engine(tmp_path, smollm2_tokenizer_dir):
     """peagle-eval --engine vllm on CPU with a Nemotron-H verifier: exit 2 naming the reason and what to use
     instead, before vLLM starts (peagle's own engine decodes Nemotron-H identically to greedy:
-    tests/peagle_train/evaluate/test_families_speculative.py)."""
+    tests/peagle_train/generate/test_families_speculative.py)."""
     model = _mamba2_verifier(tmp_path / "verifier", smollm2_tokenizer_dir)
     prompts = _pack_and_extract(tmp_path, model, "1,2,4")
     _run(train_main, ["--store", tmp_path / "f.zarr", "--output", tmp_path / "drafter", "--max-steps", 2,

@@ -338,7 +338,7 @@ def test_greedy_is_peagle_evals_argmax_not_the_verifiers_generation_config(tmp_p
     regenerated turn's ids are peagle-eval's greedy reference and generate(repetition_penalty=1.0)."""
     import torch
 
-    from peagle_train.evaluate.speculative import greedy_generate
+    from peagle_train.generate.speculative import greedy_generate
     from runtime.model_cache import load_tokenizer, load_verifier
 
     d = str(repeating_verifier_dir)

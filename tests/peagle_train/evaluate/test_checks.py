@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from peagle_train.evaluate.checks import template_mode, trained_template_kwargs
+from peagle_train.evaluate.checks import template_mode
+from peagle_train.generate.checks import trained_template_kwargs
 from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.report import format_report
 from stores.errors import StoreMismatchError

@@ -11,26 +11,17 @@ import pytest
 import torch
 
 from peagle_train.evaluate.config import EvalConfig
-from peagle_train.evaluate.cost_model import (
-    ASSUMPTIONS,
-    StepCosts,
-    acceptance_shares,
-    cost_model_report,
-    cost_problems,
-    expected_acceptance_length,
-    format_cost_model,
-    first_prompt_ids,
-    measure_step_costs,
-    measure_trusted_costs,
-    predict_speedups,
-)
+from peagle_train.evaluate.cost_model import (ASSUMPTIONS, StepCosts, acceptance_shares, cost_model_report,
+                                              cost_problems, expected_acceptance_length, format_cost_model,
+                                              first_prompt_ids, measure_step_costs, measure_trusted_costs,
+                                              predict_speedups)
 from peagle_train.evaluate.online import evaluate_prompts
 from peagle_train.evaluate.prompts import Prompt, render_turn
 from peagle_train.evaluate.report import format_report
 from peagle_train.evaluate.run import OFFLINE_COSTS_NOT_ASKED
 from stores.errors import InputError
 from tests.peagle_train.evaluate.test_evaluate import saved_drafter_and_store, write_lines
-from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+from tests.peagle_train.generate.test_speculative import tiny_drafter
 
 
 def costs(verify_1_ms: float, verify_ms: list[float], draft_ms: list[float]) -> StepCosts:
@@ -251,7 +242,7 @@ def test_a_hybrid_verifier_is_not_timed():
     """A hybrid verifier's rejecting steps also feed the kept tokens again, which the model does not time: refused
     with the reason, before any pass."""
     import peagle_train.evaluate.cost_model as cost_model
-    from peagle_train.evaluate.verifier import config_recurrent_layers
+    from peagle_train.generate.verifier import config_recurrent_layers
     from tests.families import family_config
 
     config = family_config("qwen3_next")

@@ -179,7 +179,7 @@ def test_offline_equal_counts_mean_a_collapsed_drafter():
 
 
 def test_offline_real_drafter_chunking_invariant():
-    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+    from tests.peagle_train.generate.test_speculative import tiny_drafter
 
     verifier = SimpleNamespace(config=SimpleNamespace(hidden_size=64, vocab_size=49152))
     drafter = tiny_drafter(verifier, num_depths=4)
@@ -275,7 +275,7 @@ def test_real_mt_bench_file_reads():
 
 # ------------------------------------------------------------------ online report
 def test_online_report(tiny_verifier, smollm2_tokenizer, tmp_path):
-    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+    from tests.peagle_train.generate.test_speculative import tiny_drafter
 
     prompts = [Prompt("a", ["Hello there", "Tell me more"]), Prompt("b", ["Name a color."])]
     report = evaluate_prompts(tiny_verifier, tiny_drafter(tiny_verifier), smollm2_tokenizer, prompts,
@@ -288,7 +288,7 @@ def test_online_report(tiny_verifier, smollm2_tokenizer, tmp_path):
     assert report["tokens_per_second"] > 0 and report["baseline_tokens_per_second"] > 0
     assert "acceptance length" in format_report(report)
     # the generated text and its greedy reference are in the report, turn by turn
-    from peagle_train.evaluate.speculative import greedy_generate
+    from peagle_train.generate.speculative import greedy_generate
 
     eos = smollm2_tokenizer.eos_token_id
     first = greedy_generate(tiny_verifier, render_turn(smollm2_tokenizer, prompts[0], 0, []), 9, eos).tokens
@@ -305,7 +305,7 @@ def test_online_report(tiny_verifier, smollm2_tokenizer, tmp_path):
 def test_online_progress_advances_within_a_turn_and_ends_at_its_total(tiny_verifier, smollm2_tokenizer):
     # issue 34 item 6: the bar moved once per turn (40-140 s between updates on MT-Bench); now per decoding step
     from peagle_train.evaluate.online import progress_total
-    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+    from tests.peagle_train.generate.test_speculative import tiny_drafter
 
     prompts = [Prompt("a", ["Hello there", "Tell me more"])]
     updates: list[int] = []
@@ -362,7 +362,7 @@ def saved_drafter_and_store(tiny_verifier, tiny_verifier_dir, tmp_path) -> str:
     """A tiny drafter saved under ``tmp_path / "drafter"`` and a two-segment store of its verifier; returns
     the store's path."""
     from peagle_train.model.checkpoint import save_drafter
-    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+    from tests.peagle_train.generate.test_speculative import tiny_drafter
 
     drafter = tiny_drafter(tiny_verifier)
     drafter.config.verifier_name_or_path = str(tiny_verifier_dir)
@@ -454,7 +454,7 @@ def test_cli_refuses_drafting_past_the_trained_depths(tiny_verifier, tmp_path):
 
     from cli.eval import main
     from peagle_train.model.checkpoint import save_drafter
-    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+    from tests.peagle_train.generate.test_speculative import tiny_drafter
 
     save_drafter(tiny_drafter(tiny_verifier, num_depths=4), tmp_path / "drafter")
     prompts = write_lines(tmp_path / "two.jsonl", [{"question_id": 1, "turns": ["Hi"]}, {"question_id": 2, "turns": ["Yo"]}])
@@ -523,8 +523,8 @@ def test_offline_chains_are_the_online_drafts(tiny_verifier, layer_type, num_lay
     """§4 both ways: offline element (a, d) is exactly what online decoding drafts at t = a (the drafter
     cache of online decoding and the offline backend, for each layer type and depth of stack)."""
     from peagle_train.evaluate.offline import segment_predictions
-    from peagle_train.evaluate.speculative import draft_tokens
-    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+    from peagle_train.generate.speculative import draft_tokens
+    from tests.peagle_train.generate.test_speculative import tiny_drafter
 
     drafter = tiny_drafter(tiny_verifier, draft_vocab_size=512, num_depths=3, layer_type=layer_type,
                            num_layers=num_layers)
@@ -541,6 +541,20 @@ def test_offline_chains_are_the_online_drafts(tiny_verifier, layer_type, num_lay
         assert bool((pred[t, k:] == -1).all())
 
 
+def _fake_checks(monkeypatch, ev):
+    """``plan_eval``'s checks of the inputs stood in for (a fake checkpoint, prompts file and store): the verifier
+    ``v``, the store's replay limit 128."""
+    from peagle_train.evaluate.checks import CheckedInputs
+    from peagle_train.generate.speculative import Truncation
+
+    monkeypatch.setattr(ev, "check_before_weights", lambda drafter, verifier, prompts, store, *a: CheckedInputs(
+        prompts=[] if prompts else None, online_verifier="v" if prompts else None, store=store,
+        offline_verifier="v" if store else None))
+    monkeypatch.setattr(ev, "served_truncation", lambda *a: (Truncation(), {}))
+    monkeypatch.setattr(ev, "check_complete", lambda *a: None)
+    monkeypatch.setattr(ev, "replay_max_new_tokens", lambda store, given: (128, "default"))
+
+
 def test_cli_fails_on_a_mismatch_naming_the_prompt(monkeypatch, tmp_path):
     from click.testing import CliRunner
 
@@ -550,12 +564,12 @@ def test_cli_fails_on_a_mismatch_naming_the_prompt(monkeypatch, tmp_path):
     fake = {"acceptance_length": 1.0, "acceptance_rate": 0.0, "per_position_acceptance": [0.0], "num_prompts": 2,
             "num_turns": 2, "num_draft_tokens": 1, "accepted": 0, "drafted": 3, "tokens_per_second": 1.0,
             "baseline_tokens_per_second": 1.0, "speedup": 1.0, "identical_to_greedy": False, "mismatches": ["81", "x"]}
-    monkeypatch.setattr(ev, "run_online_eval", lambda *a, **k: dict(fake))
+    monkeypatch.setattr(ev, "plan_online_report", lambda plan, log: dict(fake))
     monkeypatch.chdir(tmp_path)
     (tmp_path / "d").mkdir()
     for name in ("config.json", "model.safetensors"):  # looks like a checkpoint; never loaded here
         (tmp_path / "d" / name).write_text("{}")
-    monkeypatch.setattr(ev, "check_before_weights", lambda *a, **k: None)
+    _fake_checks(monkeypatch, ev)
     result = CliRunner().invoke(main, ["--drafter", "d", "--prompts", "p.jsonl"])
     assert result.exit_code == 1
     assert json.loads(result.stdout)["mismatches"] == ["81", "x"]
@@ -573,12 +587,12 @@ def test_cli_exits_0_when_every_difference_is_a_near_tie(monkeypatch, tmp_path):
             "num_turns": 2, "num_draft_tokens": 1, "accepted": 0, "drafted": 3, "tokens_per_second": 1.0,
             "baseline_tokens_per_second": 1.0, "speedup": 1.0, "identical_to_greedy": False, "mismatches": [],
             "near_tie_divergences": 2, "near_tie_prompts": ["81"], "greedy_check": {"dtype": "bfloat16", "rule": "r"}}
-    monkeypatch.setattr(ev, "run_online_eval", lambda *a, **k: dict(fake))
+    monkeypatch.setattr(ev, "plan_online_report", lambda plan, log: dict(fake))
     monkeypatch.chdir(tmp_path)
     (tmp_path / "d").mkdir()
     for name in ("config.json", "model.safetensors"):
         (tmp_path / "d" / name).write_text("{}")
-    monkeypatch.setattr(ev, "check_before_weights", lambda *a, **k: None)
+    _fake_checks(monkeypatch, ev)
     result = CliRunner().invoke(main, ["--drafter", "d", "--prompts", "p.jsonl"])
     assert result.exit_code == 0, result.stderr
     assert "2 turns diverge at a near tie of the verifier's top logits in bfloat16: accepted" in result.stderr
@@ -587,7 +601,7 @@ def test_cli_exits_0_when_every_difference_is_a_near_tie(monkeypatch, tmp_path):
 @pytest.mark.parametrize("method", ["greedy", "probabilistic"])
 def test_report_and_plot_name_the_acceptance_scheme(tiny_verifier, smollm2_tokenizer, tmp_path, monkeypatch, method):
     """At T > 0 the scheme decides the acceptance: the JSON, the text summary, the plot title and legend name it."""
-    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+    from tests.peagle_train.generate.test_speculative import tiny_drafter
     from peagle_train.evaluate.report import write_acceptance_plot
 
     cfg = EvalConfig(max_new_tokens=5, num_draft_tokens=2, temperature=0.7, seed=3, warmup=False,
@@ -610,7 +624,7 @@ def test_report_and_plot_name_the_acceptance_scheme(tiny_verifier, smollm2_token
 
 
 def test_online_report_with_temperature(tiny_verifier, smollm2_tokenizer):
-    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+    from tests.peagle_train.generate.test_speculative import tiny_drafter
 
     prompts = [Prompt("a", ["Hello there"])]
     cfg = EvalConfig(max_new_tokens=6, num_draft_tokens=2, temperature=0.7, seed=3, warmup=False)
@@ -651,9 +665,9 @@ def test_cli_drafter_given_a_training_output_uses_final_else_the_newest_checkpoi
     from cli.eval import main
 
     used = []  # the fake offline report holds no acceptance: --no-measure-costs below
-    monkeypatch.setattr(ev, "run_offline_eval", lambda drafter, *a, **k: used.append(drafter) or {"blocks": []})
+    monkeypatch.setattr(ev, "plan_offline_report", lambda plan, log: used.append(plan.drafter) or {"blocks": []})
     monkeypatch.setattr(cli.eval, "format_report", lambda report: "")
-    monkeypatch.setattr(ev, "check_before_weights", lambda *a, **k: None)  # the fake checkpoints hold "{}"
+    _fake_checks(monkeypatch, ev)  # the fake checkpoints hold "{}"
     monkeypatch.setattr(ev, "template_mode", lambda *a, **k: {"chat_template_kwargs": {}, "mismatches": []})
     out = tmp_path / "run"
     for sub in ("checkpoint-2", "checkpoint-10", "final"):
@@ -813,7 +827,7 @@ def _harmony_template_drafter(tiny_verifier, tiny_verifier_dir, tmp_path, traine
 
     from peagle_train.model.checkpoint import save_drafter
     from tests.chat_templates import template
-    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+    from tests.peagle_train.generate.test_speculative import tiny_drafter
 
     verifier = tmp_path / "verifier"
     shutil.copytree(tiny_verifier_dir, verifier)

@@ -12,7 +12,7 @@ import torch
 from peagle_train.evaluate import online
 from peagle_train.evaluate.config import EvalConfig
 from peagle_train.evaluate.prompts import Prompt, answer_text, history_message
-from peagle_train.evaluate.speculative import GenerationResult
+from peagle_train.generate.speculative import GenerationResult
 from stores.errors import InputError
 from tests.chat_templates import harmony_tokenizer, think_tokenizer
 

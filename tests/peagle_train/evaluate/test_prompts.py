@@ -13,7 +13,8 @@ import copy
 
 import pytest
 
-from peagle_train.evaluate.prompts import Prompt, render_messages, render_turn, turn_messages
+from peagle_train.evaluate.prompts import Prompt, render_turn, turn_messages
+from peagle_train.generate.render import render_messages
 from tests.chat_templates import qwen_tokenizer, template
 
 # A template that reads message content only as a list of text parts (vLLM's "openai" content format):

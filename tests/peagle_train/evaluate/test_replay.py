@@ -13,10 +13,9 @@ import torch
 from torch import nn
 
 from peagle_train.evaluate.offline import segment_predictions
-from peagle_train.evaluate.replay import (
-    ReplayedTurn, TurnNotDecodable, TurnReplay, acceptance_summary, bootstrap_al, by_context_length,
-    paired_al_difference, prompt_key, turn_spans, walk_turn)
-from peagle_train.evaluate.speculative import plain_generate, speculative_generate
+from peagle_train.evaluate.replay import (ReplayedTurn, TurnNotDecodable, TurnReplay, acceptance_summary, bootstrap_al,
+                                          by_context_length, paired_al_difference, prompt_key, turn_spans, walk_turn)
+from peagle_train.generate.speculative import plain_generate, speculative_generate
 from peagle_train.model.config import DrafterConfig
 from peagle_train.model.dflash import DFlashConfig, DFlashDrafter
 
@@ -228,7 +227,7 @@ def repeating_drafter(verifier, token: int, num_depths: int):
     its final norm's weight is zero, so every logit is 0 and the argmax is draft id 0, which ``d2t`` maps to
     ``token`` (the draft vocab: ``token .. token + 511``). The tiny verifier's greedy answers repeat a token, so its
     drafts are kept along those runs and rejected where the answer moves on."""
-    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+    from tests.peagle_train.generate.test_speculative import tiny_drafter
 
     drafter = tiny_drafter(verifier, draft_vocab_size=512, num_depths=num_depths)
     with torch.no_grad():
@@ -244,7 +243,7 @@ def _most_common(tokens: list[int]) -> int:
 
 
 def test_replay_equals_peagles_engine_with_a_real_drafter(tiny_verifier):
-    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+    from tests.peagle_train.generate.test_speculative import tiny_drafter
 
     random = tiny_drafter(tiny_verifier, draft_vocab_size=512, num_depths=3)
     drafter = repeating_drafter(tiny_verifier, _most_common(plain_generate(tiny_verifier, PROMPT, 24).tokens), 3)
@@ -321,7 +320,7 @@ def test_cli_store_walks_its_turns_with_the_limit_the_store_records(tiny_verifie
     from peagle_train.model.checkpoint import save_drafter
     from stores.features.feature_store import FeatureStore
     from tests.peagle_train.evaluate.test_evaluate import make_store
-    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+    from tests.peagle_train.generate.test_speculative import tiny_drafter
 
     drafter = tiny_drafter(tiny_verifier, num_depths=3)
     drafter.config.verifier_name_or_path = str(tiny_verifier_dir)
@@ -392,7 +391,7 @@ def test_dflash_replay_equals_peagles_engine_at_t0(tiny_verifier, M, eos_at):
 @pytest.mark.parametrize("K", [3, 2])
 def test_dflash_replay_equals_peagles_engine_with_a_real_drafter(tiny_verifier, K):
     """Also with K < B - 1 drafts a step (blocks of K + 1, as vLLM runs them at num_speculative_tokens K)."""
-    from tests.peagle_train.evaluate.test_speculative import tiny_dflash
+    from tests.peagle_train.generate.test_speculative import tiny_dflash
 
     drafter = tiny_dflash(tiny_verifier, block_size=4)
     spec = speculative_generate(tiny_verifier, drafter, PROMPT, 16, K, {2})
@@ -408,7 +407,7 @@ def test_cli_store_reports_the_replayed_al_of_a_dflash_drafter(tiny_verifier, ti
     from cli.eval import main
     from peagle_train.model.dflash_checkpoint import save_dflash
     from tests.peagle_train.evaluate.test_evaluate import make_store
-    from tests.peagle_train.evaluate.test_speculative import tiny_dflash
+    from tests.peagle_train.generate.test_speculative import tiny_dflash
 
     drafter = tiny_dflash(tiny_verifier, block_size=4)
     drafter.config.verifier_name_or_path = str(tiny_verifier_dir)

@@ -85,9 +85,9 @@ LOADED = {  # case: the drafter vLLM builds for it (class, decoder layers, atten
 
 SCRIPT = '''
 import json, sys, time
-import peagle_train.evaluate.vllm_engine as ve
+import peagle_train.generate.vllm_engine as ve
 from peagle_train.evaluate.config import EvalConfig
-from peagle_train.evaluate.vllm_engine import vllm_reference, vllm_speculative
+from peagle_train.evaluate.vllm_eval import vllm_reference, vllm_speculative
 
 INSPECT = {}  # "path": the drafter to read in the running engine's worker before it stops; "loaded": what it read
 _shutdown = ve._shutdown
@@ -217,7 +217,7 @@ def served(tmp_path_factory):
 SCRIPT_T1 = '''
 import json, sys
 import vllm_judge  # vLLM in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the CPU fix reaches its sampler
-from peagle_train.evaluate.vllm_engine import vllm_generate
+from peagle_train.generate.vllm_engine import vllm_generate
 
 job = json.load(open(sys.argv[1]))
 check, fixed = vllm_judge.sampling_check(1.0)  # vLLM #55005 on CPU: PR #55006's shim, probed exact in this process
@@ -251,7 +251,7 @@ def sampled_t1(served, verifier):
 @pytest.fixture(scope="module")
 def verifier():
     """The SmolLM2 verifier in float32 on the CPU and its EOS ids, loaded once for every case."""
-    from peagle_train.evaluate.prompts import eos_ids
+    from peagle_train.generate.render import eos_ids
     from runtime.model_cache import load_tokenizer, load_verifier
 
     model = load_verifier("smollm2-135m", dtype=torch.float32, device="cpu")
@@ -261,7 +261,7 @@ def verifier():
 def _peagle_steps(drafter_dir, requests, verifier):
     """peagle's own speculative decoding of each request (float32, K drafts): GenerationResults."""
     from peagle_train.model.checkpoint import load_drafter
-    from peagle_train.evaluate.speculative import speculative_generate
+    from peagle_train.generate.speculative import speculative_generate
 
     model, eos = verifier
     drafter = load_drafter(drafter_dir).eval()
@@ -274,8 +274,8 @@ def _replayed_steps(drafter_dir, requests, outputs, verifier):
     ``[(accepted per step, drafted per step)]``."""
     from peagle_train.evaluate.offline import segment_predictions
     from peagle_train.evaluate.replay import walk_turn
-    from peagle_train.evaluate.speculative import aux_features
-    from peagle_train.evaluate.verifier import aux_hidden_states
+    from peagle_train.generate.speculative import aux_features
+    from peagle_train.generate.verifier import aux_hidden_states
     from peagle_train.model.checkpoint import load_drafter
 
     model, eos = verifier
@@ -425,8 +425,8 @@ def _dflash_steps(drafter_dir, requests, outputs, verifier):
     of the rows before the anchor, accepts the drafts equal to the output, and anchors at the next bonus; the
     accepted count of each step."""
     from peagle_train.data.anchors import AnchorBlocks, block_inputs
-    from peagle_train.evaluate.speculative import aux_features
-    from peagle_train.evaluate.verifier import aux_hidden_states
+    from peagle_train.generate.speculative import aux_features
+    from peagle_train.generate.verifier import aux_hidden_states
     from peagle_train.model.dflash_checkpoint import load_dflash
 
     model, _ = verifier

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from peagle_train.evaluate.speculative import DrafterSession
+from peagle_train.generate.speculative import DrafterSession
 from peagle_train.model.checkpoint import load_drafter, rope_from_layer_config, save_drafter
 from peagle_train.model.config import DrafterConfig
 from peagle_train.model.drafter import PEagleDrafter

@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from peagle_train.evaluate.speculative import greedy_generate, speculative_generate
-from peagle_train.evaluate.tree import TreeSpec, check_tree_config, tree_generate
-from peagle_train.evaluate.verifier import (TOKEN_STATES, crop_cache, keep_fed, new_cache, record_token_states,
+from peagle_train.generate.speculative import greedy_generate, speculative_generate
+from peagle_train.generate.tree import TreeSpec, check_tree_config, tree_generate
+from peagle_train.generate.verifier import (TOKEN_STATES, crop_cache, keep_fed, new_cache, record_token_states,
                                             recurrent_layers, rollback_cache, snapshot_state, verifier_pass)
 from peagle_train.model.config import DrafterConfig
 from peagle_train.model.drafter import PEagleDrafter
@@ -127,7 +127,7 @@ def test_hybrid_speculative_equals_greedy_after_every_rejection(family, token_st
     """Every step rejects the third draft: the recurrent state is put back to the kept tokens (4 steps), from
     the per-token states transformers records (5.25) or from the snapshot, the kept tokens fed again (5.19,
     and 5.25 told not to record), and the output is the verifier's greedy output, a full forward's argmax."""
-    import peagle_train.evaluate.speculative as speculative
+    import peagle_train.generate.speculative as speculative
 
     if not token_states:
         monkeypatch.setattr(speculative, "record_token_states", lambda cache, n: False)
@@ -210,7 +210,7 @@ def test_hybrid_sampling_reads_the_models_own_distributions(family, hybrids, mon
     logits it reads is the model's own after the tokens before it. Each step's rows, across rejections (the
     state put back and fed again), equal a full forward's over the prompt, the tokens emitted so far and the
     drafts."""
-    import peagle_train.evaluate.speculative as speculative
+    import peagle_train.generate.speculative as speculative
 
     verifier = hybrids[family]
     steps = []

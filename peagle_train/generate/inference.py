@@ -9,9 +9,9 @@
 
 One implementation: ``peagle-eval``'s online path (:func:`peagle_train.evaluate.online.evaluate_prompts`)
 generates through :meth:`PEAGLEInference.generate_ids`. Decoding is peagle's own (transformers, batch 1,
-float32: :func:`~peagle_train.evaluate.speculative.speculative_generate`, or with a tree
-:func:`~peagle_train.evaluate.tree.tree_generate`); ``engine="vllm"`` generates through vLLM
-(:mod:`peagle_train.evaluate.vllm_engine`).
+float32: :func:`~peagle_train.generate.speculative.speculative_generate`, or with a tree
+:func:`~peagle_train.generate.tree.tree_generate`); ``engine="vllm"`` generates through vLLM
+(:mod:`peagle_train.generate.vllm_engine`).
 
 Counts, as vLLM reports them and ``peagle-eval`` does (docs/design.md §3, §9):
 - **acceptance length** ``AL = 1 + accepted / num_drafts``: the tokens emitted by the verifier steps that
@@ -36,13 +36,13 @@ from typing import Any
 
 import torch
 
-from peagle_train.evaluate.checks import (check_drafter_tokenizer, check_tree_verifier, check_verifier_config,
+from peagle_train.generate.checks import (check_drafter_tokenizer, check_tree_verifier, check_verifier_config,
                                           trained_template_kwargs)
-from peagle_train.evaluate.prompts import eos_ids, render_messages, turn_text
-from peagle_train.evaluate.speculative import (GenerationResult, Truncation, check_compatible,
-                                               checked_num_draft_tokens, plain_generate, speculative_generate)
-from peagle_train.evaluate.vllm_engine import VllmSpeculativeEngine
-from peagle_train.evaluate.tree import TreeGenerationResult, TreeSpec, check_tree_supported, tree_depth, tree_generate
+from peagle_train.generate.render import eos_ids, render_messages, turn_text
+from peagle_train.generate.speculative import (GenerationResult, Truncation, check_compatible, checked_num_draft_tokens,
+                                               plain_generate, speculative_generate)
+from peagle_train.generate.vllm_engine import VllmSpeculativeEngine
+from peagle_train.generate.tree import TreeGenerationResult, TreeSpec, check_tree_supported, tree_depth, tree_generate
 from peagle_train.model.checkpoint import check_servable_checkpoint, find_drafter, load_drafter
 from peagle_train.train.kinds import DRAFTER_KINDS, check_any_servable, checkpoint_kind
 from peagle_train.model.drafter import PEagleDrafter
@@ -254,7 +254,7 @@ class PEAGLEInference:
             verifier the drafter's config names.
         speculation_depth: K drafts per verifier step (1 ≤ K ≤ the drafter's trained ``num_depths``; default
             ``num_depths``); a dynamic tree's depth.
-        tree: tree verification (greedy only): a :class:`~peagle_train.evaluate.tree.TreeSpec`, ``{"topk":
+        tree: tree verification (greedy only): a :class:`~peagle_train.generate.tree.TreeSpec`, ``{"topk":
             [k_0, ...]}`` (fixed) or ``{"nodes": N}`` (dynamic); None = the chain.
         engine: ``peagle`` (transformers, float32, this process) or ``vllm`` (one vLLM engine with the drafter,
             ``speculative_config`` loading; greedy, chain, no streaming, no speedup: plain decoding would need a
@@ -263,7 +263,7 @@ class PEAGLEInference:
             (:func:`runtime.vllm_runtime.check_vllm_serves_peagle`).
         chat_template_kwargs: the chat template's variables for message prompts (e.g. ``{"enable_thinking":
             False}``), as vLLM's ``chat_template_kwargs``; None: the mode the drafter was trained in (its
-            checkpoint's record, :func:`~peagle_train.evaluate.checks.trained_template_kwargs`; none if unrecorded).
+            checkpoint's record, :func:`~peagle_train.generate.checks.trained_template_kwargs`; none if unrecorded).
         warmup: run one short untimed generation now, so one-time costs do not count in tokens/s.
 
     Raises:
@@ -383,10 +383,10 @@ class PEAGLEInference:
         (each at ``temperature``, each with its own generator seeded ``seed``). ``on_tokens`` gets the
         speculative decoding's new token ids as they are emitted (streaming); ``on_progress`` the number of
         new tokens of both decodings (a progress bar). ``top_logits``: at T = 0 the plain decoding also records
-        each step's largest logits (the near-tie rule of :mod:`~peagle_train.evaluate.identity`).
+        each step's largest logits (the near-tie rule of :mod:`~peagle_train.generate.identity`).
         ``draft_sample_method``: at T > 0, how drafts are picked (``greedy``, vLLM's default, or ``probabilistic``;
-        :func:`~peagle_train.evaluate.speculative.speculative_generate`). ``truncation``: at T > 0, the top-k / top-p
-        of the verifier's distribution, for both decodings (:func:`~peagle_train.evaluate.speculative.target_probs`).
+        :func:`~peagle_train.generate.speculative.speculative_generate`). ``truncation``: at T > 0, the top-k / top-p
+        of the verifier's distribution, for both decodings (:func:`~peagle_train.generate.speculative.target_probs`).
 
         Returns:
             ``(speculative, plain or None)`` records.

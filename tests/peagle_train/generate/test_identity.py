@@ -1,4 +1,4 @@
-"""Token identity with greedy decoding, decided as the dtype allows (peagle_train/evaluate/identity.py)."""
+"""Token identity with greedy decoding, decided as the dtype allows (peagle_train/generate/identity.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from peagle_train.evaluate.config import EvalConfig
-from peagle_train.evaluate.identity import compare_to_greedy, logit_ulp, tie_tolerance
+from peagle_train.generate.identity import compare_to_greedy, logit_ulp, tie_tolerance
 from peagle_train.evaluate.online import evaluate_prompts, greedy_check_summary
 from peagle_train.evaluate.prompts import Prompt
 from peagle_train.model.config import DrafterConfig
@@ -84,7 +84,7 @@ def _turns(n: int) -> list[Prompt]:
 def _decode_checks(verifier, drafter, dtype, prompts: int = 6, new_tokens: int = 24):
     """peagle's plain greedy and speculative decoding (K = 3) of ``prompts`` random prompts in ``dtype`` on CPU:
     each turn's :func:`compare_to_greedy` result."""
-    from peagle_train.evaluate.speculative import plain_generate, speculative_generate
+    from peagle_train.generate.speculative import plain_generate, speculative_generate
 
     verifier, drafter = verifier.to(dtype), drafter.to(dtype)
     vocab = verifier.config.get_text_config().vocab_size
@@ -102,7 +102,7 @@ def _near_tie_llama():
     wherever they lead), and a random drafter for it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+    from tests.peagle_train.generate.test_speculative import tiny_drafter
 
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False)

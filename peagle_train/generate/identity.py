@@ -114,7 +114,7 @@ def greedy_check_summary(dtype, checks: Sequence[tuple[str, dict[str, Any]]]) ->
     rule = ("exact: every token equal" if name in EXACT_DTYPES else
             "exact, but a turn's first difference is accepted (a near-tie divergence) where the reference's logit "
             f"of the speculative token is below its top logit z1 by at most {TIE_ULPS} ulps of {name} at |z1| "
-            "(peagle_train/evaluate/identity.py)")
+            "(peagle_train/generate/identity.py)")
     return {"identical_to_greedy": all(c["identical"] for _, c in checks), "near_tie_divergences": len(near),
             "near_tie_prompts": list(dict.fromkeys(pid for pid, _ in near)), "mismatches": mismatches,
             "greedy_check": {"dtype": name, "rule": rule}}

@@ -25,7 +25,7 @@ cached) and emitted ``x_{t+1}``.
 
 Every emitted token is the verifier's argmax after the tokens before it, so the output equals greedy
 decoding token for token. A tree of one candidate per depth is the chain of
-:func:`~peagle_train.evaluate.speculative.speculative_generate`, with the same tokens and counts.
+:func:`~peagle_train.generate.speculative.speculative_generate`, with the same tokens and counts.
 
 Verifiers with recurrent layers (hybrids) are refused (:data:`TREE_RECURRENT_REFUSED`): a recurrent layer
 reads the tree's nodes as one sequence. Sampling (T > 0) is refused: this walk is the greedy one. A rule that
@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from peagle_train.evaluate.speculative import (DecodeContext, GenerationResult, check_compatible,
+from peagle_train.generate.speculative import (DecodeContext, GenerationResult, check_compatible,
                                                checked_num_draft_tokens, run_decoder)
-from peagle_train.evaluate.verifier import config_recurrent_layers, verifier_body_pass
+from peagle_train.generate.verifier import config_recurrent_layers, verifier_body_pass
 from peagle_train.model.dflash import DFlashDrafter
 from stores.errors import InputError
 
@@ -148,7 +148,7 @@ class DraftTree:
 
 @dataclass
 class TreeGenerationResult(GenerationResult):
-    """A :class:`~peagle_train.evaluate.speculative.GenerationResult` of tree decoding: ``drafted_per_step``
+    """A :class:`~peagle_train.generate.speculative.GenerationResult` of tree decoding: ``drafted_per_step``
     counts the tree's depths scored (as a chain of that depth would), ``accepted_per_step`` the path kept."""
 
     nodes_per_step: list[int] = field(default_factory=list)
@@ -279,7 +279,7 @@ def _layer_kinds(text_config) -> list[tuple[str, int | None]]:
 def check_tree_config(config) -> None:
     """The checks of :func:`check_tree_supported` that need only the verifier's config (a model config, no
     weights): layers with a recurrent state (:data:`TREE_RECURRENT_REFUSED`; which ones, transformers' cache for
-    the config says: :func:`~peagle_train.evaluate.verifier.config_recurrent_layers`), layer types without a mask
+    the config says: :func:`~peagle_train.generate.verifier.config_recurrent_layers`), layer types without a mask
     here.
 
     Raises:
@@ -314,7 +314,7 @@ def tree_attention_mask(verifier, tree: DraftTree, past: int, dtype: torch.dtype
     Query i (node i) is at position ``past + depth_i`` and sees key j when j is a cached token (j < past) or
     node j - past is node i or its ancestor, and, on a sliding-window layer of window W, ``pos_j > pos_i - W``,
     on a chunked layer of chunk C, ``pos_j // C == pos_i // C`` (transformers' masks, by position; the cache
-    holds every token at its position, :func:`~peagle_train.evaluate.verifier.rollback_cache`).
+    holds every token at its position, :func:`~peagle_train.generate.verifier.rollback_cache`).
 
     Returns:
         ``(attention_mask, position_ids [1, N+1] int64)``; the mask is ``[1, 1, N+1, past+N+1]`` additive (0 seen,
@@ -342,7 +342,7 @@ def compact_cache(cache, past: int, path: Sequence[int]) -> None:
     ``cache``, in that order, dropping the other nodes: the cache then equals a chain pass over root + path.
 
     Works on every layer holding ``keys``/``values`` ``[B, heads, past+N+1, hd]`` (full layers; the sliding
-    ones were made full by :func:`~peagle_train.evaluate.verifier.rollback_cache`); O(len(path)) copies.
+    ones were made full by :func:`~peagle_train.generate.verifier.rollback_cache`); O(len(path)) copies.
     """
     keep = past + 1 + len(path)
     moved = [past + p for p in path]
@@ -400,7 +400,7 @@ def tree_generate(verifier, drafter, prompt_ids, max_new_tokens: int, spec: Tree
     """Greedy speculative decoding with tree verification (module docstring).
 
     Near the end the tree is cut to depth ``min(k, max_new_tokens - generated - 1)``; tokens after an EOS are
-    dropped; counts follow :func:`~peagle_train.evaluate.speculative.record_step` with ``drafted`` = the tree's
+    dropped; counts follow :func:`~peagle_train.generate.speculative.record_step` with ``drafted`` = the tree's
     depth.
 
     Args:

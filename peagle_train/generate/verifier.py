@@ -1,5 +1,5 @@
 """The verifier's side of speculative decoding: its passes, its lm_head, and a KV cache that can be
-cut back after rejected drafts (:mod:`peagle_train.evaluate.speculative`).
+cut back after rejected drafts (:mod:`peagle_train.generate.speculative`).
 
 Legend: n tokens fed in one pass, H verifier hidden size, V verifier vocab.
 """
@@ -284,7 +284,7 @@ def state_pass(verifier, ids: torch.Tensor, cache) -> None:
 def verifier_pass(verifier, ids: torch.Tensor, cache, want_hidden: bool, last_only: bool = False,
                   extra: dict | None = None):
     """Feed ``ids [n]`` after the cached tokens; ``extra``: more keyword arguments of the model's forward
-    (tree verification's ``attention_mask`` and ``position_ids``, :mod:`peagle_train.evaluate.tree`).
+    (tree verification's ``attention_mask`` and ``position_ids``, :mod:`peagle_train.generate.tree`).
 
     Returns:
         (logits ``[n, V]`` float on CPU, or ``[1, V]`` with ``last_only``; hidden_states or None).
