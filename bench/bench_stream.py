@@ -57,7 +57,7 @@ from peagle_train.data.split import split_store
 from peagle_train.data.stream import make_plan, planned_tokens
 from stores.errors import InputError
 from stores.features.feature_store import FeatureStore
-from stores.features.stream_plan import apparent_bytes, block_feature_bytes, unit_store
+from stores.stream.plan import apparent_bytes, block_feature_bytes, unit_store
 from stores.tables.token_tables import TableWriter, TokenTable, write_manifest
 
 REPO = Path(__file__).resolve().parents[1]

@@ -5,7 +5,7 @@ runs: a training block of a format-1 store (``--context window``), a context blo
 (``--context full``), whose training blocks are views of context blocks.
 
 The store is created (or continued) as for any extraction; then this side waits for the stream plan the
-trainer writes into it (:mod:`stores.features.stream_plan`) and follows it: the validation blocks' units first, then
+trainer writes into it (:mod:`stores.stream.plan`) and follows it: the validation blocks' units first, then
 entry ``c = 0 .. T-1`` (training block ``order[c]``) once ``c < K + B``: its units, in order, skipping a unit
 that is present (done, or queued for the writer), after evicting the units the window no longer reads (policy
 ``reextract``). A context block read by several training blocks of one window is so extracted once. The
@@ -14,7 +14,7 @@ budget; the trainer evicts once more at the end of its run (:mod:`peagle_train.d
 true peak is measured after each write (:class:`StorePeak`).
 
 Waits on the trainer (for its plan, a rewritten plan, its cursor) last as long as the trainer lives: this side
-beats its own heartbeat and gives up only when the trainer's stopped (:mod:`stores.features.stream_heartbeat`).
+beats its own heartbeat and gives up only when the trainer's stopped (:mod:`stores.stream.heartbeat`).
 
 A killed extractor continues with ``--resume``: the done units are checked (``repair_blocks``), leftover
 feature files of units that are not done are deleted, and the walk starts again from entry 0, skipping
@@ -35,8 +35,8 @@ from peagle_data.extract.store import BlockWriter
 from stores.errors import InputError, StoreFormatError
 from stores.features.feature_store import FeatureStore
 from runtime.progress import progress as progress_bar
-from stores.features.stream_heartbeat import Heartbeat, PeerWatch
-from stores.features.stream_plan import StreamPlan, apparent_bytes, plan_record, read_consumed, read_plan, unit_store
+from stores.stream.heartbeat import Heartbeat, PeerWatch
+from stores.stream.plan import StreamPlan, apparent_bytes, plan_record, read_consumed, read_plan, unit_store
 
 __all__ = ["wait_for_plan", "followed_plan", "StorePeak", "stream_entries", "extract_stream", "POLL_S"]
 
@@ -47,7 +47,7 @@ POLL_S = 0.2
 def wait_for_plan(store: FeatureStore, timeout_s: float, log: Callable[[str], None]) -> StreamPlan:
     """The store's stream plan, waiting for ``peagle-train`` to write it while its heartbeat beats (a trainer
     loading or checking for long is waited for), up to ``timeout_s`` without it
-    (:class:`stores.features.stream_heartbeat.PeerWatch`).
+    (:class:`stores.stream.heartbeat.PeerWatch`).
 
     Raises:
         InputError: no plan and the trainer dead or never seen for ``timeout_s`` (field ``--stream``), naming the
@@ -117,7 +117,7 @@ def followed_plan(store: FeatureStore, plan: StreamPlan, timeout_s: float, log: 
 
 
 class StorePeak:
-    """The true peak of a streaming store's bytes (:func:`stores.features.stream_plan.apparent_bytes`): measured right
+    """The true peak of a streaming store's bytes (:func:`stores.stream.plan.apparent_bytes`): measured right
     after each unit's write (its features and done flag), under :attr:`lock`, which evictions hold too, so no
     eviction falls between a write and its measure. The store grows only by writes (the plan's own and
     heartbeat files aside, within the plan's allowance), so its largest size is one of these measures.
@@ -141,7 +141,7 @@ def stream_entries(store: FeatureStore, plan: StreamPlan, present: set[int], sta
     evictions (:class:`StorePeak`'s).
 
     A wait for the trainer's cursor lasts as long as the trainer lives: it stops when the trainer's heartbeat
-    (:mod:`stores.features.stream_heartbeat`) and its cursor both stood still for ``timeout_s``, or at once when the
+    (:mod:`stores.stream.heartbeat`) and its cursor both stood still for ``timeout_s``, or at once when the
     trainer's process on this machine is gone; a slow trainer is waited for.
 
     Raises:

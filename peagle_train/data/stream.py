@@ -3,16 +3,16 @@ checkpoints that let extraction move on.
 
 Legend: T entries of the run (``max_steps * P``), P blocks per optimizer step (``grad_accum * world``), B the
 plan's window, K the consumed cursor, V validation blocks. A unit is what the extraction writes and evicts: a
-format-1 store's block, a full-context store's context block (:mod:`stores.features.stream_plan`).
+format-1 store's block, a full-context store's context block (:mod:`stores.stream.plan`).
 
-- :func:`make_plan`: the run's :class:`stores.features.stream_plan.StreamPlan` from its block sequence (the split and
+- :func:`make_plan`: the run's :class:`stores.stream.plan.StreamPlan` from its block sequence (the split and
   every epoch's order are pure functions of ``(seed, n_blocks, val_fraction)`` and the store's segment keys,
   so the plan is made before any feature exists), its budget and its policy; refuses a budget smaller than
   the smallest that works, naming it.
 - :class:`StreamingStore`: the store as the loader and validation read it, except that a read waits for the
   block's done flag (then checks its crc32c as every read does); a wait stops the run, naming the extraction's
   log, only when the extraction is dead: its process exited (the one-command form), its process on this machine
-  is gone, or neither its heartbeat nor any unit moved for ``timeout_s`` (:mod:`stores.features.stream_heartbeat`); a slow
+  is gone, or neither its heartbeat nor any unit moved for ``timeout_s`` (:mod:`stores.stream.heartbeat`); a slow
   extraction is waited for. The main rank's store beats the trainer's heartbeat, which the extraction waits on.
 - :func:`stream_save_due`: after which steps the trainer saves a checkpoint so that extraction may write
   further (deterministic: the window and P decide it, never timing): when the next step's entries would pass
@@ -33,8 +33,8 @@ from peagle_train.data.loader import BlockSequence
 from stores.errors import ChunkDamageError, InputError, StoreFormatError
 from stores.features.feature_schema import ARRAYS, hidden_arrays
 from stores.features.feature_store import CONTEXTS, FeatureStore
-from stores.features.stream_heartbeat import HEARTBEAT_DIR, Heartbeat, PeerWatch
-from stores.features.stream_plan import (POLICIES, STREAM_GROUP, StreamPlan, apparent_bytes, block_feature_bytes, context_reads,
+from stores.stream.heartbeat import HEARTBEAT_DIR, Heartbeat, PeerWatch
+from stores.stream.plan import (POLICIES, STREAM_GROUP, StreamPlan, apparent_bytes, block_feature_bytes, context_reads,
                                 flag_bytes, format_size, fsync_tree, read_consumed, read_plan, step_units, unit_store,
                                 window_for_budget, window_for_reads, write_consumed)
 
@@ -45,7 +45,7 @@ __all__ = ["PLAN_ALLOWANCE_BYTES", "READ_TRIES", "plan_entries", "make_plan", "f
 PLAN_ALLOWANCE_BYTES = 8192
 """Bytes allowed for the plan's files besides its order (``stream/zarr.json``, ``stream/order/zarr.json``, the
 order chunk's checksum, ``consumed.json`` and its temporary twin) and for the two sides' heartbeat files
-(``stream_heartbeat/``, :mod:`stores.features.stream_heartbeat`, with their temporary twins)."""
+(``stream_heartbeat/``, :mod:`stores.stream.heartbeat`, with their temporary twins)."""
 
 
 class ExtractionDied(StoreFormatError):
@@ -63,7 +63,7 @@ def plan_entries(sequence: BlockSequence, n_entries: int) -> np.ndarray:
 
 def _bytes_without_features(directory: Path, hidden: set[str], skip: set[str], n_blocks: int) -> int:
     """The bytes of a store group's files but its feature chunks (a feature array's metadata counts), its done
-    flags counted for all its ``n_blocks`` blocks (:func:`stores.features.stream_plan.flag_bytes`: their files appear as
+    flags counted for all its ``n_blocks`` blocks (:func:`stores.stream.plan.flag_bytes`: their files appear as
     blocks are done, so a measure of the files alone grew during the run, and a resume with the budget that
     started it was refused)."""
     flags = {s.name for s in ARRAYS if s.role == "flag"}
@@ -96,14 +96,14 @@ def make_plan(store: FeatureStore, sequence: BlockSequence, val_side: np.ndarray
               run: dict[str, Any]) -> StreamPlan:
     """The stream plan of a run (see the module doc). A full-context store's plan counts context blocks: the
     window B is the largest whose entries' context blocks, beside the validation blocks' and the fixed arrays,
-    fit the budget at every cursor (:func:`stores.features.stream_plan.window_for_reads`).
+    fit the budget at every cursor (:func:`stores.stream.plan.window_for_reads`).
 
     Args:
         store: the run's store (local, token arrays written; a full-context store: not a shard).
         sequence: the run's block sequence (every train-side block usable).
         val_side: ``[m] int64`` the validation side (sorted); the first ``val_max_blocks`` are scored and kept.
         max_steps, blocks_per_step: T = their product.
-        max_store_bytes: the budget; policy: one of :data:`stores.features.stream_plan.POLICIES`.
+        max_store_bytes: the budget; policy: one of :data:`stores.stream.plan.POLICIES`.
         run: the run's identity (output, seed, val_fraction, ...).
 
     Raises:
@@ -183,7 +183,7 @@ def stream_save_due(step: int, blocks_per_step: int, saved_cursor: int, plan: St
 
 def mark_consumed(store: FeatureStore, checkpoint: Path, cursor: int) -> None:
     """After ``checkpoint`` (holding the training state at ``cursor``) was saved: fsync it, then write the
-    durable consumed cursor (:func:`stores.features.stream_plan.write_consumed`); never lowers the cursor."""
+    durable consumed cursor (:func:`stores.stream.plan.write_consumed`); never lowers the cursor."""
     fsync_tree(checkpoint)
     if cursor > read_consumed(store):
         write_consumed(store, cursor)
@@ -246,7 +246,7 @@ class StreamingStore:
     Args:
         store: the open ``FeatureStore`` (r+: the trainer writes the cursor and evicts at the end).
         timeout_s: seconds without the extraction's heartbeat and without any new done block (while waiting)
-            before giving up (:class:`stores.features.stream_heartbeat.PeerWatch`).
+            before giving up (:class:`stores.stream.heartbeat.PeerWatch`).
         extraction_alive: returns None while the extraction runs, else why it stopped (its exit code);
             None: extraction runs elsewhere (split roles), its heartbeat alone tells.
         log_path: the extraction's log, named in the errors.

@@ -59,7 +59,7 @@ from peagle_train.train.trainer import StreamRun, Trainer, TrainRun
 from stores.errors import InputError, MissingDependencyError, StoreFormatError
 from stores.features.feature_store import FeatureStore
 from stores.files import is_zarr_store, strict_json
-from stores.features.stream_plan import (fsync_tree, has_plan, parse_size, read_consumed, read_plan, remove_plan,
+from stores.stream.plan import (fsync_tree, has_plan, parse_size, read_consumed, read_plan, remove_plan,
                                 write_plan)
 
 __all__ = ["run_train", "TrainPlan", "plan_train", "load_trainer", "build_trainer", "resumed_message",

@@ -31,7 +31,7 @@ from stores.features.feature_store import FeatureStore
 from stores.files import is_zarr_store
 from runtime.model_config import load_model_config, text_config
 from stores.staging import check_replaceable
-from stores.features.stream_plan import (apparent_bytes, block_feature_bytes, fixed_bytes_estimate, format_size, has_plan,
+from stores.stream.plan import (apparent_bytes, block_feature_bytes, fixed_bytes_estimate, format_size, has_plan,
                                 parse_size, read_plan)
 from stores.tables.token_tables import TokenTable, manifest_sha256
 
@@ -116,7 +116,7 @@ def check_free_disk(store: str, budget: int) -> None:
 
 def _estimated_smallest(cfg: TrainConfig, packed: str) -> int:
     """A lower bound of the smallest budget that can work, from the packed table and the verifier's config (no
-    weights): the token arrays and ``token_freq`` (:func:`stores.features.stream_plan.fixed_bytes_estimate`), at most
+    weights): the token arrays and ``token_freq`` (:func:`stores.stream.plan.fixed_bytes_estimate`), at most
     ``--val-max-blocks`` validation blocks and one step's blocks (``reextract``) or every training block
     (``keep``); with ``--context full``, whose context blocks are planned only when the store is made, one
     block for the validation blocks and one for the run. A budget below it is refused before the extraction starts; the exact check follows on the

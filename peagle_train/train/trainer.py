@@ -39,7 +39,7 @@ from peagle_train.train.optim import CosineWithWarmup, build_optimizer, clip_gra
 from peagle_train.train.step import accumulate_step, add_sums, block_to, cod_generator, gather_ids, summarise
 from stores.errors import NonFiniteError
 from runtime.progress import progress
-from stores.features.stream_plan import StreamPlan
+from stores.stream.plan import StreamPlan
 
 __all__ = ["Trainer", "TrainRun", "StreamRun"]
 

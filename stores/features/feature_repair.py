@@ -22,7 +22,7 @@ from stores.errors import StoreFormatError, StoreMismatchError
 from stores.features.feature_schema import WINDOW_ARRAYS, store_arrays
 from stores.features.feature_store import LAYER_CONVENTION, FeatureStore
 from stores.files import is_local
-from stores.features.stream_plan import has_plan, read_consumed, read_plan
+from stores.stream.plan import has_plan, read_consumed, read_plan
 
 __all__ = ["chunk_damage", "block_damage", "shared_damage", "read_done_flags", "check_block", "verify_store", "stream_report",
            "check_compatible", "write_shared", "repair_shared", "windows_damage", "repair_windows", "repair_blocks"]

@@ -15,9 +15,9 @@ import torch
 from peagle_data.extract.stream import extract_stream, stream_entries
 from stores.errors import InputError
 from stores.features.feature_store import FeatureStore
-from stores.features.stream_heartbeat import Heartbeat
-from stores.features.stream_plan import StreamPlan, apparent_bytes, block_feature_bytes, write_consumed, write_plan
-from tests.stores.features.test_stream_heartbeat import beating_process
+from stores.stream.heartbeat import Heartbeat
+from stores.stream.plan import StreamPlan, apparent_bytes, block_feature_bytes, write_consumed, write_plan
+from tests.stores.stream.test_heartbeat import beating_process
 
 C, H = 4, 8
 

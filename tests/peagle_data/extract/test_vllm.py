@@ -27,7 +27,7 @@ from stores.errors import InputError
 from stores.features.feature_repair import verify_store
 from stores.features.feature_store import FeatureStore
 from stores.staging import prepare_output_dir
-from stores.features.stream_plan import read_consumed, read_plan
+from stores.stream.plan import read_consumed, read_plan
 from stores.tables.token_tables import TableWriter, write_manifest
 from tests.peagle_data.extract.test_run import chunk_bytes
 

@@ -230,7 +230,7 @@ def test_a_damaged_block_of_a_streamed_store_names_only_it_and_the_streaming_res
     names (which would write every block, past the budget)."""
     import torch
 
-    from stores.features.stream_plan import StreamPlan, write_consumed, write_plan
+    from stores.stream.plan import StreamPlan, write_consumed, write_plan
 
     path = tmp_path / "s.zarr"
     store = FeatureStore.create(path, n_blocks=4, block_size=8, max_segments=2, layers=[0, 1], hidden_size=4,

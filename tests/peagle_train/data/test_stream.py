@@ -17,9 +17,9 @@ from peagle_train.data.stream import (PLAN_ALLOWANCE_BYTES, READ_TRIES, Extracti
                                       fixed_store_bytes, make_plan, plan_entries, stream_save_due)
 from stores.errors import ChunkDamageError, InputError
 from stores.features.feature_store import FeatureStore
-from stores.features.stream_heartbeat import read_heartbeat
-from stores.features.stream_plan import StreamPlan, apparent_bytes, block_feature_bytes, flag_bytes
-from tests.stores.features.test_stream_heartbeat import beating_process
+from stores.stream.heartbeat import read_heartbeat
+from stores.stream.plan import StreamPlan, apparent_bytes, block_feature_bytes, flag_bytes
+from tests.stores.stream.test_heartbeat import beating_process
 
 C, L, H = 8, 2, 16
 

@@ -31,7 +31,7 @@ from peagle_train.train.setup import resolve_epoch_order
 from peagle_train.train.stream import resolve_stream_context, wait_for_store
 from stores.errors import InputError, OutputExistsError, StoreFormatError, StoreMismatchError
 from stores.features.feature_store import FeatureStore
-from stores.features.stream_plan import block_feature_bytes, read_consumed, read_plan
+from stores.stream.plan import block_feature_bytes, read_consumed, read_plan
 from tests.peagle_data.extract.test_run import write_packed
 
 N_BLOCKS, C = 8, 48

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from stores.features.feature_store import FeatureStore
-from stores.features.stream_plan import apparent_bytes, read_consumed, read_plan
+from stores.stream.plan import apparent_bytes, read_consumed, read_plan
 from tests.peagle_train.train.test_stream import OPTS, _budget, _weights
 from tests.processes import launch_two_ranks
 

@@ -21,7 +21,7 @@ from peagle_data.extract.run import run_extract
 from peagle_train.train.config import TrainConfig
 from peagle_train.train.run import run_train
 from stores.features.feature_store import FeatureStore
-from stores.features.stream_plan import block_feature_bytes, read_consumed
+from stores.stream.plan import block_feature_bytes, read_consumed
 from tests.peagle_train.train.test_stream import C, N_BLOCKS, OPTS, _weights
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))

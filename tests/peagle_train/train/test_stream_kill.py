@@ -20,7 +20,7 @@ from peagle_train.train.config import TrainConfig
 from peagle_train.train.run import run_train
 from stores.errors import InputError
 from stores.features.feature_store import FeatureStore
-from stores.features.stream_plan import read_consumed
+from stores.stream.plan import read_consumed
 from tests.peagle_train.train.test_stream import FULL_OPTS, OPTS, _budget, _full_budget, _weights
 
 REPO = Path(__file__).resolve().parents[3]

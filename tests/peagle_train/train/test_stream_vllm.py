@@ -13,7 +13,7 @@ from peagle_train.train.run import run_train
 from peagle_data.extract.config import ExtractConfig
 from peagle_data.extract.run import run_extract
 from stores.features.feature_store import FeatureStore
-from stores.features.stream_plan import read_plan
+from stores.stream.plan import read_plan
 from tests.peagle_data.extract.test_vllm import compare_stores, write_packed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # one vLLM engine start (~1 min on CPU)

@@ -1,4 +1,4 @@
-"""The stream plan's record and rules (stores/features/stream_plan.py): sizes, the window, eviction, the cursor."""
+"""The stream plan's record and rules (stores/stream/plan.py): sizes, the window, eviction, the cursor."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from stores.errors import InputError, StoreFormatError
 from stores.features.feature_store import FeatureStore
-from stores.features.stream_plan import (StreamPlan, block_feature_bytes, context_reads, format_size, parse_size, read_consumed,
+from stores.stream.plan import (StreamPlan, block_feature_bytes, context_reads, format_size, parse_size, read_consumed,
                                 read_plan, remove_plan, step_units, window_for_budget, window_for_reads, write_consumed,
                                 write_plan)
 
