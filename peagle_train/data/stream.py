@@ -33,13 +33,13 @@ from peagle_train.data.loader import BlockSequence
 from stores.errors import ChunkDamageError, InputError, StoreFormatError
 from stores.features.feature_schema import ARRAYS, hidden_arrays
 from stores.features.feature_store import CONTEXTS, FeatureStore
-from stores.stream.heartbeat import HEARTBEAT_DIR, Heartbeat, PeerWatch
+from stores.stream.heartbeat import HEARTBEAT_DIR
 from stores.stream.plan import (POLICIES, STREAM_GROUP, StreamPlan, apparent_bytes, block_feature_bytes, context_reads,
-                                flag_bytes, format_size, fsync_tree, read_consumed, read_plan, step_units, unit_store,
-                                window_for_budget, window_for_reads, write_consumed)
+                                flag_bytes, format_size, step_units, unit_store, window_for_budget, window_for_reads)
+from stores.stream.session import StreamSession
 
-__all__ = ["PLAN_ALLOWANCE_BYTES", "READ_TRIES", "plan_entries", "make_plan", "fixed_store_bytes", "StreamingStore", "stream_save_due", "mark_consumed",
-           "evict_after_run", "planned_tokens", "rerun_note", "ExtractionDied"]
+__all__ = ["PLAN_ALLOWANCE_BYTES", "READ_TRIES", "plan_entries", "make_plan", "fixed_store_bytes", "StreamingStore",
+           "planned_tokens", "rerun_note", "ExtractionDied"]
 
 
 PLAN_ALLOWANCE_BYTES = 8192
@@ -170,45 +170,14 @@ def _windows_plan(store: FeatureStore, order: np.ndarray, val: tuple[int, ...], 
                       reads=reads)
 
 
-def stream_save_due(step: int, blocks_per_step: int, saved_cursor: int, plan: StreamPlan) -> bool:
-    """Whether the trainer saves after ``step`` (cursor ``step * P``) so that extraction can go on: the next
-    step's entries would pass the window of the last saved cursor, or half the window has been consumed since
-    it. Never with policy ``keep`` (nothing waits on the cursor) or after the run's last entry."""
-    cursor = step * blocks_per_step
-    if plan.policy == "keep" or cursor >= plan.n_entries:
-        return False
-    return cursor + blocks_per_step > saved_cursor + plan.window or cursor - saved_cursor >= max(
-        blocks_per_step, plan.window // 2)
-
-
-def mark_consumed(store: FeatureStore, checkpoint: Path, cursor: int) -> None:
-    """After ``checkpoint`` (holding the training state at ``cursor``) was saved: fsync it, then write the
-    durable consumed cursor (:func:`stores.stream.plan.write_consumed`); never lowers the cursor."""
-    fsync_tree(checkpoint)
-    if cursor > read_consumed(store):
-        write_consumed(store, cursor)
-
-
-def evict_after_run(store: FeatureStore, plan: StreamPlan) -> int:
-    """At the end of a run whose last checkpoint is saved and consumed cursor written: evict the units the
-    plan no longer needs (``reextract``: every training block's; the validation blocks' stay). Returns how many."""
-    consumed = read_consumed(store)
-    units = unit_store(store)
-    present = np.flatnonzero(units.done_mask()).tolist()
-    gone = plan.evictable(present, consumed)
-    for u in gone:
-        units.evict_block(u)
-    return len(gone)
-
-
-def planned_tokens(store: FeatureStore, plan: StreamPlan) -> int:
+def planned_tokens(session: StreamSession, plan: StreamPlan) -> int:
     """Tokens the verifier runs for the plan's extractions (:meth:`StreamPlan.extraction_counts`, each unit's
     ``n_tokens``): the run's extraction work, to set against an offline extraction's (the units' tokens once)."""
-    n_tokens = unit_store(store).n_tokens_per_block()
+    n_tokens = session.units.n_tokens_per_block()
     return int(sum(k * int(n_tokens[u]) for u, k in plan.extraction_counts().items()))
 
 
-def rerun_note(store: FeatureStore, plan: StreamPlan, epoch_entries: int, epoch_order: str) -> str | None:
+def rerun_note(session: StreamSession, plan: StreamPlan, epoch_entries: int, epoch_order: str) -> str | None:
     """A note when a full-context plan runs the verifier over more than 1.1x the offline extraction's tokens per
     epoch, counted over the training side's context blocks (the scored validation blocks' are extracted once a
     run and left out; epochs: ``T / epoch_entries``): a context block read again further apart than the window is
@@ -216,7 +185,7 @@ def rerun_note(store: FeatureStore, plan: StreamPlan, epoch_entries: int, epoch_
     read once an epoch)."""
     if plan.reads is None or plan.policy != "reextract" or epoch_entries < 1:
         return None
-    n_tokens = unit_store(store).n_tokens_per_block()
+    n_tokens = session.units.n_tokens_per_block()
     val = set(plan.val_units)
     counts = {u: k for u, k in plan.extraction_counts().items() if u not in val}
     once = sum(int(n_tokens[u]) for u in counts)
@@ -241,7 +210,8 @@ READ_TRIES = 3
 class StreamingStore:
     """A store being extracted, read as the run reads it: each read waits for the block's done flag.
 
-    Everything but :meth:`read_block`/:meth:`read_blocks` is the wrapped store's.
+    Everything but :meth:`read_block`/:meth:`read_blocks` is the wrapped store's; its stream records (plan,
+    cursor, heartbeat, evictions) are :attr:`session`'s.
 
     Args:
         store: the open ``FeatureStore`` (r+: the trainer writes the cursor and evicts at the end).
@@ -261,17 +231,18 @@ class StreamingStore:
         self.store, self.timeout_s, self.alive, self.log_path, self.poll_s = store, timeout_s, extraction_alive, log_path, poll_s
         self.wait_s = 0.0
         """Seconds spent waiting for blocks to be extracted."""
-        self.heartbeat = Heartbeat(store.path, "trainer") if heartbeat else None
+        self.session = StreamSession(store)
+        """The store's stream session: its plan once written or read, the cursor, the trainer's heartbeat."""
+        if heartbeat:
+            self.session.beat("trainer")
 
     def progress(self, step: int) -> None:
         """Record the trainer's step in its heartbeat (shown in the extraction's messages)."""
-        if self.heartbeat is not None:
-            self.heartbeat.progress(step)
+        self.session.progress(step)
 
     def close(self) -> None:
         """Stop the trainer's heartbeat (the run's reads are over)."""
-        if self.heartbeat is not None:
-            self.heartbeat.stop()
+        self.session.close()
 
     def __getattr__(self, name: str):
         return getattr(self.store, name)
@@ -288,9 +259,9 @@ class StreamingStore:
         if self.store.is_done(i):
             return
         t0 = checked = time.monotonic()
-        units = unit_store(self.store)  # progress: any unit done (a context block of a full-context store)
+        units = self.session.units  # progress: any unit done (a context block of a full-context store)
         seen = int(units.done_mask().sum())
-        watch = PeerWatch(self.store.path, "extraction", self.timeout_s)
+        watch = self.session.watch("extraction", self.timeout_s)
         while not self.store.is_done(i):
             why = self.alive() if self.alive is not None else None
             if why is not None and not self.store.is_done(i):
@@ -307,7 +278,7 @@ class StreamingStore:
                     raise ExtractionDied(
                         f"{self.store.path}: block {i} is not extracted and the extraction (`peagle-data extract ... "
                         f"--stream --output {self.store.path}`) is not running: {dead} (consumed cursor "
-                        f"{read_consumed(self.store)}){self._where()}")
+                        f"{self.session.consumed()}){self._where()}")
             time.sleep(self.poll_s)
         self.wait_s += time.monotonic() - t0
 
@@ -338,4 +309,4 @@ class StreamingStore:
 
     def plan(self) -> StreamPlan | None:
         """The store's stream plan."""
-        return read_plan(self.store)
+        return self.session.read_plan()

@@ -31,8 +31,8 @@ from stores.features.feature_store import FeatureStore
 from stores.files import is_zarr_store
 from runtime.model_config import load_model_config, text_config
 from stores.staging import check_replaceable
-from stores.stream.plan import (apparent_bytes, block_feature_bytes, fixed_bytes_estimate, format_size, has_plan,
-                                parse_size, read_plan)
+from stores.stream.plan import apparent_bytes, block_feature_bytes, fixed_bytes_estimate, format_size, parse_size
+from stores.stream.session import StreamSession
 from stores.tables.token_tables import TokenTable, manifest_sha256
 
 __all__ = ["Extraction", "extraction_log", "extract_command", "resolve_stream_context", "check_stream_start",
@@ -207,7 +207,8 @@ def _plan_output(store: str) -> str | None:
         opened = FeatureStore.open(store)
     except StoreFormatError:
         return None
-    plan = read_plan(opened) if has_plan(opened) else None
+    session = StreamSession(opened)
+    plan = session.read_plan() if session.has_plan() else None
     return plan.run.get("output") if plan is not None else None
 
 

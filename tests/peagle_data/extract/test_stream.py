@@ -17,6 +17,7 @@ from stores.errors import InputError
 from stores.features.feature_store import FeatureStore
 from stores.stream.heartbeat import Heartbeat
 from stores.stream.plan import StreamPlan, apparent_bytes, block_feature_bytes, write_consumed, write_plan
+from stores.stream.session import StreamSession
 from tests.stores.stream.test_heartbeat import beating_process
 
 C, H = 4, 8
@@ -64,7 +65,7 @@ def test_entries_in_order_within_the_window_evicting_what_it_no_longer_reads(tmp
     thread = threading.Thread(target=trainer, daemon=True)
     thread.start()
     try:
-        for b in stream_entries(store, plan, present, stats, timeout_s=30, log=print):
+        for b in stream_entries(StreamSession(store), plan, present, stats, timeout_s=30, log=print):
             training = set(np.flatnonzero(store.done_mask()).tolist()) - {5}
             assert len(training) <= 2  # with the one about to be written: at most the window's 3
             _write(store, b)
@@ -85,7 +86,7 @@ def test_keep_extracts_each_block_once_and_never_evicts(tmp_path):
     write_plan(store, plan)
     present, stats = set(), _stats()
     got = []
-    for b in stream_entries(store, plan, present, stats, timeout_s=30, log=print):
+    for b in stream_entries(StreamSession(store), plan, present, stats, timeout_s=30, log=print):
         _write(store, b)
         got.append(b)
     assert got == [5, 0, 1, 2, 3, 4] and stats["evicted"] == 0
@@ -96,7 +97,7 @@ def test_a_resumed_extraction_skips_consumed_entries(tmp_path):
     plan = _plan([0, 1, 2, 3], window=2, val=())
     write_plan(store, plan)
     write_consumed(store, 2)
-    got = list(stream_entries(store, plan, set(), _stats(), timeout_s=30, log=print))
+    got = list(stream_entries(StreamSession(store), plan, set(), _stats(), timeout_s=30, log=print))
     assert got == [2, 3]
 
 
@@ -108,7 +109,7 @@ def test_entries_the_trainer_consumed_while_the_extraction_waited_are_not_extrac
     plan = _plan([0, 0, 0, 1], window=1, val=())
     write_plan(store, plan)
     present, stats = set(), _stats()
-    entries = stream_entries(store, plan, present, stats, timeout_s=30, log=print)
+    entries = stream_entries(StreamSession(store), plan, present, stats, timeout_s=30, log=print)
     assert next(entries) == 0
     _write(store, 0)
     write_consumed(store, 3)  # (before the extraction reads the cursor again: it is waiting at entry 1)
@@ -120,12 +121,12 @@ def test_a_stopped_trainer_and_a_replaced_plan_stop_the_extraction(tmp_path):
     store = _store(tmp_path / "s.zarr")
     plan = _plan([0, 1, 2, 3], window=1, val=())
     write_plan(store, plan)
-    entries = stream_entries(store, plan, set(), _stats(), timeout_s=0.3, log=print)
+    entries = stream_entries(StreamSession(store), plan, set(), _stats(), timeout_s=0.3, log=print)
     assert next(entries) == 0
     with pytest.raises(InputError, match="entry 1 \\(block 1\\) waits for the trainer .* not running: no heartbeat "
                                          "of it appeared for 0.3 s"):
         next(entries)
-    entries = stream_entries(store, plan, set(), _stats(), timeout_s=30, log=print)
+    entries = stream_entries(StreamSession(store), plan, set(), _stats(), timeout_s=30, log=print)
     assert next(entries) == 0
     write_plan(store, _plan([3, 2, 1, 0], window=1, val=()))
     with pytest.raises(InputError, match="stream plan was replaced"):
@@ -140,7 +141,7 @@ def test_the_same_run_rewritten_with_another_budget_is_followed(tmp_path):
     plan = _plan([0, 1, 2, 3], window=3, val=())
     write_plan(store, plan)
     present = set()
-    entries = stream_entries(store, plan, present, _stats(), timeout_s=0.3, log=print)
+    entries = stream_entries(StreamSession(store), plan, present, _stats(), timeout_s=0.3, log=print)
     for want in (0, 1):
         b = next(entries)
         assert b == want
@@ -149,8 +150,8 @@ def test_the_same_run_rewritten_with_another_budget_is_followed(tmp_path):
     with pytest.raises(InputError, match="entry 2 \\(block 2\\) waits for the trainer .*window 1"):
         next(entries)  # under the old window of 3 it was written at once
     write_consumed(store, 2)
-    entries = stream_entries(store, _plan([0, 1, 2, 3], window=3, val=()), present, _stats(), timeout_s=30,
-                             log=print)
+    entries = stream_entries(StreamSession(store), _plan([0, 1, 2, 3], window=3, val=()), present, _stats(),
+                             timeout_s=30, log=print)
     assert next(entries) == 2 and present == {2}  # the new window [2, 3): blocks 0 and 1 evicted first
     assert not store.is_done(0) and not store.is_done(1)
 
@@ -164,14 +165,14 @@ def test_a_slow_trainer_is_waited_for_and_a_killed_one_stops_the_extraction_at_o
     write_plan(store, plan)
     trainer = beating_process(store.path, "trainer")
     try:
-        entries = stream_entries(store, plan, set(), _stats(), timeout_s=0.5, log=print)
+        entries = stream_entries(StreamSession(store), plan, set(), _stats(), timeout_s=0.5, log=print)
         assert next(entries) == 0
         _write(store, 0)
         threading.Timer(1.5, write_consumed, (store, 1)).start()
         t0 = time.monotonic()
         assert next(entries) == 1 and time.monotonic() - t0 >= 1.4
         _write(store, 1)
-        entries = stream_entries(store, plan, {0, 1}, _stats(), timeout_s=60, log=print)
+        entries = stream_entries(StreamSession(store), plan, {0, 1}, _stats(), timeout_s=60, log=print)
         threading.Timer(0.5, os.kill, (trainer.pid, signal.SIGKILL)).start()
         t0 = time.monotonic()
         with pytest.raises(InputError, match=f"entry 2 \\(block 2\\) waits for the trainer .* peagle-train is not "

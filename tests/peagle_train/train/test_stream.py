@@ -32,6 +32,7 @@ from peagle_train.train.stream import resolve_stream_context, wait_for_store
 from stores.errors import InputError, OutputExistsError, StoreFormatError, StoreMismatchError
 from stores.features.feature_store import FeatureStore
 from stores.stream.plan import block_feature_bytes, read_consumed, read_plan
+from stores.stream.session import StreamSession
 from tests.peagle_data.extract.test_run import write_packed
 
 N_BLOCKS, C = 8, 48
@@ -312,13 +313,13 @@ def test_a_plan_that_extracts_contexts_again_says_so_and_names_the_order_that_do
         counts = {u: k for u, k in plan.extraction_counts().items() if u not in val}
         return sum(k * int(n_tokens[u]) for u, k in counts.items()) / sum(int(n_tokens[u]) for u in counts) / 2
 
-    note = rerun_note(store, plans["blocks"], 13, "blocks")
+    note = rerun_note(StreamSession(store), plans["blocks"], 13, "blocks")
     assert per_epoch(plans["blocks"]) > 1.1
     assert note.startswith(f"this plan runs the verifier over {per_epoch(plans['blocks']):.2f}x the tokens")
     assert "--epoch-order conversations" in note
     # by conversation: each context block once an epoch (a window across the epochs' boundary may spare one)
     assert 0.9 <= per_epoch(plans["conversations"]) <= 1.1
-    assert rerun_note(store, plans["conversations"], 13, "conversations") is None
+    assert rerun_note(StreamSession(store), plans["conversations"], 13, "conversations") is None
 
 
 def test_full_context_streaming_by_conversation_extracts_each_context_once_and_trains_the_offline_weights(
