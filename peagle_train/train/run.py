@@ -129,8 +129,9 @@ def _start_extraction(cfg: TrainConfig) -> Extraction:
             old = FeatureStore.open(str(cfg.data.store), mode="r+")
         except StoreFormatError:
             old = None
-        if old is not None:
-            StreamSession(old).remove_plan()
+        session = StreamSession(old) if old is not None else None
+        if session is not None and session.has_plan():
+            session.remove_plan()
     return Extraction(cfg)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from peagle_train.train.checkpointer import Checkpointer, stream_save_due
 from peagle_train.train.config import RunConfig
-from stores.stream.plan import StreamPlan, read_consumed
+from stores.stream.plan import StreamPlan
 from stores.stream.session import StreamSession
 
 
@@ -83,7 +83,7 @@ def test_a_streaming_run_saves_for_the_stream_and_moves_the_consumed_cursor(tmp_
         ckpt.step_done(step, step)
     assert saved == ["checkpoint-2", "checkpoint-4", "checkpoint-5", "checkpoint-7"]
     assert stream.steps == list(range(1, 8))  # the trainer's heartbeat shows the steps
-    assert read_consumed(stream.session.store) == 7
+    assert StreamSession(stream.session.store).consumed() == 7
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-5", "checkpoint-7"]  # 2 and 4 replaced
     assert ckpt.saved_cursor == 7 and ckpt.stream_checkpoint == out / "checkpoint-7"
