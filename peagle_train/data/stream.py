@@ -116,11 +116,11 @@ def make_plan(store: FeatureStore, sequence: BlockSequence, val_side: np.ndarray
     T = max_steps * blocks_per_step
     order = plan_entries(sequence, T)
     val = tuple(int(b) for b in np.asarray(val_side)[:val_max_blocks])
-    if store.layout == "windows":
-        return _windows_plan(store, order, val, blocks_per_step=blocks_per_step, max_store_bytes=max_store_bytes,
-                             policy=policy, run=run)
-    block_bytes = block_feature_bytes(store.block_size, len(store.layers), store.hidden_size, store.storage_dtype)
     fixed = fixed_store_bytes(store, T)
+    if store.layout == "windows":
+        return _windows_plan(store, order, val, fixed, blocks_per_step=blocks_per_step,
+                             max_store_bytes=max_store_bytes, policy=policy, run=run)
+    block_bytes = block_feature_bytes(store.block_size, len(store.layers), store.hidden_size, store.storage_dtype)
     window = window_for_budget(max_store_bytes, fixed, block_bytes, len(val))
     distinct = int(np.unique(order).size)
     need = distinct if policy == "keep" else blocks_per_step
@@ -140,14 +140,14 @@ def make_plan(store: FeatureStore, sequence: BlockSequence, val_side: np.ndarray
                       block_bytes=int(block_bytes), window=int(min(window, max(T, 1))), val_blocks=val, order=order)
 
 
-def _windows_plan(store: FeatureStore, order: np.ndarray, val: tuple[int, ...], *, blocks_per_step: int,
+def _windows_plan(store: FeatureStore, order: np.ndarray, val: tuple[int, ...], fixed: int, *, blocks_per_step: int,
                   max_store_bytes: int, policy: str, run: dict[str, Any]) -> StreamPlan:
-    """:func:`make_plan` of a full-context store: units are its context blocks (see there)."""
+    """:func:`make_plan` of a full-context store: units are its context blocks (see there); ``fixed``: its
+    :func:`fixed_store_bytes`."""
     T = int(order.size)
     reads = context_reads(store)
     ctx = store.contexts
     unit_bytes = block_feature_bytes(ctx.block_size, len(ctx.layers), ctx.hidden_size, ctx.storage_dtype)
-    fixed = fixed_store_bytes(store, T)
     val_units = tuple(dict.fromkeys(u for b in val for u in reads[b]))
     capacity = (max_store_bytes - fixed) // unit_bytes - len(val_units)  # units beside the validation ones
     read = {u for b in np.unique(order).tolist() for u in reads[b]} - set(val_units)

@@ -58,7 +58,7 @@ class Checkpointer:
         self.blocks_per_step, self.validates, self.stream = blocks_per_step, validates, stream
         self.main = accelerator.is_main_process
         self.saved_cursor = 0
-        """The block cursor of the last checkpoint saved (and marked consumed)."""
+        """The block cursor of the last checkpoint saved (and marked consumed): 0, or a resumed run's."""
         self.stream_checkpoint: Path | None = None
         """The last checkpoint saved only for the stream (not a ``--save-every`` one), which the next such save
         replaces."""
@@ -68,10 +68,6 @@ class Checkpointer:
         """Blocks the loader reads per request: 1 on a streaming run (a request never waits on a block past the
         plan's window); None: the loader's default."""
         return 1 if self.stream is not None else None
-
-    def begin(self, cursor: int) -> None:
-        """The run starts (or resumes) at block cursor ``cursor``, the state of its last checkpoint."""
-        self.saved_cursor = cursor
 
     def step_done(self, step: int, cursor: int) -> None:
         """After optimizer step ``step`` (the run's block cursor now ``cursor``): the step goes into the trainer's

@@ -261,6 +261,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"]["torch"])
         self.step = self.resumed_step = int(state["step"])
+        self.checkpointer.saved_cursor = self.cursor  # the state resumed is the last one saved
 
     def training_info(self) -> dict[str, Any]:
         """Recorded in config.json so evaluation can find the held-out split."""
@@ -287,7 +288,6 @@ class Trainer:
                                   grad_accum=self.cfg.optim.grad_accum, pin_memory=acc.device.type == "cuda",
                                   blocks_per_read=self.checkpointer.blocks_per_read,
                                   n_steps=max(0, self.max_steps - self.step))
-        self.checkpointer.begin(self.cursor)
         batches = iter(self.loader)
         bar = progress(total=self.max_steps, initial=self.step, disable=not self.main, desc="peagle-train",
                        unit="step", dynamic_ncols=True)

@@ -63,7 +63,6 @@ def _checkpointer(tmp_path, cfg, plan=None, validates=True, max_steps=12):
 
 def test_a_run_without_stream_saves_every_save_every_steps_and_validates_on_the_main_rank(tmp_path):
     ckpt, saved, _ = _checkpointer(tmp_path, RunConfig(output="o", save_every=5, val_every=4))
-    ckpt.begin(0)
     for step in range(1, 13):
         ckpt.step_done(step, step)
     assert saved == ["checkpoint-5", "checkpoint-10"]  # not the last step's: final() saves it
@@ -77,7 +76,6 @@ def test_a_streaming_run_saves_for_the_stream_and_moves_the_consumed_cursor(tmp_
     """P = 1, window 4: a save every 2 steps for the stream, besides --save-every 5's; each marks the cursor
     consumed, and a stream-only checkpoint is replaced by the next save (a --save-every one stays)."""
     ckpt, saved, stream = _checkpointer(tmp_path, RunConfig(output="o", save_every=5), plan=_plan(window=4))
-    ckpt.begin(0)
     assert ckpt.blocks_per_read == 1
     for step in range(1, 8):
         ckpt.step_done(step, step)
