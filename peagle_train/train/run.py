@@ -171,6 +171,8 @@ class TrainPlan:
     """``[m] int64`` the validation blocks scored (streaming: the whole side, every one will be extracted)."""
     max_steps: int
     """The length of the learning-rate schedule (a resume: the saved run's)."""
+    cursor: int
+    """The block cursor a resume continues at, checked against this launch (:func:`resume_cursor`); 0: a new run."""
     max_store_bytes: int | None
     """A streaming run's byte budget (``--max-store-bytes``, resolved once); None: the store is complete."""
     stream: StreamingStore | None
@@ -224,7 +226,7 @@ def plan_train(cfg: TrainConfig, extraction: Extraction | None = None, budget: i
     usable = _rank0_blocks(accelerator, usable)
     resume_from = latest_checkpoint(cfg.run.output) if cfg.run.resume else None
     state = load_training_state(resume_from) if resume_from is not None else None
-    sequence, val_side, val_ids, max_steps = _block_order(cfg, accelerator, store, usable, state, resume_from)
+    sequence, val_side, val_ids, max_steps, cursor = _block_order(cfg, accelerator, store, usable, state, resume_from)
     if stream is not None:  # the plan, checked and written before the weights load
         start_plan(cfg, accelerator, stream.session, budget, sequence, val_side, max_steps, state, resume_from)
         val_ids = val_side  # every one will be extracted; validation scores the first --val-max-blocks
@@ -232,7 +234,7 @@ def plan_train(cfg: TrainConfig, extraction: Extraction | None = None, budget: i
     last_layers = cfg.model.num_layers if cfg.model.init_layers == "verifier" and state is None else 0
     return TrainPlan(cfg=cfg, trackers=trackers, attention=attention, store=store, verifier_name=verifier_name,
                      init=init, mask=mask, accelerator=accelerator, resume_from=resume_from, training_state=state,
-                     sequence=sequence, val_side=val_side, val_ids=val_ids, max_steps=max_steps,
+                     sequence=sequence, val_side=val_side, val_ids=val_ids, max_steps=max_steps, cursor=cursor,
                      max_store_bytes=budget, stream=stream, last_layers=last_layers)
 
 
@@ -243,7 +245,8 @@ def _block_order(cfg: TrainConfig, accelerator, store, usable: np.ndarray, state
     (refused here, before the weights load, unless it continues exactly), and the schedule's length.
 
     Returns:
-        ``(sequence, val_side, val_ids, max_steps)``: ``val_side`` every block id of the validation side,
+        ``(sequence, val_side, val_ids, max_steps, cursor)``: ``cursor`` the block cursor a resume continues at
+        (0 for a new run), ``val_side`` every block id of the validation side,
         ``val_ids`` its usable ones (``[m] int64``, sorted).
     """
     rule = resumed_split_rule(state, cfg.data.val_fraction, str(resume_from))  # a resumed run keeps its split
@@ -255,14 +258,16 @@ def _block_order(cfg: TrainConfig, accelerator, store, usable: np.ndarray, state
     warning = order_warning(sequence)
     if warning and accelerator.is_main_process:
         print(f"warning: {warning}", file=sys.stderr)
+    cursor = 0
     if state is not None:  # refused here, before the weights load, unless it continues exactly
-        resume_cursor(state.get("data") or {}, sequence, accelerator.num_processes, cfg.optim.grad_accum, str(resume_from))
+        cursor = resume_cursor(state.get("data") or {}, sequence, accelerator.num_processes, cfg.optim.grad_accum,
+                               str(resume_from))
     if state is not None:
         max_steps = int(state["max_steps"])  # the schedule's length, as the saved run computed it
     else:
         per_epoch = max(1, len(sequence.usable) // (cfg.optim.grad_accum * accelerator.num_processes))
         max_steps = cfg.optim.max_steps if cfg.optim.max_steps is not None else per_epoch
-    return sequence, val_side, val_ids, max_steps
+    return sequence, val_side, val_ids, max_steps, cursor
 
 
 def load_trainer(plan: TrainPlan, claimed: list[tuple[Path, bool]] | None = None) -> Trainer:
@@ -305,7 +310,7 @@ def load_trainer(plan: TrainPlan, claimed: list[tuple[Path, bool]] | None = None
                       max_steps=plan.max_steps, warmup=cfg.optim.warmup_steps, run=run,
                       logit_transform=None if transform.identity else transform)
     if state is not None:
-        trainer.load_state_dict(state)
+        trainer.load_state_dict(state, plan.cursor)
         if trainer.main:
             removed = run.metrics.truncate(trainer.step)
             print(resumed_message(resume_from, trainer.step, plan.max_steps, removed), file=sys.stderr)

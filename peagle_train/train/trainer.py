@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from peagle_train.data.cod import CodElements
-from peagle_train.data.loader import Block, BlockLoader, BlockSequence, data_state, derive_seed, resume_cursor, to_block
+from peagle_train.data.loader import Block, BlockLoader, BlockSequence, data_state, derive_seed, to_block
 from peagle_train.data.stream import StreamingStore
 from peagle_train.model.checkpoint import prune_checkpoints
 from peagle_train.model.drafter import PEagleDrafter
@@ -244,16 +244,16 @@ class Trainer:
                 "rng": {"torch": torch.get_rng_state()}, "data": data, "step": self.step,
                 "max_steps": self.max_steps, "train_config": self.cfg.to_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a :meth:`state_dict` (the model weights are loaded apart, from the checkpoint).
+    def load_state_dict(self, state: dict[str, Any], cursor: int) -> None:
+        """Continue from a :meth:`state_dict` (the model weights are loaded apart, from the checkpoint) at block
+        cursor ``cursor``: the state's, checked against this launch by
+        :func:`peagle_train.data.loader.resume_cursor` (the plan's, :attr:`peagle_train.train.run.TrainPlan.cursor`).
 
         Raises:
-            InputError / StoreFormatError: from :func:`peagle_train.data.loader.resume_cursor` (a state of an
-                earlier peagle, another number of blocks per step, blocks no longer done).
             ValueError: the trainer's ``max_steps`` is not the saved run's.
         """
         where = str(self.run.resumed_from) if self.run.resumed_from is not None else "the checkpoint"
-        self.cursor = resume_cursor(state.get("data") or {}, self.run.sequence, self.world, self.cfg.optim.grad_accum, where)
+        self.cursor = cursor
         if int(state["max_steps"]) != self.max_steps:
             raise ValueError(f"{where} is a run of {state['max_steps']} steps, the trainer has max_steps "
                              f"{self.max_steps}; build it with the saved run's")
