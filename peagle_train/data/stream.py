@@ -1,5 +1,4 @@
-"""The training side of a streaming run (docs/design.md §7 "Streaming", §8): the plan, waiting reads, the
-checkpoints that let extraction move on.
+"""The training side of a streaming run (docs/design.md §7 "Streaming", §8): the plan and waiting reads.
 
 Legend: T entries of the run (``max_steps * P``), P blocks per optimizer step (``grad_accum * world``), B the
 plan's window, K the consumed cursor, V validation blocks. A unit is what the extraction writes and evicts: a
@@ -13,12 +12,11 @@ format-1 store's block, a full-context store's context block (:mod:`stores.strea
   block's done flag (then checks its crc32c as every read does); a wait stops the run, naming the extraction's
   log, only when the extraction is dead: its process exited (the one-command form), its process on this machine
   is gone, or neither its heartbeat nor any unit moved for ``timeout_s`` (:mod:`stores.stream.heartbeat`); a slow
-  extraction is waited for. The main rank's store beats the trainer's heartbeat, which the extraction waits on.
-- :func:`stream_save_due`: after which steps the trainer saves a checkpoint so that extraction may write
-  further (deterministic: the window and P decide it, never timing): when the next step's entries would pass
-  the window of the last saved cursor, or half the window has been consumed since. Saving changes no weight.
-- :func:`mark_consumed`: after such a save is on disk (fsync'd), the durable consumed cursor; at the end of
-  the run the trainer evicts what the window no longer needs.
+  extraction is waited for. The main rank's store beats the trainer's heartbeat, which the extraction waits on;
+  its :class:`stores.stream.session.StreamSession` holds the plan and the consumed cursor.
+
+The checkpoints that let extraction move on, and the cursor written after each, are
+:class:`peagle_train.train.checkpointer.Checkpointer`'s.
 """
 
 from __future__ import annotations

@@ -40,8 +40,8 @@ from stores.stream.session import StreamSession
 from stores.tables.token_tables import TokenTable, manifest_sha256
 
 __all__ = ["Extraction", "extraction_log", "extract_command", "resolve_stream_context", "check_stream_start",
-           "check_free_disk", "start_extraction", "start_plan", "wait_for_store", "world_size_from_env", "rank_from_env",
-           "plan_run_identity"]
+           "check_free_disk", "start_extraction", "start_plan", "wait_for_store", "world_size_from_env",
+           "rank_from_env", "plan_run_identity"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 """The directory holding the ``cli`` package (put on the subprocess's PYTHONPATH)."""

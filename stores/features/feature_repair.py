@@ -152,14 +152,14 @@ def verify_store(path: str | os.PathLike, expected_tokens=None, repair: bool = F
 
 def stream_report(session: StreamSession, not_done: list[int], contexts_not_done: list[int] | None = None
                   ) -> dict[str, Any]:
-    """What ``verify`` says of a streamed store's blocks that are not done (docs/design.md §7 "Streaming"):
-    the ``session``'s plan's ``policy``, ``consumed`` of ``n_entries``, and the not-done blocks by why: ``consumed`` (every
-    entry reading them is consumed: evicted, or a block the run no longer reads), ``pending`` (an unconsumed
-    entry reads them: extraction writes them when the window reaches them), ``unused`` (the plan never reads
-    them: validation blocks past ``--val-max-blocks``, or past the run's steps). A full-context store's
-    ``not_done`` are training blocks (a context block they read is not done), and ``contexts`` sorts its context
-    blocks that are not done, ``contexts_not_done``, the same way (``pending``: read by the training block of an
-    unconsumed entry or by a validation block)."""
+    """What ``verify`` says of a streamed store's blocks that are not done (docs/design.md §7 "Streaming"),
+    ``session`` holding the store's plan: the plan's ``policy``, ``consumed`` of ``n_entries``, and the not-done
+    blocks by why: ``consumed`` (every entry reading them is consumed: evicted, or a block the run no longer reads),
+    ``pending`` (an unconsumed entry reads them: extraction writes them when the window reaches them), ``unused``
+    (the plan never reads them: validation blocks past ``--val-max-blocks``, or past the run's steps). A
+    full-context store's ``not_done`` are training blocks (a context block they read is not done), and ``contexts``
+    sorts its context blocks that are not done, ``contexts_not_done``, the same way (``pending``: read by the
+    training block of an unconsumed entry or by a validation block)."""
     plan, consumed = session.plan, session.consumed()
     ahead = set(plan.order[consumed:].tolist()) | set(plan.val_blocks)
     ever = set(plan.order.tolist()) | set(plan.val_blocks)

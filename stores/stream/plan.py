@@ -19,8 +19,9 @@ one :class:`stores.stream.session.StreamSession` per side:
   are the context blocks of its views (:func:`context_reads`, read from the store, their digest recorded);
 - the **consumed cursor** (``stream/consumed.json``): the number of entries the trainer has durably
   consumed, written (fsync'd, renamed) only after the checkpoint that holds the training state past them
-  is itself on disk (:meth:`stores.stream.session.StreamSession.mark_consumed`). A crash can therefore never leave the trainer needing a unit that
-  was deleted: deletion follows the cursor, the cursor follows a saved state.
+  is itself on disk (:meth:`stores.stream.session.StreamSession.mark_consumed`). A crash can therefore never
+  leave the trainer needing a unit that was deleted: deletion follows the cursor, the cursor follows a saved
+  state.
 
 The rules both sides follow (pure functions of the plan and the cursor ``K``):
 

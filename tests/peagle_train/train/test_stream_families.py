@@ -93,7 +93,8 @@ def test_streaming_weights_equal_offline_weights_per_family(tmp_path, packed, sm
         assert a[name].tobytes() == b[name].tobytes(), (family, name)
     assert summary["val_loss"] == offline["val_loss"]
     opened = FeatureStore.open(store)
-    assert StreamSession(opened).consumed() == STEPS and int(opened.done_mask().sum()) == 2  # the validation blocks stay
+    consumed = StreamSession(opened).consumed()
+    assert consumed == STEPS and int(opened.done_mask().sum()) == 2  # the validation blocks stay
     stream = result["summary"]["stream"]
     assert stream["peak_store_bytes"] <= budget
     assert 2 + 6 * 2 - 2 <= stream["extractions"] <= 2 + 6 * 2  # each block once per epoch, less the window's

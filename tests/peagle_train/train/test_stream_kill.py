@@ -130,7 +130,8 @@ def test_extraction_killed_then_resumed_equals_offline(tmp_path, packed, offline
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:  # kill it once the trainer has consumed a few entries
-            if (store / "stream" / "consumed.json").is_file() and StreamSession(FeatureStore.open(store)).consumed() >= 2:
+            cursor = store / "stream" / "consumed.json"
+            if cursor.is_file() and StreamSession(FeatureStore.open(store)).consumed() >= 2:
                 break
             time.sleep(0.1)
         pids = _extraction_pids(store)
