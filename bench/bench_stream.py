@@ -57,7 +57,8 @@ from peagle_train.data.split import split_store
 from peagle_train.data.stream import make_plan, planned_tokens
 from stores.errors import InputError
 from stores.features.feature_store import FeatureStore
-from stores.features.stream_plan import apparent_bytes, block_feature_bytes, unit_store
+from stores.stream.plan import apparent_bytes, block_feature_bytes, unit_store
+from stores.stream.session import StreamSession
 from stores.tables.token_tables import TableWriter, TokenTable, write_manifest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -161,7 +162,7 @@ def plan_figures(store_path: Path, windows: list[int], epochs: list[int], polici
                 except InputError as err:  # a window smaller than one step's units
                     out["plans"].append({"policy": policy, "epochs": e, "window_units": w, "refused": str(err)})
                     continue
-                tokens = planned_tokens(store, plan)
+                tokens = planned_tokens(StreamSession(store), plan)
                 val_tokens = sum(int(units.n_tokens_of(u)) for u in plan.val_units)
                 out["plans"].append({
                     "policy": policy, "epochs": e, "window_units": w, "budget_bytes": budget,

@@ -5,7 +5,8 @@ runs: a training block of a format-1 store (``--context window``), a context blo
 (``--context full``), whose training blocks are views of context blocks.
 
 The store is created (or continued) as for any extraction; then this side waits for the stream plan the
-trainer writes into it (:mod:`stores.features.stream_plan`) and follows it: the validation blocks' units first, then
+trainer writes into it (:mod:`stores.stream.plan`, through the :class:`stores.stream.session.StreamSession` this
+side holds) and follows it: the validation blocks' units first, then
 entry ``c = 0 .. T-1`` (training block ``order[c]``) once ``c < K + B``: its units, in order, skipping a unit
 that is present (done, or queued for the writer), after evicting the units the window no longer reads (policy
 ``reextract``). A context block read by several training blocks of one window is so extracted once. The
@@ -14,7 +15,7 @@ budget; the trainer evicts once more at the end of its run (:mod:`peagle_train.d
 true peak is measured after each write (:class:`StorePeak`).
 
 Waits on the trainer (for its plan, a rewritten plan, its cursor) last as long as the trainer lives: this side
-beats its own heartbeat and gives up only when the trainer's stopped (:mod:`stores.features.stream_heartbeat`).
+beats its own heartbeat and gives up only when the trainer's stopped (:mod:`stores.stream.heartbeat`).
 
 A killed extractor continues with ``--resume``: the done units are checked (``repair_blocks``), leftover
 feature files of units that are not done are deleted, and the walk starts again from entry 0, skipping
@@ -35,8 +36,8 @@ from peagle_data.extract.store import BlockWriter
 from stores.errors import InputError, StoreFormatError
 from stores.features.feature_store import FeatureStore
 from runtime.progress import progress as progress_bar
-from stores.features.stream_heartbeat import Heartbeat, PeerWatch
-from stores.features.stream_plan import StreamPlan, apparent_bytes, plan_record, read_consumed, read_plan, unit_store
+from stores.stream.plan import StreamPlan
+from stores.stream.session import StreamSession
 
 __all__ = ["wait_for_plan", "followed_plan", "StorePeak", "stream_entries", "extract_stream", "POLL_S"]
 
@@ -44,18 +45,18 @@ POLL_S = 0.2
 """Seconds between two reads of the plan or of the consumed cursor while waiting."""
 
 
-def wait_for_plan(store: FeatureStore, timeout_s: float, log: Callable[[str], None]) -> StreamPlan:
+def wait_for_plan(session: StreamSession, timeout_s: float, log: Callable[[str], None]) -> StreamPlan:
     """The store's stream plan, waiting for ``peagle-train`` to write it while its heartbeat beats (a trainer
     loading or checking for long is waited for), up to ``timeout_s`` without it
-    (:class:`stores.features.stream_heartbeat.PeerWatch`).
+    (:class:`stores.stream.heartbeat.PeerWatch`).
 
     Raises:
         InputError: no plan and the trainer dead or never seen for ``timeout_s`` (field ``--stream``), naming the
             command that writes it.
     """
-    watch, told = PeerWatch(store.path, "trainer", timeout_s), False
+    store, watch, told = session.store, session.watch("trainer", timeout_s), False
     while True:
-        plan = read_plan(store)
+        plan = session.read_plan()
         if plan is not None:
             return plan
         if not told:
@@ -85,7 +86,8 @@ def _clear_leftovers(store: FeatureStore, log: Callable[[str], None]) -> int:
     return n
 
 
-def followed_plan(store: FeatureStore, plan: StreamPlan, timeout_s: float, log: Callable[[str], None]) -> StreamPlan:
+def followed_plan(session: StreamSession, plan: StreamPlan, timeout_s: float,
+                  log: Callable[[str], None]) -> StreamPlan:
     """The plan to follow from the next entry on: ``plan``, or the same run's plan as the trainer rewrote it with
     another budget (a ``--resume`` with another ``--max-store-bytes``: its window is followed from here, so the
     store stays within the new budget; it was once followed with the old window). A rewrite in progress (no
@@ -95,12 +97,12 @@ def followed_plan(store: FeatureStore, plan: StreamPlan, timeout_s: float, log: 
         InputError: the plan was replaced by another run's (a new ``peagle-train`` run on this store), or stays
             missing while the trainer is dead for ``timeout_s`` (field ``--stream``).
     """
-    watch = None
+    store, watch = session.store, None
     while True:
-        record = plan_record(store)
+        record = session.plan_record()
         if record == plan.record():
             return plan
-        new = read_plan(store) if record is not None else None
+        new = session.read_plan() if record is not None else None
         if new is not None and not new.same_run(plan):
             raise InputError(f"{store.path}: its stream plan was replaced (a new peagle-train run started on this "
                              "store); start the extraction again to follow the new plan", field="--stream")
@@ -108,7 +110,7 @@ def followed_plan(store: FeatureStore, plan: StreamPlan, timeout_s: float, log: 
             log(f"{store.path}: the stream plan was rewritten for another budget ({new.max_store_bytes:,} bytes, "
                 f"window {new.window} blocks); following it")
             return new
-        watch = watch or PeerWatch(store.path, "trainer", timeout_s)
+        watch = watch or session.watch("trainer", timeout_s)
         why = watch.dead()
         if why is not None:
             raise InputError(f"{store.path}: its stream plan was removed and not written again, and peagle-train is "
@@ -117,38 +119,38 @@ def followed_plan(store: FeatureStore, plan: StreamPlan, timeout_s: float, log: 
 
 
 class StorePeak:
-    """The true peak of a streaming store's bytes (:func:`stores.features.stream_plan.apparent_bytes`): measured right
+    """The true peak of a streaming store's bytes (:meth:`StreamSession.bytes`): measured right
     after each unit's write (its features and done flag), under :attr:`lock`, which evictions hold too, so no
     eviction falls between a write and its measure. The store grows only by writes (the plan's own and
     heartbeat files aside, within the plan's allowance), so its largest size is one of these measures.
     ``peak`` starts at the store's bytes when made."""
 
-    def __init__(self, store: FeatureStore):
-        self.path, self.lock = store.path, threading.Lock()
-        self.peak = apparent_bytes(store.path)
+    def __init__(self, session: StreamSession):
+        self.session, self.lock = session, threading.Lock()
+        self.peak = session.bytes()
 
     def measure(self, _unit: int | None = None) -> int:
         """Measure now (call with :attr:`lock` held); returns the peak so far."""
-        self.peak = max(self.peak, apparent_bytes(self.path))
+        self.peak = max(self.peak, self.session.bytes())
         return self.peak
 
 
-def stream_entries(store: FeatureStore, plan: StreamPlan, present: set[int], stats: dict[str, Any],
+def stream_entries(session: StreamSession, plan: StreamPlan, present: set[int], stats: dict[str, Any],
                    timeout_s: float, log: Callable[[str], None], lock=None) -> Iterator[int]:
     """The units to extract, in plan order, each when the plan allows it (see the module doc); evicts as it
-    goes. ``store``: the store the plan is in (a full-context store's root); ``present``: the units with
+    goes. ``session``: that of the store the plan is in (a full-context store's root); ``present``: the units with
     features now (updated here); ``stats`` gets ``evicted``, ``waits``, ``wait_s``; ``lock``: held around
     evictions (:class:`StorePeak`'s).
 
     A wait for the trainer's cursor lasts as long as the trainer lives: it stops when the trainer's heartbeat
-    (:mod:`stores.features.stream_heartbeat`) and its cursor both stood still for ``timeout_s``, or at once when the
+    (:mod:`stores.stream.heartbeat`) and its cursor both stood still for ``timeout_s``, or at once when the
     trainer's process on this machine is gone; a slow trainer is waited for.
 
     Raises:
         InputError: a write waited on the cursor and the trainer is dead (see above), naming the entry and the
             cursor.
     """
-    units = unit_store(store)
+    store, session.plan = session.store, plan  # the plan the evictions follow
     for u in plan.val_units:
         if u not in present:
             present.add(u)
@@ -156,17 +158,18 @@ def stream_entries(store: FeatureStore, plan: StreamPlan, present: set[int], sta
     evicted_at = None  # the cursor of the last eviction: at the same cursor, nothing more is evictable
     for c in range(plan.n_entries):
         b = int(plan.order[c])
-        consumed = read_consumed(store)  # read at every entry: evictions follow the trainer's latest cursor
+        consumed = session.consumed()  # read at every entry: evictions follow the trainer's latest cursor
         if c < consumed:  # consumed already (a resumed extraction, or by the trainer meanwhile): nothing to write
             continue
-        followed = followed_plan(store, plan, timeout_s, log)
+        followed = followed_plan(session, plan, timeout_s, log)
         if followed is not plan:  # another budget: its window may evict more at the same cursor
             plan, evicted_at = followed, None
+            session.plan = plan
         if not plan.may_write(c, consumed):
             t0 = time.monotonic()
             stats["waits"] += 1
-            watch, seen = PeerWatch(store.path, "trainer", timeout_s), consumed
-            while not plan.may_write(c, consumed := read_consumed(store)):
+            watch, seen = session.watch("trainer", timeout_s), consumed
+            while not plan.may_write(c, consumed := session.consumed()):
                 if consumed != seen:
                     watch.progressed()
                     seen = consumed
@@ -181,8 +184,7 @@ def stream_entries(store: FeatureStore, plan: StreamPlan, present: set[int], sta
                 continue  # what the window evicts now must not come back for it
         if consumed != evicted_at:  # (units added since were read by the window)
             with lock or contextlib.nullcontext():
-                for e in plan.evictable(present, consumed):
-                    units.evict_block(e)
+                for e in session.evict(present, consumed):
                     present.discard(e)
                     stats["evicted"] += 1
             evicted_at = consumed
@@ -217,8 +219,9 @@ def extract_stream(engine: VerifierEngine, store: FeatureStore, rows, timeout_s:
     """
     if store.layout == "windows" and store.attrs.get("shard"):
         raise StoreFormatError(f"{store.path}: --stream extracts a whole store, not a shard")
-    units = unit_store(store)
-    plan = wait_for_plan(store, timeout_s, log)
+    session = StreamSession(store)
+    units = session.units
+    plan = wait_for_plan(session, timeout_s, log)
     if max(plan.order.max(initial=-1), max(plan.val_blocks, default=-1)) >= store.n_blocks or max(
             (max(r, default=-1) for r in plan.reads or ()), default=-1) >= units.n_blocks:
         raise StoreFormatError(f"{store.path}: its stream plan reads blocks past its {store.n_blocks}; the plan "
@@ -231,25 +234,25 @@ def extract_stream(engine: VerifierEngine, store: FeatureStore, rows, timeout_s:
     log(f"{store.path}: streaming {plan.n_entries} entries (policy {plan.policy}, window {plan.window} entries, "
         f"{what} of {plan.block_bytes:,} bytes, budget {plan.max_store_bytes:,} bytes), the {len(plan.val_units)} "
         f"{what} of {len(plan.val_blocks)} validation blocks first")
-    peak = StorePeak(store)
+    peak = StorePeak(session)
     writer = BlockWriter(units, writer_queue, lock=peak.lock, after_write=peak.measure)
     tokens = 0
     bar = progress_bar(total=plan.extractions(), desc=label, unit="block", disable=not progress)
-    heartbeat = Heartbeat(store.path, "extraction")  # the trainer waits on it, not on progress
+    session.beat("extraction")  # the trainer waits on it, not on progress
     try:
-        entries = stream_entries(store, plan, present, stats, timeout_s, log, lock=peak.lock)
+        entries = stream_entries(session, plan, present, stats, timeout_s, log, lock=peak.lock)
         for i, aux, final in timed(engine.features((i, rows[i]) for i in entries), seconds, "engine_s"):
             writer.put(i, aux, final)
             tokens += int(rows[i]["n_tokens"])
             stats["extractions"] += 1
-            heartbeat.progress(stats["extractions"])
+            session.progress(stats["extractions"])
             bar.update(1)
             bar.set_postfix(tokens=f"{tokens:,}")
     finally:
         try:
             writer.close()
         finally:
-            heartbeat.stop()
+            session.close()
             bar.close()
             seconds.update(store_write_s=writer.write_s, writer_wait_s=writer.put_s)
     with peak.lock:

@@ -1,24 +1,22 @@
-"""The training side of a streaming run (docs/design.md §7 "Streaming", §8): the plan, waiting reads, the
-checkpoints that let extraction move on.
+"""The training side of a streaming run (docs/design.md §7 "Streaming", §8): the plan and waiting reads.
 
 Legend: T entries of the run (``max_steps * P``), P blocks per optimizer step (``grad_accum * world``), B the
 plan's window, K the consumed cursor, V validation blocks. A unit is what the extraction writes and evicts: a
-format-1 store's block, a full-context store's context block (:mod:`stores.features.stream_plan`).
+format-1 store's block, a full-context store's context block (:mod:`stores.stream.plan`).
 
-- :func:`make_plan`: the run's :class:`stores.features.stream_plan.StreamPlan` from its block sequence (the split and
+- :func:`make_plan`: the run's :class:`stores.stream.plan.StreamPlan` from its block sequence (the split and
   every epoch's order are pure functions of ``(seed, n_blocks, val_fraction)`` and the store's segment keys,
   so the plan is made before any feature exists), its budget and its policy; refuses a budget smaller than
   the smallest that works, naming it.
 - :class:`StreamingStore`: the store as the loader and validation read it, except that a read waits for the
   block's done flag (then checks its crc32c as every read does); a wait stops the run, naming the extraction's
   log, only when the extraction is dead: its process exited (the one-command form), its process on this machine
-  is gone, or neither its heartbeat nor any unit moved for ``timeout_s`` (:mod:`stores.features.stream_heartbeat`); a slow
-  extraction is waited for. The main rank's store beats the trainer's heartbeat, which the extraction waits on.
-- :func:`stream_save_due`: after which steps the trainer saves a checkpoint so that extraction may write
-  further (deterministic: the window and P decide it, never timing): when the next step's entries would pass
-  the window of the last saved cursor, or half the window has been consumed since. Saving changes no weight.
-- :func:`mark_consumed`: after such a save is on disk (fsync'd), the durable consumed cursor; at the end of
-  the run the trainer evicts what the window no longer needs.
+  is gone, or neither its heartbeat nor any unit moved for ``timeout_s`` (:mod:`stores.stream.heartbeat`); a slow
+  extraction is waited for. The main rank's store beats the trainer's heartbeat, which the extraction waits on;
+  its :class:`stores.stream.session.StreamSession` holds the plan and the consumed cursor.
+
+The checkpoints that let extraction move on, and the cursor written after each, are
+:class:`peagle_train.train.checkpointer.Checkpointer`'s.
 """
 
 from __future__ import annotations
@@ -33,19 +31,19 @@ from peagle_train.data.loader import BlockSequence
 from stores.errors import ChunkDamageError, InputError, StoreFormatError
 from stores.features.feature_schema import ARRAYS, hidden_arrays
 from stores.features.feature_store import CONTEXTS, FeatureStore
-from stores.features.stream_heartbeat import HEARTBEAT_DIR, Heartbeat, PeerWatch
-from stores.features.stream_plan import (POLICIES, STREAM_GROUP, StreamPlan, apparent_bytes, block_feature_bytes, context_reads,
-                                flag_bytes, format_size, fsync_tree, read_consumed, read_plan, step_units, unit_store,
-                                window_for_budget, window_for_reads, write_consumed)
+from stores.stream.heartbeat import HEARTBEAT_DIR
+from stores.stream.plan import (POLICIES, STREAM_GROUP, StreamPlan, apparent_bytes, block_feature_bytes, context_reads,
+                                flag_bytes, format_size, step_units, unit_store, window_for_budget, window_for_reads)
+from stores.stream.session import StreamSession
 
-__all__ = ["PLAN_ALLOWANCE_BYTES", "READ_TRIES", "plan_entries", "make_plan", "fixed_store_bytes", "StreamingStore", "stream_save_due", "mark_consumed",
-           "evict_after_run", "planned_tokens", "rerun_note", "ExtractionDied"]
+__all__ = ["PLAN_ALLOWANCE_BYTES", "READ_TRIES", "plan_entries", "make_plan", "fixed_store_bytes", "StreamingStore",
+           "planned_tokens", "rerun_note", "ExtractionDied"]
 
 
 PLAN_ALLOWANCE_BYTES = 8192
 """Bytes allowed for the plan's files besides its order (``stream/zarr.json``, ``stream/order/zarr.json``, the
 order chunk's checksum, ``consumed.json`` and its temporary twin) and for the two sides' heartbeat files
-(``stream_heartbeat/``, :mod:`stores.features.stream_heartbeat`, with their temporary twins)."""
+(``stream_heartbeat/``, :mod:`stores.stream.heartbeat`, with their temporary twins)."""
 
 
 class ExtractionDied(StoreFormatError):
@@ -63,7 +61,7 @@ def plan_entries(sequence: BlockSequence, n_entries: int) -> np.ndarray:
 
 def _bytes_without_features(directory: Path, hidden: set[str], skip: set[str], n_blocks: int) -> int:
     """The bytes of a store group's files but its feature chunks (a feature array's metadata counts), its done
-    flags counted for all its ``n_blocks`` blocks (:func:`stores.features.stream_plan.flag_bytes`: their files appear as
+    flags counted for all its ``n_blocks`` blocks (:func:`stores.stream.plan.flag_bytes`: their files appear as
     blocks are done, so a measure of the files alone grew during the run, and a resume with the budget that
     started it was refused)."""
     flags = {s.name for s in ARRAYS if s.role == "flag"}
@@ -96,14 +94,14 @@ def make_plan(store: FeatureStore, sequence: BlockSequence, val_side: np.ndarray
               run: dict[str, Any]) -> StreamPlan:
     """The stream plan of a run (see the module doc). A full-context store's plan counts context blocks: the
     window B is the largest whose entries' context blocks, beside the validation blocks' and the fixed arrays,
-    fit the budget at every cursor (:func:`stores.features.stream_plan.window_for_reads`).
+    fit the budget at every cursor (:func:`stores.stream.plan.window_for_reads`).
 
     Args:
         store: the run's store (local, token arrays written; a full-context store: not a shard).
         sequence: the run's block sequence (every train-side block usable).
         val_side: ``[m] int64`` the validation side (sorted); the first ``val_max_blocks`` are scored and kept.
         max_steps, blocks_per_step: T = their product.
-        max_store_bytes: the budget; policy: one of :data:`stores.features.stream_plan.POLICIES`.
+        max_store_bytes: the budget; policy: one of :data:`stores.stream.plan.POLICIES`.
         run: the run's identity (output, seed, val_fraction, ...).
 
     Raises:
@@ -116,11 +114,11 @@ def make_plan(store: FeatureStore, sequence: BlockSequence, val_side: np.ndarray
     T = max_steps * blocks_per_step
     order = plan_entries(sequence, T)
     val = tuple(int(b) for b in np.asarray(val_side)[:val_max_blocks])
-    if store.layout == "windows":
-        return _windows_plan(store, order, val, blocks_per_step=blocks_per_step, max_store_bytes=max_store_bytes,
-                             policy=policy, run=run)
-    block_bytes = block_feature_bytes(store.block_size, len(store.layers), store.hidden_size, store.storage_dtype)
     fixed = fixed_store_bytes(store, T)
+    if store.layout == "windows":
+        return _windows_plan(store, order, val, fixed, blocks_per_step=blocks_per_step,
+                             max_store_bytes=max_store_bytes, policy=policy, run=run)
+    block_bytes = block_feature_bytes(store.block_size, len(store.layers), store.hidden_size, store.storage_dtype)
     window = window_for_budget(max_store_bytes, fixed, block_bytes, len(val))
     distinct = int(np.unique(order).size)
     need = distinct if policy == "keep" else blocks_per_step
@@ -140,14 +138,14 @@ def make_plan(store: FeatureStore, sequence: BlockSequence, val_side: np.ndarray
                       block_bytes=int(block_bytes), window=int(min(window, max(T, 1))), val_blocks=val, order=order)
 
 
-def _windows_plan(store: FeatureStore, order: np.ndarray, val: tuple[int, ...], *, blocks_per_step: int,
+def _windows_plan(store: FeatureStore, order: np.ndarray, val: tuple[int, ...], fixed: int, *, blocks_per_step: int,
                   max_store_bytes: int, policy: str, run: dict[str, Any]) -> StreamPlan:
-    """:func:`make_plan` of a full-context store: units are its context blocks (see there)."""
+    """:func:`make_plan` of a full-context store: units are its context blocks (see there); ``fixed``: its
+    :func:`fixed_store_bytes`."""
     T = int(order.size)
     reads = context_reads(store)
     ctx = store.contexts
     unit_bytes = block_feature_bytes(ctx.block_size, len(ctx.layers), ctx.hidden_size, ctx.storage_dtype)
-    fixed = fixed_store_bytes(store, T)
     val_units = tuple(dict.fromkeys(u for b in val for u in reads[b]))
     capacity = (max_store_bytes - fixed) // unit_bytes - len(val_units)  # units beside the validation ones
     read = {u for b in np.unique(order).tolist() for u in reads[b]} - set(val_units)
@@ -170,45 +168,14 @@ def _windows_plan(store: FeatureStore, order: np.ndarray, val: tuple[int, ...], 
                       reads=reads)
 
 
-def stream_save_due(step: int, blocks_per_step: int, saved_cursor: int, plan: StreamPlan) -> bool:
-    """Whether the trainer saves after ``step`` (cursor ``step * P``) so that extraction can go on: the next
-    step's entries would pass the window of the last saved cursor, or half the window has been consumed since
-    it. Never with policy ``keep`` (nothing waits on the cursor) or after the run's last entry."""
-    cursor = step * blocks_per_step
-    if plan.policy == "keep" or cursor >= plan.n_entries:
-        return False
-    return cursor + blocks_per_step > saved_cursor + plan.window or cursor - saved_cursor >= max(
-        blocks_per_step, plan.window // 2)
-
-
-def mark_consumed(store: FeatureStore, checkpoint: Path, cursor: int) -> None:
-    """After ``checkpoint`` (holding the training state at ``cursor``) was saved: fsync it, then write the
-    durable consumed cursor (:func:`stores.features.stream_plan.write_consumed`); never lowers the cursor."""
-    fsync_tree(checkpoint)
-    if cursor > read_consumed(store):
-        write_consumed(store, cursor)
-
-
-def evict_after_run(store: FeatureStore, plan: StreamPlan) -> int:
-    """At the end of a run whose last checkpoint is saved and consumed cursor written: evict the units the
-    plan no longer needs (``reextract``: every training block's; the validation blocks' stay). Returns how many."""
-    consumed = read_consumed(store)
-    units = unit_store(store)
-    present = np.flatnonzero(units.done_mask()).tolist()
-    gone = plan.evictable(present, consumed)
-    for u in gone:
-        units.evict_block(u)
-    return len(gone)
-
-
-def planned_tokens(store: FeatureStore, plan: StreamPlan) -> int:
+def planned_tokens(session: StreamSession, plan: StreamPlan) -> int:
     """Tokens the verifier runs for the plan's extractions (:meth:`StreamPlan.extraction_counts`, each unit's
     ``n_tokens``): the run's extraction work, to set against an offline extraction's (the units' tokens once)."""
-    n_tokens = unit_store(store).n_tokens_per_block()
+    n_tokens = session.units.n_tokens_per_block()
     return int(sum(k * int(n_tokens[u]) for u, k in plan.extraction_counts().items()))
 
 
-def rerun_note(store: FeatureStore, plan: StreamPlan, epoch_entries: int, epoch_order: str) -> str | None:
+def rerun_note(session: StreamSession, plan: StreamPlan, epoch_entries: int, epoch_order: str) -> str | None:
     """A note when a full-context plan runs the verifier over more than 1.1x the offline extraction's tokens per
     epoch, counted over the training side's context blocks (the scored validation blocks' are extracted once a
     run and left out; epochs: ``T / epoch_entries``): a context block read again further apart than the window is
@@ -216,7 +183,7 @@ def rerun_note(store: FeatureStore, plan: StreamPlan, epoch_entries: int, epoch_
     read once an epoch)."""
     if plan.reads is None or plan.policy != "reextract" or epoch_entries < 1:
         return None
-    n_tokens = unit_store(store).n_tokens_per_block()
+    n_tokens = session.units.n_tokens_per_block()
     val = set(plan.val_units)
     counts = {u: k for u, k in plan.extraction_counts().items() if u not in val}
     once = sum(int(n_tokens[u]) for u in counts)
@@ -241,12 +208,13 @@ READ_TRIES = 3
 class StreamingStore:
     """A store being extracted, read as the run reads it: each read waits for the block's done flag.
 
-    Everything but :meth:`read_block`/:meth:`read_blocks` is the wrapped store's.
+    Everything but :meth:`read_block`/:meth:`read_blocks` is the wrapped store's; its stream records (plan,
+    cursor, heartbeat, evictions) are :attr:`session`'s.
 
     Args:
         store: the open ``FeatureStore`` (r+: the trainer writes the cursor and evicts at the end).
         timeout_s: seconds without the extraction's heartbeat and without any new done block (while waiting)
-            before giving up (:class:`stores.features.stream_heartbeat.PeerWatch`).
+            before giving up (:class:`stores.stream.heartbeat.PeerWatch`).
         extraction_alive: returns None while the extraction runs, else why it stopped (its exit code);
             None: extraction runs elsewhere (split roles), its heartbeat alone tells.
         log_path: the extraction's log, named in the errors.
@@ -261,17 +229,18 @@ class StreamingStore:
         self.store, self.timeout_s, self.alive, self.log_path, self.poll_s = store, timeout_s, extraction_alive, log_path, poll_s
         self.wait_s = 0.0
         """Seconds spent waiting for blocks to be extracted."""
-        self.heartbeat = Heartbeat(store.path, "trainer") if heartbeat else None
+        self.session = StreamSession(store)
+        """The store's stream session: its plan once written or read, the cursor, the trainer's heartbeat."""
+        if heartbeat:
+            self.session.beat("trainer")
 
     def progress(self, step: int) -> None:
         """Record the trainer's step in its heartbeat (shown in the extraction's messages)."""
-        if self.heartbeat is not None:
-            self.heartbeat.progress(step)
+        self.session.progress(step)
 
     def close(self) -> None:
         """Stop the trainer's heartbeat (the run's reads are over)."""
-        if self.heartbeat is not None:
-            self.heartbeat.stop()
+        self.session.close()
 
     def __getattr__(self, name: str):
         return getattr(self.store, name)
@@ -288,9 +257,9 @@ class StreamingStore:
         if self.store.is_done(i):
             return
         t0 = checked = time.monotonic()
-        units = unit_store(self.store)  # progress: any unit done (a context block of a full-context store)
+        units = self.session.units  # progress: any unit done (a context block of a full-context store)
         seen = int(units.done_mask().sum())
-        watch = PeerWatch(self.store.path, "extraction", self.timeout_s)
+        watch = self.session.watch("extraction", self.timeout_s)
         while not self.store.is_done(i):
             why = self.alive() if self.alive is not None else None
             if why is not None and not self.store.is_done(i):
@@ -307,7 +276,7 @@ class StreamingStore:
                     raise ExtractionDied(
                         f"{self.store.path}: block {i} is not extracted and the extraction (`peagle-data extract ... "
                         f"--stream --output {self.store.path}`) is not running: {dead} (consumed cursor "
-                        f"{read_consumed(self.store)}){self._where()}")
+                        f"{self.session.consumed()}){self._where()}")
             time.sleep(self.poll_s)
         self.wait_s += time.monotonic() - t0
 
@@ -338,4 +307,4 @@ class StreamingStore:
 
     def plan(self) -> StreamPlan | None:
         """The store's stream plan."""
-        return read_plan(self.store)
+        return self.session.read_plan()

@@ -21,7 +21,7 @@ from peagle_train.model.dflash import DFLASH_BLOCK_SIZE
 from peagle_train.model.warm_start import INIT_LAYERS
 from peagle_train.train.loss import LOSSES
 from peagle_train.train.metrics import parse_report_to
-from stores.features.stream_plan import parse_size
+from stores.stream.plan import parse_size
 
 __all__ = ["depth_weight_values", "DataConfig", "ModelConfig", "OptimConfig", "RunConfig", "StreamConfig", "STREAM_POLICIES",
            "STREAM_CONTEXTS", "TrainConfig", "GROUPS", "FIELD_DEFAULTS", "DFLASH_DECAY_GAMMA",
@@ -314,7 +314,7 @@ class RunConfig:
 
 
 STREAM_POLICIES = ("reextract", "keep")
-"""``--epoch-policy`` choices (:data:`stores.features.stream_plan.POLICIES`)."""
+"""``--epoch-policy`` choices (:data:`stores.stream.plan.POLICIES`)."""
 STREAM_CONTEXTS = ("window", "full")
 """``--context`` values of a streaming run (docs/design.md §7 "Streaming")."""
 

@@ -41,7 +41,7 @@ from peagle_train.data.multistore import (conversation_groups, open_stores, spli
                                          usable_blocks)
 from peagle_train.data.segment_hashes import training_segment_hashes
 from peagle_train.data.split import SPLIT_BLOCKS, SPLIT_CONVERSATIONS, SPLIT_RULES, validation_size
-from peagle_train.data.stream import StreamingStore, make_plan, mark_consumed, rerun_note
+from peagle_train.data.stream import StreamingStore
 from peagle_train.model.attention import resolve_attention_backend
 from peagle_train.model.checkpoint import latest_checkpoint, load_training_state
 from peagle_train.model.mask_token import MaskToken, resolve_mask_token
@@ -53,14 +53,11 @@ from peagle_train.train.metrics import MetricsLog, resolve_trackers
 from peagle_train.train.setup import (build_draft_vocab, build_drafter_config, check_before_weights,
                                       load_verifier_heads, prepare_output, resolve_drafter_layer, resolve_epoch_order,
                                       resolve_init_from, val_split_warning)
-from peagle_train.train.stream import (Extraction, check_stream_start, plan_run_identity, rank_from_env,
-                                       resolve_stream_context, wait_for_store)
-from peagle_train.train.trainer import StreamRun, Trainer, TrainRun
-from stores.errors import InputError, MissingDependencyError, StoreFormatError
-from stores.features.feature_store import FeatureStore
-from stores.files import is_zarr_store, strict_json
-from stores.features.stream_plan import (fsync_tree, has_plan, parse_size, read_consumed, read_plan, remove_plan,
-                                write_plan)
+from peagle_train.train.stream import (Extraction, check_stream_start, rank_from_env, resolve_stream_context,
+                                       start_extraction, start_plan, wait_for_store)
+from peagle_train.train.trainer import Trainer, TrainRun
+from stores.errors import MissingDependencyError, StoreFormatError
+from stores.files import strict_json
 
 __all__ = ["run_train", "TrainPlan", "plan_train", "load_trainer", "build_trainer", "resumed_message",
            "resumed_split_rule"]
@@ -99,14 +96,14 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
         MissingDependencyError: a ``report_to`` tracker whose package is not installed.
     """
     claimed: list[tuple[Path, bool]] = []
-    extraction = None
+    extraction = budget = None
     try:
         if cfg.stream.max_store_bytes is not None:
             cfg = resolve_stream_context(cfg)  # (unset: full, or a resumed store's own)
-            check_stream_start(cfg)  # before anything starts or loads
+            budget = check_stream_start(cfg)  # before anything starts or loads
             if cfg.stream.extract_from is not None and rank_from_env() == 0:
-                extraction = _start_extraction(cfg)
-        plan = plan_train(cfg, extraction)  # every check that needs no weights
+                extraction = start_extraction(cfg)
+        plan = plan_train(cfg, extraction, budget)  # every check that needs no weights
         trainer = load_trainer(plan, claimed)  # the weights load
         summary = trainer.train()
         if extraction is not None:
@@ -119,19 +116,6 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
         raise
     trainer.close()
     return summary
-
-
-def _start_extraction(cfg: TrainConfig) -> Extraction:
-    """Start the extraction subprocess of a one-command streaming run; a new run (not ``--resume``) of the
-    output that the store's plan names replaces that plan first, so the extraction never follows the old one."""
-    if not cfg.run.resume and is_zarr_store(str(cfg.data.store)):
-        try:
-            old = FeatureStore.open(str(cfg.data.store), mode="r+")
-        except StoreFormatError:
-            old = None
-        if old is not None and has_plan(old):
-            remove_plan(old)
-    return Extraction(cfg)
 
 
 def _discard_unsaved(claimed: list[tuple[Path, bool]]) -> None:
@@ -187,13 +171,18 @@ class TrainPlan:
     """``[m] int64`` the validation blocks scored (streaming: the whole side, every one will be extracted)."""
     max_steps: int
     """The length of the learning-rate schedule (a resume: the saved run's)."""
-    stream: StreamRun | None
-    """A streaming run's plan, checked and written into the store; None: the store is complete."""
+    cursor: int
+    """The block cursor a resume continues at, checked against this launch (:func:`resume_cursor`); 0: a new run."""
+    max_store_bytes: int | None
+    """A streaming run's byte budget (``--max-store-bytes``, resolved once); None: the store is complete."""
+    stream: StreamingStore | None
+    """A streaming run's store (:attr:`store` itself), its plan checked and written into it and held by its
+    session; None: the store is complete."""
     last_layers: int
     """``--init-layers verifier`` of a new run: the verifier's last decoder layers the drafter's start from; else 0."""
 
 
-def plan_train(cfg: TrainConfig, extraction: Extraction | None = None) -> TrainPlan:
+def plan_train(cfg: TrainConfig, extraction: Extraction | None = None, budget: int | None = None) -> TrainPlan:
     """Every check of ``peagle-train`` that needs no weights, in one place (docs/design.md §2): the trackers, the
     attention backend, the store(s) (streaming: waited for while ``extraction`` creates it), the ``--init-from``
     drafter, the output, ``--resume``'s settings, verifier and stores, the verifier's config and tokenizer against
@@ -202,20 +191,26 @@ def plan_train(cfg: TrainConfig, extraction: Extraction | None = None) -> TrainP
     store by the main process). Reads options, stores, tokenizer files, the verifier's config and a resumed run's
     ``training_state.pt``; never the verifier's weights. A streaming run's start checks
     (:func:`check_stream_start`) come before this: they decide whether the extraction starts, whose store this
-    waits for.
+    waits for, and resolve the byte ``budget`` it is given.
 
     Raises:
         see :func:`run_train` (every error it names except a damaged block and a NaN loss).
+        ValueError: a streaming ``cfg`` without its ``budget``.
     """
     trackers = resolve_trackers(cfg.run.report_to)  # before anything is read or written
     attention = resolve_attention_backend(cfg.model.attention_backend)  # InputError before any work
-    streamed = None
+    streamed = stream = None
     if cfg.stream.max_store_bytes is not None:  # a store being extracted: every block will be there when read
+        if budget is None:
+            raise ValueError("a streaming run's plan_train takes the budget check_stream_start resolved (run_train "
+                             "passes it)")
         streamed = wait_for_store(str(cfg.data.store), cfg.stream.stream_timeout_s, extraction)
         if streamed.attrs.get("shard"):
             raise StoreFormatError(f"{streamed.path} is a shard store: a streaming run trains on a whole store")
-        store = StreamingStore(streamed, cfg.stream.stream_timeout_s, extraction.stopped if extraction else None,
-                               str(extraction.log_path) if extraction else None, heartbeat=rank_from_env() == 0)
+        store = stream = StreamingStore(streamed, cfg.stream.stream_timeout_s,
+                                        extraction.stopped if extraction else None,
+                                        str(extraction.log_path) if extraction else None,
+                                        heartbeat=rank_from_env() == 0)
         usable = np.arange(streamed.n_blocks, dtype=np.int64)
     else:
         store = open_stores(cfg.data.store)  # several stores: one StoreSet, a validation split per store
@@ -231,17 +226,16 @@ def plan_train(cfg: TrainConfig, extraction: Extraction | None = None) -> TrainP
     usable = _rank0_blocks(accelerator, usable)
     resume_from = latest_checkpoint(cfg.run.output) if cfg.run.resume else None
     state = load_training_state(resume_from) if resume_from is not None else None
-    sequence, val_side, val_ids, max_steps = _block_order(cfg, accelerator, store, usable, state, resume_from)
-    stream = None
-    if streamed is not None:  # the plan, checked and written before the weights load
-        stream = _stream_plan(cfg, accelerator, streamed, sequence, val_side, max_steps, state, resume_from)
+    sequence, val_side, val_ids, max_steps, cursor = _block_order(cfg, accelerator, store, usable, state, resume_from)
+    if stream is not None:  # the plan, checked and written before the weights load
+        start_plan(cfg, accelerator, stream.session, budget, sequence, val_side, max_steps, state, resume_from)
         val_ids = val_side  # every one will be extracted; validation scores the first --val-max-blocks
     # --init-layers verifier (checked before the weights); a resume takes its layers from the checkpoint
     last_layers = cfg.model.num_layers if cfg.model.init_layers == "verifier" and state is None else 0
     return TrainPlan(cfg=cfg, trackers=trackers, attention=attention, store=store, verifier_name=verifier_name,
                      init=init, mask=mask, accelerator=accelerator, resume_from=resume_from, training_state=state,
-                     sequence=sequence, val_side=val_side, val_ids=val_ids, max_steps=max_steps, stream=stream,
-                     last_layers=last_layers)
+                     sequence=sequence, val_side=val_side, val_ids=val_ids, max_steps=max_steps, cursor=cursor,
+                     max_store_bytes=budget, stream=stream, last_layers=last_layers)
 
 
 def _block_order(cfg: TrainConfig, accelerator, store, usable: np.ndarray, state: dict | None,
@@ -251,7 +245,8 @@ def _block_order(cfg: TrainConfig, accelerator, store, usable: np.ndarray, state
     (refused here, before the weights load, unless it continues exactly), and the schedule's length.
 
     Returns:
-        ``(sequence, val_side, val_ids, max_steps)``: ``val_side`` every block id of the validation side,
+        ``(sequence, val_side, val_ids, max_steps, cursor)``: ``cursor`` the block cursor a resume continues at
+        (0 for a new run), ``val_side`` every block id of the validation side,
         ``val_ids`` its usable ones (``[m] int64``, sorted).
     """
     rule = resumed_split_rule(state, cfg.data.val_fraction, str(resume_from))  # a resumed run keeps its split
@@ -263,14 +258,16 @@ def _block_order(cfg: TrainConfig, accelerator, store, usable: np.ndarray, state
     warning = order_warning(sequence)
     if warning and accelerator.is_main_process:
         print(f"warning: {warning}", file=sys.stderr)
+    cursor = 0
     if state is not None:  # refused here, before the weights load, unless it continues exactly
-        resume_cursor(state.get("data") or {}, sequence, accelerator.num_processes, cfg.optim.grad_accum, str(resume_from))
+        cursor = resume_cursor(state.get("data") or {}, sequence, accelerator.num_processes, cfg.optim.grad_accum,
+                               str(resume_from))
     if state is not None:
         max_steps = int(state["max_steps"])  # the schedule's length, as the saved run computed it
     else:
         per_epoch = max(1, len(sequence.usable) // (cfg.optim.grad_accum * accelerator.num_processes))
         max_steps = cfg.optim.max_steps if cfg.optim.max_steps is not None else per_epoch
-    return sequence, val_side, val_ids, max_steps
+    return sequence, val_side, val_ids, max_steps, cursor
 
 
 def load_trainer(plan: TrainPlan, claimed: list[tuple[Path, bool]] | None = None) -> Trainer:
@@ -313,7 +310,7 @@ def load_trainer(plan: TrainPlan, claimed: list[tuple[Path, bool]] | None = None
                       max_steps=plan.max_steps, warmup=cfg.optim.warmup_steps, run=run,
                       logit_transform=None if transform.identity else transform)
     if state is not None:
-        trainer.load_state_dict(state)
+        trainer.load_state_dict(state, plan.cursor)
         if trainer.main:
             removed = run.metrics.truncate(trainer.step)
             print(resumed_message(resume_from, trainer.step, plan.max_steps, removed), file=sys.stderr)
@@ -345,58 +342,6 @@ def resumed_message(checkpoint: Path, step: int, max_steps: int, removed_rows: i
     dropped = (f"; metrics.jsonl: {removed_rows} row{'s' if removed_rows != 1 else ''} after step {step} removed "
                "(those steps run again)") if removed_rows else ""
     return f"peagle-train: resumed from {checkpoint} at step {step} of {max_steps}{dropped}"
-
-
-def _stream_plan(cfg: TrainConfig, accelerator, store: FeatureStore, sequence: BlockSequence, val_side: np.ndarray,
-                 max_steps: int, state: dict | None, resume_from: Path | None) -> StreamRun:
-    """The run's stream plan (:func:`peagle_train.data.stream.make_plan`), written into the store by the main
-    process unless the store holds the same one (a resume, or the same run again).
-
-    Raises:
-        InputError: a budget too small (naming the smallest that works); ``--resume`` of a run whose plan is
-            not the store's, or whose checkpoint is older than what the store has already evicted.
-        StoreFormatError: the store holds another run's plan (another output).
-    """
-    per_step = cfg.optim.grad_accum * accelerator.num_processes
-    plan = make_plan(store, sequence, val_side, max_steps=max_steps, blocks_per_step=per_step,
-                     val_max_blocks=cfg.data.val_max_blocks, max_store_bytes=parse_size(cfg.stream.max_store_bytes),
-                     policy=cfg.stream.epoch_policy, run=plan_run_identity(cfg, max_steps, per_step))
-    saved = read_plan(store)
-    if saved is not None and not saved.same_run(plan):
-        if saved.run.get("output") != plan.run["output"]:
-            raise StoreFormatError(f"{store.path} is being streamed for the run {saved.run.get('output')} (its stream "
-                                   "plan): give this run another --store, or continue that run")
-        if state is not None:
-            raise InputError(f"{store.path}: its stream plan is not this run's ({saved.record()['run']} against "
-                             f"{plan.run}, policy {saved.policy} against {plan.policy}); resume with the saved run's "
-                             "options, or start over with --force", field="--resume")
-    cursor = int((state or {}).get("data", {}).get("cursor", 0)) if state is not None else 0
-    resumed = state is not None and saved is not None  # (same_run: checked above)
-    consumed = read_consumed(store) if resumed else 0
-    if resumed and consumed > cursor:
-        raise InputError(f"{resume_from}: its training state is at entry {cursor} but {store.path} records {consumed} "
-                         "entries consumed (a later checkpoint was removed?): blocks this run reads next may be evicted "
-                         "already; resume from the latest checkpoint, or start over with --force", field="--resume")
-    accelerator.wait_for_everyone()  # every rank has read the saved plan and cursor before the main one rewrites them
-    if accelerator.is_main_process:
-        if not resumed:  # a new run: the cursor starts at 0; a resume whose store has no plan: at its checkpoint's
-            if state is not None:  # (else the extraction would wait for entries before it, the trainer for after)
-                fsync_tree(resume_from)
-            write_plan(store, plan, consumed=cursor)
-        elif saved.record() != plan.record():  # the same run with another budget: its cursor stays
-            write_plan(store, plan, keep_consumed=True)
-        if resumed and cursor > consumed:  # saved, but killed before its cursor was written
-            mark_consumed(store, resume_from, cursor)
-    accelerator.wait_for_everyone()
-    unit = "context block" if plan.reads is not None else "block"
-    if accelerator.is_main_process:  # one line per run, not one per rank
-        print(f"stream: {plan.n_entries} entries, policy {plan.policy}, window {plan.window} entries, {unit}s of "
-              f"{plan.block_bytes:,} bytes, {len(plan.val_blocks)} validation blocks, budget "
-              f"{plan.max_store_bytes:,} bytes; {plan.extractions()} {unit} extractions planned", file=sys.stderr)
-        note = rerun_note(store, plan, len(sequence), sequence.order_rule)
-        if note:
-            print(f"note: {note}", file=sys.stderr)
-    return StreamRun(store=store, plan=plan, saved_cursor=cursor)
 
 
 def _rank0_blocks(accelerator, usable: np.ndarray) -> np.ndarray:

@@ -8,7 +8,7 @@ it. peagle_train never imports peagle_data: it starts the command, as a user wou
 Before anything starts (and before any weights load): the options, the output, the store (another run's
 plan), the free disk against the budget, and a budget estimated from the packed table and the verifier's
 config against the smallest that can work. The exact check, on the created store, follows in
-:func:`peagle_train.data.stream.make_plan`.
+:func:`start_plan` (:func:`peagle_train.data.stream.make_plan`), which writes the plan into the store.
 """
 
 from __future__ import annotations
@@ -24,20 +24,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from peagle_train.data.loader import BlockSequence
 from peagle_train.data.split import validation_size
+from peagle_train.data.stream import make_plan, rerun_note
 from peagle_train.train.config import TrainConfig
 from stores.errors import InputError, StoreFormatError, StoreMismatchError
 from stores.features.feature_store import FeatureStore
 from stores.files import is_zarr_store
 from runtime.model_config import load_model_config, text_config
 from stores.staging import check_replaceable
-from stores.features.stream_plan import (apparent_bytes, block_feature_bytes, fixed_bytes_estimate, format_size, has_plan,
-                                parse_size, read_plan)
+from stores.stream.plan import apparent_bytes, block_feature_bytes, fixed_bytes_estimate, format_size, parse_size
+from stores.stream.session import StreamSession
 from stores.tables.token_tables import TokenTable, manifest_sha256
 
 __all__ = ["Extraction", "extraction_log", "extract_command", "resolve_stream_context", "check_stream_start",
-           "check_free_disk",
-           "wait_for_store", "world_size_from_env", "rank_from_env", "plan_run_identity"]
+           "check_free_disk", "start_extraction", "start_plan", "wait_for_store", "world_size_from_env",
+           "rank_from_env", "plan_run_identity"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 """The directory holding the ``cli`` package (put on the subprocess's PYTHONPATH)."""
@@ -116,7 +120,7 @@ def check_free_disk(store: str, budget: int) -> None:
 
 def _estimated_smallest(cfg: TrainConfig, packed: str) -> int:
     """A lower bound of the smallest budget that can work, from the packed table and the verifier's config (no
-    weights): the token arrays and ``token_freq`` (:func:`stores.features.stream_plan.fixed_bytes_estimate`), at most
+    weights): the token arrays and ``token_freq`` (:func:`stores.stream.plan.fixed_bytes_estimate`), at most
     ``--val-max-blocks`` validation blocks and one step's blocks (``reextract``) or every training block
     (``keep``); with ``--context full``, whose context blocks are planned only when the store is made, one
     block for the validation blocks and one for the run. A budget below it is refused before the extraction starts; the exact check follows on the
@@ -128,14 +132,15 @@ def _estimated_smallest(cfg: TrainConfig, packed: str) -> int:
     text = text_config(load_model_config(cfg.model.verifier))
     L = int(text.num_hidden_layers)
     n_aux = len(cfg.stream.layers) if cfg.stream.layers else len({min(2, L), L // 2, max(L - 3, 0)})  # EAGLE-3's default
-    block = block_feature_bytes(C, n_aux, int(text.hidden_size), cfg.stream.storage_dtype)
     held_out = validation_size(n, cfg.data.val_fraction)
+    fixed = fixed_bytes_estimate(n, C, S, int(text.vocab_size))
+    block = block_feature_bytes(C, n_aux, int(text.hidden_size), cfg.stream.storage_dtype)
     n_val = min(cfg.data.val_max_blocks, held_out)
     per_step = cfg.optim.grad_accum * world_size_from_env()
     need = n - held_out if cfg.stream.epoch_policy == "keep" else per_step
     if cfg.stream.context == "full":  # context blocks (of at least C slots) are unknown until the store is made:
         n_val, need = min(n_val, 1), 1  # at least one for the validation blocks, one for a step
-    return fixed_bytes_estimate(n, C, S, int(text.vocab_size)) + (n_val + need) * block
+    return fixed + (n_val + need) * block
 
 
 def check_stream_start(cfg: TrainConfig) -> int:
@@ -207,7 +212,8 @@ def _plan_output(store: str) -> str | None:
         opened = FeatureStore.open(store)
     except StoreFormatError:
         return None
-    plan = read_plan(opened) if has_plan(opened) else None
+    session = StreamSession(opened)
+    plan = session.read_plan() if session.has_plan() else None
     return plan.run.get("output") if plan is not None else None
 
 
@@ -227,11 +233,14 @@ class Extraction:
 
     Args:
         cfg: the run's config (``stream.extract_from`` set).
+        replace_plan: remove the store's stream plan before the subprocess starts (a new run).
     """
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, replace_plan: bool = False):
         self.cmd = extract_command(cfg)
         self.log_path = extraction_log(str(cfg.data.store))
+        if replace_plan:
+            _remove_plan(str(cfg.data.store))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
@@ -322,6 +331,78 @@ def wait_for_store(store: str, timeout_s: float, extraction: Extraction | None =
             raise StoreFormatError(f"no feature store at {store} after {timeout_s:g} s" + (
                 " with nothing new in the extraction's log" if extraction is not None else "") + where)
         time.sleep(0.2)
+
+
+def start_extraction(cfg: TrainConfig) -> Extraction:
+    """Start the extraction subprocess of a one-command streaming run; a new run (not ``--resume``) of the
+    output that the store's plan names replaces that plan first, so the extraction never follows the old one."""
+    return Extraction(cfg, replace_plan=not cfg.run.resume)
+
+
+def _remove_plan(store: str) -> None:
+    """Remove the stream plan of the store at ``store``, when there is one."""
+    if is_zarr_store(store):
+        try:
+            old = FeatureStore.open(store, mode="r+")
+        except StoreFormatError:
+            old = None
+        session = StreamSession(old) if old is not None else None
+        if session is not None and session.has_plan():
+            session.remove_plan()
+
+
+def start_plan(cfg: TrainConfig, accelerator, session: StreamSession, budget: int, sequence: BlockSequence,
+                 val_side: np.ndarray, max_steps: int, state: dict | None, resume_from: Path | None) -> None:
+    """The run's stream plan (:func:`peagle_train.data.stream.make_plan`, within ``budget`` bytes), written into the
+    store by the main process unless the store holds the same one (a resume, or the same run again); every rank's
+    ``session`` holds it.
+
+    Raises:
+        InputError: a budget too small (naming the smallest that works); ``--resume`` of a run whose plan is
+            not the store's, or whose checkpoint is older than what the store has already evicted.
+        StoreFormatError: the store holds another run's plan (another output).
+    """
+    store = session.store
+    per_step = cfg.optim.grad_accum * accelerator.num_processes
+    run = plan_run_identity(cfg, max_steps, per_step)
+    plan = make_plan(store, sequence, val_side, max_steps=max_steps, blocks_per_step=per_step,
+                     val_max_blocks=cfg.data.val_max_blocks, max_store_bytes=budget,
+                     policy=cfg.stream.epoch_policy, run=run)
+    saved = session.read_plan()
+    if saved is not None and not saved.same_run(plan):
+        if saved.run.get("output") != plan.run["output"]:
+            raise StoreFormatError(f"{store.path} is being streamed for the run {saved.run.get('output')} (its stream "
+                                   "plan): give this run another --store, or continue that run")
+        if state is not None:
+            raise InputError(f"{store.path}: its stream plan is not this run's ({saved.record()['run']} against "
+                             f"{plan.run}, policy {saved.policy} against {plan.policy}); resume with the saved run's "
+                             "options, or start over with --force", field="--resume")
+    cursor = int((state or {}).get("data", {}).get("cursor", 0)) if state is not None else 0
+    resumed = state is not None and saved is not None  # (same_run: checked above)
+    consumed = session.consumed() if resumed else 0
+    if resumed and consumed > cursor:
+        raise InputError(f"{resume_from}: its training state is at entry {cursor} but {store.path} records {consumed} "
+                         "entries consumed (a later checkpoint was removed?): blocks this run reads next may be evicted "
+                         "already; resume from the latest checkpoint, or start over with --force", field="--resume")
+    accelerator.wait_for_everyone()  # every rank has read the saved plan and cursor before the main one rewrites them
+    session.plan = plan  # what every rank follows (the main rank writes it)
+    if accelerator.is_main_process:
+        if not resumed:  # a new run: the cursor starts at 0; a resume whose store has no plan: at its checkpoint's
+            # (else the extraction would wait for entries before it, the trainer for after)
+            session.write_plan(plan, consumed=cursor, checkpoint=resume_from if state is not None else None)
+        elif saved.record() != plan.record():  # the same run with another budget: its cursor stays
+            session.write_plan(plan, keep_consumed=True)
+        if resumed and cursor > consumed:  # saved, but killed before its cursor was written
+            session.mark_consumed(resume_from, cursor)
+    accelerator.wait_for_everyone()
+    unit = "context block" if plan.reads is not None else "block"
+    if accelerator.is_main_process:  # one line per run, not one per rank
+        print(f"stream: {plan.n_entries} entries, policy {plan.policy}, window {plan.window} entries, {unit}s of "
+              f"{plan.block_bytes:,} bytes, {len(plan.val_blocks)} validation blocks, budget "
+              f"{plan.max_store_bytes:,} bytes; {plan.extractions()} {unit} extractions planned", file=sys.stderr)
+        note = rerun_note(session, plan, len(sequence), sequence.order_rule)
+        if note:
+            print(f"note: {note}", file=sys.stderr)
 
 
 def plan_run_identity(cfg: TrainConfig, max_steps: int, blocks_per_step: int) -> dict[str, Any]:

@@ -17,7 +17,6 @@ The output directory a run writes is described in :mod:`peagle_train.train.run`.
 from __future__ import annotations
 
 import math
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,10 +26,11 @@ import numpy as np
 import torch
 
 from peagle_train.data.cod import CodElements
-from peagle_train.data.loader import Block, BlockLoader, BlockSequence, data_state, derive_seed, resume_cursor, to_block
-from peagle_train.data.stream import evict_after_run, mark_consumed, planned_tokens, stream_save_due
+from peagle_train.data.loader import Block, BlockLoader, BlockSequence, data_state, derive_seed, to_block
+from peagle_train.data.stream import StreamingStore
 from peagle_train.model.checkpoint import prune_checkpoints
 from peagle_train.model.drafter import PEagleDrafter
+from peagle_train.train.checkpointer import Checkpointer
 from peagle_train.train.config import TrainConfig
 from peagle_train.train.kinds import drafter_kind
 from peagle_train.train.loss import LogitTransform, LossOutput
@@ -39,27 +39,8 @@ from peagle_train.train.optim import CosineWithWarmup, build_optimizer, clip_gra
 from peagle_train.train.step import accumulate_step, add_sums, block_to, cod_generator, gather_ids, summarise
 from stores.errors import NonFiniteError
 from runtime.progress import progress
-from stores.features.stream_plan import StreamPlan
 
-__all__ = ["Trainer", "TrainRun", "StreamRun"]
-
-
-@dataclass
-class StreamRun:
-    """A streaming run's state in the trainer (docs/design.md §7 "Streaming").
-
-    Attributes:
-        store: the store being extracted (opened r+: the trainer writes the consumed cursor and evicts at the end).
-        plan: its stream plan.
-        saved_cursor: the cursor of the last checkpoint saved (and marked consumed).
-        stream_checkpoint: the last checkpoint saved only for the stream (not a ``--save-every`` one), which
-            the next such save replaces.
-    """
-
-    store: Any
-    plan: StreamPlan
-    saved_cursor: int = 0
-    stream_checkpoint: Path | None = None
+__all__ = ["Trainer", "TrainRun"]
 
 
 @dataclass
@@ -86,8 +67,9 @@ class TrainRun:
     info: dict[str, Any]
     summary: dict[str, Any]
     resumed_from: Path | None = None
-    stream: StreamRun | None = None
-    """A streaming run's plan and cursor; None: the store is complete."""
+    stream: StreamingStore | None = None
+    """A streaming run's store (:attr:`store` itself; its session holds the plan and the cursor); None: the store
+    is complete."""
     training_segments: np.ndarray | None = None
     """``[M] uint64`` hashes of the training side's segments, written into every saved drafter
     (:data:`~peagle_train.model.checkpoint.TRAINING_SEGMENTS_FILE`); None: not recorded."""
@@ -144,6 +126,10 @@ class Trainer:
         self.loader: BlockLoader | None = None
         self.recent: list[dict[str, torch.Tensor]] = []  # the last 10 steps' sums, for the pooled accuracy
         self.last_row: dict | None = None
+        self.checkpointer = Checkpointer(
+            cfg.run, max_steps, accelerator, self.save, blocks_per_step=self.world * cfg.optim.grad_accum,
+            validates=run is not None and len(run.val_ids) > 0, stream=run.stream if run is not None else None)
+        """When the run saves, validates and lets a streaming extraction move on."""
 
     # ---------------------------------------------------------------------------------- one step
     def train_step(self, batches: Iterable[tuple[Block, torch.Generator]]) -> dict[str, Any]:
@@ -258,16 +244,16 @@ class Trainer:
                 "rng": {"torch": torch.get_rng_state()}, "data": data, "step": self.step,
                 "max_steps": self.max_steps, "train_config": self.cfg.to_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a :meth:`state_dict` (the model weights are loaded apart, from the checkpoint).
+    def load_state_dict(self, state: dict[str, Any], cursor: int) -> None:
+        """Continue from a :meth:`state_dict` (the model weights are loaded apart, from the checkpoint) at block
+        cursor ``cursor``: the state's, checked against this launch by
+        :func:`peagle_train.data.loader.resume_cursor` (the plan's, :attr:`peagle_train.train.run.TrainPlan.cursor`).
 
         Raises:
-            InputError / StoreFormatError: from :func:`peagle_train.data.loader.resume_cursor` (a state of an
-                earlier peagle, another number of blocks per step, blocks no longer done).
             ValueError: the trainer's ``max_steps`` is not the saved run's.
         """
         where = str(self.run.resumed_from) if self.run.resumed_from is not None else "the checkpoint"
-        self.cursor = resume_cursor(state.get("data") or {}, self.run.sequence, self.world, self.cfg.optim.grad_accum, where)
+        self.cursor = cursor
         if int(state["max_steps"]) != self.max_steps:
             raise ValueError(f"{where} is a run of {state['max_steps']} steps, the trainer has max_steps "
                              f"{self.max_steps}; build it with the saved run's")
@@ -275,6 +261,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"]["torch"])
         self.step = self.resumed_step = int(state["step"])
+        self.checkpointer.saved_cursor = self.cursor  # the state resumed is the last one saved
 
     def training_info(self) -> dict[str, Any]:
         """Recorded in config.json so evaluation can find the held-out split."""
@@ -296,11 +283,10 @@ class Trainer:
         trackers are finished and the error re-raised.
         """
         run, acc = self.run, self.accelerator
-        # a streaming run reads one block per request: a request never waits on a block past the plan's window;
-        # the loader stops at the last step: no prefetch of a block past the run (which a plan never extracts)
+        # the loader stops at the last step: no prefetch of a block past the run (which a stream plan never extracts)
         self.loader = BlockLoader(run.store, run.sequence, cursor=self.cursor, rank=self.rank, world_size=self.world,
                                   grad_accum=self.cfg.optim.grad_accum, pin_memory=acc.device.type == "cuda",
-                                  blocks_per_read=1 if run.stream is not None else None,
+                                  blocks_per_read=self.checkpointer.blocks_per_read,
                                   n_steps=max(0, self.max_steps - self.step))
         batches = iter(self.loader)
         bar = progress(total=self.max_steps, initial=self.step, disable=not self.main, desc="peagle-train",
@@ -316,8 +302,7 @@ class Trainer:
         finally:
             bar.close()
             self.loader.close()
-            if run.stream is not None:
-                run.store.close()  # the trainer's heartbeat: every read of the run is done
+            self.checkpointer.close()  # every read of the run is done
         return self._finish(t_start, wait0)
 
     def _micro_batches(self, batches: Iterator[tuple[int, Block]]) -> Iterator[tuple[Block, torch.Generator]]:
@@ -327,11 +312,9 @@ class Trainer:
             yield block, cod_generator(self.cfg.run.seed, cursor)
 
     def _after_step(self, row: dict[str, Any], bar) -> None:
-        """Log the step (every ``log_every`` and the last), save every ``save_every``, validate every
-        ``val_every`` (:meth:`RunConfig.val_interval`); the last step's are :meth:`_final_outputs`'."""
+        """Log the step (every ``log_every`` and the last); save and validate as the :attr:`checkpointer` says (the
+        last step's are :meth:`_final_outputs`')."""
         cfg, step = self.cfg, self.step
-        if self.run.stream is not None:
-            self.run.store.progress(step)  # shown in the extraction's messages (its heartbeat beats regardless)
         if self.main:
             if step % cfg.run.log_every == 0 or step == self.max_steps:
                 self.run.metrics.record(row)
@@ -339,33 +322,9 @@ class Trainer:
             bar.set_postfix_str(f"loss {row['loss']:.3f} acc {shown} tok/s {row['tokens_per_s']:.0f} "
                                 f"lr {row['lr']:.2e}")
             bar.update(1)
-        if cfg.run.save_every and step % cfg.run.save_every == 0 and step < self.max_steps:
-            self.accelerator.wait_for_everyone()
-            if self.main:
-                self._mark_consumed(self.save(f"checkpoint-{step}"), stream_only=False)
-            if self.run.stream is not None:
-                self.run.stream.saved_cursor = self.loader.cursor
-        elif self.run.stream is not None and stream_save_due(step, self.world * cfg.optim.grad_accum,
-                                                             self.run.stream.saved_cursor, self.run.stream.plan):
-            self.accelerator.wait_for_everyone()  # a save for the extraction to go on: changes no weight
-            if self.main:
-                self._mark_consumed(self.save(f"checkpoint-{step}"), stream_only=True)
-            self.run.stream.saved_cursor = self.loader.cursor
-        if self.main and step % cfg.run.val_interval(self.max_steps) == 0 and step < self.max_steps \
-                and len(self.run.val_ids):
+        self.checkpointer.step_done(step, self.loader.cursor)
+        if self.checkpointer.should_validate(step):
             self.run.metrics.record({"split": "val", "step": step, **self.validate()})
-
-    def _mark_consumed(self, checkpoint: Path, stream_only: bool) -> None:
-        """Main rank, a streaming run, after ``checkpoint`` was saved: fsync it and write the durable consumed
-        cursor (:func:`peagle_train.data.stream.mark_consumed`); the previous stream-only checkpoint is removed
-        once this one is on disk (``--save-every`` ones and ``--save-total-limit`` are the user's)."""
-        stream = self.run.stream
-        if stream is None:
-            return
-        mark_consumed(stream.store, checkpoint, self.loader.cursor)
-        old, stream.stream_checkpoint = stream.stream_checkpoint, checkpoint if stream_only else None
-        if old is not None and old != checkpoint and old.is_dir():
-            shutil.rmtree(old)
 
     def _finish(self, t_start: float, wait0: float) -> dict[str, Any]:
         self.accelerator.wait_for_everyone()
@@ -384,15 +343,7 @@ class Trainer:
     def _final_outputs(self, t_start: float, wait0: float) -> dict[str, Any]:
         """Main rank: the last checkpoint, ``final/``, the last validation, the plot; summary entries."""
         run, step = self.run, self.step
-        self._mark_consumed(self.save(f"checkpoint-{step}"), stream_only=False)
-        if run.stream is not None:
-            evicted = evict_after_run(run.stream.store, run.stream.plan)
-            run.summary["stream"] = {"policy": run.stream.plan.policy, "window": run.stream.plan.window,
-                                     "entries": run.stream.plan.n_entries,
-                                     "units": "context_blocks" if run.stream.plan.reads is not None else "blocks",
-                                     "planned_extractions": run.stream.plan.extractions(),
-                                     "planned_extraction_tokens": planned_tokens(run.store, run.stream.plan),
-                                     "read_wait_s": round(run.store.wait_s, 3), "evicted_at_end": evicted}
+        run.summary.update(self.checkpointer.final(step, self.loader.cursor))
         final = self.kind.save(self.unwrapped, run.output / "final", self.training_info(), run.training_segments)
         val = self.validate() if len(run.val_ids) else {}
         if val and not (run.resumed_from is not None and run.metrics.has_row("val", step)):

@@ -1,1 +1,1 @@
-"""The feature store: its schema, chunk files, damage checks and repair, the stream plan (docs/design.md §7)."""
+"""The feature store: its schema, chunk files, damage checks and repair (docs/design.md §7)."""

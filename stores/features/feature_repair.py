@@ -22,7 +22,7 @@ from stores.errors import StoreFormatError, StoreMismatchError
 from stores.features.feature_schema import WINDOW_ARRAYS, store_arrays
 from stores.features.feature_store import LAYER_CONVENTION, FeatureStore
 from stores.files import is_local
-from stores.features.stream_plan import has_plan, read_consumed, read_plan
+from stores.stream.session import StreamSession
 
 __all__ = ["chunk_damage", "block_damage", "shared_damage", "read_done_flags", "check_block", "verify_store", "stream_report",
            "check_compatible", "write_shared", "repair_shared", "windows_damage", "repair_windows", "repair_blocks"]
@@ -141,25 +141,26 @@ def verify_store(path: str | os.PathLike, expected_tokens=None, repair: bool = F
         report = _verify_windows(store, path, expected_tokens, repair)
     else:
         report = _verify_blocks(store, path, expected_tokens, repair)
-    plan = read_plan(store) if is_local(str(path)) and has_plan(store) else None
+    session = StreamSession(store)
+    plan = session.read_plan() if is_local(str(path)) and session.has_plan() else None
     if plan is not None:  # a streamed store: blocks not done are evicted or not extracted yet, not damage
         grid = report.get("contexts") or {}
-        report["stream"] = stream_report(store, plan, report["not_done"], grid.get("not_done"))
+        report["stream"] = stream_report(session, report["not_done"], grid.get("not_done"))
         report["ok"] = not any(r.get("bad_blocks") or r.get("damaged_arrays") for r in (report, grid))
     return report
 
 
-def stream_report(store: FeatureStore, plan, not_done: list[int], contexts_not_done: list[int] | None = None
+def stream_report(session: StreamSession, not_done: list[int], contexts_not_done: list[int] | None = None
                   ) -> dict[str, Any]:
-    """What ``verify`` says of a streamed store's blocks that are not done (docs/design.md §7 "Streaming"):
-    the plan's ``policy``, ``consumed`` of ``n_entries``, and the not-done blocks by why: ``consumed`` (every
-    entry reading them is consumed: evicted, or a block the run no longer reads), ``pending`` (an unconsumed
-    entry reads them: extraction writes them when the window reaches them), ``unused`` (the plan never reads
-    them: validation blocks past ``--val-max-blocks``, or past the run's steps). A full-context store's
-    ``not_done`` are training blocks (a context block they read is not done), and ``contexts`` sorts its context
-    blocks that are not done, ``contexts_not_done``, the same way (``pending``: read by the training block of an
-    unconsumed entry or by a validation block)."""
-    consumed = read_consumed(store)
+    """What ``verify`` says of a streamed store's blocks that are not done (docs/design.md §7 "Streaming"),
+    ``session`` holding the store's plan: the plan's ``policy``, ``consumed`` of ``n_entries``, and the not-done
+    blocks by why: ``consumed`` (every entry reading them is consumed: evicted, or a block the run no longer reads),
+    ``pending`` (an unconsumed entry reads them: extraction writes them when the window reaches them), ``unused``
+    (the plan never reads them: validation blocks past ``--val-max-blocks``, or past the run's steps). A
+    full-context store's ``not_done`` are training blocks (a context block they read is not done), and ``contexts``
+    sorts its context blocks that are not done, ``contexts_not_done``, the same way (``pending``: read by the
+    training block of an unconsumed entry or by a validation block)."""
+    plan, consumed = session.plan, session.consumed()
     ahead = set(plan.order[consumed:].tolist()) | set(plan.val_blocks)
     ever = set(plan.order.tolist()) | set(plan.val_blocks)
     report = {"policy": plan.policy, "consumed": consumed, "n_entries": plan.n_entries, "window": plan.window,

@@ -267,8 +267,8 @@ def test_force_never_replaces_a_users_zarr_group_and_replaces_a_streamed_store(t
     from stores.features.feature_schema import ARRAYS, SEGMENT_KEYS, WINDOW_ARRAYS
     from stores.features.feature_store import CONTEXTS
     from stores.staging import OUTPUT_KINDS, check_replaceable, foreign_entries
-    from stores.features.stream_heartbeat import HEARTBEAT_DIR
-    from stores.features.stream_plan import STREAM_GROUP
+    from stores.stream.heartbeat import HEARTBEAT_DIR
+    from stores.stream.plan import STREAM_GROUP
 
     users = tmp_path / "users.zarr"
     group = zarr.open_group(str(users), mode="w")

@@ -15,9 +15,10 @@ import torch
 from peagle_data.extract.stream import extract_stream, stream_entries
 from stores.errors import InputError
 from stores.features.feature_store import FeatureStore
-from stores.features.stream_heartbeat import Heartbeat
-from stores.features.stream_plan import StreamPlan, apparent_bytes, block_feature_bytes, write_consumed, write_plan
-from tests.stores.features.test_stream_heartbeat import beating_process
+from stores.stream.heartbeat import Heartbeat
+from stores.stream.plan import StreamPlan, apparent_bytes, block_feature_bytes
+from stores.stream.session import StreamSession
+from tests.stores.stream.test_heartbeat import beating_process
 
 C, H = 4, 8
 
@@ -49,7 +50,7 @@ def test_entries_in_order_within_the_window_evicting_what_it_no_longer_reads(tmp
     store = _store(tmp_path / "s.zarr")
     order = [0, 1, 2, 3, 1, 4, 0, 2]
     plan = _plan(order, window=3)
-    write_plan(store, plan)
+    StreamSession(store).write_plan(plan)
     present, stats, got = set(), _stats(), []
     stop = threading.Event()
 
@@ -58,13 +59,13 @@ def test_entries_in_order_within_the_window_evicting_what_it_no_longer_reads(tmp
         while not stop.is_set() and k < len(order):
             if store.is_done(order[k]):
                 k += 1
-                write_consumed(store, k)
+                StreamSession(store).write_consumed(k)
             stop.wait(0.05)
 
     thread = threading.Thread(target=trainer, daemon=True)
     thread.start()
     try:
-        for b in stream_entries(store, plan, present, stats, timeout_s=30, log=print):
+        for b in stream_entries(StreamSession(store), plan, present, stats, timeout_s=30, log=print):
             training = set(np.flatnonzero(store.done_mask()).tolist()) - {5}
             assert len(training) <= 2  # with the one about to be written: at most the window's 3
             _write(store, b)
@@ -82,10 +83,10 @@ def test_entries_in_order_within_the_window_evicting_what_it_no_longer_reads(tmp
 def test_keep_extracts_each_block_once_and_never_evicts(tmp_path):
     store = _store(tmp_path / "s.zarr")
     plan = _plan([0, 1, 2, 3, 1, 4, 0, 2], window=8, policy="keep")
-    write_plan(store, plan)
+    StreamSession(store).write_plan(plan)
     present, stats = set(), _stats()
     got = []
-    for b in stream_entries(store, plan, present, stats, timeout_s=30, log=print):
+    for b in stream_entries(StreamSession(store), plan, present, stats, timeout_s=30, log=print):
         _write(store, b)
         got.append(b)
     assert got == [5, 0, 1, 2, 3, 4] and stats["evicted"] == 0
@@ -94,9 +95,9 @@ def test_keep_extracts_each_block_once_and_never_evicts(tmp_path):
 def test_a_resumed_extraction_skips_consumed_entries(tmp_path):
     store = _store(tmp_path / "s.zarr")
     plan = _plan([0, 1, 2, 3], window=2, val=())
-    write_plan(store, plan)
-    write_consumed(store, 2)
-    got = list(stream_entries(store, plan, set(), _stats(), timeout_s=30, log=print))
+    StreamSession(store).write_plan(plan)
+    StreamSession(store).write_consumed(2)
+    got = list(stream_entries(StreamSession(store), plan, set(), _stats(), timeout_s=30, log=print))
     assert got == [2, 3]
 
 
@@ -106,12 +107,12 @@ def test_entries_the_trainer_consumed_while_the_extraction_waited_are_not_extrac
     consumed, so it must not bring block 0 back (CI found 14 extractions where the plan counts 13)."""
     store = _store(tmp_path / "s.zarr")
     plan = _plan([0, 0, 0, 1], window=1, val=())
-    write_plan(store, plan)
+    StreamSession(store).write_plan(plan)
     present, stats = set(), _stats()
-    entries = stream_entries(store, plan, present, stats, timeout_s=30, log=print)
+    entries = stream_entries(StreamSession(store), plan, present, stats, timeout_s=30, log=print)
     assert next(entries) == 0
     _write(store, 0)
-    write_consumed(store, 3)  # (before the extraction reads the cursor again: it is waiting at entry 1)
+    StreamSession(store).write_consumed(3)  # (before the extraction reads the cursor again: it is waiting at entry 1)
     assert next(entries) == 1 and present == {1} and not store.is_done(0)
     assert list(entries) == [] and stats["evicted"] == 1 and plan.extractions() == 2
 
@@ -119,15 +120,15 @@ def test_entries_the_trainer_consumed_while_the_extraction_waited_are_not_extrac
 def test_a_stopped_trainer_and_a_replaced_plan_stop_the_extraction(tmp_path):
     store = _store(tmp_path / "s.zarr")
     plan = _plan([0, 1, 2, 3], window=1, val=())
-    write_plan(store, plan)
-    entries = stream_entries(store, plan, set(), _stats(), timeout_s=0.3, log=print)
+    StreamSession(store).write_plan(plan)
+    entries = stream_entries(StreamSession(store), plan, set(), _stats(), timeout_s=0.3, log=print)
     assert next(entries) == 0
     with pytest.raises(InputError, match="entry 1 \\(block 1\\) waits for the trainer .* not running: no heartbeat "
                                          "of it appeared for 0.3 s"):
         next(entries)
-    entries = stream_entries(store, plan, set(), _stats(), timeout_s=30, log=print)
+    entries = stream_entries(StreamSession(store), plan, set(), _stats(), timeout_s=30, log=print)
     assert next(entries) == 0
-    write_plan(store, _plan([3, 2, 1, 0], window=1, val=()))
+    StreamSession(store).write_plan(_plan([3, 2, 1, 0], window=1, val=()))
     with pytest.raises(InputError, match="stream plan was replaced"):
         next(entries)
 
@@ -138,19 +139,19 @@ def test_the_same_run_rewritten_with_another_budget_is_followed(tmp_path):
     budget (it once kept the old window, the run's identity being unchanged)."""
     store = _store(tmp_path / "s.zarr")
     plan = _plan([0, 1, 2, 3], window=3, val=())
-    write_plan(store, plan)
+    StreamSession(store).write_plan(plan)
     present = set()
-    entries = stream_entries(store, plan, present, _stats(), timeout_s=0.3, log=print)
+    entries = stream_entries(StreamSession(store), plan, present, _stats(), timeout_s=0.3, log=print)
     for want in (0, 1):
         b = next(entries)
         assert b == want
         _write(store, b)
-    write_plan(store, _plan([0, 1, 2, 3], window=1, val=()), keep_consumed=True)  # cursor 0, window 1
+    StreamSession(store).write_plan(_plan([0, 1, 2, 3], window=1, val=()), keep_consumed=True)  # cursor 0, window 1
     with pytest.raises(InputError, match="entry 2 \\(block 2\\) waits for the trainer .*window 1"):
         next(entries)  # under the old window of 3 it was written at once
-    write_consumed(store, 2)
-    entries = stream_entries(store, _plan([0, 1, 2, 3], window=3, val=()), present, _stats(), timeout_s=30,
-                             log=print)
+    StreamSession(store).write_consumed(2)
+    entries = stream_entries(StreamSession(store), _plan([0, 1, 2, 3], window=3, val=()), present, _stats(),
+                             timeout_s=30, log=print)
     assert next(entries) == 2 and present == {2}  # the new window [2, 3): blocks 0 and 1 evicted first
     assert not store.is_done(0) and not store.is_done(1)
 
@@ -161,17 +162,17 @@ def test_a_slow_trainer_is_waited_for_and_a_killed_one_stops_the_extraction_at_o
     gone at once, not after the timeout."""
     store = _store(tmp_path / "s.zarr")
     plan = _plan([0, 1, 2, 3], window=1, val=())
-    write_plan(store, plan)
+    StreamSession(store).write_plan(plan)
     trainer = beating_process(store.path, "trainer")
     try:
-        entries = stream_entries(store, plan, set(), _stats(), timeout_s=0.5, log=print)
+        entries = stream_entries(StreamSession(store), plan, set(), _stats(), timeout_s=0.5, log=print)
         assert next(entries) == 0
         _write(store, 0)
-        threading.Timer(1.5, write_consumed, (store, 1)).start()
+        threading.Timer(1.5, StreamSession(store).write_consumed, (1,)).start()
         t0 = time.monotonic()
         assert next(entries) == 1 and time.monotonic() - t0 >= 1.4
         _write(store, 1)
-        entries = stream_entries(store, plan, {0, 1}, _stats(), timeout_s=60, log=print)
+        entries = stream_entries(StreamSession(store), plan, {0, 1}, _stats(), timeout_s=60, log=print)
         threading.Timer(0.5, os.kill, (trainer.pid, signal.SIGKILL)).start()
         t0 = time.monotonic()
         with pytest.raises(InputError, match=f"entry 2 \\(block 2\\) waits for the trainer .* peagle-train is not "
@@ -208,7 +209,7 @@ def test_the_reported_peak_is_the_stores_largest_size_after_a_write(tmp_path):
     store = FeatureStore.open(tmp_path / "s.zarr", mode="r+")
     order, window = [0, 1, 2, 3, 4, 5, 5, 5], 3  # the last entries write nothing: the run ends evicting to block 5
     plan = _plan(order, window=window, val=(7,))
-    write_plan(store, plan)
+    StreamSession(store).write_plan(plan)
     full = []
 
     def trainer():  # consumes each entry once it is done; at entry 1 it first waits for the window to fill; it
@@ -220,7 +221,7 @@ def test_the_reported_peak_is_the_stores_largest_size_after_a_write(tmp_path):
                     time.sleep(0.3)  # (the writer's last write and done flag are on disk)
                     full.append(apparent_bytes(store.path))
                 k += 1
-                write_consumed(store, k)
+                StreamSession(store).write_consumed(k)
             time.sleep(0.02)
         beat.stop()
 

@@ -27,7 +27,7 @@ from stores.errors import InputError
 from stores.features.feature_repair import verify_store
 from stores.features.feature_store import FeatureStore
 from stores.staging import prepare_output_dir
-from stores.features.stream_plan import read_consumed, read_plan
+from stores.stream.session import StreamSession
 from stores.tables.token_tables import TableWriter, write_manifest
 from tests.peagle_data.extract.test_run import chunk_bytes
 
@@ -800,9 +800,9 @@ def test_stream_through_a_server_feeds_a_trainer(tmp_path, vllm_server):
     assert extractor.returncode == 0, e_err[-4000:]
     trained, extracted = json.loads(t_out), json.loads(e_out)
     opened = FeatureStore.open(store)
-    plan = read_plan(opened)
+    plan = StreamSession(opened).read_plan()
     assert trained["steps"] == steps and plan.policy == "keep" and len(plan.val_blocks) == 0
-    assert read_consumed(opened) == plan.n_entries == steps  # one block per step: every entry trained
+    assert StreamSession(opened).consumed() == plan.n_entries == steps  # one block per step: every entry trained
     assert sorted(plan.order.tolist()) == list(range(n_blocks))  # one epoch: every block once, none left out
     assert extracted["stream"]["extractions"] == n_blocks and extracted["complete"]
     assert opened.attrs["engine"]["server"] == url and opened.is_complete()

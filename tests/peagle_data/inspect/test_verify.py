@@ -230,7 +230,8 @@ def test_a_damaged_block_of_a_streamed_store_names_only_it_and_the_streaming_res
     names (which would write every block, past the budget)."""
     import torch
 
-    from stores.features.stream_plan import StreamPlan, write_consumed, write_plan
+    from stores.stream.plan import StreamPlan
+    from stores.stream.session import StreamSession
 
     path = tmp_path / "s.zarr"
     store = FeatureStore.create(path, n_blocks=4, block_size=8, max_segments=2, layers=[0, 1], hidden_size=4,
@@ -245,9 +246,10 @@ def test_a_damaged_block_of_a_streamed_store_names_only_it_and_the_streaming_res
     store.update_attrs(config={"packed": "p", "output": str(path)}, tokens_written=True)
     store = FeatureStore.open(path, mode="r+")
     store.evict_block(0)  # entry 0, consumed
-    write_plan(store, StreamPlan(run={"output": "/o"}, policy="reextract", max_store_bytes=1, fixed_bytes=0,
-                                 block_bytes=1, window=3, val_blocks=(3,), order=np.array([0, 1, 2], dtype=np.int64)))
-    write_consumed(store, 1)
+    StreamSession(store).write_plan(StreamPlan(run={"output": "/o"}, policy="reextract", max_store_bytes=1,
+                                               fixed_bytes=0, block_bytes=1, window=3, val_blocks=(3,),
+                                               order=np.array([0, 1, 2], dtype=np.int64)))
+    StreamSession(store).write_consumed(1)
     _flip_byte(store.chunk_path("final_hidden", 2))
     r = _invoke("verify", path)
     assert r.exit_code == 1

@@ -14,12 +14,12 @@ import torch
 
 from peagle_train.data.loader import BlockSequence, epoch_order
 from peagle_train.data.stream import (PLAN_ALLOWANCE_BYTES, READ_TRIES, ExtractionDied, StreamingStore,
-                                      fixed_store_bytes, make_plan, plan_entries, stream_save_due)
+                                      fixed_store_bytes, make_plan, plan_entries)
 from stores.errors import ChunkDamageError, InputError
 from stores.features.feature_store import FeatureStore
-from stores.features.stream_heartbeat import read_heartbeat
-from stores.features.stream_plan import StreamPlan, apparent_bytes, block_feature_bytes, flag_bytes
-from tests.stores.features.test_stream_heartbeat import beating_process
+from stores.stream.heartbeat import read_heartbeat
+from stores.stream.plan import apparent_bytes, block_feature_bytes, flag_bytes
+from tests.stores.stream.test_heartbeat import beating_process
 
 C, L, H = 8, 2, 16
 
@@ -79,25 +79,6 @@ def test_fixed_bytes_stay_the_same_as_blocks_are_done_and_evicted(tmp_path):
     # what the files hold now: everything fixed but the flags of the 3 blocks never done and the plan, + 2 blocks
     features = 2 * block_feature_bytes(C, L, H, "bf16")
     assert apparent_bytes(store.path) == before - flag_bytes(3) - 8 * 10 - PLAN_ALLOWANCE_BYTES + features
-
-
-def _plan(window, policy="reextract", n=12):
-    return StreamPlan(run={}, policy=policy, max_store_bytes=1, fixed_bytes=0, block_bytes=1, window=window,
-                      val_blocks=(), order=np.zeros(n, dtype=np.int64))
-
-
-def test_saves_are_due_before_the_window_runs_out():
-    plan = _plan(window=4)  # P = 1: saves when half the window (2 entries) is consumed since the last save
-    saved, due = 0, []
-    for step in range(1, 12):
-        if stream_save_due(step, 1, saved, plan):
-            due.append(step)
-            saved = step
-    assert due == [2, 4, 6, 8, 10]
-    # P = 2, window 3: the next step's 2 entries would pass the window after every step
-    assert [s for s in range(1, 6) if stream_save_due(s, 2, 2 * (s - 1), _plan(window=3))] == [1, 2, 3, 4, 5]
-    assert not stream_save_due(12, 1, 0, plan)  # the run's end: the final checkpoint follows anyway
-    assert not any(stream_save_due(s, 1, 0, _plan(window=2, policy="keep")) for s in range(1, 12))
 
 
 def test_a_read_waits_for_the_block(tmp_path):

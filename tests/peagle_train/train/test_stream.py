@@ -31,7 +31,8 @@ from peagle_train.train.setup import resolve_epoch_order
 from peagle_train.train.stream import resolve_stream_context, wait_for_store
 from stores.errors import InputError, OutputExistsError, StoreFormatError, StoreMismatchError
 from stores.features.feature_store import FeatureStore
-from stores.features.stream_plan import block_feature_bytes, read_consumed, read_plan
+from stores.stream.plan import block_feature_bytes
+from stores.stream.session import StreamSession
 from tests.peagle_data.extract.test_run import write_packed
 
 N_BLOCKS, C = 8, 48
@@ -76,8 +77,8 @@ def test_streaming_weights_equal_offline_weights(tmp_path, packed, offline_store
     assert summary["val_loss"] == offline["val_loss"]
 
     opened = FeatureStore.open(store)
-    plan = read_plan(opened)
-    assert plan.policy == policy and plan.n_entries == steps and read_consumed(opened) == steps
+    plan = StreamSession(opened).read_plan()
+    assert plan.policy == policy and plan.n_entries == steps and StreamSession(opened).consumed() == steps
     done = set(np.flatnonzero(opened.done_mask()).tolist())
     if policy == "reextract":  # the training blocks are evicted at the end, the scored validation blocks stay
         assert done == set(plan.val_blocks) and len(plan.val_blocks) == 2
@@ -150,7 +151,7 @@ def test_a_store_streamed_for_another_run_is_refused(tmp_path, packed, offline_s
     assert failure is None and report["state"] == "streaming" and report["ok"]
     assert report["stream"]["consumed"] == 2 and report["stream"]["pending"] == []
     assert report["stream"]["consumed_blocks"] + len(report["stream"]["unused"]) == N_BLOCKS - 2
-    val = read_plan(FeatureStore.open(store)).val_blocks[0]
+    val = StreamSession(FeatureStore.open(store)).read_plan().val_blocks[0]
     chunk = FeatureStore.open(store).chunk_path("aux_hidden", val)
     data = bytearray(chunk.read_bytes())
     data[10] ^= 0xFF
@@ -273,8 +274,8 @@ def test_full_context_streaming_weights_equal_offline_weights(tmp_path, packed_f
     opened = FeatureStore.open(store)
     assert opened.attrs["context"] == offline_store.attrs["context"]  # the same plan, packing training_blocks
     assert opened.attrs["context"]["packing"] == "training_blocks"
-    plan = read_plan(opened)
-    assert plan.reads is not None and plan.record()["format"] == 2 and read_consumed(opened) == steps
+    plan = StreamSession(opened).read_plan()
+    assert plan.reads is not None and plan.record()["format"] == 2 and StreamSession(opened).consumed() == steps
     assert plan.n_entries == steps and len(plan.val_blocks) == 2
     log = Path(summary["extraction_log"]).read_text()
     stream = json.loads(log[log.index("{"):])["stream"]
@@ -312,13 +313,13 @@ def test_a_plan_that_extracts_contexts_again_says_so_and_names_the_order_that_do
         counts = {u: k for u, k in plan.extraction_counts().items() if u not in val}
         return sum(k * int(n_tokens[u]) for u, k in counts.items()) / sum(int(n_tokens[u]) for u in counts) / 2
 
-    note = rerun_note(store, plans["blocks"], 13, "blocks")
+    note = rerun_note(StreamSession(store), plans["blocks"], 13, "blocks")
     assert per_epoch(plans["blocks"]) > 1.1
     assert note.startswith(f"this plan runs the verifier over {per_epoch(plans['blocks']):.2f}x the tokens")
     assert "--epoch-order conversations" in note
     # by conversation: each context block once an epoch (a window across the epochs' boundary may spare one)
     assert 0.9 <= per_epoch(plans["conversations"]) <= 1.1
-    assert rerun_note(store, plans["conversations"], 13, "conversations") is None
+    assert rerun_note(StreamSession(store), plans["conversations"], 13, "conversations") is None
 
 
 def test_full_context_streaming_by_conversation_extracts_each_context_once_and_trains_the_offline_weights(
@@ -338,7 +339,7 @@ def test_full_context_streaming_by_conversation_extracts_each_context_once_and_t
     a, b = _weights(tmp_path / "offline"), _weights(tmp_path / "stream")
     assert sorted(a) == sorted(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
     assert summary["val_loss"] == offline["val_loss"]
-    plan = read_plan(FeatureStore.open(tmp_path / "stream.zarr"))
+    plan = StreamSession(FeatureStore.open(tmp_path / "stream.zarr")).read_plan()
     read = {u for blk in plan.order.tolist() for u in plan.units_of(blk)} | set(plan.val_units)
     log = Path(summary["extraction_log"]).read_text()
     stream = json.loads(log[log.index("{"):])["stream"]
@@ -369,7 +370,7 @@ def test_streaming_defaults_train_the_weights_of_the_offline_defaults(tmp_path, 
     assert streamed.layout == extracted.layout == "windows"
     for run in ("offline", "stream"):
         assert json.loads((tmp_path / run / "train_config.json").read_text())["data"]["epoch_order"] == "conversations"
-    plan = read_plan(streamed)
+    plan = StreamSession(streamed).read_plan()
     read = {u for blk in plan.order.tolist() for u in plan.units_of(blk)} | set(plan.val_units)
     log = Path(summary["extraction_log"]).read_text()
     stream = json.loads(log[log.index("{"):])["stream"]

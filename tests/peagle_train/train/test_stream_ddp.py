@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from stores.features.feature_store import FeatureStore
-from stores.features.stream_plan import apparent_bytes, read_consumed, read_plan
+from stores.stream.plan import apparent_bytes
+from stores.stream.session import StreamSession
 from tests.peagle_train.train.test_stream import OPTS, _budget, _weights
 from tests.processes import launch_two_ranks
 
@@ -91,9 +92,9 @@ def test_split_roles_two_ranks_equal_the_offline_two_rank_run(tmp_path, packed, 
     assert summary["val_loss"] == offline["val_loss"] and (summary["world_size"], summary["steps"]) == (2, STEPS)
 
     opened = FeatureStore.open(store)
-    plan = read_plan(opened)
+    plan = StreamSession(opened).read_plan()
     assert plan.run["blocks_per_step"] == 2 and plan.n_entries == 2 * STEPS and plan.window == 3
-    assert read_consumed(opened) == 2 * STEPS
+    assert StreamSession(opened).consumed() == 2 * STEPS
     assert set(np.flatnonzero(opened.done_mask()).tolist()) == set(plan.val_blocks)  # training blocks evicted
     stream = json.loads(out[out.index("{"):])["stream"]
     assert sampler.samples > 10 and sampler.peak <= budget

@@ -21,7 +21,8 @@ from peagle_data.extract.run import run_extract
 from peagle_train.train.config import TrainConfig
 from peagle_train.train.run import run_train
 from stores.features.feature_store import FeatureStore
-from stores.features.stream_plan import block_feature_bytes, read_consumed
+from stores.stream.plan import block_feature_bytes
+from stores.stream.session import StreamSession
 from tests.peagle_train.train.test_stream import C, N_BLOCKS, OPTS, _weights
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -92,7 +93,8 @@ def test_streaming_weights_equal_offline_weights_per_family(tmp_path, packed, sm
         assert a[name].tobytes() == b[name].tobytes(), (family, name)
     assert summary["val_loss"] == offline["val_loss"]
     opened = FeatureStore.open(store)
-    assert read_consumed(opened) == STEPS and int(opened.done_mask().sum()) == 2  # the validation blocks stay
+    consumed = StreamSession(opened).consumed()
+    assert consumed == STEPS and int(opened.done_mask().sum()) == 2  # the validation blocks stay
     stream = result["summary"]["stream"]
     assert stream["peak_store_bytes"] <= budget
     assert 2 + 6 * 2 - 2 <= stream["extractions"] <= 2 + 6 * 2  # each block once per epoch, less the window's

@@ -20,7 +20,7 @@ from peagle_train.train.config import TrainConfig
 from peagle_train.train.run import run_train
 from stores.errors import InputError
 from stores.features.feature_store import FeatureStore
-from stores.features.stream_plan import read_consumed
+from stores.stream.session import StreamSession
 from tests.peagle_train.train.test_stream import FULL_OPTS, OPTS, _budget, _full_budget, _weights
 
 REPO = Path(__file__).resolve().parents[3]
@@ -118,7 +118,7 @@ def test_trainer_killed_then_resumed_equals_offline(tmp_path, packed, offline_st
     summary = json.loads(res.stdout[res.stdout.index("{"):])
     assert summary["resumed_from"] is not None and summary["steps"] == STEPS
     _assert_same(offline_weights, _weights(out))
-    assert read_consumed(FeatureStore.open(store)) == STEPS
+    assert StreamSession(FeatureStore.open(store)).consumed() == STEPS
 
 
 def test_extraction_killed_then_resumed_equals_offline(tmp_path, packed, offline_store, offline_weights,
@@ -130,7 +130,8 @@ def test_extraction_killed_then_resumed_equals_offline(tmp_path, packed, offline
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:  # kill it once the trainer has consumed a few entries
-            if (store / "stream" / "consumed.json").is_file() and read_consumed(FeatureStore.open(store)) >= 2:
+            cursor = store / "stream" / "consumed.json"
+            if cursor.is_file() and StreamSession(FeatureStore.open(store)).consumed() >= 2:
                 break
             time.sleep(0.1)
         pids = _extraction_pids(store)
@@ -180,7 +181,7 @@ def test_a_resume_onto_a_store_without_its_plan_starts_at_the_checkpoint(tmp_pat
     run_train(TrainConfig.from_flat(store=offline_store, output=str(tmp_path / "offline"),
                                     verifier=str(tiny_verifier_dir), max_steps=6, **OPTS))
     _assert_same(_weights(tmp_path / "offline"), _weights(out))
-    assert read_consumed(FeatureStore.open(store)) == 6
+    assert StreamSession(FeatureStore.open(store)).consumed() == 6
     log = Path(summary["extraction_log"]).read_text()
     assert json.loads(log[log.index("{"):])["stream"]["extractions"] == 2 + 3  # the validation blocks, entries 3..5
 
@@ -214,4 +215,4 @@ def test_full_context_trainer_killed_then_resumed_equals_offline(tmp_path, packe
                          text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     _assert_same(_weights(tmp_path / "offline"), _weights(out))
-    assert read_consumed(FeatureStore.open(store)) == steps
+    assert StreamSession(FeatureStore.open(store)).consumed() == steps

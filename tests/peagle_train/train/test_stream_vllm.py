@@ -13,7 +13,7 @@ from peagle_train.train.run import run_train
 from peagle_data.extract.config import ExtractConfig
 from peagle_data.extract.run import run_extract
 from stores.features.feature_store import FeatureStore
-from stores.features.stream_plan import read_plan
+from stores.stream.session import StreamSession
 from tests.peagle_data.extract.test_vllm import compare_stores, write_packed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # one vLLM engine start (~1 min on CPU)
@@ -35,5 +35,6 @@ def test_vllm_streaming_store_equals_hf_within_rounding(tmp_path, monkeypatch):
         draft_vocab_size=256, loss_chunk_size=64))
     assert summary["steps"] == 4 and Path(summary["checkpoint"]).is_dir()
     opened = FeatureStore.open(store)
-    assert read_plan(opened).policy == "keep" and opened.attrs["engine"]["name"] == "vllm" and opened.is_complete()
+    assert StreamSession(opened).read_plan().policy == "keep"
+    assert opened.attrs["engine"]["name"] == "vllm" and opened.is_complete()
     compare_stores(tmp_path / "hf.zarr", store, 30, "smollm2 streamed")

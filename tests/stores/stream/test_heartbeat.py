@@ -1,4 +1,4 @@
-"""The liveness heartbeats of a streaming run (stores/features/stream_heartbeat.py): a peer that beats is alive however
+"""The liveness heartbeats of a streaming run (stores/stream/heartbeat.py): a peer that beats is alive however
 long it makes no progress; a peer whose beat stops is given up after the timeout; a peer process that is gone on
 this machine is given up at once; progress seen by the waiting side counts too (an older peer without heartbeats)."""
 
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from stores.features.feature_store import FeatureStore
-from stores.features.stream_heartbeat import Heartbeat, PeerWatch, heartbeat_path, process_start, read_heartbeat
+from stores.stream.heartbeat import Heartbeat, PeerWatch, heartbeat_path, process_start, read_heartbeat
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[3]
 def beating_process(store: Path, role: str) -> subprocess.Popen:
     """A process that beats ``role``'s heartbeat in ``store`` (every 0.1 s) until killed; returned once its first
     beat is written."""
-    code = ("import sys, time; from stores.features.stream_heartbeat import Heartbeat; "
+    code = ("import sys, time; from stores.stream.heartbeat import Heartbeat; "
             f"h = Heartbeat(sys.argv[1], {role!r}, period_s=0.1); time.sleep(600)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(store)], cwd=REPO,
                             env={**os.environ, "PYTHONPATH": str(REPO)})

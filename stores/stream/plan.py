@@ -6,8 +6,9 @@ Legend: N training blocks of the store, T entries of the run (``max_steps * bloc
 context block of a full-context store (``--context full``, whose training blocks are views of context blocks).
 
 A streaming run (``peagle-train --max-store-bytes``) trains on a store whose features are extracted while it
-trains, in the order it reads them, and stays within a byte budget. This module is the one place that knows
-the two records of such a run inside the store, in the sub-group ``stream`` of the store's zarr group:
+trains, in the order it reads them, and stays within a byte budget. This module defines the two records of such
+a run inside the store, in the sub-group ``stream`` of the store's zarr group; they are read and written through
+one :class:`stores.stream.session.StreamSession` per side:
 
 - the **plan** (``stream/zarr.json`` attributes ``peagle_stream``, and the array ``stream/order``
   ``[T] int64``): written once by the trainer (rank 0) when the run starts, read by every extraction
@@ -18,8 +19,9 @@ the two records of such a run inside the store, in the sub-group ``stream`` of t
   are the context blocks of its views (:func:`context_reads`, read from the store, their digest recorded);
 - the **consumed cursor** (``stream/consumed.json``): the number of entries the trainer has durably
   consumed, written (fsync'd, renamed) only after the checkpoint that holds the training state past them
-  is itself on disk (:func:`fsync_tree`). A crash can therefore never leave the trainer needing a unit that
-  was deleted: deletion follows the cursor, the cursor follows a saved state.
+  is itself on disk (:meth:`stores.stream.session.StreamSession.mark_consumed`). A crash can therefore never
+  leave the trainer needing a unit that was deleted: deletion follows the cursor, the cursor follows a saved
+  state.
 
 The rules both sides follow (pure functions of the plan and the cursor ``K``):
 
@@ -45,24 +47,18 @@ import json
 import math
 import os
 import re
-import shutil
-import time
 from dataclasses import dataclass, field
 from fractions import Fraction
-from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
-import zarr
 
 from stores.errors import InputError, StoreFormatError
 from stores.features.feature_schema import ARRAYS, hidden_arrays
-from stores.files import is_local
 
 __all__ = ["STREAM_GROUP", "STREAM_FORMAT", "WINDOWS_STREAM_FORMAT", "POLICIES", "CONSUMED_FILE", "parse_size",
-           "format_size", "block_feature_bytes", "flag_bytes", "fixed_bytes_estimate", "StreamPlan", "write_plan",
-           "read_plan", "remove_plan", "has_plan", "plan_record", "read_consumed", "write_consumed", "fsync_tree",
-           "apparent_bytes", "window_for_budget", "window_for_reads", "step_units", "context_reads", "unit_store"]
+           "format_size", "block_feature_bytes", "flag_bytes", "fixed_bytes_estimate", "StreamPlan", "apparent_bytes",
+           "window_for_budget", "window_for_reads", "step_units", "context_reads", "unit_store"]
 
 STREAM_GROUP = "stream"
 """The store's sub-group holding the plan and the consumed cursor."""
@@ -319,6 +315,35 @@ class StreamPlan:
             rec.update(layout="windows", units="context_blocks", reads_sha256=_reads_digest(self.reads))
         return rec
 
+    @classmethod
+    def from_record(cls, rec: dict[str, Any], order: np.ndarray, store) -> "StreamPlan":
+        """The plan of the record ``rec`` (:meth:`record`) and its ``order`` (``[T] int64``) as stored in
+        ``store`` (the root of a full-context store: its units read from its views, :func:`context_reads`).
+
+        Raises:
+            StoreFormatError: a plan of a format this peagle does not read, one of the other store layout, or
+                whose order or units (a full-context store's views) do not match their digests.
+        """
+        fmt = rec.get("format")
+        if fmt not in (STREAM_FORMAT, WINDOWS_STREAM_FORMAT):
+            raise StoreFormatError(f"{store.path}: stream plan format {fmt!r}; this peagle reads {STREAM_FORMAT} "
+                                   f"(--context window) and {WINDOWS_STREAM_FORMAT} (--context full): made by a newer "
+                                   "peagle?")
+        if (fmt == WINDOWS_STREAM_FORMAT) != (store.layout == "windows"):
+            raise StoreFormatError(f"{store.path}: a stream plan of format {fmt} in a {store.layout} store (format "
+                                   f"{WINDOWS_STREAM_FORMAT} plans a full-context store, {STREAM_FORMAT} a format-1 "
+                                   "one)")
+        if _order_digest(order) != rec["order_sha256"]:
+            raise StoreFormatError(f"{store.path}/{STREAM_GROUP}: the plan's order does not match its digest (damaged)")
+        reads = context_reads(store) if fmt == WINDOWS_STREAM_FORMAT else None
+        if reads is not None and _reads_digest(reads) != rec.get("reads_sha256"):
+            raise StoreFormatError(f"{store.path}/{STREAM_GROUP}: the context blocks the store's views read do not "
+                                   "match its stream plan's (another store's plan, or damaged views: run `peagle-data "
+                                   "verify`)")
+        return cls(run=rec["run"], policy=rec["policy"], max_store_bytes=int(rec["max_store_bytes"]),
+                   fixed_bytes=int(rec["fixed_bytes"]), block_bytes=int(rec["block_bytes"]), window=int(rec["window"]),
+                   val_blocks=tuple(int(b) for b in rec["val_blocks"]), order=order, reads=reads)
+
     def same_run(self, other: "StreamPlan") -> bool:
         """Whether ``other`` plans the same reads (identity, policy, blocks, order and units); its budget and
         window may differ (they set the pace, not what is read)."""
@@ -329,129 +354,6 @@ class StreamPlan:
 
 def _order_digest(order: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(order, dtype="<i8").tobytes()).hexdigest()
-
-
-def _stream_dir(store) -> Path:
-    if not is_local(store.path):
-        raise StoreFormatError(f"{store.path}: streaming needs a local store (the consumed cursor is a file)")
-    return Path(store.path) / STREAM_GROUP
-
-
-def has_plan(store) -> bool:
-    """Whether ``store`` (a local ``FeatureStore``) holds a stream plan."""
-    return (Path(store.path) / STREAM_GROUP / "zarr.json").is_file()
-
-
-def write_plan(store, plan: StreamPlan, keep_consumed: bool = False, consumed: int = 0) -> None:
-    """Write ``plan`` into ``store``'s ``stream`` sub-group (replacing one there) and set the consumed cursor
-    to ``consumed`` (0: a new run; a resumed run whose store has no plan: its checkpoint's cursor, once that
-    checkpoint is on disk), or with ``keep_consumed`` (the same run with another budget) keep it; the
-    attributes last, so a reader never sees a plan without its order and cursor."""
-    consumed = read_consumed(store) if keep_consumed else consumed
-    path = _stream_dir(store)
-    group = zarr.open_group(str(path), mode="w")
-    order = np.ascontiguousarray(plan.order, dtype=np.int64)
-    arr = group.create_array("order", shape=order.shape, dtype="int64", chunks=(max(1, order.size),))
-    arr[:] = order
-    write_consumed(store, consumed)
-    group.attrs["peagle_stream"] = plan.record()
-
-
-def remove_plan(store) -> None:
-    """Delete ``store``'s stream plan and consumed cursor (a new run of the same output replaces its plan; the
-    features present stay, they are the same for any plan)."""
-    path = Path(store.path) / STREAM_GROUP
-    if path.is_dir():
-        shutil.rmtree(path)
-
-
-def read_plan(store) -> StreamPlan | None:
-    """The stream plan of ``store`` (the root of a full-context store), or None when it has none (yet).
-
-    Raises:
-        StoreFormatError: a plan of a format this peagle does not read, one of the other store layout, or
-            whose order or units (a full-context store's views) do not match their digests.
-    """
-    if not has_plan(store):
-        return None
-    group = zarr.open_group(str(_stream_dir(store)), mode="r")
-    rec = dict(group.attrs).get("peagle_stream")
-    if rec is None:  # the attributes come last: a plan being written
-        return None
-    fmt = rec.get("format")
-    if fmt not in (STREAM_FORMAT, WINDOWS_STREAM_FORMAT):
-        raise StoreFormatError(f"{store.path}: stream plan format {fmt!r}; this peagle reads {STREAM_FORMAT} "
-                               f"(--context window) and {WINDOWS_STREAM_FORMAT} (--context full): made by a newer peagle?")
-    if (fmt == WINDOWS_STREAM_FORMAT) != (store.layout == "windows"):
-        raise StoreFormatError(f"{store.path}: a stream plan of format {fmt} in a {store.layout} store (format "
-                               f"{WINDOWS_STREAM_FORMAT} plans a full-context store, {STREAM_FORMAT} a format-1 one)")
-    order = np.asarray(group["order"][:], dtype=np.int64)
-    if _order_digest(order) != rec["order_sha256"]:
-        raise StoreFormatError(f"{store.path}/{STREAM_GROUP}: the plan's order does not match its digest (damaged)")
-    reads = context_reads(store) if fmt == WINDOWS_STREAM_FORMAT else None
-    if reads is not None and _reads_digest(reads) != rec.get("reads_sha256"):
-        raise StoreFormatError(f"{store.path}/{STREAM_GROUP}: the context blocks the store's views read do not match "
-                               "its stream plan's (another store's plan, or damaged views: run `peagle-data verify`)")
-    return StreamPlan(run=rec["run"], policy=rec["policy"], max_store_bytes=int(rec["max_store_bytes"]),
-                      fixed_bytes=int(rec["fixed_bytes"]), block_bytes=int(rec["block_bytes"]),
-                      window=int(rec["window"]), val_blocks=tuple(int(b) for b in rec["val_blocks"]), order=order,
-                      reads=reads)
-
-
-def plan_record(store) -> dict[str, Any] | None:
-    """The attributes of ``store``'s plan as written now (:meth:`StreamPlan.record`; None: no plan, or one being
-    written), read from its metadata file alone: cheap enough for an extraction to check before each block that
-    its plan was not rewritten."""
-    try:
-        return json.loads((_stream_dir(store) / "zarr.json").read_text())["attributes"]["peagle_stream"]
-    except (FileNotFoundError, KeyError, json.JSONDecodeError):
-        return None
-
-
-def read_consumed(store) -> int:
-    """The consumed cursor of ``store``'s plan (0 when none was written)."""
-    path = _stream_dir(store) / CONSUMED_FILE
-    try:
-        return int(json.loads(path.read_text())["consumed"])
-    except FileNotFoundError:
-        return 0
-
-
-def write_consumed(store, consumed: int) -> None:
-    """Durably set the consumed cursor: a temporary file written and fsync'd, renamed over the old one, the
-    directory fsync'd. Call only once the training state past ``consumed`` entries is on disk."""
-    directory = _stream_dir(store)
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".{CONSUMED_FILE}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(json.dumps({"consumed": int(consumed), "time": time.time()}))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / CONSUMED_FILE)
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(directory: str | os.PathLike) -> None:
-    """fsync every file under ``directory``, the directories, and its parent (so that a renamed-into-place
-    checkpoint survives a power loss before the consumed cursor that depends on it is written)."""
-    directory = Path(directory)
-    for root, _, files in os.walk(directory):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(root))
-    _fsync_dir(directory.parent)
 
 
 def apparent_bytes(directory: str | os.PathLike) -> int:

@@ -1,4 +1,4 @@
-"""The stream plan's record and rules (stores/features/stream_plan.py): sizes, the window, eviction, the cursor."""
+"""The stream plan's record and rules (stores/stream/plan.py): sizes, the window, eviction, the cursor."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch
 
 from stores.errors import InputError, StoreFormatError
 from stores.features.feature_store import FeatureStore
-from stores.features.stream_plan import (StreamPlan, block_feature_bytes, context_reads, format_size, parse_size, read_consumed,
-                                read_plan, remove_plan, step_units, window_for_budget, window_for_reads, write_consumed,
-                                write_plan)
+from stores.stream.plan import (StreamPlan, block_feature_bytes, context_reads, format_size, parse_size, step_units,
+                                window_for_budget, window_for_reads)
+from stores.stream.session import StreamSession
 
 
 @pytest.mark.parametrize("text, value", [("1048576", 2 ** 20), ("20GB", 20 * 10 ** 9), ("512MiB", 512 * 2 ** 20),
@@ -70,23 +70,6 @@ def test_planned_extractions():
     # with window 4, only block 0 (distance 5) is extracted again
     assert _plan([0, 1, 2, 3, 1, 0, 2, 3], window=4).extractions() == 4 + 1 + 1
     assert _plan([0, 1, 2, 3, 1, 0, 2, 3], window=8, policy="keep").extractions() == 4 + 1
-
-
-def test_plan_and_cursor_round_trip(tmp_path):
-    store = FeatureStore.create(tmp_path / "s.zarr", n_blocks=10, block_size=4, max_segments=1, layers=[1],
-                                hidden_size=8, vocab_size=16, verifier={"name_or_path": "v", "hidden_size": 8,
-                                                                         "vocab_size": 16})
-    assert read_plan(store) is None and read_consumed(store) == 0
-    plan = _plan([3, 1, 2, 0], window=2)
-    write_plan(store, plan)
-    back = read_plan(store)
-    assert back.same_run(plan) and back.order.tolist() == [3, 1, 2, 0] and back.val_blocks == (9,)
-    assert not back.same_run(_plan([3, 1, 0, 2], window=2))
-    write_consumed(store, 3)
-    assert read_consumed(store) == 3
-    assert list(store.group.array_keys())  # the store still opens and lists its arrays
-    remove_plan(store)
-    assert read_plan(store) is None and read_consumed(store) == 0
 
 
 def test_evict_block_clears_the_flag_and_deletes_the_features(tmp_path):
@@ -162,12 +145,12 @@ def test_a_full_context_plan_round_trip_reads_its_units_from_the_views(tmp_path)
     assert context_reads(store) == ((0,), (0, 1), (1,))
     plan = StreamPlan(run={"output": "/o"}, policy="reextract", max_store_bytes=10, fixed_bytes=1, block_bytes=1,
                       window=1, val_blocks=(2,), order=np.array([1, 0]), reads=context_reads(store))
-    write_plan(store, plan)
-    back = read_plan(store)
+    StreamSession(store).write_plan(plan)
+    back = StreamSession(store).read_plan()
     assert back.same_run(plan) and back.reads == ((0,), (0, 1), (1,)) and back.val_units == (1,)
     store.write_views(0, [(1, 0, 0, 0)])  # views that read other context blocks than the plan was made for
     with pytest.raises(StoreFormatError, match="do not match its stream plan's"):
-        read_plan(FeatureStore.open(tmp_path / "w.zarr"))
-    write_plan(store, _plan([1, 0], window=1, val=(2,)))  # a format-1 plan in a full-context store
+        StreamSession(FeatureStore.open(tmp_path / "w.zarr")).read_plan()
+    StreamSession(store).write_plan(_plan([1, 0], window=1, val=(2,)))  # a format-1 plan in a full-context store
     with pytest.raises(StoreFormatError, match="a stream plan of format 1 in a windows store"):
-        read_plan(store)
+        StreamSession(store).read_plan()
