@@ -289,7 +289,8 @@ class FeatureStore:
         return FullContextStore.create(path, **kwargs)
 
     def update_attrs(self, **values: Any) -> None:
-        """Merge values into the ``peagle`` attributes (a full-context store's: also its sub-store's)."""
+        """Merge values into the ``peagle`` attributes (a full-context store's: also its sub-store's,
+        :meth:`FullContextStore.update_attrs`)."""
         self.attrs = {**self.attrs, **values}
         self.group.attrs["peagle"] = self.attrs
 
@@ -833,6 +834,11 @@ class FullContextStore(FeatureStore):
     def verifier_blocks(self) -> ContextBlocks:
         """:attr:`contexts`: the verifier runs the context blocks; the training blocks are views of them."""
         return self.contexts
+
+    def update_attrs(self, **values: Any) -> None:
+        """Merge values into the ``peagle`` attributes of the root and of its :attr:`contexts`."""
+        super().update_attrs(**values)
+        self.contexts.update_attrs(**values)
 
     @classmethod
     def create(
