@@ -348,9 +348,9 @@ def merge_stores(paths: list[str | os.PathLike], output: str | os.PathLike, forc
         sh = s.attrs.get("shard")
         if not sh:
             raise InputError(f"{s.path} is not a shard store (made without extract --num-shards)")
-        grid = s.contexts if s.layout == "windows" else s  # the blocks the verifier ran
+        grid = s.verifier_blocks  # the blocks the verifier ran
         if not grid.is_complete():
-            what = "context blocks" if s.layout == "windows" else "blocks"
+            what = "context blocks" if s.has_views else "blocks"
             raise InputError(f"{s.path}: {len(grid.missing_blocks())} {what} not done; finish it with "
                              "`peagle-data extract --resume` first")
         shards.append((int(sh["num_shards"]), int(sh["shard_index"])))
@@ -375,7 +375,7 @@ def merge_stores(paths: list[str | os.PathLike], output: str | os.PathLike, forc
                                      "compute dtype: extract the shards again with one")
         if s.attrs["verifier"] != first.attrs["verifier"]:
             raise StoreMismatchError(f"{s.path}: made with another verifier than {first.path}")
-    if first.layout == "windows":
+    if first.has_views:
         _check_windows_shards(stores)
         return _write_merged_windows(stores, output, force)
     return _write_merged_store(stores, output, force)
@@ -383,12 +383,11 @@ def merge_stores(paths: list[str | os.PathLike], output: str | os.PathLike, forc
 
 def _check_one_layout(stores: list[FeatureStore]) -> None:
     """Raise :class:`StoreMismatchError` unless every store has the first one's layout (``--context``)."""
-    context = {"windows": "full", "blocks": "window"}
     for s in stores[1:]:
-        if s.layout != stores[0].layout:
+        if s.context != stores[0].context:
             raise StoreMismatchError(
-                f"{s.path} was extracted with --context {context[s.layout]}, {stores[0].path} with --context "
-                f"{context[stores[0].layout]}: shards of one run share --context; extract the odd ones again")
+                f"{s.path} was extracted with --context {s.context}, {stores[0].path} with --context "
+                f"{stores[0].context}: shards of one run share --context; extract the odd ones again")
 
 
 def _check_windows_shards(stores: list[FeatureStore]) -> None:
@@ -485,7 +484,7 @@ def _copy_blocks(stores: list[FeatureStore], out: FeatureStore, n: int) -> None:
     out.write_all_n_tokens(n_tokens)
     out.set_token_freq(np.sum([s.token_freq() for s in stores], axis=0))
     keys = [s.segment_keys() for s in stores]
-    if out.attrs.get("layout") != "contexts" and all(k is not None for k in keys):  # every shard recorded them
+    if out.holds_segments and all(k is not None for k in keys):  # every shard recorded them
         rows: list = [None] * out.n_blocks
         for s_index, k in enumerate(keys):
             for j, row in enumerate(k):

@@ -318,9 +318,9 @@ def _open_store(plan: ExtractPlan, engine: VerifierEngine, log: Callable[[str], 
     root, repaired = _store_on_every_rank(state, cfg, plan.rows, plan.table, engine, layers, log, config,
                                           plan.contexts, plan.verifier_dir)
     seconds["store_open_s"] = time.perf_counter() - t_store
-    store = root.contexts if root.layout == "windows" else root  # the blocks the verifier runs
+    store = root.verifier_blocks  # the blocks the verifier runs
     todo = store.missing_blocks()
-    views = root.layout == "windows" and not root.attrs.get("shard")  # training blocks done as views
+    views = root.has_views and not root.attrs.get("shard")  # training blocks done as views
     training_before = int(root.done_mask().sum()) if views else None
     state.wait_for_everyone()  # every rank reads the same list before any rank writes
     todo = todo[state.process_index::state.num_processes]
@@ -376,7 +376,7 @@ def _summarise(plan: ExtractPlan, work: _Work, ran: _Ran, seconds: dict[str, flo
     summary["timings"] = {k: round(v, 3) for k, v in seconds.items()}
     if ran.stream is not None:
         summary["stream"] = {k: v for k, v in ran.stream.items() if k != "plan"}
-    if root.layout == "windows":  # the verifier ran context blocks; the training blocks are views of them
+    if root.has_views:  # the verifier ran context blocks; the training blocks are views of them
         training_done = int(root.done_mask().sum()) if work.training_before is not None else None
         summary.update(context=root.attrs.get("context"), training_blocks=root.n_blocks,
                        training_blocks_done=training_done,
@@ -454,7 +454,7 @@ def _store_on_every_rank(state, cfg: ExtractConfig, rows, table, engine: Verifie
     state.wait_for_everyone()
     if not state.is_main_process:
         root = FeatureStore.open(cfg.output, mode="r+")
-    store = root.contexts if root.layout == "windows" else root
+    store = root.verifier_blocks
     repaired = repair_blocks(store, rows, state.process_index, state.num_processes, log) if cfg.resume else {}
     state.wait_for_everyone()
     return root, repaired

@@ -389,9 +389,9 @@ def _resume_conflicts(store: FeatureStore, cfg, verifier: dict[str, Any]) -> lis
         ("--num-shards", have.get("num_shards", 1), cfg.num_shards),
         ("--shard-index", have.get("shard_index", 0), cfg.shard_index),
         ("--engine", engine.get("name", "hf"), cfg.engine),  # stores made before --engine: hf
-        ("--context", "full" if store.layout == "windows" else "window", cfg.context),
+        ("--context", store.context, cfg.context),
     ]
-    if store.layout == "windows" and cfg.context == "full":
+    if store.has_views and cfg.context == "full":
         rows.append(("--max-context", (store.attrs.get("context") or {}).get("max_context"), cfg.max_context))
     if engine.get("name") == "vllm" and cfg.engine == "vllm" and "tensor_parallel_size" in engine and not cfg.server:
         rows += [("--tensor-parallel-size", engine["tensor_parallel_size"], cfg.tensor_parallel_size),

@@ -217,7 +217,7 @@ def extract_stream(engine: VerifierEngine, store: FeatureStore, rows, timeout_s:
             a plan that reads blocks past the store's.
         InputError: see :func:`wait_for_plan`, :func:`stream_entries`.
     """
-    if store.layout == "windows" and store.attrs.get("shard"):
+    if store.has_views and store.attrs.get("shard"):
         raise StoreFormatError(f"{store.path}: --stream extracts a whole store, not a shard")
     session = StreamSession(store)
     units = session.units

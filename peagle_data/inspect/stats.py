@@ -323,14 +323,14 @@ def _store_stats(path: Path) -> dict[str, Any]:
         segs_per_block[s] = segs_per_block.get(s, 0) + 1
     seg_hist[0] = 0
     nz = np.flatnonzero(seg_hist)
-    shard = store.layout == "windows" and store.attrs.get("shard")  # training blocks done once merged
+    shard = store.has_views and store.attrs.get("shard")  # training blocks done once merged
     done = None if shard else store.done_mask()
     return {
         "path": str(path), "kind": "store",
         "totals": {"rows": store.n_blocks, "tokens": tokens, "loss_tokens": loss,
                    "supervised_fraction": round(loss / tokens, 6) if tokens else 0.0,
                    "blocks_done": None if done is None else int(done.sum())},
-        "contexts": _context_stats(store, loss) if store.layout == "windows" else None,
+        "contexts": _context_stats(store, loss) if store.has_views else None,
         "lengths": {"of": "window", **_length_block(nz, seg_hist[nz])},
         "supervised_fraction": {"of": "block", "histogram": frac_hist.tolist()},
         "windows_per_conversation": None,

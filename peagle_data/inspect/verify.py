@@ -56,7 +56,7 @@ def _expected_tokens(store: str, packed: str):
         raise StoreMismatchError(f"--packed {packed}: the store was made from another packed table "
                                  f"(manifest sha256 {attrs.get('source')}, this table {manifest_sha256(packed)})")
     rows = list(table.iter_rows(["input_ids"]))
-    shard = {} if opened.layout == "windows" else attrs.get("shard") or {}
+    shard = {} if opened.has_views else attrs.get("shard") or {}
     rows = rows[shard.get("shard_index", 0)::shard.get("num_shards", 1)]
     return lambda i: rows[i]["input_ids"]
 

@@ -113,7 +113,7 @@ def store_identities(store) -> list[dict[str, Any]]:
     out, first = [], 0
     for s in stores:
         out.append({"path": str(Path(s.path).resolve()), **store_identity(s),
-                    "context": "full" if s.layout == "windows" else "window", "first_block": first})
+                    "context": s.context, "first_block": first})
         first += int(s.n_blocks)
     return out
 

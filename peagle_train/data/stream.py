@@ -84,7 +84,7 @@ def fixed_store_bytes(store: FeatureStore, n_entries: int) -> int:
     hidden = {s.name for s in hidden_arrays(store.storage_dtype)}
     # the plan is counted below, the same whether it is written yet or not
     total = _bytes_without_features(Path(store.path), hidden, {STREAM_GROUP, CONTEXTS, HEARTBEAT_DIR}, store.n_blocks)
-    if store.layout == "windows":
+    if store.has_views:
         total += _bytes_without_features(Path(store.path) / CONTEXTS, hidden, set(), unit_store(store).n_blocks)
     return total + 8 * n_entries + PLAN_ALLOWANCE_BYTES
 
@@ -115,7 +115,7 @@ def make_plan(store: FeatureStore, sequence: BlockSequence, val_side: np.ndarray
     order = plan_entries(sequence, T)
     val = tuple(int(b) for b in np.asarray(val_side)[:val_max_blocks])
     fixed = fixed_store_bytes(store, T)
-    if store.layout == "windows":
+    if store.has_views:
         return _windows_plan(store, order, val, fixed, blocks_per_step=blocks_per_step,
                              max_store_bytes=max_store_bytes, policy=policy, run=run)
     block_bytes = block_feature_bytes(store.block_size, len(store.layers), store.hidden_size, store.storage_dtype)

@@ -271,7 +271,7 @@ def resolve_epoch_order(cfg: TrainConfig, store) -> TrainConfig:
         order = None if old is None else old.get("epoch_order") or "blocks"
     if order is None:
         stores = store.stores if isinstance(store, StoreSet) else [store]
-        full = all(s.layout == "windows" and s.segment_keys() is not None for s in stores)
+        full = all(s.has_views and s.segment_keys() is not None for s in stores)
         order = "conversations" if full else "blocks"
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, epoch_order=order))
 

@@ -97,7 +97,7 @@ def resolve_stream_context(cfg: TrainConfig) -> TrainConfig:
     if s.extract_from is None or s.context is not None:
         return cfg
     opened = _opened_store(str(cfg.data.store)) if cfg.run.resume else None
-    context = "full" if opened is None or opened.layout == "windows" else "window"
+    context = "full" if opened is None else opened.context
     return dataclasses.replace(cfg, stream=dataclasses.replace(s, context=context))
 
 
@@ -199,7 +199,7 @@ def _check_store_source(store: str, packed: str, storage_dtype: str, context: st
         raise StoreMismatchError(f"{store} holds {opened.storage_dtype} features, --storage-dtype gives "
                                  f"{storage_dtype}; "
                                  f"pass --storage-dtype {opened.storage_dtype}, or give this run another --store")
-    made = "full" if opened.layout == "windows" else "window"
+    made = opened.context
     if made != context:
         raise StoreMismatchError(f"{store} holds --context {made} features, this run extracts --context {context}"
                                  + (" (this command's default: the served context)" if made == "window" else "")

@@ -19,7 +19,6 @@ import torch
 
 from stores.features.chunk_files import CHECKSUM_BYTES, raw_chunk_damage
 from stores.errors import StoreFormatError, StoreMismatchError
-from stores.features.feature_schema import WINDOW_ARRAYS, store_arrays
 from stores.features.feature_store import LAYER_CONVENTION, FeatureStore
 from stores.files import is_local
 from stores.stream.session import StreamSession
@@ -137,7 +136,7 @@ def verify_store(path: str | os.PathLike, expected_tokens=None, repair: bool = F
         StoreFormatError: the store cannot be opened at all, or an array is missing or misshapen.
     """
     store = FeatureStore.open(path, mode="r+" if repair else "r")
-    if store.layout == "windows":
+    if store.has_views:
         report = _verify_windows(store, path, expected_tokens, repair)
     else:
         report = _verify_blocks(store, path, expected_tokens, repair)
@@ -274,7 +273,7 @@ _CHECKED_ROLES = ("token", "hidden", "flag", "views")
 def _check_arrays(store: FeatureStore, path) -> None:
     """Every array is present with the shape and dtype the attributes imply (StoreFormatError otherwise)."""
     g, sizes = store.group, store.sizes()
-    specs = WINDOW_ARRAYS if store.layout == "windows" else store_arrays(store.storage_dtype)
+    specs = store.array_specs()
     for spec in specs:
         if spec.role not in _CHECKED_ROLES:
             continue
@@ -332,7 +331,7 @@ def write_shared(store: FeatureStore, rows) -> None:
         freq += np.bincount(ids, minlength=V)
     store.write_all_n_tokens(np.array([int(r["n_tokens"]) for r in rows], dtype=np.int32))
     store.set_token_freq(freq)
-    if store.attrs.get("layout") != "contexts" and rows and all(r.get("segment_keys") is not None for r in rows):
+    if store.holds_segments and rows and all(r.get("segment_keys") is not None for r in rows):
         store.write_segment_keys([r["segment_keys"] for r in rows])  # packed tables since peagle recorded them
 
 

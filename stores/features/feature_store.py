@@ -1,4 +1,14 @@
-"""The zarr v3 feature store (docs/design.md §7): create, write a block, read a block.
+"""The zarr v3 feature store (docs/design.md §7): one type per layout, opened by :func:`open_store`
+(:meth:`FeatureStore.open`), which reads ``format_version`` and ``layout`` from the attributes.
+
+- :class:`BlockStore` (format 1, ``layout: "blocks"``, ``extract --context window``): its blocks are the packed
+  table's blocks, each extracted as it is.
+- :class:`FullContextStore` (format 2, ``layout: "windows"``, ``extract --context full``): its training blocks
+  hold token arrays and, per segment, a view into the :class:`ContextBlocks` of its ``contexts`` sub-store
+  (``layout: "contexts"``), whose blocks are the whole conversations the verifier ran.
+
+Callers ask the type (:attr:`FeatureStore.context`, :attr:`FeatureStore.has_views`,
+:attr:`FeatureStore.contexts`, :attr:`FeatureStore.verifier_blocks`), never the layout string.
 
 Legend: N blocks, C ``block_size`` (tokens), T a block's ``n_tokens`` (≤ C), L aux layers,
 H hidden size, S segments in a block.
@@ -7,8 +17,8 @@ The arrays are those of the schema table :data:`stores.features.feature_schema.A
 read and verify (:mod:`stores.features.feature_repair`) all iterate it. One block is one chunk row of every
 per-block array, so two writers never touch one chunk. A block's ``done`` flag is written only
 after its data. Hidden states have no compressor but a crc32c checksum codec, so each chunk file of
-a local store is read straight into the result tensors (the ``file`` path, :class:`StoreFileReader`
-over :class:`stores.features.chunk_files.ChunkFiles`); any other store (compressed, remote) is read through the
+a local store is read straight into the result tensors (the ``file`` path,
+:class:`stores.features.file_reader.StoreFileReader`); any other store (compressed, remote) is read through the
 zarr API. Both paths return identical tensors.
 """
 
@@ -18,14 +28,14 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import numpy as np
 import torch
 import zarr
 import zarr.errors
 
-from stores.features.chunk_files import ChunkFiles, uncompressed
+from stores.features.chunk_files import uncompressed
 from stores.errors import ChunkDamageError, StoreFormatError
 from stores.features.feature_schema import (
     SEGMENT_KEYS,
@@ -48,6 +58,7 @@ from stores.features.feature_schema import (
     hidden_arrays,
     store_arrays,
 )
+from stores.features.file_reader import StoreFileReader
 from stores.files import is_local, is_zarr_store
 from stores.tables.token_tables import not_a_store_hint
 
@@ -58,6 +69,10 @@ __all__ = [
     "STORAGE_DTYPES",
     "Block",
     "FeatureStore",
+    "BlockStore",
+    "FullContextStore",
+    "ContextBlocks",
+    "open_store",
     "StoreFileReader",
     "bytes_per_token",
     "LAYER_CONVENTION",
@@ -73,7 +88,6 @@ WINDOWS_FORMAT_VERSION = 2
 blocks' token arrays and, per segment, a view into the ``contexts`` sub-store, whose blocks are the
 whole conversations the verifier ran (``layout: "windows"`` at the root, ``"contexts"`` below)."""
 
-LAYOUTS = {(FORMAT_VERSION, "blocks"), (WINDOWS_FORMAT_VERSION, "windows"), (WINDOWS_FORMAT_VERSION, "contexts")}
 CONTEXTS = "contexts"
 """The sub-store of a full-context store."""
 
@@ -123,38 +137,58 @@ def check_layer_convention(attrs: Mapping[str, Any], path: str) -> None:
 class FeatureStore:
     """A peagle feature store: one zarr v3 group with the arrays and attributes of docs/design.md §7.
 
-    Open an existing store with :meth:`open`, make a new one with :meth:`create`.
+    The base of the layout types :class:`BlockStore`, :class:`FullContextStore` and :class:`ContextBlocks`: open an
+    existing store with :meth:`open` (:func:`open_store`), which returns the type of its layout; make a new one
+    with :meth:`BlockStore.create` or :meth:`FullContextStore.create` (:meth:`create` and :meth:`create_windows`
+    here forward to them). What callers ask of a store's layout are attributes: :attr:`context`,
+    :attr:`has_views`, :attr:`contexts`, :attr:`verifier_blocks`.
     """
 
+    layout: ClassVar[str] = ""
+    """The type's ``layout`` attribute on disk: ``"blocks"``, ``"windows"`` (a full-context store's root) or
+    ``"contexts"`` (its sub-store); tests of the format read it, callers ask the attributes below."""
+    format_version: ClassVar[int] = 0
+    """The type's ``format_version`` attribute on disk."""
+    context: ClassVar[str] = "window"
+    """The ``--context`` the store was extracted with, as the CLI spells it: ``"window"`` or ``"full"``."""
+    has_views: ClassVar[bool] = False
+    """Whether the blocks are training blocks whose segments are views into context blocks (a full-context
+    store's root): their done state, hidden states and damage are those of the context blocks they read."""
+    holds_segments: ClassVar[bool] = True
+    """Whether the blocks hold the packed table's segments (false for context blocks: whole conversations)."""
+    block_word: ClassVar[str] = "block"
+    """What a block is called in a message."""
+    contexts: FeatureStore | None = None
+    """A full-context store's sub-store of context blocks (None for other layouts)."""
+
     def __init__(self, group: zarr.Group, path: str):
+        """Open ``group`` as this type (use :meth:`open` or :meth:`of_group`, which pick the type).
+
+        Raises:
+            StoreFormatError: not a peagle store, or its ``format_version`` and ``layout`` are not this type's.
+        """
         self.group = group
         self.path = path
-        attrs = dict(group.attrs).get("peagle")
-        if not isinstance(attrs, dict):
-            raise StoreFormatError(f"{path}: not a peagle feature store (no 'peagle' attributes)")
-        self.layout = str(attrs.get("layout", "blocks"))
-        """``"blocks"`` (format 1), ``"windows"`` (a full-context store's root) or ``"contexts"`` (its sub-store)."""
-        if (attrs.get("format_version"), self.layout) not in LAYOUTS:
-            raise StoreFormatError(
-                f"{path}: feature store format_version {attrs.get('format_version')!r} (layout {self.layout!r}); "
-                f"this peagle reads {FORMAT_VERSION} (window-context stores) and {WINDOWS_FORMAT_VERSION} "
-                "(full-context stores): made by a newer peagle?")
+        attrs = _peagle_attrs(group, path)
+        if _layout_key(attrs) != (self.format_version, self.layout):
+            raise StoreFormatError(f"{path}: format_version {attrs.get('format_version')!r} layout "
+                                   f"{_layout_key(attrs)[1]!r} is not a {type(self).__name__}")
         self.attrs: dict[str, Any] = attrs
         self._local_root = Path(path) if is_local(path) else None
-        self.contexts: FeatureStore | None = None
-        """A full-context store's sub-store of context blocks (None for other layouts)."""
-        if self.layout == "windows":
-            if CONTEXTS not in group:
-                raise StoreFormatError(f"{path}: full-context store without its {CONTEXTS!r} sub-store")
-            self.contexts = FeatureStore(group[CONTEXTS], f"{path}/{CONTEXTS}")
-            self.raw_chunks = self.contexts.raw_chunks and uncompressed(group["input_ids"])
-        else:
-            self.raw_chunks = self._local_root is not None and uncompressed(group["aux_hidden"])
+        self.raw_chunks = self._has_raw_chunks()
         """Chunk files readable directly (the ``file`` read path)."""
-        self._views_cache: np.ndarray | None = None
         self._n_tokens_cache: np.ndarray | None = None
         self._array_cache: dict[str, zarr.Array] = {}
-        self._files = StoreFileReader(self) if self.raw_chunks else None
+        self._files = StoreFileReader(self, self._local_root) if self.raw_chunks else None
+
+    def _has_raw_chunks(self) -> bool:
+        return self._local_root is not None and uncompressed(self.group["aux_hidden"])
+
+    @property
+    def verifier_blocks(self) -> FeatureStore:
+        """The store whose blocks the verifier runs (extracts, marks done, repairs, evicts): a full-context
+        store's :attr:`contexts`, else the store itself."""
+        return self
 
     # ---------------------------------------------------------------- properties
     @property
@@ -202,11 +236,12 @@ class FeatureStore:
 
     # ---------------------------------------------------------------- create / open
     @classmethod
-    def open(cls, path: str | os.PathLike, mode: str = "r") -> "FeatureStore":
-        """Open a store (``mode`` ``"r"`` or ``"r+"``).
+    def open(cls, path: str | os.PathLike, mode: str = "r") -> FeatureStore:
+        """Open a store (``mode`` ``"r"`` or ``"r+"``) as the type of its layout (:meth:`of_group`).
 
         Raises:
-            StoreFormatError: missing, not a zarr group, not a peagle store, or unknown version.
+            StoreFormatError: missing, not a zarr group, not a peagle store, unknown version, a full-context
+                store's ``contexts`` sub-store, or (called on a layout type) a store of another layout.
         """
         path = str(path)
         if path.startswith("file://"):
@@ -217,163 +252,68 @@ class FeatureStore:
             group = zarr.open_group(path, mode=mode)
         except Exception as e:  # zarr raises several types for a bad path
             raise StoreFormatError(f"{path}: cannot open as a zarr v3 group ({e})") from e
-        store = cls(group, path)
-        if store.layout == "contexts":
-            parent = path.rstrip("/").rpartition("/")[0] or "."
-            raise StoreFormatError(f"{path} is the context sub-store of the full-context store {parent}: pass {parent}")
+        store = FeatureStore.of_group(group, path)
+        store._refuse_opened_alone()
+        if not isinstance(store, cls):
+            raise StoreFormatError(f"{path}: a --context {store.context} store ({type(store).__name__}), "
+                                   f"not a {cls.__name__}")
         return store
 
-    @classmethod
-    def create(
-        cls,
-        path: str | os.PathLike,
-        *,
-        n_blocks: int,
-        block_size: int,
-        max_segments: int,
-        layers: list[int],
-        hidden_size: int,
-        vocab_size: int,
-        verifier: dict[str, Any],
-        tokenizer: dict[str, Any] | None = None,
-        source: str = "",
-        storage_dtype: str = "bf16",
-        compressor: str | None = None,
-        n_tokens: int = 0,
-        extra: dict[str, Any] | None = None,
-        force: bool = False,
-    ) -> "FeatureStore":
-        """Create an empty store; every block starts not done.
-
-        Args:
-            n_blocks: N; block_size: C tokens; max_segments: S_max (cu_seqlens width - 1).
-            layers: aux layer ids (:data:`LAYER_CONVENTION`); hidden_size: H; vocab_size: V.
-            verifier: ``name_or_path``, ``revision``, ``architecture``, ``num_hidden_layers``,
-                ``hidden_size``, ``vocab_size``, ``dtype``.
-            source: sha256 of the packed table's manifest.
-            compressor: None (raw chunks, memory-mappable) or ``"zstd"`` (read through zarr).
-            path: a local directory, or any fsspec URL zarr accepts (``memory://``, ``s3://``...).
+    @staticmethod
+    def of_group(group: zarr.Group, path: str) -> FeatureStore:
+        """``group`` opened as the type its ``format_version`` and ``layout`` attributes name.
 
         Raises:
-            OutputExistsError: ``path`` exists and ``force`` is false.
-            ValueError: an unsupported ``storage_dtype`` or ``compressor``.
+            StoreFormatError: not a peagle store, or a version and layout this peagle does not read.
         """
-        specs = store_arrays(storage_dtype)  # ValueError: an unsupported storage dtype
-        if compressor not in (None, "zstd"):
-            raise ValueError(f"--compressor {compressor!r}: expected zstd or none")
-        group = new_group(str(path), force)
-        sizes = dim_sizes(n_blocks, block_size, max_segments, len(layers), hidden_size, vocab_size)
-        create_arrays(group, (*specs, SEGMENT_KEYS), sizes, compressor)
-        group.attrs["peagle"] = _store_attrs(
-            FORMAT_VERSION, "blocks", verifier=verifier, layers=layers, hidden_size=hidden_size,
-            vocab_size=vocab_size, storage_dtype=storage_dtype, compressor=compressor, block_size=block_size,
-            max_segments=max_segments, n_blocks=n_blocks, n_tokens=n_tokens, tokenizer=tokenizer, source=source,
-            extra=extra)
-        return cls(group, str(path))
+        attrs = _peagle_attrs(group, path)
+        kind = LAYOUT_TYPES.get(_layout_key(attrs))
+        if kind is None:
+            raise StoreFormatError(
+                f"{path}: feature store format_version {attrs.get('format_version')!r} (layout "
+                f"{_layout_key(attrs)[1]!r}); this peagle reads {FORMAT_VERSION} (window-context stores) and "
+                f"{WINDOWS_FORMAT_VERSION} (full-context stores): made by a newer peagle?")
+        return kind(group, path)
+
+    def _refuse_opened_alone(self) -> None:
+        """Raise StoreFormatError where this store is part of another (:meth:`open` of a sub-store)."""
 
     @classmethod
-    def create_windows(
-        cls,
-        path: str | os.PathLike,
-        *,
-        n_blocks: int,
-        block_size: int,
-        max_segments: int,
-        n_context_blocks: int,
-        context_size: int,
-        context_segments: int,
-        layers: list[int],
-        hidden_size: int,
-        vocab_size: int,
-        verifier: dict[str, Any],
-        tokenizer: dict[str, Any] | None = None,
-        source: str = "",
-        storage_dtype: str = "bf16",
-        compressor: str | None = None,
-        n_tokens: int = 0,
-        n_context_tokens: int = 0,
-        extra: dict[str, Any] | None = None,
-        force: bool = False,
-    ) -> "FeatureStore":
-        """Create an empty full-context store (docs/design.md §7, ``layout: "windows"``).
+    def create(cls, path: str | os.PathLike, **kwargs: Any) -> BlockStore:
+        """:meth:`BlockStore.create` (a ``--context window`` store)."""
+        return BlockStore.create(path, **kwargs)
 
-        The root gets :data:`~stores.features.feature_schema.WINDOW_ARRAYS` for ``n_blocks`` training blocks of
-        ``block_size`` slots; the :data:`CONTEXTS` sub-store gets every array of :meth:`create` for
-        ``n_context_blocks`` context blocks of ``context_size`` slots holding at most
-        ``context_segments`` conversations each; every context block starts not done. ``extra``
-        goes to both attribute sets; other arguments as :meth:`create`.
-
-        Raises:
-            OutputExistsError: ``path`` exists and ``force`` is false.
-            ValueError: an unsupported ``storage_dtype`` or ``compressor``.
-        """
-        specs = store_arrays(storage_dtype)
-        if compressor not in (None, "zstd"):
-            raise ValueError(f"--compressor {compressor!r}: expected zstd or none")
-        group = new_group(str(path), force)
-        L = len(layers)
-        create_arrays(group, (*WINDOW_ARRAYS, SEGMENT_KEYS),
-                      dim_sizes(n_blocks, block_size, max_segments, L, hidden_size, vocab_size), compressor)
-        sub = group.create_group(CONTEXTS)
-        create_arrays(sub, specs, dim_sizes(n_context_blocks, context_size, context_segments, L, hidden_size,
-                                            vocab_size), compressor)
-        common = dict(verifier=verifier, layers=layers, hidden_size=hidden_size, vocab_size=vocab_size,
-                      storage_dtype=storage_dtype, compressor=compressor, tokenizer=tokenizer, source=source,
-                      extra=extra)
-        sub.attrs["peagle"] = _store_attrs(WINDOWS_FORMAT_VERSION, "contexts", block_size=context_size,
-                                           max_segments=context_segments, n_blocks=n_context_blocks,
-                                           n_tokens=n_context_tokens, **common)
-        group.attrs["peagle"] = _store_attrs(WINDOWS_FORMAT_VERSION, "windows", block_size=block_size,
-                                             max_segments=max_segments, n_blocks=n_blocks, n_tokens=n_tokens, **common)
-        return cls(group, str(path))
+    @classmethod
+    def create_windows(cls, path: str | os.PathLike, **kwargs: Any) -> FullContextStore:
+        """:meth:`FullContextStore.create` (a ``--context full`` store)."""
+        return FullContextStore.create(path, **kwargs)
 
     def update_attrs(self, **values: Any) -> None:
-        """Merge values into the ``peagle`` attributes (a full-context store's: also its sub-store's)."""
+        """Merge values into the ``peagle`` attributes (a full-context store's: also its sub-store's,
+        :meth:`FullContextStore.update_attrs`)."""
         self.attrs = {**self.attrs, **values}
         self.group.attrs["peagle"] = self.attrs
-        if self.contexts is not None:
-            self.contexts.update_attrs(**values)
-
-    def write_views(self, i: int, views) -> None:
-        """Write training block ``i``'s segment views (full-context stores): ``views [S, 4]`` int
-        (:data:`~stores.features.feature_schema.VIEW_FIELDS`), padded to ``max_segments`` with -1."""
-        v = np.asarray(views, dtype=np.int32).reshape(-1, len(VIEW_FIELDS))
-        S = int(self.attrs["max_segments"])
-        if len(v) > S:
-            raise ValueError(f"block {i}: {len(v)} segment views > max_segments {S}")
-        row = np.full((S, len(VIEW_FIELDS)), -1, dtype=np.int32)
-        row[: len(v)] = v
-        self._writable(WINDOW_VIEWS.name)[i] = row
-        self._views_cache = None
 
     def views(self) -> np.ndarray:
-        """``[N, S_max, 4] int32``: every training block's segment views (full-context stores; read once
-        per open store; rows past a block's segments are -1).
+        """A full-context store's segment views (:meth:`FullContextStore.views`).
 
         Raises:
             StoreFormatError: not a full-context store.
         """
-        if self.layout != "windows":
-            raise StoreFormatError(f"{self.path}: a {self.layout} store has no segment views")
-        if self._views_cache is None:
-            self._views_cache = np.asarray(self.group[WINDOW_VIEWS.name][:], dtype=np.int32)
-        return self._views_cache
+        raise StoreFormatError(f"{self.path}: a {self.layout} store has no segment views")
 
     def view_row(self, i: int) -> np.ndarray:
-        """``[S_max, 4] int32``: training block ``i``'s views (:meth:`views`), read alone when another
-        block's chunk of the array is damaged (``verify`` and repair read the undamaged ones).
+        """A full-context store's views of block ``i`` (:meth:`FullContextStore.view_row`).
 
         Raises:
-            StoreFormatError: not a full-context store; an exception of zarr: block ``i``'s chunk is damaged.
+            StoreFormatError: not a full-context store.
         """
-        if self._views_cache is None:
-            try:
-                self.views()
-            except StoreFormatError:
-                raise
-            except Exception:  # a damaged chunk of another block (checksum, size, missing file)
-                return np.asarray(self.group[WINDOW_VIEWS.name][i], dtype=np.int32)
-        return self._views_cache[i]
+        return self.views()[i]
+
+    def whole_conversations(self, i: int, cu_seqlens) -> np.ndarray | None:
+        """None: the conversations of a store's segments are recorded only in a full-context store
+        (:meth:`FullContextStore.whole_conversations`)."""
+        return None
 
     # ---------------------------------------------------------------- writes
     def _writable(self, name: str) -> zarr.Array:
@@ -437,9 +377,6 @@ class FeatureStore:
         In a local store, block ``i``'s chunks are removed first (a damaged chunk may be a directory
         or a file that cannot be replaced); the block's data must then be written again.
         """
-        if self.layout == "windows":
-            raise StoreFormatError(f"{self.path}: a full-context store's blocks have no done flags; "
-                                   "clear those of its context blocks (store.contexts)")
         if self._local_root is not None:
             for name in [*self.block_arrays(), "done"]:
                 path = self.chunk_path(name, i)
@@ -452,10 +389,6 @@ class FeatureStore:
     def is_done(self, i: int) -> bool:
         """Block ``i``'s done flag, read now from the store (not cached: another process may set or clear it); a
         full-context store's training block: whether every context block its views read is done."""
-        if self.layout == "windows":
-            self._refuse_shard()
-            m = self.view_row(i)[:, 0]
-            return all(self.contexts.is_done(int(u)) for u in np.unique(m[m >= 0]))
         return bool(self.group["done"][i])
 
     def write_leftovers(self, blocks) -> list[Path]:
@@ -497,9 +430,6 @@ class FeatureStore:
         Raises:
             StoreFormatError: a remote store or a full-context store's root.
         """
-        if self.layout == "windows":
-            raise StoreFormatError(f"{self.path}: a full-context store's training blocks are views; evict its context "
-                                   "blocks (store.contexts)")
         paths = self.feature_chunk_paths(i)
         self._writable("done")[i] = 0
         for path in paths:
@@ -520,8 +450,6 @@ class FeatureStore:
             StoreFormatError: a ``contexts`` sub-store, a block with no key or more keys than ``max_segments``,
                 or another number of blocks.
         """
-        if self.layout == "contexts":
-            raise StoreFormatError(f"{self.path}: a contexts sub-store holds conversations, not segments")
         width = int(self.attrs["max_segments"])
         if SEGMENT_KEYS.name not in self.group.array_keys():
             create_arrays(self.group, (SEGMENT_KEYS,), {"N": self.n_blocks, "S": width}, self.attrs.get("compressor"))
@@ -573,15 +501,11 @@ class FeatureStore:
         """Write ``token_freq [V] int64``."""
         self._writable("token_freq")[:] = np.asarray(token_freq, dtype=np.int64)
 
+
     # ---------------------------------------------------------------- reads
     def done_mask(self) -> np.ndarray:
         """``[N] bool``: which blocks are done; a full-context store's training block is done when
         every context block its segments read is done."""
-        if self.layout == "windows":
-            self._refuse_shard()
-            context_done = self.contexts.done_mask()
-            m = self.views()[..., 0]
-            return np.where(m >= 0, context_done[np.clip(m, 0, None)], True).all(axis=1)
         return self.group["done"][:].astype(bool)
 
     def missing_blocks(self) -> list[int]:
@@ -654,23 +578,23 @@ class FeatureStore:
             raise IndexError(f"block {i} out of range [0, {self.n_blocks})")
         use_file = self._use_file(via)  # ValueError: an unknown via
         try:
-            if self.layout == "windows":
-                tok = self.read_tokens(i, via)
-                hidden = self.contexts.read_runs(self.runs(i, tok[SEGMENTS.name]), via, pin_memory)
-                return Block(**{k: torch.from_numpy(np.asarray(v, dtype=np.int64)) for k, v in tok.items()}, **hidden)
-            if use_file:
-                return self._files.read_block(i, pin_memory)
-            if self._local_root is not None:
-                self.check_chunks_exist(i)
-            tok = self.read_tokens(i, via="zarr")
-            T = len(tok["input_ids"])
-            raw = {spec.name: self.zarr_chunk(spec.name, i)[:T] for spec in hidden_arrays(self.storage_dtype)}
+            return self._read_block(i, via, use_file, pin_memory)
         except ChunkDamageError as e:
             raise ChunkDamageError(self.damage_message(i, str(e))) from None
         except StoreFormatError:
             raise
         except (ValueError, OSError) as e:  # zarr: a checksum that does not match, an undecodable chunk
             raise ChunkDamageError(self.damage_message(i, f"a chunk is unreadable ({type(e).__name__}: {e})")) from None
+
+    def _read_block(self, i: int, via: str, use_file: bool, pin_memory: bool) -> Block:
+        """:meth:`read_block` of an ``i`` in range, its errors not yet named."""
+        if use_file:
+            return self._files.read_block(i, pin_memory)
+        if self._local_root is not None:
+            self.check_chunks_exist(i)
+        tok = self.read_tokens(i, via="zarr")
+        T = len(tok["input_ids"])
+        raw = {spec.name: self.zarr_chunk(spec.name, i)[:T] for spec in hidden_arrays(self.storage_dtype)}
         tensors = {k: torch.from_numpy(np.asarray(a, dtype=np.int64)) for k, a in tok.items()}
         return Block(**tensors, **decode_hidden(self.storage_dtype, raw))
 
@@ -691,8 +615,7 @@ class FeatureStore:
     def damage_message(self, i: int, reason: str) -> str:
         """The error of block ``i`` whose chunk ``reason`` names cannot be trusted: the store, the block,
         the reason and the command that re-extracts the damaged blocks (:meth:`repair_command`)."""
-        what = "training block" if self.layout == "windows" else "block"
-        return (f"{self.path}: {what} {i} cannot be trusted: {reason}. {self.repair_command()} re-extracts the "
+        return (f"{self.path}: {self.block_word} {i} cannot be trusted: {reason}. {self.repair_command()} re-extracts the "
                 f"damaged blocks (`peagle-data verify {self.path}` lists them all)")
 
     def repair_command(self) -> str:
@@ -702,9 +625,355 @@ class FeatureStore:
         if "config" in self.attrs:
             return (f"`peagle-data inspect {self.path} > store.json && peagle-data extract --config store.json "
                     "--resume`")
-        context = "full" if self.layout == "windows" else "window"
-        return (f"`peagle-data extract PACKED --context {context} --resume --output {self.path}` (with the "
+        return (f"`peagle-data extract PACKED --context {self.context} --resume --output {self.path}` (with the "
                 "packed table, --verifier and --layers it was extracted with)")
+
+    def read_runs(self, runs: list[tuple[int, int, int]], via: str = "auto",
+                  pin_memory: bool = False) -> dict[str, torch.Tensor]:
+        """The hidden states of ``runs`` (``[(block, first slot, tokens)]``) laid end to end:
+        ``{"aux_hidden": [T, L, H], "final_hidden": [T, H]}`` bf16, T the runs' tokens summed
+        (a full-context store's sub-store; ``via`` as :meth:`read_block`)."""
+        if self._use_file(via):
+            return self._files.read_runs(runs, pin_memory)
+        raw, chunks = {}, {}
+        for spec in hidden_arrays(self.storage_dtype):
+            parts = []
+            for m, s, n in runs:
+                if (spec.name, m) not in chunks:  # a compressed chunk decodes whole: once per block
+                    try:
+                        chunks[spec.name, m] = self.zarr_chunk(spec.name, m)
+                    except ChunkDamageError as e:
+                        raise ChunkDamageError(f"context block {m}: {e}") from None
+                parts.append(chunks[spec.name, m][s:s + n])
+            shape = spec.block_shape(self.sizes())[1:]
+            raw[spec.name] = np.concatenate(parts) if parts else np.zeros((0, *shape), dtype=spec.dtype)
+        return decode_hidden(self.storage_dtype, raw)
+
+    def read_blocks(self, ids, via: str = "auto", pin_memory: bool = False) -> list[Block]:
+        """:meth:`read_block` of each id in ``ids`` (one request for several blocks), in order."""
+        return [self.read_block(int(i), via=via, pin_memory=pin_memory) for i in ids]
+
+    def close(self) -> None:
+        """Close the chunk-directory descriptors the ``file`` read path keeps (reopened on demand)."""
+        if self._files is not None:
+            self._files.close()
+
+    def __del__(self):
+        if getattr(self, "_files", None) is not None:
+            self.close()
+
+
+    # ---------------------------------------------------------------- damage
+    def block_arrays(self) -> list[str]:
+        """Names of the arrays holding one chunk per block (the ``done`` flag excluded)."""
+        return block_arrays(self.storage_dtype)
+
+    def chunk_path(self, name: str, i: int) -> Path | None:
+        """Local path of block ``i``'s chunk of array ``name`` (None for a remote store)."""
+        if self._local_root is None:
+            return None
+        ndim = array_ndim(name)
+        return self._local_root / name / "/".join(["c", str(i)] + ["0"] * (ndim - 1))
+
+    def check_chunks_exist(self, i: int) -> None:
+        """Every chunk of a done block is written (``write_empty_chunks``); a missing one is damage."""
+        if not self._chunks_due(i):
+            return
+        missing = [n for n in self.block_arrays() if not self.chunk_path(n, i).is_file()]
+        if missing:
+            raise ChunkDamageError(f"block {i} is marked done but its chunk files of {missing} are missing")
+
+    def _chunks_due(self, i: int) -> bool:
+        """Whether every chunk of block ``i`` must exist: its done flag is set (read from the flag's raw chunk
+        where the store has raw chunks)."""
+        if self.raw_chunks:
+            done = self.chunk_path("done", i)  # raw chunk: the flag's byte + the crc32c
+            return done.is_file() and done.read_bytes()[:1] == b"\x01"
+        return bool(self.group["done"][i])
+
+    def array_specs(self) -> tuple[ArraySpec, ...]:
+        """The schema's arrays of this store (:func:`stores.features.feature_schema.store_arrays`)."""
+        return store_arrays(self.storage_dtype)
+
+    def summary(self) -> dict[str, Any]:
+        """Facts for ``peagle-data inspect`` (a full-context store's: :meth:`FullContextStore.summary`)."""
+        done = self.done_mask()
+        return {
+            "path": self.path,
+            "format_version": self.attrs["format_version"],
+            "verifier": self.attrs["verifier"].get("name_or_path"),
+            "layers": self.layers,
+            "hidden_size": self.hidden_size,
+            "storage_dtype": self.attrs["storage_dtype"],
+            "block_size": self.block_size,
+            "n_blocks": self.n_blocks,
+            "n_tokens": self.n_tokens,
+            "blocks_done": int(done.sum()),
+            "percent_done": round(100.0 * float(done.mean()), 2) if len(done) else 100.0,
+            "bytes_per_token": self.bytes_per_token(),
+            "stored_bytes": self.n_blocks * self.block_size * self.bytes_per_token(),
+            **({"config": self.attrs["config"]} if "config" in self.attrs else {}),  # extract's options
+        }
+
+
+
+# ==================== BLOCKSTORE ====================
+
+# ==================== CONTEXTBLOCKS
+
+
+class BlockStore(FeatureStore):
+    """A ``--context window`` store (format 1, ``layout: "blocks"``): its blocks are the packed table's blocks,
+    each extracted as it is."""
+
+    layout = "blocks"
+    format_version = FORMAT_VERSION
+
+    @classmethod
+    def create(
+        cls,
+        path: str | os.PathLike,
+        *,
+        n_blocks: int,
+        block_size: int,
+        max_segments: int,
+        layers: list[int],
+        hidden_size: int,
+        vocab_size: int,
+        verifier: dict[str, Any],
+        tokenizer: dict[str, Any] | None = None,
+        source: str = "",
+        storage_dtype: str = "bf16",
+        compressor: str | None = None,
+        n_tokens: int = 0,
+        extra: dict[str, Any] | None = None,
+        force: bool = False,
+    ) -> BlockStore:
+        """Create an empty ``--context window`` store (``layout: "blocks"``); every block starts not done.
+
+        Args:
+            n_blocks: N; block_size: C tokens; max_segments: S_max (cu_seqlens width - 1).
+            layers: aux layer ids (:data:`LAYER_CONVENTION`); hidden_size: H; vocab_size: V.
+            verifier: ``name_or_path``, ``revision``, ``architecture``, ``num_hidden_layers``,
+                ``hidden_size``, ``vocab_size``, ``dtype``.
+            source: sha256 of the packed table's manifest.
+            compressor: None (raw chunks, memory-mappable) or ``"zstd"`` (read through zarr).
+            path: a local directory, or any fsspec URL zarr accepts (``memory://``, ``s3://``...).
+
+        Raises:
+            OutputExistsError: ``path`` exists and ``force`` is false.
+            ValueError: an unsupported ``storage_dtype`` or ``compressor``.
+        """
+        specs = store_arrays(storage_dtype)  # ValueError: an unsupported storage dtype
+        if compressor not in (None, "zstd"):
+            raise ValueError(f"--compressor {compressor!r}: expected zstd or none")
+        group = new_group(str(path), force)
+        sizes = dim_sizes(n_blocks, block_size, max_segments, len(layers), hidden_size, vocab_size)
+        create_arrays(group, (*specs, SEGMENT_KEYS), sizes, compressor)
+        group.attrs["peagle"] = _store_attrs(
+            cls.format_version, cls.layout, verifier=verifier, layers=layers, hidden_size=hidden_size,
+            vocab_size=vocab_size, storage_dtype=storage_dtype, compressor=compressor, block_size=block_size,
+            max_segments=max_segments, n_blocks=n_blocks, n_tokens=n_tokens, tokenizer=tokenizer, source=source,
+            extra=extra)
+        return cls(group, str(path))
+
+
+class ContextBlocks(FeatureStore):
+    """The :data:`CONTEXTS` sub-store of a :class:`FullContextStore` (``layout: "contexts"``): its blocks are the
+    whole conversations the verifier ran, each up to ``--max-context`` tokens; opened through its root only."""
+
+    layout = "contexts"
+    format_version = WINDOWS_FORMAT_VERSION
+    context = "full"
+    holds_segments = False
+
+    def _refuse_opened_alone(self) -> None:
+        parent = self.path.rstrip("/").rpartition("/")[0] or "."
+        raise StoreFormatError(f"{self.path} is the context sub-store of the full-context store {parent}: "
+                               f"pass {parent}")
+
+    def write_segment_keys(self, keys: list[np.ndarray]) -> None:
+        """Refused: context blocks hold conversations, not the packed table's segments.
+
+        Raises:
+            StoreFormatError: always.
+        """
+        raise StoreFormatError(f"{self.path}: a contexts sub-store holds conversations, not segments")
+
+
+class FullContextStore(FeatureStore):
+    """A ``--context full`` store (format 2, ``layout: "windows"``, docs/design.md §7): its root holds the
+    training blocks' token arrays and, per segment, a view (:data:`~stores.features.feature_schema.VIEW_FIELDS`)
+    into :attr:`contexts`, the :class:`ContextBlocks` the verifier ran. A training block has no features or done
+    flag of its own: it reads and is done through the context blocks its views name. A shard store (attribute
+    ``shard``) holds every ``num_shards``-th context block: its training blocks are read once the shards are
+    merged."""
+
+    layout = "windows"
+    format_version = WINDOWS_FORMAT_VERSION
+    context = "full"
+    has_views = True
+    block_word = "training block"
+
+    def __init__(self, group: zarr.Group, path: str):
+        """Open ``group`` and its :data:`CONTEXTS` sub-store.
+
+        Raises:
+            StoreFormatError: as :meth:`FeatureStore.__init__`; no ``contexts`` sub-store.
+        """
+        if CONTEXTS not in group:
+            raise StoreFormatError(f"{path}: full-context store without its {CONTEXTS!r} sub-store")
+        self.contexts: ContextBlocks = ContextBlocks(group[CONTEXTS], f"{path}/{CONTEXTS}")
+        self._views_cache: np.ndarray | None = None
+        super().__init__(group, path)
+
+    def _has_raw_chunks(self) -> bool:
+        return self.contexts.raw_chunks and uncompressed(self.group["input_ids"])
+
+    @property
+    def verifier_blocks(self) -> ContextBlocks:
+        """:attr:`contexts`: the verifier runs the context blocks; the training blocks are views of them."""
+        return self.contexts
+
+    def update_attrs(self, **values: Any) -> None:
+        """Merge values into the ``peagle`` attributes of the root and of its :attr:`contexts`."""
+        super().update_attrs(**values)
+        self.contexts.update_attrs(**values)
+
+    @classmethod
+    def create(
+        cls,
+        path: str | os.PathLike,
+        *,
+        n_blocks: int,
+        block_size: int,
+        max_segments: int,
+        n_context_blocks: int,
+        context_size: int,
+        context_segments: int,
+        layers: list[int],
+        hidden_size: int,
+        vocab_size: int,
+        verifier: dict[str, Any],
+        tokenizer: dict[str, Any] | None = None,
+        source: str = "",
+        storage_dtype: str = "bf16",
+        compressor: str | None = None,
+        n_tokens: int = 0,
+        n_context_tokens: int = 0,
+        extra: dict[str, Any] | None = None,
+        force: bool = False,
+    ) -> FullContextStore:
+        """Create an empty full-context store (docs/design.md §7, ``layout: "windows"``).
+
+        The root gets :data:`~stores.features.feature_schema.WINDOW_ARRAYS` for ``n_blocks`` training blocks of
+        ``block_size`` slots; the :data:`CONTEXTS` sub-store gets every array of :meth:`BlockStore.create` for
+        ``n_context_blocks`` context blocks of ``context_size`` slots holding at most
+        ``context_segments`` conversations each; every context block starts not done. ``extra``
+        goes to both attribute sets; other arguments as :meth:`BlockStore.create`.
+
+        Raises:
+            OutputExistsError: ``path`` exists and ``force`` is false.
+            ValueError: an unsupported ``storage_dtype`` or ``compressor``.
+        """
+        specs = store_arrays(storage_dtype)
+        if compressor not in (None, "zstd"):
+            raise ValueError(f"--compressor {compressor!r}: expected zstd or none")
+        group = new_group(str(path), force)
+        L = len(layers)
+        create_arrays(group, (*WINDOW_ARRAYS, SEGMENT_KEYS),
+                      dim_sizes(n_blocks, block_size, max_segments, L, hidden_size, vocab_size), compressor)
+        sub = group.create_group(CONTEXTS)
+        create_arrays(sub, specs, dim_sizes(n_context_blocks, context_size, context_segments, L, hidden_size,
+                                            vocab_size), compressor)
+        common = dict(verifier=verifier, layers=layers, hidden_size=hidden_size, vocab_size=vocab_size,
+                      storage_dtype=storage_dtype, compressor=compressor, tokenizer=tokenizer, source=source,
+                      extra=extra)
+        sub.attrs["peagle"] = _store_attrs(ContextBlocks.format_version, ContextBlocks.layout, block_size=context_size,
+                                           max_segments=context_segments, n_blocks=n_context_blocks,
+                                           n_tokens=n_context_tokens, **common)
+        group.attrs["peagle"] = _store_attrs(cls.format_version, cls.layout, block_size=block_size,
+                                             max_segments=max_segments, n_blocks=n_blocks, n_tokens=n_tokens, **common)
+        return cls(group, str(path))
+
+    def write_views(self, i: int, views) -> None:
+        """Write training block ``i``'s segment views (full-context stores): ``views [S, 4]`` int
+        (:data:`~stores.features.feature_schema.VIEW_FIELDS`), padded to ``max_segments`` with -1."""
+        v = np.asarray(views, dtype=np.int32).reshape(-1, len(VIEW_FIELDS))
+        S = int(self.attrs["max_segments"])
+        if len(v) > S:
+            raise ValueError(f"block {i}: {len(v)} segment views > max_segments {S}")
+        row = np.full((S, len(VIEW_FIELDS)), -1, dtype=np.int32)
+        row[: len(v)] = v
+        self._writable(WINDOW_VIEWS.name)[i] = row
+        self._views_cache = None
+
+    def views(self) -> np.ndarray:
+        """``[N, S_max, 4] int32``: every training block's segment views (read once per open store; rows past a
+        block's segments are -1)."""
+        if self._views_cache is None:
+            self._views_cache = np.asarray(self.group[WINDOW_VIEWS.name][:], dtype=np.int32)
+        return self._views_cache
+
+    def view_row(self, i: int) -> np.ndarray:
+        """``[S_max, 4] int32``: training block ``i``'s views (:meth:`views`), read alone when another
+        block's chunk of the array is damaged (``verify`` and repair read the undamaged ones).
+
+        Raises:
+            an exception of zarr: block ``i``'s chunk is damaged.
+        """
+        if self._views_cache is None:
+            try:
+                self.views()
+            except Exception:  # a damaged chunk of another block (checksum, size, missing file)
+                return np.asarray(self.group[WINDOW_VIEWS.name][i], dtype=np.int32)
+        return self._views_cache[i]
+
+    def clear_done(self, i: int) -> None:
+        """Refused: training blocks have no done flags.
+
+        Raises:
+            StoreFormatError: always (clear those of the context blocks, :attr:`contexts`).
+        """
+        raise StoreFormatError(f"{self.path}: a full-context store's blocks have no done flags; "
+                               "clear those of its context blocks (store.contexts)")
+
+    def is_done(self, i: int) -> bool:
+        """Whether every context block training block ``i``'s views read is done, read now from the store.
+
+        Raises:
+            StoreFormatError: a shard store.
+        """
+        self._refuse_shard()
+        m = self.view_row(i)[:, 0]
+        return all(self.contexts.is_done(int(u)) for u in np.unique(m[m >= 0]))
+
+    def evict_block(self, i: int) -> None:
+        """Refused: training blocks are views; a streaming run evicts context blocks (:attr:`contexts`).
+
+        Raises:
+            StoreFormatError: always.
+        """
+        raise StoreFormatError(f"{self.path}: a full-context store's training blocks are views; evict its context "
+                               "blocks (store.contexts)")
+
+    def done_mask(self) -> np.ndarray:
+        """``[N] bool``: which training blocks are done: those whose segments read only done context blocks.
+
+        Raises:
+            StoreFormatError: a shard store.
+        """
+        self._refuse_shard()
+        context_done = self.contexts.done_mask()
+        m = self.views()[..., 0]
+        return np.where(m >= 0, context_done[np.clip(m, 0, None)], True).all(axis=1)
+
+    def _read_block(self, i: int, via: str, use_file: bool, pin_memory: bool) -> Block:
+        """Training block ``i``: its token arrays, and its hidden states read from the context blocks
+        (:meth:`runs`)."""
+        tok = self.read_tokens(i, via)
+        hidden = self.contexts.read_runs(self.runs(i, tok[SEGMENTS.name]), via, pin_memory)
+        return Block(**{k: torch.from_numpy(np.asarray(v, dtype=np.int64)) for k, v in tok.items()}, **hidden)
 
     def runs(self, i: int, cu_seqlens) -> list[tuple[int, int, int]]:
         """Where training block ``i``'s tokens lie in the context blocks (full-context stores):
@@ -748,15 +1017,12 @@ class FeatureStore:
         return out
 
     def whole_conversations(self, i: int, cu_seqlens) -> np.ndarray | None:
-        """Full-context stores: ``[S] bool``, whether segment k of training block ``i`` is a whole conversation
-        the verifier ran (no prefix, one run from its first token to its last, not a window of it); None for a
-        ``blocks`` store, whose segments' conversations are not recorded.
+        """``[S] bool``: whether segment k of training block ``i`` is a whole conversation the verifier ran (no
+        prefix, one run from its first token to its last, not a window of it).
 
         Raises:
             StoreFormatError: a view that does not fit (:meth:`runs`), a shard store.
         """
-        if self.layout != "windows":
-            return None
         self.runs(i, cu_seqlens)  # the views fit (StoreFormatError otherwise); a shard store refused
         views, lengths = self.view_row(i), np.diff(np.asarray(cu_seqlens, dtype=np.int64))
         out = np.zeros(lengths.size, dtype=bool)
@@ -780,108 +1046,62 @@ class FeatureStore:
                 "training blocks read context blocks of the other shards too. Join the shards first: "
                 "peagle-data merge SHARD_0 ... SHARD_N-1 --output STORE")
 
-    def read_runs(self, runs: list[tuple[int, int, int]], via: str = "auto",
-                  pin_memory: bool = False) -> dict[str, torch.Tensor]:
-        """The hidden states of ``runs`` (``[(block, first slot, tokens)]``) laid end to end:
-        ``{"aux_hidden": [T, L, H], "final_hidden": [T, H]}`` bf16, T the runs' tokens summed
-        (a full-context store's sub-store; ``via`` as :meth:`read_block`)."""
-        if self._use_file(via):
-            return self._files.read_runs(runs, pin_memory)
-        raw, chunks = {}, {}
-        for spec in hidden_arrays(self.storage_dtype):
-            parts = []
-            for m, s, n in runs:
-                if (spec.name, m) not in chunks:  # a compressed chunk decodes whole: once per block
-                    try:
-                        chunks[spec.name, m] = self.zarr_chunk(spec.name, m)
-                    except ChunkDamageError as e:
-                        raise ChunkDamageError(f"context block {m}: {e}") from None
-                parts.append(chunks[spec.name, m][s:s + n])
-            shape = spec.block_shape(self.sizes())[1:]
-            raw[spec.name] = np.concatenate(parts) if parts else np.zeros((0, *shape), dtype=spec.dtype)
-        return decode_hidden(self.storage_dtype, raw)
-
-    def read_blocks(self, ids, via: str = "auto", pin_memory: bool = False) -> list[Block]:
-        """:meth:`read_block` of each id in ``ids`` (one request for several blocks), in order."""
-        return [self.read_block(int(i), via=via, pin_memory=pin_memory) for i in ids]
-
-    def close(self) -> None:
-        """Close the chunk-directory descriptors the ``file`` read path keeps (reopened on demand)."""
-        if self._files is not None:
-            self._files.close()
-
-    def __del__(self):
-        if getattr(self, "_files", None) is not None:
-            self.close()
-
-    # ---------------------------------------------------------------- damage
     def block_arrays(self) -> list[str]:
-        """Names of the arrays holding one chunk per block (the ``done`` flag excluded)."""
-        if self.layout == "windows":
-            return [s.name for s in WINDOW_ARRAYS if s.chunking == "block"]
-        return block_arrays(self.storage_dtype)
+        """Names of the root's arrays holding one chunk per training block."""
+        return [s.name for s in WINDOW_ARRAYS if s.chunking == "block"]
 
-    def chunk_path(self, name: str, i: int) -> Path | None:
-        """Local path of block ``i``'s chunk of array ``name`` (None for a remote store)."""
-        if self._local_root is None:
-            return None
-        ndim = array_ndim(name)
-        return self._local_root / name / "/".join(["c", str(i)] + ["0"] * (ndim - 1))
+    def array_specs(self) -> tuple[ArraySpec, ...]:
+        """The root's arrays (:data:`~stores.features.feature_schema.WINDOW_ARRAYS`)."""
+        return WINDOW_ARRAYS
 
-    def check_chunks_exist(self, i: int) -> None:
-        """Every chunk of a done block is written (``write_empty_chunks``); a missing one is damage."""
-        if self.layout == "windows":  # the training blocks' arrays are all written when the store is made
-            if not self.attrs.get("tokens_written"):
-                return
-        elif self.raw_chunks:
-            done = self.chunk_path("done", i)  # raw chunk: the flag's byte + the crc32c
-            if not done.is_file() or done.read_bytes()[:1] != b"\x01":
-                return
-        elif not self.group["done"][i]:
-            return
-        missing = [n for n in self.block_arrays() if not self.chunk_path(n, i).is_file()]
-        if missing:
-            raise ChunkDamageError(f"block {i} is marked done but its chunk files of {missing} are missing")
+    def _chunks_due(self, i: int) -> bool:
+        """Whether every root chunk of training block ``i`` must exist: all are written once the token arrays are
+        (attribute ``tokens_written``)."""
+        return bool(self.attrs.get("tokens_written"))
 
     def summary(self) -> dict[str, Any]:
-        """Facts for ``peagle-data inspect`` (a full-context store's also under ``contexts``: its
-        context blocks, the tokens the verifier ran, and the bytes of both parts; a full-context shard
-        store's ``blocks_done``/``percent_done`` are None, its training blocks being done once merged)."""
-        if self.layout == "windows":
-            contexts = self.contexts.summary()
-            token_bytes = self.n_blocks * (self.block_size * 9 + (int(self.attrs["max_segments"]) * 5 + 1) * 4)
-            # a shard's training blocks read the other shards' context blocks too: done once merged
-            done = None if self.attrs.get("shard") else self.done_mask()
-            return {
-                "path": self.path, "format_version": self.attrs["format_version"], "layout": self.layout,
-                "verifier": self.attrs["verifier"].get("name_or_path"), "layers": self.layers,
-                "hidden_size": self.hidden_size, "storage_dtype": self.storage_dtype, "block_size": self.block_size,
-                "n_blocks": self.n_blocks, "n_tokens": self.n_tokens,
-                "blocks_done": None if done is None else int(done.sum()),
-                "percent_done": None if done is None else round(100.0 * float(done.mean()), 2) if len(done) else 100.0,
-                "stored_bytes": contexts["stored_bytes"] + token_bytes,
-                "contexts": {k: contexts[k] for k in ("block_size", "n_blocks", "n_tokens", "blocks_done",
-                                                      "percent_done", "bytes_per_token", "stored_bytes")},
-                **{k: self.attrs[k] for k in ("context", "shard", "merged_from") if k in self.attrs},
-                **({"config": self.attrs["config"]} if "config" in self.attrs else {}),
-            }
-        done = self.done_mask()
+        """Facts for ``peagle-data inspect``, its context blocks' also under ``contexts`` (the tokens the
+        verifier ran, and the bytes of both parts); a shard store's ``blocks_done``/``percent_done`` are None,
+        its training blocks being done once merged."""
+        contexts = self.contexts.summary()
+        token_bytes = self.n_blocks * (self.block_size * 9 + (int(self.attrs["max_segments"]) * 5 + 1) * 4)
+        # a shard's training blocks read the other shards' context blocks too: done once merged
+        done = None if self.attrs.get("shard") else self.done_mask()
         return {
-            "path": self.path,
-            "format_version": self.attrs["format_version"],
-            "verifier": self.attrs["verifier"].get("name_or_path"),
-            "layers": self.layers,
-            "hidden_size": self.hidden_size,
-            "storage_dtype": self.attrs["storage_dtype"],
-            "block_size": self.block_size,
-            "n_blocks": self.n_blocks,
-            "n_tokens": self.n_tokens,
-            "blocks_done": int(done.sum()),
-            "percent_done": round(100.0 * float(done.mean()), 2) if len(done) else 100.0,
-            "bytes_per_token": self.bytes_per_token(),
-            "stored_bytes": self.n_blocks * self.block_size * self.bytes_per_token(),
-            **({"config": self.attrs["config"]} if "config" in self.attrs else {}),  # extract's options
+            "path": self.path, "format_version": self.attrs["format_version"], "layout": self.layout,
+            "verifier": self.attrs["verifier"].get("name_or_path"), "layers": self.layers,
+            "hidden_size": self.hidden_size, "storage_dtype": self.storage_dtype, "block_size": self.block_size,
+            "n_blocks": self.n_blocks, "n_tokens": self.n_tokens,
+            "blocks_done": None if done is None else int(done.sum()),
+            "percent_done": None if done is None else round(100.0 * float(done.mean()), 2) if len(done) else 100.0,
+            "stored_bytes": contexts["stored_bytes"] + token_bytes,
+            "contexts": {k: contexts[k] for k in ("block_size", "n_blocks", "n_tokens", "blocks_done",
+                                                  "percent_done", "bytes_per_token", "stored_bytes")},
+            **{k: self.attrs[k] for k in ("context", "shard", "merged_from") if k in self.attrs},
+            **({"config": self.attrs["config"]} if "config" in self.attrs else {}),
         }
+
+
+LAYOUT_TYPES: dict[tuple[int, str], type[FeatureStore]] = {
+    (t.format_version, t.layout): t for t in (BlockStore, FullContextStore, ContextBlocks)}
+"""The store type of each ``(format_version, layout)`` this peagle reads."""
+
+
+def open_store(path: str | os.PathLike, mode: str = "r") -> FeatureStore:
+    """:meth:`FeatureStore.open`: the store at ``path`` as the type of its layout."""
+    return FeatureStore.open(path, mode)
+
+
+def _peagle_attrs(group: zarr.Group, path: str) -> dict[str, Any]:
+    attrs = dict(group.attrs).get("peagle")
+    if not isinstance(attrs, dict):
+        raise StoreFormatError(f"{path}: not a peagle feature store (no 'peagle' attributes)")
+    return attrs
+
+
+def _layout_key(attrs: Mapping[str, Any]) -> tuple[Any, str]:
+    """``(format_version, layout)`` of a store's attributes (a format-1 store records no layout: ``blocks``)."""
+    return attrs.get("format_version"), str(attrs.get("layout", "blocks"))
 
 
 def _store_attrs(format_version: int, layout: str, *, verifier, layers, hidden_size, vocab_size, storage_dtype,
@@ -916,127 +1136,3 @@ def _created_by() -> str:
         return "peagle"
 
 
-class StoreFileReader:
-    """The ``file`` read path of a local uncompressed :class:`~stores.features.feature_store.FeatureStore`:
-    each block's chunk files read straight into freshly allocated arrays (first T rows)."""
-
-    def __init__(self, store: FeatureStore):
-        self.store = store
-        self.files = ChunkFiles(store._local_root)
-        self._layout: list[tuple[ArraySpec, tuple[int, ...], int]] | None = None
-        self._checked: dict[tuple[str, int], tuple[int, ...]] = {}
-        """``{(array, block): file identity}`` of the chunks :meth:`read_runs` checked whole."""
-
-    def read_tokens(self, i: int) -> dict[str, np.ndarray]:
-        """Token arrays of block ``i`` from the chunk files: ``[T] int64`` each, ``cu_seqlens [S+1]``
-        (each chunk read whole and its crc32c checked: :meth:`pread`)."""
-        store = self.store
-        T, C, width = store.n_tokens_of(i), store.block_size, int(store.attrs["max_segments"]) + 1
-        out = {}
-        for spec, n, full in [*((s, T, C) for s in TOKEN_ARRAYS), (SEGMENTS, width, width)]:
-            a = np.empty(full, dtype=spec.dtype)  # numpy, not torch: a torch op costs several times more here
-            self.pread(spec.name, i, 1, a)  # the whole chunk: its crc32c covers every slot
-            out[spec.name] = a[:n].astype(np.int64)
-        cu = out[SEGMENTS.name]
-        out[SEGMENTS.name] = cu[: int(np.argmax(cu == cu[-1])) + 1]  # drop the padding repeats
-        return out
-
-    def read_block(self, i: int, pin_memory: bool) -> Block:
-        """Block ``i``; hidden states in page-locked memory with ``pin_memory`` (bf16 stores, CUDA present).
-
-        Every chunk is read whole (``C`` slots) and its crc32c checked before any of it is returned;
-        the hidden states are views of their first ``T`` slots."""
-        tok = self.read_tokens(i)
-        pin_memory = pin_memory and torch.cuda.is_available()
-        T = len(tok["input_ids"])
-        raw = {}
-        for spec, shape, _ in self._hidden_layout():
-            if pin_memory and spec.dtype == "uint16":
-                a = torch.empty(shape, dtype=torch.uint16, pin_memory=True).numpy()
-            else:
-                a = np.empty(shape, dtype=spec.dtype)
-            self.pread(spec.name, i, len(shape), a)
-            raw[spec.name] = a[:T]
-        hidden = decode_hidden(self.store.storage_dtype, raw, copy=False)  # bf16 bit patterns viewed in place
-        return Block(**{k: torch.from_numpy(v) for k, v in tok.items()}, **hidden)
-
-    def read_runs(self, runs: list[tuple[int, int, int]], pin_memory: bool) -> dict[str, torch.Tensor]:
-        """:meth:`FeatureStore.read_runs` from the chunk files: each run one ``preadv`` at its slot's
-        byte offset (each block's chunk file opened once and its size checked).
-
-        A run reads a part of its chunk, and a crc32c covers the whole chunk: each chunk is checked
-        whole (:meth:`stores.features.chunk_files.ChunkFiles.check_crc`) the first time this reader reads it and
-        again whenever its file changes (:meth:`stores.features.chunk_files.ChunkFiles.identity`: inode, size,
-        mtime, ctime), so reading a context block for every training block that views it costs one
-        check per chunk, not one per view.
-
-        Raises:
-            StoreFormatError: a chunk file missing, of the wrong size, short, or failing its checksum,
-                naming the context block and the file.
-        """
-        T = sum(n for _, _, n in runs)
-        pin_memory = pin_memory and torch.cuda.is_available()
-        raw = {}
-        for spec, shape, chunk_bytes in self._hidden_layout():
-            if pin_memory and spec.dtype == "uint16":
-                a = torch.empty((T, *shape[1:]), dtype=torch.uint16, pin_memory=True).numpy()
-            else:
-                a = np.empty((T, *shape[1:]), dtype=spec.dtype)
-            slot_bytes = chunk_bytes // shape[0]
-            fds: dict[int, int] = {}
-            pos = 0
-            try:
-                for m, s, n in runs:
-                    def where(name=spec.name, m=m):  # the path only for a message: building it costs a small read
-                        return self.store.chunk_path(name, m)
-                    if m not in fds:
-                        try:
-                            fds[m] = self.files.open(spec.name, m, len(shape))
-                        except FileNotFoundError:
-                            raise ChunkDamageError(f"context block {m}: {where()}: chunk file is missing") from None
-                        try:
-                            ChunkFiles.check_size(fds[m], chunk_bytes, where)
-                            key, identity = (spec.name, m), ChunkFiles.identity(fds[m])
-                            if self._checked.get(key) != identity:
-                                ChunkFiles.check_crc(fds[m], chunk_bytes, where)
-                                self._checked[key] = identity
-                        except ChunkDamageError as e:
-                            raise ChunkDamageError(f"context block {m}: {e}") from None
-                    ChunkFiles.read_at(fds[m], a[pos:pos + n], s * slot_bytes, where)
-                    pos += n
-            finally:
-                for fd in fds.values():
-                    os.close(fd)
-            raw[spec.name] = a
-        return decode_hidden(self.store.storage_dtype, raw, copy=False)
-
-    def _hidden_layout(self) -> list[tuple[ArraySpec, tuple[int, ...], int]]:
-        """``(spec, block shape, chunk bytes)`` of each hidden array, computed once per store."""
-        if self._layout is None:
-            sizes = self.store.sizes()
-            self._layout = [(s, s.block_shape(sizes), int(np.prod(s.block_shape(sizes))) * np.dtype(s.dtype).itemsize)
-                            for s in hidden_arrays(self.store.storage_dtype)]
-        return self._layout
-
-    def pread(self, name: str, i: int, ndim: int, out: np.ndarray) -> None:
-        """Fill ``out`` (C-contiguous, the whole chunk) from block ``i``'s chunk file of ``name``, an
-        array whose blocks have ``ndim`` dimensions, and check its crc32c
-        (:meth:`stores.features.chunk_files.ChunkFiles.read_checked`).
-
-        Raises:
-            StoreFormatError: the file is missing (a done block's missing chunk is damage), is not
-                ``out.nbytes`` + the checksum long, reads short or fails its checksum.
-        """
-        try:
-            fd = self.files.open(name, i, ndim)
-        except FileNotFoundError:
-            self.store.check_chunks_exist(i)
-            raise ChunkDamageError(f"{self.store.chunk_path(name, i)}: chunk file is missing") from None
-        try:
-            ChunkFiles.read_checked(fd, out, lambda: self.store.chunk_path(name, i))
-        finally:
-            os.close(fd)
-
-    def close(self) -> None:
-        """Close the chunk-directory descriptors (reopened on demand)."""
-        self.files.close()

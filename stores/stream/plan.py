@@ -203,7 +203,7 @@ def context_reads(store) -> tuple[tuple[int, ...], ...]:
     Raises:
         StoreFormatError: another layout, or a shard store (its views read other shards' context blocks).
     """
-    if store.layout != "windows" or store.attrs.get("shard"):
+    if not store.has_views or store.attrs.get("shard"):
         raise StoreFormatError(f"{store.path}: context blocks are read through the views of a whole full-context store")
     m = store.views()[..., 0]  # [N, S_max] context block per segment, -1 past the segments
     return tuple(tuple(sorted({int(u) for u in row if u >= 0})) for row in m)
@@ -212,7 +212,7 @@ def context_reads(store) -> tuple[tuple[int, ...], ...]:
 def unit_store(store):
     """The store whose blocks are a streaming run's units: a full-context store's ``contexts`` sub-store, else
     the store itself."""
-    return store.contexts if store.layout == "windows" else store
+    return store.verifier_blocks
 
 
 def _reads_digest(reads: tuple[tuple[int, ...], ...] | None) -> str | None:
@@ -329,7 +329,7 @@ class StreamPlan:
             raise StoreFormatError(f"{store.path}: stream plan format {fmt!r}; this peagle reads {STREAM_FORMAT} "
                                    f"(--context window) and {WINDOWS_STREAM_FORMAT} (--context full): made by a newer "
                                    "peagle?")
-        if (fmt == WINDOWS_STREAM_FORMAT) != (store.layout == "windows"):
+        if (fmt == WINDOWS_STREAM_FORMAT) != store.has_views:
             raise StoreFormatError(f"{store.path}: a stream plan of format {fmt} in a {store.layout} store (format "
                                    f"{WINDOWS_STREAM_FORMAT} plans a full-context store, {STREAM_FORMAT} a format-1 "
                                    "one)")

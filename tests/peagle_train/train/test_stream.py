@@ -393,7 +393,7 @@ def test_a_resumed_run_keeps_the_context_and_order_it_started_with(tmp_path, pac
     saved = TrainConfig.from_flat(store=offline_store, output=str(out), **OPTS).to_dict()
     del saved["data"]["epoch_order"]  # a run saved before the option
     (out / "train_config.json").write_text(json.dumps(saved))
-    windows = SimpleNamespace(layout="windows", segment_keys=lambda: np.zeros((1, 1)))
+    windows = SimpleNamespace(has_views=True, segment_keys=lambda: np.zeros((1, 1)))
     resumed = TrainConfig.from_flat(store=offline_store, output=str(out), resume=True, **OPTS)
     assert resolve_epoch_order(resumed, windows).data.epoch_order == "blocks"
     assert resolve_epoch_order(TrainConfig.from_flat(store=offline_store, output=str(tmp_path / "new"), **OPTS),

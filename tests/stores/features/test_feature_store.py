@@ -5,10 +5,11 @@ import uuid
 import numpy as np
 import pytest
 import torch
+import zarr
 
 from stores.errors import OutputExistsError, StoreFormatError
 from stores.features.feature_repair import repair_blocks, verify_store
-from stores.features.feature_store import FeatureStore
+from stores.features.feature_store import BlockStore, ContextBlocks, FeatureStore, FullContextStore, open_store
 
 
 def _make(tmp_path, n_blocks=3, C=8, L=2, H=4):
@@ -381,3 +382,34 @@ def test_whole_conversations_tells_a_whole_conversation_from_a_window(tmp_path):
     store.write_views(0, [[0, 0, 2, 4], [1, 0, 0, 3]])
     assert store.whole_conversations(0, [0, 5, 8]).tolist() == [False, False]
     assert _make(tmp_path / "b").whole_conversations(0, [0, 8]) is None
+
+
+def test_open_returns_the_type_of_each_layout_which_answers_what_callers_ask(tmp_path):
+    """Each layout opens as its type, which answers the CLI's ``--context``, whether its blocks are views and
+    which blocks the verifier runs; the attributes on disk stay those of formats 1 and 2; a store of another
+    layout than the type asked for, a sub-store alone and an unknown layout are refused."""
+    _make(tmp_path)
+    FeatureStore.create_windows(tmp_path / "w.zarr", n_blocks=1, block_size=8, max_segments=2, n_context_blocks=2,
+                                context_size=10, context_segments=1, layers=[0, 1], hidden_size=4, vocab_size=16,
+                                verifier={"name_or_path": "tiny"})
+    b, w = open_store(tmp_path / "s.zarr"), FeatureStore.open(tmp_path / "w.zarr")
+    assert (type(b), type(w), type(w.contexts)) == (BlockStore, FullContextStore, ContextBlocks)
+    assert [(s.context, s.has_views, s.holds_segments) for s in (b, w, w.contexts)] == [
+        ("window", False, True), ("full", True, True), ("full", False, False)]
+    assert b.verifier_blocks is b and w.verifier_blocks is w.contexts and b.contexts is None
+    assert "layout" not in b.attrs and b.attrs["format_version"] == 1
+    assert (w.attrs["format_version"], w.attrs["layout"], w.contexts.attrs["layout"]) == (2, "windows", "contexts")
+    assert b.whole_conversations(0, [0, 8]) is None
+    FeatureStore.open(tmp_path / "w.zarr", mode="r+").update_attrs(tokens_written=True)  # the sub-store's too
+    assert FeatureStore.open(tmp_path / "w.zarr").contexts.attrs["tokens_written"] is True
+    with pytest.raises(StoreFormatError, match="has no segment views"):
+        b.views()
+    assert isinstance(BlockStore.open(tmp_path / "s.zarr"), BlockStore)
+    with pytest.raises(StoreFormatError, match=r"a --context window store \(BlockStore\), not a FullContextStore"):
+        FullContextStore.open(tmp_path / "s.zarr")
+    with pytest.raises(StoreFormatError, match="is the context sub-store of the full-context store"):
+        FeatureStore.open(tmp_path / "w.zarr" / "contexts")
+    group = zarr.open_group(str(tmp_path / "s.zarr"), mode="r+")
+    group.attrs["peagle"] = {**group.attrs["peagle"], "layout": "rows"}
+    with pytest.raises(StoreFormatError, match="layout 'rows'.*made by a newer peagle"):
+        FeatureStore.open(tmp_path / "s.zarr")
