@@ -48,6 +48,26 @@ def _pack_and_extract(tmp_path: Path, model: str, layers: str) -> Path:
     return prompts
 
 
+DFLASH_FAMILIES = {"gpt_oss", "gemma2", "qwen3_next", "nemotron_h"}
+"""The families whose store also trains a DFlash drafter through the CLI (:func:`_dflash_through_the_cli`): two
+attention families (sliding windows, soft-capped logits) and two hybrids (linear attention; Mamba-2 aux layers)."""
+
+
+def _dflash_through_the_cli(tmp_path: Path, model: str, prompts: Path) -> None:
+    """``peagle-train --method dflash`` on the family's store (blocks of 4), then ``peagle-eval``: the replayed
+    acceptance of the store and online decoding identical to greedy (a hybrid's state put back after rejections)."""
+    _run(train_main, ["--store", tmp_path / "f.zarr", "--output", tmp_path / "dflash", "--max-steps", 4,
+                      "--method", "dflash", "--block-size", 4, "--draft-vocab-size", 64])
+    final = tmp_path / "dflash" / "final"
+    assert json.loads((final / "config.json").read_text())["speculators_model_type"] == "dflash"
+    report = json.loads(_run(eval_main, ["--drafter", final, "--store", tmp_path / "f.zarr", "--no-measure-costs",
+                                         "--all-anchor"]))
+    assert report["positions_scored"] > 0 and report["simulated_acceptance_length"] >= 1.0, report
+    report = json.loads(_run(eval_main, ["--drafter", final, "--verifier", model, "--prompts", prompts,
+                                         "--max-new-tokens", 12, "--no-measure-costs"]))
+    assert report["identical_to_greedy"] is True and report["num_draft_tokens"] == 3, report
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt_oss", "gemma3_mm", "llama31", "gemma2"])
 def test_family_through_the_cli(tmp_path, smollm2_tokenizer_dir, family):
@@ -81,6 +101,8 @@ def test_family_through_the_cli(tmp_path, smollm2_tokenizer_dir, family):
     report = json.loads(_run(eval_main, ["--drafter", final, "--verifier", model, "--prompts", prompts,
                                          "--max-new-tokens", 12, "--output", tmp_path / "eval.json"]))
     assert report["identical_to_greedy"] is True
+    if family in DFLASH_FAMILIES:
+        _dflash_through_the_cli(tmp_path, model, prompts)
 
 
 @pytest.mark.slow
@@ -126,6 +148,8 @@ def test_hybrid_family_through_the_cli(tmp_path, smollm2_tokenizer_dir, family):
     report = json.loads(_run(eval_main, ["--drafter", final, "--verifier", model, "--prompts", prompts,
                                          "--max-new-tokens", 12]))
     assert report["identical_to_greedy"] is True and report["cost_model"]["skipped"], report
+    if family in DFLASH_FAMILIES:
+        _dflash_through_the_cli(tmp_path, model, prompts)
 
 
 ANSWER_WORDS = " the cat sat on a mat and ran to big red dog with one two three four"

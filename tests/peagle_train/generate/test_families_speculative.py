@@ -1,5 +1,5 @@
-"""The family matrix on online decoding: speculative output equals greedy past the sliding window, and with the
-hybrid verifiers (recurrent linear-attention / state-space layers) after every rejected draft.
+"""The family matrix on online decoding (P-EAGLE and DFlash drafters): speculative output equals greedy past the
+sliding window, and with the hybrid verifiers (recurrent linear-attention / state-space layers) after every rejected draft.
 
 Each step drafts K = 3 tokens and the verifier keeps 2 of them (an oracle drafter wrong from depth 2),
 so the verifier's KV cache is cut back after every step, long after the 4-token windows have slid; a hybrid
@@ -20,6 +20,7 @@ from peagle_train.generate.tree import TreeSpec, check_tree_config, tree_generat
 from peagle_train.generate.verifier import (TOKEN_STATES, crop_cache, keep_fed, new_cache, record_token_states,
                                             recurrent_layers, rollback_cache, snapshot_state, verifier_pass)
 from peagle_train.model.config import DrafterConfig
+from peagle_train.model.dflash import DFlashConfig, DFlashDrafter
 from peagle_train.model.drafter import PEagleDrafter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -313,3 +314,35 @@ def test_tree_with_a_hybrid_verifier_is_refused(family, hybrids):
     with pytest.raises(InputError, match="recurrent state"):
         tree_generate(verifier, oracle, PROMPT, 6, TreeSpec(topk=(2, 1, 1)))
     check_tree_config(family_config("gemma3_text"))  # attention-only: allowed
+
+
+# ------------------------------------------------------------------------------------------ DFlash drafters
+def _random_dflash(verifier, block_size: int = 4, seed: int = 0) -> DFlashDrafter:
+    """An untrained DFlash drafter (one Qwen3 layer, blocks of ``block_size``) reading the family verifier's hidden
+    states 0, 1, 2 (the embeddings and both layers' outputs, a recurrent layer's among them in the hybrids), its embeddings and lm_head the verifier's."""
+    text = verifier.config.get_text_config()
+    cfg = DFlashConfig(hidden_size=text.hidden_size, intermediate_size=64, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=text.vocab_size,
+                       draft_vocab_size=text.vocab_size, aux_layer_ids=[0, 1, 2], num_hidden_layers=1,
+                       mask_token_id=5, block_size=block_size, rope_theta=10000.0, verifier_name_or_path="tiny")
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(cfg).eval()
+    drafter.init_from_verifier(verifier.get_input_embeddings().weight.detach(),
+                               verifier.get_output_embeddings().weight.detach())
+    return drafter
+
+
+@pytest.mark.parametrize("family", FAMILIES + HYBRID)
+def test_dflash_drafter_decodes_every_family_as_greedy(family, hybrids):
+    """The family matrix for DFlash (issue 52): a DFlash drafter whose aux features come from each family's layers
+    (the hybrids' linear-attention / Mamba-2 outputs among them) decodes past the sliding window with the verifier's
+    greedy output, a step drafting B - 1 = 3; its drafts, almost all rejected, cut the verifier's cache back (the
+    hybrids' recurrent state put back) at every step."""
+    verifier = hybrids[family] if family in HYBRID else build_family(family)
+    greedy = greedy_generate(verifier, PROMPT, 14)
+    spec = speculative_generate(verifier, _random_dflash(verifier), PROMPT, 14)
+    assert spec.tokens == greedy.tokens
+    assert len(PROMPT) + len(spec.tokens) > 3 * WINDOW
+    assert spec.drafted_per_step[0] == max(spec.drafted_per_step) == 3  # fewer only where the turn's end is near
+    if family in HYBRID:
+        assert spec.restored_steps >= 1  # a rejected draft put the recurrent state back
