@@ -30,7 +30,7 @@ from stores.features.feature_schema import bytes_per_token
 from stores.features.feature_store import FeatureStore
 from stores.files import disk_full_error, is_disk_full, is_local
 from runtime.model_identity import compare_identity, identity_fingerprint, model_identity
-from stores.staging import check_replaceable
+from stores.staging import ownership
 from stores.tables.token_tables import TokenTable, manifest_sha256
 
 __all__ = ["BlockWriter", "discard_block", "verifier_desc", "open_packed", "RESUME_HINT", "StoreAtOutput",
@@ -295,7 +295,7 @@ class StoreAtOutput:
     with something that is no feature store."""
     replace: bool
     """The output is a local directory of peagle's that this run removes before it creates the store (``--force``,
-    or ``--resume`` of a store whose creation was interrupted), as :func:`stores.staging.check_replaceable` decided."""
+    or ``--resume`` of a store whose creation was interrupted), as :func:`stores.staging.ownership` decided."""
     recreate: bool
     """``--resume`` of a store whose creation was interrupted (no ``tokens_written``), or of a local path that is
     no store: it is created again."""
@@ -313,7 +313,7 @@ class StoreAtOutput:
 
 def store_at_output(cfg) -> StoreAtOutput:
     """Read ``cfg.output`` once: without ``--resume``, whether a local output may be replaced (``--force``, peagle's
-    own files only: :func:`stores.staging.check_replaceable`); with it, the store there (opened ``r+``), and whether
+    own files only: :func:`stores.staging.ownership`); with it, the store there (opened ``r+``), and whether
     it must be created again. Writes nothing.
 
     Raises:
@@ -322,7 +322,7 @@ def store_at_output(cfg) -> StoreAtOutput:
     """
     out, local = Path(cfg.output), is_local(cfg.output)
     if not cfg.resume:
-        replace = local and check_replaceable(out, cfg.force, RESUME_HINT)
+        replace = local and ownership(out).refuse(cfg.force, RESUME_HINT)
         if local and out.exists() and not cfg.force:  # an empty directory: still the user's
             raise OutputExistsError(str(out), RESUME_HINT)
         return StoreAtOutput(store=None, replace=replace, recreate=False)
@@ -334,7 +334,7 @@ def store_at_output(cfg) -> StoreAtOutput:
         store = None  # killed before the attributes were written: start over
     if store is not None and store.attrs.get("tokens_written"):
         return StoreAtOutput(store=store, replace=False, recreate=False)
-    replace = local and check_replaceable(out, True)  # a directory of another's files is no store being created
+    replace = local and ownership(out).refuse(True)  # a directory of another's files is no store being created
     return StoreAtOutput(store=store, replace=replace, recreate=store is not None or local)
 
 
