@@ -103,9 +103,10 @@ def _check_device(device: str | None) -> None:
         raise InputError(f"device {device!r} is not supported; use cpu or cuda", field="--device")
 
 
-def _check_before_weights(cfg: ExtractConfig, table, rows, device: str, config, output: StoreAtOutput,
+def _check_before_weights(cfg: ExtractConfig, table, rows, device: str, config, text, output: StoreAtOutput,
                           plan: ContextPlan | None = None) -> tuple[Path, list[int]]:
-    """The checks that need only the verifier's ``config`` (:func:`load_model_config`) and files, the packed table
+    """The checks that need only the verifier's ``config`` (:func:`load_model_config`; ``text``, its language model's:
+    :func:`text_config`) and files, the packed table
     and the store at the output (docs/design.md §2), before the weights load; returns the verifier's directory
     (:func:`resolve_model`) and the aux layers (:func:`resolve_layers`).
 
@@ -129,18 +130,18 @@ def _check_before_weights(cfg: ExtractConfig, table, rows, device: str, config, 
     check_packable(config)
     made = f"the packed table {cfg.packed}"
     check_verifier_tokenizer(table.manifest.get("tokenizer") or {}, made, cfg.verifier)
-    vocab = int(text_config(config).vocab_size)
+    vocab = int(text.vocab_size)
     if plan is not None:
         check_token_ids(plan.training_rows, made, cfg.verifier, vocab)
         made = f"the context blocks (--context full) of {made}"
     check_token_ids(rows, made, cfg.verifier, vocab, cfg.shard_index, cfg.num_shards)
-    layers = resolve_layers(cfg.layers, int(text_config(config).num_hidden_layers))
+    layers = resolve_layers(cfg.layers, int(text.num_hidden_layers))
     ENGINES[cfg.engine].check(cfg, config, layers)
     directory = resolve_model(cfg.verifier)
     if output.resumed is not None:
         # as load_verifier picks it; a --server extraction computes in the store's dtype (vllm.server_dtype)
         # (vLLM on CPU: bf16 for a verifier its CPU kernels run in bf16 only, vllm.engine_dtype)
-        bf16 = device.startswith("cuda") or (cfg.engine == "vllm" and cpu_bf16_only(text_config(config)))
+        bf16 = device.startswith("cuda") or (cfg.engine == "vllm" and cpu_bf16_only(text))
         dtype = None if cfg.server else "bfloat16" if bf16 else "float32"
         check_resumable(output.resumed, cfg, {"name_or_path": cfg.verifier, "fingerprint": model_fingerprint(directory),
                                               "dtype": dtype}, layers, directory)
@@ -204,10 +205,11 @@ def plan_extract(cfg: ExtractConfig, log: Callable[[str], None] = print) -> Extr
     table = open_packed(cfg.packed)
     output = store_at_output(cfg)  # --force replaces only a store of peagle's (before any work)
     plan = None
-    if cfg.context == "full":
-        conversations = _conversations(cfg, table)  # an older table is refused before the verifier is read
-        config = load_model_config(cfg.verifier)
-        cfg = dataclasses.replace(cfg, max_context=_max_context(cfg, config))
+    conversations = _conversations(cfg, table) if cfg.context == "full" else None  # before the verifier is read
+    config = load_model_config(cfg.verifier)
+    text = text_config(config)  # a multimodal wrapper's language model
+    if conversations is not None:
+        cfg = dataclasses.replace(cfg, max_context=_max_context(cfg, text))
         plan = _plan(cfg, table, conversations, output)
         rows = plan.rows  # the verifier runs the context blocks
         log(f"full context: {plan.counts['conversations']:,} conversations in {plan.counts['contexts']:,} contexts "
@@ -215,10 +217,9 @@ def plan_extract(cfg: ExtractConfig, log: Callable[[str], None] = print) -> Extr
             f"{plan.counts['tokens_extracted']:,} tokens in {len(rows):,} context blocks of {plan.context_size}")
     else:
         rows = _attach_segment_keys(table, list(table.iter_rows(PACKED_COLUMNS + _keys_column(table))))
-        config = load_model_config(cfg.verifier)
     rows = rows[cfg.shard_index::cfg.num_shards]  # this shard's blocks (all of them unsharded)
     device = cfg.device or (str(state.device) if state.device.type == "cuda" else "cpu")
-    directory, layers = _check_before_weights(cfg, table, rows, device, config, output, plan)
+    directory, layers = _check_before_weights(cfg, table, rows, device, config, text, output, plan)
     if not ENGINES[cfg.engine].multi_process and state.num_processes > 1:
         raise InputError(f"--engine {cfg.engine} runs in one process (its parallelism is vLLM's): drop accelerate "
                          "launch, or give each process its own --shard-index", field="--engine")
@@ -463,15 +464,15 @@ def _record_segment_keys(root: FeatureStore, rows, log: Callable[[str], None]) -
         log(f"{root.path}: recorded each segment's conversation content key (segment_keys) from the packed table")
 
 
-def _max_context(cfg: ExtractConfig, config) -> int:
+def _max_context(cfg: ExtractConfig, text) -> int:
     """``--max-context``, else the verifier's ``max_position_embeddings`` capped at :data:`DEFAULT_MAX_CONTEXT`
-    (read from its ``config``, before the weights), less the positions the ``--engine`` needs after a request
+    (read from its language model's config ``text``, before the weights), less the positions the ``--engine`` needs after a request
     (:attr:`VerifierEngine.positions_after_prompt`: vLLM's one generated token).
 
     Raises:
         InputError: a ``--max-context`` past that.
     """
-    limit = getattr(text_config(config), "max_position_embeddings", None)
+    limit = getattr(text, "max_position_embeddings", None)
     room = ENGINES[cfg.engine].positions_after_prompt
     if cfg.max_context is None:
         return min(int(limit) - room, DEFAULT_MAX_CONTEXT) if limit else DEFAULT_MAX_CONTEXT
