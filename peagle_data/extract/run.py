@@ -303,7 +303,6 @@ class _Work:
     """The store (a full-context store: its training blocks, views of ``store``'s)."""
     store: FeatureStore
     """The blocks the verifier runs: ``root.contexts`` of a full-context store, else ``root``."""
-    layers: list[int]
     repaired: dict[int, str]
     todo: list[int]
     """This rank's not-done blocks of ``store`` (at most ``--max-blocks``)."""
@@ -328,7 +327,7 @@ def _open_store(plan: ExtractPlan, engine: VerifierEngine, log: Callable[[str], 
     todo = todo[state.process_index::state.num_processes]
     if cfg.max_blocks is not None:
         todo = todo[: cfg.max_blocks]
-    return _Work(root=root, store=store, layers=plan.layers, repaired=repaired, todo=todo, training_before=training_before)
+    return _Work(root=root, store=store, repaired=repaired, todo=todo, training_before=training_before)
 
 
 @dataclass(frozen=True)
@@ -374,7 +373,7 @@ def _summarise(plan: ExtractPlan, work: _Work, ran: _Ran, seconds: dict[str, flo
         log(f"{cfg.output}: blocks {ran.nonfinite} have NaN or Inf hidden states (verifier overflow?); "
             "they are left not done")
     state.wait_for_everyone()
-    summary = _summary(cfg, state, store, ran.blocks, ran.tokens, work.layers, work.repaired, ran.nonfinite)
+    summary = _summary(cfg, state, store, ran.blocks, ran.tokens, plan.layers, work.repaired, ran.nonfinite)
     summary["timings"] = {k: round(v, 3) for k, v in seconds.items()}
     if ran.stream is not None:
         summary["stream"] = {k: v for k, v in ran.stream.items() if k != "plan"}

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from peagle_data.extract.config import ExtractConfig, check_layers
+from peagle_data.extract.config import ExtractConfig, check_layers, resolve_layers
 from peagle_data.extract.run import run_extract
 from peagle_data.prepare.config import PackConfig, PackRun
 from peagle_data.prepare.pack import run_pack
@@ -512,3 +512,11 @@ def test_force_decides_once_what_it_replaces(tmp_path, tiny_verifier_dir, monkey
     with pytest.raises(OutputExistsError) as e:
         plan_extract(ExtractConfig(**{**base, "output": str(empty)}), log=lambda m: None)
     assert str(e.value) == f"output {empty} already exists; pass --resume to continue it or --force to overwrite it"
+
+
+def test_resolve_layers_is_the_one_place_of_the_default():
+    """``--layers`` checked against the verifier's L layers, or EAGLE-3's ``[2, L//2, L-3]`` when not given."""
+    assert resolve_layers(None, 32) == [2, 16, 29] and resolve_layers(None, 36) == [2, 18, 33]
+    assert resolve_layers([1, 3], 4) == [1, 3]
+    with pytest.raises(InputError, match="layers \\[5\\] out of range: the verifier has 4 decoder layers"):
+        resolve_layers([1, 5], 4)
