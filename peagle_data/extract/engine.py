@@ -81,9 +81,10 @@ class VerifierEngine(ABC):
     @classmethod
     @abstractmethod
     def open(cls, cfg, directory: Path, layers: list[int], log: Callable[[str], None],
-             device: str, packed: PackedFacts) -> "VerifierEngine":
+             device: str, packed: PackedFacts, identity: dict[str, Any]) -> "VerifierEngine":
         """Load the verifier from ``directory`` (or connect to it) for extracting ``layers``; ``device``
-        is the accelerate process's device (hf)."""
+        is the accelerate process's device (hf); ``identity``, the directory's identity record
+        (:func:`runtime.model_identity.model_identity`, read once before the weights load)."""
 
     desc: dict[str, Any]
     """The store's ``verifier`` attribute (:func:`peagle_data.extract.store.verifier_desc`)."""

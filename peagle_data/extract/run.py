@@ -45,7 +45,7 @@ from stores.features.feature_schema import SEGMENTS, TOKEN_ARRAYS
 from stores.features.feature_store import FeatureStore
 from stores.files import is_local
 from runtime.model_cache import resolve_model
-from runtime.model_identity import model_fingerprint
+from runtime.model_identity import identity_fingerprint, model_identity
 from runtime.model_config import load_model_config, text_config
 from stores.tables.token_rows import TokenizedRow, content_key
 from stores.tables.token_tables import CONVERSATIONS, MANIFEST, TokenTable
@@ -104,11 +104,12 @@ def _check_device(device: str | None) -> None:
 
 
 def _check_before_weights(cfg: ExtractConfig, table, rows, device: str, config, text, output: StoreAtOutput,
-                          plan: ContextPlan | None = None) -> tuple[Path, list[int]]:
+                          plan: ContextPlan | None = None) -> tuple[Path, dict[str, Any], list[int]]:
     """The checks that need only the verifier's ``config`` (:func:`load_model_config`; ``text``, its language model's:
     :func:`text_config`) and files, the packed table
     and the store at the output (docs/design.md §2), before the weights load; returns the verifier's directory
-    (:func:`resolve_model`) and the aux layers (:func:`resolve_layers`).
+    (:func:`resolve_model`), its identity record (:func:`model_identity`, read once) and the aux layers
+    (:func:`resolve_layers`).
 
     ``rows`` are this shard's packed rows (row k is packed block ``shard_index + k * num_shards``), or with
     ``plan`` (``--context full``) this shard's context blocks, whose token ids are checked after those of
@@ -138,16 +139,17 @@ def _check_before_weights(cfg: ExtractConfig, table, rows, device: str, config, 
     layers = resolve_layers(cfg.layers, int(text.num_hidden_layers))
     ENGINES[cfg.engine].check(cfg, config, layers)
     directory = resolve_model(cfg.verifier)
+    identity = model_identity(directory)
     if output.resumed is not None:
         # as load_verifier picks it; a --server extraction computes in the store's dtype (vllm.server_dtype)
         # (vLLM on CPU: bf16 for a verifier its CPU kernels run in bf16 only, vllm.engine_dtype)
         bf16 = device.startswith("cuda") or (cfg.engine == "vllm" and cpu_bf16_only(text))
         dtype = None if cfg.server else "bfloat16" if bf16 else "float32"
-        check_resumable(output.resumed, cfg, {"name_or_path": cfg.verifier, "fingerprint": model_fingerprint(directory),
-                                              "dtype": dtype}, layers, directory)
+        recorded = {"name_or_path": cfg.verifier, "fingerprint": identity_fingerprint(identity), "dtype": dtype}
+        check_resumable(output.resumed, cfg, recorded, layers, directory)
         if plan is not None:
             check_same_plan(output.resumed, plan, cfg.packed)
-    return directory, layers
+    return directory, identity, layers
 
 
 @dataclass(frozen=True)
@@ -173,6 +175,8 @@ class ExtractPlan:
     """The verifier's config (transformers' ``PretrainedConfig``, :func:`load_model_config`), read once."""
     verifier_dir: Path
     """The verifier's directory (:func:`resolve_model`)."""
+    verifier_identity: dict[str, Any]
+    """The directory's identity record (:func:`model_identity`), read once: the store records it."""
     layers: list[int]
     """The aux layers: ``--layers`` checked against the verifier's config, else the default
     (:func:`peagle_data.extract.config.resolve_layers`)."""
@@ -219,7 +223,7 @@ def plan_extract(cfg: ExtractConfig, log: Callable[[str], None] = print) -> Extr
         rows = _attach_segment_keys(table, list(table.iter_rows(PACKED_COLUMNS + _keys_column(table))))
     rows = rows[cfg.shard_index::cfg.num_shards]  # this shard's blocks (all of them unsharded)
     device = cfg.device or (str(state.device) if state.device.type == "cuda" else "cpu")
-    directory, layers = _check_before_weights(cfg, table, rows, device, config, text, output, plan)
+    directory, identity, layers = _check_before_weights(cfg, table, rows, device, config, text, output, plan)
     if not ENGINES[cfg.engine].multi_process and state.num_processes > 1:
         raise InputError(f"--engine {cfg.engine} runs in one process (its parallelism is vLLM's): drop accelerate "
                          "launch, or give each process its own --shard-index", field="--engine")
@@ -230,7 +234,8 @@ def plan_extract(cfg: ExtractConfig, log: Callable[[str], None] = print) -> Extr
                             table.manifest.get("parameters", {}).get("block_size") or plan.context_size),
                         resumed_dtype=output.resumed_dtype)
     return ExtractPlan(cfg=cfg, state=state, table=table, rows=rows, contexts=plan, device=device,
-                       verifier_config=config, verifier_dir=directory, layers=layers, output=output, facts=facts)
+                       verifier_config=config, verifier_dir=directory, verifier_identity=identity, layers=layers,
+                       output=output, facts=facts)
 
 
 def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], None] = print,
@@ -280,7 +285,8 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
     """
     plan = plan_extract(cfg, log)
     t_open = time.perf_counter()
-    engine = ENGINES[plan.cfg.engine].open(plan.cfg, plan.verifier_dir, plan.layers, log, plan.device, plan.facts)
+    engine = ENGINES[plan.cfg.engine].open(plan.cfg, plan.verifier_dir, plan.layers, log, plan.device, plan.facts,
+                                           plan.verifier_identity)
     seconds = {"engine_open_s": time.perf_counter() - t_open}
     try:
         work = _open_store(plan, engine, log, config, seconds)
@@ -465,8 +471,8 @@ def _record_segment_keys(root: FeatureStore, rows, log: Callable[[str], None]) -
 
 def _max_context(cfg: ExtractConfig, text) -> int:
     """``--max-context``, else the verifier's ``max_position_embeddings`` capped at :data:`DEFAULT_MAX_CONTEXT`
-    (read from its language model's config ``text``, before the weights), less the positions the ``--engine`` needs after a request
-    (:attr:`VerifierEngine.positions_after_prompt`: vLLM's one generated token).
+    (read from its language model's config ``text``, before the weights), less the positions the ``--engine`` needs
+    after a request (:attr:`VerifierEngine.positions_after_prompt`: vLLM's one generated token).
 
     Raises:
         InputError: a ``--max-context`` past that.

@@ -29,7 +29,7 @@ from stores.features.feature_repair import check_compatible, write_shared
 from stores.features.feature_schema import bytes_per_token
 from stores.features.feature_store import FeatureStore
 from stores.files import disk_full_error, is_disk_full, is_local
-from runtime.model_identity import compare_identity, identity_fingerprint, model_identity
+from runtime.model_identity import compare_identity, identity_fingerprint
 from stores.staging import ownership
 from stores.tables.token_tables import TokenTable, manifest_sha256
 
@@ -44,10 +44,9 @@ def _identity_differs(recorded: dict[str, Any], directory: Path) -> str | None:
     return None if check.same else check.describe()
 
 
-def verifier_desc(name: str, directory: Path, verifier, dtype: torch.dtype) -> dict[str, Any]:
-    """What the store records about the verifier: its content fingerprint and identity by part
-    (:func:`runtime.model_identity.model_identity`), the language model's shape and layer convention."""
-    identity = model_identity(directory)
+def verifier_desc(name: str, identity: dict[str, Any], verifier, dtype: torch.dtype) -> dict[str, Any]:
+    """What the store records about the verifier: its content fingerprint and ``identity`` by part (the model
+    directory's :func:`runtime.model_identity.model_identity`), the language model's shape and layer convention."""
     config = verifier.config
     text = config.get_text_config()
     decoder = language_model(verifier)

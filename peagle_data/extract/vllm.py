@@ -252,7 +252,7 @@ class VllmEngine(VerifierEngine):
 
     @classmethod
     def open(cls, cfg, directory: Path, layers: list[int], log: Callable[[str], None],
-             device: str, packed: PackedFacts) -> "VllmEngine":
+             device: str, packed: PackedFacts, identity: dict[str, Any]) -> "VllmEngine":
         """The final norm first (no vLLM yet), then the server checks or vLLM's start.
 
         Raises:
@@ -298,7 +298,7 @@ class VllmEngine(VerifierEngine):
             accelerator = _has_accelerator()
             dtype = engine_dtype(accelerator, skeleton.config)
         norm = load_submodule(directory, skeleton, norm_name, dtype)
-        desc = verifier_desc(cfg.verifier, directory, skeleton, dtype)
+        desc = verifier_desc(cfg.verifier, identity, skeleton, dtype)
         desc["attn_implementation"] = None  # vLLM's choice, not transformers'
         engine = cls(cfg, desc, layers, norm, accelerator, log)
         engine.quantized = getattr(skeleton.config, "quantization_config", None) is not None

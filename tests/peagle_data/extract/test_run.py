@@ -465,7 +465,7 @@ def test_a_full_tmpfs_mid_extraction(tmp_path, tiny_verifier_dir):
 
 def test_a_resume_reads_the_verifier_config_and_opens_the_store_once(tmp_path, tiny_verifier_dir, monkeypatch):
     """The plan (plan_extract) keeps what it resolved and the later stages take it: one read of the verifier's
-    config, one open of the store --resume continues (docs/design.md §2)."""
+    config, one open of the store --resume continues, one read of the verifier's identity (docs/design.md §2)."""
     import peagle_data.extract.run as run_module
     from tests.peagle_data.extract.test_full_context import synthetic_conversations, write_packed_conversations
 
@@ -474,14 +474,16 @@ def test_a_resume_reads_the_verifier_config_and_opens_the_store_once(tmp_path, t
     base = dict(packed=str(packed), verifier=str(tiny_verifier_dir), output=out, layers=[1, 2], device="cpu",
                 context="full", max_context=48)
     run_extract(ExtractConfig(**base, max_blocks=1), progress=False, log=lambda m: None)
-    reads, opens = [], []
-    load, open_store = run_module.load_model_config, FeatureStore.open.__func__
+    reads, opens, identities = [], [], []
+    load, open_store, identity = run_module.load_model_config, FeatureStore.open.__func__, run_module.model_identity
     monkeypatch.setattr(run_module, "load_model_config", lambda name: reads.append(name) or load(name))
+    monkeypatch.setattr(run_module, "model_identity", lambda d: identities.append(str(d)) or identity(d))
     monkeypatch.setattr(FeatureStore, "open", classmethod(
         lambda cls, path, mode="r": opens.append(str(path)) or open_store(cls, path, mode)))
     s = run_extract(ExtractConfig(**base, resume=True), progress=False, log=lambda m: None)
     assert s["complete"] and s["layers"] == [1, 2]
-    assert reads == [str(tiny_verifier_dir)] and opens.count(out) == 1
+    assert reads == [str(tiny_verifier_dir)] and opens.count(out) == 1 and identities == [str(tiny_verifier_dir)]
+    assert FeatureStore.open(out).attrs["verifier"]["identity"] == identity(tiny_verifier_dir)
 
 
 def test_force_decides_once_what_it_replaces(tmp_path, tiny_verifier_dir, monkeypatch):
