@@ -10,8 +10,9 @@
 - :func:`atomic_file` / :func:`write_text_atomic`: one file written as ``NAME.tmp`` then renamed
   (manifests, reports, training state).
 
-``--force`` replaces only peagle's own output: :func:`check_replaceable` is the one check every writer makes
-before it removes or replaces an existing output. A directory is peagle's when the file that marks its kind
+``--force`` replaces only peagle's own output: :func:`ownership` is the one rule that says whether an output is
+absent, peagle's or not, and :func:`check_replaceable` (:meth:`Ownership.refuse`) the one check every writer makes
+through it before it removes or replaces an existing output. A directory is peagle's when the file that marks its kind
 (:data:`OUTPUT_KINDS`: a token table's ``manifest.json``, a feature store's ``zarr.json``, a training run's
 ``train_config.json``) holds keys only peagle writes, and every file and directory below it, at any depth, is
 one that kind writes (:func:`foreign_entries`); anything else (a user's ``notes.txt``, a ``README.md`` put in
@@ -33,6 +34,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from stores.errors import ForeignFilesError, InputError, OutputExistsError
@@ -44,6 +46,11 @@ __all__ = [
     "TABLE_KINDS",
     "RUN_CONFIG_KEYS",
     "foreign_entries",
+    "ABSENT",
+    "OURS",
+    "FOREIGN",
+    "Ownership",
+    "ownership",
     "check_replaceable",
     "check_replaceable_file",
     "check_output_apart",
@@ -268,10 +275,70 @@ def foreign_entries(path: str | os.PathLike, kinds: tuple[OutputKind, ...] = OUT
     return sorted(path.iterdir())
 
 
+ABSENT, OURS, FOREIGN = "absent", "ours", "foreign"
+""":attr:`Ownership.state`: nothing at the path (missing, or an empty directory); a directory of one of the kinds
+with only that kind's entries; anything else (a file, a link, a directory with an entry peagle did not write)."""
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """Whose an output path is (:func:`ownership`), read from the file system when first asked: whether something
+    is there, then (only when asked: a large store has many files) which entries peagle did not write."""
+
+    path: Path
+    """The output path."""
+    kinds: tuple[OutputKind, ...] = OUTPUT_KINDS
+    """The kinds of output that may be replaced there."""
+
+    @cached_property
+    def present(self) -> bool:
+        """Whether the path holds something (a non-empty directory, a file or a link)."""
+        path = self.path
+        return path.is_symlink() or (path.exists() and (not path.is_dir() or any(path.iterdir())))
+
+    @cached_property
+    def foreign(self) -> list[Path]:
+        """The entries peagle did not write (:func:`foreign_entries`), sorted; none when absent."""
+        return foreign_entries(self.path, self.kinds) if self.present else []
+
+    @property
+    def state(self) -> str:
+        """:data:`ABSENT`, :data:`OURS` or :data:`FOREIGN`."""
+        return ABSENT if not self.present else FOREIGN if self.foreign else OURS
+
+    def refuse(self, force: bool, hint: str = "pass --force to overwrite it", option: str = "--output") -> bool:
+        """The check before a writer removes or replaces the output (docs/design.md §6).
+
+        Returns:
+            True when the path holds something to replace (a non-empty directory or a file), False when it is
+            missing or an empty directory.
+
+        Raises:
+            OutputExistsError: the path holds something and ``force`` is false (message ``hint``).
+            ForeignFilesError: ``force`` is true but the path holds entries peagle did not write
+                (:attr:`foreign`): they are named, and nothing is removed.
+        """
+        if not self.present:
+            return False
+        if not force:
+            raise OutputExistsError(str(self.path), hint)
+        if self.foreign:
+            raise ForeignFilesError(str(self.path), [str(p) for p in self.foreign], option,
+                                    [f"a {k.name} with its {k.marker}" for k in self.kinds])
+        return True
+
+
+def ownership(path: str | os.PathLike, kinds: tuple[OutputKind, ...] = OUTPUT_KINDS) -> Ownership:
+    """The one rule for whose an output is: :data:`ABSENT`, :data:`OURS` (a directory one of ``kinds`` marks, holding
+    only what that kind writes) or :data:`FOREIGN` (:class:`Ownership`)."""
+    return Ownership(Path(path), tuple(kinds))
+
+
 def check_replaceable(path: str | os.PathLike, force: bool,
                       hint: str = "pass --force to overwrite it",
                       kinds: tuple[OutputKind, ...] = OUTPUT_KINDS, option: str = "--output") -> bool:
-    """The check before a writer removes or replaces an existing output ``path`` (docs/design.md §6).
+    """The check before a writer removes or replaces an existing output ``path`` (docs/design.md §6):
+    :meth:`Ownership.refuse` of :func:`ownership`.
 
     Returns:
         True when ``path`` holds something to replace (a non-empty directory or a file), False when it is
@@ -282,17 +349,7 @@ def check_replaceable(path: str | os.PathLike, force: bool,
         ForeignFilesError: ``force`` is true but ``path`` holds entries peagle did not write
             (:func:`foreign_entries`): they are named, and nothing is removed.
     """
-    path = Path(path)
-    exists = path.is_symlink() or (path.exists() and (not path.is_dir() or any(path.iterdir())))
-    if not exists:
-        return False
-    if not force:
-        raise OutputExistsError(str(path), hint)
-    foreign = foreign_entries(path, kinds)
-    if foreign:
-        raise ForeignFilesError(str(path), [str(p) for p in foreign], option,
-                                [f"a {k.name} with its {k.marker}" for k in kinds])
-    return True
+    return ownership(path, kinds).refuse(force, hint, option)
 
 
 def check_output_apart(output: str | os.PathLike, inputs: dict[str, list[str]], option: str = "--output",

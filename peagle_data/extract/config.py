@@ -12,13 +12,15 @@ from dataclasses import dataclass, field
 from peagle_data.extract.contexts import PACKINGS
 from peagle_data.extract.engine import VerifierEngine
 from peagle_data.extract.hf import HfEngine
+from peagle_data.extract.hf_forward import default_layers
 from peagle_data.extract.vllm import VllmEngine
 from peagle_data.prepare.shards import check_shard
 from stores.errors import InputError
 from stores.features.feature_schema import STORAGE_DTYPES
 from runtime.vllm_runtime import VllmMemory
 
-__all__ = ["ATTN_IMPLEMENTATIONS", "CONTEXTS", "DEFAULT_MAX_CONTEXT", "ENGINES", "ExtractConfig", "check_layers"]
+__all__ = ["ATTN_IMPLEMENTATIONS", "CONTEXTS", "DEFAULT_MAX_CONTEXT", "ENGINES", "ExtractConfig", "check_layers",
+           "resolve_layers"]
 
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2")
 """The verifier attention implementations ``--attn-implementation`` accepts."""
@@ -62,6 +64,17 @@ def check_layers(layers: list[int], L: int) -> list[int]:
         raise InputError(f"--layers: {','.join(map(str, layers))} is not increasing; vLLM feeds the aux layers in "
                          f"increasing order{give}", field="--layers")
     return layers
+
+
+def resolve_layers(layers: list[int] | None, L: int) -> list[int]:
+    """The aux layers of an extraction from a verifier of ``L`` decoder layers: ``layers`` (``--layers``) checked
+    (:func:`check_layers`), or when None EAGLE-3's ``[2, L//2, L-3]``
+    (:func:`peagle_data.extract.hf_forward.default_layers`). The one place the default is chosen.
+
+    Raises:
+        InputError: as :func:`check_layers`.
+    """
+    return check_layers(layers, L) if layers is not None else default_layers(L)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,7 +30,7 @@ __all__ = ["PackedFacts", "VerifierEngine", "timed"]
 
 @dataclass(frozen=True)
 class PackedFacts:
-    """What an engine may need to know of the packed table before it starts."""
+    """What an engine may need to know of the packed table (and of the store it continues) before it starts."""
 
     longest_segment: int
     """Tokens of the longest segment (a vLLM engine's ``max_model_len``)."""
@@ -45,6 +45,9 @@ class PackedFacts:
     squared (transformers' SDPA or eager with a block mask) runs the block's conversations in
     consecutive groups of at most this many tokens (a longer one alone), so that costs what the packed
     blocks would. None: whole blocks."""
+    resumed_dtype: str | None = None
+    """The compute dtype (e.g. ``"bfloat16"``) of the store ``--resume`` continues, None without one (a
+    ``--server`` extraction computes in it)."""
 
 
 class VerifierEngine(ABC):
@@ -78,9 +81,10 @@ class VerifierEngine(ABC):
     @classmethod
     @abstractmethod
     def open(cls, cfg, directory: Path, layers: list[int], log: Callable[[str], None],
-             device: str, packed: PackedFacts) -> "VerifierEngine":
+             device: str, packed: PackedFacts, identity: dict[str, Any]) -> "VerifierEngine":
         """Load the verifier from ``directory`` (or connect to it) for extracting ``layers``; ``device``
-        is the accelerate process's device (hf)."""
+        is the accelerate process's device (hf); ``identity``, the directory's identity record
+        (:func:`runtime.model_identity.model_identity`, read once before the weights load)."""
 
     desc: dict[str, Any]
     """The store's ``verifier`` attribute (:func:`peagle_data.extract.store.verifier_desc`)."""

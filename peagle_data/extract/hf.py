@@ -76,9 +76,9 @@ class HfEngine(VerifierEngine):
 
     @classmethod
     def open(cls, cfg, directory: Path, layers: list[int], log: Callable[[str], None],
-             device: str, packed: PackedFacts) -> "HfEngine":
+             device: str, packed: PackedFacts, identity: dict[str, Any]) -> "HfEngine":
         verifier = _load_for_extract(cfg, device, log)
-        desc = verifier_desc(cfg.verifier, directory, verifier, next(verifier.parameters()).dtype)
+        desc = verifier_desc(cfg.verifier, identity, verifier, next(verifier.parameters()).dtype)
         return cls(verifier, desc, layers, packed.group_tokens)
 
     def features(self, rows: Iterable[tuple[int, Mapping[str, Any]]]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:

@@ -31,25 +31,25 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from peagle_data.extract.config import DEFAULT_MAX_CONTEXT, ENGINES, ExtractConfig, check_layers
+from peagle_data.extract.config import DEFAULT_MAX_CONTEXT, ENGINES, ExtractConfig, resolve_layers
 from peagle_data.extract.contexts import ContextPlan, plan_contexts
 from peagle_data.extract.engine import PackedFacts, VerifierEngine, timed
-from peagle_data.extract.hf_forward import check_packable, default_layers
-from peagle_data.extract.store import BlockWriter, check_resumable, check_same_plan, open_or_create, open_packed
+from peagle_data.extract.hf_forward import check_packable
+from peagle_data.extract.store import (BlockWriter, StoreAtOutput, check_resumable, check_same_plan, open_or_create,
+                                        open_packed, store_at_output)
 from peagle_data.extract.stream import extract_stream
 from peagle_data.prepare.dedup import rows_key
-from stores.errors import InputError, StoreFormatError, StoreMismatchError
+from stores.errors import InputError, StoreMismatchError
 from stores.features.feature_repair import repair_blocks, repair_shared, repair_windows
 from stores.features.feature_schema import SEGMENTS, TOKEN_ARRAYS
 from stores.features.feature_store import FeatureStore
-from stores.files import is_local, is_zarr_store
+from stores.files import is_local
 from runtime.model_cache import resolve_model
-from runtime.model_identity import model_fingerprint
+from runtime.model_identity import identity_fingerprint, model_identity
 from runtime.model_config import load_model_config, text_config
 from stores.tables.token_rows import TokenizedRow, content_key
 from stores.tables.token_tables import CONVERSATIONS, MANIFEST, TokenTable
 from runtime.progress import progress as progress_bar
-from stores.staging import check_replaceable
 from runtime.verifier_match import check_token_ids, check_verifier_tokenizer
 from runtime.vllm_runtime import cpu_bf16_only
 
@@ -103,15 +103,20 @@ def _check_device(device: str | None) -> None:
         raise InputError(f"device {device!r} is not supported; use cpu or cuda", field="--device")
 
 
-def _check_before_weights(cfg: ExtractConfig, table, rows, device: str, plan: ContextPlan | None = None) -> Path:
-    """The checks that need only the verifier's config and files, the packed table and the store
-    (docs/design.md §2), before the weights load; returns the verifier's directory (:func:`resolve_model`).
+def _check_before_weights(cfg: ExtractConfig, table, rows, device: str, config, text, output: StoreAtOutput,
+                          plan: ContextPlan | None = None) -> tuple[Path, dict[str, Any], list[int]]:
+    """The checks that need only the verifier's ``config`` (:func:`load_model_config`; ``text``, its language model's:
+    :func:`text_config`) and files, the packed table
+    and the store at the output (docs/design.md §2), before the weights load; returns the verifier's directory
+    (:func:`resolve_model`), its identity record (:func:`model_identity`, read once) and the aux layers
+    (:func:`resolve_layers`).
 
     ``rows`` are this shard's packed rows (row k is packed block ``shard_index + k * num_shards``), or with
     ``plan`` (``--context full``) this shard's context blocks, whose token ids are checked after those of
     the packed blocks (``plan.training_rows``, so that a bad id is named by its packed block), and the
     plan against a resumed store's (:func:`check_same_plan`);
-    ``device`` is where the verifier will run (it decides the dtype: bfloat16 on CUDA, float32 on CPU).
+    ``device`` is where the verifier will run (it decides the dtype: bfloat16 on CUDA, float32 on CPU);
+    ``output.resumed``, the store ``--resume`` continues (:func:`check_resumable`).
 
     Raises:
         InputError: a ``--layers`` index outside ``0..num_hidden_layers`` (read from the config, before
@@ -123,36 +128,28 @@ def _check_before_weights(cfg: ExtractConfig, table, rows, device: str, plan: Co
             holds a token id that is no row of the verifier's embedding; ``--resume`` with other
             layers, another verifier or another packed table.
     """
-    config = load_model_config(cfg.verifier)
     check_packable(config)
     made = f"the packed table {cfg.packed}"
     check_verifier_tokenizer(table.manifest.get("tokenizer") or {}, made, cfg.verifier)
-    vocab = int(text_config(config).vocab_size)
+    vocab = int(text.vocab_size)
     if plan is not None:
         check_token_ids(plan.training_rows, made, cfg.verifier, vocab)
         made = f"the context blocks (--context full) of {made}"
     check_token_ids(rows, made, cfg.verifier, vocab, cfg.shard_index, cfg.num_shards)
-    L = int(text_config(config).num_hidden_layers)
-    if cfg.layers is not None:
-        check_layers(cfg.layers, L)
-    ENGINES[cfg.engine].check(cfg, config, list(cfg.layers) if cfg.layers is not None else default_layers(L))
+    layers = resolve_layers(cfg.layers, int(text.num_hidden_layers))
+    ENGINES[cfg.engine].check(cfg, config, layers)
     directory = resolve_model(cfg.verifier)
-    if cfg.resume and is_local(cfg.output) and is_zarr_store(cfg.output):
-        try:
-            store = FeatureStore.open(cfg.output)
-        except StoreFormatError:
-            return directory  # interrupted creation: the store is made again
-        if store.attrs.get("tokens_written"):
-            layers = list(cfg.layers) if cfg.layers is not None else default_layers(L)
-            # as load_verifier picks it; a --server extraction computes in the store's dtype (vllm.server_dtype)
-            # (vLLM on CPU: bf16 for a verifier its CPU kernels run in bf16 only, vllm.engine_dtype)
-            bf16 = device.startswith("cuda") or (cfg.engine == "vllm" and cpu_bf16_only(text_config(config)))
-            dtype = None if cfg.server else "bfloat16" if bf16 else "float32"
-            check_resumable(store, cfg, {"name_or_path": cfg.verifier, "fingerprint": model_fingerprint(directory),
-                                         "dtype": dtype}, layers, directory)
-            if plan is not None:
-                check_same_plan(store, plan, cfg.packed)
-    return directory
+    identity = model_identity(directory)
+    if output.resumed is not None:
+        # as load_verifier picks it; a --server extraction computes in the store's dtype (vllm.server_dtype)
+        # (vLLM on CPU: bf16 for a verifier its CPU kernels run in bf16 only, vllm.engine_dtype)
+        bf16 = device.startswith("cuda") or (cfg.engine == "vllm" and cpu_bf16_only(text))
+        dtype = None if cfg.server else "bfloat16" if bf16 else "float32"
+        recorded = {"name_or_path": cfg.verifier, "fingerprint": identity_fingerprint(identity), "dtype": dtype}
+        check_resumable(output.resumed, cfg, recorded, layers, directory)
+        if plan is not None:
+            check_same_plan(output.resumed, plan, cfg.packed)
+    return directory, identity, layers
 
 
 @dataclass(frozen=True)
@@ -174,8 +171,18 @@ class ExtractPlan:
     """``--context full``: the full-context plan (:func:`plan_contexts`); None with ``--context window``."""
     device: str
     """Where the verifier runs (``cpu`` or ``cuda[:k]``; it decides the dtype: bfloat16 on CUDA, float32 on CPU)."""
+    verifier_config: Any
+    """The verifier's config (transformers' ``PretrainedConfig``, :func:`load_model_config`), read once."""
     verifier_dir: Path
     """The verifier's directory (:func:`resolve_model`)."""
+    verifier_identity: dict[str, Any]
+    """The directory's identity record (:func:`model_identity`), read once: the store records it."""
+    layers: list[int]
+    """The aux layers: ``--layers`` checked against the verifier's config, else the default
+    (:func:`peagle_data.extract.config.resolve_layers`)."""
+    output: StoreAtOutput
+    """What ``--output`` holds: the store ``--resume`` continues, opened once, and whether the run replaces what is
+    there (:func:`peagle_data.extract.store.store_at_output`)."""
     facts: PackedFacts
     """What the engine needs to know of the packed table before it opens."""
 
@@ -200,13 +207,14 @@ def plan_extract(cfg: ExtractConfig, log: Callable[[str], None] = print) -> Extr
         raise InputError("--stream runs in one process per store (it follows the run's plan entry by entry): drop "
                          "accelerate launch", field="--stream")
     table = open_packed(cfg.packed)
-    if is_local(cfg.output) and not cfg.resume:  # --force replaces only a store of peagle's (before any work)
-        check_replaceable(cfg.output, cfg.force, "pass --resume to continue it or --force to overwrite it")
+    output = store_at_output(cfg)  # --force replaces only a store of peagle's (before any work)
     plan = None
-    if cfg.context == "full":
-        conversations = _conversations(cfg, table)  # an older table is refused before the verifier is read
-        cfg = dataclasses.replace(cfg, max_context=_max_context(cfg))
-        plan = _plan(cfg, table, conversations)
+    conversations = _conversations(cfg, table) if cfg.context == "full" else None  # before the verifier is read
+    config = load_model_config(cfg.verifier)
+    text = text_config(config)  # a multimodal wrapper's language model
+    if conversations is not None:
+        cfg = dataclasses.replace(cfg, max_context=_max_context(cfg, text))
+        plan = _plan(cfg, table, conversations, output)
         rows = plan.rows  # the verifier runs the context blocks
         log(f"full context: {plan.counts['conversations']:,} conversations in {plan.counts['contexts']:,} contexts "
             f"({plan.counts['conversations_split']:,} longer than --max-context {cfg.max_context}, split), "
@@ -215,7 +223,7 @@ def plan_extract(cfg: ExtractConfig, log: Callable[[str], None] = print) -> Extr
         rows = _attach_segment_keys(table, list(table.iter_rows(PACKED_COLUMNS + _keys_column(table))))
     rows = rows[cfg.shard_index::cfg.num_shards]  # this shard's blocks (all of them unsharded)
     device = cfg.device or (str(state.device) if state.device.type == "cuda" else "cpu")
-    directory = _check_before_weights(cfg, table, rows, device, plan)
+    directory, identity, layers = _check_before_weights(cfg, table, rows, device, config, text, output, plan)
     if not ENGINES[cfg.engine].multi_process and state.num_processes > 1:
         raise InputError(f"--engine {cfg.engine} runs in one process (its parallelism is vLLM's): drop accelerate "
                          "launch, or give each process its own --shard-index", field="--engine")
@@ -223,9 +231,11 @@ def plan_extract(cfg: ExtractConfig, log: Callable[[str], None] = print) -> Extr
                         tokenizer=(table.manifest.get("tokenizer") or {}).get("name_or_path"),
                         offset_segment=_offset_segment(rows, cfg.shard_index, cfg.num_shards),
                         group_tokens=None if plan is None else int(
-                            table.manifest.get("parameters", {}).get("block_size") or plan.context_size))
+                            table.manifest.get("parameters", {}).get("block_size") or plan.context_size),
+                        resumed_dtype=output.resumed_dtype)
     return ExtractPlan(cfg=cfg, state=state, table=table, rows=rows, contexts=plan, device=device,
-                       verifier_dir=directory, facts=facts)
+                       verifier_config=config, verifier_dir=directory, verifier_identity=identity, layers=layers,
+                       output=output, facts=facts)
 
 
 def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], None] = print,
@@ -275,8 +285,8 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, log: Callable[[str], 
     """
     plan = plan_extract(cfg, log)
     t_open = time.perf_counter()
-    engine = ENGINES[plan.cfg.engine].open(plan.cfg, plan.verifier_dir, _layers_of(plan.cfg), log, plan.device,
-                                           plan.facts)
+    engine = ENGINES[plan.cfg.engine].open(plan.cfg, plan.verifier_dir, plan.layers, log, plan.device, plan.facts,
+                                           plan.verifier_identity)
     seconds = {"engine_open_s": time.perf_counter() - t_open}
     try:
         work = _open_store(plan, engine, log, config, seconds)
@@ -299,7 +309,6 @@ class _Work:
     """The store (a full-context store: its training blocks, views of ``store``'s)."""
     store: FeatureStore
     """The blocks the verifier runs: ``root.contexts`` of a full-context store, else ``root``."""
-    layers: list[int]
     repaired: dict[int, str]
     todo: list[int]
     """This rank's not-done blocks of ``store`` (at most ``--max-blocks``)."""
@@ -313,10 +322,8 @@ def _open_store(plan: ExtractPlan, engine: VerifierEngine, log: Callable[[str], 
     """The store created or resumed on every rank (:func:`_store_on_every_rank`; with ``--resume`` its blocks
     checked and repaired) and this rank's share of its not-done blocks; adds ``store_open_s`` to ``seconds``."""
     cfg, state = plan.cfg, plan.state
-    layers = _layers_of(cfg, engine.desc["num_hidden_layers"])
     t_store = time.perf_counter()
-    root, repaired = _store_on_every_rank(state, cfg, plan.rows, plan.table, engine, layers, log, config,
-                                          plan.contexts, plan.verifier_dir)
+    root, repaired = _store_on_every_rank(plan, engine, log, config)
     seconds["store_open_s"] = time.perf_counter() - t_store
     store = root.verifier_blocks  # the blocks the verifier runs
     todo = store.missing_blocks()
@@ -326,7 +333,7 @@ def _open_store(plan: ExtractPlan, engine: VerifierEngine, log: Callable[[str], 
     todo = todo[state.process_index::state.num_processes]
     if cfg.max_blocks is not None:
         todo = todo[: cfg.max_blocks]
-    return _Work(root=root, store=store, layers=layers, repaired=repaired, todo=todo, training_before=training_before)
+    return _Work(root=root, store=store, repaired=repaired, todo=todo, training_before=training_before)
 
 
 @dataclass(frozen=True)
@@ -372,7 +379,7 @@ def _summarise(plan: ExtractPlan, work: _Work, ran: _Ran, seconds: dict[str, flo
         log(f"{cfg.output}: blocks {ran.nonfinite} have NaN or Inf hidden states (verifier overflow?); "
             "they are left not done")
     state.wait_for_everyone()
-    summary = _summary(cfg, state, store, ran.blocks, ran.tokens, work.layers, work.repaired, ran.nonfinite)
+    summary = _summary(cfg, state, store, ran.blocks, ran.tokens, plan.layers, work.repaired, ran.nonfinite)
     summary["timings"] = {k: round(v, 3) for k, v in seconds.items()}
     if ran.stream is not None:
         summary["stream"] = {k: v for k, v in ran.stream.items() if k != "plan"}
@@ -386,14 +393,6 @@ def _summarise(plan: ExtractPlan, work: _Work, ran: _Ran, seconds: dict[str, flo
                        context_blocks_done=int(store.done_mask().sum()), context_blocks_done_this_run=ran.blocks,
                        stored_bytes=root.summary()["stored_bytes"] if not root.attrs.get("shard") else None)
     return summary
-
-
-def _layers_of(cfg: ExtractConfig, L: int | None = None) -> list[int]:
-    """``cfg.layers`` or the default for the verifier's ``L`` language-model layers (default: its
-    config's), checked in ``0..L`` and increasing (:func:`peagle_data.extract.config.check_layers`)."""
-    if L is None:
-        L = int(text_config(load_model_config(cfg.verifier)).num_hidden_layers)
-    return check_layers(cfg.layers, L) if cfg.layers is not None else default_layers(L)
 
 
 def _offset_segment(rows, shard_index: int = 0, num_shards: int = 1) -> tuple[int, int] | None:
@@ -435,14 +434,16 @@ def _summary(cfg: ExtractConfig, state, store: FeatureStore, blocks_run: int, to
     }
 
 
-def _store_on_every_rank(state, cfg: ExtractConfig, rows, table, engine: VerifierEngine, layers: list[int],
-                         log: Callable[[str], None], config: dict[str, Any] | None,
-                         plan: ContextPlan | None = None, directory: Path | None = None) -> tuple[FeatureStore, dict]:
+def _store_on_every_rank(extract: ExtractPlan, engine: VerifierEngine, log: Callable[[str], None],
+                         config: dict[str, Any] | None) -> tuple[FeatureStore, dict]:
     """The store, created or resumed by the main process and then opened by the others; with
     ``resume``, each rank's share of the blocks checked and repaired (a full-context store's context
     blocks; its training blocks' arrays by the main process). Returns ``(store, {block: reason})``."""
+    cfg, state = extract.cfg, extract.state
+    rows, plan = extract.rows, extract.contexts
     if state.is_main_process:
-        root = open_or_create(cfg, rows, table, engine.desc, layers, log, engine.record, plan, directory)
+        root = open_or_create(cfg, rows, extract.table, engine.desc, extract.layers, log, engine.record,
+                              extract.output, plan, extract.verifier_dir)
         if config is not None:
             root.update_attrs(config=config)
         if cfg.resume:
@@ -468,15 +469,15 @@ def _record_segment_keys(root: FeatureStore, rows, log: Callable[[str], None]) -
         log(f"{root.path}: recorded each segment's conversation content key (segment_keys) from the packed table")
 
 
-def _max_context(cfg: ExtractConfig) -> int:
+def _max_context(cfg: ExtractConfig, text) -> int:
     """``--max-context``, else the verifier's ``max_position_embeddings`` capped at :data:`DEFAULT_MAX_CONTEXT`
-    (read from its config, before the weights), less the positions the ``--engine`` needs after a request
-    (:attr:`VerifierEngine.positions_after_prompt`: vLLM's one generated token).
+    (read from its language model's config ``text``, before the weights), less the positions the ``--engine`` needs
+    after a request (:attr:`VerifierEngine.positions_after_prompt`: vLLM's one generated token).
 
     Raises:
         InputError: a ``--max-context`` past that.
     """
-    limit = getattr(text_config(load_model_config(cfg.verifier)), "max_position_embeddings", None)
+    limit = getattr(text, "max_position_embeddings", None)
     room = ENGINES[cfg.engine].positions_after_prompt
     if cfg.max_context is None:
         return min(int(limit) - room, DEFAULT_MAX_CONTEXT) if limit else DEFAULT_MAX_CONTEXT
@@ -512,7 +513,7 @@ def _conversations(cfg: ExtractConfig, table):
     return conversations
 
 
-def _plan(cfg: ExtractConfig, table, conversations) -> ContextPlan:
+def _plan(cfg: ExtractConfig, table, conversations, output: StoreAtOutput) -> ContextPlan:
     """The full-context plan of the packed table (:func:`plan_contexts`), from its blocks and its
     ``conversations`` sub-table (:func:`_conversations`).
 
@@ -532,29 +533,25 @@ def _plan(cfg: ExtractConfig, table, conversations) -> ContextPlan:
     training = _attach_segment_keys(table, list(table.iter_rows(
         PACKED_COLUMNS + where + [c for c in _keys_column(table) if c not in where])))
     block_size = int(table.manifest.get("parameters", {}).get("block_size") or 0)
-    return plan_contexts(training, by_id, int(cfg.max_context), block_size, str(cfg.packed), _packing(cfg))
+    return plan_contexts(training, by_id, int(cfg.max_context), block_size, str(cfg.packed), _packing(cfg, output))
 
 
-def _packing(cfg: ExtractConfig) -> str:
-    """How the plan packs contexts (:data:`peagle_data.extract.contexts.PACKINGS`): a resumed store's (recorded as
-    ``packing`` in its ``context`` counts; none: ``best_fit``), else ``--context-packing``, else ``training_blocks``
-    with ``--stream`` and ``best_fit`` without.
+def _packing(cfg: ExtractConfig, output: StoreAtOutput) -> str:
+    """How the plan packs contexts (:data:`peagle_data.extract.contexts.PACKINGS`): a resumed local store's (recorded
+    as ``packing`` in its ``context`` counts; none: ``best_fit``; ``output.store``, finished or not), else
+    ``--context-packing``, else ``training_blocks`` with ``--stream`` and ``best_fit`` without.
 
     Raises:
         InputError: a ``--context-packing`` other than the resumed store's.
     """
-    if cfg.resume and is_local(cfg.output) and is_zarr_store(cfg.output):
-        try:
-            made = FeatureStore.open(cfg.output).attrs.get("context")
-        except StoreFormatError:
-            made = None  # interrupted creation: the store is made again
-        if isinstance(made, dict):
-            packing = str(made.get("packing", "best_fit"))
-            if cfg.context_packing not in (None, packing):
-                raise InputError(f"--context-packing: the store's {packing}, given {cfg.context_packing}; a resume "
-                                 "keeps the store's (drop the option, or start over with --force)",
-                                 field="--context-packing")
-            return packing
+    made = output.store.attrs.get("context") if output.store is not None and is_local(cfg.output) else None
+    if isinstance(made, dict):
+        packing = str(made.get("packing", "best_fit"))
+        if cfg.context_packing not in (None, packing):
+            raise InputError(f"--context-packing: the store's {packing}, given {cfg.context_packing}; a resume "
+                             "keeps the store's (drop the option, or start over with --force)",
+                             field="--context-packing")
+        return packing
     return cfg.context_packing or ("training_blocks" if cfg.stream else "best_fit")
 
 

@@ -16,6 +16,7 @@ import queue
 import shutil
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,12 +29,12 @@ from stores.features.feature_repair import check_compatible, write_shared
 from stores.features.feature_schema import bytes_per_token
 from stores.features.feature_store import FeatureStore
 from stores.files import disk_full_error, is_disk_full, is_local
-from runtime.model_identity import compare_identity, identity_fingerprint, model_identity
-from stores.staging import check_replaceable
+from runtime.model_identity import compare_identity, identity_fingerprint
+from stores.staging import ownership
 from stores.tables.token_tables import TokenTable, manifest_sha256
 
-__all__ = ["BlockWriter", "discard_block", "verifier_desc", "open_packed", "open_or_create", "resumed_dtype", "check_resumable",
-           "RESUME_MAY_CHANGE", "check_same_plan"]
+__all__ = ["BlockWriter", "discard_block", "verifier_desc", "open_packed", "RESUME_HINT", "StoreAtOutput",
+           "store_at_output", "open_or_create", "check_resumable", "RESUME_MAY_CHANGE", "check_same_plan"]
 
 
 def _identity_differs(recorded: dict[str, Any], directory: Path) -> str | None:
@@ -43,10 +44,9 @@ def _identity_differs(recorded: dict[str, Any], directory: Path) -> str | None:
     return None if check.same else check.describe()
 
 
-def verifier_desc(name: str, directory: Path, verifier, dtype: torch.dtype) -> dict[str, Any]:
-    """What the store records about the verifier: its content fingerprint and identity by part
-    (:func:`runtime.model_identity.model_identity`), the language model's shape and layer convention."""
-    identity = model_identity(directory)
+def verifier_desc(name: str, identity: dict[str, Any], verifier, dtype: torch.dtype) -> dict[str, Any]:
+    """What the store records about the verifier: its content fingerprint and ``identity`` by part (the model
+    directory's :func:`runtime.model_identity.model_identity`), the language model's shape and layer convention."""
     config = verifier.config
     text = config.get_text_config()
     decoder = language_model(verifier)
@@ -210,8 +210,6 @@ def _create_store(cfg, rows, table: TokenTable, desc: dict, layers: list[int],
     per_token = bytes_per_token(len(layers), H, cfg.storage_dtype)
     projected = len(rows) * block_size * per_token
     out = Path(cfg.output)
-    if is_local(cfg.output) and out.exists() and not cfg.force:
-        raise OutputExistsError(str(out), "pass --resume to continue it or --force to overwrite it")
     log(f"projected store size: {projected / 2**20:.1f} MiB for {len(rows)} blocks of {block_size} "
         f"token slots ({per_token} bytes per token, {cfg.storage_dtype})")
     if is_local(cfg.output):
@@ -243,8 +241,6 @@ def _create_windows_store(cfg, rows, plan, table: TokenTable, desc: dict, layers
     per_token = bytes_per_token(len(layers), H, cfg.storage_dtype)
     projected = len(rows) * plan.context_size * per_token + len(training) * block_size * 9
     out = Path(cfg.output)
-    if is_local(cfg.output) and out.exists() and not cfg.force:
-        raise OutputExistsError(str(out), "pass --resume to continue it or --force to overwrite it")
     counts = plan.counts
     log(f"projected store size: {projected / 2**20:.1f} MiB: {len(rows)} context blocks of {plan.context_size} token "
         f"slots ({per_token} bytes per token, {cfg.storage_dtype}) holding {counts['tokens_extracted']:,} tokens of "
@@ -284,30 +280,83 @@ def _shard_attrs(cfg, table: TokenTable, n_blocks: int | None = None) -> dict[st
                       "blocks": "packed block shard_index + k * num_shards is store block k"}}
 
 
-def open_or_create(cfg, rows, table, desc, layers, log, engine: dict[str, Any], plan=None,
+RESUME_HINT = "pass --resume to continue it or --force to overwrite it"
+"""What a refusal of an existing ``--output`` tells the user to do."""
+
+
+@dataclass(frozen=True)
+class StoreAtOutput:
+    """What ``--output`` holds, read once before the weights load (:func:`store_at_output`): the store ``--resume``
+    continues, and whether the run replaces what is there (the one ownership decision for ``--force``)."""
+
+    store: FeatureStore | None
+    """``--resume``: the store there, opened once (mode ``r+``); None without ``--resume``, with nothing there, or
+    with something that is no feature store."""
+    replace: bool
+    """The output is a local directory of peagle's that this run removes before it creates the store (``--force``,
+    or ``--resume`` of a store whose creation was interrupted), as :func:`stores.staging.ownership` decided."""
+    recreate: bool
+    """``--resume`` of a store whose creation was interrupted (no ``tokens_written``), or of a local path that is
+    no store: it is created again."""
+
+    @property
+    def resumed(self) -> FeatureStore | None:
+        """The finished store (``tokens_written``) whose blocks this run continues, else None."""
+        return self.store if self.store is not None and self.store.attrs.get("tokens_written") else None
+
+    @property
+    def resumed_dtype(self) -> str | None:
+        """The compute dtype (``verifier["dtype"]``, e.g. ``"bfloat16"``) of :attr:`resumed`, None without one."""
+        return None if self.resumed is None else self.resumed.attrs.get("verifier", {}).get("dtype")
+
+
+def store_at_output(cfg) -> StoreAtOutput:
+    """Read ``cfg.output`` once: without ``--resume``, whether a local output may be replaced (``--force``, peagle's
+    own files only: :func:`stores.staging.ownership`); with it, the store there (opened ``r+``), and whether
+    it must be created again. Writes nothing.
+
+    Raises:
+        OutputExistsError: a local output exists (an empty directory too) without ``--resume``/``--force``.
+        ForeignFilesError: the output holds files peagle did not write, and the run would replace it.
+    """
+    out, local = Path(cfg.output), is_local(cfg.output)
+    if not cfg.resume:
+        replace = local and ownership(out).refuse(cfg.force, RESUME_HINT)
+        if local and out.exists() and not cfg.force:  # an empty directory: still the user's
+            raise OutputExistsError(str(out), RESUME_HINT)
+        return StoreAtOutput(store=None, replace=replace, recreate=False)
+    if local and not out.exists():
+        return StoreAtOutput(store=None, replace=False, recreate=False)
+    try:
+        store = FeatureStore.open(cfg.output, mode="r+")
+    except StoreFormatError:
+        store = None  # killed before the attributes were written: start over
+    if store is not None and store.attrs.get("tokens_written"):
+        return StoreAtOutput(store=store, replace=False, recreate=False)
+    replace = local and ownership(out).refuse(True)  # a directory of another's files is no store being created
+    return StoreAtOutput(store=store, replace=replace, recreate=store is not None or local)
+
+
+def open_or_create(cfg, rows, table, desc, layers, log, engine: dict[str, Any], output: StoreAtOutput, plan=None,
                    directory: Path | None = None) -> FeatureStore:
-    """The store of ``cfg.output``: resumed (checked by :func:`check_resumable`, with the verifier's model
-    ``directory``) or created with the
-    verifier ``desc`` and the ``engine`` attribute (:attr:`VerifierEngine.record`). With a full-context
+    """The store of ``cfg.output``: ``output.resumed`` (checked by :func:`check_resumable`, with the verifier's
+    model ``directory``) or created with the verifier ``desc`` and the ``engine`` attribute
+    (:attr:`VerifierEngine.record`), after removing what ``output`` says this run replaces. With a full-context
     ``plan`` (:class:`peagle_data.extract.contexts.ContextPlan` with ``training_rows``), ``rows`` are
     this shard's context blocks and the store is a full-context one."""
     out = Path(cfg.output)
-    if cfg.resume and (out.exists() or not is_local(cfg.output)):
-        try:
-            store = FeatureStore.open(cfg.output, mode="r+")
-        except StoreFormatError:
-            store = None  # killed before the attributes were written: start over
-        if store is not None and store.attrs.get("tokens_written"):
-            check_resumable(store, cfg, desc, layers, directory)
-            if plan is not None:
-                check_same_plan(store, plan, cfg.packed)
-            return store
-        if store is not None or is_local(cfg.output):
-            log(f"{cfg.output}: creation was interrupted; creating it again")
-            cfg = dataclasses.replace(cfg, force=True, resume=False)
-            if is_local(cfg.output):
-                check_replaceable(out, True)  # a directory of another's files is no store being created
-                shutil.rmtree(out)
+    if output.resumed is not None:
+        check_resumable(output.resumed, cfg, desc, layers, directory)
+        if plan is not None:
+            check_same_plan(output.resumed, plan, cfg.packed)
+        return output.resumed
+    if output.recreate:
+        log(f"{cfg.output}: creation was interrupted; creating it again")
+        cfg = dataclasses.replace(cfg, force=True, resume=False)
+        if is_local(cfg.output):
+            shutil.rmtree(out)
+    elif output.replace:
+        shutil.rmtree(out)  # --force: a store of peagle's (store_at_output)
     try:
         if plan is not None:
             return _create_windows_store(cfg, rows, plan, table, desc, layers, log, engine)
@@ -353,19 +402,6 @@ def check_same_plan(store: FeatureStore, plan, packed: str) -> None:
         raise InputError(f"{store.path} was made with another full-context plan than {packed} gives now "
                          f"({'; '.join(diffs)}): its conversations or the peagle that plans them changed since. "
                          "A resume would mix the two plans; start over with --force", field="--resume")
-
-
-def resumed_dtype(cfg) -> str | None:
-    """The compute dtype (``verifier["dtype"]``, e.g. ``"bfloat16"``) of the store ``cfg.output`` that
-    ``--resume`` continues, or None when there is none to continue (no ``--resume``, no store, or one
-    whose creation was interrupted)."""
-    if not cfg.resume or (is_local(cfg.output) and not Path(cfg.output).exists()):
-        return None
-    try:
-        store = FeatureStore.open(cfg.output)
-    except (StoreFormatError, FileNotFoundError):
-        return None
-    return store.attrs.get("verifier", {}).get("dtype") if store.attrs.get("tokens_written") else None
 
 
 RESUME_MAY_CHANGE = ("--device", "--max-blocks", "--server", "--shared-storage", "--concurrency")

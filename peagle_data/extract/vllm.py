@@ -50,7 +50,7 @@ from safetensors import safe_open
 
 from peagle_data.extract.engine import PackedFacts, VerifierEngine
 from peagle_data.extract.hf_forward import final_norm, language_model
-from peagle_data.extract.store import resumed_dtype, verifier_desc
+from peagle_data.extract.store import verifier_desc
 from peagle_data.regenerate.backends import server_base_url
 from stores.errors import InputError
 from runtime.model_cache import load_submodule, load_tokenizer, verifier_skeleton
@@ -252,7 +252,7 @@ class VllmEngine(VerifierEngine):
 
     @classmethod
     def open(cls, cfg, directory: Path, layers: list[int], log: Callable[[str], None],
-             device: str, packed: PackedFacts) -> "VllmEngine":
+             device: str, packed: PackedFacts, identity: dict[str, Any]) -> "VllmEngine":
         """The final norm first (no vLLM yet), then the server checks or vLLM's start.
 
         Raises:
@@ -292,13 +292,13 @@ class VllmEngine(VerifierEngine):
                                  f"one vLLM generates: start the server with --max-model-len "
                                  f"{packed.longest_segment + 1} or more", field="--server")
             name, accelerator = server_dtype(probe[1]["metadata"], probe[1]["hidden_states"].dtype,
-                                             resumed_dtype(cfg), _has_accelerator())
+                                             packed.resumed_dtype, _has_accelerator())
             dtype = getattr(torch, name)
         else:
             accelerator = _has_accelerator()
             dtype = engine_dtype(accelerator, skeleton.config)
         norm = load_submodule(directory, skeleton, norm_name, dtype)
-        desc = verifier_desc(cfg.verifier, directory, skeleton, dtype)
+        desc = verifier_desc(cfg.verifier, identity, skeleton, dtype)
         desc["attn_implementation"] = None  # vLLM's choice, not transformers'
         engine = cls(cfg, desc, layers, norm, accelerator, log)
         engine.quantized = getattr(skeleton.config, "quantization_config", None) is not None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from peagle_train.data.loader import EPOCH_ORDERS
@@ -355,14 +356,13 @@ class StreamConfig:
     (``--stream-timeout-s``); with --extract-from, also the extraction's own time-out."""
 
     def __post_init__(self) -> None:
-        if self.max_store_bytes is not None:
-            parse_size(self.max_store_bytes)  # InputError (a ValueError) naming --max-store-bytes
+        self.budget_bytes  # noqa: B018  parsed once, here: InputError (a ValueError) naming --max-store-bytes
         _need(self.epoch_policy in STREAM_POLICIES, "--epoch-policy", f"one of {', '.join(STREAM_POLICIES)}",
               self.epoch_policy)
         _need(self.context is None or self.context in STREAM_CONTEXTS, "--context",
               f"one of {', '.join(STREAM_CONTEXTS)}", self.context)
         _need(self.stream_timeout_s > 0, "--stream-timeout-s", "> 0", self.stream_timeout_s)
-        _need(self.extract_from is None or self.max_store_bytes is not None, "--extract-from",
+        _need(self.extract_from is None or self.streaming, "--extract-from",
               "given with --max-store-bytes (the budget of the store it fills)", self.extract_from)
         extract_only = {"--layers": self.layers is not None, "--engine": self.engine != "hf",
                         "--context": self.context is not None, "--device": self.device is not None,
@@ -372,6 +372,17 @@ class StreamConfig:
               "given only with --extract-from (an option of the extraction this command starts)", "set")
         _need(self.engine != "vllm" or self.device is None, "--device", "left out with --engine vllm (vLLM runs on its "
               "platform's devices; CUDA_VISIBLE_DEVICES chooses GPUs)", self.device)
+
+    @cached_property
+    def budget_bytes(self) -> int | None:
+        """``--max-store-bytes`` in bytes, parsed once when the config is made
+        (:func:`stores.stream.plan.parse_size`); None: no streaming."""
+        return None if self.max_store_bytes is None else parse_size(self.max_store_bytes)
+
+    @property
+    def streaming(self) -> bool:
+        """Whether the run trains while the store is extracted, within :attr:`budget_bytes`."""
+        return self.budget_bytes is not None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -391,10 +402,10 @@ class TrainConfig:
     """Training while the store is extracted."""
 
     def __post_init__(self) -> None:
-        _need(self.stream.max_store_bytes is None or not self.data.allow_incomplete, "--allow-incomplete",
+        _need(not self.stream.streaming or not self.data.allow_incomplete, "--allow-incomplete",
               "left out with --max-store-bytes (a streaming run waits for every block it reads; it never trains "
               "on part of the store)", True)
-        _need(self.stream.max_store_bytes is None or isinstance(self.data.store, str), "--store",
+        _need(not self.stream.streaming or isinstance(self.data.store, str), "--store",
               "one store with --max-store-bytes", self.data.store)
         _need(self.stream.extract_from is None or self.model.verifier is not None, "--verifier",
               "given with --extract-from (the verifier the extraction runs)", None)

@@ -35,7 +35,7 @@ from stores.features.feature_store import FeatureStore
 from stores.files import is_zarr_store
 from runtime.model_config import load_model_config, text_config
 from stores.staging import check_replaceable
-from stores.stream.plan import apparent_bytes, block_feature_bytes, fixed_bytes_estimate, format_size, parse_size
+from stores.stream.plan import apparent_bytes, block_feature_bytes, fixed_bytes_estimate, format_size
 from stores.stream.session import StreamSession
 from stores.tables.token_tables import TokenTable, manifest_sha256
 
@@ -154,7 +154,7 @@ def check_stream_start(cfg: TrainConfig) -> int:
         StoreMismatchError: the store was extracted from another packed table or in another storage dtype.
     """
     s = cfg.stream
-    budget = parse_size(s.max_store_bytes)
+    budget = s.budget_bytes
     out = Path(cfg.run.output)
     if not cfg.run.resume:
         check_replaceable(out, cfg.run.force, "pass --resume to continue it or --force to overwrite it")

@@ -439,3 +439,39 @@ def test_output_apart_from_inputs_by_real_path(tmp_path):
     check_output_apart(tmp_path / "data" / "p" / "eval.json", {"--drafter": [str(tmp_path / "data" / "p")]},
                        directory=False)
     check_output_apart(tmp_path / "out", {"PACKED": [str(tmp_path / "data" / "p")], "--verifier": ["org/model"]})
+
+
+def test_ownership_is_one_rule_absent_ours_or_foreign(tmp_path):
+    """stores.staging.ownership decides whose an output is, once: absent (missing, an empty directory), ours (a
+    kind's marker and only that kind's entries) or foreign (anything else); check_replaceable refuses through it;
+    the entries are looked at only when asked (a large store's files are listed once, under --force)."""
+    from stores.errors import ForeignFilesError
+    from stores.staging import ABSENT, FOREIGN, OURS, check_replaceable, ownership
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert ownership(tmp_path / "missing").state == ABSENT and ownership(empty).state == ABSENT
+    assert ownership(empty).refuse(force=False) is False and check_replaceable(empty, False) is False
+    table = tmp_path / "table"
+    table.mkdir()
+    (table / "manifest.json").write_text('{"kind": "packed"}')
+    (table / "part-00000.parquet").write_bytes(b"rows")
+    owner = ownership(table)
+    assert owner.state == OURS and owner.foreign == [] and owner.refuse(force=True) is True
+    with pytest.raises(OutputExistsError) as e:
+        owner.refuse(force=False, hint="pass --resume to continue it or --force to overwrite it")
+    assert str(e.value) == f"output {table} already exists; pass --resume to continue it or --force to overwrite it"
+    (table / "notes.txt").write_text("mine")
+    assert ownership(table).state == FOREIGN and ownership(table).foreign == [table / "notes.txt"]
+    with pytest.raises(ForeignFilesError) as e:
+        ownership(table).refuse(force=True, option="--store")
+    assert e.value.foreign == [str(table / "notes.txt")]
+    with pytest.raises(ForeignFilesError) as same:
+        check_replaceable(table, True, option="--store")
+    assert str(same.value) == str(e.value)
+    file = tmp_path / "file"
+    file.write_text("x")
+    assert ownership(file).state == FOREIGN and ownership(file).foreign == [file]
+    owner = ownership(table)
+    assert owner.present and "foreign" not in vars(owner)  # not listed until asked
+    assert owner.foreign == [table / "notes.txt"] and vars(owner)["foreign"] is owner.foreign  # then kept

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from peagle_data.extract.config import ExtractConfig, check_layers
+from peagle_data.extract.config import ExtractConfig, check_layers, resolve_layers
 from peagle_data.extract.run import run_extract
 from peagle_data.prepare.config import PackConfig, PackRun
 from peagle_data.prepare.pack import run_pack
@@ -461,3 +461,64 @@ def test_a_full_tmpfs_mid_extraction(tmp_path, tiny_verifier_dir):
         assert 0 < FeatureStore.open(out).done_mask().sum() < 40
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_resume_reads_the_verifier_config_and_opens_the_store_once(tmp_path, tiny_verifier_dir, monkeypatch):
+    """The plan (plan_extract) keeps what it resolved and the later stages take it: one read of the verifier's
+    config, one open of the store --resume continues, one read of the verifier's identity (docs/design.md §2)."""
+    import peagle_data.extract.run as run_module
+    from tests.peagle_data.extract.test_full_context import synthetic_conversations, write_packed_conversations
+
+    packed = write_packed_conversations(tmp_path / "packed", synthetic_conversations(49152), 16, 32, "smollm2-135m")
+    out = str(tmp_path / "f.zarr")
+    base = dict(packed=str(packed), verifier=str(tiny_verifier_dir), output=out, layers=[1, 2], device="cpu",
+                context="full", max_context=48)
+    run_extract(ExtractConfig(**base, max_blocks=1), progress=False, log=lambda m: None)
+    reads, opens, identities = [], [], []
+    load, open_store, identity = run_module.load_model_config, FeatureStore.open.__func__, run_module.model_identity
+    monkeypatch.setattr(run_module, "load_model_config", lambda name: reads.append(name) or load(name))
+    monkeypatch.setattr(run_module, "model_identity", lambda d: identities.append(str(d)) or identity(d))
+    monkeypatch.setattr(FeatureStore, "open", classmethod(
+        lambda cls, path, mode="r": opens.append(str(path)) or open_store(cls, path, mode)))
+    s = run_extract(ExtractConfig(**base, resume=True), progress=False, log=lambda m: None)
+    assert s["complete"] and s["layers"] == [1, 2]
+    assert reads == [str(tiny_verifier_dir)] and opens.count(out) == 1 and identities == [str(tiny_verifier_dir)]
+    assert FeatureStore.open(out).attrs["verifier"]["identity"] == identity(tiny_verifier_dir)
+
+
+def test_force_decides_once_what_it_replaces(tmp_path, tiny_verifier_dir, monkeypatch):
+    """--force: whose the output is is decided once, before the weights load (stores.staging.ownership), and the
+    store is then replaced without a second look at its files; without --force an existing output, an empty
+    directory too, is refused before the weights load."""
+    import transformers
+
+    import stores.staging as staging
+    from peagle_data.extract.run import plan_extract
+
+    packed = write_packed(tmp_path / "packed", n_blocks=2, block_size=32)
+    out = tmp_path / "f.zarr"
+    base = dict(packed=str(packed), verifier=str(tiny_verifier_dir), output=str(out), layers=[1, 2], context="window")
+    run_extract(ExtractConfig(**base), progress=False, log=lambda m: None)
+    scans = []
+    foreign_entries = staging.foreign_entries
+    monkeypatch.setattr(staging, "foreign_entries", lambda path, *a: scans.append(Path(path)) or foreign_entries(path, *a))
+    s = run_extract(ExtractConfig(**base, force=True), progress=False, log=lambda m: None)
+    assert s["complete"] and scans == [out]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+
+    def no_weights(cls, *a, **k):
+        raise AssertionError("the weights loaded before the output was refused")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(no_weights))
+    with pytest.raises(OutputExistsError) as e:
+        plan_extract(ExtractConfig(**{**base, "output": str(empty)}), log=lambda m: None)
+    assert str(e.value) == f"output {empty} already exists; pass --resume to continue it or --force to overwrite it"
+
+
+def test_resolve_layers_is_the_one_place_of_the_default():
+    """``--layers`` checked against the verifier's L layers, or EAGLE-3's ``[2, L//2, L-3]`` when not given."""
+    assert resolve_layers(None, 32) == [2, 16, 29] and resolve_layers(None, 36) == [2, 18, 33]
+    assert resolve_layers([1, 3], 4) == [1, 3]
+    with pytest.raises(InputError, match="layers \\[5\\] out of range: the verifier has 4 decoder layers"):
+        resolve_layers([1, 5], 4)

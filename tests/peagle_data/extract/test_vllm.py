@@ -745,7 +745,7 @@ def test_resume_with_another_engine_is_refused(tmp_path):
 def test_server_resume_takes_the_stores_dtype_not_this_machines(tmp_path):
     """A CPU client resuming a store a GPU server began (bf16): no refusal for this machine's float32
     before the server is reached; the store's dtype is what the server must compute in."""
-    from peagle_data.extract.store import resumed_dtype
+    from peagle_data.extract.store import store_at_output
 
     model = save_family("llama31", tmp_path / "m", overrides=VLLM_CPU_SHAPE)
     packed = write_packed(tmp_path / "packed", n_blocks=2, vocab=512)
@@ -757,9 +757,9 @@ def test_server_resume_takes_the_stores_dtype_not_this_machines(tmp_path):
                        verifier={**store.attrs["verifier"], "dtype": "bfloat16"})
     cfg = ExtractConfig(packed=str(packed), context="window", verifier=str(model), output=str(out), layers=[1], engine="vllm",
                         server="http://127.0.0.1:9", shared_storage=str(tmp_path), resume=True)
-    assert resumed_dtype(cfg) == "bfloat16"
-    assert resumed_dtype(ExtractConfig(**{**cfg.__dict__, "resume": False})) is None
-    assert resumed_dtype(ExtractConfig(**{**cfg.__dict__, "output": str(tmp_path / "none.zarr")})) is None
+    assert store_at_output(cfg).resumed_dtype == "bfloat16"
+    assert store_at_output(ExtractConfig(**{**cfg.__dict__, "resume": False, "force": True})).resumed_dtype is None
+    assert store_at_output(ExtractConfig(**{**cfg.__dict__, "output": str(tmp_path / "none.zarr")})).resumed_dtype is None
     with pytest.raises(InputError) as e:
         run_extract(cfg, progress=False)
     assert str(e.value).startswith("field '--server': --server http://127.0.0.1:9/v1/models: ")
