@@ -87,6 +87,7 @@ def make_trainer(D: int, chunk: int | None, num_depths: int = K, max_anchors: in
     from peagle_train.model.config import DrafterConfig
     from peagle_train.model.drafter import PEagleDrafter
     from peagle_train.train.config import TrainConfig
+    from peagle_train.train.kinds import drafter_kind
     from peagle_train.train.trainer import Trainer
 
     torch.manual_seed(0)
@@ -100,7 +101,8 @@ def make_trainer(D: int, chunk: int | None, num_depths: int = K, max_anchors: in
     train_cfg = TrainConfig.from_flat(store="-", output="-", lr=1e-4, num_depths=num_depths, max_anchors=max_anchors,
                             loss_chunk_size=chunk or 2 ** 62, attention_backend=backend,
                             num_layers=layers, gradient_checkpointing=checkpointing)
-    return Trainer(train_cfg, model, vhead, attention=backend, max_steps=10 ** 9, warmup=0), model
+    return Trainer(train_cfg, model, vhead, kind=drafter_kind(train_cfg.model.method), attention=backend,
+                   max_steps=10 ** 9, warmup=0), model
 
 
 def train_step(trainer, block, seed: int) -> dict:

@@ -22,6 +22,7 @@ from peagle_train.model.drafter import PEagleDrafter
 from peagle_train.train.config import TrainConfig
 from peagle_train.train.step import sample_elements
 from peagle_train.train.trainer import Trainer
+from peagle_train.train.kinds import drafter_kind
 
 T, K, D, H, V, L = 512, 4, 4096, 576, 49152, 3
 
@@ -37,7 +38,8 @@ def setup() -> tuple[Trainer, Block]:
                   torch.cat([torch.arange(200), torch.arange(T - 200)]), cu,
                   torch.randn(T, L * H).bfloat16(), (3 * torch.randn(T, H)).bfloat16(), block_id=0)
     train_cfg = TrainConfig.from_flat(store="-", output="-", lr=1e-4, num_depths=K, loss_chunk_size=2048)
-    return Trainer(train_cfg, model, 0.05 * torch.randn(D, H), max_steps=10 ** 9, warmup=0), block
+    return Trainer(train_cfg, model, 0.05 * torch.randn(D, H), kind=drafter_kind(train_cfg.model.method),
+                   max_steps=10 ** 9, warmup=0), block
 
 
 def _timed(fn) -> tuple[float, float, object]:

@@ -47,7 +47,7 @@ from peagle_train.model.checkpoint import latest_checkpoint, load_training_state
 from peagle_train.model.mask_token import MaskToken, resolve_mask_token
 from peagle_train.model.warm_start import InitSource, copy_verifier_layers, load_init_weights
 from peagle_train.train.config import TrainConfig
-from peagle_train.train.kinds import drafter_kind
+from peagle_train.train.kinds import DrafterKind, drafter_kind
 from peagle_train.train.loss import LogitTransform
 from peagle_train.train.metrics import MetricsLog, resolve_trackers
 from peagle_train.train.setup import (build_draft_vocab, build_drafter_config, check_before_weights,
@@ -98,7 +98,7 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
     claimed: list[tuple[Path, bool]] = []
     extraction = budget = None
     try:
-        if cfg.stream.max_store_bytes is not None:
+        if cfg.stream.streaming:
             cfg = resolve_stream_context(cfg)  # (unset: full, or a resumed store's own)
             budget = check_stream_start(cfg)  # before anything starts or loads
             if cfg.stream.extract_from is not None and rank_from_env() == 0:
@@ -178,6 +178,8 @@ class TrainPlan:
     stream: StreamingStore | None
     """A streaming run's store (:attr:`store` itself), its plan checked and written into it and held by its
     session; None: the store is complete."""
+    kind: DrafterKind
+    """The drafter kind (``--method``): its model, samples, loss and checkpoint format."""
     last_layers: int
     """``--init-layers verifier`` of a new run: the verifier's last decoder layers the drafter's start from; else 0."""
 
@@ -200,7 +202,7 @@ def plan_train(cfg: TrainConfig, extraction: Extraction | None = None, budget: i
     trackers = resolve_trackers(cfg.run.report_to)  # before anything is read or written
     attention = resolve_attention_backend(cfg.model.attention_backend)  # InputError before any work
     streamed = stream = None
-    if cfg.stream.max_store_bytes is not None:  # a store being extracted: every block will be there when read
+    if cfg.stream.streaming:  # a store being extracted: every block will be there when read
         if budget is None:
             raise ValueError("a streaming run's plan_train takes the budget check_stream_start resolved (run_train "
                              "passes it)")
@@ -219,7 +221,8 @@ def plan_train(cfg: TrainConfig, extraction: Extraction | None = None, budget: i
     cfg, init = resolve_init_from(cfg)  # the --init-from drafter's config and maps, no weights
     cfg = resolve_drafter_layer(cfg, verifier_name, init)  # recorded in train_config.json
     cfg = resolve_epoch_order(cfg, store)  # (unset: the resumed run's, conversations on full-context stores)
-    check_before_weights(cfg, store, verifier_name, init)
+    kind = drafter_kind(cfg.model.method)
+    check_before_weights(cfg, store, verifier_name, kind, init)
     mask_id = init.mask_token_id if init is not None and init.mask_token_id is not None else cfg.model.mask_token_id
     mask = resolve_mask_token(verifier_name, store, mask_id)  # InputError before the weights load
     accelerator = _accelerator(cfg, trackers)
@@ -235,7 +238,7 @@ def plan_train(cfg: TrainConfig, extraction: Extraction | None = None, budget: i
     return TrainPlan(cfg=cfg, trackers=trackers, attention=attention, store=store, verifier_name=verifier_name,
                      init=init, mask=mask, accelerator=accelerator, resume_from=resume_from, training_state=state,
                      sequence=sequence, val_side=val_side, val_ids=val_ids, max_steps=max_steps, cursor=cursor,
-                     max_store_bytes=budget, stream=stream, last_layers=last_layers)
+                     max_store_bytes=budget, stream=stream, last_layers=last_layers, kind=kind)
 
 
 def _block_order(cfg: TrainConfig, accelerator, store, usable: np.ndarray, state: dict | None,
@@ -300,13 +303,14 @@ def load_trainer(plan: TrainPlan, claimed: list[tuple[Path, bool]] | None = None
         record = _saved_init_record(resume_from) if resume_from is not None else init.record()
         run.info.update(init_from=record)
         run.summary.update(init_from=record)
-    model, verifier_head = _drafter(cfg, heads, store, d2t, D, plan.accelerator.device, init)
+    model, verifier_head = _drafter(cfg, plan.kind, heads, store, d2t, D, plan.accelerator.device, init)
     transform = LogitTransform.from_config(heads.config)
     run.info.update(verifier_logit_transform={"scale": transform.scale, "softcap": transform.softcap})
     del heads
     if state is not None:
-        model.load_state_dict(drafter_kind(cfg.model.method).load(resume_from).state_dict())
-    trainer = Trainer(cfg, model, verifier_head, accelerator=plan.accelerator, attention=plan.attention,
+        model.load_state_dict(plan.kind.load(resume_from).state_dict())
+    trainer = Trainer(cfg, model, verifier_head, kind=plan.kind, accelerator=plan.accelerator,
+                      attention=plan.attention,
                       max_steps=plan.max_steps, warmup=cfg.optim.warmup_steps, run=run,
                       logit_transform=None if transform.identity else transform)
     if state is not None:
@@ -380,14 +384,14 @@ def _saved_init_record(checkpoint) -> dict[str, Any] | None:
     return json.loads(path.read_text()).get("peagle_training", {}).get("init_from")
 
 
-def _drafter(cfg: TrainConfig, heads, store, d2t: torch.Tensor | None, D: int,
+def _drafter(cfg: TrainConfig, kind: DrafterKind, heads, store, d2t: torch.Tensor | None, D: int,
              device, init: InitSource | None = None) -> tuple[torch.nn.Module, torch.Tensor]:
-    """The drafter of the run's kind (``--method``) initialised from the verifier's heads (``torch.manual_seed(cfg.run.seed)`` first: the
+    """The drafter of the run's ``kind`` (``--method``) initialised from the verifier's heads (``torch.manual_seed(cfg.run.seed)`` first: the
     init is the only draw of the global generator), then from the ``--init-from`` drafter's weights (those
     its layout lacks keep the fresh init: :func:`peagle_train.model.warm_start.load_init_weights`), and the
     verifier's ``[D, H]`` head rows on ``device``."""
     torch.manual_seed(cfg.run.seed)
-    model = drafter_kind(cfg.model.method).new_drafter(build_drafter_config(heads, store, cfg, D), cfg)
+    model = kind.new_drafter(build_drafter_config(heads, store, cfg, D), cfg)
     model.init_from_verifier(heads.embed, heads.lm_head, d2t)
     if init is not None:
         load_init_weights(init, model)

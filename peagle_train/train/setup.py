@@ -27,7 +27,7 @@ from peagle_train.model.checkpoint import (CONFIG_FILE, latest_checkpoint,
 from peagle_train.model.config import ROPE_TYPES, DrafterConfig
 from peagle_train.model.warm_start import InitSource, check_verifier_layers, read_init_source
 from peagle_train.train.config import FIELD_DEFAULTS, TrainConfig, flat_settings
-from peagle_train.train.kinds import drafter_kind
+from peagle_train.train.kinds import DrafterKind
 from stores.errors import InputError, PeagleError, StoreMismatchError
 from stores.features.feature_store import check_layer_convention
 from runtime.model_cache import load_verifier, resolve_model
@@ -95,7 +95,8 @@ class VerifierHeads:
 
 
 def load_verifier_heads(name: str, store, mask_token_id: int, last_layers: int = 0) -> VerifierHeads:
-    """Load the verifier's embeddings and lm_head and check them against the store.
+    """Load the verifier's embeddings and lm_head and check their shapes against the store (that the verifier is
+    the store's, by content and tokenizer, the plan checked before the weights: :func:`check_before_weights`).
 
     ``mask_token_id`` is recorded as is (chosen before the weights load, see
     :func:`peagle_train.model.mask_token.resolve_mask_token`). ``last_layers``: keep the weights of the
@@ -103,11 +104,9 @@ def load_verifier_heads(name: str, store, mask_token_id: int, last_layers: int =
     :func:`peagle_train.model.warm_start.check_verifier_layers`).
 
     Raises:
-        StoreMismatchError: the verifier's content fingerprint, tokenizer, hidden size or vocab size
-            differs from the store's (:func:`runtime.verifier_match.check_store_verifier`).
+        StoreMismatchError: the loaded verifier's hidden size or vocab size differs from the store's.
         ModelNotFoundError / MissingDependencyError: from :func:`runtime.model_cache.resolve_model`.
     """
-    check_store_verifier(store, name)
     model = load_verifier(name, dtype=torch.float32, device="cpu")
     cfg = model.config.get_text_config()  # a multimodal wrapper's language model
     _check_verifier_shape(name, cfg, store)
@@ -363,7 +362,8 @@ def prepare_output(cfg: TrainConfig) -> Path | None:
     return None
 
 
-def check_before_weights(cfg: TrainConfig, store, verifier_name: str, init: InitSource | None = None) -> None:
+def check_before_weights(cfg: TrainConfig, store, verifier_name: str, kind: DrafterKind,
+                         init: InitSource | None = None) -> None:
     """Every check that needs only the options, the store, the file system and the verifier's config,
     run before the verifier's weights load (docs/design.md §2).
 
@@ -416,7 +416,6 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str, init: Init
         check_init_source(init, planned, cfg, store)
     if cfg.model.init_layers == "verifier":
         check_verifier_layers(vc, planned, verifier_name)
-    kind = drafter_kind(cfg.model.method)
     kind.check_servable(kind.config_json(kind.make_config(planned, cfg)), None,
                         f"peagle-train on {store.path} (layers {list(store.layers)}, verifier {verifier_name!r})")
 

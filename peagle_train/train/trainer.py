@@ -32,7 +32,7 @@ from peagle_train.model.checkpoint import prune_checkpoints
 from peagle_train.model.drafter import PEagleDrafter
 from peagle_train.train.checkpointer import Checkpointer
 from peagle_train.train.config import TrainConfig
-from peagle_train.train.kinds import drafter_kind
+from peagle_train.train.kinds import DrafterKind
 from peagle_train.train.loss import LogitTransform, LossOutput
 from peagle_train.train.metrics import MetricsLog, plot_metrics, pooled_accuracy
 from peagle_train.train.optim import CosineWithWarmup, build_optimizer, clip_grad_norm
@@ -98,7 +98,7 @@ class Trainer:
         run: the data and output of a full run (None for a bare step, e.g. in a benchmark).
     """
 
-    def __init__(self, cfg: TrainConfig, model: PEagleDrafter, verifier_head: torch.Tensor, *,
+    def __init__(self, cfg: TrainConfig, model: PEagleDrafter, verifier_head: torch.Tensor, *, kind: DrafterKind,
                  accelerator=None, attention: str = "sdpa", max_steps: int = 1, warmup: int | None = None,
                  run: TrainRun | None = None, logit_transform: LogitTransform | None = None):
         if accelerator is None:
@@ -106,7 +106,7 @@ class Trainer:
 
             accelerator = Accelerator(cpu=True)
         self.cfg, self.accelerator, self.attention, self.run = cfg, accelerator, attention, run
-        self.kind = drafter_kind(cfg.model.method)  # samples, loss and checkpoint format of the drafter
+        self.kind = kind  # samples, loss and checkpoint format of the drafter (``--method``)
         self.verifier_head, self.max_steps = verifier_head, max_steps
         self.logit_transform = logit_transform  # the verifier's soft-capping / logit scaling, None: identity
         self.warmup = warmup if warmup is not None else max_steps // 20

@@ -25,6 +25,7 @@ from peagle_train.model.drafter import PEagleDrafter
 from peagle_train.train.config import TrainConfig
 from peagle_train.train.loss import LOSSES
 from peagle_train.train.trainer import Trainer
+from peagle_train.train.kinds import drafter_kind
 
 H, V, L, K, T = 32, 64, 2, 3, 40
 STEPS = 3
@@ -75,7 +76,8 @@ def _moved_after_steps(precision: str, backend: str, checkpointing: bool, embedd
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     accelerator = Accelerator(cpu=device == "cpu", mixed_precision="bf16" if precision == "bf16-autocast" else "no")
     vhead = torch.randn(V, H, generator=torch.Generator().manual_seed(1)).to(device)
-    trainer = Trainer(cfg, model.to(device), vhead, accelerator=accelerator, attention=backend, max_steps=STEPS,
+    trainer = Trainer(cfg, model.to(device), vhead, kind=drafter_kind(cfg.model.method), accelerator=accelerator,
+                      attention=backend, max_steps=STEPS,
                       warmup=0)
     for i, block in enumerate(_blocks(device)):
         trainer.train_step([(block, torch.Generator().manual_seed(100 + i))])
