@@ -145,7 +145,7 @@ def plan_figures(store_path: Path, windows: list[int], epochs: list[int], polici
     groups = conversation_groups(store) if epoch_order == "conversations" else None
     sequence = BlockSequence(train_side, train_side, SEED, str(store_path), block_group=groups)
     per_epoch = len(train_side)
-    out = {"epoch_order": epoch_order, "units": "context_blocks" if store.layout == "windows" else "blocks", "n_units": units.n_blocks,
+    out = {"epoch_order": epoch_order, "units": "context_blocks" if store.has_views else "blocks", "n_units": units.n_blocks,
            "unit_bytes": unit_bytes, "training_blocks": store.n_blocks, "train_side": per_epoch,
            "offline_tokens": offline_tokens, "feature_bytes_all_units": units.n_blocks * unit_bytes, "plans": []}
     for policy in policies:
@@ -227,7 +227,7 @@ def main() -> None:
     report = {"packed": str(args.packed) if args.packed else f"sharegpt, {args.conversations} conversations",
               "load_average_start": os.getloadavg(), "context": args.context, "n_blocks": store.n_blocks,
               "block_size": store.block_size, "n_tokens": store.n_tokens,
-              "units": "context_blocks" if store.layout == "windows" else "blocks", "n_units": units.n_blocks,
+              "units": "context_blocks" if store.has_views else "blocks", "n_units": units.n_blocks,
               "unit_tokens": units.n_tokens, "block_feature_bytes": block, "offline_store_bytes": offline_bytes,
               "offline_extract": {"wall_s": ext["wall_s"], "tokens": ext["summary"]["verifier_tokens_this_run"]},
               "runs": []}
