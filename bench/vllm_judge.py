@@ -42,7 +42,8 @@ from vllm.utils import cpu_triton_utils  # noqa: E402
 
 from peagle_train.evaluate.config import EvalConfig  # noqa: E402
 from peagle_train.evaluate.vllm_eval import (  # noqa: E402
-    check_speculators_verifier, vllm_reference, vllm_speculative)
+    check_speculators_verifier, speculative_drafter, vllm_reference, vllm_speculative)
+from peagle_train.generate.speculative import served_truncation  # noqa: E402
 from peagle_train.generate.vllm_engine import (  # noqa: E402
     VLLM_CPU_EXPAND_BUG, VLLM_EXPAND_EXPECTED, VLLM_EXPAND_PROBE, check_vllm_sampling, vllm_on_cpu)
 from stores.errors import InputError  # noqa: E402
@@ -106,11 +107,13 @@ def main() -> None:
                         vllm_loading="speculators")
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     t0 = time.perf_counter()
-    ref = vllm_reference(a.verifier, a.prompts, config, log)
+    ref = vllm_reference(a.verifier, a.prompts, config, log,
+                         served=served_truncation(a.verifier, config.top_k, config.top_p))
     reference_s = time.perf_counter() - t0
     for drafter, path in zip(a.drafters, a.reports):
         t0 = time.perf_counter()
-        report = vllm_speculative(ref, drafter, config, log, sampling_check=check)
+        kind, K = speculative_drafter(drafter, config)
+        report = vllm_speculative(ref, drafter, config, log, kind=kind, num_draft_tokens=K, sampling_check=check)
         report.update(judge_wall_s=time.perf_counter() - t0, reference_wall_s=reference_s, cpu_expand_fix=fixed,
                       judge_env={k: os.environ.get(k) for k in JUDGE_ENV})
         Path(path).write_text(json.dumps(report, indent=1))

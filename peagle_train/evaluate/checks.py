@@ -10,7 +10,7 @@ from typing import Any
 from peagle_train.evaluate.prompts import Prompt, read_prompts
 from peagle_train.generate.checks import check_drafter_tokenizer, check_verifier_config, trained_template_kwargs
 from peagle_train.generate.speculative import checked_num_draft_tokens
-from peagle_train.train.kinds import check_any_servable, load_drafter_of_kind
+from peagle_train.train.kinds import DrafterKind, check_any_servable, checkpoint_kind
 from runtime.chat.chat_template import chat_template_kwargs_record, describe_kwargs
 from stores.errors import StoreMismatchError
 from stores.features.feature_store import check_layer_convention, FeatureStore
@@ -27,12 +27,16 @@ class CheckedInputs:
         online_verifier: the online verifier MODEL (given, else the drafter's), None without a prompts file.
         store: the offline store opened, None without one.
         offline_verifier: the offline verifier MODEL (given, else the store's; None: the store names none).
+        kind: the drafter checkpoint's kind (:func:`~peagle_train.train.kinds.checkpoint_kind`).
+        num_draft_tokens: K, ``num_draft_tokens`` or the drafter's ``num_depths``, checked.
     """
 
     prompts: list[Prompt] | None
     online_verifier: str | None
     store: FeatureStore | None
     offline_verifier: str | None
+    kind: DrafterKind | None = None
+    num_draft_tokens: int | None = None
 
 
 def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = None,
@@ -56,8 +60,9 @@ def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = No
     """
     prompts = read_prompts(prompts_file, num_prompts) if prompts_file is not None else None
     check_any_servable(drafter_dir)  # vLLM's rules for its kind, for a drafter of any origin
-    drafter = load_drafter_of_kind(drafter_dir)
-    checked_num_draft_tokens(num_draft_tokens, drafter)
+    kind = checkpoint_kind(drafter_dir)
+    drafter = kind.load(drafter_dir)
+    K = checked_num_draft_tokens(num_draft_tokens, drafter)
     names, online, fs, offline = [], None, None, None
     if prompts_file is not None:
         online = verifier_name or drafter.config.verifier_name_or_path
@@ -73,7 +78,8 @@ def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = No
         names.append(offline)
     for name in dict.fromkeys(n for n in names if n):
         check_verifier_config(name, drafter)
-    return CheckedInputs(prompts=prompts, online_verifier=online, store=fs, offline_verifier=offline)
+    return CheckedInputs(prompts=prompts, online_verifier=online, store=fs, offline_verifier=offline, kind=kind,
+                         num_draft_tokens=K)
 
 
 def check_store_fits(store, drafter) -> None:

@@ -25,7 +25,7 @@ from peagle_train.generate.speculative import Truncation, check_draft_sample_met
 from peagle_train.generate.verifier import config_recurrent_layers
 from peagle_train.generate.vllm_engine import check_vllm_sampling, check_vllm_verifier, import_vllm, vllm_on_cpu
 from peagle_train.model.checkpoint import find_drafter
-from peagle_train.train.kinds import checkpoint_kind, load_drafter_of_kind
+from peagle_train.train.kinds import DrafterKind, checkpoint_kind
 from stores.errors import ForeignFilesError, InputError, OutputExistsError, StoreMismatchError
 from stores.features.feature_store import FeatureStore
 from runtime.progress import progress
@@ -126,6 +126,10 @@ class EvalPlan:
     """The report's path, checked (a PNG beside it), or None."""
     template_mode: dict[str, Any]
     """The report's ``template_mode`` (:func:`template_mode`)."""
+    kind: DrafterKind
+    """The drafter's kind (its ``config.json``), which loads it."""
+    num_draft_tokens: int
+    """K: ``--num-draft-tokens`` or the drafter's ``num_depths``, checked against them."""
     online: OnlinePlan | None
     """With ``--prompts``."""
     offline: OfflinePlan | None
@@ -193,7 +197,8 @@ def plan_eval(run: EvalRun, log: Callable[[str], None] = print) -> EvalPlan:
         offline = OfflinePlan(store=checked.store, verifier=checked.offline_verifier, max_new_tokens=limit,
                               max_new_tokens_from=limit_from)
     online = _online_plan(drafter, run, checked, sampling_check) if run.prompts is not None else None
-    return EvalPlan(run=run, drafter=drafter, output=output, template_mode=mode, online=online, offline=offline)
+    return EvalPlan(run=run, drafter=drafter, output=output, template_mode=mode, kind=checked.kind,
+                    num_draft_tokens=checked.num_draft_tokens, online=online, offline=offline)
 
 
 def plan_offline_report(plan: EvalPlan, log: Callable[[str], None]) -> dict[str, Any]:
@@ -202,7 +207,7 @@ def plan_offline_report(plan: EvalPlan, log: Callable[[str], None]) -> dict[str,
     chosen, contaminated = choose_blocks(off.store, plan.drafter, None, s.max_blocks, log)
     if not off.verifier:
         raise StoreMismatchError(f"{plan.run.store}: the store names no verifier; pass verifier_name")
-    return score_store(load_drafter_of_kind(plan.drafter).eval(), off.store, off.verifier, chosen, contaminated,
+    return score_store(plan.kind.load(plan.drafter).eval(), off.store, off.verifier, chosen, contaminated,
                        off.max_new_tokens, off.max_new_tokens_from, drafter_dir=plan.drafter, store=plan.run.store,
                        num_depths=s.num_draft_tokens, chunk_anchors=s.chunk_anchors,
                        progress_factory=_progress("offline eval", "block"), log=log, seed=s.seed,
@@ -215,8 +220,9 @@ def plan_online_report(plan: EvalPlan, log: Callable[[str], None]) -> dict[str, 
     if s.engine == "vllm":
         return vllm_speculative(vllm_reference(on.verifier, on.prompts_file, s, log, prompts=on.prompts,
                                                served=(on.truncation, on.sampling)),
-                                plan.drafter, s, log, sampling_check=on.vllm_sampling_check)
-    report = online_report(load_drafter_of_kind(plan.drafter), on.verifier, on.prompts, s, on.truncation, on.sampling,
+                                plan.drafter, s, log, kind=plan.kind, num_draft_tokens=plan.num_draft_tokens,
+                                sampling_check=on.vllm_sampling_check)
+    report = online_report(plan.kind.load(plan.drafter), on.verifier, on.prompts, s, on.truncation, on.sampling,
                            _progress("online eval (plain + speculative)", "tok"))
     return {"drafter": plan.drafter, "verifier": on.verifier, "prompts": on.prompts_file, **report}
 
@@ -251,7 +257,7 @@ def _offline_cost_model(plan: EvalPlan, offline: dict[str, Any]) -> dict[str, An
     context = first_prompt_ids(plan.offline.store.read_block(offline["blocks"][0]))
     # the verifier's config was checked before any weights (plan_eval); the timing needs no
     # tokenizer check: token ids do not change a step's cost
-    verifier, loaded = load_for_decoding(load_drafter_of_kind(plan.drafter), offline["verifier"])
+    verifier, loaded = load_for_decoding(plan.kind.load(plan.drafter), offline["verifier"])
     return cost_model_report(measure_trusted_costs(verifier, loaded, context, int(loaded.config.num_depths),
                                                    plan.run.settings.cost_rounds), offline)
 

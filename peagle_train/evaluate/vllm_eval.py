@@ -45,13 +45,13 @@ from peagle_train.generate.speculative import (Truncation, acceptance_scheme, ch
 from peagle_train.generate.vllm_engine import (SPEC_METRICS, VllmRun, check_vllm_sampling, check_vllm_verifier,
                                                import_vllm, verifier_generation_config, vllm_generate, vllm_on_cpu)
 from peagle_train.model.checkpoint import find_drafter
-from peagle_train.train.kinds import checkpoint_kind, load_drafter_of_kind
+from peagle_train.train.kinds import DrafterKind, checkpoint_kind, load_drafter_of_kind
 from stores.errors import InputError, ModelNotFoundError
 from runtime.model_cache import load_tokenizer, resolve_model
 from runtime.model_identity import model_fingerprint
 
 __all__ = ["VllmReference", "vllm_report", "next_turn_prompts", "per_position_counts", "check_speculators_verifier",
-           "vllm_reference", "vllm_speculative", "run_vllm_eval"]
+           "vllm_reference", "speculative_drafter", "vllm_speculative", "run_vllm_eval"]
 
 
 def next_turn_prompts(tokenizer, prompts: Sequence[Prompt], eos: Iterable[int], order: list[tuple[int, int]],
@@ -118,8 +118,8 @@ class VllmReference:
 
 
 def vllm_reference(verifier_name: str, prompts_file: str | Path, config: EvalConfig,
-                   log: Callable[[str], None] = print, prompts: list[Prompt] | None = None,
-                   served: tuple[Truncation, dict[str, Any]] | None = None) -> VllmReference:
+                   log: Callable[[str], None] = print, prompts: list[Prompt] | None = None, *,
+                   served: tuple[Truncation, dict[str, Any]]) -> VllmReference:
     """Run every prompt turn through vLLM without a drafter (turn by turn, each later turn with the
     answers before it as history, as peagle's own engine does), timed at concurrency 1 and
     ``config.concurrency``; at ``config.temperature`` (T > 0: sampled, seeded per request from
@@ -128,12 +128,11 @@ def vllm_reference(verifier_name: str, prompts_file: str | Path, config: EvalCon
 
     Args:
         prompts: the prompts of ``prompts_file`` already read (``config.num_prompts`` of them); None: read here.
-        served: :func:`served_truncation` of the verifier and ``config``, already read; None: read here.
+        served: :func:`served_truncation` of the verifier and ``config``: the top-k / top-p both engines apply.
 
     Raises:
         MissingDependencyError: no vLLM. ModelNotFoundError: unknown verifier. InputError: bad prompts.
     """
-    served = served_truncation(verifier_name, config.top_k, config.top_p) if served is None else served
     directory = str(resolve_model(verifier_name))
     tokenizer = load_tokenizer(verifier_name)
     eos = set(eos_ids(tokenizer, SimpleNamespace(generation_config=verifier_generation_config(directory))))
@@ -157,38 +156,43 @@ def vllm_reference(verifier_name: str, prompts_file: str | Path, config: EvalCon
                          modes=modes)
 
 
-def vllm_speculative(ref: VllmReference, drafter_dir: str | Path, config: EvalConfig,
-                     log: Callable[[str], None] = print, sampling_check: str | None = None) -> dict[str, Any]:
-    """The requests of ``ref`` through vLLM with the drafter (loaded the ``config.vllm_loading`` way, K
-    = ``config.num_draft_tokens`` or the drafter's ``num_depths``, at ``config.temperature`` with vLLM's
-    ``draft_sample_method`` = ``config.draft_sample_method``): the report of :func:`run_vllm_eval`.
-
-    Args:
-        sampling_check: the caller's own check that vLLM samples exactly at ``config.temperature``, in words, for
-            the report (a benchmark that fixes vLLM in its own process); None: :func:`check_vllm_sampling`.
+def speculative_drafter(drafter_dir: str | Path, config: EvalConfig) -> tuple[DrafterKind, int]:
+    """The drafter checkpoint's kind and K (``config.num_draft_tokens``, default the drafter's ``num_depths``),
+    for :func:`vllm_speculative`.
 
     Raises:
-        InputError: K above the drafter's ``num_depths``; an unknown draft sample method; T > 0 where vLLM's
-        rejection sampler does not get the verifier's distribution (:func:`check_vllm_sampling`).
+        InputError: K above the drafter's ``num_depths``. StoreFormatError: not a drafter checkpoint.
+    """
+    kind = checkpoint_kind(drafter_dir)
+    return kind, checked_num_draft_tokens(config.num_draft_tokens, kind.load(drafter_dir))
+
+
+def vllm_speculative(ref: VllmReference, drafter_dir: str | Path, config: EvalConfig,
+                     log: Callable[[str], None] = print, *, kind: DrafterKind, num_draft_tokens: int,
+                     sampling_check: str) -> dict[str, Any]:
+    """The requests of ``ref`` through vLLM with the drafter of ``kind`` (loaded the ``config.vllm_loading`` way,
+    K = ``num_draft_tokens``, at ``config.temperature`` with vLLM's ``draft_sample_method`` =
+    ``config.draft_sample_method``, the top-k / top-p of ``ref.served``): the report of :func:`run_vllm_eval`.
+
+    Args:
+        kind, num_draft_tokens: the drafter's kind and K, checked (:func:`speculative_drafter`).
+        sampling_check: the check that vLLM samples exactly at ``config.temperature``, in words, for the report
+            (:func:`check_vllm_sampling`, or a benchmark's own that fixes vLLM in its process).
+
+    Raises:
+        InputError: an unknown draft sample method.
     """
     vllm = import_vllm()
-    if sampling_check is None:
-        sampling_check = check_vllm_sampling(config.temperature, vllm_on_cpu())
-    kind = checkpoint_kind(drafter_dir)
-    drafter = kind.load(drafter_dir)
-    K = checked_num_draft_tokens(config.num_draft_tokens, drafter)
-    del drafter
     method = check_draft_sample_method(config.draft_sample_method)
-    truncation, sampling = ref.served or served_truncation(ref.name, config.top_k, config.top_p)
+    truncation, sampling = ref.served
     common = dict(stop_token_ids=sorted(ref.eos), concurrency=config.concurrency, log=log, memory=config.vllm_memory,
                   temperature=config.temperature, seed=config.seed, truncation=truncation)
     if config.vllm_loading == "speculative_config":
-        spec = vllm_generate(ref.directory, ref.requests, config.online_max_new_tokens(), **common,
-                             speculative_config={**kind.speculative_config(str(drafter_dir), K),
-                                                 "draft_sample_method": method})
+        model, speculative = ref.directory, kind.speculative_config(str(drafter_dir), num_draft_tokens)
     else:  # vLLM reads speculators_config of the drafter and loads the verifier it names
-        spec = vllm_generate(str(drafter_dir), ref.requests, config.online_max_new_tokens(), **common,
-                             speculative_config={"num_speculative_tokens": K, "draft_sample_method": method})
+        model, speculative = str(drafter_dir), {"num_speculative_tokens": num_draft_tokens}
+    spec = vllm_generate(model, ref.requests, config.online_max_new_tokens(), **common,
+                         speculative_config={**speculative, "draft_sample_method": method})
     return {**vllm_report(drafter_dir, ref, spec, config, vllm.__version__), "sampling": sampling,
             "vllm_sampling_check": sampling_check}
 
@@ -259,7 +263,7 @@ def run_vllm_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_fi
     check_draft_sample_method(config.draft_sample_method)
     if config.vllm_loading not in VLLM_LOADINGS:
         raise InputError(f"{config.vllm_loading!r}: expected one of {VLLM_LOADINGS}", field="--vllm-loading")
-    check_vllm_sampling(config.temperature, vllm_on_cpu())
+    sampling_check = check_vllm_sampling(config.temperature, vllm_on_cpu())
     if note:
         log(note)
     name = verifier_name or load_drafter_of_kind(found).config.verifier_name_or_path
@@ -268,7 +272,9 @@ def run_vllm_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_fi
     check_vllm_verifier(name, vllm_on_cpu())
     if config.vllm_loading == "speculators":
         check_speculators_verifier(found, name)
-    return vllm_speculative(vllm_reference(name, prompts_file, config, log), found, config, log)
+    ref = vllm_reference(name, prompts_file, config, log, served=served_truncation(name, config.top_k, config.top_p))
+    kind, K = speculative_drafter(found, config)
+    return vllm_speculative(ref, found, config, log, kind=kind, num_draft_tokens=K, sampling_check=sampling_check)
 
 
 def per_position_counts(counters: dict[str, Any], K: int) -> tuple[list[int], list[int]] | None:

@@ -87,7 +87,8 @@ SCRIPT = '''
 import json, sys, time
 import peagle_train.generate.vllm_engine as ve
 from peagle_train.evaluate.config import EvalConfig
-from peagle_train.evaluate.vllm_eval import vllm_reference, vllm_speculative
+from peagle_train.evaluate.vllm_eval import speculative_drafter, vllm_reference, vllm_speculative
+from peagle_train.generate.speculative import served_truncation
 
 INSPECT = {}  # "path": the drafter to read in the running engine's worker before it stops; "loaded": what it read
 _shutdown = ve._shutdown
@@ -151,7 +152,8 @@ if __name__ == "__main__":  # vLLM spawns its engine process: the script must be
     settings = dict(max_new_tokens=job["max_new_tokens"], num_prompts=job["num_prompts"], engine="vllm",
                     concurrency=1)
     t0 = time.perf_counter()
-    ref = vllm_reference("smollm2-135m", job["prompts"], EvalConfig(**settings))
+    ref = vllm_reference("smollm2-135m", job["prompts"], EvalConfig(**settings),
+                         served=served_truncation("smollm2-135m"))
     out = {"requests": ref.requests, "keys": [[ref.prompts[i].prompt_id, t] for i, t in ref.order],
            "directory": ref.directory,
            "plain": ref.plain.tokens, "plain_start_s": ref.plain.start_s,
@@ -160,7 +162,10 @@ if __name__ == "__main__":  # vLLM spawns its engine process: the script must be
         t = time.perf_counter()
         if name in job["inspect"]:  # what vLLM built and loaded, read in the engine that served the case
             INSPECT["path"] = drafter
-        report = vllm_speculative(ref, drafter, EvalConfig(**settings, vllm_loading=loading))
+        config = EvalConfig(**settings, vllm_loading=loading)
+        kind, K = speculative_drafter(drafter, config)
+        report = vllm_speculative(ref, drafter, config, kind=kind, num_draft_tokens=K,
+                                  sampling_check=ve.check_vllm_sampling(config.temperature, ve.vllm_on_cpu()))
         out["cases"][name] = {**report, "case_s": time.perf_counter() - t}
         if name in job["inspect"]:
             out["cases"][name]["loaded"] = INSPECT.pop("loaded")

@@ -131,6 +131,7 @@ import json, sys
 import peagle_train.evaluate.vllm_eval as ev
 import peagle_train.generate.vllm_engine as ve
 from peagle_train.evaluate.config import EvalConfig
+from peagle_train.generate.speculative import served_truncation
 ''' + FIXED_EXPAND + '''
 # the engines run in this process with the shim fixed above: peagle's probe (a child Python) would see vLLM unfixed
 ve.probe_vllm_expand = lambda: dict(ve.VLLM_EXPAND_EXPECTED)
@@ -150,10 +151,14 @@ if __name__ == "__main__":  # vLLM spawns its engine process: the script must be
     ev.vllm_generate = keep
     settings = dict(max_new_tokens=job["max_new_tokens"], engine="vllm", concurrency=1, temperature=job["T"],
                     seed=5, num_draft_tokens=job["K"])
-    ref = ev.vllm_reference("smollm2-135m", job["prompts"], EvalConfig(**settings))
+    ref = ev.vllm_reference("smollm2-135m", job["prompts"], EvalConfig(**settings),
+                            served=served_truncation("smollm2-135m"))
     out = {"requests": ref.requests, "eos": sorted(ref.eos), "cases": {}}
     for method in job["methods"]:
-        report = ev.vllm_speculative(ref, job["drafter"], EvalConfig(**settings, draft_sample_method=method))
+        config = EvalConfig(**settings, draft_sample_method=method)
+        kind, K = ev.speculative_drafter(job["drafter"], config)
+        report = ev.vllm_speculative(ref, job["drafter"], config, kind=kind, num_draft_tokens=K,
+                                     sampling_check=ve.check_vllm_sampling(config.temperature, ve.vllm_on_cpu()))
         run = runs[-1]
         out["cases"][method] = {"report": report, "tokens": run.tokens, "per_request": run.per_request}
     json.dump(out, open(sys.argv[2], "w"), default=str)
