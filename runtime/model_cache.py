@@ -16,7 +16,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from stores.errors import MissingDependencyError, ModelNotFoundError
 from stores.files import follow_umask
@@ -29,6 +31,10 @@ __all__ = [
     "gguf_path",
     "resolve_model",
     "load_tokenizer",
+    "TOKENIZER_FILES",
+    "has_tokenizer",
+    "ModelFiles",
+    "model_files",
     "load_verifier",
     "verifier_skeleton",
     "load_submodule",
@@ -164,6 +170,40 @@ def load_tokenizer(name: str | os.PathLike):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(resolve_model(name, need_weights=False))
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""Files of which a model directory needs one to have a tokenizer transformers can load."""
+
+
+def has_tokenizer(directory: str | Path) -> bool:
+    """Whether the model directory holds tokenizer files (:data:`TOKENIZER_FILES`)."""
+    return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """A MODEL resolved once (:func:`model_files`), for the checks that compare it with what a table or store
+    records."""
+
+    name: str
+    """The MODEL argument as given."""
+    directory: Path
+    """Its local directory (:func:`resolve_model`)."""
+    tokenizer: Any | None
+    """Its tokenizer (a ``PreTrainedTokenizerBase``), None where ``directory`` holds no tokenizer files."""
+
+
+def model_files(name: str | os.PathLike, need_weights: bool = False) -> ModelFiles:
+    """MODEL ``name`` resolved to its directory (:func:`resolve_model`; the weights too with ``need_weights``), with
+    its tokenizer loaded where the directory has one (:func:`has_tokenizer`).
+
+    Raises:
+        MissingDependencyError / ModelNotFoundError: from :func:`resolve_model`.
+    """
+    directory = resolve_model(name, need_weights=need_weights)
+    return ModelFiles(name=str(name), directory=directory,
+                      tokenizer=load_tokenizer(directory) if has_tokenizer(directory) else None)
 
 
 def _auto_class(config):

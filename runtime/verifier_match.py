@@ -13,22 +13,18 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
 from stores.errors import StoreMismatchError
-from runtime.model_cache import load_tokenizer, resolve_model
+from runtime.model_cache import TOKENIZER_FILES, ModelFiles, resolve_model
 from runtime.model_identity import compare_identity
 
-__all__ = ["TOKENIZER_FILES", "tokenizer_fingerprint", "has_tokenizer", "check_tokenizer",
-           "check_verifier_tokenizer", "check_token_ids", "check_store_verifier"]
+__all__ = ["tokenizer_fingerprint", "check_tokenizer", "check_verifier_tokenizer", "check_token_ids",
+           "check_store_verifier"]
 
 _log = logging.getLogger(__name__)
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-"""Files of which a model directory needs one to have a tokenizer transformers can load."""
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -37,11 +33,6 @@ def tokenizer_fingerprint(tokenizer) -> str:
     id to the same token; one added token changes it."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
-
-
-def has_tokenizer(directory: str | Path) -> bool:
-    """Whether the model directory holds tokenizer files (:data:`TOKENIZER_FILES`)."""
-    return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
 
 
 def _made_with(recorded: Mapping[str, Any]) -> str:
@@ -74,27 +65,26 @@ def check_tokenizer(recorded: Mapping[str, Any], made: str, tokenizer, label: st
             f"{n} tokens: its token ids would mean other tokens; {fix}")
 
 
-def check_verifier_tokenizer(recorded: Mapping[str, Any], made: str, verifier: str) -> None:
-    """:func:`check_tokenizer` of the verifier MODEL's tokenizer (no weights are read or fetched).
+def check_verifier_tokenizer(recorded: Mapping[str, Any], made: str, verifier: ModelFiles) -> None:
+    """:func:`check_tokenizer` of the verifier's tokenizer (``verifier``: resolved by
+    :func:`runtime.model_cache.model_files`; no weights are read).
 
     Raises:
         StoreMismatchError: another tokenizer, or a recorded fingerprint and a verifier directory
             without tokenizer files to compare it with.
-        ModelNotFoundError / MissingDependencyError: from :func:`runtime.model_cache.resolve_model`.
     """
     if recorded.get("fingerprint") is None and recorded.get("vocab_size") is None:
         return
-    directory = resolve_model(verifier, need_weights=False)
     fix = (f"tokenize and pack the conversations with the verifier's tokenizer (`peagle-data pack ... --tokenizer "
-           f"{verifier}`), or pass the verifier whose tokenizer made them")
-    if not has_tokenizer(directory):
+           f"{verifier.name}`), or pass the verifier whose tokenizer made them")
+    if verifier.tokenizer is None:
         if recorded.get("fingerprint") is None:
             return  # nothing to compare: the id range is still checked where the ids are read
         raise StoreMismatchError(
-            f"{made} was tokenized with {_made_with(recorded)}, but verifier {verifier!r} ({directory}) has no "
-            f"tokenizer files ({', '.join(TOKENIZER_FILES)}) to compare it with; copy the verifier's tokenizer "
+            f"{made} was tokenized with {_made_with(recorded)}, but verifier {verifier.name!r} ({verifier.directory}) "
+            f"has no tokenizer files ({', '.join(TOKENIZER_FILES)}) to compare it with; copy the verifier's tokenizer "
             "into its directory")
-    check_tokenizer(recorded, made, load_tokenizer(directory), f"verifier {verifier!r}", fix)
+    check_tokenizer(recorded, made, verifier.tokenizer, f"verifier {verifier.name!r}", fix)
 
 
 def check_token_ids(rows, made: str, verifier: str, vocab_size: int, first_block: int = 0, step: int = 1) -> None:
@@ -121,18 +111,19 @@ def check_token_ids(rows, made: str, verifier: str, vocab_size: int, first_block
                 f"{verifier}`), or pass the verifier whose tokenizer made it")
 
 
-def check_store_verifier(store, verifier: str) -> None:
-    """The verifier MODEL is the one ``store`` was extracted with: the same content (when the store records
-    a fingerprint; :func:`runtime.model_identity.compare_identity`: by part when the store records
-    an identity, else by the whole-file fingerprint of older stores, which the log names) and the
-    tokenizer its ids were made with (:func:`check_verifier_tokenizer`).
+def check_store_verifier(store, files: ModelFiles) -> None:
+    """The verifier MODEL (``files``: :func:`runtime.model_cache.model_files`) is the one ``store`` was extracted
+    with: the same content (when the store records a fingerprint; :func:`runtime.model_identity.compare_identity`
+    of its directory with the weights: by part when the store records an identity, else by the whole-file
+    fingerprint of older stores, which the log names) and the tokenizer its ids were made with
+    (:func:`check_verifier_tokenizer`).
 
     Raises:
         StoreMismatchError: names the store, both verifiers, the parts that differ (weights, config
             fields, tokenizer, chat template) or, for an older store, the whole-file comparison, and
             both fingerprints.
     """
-    recorded = store.attrs.get("verifier", {})
+    recorded, verifier = store.attrs.get("verifier", {}), files.name
     if recorded.get("fingerprint") is not None:
         check = compare_identity(recorded, resolve_model(verifier))
         if not check.same:
@@ -144,4 +135,4 @@ def check_store_verifier(store, verifier: str) -> None:
                  "verifier %r is the store %s's (%s fingerprint %s)", verifier, store.path,
                  "whole-file, as an older store records it:" if check.comparison == "legacy" else "identity",
                  check.have)
-    check_verifier_tokenizer(store.attrs.get("tokenizer") or {}, f"the store {store.path}", verifier)
+    check_verifier_tokenizer(store.attrs.get("tokenizer") or {}, f"the store {store.path}", files)

@@ -44,7 +44,7 @@ from stores.features.feature_repair import repair_blocks, repair_shared, repair_
 from stores.features.feature_schema import SEGMENTS, TOKEN_ARRAYS
 from stores.features.feature_store import FeatureStore
 from stores.files import is_local
-from runtime.model_cache import resolve_model
+from runtime.model_cache import model_files, resolve_model
 from runtime.model_identity import identity_fingerprint, model_identity
 from runtime.model_config import load_model_config, text_config
 from stores.tables.token_rows import TokenizedRow, content_key
@@ -130,7 +130,7 @@ def _check_before_weights(cfg: ExtractConfig, table, rows, device: str, config, 
     """
     check_packable(config)
     made = f"the packed table {cfg.packed}"
-    check_verifier_tokenizer(table.manifest.get("tokenizer") or {}, made, cfg.verifier)
+    check_verifier_tokenizer(table.manifest.get("tokenizer") or {}, made, model_files(cfg.verifier))
     vocab = int(text.vocab_size)
     if plan is not None:
         check_token_ids(plan.training_rows, made, cfg.verifier, vocab)

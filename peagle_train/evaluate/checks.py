@@ -15,6 +15,7 @@ from runtime.chat.chat_template import chat_template_kwargs_record, describe_kwa
 from stores.errors import StoreMismatchError
 from stores.features.feature_store import check_layer_convention, FeatureStore
 from runtime.chat.setting_mixtures import Mixture
+from runtime.model_cache import model_files
 from runtime.verifier_match import check_store_verifier
 
 
@@ -63,10 +64,12 @@ def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = No
     kind = checkpoint_kind(drafter_dir)
     drafter = kind.load(drafter_dir)
     K = checked_num_draft_tokens(num_draft_tokens, drafter)
-    names, online, fs, offline = [], None, None, None
+    names, online, fs, offline, files = [], None, None, None, None
     if prompts_file is not None:
         online = verifier_name or drafter.config.verifier_name_or_path
-        check_drafter_tokenizer(drafter_dir, online)
+        if online:  # none named: refused with the online plan (InputError, --verifier)
+            files = model_files(online)  # its directory and tokenizer, resolved once for both checks
+            check_drafter_tokenizer(drafter_dir, files)
         names.append(online)
     if store is not None:
         fs = FeatureStore.open(store)
@@ -74,7 +77,7 @@ def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = No
         check_store_fits(fs, drafter)
         offline = verifier_name or fs.attrs.get("verifier", {}).get("name_or_path")
         if offline:
-            check_store_verifier(fs, offline)
+            check_store_verifier(fs, files if files is not None and files.name == offline else model_files(offline))
         names.append(offline)
     for name in dict.fromkeys(n for n in names if n):
         check_verifier_config(name, drafter)

@@ -22,7 +22,7 @@ from peagle_train.generate.speculative import GenerationResult, Truncation, acce
 from peagle_train.generate.tree import TreeGenerationResult, TreeSpec
 from peagle_train.train.kinds import load_drafter_of_kind
 from stores.errors import InputError
-from runtime.model_cache import load_tokenizer
+from runtime.model_cache import load_tokenizer, model_files
 
 
 def _turn_seed(seed: int, turn_index: int) -> int:
@@ -286,7 +286,7 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
     check_verifier_config(name, drafter)  # before the weights load
     if config.tree_topk is not None or config.tree_nodes is not None:
         check_tree_verifier(name)
-    check_drafter_tokenizer(drafter_dir, name)
+    check_drafter_tokenizer(drafter_dir, model_files(name))
     truncation, sampling = served_truncation(name, config.top_k, config.top_p)
     report = online_report(drafter, name, prompts, config, truncation, sampling, progress_factory)
     report = {"drafter": str(drafter_dir), "verifier": str(name), "prompts": str(prompts_file), **report}

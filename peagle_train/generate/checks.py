@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from peagle_train.generate.speculative import check_compatible
 from peagle_train.generate.tree import check_tree_config
 from runtime.chat.chat_template import chat_template_kwargs_record
+from runtime.model_cache import ModelFiles
 from runtime.model_config import load_model_config, text_config
 from runtime.verifier_match import check_verifier_tokenizer
 
@@ -37,9 +38,9 @@ def check_tree_verifier(name: str) -> None:
     check_tree_config(load_model_config(name))
 
 
-def check_drafter_tokenizer(drafter_dir: str | Path, verifier_name: str) -> None:
-    """The verifier's tokenizer is the one the drafter's training data was tokenized with (the store's
-    ``tokenizer`` record, which ``peagle-train`` keeps in ``config.json`` as ``peagle_training.tokenizer``;
+def check_drafter_tokenizer(drafter_dir: str | Path, verifier: ModelFiles) -> None:
+    """The verifier's tokenizer (``verifier``: :func:`runtime.model_cache.model_files`) is the one the drafter's
+    training data was tokenized with (the store's ``tokenizer`` record, which ``peagle-train`` keeps in ``config.json`` as ``peagle_training.tokenizer``;
     a checkpoint without it, e.g. another tool's, is not checked): the drafter's embedding rows and
     ``d2t`` mean that tokenizer's tokens.
 
@@ -48,7 +49,7 @@ def check_drafter_tokenizer(drafter_dir: str | Path, verifier_name: str) -> None
     """
     config = json.loads((Path(drafter_dir) / "config.json").read_text())
     recorded = (config.get("peagle_training") or {}).get("tokenizer") or {}
-    check_verifier_tokenizer(recorded, f"the training data of the drafter {drafter_dir}", verifier_name)
+    check_verifier_tokenizer(recorded, f"the training data of the drafter {drafter_dir}", verifier)
 
 
 def trained_template_kwargs(drafter_dir: str | Path) -> dict | None:

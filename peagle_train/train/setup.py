@@ -30,7 +30,7 @@ from peagle_train.train.config import FIELD_DEFAULTS, TrainConfig, flat_settings
 from peagle_train.train.kinds import DrafterKind
 from stores.errors import InputError, PeagleError, StoreMismatchError
 from stores.features.feature_store import check_layer_convention
-from runtime.model_cache import load_verifier, resolve_model
+from runtime.model_cache import load_verifier, model_files, resolve_model
 from runtime.model_identity import model_fingerprint
 from runtime.model_config import load_model_config, text_config
 from stores.staging import check_replaceable
@@ -401,8 +401,9 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str, kind: Draf
     config = load_model_config(verifier_name)
     vc = text_config(config)
     _check_verifier_shape(verifier_name, vc, store)
+    files = model_files(verifier_name)
     for s in getattr(store, "stores", [store]):  # each store of a StoreSet
-        check_store_verifier(s, verifier_name)
+        check_store_verifier(s, files)
     rope = verifier_rope(vc)
     if rope["rope_type"] not in ROPE_TYPES:
         raise InputError(f"verifier {verifier_name!r} uses RoPE type {rope['rope_type']!r}, whose frequencies "

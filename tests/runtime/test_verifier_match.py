@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from stores.errors import StoreMismatchError
-from runtime.verifier_match import check_store_verifier, has_tokenizer, tokenizer_fingerprint
+from runtime.model_cache import has_tokenizer, model_files
+from runtime.verifier_match import check_store_verifier, tokenizer_fingerprint
 
 
 def test_the_fingerprint_follows_the_vocabulary(tmp_path, smollm2_tokenizer_dir):
@@ -41,7 +42,8 @@ def test_a_store_opens_with_a_resaved_copy_of_its_verifier(tmp_path, tiny_verifi
     from tests.runtime.test_model_identity import resaved
 
     with caplog.at_level(logging.INFO, logger="runtime.verifier_match"):
-        check_store_verifier(_store(tiny_verifier_dir), str(resaved(tiny_verifier_dir, tmp_path / "copy")))
+        check_store_verifier(_store(tiny_verifier_dir),
+                             model_files(str(resaved(tiny_verifier_dir, tmp_path / "copy"))))
     assert "(identity fingerprint" in caplog.text
 
 
@@ -54,7 +56,7 @@ def test_another_verifier_is_refused_with_what_differs(tmp_path, tiny_verifier_d
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
     with pytest.raises(StoreMismatchError) as e:
-        check_store_verifier(_store(tiny_verifier_dir), str(other))
+        check_store_verifier(_store(tiny_verifier_dir), model_files(str(other)))
     msg = " ".join(str(e.value).split())
     assert msg.startswith(f"verifier {str(other)!r} is not the model the store s.zarr was extracted with (differs "
                           "in config fields (num_hidden_layers); chat template (default) (fingerprint "), msg
@@ -71,7 +73,7 @@ def test_an_older_store_is_compared_by_its_whole_file_fingerprint(tmp_path, tiny
 
     old = _store(tiny_verifier_dir, identity=False)
     with caplog.at_level(logging.INFO, logger="runtime.verifier_match"):
-        check_store_verifier(old, str(tiny_verifier_dir))
+        check_store_verifier(old, model_files(str(tiny_verifier_dir)))
     assert "(whole-file, as an older store records it: fingerprint" in caplog.text
     with pytest.raises(StoreMismatchError, match="compared by the whole-file fingerprint the store recorded"):
-        check_store_verifier(old, str(resaved(tiny_verifier_dir, tmp_path / "copy")))
+        check_store_verifier(old, model_files(str(resaved(tiny_verifier_dir, tmp_path / "copy"))))
