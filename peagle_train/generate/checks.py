@@ -40,9 +40,9 @@ def check_tree_verifier(name: str) -> None:
 
 def check_drafter_tokenizer(drafter_dir: str | Path, verifier: ModelFiles) -> None:
     """The verifier's tokenizer (``verifier``: :func:`runtime.model_cache.model_files`) is the one the drafter's
-    training data was tokenized with (the store's ``tokenizer`` record, which ``peagle-train`` keeps in ``config.json`` as ``peagle_training.tokenizer``;
-    a checkpoint without it, e.g. another tool's, is not checked): the drafter's embedding rows and
-    ``d2t`` mean that tokenizer's tokens.
+    training data was tokenized with (the store's ``tokenizer`` record, which ``peagle-train`` keeps in
+    ``config.json`` as ``peagle_training.tokenizer``; a checkpoint without it, e.g. another tool's, is not
+    checked): the drafter's embedding rows and ``d2t`` mean that tokenizer's tokens.
 
     Raises:
         StoreMismatchError: another tokenizer (:func:`runtime.verifier_match.check_tokenizer`).
