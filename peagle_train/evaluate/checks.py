@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from peagle_train.evaluate.prompts import Prompt, read_prompts
 from peagle_train.generate.checks import check_drafter_tokenizer, check_verifier_config, trained_template_kwargs
 from peagle_train.generate.speculative import checked_num_draft_tokens
+from peagle_train.generate.verifier import config_recurrent_layers
 from peagle_train.train.kinds import DrafterKind, check_any_servable, checkpoint_kind
 from runtime.chat.chat_template import chat_template_kwargs_record, describe_kwargs
 from stores.errors import StoreMismatchError
@@ -29,6 +30,8 @@ class CheckedInputs:
         store: the offline store opened, None without one.
         offline_verifier: the offline verifier MODEL (given, else the store's; None: the store names none).
         kind: the drafter checkpoint's kind (:func:`~peagle_train.train.kinds.checkpoint_kind`).
+        recurrent_layers: per verifier MODEL checked, its layers with a recurrent state
+            (:func:`~peagle_train.generate.verifier.config_recurrent_layers` of its config).
         num_draft_tokens: K, ``num_draft_tokens`` or the drafter's ``num_depths``, checked.
     """
 
@@ -38,6 +41,7 @@ class CheckedInputs:
     offline_verifier: str | None
     kind: DrafterKind | None = None
     num_draft_tokens: int | None = None
+    recurrent_layers: dict[str, list[int]] = field(default_factory=dict)
 
 
 def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = None,
@@ -79,10 +83,10 @@ def check_before_weights(drafter_dir: str | Path, verifier_name: str | None = No
         if offline:
             check_store_verifier(fs, files if files is not None and files.name == offline else model_files(offline))
         names.append(offline)
-    for name in dict.fromkeys(n for n in names if n):
-        check_verifier_config(name, drafter)
+    recurrent = {name: config_recurrent_layers(check_verifier_config(name, drafter))
+                 for name in dict.fromkeys(n for n in names if n)}
     return CheckedInputs(prompts=prompts, online_verifier=online, store=fs, offline_verifier=offline, kind=kind,
-                         num_draft_tokens=K)
+                         num_draft_tokens=K, recurrent_layers=recurrent)
 
 
 def check_store_fits(store, drafter) -> None:

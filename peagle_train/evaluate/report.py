@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from peagle_train.evaluate.cost_model import format_cost_model
+from stores.errors import ForeignFilesError, OutputExistsError
 from stores.files import strict_json
 from stores.staging import write_text_atomic
 
@@ -38,6 +39,21 @@ def foreign_report_files(path: str | Path) -> list[Path]:
         report = None
     ours = isinstance(report, dict) and any(k in report for k in REPORT_KEYS)
     return [] if ours else existing
+
+
+def check_report_output(output: str | None, force: bool) -> Path | None:
+    """The report's path (None: none asked). Raises OutputExistsError when the report or its PNG exists and ``force``
+    is not set, ForeignFilesError when ``force`` would replace files that are no report of peagle-eval's
+    (:func:`foreign_report_files`)."""
+    if output is None:
+        return None
+    for existing in (Path(output), Path(output).with_suffix(".png")):
+        if existing.exists() and not force:
+            raise OutputExistsError(str(existing))
+    foreign = foreign_report_files(output)
+    if foreign:
+        raise ForeignFilesError(str(output), [str(p) for p in foreign], "--output", ["an evaluation report"])
+    return Path(output)
 
 
 def mode_name(kwargs: dict[str, Any]) -> str:

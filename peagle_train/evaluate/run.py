@@ -17,19 +17,17 @@ from peagle_train.evaluate.cost_model import (HYBRID_COSTS_SKIPPED, cost_model_r
 from peagle_train.evaluate.offline import check_complete, choose_blocks, replay_max_new_tokens, score_store
 from peagle_train.evaluate.online import online_report
 from peagle_train.evaluate.prompts import Prompt
-from peagle_train.evaluate.report import foreign_report_files, write_acceptance_plot, write_json
+from peagle_train.evaluate.report import check_report_output, write_acceptance_plot, write_json
 from peagle_train.evaluate.vllm_eval import check_speculators_verifier, vllm_reference, vllm_speculative
 from peagle_train.generate.checks import check_tree_verifier
 from peagle_train.generate.inference import load_for_decoding
 from peagle_train.generate.speculative import Truncation, check_draft_sample_method, served_truncation
-from peagle_train.generate.verifier import config_recurrent_layers
 from peagle_train.generate.vllm_engine import check_vllm_sampling, check_vllm_verifier, import_vllm, vllm_on_cpu
 from peagle_train.model.checkpoint import find_drafter
 from peagle_train.train.kinds import DrafterKind, checkpoint_kind
-from stores.errors import ForeignFilesError, InputError, OutputExistsError, StoreMismatchError
+from stores.errors import InputError, StoreMismatchError
 from stores.features.feature_store import FeatureStore
 from runtime.progress import progress
-from runtime.model_config import load_model_config
 
 __all__ = ["EvalRun", "EvalPlan", "OnlinePlan", "OfflinePlan", "plan_eval", "evaluate_plan", "plan_offline_report", "plan_online_report", "run_eval", "VLLM_COSTS_SKIPPED", "OFFLINE_COSTS_NOT_ASKED"]
 
@@ -67,21 +65,6 @@ class EvalRun:
                              "mode: give --prompts, or evaluate the store in one mode (--chat-template-kwargs)")
 
 
-def _check_output(run: EvalRun) -> Path | None:
-    """The report's path (None: none asked). Raises OutputExistsError when the report or its PNG exists and ``force``
-    is not set, ForeignFilesError when ``force`` would replace files that are no report of peagle-eval's
-    (:func:`foreign_report_files`)."""
-    if run.output is None:
-        return None
-    for existing in (Path(run.output), Path(run.output).with_suffix(".png")):
-        if existing.exists() and not run.force:
-            raise OutputExistsError(str(existing))
-    foreign = foreign_report_files(run.output)
-    if foreign:
-        raise ForeignFilesError(str(run.output), [str(p) for p in foreign], "--output", ["an evaluation report"])
-    return Path(run.output)
-
-
 @dataclass(frozen=True, kw_only=True)
 class OnlinePlan:
     """The online half of an :class:`EvalPlan`: what the prompts are decoded with."""
@@ -111,6 +94,8 @@ class OfflinePlan:
     max_new_tokens: int
     """The replay's limit per turn (:func:`replay_max_new_tokens`), and ``max_new_tokens_from`` where it came from."""
     max_new_tokens_from: str
+    recurrent_layers: list[int]
+    """The verifier's layers with a recurrent state (a hybrid's steps are not timed for the cost model)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,7 +165,7 @@ def plan_eval(run: EvalRun, log: Callable[[str], None] = print) -> EvalPlan:
     if note:
         log(note)
     drafter, s = str(found), run.settings
-    output = _check_output(run)
+    output = check_report_output(run.output, run.force)
     vllm_online = run.prompts is not None and s.engine == "vllm"
     sampling_check = _vllm_checks(drafter, s) if vllm_online else None
     checked = check_before_weights(drafter, run.verifier, run.prompts, run.store, s.num_prompts, s.num_draft_tokens)
@@ -195,7 +180,8 @@ def plan_eval(run: EvalRun, log: Callable[[str], None] = print) -> EvalPlan:
         check_complete(checked.store, s.allow_partial)
         limit, limit_from = replay_max_new_tokens(checked.store, s.max_new_tokens)
         offline = OfflinePlan(store=checked.store, verifier=checked.offline_verifier, max_new_tokens=limit,
-                              max_new_tokens_from=limit_from)
+                              max_new_tokens_from=limit_from,
+                              recurrent_layers=checked.recurrent_layers.get(checked.offline_verifier, []))
     online = _online_plan(drafter, run, checked, sampling_check) if run.prompts is not None else None
     return EvalPlan(run=run, drafter=drafter, output=output, template_mode=mode, kind=checked.kind,
                     num_draft_tokens=checked.num_draft_tokens, online=online, offline=offline)
@@ -218,9 +204,9 @@ def plan_online_report(plan: EvalPlan, log: Callable[[str], None]) -> dict[str, 
     """The online report: vLLM's (:func:`vllm_speculative`) or peagle's own decoder's (:func:`online_report`)."""
     s, on = plan.run.settings, plan.online
     if s.engine == "vllm":
-        return vllm_speculative(vllm_reference(on.verifier, on.prompts_file, s, log, prompts=on.prompts,
-                                               served=(on.truncation, on.sampling)),
-                                plan.drafter, s, log, kind=plan.kind, num_draft_tokens=plan.num_draft_tokens,
+        ref = vllm_reference(on.verifier, on.prompts_file, s, log, prompts=on.prompts,
+                             served=(on.truncation, on.sampling))
+        return vllm_speculative(ref, plan.drafter, s, log, kind=plan.kind, num_draft_tokens=plan.num_draft_tokens,
                                 sampling_check=on.vllm_sampling_check)
     report = online_report(plan.kind.load(plan.drafter), on.verifier, on.prompts, s, on.truncation, on.sampling,
                            _progress("online eval (plain + speculative)", "tok"))
@@ -252,12 +238,12 @@ def _offline_cost_model(plan: EvalPlan, offline: dict[str, Any]) -> dict[str, An
         return {"skipped": "the offline cost model predicts from the all-anchor acceptance: give --all-anchor"}
     if not offline["positions_scored"]:
         return {"skipped": "the offline evaluation scored no anchor: no acceptance to predict from"}
-    if config_recurrent_layers(load_model_config(offline["verifier"])):
+    if plan.offline.recurrent_layers:
         return {"skipped": HYBRID_COSTS_SKIPPED}
-    context = first_prompt_ids(plan.offline.store.read_block(offline["blocks"][0]))
     # the verifier's config was checked before any weights (plan_eval); the timing needs no
     # tokenizer check: token ids do not change a step's cost
     verifier, loaded = load_for_decoding(plan.kind.load(plan.drafter), offline["verifier"])
+    context = first_prompt_ids(plan.offline.store.read_block(offline["blocks"][0]))
     return cost_model_report(measure_trusted_costs(verifier, loaded, context, int(loaded.config.num_depths),
                                                    plan.run.settings.cost_rounds), offline)
 

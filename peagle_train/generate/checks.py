@@ -17,15 +17,16 @@ from runtime.verifier_match import check_verifier_tokenizer
 __all__ = ["check_verifier_config", "check_tree_verifier", "check_drafter_tokenizer", "trained_template_kwargs"]
 
 
-def check_verifier_config(name: str, drafter) -> None:
+def check_verifier_config(name: str, drafter):
     """:func:`~peagle_train.generate.speculative.check_compatible` on MODEL ``name``'s config alone, before its
-    weights load.
+    weights load; returns that config (``transformers.PretrainedConfig``).
 
     Raises:
         InputError: the drafter does not fit the verifier. ModelNotFoundError: unknown MODEL.
     """
-
-    check_compatible(SimpleNamespace(config=text_config(load_model_config(name))), drafter)
+    config = load_model_config(name)
+    check_compatible(SimpleNamespace(config=text_config(config)), drafter)
+    return config
 
 
 def check_tree_verifier(name: str) -> None:

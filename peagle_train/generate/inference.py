@@ -42,7 +42,8 @@ from peagle_train.generate.render import eos_ids, render_messages, turn_text
 from peagle_train.generate.speculative import (GenerationResult, Truncation, check_compatible, checked_num_draft_tokens,
                                                plain_generate, speculative_generate)
 from peagle_train.generate.vllm_engine import VllmSpeculativeEngine
-from peagle_train.generate.tree import TreeGenerationResult, TreeSpec, check_tree_supported, tree_depth, tree_generate
+from peagle_train.generate.tree import (TreeGenerationResult, TreeSpec, check_tree_sampling, check_tree_supported,
+                                        tree_depth, tree_generate)
 from peagle_train.model.checkpoint import check_servable_checkpoint, find_drafter, load_drafter
 from peagle_train.train.kinds import DRAFTER_KINDS, check_any_servable, checkpoint_kind
 from peagle_train.model.drafter import PEagleDrafter
@@ -394,8 +395,8 @@ class PEAGLEInference:
         Raises:
             InputError: T < 0, a tree at T > 0 (greedy only), an empty prompt.
         """
-        if self.tree is not None and temperature != 0:
-            check_tree_supported(self.verifier, temperature)
+        if self.tree is not None:
+            check_tree_sampling(temperature)  # the rest of check_tree_supported ran at set-up
         gens = [torch.Generator().manual_seed(seed) if (temperature > 0 and seed is not None) else None
                 for _ in range(2)]
         counted = (lambda tokens: on_progress(len(tokens))) if on_progress is not None else None

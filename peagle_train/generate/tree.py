@@ -51,7 +51,8 @@ from stores.errors import InputError
 
 __all__ = ["TreeSpec", "DraftTree", "TreeGenerationResult", "build_tree", "tree_attention_mask",
            "compact_cache", "walk_greedy", "check_tree_supported", "tree_depth", "DFLASH_TREE_REFUSED", "tree_generate",
-           "check_tree_config", "TREE_ATTENTION", "TREE_SAMPLING_REFUSED", "TREE_RECURRENT_REFUSED"]
+           "check_tree_config", "check_tree_sampling", "TREE_ATTENTION", "TREE_SAMPLING_REFUSED",
+           "TREE_RECURRENT_REFUSED"]
 
 TREE_ATTENTION = ("eager", "sdpa")
 """Verifier attention implementations that take the tree's additive 4D mask as it is."""
@@ -291,6 +292,16 @@ def check_tree_config(config) -> None:
     _layer_kinds(config.get_text_config())
 
 
+def check_tree_sampling(temperature: float) -> None:
+    """Refuse a tree at T > 0: tree verification is greedy only.
+
+    Raises:
+        InputError: :data:`TREE_SAMPLING_REFUSED` (field ``--temperature``).
+    """
+    if temperature != 0:
+        raise InputError(TREE_SAMPLING_REFUSED, field="--temperature")
+
+
 def check_tree_supported(verifier, temperature: float) -> None:
     """Refuse a tree where it would not be exact: T > 0 (:data:`TREE_SAMPLING_REFUSED`), an attention
     implementation that does not take an additive 4D mask (flash, flex), :func:`check_tree_config`.
@@ -298,8 +309,7 @@ def check_tree_supported(verifier, temperature: float) -> None:
     Raises:
         InputError: with the reason.
     """
-    if temperature != 0:
-        raise InputError(TREE_SAMPLING_REFUSED, field="--temperature")
+    check_tree_sampling(temperature)
     text = verifier.config.get_text_config()
     check_tree_config(verifier.config)
     impl = getattr(text, "_attn_implementation", None) or getattr(verifier.config, "_attn_implementation", None)
