@@ -175,11 +175,11 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
                                              on_progress=progress, top_logits=tops,
                                              draft_sample_method=config.draft_sample_method,
                                              truncation=truncation)
-            totals.add(base, spec)
             check = None  # samples differ by design at T > 0
             if T == 0:
                 check = compare_to_greedy(spec.tokens, base.tokens, base.top_logits if tops else None, dtype)
                 checks.append((prompt.prompt_id, check))
+            totals.add(base, spec)
             per_prompt.append(_turn_record(tokenizer, prompt, turn, len(ids), base, spec, check, eos, mode))
             if turn + 1 < len(prompt.user_turns):  # the answer as served becomes the next turn's history
                 answers.append(history_message(tokenizer, base.tokens, eos, config.reasoning_parser, mode,
@@ -288,19 +288,20 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
         check_tree_verifier(name)
     check_drafter_tokenizer(drafter_dir, model_files(name))
     truncation, sampling = served_truncation(name, config.top_k, config.top_p)
-    report = online_report(drafter, name, prompts, config, truncation, sampling, progress_factory)
+    verifier, drafter = load_for_decoding(drafter, name)
+    report = online_report(verifier, drafter, name, prompts, config, truncation, sampling, progress_factory)
     report = {"drafter": str(drafter_dir), "verifier": str(name), "prompts": str(prompts_file), **report}
     if output is not None:
         write_json(report, output)
     return report
 
 
-def online_report(drafter, name: str, prompts: Sequence[Prompt], config: EvalConfig, truncation: Truncation,
+def online_report(verifier, drafter, name: str, prompts: Sequence[Prompt], config: EvalConfig, truncation: Truncation,
                   sampling: dict[str, Any], progress_factory: Callable[[int], Any] | None = None) -> dict[str, Any]:
-    """:func:`evaluate_prompts` of the ``drafter`` (a loaded checkpoint, checked against verifier MODEL ``name``
-    before any weights) on the read ``prompts``: loads the verifier's weights and tokenizer, then decodes with
-    ``truncation`` (``sampling``: where its top-k / top-p came from, :func:`served_truncation`)."""
-    verifier, drafter = load_for_decoding(drafter, name)
+    """:func:`evaluate_prompts` of verifier MODEL ``name`` and the ``drafter``, both loaded for decoding
+    (:func:`~peagle_train.generate.inference.load_for_decoding`, after the checks that need no weights), on the
+    read ``prompts``: loads the verifier's tokenizer, then decodes with ``truncation`` (``sampling``: where its
+    top-k / top-p came from, :func:`served_truncation`)."""
     tokenizer = load_tokenizer(name)
     bar = progress_factory(progress_total(prompts, config.online_max_new_tokens())) if progress_factory else None
     try:

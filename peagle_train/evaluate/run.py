@@ -208,7 +208,8 @@ def plan_online_report(plan: EvalPlan, log: Callable[[str], None]) -> dict[str, 
                              served=(on.truncation, on.sampling))
         return vllm_speculative(ref, plan.drafter, s, log, kind=plan.kind, num_draft_tokens=plan.num_draft_tokens,
                                 sampling_check=on.vllm_sampling_check)
-    report = online_report(plan.kind.load(plan.drafter), on.verifier, on.prompts, s, on.truncation, on.sampling,
+    verifier, drafter = load_for_decoding(plan.kind.load(plan.drafter), on.verifier)
+    report = online_report(verifier, drafter, on.verifier, on.prompts, s, on.truncation, on.sampling,
                            _progress("online eval (plain + speculative)", "tok"))
     return {"drafter": plan.drafter, "verifier": on.verifier, "prompts": on.prompts_file, **report}
 
