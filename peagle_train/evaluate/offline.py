@@ -27,7 +27,7 @@ from peagle_train.model.checkpoint import TRAINING_SEGMENTS_FILE, read_training_
 from peagle_train.train.kinds import load_drafter_of_kind
 from stores.errors import StoreMismatchError
 from stores.features.feature_store import FeatureStore
-from runtime.model_cache import load_output_head
+from runtime.model_cache import load_output_head, model_files
 from runtime.verifier_match import check_store_verifier
 
 
@@ -502,7 +502,8 @@ def run_offline_eval(drafter_dir: str | Path, store: str | Path, max_blocks: int
     if not name:
         raise StoreMismatchError(f"{store}: the store names no verifier; pass verifier_name")
     check_verifier_config(name, drafter)  # config alone
-    check_store_verifier(fs, name)  # the store's turns are this verifier's answers (hashes its files, loads nothing)
+    # the store's turns are this verifier's answers (hashes its files, loads nothing)
+    check_store_verifier(fs, model_files(name))
     return score_store(drafter, fs, name, chosen, contaminated, max_new_tokens, limit_from, drafter_dir=drafter_dir,
                        store=store, num_depths=num_depths, chunk_anchors=chunk_anchors,
                        progress_factory=progress_factory, log=log, seed=seed, all_anchor=all_anchor)

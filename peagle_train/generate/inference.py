@@ -49,7 +49,7 @@ from peagle_train.train.kinds import DRAFTER_KINDS, check_any_servable, checkpoi
 from peagle_train.model.drafter import PEagleDrafter
 from peagle_train.model.warm_start import load_init_weights, read_init_source
 from stores.errors import InputError
-from runtime.model_cache import load_tokenizer, load_verifier
+from runtime.model_cache import load_tokenizer, load_verifier, model_files
 
 __all__ = ["PEAGLEInference", "InferenceResult", "StreamChunk", "acceptance_summary", "load_for_decoding",
            "load_any_drafter"]
@@ -292,7 +292,7 @@ class PEAGLEInference:
         check_verifier_config(name, drafter)  # before the weights load
         if tree is not None:
             check_tree_verifier(name)  # a hybrid verifier's tree: refused before its weights load
-        check_drafter_tokenizer(directory, name)
+        check_drafter_tokenizer(directory, model_files(name))
         if chat_template_kwargs is None:
             chat_template_kwargs = trained_template_kwargs(directory)
         self.drafter_dir, self.verifier_name, self.engine = directory, str(name), engine
