@@ -64,16 +64,20 @@ from typing import Any
 
 import torch
 
+from peagle_train.evaluate.config import EvalConfig
+from peagle_train.generate.inference import load_for_decoding
 from peagle_train.generate.speculative import DrafterSession, aux_features, propose_drafts
 from peagle_train.generate.verifier import (aux_hidden_states, config_recurrent_layers, crop_cache, new_cache,
                                             rollback_cache, verifier_body_pass, verifier_pass)
+from peagle_train.train.kinds import DrafterKind
 from stores.errors import InputError
 from runtime.progress import progress
 
 __all__ = ["ASSUMPTIONS", "MONOTONE_TOLERANCE", "SPREAD_LIMIT", "PREDICTION_TOLERANCE", "StepCosts",
            "measure_step_costs", "measure_trusted_costs", "cost_problems", "load_average", "usable_cpus",
            "first_prompt_ids", "acceptance_shares", "expected_acceptance_length", "predict_speedups",
-           "cost_model_report", "format_cost_model", "timing_notice", "HYBRID_COSTS_SKIPPED"]
+           "cost_model_report", "format_cost_model", "timing_notice", "HYBRID_COSTS_SKIPPED", "online_cost_model",
+           "offline_cost_model"]
 
 HYBRID_COSTS_SKIPPED = (
     "hybrid verifier (recurrent layers): its steps record per-token states or, where transformers cannot, feed "
@@ -461,3 +465,43 @@ def format_cost_model(cm: dict[str, Any]) -> list[str]:
     if cm.get("note"):
         lines.append(f"  {cm['note']}")
     return lines
+
+
+def online_cost_model(verifier, drafter, context_ids: Sequence[int], online: dict[str, Any],
+                      config: EvalConfig) -> dict[str, Any]:
+    """The ``cost_model`` of an online report: the steps timed with a KV cache of
+    ``context_ids`` (the first prompt turn) for K = 1..num_depths, the acceptance of ``online``'s counts;
+    ``{"skipped": reason}`` at temperature > 0 (the model is greedy verification's) or with no scored draft."""
+    if config.tree_topk is not None or config.tree_nodes is not None:
+        return {"skipped": "tree verification: the cost model times chain steps (a verifier pass over K + 1 tokens); "
+                           "bench/bench_tree.py times tree passes"}
+    if config.temperature > 0:
+        return {"skipped": f"temperature {config.temperature}: the cost model predicts greedy decoding; run at "
+                           "--temperature 0 for the table"}
+    if not online["num_drafts"]:
+        return {"skipped": "no verifier step checked a draft: no acceptance to predict from"}
+    if config_recurrent_layers(verifier.config):
+        return {"skipped": HYBRID_COSTS_SKIPPED}
+    costs = measure_trusted_costs(verifier, drafter, context_ids, int(drafter.config.num_depths), config.cost_rounds)
+    return cost_model_report(costs, online)
+
+
+def offline_cost_model(kind: DrafterKind, drafter_dir: str | os.PathLike, store, offline: dict[str, Any],
+                       recurrent_layers: Sequence[int], rounds: int) -> dict[str, Any]:
+    """The ``cost_model`` of an offline report ``offline`` (its all-anchor acceptance; no acceptance of peagle's
+    own decoder was measured): the drafter of ``kind`` at ``drafter_dir`` and the report's verifier loaded for
+    decoding, the steps timed ``rounds`` times with a KV cache of the first scored block's prompt of ``store``
+    (:func:`first_prompt_ids`); ``{"skipped": reason}`` when no anchor was scored or the verifier has
+    ``recurrent_layers`` (a hybrid)."""
+    if "positions_scored" not in offline:
+        return {"skipped": "the offline cost model predicts from the all-anchor acceptance: give --all-anchor"}
+    if not offline["positions_scored"]:
+        return {"skipped": "the offline evaluation scored no anchor: no acceptance to predict from"}
+    if recurrent_layers:
+        return {"skipped": HYBRID_COSTS_SKIPPED}
+    # the verifier's config was checked before any weights (plan_eval); the timing needs no
+    # tokenizer check: token ids do not change a step's cost
+    verifier, loaded = load_for_decoding(kind.load(drafter_dir), offline["verifier"])
+    context = first_prompt_ids(store.read_block(offline["blocks"][0]))
+    return cost_model_report(measure_trusted_costs(verifier, loaded, context, int(loaded.config.num_depths), rounds),
+                             offline)

@@ -10,9 +10,8 @@ from typing import Any
 
 
 from peagle_train.generate.checks import check_drafter_tokenizer, check_tree_verifier, check_verifier_config
-from peagle_train.generate.verifier import config_recurrent_layers
 from peagle_train.evaluate.config import EvalConfig
-from peagle_train.evaluate.cost_model import HYBRID_COSTS_SKIPPED, cost_model_report, measure_trusted_costs
+from peagle_train.evaluate.cost_model import online_cost_model
 from peagle_train.generate.identity import EXACT_DTYPES, compare_to_greedy, dtype_name, greedy_check_summary
 from peagle_train.evaluate.prompts import Prompt, history_message, prompt_modes, read_prompts, render_turn
 from peagle_train.generate.render import turn_text
@@ -210,25 +209,6 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
         **({"per_mode": per_mode_report(per_prompt)} if variables else {}),
         "per_prompt": per_prompt,
     }
-
-
-def online_cost_model(verifier, drafter, context_ids: Sequence[int], online: dict[str, Any],
-                      config: EvalConfig) -> dict[str, Any]:
-    """The ``cost_model`` of an online report (:mod:`.cost_model`): the steps timed with a KV cache of
-    ``context_ids`` (the first prompt turn) for K = 1..num_depths, the acceptance of ``online``'s counts;
-    ``{"skipped": reason}`` at temperature > 0 (the model is greedy verification's) or with no scored draft."""
-    if config.tree_topk is not None or config.tree_nodes is not None:
-        return {"skipped": "tree verification: the cost model times chain steps (a verifier pass over K + 1 tokens); "
-                           "bench/bench_tree.py times tree passes"}
-    if config.temperature > 0:
-        return {"skipped": f"temperature {config.temperature}: the cost model predicts greedy decoding; run at "
-                           "--temperature 0 for the table"}
-    if not online["num_drafts"]:
-        return {"skipped": "no verifier step checked a draft: no acceptance to predict from"}
-    if config_recurrent_layers(verifier.config):
-        return {"skipped": HYBRID_COSTS_SKIPPED}
-    costs = measure_trusted_costs(verifier, drafter, context_ids, int(drafter.config.num_depths), config.cost_rounds)
-    return cost_model_report(costs, online)
 
 
 def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_file: str | Path,

@@ -12,8 +12,7 @@ from typing import Any
 
 from peagle_train.evaluate.checks import CheckedInputs, check_before_weights, template_mode
 from peagle_train.evaluate.config import EvalConfig
-from peagle_train.evaluate.cost_model import (HYBRID_COSTS_SKIPPED, cost_model_report, first_prompt_ids,
-                                              measure_trusted_costs)
+from peagle_train.evaluate.cost_model import offline_cost_model
 from peagle_train.evaluate.offline import check_complete, choose_blocks, replay_max_new_tokens, score_store
 from peagle_train.evaluate.online import online_report
 from peagle_train.evaluate.prompts import Prompt
@@ -221,7 +220,8 @@ def evaluate_plan(plan: EvalPlan, log: Callable[[str], None] = print) -> dict[st
     online = plan_online_report(plan, log) if plan.online is not None else None
     if offline is not None and (online is None or s.engine == "vllm"):  # no online run of peagle's decoder
         if s.costs_measured(online_peagle=False):
-            offline = {**offline, "cost_model": _offline_cost_model(plan, offline)}
+            offline = {**offline, "cost_model": offline_cost_model(plan.kind, plan.drafter, plan.offline.store, offline,
+                                                                   plan.offline.recurrent_layers, s.cost_rounds)}
         elif s.measure_costs is None:
             offline = {**offline, "cost_model": {"skipped": OFFLINE_COSTS_NOT_ASKED}}
     if online is None:
@@ -229,24 +229,6 @@ def evaluate_plan(plan: EvalPlan, log: Callable[[str], None] = print) -> dict[st
     if s.measure_costs is not False and s.engine == "vllm":
         online = {**online, "cost_model": {"skipped": VLLM_COSTS_SKIPPED}}
     return online if offline is None else {**online, "offline": offline}
-
-
-def _offline_cost_model(plan: EvalPlan, offline: dict[str, Any]) -> dict[str, Any]:
-    """The ``cost_model`` from the offline acceptance (no acceptance of peagle's own decoder was measured), the
-    steps timed with a KV cache of the first scored block's prompt (:func:`first_prompt_ids`); ``{"skipped":
-    reason}`` when no anchor was scored."""
-    if "positions_scored" not in offline:
-        return {"skipped": "the offline cost model predicts from the all-anchor acceptance: give --all-anchor"}
-    if not offline["positions_scored"]:
-        return {"skipped": "the offline evaluation scored no anchor: no acceptance to predict from"}
-    if plan.offline.recurrent_layers:
-        return {"skipped": HYBRID_COSTS_SKIPPED}
-    # the verifier's config was checked before any weights (plan_eval); the timing needs no
-    # tokenizer check: token ids do not change a step's cost
-    verifier, loaded = load_for_decoding(plan.kind.load(plan.drafter), offline["verifier"])
-    context = first_prompt_ids(plan.offline.store.read_block(offline["blocks"][0]))
-    return cost_model_report(measure_trusted_costs(verifier, loaded, context, int(loaded.config.num_depths),
-                                                   plan.run.settings.cost_rounds), offline)
 
 
 def run_eval(run: EvalRun, log: Callable[[str], None] = print, config: dict[str, Any] | None = None) -> dict[str, Any]:
