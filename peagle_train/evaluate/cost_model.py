@@ -499,9 +499,9 @@ def offline_cost_model(kind: DrafterKind, drafter_dir: str | os.PathLike, store,
         return {"skipped": "the offline evaluation scored no anchor: no acceptance to predict from"}
     if recurrent_layers:
         return {"skipped": HYBRID_COSTS_SKIPPED}
+    context = first_prompt_ids(store.read_block(offline["blocks"][0]))
     # the verifier's config was checked before any weights (plan_eval); the timing needs no
     # tokenizer check: token ids do not change a step's cost
     verifier, loaded = load_for_decoding(kind.load(drafter_dir), offline["verifier"])
-    context = first_prompt_ids(store.read_block(offline["blocks"][0]))
     return cost_model_report(measure_trusted_costs(verifier, loaded, context, int(loaded.config.num_depths), rounds),
                              offline)
