@@ -467,11 +467,12 @@ def format_cost_model(cm: dict[str, Any]) -> list[str]:
     return lines
 
 
-def online_cost_model(verifier, drafter, context_ids: Sequence[int], online: dict[str, Any],
-                      config: EvalConfig) -> dict[str, Any]:
+def online_cost_model(verifier, drafter, context_ids: Sequence[int], online: dict[str, Any], config: EvalConfig,
+                      recurrent_layers: Sequence[int]) -> dict[str, Any]:
     """The ``cost_model`` of an online report: the steps timed with a KV cache of
     ``context_ids`` (the first prompt turn) for K = 1..num_depths, the acceptance of ``online``'s counts;
-    ``{"skipped": reason}`` at temperature > 0 (the model is greedy verification's) or with no scored draft."""
+    ``{"skipped": reason}`` at temperature > 0 (the model is greedy verification's), with no scored draft, or for a
+    verifier with ``recurrent_layers`` (a hybrid)."""
     if config.tree_topk is not None or config.tree_nodes is not None:
         return {"skipped": "tree verification: the cost model times chain steps (a verifier pass over K + 1 tokens); "
                            "bench/bench_tree.py times tree passes"}
@@ -480,7 +481,7 @@ def online_cost_model(verifier, drafter, context_ids: Sequence[int], online: dic
                            "--temperature 0 for the table"}
     if not online["num_drafts"]:
         return {"skipped": "no verifier step checked a draft: no acceptance to predict from"}
-    if config_recurrent_layers(verifier.config):
+    if recurrent_layers:
         return {"skipped": HYBRID_COSTS_SKIPPED}
     costs = measure_trusted_costs(verifier, drafter, context_ids, int(drafter.config.num_depths), config.cost_rounds)
     return cost_model_report(costs, online)

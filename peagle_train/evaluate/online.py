@@ -19,6 +19,7 @@ from peagle_train.evaluate.report import per_mode_report, write_json
 from peagle_train.generate.inference import PEAGLEInference, load_for_decoding
 from peagle_train.generate.speculative import GenerationResult, Truncation, acceptance_scheme, served_truncation
 from peagle_train.generate.tree import TreeGenerationResult, TreeSpec
+from peagle_train.generate.verifier import config_recurrent_layers
 from peagle_train.train.kinds import load_drafter_of_kind
 from stores.errors import InputError
 from runtime.model_cache import load_tokenizer, model_files
@@ -126,7 +127,7 @@ def progress_total(prompts: Sequence[Prompt], max_new_tokens: int) -> int:
 
 def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], config: EvalConfig,
                      progress: Callable[[int], None] | None = None, truncation: Truncation = Truncation(),
-                     sampling: dict[str, Any] | None = None) -> dict[str, Any]:
+                     sampling: dict[str, Any] | None = None, *, recurrent_layers: Sequence[int]) -> dict[str, Any]:
     """Greedy baseline and speculative decoding on every turn of ``prompts``; compare and measure.
 
     Args:
@@ -145,6 +146,8 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
             ``2 * max_new_tokens * turns`` tokens (:func:`progress_total`) advances within a turn.
         truncation: at T > 0, the top-k / top-p of the verifier's distribution, both decodings
             (:func:`~peagle_train.generate.speculative.served_truncation`); ``sampling`` its record for the report.
+        recurrent_layers: the verifier's layers with a recurrent state
+            (:func:`~peagle_train.generate.verifier.config_recurrent_layers`; a hybrid's cost model is skipped).
 
     Returns:
         The report (see :func:`run_online_eval`).
@@ -205,7 +208,8 @@ def evaluate_prompts(verifier, drafter, tokenizer, prompts: Sequence[Prompt], co
         "tree": engine.tree.describe() if engine.tree is not None else None,
         **({"tree_nodes_verified": sum(t["tree_nodes"] for t in per_prompt)} if engine.tree is not None else {}),
         **({"cost_model": online_cost_model(verifier, drafter, render_turn(tokenizer, prompts[0], 0, [], modes[0]),
-                                            report, config)} if config.costs_measured(online_peagle=True) else {}),
+                                            report, config, recurrent_layers)}
+           if config.costs_measured(online_peagle=True) else {}),
         **({"per_mode": per_mode_report(per_prompt)} if variables else {}),
         "per_prompt": per_prompt,
     }
@@ -263,13 +267,14 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
     name = verifier_name or drafter.config.verifier_name_or_path
     if not name:
         raise InputError("the drafter's config names no verifier; pass one", field="--verifier")
-    check_verifier_config(name, drafter)  # before the weights load
+    recurrent = config_recurrent_layers(check_verifier_config(name, drafter))  # before the weights load
     if config.tree_topk is not None or config.tree_nodes is not None:
         check_tree_verifier(name)
     check_drafter_tokenizer(drafter_dir, model_files(name))
     truncation, sampling = served_truncation(name, config.top_k, config.top_p)
     verifier, drafter = load_for_decoding(drafter, name)
-    report = online_report(verifier, drafter, name, prompts, config, truncation, sampling, progress_factory)
+    report = online_report(verifier, drafter, name, prompts, config, truncation, sampling, progress_factory,
+                           recurrent_layers=recurrent)
     report = {"drafter": str(drafter_dir), "verifier": str(name), "prompts": str(prompts_file), **report}
     if output is not None:
         write_json(report, output)
@@ -277,17 +282,18 @@ def run_online_eval(drafter_dir: str | Path, verifier_name: str | None, prompts_
 
 
 def online_report(verifier, drafter, name: str, prompts: Sequence[Prompt], config: EvalConfig, truncation: Truncation,
-                  sampling: dict[str, Any], progress_factory: Callable[[int], Any] | None = None) -> dict[str, Any]:
+                  sampling: dict[str, Any], progress_factory: Callable[[int], Any] | None = None, *,
+                  recurrent_layers: Sequence[int]) -> dict[str, Any]:
     """:func:`evaluate_prompts` of verifier MODEL ``name`` and the ``drafter``, both loaded for decoding
     (:func:`~peagle_train.generate.inference.load_for_decoding`, after the checks that need no weights), on the
     read ``prompts``: loads the verifier's tokenizer, then decodes with ``truncation`` (``sampling``: where its
-    top-k / top-p came from, :func:`served_truncation`)."""
+    top-k / top-p came from, :func:`served_truncation`; ``recurrent_layers``: the verifier's, from its config)."""
     tokenizer = load_tokenizer(name)
     bar = progress_factory(progress_total(prompts, config.online_max_new_tokens())) if progress_factory else None
     try:
         return evaluate_prompts(verifier, drafter, tokenizer, prompts, config,
                                 progress=bar.update if bar is not None else None, truncation=truncation,
-                                sampling=sampling)
+                                sampling=sampling, recurrent_layers=recurrent_layers)
     finally:
         if bar is not None:
             bar.close()

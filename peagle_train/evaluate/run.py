@@ -79,6 +79,8 @@ class OnlinePlan:
     """Where ``truncation`` came from, for the report."""
     vllm_sampling_check: str | None = None
     """``--engine vllm``: :func:`check_vllm_sampling`'s words, for the report; None with peagle's engine."""
+    recurrent_layers: list[int] = field(default_factory=list)
+    """The verifier's layers with a recurrent state (a hybrid's steps are not timed for the cost model)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,7 +150,8 @@ def _online_plan(drafter: str, run: EvalRun, checked: CheckedInputs, sampling_ch
         check_tree_verifier(name)
     truncation, sampling = served_truncation(name, s.top_k, s.top_p)
     return OnlinePlan(verifier=name, prompts_file=str(run.prompts), prompts=checked.prompts, truncation=truncation,
-                      sampling=sampling, vllm_sampling_check=sampling_check)
+                      sampling=sampling, vllm_sampling_check=sampling_check,
+                      recurrent_layers=checked.recurrent_layers.get(name, []))
 
 
 def plan_eval(run: EvalRun, log: Callable[[str], None] = print) -> EvalPlan:
@@ -209,7 +212,7 @@ def plan_online_report(plan: EvalPlan, log: Callable[[str], None]) -> dict[str, 
                                 sampling_check=on.vllm_sampling_check)
     verifier, drafter = load_for_decoding(plan.kind.load(plan.drafter), on.verifier)
     report = online_report(verifier, drafter, on.verifier, on.prompts, s, on.truncation, on.sampling,
-                           _progress("online eval (plain + speculative)", "tok"))
+                           _progress("online eval (plain + speculative)", "tok"), recurrent_layers=on.recurrent_layers)
     return {"drafter": plan.drafter, "verifier": on.verifier, "prompts": on.prompts_file, **report}
 
 

@@ -126,7 +126,7 @@ def test_online_report_has_the_table(tiny_verifier, smollm2_tokenizer):
     drafter = tiny_drafter(tiny_verifier, num_depths=4)
     prompts = [Prompt("a", ["Hello there"])]
     report = evaluate_prompts(tiny_verifier, drafter, smollm2_tokenizer, prompts,
-                              EvalConfig(max_new_tokens=9, num_draft_tokens=3, cost_rounds=2))
+                              EvalConfig(max_new_tokens=9, num_draft_tokens=3, cost_rounds=2), recurrent_layers=[])
     cm = report["cost_model"]
     assert cm["acceptance_source"] == "online" and [r["K"] for r in cm["rows"]] == [1, 2, 3]
     assert len(cm["costs"]["verify_s"]) == 4  # timed up to num_depths; the acceptance of 3 positions limits the rows
@@ -142,10 +142,10 @@ def test_online_report_has_the_table(tiny_verifier, smollm2_tokenizer):
         assert cm["best_K"] == cm["recommended_K"] == best["K"] and f"best K {best['K']}" in text
     assert "load average" in text and len(cm["load_average"]) == 2
     sampled = evaluate_prompts(tiny_verifier, drafter, smollm2_tokenizer, prompts,
-                               EvalConfig(max_new_tokens=4, temperature=1.0, cost_rounds=1))
+                               EvalConfig(max_new_tokens=4, temperature=1.0, cost_rounds=1), recurrent_layers=[])
     assert sampled["cost_model"]["skipped"].startswith("temperature 1.0: the cost model predicts greedy decoding")
     off = evaluate_prompts(tiny_verifier, drafter, smollm2_tokenizer, prompts,
-                           EvalConfig(max_new_tokens=4, measure_costs=False))
+                           EvalConfig(max_new_tokens=4, measure_costs=False), recurrent_layers=[])
     assert "cost_model" not in off
 
 

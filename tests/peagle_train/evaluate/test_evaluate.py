@@ -279,7 +279,7 @@ def test_online_report(tiny_verifier, smollm2_tokenizer, tmp_path):
 
     prompts = [Prompt("a", ["Hello there", "Tell me more"]), Prompt("b", ["Name a color."])]
     report = evaluate_prompts(tiny_verifier, tiny_drafter(tiny_verifier), smollm2_tokenizer, prompts,
-                              EvalConfig(max_new_tokens=9, num_draft_tokens=3))
+                              EvalConfig(max_new_tokens=9, num_draft_tokens=3), recurrent_layers=[])
     assert report["identical_to_greedy"] is True and report["mismatches"] == []
     assert report["num_prompts"] == 2 and report["num_turns"] == 3
     assert 1.0 <= report["acceptance_length"] <= 4.0
@@ -310,7 +310,8 @@ def test_online_progress_advances_within_a_turn_and_ends_at_its_total(tiny_verif
     prompts = [Prompt("a", ["Hello there", "Tell me more"])]
     updates: list[int] = []
     report = evaluate_prompts(tiny_verifier, tiny_drafter(tiny_verifier), smollm2_tokenizer, prompts,
-                              EvalConfig(max_new_tokens=9, num_draft_tokens=3), progress=updates.append)
+                              EvalConfig(max_new_tokens=9, num_draft_tokens=3), progress=updates.append,
+                              recurrent_layers=[])
     assert sum(updates) == progress_total(prompts, 9) == 2 * 9 * 2
     steps = sum(r["verifier_steps"] for r in report["per_prompt"])
     # per turn: one call per plain token, one for the first speculative token and one per verifier step,
@@ -607,7 +608,7 @@ def test_report_and_plot_name_the_acceptance_scheme(tiny_verifier, smollm2_token
     cfg = EvalConfig(max_new_tokens=5, num_draft_tokens=2, temperature=0.7, seed=3, warmup=False,
                      measure_costs=False, draft_sample_method=method)
     report = evaluate_prompts(tiny_verifier, tiny_drafter(tiny_verifier), smollm2_tokenizer,
-                              [Prompt("a", ["Hello there"])], cfg)
+                              [Prompt("a", ["Hello there"])], cfg, recurrent_layers=[])
     scheme = report["acceptance_scheme"]
     assert report["draft_sample_method"] == method
     assert scheme.startswith(f"rejection sampling at T=0.7, draft_sample_method={method} (")
@@ -619,7 +620,8 @@ def test_report_and_plot_name_the_acceptance_scheme(tiny_verifier, smollm2_token
         f"online (peagle): share of verifier steps accepting draft i, T=0.7, {method} drafts"]
     greedy = evaluate_prompts(tiny_verifier, tiny_drafter(tiny_verifier), smollm2_tokenizer,
                               [Prompt("a", ["Hello there"])], EvalConfig(max_new_tokens=3, warmup=False,
-                                                                          measure_costs=False))
+                                                                          measure_costs=False),
+                              recurrent_layers=[])
     assert greedy["acceptance_scheme"] == "greedy verification (T=0)" and greedy["draft_sample_method"] is None
 
 
@@ -628,8 +630,10 @@ def test_online_report_with_temperature(tiny_verifier, smollm2_tokenizer):
 
     prompts = [Prompt("a", ["Hello there"])]
     cfg = EvalConfig(max_new_tokens=6, num_draft_tokens=2, temperature=0.7, seed=3, warmup=False)
-    report = evaluate_prompts(tiny_verifier, tiny_drafter(tiny_verifier), smollm2_tokenizer, prompts, cfg)
-    again = evaluate_prompts(tiny_verifier, tiny_drafter(tiny_verifier), smollm2_tokenizer, prompts, cfg)
+    report = evaluate_prompts(tiny_verifier, tiny_drafter(tiny_verifier), smollm2_tokenizer, prompts, cfg,
+                              recurrent_layers=[])
+    again = evaluate_prompts(tiny_verifier, tiny_drafter(tiny_verifier), smollm2_tokenizer, prompts, cfg,
+                             recurrent_layers=[])
     assert report["identical_to_greedy"] is None and report["mismatches"] == []  # samples are not compared
     assert report["temperature"] == 0.7 and report["seed"] == 3
     assert report["per_prompt"] == again["per_prompt"]  # seeded

@@ -49,7 +49,7 @@ def run_scripted(monkeypatch, tok, answers, eos, parser):
     monkeypatch.setattr(online, "PEAGLEInference", SimpleNamespace(from_models=lambda *a, **k: engine))
     config = EvalConfig(max_new_tokens=64, warmup=False, measure_costs=False, reasoning_parser=parser)
     prompt = Prompt("q1", ["Say hi.", "Again, shorter."])
-    report = online.evaluate_prompts(torch.nn.Linear(1, 1), None, tok, [prompt], config)
+    report = online.evaluate_prompts(torch.nn.Linear(1, 1), None, tok, [prompt], config, recurrent_layers=[])
     return engine.prompts, report
 
 
