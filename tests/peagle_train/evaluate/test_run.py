@@ -8,7 +8,7 @@ from pathlib import Path
 import peagle_train.evaluate.checks as checks
 import peagle_train.evaluate.online as online
 from peagle_train.evaluate.config import EvalConfig
-from peagle_train.evaluate.run import EvalRun, plan_eval, run_eval
+from peagle_train.evaluate.run import EvalRun, evaluate_plan, plan_eval, run_eval
 from stores.features.feature_store import FeatureStore
 from tests.peagle_train.evaluate.test_evaluate import saved_drafter_and_store, write_lines
 
@@ -50,3 +50,26 @@ def test_a_run_reads_its_prompts_and_opens_its_store_for_the_checks_alone(tiny_v
     assert report["identical_to_greedy"] is True and report["offline"]["blocks"] == [0]
     assert read == [prompts]
     assert opened == [store, store]  # check_before_weights, template_mode
+
+
+def test_the_plan_keeps_the_drafter_kind_k_and_the_verifiers_resolved_once(tiny_verifier, tiny_verifier_dir, tmp_path,
+                                                                            monkeypatch):
+    """The verifier the online and offline halves share is resolved once (its directory and tokenizer), and the plan
+    keeps the drafter's kind, K and each verifier's recurrent layers for the evaluation to take."""
+    import peagle_train.train.kinds as kinds
+
+    store = saved_drafter_and_store(tiny_verifier, tiny_verifier_dir, tmp_path)
+    prompts = write_lines(tmp_path / "p.jsonl", [{"question_id": 7, "turns": ["Hi"]}])
+    resolved, kinds_read = [], []
+    _counting(monkeypatch, checks, "model_files", resolved)
+    _counting(monkeypatch, kinds, "checkpoint_kind", kinds_read)
+    plan = plan_eval(EvalRun(drafter=str(tmp_path / "drafter"), verifier=str(tiny_verifier_dir), prompts=prompts,
+                             store=store, settings=EvalConfig(max_new_tokens=6, measure_costs=False)),
+                     log=lambda m: None)
+    assert resolved == [str(tiny_verifier_dir)]
+    assert plan.kind.name == "peagle" and plan.num_draft_tokens == 4  # the drafter's num_depths
+    assert plan.online.recurrent_layers == [] and plan.offline.recurrent_layers == []
+    kinds_read.clear()
+    report = evaluate_plan(plan, log=lambda m: None)  # loads the drafter by the plan's kind: no config.json read again
+    assert kinds_read == [] and resolved == [str(tiny_verifier_dir)]
+    assert report["num_draft_tokens"] == 4 and report["offline"]["blocks"] == [0]
