@@ -203,3 +203,19 @@ def test_a_dflash_source_that_does_not_fit_the_run_is_refused_naming_the_option(
     with pytest.raises(InputError, match=match) as e:
         build_trainer(_cfg(store, tmp_path / "w", init_from=str(src), **kw))
     assert e.value.field == option
+
+
+def test_the_resume_of_a_dflash_warm_start_takes_its_block_size_and_continues_exactly(tmp_path, dflash_source):
+    """Resumed without --block-size (the warm start's own options), the run takes the block size from its own
+    checkpoint and trains the uninterrupted run's losses."""
+    store, x = dflash_source
+    out = tmp_path / "w"
+    opts = dict(block_size=None, init_from=str((x / "final").resolve()), max_steps=4, save_every=2)
+    run_train(_cfg(store, out, **opts))
+    uninterrupted = [r["loss"] for r in _rows(out)]
+    for name in ("final", "checkpoint-4"):
+        shutil.rmtree(out / name)
+    summary = run_train(_cfg(store, out, resume=True, **opts))
+    assert summary["resumed_from"].endswith("checkpoint-2")
+    assert [r["loss"] for r in _rows(out)] == pytest.approx(uninterrupted, rel=1e-6)
+    assert json.loads((out / "final" / "config.json").read_text())["block_size"] == 4
