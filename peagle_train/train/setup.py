@@ -520,7 +520,8 @@ def check_init_source(init: InitSource, planned: DrafterConfig, cfg: TrainConfig
     if d.vocab_size != store.vocab_size:
         refuse("vocab_size (the verifier vocab)", d.vocab_size, store.vocab_size, f"the store {store.path}'s", other)
     if list(d.aux_layer_ids) != list(store.layers):
-        refuse(f"eagle_aux_hidden_state_layer_ids ({d.num_aux_layers} layers)", list(d.aux_layer_ids),
+        ids_key = "aux_hidden_state_layer_ids" if init.format == "dflash" else "eagle_aux_hidden_state_layer_ids"
+        refuse(f"{ids_key} ({d.num_aux_layers} layers)", list(d.aux_layer_ids),
                list(store.layers), f"the store's layers ({len(store.layers)})",
                f"extract a store with --layers {','.join(map(str, d.aux_layer_ids))}, or {other}")
     if _rope_key(d.rope_parameters) != _rope_key(planned.rope_parameters):

@@ -191,7 +191,8 @@ def _edited(src, dst, config=None, drop=(), add=None):
     (None, dict(block_size=None, mask_token_id=5), "--mask-token-id", r"mask token is 3 but --mask-token-id is 5"),
     (None, dict(block_size=None, draft_vocab_size=90), "--draft-vocab-size", r"draft_vocab_size is 100 but"),
     (dict(config={"aux_hidden_state_layer_ids": [0, 2]}), dict(block_size=None), "--init-from",
-     r"aux_hidden_state_layer_ids.*\[0, 2\] but the store's layers"),
+     r"drafter's aux_hidden_state_layer_ids \(2 layers\) is \[0, 2\] but the store's layers \(2\) is \[1, 2\]; "
+     r"extract a store with --layers 0,2"),
     (dict(drop=("norm.weight",)), dict(block_size=None), "--init-from", r"missing \['norm.weight'\]"),
     (dict(add={"extra.weight": torch.zeros(2)}), dict(block_size=None), "--init-from", r"unknown \['extra.weight'\]"),
     (dict(config={"sample_from_anchor": True}), dict(block_size=None), "--init-from", r"sample_from_anchor"),
