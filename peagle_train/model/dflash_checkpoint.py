@@ -35,8 +35,8 @@ from peagle_train.model.dflash import DFlashConfig, DFlashDrafter
 from stores.errors import InputError, StoreFormatError
 from stores.staging import replace_dir
 
-__all__ = ["dflash_config_json", "dflash_problems", "check_dflash_servable", "save_dflash", "save_dflash_checkpoint",
-           "load_dflash"]
+__all__ = ["dflash_config_json", "dflash_layer_problems", "dflash_problems", "check_dflash_servable", "save_dflash",
+           "save_dflash_checkpoint", "load_dflash"]
 
 
 def dflash_config_json(cfg: DFlashConfig, extra_config: dict[str, Any] | None = None,
@@ -63,7 +63,7 @@ def dflash_config_json(cfg: DFlashConfig, extra_config: dict[str, Any] | None = 
     return out
 
 
-def _layer_problems(layer: dict[str, Any]) -> list[str]:
+def dflash_layer_problems(layer: dict[str, Any]) -> list[str]:
     """What of ``transformer_layer_config`` vLLM would serve otherwise than peagle's DFlash layer computes."""
     out = []
     if layer.get("model_type", "qwen3") != "qwen3":
@@ -89,7 +89,7 @@ def dflash_problems(config: dict[str, Any], shapes: dict[str, tuple[int, ...]] |
     it does. What vLLM reads: ``update_dflash`` (``aux_hidden_state_layer_ids``, ``mask_token_id``,
     ``sample_from_anchor``, ``sliding_window_non_causal``), ``qwen3_dflash.py`` (layers, causality, ``fc`` of
     ``target_hidden_size × len(aux ids)``, ``d2t``), the proposer (``speculative_tokens`` query masks after
-    the newest token). Besides the layer (:func:`_layer_problems`):
+    the newest token). Besides the layer (:func:`dflash_layer_problems`):
     - ``speculators_model_type`` dflash, ``speculative_tokens = block_size - 1`` (vLLM drafts one block of
       ``1 + speculative_tokens`` tokens: another count is another block than the trained one);
     - ``sample_from_anchor`` false; ``sliding_window_non_causal`` true (else vLLM serves causal attention);
@@ -117,7 +117,7 @@ def dflash_problems(config: dict[str, Any], shapes: dict[str, tuple[int, ...]] |
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
         return out + ["transformer_layer_config (a dict) is missing"]
-    out += _layer_problems(layer)
+    out += dflash_layer_problems(layer)
     if not isinstance(config.get("mask_token_id"), int):
         out.append("mask_token_id is missing: vLLM needs it to draft")
     ids = config.get("aux_hidden_state_layer_ids") or []

@@ -8,6 +8,12 @@ Three layouts are read (:data:`INIT_FORMATS`):
   speculators P-EAGLE one (``speculators_model_type "peagle"``);
 - ``eagle3``: a speculators EAGLE-3 checkpoint (``speculators_model_type "eagle3"``): no ``mask_hidden`` and
   no mask token (both come fresh from this run); vLLM reads its ``norm_before_residual`` as true when absent;
+- ``dflash``: a DFlash checkpoint in speculators' ``dflash`` format (peagle's or speculators' own): its
+  ``aux_hidden_state_layer_ids``, ``mask_token_id`` and ``block_size`` at the top, a Qwen3
+  ``transformer_layer_config`` whose layers compute as :class:`~peagle_train.model.dflash.DFlashDrafter`'s
+  (:func:`peagle_train.model.dflash_checkpoint.dflash_layer_problems`); read as a
+  :class:`~peagle_train.model.dflash.DFlashConfig`. Only a DFlash run (``--method dflash``) starts from it,
+  and only from it (:data:`FORMAT_METHODS`);
 - ``vllm``: the native vLLM layout (a Llama or Qwen3 config with ``architectures`` an EAGLE-3 / P-EAGLE
   drafter of :data:`NATIVE_ARCHITECTURES`, the mask token as ``ptd_token_id`` or ``pard_token``, the aux layers as
   ``eagle_aux_hidden_state_layer_ids`` at the top or in ``eagle_config``), as the public gpt-oss P-EAGLE
@@ -36,15 +42,22 @@ from safetensors import safe_open
 from peagle_train.model.checkpoint import (CONFIG_FILE, WEIGHTS_FILE, check_vocab_maps, find_drafter,
                                            layer_type_of, rope_from_layer_config)
 from peagle_train.model.config import DrafterConfig
+from peagle_train.model.dflash import DFlashConfig, DFlashDrafter
+from peagle_train.model.dflash_checkpoint import dflash_layer_problems
 from peagle_train.model.drafter import PEagleDrafter
 from stores.errors import InputError, StoreFormatError
 
-__all__ = ["INIT_FORMATS", "FROM_VERIFIER", "INIT_LAYERS", "NATIVE_ARCHITECTURES", "InitSource", "read_init_source", "file_sha256",
+__all__ = ["INIT_FORMATS", "FORMAT_METHODS", "FROM_VERIFIER", "INIT_LAYERS", "NATIVE_ARCHITECTURES", "InitSource", "read_init_source", "file_sha256",
            "check_verifier_layers", "copy_verifier_layers", "COPYABLE_LAYERS",
            "load_init_weights"]
 
-INIT_FORMATS = ("peagle", "eagle3", "vllm")
+INIT_FORMATS = ("peagle", "eagle3", "vllm", "dflash")
 """The checkpoint layouts ``--init-from`` reads."""
+
+FORMAT_METHODS = {"peagle": "peagle", "eagle3": "peagle", "vllm": "peagle", "dflash": "dflash"}
+"""Layout -> the ``--method`` (drafter kind) a run starting from it trains: a P-EAGLE run starts from a P-EAGLE,
+EAGLE-3 or native vLLM drafter, a DFlash run from a DFlash one; any other pairing is refused
+(:func:`read_init_source`), since the two kinds' tensors and forwards differ."""
 
 NATIVE_ARCHITECTURES = {"Eagle3LlamaForCausalLM": "llama", "LlamaForCausalLMEagle3": "llama",
                         "PeagleLlamaForCausalLM": "llama", "PEagleDraftModel": "llama",
@@ -61,7 +74,7 @@ vLLM's drafter keeps the first D (``LogitsProcessor(draft_vocab_size)``) and pla
 ``i + d2t[i]``. With D < V that is row i for token ``i + d2t[i]``: refused unless ``d2t`` is all zero
 (:func:`_check_tensors`)."""
 
-_FRESH = {"eagle3": ("mask_hidden",), "vllm": (), "peagle": ()}
+_FRESH = {"eagle3": ("mask_hidden",), "vllm": (), "peagle": (), "dflash": ()}
 """Tensors a layout may lack that keep this run's fresh initialisation (EAGLE-3 has no ``mask_hidden``)."""
 
 
@@ -74,7 +87,9 @@ class InitSource:
         format: one of :data:`INIT_FORMATS`.
         config: the drafter's shape; its ``mask_token_id`` is meaningful only when :attr:`mask_token_id` is set.
         mask_token_id: the drafter's mask token (``mask_token_id`` / ``ptd_token_id``), None for EAGLE-3.
-        num_depths: the drafter's K (speculators ``speculative_tokens``), None where the layout has none.
+        num_depths: the drafter's K (speculators ``speculative_tokens``; DFlash ``block_size - 1``), None where the
+            layout has none.
+        block_size: a DFlash drafter's B (``block_size``); None for the other layouts.
         names: peagle tensor name -> the name in the file.
         shapes: peagle tensor name -> shape, from the safetensors header.
         d2t: ``[D] int64`` offsets of a reduced draft vocab (None with D == V).
@@ -98,6 +113,7 @@ class InitSource:
     config_sha256: str
     from_verifier: tuple[str, ...] = ()
     fresh: tuple[str, ...] = ()
+    block_size: int | None = None
 
     def record(self) -> dict[str, Any]:
         """What the run records (``peagle_training.init_from``): also which tensors the file lacked, taken
@@ -127,7 +143,7 @@ def _layout(cfg: dict[str, Any], where: Path) -> tuple[str, dict[str, Any]]:
         StoreFormatError: neither a speculators P-EAGLE / EAGLE-3 config nor a native vLLM-layout one.
     """
     kind = cfg.get("speculators_model_type")
-    if kind in ("peagle", "eagle3"):
+    if kind in ("peagle", "eagle3", "dflash"):
         layer = cfg.get("transformer_layer_config")
         if not isinstance(layer, dict):
             raise StoreFormatError(f"{where}: speculators_model_type {kind!r} without a transformer_layer_config")
@@ -136,7 +152,7 @@ def _layout(cfg: dict[str, Any], where: Path) -> tuple[str, dict[str, Any]]:
         return "vllm", cfg
     raise StoreFormatError(
         f"{where}: not a drafter --init-from reads: speculators_model_type {kind!r}, architectures "
-        f"{cfg.get('architectures')!r}; expected speculators_model_type 'peagle' or 'eagle3', or a native vLLM "
+        f"{cfg.get('architectures')!r}; expected speculators_model_type 'peagle', 'eagle3' or 'dflash', or a native vLLM "
         f"config with architectures one of {list(NATIVE_ARCHITECTURES)}")
 
 
@@ -193,39 +209,53 @@ def _mask_token(fmt: str, cfg: dict[str, Any], where: Path) -> int | None:
     raise StoreFormatError(f"{where}: no mask token ({' / '.join(keys)}); vLLM needs it to draft in parallel")
 
 
-def read_init_source(path: str | os.PathLike) -> InitSource:
-    """Read the drafter ``path`` names (a checkpoint, or a training output: its ``final/``, else its
-    newest ``checkpoint-N/``): config, tensor names and shapes, its ``d2t``/``t2d``; no other weights.
+def _check_method(fmt: str, kind: Any, method: str, where: Path) -> None:
+    """Refuse a drafter of another kind than ``method``'s (:data:`FORMAT_METHODS`), naming both kinds."""
+    if FORMAT_METHODS[fmt] != method:
+        takes = [f for f, m in FORMAT_METHODS.items() if m == method]
+        _refuse(where, f"it is a {FORMAT_METHODS[fmt]} drafter ({fmt} layout, speculators_model_type {kind!r}) and "
+                       f"this run trains a {method} drafter (--method {method}, which starts from "
+                       f"{' / '.join(takes)} drafters); pass --method {FORMAT_METHODS[fmt]} to continue this "
+                       f"drafter, or start from a {method} drafter")
+
+
+def _check_computes_as_dflash(cfg: dict[str, Any], layer: dict[str, Any], where: Path) -> str:
+    """``qwen3``; refuse a DFlash drafter whose forward is not peagle's
+    :class:`~peagle_train.model.dflash.DFlashDrafter`'s (:func:`dflash_layer_problems`: another layer, activation,
+    biases, sliding windows, ``is_causal``, ``logit_scale``; ``sample_from_anchor``). speculators'
+    ``sliding_window_non_causal`` false is read: it concerns sliding-window layers only (refused here), and its
+    full-attention layers attend non-causally inside the block, as peagle's do."""
+    problems = dflash_layer_problems(layer)
+    if cfg.get("sample_from_anchor", False):
+        problems.append("sample_from_anchor is true: peagle's DFlash drafter drafts from the mask slots only")
+    if problems:
+        _refuse(where, "; ".join(problems) + "; train a fresh drafter instead")
+    return "qwen3"
+
+
+def _source_config(fmt: str, cfg: dict[str, Any], layer: dict[str, Any], layer_type: str,
+                   cfg_path: Path) -> tuple[DrafterConfig, int | None, int | None]:
+    """``(the drafter's config, its mask token, its K)`` from a ``config.json`` of layout ``fmt`` (a
+    :class:`DFlashConfig` for ``dflash``, its K ``block_size - 1``).
 
     Raises:
-        StoreFormatError: not a drafter checkpoint of :data:`INIT_FORMATS`; no mask token where one is
-            required; maps that disagree (:func:`peagle_train.model.checkpoint.check_vocab_maps`).
-        InputError: a drafter whose forward is not peagle's (a layer type other than llama and qwen3, another
-            activation, biases, sliding windows, ``norm_before_residual``, extra norms), or whose tensors are not
-            the ones its config implies (naming the tensors and shapes).
+        StoreFormatError: no aux layer ids, no mask token where one is required, a missing or bad field.
     """
-    directory, _ = find_drafter(path)
-    cfg_path, w_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
-    raw = cfg_path.read_bytes()
-    cfg = json.loads(raw)
-    fmt, layer = _layout(cfg, cfg_path)
-    layer_type = _check_computes_as_peagle(fmt, cfg, layer, directory)
     eagle = layer.get("eagle_config") or cfg.get("eagle_config") or {}
     # vLLM's order: the top level (speculators copy it into the layer config), the layer's, then eagle_config's
-    ids = (cfg.get("eagle_aux_hidden_state_layer_ids") or layer.get("eagle_aux_hidden_state_layer_ids")
-           or eagle.get("eagle_aux_hidden_state_layer_ids"))
+    keys = ("aux_hidden_state_layer_ids",) if fmt == "dflash" else ("eagle_aux_hidden_state_layer_ids",)
+    ids = cfg.get(keys[0]) or layer.get(keys[0]) or eagle.get(keys[0])
     if not ids:
-        raise StoreFormatError(f"{cfg_path}: eagle_aux_hidden_state_layer_ids is missing (at the top or in "
-                               "eagle_config): the verifier layers the drafter reads are unknown")
-    mask = _mask_token(fmt, cfg, cfg_path)
+        raise StoreFormatError(f"{cfg_path}: {keys[0]} is missing (at the top or in the layer config): the verifier "
+                               "layers the drafter reads are unknown")
+    mask = _mask_token("peagle" if fmt == "dflash" else fmt, cfg, cfg_path)
     methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
     K = methods[0].get("speculative_tokens") if fmt == "peagle" else None
     rope = rope_from_layer_config(layer)
     saved = (cfg.get("peagle") or {}).get("drafter_config") or {}
-    nh = int(layer["num_attention_heads"])
-    V = int(layer["vocab_size"])
     try:
-        dc = DrafterConfig(
+        nh, V = int(layer["num_attention_heads"]), int(layer["vocab_size"])
+        fields = dict(
             hidden_size=int(layer["hidden_size"]), intermediate_size=int(layer["intermediate_size"]),
             num_attention_heads=nh, num_key_value_heads=int(layer.get("num_key_value_heads") or nh),
             head_dim=int(layer.get("head_dim") or int(layer["hidden_size"]) // nh), vocab_size=V,
@@ -236,40 +266,80 @@ def read_init_source(path: str | os.PathLike) -> InitSource:
             mask_token_id=mask or 0, num_depths=int(K or 1), layer_type=layer_type,
             verifier_name_or_path=saved.get("verifier_name_or_path")
             or ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path", ""))
-    except (KeyError, ValueError) as e:
+        if fmt == "dflash":
+            dc: DrafterConfig = DFlashConfig(**fields, block_size=int(cfg["block_size"]))
+            K = dc.num_depths
+        else:
+            dc = DrafterConfig(**fields)
+    except (KeyError, ValueError, TypeError) as e:
         raise StoreFormatError(f"{cfg_path}: {type(e).__name__} {e}") from e
+    return dc, mask, K
+
+
+def _vocab_maps(f, names: dict[str, str], dc: DrafterConfig,
+                directory: Path) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(d2t [D] int64, t2d [V] bool)`` of the open safetensors ``f`` (``t2d`` derived from ``d2t`` when absent:
+    vLLM never reads it), or ``(None, None)`` with D == V; a reduced vocab without ``d2t`` is refused."""
+    V = dc.vocab_size
+    if dc.draft_vocab_size >= V:
+        return None, None
+    d2t = f.get_tensor(names["d2t"]) if "d2t" in names else None
+    t2d = f.get_tensor(names["t2d"]) if "t2d" in names else None
+    if d2t is None:
+        _refuse(directory, f"draft_vocab_size {dc.draft_vocab_size} < vocab_size {V} but d2t is missing: which "
+                           "verifier token each draft id is is unknown")
+    if t2d is None:
+        t2d = torch.zeros(V, dtype=torch.bool)
+        t2d[(torch.arange(d2t.numel()) + d2t).clamp(0, V - 1)] = True
+    check_vocab_maps(d2t, t2d, V, directory / WEIGHTS_FILE)
+    return d2t.to(torch.int64), t2d.to(torch.bool)
+
+
+def read_init_source(path: str | os.PathLike, method: str = "peagle") -> InitSource:
+    """Read the drafter ``path`` names (a checkpoint, or a training output: its ``final/``, else its
+    newest ``checkpoint-N/``) as the start of a ``method`` run (``--method``): config, tensor names and shapes,
+    its ``d2t``/``t2d``; no other weights.
+
+    Raises:
+        StoreFormatError: not a drafter checkpoint of :data:`INIT_FORMATS`; no mask token where one is
+            required; maps that disagree (:func:`peagle_train.model.checkpoint.check_vocab_maps`).
+        InputError: a drafter of another kind than ``method``'s (:data:`FORMAT_METHODS`, naming both); a drafter
+            whose forward is not peagle's (a layer type other than llama and qwen3, another activation, biases,
+            sliding windows, ``norm_before_residual``, extra norms), or whose tensors are not the ones its config
+            implies (naming the tensors and shapes).
+    """
+    directory, _ = find_drafter(path)
+    cfg_path, w_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    raw = cfg_path.read_bytes()
+    cfg = json.loads(raw)
+    fmt, layer = _layout(cfg, cfg_path)
+    _check_method(fmt, cfg.get("speculators_model_type"), method, directory)
+    if fmt == "dflash":
+        layer_type = _check_computes_as_dflash(cfg, layer, directory)
+    else:
+        layer_type = _check_computes_as_peagle(fmt, cfg, layer, directory)
+    dc, mask, K = _source_config(fmt, cfg, layer, layer_type, cfg_path)
     width = layer.get("num_aux_hidden_states")
-    if width is not None and int(width) != dc.num_aux_layers:
-        _refuse(directory, f"num_aux_hidden_states is {width} but eagle_aux_hidden_state_layer_ids {list(ids)} "
-                           f"holds {dc.num_aux_layers}: vLLM sizes fc for {width}")
+    if width is not None and fmt != "dflash" and int(width) != dc.num_aux_layers:
+        _refuse(directory, f"num_aux_hidden_states is {width} but eagle_aux_hidden_state_layer_ids "
+                           f"{dc.aux_layer_ids} holds {dc.num_aux_layers}: vLLM sizes fc for {width}")
     with safe_open(str(w_path), framework="pt") as f:
         names = {k.replace("midlayer.", "layers.0.", 1) if k.startswith("midlayer.") else k: k for k in f.keys()}
         shapes = {k: tuple(f.get_slice(names[k]).get_shape()) for k in names}
-        d2t = f.get_tensor(names["d2t"]) if "d2t" in names else None
-        t2d = f.get_tensor(names["t2d"]) if "t2d" in names else None
-    if dc.draft_vocab_size < V:
-        if d2t is None:
-            _refuse(directory, f"draft_vocab_size {dc.draft_vocab_size} < vocab_size {V} but d2t is missing: which "
-                               "verifier token each draft id is is unknown")
-        if t2d is None:  # vLLM never reads t2d: derive it from d2t
-            t2d = torch.zeros(V, dtype=torch.bool)
-            t2d[(torch.arange(d2t.numel()) + d2t).clamp(0, V - 1)] = True
-        check_vocab_maps(d2t, t2d, V, w_path)
-        d2t, t2d = d2t.to(torch.int64), t2d.to(torch.bool)
-    else:
-        d2t = t2d = None
+        d2t, t2d = _vocab_maps(f, names, dc, directory)
     lacks = _check_tensors(fmt, dc, shapes, directory, d2t)
     return InitSource(path=directory.resolve(), format=fmt, config=dc, mask_token_id=mask,
                       num_depths=int(K) if K is not None else None, names=names, shapes=shapes, d2t=d2t, t2d=t2d,
                       weights_sha256=file_sha256(w_path), config_sha256=hashlib.sha256(raw).hexdigest(),
                       from_verifier=tuple(n for n in lacks if n in FROM_VERIFIER),
-                      fresh=tuple(n for n in lacks if n not in FROM_VERIFIER))
+                      fresh=tuple(n for n in lacks if n not in FROM_VERIFIER),
+                      block_size=getattr(dc, "block_size", None))
 
 
 def _expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor of a drafter of ``cfg`` (built on the meta device: no memory)."""
     with torch.device("meta"):
-        model = PEagleDrafter(cfg)
+        model = DFlashDrafter(cfg) if isinstance(cfg, DFlashConfig) else PEagleDrafter(cfg)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 

@@ -141,7 +141,8 @@ class ModelConfig:
     tokens."""
     block_size: int | None = None
     """B, tokens in a DFlash block, the newest token and B-1 mask tokens (``--block-size``, ``--method dflash``
-    only); None: 8 with DFlash (speculators' default)."""
+    only); None: 8 with DFlash (speculators' default), or with ``--init-from`` the source drafter's (the run
+    records it; a given one must be the source's)."""
     draft_vocab_size: int | None = None
     """D, the most frequent loss-masked tokens (``--draft-vocab-size``); None: the verifier's vocab."""
     num_layers: int = 1
@@ -154,8 +155,9 @@ class ModelConfig:
     """Start from this drafter instead of a fresh one (``--init-from``): a peagle checkpoint (or training
     output: its ``final/``, else its newest ``checkpoint-N/``), a speculators P-EAGLE or EAGLE-3 checkpoint, or
     a native vLLM-layout one (as the public gpt-oss P-EAGLE drafters). Checked against the store and the
-    verifier before any weights load; its draft vocab and mask token are the run's. Not a resume: a new
-    optimizer and schedule from step 0. A run records the checkpoint directory here."""
+    verifier before any weights load; its draft vocab and mask token are the run's. With ``--method dflash``: a
+    DFlash checkpoint in speculators' ``dflash`` format (peagle's or speculators' own), whose block size the run
+    takes. Not a resume: a new optimizer and schedule from step 0. A run records the checkpoint directory here."""
     init_from_sha256: str | None = None
     """sha256 of the ``--init-from`` drafter's ``model.safetensors`` (``--init-from-sha256``): recorded by
     the run; when given, a drafter with other weights is refused."""
@@ -184,7 +186,7 @@ class ModelConfig:
             _need(self.block_size is None, "--block-size", "left out with --method peagle (a DFlash setting)",
                   self.block_size)
             object.__setattr__(self, "num_depths", 4 if self.num_depths is None else self.num_depths)
-        _need(self.num_depths >= 1, "--num-depths", ">= 1", self.num_depths)
+        _need(self.num_depths is None or self.num_depths >= 1, "--num-depths", ">= 1", self.num_depths)
         _need(self.draft_vocab_size is None or self.draft_vocab_size >= 1, "--draft-vocab-size", ">= 1 when set",
               self.draft_vocab_size)
         _need(self.num_layers >= 1, "--num-layers", ">= 1", self.num_layers)
@@ -201,18 +203,22 @@ class ModelConfig:
               f"one of {', '.join(ATTENTION_CHOICES)}", self.attention_backend)
 
     def _resolve_dflash(self) -> None:
-        """``--method dflash``: the block size (default 8), K = B - 1, the qwen3 layer (vLLM's only DFlash layer);
-        refuses the P-EAGLE-only warm starts."""
-        B = DFLASH_BLOCK_SIZE if self.block_size is None else self.block_size
-        _need(B >= 2, "--block-size", ">= 2 (the newest token and at least one mask token)", B)
-        _need(self.num_depths in (None, B - 1), "--num-depths", f"left out or --block-size - 1 = {B - 1} with "
-              "--method dflash (a block drafts B - 1 tokens)", self.num_depths)
+        """``--method dflash``: the block size (default 8; with ``--init-from`` and neither ``--block-size`` nor
+        ``--num-depths``, left unset until the run reads the source's), K = B - 1, the qwen3 layer (vLLM's only
+        DFlash layer)."""
+        B = self.block_size
+        if B is None and self.init_from is None:
+            B = DFLASH_BLOCK_SIZE
+        elif B is None and self.num_depths is not None:  # a warm start's K given: its block size
+            B = self.num_depths + 1
+        _need(B is None or B >= 2, "--block-size", ">= 2 (the newest token and at least one mask token)", B)
+        _need(self.num_depths in (None, (B or 0) - 1), "--num-depths", f"left out or --block-size - 1 = "
+              f"{(B or 0) - 1} with --method dflash (a block drafts B - 1 tokens)", self.num_depths)
         _need(self.drafter_layer in (None, "qwen3"), "--drafter-layer", "qwen3 or left out with --method dflash "
               "(vLLM serves DFlash with Qwen3 layers only)", self.drafter_layer)
-        _need(self.init_from is None, "--init-from", "left out with --method dflash (a P-EAGLE warm start)",
-              self.init_from)
         _need(self.init_layers == "random", "--init-layers", "random with --method dflash", self.init_layers)
-        for name, value in (("block_size", B), ("num_depths", B - 1), ("drafter_layer", "qwen3")):
+        for name, value in (("block_size", B), ("num_depths", None if B is None else B - 1),
+                            ("drafter_layer", "qwen3")):
             object.__setattr__(self, name, value)
 
 
@@ -409,7 +415,8 @@ class TrainConfig:
               "one store with --max-store-bytes", self.data.store)
         _need(self.stream.extract_from is None or self.model.verifier is not None, "--verifier",
               "given with --extract-from (the verifier the extraction runs)", None)
-        depth_weight_values(self.optim.depth_weights, self.model.num_depths)  # ValueError naming --depth-weights
+        if self.model.num_depths is not None:  # None: a DFlash warm start's, until the source's block size is read
+            depth_weight_values(self.optim.depth_weights, self.model.num_depths)  # ValueError naming --depth-weights
 
     @classmethod
     def from_flat(cls, **settings: Any) -> TrainConfig:

@@ -33,6 +33,7 @@ from peagle_train.model.dflash import DFlashConfig, DFlashDrafter
 from peagle_train.model.dflash_checkpoint import (check_dflash_servable, dflash_config_json, load_dflash, save_dflash,
                                                   save_dflash_checkpoint)
 from peagle_train.model.drafter import PEagleDrafter
+from peagle_train.model.warm_start import FORMAT_METHODS, InitSource, read_init_source
 from peagle_train.train.loss import LogitTransform, LossOutput, loss_and_accuracy
 from peagle_train.train.step import block_loss, sample_elements
 from stores.errors import StoreFormatError
@@ -60,6 +61,9 @@ class DrafterKind:
             not serve it as trained.
         save / save_checkpoint / load: the checkpoint format (:func:`peagle_train.model.checkpoint.save_drafter`'s
             signatures).
+
+    Its warm-start sources (``--init-from``) are the layouts :data:`~peagle_train.model.warm_start.FORMAT_METHODS`
+    maps to its name (:meth:`init_formats`, :meth:`read_init_source`).
     """
 
     name: str
@@ -96,6 +100,23 @@ class DrafterKind:
         ``parallel_drafting``."""
         config = {"model": str(model), "method": self.vllm_method, "num_speculative_tokens": int(num_drafts)}
         return {**config, "parallel_drafting": True} if self.parallel_drafting else config
+
+    @property
+    def init_formats(self) -> tuple[str, ...]:
+        """The ``--init-from`` layouts a run of this kind starts from (P-EAGLE: ``peagle``, ``eagle3``, ``vllm``;
+        DFlash: ``dflash``)."""
+        return tuple(f for f, m in FORMAT_METHODS.items() if m == self.name)
+
+    def read_init_source(self, path: str | os.PathLike) -> InitSource:
+        """The ``--init-from`` drafter at ``path`` read (config, tensor names and shapes, draft maps; no other
+        weights) as the start of a run of this kind.
+
+        Raises:
+            InputError: a drafter of another kind, naming both kinds; one that does not compute as this kind's
+                drafter. StoreFormatError: not a drafter checkpoint
+                (:func:`peagle_train.model.warm_start.read_init_source`).
+        """
+        return read_init_source(path, self.name)
 
     def new_drafter(self, base: DrafterConfig, cfg) -> nn.Module:
         """A fresh drafter of this kind for the verifier shapes of ``base`` and the run's ``cfg``."""

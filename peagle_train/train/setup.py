@@ -25,9 +25,9 @@ from peagle_train.data.multistore import StoreSet, store_identities
 from peagle_train.model.checkpoint import (CONFIG_FILE, latest_checkpoint,
                                            load_training_state, rope_from_layer_config)
 from peagle_train.model.config import ROPE_TYPES, DrafterConfig
-from peagle_train.model.warm_start import InitSource, check_verifier_layers, read_init_source
+from peagle_train.model.warm_start import InitSource, check_verifier_layers
 from peagle_train.train.config import FIELD_DEFAULTS, TrainConfig, flat_settings
-from peagle_train.train.kinds import DrafterKind
+from peagle_train.train.kinds import DrafterKind, drafter_kind
 from stores.errors import InputError, PeagleError, StoreMismatchError
 from stores.features.feature_store import check_layer_convention
 from runtime.model_cache import load_verifier, model_files, resolve_model
@@ -433,10 +433,12 @@ def _check_verifier_shape(name: str, text_cfg, store) -> None:
 
 
 def resolve_init_from(cfg: TrainConfig) -> tuple[TrainConfig, InitSource | None]:
-    """The run's ``--init-from`` drafter, read (no weights) and recorded in the config (its checkpoint
-    directory and weights' sha256); on ``--resume`` of a warm start, the saved run's record, and its newest
-    checkpoint read as the source (its draft vocab and mask token are the run's; its weights are loaded
-    anyway by the resume), or, without a checkpoint yet, the saved drafter again.
+    """The run's ``--init-from`` drafter, read (no weights) by the run's drafter kind
+    (:meth:`~peagle_train.train.kinds.DrafterKind.read_init_source`) and recorded in the config (its checkpoint
+    directory and weights' sha256; a DFlash source's block size where ``--block-size`` was left out); on
+    ``--resume`` of a warm start, the saved run's record, and its newest checkpoint read as the source (its draft
+    vocab and mask token are the run's; its weights are loaded anyway by the resume), or, without a checkpoint
+    yet, the saved drafter again.
 
     Returns:
         (``cfg`` with ``init_from`` the absolute checkpoint directory and ``init_from_sha256`` set, the
@@ -444,9 +446,11 @@ def resolve_init_from(cfg: TrainConfig) -> tuple[TrainConfig, InitSource | None]
 
     Raises:
         InputError: ``--resume`` with an ``--init-from`` (or sha256) other than the saved run's (a warm
-            start begins a run; a resume continues one); ``--init-from-sha256`` other than the drafter's.
+            start begins a run; a resume continues one); ``--init-from-sha256`` other than the drafter's; a
+            drafter of another kind than ``--method``'s (naming both).
         StoreFormatError / InputError: from :func:`peagle_train.model.warm_start.read_init_source`.
     """
+    kind = drafter_kind(cfg.model.method)
     if cfg.run.resume:
         _, saved, old = _saved_settings(cfg)
         before = (old or {}).get("init_from"), (old or {}).get("init_from_sha256")
@@ -462,17 +466,25 @@ def resolve_init_from(cfg: TrainConfig) -> tuple[TrainConfig, InitSource | None]
         if before[0] is None:
             return cfg, None
         if ckpt is not None:  # the run's own checkpoint: its draft vocab and mask token, which are the drafter's
-            return cfg, read_init_source(ckpt)
+            return _with_block_size(cfg, kind.read_init_source(ckpt))
     if cfg.model.init_from is None:
         return cfg, None
-    init = read_init_source(cfg.model.init_from)
+    init = kind.read_init_source(cfg.model.init_from)
     if cfg.model.init_from_sha256 not in (None, init.weights_sha256):
         raise InputError(f"--init-from {init.path}: its {init.path / 'model.safetensors'} has sha256 "
                          f"{init.weights_sha256}, --init-from-sha256 is {cfg.model.init_from_sha256}: not the "
                          "drafter the run was started from; give that drafter, or drop --init-from-sha256",
                          field="--init-from-sha256")
     model = dataclasses.replace(cfg.model, init_from=str(init.path), init_from_sha256=init.weights_sha256)
-    return dataclasses.replace(cfg, model=model), init
+    return _with_block_size(dataclasses.replace(cfg, model=model), init)
+
+
+def _with_block_size(cfg: TrainConfig, init: InitSource) -> tuple[TrainConfig, InitSource]:
+    """``(cfg, init)``, ``cfg``'s ``--block-size`` the DFlash source's where it was left out (a given one
+    that differs is refused by :func:`check_init_source`)."""
+    if init.block_size is None or cfg.model.block_size is not None:
+        return cfg, init
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, block_size=init.block_size)), init
 
 
 def _rope_key(rope: dict[str, Any]) -> dict[str, Any]:
@@ -486,7 +498,8 @@ def _rope_key(rope: dict[str, Any]) -> dict[str, Any]:
 def check_init_source(init: InitSource, planned: DrafterConfig, cfg: TrainConfig, store) -> None:
     """The ``--init-from`` drafter fits this run: the store's hidden size, vocab size and aux layers, the
     verifier's RoPE and attention/MLP shapes (``planned``: the drafter this run would build), and the
-    options ``--drafter-layer``, ``--num-layers``, ``--num-depths``, ``--mask-token-id`` and ``--draft-vocab-size``.
+    options ``--drafter-layer``, ``--num-layers``, ``--block-size`` (DFlash), ``--num-depths``, ``--mask-token-id``
+    and ``--draft-vocab-size``.
 
     The draft vocab is the drafter's (its lm_head rows are trained for its tokens): without
     ``--draft-vocab-size`` the run takes it; with it, its size and the maps it builds from the store's
@@ -508,7 +521,8 @@ def check_init_source(init: InitSource, planned: DrafterConfig, cfg: TrainConfig
     if d.vocab_size != store.vocab_size:
         refuse("vocab_size (the verifier vocab)", d.vocab_size, store.vocab_size, f"the store {store.path}'s", other)
     if list(d.aux_layer_ids) != list(store.layers):
-        refuse(f"eagle_aux_hidden_state_layer_ids ({d.num_aux_layers} layers)", list(d.aux_layer_ids),
+        ids_key = "aux_hidden_state_layer_ids" if init.format == "dflash" else "eagle_aux_hidden_state_layer_ids"
+        refuse(f"{ids_key} ({d.num_aux_layers} layers)", list(d.aux_layer_ids),
                list(store.layers), f"the store's layers ({len(store.layers)})",
                f"extract a store with --layers {','.join(map(str, d.aux_layer_ids))}, or {other}")
     if _rope_key(d.rope_parameters) != _rope_key(planned.rope_parameters):
@@ -525,6 +539,10 @@ def check_init_source(init: InitSource, planned: DrafterConfig, cfg: TrainConfig
     if d.num_hidden_layers != cfg.model.num_layers:
         refuse("num_hidden_layers", d.num_hidden_layers, cfg.model.num_layers, "--num-layers",
                f"pass --num-layers {d.num_hidden_layers}", "--num-layers")
+    if init.block_size is not None and init.block_size != cfg.model.block_size:
+        refuse("block_size", init.block_size, cfg.model.block_size, "--block-size",
+               f"drop --block-size (the run takes the drafter's) or pass --block-size {init.block_size}",
+               "--block-size")
     if init.num_depths is not None and init.num_depths != cfg.model.num_depths:
         refuse("num_depths (speculative_tokens)", init.num_depths, cfg.model.num_depths, "--num-depths",
                f"pass --num-depths {init.num_depths}", "--num-depths")

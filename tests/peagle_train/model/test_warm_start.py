@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -10,9 +11,13 @@ from safetensors.torch import load_file, save_file
 
 from peagle_train.model.checkpoint import save_drafter
 from peagle_train.model.config import DrafterConfig
+from peagle_train.model.dflash import DFlashDrafter
 from peagle_train.model.drafter import PEagleDrafter
 from peagle_train.model.warm_start import NATIVE_ARCHITECTURES, load_init_weights, read_init_source
+from peagle_train.model.dflash_checkpoint import save_dflash
 from stores.errors import InputError, StoreFormatError
+from tests.peagle_train.model.test_dflash import _config as dflash_config
+from tests.peagle_train.model.test_dflash import _speculators_model as speculators_dflash_model
 
 H, V, D = 32, 100, 40
 
@@ -206,3 +211,37 @@ def test_vllm_scores_draft_id_i_of_a_drafter_without_lm_head_with_the_verifiers_
     want = torch.full((3, Vs), float("-inf"))
     want[:, torch.arange(Ds) + d2t] = hidden @ head.weight[:Ds].T  # row i at token i + d2t[i]
     assert torch.equal(Eagle3LlamaForCausalLM.compute_logits(drafter, hidden), want)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("speculators") is None,
+                    reason="speculators is not installed (the bench extra: PEAGLE_BENCH=1 bash scripts/setup_env.sh)")
+def test_a_dflash_checkpoint_speculators_saved_is_read_and_loads_every_weight(tmp_path):
+    """speculators' ``DFlashDraftModel.save_pretrained`` (its default ``sliding_window_non_causal`` false, no
+    ``peagle`` block, no embed_tokens, and with the full vocab no lm_head: both the verifier's) is a DFlash
+    warm-start source; its weights load into peagle's drafter exactly."""
+    torch.manual_seed(0)
+    embed, head = torch.randn(V, H), torch.randn(V, H)
+    verifier = tmp_path / "verifier"  # the files speculators reloads the verifier's heads from
+    verifier.mkdir()
+    save_file({"model.embed_tokens.weight": embed, "lm_head.weight": head, "model.norm.weight": torch.ones(H)},
+              str(verifier / "model.safetensors"))
+    model = DFlashDrafter(dflash_config(str(verifier)))  # 2 layers, B 4, mask token 7, the full vocab
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    model.init_from_verifier(embed, head)
+    save_dflash(model, tmp_path / "ck")
+    theirs = speculators_dflash_model(tmp_path / "ck")
+    theirs.config.sliding_window_non_causal = False
+    theirs.save_pretrained(str(tmp_path / "spec"))
+    config = json.loads((tmp_path / "spec" / "config.json").read_text())
+    config.pop("peagle", None)
+    (tmp_path / "spec" / "config.json").write_text(json.dumps(config))
+    init = read_init_source(tmp_path / "spec", "dflash")
+    assert (init.format, init.block_size, init.num_depths, init.mask_token_id) == ("dflash", 4, 3, 7)
+    assert init.from_verifier == ("embed_tokens.weight", "lm_head.weight") and init.fresh == ()
+    ours = DFlashDrafter(init.config)
+    ours.init_from_verifier(embed, head)  # what the run does first
+    load_init_weights(init, ours)
+    assert all(torch.equal(v, ours.state_dict()[k]) for k, v in model.state_dict().items())
+    with pytest.raises(InputError, match=r"it is a dflash drafter .* pass --method dflash"):
+        read_init_source(tmp_path / "spec")  # --method peagle's

@@ -21,3 +21,14 @@ def test_the_byte_budget_is_parsed_once_and_streaming_is_its_own_switch(monkeypa
     assert {"budget_bytes", "streaming"}.isdisjoint(f.name for f in dataclasses.fields(config.StreamConfig))
     with pytest.raises(ValueError, match="--max-store-bytes 'abc' is not a size"):
         config.StreamConfig(max_store_bytes="abc")
+
+
+@pytest.mark.parametrize("kw, resolved", [
+    (dict(), (8, 7)),  # no warm start: speculators' default
+    (dict(init_from="x"), (None, None)),  # the --init-from drafter's, once the run reads it
+    (dict(init_from="x", block_size=4), (4, 3)),
+    (dict(init_from="x", num_depths=5), (6, 5)),
+])
+def test_a_dflash_block_size_is_left_unset_only_for_a_warm_start_to_take_its_sources(kw, resolved):
+    cfg = config.TrainConfig.from_flat(store="s", output="o", method="dflash", **kw)
+    assert (cfg.model.block_size, cfg.model.num_depths) == resolved

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from peagle_train.data.loader import to_block
 from peagle_train.model.checkpoint import drafter_config_json, load_drafter, save_drafter
 from peagle_train.model.drafter import PEagleDrafter
+from peagle_train.model.warm_start import read_init_source
 from peagle_train.train.run import build_trainer, run_train
 from peagle_train.train.step import block_loss, cod_generator, sample_elements
 from stores.errors import InputError
@@ -343,3 +344,13 @@ def test_resume_of_a_warm_start_continues_it_and_init_from_with_resume_is_refuse
     assert res.exit_code != 0 and "--init-from cannot be combined with --resume" in res.output, res.output
     with pytest.raises(InputError, match="--init-from-sha256 is 00ff: not the drafter the run was started from"):
         run_train(_cfg(store, tmp_path / "w2", init_from=str(x / "final"), init_from_sha256="00ff"))
+
+
+def test_a_p_eagle_drafter_is_refused_by_a_dflash_run_naming_both_kinds(source):
+    _, x = source
+    with pytest.raises(InputError, match=r"it is a peagle drafter \(peagle layout, speculators_model_type 'peagle'\) "
+                                         r"and this run trains a dflash drafter \(--method dflash, which starts from "
+                                         r"dflash drafters\); pass --method peagle") as e:
+        read_init_source(x, "dflash")
+    assert e.value.field == "--init-from"
+    assert read_init_source(x).format == "peagle"  # --method peagle's, the default

@@ -25,6 +25,11 @@ def test_the_registry_names_each_kind_once():
         drafter_kind("eagle3")
 
 
+def test_each_kind_starts_only_from_its_own_kinds_drafters():
+    assert {n: k.init_formats for n, k in DRAFTER_KINDS.items()} == {"peagle": ("peagle", "eagle3", "vllm"),
+                                                                      "dflash": ("dflash",)}
+
+
 def _row():
     g = torch.Generator().manual_seed(0)
     mask = torch.zeros(T, dtype=torch.long)

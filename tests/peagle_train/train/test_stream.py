@@ -1,6 +1,6 @@
 """Training while extracting on a bounded store (``peagle-train --extract-from --max-store-bytes``): the final
 weights equal an offline run's (extract everything, then train) bit for bit, for 1 and 2 epochs under both
-epoch policies, and the store never passes its budget; bad input is refused before anything loads.
+epoch policies and for a DFlash drafter too, and the store never passes its budget; bad input is refused before anything loads.
 
 Tiny packed table (8 blocks of 48 token slots, random ids), the tiny Llama verifier (hidden 64, 4 layers),
 hf engine on CPU; the extraction runs as the subprocess the command starts. The same for a full-context store
@@ -400,3 +400,28 @@ def test_a_resumed_run_keeps_the_context_and_order_it_started_with(tmp_path, pac
                                windows).data.epoch_order == "conversations"
     assert resolve_epoch_order(TrainConfig.from_flat(store=offline_store, output=str(tmp_path / "new"), **OPTS),
                                FeatureStore.open(offline_store)).data.epoch_order == "blocks"
+
+
+def test_dflash_streaming_trains_the_offline_run(tmp_path, packed, offline_store, offline_run, tiny_verifier_dir,
+                                                 one_thread):
+    """``--method dflash`` streams as P-EAGLE does: on a store extracted while it trains, within a window of 3
+    blocks, its loss rows, validation and final weights are the offline run's (the same store extracted first)."""
+    opts = {**OPTS, "num_depths": None, "method": "dflash", "block_size": 4}
+    offline, offline_out = offline_run(offline_store, 6, **opts)
+    budget = _budget(offline_store, window=3)
+    summary = run_train(TrainConfig.from_flat(
+        store=str(tmp_path / "stream.zarr"), output=str(tmp_path / "stream"), verifier=str(tiny_verifier_dir),
+        max_steps=6, extract_from=str(packed), max_store_bytes=str(budget), epoch_policy="reextract", device="cpu",
+        context="window", **opts))
+
+    def train_rows(out):
+        rows = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+        return [(r["step"], r["loss"], r["acc"], r["blocks"]) for r in rows if r["split"] == "train"]
+
+    assert train_rows(tmp_path / "stream") == train_rows(offline_out) and len(train_rows(offline_out)) == 6
+    assert summary["val_loss"] == offline["val_loss"]
+    a, b = _weights(offline_out), _weights(tmp_path / "stream")
+    assert sorted(a) == sorted(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
+    assert json.loads((tmp_path / "stream" / "final" / "config.json").read_text())["speculators_model_type"] == "dflash"
+    log = Path(summary["extraction_log"]).read_text()
+    assert json.loads(log[log.index("{"):])["stream"]["peak_store_bytes"] <= budget
