@@ -42,6 +42,24 @@ def _gone(pid: int) -> bool:
     return state in ("Z", "X")
 
 
+def _default_dispositions() -> None:
+    """The child test process starts with the default action for the signals under test, whatever this process
+    inherited (a runner's background job ignores SIGINT, ``nohup`` SIGHUP): the helper keeps what it finds."""
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+
+
+def _signal_state(pid: int) -> str:
+    """What /proc says of a process that did not end: its state, ignored and caught signals, where it waits."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+    except OSError as e:
+        return f"/proc unreadable: {e}"
+    keep = [line for line in status if line.split(":")[0] in ("State", "SigIgn", "SigCgt", "SigPnd", "ShdPnd")]
+    return "; ".join(keep + [f"wchan {wchan}"])
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_server_ends_when_the_test_process_is_killed(tmp_path, signum):
@@ -51,7 +69,8 @@ def test_a_server_ends_when_the_test_process_is_killed(tmp_path, signum):
     (tmp_path / "test_child.py").write_text(CHILD_TEST.format(tests=str(TESTS), pid_file=str(pid_file)))
     child = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir",
                               str(tmp_path), "-c", os.devnull, str(tmp_path / "test_child.py")],
-                             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             preexec_fn=_default_dispositions)
     try:
         deadline = time.monotonic() + 60
         while not (pid_file.exists() and pid_file.read_text()) and child.poll() is None:
@@ -60,7 +79,11 @@ def test_a_server_ends_when_the_test_process_is_killed(tmp_path, signum):
         server = int(pid_file.read_text())
         assert not _gone(server)
         child.send_signal(signum)
-        child.wait(timeout=30)
+        try:
+            child.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the test process lived 60 s after {signal.Signals(signum).name}; server gone: "
+                                 f"{_gone(server)}; {_signal_state(child.pid)}") from None
         deadline = time.monotonic() + 5
         while not _gone(server) and time.monotonic() < deadline:
             time.sleep(0.05)
