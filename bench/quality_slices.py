@@ -1,7 +1,7 @@
 """The quality comparison against speculators' trainer, run in slices that fit (docs/benchmarks.md, "Drafter quality
 against speculators' trainer, slice by slice"): every call continues where the last one stopped, on any machine.
 
-    nice -n 19 python bench/quality_slices.py [--slice 1] [--max-runs N] [--until 20:15] [--cache DIR]
+    nice -n 19 python bench/quality_slices.py [--slice 1] [--runs default-s1,...] [--max-runs N] [--until 20:15]
     python bench/bench_losses.py --table --out bench/results/quality-2026-12     # the table, from the results alone
 
 What one call does, each step skipped when done:
@@ -160,12 +160,33 @@ def runs_of(slices: list[int]) -> list[tuple[str, int]]:
     return [(lv, seed) for seed in SEEDS for lv in levers]
 
 
+def chosen_runs(slices: list[int], runs: str | None) -> list[tuple[str, int]]:
+    """The runs one call makes, in order: the slices' (:func:`runs_of`), or ``runs`` (``LEVER-sSEED,...``), in
+    the order given, each of them one of the slices' runs (so that two processes, one a core, can split a slice
+    or put the runs an issue needs first; a finished run is skipped either way).
+
+    Raises:
+        ValueError: a run that is not one of the slices' (names it and the slices' runs).
+    """
+    planned = runs_of(slices)
+    if runs is None:
+        return planned
+    known = {f"{lv}-s{seed}": (lv, seed) for lv, seed in planned}
+    asked = [r.strip() for r in runs.split(",") if r.strip()]
+    unknown = [r for r in asked if r not in known]
+    if unknown:
+        raise ValueError(f"--runs {unknown} are not runs of slice(s) {slices}: {', '.join(known)}")
+    return [known[r] for r in dict.fromkeys(asked)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cache", type=Path, default=Path(os.environ.get("PEAGLE_HOME", Path.home() / ".cache" / "peagle"))
                     / "quality-2026-12")
     ap.add_argument("--results", type=Path, default=RESULTS)
     ap.add_argument("--slice", default="1", help="comma-separated slices (1: speculators and default; 2: levers; 3: DFlash)")
+    ap.add_argument("--runs", default=None, help="LEVER-sSEED,...: these runs of the slices, in this order "
+                    "(default: every run of the slices, seed by seed)")
     ap.add_argument("--max-runs", type=int, default=None, help="stop after this many runs")
     ap.add_argument("--until", default=None, help="HH:MM (local time): start no run after it")
     ap.add_argument("--inputs-only", action="store_true", help="build and check the inputs, train nothing")
@@ -173,6 +194,10 @@ def main() -> None:
     slices = [int(s) for s in a.slice.split(",")]
     if set(slices) - set(SLICES):
         ap.error(f"--slice: known slices {sorted(SLICES)}")
+    try:
+        todo = chosen_runs(slices, a.runs)
+    except ValueError as e:
+        ap.error(str(e))
     if not MTBENCH.is_file():
         ap.error(f"{MTBENCH} is missing: the judge set's MT-Bench questions")
     a.cache.mkdir(parents=True, exist_ok=True)
@@ -182,7 +207,7 @@ def main() -> None:
     provenance = a.cache / "provenance.json"
     provenance.write_text(json.dumps({**made, "torch_threads": 1, "cpu_count": os.cpu_count()}))
     ran, walls = [], {}
-    for lever, seed in runs_of(slices) if not a.inputs_only else []:
+    for lever, seed in todo if not a.inputs_only else []:
         if (a.results / f"{lever}-s{seed}.json").is_file():
             continue
         if a.max_runs is not None and len(ran) >= a.max_runs:

@@ -39,3 +39,12 @@ def test_inputs_are_recorded_once_and_a_differing_rebuild_is_refused(tmp_path):
 def test_runs_go_seed_by_seed_so_a_partial_slice_is_paired():
     assert slices.runs_of([1])[:4] == [("speculators", 0), ("default", 0), ("speculators", 1), ("default", 1)]
     assert len(slices.runs_of([1])) == 10 and len(slices.runs_of([1, 2])) == 25
+
+
+def test_runs_named_go_in_the_order_given_and_only_runs_of_the_slices():
+    assert slices.chosen_runs([1], None) == slices.runs_of([1])
+    assert slices.chosen_runs([1, 3], "dflash-s2, default-s1,dflash-s2") == [("dflash", 2), ("default", 1)]
+    with pytest.raises(ValueError, match=r"\['dflash-s0'\] are not runs of slice\(s\) \[1\]"):
+        slices.chosen_runs([1], "default-s0,dflash-s0")
+    with pytest.raises(ValueError, match="default-s9"):
+        slices.chosen_runs([1], "default-s9")
