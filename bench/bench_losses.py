@@ -610,7 +610,7 @@ def main() -> None:
     ap.add_argument("--allow-contaminated", action="store_true",
                     help="the replay stage: judge on conversations the drafter was trained on")
     ap.add_argument("--baseline", default=None, help="the lever differences are paired against (default: "
-                    "speculators when among --levers, else default)")
+                    "speculators when among --levers, else default, else the first lever)")
     ap.add_argument("--verifier", default="smollm2-135m")
     ap.add_argument("--prompts")
     ap.add_argument("--num-prompts", type=int, default=6)
@@ -632,7 +632,7 @@ def main() -> None:
     unknown = [lv for lv in levers if lv not in LEVERS]
     if unknown:
         ap.error(f"unknown levers {unknown}; known: {', '.join(LEVERS)}")
-    baseline = args.baseline or (SPECULATORS if SPECULATORS in levers else "default")
+    baseline = args.baseline or next((b for b in (SPECULATORS, "default") if b in levers), levers[0])
     if baseline not in levers:
         ap.error(f"--baseline {baseline} is not among --levers {args.levers}")
     stages = set(args.stages.split(",")) if not args.table else set()

@@ -160,6 +160,11 @@ def runs_of(slices: list[int]) -> list[tuple[str, int]]:
     return [(lv, seed) for seed in SEEDS for lv in levers]
 
 
+def bench_levers(lever: str) -> str:
+    """``bench/bench_losses.py --levers`` of one run: the lever, after the one a warm start trains from."""
+    return ",".join(["default", lever] if lever in ("lk_hybrid_warm",) else [lever])
+
+
 def chosen_runs(slices: list[int], runs: str | None) -> list[tuple[str, int]]:
     """The runs one call makes, in order: the slices' (:func:`runs_of`), or ``runs`` (``LEVER-sSEED,...``), in
     the order given, each of them one of the slices' runs (so that two processes, one a core, can split a slice
@@ -220,7 +225,7 @@ def main() -> None:
         subprocess.run([sys.executable, str(REPO / "bench" / "bench_losses.py"), "--store",
                         str(a.cache / "features.zarr"), "--out", str(a.cache / "levers"), "--steps", str(STEPS),
                         "--save-every", str(SAVE_EVERY), "--seeds", str(seed), "--levers",
-                        ",".join(["default", lever] if lever in ("lk_hybrid_warm",) else [lever]),
+                        bench_levers(lever),
                         "--judge", str(a.cache / "judge"), "--stages", "train,offline,replay",
                         "--results", str(a.results), "--provenance", str(provenance)],
                        cwd=REPO, env=env, check=True, stdout=sys.stderr)

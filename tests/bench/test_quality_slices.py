@@ -4,6 +4,7 @@ order of the runs, and a results directory that skips what is done."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -48,3 +49,12 @@ def test_runs_named_go_in_the_order_given_and_only_runs_of_the_slices():
         slices.chosen_runs([1], "default-s0,dflash-s0")
     with pytest.raises(ValueError, match="default-s9"):
         slices.chosen_runs([1], "default-s9")
+
+
+@pytest.mark.parametrize("lever", [lv for levers in slices.SLICES.values() for lv in levers])
+def test_every_run_of_every_slice_passes_the_benchs_argument_checks(lever, monkeypatch, capsys, tmp_path):
+    bench = load_bench("bench_losses")
+    monkeypatch.setattr(sys, "argv", ["bench", "--out", str(tmp_path), "--levers", slices.bench_levers(lever),
+                                      "--table"])
+    bench.main()  # a refusal exits 2 (slice 3's lone dflash lever once had no baseline)
+    assert "| lever |" in capsys.readouterr().out
