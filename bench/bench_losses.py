@@ -367,16 +367,21 @@ def suite_figures(per: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
-def replay(run: Path, judge: Path, allow_contaminated: bool = False) -> None:
+def replay(run: Path, judge: Path, allow_contaminated: bool = False, allow_refused_turns: bool = False) -> None:
     """The replayed AL of ``run``'s last drafter on every judge store (``peagle-eval --store``'s ``replay``), per
     temperature pooled over the suites and samples, and per suite (:func:`suite_figures`):
     ``run/replay-T{0,1}.json`` with each store's report under ``per_store``; each store walked with the
     ``max_new_tokens`` it was generated with (its ``.done.json``).
 
+    ``allow_refused_turns``: judge on the turns the replay walks where a store holds turns it cannot walk as
+    decoding would produce them (``walk_turn``'s rules read only the store's tokens, the turn's bounds, its
+    ``max_new_tokens`` and the EOS ids, so every drafter is judged on the same turns of a store); each store's
+    ``refused_turns`` stay in the report.
+
     Raises:
-        SystemExit: a store that cannot stand as a judge figure (``judge_problems``: turns not walked, or
-        conversations the drafter was trained on unless ``allow_contaminated``); StoreMismatchError: an
-        incomplete store."""
+        SystemExit: a store that cannot stand as a judge figure (``judge_problems``: turns not walked unless
+        ``allow_refused_turns``, or conversations the drafter was trained on unless ``allow_contaminated``);
+        StoreMismatchError: an incomplete store."""
     for t, stores in judge_stores(judge).items():
         path = run / f"replay-T{t}.json"
         if path.exists() or not stores:
@@ -385,10 +390,11 @@ def replay(run: Path, judge: Path, allow_contaminated: bool = False) -> None:
         for store in stores:
             made = json.loads(store.with_name(store.name[:-len(".zarr")] + ".done.json").read_text())
             rep = run_offline_eval(final_checkpoint(run), store, max_new_tokens=int(made["max_new_tokens"]))
-            problems = judge_problems(rep, allow_contaminated)  # run_offline_eval refuses an incomplete store
+            problems = judge_problems(rep, allow_contaminated, allow_refused_turns)  # incomplete: refused before
             if problems:
                 raise SystemExit(f"replay: {store} judging {final_checkpoint(run)}: {'; '.join(problems)} "
-                                 "(--allow-contaminated judges trained-on conversations anyway)")
+                                 "(--allow-refused-turns judges the turns walked, the same for every drafter; "
+                                 "--allow-contaminated judges trained-on conversations anyway)")
             per[store.name] = {**rep["replay"], "all_anchor_acceptance_length": rep.get("simulated_acceptance_length")}
         accepted = sum(r.get("accepted", 0) for r in per.values())
         drafts = sum(r.get("num_drafts", 0) for r in per.values())
@@ -609,6 +615,9 @@ def main() -> None:
     ap.add_argument("--judge", type=Path, default=None, help="the replay stage: a scripts/judge_set.py output")
     ap.add_argument("--allow-contaminated", action="store_true",
                     help="the replay stage: judge on conversations the drafter was trained on")
+    ap.add_argument("--allow-refused-turns", action="store_true",
+                    help="the replay stage: judge on the turns walked where a store holds turns no decoding produces "
+                    "as stored (the same turns for every drafter; each store's refused_turns are reported)")
     ap.add_argument("--baseline", default=None, help="the lever differences are paired against (default: "
                     "speculators when among --levers, else default, else the first lever)")
     ap.add_argument("--verifier", default="smollm2-135m")
@@ -662,7 +671,7 @@ def main() -> None:
             if "offline" in stages:
                 offline(args.store, run)
             if "replay" in stages:
-                replay(run, args.judge, args.allow_contaminated)
+                replay(run, args.judge, args.allow_contaminated, args.allow_refused_turns)
             if "online" in stages:
                 contexts = greedy_contexts(args.verifier, final_checkpoint(run), args.prompts, args.num_prompts,
                                            args.max_new_tokens, args.out)

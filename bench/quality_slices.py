@@ -226,7 +226,8 @@ def main() -> None:
                         str(a.cache / "features.zarr"), "--out", str(a.cache / "levers"), "--steps", str(STEPS),
                         "--save-every", str(SAVE_EVERY), "--seeds", str(seed), "--levers",
                         bench_levers(lever),
-                        "--judge", str(a.cache / "judge"), "--stages", "train,offline,replay",
+                        "--judge", str(a.cache / "judge"), "--allow-refused-turns",
+                        "--stages", "train,offline,replay",
                         "--results", str(a.results), "--provenance", str(provenance)],
                        cwd=REPO, env=env, check=True, stdout=sys.stderr)
         walls[f"{lever}-s{seed}"] = round(time.perf_counter() - t0)

@@ -205,6 +205,22 @@ def test_replay_refuses_a_store_that_cannot_stand_as_a_judge_figure(tmp_path, mo
     assert not (run / "replay-T0.json").exists()
 
 
+def test_refused_turns_are_judged_on_the_turns_walked_only_when_allowed_and_stay_in_the_report(tmp_path, monkeypatch):
+    judge = tmp_path / "judge"
+    (judge / "mtbench-T1-seed1.zarr").mkdir(parents=True)
+    (judge / "mtbench-T1-seed1.done.json").write_text(json.dumps({"max_new_tokens": 64}))
+    refused = {"cut before max_new_tokens without an EOS": 1}
+    full = {"replay": {"accepted": 3, "num_drafts": 4, "refused_turns": refused}, "simulated_acceptance_length": 1.5}
+    monkeypatch.setattr(bench, "run_offline_eval", lambda drafter, store, max_new_tokens: full)
+    run = tmp_path / "default-s0"
+    (run / "final").mkdir(parents=True)
+    with pytest.raises(SystemExit, match="--allow-refused-turns judges the turns walked"):
+        bench.replay(run, judge)
+    bench.replay(run, judge, allow_refused_turns=True)
+    rep = json.loads((run / "replay-T1.json").read_text())
+    assert rep["acceptance_length"] == 1.75 and rep["per_store"]["mtbench-T1-seed1.zarr"]["refused_turns"] == refused
+
+
 def _ckpt(run: Path, step: int, al: float) -> None:
     (run / f"checkpoint-{step}").mkdir(parents=True)
     (run / f"checkpoint-{step}" / "offline.json").write_text(json.dumps({"simulated_acceptance_length": al}))
