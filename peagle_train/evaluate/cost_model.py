@@ -66,7 +66,7 @@ import torch
 
 from peagle_train.evaluate.config import EvalConfig
 from peagle_train.generate.inference import load_for_decoding
-from peagle_train.generate.speculative import DrafterSession, aux_features, propose_drafts
+from peagle_train.generate.speculative import aux_features, drafter_session, propose_drafts
 from peagle_train.generate.verifier import (aux_hidden_states, config_recurrent_layers, crop_cache, new_cache,
                                             rollback_cache, verifier_body_pass, verifier_pass)
 from peagle_train.train.kinds import DrafterKind
@@ -221,8 +221,10 @@ def measure_step_costs(verifier, drafter, context_ids: Sequence[int] | torch.Ten
         cache = rollback_cache(verifier)
         _, hs = verifier_pass(verifier, ids, cache, want_hidden=True, last_only=True)
         aux = aux_features(hs, hook, layers)  # [P, L*H]: g_0..g_{P-1}
-        session = DrafterSession(drafter)
-        session.draft(torch.cat([ids[1:], torch.tensor([last])]), aux, 1)  # the drafter's pass over the prompt
+        # one session per K, of the drafter's kind (a DFlash block of K + 1 drafts K), each past the prompt
+        sessions = [drafter_session(drafter, K) for K in range(1, max_draft_tokens + 1)]
+        for session in sessions:
+            session.draft(torch.cat([ids[1:], torch.tensor([last])]), aux, 1)  # the drafter's pass over the prompt
         one_aux = aux[-1:]  # [1, L*H]: the feature of each new depth-0 element (its values cost nothing)
         for r in range(warmup_rounds + rounds):
             timed = r >= warmup_rounds
@@ -235,7 +237,7 @@ def measure_step_costs(verifier, drafter, context_ids: Sequence[int] | torch.Ten
             for K in range(1, max_draft_tokens + 1):
                 _sync(device)
                 t0 = time.perf_counter()
-                draft_logits = session.draft(torch.tensor([last]), one_aux, K)  # [K, D]
+                draft_logits = sessions[K - 1].draft(torch.tensor([last]), one_aux, K)  # [K, D]
                 drafts, _ = propose_drafts(draft_logits, drafter.draft_ids, vocab, 0.0, None)  # [K]
                 _sync(device)
                 t1 = time.perf_counter()

@@ -21,7 +21,7 @@ from peagle_train.evaluate.report import format_report
 from peagle_train.evaluate.run import OFFLINE_COSTS_NOT_ASKED
 from stores.errors import InputError
 from tests.peagle_train.evaluate.test_evaluate import saved_drafter_and_store, write_lines
-from tests.peagle_train.generate.test_speculative import tiny_drafter
+from tests.peagle_train.generate.test_speculative import tiny_dflash, tiny_drafter
 
 
 def costs(verify_1_ms: float, verify_ms: list[float], draft_ms: list[float]) -> StepCosts:
@@ -103,6 +103,15 @@ def test_timing_on_the_tiny_llama_gives_one_row_per_k(tiny_verifier, smollm2_tok
     assert c.threads == 1 and c.device == "cpu"  # the one_thread fixture of tests/peagle_train/conftest.py
     with pytest.raises(InputError, match="empty"):
         measure_step_costs(tiny_verifier, drafter, [], 3)
+
+
+def test_a_dflash_drafter_is_timed_with_a_block_of_k_plus_1_for_each_k(tiny_verifier, smollm2_tokenizer):
+    """``peagle-eval --prompts`` times the cost model by default: a DFlash drafter once crashed there (a P-EAGLE
+    session given its blocks)."""
+    drafter = tiny_dflash(tiny_verifier, block_size=4)
+    ids = render_turn(smollm2_tokenizer, Prompt("a", ["Hello there"]), 0, [])
+    c = measure_step_costs(tiny_verifier, drafter, ids, 3, rounds=2, warmup_rounds=0)
+    assert len(c.verify_s) == len(c.draft_s) == 3 and all(t > 0 for t in c.verify_s + c.draft_s)
 
 
 def test_the_timing_shows_its_progress(tiny_verifier, smollm2_tokenizer, capsys):
