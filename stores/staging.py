@@ -146,7 +146,8 @@ def _is_run_config(record) -> bool:
 
 _TABLE_FILES = ("manifest.json", "manifest.json.tmp", "part-*.parquet", "rejects.jsonl", "token_freq.npy",
                 ".windows-*.spill")
-_CHECKPOINT_FILES = ("config.json", "model.safetensors", "training_state.pt", "training_state.pt.tmp")
+_CHECKPOINT_FILES = ("config.json", "model.safetensors", "training_state.pt", "training_state.pt.tmp",
+                     "training_segments.npy")
 _CHECKPOINT_DIRS = ("checkpoint-*", "final", ".checkpoint-*.tmp", ".checkpoint-*.old", ".final.tmp", ".final.old")
 
 OUTPUT_KINDS = (

@@ -326,7 +326,8 @@ def _run_dir(tmp_path) -> Path:
     for f in ("metrics.jsonl", "training.png", "trackers/peagle/events.out.tfevents.1.host"):
         (run / f).write_text("x")
     for d in ("checkpoint-4", "checkpoint-8", "final"):
-        for f in ("config.json", "model.safetensors") + (("training_state.pt",) if d != "final" else ()):
+        state = ("training_state.pt",) if d != "final" else ()
+        for f in ("config.json", "model.safetensors", "training_segments.npy", *state):
             (run / d / f).write_text("x")
     return run
 

@@ -16,6 +16,7 @@ from peagle_train.train.config import TrainConfig
 from peagle_train.model.warm_start import read_init_source
 from peagle_train.train.run import build_trainer, run_train
 from stores.errors import InputError, StoreFormatError
+from stores.staging import check_replaceable, foreign_entries
 from tests.peagle_train.train.test_train import H, V, _store
 
 
@@ -56,6 +57,9 @@ def test_dflash_loss_decreases_and_the_run_records_its_kind(tmp_path, verifier_d
     assert drafter.config.mask_token_id == 3
     with pytest.raises(StoreFormatError, match="dflash"):
         load_drafter(summary["checkpoint"])  # P-EAGLE's reader names the kind it found
+    # every file the run wrote is one --force may replace (training_segments.npy once made --force refuse it)
+    assert (tmp_path / "out" / "final" / "training_segments.npy").is_file()
+    assert foreign_entries(tmp_path / "out") == [] and check_replaceable(tmp_path / "out", force=True)
 
 
 def test_dflash_resume_continues_exactly(tmp_path, verifier_dir):
