@@ -415,6 +415,12 @@ class TrainConfig:
               "one store with --max-store-bytes", self.data.store)
         _need(self.stream.extract_from is None or self.model.verifier is not None, "--verifier",
               "given with --extract-from (the verifier the extraction runs)", None)
+        if self.model.method == "dflash":  # COD sampling is P-EAGLE's: DFlash trains blocks at anchors
+            defaults = {f.name: f.default for f in dataclasses.fields(DataConfig)}
+            for name in ("down_sample_ratio", "down_sample_ratio_min"):
+                _need(getattr(self.data, name) == defaults[name], "--" + name.replace("_", "-"),
+                      f"left out with --method dflash (COD sampling is P-EAGLE's; DFlash trains a block at each "
+                      f"anchor: --max-anchors caps them)", getattr(self.data, name))
         if self.model.num_depths is not None:  # None: a DFlash warm start's, until the source's block size is read
             depth_weight_values(self.optim.depth_weights, self.model.num_depths)  # ValueError naming --depth-weights
 

@@ -83,6 +83,8 @@ def test_dflash_resume_continues_exactly(tmp_path, verifier_dir):
     (dict(method="dflash", init_from="x", block_size=4, num_depths=4), "--num-depths"),
     (dict(method="dflash", init_from="x", init_layers="verifier"), "--init-layers"),
     (dict(method="eagle"), "--method"),
+    (dict(method="dflash", down_sample_ratio=0.9), "--down-sample-ratio"),  # COD's: ignored by DFlash, refused
+    (dict(method="dflash", down_sample_ratio_min=0.9), "--down-sample-ratio-min"),
 ])
 def test_bad_dflash_settings_name_the_option(kw, option):
     with pytest.raises(ValueError, match=option):
