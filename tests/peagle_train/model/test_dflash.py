@@ -4,6 +4,8 @@ vLLM's rules for serving it as trained."""
 
 import importlib.util
 import json
+import re
+import shutil
 import sys
 from unittest import mock
 
@@ -14,7 +16,7 @@ from safetensors.torch import save_file
 from peagle_train.data.anchors import AnchorBlocks, block_inputs
 from peagle_train.model.dflash import DFlashConfig, DFlashDrafter
 from peagle_train.model.dflash_checkpoint import dflash_problems, load_dflash, save_dflash
-from stores.errors import InputError
+from stores.errors import InputError, StoreFormatError
 
 H, V, L, B = 32, 100, 3, 4
 
@@ -114,6 +116,26 @@ def test_dflash_problems_names_what_vllm_would_serve_otherwise(trained, edit, pr
     config = json.loads((trained[1] / "config.json").read_text())
     edit(config)
     assert any(problem in p for p in dflash_problems(config)), dflash_problems(config)
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda c: c.update(aux_hidden_state_layer_ids=[3, 10, 20]), "aux_hidden_state_layer_ids is [3, 10, 20]"),
+    (lambda c: c.update(mask_token_id=5), "mask_token_id is 5"),
+    (lambda c: c["speculators_config"]["proposal_methods"][0].update(speculative_tokens=5), "speculative_tokens is 5"),
+    (lambda c: c["transformer_layer_config"].update(rope_theta=123.0), "rope_theta is 123.0"),
+    (lambda c: c["transformer_layer_config"].update(rms_norm_eps=0.1), "rms_norm_eps is 0.1"),
+    (lambda c: c["transformer_layer_config"].update(max_position_embeddings=128), "max_position_embeddings"),
+])
+def test_a_checkpoint_whose_served_fields_differ_from_the_trained_drafter_is_refused(trained, tmp_path, edit, field):
+    """vLLM builds the drafter from the top-level fields, peagle from its ``peagle`` block: an edit of the former
+    once had peagle-eval score a drafter other than the one vLLM serves, silently."""
+    shutil.copytree(trained[1], tmp_path / "edited")
+    config = json.loads((tmp_path / "edited" / "config.json").read_text())
+    edit(config)
+    (tmp_path / "edited" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(StoreFormatError, match=re.escape(field)):
+        load_dflash(tmp_path / "edited")
+    assert isinstance(load_dflash(trained[1]), DFlashDrafter)  # the checkpoint as saved loads
 
 
 def test_a_reduced_vocab_checkpoint_holds_its_maps_and_refuses_mask_hidden(tmp_path):
