@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from peagle_train.model.config import LAYER_TYPES, DrafterConfig
@@ -40,6 +40,7 @@ from runtime.model_cache import EMBEDDED_MODELS, peagle_home
 from stores.staging import atomic_file, replace_dir
 
 __all__ = [
+    "read_weights",
     "CONFIG_FILE",
     "WEIGHTS_FILE",
     "STATE_FILE",
@@ -407,6 +408,26 @@ def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, path
                                f"{int(extra[0])} is marked but no draft id maps to it; {fix}")
 
 
+def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The tensors of a drafter's ``model.safetensors``, every floating-point one finite.
+
+    Raises:
+        StoreFormatError: not readable as safetensors (truncated or corrupted), naming the file.
+        NonFiniteError: a tensor holding NaN or Inf, naming it: a drafter so would draft garbage and its AL
+            would be reported as if measured.
+    """
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise StoreFormatError(f"{path} cannot be read as safetensors ({e}): truncated or corrupted after it was "
+                               "written (peagle writes a checkpoint whole); use another checkpoint of the run") from e
+    bad = [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise NonFiniteError(f"{path}: tensor(s) {', '.join(sorted(bad)[:5])} hold NaN or Inf: this drafter cannot "
+                             "be evaluated, served or trained from")
+    return tensors
+
+
 def load_drafter(directory: str | os.PathLike, device: str | torch.device = "cpu") -> PEagleDrafter:
     """Load a drafter written by :func:`save_drafter` (bit-exact round trip).
 
@@ -429,7 +450,7 @@ def load_drafter(directory: str | os.PathLike, device: str | torch.device = "cpu
         raise StoreFormatError(f"{cfg_path}: speculators_model_type is "
                                f"{cfg.get('speculators_model_type')!r}, expected 'peagle'")
     model = PEagleDrafter(_config_from_json(cfg, cfg_path))
-    tensors = _drop_identity_vocab_maps(load_file(str(w_path)), model.config, w_path)
+    tensors = _drop_identity_vocab_maps(read_weights(w_path), model.config, w_path)
     if model.config.draft_vocab_size < model.config.vocab_size and {"d2t", "t2d"} <= tensors.keys():
         check_vocab_maps(tensors["d2t"], tensors["t2d"], model.config.vocab_size, w_path)
     try:

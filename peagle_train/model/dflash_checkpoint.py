@@ -27,10 +27,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
 from peagle_train.model.checkpoint import (CONFIG_FILE, WEIGHTS_FILE, check_vocab_maps, layer_config_json,
-                                           save_with_state, speculators_block, write_drafter_files)
+                                           read_weights, save_with_state, speculators_block, write_drafter_files)
 from peagle_train.model.dflash import DFlashConfig, DFlashDrafter
 from stores.errors import InputError, StoreFormatError
 from stores.staging import replace_dir
@@ -218,7 +217,7 @@ def load_dflash(directory: str | os.PathLike, device: str | torch.device = "cpu"
         raise StoreFormatError(f"{cfg_path}: the fields vLLM serves the drafter from differ from the drafter peagle "
                                f"trained (its peagle.drafter_config): {'; '.join(edited)}; vLLM would serve another "
                                "drafter than peagle evaluates (was the checkpoint edited by hand?)")
-    tensors = load_file(str(w_path))
+    tensors = read_weights(w_path)
     if "d2t" in tensors:
         check_vocab_maps(tensors["d2t"], tensors["t2d"], model.config.vocab_size, w_path)
     try:

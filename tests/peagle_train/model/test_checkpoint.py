@@ -5,13 +5,15 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from peagle_train.model.checkpoint import (
+    read_weights,
     find_drafter, latest_checkpoint, load_drafter, load_training_state, save_checkpoint, save_drafter,
 )
 from peagle_train.model.config import DrafterConfig
 from peagle_train.model.drafter import PEagleDrafter
-from stores.errors import StoreFormatError
+from stores.errors import NonFiniteError, StoreFormatError
 
 H, L, V, D = 32, 3, 100, 40
 
@@ -358,3 +360,18 @@ def test_a_foreign_qwen3_checkpoint_loads_as_qwen3_and_what_peagle_does_not_comp
         _edit(tmp_path / "bad", edit)
         with pytest.raises(StoreFormatError, match=f"{tmp_path / 'bad' / 'config.json'}: .*{message}"):
             load_drafter(tmp_path / "bad")
+
+
+def test_weights_that_are_truncated_or_not_finite_are_refused_naming_the_file_or_tensor(tmp_path):
+    """A checkpoint's weights changed after peagle wrote them: a raw safetensors traceback once named neither the
+    file nor what to do, and a NaN weight was evaluated (AL 1.0) as if it were a drafter."""
+    path = tmp_path / "model.safetensors"
+    save_file({"a.weight": torch.ones(4, 4), "d2t": torch.zeros(3, dtype=torch.long)}, str(path))
+    assert set(read_weights(path)) == {"a.weight", "d2t"}
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 10])
+    with pytest.raises(StoreFormatError, match=r"model\.safetensors cannot be read as safetensors"):
+        read_weights(path)
+    save_file({"a.weight": torch.tensor([1.0, float("nan")]), "b.weight": torch.ones(2)}, str(path))
+    with pytest.raises(NonFiniteError, match=r"a\.weight hold NaN or Inf"):
+        read_weights(path)
