@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from peagle_train.model.checkpoint import (CONFIG_FILE, WEIGHTS_FILE, check_vocab_maps, find_drafter,
                                            layer_type_of, rope_from_layer_config)
@@ -323,10 +323,13 @@ def read_init_source(path: str | os.PathLike, method: str = "peagle") -> InitSou
     if width is not None and fmt != "dflash" and int(width) != dc.num_aux_layers:
         _refuse(directory, f"num_aux_hidden_states is {width} but eagle_aux_hidden_state_layer_ids "
                            f"{dc.aux_layer_ids} holds {dc.num_aux_layers}: vLLM sizes fc for {width}")
-    with safe_open(str(w_path), framework="pt") as f:
-        names = {k.replace("midlayer.", "layers.0.", 1) if k.startswith("midlayer.") else k: k for k in f.keys()}
-        shapes = {k: tuple(f.get_slice(names[k]).get_shape()) for k in names}
-        d2t, t2d = _vocab_maps(f, names, dc, directory)
+    try:
+        with safe_open(str(w_path), framework="pt") as f:
+            names = {k.replace("midlayer.", "layers.0.", 1) if k.startswith("midlayer.") else k: k for k in f.keys()}
+            shapes = {k: tuple(f.get_slice(names[k]).get_shape()) for k in names}
+            d2t, t2d = _vocab_maps(f, names, dc, directory)
+    except SafetensorError as e:
+        _refuse(directory, f"{WEIGHTS_FILE} cannot be read as safetensors ({e}): truncated or corrupted")
     lacks = _check_tensors(fmt, dc, shapes, directory, d2t)
     return InitSource(path=directory.resolve(), format=fmt, config=dc, mask_token_id=mask,
                       num_depths=int(K) if K is not None else None, names=names, shapes=shapes, d2t=d2t, t2d=t2d,
@@ -392,7 +395,10 @@ def load_init_weights(source: InitSource, model: PEagleDrafter) -> list[str]:
         for name, file_name in source.names.items():
             if name in ("d2t", "t2d") or name not in own:
                 continue
-            own[name].copy_(f.get_tensor(file_name).reshape(own[name].shape).to(own[name].dtype))
+            tensor = f.get_tensor(file_name)
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                _refuse(source.path, f"{WEIGHTS_FILE}'s {file_name} holds NaN or Inf: no run can start from it")
+            own[name].copy_(tensor.reshape(own[name].shape).to(own[name].dtype))
     return sorted(k for k in own if k not in source.names and k not in ("d2t", "t2d"))
 
 

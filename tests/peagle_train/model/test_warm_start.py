@@ -85,6 +85,20 @@ def test_tensors_that_are_not_the_configs_are_refused_by_name(tmp_path):
         read_init_source(src)
 
 
+def test_a_source_whose_weights_are_truncated_or_not_finite_is_refused_naming_it(tmp_path):
+    m = _peagle(tmp_path / "p")
+    w = tmp_path / "p" / "model.safetensors"
+    tensors = load_file(str(w))
+    tensors["layers.0.mlp.up_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, str(w))
+    source = read_init_source(tmp_path / "p")  # the header is sound; the values are read with the weights
+    with pytest.raises(InputError, match=r"--init-from .*up_proj.weight holds NaN or Inf"):
+        load_init_weights(source, PEagleDrafter(m.config))
+    w.write_bytes(w.read_bytes()[:100])
+    with pytest.raises(InputError, match=r"--init-from .*model.safetensors cannot be read as safetensors"):
+        read_init_source(tmp_path / "p")
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("token_key", ["ptd_token_id", "pard_token", "mask_token_id"])
 def test_vllm_reads_the_native_layout_as_peagle_does(tmp_path, token_key):
