@@ -187,8 +187,8 @@ class ModelConfig:
                   self.block_size)
             object.__setattr__(self, "num_depths", 4 if self.num_depths is None else self.num_depths)
         _need(self.num_depths is None or self.num_depths >= 1, "--num-depths", ">= 1", self.num_depths)
-        _need(self.draft_vocab_size is None or self.draft_vocab_size >= 1, "--draft-vocab-size", ">= 1 when set",
-              self.draft_vocab_size)
+        _need(self.draft_vocab_size is None or self.draft_vocab_size >= 2, "--draft-vocab-size", ">= 2 when set (one "
+              "draft token makes the loss over the draft vocab 0 and every draft the same token)", self.draft_vocab_size)
         _need(self.num_layers >= 1, "--num-layers", ">= 1", self.num_layers)
         _need(self.mask_token_id is None or self.mask_token_id >= 0, "--mask-token-id", ">= 0 when set",
               self.mask_token_id)

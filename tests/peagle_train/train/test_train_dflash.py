@@ -85,6 +85,8 @@ def test_dflash_resume_continues_exactly(tmp_path, verifier_dir):
     (dict(method="eagle"), "--method"),
     (dict(method="dflash", down_sample_ratio=0.9), "--down-sample-ratio"),  # COD's: ignored by DFlash, refused
     (dict(method="dflash", down_sample_ratio_min=0.9), "--down-sample-ratio-min"),
+    (dict(method="dflash", draft_vocab_size=1), "--draft-vocab-size"),  # loss 0, accuracy 1: a metric that misleads
+    (dict(draft_vocab_size=1), "--draft-vocab-size"),
 ])
 def test_bad_dflash_settings_name_the_option(kw, option):
     with pytest.raises(ValueError, match=option):
