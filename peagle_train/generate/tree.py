@@ -172,7 +172,7 @@ def tree_depth(spec: TreeSpec, num_draft_tokens: int | None, drafter) -> int:
             DFlash drafter (:data:`DFLASH_TREE_REFUSED`).
     """
     if isinstance(drafter, DFlashDrafter):
-        raise InputError(DFLASH_TREE_REFUSED, field="--tree-topk")
+        raise InputError(DFLASH_TREE_REFUSED, field="--tree-topk" if spec.topk is not None else "--tree-nodes")
     if spec.topk is None:
         return checked_num_draft_tokens(num_draft_tokens, drafter)
     k = len(spec.topk)

@@ -747,4 +747,7 @@ def test_dflash_tree_is_refused_with_the_reason(tiny_verifier):
 
     with pytest.raises(InputError, match="drafts one chain per step") as e:
         tree_generate(tiny_verifier, tiny_dflash(tiny_verifier), PROMPTS[0], 8, TreeSpec(topk=[2, 1, 1]))
-    assert DFLASH_TREE_REFUSED in str(e.value)
+    assert DFLASH_TREE_REFUSED in str(e.value) and e.value.field == "--tree-topk"
+    with pytest.raises(InputError, match="drafts one chain per step") as e:  # the option the user gave is named
+        tree_generate(tiny_verifier, tiny_dflash(tiny_verifier), PROMPTS[0], 8, TreeSpec(nodes=4))
+    assert e.value.field == "--tree-nodes"
