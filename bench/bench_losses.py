@@ -174,8 +174,9 @@ def paired_seed_test(diffs: list[float]) -> dict[str, float | int | None]:
 
 
 def fmt(xs: list[float], digits: int = 3) -> str:
+    """``mean ± SE`` over seeds; one seed has no SE over seeds: its value alone."""
     m, se = mean_se(xs)
-    return f"{m:.{digits}f} ± {se:.{digits}f}"
+    return f"{m:.{digits}f} ± {se:.{digits}f}" if len(xs) > 1 else f"{m:.{digits}f}"
 
 
 def checkpoints(run: Path) -> list[tuple[int, Path]]:

@@ -81,7 +81,7 @@ def test_vllm_figures_are_each_seeds_al_and_one_seed_has_no_test(tmp_path):
     head = [c.strip() for c in text.splitlines()[0].strip("|").split("|")]
     i = head.index("Δ vLLM AL T=0 vs speculators")
     cells = _row(text, "default")
-    assert cells[head.index("vLLM AL T=0")] == "1.325 ± 0.000"
+    assert cells[head.index("vLLM AL T=0")] == "1.325"  # one seed: no SE over seeds (not ± 0.000)
     assert cells[i] == "+0.075 (+6.0%, n=1 seed, no test)"  # 1.325 - 1.25 of the one seed
     assert cells[-1] == "50 / 70"
 
@@ -279,4 +279,4 @@ def test_a_column_with_fewer_seeds_than_its_row_says_how_many(tmp_path):
     _write(tmp_path, "default", 0, 1.2, [1.2], vllm_als=[1.3, 1.4])
     _write(tmp_path, "default", 1, 1.3, [1.2])
     cells = _row(bench.table(tmp_path, ["default"], [0, 1], "default"), "default")
-    assert cells[1] == "2" and cells[2] == "1.250 ± 0.050" and "1.350 ± 0.000 (1 seed)" in cells
+    assert cells[1] == "2" and cells[2] == "1.250 ± 0.050" and "1.350 (1 seed)" in cells
