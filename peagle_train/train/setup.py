@@ -369,7 +369,8 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str, kind: Draf
 
     Raises:
         OutputExistsError: ``--output`` holds files and neither ``--resume`` nor ``--force`` is given.
-        InputError: ``--draft-vocab-size`` exceeds the store's vocab; ``--resume`` with settings that
+        InputError: ``--draft-vocab-size`` exceeds the store's vocab; a DFlash ``--block-size`` longer than the
+            store's rows; ``--resume`` with settings that
             differ from the saved run, another verifier among them (compared by content fingerprint
             when the names differ).
         StoreMismatchError: ``--resume`` with a store other than the saved run's under its path
@@ -396,6 +397,11 @@ def check_before_weights(cfg: TrainConfig, store, verifier_name: str, kind: Draf
     if cfg.model.draft_vocab_size is not None and cfg.model.draft_vocab_size > store.vocab_size:
         raise InputError(f"--draft-vocab-size {cfg.model.draft_vocab_size} exceeds the verifier vocab size "
                          f"{store.vocab_size} (store {store.path})", field="--draft-vocab-size")
+    rows = int(store.attrs["block_size"])
+    if cfg.model.block_size is not None and cfg.model.block_size > rows:  # a DFlash block: its slots past a row
+        raise InputError(f"--block-size {cfg.model.block_size} is longer than the store's rows ({rows} tokens, store "
+                         f"{store.path}): no block fits, and each of the up to --max-anchors blocks a row trains "
+                         "costs memory for every slot", field="--block-size")
     for one in getattr(store, "stores", [store]):  # a StoreSet's stores, or the store
         check_layer_convention(one.attrs, str(one.path))
     config = load_model_config(verifier_name)

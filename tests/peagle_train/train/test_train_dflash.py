@@ -93,6 +93,15 @@ def test_bad_dflash_settings_name_the_option(kw, option):
         TrainConfig.from_flat(store="s", output="o", **kw)
 
 
+def test_a_block_longer_than_the_stores_rows_is_refused_before_the_weights(tmp_path, verifier_dir):
+    """--block-size 300 on 256-token rows was killed for memory (22 GB) without a word."""
+    store = _store(tmp_path / "s.zarr", verifier_dir, n_blocks=1)  # rows of 48 tokens
+    with pytest.raises(InputError, match=r"--block-size 49 is longer than the store's rows \(48 tokens") as e:
+        run_train(_cfg(store, tmp_path / "out", block_size=49))
+    assert e.value.field == "--block-size" and not (tmp_path / "out" / "final").exists()
+    run_train(_cfg(store, tmp_path / "ok", block_size=48, max_steps=1, max_anchors=2))  # a row's length trains
+
+
 def test_defaults_per_method():
     peagle = TrainConfig.from_flat(store="s", output="o")
     assert (peagle.model.method, peagle.model.num_depths, peagle.model.block_size) == ("peagle", 4, None)
