@@ -25,7 +25,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -41,6 +41,8 @@ from stores.staging import atomic_file, replace_dir
 
 __all__ = [
     "read_weights",
+    "served_differences",
+    "SERVED_LAYER_FIELDS",
     "CONFIG_FILE",
     "WEIGHTS_FILE",
     "STATE_FILE",
@@ -287,6 +289,38 @@ def save_drafter(model: PEagleDrafter, directory: str | os.PathLike,
     return directory
 
 
+PEAGLE_SERVED_FIELDS = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids",
+                        "mask_token_id", "norm_before_residual")
+"""The top-level ``config.json`` fields vLLM builds a P-EAGLE drafter from (``transformers_utils/configs/
+speculators``, ``llama_eagle3.py``), besides the layer and ``speculative_tokens``."""
+
+SERVED_LAYER_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                       "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+                       "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters")
+"""The fields of ``transformer_layer_config`` that shape the layer vLLM builds (the others are transformers'
+bookkeeping, written by whichever version saved the checkpoint)."""
+
+
+def served_differences(config: dict[str, Any], want: dict[str, Any], fields: Sequence[str], num_drafts: int,
+                       present_only: bool = False) -> list[str]:
+    """Where the ``config.json`` vLLM reads (``config``) differs from the one the drafter peagle loads implies
+    (``want``, written from its ``peagle`` block): each top-level field of ``fields``, each of
+    :data:`SERVED_LAYER_FIELDS` and ``speculative_tokens`` (``num_drafts``), with both values; empty: vLLM serves
+    the drafter peagle evaluates. ``present_only``: compare only the fields ``config`` holds (checkpoints written
+    before a field was)."""
+    want = json.loads(json.dumps(want))  # as written: JSON's keys and lists
+    layer, trained = config.get("transformer_layer_config") or {}, want["transformer_layer_config"]
+    pairs = [(k, config, want, "") for k in fields] + [(k, layer, trained, "transformer_layer_config.")
+                                                      for k in SERVED_LAYER_FIELDS]
+    out = [f"{where}{k} is {got.get(k)!r} where the trained drafter has {ref.get(k)!r}"
+           for k, got, ref, where in pairs if got.get(k) != ref.get(k) and not (present_only and k not in got)]
+    methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    if methods[0].get("speculative_tokens") != num_drafts:
+        out.append(f"speculators_config.proposal_methods[0].speculative_tokens is "
+                   f"{methods[0].get('speculative_tokens')!r} where the trained drafter drafts {num_drafts}")
+    return out
+
+
 def _config_from_json(cfg: dict[str, Any], path: Path) -> DrafterConfig:
     """The :class:`DrafterConfig` of a ``config.json``; its RoPE is the ``transformer_layer_config``'s.
 
@@ -308,6 +342,12 @@ def _config_from_json(cfg: dict[str, Any], path: Path) -> DrafterConfig:
             if out.rope_parameters != DrafterConfig(**{**saved, "rope_parameters": rope}).rope_parameters:
                 raise StoreFormatError(f"{path}: transformer_layer_config has RoPE {rope} but the peagle block "
                                        f"has {out.rope_parameters}; the checkpoint was edited by hand?")
+            edited = served_differences(cfg, drafter_config_json(out), PEAGLE_SERVED_FIELDS, out.num_depths,
+                                        present_only=True)
+            if edited:
+                raise StoreFormatError(f"{path}: the fields vLLM serves the drafter from differ from the drafter "
+                                       f"peagle trained (its peagle.drafter_config): {'; '.join(edited)}; vLLM would "
+                                       "serve another drafter than peagle evaluates (edited by hand?)")
             return out
         return _foreign_config(cfg, layer, rope, layer_type, path)
     except StoreFormatError:

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from peagle_train.model.checkpoint import (CONFIG_FILE, WEIGHTS_FILE, check_vocab_maps, layer_config_json,
-                                           read_weights, save_with_state, speculators_block, write_drafter_files)
+                                           read_weights, save_with_state, served_differences, speculators_block,
+                                           write_drafter_files)
 from peagle_train.model.dflash import DFlashConfig, DFlashDrafter
 from stores.errors import InputError, StoreFormatError
 from stores.staging import replace_dir
@@ -166,32 +167,10 @@ def save_dflash_checkpoint(model: DFlashDrafter, directory: str | os.PathLike, s
     return save_with_state(directory, lambda tmp: _write(model, tmp, extra_config, training_segments), state)
 
 
-SERVED_FIELDS = ("transformer_layer_config", "draft_vocab_size", "block_size", "target_hidden_size",
-                 "aux_hidden_state_layer_ids", "mask_token_id", "sample_from_anchor", "sliding_window_non_causal")
+DFLASH_SERVED_FIELDS = ("draft_vocab_size", "block_size", "target_hidden_size", "aux_hidden_state_layer_ids",
+                        "mask_token_id", "sample_from_anchor", "sliding_window_non_causal")
 """The top-level ``config.json`` fields vLLM builds a DFlash drafter from (``update_dflash``, ``qwen3_dflash.py``),
-besides ``speculators_config.proposal_methods[0].speculative_tokens``."""
-
-SERVED_LAYER_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                       "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
-                       "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters")
-"""The fields of ``transformer_layer_config`` that shape the layer vLLM builds (the others are transformers'
-bookkeeping, written by whichever version saved the checkpoint)."""
-
-
-def served_differences(config: dict[str, Any], cfg: DFlashConfig) -> list[str]:
-    """Where the ``config.json`` vLLM reads (``config``) differs from the one the drafter peagle loads (``cfg``, its
-    ``peagle`` block) implies: each such field, both values (empty: vLLM serves the drafter peagle evaluates)."""
-    want = json.loads(json.dumps(dflash_config_json(cfg)))  # as written: JSON's keys and lists
-    out = [f"{k} is {config.get(k)!r} where the trained drafter has {want[k]!r}"
-           for k in SERVED_FIELDS if k != "transformer_layer_config" and config.get(k) != want[k]]
-    layer, trained = config.get("transformer_layer_config") or {}, want["transformer_layer_config"]
-    out += [f"transformer_layer_config.{k} is {layer.get(k)!r} where the trained drafter has {trained.get(k)!r}"
-            for k in SERVED_LAYER_FIELDS if layer.get(k) != trained.get(k)]
-    methods = ((config.get("speculators_config") or {}).get("proposal_methods") or [{}])
-    if methods[0].get("speculative_tokens") != cfg.block_size - 1:
-        out.append(f"speculators_config.proposal_methods[0].speculative_tokens is "
-                   f"{methods[0].get('speculative_tokens')!r} where the trained drafter drafts {cfg.block_size - 1}")
-    return out
+besides the layer (:data:`~peagle_train.model.checkpoint.SERVED_LAYER_FIELDS`) and ``speculative_tokens``."""
 
 
 def load_dflash(directory: str | os.PathLike, device: str | torch.device = "cpu") -> DFlashDrafter:
@@ -212,7 +191,8 @@ def load_dflash(directory: str | os.PathLike, device: str | torch.device = "cpu"
                                f"{config.get('speculators_model_type')!r}, peagle block "
                                f"{'present' if saved is not None else 'absent'})")
     model = DFlashDrafter(DFlashConfig(**saved))
-    edited = served_differences(config, model.config)
+    edited = served_differences(config, dflash_config_json(model.config), DFLASH_SERVED_FIELDS,
+                                model.config.block_size - 1)
     if edited:
         raise StoreFormatError(f"{cfg_path}: the fields vLLM serves the drafter from differ from the drafter peagle "
                                f"trained (its peagle.drafter_config): {'; '.join(edited)}; vLLM would serve another "

@@ -1,6 +1,7 @@
 """Drafter checkpoints: exact round trip; config.json keys and tensor names/shapes per docs/design.md §8."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -375,3 +376,25 @@ def test_weights_that_are_truncated_or_not_finite_are_refused_naming_the_file_or
     save_file({"a.weight": torch.tensor([1.0, float("nan")]), "b.weight": torch.ones(2)}, str(path))
     with pytest.raises(NonFiniteError, match=r"a\.weight hold NaN or Inf"):
         read_weights(path)
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[3, 10, 20]),
+     "eagle_aux_hidden_state_layer_ids is [3, 10, 20]"),
+    (lambda c: c.update(mask_token_id=5), "mask_token_id is 5"),
+    (lambda c: c["transformer_layer_config"].update(rms_norm_eps=0.1), "rms_norm_eps is 0.1"),
+    (lambda c: c["speculators_config"]["proposal_methods"][0].update(speculative_tokens=7), "speculative_tokens is 7"),
+])
+def test_a_peagle_checkpoint_whose_served_fields_differ_from_the_trained_drafter_is_refused(tmp_path, edit, field):
+    """vLLM builds the drafter from the top-level fields, peagle from its ``peagle`` block: an edited mask token,
+    aux layer list or eps was once evaluated (AL 1.0) as the drafter vLLM would serve."""
+    cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, vocab_size=100, draft_vocab_size=100, aux_layer_ids=[1, 2, 3], num_hidden_layers=1,
+                        mask_token_id=3, num_depths=3)
+    save_drafter(PEagleDrafter(cfg), tmp_path / "d")
+    assert load_drafter(tmp_path / "d").config.mask_token_id == 3  # as saved: loads
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    edit(config)
+    (tmp_path / "d" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(StoreFormatError, match=re.escape(field)):
+        load_drafter(tmp_path / "d")
